@@ -1,0 +1,41 @@
+"""One error type for bad user input, and the CLI wrapper that turns it into one line.
+
+Entry points raise `UserError` for anything the user can fix (a path, a key, a line of data).
+`cli_main` prints it as `error: ...` on stderr and exits non-zero without a traceback, unless
+`--debug` is on the command line or GEMMA_TPU_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Sequence
+
+
+class UserError(Exception):
+    """Bad input that the user can fix; the message names the file, line or key."""
+
+    exit_code = 2
+
+
+def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run `main(argv)` and map `UserError` (and a few OS errors) to a one-line message."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("GEMMA_TPU_DEBUG") == "1"
+    if "--debug" in args:
+        args.remove("--debug")
+    try:
+        return int(main(args) or 0)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        if debug:
+            raise
+        print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        return 2

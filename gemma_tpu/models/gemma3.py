@@ -1,0 +1,183 @@
+"""Gemma 3 text (270M, 1B, FunctionGemma; the text tower of 4B/12B/27B) as registry data.
+
+The Tunix config is built from the checkpoint's own `config.json`; anything Tunix's Gemma 3 cannot
+express (soft-capping, another attention pattern, another norm epsilon) is refused by name rather
+than silently mis-modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from gemma_tpu.errors import UserError
+from gemma_tpu.models.registry import Family, Projection, register, text_config
+
+# HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
+# transformers >= 5 saves it.
+TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+
+_ATTN_PATTERN = 6  # Tunix's Gemma 3: five sliding-window layers, then one global layer
+
+
+def _rope(t: dict, kind: str) -> tuple[float, float]:
+    """(base frequency, linear scale factor) for 'sliding_attention' or 'full_attention'."""
+    params = t.get("rope_parameters")
+    if isinstance(params, dict) and kind in params:
+        p = params[kind] or {}
+        theta = p.get("rope_theta")
+        rtype = p.get("rope_type", "default")
+        factor = float(p.get("factor", 1.0)) if rtype == "linear" else 1.0
+    else:  # transformers 4.x layout
+        if kind == "sliding_attention":
+            theta, rtype, factor = t.get("rope_local_base_freq", 10_000.0), "default", 1.0
+        else:
+            theta = t.get("rope_theta", 1_000_000.0)
+            scaling = t.get("rope_scaling") or {}
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            factor = float(scaling.get("factor", 1.0)) if rtype == "linear" else 1.0
+    if rtype not in ("default", "linear"):
+        raise UserError(f"config.json: rope type {rtype!r} for {kind} is not supported (default, linear)")
+    if theta is None:
+        theta = 10_000.0 if kind == "sliding_attention" else 1_000_000.0
+    return float(theta), factor
+
+
+def tunix_config(hf_config: dict, param_dtype: Any = jnp.float32):
+    """Translate an HF Gemma 3 config (text or multimodal) into Tunix's `ModelConfig`."""
+    from tunix.models.gemma3 import model as g3
+
+    t = text_config(hf_config)
+    need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size")
+    missing = [k for k in need if t.get(k) is None]
+    if missing:
+        raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 3 text model")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if t.get(key) not in (None, 0, 0.0):
+            raise UserError(f"config.json: {key}={t[key]} is not supported by Tunix's Gemma 3")
+    if t.get("use_bidirectional_attention"):
+        raise UserError("config.json: use_bidirectional_attention (an embedding model) is not a causal LM")
+    eps = float(t.get("rms_norm_eps", 1e-6))
+    if abs(eps - 1e-6) > 1e-12:
+        raise UserError(f"config.json: rms_norm_eps={eps} is not supported (Tunix's Gemma 3 uses 1e-6)")
+    act = t.get("hidden_activation") or t.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        raise UserError(f"config.json: hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
+    n_layers = int(t["num_hidden_layers"])
+    layer_types = t.get("layer_types")
+    if layer_types:
+        expected = ["full_attention" if (i + 1) % _ATTN_PATTERN == 0 else "sliding_attention" for i in range(n_layers)]
+        if list(layer_types) != expected:
+            raise UserError(
+                "config.json: layer_types must follow Gemma 3's pattern of five sliding-window layers "
+                "then one global layer; this checkpoint's pattern is not supported"
+            )
+    heads, kv_heads, head_dim = int(t["num_attention_heads"]), int(t["num_key_value_heads"]), int(t["head_dim"])
+    hidden = int(t["hidden_size"])
+    qpas = t.get("query_pre_attn_scalar", head_dim)
+    if qpas == head_dim:
+        qnorm = g3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM
+    elif qpas == hidden // heads:
+        qnorm = g3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS
+    else:
+        raise UserError(
+            f"config.json: query_pre_attn_scalar={qpas} must equal head_dim ({head_dim}) "
+            f"or hidden_size/num_attention_heads ({hidden // heads})"
+        )
+    local_theta, local_scale = _rope(t, "sliding_attention")
+    global_theta, global_scale = _rope(t, "full_attention")
+    return g3.ModelConfig(
+        num_layers=n_layers,
+        num_embed=int(t["vocab_size"]),
+        embed_dim=hidden,
+        hidden_dim=int(t["intermediate_size"]),
+        num_heads=heads,
+        head_dim=head_dim,
+        num_kv_heads=kv_heads,
+        sliding_window_size=int(t.get("sliding_window") or 4096),
+        local_base_frequency=local_theta,
+        global_base_frequency=global_theta,
+        local_scale_factor=local_scale,
+        global_scale_factor=global_scale,
+        query_pre_attn_norm=qnorm,
+        vision_config=None,
+        param_dtype=param_dtype,
+    )
+
+
+def projections(cfg) -> tuple[Projection, ...]:
+    """Where each HF projection lives in Tunix's Gemma 3 (fused q/k/v when heads == kv heads)."""
+    if cfg.num_heads == cfg.num_kv_heads:
+        attn = (
+            Projection("q_proj", "self_attn.q_proj", "attn.qkv_einsum", "w", ("S", "N", "D", "H"), ("D",), ("S", 0)),
+            Projection("k_proj", "self_attn.k_proj", "attn.qkv_einsum", "w", ("S", "N", "D", "H"), ("D",), ("S", 1)),
+            Projection("v_proj", "self_attn.v_proj", "attn.qkv_einsum", "w", ("S", "N", "D", "H"), ("D",), ("S", 2)),
+        )
+    else:
+        attn = (
+            Projection("q_proj", "self_attn.q_proj", "attn.q_einsum", "w", ("N", "D", "H"), ("D",)),
+            Projection("k_proj", "self_attn.k_proj", "attn.kv_einsum", "w", ("C", "K", "D", "H"), ("D",), ("C", 0)),
+            Projection("v_proj", "self_attn.v_proj", "attn.kv_einsum", "w", ("C", "K", "D", "H"), ("D",), ("C", 1)),
+        )
+    return attn + (
+        Projection("o_proj", "self_attn.o_proj", "attn.attn_vec_einsum", "w", ("N", "H", "D"), ("N", "H")),
+        Projection("gate_proj", "mlp.gate_proj", "mlp.gate_proj", "kernel", ("D", "F"), ("D",)),
+        Projection("up_proj", "mlp.up_proj", "mlp.up_proj", "kernel", ("D", "F"), ("D",)),
+        Projection("down_proj", "mlp.down_proj", "mlp.down_proj", "kernel", ("F", "D"), ("F",)),
+    )
+
+
+def _key_mapping(cfg):
+    """Tunix's HF->Tunix key rules, widened to every decoder prefix in TEXT_PREFIXES."""
+    from tunix.models.gemma3 import params_safetensors as ps
+
+    widened = {}
+    for pattern, rule in ps._get_key_and_transform_mapping(cfg).items():
+        pattern = pattern.replace(
+            r"(?:language_model\.)?model\.",
+            r"(?:language_model\.model\.|model\.language_model\.|model\.)",
+        )
+        widened[pattern] = rule
+    return widened
+
+
+def create_model(file_dir: str, cfg, mesh=None, dtype=None):
+    """Create the Tunix Gemma 3 from safetensors (single or sharded) through Tunix's loader."""
+    from tunix.models import safetensors_loader
+    from tunix.models.gemma3 import model as g3
+    from tunix.models.gemma3 import params_safetensors as ps
+
+    return safetensors_loader.load_and_create_model(
+        file_dir=file_dir,
+        model_class=g3.Gemma3,
+        config=cfg,
+        key_mapping=_key_mapping,
+        mesh=mesh,
+        preprocess_fn=ps._make_preprocess_fn(cfg),
+        dtype=dtype,
+    )
+
+
+def with_remat(cfg, remat: str):
+    from tunix.models.gemma3 import model as g3
+
+    return dataclasses.replace(cfg, remat_config={"none": g3.RematConfig.NONE, "block": g3.RematConfig.BLOCK,
+                                                  "decoder": g3.RematConfig.DECODER}[remat])
+
+
+GEMMA3 = register(
+    Family(
+        name="gemma3",
+        architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        model_types=("gemma3_text", "gemma3"),
+        tunix_config=tunix_config,
+        create_model=create_model,
+        projections=projections,
+        text_prefixes=TEXT_PREFIXES,
+        with_remat=with_remat,
+        chat_format="gemma",
+    )
+)

@@ -1,0 +1,190 @@
+"""The model-family registry: per-family mapping data used by the loader, the LoRA wiring,
+the merger and the PEFT exporter alike, so that no second copy of a mapping exists.
+
+A family says how to build the Tunix config from a Hugging Face `config.json`, how to create the
+Tunix model from safetensors, and, for every LoRA-able projection, where it lives in both worlds:
+
+* `Projection.hf_module`  - the HF module under a decoder layer (`self_attn.q_proj`),
+* `Projection.tunix_module`/`tunix_param` - the Tunix module and weight (`attn.q_einsum`, `w`),
+* `Projection.axes` / `in_axes` - the Tunix weight's axis names and which of them are contracted
+  with the input; the rest are outputs. Qwix gives a LoRA on such a weight the factors
+  A = (in axes..., r) and B = (r, out axes...), and an HF `nn.Linear` weight is (out, in) with
+  both sides flattened in axis order. That one rule gives every transpose and reshape.
+* `Projection.split` - for fused Tunix weights (`kv_einsum` holds K and V), the fused axis and the
+  index of this HF module along it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+import numpy as np
+
+from gemma_tpu.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """One HF linear layer and the Tunix weight that holds it."""
+
+    hf_name: str  # user-facing LoRA target name: q_proj
+    hf_module: str  # path under a decoder layer: self_attn.q_proj
+    tunix_module: str  # path under a Tunix layer: attn.q_einsum
+    tunix_param: str  # weight attribute: w | kernel
+    axes: tuple[str, ...]  # Tunix weight axes, e.g. ("N", "D", "H")
+    in_axes: tuple[str, ...]  # axes contracted with the input, e.g. ("D",)
+    split: tuple[str, int] | None = None  # (fused axis, index) for fused weights
+
+    @property
+    def out_axes(self) -> tuple[str, ...]:
+        skip = {self.split[0]} if self.split else set()
+        return tuple(a for a in self.axes if a not in self.in_axes and a not in skip)
+
+    def tunix_lora_names(self) -> tuple[str, str]:
+        return f"{self.tunix_param}_lora_a", f"{self.tunix_param}_lora_b"
+
+    # -- layout algebra ------------------------------------------------------------------
+    def _sizes(self, shape: tuple[int, ...]) -> dict[str, int]:
+        if len(shape) != len(self.axes):
+            raise ValueError(f"{self.tunix_module}.{self.tunix_param}: rank {len(shape)} != {len(self.axes)}")
+        return dict(zip(self.axes, shape))
+
+    def lora_to_peft(self, a: np.ndarray, b: np.ndarray, weight_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Tunix factors (A: in axes + r, B: r + non-in axes) -> PEFT (A [r, in], B [out, r])."""
+        sizes = self._sizes(weight_shape)
+        r = a.shape[-1]
+        n_in = math.prod(sizes[x] for x in self.in_axes)
+        a_hf = np.asarray(a).reshape(n_in, r).T
+        b_axes = [x for x in self.axes if x not in self.in_axes]
+        b_full = np.asarray(b).reshape((r, *[sizes[x] for x in b_axes]))
+        if self.split:
+            axis_name, index = self.split
+            b_full = np.take(b_full, index, axis=1 + b_axes.index(axis_name))
+            b_axes = [x for x in b_axes if x != axis_name]
+        n_out = math.prod(sizes[x] for x in b_axes)
+        b_hf = b_full.reshape(r, n_out).T
+        return np.ascontiguousarray(a_hf), np.ascontiguousarray(b_hf)
+
+    def hf_to_tunix(self, w_hf: np.ndarray, weight_shape: tuple[int, ...]) -> np.ndarray:
+        """An HF (out, in) weight -> this projection's slice of the Tunix weight (axes w/o split)."""
+        sizes = self._sizes(weight_shape)
+        out_axes, in_axes = self.out_axes, self.in_axes
+        full = w_hf.reshape(*[sizes[x] for x in out_axes], *[sizes[x] for x in in_axes])
+        order = out_axes + in_axes
+        target = [x for x in self.axes if not (self.split and x == self.split[0])]
+        return np.transpose(full, [order.index(x) for x in target])
+
+    def tunix_to_hf(self, w: np.ndarray) -> np.ndarray:
+        """The Tunix weight (full, fused) -> this projection's HF (out, in) weight."""
+        sizes = self._sizes(w.shape)
+        axes = list(self.axes)
+        if self.split:
+            axis_name, index = self.split
+            w = np.take(w, index, axis=axes.index(axis_name))
+            axes.remove(axis_name)
+        order = list(self.out_axes + self.in_axes)
+        w = np.transpose(w, [axes.index(x) for x in order])
+        n_out = math.prod(sizes[x] for x in self.out_axes)
+        return w.reshape(n_out, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Everything that differs between model families, as data plus a few small functions."""
+
+    name: str
+    architectures: tuple[str, ...]  # HF `architectures` served by this family
+    model_types: tuple[str, ...]  # HF `model_type` values (text config)
+    tunix_config: Callable[[dict, Any], Any]  # (hf text config, param dtype) -> Tunix ModelConfig
+    create_model: Callable[..., Any]  # (dir, tunix cfg, mesh, dtype) -> nnx model
+    projections: Callable[[Any], tuple[Projection, ...]]  # tunix cfg -> projections
+    text_prefixes: tuple[str, ...]  # where decoder layers live in HF key names
+    with_remat: Callable[[Any, str], Any]  # (tunix cfg, none|block|decoder) -> tunix cfg
+    chat_format: str = "gemma"
+    layer_path: str = "layers.{layer}"  # Tunix path of decoder layer N
+
+    def targets_to_modules(self, tunix_cfg: Any, targets: list[str]) -> list[Projection]:
+        """Map HF target names to projections; fused Tunix weights need all their HF names."""
+        projs = self.projections(tunix_cfg)
+        by_name = {p.hf_name: p for p in projs}
+        unknown = [t for t in targets if t not in by_name]
+        if unknown:
+            raise UserError(
+                f"lora.targets: {unknown[0]!r} is not a projection of family {self.name} "
+                f"(known: {', '.join(by_name)})"
+            )
+        chosen = [by_name[t] for t in targets]
+        for p in chosen:
+            siblings = [q.hf_name for q in projs if q.tunix_module == p.tunix_module]
+            missing = [s for s in siblings if s not in targets]
+            if missing:
+                raise UserError(
+                    f"lora.targets: {p.hf_name} shares one Tunix weight ({p.tunix_module}) with "
+                    f"{', '.join(missing)}; target {' and '.join(siblings)} together or not at all"
+                )
+        return chosen
+
+    def tunix_module_regex(self, projections: list[Projection]) -> str:
+        """A Qwix `module_path` regex matching exactly the chosen Tunix modules."""
+        mods = sorted({re.escape(p.tunix_module) for p in projections})
+        return r"layers\.\d+\.(?:" + "|".join(mods) + r")"
+
+    def hf_key(self, prefix: str, layer: int, proj: Projection) -> str:
+        return f"{prefix}layers.{layer}.{proj.hf_module}.weight"
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> dict[str, Family]:
+    _ensure_loaded()
+    return dict(_FAMILIES)
+
+
+def get_family(name: str) -> Family:
+    _ensure_loaded()
+    if name not in _FAMILIES:
+        raise UserError(f"unknown model family {name!r} (known: {', '.join(sorted(_FAMILIES))})")
+    return _FAMILIES[name]
+
+
+def supported_architectures() -> list[str]:
+    _ensure_loaded()
+    return sorted({a for f in _FAMILIES.values() for a in f.architectures})
+
+
+def text_config(hf_config: dict) -> dict:
+    """The decoder's config: multimodal checkpoints nest it under `text_config`."""
+    return hf_config.get("text_config") or hf_config
+
+
+def detect_family(hf_config: dict, where: str = "config.json") -> Family:
+    """Pick the family from `architectures` / `model_type`; unknown ones get a clear error."""
+    _ensure_loaded()
+    archs = list(hf_config.get("architectures") or [])
+    model_types = {hf_config.get("model_type"), text_config(hf_config).get("model_type")}
+    for fam in _FAMILIES.values():
+        if any(a in fam.architectures for a in archs):
+            return fam
+    if not archs:
+        for fam in _FAMILIES.values():
+            if model_types & set(fam.model_types):
+                return fam
+    got = ", ".join(a for a in archs) or f"model_type {hf_config.get('model_type')!r}"
+    raise UserError(
+        f"{where}: unsupported architecture {got}; supported: {', '.join(supported_architectures())}"
+    )
+
+
+def _ensure_loaded() -> None:
+    # Families register themselves on import; import them lazily to keep startup light.
+    if not _FAMILIES:
+        from gemma_tpu.models import gemma3  # noqa: F401
