@@ -129,8 +129,9 @@ class Family:
 
     def tunix_module_regex(self, projections: list[Projection]) -> str:
         """A Qwix `module_path` regex matching exactly the chosen Tunix modules."""
-        mods = sorted({re.escape(p.tunix_module) for p in projections})
-        return r"layers\.\d+\.(?:" + "|".join(mods) + r")"
+        # Qwix full-matches '/'-joined module paths, e.g. 'layers/3/attn/q_einsum'.
+        mods = sorted({re.escape(p.tunix_module.replace(".", "/")) for p in projections})
+        return r"layers/\d+/(?:" + "|".join(mods) + r")"
 
     def hf_key(self, prefix: str, layer: int, proj: Projection) -> str:
         return f"{prefix}layers.{layer}.{proj.hf_module}.weight"

@@ -1,0 +1,126 @@
+"""The on-disk checkpoint format: Orbax step directories plus one self-describing JSON file.
+
+Layout under `checkpoint.dir`:
+
+    gemma_tpu_run.json        base model (spec, local dir, revision, family, config.json), LoRA
+                              (rank, alpha, targets), dtype and the whole run config
+    <step>/model_params       Orbax PyTree: LoRA params (or every param for a full fine-tune),
+                              nested as layers/<i>/<tunix module>/<weight>_lora_{a,b}/value
+    <step>/optimizer_state    Orbax PyTree: optimizer state
+    <step>/custom_metadata    JSON: step, data-iterator state, RNG seed
+
+Tunix's CheckpointManager writes the step directories; this module owns the metadata file and the
+readers that the merger, the exporter and `convert.inspect` use without building a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gemma_tpu.errors import UserError
+
+METADATA_FILE = "gemma_tpu_run.json"
+FORMAT = "gemma-tpu-checkpoint"
+VERSION = 1
+
+
+def write_metadata(ckpt_dir: str | Path, meta: dict[str, Any]) -> Path:
+    """Atomically write the metadata file (tmp + rename)."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / METADATA_FILE
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION, **meta}, indent=2, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise UserError(f"checkpoint directory {ckpt_dir} does not exist")
+    path = ckpt_dir / METADATA_FILE
+    if not path.is_file():
+        raise UserError(f"{ckpt_dir}: no {METADATA_FILE} (not a gemma-tpu checkpoint directory)")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def list_steps(ckpt_dir: str | Path) -> list[int]:
+    """Completed steps (Orbax marks a finished step with its metadata file)."""
+    steps = []
+    for p in Path(ckpt_dir).iterdir() if Path(ckpt_dir).is_dir() else []:
+        if p.is_dir() and p.name.isdigit() and (p / "model_params").is_dir() and (p / "_CHECKPOINT_METADATA").exists():
+            steps.append(int(p.name))
+    return sorted(steps)
+
+
+def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
+    steps = list_steps(ckpt_dir)
+    if not steps:
+        raise UserError(f"{ckpt_dir}: no completed checkpoint step found")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise UserError(f"{ckpt_dir}: no checkpoint for step {step} (have: {', '.join(map(str, steps))})")
+    return step
+
+
+def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
+    """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory."""
+    import orbax.checkpoint as ocp
+
+    path = Path(ckpt_dir) / str(step) / "model_params"
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(path)
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+    import jax
+
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    restored = ckptr.restore(path, restore_args=restore_args)
+    flat: dict[str, np.ndarray] = {}
+
+    def walk(node: Any, prefix: list[str]) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, prefix + [str(k)])
+        else:
+            name = ".".join(p for p in prefix if p != "value")
+            flat[name] = np.asarray(node)
+
+    walk(restored, [])
+    return flat
+
+
+def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:
+    """What a checkpoint needs to describe itself: base model, family, LoRA shape, dtype, config."""
+    from gemma_tpu.models.loading import hf_revision
+
+    return {
+        "base_model": {
+            "path": resolved.spec,
+            "local_dir": str(Path(resolved.local_dir).resolve()),
+            "revision": resolved.revision or hf_revision(resolved.local_dir),
+            "family": resolved.family.name,
+        },
+        "hf_config": resolved.hf_config,
+        "lora": {
+            "enabled": run_config.lora.enabled,
+            "rank": run_config.lora.rank,
+            "alpha": run_config.lora.alpha,
+            "targets": list(run_config.lora.targets),
+            "base_quantization": run_config.lora.base_quantization,
+        },
+        "dtype": run_config.model.dtype,
+        "config": run_config.to_dict(),
+    }

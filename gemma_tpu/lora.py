@@ -1,0 +1,74 @@
+"""LoRA (and QLoRA) through Qwix, with targets given in Hugging Face names.
+
+Qwix matches modules by regex and says nothing when a rule matches nothing; we map the HF names
+through the family registry, then check that every chosen projection of every layer received its
+A and B factors, so a typo or a family mismatch fails loudly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gemma_tpu.config import LoraConfig
+from gemma_tpu.errors import UserError
+from gemma_tpu.models.registry import Family, Projection
+
+
+def make_provider(family: Family, tunix_cfg: Any, lora: LoraConfig):
+    import qwix
+
+    projections = family.targets_to_modules(tunix_cfg, list(lora.targets))
+    kwargs: dict[str, Any] = dict(
+        module_path=family.tunix_module_regex(projections), rank=lora.rank, alpha=float(lora.alpha)
+    )
+    if lora.dropout:
+        kwargs["dropout"] = float(lora.dropout)
+    if lora.base_quantization:
+        kwargs["weight_qtype"] = {"nf4": "nf4", "int8": "int8"}[lora.base_quantization]
+        if lora.base_quantization == "nf4":
+            kwargs["tile_size"] = 64
+    return qwix.LoraProvider(**kwargs), projections
+
+
+def apply_lora(model, family: Family, tunix_cfg: Any, lora: LoraConfig, seed: int = 0):
+    """Return the model with LoRA factors on the chosen projections (B initialised to zero)."""
+    from flax import nnx
+    import qwix
+
+    provider, projections = make_provider(family, tunix_cfg, lora)
+    lora_model = qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(seed), **model.get_model_input())
+    check_lora_coverage(lora_model, family, tunix_cfg, projections)
+    return lora_model
+
+
+def lora_state_paths(model) -> dict[str, tuple[int, ...]]:
+    """Flat 'layers.3.attn.q_einsum.w_lora_a' -> shape for every LoRA parameter of the model."""
+    from flax import nnx
+
+    state = nnx.state(model, nnx.LoRAParam)
+    out = {}
+    for path, leaf in nnx.to_flat_state(state):
+        out[".".join(str(p) for p in path)] = tuple(leaf.get_value().shape) if hasattr(leaf, "get_value") else tuple(leaf.value.shape)
+    return out
+
+
+def check_lora_coverage(model, family: Family, tunix_cfg: Any, projections: list[Projection]) -> None:
+    paths = lora_state_paths(model)
+    expected = set()
+    for layer in range(tunix_cfg.num_layers):
+        for p in projections:
+            a, b = p.tunix_lora_names()
+            base = family.layer_path.format(layer=layer) + "." + p.tunix_module
+            expected |= {f"{base}.{a}", f"{base}.{b}"}
+    missing = sorted(expected - set(paths))
+    if missing:
+        raise UserError(f"LoRA was not applied to {missing[0]} (Qwix matched no module for it); "
+                        f"check lora.targets")
+
+
+def count_params(model, kind=None) -> int:
+    from flax import nnx
+
+    state = nnx.state(model, kind) if kind is not None else nnx.state(model)
+    return sum(math.prod(getattr(x, "shape", ())) for x in __import__("jax").tree.leaves(state))
