@@ -144,15 +144,43 @@ def _key_mapping(cfg):
     return widened
 
 
+_MODEL_CLASS = None
+
+
+def model_class():
+    """Tunix's Gemma3 whose `__call__` can stop at the final norm (`hidden_only=True`).
+
+    The loss projects only loss-bearing positions onto the vocabulary, so it needs hidden states.
+    It must go through `__call__`: Qwix applies LoRA only inside the one model method it
+    intercepts.
+    """
+    global _MODEL_CLASS
+    if _MODEL_CLASS is None:
+        from tunix.models.gemma3 import model as g3
+
+        class Gemma3(g3.Gemma3):
+            def __call__(self, last_tokens, positions=None, cache=None, attention_mask=None,
+                         output_hidden_states=False, *, images=None, hidden_only=False):
+                if not hidden_only:
+                    return super().__call__(last_tokens, positions, cache, attention_mask,
+                                            output_hidden_states, images=images)
+                x = self.embedder.encode(last_tokens)
+                for layer in self.layers:
+                    _, x = layer(x, positions, None, attention_mask)
+                return self.final_norm(x), None
+
+        _MODEL_CLASS = Gemma3
+    return _MODEL_CLASS
+
+
 def create_model(file_dir: str, cfg, mesh=None, dtype=None):
     """Create the Tunix Gemma 3 from safetensors (single or sharded) through Tunix's loader."""
     from tunix.models import safetensors_loader
-    from tunix.models.gemma3 import model as g3
     from tunix.models.gemma3 import params_safetensors as ps
 
     return safetensors_loader.load_and_create_model(
         file_dir=file_dir,
-        model_class=g3.Gemma3,
+        model_class=model_class(),
         config=cfg,
         key_mapping=_key_mapping,
         mesh=mesh,

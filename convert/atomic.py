@@ -1,0 +1,156 @@
+"""Publish an output directory all at once, or not at all.
+
+The output is built in `.<name>.tmp-<pid>` beside the target (same filesystem, so the final rename
+is atomic). Any exception, Ctrl-C or SIGTERM removes it; a SIGKILL leaves only that hidden temp
+dir, which the next run for the same target removes once its owner process is gone. With
+`--overwrite` an existing target is swapped with the new one in one `renameat2(RENAME_EXCHANGE)`
+call (readers see the old or the new directory, never neither), then the old one is deleted; where
+the filesystem cannot exchange, the fallback renames the old one aside first, leaving a window of
+microseconds with no target.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import signal
+from pathlib import Path
+
+from gemma_tpu.errors import UserError
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def check_target(target: Path, overwrite: bool, protected: list[Path] = ()) -> None:
+    """Refuse an existing target without --overwrite, and targets that hold our own inputs."""
+    target = Path(target)
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            raise UserError(f"{target} already exists (use --overwrite to replace it)")
+        if not target.is_dir() or target.is_symlink():
+            raise UserError(f"{target} exists and is not a directory; refusing to replace it")
+    resolved = target.resolve()
+    for p in protected:
+        p = Path(p).resolve()
+        if resolved == p or resolved in p.parents:
+            raise UserError(f"--out {target} would replace an input ({p})")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(target: Path) -> list[Path]:
+    """Remove `.<name>.tmp-<pid>` / `.<name>.old-<pid>` left by merges that were killed."""
+    removed = []
+    parent = target.parent
+    if not parent.is_dir():
+        return removed
+    for kind in ("tmp", "old"):
+        for p in parent.glob(f".{target.name}.{kind}-*"):
+            pid = p.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _raise_on_sigterm(signum, frame):  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
+class AtomicDir:
+    """`with AtomicDir(target) as tmp: ...write into tmp...; ad.publish()`.
+
+    Leaving the block without `publish()` (an error, a signal) deletes the temp dir.
+    """
+
+    def __init__(self, target: str | Path, overwrite: bool = False):
+        self.target = Path(target).absolute()
+        self.overwrite = overwrite
+        self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
+        self.published = False
+        self._old_sigterm = None
+
+    def __enter__(self) -> Path:
+        check_target(self.target, self.overwrite)
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale(self.target)
+        self.tmp.mkdir()
+        try:  # SIGTERM -> SystemExit, so the cleanup below runs
+            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        except ValueError:  # not the main thread
+            self._old_sigterm = None
+        return self.tmp
+
+    def publish(self) -> Path:
+        """Move the finished temp dir to the target (replacing an old one when allowed)."""
+        _fsync_dir(self.tmp)
+        if self.target.exists():
+            if not self.overwrite:  # appeared while we were working
+                raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
+            if _exchange(self.tmp, self.target):
+                shutil.rmtree(self.tmp)  # now holds the old output
+            else:
+                old = self.target.parent / f".{self.target.name}.old-{os.getpid()}"
+                os.rename(self.target, old)
+                os.rename(self.tmp, self.target)
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(self.tmp, self.target)
+        _fsync_dir(self.target.parent)
+        self.published = True
+        return self.target
+
+    def move_to(self, other: Path) -> Path:
+        """Publish under another name instead (e.g. `<out>.unverified`), replacing it if present."""
+        other = Path(other).absolute()
+        if other.exists():
+            shutil.rmtree(other)
+        os.rename(self.tmp, other)
+        self.published = True
+        return other
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+        if not self.published:
+            shutil.rmtree(self.tmp, ignore_errors=True)

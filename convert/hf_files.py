@@ -1,0 +1,65 @@
+"""The non-weight files of an output HF directory: config, generation config, tokenizer.
+
+A merged model must be servable as is: config.json states the dtype actually written,
+generation_config.json stops on the end-of-turn token (chat fine-tunes end every answer with it, and
+a config listing only `<eos>` makes vLLM/transformers run on to the length limit), and the tokenizer
+files travel with the weights. Everything else at the top level of the base is copied too (licence,
+README, processor configs), except weights and weight indexes, which the writer produces.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
+
+
+def output_config(hf_config: dict, dtype_name: str) -> dict:
+    """config.json with the output dtype (both the transformers 5 and the 4.x key)."""
+    cfg = json.loads(json.dumps(hf_config))
+    cfg["dtype"] = dtype_name
+    cfg["torch_dtype"] = dtype_name
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"]["dtype"] = dtype_name
+        cfg["text_config"]["torch_dtype"] = dtype_name
+    return cfg
+
+
+def generation_config(base_dir: Path, hf_config: dict, stop_ids: tuple[int, ...]) -> dict:
+    """The base's generation config (or one from config.json) with every stop id in eos_token_id."""
+    path = base_dir / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    text = hf_config.get("text_config") or hf_config
+    for key in ("bos_token_id", "pad_token_id"):
+        if key not in gen and text.get(key, hf_config.get(key)) is not None:
+            gen[key] = text.get(key, hf_config.get(key))
+    eos = gen.get("eos_token_id", text.get("eos_token_id", hf_config.get("eos_token_id")))
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    for i in stop_ids:
+        if i not in eos:
+            eos.append(i)
+    gen["eos_token_id"] = eos
+    return gen
+
+
+def write_sidecar_files(base_dir: Path, out_dir: Path, hf_config: dict, dtype_name: str,
+                        stop_ids: tuple[int, ...]) -> list[str]:
+    """Write config.json and generation_config.json, copy the rest; return the names written."""
+    written = []
+    for p in sorted(base_dir.iterdir()):
+        if not p.is_file() or p.name.startswith(".") or is_weight_file(p.name):
+            continue
+        if p.name in ("config.json", "generation_config.json"):
+            continue
+        shutil.copyfile(p, out_dir / p.name)
+        written.append(p.name)
+    (out_dir / "config.json").write_text(json.dumps(output_config(hf_config, dtype_name), indent=2) + "\n")
+    gen = generation_config(base_dir, hf_config, stop_ids)
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return sorted(written + ["config.json", "generation_config.json"])

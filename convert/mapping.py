@@ -1,0 +1,135 @@
+"""Where each checkpoint tensor lands in a Hugging Face checkpoint, derived from the registry.
+
+Two cases:
+
+* LoRA: for every (layer, projection) a `LoraSite` names the HF weight and the Tunix factor pair.
+  The Tunix weight's axis sizes are read off the factors themselves (A = in axes + r,
+  B = r + the other axes, Qwix's layout), so no per-family shape table is needed and a checkpoint
+  that does not fit the base is caught by comparing shapes before anything is written.
+* Full fine-tune: every Tunix param maps to one HF key (a fused weight such as `kv_einsum` to
+  several). Projections come from `Projection.tunix_to_hf`; embeddings and norms are a direct
+  rename, given below as data per family (a mirror of Tunix's own HF->Tunix key table in
+  `tunix/models/gemma3/params_safetensors.py`, inverted). This table belongs in the registry's
+  `Family` eventually (a `direct_params` field); it lives here until then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from gemma_tpu.errors import UserError
+from gemma_tpu.models.registry import Family, Projection
+
+# Tunix param name -> HF key under the decoder prefix; `{i}` is the layer index.
+DIRECT_PARAMS: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "embedder.input_embedding": "embed_tokens.weight",
+        "final_norm.scale": "norm.weight",
+        "layers.{i}.pre_attention_norm.scale": "layers.{i}.input_layernorm.weight",
+        "layers.{i}.post_attention_norm.scale": "layers.{i}.post_attention_layernorm.weight",
+        "layers.{i}.pre_ffw_norm.scale": "layers.{i}.pre_feedforward_layernorm.weight",
+        "layers.{i}.post_ffw_norm.scale": "layers.{i}.post_feedforward_layernorm.weight",
+        "layers.{i}.attn._query_norm.scale": "layers.{i}.self_attn.q_norm.weight",
+        "layers.{i}.attn._key_norm.scale": "layers.{i}.self_attn.k_norm.weight",
+    },
+}
+
+# End-of-turn ids a merged model must stop on (generation_config.json's eos_token_id).
+STOP_TOKEN_IDS: dict[str, tuple[int, ...]] = {"gemma3": (1, 106)}  # <eos>, <end_of_turn>
+
+
+def tunix_layer_name(family: Family, layer: int, proj: Projection, param: str) -> str:
+    return f"{family.layer_path.format(layer=layer)}.{proj.tunix_module}.{param}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSite:
+    """One HF weight that receives a LoRA update, and the Tunix factors that make it."""
+
+    layer: int
+    proj: Projection
+    hf_key: str
+    a_name: str
+    b_name: str
+
+
+def lora_sites(family: Family, tunix_cfg: Any, prefix: str, targets: list[str]) -> list[LoraSite]:
+    sites = []
+    for proj in family.targets_to_modules(tunix_cfg, list(targets)):
+        a, b = proj.tunix_lora_names()
+        for layer in range(tunix_cfg.num_layers):
+            sites.append(LoraSite(layer, proj, family.hf_key(prefix, layer, proj),
+                                  tunix_layer_name(family, layer, proj, a), tunix_layer_name(family, layer, proj, b)))
+    return sites
+
+
+def axis_sizes_from_factors(proj: Projection, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> dict[str, int]:
+    """Qwix LoRA factors: A = (*in_axes, r), B = (r, *other axes in weight order)."""
+    others = [x for x in proj.axes if x not in proj.in_axes]
+    if len(a_shape) != len(proj.in_axes) + 1 or len(b_shape) != len(others) + 1:
+        raise UserError(f"{proj.tunix_module}: LoRA factors of shapes {a_shape} / {b_shape} do not fit the "
+                        f"Tunix weight axes {proj.axes}")
+    return {**dict(zip(proj.in_axes, a_shape[:-1])), **dict(zip(others, b_shape[1:]))}
+
+
+def weight_shape(proj: Projection, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[x] for x in proj.axes)
+
+
+def hf_shape(proj: Projection, sizes: dict[str, int]) -> tuple[int, int]:
+    """The HF (out, in) shape of this projection's slice of a Tunix weight with these axis sizes."""
+    return math.prod(sizes[x] for x in proj.out_axes), math.prod(sizes[x] for x in proj.in_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FullSite:
+    """One HF tensor produced from a full fine-tune's Tunix param."""
+
+    hf_key: str
+    tunix_name: str
+    proj: Projection | None  # None: a direct copy (embeddings, norms)
+
+    def to_hf(self, value: np.ndarray) -> np.ndarray:
+        return self.proj.tunix_to_hf(value) if self.proj is not None else value
+
+    def hf_shape(self, tunix_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.proj is None:
+            return tuple(tunix_shape)
+        return hf_shape(self.proj, dict(zip(self.proj.axes, tunix_shape)))
+
+
+def full_sites(family: Family, tunix_cfg: Any, prefix: str) -> dict[str, FullSite]:
+    """HF key -> where it comes from in a full fine-tune checkpoint (every decoder tensor)."""
+    if family.name not in DIRECT_PARAMS:
+        raise UserError(f"full fine-tune merge has no parameter table for family {family.name}")
+    out: dict[str, FullSite] = {}
+    for tunix_t, hf_t in DIRECT_PARAMS[family.name].items():
+        layers = range(tunix_cfg.num_layers) if "{i}" in tunix_t else [None]
+        for i in layers:
+            hf_key = prefix + hf_t.format(i=i)
+            out[hf_key] = FullSite(hf_key, tunix_t.format(i=i), None)
+    for proj in family.projections(tunix_cfg):
+        for layer in range(tunix_cfg.num_layers):
+            hf_key = family.hf_key(prefix, layer, proj)
+            out[hf_key] = FullSite(hf_key, tunix_layer_name(family, layer, proj, proj.tunix_param), proj)
+    return out
+
+
+_LORA_NAME = re.compile(r".*_lora_[ab]$")
+
+
+def is_lora_name(name: str) -> bool:
+    return bool(_LORA_NAME.match(name))
+
+
+def tied_embeddings(hf_config: dict) -> bool:
+    """Gemma ties the output projection to the embedding unless config.json says otherwise."""
+    if "tie_word_embeddings" in hf_config:
+        return bool(hf_config["tie_word_embeddings"])
+    text = hf_config.get("text_config") or {}
+    return bool(text.get("tie_word_embeddings", True))

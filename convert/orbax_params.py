@@ -1,0 +1,99 @@
+"""Lazy access to one step's `model_params`: names, shapes and dtypes from Orbax's metadata (no
+data read), and the data of chosen tensors through Orbax's partial restore, straight to host numpy.
+
+`gemma_tpu.checkpoint.read_params` restores every param at once, which is right for LoRA factors
+but holds a whole model for a full fine-tune; this reader lets the merger hold one tensor (or one
+layer's factors) at a time. Names are flat and dotted as in `read_params`:
+`layers.0.attn.q_einsum.w_lora_a`, `embedder.input_embedding`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from gemma_tpu.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    path: tuple[str, ...]  # key path in the Orbax tree (includes nnx's trailing 'value')
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+class CheckpointParams:
+    """The params of `<ckpt_dir>/<step>/model_params`."""
+
+    def __init__(self, ckpt_dir: str | Path, step: int):
+        import orbax.checkpoint as ocp
+
+        self.path = Path(ckpt_dir) / str(step) / "model_params"
+        if not self.path.is_dir():
+            raise UserError(f"{self.path}: missing (incomplete checkpoint step?)")
+        # Orbax warns that the item dir has no _CHECKPOINT_METADATA (the step dir has it); noise.
+        logging.getLogger("absl").setLevel(logging.ERROR)
+        self._ckptr = ocp.PyTreeCheckpointer()
+        try:
+            meta = self._ckptr.metadata(self.path)
+        except Exception as e:  # corrupt or foreign directory
+            raise UserError(f"{self.path}: unreadable Orbax metadata ({type(e).__name__}: {e})") from None
+        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+        self.specs: dict[str, ParamSpec] = {}
+        self._walk(tree, ())
+
+    def _walk(self, node: Any, path: tuple[str, ...]) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                self._walk(v, path + (str(k),))
+            return
+        name = ".".join(p for p in path if p != "value")
+        self.specs[name] = ParamSpec(name, tuple(int(x) for x in node.shape), np.dtype(node.dtype), path)
+
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs.values())
+
+    def read(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """Restore just these tensors (one Orbax partial restore) as host numpy arrays."""
+        import jax
+        import orbax.checkpoint as ocp
+
+        names = list(names)
+        if not names:
+            return {}
+        item: dict = {}
+        restore_args: dict = {}
+        for n in names:
+            spec = self.specs[n]
+            node_i, node_r = item, restore_args
+            for k in spec.path[:-1]:
+                node_i = node_i.setdefault(k, {})
+                node_r = node_r.setdefault(k, {})
+            node_i[spec.path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
+            node_r[spec.path[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
+        restored = self._ckptr.restore(
+            self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        )
+        out = {}
+        for n in names:
+            node = restored
+            for k in self.specs[n].path:
+                node = node[k]
+            out[n] = np.asarray(node)
+        return out
+
+    def read_one(self, name: str) -> np.ndarray:
+        return self.read([name])[name]

@@ -1,0 +1,38 @@
+"""Optimizer and learning-rate schedule from `train.*` (optax)."""
+
+from __future__ import annotations
+
+import optax
+
+from gemma_tpu.config import TrainConfig
+
+
+def make_schedule(t: TrainConfig):
+    """constant | warmup_cosine | warmup_linear, in optimizer updates (not micro-batches)."""
+    lr, warm = t.learning_rate, min(t.warmup_steps, t.max_steps)
+    if t.schedule == "constant":
+        if warm:
+            return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), optax.constant_schedule(lr)], [warm])
+        return optax.constant_schedule(lr)
+    if t.schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(t.max_steps, warm + 1), lr * t.min_lr_ratio)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warm), optax.linear_schedule(lr, lr * t.min_lr_ratio, t.max_steps - warm)],
+        [warm],
+    )
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    """Clipping + the base optimizer, with the learning rate injected so it can be logged."""
+
+    def build(learning_rate):
+        if t.optimizer == "adamw":
+            base = optax.adamw(learning_rate, weight_decay=t.weight_decay)
+        elif t.optimizer == "adafactor":
+            base = optax.adafactor(learning_rate, weight_decay_rate=t.weight_decay or None)
+        else:
+            base = optax.sgd(learning_rate)
+        parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip else []
+        return optax.chain(*parts, base)
+
+    return optax.inject_hyperparams(build)(learning_rate=make_schedule(t))

@@ -1,0 +1,190 @@
+"""`python -m gemma_tpu.train --config FILE [section.key=value ...]`
+
+Reads like a table of contents: resolve the model, prepare the data, build the mesh, load the model,
+apply LoRA, build the optimizer, run the trainer, save. Everything that can be wrong with the input
+is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from gemma_tpu.config import RunConfig, load_config
+from gemma_tpu.errors import UserError, cli_main
+
+log = logging.getLogger("gemma_tpu.train")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gemma_tpu.train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="YAML run config (see configs/)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=20")
+    return p.parse_args(list(argv))
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    for noisy in ("absl", "jax", "orbax", "tunix", "qwix", "httpx", "urllib3", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
+    """A checkpoint directory from another base, family, rank or target set is refused."""
+    from gemma_tpu.checkpoint import METADATA_FILE, read_metadata
+
+    if not (ckpt_dir / METADATA_FILE).is_file():
+        if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+            raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
+        return
+    old = read_metadata(ckpt_dir)
+    pairs = [
+        ("base model", old["base_model"].get("local_dir"), meta["base_model"]["local_dir"]),
+        ("family", old["base_model"].get("family"), meta["base_model"]["family"]),
+        ("lora.enabled", old["lora"].get("enabled"), meta["lora"]["enabled"]),
+        ("lora.rank", old["lora"].get("rank"), meta["lora"]["rank"]),
+        ("lora.alpha", old["lora"].get("alpha"), meta["lora"]["alpha"]),
+        ("lora.targets", sorted(old["lora"].get("targets", [])), sorted(meta["lora"]["targets"])),
+        ("model.dtype", old.get("dtype"), meta["dtype"]),
+    ]
+    for what, was, now in pairs:
+        if was != now:
+            raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
+                            f"use another checkpoint.dir")
+
+
+def run(cfg: RunConfig) -> dict:
+    """Train as configured; returns the run summary."""
+    import jax
+    from transformers import AutoTokenizer
+
+    from gemma_tpu import checkpoint, data, lora, mesh as mesh_lib, optim
+    from gemma_tpu.models import load_model, resolve_model
+    from gemma_tpu.trainer import BatchFeed, Trainer
+
+    # 1. model files and tokenizer (nothing loaded into memory yet)
+    resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(resolved.local_dir))
+    except Exception as e:
+        raise UserError(f"{resolved.local_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
+    if cfg.lora.enabled:
+        resolved.family.targets_to_modules(tunix_cfg, list(cfg.lora.targets))
+
+    # 2. data, fully validated before anything is written
+    if not cfg.data.train_path:
+        raise UserError("data.train_path is not set")
+    token_map = data.function_token_map(tokenizer)
+    renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map)
+    train_split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
+    eval_split = (data.prepare_split(cfg.data.eval_path, renderer, cfg.data, cfg.train.seed)
+                  if cfg.data.eval_path else None)
+    log.info("train data %s: %d examples kept of %d (%d truncated, %d dropped) -> %d rows of %d; "
+             "useful-token fraction %.3f", cfg.data.train_path, train_split.report.kept, train_split.report.read,
+             train_split.report.truncated, train_split.report.dropped, len(train_split.rows), cfg.data.seq_len,
+             train_split.useful_fraction())
+
+    ckpt_dir = Path(cfg.checkpoint.dir)
+    meta = checkpoint.build_metadata(cfg, resolved)
+    meta["token_map"] = token_map
+    meta["chat_format"] = renderer.chat_format
+    check_resume_compatible(ckpt_dir, meta)
+
+    # 3. mesh, model, LoRA
+    mesh = mesh_lib.build_mesh(cfg.mesh)
+    with mesh:  # the mesh PeftTrainer reads (thread resources) for input sharding
+        model, tunix_cfg = load_model(resolved, cfg.model.dtype, cfg.model.remat, mesh=mesh)
+        if cfg.lora.enabled:
+            model = lora.apply_lora(model, resolved.family, tunix_cfg, cfg.lora, seed=cfg.train.seed)
+        log.info("trainable parameters: %s", f"{lora.count_params(model, __import__('flax').nnx.LoRAParam if cfg.lora.enabled else None):,}")
+
+        # 4. data streams, optimizer, trainer
+        stream = data.TrainStream(train_split, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle,
+                                  cfg.data.num_epochs, jax.process_index(), jax.process_count())
+        evals = (data.eval_batches(eval_split, cfg.train.batch_size, cfg.data.eval_max_batches)
+                 if eval_split else None)
+        feed = BatchFeed(stream, evals)
+        import orbax.checkpoint as ocp
+        from tunix.sft import metrics_logger
+        from tunix.sft.peft_trainer import TrainingConfig
+
+        checkpoint.write_metadata(ckpt_dir, meta)
+        run_dir = Path(cfg.train.run_dir or ckpt_dir)
+        tcfg = TrainingConfig(
+            eval_every_n_steps=cfg.train.eval_every_steps or cfg.train.max_steps,
+            max_steps=cfg.train.max_steps,
+            gradient_accumulation_steps=cfg.train.grad_accum_steps if cfg.train.grad_accum_steps > 1 else None,
+            checkpoint_root_directory=str(ckpt_dir.resolve()),
+            checkpointing_options=ocp.CheckpointManagerOptions(
+                save_interval_steps=cfg.checkpoint.every_steps, max_to_keep=cfg.checkpoint.max_to_keep,
+                enable_async_checkpointing=cfg.checkpoint.async_save),
+            metrics_logging_options=metrics_logger.MetricsLoggerOptions(
+                log_dir=str((run_dir / "tensorboard").resolve()), flush_every_n_steps=1),
+            data_sharding_axis=mesh_lib.BATCH_AXES,
+            pbar_description="train",
+        )
+        chunk = 1024
+        trainer = Trainer(
+            model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
+            tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
+            price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
+        )
+        from gemma_tpu.loss import make_loss_fn
+
+        trainer.with_loss_fn(make_loss_fn(chunk))
+        trainer.with_data_hooks(feed)
+        if trainer.train_steps >= cfg.train.max_steps:
+            log.info("checkpoint %s is already at step %d >= train.max_steps; nothing to do",
+                     ckpt_dir, trainer.train_steps)
+            trainer.close()
+            return {"steps": trainer.train_steps, "resumed_from": trainer.train_steps, "nothing_to_do": True}
+        _install_sigterm(trainer)
+        trainer.train(train_ds=stream, eval_ds=evals or None)
+    summary = trainer.summary()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("done: %s", json.dumps(summary))
+    return summary
+
+
+def _install_sigterm(trainer) -> None:
+    """On SIGTERM (TPU preemption notice) save the current step, then exit."""
+
+    def handler(signum, frame):
+        log.warning("SIGTERM: saving step %d before exit", trainer.train_steps)
+        try:
+            trainer.checkpoint_manager.save(trainer.train_steps, trainer.model, trainer.optimizer,
+                                            save_only_lora_params=trainer._lora_enabled, force=True,
+                                            custom_metadata=trainer.custom_checkpoint_metadata())
+            trainer.checkpoint_manager.close()
+        finally:
+            os._exit(143)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv or [])
+    if not args.config and not args.print_config:
+        raise UserError("--config FILE is required (see configs/)")
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    setup_logging()
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -1,0 +1,195 @@
+"""Tunix's PeftTrainer, extended with what a production run needs.
+
+PeftTrainer brings the jitted step (LoRA-only gradients, optax, gradient accumulation), Orbax
+checkpointing of params + optimizer state, eval, TensorBoard and a progress bar. We add: the data
+position inside every checkpoint (exact resume), metrics.jsonl with tokens/s, TFLOP/s and MFU,
+a compile counter that warns if the train step compiles again, and a non-finite-loss guard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tunix.sft import hooks as tunix_hooks
+from tunix.sft import peft_trainer
+
+log = logging.getLogger("gemma_tpu.train")
+
+
+def signature(batch: dict[str, Any]) -> dict[str, tuple]:
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in batch.items()}
+
+
+class BatchFeed(tunix_hooks.DataHooks):
+    """Feeds the trainer from our grain stream and eval batches, watching batch shapes."""
+
+    def __init__(self, stream, eval_batches: list[dict] | None):
+        self.stream = stream
+        self.eval_batches = eval_batches or []
+        self._eval_pos = 0
+        self.first_signature: dict | None = None
+        self.tokens = 0  # non-padding tokens fed
+        self.useful = 0  # loss-bearing tokens fed
+        self.batches = 0
+
+    def load_next_train_batch(self, train_ctx):
+        try:
+            batch = next(self.stream)
+        except StopIteration:
+            return None
+        sig = signature(batch)
+        if self.first_signature is None:
+            self.first_signature = sig
+        elif sig != self.first_signature:
+            changed = {k: (self.first_signature.get(k), v) for k, v in sig.items() if self.first_signature.get(k) != v}
+            log.warning("RECOMPILE AHEAD: batch shapes changed from the first batch: %s", changed)
+        self.tokens += int((batch["segment_ids"] > 0).sum())
+        self.useful += int(batch["loss_weights"].sum())
+        self.batches += 1
+        return batch
+
+    def load_next_eval_batch(self, train_ctx):
+        if self._eval_pos >= len(self.eval_batches):
+            self._eval_pos = 0
+            return None
+        self._eval_pos += 1
+        return self.eval_batches[self._eval_pos - 1]
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class Trainer(peft_trainer.PeftTrainer):
+    """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards."""
+
+    def __init__(self, model, optimizer, training_config, *, feed: BatchFeed, run_dir: str | Path,
+                 tokens_per_step: int, flops_per_token: float = 0.0, peak_flops: float = 0.0,
+                 price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
+                 metrics_logger=None):
+        super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
+        self.feed = feed
+        self.with_data_hooks(feed)
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.price_per_hour = price_per_hour
+        self.on_nonfinite = on_nonfinite
+        self.seed = seed
+        self.resumed_from = self._train_steps
+        state = (self._restored_custom_metadata or {}).get("data_state")
+        if state is not None:
+            feed.stream.set_state(state)
+            log.info("resumed at step %d; data position restored", self._train_steps)
+        elif self._train_steps:
+            log.warning("checkpoint at step %d has no data position; the data restarts", self._train_steps)
+        self._t_last = None
+        self._step_last = self._train_steps
+        self._tok_last = 0
+        self._useful_last = 0
+        self.compiles = 0
+        self.history: list[dict] = []
+        self.started = time.time()
+
+    # ---- checkpoint contents ---------------------------------------------------------
+    def custom_checkpoint_metadata(self) -> dict[str, Any]:
+        return {"data_state": self.feed.stream.get_state(), "step": self._train_steps, "seed": self.seed}
+
+    # ---- metrics ---------------------------------------------------------------------
+    def _compile_count(self) -> int:
+        fn = self._jitted_train_step_fn
+        try:
+            return int(fn.func.jitted_fn._cache_size())
+        except Exception:
+            try:
+                return int(fn.jitted_fn._cache_size())
+            except Exception:
+                return -1
+
+    def _write_metrics(self, metrics_buffer):
+        mode = str(self._mode)
+        loss = float(np.asarray(metrics_buffer.loss))
+        rec: dict[str, Any] = {"step": int(metrics_buffer.step), "mode": mode, "loss": loss,
+                               "perplexity": float(math.exp(min(loss, 80.0))), "time": round(time.time(), 3)}
+        if mode == "train":
+            if not math.isfinite(loss):
+                self._append(rec)
+                if self.on_nonfinite == "stop":
+                    raise NonFiniteLoss(f"non-finite loss {loss} at step {metrics_buffer.step}; "
+                                        f"the last good checkpoint is kept")
+                log.warning("non-finite loss at step %d", metrics_buffer.step)
+            for k, (vals, op) in metrics_buffer.additional_metrics.items():
+                rec[k] = float(op(np.asarray([np.asarray(v, np.float32) for v in vals])))
+            lr = self._try_get_learning_rate()
+            if lr is not None:
+                rec["learning_rate"] = float(np.asarray(lr))
+            now = time.perf_counter()
+            steps = rec["step"] - self._step_last
+            if self._t_last is not None and steps > 0:
+                dt = now - self._t_last
+                rec["step_time_s"] = dt / steps
+                rec["tokens_per_s"] = steps * self.tokens_per_step / dt
+                rec["nonpad_tokens_per_s"] = (self.feed.tokens - self._tok_last) / dt
+                rec["useful_tokens_per_s"] = (self.feed.useful - self._useful_last) / dt
+                if self.flops_per_token:
+                    tflops = rec["tokens_per_s"] * self.flops_per_token / 1e12
+                    rec["tflops_per_s"] = tflops
+                    if self.peak_flops:
+                        rec["mfu"] = tflops * 1e12 / self.peak_flops
+                for key in ("tokens_per_s", "useful_tokens_per_s", "mfu"):
+                    if key in rec:
+                        self.metrics_logger.log(self.metrics_prefix, key, rec[key], self._mode, rec["step"])
+            else:
+                rec["includes_compile"] = True
+            self._t_last, self._step_last = now, rec["step"]
+            self._tok_last, self._useful_last = self.feed.tokens, self.feed.useful
+            compiles = self._compile_count()
+            if compiles > 1 and compiles != self.compiles:
+                log.warning("RECOMPILED: the train step has now compiled %d times (batch signature %s)",
+                            compiles, self.feed.first_signature)
+            self.compiles = max(self.compiles, compiles)
+            rec["train_step_compiles"] = compiles
+        super()._write_metrics(metrics_buffer)
+        self._append(rec)
+
+    def _append(self, rec: dict) -> None:
+        self.history.append(rec)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    @property
+    def _tqdm_train_metrics(self) -> list[str]:
+        return ["loss", "learning_rate", "tokens_per_s", "useful_tokens_per_s"]
+
+    def summary(self) -> dict[str, Any]:
+        train = [r for r in self.history if r["mode"] == "train"]
+        steady = [r for r in train if "step_time_s" in r]
+        evals = [r for r in self.history if r["mode"] == "eval"]
+        out: dict[str, Any] = {
+            "steps": self._train_steps,
+            "resumed_from": self.resumed_from,
+            "wall_s": round(time.time() - self.started, 1),
+            "train_step_compiles": self.compiles,
+            "final_train_loss": train[-1]["loss"] if train else None,
+            "final_eval_loss": evals[-1]["loss"] if evals else None,
+            "first_eval_loss": evals[0]["loss"] if evals else None,
+        }
+        if steady:
+            t = sum(r["step_time_s"] for r in steady) / len(steady)
+            out["mean_step_time_s"] = round(t, 4)
+            out["tokens_per_s"] = round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1)
+            out["useful_tokens_per_s"] = round(sum(r["useful_tokens_per_s"] for r in steady) / len(steady), 1)
+            if "mfu" in steady[-1]:
+                out["mfu"] = round(sum(r["mfu"] for r in steady) / len(steady), 4)
+            if self.price_per_hour:
+                out["est_cost_per_run"] = round(self.price_per_hour * out["wall_s"] / 3600, 4)
+        return out
