@@ -256,9 +256,9 @@ def plan_shards(specs: list[OutSpec], max_shard_bytes: int) -> list[list[OutSpec
     return shards
 
 
-def shard_names(n: int) -> list[str]:
+def shard_names(n: int, single: str = SINGLE_FILE) -> list[str]:
     if n == 1:
-        return [SINGLE_FILE]
+        return [single]
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
@@ -282,12 +282,12 @@ class ShardedWriter:
     """
 
     def __init__(self, out_dir: str | Path, specs: list[OutSpec], max_shard_bytes: int,
-                 metadata: dict[str, str] | None = None, fsync: bool = True):
+                 metadata: dict[str, str] | None = None, fsync: bool = True, single_name: str = SINGLE_FILE):
         self.dir = Path(out_dir)
         self.metadata = {"format": "pt", **(metadata or {})}
         self.fsync = fsync
         self.shards = plan_shards(specs, max_shard_bytes)
-        self.files = shard_names(len(self.shards))
+        self.files = shard_names(len(self.shards), single_name)
         self._order = [(i, s) for i, shard in enumerate(self.shards) for s in shard]
         self._next = 0  # index into _order of the tensor to begin next
         self._fd: int | None = None

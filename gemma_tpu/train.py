@@ -150,7 +150,8 @@ def run(cfg: RunConfig) -> dict:
             trainer.close()
             return {"steps": trainer.train_steps, "resumed_from": trainer.train_steps, "nothing_to_do": True}
         _install_sigterm(trainer)
-        trainer.train(train_ds=stream, eval_ds=evals or None)
+        with trainer.compile_counter:
+            trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("done: %s", json.dumps(summary))

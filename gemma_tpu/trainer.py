@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -66,14 +67,63 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+class CompileCounter(logging.Filter):
+    """Counts real XLA compilations per jitted function, from JAX's own compile log.
+
+    `jax_log_compiles` makes JAX log every compilation; this filter counts them and swallows
+    the lines, except that a second compilation of a watched step is reported loudly with the
+    shapes and shardings JAX compiled it for. (PeftTrainer's `_cache_size()` counts cache
+    entries, which is 2 after one compilation: not a compile count.)
+    """
+
+    LOGGERS = ("jax._src.dispatch", "jax._src.interpreters.pxla")
+
+    def __init__(self, watched=("_train_step", "_eval_step")):
+        super().__init__()
+        self.watched = watched
+        self.counts: dict[str, int] = {}
+        self.last_signature: dict[str, str] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        m = re.search(r"Compiling jit\((\w+)\)", msg)
+        if m and m.group(1) in self.watched:
+            self.last_signature[m.group(1)] = msg
+        m = re.search(r"Finished XLA compilation of jit\((\w+)\)", msg)
+        if m:
+            name = m.group(1)
+            self.counts[name] = self.counts.get(name, 0) + 1
+            if name in self.watched and self.counts[name] > 1:
+                log.warning("RECOMPILATION #%d of %s: %s", self.counts[name], name,
+                            self.last_signature.get(name, "")[:2000])
+        return False
+
+    def __enter__(self):
+        import jax
+
+        self._prev = jax.config.jax_log_compiles
+        jax.config.update("jax_log_compiles", True)
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.config.update("jax_log_compiles", self._prev)
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
 class Trainer(peft_trainer.PeftTrainer):
     """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards."""
 
     def __init__(self, model, optimizer, training_config, *, feed: BatchFeed, run_dir: str | Path,
                  tokens_per_step: int, flops_per_token: float = 0.0, peak_flops: float = 0.0,
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
-                 metrics_logger=None):
+                 metrics_logger=None, compile_counter: CompileCounter | None = None):
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
+        self.compile_counter = compile_counter or CompileCounter()
         self.feed = feed
         self.with_data_hooks(feed)
         self.run_dir = Path(run_dir)
@@ -106,14 +156,7 @@ class Trainer(peft_trainer.PeftTrainer):
 
     # ---- metrics ---------------------------------------------------------------------
     def _compile_count(self) -> int:
-        fn = self._jitted_train_step_fn
-        try:
-            return int(fn.func.jitted_fn._cache_size())
-        except Exception:
-            try:
-                return int(fn.jitted_fn._cache_size())
-            except Exception:
-                return -1
+        return self.compile_counter.counts.get("_train_step", 0)
 
     def _write_metrics(self, metrics_buffer):
         mode = str(self._mode)
@@ -150,14 +193,12 @@ class Trainer(peft_trainer.PeftTrainer):
                         self.metrics_logger.log(self.metrics_prefix, key, rec[key], self._mode, rec["step"])
             else:
                 rec["includes_compile"] = True
+                for key in ("tokens_per_s", "useful_tokens_per_s"):
+                    self.metrics_logger.log(self.metrics_prefix, key, 0.0, self._mode, rec["step"])
             self._t_last, self._step_last = now, rec["step"]
             self._tok_last, self._useful_last = self.feed.tokens, self.feed.useful
-            compiles = self._compile_count()
-            if compiles > 1 and compiles != self.compiles:
-                log.warning("RECOMPILED: the train step has now compiled %d times (batch signature %s)",
-                            compiles, self.feed.first_signature)
-            self.compiles = max(self.compiles, compiles)
-            rec["train_step_compiles"] = compiles
+            self.compiles = self._compile_count()
+            rec["train_step_compiles"] = self.compiles
         super()._write_metrics(metrics_buffer)
         self._append(rec)
 
@@ -179,6 +220,7 @@ class Trainer(peft_trainer.PeftTrainer):
             "resumed_from": self.resumed_from,
             "wall_s": round(time.time() - self.started, 1),
             "train_step_compiles": self.compiles,
+            "eval_step_compiles": self.compile_counter.counts.get("_eval_step", 0),
             "final_train_loss": train[-1]["loss"] if train else None,
             "final_eval_loss": evals[-1]["loss"] if evals else None,
             "first_eval_loss": evals[0]["loss"] if evals else None,

@@ -1,0 +1,130 @@
+"""Export a gemma-tpu LoRA checkpoint as a PEFT adapter (for `PeftModel.from_pretrained`, vLLM).
+
+    python -m convert.export_peft --checkpoint runs/x --out adapters/x [--step N] [--overwrite]
+
+Writes `adapter_config.json` and `adapter_model.safetensors` with keys
+`base_model.model.<decoder>.layers.N.<module>.lora_{A,B}.weight`, A as [r, in] and B as [out, r]
+(float32), converted from Qwix's layout through the registry's `Projection.lora_to_peft`. A fused
+Tunix weight (`kv_einsum`, `qkv_einsum`) carries one A shared by K and V (and Q): each HF module gets
+a copy of it and its own slice of B, which is exactly the same update. PEFT scales by
+`lora_alpha / r`, as Qwix does. The directory is written atomically, like the merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from convert import safetensors_io as sio
+from convert.atomic import AtomicDir, check_target
+from convert.mapping import hf_shape
+from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint
+from gemma_tpu.errors import UserError, cli_main
+
+ADAPTER_FILE = "adapter_model.safetensors"
+PROVENANCE_FILE = "gemma_tpu_adapter.json"
+
+
+def module_prefix(hf_config: dict) -> str:
+    """Where the decoder layers live in the *module* tree of the class transformers builds (not in
+    the checkpoint's key names): `model.` for *ForCausalLM, `model.language_model.` for the
+    multimodal Gemma 3 class in transformers >= 4.52."""
+    archs = hf_config.get("architectures") or []
+    if any(a.endswith("ForConditionalGeneration") for a in archs) or hf_config.get("text_config"):
+        return "model.language_model."
+    return "model."
+
+
+def adapter_config(source: CheckpointSource, prefix: str) -> dict:
+    targets = list(source.lora["targets"])
+    if prefix == "model.":
+        target_modules: list[str] | str = targets
+    else:  # keep PEFT out of the vision tower, whose attention also has q_proj/k_proj/v_proj
+        escaped = re.escape(prefix)
+        target_modules = escaped + r"layers\.\d+\.(?:self_attn|mlp)\.(?:" + "|".join(targets) + ")"
+    base = source.meta.get("base_model") or {}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base.get("path"),
+        "revision": base.get("revision"),
+        "r": int(source.lora["rank"]),
+        "lora_alpha": source.lora["alpha"],
+        "lora_dropout": source.lora_dropout,
+        "target_modules": target_modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m convert.export_peft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", required=True, help="output adapter directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    source = open_checkpoint(args.checkpoint, args.step)
+    if not source.is_lora:
+        raise UserError(f"{source.dir}: a full fine-tune has no adapter to export; use convert.merge_orbax")
+    out = Path(args.out)
+    check_target(out, args.overwrite, protected=[source.dir])
+    prefix = module_prefix(source.hf_config)
+    sites = checked_lora_sites(source, prefix)
+    specs, keys = [], []
+    for site, sizes in sites:
+        n_out, n_in = hf_shape(site.proj, sizes)
+        stem = f"base_model.model.{prefix}layers.{site.layer}.{site.proj.hf_module}"
+        specs += [sio.OutSpec(f"{stem}.lora_A.weight", "F32", (int(source.lora["rank"]), n_in)),
+                  sio.OutSpec(f"{stem}.lora_B.weight", "F32", (n_out, int(source.lora["rank"])))]
+        keys.append(site)
+    # Layer-major order, as PEFT itself writes adapters.
+    order = sorted(range(len(keys)), key=lambda i: (keys[i].layer, i))
+    keys = [keys[i] for i in order]
+    specs = [s for i in order for s in specs[2 * i: 2 * i + 2]]
+    factors = FactorCache(source, sites)
+    ad = AtomicDir(out, args.overwrite)
+    with ad as tmp:
+        writer = sio.ShardedWriter(tmp, specs, max_shard_bytes=1 << 62, single_name=ADAPTER_FILE)
+        try:
+            for site, (sa, sb) in zip(keys, zip(specs[0::2], specs[1::2])):
+                a_hf, b_hf = factors.peft(site)
+                writer.write_tensor(sa.name, np.ascontiguousarray(a_hf, dtype=np.float32))
+                writer.write_tensor(sb.name, np.ascontiguousarray(b_hf, dtype=np.float32))
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        sio.write_json(tmp / "adapter_config.json", adapter_config(source, prefix))
+        sio.write_json(tmp / PROVENANCE_FILE, {
+            "tool": "convert.export_peft",
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "checkpoint": str(source.dir.resolve()),
+            "step": source.step,
+            "base": source.meta.get("base_model"),
+            "lora": {k: source.lora.get(k) for k in ("rank", "alpha", "targets", "base_quantization")},
+        })
+        ad.publish()
+    print(f"export_peft: wrote {out} ({len(specs)} tensors, r={source.lora['rank']}, "
+          f"alpha={source.lora['alpha']})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -1,0 +1,155 @@
+"""Describe a checkpoint or a model directory without loading any weights.
+
+    python -m convert.inspect PATH [--step N] [--json] [--no-tensors]
+
+PATH is a gemma-tpu checkpoint dir (has gemma_tpu_run.json): steps, the chosen step's tensors (from
+Orbax's metadata), total bytes, LoRA rank/alpha/targets, the recorded base. Or an HF directory
+(config.json and/or *.safetensors, PEFT adapters included): tensors, shapes, dtypes, total bytes,
+architecture, shard count. Only headers and metadata are read.
+
+(Run as a module: this file is named after the standard library's `inspect` on purpose, which is
+harmless under `python -m` but would shadow it if `convert/` itself were put on sys.path.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from gemma_tpu.errors import UserError, cli_main
+
+
+def describe_checkpoint(path: Path, step: int | None) -> dict:
+    from convert.orbax_params import CheckpointParams
+    from gemma_tpu.checkpoint import list_steps, read_metadata, resolve_step
+
+    meta = read_metadata(path)
+    steps = list_steps(path)
+    info: dict = {
+        "kind": "gemma-tpu checkpoint",
+        "path": str(path),
+        "steps": steps,
+        "base_model": meta.get("base_model"),
+        "dtype": meta.get("dtype"),
+        "lora": meta.get("lora"),
+    }
+    if steps:
+        chosen = resolve_step(path, step)
+        params = CheckpointParams(path, chosen)
+        info["step"] = chosen
+        info["tensors"] = [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype)}
+                           for s in params.specs.values()]
+        info["num_tensors"] = len(params.specs)
+        info["total_bytes"] = params.total_bytes
+        step_dir = path / str(chosen)
+        info["items"] = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
+    return info
+
+
+def describe_hf(path: Path) -> dict:
+    from convert import safetensors_io as sio
+
+    info: dict = {"kind": "huggingface", "path": str(path)}
+    cfg_path = path / "config.json"
+    if cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text())
+        info["architectures"] = cfg.get("architectures")
+        info["model_type"] = cfg.get("model_type")
+        info["config_dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
+    adapter = path / "adapter_config.json"
+    if adapter.is_file():
+        a = json.loads(adapter.read_text())
+        info["kind"] = "peft adapter"
+        info["adapter"] = {k: a.get(k) for k in ("peft_type", "r", "lora_alpha", "target_modules",
+                                                 "base_model_name_or_path")}
+    weights = sio.WeightsDir(path)
+    info["shards"] = len(weights.files)
+    info["files"] = [p.name for p in weights.files]
+    info["num_tensors"] = len(weights.tensors)
+    info["total_bytes"] = weights.total_bytes
+    dtypes = collections.Counter()
+    for t in weights.tensors.values():
+        dtypes[t.dtype] += t.nbytes
+    info["dtype_bytes"] = dict(dtypes)
+    info["file_metadata"] = weights.file_metadata
+    info["tensors"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "file": t.file.name}
+                       for t in weights.tensors.values()]
+    return info
+
+
+def describe(path: str | Path, step: int | None = None) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise UserError(f"{path}: not a directory")
+    from gemma_tpu.checkpoint import METADATA_FILE
+
+    if (path / METADATA_FILE).is_file():
+        return describe_checkpoint(path, step)
+    if (path / "config.json").is_file() or any(path.glob("*.safetensors")):
+        return describe_hf(path)
+    raise UserError(f"{path}: neither a gemma-tpu checkpoint ({METADATA_FILE}) nor an HF directory")
+
+
+def render(info: dict, tensors: bool = True) -> str:
+    from convert.progress import human
+
+    lines = [f"{info['path']}: {info['kind']}"]
+    if info["kind"] == "gemma-tpu checkpoint":
+        base = info.get("base_model") or {}
+        lines.append(f"  base: {base.get('path')} (family {base.get('family')}, local {base.get('local_dir')}, "
+                     f"revision {base.get('revision')})")
+        lora = info.get("lora") or {}
+        if lora.get("enabled", True):
+            lines.append(f"  LoRA: rank {lora.get('rank')}, alpha {lora.get('alpha')}, targets "
+                         f"{', '.join(lora.get('targets') or [])}"
+                         + (f", base quantization {lora['base_quantization']}" if lora.get("base_quantization") else ""))
+        else:
+            lines.append("  full fine-tune")
+        lines.append(f"  training dtype: {info.get('dtype')}")
+        lines.append(f"  steps: {', '.join(map(str, info['steps'])) or 'none completed'}")
+        if "step" in info:
+            lines.append(f"  step {info['step']}: {info['num_tensors']} tensors, {human(info['total_bytes'])} "
+                         f"(items: {', '.join(info['items'])})")
+    else:
+        if info.get("architectures"):
+            lines.append(f"  architecture: {', '.join(info['architectures'])} (config dtype {info.get('config_dtype')})")
+        if info.get("adapter"):
+            a = info["adapter"]
+            lines.append(f"  adapter: {a['peft_type']} r={a['r']} alpha={a['lora_alpha']} targets={a['target_modules']} "
+                         f"base={a['base_model_name_or_path']}")
+        dt = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
+        lines.append(f"  {info['num_tensors']} tensors, {human(info['total_bytes'])} ({dt}) in "
+                     f"{info['shards']} file{'s' if info['shards'] > 1 else ''}")
+    if tensors and info.get("tensors"):
+        width = max(len(t["name"]) for t in info["tensors"])
+        for t in info["tensors"]:
+            lines.append(f"    {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m convert.inspect", description=__doc__.split("\n\n")[0])
+    p.add_argument("path", help="checkpoint dir or HF directory")
+    p.add_argument("--step", type=int, help="checkpoint step to list (default: the latest)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-tensors", action="store_true", help="summary only")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    info = describe(args.path, args.step)
+    if args.no_tensors:
+        info.pop("tensors", None)
+    print(json.dumps(info, indent=2, default=str) if args.json else render(info, not args.no_tensors))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -1,0 +1,289 @@
+"""Merge a gemma-tpu checkpoint into its base model and write a Hugging Face safetensors directory.
+
+    python -m convert.merge_orbax --checkpoint runs/x --out merged/x [--step N] [--base DIR_OR_ID]
+        [--dtype float32|bfloat16|float16] [--max-shard-size 5GB] [--overwrite] [--verify]
+
+LoRA checkpoints: every targeted HF weight becomes `W + (alpha/rank) * B_hf @ A_hf`, computed in
+float32 in row chunks and cast to the output dtype (default: the base's). Full fine-tunes: the
+decoder tensors come from the checkpoint (Tunix layout converted back through the registry); the
+rest of the base (a vision tower, say) is copied. Keys and their order are the base's; a tied
+`lm_head.weight` is dropped.
+
+Streaming: the LoRA factors are read one layer at a time from Orbax to host numpy (no model is
+built, no accelerator memory is touched), base tensors are read in chunks by positioned reads and
+written straight into the output shards, unchanged tensors are copied in the kernel
+(`copy_file_range`). Peak memory is a few 64 MB chunks plus one layer's factors.
+
+Safety: everything is checked before writing (checkpoint, step, base files, every shape); the output
+is built in a hidden temp dir beside `--out` and renamed into place at the end (see
+`convert.atomic`), so an interrupted merge leaves nothing at `--out`.
+
+`--verify` compares the JAX LoRA model with the merged output loaded by transformers before the
+output is published. On failure nothing is published at `--out` (an older output there stays
+untouched); the merged files are kept at `<out>.unverified` for inspection and the exit code is 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from convert import safetensors_io as sio
+from convert.atomic import AtomicDir, check_target
+from convert.hf_files import write_sidecar_files
+from convert.mapping import STOP_TOKEN_IDS, FullSite, LoraSite, full_sites, tied_embeddings
+from convert.progress import Progress, human
+from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint, resolve_base
+from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.models.loading import read_hf_config, text_prefix
+from gemma_tpu.models.registry import detect_family, text_config
+
+PROVENANCE_FILE = "gemma_tpu_merge.json"
+SLOW_ENV = "GEMMA_TPU_MERGE_SLOW"  # tests only: seconds to sleep after each tensor
+
+
+class VerificationFailed(UserError):
+    exit_code = 3
+
+
+@dataclasses.dataclass
+class Op:
+    """How one output tensor is produced."""
+
+    name: str
+    src: sio.TensorInfo
+    kind: str  # copy | cast | lora | full
+    site: LoraSite | FullSite | None = None
+
+
+@dataclasses.dataclass
+class MergePlan:
+    source: CheckpointSource
+    base_dir: Path
+    base_config: dict
+    weights: sio.WeightsDir
+    prefix: str
+    out: Path
+    out_dtype: str  # safetensors name
+    ops: list[Op]
+    specs: list[sio.OutSpec]
+    max_shard_bytes: int
+    lora_sites: list | None
+    dropped: list[str]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+def base_float_dtype(weights: sio.WeightsDir) -> str:
+    """The base's dtype: the float dtype holding the most bytes."""
+    by = {}
+    for t in weights.tensors.values():
+        if t.dtype in sio.FLOAT_DTYPES:
+            by[t.dtype] = by.get(t.dtype, 0) + t.nbytes
+    if not by:
+        raise UserError(f"{weights.dir}: no floating-point tensors")
+    return max(by, key=by.get)
+
+
+def plan_merge(args: argparse.Namespace) -> MergePlan:
+    """Validate everything and decide every output tensor; writes nothing."""
+    source = open_checkpoint(args.checkpoint, args.step)
+    base_dir = resolve_base(source, args.base)
+    base_config = read_hf_config(base_dir)
+    base_family = detect_family(base_config, str(base_dir / "config.json"))
+    if base_family.name != source.family.name:
+        raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
+    weights = sio.WeightsDir(base_dir)
+    prefix = text_prefix(source.family, weights.names())
+    out = Path(args.out)
+    check_target(out, args.overwrite, protected=[base_dir, source.dir])
+    n_layers = text_config(base_config).get("num_hidden_layers")
+    if n_layers is not None and int(n_layers) != source.tunix_cfg.num_layers:
+        raise UserError(f"base {base_dir} has num_hidden_layers={n_layers}; the checkpoint was trained "
+                        f"with {source.tunix_cfg.num_layers}")
+    out_dtype = sio.DTYPE_NAMES[args.dtype] if args.dtype else base_float_dtype(weights)
+    shapes = {n: t.shape for n, t in weights.tensors.items()}
+
+    lora_by_key: dict[str, LoraSite] = {}
+    full_by_key: dict[str, FullSite] = {}
+    sites = None
+    if source.is_lora:
+        sites = checked_lora_sites(source, prefix, shapes)
+        lora_by_key = {s.hf_key: s for s, _ in sites}
+    else:
+        full_by_key = check_full_sites(source, prefix, shapes)
+
+    dropped = []
+    ops, specs = [], []
+    for name in weights.names():
+        src = weights[name]
+        if name in ("lm_head.weight", "lm_head.bias") and tied_embeddings(base_config):
+            dropped.append(name)
+            continue
+        dtype = out_dtype if src.dtype in sio.FLOAT_DTYPES else src.dtype
+        if name in lora_by_key:
+            op = Op(name, src, "lora", lora_by_key[name])
+        elif name in full_by_key:
+            op = Op(name, src, "full", full_by_key[name])
+        else:
+            op = Op(name, src, "copy" if dtype == src.dtype else "cast")
+        ops.append(op)
+        specs.append(sio.OutSpec(name, dtype, src.shape))
+    check_space(out, sum(s.nbytes for s in specs))
+    return MergePlan(source, base_dir, base_config, weights, prefix, out, out_dtype, ops, specs,
+                     sio.parse_size(args.max_shard_size), sites, dropped)
+
+
+def check_full_sites(source: CheckpointSource, prefix: str, shapes: dict[str, tuple]) -> dict[str, FullSite]:
+    """A full fine-tune: every decoder tensor of the base comes from the checkpoint, shapes agree,
+    and no checkpoint tensor is left over."""
+    specs = source.params.specs
+    sites = full_sites(source.family, source.tunix_cfg, prefix)
+    used = set()
+    for key, site in sites.items():
+        if site.tunix_name not in specs:
+            raise UserError(f"checkpoint step {source.step}: tensor {site.tunix_name} (for {key}) is missing")
+        if key not in shapes:
+            raise UserError(f"base has no tensor {key} (for checkpoint tensor {site.tunix_name})")
+        want = site.hf_shape(specs[site.tunix_name].shape)
+        if want != tuple(shapes[key]):
+            raise UserError(f"shape mismatch for {key}: the checkpoint's {site.tunix_name} gives {want}, "
+                            f"the base has {tuple(shapes[key])}")
+        used.add(site.tunix_name)
+    extra = [n for n in specs if n not in used]
+    if extra:
+        raise UserError(f"checkpoint tensor {extra[0]} has no counterpart in the base")
+    return sites
+
+
+def check_space(out: Path, nbytes: int) -> None:
+    probe = Path(out).absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < nbytes + (64 << 20):
+        raise UserError(f"not enough disk space for {out}: need {human(nbytes)}, {human(free)} free")
+
+
+def write_weights(plan: MergePlan, tmp: Path, fsync: bool = True) -> sio.ShardedWriter:
+    """Produce every output tensor in plan order, holding one chunk (or one fused tensor) at a time."""
+    writer = sio.ShardedWriter(tmp, plan.specs, plan.max_shard_bytes, fsync=fsync)
+    factors = FactorCache(plan.source, plan.lora_sites) if plan.lora_sites is not None else None
+    fused: dict[str, np.ndarray] = {}  # full fine-tune: kv/qkv einsum serve 2-3 HF tensors
+    slow = float(os.environ.get(SLOW_ENV) or 0)
+    out_np = sio.DTYPES[plan.out_dtype]
+    progress = Progress("merge", plan.total_bytes)
+    try:
+        for op, spec in zip(plan.ops, plan.specs):
+            writer.begin(op.name)
+            if op.kind == "copy":
+                writer.copy_from(op.src)
+            elif op.kind == "cast":
+                for chunk in sio.cast_chunks(op.src, spec.dtype):
+                    writer.write(chunk)
+            elif op.kind == "lora":
+                a_hf, b_hf = factors.peft(op.site)
+                scale = np.float32(plan.source.scale)
+                for r0, r1 in sio.row_chunks(op.src.shape, 4):
+                    w = plan.weights.read_rows(op.name, r0, r1).astype(np.float32)
+                    w += scale * (b_hf[r0:r1] @ a_hf)
+                    writer.write(w.astype(out_np))
+            else:  # full
+                if op.site.tunix_name not in fused:
+                    if len(fused) >= 2:
+                        fused.pop(next(iter(fused)))
+                    fused[op.site.tunix_name] = plan.source.params.read_one(op.site.tunix_name)
+                value = op.site.to_hf(fused[op.site.tunix_name])
+                writer.write(np.ascontiguousarray(value.astype(np.float32).astype(out_np)))
+            progress.update(spec.nbytes)
+            if slow:
+                time.sleep(slow)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    progress.finish()
+    return writer
+
+
+def provenance(plan: MergePlan, writer: sio.ShardedWriter) -> dict:
+    s = plan.source
+    base = s.meta.get("base_model") or {}
+    out = {
+        "tool": "convert.merge_orbax",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "checkpoint": str(s.dir.resolve()),
+        "step": s.step,
+        "base": {"dir": str(plan.base_dir.resolve()), "path": base.get("path"), "revision": base.get("revision"),
+                 "family": s.family.name},
+        "kind": "lora" if s.is_lora else "full",
+        "dtype": sio.DTYPE_NAMES_INV[plan.out_dtype],
+        "shards": len(writer.files),
+        "total_size": writer.total_bytes,
+        "dropped": plan.dropped,
+    }
+    if s.is_lora:
+        out["lora"] = {"rank": s.lora["rank"], "alpha": s.lora["alpha"], "targets": list(s.lora["targets"]),
+                       "base_quantization": s.lora.get("base_quantization")}
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m convert.merge_orbax", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--base", help="base HF dir or hub id (default: the one recorded in the checkpoint)")
+    p.add_argument("--dtype", choices=sorted(sio.DTYPE_NAMES), help="output dtype (default: the base's)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    p.add_argument("--verify", action="store_true", help="compare logits with the JAX LoRA model before publishing")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync of the shards (faster, less crash-safe)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sio.parse_size(args.max_shard_size)
+    plan = plan_merge(args)
+    s = plan.source
+    what = (f"LoRA r={s.lora['rank']} alpha={s.lora['alpha']} on {','.join(s.lora['targets'])}"
+            if s.is_lora else "full fine-tune")
+    n_shards = len(sio.plan_shards(plan.specs, plan.max_shard_bytes))
+    print(f"merge: {s.dir} step {s.step} ({what}) + base {plan.base_dir} -> {plan.out} "
+          f"({sio.DTYPE_NAMES_INV[plan.out_dtype]}, {len(plan.specs)} tensors, {human(plan.total_bytes)}, "
+          f"{n_shards} shard{'s' if n_shards > 1 else ''})", file=sys.stderr)
+    ad = AtomicDir(plan.out, args.overwrite)
+    with ad as tmp:
+        writer = write_weights(plan, tmp, fsync=not args.no_fsync)
+        stop_ids = STOP_TOKEN_IDS.get(s.family.name, ())
+        write_sidecar_files(plan.base_dir, tmp, plan.base_config, sio.DTYPE_NAMES_INV[plan.out_dtype], stop_ids)
+        sio.write_json(tmp / PROVENANCE_FILE, provenance(plan, writer))
+        if args.verify:
+            from convert.verify import verify_merge
+
+            report = verify_merge(s, plan.base_dir, tmp, sio.DTYPE_NAMES_INV[plan.out_dtype])
+            print(report.summary(), file=sys.stderr)
+            if not report.passed:
+                kept = ad.move_to(plan.out.parent / f"{plan.out.name}.unverified")
+                raise VerificationFailed(f"verification failed ({report.reason}); nothing published at "
+                                         f"{plan.out}; the merged files are kept at {kept}")
+        ad.publish()
+    print(f"merge: wrote {plan.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

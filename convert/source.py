@@ -1,0 +1,154 @@
+"""A gemma-tpu checkpoint as the converters see it: metadata, step, family, and checked LoRA sites.
+
+Everything here only reads metadata (JSON and Orbax's tensor metadata), so all validation happens
+before a byte of output is written, and each problem is reported as one line naming the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convert.mapping import LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites
+from convert.orbax_params import CheckpointParams
+from gemma_tpu.checkpoint import read_metadata, resolve_step
+from gemma_tpu.errors import UserError
+from gemma_tpu.models.registry import Family, detect_family, get_family
+
+
+@dataclasses.dataclass
+class CheckpointSource:
+    dir: Path
+    step: int
+    meta: dict
+    family: Family
+    hf_config: dict  # the base's config.json as recorded at training time
+    tunix_cfg: Any
+    params: CheckpointParams
+
+    @property
+    def lora(self) -> dict:
+        return self.meta.get("lora") or {}
+
+    @property
+    def is_lora(self) -> bool:
+        return bool(self.lora.get("enabled", True)) and any(is_lora_name(n) for n in self.params.names())
+
+    @property
+    def scale(self) -> float:
+        return float(self.lora["alpha"]) / float(self.lora["rank"])
+
+    @property
+    def base_spec(self) -> str | None:
+        return (self.meta.get("base_model") or {}).get("path")
+
+    @property
+    def lora_dropout(self) -> float:
+        return float(((self.meta.get("config") or {}).get("lora") or {}).get("dropout") or self.lora.get("dropout") or 0.0)
+
+
+def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> CheckpointSource:
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_metadata(ckpt_dir)  # missing dir / no metadata -> UserError
+    step = resolve_step(ckpt_dir, step)
+    base = meta.get("base_model") or {}
+    hf_config = meta.get("hf_config")
+    if not isinstance(hf_config, dict):
+        raise UserError(f"{ckpt_dir}: metadata has no hf_config (the base's config.json)")
+    family = get_family(base["family"]) if base.get("family") else detect_family(hf_config, f"{ckpt_dir} metadata")
+    tunix_cfg = family.tunix_config(hf_config, np.float32)
+    lora = meta.get("lora") or {}
+    if lora.get("enabled", True):
+        for key in ("rank", "alpha", "targets"):
+            if lora.get(key) in (None, "", []):
+                raise UserError(f"{ckpt_dir}: metadata lora.{key} is missing")
+    return CheckpointSource(ckpt_dir, step, meta, family, hf_config, tunix_cfg, CheckpointParams(ckpt_dir, step))
+
+
+def resolve_base(source: CheckpointSource, override: str | None = None) -> Path:
+    """--base, else the local dir recorded at training time, else its spec (hub id / embedded:)."""
+    from gemma_tpu.models.loading import resolve_path
+
+    if override:
+        return resolve_path(override)
+    base = source.meta.get("base_model") or {}
+    local = base.get("local_dir")
+    if local and Path(local).is_dir():
+        return Path(local)
+    if not base.get("path"):
+        raise UserError(f"{source.dir}: metadata records no base model; pass --base")
+    return resolve_path(base["path"], base.get("revision"))
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def checked_lora_sites(source: CheckpointSource, prefix: str,
+                       base_shapes: dict[str, tuple[int, ...]] | None = None) -> list[tuple[LoraSite, dict[str, int]]]:
+    """Every LoRA site with the Tunix axis sizes read off its factors, checked against the metadata
+    (rank, targets, layer count) and, given `base_shapes`, against the base's tensors."""
+    specs = source.params.specs
+    rank = int(source.lora["rank"])
+    sites = lora_sites(source.family, source.tunix_cfg, prefix, list(source.lora["targets"]))
+    out = []
+    used = set()
+    for site in sites:
+        for name in (site.a_name, site.b_name):
+            if name not in specs:
+                raise UserError(f"checkpoint step {source.step}: LoRA tensor {name} is missing "
+                                f"(metadata targets {', '.join(source.lora['targets'])})")
+        a, b = specs[site.a_name].shape, specs[site.b_name].shape
+        if a[-1] != rank or b[0] != rank:
+            raise UserError(f"checkpoint tensor {site.a_name} {a} / {site.b_name} {b}: LoRA rank "
+                            f"{a[-1]} does not match metadata lora.rank={rank}")
+        sizes = axis_sizes_from_factors(site.proj, a, b)
+        if base_shapes is not None:
+            if site.hf_key not in base_shapes:
+                raise UserError(f"base has no tensor {site.hf_key} (needed for LoRA {site.a_name})")
+            want, have = hf_shape(site.proj, sizes), tuple(base_shapes[site.hf_key])
+            if want != have:
+                raise UserError(f"shape mismatch for {site.hf_key}: the checkpoint's LoRA gives {want}, "
+                                f"the base has {have}")
+        used |= {site.a_name, site.b_name}
+        out.append((site, sizes))
+    extra = [n for n in specs if n not in used]
+    if extra:
+        m = _LAYER.match(extra[0])
+        why = (f"layer {m.group(1)} is beyond the recorded num_layers={source.tunix_cfg.num_layers}"
+               if m and int(m.group(1)) >= source.tunix_cfg.num_layers else "not one of the metadata's targets")
+        raise UserError(f"checkpoint tensor {extra[0]} has no place in the merge ({why})")
+    return out
+
+
+class FactorCache:
+    """LoRA factors in PEFT layout (fp32), read one layer at a time: a layer's factors are one
+    Orbax partial restore, and only the last two layers are kept."""
+
+    def __init__(self, source: CheckpointSource, sites: list[tuple[LoraSite, dict[str, int]]]):
+        self.source = source
+        self.by_layer: dict[int, list[LoraSite]] = {}
+        self.sizes = {s.hf_key: sz for s, sz in sites}
+        for s, _ in sites:
+            self.by_layer.setdefault(s.layer, []).append(s)
+        self._cache: dict[int, dict[str, np.ndarray]] = {}
+
+    def peft(self, site: LoraSite) -> tuple[np.ndarray, np.ndarray]:
+        """(A [r, in], B [out, r]) in float32."""
+        from convert.mapping import weight_shape
+
+        raw = self._layer(site.layer)
+        a = raw[site.a_name].astype(np.float32)
+        b = raw[site.b_name].astype(np.float32)
+        return site.proj.lora_to_peft(a, b, weight_shape(site.proj, self.sizes[site.hf_key]))
+
+    def _layer(self, layer: int) -> dict[str, np.ndarray]:
+        if layer not in self._cache:
+            names = sorted({n for s in self.by_layer[layer] for n in (s.a_name, s.b_name)})
+            if len(self._cache) >= 2:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[layer] = self.source.params.read(names)
+        return self._cache[layer]

@@ -1,0 +1,239 @@
+"""Check converted models by their logits.
+
+    python -m convert.verify A B [--prompt TEXT ...] [--max-abs-diff X] [--max-kl X] [--json]
+
+compares any two HF directories with transformers (float32, eager attention): max |logit
+difference|, KL(A || B) per position (mean and max), and how often the argmax agrees. Exit 0 unless
+a threshold given on the command line is exceeded.
+
+`verify_merge` (used by `merge_orbax --verify`) takes the reference from the JAX side: the base
+loaded by our loader, LoRA applied with Qwix and the checkpoint's factors put in (or the full
+fine-tune's params), run in float32 at 'highest' matmul precision (TPUs default to bf16 passes).
+Tolerances:
+
+* float32 output: max |diff| <= 1e-4 * max(1, max |reference logit|). That is 1e-4 absolute for
+  logits of order one (the tiny test models); real models have logits of tens, where two correct
+  fp32 implementations (different op order and GELU/rsqrt kernels) differ by ~1e-6 relative, so
+  the bound is taken relative to the logit scale there.
+* bfloat16 / float16 output: rounding the weights changes logits visibly; the bound is on the
+  distribution instead, mean KL(reference || merged) <= 1e-3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from gemma_tpu.errors import UserError, cli_main
+
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
+    "Once upon a time, in a land far away, there lived a",
+)
+FP32_REL_TOL = 1e-4
+LOW_PRECISION_KL = 1e-3
+
+
+@dataclasses.dataclass
+class Comparison:
+    max_abs_diff: float
+    ref_scale: float  # max |reference logit|
+    kl_mean: float
+    kl_max: float
+    argmax_agreement: float
+    positions: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        return (f"max |diff| {self.max_abs_diff:.3g} (logit scale {self.ref_scale:.3g}), KL mean "
+                f"{self.kl_mean:.3g} max {self.kl_max:.3g}, argmax agreement {100 * self.argmax_agreement:.1f}% "
+                f"over {self.positions} positions")
+
+
+@dataclasses.dataclass
+class Report:
+    comparison: Comparison
+    passed: bool
+    reason: str
+
+    def summary(self) -> str:
+        return f"verify: {'PASS' if self.passed else 'FAIL'}: {self.comparison.summary()}; {self.reason}"
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> Comparison:
+    """Logits per prompt, [L, V] each; KL is KL(ref || got) per position."""
+    diffs, kls, agree, scale, n = [], [], 0, 0.0, 0
+    for r, g in zip(ref, got):
+        if r.shape != g.shape:
+            raise UserError(f"logit shapes differ: {r.shape} vs {g.shape} (different vocabularies?)")
+        diffs.append(float(np.abs(r.astype(np.float64) - g).max()))
+        scale = max(scale, float(np.abs(r).max()))
+        lr, lg = _log_softmax(r), _log_softmax(g)
+        kls.extend((np.exp(lr) * (lr - lg)).sum(-1).tolist())
+        agree += int((r.argmax(-1) == g.argmax(-1)).sum())
+        n += r.shape[0]
+    return Comparison(max(diffs), scale, float(np.mean(kls)), float(np.max(kls)), agree / n, n)
+
+
+def prompt_ids(tokenizer_dir: Path, prompts: Sequence[str], vocab_size: int) -> list[list[int]]:
+    """Token ids (with BOS) from the base's tokenizer; fixed pseudo-random ids if it has none."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        ids = [list(tok(p)["input_ids"]) for p in prompts]
+        if all(len(i) > 1 for i in ids) and max(max(i) for i in ids) < vocab_size:
+            return ids
+    except Exception:  # no or unusable tokenizer: the comparison still means something
+        pass
+    rng = np.random.default_rng(0)
+    return [[2] + rng.integers(3, vocab_size, size=8 + 4 * i).tolist() for i in range(len(prompts))]
+
+
+def hf_logits(model_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
+    """Logits of an HF directory with transformers in float32, eager attention, one prompt at a time."""
+    import torch
+    import transformers
+
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    except ValueError:  # multimodal classes are not registered as causal LMs everywhere
+        model = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), **kwargs)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for seq in ids:
+            out.append(model(input_ids=torch.tensor([seq])).logits[0].float().numpy())
+    del model
+    return out
+
+
+def load_checkpoint_into(model, source) -> None:
+    """Put the checkpoint's params (LoRA factors, or all params) into a Tunix nnx model."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    params = source.params.read(source.params.names())
+    kind = nnx.LoRAParam if source.is_lora else nnx.Param
+    seen = set()
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, kind):
+            name = ".".join(str(p) for p in path)
+            if name not in params:
+                raise UserError(f"the JAX model has {name}, which the checkpoint lacks")
+            value = var.get_value() if hasattr(var, "get_value") else var.value
+            new = jnp.asarray(params[name].astype(np.float32), dtype=value.dtype)
+            if new.shape != value.shape:
+                raise UserError(f"{name}: checkpoint shape {new.shape}, model shape {value.shape}")
+            if hasattr(var, "set_value"):
+                var.set_value(new)
+            else:
+                var.value = new
+            seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise UserError(f"checkpoint tensor {missing[0]} has no place in the JAX model")
+
+
+def jax_logits(source, base_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
+    """Reference logits: the Tunix model as trained (base + LoRA via Qwix, or full params)."""
+    import jax
+    import jax.numpy as jnp
+    from tunix.sft import utils as su
+
+    from gemma_tpu.config import LoraConfig
+    from gemma_tpu.lora import apply_lora
+    from gemma_tpu.models import load_model, resolve_model
+
+    resolved = resolve_model(str(base_dir))
+    model, cfg = load_model(resolved, "float32")
+    if source.is_lora:
+        lora = LoraConfig(rank=int(source.lora["rank"]), alpha=float(source.lora["alpha"]),
+                          targets=list(source.lora["targets"]))
+        model = apply_lora(model, resolved.family, cfg, lora)
+    load_checkpoint_into(model, source)
+    out = []
+    with jax.default_matmul_precision("highest"):
+        for seq in ids:
+            tokens = jnp.asarray([seq], dtype=jnp.int32)
+            mask = jnp.ones(tokens.shape, dtype=jnp.bool_)
+            logits, _ = model(tokens, su.build_positions_from_mask(mask), None, su.make_causal_attn_mask(mask))
+            out.append(np.asarray(logits[0], dtype=np.float32))
+    return out
+
+
+def judge(c: Comparison, dtype_name: str) -> Report:
+    if dtype_name == "float32":
+        tol = FP32_REL_TOL * max(1.0, c.ref_scale)
+        ok = c.max_abs_diff <= tol
+        return Report(c, ok, f"float32 bound: max |diff| <= {tol:.3g}")
+    ok = c.kl_mean <= LOW_PRECISION_KL
+    return Report(c, ok, f"{dtype_name} bound: KL mean <= {LOW_PRECISION_KL:g}")
+
+
+def verify_merge(source, base_dir: Path, merged_dir: Path, dtype_name: str,
+                 prompts: Sequence[str] = DEFAULT_PROMPTS) -> Report:
+    from gemma_tpu.models.registry import text_config
+
+    vocab = int(text_config(source.hf_config)["vocab_size"])
+    ids = prompt_ids(base_dir, prompts, vocab)
+    ref = jax_logits(source, base_dir, ids)
+    got = hf_logits(merged_dir, ids)
+    return judge(compare(ref, got), dtype_name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m convert.verify", description="Compare two HF model dirs by logits.")
+    p.add_argument("a", help="reference HF directory")
+    p.add_argument("b", help="HF directory to compare")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a fixed set)")
+    p.add_argument("--max-abs-diff", type=float, help="fail (exit 1) above this max |logit diff|")
+    p.add_argument("--max-kl", type=float, help="fail (exit 1) above this mean KL(A||B)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from gemma_tpu.models.loading import read_hf_config
+    from gemma_tpu.models.registry import text_config
+
+    dirs = [Path(args.a), Path(args.b)]
+    configs = [read_hf_config(d) for d in dirs]
+    vocab = int(text_config(configs[0])["vocab_size"])
+    ids = prompt_ids(dirs[0], args.prompt or DEFAULT_PROMPTS, vocab)
+    c = compare(hf_logits(dirs[0], ids), hf_logits(dirs[1], ids))
+    failed = []
+    if args.max_abs_diff is not None and c.max_abs_diff > args.max_abs_diff:
+        failed.append(f"max |diff| {c.max_abs_diff:.3g} > {args.max_abs_diff:g}")
+    if args.max_kl is not None and c.kl_mean > args.max_kl:
+        failed.append(f"KL mean {c.kl_mean:.3g} > {args.max_kl:g}")
+    if args.json:
+        print(json.dumps({**c.as_dict(), "passed": not failed, "failures": failed}, indent=2))
+    else:
+        print(c.summary())
+    if failed:
+        print(f"error: {'; '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))
