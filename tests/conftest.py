@@ -1,5 +1,51 @@
-"""Shared pytest settings."""
+"""Shared pytest fixtures: tiny random Gemma 3 checkpoints written by transformers, helpers to run CLIs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: needs the real embedded model (about a minute to prepare once)")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Gemma3ForCausalLM (GQA: 4 heads, 2 KV heads) as a real HF directory."""
+    from gemma_tpu.tiny import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny") / "gemma3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mha_dir(tmp_path_factory) -> Path:
+    """Same, with as many KV heads as query heads (Tunix fuses q/k/v into one weight)."""
+    from gemma_tpu.tiny import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny_mha") / "gemma3", seed=1, num_key_value_heads=4)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run `python -m ...` as a user would, capturing output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """Non-zero exit, an `error:` line naming the thing, and no traceback."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]

@@ -1,0 +1,64 @@
+"""Typed config: YAML + dotted overrides, unknown keys and bad types rejected by name."""
+
+from pathlib import Path
+
+import pytest
+
+from gemma_tpu.config import RunConfig, load_config, parse_override
+from gemma_tpu.errors import UserError
+from tests.conftest import REPO, assert_one_line_error, run_cli
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if not p.name.startswith("serve")], ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.model.path
+
+
+def test_required_key_names_exist():
+    cfg = load_config(REPO / "configs/tiny.yaml", [
+        "model.path=/x", "data.train_path=a.jsonl", "data.eval_path=b.jsonl", "data.seq_len=128", "lora.rank=4",
+        "lora.alpha=8", "lora.targets=[q_proj,k_proj,v_proj]", "train.max_steps=20", "train.batch_size=2",
+        "train.learning_rate=1e-3", "train.seed=3", "checkpoint.dir=/tmp/x", "checkpoint.every_steps=5"])
+    assert (cfg.model.path, cfg.data.seq_len, cfg.lora.rank, cfg.train.max_steps) == ("/x", 128, 4, 20)
+    assert cfg.lora.targets == ["q_proj", "k_proj", "v_proj"]
+    assert cfg.train.learning_rate == pytest.approx(1e-3)
+    assert cfg.checkpoint.every_steps == 5 and cfg.train.seed == 3
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(UserError, match=r"unknown config key 'train.max_stpes'"):
+        load_config(REPO / "configs/tiny.yaml", ["train.max_stpes=3"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: x\n  dtyp: float32\n")
+    with pytest.raises(UserError, match=r"bad.yaml: unknown config key 'model.dtyp'"):
+        load_config(bad)
+
+
+def test_bad_values_are_named(tmp_path):
+    with pytest.raises(UserError, match=r"train.batch_size: expected an integer"):
+        load_config(None, ["train.batch_size=four"])
+    with pytest.raises(UserError, match=r"model.dtype: 'float16' is not one of"):
+        load_config(None, ["model.dtype=float16"])
+    with pytest.raises(UserError, match=r"lora.targets: unknown module 'qproj'"):
+        load_config(None, ["lora.targets=[qproj]"])
+    with pytest.raises(UserError, match=r"not of the form"):
+        parse_override("train.max_steps")
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(UserError, match=r"broken.yaml line \d+: not valid YAML"):
+        load_config(bad)
+
+
+def test_print_config_cli():
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--print-config", "train.max_steps=20")
+    assert proc.returncode == 0, proc.stderr
+    assert "max_steps: 20" in proc.stdout and "seq_len:" in proc.stdout
+
+
+def test_typo_cli_is_one_line():
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "train.max_stpes=3")
+    assert_one_line_error(proc, "train.max_stpes")

@@ -1,0 +1,133 @@
+"""Model registry and loading: Tunix's Gemma 3 built from config.json matches transformers."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from gemma_tpu.errors import UserError
+from gemma_tpu.models import load_model, resolve_model
+from gemma_tpu.models.registry import detect_family, supported_architectures
+from tests.conftest import assert_one_line_error, run_cli
+
+PROMPTS = ["Hello world, this is a tiny test of the model!",
+           "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+           "A longer prompt that runs past the sliding window of sixteen tokens, so local layers matter."]
+
+
+def jax_logits(model, ids):
+    import jax.numpy as jnp
+    from gemma_tpu.loss import attention_mask
+
+    t = jnp.asarray([ids], jnp.int32)
+    seg = jnp.ones_like(t)
+    pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
+    logits, _ = model(t, pos, None, attention_mask(seg))
+    return np.asarray(logits[0])
+
+
+def hf_logits(model_dir, ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("which", ["tiny_dir", "tiny_mha_dir"])
+def test_tiny_matches_transformers(which, request):
+    from transformers import AutoTokenizer
+
+    d = request.getfixturevalue(which)
+    resolved = resolve_model(str(d))
+    assert resolved.family.name == "gemma3"
+    model, cfg = load_model(resolved, "float32")
+    tok = AutoTokenizer.from_pretrained(str(d))
+    for p in PROMPTS:
+        ids = tok(p).input_ids
+        assert ids[0] == 2
+        diff = np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max()
+        assert diff < 1e-4, (p, diff)
+
+
+def test_config_built_from_config_json(tiny_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    resolved = resolve_model(str(d))
+    tc = resolved.family.tunix_config(cfg)
+    assert (tc.num_layers, tc.embed_dim, tc.num_heads, tc.num_kv_heads, tc.head_dim) == (2, 64, 4, 2, 16)
+    assert tc.sliding_window_size == 16 and tc.num_embed == 512
+    cfg["final_logit_softcapping"] = 30.0
+    with pytest.raises(UserError, match="final_logit_softcapping"):
+        resolved.family.tunix_config(cfg)
+
+
+def test_unsupported_architecture_lists_supported():
+    with pytest.raises(UserError) as e:
+        detect_family({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    for arch in supported_architectures():
+        assert arch in str(e.value)
+    assert "LlamaForCausalLM" in str(e.value)
+
+
+def test_multimodal_text_config_is_detected():
+    fam = detect_family({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                         "text_config": {"model_type": "gemma3_text"}})
+    assert fam.name == "gemma3"
+
+
+def test_missing_weight_is_named(tiny_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "broken"
+    shutil.copytree(tiny_dir, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"model.layers.1.mlp.up_proj.weight' is missing"):
+        load_model(resolve_model(str(d)))
+
+
+def test_sharded_checkpoint_loads(tiny_dir, tmp_path):
+    """A checkpoint split across files with model.safetensors.index.json loads the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "sharded"
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    hf.save_pretrained(str(d), max_shard_size="100KB")
+    shutil.copy(tiny_dir / "tokenizer.json", d)
+    assert (d / "model.safetensors.index.json").is_file()
+    assert len(list(d.glob("*.safetensors"))) > 1
+    m1, _ = load_model(resolve_model(str(tiny_dir)))
+    m2, _ = load_model(resolve_model(str(d)))
+    ids = [2, 120, 130, 140, 150]
+    np.testing.assert_array_equal(jax_logits(m1, ids), jax_logits(m2, ids))
+
+
+def test_hub_id_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match=r"google/gemma-3-does-not-exist: not a local directory"):
+        resolve_model("google/gemma-3-does-not-exist")
+
+
+def test_missing_model_path_cli(tmp_path):
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tmp_path}/nope",
+                   f"checkpoint.dir={tmp_path}/ck")
+    assert_one_line_error(proc, f"{tmp_path}/nope")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_non_gemma_config_cli(tiny_dir, tmp_path):
+    d = tmp_path / "llama"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (d / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={d}",
+                   f"checkpoint.dir={tmp_path}/ck")
+    assert_one_line_error(proc, "unsupported architecture LlamaForCausalLM", "Gemma3ForCausalLM")
+    assert not (tmp_path / "ck").exists()
