@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -35,11 +36,15 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.eval_batches = eval_batches or []
         self._eval_pos = 0
         self.first_signature: dict | None = None
+        # Test hook: seconds to sleep per batch, so kill/resume tests can hit a run mid-flight.
+        self.delay = float(os.environ.get("GEMMA_TPU_STEP_DELAY", "0") or 0)
         self.tokens = 0  # non-padding tokens fed
         self.useful = 0  # loss-bearing tokens fed
         self.batches = 0
 
     def load_next_train_batch(self, train_ctx):
+        if self.delay:
+            time.sleep(self.delay)
         try:
             batch = next(self.stream)
         except StopIteration:

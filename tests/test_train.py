@@ -1,0 +1,133 @@
+"""Training end to end on the tiny model: determinism, exact resume after SIGKILL, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, assert_one_line_error, run_cli
+
+
+def train(tiny_dir, ckpt, *extra, env=None):
+    return run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                   f"checkpoint.dir={ckpt}", *extra, env=env)
+
+
+def losses(ckpt) -> list[float]:
+    rows = [json.loads(l) for l in (Path(ckpt) / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["loss"] for r in rows if r["mode"] == "train"}
+    return [by_step[k] for k in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_dir, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ref") / "ckpt"
+    proc = train(tiny_dir, ckpt, "train.max_steps=8", "checkpoint.every_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ckpt
+
+
+def test_run_writes_checkpoints_metadata_and_metrics(reference_run):
+    ck = reference_run
+    meta = json.loads((ck / "gemma_tpu_run.json").read_text())
+    assert meta["format"] == "gemma-tpu-checkpoint"
+    assert meta["base_model"]["family"] == "gemma3"
+    assert meta["lora"]["rank"] == 4 and meta["lora"]["alpha"] == 8.0
+    assert sorted(meta["lora"]["targets"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"])
+    assert meta["config"]["train"]["max_steps"] == 8
+    steps = sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit())
+    assert steps[-1] == 8
+    assert (ck / "8" / "model_params").is_dir() and (ck / "8" / "optimizer_state").is_dir()
+    summary = json.loads((ck / "summary.json").read_text())
+    assert summary["train_step_compiles"] == 1
+    assert summary["final_eval_loss"] < summary["first_eval_loss"]
+    assert list((ck / "tensorboard").rglob("events.*"))
+    l = losses(ck)
+    assert len(l) == 8 and l[-1] < l[0]
+
+
+def test_same_seed_same_losses(tiny_dir, reference_run, tmp_path):
+    proc = train(tiny_dir, tmp_path / "again", "train.max_steps=8", "checkpoint.every_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(tmp_path / "again") == losses(reference_run)
+
+
+def test_sigkill_then_rerun_resumes_exactly(tiny_dir, reference_run, tmp_path):
+    """Kill -9 after the step-4 checkpoint exists; the same command resumes and ends identical."""
+    ck = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+           f"checkpoint.dir={ck}", "train.max_steps=8", "checkpoint.every_steps=2"]
+    env = {**os.environ, "GEMMA_TPU_STEP_DELAY": "0.5"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (ck / "4" / "_CHECKPOINT_METADATA").exists():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (ck / "4").exists()
+    done = json.loads((ck / "summary.json").read_text()) if (ck / "summary.json").exists() else None
+    assert done is None, "the run finished before it was killed"
+    proc = train(tiny_dir, ck, "train.max_steps=8", "checkpoint.every_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((ck / "summary.json").read_text())
+    assert summary["resumed_from"] >= 4
+    assert losses(ck)[-1] == losses(reference_run)[-1]
+    from gemma_tpu.checkpoint import read_params
+    import numpy as np
+
+    a, b = read_params(ck, 8), read_params(reference_run, 8)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_sigterm_saves_current_step(tiny_dir, tmp_path):
+    ck = tmp_path / "term"
+    cmd = [sys.executable, "-m", "gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+           f"checkpoint.dir={ck}", "train.max_steps=50", "checkpoint.every_steps=1000"]
+    env = {**os.environ, "GEMMA_TPU_STEP_DELAY": "0.3"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        m = ck / "metrics.jsonl"
+        if m.exists() and sum(1 for l in m.read_text().splitlines() if '"train"' in l) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    steps = [int(p.name) for p in ck.iterdir() if p.name.isdigit()]
+    assert steps and max(steps) >= 3, err[-2000:]
+    assert "SIGTERM" in err
+
+
+def test_empty_dataset(tiny_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = train(tiny_dir, tmp_path / "ck", f"data.train_path={empty}")
+    assert_one_line_error(proc, str(empty), "empty")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_bad_json_line_names_file_and_line(tiny_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{oops\n')
+    proc = train(tiny_dir, tmp_path / "ck", f"data.train_path={bad}")
+    assert_one_line_error(proc, f"{bad}:2")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_resume_with_other_rank_is_refused(tiny_dir, reference_run, tmp_path):
+    import shutil
+
+    ck = tmp_path / "copy"
+    shutil.copytree(reference_run, ck)
+    before = sorted(p.name for p in ck.rglob("*"))
+    proc = train(tiny_dir, ck, "train.max_steps=10", "lora.rank=8")
+    assert_one_line_error(proc, "lora.rank=4", "8")
+    assert sorted(p.name for p in ck.rglob("*")) == before
