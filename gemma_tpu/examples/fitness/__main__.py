@@ -1,0 +1,78 @@
+"""`python -m gemma_tpu.examples.fitness generate|stats ...`
+
+    generate --out DIR [--seed S] [--train N --validation N --test N]
+        write train.jsonl, validation.jsonl, test.jsonl (deterministic in the seed)
+    stats --data DIR [--tokenizer HF_DIR]
+        examples per tool and rendered token lengths (default tokenizer: the embedded Gemma 3 270M)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from gemma_tpu.errors import UserError, cli_main
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gemma_tpu.examples.fitness", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="write the train/validation/test JSONL files")
+    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--train", type=int, default=1200)
+    g.add_argument("--validation", type=int, default=150)
+    g.add_argument("--test", type=int, default=200)
+    s = sub.add_parser("stats", help="examples per tool and token lengths of a generated directory")
+    s.add_argument("--data", required=True, help="directory with the split files")
+    s.add_argument("--tokenizer", default="embedded:gemma3-270m", help="HF dir, hub id or embedded:NAME")
+    return p.parse_args(list(argv))
+
+
+def _stats(data: Path, tokenizer_spec: str) -> None:
+    import json
+
+    from gemma_tpu.examples.fitness.dataset import SPLITS, token_lengths
+    from gemma_tpu.generate import load_tokenizer
+    from gemma_tpu.models.loading import resolve_path
+
+    tokenizer = load_tokenizer(resolve_path(tokenizer_spec))
+    for split in SPLITS:
+        path = data / f"{split}.jsonl"
+        if not path.is_file():
+            continue
+        tools = collections.Counter()
+        for line in path.read_text().splitlines():
+            ex = json.loads(line)
+            tools[next(m for m in ex["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]["name"]] += 1
+        lengths = token_lengths(path, tokenizer)
+        print(f"{split}: {len(lengths)} examples; tokens median {statistics.median(lengths):.0f}, "
+              f"max {max(lengths)}, min {min(lengths)}; per tool: "
+              + ", ".join(f"{k}={v}" for k, v in sorted(tools.items())))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv or [])
+    if args.command == "generate":
+        from gemma_tpu.examples.fitness.dataset import generate, write_splits
+
+        sizes = {"train": args.train, "validation": args.validation, "test": args.test}
+        if any(v < 0 for v in sizes.values()):
+            raise UserError("split sizes must be non-negative")
+        paths = write_splits(generate(args.seed, sizes), args.out)
+        for split, path in paths.items():
+            print(f"{split}: {sizes[split]} examples -> {path}")
+        return 0
+    data = Path(args.data)
+    if not data.is_dir():
+        raise UserError(f"--data {data}: not a directory")
+    _stats(data, args.tokenizer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -1,0 +1,273 @@
+"""Greedy, KV-cached generation on the Tunix model, shared by `evaluate` and `chat`.
+
+We decode with the same JAX model that training uses (a base HF directory loaded through Tunix,
+or a base plus the LoRA factors of a gemma-tpu checkpoint), so what is measured is what was
+trained. Tunix's own sampler re-tokenizes strings (adding BOS, dropping control tokens); we
+render ids ourselves, so this module takes ids.
+
+Static shapes: prompts are left-padded to a bucket length and the batch is filled to a fixed
+size, so one compilation serves every prompt of a bucket. Left padding keeps the last prompt
+token of every row at the same cache index, which is what Tunix's cache (one write index for the
+batch) needs. Decoding is a `lax.while_loop` that stops when every row has produced a stop token
+(`<end_of_turn>`, `<eos>`, or the marker the model emits to hand over to a tool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from gemma_tpu.errors import UserError
+
+log = logging.getLogger(__name__)
+
+END_OF_TURN_ID = 106
+EOS_ID = 1
+PAD_ID = 0
+BOS_ID = 2
+CALL_END_MARKER = "<start_function_response>"  # what the model emits to end a tool call
+DEFAULT_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
+
+
+@dataclasses.dataclass
+class Generation:
+    """One decoded continuation."""
+
+    ids: list[int]  # generated ids, the stop token included when there was one
+    text: str  # decoded text with FunctionGemma markers restored (token map reversed)
+    stop: str  # "end_of_turn" | "call" | "eos" | "length"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready for generation and scoring, with what is needed to render prompts for it."""
+
+    model: Any  # Tunix nnx model (possibly with LoRA)
+    tokenizer: Any
+    token_map: dict[str, str]
+    chat_format: str
+    description: str
+    tunix_cfg: Any = None
+
+
+def _decode_text(tokenizer, ids: Sequence[int], token_map: dict[str, str]) -> str:
+    from gemma_tpu.tool_calls import unmap_markers
+
+    text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    return unmap_markers(text, token_map)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    step = 512
+    return ((n + step - 1) // step) * step
+
+
+def _init_cache(model, batch: int, size: int) -> dict:
+    """Tunix Gemma 3's cache layout: per layer k, v [B, S, K, H] and a write index."""
+    import jax.numpy as jnp
+
+    cfg = model.config
+    emb = model.embedder.input_embedding
+    dtype = (emb.get_value() if hasattr(emb, "get_value") else emb.value).dtype
+    shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+    return {f"layer_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+                           "end_index": jnp.zeros((batch,), jnp.int32)}
+            for i in range(cfg.num_layers)}
+
+
+def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, *, max_new: int):
+    """Prefill the left-padded prompts, then decode greedily until every row stopped.
+
+    Returns the [B, max_new] generated ids (PAD after a row's stop token) and their count.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.merge(graphdef, state)
+    b, p = tokens.shape
+    size = p + max_new
+    cache = _init_cache(model, b, size)
+    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=-1) - 1, 0).astype(jnp.int32)
+    causal = jnp.tril(jnp.ones((p, p), bool))
+    attn = prompt_mask[:, None, :] & causal[None]
+    attn = jnp.pad(attn, ((0, 0), (0, 0), (0, max_new)))
+    logits, cache = model(tokens, positions, cache, attn)
+    first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    keys = jnp.concatenate([prompt_mask, jnp.zeros((b, max_new), bool)], axis=1)
+    out = jnp.full((b, max_new), PAD_ID, jnp.int32)
+
+    def cond(c):
+        step, _, _, _, _, _, done = c
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(c):
+        step, cache, tok, pos, keys, out, done = c
+        out = out.at[:, step].set(jnp.where(done, PAD_ID, tok))
+        done = done | jnp.isin(tok, stop_ids)
+        keys = keys.at[:, p + step].set(True)
+        pos = pos + 1
+        logits, cache = model(tok[:, None], pos[:, None], cache, keys[:, None, :])
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        return step + 1, cache, nxt, pos, keys, out, done
+
+    init = (jnp.int32(0), cache, first, positions[:, -1], keys, out, jnp.zeros((b,), bool))
+    step, _, _, _, _, out, _ = jax.lax.while_loop(cond, body, init)
+    return out, step
+
+
+class Generator:
+    """Batched greedy generation from token ids, compiled once per (bucket, batch size)."""
+
+    def __init__(self, loaded: LoadedModel, *, max_new_tokens: int = 64, batch_size: int = 8,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS):
+        import jax
+        from flax import nnx
+
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.token_map = loaded.token_map
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+        self.buckets = tuple(sorted(buckets))
+        call_end = self.token_map.get(CALL_END_MARKER, CALL_END_MARKER)
+        call_id = self.tokenizer.convert_tokens_to_ids(call_end)
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        self.call_end_id = call_id if isinstance(call_id, int) and call_id != unk else None
+        stops = [END_OF_TURN_ID, EOS_ID] + ([self.call_end_id] if self.call_end_id is not None else [])
+        self.stop_ids = np.asarray(stops, np.int32)
+        self._graphdef, self._state = nnx.split(loaded.model)
+        self._fn = jax.jit(functools.partial(_greedy, self._graphdef), static_argnames=("max_new",))
+
+    def _stop_reason(self, ids: list[int]) -> str:
+        if ids and ids[-1] == END_OF_TURN_ID:
+            return "end_of_turn"
+        if ids and self.call_end_id is not None and ids[-1] == self.call_end_id:
+            return "call"
+        if ids and ids[-1] == EOS_ID:
+            return "eos"
+        return "length"
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
+                 on_batch: Callable[[int], None] | None = None) -> list[Generation]:
+        """Continue each prompt (ids starting with BOS); `on_batch(n)` reports progress."""
+        max_new = max_new_tokens or self.max_new_tokens
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
+        results: list[Generation | None] = [None] * len(prompts)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start:start + self.batch_size]
+            length = _bucket(max(len(prompts[i]) for i in idx), self.buckets)
+            tokens = np.full((self.batch_size, length), PAD_ID, np.int32)
+            mask = np.zeros((self.batch_size, length), bool)
+            for row in range(self.batch_size):
+                ids = np.asarray(prompts[idx[row]] if row < len(idx) else [BOS_ID], np.int32)
+                if len(ids) == 0:
+                    raise UserError("cannot generate from an empty prompt")
+                tokens[row, length - len(ids):] = ids
+                mask[row, length - len(ids):] = True
+            out, steps = self._fn(self._state, tokens, mask, self.stop_ids, max_new=max_new)
+            out, steps = np.asarray(out), int(steps)
+            stops = set(self.stop_ids.tolist())
+            for row, i in enumerate(idx):
+                ids: list[int] = []
+                for t in out[row, :steps].tolist():  # PAD only follows a stop token
+                    ids.append(t)
+                    if t in stops:
+                        break
+                body = ids[:-1] if ids and ids[-1] in stops else ids
+                results[i] = Generation(ids, _decode_text(self.tokenizer, body, self.token_map),
+                                        self._stop_reason(ids))
+            if on_batch:
+                on_batch(len(idx))
+        return results  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise UserError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
+def load_hf_dir(path: str, dtype: str = "float32") -> LoadedModel:
+    """A base or merged HF directory (or hub id / embedded:NAME) through `load_model`."""
+    from gemma_tpu.data.render import function_token_map
+    from gemma_tpu.models import load_model, resolve_model
+
+    resolved = resolve_model(path)
+    tokenizer = load_tokenizer(resolved.local_dir)
+    model, tunix_cfg = load_model(resolved, dtype)
+    return LoadedModel(model, tokenizer, function_token_map(tokenizer), resolved.family.chat_format,
+                       f"model:{path}", tunix_cfg)
+
+
+def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = None) -> LoadedModel:
+    """The checkpoint's base model with the LoRA factors of one step (the latest by default)."""
+    from flax import nnx
+
+    from gemma_tpu import checkpoint
+    from gemma_tpu.config import LoraConfig
+    from gemma_tpu.lora import apply_lora
+    from gemma_tpu.models import load_model, resolve_model
+
+    meta = checkpoint.read_metadata(ckpt_dir)
+    step = checkpoint.resolve_step(ckpt_dir, step)
+    base = meta.get("base_model", {})
+    local = base.get("local_dir") or base.get("path")
+    if not local or not Path(local).is_dir():
+        local = base.get("path")
+    if not local:
+        raise UserError(f"{ckpt_dir}: the checkpoint metadata names no base model")
+    resolved = resolve_model(local, family=base.get("family"))
+    tokenizer = load_tokenizer(resolved.local_dir)
+    model, tunix_cfg = load_model(resolved, dtype or meta.get("dtype") or "float32")
+    params = checkpoint.read_params(ckpt_dir, step)
+    lora_meta = meta.get("lora") or {}
+    if lora_meta.get("enabled", True):
+        lcfg = LoraConfig(rank=int(lora_meta["rank"]), alpha=float(lora_meta["alpha"]),
+                          targets=list(lora_meta["targets"]),
+                          base_quantization=lora_meta.get("base_quantization"))
+        model = apply_lora(model, resolved.family, tunix_cfg, lcfg)
+        _set_params(model, nnx.LoRAParam, params, ckpt_dir, step)
+    else:
+        _set_params(model, nnx.Param, params, ckpt_dir, step)
+    return LoadedModel(model, tokenizer, dict(meta.get("token_map") or {}),
+                       meta.get("chat_format") or resolved.family.chat_format,
+                       f"checkpoint:{ckpt_dir}@{step}", tunix_cfg)
+
+
+def _set_params(model, kind, params: dict[str, np.ndarray], ckpt_dir, step) -> None:
+    """Copy checkpoint arrays onto the model's parameters of `kind`, insisting on a full match."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    state = nnx.state(model, kind)
+    flat = nnx.to_flat_state(state)
+    seen = set()
+    for path, leaf in flat:
+        name = ".".join(str(p) for p in path)
+        if name not in params:
+            raise UserError(f"{ckpt_dir}/{step}: parameter {name} is missing from the checkpoint")
+        value = params[name]
+        current = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
+        if tuple(value.shape) != tuple(current.shape):
+            raise UserError(f"{ckpt_dir}/{step}: {name} has shape {value.shape}, the model expects {current.shape}")
+        leaf.set_value(jnp.asarray(value, current.dtype)) if hasattr(leaf, "set_value") else setattr(
+            leaf, "value", jnp.asarray(value, current.dtype))
+        seen.add(name)
+    if not seen:
+        raise UserError(f"{ckpt_dir}/{step}: the model has no parameters to restore")
+    nnx.update(model, nnx.from_flat_state(flat))

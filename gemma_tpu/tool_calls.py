@@ -1,0 +1,351 @@
+"""Read tool calls back out of model text, in the FunctionGemma format the renderer trains on.
+
+A call looks like `<start_function_call>call:NAME{key:<escape>text<escape>,n:5,ok:true}
+<end_function_call>`: strings between `<escape>` markers (so they may hold commas and braces),
+numbers / booleans / null bare, objects `{...}` and lists `[...]` nested. Models trained on a plain
+Gemma 3 vocabulary write the markers as `<unusedN>` tokens, so text is first mapped back with
+the checkpoint's token map. Servers that drop special tokens from `content` leave
+`call:NAME{key:text}`; that still parses (bare words become strings), so an OpenAI-compatible
+endpoint can be scored by the same rules.
+
+Also here: the chat template that renders tools exactly like `gemma_tpu.data.render`, for
+serving a fine-tuned model with `transformers serve` (tools in the request become declarations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from gemma_tpu.data.render import FUNCTION_MARKERS, format_call
+
+START_CALL, END_CALL = "<start_function_call>", "<end_function_call>"
+START_RESPONSE = "<start_function_response>"
+ESCAPE = "<escape>"
+_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+# Text that looks like an attempt at a call even without the start marker.
+_CALL_HINT = re.compile(r"(?:^|[^\w])call:\s*[A-Za-z_]|<end_function_call>|<start_function_call>")
+
+
+class CallSyntaxError(ValueError):
+    """The text tries a call that does not parse."""
+
+
+@dataclasses.dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclasses.dataclass
+class ParsedReply:
+    """What a model turn amounts to: calls, plain text, or a call attempt that did not parse."""
+
+    kind: str  # "call" | "text" | "format_error"
+    calls: list[ToolCall]
+    text: str  # the turn's text outside the calls (the answer, for kind == "text")
+    error: str | None = None
+
+    @property
+    def first(self) -> ToolCall | None:
+        return self.calls[0] if self.calls else None
+
+
+def unmap_markers(text: str, token_map: dict[str, str] | None) -> str:
+    """Undo the renderer's marker -> `<unusedN>` substitution (longest replacement first)."""
+    for marker, repl in sorted((token_map or {}).items(), key=lambda kv: -len(kv[1])):
+        text = text.replace(repl, marker)
+    return text
+
+
+class _Reader:
+    """Recursive-descent reader of one FunctionGemma value."""
+
+    def __init__(self, text: str, pos: int):
+        self.s, self.i = text, pos
+
+    def _ws(self) -> None:
+        while self.i < len(self.s) and self.s[self.i] in " \t\r\n":
+            self.i += 1
+
+    def _fail(self, what: str) -> CallSyntaxError:
+        near = self.s[self.i:self.i + 20]
+        return CallSyntaxError(f"{what} at offset {self.i} (near {near!r})" if near else f"{what} at the end")
+
+    def value(self, stops: str) -> Any:
+        self._ws()
+        s = self.s
+        if s.startswith(ESCAPE, self.i):
+            end = s.find(ESCAPE, self.i + len(ESCAPE))
+            if end < 0:
+                raise self._fail("unterminated <escape> string")
+            v = s[self.i + len(ESCAPE):end]
+            self.i = end + len(ESCAPE)
+            return v
+        if self.i >= len(s):
+            raise self._fail("missing value")
+        if s[self.i] == "{":
+            return self.obj()
+        if s[self.i] == "[":
+            return self.array()
+        if s[self.i] == '"':  # a JSON string, as some models write
+            try:
+                v, end = json.JSONDecoder().raw_decode(s, self.i)
+            except json.JSONDecodeError:
+                raise self._fail("bad quoted string") from None
+            self.i = end
+            return v
+        # bare word: number, true/false/null, or (servers that strip <escape>) plain text
+        j = self.i
+        while j < len(s) and s[j] not in stops and not s.startswith(ESCAPE, j) and not s.startswith("<end_", j):
+            j += 1
+        word = s[self.i:j].strip()
+        if not word:
+            raise self._fail("missing value")
+        self.i = j
+        if word in ("true", "false"):
+            return word == "true"
+        if word == "null":
+            return None
+        if _NUMBER.fullmatch(word):
+            num = float(word)
+            return int(num) if re.fullmatch(r"-?\d+", word) else num
+        return word
+
+    def obj(self) -> dict[str, Any]:
+        assert self.s[self.i] == "{"
+        self.i += 1
+        out: dict[str, Any] = {}
+        self._ws()
+        if self.i < len(self.s) and self.s[self.i] == "}":
+            self.i += 1
+            return out
+        while True:
+            self._ws()
+            if self.s.startswith(ESCAPE, self.i):  # an escaped key
+                key = self.value(":")
+            else:
+                m = re.compile(r'"?([^:{}\[\],"<]+)"?').match(self.s, self.i)
+                if not m:
+                    raise self._fail("expected a key")
+                key, self.i = m.group(1).strip(), m.end()
+            self._ws()
+            if self.i >= len(self.s) or self.s[self.i] != ":":
+                raise self._fail(f"expected ':' after key {key!r}")
+            self.i += 1
+            out[str(key)] = self.value(",}")
+            self._ws()
+            if self.i >= len(self.s):
+                raise self._fail("unclosed '{'")
+            if self.s[self.i] == ",":
+                self.i += 1
+                continue
+            if self.s[self.i] == "}":
+                self.i += 1
+                return out
+            raise self._fail("expected ',' or '}'")
+
+    def array(self) -> list[Any]:
+        assert self.s[self.i] == "["
+        self.i += 1
+        out: list[Any] = []
+        self._ws()
+        if self.i < len(self.s) and self.s[self.i] == "]":
+            self.i += 1
+            return out
+        while True:
+            out.append(self.value(",]"))
+            self._ws()
+            if self.i >= len(self.s):
+                raise self._fail("unclosed '['")
+            if self.s[self.i] == ",":
+                self.i += 1
+                continue
+            if self.s[self.i] == "]":
+                self.i += 1
+                return out
+            raise self._fail("expected ',' or ']'")
+
+
+def parse_call_body(text: str, pos: int = 0) -> tuple[ToolCall, int]:
+    """Parse `call:NAME{...}` starting at `pos`; returns the call and the offset after it."""
+    r = _Reader(text, pos)
+    r._ws()
+    if not text.startswith("call:", r.i):
+        raise r._fail("expected 'call:'")
+    r.i += len("call:")
+    r._ws()
+    m = _NAME.match(text, r.i)
+    if not m:
+        raise r._fail("expected a function name")
+    name, r.i = m.group(0), m.end()
+    r._ws()
+    if r.i >= len(text) or text[r.i] != "{":
+        raise r._fail(f"expected '{{' after call:{name}")
+    args = r.obj()
+    return ToolCall(name, args), r.i
+
+
+def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedReply:
+    """Classify and parse one model turn (already cut at its stop token)."""
+    text = unmap_markers(text, token_map)
+    calls: list[ToolCall] = []
+    outside: list[str] = []
+    pos = 0
+    try:
+        while True:
+            start = text.find(START_CALL, pos)
+            if start < 0:
+                rest = text[pos:]
+                if not calls and _CALL_HINT.search(rest):
+                    # no start marker (stripped by a server, or forgotten): try the bare form
+                    m = re.search(r"call:", rest)
+                    if m is None:
+                        raise CallSyntaxError("a call marker without 'call:NAME{...}'")
+                    call, end = parse_call_body(rest, m.start())
+                    calls.append(call)
+                    outside.append(rest[:m.start()])
+                    rest = rest[end:]
+                    rest = rest[len(END_CALL):] if rest.startswith(END_CALL) else rest
+                outside.append(rest)
+                break
+            outside.append(text[pos:start])
+            call, end = parse_call_body(text, start + len(START_CALL))
+            calls.append(call)
+            if text.startswith(END_CALL, end):
+                end += len(END_CALL)
+            elif end < len(text) and not text.startswith(START_RESPONSE, end):
+                raise CallSyntaxError(f"call:{call.name}{{...}} is not followed by {END_CALL}")
+            pos = end
+    except CallSyntaxError as e:
+        return ParsedReply("format_error", calls, text, str(e))
+    plain = "".join(outside)
+    for marker in FUNCTION_MARKERS:
+        plain = plain.replace(marker, "")
+    return ParsedReply("call" if calls else "text", calls, plain.strip())
+
+
+def roundtrip_text(name: str, args: dict) -> str:
+    """The exact text the renderer trains for a call (for tests and tooling)."""
+    return format_call(name, args)
+
+
+# ------------------------------------------------------------------------ argument matching
+
+
+def normalise_value(v: Any) -> Any:
+    """Compare arguments by meaning, not spelling: '5' == 5 == 5.0, 'True' == true, case-insensitive
+    trimmed strings, containers element-wise."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        t = v.strip()
+        low = t.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        if _NUMBER.fullmatch(t):
+            return float(t)
+        return " ".join(low.split())
+    if isinstance(v, dict):
+        return {str(k).strip().lower(): normalise_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [normalise_value(x) for x in v]
+    return v
+
+
+def arguments_match(reference: dict, predicted: dict) -> bool:
+    """Every reference argument is present with an equal value (extra predicted ones are allowed)."""
+    pred = normalise_value(predicted or {})
+    for k, v in normalise_value(reference or {}).items():
+        if k not in pred or pred[k] != v:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------- chat template
+
+_TEMPLATE = r"""
+{%- macro text_of(content) -%}
+  {%- if content is none -%}
+  {%- elif content is string -%}{{- content -}}
+  {%- elif content is mapping -%}{{- content | tojson -}}
+  {%- else -%}{%- for part in content -%}{{- part['text'] if part['text'] is defined else '' -}}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- macro fmt(v) -%}
+  {%- if v is string -%}{{- '<escape>' ~ v ~ '<escape>' -}}
+  {%- elif v is boolean -%}{{- 'true' if v else 'false' -}}
+  {%- elif v is none -%}{{- 'null' -}}
+  {%- elif v is number -%}{{- v | tojson -}}
+  {%- elif v is mapping -%}{{- '{' -}}{%- for k in v -%}{{- k ~ ':' ~ fmt(v[k]) -}}{{- ',' if not loop.last else '' -}}{%- endfor -%}{{- '}' -}}
+  {%- elif v is iterable -%}{{- '[' -}}{%- for x in v -%}{{- fmt(x) -}}{{- ',' if not loop.last else '' -}}{%- endfor -%}{{- ']' -}}
+  {%- else -%}{{- '<escape>' ~ v ~ '<escape>' -}}
+  {%- endif -%}
+{%- endmacro -%}
+{{- bos_token -}}
+{%- set ns = namespace(preamble='', in_model=false, last_call='') -%}
+{%- set msgs = messages -%}
+{%- if msgs and msgs[0]['role'] in ['system', 'developer'] -%}
+  {%- set ns.preamble = text_of(msgs[0]['content']) -%}
+  {%- set msgs = msgs[1:] -%}
+{%- endif -%}
+{%- if tools -%}
+  {{- '<start_of_turn>developer\n' ~ ns.preamble -}}
+  {%- for t in tools -%}
+    {%- set fn = t['function'] if t['function'] is defined else t -%}
+    {%- set body = {'description': fn['description'] if fn['description'] is defined else ''} -%}
+    {%- if fn['parameters'] is defined and fn['parameters'] -%}{%- set body = dict(body, parameters=fn['parameters']) -%}{%- endif -%}
+    {{- '<start_function_declaration>declaration:' ~ fn['name'] ~ fmt(body) ~ '<end_function_declaration>' -}}
+  {%- endfor -%}
+  {{- '<end_of_turn>\n' -}}
+  {%- set ns.preamble = '' -%}
+{%- endif -%}
+{%- for m in msgs -%}
+  {%- if m['role'] in ['user', 'system', 'developer'] -%}
+    {%- if ns.in_model -%}{{- '<end_of_turn>\n' -}}{%- set ns.in_model = false -%}{%- endif -%}
+    {%- set text = text_of(m['content']) -%}
+    {%- if ns.preamble -%}{%- set text = ns.preamble ~ '\n\n' ~ text -%}{%- set ns.preamble = '' -%}{%- endif -%}
+    {{- '<start_of_turn>user\n' ~ text ~ '<end_of_turn>\n' -}}
+  {%- elif m['role'] in ['assistant', 'model'] -%}
+    {%- if not ns.in_model -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+    {%- if m['tool_calls'] is defined and m['tool_calls'] -%}
+      {%- for c in m['tool_calls'] -%}
+        {%- set f = c['function'] if c['function'] is defined else c -%}
+        {%- set ns.last_call = f['name'] -%}
+        {{- '<start_function_call>call:' ~ f['name'] ~ fmt(f['arguments'] if f['arguments'] is mapping else {}) ~ '<end_function_call>' -}}
+      {%- endfor -%}
+      {{- '<start_function_response>' -}}
+      {%- set ns.in_model = true -%}
+    {%- else -%}
+      {{- text_of(m['content']) ~ '<end_of_turn>\n' -}}
+      {%- set ns.in_model = false -%}
+    {%- endif -%}
+  {%- elif m['role'] == 'tool' -%}
+    {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.last_call -%}
+    {%- set c = m['content'] -%}
+    {%- if c is mapping -%}{%- set value = c -%}{%- else -%}{%- set value = {'result': text_of(c)} -%}{%- endif -%}
+    {{- 'response:' ~ name ~ fmt(value) ~ '<end_function_response>' -}}
+    {%- set ns.in_model = true -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt and not ns.in_model -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+"""
+
+
+def tool_chat_template(token_map: dict[str, str] | None = None) -> str:
+    """A Jinja chat template rendering tools, calls and responses as the renderer does.
+
+    Prompts (system/developer, user turns, tools) render byte-identically to
+    `Renderer.render(conv, add_generation_prompt=True).text`. A tool message whose content is a
+    JSON *string* cannot be parsed in Jinja, so it renders as `{result:<escape>...<escape>}`
+    unless the client sends the content as an object.
+    """
+    text = _TEMPLATE.strip()
+    for marker, repl in (token_map or {}).items():
+        text = text.replace(marker, repl)
+    return text

@@ -1,0 +1,588 @@
+"""Converters: merge (LoRA and full), PEFT export, verify, inspect, errors and atomicity.
+
+Reference logits come from the Tunix model that was saved (in memory, before the checkpoint is
+written), so every comparison goes checkpoint -> converter -> transformers against the JAX model
+the trainer would have used. Fixtures are module-scoped: the tiny models and checkpoints are made
+once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convert import safetensors_io as sio
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Several prompts, one longer than the tiny models' sliding window (16).
+PROMPTS = [[2, 107, 150, 151, 170, 200], [2, *range(120, 140)], [2, 300, 301, 5, 9, 400, 106, 105, 511, 250, 251]]
+TOL = 1e-4
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def tunix_logits(model, prompts=PROMPTS) -> list[np.ndarray]:
+    import jax
+    import jax.numpy as jnp
+    from tunix.sft import utils as su
+
+    out = []
+    with jax.default_matmul_precision("highest"):
+        for seq in prompts:
+            tokens = jnp.asarray([seq], dtype=jnp.int32)
+            mask = jnp.ones(tokens.shape, dtype=jnp.bool_)
+            logits, _ = model(tokens, su.build_positions_from_mask(mask), None, su.make_causal_attn_mask(mask))
+            out.append(np.asarray(logits[0], dtype=np.float32))
+    return out
+
+
+def hf_logits(model_dir, prompts=PROMPTS, adapter=None) -> list[np.ndarray]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([p])).logits[0].numpy() for p in prompts]
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def make_checkpoint(base_dir: Path, ckpt_dir: Path, *, rank=4, alpha=8.0, targets=ALL_TARGETS, full=False,
+                    seed=0) -> list[np.ndarray]:
+    """Save a checkpoint exactly as the trainer does (random non-zero factors, or perturbed full
+    params) and return the Tunix model's logits on PROMPTS."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.sft.checkpoint_manager import CheckpointManager
+
+    from gemma_tpu.checkpoint import build_metadata, write_metadata
+    from gemma_tpu.config import LoraConfig, RunConfig
+    from gemma_tpu.lora import apply_lora
+    from gemma_tpu.models import load_model, resolve_model
+
+    resolved = resolve_model(str(base_dir))
+    model, cfg = load_model(resolved, "float32")
+    rng = np.random.default_rng(seed)
+    if full:
+        kind = nnx.Param
+    else:
+        model = apply_lora(model, resolved.family, cfg, LoraConfig(rank=rank, alpha=alpha, targets=list(targets)))
+        kind = nnx.LoRAParam
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, kind):
+            value = var.get_value()
+            noise = rng.normal(0.0, 0.02 if full else 0.1, value.shape).astype(np.float32)
+            var.set_value(value + jnp.asarray(noise) if full else jnp.asarray(noise))
+    cm = CheckpointManager(str(ckpt_dir))
+    cm.save(1, model, None, save_only_lora_params=not full, force=True)
+    cm.close()
+    run = RunConfig()
+    run.model.path = str(base_dir)
+    run.lora.enabled = not full
+    run.lora.rank, run.lora.alpha, run.lora.targets = rank, alpha, list(targets)
+    write_metadata(ckpt_dir, build_metadata(run, resolved))
+    return tunix_logits(model)
+
+
+def merge(*args: str) -> int:
+    from convert.merge_orbax import main
+    from gemma_tpu.errors import cli_main
+
+    return cli_main(main, [str(a) for a in args])
+
+
+def ordered_keys(model_dir: Path) -> list[str]:
+    return sio.WeightsDir(model_dir).names()
+
+
+def leftovers(out: Path) -> list[str]:
+    """Anything at or beside `out` carrying its name (the target, temp or old dirs)."""
+    if not out.parent.exists():
+        return []
+    return sorted(p.name for p in out.parent.iterdir() if p.name == out.name or p.name.startswith(f".{out.name}."))
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("convert")
+
+
+@pytest.fixture(scope="module")
+def base(work) -> Path:
+    from gemma_tpu.tiny import write_tiny_gemma3
+
+    return write_tiny_gemma3(work / "base", seed=0)
+
+
+@pytest.fixture(scope="module")
+def lora_ckpt(work, base):
+    ckpt = work / "ckpt"
+    ref = make_checkpoint(base, ckpt, rank=4, alpha=8.0)
+    return ckpt, ref
+
+
+@pytest.fixture(scope="module")
+def merged(work, lora_ckpt) -> Path:
+    out = work / "merged"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out) == 0
+    return out
+
+
+# ------------------------------------------------------------------------------ merge
+
+
+def test_merged_matches_jax_lora_model(base, lora_ckpt, merged):
+    _, ref = lora_ckpt
+    got = hf_logits(merged)
+    assert max_diff(ref, got) <= TOL
+    # and the LoRA update matters: the base is far off
+    assert max_diff(ref, hf_logits(base)) > 100 * TOL
+
+
+def test_merged_layout(base, merged):
+    from safetensors import safe_open
+
+    base_keys = [k for k in ordered_keys(base) if k != "lm_head.weight"]
+    assert ordered_keys(merged) == base_keys
+    bw, mw = sio.WeightsDir(base), sio.WeightsDir(merged)
+    for k in base_keys:
+        assert mw[k].shape == bw[k].shape and mw[k].dtype == bw[k].dtype
+    files = list(merged.glob("*.safetensors"))
+    assert [f.name for f in files] == ["model.safetensors"]
+    assert not (merged / "model.safetensors.index.json").exists()
+    with safe_open(str(files[0]), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert "lm_head.weight" not in f.keys()
+    gen = json.loads((merged / "generation_config.json").read_text())
+    assert {1, 106} <= set(gen["eos_token_id"])
+    cfg = json.loads((merged / "config.json").read_text())
+    assert cfg["dtype"] == "float32" and cfg["architectures"] == ["Gemma3ForCausalLM"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (merged / name).read_bytes() == (base / name).read_bytes()
+    prov = json.loads((merged / "gemma_tpu_merge.json").read_text())
+    assert prov["step"] == 1 and prov["lora"]["rank"] == 4 and prov["lora"]["targets"] == ALL_TARGETS
+    # untouched tensors are copied byte for byte
+    assert mw.read("model.norm.weight").tobytes() == bw.read("model.norm.weight").tobytes()
+
+
+def test_lm_head_dropped_when_tied(work, base, lora_ckpt):
+    """A base that stores a tied lm_head.weight loses it in the merge."""
+    from safetensors.numpy import load_file, save_file
+
+    with_head = work / "base_with_head"
+    shutil.copytree(base, with_head)
+    t = load_file(str(base / "model.safetensors"))
+    t["lm_head.weight"] = t["model.embed_tokens.weight"]
+    save_file(t, str(with_head / "model.safetensors"), metadata={"format": "pt"})
+    out = work / "merged_head"
+    assert merge("--checkpoint", lora_ckpt[0], "--base", with_head, "--out", out) == 0
+    assert "lm_head.weight" not in ordered_keys(out)
+    assert json.loads((out / "gemma_tpu_merge.json").read_text())["dropped"] == ["lm_head.weight"]
+
+
+def test_fused_qkv(work):
+    """num_attention_heads == num_key_value_heads: Tunix fuses q, k and v into qkv_einsum."""
+    from gemma_tpu.tiny import write_tiny_gemma3
+
+    base = write_tiny_gemma3(work / "base_mha", seed=1, num_key_value_heads=4)
+    ckpt = work / "ckpt_mha"
+    ref = make_checkpoint(base, ckpt, rank=3, alpha=6.0, seed=1)
+    out = work / "merged_mha"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert max_diff(ref, hf_logits(out)) <= TOL
+    assert max_diff(ref, hf_logits(base)) > 100 * TOL
+
+
+def test_subset_of_targets(work, base):
+    ckpt = work / "ckpt_subset"
+    ref = make_checkpoint(base, ckpt, rank=2, alpha=4.0, targets=["k_proj", "v_proj", "down_proj"], seed=2)
+    out = work / "merged_subset"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert max_diff(ref, hf_logits(out)) <= TOL
+    bw, mw = sio.WeightsDir(base), sio.WeightsDir(out)
+    assert np.array_equal(bw.read("model.layers.0.self_attn.q_proj.weight"), mw.read("model.layers.0.self_attn.q_proj.weight"))
+    assert not np.array_equal(bw.read("model.layers.0.self_attn.k_proj.weight"), mw.read("model.layers.0.self_attn.k_proj.weight"))
+
+
+def test_multimodal_layout(work, base, lora_ckpt):
+    """Decoder under `language_model.model.`, a vision tower copied untouched, LoRA where expected."""
+    from safetensors.numpy import load_file, save_file
+
+    from gemma_tpu.checkpoint import read_metadata, read_params, write_metadata
+    from gemma_tpu.models import get_family
+
+    text_ckpt, _ = lora_ckpt
+    mm = work / "base_mm"
+    mm.mkdir()
+    text = load_file(str(base / "model.safetensors"))
+    vision = np.random.default_rng(3).normal(size=(8, 3, 4, 4)).astype(np.float32)
+    tensors = {"vision_tower.vision_model.embeddings.patch_embedding.weight": vision}
+    tensors.update({"language_model." + k: v for k, v in text.items()})
+    save_file(tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    text_cfg = json.loads((base / "config.json").read_text())
+    mm_cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_cfg,
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8}, "tie_word_embeddings": True,
+              "dtype": "float32"}
+    (mm / "config.json").write_text(json.dumps(mm_cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(base / f, mm / f)
+    # the same training run, recorded as if it had been made on the multimodal checkpoint
+    ckpt = work / "ckpt_mm"
+    shutil.copytree(text_ckpt, ckpt)
+    meta = read_metadata(ckpt)
+    meta["hf_config"] = mm_cfg
+    meta["base_model"] = {**meta["base_model"], "path": str(mm), "local_dir": str(mm)}
+    write_metadata(ckpt, {k: v for k, v in meta.items() if k not in ("format", "version")})
+
+    out = work / "merged_mm"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert ordered_keys(out) == ordered_keys(mm)
+    bw, mw = sio.WeightsDir(mm), sio.WeightsDir(out)
+    key = "vision_tower.vision_model.embeddings.patch_embedding.weight"
+    assert mw.read(key).tobytes() == bw.read(key).tobytes()
+    # expected merged arrays, from the checkpoint's raw factors in numpy
+    params = read_params(ckpt, 1)
+    family = get_family("gemma3")
+    cfg = family.tunix_config(text_cfg)
+    changed = 0
+    for proj in family.projections(cfg):
+        for layer in range(cfg.num_layers):
+            a = params[f"layers.{layer}.{proj.tunix_module}.{proj.tunix_param}_lora_a"]
+            b = params[f"layers.{layer}.{proj.tunix_module}.{proj.tunix_param}_lora_b"]
+            hf_key = family.hf_key("language_model.model.", layer, proj)
+            w = bw.read(hf_key)
+            shape = {"q_einsum": (cfg.num_heads, cfg.embed_dim, cfg.head_dim),
+                     "kv_einsum": (2, cfg.num_kv_heads, cfg.embed_dim, cfg.head_dim),
+                     "attn_vec_einsum": (cfg.num_heads, cfg.head_dim, cfg.embed_dim),
+                     "gate_proj": (cfg.embed_dim, cfg.hidden_dim), "up_proj": (cfg.embed_dim, cfg.hidden_dim),
+                     "down_proj": (cfg.hidden_dim, cfg.embed_dim)}[proj.tunix_module.split(".")[-1]]
+            a_hf, b_hf = proj.lora_to_peft(a, b, shape)
+            expected = w + (8.0 / 4) * (b_hf @ a_hf)
+            np.testing.assert_allclose(mw.read(hf_key), expected, rtol=0, atol=1e-6)
+            changed += 1
+    assert changed == 7 * cfg.num_layers
+    for k in ("language_model.model.norm.weight", "language_model.model.embed_tokens.weight"):
+        assert mw.read(k).tobytes() == bw.read(k).tobytes()
+    assert json.loads((out / "config.json").read_text())["text_config"]["dtype"] == "float32"
+
+
+def test_bf16_output_with_verify(work, lora_ckpt, merged):
+    out = work / "merged_bf16"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--dtype", "bfloat16", "--verify") == 0
+    mw = sio.WeightsDir(out)
+    assert {t.dtype for t in mw.tensors.values()} == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # the bf16 weights are the fp32 merge rounded once
+    key = "model.layers.1.mlp.up_proj.weight"
+    rounded = sio.WeightsDir(merged).read(key).astype(sio.DTYPES["BF16"])
+    assert mw.read(key).tobytes() == rounded.tobytes()
+
+
+def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch):
+    import convert.verify as verify
+
+    monkeypatch.setattr(verify, "FP32_REL_TOL", 0.0)
+    out = work / "merged_fail"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+    err = capsys.readouterr().err
+    assert "verification failed" in err and err.strip().splitlines()[-1].startswith("error: ")
+    assert not out.exists()
+    assert (work / "merged_fail.unverified" / "model.safetensors").is_file()
+
+
+def test_full_finetune(work, base):
+    ckpt = work / "ckpt_full"
+    ref = make_checkpoint(base, ckpt, full=True, seed=4)
+    out = work / "merged_full"
+    assert merge("--checkpoint", ckpt, "--out", out, "--verify") == 0
+    assert max_diff(ref, hf_logits(out)) <= TOL
+    assert max_diff(ref, hf_logits(base)) > 100 * TOL
+    assert json.loads((out / "gemma_tpu_merge.json").read_text())["kind"] == "full"
+
+
+def test_sharded_output(work, lora_ckpt, merged):
+    out = work / "merged_sharded"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--max-shard-size", "100KB") == 0
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) >= 3 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    w = sio.WeightsDir(out)
+    assert index["metadata"]["total_size"] == w.total_bytes == sio.WeightsDir(merged).total_bytes
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    for s in shards:  # each shard within the limit unless it holds a single larger tensor
+        infos, meta = sio.file_tensors(s)
+        assert meta == {"format": "pt"}
+        assert sum(t.nbytes for t in infos) <= 100_000 or len(infos) == 1
+    assert w.names() == ordered_keys(merged)
+    assert max_diff(hf_logits(out), hf_logits(merged)) == 0.0
+
+
+def test_overwrite_replaces(work, lora_ckpt, merged):
+    out = work / "merged_again"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--dtype", "bfloat16") == 0
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--overwrite") == 0
+    assert {t.dtype for t in sio.WeightsDir(out).tensors.values()} == {"F32"}
+    assert leftovers(out) == [out.name]
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def _expect_error(capsys, out: Path, *args, contains: str) -> str:
+    rc = merge(*args, "--out", out)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0
+    assert err and err[-1].startswith("error: ") and contains in err[-1], err
+    assert leftovers(out) == []
+    return err[-1]
+
+
+def test_error_missing_checkpoint_dir_cli(work):
+    """Through the real CLI: exit code 2, one line, no traceback."""
+    out = work / "err_cli"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(work / "nope"),
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: checkpoint directory {work / 'nope'} does not exist"]
+    assert leftovers(out) == []
+
+
+def test_error_no_metadata(work, capsys):
+    empty = work / "not_a_ckpt"
+    empty.mkdir(exist_ok=True)
+    _expect_error(capsys, work / "err1", "--checkpoint", empty, contains="gemma_tpu_run.json")
+
+
+def test_error_missing_step(work, lora_ckpt, capsys):
+    msg = _expect_error(capsys, work / "err2", "--checkpoint", lora_ckpt[0], "--step", "99", contains="step 99")
+    assert "have: 1" in msg
+
+
+def test_error_existing_out(work, lora_ckpt, capsys):
+    out = work / "err3"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc = merge("--checkpoint", lora_ckpt[0], "--out", out)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ") and "--overwrite" in err[-1]
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert leftovers(out) == [out.name]
+
+
+def test_error_shape_mismatch(work, lora_ckpt, capsys):
+    from gemma_tpu.tiny import write_tiny_gemma3
+
+    other = write_tiny_gemma3(work / "base_h32", seed=5, hidden_size=32)
+    msg = _expect_error(capsys, work / "err4", "--checkpoint", lora_ckpt[0], "--base", other,
+                        contains="shape mismatch")
+    assert "model.layers.0.self_attn.q_proj.weight" in msg and "(64, 64)" in msg and "(64, 32)" in msg
+
+
+def test_error_base_without_config(work, base, lora_ckpt, capsys):
+    broken = work / "base_noconfig"
+    shutil.copytree(base, broken)
+    (broken / "config.json").unlink()
+    _expect_error(capsys, work / "err5", "--checkpoint", lora_ckpt[0], "--base", broken, contains="config.json")
+
+
+def test_error_base_without_weights(work, base, lora_ckpt, capsys):
+    broken = work / "base_noweights"
+    shutil.copytree(base, broken)
+    (broken / "model.safetensors").unlink()
+    _expect_error(capsys, work / "err6", "--checkpoint", lora_ckpt[0], "--base", broken, contains="safetensors")
+
+
+# ------------------------------------------------------------------------------ atomicity
+
+
+def _start_merge(ckpt: Path, out: Path, *extra: str, slow: float = 0.15) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GEMMA_TPU_MERGE_SLOW": str(slow)}
+    return subprocess.Popen([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(ckpt),
+                             "--out", str(out), *extra], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_for_tmp(proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    tmp = out.parent / f".{out.name}.tmp-{proc.pid}"
+    while not tmp.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def _complete(out: Path) -> bool:
+    names = {p.name for p in out.iterdir()}
+    return {"model.safetensors", "config.json", "gemma_tpu_merge.json"} <= names and len(sio.WeightsDir(out).names()) == 28
+
+
+def test_sigkill_never_leaves_partial_output(work, lora_ckpt):
+    ckpt = lora_ckpt[0]
+    out = work / "atomic"
+    rnd = random.Random(0)
+    # 28 tensors at 0.15 s each: the write phase lasts about 4 s; kill at random points in it
+    for _ in range(3):
+        proc = _start_merge(ckpt, out)
+        _wait_for_tmp(proc, out)
+        time.sleep(rnd.uniform(0.0, 3.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not out.exists()
+    stale = [p for p in work.iterdir() if p.name.startswith(".atomic.tmp-")]
+    assert stale  # what SIGKILL leaves behind: a hidden temp dir, never the target
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert _complete(out)
+    assert leftovers(out) == ["atomic"]  # the re-run cleaned the stale temp dirs
+
+    # --overwrite killed half-way: the old output is still there, whole
+    before = (out / "gemma_tpu_merge.json").read_text()
+    proc = _start_merge(ckpt, out, "--overwrite", "--dtype", "bfloat16")
+    _wait_for_tmp(proc, out)
+    time.sleep(rnd.uniform(0.5, 3.0))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _complete(out) and (out / "gemma_tpu_merge.json").read_text() == before
+
+
+def test_sigterm_cleans_up(work, lora_ckpt):
+    out = work / "atomic_term"
+    proc = _start_merge(lora_ckpt[0], out)
+    _wait_for_tmp(proc, out)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    assert leftovers(out) == []
+
+
+# ------------------------------------------------------------------------------ PEFT
+
+
+def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
+    from safetensors import safe_open
+
+    from convert.export_peft import main
+    from gemma_tpu.errors import cli_main
+
+    out = work / "adapter"
+    assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 0
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    assert cfg["target_modules"] == ALL_TARGETS and cfg["base_model_name_or_path"] == str(base)
+    assert cfg["bias"] == "none" and cfg["fan_in_fan_out"] is False
+    with safe_open(str(out / "adapter_model.safetensors"), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+        keys = set(f.keys())
+        p = "base_model.model.model.layers.1.self_attn."
+        assert f.get_tensor(p + "q_proj.lora_A.weight").shape == (4, 64)
+        assert f.get_tensor(p + "q_proj.lora_B.weight").shape == (64, 4)
+        assert f.get_tensor(p + "k_proj.lora_B.weight").shape == (32, 4)
+        # K and V share the fused kv_einsum's A
+        assert np.array_equal(f.get_tensor(p + "k_proj.lora_A.weight"), f.get_tensor(p + "v_proj.lora_A.weight"))
+        assert not np.array_equal(f.get_tensor(p + "k_proj.lora_B.weight"), f.get_tensor(p + "v_proj.lora_B.weight"))
+    assert len(keys) == 2 * 7 * 2
+    assert max_diff(hf_logits(base, adapter=out), hf_logits(merged)) <= TOL
+
+
+def test_peft_export_refuses_full_finetune(work, capsys):
+    from convert.export_peft import main
+    from gemma_tpu.errors import cli_main
+
+    ckpt = work / "ckpt_full"
+    if not ckpt.exists():
+        pytest.skip("needs test_full_finetune's checkpoint")
+    out = work / "adapter_full"
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out)]) == 2
+    assert "full fine-tune" in capsys.readouterr().err
+    assert leftovers(out) == []
+
+
+# ------------------------------------------------------------------------------ verify / inspect
+
+
+def test_verify_cli(base, merged, capsys):
+    from convert.verify import main
+
+    assert main([str(merged), str(merged), "--json"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["max_abs_diff"] == 0.0 and same["argmax_agreement"] == 1.0 and same["kl_mean"] <= 1e-12
+    assert main([str(base), str(merged), "--max-abs-diff", "1e-6"]) == 1
+
+
+def test_inspect(base, lora_ckpt, merged, capsys):
+    from convert.inspect import main
+
+    assert main([str(lora_ckpt[0]), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["steps"] == [1] and info["lora"]["rank"] == 4 and info["base_model"]["path"] == str(base)
+    names = {t["name"]: t for t in info["tensors"]}
+    assert names["layers.0.attn.kv_einsum.w_lora_b"]["shape"] == [4, 2, 2, 16]
+    assert info["total_bytes"] == sum(4 * int(np.prod(t["shape"])) for t in info["tensors"])
+    assert main([str(merged), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architectures"] == ["Gemma3ForCausalLM"] and info["shards"] == 1
+    assert info["total_bytes"] == sio.WeightsDir(merged).total_bytes and len(info["tensors"]) == 28
+    assert main([str(merged)]) == 0
+    assert "28 tensors" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ safetensors I/O
+
+
+def test_writer_roundtrip(tmp_path):
+    from safetensors import safe_open
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "b": rng.normal(size=(3, 5)).astype(sio.DTYPES["BF16"]),
+        "a": rng.normal(size=(7,)).astype(np.float16),
+        "s": np.array(3.5, dtype=np.float32),
+        "i": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "e": np.zeros((0, 4), dtype=np.float32),
+    }
+    specs = [sio.OutSpec(k, sio.st_dtype(v.dtype), v.shape) for k, v in arrays.items()]
+    w = sio.ShardedWriter(tmp_path, specs, max_shard_bytes=40)
+    for k, v in arrays.items():
+        w.write_tensor(k, v)
+    w.close()
+    got = sio.WeightsDir(tmp_path)
+    assert got.names() == list(arrays)
+    with safe_open(str(tmp_path / got[list(arrays)[1]].file.name), framework="pt") as f:
+        assert f.get_tensor("a").numpy().tobytes() == arrays["a"].tobytes()
+    for k, v in arrays.items():
+        assert got.read(k).tobytes() == v.tobytes() and got[k].shape == v.shape
+    with pytest.raises(RuntimeError, match="out of order"):
+        sio.ShardedWriter(tmp_path / "x", specs, 1 << 20).begin("a")
+
+
+def test_parse_size():
+    from gemma_tpu.errors import UserError
+
+    assert sio.parse_size("5GB") == 5 * 10**9
+    assert sio.parse_size("200KB") == 200_000
+    assert sio.parse_size("1GiB") == 2**30
+    assert sio.parse_size("1024") == 1024
+    with pytest.raises(UserError):
+        sio.parse_size("lots")
