@@ -135,9 +135,14 @@ def run(cfg: RunConfig) -> dict:
             pbar_description="train",
         )
         chunk = 1024
+        from gemma_tpu import flops as flops_lib
+
+        step_flops = flops_lib.training_flops(tunix_cfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
+                                              len(cfg.lora.targets))
         trainer = Trainer(
             model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
             tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
+            flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
             price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
         )
         from gemma_tpu.loss import make_loss_fn

@@ -124,7 +124,7 @@ class Trainer(peft_trainer.PeftTrainer):
     """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards."""
 
     def __init__(self, model, optimizer, training_config, *, feed: BatchFeed, run_dir: str | Path,
-                 tokens_per_step: int, flops_per_token: float = 0.0, peak_flops: float = 0.0,
+                 tokens_per_step: int, flops=None, peak_flops: float = 0.0,
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
                  metrics_logger=None, compile_counter: CompileCounter | None = None):
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
@@ -135,7 +135,7 @@ class Trainer(peft_trainer.PeftTrainer):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tokens_per_step = tokens_per_step
-        self.flops_per_token = flops_per_token
+        self.flops = flops  # gemma_tpu.flops.StepFlops
         self.peak_flops = peak_flops
         self.price_per_hour = price_per_hour
         self.on_nonfinite = on_nonfinite
@@ -188,8 +188,9 @@ class Trainer(peft_trainer.PeftTrainer):
                 rec["tokens_per_s"] = steps * self.tokens_per_step / dt
                 rec["nonpad_tokens_per_s"] = (self.feed.tokens - self._tok_last) / dt
                 rec["useful_tokens_per_s"] = (self.feed.useful - self._useful_last) / dt
-                if self.flops_per_token:
-                    tflops = rec["tokens_per_s"] * self.flops_per_token / 1e12
+                if self.flops is not None:
+                    done = self.flops.step(steps * self.tokens_per_step, self.feed.useful - self._useful_last)
+                    tflops = done / dt / 1e12
                     rec["tflops_per_s"] = tflops
                     if self.peak_flops:
                         rec["mfu"] = tflops * 1e12 / self.peak_flops
@@ -231,12 +232,18 @@ class Trainer(peft_trainer.PeftTrainer):
             "first_eval_loss": evals[0]["loss"] if evals else None,
         }
         if steady:
-            t = sum(r["step_time_s"] for r in steady) / len(steady)
-            out["mean_step_time_s"] = round(t, 4)
-            out["tokens_per_s"] = round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1)
-            out["useful_tokens_per_s"] = round(sum(r["useful_tokens_per_s"] for r in steady) / len(steady), 1)
-            if "mfu" in steady[-1]:
-                out["mfu"] = round(sum(r["mfu"] for r in steady) / len(steady), 4)
+            # medians: the last interval is cut short by the final flush of PeftTrainer's buffer
+            def med(key):
+                vals = sorted(r[key] for r in steady if key in r)
+                return vals[len(vals) // 2] if vals else None
+
+            out["median_step_time_s"] = round(med("step_time_s"), 4)
+            out["tokens_per_s"] = round(med("tokens_per_s"), 1)
+            out["useful_tokens_per_s"] = round(med("useful_tokens_per_s"), 1)
+            if med("tflops_per_s") is not None:
+                out["tflops_per_s"] = round(med("tflops_per_s"), 4)
+            if med("mfu") is not None:
+                out["mfu"] = round(med("mfu"), 4)
             if self.price_per_hour:
                 out["est_cost_per_run"] = round(self.price_per_hour * out["wall_s"] / 3600, 4)
         return out
