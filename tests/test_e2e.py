@@ -1,0 +1,93 @@
+"""Backbone end to end: train (CLI) -> Orbax checkpoint -> merge (CLI) -> transformers reloads it.
+
+The merged directory must give the JAX LoRA model's logits (fp32, within 1e-4) and differ clearly
+from the base model's.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import assert_one_line_error, run_cli
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir, tmp_path_factory):
+    ck = tmp_path_factory.mktemp("e2e") / "ckpt"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                   f"checkpoint.dir={ck}", "train.max_steps=6", "train.learning_rate=0.05",
+                   "checkpoint.every_steps=3", "data.eval_path=null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ck
+
+
+def hf_logits(model_dir, prompts):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            out.append(model(torch.tensor([tok(p).input_ids])).logits[0].numpy())
+    return out
+
+
+def jax_lora_logits(ckpt, step, prompts):
+    """The JAX LoRA model (base + factors from the checkpoint), built as training built it."""
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.checkpoint import read_metadata, read_params
+    from gemma_tpu.config import LoraConfig
+    from gemma_tpu.lora import apply_lora
+    from gemma_tpu.models import load_model, resolve_model
+    from tests.test_models import jax_logits
+
+    meta = read_metadata(ckpt)
+    r = resolve_model(meta["base_model"]["local_dir"])
+    model, cfg = load_model(r, "float32")
+    lc = LoraConfig(rank=meta["lora"]["rank"], alpha=meta["lora"]["alpha"], targets=meta["lora"]["targets"])
+    model = apply_lora(model, r.family, cfg, lc)
+    params = read_params(ckpt, step)
+    state = nnx.state(model, nnx.LoRAParam)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        var.set_value(params[".".join(str(p) for p in path)])
+    nnx.update(model, nnx.from_flat_state(flat))
+    tok = AutoTokenizer.from_pretrained(str(r.local_dir))
+    return [jax_logits(model, tok(p).input_ids) for p in prompts]
+
+
+PROMPTS = ["Hi, I am Ada. What is 3 plus 4?", "<start_of_turn>user\nAnd doubled?<end_of_turn>\n<start_of_turn>model\n",
+           "A longer prompt that runs past the sliding window of sixteen tokens."]
+
+
+def test_merged_matches_jax_lora_and_differs_from_base(trained, tiny_dir, tmp_path):
+    out = tmp_path / "merged"
+    proc = run_cli("convert.merge_orbax", "--checkpoint", str(trained), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = hf_logits(out, PROMPTS)
+    base = hf_logits(tiny_dir, PROMPTS)
+    ours = jax_lora_logits(trained, 6, PROMPTS)
+    for m, b, j in zip(merged, base, ours):
+        assert np.abs(m - j).max() < 1e-4
+        assert np.abs(m - b).max() > 1e-2
+    meta = json.loads((out / "generation_config.json").read_text())
+    eos = meta["eos_token_id"]
+    assert 106 in (eos if isinstance(eos, list) else [eos])
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert "lm_head.weight" not in f.keys()
+
+
+def test_merge_of_dir_without_checkpoint_is_refused(tmp_path):
+    empty = tmp_path / "nockpt"
+    empty.mkdir()
+    proc = run_cli("convert.merge_orbax", "--checkpoint", str(empty), "--out", str(tmp_path / "o"))
+    assert_one_line_error(proc, str(empty))
+    assert not (tmp_path / "o").exists()
