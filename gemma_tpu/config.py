@@ -274,6 +274,10 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         unknown = [t for t in cfg.lora.targets if t not in ALL_TARGETS]
         if unknown:
             bad(f"lora.targets: unknown module {unknown[0]!r} (known: {', '.join(ALL_TARGETS)})")
+    if not cfg.lora.enabled and cfg.train.optimizer == "adafactor":
+        # Tunix's PeftTrainer shards optimizer state with each parameter's partition spec, which
+        # breaks adafactor's factored (lower-rank) second moments; see the scale issue notes.
+        bad("train.optimizer=adafactor is not yet supported for full fine-tuning (lora.enabled=false); use adamw")
     if cfg.data.seq_len < 8:
         bad(f"data.seq_len must be at least 8, got {cfg.data.seq_len}")
     if cfg.train.batch_size <= 0:

@@ -26,8 +26,6 @@ def make_provider(family: Family, tunix_cfg: Any, lora: LoraConfig):
         kwargs["dropout"] = float(lora.dropout)
     if lora.base_quantization:
         kwargs["weight_qtype"] = {"nf4": "nf4", "int8": "int8"}[lora.base_quantization]
-        if lora.base_quantization == "nf4":
-            kwargs["tile_size"] = 64
     return qwix.LoraProvider(**kwargs), projections
 
 
