@@ -52,9 +52,15 @@ def hf_config(shape: dict) -> dict:
     }
 
 
+def dims(s: dict) -> tuple[int, int, int, int, int]:
+    """hidden, intermediate, head_dim, heads, KV heads."""
+    return (s["hidden_size"], s["intermediate_size"], s["head_dim"], s["num_attention_heads"],
+            s["num_key_value_heads"])
+
+
 def base_specs(s: dict) -> list[sio.OutSpec]:
     """HF tensor names and shapes of a Gemma 3 text model, in the order transformers writes them."""
-    d, f, h, nq, nk = s["hidden_size"], s["intermediate_size"], s["head_dim"], s["num_attention_heads"], s["num_key_value_heads"]
+    d, f, h, nq, nk = dims(s)
     specs = [sio.OutSpec("model.embed_tokens.weight", "BF16", (s["vocab_size"], d))]
     for i in range(s["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -86,12 +92,13 @@ def write_base(out: Path, shape: dict) -> None:
             off = 0
     writer.close()
     (out / "config.json").write_text(json.dumps(hf_config(shape), indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}))
+    gen = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}
+    (out / "generation_config.json").write_text(json.dumps(gen))
 
 
 def lora_tree(shape: dict, rng: np.random.Generator) -> dict:
     """The nested tree Tunix's CheckpointManager saves for nnx.state(model, nnx.LoRAParam)."""
-    d, f, h, nq, nk = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    d, f, h, nq, nk = dims(shape)
     r = RANK
 
     def rand(*s):
@@ -218,13 +225,15 @@ def main(argv=None) -> int:
             write_checkpoint(ckpt, base, shape)
         setup = time.perf_counter() - t
         base_bytes = sum(f.stat().st_size for f in base.iterdir())
-        print(f"base: {base} ({human(base_bytes)}, {shape['num_hidden_layers']} layers, setup {setup:.0f}s)", file=sys.stderr)
+        print(f"base: {base} ({human(base_bytes)}, {shape['num_hidden_layers']} layers, setup {setup:.0f}s)",
+              file=sys.stderr)
 
         shutil.rmtree(copy, ignore_errors=True)
         cp = run_measured(["cp", "-r", str(base), str(copy)])
         shutil.rmtree(copy)
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        cmd = [sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(ckpt), "--out", str(out), "--overwrite"]
+        shutil.rmtree(out, ignore_errors=True)  # a fresh target, as for cp: no old output to delete
+        cmd = [sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(ckpt), "--out", str(out)]
         if args.no_fsync:
             cmd.append("--no-fsync")
         merge = run_measured(cmd, env)

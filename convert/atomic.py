@@ -93,6 +93,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_UNSET = object()
+
+
 def _raise_on_sigterm(signum, frame):  # noqa: ARG001
     raise SystemExit(128 + signum)
 
@@ -108,7 +111,7 @@ class AtomicDir:
         self.overwrite = overwrite
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
         self.published = False
-        self._old_sigterm = None
+        self._old_sigterm: object = _UNSET
 
     def __enter__(self) -> Path:
         check_target(self.target, self.overwrite)
@@ -117,8 +120,8 @@ class AtomicDir:
         self.tmp.mkdir()
         try:  # SIGTERM -> SystemExit, so the cleanup below runs
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-        except ValueError:  # not the main thread
-            self._old_sigterm = None
+        except ValueError:  # not the main thread: leave signals alone
+            pass
         return self.tmp
 
     def publish(self) -> Path:
@@ -128,16 +131,17 @@ class AtomicDir:
             if not self.overwrite:  # appeared while we were working
                 raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
             if _exchange(self.tmp, self.target):
-                shutil.rmtree(self.tmp)  # now holds the old output
+                old = self.tmp  # now holds the old output
             else:
                 old = self.target.parent / f".{self.target.name}.old-{os.getpid()}"
                 os.rename(self.target, old)
                 os.rename(self.tmp, self.target)
-                shutil.rmtree(old, ignore_errors=True)
+            self.published = True
+            shutil.rmtree(old, ignore_errors=True)  # if killed here, the next run removes it
         else:
             os.rename(self.tmp, self.target)
+            self.published = True
         _fsync_dir(self.target.parent)
-        self.published = True
         return self.target
 
     def move_to(self, other: Path) -> Path:
@@ -150,7 +154,7 @@ class AtomicDir:
         return other
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
+        if self._old_sigterm is not _UNSET:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._old_sigterm is None else self._old_sigterm)
         if not self.published:
             shutil.rmtree(self.tmp, ignore_errors=True)

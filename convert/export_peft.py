@@ -49,10 +49,15 @@ def adapter_config(source: CheckpointSource, prefix: str) -> dict:
         escaped = re.escape(prefix)
         target_modules = escaped + r"layers\.\d+\.(?:self_attn|mlp)\.(?:" + "|".join(targets) + ")"
     base = source.meta.get("base_model") or {}
+    # PEFT (AutoPeftModel) and vLLM resolve this themselves: a hub id or a directory, not our
+    # `embedded:NAME` scheme, for which the prepared local directory is given instead.
+    base_path = base.get("path")
+    if not base_path or str(base_path).startswith("embedded:"):
+        base_path = base.get("local_dir") or base_path
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base.get("path"),
+        "base_model_name_or_path": base_path,
         "revision": base.get("revision"),
         "r": int(source.lora["rank"]),
         "lora_alpha": source.lora["alpha"],
@@ -87,23 +92,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_target(out, args.overwrite, protected=[source.dir])
     prefix = module_prefix(source.hf_config)
     sites = checked_lora_sites(source, prefix)
-    specs, keys = [], []
+    order = {p.hf_name: i for i, p in enumerate(source.family.projections(source.layout))}
+    sites.sort(key=lambda s: (s[0].layer, order[s[0].proj.hf_name]))  # layer-major, as PEFT writes
+    rank = int(source.lora["rank"])
+    specs = []
     for site, sizes in sites:
         n_out, n_in = hf_shape(site.proj, sizes)
         stem = f"base_model.model.{prefix}layers.{site.layer}.{site.proj.hf_module}"
-        specs += [sio.OutSpec(f"{stem}.lora_A.weight", "F32", (int(source.lora["rank"]), n_in)),
-                  sio.OutSpec(f"{stem}.lora_B.weight", "F32", (n_out, int(source.lora["rank"])))]
-        keys.append(site)
-    # Layer-major order, as PEFT itself writes adapters.
-    order = sorted(range(len(keys)), key=lambda i: (keys[i].layer, i))
-    keys = [keys[i] for i in order]
-    specs = [s for i in order for s in specs[2 * i: 2 * i + 2]]
+        specs += [sio.OutSpec(f"{stem}.lora_A.weight", "F32", (rank, n_in)),
+                  sio.OutSpec(f"{stem}.lora_B.weight", "F32", (n_out, rank))]
     factors = FactorCache(source, sites)
     ad = AtomicDir(out, args.overwrite)
     with ad as tmp:
         writer = sio.ShardedWriter(tmp, specs, max_shard_bytes=1 << 62, single_name=ADAPTER_FILE)
         try:
-            for site, (sa, sb) in zip(keys, zip(specs[0::2], specs[1::2])):
+            for (site, _), sa, sb in zip(sites, specs[0::2], specs[1::2], strict=True):
                 a_hf, b_hf = factors.peft(site)
                 writer.write_tensor(sa.name, np.ascontiguousarray(a_hf, dtype=np.float32))
                 writer.write_tensor(sb.name, np.ascontiguousarray(b_hf, dtype=np.float32))

@@ -108,7 +108,8 @@ def render(info: dict, tensors: bool = True) -> str:
         if lora.get("enabled", True):
             lines.append(f"  LoRA: rank {lora.get('rank')}, alpha {lora.get('alpha')}, targets "
                          f"{', '.join(lora.get('targets') or [])}"
-                         + (f", base quantization {lora['base_quantization']}" if lora.get("base_quantization") else ""))
+                         + (f", base quantization {lora['base_quantization']}"
+                            if lora.get("base_quantization") else ""))
         else:
             lines.append("  full fine-tune")
         lines.append(f"  training dtype: {info.get('dtype')}")
@@ -118,10 +119,12 @@ def render(info: dict, tensors: bool = True) -> str:
                          f"(items: {', '.join(info['items'])})")
     else:
         if info.get("architectures"):
-            lines.append(f"  architecture: {', '.join(info['architectures'])} (config dtype {info.get('config_dtype')})")
+            lines.append(f"  architecture: {', '.join(info['architectures'])} "
+                         f"(config dtype {info.get('config_dtype')})")
         if info.get("adapter"):
             a = info["adapter"]
-            lines.append(f"  adapter: {a['peft_type']} r={a['r']} alpha={a['lora_alpha']} targets={a['target_modules']} "
+            lines.append(f"  adapter: {a['peft_type']} r={a['r']} alpha={a['lora_alpha']} "
+                         f"targets={a['target_modules']} "
                          f"base={a['base_model_name_or_path']}")
         dt = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
         lines.append(f"  {info['num_tensors']} tensors, {human(info['total_bytes'])} ({dt}) in "

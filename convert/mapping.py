@@ -135,7 +135,7 @@ class Layout:
     hidden_dim: int
 
 
-def layout(hf_config: dict) -> Layout:
+def read_layout(hf_config: dict) -> Layout:
     from gemma_tpu.models.registry import text_config
 
     t = text_config(hf_config)

@@ -7,12 +7,14 @@ LoRA checkpoints: every targeted HF weight becomes `W + (alpha/rank) * B_hf @ A_
 float32 in row chunks and cast to the output dtype (default: the base's). Full fine-tunes: the
 decoder tensors come from the checkpoint (Tunix layout converted back through the registry); the
 rest of the base (a vision tower, say) is copied. Keys and their order are the base's; a tied
-`lm_head.weight` is dropped.
+`lm_head.weight` is dropped. A QLoRA run's factors are merged into the unquantized base, as usual.
 
 Streaming: the LoRA factors are read one layer at a time from Orbax to host numpy (no model is
 built, no accelerator memory is touched), base tensors are read in chunks by positioned reads and
 written straight into the output shards, unchanged tensors are copied in the kernel
-(`copy_file_range`). Peak memory is a few 64 MB chunks plus one layer's factors.
+(`copy_file_range`), merged ones are computed in 16 MB row chunks a few at a time (see
+`convert.merge_math`). Peak RSS on a Gemma 3 4B-shaped checkpoint: ~355 MB, most of it the
+imports (numpy, JAX for Orbax); Tunix's model code is never imported.
 
 Safety: everything is checked before writing (checkpoint, step, base files, every shape); the output
 is built in a hidden temp dir beside `--out` and renamed into place at the end (see
@@ -35,7 +37,6 @@ if __name__ == "__main__":
 import argparse
 import dataclasses
 import datetime
-import json
 import shutil
 import sys
 import time
@@ -117,9 +118,9 @@ def plan_merge(args: argparse.Namespace) -> MergePlan:
     out = Path(args.out)
     check_target(out, args.overwrite, protected=[base_dir, source.dir])
     n_layers = text_config(base_config).get("num_hidden_layers")
-    if n_layers is not None and int(n_layers) != source.tunix_cfg.num_layers:
+    if n_layers is not None and int(n_layers) != source.layout.num_layers:
         raise UserError(f"base {base_dir} has num_hidden_layers={n_layers}; the checkpoint was trained "
-                        f"with {source.tunix_cfg.num_layers}")
+                        f"with {source.layout.num_layers}")
     out_dtype = sio.DTYPE_NAMES[args.dtype] if args.dtype else base_float_dtype(weights)
     shapes = {n: t.shape for n, t in weights.tensors.items()}
 
@@ -157,7 +158,7 @@ def check_full_sites(source: CheckpointSource, prefix: str, shapes: dict[str, tu
     """A full fine-tune: every decoder tensor of the base comes from the checkpoint, shapes agree,
     and no checkpoint tensor is left over."""
     specs = source.params.specs
-    sites = full_sites(source.family, source.tunix_cfg, prefix)
+    sites = full_sites(source.family, source.layout, prefix)
     used = set()
     for key, site in sites.items():
         if site.tunix_name not in specs:
@@ -195,7 +196,7 @@ def write_weights(plan: MergePlan, tmp: Path, fsync: bool = True) -> sio.Sharded
     progress = Progress("merge", plan.total_bytes)
     pool = merge_math.make_pool()
     try:
-        for op, spec in zip(plan.ops, plan.specs):
+        for op, spec in zip(plan.ops, plan.specs, strict=True):
             writer.begin(op.name)
             if op.kind == "copy":
                 writer.copy_from(op.src)

@@ -298,6 +298,7 @@ class ShardedWriter:
         self._remaining = 0
         self._pos = 0  # bytes written to the open file
         self._kicked = 0  # bytes of it whose writeback has been started
+        self._in_kernel = hasattr(os, "copy_file_range")
 
     @property
     def total_bytes(self) -> int:
@@ -336,23 +337,26 @@ class ShardedWriter:
         self._remaining -= len(data)
 
     def copy_from(self, src: TensorInfo) -> None:
-        """Copy a tensor's bytes file-to-file in the kernel (copy_file_range), no user-space buffer."""
+        """Copy a tensor's bytes file-to-file in the kernel (copy_file_range), no user-space buffer;
+        plain chunked reads where the kernel or filesystem cannot (EXDEV, ENOSYS, ...)."""
         if src.nbytes > self._remaining:
             raise RuntimeError(f"{self._current.name}: {src.nbytes} bytes given, {self._remaining} expected")
         fd_in = os.open(src.file, os.O_RDONLY)
         try:
             done = 0
             while done < src.nbytes:
-                try:
-                    n = os.copy_file_range(fd_in, self._fd, min(src.nbytes - done, 1 << 30), src.start + done)
-                except OSError:  # cross-filesystem on old kernels, or unsupported: plain reads
-                    n = 0
-                if n <= 0:
+                n = 0
+                if self._in_kernel:
+                    try:
+                        n = os.copy_file_range(fd_in, self._fd, min(src.nbytes - done, 1 << 30), src.start + done)
+                    except OSError:
+                        self._in_kernel = False
+                if n > 0:
+                    self._advance(n)
+                else:
                     chunk = read_bytes(src, done, min(src.nbytes - done, CHUNK_BYTES))
                     self._write_all(memoryview(chunk))
                     n = len(chunk)
-                else:
-                    self._advance(n)
                 done += n
         finally:
             os.close(fd_in)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, layout, lora_sites
+from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites, read_layout
 from convert.orbax_params import CheckpointParams
 from gemma_tpu.checkpoint import read_metadata, resolve_step
 from gemma_tpu.errors import UserError
@@ -26,7 +26,7 @@ class CheckpointSource:
     meta: dict
     family: Family
     hf_config: dict  # the base's config.json as recorded at training time
-    tunix_cfg: Layout  # what the registry's projections need (see convert.mapping.Layout)
+    layout: Layout  # the model shape the registry's projections need (see convert.mapping.Layout)
     params: CheckpointParams
 
     @property
@@ -35,19 +35,16 @@ class CheckpointSource:
 
     @property
     def is_lora(self) -> bool:
-        return bool(self.lora.get("enabled", True)) and any(is_lora_name(n) for n in self.params.names())
+        return bool(self.lora.get("enabled", True))
 
     @property
     def scale(self) -> float:
         return float(self.lora["alpha"]) / float(self.lora["rank"])
 
     @property
-    def base_spec(self) -> str | None:
-        return (self.meta.get("base_model") or {}).get("path")
-
-    @property
     def lora_dropout(self) -> float:
-        return float(((self.meta.get("config") or {}).get("lora") or {}).get("dropout") or self.lora.get("dropout") or 0.0)
+        run_lora = (self.meta.get("config") or {}).get("lora") or {}
+        return float(run_lora.get("dropout") or self.lora.get("dropout") or 0.0)
 
 
 def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> CheckpointSource:
@@ -59,13 +56,18 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
     if not isinstance(hf_config, dict):
         raise UserError(f"{ckpt_dir}: metadata has no hf_config (the base's config.json)")
     family = get_family(base["family"]) if base.get("family") else detect_family(hf_config, f"{ckpt_dir} metadata")
-    tunix_cfg = layout(hf_config)
     lora = meta.get("lora") or {}
     if lora.get("enabled", True):
         for key in ("rank", "alpha", "targets"):
             if lora.get(key) in (None, "", []):
                 raise UserError(f"{ckpt_dir}: metadata lora.{key} is missing")
-    return CheckpointSource(ckpt_dir, step, meta, family, hf_config, tunix_cfg, CheckpointParams(ckpt_dir, step))
+    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, read_layout(hf_config),
+                              CheckpointParams(ckpt_dir, step))
+    has_factors = any(is_lora_name(n) for n in source.params.names())
+    if source.is_lora != has_factors:
+        raise UserError(f"{ckpt_dir}: metadata says {'LoRA' if source.is_lora else 'full fine-tune'} but step "
+                        f"{step} holds {'LoRA factors' if has_factors else 'full parameters'}")
+    return source
 
 
 def resolve_base(source: CheckpointSource, override: str | None = None) -> Path:
@@ -92,7 +94,7 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
     (rank, targets, layer count) and, given `base_shapes`, against the base's tensors."""
     specs = source.params.specs
     rank = int(source.lora["rank"])
-    sites = lora_sites(source.family, source.tunix_cfg, prefix, list(source.lora["targets"]))
+    sites = lora_sites(source.family, source.layout, prefix, list(source.lora["targets"]))
     out = []
     used = set()
     for site in sites:
@@ -117,8 +119,8 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
     extra = [n for n in specs if n not in used]
     if extra:
         m = _LAYER.match(extra[0])
-        why = (f"layer {m.group(1)} is beyond the recorded num_layers={source.tunix_cfg.num_layers}"
-               if m and int(m.group(1)) >= source.tunix_cfg.num_layers else "not one of the metadata's targets")
+        why = (f"layer {m.group(1)} is beyond the recorded num_layers={source.layout.num_layers}"
+               if m and int(m.group(1)) >= source.layout.num_layers else "not one of the metadata's targets")
         raise UserError(f"checkpoint tensor {extra[0]} has no place in the merge ({why})")
     return out
 

@@ -11,10 +11,16 @@ loaded by our loader, LoRA applied with Qwix and the checkpoint's factors put in
 fine-tune's params), run in float32 at 'highest' matmul precision (TPUs default to bf16 passes).
 Tolerances:
 
-* float32 output: max |diff| <= 1e-4 * max(1, max |reference logit|). That is 1e-4 absolute for
-  logits of order one (the tiny test models); real models have logits of tens, where two correct
-  fp32 implementations (different op order and GELU/rsqrt kernels) differ by ~1e-6 relative, so
-  the bound is taken relative to the logit scale there.
+* float32 output: max |diff| <= max(1e-4, 1e-5 * max |reference logit|). That is 1e-4 absolute
+  for logits of order one (the tiny test models). Real models have logits of tens, and two correct
+  fp32 implementations (different op order, GELU and rsqrt kernels) drift apart in proportion:
+  Gemma 3 270M with a rank-8 LoRA of realistic size measured 9.9e-5 at a logit scale of 93, so the
+  bound grows with the scale (9.3e-4 there). A network pushed far from its pretrained weights
+  amplifies rounding more: the same model with a LoRA as large as its weights drifts by 9e-3
+  between JAX and JAX (LoRA vs merged weights, no conversion involved), with KL ~1e-7. So a max
+  |diff| above the bound still passes when the mean KL is <= 1e-6: mapping errors (a transpose,
+  a K/V swap, a wrong scale) move KL by orders of magnitude more, and even rounding the weights
+  to bf16 costs 6e-5.
 * bfloat16 / float16 output: rounding the weights changes logits visibly; the bound is on the
   distribution instead, mean KL(reference || merged) <= 1e-3.
 """
@@ -38,7 +44,9 @@ DEFAULT_PROMPTS = (
     "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
     "Once upon a time, in a land far away, there lived a",
 )
-FP32_REL_TOL = 1e-4
+FP32_ABS_TOL = 1e-4
+FP32_REL_TOL = 1e-5
+FP32_KL = 1e-6
 LOW_PRECISION_KL = 1e-3
 
 
@@ -79,7 +87,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> Comparison:
     """Logits per prompt, [L, V] each; KL is KL(ref || got) per position."""
     diffs, kls, agree, scale, n = [], [], 0, 0.0, 0
-    for r, g in zip(ref, got):
+    for r, g in zip(ref, got, strict=True):
         if r.shape != g.shape:
             raise UserError(f"logit shapes differ: {r.shape} vs {g.shape} (different vocabularies?)")
         diffs.append(float(np.abs(r.astype(np.float64) - g).max()))
@@ -181,9 +189,12 @@ def jax_logits(source, base_dir: Path, ids: list[list[int]]) -> list[np.ndarray]
 
 def judge(c: Comparison, dtype_name: str) -> Report:
     if dtype_name == "float32":
-        tol = FP32_REL_TOL * max(1.0, c.ref_scale)
-        ok = c.max_abs_diff <= tol
-        return Report(c, ok, f"float32 bound: max |diff| <= {tol:.3g}")
+        tol = max(FP32_ABS_TOL, FP32_REL_TOL * c.ref_scale)
+        if c.max_abs_diff <= tol:
+            return Report(c, True, f"float32 bound: max |diff| <= {tol:.3g}")
+        if c.kl_mean <= FP32_KL:
+            return Report(c, True, f"max |diff| above {tol:.3g} but KL mean <= {FP32_KL:g}: fp32 rounding drift")
+        return Report(c, False, f"float32 bound: max |diff| <= {tol:.3g} or KL mean <= {FP32_KL:g}")
     ok = c.kl_mean <= LOW_PRECISION_KL
     return Report(c, ok, f"{dtype_name} bound: KL mean <= {LOW_PRECISION_KL:g}")
 

@@ -63,13 +63,13 @@ def hf_logits(model_dir, prompts=PROMPTS, adapter=None) -> list[np.ndarray]:
 
 
 def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
 def make_checkpoint(base_dir: Path, ckpt_dir: Path, *, rank=4, alpha=8.0, targets=ALL_TARGETS, full=False,
-                    seed=0) -> list[np.ndarray]:
-    """Save a checkpoint exactly as the trainer does (random non-zero factors, or perturbed full
-    params) and return the Tunix model's logits on PROMPTS."""
+                    seed=0, std=None) -> list[np.ndarray]:
+    """Save a checkpoint exactly as the trainer does (random non-zero factors of this std, or full
+    params perturbed by it) and return the Tunix model's logits on PROMPTS."""
     import jax.numpy as jnp
     from flax import nnx
     from tunix.sft.checkpoint_manager import CheckpointManager
@@ -90,7 +90,7 @@ def make_checkpoint(base_dir: Path, ckpt_dir: Path, *, rank=4, alpha=8.0, target
     for _, var in nnx.iter_graph(model):
         if isinstance(var, kind):
             value = var.get_value()
-            noise = rng.normal(0.0, 0.02 if full else 0.1, value.shape).astype(np.float32)
+            noise = rng.normal(0.0, std or (0.02 if full else 0.1), value.shape).astype(np.float32)
             var.set_value(value + jnp.asarray(noise) if full else jnp.asarray(noise))
     cm = CheckpointManager(str(ckpt_dir))
     cm.save(1, model, None, save_only_lora_params=not full, force=True)
@@ -130,10 +130,9 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base(work) -> Path:
-    from gemma_tpu.tiny import write_tiny_gemma3
-
-    return write_tiny_gemma3(work / "base", seed=0)
+def base(tiny_dir) -> Path:
+    """conftest's session-wide tiny Gemma 3 (GQA); never modified here (copies are)."""
+    return tiny_dir
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +201,9 @@ def test_lm_head_dropped_when_tied(work, base, lora_ckpt):
     assert json.loads((out / "gemma_tpu_merge.json").read_text())["dropped"] == ["lm_head.weight"]
 
 
-def test_fused_qkv(work):
+def test_fused_qkv(work, tiny_mha_dir):
     """num_attention_heads == num_key_value_heads: Tunix fuses q, k and v into qkv_einsum."""
-    from gemma_tpu.tiny import write_tiny_gemma3
-
-    base = write_tiny_gemma3(work / "base_mha", seed=1, num_key_value_heads=4)
+    base = tiny_mha_dir
     ckpt = work / "ckpt_mha"
     ref = make_checkpoint(base, ckpt, rank=3, alpha=6.0, seed=1)
     out = work / "merged_mha"
@@ -222,8 +219,9 @@ def test_subset_of_targets(work, base):
     assert merge("--checkpoint", ckpt, "--out", out) == 0
     assert max_diff(ref, hf_logits(out)) <= TOL
     bw, mw = sio.WeightsDir(base), sio.WeightsDir(out)
-    assert np.array_equal(bw.read("model.layers.0.self_attn.q_proj.weight"), mw.read("model.layers.0.self_attn.q_proj.weight"))
-    assert not np.array_equal(bw.read("model.layers.0.self_attn.k_proj.weight"), mw.read("model.layers.0.self_attn.k_proj.weight"))
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    assert np.array_equal(bw.read(q), mw.read(q))  # not targeted: copied
+    assert not np.array_equal(bw.read(k), mw.read(k))
 
 
 def test_multimodal_layout(work, base, lora_ckpt):
@@ -288,6 +286,46 @@ def test_multimodal_layout(work, base, lora_ckpt):
     assert json.loads((out / "config.json").read_text())["text_config"]["dtype"] == "float32"
 
 
+def test_real_multimodal_model_and_peft(work, base):
+    """A Gemma3ForConditionalGeneration written by transformers (vision tower included): the merge
+    matches the JAX LoRA model, and the PEFT export, whose modules live under
+    model.language_model., loads onto it and keeps away from the vision tower's own q/k/v_proj."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from convert.export_peft import main as export_main
+    from gemma_tpu.errors import cli_main
+    from gemma_tpu.tiny import TINY_GEMMA3
+
+    mm = work / "base_mm_real"
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    cfg = Gemma3Config(text_config=Gemma3TextConfig(**TINY_GEMMA3), vision_config=vision, mm_tokens_per_image=4,
+                       image_token_index=509, boi_token_index=508, eoi_token_index=507)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(6)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(str(mm))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(base / f, mm / f)
+    ckpt = work / "ckpt_mm_real"
+    ref = make_checkpoint(mm, ckpt, seed=6)
+    out = work / "merged_mm_real"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert ordered_keys(out) == ordered_keys(mm)
+    got = hf_logits(out)
+    assert max_diff(ref, got) <= TOL
+    assert max_diff(ref, hf_logits(mm)) > 100 * TOL
+    adapter = work / "adapter_mm_real"
+    assert cli_main(export_main, ["--checkpoint", str(ckpt), "--out", str(adapter)]) == 0
+    names = sio.WeightsDir(adapter).names()
+    assert names[0].startswith("base_model.model.model.language_model.layers.0.")
+    assert max_diff(hf_logits(mm, adapter=adapter), got) <= TOL
+
+
 def test_bf16_output_with_verify(work, lora_ckpt, merged):
     out = work / "merged_bf16"
     assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--dtype", "bfloat16", "--verify") == 0
@@ -303,7 +341,9 @@ def test_bf16_output_with_verify(work, lora_ckpt, merged):
 def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch):
     import convert.verify as verify
 
+    monkeypatch.setattr(verify, "FP32_ABS_TOL", 0.0)
     monkeypatch.setattr(verify, "FP32_REL_TOL", 0.0)
+    monkeypatch.setattr(verify, "FP32_KL", 0.0)
     out = work / "merged_fail"
     assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
     err = capsys.readouterr().err
@@ -361,12 +401,12 @@ def _expect_error(capsys, out: Path, *args, contains: str) -> str:
 
 def test_error_missing_checkpoint_dir_cli(work):
     """Through the real CLI: exit code 2, one line, no traceback."""
+    from tests.conftest import assert_one_line_error, run_cli
+
     out = work / "err_cli"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(work / "nope"),
-                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_cli("convert.merge_orbax", "--checkpoint", str(work / "nope"), "--out", str(out), timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: checkpoint directory {work / 'nope'} does not exist"]
+    assert_one_line_error(proc, f"checkpoint directory {work / 'nope'} does not exist")
     assert leftovers(out) == []
 
 
@@ -436,7 +476,8 @@ def _wait_for_tmp(proc: subprocess.Popen, out: Path, timeout: float = 120) -> No
 
 def _complete(out: Path) -> bool:
     names = {p.name for p in out.iterdir()}
-    return {"model.safetensors", "config.json", "gemma_tpu_merge.json"} <= names and len(sio.WeightsDir(out).names()) == 28
+    wanted = {"model.safetensors", "config.json", "gemma_tpu_merge.json"}
+    return wanted <= names and len(sio.WeightsDir(out).names()) == 28
 
 
 def test_sigkill_never_leaves_partial_output(work, lora_ckpt):
@@ -573,6 +614,18 @@ def test_writer_roundtrip(tmp_path):
         assert f.get_tensor("a").numpy().tobytes() == arrays["a"].tobytes()
     for k, v in arrays.items():
         assert got.read(k).tobytes() == v.tobytes() and got[k].shape == v.shape
+    # file-to-file copies, in the kernel and by the read/write fallback, give the same bytes
+    for in_kernel in (True, False):
+        dst = tmp_path / f"copy_{in_kernel}"
+        dst.mkdir()
+        w = sio.ShardedWriter(dst, specs, max_shard_bytes=1 << 20)
+        w._in_kernel = in_kernel
+        for k in arrays:
+            w.begin(k)
+            w.copy_from(got[k])
+        w.close()
+        assert (dst / "model.safetensors").is_file()
+        assert all(sio.WeightsDir(dst).read(k).tobytes() == v.tobytes() for k, v in arrays.items())
     with pytest.raises(RuntimeError, match="out of order"):
         sio.ShardedWriter(tmp_path / "x", specs, 1 << 20).begin("a")
 
@@ -586,3 +639,26 @@ def test_parse_size():
     assert sio.parse_size("1024") == 1024
     with pytest.raises(UserError):
         sio.parse_size("lots")
+
+
+# ------------------------------------------------------------------------------ with the real trainer
+
+
+def test_trainer_checkpoint_end_to_end(work, base):
+    """What `gemma_tpu.train` writes merges, verifies and exports (guards the format contract)."""
+    from tests.conftest import run_cli
+
+    run = work / "trained"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={base}",
+                   f"checkpoint.dir={run}", "train.max_steps=2", "train.eval_every_steps=0", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = work / "trained_merged"
+    assert merge("--checkpoint", run, "--out", out, "--verify") == 0
+    prov = json.loads((out / "gemma_tpu_merge.json").read_text())
+    assert prov["step"] == 2 and prov["lora"]["rank"] == 4
+    from convert.export_peft import main
+    from gemma_tpu.errors import cli_main
+
+    adapter = work / "trained_adapter"
+    assert cli_main(main, ["--checkpoint", str(run), "--out", str(adapter)]) == 0
+    assert max_diff(hf_logits(base, adapter=adapter), hf_logits(out)) <= TOL
