@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from gemma_tpu.data.render import FUNCTION_MARKERS, format_call
+from gemma_tpu.data.render import FUNCTION_MARKERS
 
 START_CALL, END_CALL = "<start_function_call>", "<end_function_call>"
 START_RESPONSE = "<start_function_response>"
@@ -27,7 +27,7 @@ ESCAPE = "<escape>"
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 # Text that looks like an attempt at a call even without the start marker.
-_CALL_HINT = re.compile(r"(?:^|[^\w])call:\s*[A-Za-z_]|<end_function_call>|<start_function_call>")
+_CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z_]|<end_function_call>|<start_function_call>")
 
 
 class CallSyntaxError(ValueError):
@@ -226,11 +226,6 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
     for marker in FUNCTION_MARKERS:
         plain = plain.replace(marker, "")
     return ParsedReply("call" if calls else "text", calls, plain.strip())
-
-
-def roundtrip_text(name: str, args: dict) -> str:
-    """The exact text the renderer trains for a call (for tests and tooling)."""
-    return format_call(name, args)
 
 
 # ------------------------------------------------------------------------ argument matching

@@ -278,12 +278,10 @@ def answer(tool: str, res: dict, today: dt.date, rng: random.Random) -> str:
     if tool == "get_step_goal_progress":
         s, g, p, left = res["steps"], res["goal"], res["percent"], res["remaining"]
         if s >= g:
-            return rng.choice([f"Yes! {s:,} of {g:,} steps {w} ({p}%). Goal reached!",
-                               f"You hit your goal {w}: {s:,} steps against a goal of {g:,} ({p}%).",
-                               f"Goal done {w}: {s:,} / {g:,} steps, {p}%. Well done!"])
-        return rng.choice([f"Not yet: {s:,} of {g:,} steps {w} ({p}%), {left:,} to go.",
-                           f"You're at {p}% {w}: {s:,} of {g:,} steps, {left:,} steps remaining.",
-                           f"{s:,} / {g:,} steps {w} ({p}%). {left:,} more to reach your goal."])
+            return rng.choice([f"Yes! {s:,} of {g:,} steps {w} ({p}%).", f"Goal reached {w}: {s:,} of {g:,} steps.",
+                               f"You hit {p}% of your goal {w}: {s:,} / {g:,} steps."])
+        return rng.choice([f"Not yet: {s:,} of {g:,} steps {w} ({p}%).", f"{p}% {w}: {left:,} steps to go.",
+                           f"{s:,} / {g:,} steps {w}, {left:,} to go."])
     if tool == "get_sleeping_minutes":
         m, d = res["minutes"], res["duration"]
         tail = (" That's a solid night." if m >= 450 else " Try to get to bed a bit earlier tonight." if m < 390

@@ -1,0 +1,395 @@
+"""`python -m gemma_tpu.evaluate --data TEST.jsonl (--model DIR | --checkpoint DIR | --endpoint URL | --compare A B)`
+
+Scores tool calling on held-out conversations. For each example the model sees the conversation
+up to its first assistant turn (developer/system turn with the tool declarations, user request)
+and generates greedily; its first call is compared with the reference call:
+
+    tool_accuracy          the first call names the reference tool
+    argument_accuracy      ... and every reference argument is equal (types normalised: 5 == "5")
+    hallucinated_tool_rate a call names a tool the example does not declare
+    no_call_rate           plain text, no call attempted
+    format_error_rate      text that attempts a call which does not parse
+    eval_loss, perplexity  teacher-forced NLL of the reference assistant turns (calls and answers),
+                           loss-bearing tokens only - as in training; not for --endpoint
+
+Models: `--model` a base or merged HF directory, `--checkpoint` a gemma-tpu Orbax run directory
+(base + LoRA of `--step`, default the latest), `--endpoint` any OpenAI-compatible server
+(requests carry `messages` + `tools`; calls are read from `tool_calls`, or parsed from `content`).
+`--compare A B` puts two of them (`model:DIR`, `checkpoint:DIR[@STEP]`, `endpoint:URL`) side by side.
+Local models run on the same JAX/Tunix stack as training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import math
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Sequence
+
+from gemma_tpu.config import DataConfig, RunConfig, load_config
+from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.tool_calls import ParsedReply, ToolCall, arguments_match, parse_reply
+
+log = logging.getLogger("gemma_tpu.evaluate")
+
+METRICS = ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", "no_call_rate",
+           "format_error_rate", "eval_loss", "perplexity")
+# The markers a plain Gemma 3 vocabulary carries as <unusedN> (what function_token_map gives it):
+# used to read endpoint text that still contains them.
+DEFAULT_TOKEN_MAP = {m: f"<unused{i}>" for i, m in enumerate((
+    "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>", "<end_function_call>",
+    "<start_function_response>", "<end_function_response>", "<escape>"))}
+
+
+@dataclasses.dataclass
+class Case:
+    """One scored decision: the prompt up to the first assistant turn and the reference call."""
+
+    prompt: dict  # {"tools": [...], "messages": [...]}
+    reference: ToolCall | None  # None: the reference answers without a call
+    tool_names: list[str]
+    user: str
+
+
+def build_cases(convs: list[dict]) -> list[Case]:
+    cases = []
+    for conv in convs:
+        msgs = conv["messages"]
+        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        calls = msgs[k].get("tool_calls") or []
+        ref = ToolCall(calls[0]["name"], calls[0]["arguments"]) if calls else None
+        names = [(t.get("function", t))["name"] for t in conv.get("tools") or []]
+        user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
+        cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user))
+    return cases
+
+
+def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str, Any]:
+    """The tool-calling metrics of predictions against their cases (fractions of n)."""
+    if len(cases) != len(predictions):
+        raise ValueError(f"{len(cases)} cases but {len(predictions)} predictions")
+    n = len(cases)
+    tool = args = halluc = nocall = fmt = 0
+    per_tool: dict[str, list[int]] = {}
+    for case, pred in zip(cases, predictions):
+        first = pred.first if pred.kind == "call" else None
+        if case.reference is None:
+            ok_name = ok_args = pred.kind == "text"
+        else:
+            ok_name = first is not None and first.name == case.reference.name
+            ok_args = ok_name and arguments_match(case.reference.arguments, first.arguments)
+        tool += ok_name
+        args += ok_args
+        halluc += pred.kind == "call" and any(c.name not in case.tool_names for c in pred.calls)
+        nocall += pred.kind == "text"
+        fmt += pred.kind == "format_error"
+        key = case.reference.name if case.reference else "(no call)"
+        stats = per_tool.setdefault(key, [0, 0, 0])
+        stats[0] += 1
+        stats[1] += ok_name
+        stats[2] += ok_args
+    frac = (lambda k: k / n) if n else (lambda k: 0.0)
+    return {
+        "n": n, "tool_accuracy": frac(tool), "argument_accuracy": frac(args),
+        "hallucinated_tool_rate": frac(halluc), "no_call_rate": frac(nocall), "format_error_rate": frac(fmt),
+        "per_tool": {k: {"n": v[0], "tool_accuracy": v[1] / v[0], "argument_accuracy": v[2] / v[0]}
+                     for k, v in sorted(per_tool.items())},
+    }
+
+
+# ------------------------------------------------------------------------------ local models
+
+
+def _renderer(loaded, data_cfg: DataConfig):
+    from gemma_tpu.data import make_renderer
+
+    return make_renderer(loaded.tokenizer, data_cfg, loaded.chat_format, loaded.token_map)
+
+
+def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
+                  label: str) -> tuple[list[ParsedReply], list[str]]:
+    """Greedy generation for every case, batched; returns parsed replies and raw texts."""
+    from tqdm import tqdm
+
+    from gemma_tpu.generate import Generator
+
+    renderer = _renderer(loaded, data_cfg)
+    prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
+    gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    with tqdm(total=len(prompts), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
+        outs = gen.generate(prompts, on_batch=bar.update)
+    return [parse_reply(o.text) for o in outs], [o.text for o in outs]
+
+
+def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, label: str) -> float:
+    """Mean NLL over loss-bearing tokens of the reference conversations, as the trainer computes it."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from tqdm import tqdm
+
+    from gemma_tpu.data import eval_batches, prepare_split
+    from gemma_tpu.loss import sparse_loss
+
+    renderer = _renderer(loaded, data_cfg)
+    longest = max(len(renderer.render(c).ids) for c in convs)
+    cfg = dataclasses.replace(data_cfg, seq_len=max(data_cfg.seq_len, -(-longest // 64) * 64), strategy="pad",
+                              overlength="truncate", max_loss_tokens=None)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "eval.jsonl"
+        with path.open("w") as f:
+            for c in convs:
+                f.write(json.dumps({"messages": c["messages"], "tools": c.get("tools")}) + "\n")
+        split = prepare_split(str(path), renderer, cfg, seed=0)
+    graphdef, state = nnx.split(loaded.model)
+
+    @jax.jit
+    def batch_loss(state, batch):
+        model = nnx.merge(graphdef, state)
+        return sparse_loss(model, **batch), batch["loss_weights"].sum()
+
+    total = weight = 0.0
+    batches = eval_batches(split, batch_size)
+    for batch in tqdm(batches, desc=f"eval loss {label}", file=sys.stderr, unit="batch"):
+        loss, w = batch_loss(state, {k: np.asarray(v) for k, v in batch.items()})
+        total += float(loss) * float(w)
+        weight += float(w)
+    return total / max(weight, 1.0)
+
+
+# --------------------------------------------------------------------------------- endpoints
+
+
+def _http_json(url: str, payload: dict | None = None, timeout: float = 300.0) -> dict:
+    data = json.dumps(payload).encode() if payload is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="POST" if payload is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read().decode())
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")[:300]
+        raise UserError(f"{url}: HTTP {e.code} ({body})") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        raise UserError(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+
+
+def _api_base(url: str) -> str:
+    url = url.rstrip("/")
+    for suffix in ("/chat/completions", "/v1"):
+        if url.endswith(suffix):
+            url = url[: -len(suffix)]
+    return url + "/v1"
+
+
+def served_model_name(base: str) -> str | None:
+    """The first model the server lists, or None when it lists none (or cannot: `transformers
+    serve DIR` answers /v1/models from the hub cache only); the request then names no model and a
+    server pinned to one model uses it."""
+    try:
+        models = _http_json(f"{base}/models", timeout=30).get("data") or []
+    except UserError as e:
+        log.warning("%s; sending requests without a model name (pass --served-model to choose)", e)
+        return None
+    return models[0]["id"] if models else None
+
+
+def openai_messages(messages: list[dict]) -> list[dict]:
+    """Our normalised messages in OpenAI's shape (developer turns sent as system: more servers know it)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            calls = [c.get("function", c) for c in m["tool_calls"]]  # normalised or raw OpenAI shape
+            msg["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"] if isinstance(
+                                      c.get("arguments"), str) else json.dumps(c.get("arguments") or {})}}
+                                 for j, c in enumerate(calls)]
+        if role == "tool":
+            msg["tool_call_id"] = f"call_{i - 1}_0"
+            if m.get("name"):
+                msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def reply_from_message(message: dict) -> ParsedReply:
+    """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content."""
+    calls = []
+    for tc in message.get("tool_calls") or []:
+        fn = tc.get("function") or {}
+        raw = fn.get("arguments")
+        try:
+            args = json.loads(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
+        except json.JSONDecodeError:
+            return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
+        if not isinstance(args, dict) or not fn.get("name"):
+            return ParsedReply("format_error", [], str(raw), "tool call without a name or an object of arguments")
+        calls.append(ToolCall(fn["name"], args))
+    if calls:
+        return ParsedReply("call", calls, message.get("content") or "")
+    return parse_reply(message.get("content") or "", DEFAULT_TOKEN_MAP)
+
+
+def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
+                     label: str) -> tuple[list[ParsedReply], list[str]]:
+    from tqdm import tqdm
+
+    base = _api_base(url)
+    name = served or served_model_name(base)
+    preds, texts = [], []
+    for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
+        body: dict[str, Any] = {"messages": openai_messages(case.prompt["messages"]),
+                                "max_tokens": max_new_tokens, "temperature": 0.0, "stream": False}
+        if name:
+            body["model"] = name
+        if case.prompt.get("tools"):
+            body["tools"] = case.prompt["tools"]
+        resp = _http_json(f"{base}/chat/completions", body)
+        try:
+            message = resp["choices"][0]["message"]
+        except (KeyError, IndexError, TypeError):
+            raise UserError(f"{base}/chat/completions: unexpected response {str(resp)[:200]}") from None
+        preds.append(reply_from_message(message))
+        texts.append(json.dumps(message, ensure_ascii=False))
+    return preds, texts
+
+
+# ---------------------------------------------------------------------------------- driving
+
+
+@dataclasses.dataclass
+class Spec:
+    kind: str  # model | checkpoint | endpoint
+    target: str
+    step: int | None = None
+    served: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{self.target}" + (f"@{self.step}" if self.step is not None else "")
+
+
+def parse_spec(text: str, step: int | None = None, served: str | None = None) -> Spec:
+    kind, sep, target = text.partition(":")
+    if not sep or kind not in ("model", "checkpoint", "endpoint") or not target:
+        raise UserError(f"--compare {text!r}: expected model:DIR, checkpoint:DIR[@STEP] or endpoint:URL")
+    if kind == "checkpoint" and "@" in target and target.rsplit("@", 1)[1].isdigit():
+        target, s = target.rsplit("@", 1)
+        step = int(s)
+    return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None)
+
+
+def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[dict, list[dict]]:
+    """Metrics (and per-example records) of one model on the conversations."""
+    cases = build_cases(convs)
+    t0 = time.time()
+    loss = None
+    if spec.kind == "endpoint":
+        preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label)
+    else:
+        from gemma_tpu.generate import load_checkpoint, load_hf_dir
+
+        loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
+                  else load_checkpoint(spec.target, spec.step, None))
+        preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label)
+        if not args.no_loss:
+            loss = eval_loss(loaded, convs, cfg.data, args.batch_size, spec.label)
+        del loaded
+        gc.collect()
+    metrics = score(cases, preds)
+    metrics["eval_loss"] = loss
+    metrics["perplexity"] = math.exp(min(loss, 80.0)) if loss is not None else None
+    metrics["seconds"] = round(time.time() - t0, 1)
+    records = [{"user": c.user, "reference": dataclasses.asdict(c.reference) if c.reference else None,
+                "kind": p.kind, "predicted": [dataclasses.asdict(x) for x in p.calls], "error": p.error, "raw": t}
+               for c, p, t in zip(cases, preds, texts)]
+    return metrics, records
+
+
+def format_table(results: dict[str, dict]) -> str:
+    """Metrics down, models across."""
+    labels = list(results)
+    width = max(24, *(len(l) + 2 for l in labels))
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, int):
+            return str(v)
+        return f"{v:.4f}" if abs(v) < 100 else f"{v:.2f}"
+
+    lines = ["metric".ljust(24) + "".join(l.rjust(width) for l in labels)]
+    for m in METRICS:
+        lines.append(m.ljust(24) + "".join(cell(results[l].get(m)).rjust(width) for l in labels))
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gemma_tpu.evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="YAML run config (data.* rendering settings, model.dtype)")
+    p.add_argument("--data", required=True, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="base or merged HF directory (or hub id / embedded:NAME)")
+    which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
+    which.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    which.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                       help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
+    p.add_argument("--limit", type=int, help="evaluate the first N examples")
+    p.add_argument("--json", help="write metrics and per-example predictions here")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-loss", action="store_true", help="skip the teacher-forced eval loss")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=1024")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv or [])
+    from gemma_tpu.data import load_conversations
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else RunConfig()
+    if args.limit is not None and args.limit <= 0:
+        raise UserError("--limit must be positive")
+    if args.batch_size <= 0 or args.max_new_tokens <= 0:
+        raise UserError("--batch-size and --max-new-tokens must be positive")
+    convs = load_conversations(args.data, cfg.data)
+    if args.limit:
+        convs = convs[: args.limit]
+    if args.compare:
+        specs = [parse_spec(s, args.step, args.served_model) for s in args.compare]
+    elif args.model:
+        specs = [Spec("model", args.model)]
+    elif args.checkpoint:
+        specs = [Spec("checkpoint", args.checkpoint, args.step)]
+    else:
+        specs = [Spec("endpoint", args.endpoint, None, args.served_model)]
+    results, details = {}, {}
+    for spec in specs:
+        label = spec.label if spec.label not in results else f"{spec.label} (2)"
+        results[label], details[label] = evaluate_spec(spec, convs, cfg, args)
+    print(format_table(results))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"data": str(args.data), "n": len(convs), "models": results,
+                                   "examples": details}, indent=2, ensure_ascii=False))
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -1,0 +1,553 @@
+"""Fitness coach: tools and providers, dataset generator, call parser, scoring, generation, the
+evaluate and chat CLIs (tiny random model), a real `transformers serve` endpoint, and the real
+base Gemma 3 270M (slow)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, assert_one_line_error, run_cli
+from gemma_tpu.data.render import format_call
+from gemma_tpu.errors import UserError
+from gemma_tpu.examples.fitness import dataset, tools
+from gemma_tpu.examples.fitness.providers import GarminConnectProvider, SimulatedDevice
+from gemma_tpu.tool_calls import ParsedReply, ToolCall, arguments_match, parse_reply, tool_chat_template
+
+NAMES = ["get_steps", "get_daily_step_goal", "get_step_goal_progress", "get_sleeping_minutes",
+         "get_active_minutes", "get_heart_rate", "get_body_battery_level"]
+TODAY = dt.date(2025, 3, 14)  # a Friday
+DATA = REPO / "data" / "fitness"
+
+
+# ------------------------------------------------------------------------------ tools, providers
+
+
+def test_schemas_have_the_seven_names():
+    from transformers.utils import get_json_schema
+
+    assert [get_json_schema(f)["function"]["name"] for f in tools.TOOLS] == NAMES
+    for compact in (True, False):
+        schemas = tools.tool_schemas(compact=compact)
+        assert [s["function"]["name"] for s in schemas] == NAMES
+        for s in schemas:
+            assert s["type"] == "function" and s["function"]["description"]
+            assert "date" in s["function"]["parameters"]["properties"]
+    full = {s["function"]["name"]: s for s in tools.tool_schemas(compact=False)}
+    assert full["get_heart_rate"]["function"]["parameters"]["properties"]["metric"]["enum"] == \
+        ["resting", "average", "max"]
+    assert "description" in full["get_steps"]["function"]["parameters"]["properties"]["date"]
+
+
+def test_resolve_date():
+    r = tools.resolve_date
+    assert r("today", TODAY) == TODAY and r("", TODAY) == TODAY
+    assert r("Yesterday", TODAY) == dt.date(2025, 3, 13)
+    assert r("monday", TODAY) == dt.date(2025, 3, 10)
+    assert r("friday", TODAY) == dt.date(2025, 3, 7)  # a weekday name is never today
+    assert r("Thu", TODAY) == dt.date(2025, 3, 13)
+    assert r("2025-02-28", TODAY) == dt.date(2025, 2, 28)
+    for bad in ("2025-03-15", "next week", "2025-02-30"):
+        with pytest.raises(ValueError):
+            r(bad, TODAY)
+
+
+def test_simulated_device_is_deterministic_and_tools_answer():
+    a, b = SimulatedDevice(3, today=TODAY), SimulatedDevice(3, today=TODAY)
+    day = dt.date(2025, 3, 1)
+    assert a.steps(day) == b.steps(day) and a.heart_rate(day) == b.heart_rate(day)
+    assert SimulatedDevice(4, today=TODAY).heart_rate(day) != a.heart_rate(day) or \
+        SimulatedDevice(4, today=TODAY).steps(day) != a.steps(day)
+    res = tools.call_tool("get_step_goal_progress", {"date": "yesterday"}, a)
+    assert res["date"] == "2025-03-13" and res["remaining"] == max(res["goal"] - res["steps"], 0)
+    hr = tools.call_tool("get_heart_rate", {"date": "monday", "metric": "max"}, a)
+    assert hr["metric"] == "max" and hr["bpm"] == a.heart_rate(dt.date(2025, 3, 10))["max"]
+    assert "error" in tools.call_tool("get_steps", {"date": "2099-01-01"}, a)
+    assert "error" in tools.call_tool("get_heart_rate", {"date": "today", "metric": "lowest"}, a)
+    with pytest.raises(tools.ToolError, match="unknown tool get_sleep_metrics"):
+        tools.call_tool("get_sleep_metrics", {"date": "today"}, a)
+    with pytest.raises(tools.ToolError, match="bad arguments"):
+        tools.call_tool("get_steps", {"day": "today"}, a)
+
+
+class FakeGarmin:
+    """Stands in for garminconnect.Garmin: the fields our provider reads, for one day."""
+
+    def __init__(self, email=None, password=None):
+        self.email, self.password, self.logged_in = email, password, False
+
+    def login(self, tokenstore=None):
+        self.logged_in = True
+
+    def get_user_summary(self, cdate):
+        return {"totalSteps": 8421, "dailyStepGoal": 10000, "moderateIntensityMinutes": 20,
+                "vigorousIntensityMinutes": 5, "restingHeartRate": 55, "maxHeartRate": 150,
+                "bodyBatteryMostRecentValue": 61, "bodyBatteryHighestValue": 90, "bodyBatteryLowestValue": 12}
+
+    def get_sleep_data(self, cdate):
+        return {"dailySleepDTO": {"sleepTimeSeconds": 7 * 3600 + 30 * 60}}
+
+    def get_heart_rates(self, cdate):
+        return {"restingHeartRate": 54, "maxHeartRate": 151, "heartRateValues": [[0, 60], [1, 80], [2, None]]}
+
+
+def test_garmin_provider_with_a_fake_client(monkeypatch, capsys):
+    p = GarminConnectProvider(client=FakeGarmin())
+    day = dt.date.today()
+    assert tools.call_tool("get_steps", {"date": "today"}, p)["steps"] == 8421
+    assert tools.call_tool("get_sleeping_minutes", {"date": "today"}, p)["minutes"] == 450
+    assert tools.call_tool("get_heart_rate", {"date": "today", "metric": "average"}, p)["bpm"] == 70
+    assert p.heart_rate(day)["resting"] == 54
+    assert tools.call_tool("get_active_minutes", {"date": "today"}, p)["total"] == 25
+    assert tools.call_tool("get_body_battery_level", {"date": "today"}, p)["level"] == 61
+
+    fake_module = types.SimpleNamespace(Garmin=FakeGarmin)
+    monkeypatch.setitem(sys.modules, "garminconnect", fake_module)
+    monkeypatch.delenv("GARMIN_EMAIL", raising=False)
+    monkeypatch.delenv("GARMIN_PASSWORD", raising=False)
+    monkeypatch.delenv("GARMINTOKENS", raising=False)
+    with pytest.raises(UserError, match="GARMIN_EMAIL"):
+        GarminConnectProvider()
+    monkeypatch.setenv("GARMIN_EMAIL", "me@example.com")
+    monkeypatch.setenv("GARMIN_PASSWORD", "s3cret-pw")
+    p = GarminConnectProvider()
+    assert p.client.logged_in and p.client.password == "s3cret-pw"
+    out = capsys.readouterr()
+    assert "s3cret-pw" not in out.out + out.err
+
+
+def test_garmin_provider_without_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "garminconnect", None)  # import fails
+    with pytest.raises(UserError, match="pip install garminconnect"):
+        GarminConnectProvider()
+
+
+# ------------------------------------------------------------------------------------- dataset
+
+SMALL = {"train": 140, "validation": 21, "test": 35}
+
+
+def test_generator_is_deterministic(tmp_path):
+    a = dataset.write_splits(dataset.generate(7, SMALL), tmp_path / "a")
+    b = dataset.write_splits(dataset.generate(7, SMALL), tmp_path / "b")
+    c = dataset.write_splits(dataset.generate(8, SMALL), tmp_path / "c")
+    for split in dataset.SPLITS:
+        assert a[split].read_bytes() == b[split].read_bytes()
+    assert a["train"].read_bytes() != c["train"].read_bytes()
+
+
+def test_generator_sizes_balance_and_held_out_phrasings(tmp_path):
+    from gemma_tpu.config import DataConfig
+    from gemma_tpu.data import load_conversations
+
+    splits = dataset.generate(1, SMALL)
+    paths = dataset.write_splits(splits, tmp_path)
+    templates = dataset.split_templates(1)
+    for tool in NAMES:  # every tool has its own phrasings per split, never shared
+        tr, va, te = (set(templates[s][tool]) for s in dataset.SPLITS)
+        assert te and va and tr and not (tr & te) and not (tr & va) and not (va & te)
+    train_users = {dataset.user_text(ex).lower() for ex in splits["train"]}
+    for split, n in SMALL.items():
+        assert len(splits[split]) == n
+        convs = load_conversations(paths[split], DataConfig())  # validates every example
+        assert len(convs) == n
+        counts = {t: 0 for t in NAMES}
+        for ex in splits[split]:
+            msgs = ex["messages"]
+            assert [m["role"] for m in msgs] == ["developer", "user", "assistant", "tool", "assistant"]
+            call = msgs[2]["tool_calls"][0]["function"]
+            counts[call["name"]] += 1
+            assert json.loads(msgs[3]["content"])["date"]  # the device answered
+            assert any(ch.isdigit() for ch in msgs[4]["content"])  # the answer uses the numbers
+        assert max(counts.values()) - min(counts.values()) <= 1, counts
+        if split != "train":
+            assert not {dataset.user_text(ex).lower() for ex in splits[split]} & train_users
+    # dates are varied: relative, weekday and absolute arguments all occur
+    args = [ex["messages"][2]["tool_calls"][0]["function"]["arguments"]["date"] for ex in splits["train"]]
+    assert {"today", "yesterday"} <= set(args)
+    assert any(a in tools.WEEKDAYS for a in args) and any(a[:2] == "20" for a in args)
+
+
+def test_committed_data_is_the_seed_0_output(tmp_path):
+    sizes = {s: sum(1 for _ in (DATA / f"{s}.jsonl").open()) for s in dataset.SPLITS}
+    assert sizes == {"train": 1200, "validation": 150, "test": 200}
+    fresh = dataset.write_splits(dataset.generate(0, sizes), tmp_path)
+    for split in dataset.SPLITS:
+        assert fresh[split].read_bytes() == (DATA / f"{split}.jsonl").read_bytes(), \
+            f"data/fitness/{split}.jsonl is stale: python -m gemma_tpu.examples.fitness generate --out data/fitness"
+    dataset.check_disjoint(dataset.generate(0, sizes))
+
+
+def test_generate_cli(tmp_path):
+    proc = run_cli("gemma_tpu.examples.fitness", "generate", "--out", str(tmp_path), "--seed", "2",
+                   "--train", "14", "--validation", "7", "--test", "7")
+    assert proc.returncode == 0, proc.stderr
+    assert sum(1 for _ in (tmp_path / "train.jsonl").open()) == 14
+
+
+# ---------------------------------------------------------------------------------- call parser
+
+ROUND_TRIP = [
+    ("get_steps", {"date": "yesterday"}),
+    ("get_heart_rate", {"date": "2025-03-01", "metric": "max"}),
+    ("search", {"q": "a, b {c}: d [e]", "n": 5, "x": -2.5, "flag": True, "off": False, "none": None}),
+    ("nested", {"filter": {"kind": "run", "min": 3, "tags": ["a,b", "c}"]}, "list": [1, 2.0, "x"]}),
+    ("empty", {}),
+]
+
+
+@pytest.mark.parametrize("name,args", ROUND_TRIP)
+def test_parser_round_trip(name, args):
+    text = format_call(name, args) + "<start_function_response>"
+    reply = parse_reply(text)
+    assert reply.kind == "call" and reply.calls == [ToolCall(name, args)]
+    # as a model on a plain Gemma 3 vocabulary writes it
+    token_map = {m: f"<unused{i}>" for i, m in enumerate(
+        ("<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
+         "<end_function_call>", "<start_function_response>", "<end_function_response>", "<escape>"))}
+    mapped = text
+    for marker, repl in token_map.items():
+        mapped = mapped.replace(marker, repl)
+    assert parse_reply(mapped, token_map).calls == [ToolCall(name, args)]
+
+
+def test_parser_classifies_text_bare_calls_and_errors():
+    assert parse_reply("You walked 8,421 steps yesterday. Good call: keep it up!").kind == "text"
+    bare = parse_reply("call:get_steps{date:today}")  # a server that strips special tokens
+    assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
+    two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))
+    assert [c.name for c in two.calls] == ["get_steps", "get_daily_step_goal"]
+    for broken in ("<start_function_call>call:get_steps{date:<escape>today}",
+                   "<start_function_call>call:get_steps{date:<escape>today<escape>",
+                   "<start_function_call>call:{date:1}<end_function_call>",
+                   "<start_function_call>get_steps(date='today')<end_function_call>",
+                   "call:get_steps"):
+        reply = parse_reply(broken)
+        assert reply.kind == "format_error", broken
+        assert reply.error
+
+
+def test_arguments_match_normalises_types():
+    assert arguments_match({"n": 5, "flag": True, "date": "today"}, {"n": "5", "flag": "true", "date": " Today "})
+    assert arguments_match({"n": 5}, {"n": 5.0, "extra": 1})
+    assert not arguments_match({"date": "today"}, {"date": "yesterday"})
+    assert not arguments_match({"date": "today"}, {})
+
+
+# -------------------------------------------------------------------------------------- scoring
+
+
+def test_score_on_hand_made_predictions():
+    from gemma_tpu.evaluate import Case, score
+
+    names = ["get_steps", "get_heart_rate"]
+    ref = ToolCall("get_heart_rate", {"date": "today", "metric": "max"})
+    cases = [Case({}, ref, names, f"q{i}") for i in range(6)] + [Case({}, None, names, "hi")]
+    preds = [
+        ParsedReply("call", [ToolCall("get_heart_rate", {"date": "today", "metric": "max"})], ""),  # all right
+        ParsedReply("call", [ToolCall("get_heart_rate", {"date": "today", "metric": "resting"})], ""),  # name only
+        ParsedReply("call", [ToolCall("get_steps", {"date": "today"})], ""),  # wrong tool
+        ParsedReply("call", [ToolCall("get_pulse", {"date": "today"})], ""),  # hallucinated
+        ParsedReply("text", [], "I don't know"),  # no call
+        ParsedReply("format_error", [], "call:get_heart_rate{", "unclosed"),
+        ParsedReply("text", [], "Hello!"),  # reference has no call either: right
+    ]
+    m = score(cases, preds)
+    assert m["n"] == 7
+    assert m["tool_accuracy"] == pytest.approx(3 / 7)
+    assert m["argument_accuracy"] == pytest.approx(2 / 7)
+    assert m["hallucinated_tool_rate"] == pytest.approx(1 / 7)
+    assert m["no_call_rate"] == pytest.approx(2 / 7)
+    assert m["format_error_rate"] == pytest.approx(1 / 7)
+    assert m["per_tool"]["get_heart_rate"] == {"n": 6, "tool_accuracy": 2 / 6, "argument_accuracy": 1 / 6}
+
+
+def test_endpoint_replies_are_read_from_tool_calls_or_content():
+    from gemma_tpu.evaluate import openai_messages, reply_from_message
+
+    msg = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "get_steps", "arguments": '{"date": "today"}'}}]}
+    assert reply_from_message(msg).first == ToolCall("get_steps", {"date": "today"})
+    assert reply_from_message({"content": "<unused2>call:get_steps{date:<unused6>monday<unused6>}<unused3>"}
+                              ).first == ToolCall("get_steps", {"date": "monday"})
+    assert reply_from_message({"content": "call:get_steps{date:monday}"}).first.arguments == {"date": "monday"}
+    assert reply_from_message({"content": "8,000 steps."}).kind == "text"
+    bad = {"tool_calls": [{"function": {"name": "get_steps", "arguments": "{date"}}]}
+    assert reply_from_message(bad).kind == "format_error"
+    conv = dataset.generate(0, {"train": 1, "validation": 0, "test": 0})["train"][0]
+    sent = openai_messages(conv["messages"])
+    assert sent[0]["role"] == "system" and json.loads(sent[2]["tool_calls"][0]["function"]["arguments"])
+
+
+# ------------------------------------------------------------------ chat template, generation
+
+
+def test_chat_template_renders_prompts_like_the_renderer(tiny_dir):
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.data import Renderer, function_token_map
+    from gemma_tpu.data.records import normalise_messages
+    from gemma_tpu.evaluate import openai_messages
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    token_map = function_token_map(tok)
+    renderer = Renderer(tok, "gemma", token_map=token_map)
+    template = tool_chat_template(token_map)
+    for ex in dataset.generate(0, {"train": 0, "validation": 0, "test": 7})["test"]:
+        prompt = {"tools": ex["tools"], "messages": ex["messages"][:2]}
+        want = renderer.render(prompt, add_generation_prompt=True).text
+        got = tok.apply_chat_template(openai_messages(prompt["messages"]), tools=ex["tools"], chat_template=template,
+                                      tokenize=False, add_generation_prompt=True)
+        assert got == "<bos>" + want
+        # a whole exchange, with the tool result and arguments as objects
+        full = openai_messages(ex["messages"])
+        full[2]["tool_calls"][0]["function"]["arguments"] = ex["messages"][2]["tool_calls"][0]["function"]["arguments"]
+        full[3]["content"] = json.loads(full[3]["content"])
+        got = tok.apply_chat_template(full, tools=ex["tools"], chat_template=template, tokenize=False)
+        assert got == "<bos>" + renderer.render(normalise_messages(ex, "example")).text
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_dir):
+    from gemma_tpu.generate import load_hf_dir
+
+    return load_hf_dir(str(tiny_dir))
+
+
+def test_cached_greedy_equals_uncached_forward(tiny_loaded):
+    """Left-padded batched KV-cache decoding (sliding window 16 < prompt length) gives the same
+    tokens as re-running the whole sequence without a cache."""
+    import jax.numpy as jnp
+
+    from gemma_tpu.generate import Generator
+
+    import jax
+
+    model = tiny_loaded.model
+    prompts = [[2] + list(range(110, 150)), [2] + list(range(120, 133)), [2, 150, 151]]
+    gen = Generator(tiny_loaded, max_new_tokens=12, batch_size=4, buckets=(64,))
+    outs = gen.generate(prompts)
+    length = 64
+
+    @jax.jit
+    def next_tokens(toks):  # uncached causal forward of one right-padded sequence
+        logits, _ = model(toks, jnp.arange(length)[None], None, jnp.tril(jnp.ones((length, length), bool))[None])
+        return jnp.argmax(logits[0], axis=-1)
+
+    for prompt, out in zip(prompts, outs):
+        seq = list(prompt)
+        expected = []
+        for _ in range(len(out.ids)):
+            buf = np.zeros((1, length), np.int32)
+            buf[0, :len(seq)] = seq
+            nxt = int(next_tokens(buf)[len(seq) - 1])
+            expected.append(nxt)
+            seq.append(nxt)
+            if nxt in gen.stop_ids:
+                break
+        assert out.ids == expected
+        assert out.stop in ("length", "end_of_turn", "eos", "call")
+
+
+def test_evaluate_cli_on_tiny_model(tiny_dir, tmp_path):
+    out = tmp_path / "eval.json"
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--model", str(tiny_dir),
+                   "--limit", "5", "--json", str(out), "--max-new-tokens", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for metric in ("tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", "no_call_rate",
+                   "format_error_rate", "eval_loss", "perplexity"):
+        assert metric in proc.stdout
+    data = json.loads(out.read_text())
+    m = data["models"][f"model:{tiny_dir}"]
+    assert m["n"] == 5 and np.isfinite(m["eval_loss"]) and m["perplexity"] > 1
+    assert len(data["examples"][f"model:{tiny_dir}"]) == 5
+    assert "generate" in proc.stderr  # the progress bar
+
+
+def test_evaluate_checkpoint_restores_lora(tiny_dir, tmp_path):
+    """A 2-step tiny run: the checkpoint's eval loss is the trainer's own final eval loss, and
+    differs from the base model's."""
+    ckpt = tmp_path / "ckpt"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                   f"checkpoint.dir={ckpt}", "train.max_steps=2", "train.eval_every_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    out = tmp_path / "cmp.json"
+    proc = run_cli("gemma_tpu.evaluate", "--config", "configs/tiny.yaml", "--data", "tests/data/chat_sample.jsonl",
+                   "--compare", f"checkpoint:{ckpt}@2", f"model:{tiny_dir}", "--limit", "8", "--batch-size", "4",
+                   "--max-new-tokens", "4", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    models = json.loads(out.read_text())["models"]
+    tuned, base = models[f"checkpoint:{ckpt}@2"]["eval_loss"], models[f"model:{tiny_dir}"]["eval_loss"]
+    assert tuned == pytest.approx(summary["final_eval_loss"], abs=2e-3)
+    assert base == pytest.approx(summary["first_eval_loss"], abs=1e-2)
+    assert abs(tuned - base) > 0.1
+
+
+def test_evaluate_errors_are_one_line(tiny_dir, tmp_path):
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(tmp_path / "none.jsonl"), "--model", str(tiny_dir))
+    assert_one_line_error(proc, "none.jsonl")
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--compare", "foo:bar", "model:x")
+    assert_one_line_error(proc, "foo:bar")
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--endpoint", "http://127.0.0.1:9",
+                   "--served-model", "m", "--limit", "1")
+    assert_one_line_error(proc, "127.0.0.1:9")
+
+
+# -------------------------------------------------------------------------------------------- chat
+
+
+def test_chat_once_with_tiny_model(tiny_dir):
+    proc = run_cli("gemma_tpu.chat", "--model", str(tiny_dir), "--once", "how many steps did I take yesterday?",
+                   "--max-new-tokens", "24")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip()
+    assert "Traceback" not in proc.stderr
+
+
+class ScriptedGenerator:
+    """Replays canned model turns, recording the prompts it was given."""
+
+    def __init__(self, texts):
+        self.texts, self.prompts = list(texts), []
+
+    def generate(self, prompts, **_):
+        from gemma_tpu.generate import Generation
+
+        self.prompts.append(list(prompts[0]))
+        text = self.texts.pop(0)
+        stop = "call" if "<end_function_call>" in text else "end_of_turn"
+        return [Generation([], text, stop)]
+
+
+def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.chat import Coach
+    from gemma_tpu.data import function_token_map
+    from gemma_tpu.generate import LoadedModel
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
+    device = SimulatedDevice(0, today=TODAY)
+    steps = device.steps(dt.date(2025, 3, 13))
+
+    gen = ScriptedGenerator([format_call("get_steps", {"date": "yesterday"}), f"You took {steps:,} steps."])
+    trace = []
+    coach = Coach(loaded, device, generator=gen, trace=None)
+    coach._log = trace.append
+    assert coach.ask("steps yesterday?") == f"You took {steps:,} steps."
+    assert trace and "get_steps" in trace[0] and str(steps) in trace[0]
+    second_prompt = tok.decode(gen.prompts[1])
+    assert "response:get_steps" in second_prompt.replace(loaded.token_map["<start_function_response>"], "")
+
+    gen = ScriptedGenerator([format_call("get_sleep_metrics", {"date": "today"})])
+    answer = Coach(loaded, device, generator=gen, trace=None).ask("how did I sleep?")
+    assert "model called unknown tool get_sleep_metrics" in answer
+    gen = ScriptedGenerator(["<start_function_call>call:get_steps{date:<escape>today<end_function_call>"])
+    assert "malformed" in Coach(loaded, device, generator=gen, trace=None).ask("steps?")
+    gen = ScriptedGenerator([format_call("get_steps", {"when": "today"})])
+    assert "bad arguments" in Coach(loaded, device, generator=gen, trace=None).ask("steps?")
+
+
+# ------------------------------------------------------------------------ a real OpenAI server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_evaluate_against_transformers_serve(tiny_dir, tmp_path):
+    """`transformers serve` on the tiny model with our tool-aware chat template: three examples
+    go through /v1/chat/completions with `tools`, and are scored."""
+    import shutil
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.data import function_token_map
+
+    served = tmp_path / "served"
+    shutil.copytree(tiny_dir, served)
+    tok = AutoTokenizer.from_pretrained(str(served))
+    (served / "chat_template.jinja").write_text(tool_chat_template(function_token_map(tok)))
+    port = _free_port()
+    exe = Path(sys.executable).parent / "transformers"
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([str(exe), "serve", str(served), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    pytest.fail("transformers serve did not start: " + (tmp_path / "serve.log").read_text()[-2000:])
+                time.sleep(0.5)
+        out = tmp_path / "ep.json"
+        proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--endpoint",
+                       f"http://127.0.0.1:{port}", "--limit", "3", "--max-new-tokens", "16", "--json", str(out),
+                       timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        label = f"endpoint:http://127.0.0.1:{port}"
+        data = json.loads(out.read_text())
+        assert data["models"][label]["n"] == 3 and data["models"][label]["eval_loss"] is None
+        assert all(json.loads(e["raw"])["role"] == "assistant" for e in data["examples"][label])
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+# ------------------------------------------------------------------------- the real 270M (slow)
+
+
+@pytest.fixture(scope="module")
+def real_270m():
+    from gemma_tpu.assets import resolve_embedded
+
+    return Path(resolve_embedded("embedded:gemma3-270m"))
+
+
+@pytest.mark.slow
+def test_generation_matches_transformers_on_real_270m(real_270m):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gemma_tpu.generate import Generator, load_hf_dir
+
+    loaded = load_hf_dir(str(real_270m))
+    tok = loaded.tokenizer
+    prompts = [tok("The capital of France is").input_ids, tok("One, two, three, four,").input_ids]
+    ours = Generator(loaded, max_new_tokens=12, batch_size=2).generate(prompts)
+    hf = AutoModelForCausalLM.from_pretrained(str(real_270m), dtype=torch.float32)
+    for p, o in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0][len(p):].tolist()
+        assert o.ids == ref[:len(o.ids)]
+
+
+@pytest.mark.slow
+def test_base_270m_cannot_call_tools_yet(real_270m, tmp_path):
+    out = tmp_path / "base.json"
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--model", str(real_270m),
+                   "--limit", "20", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(out.read_text())["models"][f"model:{real_270m}"]
+    assert m["n"] == 20 and m["tool_accuracy"] <= 0.1 and np.isfinite(m["eval_loss"])
