@@ -475,6 +475,8 @@ def test_evaluate_against_transformers_serve(tiny_dir, tmp_path):
     import shutil
     import urllib.request
 
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
     from transformers import AutoTokenizer
 
     from gemma_tpu.data import function_token_map
