@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.errors import UserError, read_json_object
 
 METADATA_FILE = "gemma_tpu_run.json"
 FORMAT = "gemma-tpu-checkpoint"
@@ -45,12 +45,7 @@ def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
     if not ckpt_dir.is_dir():
         raise UserError(f"checkpoint directory {ckpt_dir} does not exist")
     path = ckpt_dir / METADATA_FILE
-    if not path.is_file():
-        raise UserError(f"{ckpt_dir}: no {METADATA_FILE} (not a gemma-tpu checkpoint directory)")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    meta = read_json_object(path, f"{ckpt_dir}: no {METADATA_FILE} (not a gemma-tpu checkpoint directory)")
     if meta.get("format") != FORMAT:
         raise UserError(f"{path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
     return meta

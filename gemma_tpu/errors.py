@@ -39,3 +39,22 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
             raise
         print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
+
+
+def read_json_object(path, missing: str) -> dict:
+    """A JSON object from `path`; a missing file, bad JSON or a non-object is a one-line UserError."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(missing)
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return obj

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.errors import UserError, read_json_object
 from gemma_tpu.models.registry import Family, detect_family
 
 log = logging.getLogger(__name__)
@@ -62,15 +62,7 @@ def resolve_path(spec: str, revision: str | None = None) -> Path:
 
 def read_hf_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
-    if not path.is_file():
-        raise UserError(f"{path}: missing (not a Hugging Face model directory)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return cfg
+    return read_json_object(path, f"{path}: missing (not a Hugging Face model directory)")
 
 
 def resolve_model(spec: str, revision: str | None = None, family: str | None = None) -> ResolvedModel:
