@@ -115,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             writer.abort()
             raise
         sio.write_json(tmp / "adapter_config.json", adapter_config(source, prefix))
+        tokenizer_note = write_adapter_tokenizer(source, tmp)
         sio.write_json(tmp / PROVENANCE_FILE, {
             "tool": "convert.export_peft",
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -125,8 +126,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         })
         ad.publish()
     print(f"export_peft: wrote {out} ({len(specs)} tensors, r={source.lora['rank']}, "
-          f"alpha={source.lora['alpha']})", file=sys.stderr)
+          f"alpha={source.lora['alpha']}){tokenizer_note}", file=sys.stderr)
     return 0
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+
+
+def write_adapter_tokenizer(source: CheckpointSource, out: Path) -> str:
+    """A tool-calling adapter trained on a vocabulary without FunctionGemma markers ships the base's
+    tokenizer with the markers published (see convert/tool_tokens.py), so that `AutoTokenizer` on the
+    adapter dir and a server's tool parser see `<start_function_call>` rather than `<unusedN>`."""
+    import shutil
+
+    from convert.source import resolve_base
+    from convert.tool_tokens import install_tool_tokens
+
+    token_map = source.meta.get("token_map") or {}
+    if not token_map:
+        return ""
+    try:
+        base = resolve_base(source)
+    except UserError as e:
+        print(f"export_peft: warning: no tokenizer written ({e})", file=sys.stderr)
+        return ""
+    for name in TOKENIZER_FILES:
+        if (base / name).is_file():
+            shutil.copyfile(base / name, out / name)
+    install_tool_tokens(out, token_map)
+    return "; tokenizer with tool-call markers and chat template"
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from convert.hf_files import write_sidecar_files
 from convert.mapping import STOP_TOKEN_IDS, FullSite, LoraSite, full_sites, tied_embeddings
 from convert.progress import Progress, human
 from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint, resolve_base
+from convert.tool_tokens import install_tool_tokens
 from gemma_tpu.errors import UserError, cli_main
 from gemma_tpu.models.loading import read_hf_config, text_prefix
 from gemma_tpu.models.registry import detect_family, text_config
@@ -279,6 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         writer = write_weights(plan, tmp, fsync=not args.no_fsync)
         stop_ids = STOP_TOKEN_IDS.get(s.family.name, ())
         write_sidecar_files(plan.base_dir, tmp, plan.base_config, sio.DTYPE_NAMES_INV[plan.out_dtype], stop_ids)
+        marker_ids = install_tool_tokens(tmp, s.meta.get("token_map") or {})
+        if marker_ids:
+            print(f"merge: tokenizer publishes {len(marker_ids)} tool-call markers "
+                  f"(ids {min(marker_ids.values())}-{max(marker_ids.values())}) and a tool-calling chat template",
+                  file=sys.stderr)
         sio.write_json(tmp / PROVENANCE_FILE, provenance(plan, writer))
         if args.verify:
             from convert.verify import verify_merge

@@ -8,11 +8,13 @@ a compile counter that warns if the train step compiles again, and a non-finite-
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -205,8 +207,24 @@ class Trainer(peft_trainer.PeftTrainer):
             self._tok_last, self._useful_last = self.feed.tokens, self.feed.useful
             self.compiles = self._compile_count()
             rec["train_step_compiles"] = self.compiles
+            self._log_progress(rec)
         super()._write_metrics(metrics_buffer)
         self._append(rec)
+
+    def _log_progress(self, rec: dict) -> None:
+        """Without a terminal (CI, nohup, a pod's log) tqdm's bar is invisible: log rate and ETA instead,
+        at most every 30 s and at the last step."""
+        if sys.stderr.isatty():
+            return
+        total = self.config.max_steps or 0
+        now = time.time()
+        if rec["step"] < total and now - getattr(self, "_last_progress_log", 0.0) < 30:
+            return
+        self._last_progress_log = now
+        rate = rec.get("step_time_s")
+        eta = f", ETA {datetime.timedelta(seconds=round(rate * (total - rec['step'])))}" if rate and total else ""
+        log.info("step %d/%s loss %.4f%s%s", rec["step"], total or "?", rec["loss"],
+                 f", {rate:.2f} s/step, {rec['tokens_per_s']:.0f} tok/s" if rate else " (compiling)", eta)
 
     def _append(self, rec: dict) -> None:
         self.history.append(rec)

@@ -91,3 +91,54 @@ def test_merge_of_dir_without_checkpoint_is_refused(tmp_path):
     proc = run_cli("convert.merge_orbax", "--checkpoint", str(empty), "--out", str(tmp_path / "o"))
     assert_one_line_error(proc, str(empty))
     assert not (tmp_path / "o").exists()
+
+
+def test_merged_tokenizer_publishes_tool_markers(trained, tmp_path):
+    """The checkpoint's <unusedN> -> marker map becomes real tokens: same ids, marker names, atomic
+    encoding, a tool-calling chat template, and <start_function_response> as a stop id."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.checkpoint import read_metadata
+    from gemma_tpu.data import function_token_map
+
+    token_map = read_metadata(trained)["token_map"]
+    assert token_map, "a plain Gemma 3 vocabulary needs the map"
+    base_tok = AutoTokenizer.from_pretrained(read_metadata(trained)["base_model"]["local_dir"])
+    out = tmp_path / "merged"
+    proc = run_cli("convert.merge_orbax", "--checkpoint", str(trained), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert function_token_map(tok) == {}  # nothing left to map: the markers are in the vocabulary
+    for marker, unused in token_map.items():
+        old_id = base_tok.convert_tokens_to_ids(unused)
+        assert tok.convert_tokens_to_ids(marker) == old_id
+        assert tok(f"x {marker} y", add_special_tokens=False).input_ids.count(old_id) == 1
+        assert tok.decode([old_id]) == marker
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert tok.convert_tokens_to_ids("<start_function_response>") in eos and 106 in eos
+    tools = [{"type": "function", "function": {"name": "get_steps", "description": "Steps on a day.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "date": {"type": "string", "description": "The day."}},
+                                                   "required": ["date"]}}}]
+    msgs = [{"role": "user", "content": "steps today?"},
+            {"role": "assistant", "tool_calls": [{"type": "function",
+                                                  "function": {"name": "get_steps", "arguments": {"date": "today"}}}]}]
+    text = tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+    assert "<start_function_declaration>declaration:get_steps" in text
+    assert "<start_function_call>call:get_steps{date:<escape>today<escape>}<end_function_call>" in text
+
+
+def test_peft_adapter_ships_the_published_tokenizer(trained, tmp_path):
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.checkpoint import read_metadata
+
+    out = tmp_path / "adapter"
+    proc = run_cli("convert.export_peft", "--checkpoint", str(trained), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tool-call markers" in proc.stderr
+    tok = AutoTokenizer.from_pretrained(str(out))
+    base_tok = AutoTokenizer.from_pretrained(read_metadata(trained)["base_model"]["local_dir"])
+    for marker, unused in read_metadata(trained)["token_map"].items():
+        assert tok.convert_tokens_to_ids(marker) == base_tok.convert_tokens_to_ids(unused)
+    assert (out / "chat_template.jinja").is_file()

@@ -1,0 +1,118 @@
+"""Publish a tool-calling fine-tune's vocabulary: FunctionGemma markers as real tokens.
+
+A plain Gemma 3 vocabulary has no `<start_function_call>` etc.; training maps each marker onto a reserved
+`<unusedN>` token and records that map in the checkpoint metadata (`token_map`). A merged model that
+still calls those ids `<unusedN>` would decode its tool calls as `<unused1>call:...<unused2>`, which no
+server's tool parser recognises (vLLM's `functiongemma` parser looks for the literal marker strings). So
+the merged tokenizer renames those ids to the markers - the ids, and therefore the weights, do not change -
+and the directory gets a chat template that renders `tools`, `tool_calls` and tool responses in the format
+the model was trained on, plus `<start_function_response>` as a stop id (after a call the model hands
+over to the tool runner).
+
+Files touched, when present in the output: tokenizer.json (added tokens and the model vocabulary),
+tokenizer_config.json (added_tokens_decoder; an embedded chat_template is replaced by chat_template.jinja),
+tokenizer.model (SentencePiece pieces), chat_template.jinja, generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gemma_tpu.errors import UserError
+
+RESPONSE_MARKER = "<start_function_response>"
+
+
+def _rename_tokenizer_json(path: Path, token_map: dict[str, str]) -> dict[str, int]:
+    """Rename in tokenizer.json; return marker -> id."""
+    tok = json.loads(path.read_text())
+    by_old = {old: new for new, old in token_map.items()}
+    ids: dict[str, int] = {}
+    for entry in tok.get("added_tokens", []):
+        new = by_old.get(entry.get("content"))
+        if new is not None:
+            entry["content"] = new
+            ids[new] = int(entry["id"])
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        for old, new in by_old.items():
+            if old in vocab:
+                ids.setdefault(new, int(vocab[old]))
+                vocab[new] = vocab.pop(old)
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        for i, item in enumerate(vocab):
+            new = by_old.get(item[0])
+            if new is not None:
+                item[0] = new
+                ids.setdefault(new, i)
+    # Markers must be atomic: a token only in the model vocabulary would be split by the pre-tokenizer.
+    added = {int(e["id"]) for e in tok.get("added_tokens", [])}
+    for marker, i in sorted(ids.items(), key=lambda kv: kv[1]):
+        if i not in added:
+            tok.setdefault("added_tokens", []).append(
+                {"id": i, "content": marker, "single_word": False, "lstrip": False, "rstrip": False,
+                 "normalized": False, "special": True})
+    missing = sorted(set(token_map) - set(ids))
+    if missing:
+        raise UserError(f"{path}: the checkpoint's token map names {token_map[missing[0]]} for {missing[0]}, "
+                        f"but the tokenizer has no such token")
+    path.write_text(json.dumps(tok, ensure_ascii=False))
+    return ids
+
+
+def _rename_tokenizer_config(path: Path, token_map: dict[str, str]) -> None:
+    cfg = json.loads(path.read_text())
+    by_old = {old: new for new, old in token_map.items()}
+    for entry in (cfg.get("added_tokens_decoder") or {}).values():
+        if isinstance(entry, dict) and entry.get("content") in by_old:
+            entry["content"] = by_old[entry["content"]]
+    cfg.pop("chat_template", None)  # chat_template.jinja is the one template
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _rename_sentencepiece(path: Path, token_map: dict[str, str]) -> bool:
+    """Rename pieces in a SentencePiece model; False if sentencepiece's proto is unavailable."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+    except ImportError:
+        return False
+    proto = sp_pb2.ModelProto()
+    proto.ParseFromString(path.read_bytes())
+    by_old = {old: new for new, old in token_map.items()}
+    for piece in proto.pieces:
+        if piece.piece in by_old:
+            piece.piece = by_old[piece.piece]
+    path.write_bytes(proto.SerializeToString())
+    return True
+
+
+def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, int]:
+    """Rename the mapped `<unusedN>` tokens to their markers in every tokenizer file of `out_dir`,
+    write the tool-calling chat template and add `<start_function_response>` to the stop ids.
+    Returns marker -> token id (empty when there is nothing to do)."""
+    from gemma_tpu.tool_calls import tool_chat_template
+
+    if not token_map:
+        return {}
+    tj = out_dir / "tokenizer.json"
+    if not tj.is_file():
+        raise UserError(f"{out_dir}: the base has no tokenizer.json, so the tool-call token map "
+                        f"({len(token_map)} markers) cannot be published")
+    ids = _rename_tokenizer_json(tj, token_map)
+    if (out_dir / "tokenizer_config.json").is_file():
+        _rename_tokenizer_config(out_dir / "tokenizer_config.json", token_map)
+    sp = out_dir / "tokenizer.model"
+    if sp.is_file() and not _rename_sentencepiece(sp, token_map):
+        sp.unlink()  # a stale slow-tokenizer file would contradict tokenizer.json
+    (out_dir / "chat_template.jinja").write_text(tool_chat_template(None) + "\n")
+    gen_path = out_dir / "generation_config.json"
+    if gen_path.is_file() and RESPONSE_MARKER in ids:
+        gen = json.loads(gen_path.read_text())
+        eos = gen.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if ids[RESPONSE_MARKER] not in eos:
+            eos.append(ids[RESPONSE_MARKER])
+        gen["eos_token_id"] = eos
+        gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+    return ids
