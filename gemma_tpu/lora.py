@@ -54,11 +54,10 @@ def lora_state_paths(model) -> dict[str, tuple[int, ...]]:
 def check_lora_coverage(model, family: Family, tunix_cfg: Any, projections: list[Projection]) -> None:
     paths = lora_state_paths(model)
     expected = set()
-    for layer in range(tunix_cfg.num_layers):
-        for p in projections:
-            a, b = p.tunix_lora_names()
-            base = family.layer_path.format(layer=layer) + "." + p.tunix_module
-            expected |= {f"{base}.{a}", f"{base}.{b}"}
+    for layer, p in family.layer_sites(tunix_cfg, projections):
+        a, b = p.tunix_lora_names()
+        base = family.layer_path.format(layer=layer) + "." + p.tunix_module
+        expected |= {f"{base}.{a}", f"{base}.{b}"}
     missing = sorted(expected - set(paths))
     if missing:
         raise UserError(f"LoRA was not applied to {missing[0]} (Qwix matched no module for it); "
@@ -66,7 +65,8 @@ def check_lora_coverage(model, family: Family, tunix_cfg: Any, projections: list
 
 
 def count_params(model, kind=None) -> int:
+    import jax
     from flax import nnx
 
     state = nnx.state(model, kind) if kind is not None else nnx.state(model)
-    return sum(math.prod(getattr(x, "shape", ())) for x in __import__("jax").tree.leaves(state))
+    return sum(math.prod(getattr(x, "shape", ())) for x in jax.tree.leaves(state))
