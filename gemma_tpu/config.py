@@ -28,7 +28,7 @@ class ModelConfig:
     revision: str | None = None  # hub revision (branch, tag or commit)
     family: str | None = None  # registry family; None: detected from config.json
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameter and compute dtype
-    remat: Literal["none", "block", "decoder"] = "none"  # activation rematerialisation
+    remat: Literal["none", "block", "decoder"] = "none"  # older name of train.remat (used when that is unset)
 
 
 @dataclasses.dataclass
@@ -54,7 +54,8 @@ class DataConfig:
     strategy: Literal["pad", "pack"] = "pad"
     overlength: Literal["truncate", "drop", "error"] = "truncate"
     loss_on: Literal["assistant", "all"] = "assistant"
-    chat_format: Literal["auto", "gemma", "functiongemma"] = "auto"
+    # auto: the family's format; template: the tokenizer's own chat template (loss spans by offsets)
+    chat_format: Literal["auto", "gemma", "functiongemma", "template"] = "auto"
     # instruction-pair columns (Databricks Dolly names by default)
     instruction_field: str = "instruction"
     context_field: str | None = "context"
@@ -78,7 +79,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of learning_rate
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0  # global-norm clipping; None disables
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = 1  # micro-batches of batch_size per optimizer update (Tunix/optax MultiSteps)
+    # activation rematerialisation (Tunix RematConfig): none | block (attention and MLP blocks each
+    # recomputed in the backward pass) | decoder (whole decoder layers); null: model.remat
+    remat: Literal["none", "block", "decoder"] | None = None
     seed: int = 0
     eval_every_steps: int = 0  # 0: evaluate only at the start and the end
     log_every_steps: int = 1
@@ -98,14 +102,16 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    """Device mesh; -1 means 'the rest of the devices'."""
+    """Device mesh (see gemma_tpu.mesh); -1 means 'the rest of the devices'."""
 
-    data: int = 1
-    fsdp: int = -1
-    tp: int = 1
-    dcn_data: int = 1
-    accelerator: str = "cpu"
-    price_per_hour: float = 0.0
+    data: int = 1  # data parallelism (weights replicated)
+    fsdp: int = -1  # batch split and weights sharded
+    tp: int = 1  # tensor parallelism (heads / MLP width)
+    dcn_data: int = 1  # slices (multi-slice data parallelism over the data-centre network)
+    accelerator: str = "cpu"  # v5e | v5p | v6e | v4 | h100 | h200 | cpu (gemma_tpu.flops.ACCELERATORS)
+    price_per_hour: float = 0.0  # whole slice, for cost estimates
+    # multi-process: all three (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID);
+    # on a TPU pod slice JAX detects them itself
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -162,6 +168,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: expected a mapping, got {value!r}")
+        return {_coerce(k, args[0], where): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -232,8 +242,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read a YAML config, apply dotted overrides, and build the typed tree."""
+def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()) -> Any:
+    """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
+
+    The generic half of `load_config`, shared by every typed config (runs, serving): unknown keys,
+    wrong types and bad YAML are one-line `UserError`s that name the file.
+    """
     tree: dict = {}
     where = "config"
     if path is not None:
@@ -253,10 +267,15 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
         key, value = parse_override(text)
         _set_dotted(tree, key, value, f"override '{text}'")
     try:
-        cfg = _build(RunConfig, tree, "")
+        return _build(cls, tree, "")
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
-    validate(cfg, where)
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML config, apply dotted overrides, and build the typed tree."""
+    cfg = load_typed(RunConfig, path, overrides)
+    validate(cfg, str(path) if path is not None else "config")
     return cfg
 
 
@@ -294,3 +313,11 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         v = getattr(cfg.mesh, name)
         if v == 0 or v < -1:
             bad(f"mesh.{name} must be a positive integer or -1, got {v}")
+    if cfg.mesh.dcn_data == -1:
+        bad("mesh.dcn_data must be the number of slices, not -1")
+    from gemma_tpu.flops import ACCELERATORS
+
+    if cfg.mesh.accelerator not in ACCELERATORS:
+        bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")
+    if cfg.train.remat is not None and cfg.model.remat != "none" and cfg.model.remat != cfg.train.remat:
+        bad(f"model.remat={cfg.model.remat} and train.remat={cfg.train.remat} disagree; set train.remat only")

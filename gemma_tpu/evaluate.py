@@ -30,24 +30,19 @@ import math
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.config import DataConfig, RunConfig, load_config
 from gemma_tpu.errors import UserError, cli_main
 from gemma_tpu.tool_calls import ParsedReply, ToolCall, arguments_match, parse_reply
+from serving.openai_client import (DEFAULT_TOKEN_MAP, api_base, first_message, http_json, openai_messages,  # noqa: F401
+                                   reply_from_message, served_model_name)
 
 log = logging.getLogger("gemma_tpu.evaluate")
 
 METRICS = ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", "no_call_rate",
            "format_error_rate", "eval_loss", "perplexity")
-# The markers a plain Gemma 3 vocabulary carries as <unusedN> (what function_token_map gives it):
-# used to read endpoint text that still contains them.
-DEFAULT_TOKEN_MAP = {m: f"<unused{i}>" for i, m in enumerate((
-    "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>", "<end_function_call>",
-    "<start_function_response>", "<end_function_response>", "<escape>"))}
 
 
 @dataclasses.dataclass
@@ -169,83 +164,11 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
 # --------------------------------------------------------------------------------- endpoints
 
 
-def _http_json(url: str, payload: dict | None = None, timeout: float = 300.0) -> dict:
-    data = json.dumps(payload).encode() if payload is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="POST" if payload is not None else "GET")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read().decode())
-    except urllib.error.HTTPError as e:
-        body = e.read().decode(errors="replace")[:300]
-        raise UserError(f"{url}: HTTP {e.code} ({body})") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-        raise UserError(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
-
-
-def _api_base(url: str) -> str:
-    url = url.rstrip("/")
-    for suffix in ("/chat/completions", "/v1"):
-        if url.endswith(suffix):
-            url = url[: -len(suffix)]
-    return url + "/v1"
-
-
-def served_model_name(base: str) -> str | None:
-    """The first model the server lists, or None when it lists none (or cannot: `transformers
-    serve DIR` answers /v1/models from the hub cache only); the request then names no model and a
-    server pinned to one model uses it."""
-    try:
-        models = _http_json(f"{base}/models", timeout=30).get("data") or []
-    except UserError as e:
-        log.warning("%s; sending requests without a model name (pass --served-model to choose)", e)
-        return None
-    return models[0]["id"] if models else None
-
-
-def openai_messages(messages: list[dict]) -> list[dict]:
-    """Our normalised messages in OpenAI's shape (developer turns sent as system: more servers know it)."""
-    out = []
-    for i, m in enumerate(messages):
-        role = "system" if m["role"] == "developer" else m["role"]
-        msg: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
-        if m.get("tool_calls"):
-            calls = [c.get("function", c) for c in m["tool_calls"]]  # normalised or raw OpenAI shape
-            msg["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function",
-                                  "function": {"name": c["name"], "arguments": c["arguments"] if isinstance(
-                                      c.get("arguments"), str) else json.dumps(c.get("arguments") or {})}}
-                                 for j, c in enumerate(calls)]
-        if role == "tool":
-            msg["tool_call_id"] = f"call_{i - 1}_0"
-            if m.get("name"):
-                msg["name"] = m["name"]
-        out.append(msg)
-    return out
-
-
-def reply_from_message(message: dict) -> ParsedReply:
-    """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content."""
-    calls = []
-    for tc in message.get("tool_calls") or []:
-        fn = tc.get("function") or {}
-        raw = fn.get("arguments")
-        try:
-            args = json.loads(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
-        except json.JSONDecodeError:
-            return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
-        if not isinstance(args, dict) or not fn.get("name"):
-            return ParsedReply("format_error", [], str(raw), "tool call without a name or an object of arguments")
-        calls.append(ToolCall(fn["name"], args))
-    if calls:
-        return ParsedReply("call", calls, message.get("content") or "")
-    return parse_reply(message.get("content") or "", DEFAULT_TOKEN_MAP)
-
-
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
                      label: str) -> tuple[list[ParsedReply], list[str]]:
     from tqdm import tqdm
 
-    base = _api_base(url)
+    base = api_base(url)
     name = served or served_model_name(base)
     preds, texts = [], []
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
@@ -255,11 +178,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
             body["model"] = name
         if case.prompt.get("tools"):
             body["tools"] = case.prompt["tools"]
-        resp = _http_json(f"{base}/chat/completions", body)
-        try:
-            message = resp["choices"][0]["message"]
-        except (KeyError, IndexError, TypeError):
-            raise UserError(f"{base}/chat/completions: unexpected response {str(resp)[:200]}") from None
+        message = first_message(http_json(f"{base}/chat/completions", body), f"{base}/chat/completions")
         preds.append(reply_from_message(message))
         texts.append(json.dumps(message, ensure_ascii=False))
     return preds, texts

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -463,59 +459,23 @@ def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
 # ------------------------------------------------------------------------ a real OpenAI server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_evaluate_against_transformers_serve(tiny_dir, tmp_path):
-    """`transformers serve` on the tiny model with our tool-aware chat template: three examples
-    go through /v1/chat/completions with `tools`, and are scored."""
-    import shutil
-    import urllib.request
-
+    """`transformers serve` on the tiny model with our tool-aware chat template (serving.local writes
+    it beside symlinks to the model): three examples go through /v1/chat/completions with `tools`,
+    and are scored."""
     pytest.importorskip("fastapi", reason="needs transformers[serving]")
     pytest.importorskip("uvicorn", reason="needs transformers[serving]")
-    from transformers import AutoTokenizer
+    from serving.local import LocalServer
 
-    from gemma_tpu.data import function_token_map
-
-    served = tmp_path / "served"
-    shutil.copytree(tiny_dir, served)
-    tok = AutoTokenizer.from_pretrained(str(served))
-    (served / "chat_template.jinja").write_text(tool_chat_template(function_token_map(tok)))
-    port = _free_port()
-    exe = Path(sys.executable).parent / "transformers"
-    log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen([str(exe), "serve", str(served), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    pytest.fail("transformers serve did not start: " + (tmp_path / "serve.log").read_text()[-2000:])
-                time.sleep(0.5)
+    with LocalServer(tiny_dir, log=tmp_path / "serve.log") as server:
         out = tmp_path / "ep.json"
-        proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--endpoint",
-                       f"http://127.0.0.1:{port}", "--limit", "3", "--max-new-tokens", "16", "--json", str(out),
-                       timeout=300)
+        proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--endpoint", server.url,
+                       "--limit", "3", "--max-new-tokens", "16", "--json", str(out), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        label = f"endpoint:http://127.0.0.1:{port}"
+        label = f"endpoint:{server.url}"
         data = json.loads(out.read_text())
         assert data["models"][label]["n"] == 3 and data["models"][label]["eval_loss"] is None
         assert all(json.loads(e["raw"])["role"] == "assistant" for e in data["examples"][label])
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
 # ------------------------------------------------------------------------- the real 270M (slow)

@@ -1,0 +1,425 @@
+"""`python -m serving.bench --base-url URL [--model NAME] [--num-prompts N --concurrency C --input-len I
+--output-len O --dataset random|FILE.jsonl --seed S --json OUT --timeout T]`
+
+Load-test any OpenAI-compatible server with streaming `/v1/chat/completions` requests (asyncio +
+httpx, at most C in flight) and report what `vllm bench serve` reports, under its JSON field names,
+so the two compare side by side:
+
+    completed, failed                    requests that streamed to the end / that did not
+    request_throughput                   completed requests per second of the run
+    output_throughput                    generated tokens per second
+    total_token_throughput               prompt + generated tokens per second
+    {mean,median,std,p90,p99}_ttft_ms    time to first token
+    {...}_tpot_ms                        time per output token after the first: (E2EL - TTFT) / (out - 1)
+    {...}_itl_ms                         inter-token latency: gaps between streamed chunks
+    {...}_e2el_ms                        end-to-end latency of a request
+    max_output_tokens_per_s, max_concurrent_requests   peaks over the run
+
+Token counts come from the server's `usage` (requested with `stream_options.include_usage`); a
+server that sends none is counted one token per streamed chunk. TTFT is taken at the first chunk
+whose `choices` carry generated output (content, reasoning or a tool call): on vLLM that is its
+first chunk with `choices` (vLLM sends its role chunk together with the first token), and a server
+that sends the role chunk before generating (transformers serve) is not credited with a TTFT of ~0.
+
+A request fails on an HTTP error, a refused or dropped connection, a stream that ends without a
+finish reason or `[DONE]`, an `error` event, or when it takes longer than --timeout seconds (the
+whole request, streaming included) — so the run ends within about ceil(N / C) x T seconds whatever the
+server does. Failures are counted and listed; the table is printed either way. Exit status: 0 when at
+least one request completed, 1 when none did.
+
+Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or a JSONL file whose rows
+are chats (`messages`, optional `tools`: the prompt is the conversation up to its first assistant
+turn, e.g. data/fitness/test.jsonl) or `{"prompt": "..."}`; rows are sampled with the seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from gemma_tpu.errors import UserError, cli_main
+from serving.openai_client import api_base, openai_messages, served_model_name
+
+METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+           ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+# Everyday words: each is about one token for Gemma's tokenizer when preceded by a space.
+_WORDS = ("time year people way day man thing woman life child world school state family student group country "
+          "problem hand part place case week company system program question work government number night point "
+          "home water room mother area money story fact month lot right study book eye job word business issue "
+          "side kind head house service friend father power hour game line end member law car city community "
+          "name president team minute idea kid body information back parent face others level office door health "
+          "person art war history party result change morning reason research girl guy moment air teacher force "
+          "education foot boy age policy process music market sense nation plan college interest death experience "
+          "effect use class control care field development role effort rate heart drug show leader light voice "
+          "wife police mind price report decision son view relationship town road arm difference value building "
+          "action model season society tax director position player record paper space ground form event").split()
+
+
+@dataclasses.dataclass
+class Prompt:
+    messages: list[dict]
+    tools: list[dict] | None = None
+    prompt_len: int = 0  # estimate; the server's usage.prompt_tokens replaces it when reported
+    max_tokens: int | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    """One request's outcome (times in seconds, as vLLM's RequestFuncOutput)."""
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0
+    generated_text: str = ""
+
+
+class RequestFailed(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------ datasets
+
+
+def random_prompts(n: int, input_len: int, seed: int) -> list[Prompt]:
+    rng = random.Random(seed)
+    return [Prompt([{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(input_len))}],
+                   prompt_len=input_len) for _ in range(n)]
+
+
+def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--dataset {path}: no such file (use 'random' or a .jsonl file)")
+    rows: list[Prompt] = []
+    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{p}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected a JSON object")
+        limit = row.get("max_tokens", row.get("output_len"))
+        if isinstance(row.get("messages"), list) and row["messages"]:
+            msgs = row["messages"]
+            if not all(isinstance(m, dict) and "role" in m for m in msgs):
+                raise UserError(f"{where}: every message needs a role")
+            k = next((i for i, m in enumerate(msgs) if m["role"] in ("assistant", "model")), len(msgs))
+            if k == 0:
+                raise UserError(f"{where}: the conversation starts with an assistant turn")
+            sent = openai_messages(msgs[:k])
+            est = sum(len(str(m.get("content") or "")) for m in sent) // 4
+            rows.append(Prompt(sent, row.get("tools") or None, est, limit))
+        elif isinstance(row.get("prompt"), str):
+            rows.append(Prompt([{"role": "user", "content": row["prompt"]}], None, len(row["prompt"]) // 4, limit))
+        else:
+            raise UserError(f"{where}: expected 'messages' (a chat) or 'prompt' (a string)")
+    if not rows:
+        raise UserError(f"--dataset {path}: no rows")
+    rng = random.Random(seed)
+    order: list[Prompt] = []
+    while len(order) < n:
+        chunk = rows[:]
+        rng.shuffle(chunk)
+        order.extend(chunk)
+    return order[:n]
+
+
+# ------------------------------------------------------------------------------------- requests
+
+
+def _delta_output(delta: dict) -> str | None:
+    """What a streamed delta generated (text, reasoning or a tool call), or None for none."""
+    for key in ("content", "reasoning_content", "reasoning"):
+        if isinstance(delta.get(key), str) and delta[key]:
+            return delta[key] if key == "content" else ""
+    if delta.get("tool_calls"):
+        return ""
+    return None
+
+
+async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> None:
+    st = time.perf_counter()
+    res.start_time = st
+    first_choice = None
+    last = None
+    chunks = 0
+    usage_tokens = None
+    finished = done = False
+    text: list[str] = []
+    async with client.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            detail = " ".join((await resp.aread()).decode(errors="replace").split())[:200]
+            raise RequestFailed(f"HTTP {resp.status_code}: {detail}")
+        async for line in resp.aiter_lines():
+            line = line.strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError:
+                raise RequestFailed(f"bad event {data[:100]!r}") from None
+            if not isinstance(chunk, dict):
+                raise RequestFailed(f"bad event {data[:100]!r}")
+            if chunk.get("error"):
+                raise RequestFailed(f"server error: {json.dumps(chunk['error'])[:200]}")
+            now = time.perf_counter()
+            usage = chunk.get("usage")
+            if isinstance(usage, dict):
+                if isinstance(usage.get("completion_tokens"), int):
+                    usage_tokens = usage["completion_tokens"]
+                if isinstance(usage.get("prompt_tokens"), int):
+                    res.prompt_len = usage["prompt_tokens"]
+            for choice in chunk.get("choices") or []:
+                if first_choice is None:
+                    first_choice = now
+                produced = _delta_output(choice.get("delta") or {})
+                if produced is not None:
+                    if last is None:
+                        res.ttft = now - st
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                    text.append(produced)
+                if choice.get("finish_reason"):
+                    finished = True
+    if not (done or finished):
+        raise RequestFailed("the stream ended before the response was complete")
+    res.latency = time.perf_counter() - st
+    if last is None:  # nothing generated (an immediate stop): the first chunk is all there is
+        res.ttft = (first_choice or time.perf_counter()) - st
+    res.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    res.generated_text = "".join(text)
+    res.success = True
+
+
+async def one_request(client, url: str, prompt: Prompt, model: str | None, output_len: int,
+                      extra: dict, headers: dict, timeout: float) -> Result:
+    import httpx
+
+    body: dict[str, Any] = {"messages": prompt.messages, "max_tokens": prompt.max_tokens or output_len,
+                            "stream": True, "stream_options": {"include_usage": True}, **extra}
+    if model:
+        body["model"] = model
+    if prompt.tools:
+        body["tools"] = prompt.tools
+    res = Result(prompt_len=prompt.prompt_len)
+    try:
+        await asyncio.wait_for(_stream(client, url, body, headers, res), timeout)
+    except asyncio.TimeoutError:
+        res.success, res.error = False, f"timed out after {timeout:g} s"
+    except RequestFailed as e:
+        res.success, res.error = False, str(e)
+    except httpx.HTTPError as e:
+        res.success, res.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    except OSError as e:
+        res.success, res.error = False, f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_all(url: str, prompts: list[Prompt], model: str | None, args, headers: dict) -> tuple[list[Result], float]:
+    import httpx
+    from tqdm import tqdm
+
+    extra: dict[str, Any] = {}
+    if args.temperature is not None:
+        extra["temperature"] = args.temperature
+    if args.ignore_eos:
+        extra["ignore_eos"] = True  # a vLLM extension: generate exactly --output-len tokens
+    sem = asyncio.Semaphore(args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    bar = tqdm(total=len(prompts), desc="requests", unit="req", file=sys.stderr, disable=args.disable_tqdm)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+
+        async def limited(p: Prompt) -> Result:
+            async with sem:
+                r = await one_request(client, url, p, model, args.output_len, extra, headers, args.timeout)
+            bar.update(1)
+            return r
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(limited(p) for p in prompts))
+        duration = time.perf_counter() - t0
+    bar.close()
+    return list(results), duration
+
+
+# -------------------------------------------------------------------------------------- metrics
+
+
+def summarize(results: list[Result], duration: float, percentiles: Sequence[float]) -> dict[str, Any]:
+    """vLLM's metrics (its field names), from the per-request results."""
+    import numpy as np
+
+    ok = [r for r in results if r.success]
+    ttfts = [r.ttft for r in ok]
+    e2els = [r.latency for r in ok]
+    itls = [x for r in ok for x in r.itl]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    dur = max(duration, 1e-9)
+    out: dict[str, Any] = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / dur, "request_goodput": None,
+        "output_throughput": total_out / dur, "total_token_throughput": (total_in + total_out) / dur,
+    }
+    # peak streamed chunks per wall-clock second, and peak requests in flight (as vLLM computes them)
+    peak_tokens, peak_concurrency = 0.0, 0
+    if ok:
+        t0 = min(r.start_time for r in ok)
+        per_second: dict[int, int] = {}
+        for r in ok:
+            t = r.start_time + r.ttft
+            for gap in [0.0, *r.itl]:
+                t += gap
+                per_second[int(t - t0)] = per_second.get(int(t - t0), 0) + 1
+        peak_tokens = float(max(per_second.values()))
+        events = sorted([(r.start_time, 1) for r in ok] + [(r.start_time + r.latency, -1) for r in ok])
+        level = 0
+        for _, step in events:
+            level += step
+            peak_concurrency = max(peak_concurrency, level)
+    out["max_output_tokens_per_s"] = peak_tokens
+    out["max_concurrent_requests"] = peak_concurrency
+    for key, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        v = np.asarray(values or [0.0], dtype=np.float64) * 1000
+        out[f"mean_{key}_ms"] = float(v.mean())
+        out[f"median_{key}_ms"] = float(np.median(v))
+        out[f"std_{key}_ms"] = float(v.std())
+        for p in percentiles:
+            out[f"p{_pword(p)}_{key}_ms"] = float(np.percentile(v, p))
+    return out
+
+
+def _pword(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def format_table(m: dict[str, Any], concurrency: int, percentiles: Sequence[float]) -> str:
+    """The result block, laid out like `vllm bench serve` prints it."""
+    row = "{:<40} {:<10}".format
+    num = lambda label, v: "{:<40} {:<10.2f}".format(label, v)  # noqa: E731
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
+             row("Successful requests:", m["completed"]), row("Failed requests:", m["failed"]),
+             row("Maximum request concurrency:", concurrency), num("Benchmark duration (s):", m["duration"]),
+             row("Total input tokens:", m["total_input_tokens"]), row("Total generated tokens:", m["total_output_tokens"]),
+             num("Request throughput (req/s):", m["request_throughput"]),
+             num("Output token throughput (tok/s):", m["output_throughput"]),
+             num("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"]),
+             row("Peak concurrent requests:", m["max_concurrent_requests"]),
+             num("Total token throughput (tok/s):", m["total_token_throughput"])]
+    for key, short, header in METRICS:
+        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
+        lines.append(num(f"Mean {short} (ms):", m[f"mean_{key}_ms"]))
+        lines.append(num(f"Median {short} (ms):", m[f"median_{key}_ms"]))
+        for p in percentiles:
+            lines.append(num(f"P{_pword(p)} {short} (ms):", m[f"p{_pword(p)}_{key}_ms"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serving.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
+    p.add_argument("--model", help="model name sent with each request; default: the first the server lists, or none")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (vLLM: --max-concurrency)")
+    p.add_argument("--input-len", type=int, default=128, help="words per random prompt (about one token each)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--dataset", default="random", help="'random' or a JSONL file of chats / prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here (vllm bench serve field names)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, streaming included")
+    p.add_argument("--temperature", type=float, help="sent when given (default: the server's)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to generate exactly --output-len tokens (vLLM's ignore_eos extension; "
+                        "as `vllm bench serve` does for random prompts)")
+    p.add_argument("--metric-percentiles", default="90,99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--api-key-env", default="VLLM_API_KEY",
+                   help="environment variable holding the API key, sent when set (default: VLLM_API_KEY)")
+    p.add_argument("--save-detailed", action="store_true", help="also write per-request lists (ttfts, itls, ...)")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv or [])
+    for name in ("num_prompts", "concurrency", "input_len", "output_len"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive")
+    if args.timeout <= 0:
+        raise UserError("--timeout must be positive")
+    try:
+        percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers like 90,99") from None
+    if not percentiles or any(not 0 < p <= 100 for p in percentiles):
+        raise UserError("--metric-percentiles: values must be in (0, 100]")
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise UserError("serving.bench needs httpx: pip install -e '.[serve]'") from None
+    prompts = (random_prompts(args.num_prompts, args.input_len, args.seed) if args.dataset == "random"
+               else file_prompts(args.dataset, args.num_prompts, args.seed))
+    base = api_base(args.base_url)
+    api_key = os.environ.get(args.api_key_env) or None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = args.model or served_model_name(base, api_key, timeout=min(args.timeout, 30.0))
+    print(f"benchmarking {base}/chat/completions (model {model or 'default'}): {args.num_prompts} prompts, "
+          f"concurrency {args.concurrency}, dataset {args.dataset}", file=sys.stderr, flush=True)
+    results, duration = asyncio.run(run_all(f"{base}/chat/completions", prompts, model, args, headers))
+    metrics = summarize(results, duration, percentiles)
+    errors = [r.error for r in results if not r.success]
+    if errors:
+        print(f"{len(errors)} failed request(s); first errors:", file=sys.stderr)
+        for e in list(dict.fromkeys(errors))[:5]:
+            print(f"  {e}", file=sys.stderr)
+    print(format_table(metrics, args.concurrency, percentiles), flush=True)
+    if args.json:
+        doc: dict[str, Any] = {
+            "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "openai-chat",
+            "backend": "openai-chat", "label": None, "model_id": model, "tokenizer_id": None,
+            "base_url": base, "dataset": args.dataset, "num_prompts": args.num_prompts,
+            "request_rate": "inf", "burstiness": 1.0, "max_concurrency": args.concurrency,
+            "input_len": args.input_len if args.dataset == "random" else None, "output_len": args.output_len,
+            "seed": args.seed, "timeout": args.timeout, **metrics, "errors": errors,
+        }
+        if args.save_detailed:
+            doc.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
+                       ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                       latencies=[r.latency for r in results], errors=[r.error for r in results])
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    return 0 if metrics["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

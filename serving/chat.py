@@ -1,0 +1,145 @@
+"""`python -m serving.chat --base-url URL [--model NAME] [--once "question"]`
+
+The fitness coach against any OpenAI-compatible server (vLLM-TPU, `serving.launch --local`, ...):
+each question goes to `/v1/chat/completions` with the seven tool declarations in `tools`; the
+model's call is read from `tool_calls` (a server with a tool-call parser) or parsed from the
+FunctionGemma text in `content` (a server that returns raw text), run against the provider
+(a simulated watch, or Garmin Connect), and sent back as a `tool` message so the model answers in
+words. A call to an unknown tool, wrong arguments, a malformed call or a failed request is reported
+to the user, not raised (with `--once`, a server that cannot be reached is a one-line error).
+
+Tool calls are traced on stderr (`-> get_steps(date='yesterday') = {...}`); answers go to stdout.
+The API key, if the server wants one, is read from the variable named by --api-key-env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any, Sequence, TextIO
+
+from gemma_tpu.errors import UserError, cli_main
+from serving.openai_client import api_base, first_message, http_json, openai_messages, reply_from_message
+
+MAX_CALLS = 3  # calls per question before we stop the model
+
+
+class RemoteCoach:
+    """One endpoint, one provider; `ask(question)` runs the call loop and returns the reply text."""
+
+    def __init__(self, base_url: str, provider, model: str | None = None, api_key: str | None = None,
+                 max_tokens: int = 128, temperature: float = 0.0, timeout: float = 120.0,
+                 trace: TextIO | None = sys.stderr):
+        from gemma_tpu.examples.fitness.tools import tool_schemas
+
+        self.base = api_base(base_url)
+        self.provider = provider
+        self.model = model
+        self.api_key = api_key
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.timeout = timeout
+        self.tools = tool_schemas()
+        self.trace = trace
+
+    def _log(self, text: str) -> None:
+        if self.trace is not None:
+            print(text, file=self.trace, flush=True)
+
+    def complete(self, messages: list[dict]) -> dict:
+        """One chat completion; returns `choices[0].message`."""
+        body: dict[str, Any] = {"messages": openai_messages(messages), "tools": self.tools,
+                                "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": False}
+        if self.model:
+            body["model"] = self.model
+        url = f"{self.base}/chat/completions"
+        return first_message(http_json(url, body, timeout=self.timeout, api_key=self.api_key), url)
+
+    def ask(self, question: str) -> str:
+        from gemma_tpu.examples.fitness.tools import ToolError, call_tool, response_json, system_prompt
+
+        messages = [{"role": "developer", "content": system_prompt(self.provider.today())},
+                    {"role": "user", "content": question}]
+        for _ in range(MAX_CALLS + 1):
+            message = self.complete(messages)
+            reply = reply_from_message(message)
+            if reply.kind == "format_error":
+                raw = message.get("content") or json.dumps(message.get("tool_calls"))
+                return f"(the model produced a malformed tool call: {reply.error}; raw output: {str(raw).strip()[:200]!r})"
+            if reply.kind == "text":
+                return reply.text or "(the model gave an empty answer)"
+            call = reply.calls[0]
+            shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+            try:
+                result = call_tool(call.name, call.arguments, self.provider)
+            except ToolError as e:
+                self._log(f"-> {call.name}({shown}): {e}")
+                return f"({e})"
+            self._log(f"-> {call.name}({shown}) = {json.dumps(result)}")
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
+            messages.append({"role": "tool", "name": call.name, "content": response_json(result)})
+        return f"(the model kept calling tools; stopped after {MAX_CALLS} calls)"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serving.chat", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
+    p.add_argument("--model", help="served model (or LoRA adapter) name; default: the first the server lists, "
+                                   "or none")
+    p.add_argument("--api-key-env", default="VLLM_API_KEY",
+                   help="environment variable holding the API key, sent when set (default: VLLM_API_KEY)")
+    p.add_argument("--provider", choices=("simulated", "garmin"), default="simulated")
+    p.add_argument("--seed", type=int, default=0, help="simulated device seed")
+    p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv or [])
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from gemma_tpu.examples.fitness.providers import make_provider
+    from serving.openai_client import served_model_name
+
+    if args.max_tokens <= 0 or args.timeout <= 0:
+        raise UserError("--max-tokens and --timeout must be positive")
+    if args.once is not None and not args.once.strip():
+        raise UserError("--once needs a question")
+    provider = make_provider(args.provider, args.seed)  # fail fast on credentials
+    api_key = os.environ.get(args.api_key_env) or None
+    model = args.model or served_model_name(api_base(args.base_url), api_key, timeout=min(args.timeout, 30))
+    coach = RemoteCoach(args.base_url, provider, model, api_key, args.max_tokens, args.temperature, args.timeout)
+    if args.once is not None:
+        print(coach.ask(args.once))
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"Connected to {coach.base} (model {model or 'default'}). Ask about steps, sleep, activity, "
+              "heart rate or Body Battery (Ctrl-D to quit).", file=sys.stderr)
+    while True:
+        if interactive:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        question = line.strip()
+        if not question:
+            continue
+        if question.lower() in ("exit", "quit"):
+            break
+        try:
+            answer = coach.ask(question)
+        except UserError as e:  # one failed request does not end the session
+            answer = f"(request failed: {e})"
+        print(("coach> " if interactive else "") + answer, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

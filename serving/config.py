@@ -1,0 +1,337 @@
+"""Typed serving configuration, and the checks a model directory must pass before vLLM-TPU sees it.
+
+`configs/serve-*.yaml` mirror `ServeConfig` (sections `model`, `server`, `tool_calling`, `lora`,
+`container`) and load through gemma_tpu's config loader: dotted overrides (`server.port=8001`),
+unknown keys and wrong types rejected by name.
+
+`inspect_model` reads a merged directory the way vLLM-TPU will and refuses, in one line, what would
+fail on the TPU VM minutes into a container start: a missing config/weights/shard/generation
+config/tokenizer, an architecture vLLM-TPU does not serve, a tensor-parallel size that does not
+divide the KV-head count, a tool-call parser for the wrong family, a LoRA rank vLLM cannot take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Literal, Sequence
+
+from gemma_tpu.config import load_typed
+from gemma_tpu.errors import UserError, read_json_object
+
+# The official vLLM TPU image, pinned (docker.io/vllm/vllm-tpu, tags vX.Y.Z = tpu-inference releases).
+# serving/Dockerfile builds FROM exactly this; tests check that the two agree.
+VLLM_TPU_IMAGE = "vllm/vllm-tpu:v0.27.0"
+# What serving/Dockerfile is built as (launch builds it when missing).
+DEFAULT_IMAGE = "gemma-tpu-serve:v0.27.0"
+
+# Architectures vLLM-TPU serves, by family. Gemma 4 runs on tpu-inference's JAX-native models
+# (`tpu_inference/models/common/model_loader.py` registers Gemma4ForCausalLM and
+# Gemma4ForConditionalGeneration); Gemma 3 runs on vLLM's PyTorch model through torchax (text only).
+SUPPORTED_ARCHITECTURES = {
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
+}
+# The tool-call parser vLLM needs for each family's call format (FunctionGemma text for Gemma 3,
+# `<|tool_call>` blocks for Gemma 4).
+PARSER_FOR_FAMILY = {"gemma3": "functiongemma", "gemma4": "gemma4"}
+# vLLM's LoRAConfig.max_lora_rank must be one of these (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+END_OF_TURN_ID = 106  # Gemma 3 <end_of_turn>: generation_config must stop on it
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY", "HUGGING_FACE_HUB_TOKEN")
+
+
+@dataclasses.dataclass
+class ModelSection:
+    """The merged Hugging Face directory to serve (on the machine that runs the container)."""
+
+    dir: str | None = None
+    name: str | None = None  # served model name and mount /models/NAME; default: the directory's name
+
+
+@dataclasses.dataclass
+class ServerSection:
+    """`vllm serve` engine and API settings."""
+
+    host: str = "127.0.0.1"  # the container shares the host network: 0.0.0.0 exposes the API
+    port: int = 8000
+    tensor_parallel_size: int = 1
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    dtype: Literal["bfloat16"] = "bfloat16"  # vLLM-TPU refuses float16 for Gemma 3
+    api_key_env: str | None = None  # name of the host variable holding the API key; never its value
+    extra_args: list[str] = dataclasses.field(default_factory=list)  # appended to `vllm serve`
+
+
+@dataclasses.dataclass
+class ToolCallingSection:
+    """OpenAI `tools` / `tool_calls` through vLLM's tool-call parser."""
+
+    enabled: bool = False
+    parser: Literal["functiongemma", "gemma4"] = "functiongemma"
+    chat_template: str = "model"  # "model": the directory's own template; else a .jinja file on the host
+
+
+@dataclasses.dataclass
+class AdapterSection:
+    name: str = ""
+    dir: str = ""  # a PEFT adapter directory (python -m convert.export_peft)
+
+
+@dataclasses.dataclass
+class LoraSection:
+    """LoRA adapters served next to the base (`--enable-lora --lora-modules name=/adapters/name`)."""
+
+    adapters: list[AdapterSection] = dataclasses.field(default_factory=list)
+    max_lora_rank: int | None = None  # default: the smallest rank vLLM accepts that fits every adapter
+
+
+@dataclasses.dataclass
+class ContainerSection:
+    """The `docker run` around `vllm serve`."""
+
+    image: str = DEFAULT_IMAGE
+    build: bool = True  # build `image` from serving/Dockerfile when missing (false: docker run pulls it)
+    name: str | None = None  # container name; default gemma-tpu-serve-<model name>
+    shm_size: str = "16g"
+    compile_cache: str = "~/.cache/vllm"  # persisted JAX/XLA compile cache, mounted at /root/.cache/vllm
+    hf_token_env: str | None = "HF_TOKEN"  # passed by name (docker -e NAME), never by value
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # non-secret settings, e.g. MODEL_IMPL_TYPE
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    server: ServerSection = dataclasses.field(default_factory=ServerSection)
+    tool_calling: ToolCallingSection = dataclasses.field(default_factory=ToolCallingSection)
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
+    container: ContainerSection = dataclasses.field(default_factory=ContainerSection)
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model.dir).expanduser().resolve()
+
+    @property
+    def served_name(self) -> str:
+        return self.model.name or self.model_dir.name
+
+
+def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) -> ServeConfig:
+    """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem."""
+    cfg = load_typed(ServeConfig, path, overrides)
+    where = str(path) if path is not None else "config"
+
+    def bad(msg: str) -> None:
+        raise UserError(f"{where}: {msg}")
+
+    if not cfg.model.dir:
+        bad("model.dir is not set (the merged model directory, e.g. model.dir=runs/x-merged)")
+    if cfg.model.name is not None and not _NAME.fullmatch(cfg.model.name):
+        bad(f"model.name {cfg.model.name!r}: use letters, digits, '.', '_' and '-'")
+    if not _NAME.fullmatch(cfg.served_name):
+        bad(f"the directory name {cfg.served_name!r} cannot be a served model name; set model.name")
+    s = cfg.server
+    for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        if getattr(s, key) <= 0:
+            bad(f"server.{key} must be positive, got {getattr(s, key)}")
+    if not 0 < s.port < 65536:
+        bad(f"server.port must be in 1..65535, got {s.port}")
+    for key in ("api_key_env",):
+        v = getattr(s, key)
+        if v is not None and not _ENV_NAME.fullmatch(v):
+            bad(f"server.{key} must be an environment variable name, got {v!r}")
+    if cfg.container.hf_token_env is not None and not _ENV_NAME.fullmatch(cfg.container.hf_token_env):
+        bad(f"container.hf_token_env must be an environment variable name, got {cfg.container.hf_token_env!r}")
+    for k in cfg.container.env:
+        if not _ENV_NAME.fullmatch(k):
+            bad(f"container.env: {k!r} is not an environment variable name")
+        if k in SECRET_ENV:
+            bad(f"container.env.{k}: secrets are passed by name (server.api_key_env, container.hf_token_env), "
+                "not written into the config")
+    if not re.fullmatch(r"\d+[bkmg]?", cfg.container.shm_size.lower()):
+        bad(f"container.shm_size {cfg.container.shm_size!r} is not a size like 16g")
+    names = [a.name for a in cfg.lora.adapters]
+    for a in cfg.lora.adapters:
+        if not _NAME.fullmatch(a.name or ""):
+            bad(f"lora.adapters: name {a.name!r}: use letters, digits, '.', '_' and '-'")
+        if not a.dir:
+            bad(f"lora.adapters.{a.name}: dir is not set")
+    if len(set(names)) != len(names) or cfg.served_name in names:
+        bad("lora.adapters: names must be unique and differ from the served model name")
+    if cfg.lora.max_lora_rank is not None and cfg.lora.max_lora_rank not in VLLM_LORA_RANKS:
+        bad(f"lora.max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's choices), "
+            f"got {cfg.lora.max_lora_rank}")
+    return cfg
+
+
+# ------------------------------------------------------------------------------ model checks
+
+
+@dataclasses.dataclass
+class ModelFacts:
+    """What `inspect_model` learned, for rendering the command."""
+
+    architecture: str
+    family: str
+    num_key_value_heads: int
+    chat_template_file: str | None  # name of the template file in the model dir, if any
+    has_chat_template: bool  # a template anywhere vLLM/transformers look (file or tokenizer_config)
+    lora_rank: int | None  # --max-lora-rank to pass
+
+
+def text_config(hf: dict) -> dict:
+    """The decoder's settings: nested under `text_config` in multimodal configs."""
+    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+
+
+def check_weights(model_dir: Path) -> None:
+    """safetensors weights: one `model.safetensors`, or an index whose every shard is present."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = read_json_object(index, f"{index}: cannot read")
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"{index}: no weight_map")
+        for shard in sorted(set(weight_map.values())):
+            if not (model_dir / shard).is_file():
+                raise UserError(f"model dir {model_dir}: shard {shard} listed in model.safetensors.index.json "
+                                "is missing")
+        return
+    if (model_dir / "model.safetensors").is_file():
+        return
+    shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if shards:
+        raise UserError(f"model dir {model_dir}: sharded weights ({shards[0]}, ...) without "
+                        "model.safetensors.index.json")
+    raise UserError(f"model dir {model_dir}: no weights (model.safetensors or model.safetensors.index.json)")
+
+
+def check_tokenizer(model_dir: Path) -> None:
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer.model").is_file():
+        raise UserError(f"model dir {model_dir}: no tokenizer (tokenizer.json or tokenizer.model)")
+    if not (model_dir / "tokenizer_config.json").is_file():
+        raise UserError(f"model dir {model_dir}: no tokenizer_config.json")
+
+
+def chat_template_in(model_dir: Path) -> tuple[str | None, bool]:
+    """(template file name or None, whether the directory carries a chat template at all)."""
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (model_dir / name).is_file():
+            return name, True
+    tc = model_dir / "tokenizer_config.json"
+    if tc.is_file():
+        try:
+            return None, bool(json.loads(tc.read_text()).get("chat_template"))
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return None, False
+    return None, False
+
+
+def adapter_rank(adapter_dir: Path, name: str) -> int:
+    cfg = read_json_object(adapter_dir / "adapter_config.json",
+                           f"lora.adapters.{name}: {adapter_dir} has no adapter_config.json")
+    if not (adapter_dir / "adapter_model.safetensors").is_file():
+        raise UserError(f"lora.adapters.{name}: {adapter_dir} has no adapter_model.safetensors")
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in cfg:
+            raise UserError(f"lora.adapters.{name}: {adapter_dir}/adapter_config.json has no {key!r}")
+    r = cfg["r"]
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise UserError(f"lora.adapters.{name}: adapter_config.json r={r!r} is not a positive integer")
+    return r
+
+
+def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
+    """Check the model directory (and adapters) against what vLLM-TPU needs; one-line errors.
+
+    `for_vllm=False` (the local `transformers serve`) skips the TPU-only rules (architecture set,
+    tensor parallelism, LoRA ranks) and the chat-template requirement, which the local server fills.
+    """
+    d = cfg.model_dir
+    if not d.is_dir():
+        raise UserError(f"model.dir {cfg.model.dir}: not a directory")
+    hf = read_json_object(d / "config.json", f"model dir {d}: no config.json")
+    check_weights(d)
+    if not (d / "generation_config.json").is_file():
+        raise UserError(f"model dir {d}: no generation_config.json (vLLM reads its stop tokens from it)")
+    check_tokenizer(d)
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or len(archs) != 1:
+        raise UserError(f"model dir {d}: config.json must name exactly one architecture, got {archs!r}")
+    arch = archs[0]
+    family = SUPPORTED_ARCHITECTURES.get(arch)
+    if family is None and for_vllm:
+        raise UserError(f"model dir {d}: architecture {arch} is not one vLLM-TPU serves here "
+                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    text = text_config(hf)
+    kv = text.get("num_key_value_heads", hf.get("num_key_value_heads"))
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0:
+        raise UserError(f"model dir {d}: config.json has no num_key_value_heads")
+    tp = cfg.server.tensor_parallel_size
+    template_file, has_template = chat_template_in(d)
+    rank = None
+    if for_vllm:
+        if kv % tp:
+            raise UserError(f"server.tensor_parallel_size={tp} does not divide num_key_value_heads={kv} "
+                            f"({d}/config.json); use a divisor of {kv}")
+        max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
+        if isinstance(max_pos, int) and cfg.server.max_model_len > max_pos:
+            raise UserError(f"server.max_model_len={cfg.server.max_model_len} exceeds the model's "
+                            f"max_position_embeddings={max_pos}")
+        if family == "gemma3" and text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True)) is False:
+            raise UserError(f"model dir {d}: vLLM serves Gemma 3 only with tied embeddings "
+                            "(config.json has tie_word_embeddings=false)")
+        if cfg.tool_calling.enabled:
+            want = PARSER_FOR_FAMILY[family]
+            if cfg.tool_calling.parser != want:
+                raise UserError(f"tool_calling.parser={cfg.tool_calling.parser} does not read {arch}'s calls; "
+                                f"use {want}")
+            if cfg.tool_calling.chat_template == "model" and not has_template:
+                raise UserError(f"model dir {d}: no chat template (chat_template.jinja or tokenizer_config.json) "
+                                "for tool calling; set tool_calling.chat_template to a .jinja file")
+        ranks = []
+        for a in cfg.lora.adapters:
+            adir = Path(a.dir).expanduser()
+            if not adir.is_dir():
+                raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
+            ranks.append(adapter_rank(adir, a.name))
+        if ranks:
+            need = max(ranks)
+            if cfg.lora.max_lora_rank is not None:
+                if cfg.lora.max_lora_rank < need:
+                    raise UserError(f"lora.max_lora_rank={cfg.lora.max_lora_rank} is below an adapter's rank {need}")
+                rank = cfg.lora.max_lora_rank
+            else:
+                fitting = [r for r in VLLM_LORA_RANKS if r >= need]
+                if not fitting:
+                    raise UserError(f"lora.adapters: rank {need} exceeds vLLM's largest max_lora_rank "
+                                    f"{VLLM_LORA_RANKS[-1]}")
+                rank = fitting[0]
+    if cfg.tool_calling.enabled and cfg.tool_calling.chat_template != "model":
+        if not Path(cfg.tool_calling.chat_template).expanduser().is_file():
+            raise UserError(f"tool_calling.chat_template: {cfg.tool_calling.chat_template} is not a file")
+    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank)
+
+
+def stop_token_warning(cfg: ServeConfig, facts: ModelFacts) -> str | None:
+    """Gemma 3 chat models must stop on <end_of_turn>; a base generation_config that lists only
+    <eos> makes every answer run to the length limit."""
+    if facts.family != "gemma3":
+        return None
+    try:
+        gen = json.loads((cfg.model_dir / "generation_config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    eos = gen.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos]
+    if END_OF_TURN_ID not in eos:
+        return (f"generation_config.json eos_token_id={gen.get('eos_token_id')!r} lacks <end_of_turn> "
+                f"({END_OF_TURN_ID}): chat answers will run to max_tokens")
+    return None

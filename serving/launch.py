@@ -1,0 +1,220 @@
+"""`python -m serving.launch --config configs/serve-*.yaml [overrides] [--print | --local]`
+
+Serve a merged model with vLLM on a TPU VM: checks the model directory (see serving/config.py),
+renders the `docker run` of the vLLM-TPU image (serving/Dockerfile) and runs it in the foreground.
+
+    --print   print the command and exit (no Docker needed); paste it on the VM, or read it
+    --local   no TPU, no Docker: serve the directory on this machine with `transformers serve`
+              (CPU is fine for small models), on server.host:server.port, until Ctrl-C
+
+The container: `--privileged --net host` (TPU devices, and the API on the host's network),
+`--shm-size`, /dev/shm shared, the model mounted read-only at /models/NAME, adapters at
+/adapters/NAME, the vLLM compile cache (~/.cache/vllm) mounted so restarts skip XLA compilation.
+Secrets travel by name only: `-e HF_TOKEN` (docker copies the value from this environment), and
+the API key as `-e VLLM_API_KEY`, which `vllm serve` reads as its `--api-key` (kept off the command
+line, so it is neither printed here nor visible in the container's process list); when
+server.api_key_env names another variable, the printed command starts `VLLM_API_KEY="$NAME"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from gemma_tpu.errors import UserError, cli_main
+from serving.config import (VLLM_TPU_IMAGE, ModelFacts, ServeConfig, inspect_model, load_serve_config,
+                            stop_token_warning)
+
+DOCKERFILE = Path(__file__).resolve().parent / "Dockerfile"
+MODELS_MOUNT = "/models"
+ADAPTERS_MOUNT = "/adapters"
+TEMPLATES_MOUNT = "/templates"
+CACHE_MOUNT = "/root/.cache/vllm"  # the image runs as root
+
+
+class DockerCommand:
+    """`docker run` options, image, and the `vllm serve` command, kept apart for printing."""
+
+    def __init__(self, options: list[list[str]], image: str, serve: list[list[str]], env_prefix: str | None):
+        self.options, self.image, self.serve, self.env_prefix = options, image, serve, env_prefix
+
+    @property
+    def argv(self) -> list[str]:
+        return ["docker", "run", *(a for g in self.options for a in g), self.image,
+                *(a for g in self.serve for a in g)]
+
+    def shell(self) -> str:
+        """One copy-pasteable shell command, one option group per line."""
+        lines = [(self.env_prefix + " " if self.env_prefix else "") + "docker run"]
+        lines += ["  " + shlex.join(g) for g in self.options]
+        lines.append("  " + shlex.quote(self.image))
+        lines += ["  " + shlex.join(g) for g in self.serve]
+        return " \\\n".join(lines)
+
+
+def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
+    """The docker run command for `cfg` (the model already checked by `inspect_model`)."""
+    name = cfg.served_name
+    c, s, t = cfg.container, cfg.server, cfg.tool_calling
+    model_in = f"{MODELS_MOUNT}/{name}"
+    cache = str(Path(c.compile_cache).expanduser().resolve())
+    opts = [["--rm", "--name", c.name or f"gemma-tpu-serve-{name}"],
+            ["--privileged", "--net", "host", "--shm-size", c.shm_size, "-v", "/dev/shm:/dev/shm"],
+            ["-v", f"{cfg.model_dir}:{model_in}:ro"],
+            ["-v", f"{cache}:{CACHE_MOUNT}"]]
+    for a in cfg.lora.adapters:
+        opts.append(["-v", f"{Path(a.dir).expanduser().resolve()}:{ADAPTERS_MOUNT}/{a.name}:ro"])
+    template = None
+    if t.enabled:
+        if t.chat_template == "model":
+            template = f"{model_in}/{facts.chat_template_file}" if facts.chat_template_file else None
+        else:
+            host = Path(t.chat_template).expanduser().resolve()
+            template = f"{TEMPLATES_MOUNT}/{host.name}"
+            opts.append(["-v", f"{host}:{template}:ro"])
+    renamed = []
+    for inside, host_var in _secrets(cfg):
+        opts.append(["-e", inside])
+        if host_var != inside:
+            renamed.append(f'{inside}="${host_var}"')
+    env_prefix = " ".join(renamed) or None
+    for k, v in sorted(c.env.items()):
+        opts.append(["-e", f"{k}={v}"])
+    serve = [["vllm", "serve", model_in, "--served-model-name", name],
+             ["--host", s.host, "--port", str(s.port)],
+             ["--tensor-parallel-size", str(s.tensor_parallel_size), "--max-model-len", str(s.max_model_len),
+              "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
+              "--dtype", s.dtype]]
+    if t.enabled:
+        serve.append(["--enable-auto-tool-choice", "--tool-call-parser", t.parser]
+                     + (["--chat-template", template] if template else []))
+    if cfg.lora.adapters:
+        serve.append(["--enable-lora", "--lora-modules",
+                      *(f"{a.name}={ADAPTERS_MOUNT}/{a.name}" for a in cfg.lora.adapters),
+                      "--max-lora-rank", str(facts.lora_rank)])
+    if s.extra_args:
+        serve.append(list(s.extra_args))
+    return DockerCommand(opts, c.image, serve, env_prefix)
+
+
+def _secrets(cfg: ServeConfig) -> list[tuple[str, str]]:
+    """(variable inside the container, variable on the host) for each secret passed by name."""
+    out = []
+    if cfg.container.hf_token_env:
+        out.append(("HF_TOKEN", cfg.container.hf_token_env))
+    if cfg.server.api_key_env:
+        out.append(("VLLM_API_KEY", cfg.server.api_key_env))  # vllm serve reads it as --api-key
+    return out
+
+
+def _docker_env(cfg: ServeConfig) -> dict[str, str]:
+    """This environment, with each secret copied under the name the container expects, so that
+    `docker run -e NAME` passes it on (values never reach the command line)."""
+    env = dict(os.environ)
+    for inside, host_var in _secrets(cfg):
+        value = os.environ.get(host_var)
+        if value:
+            env[inside] = value
+        elif inside == "VLLM_API_KEY":
+            raise UserError(f"server.api_key_env: environment variable {host_var} is not set (export it, or set "
+                            "server.api_key_env=null for a server without an API key)")
+        else:
+            env.pop(inside, None)
+    return env
+
+
+def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"docker {args[0]} did not answer within {timeout:.0f} s") from None
+
+
+def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
+    """Build the image when missing, then run the container in the foreground."""
+    if shutil.which("docker") is None:
+        raise UserError("docker not found on PATH: install Docker on the TPU VM (or use --print to see the "
+                        "command, --local to serve on this machine without a TPU)")
+    env = _docker_env(cfg)
+    probe = _docker("version", "--format", "{{.Server.Version}}")
+    if probe.returncode != 0:
+        first = (probe.stderr.strip().splitlines() or ["no answer"])[0]
+        raise UserError(f"cannot reach the Docker daemon ({first})")
+    upstream = cfg.container.image.split(":")[0] == VLLM_TPU_IMAGE.split(":")[0]
+    if cfg.container.build and not upstream and _docker("image", "inspect", cfg.container.image).returncode != 0:
+        # (an image that is not built here, e.g. vllm/vllm-tpu:TAG itself, is pulled by docker run)
+        if not DOCKERFILE.is_file():
+            raise UserError(f"image {cfg.container.image} is not present and {DOCKERFILE} is missing")
+        build = ["docker", "build", "-t", cfg.container.image, "-f", str(DOCKERFILE), str(DOCKERFILE.parent)]
+        print("+ " + shlex.join(build), file=sys.stderr, flush=True)
+        if subprocess.run(build).returncode != 0:
+            raise UserError(f"docker build of {cfg.container.image} failed (see above)")
+    Path(cfg.container.compile_cache).expanduser().mkdir(parents=True, exist_ok=True)
+    print("+ " + cmd.shell(), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd.argv, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # docker forwards the signal to the container; wait for it to stop
+        proc.send_signal(signal.SIGINT)
+        return proc.wait()
+
+
+def serve_local(cfg: ServeConfig) -> int:
+    """`transformers serve` on this machine, until Ctrl-C or SIGTERM."""
+    from serving.local import LocalServer
+
+    inspect_model(cfg, for_vllm=False)
+    t = cfg.tool_calling
+    template = t.chat_template if t.enabled and t.chat_template != "model" else None
+    server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,
+                         chat_template=template)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.start()
+        server.wait_ready()
+        print(f"serving {cfg.served_name} ({cfg.model_dir}) at {server.base_url} with transformers serve; "
+              f"requests use model={cfg.served_name!r} (or none). Ctrl-C stops it.", file=sys.stderr, flush=True)
+        code = server.wait()
+        raise UserError(f"transformers serve exited with code {code}")
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serving.launch", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="serving config, e.g. configs/serve-gemma3-270m-fitness.yaml")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--print", action="store_true", help="print the docker run command and exit")
+    mode.add_argument("--local", action="store_true", help="serve here with transformers serve (no TPU, no Docker)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.dir=runs/x-merged server.port=8001")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv or [])
+    cfg = load_serve_config(args.config, args.overrides)
+    if args.local:
+        return serve_local(cfg)
+    facts = inspect_model(cfg)
+    warning = stop_token_warning(cfg, facts)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    cmd = render(cfg, facts)
+    if args.print:
+        print(cmd.shell())
+        return 0
+    return run_container(cfg, cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

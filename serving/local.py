@@ -1,0 +1,184 @@
+"""A local OpenAI-compatible server for development: `transformers serve` on a merged directory.
+
+No server of our own: `transformers serve` (from `transformers[serving]`) serves an HF directory on
+CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` wraps it for
+`python -m serving.launch --local` and for tests:
+
+* the model directory is never modified: the server reads a temporary directory of symlinks to it,
+  named after the served model, plus — when the model carries no chat template — the tool-aware
+  FunctionGemma template from `gemma_tpu.tool_calls`;
+* the server runs in that temporary directory with the model given by its bare name, so requests
+  may name the model as `NAME` (a pinned `transformers serve` refuses any other name) or not at all;
+* its hub cache is an empty directory (offline): its `/v1/models` lists the hub cache, not the
+  pinned model, and would otherwise advertise unrelated cached models it then refuses to serve.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+from gemma_tpu.errors import UserError
+from serving.config import chat_template_in
+
+SERVING_EXTRA = "transformers serve needs transformers[serving]: pip install -e '.[serve]'"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def transformers_executable() -> str:
+    """The `transformers` CLI of this environment, checked to have its serving extras."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn")):
+        raise UserError(SERVING_EXTRA)
+    beside = Path(sys.executable).parent / "transformers"
+    exe = str(beside) if beside.is_file() else shutil.which("transformers")
+    if not exe:
+        raise UserError(f"no `transformers` command next to {sys.executable} or on PATH; {SERVING_EXTRA}")
+    return exe
+
+
+def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template: Path | None = None) -> Path:
+    """`workdir/name`: symlinks to every file of `model_dir`, plus `chat_template` if given, else a
+    tool chat template when the model has none."""
+    model_dir = Path(model_dir).resolve()
+    served = Path(workdir) / name
+    served.mkdir(parents=True)
+    for p in sorted(model_dir.iterdir()):
+        if chat_template is not None and p.name in ("chat_template.jinja", "chat_template.json"):
+            continue
+        (served / p.name).symlink_to(p)
+    _, has_template = chat_template_in(model_dir)
+    if chat_template is not None:
+        (served / "chat_template.jinja").write_text(Path(chat_template).read_text())
+    elif not has_template:
+        from transformers import AutoTokenizer
+
+        from gemma_tpu.data.render import function_token_map
+        from gemma_tpu.tool_calls import tool_chat_template
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        (served / "chat_template.jinja").write_text(tool_chat_template(function_token_map(tok)))
+    return served
+
+
+class LocalServer:
+    """`transformers serve` on one model directory, on loopback by default (`chat_template`: a
+    .jinja file to use instead of the model's own).
+
+    `with LocalServer(dir, port=p) as server:` starts it, waits until `/health` answers, and stops
+    it (and removes its temporary directory) on exit. `log` is a path for the server's output;
+    without one it goes to this process's stderr.
+    """
+
+    def __init__(self, model_dir: str | Path, name: str | None = None, host: str = "127.0.0.1",
+                 port: int | None = None, log: str | Path | None = None, startup_timeout: float = 300.0,
+                 chat_template: str | Path | None = None):
+        self.model_dir = Path(model_dir).resolve()
+        self.chat_template = Path(chat_template).expanduser() if chat_template else None
+        self.name = name or self.model_dir.name
+        self.host = host
+        self.port = port or free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+        self.log_path = Path(log) if log else None
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._workdir: Path | None = None
+        self._log: IO | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def command(self) -> list[str]:
+        return [transformers_executable(), "serve", self.name, "--host", self.host, "--port", str(self.port)]
+
+    def start(self) -> "LocalServer":
+        cmd = self.command()
+        self._workdir = Path(tempfile.mkdtemp(prefix="gemma-tpu-serve-"))
+        prepare_served_dir(self.model_dir, self.name, self._workdir, self.chat_template)
+        hub = self._workdir / "hub-cache"
+        hub.mkdir()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "PYTHONUNBUFFERED": "1"}
+        if self.log_path is not None:
+            self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(cmd, cwd=self._workdir, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
+                                     start_new_session=True)
+        return self
+
+    def _log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        lines = [l for l in self.log_path.read_text(errors="replace").splitlines() if l.strip()]
+        return (": " + lines[-1].strip()[:300]) if lines else ""
+
+    def wait_ready(self) -> None:
+        """Block until GET /health answers 200; a dead server or the timeout is a UserError."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise UserError(f"transformers serve exited with code {code} before it was ready{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise UserError(f"transformers serve did not answer {self.url}/health within "
+                                f"{self.startup_timeout:.0f} s{self._log_tail()}")
+            time.sleep(0.5)
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        return self.proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Terminate the server (kill after `timeout`) and remove the temporary directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> "LocalServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,610 @@
+"""Serving: the docker run command and the model checks behind it, the local server, the benchmark
+client and the tool-calling chat client.
+
+The acceptance path runs for real on CPU: train the tiny model a few steps, merge it, serve the
+merged directory with `serving.launch --local` (transformers serve) on loopback, benchmark it and
+chat with it, stop it. Docker is replaced by a recording fake; the model behind the tool round trip
+is a scripted fake OpenAI endpoint (a random tiny model never calls tools), and faulty servers
+(500s, dropped connections, stalls) are fakes too.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import http.server
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, assert_one_line_error, run_cli
+from gemma_tpu.errors import cli_main
+from serving.config import DEFAULT_IMAGE, VLLM_TPU_IMAGE
+from serving.local import free_port
+
+CONFIG_270M = str(REPO / "configs" / "serve-gemma3-270m-fitness.yaml")
+CONFIG_31B = str(REPO / "configs" / "serve-gemma4-31b-v6e8.yaml")
+NAME_270M = "gemma3-270m-fitness"
+TOOL_NAMES = {"get_steps", "get_daily_step_goal", "get_step_goal_progress", "get_sleeping_minutes",
+              "get_active_minutes", "get_heart_rate", "get_body_battery_level"}
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nested: bool = False, shards: int = 0,
+                   tokenizer: bool = True, template: bool = True, generation: bool = True) -> Path:
+    """A directory with the files vLLM reads (the weights are placeholders: only presence is checked)."""
+    root.mkdir(parents=True)
+    text = {"num_key_value_heads": kv, "num_attention_heads": 2 * kv, "max_position_embeddings": 32768}
+    cfg = {"architectures": [arch], **({"text_config": text} if nested else text)}
+    (root / "config.json").write_text(json.dumps(cfg))
+    if shards:
+        names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+        (root / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {f"layer.{i}.weight": n for i, n in enumerate(names)}}))
+        for n in names:
+            (root / n).write_bytes(b"\0")
+    else:
+        (root / "model.safetensors").write_bytes(b"\0")
+    if generation:
+        (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
+    if tokenizer:
+        (root / "tokenizer.json").write_text("{}")
+        (root / "tokenizer_config.json").write_text("{}")
+    if template:
+        (root / "chat_template.jinja").write_text("{{ messages }}")
+    return root
+
+
+def fake_adapter(root: Path, r: int) -> Path:
+    root.mkdir(parents=True)
+    (root / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj"]}))
+    (root / "adapter_model.safetensors").write_bytes(b"\0")
+    return root
+
+
+def words(stdout: str) -> list[str]:
+    """The printed command as argv (its continuation lines joined)."""
+    return shlex.split(stdout.replace("\\\n", " "))
+
+
+def flag(argv: list[str], name: str) -> str:
+    assert name in argv, (name, argv)
+    return argv[argv.index(name) + 1]
+
+
+def has_pair(argv: list[str], a: str, b: str) -> bool:
+    return any(x == a and y == b for x, y in zip(argv, argv[1:]))
+
+
+def launch_inproc(capsys, *args: str) -> tuple[int, str, str]:
+    """serving.launch in this process (no interpreter start): exit code, stdout, stderr."""
+    from serving.launch import main
+
+    code = cli_main(main, list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_error_line(code: int, err: str, *needles: str) -> str:
+    assert code != 0 and "Traceback" not in err, err
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@contextmanager
+def http_server(handler: type[http.server.BaseHTTPRequestHandler]):
+    """A threaded HTTP server on a free loopback port; yields its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def sse(obj) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+# -------------------------------------------------------------------------- container image
+
+
+def test_dockerfile_pins_the_vllm_tpu_image():
+    text = (REPO / "serving" / "Dockerfile").read_text()
+    froms = [l.split()[1] for l in text.splitlines() if l.startswith("FROM ")]
+    assert froms == [VLLM_TPU_IMAGE]
+    repo, tag = VLLM_TPU_IMAGE.split(":")
+    assert repo == "vllm/vllm-tpu" and re.fullmatch(r"v\d+\.\d+\.\d+", tag)  # versioned, not latest/nightly
+    assert DEFAULT_IMAGE.endswith(":" + tag)
+    # the entrypoint executes its arguments as a command: the default command is a whole `vllm serve`
+    cmd = json.loads(re.search(r"^CMD (\[.*?\])", text, re.S | re.M).group(1).replace("\\\n", ""))
+    assert cmd[:2] == ["vllm", "serve"] and "--host" in cmd and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+
+# ----------------------------------------------------------------------------- launch --print
+
+
+def test_print_270m_config(tmp_path):
+    d = fake_model_dir(tmp_path / "merged")
+    env = {"HF_TOKEN": "hf-secret-value-1", "MY_KEY": "api-secret-value-2"}
+    proc = run_cli("serving.launch", "--config", CONFIG_270M, "--print", f"model.dir={d}", "server.api_key_env=MY_KEY",
+                   env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for secret in env.values():
+        assert secret not in proc.stdout + proc.stderr
+    argv = words(proc.stdout)
+    assert argv[:3] == ["VLLM_API_KEY=$MY_KEY", "docker", "run"]  # the key travels by name only
+    docker = argv[1:argv.index("vllm")]
+    assert "--privileged" in docker and has_pair(docker, "--net", "host") and flag(docker, "--shm-size") == "16g"
+    assert has_pair(docker, "-v", f"{d}:/models/{NAME_270M}:ro")
+    assert has_pair(docker, "-v", f"{Path('~/.cache/vllm').expanduser().resolve()}:/root/.cache/vllm")
+    assert has_pair(docker, "-e", "HF_TOKEN") and has_pair(docker, "-e", "VLLM_API_KEY")
+    assert docker[-1] == DEFAULT_IMAGE
+    serve = argv[argv.index("vllm"):]
+    assert serve[:3] == ["vllm", "serve", f"/models/{NAME_270M}"]
+    assert flag(serve, "--served-model-name") == NAME_270M
+    assert (flag(serve, "--host"), flag(serve, "--port")) == ("127.0.0.1", "8000")
+    assert flag(serve, "--tensor-parallel-size") == "1" and flag(serve, "--dtype") == "bfloat16"
+    assert flag(serve, "--max-model-len") == "2048" and flag(serve, "--max-num-batched-tokens") == "2048"
+    assert flag(serve, "--max-num-seqs") == "64"
+    assert "--enable-auto-tool-choice" in serve and flag(serve, "--tool-call-parser") == "functiongemma"
+    assert flag(serve, "--chat-template") == f"/models/{NAME_270M}/chat_template.jinja"
+    assert "--enable-lora" not in serve and "--api-key" not in serve
+
+
+def test_print_31b_config_with_adapters(tmp_path, capsys, monkeypatch):
+    d = fake_model_dir(tmp_path / "g4", arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=3)
+    a = fake_adapter(tmp_path / "coach", r=12)
+    monkeypatch.setenv("VLLM_API_KEY", "api-secret-value-3")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}", "model.name=g4",
+                                   f"lora.adapters=[{{name: coach, dir: {a}}}]", "server.host=0.0.0.0")
+    assert code == 0, err
+    assert "api-secret-value-3" not in out + err
+    argv = words(out)
+    assert argv[:2] == ["docker", "run"]
+    assert has_pair(argv, "-v", f"{a}:/adapters/coach:ro") and has_pair(argv, "-e", "VLLM_API_KEY")
+    assert has_pair(argv, "-e", "MODEL_IMPL_TYPE=auto") and flag(argv, "--shm-size") == "64g"
+    serve = argv[argv.index("vllm"):]
+    assert serve[:3] == ["vllm", "serve", "/models/g4"] and flag(serve, "--host") == "0.0.0.0"
+    assert flag(serve, "--tensor-parallel-size") == "8" and flag(serve, "--max-model-len") == "4096"
+    assert flag(serve, "--tool-call-parser") == "gemma4"
+    assert flag(serve, "--lora-modules") == "coach=/adapters/coach"
+    assert flag(serve, "--max-lora-rank") == "16"  # the smallest rank vLLM accepts that fits r=12
+
+
+def _no_tokenizer(p):
+    return fake_model_dir(p, tokenizer=False)
+
+
+def _missing_shard(p):
+    d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=2)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    return d
+
+
+@pytest.mark.parametrize("config,make,overrides,needles", [
+    (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=2"],
+     ["tensor_parallel_size=2", "num_key_value_heads=1"]),
+    (CONFIG_31B, lambda p: fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=12, nested=True), [],
+     ["tensor_parallel_size=8", "num_key_value_heads=12"]),
+    (CONFIG_270M, _no_tokenizer, [], ["no tokenizer"]),
+    (CONFIG_270M, lambda p: fake_model_dir(p, arch="LlamaForCausalLM"), [], ["LlamaForCausalLM", "Gemma3ForCausalLM"]),
+    (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),
+    (CONFIG_270M, lambda p: fake_model_dir(p, generation=False), [], ["generation_config.json"]),
+    (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "model.safetensors").unlink()) and p, [], ["no weights"]),
+    (CONFIG_270M, lambda p: fake_model_dir(p, template=False), [], ["no chat template"]),
+    (CONFIG_270M, lambda p: fake_model_dir(p, arch="Gemma4ForCausalLM"), [], ["tool_calling.parser", "gemma4"]),
+    (CONFIG_270M, fake_model_dir, ["server.dtype=float16"], ["server.dtype"]),
+    (CONFIG_270M, fake_model_dir, ["server.tensor_parralel_size=1"], ["tensor_parralel_size"]),
+    (CONFIG_270M, fake_model_dir, ["container.env={HF_TOKEN: abc}"], ["container.env.HF_TOKEN"]),
+    (CONFIG_270M, lambda p: p, [], ["not a directory"]),
+])
+def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
+    d = make(tmp_path / "m")
+    code, out, err = launch_inproc(capsys, "--config", config, "--print", f"model.dir={d}", *overrides)
+    one_error_line(code, err, *needles)
+    assert out == ""
+
+
+def test_adapter_checks(tmp_path, capsys):
+    d = fake_model_dir(tmp_path / "m")
+    big = fake_adapter(tmp_path / "big", r=600)
+    code, _, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                 f"lora.adapters=[{{name: big, dir: {big}}}]")
+    one_error_line(code, err, "rank 600")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                 f"lora.adapters=[{{name: e, dir: {empty}}}]")
+    one_error_line(code, err, "adapter_config.json")
+
+
+# ------------------------------------------------------------------------ launch (docker run)
+
+
+def _fake_docker(bin_dir: Path, log: Path, daemon: bool = True) -> None:
+    """A `docker` that records its arguments and the secrets it was handed."""
+    bin_dir.mkdir()
+    script = bin_dir / "docker"
+    script.write_text(f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+with open({str(log)!r}, "a") as f:
+    f.write(json.dumps({{"args": args, "VLLM_API_KEY": os.environ.get("VLLM_API_KEY"),
+                         "HF_TOKEN": os.environ.get("HF_TOKEN")}}) + "\\n")
+if args[0] == "version":
+    if not {daemon!r}:
+        sys.stderr.write("Cannot connect to the Docker daemon at unix:///var/run/docker.sock\\n")
+        sys.exit(1)
+    print("28.0")
+elif args[:2] == ["image", "inspect"]:
+    sys.exit(1)
+""")
+    script.chmod(0o755)
+
+
+def test_launch_runs_docker_with_the_printed_command(tmp_path):
+    d = fake_model_dir(tmp_path / "merged")
+    log = tmp_path / "docker.jsonl"
+    _fake_docker(tmp_path / "bin", log)
+    cache = tmp_path / "vllm-cache"
+    args = ["--config", CONFIG_270M, f"model.dir={d}", "server.api_key_env=MY_KEY", f"container.compile_cache={cache}"]
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "MY_KEY": "api-secret-4", "HF_TOKEN": "hf-secret-5"}
+    printed = run_cli("serving.launch", *args, "--print", env=env, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    proc = run_cli("serving.launch", *args, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "api-secret-4" not in proc.stdout + proc.stderr and "hf-secret-5" not in proc.stdout + proc.stderr
+    calls = [json.loads(l) for l in log.read_text().splitlines()]
+    assert [c["args"][0] for c in calls] == ["version", "image", "build", "run"]
+    assert calls[2]["args"][:3] == ["build", "-t", DEFAULT_IMAGE] and str(REPO / "serving" / "Dockerfile") in calls[2]["args"]
+    run = calls[3]
+    assert ["docker"] + run["args"] == words(printed.stdout)[1:]  # exactly what --print shows
+    assert (run["VLLM_API_KEY"], run["HF_TOKEN"]) == ("api-secret-4", "hf-secret-5")  # by name, from this env
+    assert cache.is_dir()
+    log.unlink()  # the upstream image itself is pulled by docker run, never built here
+    proc = run_cli("serving.launch", *args, f"container.image={VLLM_TPU_IMAGE}", env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    calls = [json.loads(l)["args"] for l in log.read_text().splitlines()]
+    assert [c[0] for c in calls] == ["version", "run"] and VLLM_TPU_IMAGE in calls[1]
+
+
+def test_launch_errors_without_docker_daemon_or_key(tmp_path):
+    d = fake_model_dir(tmp_path / "merged")
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    proc = run_cli("serving.launch", "--config", CONFIG_270M, f"model.dir={d}", env={"PATH": str(empty)})
+    assert_one_line_error(proc, "docker not found")
+    _fake_docker(tmp_path / "bin", tmp_path / "log.jsonl", daemon=False)
+    path = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    proc = run_cli("serving.launch", "--config", CONFIG_270M, f"model.dir={d}", env=path)
+    assert_one_line_error(proc, "cannot reach the Docker daemon")
+    env = {k: v for k, v in os.environ.items() if k != "UNSET_KEY_VAR"}
+    proc = subprocess.run([sys.executable, "-m", "serving.launch", "--config", CONFIG_270M, f"model.dir={d}",
+                           "server.api_key_env=UNSET_KEY_VAR"], cwd=REPO, capture_output=True, text=True,
+                          env={**env, **path}, timeout=120)
+    assert_one_line_error(proc, "UNSET_KEY_VAR")
+
+
+# ------------------------------------------------------------------- CI acceptance: local server
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny model trained 3 steps with LoRA and merged: a real merged directory."""
+    root = tmp_path_factory.mktemp("serving")
+    ck, out = root / "ckpt", root / "merged"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+                   "train.max_steps=3", "checkpoint.every_steps=3", "data.eval_path=null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("convert.merge_orbax", "--checkpoint", str(ck), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _snapshot(d: Path) -> dict:
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in d.iterdir()}
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def local_server(merged, tmp_path_factory):
+    """`python -m serving.launch --local` on the merged model, on a free loopback port."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("local") / "launch.log"
+    before = _snapshot(merged)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", CONFIG_270M, "--local",
+                                 f"model.dir={merged}", f"server.port={port}"], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                        break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        pytest.fail("serving.launch --local did not start: " + log_path.read_text()[-3000:])
+                    time.sleep(0.5)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+    assert code == 0, log_path.read_text()[-3000:]
+    assert not _port_open(port)  # the transformers serve child is gone too
+    assert _snapshot(merged) == before  # the model directory was not touched
+
+
+def test_local_served_dir_adds_a_template_without_touching_the_model(tiny_dir, tmp_path):
+    from serving.local import prepare_served_dir
+
+    before = _snapshot(tiny_dir)
+    served = prepare_served_dir(tiny_dir, "tiny", tmp_path / "w")  # tiny_dir has no chat template
+    assert "declaration:" in (served / "chat_template.jinja").read_text()  # gemma_tpu.tool_calls' template
+    assert (served / "config.json").is_symlink() and _snapshot(tiny_dir) == before
+    own = tmp_path / "own.jinja"
+    own.write_text("{{ 'mine' }}")
+    served = prepare_served_dir(tiny_dir, "tiny2", tmp_path / "w", own)
+    assert (served / "chat_template.jinja").read_text() == "{{ 'mine' }}"
+
+
+def test_bench_against_local_server(local_server, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli("serving.bench", "--base-url", local_server, "--model", NAME_270M, "--num-prompts", "6",
+                   "--concurrency", "3", "--input-len", "16", "--output-len", "8", "--seed", "0", "--json", str(out),
+                   "--timeout", "120", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Serving Benchmark Result" in proc.stdout and "Mean TTFT (ms):" in proc.stdout
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"], r["num_prompts"], r["max_concurrency"]) == (6, 0, 6, 3)
+    assert r["mean_ttft_ms"] > 0 and r["p99_ttft_ms"] >= r["median_ttft_ms"] > 0
+    assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["total_token_throughput"] > 0
+    assert r["total_output_tokens"] > 0 and r["total_input_tokens"] >= 6 * 16  # usage from the server
+    for key in ("mean_tpot_ms", "median_itl_ms", "p90_e2el_ms", "std_e2el_ms", "duration"):
+        assert key in r
+    assert r["max_output_tokens_per_s"] > 0 and 1 <= r["max_concurrent_requests"] <= 3
+    # chats from a JSONL file (the fitness test split: tools and all)
+    proc = run_cli("serving.bench", "--base-url", local_server + "/v1", "--num-prompts", "2", "--output-len", "4",
+                   "--dataset", str(REPO / "data" / "fitness" / "test.jsonl"), "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["completed"] == 2
+
+
+def test_chat_against_local_server(local_server):
+    proc = run_cli("serving.chat", "--base-url", local_server, "--model", NAME_270M, "--once",
+                   "how many steps did I take yesterday?", "--max-tokens", "16", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------- tool round trip (scripted fake model)
+
+
+class ScriptedModel(http.server.BaseHTTPRequestHandler):
+    """A fake OpenAI chat endpoint: replies are taken from `script` in order; requests are recorded."""
+
+    script: list = []
+    requests: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._json(200, {"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append({"body": body, "auth": self.headers.get("Authorization")})
+        reply = type(self).script.pop(0)
+        message = reply(body) if callable(reply) else reply
+        self._json(200, {"id": "x", "object": "chat.completion", "model": body.get("model"),
+                         "choices": [{"index": 0, "message": {"role": "assistant", **message},
+                                      "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}]})
+
+    def _json(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def scripted(*replies):
+    handler = type("Scripted", (ScriptedModel,), {"script": list(replies), "requests": []})
+    return handler, http_server(handler)
+
+
+def test_chat_tool_round_trip(tmp_path):
+    from gemma_tpu.examples.fitness.providers import SimulatedDevice
+
+    steps = SimulatedDevice(0).steps(dt.date.today() - dt.timedelta(days=1))
+
+    def answer(body):
+        tool = body["messages"][-1]
+        return {"content": f"You took {json.loads(tool['content'])['steps']:,} steps yesterday."}
+
+    call = {"content": None, "tool_calls": [{"id": "call_abc", "type": "function", "function": {
+        "name": "get_steps", "arguments": json.dumps({"date": "yesterday"})}}]}
+    handler, server = scripted(call, answer)
+    with server as url:
+        proc = run_cli("serving.chat", "--base-url", url, "--once", "how many steps did I take yesterday?",
+                       env={"VLLM_API_KEY": "chat-key"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == f"You took {steps:,} steps yesterday."
+    assert "-> get_steps(date='yesterday') = " in proc.stderr and str(steps) in proc.stderr
+    first, second = (r["body"] for r in handler.requests)
+    assert all(r["auth"] == "Bearer chat-key" for r in handler.requests)
+    assert first["model"] == "scripted" and {t["function"]["name"] for t in first["tools"]} == TOOL_NAMES
+    assert [m["role"] for m in first["messages"]] == ["system", "user"]
+    assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "tool"]
+    sent_call = second["messages"][2]["tool_calls"][0]
+    assert sent_call["function"]["name"] == "get_steps"
+    assert json.loads(sent_call["function"]["arguments"]) == {"date": "yesterday"}
+    assert second["messages"][3]["tool_call_id"] == sent_call["id"]
+    assert json.loads(second["messages"][3]["content"])["steps"] == steps
+
+
+def test_chat_parses_functiongemma_text_and_reports_unknown_tools():
+    from gemma_tpu.examples.fitness.providers import SimulatedDevice
+    from serving.chat import RemoteCoach
+
+    text_call = {"content": "<start_function_call>call:get_sleeping_minutes{date:<escape>yesterday<escape>}"
+                            "<end_function_call>"}
+    handler, server = scripted(text_call, {"content": "You slept well."})
+    with server as url:
+        coach = RemoteCoach(url + "/v1/chat/completions", SimulatedDevice(0), trace=None)
+        assert coach.ask("how did I sleep?") == "You slept well."
+    assert handler.requests[1]["body"]["messages"][-1]["name"] == "get_sleeping_minutes"
+
+    unknown = {"content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                "function": {"name": "get_weather", "arguments": "{}"}}]}
+    bad_json = {"content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                 "function": {"name": "get_steps", "arguments": "{date"}}]}
+    _, server = scripted(unknown, bad_json, {"content": "call:get_steps{when:today}"})
+    with server as url:
+        coach = RemoteCoach(url, SimulatedDevice(0), trace=None)
+        assert "model called unknown tool get_weather" in coach.ask("weather?")
+        assert "malformed tool call" in coach.ask("steps?")
+        assert "bad arguments" in coach.ask("steps?")
+
+
+def test_chat_unreachable_server_is_one_line_error():
+    proc = run_cli("serving.chat", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--once", "hi",
+                   timeout=120)
+    assert_one_line_error(proc, "cannot reach the server")
+
+
+# ------------------------------------------------------------------------ bench under failure
+
+
+class Faulty(http.server.BaseHTTPRequestHandler):
+    """Request k gets behaviour k % 5: a 500, a good stream, a dropped connection, a stall, a stream
+    cut short without a finish reason."""
+
+    counter = 0
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def log_message(self, *args):
+        pass
+
+    def finish(self):
+        try:
+            super().finish()
+        except OSError:  # the client (or we) hung up
+            pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with Faulty.lock:
+            k = Faulty.counter
+            Faulty.counter += 1
+        kind = k % 5
+        if kind == 0:
+            body = b'{"error": "boom"}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if kind == 3:
+            Faulty.release.wait(30)  # stalls past the client's timeout
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        if kind == 2:
+            self.send_header("Content-Length", "100000")  # promises more than it sends, then hangs up
+        self.end_headers()
+        chunk = lambda **kw: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, **kw}]}  # noqa
+        self.wfile.write(sse(chunk(delta={"role": "assistant", "content": ""})))
+        for word in ("one", " two", " three"):
+            time.sleep(0.01)
+            self.wfile.write(sse(chunk(delta={"content": word})))
+            self.wfile.flush()
+        if kind == 2:
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if kind == 1:
+            self.wfile.write(sse(chunk(delta={}, finish_reason="stop")))
+            self.wfile.write(sse({"id": "x", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}))
+            self.wfile.write(sse("[DONE]"))
+        # kind 4: the connection closes here, without a finish reason or [DONE]
+
+
+def test_bench_counts_failures_and_never_hangs(tmp_path):
+    Faulty.counter = 0
+    Faulty.release.clear()
+    out = tmp_path / "bench.json"
+    try:
+        with http_server(Faulty) as url:
+            t0 = time.monotonic()
+            proc = run_cli("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "10", "--concurrency",
+                           "5", "--input-len", "8", "--output-len", "4", "--timeout", "2", "--json", str(out),
+                           "--save-detailed", timeout=60)
+            elapsed = time.monotonic() - t0
+    finally:
+        Faulty.release.set()
+    assert proc.returncode == 0, proc.stderr[-3000:]  # some requests completed
+    assert elapsed < 30
+    assert "Serving Benchmark Result" in proc.stdout and re.search(r"Failed requests:\s+8", proc.stdout)
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"]) == (2, 8)
+    assert r["duration"] < 10 and r["total_output_tokens"] == 6 and r["mean_ttft_ms"] > 0
+    errors = [e for e in r["errors"] if e]
+    assert sum("HTTP 500" in e for e in errors) == 2
+    assert sum("timed out after 2 s" in e for e in errors) == 2
+    assert sum("ended before the response was complete" in e for e in errors) == 2
+    assert sum("RemoteProtocolError" in e or "ReadError" in e for e in errors) == 2, errors
+    assert len(r["ttfts"]) == 10 and len(r["itls"]) == 10
+
+
+def test_bench_with_no_server_fails_every_request_and_still_prints(tmp_path):
+    out = tmp_path / "b.json"
+    proc = run_cli("serving.bench", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m",
+                   "--num-prompts", "3", "--timeout", "5", "--json", str(out), timeout=60)
+    assert proc.returncode == 1
+    assert re.search(r"Failed requests:\s+3", proc.stdout) and "Mean TTFT (ms):" in proc.stdout
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"], r["request_throughput"]) == (0, 3, 0.0)
+    assert all("ConnectError" in e for e in r["errors"])
+
+
+def test_bench_argument_errors_are_one_line(tmp_path):
+    proc = run_cli("serving.bench", "--base-url", "http://127.0.0.1:1", "--dataset", str(tmp_path / "nope.jsonl"))
+    assert_one_line_error(proc, "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{"nothing": 1}\n')
+    proc = run_cli("serving.bench", "--base-url", "http://127.0.0.1:1", "--dataset", str(bad))
+    assert_one_line_error(proc, f"{bad}:2")
