@@ -23,7 +23,12 @@ def make_schedule(t: TrainConfig):
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    """Clipping + the base optimizer, with the learning rate injected so it can be logged."""
+    """Clipping + the base optimizer, with the learning rate injected so it can be logged.
+
+    Wrapped in `optax.apply_if_finite`: an update whose gradients are not finite is dropped, so the
+    parameters (and any checkpoint written after that step) stay the last good ones. The trainer then
+    stops (`train.on_nonfinite: stop`) or carries on with the next batch (`skip`).
+    """
 
     def build(learning_rate):
         if t.optimizer == "adamw":
@@ -35,4 +40,5 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
         parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip else []
         return optax.chain(*parts, base)
 
-    return optax.inject_hyperparams(build)(learning_rate=make_schedule(t))
+    inner = optax.inject_hyperparams(build)(learning_rate=make_schedule(t))
+    return optax.apply_if_finite(inner, max_consecutive_errors=1 << 30)

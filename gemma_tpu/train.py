@@ -1,13 +1,15 @@
-"""`python -m gemma_tpu.train --config FILE [section.key=value ...]`
+"""`python -m gemma_tpu.train --config FILE [--dry-run] [section.key=value ...]`
 
-Reads like a table of contents: resolve the model, prepare the data, build the mesh, load the model,
-apply LoRA, build the optimizer, run the trainer, save. Everything that can be wrong with the input
-is checked before anything is written.
+Reads like a table of contents: join the other processes (multi-host), resolve the model, prepare
+the data, build the mesh, load the model, apply LoRA, build the optimizer, run the trainer, save.
+Everything that can be wrong with the input is checked before anything is written. `--dry-run`
+prints the memory and time plan (`gemma_tpu.plan`) without loading any weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -27,6 +29,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gemma_tpu.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", help="YAML run config (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the mesh, per-device memory and step-time plan without loading weights; "
+                        "exit 2 if it does not fit the accelerator (see gemma_tpu.plan)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="--dry-run: devices to plan for when a mesh axis is -1 (default: the local ones)")
+    p.add_argument("--assumed-mfu", type=float, default=None, help="--dry-run: MFU for the step-time estimate")
+    p.add_argument("--no-compile", action="store_true", help="--dry-run: skip the compiled memory analysis")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=20")
     return p.parse_args(list(argv))
 
@@ -65,12 +74,19 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
 
 def run(cfg: RunConfig) -> dict:
     """Train as configured; returns the run summary."""
+    from gemma_tpu import mesh as mesh_lib
+
+    # 0. several processes (TPU pod hosts, or coordinator/process id given): join them before any
+    #    other JAX call
+    mesh_lib.initialize_distributed(cfg.mesh)
     import jax
     from transformers import AutoTokenizer
 
-    from gemma_tpu import checkpoint, data, lora, mesh as mesh_lib, optim
+    from gemma_tpu import checkpoint, data, lora, optim, partition
     from gemma_tpu.models import load_model, resolve_model
     from gemma_tpu.trainer import BatchFeed, Trainer
+
+    primary = jax.process_index() == 0
 
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
@@ -101,25 +117,36 @@ def run(cfg: RunConfig) -> dict:
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta)
 
-    # 3. mesh, model, LoRA
+    # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
+    check_batch_divisible(cfg, dict(mesh.shape), jax.process_count())
+    remat = effective_remat(cfg)
     with mesh:  # the mesh PeftTrainer reads (thread resources) for input sharding
-        model, tunix_cfg = load_model(resolved, cfg.model.dtype, cfg.model.remat, mesh=mesh)
+        from gemma_tpu.plan import abstract_model
+
+        abstract, _ = abstract_model(resolved.family, resolved.hf_config, cfg.model.dtype, remat)
+        partition.check_divisible(resolved.family, tunix_cfg, abstract, mesh)
+        ruled = dataclasses.replace(resolved, family=partition.with_rules(resolved.family))
+        model, tunix_cfg = load_model(ruled, cfg.model.dtype, remat, mesh=mesh)
         if cfg.lora.enabled:
-            model = lora.apply_lora(model, resolved.family, tunix_cfg, cfg.lora, seed=cfg.train.seed)
-        log.info("trainable parameters: %s", f"{lora.count_params(model, __import__('flax').nnx.LoRAParam if cfg.lora.enabled else None):,}")
+            model = lora.apply_lora(model, resolved.family, tunix_cfg, cfg.lora, seed=cfg.train.seed, mesh=mesh)
+        from flax import nnx
+
+        log.info("trainable parameters: %s", f"{lora.count_params(model, nnx.LoRAParam if cfg.lora.enabled else None):,}")
 
         # 4. data streams, optimizer, trainer
         stream = data.TrainStream(train_split, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle,
                                   cfg.data.num_epochs, jax.process_index(), jax.process_count())
-        evals = (data.eval_batches(eval_split, cfg.train.batch_size, cfg.data.eval_max_batches)
+        evals = (data.eval_batches(eval_split, cfg.train.batch_size, cfg.data.eval_max_batches,
+                                   jax.process_index(), jax.process_count())
                  if eval_split else None)
         feed = BatchFeed(stream, evals)
         import orbax.checkpoint as ocp
         from tunix.sft import metrics_logger
         from tunix.sft.peft_trainer import TrainingConfig
 
-        checkpoint.write_metadata(ckpt_dir, meta)
+        if primary:
+            checkpoint.write_metadata(ckpt_dir, meta)
         run_dir = Path(cfg.train.run_dir or ckpt_dir)
         tcfg = TrainingConfig(
             eval_every_n_steps=cfg.train.eval_every_steps or cfg.train.max_steps,
@@ -131,7 +158,7 @@ def run(cfg: RunConfig) -> dict:
                 enable_async_checkpointing=cfg.checkpoint.async_save),
             metrics_logging_options=metrics_logger.MetricsLoggerOptions(
                 log_dir=str((run_dir / "tensorboard").resolve()), flush_every_n_steps=1),
-            data_sharding_axis=mesh_lib.BATCH_AXES,
+            data_sharding_axis=mesh_lib.DATA_SHARDING_AXIS,
             pbar_description="train",
         )
         chunk = 1024
@@ -144,6 +171,7 @@ def run(cfg: RunConfig) -> dict:
             tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
             flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
             price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
+            mesh=mesh,
         )
         from gemma_tpu.loss import make_loss_fn
 
@@ -158,9 +186,28 @@ def run(cfg: RunConfig) -> dict:
         with trainer.compile_counter:
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if primary:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("done: %s", json.dumps(summary))
     return summary
+
+
+def effective_remat(cfg: RunConfig) -> str:
+    """`train.remat`, or the older `model.remat` when train.remat is not set."""
+    return cfg.train.remat or cfg.model.remat
+
+
+def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_count: int) -> None:
+    """The global batch is split over (data, fsdp); an indivisible batch would be silently replicated
+    by Tunix (every device computing every example), which across processes is wrong, not just slow."""
+    ways = mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
+    b = cfg.train.batch_size
+    if b % ways:
+        msg = (f"train.batch_size={b} is not divisible by mesh data×fsdp = {ways}; the batch cannot be "
+               f"split over the devices")
+        if process_count > 1:
+            raise UserError(msg)
+        log.warning("%s: every device will compute the whole batch", msg)
 
 
 def _install_sigterm(trainer) -> None:
@@ -187,6 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    if args.dry_run:
+        from gemma_tpu import plan
+
+        return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
     setup_logging()
     run(cfg)
     return 0

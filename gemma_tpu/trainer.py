@@ -23,6 +23,8 @@ import numpy as np
 from tunix.sft import hooks as tunix_hooks
 from tunix.sft import peft_trainer
 
+from gemma_tpu.errors import UserError
+
 log = logging.getLogger("gemma_tpu.train")
 
 
@@ -70,8 +72,11 @@ class BatchFeed(tunix_hooks.DataHooks):
         return self.eval_batches[self._eval_pos - 1]
 
 
-class NonFiniteLoss(RuntimeError):
-    pass
+class NonFiniteLoss(UserError):
+    """The loss went NaN/inf (train.on_nonfinite=stop). Its update was dropped (optim.py), so every
+    checkpoint on disk holds finite parameters; exit code 3 tells a scheduler not to simply retry."""
+
+    exit_code = 3
 
 
 class CompileCounter(logging.Filter):
@@ -128,8 +133,16 @@ class Trainer(peft_trainer.PeftTrainer):
     def __init__(self, model, optimizer, training_config, *, feed: BatchFeed, run_dir: str | Path,
                  tokens_per_step: int, flops=None, peak_flops: float = 0.0,
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
-                 metrics_logger=None, compile_counter: CompileCounter | None = None):
+                 metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None):
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
+        if mesh is not None:
+            # optimizer state (created or restored) placed like its parameters right away
+            from gemma_tpu.partition import shard_optimizer_state
+
+            shard_optimizer_state(self.optimizer, mesh)
+        import jax
+
+        self.primary = jax.process_index() == 0  # the one process that writes metrics files
         self.compile_counter = compile_counter or CompileCounter()
         self.feed = feed
         self.with_data_hooks(feed)
@@ -228,8 +241,23 @@ class Trainer(peft_trainer.PeftTrainer):
 
     def _append(self, rec: dict) -> None:
         self.history.append(rec)
+        if not self.primary:
+            return
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
+
+    def _try_get_learning_rate(self):
+        """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it)."""
+        state = self.optimizer.opt_state
+        for _ in range(4):
+            hyper = getattr(state, "hyperparams", None)
+            if hyper is not None:
+                lr = hyper["learning_rate"]
+                return getattr(lr, "value", lr)
+            state = getattr(state, "inner_state", None)
+            if state is None:
+                break
+        return super()._try_get_learning_rate()
 
     @property
     def _tqdm_train_metrics(self) -> list[str]:
