@@ -37,7 +37,8 @@ class CheckpointParams:
     def __init__(self, ckpt_dir: str | Path, step: int):
         import orbax.checkpoint as ocp
 
-        self.path = Path(ckpt_dir) / str(step) / "model_params"
+        # absolute: Orbax's metadata() quietly returns no tree for a relative path
+        self.path = Path(ckpt_dir).resolve() / str(step) / "model_params"
         if not self.path.is_dir():
             raise UserError(f"{self.path}: missing (incomplete checkpoint step?)")
         # Orbax warns that the item dir has no _CHECKPOINT_METADATA (the step dir has it); noise.

@@ -51,13 +51,38 @@ def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
+# Orbax writes both into a step before it publishes it (rename on local disks; on object stores the
+# commit file is the only sign that a step is finished).
+COMMIT_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def is_complete_step(p: Path) -> bool:
+    return (p.is_dir() and p.name.isdigit() and (p / "model_params").is_dir()
+            and all((p / m).is_file() for m in COMMIT_MARKERS))
+
+
 def list_steps(ckpt_dir: str | Path) -> list[int]:
-    """Completed steps (Orbax marks a finished step with its metadata file)."""
+    """Completed steps (Orbax marks a finished step with its metadata and commit files)."""
     steps = []
     for p in Path(ckpt_dir).iterdir() if Path(ckpt_dir).is_dir() else []:
-        if p.is_dir() and p.name.isdigit() and (p / "model_params").is_dir() and (p / "_CHECKPOINT_METADATA").exists():
+        if is_complete_step(p):
             steps.append(int(p.name))
     return sorted(steps)
+
+
+def set_aside_incomplete_steps(ckpt_dir: str | Path) -> list[Path]:
+    """Rename step directories that lack Orbax's commit markers (a non-atomic save or a copy cut
+    short) to `<step>.incomplete-<time>`: Orbax would take such a directory for the latest step
+    and resume from it without the data position. Resuming then starts at the last complete step."""
+    import time
+
+    moved = []
+    for p in sorted(Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []:
+        if p.is_dir() and p.name.isdigit() and not is_complete_step(p):
+            dest = p.with_name(f"{p.name}.incomplete-{time.time_ns()}")
+            os.rename(p, dest)
+            moved.append(dest)
+    return moved
 
 
 def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
@@ -75,7 +100,7 @@ def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
     """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory."""
     import orbax.checkpoint as ocp
 
-    path = Path(ckpt_dir) / str(step) / "model_params"
+    path = Path(ckpt_dir).resolve() / str(step) / "model_params"  # Orbax needs it absolute
     ckptr = ocp.PyTreeCheckpointer()
     meta = ckptr.metadata(path)
     tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta

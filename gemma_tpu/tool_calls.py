@@ -283,7 +283,7 @@ _TEMPLATE = r"""
   {%- endif -%}
 {%- endmacro -%}
 {{- bos_token -}}
-{%- set ns = namespace(preamble='', in_model=false, last_call='') -%}
+{%- set ns = namespace(preamble='', in_model=false, last_call='', response_open=false) -%}
 {%- set msgs = messages -%}
 {%- if msgs and msgs[0]['role'] in ['system', 'developer'] -%}
   {%- set ns.preamble = text_of(msgs[0]['content']) -%}
@@ -303,12 +303,14 @@ _TEMPLATE = r"""
 {%- for m in msgs -%}
   {%- if m['role'] in ['user', 'system', 'developer'] -%}
     {%- if ns.in_model -%}{{- '<end_of_turn>\n' -}}{%- set ns.in_model = false -%}{%- endif -%}
+    {%- set ns.response_open = false -%}
     {%- set text = text_of(m['content']) -%}
     {%- if ns.preamble -%}{%- set text = ns.preamble ~ '\n\n' ~ text -%}{%- set ns.preamble = '' -%}{%- endif -%}
     {{- '<start_of_turn>user\n' ~ text ~ '<end_of_turn>\n' -}}
   {%- elif m['role'] in ['assistant', 'model'] -%}
     {%- if not ns.in_model -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
     {%- if m['tool_calls'] is defined and m['tool_calls'] -%}
+      {{- text_of(m['content']) -}}
       {%- for c in m['tool_calls'] -%}
         {%- set f = c['function'] if c['function'] is defined else c -%}
         {%- set ns.last_call = f['name'] -%}
@@ -316,16 +318,24 @@ _TEMPLATE = r"""
       {%- endfor -%}
       {{- '<start_function_response>' -}}
       {%- set ns.in_model = true -%}
+      {%- set ns.response_open = true -%}
     {%- else -%}
       {{- text_of(m['content']) ~ '<end_of_turn>\n' -}}
       {%- set ns.in_model = false -%}
+      {%- set ns.response_open = false -%}
     {%- endif -%}
   {%- elif m['role'] == 'tool' -%}
     {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.last_call -%}
     {%- set c = m['content'] -%}
     {%- if c is mapping -%}{%- set value = c -%}{%- else -%}{%- set value = {'result': text_of(c)} -%}{%- endif -%}
+    {%- if not ns.response_open -%}
+      {#- a second result of parallel calls opens its own response marker -#}
+      {%- if not ns.in_model -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+      {{- '<start_function_response>' -}}
+    {%- endif -%}
     {{- 'response:' ~ name ~ fmt(value) ~ '<end_function_response>' -}}
     {%- set ns.in_model = true -%}
+    {%- set ns.response_open = false -%}
   {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt and not ns.in_model -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}

@@ -142,3 +142,22 @@ def test_peft_adapter_ships_the_published_tokenizer(trained, tmp_path):
     for marker, unused in read_metadata(trained)["token_map"].items():
         assert tok.convert_tokens_to_ids(marker) == base_tok.convert_tokens_to_ids(unused)
     assert (out / "chat_template.jinja").is_file()
+
+
+def test_merge_and_export_accept_a_relative_checkpoint_path(trained, tmp_path):
+    """Users type relative paths (the README does); Orbax reads no tree metadata from one."""
+    import os
+
+    rel = os.path.relpath(trained, tmp_path)
+    proc = run_cli("convert.merge_orbax", "--checkpoint", rel, "--out", "merged", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("convert.export_peft", "--checkpoint", rel, "--out", "adapter", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from gemma_tpu.checkpoint import read_params
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert read_params(rel, 6)
+    finally:
+        os.chdir(cwd)

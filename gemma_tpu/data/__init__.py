@@ -1,8 +1,9 @@
 """Data: read examples, render chats to ids + loss masks, cut static rows, stream batches with grain."""
 
-from gemma_tpu.data.pipeline import Prepared, TrainStream, eval_batches, make_renderer, prepare_split
+from gemma_tpu.data.pipeline import (Prepared, TrainStream, eval_batches, make_renderer, prepare_examples,
+                                     prepare_split, render_examples)
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer, function_token_map
 
 __all__ = ["Prepared", "Renderer", "TrainStream", "eval_batches", "function_token_map", "load_conversations",
-           "make_renderer", "prepare_split"]
+           "make_renderer", "prepare_examples", "prepare_split", "render_examples"]

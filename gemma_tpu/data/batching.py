@@ -23,54 +23,90 @@ log = logging.getLogger(__name__)
 class Example:
     ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # bool [n]
+    where: str = ""  # FILE:LINE of the example, for messages
 
 
 @dataclasses.dataclass
 class FitReport:
+    """What the over-length policy and the target check did to a split.
+
+    `read = kept + dropped`; `truncated` counts kept examples that were cut to seq_len;
+    `dropped` counts both over-length examples under `drop` and examples left with no target
+    (`no_loss`, e.g. an assistant turn that starts past seq_len after truncation).
+    """
+
     read: int = 0
     kept: int = 0
     truncated: int = 0
     dropped: int = 0
     no_loss: int = 0
+    overlength: int = 0  # examples longer than seq_len, whatever the policy did with them
+    lengths: list[int] = dataclasses.field(default_factory=list, repr=False)  # rendered length of each read example
 
 
 def fit_length(examples: list[Example], seq_len: int, policy: str, source: str) -> tuple[list[Example], FitReport]:
     """Apply the over-length policy (truncate | drop | error); drop examples left with no target."""
-    rep = FitReport(read=len(examples))
+    if policy not in ("truncate", "drop", "error"):
+        raise UserError(f"data.overlength {policy!r} is not one of truncate, drop, error")
+    rep = FitReport(read=len(examples), lengths=[len(ex.ids) for ex in examples])
     out = []
     for i, ex in enumerate(examples):
+        cut = False
         if len(ex.ids) > seq_len:
+            rep.overlength += 1
             if policy == "error":
-                raise UserError(f"{source}: example {i + 1} has {len(ex.ids)} tokens, more than data.seq_len="
-                                f"{seq_len} (data.overlength=error)")
+                where = ex.where or f"{source}: example {i + 1}"
+                raise UserError(f"{where}: the example has {len(ex.ids)} tokens, more than data.seq_len={seq_len} "
+                                f"(data.overlength=error; use truncate or drop, or raise data.seq_len)")
             if policy == "drop":
                 rep.dropped += 1
                 continue
-            ex = Example(ex.ids[:seq_len], ex.loss_mask[:seq_len])
-            rep.truncated += 1
+            ex = Example(ex.ids[:seq_len], ex.loss_mask[:seq_len], ex.where)
+            cut = True
         if not ex.loss_mask[1:].any():
             rep.no_loss += 1
             rep.dropped += 1
             continue
+        rep.truncated += cut
         out.append(ex)
     rep.kept = len(out)
     return out, rep
 
 
 def pack_first_fit(examples: list[Example], seq_len: int) -> list[list[Example]]:
-    """First-fit: each example goes into the first row with room, else opens a new row."""
+    """First-fit: each example goes into the first row with room, else opens a new row.
+
+    The leftmost row with enough room is found in a max-tree over the rows' free space, so packing
+    is O(n log n) rather than a scan of every open row per example.
+    """
+    n = len(examples)
+    if n == 0:
+        return []
+    size = 1
+    while size < n:
+        size *= 2
+    tree = [-1] * (2 * size)  # free room per row at the leaves; -1: no row yet
     rows: list[list[Example]] = []
-    room: list[int] = []
     for ex in examples:
-        n = len(ex.ids)
-        for r, free in enumerate(room):
-            if free >= n:
-                rows[r].append(ex)
-                room[r] -= n
-                break
+        need = len(ex.ids)
+        if need > seq_len:
+            raise ValueError(f"example of {need} tokens does not fit a row of {seq_len}")
+        if tree[1] >= need:
+            node = 1
+            while node < size:  # descend to the leftmost leaf with room >= need
+                node = 2 * node if tree[2 * node] >= need else 2 * node + 1
+            r = node - size
+            rows[r].append(ex)
+            tree[node] -= need
         else:
+            r = len(rows)
             rows.append([ex])
-            room.append(seq_len - n)
+            node = size + r
+            tree[node] = seq_len - need
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
     return rows
 
 

@@ -26,21 +26,46 @@ class Prepared:
     """A tokenized split, cut into static rows."""
 
     source: str
-    rows: list[list[batching.Example]]
+    rows: list[list[batching.Example]] = dataclasses.field(repr=False)
     report: batching.FitReport
     max_loss: int
     seq_len: int
+    strategy: str = "pad"
 
     def row_arrays(self, i: int) -> dict[str, np.ndarray]:
         return batching.build_row(self.rows[i], self.seq_len, self.max_loss)
 
+    def loss_tokens(self) -> int:
+        """Loss-bearing tokens that fit the loss buffer (what is actually trained)."""
+        return sum(min(batching.row_loss_count(r), self.max_loss) for r in self.rows)
+
+    def real_tokens(self) -> int:
+        return sum(len(ex.ids) for r in self.rows for ex in r)
+
     def useful_fraction(self) -> float:
-        total = len(self.rows) * self.seq_len
-        return sum(batching.row_loss_count(r) for r in self.rows) / max(total, 1)
+        """Loss-bearing tokens / all row tokens (padding included)."""
+        return self.loss_tokens() / max(len(self.rows) * self.seq_len, 1)
 
     def nonpad_fraction(self) -> float:
-        total = len(self.rows) * self.seq_len
-        return sum(len(ex.ids) for r in self.rows for ex in r) / max(total, 1)
+        """Non-padding tokens / all row tokens."""
+        return self.real_tokens() / max(len(self.rows) * self.seq_len, 1)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and fractions for reports (inspect, benchmarks, logs)."""
+        rep = self.report
+        lengths = np.asarray(rep.lengths or [0])
+        pct = {f"p{q}": int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 95, 99)}
+        return {
+            "source": self.source, "strategy": self.strategy, "seq_len": self.seq_len,
+            "examples_read": rep.read, "examples_kept": rep.kept, "truncated": rep.truncated,
+            "dropped": rep.dropped, "dropped_no_loss": rep.no_loss, "overlength": rep.overlength,
+            "length_min": int(lengths.min()), **pct, "length_max": int(lengths.max()),
+            "length_mean": round(float(lengths.mean()), 1),
+            "rows": len(self.rows), "tokens": self.real_tokens(), "loss_tokens": self.loss_tokens(),
+            "row_tokens": len(self.rows) * self.seq_len,
+            "nonpad_fraction": round(self.nonpad_fraction(), 4), "useful_fraction": round(self.useful_fraction(), 4),
+            "examples_per_row": round(rep.kept / max(len(self.rows), 1), 3), "max_loss": self.max_loss,
+        }
 
 
 def make_renderer(tokenizer, data_cfg: DataConfig, family_chat_format: str = "gemma",
@@ -49,19 +74,26 @@ def make_renderer(tokenizer, data_cfg: DataConfig, family_chat_format: str = "ge
     return Renderer(tokenizer, fmt, data_cfg.loss_on, token_map=token_map)
 
 
-def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int, max_loss: int | None = None,
-                  strategy: str | None = None) -> Prepared:
-    convs = load_conversations(path, data_cfg)
-    examples = []
-    for conv in convs:
+def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list[batching.Example]:
+    """Read, validate and render every example of a file (no length policy applied yet)."""
+    out = []
+    for conv in load_conversations(path, data_cfg):
         r = renderer.render(conv)
-        examples.append(batching.Example(r.ids, r.loss_mask))
-    kept, report = batching.fit_length(examples, data_cfg.seq_len, data_cfg.overlength, path)
+        out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
+    return out
+
+
+def prepare_examples(examples: list[batching.Example], source: str, data_cfg: DataConfig, seed: int,
+                     max_loss: int | None = None, strategy: str | None = None) -> Prepared:
+    """Apply the over-length policy and cut rows (pad: one example a row; pack: first-fit)."""
+    kept, report = batching.fit_length(examples, data_cfg.seq_len, data_cfg.overlength, source)
     if not kept:
-        raise UserError(f"{path}: no usable examples after applying data.seq_len={data_cfg.seq_len} "
-                        f"(read {report.read}, dropped {report.dropped})")
+        raise UserError(f"{source}: no usable examples after applying data.seq_len={data_cfg.seq_len} "
+                        f"(read {report.read}, dropped {report.dropped}: {report.overlength} over-length, "
+                        f"{report.no_loss} with no loss-bearing token left)")
     strategy = strategy or data_cfg.strategy
     if strategy == "pack":
+        # rows are fixed for the run; which examples share a row is seeded, the row order is the stream's
         order = np.random.default_rng(seed).permutation(len(kept))
         kept = [kept[i] for i in order]
     rows = batching.make_rows(kept, data_cfg.seq_len, strategy)
@@ -69,33 +101,74 @@ def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int
     over = sum(1 for r in rows if batching.row_loss_count(r) > m)
     if over:
         log.warning("%s: %d rows have more than data.max_loss_tokens=%d targets; the excess is not trained",
-                    path, over, m)
-    return Prepared(path, rows, report, m, data_cfg.seq_len)
+                    source, over, m)
+    return Prepared(source, rows, report, m, data_cfg.seq_len, strategy)
+
+
+def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int, max_loss: int | None = None,
+                  strategy: str | None = None) -> Prepared:
+    return prepare_examples(render_examples(path, renderer, data_cfg), path, data_cfg, seed, max_loss, strategy)
+
+
+class _RowArrays:
+    """The map function of the stream, with a short repr: grain takes the repr of its transforms,
+    and a bound method of Prepared would print every row's arrays (seconds per thousand rows)."""
+
+    def __init__(self, prepared: Prepared):
+        self.prepared = prepared
+
+    def __call__(self, i: int) -> dict[str, np.ndarray]:
+        return self.prepared.row_arrays(i)
+
+    def __repr__(self) -> str:
+        return f"row_arrays({self.prepared.source!r}, {len(self.prepared.rows)} rows of {self.prepared.seq_len})"
 
 
 class TrainStream:
-    """Seeded, per-epoch shuffled, per-process sharded batches with a checkpointable position."""
+    """Seeded, per-epoch shuffled, per-process sharded batches with a checkpointable position.
+
+    The row order is one global stream: rows shuffled (with a new permutation each epoch, folded
+    from the seed by grain), epochs concatenated. Global batch k is rows `[k*B, (k+1)*B)` of that
+    stream and process i reads every `process_count`-th of them from offset i, so a run on P hosts
+    trains on exactly the batches a one-host run sees, the hosts' rows are disjoint, and their union
+    over an epoch is the whole split. With a finite `num_epochs` the last partial global batch is
+    dropped (every host then has the same number of batches); without, the stream never ends.
+    """
 
     def __init__(self, prepared: Prepared, batch_size: int, seed: int, shuffle: bool = True,
                  num_epochs: int | None = None, process_index: int = 0, process_count: int = 1):
         import grain
 
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise UserError(f"process_index={process_index} is not in [0, {process_count})")
         if batch_size % process_count:
             raise UserError(f"train.batch_size={batch_size} must be divisible by the {process_count} processes")
-        local_batch = batch_size // process_count
-        ds = grain.MapDataset.range(len(prepared.rows))
-        ds = ds[process_index::process_count]
-        if len(ds) < local_batch:
-            raise UserError(f"{prepared.source}: {len(prepared.rows)} rows is fewer than one batch of "
-                            f"{batch_size} (train.batch_size)")
+        if num_epochs is not None and num_epochs < 1:
+            raise UserError(f"data.num_epochs must be positive or null, got {num_epochs}")
+        n = len(prepared.rows)
+        if n < batch_size:
+            raise UserError(f"{prepared.source}: {n} rows is fewer than one batch of {batch_size} "
+                            f"(train.batch_size)")
+        self.global_batch = batch_size
+        self.local_batch = batch_size // process_count
+        self.process_index, self.process_count = process_index, process_count
+        ds = grain.MapDataset.range(n)
         if shuffle:
-            ds = ds.shuffle(seed=seed)
+            ds = ds.shuffle(seed=seed % 2**32)
         ds = ds.repeat(num_epochs)
-        ds = ds.map(prepared.row_arrays)
-        ds = ds.batch(local_batch, drop_remainder=True)
+        if num_epochs is not None:
+            ds = ds[: len(ds) - len(ds) % batch_size]  # last partial global batch dropped
+        ds = ds[process_index::process_count]
+        self.index_dataset = ds  # row indices in the order this process reads them
+        ds = ds.map(_RowArrays(prepared))
+        ds = ds.batch(self.local_batch, drop_remainder=True)
         self.dataset = ds
         self.iterator = iter(ds)
         self.prepared = prepared
+
+    @property
+    def batches_per_epoch(self) -> float:
+        return len(self.prepared.rows) / self.global_batch
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
@@ -110,14 +183,22 @@ class TrainStream:
         self.iterator.set_state(state)
 
 
-def eval_batches(prepared: Prepared, batch_size: int, max_batches: int | None = None) -> list[dict[str, np.ndarray]]:
-    """Every eval row once; the last batch is completed with weightless empty rows."""
+def eval_batches(prepared: Prepared, batch_size: int, max_batches: int | None = None, process_index: int = 0,
+                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    """Every eval row once, in file order; the last batch is completed with weightless empty rows.
+
+    With several processes each returns its share of every global batch (rows `i::process_count`),
+    so the global eval batch is `batch_size` rows and every host has the same number of batches.
+    """
+    if batch_size % process_count:
+        raise UserError(f"batch size {batch_size} must be divisible by the {process_count} processes")
     rows = [prepared.row_arrays(i) for i in range(len(prepared.rows))]
     empty = {k: np.zeros_like(v) for k, v in rows[0].items()}
     batches = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
         chunk += [empty] * (batch_size - len(chunk))
+        chunk = chunk[process_index::process_count]
         batches.append({k: np.stack([r[k] for r in chunk]) for k in rows[0]})
         if max_batches and len(batches) >= max_batches:
             break

@@ -1,8 +1,17 @@
 """Read examples (JSONL, JSON or Parquet) and normalise them into conversations.
 
-Every example becomes `{"messages": [...], "tools": [...] | None}`; instruction pairs (Dolly
-columns by default) become a user turn and an assistant turn. Problems are reported as
+Every example becomes `{"messages": [...], "tools": [...] | None, "where": "FILE:LINE"}`; instruction
+pairs (Dolly columns by default) become a user turn and an assistant turn. Problems are reported as
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
+
+Accepted files, all through `iter_raw`:
+- `.jsonl` (or anything else): one JSON object a line; blank lines are skipped.
+- `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
+  object, or JSON Lines saved under a `.json` name.
+- `.parquet`: one example a row ("line" = row number, from 1). Parquet stores structs with the union
+  of all their fields, so keys whose value is null are dropped from every object (a JSON null
+  argument cannot be told apart from a field another row has); `messages`, `tools` and tool-call
+  `arguments` may also be JSON strings, as many Hub datasets store them.
 """
 
 from __future__ import annotations
@@ -14,6 +23,55 @@ from typing import Any, Iterator
 from gemma_tpu.errors import UserError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLE_ALIASES = {"model": "assistant"}  # Gemma's own name for the assistant turn
+
+
+def _strip_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_strip_nulls(v) for v in value]
+    return value
+
+
+def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
+    """Elements of a top-level JSON array, each with the line its value starts on."""
+    dec = json.JSONDecoder()
+    n = len(text)
+    i = text.index("[") + 1
+    line, counted = 1, 0
+
+    def lineno(pos: int) -> int:
+        nonlocal line, counted
+        line += text.count("\n", counted, pos)
+        counted = pos
+        return line
+
+    def ws(pos: int) -> int:
+        while pos < n and text[pos] in " \t\r\n":
+            pos += 1
+        return pos
+
+    i = ws(i)
+    if i < n and text[i] == "]":
+        return
+    while True:
+        i = ws(i)
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        yield lineno(i), obj
+        i = ws(end)
+        if i < n and text[i] == ",":
+            i += 1
+            continue
+        if i < n and text[i] == "]":
+            if ws(i + 1) < n:
+                raise UserError(f"{p}:{lineno(ws(i + 1))}: not valid JSON (extra data after the array)")
+            return
+        where = lineno(min(i, n))
+        raise UserError(f"{p}:{where}: not valid JSON (expected ',' or ']' after an array element)")
 
 
 def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
@@ -26,25 +84,38 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         try:
             import pyarrow.parquet as pq
         except ImportError:  # pragma: no cover
-            raise UserError(f"{p}: reading Parquet needs pyarrow") from None
+            raise UserError(f"{p}: reading Parquet needs pyarrow (pip install pyarrow)") from None
         try:
             table = pq.read_table(p)
         except Exception as e:
-            raise UserError(f"{p}: not a readable Parquet file ({e})") from None
+            raise UserError(f"{p}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
         for i, row in enumerate(table.to_pylist(), start=1):
-            yield i, row
+            yield i, _strip_nulls(row)
         return
-    text = p.read_text(encoding="utf-8", errors="strict") if p.stat().st_size < (1 << 31) else None
-    if suffix == ".json" and text is not None and text.lstrip().startswith("["):
+    if suffix == ".json":
         try:
-            items = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg})") from None
-        for i, row in enumerate(items, start=1):
-            yield i, row
-        return
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+            text = p.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
+        head = text.lstrip()
+        if head.startswith("["):
+            yield from _iter_json_array(p, text)
+            return
+        if head.startswith("{"):
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                if e.msg != "Extra data":  # "Extra data": several objects, i.e. JSON Lines
+                    raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            else:
+                yield text[: len(text) - len(head)].count("\n") + 1, obj
+                return
+    with p.open("rb") as f:  # bytes, decoded line by line, so a bad byte is reported at its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -71,35 +142,48 @@ def _text(content: Any, where: str) -> str:
     raise UserError(f"{where}: content must be a string, got {type(content).__name__}")
 
 
+def _maybe_json(value: Any, what: str, where: str) -> Any:
+    """Hub datasets often store nested columns as JSON strings; decode those."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: '{what}' is a string but not valid JSON ({e.msg})") from None
+    return value
+
+
 def _tool_names(tools: Any, where: str) -> list[str]:
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise UserError(f"{where}: 'tools' must be a list of function declarations")
     names = []
-    for t in tools:
+    for i, t in enumerate(tools):
         fn = t.get("function", t) if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise UserError(f"{where}: each tool needs a function name, got {t!r:.80}")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise UserError(f"{where}: tools[{i}] needs a function name, got {t!r:.80}")
         names.append(fn["name"])
     return names
 
 
 def normalise_messages(obj: dict, where: str) -> dict:
     """Validate a chat example: roles, contents, tool calls against declared tools."""
-    messages = obj.get("messages")
+    messages = _maybe_json(obj.get("messages"), "messages", where)
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: 'messages' must be a non-empty list")
-    tools = obj.get("tools")
+    tools = _maybe_json(obj.get("tools"), "tools", where)
     names = _tool_names(tools, where)
     out = []
+    pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
+    answered = 0
     for i, m in enumerate(messages):
         mw = f"{where}: messages[{i}]"
         if not isinstance(m, dict):
             raise UserError(f"{mw}: expected an object with 'role' and 'content'")
         role = m.get("role")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            raise UserError(f"{mw}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+            raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
         if role == "assistant":
             calls = m.get("tool_calls") or []
@@ -116,40 +200,60 @@ def normalise_messages(obj: dict, where: str) -> dict:
                         args = json.loads(args) if args.strip() else {}
                     except json.JSONDecodeError:
                         raise UserError(f"{mw}.tool_calls[{j}]: arguments is not a JSON object") from None
+                if args is None:
+                    args = {}
                 if not isinstance(args, dict):
                     raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object")
-                if names and fn["name"] not in names:
-                    raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r}, which is not in 'tools' "
-                                    f"({', '.join(names)})")
                 if not names:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r} but the example declares no 'tools'")
+                if fn["name"] not in names:
+                    raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r}, which is not in 'tools' "
+                                    f"({', '.join(names)})")
                 norm_calls.append({"name": fn["name"], "arguments": args})
             if not msg["content"] and not norm_calls:
                 raise UserError(f"{mw}: assistant message has neither content nor tool_calls")
             if norm_calls:
                 msg["tool_calls"] = norm_calls
+                pending = [(c.get("id") if isinstance(c, dict) else None, nc["name"])
+                           for c, nc in zip(calls, norm_calls)]
+                answered = 0
         elif role == "tool":
-            msg["name"] = m.get("name") or m.get("tool_call_id") or ""
+            name = m.get("name")
+            if not name and m.get("tool_call_id") is not None:
+                name = next((n for cid, n in pending if cid is not None and cid == m["tool_call_id"]), None)
+            if not name and answered < len(pending):
+                name = pending[answered][1]  # results answer the calls in order
+            if not isinstance(name, str) or not name:
+                raise UserError(f"{mw}: tool message has no 'name' and answers no earlier tool call")
+            if names and name not in names:
+                raise UserError(f"{mw}: tool result for {name!r}, which is not in 'tools' ({', '.join(names)})")
+            msg["name"] = name
+            answered += 1
         out.append(msg)
     if not any(m["role"] == "assistant" for m in out):
         raise UserError(f"{where}: no assistant message to learn from")
-    return {"messages": out, "tools": tools if names else None}
+    return {"messages": out, "tools": tools if names else None, "where": where}
 
 
 def normalise_instruction(obj: dict, where: str, instruction: str, context: str | None, response: str) -> dict:
-    for field in (instruction, response):
+    for field, key in ((instruction, "data.instruction_field"), (response, "data.response_field")):
         if field not in obj:
-            raise UserError(f"{where}: missing field '{field}' (data.instruction_field / data.response_field)")
+            raise UserError(f"{where}: missing field '{field}' ({key}; the example has "
+                            f"{', '.join(map(str, obj)) or 'no fields'})")
         if not isinstance(obj[field], str):
-            raise UserError(f"{where}: field '{field}' must be a string")
+            raise UserError(f"{where}: field '{field}' must be a string, got {type(obj[field]).__name__}")
     prompt = obj[instruction]
     ctx = obj.get(context) if context else None
-    if ctx:
+    if ctx is not None and not isinstance(ctx, str):
+        raise UserError(f"{where}: field '{context}' (data.context_field) must be a string, got {type(ctx).__name__}")
+    if not prompt.strip():
+        raise UserError(f"{where}: field '{instruction}' is empty")
+    if ctx and ctx.strip():
         prompt = f"{prompt}\n\n{ctx}"
     if not obj[response].strip():
         raise UserError(f"{where}: field '{response}' is empty")
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj[response]}],
-            "tools": None}
+            "tools": None, "where": where}
 
 
 def load_conversations(path: str | Path, data_cfg) -> list[dict]:
@@ -159,7 +263,7 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
     for lineno, obj in iter_raw(path):
         where = f"{path}:{lineno}"
         if not isinstance(obj, dict):
-            raise UserError(f"{where}: expected a JSON object per line")
+            raise UserError(f"{where}: expected a JSON object per example, got {type(obj).__name__}")
         kind = fmt
         if kind == "auto":
             kind = "messages" if "messages" in obj else "instruction" if data_cfg.instruction_field in obj else None

@@ -2,7 +2,15 @@
 
 A renderer produces text segments, each marked trainable or not; the whole text is tokenized once
 (so ids equal what `apply_chat_template` + the tokenizer give) and a token is loss-bearing when its
-characters fall in a trainable segment. Assistant turns are trainable including `<end_of_turn>`.
+characters overlap a trainable segment. Assistant turns are trainable including `<end_of_turn>`.
+
+Chat formats:
+- `gemma` / `functiongemma`: our own Gemma 3 turns, tools in the FunctionGemma text format (the two
+  differ only in the vocabulary: markers the tokenizer lacks are mapped onto `<unusedN>`).
+- `template`: the tokenizer's own chat template (`tokenizer.chat_template`). Each assistant message's
+  trainable span is found by rendering the conversation up to it with and without it: the text the
+  template adds for the assistant message (less trailing whitespace after its end marker) is
+  trainable. A template that re-renders earlier turns differently (not prefix-stable) is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ BOS_ID = 2
 class Rendered:
     ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # bool [n]; True where the token is a training target
-    text: str
+    text: str  # the text tokenized (after marker mapping, without the leading BOS)
+    offsets: np.ndarray | None = None  # int32 [n, 2] character span of each token in `text`; BOS is (0, 0)
 
 
 def _fmt_value(v: Any) -> str:
@@ -78,12 +87,14 @@ def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tupl
         segs.append((f"<start_of_turn>developer\n{preamble}{decl}<end_of_turn>\n", False))
         preamble = ""
     in_model_turn = False
+    response_open = False  # the last trained text ended with <start_function_response>
     for i, m in enumerate(msgs):
         role = m["role"]
         if role in ("user", "system", "developer"):
             if in_model_turn:
                 segs.append(("<end_of_turn>\n", False))
                 in_model_turn = False
+                response_open = False
             text = m["content"]
             if preamble:
                 text = f"{preamble}\n\n{text}"
@@ -97,20 +108,56 @@ def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tupl
                 # The model ends a call by emitting <start_function_response>; the tool's answer follows.
                 segs.append((body + "<start_function_response>", True))
                 in_model_turn = True
+                response_open = True
             else:
                 segs.append((body + "<end_of_turn>", True))
                 segs.append(("\n", False))
                 in_model_turn = False
+                response_open = False
         elif role == "tool":
             resp = format_response(m.get("name") or "", m["content"])
-            # the opening marker was already emitted (and trained) at the end of the call
-            segs.append((resp[len("<start_function_response>"):], False))
+            if response_open:
+                # the opening marker was already emitted (and trained) at the end of the call
+                resp = resp[len("<start_function_response>"):]
+            elif not in_model_turn:
+                segs.append(("<start_of_turn>model\n", False))
+            # a second result of parallel calls opens its own <start_function_response>
+            segs.append((resp, False))
             in_model_turn = True
+            response_open = False
     if in_model_turn and add_generation_prompt:
         pass
     elif add_generation_prompt:
         segs.append(("<start_of_turn>model\n", False))
     return segs
+
+
+CHAT_FORMATS = ("gemma", "functiongemma", "template")
+LOSS_ON = ("assistant", "all")
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Normalised messages in the shape Hugging Face chat templates expect.
+
+    Call arguments are objects; a tool result whose content is a JSON object is passed as that
+    object (templates that know tool results render objects field by field, as our renderer does).
+    """
+    out = []
+    for m in messages:
+        content: Any = m.get("content") or ""
+        if m["role"] == "tool" and content.lstrip().startswith("{"):
+            try:
+                content = json.loads(content)
+            except json.JSONDecodeError:
+                pass
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in m["tool_calls"]]
+        if m["role"] == "tool" and m.get("name"):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
 
 
 class Renderer:
@@ -124,11 +171,60 @@ class Renderer:
         # Markers the vocabulary lacks (plain Gemma 3 has no FunctionGemma tokens) are mapped onto
         # reserved <unusedN> tokens by text substitution before tokenization.
         self.token_map = token_map or {}
-        if chat_format not in ("gemma", "functiongemma"):
-            raise UserError(f"data.chat_format {chat_format!r} is not supported (gemma, functiongemma)")
+        if chat_format not in CHAT_FORMATS:
+            raise UserError(f"data.chat_format {chat_format!r} is not supported ({', '.join(CHAT_FORMATS)})")
+        if loss_on not in LOSS_ON:
+            raise UserError(f"data.loss_on {loss_on!r} is not supported ({', '.join(LOSS_ON)})")
+        if chat_format == "template" and not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"data.chat_format=template, but the tokenizer "
+                            f"{getattr(tokenizer, 'name_or_path', '') or ''} has no chat template")
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.bos_id = BOS_ID if bos is None else int(bos)
+        self.bos_text = getattr(tokenizer, "bos_token", None) or ""
 
     def segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+        if self.chat_format == "template":
+            return self.template_segments(conv, add_generation_prompt)
         return gemma_segments(conv, add_generation_prompt)
+
+    def _apply(self, messages: list[dict], tools, add_generation_prompt: bool, where: str) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
+            raise UserError(f"{where}: the tokenizer's chat template refused the conversation "
+                            f"({type(e).__name__}: {str(e)[:200]})") from None
+
+    def template_segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+        """Segments from the tokenizer's own template; assistant spans found by prefix differences."""
+        where = conv.get("where") or "example"
+        msgs = template_messages(conv["messages"])
+        tools = conv.get("tools")
+        segs: list[tuple[str, bool]] = []
+        done = ""  # text covered by the segments so far
+
+        def unstable(what: str) -> UserError:
+            return UserError(f"{where}: the tokenizer's chat template is not prefix-stable ({what}); its assistant "
+                             f"spans cannot be located - use data.chat_format=gemma")
+
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant" or i == 0:
+                continue
+            prompt = self._apply(msgs[:i], tools, True, where)
+            full = self._apply(msgs[:i + 1], tools, False, where)
+            if not prompt.startswith(done):
+                raise unstable(f"the prompt before messages[{i}] does not extend the earlier turns")
+            if not full.startswith(prompt):
+                raise unstable(f"messages[{i}] does not extend the prompt before it")
+            answer = full[len(prompt):].rstrip()  # whitespace after the end marker is not generated
+            segs.append((prompt[len(done):], False))
+            segs.append((answer, True))
+            done = prompt + answer
+        final = self._apply(msgs, tools, add_generation_prompt, where)
+        if not final.startswith(done):
+            raise unstable("the whole conversation does not extend its turns")
+        segs.append((final[len(done):], False))
+        return [(t, tr) for t, tr in segs if t]
 
     def map_markers(self, text: str) -> str:
         for marker, repl in self.token_map.items():
@@ -137,21 +233,27 @@ class Renderer:
 
     def render(self, conv: dict, add_generation_prompt: bool = False) -> Rendered:
         segs = [(self.map_markers(t), tr) for t, tr in self.segments(conv, add_generation_prompt)]
+        # BOS is added as an id; a template that writes it as text has it removed here
+        if segs and self.bos_text and segs[0][0].startswith(self.bos_text):
+            segs[0] = (segs[0][0][len(self.bos_text):], segs[0][1])
         text = "".join(t for t, _ in segs)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = [BOS_ID] + list(enc["input_ids"])
-        spans, pos = [], 0
-        for t, trainable in segs:
-            if trainable:
-                spans.append((pos, pos + len(t)))
-            pos += len(t)
-        mask = [self.loss_on == "all"]
-        for start, end in enc["offset_mapping"]:
-            if self.loss_on == "all":
-                mask.append(True)
-            else:
-                mask.append(any(s <= start < e for s, e in spans) if end > start else False)
-        return Rendered(np.asarray(ids, np.int32), np.asarray(mask, bool), text)
+        ids = np.asarray([self.bos_id] + list(enc["input_ids"]), np.int32)
+        offsets = np.zeros((len(ids), 2), np.int32)
+        if len(ids) > 1:
+            offsets[1:] = np.asarray(enc["offset_mapping"], np.int32).reshape(-1, 2)
+        if self.loss_on == "all":
+            mask = np.ones(len(ids), bool)
+        else:
+            mask = np.zeros(len(ids), bool)
+            starts, ends = offsets[1:, 0], np.maximum(offsets[1:, 1], offsets[1:, 0] + 1)
+            pos = 0
+            for t, trainable in segs:
+                if trainable and t:
+                    # a token is a target when any of its characters is in a trainable span
+                    mask[1:] |= (starts < pos + len(t)) & (ends > pos)
+                pos += len(t)
+        return Rendered(ids, mask, text, offsets)
 
 
 FUNCTION_MARKERS = (

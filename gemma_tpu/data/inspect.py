@@ -1,0 +1,201 @@
+"""`python -m gemma_tpu.data.inspect --config FILE [section.key=value ...] [--split train|eval] [-n N]`
+
+See the data exactly as training will: examples read / kept / truncated / dropped, token-length
+percentiles, rows and useful-token fractions for `pad` and `pack` (the configured strategy first),
+the distinct batch shapes one epoch of the stream produces (1 means one compilation), and the first
+N rendered examples with their loss-bearing tokens marked - green on a terminal, `[[...]]` otherwise
+(`--color always|never` to choose). `--json OUT` writes the statistics. Nothing is written to the
+run directory and no model weights are loaded; only the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from gemma_tpu.errors import UserError, cli_main
+
+ANSI_ON, ANSI_OFF = "\x1b[1;32m", "\x1b[0m"
+ANSI_DIM = "\x1b[2m"
+PLAIN_ON, PLAIN_OFF = "[[", "]]"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gemma_tpu.data.inspect", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML run config (data.*, model.path for the tokenizer)")
+    p.add_argument("--split", choices=("train", "eval"), default="train", help="data.train_path or data.eval_path")
+    p.add_argument("-n", type=int, default=1, help="rendered examples to show (default 1; 0: none)")
+    p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the config's model.path)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="mark loss-bearing text with ANSI colour (auto: when stdout is a terminal)")
+    p.add_argument("--json", help="also write the statistics to this JSON file")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=1024")
+    return p.parse_args(list(argv))
+
+
+def load_tokenizer(spec: str | None, cfg) -> tuple[Any, str, str]:
+    """(tokenizer, where it came from, the family's chat format)."""
+    from transformers import AutoTokenizer
+
+    family_format = "gemma"
+    if spec:
+        where = spec
+    else:
+        from gemma_tpu.models import resolve_model
+
+        resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+        where, family_format = str(resolved.local_dir), resolved.family.chat_format
+    try:
+        tok = AutoTokenizer.from_pretrained(where)
+    except Exception as e:
+        raise UserError(f"{where}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
+    return tok, where, family_format
+
+
+def loss_spans(offsets: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
+    """Merged character spans of the loss-bearing tokens (BOS, at (0, 0), never shows)."""
+    spans: list[tuple[int, int]] = []
+    for (s, e), m in zip(offsets.tolist(), mask.tolist()):
+        if not m or e <= s:
+            continue
+        if spans and s <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], e))
+        else:
+            spans.append((s, e))
+    return spans
+
+
+def mark(text: str, spans: list[tuple[int, int]], color: bool, cut: int | None = None) -> str:
+    """`text` with the spans wrapped in markers; `cut`: character offset where truncation falls."""
+    on, off = (ANSI_ON, ANSI_OFF) if color else (PLAIN_ON, PLAIN_OFF)
+    if cut is not None:  # nothing past the cut is trained
+        spans = [(s, min(e, cut)) for s, e in spans if s < cut]
+    points = sorted({0, len(text), *(p for sp in spans for p in sp), *([cut] if cut is not None else [])})
+    out = []
+    for a, b in zip(points, points[1:]):
+        if a == cut:
+            out.append(f"{ANSI_DIM if color else ''}<<truncated at data.seq_len: the rest is not trained>>"
+                       f"{ANSI_OFF if color else ''}")
+        piece = text[a:b]
+        out.append(f"{on}{piece}{off}" if any(s <= a and b <= e for s, e in spans) else piece)
+    return "".join(out)
+
+
+def batch_shapes(prepared, batch_size: int, split: str, seed: int) -> tuple[int, list[str]]:
+    """Distinct (shape, dtype) signatures over one epoch of the batches training/eval would see."""
+    from gemma_tpu.data.pipeline import TrainStream, eval_batches
+
+    if split == "train":
+        if len(prepared.rows) < batch_size:
+            return 0, [f"fewer rows ({len(prepared.rows)}) than one batch of {batch_size}"]
+        batches = TrainStream(prepared, batch_size, seed, num_epochs=1)
+    else:
+        batches = eval_batches(prepared, batch_size)
+    sigs = {tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(b.items())) for b in batches}
+    shown = [", ".join(f"{k} {list(s)} {d}" for k, s, d in sig) for sig in sorted(sigs)]
+    return len(sigs), shown
+
+
+def fmt_row(cells: Sequence[Any], widths: Sequence[int]) -> str:
+    return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def run(args: argparse.Namespace) -> dict:
+    from gemma_tpu.config import load_config
+    from gemma_tpu.data import batching
+    from gemma_tpu.data.pipeline import make_renderer, prepare_examples
+    from gemma_tpu.data.records import load_conversations
+    from gemma_tpu.data.render import function_token_map
+
+    cfg = load_config(args.config, args.overrides)
+    if args.n < 0:
+        raise UserError("-n must be 0 or more")
+    path = cfg.data.train_path if args.split == "train" else cfg.data.eval_path
+    if not path:
+        raise UserError(f"data.{'train' if args.split == 'train' else 'eval'}_path is not set in {args.config}")
+    convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
+    tok, tok_where, family_format = load_tokenizer(args.tokenizer, cfg)
+    token_map = function_token_map(tok)
+    renderer = make_renderer(tok, cfg.data, family_format, token_map)
+    rendered, examples = [], []
+    for i, conv in enumerate(convs):
+        r = renderer.render(conv)
+        if i < args.n:
+            rendered.append((conv, r))
+        examples.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
+    chosen = cfg.data.strategy
+    prepared = {}
+    for strategy in (chosen, "pack" if chosen == "pad" else "pad"):
+        prepared[strategy] = prepare_examples(examples, path, cfg.data, cfg.train.seed, strategy=strategy)
+    main = prepared[chosen]
+    stats = main.stats()
+    n_shapes, shapes = batch_shapes(main, cfg.train.batch_size, args.split, cfg.train.seed)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+
+    out = sys.stdout
+    rep = main.report
+    print(f"data       {path} ({args.split}): format {cfg.data.format}, chat format {renderer.chat_format}, "
+          f"loss on {renderer.loss_on}", file=out)
+    print(f"tokenizer  {tok_where}", file=out)
+    if token_map:
+        print("token map  " + ", ".join(f"{k} -> {v}" for k, v in token_map.items()), file=out)
+    print(f"examples   read {rep.read}, kept {rep.kept}, truncated {rep.truncated}, dropped {rep.dropped} "
+          f"({rep.overlength} over data.seq_len={cfg.data.seq_len}, policy {cfg.data.overlength}; "
+          f"{rep.no_loss} with no loss-bearing token left)", file=out)
+    print(f"tokens     per example: min {stats['length_min']}, p50 {stats['p50']}, p90 {stats['p90']}, "
+          f"p95 {stats['p95']}, p99 {stats['p99']}, max {stats['length_max']}, mean {stats['length_mean']}; "
+          f"{stats['tokens']} in rows, {stats['loss_tokens']} loss-bearing", file=out)
+    print("", file=out)
+    header = ["strategy", "seq_len", "rows", "examples/row", "non-pad", "useful (loss-bearing)", "loss buffer"]
+    widths = [10, 7, 6, 12, 7, 21, 11]
+    print(fmt_row(header, widths), file=out)
+    for strategy, p in prepared.items():
+        s = p.stats()
+        name = strategy + (" *" if strategy == chosen else "")
+        print(fmt_row([name, p.seq_len, s["rows"], f"{s['examples_per_row']:.2f}", f"{s['nonpad_fraction']:.3f}",
+                       f"{s['useful_fraction']:.3f}", s["max_loss"]], widths), file=out)
+    print(f"(* data.strategy; useful = loss-bearing tokens / all row tokens, non-pad = real tokens / all row tokens)",
+          file=out)
+    what = f"one epoch, batch {cfg.train.batch_size}" if args.split == "train" else f"eval, batch {cfg.train.batch_size}"
+    print(f"batch shapes: {n_shapes} distinct ({what})", file=out)
+    for s in shapes:
+        print(f"  {s}", file=out)
+    for i, (conv, r) in enumerate(rendered):
+        n_loss = int(r.loss_mask[1:].sum())
+        status = ""
+        cut = None
+        if len(r.ids) > cfg.data.seq_len:
+            status = {"truncate": ", truncated", "drop": ", dropped (over-length)", "error": ", over-length"}[
+                cfg.data.overlength]
+            if cfg.data.overlength == "truncate":
+                cut = int(r.offsets[cfg.data.seq_len][0])
+        print(f"\n--- example {i + 1} ({conv.get('where', '?')}): {len(r.ids)} tokens, {n_loss} loss-bearing{status} "
+              f"---", file=out)
+        print(mark(r.text, loss_spans(r.offsets, r.loss_mask), color, cut), file=out)
+    result = {**stats, "split": args.split, "chat_format": renderer.chat_format, "loss_on": renderer.loss_on,
+              "distinct_batch_shapes": n_shapes, "batch_shapes": shapes,
+              "other_strategy": {k: v.stats() for k, v in prepared.items() if k != chosen}}
+    if args.json:
+        p = Path(args.json)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    run(parse_args(argv or []))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -1,0 +1,932 @@
+"""The data pipeline, checked by outcome: formats, exact rendering, loss masks, length policies,
+pad/pack rows, grain order and resume, multi-process slices, chat-template equivalence, inspect.
+
+Most tests use a small character-level tokenizer with Gemma's control-token ids (written in a
+second); the ones marked by `any_tok` also run on the real Gemma 3 tokenizer when the embedded
+270M has been prepared (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gemma_tpu.config import DataConfig
+from gemma_tpu.data import (Renderer, TrainStream, eval_batches, function_token_map, load_conversations,
+                            prepare_examples, prepare_split, render_examples)
+from gemma_tpu.data import batching
+from gemma_tpu.data.records import normalise_messages
+from gemma_tpu.data.render import template_messages
+from gemma_tpu.errors import UserError
+from tests.conftest import REPO, assert_one_line_error, run_cli
+
+# ----------------------------------------------------------------------------- fixtures, helpers
+
+SOT, EOT = "<start_of_turn>", "<end_of_turn>"
+
+STEPS_TOOL = {"type": "function", "function": {
+    "name": "get_steps", "description": "Steps on a day.",
+    "parameters": {"type": "object", "properties": {"date": {"type": "string"}}}}}
+HR_TOOL = {"type": "function", "function": {
+    "name": "get_heart_rate", "description": "Heart rate.",
+    "parameters": {"type": "object", "properties": {"date": {"type": "string"},
+                                                    "metric": {"type": "string", "enum": ["resting", "max"]}}}}}
+STEPS_DECL = ("<start_function_declaration>declaration:get_steps{description:<escape>Steps on a day.<escape>,"
+              "parameters:{type:<escape>object<escape>,properties:{date:{type:<escape>string<escape>}}}}"
+              "<end_function_declaration>")
+HR_DECL = ("<start_function_declaration>declaration:get_heart_rate{description:<escape>Heart rate.<escape>,"
+           "parameters:{type:<escape>object<escape>,properties:{date:{type:<escape>string<escape>},"
+           "metric:{type:<escape>string<escape>,enum:[<escape>resting<escape>,<escape>max<escape>]}}}}"
+           "<end_function_declaration>")
+
+CHAT = {"messages": [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And doubled?"},
+    {"role": "assistant", "content": "It is 8."},
+]}
+CHAT_TEXT = (f"{SOT}user\nYou are terse.\n\nWhat is 2+2?{EOT}\n{SOT}model\n4.{EOT}\n"
+             f"{SOT}user\nAnd doubled?{EOT}\n{SOT}model\nIt is 8.{EOT}\n")
+
+TOOL_CHAT = {"tools": [STEPS_TOOL, HR_TOOL], "messages": [
+    {"role": "developer", "content": "You are a coach."},
+    {"role": "user", "content": "Steps today?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": {"date": "today"}}}]},
+    {"role": "tool", "name": "get_steps", "content": "{\"steps\": 5, \"date\": \"2026-11-21\"}"},
+    {"role": "assistant", "content": "You walked 5 steps."},
+]}
+TOOL_CALL = "<start_function_call>call:get_steps{date:<escape>today<escape>}<end_function_call>"
+TOOL_TEXT = (f"{SOT}developer\nYou are a coach.{STEPS_DECL}{HR_DECL}{EOT}\n{SOT}user\nSteps today?{EOT}\n"
+             f"{SOT}model\n{TOOL_CALL}<start_function_response>response:get_steps{{steps:5,date:<escape>2026-11-21"
+             f"<escape>}}<end_function_response>You walked 5 steps.{EOT}\n")
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    from gemma_tpu.tiny import _write_small_tokenizer
+
+    out = tmp_path_factory.mktemp("small_tok")
+    _write_small_tokenizer(out, 512)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+@pytest.fixture(scope="module")
+def real_tok():
+    from transformers import AutoTokenizer
+
+    from gemma_tpu import assets
+
+    path = assets.target_dir("gemma3-270m")
+    if not assets.is_complete(path):
+        pytest.skip("the embedded Gemma 3 270M is not prepared (python -m gemma_tpu.assets prepare gemma3-270m)")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(params=["small", "gemma3"])
+def any_tok(request, tok):
+    return tok if request.param == "small" else request.getfixturevalue("real_tok")
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def masked_runs(tokenizer, r) -> list[str]:
+    """Decoded text of each contiguous run of loss-bearing tokens."""
+    runs, cur = [], []
+    for i, m in zip(r.ids.tolist(), r.loss_mask.tolist()):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+
+
+def norm(conv: dict) -> dict:
+    return normalise_messages(conv, "test")
+
+
+def chat_rows(n: int, seed: int = 0, long_every: int = 0) -> list[dict]:
+    """n distinct small chats of varied lengths (every `long_every`-th one with a long answer)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        q = f"Question {i}: " + "x" * int(rng.integers(0, 40))
+        a = f"Answer {i}. " + "y" * int(rng.integers(1, 60))
+        if long_every and i % long_every == 0:
+            a += "z" * 300
+        msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        if i % 3 == 0:
+            msgs = [{"role": "system", "content": "Be brief."}] + msgs + [
+                {"role": "user", "content": "More?"}, {"role": "assistant", "content": f"No more {i}."}]
+        rows.append({"messages": msgs})
+    return rows
+
+
+# --------------------------------------------------------------------------------- rendering
+
+
+def test_multiturn_chat_renders_exactly_with_system_folded(any_tok):
+    r = Renderer(any_tok).render(norm(CHAT))
+    assert r.text == CHAT_TEXT
+    assert r.ids[0] == 2 and any_tok.decode(r.ids[1:].tolist(), skip_special_tokens=False) == CHAT_TEXT
+    assert r.ids.dtype == np.int32 and r.loss_mask.dtype == bool and r.offsets.shape == (len(r.ids), 2)
+
+
+def test_developer_turn_folds_like_system(tok):
+    conv = {"messages": [{"role": "developer", "content": "Rules."}, *CHAT["messages"][1:3]]}
+    assert Renderer(tok).render(norm(conv)).text == f"{SOT}user\nRules.\n\nWhat is 2+2?{EOT}\n{SOT}model\n4.{EOT}\n"
+
+
+def test_loss_mask_is_every_assistant_turn_with_end_of_turn(any_tok):
+    r = Renderer(any_tok).render(norm(CHAT))
+    assert masked_runs(any_tok, r) == [f"4.{EOT}", f"It is 8.{EOT}"]
+    assert not r.loss_mask[0]  # BOS is never a target
+
+
+def test_loss_on_all_trains_every_token(any_tok):
+    r = Renderer(any_tok, loss_on="all").render(norm(CHAT))
+    assert r.loss_mask.all()
+    ex, rep = batching.fit_length([batching.Example(r.ids, r.loss_mask)], 512, "truncate", "x")
+    row = batching.build_row(ex, 512, 512)
+    assert row["loss_weights"].sum() == len(r.ids) - 1  # every next token is a target
+    np.testing.assert_array_equal(row["loss_targets"][: len(r.ids) - 1], r.ids[1:])
+
+
+def test_unknown_loss_on_and_chat_format_are_refused(tok):
+    with pytest.raises(UserError, match="data.loss_on"):
+        Renderer(tok, loss_on="prompt")
+    with pytest.raises(UserError, match="data.chat_format"):
+        Renderer(tok, chat_format="llama")
+
+
+def test_generation_prompt(tok):
+    prompt = {"messages": CHAT["messages"][:2]}
+    r = Renderer(tok).render(prompt, add_generation_prompt=True)
+    assert r.text == f"{SOT}user\nYou are terse.\n\nWhat is 2+2?{EOT}\n{SOT}model\n"
+    assert not r.loss_mask.any()
+
+
+def test_tool_chat_renders_functiongemma_format_exactly(any_tok):
+    r = Renderer(any_tok).render(norm(TOOL_CHAT))
+    assert r.text == TOOL_TEXT
+    # trained: the call and the marker that hands over to the tool, then the answer; not the tool's result
+    assert masked_runs(any_tok, r) == [TOOL_CALL + "<start_function_response>", f"You walked 5 steps.{EOT}"]
+
+
+def test_token_map_puts_markers_on_unused_tokens(any_tok):
+    token_map = function_token_map(any_tok)
+    vocab = any_tok.get_vocab()
+    assert list(token_map) == ["<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
+                               "<end_function_call>", "<start_function_response>", "<end_function_response>",
+                               "<escape>"]
+    assert all(v.startswith("<unused") and v in vocab for v in token_map.values())
+    assert len(set(token_map.values())) == 7
+    r = Renderer(any_tok, token_map=token_map).render(norm(TOOL_CHAT))
+    mapped = TOOL_TEXT
+    for marker, repl in token_map.items():
+        mapped = mapped.replace(marker, repl)
+    assert r.text == mapped and "<escape>" not in r.text
+    from gemma_tpu.tool_calls import unmap_markers
+
+    runs = [unmap_markers(t, token_map) for t in masked_runs(any_tok, r)]
+    assert runs == [TOOL_CALL + "<start_function_response>", f"You walked 5 steps.{EOT}"]
+
+
+def test_token_map_skips_markers_the_vocabulary_has(tok_dir):
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(tok_dir))
+    t.add_special_tokens({"additional_special_tokens": ["<start_function_call>", "<end_function_call>"]})
+    m = function_token_map(t)
+    assert "<start_function_call>" not in m and "<end_function_call>" not in m and len(m) == 5
+
+
+def test_parallel_calls_each_result_opens_its_response(tok):
+    conv = {"tools": [STEPS_TOOL, HR_TOOL], "messages": [
+        {"role": "user", "content": "Steps and resting HR today?"},
+        {"role": "assistant", "content": "Checking. ", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_steps", "arguments": {"date": "today"}}},
+            {"id": "b", "type": "function",
+             "function": {"name": "get_heart_rate", "arguments": '{"date": "today", "metric": "resting"}'}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "{\"bpm\": 51}"},  # names resolved from the call ids
+        {"role": "tool", "tool_call_id": "a", "content": "{\"steps\": 5}"},
+        {"role": "assistant", "content": "5 steps, 51 bpm."},
+    ]}
+    c = norm(conv)
+    assert [m.get("name") for m in c["messages"] if m["role"] == "tool"] == ["get_heart_rate", "get_steps"]
+    r = Renderer(tok).render(c)
+    hr_call = "<start_function_call>call:get_heart_rate{date:<escape>today<escape>,metric:<escape>resting<escape>}" \
+              "<end_function_call>"
+    assert r.text == (f"{SOT}developer\n{STEPS_DECL}{HR_DECL}{EOT}\n"
+                      f"{SOT}user\nSteps and resting HR today?{EOT}\n{SOT}model\nChecking. {TOOL_CALL}{hr_call}"
+                      "<start_function_response>response:get_heart_rate{bpm:51}<end_function_response>"
+                      "<start_function_response>response:get_steps{steps:5}<end_function_response>"
+                      f"5 steps, 51 bpm.{EOT}\n")
+    assert masked_runs(tok, r) == [f"Checking. {TOOL_CALL}{hr_call}<start_function_response>", f"5 steps, 51 bpm.{EOT}"]
+
+
+def test_nameless_tool_results_answer_calls_in_order(tok):
+    conv = json.loads(json.dumps(TOOL_CHAT))
+    del conv["messages"][3]["name"]
+    assert norm(conv)["messages"][3]["name"] == "get_steps"
+    conv["messages"][3]["name"] = "get_heart_rate"
+    assert norm(conv)["messages"][3]["name"] == "get_heart_rate"
+    conv["messages"][3]["name"] = "get_weather"
+    with pytest.raises(UserError, match=r"messages\[3\].*'get_weather', which is not in 'tools'"):
+        norm(conv)
+
+
+def test_normalisation_is_idempotent_and_accepts_openai_shapes():
+    conv = json.loads(json.dumps(TOOL_CHAT))
+    conv["messages"][2]["tool_calls"][0]["function"]["arguments"] = '{"date": "today"}'  # a JSON string
+    conv["messages"][2]["content"] = None
+    conv["messages"][4]["content"] = [{"type": "text", "text": "You walked "}, {"type": "text", "text": "5 steps."}]
+    once = norm(conv)
+    twice = normalise_messages({"messages": once["messages"], "tools": once["tools"]}, "test")
+    assert once == twice
+    assert once["messages"][2]["tool_calls"] == [{"name": "get_steps", "arguments": {"date": "today"}}]
+    assert once["messages"][4]["content"] == "You walked 5 steps."
+    model_role = {"messages": [{"role": "user", "content": "hi"}, {"role": "model", "content": "hello"}]}
+    assert norm(model_role)["messages"][1]["role"] == "assistant"
+
+
+# ------------------------------------------------------------------------------ input formats
+
+
+DOLLY = [
+    {"instruction": "Name a colour.", "context": "", "response": "Blue.", "category": "open_qa"},
+    {"instruction": "Summarise.", "context": "Cats sleep a lot.", "response": "Cats nap.", "category": "summarization"},
+]
+
+
+def test_dolly_rows_with_default_fields(tmp_path, tok):
+    path = write_jsonl(tmp_path / "dolly.jsonl", DOLLY)
+    convs = load_conversations(path, DataConfig())  # format auto
+    r = Renderer(tok)
+    assert r.render(convs[0]).text == f"{SOT}user\nName a colour.{EOT}\n{SOT}model\nBlue.{EOT}\n"
+    assert r.render(convs[1]).text == f"{SOT}user\nSummarise.\n\nCats sleep a lot.{EOT}\n{SOT}model\nCats nap.{EOT}\n"
+    assert masked_runs(tok, r.render(convs[1])) == [f"Cats nap.{EOT}"]
+    assert [c["where"] for c in convs] == [f"{path}:1", f"{path}:2"]
+
+
+def test_instruction_pairs_with_a_custom_field_mapping(tmp_path, tok):
+    rows = [{"prompt": "Translate: chat", "source": "French", "answer": "cat"},
+            {"prompt": "Say hi", "answer": "hi"}]  # the context column is optional per row
+    path = write_jsonl(tmp_path / "custom.jsonl", rows)
+    cfg = DataConfig(format="instruction", instruction_field="prompt", context_field="source", response_field="answer")
+    convs = load_conversations(path, cfg)
+    r = Renderer(tok)
+    assert r.render(convs[0]).text == f"{SOT}user\nTranslate: chat\n\nFrench{EOT}\n{SOT}model\ncat{EOT}\n"
+    assert r.render(convs[1]).text == f"{SOT}user\nSay hi{EOT}\n{SOT}model\nhi{EOT}\n"
+    no_ctx = load_conversations(path, DataConfig(format="instruction", instruction_field="prompt", context_field=None,
+                                                 response_field="answer"))
+    assert r.render(no_ctx[0]).text == f"{SOT}user\nTranslate: chat{EOT}\n{SOT}model\ncat{EOT}\n"
+
+
+def test_json_array_and_jsonl_and_parquet_read_the_same(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [CHAT, TOOL_CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    arr = tmp_path / "d.json"
+    arr.write_text(json.dumps(rows, indent=2))
+    # Parquet structs hold the union of all keys, null where a row lacks one (stripped when read)
+    pq.write_table(pa.Table.from_pylist([{"tools": None, **r} for r in rows]), tmp_path / "d.parquet")
+    cfg = DataConfig()
+    r = Renderer(tok)
+    texts = {}
+    for p in (jsonl, arr, tmp_path / "d.parquet"):
+        convs = load_conversations(p, cfg)
+        texts[p.suffix] = [r.render(c).text for c in convs]
+        assert [{k: v for k, v in c.items() if k != "where"} for c in convs] == \
+            [{k: v for k, v in c.items() if k != "where"} for c in load_conversations(jsonl, cfg)]
+    assert texts[".jsonl"] == texts[".json"] == texts[".parquet"] == [CHAT_TEXT, TOOL_TEXT,
+                                                                     f"{SOT}user\nhi{EOT}\n{SOT}model\nyo{EOT}\n"]
+    # each JSON array element is reported at the line it starts on
+    lines = arr.read_text().splitlines()
+    starts = [i + 1 for i, l in enumerate(lines) if l == "  {"]
+    assert [c["where"] for c in load_conversations(arr, cfg)] == [f"{arr}:{n}" for n in starts]
+    assert [c["where"] for c in load_conversations(tmp_path / "d.parquet", cfg)] == \
+        [f"{tmp_path / 'd.parquet'}:{i}" for i in (1, 2, 3)]
+
+
+def test_parquet_with_json_string_columns(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = {"messages": json.dumps(TOOL_CHAT["messages"]), "tools": json.dumps(TOOL_CHAT["tools"])}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "s.parquet")
+    (conv,) = load_conversations(tmp_path / "s.parquet", DataConfig())
+    assert Renderer(tok).render(conv).text == TOOL_TEXT
+
+
+def test_single_object_json_and_jsonl_named_json(tmp_path):
+    one = tmp_path / "one.json"
+    one.write_text("\n" + json.dumps(CHAT, indent=2))
+    (c,) = load_conversations(one, DataConfig())
+    assert c["where"] == f"{one}:2"
+    lines = tmp_path / "lines.json"
+    write_jsonl(lines, [CHAT, CHAT])
+    assert len(load_conversations(lines, DataConfig())) == 2
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+BAD_CASES = {
+    "not_json": ([json.dumps(GOOD), "{oops"], 2, "not valid JSON"),
+    "unknown_role": ([{"messages": [{"role": "robot", "content": "hi"}, GOOD["messages"][1]]}], 1,
+                     "unknown role 'robot'"),
+    "unknown_tool": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {}}}]}]}], 1,
+                     "'get_weather', which is not in 'tools'"),
+    "no_tools_declared": ([{"messages": [GOOD["messages"][0], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": {}}}]}]}], 1, "declares no 'tools'"),
+    "empty_assistant": ([GOOD, {"messages": [GOOD["messages"][0], {"role": "assistant", "content": ""}]}], 2,
+                        "neither content nor tool_calls"),
+    "missing_instruction_field": ([{"instruction": "a", "response": "b"}, {"instruction": "c", "answer": "d"}], 2,
+                                  "missing field 'response'"),
+    "no_assistant": ([{"messages": [GOOD["messages"][0]]}], 1, "no assistant message"),
+    "bad_arguments": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": "{date"}}]}]}], 1,
+                      "arguments is not a JSON object"),
+    "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object"),
+}
+
+
+def _write_case(tmp_path: Path, name: str, rows: list) -> Path:
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CASES))
+def test_bad_input_names_file_and_line(tmp_path, name):
+    rows, line, needle = BAD_CASES[name]
+    path = _write_case(tmp_path, name, rows)
+    with pytest.raises(UserError) as e:
+        load_conversations(path, DataConfig())
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:{line}:") and needle in msg and "\n" not in msg, msg
+
+
+def test_empty_file_and_missing_file(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(UserError, match=r"empty\.jsonl: no examples \(empty file\)"):
+        load_conversations(empty, DataConfig())
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(UserError, match="empty file"):
+        load_conversations(tmp_path / "empty.json", DataConfig())
+    with pytest.raises(UserError, match="data file not found"):
+        load_conversations(tmp_path / "nope.jsonl", DataConfig())
+
+
+def test_bad_json_array_element_and_bad_bytes(tmp_path):
+    arr = tmp_path / "a.json"
+    arr.write_text(f'[\n  {json.dumps(GOOD)},\n  {{"messages": [}}\n]\n')
+    with pytest.raises(UserError, match=r"a\.json:3: not valid JSON"):
+        load_conversations(arr, DataConfig())
+    arr.write_text(json.dumps([GOOD, GOOD], indent=1) + "\n[]")
+    with pytest.raises(UserError, match="extra data after the array"):
+        load_conversations(arr, DataConfig())
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes((json.dumps(GOOD) + "\n").encode() + b'{"messages": "\xe9"}\n')
+    with pytest.raises(UserError, match=r"latin\.jsonl:2: not UTF-8"):
+        load_conversations(latin, DataConfig())
+    (tmp_path / "x.parquet").write_bytes(b"not parquet")
+    with pytest.raises(UserError, match="not a readable Parquet file"):
+        load_conversations(tmp_path / "x.parquet", DataConfig())
+
+
+# CLI: each bad input is one `error:` line naming the file and line, non-zero exit, no traceback.
+CLI_CASES = ["not_json", "unknown_role", "unknown_tool", "empty_assistant", "missing_instruction_field"]
+
+
+def _inspect_config(tmp_path: Path, train_path, **data) -> Path:
+    import yaml
+
+    cfg = {"data": {"train_path": str(train_path), "seq_len": 256, **data}, "train": {"batch_size": 4}}
+    path = tmp_path / "inspect.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("name", CLI_CASES + ["empty"])
+def test_inspect_cli_bad_input_is_one_line(tmp_path, tok_dir, name):
+    if name == "empty":
+        path, line = tmp_path / "empty.jsonl", None
+        path.write_text("")
+    else:
+        rows, line, _ = BAD_CASES[name]
+        path = _write_case(tmp_path, name, rows)
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)),
+                   "--tokenizer", str(tok_dir), timeout=300)
+    assert_one_line_error(proc, f"{path}:{line}" if line else str(path))
+    assert proc.stdout == ""
+
+
+# ------------------------------------------------------------------------- over-length policies
+
+
+def _examples(tok, tmp_path: Path, rows: list[dict]) -> tuple[Path, list[batching.Example]]:
+    path = write_jsonl(tmp_path / "len.jsonl", rows)
+    return path, render_examples(str(path), Renderer(tok), DataConfig())
+
+
+def test_truncate_drop_error_policies_and_counts(tmp_path, tok):
+    rows = chat_rows(30, seed=1, long_every=5)  # 6 examples with a 300-character tail
+    # one more whose answer starts past the cut: truncation leaves it no target
+    rows.append({"messages": [{"role": "user", "content": "q" * 400}, {"role": "assistant", "content": "late"}]})
+    path, exs = _examples(tok, tmp_path, rows)
+    seq_len = 200
+    lengths = [len(e.ids) for e in exs]
+    over = [i for i, n in enumerate(lengths) if n > seq_len]
+    assert len(over) == 7 and over[-1] == 30
+
+    kept, rep = batching.fit_length(exs, seq_len, "truncate", str(path))
+    assert (rep.read, rep.overlength, rep.truncated, rep.no_loss, rep.dropped, rep.kept) == (31, 7, 6, 1, 1, 30)
+    assert rep.read == rep.kept + rep.dropped and rep.lengths == lengths
+    assert max(len(e.ids) for e in kept) == seq_len
+    cut = [e for e in kept if len(e.ids) == seq_len]
+    assert len(cut) >= 6 and all(e.loss_mask[1:].any() for e in kept)
+    for e in kept:  # truncation keeps the front, ids and mask together
+        orig = next(x for x in exs if x.where == e.where)
+        np.testing.assert_array_equal(e.ids, orig.ids[:len(e.ids)])
+        np.testing.assert_array_equal(e.loss_mask, orig.loss_mask[:len(e.ids)])
+
+    kept, rep = batching.fit_length(exs, seq_len, "drop", str(path))
+    assert (rep.overlength, rep.truncated, rep.dropped, rep.no_loss, rep.kept) == (7, 0, 7, 0, 24)
+    assert sorted(e.where for e in kept) == sorted(exs[i].where for i in range(31) if i not in over)
+
+    with pytest.raises(UserError) as e:
+        batching.fit_length(exs, seq_len, "error", str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:1:") and f"{lengths[0]} tokens" in msg and "data.seq_len=200" in msg
+
+
+def test_overlength_error_through_prepare_split(tmp_path, tok):
+    rows = chat_rows(4) + [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 300}]}]
+    path = write_jsonl(tmp_path / "e.jsonl", rows)
+    with pytest.raises(UserError, match=rf"e\.jsonl:5: the example has \d+ tokens, more than data\.seq_len=160"):
+        prepare_split(str(path), Renderer(tok), DataConfig(seq_len=160, overlength="error"), 0)
+
+
+def test_nothing_left_is_an_error(tmp_path, tok):
+    rows = [{"messages": [{"role": "user", "content": "q" * 300}, {"role": "assistant", "content": "a"}]}]
+    path = write_jsonl(tmp_path / "n.jsonl", rows)
+    with pytest.raises(UserError, match="no usable examples .* 1 with no loss-bearing token"):
+        prepare_split(str(path), Renderer(tok), DataConfig(seq_len=64), 0)
+
+
+# --------------------------------------------------------------------------------- pad and pack
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", chat_rows(48, seed=2))
+
+
+def _rows_as_examples(prepared) -> list[tuple[bytes, bytes]]:
+    return sorted((e.ids.tobytes(), e.loss_mask.tobytes()) for row in prepared.rows for e in row)
+
+
+def test_pad_and_pack_hold_the_same_examples_in_static_rows(chat_file, tok):
+    r = Renderer(tok)
+    pad = prepare_split(str(chat_file), r, DataConfig(seq_len=256, strategy="pad"), 0)
+    pack = prepare_split(str(chat_file), r, DataConfig(seq_len=256, strategy="pack"), 0)
+    assert len(pad.rows) == 48 and all(len(row) == 1 for row in pad.rows)
+    assert len(pack.rows) < 48 / 2 and max(len(row) for row in pack.rows) > 2
+    assert _rows_as_examples(pad) == _rows_as_examples(pack)  # nothing lost, nothing duplicated
+    assert pack.nonpad_fraction() > pad.nonpad_fraction() * 2
+    assert pack.useful_fraction() == pytest.approx(pad.useful_fraction() * len(pad.rows) / len(pack.rows))
+    assert pack.loss_tokens() == pad.loss_tokens()
+    for p in (pad, pack):
+        assert all(sum(len(e.ids) for e in row) <= 256 for row in p.rows)
+        shapes = {(k, v.shape, v.dtype) for i in range(len(p.rows)) for k, v in p.row_arrays(i).items()}
+        assert len(shapes) == 6  # one shape per field over every row
+        assert {s for k, s, _ in shapes if k in ("tokens", "positions", "segment_ids")} == {(256,)}
+
+
+def test_packed_row_segments_positions_and_targets(chat_file, tok):
+    pack = prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy="pack"), 0)
+    for i, row in enumerate(pack.rows):
+        a = pack.row_arrays(i)
+        off = 0
+        for s, ex in enumerate(row, start=1):
+            n = len(ex.ids)
+            np.testing.assert_array_equal(a["tokens"][off:off + n], ex.ids)
+            np.testing.assert_array_equal(a["positions"][off:off + n], np.arange(n))  # restart per example
+            assert (a["segment_ids"][off:off + n] == s).all()
+            off += n
+        assert (a["segment_ids"][off:] == 0).all() and (a["tokens"][off:] == 0).all()
+        assert (a["positions"][off:] == 0).all()
+        w = a["loss_weights"] > 0
+        idx, tgt = a["loss_idx"][w], a["loss_targets"][w]
+        assert w.sum() == sum(int(e.loss_mask[1:].sum()) for e in row)
+        np.testing.assert_array_equal(a["tokens"][idx + 1], tgt)  # next-token targets
+        np.testing.assert_array_equal(a["segment_ids"][idx], a["segment_ids"][idx + 1])  # never across examples
+        assert (a["loss_idx"][~w] == 0).all() and (a["loss_targets"][~w] == 0).all()
+
+
+def _naive_first_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        for r, free in enumerate(room):
+            if free >= n:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(seq_len - n)
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_is_first_fit(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 200, size=int(rng.integers(1, 400))).tolist()
+    exs = [batching.Example(np.full(n, i, np.int32), np.ones(n, bool)) for i, n in enumerate(lengths)]
+    got = [[int(e.ids[0]) for e in row] for row in batching.pack_first_fit(exs, 256)]
+    assert got == _naive_first_fit(lengths, 256)
+
+
+def test_loss_buffer_is_static_and_counts_overflow(chat_file, tok):
+    p = prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy="pack"), 0)
+    most = max(batching.row_loss_count(r) for r in p.rows)
+    assert p.max_loss % 8 == 0 and most <= p.max_loss < most + 8
+    small = prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy="pack", max_loss_tokens=16), 0)
+    assert small.max_loss == 16 and all(small.row_arrays(i)["loss_idx"].shape == (16,) for i in range(3))
+    assert small.loss_tokens() == sum(min(batching.row_loss_count(r), 16) for r in small.rows)
+
+
+def test_eval_batches_cover_every_row_once(chat_file, tok):
+    p = prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy="pad"), 0)
+    bs = eval_batches(p, 5)
+    assert len(bs) == 10 and {b["tokens"].shape for b in bs} == {(5, 256)}
+    seen = [t.tobytes() for b in bs for t, w in zip(b["tokens"], b["loss_weights"]) if w.sum()]
+    assert sorted(seen) == sorted(p.row_arrays(i)["tokens"].tobytes() for i in range(48))
+    assert bs[-1]["loss_weights"][3:].sum() == 0  # 48 = 9*5 + 3: two weightless filler rows
+    # two processes: each has every batch, half of each, together the whole batch
+    halves = [eval_batches(p, 6, process_index=i, process_count=2) for i in range(2)]
+    whole = eval_batches(p, 6)
+    assert len(halves[0]) == len(halves[1]) == len(whole) == 8
+    for k in range(8):
+        for key in whole[k]:
+            np.testing.assert_array_equal(whole[k][key][0::2], halves[0][k][key])
+            np.testing.assert_array_equal(whole[k][key][1::2], halves[1][k][key])
+
+
+# -------------------------------------------------------------------------------------- grain
+
+
+@pytest.fixture(scope="module")
+def padded(chat_file, tok):
+    return prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy="pad"), 0)
+
+
+def _row_ids(prepared) -> dict[bytes, int]:
+    key = {prepared.row_arrays(i)["tokens"].tobytes(): i for i in range(len(prepared.rows))}
+    assert len(key) == len(prepared.rows)  # rows are distinct, so tokens identify them
+    return key
+
+
+def _read(stream, n: int, key: dict[bytes, int]) -> list[list[int]]:
+    return [[key[t.tobytes()] for t in next(stream)["tokens"]] for _ in range(n)]
+
+
+def test_same_seed_same_batches_other_seed_other_order(padded):
+    key = _row_ids(padded)
+    a = _read(TrainStream(padded, 8, seed=7), 12, key)
+    b = _read(TrainStream(padded, 8, seed=7), 12, key)
+    c = _read(TrainStream(padded, 8, seed=8), 12, key)
+    assert a == b and a != c
+    for run in (a, c):  # each epoch (6 batches) is a permutation of all rows; epochs differ in order
+        e1, e2 = sum(run[:6], []), sum(run[6:], [])
+        assert sorted(e1) == sorted(e2) == list(range(48)) and e1 != e2
+    ordered = _read(TrainStream(padded, 8, seed=7, shuffle=False), 6, key)
+    assert sum(ordered, []) == list(range(48))
+
+
+def test_batches_have_one_shape(padded, chat_file, tok):
+    pack = prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy="pack"), 0)
+    for p in (padded, pack):
+        sigs = {tuple((k, v.shape, str(v.dtype)) for k, v in sorted(b.items()))
+                for b in TrainStream(p, 4, seed=0, num_epochs=3)}
+        assert len(sigs) == 1
+        assert dict((k, s) for k, s, _ in next(iter(sigs)))["tokens"] == (4, 256)
+
+
+def test_finite_epochs_drop_the_last_partial_batch(padded):
+    assert len(list(TrainStream(padded, 10, seed=0, num_epochs=1))) == 4  # 48 rows: 4 batches, 8 rows dropped
+    assert len(list(TrainStream(padded, 10, seed=0, num_epochs=3))) == 14  # 144 rows over the epochs
+    with pytest.raises(UserError, match="fewer than one batch"):
+        TrainStream(padded, 64, seed=0)
+    with pytest.raises(UserError, match="divisible by the 3 processes"):
+        TrainStream(padded, 8, seed=0, process_count=3)
+
+
+def test_restored_iterator_continues_exactly(padded):
+    key = _row_ids(padded)
+    whole = _read(TrainStream(padded, 8, seed=3), 15, key)
+    first = TrainStream(padded, 8, seed=3)
+    head = _read(first, 5, key)
+    state = json.loads(json.dumps(first.get_state()))  # the checkpoint stores it as JSON
+    resumed = TrainStream(padded, 8, seed=3)
+    resumed.set_state(state)
+    assert head + _read(resumed, 10, key) == whole  # crosses an epoch boundary too
+    for p in range(2):  # per process as well
+        s = TrainStream(padded, 8, seed=3, process_index=p, process_count=2)
+        _read(s, 7, key)
+        st = s.get_state()
+        want = _read(s, 3, key)
+        again = TrainStream(padded, 8, seed=3, process_index=p, process_count=2)
+        again.set_state(st)
+        assert _read(again, 3, key) == want
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_simulated_processes_read_disjoint_slices_covering_the_data(padded, processes):
+    key = _row_ids(padded)
+    single = _read(TrainStream(padded, 8, seed=5), 12, key)
+    per = [_read(TrainStream(padded, 8, seed=5, process_index=i, process_count=processes), 12, key)
+           for i in range(processes)]
+    assert all(len(b) == 8 // processes for p in per for b in p)
+    for epoch in range(2):
+        rows = [sum(p[epoch * 6:(epoch + 1) * 6], []) for p in per]
+        for i in range(processes):
+            for j in range(i + 1, processes):
+                assert not set(rows[i]) & set(rows[j])
+        assert sorted(sum(rows, [])) == list(range(48))
+    for k in range(12):  # global batch k is the one-process batch k
+        assert sorted(sum((p[k] for p in per), [])) == sorted(single[k])
+    # index view agrees with the batches
+    s = TrainStream(padded, 8, seed=5, process_index=1, process_count=processes)
+    assert [s.index_dataset[i] for i in range(8 // processes)] == per[1][0]
+
+
+def test_uneven_rows_give_every_process_the_same_number_of_batches(tmp_path, tok):
+    path = write_jsonl(tmp_path / "odd.jsonl", chat_rows(37, seed=4))
+    p = prepare_split(str(path), Renderer(tok), DataConfig(seq_len=256), 0)
+    counts = [len(list(TrainStream(p, 6, seed=0, num_epochs=2, process_index=i, process_count=3))) for i in range(3)]
+    assert counts == [12, 12, 12]  # 74 rows -> 12 global batches of 6, 2 rows dropped
+
+
+_TWO_PROCESS_SCRIPT = r'''
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+pid, port, data, tok_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import numpy as np
+from transformers import AutoTokenizer
+from gemma_tpu.config import DataConfig
+from gemma_tpu.data import Renderer, TrainStream, prepare_split
+
+prepared = prepare_split(data, Renderer(AutoTokenizer.from_pretrained(tok_dir)), DataConfig(seq_len=256), seed=0)
+key = {prepared.row_arrays(i)["tokens"].tobytes(): i for i in range(len(prepared.rows))}
+stream = TrainStream(prepared, 8, seed=11, num_epochs=1, process_index=jax.process_index(),
+                     process_count=jax.process_count())
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+total = jax.jit(lambda x: x.sum())
+rows, sums = [], []
+for batch in stream:
+    rows.append([key[t.tobytes()] for t in batch["tokens"]])
+    glob = jax.make_array_from_process_local_data(sharding, batch["tokens"])  # [8, 256] over both processes
+    sums.append(int(total(glob)))
+json.dump({"process_index": jax.process_index(), "process_count": jax.process_count(),
+           "devices": jax.device_count(), "local_devices": jax.local_device_count(), "rows": rows, "sums": sums},
+          open(out, "w"))
+jax.distributed.shutdown()
+'''
+
+
+def test_two_jax_processes_read_disjoint_slices(tmp_path, tok_dir, padded, chat_file):
+    """Two real JAX processes (gloo on loopback, 4 CPU devices each) through TrainStream."""
+    script = tmp_path / "proc.py"
+    script.write_text(_TWO_PROCESS_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(chat_file), str(tok_dir),
+                               str(tmp_path / f"p{i}.json")], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the two-process run did not finish in 240 s")
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    res = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
+    assert [r["process_index"] for r in res] == [0, 1]
+    assert all(r["process_count"] == 2 and r["devices"] == 8 and r["local_devices"] == 4 for r in res)
+    a, b = (sum(r["rows"], []) for r in res)
+    assert len(res[0]["rows"]) == len(res[1]["rows"]) == 6 and all(len(x) == 4 for r in res for x in r["rows"])
+    assert not set(a) & set(b) and sorted(a + b) == list(range(48))  # disjoint; together the dataset
+    assert res[0]["sums"] == res[1]["sums"]  # both computed on the same global batch
+    key = _row_ids(padded)
+    single = _read(TrainStream(padded, 8, seed=11, num_epochs=1), 6, key)
+    for k in range(6):  # global batch k is the one-process batch k
+        assert sorted(res[0]["rows"][k] + res[1]["rows"][k]) == sorted(single[k])
+        assert res[0]["sums"][k] == sum(int(padded.row_arrays(i)["tokens"].sum()) for i in single[k])
+
+
+# ---------------------------------------------------------------- chat templates (apply_chat_template)
+
+PLAIN_CONVS = [
+    CHAT,
+    {"messages": CHAT["messages"][1:]},  # no system
+    {"messages": [{"role": "system", "content": "S."}, {"role": "user", "content": "a"},
+                  {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+                  {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"},
+                  {"role": "assistant", "content": "f"}]},
+]
+
+
+def _ids(out) -> list[int]:
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return [int(i) for i in ids]
+
+
+def _with_template(tokenizer_dir_or_tok, template: str):
+    import copy
+
+    t = copy.deepcopy(tokenizer_dir_or_tok)
+    t.chat_template = template
+    return t
+
+
+@pytest.fixture(params=["small", "gemma3"])
+def gemma_template_tok(request, tok):
+    """A tokenizer that ships Gemma 3's chat template: the small one with it installed, or the real one."""
+    from gemma_tpu.assets import GEMMA3_CHAT_TEMPLATE
+
+    if request.param == "small":
+        return _with_template(tok, GEMMA3_CHAT_TEMPLATE)
+    return request.getfixturevalue("real_tok")
+
+
+@pytest.mark.parametrize("i", range(len(PLAIN_CONVS)))
+def test_rendering_equals_apply_chat_template(gemma_template_tok, i):
+    t = gemma_template_tok
+    conv = norm(PLAIN_CONVS[i])
+    msgs = template_messages(conv["messages"])
+    r = Renderer(t).render(conv)
+    assert r.ids.tolist() == _ids(t.apply_chat_template(msgs, tokenize=True))
+    assert "<bos>" + r.text == t.apply_chat_template(msgs, tokenize=False)
+    k = max(j for j, m in enumerate(msgs) if m["role"] == "user")  # the prompt before the last answer
+    prompt = Renderer(t).render({"messages": conv["messages"][:k + 1]}, add_generation_prompt=True)
+    assert prompt.ids.tolist() == _ids(t.apply_chat_template(msgs[:k + 1], tokenize=True, add_generation_prompt=True))
+    # the tokenizer's own template as the renderer: same ids, same loss mask
+    own = Renderer(t, chat_format="template").render(conv)
+    assert own.ids.tolist() == r.ids.tolist() and own.loss_mask.tolist() == r.loss_mask.tolist()
+
+
+TOOL_CONVS = [TOOL_CHAT, {"tools": [STEPS_TOOL, HR_TOOL], "messages": [
+    {"role": "system", "content": "Coach."}, {"role": "user", "content": "HR and steps?"},
+    {"role": "assistant", "content": "Both. ", "tool_calls": [
+        {"type": "function", "function": {"name": "get_heart_rate", "arguments": {"date": "today", "metric": "max"}}},
+        {"type": "function", "function": {"name": "get_steps", "arguments": {"date": "today"}}}]},
+    {"role": "tool", "name": "get_heart_rate", "content": "{\"bpm\": 170}"},
+    {"role": "tool", "name": "get_steps", "content": "plain text result"},
+    {"role": "assistant", "content": "170 bpm, some steps."},
+    {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "Welcome."}]}]
+
+
+@pytest.mark.parametrize("i", range(len(TOOL_CONVS)))
+def test_tool_rendering_equals_tool_chat_template(any_tok, i):
+    from gemma_tpu.tool_calls import tool_chat_template
+
+    token_map = function_token_map(any_tok)
+    t = _with_template(any_tok, tool_chat_template(token_map))
+    conv = norm(TOOL_CONVS[i])
+    msgs = template_messages(conv["messages"])
+    ours = Renderer(t, token_map=token_map).render(conv)
+    assert ours.ids.tolist() == _ids(t.apply_chat_template(msgs, tools=conv["tools"], tokenize=True))
+    first = next(j for j, m in enumerate(msgs) if m["role"] == "assistant")
+    prompt = Renderer(t, token_map=token_map).render({"tools": conv["tools"], "messages": conv["messages"][:first]},
+                                                      add_generation_prompt=True)
+    assert prompt.ids.tolist() == _ids(t.apply_chat_template(msgs[:first], tools=conv["tools"], tokenize=True,
+                                                             add_generation_prompt=True))
+    own = Renderer(t, chat_format="template", token_map=token_map).render(conv)
+    assert own.ids.tolist() == ours.ids.tolist() and own.loss_mask.tolist() == ours.loss_mask.tolist()
+
+
+def test_template_format_with_a_foreign_template(tok):
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    t = _with_template(tok, chatml)
+    r = Renderer(t, chat_format="template").render(norm(CHAT))
+    assert r.text.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
+    assert masked_runs(t, r) == ["4.<|im_end|>", "It is 8.<|im_end|>"]  # the newline after it is not trained
+    assert r.ids[0] == 2 and (r.ids == 2).sum() == 1
+
+
+def test_template_format_refuses_what_it_cannot_split(tok):
+    with pytest.raises(UserError, match="has no chat template"):
+        Renderer(_with_template(tok, None), chat_format="template")
+    counting = "{{ messages | length }}{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+    with pytest.raises(UserError, match="test: the tokenizer's chat template is not prefix-stable"):
+        Renderer(_with_template(tok, counting), chat_format="template").render(norm(CHAT))
+    from gemma_tpu.assets import GEMMA3_CHAT_TEMPLATE
+
+    with pytest.raises(UserError, match="test: the tokenizer's chat template refused the conversation"):
+        Renderer(_with_template(tok, GEMMA3_CHAT_TEMPLATE), chat_format="template").render(norm(TOOL_CHAT))
+
+
+def test_config_accepts_template_chat_format():
+    from gemma_tpu.config import load_config
+
+    cfg = load_config(None, ["data.chat_format=template"])
+    assert cfg.data.chat_format == "template"
+    with pytest.raises(UserError, match="data.chat_format"):
+        load_config(None, ["data.chat_format=chatml"])
+
+
+# ------------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_prints_stats_and_marks_the_loss(tmp_path, tok_dir, tok):
+    rows = [CHAT] + chat_rows(20, seed=3) + [
+        {"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "w" * 400}]}]
+    path = write_jsonl(tmp_path / "i.jsonl", rows)
+    out_json = tmp_path / "stats.json"
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                   str(tok_dir), "-n", "2", "--json", str(out_json), "data.strategy=pack", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    stats = json.loads(out_json.read_text())
+    assert stats["examples_read"] == 22 and stats["examples_kept"] == 22 and stats["truncated"] == 1
+    assert stats["strategy"] == "pack" and stats["distinct_batch_shapes"] == 1
+    assert stats["other_strategy"]["pad"]["rows"] == 22 and stats["rows"] < 22
+    assert stats["useful_fraction"] > stats["other_strategy"]["pad"]["useful_fraction"]
+    lengths = [len(e.ids) for e in render_examples(str(path), Renderer(tok), DataConfig())]
+    assert stats["p50"] == int(np.percentile(lengths, 50, method="higher")) and stats["length_max"] == max(lengths)
+    assert "read 22, kept 22, truncated 1, dropped 0" in out
+    assert f"p50 {stats['p50']}" in out and "batch shapes: 1 distinct" in out
+    assert "pack *" in out and "\x1b[" not in out  # not a terminal: plain markers
+    first = out.split("--- example 1")[1].split("--- example 2")[0]
+    assert f"{SOT}model\n[[4.{EOT}]]\n{SOT}user\nAnd doubled?" in first
+    assert f"[[It is 8.{EOT}]]" in first and "[[" not in first.split(f"{SOT}model")[0]
+    colored = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                      str(tok_dir), "--color", "always", "-n", "1", timeout=300)
+    assert f"\x1b[1;32m4.{EOT}\x1b[0m" in colored.stdout
+
+
+def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
+    long = {"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "w" * 400}]}
+    path = write_jsonl(tmp_path / "t.jsonl", [long] * 4)
+    cfg = _inspect_config(tmp_path, path, eval_path=str(path))
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(cfg), "--tokenizer", str(tok_dir), "--split", "eval",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "truncated 4" in proc.stdout and "<<truncated at data.seq_len" in proc.stdout
+    assert "(eval)" in proc.stdout and "batch shapes: 1 distinct (eval, batch 4)" in proc.stdout
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                   str(tok_dir), "--split", "eval", timeout=300)
+    assert_one_line_error(proc, "data.eval_path is not set")
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path, overlength="error")),
+                   "--tokenizer", str(tok_dir), timeout=300)
+    assert_one_line_error(proc, f"{path}:1", "data.seq_len=256")
+
+
+def test_inspect_reads_the_tokenizer_of_the_configured_model(tmp_path, tiny_dir):
+    path = write_jsonl(tmp_path / "m.jsonl", [TOOL_CHAT, CHAT])
+    cfg = _inspect_config(tmp_path, path, seq_len=1024)
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(cfg), f"model.path={tiny_dir}", "train.batch_size=2",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"tokenizer  {tiny_dir}" in proc.stdout and "token map  <start_function_declaration> -> <unused" \
+        in proc.stdout
