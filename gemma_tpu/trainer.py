@@ -35,8 +35,10 @@ def signature(batch: dict[str, Any]) -> dict[str, tuple]:
 class BatchFeed(tunix_hooks.DataHooks):
     """Feeds the trainer from our grain stream and eval batches, watching batch shapes."""
 
-    def __init__(self, stream, eval_batches: list[dict] | None):
+    def __init__(self, stream, eval_batches: list[dict] | None, put=None):
         self.stream = stream
+        # this process's numpy rows -> global device arrays (mesh.global_batch); None: leave as is
+        self.put = put or (lambda batch: batch)
         self.eval_batches = eval_batches or []
         self._eval_pos = 0
         self.first_signature: dict | None = None
@@ -62,14 +64,14 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.tokens += int((batch["segment_ids"] > 0).sum())
         self.useful += int(batch["loss_weights"].sum())
         self.batches += 1
-        return batch
+        return self.put(batch)
 
     def load_next_eval_batch(self, train_ctx):
         if self._eval_pos >= len(self.eval_batches):
             self._eval_pos = 0
             return None
         self._eval_pos += 1
-        return self.eval_batches[self._eval_pos - 1]
+        return self.put(self.eval_batches[self._eval_pos - 1])
 
 
 class NonFiniteLoss(UserError):
@@ -197,7 +199,11 @@ class Trainer(peft_trainer.PeftTrainer):
                 rec["learning_rate"] = float(np.asarray(lr))
             now = time.perf_counter()
             steps = rec["step"] - self._step_last
-            if self._t_last is not None and steps > 0:
+            if getattr(self, "_closing", False):
+                # close() flushes the last buffered record right after the previous one: its
+                # interval times nothing, so it gets no rate and stays out of the summary medians
+                rec["final_flush"] = True
+            elif self._t_last is not None and steps > 0:
                 dt = now - self._t_last
                 rec["step_time_s"] = dt / steps
                 rec["tokens_per_s"] = steps * self.tokens_per_step / dt
@@ -239,6 +245,10 @@ class Trainer(peft_trainer.PeftTrainer):
         log.info("step %d/%s loss %.4f%s%s", rec["step"], total or "?", rec["loss"],
                  f", {rate:.2f} s/step, {rec['tokens_per_s']:.0f} tok/s" if rate else " (compiling)", eta)
 
+    def close(self):
+        self._closing = True
+        return super().close()
+
     def _append(self, rec: dict) -> None:
         self.history.append(rec)
         if not self.primary:
@@ -265,7 +275,7 @@ class Trainer(peft_trainer.PeftTrainer):
 
     def summary(self) -> dict[str, Any]:
         train = [r for r in self.history if r["mode"] == "train"]
-        steady = [r for r in train if "step_time_s" in r]
+        steady = [r for r in train if "step_time_s" in r and not r.get("final_flush")]
         evals = [r for r in self.history if r["mode"] == "eval"]
         out: dict[str, Any] = {
             "steps": self._train_steps,

@@ -484,8 +484,9 @@ def test_sigkill_never_leaves_partial_output(work, lora_ckpt):
     ckpt = lora_ckpt[0]
     out = work / "atomic"
     rnd = random.Random(0)
-    # 28 tensors at 0.15 s each: the write phase lasts about 4 s; kill at random points in it
-    for _ in range(3):
+    # 28 tensors at 0.15 s each: the write phase lasts about 4 s; kill at random points in it,
+    # nine times here and once more below during an --overwrite (the ten)
+    for _ in range(9):
         proc = _start_merge(ckpt, out)
         _wait_for_tmp(proc, out)
         time.sleep(rnd.uniform(0.0, 3.5))

@@ -1,0 +1,53 @@
+"""The side-by-side training benchmark, end to end on the tiny model: both sides, a few steps."""
+
+import json
+import math
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_train_throughput_tiny_both_sides(tmp_path):
+    from gemma_tpu.assets import resolve_embedded
+
+    # a slice of the fitness-coach training set keeps rendering (done by both children) short
+    subset = tmp_path / "fitness-train-8.jsonl"
+    subset.write_text("\n".join((REPO / "data/fitness/train.jsonl").read_text().splitlines()[:8]) + "\n")
+    # tiny-gemma3 carries the real Gemma 3 tokenizer when gemma3-270m is prepared in the same cache
+    # (examples of 413-487 tokens), else a character-level one (about 1,500 tokens)
+    vocab = json.loads((resolve_embedded("embedded:tiny-gemma3") / "config.json").read_text())["vocab_size"]
+    seq_len = 512 if vocab > 4096 else 2048
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/train_throughput.py", "--model", "embedded:tiny-gemma3", "--config",
+         "configs/tiny.yaml", "--data", str(subset), "--steps", "2", "--warmup", "1", "--batch", "1",
+         "--seq-len", str(seq_len), "--device", "cpu", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ours/torch useful tokens/s" in proc.stdout and "initial loss" in proc.stdout
+
+    res = json.loads(out.read_text())
+    for key in ("date", "command", "machine", "settings", "sides", "ratio_useful_tokens_per_s", "initial_loss"):
+        assert key in res, key
+    for key in ("cpu_model", "cpus_usable", "versions"):
+        assert key in res["machine"], key
+    assert res["machine"]["versions"]["torch"] and res["machine"]["versions"]["jax"]
+    assert res["settings"]["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0,
+                                       "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"]}
+    ours, torch = res["sides"]["ours"], res["sides"]["torch"]
+    for side in (ours, torch):
+        for key in ("s_per_step", "tokens_per_s", "useful_tokens_per_s", "nonpad_tokens_per_s", "tflops_per_s",
+                    "peak_rss_gb", "initial_loss"):
+            assert side[key] is not None and side[key] > 0, key
+        assert len(side["step_times"]) == 3 and side["timed_steps"] == 2
+    assert ours["compiles"] == 1 and ours["eval_compiles"] == 0
+    # same rows on both sides: same token counts per step
+    assert ours["useful_tokens_per_step"] == torch["useful_tokens_per_step"] > 0
+    assert ours["tokens_per_step"] == torch["tokens_per_step"] == seq_len
+    lo, lt = ours["initial_loss"], torch["initial_loss"]
+    assert math.isfinite(lo) and math.isfinite(lt)
+    assert abs(lo - lt) < 1e-3 * max(1.0, abs(lt)), (lo, lt)
+    assert res["initial_loss"]["match"] is True
+    assert res["ratio_useful_tokens_per_s"] > 0
