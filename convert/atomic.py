@@ -37,6 +37,8 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = ()) -> N
         p = Path(p).resolve()
         if resolved == p or resolved in p.parents:
             raise UserError(f"--out {target} would replace an input ({p})")
+        if p in resolved.parents:  # e.g. a step-like name inside a checkpoint dir, files among the base's
+            raise UserError(f"--out {target} is inside an input ({p}); write it elsewhere")
 
 
 def _pid_alive(pid: int) -> bool:

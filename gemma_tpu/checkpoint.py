@@ -71,14 +71,16 @@ def list_steps(ckpt_dir: str | Path) -> list[int]:
 
 
 def set_aside_incomplete_steps(ckpt_dir: str | Path) -> list[Path]:
-    """Rename step directories that lack Orbax's commit markers (a non-atomic save or a copy cut
-    short) to `<step>.incomplete-<time>`: Orbax would take such a directory for the latest step
-    and resume from it without the data position. Resuming then starts at the last complete step."""
+    """Rename step directories newer than the last complete step that lack Orbax's commit markers
+    (a non-atomic save or a copy cut short) to `<step>.incomplete-<time>`: Orbax would take such a
+    directory for the latest step and resume from it without the data position. (Older remnants, of
+    a clean-up of old steps that was killed, are left to Orbax's own clean-up.)"""
     import time
 
+    done = list_steps(ckpt_dir)
     moved = []
     for p in sorted(Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []:
-        if p.is_dir() and p.name.isdigit() and not is_complete_step(p):
+        if p.is_dir() and p.name.isdigit() and int(p.name) > (done[-1] if done else -1) and not is_complete_step(p):
             dest = p.with_name(f"{p.name}.incomplete-{time.time_ns()}")
             os.rename(p, dest)
             moved.append(dest)

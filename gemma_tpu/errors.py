@@ -7,6 +7,7 @@ Entry points raise `UserError` for anything the user can fix (a path, a key, a l
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Callable, Sequence
@@ -24,6 +25,8 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     debug = "--debug" in args or os.environ.get("GEMMA_TPU_DEBUG") == "1"
     if "--debug" in args:
         args.remove("--debug")
+    parser_error = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _argparse_error  # usage mistakes are one line too, not usage + exit
     try:
         return int(main(args) or 0)
     except UserError as e:
@@ -34,11 +37,18 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
         if debug:
             raise
         print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
+    finally:
+        argparse.ArgumentParser.error = parser_error
+
+
+def _argparse_error(parser, message: str):
+    """argparse's `error`, as a UserError: `error: python -m X: argument --y: ... (see --help)`."""
+    raise UserError(f"{parser.prog}: {message} (see --help)")
 
 
 def read_json_object(path, missing: str) -> dict:

@@ -285,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--limit must be positive")
     if args.batch_size <= 0 or args.max_new_tokens <= 0:
         raise UserError("--batch-size and --max-new-tokens must be positive")
+    if args.json and Path(args.json).is_dir():
+        raise UserError(f"--json {args.json}: is a directory (give a file name)")
     convs = load_conversations(args.data, cfg.data)
     if args.limit:
         convs = convs[: args.limit]

@@ -221,9 +221,21 @@ class Generator:
 # ------------------------------------------------------------------------------- loading
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def require_tokenizer_files(model_dir: str | Path) -> None:
+    """transformers quietly builds an empty placeholder tokenizer for a directory without tokenizer
+    files (training then runs on garbage ids): refuse such a directory by name."""
+    d = Path(model_dir)
+    if d.is_dir() and not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{d}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
+
+
 def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
+    require_tokenizer_files(model_dir)
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:

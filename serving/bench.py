@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.errors import UserError, cli_main
-from serving.openai_client import api_base, openai_messages, served_model_name
+from serving.openai_client import api_base, check_reachable, openai_messages, served_model_name
 
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
@@ -381,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers like 90,99") from None
     if not percentiles or any(not 0 < p <= 100 for p in percentiles):
         raise UserError("--metric-percentiles: values must be in (0, 100]")
+    if args.json and Path(args.json).is_dir():
+        raise UserError(f"--json {args.json}: is a directory (give a file name)")
     try:
         import httpx  # noqa: F401
     except ImportError:
@@ -390,6 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = api_base(args.base_url)
     api_key = os.environ.get(args.api_key_env) or None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # an unreachable server is refused here, in one line, before anything is timed or written
+    if args.model:
+        check_reachable(base, api_key, timeout=min(args.timeout, 30.0))
     model = args.model or served_model_name(base, api_key, timeout=min(args.timeout, 30.0))
     print(f"benchmarking {base}/chat/completions (model {model or 'default'}): {args.num_prompts} prompts, "
           f"concurrency {args.concurrency}, dataset {args.dataset}", file=sys.stderr, flush=True)

@@ -21,6 +21,10 @@ log = logging.getLogger("serving.openai_client")
 
 # The markers a plain Gemma 3 vocabulary carries as <unusedN> (what function_token_map gives it):
 # used to read endpoint text that still contains them.
+class Unreachable(UserError):
+    """Nothing answers at the address (connection refused, unknown host, no answer in time)."""
+
+
 DEFAULT_TOKEN_MAP = {m: f"<unused{i}>" for i, m in enumerate((
     "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>", "<end_function_call>",
     "<start_function_response>", "<end_function_response>", "<escape>"))}
@@ -40,7 +44,7 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
         detail = " ".join(e.read().decode(errors="replace").split())[:300]
         raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-        raise UserError(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+        raise Unreachable(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
@@ -52,7 +56,12 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
 
 def api_base(url: str) -> str:
     """`http://h:p`, `http://h:p/v1` or `.../v1/chat/completions` -> `http://h:p/v1`."""
-    url = url.rstrip("/")
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"{url!r} is not an http(s) server address (e.g. http://127.0.0.1:8000)")
+    url = url.strip().rstrip("/")
     for suffix in ("/chat/completions", "/v1"):
         if url.endswith(suffix):
             url = url[: -len(suffix)]
@@ -65,11 +74,23 @@ def served_model_name(base: str, api_key: str | None = None, timeout: float = 30
     server pinned to one model uses it."""
     try:
         models = http_json(f"{base}/models", timeout=timeout, api_key=api_key).get("data") or []
+    except Unreachable:  # nothing will work: say so now, in one line
+        raise
     except UserError as e:
         log.warning("%s; sending requests without a model name (pass the model name to choose)", e)
         return None
     first = models[0] if models and isinstance(models[0], dict) else {}
     return first.get("id")
+
+
+def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0) -> None:
+    """Refuse a server that does not answer at all (any HTTP answer, even an error, will do)."""
+    try:
+        http_json(f"{base}/models", timeout=timeout, api_key=api_key)
+    except Unreachable:
+        raise
+    except UserError:
+        pass
 
 
 def openai_messages(messages: list[dict]) -> list[dict]:

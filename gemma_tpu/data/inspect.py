@@ -51,6 +51,9 @@ def load_tokenizer(spec: str | None, cfg) -> tuple[Any, str, str]:
 
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
+    from gemma_tpu.generate import require_tokenizer_files
+
+    require_tokenizer_files(where)
     try:
         tok = AutoTokenizer.from_pretrained(where)
     except Exception as e:

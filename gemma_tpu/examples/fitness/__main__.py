@@ -61,8 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gemma_tpu.examples.fitness.dataset import generate, write_splits
 
         sizes = {"train": args.train, "validation": args.validation, "test": args.test}
-        if any(v < 0 for v in sizes.values()):
-            raise UserError("split sizes must be non-negative")
+        for split, n in sizes.items():
+            if n < 0:
+                raise UserError(f"--{split} {n}: split sizes must be non-negative")
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise UserError(f"--out {args.out}: exists and is not a directory")
         paths = write_splits(generate(args.seed, sizes), args.out)
         for split, path in paths.items():
             print(f"{split}: {sizes[split]} examples -> {path}")

@@ -1,0 +1,422 @@
+"""Malformed input for every entry point: one `error:` line naming the file / line / key, a non-zero
+exit, no traceback, and nothing written or changed.
+
+The corpus is `CASES` below (one entry a case: id, entry point, argv, files to create, needles) with
+the bigger fixtures (dataset files, YAML configs, broken model dirs, checkpoint metadata) under
+`tests/bad_inputs/`. Placeholders in argv, file contents and needles: {tmp} (the case's own
+directory, also its working directory), {tiny} (a tiny HF model dir), {ckpt} (a tiny trained LoRA
+checkpoint), {repo}, {port} (a port nobody listens on). A `files` key ending in "/" is an empty directory.
+
+Most cases call the entry point's `main` through `cli_main` in this process (what `python -m` does,
+without 3-6 s of imports each); `sub=True` cases run the real `python -m` (at least one per entry
+point). Every case snapshots size and mtime of everything under its directory, the shared model and
+checkpoint, and the repository, before and after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.conftest import REPO, assert_one_line_error, run_cli
+
+DATA = Path(__file__).resolve().parent / "bad_inputs"
+CHAT = REPO / "tests" / "data" / "chat_sample.jsonl"
+
+# train: the tiny config with absolute paths and no eval; cases append their own overrides
+TRAIN = ["--config", "{repo}/configs/tiny.yaml", "model.path={tiny}", f"data.train_path={CHAT}",
+         "data.eval_path=null", "checkpoint.dir={tmp}/ck"]
+MISSING_SHARD_INDEX = (DATA / "index_missing_shard.json").read_text()  # names a shard that is not there
+LAUNCH = ["--print", "--config", "{repo}/configs/serve-gemma3-270m-fitness.yaml"]
+
+
+@dataclasses.dataclass
+class Case:
+    id: str
+    entry: str  # the module run as `python -m`
+    argv: list[str]
+    needles: list[str]
+    files: dict[str, str | bytes | Callable[[Path, dict], None]] = dataclasses.field(default_factory=dict)
+    sub: bool = False  # run as a real subprocess
+
+    def __str__(self) -> str:
+        return self.id
+
+
+# --------------------------------------------------------------------------- file builders
+
+
+def fill(text: str, ctx: dict) -> str:
+    for key, value in ctx.items():
+        text = text.replace("{" + key + "}", str(value))
+    return text
+
+
+def copy_of(src_key: str, drop: tuple[str, ...] = (), config: dict | None = None, meta: dict | None = None,
+            write: dict[str, str | bytes] | None = None) -> Callable[[Path, dict], None]:
+    """A copy of the tiny model ({tiny}) or checkpoint ({ckpt}) with files dropped, config.json /
+    gemma_tpu_run.json keys replaced and files (over)written."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        shutil.copytree(ctx[src_key], dest)
+        for name in drop:
+            p = dest / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        for fname, changes in (("config.json", config), ("gemma_tpu_run.json", meta)):
+            if changes:
+                obj = json.loads((dest / fname).read_text())
+                for dotted, value in changes.items():
+                    node = obj
+                    *head, last = dotted.split(".")
+                    for part in head:
+                        node = node[part]
+                    node[last] = value
+                (dest / fname).write_text(json.dumps(obj))
+        for name, content in (write or {}).items():
+            (dest / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+
+    return make
+
+
+def parquet(rows: list[dict]) -> Callable[[Path, dict], None]:
+    def make(dest: Path, ctx: dict) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), dest)
+
+    return make
+
+
+def from_corpus(name: str) -> Callable[[Path, dict], None]:
+    """A file of tests/bad_inputs/, placeholders filled in."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        raw = (DATA / name).read_bytes()
+        try:
+            dest.write_text(fill(raw.decode(), ctx))
+        except UnicodeDecodeError:  # deliberately not UTF-8: copied as is
+            dest.write_bytes(raw)
+
+    return make
+
+
+def corrupt_header() -> bytes:
+    """A safetensors file whose JSON header is cut off."""
+    header = b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [4, 4], "data_offs'
+    return len(header).to_bytes(8, "little") + header
+
+
+# ----------------------------------------------------------------------------------- corpus
+
+CASES = [
+    # ---- datasets (through training, which validates every example before writing anything)
+    Case("data-bad-json-line", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/bad.jsonl"],
+         ["{tmp}/bad.jsonl:2", "not valid JSON"], {"bad.jsonl": from_corpus("bad_json_line.jsonl")}, sub=True),
+    Case("data-unknown-role", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "'wizard'"], {"d.jsonl": from_corpus("unknown_role.jsonl")}),
+    Case("data-no-messages", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "'messages'"], {"d.jsonl": from_corpus("no_messages.jsonl")}),
+    Case("data-undeclared-tool", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "'get_weather'", "not in 'tools'"], {"d.jsonl": from_corpus("undeclared_tool.jsonl")}),
+    Case("data-not-utf8", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "UTF-8"], {"d.jsonl": from_corpus("latin1.jsonl")}),
+    Case("data-empty-file", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/empty.jsonl"],
+         ["{tmp}/empty.jsonl", "empty"], {"empty.jsonl": ""}),
+    Case("data-parquet-wrong-columns", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.parquet"],
+         ["{tmp}/d.parquet:1", "'messages'"], {"d.parquet": parquet([{"question": "q", "answer": "a"}])}),
+    Case("data-instruction-missing-field", "gemma_tpu.train",
+         [*TRAIN, "data.train_path={tmp}/d.jsonl", "data.format=instruction"],
+         ["{tmp}/d.jsonl:2", "'response'"], {"d.jsonl": from_corpus("instruction_missing_response.jsonl")}),
+    Case("data-missing-file", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/nope.jsonl"],
+         ["{tmp}/nope.jsonl"]),
+    Case("data-bad-eval-file", "gemma_tpu.train", [*TRAIN, "data.eval_path={tmp}/eval.jsonl"],
+         ["{tmp}/eval.jsonl:1", "no assistant message"], {"eval.jsonl": from_corpus("no_assistant.jsonl")}),
+    Case("data-inspect-bad-split", "gemma_tpu.data.inspect", [*TRAIN, "--split", "test"], ["--split", "'test'"]),
+    Case("data-inspect-bad-line", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/bad.jsonl"],
+         ["{tmp}/bad.jsonl:2"], {"bad.jsonl": from_corpus("bad_json_line.jsonl")}, sub=True),
+    # ---- run configs
+    Case("config-unknown-key", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "train.max_step"],
+         {"c.yaml": from_corpus("unknown_key.yaml")}, sub=True),
+    Case("config-wrong-type", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"],
+         ["{tmp}/c.yaml", "train.batch_size", "'four'"], {"c.yaml": from_corpus("wrong_type.yaml")}),
+    Case("config-bad-enum", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "data.strategy=zip"],
+         ["data.strategy", "'zip'"]),
+    Case("config-negative-steps", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.max_steps=-3"],
+         ["train.max_steps", "-3"]),
+    Case("config-yaml-syntax", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml line 3", "YAML"],
+         {"c.yaml": from_corpus("syntax_error.yaml")}),
+    Case("config-not-a-mapping", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "mapping"],
+         {"c.yaml": "- model\n- train\n"}),
+    Case("config-missing-file", "gemma_tpu.train", ["--config", "{tmp}/nope.yaml"], ["{tmp}/nope.yaml"]),
+    Case("config-override-without-value", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "train.max_steps"],
+         ["'train.max_steps'", "section.key=value"]),
+    Case("config-override-through-scalar", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "train.max_steps.x=1"], ["train.max_steps.x"]),
+    Case("train-unknown-option", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--stpes", "3"],
+         ["--stpes"]),
+    Case("plan-no-config", "gemma_tpu.plan", [], ["--config"]),
+    Case("config-unknown-lora-target", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "lora.targets=[q_proj,qkv_proj]"], ["lora.targets", "'qkv_proj'"]),
+    Case("config-bool-not-bool", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "lora.enabled=maybe"],
+         ["lora.enabled", "'maybe'"]),
+    Case("plan-unknown-key", "gemma_tpu.plan", ["--config", "{repo}/configs/tiny.yaml", "mesh.tpu=4"], ["mesh.tpu"],
+         sub=True),
+    # ---- base model directories
+    Case("model-no-config-json", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"], ["{tmp}/m/config.json"],
+         {"m": copy_of("tiny", drop=("config.json",))}),
+    Case("model-config-not-json", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["{tmp}/m/config.json", "not valid JSON"], {"m": copy_of("tiny", write={"config.json": "{\"model_type\": "})}),
+    Case("model-unsupported-architecture", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["{tmp}/m/config.json", "LlamaForCausalLM"],
+         {"m": copy_of("tiny", config={"model_type": "llama", "architectures": ["LlamaForCausalLM"]})}),
+    Case("model-missing-shard", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["model-00002-of-00002.safetensors", "missing"],
+         {"m": copy_of("tiny", write={"model.safetensors.index.json": MISSING_SHARD_INDEX})}),
+    Case("model-corrupt-safetensors", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["{tmp}/m/model.safetensors"], {"m": copy_of("tiny", write={"model.safetensors": corrupt_header()})}),
+    Case("model-no-tokenizer", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"], ["{tmp}/m", "tokenizer"],
+         {"m": copy_of("tiny", drop=("tokenizer.json", "tokenizer_config.json"))}),
+    Case("model-no-such-dir", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/nope"], ["{tmp}/nope"]),
+    # ---- checkpoints
+    Case("ckpt-empty-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck", "gemma_tpu_run.json"], {"ck/": ""}, sub=True),
+    Case("ckpt-steps-without-metadata", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck", "gemma_tpu_run.json"], {"ck": copy_of("ckpt", drop=("gemma_tpu_run.json",))}, sub=True),
+    Case("ckpt-other-family", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "'llama'"], {"ck": copy_of("ckpt", meta={"base_model.family": "llama"})}),
+    Case("ckpt-no-such-step", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--step", "99", "--out", "{tmp}/out"],
+         ["{ckpt}", "step 99"]),
+    Case("ckpt-corrupt-run-json", "convert.inspect", ["{tmp}/ck"], ["{tmp}/ck/gemma_tpu_run.json", "JSON"],
+         {"ck": copy_of("ckpt", write={"gemma_tpu_run.json": '{"format": "gemma-tpu-checkpoint", '})}, sub=True),
+    Case("ckpt-foreign-format", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "format"], {"ck": copy_of("ckpt", meta={"format": "something-else"})}),
+    Case("ckpt-resume-other-family", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"], ["family", "gemma4"],
+         {"ck": copy_of("ckpt", meta={"base_model.family": "gemma4"})}),
+    Case("ckpt-resume-steps-without-metadata", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck", "gemma_tpu_run.json"], {"ck": copy_of("ckpt", drop=("gemma_tpu_run.json",))}),
+    Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
+         ["{tmp}/nope"]),
+    # ---- merge and export targets
+    Case("merge-existing-target", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "{tmp}/out"],
+         ["{tmp}/out", "--overwrite"], {"out/README": "mine"}),
+    Case("merge-target-inside-checkpoint", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "{ckpt}/merged"],
+         ["{ckpt}/merged", "inside"]),
+    Case("merge-target-is-a-file", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--out", "{tmp}/out.txt", "--overwrite"], ["{tmp}/out.txt", "not a directory"],
+         {"out.txt": "mine"}),
+    Case("merge-bad-shard-size", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--max-shard-size", "5XB"], ["--max-shard-size", "'5XB'"]),
+    Case("merge-zero-shard-size", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--max-shard-size", "0"], ["--max-shard-size"]),
+    Case("merge-bad-dtype", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--dtype", "int8"],
+         ["--dtype", "'int8'"]),
+    Case("merge-missing-base", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--base", "{tmp}/nobase"], ["{tmp}/nobase"]),
+    Case("export-no-such-step", "convert.export_peft",
+         ["--checkpoint", "{ckpt}", "--step", "5", "--out", "{tmp}/out"], ["{ckpt}", "step 5"]),
+    Case("export-existing-target", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{tmp}/out"],
+         ["{tmp}/out", "--overwrite"], {"out/adapter_config.json": "{}"}),
+    Case("export-target-is-checkpoint", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{ckpt}",
+                                                                "--overwrite"], ["{ckpt}", "input"]),
+    # ---- verify / inspect
+    Case("verify-no-such-dir", "convert.verify", ["{tmp}/a", "{tiny}"], ["{tmp}/a"], sub=True),
+    Case("verify-dir-without-config", "convert.verify", ["{tiny}", "{tmp}/b"], ["{tmp}/b/config.json"],
+         {"b/model.safetensors": corrupt_header()}),
+    Case("verify-bad-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "tiny"], ["--max-kl", "'tiny'"]),
+    Case("inspect-no-such-step", "convert.inspect", ["{ckpt}", "--step", "7"], ["{ckpt}", "step 7"]),
+    Case("inspect-no-such-path", "convert.inspect", ["{tmp}/nope"], ["{tmp}/nope"]),
+    Case("inspect-neither-checkpoint-nor-model", "convert.inspect", ["{tmp}/d"], ["{tmp}/d", "neither"],
+         {"d/notes.txt": "hello"}),
+    Case("inspect-corrupt-safetensors", "convert.inspect", ["{tmp}/m"], ["{tmp}/m/model.safetensors"],
+         {"m": copy_of("tiny", write={"model.safetensors": corrupt_header()})}),
+    # ---- evaluate
+    Case("evaluate-bad-compare-spec", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "modle:{tiny}", "model:{tiny}"], ["modle:"], sub=True),
+    Case("evaluate-unreachable-endpoint", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}", "--json", "{tmp}/r.json"],
+         ["127.0.0.1:{port}", "cannot reach"]),
+    Case("evaluate-bad-data", "gemma_tpu.evaluate", ["--data", "{tmp}/t.jsonl", "--model", "{tiny}"],
+         ["{tmp}/t.jsonl:1", "'wizard'"], {"t.jsonl": from_corpus("unknown_role.jsonl")}),
+    Case("evaluate-json-is-a-dir", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--json", "{tmp}"],
+         ["--json {tmp}", "directory"]),
+    # ---- serving configs and model dirs
+    Case("serve-tp-not-dividing-kv-heads", "serving.launch",
+         [*LAUNCH, "model.dir={tmp}/m", "server.tensor_parallel_size=4"],
+         ["server.tensor_parallel_size=4", "num_key_value_heads=2"],
+         {"m": copy_of("tiny", write={"chat_template.jinja": "{{ messages }}"})}, sub=True),
+    Case("serve-no-tokenizer", "serving.launch", [*LAUNCH, "model.dir={tmp}/m"], ["{tmp}/m", "tokenizer"],
+         {"m": copy_of("tiny", drop=("tokenizer.json",))}),
+    Case("serve-unsupported-architecture", "serving.launch", [*LAUNCH, "model.dir={tmp}/m"], ["LlamaForCausalLM"],
+         {"m": copy_of("tiny", config={"architectures": ["LlamaForCausalLM"]})}),
+    Case("serve-missing-shard", "serving.launch", [*LAUNCH, "model.dir={tmp}/m"],
+         ["model-00002-of-00002.safetensors"],
+         {"m": copy_of("tiny", write={"model.safetensors.index.json": MISSING_SHARD_INDEX})}),
+    Case("serve-unknown-key", "serving.launch", [*LAUNCH, "model.dir={tiny}", "server.prot=8001"], ["server.prot"]),
+    Case("serve-port-out-of-range", "serving.launch", [*LAUNCH, "model.dir={tiny}", "server.port=70000"],
+         ["server.port", "70000"]),
+    Case("serve-port-not-a-number", "serving.launch", [*LAUNCH, "model.dir={tiny}", "server.port=eighty"],
+         ["server.port", "'eighty'"]),
+    Case("serve-config-unknown-section", "serving.launch", ["--print", "--config", "{tmp}/s.yaml"],
+         ["{tmp}/s.yaml", "sever"], {"s.yaml": from_corpus("serve_unknown_section.yaml")}),
+    # ---- clients
+    Case("bench-not-a-url", "serving.bench", ["--base-url", "localhost:8000", "--num-prompts", "1"],
+         ["'localhost:8000'", "http"], sub=True),
+    Case("bench-unreachable", "serving.bench",
+         ["--base-url", "http://127.0.0.1:{port}", "--model", "m", "--num-prompts", "2", "--timeout", "3",
+          "--json", "{tmp}/b.json"], ["127.0.0.1:{port}", "cannot reach"]),
+    Case("bench-bad-dataset-line", "serving.bench",
+         ["--base-url", "http://127.0.0.1:{port}", "--dataset", "{tmp}/p.jsonl"], ["{tmp}/p.jsonl:2"],
+         {"p.jsonl": from_corpus("bad_json_line.jsonl")}),
+    Case("bench-bad-percentiles", "serving.bench", ["--base-url", "http://127.0.0.1:{port}",
+                                                    "--metric-percentiles", "90,ninety"], ["--metric-percentiles"]),
+    Case("chat-unreachable", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m", "--once", "hi"],
+         ["127.0.0.1:{port}", "cannot reach"], sub=True),
+    Case("chat-not-a-url", "serving.chat", ["--base-url", "ftp://127.0.0.1", "--model", "m", "--once", "hi"],
+         ["'ftp://127.0.0.1'", "http"]),
+    Case("local-chat-bad-dtype", "gemma_tpu.chat", ["--model", "{tiny}", "--dtype", "float16", "--once", "hi"],
+         ["--dtype", "'float16'"]),
+    Case("local-chat-no-such-model", "gemma_tpu.chat", ["--model", "{tmp}/nope", "--once", "hi"], ["{tmp}/nope"],
+         sub=True),
+    # ---- fitness data generator and embedded assets
+    Case("fitness-bad-seed", "gemma_tpu.examples.fitness", ["generate", "--out", "{tmp}/fit", "--seed", "x1"],
+         ["--seed", "'x1'"], sub=True),
+    Case("fitness-negative-size", "gemma_tpu.examples.fitness", ["generate", "--out", "{tmp}/fit", "--train", "-5"],
+         ["--train -5"]),
+    Case("fitness-out-is-a-file", "gemma_tpu.examples.fitness", ["generate", "--out", "{tmp}/fit"],
+         ["{tmp}/fit", "not a directory"], {"fit": "not a dir"}),
+    Case("assets-no-command", "gemma_tpu.assets", [], ["command"]),
+    Case("assets-unknown-model", "gemma_tpu.assets", ["prepare", "gemma9-1t", "--cache-dir", "{tmp}/cache"],
+         ["gemma9-1t"], sub=True),
+]
+
+MAIN = {"gemma_tpu.assets": "_main"}  # the function cli_main wraps, where it is not `main`
+
+
+# ------------------------------------------------------------------------------- machinery
+
+SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "gemma_tpu.egg-info"}
+
+
+def snapshot(root: Path, repo: bool = False) -> dict[str, tuple]:
+    """path -> (kind, size, mtime_ns) of everything under root. For the repository (repo=True): files
+    only, without caches, virtualenv and git, and without source files (.py/.md), which people may be
+    editing while the tests run (no entry point writes them)."""
+    out: dict[str, tuple] = {}
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not (repo and d in SKIP_DIRS)]
+        d = Path(dirpath)
+        if not repo:
+            st = d.stat()
+            out[str(d)] = ("dir", 0, st.st_mtime_ns)
+        for name in filenames:
+            p = d / name
+            if repo and p.suffix in (".py", ".md"):
+                continue
+            try:
+                st = p.lstat()
+            except FileNotFoundError:
+                continue
+            out[str(p)] = ("file", st.st_size, st.st_mtime_ns)
+    return out
+
+
+def diff(before: dict, after: dict) -> list[str]:
+    changed = [f"new {p}" for p in sorted(set(after) - set(before))]
+    changed += [f"removed {p}" for p in sorted(set(before) - set(after))]
+    changed += [f"changed {p}" for p in sorted(set(before) & set(after)) if before[p] != after[p]]
+    return changed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_dir, tmp_path_factory) -> dict:
+    """The tiny model and a 1-step LoRA checkpoint of it, both read-only for the cases."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    ckpt = root / "ckpt"
+    proc = run_cli("gemma_tpu.train", "--config", str(REPO / "configs" / "tiny.yaml"), f"model.path={tiny_dir}",
+                   f"checkpoint.dir={ckpt}", "train.max_steps=1", "checkpoint.every_steps=1",
+                   "checkpoint.async_save=false", "data.eval_path=null", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"tiny": str(tiny_dir), "ckpt": str(ckpt), "repo": str(REPO), "port": free_port()}
+
+
+def prepare(case: Case, tmp: Path, ctx: dict) -> list[str]:
+    """Create the case's files under tmp; the argv with placeholders filled in."""
+    for rel, content in case.files.items():
+        dest = tmp / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if rel.endswith("/"):
+            dest.mkdir()
+        elif callable(content):
+            content(dest, ctx)
+        elif isinstance(content, bytes):
+            dest.write_bytes(content)
+        else:
+            dest.write_text(fill(content, ctx))
+    return [fill(a, ctx) for a in case.argv]
+
+
+def invoke(case: Case, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m ENTRY argv` (sub=True), else the same `main` through `cli_main` in this process."""
+    if case.sub:
+        return run_cli(case.entry, *argv, cwd=cwd, timeout=300)
+    from gemma_tpu.errors import cli_main
+
+    module = importlib.import_module(case.entry + (".__main__" if case.entry.endswith("fitness") else ""))
+    out, err = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli_main(getattr(module, MAIN.get(case.entry, "main")), argv)
+    finally:
+        os.chdir(old)
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_bad_input(case: Case, shared, tmp_path):
+    ctx = {**shared, "tmp": str(tmp_path)}
+    argv = prepare(case, tmp_path, ctx)
+    roots = [tmp_path, Path(shared["tiny"]), Path(shared["ckpt"])]
+    before = [snapshot(r) for r in roots] + [snapshot(REPO, repo=True)]
+    proc = invoke(case, argv, tmp_path)
+    after = [snapshot(r) for r in roots] + [snapshot(REPO, repo=True)]
+    line = assert_one_line_error(proc, *(fill(n, ctx) for n in case.needles))
+    assert "Traceback" not in proc.stdout
+    changes = [c for b, a in zip(before, after) for c in diff(b, a)]
+    assert not changes, f"{case.id} wrote or changed files: {changes[:10]} ({line})"
+
+
+def test_there_are_enough_cases():
+    entries = {c.entry for c in CASES}
+    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+    assert {c.entry for c in CASES if c.sub} == entries, "every entry point needs one real subprocess case"
+
+
+def test_debug_shows_the_traceback(shared, tmp_path):
+    case = next(c for c in CASES if c.id == "config-unknown-key")
+    argv = prepare(case, tmp_path, {**shared, "tmp": str(tmp_path)})
+    proc = invoke(dataclasses.replace(case, sub=True), [*argv, "--debug"], tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "UserError" in proc.stderr and "train.max_step" in proc.stderr
