@@ -7,10 +7,8 @@ Two cases:
   B = r + the other axes, Qwix's layout), so no per-family shape table is needed and a checkpoint
   that does not fit the base is caught by comparing shapes before anything is written.
 * Full fine-tune: every Tunix param maps to one HF key (a fused weight such as `kv_einsum` to
-  several). Projections come from `Projection.tunix_to_hf`; embeddings and norms are a direct
-  rename, given below as data per family (a mirror of Tunix's own HF->Tunix key table in
-  `tunix/models/gemma3/params_safetensors.py`, inverted). This table belongs in the registry's
-  `Family` eventually (a `direct_params` field); it lives here until then.
+  several). Projections come from `Projection.tunix_to_hf`; embeddings, norms and the other
+  weights from the family's `Tensor` table (a rename, or a regrouping of axes), all registry data.
 """
 
 from __future__ import annotations
@@ -23,24 +21,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.errors import UserError
-from gemma_tpu.models.registry import Family, Projection
-
-# Tunix param name -> HF key under the decoder prefix; `{i}` is the layer index.
-DIRECT_PARAMS: dict[str, dict[str, str]] = {
-    "gemma3": {
-        "embedder.input_embedding": "embed_tokens.weight",
-        "final_norm.scale": "norm.weight",
-        "layers.{i}.pre_attention_norm.scale": "layers.{i}.input_layernorm.weight",
-        "layers.{i}.post_attention_norm.scale": "layers.{i}.post_attention_layernorm.weight",
-        "layers.{i}.pre_ffw_norm.scale": "layers.{i}.pre_feedforward_layernorm.weight",
-        "layers.{i}.post_ffw_norm.scale": "layers.{i}.post_feedforward_layernorm.weight",
-        "layers.{i}.attn._query_norm.scale": "layers.{i}.self_attn.q_norm.weight",
-        "layers.{i}.attn._key_norm.scale": "layers.{i}.self_attn.k_norm.weight",
-    },
-}
-
-# End-of-turn ids a merged model must stop on (generation_config.json's eos_token_id).
-STOP_TOKEN_IDS: dict[str, tuple[int, ...]] = {"gemma3": (1, 106)}  # <eos>, <end_of_turn>
+from gemma_tpu.models.registry import Family, Projection, Tensor
 
 
 def tunix_layer_name(family: Family, layer: int, proj: Projection, param: str) -> str:
@@ -59,12 +40,14 @@ class LoraSite:
 
 
 def lora_sites(family: Family, tunix_cfg: Any, prefix: str, targets: list[str]) -> list[LoraSite]:
+    """Every (layer, targeted projection) that exists, projection-major as the targets are listed."""
+    chosen = family.targets_to_modules(tunix_cfg, list(targets))
+    by_proj = sorted(family.layer_sites(tunix_cfg, chosen), key=lambda s: chosen.index(s[1]))
     sites = []
-    for proj in family.targets_to_modules(tunix_cfg, list(targets)):
+    for layer, proj in by_proj:
         a, b = proj.tunix_lora_names()
-        for layer in range(tunix_cfg.num_layers):
-            sites.append(LoraSite(layer, proj, family.hf_key(prefix, layer, proj),
-                                  tunix_layer_name(family, layer, proj, a), tunix_layer_name(family, layer, proj, b)))
+        sites.append(LoraSite(layer, proj, family.hf_key(prefix, layer, proj),
+                              tunix_layer_name(family, layer, proj, a), tunix_layer_name(family, layer, proj, b)))
     return sites
 
 
@@ -92,29 +75,24 @@ class FullSite:
 
     hf_key: str
     tunix_name: str
-    proj: Projection | None  # None: a direct copy (embeddings, norms)
+    proj: Projection | Tensor  # how the Tunix array becomes the HF one
 
     def to_hf(self, value: np.ndarray) -> np.ndarray:
-        return self.proj.tunix_to_hf(value) if self.proj is not None else value
+        return self.proj.tunix_to_hf(value)
 
     def hf_shape(self, tunix_shape: tuple[int, ...]) -> tuple[int, ...]:
-        if self.proj is None:
-            return tuple(tunix_shape)
-        return hf_shape(self.proj, dict(zip(self.proj.axes, tunix_shape)))
+        return self.proj.hf_shape_of(tuple(tunix_shape))
 
 
 def full_sites(family: Family, tunix_cfg: Any, prefix: str) -> dict[str, FullSite]:
     """HF key -> where it comes from in a full fine-tune checkpoint (every decoder tensor)."""
-    if family.name not in DIRECT_PARAMS:
+    if not family.tensors:
         raise UserError(f"full fine-tune merge has no parameter table for family {family.name}")
     out: dict[str, FullSite] = {}
-    for tunix_t, hf_t in DIRECT_PARAMS[family.name].items():
-        layers = range(tunix_cfg.num_layers) if "{i}" in tunix_t else [None]
-        for i in layers:
-            hf_key = prefix + hf_t.format(i=i)
-            out[hf_key] = FullSite(hf_key, tunix_t.format(i=i), None)
-    for proj in family.projections(tunix_cfg):
-        for layer in range(tunix_cfg.num_layers):
+    for tunix_name, hf_rel, tensor in family.expanded_tensors(tunix_cfg):
+        out[prefix + hf_rel] = FullSite(prefix + hf_rel, tunix_name, tensor)
+    for layer in range(tunix_cfg.num_layers):
+        for proj in family.layer_projections(tunix_cfg, layer):
             hf_key = family.hf_key(prefix, layer, proj)
             out[hf_key] = FullSite(hf_key, tunix_layer_name(family, layer, proj, proj.tunix_param), proj)
     return out
@@ -133,9 +111,15 @@ class Layout:
     embed_dim: int
     head_dim: int
     hidden_dim: int
+    # families whose layers differ (Gemma 4), from `Family.layout_fields`
+    attention_pattern: tuple[str, ...] | None = None
+    frac_shared_layers: float = 0.0
+    k_eq_v_global: bool = False
+    per_layer_input_dim: int = 0
+    enable_moe: bool = False
 
 
-def read_layout(hf_config: dict) -> Layout:
+def read_layout(hf_config: dict, family: Family | None = None) -> Layout:
     from gemma_tpu.models.registry import text_config
 
     t = text_config(hf_config)
@@ -144,7 +128,8 @@ def read_layout(hf_config: dict) -> Layout:
     missing = [k for k in keys if t.get(k) is None]
     if missing:
         raise UserError(f"config.json: missing key '{missing[0]}'")
-    return Layout(*(int(t[k]) for k in keys))
+    extra = family.layout_fields(hf_config) if family is not None and family.layout_fields else {}
+    return Layout(*(int(t[k]) for k in keys), **extra)
 
 
 _LORA_NAME = re.compile(r".*_lora_[ab]$")

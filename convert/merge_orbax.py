@@ -49,7 +49,7 @@ from convert import merge_math
 from convert import safetensors_io as sio
 from convert.atomic import AtomicDir, check_target
 from convert.hf_files import write_sidecar_files
-from convert.mapping import STOP_TOKEN_IDS, FullSite, LoraSite, full_sites, tied_embeddings
+from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
 from convert.progress import Progress, human
 from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint, resolve_base
 from convert.tool_tokens import install_tool_tokens
@@ -266,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    sio.parse_size(args.max_shard_size)
+    try:
+        sio.parse_size(args.max_shard_size)
+    except UserError as e:
+        raise UserError(f"--max-shard-size: {e}") from None
     plan = plan_merge(args)
     s = plan.source
     what = (f"LoRA r={s.lora['rank']} alpha={s.lora['alpha']} on {','.join(s.lora['targets'])}"
@@ -278,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ad = AtomicDir(plan.out, args.overwrite)
     with ad as tmp:
         writer = write_weights(plan, tmp, fsync=not args.no_fsync)
-        stop_ids = STOP_TOKEN_IDS.get(s.family.name, ())
+        stop_ids = s.family.stop_token_ids
         write_sidecar_files(plan.base_dir, tmp, plan.base_config, sio.DTYPE_NAMES_INV[plan.out_dtype], stop_ids)
         marker_ids = install_tool_tokens(tmp, s.meta.get("token_map") or {})
         if marker_ids:

@@ -14,7 +14,7 @@ import numpy as np
 
 from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites, read_layout
 from convert.orbax_params import CheckpointParams
-from gemma_tpu.checkpoint import read_metadata, resolve_step
+from gemma_tpu.checkpoint import METADATA_FILE, read_metadata, resolve_step
 from gemma_tpu.errors import UserError
 from gemma_tpu.models.registry import Family, detect_family, get_family
 
@@ -55,13 +55,16 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
     hf_config = meta.get("hf_config")
     if not isinstance(hf_config, dict):
         raise UserError(f"{ckpt_dir}: metadata has no hf_config (the base's config.json)")
-    family = get_family(base["family"]) if base.get("family") else detect_family(hf_config, f"{ckpt_dir} metadata")
+    try:
+        family = get_family(base["family"]) if base.get("family") else detect_family(hf_config, f"{ckpt_dir} metadata")
+    except UserError as e:
+        raise UserError(f"{ckpt_dir / METADATA_FILE}: base_model: {e}") from None
     lora = meta.get("lora") or {}
     if lora.get("enabled", True):
         for key in ("rank", "alpha", "targets"):
             if lora.get(key) in (None, "", []):
                 raise UserError(f"{ckpt_dir}: metadata lora.{key} is missing")
-    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, read_layout(hf_config),
+    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, read_layout(hf_config, family),
                               CheckpointParams(ckpt_dir, step))
     has_factors = any(is_lora_name(n) for n in source.params.names())
     if source.is_lora != has_factors:

@@ -71,12 +71,15 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 def _init_cache(model, batch: int, size: int) -> dict:
-    """Tunix Gemma 3's cache layout: per layer k, v [B, S, K, H] and a write index."""
+    """Tunix Gemma 3's cache layout: per layer k, v [B, S, K, H] and a write index. Models that
+    lay out their own cache (Gemma 4: per-layer head sizes, none for KV-sharing layers) make it."""
     import jax.numpy as jnp
 
     cfg = model.config
     emb = model.embedder.input_embedding
     dtype = (emb.get_value() if hasattr(emb, "get_value") else emb.value).dtype
+    if hasattr(model, "init_cache"):
+        return model.init_cache(batch, size, dtype)
     shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
     return {f"layer_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
                            "end_index": jnp.zeros((batch,), jnp.int32)}

@@ -29,15 +29,65 @@ def make_provider(family: Family, tunix_cfg: Any, lora: LoraConfig):
     return qwix.LoraProvider(**kwargs), projections
 
 
-def apply_lora(model, family: Family, tunix_cfg: Any, lora: LoraConfig, seed: int = 0):
-    """Return the model with LoRA factors on the chosen projections (B initialised to zero)."""
+def apply_lora(model, family: Family, tunix_cfg: Any, lora: LoraConfig, seed: int = 0, mesh=None):
+    """Return the model with LoRA factors on the chosen projections (B initialised to zero).
+
+    With a mesh, the new arrays (LoRA factors; quantized weights for QLoRA) are computed by one
+    jitted function straight into their shards (see `_apply_sharded`); the base weights are reused.
+    """
     from flax import nnx
     import qwix
 
     provider, projections = make_provider(family, tunix_cfg, lora)
-    lora_model = qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(seed), **model.get_model_input())
+    inputs = model.get_model_input()
+
+    def wrap(m):
+        return qwix.apply_lora_to_model(m, provider, rngs=nnx.Rngs(seed), **inputs)
+
+    if mesh is None or mesh.empty:
+        lora_model = wrap(model)
+    else:
+        lora_model = _apply_sharded(model, wrap, mesh)
     check_lora_coverage(lora_model, family, tunix_cfg, projections)
     return lora_model
+
+
+def _apply_sharded(model, wrap, mesh):
+    """`wrap(model)` (Qwix's LoRA/QLoRA rewrite) for a model sharded over a mesh.
+
+    Qwix runs the model once, eagerly, to create its parameters; on a multi-host mesh eager ops on
+    arrays that span processes fail, and even on one host the new parameters would first land on a
+    single device. Instead: trace `wrap` abstractly to learn the new parameters and their sharding
+    metadata (LoRA factors inherit their base weight's axes), then compute exactly those in one
+    jitted function whose outputs are placed by that metadata. Base weights are not copied.
+    """
+    from flax import nnx
+
+    _, state = nnx.split(model)
+    old = {_key(p) for p, _ in nnx.to_flat_state(state)}
+    abstract = nnx.eval_shape(wrap, model)
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(abs_state, mesh)))
+    new = {}
+    for path, _ in nnx.to_flat_state(abs_state):
+        if _key(path) not in old:
+            sh = shardings[path]
+            new[_key(path)] = sh.get_value() if hasattr(sh, "get_value") else sh
+
+    def create(model):
+        flat = {_key(p): v for p, v in nnx.to_flat_state(nnx.state(wrap(model)))}
+        return {k: flat[k].get_value() for k in new}
+
+    values = nnx.jit(create, out_shardings=new)(model) if new else {}
+    current = {_key(p): v for p, v in nnx.to_flat_state(state)}
+    for path, var in nnx.to_flat_state(abs_state):
+        k = _key(path)
+        var.set_value(values[k] if k in values else current[k].get_value())
+    return nnx.merge(graphdef, abs_state)
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path)
 
 
 def lora_state_paths(model) -> dict[str, tuple[int, ...]]:

@@ -34,15 +34,22 @@ def output_embedding(model) -> jax.Array:
     return emb.get_value() if hasattr(emb, "get_value") else emb.value
 
 
-def _nll_chunk(h: jax.Array, emb: jax.Array, targets: jax.Array) -> jax.Array:
+def logit_softcap(model) -> float | None:
+    """The final logit soft-cap the model applies (Gemma 4: 30), or None."""
+    return getattr(getattr(model, "config", None), "final_logit_softcap", None) or None
+
+
+def _nll_chunk(h: jax.Array, emb: jax.Array, targets: jax.Array, softcap: float | None = None) -> jax.Array:
     logits = jnp.dot(h, emb.T, preferred_element_type=jnp.float32)  # [C, V]
+    if softcap:
+        logits = jnp.tanh(logits / softcap) * softcap
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     return lse - tgt
 
 
 def gathered_nll(hidden: jax.Array, emb: jax.Array, loss_idx: jax.Array, loss_targets: jax.Array,
-                 chunk: int = 1024) -> jax.Array:
+                 chunk: int = 1024, softcap: float | None = None) -> jax.Array:
     """Per-target negative log-likelihood [B, M] at the gathered positions."""
     b, m = loss_idx.shape
     h = jnp.take_along_axis(hidden, loss_idx[..., None], axis=1)  # [B, M, D]
@@ -50,11 +57,11 @@ def gathered_nll(hidden: jax.Array, emb: jax.Array, loss_idx: jax.Array, loss_ta
     tg = loss_targets.reshape(b * m)
     n = b * m
     if n <= chunk:
-        return _nll_chunk(h, emb, tg).reshape(b, m)
+        return _nll_chunk(h, emb, tg, softcap).reshape(b, m)
     pad = (-n) % chunk
     h = jnp.pad(h, ((0, pad), (0, 0)))
     tg = jnp.pad(tg, (0, pad))
-    fn = jax.checkpoint(lambda args: _nll_chunk(args[0], emb, args[1]))
+    fn = jax.checkpoint(lambda args: _nll_chunk(args[0], emb, args[1], softcap))
     out = jax.lax.map(fn, (h.reshape(-1, chunk, h.shape[-1]), tg.reshape(-1, chunk)))
     return out.reshape(-1)[:n].reshape(b, m)
 
@@ -63,7 +70,7 @@ def sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, l
                 chunk: int = 1024):
     """Mean NLL over loss-bearing tokens (the PeftTrainer loss function)."""
     hidden = hidden_states(model, tokens, positions, attention_mask(segment_ids))
-    nll = gathered_nll(hidden, output_embedding(model), loss_idx, loss_targets, chunk)
+    nll = gathered_nll(hidden, output_embedding(model), loss_idx, loss_targets, chunk, logit_softcap(model))
     w = loss_weights.astype(jnp.float32)
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 

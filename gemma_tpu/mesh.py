@@ -1,24 +1,44 @@
-"""Device mesh from `mesh.*`: axes (data, fsdp, tp), -1 meaning the rest of the devices.
+"""Device mesh from `mesh.*`: axes (data, fsdp, tp), -1 meaning the rest of the devices; multi-host setup.
 
-Tunix's Gemma models annotate their weights with the axis names 'fsdp' and 'tp'; batches are
-sharded over ('data', 'fsdp').
+* `data` - pure data parallelism (batch split, weights replicated); `dcn_data` multiplies it across
+  slices (multi-slice: the slices talk over the data-centre network, so only the cheap gradient
+  all-reduce of data parallelism should cross it).
+* `fsdp` - batch split *and* weights sharded (ZeRO-3 style: all-gathered layer by layer).
+* `tp` - tensor parallelism inside a layer (heads / MLP width).
+
+Tunix's Gemma models annotate their weights with the axis names 'fsdp' and 'tp'; batches are sharded
+over ('data', 'fsdp') together (`BATCH_SPEC`). `gemma_tpu.partition` holds the partition rules.
+
+Multi-host: `initialize_distributed` must run before any other JAX call. It starts
+`jax.distributed` when more than one process is present - a TPU pod slice (detected from the TPU
+VM environment; JAX then finds the coordinator itself) or a coordinator address with a process
+count above one, from `mesh.coordinator_address` / `mesh.num_processes` / `mesh.process_id` or the
+environment (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`). On CPU it selects the
+gloo collectives, without which cross-process computations cannot run.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 from gemma_tpu.config import MeshConfig
 from gemma_tpu.errors import UserError
 
+log = logging.getLogger(__name__)
+
 AXES = ("data", "fsdp", "tp")
 BATCH_AXES = ("data", "fsdp")
+# Tunix's TrainingConfig.data_sharding_axis is splatted into a PartitionSpec: one tuple entry
+# shards dimension 0 (the batch) over both axes. ("data", "fsdp") would shard the sequence over fsdp.
+DATA_SHARDING_AXIS = (BATCH_AXES,)
 
 
 def mesh_shape(m: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    sizes = [m.data * (m.dcn_data if m.dcn_data > 0 else 1), m.fsdp, m.tp]
-    if m.data == -1:
-        sizes[0] = -1
+    """(data × dcn_data, fsdp, tp) for `n_devices`, resolving the one axis that may be -1."""
+    dcn = m.dcn_data if m.dcn_data > 0 else 1
+    sizes = [m.data * dcn if m.data != -1 else -1, m.fsdp, m.tp]
     free = [i for i, s in enumerate(sizes) if s == -1]
     if len(free) > 1:
         raise UserError("mesh: only one of data, fsdp, tp may be -1")
@@ -29,13 +49,130 @@ def mesh_shape(m: MeshConfig, n_devices: int) -> tuple[int, int, int]:
         sizes[free[0]] = n_devices // fixed
     if math.prod(sizes) != n_devices:
         raise UserError(f"mesh: data×fsdp×tp = {math.prod(sizes)} but there are {n_devices} devices")
+    if sizes[0] % dcn:
+        raise UserError(f"mesh: the data axis ({sizes[0]}) is not a multiple of mesh.dcn_data={dcn}")
     return tuple(sizes)  # type: ignore[return-value]
 
 
-def build_mesh(m: MeshConfig):
+# ---------------------------------------------------------------- multi-host
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v in (None, ""):
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise UserError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def _tpu_pod_env() -> bool:
+    """A TPU VM that is one of several hosts of a slice (or of several slices)."""
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if len([h for h in hosts.split(",") if h.strip()]) > 1:
+        return True
+    return bool(os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+def distributed_settings(m: MeshConfig) -> dict | None:
+    """The `jax.distributed.initialize` arguments this run needs, or None for a single process.
+
+    Config keys win over the environment. An empty dict means 'let JAX detect the cluster' (TPU pods).
+    """
+    address = m.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    num = m.num_processes if m.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    pid = m.process_id if m.process_id is not None else _env_int("JAX_PROCESS_ID")
+    if num is not None and num < 1:
+        raise UserError(f"mesh.num_processes must be positive, got {num}")
+    if address and (num or 1) > 1:
+        if pid is None:
+            raise UserError("mesh.coordinator_address is set for several processes but mesh.process_id "
+                            "(or JAX_PROCESS_ID) is not")
+        if not 0 <= pid < num:
+            raise UserError(f"mesh.process_id={pid} is not in [0, {num})")
+        return {"coordinator_address": address, "num_processes": num, "process_id": pid}
+    if (num or 1) > 1:
+        raise UserError(f"mesh.num_processes={num} needs mesh.coordinator_address (or JAX_COORDINATOR_ADDRESS)")
+    if _tpu_pod_env():
+        return {}
+    return None
+
+
+_INITIALIZED = False
+
+
+def initialize_distributed(m: MeshConfig) -> bool:
+    """Start multi-process JAX when this run has several processes; True when it did.
+
+    Call before anything asks JAX for devices. Safe to call twice.
+    """
+    global _INITIALIZED
     import jax
 
-    shape = mesh_shape(m, jax.device_count())
+    settings = distributed_settings(m)
+    if settings is None or _INITIALIZED:
+        return _INITIALIZED
+    # CPU processes need a collectives implementation to talk to each other; it only concerns the
+    # CPU client, so it is harmless on TPU and GPU hosts.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    log.info("jax.distributed.initialize(%s)", ", ".join(f"{k}={v}" for k, v in settings.items()) or "auto-detect")
+    jax.distributed.initialize(**settings)
+    _INITIALIZED = True
+    log.info("process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+    return True
+
+
+# ---------------------------------------------------------------- the mesh
+
+
+def build_mesh(m: MeshConfig, devices=None):
+    """The (data, fsdp, tp) mesh over `devices` (default: all), laid out for ICI locality.
+
+    One slice: `jax.make_mesh`, which orders devices so that the innermost axes (tp, then fsdp) are
+    physically adjacent on the TPU torus. Several slices (`dcn_data` > 1): a hybrid mesh whose data
+    axis is dcn_data slices × the per-slice data axis, so only data parallelism crosses the DCN.
+    """
+    import jax
+    import numpy as np
+
+    devices = list(devices) if devices is not None else jax.devices()
+    shape = mesh_shape(m, len(devices))
     # Auto axes: Tunix's models place weights with sharding annotations and let XLA propagate.
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
-    return jax.make_mesh(shape, AXES, axis_types=auto)
+    dcn = m.dcn_data if m.dcn_data > 0 else 1
+    if dcn > 1:
+        slices = {getattr(d, "slice_index", None) for d in devices}
+        if None in slices or len(slices) != dcn:
+            raise UserError(f"mesh.dcn_data={dcn} but the devices form {len(slices - {None}) or 1} slice(s)")
+        from jax.experimental import mesh_utils
+
+        ici = (shape[0] // dcn, shape[1], shape[2])
+        grid = mesh_utils.create_hybrid_device_mesh(ici, (dcn, 1, 1), devices)
+        return jax.sharding.Mesh(np.asarray(grid), AXES, axis_types=auto)
+    if len(devices) == jax.device_count():
+        return jax.make_mesh(shape, AXES, axis_types=auto)
+    return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+
+
+def global_batch(mesh, batch: dict) -> dict:
+    """This process's rows of a batch (numpy) -> one global array per field, rows split over
+    (data, fsdp), from per-process data (`jax.make_array_from_process_local_data`).
+
+    Every process passes the same number of rows; process p's rows land on its own devices. (Tunix's
+    `shard_input` would do this, but it checks divisibility on the *local* row count and silently
+    replicates a process's rows as if they were the whole batch.) A batch the (data, fsdp) devices
+    cannot split evenly is replicated instead (single process only; see train.check_batch_divisible).
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    n = jax.process_count()
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    out = {}
+    for k, v in batch.items():
+        rows = v.shape[0] * n
+        spec = PartitionSpec(*DATA_SHARDING_AXIS) if rows % ways == 0 else PartitionSpec()
+        out[k] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v, (rows, *v.shape[1:]))
+    return out

@@ -80,9 +80,9 @@ def run(cfg: RunConfig) -> dict:
     #    other JAX call
     mesh_lib.initialize_distributed(cfg.mesh)
     import jax
-    from transformers import AutoTokenizer
 
     from gemma_tpu import checkpoint, data, lora, optim, partition
+    from gemma_tpu.generate import load_tokenizer
     from gemma_tpu.models import load_model, resolve_model
     from gemma_tpu.trainer import BatchFeed, Trainer
 
@@ -90,10 +90,7 @@ def run(cfg: RunConfig) -> dict:
 
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(resolved.local_dir))
-    except Exception as e:
-        raise UserError(f"{resolved.local_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
         resolved.family.targets_to_modules(tunix_cfg, list(cfg.lora.targets))
@@ -140,12 +137,15 @@ def run(cfg: RunConfig) -> dict:
         evals = (data.eval_batches(eval_split, cfg.train.batch_size, cfg.data.eval_max_batches,
                                    jax.process_index(), jax.process_count())
                  if eval_split else None)
-        feed = BatchFeed(stream, evals)
+        feed = BatchFeed(stream, evals, put=functools.partial(mesh_lib.global_batch, mesh))
         import orbax.checkpoint as ocp
         from tunix.sft import metrics_logger
         from tunix.sft.peft_trainer import TrainingConfig
 
         if primary:
+            for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
+                log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
+                            "complete one", p)
             checkpoint.write_metadata(ckpt_dir, meta)
         run_dir = Path(cfg.train.run_dir or ckpt_dir)
         tcfg = TrainingConfig(

@@ -39,3 +39,48 @@ def test_mesh_that_does_not_fit_is_refused(tiny_dir, tmp_path):
                    f"checkpoint.dir={tmp_path}/ck", "mesh.fsdp=3", "mesh.tp=1", env=EIGHT)
     assert proc.returncode != 0
     assert "mesh" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma4_dir(tmp_path_factory):
+    tiny = pytest.importorskip("gemma_tpu.tiny")
+    if not hasattr(tiny, "write_tiny_gemma4"):
+        pytest.skip("no tiny Gemma 4 writer yet")
+    return tiny.write_tiny_gemma4(tmp_path_factory.mktemp("tiny4") / "gemma4", seed=0, variant="dense")
+
+
+def test_every_parameter_has_the_rule_spec(tiny_dir, tiny_gemma4_dir):
+    """Base weights, LoRA factors, QLoRA weights and Adam state on 1x1x1, fsdp=8, fsdp=4×tp=2 and
+    data=2×fsdp=4 are placed exactly as gemma_tpu.partition says."""
+    import sys
+    import subprocess
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding_specs", str(tiny_dir), str(tiny_gemma4_dir)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, **EIGHT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    results = json.loads(line[len("RESULT "):])
+    assert len(results) == 10
+    for key, r in results.items():
+        assert not r["mismatches"], (key, r["mismatches"][:10])
+        assert r["lora"] > 0 and r["opt_checked"] == 2 * r["lora"], (key, r)
+        assert r["act_btd"] == [["data", "fsdp"], None, "tp"], key
+        if "1x1x1" in key:
+            assert r["split"] == 0, key
+        else:
+            assert r["split"] >= r["params"] // 3, (key, r)  # not vacuous: many arrays really are split
+        if key.endswith("|int8"):
+            assert r["quantized"] > 0, key
+
+
+def test_indivisible_axis_is_refused_before_loading(tiny_dir, tmp_path):
+    """tp=8 cannot split 4 query heads: one line naming the parameter, nothing written."""
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                   f"checkpoint.dir={tmp_path}/ck", "mesh.fsdp=1", "mesh.tp=8", env=EIGHT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "cannot be split" in err[0] and "tp" in err[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -131,3 +131,37 @@ def test_resume_with_other_rank_is_refused(tiny_dir, reference_run, tmp_path):
     proc = train(tiny_dir, ck, "train.max_steps=10", "lora.rank=8")
     assert_one_line_error(proc, "lora.rank=4", "8")
     assert sorted(p.name for p in ck.rglob("*")) == before
+
+
+def test_grad_accumulation_equals_bigger_batch(tiny_dir, tmp_path):
+    """train.grad_accum_steps=2 × batch 2 reaches the losses and LoRA params of batch 4 (Tunix's
+    gradient_accumulation_steps: optax MultiSteps averages the micro-batch gradients, which equals the
+    big batch's gradient when micro-batches have equally many loss tokens, as here)."""
+    import random
+
+    import numpy as np
+
+    from gemma_tpu.checkpoint import read_params
+
+    rng = random.Random(0)
+    data = tmp_path / "even.jsonl"
+    with data.open("w") as f:
+        for i in range(16):
+            q = "What is " + " plus ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(2, 4))) + "?"
+            answer = "".join(rng.choice("abcdefgh") for _ in range(12))  # 12 target tokens for every row
+            f.write(json.dumps({"messages": [{"role": "user", "content": q},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    common = [f"data.train_path={data}", "data.eval_path=null", "data.seq_len=64", "train.max_steps=3",
+              "checkpoint.every_steps=3", "data.shuffle=false"]
+    big = train(tiny_dir, tmp_path / "big", *common, "train.batch_size=4")
+    assert big.returncode == 0, big.stderr[-3000:]
+    acc = train(tiny_dir, tmp_path / "acc", *common, "train.batch_size=2", "train.grad_accum_steps=2")
+    assert acc.returncode == 0, acc.stderr[-3000:]
+    lb, la = losses(tmp_path / "big"), losses(tmp_path / "acc")
+    assert len(lb) == len(la) == 3
+    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-6)
+    pb, pa = read_params(tmp_path / "big", 3), read_params(tmp_path / "acc", 3)
+    assert sorted(pa) == sorted(pb)
+    for k in pb:
+        np.testing.assert_allclose(pa[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert not np.allclose(pb[next(k for k in pb if "lora_b" in k)], 0)  # trained, not just initialised

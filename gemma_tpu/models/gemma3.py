@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from gemma_tpu.errors import UserError
-from gemma_tpu.models.registry import Family, Projection, register, text_config
+from gemma_tpu.models.registry import Family, Projection, Tensor, register, text_config
 
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.
@@ -207,5 +207,17 @@ GEMMA3 = register(
         text_prefixes=TEXT_PREFIXES,
         with_remat=with_remat,
         chat_format="gemma",
+        # Tunix's HF->Tunix key table (tunix/models/gemma3/params_safetensors.py), inverted.
+        tensors=(
+            Tensor("embedder.input_embedding", "embed_tokens.weight"),
+            Tensor("final_norm.scale", "norm.weight"),
+            Tensor("layers.{i}.pre_attention_norm.scale", "layers.{i}.input_layernorm.weight"),
+            Tensor("layers.{i}.post_attention_norm.scale", "layers.{i}.post_attention_layernorm.weight"),
+            Tensor("layers.{i}.pre_ffw_norm.scale", "layers.{i}.pre_feedforward_layernorm.weight"),
+            Tensor("layers.{i}.post_ffw_norm.scale", "layers.{i}.post_feedforward_layernorm.weight"),
+            Tensor("layers.{i}.attn._query_norm.scale", "layers.{i}.self_attn.q_norm.weight"),
+            Tensor("layers.{i}.attn._key_norm.scale", "layers.{i}.self_attn.k_norm.weight"),
+        ),
+        stop_token_ids=(1, 106),  # <eos>, <end_of_turn>
     )
 )

@@ -116,8 +116,9 @@ def check_weights(resolved: ResolvedModel, tunix_cfg: Any) -> str:
     prefix = text_prefix(resolved.family, keys)
     needed = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"]
     for layer in range(tunix_cfg.num_layers):
-        needed += [resolved.family.hf_key(prefix, layer, p) for p in resolved.family.projections(tunix_cfg)]
-    for k in needed:
+        needed += [resolved.family.hf_key(prefix, layer, p) for p in resolved.family.layer_projections(tunix_cfg, layer)]
+    needed += [prefix + hf for _, hf, _ in resolved.family.expanded_tensors(tunix_cfg)]  # norms, per-layer inputs
+    for k in dict.fromkeys(needed):
         if k not in keys:
             raise UserError(f"{resolved.local_dir}: weight '{k}' is missing from the checkpoint")
     extra = [k for k in keys if re.match(re.escape(prefix) + r"layers\.(\d+)\.", k)

@@ -12,6 +12,14 @@ Tunix model from safetensors, and, for every LoRA-able projection, where it live
   both sides flattened in axis order. That one rule gives every transpose and reshape.
 * `Projection.split` - for fused Tunix weights (`kv_einsum` holds K and V), the fused axis and the
   index of this HF module along it.
+* `Projection.requires` / `Tensor.requires` - a layer feature (`Family.layer_features`) without
+  which the weight does not exist in that layer, for families whose layers differ (Gemma 4: K and
+  V fused in sliding layers, K only where keys equal values, neither where a layer reuses another
+  layer's keys and values).
+
+Non-projection weights (embeddings, norms, per-layer inputs, experts) are `Tensor`s: a rename,
+optionally with a regrouping of axes given the same way (`hf_axes`), used to convert full
+fine-tunes.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import dataclasses
 import math
 import re
 from typing import Any, Callable
+
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +47,7 @@ class Projection:
     axes: tuple[str, ...]  # Tunix weight axes, e.g. ("N", "D", "H")
     in_axes: tuple[str, ...]  # axes contracted with the input, e.g. ("D",)
     split: tuple[str, int] | None = None  # (fused axis, index) for fused weights
+    requires: str | None = None  # layer feature without which this weight is absent
 
     @property
     def out_axes(self) -> tuple[str, ...]:
@@ -90,6 +101,43 @@ class Projection:
         n_out = math.prod(sizes[x] for x in self.out_axes)
         return w.reshape(n_out, -1)
 
+    def hf_shape_of(self, tunix_shape: tuple[int, ...]) -> tuple[int, int]:
+        """The HF (out, in) shape of this projection's slice of a Tunix weight of this shape."""
+        sizes = self._sizes(tuple(tunix_shape))
+        return math.prod(sizes[x] for x in self.out_axes), math.prod(sizes[x] for x in self.in_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A non-projection weight: a Tunix param and the HF tensor holding the same numbers.
+
+    `tunix` and `hf` may contain `{i}` (the layer index); `hf` is relative to the decoder prefix.
+    With `axes`/`hf_axes` the HF tensor's dims are groups of the Tunix axes, in order
+    (e.g. Tunix (D, L, P) stored by HF as (L*P, D): axes ("D", "L", "P"),
+    hf_axes (("L", "P"), ("D",))); without them it is the same array.
+    """
+
+    tunix: str
+    hf: str
+    axes: tuple[str, ...] = ()
+    hf_axes: tuple[tuple[str, ...], ...] = ()
+    requires: str | None = None  # a feature of the layer ({i}) or the model; absent without it
+
+    def tunix_to_hf(self, w: np.ndarray) -> np.ndarray:
+        if not self.axes:
+            return w
+        order = [a for group in self.hf_axes for a in group]
+        shape = self.hf_shape_of(tuple(w.shape))
+        return np.transpose(w, [self.axes.index(a) for a in order]).reshape(shape)
+
+    def hf_shape_of(self, tunix_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not self.axes:
+            return tuple(tunix_shape)
+        if len(tunix_shape) != len(self.axes):
+            raise ValueError(f"{self.tunix}: rank {len(tunix_shape)} != {len(self.axes)}")
+        sizes = dict(zip(self.axes, tunix_shape))
+        return tuple(math.prod(sizes[a] for a in group) for group in self.hf_axes)
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -105,18 +153,39 @@ class Family:
     with_remat: Callable[[Any, str], Any]  # (tunix cfg, none|block|decoder) -> tunix cfg
     chat_format: str = "gemma"
     layer_path: str = "layers.{layer}"  # Tunix path of decoder layer N
+    # Non-projection weights, for converting full fine-tunes (see `Tensor`).
+    tensors: tuple[Tensor, ...] = ()
+    # (tunix cfg or convert.mapping.Layout, layer index or None for the model) -> feature names
+    # that `Projection.requires` / `Tensor.requires` refer to. None: every layer alike.
+    layer_features: Callable[[Any, int | None], frozenset[str]] | None = None
+    # config.json (text part) -> extra `convert.mapping.Layout` fields that `projections` and
+    # `layer_features` read, under Tunix's attribute names, computed without importing Tunix.
+    layout_fields: Callable[[dict], dict] | None = None
+    # generation_config.json eos ids a merged model must stop on
+    stop_token_ids: tuple[int, ...] = (1, 106)
+
+    def features(self, cfg: Any, layer: int | None) -> frozenset[str]:
+        return self.layer_features(cfg, layer) if self.layer_features else frozenset()
+
+    def layer_projections(self, cfg: Any, layer: int) -> list[Projection]:
+        """The projections decoder layer `layer` really has (all of them unless layers differ)."""
+        feats = self.features(cfg, layer)
+        return [p for p in self.projections(cfg) if p.requires is None or p.requires in feats]
 
     def targets_to_modules(self, tunix_cfg: Any, targets: list[str]) -> list[Projection]:
-        """Map HF target names to projections; fused Tunix weights need all their HF names."""
+        """Map HF target names to projections; fused Tunix weights need all their HF names.
+
+        One HF name may live in several Tunix weights (Gemma 4's k_proj: `kv_einsum` in some
+        layers, `k_einsum` in others); all of them are chosen."""
         projs = self.projections(tunix_cfg)
-        by_name = {p.hf_name: p for p in projs}
-        unknown = [t for t in targets if t not in by_name]
+        names = list(dict.fromkeys(p.hf_name for p in projs))
+        unknown = [t for t in targets if t not in names]
         if unknown:
             raise UserError(
                 f"lora.targets: {unknown[0]!r} is not a projection of family {self.name} "
-                f"(known: {', '.join(by_name)})"
+                f"(known: {', '.join(names)})"
             )
-        chosen = [by_name[t] for t in targets]
+        chosen = [p for t in dict.fromkeys(targets) for p in projs if p.hf_name == t]
         for p in chosen:
             siblings = [q.hf_name for q in projs if q.tunix_module == p.tunix_module]
             missing = [s for s in siblings if s not in targets]
@@ -126,6 +195,21 @@ class Family:
                     f"{', '.join(missing)}; target {' and '.join(siblings)} together or not at all"
                 )
         return chosen
+
+    def layer_sites(self, cfg: Any, chosen: list[Projection]) -> list[tuple[int, Projection]]:
+        """(layer, projection) for every chosen projection that exists in that layer."""
+        return [(layer, p) for layer in range(cfg.num_layers)
+                for p in self.layer_projections(cfg, layer) if p in chosen]
+
+    def expanded_tensors(self, cfg: Any) -> list[tuple[str, str, Tensor]]:
+        """(Tunix name, HF key under the decoder prefix, Tensor) for every non-projection weight."""
+        out = []
+        for t in self.tensors:
+            layers = range(cfg.num_layers) if "{i}" in t.tunix else [None]
+            for i in layers:
+                if t.requires is None or t.requires in self.features(cfg, i):
+                    out.append((t.tunix.format(i=i), t.hf.format(i=i), t))
+        return out
 
     def tunix_module_regex(self, projections: list[Projection]) -> str:
         """A Qwix `module_path` regex matching exactly the chosen Tunix modules."""
@@ -185,7 +269,59 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     )
 
 
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def preset_path(model_path: str) -> Path:
+    """`org/name` -> gemma_tpu/models/presets/org--name.json (whether or not it exists); hub ids
+    are case-insensitive (google/gemma-4-31B-it and google/gemma-4-31b-it are one repository)."""
+    return PRESETS_DIR / (model_path.strip("/").replace("/", "--").lower() + ".json")
+
+
+def config_json_for(model_path: str) -> dict:
+    """config.json of `model_path` without loading (or downloading) weights, for offline planning.
+
+    In order: a local directory's config.json; a prepared `embedded:NAME` model's (or its known
+    config); the Hugging Face cache's copy for a hub id (no network); the shipped preset
+    (`presets/<org>--<name>.json`). Anything else is a one-line UserError.
+    """
+    from gemma_tpu.errors import read_json_object
+
+    spec = str(model_path)
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return read_json_object(local / "config.json", f"{local / 'config.json'}: missing (not a Hugging Face "
+                                                        f"model directory)")
+    if spec.startswith("embedded:"):
+        from gemma_tpu import assets
+
+        name = spec[len("embedded:"):]
+        entry = assets.get_model(name)
+        target = assets.target_dir(name)
+        if assets.is_complete(target):
+            return read_json_object(target / "config.json", f"{target}/config.json: missing")
+        if entry.expected_config:
+            return dict(entry.expected_config)
+        raise UserError(f"{spec}: not prepared yet and no known config; run "
+                        f"`python -m gemma_tpu.assets prepare {name}` first")
+    if re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", spec):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(spec, "config.json")
+        except Exception:  # no hub library or a malformed cache: fall through to the presets
+            cached = None
+        if isinstance(cached, str) and Path(cached).is_file():
+            return read_json_object(Path(cached), f"{cached}: unreadable")
+        preset = preset_path(spec)
+        if preset.is_file():
+            return read_json_object(preset, f"{preset}: unreadable")
+        known = ", ".join(sorted(p.stem.replace("--", "/") for p in PRESETS_DIR.glob("*.json")))
+        raise UserError(f"{spec}: no local directory, no cached config.json and no preset (presets: {known})")
+    raise UserError(f"{spec}: no such directory")
+
+
 def _ensure_loaded() -> None:
-    # Families register themselves on import; import them lazily to keep startup light.
-    if not _FAMILIES:
-        from gemma_tpu.models import gemma3  # noqa: F401
+    # Families register themselves on import; import them lazily to keep startup light (every
+    # one, even when another module already imported one of them directly).
+    from gemma_tpu.models import gemma3, gemma4  # noqa: F401

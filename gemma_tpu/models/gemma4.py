@@ -1,0 +1,452 @@
+"""Gemma 4 text as registry data: dense (31B), per-layer embeddings with shared KV (E2B, E4B) and
+mixture-of-experts (26B-A4B), text-only (`Gemma4ForCausalLM`, keys `model.`) or the text tower of
+the multimodal checkpoints (`Gemma4ForConditionalGeneration`, keys `model.language_model.`).
+
+The Tunix config is built from the checkpoint's own `config.json` (its `text_config` when nested).
+Layers differ in Gemma 4, so the registry data is per layer (`layer_features`):
+
+* sliding layers have K and V (Tunix fuses them into `kv_einsum`), global layers of the K=V
+  checkpoints (31B, 26B) have K only (`k_einsum`, its output doubles as V), and the last
+  `num_kv_shared_layers` layers (E2B, E4B) have neither: they reuse the keys and values of the
+  last earlier layer of the same attention type;
+* global layers have their own head size (`global_head_dim`) and KV head count
+  (`num_global_key_value_heads`, K=V checkpoints only) - shapes the Projection algebra reads off
+  the LoRA factors, so no table of sizes is needed.
+
+Where Tunix 0.1.7's Gemma 4 differs from transformers, our subclass (`model_class`) follows
+transformers, with the reason at each place:
+
+* KV sharing: Tunix takes a shared layer's keys and values from fixed layers (the last and
+  second-to-last non-shared ones), transformers from the last earlier layer of the same type;
+  they agree for E2B/E4B but not for every `layer_types`. We set transformers' map.
+* Shared layers: Tunix builds K/V weights for them that no checkpoint holds (the loader would fail
+  on the missing tensors) and no forward uses; we drop them.
+* MoE routing: Tunix routes on the MoE branch's normalised input, transformers (and Google's
+  reference implementation, which passes `unnormalized_x`) on the raw residual stream.
+
+Anything else Tunix cannot express is refused by config key, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from gemma_tpu.errors import UserError
+from gemma_tpu.models.registry import Family, Projection, Tensor, register, text_config
+
+# HF key prefixes of the decoder: text-only, multimodal as transformers >= 5 saves it (the
+# released layout), and the older multimodal layout, accepted for symmetry with Gemma 3.
+TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+
+GLOBAL, LOCAL = "GLOBAL", "LOCAL_SLIDING"  # Tunix's AttentionType names
+_HF_TYPES = {"full_attention": GLOBAL, "sliding_attention": LOCAL}
+
+
+def _cfg_error(key: str, value: Any, why: str) -> UserError:
+    return UserError(f"config.json: {key}={value!r} is not supported by Tunix's Gemma 4 ({why})")
+
+
+def _layer_types(t: dict) -> list[str]:
+    """Tunix attention type per layer, from `layer_types` (transformers' default when absent:
+    five sliding layers then one global; the last layer is always global, as transformers forces)."""
+    n = int(t["num_hidden_layers"])
+    types = t.get("layer_types")
+    if not types:
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    types = list(types)
+    if len(types) != n:
+        raise UserError(f"config.json: layer_types has {len(types)} entries for num_hidden_layers={n}")
+    unknown = [x for x in types if x not in _HF_TYPES]
+    if unknown:
+        raise _cfg_error("layer_types", unknown[0], "sliding_attention or full_attention")
+    types[-1] = "full_attention"  # transformers overrides the last layer the same way
+    return [_HF_TYPES[x] for x in types]
+
+
+def _num_unshared(num_layers: int, frac: float) -> int:
+    """Tunix's own formula for the first KV-sharing layer (`create_kv_cache_sharing_patterns`)."""
+    return int(num_layers - frac * num_layers)
+
+
+def _frac_shared(num_layers: int, num_shared: int) -> float:
+    """A `frac_shared_layers` that Tunix's float formula turns back into exactly `num_shared`
+    (num_shared/num_layers itself can round to one layer off)."""
+    if num_shared == 0:
+        return 0.0
+    frac = (num_shared - 0.5) / num_layers
+    assert _num_unshared(num_layers, frac) == num_layers - num_shared
+    return frac
+
+
+def layout_fields(hf_config: dict) -> dict:
+    """What `projections` and `layer_features` read, under Tunix's attribute names, in plain
+    Python (the converters use it without importing Tunix)."""
+    t = text_config(hf_config)
+    n = int(t["num_hidden_layers"])
+    types = _layer_types(t)
+    shared = int(t.get("num_kv_shared_layers") or 0)
+    if not 0 <= shared < n:
+        raise _cfg_error("num_kv_shared_layers", shared, f"must be in [0, {n})")
+    first = n - shared
+    for i in range(first, n):
+        if types[i] not in types[:first]:
+            raise _cfg_error("num_kv_shared_layers", shared,
+                             f"shared layer {i} has no earlier {types[i].lower()} layer to share with")
+    return dict(
+        attention_pattern=tuple(types),
+        frac_shared_layers=_frac_shared(n, shared),
+        k_eq_v_global=bool(t.get("attention_k_eq_v")),
+        per_layer_input_dim=int(t.get("hidden_size_per_layer_input") or 0),
+        enable_moe=bool(t.get("enable_moe_block")),
+    )
+
+
+def _type_name(x: Any) -> str:
+    return getattr(x, "name", x)
+
+
+def kv_source(cfg: Any) -> list[int]:
+    """Per layer, the layer whose keys and values it attends over (itself unless shared):
+    transformers' rule, the last non-shared layer of the same attention type."""
+    n = cfg.num_layers
+    types = [_type_name(cfg.attention_pattern[i % len(cfg.attention_pattern)]) for i in range(n)]
+    first = _num_unshared(n, cfg.frac_shared_layers)
+    return [i if i < first else max(j for j in range(first) if types[j] == types[i]) for i in range(n)]
+
+
+def layer_features(cfg: Any, layer: int | None) -> frozenset[str]:
+    """Features of decoder layer `layer` (or of the model, for None) that weights require:
+    ple / moe (model-wide), own_kv (not a KV-sharing layer), kv (fused K and V) or k_eq_v
+    (K only, a global layer of a K=V checkpoint)."""
+    feats = set()
+    if getattr(cfg, "per_layer_input_dim", 0):
+        feats.add("ple")
+    if getattr(cfg, "enable_moe", False):
+        feats.add("moe")
+    if layer is None:
+        return frozenset(feats)
+    if kv_source(cfg)[layer] == layer:
+        feats.add("own_kv")
+        is_global = _type_name(cfg.attention_pattern[layer % len(cfg.attention_pattern)]) == GLOBAL
+        feats.add("k_eq_v" if is_global and cfg.k_eq_v_global else "kv")
+    return frozenset(feats)
+
+
+def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int) -> tuple[float, float, float]:
+    """(base frequency, scale factor, rotated proportion) for 'sliding_attention' / 'full_attention'."""
+    defaults = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+    params = t.get("rope_parameters") or defaults
+    p = params.get(kind) if isinstance(params, dict) else None
+    if p is None:
+        p = defaults[kind]
+    rtype = p.get("rope_type", "default")
+    theta = float(p.get("rope_theta", defaults[kind]["rope_theta"]))
+    key = f"rope_parameters.{kind}.rope_type"
+    if rtype == "default":
+        # transformers' default RoPE spans `head_dim` whatever the layer's head size; Tunix spans
+        # the layer's own head size. They agree unless a global layer has another head size.
+        if kind == "full_attention" and global_head_dim != head_dim:
+            raise _cfg_error(key, rtype, f"default RoPE with global_head_dim={global_head_dim} != "
+                                         f"head_dim={head_dim}; use proportional")
+        return theta, 1.0, 1.0
+    if rtype == "proportional":
+        factor = float(p.get("factor", 1.0))
+        if factor < 1.0:
+            raise _cfg_error(f"rope_parameters.{kind}.factor", factor, "must be >= 1")
+        return theta, factor, float(p.get("partial_rotary_factor", 1.0))
+    raise _cfg_error(key, rtype, "default or proportional")
+
+
+def tunix_config(hf_config: dict, param_dtype: Any = jnp.float32):
+    """Translate an HF Gemma 4 config (text or multimodal) into Tunix's Gemma 4 `ModelConfig`."""
+    from tunix.models.gemma4 import model as g4
+
+    t = text_config(hf_config)
+    need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size")
+    missing = [k for k in need if t.get(k) is None]
+    if missing:
+        raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 4 text model")
+    if t.get("attention_bias"):
+        raise _cfg_error("attention_bias", t["attention_bias"], "Gemma 4 projections have no bias")
+    if t.get("use_bidirectional_attention") == "all":
+        raise _cfg_error("use_bidirectional_attention", "all", "an encoder, not a causal LM")
+    if t.get("attn_logit_softcapping") not in (None, 0, 0.0):
+        raise _cfg_error("attn_logit_softcapping", t["attn_logit_softcapping"], "no attention soft-capping")
+    eps = float(t.get("rms_norm_eps", 1e-6))
+    if abs(eps - 1e-6) > 1e-12:
+        raise _cfg_error("rms_norm_eps", eps, "Tunix uses 1e-6")
+    act = t.get("hidden_activation") or t.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        raise _cfg_error("hidden_activation", act, "tanh-approximated GELU only")
+    fields = layout_fields(hf_config)
+    n = int(t["num_hidden_layers"])
+    vocab, hidden = int(t["vocab_size"]), int(t["hidden_size"])
+    heads, kv_heads, head_dim = int(t["num_attention_heads"]), int(t["num_key_value_heads"]), int(t["head_dim"])
+    global_head_dim = int(t.get("global_head_dim") or head_dim)
+    ple = fields["per_layer_input_dim"]
+    if ple and int(t.get("vocab_size_per_layer_input") or vocab) != vocab:
+        raise _cfg_error("vocab_size_per_layer_input", t["vocab_size_per_layer_input"],
+                         f"Tunix indexes per-layer embeddings with the main vocabulary ({vocab})")
+    k_eq_v = fields["k_eq_v_global"]
+    global_kv = t.get("num_global_key_value_heads")
+    if k_eq_v and global_kv is None:
+        raise _cfg_error("num_global_key_value_heads", None, "attention_k_eq_v needs it")
+    for key, kv in (("num_key_value_heads", kv_heads),
+                    ("num_global_key_value_heads", int(global_kv) if k_eq_v else kv_heads)):
+        if heads % kv:
+            raise _cfg_error(key, kv, f"must divide num_attention_heads={heads}")
+    moe = {}
+    if fields["enable_moe"]:
+        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if t.get(key) is None:
+                raise UserError(f"config.json: missing key '{key}' for a Gemma 4 mixture-of-experts model")
+        moe = dict(enable_moe=True, num_experts=int(t["num_experts"]), num_experts_per_tok=int(t["top_k_experts"]),
+                   expert_dim=int(t["moe_intermediate_size"]), moe_dense_hidden_dim=int(t["intermediate_size"]))
+    shared = int(t.get("num_kv_shared_layers") or 0)
+    double_wide = bool(t.get("use_double_wide_mlp")) and shared > 0
+    local_theta, local_scale, local_prop = _rope(t, "sliding_attention", head_dim, global_head_dim)
+    global_theta, global_scale, global_prop = _rope(t, "full_attention", head_dim, global_head_dim)
+    softcap = t.get("final_logit_softcapping")
+    dtype = param_dtype if param_dtype is not None else jnp.float32
+    return g4.ModelConfig(
+        num_layers=n,
+        num_embed=vocab,
+        embed_dim=hidden,
+        hidden_dim=int(t["intermediate_size"]),
+        num_heads=heads,
+        head_dim=head_dim,
+        num_kv_heads=kv_heads,
+        final_logit_softcap=float(softcap) if softcap not in (None, 0, 0.0) else None,
+        sliding_window_size=int(t.get("sliding_window") or 512),
+        per_layer_input_dim=ple,
+        # transformers uses the global KV head count only in K=V layers; Tunix in every global layer
+        num_global_kv_heads=int(global_kv) if k_eq_v else None,
+        global_key_size=global_head_dim,
+        attention_pattern=tuple(getattr(g4.AttentionType, x) for x in fields["attention_pattern"]),
+        frac_shared_layers=fields["frac_shared_layers"],
+        global_rope_proportion=global_prop,
+        local_rope_proportion=local_prop,
+        k_eq_v_global=k_eq_v,
+        override_kv_shared_ffw_hidden=2 * int(t["intermediate_size"]) if double_wide else None,
+        local_base_frequency=local_theta,
+        global_base_frequency=global_theta,
+        local_scale_factor=local_scale,
+        global_scale_factor=global_scale,
+        param_dtype=dtype,
+        dtype=dtype,
+        # a full-length cache for every layer, as the generator lays it out
+        use_sliding_window_kv_cache=False,
+        **moe,
+    )
+
+
+def projections(cfg) -> tuple[Projection, ...]:
+    """Every kind of HF projection in Tunix's Gemma 4; `requires` says in which layers it exists."""
+    attn = (
+        Projection("q_proj", "self_attn.q_proj", "attn.q_einsum", "w", ("N", "D", "H"), ("D",)),
+        Projection("k_proj", "self_attn.k_proj", "attn.kv_einsum", "w", ("C", "K", "D", "H"), ("D",), ("C", 0), "kv"),
+        Projection("v_proj", "self_attn.v_proj", "attn.kv_einsum", "w", ("C", "K", "D", "H"), ("D",), ("C", 1), "kv"),
+    )
+    if cfg.k_eq_v_global:
+        attn += (Projection("k_proj", "self_attn.k_proj", "attn.k_einsum", "w", ("K", "D", "H"), ("D",),
+                            None, "k_eq_v"),)
+    return attn + (
+        Projection("o_proj", "self_attn.o_proj", "attn.attn_vec_einsum", "w", ("N", "H", "D"), ("N", "H")),
+        Projection("gate_proj", "mlp.gate_proj", "mlp.gate_proj", "kernel", ("D", "F"), ("D",)),
+        Projection("up_proj", "mlp.up_proj", "mlp.up_proj", "kernel", ("D", "F"), ("D",)),
+        Projection("down_proj", "mlp.down_proj", "mlp.down_proj", "kernel", ("F", "D"), ("F",)),
+    )
+
+
+# Non-projection weights: Tunix's HF->Tunix key table (tunix/models/gemma4/params_safetensors.py),
+# inverted; axes regrouped where HF stores them otherwise.
+TENSORS = (
+    Tensor("embedder.input_embedding", "embed_tokens.weight"),
+    Tensor("final_norm.scale", "norm.weight"),
+    Tensor("embedder.per_layer_input_embedding", "embed_tokens_per_layer.weight",
+           ("V", "L", "P"), (("V",), ("L", "P")), "ple"),
+    Tensor("embedder.per_layer_model_projection.w", "per_layer_model_projection.weight",
+           ("D", "L", "P"), (("L", "P"), ("D",)), "ple"),
+    Tensor("embedder.per_layer_projection_norm.scale", "per_layer_projection_norm.weight", requires="ple"),
+    Tensor("layers.{i}.pre_attention_norm.scale", "layers.{i}.input_layernorm.weight"),
+    Tensor("layers.{i}.post_attention_norm.scale", "layers.{i}.post_attention_layernorm.weight"),
+    Tensor("layers.{i}.pre_ffw_norm.scale", "layers.{i}.pre_feedforward_layernorm.weight"),
+    Tensor("layers.{i}.post_ffw_norm.scale", "layers.{i}.post_feedforward_layernorm.weight"),
+    Tensor("layers.{i}.attn._query_norm.scale", "layers.{i}.self_attn.q_norm.weight"),
+    Tensor("layers.{i}.attn._key_norm.scale", "layers.{i}.self_attn.k_norm.weight", requires="own_kv"),
+    Tensor("layers.{i}.skip_scale", "layers.{i}.layer_scalar"),
+    Tensor("layers.{i}.per_layer_input_gate.w", "layers.{i}.per_layer_input_gate.weight",
+           ("D", "P"), (("P",), ("D",)), "ple"),
+    Tensor("layers.{i}.per_layer_projection.w", "layers.{i}.per_layer_projection.weight",
+           ("P", "D"), (("D",), ("P",)), "ple"),
+    Tensor("layers.{i}.post_per_layer_input_norm.scale", "layers.{i}.post_per_layer_input_norm.weight",
+           requires="ple"),
+    Tensor("layers.{i}.dense_post_ffw_norm.scale", "layers.{i}.post_feedforward_layernorm_1.weight", requires="moe"),
+    Tensor("layers.{i}.moe_pre_ffw_norm.scale", "layers.{i}.pre_feedforward_layernorm_2.weight", requires="moe"),
+    Tensor("layers.{i}.moe_post_ffw_norm.scale", "layers.{i}.post_feedforward_layernorm_2.weight", requires="moe"),
+    Tensor("layers.{i}.moe.router_logits", "layers.{i}.router.proj.weight", ("D", "E"), (("E",), ("D",)), "moe"),
+    Tensor("layers.{i}.moe.router_scale", "layers.{i}.router.scale", requires="moe"),
+    Tensor("layers.{i}.moe.per_expert_scale", "layers.{i}.router.per_expert_scale", requires="moe"),
+    Tensor("layers.{i}.moe.gating_einsum", "layers.{i}.experts.gate_up_proj",
+           ("E", "C", "I", "D"), (("E",), ("C", "I"), ("D",)), "moe"),
+    Tensor("layers.{i}.moe.linear", "layers.{i}.experts.down_proj", ("E", "I", "D"), (("E",), ("D",), ("I",)), "moe"),
+)
+
+
+def _key_mapping(cfg):
+    """Tunix's HF->Tunix key rules, widened to every decoder prefix in TEXT_PREFIXES (Tunix's
+    rules know only `model.language_model.` and bare keys, so a text-only `Gemma4ForCausalLM`
+    checkpoint, keyed `model.`, would load nothing)."""
+    from tunix.models.gemma4 import params_safetensors as ps
+
+    widened = {}
+    for pattern, rule in ps._get_key_and_transform_mapping(cfg).items():
+        assert pattern.startswith(r"(?:model\.language_model\.)?"), pattern
+        pattern = pattern.replace(r"(?:model\.language_model\.)?",
+                                  r"(?:model\.language_model\.|language_model\.model\.|model\.)?", 1)
+        widened[pattern] = rule
+    return widened
+
+
+_MODEL_CLASS = None
+
+
+def model_class():
+    """Tunix's Gemma4 with transformers' semantics where they differ (see the module docstring),
+    and a `__call__` that can stop at the final norm (`hidden_only=True`): the loss projects only
+    loss-bearing positions onto the vocabulary. It must go through `__call__`: Qwix applies LoRA
+    only inside the one model method it intercepts."""
+    global _MODEL_CLASS
+    if _MODEL_CLASS is not None:
+        return _MODEL_CLASS
+
+    import jax
+    from tunix.models.gemma4 import model as g4
+    from tunix.models.gemma4 import moe as g4_moe
+
+    class MoERoutedOnResidual(g4_moe.MoERagged):
+        """Experts run on the normalised MoE input; the router sees the raw residual stream."""
+
+        def __call__(self, x, residual):
+            r = residual.astype(jnp.float32)
+            r = r * jax.lax.rsqrt(jnp.mean(jnp.square(r), axis=-1, keepdims=True) + 1e-6)
+            r = r * (self.features ** -0.5) * self.router_scale.value.astype(jnp.float32)
+            logits = jnp.einsum("gsd,de->gse", r.astype(x.dtype), self.router_logits.value.astype(x.dtype))
+            weights, choices = self._router(logits)
+            return self._run_ffw_and_routing(x, choices, weights)
+
+    class MoEDecoderLayer(g4.DecoderLayer):
+        """Tunix's decoder layer, except that the router gets the residual (transformers'
+        `Gemma4TextDecoderLayer`: `self.router(residual)`, experts on
+        `pre_feedforward_layernorm_2(residual)`)."""
+
+        def block(self, x, segment_pos, cache, attn_mask, per_layer_input=None, kv_shared_cache=None):
+            cache, attn, kv = self.attn(self.pre_attention_norm(x), segment_pos, cache, attn_mask,
+                                        kv_shared_cache=kv_shared_cache)
+            h = x + self.post_attention_norm(attn)
+            dense = self.dense_post_ffw_norm(self.mlp(self.pre_ffw_norm(h)))
+            experts = self.moe_post_ffw_norm(self.moe(self.moe_pre_ffw_norm(h), h))
+            out = h + self.post_ffw_norm(dense + experts)
+            if self.config.per_layer_input_dim > 0 and per_layer_input is not None:
+                gate = jax.nn.gelu(self.per_layer_input_gate(out)) * per_layer_input
+                out = out + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+            return cache, out * self.skip_scale.value, kv
+
+    class Gemma4(g4.Gemma4):
+        def __init__(self, config, *, rngs):
+            super().__init__(config, rngs=rngs)
+            # transformers' KV-sharing map (Tunix's fixed choice is right only for some layouts)
+            source = kv_source(config)
+            self.kv_cache_sharing_patterns = source
+            self.shared_layer_origins = {j for i, j in enumerate(source) if i != j}
+            for i, layer in enumerate(self.layers):
+                if source[i] != i:  # no checkpoint has these, no forward reads them
+                    for name in ("kv_einsum", "k_einsum", "_key_norm"):
+                        if hasattr(layer.attn, name):
+                            delattr(layer.attn, name)
+                if config.enable_moe:
+                    layer.__class__ = MoEDecoderLayer
+                    layer.moe.__class__ = MoERoutedOnResidual
+
+        def __call__(self, tokens, positions=None, cache=None, attention_mask=None,
+                     decode_only_last_token=False, segment_ids=None, *, hidden_only=False):
+            if cache is not None:  # decoding: Tunix's cache handling, with the map set above
+                if hidden_only:
+                    raise ValueError("hidden_only needs cache=None")
+                return super().__call__(tokens, positions, cache, attention_mask, decode_only_last_token,
+                                        segment_ids)
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
+            x = self.embedder.encode(tokens)
+            per_layer = (self.embedder.encode_per_layer_input(x, tokens)
+                         if self.config.per_layer_input_dim > 0 else None)
+            kvs = {}
+            for i, layer in enumerate(self.layers):
+                src = self.kv_cache_sharing_patterns[i]
+                shared = None if src == i else {"k": kvs[src][0], "v": kvs[src][1]}
+                _, x, kv = layer(x, positions, None, attention_mask,
+                                 per_layer_input=None if per_layer is None else per_layer[:, :, i, :],
+                                 kv_shared_cache=shared)
+                if i in self.shared_layer_origins:
+                    kvs[i] = kv
+            x = self.final_norm(x)
+            if hidden_only:
+                return x, None
+            if decode_only_last_token:
+                x = x[:, -1:, :]
+            logits = self.embedder.decode(x).astype(jnp.float32)
+            cap = self.config.final_logit_softcap
+            if cap:
+                logits = jnp.tanh(logits / cap) * cap
+            return logits, None
+
+    _MODEL_CLASS = Gemma4
+    return _MODEL_CLASS
+
+
+def create_model(file_dir: str, cfg, mesh=None, dtype=None):
+    """Create the Tunix Gemma 4 from safetensors (single or sharded) through Tunix's loader."""
+    from tunix.models import safetensors_loader
+    from tunix.models.gemma4 import params_safetensors as ps
+
+    return safetensors_loader.load_and_create_model(
+        file_dir=file_dir,
+        model_class=model_class(),
+        config=cfg,
+        key_mapping=_key_mapping,
+        mesh=mesh,
+        preprocess_fn=ps._make_preprocess_fn(cfg),
+        dtype=dtype,
+    )
+
+
+def with_remat(cfg, remat: str):
+    from tunix.models.gemma4 import model as g4
+
+    return dataclasses.replace(cfg, remat_config={"none": g4.RematConfig.NONE, "block": g4.RematConfig.BLOCK,
+                                                  "decoder": g4.RematConfig.DECODER}[remat])
+
+
+GEMMA4 = register(
+    Family(
+        name="gemma4",
+        architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        model_types=("gemma4_text", "gemma4"),
+        tunix_config=tunix_config,
+        create_model=create_model,
+        projections=projections,
+        text_prefixes=TEXT_PREFIXES,
+        with_remat=with_remat,
+        chat_format="gemma",
+        tensors=TENSORS,
+        layer_features=layer_features,
+        layout_fields=layout_fields,
+        stop_token_ids=(1, 106, 50),  # <eos>, <turn|>, <|tool_response>
+    )
+)

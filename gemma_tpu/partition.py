@@ -1,0 +1,246 @@
+"""Partition rules: which mesh axes every weight, LoRA factor, optimizer state and activation is split over.
+
+One table per family (`RULES`): an ordered list of (regex over the Tunix parameter path, spec);
+the first full match wins. A spec names, per array dimension, the mesh axis (or axes) that dimension
+is split over, None for replicated. The weight specs are the ones Tunix's Gemma models annotate their
+parameters with (`ShardingConfig.get_default_sharding()`), so the loader places each weight directly
+into its shards; `tests/test_sharding.py` checks every parameter against this table on several
+meshes. The planner (`gemma_tpu.plan`) reads the same table to count per-device bytes.
+
+Derived rules, never written out per family:
+
+* a LoRA factor follows its base weight (what Qwix does): A = (spec of the base's input axes..., None),
+  B = (None, spec of the base's output axes...), from the family's `Projection` axes;
+* a QLoRA base weight keeps the base spec (`<w>.array.qvalue`); its scale has the contracted dims
+  collapsed to 1, which are replicated;
+* optimizer state (Adam's mu and nu, the accumulated gradient of gradient accumulation) has the spec
+  of the parameter it belongs to;
+* a dimension of size 1 is never split (Tunix itself replicates a single KV head); any other
+  dimension that a named axis does not divide is an error, raised before anything is loaded.
+
+Activations: Tunix constrains them to ('fsdp', None, 'tp'), which on a mesh with a data axis
+would re-gather every data-parallel batch shard (each data replica recomputing its neighbours'
+examples). `ACTIVATIONS` splits the batch over ('data', 'fsdp') instead, the same axes the input
+batch is split over (`mesh.DATA_SHARDING_AXIS`); `with_activation_rules` puts them into the Tunix
+config. (Tunix skips activation constraints on CPU, so on CPU only the weight rules are observable.)
+
+Until the registry's `Family` has a field for it, the tables live here, keyed by family name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Iterable, Sequence
+
+from gemma_tpu.errors import UserError
+from gemma_tpu.mesh import BATCH_AXES
+
+Axis = str | tuple[str, ...] | None
+Spec = tuple[Axis, ...]
+
+_L = r"layers\.\d+\."
+
+_COMMON: tuple[tuple[str, Spec], ...] = (
+    (r"embedder\.input_embedding", ("tp", "fsdp")),
+    (_L + r"attn\.(q|k)_einsum\.w", ("tp", "fsdp", None)),
+    (_L + r"attn\.(kv|qkv)_einsum\.w", (None, "tp", "fsdp", None)),
+    (_L + r"attn\.attn_vec_einsum\.w", ("tp", None, "fsdp")),
+    (_L + r"mlp\.(gate|up)_proj\.kernel", ("fsdp", "tp")),
+    (_L + r"mlp\.down_proj\.kernel", ("tp", "fsdp")),
+)
+
+RULES: dict[str, tuple[tuple[str, Spec], ...]] = {
+    "gemma3": _COMMON + (
+        (_L + r"attn\._(query|key)_norm\.scale", ()),  # Tunix: no sharding on head_dim
+        (r"(layers\.\d+\.)?\w*norm\.scale", ("tp",)),
+    ),
+    "gemma4": _COMMON + (
+        (r"embedder\.per_layer_input_embedding", ("tp", None, "fsdp")),
+        (r"embedder\.per_layer_model_projection\.w", ("fsdp", None, "tp")),
+        (_L + r"per_layer_input_gate\.w", ("fsdp", "tp")),
+        (_L + r"per_layer_projection\.w", ("tp", "fsdp")),
+        (_L + r"moe\.gating_einsum", ("fsdp", None, None, "tp")),
+        (_L + r"moe\.linear", ("fsdp", "tp", None)),
+        (_L + r"moe\.(router_logits|router_scale|per_expert_scale)", ()),
+        (_L + r"skip_scale", ()),
+        (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ("tp",)),
+    ),
+}
+
+# Tunix ShardingConfig fields for activations: batch over (data, fsdp), model dims over tp.
+ACTIVATIONS: dict[str, Spec] = {
+    "act_btd": (BATCH_AXES, None, "tp"),
+    "act_btf": (BATCH_AXES, None, "tp"),
+    "act_btnh": (BATCH_AXES, None, "tp", None),
+}
+
+_LORA = re.compile(r"^(?P<base>.+)_lora_(?P<ab>[ab])$")
+_QUANT = re.compile(r"^(?P<base>.+)\.array\.(?P<part>qvalue|scale)$")
+
+
+def rules_for(family_name: str) -> tuple[tuple[str, Spec], ...]:
+    if family_name not in RULES:
+        raise UserError(f"no partition rules for model family {family_name!r} (known: {', '.join(RULES)})")
+    return RULES[family_name]
+
+
+def base_spec(family_name: str, path: str) -> Spec:
+    """The rule spec of a (non-LoRA, unquantized) parameter path, e.g. 'layers.3.attn.q_einsum.w'."""
+    for pattern, spec in rules_for(family_name):
+        if re.fullmatch(pattern, path):
+            return spec
+    raise UserError(f"no partition rule of family {family_name} matches parameter {path!r}")
+
+
+def _projection_for(family, tunix_cfg, module_path: str):
+    """The registry Projection whose Tunix weight is `module_path` ('layers.3.attn.q_einsum.w')."""
+    m = re.fullmatch(r"layers\.\d+\.(?P<mod>.+)\.(?P<param>\w+)", module_path)
+    if not m:
+        return None
+    for p in family.projections(tunix_cfg):
+        if p.tunix_module == m.group("mod") and p.tunix_param == m.group("param"):
+            return p
+    return None
+
+
+def spec_for(family, tunix_cfg, path: str, ndim: int) -> Spec:
+    """The rule spec of any parameter of a (possibly LoRA-wrapped, possibly quantized) model."""
+    m = _LORA.match(path)
+    if m:
+        base = m.group("base")
+        proj = _projection_for(family, tunix_cfg, base)
+        if proj is None:
+            raise UserError(f"LoRA factor {path!r} is on a weight the {family.name} registry does not know")
+        bspec = _pad(base_spec(family.name, base), len(proj.axes))
+        by_axis = dict(zip(proj.axes, bspec))
+        if m.group("ab") == "a":
+            return tuple(by_axis[a] for a in proj.axes if a in proj.in_axes) + (None,)
+        return (None,) + tuple(by_axis[a] for a in proj.axes if a not in proj.in_axes)
+    m = _QUANT.match(path)
+    if m:
+        return _pad(base_spec(family.name, m.group("base")), ndim)  # scale: collapsed dims are size 1
+    return _pad(base_spec(family.name, path), ndim)
+
+
+def _pad(spec: Spec, ndim: int) -> Spec:
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _axes(entry: Axis) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def resolve(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int], path: str = "") -> Spec:
+    """The spec as placed: size-1 dims and size-1 axes dropped; an axis that does not divide its
+    dimension is a UserError naming the parameter."""
+    spec = _pad(spec, len(shape))
+    out: list[Axis] = []
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        names = tuple(a for a in _axes(entry) if mesh_sizes.get(a, 1) > 1)
+        if size == 1 or not names:
+            out.append(None)
+            continue
+        n = math.prod(mesh_sizes[a] for a in names)
+        if size % n:
+            raise UserError(f"{path or 'a parameter'}: dimension {dim} (size {size}) cannot be split over "
+                            f"mesh axes {'×'.join(names)} = {n}; choose mesh sizes that divide it")
+        out.append(names[0] if len(names) == 1 else names)
+    while out and out[-1] is None:
+        out.pop()
+    return tuple(out)
+
+
+def shards(spec: Spec, mesh_sizes: dict[str, int]) -> int:
+    """How many ways a resolved spec splits the array (per-device size = size / shards)."""
+    return math.prod(mesh_sizes.get(a, 1) for e in spec for a in _axes(e))
+
+
+def normalize(spec: Any, mesh_sizes: dict[str, int]) -> Spec:
+    """A PartitionSpec as placed, with size-1 axes dropped (for comparing with `resolve`)."""
+    out: list[Axis] = []
+    for entry in tuple(spec):
+        names = tuple(a for a in _axes(entry) if mesh_sizes.get(a, 1) > 1)
+        out.append(None if not names else names[0] if len(names) == 1 else names)
+    while out and out[-1] is None:
+        out.pop()
+    return tuple(out)
+
+
+def expected_specs(family, tunix_cfg, flat: Iterable[tuple[str, tuple[int, ...]]],
+                   mesh_sizes: dict[str, int]) -> dict[str, Spec]:
+    """path -> resolved spec for (path, shape) pairs."""
+    return {path: resolve(spec_for(family, tunix_cfg, path, len(shape)), shape, mesh_sizes, path)
+            for path, shape in flat}
+
+
+# ---------------------------------------------------------------- applying the rules
+
+
+def with_activation_rules(tunix_cfg):
+    """The Tunix config with our activation specs (batch over data and fsdp)."""
+    shd = getattr(tunix_cfg, "shd_config", None)
+    if shd is None:
+        return tunix_cfg
+    fields = {f.name for f in dataclasses.fields(shd)}
+    return dataclasses.replace(tunix_cfg, shd_config=dataclasses.replace(
+        shd, **{k: v for k, v in ACTIVATIONS.items() if k in fields}))
+
+
+def with_rules(family):
+    """The family, its Tunix config carrying our activation rules (what `load_model` builds from)."""
+    base = family.tunix_config
+
+    def tunix_config(hf_config, dtype):
+        return with_activation_rules(base(hf_config, dtype))
+
+    return dataclasses.replace(family, tunix_config=tunix_config)
+
+
+def flat_params(model) -> list[tuple[str, Any]]:
+    """('layers.0.attn.q_einsum.w', array) for every variable of an nnx model or state."""
+    from flax import nnx
+
+    state = model if isinstance(model, nnx.State) else nnx.state(model)
+    out = []
+    for path, var in nnx.to_flat_state(state):
+        val = var.get_value() if hasattr(var, "get_value") else var
+        out.append((".".join(str(p) for p in path), val))
+    return out
+
+
+def check_divisible(family, tunix_cfg, model, mesh) -> None:
+    """Every parameter of the (abstract or real) model can be split as the rules say."""
+    sizes = dict(mesh.shape)
+    for path, val in flat_params(model):
+        resolve(spec_for(family, tunix_cfg, path, len(val.shape)), tuple(val.shape), sizes, path)
+
+
+def shard_optimizer_state(optimizer, mesh) -> None:
+    """Place every optimizer-state array with the spec of the parameter it belongs to.
+
+    nnx.Optimizer builds its state with `zeros_like` outside jit, which puts it on one device;
+    Tunix reshards it only when the train step is first jitted. Doing it right away keeps device 0
+    from holding the whole state (full fine-tuning) and makes the placement inspectable.
+    """
+    import jax
+    from flax import nnx
+
+    if mesh is None or mesh.empty:
+        return
+    state = nnx.state(optimizer, nnx.optimizer.OptState)
+    specs = nnx.get_partition_spec(state)
+
+    def place(x, spec):
+        if not isinstance(x, jax.Array) or x.ndim == 0:
+            spec = jax.sharding.PartitionSpec()
+        sharding = jax.sharding.NamedSharding(mesh, spec if spec is not None else jax.sharding.PartitionSpec())
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        return jax.jit(lambda v: v, out_shardings=sharding)(x)
+
+    placed = jax.tree.map(place, state, specs, is_leaf=lambda v: v is None)
+    nnx.update(optimizer, placed)

@@ -1,0 +1,64 @@
+"""Run as a script with 8 simulated devices: load tiny models on several meshes (weights into their
+shards, LoRA / QLoRA, optimizer state) and print, as JSON, every array whose placement differs from
+the partition rules. Used by tests/test_sharding.py (it needs XLA_FLAGS before JAX starts)."""
+
+import dataclasses
+import json
+import re
+import sys
+
+MESHES = {"1x1x1": (1, 1, 1), "fsdp8": (1, 8, 1), "fsdp4_tp2": (1, 4, 2), "data2_fsdp4": (2, 4, 1)}
+
+
+def check(model_dir: str, mesh_name: str, quant: str | None) -> dict:
+    import jax
+    import optax
+    from flax import nnx
+
+    from gemma_tpu import lora, mesh as mesh_lib, partition
+    from gemma_tpu.config import LoraConfig, MeshConfig
+    from gemma_tpu.models import load_model, resolve_model
+
+    d, f, t = MESHES[mesh_name]
+    resolved = resolve_model(model_dir)
+    mesh = mesh_lib.build_mesh(MeshConfig(data=d, fsdp=f, tp=t), devices=jax.devices()[:d * f * t])
+    sizes = dict(mesh.shape)
+    with mesh:
+        ruled = dataclasses.replace(resolved, family=partition.with_rules(resolved.family))
+        model, cfg = load_model(ruled, "float32", "none", mesh=mesh)
+        model = lora.apply_lora(model, resolved.family, cfg, LoraConfig(rank=4, base_quantization=quant), mesh=mesh)
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.LoRAParam)
+        partition.shard_optimizer_state(optimizer, mesh)
+    params = partition.flat_params(model)
+    expected = partition.expected_specs(resolved.family, cfg, [(p, tuple(v.shape)) for p, v in params], sizes)
+    bad, split = [], 0
+    for path, value in params:
+        got = partition.normalize(value.sharding.spec, sizes)
+        split += bool(got)
+        if got != expected[path]:
+            bad.append(f"{path}: placed {got}, rules say {expected[path]}")
+    opt_checked = 0
+    for path, value in partition.flat_params(nnx.state(optimizer, nnx.optimizer.OptState)):
+        m = re.search(r"\.(mu|nu)\.(.+)$", path)
+        if not m:
+            continue
+        opt_checked += 1
+        got = partition.normalize(value.sharding.spec, sizes)
+        if got != expected[m.group(2)]:
+            bad.append(f"{path}: placed {got}, its parameter's rule says {expected[m.group(2)]}")
+    return {"params": len(params), "split": split, "opt_checked": opt_checked, "mismatches": bad,
+            "lora": sum(1 for p, _ in params if "_lora_" in p), "quantized": sum(1 for p, _ in params if ".qvalue" in p),
+            "act_btd": [list(a) if isinstance(a, tuple) else a for a in cfg.shd_config.act_btd]}
+
+
+def main(argv):
+    out = {}
+    for model_dir in argv:
+        for mesh_name in MESHES:
+            out[f"{model_dir}|{mesh_name}|-"] = check(model_dir, mesh_name, None)
+        out[f"{model_dir}|fsdp4_tp2|int8"] = check(model_dir, "fsdp4_tp2", "int8")
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

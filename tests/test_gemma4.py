@@ -1,0 +1,445 @@
+"""Gemma 4: forward parity with transformers, LoRA -> merge / PEFT export, full fine-tune
+conversion, the same loss on every mesh, and config.json presets for offline planning.
+
+Tiny random Gemma 4s written by transformers (`gemma_tpu.tiny.write_tiny_gemma4`):
+
+* dense  - like 31B: K=V global layers (K only), global head size and KV heads of their own;
+* ple    - like E2B/E4B: per-layer embeddings, one KV head, the last two layers reusing earlier
+           layers' keys and values, double-wide MLPs there;
+* moe    - like 26B-A4B: a dense MLP plus eight routed experts per layer;
+* *_mm   - the same decoder inside a Gemma4ForConditionalGeneration (keys under
+           `model.language_model.`, a vision tower beside it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convert import safetensors_io as sio
+from gemma_tpu.errors import UserError
+from tests.conftest import run_cli
+from tests.test_convert import ALL_TARGETS, TOL, hf_logits, make_checkpoint, max_diff, merge
+from tests.test_sharding import EIGHT, MESHES
+
+VARIANTS = {"dense": ("dense", False), "dense_mm": ("dense", True), "ple": ("ple", False),
+            "ple_mm": ("ple", True), "moe": ("moe", False)}
+TEXT_PROMPTS = ["Hello world, this is a tiny test of the model!",
+                "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+                "A longer prompt that runs past the sliding window of sixteen tokens, so local layers matter."]
+
+
+@pytest.fixture(scope="module")
+def g4(tmp_path_factory):
+    """name -> a tiny Gemma 4 directory, written once per module."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            variant, mm = VARIANTS[name]
+            made[name] = write(tmp_path_factory.mktemp(name) / "gemma4", variant, mm, seed=list(VARIANTS).index(name))
+        return made[name]
+
+    return get
+
+
+def write(path, variant, mm, seed=0):
+    from gemma_tpu.tiny import write_tiny_gemma4
+
+    return write_tiny_gemma4(path, seed=seed, variant=variant, multimodal=mm)
+
+
+def jax_logits(model, ids):
+    import jax
+    import jax.numpy as jnp
+
+    from gemma_tpu.loss import attention_mask
+
+    t = jnp.asarray([ids], jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        logits, _ = model(t, jnp.arange(len(ids), dtype=jnp.int32)[None], None, attention_mask(jnp.ones_like(t)))
+    return np.asarray(logits[0])
+
+
+# ------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_forward_matches_transformers(g4, name):
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.models import load_model, resolve_model
+
+    d = g4(name)
+    resolved = resolve_model(str(d))
+    assert resolved.family.name == "gemma4"
+    model, _ = load_model(resolved, "float32")
+    tok = AutoTokenizer.from_pretrained(str(d))
+    seqs = [tok(p).input_ids for p in TEXT_PROMPTS] + [[2, *range(120, 160)]]
+    assert max(len(s) for s in seqs) > 2 * 16  # well past the sliding window
+    ref = hf_logits(d, seqs)
+    diff = max_diff([jax_logits(model, s) for s in seqs], ref)
+    print(f"{name}: max |JAX - transformers| = {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_hidden_only_and_sparse_loss_apply_the_softcap(g4):
+    """The trainer's loss projects final hidden states itself: it must soft-cap like the model."""
+    import jax
+    import jax.numpy as jnp
+
+    from gemma_tpu.loss import attention_mask, full_loss, sparse_loss
+    from gemma_tpu.models import load_model, resolve_model
+
+    model, cfg = load_model(resolve_model(str(g4("ple"))), "float32")
+    assert cfg.final_logit_softcap == 30.0
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, 500, size=(2, 24)), jnp.int32)
+    seg = jnp.ones_like(tokens)
+    pos = jnp.broadcast_to(jnp.arange(24)[None], tokens.shape)
+    hidden, _ = model(tokens, pos, None, attention_mask(seg), hidden_only=True)
+    logits, _ = model(tokens, pos, None, attention_mask(seg))
+    emb = model.embedder.input_embedding.get_value()
+    np.testing.assert_allclose(np.asarray(jnp.tanh(hidden @ emb.T / 30.0) * 30.0), np.asarray(logits), atol=2e-5)
+    batch = dict(tokens=tokens, positions=pos, segment_ids=seg, loss_idx=jnp.asarray([[3, 9, 20], [0, 5, 23]]),
+                 loss_targets=jnp.asarray([[7, 8, 9], [10, 11, 12]]), loss_weights=jnp.ones((2, 3)))
+    with jax.default_matmul_precision("highest"):
+        assert abs(float(full_loss(model, **batch)) - float(sparse_loss(model, **batch, chunk=2))) < 1e-5
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_config_built_from_config_json(g4):
+    from gemma_tpu.models.gemma4 import kv_source, layer_features
+    from gemma_tpu.models.registry import detect_family
+
+    cfg = json.loads((g4("dense") / "config.json").read_text())
+    fam = detect_family(cfg)
+    tc = fam.tunix_config(cfg)
+    assert (tc.num_layers, tc.embed_dim, tc.num_heads, tc.num_kv_heads, tc.head_dim) == (4, 64, 4, 2, 16)
+    assert (tc.global_key_size, tc.num_global_kv_heads, tc.k_eq_v_global) == (32, 2, True)
+    assert tc.sliding_window_size == 16 and tc.num_embed == 512 and tc.final_logit_softcap == 30.0
+    assert (tc.global_rope_proportion, tc.local_rope_proportion) == (0.25, 1.0)
+    assert [a.name for a in tc.attention_pattern] == ["LOCAL_SLIDING", "GLOBAL"] * 2
+    assert layer_features(tc, 0) == {"own_kv", "kv"} and layer_features(tc, 1) == {"own_kv", "k_eq_v"}
+
+    mm = json.loads((g4("ple_mm") / "config.json").read_text())
+    assert mm["architectures"] == ["Gemma4ForConditionalGeneration"] and "text_config" in mm
+    tc = fam.tunix_config(mm)
+    assert tc.per_layer_input_dim == 8 and tc.override_kv_shared_ffw_hidden == 256 and tc.num_global_kv_heads is None
+    # transformers' rule: a shared layer reads the last earlier layer of its own type
+    assert kv_source(tc) == [0, 1, 2, 3, 3, 1]
+    assert layer_features(tc, 4) == {"ple"} and layer_features(tc, None) == {"ple"}
+    # the converters' Layout (no Tunix import) agrees with the Tunix config
+    from convert.mapping import read_layout
+
+    layout = read_layout(mm, fam)
+    assert [layer_features(layout, i) for i in range(6)] == [layer_features(tc, i) for i in range(6)]
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("attention_bias", True, "attention_bias"),
+    ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
+    ("rms_norm_eps", 1e-5, "rms_norm_eps"),
+    ("vocab_size_per_layer_input", 256, "vocab_size_per_layer_input"),
+    ("hidden_activation", "silu", "hidden_activation"),
+    ("rope_parameters", {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+     "rope_parameters.full_attention.rope_type"),
+    ("rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+     "global_head_dim"),
+    ("num_kv_shared_layers", 6, "num_kv_shared_layers"),
+])
+def test_unsupported_config_values_are_refused_by_name(g4, key, value, needle):
+    from gemma_tpu.models import get_family
+
+    cfg = json.loads((g4("ple") / "config.json").read_text())
+    cfg[key] = value
+    with pytest.raises(UserError, match=needle) as e:
+        get_family("gemma4").tunix_config(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_lora_lands_where_each_layer_has_the_projection(g4):
+    """K and V are fused in sliding layers, K alone in the K=V global layers, and KV-sharing
+    layers have neither; LoRA factors exist exactly there."""
+    from gemma_tpu.config import LoraConfig
+    from gemma_tpu.lora import apply_lora, lora_state_paths
+    from gemma_tpu.models import load_model, resolve_model
+
+    def lora_modules(name):
+        r = resolve_model(str(g4(name)))
+        model, cfg = load_model(r, "float32")
+        model = apply_lora(model, r.family, cfg, LoraConfig(rank=2, alpha=4.0, targets=ALL_TARGETS))
+        return {p.rsplit(".", 1)[0] for p in lora_state_paths(model)}
+
+    dense = lora_modules("dense")
+    assert "layers.0.attn.kv_einsum" in dense and "layers.1.attn.k_einsum" in dense
+    assert "layers.1.attn.kv_einsum" not in dense and "layers.0.attn.k_einsum" not in dense
+    ple = lora_modules("ple")
+    assert {f"layers.{i}.attn.kv_einsum" for i in range(4)} <= ple
+    assert not {m for m in ple if m.startswith(("layers.4.attn.k", "layers.5.attn.k"))}
+    assert {"layers.5.attn.q_einsum", "layers.5.mlp.down_proj"} <= ple
+    r = resolve_model(str(g4("dense")))
+    with pytest.raises(UserError, match="k_proj shares one Tunix weight"):
+        r.family.targets_to_modules(r.family.tunix_config(r.hf_config), ["k_proj"])
+
+
+# ------------------------------------------------------------------------------ trained LoRA, meshes
+
+
+# Plain SGD: AdamW's first updates are ~lr * sign(gradient), so a gradient element within ~1e-8 of
+# zero (AdamW's eps) turns fp32 reduction-order noise into an lr-sized step. Measured on ple_mm
+# with AdamW (lr 0.01): one element of layers.0.mlp.up_proj's A differed by 4e-3 after step 2
+# between 1 and 8 devices, every other parameter by < 1.2e-4, and the step-3 loss by 2.2e-5 -
+# an optimizer property, not a sharding one. With SGD the same runs agree to 5e-7.
+TRAIN_ARGS = ("train.max_steps=3", "train.batch_size=8", "data.eval_path=null", "checkpoint.every_steps=3",
+              "train.optimizer=sgd", "train.learning_rate=0.1")
+
+
+def train_losses(model_dir: Path, ckpt: Path, mesh_args: list[str], env: dict, *extra: str) -> list[float]:
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={model_dir}",
+                   f"checkpoint.dir={ckpt}", *TRAIN_ARGS, *mesh_args, *extra, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (Path(ckpt) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["mode"] == "train"]
+
+
+MESH_VARIANTS = ["dense", "ple_mm"]
+
+
+@pytest.fixture(scope="module")
+def trained(g4, tmp_path_factory):
+    """name -> (checkpoint dir, losses) of 3 LoRA steps through the CLI on one device."""
+    done: dict[str, tuple[Path, list[float]]] = {}
+
+    def get(name: str):
+        if name not in done:
+            ckpt = tmp_path_factory.mktemp(f"trained_{name}") / "ckpt"
+            done[name] = ckpt, train_losses(g4(name), ckpt, MESHES["1x1x1"], {"XLA_FLAGS": ""})
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", MESH_VARIANTS)
+def test_trained_lora_merges_and_exports(g4, trained, tmp_path, name):
+    """3 training steps -> merge: transformers on the merged dir equals the JAX LoRA model; the
+    PEFT adapter on the base equals the merged model."""
+    from tests.test_e2e import jax_lora_logits
+
+    base = g4(name)
+    ckpt, losses = trained(name)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    out = tmp_path / "merged"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    ours = jax_lora_logits(ckpt, 3, TEXT_PROMPTS)
+    merged = hf_logits_text(out, TEXT_PROMPTS)
+    diff = max_diff(ours, merged)
+    print(f"{name}: max |merged - JAX LoRA| = {diff:.2e}")
+    assert diff < TOL
+    assert max_diff(merged, hf_logits_text(base, TEXT_PROMPTS)) > 100 * TOL
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert {1, 106, 50} <= set(eos)
+    assert sio.WeightsDir(out).names() == [k for k in sio.WeightsDir(base).names() if k != "lm_head.weight"]
+
+    adapter = tmp_path / "adapter"
+    proc = run_cli("convert.export_peft", "--checkpoint", str(ckpt), "--out", str(adapter))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_adapter_keys(base, adapter)
+    diff = max_diff(hf_logits_text(base, TEXT_PROMPTS, adapter), merged)
+    print(f"{name}: max |PEFT on base - merged| = {diff:.2e}")
+    assert diff < TOL
+
+
+@pytest.mark.parametrize("name", MESH_VARIANTS)
+def test_same_loss_on_every_mesh(g4, trained, tmp_path, name):
+    _, single = trained(name)
+    for mesh, args in MESHES.items():
+        if mesh == "1x1x1":
+            continue
+        got = train_losses(g4(name), tmp_path / mesh, args, EIGHT)
+        assert len(got) == 3
+        worst = max(abs(a - b) for a, b in zip(got, single))
+        print(f"{name} {mesh}: losses {got}, max |diff| vs 1x1x1 {worst:.1e}")
+        assert worst < 1e-5, (mesh, got, single)
+
+
+def hf_logits_text(model_dir, prompts, adapter=None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return hf_logits(model_dir, [tok(p).input_ids for p in prompts], adapter)
+
+
+def check_adapter_keys(base: Path, adapter: Path) -> None:
+    """Fused Tunix weights land on the right HF modules: one A shared by k_proj and v_proj where
+    kv_einsum fuses them, k_proj alone in K=V layers, nothing where a layer shares KV."""
+    from gemma_tpu.models import get_family
+    from gemma_tpu.models.gemma4 import layer_features
+
+    cfg = json.loads((base / "config.json").read_text())
+    tc = get_family("gemma4").tunix_config(cfg)
+    names = set(sio.WeightsDir(adapter).names())
+    w = sio.WeightsDir(adapter)
+    prefix = "base_model.model." + ("model.language_model." if "text_config" in cfg else "model.")
+    for i in range(tc.num_layers):
+        feats = layer_features(tc, i)
+        stem = f"{prefix}layers.{i}.self_attn."
+        has = {m for m in ("k_proj", "v_proj") if f"{stem}{m}.lora_A.weight" in names}
+        assert has == ({"k_proj", "v_proj"} if "kv" in feats else {"k_proj"} if "k_eq_v" in feats else set()), i
+        if "kv" in feats:
+            assert np.array_equal(w.read(f"{stem}k_proj.lora_A.weight"), w.read(f"{stem}v_proj.lora_A.weight"))
+        assert f"{stem}q_proj.lora_B.weight" in names and f"{prefix}layers.{i}.mlp.down_proj.lora_A.weight" in names
+    assert not [n for n in names if "vision" in n]
+
+
+# ------------------------------------------------------------------------------ random factors, full fine-tunes
+
+
+@pytest.mark.parametrize("name", ["dense_mm", "moe"])
+def test_lora_merge_and_peft(g4, tmp_path, name):
+    base = g4(name)
+    ckpt = tmp_path / "ckpt"
+    ref = make_checkpoint(base, ckpt, rank=3, alpha=6.0, seed=7)
+    out = tmp_path / "merged"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    got = hf_logits(out)
+    assert max_diff(ref, got) <= TOL
+    assert max_diff(ref, hf_logits(base)) > 100 * TOL
+    bw, mw = sio.WeightsDir(base), sio.WeightsDir(out)
+    untouched = [k for k in bw.names() if "vision" in k or "experts" in k or "router" in k]
+    assert untouched and all(mw.read(k).tobytes() == bw.read(k).tobytes() for k in untouched)
+    from convert.export_peft import main as export_main
+    from gemma_tpu.errors import cli_main
+
+    adapter = tmp_path / "adapter"
+    assert cli_main(export_main, ["--checkpoint", str(ckpt), "--out", str(adapter)]) == 0
+    check_adapter_keys(base, adapter)
+    assert max_diff(hf_logits(base, adapter=adapter), got) <= TOL
+
+
+@pytest.mark.parametrize("name", ["ple_mm", "moe"])
+def test_full_finetune_converts(g4, tmp_path, name):
+    """Every Tunix param back to its HF tensor: per-layer embeddings (regrouped axes), layer
+    scalars, experts (3-D, transposed), and no K/V for KV-sharing layers."""
+    base = g4(name)
+    ckpt = tmp_path / "ckpt"
+    ref = make_checkpoint(base, ckpt, full=True, seed=8)
+    out = tmp_path / "merged"
+    assert merge("--checkpoint", ckpt, "--out", out, "--verify") == 0
+    assert max_diff(ref, hf_logits(out)) <= TOL
+    assert max_diff(ref, hf_logits(base)) > 100 * TOL
+    bw, mw = sio.WeightsDir(base), sio.WeightsDir(out)
+    changed = [k for k in bw.names() if "vision" not in k and mw.read(k).tobytes() != bw.read(k).tobytes()]
+    assert len(changed) == len([k for k in bw.names() if "vision" not in k])
+
+
+# ------------------------------------------------------------------------------ presets
+
+
+PRESETS = {
+    "google/gemma-4-31b-it": ("gemma4", 60, 5376),
+    "google/gemma-4-e2b-it": ("gemma4", 35, 1536),
+    "google/gemma-4-e4b-it": ("gemma4", 42, 2560),
+    "google/gemma-3-27b-it": ("gemma3", 62, 5376),
+    "google/gemma-3-4b-it": ("gemma3", 34, 2560),
+    "google/gemma-3-1b-it": ("gemma3", 26, 1152),
+}
+
+
+@pytest.mark.parametrize("hub_id", list(PRESETS))
+def test_config_json_for_presets(hub_id, monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    from gemma_tpu.models.registry import config_json_for, detect_family, text_config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = config_json_for(hub_id)
+    family, layers, hidden = PRESETS[hub_id]
+    fam = detect_family(cfg)
+    assert fam.name == family
+    tc = fam.tunix_config(cfg)
+    assert (tc.num_layers, tc.embed_dim) == (layers, hidden)
+    assert int(text_config(cfg)["num_hidden_layers"]) == layers
+
+
+def test_preset_values_match_tunix():
+    """Presets cross-checked with Tunix's own configs of the same models."""
+    from tunix.models.gemma3 import model as g3
+    from tunix.models.gemma4 import model as g4m
+
+    from gemma_tpu.models.registry import config_json_for, detect_family
+
+    fields = ("num_layers", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads",
+              "sliding_window_size", "per_layer_input_dim", "num_global_kv_heads", "k_eq_v_global",
+              "global_key_size", "override_kv_shared_ffw_hidden")
+    for hub_id, tunix in [("google/gemma-4-31b-it", g4m.ModelConfig.gemma4_31b()),
+                          ("google/gemma-4-e2b-it", g4m.ModelConfig.gemma4_e2b()),
+                          ("google/gemma-4-e4b-it", g4m.ModelConfig.gemma4_e4b())]:
+        cfg = config_json_for(hub_id)
+        ours = detect_family(cfg).tunix_config(cfg)
+        assert {f: getattr(ours, f) for f in fields} == {f: getattr(tunix, f) for f in fields}, hub_id
+        from gemma_tpu.models.gemma4 import _num_unshared
+
+        assert _num_unshared(ours.num_layers, ours.frac_shared_layers) == _num_unshared(tunix.num_layers,
+                                                                                        tunix.frac_shared_layers)
+    for hub_id, tunix in [("google/gemma-3-27b-it", g3.ModelConfig.gemma3_27b_it()),
+                          ("google/gemma-3-4b-it", g3.ModelConfig.gemma3_4b_it()),
+                          ("google/gemma-3-1b-it", g3.ModelConfig.gemma3_1b_it())]:
+        cfg = config_json_for(hub_id)
+        ours = detect_family(cfg).tunix_config(cfg)
+        for f in ("num_layers", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads",
+                  "sliding_window_size", "global_scale_factor", "query_pre_attn_norm"):
+            assert getattr(ours, f) == getattr(tunix, f), (hub_id, f)
+
+
+def test_config_json_for_prefers_local_dir_then_cache(g4, monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    from gemma_tpu.models.registry import config_json_for
+
+    d = g4("dense")
+    assert config_json_for(str(d)) == json.loads((d / "config.json").read_text())
+    # a hub cache entry wins over the preset
+    cache = tmp_path / "hub"
+    snap = cache / "models--google--gemma-4-31b-it" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps({"architectures": ["Gemma4ForCausalLM"], "cached": True}))
+    (cache / "models--google--gemma-4-31b-it" / "refs").mkdir()
+    (cache / "models--google--gemma-4-31b-it" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert config_json_for("google/gemma-4-31b-it")["cached"] is True
+    with pytest.raises(UserError, match="no preset") as e:
+        config_json_for("google/gemma-9-nope")
+    assert "google/gemma-4-31b-it" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="no such directory"):
+        config_json_for(str(tmp_path / "missing" / "dir"))
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+@pytest.mark.parametrize("name", ["ple", "moe"])
+def test_greedy_generation_matches_transformers(g4, name):
+    """The KV-cached decoder (per-layer cache shapes, KV-sharing layers reading their source's
+    cache, sliding windows) continues left-padded prompts as transformers does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gemma_tpu.generate import Generator, load_hf_dir
+
+    d = g4(name)
+    prompts = [[2, 120, 121, 122, 300, 301], [2, *range(130, 160)]]  # the second one past the window
+    ours = Generator(load_hf_dir(str(d)), max_new_tokens=20, batch_size=2).generate(prompts)
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="eager")
+    for p, g in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=[1, 106],
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert len(g.ids) >= 5 and g.ids == ref[:len(g.ids)]

@@ -1,0 +1,140 @@
+"""Two JAX processes on loopback (4 CPU devices each, gloo collectives) train the tiny model to the
+same losses as one process with 8 devices; each process reads only its slice of every batch."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+STEPS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _args(tiny_dir, ckpt):
+    return [sys.executable, "-m", "gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+            f"checkpoint.dir={ckpt}", f"train.max_steps={STEPS}", "train.batch_size=8", "data.eval_max_batches=1",
+            "checkpoint.every_steps=100"]
+
+
+def _env(devices: int, **extra) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def _metrics(ckpt: Path, mode: str) -> list[float]:
+    rows = [json.loads(l) for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["mode"] == mode]
+
+
+def test_two_processes_match_one_process(tiny_dir, tmp_path):
+    port = _free_port()
+    multi = tmp_path / "multi"
+    procs = [subprocess.Popen(_args(tiny_dir, multi), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                  JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+             for i in range(2)]
+    # the one-process reference runs meanwhile (the machine has two cores and three processes)
+    single = tmp_path / "single"
+    ref = subprocess.run(_args(tiny_dir, single), cwd=REPO, capture_output=True, text=True, env=_env(8), timeout=600)
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    for p, err in zip(procs, errs):
+        assert p.returncode == 0, err[-3000:]
+    for err in errs:
+        assert "process 0 of 2" in err or "process 1 of 2" in err, err[-2000:]
+        assert "4 local / 8 global devices" in err, err[-2000:]
+
+    want, got = _metrics(single, "train"), _metrics(multi, "train")
+    assert len(want) == len(got) == STEPS
+    for a, b in zip(got, want):
+        assert abs(a - b) < 1e-5, (got, want)
+    want_eval, got_eval = _metrics(single, "eval"), _metrics(multi, "eval")
+    assert len(got_eval) == len(want_eval) == 2
+    for a, b in zip(got_eval, want_eval):
+        assert abs(a - b) < 1e-5, (got_eval, want_eval)
+    # one writer: every metric once, the checkpoint complete
+    assert (multi / str(STEPS) / "model_params").is_dir()
+    assert json.loads((multi / "summary.json").read_text())["steps"] == STEPS
+
+
+def test_each_process_reads_its_slice():
+    """Process p's batches are rows p::2 of the one-process batches: disjoint, and together the same rows."""
+    from gemma_tpu.data.pipeline import Prepared, TrainStream
+    from gemma_tpu.data import batching
+
+    import numpy as np
+
+    ex = [batching.Example(np.array([2, 10 + i, 11 + i, 1], np.int32), np.array([0, 0, 1, 1], bool), f"row{i}")
+          for i in range(24)]
+    rows = batching.make_rows(ex, 8, "pad")
+    prepared = Prepared("mem", rows, batching.FitReport(), 8, 8)
+    one = TrainStream(prepared, 8, seed=0)
+    two = [TrainStream(prepared, 8, seed=0, process_index=p, process_count=2) for p in range(2)]
+    for _ in range(5):
+        full = next(one)["tokens"][:, 1]
+        parts = [next(s)["tokens"][:, 1] for s in two]
+        assert len(parts[0]) == len(parts[1]) == 4
+        assert not set(parts[0]) & set(parts[1])
+        assert sorted([*parts[0], *parts[1]]) == sorted(full)
+        assert list(parts[0]) == list(full[0::2]) and list(parts[1]) == list(full[1::2])
+
+
+def test_when_jax_distributed_starts(monkeypatch):
+    """Config keys win over JAX_* variables; a TPU pod is detected; one process needs nothing."""
+    import pytest
+
+    from gemma_tpu.config import MeshConfig
+    from gemma_tpu.errors import UserError
+    from gemma_tpu.mesh import distributed_settings
+
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TPU_WORKER_HOSTNAMES",
+              "MEGASCALE_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    assert distributed_settings(MeshConfig()) is None
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    assert distributed_settings(MeshConfig()) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
+                                                  "process_id": 3}
+    assert distributed_settings(MeshConfig(coordinator_address="h:1", num_processes=2, process_id=0)) == {
+        "coordinator_address": "h:1", "num_processes": 2, "process_id": 0}
+    with pytest.raises(UserError, match="process_id=5 is not in"):
+        distributed_settings(MeshConfig(process_id=5))
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+    with pytest.raises(UserError, match="needs mesh.coordinator_address"):
+        distributed_settings(MeshConfig())
+    monkeypatch.delenv("JAX_NUM_PROCESSES")
+    monkeypatch.delenv("JAX_PROCESS_ID")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1-w-0,t1-w-1,t1-w-2,t1-w-3")
+    assert distributed_settings(MeshConfig()) == {}  # jax.distributed.initialize() detects the pod
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+    assert distributed_settings(MeshConfig()) is None  # a single-host slice (v5p-8)
+
+
+def test_mesh_shapes():
+    import pytest
+
+    from gemma_tpu.config import MeshConfig
+    from gemma_tpu.errors import UserError
+    from gemma_tpu.mesh import mesh_shape
+
+    assert mesh_shape(MeshConfig(), 8) == (1, 8, 1)
+    assert mesh_shape(MeshConfig(data=2, fsdp=-1, tp=2), 16) == (2, 4, 2)
+    assert mesh_shape(MeshConfig(data=-1, fsdp=4, tp=1), 8) == (2, 4, 1)
+    assert mesh_shape(MeshConfig(data=1, fsdp=4, tp=1, dcn_data=2), 8) == (2, 4, 1)  # 2 slices × 4 chips
+    with pytest.raises(UserError, match="only one of"):
+        mesh_shape(MeshConfig(data=-1, fsdp=-1), 8)
+    with pytest.raises(UserError, match="not divisible"):
+        mesh_shape(MeshConfig(fsdp=-1, tp=3), 8)
