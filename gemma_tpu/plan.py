@@ -137,11 +137,10 @@ class Plan:
 
 
 def model_class(family):
-    """The nnx model class a family's loader builds (the module of `create_model` provides it)."""
-    module = sys.modules[family.create_model.__module__]
-    if not hasattr(module, "model_class"):
-        raise UserError(f"family {family.name}: its module has no model_class() to plan with")
-    return module.model_class()
+    """The nnx model class a family's loader builds (registry data)."""
+    if family.model_class is None:
+        raise UserError(f"family {family.name}: the registry gives no model_class to plan with")
+    return family.model_class()
 
 
 def abstract_model(family, hf_config: dict, dtype: str = "float32", remat: str = "none"):

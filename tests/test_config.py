@@ -1,6 +1,5 @@
 """Typed config: YAML + dotted overrides, unknown keys and bad types rejected by name."""
 
-from pathlib import Path
 
 import pytest
 

@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
         name = strategy + (" *" if strategy == chosen else "")
         print(fmt_row([name, p.seq_len, s["rows"], f"{s['examples_per_row']:.2f}", f"{s['nonpad_fraction']:.3f}",
                        f"{s['useful_fraction']:.3f}", s["max_loss"]], widths), file=out)
-    print(f"(* data.strategy; useful = loss-bearing tokens / all row tokens, non-pad = real tokens / all row tokens)",
+    print("(* data.strategy; useful = loss-bearing tokens / all row tokens, non-pad = real tokens / all row tokens)",
           file=out)
     what = f"one epoch, batch {cfg.train.batch_size}" if args.split == "train" else f"eval, batch {cfg.train.batch_size}"
     print(f"batch shapes: {n_shapes} distinct ({what})", file=out)

@@ -7,13 +7,13 @@ than silently mis-modelled.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
 
 from gemma_tpu.errors import UserError
-from gemma_tpu.models.registry import Family, Projection, Tensor, register, text_config
+from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
+                                       tunix_safetensors_loader)
 
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.
@@ -173,39 +173,17 @@ def model_class():
     return _MODEL_CLASS
 
 
-def create_model(file_dir: str, cfg, mesh=None, dtype=None):
-    """Create the Tunix Gemma 3 from safetensors (single or sharded) through Tunix's loader."""
-    from tunix.models import safetensors_loader
-    from tunix.models.gemma3 import params_safetensors as ps
-
-    return safetensors_loader.load_and_create_model(
-        file_dir=file_dir,
-        model_class=model_class(),
-        config=cfg,
-        key_mapping=_key_mapping,
-        mesh=mesh,
-        preprocess_fn=ps._make_preprocess_fn(cfg),
-        dtype=dtype,
-    )
-
-
-def with_remat(cfg, remat: str):
-    from tunix.models.gemma3 import model as g3
-
-    return dataclasses.replace(cfg, remat_config={"none": g3.RematConfig.NONE, "block": g3.RematConfig.BLOCK,
-                                                  "decoder": g3.RematConfig.DECODER}[remat])
-
-
 GEMMA3 = register(
     Family(
         name="gemma3",
         architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         model_types=("gemma3_text", "gemma3"),
         tunix_config=tunix_config,
-        create_model=create_model,
+        create_model=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
+        model_class=model_class,
         projections=projections,
         text_prefixes=TEXT_PREFIXES,
-        with_remat=with_remat,
+        with_remat=tunix_remat("gemma3"),
         chat_format="gemma",
         # Tunix's HF->Tunix key table (tunix/models/gemma3/params_safetensors.py), inverted.
         tensors=(

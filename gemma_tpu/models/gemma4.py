@@ -29,13 +29,13 @@ Anything else Tunix cannot express is refused by config key, in one line.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
 
 from gemma_tpu.errors import UserError
-from gemma_tpu.models.registry import Family, Projection, Tensor, register, text_config
+from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
+                                       tunix_safetensors_loader)
 
 # HF key prefixes of the decoder: text-only, multimodal as transformers >= 5 saves it (the
 # released layout), and the older multimodal layout, accepted for symmetry with Gemma 3.
@@ -410,39 +410,17 @@ def model_class():
     return _MODEL_CLASS
 
 
-def create_model(file_dir: str, cfg, mesh=None, dtype=None):
-    """Create the Tunix Gemma 4 from safetensors (single or sharded) through Tunix's loader."""
-    from tunix.models import safetensors_loader
-    from tunix.models.gemma4 import params_safetensors as ps
-
-    return safetensors_loader.load_and_create_model(
-        file_dir=file_dir,
-        model_class=model_class(),
-        config=cfg,
-        key_mapping=_key_mapping,
-        mesh=mesh,
-        preprocess_fn=ps._make_preprocess_fn(cfg),
-        dtype=dtype,
-    )
-
-
-def with_remat(cfg, remat: str):
-    from tunix.models.gemma4 import model as g4
-
-    return dataclasses.replace(cfg, remat_config={"none": g4.RematConfig.NONE, "block": g4.RematConfig.BLOCK,
-                                                  "decoder": g4.RematConfig.DECODER}[remat])
-
-
 GEMMA4 = register(
     Family(
         name="gemma4",
         architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         model_types=("gemma4_text", "gemma4"),
         tunix_config=tunix_config,
-        create_model=create_model,
+        create_model=tunix_safetensors_loader("gemma4", model_class, _key_mapping),
+        model_class=model_class,
         projections=projections,
         text_prefixes=TEXT_PREFIXES,
-        with_remat=with_remat,
+        with_remat=tunix_remat("gemma4"),
         chat_format="gemma",
         tensors=TENSORS,
         layer_features=layer_features,

@@ -163,6 +163,7 @@ class Family:
     layout_fields: Callable[[dict], dict] | None = None
     # generation_config.json eos ids a merged model must stop on
     stop_token_ids: tuple[int, ...] = (1, 106)
+    model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
 
     def features(self, cfg: Any, layer: int | None) -> frozenset[str]:
         return self.layer_features(cfg, layer) if self.layer_features else frozenset()
@@ -222,6 +223,35 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}
+
+
+def tunix_safetensors_loader(tunix_family: str, model_class: Callable[[], type], key_mapping: Callable) -> Callable:
+    """`create_model(file_dir, cfg, mesh, dtype)` through Tunix's safetensors loader (single or sharded),
+    with our model subclass and widened key mapping, and Tunix's own per-family preprocessing."""
+
+    def create_model(file_dir: str, cfg, mesh=None, dtype=None):
+        import importlib
+
+        from tunix.models import safetensors_loader
+
+        ps = importlib.import_module(f"tunix.models.{tunix_family}.params_safetensors")
+        return safetensors_loader.load_and_create_model(
+            file_dir=file_dir, model_class=model_class(), config=cfg, key_mapping=key_mapping, mesh=mesh,
+            preprocess_fn=ps._make_preprocess_fn(cfg), dtype=dtype)
+
+    return create_model
+
+
+def tunix_remat(tunix_family: str) -> Callable:
+    """`with_remat(cfg, none|block|decoder)` onto the family's Tunix RematConfig."""
+
+    def with_remat(cfg, remat: str):
+        import importlib
+
+        rc = importlib.import_module(f"tunix.models.{tunix_family}.model").RematConfig
+        return dataclasses.replace(cfg, remat_config={"none": rc.NONE, "block": rc.BLOCK, "decoder": rc.DECODER}[remat])
+
+    return with_remat
 
 
 def register(family: Family) -> Family:
