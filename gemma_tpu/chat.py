@@ -12,6 +12,7 @@ Tool calls are traced on stderr (`-> get_steps(date='yesterday') = {...}`); answ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -44,33 +45,45 @@ class Coach:
             print(text, file=self.trace, flush=True)
 
     def ask(self, question: str) -> str:
-        from gemma_tpu.examples.fitness.tools import ToolError, call_tool, response_json, system_prompt
         from gemma_tpu.tool_calls import parse_reply
 
-        messages = [{"role": "developer", "content": system_prompt(self.provider.today())},
-                    {"role": "user", "content": question}]
-        for _ in range(MAX_CALLS + 1):
+        def next_reply(messages):
             ids = self.renderer.render({"tools": self.tools, "messages": messages}, add_generation_prompt=True).ids
             out = self.generator.generate([ids])[0]
             reply = parse_reply(out.text)
-            if reply.kind == "format_error":
-                return f"(the model produced a malformed tool call: {reply.error}; raw output: {out.text.strip()[:200]!r})"
-            if reply.kind == "text":
-                if out.stop == "call":  # ended as if it had called, but wrote no call
-                    return f"(the model produced a malformed tool call: {out.text.strip()[:200]!r})"
-                return reply.text or "(the model gave an empty answer)"
-            call = reply.calls[0]
-            shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
-            try:
-                result = call_tool(call.name, call.arguments, self.provider)
-            except ToolError as e:
-                self._log(f"-> {call.name}({shown}): {e}")
-                return f"({e})"
-            self._log(f"-> {call.name}({shown}) = {json.dumps(result)}")
-            messages.append({"role": "assistant", "content": "",
-                             "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
-            messages.append({"role": "tool", "name": call.name, "content": response_json(result)})
-        return f"(the model kept calling tools; stopped after {MAX_CALLS} calls)"
+            if reply.kind == "text" and out.stop == "call":  # ended as if it had called, but wrote no call
+                reply = dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
+            return reply, out.text
+
+        return tool_loop(question, self.provider, next_reply, self._log)
+
+
+def tool_loop(question: str, provider, next_reply, log) -> str:
+    """The coach's loop, shared by the local model and any endpoint (serving.chat): question -> the model's
+    reply (`next_reply(messages) -> (ParsedReply, raw text)`) -> run the called tool -> feed the result back,
+    until a text answer. A malformed or unknown call is reported to the user, not raised."""
+    from gemma_tpu.examples.fitness.tools import ToolError, call_tool, response_json, system_prompt
+
+    messages = [{"role": "developer", "content": system_prompt(provider.today())},
+                {"role": "user", "content": question}]
+    for _ in range(MAX_CALLS + 1):
+        reply, raw = next_reply(messages)
+        if reply.kind == "format_error":
+            return f"(the model produced a malformed tool call: {reply.error}; raw output: {str(raw).strip()[:200]!r})"
+        if reply.kind == "text":
+            return reply.text or "(the model gave an empty answer)"
+        call = reply.calls[0]
+        shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+        try:
+            result = call_tool(call.name, call.arguments, provider)
+        except ToolError as e:
+            log(f"-> {call.name}({shown}): {e}")
+            return f"({e})"
+        log(f"-> {call.name}({shown}) = {json.dumps(result)}")
+        messages.append({"role": "assistant", "content": "",
+                         "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
+        messages.append({"role": "tool", "name": call.name, "content": response_json(result)})
+    return f"(the model kept calling tools; stopped after {MAX_CALLS} calls)"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -24,8 +24,6 @@ from typing import Any, Sequence, TextIO
 from gemma_tpu.errors import UserError, cli_main
 from serving.openai_client import api_base, first_message, http_json, openai_messages, reply_from_message
 
-MAX_CALLS = 3  # calls per question before we stop the model
-
 
 class RemoteCoach:
     """One endpoint, one provider; `ask(question)` runs the call loop and returns the reply text."""
@@ -59,30 +57,13 @@ class RemoteCoach:
         return first_message(http_json(url, body, timeout=self.timeout, api_key=self.api_key), url)
 
     def ask(self, question: str) -> str:
-        from gemma_tpu.examples.fitness.tools import ToolError, call_tool, response_json, system_prompt
+        from gemma_tpu.chat import tool_loop
 
-        messages = [{"role": "developer", "content": system_prompt(self.provider.today())},
-                    {"role": "user", "content": question}]
-        for _ in range(MAX_CALLS + 1):
+        def next_reply(messages):
             message = self.complete(messages)
-            reply = reply_from_message(message)
-            if reply.kind == "format_error":
-                raw = message.get("content") or json.dumps(message.get("tool_calls"))
-                return f"(the model produced a malformed tool call: {reply.error}; raw output: {str(raw).strip()[:200]!r})"
-            if reply.kind == "text":
-                return reply.text or "(the model gave an empty answer)"
-            call = reply.calls[0]
-            shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
-            try:
-                result = call_tool(call.name, call.arguments, self.provider)
-            except ToolError as e:
-                self._log(f"-> {call.name}({shown}): {e}")
-                return f"({e})"
-            self._log(f"-> {call.name}({shown}) = {json.dumps(result)}")
-            messages.append({"role": "assistant", "content": "",
-                             "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
-            messages.append({"role": "tool", "name": call.name, "content": response_json(result)})
-        return f"(the model kept calling tools; stopped after {MAX_CALLS} calls)"
+            return reply_from_message(message), message.get("content") or json.dumps(message.get("tool_calls"))
+
+        return tool_loop(question, self.provider, next_reply, self._log)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
