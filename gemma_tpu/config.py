@@ -73,7 +73,8 @@ class TrainConfig:
     max_steps: int = 100
     batch_size: int = 8
     learning_rate: float = 3e-4
-    optimizer: Literal["adamw", "adafactor", "sgd"] = "adamw"
+    # null: adamw for LoRA, adafactor (factored second moments: memory-light) for full fine-tuning
+    optimizer: Literal["adamw", "adafactor", "sgd"] | None = None
     schedule: Literal["constant", "warmup_cosine", "warmup_linear"] = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of learning_rate
@@ -275,6 +276,8 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
     cfg = load_typed(RunConfig, path, overrides)
+    if cfg.train.optimizer is None:
+        cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
     validate(cfg, str(path) if path is not None else "config")
     return cfg
 
@@ -293,10 +296,6 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         unknown = [t for t in cfg.lora.targets if t not in ALL_TARGETS]
         if unknown:
             bad(f"lora.targets: unknown module {unknown[0]!r} (known: {', '.join(ALL_TARGETS)})")
-    if not cfg.lora.enabled and cfg.train.optimizer == "adafactor":
-        # Tunix's PeftTrainer shards optimizer state with each parameter's partition spec, which
-        # breaks adafactor's factored (lower-rank) second moments; see the scale issue notes.
-        bad("train.optimizer=adafactor is not yet supported for full fine-tuning (lora.enabled=false); use adamw")
     if cfg.data.seq_len < 8:
         bad(f"data.seq_len must be at least 8, got {cfg.data.seq_len}")
     if cfg.train.batch_size <= 0:

@@ -219,6 +219,36 @@ def check_divisible(family, tunix_cfg, model, mesh) -> None:
         resolve(spec_for(family, tunix_cfg, path, len(val.shape)), tuple(val.shape), sizes, path)
 
 
+def fit_factored_state_annotations(optimizer, mesh) -> None:
+    """nnx.Optimizer gives every state array its parameter's sharding annotation. Adafactor's factored
+    second moments (a row and a column vector for a matrix, a (1,) placeholder for vectors) do not
+    have the parameter's shape, so that annotation can be invalid (wrong rank, or a dimension the mesh
+    axes do not divide) and Tunix's resharding fails; such state is annotated replicated (it is the
+    small part of the state)."""
+    import math
+
+    from flax import nnx
+
+    sizes = dict(mesh.shape)
+
+    def fits(names, shape) -> bool:
+        if len(names) != len(shape):
+            return False
+        for dim, axes in zip(shape, names):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            if dim % math.prod(sizes.get(a, 1) for a in axes):
+                return False
+        return True
+
+    state = nnx.state(optimizer, nnx.optimizer.OptState)
+    for _, var in nnx.to_flat_state(state):
+        names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
+        value = var.get_value() if hasattr(var, "get_value") else getattr(var, "value", None)
+        shape = getattr(value, "shape", None)
+        if names is not None and shape is not None and not fits(tuple(names), tuple(shape)):
+            var.set_metadata(out_sharding=None)
+
+
 def shard_optimizer_state(optimizer, mesh) -> None:
     """Place every optimizer-state array with the spec of the parameter it belongs to.
 
@@ -231,6 +261,7 @@ def shard_optimizer_state(optimizer, mesh) -> None:
 
     if mesh is None or mesh.empty:
         return
+    fit_factored_state_annotations(optimizer, mesh)
     state = nnx.state(optimizer, nnx.optimizer.OptState)
     specs = nnx.get_partition_spec(state)
 

@@ -243,7 +243,8 @@ class Trainer(peft_trainer.PeftTrainer):
         rate = rec.get("step_time_s")
         eta = f", ETA {datetime.timedelta(seconds=round(rate * (total - rec['step'])))}" if rate and total else ""
         log.info("step %d/%s loss %.4f%s%s", rec["step"], total or "?", rec["loss"],
-                 f", {rate:.2f} s/step, {rec['tokens_per_s']:.0f} tok/s" if rate else " (compiling)", eta)
+                 f", {rate:.2f} s/step, {rec['tokens_per_s']:.0f} tok/s" if rate
+                 else " (compiling)" if rec.get("includes_compile") else "", eta)
 
     def close(self):
         self._closing = True

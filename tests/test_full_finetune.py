@@ -1,0 +1,35 @@
+"""Full fine-tuning (lora.enabled=false) with its memory-light default, adafactor, on a sharded mesh; the
+checkpoint converts to an HF directory through the same merge command."""
+
+from __future__ import annotations
+
+import json
+
+from gemma_tpu.config import load_config
+from tests.conftest import run_cli
+
+EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+def test_optimizer_defaults_follow_lora():
+    # configs/tiny.yaml names adamw; unset, the optimizer follows lora.enabled
+    assert load_config("configs/tiny.yaml", ["train.optimizer=null"]).train.optimizer == "adamw"
+    assert load_config("configs/tiny.yaml", ["lora.enabled=false", "train.optimizer=null"]).train.optimizer == "adafactor"
+    assert load_config("configs/tiny.yaml", ["lora.enabled=false", "train.optimizer=adamw"]).train.optimizer == "adamw"
+
+
+def test_adafactor_full_finetune_on_fsdp_tp_mesh_then_merge(tiny_dir, tmp_path):
+    ckpt = tmp_path / "full"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                   f"checkpoint.dir={ckpt}", "lora.enabled=false", "train.optimizer=null", "train.max_steps=4", "train.batch_size=8",
+                   "train.learning_rate=0.01", "data.eval_path=null", "mesh.fsdp=4", "mesh.tp=2", env=EIGHT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((ckpt / "gemma_tpu_run.json").read_text())
+    assert meta["config"]["train"]["optimizer"] == "adafactor"
+    losses = [json.loads(l)["loss"] for l in (ckpt / "metrics.jsonl").read_text().splitlines()
+              if json.loads(l)["mode"] == "train"]
+    assert len(losses) == 4 and all(l == l for l in losses) and losses[-1] < losses[0]
+    out = tmp_path / "merged"
+    proc = run_cli("convert.merge_orbax", "--checkpoint", str(ckpt), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "full fine-tune" in proc.stderr and (out / "config.json").is_file()
