@@ -114,9 +114,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError("--once needs a question")
         print(coach.ask(args.once))
         return 0
+    return chat_repl(coach.ask, "")
+
+
+def chat_repl(ask, greeting: str) -> int:
+    """Questions from stdin (a prompt when it is a terminal) until EOF/exit; a failed request is reported
+    and the session goes on."""
     interactive = sys.stdin.isatty()
     if interactive:
-        print("Ask about steps, sleep, activity, heart rate or Body Battery (Ctrl-D to quit).", file=sys.stderr)
+        print(f"{greeting}Ask about steps, sleep, activity, heart rate or Body Battery (Ctrl-D to quit).",
+              file=sys.stderr)
     while True:
         if interactive:
             print("you> ", end="", file=sys.stderr, flush=True)
@@ -128,7 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if question.lower() in ("exit", "quit"):
             break
-        print(("coach> " if interactive else "") + coach.ask(question), flush=True)
+        try:
+            answer = ask(question)
+        except UserError as e:  # one failed request does not end the session
+            answer = f"(request failed: {e})"
+        print(("coach> " if interactive else "") + answer, flush=True)
     return 0
 
 

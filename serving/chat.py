@@ -99,27 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.once is not None:
         print(coach.ask(args.once))
         return 0
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"Connected to {coach.base} (model {model or 'default'}). Ask about steps, sleep, activity, "
-              "heart rate or Body Battery (Ctrl-D to quit).", file=sys.stderr)
-    while True:
-        if interactive:
-            print("you> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            break
-        question = line.strip()
-        if not question:
-            continue
-        if question.lower() in ("exit", "quit"):
-            break
-        try:
-            answer = coach.ask(question)
-        except UserError as e:  # one failed request does not end the session
-            answer = f"(request failed: {e})"
-        print(("coach> " if interactive else "") + answer, flush=True)
-    return 0
+    from gemma_tpu.chat import chat_repl
+
+    return chat_repl(coach.ask, f"Connected to {coach.base} (model {model or 'default'}). ")
 
 
 if __name__ == "__main__":
