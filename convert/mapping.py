@@ -88,14 +88,7 @@ def full_sites(family: Family, tunix_cfg: Any, prefix: str) -> dict[str, FullSit
     """HF key -> where it comes from in a full fine-tune checkpoint (every decoder tensor)."""
     if not family.tensors:
         raise UserError(f"full fine-tune merge has no parameter table for family {family.name}")
-    out: dict[str, FullSite] = {}
-    for tunix_name, hf_rel, tensor in family.expanded_tensors(tunix_cfg):
-        out[prefix + hf_rel] = FullSite(prefix + hf_rel, tunix_name, tensor)
-    for layer in range(tunix_cfg.num_layers):
-        for proj in family.layer_projections(tunix_cfg, layer):
-            hf_key = family.hf_key(prefix, layer, proj)
-            out[hf_key] = FullSite(hf_key, tunix_layer_name(family, layer, proj, proj.tunix_param), proj)
-    return out
+    return {hf_key: FullSite(hf_key, tunix_name, how) for hf_key, tunix_name, how in family.weight_sources(tunix_cfg, prefix)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,3 +138,68 @@ def test_mesh_shapes():
         mesh_shape(MeshConfig(data=-1, fsdp=-1), 8)
     with pytest.raises(UserError, match="not divisible"):
         mesh_shape(MeshConfig(fsdp=-1, tp=3), 8)
+
+
+_LOAD_CHILD = r"""
+import json, sys
+import numpy as np
+from gemma_tpu.config import MeshConfig
+from gemma_tpu import mesh as mesh_lib
+mesh_lib.initialize_distributed(MeshConfig())
+import jax
+from flax import nnx
+from gemma_tpu.models import load_model, resolve_model
+from gemma_tpu.models import sharded_load
+from gemma_tpu.partition import flat_params, with_rules
+
+mesh = mesh_lib.build_mesh(MeshConfig(fsdp=-1))
+out = {}
+for name, path in json.loads(sys.argv[1]).items():
+    resolved = resolve_model(path)
+    ruled = type(resolved)(**{**resolved.__dict__, "family": with_rules(resolved.family)})
+    with mesh:
+        model, cfg = load_model(ruled, "float32", mesh=mesh)
+        stats = sharded_load.LAST_STATS
+        ref = resolved.family.reference_loader(path, ruled.family.tunix_config(resolved.hf_config, np.float32),
+                                                mesh=mesh, dtype=np.float32)
+    ours, theirs = dict(flat_params(model)), dict(flat_params(ref))
+    assert ours.keys() == theirs.keys()
+    replicated = 0
+    for k, a in ours.items():
+        b = theirs[k]
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), k
+        for sa, sb in zip(a.addressable_shards, b.addressable_shards):
+            assert sa.index == sb.index and np.array_equal(np.asarray(sa.data), np.asarray(sb.data)), k
+        if a.sharding.is_fully_replicated:
+            replicated += a.size * a.dtype.itemsize
+    out[name] = {"read": stats.bytes_read, "checkpoint": stats.checkpoint_bytes, "replicated": replicated,
+                 "process": jax.process_index()}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_each_host_reads_only_its_shards(tiny_dir, tmp_path):
+    """Two processes load the tiny Gemma 3 and a tiny Gemma 4 onto one fsdp=8 mesh: every local shard
+    equals Tunix's loader's, and each byte of a sharded weight is read by exactly one process (a
+    replicated one by both), so each host reads about half the checkpoint."""
+    from gemma_tpu.tiny import write_tiny_gemma4
+
+    models = {"gemma3": str(tiny_dir), "gemma4": str(write_tiny_gemma4(tmp_path / "g4", variant="ple"))}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _LOAD_CHILD, json.dumps(models)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                       JAX_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o, _ in outs]
+    assert {r["gemma3"]["process"] for r in results} == {0, 1}
+    for name in models:
+        per = [r[name] for r in results]
+        checkpoint, replicated = per[0]["checkpoint"], per[0]["replicated"]
+        assert replicated < 0.2 * checkpoint, per
+        assert sum(p["read"] for p in per) == checkpoint + replicated, per
+        for p in per:
+            assert p["read"] < 0.6 * checkpoint, per

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from gemma_tpu.errors import UserError
 from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
                                        tunix_safetensors_loader)
+from gemma_tpu.models.sharded_load import sharded_safetensors_loader
 
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.
@@ -179,7 +180,8 @@ GEMMA3 = register(
         architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         model_types=("gemma3_text", "gemma3"),
         tunix_config=tunix_config,
-        create_model=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
+        create_model=sharded_safetensors_loader("gemma3", model_class),
+        reference_loader=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,
         text_prefixes=TEXT_PREFIXES,

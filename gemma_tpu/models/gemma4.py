@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from gemma_tpu.errors import UserError
 from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
                                        tunix_safetensors_loader)
+from gemma_tpu.models.sharded_load import sharded_safetensors_loader
 
 # HF key prefixes of the decoder: text-only, multimodal as transformers >= 5 saves it (the
 # released layout), and the older multimodal layout, accepted for symmetry with Gemma 3.
@@ -416,7 +417,8 @@ GEMMA4 = register(
         architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         model_types=("gemma4_text", "gemma4"),
         tunix_config=tunix_config,
-        create_model=tunix_safetensors_loader("gemma4", model_class, _key_mapping),
+        create_model=sharded_safetensors_loader("gemma4", model_class),
+        reference_loader=tunix_safetensors_loader("gemma4", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,
         text_prefixes=TEXT_PREFIXES,

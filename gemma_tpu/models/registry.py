@@ -164,6 +164,9 @@ class Family:
     # generation_config.json eos ids a merged model must stop on
     stop_token_ids: tuple[int, ...] = (1, 106)
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
+    # Tunix's own safetensors loader for this family: whole tensors on every host; kept as the
+    # reference that tests check `create_model` (gemma_tpu.models.sharded_load) against.
+    reference_loader: Callable[..., Any] | None = None
 
     def features(self, cfg: Any, layer: int | None) -> frozenset[str]:
         return self.layer_features(cfg, layer) if self.layer_features else frozenset()
@@ -210,6 +213,17 @@ class Family:
             for i in layers:
                 if t.requires is None or t.requires in self.features(cfg, i):
                     out.append((t.tunix.format(i=i), t.hf.format(i=i), t))
+        return out
+
+    def weight_sources(self, cfg: Any, prefix: str) -> list[tuple[str, str, "Projection | Tensor"]]:
+        """(HF key, Tunix param name, the Projection/Tensor relating them) for every decoder weight
+        of a checkpoint whose decoder keys start with `prefix`: the one table both directions use
+        (loading HF -> Tunix, converting full fine-tunes Tunix -> HF)."""
+        out = [(prefix + hf_rel, tunix_name, tensor) for tunix_name, hf_rel, tensor in self.expanded_tensors(cfg)]
+        for layer in range(cfg.num_layers):
+            for proj in self.layer_projections(cfg, layer):
+                tunix = f"{self.layer_path.format(layer=layer)}.{proj.tunix_module}.{proj.tunix_param}"
+                out.append((self.hf_key(prefix, layer, proj), tunix, proj))
         return out
 
     def tunix_module_regex(self, projections: list[Projection]) -> str:
