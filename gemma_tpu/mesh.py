@@ -143,13 +143,17 @@ def build_mesh(m: MeshConfig, devices=None):
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     dcn = m.dcn_data if m.dcn_data > 0 else 1
     if dcn > 1:
-        slices = {getattr(d, "slice_index", None) for d in devices}
-        if None in slices or len(slices) != dcn:
-            raise UserError(f"mesh.dcn_data={dcn} but the devices form {len(slices - {None}) or 1} slice(s)")
+        # The DCN groups: TPU slices; on GPU or CPU hosts each process is one, as multi-node GPU
+        # clusters are laid out (fast links inside a host, network between).
+        by_process = devices[0].platform != "tpu"
+        groups = {d.process_index if by_process else getattr(d, "slice_index", 0) for d in devices}
+        if len(groups) != dcn:
+            what = "process(es)" if by_process else "slice(s)"
+            raise UserError(f"mesh.dcn_data={dcn} but the devices form {len(groups)} {what}")
         from jax.experimental import mesh_utils
 
         ici = (shape[0] // dcn, shape[1], shape[2])
-        grid = mesh_utils.create_hybrid_device_mesh(ici, (dcn, 1, 1), devices)
+        grid = mesh_utils.create_hybrid_device_mesh(ici, (dcn, 1, 1), devices, process_is_granule=by_process)
         return jax.sharding.Mesh(np.asarray(grid), AXES, axis_types=auto)
     if len(devices) == jax.device_count():
         return jax.make_mesh(shape, AXES, axis_types=auto)
