@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-
 from tests.conftest import REPO, run_cli
 
 _CHILD = r"""
