@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest -q -p no:cacheprovider "$@"
+# Two workers (pytest-xdist): the suite is mostly single-threaded compiles and subprocesses, so a 2-core
+# machine runs it in about half the time; real-model tests share one worker (see tests/conftest.py).
+python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

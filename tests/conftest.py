@@ -17,6 +17,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: needs the real embedded model (about a minute to prepare once)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`--dist loadgroup`), every real-model test runs on one worker, one at a time:
+    each holds the 270M (several GB), and two at once could exhaust a 24 GiB machine."""
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("real_model"))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A 2-layer random Gemma3ForCausalLM (GQA: 4 heads, 2 KV heads) as a real HF directory."""
