@@ -40,10 +40,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gemma_tpu.config import DataConfig  # noqa: E402
-from gemma_tpu.data import (Renderer, TrainStream, function_token_map, prepare_examples,  # noqa: E402
+from gemma_tpu.core.config import DataConfig  # noqa: E402
+from gemma_tpu.data import (Renderer, TrainStream, prepare_examples,  # noqa: E402
                             render_examples)
-from gemma_tpu.errors import UserError  # noqa: E402
+from gemma_tpu.core.errors import UserError  # noqa: E402
+from gemma_tpu.formats.function_calling import function_token_map  # noqa: E402
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
          "they you were her she there been one all we their has would when if so no will can more other its who "
@@ -81,8 +82,7 @@ def load_tokenizer(spec: str | None):
     from transformers import AutoTokenizer
 
     if spec is None:
-        from gemma_tpu import assets
-
+        from gemma_tpu.assets import embedded as assets
         path = assets.target_dir("gemma3-270m")
         if not assets.is_complete(path):
             raise SystemExit("the embedded Gemma 3 270M is not prepared: run `python -m gemma_tpu.assets prepare "

@@ -30,8 +30,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from convert import safetensors_io as sio  # noqa: E402
-from convert.progress import human  # noqa: E402
+from gemma_tpu.hf import safetensors_io as sio
+from gemma_tpu.core.progress import human  # noqa: E402
 
 GEMMA3_4B_TEXT = dict(num_hidden_layers=34, hidden_size=2560, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=256, intermediate_size=10240, vocab_size=262144)
@@ -124,7 +124,7 @@ def lora_tree(shape: dict, rng: np.random.Generator) -> dict:
 def write_checkpoint(ckpt: Path, base: Path, shape: dict) -> None:
     import orbax.checkpoint as ocp
 
-    from gemma_tpu.checkpoint import write_metadata
+    from gemma_tpu.checkpoint.metadata import write_metadata
 
     tree = lora_tree(shape, np.random.default_rng(1))
     mgr = ocp.CheckpointManager(ckpt, item_handlers={"model_params": ocp.PyTreeCheckpointHandler()})
@@ -184,7 +184,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
 def check_output(base: Path, ckpt: Path, out: Path) -> dict:
     """Spot-check the result: one LoRA'd tensor against numpy, one copied tensor byte for byte."""
     from convert.mapping import weight_shape
-    from convert.orbax_params import CheckpointParams
+    from gemma_tpu.checkpoint.params import CheckpointParams
     from gemma_tpu.models import get_family
 
     bw, mw = sio.WeightsDir(base), sio.WeightsDir(out)

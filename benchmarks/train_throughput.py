@@ -5,7 +5,7 @@
         [--json OUT] [--sides ours,torch] [--device auto|cpu|cuda] [--dtype float32|bfloat16]
 
 Sides:
-  ours   `gemma_tpu.train.run(cfg)`, the code path of `python -m gemma_tpu.train` (Tunix PeftTrainer, Qwix
+  ours   `gemma_tpu.train.run.run(cfg)`, the code path of `python -m gemma_tpu.train` (Tunix PeftTrainer, Qwix
          LoRA, the sparse loss over loss-bearing positions only), with the config's LoRA targets, rank,
          alpha, dropout, learning rate, weight decay and clipping. No eval, no checkpoint until the end.
   torch  `AutoModelForCausalLM` + `peft` LoRA with the same targets/rank/alpha/dropout, `torch.optim.AdamW`
@@ -13,7 +13,7 @@ Sides:
          every batch padded to `seq_len`, labels -100 outside the loss mask, full logits + cross-entropy
          inside the model. `torch.set_num_threads` = the CPUs this process may use (JAX uses them all).
 Both read the fitness-coach training set rendered by OUR renderer and pipeline: a data child builds the
-exact row stream `gemma_tpu.train.run` builds (same tokenizer, renderer, seed, shuffle) and hands the
+exact row stream `gemma_tpu.train.run.run` builds (same tokenizer, renderer, seed, shuffle) and hands the
 torch side those token ids, attention masks and labels (built from `loss_idx`/`loss_targets`/`loss_weights`
 of each row). With `--strategy pad` (the default) both sides therefore train on identical batches, and
 their step-1 losses (computed before the first update, on the same model and tokens) must agree: the
@@ -29,7 +29,7 @@ compilation; torch: allocator warm-up; our run also takes one step more, because
 record is its final flush, see `child_ours`); s/step is the median over the `--steps` timed steps, and tokens/s
 are the timed steps' mean tokens per step over that median (both sides see the same batches, so the
 ratio of useful tokens/s is the ratio of step times). Three token counts: all (batch x seq_len), non-pad,
-and useful (loss-bearing). TFLOP/s and MFU use `gemma_tpu.flops`' analytic model-FLOP count of the useful
+and useful (loss-bearing). TFLOP/s and MFU use `gemma_tpu.train.flops`' analytic model-FLOP count of the useful
 work for BOTH sides (vocabulary projection at loss positions only), so MFU ranks the sides like
 throughput does; torch's `tflops_executed` counts the full projection it actually computes. (Qwix gives K
 and V one shared A factor, so our side trains hidden x rank fewer LoRA parameters per layer than PEFT.)
@@ -37,7 +37,7 @@ and V one shared A factor, so our side trains hidden x rank fewer LoRA parameter
 On a CUDA machine (`--device cuda`, or `auto` when torch sees CUDA and JAX sees a GPU) the defaults are
 the Gemma 3 1B shape (`shape:gemma3-1b`: a random-weight checkpoint written by transformers from the 1B
 config into the cache, for when the real weights are not at hand; or pass the real directory), seq 2048,
-bf16 on both sides, and MFU against `gemma_tpu.flops.ACCELERATORS` (h100 / h200 from the device name, or
+bf16 on both sides, and MFU against `gemma_tpu.core.accelerators.ACCELERATORS` (h100 / h200 from the device name, or
 `--accelerator`).
 
 Output: a table (side, s/step, tokens/s, useful tokens/s, TFLOP/s, MFU, peak RSS, compiles, initial
@@ -124,8 +124,8 @@ def machine_info() -> dict:
 
 
 def accelerator_key(device_name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100' (a key of gemma_tpu.flops.ACCELERATORS), else ''."""
-    from gemma_tpu.flops import ACCELERATORS
+    """'NVIDIA H100 80GB HBM3' -> 'h100' (a key of gemma_tpu.core.accelerators.ACCELERATORS), else ''."""
+    from gemma_tpu.core.accelerators import ACCELERATORS
 
     low = device_name.lower().replace(" ", "")
     for key in ACCELERATORS:
@@ -194,20 +194,21 @@ def step_stats(times: list[float | None], counts: dict[str, list[int]], warmup: 
 
 
 def child_data(spec: dict) -> dict:
-    """Render and batch exactly as `gemma_tpu.train.run` does; write the torch side's padded batches."""
+    """Render and batch exactly as `gemma_tpu.train.run.run` does; write the torch side's padded batches."""
     import numpy as np
     from transformers import AutoTokenizer
 
     from gemma_tpu import data
-    from gemma_tpu import flops as flops_lib
-    from gemma_tpu.config import load_config
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.train import flops as flops_lib
+    from gemma_tpu.core.config import load_config
     from gemma_tpu.models import resolve_model
 
     cfg = load_config(spec["config"], ours_overrides(spec))
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.local_dir))
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
-    token_map = data.function_token_map(tokenizer)
+    token_map = function_token_map(tokenizer)
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map)
     examples = data.render_examples(cfg.data.train_path, renderer, cfg.data)
     n = spec["warmup"] + spec["steps"] + 1  # our run's steps; torch runs all but the last
@@ -259,10 +260,10 @@ def child_data(spec: dict) -> dict:
 
 
 def child_ours(spec: dict) -> dict:
-    """`gemma_tpu.train.run` on the benchmark config; step times and losses from its metrics.jsonl."""
+    """`gemma_tpu.train.run.run` on the benchmark config; step times and losses from its metrics.jsonl."""
     t0 = time.perf_counter()
-    from gemma_tpu import train
-    from gemma_tpu.config import load_config
+    from gemma_tpu.train import run as train
+    from gemma_tpu.core.config import load_config
 
     train.setup_logging()
     cfg = load_config(spec["config"], ours_overrides(spec))
@@ -362,8 +363,8 @@ def child_torch(spec: dict) -> dict:
 
 def child_write_shape(spec: dict) -> dict:
     """A random-weight HF checkpoint of a named shape, written by transformers (once; cached)."""
-    from gemma_tpu import assets
-    from gemma_tpu.tiny import write_tiny_gemma3
+    from gemma_tpu.assets import embedded as assets
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
 
     name = spec["shape"]
     target = Path(spec["shape_dir"])
@@ -421,7 +422,7 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="both sides (default: float32 CPU, bfloat16 CUDA)")
     p.add_argument("--sides", default="ours,torch", help="comma-separated subset of ours,torch (default: both)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--accelerator", help="key of gemma_tpu.flops.ACCELERATORS for MFU (default: from the GPU name)")
+    p.add_argument("--accelerator", help="key of gemma_tpu.core.accelerators.ACCELERATORS for MFU (default: from the GPU name)")
     p.add_argument("--torch-attn", help="transformers attn_implementation for the torch side (default: its default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra dotted override for OUR side only (e.g. model.remat=block); repeatable")
@@ -502,7 +503,7 @@ def main(argv=None) -> int:
     model = args.model or ("shape:gemma3-1b" if on_gpu else "embedded:gemma3-270m")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     accelerator = args.accelerator or (accelerator_key(gpu_name) if on_gpu else "")
-    from gemma_tpu.flops import peak_flops
+    from gemma_tpu.train.flops import peak_flops
 
     peak = peak_flops(accelerator, 1) if accelerator else 0.0
     work = Path(args.workdir or tempfile.mkdtemp(prefix="train-throughput-")).resolve()
@@ -519,8 +520,7 @@ def main(argv=None) -> int:
             shape = model[len(SHAPE_PREFIX):]
             if shape not in SHAPES:
                 raise SystemExit(f"--model {model}: known shapes: {', '.join(SHAPES)}")
-            from gemma_tpu import assets
-
+            from gemma_tpu.assets import embedded as assets
             shape_dir = assets.default_cache_dir() / "bench" / f"{shape}-random"
             spec["model"] = run_child("write-shape", {**spec, "shape": shape, "shape_dir": str(shape_dir)})["model_dir"]
         d = run_child("data", spec)

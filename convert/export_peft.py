@@ -21,11 +21,11 @@ from typing import Sequence
 
 import numpy as np
 
-from convert import safetensors_io as sio
-from convert.atomic import AtomicDir, check_target
+from gemma_tpu.hf import safetensors_io as sio
+from gemma_tpu.core.atomic import AtomicDir, check_target
 from convert.mapping import hf_shape
 from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint
-from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError, cli_main
 
 ADAPTER_FILE = "adapter_model.safetensors"
 PROVENANCE_FILE = "gemma_tpu_adapter.json"

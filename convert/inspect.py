@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError, cli_main
 
 
 def describe_checkpoint(path: Path, step: int | None) -> dict:
-    from convert.orbax_params import CheckpointParams
-    from gemma_tpu.checkpoint import list_steps, read_metadata, resolve_step
+    from gemma_tpu.checkpoint.params import CheckpointParams
+    from gemma_tpu.checkpoint.metadata import list_steps, read_metadata, resolve_step
 
     meta = read_metadata(path)
     steps = list_steps(path)
@@ -51,8 +51,7 @@ def describe_checkpoint(path: Path, step: int | None) -> dict:
 
 
 def describe_hf(path: Path) -> dict:
-    from convert import safetensors_io as sio
-
+    from gemma_tpu.hf import safetensors_io as sio
     info: dict = {"kind": "huggingface", "path": str(path)}
     cfg_path = path / "config.json"
     if cfg_path.is_file():
@@ -87,7 +86,7 @@ def describe(path: str | Path, step: int | None = None) -> dict:
         raise UserError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise UserError(f"{path}: not a directory")
-    from gemma_tpu.checkpoint import METADATA_FILE
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
 
     if (path / METADATA_FILE).is_file():
         return describe_checkpoint(path, step)
@@ -97,7 +96,7 @@ def describe(path: str | Path, step: int | None = None) -> dict:
 
 
 def render(info: dict, tensors: bool = True) -> str:
-    from convert.progress import human
+    from gemma_tpu.core.progress import human
 
     lines = [f"{info['path']}: {info['kind']}"]
     if info["kind"] == "gemma-tpu checkpoint":

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.models.registry import Family, Projection, Tensor
 
 

@@ -19,8 +19,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
-from convert import safetensors_io as sio
-
+from gemma_tpu.hf import safetensors_io as sio
 T = TypeVar("T")
 R = TypeVar("R")
 

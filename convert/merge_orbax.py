@@ -18,7 +18,7 @@ imports (numpy, JAX for Orbax); Tunix's model code is never imported.
 
 Safety: everything is checked before writing (checkpoint, step, base files, every shape); the output
 is built in a hidden temp dir beside `--out` and renamed into place at the end (see
-`convert.atomic`), so an interrupted merge leaves nothing at `--out`.
+`gemma_tpu.core.atomic`), so an interrupted merge leaves nothing at `--out`.
 
 `--verify` compares the JAX LoRA model with the merged output loaded by transformers before the
 output is published. On failure nothing is published at `--out` (an older output there stays
@@ -46,15 +46,16 @@ from typing import Sequence
 import numpy as np
 
 from convert import merge_math
-from convert import safetensors_io as sio
-from convert.atomic import AtomicDir, check_target
-from convert.hf_files import write_sidecar_files
+from gemma_tpu.hf import safetensors_io as sio
+from gemma_tpu.core.atomic import AtomicDir, check_target
+from gemma_tpu.hf.files import write_sidecar_files
 from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
-from convert.progress import Progress, human
+from gemma_tpu.core.progress import Progress, human
 from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint, resolve_base
 from convert.tool_tokens import install_tool_tokens
-from gemma_tpu.errors import UserError, cli_main
-from gemma_tpu.models.loading import read_hf_config, text_prefix
+from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.hf.directory import read_hf_config
+from gemma_tpu.models.loading import text_prefix
 from gemma_tpu.models.registry import detect_family, text_config
 
 PROVENANCE_FILE = "gemma_tpu_merge.json"

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites, read_layout
-from convert.orbax_params import CheckpointParams
-from gemma_tpu.checkpoint import METADATA_FILE, read_metadata, resolve_step
-from gemma_tpu.errors import UserError
+from gemma_tpu.checkpoint.params import CheckpointParams
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.models.registry import Family, detect_family, get_family
 
 
@@ -75,7 +75,7 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
 
 def resolve_base(source: CheckpointSource, override: str | None = None) -> Path:
     """--base, else the local dir recorded at training time, else its spec (hub id / embedded:)."""
-    from gemma_tpu.models.loading import resolve_path
+    from gemma_tpu.hf.directory import resolve_path
 
     if override:
         return resolve_path(override)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 RESPONSE_MARKER = "<start_function_response>"
 
@@ -91,7 +91,7 @@ def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, i
     """Rename the mapped `<unusedN>` tokens to their markers in every tokenizer file of `out_dir`,
     write the tool-calling chat template and add `<start_function_response>` to the stop ids.
     Returns marker -> token id (empty when there is nothing to do)."""
-    from gemma_tpu.tool_calls import tool_chat_template
+    from gemma_tpu.formats.function_calling import tool_chat_template
 
     if not token_map:
         return {}

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError, cli_main
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -166,7 +166,7 @@ def jax_logits(source, base_dir: Path, ids: list[list[int]]) -> list[np.ndarray]
     import jax.numpy as jnp
     from tunix.sft import utils as su
 
-    from gemma_tpu.config import LoraConfig
+    from gemma_tpu.core.config import LoraConfig
     from gemma_tpu.lora import apply_lora
     from gemma_tpu.models import load_model, resolve_model
 
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from gemma_tpu.models.loading import read_hf_config
+    from gemma_tpu.hf.directory import read_hf_config
     from gemma_tpu.models.registry import text_config
 
     dirs = [Path(args.a), Path(args.b)]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gemma_tpu.config import LoraConfig
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.config import LoraConfig
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.models.registry import Family, Projection
 
 

@@ -21,8 +21,8 @@ import os
 import sys
 from typing import Any, Sequence, TextIO
 
-from gemma_tpu.errors import UserError, cli_main
-from serving.openai_client import api_base, first_message, http_json, openai_messages, reply_from_message
+from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.infer.openai_client import api_base, first_message, http_json, openai_messages, reply_from_message
 
 
 class RemoteCoach:
@@ -57,7 +57,7 @@ class RemoteCoach:
         return first_message(http_json(url, body, timeout=self.timeout, api_key=self.api_key), url)
 
     def ask(self, question: str) -> str:
-        from gemma_tpu.chat import tool_loop
+        from gemma_tpu.examples.fitness.chat import tool_loop
 
         def next_reply(messages):
             message = self.complete(messages)
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from gemma_tpu.examples.fitness.providers import make_provider
-    from serving.openai_client import served_model_name
+    from gemma_tpu.infer.openai_client import served_model_name
 
     if args.max_tokens <= 0 or args.timeout <= 0:
         raise UserError("--max-tokens and --timeout must be positive")
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.once is not None:
         print(coach.ask(args.once))
         return 0
-    from gemma_tpu.chat import chat_repl
+    from gemma_tpu.examples.fitness.chat import chat_repl
 
     return chat_repl(coach.ask, f"Connected to {coach.base} (model {model or 'default'}). ")
 

@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import Literal, Sequence
 
-from gemma_tpu.config import load_typed
-from gemma_tpu.errors import UserError, read_json_object
+from gemma_tpu.core.config import load_typed
+from gemma_tpu.core.errors import UserError, read_json_object
 
 # The official vLLM TPU image, pinned (docker.io/vllm/vllm-tpu, tags vX.Y.Z = tpu-inference releases).
 # serving/Dockerfile builds FROM exactly this; tests check that the two agree.

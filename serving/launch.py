@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError, cli_main
 from serving.config import (VLLM_TPU_IMAGE, ModelFacts, ServeConfig, inspect_model, load_serve_config,
                             stop_token_warning)
 

@@ -6,7 +6,7 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
 
 * the model directory is never modified: the server reads a temporary directory of symlinks to it,
   named after the served model, plus — when the model carries no chat template — the tool-aware
-  FunctionGemma template from `gemma_tpu.tool_calls`;
+  FunctionGemma template from `gemma_tpu.formats.function_calling`;
 * the server runs in that temporary directory with the model given by its bare name, so requests
   may name the model as `NAME` (a pinned `transformers serve` refuses any other name) or not at all;
 * its hub cache is an empty directory (offline): its `/v1/models` lists the hub cache, not the
@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 from serving.config import chat_template_in
 
 SERVING_EXTRA = "transformers serve needs transformers[serving]: pip install -e '.[serve]'"
@@ -69,8 +69,8 @@ def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template:
     elif not has_template:
         from transformers import AutoTokenizer
 
-        from gemma_tpu.data.render import function_token_map
-        from gemma_tpu.tool_calls import tool_chat_template
+        from gemma_tpu.formats.function_calling import function_token_map
+        from gemma_tpu.formats.function_calling import tool_chat_template
 
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         (served / "chat_template.jinja").write_text(tool_chat_template(function_token_map(tok)))

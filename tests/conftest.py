@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A 2-layer random Gemma3ForCausalLM (GQA: 4 heads, 2 KV heads) as a real HF directory."""
-    from gemma_tpu.tiny import write_tiny_gemma3
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
 
     return write_tiny_gemma3(tmp_path_factory.mktemp("tiny") / "gemma3", seed=0)
 
@@ -36,7 +36,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mha_dir(tmp_path_factory) -> Path:
     """Same, with as many KV heads as query heads (Tunix fuses q/k/v into one weight)."""
-    from gemma_tpu.tiny import write_tiny_gemma3
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
 
     return write_tiny_gemma3(tmp_path_factory.mktemp("tiny_mha") / "gemma3", seed=1, num_key_value_heads=4)
 

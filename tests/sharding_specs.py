@@ -15,8 +15,12 @@ def check(model_dir: str, mesh_name: str, quant: str | None) -> dict:
     import optax
     from flax import nnx
 
-    from gemma_tpu import lora, mesh as mesh_lib, partition
-    from gemma_tpu.config import LoraConfig, MeshConfig
+    from gemma_tpu import lora
+
+    from gemma_tpu.train import mesh as mesh_lib
+
+    from gemma_tpu.train import partition
+    from gemma_tpu.core.config import LoraConfig, MeshConfig
     from gemma_tpu.models import load_model, resolve_model
 
     d, f, t = MESHES[mesh_name]

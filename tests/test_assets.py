@@ -1,4 +1,4 @@
-"""Tests for gemma_tpu.assets: the embedded-model cache, its atomic build, and the real Gemma 3
+"""Tests for gemma_tpu.assets.embedded: the embedded-model cache, its atomic build, and the real Gemma 3
 270M conversion (tokenizer exactness against SentencePiece, chat template, model sanity).
 
 The slow tests share one prepared directory per session: in $GEMMA_TPU_CACHE when set (so it is
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from gemma_tpu import assets
-from gemma_tpu.errors import UserError
+from gemma_tpu.assets import embedded as assets
+from gemma_tpu.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "gemma3-270m"

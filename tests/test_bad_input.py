@@ -303,6 +303,9 @@ CASES = [
 ]
 
 MAIN = {"gemma_tpu.assets": "_main"}  # the function cli_main wraps, where it is not `main`
+# Command packages whose `__main__` calls a `main` kept in a module of the package.
+MAIN_MODULE = {"gemma_tpu.train": "gemma_tpu.train.run", "gemma_tpu.evaluate": "gemma_tpu.evaluate.run",
+               "gemma_tpu.assets": "gemma_tpu.assets.embedded", "gemma_tpu.examples.fitness": "gemma_tpu.examples.fitness.__main__"}
 
 
 # ------------------------------------------------------------------------------- machinery
@@ -380,9 +383,9 @@ def invoke(case: Case, argv: list[str], cwd: Path) -> subprocess.CompletedProces
     """`python -m ENTRY argv` (sub=True), else the same `main` through `cli_main` in this process."""
     if case.sub:
         return run_cli(case.entry, *argv, cwd=cwd, timeout=300)
-    from gemma_tpu.errors import cli_main
+    from gemma_tpu.core.errors import cli_main
 
-    module = importlib.import_module(case.entry + (".__main__" if case.entry.endswith("fitness") else ""))
+    module = importlib.import_module(MAIN_MODULE.get(case.entry, case.entry))
     out, err = io.StringIO(), io.StringIO()
     old = os.getcwd()
     os.chdir(cwd)

@@ -9,7 +9,7 @@ from tests.conftest import REPO
 
 
 def test_train_throughput_tiny_both_sides(tmp_path):
-    from gemma_tpu.assets import resolve_embedded
+    from gemma_tpu.assets.embedded import resolve_embedded
 
     # a slice of the fitness-coach training set keeps rendering (done by both children) short
     subset = tmp_path / "fitness-train-8.jsonl"

@@ -3,8 +3,8 @@
 
 import pytest
 
-from gemma_tpu.config import RunConfig, load_config, parse_override
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.config import RunConfig, load_config, parse_override
+from gemma_tpu.core.errors import UserError
 from tests.conftest import REPO, assert_one_line_error, run_cli
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from convert import safetensors_io as sio
-
+from gemma_tpu.hf import safetensors_io as sio
 REPO = Path(__file__).resolve().parents[1]
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Several prompts, one longer than the tiny models' sliding window (16).
@@ -74,8 +73,8 @@ def make_checkpoint(base_dir: Path, ckpt_dir: Path, *, rank=4, alpha=8.0, target
     from flax import nnx
     from tunix.sft.checkpoint_manager import CheckpointManager
 
-    from gemma_tpu.checkpoint import build_metadata, write_metadata
-    from gemma_tpu.config import LoraConfig, RunConfig
+    from gemma_tpu.checkpoint.metadata import build_metadata, write_metadata
+    from gemma_tpu.core.config import LoraConfig, RunConfig
     from gemma_tpu.lora import apply_lora
     from gemma_tpu.models import load_model, resolve_model
 
@@ -105,7 +104,7 @@ def make_checkpoint(base_dir: Path, ckpt_dir: Path, *, rank=4, alpha=8.0, target
 
 def merge(*args: str) -> int:
     from convert.merge_orbax import main
-    from gemma_tpu.errors import cli_main
+    from gemma_tpu.core.errors import cli_main
 
     return cli_main(main, [str(a) for a in args])
 
@@ -228,7 +227,7 @@ def test_multimodal_layout(work, base, lora_ckpt):
     """Decoder under `language_model.model.`, a vision tower copied untouched, LoRA where expected."""
     from safetensors.numpy import load_file, save_file
 
-    from gemma_tpu.checkpoint import read_metadata, read_params, write_metadata
+    from gemma_tpu.checkpoint.metadata import read_metadata, read_params, write_metadata
     from gemma_tpu.models import get_family
 
     text_ckpt, _ = lora_ckpt
@@ -294,8 +293,8 @@ def test_real_multimodal_model_and_peft(work, base):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
     from convert.export_peft import main as export_main
-    from gemma_tpu.errors import cli_main
-    from gemma_tpu.tiny import TINY_GEMMA3
+    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
 
     mm = work / "base_mm_real"
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -433,7 +432,7 @@ def test_error_existing_out(work, lora_ckpt, capsys):
 
 
 def test_error_shape_mismatch(work, lora_ckpt, capsys):
-    from gemma_tpu.tiny import write_tiny_gemma3
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
 
     other = write_tiny_gemma3(work / "base_h32", seed=5, hidden_size=32)
     msg = _expect_error(capsys, work / "err4", "--checkpoint", lora_ckpt[0], "--base", other,
@@ -526,7 +525,7 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
     from safetensors import safe_open
 
     from convert.export_peft import main
-    from gemma_tpu.errors import cli_main
+    from gemma_tpu.core.errors import cli_main
 
     out = work / "adapter"
     assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 0
@@ -550,7 +549,7 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
 
 def test_peft_export_refuses_full_finetune(work, capsys):
     from convert.export_peft import main
-    from gemma_tpu.errors import cli_main
+    from gemma_tpu.core.errors import cli_main
 
     ckpt = work / "ckpt_full"
     if not ckpt.exists():
@@ -632,7 +631,7 @@ def test_writer_roundtrip(tmp_path):
 
 
 def test_parse_size():
-    from gemma_tpu.errors import UserError
+    from gemma_tpu.core.errors import UserError
 
     assert sio.parse_size("5GB") == 5 * 10**9
     assert sio.parse_size("200KB") == 200_000
@@ -646,7 +645,7 @@ def test_parse_size():
 
 
 def test_trainer_checkpoint_end_to_end(work, base):
-    """What `gemma_tpu.train` writes merges, verifies and exports (guards the format contract)."""
+    """What `gemma_tpu.train.run` writes merges, verifies and exports (guards the format contract)."""
     from tests.conftest import run_cli
 
     run = work / "trained"
@@ -658,7 +657,7 @@ def test_trainer_checkpoint_end_to_end(work, base):
     prov = json.loads((out / "gemma_tpu_merge.json").read_text())
     assert prov["step"] == 2 and prov["lora"]["rank"] == 4
     from convert.export_peft import main
-    from gemma_tpu.errors import cli_main
+    from gemma_tpu.core.errors import cli_main
 
     adapter = work / "trained_adapter"
     assert cli_main(main, ["--checkpoint", str(run), "--out", str(adapter)]) == 0

@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemma_tpu.config import DataConfig
-from gemma_tpu.data import (Renderer, TrainStream, eval_batches, function_token_map, load_conversations,
+from gemma_tpu.core.config import DataConfig
+from gemma_tpu.data import (Renderer, TrainStream, eval_batches, load_conversations,
                             prepare_examples, prepare_split, render_examples)
 from gemma_tpu.data import batching
 from gemma_tpu.data.records import normalise_messages
+from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.data.render import template_messages
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 from tests.conftest import REPO, assert_one_line_error, run_cli
 
 # ----------------------------------------------------------------------------- fixtures, helpers
@@ -72,7 +73,7 @@ TOOL_TEXT = (f"{SOT}developer\nYou are a coach.{STEPS_DECL}{HR_DECL}{EOT}\n{SOT}
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    from gemma_tpu.tiny import _write_small_tokenizer
+    from gemma_tpu.assets.tiny import _write_small_tokenizer
 
     out = tmp_path_factory.mktemp("small_tok")
     _write_small_tokenizer(out, 512)
@@ -90,8 +91,7 @@ def tok(tok_dir):
 def real_tok():
     from transformers import AutoTokenizer
 
-    from gemma_tpu import assets
-
+    from gemma_tpu.assets import embedded as assets
     path = assets.target_dir("gemma3-270m")
     if not assets.is_complete(path):
         pytest.skip("the embedded Gemma 3 270M is not prepared (python -m gemma_tpu.assets prepare gemma3-270m)")
@@ -207,7 +207,7 @@ def test_token_map_puts_markers_on_unused_tokens(any_tok):
     for marker, repl in token_map.items():
         mapped = mapped.replace(marker, repl)
     assert r.text == mapped and "<escape>" not in r.text
-    from gemma_tpu.tool_calls import unmap_markers
+    from gemma_tpu.formats.function_calling import unmap_markers
 
     runs = [unmap_markers(t, token_map) for t in masked_runs(any_tok, r)]
     assert runs == [TOOL_CALL + "<start_function_response>", f"You walked 5 steps.{EOT}"]
@@ -706,7 +706,7 @@ pid, port, data, tok_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 import numpy as np
 from transformers import AutoTokenizer
-from gemma_tpu.config import DataConfig
+from gemma_tpu.core.config import DataConfig
 from gemma_tpu.data import Renderer, TrainStream, prepare_split
 
 prepared = prepare_split(data, Renderer(AutoTokenizer.from_pretrained(tok_dir)), DataConfig(seq_len=256), seed=0)
@@ -791,7 +791,7 @@ def _with_template(tokenizer_dir_or_tok, template: str):
 @pytest.fixture(params=["small", "gemma3"])
 def gemma_template_tok(request, tok):
     """A tokenizer that ships Gemma 3's chat template: the small one with it installed, or the real one."""
-    from gemma_tpu.assets import GEMMA3_CHAT_TEMPLATE
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
 
     if request.param == "small":
         return _with_template(tok, GEMMA3_CHAT_TEMPLATE)
@@ -827,7 +827,7 @@ TOOL_CONVS = [TOOL_CHAT, {"tools": [STEPS_TOOL, HR_TOOL], "messages": [
 
 @pytest.mark.parametrize("i", range(len(TOOL_CONVS)))
 def test_tool_rendering_equals_tool_chat_template(any_tok, i):
-    from gemma_tpu.tool_calls import tool_chat_template
+    from gemma_tpu.formats.function_calling import tool_chat_template
 
     token_map = function_token_map(any_tok)
     t = _with_template(any_tok, tool_chat_template(token_map))
@@ -860,14 +860,14 @@ def test_template_format_refuses_what_it_cannot_split(tok):
     counting = "{{ messages | length }}{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
     with pytest.raises(UserError, match="test: the tokenizer's chat template is not prefix-stable"):
         Renderer(_with_template(tok, counting), chat_format="template").render(norm(CHAT))
-    from gemma_tpu.assets import GEMMA3_CHAT_TEMPLATE
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
 
     with pytest.raises(UserError, match="test: the tokenizer's chat template refused the conversation"):
         Renderer(_with_template(tok, GEMMA3_CHAT_TEMPLATE), chat_format="template").render(norm(TOOL_CHAT))
 
 
 def test_config_accepts_template_chat_format():
-    from gemma_tpu.config import load_config
+    from gemma_tpu.core.config import load_config
 
     cfg = load_config(None, ["data.chat_format=template"])
     assert cfg.data.chat_format == "template"

@@ -40,8 +40,8 @@ def jax_lora_logits(ckpt, step, prompts):
     from flax import nnx
     from transformers import AutoTokenizer
 
-    from gemma_tpu.checkpoint import read_metadata, read_params
-    from gemma_tpu.config import LoraConfig
+    from gemma_tpu.checkpoint.metadata import read_metadata, read_params
+    from gemma_tpu.core.config import LoraConfig
     from gemma_tpu.lora import apply_lora
     from gemma_tpu.models import load_model, resolve_model
     from tests.test_models import jax_logits
@@ -98,8 +98,8 @@ def test_merged_tokenizer_publishes_tool_markers(trained, tmp_path):
     encoding, a tool-calling chat template, and <start_function_response> as a stop id."""
     from transformers import AutoTokenizer
 
-    from gemma_tpu.checkpoint import read_metadata
-    from gemma_tpu.data import function_token_map
+    from gemma_tpu.checkpoint.metadata import read_metadata
+    from gemma_tpu.formats.function_calling import function_token_map
 
     token_map = read_metadata(trained)["token_map"]
     assert token_map, "a plain Gemma 3 vocabulary needs the map"
@@ -131,7 +131,7 @@ def test_merged_tokenizer_publishes_tool_markers(trained, tmp_path):
 def test_peft_adapter_ships_the_published_tokenizer(trained, tmp_path):
     from transformers import AutoTokenizer
 
-    from gemma_tpu.checkpoint import read_metadata
+    from gemma_tpu.checkpoint.metadata import read_metadata
 
     out = tmp_path / "adapter"
     proc = run_cli("convert.export_peft", "--checkpoint", str(trained), "--out", str(out))
@@ -153,7 +153,7 @@ def test_merge_and_export_accept_a_relative_checkpoint_path(trained, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli("convert.export_peft", "--checkpoint", rel, "--out", "adapter", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from gemma_tpu.checkpoint import read_params
+    from gemma_tpu.checkpoint.metadata import read_params
 
     cwd = os.getcwd()
     os.chdir(tmp_path)

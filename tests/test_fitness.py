@@ -15,10 +15,10 @@ import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_cli
 from gemma_tpu.data.render import format_call
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.examples.fitness import dataset, tools
 from gemma_tpu.examples.fitness.providers import GarminConnectProvider, SimulatedDevice
-from gemma_tpu.tool_calls import ParsedReply, ToolCall, arguments_match, parse_reply, tool_chat_template
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply, tool_chat_template
 
 NAMES = ["get_steps", "get_daily_step_goal", "get_step_goal_progress", "get_sleeping_minutes",
          "get_active_minutes", "get_heart_rate", "get_body_battery_level"]
@@ -143,7 +143,7 @@ def test_generator_is_deterministic(tmp_path):
 
 
 def test_generator_sizes_balance_and_held_out_phrasings(tmp_path):
-    from gemma_tpu.config import DataConfig
+    from gemma_tpu.core.config import DataConfig
     from gemma_tpu.data import load_conversations
 
     splits = dataset.generate(1, SMALL)
@@ -244,7 +244,7 @@ def test_arguments_match_normalises_types():
 
 
 def test_score_on_hand_made_predictions():
-    from gemma_tpu.evaluate import Case, score
+    from gemma_tpu.evaluate.run import Case, score
 
     names = ["get_steps", "get_heart_rate"]
     ref = ToolCall("get_heart_rate", {"date": "today", "metric": "max"})
@@ -269,7 +269,7 @@ def test_score_on_hand_made_predictions():
 
 
 def test_endpoint_replies_are_read_from_tool_calls_or_content():
-    from gemma_tpu.evaluate import openai_messages, reply_from_message
+    from gemma_tpu.evaluate.run import openai_messages, reply_from_message
 
     msg = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "get_steps", "arguments": '{"date": "today"}'}}]}
@@ -291,9 +291,10 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
 def test_chat_template_renders_prompts_like_the_renderer(tiny_dir):
     from transformers import AutoTokenizer
 
-    from gemma_tpu.data import Renderer, function_token_map
+    from gemma_tpu.data import Renderer
+    from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.data.records import normalise_messages
-    from gemma_tpu.evaluate import openai_messages
+    from gemma_tpu.evaluate.run import openai_messages
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     token_map = function_token_map(tok)
@@ -315,7 +316,7 @@ def test_chat_template_renders_prompts_like_the_renderer(tiny_dir):
 
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_dir):
-    from gemma_tpu.generate import load_hf_dir
+    from gemma_tpu.infer.generate import load_hf_dir
 
     return load_hf_dir(str(tiny_dir))
 
@@ -325,7 +326,7 @@ def test_cached_greedy_equals_uncached_forward(tiny_loaded):
     tokens as re-running the whole sequence without a cache."""
     import jax.numpy as jnp
 
-    from gemma_tpu.generate import Generator
+    from gemma_tpu.infer.generate import Generator
 
     import jax
 
@@ -418,7 +419,7 @@ class ScriptedGenerator:
         self.texts, self.prompts = list(texts), []
 
     def generate(self, prompts, **_):
-        from gemma_tpu.generate import Generation
+        from gemma_tpu.infer.generate import Generation
 
         self.prompts.append(list(prompts[0]))
         text = self.texts.pop(0)
@@ -429,9 +430,9 @@ class ScriptedGenerator:
 def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
     from transformers import AutoTokenizer
 
-    from gemma_tpu.chat import Coach
-    from gemma_tpu.data import function_token_map
-    from gemma_tpu.generate import LoadedModel
+    from gemma_tpu.examples.fitness.chat import Coach
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.infer.generate import LoadedModel
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
@@ -483,7 +484,7 @@ def test_evaluate_against_transformers_serve(tiny_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def real_270m():
-    from gemma_tpu.assets import resolve_embedded
+    from gemma_tpu.assets.embedded import resolve_embedded
 
     return Path(resolve_embedded("embedded:gemma3-270m"))
 
@@ -493,7 +494,7 @@ def test_generation_matches_transformers_on_real_270m(real_270m):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gemma_tpu.generate import Generator, load_hf_dir
+    from gemma_tpu.infer.generate import Generator, load_hf_dir
 
     loaded = load_hf_dir(str(real_270m))
     tok = loaded.tokenizer

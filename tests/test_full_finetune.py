@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from gemma_tpu.config import load_config
+from gemma_tpu.core.config import load_config
 from tests.conftest import run_cli
 
 EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

@@ -1,7 +1,7 @@
 """Gemma 4: forward parity with transformers, LoRA -> merge / PEFT export, full fine-tune
 conversion, the same loss on every mesh, and config.json presets for offline planning.
 
-Tiny random Gemma 4s written by transformers (`gemma_tpu.tiny.write_tiny_gemma4`):
+Tiny random Gemma 4s written by transformers (`gemma_tpu.assets.tiny.write_tiny_gemma4`):
 
 * dense  - like 31B: K=V global layers (K only), global head size and KV heads of their own;
 * ple    - like E2B/E4B: per-layer embeddings, one KV head, the last two layers reusing earlier
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from convert import safetensors_io as sio
-from gemma_tpu.errors import UserError
+from gemma_tpu.hf import safetensors_io as sio
+from gemma_tpu.core.errors import UserError
 from tests.conftest import run_cli
 from tests.test_convert import ALL_TARGETS, TOL, hf_logits, make_checkpoint, max_diff, merge
 from tests.test_sharding import EIGHT, MESHES
@@ -47,7 +47,7 @@ def g4(tmp_path_factory):
 
 
 def write(path, variant, mm, seed=0):
-    from gemma_tpu.tiny import write_tiny_gemma4
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
 
     return write_tiny_gemma4(path, seed=seed, variant=variant, multimodal=mm)
 
@@ -56,7 +56,7 @@ def jax_logits(model, ids):
     import jax
     import jax.numpy as jnp
 
-    from gemma_tpu.loss import attention_mask
+    from gemma_tpu.train.loss import attention_mask
 
     t = jnp.asarray([ids], jnp.int32)
     with jax.default_matmul_precision("highest"):
@@ -91,7 +91,7 @@ def test_hidden_only_and_sparse_loss_apply_the_softcap(g4):
     import jax
     import jax.numpy as jnp
 
-    from gemma_tpu.loss import attention_mask, full_loss, sparse_loss
+    from gemma_tpu.train.loss import attention_mask, full_loss, sparse_loss
     from gemma_tpu.models import load_model, resolve_model
 
     model, cfg = load_model(resolve_model(str(g4("ple"))), "float32")
@@ -168,7 +168,7 @@ def test_unsupported_config_values_are_refused_by_name(g4, key, value, needle):
 def test_lora_lands_where_each_layer_has_the_projection(g4):
     """K and V are fused in sliding layers, K alone in the K=V global layers, and KV-sharing
     layers have neither; LoRA factors exist exactly there."""
-    from gemma_tpu.config import LoraConfig
+    from gemma_tpu.core.config import LoraConfig
     from gemma_tpu.lora import apply_lora, lora_state_paths
     from gemma_tpu.models import load_model, resolve_model
 
@@ -316,7 +316,7 @@ def test_lora_merge_and_peft(g4, tmp_path, name):
     untouched = [k for k in bw.names() if "vision" in k or "experts" in k or "router" in k]
     assert untouched and all(mw.read(k).tobytes() == bw.read(k).tobytes() for k in untouched)
     from convert.export_peft import main as export_main
-    from gemma_tpu.errors import cli_main
+    from gemma_tpu.core.errors import cli_main
 
     adapter = tmp_path / "adapter"
     assert cli_main(export_main, ["--checkpoint", str(ckpt), "--out", str(adapter)]) == 0
@@ -433,7 +433,7 @@ def test_greedy_generation_matches_transformers(g4, name):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gemma_tpu.generate import Generator, load_hf_dir
+    from gemma_tpu.infer.generate import Generator, load_hf_dir
 
     d = g4(name)
     prompts = [[2, 120, 121, 122, 300, 301], [2, *range(130, 160)]]  # the second one past the window

@@ -21,7 +21,7 @@ def _run(tiny_dir, ckpt, *extra):
 
 
 def _finite_checkpoints(ckpt):
-    from gemma_tpu.checkpoint import list_steps, read_params
+    from gemma_tpu.checkpoint.metadata import list_steps, read_params
 
     steps = list_steps(ckpt)
     assert steps

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gemma_tpu.config import DataConfig, LoraConfig
+from gemma_tpu.core.config import DataConfig, LoraConfig
 from gemma_tpu.data import Renderer, eval_batches, prepare_split
 from gemma_tpu.models import load_model, resolve_model
 from tests.conftest import REPO
@@ -32,7 +32,7 @@ def test_sparse_equals_full(lora_model, strategy):
     from flax import nnx
     from transformers import AutoTokenizer
 
-    from gemma_tpu.loss import full_loss, sparse_loss
+    from gemma_tpu.train.loss import full_loss, sparse_loss
 
     model, r = lora_model
     tok = AutoTokenizer.from_pretrained(str(r.local_dir))
@@ -55,7 +55,7 @@ def test_packed_and_padded_give_same_per_example_loss(lora_model):
     from transformers import AutoTokenizer
 
     from gemma_tpu.data.batching import Example, build_row
-    from gemma_tpu.loss import gathered_nll, hidden_states, attention_mask, output_embedding
+    from gemma_tpu.train.loss import gathered_nll, hidden_states, attention_mask, output_embedding
 
     model, r = lora_model
     tok = AutoTokenizer.from_pretrained(str(r.local_dir))

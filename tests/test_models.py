@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.models import load_model, resolve_model
 from gemma_tpu.models.registry import detect_family, supported_architectures
 from tests.conftest import assert_one_line_error, run_cli
@@ -18,7 +18,7 @@ PROMPTS = ["Hello world, this is a tiny test of the model!",
 
 def jax_logits(model, ids):
     import jax.numpy as jnp
-    from gemma_tpu.loss import attention_mask
+    from gemma_tpu.train.loss import attention_mask
 
     t = jnp.asarray([ids], jnp.int32)
     seg = jnp.ones_like(t)

@@ -95,9 +95,9 @@ def test_when_jax_distributed_starts(monkeypatch):
     """Config keys win over JAX_* variables; a TPU pod is detected; one process needs nothing."""
     import pytest
 
-    from gemma_tpu.config import MeshConfig
-    from gemma_tpu.errors import UserError
-    from gemma_tpu.mesh import distributed_settings
+    from gemma_tpu.core.config import MeshConfig
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.mesh import distributed_settings
 
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TPU_WORKER_HOSTNAMES",
               "MEGASCALE_COORDINATOR_ADDRESS"):
@@ -126,9 +126,9 @@ def test_when_jax_distributed_starts(monkeypatch):
 def test_mesh_shapes():
     import pytest
 
-    from gemma_tpu.config import MeshConfig
-    from gemma_tpu.errors import UserError
-    from gemma_tpu.mesh import mesh_shape
+    from gemma_tpu.core.config import MeshConfig
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.mesh import mesh_shape
 
     assert mesh_shape(MeshConfig(), 8) == (1, 8, 1)
     assert mesh_shape(MeshConfig(data=2, fsdp=-1, tp=2), 16) == (2, 4, 2)
@@ -143,14 +143,14 @@ def test_mesh_shapes():
 _LOAD_CHILD = r"""
 import json, sys
 import numpy as np
-from gemma_tpu.config import MeshConfig
-from gemma_tpu import mesh as mesh_lib
+from gemma_tpu.core.config import MeshConfig
+from gemma_tpu.train import mesh as mesh_lib
 mesh_lib.initialize_distributed(MeshConfig())
 import jax
 from flax import nnx
 from gemma_tpu.models import load_model, resolve_model
 from gemma_tpu.models import sharded_load
-from gemma_tpu.partition import flat_params, with_rules
+from gemma_tpu.train.partition import flat_params, with_rules
 
 mesh = mesh_lib.build_mesh(MeshConfig(fsdp=-1))
 out = {}
@@ -182,7 +182,7 @@ def test_each_host_reads_only_its_shards(tiny_dir, tmp_path):
     """Two processes load the tiny Gemma 3 and a tiny Gemma 4 onto one fsdp=8 mesh: every local shard
     equals Tunix's loader's, and each byte of a sharded weight is read by exactly one process (a
     replicated one by both), so each host reads about half the checkpoint."""
-    from gemma_tpu.tiny import write_tiny_gemma4
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
 
     models = {"gemma3": str(tiny_dir), "gemma4": str(write_tiny_gemma4(tmp_path / "g4", variant="ple"))}
     port = _free_port()
@@ -207,8 +207,8 @@ def test_each_host_reads_only_its_shards(tiny_dir, tmp_path):
 
 _DCN_CHILD = r"""
 import json
-from gemma_tpu.config import MeshConfig
-from gemma_tpu import mesh as mesh_lib
+from gemma_tpu.core.config import MeshConfig
+from gemma_tpu.train import mesh as mesh_lib
 mesh_lib.initialize_distributed(MeshConfig())
 mesh = mesh_lib.build_mesh(MeshConfig(data=1, fsdp=4, tp=1, dcn_data=2))
 print("RESULT " + json.dumps({"shape": dict(mesh.shape),

@@ -6,14 +6,14 @@ import time
 
 import pytest
 
-from gemma_tpu.config import load_config
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.config import load_config
+from gemma_tpu.core.errors import UserError
 from tests.conftest import REPO, run_cli
 
 GiB = 2 ** 30
 EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
-# tiny Gemma 3 (gemma_tpu.tiny.TINY_GEMMA3) with configs/tiny.yaml: float32, LoRA r=4 on all seven
+# tiny Gemma 3 (gemma_tpu.assets.tiny.TINY_GEMMA3) with configs/tiny.yaml: float32, LoRA r=4 on all seven
 # projections, batch 4 x 192 tokens, adamw, no remat
 V, D, F, L, N, K, H, R = 512, 64, 128, 2, 4, 2, 16, 4
 B, T = 4, 192
@@ -34,7 +34,7 @@ def tiny_cfg(tiny_dir, *overrides):
 
 
 def plan(tiny_dir, *overrides, devices=None):
-    from gemma_tpu.plan import make_plan
+    from gemma_tpu.train.plan import make_plan
 
     return make_plan(tiny_cfg(tiny_dir, *overrides), devices)
 
@@ -47,7 +47,7 @@ def test_tiny_plan_matches_hand_computation(tiny_dir):
     assert p.term("LoRA params").bytes == 4 * LORA
     assert p.term("optimizer state").bytes == 2 * 4 * LORA  # adamw mu + nu, float32
     assert p.term("gradients").bytes == 4 * LORA
-    # activations (formula in gemma_tpu.plan): t tokens per device, b = 4 bytes
+    # activations (formula in gemma_tpu.train.plan): t tokens per device, b = 4 bytes
     t, b = B * T, 4
     full = b * (8 * D + 3 * N * H + 3 * K * H + 4 * F) + b * N * T
     acts = t * L * full + t * 4 * b * N * T + t * T + t * 2 * b * D + 2 * 4 * min(1024, B * T) * V
@@ -104,7 +104,7 @@ def test_estimate_within_factor_of_compiled(tiny_dir, overrides):
     """XLA's memory analysis of the real compiled step (random weights, local CPU device) and our
     estimate agree: state within 2%, peak within a factor of 1.6 (measured 0.69-1.05)."""
     from gemma_tpu.models.registry import config_json_for
-    from gemma_tpu.plan import compiled_memory
+    from gemma_tpu.train.plan import compiled_memory
 
     cfg = tiny_cfg(tiny_dir, *overrides)
     r = compiled_memory(cfg, config_json_for(str(tiny_dir)))
@@ -143,7 +143,7 @@ def test_indivisible_mesh_is_refused(tiny_dir):
 
 
 def test_accelerator_table_public_figures():
-    from gemma_tpu.flops import ACCELERATORS
+    from gemma_tpu.core.accelerators import ACCELERATORS
 
     want = {"v5e": (16, 197), "v5p": (95, 459), "v6e": (32, 918), "v4": (32, 275), "h100": (80, 989),
             "h200": (141, 989)}

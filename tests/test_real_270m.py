@@ -8,7 +8,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def real_dir():
-    from gemma_tpu.assets import resolve_embedded
+    from gemma_tpu.assets.embedded import resolve_embedded
 
     return resolve_embedded("embedded:gemma3-270m")
 

@@ -88,7 +88,7 @@ def reference(tiny_dir, tmp_path_factory):
 
 
 def assert_same_params(a_dir: Path, b_dir: Path, step: int) -> None:
-    from gemma_tpu.checkpoint import read_params
+    from gemma_tpu.checkpoint.metadata import read_params
 
     a, b = read_params(a_dir, step), read_params(b_dir, step)
     assert sorted(a) == sorted(b)
@@ -101,7 +101,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tiny_dir, refere
     root = reference["root"]
     ckpt = root / "killed"
     cmd, env = command(tiny_dir, ckpt), environment(reference["cache"], STEP_DELAY)
-    from gemma_tpu.checkpoint import list_steps
+    from gemma_tpu.checkpoint.metadata import list_steps
 
     start_s = None  # seconds from a restart to its first step, measured on the first trial
     trials = []
@@ -167,7 +167,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tiny_dir, refere
 def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_path):
     """The latest step dir lacks Orbax's commit markers (a non-atomic save or a copy cut short) and an
     Orbax temp dir lies beside it: the run resumes from the step before and ends identical."""
-    from gemma_tpu.checkpoint import list_steps
+    from gemma_tpu.checkpoint.metadata import list_steps
 
     ckpt = tmp_path / "half"
     shutil.copytree(reference["ckpt"], ckpt)

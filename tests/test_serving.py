@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_cli
-from gemma_tpu.errors import cli_main
+from gemma_tpu.core.errors import cli_main
 from serving.config import DEFAULT_IMAGE, VLLM_TPU_IMAGE
 from serving.local import free_port
 
@@ -371,7 +371,7 @@ def test_local_served_dir_adds_a_template_without_touching_the_model(tiny_dir, t
 
     before = _snapshot(tiny_dir)
     served = prepare_served_dir(tiny_dir, "tiny", tmp_path / "w")  # tiny_dir has no chat template
-    assert "declaration:" in (served / "chat_template.jinja").read_text()  # gemma_tpu.tool_calls' template
+    assert "declaration:" in (served / "chat_template.jinja").read_text()  # gemma_tpu.formats.function_calling' template
     assert (served / "config.json").is_symlink() and _snapshot(tiny_dir) == before
     own = tmp_path / "own.jinja"
     own.write_text("{{ 'mine' }}")

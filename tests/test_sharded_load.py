@@ -1,4 +1,4 @@
-"""Our sharded loader (gemma_tpu.models.sharded_load) against Tunix's own loader: the same arrays,
+"""Our sharded loader (gemma_tpu.models.sharded_weights) against Tunix's own loader: the same arrays,
 bit for bit, with the same shardings, for every tiny Gemma 3 / Gemma 4 layout, checkpoint dtype,
 param dtype and mesh; every checkpoint byte read exactly once in one process; shape errors named."""
 
@@ -13,7 +13,7 @@ _CHILD = r"""
 import json, sys
 import jax, numpy as np, jax.numpy as jnp
 from gemma_tpu.models import resolve_model, sharded_load
-from gemma_tpu.partition import flat_params, with_rules
+from gemma_tpu.train.partition import flat_params, with_rules
 
 mesh = jax.make_mesh((1, 4, 2), ("data", "fsdp", "tp"))
 report = []
@@ -39,7 +39,7 @@ print("RESULT " + json.dumps(report))
 
 
 def test_same_arrays_as_tunix_loader(tiny_dir, tiny_mha_dir, tmp_path):
-    from gemma_tpu.tiny import write_tiny_gemma3, write_tiny_gemma4
+    from gemma_tpu.assets.tiny import write_tiny_gemma3, write_tiny_gemma4
 
     models = {"gemma3_gqa": str(tiny_dir), "gemma3_mha_fused_qkv": str(tiny_mha_dir),
               "gemma3_bf16_checkpoint": str(write_tiny_gemma3(tmp_path / "bf16", seed=2, dtype="bfloat16"))}

@@ -46,7 +46,7 @@ def test_mesh_that_does_not_fit_is_refused(tiny_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_gemma4_dir(tmp_path_factory):
-    tiny = pytest.importorskip("gemma_tpu.tiny")
+    tiny = pytest.importorskip("gemma_tpu.assets.tiny")
     if not hasattr(tiny, "write_tiny_gemma4"):
         pytest.skip("no tiny Gemma 4 writer yet")
     return tiny.write_tiny_gemma4(tmp_path_factory.mktemp("tiny4") / "gemma4", seed=0, variant="dense")
@@ -54,7 +54,7 @@ def tiny_gemma4_dir(tmp_path_factory):
 
 def test_every_parameter_has_the_rule_spec(tiny_dir, tiny_gemma4_dir):
     """Base weights, LoRA factors, QLoRA weights and Adam state on 1x1x1, fsdp=8, fsdp=4×tp=2 and
-    data=2×fsdp=4 are placed exactly as gemma_tpu.partition says."""
+    data=2×fsdp=4 are placed exactly as gemma_tpu.train.partition says."""
     import os
     import subprocess
     import sys

@@ -3,7 +3,7 @@
 from gemma_tpu.data.pipeline import (Prepared, TrainStream, eval_batches, make_renderer, prepare_examples,
                                      prepare_split, render_examples)
 from gemma_tpu.data.records import load_conversations
-from gemma_tpu.data.render import Renderer, function_token_map
+from gemma_tpu.data.render import Renderer
 
-__all__ = ["Prepared", "Renderer", "TrainStream", "eval_batches", "function_token_map", "load_conversations",
+__all__ = ["Prepared", "Renderer", "TrainStream", "eval_batches", "load_conversations",
            "make_renderer", "prepare_examples", "prepare_split", "render_examples"]

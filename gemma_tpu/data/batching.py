@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.hf.tokenizer import load_tokenizer
 
 ANSI_ON, ANSI_OFF = "\x1b[1;32m", "\x1b[0m"
 ANSI_DIM = "\x1b[2m"
@@ -39,10 +40,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def load_tokenizer(spec: str | None, cfg) -> tuple[Any, str, str]:
+def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str]:
     """(tokenizer, where it came from, the family's chat format)."""
-    from transformers import AutoTokenizer
-
     family_format = "gemma"
     if spec:
         where = spec
@@ -51,14 +50,7 @@ def load_tokenizer(spec: str | None, cfg) -> tuple[Any, str, str]:
 
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
-    from gemma_tpu.generate import require_tokenizer_files
-
-    require_tokenizer_files(where)
-    try:
-        tok = AutoTokenizer.from_pretrained(where)
-    except Exception as e:
-        raise UserError(f"{where}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
-    return tok, where, family_format
+    return load_tokenizer(where), where, family_format
 
 
 def loss_spans(offsets: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
@@ -110,11 +102,11 @@ def fmt_row(cells: Sequence[Any], widths: Sequence[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gemma_tpu.config import load_config
+    from gemma_tpu.core.config import load_config
     from gemma_tpu.data import batching
     from gemma_tpu.data.pipeline import make_renderer, prepare_examples
     from gemma_tpu.data.records import load_conversations
-    from gemma_tpu.data.render import function_token_map
+    from gemma_tpu.formats.function_calling import function_token_map
 
     cfg = load_config(args.config, args.overrides)
     if args.n < 0:
@@ -123,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
     if not path:
         raise UserError(f"data.{'train' if args.split == 'train' else 'eval'}_path is not set in {args.config}")
     convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
-    tok, tok_where, family_format = load_tokenizer(args.tokenizer, cfg)
+    tok, tok_where, family_format = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)
     renderer = make_renderer(tok, cfg.data, family_format, token_map)
     rendered, examples = [], []

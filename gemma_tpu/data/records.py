@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ROLE_ALIASES = {"model": "assistant"}  # Gemma's own name for the assistant turn

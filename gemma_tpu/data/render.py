@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 BOS_ID = 2
 
@@ -254,30 +254,3 @@ class Renderer:
                     mask[1:] |= (starts < pos + len(t)) & (ends > pos)
                 pos += len(t)
         return Rendered(ids, mask, text, offsets)
-
-
-FUNCTION_MARKERS = (
-    "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
-    "<end_function_call>", "<start_function_response>", "<end_function_response>", "<escape>",
-)
-
-
-def function_token_map(tokenizer) -> dict[str, str]:
-    """Map FunctionGemma markers the vocabulary lacks onto reserved `<unusedN>` tokens, in order.
-
-    FunctionGemma's tokenizer has the markers as real tokens (empty map); the plain Gemma 3
-    vocabulary does not, so `<start_function_declaration>` -> `<unused0>` ... `<escape>` -> `<unused6>`.
-    The map is recorded in the checkpoint metadata and in the merged tokenizer files.
-    """
-    vocab = tokenizer.get_vocab()
-    mapping, n = {}, 0
-    for marker in FUNCTION_MARKERS:
-        if marker in vocab:
-            continue
-        while f"<unused{n}>" not in vocab:
-            n += 1
-            if n > 10_000:
-                return {}
-        mapping[marker] = f"<unused{n}>"
-        n += 1
-    return mapping

@@ -11,10 +11,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
                                        tunix_safetensors_loader)
-from gemma_tpu.models.sharded_load import sharded_safetensors_loader
+from gemma_tpu.models.sharded_weights import sharded_safetensors_loader
 
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,7 @@ class Family:
     stop_token_ids: tuple[int, ...] = (1, 106)
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
     # Tunix's own safetensors loader for this family: whole tensors on every host; kept as the
-    # reference that tests check `create_model` (gemma_tpu.models.sharded_load) against.
+    # reference that tests check `create_model` (gemma_tpu.models.sharded_weights) against.
     reference_loader: Callable[..., Any] | None = None
 
     def features(self, cfg: Any, layer: int | None) -> frozenset[str]:
@@ -329,7 +329,7 @@ def config_json_for(model_path: str) -> dict:
     config); the Hugging Face cache's copy for a hub id (no network); the shipped preset
     (`presets/<org>--<name>.json`). Anything else is a one-line UserError.
     """
-    from gemma_tpu.errors import read_json_object
+    from gemma_tpu.core.errors import read_json_object
 
     spec = str(model_path)
     local = Path(spec).expanduser()
@@ -337,8 +337,7 @@ def config_json_for(model_path: str) -> dict:
         return read_json_object(local / "config.json", f"{local / 'config.json'}: missing (not a Hugging Face "
                                                         f"model directory)")
     if spec.startswith("embedded:"):
-        from gemma_tpu import assets
-
+        from gemma_tpu.assets import embedded as assets
         name = spec[len("embedded:"):]
         entry = assets.get_model(name)
         target = assets.target_dir(name)

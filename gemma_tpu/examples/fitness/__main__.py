@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError, cli_main
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -37,8 +37,8 @@ def _stats(data: Path, tokenizer_spec: str) -> None:
     import json
 
     from gemma_tpu.examples.fitness.dataset import SPLITS, token_lengths
-    from gemma_tpu.generate import load_tokenizer
-    from gemma_tpu.models.loading import resolve_path
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from gemma_tpu.hf.directory import resolve_path
 
     tokenizer = load_tokenizer(resolve_path(tokenizer_spec))
     for split in SPLITS:

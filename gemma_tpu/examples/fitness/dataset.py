@@ -410,8 +410,9 @@ def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str
 
 def token_lengths(path: str | Path, tokenizer) -> list[int]:
     """Rendered lengths (ids incl. BOS) of a split, with the renderer training uses."""
-    from gemma_tpu.config import DataConfig
-    from gemma_tpu.data import Renderer, function_token_map, load_conversations
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import Renderer, load_conversations
+    from gemma_tpu.formats.function_calling import function_token_map
 
     renderer = Renderer(tokenizer, "gemma", token_map=function_token_map(tokenizer))
     return [len(renderer.render(c).ids) for c in load_conversations(path, DataConfig())]

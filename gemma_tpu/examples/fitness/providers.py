@@ -13,7 +13,7 @@ import os
 import random
 from typing import Any, Protocol
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 
 class Provider(Protocol):

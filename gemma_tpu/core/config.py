@@ -15,7 +15,7 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -103,13 +103,13 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    """Device mesh (see gemma_tpu.mesh); -1 means 'the rest of the devices'."""
+    """Device mesh (see gemma_tpu.train.mesh); -1 means 'the rest of the devices'."""
 
     data: int = 1  # data parallelism (weights replicated)
     fsdp: int = -1  # batch split and weights sharded
     tp: int = 1  # tensor parallelism (heads / MLP width)
     dcn_data: int = 1  # slices (multi-slice data parallelism over the data-centre network)
-    accelerator: str = "cpu"  # v5e | v5p | v6e | v4 | h100 | h200 | cpu (gemma_tpu.flops.ACCELERATORS)
+    accelerator: str = "cpu"  # v5e | v5p | v6e | v4 | h100 | h200 | cpu (gemma_tpu.core.accelerators.ACCELERATORS)
     price_per_hour: float = 0.0  # whole slice, for cost estimates
     # multi-process: all three (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID);
     # on a TPU pod slice JAX detects them itself
@@ -314,7 +314,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             bad(f"mesh.{name} must be a positive integer or -1, got {v}")
     if cfg.mesh.dcn_data == -1:
         bad("mesh.dcn_data must be the number of slices, not -1")
-    from gemma_tpu.flops import ACCELERATORS
+    from gemma_tpu.core.accelerators import ACCELERATORS
 
     if cfg.mesh.accelerator not in ACCELERATORS:
         bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")

@@ -23,7 +23,7 @@ import numpy as np
 from tunix.sft import hooks as tunix_hooks
 from tunix.sft import peft_trainer
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -139,7 +139,7 @@ class Trainer(peft_trainer.PeftTrainer):
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
-            from gemma_tpu.partition import shard_optimizer_state
+            from gemma_tpu.train.partition import shard_optimizer_state
 
             shard_optimizer_state(self.optimizer, mesh)
         import jax
@@ -152,7 +152,7 @@ class Trainer(peft_trainer.PeftTrainer):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tokens_per_step = tokens_per_step
-        self.flops = flops  # gemma_tpu.flops.StepFlops
+        self.flops = flops  # gemma_tpu.train.flops.StepFlops
         self.peak_flops = peak_flops
         self.price_per_hour = price_per_hour
         self.on_nonfinite = on_nonfinite

@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gemma_tpu.config import DataConfig, RunConfig, load_config
-from gemma_tpu.errors import UserError, cli_main
-from gemma_tpu.tool_calls import ParsedReply, ToolCall, arguments_match, parse_reply
-from serving.openai_client import (DEFAULT_TOKEN_MAP, api_base, first_message, http_json, openai_messages,  # noqa: F401
+from gemma_tpu.core.config import DataConfig, RunConfig, load_config
+from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
+from gemma_tpu.infer.openai_client import (DEFAULT_TOKEN_MAP, api_base, first_message, http_json, openai_messages,  # noqa: F401
                                    reply_from_message, served_model_name)
 
 log = logging.getLogger("gemma_tpu.evaluate")
@@ -115,7 +115,7 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     """Greedy generation for every case, batched; returns parsed replies and raw texts."""
     from tqdm import tqdm
 
-    from gemma_tpu.generate import Generator
+    from gemma_tpu.infer.generate import Generator
 
     renderer = _renderer(loaded, data_cfg)
     prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
@@ -133,7 +133,7 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
     from tqdm import tqdm
 
     from gemma_tpu.data import eval_batches, prepare_split
-    from gemma_tpu.loss import sparse_loss
+    from gemma_tpu.train.loss import sparse_loss
 
     renderer = _renderer(loaded, data_cfg)
     longest = max(len(renderer.render(c).ids) for c in convs)
@@ -217,7 +217,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     if spec.kind == "endpoint":
         preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label)
     else:
-        from gemma_tpu.generate import load_checkpoint, load_hf_dir
+        from gemma_tpu.infer.generate import load_checkpoint, load_hf_dir
 
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
@@ -310,7 +310,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "examples": details}, indent=2, ensure_ascii=False))
         print(f"wrote {out}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(cli_main(main))

@@ -5,7 +5,7 @@ the first full match wins. A spec names, per array dimension, the mesh axis (or 
 is split over, None for replicated. The weight specs are the ones Tunix's Gemma models annotate their
 parameters with (`ShardingConfig.get_default_sharding()`), so the loader places each weight directly
 into its shards; `tests/test_sharding.py` checks every parameter against this table on several
-meshes. The planner (`gemma_tpu.plan`) reads the same table to count per-device bytes.
+meshes. The planner (`gemma_tpu.train.plan`) reads the same table to count per-device bytes.
 
 Derived rules, never written out per family:
 
@@ -34,8 +34,8 @@ import math
 import re
 from typing import Any, Iterable, Sequence
 
-from gemma_tpu.errors import UserError
-from gemma_tpu.mesh import BATCH_AXES
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.train.mesh import BATCH_AXES
 
 Axis = str | tuple[str, ...] | None
 Spec = tuple[Axis, ...]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from gemma_tpu.config import TrainConfig
+from gemma_tpu.core.config import TrainConfig
 
 
 def make_schedule(t: TrainConfig):

@@ -19,7 +19,32 @@ import json
 import re
 from typing import Any
 
-from gemma_tpu.data.render import FUNCTION_MARKERS
+FUNCTION_MARKERS = (
+    "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
+    "<end_function_call>", "<start_function_response>", "<end_function_response>", "<escape>",
+)
+
+
+def function_token_map(tokenizer) -> dict[str, str]:
+    """Map FunctionGemma markers the vocabulary lacks onto reserved `<unusedN>` tokens, in order.
+
+    FunctionGemma's tokenizer has the markers as real tokens (empty map); the plain Gemma 3
+    vocabulary does not, so `<start_function_declaration>` -> `<unused0>` ... `<escape>` -> `<unused6>`.
+    The map is recorded in the checkpoint metadata and in the merged tokenizer files.
+    """
+    vocab = tokenizer.get_vocab()
+    mapping, n = {}, 0
+    for marker in FUNCTION_MARKERS:
+        if marker in vocab:
+            continue
+        while f"<unused{n}>" not in vocab:
+            n += 1
+            if n > 10_000:
+                return {}
+        mapping[marker] = f"<unused{n}>"
+        n += 1
+    return mapping
+
 
 START_CALL, END_CALL = "<start_function_call>", "<end_function_call>"
 START_RESPONSE = "<start_function_response>"

@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class LoadedModel:
 
 
 def _decode_text(tokenizer, ids: Sequence[int], token_map: dict[str, str]) -> str:
-    from gemma_tpu.tool_calls import unmap_markers
+    from gemma_tpu.formats.function_calling import unmap_markers
 
     text = tokenizer.decode(list(ids), skip_special_tokens=False)
     return unmap_markers(text, token_map)
@@ -224,30 +225,9 @@ class Generator:
 # ------------------------------------------------------------------------------- loading
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def require_tokenizer_files(model_dir: str | Path) -> None:
-    """transformers quietly builds an empty placeholder tokenizer for a directory without tokenizer
-    files (training then runs on garbage ids): refuse such a directory by name."""
-    d = Path(model_dir)
-    if d.is_dir() and not any((d / f).is_file() for f in TOKENIZER_FILES):
-        raise UserError(f"{d}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
-
-
-def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
-
-    require_tokenizer_files(model_dir)
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:
-        raise UserError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
-
-
 def load_hf_dir(path: str, dtype: str = "float32") -> LoadedModel:
     """A base or merged HF directory (or hub id / embedded:NAME) through `load_model`."""
-    from gemma_tpu.data.render import function_token_map
+    from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.models import load_model, resolve_model
 
     resolved = resolve_model(path)
@@ -261,8 +241,8 @@ def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = 
     """The checkpoint's base model with the LoRA factors of one step (the latest by default)."""
     from flax import nnx
 
-    from gemma_tpu import checkpoint
-    from gemma_tpu.config import LoraConfig
+    from gemma_tpu.checkpoint import metadata as checkpoint
+    from gemma_tpu.core.config import LoraConfig
     from gemma_tpu.lora import apply_lora
     from gemma_tpu.models import load_model, resolve_model
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError, cli_main
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ REGISTRY: dict[str, EmbeddedModel] = {
         family="gemma3",
         description="tiny random Gemma 3 for tests and CI (real Gemma 3 tokenizer when gemma3-270m "
         "is already prepared in the same cache)",
-        source={"kind": "builder", "function": "gemma_tpu.assets:_build_tiny_gemma3"},
+        source={"kind": "builder", "function": "gemma_tpu.assets.embedded:_build_tiny_gemma3"},
     ),
 }
 
@@ -714,12 +714,12 @@ CHAT_TEMPLATES = {"gemma3": GEMMA3_CHAT_TEMPLATE}
 
 
 def _build_tiny_gemma3(out: Path, cache_dir: Path) -> dict[str, Any]:
-    """A tiny random Gemma 3 (see gemma_tpu.tiny), with the real tokenizer if it is at hand.
+    """A tiny random Gemma 3 (see gemma_tpu.assets.tiny), with the real tokenizer if it is at hand.
 
     The real tokenizer is used only when gemma3-270m is already prepared in the same cache, so
     that asking for the tiny model never triggers the one-minute conversion.
     """
-    from gemma_tpu.tiny import write_tiny_gemma3
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
 
     real = target_dir("gemma3-270m", cache_dir)
     tokenizer_from = real if is_complete(real) else None
@@ -765,7 +765,3 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return cli_main(_main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

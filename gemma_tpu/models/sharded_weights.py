@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _Reader:
     """Boxes of HF tensors, read from memory maps of the safetensors files."""
 
     def __init__(self, weights):
-        self.weights = weights  # convert.safetensors_io.WeightsDir
+        self.weights = weights  # gemma_tpu.hf.safetensors_io.WeightsDir
         self._maps: dict[Path, np.memmap] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -163,8 +163,8 @@ def load_sharded(model_dir: str | Path, family_name: str, model_class: Callable[
     from flax import nnx
     from tunix.utils import compat
 
-    from convert.progress import Progress, human
-    from convert.safetensors_io import WeightsDir
+    from gemma_tpu.core.progress import Progress, human
+    from gemma_tpu.hf.safetensors_io import WeightsDir
     from gemma_tpu.models.loading import text_prefix
     from gemma_tpu.models.registry import get_family
 

@@ -1,4 +1,4 @@
-"""The small OpenAI-compatible client shared by `gemma_tpu.evaluate --endpoint` and `serving.chat`.
+"""The small OpenAI-compatible client shared by `gemma_tpu.evaluate.run --endpoint` and `serving.chat`.
 
 Standard library only (urllib): JSON requests with one-line errors, the `/v1` base of any URL a user
 gives, the served model's name, our normalised messages in OpenAI's shape, and a reply read from
@@ -14,10 +14,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from gemma_tpu.errors import UserError
-from gemma_tpu.tool_calls import ParsedReply, ToolCall, parse_reply
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, parse_reply
 
-log = logging.getLogger("serving.openai_client")
+log = logging.getLogger("gemma_tpu.infer.openai_client")
 
 # The markers a plain Gemma 3 vocabulary carries as <unusedN> (what function_token_map gives it):
 # used to read endpoint text that still contains them.

@@ -7,7 +7,7 @@
 * `tp` - tensor parallelism inside a layer (heads / MLP width).
 
 Tunix's Gemma models annotate their weights with the axis names 'fsdp' and 'tp'; batches are sharded
-over ('data', 'fsdp') together (`BATCH_SPEC`). `gemma_tpu.partition` holds the partition rules.
+over ('data', 'fsdp') together (`BATCH_SPEC`). `gemma_tpu.train.partition` holds the partition rules.
 
 Multi-host: `initialize_distributed` must run before any other JAX call. It starts
 `jax.distributed` when more than one process is present - a TPU pod slice (detected from the TPU
@@ -23,8 +23,8 @@ import logging
 import math
 import os
 
-from gemma_tpu.config import MeshConfig
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.config import MeshConfig
+from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gemma_tpu.errors import UserError, read_json_object
+from gemma_tpu.core.errors import UserError, read_json_object
 
 METADATA_FILE = "gemma_tpu_run.json"
 FORMAT = "gemma-tpu-checkpoint"
@@ -126,7 +126,7 @@ def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
 
 def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:
     """What a checkpoint needs to describe itself: base model, family, LoRA shape, dtype, config."""
-    from gemma_tpu.models.loading import hf_revision
+    from gemma_tpu.hf.directory import hf_revision
 
     return {
         "base_model": {

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 # safetensors dtype name <-> numpy dtype (bf16 and fp8 through ml_dtypes).
 DTYPES: dict[str, np.dtype] = {

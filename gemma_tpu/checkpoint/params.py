@@ -1,7 +1,7 @@
 """Lazy access to one step's `model_params`: names, shapes and dtypes from Orbax's metadata (no
 data read), and the data of chosen tensors through Orbax's partial restore, straight to host numpy.
 
-`gemma_tpu.checkpoint.read_params` restores every param at once, which is right for LoRA factors
+`gemma_tpu.checkpoint.metadata.read_params` restores every param at once, which is right for LoRA factors
 but holds a whole model for a full fine-tune; this reader lets the merger hold one tensor (or one
 layer's factors) at a time. Names are flat and dotted as in `read_params`:
 `layers.0.attn.q_einsum.w_lora_a`, `embedder.input_embedding`.
@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Reads like a table of contents: join the other processes (multi-host), resolve the model, prepare
 the data, build the mesh, load the model, apply LoRA, build the optimizer, run the trainer, save.
 Everything that can be wrong with the input is checked before anything is written. `--dry-run`
-prints the memory and time plan (`gemma_tpu.plan`) without loading any weights.
+prints the memory and time plan (`gemma_tpu.train.plan`) without loading any weights.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.config import RunConfig, load_config
-from gemma_tpu.errors import UserError, cli_main
+from gemma_tpu.core.config import RunConfig, load_config
+from gemma_tpu.core.errors import UserError, cli_main
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -31,7 +31,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="print the mesh, per-device memory and step-time plan without loading weights; "
-                        "exit 2 if it does not fit the accelerator (see gemma_tpu.plan)")
+                        "exit 2 if it does not fit the accelerator (see gemma_tpu.train.plan)")
     p.add_argument("--devices", type=int, default=None,
                    help="--dry-run: devices to plan for when a mesh axis is -1 (default: the local ones)")
     p.add_argument("--assumed-mfu", type=float, default=None, help="--dry-run: MFU for the step-time estimate")
@@ -50,7 +50,7 @@ def setup_logging() -> None:
 
 def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
     """A checkpoint directory from another base, family, rank or target set is refused."""
-    from gemma_tpu.checkpoint import METADATA_FILE, read_metadata
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
 
     if not (ckpt_dir / METADATA_FILE).is_file():
         if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
@@ -74,17 +74,22 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
 
 def run(cfg: RunConfig) -> dict:
     """Train as configured; returns the run summary."""
-    from gemma_tpu import mesh as mesh_lib
-
-    # 0. several processes (TPU pod hosts, or coordinator/process id given): join them before any
+    from gemma_tpu.train import mesh as mesh_lib
     #    other JAX call
     mesh_lib.initialize_distributed(cfg.mesh)
     import jax
 
-    from gemma_tpu import checkpoint, data, lora, optim, partition
-    from gemma_tpu.generate import load_tokenizer
+    from gemma_tpu import data, lora
+
+    from gemma_tpu.checkpoint import metadata as checkpoint
+
+    from gemma_tpu.train import optim
+
+    from gemma_tpu.train import partition
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.hf.tokenizer import load_tokenizer
     from gemma_tpu.models import load_model, resolve_model
-    from gemma_tpu.trainer import BatchFeed, Trainer
+    from gemma_tpu.train.trainer import BatchFeed, Trainer
 
     primary = jax.process_index() == 0
 
@@ -98,7 +103,7 @@ def run(cfg: RunConfig) -> dict:
     # 2. data, fully validated before anything is written
     if not cfg.data.train_path:
         raise UserError("data.train_path is not set")
-    token_map = data.function_token_map(tokenizer)
+    token_map = function_token_map(tokenizer)
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map)
     train_split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
     eval_split = (data.prepare_split(cfg.data.eval_path, renderer, cfg.data, cfg.train.seed)
@@ -114,12 +119,12 @@ def run(cfg: RunConfig) -> dict:
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta)
 
-    # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.partition rules)
+    # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
     check_batch_divisible(cfg, dict(mesh.shape), jax.process_count())
     remat = effective_remat(cfg)
     with mesh:  # the mesh PeftTrainer reads (thread resources) for input sharding
-        from gemma_tpu.plan import abstract_model
+        from gemma_tpu.train.plan import abstract_model
 
         abstract, _ = abstract_model(resolved.family, resolved.hf_config, cfg.model.dtype, remat)
         partition.check_divisible(resolved.family, tunix_cfg, abstract, mesh)
@@ -162,8 +167,7 @@ def run(cfg: RunConfig) -> dict:
             pbar_description="train",
         )
         chunk = 1024
-        from gemma_tpu import flops as flops_lib
-
+        from gemma_tpu.train import flops as flops_lib
         step_flops = flops_lib.training_flops(tunix_cfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
                                               len(cfg.lora.targets))
         trainer = Trainer(
@@ -173,7 +177,7 @@ def run(cfg: RunConfig) -> dict:
             price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
             mesh=mesh,
         )
-        from gemma_tpu.loss import make_loss_fn
+        from gemma_tpu.train.loss import make_loss_fn
 
         trainer.with_loss_fn(make_loss_fn(chunk))
         trainer.with_data_hooks(feed)
@@ -235,13 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     if args.dry_run:
-        from gemma_tpu import plan
-
+        from gemma_tpu.train import plan
         return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
     setup_logging()
     run(cfg)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(cli_main(main))

@@ -18,7 +18,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from gemma_tpu.errors import UserError
+from gemma_tpu.core.errors import UserError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

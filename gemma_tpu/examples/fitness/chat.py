@@ -1,0 +1,143 @@
+"""`python -m gemma_tpu.chat (--model DIR | --checkpoint DIR) [--provider simulated|garmin] [--once "question"]`
+
+The fitness coach, end to end: a question goes to the model with the seven tool declarations;
+the model's call is parsed, run against the provider (a simulated watch, or Garmin Connect), and
+its response fed back so the model answers in words. Each question is answered on its own (as in
+training: one request, one call, one answer). A call to an unknown tool, wrong arguments or a
+malformed call is reported to the user, not raised.
+
+Tool calls are traced on stderr (`-> get_steps(date='yesterday') = {...}`); answers go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Sequence, TextIO
+
+from gemma_tpu.core.errors import UserError, cli_main
+
+MAX_CALLS = 3  # calls per question before we stop the model
+
+
+class Coach:
+    """One model, one provider; `ask(question)` runs the call loop and returns the reply text."""
+
+    def __init__(self, loaded, provider, max_new_tokens: int = 128, trace: TextIO | None = sys.stderr,
+                 generator=None):
+        from gemma_tpu.core.config import DataConfig
+        from gemma_tpu.data import make_renderer
+        from gemma_tpu.examples.fitness.tools import tool_schemas
+        from gemma_tpu.infer.generate import Generator
+
+        self.loaded = loaded
+        self.provider = provider
+        self.tools = tool_schemas()
+        self.renderer = make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map)
+        self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1)
+        self.trace = trace
+
+    def _log(self, text: str) -> None:
+        if self.trace is not None:
+            print(text, file=self.trace, flush=True)
+
+    def ask(self, question: str) -> str:
+        from gemma_tpu.formats.function_calling import parse_reply
+
+        def next_reply(messages):
+            ids = self.renderer.render({"tools": self.tools, "messages": messages}, add_generation_prompt=True).ids
+            out = self.generator.generate([ids])[0]
+            reply = parse_reply(out.text)
+            if reply.kind == "text" and out.stop == "call":  # ended as if it had called, but wrote no call
+                reply = dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
+            return reply, out.text
+
+        return tool_loop(question, self.provider, next_reply, self._log)
+
+
+def tool_loop(question: str, provider, next_reply, log) -> str:
+    """The coach's loop, shared by the local model and any endpoint (serving.chat): question -> the model's
+    reply (`next_reply(messages) -> (ParsedReply, raw text)`) -> run the called tool -> feed the result back,
+    until a text answer. A malformed or unknown call is reported to the user, not raised."""
+    from gemma_tpu.examples.fitness.tools import ToolError, call_tool, response_json, system_prompt
+
+    messages = [{"role": "developer", "content": system_prompt(provider.today())},
+                {"role": "user", "content": question}]
+    for _ in range(MAX_CALLS + 1):
+        reply, raw = next_reply(messages)
+        if reply.kind == "format_error":
+            return f"(the model produced a malformed tool call: {reply.error}; raw output: {str(raw).strip()[:200]!r})"
+        if reply.kind == "text":
+            return reply.text or "(the model gave an empty answer)"
+        call = reply.calls[0]
+        shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+        try:
+            result = call_tool(call.name, call.arguments, provider)
+        except ToolError as e:
+            log(f"-> {call.name}({shown}): {e}")
+            return f"({e})"
+        log(f"-> {call.name}({shown}) = {json.dumps(result)}")
+        messages.append({"role": "assistant", "content": "",
+                         "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
+        messages.append({"role": "tool", "name": call.name, "content": response_json(result)})
+    return f"(the model kept calling tools; stopped after {MAX_CALLS} calls)"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gemma_tpu.chat", description=__doc__.splitlines()[0])
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="base or merged HF directory (or embedded:NAME)")
+    which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--provider", choices=("simulated", "garmin"), default="simulated")
+    p.add_argument("--seed", type=int, default=0, help="simulated device seed")
+    p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv or [])
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from gemma_tpu.examples.fitness.providers import make_provider
+    from gemma_tpu.infer.generate import load_checkpoint, load_hf_dir
+
+    provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
+    loaded = load_hf_dir(args.model, args.dtype) if args.model else load_checkpoint(args.checkpoint, args.step)
+    coach = Coach(loaded, provider, args.max_new_tokens)
+    if args.once is not None:
+        if not args.once.strip():
+            raise UserError("--once needs a question")
+        print(coach.ask(args.once))
+        return 0
+    return chat_repl(coach.ask, "")
+
+
+def chat_repl(ask, greeting: str) -> int:
+    """Questions from stdin (a prompt when it is a terminal) until EOF/exit; a failed request is reported
+    and the session goes on."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"{greeting}Ask about steps, sleep, activity, heart rate or Body Battery (Ctrl-D to quit).",
+              file=sys.stderr)
+    while True:
+        if interactive:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        question = line.strip()
+        if not question:
+            continue
+        if question.lower() in ("exit", "quit"):
+            break
+        try:
+            answer = ask(question)
+        except UserError as e:  # one failed request does not end the session
+            answer = f"(request failed: {e})"
+        print(("coach> " if interactive else "") + answer, flush=True)
+    return 0

@@ -1,0 +1,1 @@
+"""gemma_tpu.hf."""

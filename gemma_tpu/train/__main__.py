@@ -1,0 +1,8 @@
+"""`python -m gemma_tpu.train --config FILE [key=value ...]`: run a LoRA or full fine-tune."""
+
+import sys
+
+from gemma_tpu.core.errors import cli_main
+from gemma_tpu.train.run import main
+
+sys.exit(cli_main(main))
