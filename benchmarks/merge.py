@@ -30,8 +30,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.core.progress import human  # noqa: E402
+from gemma_tpu.hf import safetensors_io as sio
 
 GEMMA3_4B_TEXT = dict(num_hidden_layers=34, hidden_size=2560, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=256, intermediate_size=10240, vocab_size=262144)

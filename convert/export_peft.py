@@ -21,11 +21,18 @@ from typing import Sequence
 
 import numpy as np
 
-from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.core.atomic import AtomicDir, check_target
 from convert.mapping import hf_shape
-from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint
-from gemma_tpu.core.errors import UserError, cli_main
+from convert.source import (
+    CheckpointSource,
+    FactorCache,
+    checked_lora_sites,
+    open_checkpoint,
+)
+from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import AtomicDir, check_target
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf import safetensors_io as sio
 
 ADAPTER_FILE = "adapter_model.safetensors"
 PROVENANCE_FILE = "gemma_tpu_adapter.json"
@@ -75,7 +82,7 @@ def adapter_config(source: CheckpointSource, prefix: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.export_peft", description=__doc__.split("\n\n")[0])
+    p = cli.parser("python -m convert.export_peft", __doc__, overrides=False)
     p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="output adapter directory")

@@ -20,12 +20,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
 
 
 def describe_checkpoint(path: Path, step: int | None) -> dict:
-    from gemma_tpu.checkpoint.params import CheckpointParams
     from gemma_tpu.checkpoint.metadata import list_steps, read_metadata, resolve_step
+    from gemma_tpu.checkpoint.params import CheckpointParams
 
     meta = read_metadata(path)
     steps = list_steps(path)
@@ -136,7 +138,7 @@ def render(info: dict, tensors: bool = True) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.inspect", description=__doc__.split("\n\n")[0])
+    p = cli.parser("python -m convert.inspect", __doc__, overrides=False)
     p.add_argument("path", help="checkpoint dir or HF directory")
     p.add_argument("--step", type=int, help="checkpoint step to list (default: the latest)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

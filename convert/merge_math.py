@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import numpy as np
 
 from gemma_tpu.hf import safetensors_io as sio
+
 T = TypeVar("T")
 R = TypeVar("R")
 

@@ -46,16 +46,23 @@ from typing import Sequence
 import numpy as np
 
 from convert import merge_math
-from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.core.atomic import AtomicDir, check_target
-from gemma_tpu.hf.files import write_sidecar_files
 from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
-from gemma_tpu.core.progress import Progress, human
-from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint, resolve_base
+from convert.source import (
+    CheckpointSource,
+    FactorCache,
+    checked_lora_sites,
+    open_checkpoint,
+    resolve_base,
+)
 from convert.tool_tokens import install_tool_tokens
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import AtomicDir, check_target
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.progress import Progress, human
+from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.loading import text_prefix
+from gemma_tpu.hf.files import write_sidecar_files
 from gemma_tpu.models.registry import detect_family, text_config
 
 PROVENANCE_FILE = "gemma_tpu_merge.json"
@@ -116,7 +123,7 @@ def plan_merge(args: argparse.Namespace) -> MergePlan:
     if base_family.name != source.family.name:
         raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
     weights = sio.WeightsDir(base_dir)
-    prefix = text_prefix(source.family, weights.names())
+    prefix = source.family.text_prefix(weights.names())
     out = Path(args.out)
     check_target(out, args.overwrite, protected=[base_dir, source.dir])
     n_layers = text_config(base_config).get("num_hidden_layers")
@@ -252,7 +259,7 @@ def provenance(plan: MergePlan, writer: sio.ShardedWriter) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.merge_orbax", description=__doc__.split("\n\n")[0])
+    p = cli.parser("python -m convert.merge_orbax", __doc__, overrides=False)
     p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="output HF directory")

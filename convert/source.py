@@ -12,9 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites, read_layout
-from gemma_tpu.checkpoint.params import CheckpointParams
+from convert.mapping import (
+    Layout,
+    LoraSite,
+    axis_sizes_from_factors,
+    hf_shape,
+    is_lora_name,
+    lora_sites,
+    read_layout,
+)
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
+from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.models.registry import Family, detect_family, get_family
 

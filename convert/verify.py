@@ -36,7 +36,9 @@ from typing import Sequence
 
 import numpy as np
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -211,7 +213,7 @@ def verify_merge(source, base_dir: Path, merged_dir: Path, dtype_name: str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.verify", description="Compare two HF model dirs by logits.")
+    p = cli.parser("python -m convert.verify", __doc__, overrides=False)
     p.add_argument("a", help="reference HF directory")
     p.add_argument("b", help="HF directory to compare")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a fixed set)")

@@ -70,8 +70,8 @@ def apply_lora(model, family: Family, tunix_cfg: Any, lora: LoraConfig, seed: in
     With a mesh, the new arrays (LoRA factors; quantized weights for QLoRA) are computed by one
     jitted function straight into their shards (see `_apply_sharded`); the base weights are reused.
     """
-    from flax import nnx
     import qwix
+    from flax import nnx
 
     provider, projections = make_provider(family, tunix_cfg, lora)
     inputs = model.get_model_input()

@@ -21,8 +21,16 @@ import os
 import sys
 from typing import Any, Sequence, TextIO
 
-from gemma_tpu.core.errors import UserError, cli_main
-from gemma_tpu.infer.openai_client import api_base, first_message, http_json, openai_messages, reply_from_message
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.infer.openai_client import (
+    api_base,
+    first_message,
+    http_json,
+    openai_messages,
+    reply_from_message,
+)
 
 
 class RemoteCoach:
@@ -67,7 +75,7 @@ class RemoteCoach:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving.chat", description=__doc__.splitlines()[0])
+    p = cli.parser("python -m serving.chat", __doc__, overrides=False)
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", help="served model (or LoRA adapter) name; default: the first the server lists, "
                                    "or none")
@@ -84,7 +92,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cli.setup_logging(logging.WARNING)
     from gemma_tpu.examples.fitness.providers import make_provider
     from gemma_tpu.infer.openai_client import served_model_name
 

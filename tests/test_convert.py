@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from gemma_tpu.hf import safetensors_io as sio
+
 REPO = Path(__file__).resolve().parents[1]
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Several prompts, one longer than the tiny models' sliding window (16).
@@ -104,7 +105,7 @@ def make_checkpoint(base_dir: Path, ckpt_dir: Path, *, rank=4, alpha=8.0, target
 
 def merge(*args: str) -> int:
     from convert.merge_orbax import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     return cli_main(main, [str(a) for a in args])
 
@@ -290,11 +291,16 @@ def test_real_multimodal_model_and_peft(work, base):
     matches the JAX LoRA model, and the PEFT export, whose modules live under
     model.language_model., loads onto it and keeps away from the vision tower's own q/k/v_proj."""
     import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
 
     from convert.export_peft import main as export_main
-    from gemma_tpu.core.errors import cli_main
     from gemma_tpu.assets.tiny import TINY_GEMMA3
+    from gemma_tpu.core.cli import cli_main
 
     mm = work / "base_mm_real"
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -525,7 +531,7 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
     from safetensors import safe_open
 
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     out = work / "adapter"
     assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 0
@@ -549,7 +555,7 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
 
 def test_peft_export_refuses_full_finetune(work, capsys):
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     ckpt = work / "ckpt_full"
     if not ckpt.exists():
@@ -657,7 +663,7 @@ def test_trainer_checkpoint_end_to_end(work, base):
     prov = json.loads((out / "gemma_tpu_merge.json").read_text())
     assert prov["step"] == 2 and prov["lora"]["rank"] == 4
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     adapter = work / "trained_adapter"
     assert cli_main(main, ["--checkpoint", str(run), "--out", str(adapter)]) == 0

@@ -103,7 +103,7 @@ def test_remat_and_accumulation_and_qlora_change_the_right_terms(tiny_dir):
 def test_estimate_within_factor_of_compiled(tiny_dir, overrides):
     """XLA's memory analysis of the real compiled step (random weights, local CPU device) and our
     estimate agree: state within 2%, peak within a factor of 1.6 (measured 0.69-1.05)."""
-    from gemma_tpu.models.registry import config_json_for
+    from gemma_tpu.hf.directory import config_json_for
     from gemma_tpu.train.plan import compiled_memory
 
     cfg = tiny_cfg(tiny_dir, *overrides)

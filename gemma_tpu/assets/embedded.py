@@ -22,7 +22,6 @@ leaves a half-written target. A file lock keeps concurrent prepares from doing t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -36,7 +35,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -734,7 +735,7 @@ def _build_tiny_gemma3(out: Path, cache_dir: Path) -> dict[str, Any]:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gemma_tpu.assets", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m gemma_tpu.assets", __doc__, overrides=False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="build the cached HF directory of an embedded model; prints its path")
     p.add_argument("name", help=f"one of: {', '.join(known_models())}")
@@ -747,8 +748,7 @@ def _main(argv: Sequence[str] | None) -> int:
         for name in known_models():
             print(f"{name}\t{REGISTRY[name].description}")
         return 0
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[assets %(asctime)s] %(message)s",
-                        datefmt="%H:%M:%S")
+    cli.setup_logging()
     # Libraries may print to stdout; only the path must appear there, so point fd 1 at stderr.
     sys.stdout.flush()
     saved = os.dup(1)

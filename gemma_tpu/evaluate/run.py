@@ -33,11 +33,24 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from gemma_tpu.core import cli
 from gemma_tpu.core.config import DataConfig, RunConfig, load_config
-from gemma_tpu.core.errors import UserError, cli_main
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
-from gemma_tpu.infer.openai_client import (DEFAULT_TOKEN_MAP, api_base, first_message, http_json, openai_messages,  # noqa: F401
-                                   reply_from_message, served_model_name)
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats.function_calling import (
+    ParsedReply,
+    ToolCall,
+    arguments_match,
+    parse_reply,
+)
+from gemma_tpu.infer.openai_client import (  # noqa: F401
+    DEFAULT_TOKEN_MAP,
+    api_base,
+    first_message,
+    http_json,
+    openai_messages,
+    reply_from_message,
+    served_model_name,
+)
 
 log = logging.getLogger("gemma_tpu.evaluate")
 
@@ -255,8 +268,7 @@ def format_table(results: dict[str, dict]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.evaluate", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="YAML run config (data.* rendering settings, model.dtype)")
+    p = cli.parser("python -m gemma_tpu.evaluate", __doc__, config="YAML run config (data.* rendering settings, model.dtype)")
     p.add_argument("--data", required=True, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="base or merged HF directory (or hub id / embedded:NAME)")
@@ -271,7 +283,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-loss", action="store_true", help="skip the teacher-forced eval loss")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=1024")
     return p.parse_args(list(argv))
 
 
@@ -279,8 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     from gemma_tpu.data import load_conversations
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cli.setup_logging(logging.WARNING)
     cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else RunConfig()
+    if args.print_config:
+        cli.print_config(cfg)
+        return 0
     if args.limit is not None and args.limit <= 0:
         raise UserError("--limit must be positive")
     if args.batch_size <= 0 or args.max_new_tokens <= 0:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
-
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
-                                       tunix_safetensors_loader)
-from gemma_tpu.models.sharded_weights import sharded_safetensors_loader
+from gemma_tpu.models.registry import (
+    Family,
+    Projection,
+    Tensor,
+    register,
+    text_config,
+    tunix_remat,
+    tunix_safetensors_loader,
+)
+from gemma_tpu.models.sharded_weights import load_sharded
 
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.
@@ -46,9 +51,12 @@ def _rope(t: dict, kind: str) -> tuple[float, float]:
     return float(theta), factor
 
 
-def tunix_config(hf_config: dict, param_dtype: Any = jnp.float32):
+def tunix_config(hf_config: dict, param_dtype: Any = None):
     """Translate an HF Gemma 3 config (text or multimodal) into Tunix's `ModelConfig`."""
+    import jax.numpy as jnp  # deferred, like Tunix: registering the families must not import jax
     from tunix.models.gemma3 import model as g3
+
+    param_dtype = jnp.float32 if param_dtype is None else param_dtype
 
     t = text_config(hf_config)
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -174,13 +182,31 @@ def model_class():
     return _MODEL_CLASS
 
 
+# Partition rules of Tunix's Gemma weights: the specs Tunix's own ShardingConfig annotates them with, so
+# weights load straight into their shards. Gemma 4 shares the attention/MLP part.
+_L = r"layers\.\d+\."
+ATTENTION_MLP_PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
+    (r"embedder\.input_embedding", ("tp", "fsdp")),
+    (_L + r"attn\.(q|k)_einsum\.w", ("tp", "fsdp", None)),
+    (_L + r"attn\.(kv|qkv)_einsum\.w", (None, "tp", "fsdp", None)),
+    (_L + r"attn\.attn_vec_einsum\.w", ("tp", None, "fsdp")),
+    (_L + r"mlp\.(gate|up)_proj\.kernel", ("fsdp", "tp")),
+    (_L + r"mlp\.down_proj\.kernel", ("tp", "fsdp")),
+)
+PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
+    (_L + r"attn\._(query|key)_norm\.scale", ()),  # Tunix: no sharding on head_dim
+    (r"(layers\.\d+\.)?\w*norm\.scale", ("tp",)),
+)
+
+
 GEMMA3 = register(
     Family(
         name="gemma3",
         architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         model_types=("gemma3_text", "gemma3"),
         tunix_config=tunix_config,
-        create_model=sharded_safetensors_loader("gemma3", model_class),
+        loader=load_sharded,
+        partition_rules=PARTITION_RULES,
         reference_loader=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,

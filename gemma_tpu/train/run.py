@@ -15,20 +15,18 @@ import json
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Sequence
 
+from gemma_tpu.core import cli
 from gemma_tpu.core.config import RunConfig, load_config
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger("gemma_tpu.train")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="YAML run config (see configs/)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p = cli.parser("python -m gemma_tpu.train", __doc__, config="YAML run config (see configs/)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the mesh, per-device memory and step-time plan without loading weights; "
                         "exit 2 if it does not fit the accelerator (see gemma_tpu.train.plan)")
@@ -36,16 +34,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="--dry-run: devices to plan for when a mesh axis is -1 (default: the local ones)")
     p.add_argument("--assumed-mfu", type=float, default=None, help="--dry-run: MFU for the step-time estimate")
     p.add_argument("--no-compile", action="store_true", help="--dry-run: skip the compiled memory analysis")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=20")
     return p.parse_args(list(argv))
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-    for noisy in ("absl", "jax", "orbax", "tunix", "qwix", "httpx", "urllib3", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
@@ -80,15 +71,11 @@ def run(cfg: RunConfig) -> dict:
     import jax
 
     from gemma_tpu import data, lora
-
     from gemma_tpu.checkpoint import metadata as checkpoint
-
-    from gemma_tpu.train import optim
-
-    from gemma_tpu.train import partition
     from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.hf.tokenizer import load_tokenizer
     from gemma_tpu.models import load_model, resolve_model
+    from gemma_tpu.train import optim, partition
     from gemma_tpu.train.trainer import BatchFeed, Trainer
 
     primary = jax.process_index() == 0
@@ -236,11 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--config FILE is required (see configs/)")
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        print(cfg.to_yaml(), end="")
+        cli.print_config(cfg)
         return 0
     if args.dry_run:
         from gemma_tpu.train import plan
         return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
-    setup_logging()
+    cli.setup_logging()
     run(cfg)
     return 0

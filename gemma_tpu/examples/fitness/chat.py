@@ -18,7 +18,8 @@ import logging
 import sys
 from typing import Sequence, TextIO
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.errors import UserError
 
 MAX_CALLS = 3  # calls per question before we stop the model
 
@@ -62,7 +63,12 @@ def tool_loop(question: str, provider, next_reply, log) -> str:
     """The coach's loop, shared by the local model and any endpoint (serving.chat): question -> the model's
     reply (`next_reply(messages) -> (ParsedReply, raw text)`) -> run the called tool -> feed the result back,
     until a text answer. A malformed or unknown call is reported to the user, not raised."""
-    from gemma_tpu.examples.fitness.tools import ToolError, call_tool, response_json, system_prompt
+    from gemma_tpu.examples.fitness.tools import (
+        ToolError,
+        call_tool,
+        response_json,
+        system_prompt,
+    )
 
     messages = [{"role": "developer", "content": system_prompt(provider.today())},
                 {"role": "user", "content": question}]
@@ -87,7 +93,7 @@ def tool_loop(question: str, provider, next_reply, log) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.chat", description=__doc__.splitlines()[0])
+    p = cli.parser("python -m gemma_tpu.chat", __doc__, overrides=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="base or merged HF directory (or embedded:NAME)")
     which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
@@ -102,7 +108,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cli.setup_logging(logging.WARNING)
     from gemma_tpu.examples.fitness.providers import make_provider
     from gemma_tpu.infer.generate import load_checkpoint, load_hf_dir
 
