@@ -144,7 +144,7 @@ def test_incomplete_target_and_stale_tmp_are_replaced(tmp_path, fake_builder):
     target = assets.target_dir(NAME, tmp_path)
     target.mkdir(parents=True)
     (target / "model.safetensors").write_text("half-written")  # no marker: not complete
-    stale = target.with_name(f"{NAME}.tmp-999999")
+    stale = target.with_name(f".{NAME}.tmp-999999")  # a build killed mid-way (its PID is gone)
     stale.mkdir()
     assert not assets.is_complete(target)
     assets.prepare(NAME, cache_dir=tmp_path)
