@@ -95,7 +95,7 @@ def full_sites(family: Family, tunix_cfg: Any, prefix: str) -> dict[str, FullSit
 class Layout:
     """The part of Tunix's `ModelConfig` that the registry's `projections` and the layer loops read,
     under Tunix's attribute names, built from config.json without importing Tunix's model code
-    (which costs ~2.5 s and ~300 MB of RSS, a third of the merge's footprint). Converters do not
+    (whose import time and memory would dominate a small merge). Converters do not
     build a model, so they need no more; `--verify` builds the real config through the loader."""
 
     num_layers: int

@@ -31,7 +31,8 @@ import os
 
 if __name__ == "__main__":
     # Before numpy/scipy load OpenBLAS: its threads spin against each other on the skinny rank-r
-    # products (12x slower on 2 busy cores); merge_math parallelises over row chunks instead.
+    # products (much slower on a busy 2-core machine; see benchmarks/RESULTS.md); merge_math
+    # parallelises over row chunks instead.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
