@@ -22,12 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from convert.mapping import hf_shape
-from convert.source import (
-    CheckpointSource,
-    FactorCache,
-    checked_lora_sites,
-    open_checkpoint,
-)
+from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target
 from gemma_tpu.core.cli import cli_main

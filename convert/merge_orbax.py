@@ -48,13 +48,7 @@ import numpy as np
 
 from convert import merge_math
 from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
-from convert.source import (
-    CheckpointSource,
-    FactorCache,
-    checked_lora_sites,
-    open_checkpoint,
-    resolve_base,
-)
+from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint, resolve_base
 from convert.tool_tokens import install_tool_tokens
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target

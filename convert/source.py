@@ -12,15 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.mapping import (
-    Layout,
-    LoraSite,
-    axis_sizes_from_factors,
-    hf_shape,
-    is_lora_name,
-    lora_sites,
-    read_layout,
-)
+from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites, read_layout
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.errors import UserError

@@ -49,12 +49,7 @@ from typing import Any, Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.infer.openai_client import (
-    api_base,
-    check_reachable,
-    openai_messages,
-    served_model_name,
-)
+from gemma_tpu.infer.openai_client import api_base, check_reachable, openai_messages, served_model_name
 
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))

@@ -24,13 +24,7 @@ from typing import Any, Sequence, TextIO
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.infer.openai_client import (
-    api_base,
-    first_message,
-    http_json,
-    openai_messages,
-    reply_from_message,
-)
+from gemma_tpu.infer.openai_client import api_base, first_message, http_json, openai_messages, reply_from_message
 
 
 class RemoteCoach:

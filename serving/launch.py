@@ -31,14 +31,7 @@ from typing import Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from serving.config import (
-    VLLM_TPU_IMAGE,
-    ModelFacts,
-    ServeConfig,
-    inspect_model,
-    load_serve_config,
-    stop_token_warning,
-)
+from serving.config import VLLM_TPU_IMAGE, ModelFacts, ServeConfig, inspect_model, load_serve_config, stop_token_warning
 
 DOCKERFILE = Path(__file__).resolve().parent / "Dockerfile"
 MODELS_MOUNT = "/models"

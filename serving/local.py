@@ -69,10 +69,7 @@ def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template:
     elif not has_template:
         from transformers import AutoTokenizer
 
-        from gemma_tpu.formats.function_calling import (
-            function_token_map,
-            tool_chat_template,
-        )
+        from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
 
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         (served / "chat_template.jinja").write_text(tool_chat_template(function_token_map(tok)))

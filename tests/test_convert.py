@@ -291,12 +291,7 @@ def test_real_multimodal_model_and_peft(work, base):
     matches the JAX LoRA model, and the PEFT export, whose modules live under
     model.language_model., loads onto it and keeps away from the vision tower's own q/k/v_proj."""
     import torch
-    from transformers import (
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3TextConfig,
-        SiglipVisionConfig,
-    )
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
     from convert.export_peft import main as export_main
     from gemma_tpu.assets.tiny import TINY_GEMMA3

@@ -22,14 +22,7 @@ import pytest
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf import safetensors_io as sio
 from tests.conftest import run_cli
-from tests.test_convert import (
-    ALL_TARGETS,
-    TOL,
-    hf_logits,
-    make_checkpoint,
-    max_diff,
-    merge,
-)
+from tests.test_convert import ALL_TARGETS, TOL, hf_logits, make_checkpoint, max_diff, merge
 from tests.test_sharding import EIGHT, MESHES
 
 VARIANTS = {"dense": ("dense", False), "dense_mm": ("dense", True), "ple": ("ple", False),

@@ -261,9 +261,7 @@ def _build_into(entry: EmbeddedModel, out: Path, cache_dir: Path) -> dict[str, A
     """Write the complete model directory into `out`; returns a description of the source."""
     kind = entry.source.get("kind")
     if kind == "gguf-package":
-        from gemma_tpu.assets.gguf_import import (
-            build_from_gguf_package,  # deferred: imports torch
-        )
+        from gemma_tpu.assets.gguf_import import build_from_gguf_package  # deferred: imports torch
 
         return build_from_gguf_package(entry, out, CHAT_TEMPLATES[entry.family])
     if kind == "builder":

@@ -11,11 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gemma_tpu.assets.build import AssetError, log, log_step
-from gemma_tpu.assets.gguf_tokenizer import (
-    build_tokenizer,
-    check_tokenizer,
-    read_gguf_vocab,
-)
+from gemma_tpu.assets.gguf_tokenizer import build_tokenizer, check_tokenizer, read_gguf_vocab
 
 
 def build_from_gguf_package(entry, out: Path, chat_template: str) -> dict[str, Any]:

@@ -36,12 +36,7 @@ from typing import Any, Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.config import DataConfig, RunConfig, load_config
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import (
-    ParsedReply,
-    ToolCall,
-    arguments_match,
-    parse_reply,
-)
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_TOKEN_MAP,
     api_base,

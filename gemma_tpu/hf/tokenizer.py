@@ -20,9 +20,7 @@ def require_tokenizer_files(model_dir: str | Path) -> None:
 
 def load_tokenizer(model_dir: str | Path):
     """The tokenizer of `model_dir`; a missing or unreadable one is a one-line error naming the directory."""
-    from transformers import (
-        AutoTokenizer,  # deferred: transformers takes seconds to import
-    )
+    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
     require_tokenizer_files(model_dir)
     try:

@@ -3,17 +3,8 @@
     python -m gemma_tpu.examples.fitness generate --out data/fitness --seed 0
 """
 
-from gemma_tpu.examples.fitness.providers import (
-           GarminConnectProvider,
-           Provider,
-           SimulatedDevice,
-)
-from gemma_tpu.examples.fitness.tools import (
-           TOOLS,
-           call_tool,
-           system_prompt,
-           tool_schemas,
-)
+from gemma_tpu.examples.fitness.providers import GarminConnectProvider, Provider, SimulatedDevice
+from gemma_tpu.examples.fitness.tools import TOOLS, call_tool, system_prompt, tool_schemas
 
 __all__ = ["GarminConnectProvider", "Provider", "SimulatedDevice", "TOOLS", "call_tool", "system_prompt",
            "tool_schemas"]

@@ -63,12 +63,7 @@ def tool_loop(question: str, provider, next_reply, log) -> str:
     """The coach's loop, shared by the local model and any endpoint (serving.chat): question -> the model's
     reply (`next_reply(messages) -> (ParsedReply, raw text)`) -> run the called tool -> feed the result back,
     until a text answer. A malformed or unknown call is reported to the user, not raised."""
-    from gemma_tpu.examples.fitness.tools import (
-        ToolError,
-        call_tool,
-        response_json,
-        system_prompt,
-    )
+    from gemma_tpu.examples.fitness.tools import ToolError, call_tool, response_json, system_prompt
 
     messages = [{"role": "developer", "content": system_prompt(provider.today())},
                 {"role": "user", "content": question}]

@@ -23,13 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma_tpu.examples.fitness.providers import SimulatedDevice
-from gemma_tpu.examples.fitness.tools import (
-    WEEKDAYS,
-    call_tool,
-    response_json,
-    system_prompt,
-    tool_schemas,
-)
+from gemma_tpu.examples.fitness.tools import WEEKDAYS, call_tool, response_json, system_prompt, tool_schemas
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December")
