@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from gemma_tpu.core.config import RunConfig, load_config
 from gemma_tpu.core.errors import UserError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -39,6 +40,18 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
 def print_config(cfg: Any) -> None:
     """The resolved config as YAML (the form `--config` reads back)."""
     print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
+
+
+def run_config(args: argparse.Namespace, required: bool = True):
+    """The `RunConfig` of `--config` plus overrides (defaults when neither is given and not `required`);
+    None once `--print-config` has printed it, so the caller returns."""
+    if required and not args.config:
+        raise UserError("--config FILE is required (see configs/)")
+    cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else RunConfig()
+    if getattr(args, "print_config", False):
+        print_config(cfg)
+        return None
+    return cfg
 
 
 def setup_logging(level: int = logging.INFO) -> None:

@@ -102,17 +102,13 @@ def fmt_row(cells: Sequence[Any], widths: Sequence[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gemma_tpu.core.config import load_config
     from gemma_tpu.data import batching
     from gemma_tpu.data.pipeline import make_renderer, prepare_examples
     from gemma_tpu.data.records import load_conversations
     from gemma_tpu.formats.function_calling import function_token_map
 
-    if not args.config:
-        raise UserError("--config FILE is required (data.*, model.path for the tokenizer)")
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        cli.print_config(cfg)
+    cfg = cli.run_config(args)
+    if cfg is None:
         return 0
     if args.n < 0:
         raise UserError("-n must be 0 or more")

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.config import DataConfig, RunConfig, load_config
+from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.openai_client import (  # noqa: F401
@@ -286,9 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gemma_tpu.data import load_conversations
 
     cli.setup_logging(logging.WARNING)
-    cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else RunConfig()
-    if args.print_config:
-        cli.print_config(cfg)
+    cfg = cli.run_config(args, required=False)
+    if cfg is None:
         return 0
     if args.limit is not None and args.limit <= 0:
         raise UserError("--limit must be positive")

@@ -64,7 +64,7 @@ import sys
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.config import RunConfig, load_config
+from gemma_tpu.core.config import RunConfig
 from gemma_tpu.core.errors import UserError
 
 SAFETY_MARGIN = 0.15
@@ -552,10 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--assumed-mfu", type=float, default=None)
     ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args(list(argv or []))
-    if not args.config:
-        raise UserError("--config FILE is required (see configs/)")
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        cli.print_config(cfg)
+    cfg = cli.run_config(args)
+    if cfg is None:
         return 0
     return run_dry(cfg, args.devices, args.assumed_mfu, not args.no_compile)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.config import RunConfig, load_config
+from gemma_tpu.core.config import RunConfig
 from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger("gemma_tpu.train")
@@ -219,11 +219,8 @@ def _install_sigterm(trainer) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    if not args.config and not args.print_config:
-        raise UserError("--config FILE is required (see configs/)")
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        cli.print_config(cfg)
+    cfg = cli.run_config(args, required=not args.print_config)
+    if cfg is None:
         return 0
     if args.dry_run:
         from gemma_tpu.train import plan
