@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import Family, Projection, Tensor
+from gemma_tpu.models.registry import Family, Projection, Tensor, text_config
 
 
 def tunix_layer_name(family: Family, layer: int, proj: Projection, param: str) -> str:
@@ -113,8 +113,6 @@ class Layout:
 
 
 def read_layout(hf_config: dict, family: Family | None = None) -> Layout:
-    from gemma_tpu.models.registry import text_config
-
     t = text_config(hf_config)
     keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
             "intermediate_size")

@@ -22,7 +22,12 @@ import numpy as np
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.data import batching
+from gemma_tpu.data.pipeline import TrainStream, eval_batches, make_renderer, prepare_examples
+from gemma_tpu.data.records import load_conversations
+from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
+from gemma_tpu.models import resolve_model
 
 ANSI_ON, ANSI_OFF = "\x1b[1;32m", "\x1b[0m"
 ANSI_DIM = "\x1b[2m"
@@ -46,8 +51,6 @@ def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str]:
     if spec:
         where = spec
     else:
-        from gemma_tpu.models import resolve_model
-
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
     return load_tokenizer(where), where, family_format
@@ -84,7 +87,6 @@ def mark(text: str, spans: list[tuple[int, int]], color: bool, cut: int | None =
 
 def batch_shapes(prepared, batch_size: int, split: str, seed: int) -> tuple[int, list[str]]:
     """Distinct (shape, dtype) signatures over one epoch of the batches training/eval would see."""
-    from gemma_tpu.data.pipeline import TrainStream, eval_batches
 
     if split == "train":
         if len(prepared.rows) < batch_size:
@@ -102,11 +104,6 @@ def fmt_row(cells: Sequence[Any], widths: Sequence[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gemma_tpu.data import batching
-    from gemma_tpu.data.pipeline import make_renderer, prepare_examples
-    from gemma_tpu.data.records import load_conversations
-    from gemma_tpu.formats.function_calling import function_token_map
-
     cfg = cli.run_config(args)
     if cfg is None:
         return 0

@@ -32,7 +32,9 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import Family
+from gemma_tpu.core.progress import Progress, human
+from gemma_tpu.hf.safetensors_io import WeightsDir
+from gemma_tpu.models.registry import Family, Projection
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,6 @@ class Source:
 
 
 def _source(hf_key: str, how: Any, rank: int) -> Source:
-    from gemma_tpu.models.registry import Projection
-
     if isinstance(how, Projection):
         return Source(hf_key, tuple(how.axes), (tuple(how.out_axes), tuple(how.in_axes)), how.split)
     if how.axes:
@@ -163,8 +163,6 @@ def load_sharded(family: Family, model_dir: str | Path, cfg: Any, mesh=None, dty
     from flax import nnx
     from tunix.utils import compat
 
-    from gemma_tpu.core.progress import Progress, human
-    from gemma_tpu.hf.safetensors_io import WeightsDir
 
     t0 = time.monotonic()
     weights = WeightsDir(model_dir)

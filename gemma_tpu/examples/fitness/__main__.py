@@ -18,6 +18,9 @@ from typing import Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.examples.fitness.dataset import SPLITS, generate, token_lengths, write_splits
+from gemma_tpu.hf.directory import resolve_path
+from gemma_tpu.hf.tokenizer import load_tokenizer
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -38,9 +41,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def _stats(data: Path, tokenizer_spec: str) -> None:
     import json
 
-    from gemma_tpu.examples.fitness.dataset import SPLITS, token_lengths
-    from gemma_tpu.hf.directory import resolve_path
-    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_path(tokenizer_spec))
     for split in SPLITS:
@@ -60,8 +60,6 @@ def _stats(data: Path, tokenizer_spec: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     if args.command == "generate":
-        from gemma_tpu.examples.fitness.dataset import generate, write_splits
-
         sizes = {"train": args.train, "validation": args.validation, "test": args.test}
         for split, n in sizes.items():
             if n < 0:
