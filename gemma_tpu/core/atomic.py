@@ -1,4 +1,4 @@
-"""Publish an output directory all at once, or not at all.
+"""Publish an output directory (or a single file: `AtomicFile`) all at once, or not at all.
 
 The output is built in `.<name>.tmp-<pid>` beside the target (same filesystem, so the final rename
 is atomic). Any exception, Ctrl-C or SIGTERM removes it; a SIGKILL leaves only that hidden temp
@@ -61,7 +61,10 @@ def clean_stale(target: Path) -> list[Path]:
         for p in parent.glob(f".{target.name}.{kind}-*"):
             pid = p.name.rsplit("-", 1)[-1]
             if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
-                shutil.rmtree(p, ignore_errors=True)
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
                 removed.append(p)
     return removed
 
@@ -160,3 +163,65 @@ class AtomicDir:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._old_sigterm is None else self._old_sigterm)
         if not self.published:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def check_file_target(target: Path, overwrite: bool, protected: list[Path] = ()) -> None:
+    """`check_target` for a single output file: refuse an existing file without --overwrite, a
+    directory or link in its place, and a path inside one of our inputs."""
+    target = Path(target)
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            raise UserError(f"{target} already exists (use --overwrite to replace it)")
+        if not target.is_file() or target.is_symlink():
+            raise UserError(f"{target} exists and is not a regular file; refusing to replace it")
+    resolved = target.resolve()
+    for p in protected:
+        p = Path(p).resolve()
+        if resolved == p or p in resolved.parents:
+            raise UserError(f"--out {target} is inside an input ({p}); write it elsewhere")
+
+
+class AtomicFile:
+    """`with AtomicFile(target) as tmp: ...write the file tmp...; af.publish()`.
+
+    The file is written as `.<name>.tmp-<pid>` beside the target and renamed over it at the end
+    (`rename` replaces a file atomically: readers see the old or the new file). Leaving the block
+    without `publish()` (an error, Ctrl-C, SIGTERM) deletes the temp file; one left by a SIGKILL
+    is removed by the next run for the same target."""
+
+    def __init__(self, target: str | Path, overwrite: bool = False):
+        self.target = Path(target).absolute()
+        self.overwrite = overwrite
+        self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
+        self.published = False
+        self._old_sigterm: object = _UNSET
+
+    def __enter__(self) -> Path:
+        check_file_target(self.target, self.overwrite)
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale(self.target)
+        self.tmp.touch(exist_ok=False)
+        try:
+            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        except ValueError:
+            pass
+        return self.tmp
+
+    def publish(self) -> Path:
+        fd = os.open(self.tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.target.exists() and not self.overwrite:
+            raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
+        os.replace(self.tmp, self.target)
+        self.published = True
+        _fsync_dir(self.target.parent)
+        return self.target
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._old_sigterm is not _UNSET:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._old_sigterm is None else self._old_sigterm)
+        if not self.published:
+            self.tmp.unlink(missing_ok=True)

@@ -12,6 +12,8 @@ from typing import Any
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.models.registry import (
     Family,
+    GGUFFacts,
+    GGUFTensor,
     Projection,
     Tensor,
     register,
@@ -199,6 +201,63 @@ PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
 )
 
 
+# llama.cpp's "gemma3" architecture (its converter's tensor names, checked against the `gguf`
+# package's own map in the tests). No q/k permutation: llama.cpp runs Gemma with NeoX-style
+# rotary embeddings, the same half-split layout as transformers. The tied embedding is also the
+# output projection, so a tied model has no `output.weight`.
+def gguf_rope(t: dict) -> dict[str, Any]:
+    """llama.cpp's rotary keys: the global layers' base and linear scaling, the sliding layers'
+    base (llama.cpp applies no scaling there)."""
+    global_theta, global_scale = _rope(t, "full_attention")
+    local_theta, local_scale = _rope(t, "sliding_attention")
+    if local_scale != 1.0:
+        raise UserError(f"config.json: linear rope scaling ({local_scale}) on sliding-window layers cannot be "
+                        f"expressed in llama.cpp's gemma3")
+    out = {"rope.freq_base": global_theta, "rope.freq_base_swa": local_theta}
+    if global_scale != 1.0:
+        out.update({"rope.scaling.type": "linear", "rope.scaling.factor": global_scale})
+    return out
+
+
+GGUF = GGUFFacts(
+    arch="gemma3",
+    tensors=(
+        GGUFTensor("token_embd.weight", "embed_tokens.weight"),
+        GGUFTensor("output_norm.weight", "norm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.attn_norm.weight", "layers.{i}.input_layernorm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.attn_q.weight", "layers.{i}.self_attn.q_proj.weight"),
+        GGUFTensor("blk.{i}.attn_k.weight", "layers.{i}.self_attn.k_proj.weight"),
+        GGUFTensor("blk.{i}.attn_v.weight", "layers.{i}.self_attn.v_proj.weight"),
+        GGUFTensor("blk.{i}.attn_q_norm.weight", "layers.{i}.self_attn.q_norm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.attn_k_norm.weight", "layers.{i}.self_attn.k_norm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.attn_output.weight", "layers.{i}.self_attn.o_proj.weight"),
+        GGUFTensor("blk.{i}.post_attention_norm.weight", "layers.{i}.post_attention_layernorm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.ffn_norm.weight", "layers.{i}.pre_feedforward_layernorm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.ffn_gate.weight", "layers.{i}.mlp.gate_proj.weight"),
+        GGUFTensor("blk.{i}.ffn_up.weight", "layers.{i}.mlp.up_proj.weight"),
+        GGUFTensor("blk.{i}.ffn_down.weight", "layers.{i}.mlp.down_proj.weight"),
+        GGUFTensor("blk.{i}.post_ffw_norm.weight", "layers.{i}.post_feedforward_layernorm.weight", plus_one=True),
+        GGUFTensor("output.weight", "lm_head.weight"),  # untied models only
+    ),
+    hparams=(
+        ("context_length", "max_position_embeddings", "u32", 131072),
+        ("embedding_length", "hidden_size", "u32", None),
+        ("block_count", "num_hidden_layers", "u32", None),
+        ("feed_forward_length", "intermediate_size", "u32", None),
+        ("attention.head_count", "num_attention_heads", "u32", None),
+        ("attention.head_count_kv", "num_key_value_heads", "u32", None),
+        ("attention.key_length", "head_dim", "u32", None),
+        ("attention.value_length", "head_dim", "u32", None),
+        ("attention.layer_norm_rms_epsilon", "rms_norm_eps", "f32", 1e-6),
+        ("attention.sliding_window", "sliding_window", "u32", 4096),
+    ),
+    # llama.cpp scales queries by 1/sqrt(head_dim) (hidden/heads only for the 62-layer 27B).
+    require_equal=(("query_pre_attn_scalar", "head_dim"),),
+    require_unset=("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"),
+    swa_period=_ATTN_PATTERN,
+    rope=gguf_rope,
+)
+
 GEMMA3 = register(
     Family(
         name="gemma3",
@@ -225,5 +284,6 @@ GEMMA3 = register(
             Tensor("layers.{i}.attn._key_norm.scale", "layers.{i}.self_attn.k_norm.weight"),
         ),
         stop_token_ids=(1, 106),  # <eos>, <end_of_turn>
+        gguf=GGUF,
     )
 )

@@ -138,6 +138,39 @@ class Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One GGUF tensor: its name in llama.cpp's naming (`blk.{i}.attn_q.weight`), the HF key under
+    the decoder prefix it holds (`layers.{i}.self_attn.q_proj.weight`; `lm_head.weight` is
+    absolute), and whether the file stores `1 + w` (Gemma's RMSNorm scales: llama.cpp multiplies
+    by the stored weight, transformers' Gemma by `1 + w`)."""
+
+    gguf: str
+    hf: str
+    plus_one: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFFacts:
+    """What llama.cpp's GGUF needs to know about a family (`convert.export_gguf` reads it).
+
+    `hparams`: (key under `{arch}.`, config.json key of the text config, value type, default
+    when the config lacks it). `require_equal`: config keys llama.cpp does not read but hard-wires
+    to another key's value (Gemma 3's attention scale is 1/sqrt(head_dim) there). `require_unset`:
+    config keys llama.cpp's architecture cannot express when set. `swa_period`: llama.cpp's default
+    sliding/global layer pattern (every Nth layer global), which the config must follow."""
+
+    arch: str
+    tensors: tuple[GGUFTensor, ...]
+    hparams: tuple[tuple[str, str, str, Any], ...]
+    require_equal: tuple[tuple[str, str], ...] = ()
+    require_unset: tuple[str, ...] = ()
+    swa_period: int | None = None
+    # text config -> rotary keys under `{arch}.` (freq_base, freq_base_swa, scaling.*); raises
+    # UserError for schemes llama.cpp's architecture cannot express
+    rope: Callable[[dict], dict[str, Any]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """Everything that differs between model families, as data plus a few small functions."""
 
@@ -179,6 +212,8 @@ class Family:
             if any(k.startswith(prefix + "layers.") for k in keys):
                 return prefix
         raise UserError(f"no decoder layers found under any of {', '.join(self.text_prefixes)}")
+    # llama.cpp's view of the family (GGUF export); None: `convert.export_gguf` refuses it.
+    gguf: GGUFFacts | None = None
 
     def features(self, cfg: Any, layer: int | None) -> frozenset[str]:
         return self.layer_features(cfg, layer) if self.layer_features else frozenset()
