@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from gemma_tpu.core.config import DataConfig, RunConfig, load_config
 from gemma_tpu.core.errors import UserError, cli_main
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
-from gemma_tpu.infer.openai_client import (DEFAULT_TOKEN_MAP, api_base, first_message, http_json, openai_messages,  # noqa: F401
+from gemma_tpu.infer.openai_client import (api_base, first_message, http_json, openai_messages,  # noqa: F401
                                    reply_from_message, served_model_name)
 
 log = logging.getLogger("gemma_tpu.evaluate")
