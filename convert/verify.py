@@ -38,11 +38,12 @@ import numpy as np
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats import gemma_chat
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    ",
-    "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
+    gemma_chat.turn(gemma_chat.USER, "Write a haiku about the sea.") + gemma_chat.open_turn(gemma_chat.MODEL),
     "Once upon a time, in a land far away, there lived a",
 )
 FP32_ABS_TOL = 1e-4

@@ -14,10 +14,16 @@ import numpy as np
 import pytest
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.data.render import format_call
 from gemma_tpu.examples.fitness import dataset, tools
 from gemma_tpu.examples.fitness.providers import GarminConnectProvider, SimulatedDevice
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply, tool_chat_template
+from gemma_tpu.formats.function_calling import (
+    ParsedReply,
+    ToolCall,
+    arguments_match,
+    format_call,
+    parse_reply,
+    tool_chat_template,
+)
 from tests.conftest import REPO, assert_one_line_error, run_cli
 
 NAMES = ["get_steps", "get_daily_step_goal", "get_step_goal_progress", "get_sleeping_minutes",

@@ -38,7 +38,6 @@ from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.openai_client import (  # noqa: F401
-    DEFAULT_TOKEN_MAP,
     api_base,
     first_message,
     http_json,
