@@ -6,9 +6,10 @@ compares any two HF directories with transformers (float32, eager attention): ma
 difference|, KL(A || B) per position (mean and max), and how often the argmax agrees. Exit 0 unless
 a threshold given on the command line is exceeded.
 
-`verify_merge` (used by `merge_orbax --verify`) takes the reference from the JAX side: the base
-loaded by our loader, LoRA applied with Qwix and the checkpoint's factors put in (or the full
-fine-tune's params), run in float32 at 'highest' matmul precision (TPUs default to bf16 passes).
+`verify_merge` (used by `merge_orbax --verify`) takes the reference from the JAX side: the checkpoint
+restored by `gemma_tpu.checkpoint.restore` (the base loaded by our loader, LoRA applied with Qwix and
+the checkpoint's factors put in, or the full fine-tune's params; a QLoRA base left dense, as the merge
+uses it), run in float32 at 'highest' matmul precision (TPUs default to bf16 passes).
 Tolerances:
 
 * float32 output: max |diff| <= max(1e-4, 1e-5 * max |reference logit|). That is 1e-4 absolute
@@ -35,6 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
+from gemma_tpu.checkpoint.restore import restore_model
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
@@ -135,50 +137,23 @@ def hf_logits(model_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
-def load_checkpoint_into(model, source) -> None:
-    """Put the checkpoint's params (LoRA factors, or all params) into a Tunix nnx model."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    params = source.params.read(source.params.names())
-    kind = nnx.LoRAParam if source.is_lora else nnx.Param
-    seen = set()
-    for path, var in nnx.iter_graph(model):
-        if isinstance(var, kind):
-            name = ".".join(str(p) for p in path)
-            if name not in params:
-                raise UserError(f"the JAX model has {name}, which the checkpoint lacks")
-            value = var.get_value() if hasattr(var, "get_value") else var.value
-            new = jnp.asarray(params[name].astype(np.float32), dtype=value.dtype)
-            if new.shape != value.shape:
-                raise UserError(f"{name}: checkpoint shape {new.shape}, model shape {value.shape}")
-            if hasattr(var, "set_value"):
-                var.set_value(new)
-            else:
-                var.value = new
-            seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise UserError(f"checkpoint tensor {missing[0]} has no place in the JAX model")
-
-
 def jax_logits(source, base_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
-    """Reference logits: the Tunix model as trained (base + LoRA via Qwix, or full params)."""
+    """Reference logits: the Tunix model of the checkpoint (base + LoRA via Qwix, or full params) in
+    float32, restored by `gemma_tpu.checkpoint.restore` from the base the merge read.
+
+    Base quantization is *not* applied: a QLoRA run's factors are merged into the dense base (see
+    merge_orbax), so the merged model is dense W + BA. The reference that checks the merge (key
+    mapping, transposes, scale) is therefore the dense base with the same factors; the quantized
+    model differs from any dense merge by the quantization error (NF4: far above every bound here),
+    which would fail every QLoRA merge and hide the mapping errors the check is for. How much
+    quantization itself changes the model is a question for `evaluate`, which restores it as trained.
+    """
     import jax
     import jax.numpy as jnp
     from tunix.sft import utils as su
 
-    from gemma_tpu.core.config import LoraConfig
-    from gemma_tpu.lora import apply_lora
-    from gemma_tpu.models import load_model, resolve_model
-
-    resolved = resolve_model(str(base_dir))
-    model, cfg = load_model(resolved, "float32")
-    if source.is_lora:
-        lora = LoraConfig(rank=int(source.lora["rank"]), alpha=float(source.lora["alpha"]),
-                          targets=list(source.lora["targets"]))
-        model = apply_lora(model, resolved.family, cfg, lora)
-    load_checkpoint_into(model, source)
+    model = restore_model(source.dir, source.step, "float32", apply_base_quantization=False,
+                          base=base_dir).model
     out = []
     with jax.default_matmul_precision("highest"):
         for seq in ids:

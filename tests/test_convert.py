@@ -352,6 +352,31 @@ def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch)
     assert (work / "merged_fail.unverified" / "model.safetensors").is_file()
 
 
+def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt):
+    """One restore for generate and verify: generate gets the model as trained (int8 base), verify the
+    dense base with the same factors, which is what a merge of a QLoRA run is made from."""
+    from gemma_tpu.checkpoint.metadata import read_metadata, write_metadata
+    from gemma_tpu.checkpoint.restore import restore_model
+
+    ckpt = work / "ckpt_qlora"
+    shutil.copytree(lora_ckpt[0], ckpt)
+    meta = read_metadata(ckpt)
+    meta["lora"]["base_quantization"] = "int8"
+    write_metadata(ckpt, {k: v for k, v in meta.items() if k not in ("format", "version")})
+    dense = restore_model(ckpt, apply_base_quantization=False)
+    assert max_diff(tunix_logits(dense.model), lora_ckpt[1]) <= TOL
+    quantized = restore_model(ckpt)
+    assert "qvalue" in str(nnx_state_paths(quantized.model))
+    assert max_diff(tunix_logits(quantized.model), lora_ckpt[1]) > 10 * TOL  # the int8 base is another model
+    assert merge("--checkpoint", ckpt, "--out", work / "merged_qlora", "--verify") == 0
+
+
+def nnx_state_paths(model) -> list[str]:
+    from flax import nnx
+
+    return [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))]
+
+
 def test_full_finetune(work, base):
     ckpt = work / "ckpt_full"
     ref = make_checkpoint(base, ckpt, full=True, seed=4)

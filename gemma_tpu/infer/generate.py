@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from gemma_tpu.checkpoint.restore import restore_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.tokenizer import load_tokenizer
 
@@ -238,59 +238,8 @@ def load_hf_dir(path: str, dtype: str = "float32") -> LoadedModel:
 
 
 def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = None) -> LoadedModel:
-    """The checkpoint's base model with the LoRA factors of one step (the latest by default)."""
-    from flax import nnx
-
-    from gemma_tpu.checkpoint import metadata as checkpoint
-    from gemma_tpu.core.config import LoraConfig
-    from gemma_tpu.lora import apply_lora
-    from gemma_tpu.models import load_model, resolve_model
-
-    meta = checkpoint.read_metadata(ckpt_dir)
-    step = checkpoint.resolve_step(ckpt_dir, step)
-    base = meta.get("base_model", {})
-    local = base.get("local_dir") or base.get("path")
-    if not local or not Path(local).is_dir():
-        local = base.get("path")
-    if not local:
-        raise UserError(f"{ckpt_dir}: the checkpoint metadata names no base model")
-    resolved = resolve_model(local, family=base.get("family"))
-    tokenizer = load_tokenizer(resolved.local_dir)
-    model, tunix_cfg = load_model(resolved, dtype or meta.get("dtype") or "float32")
-    params = checkpoint.read_params(ckpt_dir, step)
-    lora_meta = meta.get("lora") or {}
-    if lora_meta.get("enabled", True):
-        lcfg = LoraConfig(rank=int(lora_meta["rank"]), alpha=float(lora_meta["alpha"]),
-                          targets=list(lora_meta["targets"]),
-                          base_quantization=lora_meta.get("base_quantization"))
-        model = apply_lora(model, resolved.family, tunix_cfg, lcfg)
-        _set_params(model, nnx.LoRAParam, params, ckpt_dir, step)
-    else:
-        _set_params(model, nnx.Param, params, ckpt_dir, step)
-    return LoadedModel(model, tokenizer, dict(meta.get("token_map") or {}),
-                       meta.get("chat_format") or resolved.family.chat_format,
-                       f"checkpoint:{ckpt_dir}@{step}", tunix_cfg)
-
-
-def _set_params(model, kind, params: dict[str, np.ndarray], ckpt_dir, step) -> None:
-    """Copy checkpoint arrays onto the model's parameters of `kind`, insisting on a full match."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    state = nnx.state(model, kind)
-    flat = nnx.to_flat_state(state)
-    seen = set()
-    for path, leaf in flat:
-        name = ".".join(str(p) for p in path)
-        if name not in params:
-            raise UserError(f"{ckpt_dir}/{step}: parameter {name} is missing from the checkpoint")
-        value = params[name]
-        current = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
-        if tuple(value.shape) != tuple(current.shape):
-            raise UserError(f"{ckpt_dir}/{step}: {name} has shape {value.shape}, the model expects {current.shape}")
-        leaf.set_value(jnp.asarray(value, current.dtype)) if hasattr(leaf, "set_value") else setattr(
-            leaf, "value", jnp.asarray(value, current.dtype))
-        seen.add(name)
-    if not seen:
-        raise UserError(f"{ckpt_dir}/{step}: the model has no parameters to restore")
-    nnx.update(model, nnx.from_flat_state(flat))
+    """The checkpoint's model as trained (base, QLoRA quantization included, plus the LoRA factors of
+    one step, the latest by default), restored by `gemma_tpu.checkpoint.restore`."""
+    restored = restore_model(ckpt_dir, step, dtype)
+    return LoadedModel(restored.model, load_tokenizer(restored.tokenizer_dir), restored.token_map,
+                       restored.chat_format, f"checkpoint:{ckpt_dir}@{restored.step}", restored.tunix_cfg)
