@@ -24,7 +24,7 @@ import numpy as np
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.core.atomic import AtomicDir, check_target
 from convert.mapping import hf_shape
-from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint
+from convert.source import CheckpointSource, FactorCache, check_finite_factors, checked_lora_sites, open_checkpoint
 from gemma_tpu.core.errors import UserError, cli_main
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -92,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_target(out, args.overwrite, protected=[source.dir])
     prefix = module_prefix(source.hf_config)
     sites = checked_lora_sites(source, prefix)
+    check_finite_factors(source, sites)
     order = {p.hf_name: i for i, p in enumerate(source.family.projections(source.layout))}
     sites.sort(key=lambda s: (s[0].layer, order[s[0].proj.hf_name]))  # layer-major, as PEFT writes
     rank = int(source.lora["rank"])

@@ -51,7 +51,8 @@ from gemma_tpu.core.atomic import AtomicDir, check_target
 from gemma_tpu.hf.files import write_sidecar_files
 from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
 from gemma_tpu.core.progress import Progress, human
-from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint, resolve_base
+from convert.source import (CheckpointSource, FactorCache, check_finite_factors, checked_lora_sites, open_checkpoint,
+                            resolve_base)
 from convert.tool_tokens import install_tool_tokens
 from gemma_tpu.core.errors import UserError, cli_main
 from gemma_tpu.hf.directory import read_hf_config
@@ -131,6 +132,7 @@ def plan_merge(args: argparse.Namespace) -> MergePlan:
     sites = None
     if source.is_lora:
         sites = checked_lora_sites(source, prefix, shapes)
+        check_finite_factors(source, sites)
         lora_by_key = {s.hf_key: s for s, _ in sites}
     else:
         full_by_key = check_full_sites(source, prefix, shapes)

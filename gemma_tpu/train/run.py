@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.core.config import RunConfig, load_config
+from gemma_tpu.core.config import RunConfig, load_config, validate_for_model
 from gemma_tpu.core.errors import UserError, cli_main
 
 log = logging.getLogger("gemma_tpu.train")
@@ -95,6 +95,7 @@ def run(cfg: RunConfig) -> dict:
 
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+    validate_for_model(cfg, resolved.hf_config, str(resolved.local_dir))
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
