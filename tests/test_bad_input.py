@@ -249,6 +249,9 @@ CASES = [
          ["layers.0.attn.q_einsum.w_lora_b", "non-finite"], {"ck": nonfinite_factor()}, sub=True),
     Case("export-nonfinite-factor", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["layers.1.mlp.down_proj.kernel_lora_a", "non-finite"], {"ck": nonfinite_factor("layers.1.mlp.down_proj.kernel_lora_a")}),
+    Case("train-dir-locked", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck", "in use by another trainer", "PID 1 on tpu-vm-7"],
+         {"ck/gemma_tpu_run.lock": '{"pid": 1, "host": "tpu-vm-7", "started": "2026-11-23T10:00:00+00:00"}'}),
     Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
          ["{tmp}/nope"]),
     # ---- merge and export targets
