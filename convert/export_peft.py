@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from convert.mapping import hf_shape
-from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint
+from convert.source import CheckpointSource, FactorCache, check_finite_factors, checked_lora_sites, open_checkpoint
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target
 from gemma_tpu.core.cli import cli_main
@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_target(out, args.overwrite, protected=[source.dir])
     prefix = module_prefix(source.hf_config)
     sites = checked_lora_sites(source, prefix)
+    check_finite_factors(source, sites)
     order = {p.hf_name: i for i, p in enumerate(source.family.projections(source.layout))}
     sites.sort(key=lambda s: (s[0].layer, order[s[0].proj.hf_name]))  # layer-major, as PEFT writes
     rank = int(source.lora["rank"])

@@ -48,7 +48,14 @@ import numpy as np
 
 from convert import merge_math
 from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
-from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint, resolve_base
+from convert.source import (
+    CheckpointSource,
+    FactorCache,
+    check_finite_factors,
+    checked_lora_sites,
+    open_checkpoint,
+    resolve_base,
+)
 from convert.tool_tokens import install_tool_tokens
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target
@@ -143,6 +150,7 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     sites = None
     if source.is_lora:
         sites = checked_lora_sites(source, prefix, shapes)
+        check_finite_factors(source, sites)
         lora_by_key = {s.hf_key: s for s, _ in sites}
     else:
         full_by_key = check_full_sites(source, prefix, shapes)

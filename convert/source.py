@@ -118,6 +118,16 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
     return out
 
 
+def check_finite_factors(source: CheckpointSource, sites: list[tuple[LoraSite, dict[str, int]]]) -> None:
+    """Read every LoRA factor once (a layer at a time, small next to the base) before any output is
+    created: a NaN/inf factor is a one-line error naming the tensor (CheckpointParams.read)."""
+    by_layer: dict[int, set[str]] = {}
+    for s, _ in sites:
+        by_layer.setdefault(s.layer, set()).update((s.a_name, s.b_name))
+    for layer in sorted(by_layer):
+        source.params.read(sorted(by_layer[layer]))
+
+
 class FactorCache:
     """LoRA factors in PEFT layout (fp32), read one layer at a time: a layer's factors are one
     Orbax partial restore, and only the last two layers are kept."""

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.config import RunConfig
+from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.train import run_lock
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -82,6 +83,7 @@ def run(cfg: RunConfig) -> dict:
 
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+    validate_for_model(cfg, resolved.hf_config, str(resolved.local_dir))
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
@@ -105,6 +107,8 @@ def run(cfg: RunConfig) -> dict:
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta)
+    if primary:  # refuse a second trainer on this directory before loading anything (writes nothing)
+        run_lock.check_free(ckpt_dir)
 
     # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
@@ -135,6 +139,7 @@ def run(cfg: RunConfig) -> dict:
         from tunix.sft.peft_trainer import TrainingConfig
 
         if primary:
+            run_lock.acquire(ckpt_dir)  # one writer per run directory, from the first write on
             for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
                 log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
                             "complete one", p)
@@ -212,6 +217,7 @@ def _install_sigterm(trainer) -> None:
                                             custom_metadata=trainer.custom_checkpoint_metadata())
             trainer.checkpoint_manager.close()
         finally:
+            run_lock.release_all()
             os._exit(143)
 
     signal.signal(signal.SIGTERM, handler)
@@ -226,5 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gemma_tpu.train import plan
         return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
     cli.setup_logging()
-    run(cfg)
+    try:
+        run(cfg)
+    finally:
+        run_lock.release_all()
     return 0
