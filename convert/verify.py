@@ -148,12 +148,17 @@ def jax_logits(source, base_dir: Path, ids: list[list[int]]) -> list[np.ndarray]
     which would fail every QLoRA merge and hide the mapping errors the check is for. How much
     quantization itself changes the model is a question for `evaluate`, which restores it as trained.
     """
+    model = restore_model(source.dir, source.step, "float32", apply_base_quantization=False,
+                          base=base_dir).model
+    return model_logits(model, ids)
+
+
+def model_logits(model, ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Full-sequence float32 logits of a Tunix model for each prompt, at 'highest' matmul precision."""
     import jax
     import jax.numpy as jnp
     from tunix.sft import utils as su
 
-    model = restore_model(source.dir, source.step, "float32", apply_base_quantization=False,
-                          base=base_dir).model
     out = []
     with jax.default_matmul_precision("highest"):
         for seq in ids:

@@ -34,18 +34,9 @@ TOL = 1e-4
 
 
 def tunix_logits(model, prompts=PROMPTS) -> list[np.ndarray]:
-    import jax
-    import jax.numpy as jnp
-    from tunix.sft import utils as su
+    from convert.verify import model_logits
 
-    out = []
-    with jax.default_matmul_precision("highest"):
-        for seq in prompts:
-            tokens = jnp.asarray([seq], dtype=jnp.int32)
-            mask = jnp.ones(tokens.shape, dtype=jnp.bool_)
-            logits, _ = model(tokens, su.build_positions_from_mask(mask), None, su.make_causal_attn_mask(mask))
-            out.append(np.asarray(logits[0], dtype=np.float32))
-    return out
+    return model_logits(model, prompts)
 
 
 def hf_logits(model_dir, prompts=PROMPTS, adapter=None) -> list[np.ndarray]:
