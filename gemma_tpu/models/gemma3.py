@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats import gemma_chat
 from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
                                        tunix_safetensors_loader)
 from gemma_tpu.models.sharded_weights import sharded_safetensors_loader
@@ -19,8 +20,6 @@ from gemma_tpu.models.sharded_weights import sharded_safetensors_loader
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
-
-_ATTN_PATTERN = 6  # Tunix's Gemma 3: five sliding-window layers, then one global layer
 
 
 def _rope(t: dict, kind: str) -> tuple[float, float]:
@@ -70,8 +69,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = jnp.float32):
     n_layers = int(t["num_hidden_layers"])
     layer_types = t.get("layer_types")
     if layer_types:
-        expected = ["full_attention" if (i + 1) % _ATTN_PATTERN == 0 else "sliding_attention" for i in range(n_layers)]
-        if list(layer_types) != expected:
+        if list(layer_types) != GEMMA3.layer_types(n_layers):
             raise UserError(
                 "config.json: layer_types must follow Gemma 3's pattern of five sliding-window layers "
                 "then one global layer; this checkpoint's pattern is not supported"
@@ -199,5 +197,12 @@ GEMMA3 = register(
             Tensor("layers.{i}.attn._key_norm.scale", "layers.{i}.self_attn.k_norm.weight"),
         ),
         stop_token_ids=(1, 106),  # <eos>, <end_of_turn>
+        end_of_turn_token=gemma_chat.END_OF_TURN,
+        end_of_turn_id=106,
+        sliding_window_pattern=6,  # Tunix's Gemma 3: five sliding-window layers, then one global layer
+        # vLLM-TPU serves Gemma 3 with vLLM's PyTorch model through torchax (text only); tool calls
+        # are FunctionGemma text.
+        vllm_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        vllm_tool_parser="functiongemma",
     )
 )
