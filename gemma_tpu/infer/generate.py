@@ -9,7 +9,7 @@ Static shapes: prompts are left-padded to a bucket length and the batch is fille
 size, so one compilation serves every prompt of a bucket. Left padding keeps the last prompt
 token of every row at the same cache index, which is what Tunix's cache (one write index for the
 batch) needs. Decoding is a `lax.while_loop` that stops when every row has produced a stop token
-(`<end_of_turn>`, `<eos>`, or the marker the model emits to hand over to a tool).
+(the end of a turn, `<eos>`, or the marker the model emits to hand over to a tool).
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ import numpy as np
 
 from gemma_tpu.checkpoint.restore import restore_model
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats import function_calling as fc
+from gemma_tpu.formats import gemma_chat
 from gemma_tpu.hf.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-END_OF_TURN_ID = 106
-EOS_ID = 1
 PAD_ID = 0
-BOS_ID = 2
-CALL_END_MARKER = "<start_function_response>"  # what the model emits to end a tool call
 DEFAULT_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
 
 
@@ -54,13 +52,20 @@ class LoadedModel:
     chat_format: str
     description: str
     tunix_cfg: Any = None
+    family: Any = None  # the registry Family (its end-of-turn token); None: the chat markup's alone
 
 
 def _decode_text(tokenizer, ids: Sequence[int], token_map: dict[str, str]) -> str:
-    from gemma_tpu.formats.function_calling import unmap_markers
-
     text = tokenizer.decode(list(ids), skip_special_tokens=False)
-    return unmap_markers(text, token_map)
+    return fc.unmap_markers(text, token_map)
+
+
+def _token_id(tokenizer, token: str | None) -> int | None:
+    """The id of `token` when the vocabulary has it as one token, else None."""
+    if token is None:
+        return None
+    i = tokenizer.convert_tokens_to_ids(token)
+    return i if isinstance(i, int) and i != getattr(tokenizer, "unk_token_id", None) else None
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -169,21 +174,25 @@ class Generator:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.buckets = tuple(sorted(buckets))
-        call_end = self.token_map.get(CALL_END_MARKER, CALL_END_MARKER)
-        call_id = self.tokenizer.convert_tokens_to_ids(call_end)
-        unk = getattr(self.tokenizer, "unk_token_id", None)
-        self.call_end_id = call_id if isinstance(call_id, int) and call_id != unk else None
-        stops = [END_OF_TURN_ID, EOS_ID] + ([self.call_end_id] if self.call_end_id is not None else [])
+        # Stop ids from the tokenizer: the end of a turn as the chat markup writes it and as the
+        # family's vocabulary names it (one id in Gemma vocabularies), <eos>, and the marker that
+        # ends a tool call (the model hands over to the tool there).
+        turn_ends = [gemma_chat.END_OF_TURN, getattr(loaded.family, "end_of_turn_token", None)]
+        self.end_of_turn_ids = list(dict.fromkeys(i for i in (_token_id(self.tokenizer, t) for t in turn_ends)
+                                                  if i is not None))
+        self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        self.call_end_id = _token_id(self.tokenizer, self.token_map.get(fc.START_RESPONSE, fc.START_RESPONSE))
+        stops = self.end_of_turn_ids + [i for i in (self.eos_id, self.call_end_id) if i is not None]
         self.stop_ids = np.asarray(stops, np.int32)
         self._graphdef, self._state = nnx.split(loaded.model)
         self._fn = jax.jit(functools.partial(_greedy, self._graphdef), static_argnames=("max_new",))
 
     def _stop_reason(self, ids: list[int]) -> str:
-        if ids and ids[-1] == END_OF_TURN_ID:
+        if ids and ids[-1] in self.end_of_turn_ids:
             return "end_of_turn"
         if ids and self.call_end_id is not None and ids[-1] == self.call_end_id:
             return "call"
-        if ids and ids[-1] == EOS_ID:
+        if ids and self.eos_id is not None and ids[-1] == self.eos_id:
             return "eos"
         return "length"
 
@@ -200,7 +209,7 @@ class Generator:
             tokens = np.full((rows, length), PAD_ID, np.int32)
             mask = np.zeros((rows, length), bool)
             for row in range(rows):  # rows past the prompts are a lone BOS (ignored)
-                prompt = np.asarray(prompts[idx[row]] if row < len(idx) else [BOS_ID], np.int32)
+                prompt = np.asarray(prompts[idx[row]] if row < len(idx) else [gemma_chat.BOS_ID], np.int32)
                 if len(prompt) == 0:
                     raise UserError("cannot generate from an empty prompt")
                 tokens[row, length - len(prompt):] = prompt
@@ -227,14 +236,13 @@ class Generator:
 
 def load_hf_dir(path: str, dtype: str = "float32") -> LoadedModel:
     """A base or merged HF directory (or hub id / embedded:NAME) through `load_model`."""
-    from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.models import load_model, resolve_model
 
     resolved = resolve_model(path)
     tokenizer = load_tokenizer(resolved.local_dir)
     model, tunix_cfg = load_model(resolved, dtype)
-    return LoadedModel(model, tokenizer, function_token_map(tokenizer), resolved.family.chat_format,
-                       f"model:{path}", tunix_cfg)
+    return LoadedModel(model, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
+                       f"model:{path}", tunix_cfg, resolved.family)
 
 
 def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = None) -> LoadedModel:
@@ -242,4 +250,5 @@ def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = 
     one step, the latest by default), restored by `gemma_tpu.checkpoint.restore`."""
     restored = restore_model(ckpt_dir, step, dtype)
     return LoadedModel(restored.model, load_tokenizer(restored.tokenizer_dir), restored.token_map,
-                       restored.chat_format, f"checkpoint:{ckpt_dir}@{restored.step}", restored.tunix_cfg)
+                       restored.chat_format, f"checkpoint:{ckpt_dir}@{restored.step}", restored.tunix_cfg,
+                       restored.family)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats import gemma_chat
 from gemma_tpu.models.registry import (
     Family,
     GGUFFacts,
@@ -23,11 +24,12 @@ from gemma_tpu.models.registry import (
 )
 from gemma_tpu.models.sharded_weights import load_sharded
 
+# Tunix's Gemma 3: five sliding-window layers, then one global layer (HF `layer_types`, llama.cpp's default).
+SLIDING_WINDOW_PATTERN = 6
+
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
-
-_ATTN_PATTERN = 6  # Tunix's Gemma 3: five sliding-window layers, then one global layer
 
 
 def _rope(t: dict, kind: str) -> tuple[float, float]:
@@ -80,8 +82,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     n_layers = int(t["num_hidden_layers"])
     layer_types = t.get("layer_types")
     if layer_types:
-        expected = ["full_attention" if (i + 1) % _ATTN_PATTERN == 0 else "sliding_attention" for i in range(n_layers)]
-        if list(layer_types) != expected:
+        if list(layer_types) != GEMMA3.layer_types(n_layers):
             raise UserError(
                 "config.json: layer_types must follow Gemma 3's pattern of five sliding-window layers "
                 "then one global layer; this checkpoint's pattern is not supported"
@@ -254,7 +255,7 @@ GGUF = GGUFFacts(
     # llama.cpp scales queries by 1/sqrt(head_dim) (hidden/heads only for the 62-layer 27B).
     require_equal=(("query_pre_attn_scalar", "head_dim"),),
     require_unset=("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"),
-    swa_period=_ATTN_PATTERN,
+    swa_period=SLIDING_WINDOW_PATTERN,
     rope=gguf_rope,
 )
 
@@ -285,5 +286,12 @@ GEMMA3 = register(
         ),
         stop_token_ids=(1, 106),  # <eos>, <end_of_turn>
         gguf=GGUF,
+        end_of_turn_token=gemma_chat.END_OF_TURN,
+        end_of_turn_id=106,
+        sliding_window_pattern=SLIDING_WINDOW_PATTERN,
+        # vLLM-TPU serves Gemma 3 with vLLM's PyTorch model through torchax (text only); tool calls
+        # are FunctionGemma text.
+        vllm_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        vllm_tool_parser="functiongemma",
     )
 )

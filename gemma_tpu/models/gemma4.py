@@ -62,7 +62,7 @@ def _layer_types(t: dict) -> list[str]:
     n = int(t["num_hidden_layers"])
     types = t.get("layer_types")
     if not types:
-        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+        types = GEMMA4.layer_types(n)
     types = list(types)
     if len(types) != n:
         raise UserError(f"config.json: layer_types has {len(types)} entries for num_hidden_layers={n}")
@@ -453,5 +453,12 @@ GEMMA4 = register(
         layer_features=layer_features,
         layout_fields=layout_fields,
         stop_token_ids=(1, 106, 50),  # <eos>, <turn|>, <|tool_response>
+        end_of_turn_token="<turn|>",
+        end_of_turn_id=106,
+        sliding_window_pattern=6,  # transformers' default when config.json has no layer_types
+        # vLLM-TPU serves Gemma 4 with tpu-inference's JAX-native models
+        # (`tpu_inference/models/common/model_loader.py` registers both); tool calls are `<|tool_call>` blocks.
+        vllm_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        vllm_tool_parser="gemma4",
     )
 )

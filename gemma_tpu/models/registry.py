@@ -194,6 +194,15 @@ class Family:
     layout_fields: Callable[[dict], dict] | None = None
     # generation_config.json eos ids a merged model must stop on
     stop_token_ids: tuple[int, ...] = (1, 106)
+    # The vocabulary's end-of-turn marker and its id: generation looks the id up in the tokenizer;
+    # checks of a directory without loading its tokenizer (serving) use the recorded one.
+    end_of_turn_token: str | None = None
+    end_of_turn_id: int | None = None
+    # HF `layer_types` pattern: `sliding_window_pattern - 1` sliding-window layers, then one global layer.
+    sliding_window_pattern: int | None = None
+    # Serving on vLLM-TPU: the HF architectures it serves for this family and its tool-call parser.
+    vllm_architectures: tuple[str, ...] = ()
+    vllm_tool_parser: str | None = None
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
     # Tunix's own safetensors loader for this family: whole tensors on every host; kept as the
     # reference that tests check `create_model` (gemma_tpu.models.sharded_weights) against.
@@ -214,6 +223,13 @@ class Family:
         raise UserError(f"no decoder layers found under any of {', '.join(self.text_prefixes)}")
     # llama.cpp's view of the family (GGUF export); None: `convert.export_gguf` refuses it.
     gguf: GGUFFacts | None = None
+
+    def layer_types(self, n_layers: int) -> list[str]:
+        """HF `layer_types` of the family's attention pattern for `n_layers` decoder layers."""
+        period = self.sliding_window_pattern
+        if not period:
+            raise ValueError(f"model family {self.name} has no fixed attention pattern")
+        return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
 
     def features(self, cfg: Any, layer: int | None) -> frozenset[str]:
         return self.layer_features(cfg, layer) if self.layer_features else frozenset()
