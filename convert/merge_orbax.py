@@ -51,8 +51,8 @@ from gemma_tpu.core.atomic import AtomicDir, check_target
 from gemma_tpu.hf.files import write_sidecar_files
 from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
 from gemma_tpu.core.progress import Progress, human
-from convert.source import (CheckpointSource, FactorCache, check_finite_factors, checked_lora_sites, open_checkpoint,
-                            resolve_base)
+from convert.source import (CheckpointSource, FactorCache, check_base_matches, check_finite_factors, checked_lora_sites,
+                            open_checkpoint, resolve_base)
 from convert.tool_tokens import install_tool_tokens
 from gemma_tpu.core.errors import UserError, cli_main
 from gemma_tpu.hf.directory import read_hf_config
@@ -113,6 +113,7 @@ def plan_merge(args: argparse.Namespace) -> MergePlan:
     source = open_checkpoint(args.checkpoint, args.step)
     base_dir = resolve_base(source, args.base)
     base_config = read_hf_config(base_dir)
+    check_base_matches(source, base_dir, args.allow_base_mismatch, "merge")
     base_family = detect_family(base_config, str(base_dir / "config.json"))
     if base_family.name != source.family.name:
         raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
@@ -262,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(sio.DTYPE_NAMES), help="output dtype (default: the base's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="merge even if the base's weights differ from the fingerprint recorded at training time")
     p.add_argument("--verify", action="store_true", help="compare logits with the JAX LoRA model before publishing")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the shards (faster, less crash-safe)")
     return p
