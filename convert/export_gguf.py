@@ -363,7 +363,8 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         source = open_checkpoint(args.checkpoint, args.step)  # fail fast on the family, before the base
         where = f"{args.checkpoint} (base family)"
         facts = gguf_facts(source.family, f"{args.checkpoint}")
-        merge = plan_merge_tensors(args.checkpoint, args.step, args.base, dtype="float32")
+        merge = plan_merge_tensors(args.checkpoint, args.step, args.base, dtype="float32",
+                                   allow_base_mismatch=args.allow_base_mismatch)
         family, config, weights = merge.source.family, merge.base_config, merge.weights
         tok_dir, protected = merge.base_dir, [merge.base_dir, merge.source.dir]
         token_map = dict(merge.source.meta.get("token_map") or {})
@@ -530,6 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .gguf file")
     p.add_argument("--type", default="q8_0", help=f"weight type: {', '.join(TYPES)} (default q8_0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="export even if the base no longer matches the fingerprint the run recorded")
     return p
 
 

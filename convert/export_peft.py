@@ -22,7 +22,14 @@ from typing import Sequence
 import numpy as np
 
 from convert.mapping import hf_shape
-from convert.source import CheckpointSource, FactorCache, check_finite_factors, checked_lora_sites, open_checkpoint
+from convert.source import (
+    CheckpointSource,
+    FactorCache,
+    check_base_matches,
+    check_finite_factors,
+    checked_lora_sites,
+    open_checkpoint,
+)
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target
 from gemma_tpu.core.cli import cli_main
@@ -82,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="output adapter directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="export even if the recorded base's weights differ from the fingerprint taken at training")
     return p
 
 
@@ -92,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"{source.dir}: a full fine-tune has no adapter to export; use convert.merge_orbax")
     out = Path(args.out)
     check_target(out, args.overwrite, protected=[source.dir])
+    recorded_dir = (source.meta.get("base_model") or {}).get("local_dir")
+    if recorded_dir and Path(recorded_dir).is_dir():  # the adapter's base_model_name_or_path points there
+        check_base_matches(source, Path(recorded_dir), args.allow_base_mismatch, "export_peft")
     prefix = module_prefix(source.hf_config)
     sites = checked_lora_sites(source, prefix)
     check_finite_factors(source, sites)

@@ -51,6 +51,7 @@ from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
 from convert.source import (
     CheckpointSource,
     FactorCache,
+    check_base_matches,
     check_finite_factors,
     checked_lora_sites,
     open_checkpoint,
@@ -119,18 +120,20 @@ def base_float_dtype(weights: sio.WeightsDir) -> str:
 def plan_merge(args: argparse.Namespace) -> MergePlan:
     """Validate everything and decide every output tensor; writes nothing."""
     return plan_tensors(args.checkpoint, args.step, args.base, out=Path(args.out), overwrite=args.overwrite,
-                        dtype=args.dtype, max_shard_size=args.max_shard_size)
+                        dtype=args.dtype, max_shard_size=args.max_shard_size,
+                        allow_base_mismatch=args.allow_base_mismatch)
 
 
 def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | None = None, *,
                  out: Path | None = None, overwrite: bool = False, dtype: str | None = None,
-                 max_shard_size: str = "5GB") -> MergePlan:
+                 max_shard_size: str = "5GB", allow_base_mismatch: bool = False) -> MergePlan:
     """Open the checkpoint and its base, check every shape, and decide how each merged tensor is
     produced. With `out`, also check the target and the free space for a safetensors output of
     `dtype`; other writers (the GGUF export) pass no `out` and do their own checks."""
     source = open_checkpoint(checkpoint, step)
     base_dir = resolve_base(source, base)
     base_config = read_hf_config(base_dir)
+    check_base_matches(source, base_dir, allow_base_mismatch, "merge")
     base_family = detect_family(base_config, str(base_dir / "config.json"))
     if base_family.name != source.family.name:
         raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
@@ -304,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(sio.DTYPE_NAMES), help="output dtype (default: the base's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="merge even if the base's weights differ from the fingerprint recorded at training time")
     p.add_argument("--verify", action="store_true", help="compare logits with the JAX LoRA model before publishing")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the shards (faster, less crash-safe)")
     return p

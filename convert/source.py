@@ -78,6 +78,19 @@ def resolve_base(source: CheckpointSource, override: str | None = None) -> Path:
         raise UserError(f"{e}; pass --base") from None
 
 
+def check_base_matches(source: CheckpointSource, base_dir: Path, allow: bool, tool: str) -> None:
+    """The base about to be used is the one the checkpoint was trained on (by the fingerprint recorded
+    at training time, gemma_tpu.hf.fingerprint); a mismatch is refused naming the first differing file
+    unless --allow-base-mismatch."""
+    import sys
+
+    from gemma_tpu.hf.fingerprint import check_base
+
+    recorded = (source.meta.get("base_model") or {}).get("fingerprint")
+    check_base(recorded, base_dir, allow, "pass --allow-base-mismatch",
+               lambda msg: print(f"{tool}: warning: {msg}", file=sys.stderr))
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 

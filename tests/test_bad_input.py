@@ -143,6 +143,22 @@ def nonfinite_factor(step_tensor: str = "layers.0.attn.q_einsum.w_lora_b") -> Ca
     return make
 
 
+def other_base(dest: Path, ctx: dict) -> None:
+    """A tiny Gemma 3 of the same shapes as {tiny} with other weights (a base replaced after training)."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    write_tiny_gemma3(dest, seed=1)
+
+
+def ckpt_pointing_to(base: str) -> Callable[[Path, dict], None]:
+    """A copy of the checkpoint whose recorded base directory is `base` (placeholders filled)."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        copy_of("ckpt", meta={"base_model.local_dir": fill(base, ctx)})(dest, ctx)
+
+    return make
+
+
 # ----------------------------------------------------------------------------------- corpus
 
 CASES = [
@@ -252,6 +268,16 @@ CASES = [
     Case("train-dir-locked", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
          ["{tmp}/ck", "in use by another trainer", "PID 1 on tpu-vm-7"],
          {"ck/gemma_tpu_run.lock": '{"pid": 1, "host": "tpu-vm-7", "started": "2026-11-23T10:00:00+00:00"}'}),
+    Case("merge-base-replaced", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/other", "--out", "{tmp}/out"],
+         ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"], {"other": other_base},
+         sub=True),
+    Case("export-base-replaced", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"],
+         {"other": other_base, "ck": ckpt_pointing_to("{tmp}/other")}),
+    Case("ckpt-resume-base-replaced", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck", "model.path={tmp}/other"],
+         ["{tmp}/other/model.safetensors", "tensor data differs", "checkpoint.allow_base_mismatch"],
+         {"other": other_base, "ck": copy_of("ckpt")}),
     Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
          ["{tmp}/nope"]),
     # ---- merge and export targets

@@ -129,6 +129,7 @@ def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
 def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:
     """What a checkpoint needs to describe itself: base model, family, LoRA shape, dtype, config."""
     from gemma_tpu.hf.directory import hf_revision
+    from gemma_tpu.hf.fingerprint import fingerprint
 
     return {
         "base_model": {
@@ -136,6 +137,7 @@ def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:
             "local_dir": str(Path(resolved.local_dir).resolve()),
             "revision": resolved.revision or hf_revision(resolved.local_dir),
             "family": resolved.family.name,
+            "fingerprint": fingerprint(resolved.local_dir),  # gemma_tpu.hf.fingerprint: is the base still the base?
         },
         "hf_config": resolved.hf_config,
         "lora": {

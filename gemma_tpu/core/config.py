@@ -100,6 +100,7 @@ class CheckpointConfig:
     every_steps: int = 50
     max_to_keep: int = 3
     async_save: bool = True
+    allow_base_mismatch: bool = False  # resume even if the base's weights differ from the recorded fingerprint
 
 
 @dataclasses.dataclass

@@ -40,8 +40,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 
-def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
-    """A checkpoint directory from another base, family, rank or target set is refused."""
+def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: bool = False) -> None:
+    """A checkpoint directory from another base, family, rank or target set is refused. The base is
+    compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
+    by its path."""
     from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
 
     if not (ckpt_dir / METADATA_FILE).is_file():
@@ -49,8 +51,14 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
     old = read_metadata(ckpt_dir)
-    pairs = [
-        ("base model", old["base_model"].get("local_dir"), meta["base_model"]["local_dir"]),
+    from gemma_tpu.hf.fingerprint import check_base
+
+    recorded = old["base_model"].get("fingerprint")
+    check_base(recorded, meta["base_model"]["local_dir"], allow_base_mismatch,
+               "set checkpoint.allow_base_mismatch=true", lambda msg: log.warning("%s: %s", ckpt_dir, msg))
+    pairs = [] if recorded else [
+        ("base model", old["base_model"].get("local_dir"), meta["base_model"]["local_dir"])]
+    pairs += [
         ("family", old["base_model"].get("family"), meta["base_model"]["family"]),
         ("lora.enabled", old["lora"].get("enabled"), meta["lora"]["enabled"]),
         ("lora.rank", old["lora"].get("rank"), meta["lora"]["rank"]),
@@ -106,7 +114,7 @@ def run(cfg: RunConfig) -> dict:
     meta = checkpoint.build_metadata(cfg, resolved)
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
-    check_resume_compatible(ckpt_dir, meta)
+    check_resume_compatible(ckpt_dir, meta, cfg.checkpoint.allow_base_mismatch)
     if primary:  # refuse a second trainer on this directory before loading anything (writes nothing)
         run_lock.check_free(ckpt_dir)
 
