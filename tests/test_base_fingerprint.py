@@ -14,7 +14,7 @@ import pytest
 
 from gemma_tpu.assets.tiny import write_tiny_gemma3
 from gemma_tpu.core.errors import cli_main
-from gemma_tpu.hf.fingerprint import first_difference, fingerprint
+from gemma_tpu.hf.fingerprint import fingerprint, first_difference
 from tests.test_convert import make_checkpoint
 
 
