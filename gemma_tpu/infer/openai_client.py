@@ -39,12 +39,17 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
         raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
         raise Unreachable(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+    return json_object(body, lambda why: UserError(f"{url}: {why}"))
+
+
+def json_object(text: str, error) -> dict:
+    """`text` parsed as a JSON object; otherwise `error(reason)` is raised (reason quotes the text)."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(text)
     except json.JSONDecodeError:
-        raise UserError(f"{url}: the answer is not JSON ({' '.join(body.split())[:200]!r})") from None
+        raise error(f"the answer is not JSON ({' '.join(text.split())[:200]!r})") from None
     if not isinstance(obj, dict):
-        raise UserError(f"{url}: expected a JSON object, got {body[:200]!r}")
+        raise error(f"expected a JSON object, got {text[:200]!r}")
     return obj
 
 
