@@ -356,3 +356,103 @@ def test_embedded_270m_matches_published_gguf(tmp_path):
     assert "<start_of_turn>" in ours["tokenizer.chat_template"]
     r1, r2 = gguf.GGUFReader(str(ref_path)), gguf.GGUFReader(str(out))
     assert {t.name: list(t.shape) for t in r1.tensors} == {t.name: list(t.shape) for t in r2.tensors}
+
+
+# ------------------------------------------------------------------------------ llama.cpp runs it
+
+
+def test_llama_cpp_tiny_logits_and_greedy(work, base):
+    """llama.cpp (llama-cpp-python) loads the tiny f16 GGUF: its logits match transformers' on the
+    same file and its greedy tokens match the HF model's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = work / "tiny-llama-f16.gguf"
+    assert export("--merged", base, "--out", out, "--type", "f16") == 0
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    ref = gguf_logits(out)
+    for prompt, want in zip(PROMPTS, ref, strict=True):
+        llm.reset()
+        llm.eval(prompt)
+        got = np.asarray(llm.scores[: len(prompt)], dtype=np.float32)
+        assert float(np.abs(got - want).max()) <= 2e-3  # measured 
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    llm.reset()
+    llm.eval(prompt)
+    got = []
+    for _ in range(16):
+        tok = llm.sample(top_k=1, temp=0.0)
+        got.append(tok)
+        llm.eval([tok])
+    assert got == want
+
+
+@pytest.fixture(scope="module")
+def real_vocab_tool_dir(work) -> Path:
+    """A tiny Gemma 3 with the real 262k vocabulary, its markers published as a merged tool-calling
+    fine-tune's are (convert.tool_tokens)."""
+    from transformers import AutoTokenizer
+
+    from convert.tool_tokens import install_tool_tokens
+    from gemma_tpu.assets import resolve_embedded
+    from gemma_tpu.data import function_token_map
+    from gemma_tpu.tiny import write_tiny_gemma3
+
+    real = resolve_embedded("embedded:gemma3-270m")
+    d = write_tiny_gemma3(work / "tiny_real_vocab", seed=6, tokenizer_from=real, head_dim=256,
+                          query_pre_attn_scalar=256)
+    for f in ("tokenizer.model", "chat_template.jinja"):
+        if (real / f).is_file():
+            shutil.copyfile(real / f, d / f)
+    install_tool_tokens(d, function_token_map(AutoTokenizer.from_pretrained(str(real))))
+    return d
+
+
+TOKENIZER_STRINGS = [
+    "The capital of France is",
+    "  two leading, three trailing   ",
+    "tabs\tand\t\tnewlines\n\n\nend",
+    "1234567890 3.14159 -42 1e-6 2026-11-23",
+    "naïve café, Straße, 中文, 日本語, Русский, العربية, हिन्दी, 한국어",
+    "emoji 🏋️‍♂️💪🏽 and a rare char \U0001d539",
+    "def f(x):\n    return x ** 2  # <b>bold</b> <table><tr>",
+    "<start_of_turn>user\nHow many steps did I walk?<end_of_turn>\n<start_of_turn>model\n",
+    "<start_function_call>call:get_steps{date:<escape>2026-11-23<escape>}<end_function_call><start_function_response>",
+    "<start_function_declaration>declaration:get_steps{description:<escape>Steps<escape>}<end_function_declaration>",
+    "     \n\n   \t ",
+    "ÀÉÎÕÜ àéîõü ñ ç ß ø å æ œ",
+]
+
+
+@pytest.mark.slow
+def test_llama_cpp_tokenizer_matches_ours(work, real_vocab_tool_dir):
+    """llama.cpp's tokenizer built from the GGUF's vocabulary tokenizes hard strings exactly as our
+    HF tokenizer does, the published tool-call markers are single tokens it prints back, and
+    <start_function_response> ends generation."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.data.render import FUNCTION_MARKERS
+
+    out = work / "real-vocab.gguf"
+    assert export("--merged", real_vocab_tool_dir, "--out", out, "--type", "f16") == 0
+    tok = AutoTokenizer.from_pretrained(str(real_vocab_tool_dir))
+    llm = llama_cpp.Llama(model_path=str(out), vocab_only=True, verbose=False)
+    data = [json.loads(line) for line in (REPO / "data/fitness/test.jsonl").read_text().splitlines()[:20]]
+    texts = TOKENIZER_STRINGS + [m["content"] for d in data for m in d["messages"] if m.get("content")]
+    for text in texts:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok(text, add_special_tokens=False).input_ids, text
+    assert llm.tokenize(b"hi", add_bos=True, special=True)[0] == 2
+    for marker in FUNCTION_MARKERS:
+        i = tok.convert_tokens_to_ids(marker)
+        assert llm.tokenize(marker.encode(), add_bos=False, special=True) == [i]
+        assert llm.detokenize([i]).decode() == marker  # user-defined: printed in completions
+    vocab = llm._model.vocab
+    for stop in ("<eos>", "<end_of_turn>", "<start_function_response>"):
+        assert llama_cpp.llama_vocab_is_eog(vocab, tok.convert_tokens_to_ids(stop)), stop
+    assert not llama_cpp.llama_vocab_is_eog(vocab, tok.convert_tokens_to_ids("<start_function_call>"))
