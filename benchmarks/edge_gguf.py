@@ -74,9 +74,10 @@ def export(src_args: list[str], out: Path, kind: str) -> dict:
 def render_prompts(tokenizer, n: int) -> tuple[list[dict], dict]:
     """The first n test decisions (prompt up to the first assistant turn), rendered as training
     and `gemma_tpu.evaluate` render them; and the token map used."""
-    from gemma_tpu.config import DataConfig
-    from gemma_tpu.data import function_token_map, load_conversations, make_renderer
-    from gemma_tpu.evaluate import build_cases
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import load_conversations, make_renderer
+    from gemma_tpu.evaluate.run import build_cases
+    from gemma_tpu.formats.function_calling import function_token_map
 
     token_map = function_token_map(tokenizer)
     data_cfg = DataConfig()
@@ -105,7 +106,6 @@ def main() -> int:
         import llama_cpp
     except ImportError:
         sys.exit("llama-cpp-python is not installed: pip install -e '.[edge]'")
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,7 +132,7 @@ def main() -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     prompts, token_map = render_prompts(tokenizer, args.n)
-    from gemma_tpu.tool_calls import parse_reply
+    from gemma_tpu.formats.function_calling import parse_reply
 
     def parsed(ids: list[int]):
         reply = parse_reply(tokenizer.decode(ids, skip_special_tokens=False), token_map)

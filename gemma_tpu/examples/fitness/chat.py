@@ -28,7 +28,7 @@ class Coach:
     """One model, one provider; `ask(question)` runs the call loop and returns the reply text."""
 
     def __init__(self, loaded, provider, max_new_tokens: int = 128, trace: TextIO | None = sys.stderr,
-                 generator=None):
+                 generator=None, prefix_cache: bool = True):
         from gemma_tpu.core.config import DataConfig
         from gemma_tpu.data import make_renderer
         from gemma_tpu.examples.fitness.tools import tool_schemas
@@ -38,8 +38,13 @@ class Coach:
         self.provider = provider
         self.tools = tool_schemas()
         self.renderer = make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map)
-        self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1)
+        self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1,
+                                                prefix_cache=prefix_cache)
         self.trace = trace
+
+    def _system_ids(self, messages: list[dict]) -> list[int]:
+        """Ids of the conversation's first turn alone (the generator keeps what the prompt shares)."""
+        return self.renderer.render({"tools": self.tools, "messages": messages[:1]}).ids
 
     def _log(self, text: str) -> None:
         if self.trace is not None:
@@ -50,7 +55,9 @@ class Coach:
 
         def next_reply(messages):
             ids = self.renderer.render({"tools": self.tools, "messages": messages}, add_generation_prompt=True).ids
-            out = self.generator.generate([ids])[0]
+            # the developer turn (system prompt and tool declarations) starts every prompt: with the
+            # prefix cache its keys and values are computed once for the whole session
+            out = self.generator.generate([ids], prefix=self._system_ids(messages))[0]
             reply = parse_reply(out.text)
             if reply.kind == "text" and out.stop == "call":  # ended as if it had called, but wrote no call
                 reply = dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
@@ -98,6 +105,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: the system turn's keys and values are computed once)")
     return p.parse_args(list(argv))
 
 
@@ -109,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
     loaded = load_hf_dir(args.model, args.dtype) if args.model else load_checkpoint(args.checkpoint, args.step)
-    coach = Coach(loaded, provider, args.max_new_tokens)
+    coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache)
     if args.once is not None:
         if not args.once.strip():
             raise UserError("--once needs a question")
