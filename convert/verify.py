@@ -41,6 +41,8 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats import gemma_chat
+from gemma_tpu.hf.directory import read_hf_config
+from gemma_tpu.models.registry import text_config
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -183,8 +185,6 @@ def judge(c: Comparison, dtype_name: str) -> Report:
 
 def verify_merge(source, base_dir: Path, merged_dir: Path, dtype_name: str,
                  prompts: Sequence[str] = DEFAULT_PROMPTS) -> Report:
-    from gemma_tpu.models.registry import text_config
-
     vocab = int(text_config(source.hf_config)["vocab_size"])
     ids = prompt_ids(base_dir, prompts, vocab)
     ref = jax_logits(source, base_dir, ids)
@@ -205,8 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from gemma_tpu.hf.directory import read_hf_config
-    from gemma_tpu.models.registry import text_config
 
     dirs = [Path(args.a), Path(args.b)]
     configs = [read_hf_config(d) for d in dirs]

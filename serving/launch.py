@@ -32,6 +32,7 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from serving.config import VLLM_TPU_IMAGE, ModelFacts, ServeConfig, inspect_model, load_serve_config, stop_token_warning
+from serving.local import LocalServer
 
 DOCKERFILE = Path(__file__).resolve().parent / "Dockerfile"
 MODELS_MOUNT = "/models"
@@ -169,7 +170,6 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
 
 def serve_local(cfg: ServeConfig) -> int:
     """`transformers serve` on this machine, until Ctrl-C or SIGTERM."""
-    from serving.local import LocalServer
 
     inspect_model(cfg, for_vllm=False)
     t = cfg.tool_calling

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from gemma_tpu.assets.build import AssetError, log
+from gemma_tpu.assets.gguf_import import build_from_gguf_package
+from gemma_tpu.assets.tiny import write_tiny_gemma3
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir
 from gemma_tpu.core.cli import cli_main
@@ -261,8 +263,6 @@ def _build_into(entry: EmbeddedModel, out: Path, cache_dir: Path) -> dict[str, A
     """Write the complete model directory into `out`; returns a description of the source."""
     kind = entry.source.get("kind")
     if kind == "gguf-package":
-        from gemma_tpu.assets.gguf_import import build_from_gguf_package  # deferred: imports torch
-
         return build_from_gguf_package(entry, out, CHAT_TEMPLATES[entry.family])
     if kind == "builder":
         module_name, _, func_name = entry.source["function"].partition(":")
@@ -338,7 +338,6 @@ def _build_tiny_gemma3(out: Path, cache_dir: Path) -> dict[str, Any]:
     The real tokenizer is used only when gemma3-270m is already prepared in the same cache, so
     that asking for the tiny model never triggers the one-minute conversion.
     """
-    from gemma_tpu.assets.tiny import write_tiny_gemma3
 
     real = target_dir("gemma3-270m", cache_dir)
     tokenizer_from = real if is_complete(real) else None

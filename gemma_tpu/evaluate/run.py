@@ -36,7 +36,9 @@ from typing import Any, Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
+from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     api_base,
     first_message,
@@ -112,8 +114,6 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
 
 
 def _renderer(loaded, data_cfg: DataConfig):
-    from gemma_tpu.data import make_renderer
-
     return make_renderer(loaded.tokenizer, data_cfg, loaded.chat_format, loaded.token_map)
 
 
@@ -124,7 +124,6 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same."""
     from tqdm import tqdm
 
-    from gemma_tpu.infer.generate import Generator
 
     renderer = _renderer(loaded, data_cfg)
     prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
@@ -141,8 +140,7 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
     from flax import nnx
     from tqdm import tqdm
 
-    from gemma_tpu.data import eval_batches, prepare_split
-    from gemma_tpu.train.loss import sparse_loss
+    from gemma_tpu.train.loss import sparse_loss  # deferred: imports jax/torch
 
     renderer = _renderer(loaded, data_cfg)
     longest = max(len(renderer.render(c).ids) for c in convs)
@@ -226,8 +224,6 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     if spec.kind == "endpoint":
         preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label)
     else:
-        from gemma_tpu.infer.generate import load_checkpoint, load_hf_dir
-
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
         preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label,
@@ -287,7 +283,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    from gemma_tpu.data import load_conversations
 
     cli.setup_logging(logging.WARNING)
     cfg = cli.run_config(args, required=False)

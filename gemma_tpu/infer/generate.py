@@ -39,6 +39,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats import function_calling as fc
 from gemma_tpu.formats import gemma_chat
 from gemma_tpu.hf.tokenizer import load_tokenizer
+from gemma_tpu.models import load_model, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +383,6 @@ class Generator:
 
 def load_hf_dir(path: str, dtype: str = "float32") -> LoadedModel:
     """A base or merged HF directory (or hub id / embedded:NAME) through `load_model`."""
-    from gemma_tpu.models import load_model, resolve_model
 
     resolved = resolve_model(path)
     tokenizer = load_tokenizer(resolved.local_dir)
