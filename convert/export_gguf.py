@@ -59,7 +59,7 @@ from gemma_tpu.core.atomic import AtomicFile, check_file_target
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.core.progress import Progress, human
-from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, tool_chat_template
+from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, tool_chat_template
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
 from gemma_tpu.models.registry import Family, GGUFFacts, detect_family, families, text_config
@@ -69,8 +69,6 @@ CHUNK_BYTES = 16 << 20  # float32 bytes per row chunk
 SPACE = "\u2581"  # SentencePiece's visible space
 # SentencePiece piece types, which GGUF's token types reuse.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-RESPONSE_MARKER = "<start_function_response>"
-END_OF_TURN = "<end_of_turn>"
 
 
 # ------------------------------------------------------------------------------ vocabulary
@@ -396,7 +394,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     tensors, skipped = plan_tensors(facts, text, weights, prefix, args.type, tied, where)
     embed = next(t for t in tensors if t.name == "token_embd.weight")
     vocab = read_vocab(tok_dir, embed.shape[0], token_map, FUNCTION_MARKERS)
-    tool_calling = vocab.id_of(RESPONSE_MARKER) is not None
+    tool_calling = vocab.id_of(START_RESPONSE) is not None
     if token_map:
         chat_template = tool_chat_template(None)  # the markers now have their published names
     else:
@@ -453,11 +451,11 @@ def add_metadata(w, plan: ExportPlan) -> None:
     w.add_eos_token_id(vocab.eos)
     w.add_unk_token_id(vocab.unk)
     w.add_pad_token_id(vocab.pad)
-    eot = vocab.id_of(END_OF_TURN)
+    eot = vocab.id_of(plan.family.end_of_turn_token)
     if eot is not None:
         w.add_eot_token_id(eot)
     if plan.tool_calling:
-        w.add_eom_token_id(vocab.id_of(RESPONSE_MARKER))
+        w.add_eom_token_id(vocab.id_of(START_RESPONSE))
     w.add_add_bos_token(vocab.add_bos)
     w.add_add_sep_token(False)
     w.add_add_eos_token(False)

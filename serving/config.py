@@ -281,8 +281,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         if isinstance(max_pos, int) and cfg.server.max_model_len > max_pos:
             raise UserError(f"server.max_model_len={cfg.server.max_model_len} exceeds the model's "
                             f"max_position_embeddings={max_pos}")
-        if family == "gemma3" and text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True)) is False:
-            raise UserError(f"model dir {d}: vLLM serves Gemma 3 only with tied embeddings "
+        tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+        if fam.vllm_tied_embeddings_only and tied is False:
+            raise UserError(f"model dir {d}: vLLM serves {arch} only with tied embeddings "
                             "(config.json has tie_word_embeddings=false)")
         if cfg.tool_calling.enabled:
             want = fam.vllm_tool_parser

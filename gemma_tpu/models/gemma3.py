@@ -293,5 +293,6 @@ GEMMA3 = register(
         # are FunctionGemma text.
         vllm_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         vllm_tool_parser="functiongemma",
+        vllm_tied_embeddings_only=True,
     )
 )

@@ -203,6 +203,7 @@ class Family:
     # Serving on vLLM-TPU: the HF architectures it serves for this family and its tool-call parser.
     vllm_architectures: tuple[str, ...] = ()
     vllm_tool_parser: str | None = None
+    vllm_tied_embeddings_only: bool = False  # vLLM's model has no separate lm_head for this family
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
     # Tunix's own safetensors loader for this family: whole tensors on every host; kept as the
     # reference that tests check `create_model` (gemma_tpu.models.sharded_weights) against.
