@@ -24,17 +24,28 @@ from typing import Any, Sequence, TextIO
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.infer.openai_client import api_base, first_message, http_json, openai_messages, reply_from_message
+from gemma_tpu.examples.fitness.chat import chat_repl
+from gemma_tpu.examples.fitness.providers import make_provider
+from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
+from gemma_tpu.formats.function_calling import ParsedReply
+from gemma_tpu.infer.openai_client import (
+    api_base,
+    first_message,
+    http_json,
+    openai_messages,
+    reply_from_message,
+    served_model_name,
+)
+from gemma_tpu.infer.tool_loop import Toolset, run_tool_loop
 
 
 class RemoteCoach:
-    """One endpoint, one provider; `ask(question)` runs the call loop and returns the reply text."""
+    """One endpoint, one provider; `ask(question)` runs the library's tool loop (`gemma_tpu.infer.tool_loop`)
+    and returns the reply text. The tools are the fitness coach's unless a `Toolset` is given."""
 
     def __init__(self, base_url: str, provider, model: str | None = None, api_key: str | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, timeout: float = 120.0,
-                 trace: TextIO | None = sys.stderr):
-        from gemma_tpu.examples.fitness.tools import tool_schemas
-
+                 trace: TextIO | None = sys.stderr, tools: Toolset | None = None):
         self.base = api_base(base_url)
         self.provider = provider
         self.model = model
@@ -42,7 +53,7 @@ class RemoteCoach:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.timeout = timeout
-        self.tools = tool_schemas()
+        self.toolset = tools or fitness_toolset(provider)
         self.trace = trace
 
     def _log(self, text: str) -> None:
@@ -51,21 +62,20 @@ class RemoteCoach:
 
     def complete(self, messages: list[dict]) -> dict:
         """One chat completion; returns `choices[0].message`."""
-        body: dict[str, Any] = {"messages": openai_messages(messages), "tools": self.tools,
+        body: dict[str, Any] = {"messages": openai_messages(messages), "tools": self.toolset.schemas,
                                 "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": False}
         if self.model:
             body["model"] = self.model
         url = f"{self.base}/chat/completions"
         return first_message(http_json(url, body, timeout=self.timeout, api_key=self.api_key), url)
 
+    def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
+        """The endpoint's next turn: its structured `tool_calls`, else calls parsed from its text."""
+        message = self.complete(messages)
+        return reply_from_message(message), message.get("content") or json.dumps(message.get("tool_calls"))
+
     def ask(self, question: str) -> str:
-        from gemma_tpu.examples.fitness.chat import tool_loop
-
-        def next_reply(messages):
-            message = self.complete(messages)
-            return reply_from_message(message), message.get("content") or json.dumps(message.get("tool_calls"))
-
-        return tool_loop(question, self.provider, next_reply, self._log)
+        return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -87,9 +97,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     cli.setup_logging(logging.WARNING)
-    from gemma_tpu.examples.fitness.providers import make_provider
-    from gemma_tpu.infer.openai_client import served_model_name
-
     if args.max_tokens <= 0 or args.timeout <= 0:
         raise UserError("--max-tokens and --timeout must be positive")
     if args.once is not None and not args.once.strip():
@@ -101,8 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.once is not None:
         print(coach.ask(args.once))
         return 0
-    from gemma_tpu.examples.fitness.chat import chat_repl
-
     return chat_repl(coach.ask, f"Connected to {coach.base} (model {model or 'default'}). ")
 
 

@@ -432,6 +432,40 @@ class ScriptedGenerator:
         return [Generation([], text, stop)]
 
 
+def test_generic_tool_loop_with_another_toolset():
+    """The library loop knows nothing of fitness: any Toolset, results fed back as JSON tool turns,
+    a ToolCallError reported, and the call budget enforced."""
+    from gemma_tpu.infer.tool_loop import ToolCallError, Toolset, run_tool_loop
+
+    def add(name, arguments):
+        if name != "add":
+            raise ToolCallError(f"no tool {name}")
+        return {"sum": arguments["a"] + arguments["b"]}
+
+    calc = Toolset([{"type": "function", "function": {"name": "add"}}], add, lambda: "You add numbers.")
+    seen = []
+
+    def scripted(*replies):
+        replies = list(replies)
+
+        def next_reply(messages):
+            seen.append([dict(m) for m in messages])
+            return replies.pop(0), "raw"
+        return next_reply
+
+    call = ParsedReply("call", [ToolCall("add", {"a": 2, "b": 3})], "")
+    trace = []
+    assert run_tool_loop("2+3?", calc, scripted(call, ParsedReply("text", [], "5")), log=trace.append) == "5"
+    assert [m["role"] for m in seen[1]] == ["developer", "user", "assistant", "tool"]
+    assert json.loads(seen[1][3]["content"]) == {"sum": 5} and trace == ["-> add(a=2, b=3) = {\"sum\": 5}"]
+    assert run_tool_loop("?", calc, scripted(ParsedReply("call", [ToolCall("mul", {})], ""))) == "(no tool mul)"
+    assert "stopped after 2 calls" in run_tool_loop("loop", calc, scripted(call, call, call), max_calls=2)
+    no_prompt = Toolset(calc.schemas, add)
+    seen.clear()
+    run_tool_loop("hi", no_prompt, scripted(ParsedReply("text", [], "hello")))
+    assert seen == [[{"role": "user", "content": "hi"}]]
+
+
 def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
     from transformers import AutoTokenizer
 

@@ -221,7 +221,7 @@ def _install_sigterm(trainer) -> None:
         log.warning("SIGTERM: saving step %d before exit", trainer.train_steps)
         try:
             trainer.checkpoint_manager.save(trainer.train_steps, trainer.model, trainer.optimizer,
-                                            save_only_lora_params=trainer._lora_enabled, force=True,
+                                            save_only_lora_params=trainer.lora_enabled, force=True,
                                             custom_metadata=trainer.custom_checkpoint_metadata())
             trainer.checkpoint_manager.close()
         finally:
