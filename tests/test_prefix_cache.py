@@ -60,3 +60,38 @@ def test_sliding_band_is_needed(loaded, monkeypatch):
     monkeypatch.setattr(g, "_band_from", lambda model, start, slots: None)
     wrong = g.Generator(loaded, max_new_tokens=12, batch_size=4).generate(prompts)
     assert [o.ids for o in wrong] != [o.ids for o in plain]
+
+
+def test_chat_reuses_the_system_turn(tiny_dir):
+    """The fitness chat names its developer turn (system prompt + seven tool declarations) as the
+    prefix: computed on the first model call, reused by every later one; the answers are those of
+    the uncached chat."""
+    import datetime as dt
+
+    from gemma_tpu.examples.fitness.chat import Coach
+    from gemma_tpu.examples.fitness.providers import SimulatedDevice
+    from gemma_tpu.infer.generate import Generator, load_hf_dir
+
+    loaded = load_hf_dir(str(tiny_dir))
+    answers = {}
+    for cached in (False, True):
+        gen = Generator(loaded, max_new_tokens=8, batch_size=1, prefix_cache=cached)
+        coach = Coach(loaded, SimulatedDevice(0, today=dt.date(2025, 3, 14)), generator=gen, trace=None)
+        answers[cached] = [coach.ask(q) for q in ("steps today?", "how did I sleep?")]
+        if cached:
+            assert gen.prefix_stats["computed"] == 1 and gen.prefix_stats["reused_batches"] >= 2
+            assert gen.prefix_stats["prefix_tokens"] > 300  # the declarations are inside the prefix
+    assert answers[True] == answers[False]
+
+
+def test_gemma4_decodes_uncached(tmp_path):
+    """Tunix Gemma 4's multi-token forward writes its cache from slot 0 and attends only to its own
+    tokens, so it cannot continue a cached prefix: the generator falls back to whole prompts."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.infer.generate import Generator, load_hf_dir
+
+    loaded = load_hf_dir(str(write_tiny_gemma4(tmp_path / "g4", seed=0, variant="dense")))
+    gen = Generator(loaded, max_new_tokens=6, batch_size=4)
+    assert gen.prefix_cache is False
+    outs = gen.generate(_prompts()[:3])
+    assert gen.prefix_stats["computed"] == 0 and all(len(o.ids) >= 1 for o in outs)

@@ -64,6 +64,10 @@ class DataConfig:
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat for as long as train.max_steps needs
     max_loss_tokens: int | None = None  # per-row loss buffer; None: measured from the data
+    # shared prompt prefixes (issue 15): auto groups examples by the longest common prefix of their
+    # token ids (loss-free tokens only) and reports the tokens sharing would save; off skips it
+    share_prefix: Literal["auto", "off"] = "auto"
+    share_prefix_min_tokens: int = 32  # shorter common prefixes do not form a group
     eval_max_batches: int | None = None
 
 
@@ -315,6 +319,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     at_least("data.seq_len", cfg.data.seq_len, 8)
     at_least("data.num_epochs", cfg.data.num_epochs, 1)
     at_least("data.max_loss_tokens", cfg.data.max_loss_tokens, 1)
+    at_least("data.share_prefix_min_tokens", cfg.data.share_prefix_min_tokens, 1)
     at_least("data.eval_max_batches", cfg.data.eval_max_batches, 1)
     t = cfg.train
     at_least("train.batch_size", t.batch_size, 1, "positive")

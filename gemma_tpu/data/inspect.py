@@ -2,7 +2,9 @@
 
 See the data exactly as training will: examples read / kept / truncated / dropped, token-length
 percentiles, rows and useful-token fractions for `pad` and `pack` (the configured strategy first),
-the distinct batch shapes one epoch of the stream produces (1 means one compilation), and the first
+the shared prompt prefixes (`data.share_prefix`: groups of examples starting with the same ids, prefix
+lengths, tokens computed per example with and without computing each prefix once, loss-bearing
+fraction of each), the distinct batch shapes one epoch of the stream produces (1 means one compilation), and the first
 N rendered examples with their loss-bearing tokens marked - green on a terminal, `[[...]]` otherwise
 (`--color always|never` to choose). `--json OUT` writes the statistics. Nothing is written to the
 run directory and no model weights are loaded; only the tokenizer.
@@ -155,6 +157,18 @@ def run(args: argparse.Namespace) -> dict:
                        f"{s['useful_fraction']:.3f}", s["max_loss"]], widths), file=out)
     print("(* data.strategy; useful = loss-bearing tokens / all row tokens, non-pad = real tokens / all row tokens)",
           file=out)
+    sp = stats.get("shared_prefixes")
+    if sp is None:
+        print("shared prefixes: not analysed (data.share_prefix: off)", file=out)
+    else:
+        print(f"shared prefixes (data.share_prefix_min_tokens={sp['min_tokens']}): {sp['groups']} groups holding "
+              f"{sp['examples_in_groups']} of {sp['examples']} examples (largest {sp['group_size_max']}, "
+              f"mean {sp['group_size_mean']}); prefix tokens min {sp['prefix_len_min']}, "
+              f"median {sp['prefix_len_median']}, max {sp['prefix_len_max']}", file=out)
+        print(f"  computed tokens per example: {sp['computed_tokens_per_example']} one by one, "
+              f"{sp['computed_tokens_per_example_shared']} with each prefix computed once "
+              f"({sp['computed_ratio']:.3f}x); loss-bearing fraction {sp['loss_fraction']:.3f} -> "
+              f"{sp['loss_fraction_shared']:.3f} (analysis: training still computes every row whole)", file=out)
     what = f"one epoch, batch {cfg.train.batch_size}" if args.split == "train" else f"eval, batch {cfg.train.batch_size}"
     print(f"batch shapes: {n_shapes} distinct ({what})", file=out)
     for s in shapes:

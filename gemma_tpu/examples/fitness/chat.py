@@ -41,9 +41,13 @@ class Coach:
                                                 prefix_cache=prefix_cache)
         self.trace = trace
 
-    def _system_ids(self, messages: list[dict]) -> list[int]:
-        """Ids of the conversation's first turn alone (the generator keeps what the prompt shares)."""
-        return self.renderer.render({"tools": self.toolset.schemas, "messages": messages[:1]}).ids
+    def _system_ids(self, messages: list[dict]) -> list[int] | None:
+        """Ids of the conversation's first turn alone (the generator keeps what the prompt shares
+        with them); None where the chat format cannot render that turn on its own."""
+        try:
+            return self.renderer.render({"tools": self.toolset.schemas, "messages": messages[:1]}).ids
+        except (UserError, ValueError):
+            return None
 
     def _log(self, text: str) -> None:
         if self.trace is not None:
