@@ -29,7 +29,9 @@ from convert.source import (
     check_finite_factors,
     checked_lora_sites,
     open_checkpoint,
+    resolve_base,
 )
+from convert.tool_tokens import install_tool_tokens
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target
 from gemma_tpu.core.cli import cli_main
@@ -154,8 +156,6 @@ def write_adapter_tokenizer(source: CheckpointSource, out: Path) -> str:
     adapter dir and a server's tool parser see `<start_function_call>` rather than `<unusedN>`."""
     import shutil
 
-    from convert.source import resolve_base
-    from convert.tool_tokens import install_tool_tokens
 
     token_map = source.meta.get("token_map") or {}
     if not token_map:

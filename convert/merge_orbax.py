@@ -58,6 +58,7 @@ from convert.source import (
     resolve_base,
 )
 from convert.tool_tokens import install_tool_tokens
+from convert.verify import verify_merge
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target
 from gemma_tpu.core.cli import cli_main
@@ -340,8 +341,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         sio.write_json(tmp / PROVENANCE_FILE, provenance(plan, writer))
         if args.verify:
-            from convert.verify import verify_merge
-
             report = verify_merge(s, plan.base_dir, tmp, sio.DTYPE_NAMES_INV[plan.out_dtype])
             print(report.summary(), file=sys.stderr)
             if not report.passed:

@@ -12,11 +12,21 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites, read_layout
+from convert.mapping import (
+    Layout,
+    LoraSite,
+    axis_sizes_from_factors,
+    hf_shape,
+    is_lora_name,
+    lora_sites,
+    read_layout,
+    weight_shape,
+)
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf.fingerprint import check_base
 from gemma_tpu.models.registry import Family, detect_family, get_family
 
 
@@ -84,7 +94,6 @@ def check_base_matches(source: CheckpointSource, base_dir: Path, allow: bool, to
     unless --allow-base-mismatch."""
     import sys
 
-    from gemma_tpu.hf.fingerprint import check_base
 
     recorded = (source.meta.get("base_model") or {}).get("fingerprint")
     check_base(recorded, base_dir, allow, "pass --allow-base-mismatch",
@@ -155,7 +164,6 @@ class FactorCache:
 
     def peft(self, site: LoraSite) -> tuple[np.ndarray, np.ndarray]:
         """(A [r, in], B [out, r]) in float32."""
-        from convert.mapping import weight_shape
 
         raw = self._layer(site.layer)
         a = raw[site.a_name].astype(np.float32)

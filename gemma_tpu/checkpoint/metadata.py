@@ -22,7 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from gemma_tpu.checkpoint.params import require_finite
 from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.hf.directory import hf_revision
+from gemma_tpu.hf.fingerprint import fingerprint
 
 METADATA_FILE = "gemma_tpu_run.json"
 FORMAT = "gemma-tpu-checkpoint"
@@ -102,7 +105,6 @@ def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
     """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory."""
     import orbax.checkpoint as ocp
 
-    from gemma_tpu.checkpoint.params import require_finite
 
     path = Path(ckpt_dir).resolve() / str(step) / "model_params"  # Orbax needs it absolute
     ckptr = ocp.PyTreeCheckpointer()
@@ -128,8 +130,6 @@ def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
 
 def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:
     """What a checkpoint needs to describe itself: base model, family, LoRA shape, dtype, config."""
-    from gemma_tpu.hf.directory import hf_revision
-    from gemma_tpu.hf.fingerprint import fingerprint
 
     return {
         "base_model": {

@@ -16,6 +16,7 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
+from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.errors import UserError
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -351,7 +352,6 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             bad(f"mesh.{name} must be a positive integer or -1, got {v}")
     if cfg.mesh.dcn_data == -1:
         bad("mesh.dcn_data must be the number of slices, not -1")
-    from gemma_tpu.core.accelerators import ACCELERATORS
 
     if cfg.mesh.accelerator not in ACCELERATORS:
         bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")

@@ -18,10 +18,20 @@ import signal
 from pathlib import Path
 from typing import Sequence
 
+from gemma_tpu import data, lora
+from gemma_tpu.checkpoint import metadata as checkpoint
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
 from gemma_tpu.core import cli
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.train import run_lock
+from gemma_tpu.formats.function_calling import function_token_map
+from gemma_tpu.hf.fingerprint import check_base
+from gemma_tpu.hf.tokenizer import load_tokenizer
+from gemma_tpu.models import load_model, resolve_model
+from gemma_tpu.train import flops as flops_lib
+from gemma_tpu.train import mesh as mesh_lib
+from gemma_tpu.train import plan, run_lock
+from gemma_tpu.train.plan import abstract_model
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -44,14 +54,12 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     """A checkpoint directory from another base, family, rank or target set is refused. The base is
     compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
     by its path."""
-    from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
 
     if not (ckpt_dir / METADATA_FILE).is_file():
         if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
     old = read_metadata(ckpt_dir)
-    from gemma_tpu.hf.fingerprint import check_base
 
     recorded = old["base_model"].get("fingerprint")
     check_base(recorded, meta["base_model"]["local_dir"], allow_base_mismatch,
@@ -74,18 +82,12 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
 
 def run(cfg: RunConfig) -> dict:
     """Train as configured; returns the run summary."""
-    from gemma_tpu.train import mesh as mesh_lib
     #    other JAX call
     mesh_lib.initialize_distributed(cfg.mesh)
     import jax
 
-    from gemma_tpu import data, lora
-    from gemma_tpu.checkpoint import metadata as checkpoint
-    from gemma_tpu.formats.function_calling import function_token_map
-    from gemma_tpu.hf.tokenizer import load_tokenizer
-    from gemma_tpu.models import load_model, resolve_model
-    from gemma_tpu.train import optim, partition
-    from gemma_tpu.train.trainer import BatchFeed, Trainer
+    from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
+    from gemma_tpu.train.trainer import BatchFeed, Trainer  # deferred: imports jax/torch
 
     primary = jax.process_index() == 0
 
@@ -123,7 +125,6 @@ def run(cfg: RunConfig) -> dict:
     check_batch_divisible(cfg, dict(mesh.shape), jax.process_count())
     remat = effective_remat(cfg)
     with mesh:  # the mesh PeftTrainer reads (thread resources) for input sharding
-        from gemma_tpu.train.plan import abstract_model
 
         abstract, _ = abstract_model(resolved.family, resolved.hf_config, cfg.model.dtype, remat)
         partition.check_divisible(resolved.family, tunix_cfg, abstract, mesh)
@@ -167,7 +168,6 @@ def run(cfg: RunConfig) -> dict:
             pbar_description="train",
         )
         chunk = 1024
-        from gemma_tpu.train import flops as flops_lib
         step_flops = flops_lib.training_flops(tunix_cfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
                                               len(cfg.lora.targets))
         trainer = Trainer(
@@ -177,7 +177,7 @@ def run(cfg: RunConfig) -> dict:
             price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
             mesh=mesh,
         )
-        from gemma_tpu.train.loss import make_loss_fn
+        from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
         trainer.with_loss_fn(make_loss_fn(chunk))
         trainer.with_data_hooks(feed)
@@ -237,7 +237,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg is None:
         return 0
     if args.dry_run:
-        from gemma_tpu.train import plan
         return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
     cli.setup_logging()
     try:

@@ -24,6 +24,7 @@ from tunix.sft import hooks as tunix_hooks
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.finite_guard import FiniteCheckpoints, last_step_on_disk
+from gemma_tpu.train.partition import shard_optimizer_state
 from gemma_tpu.train.tunix_adapter import EVAL_STEP_FN, TRAIN_STEP_FN, TunixTrainer
 
 log = logging.getLogger("gemma_tpu.train")
@@ -145,7 +146,6 @@ class Trainer(TunixTrainer):
         self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager)  # no non-finite state on disk
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
-            from gemma_tpu.train.partition import shard_optimizer_state
 
             shard_optimizer_state(self.optimizer, mesh)
         import jax
