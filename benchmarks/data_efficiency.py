@@ -41,9 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gemma_tpu.core.config import DataConfig  # noqa: E402
-from gemma_tpu.data import (Renderer, TrainStream, prepare_examples,  # noqa: E402
-                            render_examples)
 from gemma_tpu.core.errors import UserError  # noqa: E402
+from gemma_tpu.data import Renderer, TrainStream, prepare_examples, render_examples  # noqa: E402
 from gemma_tpu.formats.function_calling import function_token_map  # noqa: E402
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "

@@ -21,11 +21,20 @@ from typing import Sequence
 
 import numpy as np
 
-from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.core.atomic import AtomicDir, check_target
 from convert.mapping import hf_shape
-from convert.source import CheckpointSource, FactorCache, checked_lora_sites, open_checkpoint
-from gemma_tpu.core.errors import UserError, cli_main
+from convert.source import (
+    CheckpointSource,
+    FactorCache,
+    check_base_matches,
+    check_finite_factors,
+    checked_lora_sites,
+    open_checkpoint,
+)
+from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import AtomicDir, check_target
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf import safetensors_io as sio
 
 ADAPTER_FILE = "adapter_model.safetensors"
 PROVENANCE_FILE = "gemma_tpu_adapter.json"
@@ -75,11 +84,13 @@ def adapter_config(source: CheckpointSource, prefix: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.export_peft", description=__doc__.split("\n\n")[0])
+    p = cli.parser("python -m convert.export_peft", __doc__, overrides=False)
     p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="output adapter directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="export even if the recorded base's weights differ from the fingerprint taken at training")
     return p
 
 
@@ -90,8 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"{source.dir}: a full fine-tune has no adapter to export; use convert.merge_orbax")
     out = Path(args.out)
     check_target(out, args.overwrite, protected=[source.dir])
+    recorded_dir = (source.meta.get("base_model") or {}).get("local_dir")
+    if recorded_dir and Path(recorded_dir).is_dir():  # the adapter's base_model_name_or_path points there
+        check_base_matches(source, Path(recorded_dir), args.allow_base_mismatch, "export_peft")
     prefix = module_prefix(source.hf_config)
     sites = checked_lora_sites(source, prefix)
+    check_finite_factors(source, sites)
     order = {p.hf_name: i for i, p in enumerate(source.family.projections(source.layout))}
     sites.sort(key=lambda s: (s[0].layer, order[s[0].proj.hf_name]))  # layer-major, as PEFT writes
     rank = int(source.lora["rank"])

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites, read_layout
-from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
+from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.models.registry import Family, detect_family, get_family
@@ -78,6 +78,19 @@ def resolve_base(source: CheckpointSource, override: str | None = None) -> Path:
         raise UserError(f"{e}; pass --base") from None
 
 
+def check_base_matches(source: CheckpointSource, base_dir: Path, allow: bool, tool: str) -> None:
+    """The base about to be used is the one the checkpoint was trained on (by the fingerprint recorded
+    at training time, gemma_tpu.hf.fingerprint); a mismatch is refused naming the first differing file
+    unless --allow-base-mismatch."""
+    import sys
+
+    from gemma_tpu.hf.fingerprint import check_base
+
+    recorded = (source.meta.get("base_model") or {}).get("fingerprint")
+    check_base(recorded, base_dir, allow, "pass --allow-base-mismatch",
+               lambda msg: print(f"{tool}: warning: {msg}", file=sys.stderr))
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -116,6 +129,16 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
                if m and int(m.group(1)) >= source.layout.num_layers else "not one of the metadata's targets")
         raise UserError(f"checkpoint tensor {extra[0]} has no place in the merge ({why})")
     return out
+
+
+def check_finite_factors(source: CheckpointSource, sites: list[tuple[LoraSite, dict[str, int]]]) -> None:
+    """Read every LoRA factor once (a layer at a time, small next to the base) before any output is
+    created: a NaN/inf factor is a one-line error naming the tensor (CheckpointParams.read)."""
+    by_layer: dict[int, set[str]] = {}
+    for s, _ in sites:
+        by_layer.setdefault(s.layer, set()).update((s.a_name, s.b_name))
+    for layer in sorted(by_layer):
+        source.params.read(sorted(by_layer[layer]))
 
 
 class FactorCache:

@@ -21,7 +21,9 @@ import os
 import sys
 from typing import Any, Sequence, TextIO
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.examples.fitness.chat import chat_repl
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
@@ -71,7 +73,7 @@ class RemoteCoach:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving.chat", description=__doc__.splitlines()[0])
+    p = cli.parser("python -m serving.chat", __doc__, overrides=False)
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", help="served model (or LoRA adapter) name; default: the first the server lists, "
                                    "or none")
@@ -88,7 +90,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cli.setup_logging(logging.WARNING)
     if args.max_tokens <= 0 or args.timeout <= 0:
         raise UserError("--max-tokens and --timeout must be positive")
     if args.once is not None and not args.once.strip():

@@ -118,6 +118,47 @@ def corrupt_header() -> bytes:
     return len(header).to_bytes(8, "little") + header
 
 
+def nonfinite_factor(step_tensor: str = "layers.0.attn.q_einsum.w_lora_b") -> Callable[[Path, dict], None]:
+    """A copy of the checkpoint ({ckpt}) whose LoRA factor `step_tensor` holds a NaN (what a run with
+    train.learning_rate=nan used to save)."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        import numpy as np
+        import orbax.checkpoint as ocp
+
+        from gemma_tpu.checkpoint.metadata import list_steps
+
+        shutil.copytree(ctx["ckpt"], dest)
+        item = dest.resolve() / str(list_steps(dest)[-1]) / "model_params"
+        ckptr = ocp.PyTreeCheckpointer()
+        tree = ckptr.restore(item)
+        node = tree
+        for k in step_tensor.split("."):
+            node = node[k]
+        node["value"] = np.asarray(node["value"]).copy()
+        node["value"].flat[3] = np.nan
+        shutil.rmtree(item)
+        ckptr.save(item, tree)
+
+    return make
+
+
+def other_base(dest: Path, ctx: dict) -> None:
+    """A tiny Gemma 3 of the same shapes as {tiny} with other weights (a base replaced after training)."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    write_tiny_gemma3(dest, seed=1)
+
+
+def ckpt_pointing_to(base: str) -> Callable[[Path, dict], None]:
+    """A copy of the checkpoint whose recorded base directory is `base` (placeholders filled)."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        copy_of("ckpt", meta={"base_model.local_dir": fill(base, ctx)})(dest, ctx)
+
+    return make
+
+
 # ----------------------------------------------------------------------------------- corpus
 
 CASES = [
@@ -168,6 +209,19 @@ CASES = [
     Case("train-unknown-option", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--stpes", "3"],
          ["--stpes"]),
     Case("plan-no-config", "gemma_tpu.plan", [], ["--config"]),
+    Case("config-nan-learning-rate", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.learning_rate=nan"],
+         ["train.learning_rate", "finite", "'nan'"]),
+    Case("config-inf-in-yaml", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "train.grad_clip", "finite"],
+         {"c.yaml": "train:\n  grad_clip: .inf\n"}),
+    Case("config-zero-learning-rate", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.learning_rate=0"],
+         ["train.learning_rate", "positive"]),
+    Case("config-negative-weight-decay", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml",
+                                                              "train.weight_decay=-0.1"], ["train.weight_decay", "-0.1"]),
+    Case("config-dropout-one", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "lora.dropout=1"],
+         ["lora.dropout", "1.0"]),
+    Case("config-rank-beyond-model", "gemma_tpu.train", [*TRAIN, "lora.rank=64"], ["{tiny}", "lora.rank=64", "(32)"]),
+    Case("config-seq-len-beyond-model", "gemma_tpu.train", [*TRAIN, "data.seq_len=4096"],
+         ["data.seq_len=4096", "max_position_embeddings=1024"]),
     Case("config-unknown-lora-target", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "lora.targets=[q_proj,qkv_proj]"], ["lora.targets", "'qkv_proj'"]),
     Case("config-bool-not-bool", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "lora.enabled=maybe"],
@@ -207,6 +261,23 @@ CASES = [
          {"ck": copy_of("ckpt", meta={"base_model.family": "gemma4"})}),
     Case("ckpt-resume-steps-without-metadata", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck": copy_of("ckpt", drop=("gemma_tpu_run.json",))}),
+    Case("merge-nonfinite-factor", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["layers.0.attn.q_einsum.w_lora_b", "non-finite"], {"ck": nonfinite_factor()}, sub=True),
+    Case("export-nonfinite-factor", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["layers.1.mlp.down_proj.kernel_lora_a", "non-finite"], {"ck": nonfinite_factor("layers.1.mlp.down_proj.kernel_lora_a")}),
+    Case("train-dir-locked", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck", "in use by another trainer", "PID 1 on tpu-vm-7"],
+         {"ck/gemma_tpu_run.lock": '{"pid": 1, "host": "tpu-vm-7", "started": "2026-11-23T10:00:00+00:00"}'}),
+    Case("merge-base-replaced", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/other", "--out", "{tmp}/out"],
+         ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"], {"other": other_base},
+         sub=True),
+    Case("export-base-replaced", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"],
+         {"other": other_base, "ck": ckpt_pointing_to("{tmp}/other")}),
+    Case("ckpt-resume-base-replaced", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck", "model.path={tmp}/other"],
+         ["{tmp}/other/model.safetensors", "tensor data differs", "checkpoint.allow_base_mismatch"],
+         {"other": other_base, "ck": copy_of("ckpt")}),
     Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
          ["{tmp}/nope"]),
     # ---- merge and export targets
@@ -383,7 +454,7 @@ def invoke(case: Case, argv: list[str], cwd: Path) -> subprocess.CompletedProces
     """`python -m ENTRY argv` (sub=True), else the same `main` through `cli_main` in this process."""
     if case.sub:
         return run_cli(case.entry, *argv, cwd=cwd, timeout=300)
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     module = importlib.import_module(MAIN_MODULE.get(case.entry, case.entry))
     out, err = io.StringIO(), io.StringIO()

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from gemma_tpu.hf import safetensors_io as sio
+
 REPO = Path(__file__).resolve().parents[1]
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Several prompts, one longer than the tiny models' sliding window (16).
@@ -33,18 +34,9 @@ TOL = 1e-4
 
 
 def tunix_logits(model, prompts=PROMPTS) -> list[np.ndarray]:
-    import jax
-    import jax.numpy as jnp
-    from tunix.sft import utils as su
+    from convert.verify import model_logits
 
-    out = []
-    with jax.default_matmul_precision("highest"):
-        for seq in prompts:
-            tokens = jnp.asarray([seq], dtype=jnp.int32)
-            mask = jnp.ones(tokens.shape, dtype=jnp.bool_)
-            logits, _ = model(tokens, su.build_positions_from_mask(mask), None, su.make_causal_attn_mask(mask))
-            out.append(np.asarray(logits[0], dtype=np.float32))
-    return out
+    return model_logits(model, prompts)
 
 
 def hf_logits(model_dir, prompts=PROMPTS, adapter=None) -> list[np.ndarray]:
@@ -104,7 +96,7 @@ def make_checkpoint(base_dir: Path, ckpt_dir: Path, *, rank=4, alpha=8.0, target
 
 def merge(*args: str) -> int:
     from convert.merge_orbax import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     return cli_main(main, [str(a) for a in args])
 
@@ -293,8 +285,8 @@ def test_real_multimodal_model_and_peft(work, base):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
     from convert.export_peft import main as export_main
-    from gemma_tpu.core.errors import cli_main
     from gemma_tpu.assets.tiny import TINY_GEMMA3
+    from gemma_tpu.core.cli import cli_main
 
     mm = work / "base_mm_real"
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -550,7 +542,7 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
     from safetensors import safe_open
 
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     out = work / "adapter"
     assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 0
@@ -574,7 +566,7 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
 
 def test_peft_export_refuses_full_finetune(work, capsys):
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     ckpt = work / "ckpt_full"
     if not ckpt.exists():
@@ -682,7 +674,7 @@ def test_trainer_checkpoint_end_to_end(work, base):
     prov = json.loads((out / "gemma_tpu_merge.json").read_text())
     assert prov["step"] == 2 and prov["lora"]["rank"] == 4
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     adapter = work / "trained_adapter"
     assert cli_main(main, ["--checkpoint", str(run), "--out", str(adapter)]) == 0

@@ -19,13 +19,19 @@ import numpy as np
 import pytest
 
 from gemma_tpu.core.config import DataConfig
-from gemma_tpu.data import (Renderer, TrainStream, eval_batches, load_conversations,
-                            prepare_examples, prepare_split, render_examples)
-from gemma_tpu.data import batching
-from gemma_tpu.data.records import normalise_messages
-from gemma_tpu.formats.function_calling import function_token_map
-from gemma_tpu.data.render import template_messages
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.data import (
+    Renderer,
+    TrainStream,
+    batching,
+    eval_batches,
+    load_conversations,
+    prepare_split,
+    render_examples,
+)
+from gemma_tpu.data.records import normalise_messages
+from gemma_tpu.data.render import template_messages
+from gemma_tpu.formats.function_calling import function_token_map
 from tests.conftest import REPO, assert_one_line_error, run_cli
 
 # ----------------------------------------------------------------------------- fixtures, helpers

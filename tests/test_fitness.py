@@ -13,12 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, assert_one_line_error, run_cli
-from gemma_tpu.data.render import format_call
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.examples.fitness import dataset, tools
 from gemma_tpu.examples.fitness.providers import GarminConnectProvider, SimulatedDevice
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply, tool_chat_template
+from gemma_tpu.formats.function_calling import (
+    ParsedReply,
+    ToolCall,
+    arguments_match,
+    format_call,
+    parse_reply,
+    tool_chat_template,
+)
+from tests.conftest import REPO, assert_one_line_error, run_cli
 
 NAMES = ["get_steps", "get_daily_step_goal", "get_step_goal_progress", "get_sleeping_minutes",
          "get_active_minutes", "get_heart_rate", "get_body_battery_level"]
@@ -292,9 +298,9 @@ def test_chat_template_renders_prompts_like_the_renderer(tiny_dir):
     from transformers import AutoTokenizer
 
     from gemma_tpu.data import Renderer
-    from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.data.records import normalise_messages
     from gemma_tpu.evaluate.run import openai_messages
+    from gemma_tpu.formats.function_calling import function_token_map
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     token_map = function_token_map(tok)
@@ -324,11 +330,10 @@ def tiny_loaded(tiny_dir):
 def test_cached_greedy_equals_uncached_forward(tiny_loaded):
     """Left-padded batched KV-cache decoding (sliding window 16 < prompt length) gives the same
     tokens as re-running the whole sequence without a cache."""
+    import jax
     import jax.numpy as jnp
 
     from gemma_tpu.infer.generate import Generator
-
-    import jax
 
     model = tiny_loaded.model
     prompts = [[2] + list(range(110, 150)), [2] + list(range(120, 133)), [2, 150, 151]]

@@ -58,3 +58,48 @@ def test_skip_runs_to_the_end_with_finite_params(tiny_dir, tmp_path):
     assert "non-finite loss" in proc.stderr  # warned, not silent
     steps = _finite_checkpoints(ckpt)
     assert max(steps) == 8
+
+
+def test_stop_message_names_the_step_really_on_disk(stopped):
+    """The message used to say "the last good checkpoint is kept" whatever was on disk."""
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, proc = stopped
+    line = assert_one_line_error(proc, "non-finite loss")
+    assert "last good checkpoint is kept" not in line
+    assert f"the last checkpoint on disk is step {max(list_steps(ckpt))} (finite)" in line
+
+
+def test_a_nonfinite_state_is_never_saved(tmp_path):
+    """FiniteCheckpoints in front of Tunix's CheckpointManager: a finite step is saved; a step whose
+    LoRA factor (or optimizer state) holds a NaN is refused naming the tensor and the step on disk."""
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from tunix.sft.checkpoint_manager import CheckpointManager
+
+    from gemma_tpu.checkpoint.metadata import list_steps
+    from gemma_tpu.train.finite_guard import FiniteCheckpoints, NonFiniteState
+
+    class Tiny(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((4, 4)))
+            self.w_lora_a = nnx.LoRAParam(jnp.ones((4, 2)))
+            self.w_lora_b = nnx.LoRAParam(jnp.zeros((2, 4)))
+
+    model = Tiny()
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)
+    cm = FiniteCheckpoints(CheckpointManager(str(tmp_path), ocp.CheckpointManagerOptions(
+        save_interval_steps=1, enable_async_checkpointing=True)))
+    assert cm.save(1, model, opt, save_only_lora_params=True)
+    model.w_lora_b.value = model.w_lora_b.value.at[1, 2].set(jnp.nan)
+    with pytest.raises(NonFiniteState, match=r"w_lora_b at step 2: step 2 was not saved; the last checkpoint on "
+                                             r"disk is step 1"):
+        cm.save(2, model, opt, save_only_lora_params=True)
+    model.w_lora_b.value = jnp.zeros((2, 4))
+    opt.opt_state[0].mu["w_lora_a"].value = jnp.full((4, 2), jnp.inf)
+    with pytest.raises(NonFiniteState, match=r"optimizer state .*w_lora_a at step 3"):
+        cm.save(3, model, opt, save_only_lora_params=True, force=True)
+    cm.close()
+    assert list_steps(tmp_path) == [1]

@@ -102,6 +102,8 @@ def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
     """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory."""
     import orbax.checkpoint as ocp
 
+    from gemma_tpu.checkpoint.params import require_finite
+
     path = Path(ckpt_dir).resolve() / str(step) / "model_params"  # Orbax needs it absolute
     ckptr = ocp.PyTreeCheckpointer()
     meta = ckptr.metadata(path)
@@ -118,7 +120,7 @@ def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
                 walk(v, prefix + [str(k)])
         else:
             name = ".".join(p for p in prefix if p != "value")
-            flat[name] = np.asarray(node)
+            flat[name] = require_finite(np.asarray(node), name, path)
 
     walk(restored, [])
     return flat
@@ -127,6 +129,7 @@ def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
 def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:
     """What a checkpoint needs to describe itself: base model, family, LoRA shape, dtype, config."""
     from gemma_tpu.hf.directory import hf_revision
+    from gemma_tpu.hf.fingerprint import fingerprint
 
     return {
         "base_model": {
@@ -134,6 +137,7 @@ def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:
             "local_dir": str(Path(resolved.local_dir).resolve()),
             "revision": resolved.revision or hf_revision(resolved.local_dir),
             "family": resolved.family.name,
+            "fingerprint": fingerprint(resolved.local_dir),  # gemma_tpu.hf.fingerprint: is the base still the base?
         },
         "hf_config": resolved.hf_config,
         "lora": {

@@ -93,8 +93,17 @@ class CheckpointParams:
             node = restored
             for k in self.specs[n].path:
                 node = node[k]
-            out[n] = np.asarray(node)
+            out[n] = require_finite(np.asarray(node), n, self.path)
         return out
 
     def read_one(self, name: str) -> np.ndarray:
         return self.read([name])[name]
+
+
+def require_finite(value: np.ndarray, name: str, where) -> np.ndarray:
+    """`value`, unless a floating-point tensor holds NaN/inf: then a one-line UserError naming it."""
+    if np.issubdtype(value.dtype, np.floating) and value.size and not np.isfinite(value).all():
+        bad = int(value.size - np.isfinite(value).sum())
+        raise UserError(f"{where}: tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''} "
+                        f"(NaN/inf); refusing to use it")
+    return value

@@ -8,6 +8,7 @@ with a message naming the key and the file.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -99,6 +100,7 @@ class CheckpointConfig:
     every_steps: int = 50
     max_to_keep: int = 3
     async_save: bool = True
+    allow_base_mismatch: bool = False  # resume even if the base's weights differ from the recorded fingerprint
 
 
 @dataclasses.dataclass
@@ -182,13 +184,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise UserError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise UserError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # .nan / .inf in YAML, 'nan' / '1e999' as strings
+            raise UserError(f"{where}: must be a finite number, got {value!r}")
+        value = number
         return float(value)
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -288,26 +294,52 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     def bad(msg: str) -> None:
         raise UserError(f"{where}: {msg}")
 
+    def at_least(key: str, value, low, what: str = "") -> None:
+        if value is not None and value < low:
+            bad(f"{key} must be {what or f'at least {low}'}, got {value}")
+
+    def in_range(key: str, value, low, high, closed_high: bool = True) -> None:
+        if value is not None and not (low <= value <= high if closed_high else low <= value < high):
+            bad(f"{key} must be in [{low}, {high}{']' if closed_high else ')'}, got {value}")
+
     if cfg.lora.enabled:
-        if cfg.lora.rank <= 0:
-            bad(f"lora.rank must be positive, got {cfg.lora.rank}")
+        at_least("lora.rank", cfg.lora.rank, 1)
+        if cfg.lora.alpha <= 0:
+            bad(f"lora.alpha must be positive, got {cfg.lora.alpha}")
         if not cfg.lora.targets:
             bad("lora.targets is empty")
         unknown = [t for t in cfg.lora.targets if t not in ALL_TARGETS]
         if unknown:
             bad(f"lora.targets: unknown module {unknown[0]!r} (known: {', '.join(ALL_TARGETS)})")
-    if cfg.data.seq_len < 8:
-        bad(f"data.seq_len must be at least 8, got {cfg.data.seq_len}")
-    if cfg.train.batch_size <= 0:
-        bad(f"train.batch_size must be positive, got {cfg.train.batch_size}")
-    if cfg.train.max_steps <= 0:
-        bad(f"train.max_steps must be positive, got {cfg.train.max_steps}")
-    if cfg.train.grad_accum_steps <= 0:
-        bad(f"train.grad_accum_steps must be positive, got {cfg.train.grad_accum_steps}")
-    if cfg.train.learning_rate <= 0:
-        bad(f"train.learning_rate must be positive, got {cfg.train.learning_rate}")
-    if cfg.checkpoint.every_steps <= 0:
-        bad(f"checkpoint.every_steps must be positive, got {cfg.checkpoint.every_steps}")
+        in_range("lora.dropout", cfg.lora.dropout, 0.0, 1.0, closed_high=False)
+    at_least("data.seq_len", cfg.data.seq_len, 8)
+    at_least("data.num_epochs", cfg.data.num_epochs, 1)
+    at_least("data.max_loss_tokens", cfg.data.max_loss_tokens, 1)
+    at_least("data.eval_max_batches", cfg.data.eval_max_batches, 1)
+    t = cfg.train
+    at_least("train.batch_size", t.batch_size, 1, "positive")
+    at_least("train.max_steps", t.max_steps, 1, "positive")
+    at_least("train.grad_accum_steps", t.grad_accum_steps, 1, "positive")
+    if t.learning_rate <= 0:
+        bad(f"train.learning_rate must be positive, got {t.learning_rate}")
+    at_least("train.warmup_steps", t.warmup_steps, 0)
+    in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
+    at_least("train.weight_decay", t.weight_decay, 0.0)
+    if t.grad_clip is not None and t.grad_clip < 0:
+        bad(f"train.grad_clip must be positive (0 or null: no clipping), got {t.grad_clip}")
+    at_least("train.seed", t.seed, 0)
+    at_least("train.eval_every_steps", t.eval_every_steps, 0)
+    at_least("train.log_every_steps", t.log_every_steps, 1, "positive")
+    if t.schedule != "constant" and t.warmup_steps > t.max_steps:
+        bad(f"train.warmup_steps={t.warmup_steps} is longer than train.max_steps={t.max_steps}")
+    at_least("checkpoint.every_steps", cfg.checkpoint.every_steps, 1, "positive")
+    at_least("checkpoint.max_to_keep", cfg.checkpoint.max_to_keep, 1)
+    at_least("mesh.price_per_hour", cfg.mesh.price_per_hour, 0.0)
+    at_least("mesh.num_processes", cfg.mesh.num_processes, 1)
+    at_least("mesh.process_id", cfg.mesh.process_id, 0)
+    if cfg.mesh.num_processes is not None and cfg.mesh.process_id is not None \
+            and cfg.mesh.process_id >= cfg.mesh.num_processes:
+        bad(f"mesh.process_id={cfg.mesh.process_id} must be below mesh.num_processes={cfg.mesh.num_processes}")
     for name in ("data", "fsdp", "tp", "dcn_data"):
         v = getattr(cfg.mesh, name)
         if v == 0 or v < -1:
@@ -320,3 +352,37 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")
     if cfg.train.remat is not None and cfg.model.remat != "none" and cfg.model.remat != cfg.train.remat:
         bad(f"model.remat={cfg.model.remat} and train.remat={cfg.train.remat} disagree; set train.remat only")
+
+
+def validate_for_model(cfg: RunConfig, hf_config: dict, where: str = "config") -> None:
+    """Checks that need the base's config.json (read before any weight): a LoRA rank no larger than
+    the smallest dimension of a targeted projection (a larger one adds parameters, not rank), a
+    sequence no longer than the model's positions, a sliding window that is a positive integer."""
+    text = hf_config.get("text_config") or hf_config
+
+    def dim(key: str) -> int | None:
+        v = text.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    d, f = dim("hidden_size"), dim("intermediate_size")
+    heads, kv, hd = dim("num_attention_heads"), dim("num_key_value_heads"), dim("head_dim")
+    if hd is None and d and heads:
+        hd = d // heads
+    q_out = heads * hd if heads and hd else None
+    kv_out = (kv or heads) * hd if (kv or heads) and hd else None
+    sides = {"q_proj": (d, q_out), "k_proj": (d, kv_out), "v_proj": (d, kv_out), "o_proj": (q_out, d),
+             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    if cfg.lora.enabled:
+        for target in cfg.lora.targets:
+            known = [x for x in sides.get(target, ()) if x]
+            if known and cfg.lora.rank > min(known):
+                raise UserError(f"{where}: lora.rank={cfg.lora.rank} exceeds the smallest dimension of "
+                                f"{target} ({min(known)}) in this model; use at most {min(known)}")
+    max_pos = dim("max_position_embeddings")
+    if max_pos and cfg.data.seq_len > max_pos:
+        raise UserError(f"{where}: data.seq_len={cfg.data.seq_len} exceeds the model's "
+                        f"max_position_embeddings={max_pos}")
+    window = text.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise UserError(f"{where}: the model's config.json has sliding_window={window!r}; expected a "
+                        f"positive integer")

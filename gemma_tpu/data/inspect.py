@@ -19,8 +19,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.data import batching
+from gemma_tpu.data.pipeline import TrainStream, eval_batches, make_renderer, prepare_examples
+from gemma_tpu.data.records import load_conversations
+from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
+from gemma_tpu.models import resolve_model
 
 ANSI_ON, ANSI_OFF = "\x1b[1;32m", "\x1b[0m"
 ANSI_DIM = "\x1b[2m"
@@ -28,15 +35,13 @@ PLAIN_ON, PLAIN_OFF = "[[", "]]"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.data.inspect", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="YAML run config (data.*, model.path for the tokenizer)")
+    p = cli.parser("python -m gemma_tpu.data.inspect", __doc__, config="YAML run config (data.*, model.path for the tokenizer)")
     p.add_argument("--split", choices=("train", "eval"), default="train", help="data.train_path or data.eval_path")
     p.add_argument("-n", type=int, default=1, help="rendered examples to show (default 1; 0: none)")
     p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the config's model.path)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="mark loss-bearing text with ANSI colour (auto: when stdout is a terminal)")
     p.add_argument("--json", help="also write the statistics to this JSON file")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=1024")
     return p.parse_args(list(argv))
 
 
@@ -46,8 +51,6 @@ def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str]:
     if spec:
         where = spec
     else:
-        from gemma_tpu.models import resolve_model
-
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
     return load_tokenizer(where), where, family_format
@@ -84,7 +87,6 @@ def mark(text: str, spans: list[tuple[int, int]], color: bool, cut: int | None =
 
 def batch_shapes(prepared, batch_size: int, split: str, seed: int) -> tuple[int, list[str]]:
     """Distinct (shape, dtype) signatures over one epoch of the batches training/eval would see."""
-    from gemma_tpu.data.pipeline import TrainStream, eval_batches
 
     if split == "train":
         if len(prepared.rows) < batch_size:
@@ -102,13 +104,9 @@ def fmt_row(cells: Sequence[Any], widths: Sequence[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gemma_tpu.core.config import load_config
-    from gemma_tpu.data import batching
-    from gemma_tpu.data.pipeline import make_renderer, prepare_examples
-    from gemma_tpu.data.records import load_conversations
-    from gemma_tpu.formats.function_calling import function_token_map
-
-    cfg = load_config(args.config, args.overrides)
+    cfg = cli.run_config(args)
+    if cfg is None:
+        return 0
     if args.n < 0:
         raise UserError("-n must be 0 or more")
     path = cfg.data.train_path if args.split == "train" else cfg.data.eval_path
@@ -186,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     import logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cli.setup_logging(logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     run(parse_args(argv or []))
     return 0

@@ -13,10 +13,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from gemma_tpu.core.config import DataConfig
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
-from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

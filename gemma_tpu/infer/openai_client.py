@@ -15,19 +15,13 @@ import urllib.request
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, parse_reply
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, parse_reply, plain_gemma_token_map
 
 log = logging.getLogger("gemma_tpu.infer.openai_client")
 
-# The markers a plain Gemma 3 vocabulary carries as <unusedN> (what function_token_map gives it):
-# used to read endpoint text that still contains them.
+
 class Unreachable(UserError):
     """Nothing answers at the address (connection refused, unknown host, no answer in time)."""
-
-
-DEFAULT_TOKEN_MAP = {m: f"<unused{i}>" for i, m in enumerate((
-    "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>", "<end_function_call>",
-    "<start_function_response>", "<end_function_response>", "<escape>"))}
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api_key: str | None = None) -> dict:
@@ -45,12 +39,17 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
         raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
         raise Unreachable(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+    return json_object(body, lambda why: UserError(f"{url}: {why}"))
+
+
+def json_object(text: str, error) -> dict:
+    """`text` parsed as a JSON object; otherwise `error(reason)` is raised (reason quotes the text)."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(text)
     except json.JSONDecodeError:
-        raise UserError(f"{url}: the answer is not JSON ({' '.join(body.split())[:200]!r})") from None
+        raise error(f"the answer is not JSON ({' '.join(text.split())[:200]!r})") from None
     if not isinstance(obj, dict):
-        raise UserError(f"{url}: expected a JSON object, got {body[:200]!r}")
+        raise error(f"expected a JSON object, got {text[:200]!r}")
     return obj
 
 
@@ -128,7 +127,8 @@ def reply_from_message(message: dict) -> ParsedReply:
         calls.append(ToolCall(fn["name"], args))
     if calls:
         return ParsedReply("call", calls, message.get("content") or "")
-    return parse_reply(message.get("content") or "", DEFAULT_TOKEN_MAP)
+    # endpoint text may still carry the markers as a plain Gemma 3 vocabulary's <unusedN> tokens
+    return parse_reply(message.get("content") or "", plain_gemma_token_map())
 
 
 def first_message(resp: dict, url: str) -> dict:

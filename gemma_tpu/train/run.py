@@ -15,20 +15,19 @@ import json
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.core.config import RunConfig, load_config
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.config import RunConfig, validate_for_model
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.train import run_lock
 
 log = logging.getLogger("gemma_tpu.train")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="YAML run config (see configs/)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p = cli.parser("python -m gemma_tpu.train", __doc__, config="YAML run config (see configs/)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the mesh, per-device memory and step-time plan without loading weights; "
                         "exit 2 if it does not fit the accelerator (see gemma_tpu.train.plan)")
@@ -36,20 +35,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="--dry-run: devices to plan for when a mesh axis is -1 (default: the local ones)")
     p.add_argument("--assumed-mfu", type=float, default=None, help="--dry-run: MFU for the step-time estimate")
     p.add_argument("--no-compile", action="store_true", help="--dry-run: skip the compiled memory analysis")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=20")
     return p.parse_args(list(argv))
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-    for noisy in ("absl", "jax", "orbax", "tunix", "qwix", "httpx", "urllib3", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
-    """A checkpoint directory from another base, family, rank or target set is refused."""
+def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: bool = False) -> None:
+    """A checkpoint directory from another base, family, rank or target set is refused. The base is
+    compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
+    by its path."""
     from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
 
     if not (ckpt_dir / METADATA_FILE).is_file():
@@ -57,8 +51,14 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict) -> None:
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
     old = read_metadata(ckpt_dir)
-    pairs = [
-        ("base model", old["base_model"].get("local_dir"), meta["base_model"]["local_dir"]),
+    from gemma_tpu.hf.fingerprint import check_base
+
+    recorded = old["base_model"].get("fingerprint")
+    check_base(recorded, meta["base_model"]["local_dir"], allow_base_mismatch,
+               "set checkpoint.allow_base_mismatch=true", lambda msg: log.warning("%s: %s", ckpt_dir, msg))
+    pairs = [] if recorded else [
+        ("base model", old["base_model"].get("local_dir"), meta["base_model"]["local_dir"])]
+    pairs += [
         ("family", old["base_model"].get("family"), meta["base_model"]["family"]),
         ("lora.enabled", old["lora"].get("enabled"), meta["lora"]["enabled"]),
         ("lora.rank", old["lora"].get("rank"), meta["lora"]["rank"]),
@@ -80,21 +80,18 @@ def run(cfg: RunConfig) -> dict:
     import jax
 
     from gemma_tpu import data, lora
-
     from gemma_tpu.checkpoint import metadata as checkpoint
-
-    from gemma_tpu.train import optim
-
-    from gemma_tpu.train import partition
     from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.hf.tokenizer import load_tokenizer
     from gemma_tpu.models import load_model, resolve_model
+    from gemma_tpu.train import optim, partition
     from gemma_tpu.train.trainer import BatchFeed, Trainer
 
     primary = jax.process_index() == 0
 
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+    validate_for_model(cfg, resolved.hf_config, str(resolved.local_dir))
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
@@ -117,7 +114,9 @@ def run(cfg: RunConfig) -> dict:
     meta = checkpoint.build_metadata(cfg, resolved)
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
-    check_resume_compatible(ckpt_dir, meta)
+    check_resume_compatible(ckpt_dir, meta, cfg.checkpoint.allow_base_mismatch)
+    if primary:  # refuse a second trainer on this directory before loading anything (writes nothing)
+        run_lock.check_free(ckpt_dir)
 
     # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
@@ -148,6 +147,7 @@ def run(cfg: RunConfig) -> dict:
         from tunix.sft.peft_trainer import TrainingConfig
 
         if primary:
+            run_lock.acquire(ckpt_dir)  # one writer per run directory, from the first write on
             for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
                 log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
                             "complete one", p)
@@ -225,6 +225,7 @@ def _install_sigterm(trainer) -> None:
                                             custom_metadata=trainer.custom_checkpoint_metadata())
             trainer.checkpoint_manager.close()
         finally:
+            run_lock.release_all()
             os._exit(143)
 
     signal.signal(signal.SIGTERM, handler)
@@ -232,15 +233,15 @@ def _install_sigterm(trainer) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    if not args.config and not args.print_config:
-        raise UserError("--config FILE is required (see configs/)")
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        print(cfg.to_yaml(), end="")
+    cfg = cli.run_config(args, required=not args.print_config)
+    if cfg is None:
         return 0
     if args.dry_run:
         from gemma_tpu.train import plan
         return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
-    setup_logging()
-    run(cfg)
+    cli.setup_logging()
+    try:
+        run(cfg)
+    finally:
+        run_lock.release_all()
     return 0

@@ -23,6 +23,7 @@ import numpy as np
 from tunix.sft import hooks as tunix_hooks
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.train.finite_guard import FiniteCheckpoints, last_step_on_disk
 from gemma_tpu.train.tunix_adapter import EVAL_STEP_FN, TRAIN_STEP_FN, TunixTrainer
 
 log = logging.getLogger("gemma_tpu.train")
@@ -141,6 +142,7 @@ class Trainer(TunixTrainer):
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
                  metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None):
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
+        self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager)  # no non-finite state on disk
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
             from gemma_tpu.train.partition import shard_optimizer_state
@@ -193,8 +195,10 @@ class Trainer(TunixTrainer):
             if not math.isfinite(loss):
                 self._append(rec)
                 if self.on_nonfinite == "stop":
-                    raise NonFiniteLoss(f"non-finite loss {loss} at step {metrics_buffer.step}; "
-                                        f"the last good checkpoint is kept")
+                    last = last_step_on_disk(self.checkpoint_manager)
+                    raise NonFiniteLoss(f"non-finite loss {loss} at step {metrics_buffer.step}; " + (
+                        f"the last checkpoint on disk is step {last} (finite)" if last is not None
+                        else "no checkpoint was written"))
                 log.warning("non-finite loss at step %d", metrics_buffer.step)
             for k, (vals, op) in metrics_buffer.additional_metrics.items():
                 rec[k] = float(op(np.asarray([np.asarray(v, np.float32) for v in vals])))

@@ -17,8 +17,9 @@ import logging
 import sys
 from typing import Sequence, TextIO
 
+from gemma_tpu.core import cli
 from gemma_tpu.core.config import DataConfig
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import make_renderer
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset
@@ -31,13 +32,18 @@ class Coach:
     """One model, one provider; `ask(question)` runs the tool loop and returns the reply text."""
 
     def __init__(self, loaded, provider, max_new_tokens: int = 128, trace: TextIO | None = sys.stderr,
-                 generator=None):
+                 generator=None, prefix_cache: bool = True):
         self.loaded = loaded
         self.provider = provider
         self.toolset = toolset(provider)
         self.renderer = make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map)
-        self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1)
+        self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1,
+                                                prefix_cache=prefix_cache)
         self.trace = trace
+
+    def _system_ids(self, messages: list[dict]) -> list[int]:
+        """Ids of the conversation's first turn alone (the generator keeps what the prompt shares)."""
+        return self.renderer.render({"tools": self.toolset.schemas, "messages": messages[:1]}).ids
 
     def _log(self, text: str) -> None:
         if self.trace is not None:
@@ -47,7 +53,9 @@ class Coach:
         """The local model's next turn, parsed."""
         ids = self.renderer.render({"tools": self.toolset.schemas, "messages": messages},
                                    add_generation_prompt=True).ids
-        out = self.generator.generate([ids])[0]
+        # the developer turn (system prompt and tool declarations) starts every prompt: with the
+        # prefix cache its keys and values are computed once for the whole session
+        out = self.generator.generate([ids], prefix=self._system_ids(messages))[0]
         reply = parse_reply(out.text)
         if reply.kind == "text" and out.stop == "call":  # ended as if it had called, but wrote no call
             reply = dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
@@ -58,7 +66,7 @@ class Coach:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.chat", description=__doc__.splitlines()[0])
+    p = cli.parser("python -m gemma_tpu.chat", __doc__, overrides=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="base or merged HF directory (or embedded:NAME)")
     which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
@@ -68,15 +76,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: the system turn's keys and values are computed once)")
     return p.parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cli.setup_logging(logging.WARNING)
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
     loaded = load_hf_dir(args.model, args.dtype) if args.model else load_checkpoint(args.checkpoint, args.step)
-    coach = Coach(loaded, provider, args.max_new_tokens)
+    coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache)
     if args.once is not None:
         if not args.once.strip():
             raise UserError("--once needs a question")

@@ -1,0 +1,107 @@
+"""Never persist a non-finite model: every checkpoint save first checks that the parameters it would
+write (the LoRA factors, or every parameter of a full fine-tune) and the optimizer state are finite.
+
+`FiniteCheckpoints` wraps Tunix's CheckpointManager (every other attribute passes through). A save of
+non-finite state writes nothing; it waits for saves already under way (so what is on disk is known),
+then raises `NonFiniteState` naming the step, the first non-finite tensor and the last step on disk.
+The check is one jitted all-finite reduction per tensor, run only for steps that are saved.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gemma_tpu.core.errors import UserError
+
+log = logging.getLogger("gemma_tpu.train")
+
+
+class NonFiniteState(UserError):
+    """Parameters or optimizer state went NaN/inf; nothing was saved for that step. Exit code 3, like
+    a non-finite loss: a scheduler should not simply retry."""
+
+    exit_code = 3
+
+
+def _path_name(path) -> str:
+    parts = []
+    for k in path:
+        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        if str(key) != "value":
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def first_nonfinite(tree: Any) -> str | None:
+    """The dotted name of the first floating-point leaf of `tree` holding NaN/inf, or None."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    named = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and getattr(leaf, "size", 0):
+            named.append((_path_name(path), leaf))
+    if not named:
+        return None
+    flags = _all_finite([x for _, x in named])
+    for (name, _), ok in zip(named, np.asarray(jax.device_get(flags))):
+        if not ok:
+            return name
+    return None
+
+
+def _all_finite(leaves):
+    import jax
+    import jax.numpy as jnp
+
+    global _JIT
+    if _JIT is None:
+        _JIT = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+    return _JIT(leaves)
+
+
+_JIT = None
+
+
+def last_step_on_disk(manager) -> int | None:
+    """The newest finished step, after any async save under way has finished."""
+    inner = getattr(manager, "_checkpoint_manager", None)
+    if inner is None:
+        return None
+    inner.wait_until_finished()
+    return inner.latest_step()
+
+
+class FiniteCheckpoints:
+    """Tunix's CheckpointManager with a finiteness check in front of `save`."""
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+    def save(self, step, model, optimizer=None, save_only_lora_params: bool = False, force: bool = False,
+             custom_metadata=None) -> bool:
+        inner = getattr(self._manager, "_checkpoint_manager", None)
+        if inner is None:
+            return False
+        if not force and not inner.should_save(step):
+            return False
+        from flax import nnx
+
+        params = nnx.state(model, nnx.LoRAParam) if save_only_lora_params else nnx.state(model)
+        bad = first_nonfinite(params)
+        what = "parameter"
+        if bad is None and optimizer is not None:
+            bad, what = first_nonfinite(nnx.state(optimizer, nnx.optimizer.OptState)), "optimizer state"
+        if bad is not None:
+            last = last_step_on_disk(self._manager)
+            kept = f"the last checkpoint on disk is step {last}" if last is not None else "no checkpoint was written"
+            raise NonFiniteState(f"non-finite {what} {bad} at step {step}: step {step} was not saved; {kept} "
+                                 f"(check train.learning_rate and the data)")
+        return self._manager.save(step, model, optimizer, save_only_lora_params=save_only_lora_params,
+                                  force=force, custom_metadata=custom_metadata)

@@ -1,0 +1,106 @@
+"""The base is the base (gemma_tpu.hf.fingerprint): a checkpoint records a cheap fingerprint of its base's
+weights; merge, PEFT export and resume refuse a base that no longer matches (naming the first differing
+file) unless told otherwise, and runs that recorded none are warned about, not refused."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gemma_tpu.assets.tiny import write_tiny_gemma3
+from gemma_tpu.core.errors import cli_main
+from gemma_tpu.hf.fingerprint import fingerprint, first_difference
+from tests.test_convert import make_checkpoint
+
+
+def _cli(main, *args) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli_main(main, [str(a) for a in args])
+    return rc, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 of exactly the same shapes as conftest's, with other weights."""
+    return write_tiny_gemma3(tmp_path_factory.mktemp("other") / "gemma3", seed=1)
+
+
+def test_fingerprint_is_content_not_path(tiny_dir, other, tmp_path):
+    fp = fingerprint(tiny_dir)
+    names = [f["name"] for f in fp["files"]]
+    assert "model.safetensors" in names and "config.json" in names
+    copy = shutil.copytree(tiny_dir, tmp_path / "copy")
+    assert first_difference(fp, copy) is None
+    st = next(f for f in fp["files"] if f["name"] == "model.safetensors")
+    st_other = next(f for f in fingerprint(other)["files"] if f["name"] == "model.safetensors")
+    assert st["size"] == st_other["size"] and st["header_sha256"] == st_other["header_sha256"]  # same shapes
+    assert first_difference(fp, other) == f"{other / 'model.safetensors'}: tensor data differs"
+
+
+def test_fingerprint_names_missing_truncated_and_extra_files(tiny_dir, tmp_path):
+    fp = fingerprint(tiny_dir)
+    d = shutil.copytree(tiny_dir, tmp_path / "d")
+    (d / "extra.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    assert first_difference(fp, d) == f"{d / 'extra.safetensors'} was not part of the base at training time"
+    (d / "extra.safetensors").unlink()
+    size = (d / "model.safetensors").stat().st_size
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(size - 100)
+    assert first_difference(fp, d) == f"{d / 'model.safetensors'} is {size - 100} bytes, was {size}"
+    (d / "model.safetensors").unlink()
+    assert first_difference(fp, d) == f"{d / 'model.safetensors'} is missing"
+
+
+@pytest.fixture(scope="module")
+def replaced(tiny_dir, other, tmp_path_factory):
+    """A LoRA checkpoint of a copy of the tiny base, whose weights are then replaced in place by
+    another model of the same shapes (the issue's case: the merge used to succeed silently)."""
+    work = tmp_path_factory.mktemp("fp")
+    base = shutil.copytree(tiny_dir, work / "base")
+    make_checkpoint(base, work / "ck")
+    shutil.copyfile(other / "model.safetensors", base / "model.safetensors")
+    return work
+
+
+def test_merge_refuses_a_replaced_base(replaced):
+    from convert.merge_orbax import main
+
+    out = replaced / "merged"
+    rc, err = _cli(main, "--checkpoint", replaced / "ck", "--out", out)
+    assert rc == 2, err
+    line = [l for l in err.splitlines() if l.startswith("error:")][0]
+    assert f"{replaced / 'base' / 'model.safetensors'}: tensor data differs" in line
+    assert "--allow-base-mismatch" in line and not out.exists()
+    rc, err = _cli(main, "--checkpoint", replaced / "ck", "--out", out, "--allow-base-mismatch")
+    assert rc == 0, err
+    assert "warning: base" in err and "going on as asked" in err and (out / "model.safetensors").is_file()
+
+
+def test_export_refuses_a_replaced_base(replaced):
+    from convert.export_peft import main
+
+    out = replaced / "adapter"
+    rc, err = _cli(main, "--checkpoint", replaced / "ck", "--out", out)
+    assert rc == 2 and "tensor data differs" in err and not out.exists(), err
+    rc, err = _cli(main, "--checkpoint", replaced / "ck", "--out", out, "--allow-base-mismatch")
+    assert rc == 0 and (out / "adapter_model.safetensors").is_file(), err
+
+
+def test_old_run_without_fingerprint_is_warned_not_refused(tiny_dir, tmp_path):
+    from convert.merge_orbax import main
+
+    make_checkpoint(tiny_dir, tmp_path / "ck")
+    meta_path = tmp_path / "ck" / "gemma_tpu_run.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["base_model"]["fingerprint"]["files"]
+    del meta["base_model"]["fingerprint"]
+    meta_path.write_text(json.dumps(meta))
+    rc, err = _cli(main, "--checkpoint", tmp_path / "ck", "--out", tmp_path / "m")
+    assert rc == 0, err
+    assert "recorded no fingerprint of its base" in err

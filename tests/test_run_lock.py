@@ -1,0 +1,107 @@
+"""One writer per run directory (gemma_tpu.train.run_lock): a second trainer on the same
+checkpoint.dir is refused naming the holder, a dead holder's lock is taken over with a warning, and the
+lock goes away when the trainer ends (normally, by an exception or by SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.train import run_lock
+from tests.conftest import REPO, assert_one_line_error, run_cli
+
+HOLD = ("import sys, time; from gemma_tpu.train.run_lock import acquire; acquire(sys.argv[1]); "
+        "print('held', flush=True); {after}")
+
+
+def _holder(tmp_path: Path, after: str = "time.sleep(120)") -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD.format(after=after), str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_lock_file_records_pid_host_and_start(tmp_path):
+    lock = run_lock.acquire(tmp_path)
+    info = json.loads((tmp_path / run_lock.LOCK_FILE).read_text())
+    assert info["pid"] == os.getpid() and info["host"] == socket.gethostname() and info["started"]
+    lock.release()
+    assert not (tmp_path / run_lock.LOCK_FILE).exists()
+
+
+def test_second_writer_refused_then_stale_lock_taken_over(tmp_path, caplog):
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(UserError, match=rf"in use by another trainer \(PID {proc.pid} on "
+                                            rf"{socket.gethostname()} since "):
+            run_lock.acquire(tmp_path)
+        with pytest.raises(UserError, match=f"PID {proc.pid}"):
+            run_lock.check_free(tmp_path)
+    finally:
+        proc.send_signal(signal.SIGKILL)  # dies holding the lock
+        proc.wait()
+    assert (tmp_path / run_lock.LOCK_FILE).exists()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.train"):
+        run_lock.check_free(tmp_path)  # stale: not an error
+        lock = run_lock.acquire(tmp_path)
+    assert f"taking over a stale lock (PID {proc.pid}" in caplog.text
+    assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_lock_of_another_host_is_never_taken_over(tmp_path):
+    (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "tpu-vm-7", "started": "x"}))
+    with pytest.raises(UserError, match="PID 1 on tpu-vm-7"):
+        run_lock.acquire(tmp_path)
+
+
+@pytest.mark.parametrize("after", ["pass", "raise SystemExit(3)", "raise ValueError('boom')"])
+def test_released_at_exit(tmp_path, after):
+    proc = _holder(tmp_path, after)
+    proc.wait(timeout=60)
+    assert not (tmp_path / run_lock.LOCK_FILE).exists()
+
+
+def test_two_trainers_on_one_directory(tiny_dir, tmp_path):
+    """The second trainer is refused in one line naming the first; the first runs to the end alone
+    (metrics.jsonl holds one run); SIGTERM of a trainer releases the lock."""
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+            "data.eval_path=null", "train.max_steps=3", "checkpoint.every_steps=1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not (ck / run_lock.LOCK_FILE).exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    second = run_cli("gemma_tpu.train", *args)
+    out, err = first.communicate(timeout=900)
+    assert first.returncode == 0, err[-3000:]
+    assert_one_line_error(second, str(ck), "in use by another trainer", f"PID {first.pid}")
+    steps = [json.loads(l)["step"] for l in (ck / "metrics.jsonl").read_text().splitlines()
+             if json.loads(l)["mode"] == "train"]
+    assert steps == sorted(set(steps)), steps  # one run's records, not two interleaved
+    assert not (ck / run_lock.LOCK_FILE).exists()
+
+    # SIGTERM (preemption) mid-run: the handler saves, releases the lock and exits 143
+    more = [*args, "train.max_steps=40", f"checkpoint.dir={tmp_path / 'ck2'}"]
+    env["GEMMA_TPU_STEP_DELAY"] = "0.5"
+    third = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *more], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not list((tmp_path / "ck2").glob("[0-9]*")) and third.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert (tmp_path / "ck2" / run_lock.LOCK_FILE).exists()
+    third.send_signal(signal.SIGTERM)
+    third.communicate(timeout=300)
+    assert third.returncode == 143
+    assert not (tmp_path / "ck2" / run_lock.LOCK_FILE).exists()
