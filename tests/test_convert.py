@@ -362,6 +362,27 @@ def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt)
     assert merge("--checkpoint", ckpt, "--out", work / "merged_qlora", "--verify") == 0
 
 
+def test_base_is_found_at_the_recorded_revision(monkeypatch, tmp_path):
+    """generate, evaluate, verify and the converters find the base one way: the recorded local dir while it
+    exists, else the recorded hub spec at the recorded revision (generate used to drop the revision)."""
+    from convert.source import CheckpointSource, resolve_base
+    from gemma_tpu.checkpoint import restore
+
+    calls = []
+    monkeypatch.setattr(restore, "resolve_path", lambda spec, revision=None: calls.append((spec, revision)) or tmp_path)
+    meta = {"base_model": {"path": "google/gemma-3-270m", "local_dir": str(tmp_path / "gone"), "revision": "abc123"}}
+    assert restore.base_dir(tmp_path, meta) == tmp_path and calls == [("google/gemma-3-270m", "abc123")]
+    calls.clear()
+    meta["base_model"]["local_dir"] = str(tmp_path)
+    assert restore.base_dir(tmp_path, meta) == tmp_path and calls == []
+    assert restore.base_dir(tmp_path, meta, override="other") == tmp_path and calls == [("other", None)]
+    with pytest.raises(restore.NoBaseModel, match="records no base model$"):
+        restore.base_dir(tmp_path, {})
+    source = CheckpointSource(tmp_path, 1, {}, None, {}, None, None)
+    with pytest.raises(Exception, match="records no base model; pass --base$"):
+        resolve_base(source)
+
+
 def nnx_state_paths(model) -> list[str]:
     from flax import nnx
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gemma_tpu.checkpoint.params import require_finite
+from gemma_tpu.checkpoint.params import CheckpointParams, require_finite
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.hf.directory import hf_revision
 from gemma_tpu.hf.fingerprint import fingerprint
@@ -102,30 +102,12 @@ def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
 
 
 def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
-    """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory."""
-    import orbax.checkpoint as ocp
-
-
-    path = Path(ckpt_dir).resolve() / str(step) / "model_params"  # Orbax needs it absolute
-    ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(path)
-    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-    import jax
-
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    restored = ckptr.restore(path, restore_args=restore_args)
-    flat: dict[str, np.ndarray] = {}
-
-    def walk(node: Any, prefix: list[str]) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, prefix + [str(k)])
-        else:
-            name = ".".join(p for p in prefix if p != "value")
-            flat[name] = require_finite(np.asarray(node), name, path)
-
-    walk(restored, [])
-    return flat
+    """Every param of a step, flat ({'layers.0.attn.q_einsum.w_lora_a': ndarray}), in host memory:
+    `CheckpointParams` (the one reader of `model_params`) asked for all of its names; a non-finite
+    value is refused naming the tensor."""
+    params = CheckpointParams(ckpt_dir, step)
+    where = Path(ckpt_dir) / str(step) / "model_params"
+    return {name: require_finite(value, name, where) for name, value in params.read(params.names()).items()}
 
 
 def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:

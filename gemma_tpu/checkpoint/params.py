@@ -1,10 +1,10 @@
 """Lazy access to one step's `model_params`: names, shapes and dtypes from Orbax's metadata (no
 data read), and the data of chosen tensors through Orbax's partial restore, straight to host numpy.
 
-`gemma_tpu.checkpoint.metadata.read_params` restores every param at once, which is right for LoRA factors
-but holds a whole model for a full fine-tune; this reader lets the merger hold one tensor (or one
-layer's factors) at a time. Names are flat and dotted as in `read_params`:
-`layers.0.attn.q_einsum.w_lora_a`, `embedder.input_embedding`.
+The one reader of `model_params`: the merger holds one tensor (or one layer's factors) at a time, and
+`gemma_tpu.checkpoint.metadata.read_params` asks it for every param of a step at once (right for LoRA
+factors, and for restoring a model). Names are flat and dotted: `layers.0.attn.q_einsum.w_lora_a`,
+`embedder.input_embedding`. Every tensor read is checked finite.
 """
 
 from __future__ import annotations

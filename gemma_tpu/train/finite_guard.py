@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.train.tunix_adapter import orbax_manager
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -68,7 +69,7 @@ _JIT = None
 
 def last_step_on_disk(manager) -> int | None:
     """The newest finished step, after any async save under way has finished."""
-    inner = getattr(manager, "_checkpoint_manager", None)
+    inner = orbax_manager(manager)
     if inner is None:
         return None
     inner.wait_until_finished()
@@ -86,7 +87,7 @@ class FiniteCheckpoints:
 
     def save(self, step, model, optimizer=None, save_only_lora_params: bool = False, force: bool = False,
              custom_metadata=None) -> bool:
-        inner = getattr(self._manager, "_checkpoint_manager", None)
+        inner = orbax_manager(self._manager)
         if inner is None:
             return False
         if not force and not inner.should_save(step):

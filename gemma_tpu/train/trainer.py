@@ -146,7 +146,6 @@ class Trainer(TunixTrainer):
         self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager)  # no non-finite state on disk
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
-
             shard_optimizer_state(self.optimizer, mesh)
         import jax
 

@@ -16,7 +16,10 @@ Tunix 0.1.7 offers no public way to do the following, so each is wrapped once, b
 * know whether only the LoRA params are checkpointed (`_lora_enabled`), to save on SIGTERM exactly as
   Tunix's own last save does;
 * the names JAX compiles the train and eval steps under (the methods `_train_step`, `_eval_step`),
-  which the compile counter watches for in JAX's compile log.
+  which the compile counter watches for in JAX's compile log;
+* reach the Orbax manager inside Tunix's CheckpointManager (`_checkpoint_manager`): its public
+  surface (`save`, `latest_step`, `maybe_restore`, `close`) cannot wait for an async save to finish
+  or ask whether a step is due, which the finite-state guard (`finite_guard`) needs.
 
 After a Tunix upgrade, this module is what to check (the resume, metrics and SIGTERM tests exercise it).
 """
@@ -30,6 +33,12 @@ from tunix.sft import peft_trainer
 TUNIX_VERSION = "0.1.7"  # the version these private names were read from
 TRAIN_STEP_FN = "_train_step"  # jit names of PeftTrainer's step methods, as JAX logs their compiles
 EVAL_STEP_FN = "_eval_step"
+
+
+def orbax_manager(checkpoint_manager) -> Any | None:
+    """The `orbax.checkpoint.CheckpointManager` inside Tunix's CheckpointManager (None when checkpointing
+    is off)."""
+    return getattr(checkpoint_manager, "_checkpoint_manager", None)
 
 
 class TunixTrainer(peft_trainer.PeftTrainer):
