@@ -95,3 +95,30 @@ def test_gemma4_decodes_uncached(tmp_path):
     assert gen.prefix_cache is False
     outs = gen.generate(_prompts()[:3])
     assert gen.prefix_stats["computed"] == 0 and all(len(o.ids) >= 1 for o in outs)
+
+
+def test_prefix_cache_with_lora(tiny_dir):
+    """A LoRA model (Qwix factors, non-zero B) through the patched sliding band: same ids."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from gemma_tpu.core.config import LoraConfig
+    from gemma_tpu.infer.generate import Generator, LoadedModel, load_hf_dir
+    from gemma_tpu.lora import apply_lora
+    from gemma_tpu.models import resolve_model
+
+    base = load_hf_dir(str(tiny_dir))
+    model = apply_lora(base.model, resolve_model(str(tiny_dir)).family, base.tunix_cfg, LoraConfig(rank=4))
+    rng = np.random.default_rng(0)
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.LoRAParam):
+            var.set_value(jnp.asarray(rng.normal(0.0, 0.3, var.get_value().shape).astype(np.float32)))
+    loaded = LoadedModel(model, base.tokenizer, base.token_map, base.chat_format, "lora", base.tunix_cfg)
+    prompts = _prompts()
+    plain = Generator(loaded, max_new_tokens=10, batch_size=4, prefix_cache=False).generate(prompts)
+    gen = Generator(loaded, max_new_tokens=10, batch_size=4)
+    assert [o.ids for o in gen.generate(prompts)] == [o.ids for o in plain]
+    assert gen.prefix_stats["computed"] == 1
+    base_ids = Generator(base, max_new_tokens=10, batch_size=4, prefix_cache=False).generate(prompts)
+    assert [o.ids for o in base_ids] != [o.ids for o in plain]  # the LoRA factors do change the outputs

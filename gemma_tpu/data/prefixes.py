@@ -84,7 +84,8 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
 
 def find_shared_prefixes(examples: Sequence[Example], min_tokens: int) -> PrefixReport:
     """Group `examples` by shared loss-free prefixes of at least `min_tokens` ids."""
-    order = sorted(range(len(examples)), key=lambda i: examples[i].ids.tolist())
+    # big-endian bytes of non-negative ids sort as the id sequences do, at 4 bytes a token
+    order = sorted(range(len(examples)), key=lambda i: np.asarray(examples[i].ids, ">u4").tobytes())
     caps = [_shareable(examples[i]) for i in order]
     adj = [min(_lcp(examples[order[j]].ids, examples[order[j + 1]].ids), caps[j], caps[j + 1])
            for j in range(len(order) - 1)]
