@@ -159,6 +159,21 @@ def ckpt_pointing_to(base: str) -> Callable[[Path, dict], None]:
     return make
 
 
+def damaged(src_key: str, remove: str = "", truncate: tuple[str, int] | None = None) -> Callable[[Path, dict], None]:
+    """A copy of {tiny} / {ckpt} with the files matching the glob `remove` deleted (directories kept) or
+    the file `truncate[0]` cut short by `truncate[1]` bytes."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        shutil.copytree(ctx[src_key], dest)
+        for p in dest.glob(remove) if remove else []:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if truncate:
+            p = dest / truncate[0]
+            os.truncate(p, p.stat().st_size - truncate[1])
+
+    return make
+
+
 # ----------------------------------------------------------------------------------- corpus
 
 CASES = [
@@ -278,6 +293,29 @@ CASES = [
     Case("ckpt-resume-base-replaced", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck", "model.path={tmp}/other"],
          ["{tmp}/other/model.safetensors", "tensor data differs", "checkpoint.allow_base_mismatch"],
          {"other": other_base, "ck": copy_of("ckpt")}),
+    # ---- partial and foreign files (a copy cut short, a step missing Orbax files, outputs that cannot be written)
+    Case("ckpt-step-missing-data-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/1/model_params/ocdbt.process_0/d", "missing"],
+         {"ck": damaged("ckpt", "1/model_params/ocdbt.process_0/d")}, sub=True),
+    Case("ckpt-step-missing-data-files", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/1/model_params", "cannot read tensor", "incomplete or damaged"],
+         {"ck": damaged("ckpt", "1/model_params/ocdbt.process_0/d/*")}),
+    Case("ckpt-step-missing-metadata", "convert.inspect", ["{tmp}/ck"], ["{tmp}/ck/1/model_params/_METADATA", "missing"],
+         {"ck": damaged("ckpt", "1/model_params/_METADATA")}),
+    Case("ckpt-step-missing-manifest", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/1/model_params/manifest.ocdbt", "missing"], {"ck": damaged("ckpt", "1/model_params/manifest.ocdbt")}),
+    Case("ckpt-resume-step-missing-files", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck/1/optimizer_state/_METADATA", "missing"], {"ck": damaged("ckpt", "1/optimizer_state/_METADATA")}),
+    Case("model-truncated-safetensors", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["{tmp}/m/model.safetensors"], {"m": damaged("tiny", truncate=("model.safetensors", 1000))}),
+    Case("inspect-truncated-safetensors", "convert.inspect", ["{tmp}/m"], ["{tmp}/m/model.safetensors", "truncated"],
+         {"m": damaged("tiny", truncate=("model.safetensors", 1000))}),
+    Case("merge-out-under-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "{tmp}/f/merged"],
+         ["--out {tmp}/f/merged", "{tmp}/f is not a directory"], {"f": "a file"}),
+    Case("export-out-under-a-file", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{tmp}/f/a/b"],
+         ["--out {tmp}/f/a/b", "{tmp}/f is not a directory"], {"f": "a file"}),
+    Case("train-checkpoint-dir-under-a-file", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/f/ck"],
+         ["checkpoint.dir={tmp}/f/ck", "{tmp}/f is not a directory"], {"f": "a file"}),
     Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
          ["{tmp}/nope"]),
     # ---- merge and export targets

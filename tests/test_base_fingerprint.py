@@ -14,7 +14,7 @@ import pytest
 
 from gemma_tpu.assets.tiny import write_tiny_gemma3
 from gemma_tpu.core.errors import cli_main
-from gemma_tpu.hf.fingerprint import first_difference, fingerprint
+from gemma_tpu.hf.fingerprint import fingerprint, first_difference
 from tests.test_convert import make_checkpoint
 
 
@@ -74,7 +74,7 @@ def test_merge_refuses_a_replaced_base(replaced):
     out = replaced / "merged"
     rc, err = _cli(main, "--checkpoint", replaced / "ck", "--out", out)
     assert rc == 2, err
-    line = [l for l in err.splitlines() if l.startswith("error:")][0]
+    line = next(l for l in err.splitlines() if l.startswith("error:"))
     assert f"{replaced / 'base' / 'model.safetensors'}: tensor data differs" in line
     assert "--allow-base-mismatch" in line and not out.exists()
     rc, err = _cli(main, "--checkpoint", replaced / "ck", "--out", out, "--allow-base-mismatch")

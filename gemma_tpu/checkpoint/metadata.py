@@ -99,31 +99,12 @@ def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
 
 
 def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
-    """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory."""
-    import orbax.checkpoint as ocp
+    """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory; a missing or
+    damaged file, or a non-finite tensor, is a one-line UserError naming it."""
+    from gemma_tpu.checkpoint.params import CheckpointParams
 
-    from gemma_tpu.checkpoint.params import require_finite
-
-    path = Path(ckpt_dir).resolve() / str(step) / "model_params"  # Orbax needs it absolute
-    ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(path)
-    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-    import jax
-
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    restored = ckptr.restore(path, restore_args=restore_args)
-    flat: dict[str, np.ndarray] = {}
-
-    def walk(node: Any, prefix: list[str]) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, prefix + [str(k)])
-        else:
-            name = ".".join(p for p in prefix if p != "value")
-            flat[name] = require_finite(np.asarray(node), name, path)
-
-    walk(restored, [])
-    return flat
+    params = CheckpointParams(ckpt_dir, step)
+    return params.read(params.names())
 
 
 def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from gemma_tpu.core.atomic import check_writable
 from gemma_tpu.core.config import RunConfig, load_config, validate_for_model
 from gemma_tpu.core.errors import UserError, cli_main
 from gemma_tpu.train import run_lock
@@ -81,6 +82,18 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
                             f"use another checkpoint.dir")
 
 
+def check_resume_step_files(ckpt_dir: Path) -> None:
+    """The step a resume would restore has the files Orbax needs (named when missing), checked before
+    the model loads."""
+    from gemma_tpu.checkpoint.metadata import list_steps
+    from gemma_tpu.checkpoint.params import check_item_files
+
+    steps = list_steps(ckpt_dir)
+    if steps:
+        for item in ("model_params", "optimizer_state"):
+            check_item_files(ckpt_dir / str(steps[-1]) / item)
+
+
 def run(cfg: RunConfig) -> dict:
     """Train as configured; returns the run summary."""
     from gemma_tpu.train import mesh as mesh_lib
@@ -128,8 +141,12 @@ def run(cfg: RunConfig) -> dict:
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta, cfg.checkpoint.allow_base_mismatch)
-    if primary:  # refuse a second trainer on this directory before loading anything (writes nothing)
+    if primary:  # before loading anything (writes nothing): a writable directory, no other trainer on it
+        check_writable(ckpt_dir, f"checkpoint.dir={ckpt_dir}")
+        if cfg.train.run_dir:
+            check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
         run_lock.check_free(ckpt_dir)
+        check_resume_step_files(ckpt_dir)
 
     # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
@@ -183,13 +200,22 @@ def run(cfg: RunConfig) -> dict:
         from gemma_tpu.train import flops as flops_lib
         step_flops = flops_lib.training_flops(tunix_cfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
                                               len(cfg.lora.targets))
-        trainer = Trainer(
-            model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
-            tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
-            flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
-            price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
-            mesh=mesh,
-        )
+        try:  # restores the latest step, if any
+            trainer = Trainer(
+                model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
+                tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
+                flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
+                price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
+                mesh=mesh,
+            )
+        except Exception as e:
+            steps = checkpoint.list_steps(ckpt_dir)
+            if isinstance(e, UserError) or not steps:
+                raise
+            from gemma_tpu.checkpoint.params import short_reason
+
+            raise UserError(f"{ckpt_dir / str(steps[-1])}: cannot restore this checkpoint step ({short_reason(e)}); "
+                            f"move it aside to resume from the one before") from e
         from gemma_tpu.train.loss import make_loss_fn
 
         trainer.with_loss_fn(make_loss_fn(chunk))
