@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core.config import DataConfig, RunConfig, load_config
+from gemma_tpu.core.atomic import check_writable
 from gemma_tpu.core.errors import UserError, cli_main
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.openai_client import (DEFAULT_TOKEN_MAP, api_base, first_message, http_json, openai_messages,  # noqa: F401
@@ -287,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--batch-size and --max-new-tokens must be positive")
     if args.json and Path(args.json).is_dir():
         raise UserError(f"--json {args.json}: is a directory (give a file name)")
+    if args.json:
+        check_writable(Path(args.json).parent, f"--json {args.json}")
     convs = load_conversations(args.data, cfg.data)
     if args.limit:
         convs = convs[: args.limit]

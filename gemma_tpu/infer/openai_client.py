@@ -40,6 +40,7 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read().decode(errors="replace")
+            status, ctype = resp.status, resp.headers.get("Content-Type") or "none"
     except urllib.error.HTTPError as e:
         detail = " ".join(e.read().decode(errors="replace").split())[:300]
         raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
@@ -48,10 +49,18 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
-        raise UserError(f"{url}: the answer is not JSON ({' '.join(body.split())[:200]!r})") from None
+        raise UserError(f"{url}: the answer is not JSON but {describe_body(status, ctype, body)}; "
+                        f"is this an OpenAI-compatible server?") from None
     if not isinstance(obj, dict):
         raise UserError(f"{url}: expected a JSON object, got {body[:200]!r}")
     return obj
+
+
+def describe_body(status: int, content_type: str, body: str) -> str:
+    """`HTTP 200, Content-Type text/html: '<html><head><title>Welcome...'` (what came back, in one line)."""
+    text = " ".join(body.split())
+    return f"HTTP {status}, Content-Type {content_type}: {text[:120]!r}" if text else \
+        f"HTTP {status}, Content-Type {content_type}, an empty body"
 
 
 def api_base(url: str) -> str:
