@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -254,20 +253,11 @@ def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_co
 
 
 def _install_sigterm(trainer) -> None:
-    """On SIGTERM (TPU preemption notice) save the current step, then exit."""
+    """On SIGTERM (TPU preemption notice) finish the step in progress, save it, release the run lock and
+    exit 143; at a batch boundary, so the saved step is exactly a step (gemma_tpu.train.preempt)."""
+    from gemma_tpu.train.preempt import Preemption
 
-    def handler(signum, frame):
-        log.warning("SIGTERM: saving step %d before exit", trainer.train_steps)
-        try:
-            trainer.checkpoint_manager.save(trainer.train_steps, trainer.model, trainer.optimizer,
-                                            save_only_lora_params=trainer._lora_enabled, force=True,
-                                            custom_metadata=trainer.custom_checkpoint_metadata())
-            trainer.checkpoint_manager.close()
-        finally:
-            run_lock.release_all()
-            os._exit(143)
-
-    signal.signal(signal.SIGTERM, handler)
+    Preemption(trainer, on_exit=run_lock.release_all).install()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
