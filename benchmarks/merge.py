@@ -30,8 +30,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.core.progress import human  # noqa: E402
+from gemma_tpu.hf import safetensors_io as sio
+from gemma_tpu.models.gemma3 import GEMMA3  # noqa: E402
 
 GEMMA3_4B_TEXT = dict(num_hidden_layers=34, hidden_size=2560, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=256, intermediate_size=10240, vocab_size=262144)
@@ -45,7 +46,7 @@ def hf_config(shape: dict) -> dict:
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **shape,
         "query_pre_attn_scalar": shape["head_dim"], "sliding_window": 1024, "rms_norm_eps": 1e-6,
         "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
-        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
+        "layer_types": GEMMA3.layer_types(n),
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "dtype": "bfloat16",
@@ -92,7 +93,7 @@ def write_base(out: Path, shape: dict) -> None:
             off = 0
     writer.close()
     (out / "config.json").write_text(json.dumps(hf_config(shape), indent=2))
-    gen = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}
+    gen = {"bos_token_id": 2, "eos_token_id": list(GEMMA3.stop_token_ids), "pad_token_id": 0}
     (out / "generation_config.json").write_text(json.dumps(gen))
 
 

@@ -199,10 +199,10 @@ def child_data(spec: dict) -> dict:
     from transformers import AutoTokenizer
 
     from gemma_tpu import data
-    from gemma_tpu.formats.function_calling import function_token_map
-    from gemma_tpu.train import flops as flops_lib
     from gemma_tpu.core.config import load_config
+    from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.models import resolve_model
+    from gemma_tpu.train import flops as flops_lib
 
     cfg = load_config(spec["config"], ours_overrides(spec))
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
@@ -262,8 +262,8 @@ def child_data(spec: dict) -> dict:
 def child_ours(spec: dict) -> dict:
     """`gemma_tpu.train.run.run` on the benchmark config; step times and losses from its metrics.jsonl."""
     t0 = time.perf_counter()
-    from gemma_tpu.train import run as train
     from gemma_tpu.core.config import load_config
+    from gemma_tpu.train import run as train
 
     train.setup_logging()
     cfg = load_config(spec["config"], ours_overrides(spec))

@@ -21,12 +21,22 @@ from typing import Sequence
 
 import numpy as np
 
-from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.core.atomic import AtomicDir, check_target
 from convert.mapping import hf_shape
-from convert.source import (CheckpointSource, FactorCache, check_base_matches, check_finite_factors, checked_lora_sites,
-                            open_checkpoint)
-from gemma_tpu.core.errors import UserError, cli_main
+from convert.source import (
+    CheckpointSource,
+    FactorCache,
+    check_base_matches,
+    check_finite_factors,
+    checked_lora_sites,
+    open_checkpoint,
+    resolve_base,
+)
+from convert.tool_tokens import install_tool_tokens
+from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import AtomicDir, check_target
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf import safetensors_io as sio
 
 ADAPTER_FILE = "adapter_model.safetensors"
 PROVENANCE_FILE = "gemma_tpu_adapter.json"
@@ -76,7 +86,7 @@ def adapter_config(source: CheckpointSource, prefix: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.export_peft", description=__doc__.split("\n\n")[0])
+    p = cli.parser("python -m convert.export_peft", __doc__, overrides=False)
     p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="output adapter directory")
@@ -146,8 +156,6 @@ def write_adapter_tokenizer(source: CheckpointSource, out: Path) -> str:
     adapter dir and a server's tool parser see `<start_function_call>` rather than `<unusedN>`."""
     import shutil
 
-    from convert.source import resolve_base
-    from convert.tool_tokens import install_tool_tokens
 
     token_map = source.meta.get("token_map") or {}
     if not token_map:

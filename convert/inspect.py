@@ -20,13 +20,16 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, list_steps, read_metadata, resolve_step
+from gemma_tpu.checkpoint.params import CheckpointParams
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.progress import human
+from gemma_tpu.hf import safetensors_io as sio
 
 
 def describe_checkpoint(path: Path, step: int | None) -> dict:
-    from gemma_tpu.checkpoint.params import CheckpointParams
-    from gemma_tpu.checkpoint.metadata import list_steps, read_metadata, resolve_step
-
     meta = read_metadata(path)
     steps = list_steps(path)
     info: dict = {
@@ -51,7 +54,6 @@ def describe_checkpoint(path: Path, step: int | None) -> dict:
 
 
 def describe_hf(path: Path) -> dict:
-    from gemma_tpu.hf import safetensors_io as sio
     info: dict = {"kind": "huggingface", "path": str(path)}
     cfg_path = path / "config.json"
     if cfg_path.is_file():
@@ -86,7 +88,6 @@ def describe(path: str | Path, step: int | None = None) -> dict:
         raise UserError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise UserError(f"{path}: not a directory")
-    from gemma_tpu.checkpoint.metadata import METADATA_FILE
 
     if (path / METADATA_FILE).is_file():
         return describe_checkpoint(path, step)
@@ -96,8 +97,6 @@ def describe(path: str | Path, step: int | None = None) -> dict:
 
 
 def render(info: dict, tensors: bool = True) -> str:
-    from gemma_tpu.core.progress import human
-
     lines = [f"{info['path']}: {info['kind']}"]
     if info["kind"] == "gemma-tpu checkpoint":
         base = info.get("base_model") or {}
@@ -136,7 +135,7 @@ def render(info: dict, tensors: bool = True) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.inspect", description=__doc__.split("\n\n")[0])
+    p = cli.parser("python -m convert.inspect", __doc__, overrides=False)
     p.add_argument("path", help="checkpoint dir or HF directory")
     p.add_argument("--step", type=int, help="checkpoint step to list (default: the latest)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import Family, Projection, Tensor
+from gemma_tpu.models.registry import Family, Projection, Tensor, text_config
 
 
 def tunix_layer_name(family: Family, layer: int, proj: Projection, param: str) -> str:
@@ -95,7 +95,7 @@ def full_sites(family: Family, tunix_cfg: Any, prefix: str) -> dict[str, FullSit
 class Layout:
     """The part of Tunix's `ModelConfig` that the registry's `projections` and the layer loops read,
     under Tunix's attribute names, built from config.json without importing Tunix's model code
-    (which costs ~2.5 s and ~300 MB of RSS, a third of the merge's footprint). Converters do not
+    (whose import time and memory would dominate a small merge). Converters do not
     build a model, so they need no more; `--verify` builds the real config through the loader."""
 
     num_layers: int
@@ -113,8 +113,6 @@ class Layout:
 
 
 def read_layout(hf_config: dict, family: Family | None = None) -> Layout:
-    from gemma_tpu.models.registry import text_config
-
     t = text_config(hf_config)
     keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
             "intermediate_size")

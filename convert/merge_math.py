@@ -7,7 +7,7 @@ writer, so reading, arithmetic and writing overlap while memory stays at a few c
 
 BLAS must run single-threaded here (the CLI sets OPENBLAS_NUM_THREADS=1 before numpy loads): with
 rank 16 each product is tiny per row, and OpenBLAS's own threads, spinning on a busy 2-core machine,
-made the merge 10x slower than one thread per chunk.
+made the merge far slower than one thread per chunk (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import numpy as np
 
 from gemma_tpu.hf import safetensors_io as sio
+
 T = TypeVar("T")
 R = TypeVar("R")
 

@@ -31,7 +31,8 @@ import os
 
 if __name__ == "__main__":
     # Before numpy/scipy load OpenBLAS: its threads spin against each other on the skinny rank-r
-    # products (12x slower on 2 busy cores); merge_math parallelises over row chunks instead.
+    # products (much slower on a busy 2-core machine; see benchmarks/RESULTS.md); merge_math
+    # parallelises over row chunks instead.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
@@ -41,22 +42,31 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from convert import merge_math
-from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.core.atomic import AtomicDir, check_target
-from gemma_tpu.hf.files import write_sidecar_files
 from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
-from gemma_tpu.core.progress import Progress, human
-from convert.source import (CheckpointSource, FactorCache, check_base_matches, check_finite_factors, checked_lora_sites,
-                            open_checkpoint, resolve_base)
+from convert.source import (
+    CheckpointSource,
+    FactorCache,
+    check_base_matches,
+    check_finite_factors,
+    checked_lora_sites,
+    open_checkpoint,
+    resolve_base,
+)
 from convert.tool_tokens import install_tool_tokens
-from gemma_tpu.core.errors import UserError, cli_main
+from convert.verify import verify_merge
+from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import AtomicDir, check_target
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.progress import Progress, human
+from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.loading import text_prefix
+from gemma_tpu.hf.files import write_sidecar_files
 from gemma_tpu.models.registry import detect_family, text_config
 
 PROVENANCE_FILE = "gemma_tpu_merge.json"
@@ -84,7 +94,7 @@ class MergePlan:
     base_config: dict
     weights: sio.WeightsDir
     prefix: str
-    out: Path
+    out: Path | None
     out_dtype: str  # safetensors name
     ops: list[Op]
     specs: list[sio.OutSpec]
@@ -110,22 +120,33 @@ def base_float_dtype(weights: sio.WeightsDir) -> str:
 
 def plan_merge(args: argparse.Namespace) -> MergePlan:
     """Validate everything and decide every output tensor; writes nothing."""
-    source = open_checkpoint(args.checkpoint, args.step)
-    base_dir = resolve_base(source, args.base)
+    return plan_tensors(args.checkpoint, args.step, args.base, out=Path(args.out), overwrite=args.overwrite,
+                        dtype=args.dtype, max_shard_size=args.max_shard_size,
+                        allow_base_mismatch=args.allow_base_mismatch)
+
+
+def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | None = None, *,
+                 out: Path | None = None, overwrite: bool = False, dtype: str | None = None,
+                 max_shard_size: str = "5GB", allow_base_mismatch: bool = False) -> MergePlan:
+    """Open the checkpoint and its base, check every shape, and decide how each merged tensor is
+    produced. With `out`, also check the target and the free space for a safetensors output of
+    `dtype`; other writers (the GGUF export) pass no `out` and do their own checks."""
+    source = open_checkpoint(checkpoint, step)
+    base_dir = resolve_base(source, base)
     base_config = read_hf_config(base_dir)
-    check_base_matches(source, base_dir, args.allow_base_mismatch, "merge")
+    check_base_matches(source, base_dir, allow_base_mismatch, "merge")
     base_family = detect_family(base_config, str(base_dir / "config.json"))
     if base_family.name != source.family.name:
         raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
     weights = sio.WeightsDir(base_dir)
-    prefix = text_prefix(source.family, weights.names())
-    out = Path(args.out)
-    check_target(out, args.overwrite, protected=[base_dir, source.dir])
+    prefix = source.family.text_prefix(weights.names())
+    if out is not None:
+        check_target(out, overwrite, protected=[base_dir, source.dir])
     n_layers = text_config(base_config).get("num_hidden_layers")
     if n_layers is not None and int(n_layers) != source.layout.num_layers:
         raise UserError(f"base {base_dir} has num_hidden_layers={n_layers}; the checkpoint was trained "
                         f"with {source.layout.num_layers}")
-    out_dtype = sio.DTYPE_NAMES[args.dtype] if args.dtype else base_float_dtype(weights)
+    out_dtype = sio.DTYPE_NAMES[dtype] if dtype else base_float_dtype(weights)
     shapes = {n: t.shape for n, t in weights.tensors.items()}
 
     lora_by_key: dict[str, LoraSite] = {}
@@ -154,9 +175,10 @@ def plan_merge(args: argparse.Namespace) -> MergePlan:
             op = Op(name, src, "copy" if dtype == src.dtype else "cast")
         ops.append(op)
         specs.append(sio.OutSpec(name, dtype, src.shape))
-    check_space(out, sum(s.nbytes for s in specs))
+    if out is not None:
+        check_space(out, sum(s.nbytes for s in specs))
     return MergePlan(source, base_dir, base_config, weights, prefix, out, out_dtype, ops, specs,
-                     sio.parse_size(args.max_shard_size), sites, dropped)
+                     sio.parse_size(max_shard_size), sites, dropped)
 
 
 def check_full_sites(source: CheckpointSource, prefix: str, shapes: dict[str, tuple]) -> dict[str, FullSite]:
@@ -190,44 +212,67 @@ def check_space(out: Path, nbytes: int) -> None:
         raise UserError(f"not enough disk space for {out}: need {human(nbytes)}, {human(free)} free")
 
 
+class MergedTensors:
+    """The merged model's tensors, produced one at a time in plan order as row chunks (arrays
+    split along the first axis): base tensors read in chunks, LoRA sites merged in float32 row
+    chunks a few ahead by a thread pool, full fine-tunes converted one fused Tunix tensor at a
+    time. Peak memory is a few chunks plus one layer's LoRA factors. Used as a context manager
+    (the pool is shut down on exit); shared by the safetensors merge and the GGUF export."""
+
+    def __init__(self, plan: MergePlan):
+        self.plan = plan
+        self.factors = FactorCache(plan.source, plan.lora_sites) if plan.lora_sites is not None else None
+        self.fused: dict[str, np.ndarray] = {}  # full fine-tune: kv/qkv einsum serve 2-3 HF tensors
+        self.pool = merge_math.make_pool()
+
+    def __enter__(self) -> "MergedTensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def chunks(self, op: Op, out_np: np.dtype, budget: int = sio.CHUNK_BYTES) -> Iterator[np.ndarray]:
+        """Op's merged tensor in `out_np`, as consecutive row chunks."""
+        plan = self.plan
+        if op.kind in ("copy", "cast"):
+            for start, stop in sio.row_chunks(op.src.shape, max(4, op.src.np_dtype.itemsize), budget):
+                raw = plan.weights.read_rows(op.name, start, stop)
+                yield raw if raw.dtype == out_np else raw.astype(np.float32).astype(out_np)
+        elif op.kind == "lora":
+            a_hf, b_hf = self.factors.peft(op.site)
+            yield from merge_math.lora_chunks(self.pool, plan.weights, op.name, a_hf, b_hf, plan.source.scale, out_np)
+        else:  # full
+            if op.site.tunix_name not in self.fused:
+                if len(self.fused) >= 2:
+                    self.fused.pop(next(iter(self.fused)))
+                self.fused[op.site.tunix_name] = plan.source.params.read_one(op.site.tunix_name)
+            value = op.site.to_hf(self.fused[op.site.tunix_name])
+            yield np.ascontiguousarray(value.astype(np.float32).astype(out_np))
+
+
 def write_weights(plan: MergePlan, tmp: Path, fsync: bool = True) -> sio.ShardedWriter:
-    """Produce every output tensor in plan order: unchanged ones copied in the kernel, merged ones as
-    row chunks computed a few ahead by a thread pool, one fused tensor at a time for full fine-tunes."""
+    """Produce every output tensor in plan order: unchanged ones copied in the kernel, the others
+    streamed from `MergedTensors`."""
     writer = sio.ShardedWriter(tmp, plan.specs, plan.max_shard_bytes, fsync=fsync)
-    factors = FactorCache(plan.source, plan.lora_sites) if plan.lora_sites is not None else None
-    fused: dict[str, np.ndarray] = {}  # full fine-tune: kv/qkv einsum serve 2-3 HF tensors
     slow = float(os.environ.get(SLOW_ENV) or 0)
     out_np = sio.DTYPES[plan.out_dtype]
     progress = Progress("merge", plan.total_bytes)
-    pool = merge_math.make_pool()
     try:
-        for op, spec in zip(plan.ops, plan.specs, strict=True):
-            writer.begin(op.name)
-            if op.kind == "copy":
-                writer.copy_from(op.src)
-            elif op.kind == "cast":
-                for chunk in sio.cast_chunks(op.src, spec.dtype):
-                    writer.write(chunk)
-            elif op.kind == "lora":
-                a_hf, b_hf = factors.peft(op.site)
-                for chunk in merge_math.lora_chunks(pool, plan.weights, op.name, a_hf, b_hf, plan.source.scale, out_np):
-                    writer.write(chunk)
-            else:  # full
-                if op.site.tunix_name not in fused:
-                    if len(fused) >= 2:
-                        fused.pop(next(iter(fused)))
-                    fused[op.site.tunix_name] = plan.source.params.read_one(op.site.tunix_name)
-                value = op.site.to_hf(fused[op.site.tunix_name])
-                writer.write(np.ascontiguousarray(value.astype(np.float32).astype(out_np)))
-            progress.update(spec.nbytes)
-            if slow:
-                time.sleep(slow)
+        with MergedTensors(plan) as merged:
+            for op, spec in zip(plan.ops, plan.specs, strict=True):
+                writer.begin(op.name)
+                if op.kind == "copy":
+                    writer.copy_from(op.src)
+                else:
+                    for chunk in merged.chunks(op, out_np):
+                        writer.write(chunk)
+                progress.update(spec.nbytes)
+                if slow:
+                    time.sleep(slow)
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
     progress.finish()
     return writer
 
@@ -255,7 +300,7 @@ def provenance(plan: MergePlan, writer: sio.ShardedWriter) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.merge_orbax", description=__doc__.split("\n\n")[0])
+    p = cli.parser("python -m convert.merge_orbax", __doc__, overrides=False)
     p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="output HF directory")
@@ -296,8 +341,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         sio.write_json(tmp / PROVENANCE_FILE, provenance(plan, writer))
         if args.verify:
-            from convert.verify import verify_merge
-
             report = verify_merge(s, plan.base_dir, tmp, sio.DTYPE_NAMES_INV[plan.out_dtype])
             print(report.summary(), file=sys.stderr)
             if not report.passed:

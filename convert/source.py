@@ -12,10 +12,21 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.mapping import Layout, LoraSite, axis_sizes_from_factors, hf_shape, is_lora_name, lora_sites, read_layout
-from gemma_tpu.checkpoint.params import CheckpointParams
+from convert.mapping import (
+    Layout,
+    LoraSite,
+    axis_sizes_from_factors,
+    hf_shape,
+    is_lora_name,
+    lora_sites,
+    read_layout,
+    weight_shape,
+)
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
+from gemma_tpu.checkpoint.params import CheckpointParams
+from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf.fingerprint import check_base
 from gemma_tpu.models.registry import Family, detect_family, get_family
 
 
@@ -59,11 +70,7 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
         family = get_family(base["family"]) if base.get("family") else detect_family(hf_config, f"{ckpt_dir} metadata")
     except UserError as e:
         raise UserError(f"{ckpt_dir / METADATA_FILE}: base_model: {e}") from None
-    lora = meta.get("lora") or {}
-    if lora.get("enabled", True):
-        for key in ("rank", "alpha", "targets"):
-            if lora.get(key) in (None, "", []):
-                raise UserError(f"{ckpt_dir}: metadata lora.{key} is missing")
+    lora_config(ckpt_dir, meta)  # a LoRA run's rank, alpha and targets are all recorded
     source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, read_layout(hf_config, family),
                               CheckpointParams(ckpt_dir, step))
     has_factors = any(is_lora_name(n) for n in source.params.names())
@@ -74,18 +81,11 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
 
 
 def resolve_base(source: CheckpointSource, override: str | None = None) -> Path:
-    """--base, else the local dir recorded at training time, else its spec (hub id / embedded:)."""
-    from gemma_tpu.hf.directory import resolve_path
-
-    if override:
-        return resolve_path(override)
-    base = source.meta.get("base_model") or {}
-    local = base.get("local_dir")
-    if local and Path(local).is_dir():
-        return Path(local)
-    if not base.get("path"):
-        raise UserError(f"{source.dir}: metadata records no base model; pass --base")
-    return resolve_path(base["path"], base.get("revision"))
+    """--base, else the base recorded at training time (see gemma_tpu.checkpoint.restore.base_dir)."""
+    try:
+        return base_dir(source.dir, source.meta, override)
+    except NoBaseModel as e:
+        raise UserError(f"{e}; pass --base") from None
 
 
 def check_base_matches(source: CheckpointSource, base_dir: Path, allow: bool, tool: str) -> None:
@@ -94,7 +94,6 @@ def check_base_matches(source: CheckpointSource, base_dir: Path, allow: bool, to
     unless --allow-base-mismatch."""
     import sys
 
-    from gemma_tpu.hf.fingerprint import check_base
 
     recorded = (source.meta.get("base_model") or {}).get("fingerprint")
     check_base(recorded, base_dir, allow, "pass --allow-base-mismatch",
@@ -165,7 +164,6 @@ class FactorCache:
 
     def peft(self, site: LoraSite) -> tuple[np.ndarray, np.ndarray]:
         """(A [r, in], B [out, r]) in float32."""
-        from convert.mapping import weight_shape
 
         raw = self._layer(site.layer)
         a = raw[site.a_name].astype(np.float32)

@@ -20,8 +20,7 @@ import json
 from pathlib import Path
 
 from gemma_tpu.core.errors import UserError
-
-RESPONSE_MARKER = "<start_function_response>"
+from gemma_tpu.formats.function_calling import START_RESPONSE, tool_chat_template
 
 
 def _rename_tokenizer_json(path: Path, token_map: dict[str, str]) -> dict[str, int]:
@@ -91,8 +90,6 @@ def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, i
     """Rename the mapped `<unusedN>` tokens to their markers in every tokenizer file of `out_dir`,
     write the tool-calling chat template and add `<start_function_response>` to the stop ids.
     Returns marker -> token id (empty when there is nothing to do)."""
-    from gemma_tpu.formats.function_calling import tool_chat_template
-
     if not token_map:
         return {}
     tj = out_dir / "tokenizer.json"
@@ -107,12 +104,12 @@ def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, i
         sp.unlink()  # a stale slow-tokenizer file would contradict tokenizer.json
     (out_dir / "chat_template.jinja").write_text(tool_chat_template(None) + "\n")
     gen_path = out_dir / "generation_config.json"
-    if gen_path.is_file() and RESPONSE_MARKER in ids:
+    if gen_path.is_file() and START_RESPONSE in ids:
         gen = json.loads(gen_path.read_text())
         eos = gen.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        if ids[RESPONSE_MARKER] not in eos:
-            eos.append(ids[RESPONSE_MARKER])
+        if ids[START_RESPONSE] not in eos:
+            eos.append(ids[START_RESPONSE])
         gen["eos_token_id"] = eos
         gen_path.write_text(json.dumps(gen, indent=2) + "\n")
     return ids

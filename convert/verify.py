@@ -6,21 +6,21 @@ compares any two HF directories with transformers (float32, eager attention): ma
 difference|, KL(A || B) per position (mean and max), and how often the argmax agrees. Exit 0 unless
 a threshold given on the command line is exceeded.
 
-`verify_merge` (used by `merge_orbax --verify`) takes the reference from the JAX side: the base
-loaded by our loader, LoRA applied with Qwix and the checkpoint's factors put in (or the full
-fine-tune's params), run in float32 at 'highest' matmul precision (TPUs default to bf16 passes).
+`verify_merge` (used by `merge_orbax --verify`) takes the reference from the JAX side: the checkpoint
+restored by `gemma_tpu.checkpoint.restore` (the base loaded by our loader, LoRA applied with Qwix and
+the checkpoint's factors put in, or the full fine-tune's params; a QLoRA base left dense, as the merge
+uses it), run in float32 at 'highest' matmul precision (TPUs default to bf16 passes).
 Tolerances:
 
 * float32 output: max |diff| <= max(1e-4, 1e-5 * max |reference logit|). That is 1e-4 absolute
   for logits of order one (the tiny test models). Real models have logits of tens, and two correct
-  fp32 implementations (different op order, GELU and rsqrt kernels) drift apart in proportion:
-  Gemma 3 270M with a rank-8 LoRA of realistic size measured 9.9e-5 at a logit scale of 93, so the
-  bound grows with the scale (9.3e-4 there). A network pushed far from its pretrained weights
-  amplifies rounding more: the same model with a LoRA as large as its weights drifts by 9e-3
-  between JAX and JAX (LoRA vs merged weights, no conversion involved), with KL ~1e-7. So a max
-  |diff| above the bound still passes when the mean KL is <= 1e-6: mapping errors (a transpose,
-  a K/V swap, a wrong scale) move KL by orders of magnitude more, and even rounding the weights
-  to bf16 costs 6e-5.
+  fp32 implementations (different op order, GELU and rsqrt kernels) drift apart in proportion to
+  the logit scale, so the bound grows with it. A network pushed far from its pretrained weights
+  amplifies rounding more, even between two JAX computations (LoRA vs merged weights), while its
+  KL stays tiny. So a max |diff| above the bound still passes when the mean KL is <= 1e-6: mapping
+  errors (a transpose, a K/V swap, a wrong scale) move KL by orders of magnitude more than any
+  rounding does (the measurements behind these bounds: benchmarks/RESULTS.md, "Measurements behind
+  design choices").
 * bfloat16 / float16 output: rounding the weights changes logits visibly; the bound is on the
   distribution instead, mean KL(reference || merged) <= 1e-3.
 """
@@ -36,12 +36,18 @@ from typing import Sequence
 
 import numpy as np
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.checkpoint.restore import restore_model
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats import gemma_chat
+from gemma_tpu.hf.directory import read_hf_config
+from gemma_tpu.models.registry import text_config
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    ",
-    "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
+    gemma_chat.turn(gemma_chat.USER, "Write a haiku about the sea.") + gemma_chat.open_turn(gemma_chat.MODEL),
     "Once upon a time, in a land far away, there lived a",
 )
 FP32_ABS_TOL = 1e-4
@@ -133,50 +139,28 @@ def hf_logits(model_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
-def load_checkpoint_into(model, source) -> None:
-    """Put the checkpoint's params (LoRA factors, or all params) into a Tunix nnx model."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    params = source.params.read(source.params.names())
-    kind = nnx.LoRAParam if source.is_lora else nnx.Param
-    seen = set()
-    for path, var in nnx.iter_graph(model):
-        if isinstance(var, kind):
-            name = ".".join(str(p) for p in path)
-            if name not in params:
-                raise UserError(f"the JAX model has {name}, which the checkpoint lacks")
-            value = var.get_value() if hasattr(var, "get_value") else var.value
-            new = jnp.asarray(params[name].astype(np.float32), dtype=value.dtype)
-            if new.shape != value.shape:
-                raise UserError(f"{name}: checkpoint shape {new.shape}, model shape {value.shape}")
-            if hasattr(var, "set_value"):
-                var.set_value(new)
-            else:
-                var.value = new
-            seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise UserError(f"checkpoint tensor {missing[0]} has no place in the JAX model")
-
-
 def jax_logits(source, base_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
-    """Reference logits: the Tunix model as trained (base + LoRA via Qwix, or full params)."""
+    """Reference logits: the Tunix model of the checkpoint (base + LoRA via Qwix, or full params) in
+    float32, restored by `gemma_tpu.checkpoint.restore` from the base the merge read.
+
+    Base quantization is *not* applied: a QLoRA run's factors are merged into the dense base (see
+    merge_orbax), so the merged model is dense W + BA. The reference that checks the merge (key
+    mapping, transposes, scale) is therefore the dense base with the same factors; the quantized
+    model differs from any dense merge by the quantization error (NF4: far above every bound here),
+    which would fail every QLoRA merge and hide the mapping errors the check is for. How much
+    quantization itself changes the model is a question for `evaluate`, which restores it as trained.
+    """
+    model = restore_model(source.dir, source.step, "float32", apply_base_quantization=False,
+                          base=base_dir).model
+    return model_logits(model, ids)
+
+
+def model_logits(model, ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Full-sequence float32 logits of a Tunix model for each prompt, at 'highest' matmul precision."""
     import jax
     import jax.numpy as jnp
     from tunix.sft import utils as su
 
-    from gemma_tpu.core.config import LoraConfig
-    from gemma_tpu.lora import apply_lora
-    from gemma_tpu.models import load_model, resolve_model
-
-    resolved = resolve_model(str(base_dir))
-    model, cfg = load_model(resolved, "float32")
-    if source.is_lora:
-        lora = LoraConfig(rank=int(source.lora["rank"]), alpha=float(source.lora["alpha"]),
-                          targets=list(source.lora["targets"]))
-        model = apply_lora(model, resolved.family, cfg, lora)
-    load_checkpoint_into(model, source)
     out = []
     with jax.default_matmul_precision("highest"):
         for seq in ids:
@@ -201,8 +185,6 @@ def judge(c: Comparison, dtype_name: str) -> Report:
 
 def verify_merge(source, base_dir: Path, merged_dir: Path, dtype_name: str,
                  prompts: Sequence[str] = DEFAULT_PROMPTS) -> Report:
-    from gemma_tpu.models.registry import text_config
-
     vocab = int(text_config(source.hf_config)["vocab_size"])
     ids = prompt_ids(base_dir, prompts, vocab)
     ref = jax_logits(source, base_dir, ids)
@@ -211,7 +193,7 @@ def verify_merge(source, base_dir: Path, merged_dir: Path, dtype_name: str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert.verify", description="Compare two HF model dirs by logits.")
+    p = cli.parser("python -m convert.verify", __doc__, overrides=False)
     p.add_argument("a", help="reference HF directory")
     p.add_argument("b", help="HF directory to compare")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a fixed set)")
@@ -223,8 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from gemma_tpu.hf.directory import read_hf_config
-    from gemma_tpu.models.registry import text_config
 
     dirs = [Path(args.a), Path(args.b)]
     configs = [read_hf_config(d) for d in dirs]

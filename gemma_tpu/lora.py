@@ -36,8 +36,8 @@ def _provider_class():
     Why: activations are [batch, seq, features], so the LoRA weight gradients (dA = x^T g,
     dB = (xA)^T g) contract over two dimensions, and XLA canonicalises such dots by physically
     transposing the large operand (g: [batch, seq, 2048] in a 270M MLP), fused into the elementwise
-    backward that produces it. On CPU those strided copies took over a third of a Gemma 3 270M LoRA
-    step (batch 4 x 512: 7.8 -> 5.7 s/step without them). Merging the leading dimensions first (a
+    backward that produces it. On CPU those strided copies were a large part of a LoRA step (numbers in
+    benchmarks/RESULTS.md, "Measurements behind design choices"). Merging the leading dimensions first (a
     free reshape) leaves one contracting dimension, which the dot kernels read transposed in place.
     Same products and sums; only the shapes XLA sees change.
     """
@@ -70,8 +70,8 @@ def apply_lora(model, family: Family, tunix_cfg: Any, lora: LoraConfig, seed: in
     With a mesh, the new arrays (LoRA factors; quantized weights for QLoRA) are computed by one
     jitted function straight into their shards (see `_apply_sharded`); the base weights are reused.
     """
-    from flax import nnx
     import qwix
+    from flax import nnx
 
     provider, projections = make_provider(family, tunix_cfg, lora)
     inputs = model.get_model_input()

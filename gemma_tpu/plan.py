@@ -2,7 +2,7 @@
 
 import sys
 
-from gemma_tpu.core.errors import cli_main
+from gemma_tpu.core.cli import cli_main
 from gemma_tpu.train.plan import main
 
 if __name__ == "__main__":

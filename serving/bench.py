@@ -46,9 +46,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_writable
-from gemma_tpu.core.errors import UserError, cli_main
-from gemma_tpu.infer.openai_client import api_base, check_reachable, describe_body, openai_messages, served_model_name
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.infer.openai_client import (api_base, check_reachable, describe_body, json_object, openai_messages,
+                                           served_model_name)
 
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
@@ -182,12 +185,7 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
             if data == "[DONE]":
                 done = True
                 break
-            try:
-                chunk = json.loads(data)
-            except json.JSONDecodeError:
-                raise RequestFailed(f"bad event {data[:100]!r}") from None
-            if not isinstance(chunk, dict):
-                raise RequestFailed(f"bad event {data[:100]!r}")
+            chunk = json_object(data, lambda why: RequestFailed(f"bad event: {why}"))
             if chunk.get("error"):
                 raise RequestFailed(f"server error: {json.dumps(chunk['error'])[:200]}")
             now = time.perf_counter()
@@ -355,7 +353,7 @@ def format_table(m: dict[str, Any], concurrency: int, percentiles: Sequence[floa
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving.bench", description=__doc__.splitlines()[0])
+    p = cli.parser("python -m serving.bench", __doc__, overrides=False)
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", help="model name sent with each request; default: the first the server lists, or none")
     p.add_argument("--num-prompts", type=int, default=100)

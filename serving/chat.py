@@ -21,18 +21,31 @@ import os
 import sys
 from typing import Any, Sequence, TextIO
 
-from gemma_tpu.core.errors import UserError, cli_main
-from gemma_tpu.infer.openai_client import api_base, first_message, http_json, openai_messages, reply_from_message
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.examples.fitness.chat import chat_repl
+from gemma_tpu.examples.fitness.providers import make_provider
+from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
+from gemma_tpu.formats.function_calling import ParsedReply
+from gemma_tpu.infer.openai_client import (
+    api_base,
+    first_message,
+    http_json,
+    openai_messages,
+    reply_from_message,
+    served_model_name,
+)
+from gemma_tpu.infer.tool_loop import Toolset, run_tool_loop
 
 
 class RemoteCoach:
-    """One endpoint, one provider; `ask(question)` runs the call loop and returns the reply text."""
+    """One endpoint, one provider; `ask(question)` runs the library's tool loop (`gemma_tpu.infer.tool_loop`)
+    and returns the reply text. The tools are the fitness coach's unless a `Toolset` is given."""
 
     def __init__(self, base_url: str, provider, model: str | None = None, api_key: str | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, timeout: float = 120.0,
-                 trace: TextIO | None = sys.stderr):
-        from gemma_tpu.examples.fitness.tools import tool_schemas
-
+                 trace: TextIO | None = sys.stderr, tools: Toolset | None = None):
         self.base = api_base(base_url)
         self.provider = provider
         self.model = model
@@ -40,7 +53,7 @@ class RemoteCoach:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.timeout = timeout
-        self.tools = tool_schemas()
+        self.toolset = tools or fitness_toolset(provider)
         self.trace = trace
 
     def _log(self, text: str) -> None:
@@ -49,25 +62,24 @@ class RemoteCoach:
 
     def complete(self, messages: list[dict]) -> dict:
         """One chat completion; returns `choices[0].message`."""
-        body: dict[str, Any] = {"messages": openai_messages(messages), "tools": self.tools,
+        body: dict[str, Any] = {"messages": openai_messages(messages), "tools": self.toolset.schemas,
                                 "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": False}
         if self.model:
             body["model"] = self.model
         url = f"{self.base}/chat/completions"
         return first_message(http_json(url, body, timeout=self.timeout, api_key=self.api_key), url)
 
+    def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
+        """The endpoint's next turn: its structured `tool_calls`, else calls parsed from its text."""
+        message = self.complete(messages)
+        return reply_from_message(message), message.get("content") or json.dumps(message.get("tool_calls"))
+
     def ask(self, question: str) -> str:
-        from gemma_tpu.examples.fitness.chat import tool_loop
-
-        def next_reply(messages):
-            message = self.complete(messages)
-            return reply_from_message(message), message.get("content") or json.dumps(message.get("tool_calls"))
-
-        return tool_loop(question, self.provider, next_reply, self._log)
+        return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving.chat", description=__doc__.splitlines()[0])
+    p = cli.parser("python -m serving.chat", __doc__, overrides=False)
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", help="served model (or LoRA adapter) name; default: the first the server lists, "
                                    "or none")
@@ -84,10 +96,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from gemma_tpu.examples.fitness.providers import make_provider
-    from gemma_tpu.infer.openai_client import served_model_name
-
+    cli.setup_logging(logging.WARNING)
     if args.max_tokens <= 0 or args.timeout <= 0:
         raise UserError("--max-tokens and --timeout must be positive")
     if args.once is not None and not args.once.strip():
@@ -99,8 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.once is not None:
         print(coach.ask(args.once))
         return 0
-    from gemma_tpu.examples.fitness.chat import chat_repl
-
     return chat_repl(coach.ask, f"Connected to {coach.base} (model {model or 'default'}). ")
 
 

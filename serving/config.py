@@ -20,6 +20,7 @@ from typing import Literal, Sequence
 
 from gemma_tpu.core.config import load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.models.registry import Family, families
 
 # The official vLLM TPU image, pinned (docker.io/vllm/vllm-tpu, tags vX.Y.Z = tpu-inference releases).
 # serving/Dockerfile builds FROM exactly this; tests check that the two agree.
@@ -27,21 +28,8 @@ VLLM_TPU_IMAGE = "vllm/vllm-tpu:v0.27.0"
 # What serving/Dockerfile is built as (launch builds it when missing).
 DEFAULT_IMAGE = "gemma-tpu-serve:v0.27.0"
 
-# Architectures vLLM-TPU serves, by family. Gemma 4 runs on tpu-inference's JAX-native models
-# (`tpu_inference/models/common/model_loader.py` registers Gemma4ForCausalLM and
-# Gemma4ForConditionalGeneration); Gemma 3 runs on vLLM's PyTorch model through torchax (text only).
-SUPPORTED_ARCHITECTURES = {
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",
-    "Gemma4ForCausalLM": "gemma4",
-    "Gemma4ForConditionalGeneration": "gemma4",
-}
-# The tool-call parser vLLM needs for each family's call format (FunctionGemma text for Gemma 3,
-# `<|tool_call>` blocks for Gemma 4).
-PARSER_FOR_FAMILY = {"gemma3": "functiongemma", "gemma4": "gemma4"}
 # vLLM's LoRAConfig.max_lora_rank must be one of these (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-END_OF_TURN_ID = 106  # Gemma 3 <end_of_turn>: generation_config must stop on it
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY", "HUGGING_FACE_HUB_TOKEN")
@@ -186,6 +174,12 @@ class ModelFacts:
     lora_rank: int | None  # --max-lora-rank to pass
 
 
+def vllm_families() -> dict[str, Family]:
+    """HF architecture -> model family, for every architecture vLLM-TPU serves (the registry's
+    `Family.vllm_architectures`)."""
+    return {arch: fam for fam in families().values() for arch in fam.vllm_architectures}
+
+
 def text_config(hf: dict) -> dict:
     """The decoder's settings: nested under `text_config` in multimodal configs."""
     return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
@@ -266,10 +260,12 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if not isinstance(archs, list) or len(archs) != 1:
         raise UserError(f"model dir {d}: config.json must name exactly one architecture, got {archs!r}")
     arch = archs[0]
-    family = SUPPORTED_ARCHITECTURES.get(arch)
+    served = vllm_families()
+    fam = served.get(arch)
+    family = fam.name if fam else None
     if family is None and for_vllm:
         raise UserError(f"model dir {d}: architecture {arch} is not one vLLM-TPU serves here "
-                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                        f"(supported: {', '.join(sorted(served))})")
     text = text_config(hf)
     kv = text.get("num_key_value_heads", hf.get("num_key_value_heads"))
     if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0:
@@ -285,11 +281,12 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         if isinstance(max_pos, int) and cfg.server.max_model_len > max_pos:
             raise UserError(f"server.max_model_len={cfg.server.max_model_len} exceeds the model's "
                             f"max_position_embeddings={max_pos}")
-        if family == "gemma3" and text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True)) is False:
-            raise UserError(f"model dir {d}: vLLM serves Gemma 3 only with tied embeddings "
+        tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+        if fam.vllm_tied_embeddings_only and tied is False:
+            raise UserError(f"model dir {d}: vLLM serves {arch} only with tied embeddings "
                             "(config.json has tie_word_embeddings=false)")
         if cfg.tool_calling.enabled:
-            want = PARSER_FOR_FAMILY[family]
+            want = fam.vllm_tool_parser
             if cfg.tool_calling.parser != want:
                 raise UserError(f"tool_calling.parser={cfg.tool_calling.parser} does not read {arch}'s calls; "
                                 f"use {want}")
@@ -321,9 +318,10 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
 
 
 def stop_token_warning(cfg: ServeConfig, facts: ModelFacts) -> str | None:
-    """Gemma 3 chat models must stop on <end_of_turn>; a base generation_config that lists only
-    <eos> makes every answer run to the length limit."""
-    if facts.family != "gemma3":
+    """Chat models must stop on their family's end-of-turn token (Gemma 3: <end_of_turn>); a base
+    generation_config that lists only <eos> makes every answer run to the length limit."""
+    fam = families().get(facts.family)
+    if fam is None or fam.end_of_turn_id is None:
         return None
     try:
         gen = json.loads((cfg.model_dir / "generation_config.json").read_text())
@@ -331,7 +329,7 @@ def stop_token_warning(cfg: ServeConfig, facts: ModelFacts) -> str | None:
         return None
     eos = gen.get("eos_token_id")
     eos = eos if isinstance(eos, list) else [eos]
-    if END_OF_TURN_ID not in eos:
-        return (f"generation_config.json eos_token_id={gen.get('eos_token_id')!r} lacks <end_of_turn> "
-                f"({END_OF_TURN_ID}): chat answers will run to max_tokens")
+    if fam.end_of_turn_id not in eos:
+        return (f"generation_config.json eos_token_id={gen.get('eos_token_id')!r} lacks {fam.end_of_turn_token} "
+                f"({fam.end_of_turn_id}): chat answers will run to max_tokens")
     return None

@@ -28,9 +28,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.core.errors import UserError, cli_main
-from serving.config import (VLLM_TPU_IMAGE, ModelFacts, ServeConfig, inspect_model, load_serve_config,
-                            stop_token_warning)
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from serving.config import VLLM_TPU_IMAGE, ModelFacts, ServeConfig, inspect_model, load_serve_config, stop_token_warning
+from serving.local import LocalServer
 
 DOCKERFILE = Path(__file__).resolve().parent / "Dockerfile"
 MODELS_MOUNT = "/models"
@@ -168,7 +170,6 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
 
 def serve_local(cfg: ServeConfig) -> int:
     """`transformers serve` on this machine, until Ctrl-C or SIGTERM."""
-    from serving.local import LocalServer
 
     inspect_model(cfg, for_vllm=False)
     t = cfg.tool_calling
@@ -191,18 +192,19 @@ def serve_local(cfg: ServeConfig) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving.launch", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="serving config, e.g. configs/serve-gemma3-270m-fitness.yaml")
+    p = cli.parser("python -m serving.launch", __doc__, config="serving config, e.g. configs/serve-gemma3-270m-fitness.yaml")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--print", action="store_true", help="print the docker run command and exit")
     mode.add_argument("--local", action="store_true", help="serve here with transformers serve (no TPU, no Docker)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.dir=runs/x-merged server.port=8001")
     return p.parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     cfg = load_serve_config(args.config, args.overrides)
+    if args.print_config:
+        cli.print_config(cfg)
+        return 0
     if args.local:
         return serve_local(cfg)
     facts = inspect_model(cfg)

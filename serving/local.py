@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
 from serving.config import chat_template_in
 
 SERVING_EXTRA = "transformers serve needs transformers[serving]: pip install -e '.[serve]'"
@@ -69,8 +70,6 @@ def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template:
     elif not has_template:
         from transformers import AutoTokenizer
 
-        from gemma_tpu.formats.function_calling import function_token_map
-        from gemma_tpu.formats.function_calling import tool_chat_template
 
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         (served / "chat_template.jinja").write_text(tool_chat_template(function_token_map(tok)))

@@ -16,12 +16,10 @@ def check(model_dir: str, mesh_name: str, quant: str | None) -> dict:
     from flax import nnx
 
     from gemma_tpu import lora
-
-    from gemma_tpu.train import mesh as mesh_lib
-
-    from gemma_tpu.train import partition
     from gemma_tpu.core.config import LoraConfig, MeshConfig
     from gemma_tpu.models import load_model, resolve_model
+    from gemma_tpu.train import mesh as mesh_lib
+    from gemma_tpu.train import partition
 
     d, f, t = MESHES[mesh_name]
     resolved = resolve_model(model_dir)

@@ -144,7 +144,7 @@ def test_incomplete_target_and_stale_tmp_are_replaced(tmp_path, fake_builder):
     target = assets.target_dir(NAME, tmp_path)
     target.mkdir(parents=True)
     (target / "model.safetensors").write_text("half-written")  # no marker: not complete
-    stale = target.with_name(f"{NAME}.tmp-999999")
+    stale = target.with_name(f".{NAME}.tmp-999999")  # a build killed mid-way (its PID is gone)
     stale.mkdir()
     assert not assets.is_complete(target)
     assets.prepare(NAME, cache_dir=tmp_path)
@@ -299,12 +299,10 @@ def test_config_files(prepared):
 @pytest.mark.slow
 def test_second_prepare_is_instant(prepared, cache_root, monkeypatch):
     before = (prepared / assets.MARKER).read_text()
-    t = time.monotonic()
     assert assets.prepare(NAME, cache_dir=cache_root) == prepared
     monkeypatch.setenv(assets.CACHE_ENV, str(cache_root))
     assert assets.resolve_embedded(f"embedded:{NAME}") == prepared
-    assert time.monotonic() - t < 1.0
-    assert (prepared / assets.MARKER).read_text() == before
+    assert (prepared / assets.MARKER).read_text() == before  # reused as is: not rebuilt
 
 
 @pytest.mark.slow

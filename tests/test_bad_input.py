@@ -503,7 +503,7 @@ def invoke(case: Case, argv: list[str], cwd: Path) -> subprocess.CompletedProces
     """`python -m ENTRY argv` (sub=True), else the same `main` through `cli_main` in this process."""
     if case.sub:
         return run_cli(case.entry, *argv, cwd=cwd, timeout=300)
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     module = importlib.import_module(MAIN_MODULE.get(case.entry, case.entry))
     out, err = io.StringIO(), io.StringIO()

@@ -51,3 +51,21 @@ def test_train_throughput_tiny_both_sides(tmp_path):
     assert abs(lo - lt) < 1e-3 * max(1.0, abs(lt)), (lo, lt)
     assert res["initial_loss"]["match"] is True
     assert res["ratio_useful_tokens_per_s"] > 0
+
+
+def test_eval_prefix_cache_tiny(tmp_path):
+    """Both sides of the prefix-cache evaluation benchmark on the tiny model: identical predictions,
+    a table and the JSON record."""
+    out = tmp_path / "eval_prefix_cache.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/eval_prefix_cache.py", "--limit", "4", "--batch-size", "2",
+         "--max-new-tokens", "4", "--fixed-date", "2025-06-15", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "predictions identical: yes" in proc.stdout and "speed-up" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["identical"] is True and res["settings"]["n"] == 4 and res["settings"]["fixed_date"] == "2025-06-15"
+    assert res["sides"]["prefix cache"]["prefix_stats"]["computed"] == 1
+    assert res["sides"]["prefix cache"]["prefix_stats"]["reused_batches"] == 2
+    assert res["settings"]["shared_prefix_tokens"] > 300  # the developer turn with the declarations
+    assert res["machine"]["cpu_model"]

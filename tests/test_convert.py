@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from gemma_tpu.hf import safetensors_io as sio
+
 REPO = Path(__file__).resolve().parents[1]
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Several prompts, one longer than the tiny models' sliding window (16).
@@ -33,18 +34,9 @@ TOL = 1e-4
 
 
 def tunix_logits(model, prompts=PROMPTS) -> list[np.ndarray]:
-    import jax
-    import jax.numpy as jnp
-    from tunix.sft import utils as su
+    from convert.verify import model_logits
 
-    out = []
-    with jax.default_matmul_precision("highest"):
-        for seq in prompts:
-            tokens = jnp.asarray([seq], dtype=jnp.int32)
-            mask = jnp.ones(tokens.shape, dtype=jnp.bool_)
-            logits, _ = model(tokens, su.build_positions_from_mask(mask), None, su.make_causal_attn_mask(mask))
-            out.append(np.asarray(logits[0], dtype=np.float32))
-    return out
+    return model_logits(model, prompts)
 
 
 def hf_logits(model_dir, prompts=PROMPTS, adapter=None) -> list[np.ndarray]:
@@ -104,7 +96,7 @@ def make_checkpoint(base_dir: Path, ckpt_dir: Path, *, rank=4, alpha=8.0, target
 
 def merge(*args: str) -> int:
     from convert.merge_orbax import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     return cli_main(main, [str(a) for a in args])
 
@@ -293,8 +285,8 @@ def test_real_multimodal_model_and_peft(work, base):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
     from convert.export_peft import main as export_main
-    from gemma_tpu.core.errors import cli_main
     from gemma_tpu.assets.tiny import TINY_GEMMA3
+    from gemma_tpu.core.cli import cli_main
 
     mm = work / "base_mm_real"
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -349,6 +341,31 @@ def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch)
     assert "verification failed" in err and err.strip().splitlines()[-1].startswith("error: ")
     assert not out.exists()
     assert (work / "merged_fail.unverified" / "model.safetensors").is_file()
+
+
+def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt):
+    """One restore for generate and verify: generate gets the model as trained (int8 base), verify the
+    dense base with the same factors, which is what a merge of a QLoRA run is made from."""
+    from gemma_tpu.checkpoint.metadata import read_metadata, write_metadata
+    from gemma_tpu.checkpoint.restore import restore_model
+
+    ckpt = work / "ckpt_qlora"
+    shutil.copytree(lora_ckpt[0], ckpt)
+    meta = read_metadata(ckpt)
+    meta["lora"]["base_quantization"] = "int8"
+    write_metadata(ckpt, {k: v for k, v in meta.items() if k not in ("format", "version")})
+    dense = restore_model(ckpt, apply_base_quantization=False)
+    assert max_diff(tunix_logits(dense.model), lora_ckpt[1]) <= TOL
+    quantized = restore_model(ckpt)
+    assert "qvalue" in str(nnx_state_paths(quantized.model))
+    assert max_diff(tunix_logits(quantized.model), lora_ckpt[1]) > 10 * TOL  # the int8 base is another model
+    assert merge("--checkpoint", ckpt, "--out", work / "merged_qlora", "--verify") == 0
+
+
+def nnx_state_paths(model) -> list[str]:
+    from flax import nnx
+
+    return [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))]
 
 
 def test_full_finetune(work, base):
@@ -525,7 +542,7 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
     from safetensors import safe_open
 
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     out = work / "adapter"
     assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 0
@@ -549,7 +566,7 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
 
 def test_peft_export_refuses_full_finetune(work, capsys):
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     ckpt = work / "ckpt_full"
     if not ckpt.exists():
@@ -657,7 +674,7 @@ def test_trainer_checkpoint_end_to_end(work, base):
     prov = json.loads((out / "gemma_tpu_merge.json").read_text())
     assert prov["step"] == 2 and prov["lora"]["rank"] == 4
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     adapter = work / "trained_adapter"
     assert cli_main(main, ["--checkpoint", str(run), "--out", str(adapter)]) == 0

@@ -35,7 +35,7 @@ def test_merge_verifies(real_ckpt, tmp_path, dtype):
 
 def test_peft_matches_merge(real_dir, real_ckpt, tmp_path):
     from convert.export_peft import main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     assert merge("--checkpoint", real_ckpt, "--out", merged, "--dtype", "float32") == 0

@@ -19,13 +19,19 @@ import numpy as np
 import pytest
 
 from gemma_tpu.core.config import DataConfig
-from gemma_tpu.data import (Renderer, TrainStream, eval_batches, load_conversations,
-                            prepare_examples, prepare_split, render_examples)
-from gemma_tpu.data import batching
-from gemma_tpu.data.records import normalise_messages
-from gemma_tpu.formats.function_calling import function_token_map
-from gemma_tpu.data.render import template_messages
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.data import (
+    Renderer,
+    TrainStream,
+    batching,
+    eval_batches,
+    load_conversations,
+    prepare_split,
+    render_examples,
+)
+from gemma_tpu.data.records import normalise_messages
+from gemma_tpu.data.render import template_messages
+from gemma_tpu.formats.function_calling import function_token_map
 from tests.conftest import REPO, assert_one_line_error, run_cli
 
 # ----------------------------------------------------------------------------- fixtures, helpers
@@ -919,6 +925,9 @@ def test_inspect_prints_stats_and_marks_the_loss(tmp_path, tok_dir, tok):
     assert stats["p50"] == int(np.percentile(lengths, 50, method="higher")) and stats["length_max"] == max(lengths)
     assert "read 22, kept 22, truncated 1, dropped 0" in out
     assert f"p50 {stats['p50']}" in out and "batch shapes: 1 distinct" in out
+    sp = stats["shared_prefixes"]
+    assert f"shared prefixes (data.share_prefix_min_tokens=32): {sp['groups']} groups" in out
+    assert f"{sp['computed_tokens_per_example']} one by one" in out and sp["examples"] == 22
     assert "pack *" in out and "\x1b[" not in out  # not a terminal: plain markers
     first = out.split("--- example 1")[1].split("--- example 2")[0]
     assert f"{SOT}model\n[[4.{EOT}]]\n{SOT}user\nAnd doubled?" in first

@@ -13,12 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, assert_one_line_error, run_cli
-from gemma_tpu.data.render import format_call
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.examples.fitness import dataset, tools
 from gemma_tpu.examples.fitness.providers import GarminConnectProvider, SimulatedDevice
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply, tool_chat_template
+from gemma_tpu.formats.function_calling import (
+    ParsedReply,
+    ToolCall,
+    arguments_match,
+    format_call,
+    parse_reply,
+    tool_chat_template,
+)
+from tests.conftest import REPO, assert_one_line_error, run_cli
 
 NAMES = ["get_steps", "get_daily_step_goal", "get_step_goal_progress", "get_sleeping_minutes",
          "get_active_minutes", "get_heart_rate", "get_body_battery_level"]
@@ -292,9 +298,9 @@ def test_chat_template_renders_prompts_like_the_renderer(tiny_dir):
     from transformers import AutoTokenizer
 
     from gemma_tpu.data import Renderer
-    from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.data.records import normalise_messages
     from gemma_tpu.evaluate.run import openai_messages
+    from gemma_tpu.formats.function_calling import function_token_map
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     token_map = function_token_map(tok)
@@ -324,11 +330,10 @@ def tiny_loaded(tiny_dir):
 def test_cached_greedy_equals_uncached_forward(tiny_loaded):
     """Left-padded batched KV-cache decoding (sliding window 16 < prompt length) gives the same
     tokens as re-running the whole sequence without a cache."""
+    import jax
     import jax.numpy as jnp
 
     from gemma_tpu.infer.generate import Generator
-
-    import jax
 
     model = tiny_loaded.model
     prompts = [[2] + list(range(110, 150)), [2] + list(range(120, 133)), [2, 150, 151]]
@@ -425,6 +430,40 @@ class ScriptedGenerator:
         text = self.texts.pop(0)
         stop = "call" if "<end_function_call>" in text else "end_of_turn"
         return [Generation([], text, stop)]
+
+
+def test_generic_tool_loop_with_another_toolset():
+    """The library loop knows nothing of fitness: any Toolset, results fed back as JSON tool turns,
+    a ToolCallError reported, and the call budget enforced."""
+    from gemma_tpu.infer.tool_loop import ToolCallError, Toolset, run_tool_loop
+
+    def add(name, arguments):
+        if name != "add":
+            raise ToolCallError(f"no tool {name}")
+        return {"sum": arguments["a"] + arguments["b"]}
+
+    calc = Toolset([{"type": "function", "function": {"name": "add"}}], add, lambda: "You add numbers.")
+    seen = []
+
+    def scripted(*replies):
+        replies = list(replies)
+
+        def next_reply(messages):
+            seen.append([dict(m) for m in messages])
+            return replies.pop(0), "raw"
+        return next_reply
+
+    call = ParsedReply("call", [ToolCall("add", {"a": 2, "b": 3})], "")
+    trace = []
+    assert run_tool_loop("2+3?", calc, scripted(call, ParsedReply("text", [], "5")), log=trace.append) == "5"
+    assert [m["role"] for m in seen[1]] == ["developer", "user", "assistant", "tool"]
+    assert json.loads(seen[1][3]["content"]) == {"sum": 5} and trace == ["-> add(a=2, b=3) = {\"sum\": 5}"]
+    assert run_tool_loop("?", calc, scripted(ParsedReply("call", [ToolCall("mul", {})], ""))) == "(no tool mul)"
+    assert "stopped after 2 calls" in run_tool_loop("loop", calc, scripted(call, call, call), max_calls=2)
+    no_prompt = Toolset(calc.schemas, add)
+    seen.clear()
+    run_tool_loop("hi", no_prompt, scripted(ParsedReply("text", [], "hello")))
+    assert seen == [[{"role": "user", "content": "hi"}]]
 
 
 def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):

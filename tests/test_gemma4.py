@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf import safetensors_io as sio
 from tests.conftest import run_cli
 from tests.test_convert import ALL_TARGETS, TOL, hf_logits, make_checkpoint, max_diff, merge
 from tests.test_sharding import EIGHT, MESHES
@@ -91,8 +91,8 @@ def test_hidden_only_and_sparse_loss_apply_the_softcap(g4):
     import jax
     import jax.numpy as jnp
 
-    from gemma_tpu.train.loss import attention_mask, full_loss, sparse_loss
     from gemma_tpu.models import load_model, resolve_model
+    from gemma_tpu.train.loss import attention_mask, full_loss, sparse_loss
 
     model, cfg = load_model(resolve_model(str(g4("ple"))), "float32")
     assert cfg.final_logit_softcap == 30.0
@@ -316,7 +316,7 @@ def test_lora_merge_and_peft(g4, tmp_path, name):
     untouched = [k for k in bw.names() if "vision" in k or "experts" in k or "router" in k]
     assert untouched and all(mw.read(k).tobytes() == bw.read(k).tobytes() for k in untouched)
     from convert.export_peft import main as export_main
-    from gemma_tpu.core.errors import cli_main
+    from gemma_tpu.core.cli import cli_main
 
     adapter = tmp_path / "adapter"
     assert cli_main(export_main, ["--checkpoint", str(ckpt), "--out", str(adapter)]) == 0
@@ -357,7 +357,8 @@ PRESETS = {
 def test_config_json_for_presets(hub_id, monkeypatch, tmp_path):
     import huggingface_hub.constants
 
-    from gemma_tpu.models.registry import config_json_for, detect_family, text_config
+    from gemma_tpu.hf.directory import config_json_for
+    from gemma_tpu.models.registry import detect_family, text_config
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -375,7 +376,8 @@ def test_preset_values_match_tunix():
     from tunix.models.gemma3 import model as g3
     from tunix.models.gemma4 import model as g4m
 
-    from gemma_tpu.models.registry import config_json_for, detect_family
+    from gemma_tpu.hf.directory import config_json_for
+    from gemma_tpu.models.registry import detect_family
 
     fields = ("num_layers", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads",
               "sliding_window_size", "per_layer_input_dim", "num_global_kv_heads", "k_eq_v_global",
@@ -403,7 +405,7 @@ def test_preset_values_match_tunix():
 def test_config_json_for_prefers_local_dir_then_cache(g4, monkeypatch, tmp_path):
     import huggingface_hub.constants
 
-    from gemma_tpu.models.registry import config_json_for
+    from gemma_tpu.hf.directory import config_json_for
 
     d = g4("dense")
     assert config_json_for(str(d)) == json.loads((d / "config.json").read_text())

@@ -55,7 +55,7 @@ def test_packed_and_padded_give_same_per_example_loss(lora_model):
     from transformers import AutoTokenizer
 
     from gemma_tpu.data.batching import Example, build_row
-    from gemma_tpu.train.loss import gathered_nll, hidden_states, attention_mask, output_embedding
+    from gemma_tpu.train.loss import attention_mask, gathered_nll, hidden_states, output_embedding
 
     model, r = lora_model
     tok = AutoTokenizer.from_pretrained(str(r.local_dir))

@@ -18,6 +18,7 @@ PROMPTS = ["Hello world, this is a tiny test of the model!",
 
 def jax_logits(model, ids):
     import jax.numpy as jnp
+
     from gemma_tpu.train.loss import attention_mask
 
     t = jnp.asarray([ids], jnp.int32)

@@ -71,10 +71,10 @@ def test_two_processes_match_one_process(tiny_dir, tmp_path):
 
 def test_each_process_reads_its_slice():
     """Process p's batches are rows p::2 of the one-process batches: disjoint, and together the same rows."""
-    from gemma_tpu.data.pipeline import Prepared, TrainStream
-    from gemma_tpu.data import batching
-
     import numpy as np
+
+    from gemma_tpu.data import batching
+    from gemma_tpu.data.pipeline import Prepared, TrainStream
 
     ex = [batching.Example(np.array([2, 10 + i, 11 + i, 1], np.int32), np.array([0, 0, 1, 1], bool), f"row{i}")
           for i in range(24)]
@@ -149,7 +149,7 @@ mesh_lib.initialize_distributed(MeshConfig())
 import jax
 from flax import nnx
 from gemma_tpu.models import load_model, resolve_model
-from gemma_tpu.models import sharded_load
+from gemma_tpu.models import sharded_weights
 from gemma_tpu.train.partition import flat_params, with_rules
 
 mesh = mesh_lib.build_mesh(MeshConfig(fsdp=-1))
@@ -159,7 +159,7 @@ for name, path in json.loads(sys.argv[1]).items():
     ruled = type(resolved)(**{**resolved.__dict__, "family": with_rules(resolved.family)})
     with mesh:
         model, cfg = load_model(ruled, "float32", mesh=mesh)
-        stats = sharded_load.LAST_STATS
+        stats = sharded_weights.LAST_STATS
         ref = resolved.family.reference_loader(path, ruled.family.tunix_config(resolved.hf_config, np.float32),
                                                 mesh=mesh, dtype=np.float32)
     ours, theirs = dict(flat_params(model)), dict(flat_params(ref))

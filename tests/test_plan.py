@@ -2,7 +2,6 @@
 against XLA's compiled memory analysis, and on the shipped big-model configs."""
 
 import re
-import time
 
 import pytest
 
@@ -103,7 +102,7 @@ def test_remat_and_accumulation_and_qlora_change_the_right_terms(tiny_dir):
 def test_estimate_within_factor_of_compiled(tiny_dir, overrides):
     """XLA's memory analysis of the real compiled step (random weights, local CPU device) and our
     estimate agree: state within 2%, peak within a factor of 1.6 (measured 0.69-1.05)."""
-    from gemma_tpu.models.registry import config_json_for
+    from gemma_tpu.hf.directory import config_json_for
     from gemma_tpu.train.plan import compiled_memory
 
     cfg = tiny_cfg(tiny_dir, *overrides)
@@ -114,7 +113,6 @@ def test_estimate_within_factor_of_compiled(tiny_dir, overrides):
 
 
 def test_dry_run_cli_on_eight_devices(tiny_dir, tmp_path):
-    t0 = time.time()
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--dry-run", f"model.path={tiny_dir}",
                    f"checkpoint.dir={tmp_path}/ck", "train.batch_size=8", "train.remat=block", env=EIGHT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -128,7 +126,6 @@ def test_dry_run_cli_on_eight_devices(tiny_dir, tmp_path):
     ratio = float(re.search(r"estimate / compiled = ([\d.]+)", out).group(1))
     assert 1 / 3 < ratio < 3, out
     assert not (tmp_path / "ck").exists()  # a dry run writes nothing
-    assert time.time() - t0 < 120
 
 
 def test_axis_minus_one_needs_a_device_count_for_an_accelerator(tiny_dir):
@@ -158,19 +155,17 @@ def test_accelerator_table_public_figures():
 
 
 def _dry_run(config, *overrides):
-    t0 = time.time()
     proc = run_cli("gemma_tpu.train", "--config", config, "--dry-run", *overrides, env={"XLA_FLAGS": ""})
-    elapsed = time.time() - t0
     if proc.returncode != 0 and "no local directory, no cached config.json and no preset" in proc.stderr:
         pytest.xfail(f"no config.json preset for {config}'s model yet (gemma_tpu/models/presets/, registry "
                      f"config_json_for): {proc.stderr.strip()[-300:]}")
     if proc.returncode != 0 and "unsupported architecture" in proc.stderr:
         pytest.xfail(f"model family not registered yet: {proc.stderr.strip()[-300:]}")
-    return proc, elapsed
+    return proc
 
 
 def test_gemma4_31b_fits_v5p8():
-    proc, elapsed = _dry_run("configs/gemma4-31b-v5p8.yaml")
+    proc = _dry_run("configs/gemma4-31b-v5p8.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "(gemma4)" in out and "mesh: data=1 fsdp=4 tp=1 = 4 devices of v5p" in out
@@ -178,21 +173,19 @@ def test_gemma4_31b_fits_v5p8():
     base = float(re.search(r"base params\s+([\d.]+) GiB", out).group(1))
     assert 13 < base < 16, out  # ~31B bf16 parameters over 4 chips
     assert "compiled on" not in out  # far too big to compile here
-    assert elapsed < 60, elapsed
 
 
 def test_gemma4_31b_refused_on_v5e_without_remat():
-    proc, elapsed = _dry_run("configs/gemma4-31b-v5p8.yaml", "mesh.accelerator=v5e", "train.remat=none")
+    proc = _dry_run("configs/gemma4-31b-v5p8.yaml", "mesh.accelerator=v5e", "train.remat=none")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1, proc.stderr
     assert "does not fit v5e" in errors[0] and "biggest term: activations" in errors[0], errors[0]
     assert "Traceback" not in proc.stderr
     assert "DOES NOT FIT" in proc.stdout  # the plan is still printed
-    assert elapsed < 60, elapsed
 
 
 def test_gemma3_27b_fits_v5e16():
-    proc, _ = _dry_run("configs/gemma3-27b-v5e16.yaml")
+    proc = _dry_run("configs/gemma3-27b-v5e16.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "mesh: data=1 fsdp=16 tp=1 = 16 devices of v5e" in proc.stdout and "-> fits" in proc.stdout

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_one_line_error, run_cli
-from gemma_tpu.core.errors import cli_main
+from gemma_tpu.core.cli import cli_main
 from serving.config import DEFAULT_IMAGE, VLLM_TPU_IMAGE
 from serving.local import free_port
+from tests.conftest import REPO, assert_one_line_error, run_cli
 
 CONFIG_270M = str(REPO / "configs" / "serve-gemma3-270m-fitness.yaml")
 CONFIG_31B = str(REPO / "configs" / "serve-gemma4-31b-v6e8.yaml")

@@ -12,7 +12,7 @@ from tests.conftest import REPO, run_cli
 _CHILD = r"""
 import json, sys
 import jax, numpy as np, jax.numpy as jnp
-from gemma_tpu.models import resolve_model, sharded_load
+from gemma_tpu.models import resolve_model, sharded_weights
 from gemma_tpu.train.partition import flat_params, with_rules
 
 mesh = jax.make_mesh((1, 4, 2), ("data", "fsdp", "tp"))
@@ -24,7 +24,7 @@ for name, path in json.loads(sys.argv[1]).items():
         cfg = fam.tunix_config(r.hf_config, dtype)
         for m in (None, mesh):
             ours = dict(flat_params(fam.create_model(path, cfg, mesh=m, dtype=dtype)))
-            stats = sharded_load.LAST_STATS
+            stats = sharded_weights.LAST_STATS
             ref = dict(flat_params(fam.reference_loader(path, cfg, mesh=m, dtype=dtype)))
             assert ours.keys() == ref.keys(), set(ours) ^ set(ref)
             for k, a in ours.items():

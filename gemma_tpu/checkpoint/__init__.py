@@ -1,1 +1,2 @@
-"""gemma_tpu.checkpoint."""
+"""Checkpoints: the self-describing run directory (metadata), the Orbax params reader, and the one
+"checkpoint -> model" restore that generation, evaluation and verification share."""

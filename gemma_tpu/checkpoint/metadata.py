@@ -22,7 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.hf.directory import hf_revision
+from gemma_tpu.hf.fingerprint import fingerprint
 
 METADATA_FILE = "gemma_tpu_run.json"
 FORMAT = "gemma-tpu-checkpoint"
@@ -101,16 +104,12 @@ def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
 def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
     """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory; a missing or
     damaged file, or a non-finite tensor, is a one-line UserError naming it."""
-    from gemma_tpu.checkpoint.params import CheckpointParams
-
     params = CheckpointParams(ckpt_dir, step)
     return params.read(params.names())
 
 
 def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:
     """What a checkpoint needs to describe itself: base model, family, LoRA shape, dtype, config."""
-    from gemma_tpu.hf.directory import hf_revision
-    from gemma_tpu.hf.fingerprint import fingerprint
 
     return {
         "base_model": {

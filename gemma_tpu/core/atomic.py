@@ -1,4 +1,4 @@
-"""Publish an output directory all at once, or not at all.
+"""Publish an output directory (or a single file: `AtomicFile`) all at once, or not at all.
 
 The output is built in `.<name>.tmp-<pid>` beside the target (same filesystem, so the final rename
 is atomic). Any exception, Ctrl-C or SIGTERM removes it; a SIGKILL leaves only that hidden temp
@@ -37,23 +37,31 @@ def check_writable(path: str | Path, what: str) -> None:
         raise UserError(f"{what}: {probe} is not writable")
 
 
-def check_target(target: Path, overwrite: bool, protected: list[Path] = ()) -> None:
-    """Refuse an existing target without --overwrite, targets that hold our own inputs, and targets
-    that cannot be written."""
+def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir") -> None:
+    """Refuse an existing target without --overwrite, a target of the other kind (or a link) in its
+    place, targets that hold our own inputs, and targets that cannot be written.
+    `kind`: "dir" or "file"."""
     target = Path(target)
     if target.exists() or target.is_symlink():
         if not overwrite:
             raise UserError(f"{target} already exists (use --overwrite to replace it)")
-        if not target.is_dir() or target.is_symlink():
-            raise UserError(f"{target} exists and is not a directory; refusing to replace it")
+        same_kind = target.is_dir() if kind == "dir" else target.is_file()
+        if not same_kind or target.is_symlink():
+            what = "a directory" if kind == "dir" else "a regular file"
+            raise UserError(f"{target} exists and is not {what}; refusing to replace it")
     resolved = target.resolve()
     for p in protected:
         p = Path(p).resolve()
-        if resolved == p or resolved in p.parents:
+        if kind == "dir" and (resolved == p or resolved in p.parents):
             raise UserError(f"--out {target} would replace an input ({p})")
-        if p in resolved.parents:  # e.g. a step-like name inside a checkpoint dir, files among the base's
+        if resolved == p or p in resolved.parents:  # e.g. a step-like name inside a checkpoint dir
             raise UserError(f"--out {target} is inside an input ({p}); write it elsewhere")
     check_writable(target.parent, f"--out {target}")
+
+
+def check_file_target(target: Path, overwrite: bool, protected: list[Path] = ()) -> None:
+    """`check_target` for a single output file."""
+    check_target(target, overwrite, protected, kind="file")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -76,9 +84,20 @@ def clean_stale(target: Path) -> list[Path]:
         for p in parent.glob(f".{target.name}.{kind}-*"):
             pid = p.name.rsplit("-", 1)[-1]
             if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
-                shutil.rmtree(p, ignore_errors=True)
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
                 removed.append(p)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Delete a leftover temp directory or file, whichever it is."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -117,11 +136,11 @@ def _raise_on_sigterm(signum, frame):  # noqa: ARG001
     raise SystemExit(128 + signum)
 
 
-class AtomicDir:
-    """`with AtomicDir(target) as tmp: ...write into tmp...; ad.publish()`.
+class _AtomicOutput:
+    """What AtomicDir and AtomicFile share: the hidden temp path beside the target, SIGTERM turned into
+    SystemExit while it exists (so the cleanup runs), and the temp removed unless published."""
 
-    Leaving the block without `publish()` (an error, a signal) deletes the temp dir.
-    """
+    kind = "dir"
 
     def __init__(self, target: str | Path, overwrite: bool = False):
         self.target = Path(target).absolute()
@@ -131,11 +150,14 @@ class AtomicDir:
         self._old_sigterm: object = _UNSET
 
     def __enter__(self) -> Path:
-        check_target(self.target, self.overwrite)
+        check_target(self.target, self.overwrite, kind=self.kind)
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             clean_stale(self.target)
-            self.tmp.mkdir()
+            if self.kind == "dir":
+                self.tmp.mkdir()
+            else:
+                self.tmp.touch(exist_ok=False)
         except OSError as e:
             raise UserError(f"--out {self.target}: cannot create {e.filename or self.tmp} "
                             f"({e.strerror or e})") from None
@@ -145,12 +167,31 @@ class AtomicDir:
             pass
         return self.tmp
 
+    def _refuse_if_appeared(self) -> None:
+        if self.target.exists() and not self.overwrite:
+            raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._old_sigterm is not _UNSET:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._old_sigterm is None else self._old_sigterm)
+        if not self.published:
+            _remove(self.tmp)
+            if isinstance(exc, OSError):  # a full disk (ENOSPC), a file too large, an I/O error mid-write
+                raise UserError(f"writing {self.target} failed in {exc.filename or self.tmp} "
+                                f"({exc.strerror or exc}); nothing was published") from None
+
+
+class AtomicDir(_AtomicOutput):
+    """`with AtomicDir(target) as tmp: ...write into tmp...; ad.publish()`.
+
+    Leaving the block without `publish()` (an error, a signal) deletes the temp dir.
+    """
+
     def publish(self) -> Path:
         """Move the finished temp dir to the target (replacing an old one when allowed)."""
         _fsync_dir(self.tmp)
         if self.target.exists():
-            if not self.overwrite:  # appeared while we were working
-                raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
+            self._refuse_if_appeared()
             if _exchange(self.tmp, self.target):
                 old = self.tmp  # now holds the old output
             else:
@@ -174,11 +215,25 @@ class AtomicDir:
         self.published = True
         return other
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self._old_sigterm is not _UNSET:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._old_sigterm is None else self._old_sigterm)
-        if not self.published:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            if isinstance(exc, OSError):  # a full disk (ENOSPC), a file too large, an I/O error mid-write
-                raise UserError(f"writing {self.target} failed in {exc.filename or self.tmp} "
-                                f"({exc.strerror or exc}); nothing was published") from None
+
+class AtomicFile(_AtomicOutput):
+    """`with AtomicFile(target) as tmp: ...write the file tmp...; af.publish()`.
+
+    The file is written as `.<name>.tmp-<pid>` beside the target and renamed over it at the end
+    (`rename` replaces a file atomically: readers see the old or the new file). Leaving the block
+    without `publish()` (an error, Ctrl-C, SIGTERM) deletes the temp file; one left by a SIGKILL
+    is removed by the next run for the same target."""
+
+    kind = "file"
+
+    def publish(self) -> Path:
+        fd = os.open(self.tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._refuse_if_appeared()
+        os.replace(self.tmp, self.target)
+        self.published = True
+        _fsync_dir(self.target.parent)
+        return self.target

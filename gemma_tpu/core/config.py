@@ -16,6 +16,7 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
+from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.errors import UserError
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,6 +65,10 @@ class DataConfig:
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat for as long as train.max_steps needs
     max_loss_tokens: int | None = None  # per-row loss buffer; None: measured from the data
+    # shared prompt prefixes (issue 15): auto groups examples by the longest common prefix of their
+    # token ids (loss-free tokens only) and reports the tokens sharing would save; off skips it
+    share_prefix: Literal["auto", "off"] = "auto"
+    share_prefix_min_tokens: int = 32  # shorter common prefixes do not form a group
     eval_max_batches: int | None = None
 
 
@@ -315,6 +320,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     at_least("data.seq_len", cfg.data.seq_len, 8)
     at_least("data.num_epochs", cfg.data.num_epochs, 1)
     at_least("data.max_loss_tokens", cfg.data.max_loss_tokens, 1)
+    at_least("data.share_prefix_min_tokens", cfg.data.share_prefix_min_tokens, 1)
     at_least("data.eval_max_batches", cfg.data.eval_max_batches, 1)
     t = cfg.train
     at_least("train.batch_size", t.batch_size, 1, "positive")
@@ -346,7 +352,6 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             bad(f"mesh.{name} must be a positive integer or -1, got {v}")
     if cfg.mesh.dcn_data == -1:
         bad("mesh.dcn_data must be the number of slices, not -1")
-    from gemma_tpu.core.accelerators import ACCELERATORS
 
     if cfg.mesh.accelerator not in ACCELERATORS:
         bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")

@@ -1,7 +1,14 @@
 """Data: read examples, render chats to ids + loss masks, cut static rows, stream batches with grain."""
 
-from gemma_tpu.data.pipeline import (Prepared, TrainStream, eval_batches, make_renderer, prepare_examples,
-                                     prepare_split, render_examples)
+from gemma_tpu.data.pipeline import (
+                                     Prepared,
+                                     TrainStream,
+                                     eval_batches,
+                                     make_renderer,
+                                     prepare_examples,
+                                     prepare_split,
+                                     render_examples,
+)
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
 

@@ -2,7 +2,9 @@
 
 See the data exactly as training will: examples read / kept / truncated / dropped, token-length
 percentiles, rows and useful-token fractions for `pad` and `pack` (the configured strategy first),
-the distinct batch shapes one epoch of the stream produces (1 means one compilation), and the first
+the shared prompt prefixes (`data.share_prefix`: groups of examples starting with the same ids, prefix
+lengths, tokens computed per example with and without computing each prefix once, loss-bearing
+fraction of each), the distinct batch shapes one epoch of the stream produces (1 means one compilation), and the first
 N rendered examples with their loss-bearing tokens marked - green on a terminal, `[[...]]` otherwise
 (`--color always|never` to choose). `--json OUT` writes the statistics. Nothing is written to the
 run directory and no model weights are loaded; only the tokenizer.
@@ -19,8 +21,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.data import batching
+from gemma_tpu.data.pipeline import TrainStream, eval_batches, make_renderer, prepare_examples
+from gemma_tpu.data.records import load_conversations
+from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
+from gemma_tpu.models import resolve_model
 
 ANSI_ON, ANSI_OFF = "\x1b[1;32m", "\x1b[0m"
 ANSI_DIM = "\x1b[2m"
@@ -28,15 +37,13 @@ PLAIN_ON, PLAIN_OFF = "[[", "]]"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.data.inspect", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="YAML run config (data.*, model.path for the tokenizer)")
+    p = cli.parser("python -m gemma_tpu.data.inspect", __doc__, config="YAML run config (data.*, model.path for the tokenizer)")
     p.add_argument("--split", choices=("train", "eval"), default="train", help="data.train_path or data.eval_path")
     p.add_argument("-n", type=int, default=1, help="rendered examples to show (default 1; 0: none)")
     p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the config's model.path)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="mark loss-bearing text with ANSI colour (auto: when stdout is a terminal)")
     p.add_argument("--json", help="also write the statistics to this JSON file")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=1024")
     return p.parse_args(list(argv))
 
 
@@ -46,8 +53,6 @@ def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str]:
     if spec:
         where = spec
     else:
-        from gemma_tpu.models import resolve_model
-
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
     return load_tokenizer(where), where, family_format
@@ -84,7 +89,6 @@ def mark(text: str, spans: list[tuple[int, int]], color: bool, cut: int | None =
 
 def batch_shapes(prepared, batch_size: int, split: str, seed: int) -> tuple[int, list[str]]:
     """Distinct (shape, dtype) signatures over one epoch of the batches training/eval would see."""
-    from gemma_tpu.data.pipeline import TrainStream, eval_batches
 
     if split == "train":
         if len(prepared.rows) < batch_size:
@@ -102,13 +106,9 @@ def fmt_row(cells: Sequence[Any], widths: Sequence[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gemma_tpu.core.config import load_config
-    from gemma_tpu.data import batching
-    from gemma_tpu.data.pipeline import make_renderer, prepare_examples
-    from gemma_tpu.data.records import load_conversations
-    from gemma_tpu.formats.function_calling import function_token_map
-
-    cfg = load_config(args.config, args.overrides)
+    cfg = cli.run_config(args)
+    if cfg is None:
+        return 0
     if args.n < 0:
         raise UserError("-n must be 0 or more")
     path = cfg.data.train_path if args.split == "train" else cfg.data.eval_path
@@ -157,6 +157,18 @@ def run(args: argparse.Namespace) -> dict:
                        f"{s['useful_fraction']:.3f}", s["max_loss"]], widths), file=out)
     print("(* data.strategy; useful = loss-bearing tokens / all row tokens, non-pad = real tokens / all row tokens)",
           file=out)
+    sp = stats.get("shared_prefixes")
+    if sp is None:
+        print("shared prefixes: not analysed (data.share_prefix: off)", file=out)
+    else:
+        print(f"shared prefixes (data.share_prefix_min_tokens={sp['min_tokens']}): {sp['groups']} groups holding "
+              f"{sp['examples_in_groups']} of {sp['examples']} examples (largest {sp['group_size_max']}, "
+              f"mean {sp['group_size_mean']}); prefix tokens min {sp['prefix_len_min']}, "
+              f"median {sp['prefix_len_median']}, max {sp['prefix_len_max']}", file=out)
+        print(f"  computed tokens per example: {sp['computed_tokens_per_example']} one by one, "
+              f"{sp['computed_tokens_per_example_shared']} with each prefix computed once "
+              f"({sp['computed_ratio']:.3f}x); loss-bearing fraction {sp['loss_fraction']:.3f} -> "
+              f"{sp['loss_fraction_shared']:.3f} (analysis: training still computes every row whole)", file=out)
     what = f"one epoch, batch {cfg.train.batch_size}" if args.split == "train" else f"eval, batch {cfg.train.batch_size}"
     print(f"batch shapes: {n_shapes} distinct ({what})", file=out)
     for s in shapes:
@@ -186,7 +198,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     import logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cli.setup_logging(logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     run(parse_args(argv or []))
     return 0

@@ -13,10 +13,11 @@ from typing import Any, Iterator
 import numpy as np
 
 from gemma_tpu.core.config import DataConfig
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
+from gemma_tpu.data.prefixes import PrefixReport, find_shared_prefixes
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
-from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Prepared:
     max_loss: int
     seq_len: int
     strategy: str = "pad"
+    prefixes: PrefixReport | None = None  # shared prompt prefixes (data.share_prefix: auto), analysis only
 
     def row_arrays(self, i: int) -> dict[str, np.ndarray]:
         return batching.build_row(self.rows[i], self.seq_len, self.max_loss)
@@ -65,6 +67,7 @@ class Prepared:
             "row_tokens": len(self.rows) * self.seq_len,
             "nonpad_fraction": round(self.nonpad_fraction(), 4), "useful_fraction": round(self.useful_fraction(), 4),
             "examples_per_row": round(rep.kept / max(len(self.rows), 1), 3), "max_loss": self.max_loss,
+            "shared_prefixes": self.prefixes.stats() if self.prefixes is not None else None,
         }
 
 
@@ -102,7 +105,9 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
     if over:
         log.warning("%s: %d rows have more than data.max_loss_tokens=%d targets; the excess is not trained",
                     source, over, m)
-    return Prepared(source, rows, report, m, data_cfg.seq_len, strategy)
+    prefixes = (find_shared_prefixes(kept, data_cfg.share_prefix_min_tokens)
+                if data_cfg.share_prefix == "auto" else None)
+    return Prepared(source, rows, report, m, data_cfg.seq_len, strategy, prefixes)
 
 
 def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int, max_loss: int | None = None,

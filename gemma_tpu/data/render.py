@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-
-BOS_ID = 2
+from gemma_tpu.formats import function_calling as fc
+from gemma_tpu.formats import gemma_chat as chat
 
 
 @dataclasses.dataclass
@@ -32,45 +32,6 @@ class Rendered:
     loss_mask: np.ndarray  # bool [n]; True where the token is a training target
     text: str  # the text tokenized (after marker mapping, without the leading BOS)
     offsets: np.ndarray | None = None  # int32 [n, 2] character span of each token in `text`; BOS is (0, 0)
-
-
-def _fmt_value(v: Any) -> str:
-    """FunctionGemma argument values: strings escaped, numbers/booleans bare, containers recursive."""
-    if isinstance(v, str):
-        return f"<escape>{v}<escape>"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if v is None:
-        return "null"
-    if isinstance(v, (int, float)):
-        return json.dumps(v)
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{_fmt_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, list):
-        return "[" + ",".join(_fmt_value(x) for x in v) + "]"
-    return f"<escape>{v}<escape>"
-
-
-def format_call(name: str, args: dict) -> str:
-    return f"<start_function_call>call:{name}{_fmt_value(args)}<end_function_call>"
-
-
-def format_declaration(tool: dict) -> str:
-    fn = tool.get("function", tool)
-    body = {"description": fn.get("description", "")}
-    if fn.get("parameters"):
-        body["parameters"] = fn["parameters"]
-    return f"<start_function_declaration>declaration:{fn['name']}{_fmt_value(body)}<end_function_declaration>"
-
-
-def format_response(name: str, content: str) -> str:
-    try:
-        value = json.loads(content)
-    except (json.JSONDecodeError, TypeError):
-        value = {"result": content}
-    if not isinstance(value, dict):
-        value = {"result": value}
-    return f"<start_function_response>response:{name}{_fmt_value(value)}<end_function_response>"
 
 
 def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
@@ -83,52 +44,52 @@ def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tupl
         preamble = msgs.pop(0)["content"]
     tools = conv.get("tools")
     if tools:
-        decl = "".join(format_declaration(t) for t in tools)
-        segs.append((f"<start_of_turn>developer\n{preamble}{decl}<end_of_turn>\n", False))
+        decl = "".join(fc.format_declaration(t) for t in tools)
+        segs.append((chat.turn(chat.DEVELOPER, f"{preamble}{decl}"), False))
         preamble = ""
     in_model_turn = False
-    response_open = False  # the last trained text ended with <start_function_response>
+    response_open = False  # the last trained text ended with the response marker
     for i, m in enumerate(msgs):
         role = m["role"]
         if role in ("user", "system", "developer"):
             if in_model_turn:
-                segs.append(("<end_of_turn>\n", False))
+                segs.append((chat.close_turn(), False))
                 in_model_turn = False
                 response_open = False
             text = m["content"]
             if preamble:
                 text = f"{preamble}\n\n{text}"
                 preamble = ""
-            segs.append((f"<start_of_turn>user\n{text}<end_of_turn>\n", False))
+            segs.append((chat.turn(chat.USER, text), False))
         elif role == "assistant":
             if not in_model_turn:
-                segs.append(("<start_of_turn>model\n", False))
-            body = m["content"] + "".join(format_call(c["name"], c["arguments"]) for c in m.get("tool_calls", []))
+                segs.append((chat.open_turn(chat.MODEL), False))
+            body = m["content"] + "".join(fc.format_call(c["name"], c["arguments"]) for c in m.get("tool_calls", []))
             if m.get("tool_calls"):
-                # The model ends a call by emitting <start_function_response>; the tool's answer follows.
-                segs.append((body + "<start_function_response>", True))
+                # The model ends a call by emitting the response marker; the tool's answer follows.
+                segs.append((body + fc.START_RESPONSE, True))
                 in_model_turn = True
                 response_open = True
             else:
-                segs.append((body + "<end_of_turn>", True))
+                segs.append((body + chat.END_OF_TURN, True))
                 segs.append(("\n", False))
                 in_model_turn = False
                 response_open = False
         elif role == "tool":
-            resp = format_response(m.get("name") or "", m["content"])
+            resp = fc.format_response(m.get("name") or "", m["content"])
             if response_open:
                 # the opening marker was already emitted (and trained) at the end of the call
-                resp = resp[len("<start_function_response>"):]
+                resp = resp[len(fc.START_RESPONSE):]
             elif not in_model_turn:
-                segs.append(("<start_of_turn>model\n", False))
-            # a second result of parallel calls opens its own <start_function_response>
+                segs.append((chat.open_turn(chat.MODEL), False))
+            # a second result of parallel calls opens its own response marker
             segs.append((resp, False))
             in_model_turn = True
             response_open = False
     if in_model_turn and add_generation_prompt:
         pass
     elif add_generation_prompt:
-        segs.append(("<start_of_turn>model\n", False))
+        segs.append((chat.open_turn(chat.MODEL), False))
     return segs
 
 
@@ -179,7 +140,7 @@ class Renderer:
             raise UserError(f"data.chat_format=template, but the tokenizer "
                             f"{getattr(tokenizer, 'name_or_path', '') or ''} has no chat template")
         bos = getattr(tokenizer, "bos_token_id", None)
-        self.bos_id = BOS_ID if bos is None else int(bos)
+        self.bos_id = chat.BOS_ID if bos is None else int(bos)
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
 
     def segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:

@@ -1,1 +1,2 @@
-"""gemma_tpu.evaluate."""
+"""Evaluation: tool-call accuracy, argument accuracy, hallucinated tools and eval loss of a model, a checkpoint or
+an OpenAI-compatible endpoint on held-out conversations. `python -m gemma_tpu.evaluate`."""

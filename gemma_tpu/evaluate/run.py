@@ -33,12 +33,21 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gemma_tpu.core.config import DataConfig, RunConfig, load_config
+from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_writable
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core.config import DataConfig, RunConfig
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
-from gemma_tpu.infer.openai_client import (DEFAULT_TOKEN_MAP, api_base, first_message, http_json, openai_messages,  # noqa: F401
-                                   reply_from_message, served_model_name)
+from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
+from gemma_tpu.infer.openai_client import (  # noqa: F401
+    api_base,
+    first_message,
+    http_json,
+    openai_messages,
+    reply_from_message,
+    served_model_name,
+)
 
 log = logging.getLogger("gemma_tpu.evaluate")
 
@@ -106,21 +115,20 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
 
 
 def _renderer(loaded, data_cfg: DataConfig):
-    from gemma_tpu.data import make_renderer
-
     return make_renderer(loaded.tokenizer, data_cfg, loaded.chat_format, loaded.token_map)
 
 
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
-                  label: str) -> tuple[list[ParsedReply], list[str]]:
-    """Greedy generation for every case, batched; returns parsed replies and raw texts."""
+                  label: str, prefix_cache: bool = True) -> tuple[list[ParsedReply], list[str]]:
+    """Greedy generation for every case, batched; returns parsed replies and raw texts. With
+    `prefix_cache`, the prompt prefix all cases share (the developer turn with the tool
+    declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same."""
     from tqdm import tqdm
 
-    from gemma_tpu.infer.generate import Generator
 
     renderer = _renderer(loaded, data_cfg)
     prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
-    gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
     with tqdm(total=len(prompts), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
         outs = gen.generate(prompts, on_batch=bar.update)
     return [parse_reply(o.text) for o in outs], [o.text for o in outs]
@@ -133,8 +141,7 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
     from flax import nnx
     from tqdm import tqdm
 
-    from gemma_tpu.data import eval_batches, prepare_split
-    from gemma_tpu.train.loss import sparse_loss
+    from gemma_tpu.train.loss import sparse_loss  # deferred: imports jax/torch
 
     renderer = _renderer(loaded, data_cfg)
     longest = max(len(renderer.render(c).ids) for c in convs)
@@ -218,11 +225,10 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     if spec.kind == "endpoint":
         preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label)
     else:
-        from gemma_tpu.infer.generate import load_checkpoint, load_hf_dir
-
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
-        preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label)
+        preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label,
+                                     prefix_cache=not args.no_prefix_cache)
         if not args.no_loss:
             loss = eval_loss(loaded, convs, cfg.data, args.batch_size, spec.label)
         del loaded
@@ -256,8 +262,7 @@ def format_table(results: dict[str, dict]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.evaluate", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="YAML run config (data.* rendering settings, model.dtype)")
+    p = cli.parser("python -m gemma_tpu.evaluate", __doc__, config="YAML run config (data.* rendering settings, model.dtype)")
     p.add_argument("--data", required=True, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="base or merged HF directory (or hub id / embedded:NAME)")
@@ -272,16 +277,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-loss", action="store_true", help="skip the teacher-forced eval loss")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=1024")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: the prefix all prompts share is computed once)")
     return p.parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    from gemma_tpu.data import load_conversations
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else RunConfig()
+    cli.setup_logging(logging.WARNING)
+    cfg = cli.run_config(args, required=False)
+    if cfg is None:
+        return 0
     if args.limit is not None and args.limit <= 0:
         raise UserError("--limit must be positive")
     if args.batch_size <= 0 or args.max_new_tokens <= 0:

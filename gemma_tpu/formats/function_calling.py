@@ -1,4 +1,4 @@
-"""Read tool calls back out of model text, in the FunctionGemma format the renderer trains on.
+"""The FunctionGemma tool-call format: writing declarations, calls and responses, and reading calls back.
 
 A call looks like `<start_function_call>call:NAME{key:<escape>text<escape>,n:5,ok:true}
 <end_function_call>`: strings between `<escape>` markers (so they may hold commas and braces),
@@ -8,8 +8,10 @@ the checkpoint's token map. Servers that drop special tokens from `content` leav
 `call:NAME{key:text}`; that still parses (bare words become strings), so an OpenAI-compatible
 endpoint can be scored by the same rules.
 
-Also here: the chat template that renders tools exactly like `gemma_tpu.data.render`, for
-serving a fine-tuned model with `transformers serve` (tools in the request become declarations).
+`gemma_tpu.data.render` assembles the declarations, calls and responses written here into Gemma
+turns. Also here: the marker -> `<unusedN>` token map, and the chat template that renders tools
+exactly like the renderer, for serving a fine-tuned model with `transformers serve` (tools in the
+request become declarations).
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ FUNCTION_MARKERS = (
 )
 
 
+(START_DECLARATION, END_DECLARATION, START_CALL, END_CALL, START_RESPONSE, END_RESPONSE,
+ ESCAPE) = FUNCTION_MARKERS
+
+
+def _reserved(n: int) -> str:
+    return f"<unused{n}>"
+
+
 def function_token_map(tokenizer) -> dict[str, str]:
     """Map FunctionGemma markers the vocabulary lacks onto reserved `<unusedN>` tokens, in order.
 
@@ -37,18 +47,67 @@ def function_token_map(tokenizer) -> dict[str, str]:
     for marker in FUNCTION_MARKERS:
         if marker in vocab:
             continue
-        while f"<unused{n}>" not in vocab:
+        while _reserved(n) not in vocab:
             n += 1
             if n > 10_000:
                 return {}
-        mapping[marker] = f"<unused{n}>"
+        mapping[marker] = _reserved(n)
         n += 1
     return mapping
 
 
-START_CALL, END_CALL = "<start_function_call>", "<end_function_call>"
-START_RESPONSE = "<start_function_response>"
-ESCAPE = "<escape>"
+def plain_gemma_token_map() -> dict[str, str]:
+    """The map `function_token_map` gives a vocabulary that has none of the markers and every
+    reserved token from `<unused0>` on (plain Gemma 3): for reading text that still carries them
+    when the model's own map is not at hand (an OpenAI-compatible endpoint)."""
+    return {marker: _reserved(i) for i, marker in enumerate(FUNCTION_MARKERS)}
+
+
+# ------------------------------------------------------------------------------- rendering
+
+
+def format_value(v: Any) -> str:
+    """FunctionGemma argument values: strings escaped, numbers/booleans bare, containers recursive."""
+    if isinstance(v, str):
+        return f"{ESCAPE}{v}{ESCAPE}"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, (int, float)):
+        return json.dumps(v)
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{format_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(format_value(x) for x in v) + "]"
+    return f"{ESCAPE}{v}{ESCAPE}"
+
+
+def format_call(name: str, args: dict) -> str:
+    return f"{START_CALL}call:{name}{format_value(args)}{END_CALL}"
+
+
+def format_declaration(tool: dict) -> str:
+    fn = tool.get("function", tool)
+    body = {"description": fn.get("description", "")}
+    if fn.get("parameters"):
+        body["parameters"] = fn["parameters"]
+    return f"{START_DECLARATION}declaration:{fn['name']}{format_value(body)}{END_DECLARATION}"
+
+
+def format_response(name: str, content: str) -> str:
+    """A tool result: a JSON object renders field by field, anything else as `{result:...}`."""
+    try:
+        value = json.loads(content)
+    except (json.JSONDecodeError, TypeError):
+        value = {"result": content}
+    if not isinstance(value, dict):
+        value = {"result": value}
+    return f"{START_RESPONSE}response:{name}{format_value(value)}{END_RESPONSE}"
+
+
+# --------------------------------------------------------------------------------- parsing
+
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 # Text that looks like an attempt at a call even without the start marker.

@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+from gemma_tpu.assets import embedded as assets
 from gemma_tpu.core.errors import UserError, read_json_object
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -16,8 +17,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def resolve_path(spec: str, revision: str | None = None) -> Path:
     """Turn a local dir / hub id / embedded:NAME into a local directory."""
     if spec.startswith("embedded:"):
-        from gemma_tpu.assets import embedded as assets  # deferred: builds from GGUF with torch
-
         return Path(assets.resolve_embedded(spec))
     p = Path(spec).expanduser()
     if p.exists():
@@ -79,3 +78,52 @@ def hf_revision(model_dir: Path) -> str | None:
     if len(parts) >= 2 and parts[-2] == "snapshots":
         return parts[-1]
     return os.environ.get("GEMMA_TPU_BASE_REVISION")
+
+
+# config.json copies of known hub models (data shipped with the model registry), for offline planning.
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "models" / "presets"
+
+
+def preset_path(model_path: str) -> Path:
+    """`org/name` -> gemma_tpu/models/presets/org--name.json (whether or not it exists); hub ids
+    are case-insensitive (google/gemma-4-31B-it and google/gemma-4-31b-it are one repository)."""
+    return PRESETS_DIR / (model_path.strip("/").replace("/", "--").lower() + ".json")
+
+
+def config_json_for(model_path: str) -> dict:
+    """config.json of `model_path` without loading (or downloading) weights, for offline planning.
+
+    In order: a local directory's config.json; a prepared `embedded:NAME` model's (or its known
+    config); the Hugging Face cache's copy for a hub id (no network); the shipped preset
+    (`presets/<org>--<name>.json`). Anything else is a one-line UserError.
+    """
+    spec = str(model_path)
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return read_json_object(local / "config.json", f"{local / 'config.json'}: missing (not a Hugging Face "
+                                                        f"model directory)")
+    if spec.startswith("embedded:"):
+        name = spec[len("embedded:"):]
+        entry = assets.get_model(name)
+        target = assets.target_dir(name)
+        if assets.is_complete(target):
+            return read_json_object(target / "config.json", f"{target}/config.json: missing")
+        if entry.expected_config:
+            return dict(entry.expected_config)
+        raise UserError(f"{spec}: not prepared yet and no known config; run "
+                        f"`python -m gemma_tpu.assets prepare {name}` first")
+    if _HUB_ID.match(spec):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(spec, "config.json")
+        except Exception:  # no hub library or a malformed cache: fall through to the presets
+            cached = None
+        if isinstance(cached, str) and Path(cached).is_file():
+            return read_json_object(Path(cached), f"{cached}: unreadable")
+        preset = preset_path(spec)
+        if preset.is_file():
+            return read_json_object(preset, f"{preset}: unreadable")
+        known = ", ".join(sorted(p.stem.replace("--", "/") for p in PRESETS_DIR.glob("*.json")))
+        raise UserError(f"{spec}: no local directory, no cached config.json and no preset (presets: {known})")
+    raise UserError(f"{spec}: no such directory")

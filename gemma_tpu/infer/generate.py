@@ -9,7 +9,20 @@ Static shapes: prompts are left-padded to a bucket length and the batch is fille
 size, so one compilation serves every prompt of a bucket. Left padding keeps the last prompt
 token of every row at the same cache index, which is what Tunix's cache (one write index for the
 batch) needs. Decoding is a `lax.while_loop` that stops when every row has produced a stop token
-(`<end_of_turn>`, `<eos>`, or the marker the model emits to hand over to a tool).
+(the end of a turn, `<eos>`, or the marker the model emits to hand over to a tool).
+
+Prefix cache (on by default, `prefix_cache=False` turns it off): when the prompts of a call share
+a prefix (an evaluation's developer turn with the tool declarations, or the `prefix` a caller
+names, such as the chat's system turn), its keys and values are computed once, kept across calls,
+and copied into every batch; only each prompt's remainder is prefilled. The rows keep exactly the
+uncached layout (left padding, then prefix, then suffix), so the decode masks are unchanged: row
+i's first C cache slots are the prefix cache shifted right by its padding, and the prefill covers
+slots C..W (for a row padded by g, that recomputes the last g prefix tokens in slots that would
+otherwise hold padding). Tunix Gemma 3's prefill sliding-window band is |row - key slot| < window,
+right only for a forward that starts at slot 0; for the suffix prefill the sliding layers get the
+band of the slots its rows are written to (`_band_from`). Tunix Gemma 4's multi-token forward
+writes its cache from slot 0 and attends only to its own tokens, so models with their own
+`init_cache` decode uncached.
 """
 
 from __future__ import annotations
@@ -17,22 +30,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from gemma_tpu.checkpoint.restore import restore_model
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats import function_calling as fc
+from gemma_tpu.formats import gemma_chat
 from gemma_tpu.hf.tokenizer import load_tokenizer
+from gemma_tpu.models import load_model, resolve_model
 
 log = logging.getLogger(__name__)
 
-END_OF_TURN_ID = 106
-EOS_ID = 1
 PAD_ID = 0
-BOS_ID = 2
-CALL_END_MARKER = "<start_function_response>"  # what the model emits to end a tool call
 DEFAULT_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
+SUFFIX_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+PREFIX_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+MIN_PREFIX_TOKENS = 32  # a shorter shared prefix is not worth a second forward and its compilation
 
 
 @dataclasses.dataclass
@@ -54,13 +69,20 @@ class LoadedModel:
     chat_format: str
     description: str
     tunix_cfg: Any = None
+    family: Any = None  # the registry Family (its end-of-turn token); None: the chat markup's alone
 
 
 def _decode_text(tokenizer, ids: Sequence[int], token_map: dict[str, str]) -> str:
-    from gemma_tpu.formats.function_calling import unmap_markers
-
     text = tokenizer.decode(list(ids), skip_special_tokens=False)
-    return unmap_markers(text, token_map)
+    return fc.unmap_markers(text, token_map)
+
+
+def _token_id(tokenizer, token: str | None) -> int | None:
+    """The id of `token` when the vocabulary has it as one token, else None."""
+    if token is None:
+        return None
+    i = tokenizer.convert_tokens_to_ids(token)
+    return i if isinstance(i, int) and i != getattr(tokenizer, "unk_token_id", None) else None
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -104,30 +126,107 @@ def _project_last_only(model) -> None:
     object.__setattr__(embedder, "decode", decode_last)
 
 
-def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, *, max_new: int):
+def _band_from(model, start: int, slots: int) -> None:
+    """Give this (traced, throw-away) model's sliding-window layers the band of a prefill whose rows
+    are written from cache slot `start` on: row t may see slots s with start + t - s < window.
+
+    Tunix Gemma 3 builds the prefill band from row numbers (|t - s| < window), which is the right
+    band only when the forward starts at slot 0. Widening the layer's own window to the cache size
+    makes that band all-ones; the true band goes into the mask this layer (only) receives.
+    """
+    import jax.numpy as jnp
+
+    for layer in model.layers:
+        attn = layer.attn
+        window = getattr(attn, "sliding_window_size", None)
+        if window is None or getattr(attn.attn_type, "name", str(attn.attn_type)) != "LOCAL_SLIDING":
+            continue
+        block = type(attn).block
+
+        def banded(x, segment_pos, cache, attn_mask, _attn=attn, _window=window, _block=block):
+            rows = start + jnp.arange(x.shape[1])
+            keys = jnp.arange(attn_mask.shape[-1])
+            band = (rows[:, None] - keys[None, :]) < _window
+            return _block(_attn, x, segment_pos, cache, attn_mask & band[None])
+
+        object.__setattr__(attn, "sliding_window_size", slots)
+        object.__setattr__(attn, "remat_config", None)  # inference: no remat, and `block` is ours
+        object.__setattr__(attn, "block", banded)
+
+
+def _prefix_forward(graphdef, state, tokens, *, length: int):
+    """KV cache of the one prefix `tokens[0, :length]` ([1, bucket] ids, right-padded: the padding
+    comes after the prefix, so causality keeps it out of the prefix's keys and values)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.merge(graphdef, state)
+    _project_last_only(model)
+    n = tokens.shape[1]
+    cache = _init_cache(model, 1, n)
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    attn = jnp.tril(jnp.ones((n, n), bool))[None]
+    _, cache = model(tokens, positions, cache, attn)
+    return jax.tree.map(lambda a: a[:, :length] if a.ndim == 4 else a, cache)
+
+
+def _shifted_prefix(prefix_cache, pad, size: int):
+    """Row i's cache with prefix slot j at slot j + pad[i] (slots before stay zero and masked),
+    the rest of `size` slots empty, write index after the prefix."""
+    import jax.numpy as jnp
+
+    def place(leaf):
+        if leaf.ndim != 4:
+            return leaf
+        c = leaf.shape[1]
+        src = jnp.arange(c)[None, :] - pad[:, None]  # [B, C]: prefix slot shown at each slot
+        rows = jnp.where((src >= 0)[..., None, None], leaf[0][jnp.clip(src, 0, c - 1)], 0)
+        return jnp.pad(rows, ((0, 0), (0, size - c), (0, 0), (0, 0)))
+
+    b = pad.shape[0]
+    out = {}
+    for name, layer in prefix_cache.items():
+        c = layer["k"].shape[1]
+        out[name] = {k: place(v) for k, v in layer.items() if k != "end_index"}
+        out[name]["end_index"] = jnp.full((b,), c, jnp.int32)
+    return out
+
+
+def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *, max_new: int):
     """Prefill the left-padded prompts, then decode greedily until every row stopped.
 
+    With `prefix_cache` (the keys and values of the first C ids every prompt starts with), the
+    first C slots of each row come from it and only slots C.. are prefilled.
     Returns the [B, max_new] generated ids (PAD after a row's stop token) and their count.
     """
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    def forward(toks, pos, cache, attn):
+    def forward(toks, pos, cache, attn, start=0):
         # A fresh module tree per trace level: Qwix's LoRA writes module attributes when called,
         # which nnx forbids on modules created outside the while loop's body.
         model = nnx.merge(graphdef, state)
         _project_last_only(model)
+        if start:
+            _band_from(model, start, attn.shape[-1])
         return model(toks, pos, cache, attn)
 
     b, p = tokens.shape
     size = p + max_new
-    cache = _init_cache(nnx.merge(graphdef, state), b, size)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=-1) - 1, 0).astype(jnp.int32)
     causal = jnp.tril(jnp.ones((p, p), bool))
     attn = prompt_mask[:, None, :] & causal[None]
     attn = jnp.pad(attn, ((0, 0), (0, 0), (0, max_new)))
-    logits, cache = forward(tokens, positions, cache, attn)
+    if prefix_cache is None:
+        cache = _init_cache(nnx.merge(graphdef, state), b, size)
+        logits, cache = forward(tokens, positions, cache, attn)
+    else:
+        c = prefix_cache["layer_0"]["k"].shape[1]
+        pad = p - jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
+        cache = _shifted_prefix(prefix_cache, pad, size)
+        logits, cache = forward(tokens[:, c:], positions[:, c:], cache, attn[:, c:], start=c)
     first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     keys = jnp.concatenate([prompt_mask, jnp.zeros((b, max_new), bool)], axis=1)
     out = jnp.full((b, max_new), PAD_ID, jnp.int32)
@@ -151,15 +250,30 @@ def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, *, max_new: int):
     return out, step
 
 
+def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix of ids all `seqs` share."""
+    if not seqs:
+        return 0
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for other in seqs[1:]:
+        a, b = np.asarray(first[:n]), np.asarray(other[:n])
+        diff = np.nonzero(a != b)[0]
+        n = int(diff[0]) if len(diff) else n
+    return n
+
+
 class Generator:
     """Batched greedy generation from token ids, compiled once per (bucket, batch size).
 
     Batches are `batch_size` rows (a smaller power of two for the last one), prompts sorted by
-    length so that a batch shares a bucket.
+    length so that a batch shares a bucket. With `prefix_cache` (the default), the prefix the
+    prompts of a call share (at least `MIN_PREFIX_TOKENS` ids) is computed once and reused by
+    every batch and by later calls that start with it; suffixes are bucketed by `SUFFIX_BUCKETS`.
     """
 
     def __init__(self, loaded: LoadedModel, *, max_new_tokens: int = 64, batch_size: int = 8,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS):
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, prefix_cache: bool = True):
         import jax
         from flax import nnx
 
@@ -169,43 +283,85 @@ class Generator:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.buckets = tuple(sorted(buckets))
-        call_end = self.token_map.get(CALL_END_MARKER, CALL_END_MARKER)
-        call_id = self.tokenizer.convert_tokens_to_ids(call_end)
-        unk = getattr(self.tokenizer, "unk_token_id", None)
-        self.call_end_id = call_id if isinstance(call_id, int) and call_id != unk else None
-        stops = [END_OF_TURN_ID, EOS_ID] + ([self.call_end_id] if self.call_end_id is not None else [])
+        # Stop ids from the tokenizer: the end of a turn as the chat markup writes it and as the
+        # family's vocabulary names it (one id in Gemma vocabularies), <eos>, and the marker that
+        # ends a tool call (the model hands over to the tool there).
+        turn_ends = [gemma_chat.END_OF_TURN, getattr(loaded.family, "end_of_turn_token", None)]
+        self.end_of_turn_ids = list(dict.fromkeys(i for i in (_token_id(self.tokenizer, t) for t in turn_ends)
+                                                  if i is not None))
+        self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        self.call_end_id = _token_id(self.tokenizer, self.token_map.get(fc.START_RESPONSE, fc.START_RESPONSE))
+        stops = self.end_of_turn_ids + [i for i in (self.eos_id, self.call_end_id) if i is not None]
         self.stop_ids = np.asarray(stops, np.int32)
         self._graphdef, self._state = nnx.split(loaded.model)
         self._fn = jax.jit(functools.partial(_greedy, self._graphdef), static_argnames=("max_new",))
+        # models that lay out their own cache (Gemma 4) cannot continue a filled cache with a
+        # multi-token forward: see the module docstring
+        self.prefix_cache = prefix_cache and not hasattr(loaded.model, "init_cache")
+        self._prefix_fn = jax.jit(functools.partial(_prefix_forward, self._graphdef), static_argnames=("length",))
+        self._prefix: tuple[tuple[int, ...], Any] | None = None  # (ids, KV cache) kept across calls
+        self.prefix_stats = {"computed": 0, "reused_batches": 0, "prefix_tokens": 0}
 
     def _stop_reason(self, ids: list[int]) -> str:
-        if ids and ids[-1] == END_OF_TURN_ID:
+        if ids and ids[-1] in self.end_of_turn_ids:
             return "end_of_turn"
         if ids and self.call_end_id is not None and ids[-1] == self.call_end_id:
             return "call"
-        if ids and ids[-1] == EOS_ID:
+        if ids and self.eos_id is not None and ids[-1] == self.eos_id:
             return "eos"
         return "length"
 
+    def _shared_prefix(self, prompts: Sequence[Sequence[int]], prefix: Sequence[int] | None):
+        """(C, KV cache of the first C ids) for this call's prompts, or (0, None)."""
+        if not self.prefix_cache or not prompts:
+            return 0, None
+        seqs = ([list(prefix)] if prefix is not None else []) + [list(p) for p in prompts]
+        if len(seqs) < 2:
+            return 0, None
+        c = min(common_prefix_len(seqs), min(len(p) for p in prompts) - 1)  # every row keeps a suffix
+        if c < MIN_PREFIX_TOKENS:
+            return 0, None
+        ids = tuple(int(t) for t in prompts[0][:c])
+        if self._prefix is None or self._prefix[0] != ids:
+            n = _bucket(c, PREFIX_BUCKETS)
+            tokens = np.full((1, n), PAD_ID, np.int32)
+            tokens[0, :c] = ids
+            self._prefix = (ids, self._prefix_fn(self._state, tokens, length=c))
+            self.prefix_stats["computed"] += 1
+            self.prefix_stats["prefix_tokens"] = c
+        return c, self._prefix[1]
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
-                 on_batch: Callable[[int], None] | None = None) -> list[Generation]:
-        """Continue each prompt (ids starting with BOS); `on_batch(n)` reports progress."""
+                 on_batch: Callable[[int], None] | None = None,
+                 prefix: Sequence[int] | None = None) -> list[Generation]:
+        """Continue each prompt (ids starting with BOS); `on_batch(n)` reports progress. `prefix`:
+        ids the prompts (and later calls) are expected to start with, such as a system turn; with
+        the prefix cache on, the part of it the prompts do share is computed once and kept."""
         max_new = max_new_tokens or self.max_new_tokens
+        if any(len(p) == 0 for p in prompts):
+            raise UserError("cannot generate from an empty prompt")
+        shared, cache = self._shared_prefix(prompts, prefix)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
         results: list[Generation | None] = [None] * len(prompts)
         for start in range(0, len(order), self.batch_size):
             idx = order[start:start + self.batch_size]
-            length = _bucket(max(len(prompts[i]) for i in idx), self.buckets)
+            longest = max(len(prompts[i]) for i in idx)
+            length = (shared + _bucket(longest - shared, SUFFIX_BUCKETS) if cache is not None
+                      else _bucket(longest, self.buckets))
             rows = min(self.batch_size, 1 << (len(idx) - 1).bit_length())  # a short last batch stays short
             tokens = np.full((rows, length), PAD_ID, np.int32)
             mask = np.zeros((rows, length), bool)
             for row in range(rows):  # rows past the prompts are a lone BOS (ignored)
-                prompt = np.asarray(prompts[idx[row]] if row < len(idx) else [BOS_ID], np.int32)
+                prompt = np.asarray(prompts[idx[row]] if row < len(idx) else [gemma_chat.BOS_ID], np.int32)
                 if len(prompt) == 0:
                     raise UserError("cannot generate from an empty prompt")
                 tokens[row, length - len(prompt):] = prompt
                 mask[row, length - len(prompt):] = True
-            out, steps = self._fn(self._state, tokens, mask, self.stop_ids, max_new=max_new)
+            if cache is not None:
+                out, steps = self._fn(self._state, tokens, mask, self.stop_ids, cache, max_new=max_new)
+                self.prefix_stats["reused_batches"] += 1
+            else:
+                out, steps = self._fn(self._state, tokens, mask, self.stop_ids, max_new=max_new)
             out, steps = np.asarray(out), int(steps)
             stops = set(self.stop_ids.tolist())
             for row, i in enumerate(idx):
@@ -227,70 +383,18 @@ class Generator:
 
 def load_hf_dir(path: str, dtype: str = "float32") -> LoadedModel:
     """A base or merged HF directory (or hub id / embedded:NAME) through `load_model`."""
-    from gemma_tpu.formats.function_calling import function_token_map
-    from gemma_tpu.models import load_model, resolve_model
 
     resolved = resolve_model(path)
     tokenizer = load_tokenizer(resolved.local_dir)
     model, tunix_cfg = load_model(resolved, dtype)
-    return LoadedModel(model, tokenizer, function_token_map(tokenizer), resolved.family.chat_format,
-                       f"model:{path}", tunix_cfg)
+    return LoadedModel(model, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
+                       f"model:{path}", tunix_cfg, resolved.family)
 
 
 def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = None) -> LoadedModel:
-    """The checkpoint's base model with the LoRA factors of one step (the latest by default)."""
-    from flax import nnx
-
-    from gemma_tpu.checkpoint import metadata as checkpoint
-    from gemma_tpu.core.config import LoraConfig
-    from gemma_tpu.lora import apply_lora
-    from gemma_tpu.models import load_model, resolve_model
-
-    meta = checkpoint.read_metadata(ckpt_dir)
-    step = checkpoint.resolve_step(ckpt_dir, step)
-    base = meta.get("base_model", {})
-    local = base.get("local_dir") or base.get("path")
-    if not local or not Path(local).is_dir():
-        local = base.get("path")
-    if not local:
-        raise UserError(f"{ckpt_dir}: the checkpoint metadata names no base model")
-    resolved = resolve_model(local, family=base.get("family"))
-    tokenizer = load_tokenizer(resolved.local_dir)
-    model, tunix_cfg = load_model(resolved, dtype or meta.get("dtype") or "float32")
-    params = checkpoint.read_params(ckpt_dir, step)
-    lora_meta = meta.get("lora") or {}
-    if lora_meta.get("enabled", True):
-        lcfg = LoraConfig(rank=int(lora_meta["rank"]), alpha=float(lora_meta["alpha"]),
-                          targets=list(lora_meta["targets"]),
-                          base_quantization=lora_meta.get("base_quantization"))
-        model = apply_lora(model, resolved.family, tunix_cfg, lcfg)
-        _set_params(model, nnx.LoRAParam, params, ckpt_dir, step)
-    else:
-        _set_params(model, nnx.Param, params, ckpt_dir, step)
-    return LoadedModel(model, tokenizer, dict(meta.get("token_map") or {}),
-                       meta.get("chat_format") or resolved.family.chat_format,
-                       f"checkpoint:{ckpt_dir}@{step}", tunix_cfg)
-
-
-def _set_params(model, kind, params: dict[str, np.ndarray], ckpt_dir, step) -> None:
-    """Copy checkpoint arrays onto the model's parameters of `kind`, insisting on a full match."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    state = nnx.state(model, kind)
-    flat = nnx.to_flat_state(state)
-    seen = set()
-    for path, leaf in flat:
-        name = ".".join(str(p) for p in path)
-        if name not in params:
-            raise UserError(f"{ckpt_dir}/{step}: parameter {name} is missing from the checkpoint")
-        value = params[name]
-        current = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
-        if tuple(value.shape) != tuple(current.shape):
-            raise UserError(f"{ckpt_dir}/{step}: {name} has shape {value.shape}, the model expects {current.shape}")
-        leaf.set_value(jnp.asarray(value, current.dtype)) if hasattr(leaf, "set_value") else setattr(
-            leaf, "value", jnp.asarray(value, current.dtype))
-        seen.add(name)
-    if not seen:
-        raise UserError(f"{ckpt_dir}/{step}: the model has no parameters to restore")
-    nnx.update(model, nnx.from_flat_state(flat))
+    """The checkpoint's model as trained (base, QLoRA quantization included, plus the LoRA factors of
+    one step, the latest by default), restored by `gemma_tpu.checkpoint.restore`."""
+    restored = restore_model(ckpt_dir, step, dtype)
+    return LoadedModel(restored.model, load_tokenizer(restored.tokenizer_dir), restored.token_map,
+                       restored.chat_format, f"checkpoint:{ckpt_dir}@{restored.step}", restored.tunix_cfg,
+                       restored.family)

@@ -15,19 +15,13 @@ import urllib.request
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, parse_reply
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, parse_reply, plain_gemma_token_map
 
 log = logging.getLogger("gemma_tpu.infer.openai_client")
 
-# The markers a plain Gemma 3 vocabulary carries as <unusedN> (what function_token_map gives it):
-# used to read endpoint text that still contains them.
+
 class Unreachable(UserError):
     """Nothing answers at the address (connection refused, unknown host, no answer in time)."""
-
-
-DEFAULT_TOKEN_MAP = {m: f"<unused{i}>" for i, m in enumerate((
-    "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>", "<end_function_call>",
-    "<start_function_response>", "<end_function_response>", "<escape>"))}
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api_key: str | None = None) -> dict:
@@ -46,13 +40,20 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
         raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
         raise Unreachable(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+    return json_object(body, lambda why: UserError(f"{url}: {why}"),
+                       f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
+
+
+def json_object(text: str, error, context: str | None = None) -> dict:
+    """`text` parsed as a JSON object; otherwise `error(reason)` is raised (reason quotes the text, or
+    is `context`: what came back, e.g. status and content type)."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(text)
     except json.JSONDecodeError:
-        raise UserError(f"{url}: the answer is not JSON but {describe_body(status, ctype, body)}; "
-                        f"is this an OpenAI-compatible server?") from None
+        raise error(f"the answer is not JSON but {context}" if context else
+                    f"the answer is not JSON ({' '.join(text.split())[:200]!r})") from None
     if not isinstance(obj, dict):
-        raise UserError(f"{url}: expected a JSON object, got {body[:200]!r}")
+        raise error(f"expected a JSON object, got {text[:200]!r}")
     return obj
 
 
@@ -137,7 +138,8 @@ def reply_from_message(message: dict) -> ParsedReply:
         calls.append(ToolCall(fn["name"], args))
     if calls:
         return ParsedReply("call", calls, message.get("content") or "")
-    return parse_reply(message.get("content") or "", DEFAULT_TOKEN_MAP)
+    # endpoint text may still carry the markers as a plain Gemma 3 vocabulary's <unusedN> tokens
+    return parse_reply(message.get("content") or "", plain_gemma_token_map())
 
 
 def first_message(resp: dict, url: str) -> dict:

@@ -1,5 +1,8 @@
-"""Model families (registry), loading from HF directories, and forward helpers."""
+"""Models: the family registry (a leaf: facts as data), one module per family (config translation,
+weight tables, Tunix model patches), loading a checked model from an HF directory, and the sharded
+weight reader. Importing this package registers every family."""
 
+from gemma_tpu.models import gemma3, gemma4  # noqa: F401  (each registers its Family)
 from gemma_tpu.models.loading import ResolvedModel, load_model, resolve_model
 from gemma_tpu.models.registry import Family, Projection, detect_family, get_family
 

@@ -9,18 +9,27 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
-
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
-                                       tunix_safetensors_loader)
-from gemma_tpu.models.sharded_weights import sharded_safetensors_loader
+from gemma_tpu.formats import gemma_chat
+from gemma_tpu.models.registry import (
+    Family,
+    GGUFFacts,
+    GGUFTensor,
+    Projection,
+    Tensor,
+    register,
+    text_config,
+    tunix_remat,
+    tunix_safetensors_loader,
+)
+from gemma_tpu.models.sharded_weights import load_sharded
+
+# Tunix's Gemma 3: five sliding-window layers, then one global layer (HF `layer_types`, llama.cpp's default).
+SLIDING_WINDOW_PATTERN = 6
 
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
-
-_ATTN_PATTERN = 6  # Tunix's Gemma 3: five sliding-window layers, then one global layer
 
 
 def _rope(t: dict, kind: str) -> tuple[float, float]:
@@ -46,9 +55,12 @@ def _rope(t: dict, kind: str) -> tuple[float, float]:
     return float(theta), factor
 
 
-def tunix_config(hf_config: dict, param_dtype: Any = jnp.float32):
+def tunix_config(hf_config: dict, param_dtype: Any = None):
     """Translate an HF Gemma 3 config (text or multimodal) into Tunix's `ModelConfig`."""
+    import jax.numpy as jnp  # deferred, like Tunix: registering the families must not import jax
     from tunix.models.gemma3 import model as g3
+
+    param_dtype = jnp.float32 if param_dtype is None else param_dtype
 
     t = text_config(hf_config)
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -70,8 +82,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = jnp.float32):
     n_layers = int(t["num_hidden_layers"])
     layer_types = t.get("layer_types")
     if layer_types:
-        expected = ["full_attention" if (i + 1) % _ATTN_PATTERN == 0 else "sliding_attention" for i in range(n_layers)]
-        if list(layer_types) != expected:
+        if list(layer_types) != GEMMA3.layer_types(n_layers):
             raise UserError(
                 "config.json: layer_types must follow Gemma 3's pattern of five sliding-window layers "
                 "then one global layer; this checkpoint's pattern is not supported"
@@ -174,13 +185,88 @@ def model_class():
     return _MODEL_CLASS
 
 
+# Partition rules of Tunix's Gemma weights: the specs Tunix's own ShardingConfig annotates them with, so
+# weights load straight into their shards. Gemma 4 shares the attention/MLP part.
+_L = r"layers\.\d+\."
+ATTENTION_MLP_PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
+    (r"embedder\.input_embedding", ("tp", "fsdp")),
+    (_L + r"attn\.(q|k)_einsum\.w", ("tp", "fsdp", None)),
+    (_L + r"attn\.(kv|qkv)_einsum\.w", (None, "tp", "fsdp", None)),
+    (_L + r"attn\.attn_vec_einsum\.w", ("tp", None, "fsdp")),
+    (_L + r"mlp\.(gate|up)_proj\.kernel", ("fsdp", "tp")),
+    (_L + r"mlp\.down_proj\.kernel", ("tp", "fsdp")),
+)
+PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
+    (_L + r"attn\._(query|key)_norm\.scale", ()),  # Tunix: no sharding on head_dim
+    (r"(layers\.\d+\.)?\w*norm\.scale", ("tp",)),
+)
+
+
+# llama.cpp's "gemma3" architecture (its converter's tensor names, checked against the `gguf`
+# package's own map in the tests). No q/k permutation: llama.cpp runs Gemma with NeoX-style
+# rotary embeddings, the same half-split layout as transformers. The tied embedding is also the
+# output projection, so a tied model has no `output.weight`.
+def gguf_rope(t: dict) -> dict[str, Any]:
+    """llama.cpp's rotary keys: the global layers' base and linear scaling, the sliding layers'
+    base (llama.cpp applies no scaling there)."""
+    global_theta, global_scale = _rope(t, "full_attention")
+    local_theta, local_scale = _rope(t, "sliding_attention")
+    if local_scale != 1.0:
+        raise UserError(f"config.json: linear rope scaling ({local_scale}) on sliding-window layers cannot be "
+                        f"expressed in llama.cpp's gemma3")
+    out = {"rope.freq_base": global_theta, "rope.freq_base_swa": local_theta}
+    if global_scale != 1.0:
+        out.update({"rope.scaling.type": "linear", "rope.scaling.factor": global_scale})
+    return out
+
+
+GGUF = GGUFFacts(
+    arch="gemma3",
+    tensors=(
+        GGUFTensor("token_embd.weight", "embed_tokens.weight"),
+        GGUFTensor("output_norm.weight", "norm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.attn_norm.weight", "layers.{i}.input_layernorm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.attn_q.weight", "layers.{i}.self_attn.q_proj.weight"),
+        GGUFTensor("blk.{i}.attn_k.weight", "layers.{i}.self_attn.k_proj.weight"),
+        GGUFTensor("blk.{i}.attn_v.weight", "layers.{i}.self_attn.v_proj.weight"),
+        GGUFTensor("blk.{i}.attn_q_norm.weight", "layers.{i}.self_attn.q_norm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.attn_k_norm.weight", "layers.{i}.self_attn.k_norm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.attn_output.weight", "layers.{i}.self_attn.o_proj.weight"),
+        GGUFTensor("blk.{i}.post_attention_norm.weight", "layers.{i}.post_attention_layernorm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.ffn_norm.weight", "layers.{i}.pre_feedforward_layernorm.weight", plus_one=True),
+        GGUFTensor("blk.{i}.ffn_gate.weight", "layers.{i}.mlp.gate_proj.weight"),
+        GGUFTensor("blk.{i}.ffn_up.weight", "layers.{i}.mlp.up_proj.weight"),
+        GGUFTensor("blk.{i}.ffn_down.weight", "layers.{i}.mlp.down_proj.weight"),
+        GGUFTensor("blk.{i}.post_ffw_norm.weight", "layers.{i}.post_feedforward_layernorm.weight", plus_one=True),
+        GGUFTensor("output.weight", "lm_head.weight"),  # untied models only
+    ),
+    hparams=(
+        ("context_length", "max_position_embeddings", "u32", 131072),
+        ("embedding_length", "hidden_size", "u32", None),
+        ("block_count", "num_hidden_layers", "u32", None),
+        ("feed_forward_length", "intermediate_size", "u32", None),
+        ("attention.head_count", "num_attention_heads", "u32", None),
+        ("attention.head_count_kv", "num_key_value_heads", "u32", None),
+        ("attention.key_length", "head_dim", "u32", None),
+        ("attention.value_length", "head_dim", "u32", None),
+        ("attention.layer_norm_rms_epsilon", "rms_norm_eps", "f32", 1e-6),
+        ("attention.sliding_window", "sliding_window", "u32", 4096),
+    ),
+    # llama.cpp scales queries by 1/sqrt(head_dim) (hidden/heads only for the 62-layer 27B).
+    require_equal=(("query_pre_attn_scalar", "head_dim"),),
+    require_unset=("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"),
+    swa_period=SLIDING_WINDOW_PATTERN,
+    rope=gguf_rope,
+)
+
 GEMMA3 = register(
     Family(
         name="gemma3",
         architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         model_types=("gemma3_text", "gemma3"),
         tunix_config=tunix_config,
-        create_model=sharded_safetensors_loader("gemma3", model_class),
+        loader=load_sharded,
+        partition_rules=PARTITION_RULES,
         reference_loader=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,
@@ -199,5 +285,14 @@ GEMMA3 = register(
             Tensor("layers.{i}.attn._key_norm.scale", "layers.{i}.self_attn.k_norm.weight"),
         ),
         stop_token_ids=(1, 106),  # <eos>, <end_of_turn>
+        gguf=GGUF,
+        end_of_turn_token=gemma_chat.END_OF_TURN,
+        end_of_turn_id=106,
+        sliding_window_pattern=SLIDING_WINDOW_PATTERN,
+        # vLLM-TPU serves Gemma 3 with vLLM's PyTorch model through torchax (text only); tool calls
+        # are FunctionGemma text.
+        vllm_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        vllm_tool_parser="functiongemma",
+        vllm_tied_embeddings_only=True,
     )
 )

@@ -31,12 +31,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
-
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import (Family, Projection, Tensor, register, text_config, tunix_remat,
-                                       tunix_safetensors_loader)
-from gemma_tpu.models.sharded_weights import sharded_safetensors_loader
+from gemma_tpu.models.gemma3 import ATTENTION_MLP_PARTITION_RULES
+from gemma_tpu.models.registry import (
+    Family,
+    Projection,
+    Tensor,
+    register,
+    text_config,
+    tunix_remat,
+    tunix_safetensors_loader,
+)
+from gemma_tpu.models.sharded_weights import load_sharded
 
 # HF key prefixes of the decoder: text-only, multimodal as transformers >= 5 saves it (the
 # released layout), and the older multimodal layout, accepted for symmetry with Gemma 3.
@@ -56,7 +62,7 @@ def _layer_types(t: dict) -> list[str]:
     n = int(t["num_hidden_layers"])
     types = t.get("layer_types")
     if not types:
-        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+        types = GEMMA4.layer_types(n)
     types = list(types)
     if len(types) != n:
         raise UserError(f"config.json: layer_types has {len(types)} entries for num_hidden_layers={n}")
@@ -163,9 +169,12 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int) -> tuple[floa
     raise _cfg_error(key, rtype, "default or proportional")
 
 
-def tunix_config(hf_config: dict, param_dtype: Any = jnp.float32):
+def tunix_config(hf_config: dict, param_dtype: Any = None):
     """Translate an HF Gemma 4 config (text or multimodal) into Tunix's Gemma 4 `ModelConfig`."""
+    import jax.numpy as jnp  # deferred, like Tunix: registering the families must not import jax
     from tunix.models.gemma4 import model as g4
+
+    param_dtype = jnp.float32 if param_dtype is None else param_dtype
 
     t = text_config(hf_config)
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -328,6 +337,7 @@ def model_class():
         return _MODEL_CLASS
 
     import jax
+    import jax.numpy as jnp
     from tunix.models.gemma4 import model as g4
     from tunix.models.gemma4 import moe as g4_moe
 
@@ -411,13 +421,28 @@ def model_class():
     return _MODEL_CLASS
 
 
+_L = r"layers\.\d+\."
+PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
+    (r"embedder\.per_layer_input_embedding", ("tp", None, "fsdp")),
+    (r"embedder\.per_layer_model_projection\.w", ("fsdp", None, "tp")),
+    (_L + r"per_layer_input_gate\.w", ("fsdp", "tp")),
+    (_L + r"per_layer_projection\.w", ("tp", "fsdp")),
+    (_L + r"moe\.gating_einsum", ("fsdp", None, None, "tp")),
+    (_L + r"moe\.linear", ("fsdp", "tp", None)),
+    (_L + r"moe\.(router_logits|router_scale|per_expert_scale)", ()),
+    (_L + r"skip_scale", ()),
+    (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ("tp",)),
+)
+
+
 GEMMA4 = register(
     Family(
         name="gemma4",
         architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         model_types=("gemma4_text", "gemma4"),
         tunix_config=tunix_config,
-        create_model=sharded_safetensors_loader("gemma4", model_class),
+        loader=load_sharded,
+        partition_rules=PARTITION_RULES,
         reference_loader=tunix_safetensors_loader("gemma4", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,
@@ -428,5 +453,12 @@ GEMMA4 = register(
         layer_features=layer_features,
         layout_fields=layout_fields,
         stop_token_ids=(1, 106, 50),  # <eos>, <turn|>, <|tool_response>
+        end_of_turn_token="<turn|>",
+        end_of_turn_id=106,
+        sliding_window_pattern=6,  # transformers' default when config.json has no layer_types
+        # vLLM-TPU serves Gemma 4 with tpu-inference's JAX-native models
+        # (`tpu_inference/models/common/model_loader.py` registers both); tool calls are `<|tool_call>` blocks.
+        vllm_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        vllm_tool_parser="gemma4",
     )
 )

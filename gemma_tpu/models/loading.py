@@ -34,18 +34,10 @@ def resolve_model(spec: str, revision: str | None = None, family: str | None = N
     return ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
 
 
-def text_prefix(family: Family, keys: dict[str, str] | list[str]) -> str:
-    """Which of the family's decoder prefixes this checkpoint uses."""
-    for prefix in sorted(family.text_prefixes, key=len, reverse=True):
-        if any(k.startswith(prefix + "layers.") for k in keys):
-            return prefix
-    raise UserError(f"no decoder layers found under any of {', '.join(family.text_prefixes)}")
-
-
 def check_weights(resolved: ResolvedModel, tunix_cfg: Any) -> str:
     """Fail early, naming the first missing or misshapen tensor, before Tunix's loader runs."""
     keys = safetensors_keys(resolved.local_dir)
-    prefix = text_prefix(resolved.family, keys)
+    prefix = resolved.family.text_prefix(keys)
     needed = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"]
     for layer in range(tunix_cfg.num_layers):
         needed += [resolved.family.hf_key(prefix, layer, p) for p in resolved.family.layer_projections(tunix_cfg, layer)]

@@ -29,8 +29,6 @@ import math
 import re
 from typing import Any, Callable
 
-from pathlib import Path
-
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
@@ -140,6 +138,39 @@ class Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One GGUF tensor: its name in llama.cpp's naming (`blk.{i}.attn_q.weight`), the HF key under
+    the decoder prefix it holds (`layers.{i}.self_attn.q_proj.weight`; `lm_head.weight` is
+    absolute), and whether the file stores `1 + w` (Gemma's RMSNorm scales: llama.cpp multiplies
+    by the stored weight, transformers' Gemma by `1 + w`)."""
+
+    gguf: str
+    hf: str
+    plus_one: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFFacts:
+    """What llama.cpp's GGUF needs to know about a family (`convert.export_gguf` reads it).
+
+    `hparams`: (key under `{arch}.`, config.json key of the text config, value type, default
+    when the config lacks it). `require_equal`: config keys llama.cpp does not read but hard-wires
+    to another key's value (Gemma 3's attention scale is 1/sqrt(head_dim) there). `require_unset`:
+    config keys llama.cpp's architecture cannot express when set. `swa_period`: llama.cpp's default
+    sliding/global layer pattern (every Nth layer global), which the config must follow."""
+
+    arch: str
+    tensors: tuple[GGUFTensor, ...]
+    hparams: tuple[tuple[str, str, str, Any], ...]
+    require_equal: tuple[tuple[str, str], ...] = ()
+    require_unset: tuple[str, ...] = ()
+    swa_period: int | None = None
+    # text config -> rotary keys under `{arch}.` (freq_base, freq_base_swa, scaling.*); raises
+    # UserError for schemes llama.cpp's architecture cannot express
+    rope: Callable[[dict], dict[str, Any]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """Everything that differs between model families, as data plus a few small functions."""
 
@@ -147,7 +178,7 @@ class Family:
     architectures: tuple[str, ...]  # HF `architectures` served by this family
     model_types: tuple[str, ...]  # HF `model_type` values (text config)
     tunix_config: Callable[[dict, Any], Any]  # (hf text config, param dtype) -> Tunix ModelConfig
-    create_model: Callable[..., Any]  # (dir, tunix cfg, mesh, dtype) -> nnx model
+    loader: Callable[..., Any]  # (family, dir, tunix cfg, mesh, dtype) -> nnx model
     projections: Callable[[Any], tuple[Projection, ...]]  # tunix cfg -> projections
     text_prefixes: tuple[str, ...]  # where decoder layers live in HF key names
     with_remat: Callable[[Any, str], Any]  # (tunix cfg, none|block|decoder) -> tunix cfg
@@ -163,10 +194,43 @@ class Family:
     layout_fields: Callable[[dict], dict] | None = None
     # generation_config.json eos ids a merged model must stop on
     stop_token_ids: tuple[int, ...] = (1, 106)
+    # The vocabulary's end-of-turn marker and its id: generation looks the id up in the tokenizer;
+    # checks of a directory without loading its tokenizer (serving) use the recorded one.
+    end_of_turn_token: str | None = None
+    end_of_turn_id: int | None = None
+    # HF `layer_types` pattern: `sliding_window_pattern - 1` sliding-window layers, then one global layer.
+    sliding_window_pattern: int | None = None
+    # Serving on vLLM-TPU: the HF architectures it serves for this family and its tool-call parser.
+    vllm_architectures: tuple[str, ...] = ()
+    vllm_tool_parser: str | None = None
+    vllm_tied_embeddings_only: bool = False  # vLLM's model has no separate lm_head for this family
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
     # Tunix's own safetensors loader for this family: whole tensors on every host; kept as the
     # reference that tests check `create_model` (gemma_tpu.models.sharded_weights) against.
     reference_loader: Callable[..., Any] | None = None
+    # Partition rules: (regex over the Tunix param path, per-dimension mesh axes), first full match wins;
+    # LoRA factors, quantized weights and optimizer state derive theirs (gemma_tpu.train.partition).
+    partition_rules: tuple[tuple[str, tuple], ...] = ()
+
+    def create_model(self, file_dir: str, cfg: Any, mesh=None, dtype=None):
+        """The Tunix model of `cfg` with the weights of `file_dir`, each read straight into its shard."""
+        return self.loader(self, file_dir, cfg, mesh=mesh, dtype=dtype)
+
+    def text_prefix(self, keys) -> str:
+        """Which of the family's decoder prefixes a checkpoint with these weight names uses."""
+        for prefix in sorted(self.text_prefixes, key=len, reverse=True):
+            if any(k.startswith(prefix + "layers.") for k in keys):
+                return prefix
+        raise UserError(f"no decoder layers found under any of {', '.join(self.text_prefixes)}")
+    # llama.cpp's view of the family (GGUF export); None: `convert.export_gguf` refuses it.
+    gguf: GGUFFacts | None = None
+
+    def layer_types(self, n_layers: int) -> list[str]:
+        """HF `layer_types` of the family's attention pattern for `n_layers` decoder layers."""
+        period = self.sliding_window_pattern
+        if not period:
+            raise ValueError(f"model family {self.name} has no fixed attention pattern")
+        return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
 
     def features(self, cfg: Any, layer: int | None) -> frozenset[str]:
         return self.layer_features(cfg, layer) if self.layer_features else frozenset()
@@ -274,19 +338,16 @@ def register(family: Family) -> Family:
 
 
 def families() -> dict[str, Family]:
-    _ensure_loaded()
     return dict(_FAMILIES)
 
 
 def get_family(name: str) -> Family:
-    _ensure_loaded()
     if name not in _FAMILIES:
         raise UserError(f"unknown model family {name!r} (known: {', '.join(sorted(_FAMILIES))})")
     return _FAMILIES[name]
 
 
 def supported_architectures() -> list[str]:
-    _ensure_loaded()
     return sorted({a for f in _FAMILIES.values() for a in f.architectures})
 
 
@@ -297,7 +358,6 @@ def text_config(hf_config: dict) -> dict:
 
 def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     """Pick the family from `architectures` / `model_type`; unknown ones get a clear error."""
-    _ensure_loaded()
     archs = list(hf_config.get("architectures") or [])
     model_types = {hf_config.get("model_type"), text_config(hf_config).get("model_type")}
     for fam in _FAMILIES.values():
@@ -311,60 +371,3 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     raise UserError(
         f"{where}: unsupported architecture {got}; supported: {', '.join(supported_architectures())}"
     )
-
-
-PRESETS_DIR = Path(__file__).resolve().parent / "presets"
-
-
-def preset_path(model_path: str) -> Path:
-    """`org/name` -> gemma_tpu/models/presets/org--name.json (whether or not it exists); hub ids
-    are case-insensitive (google/gemma-4-31B-it and google/gemma-4-31b-it are one repository)."""
-    return PRESETS_DIR / (model_path.strip("/").replace("/", "--").lower() + ".json")
-
-
-def config_json_for(model_path: str) -> dict:
-    """config.json of `model_path` without loading (or downloading) weights, for offline planning.
-
-    In order: a local directory's config.json; a prepared `embedded:NAME` model's (or its known
-    config); the Hugging Face cache's copy for a hub id (no network); the shipped preset
-    (`presets/<org>--<name>.json`). Anything else is a one-line UserError.
-    """
-    from gemma_tpu.core.errors import read_json_object
-
-    spec = str(model_path)
-    local = Path(spec).expanduser()
-    if local.is_dir():
-        return read_json_object(local / "config.json", f"{local / 'config.json'}: missing (not a Hugging Face "
-                                                        f"model directory)")
-    if spec.startswith("embedded:"):
-        from gemma_tpu.assets import embedded as assets
-        name = spec[len("embedded:"):]
-        entry = assets.get_model(name)
-        target = assets.target_dir(name)
-        if assets.is_complete(target):
-            return read_json_object(target / "config.json", f"{target}/config.json: missing")
-        if entry.expected_config:
-            return dict(entry.expected_config)
-        raise UserError(f"{spec}: not prepared yet and no known config; run "
-                        f"`python -m gemma_tpu.assets prepare {name}` first")
-    if re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", spec):
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(spec, "config.json")
-        except Exception:  # no hub library or a malformed cache: fall through to the presets
-            cached = None
-        if isinstance(cached, str) and Path(cached).is_file():
-            return read_json_object(Path(cached), f"{cached}: unreadable")
-        preset = preset_path(spec)
-        if preset.is_file():
-            return read_json_object(preset, f"{preset}: unreadable")
-        known = ", ".join(sorted(p.stem.replace("--", "/") for p in PRESETS_DIR.glob("*.json")))
-        raise UserError(f"{spec}: no local directory, no cached config.json and no preset (presets: {known})")
-    raise UserError(f"{spec}: no such directory")
-
-
-def _ensure_loaded() -> None:
-    # Families register themselves on import; import them lazily to keep startup light (every
-    # one, even when another module already imported one of them directly).
-    from gemma_tpu.models import gemma3, gemma4  # noqa: F401

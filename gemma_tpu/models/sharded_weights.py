@@ -27,11 +27,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.progress import Progress, human
+from gemma_tpu.hf.safetensors_io import WeightsDir
+from gemma_tpu.models.registry import Family, Projection
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,6 @@ class Source:
 
 
 def _source(hf_key: str, how: Any, rank: int) -> Source:
-    from gemma_tpu.models.registry import Projection
-
     if isinstance(how, Projection):
         return Source(hf_key, tuple(how.axes), (tuple(how.out_axes), tuple(how.in_axes)), how.split)
     if how.axes:
@@ -154,27 +155,21 @@ def _unique_boxes(sharding, shape: tuple[int, ...]) -> list[tuple[tuple[int, int
     return boxes
 
 
-def load_sharded(model_dir: str | Path, family_name: str, model_class: Callable[[], type], cfg: Any,
-                 mesh=None, dtype=None):
-    """Build `model_class()(cfg)` with every weight read from `model_dir` into its sharding.
+def load_sharded(family: Family, model_dir: str | Path, cfg: Any, mesh=None, dtype=None):
+    """Build `family.model_class()(cfg)` with every weight read from `model_dir` into its sharding.
 
     Without a mesh every param goes to the first device (as Tunix's loader does)."""
     import jax
     from flax import nnx
     from tunix.utils import compat
 
-    from gemma_tpu.core.progress import Progress, human
-    from gemma_tpu.hf.safetensors_io import WeightsDir
-    from gemma_tpu.models.loading import text_prefix
-    from gemma_tpu.models.registry import get_family
 
     t0 = time.monotonic()
-    family = get_family(family_name)
     weights = WeightsDir(model_dir)
-    prefix = text_prefix(family, weights.names())
+    prefix = family.text_prefix(weights.names())
     ctx = compat.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     with ctx:
-        abstract = nnx.eval_shape(lambda: model_class()(cfg, rngs=nnx.Rngs(params=0)))
+        abstract = nnx.eval_shape(lambda: family.model_class()(cfg, rngs=nnx.Rngs(params=0)))
     graph_def, abs_state = nnx.split(abstract)
     state = abs_state.to_pure_dict()
     if mesh is not None:
@@ -234,12 +229,3 @@ def load_sharded(model_dir: str | Path, family_name: str, model_class: Callable[
              human(stats.checkpoint_bytes), progress_seconds, jax.process_index(), jax.process_count())
     treedef = jax.tree_util.tree_structure(state)
     return nnx.merge(graph_def, jax.tree_util.tree_unflatten(treedef, arrays))
-
-
-def sharded_safetensors_loader(family_name: str, model_class: Callable[[], type]) -> Callable:
-    """A family's `create_model(file_dir, cfg, mesh, dtype)` through `load_sharded`."""
-
-    def create_model(file_dir: str, cfg, mesh=None, dtype=None):
-        return load_sharded(file_dir, family_name, model_class, cfg, mesh=mesh, dtype=dtype)
-
-    return create_model

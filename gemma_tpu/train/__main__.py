@@ -2,7 +2,7 @@
 
 import sys
 
-from gemma_tpu.core.errors import cli_main
+from gemma_tpu.core.cli import cli_main
 from gemma_tpu.train.run import main
 
 sys.exit(cli_main(main))

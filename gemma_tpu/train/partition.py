@@ -1,6 +1,6 @@
 """Partition rules: which mesh axes every weight, LoRA factor, optimizer state and activation is split over.
 
-One table per family (`RULES`): an ordered list of (regex over the Tunix parameter path, spec);
+One table per family (`Family.partition_rules`, in the registry): an ordered list of (regex over the Tunix parameter path, spec);
 the first full match wins. A spec names, per array dimension, the mesh axis (or axes) that dimension
 is split over, None for replicated. The weight specs are the ones Tunix's Gemma models annotate their
 parameters with (`ShardingConfig.get_default_sharding()`), so the loader places each weight directly
@@ -23,8 +23,6 @@ would re-gather every data-parallel batch shard (each data replica recomputing i
 examples). `ACTIVATIONS` splits the batch over ('data', 'fsdp') instead, the same axes the input
 batch is split over (`mesh.DATA_SHARDING_AXIS`); `with_activation_rules` puts them into the Tunix
 config. (Tunix skips activation constraints on CPU, so on CPU only the weight rules are observable.)
-
-Until the registry's `Family` has a field for it, the tables live here, keyed by family name.
 """
 
 from __future__ import annotations
@@ -40,35 +38,6 @@ from gemma_tpu.train.mesh import BATCH_AXES
 Axis = str | tuple[str, ...] | None
 Spec = tuple[Axis, ...]
 
-_L = r"layers\.\d+\."
-
-_COMMON: tuple[tuple[str, Spec], ...] = (
-    (r"embedder\.input_embedding", ("tp", "fsdp")),
-    (_L + r"attn\.(q|k)_einsum\.w", ("tp", "fsdp", None)),
-    (_L + r"attn\.(kv|qkv)_einsum\.w", (None, "tp", "fsdp", None)),
-    (_L + r"attn\.attn_vec_einsum\.w", ("tp", None, "fsdp")),
-    (_L + r"mlp\.(gate|up)_proj\.kernel", ("fsdp", "tp")),
-    (_L + r"mlp\.down_proj\.kernel", ("tp", "fsdp")),
-)
-
-RULES: dict[str, tuple[tuple[str, Spec], ...]] = {
-    "gemma3": _COMMON + (
-        (_L + r"attn\._(query|key)_norm\.scale", ()),  # Tunix: no sharding on head_dim
-        (r"(layers\.\d+\.)?\w*norm\.scale", ("tp",)),
-    ),
-    "gemma4": _COMMON + (
-        (r"embedder\.per_layer_input_embedding", ("tp", None, "fsdp")),
-        (r"embedder\.per_layer_model_projection\.w", ("fsdp", None, "tp")),
-        (_L + r"per_layer_input_gate\.w", ("fsdp", "tp")),
-        (_L + r"per_layer_projection\.w", ("tp", "fsdp")),
-        (_L + r"moe\.gating_einsum", ("fsdp", None, None, "tp")),
-        (_L + r"moe\.linear", ("fsdp", "tp", None)),
-        (_L + r"moe\.(router_logits|router_scale|per_expert_scale)", ()),
-        (_L + r"skip_scale", ()),
-        (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ("tp",)),
-    ),
-}
-
 # Tunix ShardingConfig fields for activations: batch over (data, fsdp), model dims over tp.
 ACTIVATIONS: dict[str, Spec] = {
     "act_btd": (BATCH_AXES, None, "tp"),
@@ -80,18 +49,12 @@ _LORA = re.compile(r"^(?P<base>.+)_lora_(?P<ab>[ab])$")
 _QUANT = re.compile(r"^(?P<base>.+)\.array\.(?P<part>qvalue|scale)$")
 
 
-def rules_for(family_name: str) -> tuple[tuple[str, Spec], ...]:
-    if family_name not in RULES:
-        raise UserError(f"no partition rules for model family {family_name!r} (known: {', '.join(RULES)})")
-    return RULES[family_name]
-
-
-def base_spec(family_name: str, path: str) -> Spec:
+def base_spec(family, path: str) -> Spec:
     """The rule spec of a (non-LoRA, unquantized) parameter path, e.g. 'layers.3.attn.q_einsum.w'."""
-    for pattern, spec in rules_for(family_name):
+    for pattern, spec in family.partition_rules:
         if re.fullmatch(pattern, path):
             return spec
-    raise UserError(f"no partition rule of family {family_name} matches parameter {path!r}")
+    raise UserError(f"no partition rule of family {family.name} matches parameter {path!r}")
 
 
 def _projection_for(family, tunix_cfg, module_path: str):
@@ -113,15 +76,15 @@ def spec_for(family, tunix_cfg, path: str, ndim: int) -> Spec:
         proj = _projection_for(family, tunix_cfg, base)
         if proj is None:
             raise UserError(f"LoRA factor {path!r} is on a weight the {family.name} registry does not know")
-        bspec = _pad(base_spec(family.name, base), len(proj.axes))
+        bspec = _pad(base_spec(family, base), len(proj.axes))
         by_axis = dict(zip(proj.axes, bspec))
         if m.group("ab") == "a":
             return tuple(by_axis[a] for a in proj.axes if a in proj.in_axes) + (None,)
         return (None,) + tuple(by_axis[a] for a in proj.axes if a not in proj.in_axes)
     m = _QUANT.match(path)
     if m:
-        return _pad(base_spec(family.name, m.group("base")), ndim)  # scale: collapsed dims are size 1
-    return _pad(base_spec(family.name, path), ndim)
+        return _pad(base_spec(family, m.group("base")), ndim)  # scale: collapsed dims are size 1
+    return _pad(base_spec(family, path), ndim)
 
 
 def _pad(spec: Spec, ndim: int) -> Spec:

@@ -1,7 +1,7 @@
 """Plan before launch: per-device memory and step time of a run, from config.json alone.
 
 `python -m gemma_tpu.train --config FILE --dry-run [overrides]` (or `python -m gemma_tpu.plan ...`)
-reads the model's config.json (`registry.config_json_for`: a local dir, the Hugging Face cache or a
+reads the model's config.json (`gemma_tpu.hf.directory.config_json_for`: a local dir, the Hugging Face cache or a
 shipped preset - no weights, no download), builds the model *abstractly* (`nnx.eval_shape`: every
 parameter's shape and dtype, nothing allocated), places every parameter with the partition rules
 (`gemma_tpu.train.partition`) on the configured mesh, and adds up what one device holds. It exits 2, with
@@ -57,15 +57,24 @@ the real train step is also compiled on the local devices (random weights, nothi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import re
 import sys
 from typing import Any, Sequence
 
-from gemma_tpu.core.config import RunConfig, load_config
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu import lora as lora_lib
+from gemma_tpu.core import cli
+from gemma_tpu.core.accelerators import ACCELERATORS
+from gemma_tpu.core.config import RunConfig
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf.directory import config_json_for
+from gemma_tpu.models.registry import detect_family, get_family
+from gemma_tpu.train import flops as flops_lib
+from gemma_tpu.train import mesh as mesh_lib
+from gemma_tpu.train import partition
+from gemma_tpu.train.mesh import mesh_shape
+from gemma_tpu.train.partition import flat_params
 
 SAFETY_MARGIN = 0.15
 DEFAULT_MFU = 0.4
@@ -155,8 +164,6 @@ def abstract_model(family, hf_config: dict, dtype: str = "float32", remat: str =
 
 
 def _flat_shapes(model) -> dict[str, tuple[tuple[int, ...], str]]:
-    from gemma_tpu.train.partition import flat_params
-
     return {p: (tuple(v.shape), str(v.dtype)) for p, v in flat_params(model)}
 
 
@@ -257,11 +264,6 @@ def plan_devices(cfg: RunConfig, devices: int | None) -> int:
 
 def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | None = None,
               hf_config: dict | None = None) -> Plan:
-    from gemma_tpu.train import flops as flops_lib
-    from gemma_tpu.train import partition
-    from gemma_tpu.train.mesh import mesh_shape
-    from gemma_tpu.models.registry import config_json_for, detect_family, get_family
-
     hf = hf_config if hf_config is not None else config_json_for(cfg.model.path)
     family = get_family(cfg.model.family) if cfg.model.family else detect_family(hf, f"{cfg.model.path} config.json")
     remat = cfg.train.remat or cfg.model.remat
@@ -360,7 +362,6 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     sf = flops_lib.training_flops(tcfg, T, r if cfg.lora.enabled else None, len(cfg.lora.targets),
                                   matmul_params=sum(d.matmul for d in dims), attn_dims=attn_dims)
     flops_step = sf.step(tokens_per_step, B * M * accum)
-    from gemma_tpu.core.accelerators import ACCELERATORS
 
     acc = ACCELERATORS[cfg.mesh.accelerator]
     mfu = assumed_mfu if assumed_mfu is not None else DEFAULT_MFU
@@ -395,15 +396,8 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
     import optax
     from flax import nnx
 
-    from gemma_tpu import lora as lora_lib
-
-    from gemma_tpu.train import mesh as mesh_lib
-
-    from gemma_tpu.train import optim
-
-    from gemma_tpu.train import partition
-    from gemma_tpu.train.loss import make_loss_fn
-    from gemma_tpu.models.registry import detect_family, get_family
+    from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
+    from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
     family = get_family(cfg.model.family) if cfg.model.family else detect_family(hf_config)
     remat = cfg.train.remat or cfg.model.remat
@@ -523,8 +517,6 @@ def format_plan(p: Plan) -> str:
 
 
 def _peak(acc: str) -> float:
-    from gemma_tpu.core.accelerators import ACCELERATORS
-
     return ACCELERATORS[acc]["peak_flops"]
 
 
@@ -534,7 +526,6 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     import os
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from gemma_tpu.models.registry import config_json_for
 
     out = out or sys.stdout
     hf = config_json_for(cfg.model.path)
@@ -550,12 +541,12 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gemma_tpu.plan", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
+    ap = cli.parser("python -m gemma_tpu.plan", __doc__, config="YAML run config (see configs/)")
     ap.add_argument("--devices", type=int, default=None)
     ap.add_argument("--assumed-mfu", type=float, default=None)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(list(argv or []))
-    cfg = load_config(args.config, args.overrides)
+    cfg = cli.run_config(args)
+    if cfg is None:
+        return 0
     return run_dry(cfg, args.devices, args.assumed_mfu, not args.no_compile)

@@ -60,7 +60,7 @@ class Preemption:
             cm = t.checkpoint_manager
             last = last_step_on_disk(cm)  # waits for an async save of this step already under way
             if step > 0 and last != step:
-                cm.save(step, t.model, t.optimizer, save_only_lora_params=t._lora_enabled, force=True,
+                cm.save(step, t.model, t.optimizer, save_only_lora_params=t.lora_enabled, force=True,
                         custom_metadata=t.custom_checkpoint_metadata())
                 last = last_step_on_disk(cm)
             cm.close()

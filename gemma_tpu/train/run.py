@@ -13,23 +13,32 @@ import dataclasses
 import functools
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 from typing import Sequence
 
+from gemma_tpu import data, lora
+from gemma_tpu.checkpoint import metadata as checkpoint
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
+from gemma_tpu.checkpoint.params import check_item_files, short_reason
+from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_writable
-from gemma_tpu.core.config import RunConfig, load_config, validate_for_model
-from gemma_tpu.core.errors import UserError, cli_main
-from gemma_tpu.train import run_lock
+from gemma_tpu.core.config import RunConfig, validate_for_model
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats.function_calling import function_token_map
+from gemma_tpu.hf.fingerprint import check_base
+from gemma_tpu.hf.tokenizer import load_tokenizer
+from gemma_tpu.models import load_model, resolve_model
+from gemma_tpu.train import flops as flops_lib
+from gemma_tpu.train import mesh as mesh_lib
+from gemma_tpu.train import plan, run_lock
+from gemma_tpu.train.plan import abstract_model
+from gemma_tpu.train.preempt import Preemption
 
 log = logging.getLogger("gemma_tpu.train")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="YAML run config (see configs/)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p = cli.parser("python -m gemma_tpu.train", __doc__, config="YAML run config (see configs/)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the mesh, per-device memory and step-time plan without loading weights; "
                         "exit 2 if it does not fit the accelerator (see gemma_tpu.train.plan)")
@@ -37,30 +46,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="--dry-run: devices to plan for when a mesh axis is -1 (default: the local ones)")
     p.add_argument("--assumed-mfu", type=float, default=None, help="--dry-run: MFU for the step-time estimate")
     p.add_argument("--no-compile", action="store_true", help="--dry-run: skip the compiled memory analysis")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=20")
     return p.parse_args(list(argv))
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-    for noisy in ("absl", "jax", "orbax", "tunix", "qwix", "httpx", "urllib3", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: bool = False) -> None:
     """A checkpoint directory from another base, family, rank or target set is refused. The base is
     compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
     by its path."""
-    from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
 
     if not (ckpt_dir / METADATA_FILE).is_file():
         if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
     old = read_metadata(ckpt_dir)
-    from gemma_tpu.hf.fingerprint import check_base
 
     recorded = old["base_model"].get("fingerprint")
     check_base(recorded, meta["base_model"]["local_dir"], allow_base_mismatch,
@@ -84,10 +84,7 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
 def check_resume_step_files(ckpt_dir: Path) -> None:
     """The step a resume would restore has the files Orbax needs (named when missing), checked before
     the model loads."""
-    from gemma_tpu.checkpoint.metadata import list_steps
-    from gemma_tpu.checkpoint.params import check_item_files
-
-    steps = list_steps(ckpt_dir)
+    steps = checkpoint.list_steps(ckpt_dir)
     if steps:
         for item in ("model_params", "optimizer_state"):
             check_item_files(ckpt_dir / str(steps[-1]) / item)
@@ -95,22 +92,12 @@ def check_resume_step_files(ckpt_dir: Path) -> None:
 
 def run(cfg: RunConfig) -> dict:
     """Train as configured; returns the run summary."""
-    from gemma_tpu.train import mesh as mesh_lib
     #    other JAX call
     mesh_lib.initialize_distributed(cfg.mesh)
     import jax
 
-    from gemma_tpu import data, lora
-
-    from gemma_tpu.checkpoint import metadata as checkpoint
-
-    from gemma_tpu.train import optim
-
-    from gemma_tpu.train import partition
-    from gemma_tpu.formats.function_calling import function_token_map
-    from gemma_tpu.hf.tokenizer import load_tokenizer
-    from gemma_tpu.models import load_model, resolve_model
-    from gemma_tpu.train.trainer import BatchFeed, Trainer
+    from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
+    from gemma_tpu.train.trainer import BatchFeed, Trainer  # deferred: imports jax/torch
 
     primary = jax.process_index() == 0
 
@@ -152,7 +139,6 @@ def run(cfg: RunConfig) -> dict:
     check_batch_divisible(cfg, dict(mesh.shape), jax.process_count())
     remat = effective_remat(cfg)
     with mesh:  # the mesh PeftTrainer reads (thread resources) for input sharding
-        from gemma_tpu.train.plan import abstract_model
 
         abstract, _ = abstract_model(resolved.family, resolved.hf_config, cfg.model.dtype, remat)
         partition.check_divisible(resolved.family, tunix_cfg, abstract, mesh)
@@ -196,7 +182,6 @@ def run(cfg: RunConfig) -> dict:
             pbar_description="train",
         )
         chunk = 1024
-        from gemma_tpu.train import flops as flops_lib
         step_flops = flops_lib.training_flops(tunix_cfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
                                               len(cfg.lora.targets))
         try:  # restores the latest step, if any
@@ -211,11 +196,9 @@ def run(cfg: RunConfig) -> dict:
             steps = checkpoint.list_steps(ckpt_dir)
             if isinstance(e, UserError) or not steps:
                 raise
-            from gemma_tpu.checkpoint.params import short_reason
-
             raise UserError(f"{ckpt_dir / str(steps[-1])}: cannot restore this checkpoint step ({short_reason(e)}); "
                             f"move it aside to resume from the one before") from e
-        from gemma_tpu.train.loss import make_loss_fn
+        from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
         trainer.with_loss_fn(make_loss_fn(chunk))
         trainer.with_data_hooks(feed)
@@ -255,23 +238,17 @@ def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_co
 def _install_sigterm(trainer) -> None:
     """On SIGTERM (TPU preemption notice) finish the step in progress, save it, release the run lock and
     exit 143; at a batch boundary, so the saved step is exactly a step (gemma_tpu.train.preempt)."""
-    from gemma_tpu.train.preempt import Preemption
-
     Preemption(trainer, on_exit=run_lock.release_all).install()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    if not args.config and not args.print_config:
-        raise UserError("--config FILE is required (see configs/)")
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        print(cfg.to_yaml(), end="")
+    cfg = cli.run_config(args, required=not args.print_config)
+    if cfg is None:
         return 0
     if args.dry_run:
-        from gemma_tpu.train import plan
         return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
-    setup_logging()
+    cli.setup_logging()
     try:
         run(cfg)
     finally:

@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 from tunix.sft import hooks as tunix_hooks
-from tunix.sft import peft_trainer
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.finite_guard import FiniteCheckpoints, last_step_on_disk
+from gemma_tpu.train.partition import shard_optimizer_state
+from gemma_tpu.train.tunix_adapter import EVAL_STEP_FN, TRAIN_STEP_FN, TunixTrainer
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -90,13 +91,13 @@ class CompileCounter(logging.Filter):
 
     `jax_log_compiles` makes JAX log every compilation; this filter counts them and swallows
     the lines, except that a second compilation of a watched step is reported loudly with the
-    shapes and shardings JAX compiled it for. (PeftTrainer's `_cache_size()` counts cache
+    shapes and shardings JAX compiled it for. (A jitted function's cache size counts cache
     entries, which is 2 after one compilation: not a compile count.)
     """
 
     LOGGERS = ("jax._src.dispatch", "jax._src.interpreters.pxla")
 
-    def __init__(self, watched=("_train_step", "_eval_step")):
+    def __init__(self, watched=(TRAIN_STEP_FN, EVAL_STEP_FN)):
         super().__init__()
         self.watched = watched
         self.counts: dict[str, int] = {}
@@ -133,8 +134,12 @@ class CompileCounter(logging.Filter):
             logging.getLogger(name).removeFilter(self)
 
 
-class Trainer(peft_trainer.PeftTrainer):
-    """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards."""
+class Trainer(TunixTrainer):
+    """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards.
+
+    Tunix is reached through its public surface and the public names of `tunix_adapter.TunixTrainer`."""
+
+    progress_bar_metrics = ["loss", "learning_rate", "tokens_per_s", "useful_tokens_per_s"]
 
     def __init__(self, model, optimizer, training_config, *, feed: BatchFeed, run_dir: str | Path,
                  tokens_per_step: int, flops=None, peak_flops: float = 0.0,
@@ -144,7 +149,6 @@ class Trainer(peft_trainer.PeftTrainer):
         self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager)  # no non-finite state on disk
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
-            from gemma_tpu.train.partition import shard_optimizer_state
 
             shard_optimizer_state(self.optimizer, mesh)
         import jax
@@ -162,15 +166,15 @@ class Trainer(peft_trainer.PeftTrainer):
         self.price_per_hour = price_per_hour
         self.on_nonfinite = on_nonfinite
         self.seed = seed
-        self.resumed_from = self._train_steps
-        state = (self._restored_custom_metadata or {}).get("data_state")
+        self.resumed_from = self.train_steps
+        state = self.restored_custom_metadata.get("data_state")
         if state is not None:
             feed.stream.set_state(state)
-            log.info("resumed at step %d; data position restored", self._train_steps)
-        elif self._train_steps:
-            log.warning("checkpoint at step %d has no data position; the data restarts", self._train_steps)
+            log.info("resumed at step %d; data position restored", self.train_steps)
+        elif self.train_steps:
+            log.warning("checkpoint at step %d has no data position; the data restarts", self.train_steps)
         self._t_last = None
-        self._step_last = self._train_steps
+        self._step_last = self.train_steps
         self._tok_last = 0
         self._useful_last = 0
         self.compiles = 0
@@ -179,14 +183,14 @@ class Trainer(peft_trainer.PeftTrainer):
 
     # ---- checkpoint contents ---------------------------------------------------------
     def custom_checkpoint_metadata(self) -> dict[str, Any]:
-        return {"data_state": self.feed.stream.get_state(), "step": self._train_steps, "seed": self.seed}
+        return {"data_state": self.feed.stream.get_state(), "step": self.train_steps, "seed": self.seed}
 
     # ---- metrics ---------------------------------------------------------------------
     def _compile_count(self) -> int:
-        return self.compile_counter.counts.get("_train_step", 0)
+        return self.compile_counter.counts.get(TRAIN_STEP_FN, 0)
 
-    def _write_metrics(self, metrics_buffer):
-        mode = str(self._mode)
+    def write_metrics(self, metrics_buffer):
+        mode = str(self.mode)
         loss = float(np.asarray(metrics_buffer.loss))
         rec: dict[str, Any] = {"step": int(metrics_buffer.step), "mode": mode, "loss": loss,
                                "perplexity": float(math.exp(min(loss, 80.0))), "time": round(time.time(), 3)}
@@ -201,7 +205,7 @@ class Trainer(peft_trainer.PeftTrainer):
                 log.warning("non-finite loss at step %d", metrics_buffer.step)
             for k, (vals, op) in metrics_buffer.additional_metrics.items():
                 rec[k] = float(op(np.asarray([np.asarray(v, np.float32) for v in vals])))
-            lr = self._try_get_learning_rate()
+            lr = self.learning_rate()
             if lr is not None:
                 rec["learning_rate"] = float(np.asarray(lr))
             now = time.perf_counter()
@@ -224,17 +228,17 @@ class Trainer(peft_trainer.PeftTrainer):
                         rec["mfu"] = tflops * 1e12 / self.peak_flops
                 for key in ("tokens_per_s", "useful_tokens_per_s", "mfu"):
                     if key in rec:
-                        self.metrics_logger.log(self.metrics_prefix, key, rec[key], self._mode, rec["step"])
+                        self.metrics_logger.log(self.metrics_prefix, key, rec[key], self.mode, rec["step"])
             else:
                 rec["includes_compile"] = True
                 for key in ("tokens_per_s", "useful_tokens_per_s"):
-                    self.metrics_logger.log(self.metrics_prefix, key, 0.0, self._mode, rec["step"])
+                    self.metrics_logger.log(self.metrics_prefix, key, 0.0, self.mode, rec["step"])
             self._t_last, self._step_last = now, rec["step"]
             self._tok_last, self._useful_last = self.feed.tokens, self.feed.useful
             self.compiles = self._compile_count()
             rec["train_step_compiles"] = self.compiles
             self._log_progress(rec)
-        super()._write_metrics(metrics_buffer)
+        super().write_metrics(metrics_buffer)
         self._append(rec)
 
     def _log_progress(self, rec: dict) -> None:
@@ -264,7 +268,7 @@ class Trainer(peft_trainer.PeftTrainer):
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    def _try_get_learning_rate(self):
+    def learning_rate(self):
         """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it)."""
         state = self.optimizer.opt_state
         for _ in range(4):
@@ -275,22 +279,18 @@ class Trainer(peft_trainer.PeftTrainer):
             state = getattr(state, "inner_state", None)
             if state is None:
                 break
-        return super()._try_get_learning_rate()
-
-    @property
-    def _tqdm_train_metrics(self) -> list[str]:
-        return ["loss", "learning_rate", "tokens_per_s", "useful_tokens_per_s"]
+        return super().learning_rate()
 
     def summary(self) -> dict[str, Any]:
         train = [r for r in self.history if r["mode"] == "train"]
         steady = [r for r in train if "step_time_s" in r and not r.get("final_flush")]
         evals = [r for r in self.history if r["mode"] == "eval"]
         out: dict[str, Any] = {
-            "steps": self._train_steps,
+            "steps": self.train_steps,
             "resumed_from": self.resumed_from,
             "wall_s": round(time.time() - self.started, 1),
             "train_step_compiles": self.compiles,
-            "eval_step_compiles": self.compile_counter.counts.get("_eval_step", 0),
+            "eval_step_compiles": self.compile_counter.counts.get(EVAL_STEP_FN, 0),
             "final_train_loss": train[-1]["loss"] if train else None,
             "final_eval_loss": evals[-1]["loss"] if evals else None,
             "first_eval_loss": evals[0]["loss"] if evals else None,

@@ -15,11 +15,16 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.core.errors import UserError, cli_main
+from gemma_tpu.core import cli
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.examples.fitness.dataset import SPLITS, generate, token_lengths, write_splits
+from gemma_tpu.hf.directory import resolve_path
+from gemma_tpu.hf.tokenizer import load_tokenizer
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.examples.fitness", description=__doc__.splitlines()[0])
+    p = cli.parser("python -m gemma_tpu.examples.fitness", __doc__, overrides=False)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="write the train/validation/test JSONL files")
     g.add_argument("--out", required=True, help="output directory")
@@ -36,9 +41,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def _stats(data: Path, tokenizer_spec: str) -> None:
     import json
 
-    from gemma_tpu.examples.fitness.dataset import SPLITS, token_lengths
-    from gemma_tpu.hf.tokenizer import load_tokenizer
-    from gemma_tpu.hf.directory import resolve_path
 
     tokenizer = load_tokenizer(resolve_path(tokenizer_spec))
     for split in SPLITS:
@@ -58,8 +60,6 @@ def _stats(data: Path, tokenizer_spec: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     if args.command == "generate":
-        from gemma_tpu.examples.fitness.dataset import generate, write_splits
-
         sizes = {"train": args.train, "validation": args.validation, "test": args.test}
         for split, n in sizes.items():
             if n < 0:

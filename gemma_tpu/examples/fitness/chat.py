@@ -13,81 +13,64 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 from typing import Sequence, TextIO
 
-from gemma_tpu.core.errors import UserError, cli_main
-
-MAX_CALLS = 3  # calls per question before we stop the model
+from gemma_tpu.core import cli
+from gemma_tpu.core.config import DataConfig
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.data import make_renderer
+from gemma_tpu.examples.fitness.providers import make_provider
+from gemma_tpu.examples.fitness.tools import toolset
+from gemma_tpu.formats.function_calling import ParsedReply, parse_reply
+from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
+from gemma_tpu.infer.tool_loop import run_tool_loop
 
 
 class Coach:
-    """One model, one provider; `ask(question)` runs the call loop and returns the reply text."""
+    """One model, one provider; `ask(question)` runs the tool loop and returns the reply text."""
 
     def __init__(self, loaded, provider, max_new_tokens: int = 128, trace: TextIO | None = sys.stderr,
-                 generator=None):
-        from gemma_tpu.core.config import DataConfig
-        from gemma_tpu.data import make_renderer
-        from gemma_tpu.examples.fitness.tools import tool_schemas
-        from gemma_tpu.infer.generate import Generator
-
+                 generator=None, prefix_cache: bool = True):
         self.loaded = loaded
         self.provider = provider
-        self.tools = tool_schemas()
+        self.toolset = toolset(provider)
         self.renderer = make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map)
-        self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1)
+        self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1,
+                                                prefix_cache=prefix_cache)
         self.trace = trace
+
+    def _system_ids(self, messages: list[dict]) -> list[int] | None:
+        """Ids of the conversation's first turn alone (the generator keeps what the prompt shares
+        with them); None where the chat format cannot render that turn on its own."""
+        try:
+            return self.renderer.render({"tools": self.toolset.schemas, "messages": messages[:1]}).ids
+        except (UserError, ValueError):
+            return None
 
     def _log(self, text: str) -> None:
         if self.trace is not None:
             print(text, file=self.trace, flush=True)
 
+    def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
+        """The local model's next turn, parsed."""
+        ids = self.renderer.render({"tools": self.toolset.schemas, "messages": messages},
+                                   add_generation_prompt=True).ids
+        # the developer turn (system prompt and tool declarations) starts every prompt: with the
+        # prefix cache its keys and values are computed once for the whole session
+        out = self.generator.generate([ids], prefix=self._system_ids(messages))[0]
+        reply = parse_reply(out.text)
+        if reply.kind == "text" and out.stop == "call":  # ended as if it had called, but wrote no call
+            reply = dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
+        return reply, out.text
+
     def ask(self, question: str) -> str:
-        from gemma_tpu.formats.function_calling import parse_reply
-
-        def next_reply(messages):
-            ids = self.renderer.render({"tools": self.tools, "messages": messages}, add_generation_prompt=True).ids
-            out = self.generator.generate([ids])[0]
-            reply = parse_reply(out.text)
-            if reply.kind == "text" and out.stop == "call":  # ended as if it had called, but wrote no call
-                reply = dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
-            return reply, out.text
-
-        return tool_loop(question, self.provider, next_reply, self._log)
-
-
-def tool_loop(question: str, provider, next_reply, log) -> str:
-    """The coach's loop, shared by the local model and any endpoint (serving.chat): question -> the model's
-    reply (`next_reply(messages) -> (ParsedReply, raw text)`) -> run the called tool -> feed the result back,
-    until a text answer. A malformed or unknown call is reported to the user, not raised."""
-    from gemma_tpu.examples.fitness.tools import ToolError, call_tool, response_json, system_prompt
-
-    messages = [{"role": "developer", "content": system_prompt(provider.today())},
-                {"role": "user", "content": question}]
-    for _ in range(MAX_CALLS + 1):
-        reply, raw = next_reply(messages)
-        if reply.kind == "format_error":
-            return f"(the model produced a malformed tool call: {reply.error}; raw output: {str(raw).strip()[:200]!r})"
-        if reply.kind == "text":
-            return reply.text or "(the model gave an empty answer)"
-        call = reply.calls[0]
-        shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
-        try:
-            result = call_tool(call.name, call.arguments, provider)
-        except ToolError as e:
-            log(f"-> {call.name}({shown}): {e}")
-            return f"({e})"
-        log(f"-> {call.name}({shown}) = {json.dumps(result)}")
-        messages.append({"role": "assistant", "content": "",
-                         "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
-        messages.append({"role": "tool", "name": call.name, "content": response_json(result)})
-    return f"(the model kept calling tools; stopped after {MAX_CALLS} calls)"
+        return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gemma_tpu.chat", description=__doc__.splitlines()[0])
+    p = cli.parser("python -m gemma_tpu.chat", __doc__, overrides=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="base or merged HF directory (or embedded:NAME)")
     which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
@@ -97,18 +80,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute the shared developer turn for every reply (to compare with the cached path)")
     return p.parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from gemma_tpu.examples.fitness.providers import make_provider
-    from gemma_tpu.infer.generate import load_checkpoint, load_hf_dir
-
+    cli.setup_logging(logging.WARNING)
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
     loaded = load_hf_dir(args.model, args.dtype) if args.model else load_checkpoint(args.checkpoint, args.step)
-    coach = Coach(loaded, provider, args.max_new_tokens)
+    coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache)
     if args.once is not None:
         if not args.once.strip():
             raise UserError("--once needs a question")

@@ -22,9 +22,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from gemma_tpu.core.config import DataConfig
+from gemma_tpu.data import Renderer, load_conversations
 from gemma_tpu.examples.fitness.providers import SimulatedDevice
-from gemma_tpu.examples.fitness.tools import (WEEKDAYS, call_tool, response_json, system_prompt,
-                                              tool_schemas)
+from gemma_tpu.examples.fitness.tools import WEEKDAYS, call_tool, system_prompt, tool_schemas
+from gemma_tpu.formats.function_calling import function_token_map
+from gemma_tpu.infer.tool_loop import result_json
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December")
@@ -342,7 +345,7 @@ def make_example(tool: str, template: str, rng: random.Random, seed: int, schema
             {"role": "user", "content": user},
             {"role": "assistant", "content": "",
              "tool_calls": [{"type": "function", "function": {"name": tool, "arguments": args}}]},
-            {"role": "tool", "name": tool, "content": response_json(result)},
+            {"role": "tool", "name": tool, "content": result_json(result)},
             {"role": "assistant", "content": answer(tool, result, today, rng)},
         ],
     }
@@ -410,9 +413,6 @@ def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str
 
 def token_lengths(path: str | Path, tokenizer) -> list[int]:
     """Rendered lengths (ids incl. BOS) of a split, with the renderer training uses."""
-    from gemma_tpu.core.config import DataConfig
-    from gemma_tpu.data import Renderer, load_conversations
-    from gemma_tpu.formats.function_calling import function_token_map
 
     renderer = Renderer(tokenizer, "gemma", token_map=function_token_map(tokenizer))
     return [len(renderer.render(c).ids) for c in load_conversations(path, DataConfig())]

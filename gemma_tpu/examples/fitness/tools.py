@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import re
 from typing import Any, Callable, Iterator
 
 from gemma_tpu.examples.fitness.providers import Provider, SimulatedDevice
+from gemma_tpu.infer.tool_loop import ToolCallError, Toolset
 
 WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 HEART_RATE_METRICS = ("resting", "average", "max")
@@ -26,7 +26,7 @@ HEART_RATE_METRICS = ("resting", "average", "max")
 _provider: Provider | None = None
 
 
-class ToolError(ValueError):
+class ToolError(ToolCallError, ValueError):
     """A call the tools cannot run: unknown name, or arguments of the wrong shape."""
 
 
@@ -221,6 +221,8 @@ def system_prompt(today: dt.date) -> str:
     return f"You are a fitness coach. Today is {today.isoformat()}. Dates: today, yesterday, weekday or YYYY-MM-DD."
 
 
-def response_json(result: dict) -> str:
-    """Tool results travel as JSON strings in `tool` messages."""
-    return json.dumps(result, ensure_ascii=False)
+def toolset(provider: Provider) -> Toolset:
+    """The seven tools run against `provider`, with the coach's system prompt, for the generic tool loop
+    (`gemma_tpu.infer.tool_loop`) of the local chat and of `serving.chat`."""
+    return Toolset(tool_schemas(), lambda name, arguments: call_tool(name, arguments, provider),
+                   lambda: system_prompt(provider.today()))

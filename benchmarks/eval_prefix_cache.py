@@ -1,0 +1,137 @@
+"""Evaluation with and without the prefix cache, side by side in one run (issue 15, point 5).
+
+    python benchmarks/eval_prefix_cache.py [--model embedded:tiny-gemma3 | embedded:gemma3-270m | DIR]
+                                           [--data data/fitness/test.jsonl] [--limit 40] [--batch-size 8]
+                                           [--max-new-tokens 64] [--json OUT]
+
+The first N fitness test conversations are turned into prompts exactly as `python -m
+gemma_tpu.evaluate` does (the conversation up to the first assistant turn, rendered by the model's
+chat format); one loaded model runs them through the generator twice: once prefilling every prompt
+whole, once with the prefix all prompts share (the developer turn with the tool declarations)
+computed once and copied into every batch. Wall times include each side's compilations, as a user
+of `gemma_tpu.evaluate` sees them. The predictions (generated ids) must be identical; the script
+exits non-zero otherwise. Prints a table; writes JSON (default runs/benchmarks/eval_prefix_cache.json).
+
+The fitness developer turn starts with "Today is YYYY-MM-DD." and the test set has 164 distinct
+dates in 200 conversations, so the ids all prompts share stop at the date (16 tokens with the
+Gemma 3 tokenizer), before the tool declarations. `--fixed-date D` writes the same date into every
+developer turn (what data with the date outside the shared turn would look like): both sides then
+run the same, rewritten prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gemma_tpu.core.config import DataConfig  # noqa: E402
+from gemma_tpu.core.errors import UserError  # noqa: E402
+from gemma_tpu.data import load_conversations, make_renderer  # noqa: E402
+from gemma_tpu.evaluate.run import build_cases, score  # noqa: E402
+from gemma_tpu.formats.function_calling import parse_reply  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        names = [l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                 if l.startswith("model name")]
+        return names[0] if names else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="embedded:tiny-gemma3")
+    p.add_argument("--data", default=str(REPO / "data/fitness/test.jsonl"))
+    p.add_argument("--limit", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--fixed-date", metavar="YYYY-MM-DD",
+                   help="write this date into every developer turn (default: the data as it is)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--json", default=str(REPO / "runs" / "benchmarks" / "eval_prefix_cache.json"))
+    args = p.parse_args(argv)
+    if args.limit <= 0 or args.batch_size <= 0 or args.max_new_tokens <= 0:
+        raise UserError("--limit, --batch-size and --max-new-tokens must be positive")
+
+    from gemma_tpu.infer.generate import Generator, common_prefix_len, load_hf_dir
+
+    data_cfg = DataConfig()
+    convs = load_conversations(args.data, data_cfg)[: args.limit]
+    if args.fixed_date:
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.fixed_date):
+            raise UserError(f"--fixed-date {args.fixed_date}: expected YYYY-MM-DD")
+        for conv in convs:
+            for m in conv["messages"]:
+                if m["role"] in ("developer", "system") and isinstance(m.get("content"), str):
+                    m["content"] = re.sub(r"Today is \d{4}-\d{2}-\d{2}\.", f"Today is {args.fixed_date}.",
+                                          m["content"])
+    cases = build_cases(convs)
+    loaded = load_hf_dir(args.model, args.dtype)
+    renderer = make_renderer(loaded.tokenizer, data_cfg, loaded.chat_format, loaded.token_map)
+    prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
+    lengths = sorted(len(x) for x in prompts)
+    shared = common_prefix_len(prompts)
+    print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "
+          f"shared prefix {shared} tokens; model {args.model}", file=sys.stderr)
+
+    sides = {}
+    outputs = {}
+    for name, cached in (("uncached", False), ("prefix cache", True)):
+        gen = Generator(loaded, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, prefix_cache=cached)
+        done = 0
+
+        def progress(n, _name=name):
+            nonlocal done
+            done += n
+            print(f"  {_name}: {done}/{len(prompts)}", file=sys.stderr, flush=True)
+
+        t0 = time.perf_counter()
+        outs = gen.generate(prompts, on_batch=progress)
+        wall = time.perf_counter() - t0
+        outputs[name] = outs
+        metrics = score(cases, [parse_reply(o.text) for o in outs])
+        sides[name] = {"wall_s": round(wall, 2), "examples_per_s": round(len(prompts) / wall, 4),
+                       "prefix_stats": gen.prefix_stats if cached else None,
+                       "tool_name_accuracy": metrics.get("tool_name_accuracy")}
+    identical = [o.ids for o in outputs["uncached"]] == [o.ids for o in outputs["prefix cache"]]
+    differ = sum(a.ids != b.ids for a, b in zip(outputs["uncached"], outputs["prefix cache"]))
+    speedup = sides["uncached"]["wall_s"] / sides["prefix cache"]["wall_s"]
+
+    print(f"\n{'side':<14}{'wall s':>10}{'examples/s':>12}{'speed-up':>10}")
+    for name, side in sides.items():
+        ratio = sides["uncached"]["wall_s"] / side["wall_s"]
+        print(f"{name:<14}{side['wall_s']:>10.1f}{side['examples_per_s']:>12.3f}{ratio:>9.2f}x")
+    print(f"predictions identical: {'yes' if identical else f'NO ({differ} of {len(prompts)} differ)'}")
+
+    out = {"date": date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+           "machine": {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform()},
+           "settings": {"model": args.model, "data": args.data, "n": len(prompts), "batch_size": args.batch_size,
+                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                        "fixed_date": args.fixed_date,
+                        "prompt_tokens": {"min": lengths[0], "median": lengths[len(lengths) // 2],
+                                          "max": lengths[-1]}, "shared_prefix_tokens": shared},
+           "sides": sides, "speedup": round(speedup, 3), "identical": identical, "differing": differ}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

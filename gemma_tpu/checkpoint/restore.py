@@ -1,0 +1,142 @@
+"""Checkpoint → model: the one place where a gemma-tpu run directory becomes a Tunix model again.
+
+The base named in the run's metadata is loaded (the local directory recorded at training time, else
+its spec at the recorded hub revision), LoRA is applied with the recorded rank, alpha and targets
+(and, unless the caller asks otherwise, the recorded QLoRA base quantization), and one step's params
+are put in, insisting that model and checkpoint hold exactly the same tensors with the same shapes.
+
+Users: `gemma_tpu.infer.generate.load_checkpoint` (and through it `evaluate` and the fitness chat),
+and `convert.verify` (the JAX reference of a merge); `convert.source` resolves the base with
+`base_dir` too, so the merger, the exporter and the model restored here read the same base.
+
+jax and flax are imported inside the functions: the converters import this module for `base_dir`
+without needing a JAX runtime at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gemma_tpu.checkpoint.metadata import read_metadata, read_params, resolve_step
+from gemma_tpu.core.config import LoraConfig
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf.directory import resolve_path
+from gemma_tpu.lora import apply_lora
+from gemma_tpu.models import Family, load_model, resolve_model
+
+
+class NoBaseModel(UserError):
+    """The run's metadata names no base model (a converter then asks for --base)."""
+
+
+@dataclasses.dataclass
+class RestoredModel:
+    """A checkpoint's model with what is needed to talk to it."""
+
+    model: Any  # Tunix nnx model, LoRA applied when the run trained LoRA
+    tunix_cfg: Any
+    family: Family
+    tokenizer_dir: Path  # the base's directory: its tokenizer is the run's
+    token_map: dict[str, str]  # FunctionGemma markers -> the tokens the run trained them on
+    chat_format: str
+    meta: dict  # the run's metadata (gemma_tpu_run.json)
+    ckpt_dir: Path
+    step: int
+
+
+def base_dir(ckpt_dir: str | Path, meta: dict, override: str | Path | None = None) -> Path:
+    """The base model's local directory: `override` if given, else the local directory recorded at
+    training time when it still exists, else the recorded spec (hub id / embedded:NAME) resolved at the
+    recorded revision, so a hub base comes back exactly as it was trained on."""
+    if override:
+        return resolve_path(str(override))
+    base = meta.get("base_model") or {}
+    local = base.get("local_dir")
+    if local and Path(local).is_dir():
+        return Path(local)
+    if not base.get("path"):
+        raise NoBaseModel(f"{ckpt_dir}: metadata records no base model")
+    return resolve_path(base["path"], base.get("revision"))
+
+
+def lora_config(ckpt_dir: str | Path, meta: dict) -> LoraConfig | None:
+    """The run's LoRA as recorded (None for a full fine-tune); a missing rank/alpha/targets is an error."""
+    lora = meta.get("lora") or {}
+    if not lora.get("enabled", True):
+        return None
+    for key in ("rank", "alpha", "targets"):
+        if lora.get(key) in (None, "", []):
+            raise UserError(f"{ckpt_dir}: metadata lora.{key} is missing")
+    try:
+        rank, alpha = int(lora["rank"]), float(lora["alpha"])
+    except (TypeError, ValueError):
+        raise UserError(f"{ckpt_dir}: metadata lora.rank / lora.alpha are not numbers "
+                        f"({lora['rank']!r}, {lora['alpha']!r})") from None
+    return LoraConfig(rank=rank, alpha=alpha, targets=list(lora["targets"]),
+                      base_quantization=lora.get("base_quantization"))
+
+
+def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | None = None, *,
+                  apply_base_quantization: bool = True, base: str | Path | None = None) -> RestoredModel:
+    """The run's base with the params of one step (the latest by default).
+
+    dtype: the model's dtype (default: the run's `model.dtype`, else float32).
+    apply_base_quantization: quantize the frozen base as a QLoRA run did in training (the model as it
+        was trained); False gives the dense base with the same LoRA factors (the model a merge makes).
+    base: a base directory to use instead of the recorded one (`merge_orbax --base`).
+    """
+    from flax import nnx
+
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_metadata(ckpt_dir)
+    step = resolve_step(ckpt_dir, step)
+    lora = lora_config(ckpt_dir, meta)
+    recorded = (meta.get("base_model") or {}).get("family")
+    resolved = resolve_model(str(base_dir(ckpt_dir, meta, base)), family=recorded)
+    model, tunix_cfg = load_model(resolved, dtype or meta.get("dtype") or "float32")
+    params = read_params(ckpt_dir, step)
+    where = f"{ckpt_dir}/{step}"
+    if lora is not None:
+        if not apply_base_quantization:
+            lora = dataclasses.replace(lora, base_quantization=None)
+        model = apply_lora(model, resolved.family, tunix_cfg, lora)
+        set_params(model, nnx.LoRAParam, params, where)
+    else:
+        set_params(model, nnx.Param, params, where)
+    return RestoredModel(model, tunix_cfg, resolved.family, Path(resolved.local_dir),
+                         dict(meta.get("token_map") or {}), meta.get("chat_format") or resolved.family.chat_format,
+                         meta, ckpt_dir, step)
+
+
+def set_params(model, kind, params: dict[str, np.ndarray], where: str) -> None:
+    """Copy checkpoint arrays onto the model's parameters of `kind` (cast to the model's dtype),
+    insisting on a full match: every parameter present with its shape, no checkpoint tensor left over."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    flat = nnx.to_flat_state(nnx.state(model, kind))
+    seen = set()
+    for path, leaf in flat:
+        name = ".".join(str(p) for p in path)
+        if name not in params:
+            raise UserError(f"{where}: parameter {name} is missing from the checkpoint")
+        value = params[name]
+        current = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
+        if tuple(value.shape) != tuple(current.shape):
+            raise UserError(f"{where}: {name} has shape {value.shape}, the model expects {current.shape}")
+        new = jnp.asarray(value, current.dtype)
+        if hasattr(leaf, "set_value"):
+            leaf.set_value(new)
+        else:
+            leaf.value = new
+        seen.add(name)
+    if not seen:
+        raise UserError(f"{where}: the model has no parameters to restore")
+    extra = sorted(set(params) - seen)
+    if extra:
+        raise UserError(f"{where}: checkpoint tensor {extra[0]} has no place in the model")
+    nnx.update(model, nnx.from_flat_state(flat))

@@ -1,0 +1,95 @@
+"""What every `python -m …` entry point shares: the parser with `--config`, dotted overrides,
+`--print-config` and `--debug`; one logging format; and `cli_main`, which turns a `UserError` (or a
+usage mistake) into one `error: …` line and a non-zero exit instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import yaml
+
+from gemma_tpu.core.config import RunConfig, load_config
+from gemma_tpu.core.errors import UserError
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Libraries that log at INFO on every call; entry points keep them at WARNING.
+NOISY_LOGGERS = ("absl", "jax", "orbax", "tunix", "qwix", "httpx", "urllib3", "huggingface_hub")
+
+
+def parser(prog: str, doc: str | None, config: str | None = None, overrides: bool = True,
+           print_config: bool = True) -> argparse.ArgumentParser:
+    """An entry point's parser. `config`: the help text of `--config` (None: no --config).
+    `--debug` (shows tracebacks; also GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main`
+    and listed here only for `--help`."""
+    p = argparse.ArgumentParser(prog=prog, description=(doc or "").strip().splitlines()[0] if doc else None)
+    if config is not None:
+        p.add_argument("--config", help=config)
+        if print_config:
+            p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    if overrides:
+        p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.max_steps=20")
+    return p
+
+
+def print_config(cfg: Any) -> None:
+    """The resolved config as YAML (the form `--config` reads back)."""
+    print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
+
+
+def run_config(args: argparse.Namespace, required: bool = True):
+    """The `RunConfig` of `--config` plus overrides (defaults when neither is given and not `required`);
+    None once `--print-config` has printed it, so the caller returns."""
+    if required and not args.config:
+        raise UserError("--config FILE is required (see configs/)")
+    cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else RunConfig()
+    if getattr(args, "print_config", False):
+        print_config(cfg)
+        return None
+    return cfg
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """One format for every entry point: time, level, logger, message, on stderr."""
+    logging.basicConfig(level=level, format=LOG_FORMAT, datefmt="%H:%M:%S", stream=sys.stderr)
+    for noisy in NOISY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run `main(argv)` and map `UserError` (and a few OS errors) to a one-line message."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("GEMMA_TPU_DEBUG") == "1"
+    if "--debug" in args:
+        args.remove("--debug")
+    parser_error = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _argparse_error  # usage mistakes are one line too, not usage + exit
+    try:
+        return int(main(args) or 0)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:  # a missing file, no permission, a full disk (ENOSPC), a file too large...
+        if debug:
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    finally:
+        argparse.ArgumentParser.error = parser_error
+
+
+def _argparse_error(parser, message: str):
+    """argparse's `error`, as a UserError: `error: python -m X: argument --y: ... (see --help)`."""
+    raise UserError(f"{parser.prog}: {message} (see --help)")

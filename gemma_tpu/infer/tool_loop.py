@@ -1,0 +1,67 @@
+"""A generic tool-calling loop: question -> model reply -> run the called tool -> feed the result back,
+until the model answers in words or the call budget is spent.
+
+The model side is a callable, so the same loop drives a local `Generator` (the fitness chat) and any
+OpenAI-compatible endpoint (`serving.chat`); the tools are a `Toolset`: the declarations sent with each
+request, a runner, and the system prompt. One call per turn is run (the first), as in the
+FunctionGemma data: one request, one call, one answer. A malformed call, an unknown tool or wrong
+arguments are reported in the returned text, not raised, so a chat session goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+from gemma_tpu.formats.function_calling import ParsedReply
+
+MAX_CALLS = 3  # tool calls per question before the model is stopped
+
+# messages so far -> the model's reply, parsed, and its raw text (shown when it does not parse)
+NextReply = Callable[[list[dict]], tuple[ParsedReply, str]]
+
+
+class ToolCallError(Exception):
+    """A call the tools cannot run (unknown tool, arguments of the wrong shape): the loop reports it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolset:
+    """The tools a chat offers the model."""
+
+    schemas: list[dict]  # the declarations sent with every request (OpenAI `tools` format)
+    call: Callable[[str, dict[str, Any]], Any]  # (name, arguments) -> a JSON-able result; raises ToolCallError
+    system_prompt: Callable[[], str] | None = None  # the developer turn, made afresh for each question
+
+
+def result_json(result: Any) -> str:
+    """Tool results travel as JSON strings in `tool` messages."""
+    return json.dumps(result, ensure_ascii=False)
+
+
+def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max_calls: int = MAX_CALLS,
+                  log: Callable[[str], None] | None = None) -> str:
+    """Answer one question; each tool call is traced through `log` (`-> name(arg=...) = {...}`)."""
+    log = log or (lambda _text: None)
+    messages = [{"role": "developer", "content": toolset.system_prompt()}] if toolset.system_prompt else []
+    messages.append({"role": "user", "content": question})
+    for _ in range(max_calls + 1):
+        reply, raw = next_reply(messages)
+        if reply.kind == "format_error":
+            return f"(the model produced a malformed tool call: {reply.error}; raw output: {str(raw).strip()[:200]!r})"
+        if reply.kind == "text":
+            return reply.text or "(the model gave an empty answer)"
+        call = reply.calls[0]
+        shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+        try:
+            result = toolset.call(call.name, call.arguments)
+        except ToolCallError as e:
+            log(f"-> {call.name}({shown}): {e}")
+            return f"({e})"
+        log(f"-> {call.name}({shown}) = {json.dumps(result)}")
+        messages.append({"role": "assistant", "content": "",
+                         "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
+        messages.append({"role": "tool", "name": call.name, "content": result_json(result)})
+    return f"(the model kept calling tools; stopped after {max_calls} calls)"

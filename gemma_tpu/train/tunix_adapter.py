@@ -1,0 +1,72 @@
+"""The one module that touches Tunix's private PeftTrainer members (written against google-tunix 0.1.7).
+
+`gemma_tpu.train.trainer.Trainer` extends PeftTrainer through its public surface (`train`, `close`,
+`train_steps`, `with_data_hooks`/`DataHooks`, `with_loss_fn`, `custom_checkpoint_metadata`,
+`checkpoint_manager`, `metrics_logger`, `optimizer`, `config`) plus the public names defined here.
+Tunix 0.1.7 offers no public way to do the following, so each is wrapped once, below:
+
+* read the custom metadata restored with the latest checkpoint (`_restored_custom_metadata`): the
+  data position lives there, and exact resume needs it;
+* see every metrics record as Tunix writes it, eval records and aggregated additional metrics included
+  (`_write_metrics`; `TrainingHooks.on_train_step_end` gets only the step and the loss of train steps),
+  and whether the record is a train or an eval one (`_mode`);
+* find the learning rate where optax wrappers nest it (`_try_get_learning_rate` misses the state of
+  `optax.apply_if_finite`);
+* choose the progress bar's metrics (`_tqdm_train_metrics`);
+* know whether only the LoRA params are checkpointed (`_lora_enabled`), to save on SIGTERM exactly as
+  Tunix's own last save does;
+* the names JAX compiles the train and eval steps under (the methods `_train_step`, `_eval_step`),
+  which the compile counter watches for in JAX's compile log.
+
+After a Tunix upgrade, this module is what to check (the resume, metrics and SIGTERM tests exercise it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunix.sft import peft_trainer
+
+TUNIX_VERSION = "0.1.7"  # the version these private names were read from
+TRAIN_STEP_FN = "_train_step"  # jit names of PeftTrainer's step methods, as JAX logs their compiles
+EVAL_STEP_FN = "_eval_step"
+
+
+class TunixTrainer(peft_trainer.PeftTrainer):
+    """PeftTrainer with public names for the private members a production trainer needs."""
+
+    progress_bar_metrics: list[str] | None = None  # None: Tunix's default set
+
+    @property
+    def restored_custom_metadata(self) -> dict[str, Any]:
+        """What `custom_checkpoint_metadata()` returned when the restored step was saved ({} if none)."""
+        return self._restored_custom_metadata or {}
+
+    @property
+    def mode(self):
+        """The metrics mode being written: Tunix's `Mode` (a str enum, "train" or "eval")."""
+        return self._mode
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether only LoRA params are trained and checkpointed."""
+        return self._lora_enabled
+
+    def write_metrics(self, metrics_buffer: peft_trainer.MetricsBuffer) -> None:
+        """Called for each buffered train or eval record; an override calls this to let Tunix log it."""
+        peft_trainer.PeftTrainer._write_metrics(self, metrics_buffer)
+
+    def learning_rate(self):
+        """The current learning rate, or None; an override may look further and fall back to this."""
+        return peft_trainer.PeftTrainer._try_get_learning_rate(self)
+
+    # ---- Tunix's private hooks, routed to the public names above -----------------------
+    def _write_metrics(self, metrics_buffer):
+        self.write_metrics(metrics_buffer)
+
+    def _try_get_learning_rate(self):
+        return self.learning_rate()
+
+    @property
+    def _tqdm_train_metrics(self) -> list[str]:
+        return self.progress_bar_metrics or super()._tqdm_train_metrics

