@@ -47,9 +47,17 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import check_writable
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.infer.openai_client import api_base, check_reachable, json_object, openai_messages, served_model_name
+from gemma_tpu.infer.openai_client import (
+    api_base,
+    check_reachable,
+    describe_body,
+    json_object,
+    openai_messages,
+    served_model_name,
+)
 
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
@@ -169,10 +177,16 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
         if resp.status_code != 200:
             detail = " ".join((await resp.aread()).decode(errors="replace").split())[:200]
             raise RequestFailed(f"HTTP {resp.status_code}: {detail}")
+        ctype = resp.headers.get("content-type") or "none"
+        other: list[str] = []  # lines that are not events: what came back instead of a stream
+        events = 0
         async for line in resp.aiter_lines():
             line = line.strip()
             if not line.startswith("data:"):
+                if line and not line.startswith((":", "event:", "id:", "retry:")) and len(other) < 20:
+                    other.append(line)
                 continue
+            events += 1
             data = line[len("data:"):].strip()
             if data == "[DONE]":
                 done = True
@@ -201,8 +215,11 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
                     text.append(produced)
                 if choice.get("finish_reason"):
                     finished = True
+    if not events:
+        raise RequestFailed(f"not an OpenAI event stream: {describe_body(resp.status_code, ctype, ' '.join(other))}")
     if not (done or finished):
-        raise RequestFailed("the stream ended before the response was complete")
+        raise RequestFailed(f"the stream ended before the response was complete ({events} event(s), no "
+                            f"finish_reason, no [DONE])")
     res.latency = time.perf_counter() - st
     if last is None:  # nothing generated (an immediate stop): the first chunk is all there is
         res.ttft = (first_choice or time.perf_counter()) - st
@@ -380,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--metric-percentiles: values must be in (0, 100]")
     if args.json and Path(args.json).is_dir():
         raise UserError(f"--json {args.json}: is a directory (give a file name)")
+    if args.json:
+        check_writable(Path(args.json).parent, f"--json {args.json}")
     try:
         import httpx  # noqa: F401
     except ImportError:
@@ -398,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results, duration = asyncio.run(run_all(f"{base}/chat/completions", prompts, model, args, headers))
     metrics = summarize(results, duration, percentiles)
     errors = [r.error for r in results if not r.success]
+    if not metrics["completed"]:  # no table of zeros, no results file
+        raise UserError(f"all {len(results)} requests to {base}/chat/completions failed"
+                        f"{'' if len(set(errors)) == 1 else ' (first error)'}: {errors[0]}; nothing written")
     if errors:
         print(f"{len(errors)} failed request(s); first errors:", file=sys.stderr)
         for e in list(dict.fromkeys(errors))[:5]:

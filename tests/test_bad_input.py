@@ -159,6 +159,21 @@ def ckpt_pointing_to(base: str) -> Callable[[Path, dict], None]:
     return make
 
 
+def damaged(src_key: str, remove: str = "", truncate: tuple[str, int] | None = None) -> Callable[[Path, dict], None]:
+    """A copy of {tiny} / {ckpt} with the files matching the glob `remove` deleted (directories kept) or
+    the file `truncate[0]` cut short by `truncate[1]` bytes."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        shutil.copytree(ctx[src_key], dest)
+        for p in dest.glob(remove) if remove else []:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if truncate:
+            p = dest / truncate[0]
+            os.truncate(p, p.stat().st_size - truncate[1])
+
+    return make
+
+
 # ----------------------------------------------------------------------------------- corpus
 
 CASES = [
@@ -171,6 +186,11 @@ CASES = [
          ["{tmp}/d.jsonl:2", "'messages'"], {"d.jsonl": from_corpus("no_messages.jsonl")}),
     Case("data-undeclared-tool", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "'get_weather'", "not in 'tools'"], {"d.jsonl": from_corpus("undeclared_tool.jsonl")}),
+    Case("data-unmatched-tool-call-id", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "messages[2]", "'call_9'", "matches no call", "'call_1'"],
+         {"d.jsonl": from_corpus("unmatched_tool_call_id.jsonl")}),
+    Case("data-inspect-unmatched-tool-call-id", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "'call_9'"], {"d.jsonl": from_corpus("unmatched_tool_call_id.jsonl")}),
     Case("data-not-utf8", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "UTF-8"], {"d.jsonl": from_corpus("latin1.jsonl")}),
     Case("data-empty-file", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/empty.jsonl"],
@@ -278,6 +298,29 @@ CASES = [
     Case("ckpt-resume-base-replaced", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck", "model.path={tmp}/other"],
          ["{tmp}/other/model.safetensors", "tensor data differs", "checkpoint.allow_base_mismatch"],
          {"other": other_base, "ck": copy_of("ckpt")}),
+    # ---- partial and foreign files (a copy cut short, a step missing Orbax files, outputs that cannot be written)
+    Case("ckpt-step-missing-data-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/1/model_params/ocdbt.process_0/d", "missing"],
+         {"ck": damaged("ckpt", "1/model_params/ocdbt.process_0/d")}, sub=True),
+    Case("ckpt-step-missing-data-files", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/1/model_params", "cannot read tensor", "incomplete or damaged"],
+         {"ck": damaged("ckpt", "1/model_params/ocdbt.process_0/d/*")}),
+    Case("ckpt-step-missing-metadata", "convert.inspect", ["{tmp}/ck"], ["{tmp}/ck/1/model_params/_METADATA", "missing"],
+         {"ck": damaged("ckpt", "1/model_params/_METADATA")}),
+    Case("ckpt-step-missing-manifest", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/1/model_params/manifest.ocdbt", "missing"], {"ck": damaged("ckpt", "1/model_params/manifest.ocdbt")}),
+    Case("ckpt-resume-step-missing-files", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck/1/optimizer_state/_METADATA", "missing"], {"ck": damaged("ckpt", "1/optimizer_state/_METADATA")}),
+    Case("model-truncated-safetensors", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["{tmp}/m/model.safetensors"], {"m": damaged("tiny", truncate=("model.safetensors", 1000))}),
+    Case("inspect-truncated-safetensors", "convert.inspect", ["{tmp}/m"], ["{tmp}/m/model.safetensors", "truncated"],
+         {"m": damaged("tiny", truncate=("model.safetensors", 1000))}),
+    Case("merge-out-under-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "{tmp}/f/merged"],
+         ["--out {tmp}/f/merged", "{tmp}/f is not a directory"], {"f": "a file"}),
+    Case("export-out-under-a-file", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{tmp}/f/a/b"],
+         ["--out {tmp}/f/a/b", "{tmp}/f is not a directory"], {"f": "a file"}),
+    Case("train-checkpoint-dir-under-a-file", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/f/ck"],
+         ["checkpoint.dir={tmp}/f/ck", "{tmp}/f is not a directory"], {"f": "a file"}),
     Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
          ["{tmp}/nope"]),
     # ---- merge and export targets
@@ -353,6 +396,12 @@ CASES = [
          {"p.jsonl": from_corpus("bad_json_line.jsonl")}),
     Case("bench-bad-percentiles", "serving.bench", ["--base-url", "http://127.0.0.1:{port}",
                                                     "--metric-percentiles", "90,ninety"], ["--metric-percentiles"]),
+    Case("bench-json-under-a-file", "serving.bench", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                       "--json", "{tmp}/f/b.json"],
+         ["--json {tmp}/f/b.json", "{tmp}/f is not a directory"], {"f": "a file"}),
+    Case("evaluate-json-under-a-file", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}", "--json", "{tmp}/f/r.json"],
+         ["--json {tmp}/f/r.json", "{tmp}/f is not a directory"], {"f": "a file"}),
     Case("chat-unreachable", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m", "--once", "hi"],
          ["127.0.0.1:{port}", "cannot reach"], sub=True),
     Case("chat-not-a-url", "serving.chat", ["--base-url", "ftp://127.0.0.1", "--model", "m", "--once", "hi"],

@@ -74,7 +74,7 @@ def test_merge_refuses_a_replaced_base(replaced):
     out = replaced / "merged"
     rc, err = _cli(main, "--checkpoint", replaced / "ck", "--out", out)
     assert rc == 2, err
-    line = [l for l in err.splitlines() if l.startswith("error:")][0]
+    line = next(l for l in err.splitlines() if l.startswith("error:"))
     assert f"{replaced / 'base' / 'model.safetensors'}: tensor data differs" in line
     assert "--allow-base-mismatch" in line and not out.exists()
     rc, err = _cli(main, "--checkpoint", replaced / "ck", "--out", out, "--allow-base-mismatch")

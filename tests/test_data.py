@@ -263,6 +263,29 @@ def test_nameless_tool_results_answer_calls_in_order(tok):
         norm(conv)
 
 
+def test_tool_call_ids_must_match_a_call_once():
+    """A tool result whose tool_call_id matches no call used to be credited to the next call in order."""
+    conv = json.loads(json.dumps(TOOL_CHAT))
+    conv["messages"][2]["tool_calls"][0]["id"] = "call_1"
+    del conv["messages"][3]["name"]
+    conv["messages"][3]["tool_call_id"] = "call_1"
+    assert norm(conv)["messages"][3]["name"] == "get_steps"
+    conv["messages"][3]["tool_call_id"] = "call_9"
+    with pytest.raises(UserError, match=r"messages\[3\]: tool_call_id 'call_9' matches no call of the preceding "
+                                        r"assistant turn \(its call ids: 'call_1'\)"):
+        norm(conv)
+    conv["messages"][3].update(tool_call_id="call_1", name="get_heart_rate")
+    with pytest.raises(UserError, match=r"named 'get_heart_rate' answers tool_call_id 'call_1', a call to 'get_steps'"):
+        norm(conv)
+    del conv["messages"][3]["name"]
+    twice = {**conv, "messages": [*conv["messages"][:4], dict(conv["messages"][3]), *conv["messages"][4:]]}
+    with pytest.raises(UserError, match=r"messages\[4\]: tool_call_id 'call_1' was already answered"):
+        norm(twice)
+    del conv["messages"][2]["tool_calls"][0]["id"]
+    with pytest.raises(UserError, match=r"matches no call .*\(its calls have no ids\)"):
+        norm(conv)
+
+
 def test_normalisation_is_idempotent_and_accepts_openai_shapes():
     conv = json.loads(json.dumps(TOOL_CHAT))
     conv["messages"][2]["tool_calls"][0]["function"]["arguments"] = '{"date": "today"}'  # a JSON string

@@ -85,7 +85,7 @@ def test_two_trainers_on_one_directory(tiny_dir, tmp_path):
     while not (ck / run_lock.LOCK_FILE).exists() and first.poll() is None and time.time() < deadline:
         time.sleep(0.5)
     second = run_cli("gemma_tpu.train", *args)
-    out, err = first.communicate(timeout=900)
+    _, err = first.communicate(timeout=900)
     assert first.returncode == 0, err[-3000:]
     assert_one_line_error(second, str(ck), "in use by another trainer", f"PID {first.pid}")
     steps = [json.loads(l)["step"] for l in (ck / "metrics.jsonl").read_text().splitlines()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gemma_tpu.checkpoint.params import CheckpointParams, require_finite
+from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.hf.directory import hf_revision
 from gemma_tpu.hf.fingerprint import fingerprint
@@ -102,12 +102,10 @@ def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
 
 
 def read_params(ckpt_dir: str | Path, step: int) -> dict[str, np.ndarray]:
-    """Every param of a step, flat ({'layers.0.attn.q_einsum.w_lora_a': ndarray}), in host memory:
-    `CheckpointParams` (the one reader of `model_params`) asked for all of its names; a non-finite
-    value is refused naming the tensor."""
+    """Flat {'layers.0.attn.q_einsum.w_lora_a': ndarray} read straight to host memory; a missing or
+    damaged file, or a non-finite tensor, is a one-line UserError naming it."""
     params = CheckpointParams(ckpt_dir, step)
-    where = Path(ckpt_dir) / str(step) / "model_params"
-    return {name: require_finite(value, name, where) for name, value in params.read(params.names()).items()}
+    return params.read(params.names())
 
 
 def build_metadata(run_config: Any, resolved: Any) -> dict[str, Any]:

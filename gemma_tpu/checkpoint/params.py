@@ -39,16 +39,20 @@ class CheckpointParams:
 
         # absolute: Orbax's metadata() quietly returns no tree for a relative path
         self.path = Path(ckpt_dir).resolve() / str(step) / "model_params"
-        if not self.path.is_dir():
-            raise UserError(f"{self.path}: missing (incomplete checkpoint step?)")
+        check_item_files(self.path)
         # Orbax warns that the item dir has no _CHECKPOINT_METADATA (the step dir has it); noise.
         logging.getLogger("absl").setLevel(logging.ERROR)
         self._ckptr = ocp.PyTreeCheckpointer()
         try:
             meta = self._ckptr.metadata(self.path)
         except Exception as e:  # corrupt or foreign directory
+            self._ckptr.close()
             raise UserError(f"{self.path}: unreadable Orbax metadata ({type(e).__name__}: {e})") from None
-        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+        item = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+        tree = getattr(item, "tree", item)
+        if not isinstance(tree, dict) or not tree:
+            self._ckptr.close()  # else Orbax's background loop prints tracebacks at exit
+            raise UserError(f"{self.path}: Orbax finds no tensor metadata here (an incomplete or foreign step)")
         self.specs: dict[str, ParamSpec] = {}
         self._walk(tree, ())
 
@@ -85,9 +89,14 @@ class CheckpointParams:
                 node_r = node_r.setdefault(k, {})
             node_i[spec.path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
             node_r[spec.path[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
-        restored = self._ckptr.restore(
-            self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-        )
+        try:
+            restored = self._ckptr.restore(
+                self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+            )
+        except Exception as e:  # a data file missing or cut short (tensorstore/Orbax raise ValueError & co)
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise UserError(f"{self.path}: cannot read tensor {names[0]}{more} ({short_reason(e)}); "
+                            f"the step is incomplete or damaged") from None
         out = {}
         for n in names:
             node = restored
@@ -107,3 +116,27 @@ def require_finite(value: np.ndarray, name: str, where) -> np.ndarray:
         raise UserError(f"{where}: tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''} "
                         f"(NaN/inf); refusing to use it")
     return value
+
+
+ITEM_FILES = ("_METADATA",)  # every Orbax PyTree item has it; OCDBT items also a manifest per writer
+
+
+def check_item_files(path: Path) -> None:
+    """The files an Orbax PyTree item cannot be read without, named when missing (one line)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: missing (incomplete checkpoint step?)")
+    missing = [path / n for n in ITEM_FILES if not (path / n).is_file()]
+    writers = sorted(path.glob("ocdbt.process_*"))
+    if writers and not (path / "manifest.ocdbt").is_file():
+        missing.append(path / "manifest.ocdbt")
+    for w in writers:
+        missing += [w / n for n in ("manifest.ocdbt", "d") if not (w / n).exists()]
+    if missing:
+        raise UserError(f"{missing[0]}: missing (an incomplete or damaged checkpoint step"
+                        f"{f'; {len(missing) - 1} more files missing' if len(missing) > 1 else ''})")
+
+
+def short_reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__

@@ -24,9 +24,23 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
+def check_writable(path: str | Path, what: str) -> None:
+    """Refuse, before any heavy work and without writing, a path that cannot be created or written:
+    the nearest existing ancestor must be a writable directory. (`what` names the option: `--out X`.)"""
+    p = Path(path).absolute()
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{what}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{what}: {probe} is not writable")
+
+
 def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir") -> None:
     """Refuse an existing target without --overwrite, a target of the other kind (or a link) in its
-    place, and targets that hold our own inputs. `kind`: "dir" or "file"."""
+    place, targets that hold our own inputs, and targets that cannot be written.
+    `kind`: "dir" or "file"."""
     target = Path(target)
     if target.exists() or target.is_symlink():
         if not overwrite:
@@ -42,6 +56,7 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
             raise UserError(f"--out {target} would replace an input ({p})")
         if resolved == p or p in resolved.parents:  # e.g. a step-like name inside a checkpoint dir
             raise UserError(f"--out {target} is inside an input ({p}); write it elsewhere")
+    check_writable(target.parent, f"--out {target}")
 
 
 def check_file_target(target: Path, overwrite: bool, protected: list[Path] = ()) -> None:
@@ -136,12 +151,16 @@ class _AtomicOutput:
 
     def __enter__(self) -> Path:
         check_target(self.target, self.overwrite, kind=self.kind)
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale(self.target)
-        if self.kind == "dir":
-            self.tmp.mkdir()
-        else:
-            self.tmp.touch(exist_ok=False)
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            clean_stale(self.target)
+            if self.kind == "dir":
+                self.tmp.mkdir()
+            else:
+                self.tmp.touch(exist_ok=False)
+        except OSError as e:
+            raise UserError(f"--out {self.target}: cannot create {e.filename or self.tmp} "
+                            f"({e.strerror or e})") from None
         try:  # SIGTERM -> SystemExit, so the cleanup below runs
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
         except ValueError:  # not the main thread: leave signals alone
@@ -157,6 +176,9 @@ class _AtomicOutput:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._old_sigterm is None else self._old_sigterm)
         if not self.published:
             _remove(self.tmp)
+            if isinstance(exc, OSError):  # a full disk (ENOSPC), a file too large, an I/O error mid-write
+                raise UserError(f"writing {self.target} failed in {exc.filename or self.tmp} "
+                                f"({exc.strerror or exc}); nothing was published") from None
 
 
 class AtomicDir(_AtomicOutput):

@@ -80,10 +80,11 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+    except OSError as e:  # a missing file, no permission, a full disk (ENOSPC), a file too large...
         if debug:
             raise
-        print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     finally:
         argparse.ArgumentParser.error = parser_error

@@ -176,6 +176,7 @@ def normalise_messages(obj: dict, where: str) -> dict:
     out = []
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
     answered = 0
+    answered_ids: set = set()
     for i, m in enumerate(messages):
         mw = f"{where}: messages[{i}]"
         if not isinstance(m, dict):
@@ -216,11 +217,25 @@ def normalise_messages(obj: dict, where: str) -> dict:
                 msg["tool_calls"] = norm_calls
                 pending = [(c.get("id") if isinstance(c, dict) else None, nc["name"])
                            for c, nc in zip(calls, norm_calls)]
-                answered = 0
+                answered, answered_ids = 0, set()
         elif role == "tool":
             name = m.get("name")
-            if not name and m.get("tool_call_id") is not None:
-                name = next((n for cid, n in pending if cid is not None and cid == m["tool_call_id"]), None)
+            call_id = m.get("tool_call_id")
+            if call_id is not None:  # must answer a call of the latest assistant turn, once, by its id
+                match = [n for cid, n in pending if cid is not None and cid == call_id]
+                if not match:
+                    ids = [repr(cid) for cid, _ in pending if cid is not None]
+                    have = (f"its call ids: {', '.join(ids)}" if ids else
+                            "its calls have no ids" if pending else "it made no calls")
+                    raise UserError(f"{mw}: tool_call_id {call_id!r} matches no call of the preceding assistant "
+                                    f"turn ({have})")
+                if call_id in answered_ids:
+                    raise UserError(f"{mw}: tool_call_id {call_id!r} was already answered")
+                if name and name != match[0]:
+                    raise UserError(f"{mw}: tool result named {name!r} answers tool_call_id {call_id!r}, a call "
+                                    f"to {match[0]!r}")
+                answered_ids.add(call_id)
+                name = match[0]
             if not name and answered < len(pending):
                 name = pending[answered][1]  # results answer the calls in order
             if not isinstance(name, str) or not name:

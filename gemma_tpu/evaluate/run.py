@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import check_writable
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
@@ -294,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--batch-size and --max-new-tokens must be positive")
     if args.json and Path(args.json).is_dir():
         raise UserError(f"--json {args.json}: is a directory (give a file name)")
+    if args.json:
+        check_writable(Path(args.json).parent, f"--json {args.json}")
     convs = load_conversations(args.data, cfg.data)
     if args.limit:
         convs = convs[: args.limit]

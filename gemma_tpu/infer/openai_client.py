@@ -34,23 +34,34 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read().decode(errors="replace")
+            status, ctype = resp.status, resp.headers.get("Content-Type") or "none"
     except urllib.error.HTTPError as e:
         detail = " ".join(e.read().decode(errors="replace").split())[:300]
         raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
         raise Unreachable(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
-    return json_object(body, lambda why: UserError(f"{url}: {why}"))
+    return json_object(body, lambda why: UserError(f"{url}: {why}"),
+                       f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
 
 
-def json_object(text: str, error) -> dict:
-    """`text` parsed as a JSON object; otherwise `error(reason)` is raised (reason quotes the text)."""
+def json_object(text: str, error, context: str | None = None) -> dict:
+    """`text` parsed as a JSON object; otherwise `error(reason)` is raised (reason quotes the text, or
+    is `context`: what came back, e.g. status and content type)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
-        raise error(f"the answer is not JSON ({' '.join(text.split())[:200]!r})") from None
+        raise error(f"the answer is not JSON but {context}" if context else
+                    f"the answer is not JSON ({' '.join(text.split())[:200]!r})") from None
     if not isinstance(obj, dict):
         raise error(f"expected a JSON object, got {text[:200]!r}")
     return obj
+
+
+def describe_body(status: int, content_type: str, body: str) -> str:
+    """`HTTP 200, Content-Type text/html: '<html><head><title>Welcome...'` (what came back, in one line)."""
+    text = " ".join(body.split())
+    return f"HTTP {status}, Content-Type {content_type}: {text[:120]!r}" if text else \
+        f"HTTP {status}, Content-Type {content_type}, an empty body"
 
 
 def api_base(url: str) -> str:

@@ -13,15 +13,15 @@ import dataclasses
 import functools
 import json
 import logging
-import os
-import signal
 from pathlib import Path
 from typing import Sequence
 
 from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
+from gemma_tpu.checkpoint.params import check_item_files, short_reason
 from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import check_writable
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import function_token_map
@@ -32,6 +32,7 @@ from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import plan, run_lock
 from gemma_tpu.train.plan import abstract_model
+from gemma_tpu.train.preempt import Preemption
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -80,6 +81,15 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
                             f"use another checkpoint.dir")
 
 
+def check_resume_step_files(ckpt_dir: Path) -> None:
+    """The step a resume would restore has the files Orbax needs (named when missing), checked before
+    the model loads."""
+    steps = checkpoint.list_steps(ckpt_dir)
+    if steps:
+        for item in ("model_params", "optimizer_state"):
+            check_item_files(ckpt_dir / str(steps[-1]) / item)
+
+
 def run(cfg: RunConfig) -> dict:
     """Train as configured; returns the run summary."""
     #    other JAX call
@@ -117,8 +127,12 @@ def run(cfg: RunConfig) -> dict:
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta, cfg.checkpoint.allow_base_mismatch)
-    if primary:  # refuse a second trainer on this directory before loading anything (writes nothing)
+    if primary:  # before loading anything (writes nothing): a writable directory, no other trainer on it
+        check_writable(ckpt_dir, f"checkpoint.dir={ckpt_dir}")
+        if cfg.train.run_dir:
+            check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
         run_lock.check_free(ckpt_dir)
+        check_resume_step_files(ckpt_dir)
 
     # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
@@ -170,13 +184,20 @@ def run(cfg: RunConfig) -> dict:
         chunk = 1024
         step_flops = flops_lib.training_flops(tunix_cfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
                                               len(cfg.lora.targets))
-        trainer = Trainer(
-            model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
-            tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
-            flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
-            price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
-            mesh=mesh,
-        )
+        try:  # restores the latest step, if any
+            trainer = Trainer(
+                model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
+                tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
+                flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
+                price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
+                mesh=mesh,
+            )
+        except Exception as e:
+            steps = checkpoint.list_steps(ckpt_dir)
+            if isinstance(e, UserError) or not steps:
+                raise
+            raise UserError(f"{ckpt_dir / str(steps[-1])}: cannot restore this checkpoint step ({short_reason(e)}); "
+                            f"move it aside to resume from the one before") from e
         from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
         trainer.with_loss_fn(make_loss_fn(chunk))
@@ -215,20 +236,9 @@ def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_co
 
 
 def _install_sigterm(trainer) -> None:
-    """On SIGTERM (TPU preemption notice) save the current step, then exit."""
-
-    def handler(signum, frame):
-        log.warning("SIGTERM: saving step %d before exit", trainer.train_steps)
-        try:
-            trainer.checkpoint_manager.save(trainer.train_steps, trainer.model, trainer.optimizer,
-                                            save_only_lora_params=trainer.lora_enabled, force=True,
-                                            custom_metadata=trainer.custom_checkpoint_metadata())
-            trainer.checkpoint_manager.close()
-        finally:
-            run_lock.release_all()
-            os._exit(143)
-
-    signal.signal(signal.SIGTERM, handler)
+    """On SIGTERM (TPU preemption notice) finish the step in progress, save it, release the run lock and
+    exit 143; at a batch boundary, so the saved step is exactly a step (gemma_tpu.train.preempt)."""
+    Preemption(trainer, on_exit=run_lock.release_all).install()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from gemma_tpu.core.errors import UserError
 LOCK_FILE = "gemma_tpu_run.lock"
 
 log = logging.getLogger("gemma_tpu.train")
-_held: list["RunLock"] = []
+_held: list[RunLock] = []
 
 
 def _pid_alive(pid: int) -> bool:
@@ -46,7 +46,7 @@ def read_holder(path: Path) -> dict | None:
     """The lock's JSON, {} when unreadable (being written, or garbage), None when there is no lock."""
     try:
         text = path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError:
         return {}
@@ -88,7 +88,7 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.held = False
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -160,5 +160,5 @@ def acquire(run_dir: str | Path) -> RunLock:
 
 def release_all() -> None:
     """Release every lock this process holds (the SIGTERM handler calls this before `os._exit`)."""
-    for lock in list(_held):
+    for lock in _held[:]:
         lock.release()

@@ -46,6 +46,7 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.first_signature: dict | None = None
         # Test hook: seconds to sleep per batch, so kill/resume tests can hit a run mid-flight.
         self.delay = float(os.environ.get("GEMMA_TPU_STEP_DELAY", "0") or 0)
+        self.before_batch = None  # called with the trainer before each fetch (gemma_tpu.train.preempt)
         self.tokens = 0  # non-padding tokens fed
         self.useful = 0  # loss-bearing tokens fed
         self.batches = 0
@@ -53,6 +54,8 @@ class BatchFeed(tunix_hooks.DataHooks):
     def load_next_train_batch(self, train_ctx):
         if self.delay:
             time.sleep(self.delay)
+        if self.before_batch is not None:
+            self.before_batch(train_ctx)
         try:
             batch = next(self.stream)
         except StopIteration:

@@ -1,0 +1,78 @@
+"""SIGTERM (the TPU preemption notice) handled at a safe point, so the saved step is exactly a step.
+
+The signal handler only records the request. The trainer's data hook (`BatchFeed.before_batch`) calls
+`Preemption.at_batch_boundary` before it fetches the batch that starts a new optimizer step: there
+the parameters, the optimizer state and the data position all belong to the same finished step (a
+handler acting mid-step would save the data position one batch ahead, or parameters already updated
+under the previous step's number). At that point the step in progress has finished; saves under way
+are waited for; the current step is saved unless it already is; the lock is released; exit 143.
+Before step 1 nothing is saved: a restart begins exactly as the interrupted run did.
+
+Limits: the exit waits for the step (and an eval) in progress to finish; a platform that sends
+SIGKILL before that leaves the last completed checkpoint, which the resume uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Callable
+
+from gemma_tpu.train.finite_guard import last_step_on_disk
+
+log = logging.getLogger("gemma_tpu.train")
+
+EXIT_CODE = 143  # 128 + SIGTERM, what a scheduler expects from a terminated process
+
+
+class Preemption:
+    def __init__(self, trainer, on_exit: Callable[[], None] = lambda: None):
+        self.trainer = trainer
+        self.on_exit = on_exit
+        self.requested = False
+
+    def install(self) -> "Preemption":
+        signal.signal(signal.SIGTERM, self._handler)
+        self.trainer.feed.before_batch = self.at_batch_boundary
+        log.info("SIGTERM (preemption) from here on: the step in progress finishes, is saved, then exit %d",
+                 EXIT_CODE)
+        return self
+
+    def _handler(self, signum, frame) -> None:  # noqa: ARG002
+        if not self.requested:
+            self.requested = True
+            log.warning("SIGTERM: finishing step %d, then saving it and exiting", self.trainer.train_steps + 1)
+
+    def at_batch_boundary(self, train_ctx) -> None:
+        if not self.requested:
+            return
+        accum = train_ctx.config.get_with_default("gradient_accumulation_steps", 1) or 1
+        if train_ctx.iter_steps % accum:  # mid-accumulation: the step is not finished yet
+            return
+        self.save_and_exit()
+
+    def save_and_exit(self) -> None:
+        t = self.trainer
+        step = t.train_steps
+        code = EXIT_CODE
+        try:
+            cm = t.checkpoint_manager
+            last = last_step_on_disk(cm)  # waits for an async save of this step already under way
+            if step > 0 and last != step:
+                cm.save(step, t.model, t.optimizer, save_only_lora_params=t.lora_enabled, force=True,
+                        custom_metadata=t.custom_checkpoint_metadata())
+                last = last_step_on_disk(cm)
+            cm.close()
+            if step == 0:
+                log.warning("SIGTERM before step 1: nothing to save; a restart begins afresh")
+            else:
+                log.warning("SIGTERM: step %d is saved (latest on disk: %s); exiting", step, last)
+        except BaseException as e:  # exit anyway: the platform will not wait
+            log.error("SIGTERM: could not save step %d (%s: %s); the last complete checkpoint stays",
+                      step, type(e).__name__, e)
+            code = 1
+        finally:
+            self.on_exit()
+            logging.shutdown()
+            os._exit(code)

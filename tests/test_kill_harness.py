@@ -1,0 +1,25 @@
+"""The reduced kill harness in CI: 10 kills (SIGKILL and SIGTERM, at start-up, mid-step and inside an
+async save) of the tiny run, resumed to the end bit-identical (benchmarks/kill_harness.py; the full
+100-kill run and its tally are in benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_ten_random_kills_resume_bit_identical(tmp_path):
+    out = tmp_path / "kills.json"
+    proc = subprocess.run([sys.executable, "benchmarks/kill_harness.py", "--kills", "10", "--per-chain", "10",
+                           "--seed", "3", "--work", str(tmp_path / "work"), "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["kills"] == 10 and doc["killed_while_alive"] == 10, doc["by_signal_and_phase"]
+    assert doc["chains_bit_identical"] == doc["chains"] == 1
+    signals = {k.split()[0] for k in doc["by_signal_and_phase"]}
+    assert signals == {"SIGKILL", "SIGTERM"}, doc["by_signal_and_phase"]
+    assert "chains resumed bit-identical: 1/1" in proc.stdout

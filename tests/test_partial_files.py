@@ -1,0 +1,48 @@
+"""Partial files on resume: a checkpoint step whose Orbax data files are gone (a copy cut short) is one
+line naming the step, not a traceback, and nothing newer is written. (The other partial-file classes,
+for merge / export / inspect / model dirs, are cases of tests/test_bad_input.py.)"""
+
+from __future__ import annotations
+
+import shutil
+
+from tests.conftest import assert_one_line_error, run_cli
+
+
+def test_resume_from_a_step_with_missing_data_files(tiny_dir, tmp_path):
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            "checkpoint.every_steps=1"]
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for p in (ck / "1" / "optimizer_state").glob("ocdbt.process_*/d/*"):
+        p.unlink()
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=2")
+    assert_one_line_error(proc, f"{ck / '1'}: cannot restore this checkpoint step", "move it aside")
+    assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == ["1"]
+    # moved aside as the message says, the run starts afresh and completes
+    shutil.move(ck / "1", tmp_path / "1.damaged")
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_merge_that_runs_out_of_space_publishes_nothing(tiny_dir, tmp_path):
+    """A write failing mid-merge (here the file-size limit, as a full disk would: the write raises) is one
+    line naming the file; nothing at --out, no temp dir left beside it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.test_convert import make_checkpoint
+
+    make_checkpoint(tiny_dir, tmp_path / "ck")
+
+    # the write fails with EFBIG (SIGXFSZ ignored, which survives exec) past a 200 KB file-size limit
+    limited = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
+               "os.execv(sys.executable, [sys.executable, '-m', 'convert.merge_orbax', *sys.argv[1:]])")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", limited, "--checkpoint", str(tmp_path / "ck"), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

@@ -1,0 +1,72 @@
+"""SIGTERM (the TPU preemption notice) at a safe point (gemma_tpu.train.preempt): the step in progress
+finishes, is saved completely (an async save under way is waited for), the run exits 143, and the resumed
+run ends bit-identical to an uninterrupted one, whether the signal came before step 1 or mid-run.
+
+It used to save whatever state the handler interrupted: a data position one batch ahead of the step
+(the resumed run skipped a batch), and `os._exit` right after a save that raised, leaving the announced
+step as an unfinished Orbax temp dir."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import REPO
+from tests.test_resume import MAX_STEPS, assert_same_params, command, environment, reference, tail, train_rows  # noqa: F401
+
+READY = "SIGTERM (preemption) from here on"
+
+
+def _start(tiny_dir, ckpt: Path, cache: Path, log: Path, delay: float) -> subprocess.Popen:
+    return subprocess.Popen(command(tiny_dir, ckpt), cwd=REPO, env=environment(cache, delay),
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+
+
+def _wait_for(cond, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"exited early ({proc.returncode}): {tail(log)}"
+        assert time.time() < deadline, tail(log)
+        time.sleep(0.05)
+
+
+def _resume_and_compare(tiny_dir, ckpt: Path, reference, log: Path) -> None:
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt), cwd=REPO, env=environment(reference["cache"]),
+                              stdout=subprocess.DEVNULL, stderr=err, timeout=900)
+    assert proc.returncode == 0, tail(log)
+    for row in train_rows(ckpt):  # every loss ever logged, before and after the interruption
+        assert row["loss"] == reference["losses"][row["step"]], (row, tail(log))
+    assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
+
+
+def test_sigterm_before_step_one_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    proc = _start(tiny_dir, ckpt, reference["cache"], log, delay=2.0)  # the first batch waits 2 s
+    _wait_for(lambda: READY in log.read_text(errors="replace"), proc, log)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 143, tail(log)
+    text = log.read_text(errors="replace")
+    assert "SIGTERM before step 1: nothing to save" in text, tail(log)
+    assert not [p for p in ckpt.iterdir() if p.name[:1].isdigit()]  # no step 0 with a data position ahead
+    _resume_and_compare(tiny_dir, ckpt, reference, tmp_path / "resume.log")
+
+
+def test_sigterm_mid_run_saves_the_announced_step_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    proc = _start(tiny_dir, ckpt, reference["cache"], log, delay=0.3)
+    _wait_for(lambda: len(list_steps(ckpt)) >= 3, proc, log)  # async saves every step, now mid-run
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 143, tail(log)
+    m = re.search(r"SIGTERM: step (\d+) is saved", log.read_text(errors="replace"))
+    assert m, tail(log)
+    step = int(m.group(1))
+    assert 3 <= step < MAX_STEPS and list_steps(ckpt)[-1] == step
+    assert not [p.name for p in ckpt.iterdir() if "tmp" in p.name or "incomplete" in p.name]
+    _resume_and_compare(tiny_dir, ckpt, reference, tmp_path / "resume.log")
+    assert f"resumed at step {step}; data position restored" in (tmp_path / "resume.log").read_text()
