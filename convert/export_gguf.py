@@ -149,13 +149,35 @@ def _pieces_from_tokenizer_json(path: Path) -> tuple[list[str], list[float], lis
     return pieces, scores, types, {}
 
 
+def _json_member(path: Path, key: str):
+    """The first member named `key` of a large JSON file, decoded alone from a window of the file
+    (Gemma's tokenizer.json is ~100 MB, mostly merges: decoding or even reading all of it would
+    cost hundreds of MB for the few thousand added tokens we need)."""
+    import mmap
+
+    needle = json.dumps(key).encode() + b":"
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        pos = m.find(needle)
+        if pos < 0:
+            return None
+        start, window = pos + len(needle), 1 << 20
+        while True:
+            text = m[start:start + window].decode("utf-8", errors="ignore").lstrip()
+            try:
+                return json.JSONDecoder().raw_decode(text)[0]
+            except json.JSONDecodeError:
+                if start + window >= len(m):
+                    raise UserError(f"{path}: {key} is not valid JSON") from None
+                window *= 4
+
+
 def _added_tokens(tok_dir: Path, cfg: dict) -> dict[int, bool]:
     """id -> special for the tokenizer's added tokens (tokenizer.json's `added_tokens`, which
     transformers 5 writes, and tokenizer_config.json's `added_tokens_decoder`, which 4.x wrote)."""
     out: dict[int, bool] = {}
     tj = tok_dir / "tokenizer.json"
     if tj.is_file():
-        for e in read_json_object(tj, f"{tj}: missing").get("added_tokens") or []:
+        for e in _json_member(tj, "added_tokens") or []:
             out[int(e["id"])] = bool(e.get("special"))
     for i, entry in (cfg.get("added_tokens_decoder") or {}).items():
         if isinstance(entry, dict):
