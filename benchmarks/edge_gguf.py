@@ -109,7 +109,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gemma_tpu.models.loading import resolve_path
+    from gemma_tpu.hf.directory import resolve_path
 
     if args.checkpoint:
         from convert.merge_orbax import plan_tensors
