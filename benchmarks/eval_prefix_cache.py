@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         sides[name] = {"wall_s": round(wall, 2), "examples_per_s": round(len(prompts) / wall, 4),
                        "warm_wall_s": warm,
                        "prefix_stats": gen.prefix_stats if cached else None,
-                       "tool_name_accuracy": metrics.get("tool_name_accuracy")}
+                       "tool_accuracy": metrics.get("tool_accuracy")}
     identical = [o.ids for o in outputs["uncached"]] == [o.ids for o in outputs["prefix cache"]]
     differ = sum(a.ids != b.ids for a, b in zip(outputs["uncached"], outputs["prefix cache"]))
     speedup = sides["uncached"]["wall_s"] / sides["prefix cache"]["wall_s"]
