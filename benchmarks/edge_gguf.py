@@ -90,6 +90,30 @@ def render_prompts(tokenizer, n: int) -> tuple[list[dict], dict]:
     return out, token_map
 
 
+def reload_check(path: Path, hf_logits: list, prompts: list[dict]) -> dict:
+    """transformers' own GGUF loader on the file vs the HF model: max abs logit diff, mean KL, argmax."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    diffs, kls, agree, n = [], [], 0, 0
+    with torch.no_grad():
+        for pr, ref in zip(prompts, hf_logits):
+            got = model(input_ids=torch.tensor([pr["ids"]])).logits[0].float().numpy()
+            diffs.append(float(np.abs(got - ref).max()))
+            la = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+            lb = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
+            kls.append((np.exp(la) * (la - lb)).sum(-1))
+            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            n += len(ref)
+    del model
+    kl = np.concatenate(kls)
+    return {"tf_max_abs_diff": max(diffs), "tf_kl_mean": float(kl.mean()), "tf_kl_max": float(kl.max()),
+            "tf_argmax_agree": agree / n, "tf_positions": n}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
@@ -100,12 +124,16 @@ def main() -> int:
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir")
+    p.add_argument("--no-llama", action="store_true", help="only the export and the transformers reload check")
+    p.add_argument("--logit-prompts", type=int, default=4, help="prompts for the transformers logits check")
     p.add_argument("--json")
     args = p.parse_args()
     try:
         import llama_cpp
     except ImportError:
-        sys.exit("llama-cpp-python is not installed: pip install -e '.[edge]'")
+        if not args.no_llama:
+            sys.exit("llama-cpp-python is not installed: pip install -e '.[edge]' (or --no-llama)")
+        llama_cpp = None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,7 +179,7 @@ def main() -> int:
     model.eval()
     hf_out, t = [], time.monotonic()
     with torch.no_grad():
-        for pr in prompts:
+        for pr in (prompts if llama_cpp is not None else []):
             ids = torch.tensor([pr["ids"]])
             out = model.generate(ids, max_new_tokens=args.max_new, do_sample=False, eos_token_id=sorted(stop_ids),
                                  pad_token_id=0)
@@ -159,6 +187,9 @@ def main() -> int:
             cut = next((i for i, x in enumerate(toks) if x in stop_ids), len(toks))
             hf_out.append(toks[:cut])
     hf_seconds = time.monotonic() - t
+    with torch.no_grad():
+        hf_logits = [model(input_ids=torch.tensor([pr["ids"]])).logits[0].float().numpy()
+                     for pr in prompts[:args.logit_prompts]]
     del model
 
     results = []
@@ -166,6 +197,11 @@ def main() -> int:
         path = work / f"{label}-{kind}.gguf"
         print(f"export {kind} ...", file=sys.stderr)
         ex = export(src_args, path, kind)
+        row = {"type": kind, **ex, "file_mb": round(ex["bytes"] / 1e6, 1), **reload_check(path, hf_logits, prompts)}
+        print(json.dumps(row), file=sys.stderr)
+        if llama_cpp is None:
+            results.append(row)
+            continue
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads,
                               n_batch=512, verbose=False)
         vocab = llm._model.vocab
@@ -175,7 +211,7 @@ def main() -> int:
             theirs = llm.tokenize(text.encode(), add_bos=False, special=True)
             if list(ours) != list(theirs):
                 tok_mismatch.append(text[:60])
-        same, first, calls_same, prefill_tok, prefill_s, dec_tok, dec_s = 0, 0, 0, 0.0, 0, 0.0
+        same, first, calls_same, prefill_tok, prefill_s, dec_tok, dec_s = 0, 0, 0, 0, 0.0, 0, 0.0
         for pr, ref in zip(prompts, hf_out):
             llm.reset()
             t0 = time.monotonic()
@@ -195,23 +231,30 @@ def main() -> int:
             same += got == ref
             first += (got[:1] == ref[:1])
             calls_same += parsed(got) == parsed(ref)
-        row = {"type": kind, **ex, "file_mb": round(ex["bytes"] / 1e6, 1),
+        row.update({
                "tokenization_mismatches": len(tok_mismatch), "tokenization_checked": len(HARD_STRINGS) + len(prompts),
                "tokenization_mismatch_examples": tok_mismatch[:3],
                "greedy_identical": same, "first_token_identical": first, "parsed_reply_identical": calls_same,
                "prompts": len(prompts),
                "prefill_tokens_per_s": round(prefill_tok / max(prefill_s, 1e-9), 1),
-               "decode_tokens_per_s": round(dec_tok / max(dec_s, 1e-9), 1)}
+               "decode_tokens_per_s": round(dec_tok / max(dec_s, 1e-9), 1)})
         results.append(row)
         del llm
         print(json.dumps(row), file=sys.stderr)
 
     print(f"\n{label}: {len(prompts)} fitness test prompts, greedy up to {args.max_new} tokens, "
           f"{args.threads} threads, {cpu_model()}")
-    print("| type | file | export | export peak RSS | tokenizer equal | greedy identical | first token | parsed reply "
-          "identical | prefill tok/s | decode tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| type | file | export | export peak RSS | transformers reload: max abs logit diff | mean KL | argmax agree |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
+        print(f"| {r['type']} | {r['file_mb']} MB | {r['seconds']} s | {r['peak_rss_mb']} MB | "
+              f"{r['tf_max_abs_diff']:.3g} | {r['tf_kl_mean']:.3g} | {r['tf_argmax_agree']:.4f} |")
+    if llama_cpp is not None:
+        print()
+        print("| type | file | export | export peak RSS | tokenizer equal | greedy identical | first token | parsed reply "
+              "identical | prefill tok/s | decode tok/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in (results if llama_cpp is not None else []):
         print(f"| {r['type']} | {r['file_mb']} MB | {r['seconds']} s | {r['peak_rss_mb']} MB | "
               f"{r['tokenization_checked'] - r['tokenization_mismatches']}/{r['tokenization_checked']} | "
               f"{r['greedy_identical']}/{r['prompts']} | {r['first_token_identical']}/{r['prompts']} | "

@@ -377,7 +377,7 @@ def test_llama_cpp_tiny_logits_and_greedy(work, base):
         llm.reset()
         llm.eval(prompt)
         got = np.asarray(llm.scores[: len(prompt)], dtype=np.float32)
-        assert float(np.abs(got - want).max()) <= 2e-3  # measured 
+        assert float(np.abs(got - want).max()) <= 5e-3  # measured up to 2.0e-3 (llama.cpp runs some products in f16)
     hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     prompt = PROMPTS[1]
     with torch.no_grad():
