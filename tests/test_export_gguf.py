@@ -457,3 +457,67 @@ def test_llama_cpp_tokenizer_matches_ours(work, real_vocab_tool_dir):
     for stop in ("<eos>", "<end_of_turn>", "<start_function_response>"):
         assert llama_cpp.llama_vocab_is_eog(vocab, tok.convert_tokens_to_ids(stop)), stop
     assert not llama_cpp.llama_vocab_is_eog(vocab, tok.convert_tokens_to_ids("<start_function_call>"))
+
+
+@pytest.mark.slow
+def test_llama_cpp_server_chat_template_and_evaluate_endpoint(work, real_vocab_tool_dir):
+    """llama-cpp-python's OpenAI-compatible server on loopback serves the GGUF: the chat template in
+    the file renders our prompts (tools, question) exactly as training rendered them, and
+    `gemma_tpu.evaluate --endpoint` scores it like any other endpoint."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp.server.app")
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.config import DataConfig
+    from gemma_tpu.data import load_conversations, make_renderer
+    from gemma_tpu.evaluate import build_cases
+    from serving.openai_client import openai_messages
+
+    out = work / "real-vocab-q8.gguf"
+    assert export("--merged", real_vocab_tool_dir, "--out", out, "--type", "q8_0") == 0
+    template = fields(out)["tokenizer.chat_template"]
+    tok = AutoTokenizer.from_pretrained(str(real_vocab_tool_dir))
+    renderer = make_renderer(tok, DataConfig(), "gemma", {})
+    cases = build_cases(load_conversations(str(REPO / "data/fitness/test.jsonl"), DataConfig()))[:5]
+    fmt = Jinja2ChatFormatter(template, eos_token="<eos>", bos_token="<bos>")
+    for case in cases:
+        want = renderer.render(case.prompt, add_generation_prompt=True)
+        got = fmt(messages=openai_messages(case.prompt["messages"]), tools=case.prompt["tools"]).prompt
+        assert got == "<bos>" + want.text  # the template writes <bos>; the renderer adds its id
+        assert tok(got, add_special_tokens=False).input_ids == list(want.ids)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(out), "--host", "127.0.0.1",
+                               "--port", str(port), "--n_ctx", "2048", "--n_threads", "2"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()[-2000:]
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(1)
+        report = work / "endpoint-eval.json"
+        proc = subprocess.run([sys.executable, "-m", "gemma_tpu.evaluate", "--data", str(REPO / "data/fitness/test.jsonl"),
+                               "--endpoint", f"http://127.0.0.1:{port}", "--limit", "3", "--max-new-tokens", "16",
+                               "--json", str(report)], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = json.loads(report.read_text())
+        (label, metrics), = res["models"].items()
+        assert label.startswith("endpoint:") and metrics["n"] == 3
+        assert 0.0 <= metrics["tool_accuracy"] <= 1.0 and len(res["examples"][label]) == 3
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
