@@ -166,7 +166,8 @@ def main() -> int:
         reply = parse_reply(tokenizer.decode(ids, skip_special_tokens=False), token_map)
         return reply.kind, [(c.name, c.arguments) for c in reply.calls]
     stop_ids = set()
-    gen = json.loads((hf_dir / "generation_config.json").read_text()) if (hf_dir / "generation_config.json").is_file() else {}
+    gen_path = hf_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     eos = gen.get("eos_token_id", [1, 106])
     stop_ids |= set([eos] if isinstance(eos, int) else eos)
     resp = tokenizer.convert_tokens_to_ids("<start_function_response>")
@@ -244,15 +245,16 @@ def main() -> int:
 
     print(f"\n{label}: {len(prompts)} fitness test prompts, greedy up to {args.max_new} tokens, "
           f"{args.threads} threads, {cpu_model()}")
-    print("| type | file | export | export peak RSS | transformers reload: max abs logit diff | mean KL | argmax agree |")
+    print("| type | file | export | export peak RSS | transformers reload: max abs logit diff | mean KL "
+          "| argmax agree |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['type']} | {r['file_mb']} MB | {r['seconds']} s | {r['peak_rss_mb']} MB | "
               f"{r['tf_max_abs_diff']:.3g} | {r['tf_kl_mean']:.3g} | {r['tf_argmax_agree']:.4f} |")
     if llama_cpp is not None:
         print()
-        print("| type | file | export | export peak RSS | tokenizer equal | greedy identical | first token | parsed reply "
-              "identical | prefill tok/s | decode tok/s |")
+        print("| type | file | export | export peak RSS | tokenizer equal | greedy identical | first token "
+              "| parsed reply identical | prefill tok/s | decode tok/s |")
         print("|---|---|---|---|---|---|---|---|---|---|")
     for r in (results if llama_cpp is not None else []):
         print(f"| {r['type']} | {r['file_mb']} MB | {r['seconds']} s | {r['peak_rss_mb']} MB | "

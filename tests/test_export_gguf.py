@@ -447,7 +447,8 @@ def test_llama_cpp_tokenizer_matches_ours(work, real_vocab_tool_dir):
     data = [json.loads(line) for line in (REPO / "data/fitness/test.jsonl").read_text().splitlines()[:20]]
     texts = TOKENIZER_STRINGS + [m["content"] for d in data for m in d["messages"] if m.get("content")]
     for text in texts:
-        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok(text, add_special_tokens=False).input_ids, text
+        want = tok(text, add_special_tokens=False).input_ids
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == want, text
     assert llm.tokenize(b"hi", add_bos=True, special=True)[0] == 2
     for marker in FUNCTION_MARKERS:
         i = tok.convert_tokens_to_ids(marker)
@@ -464,7 +465,7 @@ def test_llama_cpp_server_chat_template_and_evaluate_endpoint(work, real_vocab_t
     """llama-cpp-python's OpenAI-compatible server on loopback serves the GGUF: the chat template in
     the file renders our prompts (tools, question) exactly as training rendered them, and
     `gemma_tpu.evaluate --endpoint` scores it like any other endpoint."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     pytest.importorskip("llama_cpp.server.app")
     import socket
     import subprocess
@@ -510,8 +511,8 @@ def test_llama_cpp_server_chat_template_and_evaluate_endpoint(work, real_vocab_t
                 assert time.monotonic() < deadline, "server did not come up"
                 time.sleep(1)
         report = work / "endpoint-eval.json"
-        proc = subprocess.run([sys.executable, "-m", "gemma_tpu.evaluate", "--data", str(REPO / "data/fitness/test.jsonl"),
-                               "--endpoint", f"http://127.0.0.1:{port}", "--limit", "3", "--max-new-tokens", "16",
+        proc = subprocess.run([sys.executable, "-m", "gemma_tpu.evaluate", "--data",
+                               str(REPO / "data/fitness/test.jsonl"), "--endpoint", f"http://127.0.0.1:{port}", "--limit", "3", "--max-new-tokens", "16",
                                "--json", str(report)], cwd=REPO, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         res = json.loads(report.read_text())
