@@ -513,7 +513,8 @@ def test_llama_cpp_server_chat_template_and_evaluate_endpoint(work, real_vocab_t
         report = work / "endpoint-eval.json"
         proc = subprocess.run([sys.executable, "-m", "gemma_tpu.evaluate", "--data",
                                str(REPO / "data/fitness/test.jsonl"), "--endpoint", f"http://127.0.0.1:{port}",
-                               "--limit", "3", "--max-new-tokens", "16", "--json", str(report)], cwd=REPO, capture_output=True, text=True, timeout=600)
+                               "--limit", "3", "--max-new-tokens", "16", "--json", str(report)],
+                              cwd=REPO, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         res = json.loads(report.read_text())
         (label, metrics), = res["models"].items()
