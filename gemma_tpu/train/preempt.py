@@ -42,7 +42,8 @@ class Preemption:
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
         if not self.requested:
             self.requested = True
-            log.warning("SIGTERM: finishing step %d, then saving it and exiting", self.trainer.train_steps + 1)
+            log.warning("SIGTERM: saving and exiting at the next step boundary (%d steps done so far)",
+                        self.trainer.train_steps)
 
     def at_batch_boundary(self, train_ctx) -> None:
         if not self.requested:
