@@ -347,7 +347,7 @@ CASES = [
                                                                 "--overwrite"], ["{ckpt}", "input"]),
     # ---- verify / inspect
     Case("gguf-existing-target", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/o.gguf"],
-         ["{tmp}/o.gguf", "already exists"], {"o.gguf": "keep me"}),
+         ["{tmp}/o.gguf", "already exists"], {"o.gguf": "keep me"}, sub=True),
     Case("gguf-unknown-type", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/o.gguf", "--type", "q5_k"],
          ["--type q5_k", "f16, bf16, q8_0, q4_0"]),
     Case("gguf-unsupported-architecture", "convert.export_gguf", ["--merged", "{tmp}/m", "--out", "{tmp}/o.gguf"],

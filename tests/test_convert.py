@@ -187,7 +187,8 @@ def test_lm_head_dropped_when_tied(work, base, lora_ckpt):
     t["lm_head.weight"] = t["model.embed_tokens.weight"]
     save_file(t, str(with_head / "model.safetensors"), metadata={"format": "pt"})
     out = work / "merged_head"
-    assert merge("--checkpoint", lora_ckpt[0], "--base", with_head, "--out", out) == 0
+    # a changed base on purpose: the fingerprint check is told so
+    assert merge("--checkpoint", lora_ckpt[0], "--base", with_head, "--out", out, "--allow-base-mismatch") == 0
     assert "lm_head.weight" not in ordered_keys(out)
     assert json.loads((out / "gemma_tpu_merge.json").read_text())["dropped"] == ["lm_head.weight"]
 
@@ -220,6 +221,7 @@ def test_multimodal_layout(work, base, lora_ckpt):
     from safetensors.numpy import load_file, save_file
 
     from gemma_tpu.checkpoint.metadata import read_metadata, read_params, write_metadata
+    from gemma_tpu.hf.fingerprint import fingerprint
     from gemma_tpu.models import get_family
 
     text_ckpt, _ = lora_ckpt
@@ -242,7 +244,7 @@ def test_multimodal_layout(work, base, lora_ckpt):
     shutil.copytree(text_ckpt, ckpt)
     meta = read_metadata(ckpt)
     meta["hf_config"] = mm_cfg
-    meta["base_model"] = {**meta["base_model"], "path": str(mm), "local_dir": str(mm)}
+    meta["base_model"] = {**meta["base_model"], "path": str(mm), "local_dir": str(mm), "fingerprint": fingerprint(mm)}
     write_metadata(ckpt, {k: v for k, v in meta.items() if k not in ("format", "version")})
 
     out = work / "merged_mm"
@@ -474,7 +476,7 @@ def test_error_shape_mismatch(work, lora_ckpt, capsys):
 
     other = write_tiny_gemma3(work / "base_h32", seed=5, hidden_size=32)
     msg = _expect_error(capsys, work / "err4", "--checkpoint", lora_ckpt[0], "--base", other,
-                        contains="shape mismatch")
+                        "--allow-base-mismatch", contains="shape mismatch")  # past the fingerprint check
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "(64, 64)" in msg and "(64, 32)" in msg
 
 
