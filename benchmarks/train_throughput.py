@@ -262,10 +262,11 @@ def child_data(spec: dict) -> dict:
 def child_ours(spec: dict) -> dict:
     """`gemma_tpu.train.run.run` on the benchmark config; step times and losses from its metrics.jsonl."""
     t0 = time.perf_counter()
+    from gemma_tpu.core import cli
     from gemma_tpu.core.config import load_config
     from gemma_tpu.train import run as train
 
-    train.setup_logging()
+    cli.setup_logging()
     cfg = load_config(spec["config"], ours_overrides(spec))
     run_dir = Path(cfg.train.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
