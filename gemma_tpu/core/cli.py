@@ -55,7 +55,13 @@ def run_config(args: argparse.Namespace, required: bool = True):
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    """One format for every entry point: time, level, logger, message, on stderr."""
+    """One format for every entry point: time, level, logger, message, on stderr. A bare default handler
+    that a library put on the root logger first (absl calls `basicConfig()` on its first message) is
+    replaced, or it would swallow this format and level."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
     logging.basicConfig(level=level, format=LOG_FORMAT, datefmt="%H:%M:%S", stream=sys.stderr)
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -32,7 +32,6 @@ from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import plan, run_lock
 from gemma_tpu.train.plan import abstract_model
-from gemma_tpu.train.preempt import Preemption
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -238,6 +237,8 @@ def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_co
 def _install_sigterm(trainer) -> None:
     """On SIGTERM (TPU preemption notice) finish the step in progress, save it, release the run lock and
     exit 143; at a batch boundary, so the saved step is exactly a step (gemma_tpu.train.preempt)."""
+    from gemma_tpu.train.preempt import Preemption  # deferred: imports jax (through Tunix)
+
     Preemption(trainer, on_exit=run_lock.release_all).install()
 
 
