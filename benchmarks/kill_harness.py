@@ -89,7 +89,10 @@ def run_chain(cmd, env, ckpt: Path, rng: random.Random, kills: int, max_steps: i
             try:
                 if k == 0:
                     phase = "start-up"
-                    time.sleep(rng.uniform(0.05, 1.0) * (start_s[0] if start_s else 10.0))
+                    until = t0 + rng.uniform(0.05, 1.0) * (start_s[0] if start_s else 10.0)
+                    # never past the first new step: a slow start must not let the segment run to the end
+                    while time.monotonic() < until and not train_rows(ckpt, offset) and proc.poll() is None:
+                        time.sleep(0.02)
                 else:
                     deadline = t0 + 600
                     while (not any(r["step"] >= resume_at + k for r in train_rows(ckpt, offset))

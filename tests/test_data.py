@@ -286,6 +286,15 @@ def test_tool_call_ids_must_match_a_call_once():
         norm(conv)
 
 
+def test_tool_result_must_follow_a_call():
+    conv = json.loads(json.dumps(TOOL_CHAT))
+    conv["messages"].insert(4, {"role": "user", "content": "and?"})  # user turn between the call and its result
+    conv["messages"][3], conv["messages"][4] = conv["messages"][4], conv["messages"][3]
+    with pytest.raises(UserError, match=r"messages\[4\]: a tool result must follow an assistant turn with "
+                                        r"tool_calls .*; it follows user"):
+        norm(conv)
+
+
 def test_normalisation_is_idempotent_and_accepts_openai_shapes():
     conv = json.loads(json.dumps(TOOL_CHAT))
     conv["messages"][2]["tool_calls"][0]["function"]["arguments"] = '{"date": "today"}'  # a JSON string

@@ -219,6 +219,10 @@ def normalise_messages(obj: dict, where: str) -> dict:
                            for c, nc in zip(calls, norm_calls)]
                 answered, answered_ids = 0, set()
         elif role == "tool":
+            prev = out[-1] if out else None
+            if prev is None or not (prev["role"] == "tool" or prev.get("tool_calls")):
+                raise UserError(f"{mw}: a tool result must follow an assistant turn with tool_calls (or another "
+                                f"tool result); it follows {prev['role'] if prev else 'nothing'}")
             name = m.get("name")
             call_id = m.get("tool_call_id")
             if call_id is not None:  # must answer a call of the latest assistant turn, once, by its id
