@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gemma_tpu.assets.tiny import write_tiny_gemma3
-from gemma_tpu.core.errors import cli_main
+from gemma_tpu.core.cli import cli_main
 from gemma_tpu.hf.fingerprint import fingerprint, first_difference
 from tests.test_convert import make_checkpoint
 

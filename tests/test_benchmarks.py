@@ -9,15 +9,15 @@ from tests.conftest import REPO
 
 
 def test_train_throughput_tiny_both_sides(tmp_path):
-    from gemma_tpu.assets.embedded import resolve_embedded
-
-    # a slice of the fitness-coach training set keeps rendering (done by both children) short
-    subset = tmp_path / "fitness-train-8.jsonl"
-    subset.write_text("\n".join((REPO / "data/fitness/train.jsonl").read_text().splitlines()[:8]) + "\n")
-    # tiny-gemma3 carries the real Gemma 3 tokenizer when gemma3-270m is prepared in the same cache
-    # (examples of 413-487 tokens), else a character-level one (about 1,500 tokens)
-    vocab = json.loads((resolve_embedded("embedded:tiny-gemma3") / "config.json").read_text())["vocab_size"]
-    seq_len = 512 if vocab > 4096 else 2048
+    # short chats keep rendering (done by both children) quick and fit the tiny model's 1,024 positions whichever
+    # tokenizer tiny-gemma3 carries (the real Gemma 3 one when gemma3-270m is prepared in the same cache, else a
+    # character-level one, under which a fitness-coach example is ~1,700 ids)
+    subset = tmp_path / "short-chats-8.jsonl"
+    subset.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"How many push-ups should I do on day {i} of my plan?"},
+        {"role": "assistant", "content": f"Start with {10 + i} push-ups in three sets, resting a minute between."},
+    ]}) + "\n" for i in range(8)))
+    seq_len = 512
     out = tmp_path / "throughput.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/train_throughput.py", "--model", "embedded:tiny-gemma3", "--config",
