@@ -288,9 +288,8 @@ def test_tool_call_ids_must_match_a_call_once():
 
 def test_tool_result_must_follow_a_call():
     conv = json.loads(json.dumps(TOOL_CHAT))
-    conv["messages"].insert(4, {"role": "user", "content": "and?"})  # user turn between the call and its result
-    conv["messages"][3], conv["messages"][4] = conv["messages"][4], conv["messages"][3]
-    with pytest.raises(UserError, match=r"messages\[4\]: a tool result must follow an assistant turn with "
+    del conv["messages"][2]  # the call is gone: its result now follows the user turn
+    with pytest.raises(UserError, match=r"messages\[2\]: a tool result must follow an assistant turn with "
                                         r"tool_calls .*; it follows user"):
         norm(conv)
 
@@ -971,3 +970,54 @@ def test_inspect_reads_the_tokenizer_of_the_configured_model(tmp_path, tiny_dir)
     assert proc.returncode == 0, proc.stderr
     assert f"tokenizer  {tiny_dir}" in proc.stdout and "token map  <start_function_declaration> -> <unused" \
         in proc.stdout
+
+
+# Roles in odd places: refused by the normaliser exactly where Gemma's own chat template refuses; what both accept
+# renders to the template's text.
+_U, _A = {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}
+_ODD_ROLES = {
+    "assistant first": ([_A], "must start with a user turn"),
+    "two user turns": ([_U, _U, _A], "two user turns in a row"),
+    "two assistant turns": ([_U, _A, _A], "two assistant turns in a row"),
+    "late system": ([_U, {"role": "system", "content": "late"}, _A], "allowed only as the first message"),
+    "two system messages": ([{"role": "system", "content": "s"}, {"role": "system", "content": "t"}, _U, _A],
+                            "allowed only as the first message"),
+    "system then assistant": ([{"role": "system", "content": "s"}, _A], "must start with a user turn"),
+}
+
+
+@pytest.mark.parametrize("name", list(_ODD_ROLES))
+def test_odd_roles_refused_as_the_chat_template_refuses(name):
+    from jinja2.exceptions import TemplateError
+
+    from tests.test_assets import _render
+
+    messages, message = _ODD_ROLES[name]
+    with pytest.raises(UserError, match=rf"^f\.jsonl:3: messages\[\d\]: .*{message}"):
+        normalise_messages({"messages": messages}, "f.jsonl:3")
+    with pytest.raises(TemplateError):
+        _render(messages)
+
+
+@pytest.mark.parametrize("messages", [
+    [_U, _A],
+    [{"role": "system", "content": "Be brief."}, _U, _A, {"role": "user", "content": "more?"}, _A],
+    [_U, _A, {"role": "user", "content": "and a trailing question"}],
+])
+def test_accepted_roles_render_as_the_chat_template(messages):
+    from gemma_tpu.data.render import gemma_segments
+    from tests.test_assets import _render
+
+    conv = normalise_messages({"messages": messages}, "f.jsonl:1")
+    assert "<bos>" + "".join(text for text, _ in gemma_segments(conv)) == _render(messages)
+
+
+def test_tool_turn_order():
+    calls = json.loads(json.dumps(TOOL_CHAT))
+    i = next(k for k, m in enumerate(calls["messages"]) if m.get("tool_calls"))
+    unanswered = {**calls, "messages": calls["messages"][:i + 1] + [{"role": "user", "content": "hello?"}]}
+    with pytest.raises(UserError, match=rf"messages\[{i + 1}\]: a user turn follows unanswered tool calls"):
+        norm(unanswered)
+    skipped = {**calls, "messages": calls["messages"][:i + 1] + [{"role": "assistant", "content": "done"}]}
+    with pytest.raises(UserError, match=rf"messages\[{i + 1}\]: the assistant continues before every tool call"):
+        norm(skipped)

@@ -166,6 +166,38 @@ def _tool_names(tools: Any, where: str) -> list[str]:
     return names
 
 
+def _check_turn_order(before: list[dict], role: str, answered: int, calls: int, mw: str) -> None:
+    """Refuse a turn the chat template would refuse or the renderer would have to guess at.
+
+    Gemma's chat template takes one leading system message and then strictly alternating user and
+    model turns (it raises otherwise); tool results sit inside the model turn, after its calls."""
+    prev = before[-1]["role"] if before else None
+    if role in ("system", "developer"):
+        if before:
+            raise UserError(f"{mw}: a {role} message is allowed only as the first message (Gemma folds it into the "
+                            f"first user turn); this one follows {prev}")
+        return
+    if prev is None or prev in ("system", "developer"):
+        if role != "user":
+            raise UserError(f"{mw}: the conversation must start with a user turn (after an optional system "
+                            f"message), as Gemma's chat template requires; it starts with {role}")
+        return
+    if role == "user":
+        if prev == "user":
+            raise UserError(f"{mw}: two user turns in a row; Gemma's chat template requires user and assistant turns "
+                            f"to alternate (join them into one message)")
+        if prev == "tool" or before[-1].get("tool_calls"):
+            raise UserError(f"{mw}: a user turn follows unanswered tool calls or a tool result; the assistant must "
+                            f"answer first")
+    elif role == "assistant":
+        if prev == "assistant" and not before[-1].get("tool_calls"):
+            raise UserError(f"{mw}: two assistant turns in a row; Gemma's chat template requires user and assistant "
+                            f"turns to alternate (join them into one message)")
+        if prev == "assistant" or (prev == "tool" and answered < calls):
+            raise UserError(f"{mw}: the assistant continues before every tool call of its previous turn has a result "
+                            f"({answered if prev == 'tool' else 0} of {calls} answered)")
+
+
 def normalise_messages(obj: dict, where: str) -> dict:
     """Validate a chat example: roles, contents, tool calls against declared tools."""
     messages = _maybe_json(obj.get("messages"), "messages", where)
@@ -186,6 +218,7 @@ def normalise_messages(obj: dict, where: str) -> dict:
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
+        _check_turn_order(out, role, answered, len(pending), mw)
         if role == "assistant":
             calls = m.get("tool_calls") or []
             if not isinstance(calls, list):
