@@ -70,3 +70,33 @@ def test_sigterm_mid_run_saves_the_announced_step_then_resume_is_bit_identical(t
     assert not [p.name for p in ckpt.iterdir() if "tmp" in p.name or "incomplete" in p.name]
     _resume_and_compare(tiny_dir, ckpt, reference, tmp_path / "resume.log")
     assert f"resumed at step {step}; data position restored" in (tmp_path / "resume.log").read_text()
+
+
+def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
+    """The notice lands while the evaluation after step 3 runs: the eval finishes (its row is logged once), step 3
+    is saved, exit 143; the resumed run's training matches the uninterrupted one (evaluation changes no state)."""
+    import json
+
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    evals = ["data.eval_path=tests/data/chat_sample.jsonl", "data.eval_max_batches=2", "train.eval_every_steps=3"]
+    proc = subprocess.Popen(command(tiny_dir, ckpt) + evals, cwd=REPO, env=environment(reference["cache"], 1.0),
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    _wait_for(lambda: "evaluating after step 3" in log.read_text(errors="replace"), proc, log)
+    proc.send_signal(signal.SIGTERM)  # the eval's first batch is sleeping its 1 s
+    assert proc.wait(timeout=300) == 143, tail(log)
+    assert "SIGTERM: step 3 is saved" in log.read_text(errors="replace"), tail(log)
+    assert list_steps(ckpt)[-1] == 3
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows if r.get("mode") == "eval"] == [0, 3]  # the interrupted eval ran to its end
+    with (tmp_path / "resume.log").open("w") as err:
+        resumed = subprocess.run(command(tiny_dir, ckpt) + evals, cwd=REPO, env=environment(reference["cache"]),
+                                 stdout=subprocess.DEVNULL, stderr=err, timeout=900)
+    assert resumed.returncode == 0, tail(tmp_path / "resume.log")
+    assert "resumed at step 3; data position restored" in (tmp_path / "resume.log").read_text()
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows if r.get("mode") == "eval"].count(3) == 1  # not evaluated again
+    for row in train_rows(ckpt):
+        assert row["loss"] == reference["losses"][row["step"]], (row, tail(tmp_path / "resume.log"))
+    assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)

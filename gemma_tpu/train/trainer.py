@@ -75,6 +75,10 @@ class BatchFeed(tunix_hooks.DataHooks):
         if self._eval_pos >= len(self.eval_batches):
             self._eval_pos = 0
             return None
+        if self._eval_pos == 0:
+            log.info("evaluating after step %d (%d batches)", train_ctx.train_steps, len(self.eval_batches))
+        if self.delay:
+            time.sleep(self.delay)
         self._eval_pos += 1
         return self.put(self.eval_batches[self._eval_pos - 1])
 
