@@ -28,8 +28,9 @@ launcher's. The steady state excludes the first `--warmup` steps (ours: the firs
 compilation; torch: allocator warm-up; our run also takes one step more, because the trainer's last metrics
 record is its final flush, see `child_ours`); s/step is the median over the `--steps` timed steps, and tokens/s
 are the timed steps' mean tokens per step over that median (both sides see the same batches, so the
-ratio of useful tokens/s is the ratio of step times). Three token counts: all (batch x seq_len), non-pad,
-and useful (loss-bearing). TFLOP/s and MFU use `gemma_tpu.train.flops`' analytic model-FLOP count of the useful
+ratio of useful tokens/s is the ratio of step times). Trained examples/s (examples per step: the segments of
+each row) is the fair rate when the layouts differ (packing, shared prefixes), where computed tokens/s would
+flatter the denser layout. Three token counts: all (batch x seq_len), non-pad, and useful (loss-bearing). TFLOP/s and MFU use `gemma_tpu.train.flops`' analytic model-FLOP count of the useful
 work for BOTH sides (vocabulary projection at loss positions only), so MFU ranks the sides like
 throughput does; torch's `tflops_executed` counts the full projection it actually computes. (Qwix gives K
 and V one shared A factor, so our side trains hidden x rank fewer LoRA parameters per layer than PEFT.)
@@ -40,7 +41,7 @@ config into the cache, for when the real weights are not at hand; or pass the re
 bf16 on both sides, and MFU against `gemma_tpu.core.accelerators.ACCELERATORS` (h100 / h200 from the device name, or
 `--accelerator`).
 
-Output: a table (side, s/step, tokens/s, useful tokens/s, TFLOP/s, MFU, peak RSS, compiles, initial
+Output: a table (side, s/step, examples/s, tokens/s, useful tokens/s, TFLOP/s, MFU, peak RSS, compiles, initial
 loss), the ratio ours/torch of useful tokens/s, and with `--json` everything plus the machine (CPU model,
 cores, load average, GPU), package versions, date and command. Results go in benchmarks/RESULTS.md.
 """
@@ -224,6 +225,7 @@ def child_data(spec: dict) -> dict:
 
     def counts(batches):
         return {"useful_tokens": [int(b["loss_weights"].sum()) for b in batches],
+                "examples": [int(b["segment_ids"].max(axis=-1).sum()) for b in batches],
                 "nonpad_tokens": [int((b["segment_ids"] > 0).sum()) for b in batches],
                 "tokens": [int(b["tokens"].size) for b in batches]}
 
@@ -460,14 +462,14 @@ def side_row(name: str, res: dict, d: dict, warmup: int, peak: float, is_torch: 
 
 
 def print_table(rows: dict) -> None:
-    head = ("side", "s/step", "tokens/s", "useful tok/s", "TFLOP/s", "MFU", "peak RSS GB", "compiles", "initial loss")
+    head = ("side", "s/step", "examples/s", "tokens/s", "useful tok/s", "TFLOP/s", "MFU", "peak RSS GB", "compiles", "initial loss")
     lines = [head]
     for name, r in rows.items():
         def fmt(key, spec):
             v = r.get(key)
             return "-" if v is None else format(v, spec)
 
-        lines.append((name, fmt("s_per_step", ".3f"), fmt("tokens_per_s", ".1f"), fmt("useful_tokens_per_s", ".1f"),
+        lines.append((name, fmt("s_per_step", ".3f"), fmt("examples_per_s", ".3f"), fmt("tokens_per_s", ".1f"), fmt("useful_tokens_per_s", ".1f"),
                       fmt("tflops_per_s", ".4f"), fmt("mfu", ".1%"), fmt("peak_rss_gb", ".2f"), fmt("compiles", "d"),
                       fmt("initial_loss", ".5f")))
     widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
@@ -552,6 +554,9 @@ def main(argv=None) -> int:
         o, t = rows["ours"].get("useful_tokens_per_s"), rows["torch"].get("useful_tokens_per_s")
         out["ratio_useful_tokens_per_s"] = round(o / t, 3) if o and t else None
         print(f"ours/torch useful tokens/s: {out['ratio_useful_tokens_per_s']}x")
+        o, t = rows["ours"].get("examples_per_s"), rows["torch"].get("examples_per_s")
+        out["ratio_examples_per_s"] = round(o / t, 3) if o and t else None
+        print(f"ours/torch trained examples/s: {out['ratio_examples_per_s']}x")
         if rows["torch"].get("error"):
             print(f"torch side: {rows['torch']['error']}")
         lo, lt = rows["ours"]["initial_loss"], rows["torch"]["initial_loss"]

@@ -38,13 +38,15 @@ def test_train_throughput_tiny_both_sides(tmp_path):
                                                    "down_proj"]}
     ours, torch = res["sides"]["ours"], res["sides"]["torch"]
     for side in (ours, torch):
-        for key in ("s_per_step", "tokens_per_s", "useful_tokens_per_s", "nonpad_tokens_per_s", "tflops_per_s",
-                    "peak_rss_gb", "initial_loss"):
+        for key in ("s_per_step", "examples_per_s", "tokens_per_s", "useful_tokens_per_s", "nonpad_tokens_per_s",
+                    "tflops_per_s", "peak_rss_gb", "initial_loss"):
             assert side[key] is not None and side[key] > 0, key
         assert len(side["step_times"]) == 2 and side["timed_steps"] == 1
     assert ours["compiles"] == 1 and ours["eval_compiles"] == 0
     # same rows on both sides: same token counts per step
     assert ours["useful_tokens_per_step"] == torch["useful_tokens_per_step"] > 0
+    assert ours["examples_per_step"] == torch["examples_per_step"] == 1  # batch 1, padded: one example a row
+    assert "ours/torch trained examples/s" in proc.stdout
     assert ours["tokens_per_step"] == torch["tokens_per_step"] == seq_len
     lo, lt = ours["initial_loss"], torch["initial_loss"]
     assert math.isfinite(lo) and math.isfinite(lt)

@@ -47,6 +47,10 @@ def test_run_writes_checkpoints_metadata_and_metrics(reference_run):
     summary = json.loads((ck / "summary.json").read_text())
     assert summary["train_step_compiles"] == 1
     assert summary["final_eval_loss"] < summary["first_eval_loss"]
+    assert summary["examples_per_s"] > 0 and summary["useful_tokens_per_s"] > 0
+    rows = [json.loads(x) for x in (ck / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if r["mode"] == "train" and "step_time_s" in r]
+    assert timed and all(r["examples_per_s"] * r["step_time_s"] == pytest.approx(4) for r in timed)  # batch 4, pad
     assert list((ck / "tensorboard").rglob("events.*"))
     l = losses(ck)
     assert len(l) == 8 and l[-1] < l[0]

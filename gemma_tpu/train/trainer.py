@@ -49,6 +49,7 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.before_batch = None  # called with the trainer before each fetch (gemma_tpu.train.preempt)
         self.tokens = 0  # non-padding tokens fed
         self.useful = 0  # loss-bearing tokens fed
+        self.examples = 0  # examples fed (a packed row holds several: segment ids 1..k)
         self.batches = 0
 
     def load_next_train_batch(self, train_ctx):
@@ -68,6 +69,7 @@ class BatchFeed(tunix_hooks.DataHooks):
             log.warning("RECOMPILE AHEAD: batch shapes changed from the first batch: %s", changed)
         self.tokens += int((batch["segment_ids"] > 0).sum())
         self.useful += int(batch["loss_weights"].sum())
+        self.examples += int(np.asarray(batch["segment_ids"]).max(axis=-1).sum())
         self.batches += 1
         return self.put(batch)
 
@@ -180,6 +182,7 @@ class Trainer(TunixTrainer):
         self._step_last = self.train_steps
         self._tok_last = 0
         self._useful_last = 0
+        self._examples_last = 0
         self.compiles = 0
         self.history: list[dict] = []
         self.started = time.time()
@@ -223,6 +226,8 @@ class Trainer(TunixTrainer):
                 rec["tokens_per_s"] = steps * self.tokens_per_step / dt
                 rec["nonpad_tokens_per_s"] = (self.feed.tokens - self._tok_last) / dt
                 rec["useful_tokens_per_s"] = (self.feed.useful - self._useful_last) / dt
+                # the fair rate when layouts differ (packing, shared prefixes): trained examples per second
+                rec["examples_per_s"] = (self.feed.examples - self._examples_last) / dt
                 if self.flops is not None:
                     done = self.flops.step(steps * self.tokens_per_step, self.feed.useful - self._useful_last)
                     tflops = done / dt / 1e12
@@ -238,6 +243,7 @@ class Trainer(TunixTrainer):
                     self.metrics_logger.log(self.metrics_prefix, key, 0.0, self.mode, rec["step"])
             self._t_last, self._step_last = now, rec["step"]
             self._tok_last, self._useful_last = self.feed.tokens, self.feed.useful
+            self._examples_last = self.feed.examples
             self.compiles = self._compile_count()
             rec["train_step_compiles"] = self.compiles
             self._log_progress(rec)
@@ -307,6 +313,7 @@ class Trainer(TunixTrainer):
             out["median_step_time_s"] = round(med("step_time_s"), 4)
             out["tokens_per_s"] = round(med("tokens_per_s"), 1)
             out["useful_tokens_per_s"] = round(med("useful_tokens_per_s"), 1)
+            out["examples_per_s"] = round(med("examples_per_s"), 3)
             if med("tflops_per_s") is not None:
                 out["tflops_per_s"] = round(med("tflops_per_s"), 4)
             if med("mfu") is not None:
