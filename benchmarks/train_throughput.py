@@ -30,10 +30,10 @@ record is its final flush, see `child_ours`); s/step is the median over the `--s
 are the timed steps' mean tokens per step over that median (both sides see the same batches, so the
 ratio of useful tokens/s is the ratio of step times). Trained examples/s (examples per step: the segments of
 each row) is the fair rate when the layouts differ (packing, shared prefixes), where computed tokens/s would
-flatter the denser layout. Three token counts: all (batch x seq_len), non-pad, and useful (loss-bearing). TFLOP/s and MFU use `gemma_tpu.train.flops`' analytic model-FLOP count of the useful
-work for BOTH sides (vocabulary projection at loss positions only), so MFU ranks the sides like
-throughput does; torch's `tflops_executed` counts the full projection it actually computes. (Qwix gives K
-and V one shared A factor, so our side trains hidden x rank fewer LoRA parameters per layer than PEFT.)
+flatter the denser layout. Three token counts: all (batch x seq_len), non-pad, and useful (loss-bearing).
+TFLOP/s and MFU use `gemma_tpu.train.flops`' analytic model-FLOP count of the useful work for BOTH sides
+(vocabulary projection at loss positions only), so MFU ranks the sides like throughput does; torch's
+`tflops_executed` counts the full projection it actually computes. (Qwix gives K and V one shared A factor, so our side trains hidden x rank fewer LoRA parameters per layer than PEFT.)
 
 On a CUDA machine (`--device cuda`, or `auto` when torch sees CUDA and JAX sees a GPU) the defaults are
 the Gemma 3 1B shape (`shape:gemma3-1b`: a random-weight checkpoint written by transformers from the 1B
@@ -462,16 +462,17 @@ def side_row(name: str, res: dict, d: dict, warmup: int, peak: float, is_torch: 
 
 
 def print_table(rows: dict) -> None:
-    head = ("side", "s/step", "examples/s", "tokens/s", "useful tok/s", "TFLOP/s", "MFU", "peak RSS GB", "compiles", "initial loss")
+    head = ("side", "s/step", "examples/s", "tokens/s", "useful tok/s", "TFLOP/s", "MFU", "peak RSS GB", "compiles",
+            "initial loss")
     lines = [head]
     for name, r in rows.items():
         def fmt(key, spec):
             v = r.get(key)
             return "-" if v is None else format(v, spec)
 
-        lines.append((name, fmt("s_per_step", ".3f"), fmt("examples_per_s", ".3f"), fmt("tokens_per_s", ".1f"), fmt("useful_tokens_per_s", ".1f"),
-                      fmt("tflops_per_s", ".4f"), fmt("mfu", ".1%"), fmt("peak_rss_gb", ".2f"), fmt("compiles", "d"),
-                      fmt("initial_loss", ".5f")))
+        lines.append((name, fmt("s_per_step", ".3f"), fmt("examples_per_s", ".3f"), fmt("tokens_per_s", ".1f"),
+                      fmt("useful_tokens_per_s", ".1f"), fmt("tflops_per_s", ".4f"), fmt("mfu", ".1%"),
+                      fmt("peak_rss_gb", ".2f"), fmt("compiles", "d"), fmt("initial_loss", ".5f")))
     widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
     for l in lines:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(l, widths))))
