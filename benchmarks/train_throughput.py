@@ -33,7 +33,8 @@ each row) is the fair rate when the layouts differ (packing, shared prefixes), w
 flatter the denser layout. Three token counts: all (batch x seq_len), non-pad, and useful (loss-bearing).
 TFLOP/s and MFU use `gemma_tpu.train.flops`' analytic model-FLOP count of the useful work for BOTH sides
 (vocabulary projection at loss positions only), so MFU ranks the sides like throughput does; torch's
-`tflops_executed` counts the full projection it actually computes. (Qwix gives K and V one shared A factor, so our side trains hidden x rank fewer LoRA parameters per layer than PEFT.)
+`tflops_executed` counts the full projection it actually computes. (Qwix gives K and V one shared A factor,
+so our side trains hidden x rank fewer LoRA parameters per layer than PEFT.)
 
 On a CUDA machine (`--device cuda`, or `auto` when torch sees CUDA and JAX sees a GPU) the defaults are
 the Gemma 3 1B shape (`shape:gemma3-1b`: a random-weight checkpoint written by transformers from the 1B
