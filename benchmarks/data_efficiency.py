@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -41,6 +40,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import cpu_info  # noqa: E402
 
 from gemma_tpu.core.config import DataConfig  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
             results += rows
             timings.append(timing)
     print_tables(results, timings)
-    out = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    out = {"date": date.today().isoformat(), "machine": {**cpu_info(), "cpus": os.cpu_count()},
            "command": "python " + " ".join([os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
            "tokenizer": tok_where, "batch_size": args.batch_size, "overlength": "truncate",
            "results": results, "datasets": timings}

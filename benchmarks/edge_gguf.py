@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
 
 HARD_STRINGS = [
     "The capital of France is",
@@ -49,14 +50,6 @@ HARD_STRINGS = [
 ]
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def export(src_args: list[str], out: Path, kind: str) -> dict:
@@ -244,7 +237,7 @@ def main() -> int:
         print(json.dumps(row), file=sys.stderr)
 
     print(f"\n{label}: {len(prompts)} fitness test prompts, greedy up to {args.max_new} tokens, "
-          f"{args.threads} threads, {cpu_model()}")
+          f"{args.threads} threads, {cpu_label()}")
     print("| type | file | export | export peak RSS | transformers reload: max abs logit diff | mean KL "
           "| argmax agree |")
     print("|---|---|---|---|---|---|---|")
@@ -271,7 +264,7 @@ def main() -> int:
         except metadata.PackageNotFoundError:
             versions[dist] = None
     res = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
-           "machine": {"cpu_model": cpu_model(), "cpus_usable": len(os.sched_getaffinity(0)),
+           "machine": {**cpu_info(), "cpus_usable": len(os.sched_getaffinity(0)),
                        "load_avg": os.getloadavg(), "versions": versions},
            "model": label, "n_prompts": len(prompts), "max_new_tokens": args.max_new, "threads": args.threads,
            "hf_greedy_seconds": round(hf_seconds, 1), "results": results}

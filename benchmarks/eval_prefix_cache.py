@@ -35,6 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine import cpu_info  # noqa: E402
+
 from gemma_tpu.core.config import DataConfig  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
 from gemma_tpu.data import load_conversations, make_renderer  # noqa: E402
@@ -42,13 +44,6 @@ from gemma_tpu.evaluate.run import build_cases, score  # noqa: E402
 from gemma_tpu.formats.function_calling import parse_reply  # noqa: E402
 
 
-def cpu_model() -> str:
-    try:
-        names = [l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                 if l.startswith("model name")]
-        return names[0] if names else platform.processor()
-    except OSError:
-        return platform.processor()
 
 
 def main(argv=None) -> int:
@@ -132,7 +127,7 @@ def main(argv=None) -> int:
     print(f"predictions identical: {'yes' if identical else f'NO ({differ} of {len(prompts)} differ)'}")
 
     out = {"date": date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
-           "machine": {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform()},
+           "machine": {**cpu_info(), "cpus": os.cpu_count(), "platform": platform.platform()},
            "settings": {"model": args.model, "data": args.data, "n": len(prompts), "batch_size": args.batch_size,
                         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
                         "fixed_date": args.fixed_date,

@@ -28,6 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine import cpu_info  # noqa: E402
+
 
 def command(model: Path, ckpt: Path, max_steps: int) -> list[str]:
     return [sys.executable, "-m", "gemma_tpu.train", "--config", str(REPO / "configs" / "tiny.yaml"),
@@ -188,7 +190,8 @@ def tally(chains: list[dict]) -> dict:
 
 
 def write(args, chains, wall_s: float) -> dict:
-    doc = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "wall_s": round(wall_s, 1), **tally(chains),
+    doc = {"date": time.strftime("%Y-%m-%d"), "machine": {**cpu_info(), "cpus": os.cpu_count()},
+           "args": vars(args), "wall_s": round(wall_s, 1), **tally(chains),
            "chain_records": chains}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import cpu_info  # noqa: E402
 FITNESS_TRAIN = "data/fitness/train.jsonl"
 SIDES = ("ours", "torch")
 SHAPE_PREFIX = "shape:"
@@ -107,14 +109,12 @@ def machine_info() -> dict:
 
     info: dict = {"platform": platform.platform(), "python": platform.python_version(),
                   "cpu_count": os.cpu_count(), "cpus_usable": cpu_count(), "hostname": platform.node()}
+    info.update(cpu_info())
     try:
-        text = Path("/proc/cpuinfo").read_text()
-        names = [l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("model name")]
-        info["cpu_model"] = names[0] if names else platform.processor()
         mem = [l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal:")]
         info["mem_total_gb"] = round(int(mem[0].split()[1]) * 1024 / 1e9, 1) if mem else None
     except OSError:
-        info["cpu_model"] = platform.processor()
+        info["mem_total_gb"] = None
     versions = {}
     for name in PACKAGES:
         try:
