@@ -73,8 +73,8 @@ def test_sigterm_mid_run_saves_the_announced_step_then_resume_is_bit_identical(t
 
 
 def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
-    """The notice lands while the evaluation after step 3 runs: the eval finishes (its row is logged once), step 3
-    is saved, exit 143; the resumed run's training matches the uninterrupted one (evaluation changes no state)."""
+    """The notice lands while the evaluation after step 3 runs: the eval finishes (its row is logged), step 3 is
+    saved, exit 143; the resumed run's training matches the uninterrupted one (evaluation changes no state)."""
     import json
 
     from gemma_tpu.checkpoint.metadata import list_steps
@@ -96,7 +96,9 @@ def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_id
     assert resumed.returncode == 0, tail(tmp_path / "resume.log")
     assert "resumed at step 3; data position restored" in (tmp_path / "resume.log").read_text()
     rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [r["step"] for r in rows if r.get("mode") == "eval"].count(3) == 1  # not evaluated again
+    # the resumed run evaluates at its first step again (Tunix evaluates on entering the loop): the same loss
+    evals = [(r["step"], r["loss"]) for r in rows if r.get("mode") == "eval"]
+    assert [s for s, _ in evals] == [0, 3, 3, 6, 9, 12] and evals[1] == evals[2], evals
     for row in train_rows(ckpt):
         assert row["loss"] == reference["losses"][row["step"]], (row, tail(tmp_path / "resume.log"))
     assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
