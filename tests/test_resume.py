@@ -7,51 +7,26 @@ tests/test_kill_harness.py and benchmarks/kill_harness.py.)
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from benchmarks import kill_harness
+from benchmarks.kill_harness import train_rows  # noqa: F401 (shared with test_sigterm)
 from tests.conftest import REPO
 
 MAX_STEPS = 12
 
 
 def command(tiny_dir: Path, ckpt: Path) -> list[str]:
-    return [sys.executable, "-m", "gemma_tpu.train", "--config", str(REPO / "configs" / "tiny.yaml"),
-            f"model.path={tiny_dir}", f"checkpoint.dir={ckpt}", f"train.max_steps={MAX_STEPS}",
-            "checkpoint.every_steps=1", "checkpoint.max_to_keep=3", "checkpoint.async_save=true",
-            "data.eval_path=null"]
+    return kill_harness.command(tiny_dir, ckpt, MAX_STEPS)
 
 
 def environment(cache: Path, delay: float = 0.0) -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": str(delay),
-            # the same executables for every start, compiled once
-            "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-
-
-def train_rows(ckpt: Path, offset: int = 0) -> list[dict]:
-    path = ckpt / "metrics.jsonl"
-    if not path.exists():
-        return []
-    with path.open("rb") as f:
-        f.seek(offset)
-        text = f.read().decode()
-    rows = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line being written right now
-            continue
-        if row.get("mode") == "train":
-            rows.append(row)
-    return rows
-
+    return kill_harness.environment(cache, delay)
 
 
 def tail(path: Path, n: int = 3000) -> str:
