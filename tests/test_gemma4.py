@@ -260,9 +260,10 @@ def test_trained_lora_merges_and_exports(g4, trained, tmp_path, name):
 @pytest.mark.parametrize("name", MESH_VARIANTS)
 def test_same_loss_on_every_mesh(g4, trained, tmp_path, name):
     _, single = trained(name)
-    for mesh, args in MESHES.items():
-        if mesh == "1x1x1":
-            continue
+    # one mesh with both FSDP and TP covers Gemma 4's partition rules (the data axis is family-independent and
+    # covered for Gemma 3 by tests/test_sharding.py; every rule spec on every mesh: test_every_parameter_has_...)
+    for mesh in ("fsdp4_tp2",):
+        args = MESHES[mesh]
         got = train_losses(g4(name), tmp_path / mesh, args, EIGHT)
         assert len(got) == 3
         worst = max(abs(a - b) for a, b in zip(got, single))
