@@ -1,4 +1,4 @@
-"""Training end to end on the tiny model: determinism, metrics, bad input (kills and resume: test_sigterm, test_kill_harness)."""
+"""Training end to end on the tiny model: determinism, metrics, bad input (kills: test_sigterm, test_kill_harness)."""
 
 import json
 from pathlib import Path
