@@ -34,17 +34,18 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
 
-HARD_STRINGS = [
+HARD_STRINGS = [  # also tests/test_export_gguf.py's tokenizer cases
     "The capital of France is",
     "  two leading, three trailing   ",
     "tabs\tand\t\tnewlines\n\n\nend",
     "1234567890 3.14159 -42 1e-6 2026-11-23",
     "naïve café, Straße, 中文, 日本語, Русский, العربية, हिन्दी, 한국어",
     "emoji 🏋️‍♂️💪🏽 and a rare char \U0001d539",
-    "def f(x):\n    return x ** 2  # <b>bold</b>",
+    "def f(x):\n    return x ** 2  # <b>bold</b> <table><tr>",
     "<start_of_turn>user\nHow many steps did I walk?<end_of_turn>\n<start_of_turn>model\n",
-    "<start_function_call>call:get_steps{date:<escape>2026-11-23<escape>}<end_function_call>",
+    "<start_function_call>call:get_steps{date:<escape>2026-11-23<escape>}<end_function_call><start_function_response>",
     "<start_function_response>response:get_steps{steps:8421}<end_function_response>",
+    "<start_function_declaration>declaration:get_steps{description:<escape>Steps<escape>}<end_function_declaration>",
     "     \n\n   \t ",
     "ÀÉÎÕÜ àéîõü ñ ç ß ø å æ œ",
 ]

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.edge_gguf import HARD_STRINGS
 from tests.test_convert import PROMPTS, hf_logits, leftovers, make_checkpoint
 
 gguf = pytest.importorskip("gguf")
@@ -415,20 +416,7 @@ def real_vocab_tool_dir(work) -> Path:
     return d
 
 
-TOKENIZER_STRINGS = [
-    "The capital of France is",
-    "  two leading, three trailing   ",
-    "tabs\tand\t\tnewlines\n\n\nend",
-    "1234567890 3.14159 -42 1e-6 2026-11-23",
-    "naïve café, Straße, 中文, 日本語, Русский, العربية, हिन्दी, 한국어",
-    "emoji 🏋️‍♂️💪🏽 and a rare char \U0001d539",
-    "def f(x):\n    return x ** 2  # <b>bold</b> <table><tr>",
-    "<start_of_turn>user\nHow many steps did I walk?<end_of_turn>\n<start_of_turn>model\n",
-    "<start_function_call>call:get_steps{date:<escape>2026-11-23<escape>}<end_function_call><start_function_response>",
-    "<start_function_declaration>declaration:get_steps{description:<escape>Steps<escape>}<end_function_declaration>",
-    "     \n\n   \t ",
-    "ÀÉÎÕÜ àéîõü ñ ç ß ø å æ œ",
-]
+TOKENIZER_STRINGS = HARD_STRINGS
 
 
 @pytest.mark.slow
