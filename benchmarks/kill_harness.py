@@ -162,7 +162,10 @@ def main(argv=None) -> int:
         wrong = [r["step"] for r in rows if r["loss"] != ref_losses.get(r["step"])]
         identical = final.returncode == 0 and not wrong and same_params(ref, ckpt, args.max_steps)
         # 143: our handler saved and exited; -15: killed by the default action, before the trainer set it up
-        sigterm_ok = all(k["rc"] in (143, -signal.SIGTERM) for k in kills if k["signal"] == "SIGTERM" and k["alive"])
+        # SIGTERM ends a run with 143 (saved at the step boundary), with -15 before the handler is installed (start-up:
+        # default termination), or with 0 when it came during the last step (no boundary left: the run completes)
+        sigterm_ok = all(k["rc"] in (143, -signal.SIGTERM) or (k["rc"] == 0 and k["complete_after"] == args.max_steps)
+                         for k in kills if k["signal"] == "SIGTERM" and k["alive"])
         chains.append({"chain": len(chains), "kills": kills, "final_rc": final.returncode, "wrong_loss_steps": wrong,
                        "bit_identical": identical, "sigterm_exit_143": sigterm_ok})
         done += n
