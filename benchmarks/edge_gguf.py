@@ -53,16 +53,32 @@ HARD_STRINGS = [  # also tests/test_export_gguf.py's tokenizer cases
 
 
 
+# Runs the export in a fresh interpreter and reports that process's own VmHWM. (wait4's ru_maxrss is no use here:
+# Linux carries the parent's high-water mark into a forked child across exec, so a child of this process, which
+# holds the HF model, "peaks" at this process's size.)
+_PEAK_WRAPPER = """
+import atexit, runpy, sys
+def _peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            sys.stderr.write("PEAK_RSS_KB " + line.split()[1] + "\\n")
+atexit.register(_peak)
+sys.argv = ["convert.export_gguf", *sys.argv[1:]]
+runpy.run_module("convert.export_gguf", run_name="__main__")
+"""
+
+
 def export(src_args: list[str], out: Path, kind: str) -> dict:
-    cmd = [sys.executable, "-m", "convert.export_gguf", *src_args, "--out", str(out), "--type", kind, "--overwrite"]
+    cmd = [sys.executable, "-c", _PEAK_WRAPPER, *src_args, "--out", str(out), "--type", kind, "--overwrite"]
     t = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.monotonic() - t
-    err = proc.stderr.read()
-    if status != 0:
-        sys.exit(f"export failed ({kind}): {err.strip().splitlines()[-1] if err.strip() else status}")
-    return {"seconds": round(wall, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "bytes": out.stat().st_size}
+    if proc.returncode != 0:
+        err = proc.stderr.strip()
+        sys.exit(f"export failed ({kind}): {err.splitlines()[-1] if err else proc.returncode}")
+    peak = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("PEAK_RSS_KB ")]
+    return {"seconds": round(wall, 1), "peak_rss_mb": round(int(peak[-1]) / 1024, 1) if peak else None,
+            "bytes": out.stat().st_size}
 
 
 def render_prompts(tokenizer, n: int) -> tuple[list[dict], dict]:
