@@ -19,7 +19,7 @@ def test_ten_random_kills_resume_bit_identical(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["kills"] == 10 and doc["killed_while_alive"] == 10, doc["by_signal_and_phase"]
-    assert doc["chains_bit_identical"] == doc["chains"] == 1
+    assert doc["chains_bit_identical"] == doc["chains"] >= 1  # a chain near its end stops; the next makes up the rest
     signals = {k.split()[0] for k in doc["by_signal_and_phase"]}
     assert signals == {"SIGKILL", "SIGTERM"}, doc["by_signal_and_phase"]
-    assert "chains resumed bit-identical: 1/1" in proc.stdout
+    assert f"chains resumed bit-identical: {doc['chains']}/{doc['chains']}" in proc.stdout
