@@ -173,7 +173,7 @@ def main(argv=None) -> int:
                        "bit_identical": identical, "sigterm_exit_143": sigterm_ok})
         done += len(kills)  # a chain that came near its end stops early; the next chain makes up the rest
         write(args, chains, time.time() - t_all)
-        print(f"chain {len(chains) - 1}: {n} kills, bit-identical {identical}, SIGTERM exits 143 {sigterm_ok}",
+        print(f"chain {len(chains) - 1}: {len(kills)} kills, bit-identical {identical}, SIGTERM exits 143 {sigterm_ok}",
               file=sys.stderr, flush=True)
         if not args.work:
             shutil.rmtree(ckpt, ignore_errors=True)

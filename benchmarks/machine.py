@@ -21,7 +21,7 @@ def cpu_info() -> dict:
 
 
 def cpu_label() -> str:
-    """'AMD EPYC, AVX2 only' / 'Intel Xeon ..., AVX-512': the form README and RESULTS.md use."""
+    """'AMD EPYC, no AVX-512' / 'Intel Xeon ..., AVX-512': the CPU as README and RESULTS.md name it."""
     info = cpu_info()
     kind = {True: "AVX-512", False: "no AVX-512", None: "AVX-512 unknown"}[info["avx512"]]
     return f"{info['cpu_model']}, {kind}"

@@ -196,6 +196,9 @@ def _check_turn_order(before: list[dict], role: str, answered: int, calls: int, 
         if prev == "assistant" or (prev == "tool" and answered < calls):
             raise UserError(f"{mw}: the assistant continues before every tool call of its previous turn has a result "
                             f"({answered if prev == 'tool' else 0} of {calls} answered)")
+    elif role == "tool" and not (prev == "tool" or before[-1].get("tool_calls")):
+        raise UserError(f"{mw}: a tool result must follow an assistant turn with tool_calls (or another tool result); "
+                        f"it follows {prev}")
 
 
 def normalise_messages(obj: dict, where: str) -> dict:
@@ -252,10 +255,6 @@ def normalise_messages(obj: dict, where: str) -> dict:
                            for c, nc in zip(calls, norm_calls)]
                 answered, answered_ids = 0, set()
         elif role == "tool":
-            prev = out[-1] if out else None
-            if prev is None or not (prev["role"] == "tool" or prev.get("tool_calls")):
-                raise UserError(f"{mw}: a tool result must follow an assistant turn with tool_calls (or another "
-                                f"tool result); it follows {prev['role'] if prev else 'nothing'}")
             name = m.get("name")
             call_id = m.get("tool_call_id")
             if call_id is not None:  # must answer a call of the latest assistant turn, once, by its id
