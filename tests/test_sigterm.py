@@ -102,3 +102,23 @@ def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_id
     for row in train_rows(ckpt):
         assert row["loss"] == reference["losses"][row["step"]], (row, tail(tmp_path / "resume.log"))
     assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
+
+
+def test_sigkill_during_an_eval_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
+    """SIGKILL (no notice) while the evaluation after step 3 runs: the directory stays resumable and the resumed
+    run's training ends identical to the uninterrupted one."""
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    evals = ["data.eval_path=tests/data/chat_sample.jsonl", "data.eval_max_batches=2", "train.eval_every_steps=3"]
+    proc = subprocess.Popen(command(tiny_dir, ckpt) + evals, cwd=REPO, env=environment(reference["cache"], 1.0),
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    _wait_for(lambda: "evaluating after step 3" in log.read_text(errors="replace"), proc, log)
+    proc.send_signal(signal.SIGKILL)  # the eval's first batch is sleeping its 1 s
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    with (tmp_path / "resume.log").open("w") as err:
+        resumed = subprocess.run(command(tiny_dir, ckpt) + evals, cwd=REPO, env=environment(reference["cache"]),
+                                 stdout=subprocess.DEVNULL, stderr=err, timeout=900)
+    assert resumed.returncode == 0, tail(tmp_path / "resume.log")
+    assert re.search(r"resumed at step [1-3]; data position restored", (tmp_path / "resume.log").read_text())
+    for row in train_rows(ckpt):
+        assert row["loss"] == reference["losses"][row["step"]], (row, tail(tmp_path / "resume.log"))
+    assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
