@@ -72,6 +72,30 @@ def test_sigterm_mid_run_saves_the_announced_step_then_resume_is_bit_identical(t
     assert f"resumed at step {step}; data position restored" in (tmp_path / "resume.log").read_text()
 
 
+EVALS = ["data.eval_path=tests/data/chat_sample.jsonl", "data.eval_max_batches=2", "train.eval_every_steps=3"]
+
+
+def _signal_during_eval(tiny_dir, ckpt: Path, reference, log: Path, sig) -> int:
+    """Start a run that evaluates every 3 steps (1 s per batch), send `sig` while the eval after step 3 runs."""
+    proc = subprocess.Popen(command(tiny_dir, ckpt) + EVALS, cwd=REPO, env=environment(reference["cache"], 1.0),
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    _wait_for(lambda: "evaluating after step 3" in log.read_text(errors="replace"), proc, log)
+    proc.send_signal(sig)  # the eval's first batch is sleeping its 1 s
+    return proc.wait(timeout=300)
+
+
+def _resume_with_eval(tiny_dir, ckpt: Path, reference, log: Path) -> str:
+    """Run the same command to the end; every logged train loss and the final params equal the reference's."""
+    with log.open("w") as err:
+        resumed = subprocess.run(command(tiny_dir, ckpt) + EVALS, cwd=REPO, env=environment(reference["cache"]),
+                                 stdout=subprocess.DEVNULL, stderr=err, timeout=900)
+    assert resumed.returncode == 0, tail(log)
+    for row in train_rows(ckpt):
+        assert row["loss"] == reference["losses"][row["step"]], (row, tail(log))
+    assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
+    return log.read_text()
+
+
 def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
     """The notice lands while the evaluation after step 3 runs: the eval finishes (its row is logged), step 3 is
     saved, exit 143; the resumed run's training matches the uninterrupted one (evaluation changes no state)."""
@@ -80,45 +104,23 @@ def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_id
     from gemma_tpu.checkpoint.metadata import list_steps
 
     ckpt, log = tmp_path / "ck", tmp_path / "run.log"
-    evals = ["data.eval_path=tests/data/chat_sample.jsonl", "data.eval_max_batches=2", "train.eval_every_steps=3"]
-    proc = subprocess.Popen(command(tiny_dir, ckpt) + evals, cwd=REPO, env=environment(reference["cache"], 1.0),
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    _wait_for(lambda: "evaluating after step 3" in log.read_text(errors="replace"), proc, log)
-    proc.send_signal(signal.SIGTERM)  # the eval's first batch is sleeping its 1 s
-    assert proc.wait(timeout=300) == 143, tail(log)
+    assert _signal_during_eval(tiny_dir, ckpt, reference, log, signal.SIGTERM) == 143, tail(log)
     assert "SIGTERM: step 3 is saved" in log.read_text(errors="replace"), tail(log)
     assert list_steps(ckpt)[-1] == 3
     rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows if r.get("mode") == "eval"] == [0, 3]  # the interrupted eval ran to its end
-    with (tmp_path / "resume.log").open("w") as err:
-        resumed = subprocess.run(command(tiny_dir, ckpt) + evals, cwd=REPO, env=environment(reference["cache"]),
-                                 stdout=subprocess.DEVNULL, stderr=err, timeout=900)
-    assert resumed.returncode == 0, tail(tmp_path / "resume.log")
-    assert "resumed at step 3; data position restored" in (tmp_path / "resume.log").read_text()
+    text = _resume_with_eval(tiny_dir, ckpt, reference, tmp_path / "resume.log")
+    assert "resumed at step 3; data position restored" in text
     rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
     # the resumed run evaluates at its first step again (Tunix evaluates on entering the loop): the same loss
     evals = [(r["step"], r["loss"]) for r in rows if r.get("mode") == "eval"]
     assert [s for s, _ in evals] == [0, 3, 3, 6, 9, 12] and evals[1] == evals[2], evals
-    for row in train_rows(ckpt):
-        assert row["loss"] == reference["losses"][row["step"]], (row, tail(tmp_path / "resume.log"))
-    assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
 
 
 def test_sigkill_during_an_eval_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
     """SIGKILL (no notice) while the evaluation after step 3 runs: the directory stays resumable and the resumed
     run's training ends identical to the uninterrupted one."""
     ckpt, log = tmp_path / "ck", tmp_path / "run.log"
-    evals = ["data.eval_path=tests/data/chat_sample.jsonl", "data.eval_max_batches=2", "train.eval_every_steps=3"]
-    proc = subprocess.Popen(command(tiny_dir, ckpt) + evals, cwd=REPO, env=environment(reference["cache"], 1.0),
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    _wait_for(lambda: "evaluating after step 3" in log.read_text(errors="replace"), proc, log)
-    proc.send_signal(signal.SIGKILL)  # the eval's first batch is sleeping its 1 s
-    assert proc.wait(timeout=300) == -signal.SIGKILL
-    with (tmp_path / "resume.log").open("w") as err:
-        resumed = subprocess.run(command(tiny_dir, ckpt) + evals, cwd=REPO, env=environment(reference["cache"]),
-                                 stdout=subprocess.DEVNULL, stderr=err, timeout=900)
-    assert resumed.returncode == 0, tail(tmp_path / "resume.log")
-    assert re.search(r"resumed at step [1-3]; data position restored", (tmp_path / "resume.log").read_text())
-    for row in train_rows(ckpt):
-        assert row["loss"] == reference["losses"][row["step"]], (row, tail(tmp_path / "resume.log"))
-    assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
+    assert _signal_during_eval(tiny_dir, ckpt, reference, log, signal.SIGKILL) == -signal.SIGKILL
+    text = _resume_with_eval(tiny_dir, ckpt, reference, tmp_path / "resume.log")
+    assert re.search(r"resumed at step [1-3]; data position restored", text)
