@@ -4,6 +4,11 @@ Every row is `seq_len` tokens; every batch has the same shapes and dtypes, so th
 compiles once. Besides tokens, positions and segment ids, a row carries the positions where a
 loss is taken (`loss_idx`), their next-token targets and weights, padded to a fixed `max_loss`,
 so the trainer projects only those hidden states onto the vocabulary.
+
+A row item is an `Example` or a `Tree`: a prompt prefix shared by several examples, laid out
+once as `[P | S1 | S2 | ...]`. Each suffix is its own segment whose `prefix_segment_ids` names
+P's segment, so it attends to P and to itself (`train.loss.attention_mask`); its positions
+continue after P, so every token sees the keys, positions and window it would see alone.
 """
 
 from __future__ import annotations
@@ -24,6 +29,35 @@ class Example:
     ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # bool [n]
     where: str = ""  # FILE:LINE of the example, for messages
+
+
+@dataclasses.dataclass
+class Tree:
+    """Examples sharing their first `prefix_len` ids, computed once per row (see module docstring)."""
+
+    prefix_len: int
+    members: list[Example]
+
+    @property
+    def ids(self) -> np.ndarray:
+        """All ids the row computes for this tree: the prefix once, then every suffix."""
+        p = self.prefix_len
+        return np.concatenate([self.members[0].ids[:p]] + [m.ids[p:] for m in self.members])
+
+    @property
+    def size(self) -> int:
+        return self.prefix_len + sum(len(m.ids) - self.prefix_len for m in self.members)
+
+
+Item = Example | Tree
+
+
+def members(item: Item) -> list[Example]:
+    return item.members if isinstance(item, Tree) else [item]
+
+
+def item_size(item: Item) -> int:
+    return item.size if isinstance(item, Tree) else len(item.ids)
 
 
 @dataclasses.dataclass
@@ -73,8 +107,8 @@ def fit_length(examples: list[Example], seq_len: int, policy: str, source: str) 
     return out, rep
 
 
-def pack_first_fit(examples: list[Example], seq_len: int) -> list[list[Example]]:
-    """First-fit: each example goes into the first row with room, else opens a new row.
+def pack_first_fit(examples: list[Item], seq_len: int) -> list[list[Item]]:
+    """First-fit: each item (example or tree) goes into the first row with room, else opens a new row.
 
     The leftmost row with enough room is found in a max-tree over the rows' free space, so packing
     is O(n log n) rather than a scan of every open row per example.
@@ -86,11 +120,11 @@ def pack_first_fit(examples: list[Example], seq_len: int) -> list[list[Example]]
     while size < n:
         size *= 2
     tree = [-1] * (2 * size)  # free room per row at the leaves; -1: no row yet
-    rows: list[list[Example]] = []
+    rows: list[list[Item]] = []
     for ex in examples:
-        need = len(ex.ids)
+        need = item_size(ex)
         if need > seq_len:
-            raise ValueError(f"example of {need} tokens does not fit a row of {seq_len}")
+            raise ValueError(f"item of {need} tokens does not fit a row of {seq_len}")
         if tree[1] >= need:
             node = 1
             while node < size:  # descend to the leftmost leaf with room >= need
@@ -110,43 +144,89 @@ def pack_first_fit(examples: list[Example], seq_len: int) -> list[list[Example]]
     return rows
 
 
-def row_loss_count(row: list[Example]) -> int:
-    return int(sum(ex.loss_mask[1:].sum() for ex in row))
+def row_loss_count(row: list[Item]) -> int:
+    return int(sum(ex.loss_mask[1:].sum() for item in row for ex in members(item)))
 
 
-def build_row(row: list[Example], seq_len: int, max_loss: int) -> dict[str, np.ndarray]:
-    """Arrays of one packed/padded row; segment 0 is padding."""
+def row_examples(row: list[Item]) -> list[Example]:
+    return [ex for item in row for ex in members(item)]
+
+
+def build_row(row: list[Item], seq_len: int, max_loss: int) -> dict[str, np.ndarray]:
+    """Arrays of one packed/padded row; segment 0 is padding, prefix segment 0 means none."""
     tokens = np.zeros(seq_len, np.int32)
     positions = np.zeros(seq_len, np.int32)
     segments = np.zeros(seq_len, np.int32)
+    prefix_segments = np.zeros(seq_len, np.int32)
     loss_idx = np.zeros(max_loss, np.int32)
     loss_targets = np.zeros(max_loss, np.int32)
     loss_weights = np.zeros(max_loss, np.float32)
-    off, k = 0, 0
-    for s, ex in enumerate(row, start=1):
-        n = len(ex.ids)
-        tokens[off:off + n] = ex.ids
-        positions[off:off + n] = np.arange(n)
+    off, k, s = 0, 0, 0
+
+    def place(ids: np.ndarray, start: int, parent: int) -> None:
+        """Ids `start:` of one example (or a prefix) as the next segment, positions from `start`."""
+        nonlocal off, s
+        n = len(ids) - start
+        s += 1
+        tokens[off:off + n] = ids[start:]
+        positions[off:off + n] = np.arange(start, len(ids))
         segments[off:off + n] = s
-        # predicting token t+1 from position t, where t+1 is a target of this example
-        t = np.nonzero(ex.loss_mask[1:])[0]
-        take = min(len(t), max_loss - k)
-        loss_idx[k:k + take] = off + t[:take]
-        loss_targets[k:k + take] = ex.ids[t[:take] + 1]
-        loss_weights[k:k + take] = 1.0
-        k += take
+        prefix_segments[off:off + n] = parent
         off += n
-    return {"tokens": tokens, "positions": positions, "segment_ids": segments, "loss_idx": loss_idx,
+
+    for item in row:
+        p, parent = 0, 0
+        if isinstance(item, Tree):
+            p = item.prefix_len
+            place(item.members[0].ids[:p], 0, 0)
+            parent = s
+        for ex in members(item):
+            base = off - p  # row index of this example's position 0
+            place(ex.ids, p, parent)
+            # predicting token t+1 from position t, where t+1 is a target of this example; a
+            # tree's prefix ends before the position predicting its members' first target
+            t = np.nonzero(ex.loss_mask[1:])[0]
+            take = min(len(t), max_loss - k)
+            loss_idx[k:k + take] = base + t[:take]
+            loss_targets[k:k + take] = ex.ids[t[:take] + 1]
+            loss_weights[k:k + take] = 1.0
+            k += take
+    return {"tokens": tokens, "positions": positions, "segment_ids": segments,
+            "prefix_segment_ids": prefix_segments, "loss_idx": loss_idx,
             "loss_targets": loss_targets, "loss_weights": loss_weights}
 
 
-def make_rows(examples: list[Example], seq_len: int, strategy: str) -> list[list[Example]]:
+def make_trees(examples: list[Example], groups: list[tuple[int, list[int]]], seq_len: int) -> list[Item]:
+    """Items for a split: each group of examples sharing a prefix (prefix length, member indices, in
+    the order to fill trees) cut into trees that fit a row (first fit), the other examples as they
+    are. A tree left with one member is a plain example. Items keep their first member's place."""
+    first: dict[int, Item] = {}  # index of an item's first member -> the item
+    taken: set[int] = set()
+    for p, idx in groups:
+        trees: list[list[int]] = []
+        room: list[int] = []
+        for i in idx:
+            need = len(examples[i].ids) - p
+            t = next((k for k, r in enumerate(room) if r >= need), None)
+            if t is None:
+                trees.append([])
+                room.append(seq_len - p)
+                t = len(trees) - 1
+            trees[t].append(i)
+            room[t] -= need
+        for mem in trees:
+            first[mem[0]] = Tree(p, [examples[i] for i in mem]) if len(mem) > 1 else examples[mem[0]]
+            taken.update(mem)
+    return [first[i] if i in first else ex for i, ex in enumerate(examples) if i in first or i not in taken]
+
+
+def make_rows(items: list[Item], seq_len: int, strategy: str) -> list[list[Item]]:
     if strategy == "pack":
-        return pack_first_fit(examples, seq_len)
-    return [[ex] for ex in examples]
+        return pack_first_fit(items, seq_len)
+    return [[item] for item in items]
 
 
-def loss_buffer_size(rows: list[list[Example]], seq_len: int, requested: int | None) -> int:
+def loss_buffer_size(rows: list[list[Item]], seq_len: int, requested: int | None) -> int:
     """Static loss-buffer length: the largest row's target count, rounded up to a multiple of 8."""
     if requested:
         return min(requested, seq_len)

@@ -27,12 +27,12 @@ class Prepared:
     """A tokenized split, cut into static rows."""
 
     source: str
-    rows: list[list[batching.Example]] = dataclasses.field(repr=False)
+    rows: list[list[batching.Item]] = dataclasses.field(repr=False)
     report: batching.FitReport
     max_loss: int
     seq_len: int
     strategy: str = "pad"
-    prefixes: PrefixReport | None = None  # shared prompt prefixes (data.share_prefix: auto), analysis only
+    prefixes: PrefixReport | None = None  # shared prompt prefixes (data.share_prefix: auto), laid out as trees
 
     def row_arrays(self, i: int) -> dict[str, np.ndarray]:
         return batching.build_row(self.rows[i], self.seq_len, self.max_loss)
@@ -42,7 +42,11 @@ class Prepared:
         return sum(min(batching.row_loss_count(r), self.max_loss) for r in self.rows)
 
     def real_tokens(self) -> int:
-        return sum(len(ex.ids) for r in self.rows for ex in r)
+        """Non-padding tokens of all rows: what a pass over the split computes (a shared prefix once per row)."""
+        return sum(batching.item_size(item) for r in self.rows for item in r)
+
+    def trees(self) -> int:
+        return sum(isinstance(item, batching.Tree) for r in self.rows for item in r)
 
     def useful_fraction(self) -> float:
         """Loss-bearing tokens / all row tokens (padding included)."""
@@ -67,6 +71,9 @@ class Prepared:
             "row_tokens": len(self.rows) * self.seq_len,
             "nonpad_fraction": round(self.nonpad_fraction(), 4), "useful_fraction": round(self.useful_fraction(), 4),
             "examples_per_row": round(rep.kept / max(len(self.rows), 1), 3), "max_loss": self.max_loss,
+            "trees": self.trees(),
+            "computed_tokens_per_example": round(self.real_tokens() / max(rep.kept, 1), 1),
+            "computed_tokens_per_example_unshared": round(sum(rep.lengths) / max(rep.read, 1), 1),
             "shared_prefixes": self.prefixes.stats() if self.prefixes is not None else None,
         }
 
@@ -95,18 +102,26 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
                         f"(read {report.read}, dropped {report.dropped}: {report.overlength} over-length, "
                         f"{report.no_loss} with no loss-bearing token left)")
     strategy = strategy or data_cfg.strategy
+    rng = np.random.default_rng(seed)
     if strategy == "pack":
         # rows are fixed for the run; which examples share a row is seeded, the row order is the stream's
-        order = np.random.default_rng(seed).permutation(len(kept))
+        order = rng.permutation(len(kept))
         kept = [kept[i] for i in order]
-    rows = batching.make_rows(kept, data_cfg.seq_len, strategy)
+    items: list[batching.Item] = list(kept)
+    prefixes = None
+    if data_cfg.share_prefix == "auto":
+        # examples sharing a prompt prefix become trees [P | S1 | S2 ...]; which members share a
+        # row is seeded (a group's members come sorted by their ids: similar requests side by side)
+        prefixes = find_shared_prefixes(kept, data_cfg.share_prefix_min_tokens)
+        groups = [(g.prefix_len, [g.members[i] for i in rng.permutation(len(g.members))])
+                  for g in prefixes.groups]
+        items = batching.make_trees(kept, groups, data_cfg.seq_len)
+    rows = batching.make_rows(items, data_cfg.seq_len, strategy)
     m = max_loss or batching.loss_buffer_size(rows, data_cfg.seq_len, data_cfg.max_loss_tokens)
     over = sum(1 for r in rows if batching.row_loss_count(r) > m)
     if over:
         log.warning("%s: %d rows have more than data.max_loss_tokens=%d targets; the excess is not trained",
                     source, over, m)
-    prefixes = (find_shared_prefixes(kept, data_cfg.share_prefix_min_tokens)
-                if data_cfg.share_prefix == "auto" else None)
     return Prepared(source, rows, report, m, data_cfg.seq_len, strategy, prefixes)
 
 

@@ -23,6 +23,7 @@ from gemma_tpu.models.registry import (
     tunix_safetensors_loader,
 )
 from gemma_tpu.models.sharded_weights import load_sharded
+from gemma_tpu.models.sliding_window import masks_by_position
 
 # Tunix's Gemma 3: five sliding-window layers, then one global layer (HF `layer_types`, llama.cpp's default).
 SLIDING_WINDOW_PATTERN = 6
@@ -177,8 +178,10 @@ def model_class():
                     return super().__call__(last_tokens, positions, cache, attention_mask,
                                             output_hidden_states, images=images)
                 x = self.embedder.encode(last_tokens)
-                for layer in self.layers:
-                    _, x = layer(x, positions, None, attention_mask)
+                # sliding layers banded by token positions (shared-prefix rows): see sliding_window
+                with masks_by_position(self.layers, positions, attention_mask) as masks:
+                    for layer, mask in zip(self.layers, masks):
+                        _, x = layer(x, positions, None, mask)
                 return self.final_norm(x), None
 
         _MODEL_CLASS = Gemma3

@@ -43,6 +43,7 @@ from gemma_tpu.models.registry import (
     tunix_safetensors_loader,
 )
 from gemma_tpu.models.sharded_weights import load_sharded
+from gemma_tpu.models.sliding_window import masks_by_position
 
 # HF key prefixes of the decoder: text-only, multimodal as transformers >= 5 saves it (the
 # released layout), and the older multimodal layout, accepted for symmetry with Gemma 3.
@@ -398,14 +399,16 @@ def model_class():
             per_layer = (self.embedder.encode_per_layer_input(x, tokens)
                          if self.config.per_layer_input_dim > 0 else None)
             kvs = {}
-            for i, layer in enumerate(self.layers):
-                src = self.kv_cache_sharing_patterns[i]
-                shared = None if src == i else {"k": kvs[src][0], "v": kvs[src][1]}
-                _, x, kv = layer(x, positions, None, attention_mask,
-                                 per_layer_input=None if per_layer is None else per_layer[:, :, i, :],
-                                 kv_shared_cache=shared)
-                if i in self.shared_layer_origins:
-                    kvs[i] = kv
+            # sliding layers banded by token positions (shared-prefix rows): see sliding_window
+            with masks_by_position(self.layers, positions, attention_mask) as masks:
+                for i, layer in enumerate(self.layers):
+                    src = self.kv_cache_sharing_patterns[i]
+                    shared = None if src == i else {"k": kvs[src][0], "v": kvs[src][1]}
+                    _, x, kv = layer(x, positions, None, masks[i],
+                                     per_layer_input=None if per_layer is None else per_layer[:, :, i, :],
+                                     kv_shared_cache=shared)
+                    if i in self.shared_layer_origins:
+                        kvs[i] = kv
             x = self.final_norm(x)
             if hidden_only:
                 return x, None

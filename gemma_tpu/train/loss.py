@@ -13,11 +13,17 @@ import jax
 import jax.numpy as jnp
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, T] segment ids (0 = padding) -> [B, T, T] causal mask that never crosses examples."""
+def attention_mask(segment_ids: jax.Array, prefix_segment_ids: jax.Array | None = None) -> jax.Array:
+    """[B, T] segment ids (0 = padding) -> [B, T, T] causal mask that never crosses examples.
+
+    With `prefix_segment_ids` (a shared-prefix row `[P | S1 | S2 ...]`, `data.batching.Tree`), a
+    token also sees the segment its own segment continues: each suffix attends to P and itself.
+    """
     t = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_segment_ids is not None:
+        same = same | (prefix_segment_ids[:, :, None] == segment_ids[:, None, :])
     real = segment_ids[:, None, :] > 0
     return causal[None] & same & real
 
@@ -67,17 +73,18 @@ def gathered_nll(hidden: jax.Array, emb: jax.Array, loss_idx: jax.Array, loss_ta
 
 
 def sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights,
-                chunk: int = 1024):
+                chunk: int = 1024, prefix_segment_ids=None):
     """Mean NLL over loss-bearing tokens (the PeftTrainer loss function)."""
-    hidden = hidden_states(model, tokens, positions, attention_mask(segment_ids))
+    hidden = hidden_states(model, tokens, positions, attention_mask(segment_ids, prefix_segment_ids))
     nll = gathered_nll(hidden, output_embedding(model), loss_idx, loss_targets, chunk, logit_softcap(model))
     w = loss_weights.astype(jnp.float32)
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def full_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights):
+def full_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights,
+              prefix_segment_ids=None):
     """Reference: logits at every position, then the same targets (for tests and benchmarks)."""
-    logits, _ = model(tokens, positions, None, attention_mask(segment_ids))
+    logits, _ = model(tokens, positions, None, attention_mask(segment_ids, prefix_segment_ids))
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     lp = jnp.take_along_axis(logp, loss_idx[..., None], axis=1)  # [B, M, V]
     nll = -jnp.take_along_axis(lp, loss_targets[..., None], axis=-1)[..., 0]
@@ -88,7 +95,9 @@ def full_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, los
 def make_loss_fn(chunk: int = 1024):
     """A loss function with explicit batch-field parameters (nnx.grad binds keywords to positions)."""
 
-    def loss_fn(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights):
-        return sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights, chunk)
+    def loss_fn(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights,
+                prefix_segment_ids=None):
+        return sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights, chunk,
+                           prefix_segment_ids)
 
     return loss_fn

@@ -44,7 +44,7 @@ Per device (a dimension split over mesh axes holds size / product-of-axis-sizes;
   The loss projects at most 1024 loss positions at a time onto the vocabulary (float32 logits and
   their gradient): 2·4·min(1024, rows)·V bytes, rows = loss positions per device (from
   `data.max_loss_tokens`, else assumed seq_len).
-* batch inputs - six int32/float32 arrays of the micro-batch.
+* batch inputs - seven int32/float32 arrays of the micro-batch.
 
 Time: FLOPs per step from `gemma_tpu.train.flops` with the exact projection sizes of the abstract model,
 tokens per step = batch_size × seq_len × grad_accum_steps, step time = FLOPs / (devices × peak bf16
@@ -355,7 +355,7 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     dims = layer_dims(shapes, tcfg)
     act, act_note = activation_bytes(dims, tokens_dev, T, b, sizes["tp"], remat, tcfg.num_embed, b_dev * M)
     terms.append(Term("activations", act, f"remat {remat}, {b_dev:g}×{T} tokens/device; {act_note}"))
-    terms.append(Term("batch inputs", b_dev * (3 * T + 3 * M) * 4, "tokens, positions, segments, loss buffers"))
+    terms.append(Term("batch inputs", b_dev * (4 * T + 3 * M) * 4, "tokens, positions, segments, prefix segments, loss buffers"))
 
     tokens_per_step = B * T * accum
     attn_dims = sum(d.nq for d in dims)
@@ -434,9 +434,10 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
         B, T = cfg.train.batch_size, cfg.data.seq_len
         M = cfg.data.max_loss_tokens or T
         spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh_lib.DATA_SHARDING_AXIS))
-        batch = {k: jax.ShapeDtypeStruct((B, T if k in ("tokens", "positions", "segment_ids") else M),
+        row_fields = ("tokens", "positions", "segment_ids", "prefix_segment_ids")
+        batch = {k: jax.ShapeDtypeStruct((B, T if k in row_fields else M),
                                          jnp.float32 if k == "loss_weights" else jnp.int32, sharding=spec)
-                 for k in ("tokens", "positions", "segment_ids", "loss_idx", "loss_targets", "loss_weights")}
+                 for k in row_fields + ("loss_idx", "loss_targets", "loss_weights")}
         compiled = nnx.jit(train_step, donate_argnames=("optimizer",)).lower(model, optimizer, batch).compile()
     ma = compiled.memory_analysis()
     arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,

@@ -34,6 +34,15 @@ def signature(batch: dict[str, Any]) -> dict[str, tuple]:
     return {k: (tuple(v.shape), str(v.dtype)) for k, v in batch.items()}
 
 
+def examples_in(batch: dict[str, Any]) -> int:
+    """Examples a batch trains: its segments, less the shared prefixes (segments that others continue)."""
+    seg = np.asarray(batch["segment_ids"])
+    n = int(seg.max(axis=-1).sum())
+    if "prefix_segment_ids" in batch:
+        n -= sum(len(np.unique(r[r > 0])) for r in np.asarray(batch["prefix_segment_ids"]))
+    return n
+
+
 class BatchFeed(tunix_hooks.DataHooks):
     """Feeds the trainer from our grain stream and eval batches, watching batch shapes."""
 
@@ -49,7 +58,7 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.before_batch = None  # called with the trainer before each fetch (gemma_tpu.train.preempt)
         self.tokens = 0  # non-padding tokens fed
         self.useful = 0  # loss-bearing tokens fed
-        self.examples = 0  # examples fed (a packed row holds several: segment ids 1..k)
+        self.examples = 0  # examples fed (a packed or shared-prefix row holds several)
         self.batches = 0
 
     def load_next_train_batch(self, train_ctx):
@@ -69,7 +78,7 @@ class BatchFeed(tunix_hooks.DataHooks):
             log.warning("RECOMPILE AHEAD: batch shapes changed from the first batch: %s", changed)
         self.tokens += int((batch["segment_ids"] > 0).sum())
         self.useful += int(batch["loss_weights"].sum())
-        self.examples += int(np.asarray(batch["segment_ids"]).max(axis=-1).sum())
+        self.examples += examples_in(batch)
         self.batches += 1
         return self.put(batch)
 
