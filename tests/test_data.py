@@ -563,8 +563,8 @@ def test_pad_and_pack_hold_the_same_examples_in_static_rows(chat_file, tok):
     for p in (pad, pack):
         assert all(sum(len(e.ids) for e in row) <= 256 for row in p.rows)
         shapes = {(k, v.shape, v.dtype) for i in range(len(p.rows)) for k, v in p.row_arrays(i).items()}
-        assert len(shapes) == 6  # one shape per field over every row
-        assert {s for k, s, _ in shapes if k in ("tokens", "positions", "segment_ids")} == {(256,)}
+        assert len(shapes) == 7  # one shape per field over every row
+        assert {s for k, s, _ in shapes if k in ("tokens", "positions", "segment_ids", "prefix_segment_ids")} == {(256,)}
 
 
 def test_packed_row_segments_positions_and_targets(chat_file, tok):

@@ -14,7 +14,7 @@ import pytest
 
 from gemma_tpu.core.config import DataConfig, LoraConfig
 from gemma_tpu.data import prepare_examples
-from gemma_tpu.data.batching import Example, Tree, build_row
+from gemma_tpu.data.batching import Example, Tree, build_row, item_size, row_examples
 
 SEQ = 256
 
@@ -164,3 +164,32 @@ def test_row_layout_of_a_tree():
     assert row["loss_idx"][:3].tolist() == [10, 11, 13]
     assert row["loss_targets"][:3].tolist() == [31, 32, 41]
     assert row["loss_weights"].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("strategy", ["pad", "pack"])
+def test_shared_layout_holds_every_example_once_in_static_rows(strategy):
+    exs = shared_examples(21, groups=((40, 9), (50, 4), (36, 2)), singles=5)
+    one = prepare_examples(exs, "t", DataConfig(seq_len=128, strategy=strategy, share_prefix="off"), seed=0)
+    shared = prepare_examples(exs, "t", DataConfig(seq_len=128, strategy=strategy), seed=0)
+
+    def key(rows):
+        return sorted((e.ids.tobytes(), e.loss_mask.tobytes()) for r in rows for e in row_examples(r))
+
+    assert key(shared.rows) == key(one.rows)  # nothing lost, nothing duplicated
+    assert shared.loss_tokens() == one.loss_tokens()
+    st = shared.stats()
+    assert st["trees"] >= 4 and st["computed_tokens_per_example"] < st["computed_tokens_per_example_unshared"]
+    assert all(sum(item_size(i) for i in r) <= 128 for r in shared.rows)
+    shapes = {(k, v.shape) for i in range(len(shared.rows)) for k, v in shared.row_arrays(i).items()}
+    assert len(shapes) == 7
+    for i in range(len(shared.rows)):  # every target is predicted from its own segment, never from a prefix
+        a = shared.row_arrays(i)
+        w = a["loss_weights"] > 0
+        idx = a["loss_idx"][w]
+        np.testing.assert_array_equal(a["tokens"][idx + 1], a["loss_targets"][w])
+        np.testing.assert_array_equal(a["segment_ids"][idx], a["segment_ids"][idx + 1])
+        prefixes = set(a["prefix_segment_ids"][a["prefix_segment_ids"] > 0].tolist())
+        assert not set(a["segment_ids"][idx].tolist()) & prefixes
+    from gemma_tpu.train.trainer import examples_in
+
+    assert examples_in(batch_of(shared)) == len(exs)

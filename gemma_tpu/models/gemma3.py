@@ -161,11 +161,12 @@ _MODEL_CLASS = None
 
 
 def model_class():
-    """Tunix's Gemma3 whose `__call__` can stop at the final norm (`hidden_only=True`).
+    """Tunix's Gemma3 whose `__call__` can stop at the final norm (`hidden_only=True`), and whose
+    cache-free forward bands sliding layers by token positions (`sliding_window`: shared-prefix rows).
 
     The loss projects only loss-bearing positions onto the vocabulary, so it needs hidden states.
     It must go through `__call__`: Qwix applies LoRA only inside the one model method it
-    intercepts.
+    intercepts. With a cache (generation) or images, Tunix's own forward runs.
     """
     global _MODEL_CLASS
     if _MODEL_CLASS is None:
@@ -174,15 +175,19 @@ def model_class():
         class Gemma3(g3.Gemma3):
             def __call__(self, last_tokens, positions=None, cache=None, attention_mask=None,
                          output_hidden_states=False, *, images=None, hidden_only=False):
-                if not hidden_only:
+                if cache is not None or images is not None or output_hidden_states or positions is None:
+                    if hidden_only:
+                        raise ValueError("hidden_only needs cache=None, positions and no images")
                     return super().__call__(last_tokens, positions, cache, attention_mask,
                                             output_hidden_states, images=images)
                 x = self.embedder.encode(last_tokens)
-                # sliding layers banded by token positions (shared-prefix rows): see sliding_window
                 with masks_by_position(self.layers, positions, attention_mask) as masks:
                     for layer, mask in zip(self.layers, masks):
                         _, x = layer(x, positions, None, mask)
-                return self.final_norm(x), None
+                x = self.final_norm(x)
+                if hidden_only:
+                    return x, None
+                return self.embedder.decode(x), None
 
         _MODEL_CLASS = Gemma3
     return _MODEL_CLASS
