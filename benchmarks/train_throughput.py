@@ -2,12 +2,16 @@
 
     python benchmarks/train_throughput.py [--model embedded:gemma3-270m|embedded:tiny-gemma3|shape:gemma3-1b|DIR]
         [--config configs/gemma3-270m-fitness.yaml] [--steps 10] [--warmup 2] [--batch 4] [--seq-len 512]
-        [--json OUT] [--sides ours,torch] [--device auto|cpu|cuda] [--dtype float32|bfloat16]
+        [--json OUT] [--sides ours,unshared,torch] [--baseline-set KEY=VALUE ...] [--device auto|cpu|cuda]
+        [--dtype float32|bfloat16]
 
 Sides:
   ours   `gemma_tpu.train.run.run(cfg)`, the code path of `python -m gemma_tpu.train` (Tunix PeftTrainer, Qwix
          LoRA, the sparse loss over loss-bearing positions only), with the config's LoRA targets, rank,
          alpha, dropout, learning rate, weight decay and clipping. No eval, no checkpoint until the end.
+  unshared  the same trainer with `data.share_prefix=off` plus `--baseline-set` overrides: today's layout (one
+         example a row, or packed) beside a shared-prefix one, e.g. `--seq-len 1024 --batch 2 --baseline-set
+         data.seq_len=512 --baseline-set train.batch_size=4`; compare them by trained examples/s.
   torch  `AutoModelForCausalLM` + `peft` LoRA with the same targets/rank/alpha/dropout, `torch.optim.AdamW`
          with the same learning rate, weight decay and clipping, the standard recipe of TRL/PEFT users:
          every batch padded to `seq_len`, labels -100 outside the loss mask, full logits + cross-entropy
@@ -50,6 +54,7 @@ cores, load average, GPU), package versions, date and command. Results go in ben
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -68,7 +73,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
 FITNESS_TRAIN = "data/fitness/train.jsonl"
-SIDES = ("ours", "torch")
+SIDES = ("ours", "unshared", "torch")
 SHAPE_PREFIX = "shape:"
 
 # Gemma 3 1B (google/gemma-3-1b-pt config.json): the shape of the GPU comparison.
@@ -160,9 +165,10 @@ def cuda_available() -> tuple[bool, str]:
     return ok, name
 
 
-def ours_overrides(spec: dict) -> list[str]:
-    """The dotted overrides that turn the config into the benchmark run (see the module docstring)."""
-    run = Path(spec["workdir"]) / "ours"
+def ours_overrides(spec: dict, side: str = "ours") -> list[str]:
+    """The dotted overrides that turn the config into the benchmark run (see the module docstring);
+    the `unshared` side adds `--baseline-set` (default: shared prefixes off) last."""
+    run = Path(spec["workdir"]) / side
     total = spec["warmup"] + spec["steps"] + 1  # + 1: the last record is the final flush (see child_ours)
     out = [
         f"model.path={spec['model']}", f"model.dtype={spec['dtype']}",
@@ -175,7 +181,10 @@ def ours_overrides(spec: dict) -> list[str]:
     ]
     if spec.get("accelerator"):
         out.append(f"mesh.accelerator={spec['accelerator']}")
-    return out + list(spec.get("set", []))
+    out += list(spec.get("set", []))
+    if side == "unshared":
+        out += ["data.share_prefix=off"] + list(spec.get("baseline_set", []))
+    return out
 
 
 def step_stats(times: list[float | None], counts: dict[str, list[int]], warmup: int) -> dict:
@@ -206,7 +215,10 @@ def child_data(spec: dict) -> dict:
     from gemma_tpu.models import resolve_model
     from gemma_tpu.train import flops as flops_lib
 
+    from gemma_tpu.train.trainer import examples_in
+
     cfg = load_config(spec["config"], ours_overrides(spec))
+    base = load_config(spec["config"], ours_overrides(spec, "unshared"))
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.local_dir))
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
@@ -215,18 +227,20 @@ def child_data(spec: dict) -> dict:
     examples = data.render_examples(cfg.data.train_path, renderer, cfg.data)
     n = spec["warmup"] + spec["steps"] + 1  # our run's steps; torch runs all but the last
 
-    def stream_of(strategy: str):
-        prepared = data.prepare_examples(examples, cfg.data.train_path, cfg.data, cfg.train.seed, strategy=strategy)
-        stream = data.TrainStream(prepared, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle,
-                                  cfg.data.num_epochs, 0, 1)
+    def stream_of(c, strategy: str, share_prefix: str):
+        dc = dataclasses.replace(c.data, share_prefix=share_prefix)
+        prepared = data.prepare_examples(examples, c.data.train_path, dc, c.train.seed, strategy=strategy)
+        stream = data.TrainStream(prepared, c.train.batch_size, c.train.seed, c.data.shuffle, c.data.num_epochs, 0, 1)
         return prepared, [next(stream) for _ in range(n)]
 
-    ours_prepared, ours_batches = stream_of(cfg.data.strategy)
-    torch_prepared, torch_batches = (ours_prepared, ours_batches) if cfg.data.strategy == "pad" else stream_of("pad")
+    ours_prepared, ours_batches = stream_of(cfg, cfg.data.strategy, cfg.data.share_prefix)
+    base_prepared, base_batches = stream_of(base, base.data.strategy, base.data.share_prefix)
+    # torch pads one whole example a row (the recipe it stands for)
+    torch_prepared, torch_batches = stream_of(cfg, "pad", "off")
 
     def counts(batches):
         return {"useful_tokens": [int(b["loss_weights"].sum()) for b in batches],
-                "examples": [int(b["segment_ids"].max(axis=-1).sum()) for b in batches],
+                "examples": [examples_in(b) for b in batches],
                 "nonpad_tokens": [int((b["segment_ids"] > 0).sum()) for b in batches],
                 "tokens": [int(b["tokens"].size) for b in batches]}
 
@@ -257,8 +271,9 @@ def child_data(spec: dict) -> dict:
         "optim": {"learning_rate": cfg.train.learning_rate, "weight_decay": cfg.train.weight_decay,
                   "grad_clip": cfg.train.grad_clip, "optimizer": cfg.train.optimizer, "seed": cfg.train.seed},
         "flops": {"per_token": step.per_token, "per_loss_token": step.per_loss_token},
-        "data_stats": {"ours": ours_prepared.stats(), "torch": torch_prepared.stats()},
-        "counts": {"ours": counts(ours_batches), "torch": counts(torch_batches)},
+        "data_stats": {"ours": ours_prepared.stats(), "unshared": base_prepared.stats(),
+                       "torch": torch_prepared.stats()},
+        "counts": {"ours": counts(ours_batches), "unshared": counts(base_batches), "torch": counts(torch_batches)},
     }
 
 
@@ -270,7 +285,7 @@ def child_ours(spec: dict) -> dict:
     from gemma_tpu.train import run as train
 
     cli.setup_logging()
-    cfg = load_config(spec["config"], ours_overrides(spec))
+    cfg = load_config(spec["config"], ours_overrides(spec, spec.get("side", "ours")))
     run_dir = Path(cfg.train.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     summary = train.run(cfg)
@@ -386,7 +401,8 @@ def child_write_shape(spec: dict) -> dict:
     return {"model_dir": str(target), "cached": False, "tokenizer": str(tok) if tok else "small word-level"}
 
 
-CHILDREN = {"data": child_data, "ours": child_ours, "torch": child_torch, "write-shape": child_write_shape}
+CHILDREN = {"data": child_data, "ours": child_ours, "unshared": child_ours, "torch": child_torch,
+            "write-shape": child_write_shape}
 
 
 def run_child(kind: str, spec: dict) -> dict:
@@ -430,6 +446,9 @@ def parse_args(argv):
     p.add_argument("--torch-attn", help="transformers attn_implementation for the torch side (default: its default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra dotted override for OUR side only (e.g. model.remat=block); repeatable")
+    p.add_argument("--baseline-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for the unshared side only, after data.share_prefix=off (e.g. data.seq_len=512 "
+                        "train.batch_size=4: today's layout beside a shared-prefix one)")
     p.add_argument("--loss-tol", type=float, help="max relative step-1 loss difference (default 1e-3 fp32, 3e-2 bf16)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--workdir", help="keep batches, run dir and child results here (default: a temp dir, deleted)")
@@ -440,7 +459,7 @@ def parse_args(argv):
 
 
 def side_row(name: str, res: dict, d: dict, warmup: int, peak: float, is_torch: bool) -> dict:
-    counts = d["counts"]["torch" if is_torch else "ours"]
+    counts = d["counts"][name]
     times = res["step_times"] if not res.get("error") else []  # a failed side has no steady state
     row = {**res, **step_stats(times, counts, warmup)}
     row["initial_loss"] = res["losses"][0] if res["losses"] else None
@@ -518,6 +537,7 @@ def main(argv=None) -> int:
         "model": model, "dtype": dtype, "device": device, "accelerator": accelerator,
         "batch": args.batch or 4, "seq_len": args.seq_len or (2048 if on_gpu else 512),
         "steps": args.steps, "warmup": args.warmup, "strategy": args.strategy, "set": args.set,
+        "baseline_set": args.baseline_set,
         "batches": str(work / "batches.npz"), "torch_attn": args.torch_attn,
     }
     try:
@@ -531,7 +551,7 @@ def main(argv=None) -> int:
         d = run_child("data", spec)
         results = {}
         for side in sides:
-            results[side] = run_child(side, {**spec, "prep": d} if side == "torch" else spec)
+            results[side] = run_child(side, {**spec, "prep": d} if side == "torch" else {**spec, "side": side})
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
@@ -552,6 +572,12 @@ def main(argv=None) -> int:
         "sides": rows,
     }
     status = 0
+    if "ours" in rows and "unshared" in rows:
+        o, t = rows["ours"].get("examples_per_s"), rows["unshared"].get("examples_per_s")
+        out["ratio_examples_per_s_vs_unshared"] = round(o / t, 3) if o and t else None
+        print(f"ours/unshared trained examples/s: {out['ratio_examples_per_s_vs_unshared']}x")
+        o, t = rows["ours"].get("peak_rss_gb"), rows["unshared"].get("peak_rss_gb")
+        print(f"peak RSS ours {o} GB, unshared {t} GB")
     if "ours" in rows and "torch" in rows:
         o, t = rows["ours"].get("useful_tokens_per_s"), rows["torch"].get("useful_tokens_per_s")
         out["ratio_useful_tokens_per_s"] = round(o / t, 3) if o and t else None

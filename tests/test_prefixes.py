@@ -65,6 +65,9 @@ def test_config_keys_and_preparation(tmp_path):
         load_config(None, ["data.share_prefix_min_tokens=0"])
     with pytest.raises(UserError, match="data.share_prefix"):
         load_config(None, ["data.share_prefix=on"])
+    assert load_config(None, ["data.share_prefix=off"]).data.share_prefix == "off"  # YAML reads a bare off as False
+    (tmp_path / "c.yaml").write_text("data:\n  share_prefix: off\n")
+    assert load_config(str(tmp_path / "c.yaml"), []).data.share_prefix == "off"
     _write_small_tokenizer(tmp_path / "tok", 512)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     sys_a, sys_b = "You are a terse assistant. " * 4, "You answer in French only, please. " * 4

@@ -193,3 +193,24 @@ def test_shared_layout_holds_every_example_once_in_static_rows(strategy):
     from gemma_tpu.train.trainer import examples_in
 
     assert examples_in(batch_of(shared)) == len(exs)
+
+
+@pytest.mark.slow
+def test_real_270m_fitness_batch_is_exact():
+    """One batch of the fitness data on the real Gemma 3 270M (window 512): eight conversations sharing
+    the developer turn with the tool declarations, as two trees of 1,024 tokens vs eight rows."""
+    from gemma_tpu.assets.embedded import resolve_embedded
+    from gemma_tpu.data import make_renderer, render_examples
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from tests.conftest import REPO
+
+    real = resolve_embedded("embedded:gemma3-270m")
+    tok = load_tokenizer(str(real))
+    cfg = DataConfig(seq_len=1024, strategy="pack")
+    exs = render_examples(str(REPO / "data/fitness/train.jsonl"), make_renderer(tok, cfg, "gemma", function_token_map(tok)),
+                          cfg)[:8]
+    shared = assert_exact(lora_model(real, seed=3), exs, seq_len=1024, strategy="pack")
+    trees = [it for r in shared.rows for it in r if isinstance(it, Tree)]
+    assert trees and min(t.prefix_len for t in trees) > 300  # the developer turn and the declarations
+    assert max(t.size for t in trees) > 512 + min(t.prefix_len for t in trees)  # later suffixes sit past the window

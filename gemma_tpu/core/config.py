@@ -167,6 +167,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 errors.append(str(e))
         raise UserError(errors[0] if len(errors) == 1 else f"{where}: {value!r} is not a valid {_type_name(tp)}")
     if origin is Literal:
+        if isinstance(value, bool) and ("off" if not value else "on") in args:
+            value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
         if value not in args:
             raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
         return value

@@ -112,7 +112,7 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
     if data_cfg.share_prefix == "auto":
         # examples sharing a prompt prefix become trees [P | S1 | S2 ...]; which members share a
         # row is seeded (a group's members come sorted by their ids: similar requests side by side)
-        prefixes = find_shared_prefixes(kept, data_cfg.share_prefix_min_tokens)
+        prefixes = find_shared_prefixes(kept, data_cfg.share_prefix_min_tokens, data_cfg.seq_len)
         groups = [(g.prefix_len, [g.members[i] for i in rng.permutation(len(g.members))])
                   for g in prefixes.groups]
         items = batching.make_trees(kept, groups, data_cfg.seq_len)

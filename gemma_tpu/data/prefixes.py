@@ -8,11 +8,13 @@ is in none.
 
 How: sort the examples by their ids; the common prefix of any run of neighbours is the smallest
 common prefix of adjacent pairs in it. A run is either one group (prefix = that minimum) or split
-where the minimum is reached, whichever computes fewer tokens (decided recursively): a group of n
-examples with prefix p computes p once instead of n times, saving (n - 1) * p tokens.
+where the minimum is reached, whichever computes fewer tokens (decided recursively). A group of n
+examples with prefix p computes p once per row it fills (`seq_len` given: its suffixes fill
+ceil(suffix tokens / (seq_len - p)) rows) instead of n times; without `seq_len`, once in all.
 
-Nothing here changes what training computes; the report says what a shared-prefix layout would
-compute: tokens per example with and without sharing, and the loss-bearing fraction of each.
+The groups become trees `[P | S1 | S2 ...]` in training rows (`batching.make_trees`); the report
+says what computing each prefix once in all would cost (the bound), the prepared split's stats what
+its rows compute.
 """
 
 from __future__ import annotations
@@ -82,21 +84,33 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def find_shared_prefixes(examples: Sequence[Example], min_tokens: int) -> PrefixReport:
-    """Group `examples` by shared loss-free prefixes of at least `min_tokens` ids."""
+def find_shared_prefixes(examples: Sequence[Example], min_tokens: int, seq_len: int | None = None) -> PrefixReport:
+    """Group `examples` by shared loss-free prefixes of at least `min_tokens` ids, choosing the groups
+    that save most when each row of `seq_len` tokens computes its group's prefix once."""
     # big-endian bytes of non-negative ids sort as the id sequences do, at 4 bytes a token
     order = sorted(range(len(examples)), key=lambda i: np.asarray(examples[i].ids, ">u4").tobytes())
     caps = [_shareable(examples[i]) for i in order]
     adj = [min(_lcp(examples[order[j]].ids, examples[order[j + 1]].ids), caps[j], caps[j + 1])
            for j in range(len(order) - 1)]
     groups: list[PrefixGroup] = []
+    cum = np.concatenate([[0], np.cumsum([len(examples[i].ids) for i in order])])
+
+    def saving(lo: int, hi: int, p: int) -> int:
+        """Tokens saved by one group of sorted examples lo..hi-1 with prefix p."""
+        n = hi - lo
+        if seq_len is None:
+            return (n - 1) * p
+        suffixes = int(cum[hi] - cum[lo]) - n * p
+        rows = -(-suffixes // max(seq_len - p, 1))
+        return max(n - rows, 0) * p
 
     def best(lo: int, hi: int) -> tuple[int, list[tuple[int, int, int]]]:
         """(saved tokens, groups as (lo, hi, prefix)) for sorted examples lo..hi-1."""
         if hi - lo < 2:
             return 0, []
         m = min(adj[lo:hi - 1])
-        whole = ((hi - lo - 1) * m, [(lo, hi, m)]) if m >= min_tokens else (0, [])
+        gain = saving(lo, hi, m) if m >= min_tokens else 0
+        whole = (gain, [(lo, hi, m)]) if gain > 0 else (0, [])
         if m == max(adj[lo:hi - 1]):  # all neighbours share exactly m: nothing to split
             return whole
         saved, parts, start = 0, [], lo

@@ -3,7 +3,7 @@ until the model answers in words or the call budget is spent.
 
 The model side is a callable, so the same loop drives a local `Generator` (the fitness chat) and any
 OpenAI-compatible endpoint (`serving.chat`); the tools are a `Toolset`: the declarations sent with each
-request, a runner, and the system prompt. One call per turn is run (the first), as in the
+request, a runner, the system prompt and what each user turn carries besides the question. One call per turn is run (the first), as in the
 FunctionGemma data: one request, one call, one answer. A malformed call, an unknown tool or wrong
 arguments are reported in the returned text, not raised, so a chat session goes on.
 """
@@ -34,6 +34,7 @@ class Toolset:
     schemas: list[dict]  # the declarations sent with every request (OpenAI `tools` format)
     call: Callable[[str, dict[str, Any]], Any]  # (name, arguments) -> a JSON-able result; raises ToolCallError
     system_prompt: Callable[[], str] | None = None  # the developer turn, made afresh for each question
+    user_turn: Callable[[str], str] | None = None  # question -> the user message (adds context such as the date)
 
 
 def result_json(result: Any) -> str:
@@ -46,7 +47,7 @@ def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max
     """Answer one question; each tool call is traced through `log` (`-> name(arg=...) = {...}`)."""
     log = log or (lambda _text: None)
     messages = [{"role": "developer", "content": toolset.system_prompt()}] if toolset.system_prompt else []
-    messages.append({"role": "user", "content": question})
+    messages.append({"role": "user", "content": toolset.user_turn(question) if toolset.user_turn else question})
     for _ in range(max_calls + 1):
         reply, raw = next_reply(messages)
         if reply.kind == "format_error":

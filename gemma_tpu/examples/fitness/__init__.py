@@ -4,7 +4,7 @@
 """
 
 from gemma_tpu.examples.fitness.providers import GarminConnectProvider, Provider, SimulatedDevice
-from gemma_tpu.examples.fitness.tools import TOOLS, call_tool, system_prompt, tool_schemas
+from gemma_tpu.examples.fitness.tools import TOOLS, call_tool, system_prompt, tool_schemas, user_message
 
 __all__ = ["GarminConnectProvider", "Provider", "SimulatedDevice", "TOOLS", "call_tool", "system_prompt",
-           "tool_schemas"]
+           "tool_schemas", "user_message"]

@@ -1,8 +1,8 @@
 """Generate the fitness-coach tool-calling dataset: varied requests, real calls, grounded answers.
 
-Each example is a whole exchange: the developer turn (who the model is, today's date), a user
-request, the assistant's call with arguments, the simulated device's response, and a short
-answer that uses the response's numbers. Requests are built from templates (questions, commands,
+Each example is a whole exchange: the developer turn (who the model is; the same in every
+example), a user request after today's date, the assistant's call with arguments, the simulated
+device's response, and a short answer that uses the response's numbers. Requests are built from templates (questions, commands,
 fragments, chatty and formal registers), date phrases (today, yesterday, weekday names, specific
 dates in several spellings) and light noise (typos, lower case, no punctuation).
 
@@ -25,7 +25,7 @@ from typing import Any
 from gemma_tpu.core.config import DataConfig
 from gemma_tpu.data import Renderer, load_conversations
 from gemma_tpu.examples.fitness.providers import SimulatedDevice
-from gemma_tpu.examples.fitness.tools import WEEKDAYS, call_tool, system_prompt, tool_schemas
+from gemma_tpu.examples.fitness.tools import WEEKDAYS, call_tool, system_prompt, tool_schemas, user_message
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.infer.tool_loop import result_json
 
@@ -341,8 +341,8 @@ def make_example(tool: str, template: str, rng: random.Random, seed: int, schema
     return {
         "tools": schemas,
         "messages": [
-            {"role": "developer", "content": system_prompt(today)},
-            {"role": "user", "content": user},
+            {"role": "developer", "content": system_prompt()},
+            {"role": "user", "content": user_message(today, user)},
             {"role": "assistant", "content": "",
              "tool_calls": [{"type": "function", "function": {"name": tool, "arguments": args}}]},
             {"role": "tool", "name": tool, "content": result_json(result)},

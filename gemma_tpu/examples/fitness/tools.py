@@ -215,14 +215,24 @@ def call_tool(name: str, arguments: dict[str, Any], provider: Provider) -> dict:
             return {"error": str(e)}
 
 
-def system_prompt(today: dt.date) -> str:
-    """The developer turn: who the model is, what day it is (for dates like 'March 3') and how
-    to write a date argument (said once here rather than in all seven declarations)."""
-    return f"You are a fitness coach. Today is {today.isoformat()}. Dates: today, yesterday, weekday or YYYY-MM-DD."
+SYSTEM_PROMPT = "You are a fitness coach. Dates: today, yesterday, weekday or YYYY-MM-DD."
+
+
+def system_prompt() -> str:
+    """The developer turn: who the model is and how to write a date argument (said once here rather
+    than in all seven declarations). It is the same every day: with the tool declarations it forms
+    a prompt prefix every conversation shares, computed once per training row and once per
+    evaluation or chat (a date in it would make each day's prefix different)."""
+    return SYSTEM_PROMPT
+
+
+def user_message(today: dt.date, text: str) -> str:
+    """A user turn as the coach sees it: today's date first (for dates like 'March 3'), then the request."""
+    return f"Today is {today.isoformat()}. {text}"
 
 
 def toolset(provider: Provider) -> Toolset:
     """The seven tools run against `provider`, with the coach's system prompt, for the generic tool loop
     (`gemma_tpu.infer.tool_loop`) of the local chat and of `serving.chat`."""
     return Toolset(tool_schemas(), lambda name, arguments: call_tool(name, arguments, provider),
-                   lambda: system_prompt(provider.today()))
+                   system_prompt, lambda question: user_message(provider.today(), question))
