@@ -13,8 +13,10 @@ Per dataset, seq_len and strategy: examples kept / truncated / dropped (over-len
 examples per row, the non-pad fraction (real tokens / row tokens), the loss-bearing fraction
 (trained tokens / row tokens) and `bound`, the best non-pad fraction any packing of whole examples
 can reach (rows >= total tokens / seq_len, and every example longer than seq_len/2 needs a row of its
-own). `tok/ex` and `shared/ex`: tokens a forward computes per kept example, one example at a time and with
-each shared prompt prefix computed once (`gemma_tpu.data.prefixes`, data.share_prefix_min_tokens 32);
+own); rows are laid out as training lays them out, examples sharing a prompt prefix as trees
+`[P | S1 | S2 ...]` (data.share_prefix auto, min 32 tokens). `tok/ex`: tokens a forward computes per kept
+example one at a time; `trained/ex`: what the rows compute per example (each tree's prefix once per row);
+`shared/ex`: the bound, each shared prefix computed once in all (`gemma_tpu.data.prefixes`);
 `groups`: how many prefix groups. Throughput: examples/s through read + validate + render (tokenize once, mask by offsets), through
 length policy + rows (pad or first-fit pack), and through one epoch of the grain stream into
 `[batch, seq_len]` arrays.
@@ -46,6 +48,7 @@ from benchmarks.machine import cpu_info  # noqa: E402
 from gemma_tpu.core.config import DataConfig  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
 from gemma_tpu.data import Renderer, TrainStream, prepare_examples, render_examples  # noqa: E402
+from gemma_tpu.data.batching import row_examples  # noqa: E402
 from gemma_tpu.formats.function_calling import function_token_map  # noqa: E402
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
@@ -141,12 +144,13 @@ def run_dataset(name: str, path: str, renderer: Renderer, cfg: DataConfig, seq_l
                 continue
             prep_s = time.perf_counter() - t
             st = prepared.stats()
-            kept_lengths = [len(ex.ids) for row in prepared.rows for ex in row]
+            kept_lengths = [len(ex.ids) for row in prepared.rows for ex in row_examples(row)]
             rec.update({k: st[k] for k in ("examples_read", "examples_kept", "truncated", "dropped", "rows",
                                            "examples_per_row", "nonpad_fraction", "useful_fraction", "max_loss")})
             rec["bound"] = round(bound(kept_lengths, seq_len), 4)
             sp = st["shared_prefixes"]  # tokens a forward computes per example, one by one / each prefix once
             rec.update({"computed_tokens_per_example": sp["computed_tokens_per_example"],
+                        "computed_tokens_per_example_trained": st["computed_tokens_per_example"], "trees": st["trees"],
                         "computed_tokens_per_example_shared": sp["computed_tokens_per_example_shared"],
                         "computed_ratio": sp["computed_ratio"], "prefix_groups": sp["groups"],
                         "prefix_len_median": sp["prefix_len_median"]})
@@ -165,7 +169,8 @@ def run_dataset(name: str, path: str, renderer: Renderer, cfg: DataConfig, seq_l
 
 def print_tables(results: list[dict], timings: list[dict]) -> None:
     cols = [("dataset", 12), ("seq_len", 7), ("strategy", 8), ("kept", 5), ("trunc", 5), ("drop", 5), ("rows", 5),
-            ("ex/row", 6), ("non-pad", 7), ("loss-bearing", 12), ("bound", 5), ("tok/ex", 6), ("shared/ex", 9),
+            ("ex/row", 6), ("non-pad", 7), ("loss-bearing", 12), ("bound", 5), ("tok/ex", 6), ("trained/ex", 10),
+            ("shared/ex", 9),
             ("groups", 6)]
     print("  ".join(n.ljust(w) if i < 3 else n.rjust(w) for i, (n, w) in enumerate(cols)))
     for r in results:
@@ -175,7 +180,8 @@ def print_tables(results: list[dict], timings: list[dict]) -> None:
             continue
         vals = [r["examples_kept"], r["truncated"], r["dropped"], r["rows"], f"{r['examples_per_row']:.2f}",
                 f"{r['nonpad_fraction']:.3f}", f"{r['useful_fraction']:.3f}", f"{r['bound']:.3f}",
-                f"{r['computed_tokens_per_example']:.0f}", f"{r['computed_tokens_per_example_shared']:.0f}",
+                f"{r['computed_tokens_per_example']:.0f}", f"{r['computed_tokens_per_example_trained']:.0f}",
+                f"{r['computed_tokens_per_example_shared']:.0f}",
                 r["prefix_groups"]]
         print("  ".join(head + [str(v).rjust(w) for v, (_, w) in zip(vals, cols[3:])]))
     print()

@@ -13,11 +13,9 @@ of `gemma_tpu.evaluate` sees them; `--warm` also times a second pass of each sid
 the cached side with the prefix already computed: what a long evaluation converges to). The predictions (generated ids) must be identical; the script
 exits non-zero otherwise. Prints a table; writes JSON (default runs/benchmarks/eval_prefix_cache.json).
 
-The fitness developer turn starts with "Today is YYYY-MM-DD." and the test set has 164 distinct
-dates in 200 conversations, so the ids all prompts share stop at the date (16 tokens with the
-Gemma 3 tokenizer), before the tool declarations. `--fixed-date D` writes the same date into every
-developer turn (what data with the date outside the shared turn would look like): both sides then
-run the same, rewritten prompts.
+The fitness developer turn is the same in every conversation (today's date opens the user turn), so
+the ids all prompts share run through the tool declarations into the user turn's first words. `--fixed-date D`
+rewrites the date of every user turn to D (both sides run the same, rewritten prompts).
 """
 
 from __future__ import annotations
@@ -72,7 +70,7 @@ def main(argv=None) -> int:
             raise UserError(f"--fixed-date {args.fixed_date}: expected YYYY-MM-DD")
         for conv in convs:
             for m in conv["messages"]:
-                if m["role"] in ("developer", "system") and isinstance(m.get("content"), str):
+                if m["role"] in ("developer", "system", "user") and isinstance(m.get("content"), str):
                     m["content"] = re.sub(r"Today is \d{4}-\d{2}-\d{2}\.", f"Today is {args.fixed_date}.",
                                           m["content"])
     cases = build_cases(convs)

@@ -214,3 +214,44 @@ def test_real_270m_fitness_batch_is_exact():
     trees = [it for r in shared.rows for it in r if isinstance(it, Tree)]
     assert trees and min(t.prefix_len for t in trees) > 300  # the developer turn and the declarations
     assert max(t.size for t in trees) > 512 + min(t.prefix_len for t in trees)  # later suffixes sit past the window
+
+
+def test_training_on_shared_prefix_rows_compiles_once_and_resumes_exactly(tiny_dir, tmp_path):
+    """`python -m gemma_tpu.train` on data whose chats share a long system prompt: the rows are trees,
+    the train step compiles once, and a run stopped at step 3 and started again ends bit-identical
+    to an uninterrupted one (the data position restored inside the tree-packed stream)."""
+    import json
+
+    from tests.conftest import REPO, run_cli
+    from tests.test_resume import assert_same_params
+
+    system = ("You are a careful assistant for a bakery. Answer in one short sentence, and name the price. "
+              "Prices are in euros; items are numbered; never invent an item that is not on the list.")
+    chats = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Price of item {i}?"},
+                           {"role": "assistant", "content": f"Item {i} costs {i % 7 + 1} euros."}]}
+             for i in range(40)]
+    data = tmp_path / "bakery.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+
+    def train(ckpt, steps):
+        proc = run_cli("gemma_tpu.train", "--config", str(REPO / "configs/tiny.yaml"), f"model.path={tiny_dir}",
+                       f"data.train_path={data}", "data.eval_path=null", "data.seq_len=256",
+                       f"checkpoint.dir={ckpt}", f"train.max_steps={steps}", "checkpoint.every_steps=3",
+                       "train.batch_size=2")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    out = train(whole, 6)
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["train_step_compiles"] == 1, summary
+    rows = [json.loads(l) for l in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert all(r.get("train_step_compiles", 1) == 1 for r in rows)
+    assert "RECOMPIL" not in out.stderr
+    train(parts, 3)
+    train(parts, 6)
+    a = {r["step"]: r["loss"] for r in rows if r["mode"] == "train"}
+    b = {json.loads(l)["step"]: json.loads(l)["loss"] for l in (parts / "metrics.jsonl").read_text().splitlines()
+         if json.loads(l)["mode"] == "train"}
+    assert a == b
+    assert_same_params(whole, parts, 6)

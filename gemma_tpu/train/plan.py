@@ -111,6 +111,7 @@ class Plan:
     step_time_s: float | None
     notes: list[str] = dataclasses.field(default_factory=list)
     compiled: dict | None = None
+    data: dict | None = None  # the training split's layout (data_layout), when it could be read here
 
     @property
     def total(self) -> float:
@@ -499,6 +500,13 @@ def format_plan(p: Plan) -> str:
         lines.append("  HBM: no limit checked for cpu")
     lines.append(f"trainable parameters: {p.trainable_params:,}")
     lines.append(f"tokens per step: {p.tokens_per_step:,}")
+    if p.data:
+        d = p.data
+        lines.append(f"data: {d['examples']:,} examples in {d['rows']:,} rows ({d['trees']:,} shared-prefix trees, "
+                     f"data.share_prefix {d['share_prefix']}): {d['examples_per_row']:g} examples a row, "
+                     f"{d['examples_per_step']:g} a step; {d['computed_tokens_per_example']:g} computed tokens per "
+                     f"example ({d['computed_tokens_per_example_unshared']:g} one by one); loss buffer "
+                     f"{d['max_loss']} a row")
     lines.append(f"FLOPs per step: {p.flops_per_step:.3e}")
     if p.step_time_s is not None:
         lines.append(f"step time: {p.step_time_s:.3f} s at {p.assumed_mfu:.0%} MFU of {p.n_devices} × "
@@ -521,6 +529,41 @@ def _peak(acc: str) -> float:
     return ACCELERATORS[acc]["peak_flops"]
 
 
+def data_layout(cfg: RunConfig) -> dict | None:
+    """The training split as the run will lay it out (rows, shared-prefix trees, examples per step, the
+    loss buffer), or None when its tokenizer is not on this machine (a hub id not downloaded). Bad data
+    raises, as it would at the start of the run."""
+    if not cfg.data.train_path:
+        return None
+    from pathlib import Path
+
+    from gemma_tpu.assets import embedded as assets
+    from gemma_tpu import data  # deferred: only the dry run reads the data
+
+    spec = str(cfg.model.path)
+    prepared = spec.startswith("embedded:") and assets.is_complete(assets.target_dir(spec[len("embedded:"):]))
+    if not (Path(spec).expanduser().is_dir() or prepared):  # never download or prepare a model to plan
+        return None
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from gemma_tpu.models import resolve_model
+
+    try:
+        resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+        tokenizer = load_tokenizer(resolved.local_dir)
+    except UserError:
+        return None
+    renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer))
+    split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
+    st = split.stats()
+    per_row = st["examples_per_row"]
+    return {"examples": st["examples_kept"], "rows": st["rows"], "trees": st["trees"], "examples_per_row": per_row,
+            "examples_per_step": round(per_row * cfg.train.batch_size * cfg.train.grad_accum_steps, 2),
+            "computed_tokens_per_example": st["computed_tokens_per_example"],
+            "computed_tokens_per_example_unshared": st["computed_tokens_per_example_unshared"],
+            "max_loss": split.max_loss, "share_prefix": cfg.data.share_prefix}
+
+
 def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | None = None,
             compile_check: bool = True, out=None) -> int:
     """Print the plan; 0 when it fits, 2 (with the reason on stderr) when it does not."""
@@ -530,7 +573,13 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
 
     out = out or sys.stdout
     hf = config_json_for(cfg.model.path)
+    layout = data_layout(cfg)
+    if layout and not cfg.data.max_loss_tokens:  # the loss buffer the data really needs, not seq_len
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))
     p = make_plan(cfg, devices, assumed_mfu, hf_config=hf)
+    p.data = layout
+    if layout is None and cfg.data.train_path:
+        p.notes.append("data layout not counted: the model's tokenizer is not on this machine")
     if compile_check and p.total_params <= COMPILE_LIMIT:
         p.compiled = compiled_memory(cfg, hf)
     print(format_plan(p), file=out, flush=True)

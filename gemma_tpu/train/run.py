@@ -116,10 +116,12 @@ def run(cfg: RunConfig) -> dict:
     train_split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
     eval_split = (data.prepare_split(cfg.data.eval_path, renderer, cfg.data, cfg.train.seed)
                   if cfg.data.eval_path else None)
-    log.info("train data %s: %d examples kept of %d (%d truncated, %d dropped) -> %d rows of %d; "
-             "useful-token fraction %.3f", cfg.data.train_path, train_split.report.kept, train_split.report.read,
-             train_split.report.truncated, train_split.report.dropped, len(train_split.rows), cfg.data.seq_len,
-             train_split.useful_fraction())
+    st = train_split.stats()
+    log.info("train data %s: %d examples kept of %d (%d truncated, %d dropped) -> %d rows of %d (%d shared-prefix "
+             "trees: %.1f computed tokens per example, %.1f one by one); useful-token fraction %.3f",
+             cfg.data.train_path, st["examples_kept"], st["examples_read"], st["truncated"], st["dropped"],
+             st["rows"], cfg.data.seq_len, st["trees"], st["computed_tokens_per_example"],
+             st["computed_tokens_per_example_unshared"], st["useful_fraction"])
 
     ckpt_dir = Path(cfg.checkpoint.dir)
     meta = checkpoint.build_metadata(cfg, resolved)
