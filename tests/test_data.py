@@ -564,7 +564,8 @@ def test_pad_and_pack_hold_the_same_examples_in_static_rows(chat_file, tok):
         assert all(sum(len(e.ids) for e in row) <= 256 for row in p.rows)
         shapes = {(k, v.shape, v.dtype) for i in range(len(p.rows)) for k, v in p.row_arrays(i).items()}
         assert len(shapes) == 7  # one shape per field over every row
-        assert {s for k, s, _ in shapes if k in ("tokens", "positions", "segment_ids", "prefix_segment_ids")} == {(256,)}
+        row_fields = ("tokens", "positions", "segment_ids", "prefix_segment_ids")
+        assert {s for k, s, _ in shapes if k in row_fields} == {(256,)}
 
 
 def test_packed_row_segments_positions_and_targets(chat_file, tok):

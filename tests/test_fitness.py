@@ -466,6 +466,22 @@ def test_generic_tool_loop_with_another_toolset():
     assert seen == [[{"role": "user", "content": "hi"}]]
 
 
+def test_coach_developer_turn_is_the_same_every_day_and_the_date_opens_the_user_turn():
+    """A prompt prefix every conversation shares (computed once per training row, once per evaluation)."""
+    from gemma_tpu.examples.fitness.tools import toolset
+    from gemma_tpu.infer.tool_loop import run_tool_loop
+
+    seen = []
+    coach = toolset(SimulatedDevice(1, today=TODAY))
+    run_tool_loop("steps?", coach, lambda m: (seen.append(m), (ParsedReply("text", [], "ok"), ""))[1])
+    assert seen[0][0] == {"role": "developer", "content": tools.system_prompt()}
+    assert "Today" not in seen[0][0]["content"]
+    assert seen[0][1] == {"role": "user", "content": f"Today is {TODAY.isoformat()}. steps?"}
+    for line in (REPO / "data/fitness/test.jsonl").read_text().splitlines()[:20]:
+        msgs = json.loads(line)["messages"]
+        assert msgs[0]["content"] == tools.system_prompt() and msgs[1]["content"].startswith("Today is ")
+
+
 def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
     from transformers import AutoTokenizer
 

@@ -208,8 +208,8 @@ def test_real_270m_fitness_batch_is_exact():
     real = resolve_embedded("embedded:gemma3-270m")
     tok = load_tokenizer(str(real))
     cfg = DataConfig(seq_len=1024, strategy="pack")
-    exs = render_examples(str(REPO / "data/fitness/train.jsonl"), make_renderer(tok, cfg, "gemma", function_token_map(tok)),
-                          cfg)[:8]
+    renderer = make_renderer(tok, cfg, "gemma", function_token_map(tok))
+    exs = render_examples(str(REPO / "data/fitness/train.jsonl"), renderer, cfg)[:8]
     shared = assert_exact(lora_model(real, seed=3), exs, seq_len=1024, strategy="pack")
     trees = [it for r in shared.rows for it in r if isinstance(it, Tree)]
     assert trees and min(t.prefix_len for t in trees) > 300  # the developer turn and the declarations

@@ -39,7 +39,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats import function_calling as fc
 from gemma_tpu.formats import gemma_chat
 from gemma_tpu.hf.tokenizer import load_tokenizer
-from gemma_tpu.models import load_model, resolve_model
+from gemma_tpu.models import load_model, resolve_model, sliding_window
 
 log = logging.getLogger(__name__)
 
@@ -132,24 +132,24 @@ def _band_from(model, start: int, slots: int) -> None:
 
     Tunix Gemma 3 builds the prefill band from row numbers (|t - s| < window), which is the right
     band only when the forward starts at slot 0. Widening the layer's own window to the cache size
-    makes that band all-ones; the true band goes into the mask this layer (only) receives.
+    makes that band all-ones; the true band goes into the mask this layer (only) receives
+    (`models.sliding_window`, which does the same by token positions for cache-free forwards).
     """
     import jax.numpy as jnp
 
     for layer in model.layers:
         attn = layer.attn
-        window = getattr(attn, "sliding_window_size", None)
-        if window is None or getattr(attn.attn_type, "name", str(attn.attn_type)) != "LOCAL_SLIDING":
+        w = sliding_window.window(attn)
+        if w is None:
             continue
         block = type(attn).block
 
-        def banded(x, segment_pos, cache, attn_mask, _attn=attn, _window=window, _block=block):
-            rows = start + jnp.arange(x.shape[1])
-            keys = jnp.arange(attn_mask.shape[-1])
-            band = (rows[:, None] - keys[None, :]) < _window
-            return _block(_attn, x, segment_pos, cache, attn_mask & band[None])
+        def banded(x, segment_pos, cache, attn_mask, _attn=attn, _window=w, _block=block):
+            rows = start + jnp.arange(x.shape[1])[None]
+            keys = jnp.arange(attn_mask.shape[-1])[None]
+            return _block(_attn, x, segment_pos, cache, attn_mask & sliding_window.position_band(rows, keys, _window))
 
-        object.__setattr__(attn, "sliding_window_size", slots)
+        sliding_window.set_window(attn, slots)
         object.__setattr__(attn, "remat_config", None)  # inference: no remat, and `block` is ours
         object.__setattr__(attn, "block", banded)
 

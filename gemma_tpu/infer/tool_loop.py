@@ -1,11 +1,11 @@
 """A generic tool-calling loop: question -> model reply -> run the called tool -> feed the result back,
 until the model answers in words or the call budget is spent.
 
-The model side is a callable, so the same loop drives a local `Generator` (the fitness chat) and any
-OpenAI-compatible endpoint (`serving.chat`); the tools are a `Toolset`: the declarations sent with each
-request, a runner, the system prompt and what each user turn carries besides the question. One call per turn is run (the first), as in the
-FunctionGemma data: one request, one call, one answer. A malformed call, an unknown tool or wrong
-arguments are reported in the returned text, not raised, so a chat session goes on.
+The model side is a callable, so the same loop drives a local `Generator` (the fitness chat) and any OpenAI-compatible endpoint (`serving.chat`); the tools are a
+`Toolset`: the declarations sent with each request, a runner, the system prompt and what each user turn
+carries besides the question. One call per turn is run (the first), as in the FunctionGemma data: one request,
+one call, one answer. A malformed call, an unknown tool or wrong arguments are reported in the returned text,
+not raised, so a chat session goes on.
 """
 
 from __future__ import annotations

@@ -356,7 +356,8 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     dims = layer_dims(shapes, tcfg)
     act, act_note = activation_bytes(dims, tokens_dev, T, b, sizes["tp"], remat, tcfg.num_embed, b_dev * M)
     terms.append(Term("activations", act, f"remat {remat}, {b_dev:g}×{T} tokens/device; {act_note}"))
-    terms.append(Term("batch inputs", b_dev * (4 * T + 3 * M) * 4, "tokens, positions, segments, prefix segments, loss buffers"))
+    terms.append(Term("batch inputs", b_dev * (4 * T + 3 * M) * 4,
+                      "tokens, positions, segments, prefix segments, loss buffers"))
 
     tokens_per_step = B * T * accum
     attn_dims = sum(d.nq for d in dims)

@@ -2,8 +2,8 @@
 
 Each example is a whole exchange: the developer turn (who the model is; the same in every
 example), a user request after today's date, the assistant's call with arguments, the simulated
-device's response, and a short answer that uses the response's numbers. Requests are built from templates (questions, commands,
-fragments, chatty and formal registers), date phrases (today, yesterday, weekday names, specific
+device's response, and a short answer that uses the response's numbers. Requests are built from
+templates (questions, commands, fragments, chatty and formal registers), date phrases (today, yesterday, weekday names, specific
 dates in several spellings) and light noise (typos, lower case, no punctuation).
 
 Generalisation is measured honestly: the request templates of each tool are split between
