@@ -274,7 +274,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
     p.add_argument("--limit", type=int, help="evaluate the first N examples")
     p.add_argument("--json", help="write metrics and per-example predictions here")
-    p.add_argument("--batch-size", type=int, default=8)
+    # with the prefix cache a row prefills only its suffix, and decoding (memory-bound on the weights) serves
+    # 32 rows for little more than 8: on the 270M, 200 test conversations 3.3x faster than uncached batches of 8
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-loss", action="store_true", help="skip the teacher-forced eval loss")
     p.add_argument("--no-prefix-cache", action="store_true",
