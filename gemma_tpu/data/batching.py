@@ -39,13 +39,8 @@ class Tree:
     members: list[Example]
 
     @property
-    def ids(self) -> np.ndarray:
-        """All ids the row computes for this tree: the prefix once, then every suffix."""
-        p = self.prefix_len
-        return np.concatenate([self.members[0].ids[:p]] + [m.ids[p:] for m in self.members])
-
-    @property
     def size(self) -> int:
+        """Tokens the tree takes in a row: the prefix once, then every suffix."""
         return self.prefix_len + sum(len(m.ids) - self.prefix_len for m in self.members)
 
 
