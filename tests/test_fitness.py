@@ -380,8 +380,10 @@ def test_evaluate_checkpoint_restores_lora(tiny_dir, tmp_path):
     """A 2-step tiny run: the checkpoint's eval loss is the trainer's own final eval loss, and
     differs from the base model's."""
     ckpt = tmp_path / "ckpt"
+    # one example a row: the trainer's first 2 eval batches are then exactly the first 8 conversations
+    # (shared-prefix trees would put later conversations among the first rows; the losses stay exact)
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
-                   f"checkpoint.dir={ckpt}", "train.max_steps=2", "train.eval_every_steps=2")
+                   f"checkpoint.dir={ckpt}", "train.max_steps=2", "train.eval_every_steps=2", "data.share_prefix=off")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((ckpt / "summary.json").read_text())
     out = tmp_path / "cmp.json"

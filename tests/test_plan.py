@@ -51,7 +51,7 @@ def test_tiny_plan_matches_hand_computation(tiny_dir):
     full = b * (8 * D + 3 * N * H + 3 * K * H + 4 * F) + b * N * T
     acts = t * L * full + t * 4 * b * N * T + t * T + t * 2 * b * D + 2 * 4 * min(1024, B * T) * V
     assert p.term("activations").bytes == pytest.approx(acts)
-    assert p.term("batch inputs").bytes == B * 6 * T * 4
+    assert p.term("batch inputs").bytes == B * 7 * T * 4  # four [B, T] fields, three [B, M] with M = T
     assert p.tokens_per_step == B * T
     # LoRA step: 2 x forward + the factors' own FLOPs, plus the vocabulary projection of loss rows
     fwd = 2 * L * PROJ + 4 * T * L * N * H
