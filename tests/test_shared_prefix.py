@@ -60,7 +60,7 @@ def loss_and_grads(model, batch):
     return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
-def lora_model(path, seed=0):
+def lora_model(path, seed=0, scale=0.1):
     import jax
     from flax import nnx
 
@@ -72,7 +72,7 @@ def lora_model(path, seed=0):
     model = apply_lora(model, r.family, cfg, LoraConfig(rank=4, alpha=8.0))
     state = nnx.state(model, nnx.LoRAParam)
     keys = iter(jax.random.split(jax.random.key(seed), 1000))
-    nnx.update(model, jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), state))
+    nnx.update(model, jax.tree.map(lambda x: scale * jax.random.normal(next(keys), x.shape, x.dtype), state))
     return model
 
 
@@ -212,7 +212,9 @@ def test_real_270m_fitness_batch_is_exact():
     cfg = DataConfig(seq_len=1024, strategy="pack")
     renderer = make_renderer(tok, cfg, "gemma", function_token_map(tok))
     exs = render_examples(str(REPO / "data/fitness/train.jsonl"), renderer, cfg)[:6]
-    shared = assert_exact(lora_model(real, seed=3), exs, seq_len=1024, strategy="pack", one_seq_len=512)
+    # LoRA factors at 0.01: a loss near the base's (0.1 makes it ~29, where fp32 rounding alone is 4e-5)
+    model = lora_model(real, seed=3, scale=0.01)
+    shared = assert_exact(model, exs, seq_len=1024, strategy="pack", one_seq_len=512)
     trees = [it for r in shared.rows for it in r if isinstance(it, Tree)]
     assert trees and min(t.prefix_len for t in trees) > 300  # the developer turn and the declarations
     assert max(t.size for t in trees) > 512 + min(t.prefix_len for t in trees)  # later suffixes sit past the window
