@@ -132,9 +132,67 @@ def check_item_files(path: Path) -> None:
         missing.append(path / "manifest.ocdbt")
     for w in writers:
         missing += [w / n for n in ("manifest.ocdbt", "d") if not (w / n).exists()]
+    if not missing:
+        for root in ([path] if (path / "manifest.ocdbt").is_file() else writers):
+            missing += _missing_ocdbt_data(root)
     if missing:
-        raise UserError(f"{missing[0]}: missing (an incomplete or damaged checkpoint step"
-                        f"{f'; {len(missing) - 1} more files missing' if len(missing) > 1 else ''})")
+        what = "truncated" if missing[0].is_file() else "missing"
+        raise UserError(f"{missing[0]}: {what} (an incomplete or damaged checkpoint step"
+                        f"{f'; {len(missing) - 1} more files missing or truncated' if len(missing) > 1 else ''})")
+
+
+def _missing_ocdbt_data(root: Path) -> list[Path]:
+    """Data files (`d/<id>`) that an OCDBT database's latest version refers to and that are absent or
+    shorter than the byte range it reads from them.
+
+    Found by walking the B-tree with TensorStore's `ocdbt.dump` (node metadata only, no array data).
+    Checked before Orbax restores: Orbax reads every array concurrently on an event loop that it closes
+    at the first failed read, and the reads still in flight then print one traceback each as they land.
+    """
+    import tensorstore as ts
+
+    try:
+        kv = ts.KvStore.open(f"file://{root.resolve()}/").result()
+        manifest = ts.ocdbt.dump(kv).result()
+    except Exception:  # noqa: BLE001 - an unreadable manifest: Orbax's own error will name it
+        return []
+    ends: dict[Path, int] = {}
+    missing: list[Path] = []
+    pending = [v["root"]["location"] for v in manifest.get("versions", [])[-1:] if v.get("root", {}).get("location")]
+    seen: set[str] = set()
+    while pending:
+        loc = pending.pop()
+        if loc in seen:
+            continue
+        seen.add(loc)
+        file, end = _ocdbt_location(root, loc)
+        ends[file] = max(ends.get(file, 0), end)
+        if not loc.startswith("btreenode:"):
+            continue
+        if not file.is_file() or file.stat().st_size < end:
+            continue  # reported below; its children cannot be listed
+        try:
+            node = ts.ocdbt.dump(kv, loc).result()
+        except Exception:  # noqa: BLE001 - a damaged node: report its file
+            missing.append(file)
+            continue
+        for entry in node.get("entries", []):
+            for key in ("indirect_value", "node"):
+                if isinstance(entry.get(key), str):
+                    pending.append(entry[key])
+            if isinstance(entry.get("location"), str):
+                pending.append(entry["location"])
+    for file, end in sorted(ends.items()):
+        if (not file.is_file() or file.stat().st_size < end) and file not in missing:
+            missing.append(file)
+    return missing
+
+
+def _ocdbt_location(root: Path, loc: str) -> tuple[Path, int]:
+    """`kind:base_path:relative_path:offset:length` (TensorStore's dump notation) -> (file, end byte)."""
+    kind, base, rest = loc.split(":", 2)
+    relative, offset, length = rest.rsplit(":", 2)
+    return root / base / relative, int(offset) + int(length)
 
 
 def short_reason(e: BaseException) -> str:

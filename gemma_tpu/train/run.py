@@ -85,8 +85,13 @@ def check_resume_step_files(ckpt_dir: Path) -> None:
     the model loads."""
     steps = checkpoint.list_steps(ckpt_dir)
     if steps:
-        for item in ("model_params", "optimizer_state"):
-            check_item_files(ckpt_dir / str(steps[-1]) / item)
+        step_dir = ckpt_dir / str(steps[-1])
+        try:
+            for item in ("model_params", "optimizer_state"):
+                check_item_files(step_dir / item)
+        except UserError as e:
+            raise UserError(f"{step_dir}: cannot restore this checkpoint step ({e}); "
+                            f"move it aside to resume from the one before") from e
 
 
 def run(cfg: RunConfig) -> dict:
