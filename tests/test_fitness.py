@@ -376,6 +376,20 @@ def test_evaluate_cli_on_tiny_model(tiny_dir, tmp_path):
     assert "generate" in proc.stderr  # the progress bar
 
 
+def test_eval_loss_of_packed_shared_prefix_rows_equals_one_conversation_a_row(tiny_loaded):
+    """Evaluation's loss packs rows as training does (the developer turn once per row); the mean NLL
+    is the one of one conversation a row."""
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import load_conversations
+    from gemma_tpu.evaluate.run import eval_loss
+
+    cfg = DataConfig(seq_len=1024)
+    convs = load_conversations(str(DATA / "test.jsonl"), cfg)[:12]
+    packed = eval_loss(tiny_loaded, convs, cfg, 4, "tiny")
+    padded = eval_loss(tiny_loaded, convs, cfg, 4, "tiny", strategy="pad")
+    assert np.isfinite(packed) and packed == pytest.approx(padded, rel=1e-5)
+
+
 def test_evaluate_checkpoint_restores_lora(tiny_dir, tmp_path):
     """A 2-step tiny run: the checkpoint's eval loss is the trainer's own final eval loss, and
     differs from the base model's."""

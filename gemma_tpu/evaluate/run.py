@@ -134,8 +134,13 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     return [parse_reply(o.text) for o in outs], [o.text for o in outs]
 
 
-def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, label: str) -> float:
-    """Mean NLL over loss-bearing tokens of the reference conversations, as the trainer computes it."""
+def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, label: str,
+              strategy: str = "pack") -> float:
+    """Mean NLL over loss-bearing tokens of the reference conversations, as the trainer computes it.
+
+    Rows are packed as training packs them (with `data.share_prefix: auto`, the developer turn the
+    conversations share is computed once per row): the loss is the same as one conversation a row
+    (exact within float rounding, tests/test_shared_prefix.py), at a fraction of the forward FLOPs. `strategy="pad"`: one conversation a row (the reference)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -145,7 +150,7 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
 
     renderer = _renderer(loaded, data_cfg)
     longest = max(len(renderer.render(c).ids) for c in convs)
-    cfg = dataclasses.replace(data_cfg, seq_len=max(data_cfg.seq_len, -(-longest // 64) * 64), strategy="pad",
+    cfg = dataclasses.replace(data_cfg, seq_len=max(data_cfg.seq_len, -(-longest // 64) * 64), strategy=strategy,
                               overlength="truncate", max_loss_tokens=None)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "eval.jsonl"
