@@ -161,15 +161,16 @@ def ckpt_pointing_to(base: str) -> Callable[[Path, dict], None]:
 
 def damaged(src_key: str, remove: str = "", truncate: tuple[str, int] | None = None) -> Callable[[Path, dict], None]:
     """A copy of {tiny} / {ckpt} with the files matching the glob `remove` deleted (directories kept) or
-    the file `truncate[0]` cut short by `truncate[1]` bytes."""
+    the file `truncate[0]` (a glob: the largest file it matches) cut short by `truncate[1]` bytes (a negative
+    count: cut to its first -N bytes)."""
 
     def make(dest: Path, ctx: dict) -> None:
         shutil.copytree(ctx[src_key], dest)
         for p in dest.glob(remove) if remove else []:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         if truncate:
-            p = dest / truncate[0]
-            os.truncate(p, p.stat().st_size - truncate[1])
+            p = max(dest.glob(truncate[0]), key=lambda q: q.stat().st_size)
+            os.truncate(p, p.stat().st_size - truncate[1] if truncate[1] >= 0 else -truncate[1])
 
     return make
 
@@ -308,6 +309,9 @@ CASES = [
     Case("ckpt-step-missing-data-files", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/1/model_params/ocdbt.process_0/d/", "missing", "incomplete or damaged"],
          {"ck": damaged("ckpt", "1/model_params/ocdbt.process_0/d/*")}),
+    Case("ckpt-step-truncated-data-file", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/1/model_params/ocdbt.process_0/d/", "truncated", "incomplete or damaged"],
+         {"ck": damaged("ckpt", truncate=("1/model_params/ocdbt.process_0/d/*", -100))}),
     Case("ckpt-step-missing-metadata", "convert.inspect", ["{tmp}/ck"], ["{tmp}/ck/1/model_params/_METADATA", "missing"],
          {"ck": damaged("ckpt", "1/model_params/_METADATA")}),
     Case("ckpt-step-missing-manifest", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
