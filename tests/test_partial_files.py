@@ -46,3 +46,26 @@ def test_merge_that_runs_out_of_space_publishes_nothing(tiny_dir, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_ocdbt_walk_reaches_every_data_file_of_a_multi_level_tree(tmp_path):
+    """Large checkpoints have interior B-tree nodes: the pre-restore check walks them and names a data file
+    that is gone or cut short anywhere in the tree."""
+    import os
+
+    import tensorstore as ts
+
+    from gemma_tpu.checkpoint.params import _missing_ocdbt_data
+
+    root = tmp_path / "db"
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/",
+                          "config": {"max_decoded_node_bytes": 500, "max_inline_value_bytes": 16}}).result()
+    for i in range(200):
+        kv.write(f"k{i:04d}", b"x" * 40).result()
+    manifest = ts.ocdbt.dump(ts.KvStore.open(f"file://{root}/").result()).result()
+    assert manifest["versions"][-1]["root_height"] >= 2
+    assert _missing_ocdbt_data(root) == []
+    files = sorted((root / "d").iterdir())
+    files[len(files) // 2].unlink()
+    os.truncate(files[-1], 10)
+    assert sorted(_missing_ocdbt_data(root)) == sorted([files[len(files) // 2], files[-1]])
