@@ -379,6 +379,8 @@ def test_evaluate_cli_on_tiny_model(tiny_dir, tmp_path):
 def test_eval_loss_of_packed_shared_prefix_rows_equals_one_conversation_a_row(tiny_loaded):
     """Evaluation's loss packs rows as training does (the developer turn once per row); the mean NLL
     is the one of one conversation a row."""
+    import dataclasses
+
     from gemma_tpu.core.config import DataConfig
     from gemma_tpu.data import load_conversations
     from gemma_tpu.evaluate.run import eval_loss
@@ -386,7 +388,7 @@ def test_eval_loss_of_packed_shared_prefix_rows_equals_one_conversation_a_row(ti
     cfg = DataConfig(seq_len=1024)
     convs = load_conversations(str(DATA / "test.jsonl"), cfg)[:12]
     packed = eval_loss(tiny_loaded, convs, cfg, 4, "tiny")
-    padded = eval_loss(tiny_loaded, convs, cfg, 4, "tiny", strategy="pad")
+    padded = eval_loss(tiny_loaded, convs, dataclasses.replace(cfg, share_prefix="off"), 4, "tiny", strategy="pad")
     assert np.isfinite(packed) and packed == pytest.approx(padded, rel=1e-5)
 
 

@@ -138,9 +138,9 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
               strategy: str = "pack") -> float:
     """Mean NLL over loss-bearing tokens of the reference conversations, as the trainer computes it.
 
-    Rows are packed as training packs them (with `data.share_prefix: auto`, the developer turn the
-    conversations share is computed once per row): the loss is the same as one conversation a row
-    (exact within float rounding, tests/test_shared_prefix.py), at a fraction of the forward FLOPs. `strategy="pad"`: one conversation a row (the reference)."""
+    Rows are packed as training packs them (with `data.share_prefix: auto`, a developer turn the
+    conversations share is computed once per row, and short rows share a row): the same loss as one
+    conversation a row (`strategy="pad"` with `share_prefix="off"`; tested), for less forward work."""
     import jax
     import numpy as np
     from flax import nnx
