@@ -190,7 +190,7 @@ def _missing_ocdbt_data(root: Path) -> list[Path]:
 
 def _ocdbt_location(root: Path, loc: str) -> tuple[Path, int]:
     """`kind:base_path:relative_path:offset:length` (TensorStore's dump notation) -> (file, end byte)."""
-    kind, base, rest = loc.split(":", 2)
+    _kind, base, rest = loc.split(":", 2)
     relative, offset, length = rest.rsplit(":", 2)
     return root / base / relative, int(offset) + int(length)
 
