@@ -161,16 +161,18 @@ def ckpt_pointing_to(base: str) -> Callable[[Path, dict], None]:
 
 def damaged(src_key: str, remove: str = "", truncate: tuple[str, int] | None = None) -> Callable[[Path, dict], None]:
     """A copy of {tiny} / {ckpt} with the files matching the glob `remove` deleted (directories kept) or
-    the file `truncate[0]` (a glob: the largest file it matches) cut short by `truncate[1]` bytes (a negative
-    count: cut to its first -N bytes)."""
+    every file matching the glob `truncate[0]` cut short by `truncate[1]` bytes (a negative count: cut to its
+    first -N bytes). Every match, not one: an OCDBT `d/` directory also holds superseded B-tree nodes that
+    nothing reads, and cutting only one of those leaves a sound checkpoint."""
 
     def make(dest: Path, ctx: dict) -> None:
         shutil.copytree(ctx[src_key], dest)
         for p in dest.glob(remove) if remove else []:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         if truncate:
-            p = max(dest.glob(truncate[0]), key=lambda q: q.stat().st_size)
-            os.truncate(p, p.stat().st_size - truncate[1] if truncate[1] >= 0 else -truncate[1])
+            for p in sorted(dest.glob(truncate[0])):
+                size = p.stat().st_size
+                os.truncate(p, size - truncate[1] if truncate[1] >= 0 else min(size, -truncate[1]))
 
     return make
 
