@@ -1,4 +1,5 @@
-"""The side-by-side training benchmark, end to end on the tiny model: both sides, a few steps."""
+"""The benchmarks end to end on the tiny model: training throughput (both sides), prefix-cached evaluation, and
+the two shared-prefix training layouts."""
 
 import json
 import math
@@ -76,3 +77,29 @@ def test_eval_prefix_cache_tiny(tmp_path):
     assert res["sides"]["prefix cache"]["prefix_stats"]["reused_batches"] == 2
     assert res["settings"]["shared_prefix_tokens"] > 300  # the developer turn with the declarations
     assert res["machine"]["cpu_model"]
+
+
+def test_prefix_layouts_tiny(tmp_path):
+    """Both shared-prefix training layouts on the tiny model (window 16, so the broadcast suffixes sit past
+    it): the broadcast layout's loss and LoRA gradients equal one conversation a row, and both sides time."""
+    system = ("You are a careful assistant for a bakery. Answer in one short sentence, and name the price. "
+              "Prices are in euros; items are numbered; never invent an item that is not on the list.")
+    data = tmp_path / "bakery.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": f"Price of item {i}?" + " Please." * (i % 5)},
+        {"role": "assistant", "content": f"Item {i} costs {i % 7 + 1} euros."}]}) + "\n" for i in range(40)))
+    out = tmp_path / "layouts.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/prefix_layouts.py", "--model", "embedded:tiny-gemma3", "--config",
+         "configs/tiny.yaml", "--set", f"data.train_path={data}", "--set", "data.seq_len=256", "--check",
+         "--steps", "1", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = {r["side"]: r for r in json.loads(out.read_text())["results"]}
+    check = res["check"]
+    assert check["loss_abs_diff"] < 1e-5 and check["grad_max_abs_diff"] < 1e-5, check
+    assert check["grad_max_abs"] > 1e-3  # gradients that could differ
+    for side in ("tree", "broadcast"):
+        assert res[side]["examples_per_s"] > 0 and res[side]["peak_rss_gb"] > 0
+    assert res["broadcast"]["prefix_len"] + res["broadcast"]["suffix_len"] > 16  # past the window
+    assert "ex/s" in proc.stdout and "check (" in proc.stdout

@@ -57,7 +57,7 @@ def test_sliding_band_is_needed(loaded, monkeypatch):
 
     prompts = _prompts()
     plain = g.Generator(loaded, max_new_tokens=12, batch_size=4, prefix_cache=False).generate(prompts)
-    monkeypatch.setattr(g, "_band_from", lambda model, start, slots: None)
+    monkeypatch.setattr(g, "band_from", lambda model, start, slots: None)
     wrong = g.Generator(loaded, max_new_tokens=12, batch_size=4).generate(prompts)
     assert [o.ids for o in wrong] != [o.ids for o in plain]
 

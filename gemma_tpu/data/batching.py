@@ -9,6 +9,10 @@ A row item is an `Example` or a `Tree`: a prompt prefix shared by several exampl
 once as `[P | S1 | S2 | ...]`. Each suffix is its own segment whose `prefix_segment_ids` names
 P's segment, so it attends to P and to itself (`train.loss.attention_mask`); its positions
 continue after P, so every token sees the keys, positions and window it would see alone.
+Trees, not a prefix run once per batch with its keys and values broadcast to suffix rows
+(Hydragen's layout): on the 270M fitness run the two train within 5% of each other per example
+and the broadcast one needs more memory, pads every suffix to a fixed length and needs a model
+that continues a KV cache (`benchmarks/prefix_layouts.py`, RESULTS.md 2026-11-24 evening).
 """
 
 from __future__ import annotations

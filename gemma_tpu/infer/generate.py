@@ -20,7 +20,7 @@ i's first C cache slots are the prefix cache shifted right by its padding, and t
 slots C..W (for a row padded by g, that recomputes the last g prefix tokens in slots that would
 otherwise hold padding). Tunix Gemma 3's prefill sliding-window band is |row - key slot| < window,
 right only for a forward that starts at slot 0; for the suffix prefill the sliding layers get the
-band of the slots its rows are written to (`_band_from`). Tunix Gemma 4's multi-token forward
+band of the slots its rows are written to (`band_from`). Tunix Gemma 4's multi-token forward
 writes its cache from slot 0 and attends only to its own tokens, so models with their own
 `init_cache` decode uncached.
 """
@@ -93,7 +93,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     return ((n + step - 1) // step) * step
 
 
-def _init_cache(model, batch: int, size: int) -> dict:
+def init_cache(model, batch: int, size: int) -> dict:
     """Tunix Gemma 3's cache layout: per layer k, v [B, S, K, H] and a write index. Models that
     lay out their own cache (Gemma 4: per-layer head sizes, none for KV-sharing layers) make it."""
     import jax.numpy as jnp
@@ -126,7 +126,7 @@ def _project_last_only(model) -> None:
     object.__setattr__(embedder, "decode", decode_last)
 
 
-def _band_from(model, start: int, slots: int) -> None:
+def band_from(model, start: int, slots: int) -> None:
     """Give this (traced, throw-away) model's sliding-window layers the band of a prefill whose rows
     are written from cache slot `start` on: row t may see slots s with start + t - s < window.
 
@@ -164,7 +164,7 @@ def _prefix_forward(graphdef, state, tokens, *, length: int):
     model = nnx.merge(graphdef, state)
     _project_last_only(model)
     n = tokens.shape[1]
-    cache = _init_cache(model, 1, n)
+    cache = init_cache(model, 1, n)
     positions = jnp.arange(n, dtype=jnp.int32)[None]
     attn = jnp.tril(jnp.ones((n, n), bool))[None]
     _, cache = model(tokens, positions, cache, attn)
@@ -210,7 +210,7 @@ def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *
         model = nnx.merge(graphdef, state)
         _project_last_only(model)
         if start:
-            _band_from(model, start, attn.shape[-1])
+            band_from(model, start, attn.shape[-1])
         return model(toks, pos, cache, attn)
 
     b, p = tokens.shape
@@ -220,7 +220,7 @@ def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *
     attn = prompt_mask[:, None, :] & causal[None]
     attn = jnp.pad(attn, ((0, 0), (0, 0), (0, max_new)))
     if prefix_cache is None:
-        cache = _init_cache(nnx.merge(graphdef, state), b, size)
+        cache = init_cache(nnx.merge(graphdef, state), b, size)
         logits, cache = forward(tokens, positions, cache, attn)
     else:
         c = prefix_cache["layer_0"]["k"].shape[1]
