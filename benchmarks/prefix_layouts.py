@@ -213,6 +213,9 @@ def child(args) -> dict:
     per_row = [len(prepared.rows[i][0].members) for i in rows]
     batch = args.batch or round(statistics.mean(per_row) * args.tree_rows)
     out: dict = {"side": args.child, "seq_len": cfg.data.seq_len}
+    if args.child != "tree" and hasattr(model, "init_cache"):
+        raise SystemExit("the broadcast layout needs a model whose multi-token forward continues a KV cache "
+                         "(Tunix Gemma 3); this family's writes its cache from slot 0")
     if args.child == "check":
         return {**out, **check_exact(model, prepared, rows, batch)}
     n = args.warmup + args.steps
