@@ -85,10 +85,9 @@ def broadcast_batches(prepared, rows: list[int], batch: int):
     suffix row itself (the last shared id opens each suffix)."""
     import numpy as np
 
-    trees = [prepared.rows[i][0] for i in rows]
-    members = [m for t in trees for m in t.members]
     from gemma_tpu.infer.generate import common_prefix_len
 
+    members = [m for i in rows for m in prepared.rows[i][0].members]
     p = common_prefix_len([m.ids for m in members]) - 1  # the ids every conversation shares (trees: a few more)
     if p < 16:
         raise SystemExit("the tree rows do not share one prefix; this benchmark wants one")
@@ -154,8 +153,9 @@ def broadcast_loss(model, prefix, suffix, suffix_real, loss_idx, loss_targets, l
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def step_fn(model, side: str):
-    """A jitted (LoRA factors, batch) -> (loss, grads) for one side."""
+def step_fn(model, layout: str):
+    """A jitted (LoRA factors, batch) -> (loss, grads): the trainer's loss on rows ("rows": trees or one
+    conversation a row) or the broadcast layout's."""
     import jax
     from flax import nnx
 
@@ -165,7 +165,7 @@ def step_fn(model, side: str):
 
     def loss(lora_state, batch):
         m = nnx.merge(graphdef, lora_state, rest)
-        if side == "tree":
+        if layout == "rows":
             return sparse_loss(m, **batch)
         return broadcast_loss(m, **batch)
 
@@ -193,7 +193,7 @@ def check_exact(model, prepared, rows, batch: int) -> dict:
     one = prepare_examples(members, "check", DataConfig(seq_len=512, share_prefix="off"), seed=0)
     arrays = [one.row_arrays(i) for i in range(len(one.rows))]
     b1 = {k: jnp.asarray(np.stack([a[k] for a in arrays])) for k in arrays[0]}
-    f_one, state = step_fn(model, "tree")
+    f_one, state = step_fn(model, "rows")
     l1, g1 = f_one(state, b1)
     f_b, state = step_fn(model, "broadcast")
     l2, g2 = f_b(state, {k: jnp.asarray(v) for k, v in bb.items()})
@@ -221,6 +221,8 @@ def child(args) -> dict:
     n = args.warmup + args.steps
     if args.child == "tree":
         k = args.tree_rows
+        if len(rows) < n * k:
+            raise SystemExit(f"only {len(rows)} tree rows; ask for fewer steps")
         batches = [[rows[j * k + t] for t in range(k)] for j in range(n)]
         arrays = [[prepared.row_arrays(i) for i in b] for b in batches]
         feeds = [{key: np.stack([a[key] for a in rs]) for key in rs[0]} for rs in arrays]
@@ -234,7 +236,7 @@ def child(args) -> dict:
         examples = [batch] * n
         computed = [int(f["prefix"].size + f["suffix"].size) for f in feeds]
         out.update(batch=batch, prefix_len=int(feeds[0]["prefix"].shape[1]), suffix_len=int(feeds[0]["suffix"].shape[1]))
-    f, state = step_fn(model, "tree" if args.child == "tree" else "broadcast")
+    f, state = step_fn(model, "rows" if args.child == "tree" else "broadcast")
     times, losses = [], []
     for i, feed in enumerate(feeds):
         t0 = time.perf_counter()
