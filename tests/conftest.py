@@ -15,8 +15,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: needs the real embedded model (about a minute to prepare once)")
+    if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        from importlib.metadata import version
+
+        from packaging.version import Version
+
+        if Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0"):
+            # xdist 3.8 groups by renaming `item._nodeid`, which pytest 9.2 no longer reads: the real-model
+            # tests then ran two at a time (23.3 GB of a 24 GiB machine in use at the peak, 2026-11-24)
+            raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')} "
+                                    "ignores --dist loadgroup; install pytest<9.2 (the test extra pins it)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook of this name, which reads the group marks
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`--dist loadgroup`), every real-model test runs on one worker, one at a time:
     each holds the 270M (several GB), and two at once could exhaust a 24 GiB machine."""
