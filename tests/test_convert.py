@@ -391,9 +391,16 @@ def nnx_state_paths(model) -> list[str]:
     return [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))]
 
 
-def test_full_finetune(work, base):
+@pytest.fixture(scope="module")
+def full_ckpt(work, base) -> tuple[Path, list[np.ndarray]]:
+    """A full fine-tune's checkpoint (no LoRA) and its logits; a fixture, so that any test that needs it has
+    it whichever pytest-xdist worker runs that test."""
     ckpt = work / "ckpt_full"
-    ref = make_checkpoint(base, ckpt, full=True, seed=4)
+    return ckpt, make_checkpoint(base, ckpt, full=True, seed=4)
+
+
+def test_full_finetune(work, base, full_ckpt):
+    ckpt, ref = full_ckpt
     out = work / "merged_full"
     assert merge("--checkpoint", ckpt, "--out", out, "--verify") == 0
     assert max_diff(ref, hf_logits(out)) <= TOL
@@ -587,13 +594,11 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
     assert max_diff(hf_logits(base, adapter=out), hf_logits(merged)) <= TOL
 
 
-def test_peft_export_refuses_full_finetune(work, capsys):
+def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     from convert.export_peft import main
     from gemma_tpu.core.cli import cli_main
 
-    ckpt = work / "ckpt_full"
-    if not ckpt.exists():
-        pytest.skip("needs test_full_finetune's checkpoint")
+    ckpt = full_ckpt[0]
     out = work / "adapter_full"
     assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out)]) == 2
     assert "full fine-tune" in capsys.readouterr().err
