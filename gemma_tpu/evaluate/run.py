@@ -166,6 +166,9 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
         return sparse_loss(model, **batch), batch["loss_weights"].sum()
 
     total = weight = 0.0
+    # no more rows a batch than there are rows (a power of two): a short evaluation would otherwise compute
+    # 32 mostly empty rows of seq_len (tiny model, `--limit 5`: 6.7 GB and 30 s before, 2.3 GB and 14 s now)
+    batch_size = min(batch_size, 1 << (max(len(split.rows), 1) - 1).bit_length())
     batches = eval_batches(split, batch_size)
     for batch in tqdm(batches, desc=f"eval loss {label}", file=sys.stderr, unit="batch"):
         loss, w = batch_loss(state, {k: np.asarray(v) for k, v in batch.items()})
