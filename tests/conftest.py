@@ -22,7 +22,7 @@ def pytest_configure(config):
 
         if Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0"):
             # xdist 3.8 groups by renaming `item._nodeid`, which pytest 9.2 no longer reads: the real-model
-            # tests then ran two at a time (23.3 GB of a 24 GiB machine in use at the peak, 2026-11-24)
+            # tests then ran on both workers at once, and each worker converted the 270M (2026-11-24)
             raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')} "
                                     "ignores --dist loadgroup; install pytest<9.2 (the test extra pins it)")
 
