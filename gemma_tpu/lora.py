@@ -7,8 +7,10 @@ A and B factors, so a typo or a family mismatch fails loudly.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterator
 
 from gemma_tpu.core.config import LoraConfig
 from gemma_tpu.core.errors import UserError
@@ -28,12 +30,40 @@ def make_provider(family: Family, tunix_cfg: Any, lora: LoraConfig):
 
 
 _PROVIDER_CLASS = None
+_dropout_active = False  # set only while a training step's loss is traced (`dropout_active`)
+
+
+@contextlib.contextmanager
+def dropout_active(model, key) -> Iterator[None]:
+    """Inside the block, forwards of `model` apply LoRA dropout (`lora.dropout`), masks drawn from `key`.
+
+    Qwix applies a rule's dropout on every call (always `deterministic=False`), evaluation and
+    generation included, and draws its masks from rngs it expects on each module; outside a block
+    like this it would fail or drop at inference. The provider below turns dropout off outside it, so
+    only the training loss (`gemma_tpu.train.loss`, given a per-step key) drops. Use it inside a traced
+    function on a model created at that trace level (nnx transforms give the loss function one).
+    """
+    global _dropout_active
+    from flax import nnx
+
+    model.set_attributes(qwix_rngs=nnx.Rngs(dropout=key))
+    previous, _dropout_active = _dropout_active, True
+    try:
+        yield
+    finally:
+        _dropout_active = previous
+        model.set_attributes(qwix_rngs=None)
 
 
 def _provider_class():
-    """`qwix.LoraProvider` that runs each dot_general on activations flattened to [tokens, features].
+    """`qwix.LoraProvider` with dropout only inside `dropout_active`, running each dot_general on
+    activations flattened to [tokens, features].
 
-    Why: activations are [batch, seq, features], so the LoRA weight gradients (dA = x^T g,
+    Dropout: qwix 0.1.8 reads every LoRA op's rule through one (private) lookup,
+    `_get_current_rule_and_op_id`; outside `dropout_active` we return the rule with dropout 0 there,
+    so evaluation, generation and Qwix's own initialising call never drop (nor need rngs).
+
+    Flattening: activations are [batch, seq, features], so the LoRA weight gradients (dA = x^T g,
     dB = (xA)^T g) contract over two dimensions, and XLA canonicalises such dots by physically
     transposing the large operand (g: [batch, seq, 2048] in a 270M MLP), fused into the elementwise
     backward that produces it. On CPU those strided copies were a large part of a LoRA step (numbers in
@@ -48,6 +78,12 @@ def _provider_class():
     import qwix
 
     class FlatLoraProvider(qwix.LoraProvider):
+        def _get_current_rule_and_op_id(self, op_name, **kwargs):
+            rule, op_id = super()._get_current_rule_and_op_id(op_name, **kwargs)
+            if rule is not None and getattr(rule, "dropout", 0.0) and not _dropout_active:
+                rule = dataclasses.replace(rule, dropout=0.0)
+            return rule, op_id
+
         def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                         out_sharding=None):
             (lhs_c, rhs_c), (lhs_b, _) = dimension_numbers

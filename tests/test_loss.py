@@ -72,3 +72,39 @@ def test_packed_and_padded_give_same_per_example_loss(lora_model):
     padded = [nll([[e]], 64)[0][0][: int(e.loss_mask[1:].sum())] for e in exs]
     packed, _ = nll([exs], 192)
     np.testing.assert_allclose(np.concatenate(padded), packed[0][: sum(len(p) for p in padded)], atol=1e-5)
+
+
+def test_lora_dropout_only_in_training_batches(tiny_dir, lora_model):
+    """lora.dropout drops only where a batch carries `dropout_step` (training): evaluation and any other
+    forward of the same model equal the model without dropout, and the masks are fixed by the step."""
+    import jax
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.lora import apply_lora
+    from gemma_tpu.train.loss import make_loss_fn
+
+    plain, r = lora_model
+    model, cfg = load_model(r, "float32")
+    model = apply_lora(model, r.family, cfg, LoraConfig(rank=4, alpha=8.0, dropout=0.5))
+    nnx.update(model, nnx.state(plain, nnx.LoRAParam))  # the same (non-zero) LoRA factors
+    tok = AutoTokenizer.from_pretrained(str(r.local_dir))
+    split = prepare_split(str(REPO / "tests/data/chat_sample.jsonl"), Renderer(tok), DataConfig(seq_len=128), 0)
+    batch = {k: jax.numpy.asarray(v) for k, v in eval_batches(split, 2, 1)[0].items()}
+    loss_fn = make_loss_fn(16, dropout_seed=0)
+
+    @nnx.jit
+    def loss(m, step=None):
+        extra = {} if step is None else {"dropout_step": jax.numpy.full((2,), step, jax.numpy.int32)}
+        return nnx.value_and_grad(lambda m: loss_fn(m, **batch, **extra),
+                                  argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
+
+    reference, _ = loss(plain)
+    evaluated, _ = loss(model)
+    assert float(evaluated) == pytest.approx(float(reference), abs=1e-6)
+    (a, ga), (b, gb), (c, _) = loss(model, 3), loss(model, 3), loss(model, 4)
+    assert float(a) == float(b) and abs(float(a) - float(reference)) > 1e-4 and abs(float(a) - float(c)) > 1e-4
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    again, _ = loss(model)  # leaving the dropout block left nothing behind
+    assert float(again) == float(evaluated)

@@ -59,6 +59,27 @@ def test_same_seed_same_losses(tiny_dir, reference_run, tmp_path):
     assert losses(tmp_path / "again") == losses(reference_run)
 
 
+def test_lora_dropout_trains_and_resumes_to_the_same_params(tiny_dir, reference_run, tmp_path):
+    """lora.dropout > 0 trains (Qwix needs rngs for it; see gemma_tpu.lora.dropout_active), changes the
+    run, and a run stopped at step 2 and resumed ends with the uninterrupted run's losses and params:
+    each step's masks come from the seed and the step, not from how the run got there."""
+    import numpy as np
+
+    from gemma_tpu.checkpoint.metadata import read_params
+
+    common = ["lora.dropout=0.3", "checkpoint.every_steps=2", "train.eval_every_steps=0"]
+    full = train(tiny_dir, tmp_path / "full", *common, "train.max_steps=4")
+    assert full.returncode == 0, full.stderr[-3000:]
+    for max_steps in (2, 4):
+        part = train(tiny_dir, tmp_path / "resumed", *common, f"train.max_steps={max_steps}")
+        assert part.returncode == 0, part.stderr[-3000:]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")
+    assert losses(tmp_path / "full")[1:] != losses(reference_run)[1:4]  # step 1: B = 0, nothing to drop yet
+    a, b = read_params(tmp_path / "full", 4), read_params(tmp_path / "resumed", 4)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
 def test_empty_dataset(tiny_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -41,7 +41,7 @@ class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
     targets: list[str] = dataclasses.field(default_factory=lambda: list(ALL_TARGETS))
-    dropout: float = 0.0
+    dropout: float = 0.0  # on the LoRA input, training steps only (evaluation and generation never drop)
     base_quantization: Literal["nf4", "int8"] | None = None  # QLoRA: quantize the frozen base
 
 

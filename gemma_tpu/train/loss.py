@@ -92,12 +92,25 @@ def full_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, los
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def make_loss_fn(chunk: int = 1024):
-    """A loss function with explicit batch-field parameters (nnx.grad binds keywords to positions)."""
+def make_loss_fn(chunk: int = 1024, dropout_seed: int = 0):
+    """A loss function with explicit batch-field parameters (nnx.grad binds keywords to positions).
+
+    A batch with a `dropout_step` field ([B] int32, every row the same: training batches when
+    lora.dropout > 0, see `gemma_tpu.train.trainer.BatchFeed`) is computed with LoRA dropout, masks
+    from `dropout_seed` folded with that number: fresh masks every step, the same ones after a resume.
+    Batches without it (evaluation) never drop.
+    """
 
     def loss_fn(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights,
-                prefix_segment_ids=None):
-        return sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights, chunk,
-                           prefix_segment_ids)
+                prefix_segment_ids=None, dropout_step=None):
+        if dropout_step is None:
+            return sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights, chunk,
+                               prefix_segment_ids)
+        from gemma_tpu.lora import dropout_active
+
+        key = jax.random.fold_in(jax.random.key(dropout_seed), dropout_step[0])
+        with dropout_active(model, key):
+            return sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights, chunk,
+                               prefix_segment_ids)
 
     return loss_fn

@@ -162,7 +162,9 @@ def run(cfg: RunConfig) -> dict:
         evals = (data.eval_batches(eval_split, cfg.train.batch_size, cfg.data.eval_max_batches,
                                    jax.process_index(), jax.process_count())
                  if eval_split else None)
-        feed = BatchFeed(stream, evals, put=functools.partial(mesh_lib.global_batch, mesh))
+        feed = BatchFeed(stream, evals, put=functools.partial(mesh_lib.global_batch, mesh),
+                         dropout=cfg.lora.enabled and cfg.lora.dropout > 0,
+                         grad_accum_steps=cfg.train.grad_accum_steps)
         import orbax.checkpoint as ocp
         from tunix.sft import metrics_logger
         from tunix.sft.peft_trainer import TrainingConfig
@@ -206,7 +208,7 @@ def run(cfg: RunConfig) -> dict:
                             f"move it aside to resume from the one before") from e
         from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
-        trainer.with_loss_fn(make_loss_fn(chunk))
+        trainer.with_loss_fn(make_loss_fn(chunk, dropout_seed=cfg.train.seed))
         trainer.with_data_hooks(feed)
         if trainer.train_steps >= cfg.train.max_steps:
             log.info("checkpoint %s is already at step %d >= train.max_steps; nothing to do",

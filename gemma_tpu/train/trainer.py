@@ -46,8 +46,14 @@ def examples_in(batch: dict[str, Any]) -> int:
 class BatchFeed(tunix_hooks.DataHooks):
     """Feeds the trainer from our grain stream and eval batches, watching batch shapes."""
 
-    def __init__(self, stream, eval_batches: list[dict] | None, put=None):
+    def __init__(self, stream, eval_batches: list[dict] | None, put=None, dropout: bool = False,
+                 grad_accum_steps: int = 1):
         self.stream = stream
+        # lora.dropout > 0: each train batch carries `dropout_step` (train.loss.make_loss_fn), the
+        # number of batches before it in the run, recomputed from the trainer's restored step on resume
+        self.dropout = dropout
+        self.grad_accum_steps = max(1, grad_accum_steps)
+        self._micro = (-1, 0)  # (optimizer step, micro-batches fed in it)
         # this process's numpy rows -> global device arrays (mesh.global_batch); None: leave as is
         self.put = put or (lambda batch: batch)
         self.eval_batches = eval_batches or []
@@ -80,6 +86,12 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.useful += int(batch["loss_weights"].sum())
         self.examples += examples_in(batch)
         self.batches += 1
+        if self.dropout:
+            step = train_ctx.train_steps
+            micro = self._micro[1] if self._micro[0] == step else 0
+            self._micro = (step, micro + 1)
+            rows = batch["tokens"].shape[0]
+            batch = {**batch, "dropout_step": np.full((rows,), step * self.grad_accum_steps + micro, np.int32)}
         return self.put(batch)
 
     def load_next_eval_batch(self, train_ctx):
