@@ -80,6 +80,24 @@ def test_lora_dropout_trains_and_resumes_to_the_same_params(tiny_dir, reference_
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.parametrize("change, named", [
+    (["train.batch_size=2"], "train.batch_size 4 -> 2"),
+    (["data.strategy=pack"], "the rows' contents"),
+    (["train.seed=1"], "train.seed 0 -> 1"),
+])
+def test_resume_with_other_training_rows_is_refused(tiny_dir, reference_run, tmp_path, change, named):
+    """The stored data position counts batches of the saved rows; with other rows or another batch or
+    order it would silently continue somewhere else. Refused before anything loads or is written."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_run, ckpt)
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    proc = train(tiny_dir, ckpt, "train.max_steps=10", *change)
+    assert_one_line_error(proc, f"{ckpt / '8'}: its data position is for other training rows (", named)
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
+
+
 def test_empty_dataset(tiny_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -73,6 +73,18 @@ def list_steps(ckpt_dir: str | Path) -> list[int]:
     return sorted(steps)
 
 
+def saved_data_layout(ckpt_dir: str | Path) -> tuple[Path, dict[str, Any] | None] | None:
+    """(latest complete step dir, the data layout stored with its data position) or None without steps;
+    the layout is None for steps saved before layouts were stored."""
+    steps = list_steps(ckpt_dir)
+    if not steps:
+        return None
+    step_dir = Path(ckpt_dir) / str(steps[-1])
+    meta = read_json_object(step_dir / COMMIT_MARKERS[0], f"{step_dir}: no {COMMIT_MARKERS[0]}")
+    custom = meta.get("custom_metadata")
+    return step_dir, (custom.get("data_layout") if isinstance(custom, dict) else None)
+
+
 def set_aside_incomplete_steps(ckpt_dir: str | Path) -> list[Path]:
     """Rename step directories newer than the last complete step that lack Orbax's commit markers
     (a non-atomic save or a copy cut short) to `<step>.incomplete-<time>`: Orbax would take such a

@@ -3,14 +3,16 @@
 from gemma_tpu.data.pipeline import (
                                      Prepared,
                                      TrainStream,
+                                     check_layout,
                                      eval_batches,
                                      make_renderer,
                                      prepare_examples,
                                      prepare_split,
                                      render_examples,
+                                     stream_layout,
 )
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
 
-__all__ = ["Prepared", "Renderer", "TrainStream", "eval_batches", "load_conversations",
-           "make_renderer", "prepare_examples", "prepare_split", "render_examples"]
+__all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "eval_batches", "load_conversations",
+           "make_renderer", "prepare_examples", "prepare_split", "render_examples", "stream_layout"]

@@ -7,6 +7,7 @@ checkpoint, so a resumed run continues with exactly the batch it would have seen
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from typing import Any, Iterator
 
@@ -33,6 +34,20 @@ class Prepared:
     seq_len: int
     strategy: str = "pad"
     prefixes: PrefixReport | None = None  # shared prompt prefixes (data.share_prefix: auto), laid out as trees
+
+    def digest(self) -> str:
+        """A short hash of the rows in order (ids, loss masks, shared-prefix layout): a stored data position
+        names rows of this list, so a resume checks that the list is the same."""
+        h = hashlib.sha256()
+        for row in self.rows:
+            h.update(b"|")
+            for item in row:
+                if isinstance(item, batching.Tree):
+                    h.update(b"T%d" % item.prefix_len)
+                for ex in batching.members(item):
+                    h.update(np.ascontiguousarray(ex.ids, np.int32).tobytes())
+                    h.update(np.packbits(np.asarray(ex.loss_mask, bool)).tobytes())
+        return h.hexdigest()[:16]
 
     def row_arrays(self, i: int) -> dict[str, np.ndarray]:
         return batching.build_row(self.rows[i], self.seq_len, self.max_loss)
@@ -171,6 +186,7 @@ class TrainStream:
                             f"(train.batch_size)")
         self.global_batch = batch_size
         self.local_batch = batch_size // process_count
+        self.layout = stream_layout(prepared, batch_size, seed, shuffle, num_epochs)
         self.process_index, self.process_count = process_index, process_count
         ds = grain.MapDataset.range(n)
         if shuffle:
@@ -199,8 +215,31 @@ class TrainStream:
     def get_state(self) -> dict[str, Any]:
         return self.iterator.get_state()
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any], layout: dict[str, Any] | None = None, where: str = "checkpoint") -> None:
+        """Continue from a stored position; `layout`, stored beside it, must match (`check_layout`)."""
+        check_layout(layout, self.layout, where)
         self.iterator.set_state(state)
+
+
+def stream_layout(prepared: Prepared, batch_size: int, seed: int, shuffle: bool = True,
+                  num_epochs: int | None = None) -> dict[str, Any]:
+    """What a stored data position means, stored beside it: the rows in order and how the stream walks
+    them. The process count is not part of it (global batch k is the same rows on any number of hosts)."""
+    return {"rows": len(prepared.rows), "rows_digest": prepared.digest(), "train.batch_size": batch_size,
+            "train.seed": seed, "data.shuffle": shuffle, "data.num_epochs": num_epochs}
+
+
+def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: str) -> None:
+    """A position saved with `saved` names other rows than `current` would: refused, naming what changed
+    (checkpoints from before layouts were stored have none and are not checked)."""
+    if saved is None or saved == current:
+        return
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if k != "rows_digest" and saved.get(k) != v]
+    if saved.get("rows_digest") != current["rows_digest"]:
+        changed.append("the rows' contents" if changed else
+                       "the rows' contents: the data file or a data setting that shapes rows")
+    raise UserError(f"{where}: its data position is for other training rows ({'; '.join(changed)}); resume with "
+                    f"the data and settings it was saved with, or use another checkpoint.dir")
 
 
 def eval_batches(prepared: Prepared, batch_size: int, max_batches: int | None = None, process_index: int = 0,

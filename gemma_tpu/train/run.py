@@ -133,6 +133,10 @@ def run(cfg: RunConfig) -> dict:
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta, cfg.checkpoint.allow_base_mismatch)
+    saved = checkpoint.saved_data_layout(ckpt_dir)  # a resume's data position must name these rows
+    if saved is not None:
+        data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
+                                                       cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]))
     if primary:  # before loading anything (writes nothing): a writable directory, no other trainer on it
         check_writable(ckpt_dir, f"checkpoint.dir={ckpt_dir}")
         if cfg.train.run_dir:

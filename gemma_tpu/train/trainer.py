@@ -195,7 +195,8 @@ class Trainer(TunixTrainer):
         self.resumed_from = self.train_steps
         state = self.restored_custom_metadata.get("data_state")
         if state is not None:
-            feed.stream.set_state(state)
+            feed.stream.set_state(state, self.restored_custom_metadata.get("data_layout"),
+                                  f"{training_config.checkpoint_root_directory}/{self.train_steps}")
             log.info("resumed at step %d; data position restored", self.train_steps)
         elif self.train_steps:
             log.warning("checkpoint at step %d has no data position; the data restarts", self.train_steps)
@@ -210,7 +211,8 @@ class Trainer(TunixTrainer):
 
     # ---- checkpoint contents ---------------------------------------------------------
     def custom_checkpoint_metadata(self) -> dict[str, Any]:
-        return {"data_state": self.feed.stream.get_state(), "step": self.train_steps, "seed": self.seed}
+        return {"data_state": self.feed.stream.get_state(), "data_layout": self.feed.stream.layout,
+                "step": self.train_steps, "seed": self.seed}
 
     # ---- metrics ---------------------------------------------------------------------
     def _compile_count(self) -> int:
