@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -283,7 +284,17 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
     try:
         return _build(cls, tree, "")
     except UserError as e:
-        raise UserError(f"{where}: {e}") from None
+        raise UserError(f"{blame(str(e), where, overrides)}: {e}") from None
+
+
+def blame(message: str, where: str, overrides: Sequence[str]) -> str:
+    """Where a config error comes from: the command-line override that set the key it names (the last
+    one, which wins), else the file."""
+    for text in reversed(list(overrides)):
+        key = text.split("=", 1)[0].strip()
+        if key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
+            return f"override '{text}'"
+    return where
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
@@ -291,7 +302,14 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     cfg = load_typed(RunConfig, path, overrides)
     if cfg.train.optimizer is None:
         cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
-    validate(cfg, str(path) if path is not None else "config")
+    where = str(path) if path is not None else "config"
+    try:
+        validate(cfg, where)
+    except UserError as e:
+        origin = blame(str(e), where, overrides)
+        if origin == where:
+            raise
+        raise UserError(f"{origin}: {str(e).removeprefix(where + ': ')}") from None
     return cfg
 
 
@@ -319,6 +337,13 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if unknown:
             bad(f"lora.targets: unknown module {unknown[0]!r} (known: {', '.join(ALL_TARGETS)})")
         in_range("lora.dropout", cfg.lora.dropout, 0.0, 1.0, closed_high=False)
+    else:  # settings full fine-tuning would silently ignore
+        if cfg.lora.base_quantization:
+            bad(f"lora.base_quantization={cfg.lora.base_quantization} needs lora.enabled=true (QLoRA quantizes "
+                f"the frozen base under the adapters; full fine-tuning trains every weight in model.dtype)")
+        if cfg.lora.dropout:
+            bad(f"lora.dropout={cfg.lora.dropout} needs lora.enabled=true (it drops the adapters' input; full "
+                f"fine-tuning has no adapters)")
     at_least("data.seq_len", cfg.data.seq_len, 8)
     at_least("data.num_epochs", cfg.data.num_epochs, 1)
     at_least("data.max_loss_tokens", cfg.data.max_loss_tokens, 1)
