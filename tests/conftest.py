@@ -45,6 +45,15 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_long_dir(tmp_path_factory) -> Path:
+    """`tiny_dir`'s model (same weights) declaring 4,096 positions: its character-level tokenizer makes a
+    fitness prompt ~1,700 tokens, past the 1,024 generation refuses to exceed (as vLLM does)."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny_long") / "gemma3", seed=0, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="session")
 def tiny_mha_dir(tmp_path_factory) -> Path:
     """Same, with as many KV heads as query heads (Tunix fuses q/k/v into one weight)."""
     from gemma_tpu.assets.tiny import write_tiny_gemma3

@@ -361,18 +361,18 @@ def test_cached_greedy_equals_uncached_forward(tiny_loaded):
         assert out.stop in ("length", "end_of_turn", "eos", "call")
 
 
-def test_evaluate_cli_on_tiny_model(tiny_dir, tmp_path):
+def test_evaluate_cli_on_tiny_model(tiny_long_dir, tmp_path):
     out = tmp_path / "eval.json"
-    proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--model", str(tiny_dir),
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--model", str(tiny_long_dir),
                    "--limit", "5", "--json", str(out), "--max-new-tokens", "16")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for metric in ("tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", "no_call_rate",
                    "format_error_rate", "eval_loss", "perplexity"):
         assert metric in proc.stdout
     data = json.loads(out.read_text())
-    m = data["models"][f"model:{tiny_dir}"]
+    m = data["models"][f"model:{tiny_long_dir}"]
     assert m["n"] == 5 and np.isfinite(m["eval_loss"]) and m["perplexity"] > 1
-    assert len(data["examples"][f"model:{tiny_dir}"]) == 5
+    assert len(data["examples"][f"model:{tiny_long_dir}"]) == 5
     assert "generate" in proc.stderr  # the progress bar
 
 
@@ -427,8 +427,8 @@ def test_evaluate_errors_are_one_line(tiny_dir, tmp_path):
 # -------------------------------------------------------------------------------------------- chat
 
 
-def test_chat_once_with_tiny_model(tiny_dir):
-    proc = run_cli("gemma_tpu.chat", "--model", str(tiny_dir), "--once", "how many steps did I take yesterday?",
+def test_chat_once_with_tiny_model(tiny_long_dir):
+    proc = run_cli("gemma_tpu.chat", "--model", str(tiny_long_dir), "--once", "how many steps did I take yesterday?",
                    "--max-new-tokens", "24")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip()

@@ -62,7 +62,7 @@ def test_sliding_band_is_needed(loaded, monkeypatch):
     assert [o.ids for o in wrong] != [o.ids for o in plain]
 
 
-def test_chat_reuses_the_system_turn(tiny_dir):
+def test_chat_reuses_the_system_turn(tiny_long_dir):
     """The fitness chat names its developer turn (system prompt + seven tool declarations) as the
     prefix: computed on the first model call, reused by every later one; the answers are those of
     the uncached chat."""
@@ -72,7 +72,7 @@ def test_chat_reuses_the_system_turn(tiny_dir):
     from gemma_tpu.examples.fitness.providers import SimulatedDevice
     from gemma_tpu.infer.generate import Generator, load_hf_dir
 
-    loaded = load_hf_dir(str(tiny_dir))
+    loaded = load_hf_dir(str(tiny_long_dir))
     answers = {}
     for cached in (False, True):
         gen = Generator(loaded, max_new_tokens=8, batch_size=1, prefix_cache=cached)
@@ -122,3 +122,18 @@ def test_prefix_cache_with_lora(tiny_dir):
     assert gen.prefix_stats["computed"] == 1
     base_ids = Generator(base, max_new_tokens=10, batch_size=4, prefix_cache=False).generate(prompts)
     assert [o.ids for o in base_ids] != [o.ids for o in plain]  # the LoRA factors do change the outputs
+
+
+def test_prompt_past_the_context_is_refused(loaded):
+    """A prompt that with its new tokens would pass max_position_embeddings (1024 in the tiny model) is a
+    one-line error naming the prompt, before anything is computed; one that fits exactly is generated."""
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.infer.generate import Generator
+
+    assert loaded.max_positions == 1024
+    gen = Generator(loaded, max_new_tokens=8, batch_size=2)
+    long = SHARED + [(13 * i) % 300 + 100 for i in range(1024 - 8 - len(SHARED) + 1)]
+    with pytest.raises(UserError, match=r"prompt 2 is 1017 tokens; with up to 8 new tokens it passes the model's "
+                                        r"context of 1024 \(max_position_embeddings\)"):
+        gen.generate([SHARED + [300], long])
+    assert len(gen.generate([long[:-1]], max_new_tokens=8)) == 1

@@ -46,6 +46,7 @@ class RestoredModel:
     meta: dict  # the run's metadata (gemma_tpu_run.json)
     ckpt_dir: Path
     step: int
+    max_positions: int | None = None  # the base's context length (max_position_embeddings)
 
 
 def base_dir(ckpt_dir: str | Path, meta: dict, override: str | Path | None = None) -> Path:
@@ -109,7 +110,7 @@ def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | No
         set_params(model, nnx.Param, params, where)
     return RestoredModel(model, tunix_cfg, resolved.family, Path(resolved.local_dir),
                          dict(meta.get("token_map") or {}), meta.get("chat_format") or resolved.family.chat_format,
-                         meta, ckpt_dir, step)
+                         meta, ckpt_dir, step, resolved.max_positions)
 
 
 def set_params(model, kind, params: dict[str, np.ndarray], where: str) -> None:

@@ -70,6 +70,7 @@ class LoadedModel:
     description: str
     tunix_cfg: Any = None
     family: Any = None  # the registry Family (its end-of-turn token); None: the chat markup's alone
+    max_positions: int | None = None  # the model's context length; None: not known, not checked
 
 
 def _decode_text(tokenizer, ids: Sequence[int], token_map: dict[str, str]) -> str:
@@ -340,6 +341,13 @@ class Generator:
         max_new = max_new_tokens or self.max_new_tokens
         if any(len(p) == 0 for p in prompts):
             raise UserError("cannot generate from an empty prompt")
+        limit = self.loaded.max_positions
+        longest = max((len(p) for p in prompts), default=0)
+        if limit and longest + max_new > limit:
+            i = next(i for i, p in enumerate(prompts) if len(p) == longest)
+            raise UserError(f"prompt {i + 1} is {longest} tokens; with up to {max_new} new tokens it passes the "
+                            f"model's context of {limit} (max_position_embeddings): shorten the prompt or ask for "
+                            f"fewer new tokens")
         shared, cache = self._shared_prefix(prompts, prefix)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
         results: list[Generation | None] = [None] * len(prompts)
@@ -388,7 +396,7 @@ def load_hf_dir(path: str, dtype: str = "float32") -> LoadedModel:
     tokenizer = load_tokenizer(resolved.local_dir)
     model, tunix_cfg = load_model(resolved, dtype)
     return LoadedModel(model, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
-                       f"model:{path}", tunix_cfg, resolved.family)
+                       f"model:{path}", tunix_cfg, resolved.family, resolved.max_positions)
 
 
 def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = None) -> LoadedModel:
@@ -397,4 +405,4 @@ def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = 
     restored = restore_model(ckpt_dir, step, dtype)
     return LoadedModel(restored.model, load_tokenizer(restored.tokenizer_dir), restored.token_map,
                        restored.chat_format, f"checkpoint:{ckpt_dir}@{restored.step}", restored.tunix_cfg,
-                       restored.family)
+                       restored.family, restored.max_positions)

@@ -26,6 +26,13 @@ class ResolvedModel:
     family: Family
     revision: str | None = None
 
+    @property
+    def max_positions(self) -> int | None:
+        """The context length the model was built for (`max_position_embeddings` of its text config)."""
+        text = self.hf_config.get("text_config") or self.hf_config
+        v = text.get("max_position_embeddings") if isinstance(text, dict) else None
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
 
 def resolve_model(spec: str, revision: str | None = None, family: str | None = None) -> ResolvedModel:
     local = resolve_path(spec, revision)
