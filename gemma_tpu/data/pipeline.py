@@ -34,10 +34,16 @@ class Prepared:
     seq_len: int
     strategy: str = "pad"
     prefixes: PrefixReport | None = None  # shared prompt prefixes (data.share_prefix: auto), laid out as trees
+    _digest: str | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def digest(self) -> str:
         """A short hash of the rows in order (ids, loss masks, shared-prefix layout): a stored data position
-        names rows of this list, so a resume checks that the list is the same."""
+        names rows of this list, so a resume checks that the list is the same. Computed once."""
+        if self._digest is None:
+            self._digest = self._hash_rows()
+        return self._digest
+
+    def _hash_rows(self) -> str:
         h = hashlib.sha256()
         for row in self.rows:
             h.update(b"|")
