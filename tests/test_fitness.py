@@ -4,6 +4,7 @@ base Gemma 3 270M (slow)."""
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import sys
@@ -158,9 +159,12 @@ def test_generator_sizes_balance_and_held_out_phrasings(tmp_path):
     for tool in NAMES:  # every tool has its own phrasings per split, never shared
         tr, va, te = (set(templates[s][tool]) for s in dataset.SPLITS)
         assert te and va and tr and not (tr & te) and not (tr & va) and not (va & te)
-    train_users = {dataset.user_text(ex).lower() for ex in splits["train"]}
+    train_users = {dataset.request_text(ex).lower() for ex in splits["train"]}
     for split, n in SMALL.items():
         assert len(splits[split]) == n
+        requests = [dataset.request_text(ex).lower() for ex in splits[split]]
+        assert len(set(requests)) == n, f"{split} repeats a request under another date"
+        assert all(not dataset.user_text(ex).lower().startswith(r) for ex, r in zip(splits[split], requests))
         convs = load_conversations(paths[split], DataConfig())  # validates every example
         assert len(convs) == n
         counts = {t: 0 for t in NAMES}
@@ -173,11 +177,25 @@ def test_generator_sizes_balance_and_held_out_phrasings(tmp_path):
             assert any(ch.isdigit() for ch in msgs[4]["content"])  # the answer uses the numbers
         assert max(counts.values()) - min(counts.values()) <= 1, counts
         if split != "train":
-            assert not {dataset.user_text(ex).lower() for ex in splits[split]} & train_users
+            assert not set(requests) & train_users
     # dates are varied: relative, weekday and absolute arguments all occur
     args = [ex["messages"][2]["tool_calls"][0]["function"]["arguments"]["date"] for ex in splits["train"]]
     assert {"today", "yesterday"} <= set(args)
     assert any(a in tools.WEEKDAYS for a in args) and any(a[:2] == "20" for a in args)
+
+
+def test_held_out_check_sees_a_train_request_under_another_date():
+    splits = dataset.generate(1, SMALL)
+    moved = copy.deepcopy(splits["train"][0])
+    user = next(m for m in moved["messages"] if m["role"] == "user")
+    user["content"] = tools.user_message(dt.date(2024, 2, 29), dataset.request_text(moved))
+    assert user["content"] != dataset.user_text(splits["train"][0])
+    with pytest.raises(AssertionError, match="1 test requests also occur in train"):
+        dataset.check_disjoint({"train": splits["train"], "test": splits["test"] + [moved]})
+    # a goal is no running total: "so far" only goes with the tools that count up during a day
+    goal = [dataset.request_text(ex) for ex in splits["train"] + splits["test"]
+            if ex["messages"][2]["tool_calls"][0]["function"]["name"] == "get_daily_step_goal"]
+    assert goal and not any("so far" in r for r in goal)
 
 
 def test_committed_data_is_the_seed_0_output(tmp_path):

@@ -25,7 +25,8 @@ from typing import Any
 from gemma_tpu.core.config import DataConfig
 from gemma_tpu.data import Renderer, load_conversations
 from gemma_tpu.examples.fitness.providers import SimulatedDevice
-from gemma_tpu.examples.fitness.tools import WEEKDAYS, call_tool, system_prompt, tool_schemas, user_message
+from gemma_tpu.examples.fitness.tools import (WEEKDAYS, call_tool, request_of, system_prompt, tool_schemas,
+                                              user_message)
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.infer.tool_loop import result_json
 
@@ -170,7 +171,9 @@ def date_phrase(rng: random.Random, today: dt.date, tool: str, allow_empty: bool
         if sleep:
             when = rng.choice(["last night", "last night", "today", "this morning"] + ([""] if allow_empty else []))
             return DatePhrase(when, rng.choice(["last night", "today"]), "today", today)
-        options = ["today", "today", "so far today", "for today", "today so far", "this morning" if
+        # "so far" fits running totals, not a goal: "step goal today so far?" reads as asking for progress
+        so_far = ["today"] * 2 if tool == "get_daily_step_goal" else ["so far today", "today so far"]
+        options = ["today", "today", so_far[0], "for today", so_far[1], "this morning" if
                    tool == "get_body_battery_level" else "today"]
         if allow_empty:
             options += ["", ""]
@@ -368,7 +371,7 @@ def generate(seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, li
         for tool in order:
             for attempt in range(20):  # avoid exact repeats and any text seen in an earlier split
                 ex = make_example(tool, rng.choice(templates[split][tool]), rng, seed, schemas)
-                key = _norm(ex["messages"][1]["content"])
+                key = _norm(request_text(ex))  # the request, not the dated turn: a new date is no new phrasing
                 clash = any(key in s for s in seen.values())
                 if not clash and (key not in texts or attempt == 19 and split == "train"):
                     break
@@ -383,16 +386,22 @@ def generate(seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, li
 
 
 def check_disjoint(splits: dict[str, list[dict]]) -> None:
-    """No user request of validation/test occurs (case- and space-insensitively) in train."""
-    train = {_norm(user_text(ex)) for ex in splits.get("train", [])}
+    """No user request of validation/test occurs (case- and space-insensitively, whatever the date
+    before it) in train."""
+    train = {_norm(request_text(ex)) for ex in splits.get("train", [])}
     for split in ("validation", "test"):
-        shared = [user_text(ex) for ex in splits.get(split, []) if _norm(user_text(ex)) in train]
+        shared = [request_text(ex) for ex in splits.get(split, []) if _norm(request_text(ex)) in train]
         if shared:
             raise AssertionError(f"{len(shared)} {split} requests also occur in train, e.g. {shared[0]!r}")
 
 
 def user_text(example: dict) -> str:
     return next(m["content"] for m in example["messages"] if m["role"] == "user")
+
+
+def request_text(example: dict) -> str:
+    """The user's request without the date the coach is told first."""
+    return request_of(user_text(example))
 
 
 def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str, Path]:

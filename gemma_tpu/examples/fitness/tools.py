@@ -231,6 +231,11 @@ def user_message(today: dt.date, text: str) -> str:
     return f"Today is {today.isoformat()}. {text}"
 
 
+def request_of(user_turn: str) -> str:
+    """The request in a user turn made by `user_message` (the turn itself if it has no date)."""
+    return re.sub(r"^Today is \d{4}-\d{2}-\d{2}\. ", "", user_turn, count=1)
+
+
 def toolset(provider: Provider) -> Toolset:
     """The seven tools run against `provider`, with the coach's system prompt, for the generic tool loop
     (`gemma_tpu.infer.tool_loop`) of the local chat and of `serving.chat`."""
