@@ -341,6 +341,83 @@ def test_instruction_pairs_with_a_custom_field_mapping(tmp_path, tok):
     assert r.render(no_ctx[0]).text == f"{SOT}user\nTranslate: chat{EOT}\n{SOT}model\ncat{EOT}\n"
 
 
+def _untrained_first_answer(conv: dict) -> dict:
+    out = json.loads(json.dumps(conv))
+    next(m for m in out["messages"] if m["role"] == "assistant")["train"] = False
+    return out
+
+
+def test_prompt_completion_and_sharegpt_rows_render_as_their_messages(tmp_path, any_tok):
+    """TRL's prompt-completion rows (text or messages, also as Parquet JSON strings) and ShareGPT rows are
+    the same conversations as messages rows; a prompt-completion row trains its completion only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    msgs = CHAT["messages"]
+    rows = [{"prompt": "What is 2+2?", "completion": "4."},
+            {"prompt": msgs[:4], "completion": msgs[4:]},
+            {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                                "value": m["content"]} for m in msgs]}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    r = Renderer(any_tok)
+    text_pair, conv_pair, sharegpt = (r.render(c) for c in load_conversations(path, DataConfig()))
+    assert text_pair.text == f"{SOT}user\nWhat is 2+2?{EOT}\n{SOT}model\n4.{EOT}\n"
+    assert masked_runs(any_tok, text_pair) == [f"4.{EOT}"]
+    assert conv_pair.text == sharegpt.text == CHAT_TEXT
+    assert masked_runs(any_tok, conv_pair) == [f"It is 8.{EOT}"]  # the prompt's answer is context
+    assert masked_runs(any_tok, sharegpt) == [f"4.{EOT}", f"It is 8.{EOT}"]
+    assert conv_pair.loss_mask.tolist() == r.render(norm(_untrained_first_answer(CHAT))).loss_mask.tolist()
+    # Hub Parquet files keep message lists as JSON strings; text that only looks like JSON stays text
+    pq.write_table(pa.Table.from_pylist([{"prompt": json.dumps(msgs[:4]), "completion": json.dumps(msgs[4:])},
+                                         {"prompt": "[{not json", "completion": "ok"}]), tmp_path / "pc.parquet")
+    from_parquet = load_conversations(tmp_path / "pc.parquet", DataConfig(format="prompt_completion"))
+    assert r.render(from_parquet[0]).loss_mask.tolist() == conv_pair.loss_mask.tolist()
+    assert from_parquet[1]["messages"][0]["content"] == "[{not json"
+
+
+def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
+    conv = norm(_untrained_first_answer(CHAT))
+    ours = Renderer(any_tok).render(conv)
+    assert ours.text == CHAT_TEXT and masked_runs(any_tok, ours) == [f"It is 8.{EOT}"]
+    weight0 = json.loads(json.dumps(CHAT))
+    weight0["messages"][2]["weight"] = 0
+    assert Renderer(any_tok).render(norm(weight0)).loss_mask.tolist() == ours.loss_mask.tolist()
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+
+    own = Renderer(_with_template(any_tok, GEMMA3_CHAT_TEMPLATE), chat_format="template").render(conv)
+    assert own.ids.tolist() == ours.ids.tolist() and own.loss_mask.tolist() == ours.loss_mask.tolist()
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "hi"}, r"missing field 'completion'"),
+    ({"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]},
+     r"'prompt' and 'completion' must both be strings or both be lists of messages"),
+    ({"prompt": "hi", "completion": " "}, r"field 'completion' is empty"),
+    ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "user", "content": "again"}]},
+     r"'completion' has no assistant message to learn from"),
+    ({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "train": True},
+                 {"role": "user", "content": "c"}], "completion": [{"role": "assistant", "content": "d"}]},
+     r"an assistant turn in 'prompt' is marked trained"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "{}"}]},
+     r"conversations\[1\]: unknown speaker 'function_call'"),
+    ({"conversations": [{"from": "human", "text": "hi"}]}, r"conversations\[0\]: expected an object with 'from'"),
+    ({"messages": [{"role": "user", "content": "hi", "train": False}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: train applies to assistant messages only"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "weight": 0.5}]},
+     r"messages\[1\]: 'weight' must be 0 or 1, got 0.5"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "train": "no"}]},
+     r"messages\[1\]: 'train' must be true or false"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "train": False}]},
+     r"no assistant message to learn from \(every one is marked train: false\)"),
+    ({"text": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations' or 'instruction' field "
+                             r"\(the example has text;"),
+])
+def test_bad_rows_of_every_format_name_the_line(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine", "completion": "row"}, row])
+    with pytest.raises(UserError, match=f"^{path}:2: {message}"):
+        load_conversations(path, DataConfig())
+
+
 def test_json_array_and_jsonl_and_parquet_read_the_same(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -52,7 +52,8 @@ class DataConfig:
 
     train_path: str | None = None
     eval_path: str | None = None
-    format: Literal["auto", "messages", "instruction"] = "auto"
+    # auto: by each example's keys; see gemma_tpu.data.records for the shapes
+    format: Literal["auto", "messages", "prompt_completion", "sharegpt", "instruction"] = "auto"
     seq_len: int = 512
     strategy: Literal["pad", "pack"] = "pad"
     overlength: Literal["truncate", "drop", "error"] = "truncate"

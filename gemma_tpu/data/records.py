@@ -1,7 +1,15 @@
 """Read examples (JSONL, JSON or Parquet) and normalise them into conversations.
 
-Every example becomes `{"messages": [...], "tools": [...] | None, "where": "FILE:LINE"}`; instruction
-pairs (Dolly columns by default) become a user turn and an assistant turn. Problems are reported as
+Every example becomes `{"messages": [...], "tools": [...] | None, "where": "FILE:LINE"}`. Accepted
+example shapes (`data.format`, auto-detected by their keys):
+- `messages`: OpenAI/TRL chat messages, optionally with `tools` and tool calls.
+- `prompt_completion`: TRL's prompt-completion rows, `{"prompt": str, "completion": str}` or with lists
+  of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
+  assistant turns inside the prompt are context.
+- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`.
+- `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn.
+An assistant message may carry `"train": false` (or `"weight": 0`): it stays in the context but carries
+no loss, for multi-turn chats where only some answers are good. Problems are reported as
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
 
 Accepted files, all through `iter_raw`:
@@ -24,6 +32,8 @@ from gemma_tpu.core.errors import UserError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ROLE_ALIASES = {"model": "assistant"}  # Gemma's own name for the assistant turn
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+FORMATS = ("messages", "prompt_completion", "sharegpt", "instruction")
 
 
 def _strip_nulls(value: Any) -> Any:
@@ -222,6 +232,8 @@ def normalise_messages(obj: dict, where: str) -> dict:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
         _check_turn_order(out, role, answered, len(pending), mw)
+        if not _trained(m, role, mw):
+            msg["train"] = False
         if role == "assistant":
             calls = m.get("tool_calls") or []
             if not isinstance(calls, list):
@@ -281,9 +293,102 @@ def normalise_messages(obj: dict, where: str) -> dict:
             msg["name"] = name
             answered += 1
         out.append(msg)
-    if not any(m["role"] == "assistant" for m in out):
-        raise UserError(f"{where}: no assistant message to learn from")
+    if not any(m["role"] == "assistant" and m.get("train", True) for m in out):
+        raise UserError(f"{where}: no assistant message to learn from" +
+                        (" (every one is marked train: false)" if any(m["role"] == "assistant" for m in out) else ""))
     return {"messages": out, "tools": tools if names else None, "where": where}
+
+
+def _trained(m: dict, role: str, mw: str) -> bool:
+    """Whether a message carries loss: `"train": false` or `"weight": 0` keeps an answer as context only."""
+    flags = {k: m[k] for k in ("train", "weight") if k in m}
+    if not flags:
+        return True
+    if role != "assistant":
+        raise UserError(f"{mw}: {'/'.join(flags)} applies to assistant messages only (a {role} turn is never trained)")
+    if "train" in flags and not isinstance(flags["train"], bool):
+        raise UserError(f"{mw}: 'train' must be true or false, got {flags['train']!r:.40}")
+    if "weight" in flags and (isinstance(flags["weight"], bool) or flags["weight"] not in (0, 1)):
+        raise UserError(f"{mw}: 'weight' must be 0 or 1, got {flags['weight']!r:.40}")
+    trained = {bool(v) for v in flags.values()}
+    if len(trained) > 1:
+        raise UserError(f"{mw}: 'train' and 'weight' disagree ({flags})")
+    return trained.pop()
+
+
+def _messages_or_text(value: Any) -> Any:
+    """A prompt or completion: text, or a list of messages (also as a JSON string, as Parquet files
+    from the Hub store them); text that merely looks like JSON stays text."""
+    if isinstance(value, str) and value.lstrip().startswith("[{"):
+        try:
+            decoded = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        if isinstance(decoded, list) and all(isinstance(m, dict) and "role" in m for m in decoded):
+            return decoded
+    return value
+
+
+def normalise_prompt_completion(obj: dict, where: str) -> dict:
+    """TRL's prompt-completion rows: strings (a user turn, an assistant turn) or message lists; only
+    the completion is trained."""
+    prompt, completion = (_messages_or_text(obj.get(k)) for k in ("prompt", "completion"))
+    for key, value in (("prompt", prompt), ("completion", completion)):
+        if value is None:
+            raise UserError(f"{where}: missing field '{key}' (prompt-completion rows need both 'prompt' and "
+                            f"'completion')")
+        if not isinstance(value, (str, list)):
+            raise UserError(f"{where}: '{key}' must be a string or a list of messages, got {type(value).__name__}")
+    if isinstance(prompt, str) != isinstance(completion, str):
+        raise UserError(f"{where}: 'prompt' and 'completion' must both be strings or both be lists of messages")
+    if isinstance(prompt, str):
+        if not completion.strip():
+            raise UserError(f"{where}: field 'completion' is empty")
+        prompt = [{"role": "user", "content": prompt}]
+        completion = [{"role": "assistant", "content": completion}]
+    for key, value in (("prompt", prompt), ("completion", completion)):
+        for i, m in enumerate(value):
+            if not isinstance(m, dict):
+                raise UserError(f"{where}: {key}[{i}]: expected an object with 'role' and 'content'")
+    if not any(ROLE_ALIASES.get(m.get("role"), m.get("role")) == "assistant" for m in completion):
+        raise UserError(f"{where}: 'completion' has no assistant message to learn from")
+    context = [{**m, "train": False} if ROLE_ALIASES.get(m.get("role"), m.get("role")) == "assistant"
+               and "train" not in m and "weight" not in m else m for m in prompt]
+    conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where)
+    if any(m.get("train", True) for m in conv["messages"][:len(prompt)] if m["role"] == "assistant"):
+        raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
+    return conv
+
+
+def normalise_sharegpt(obj: dict, where: str) -> dict:
+    """ShareGPT rows (`conversations` of `from`/`value` turns, as Axolotl and LLaMA-Factory read them)."""
+    turns = _maybe_json(obj.get("conversations"), "conversations", where)
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: 'conversations' must be a non-empty list")
+    messages = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t or "value" not in t:
+            raise UserError(f"{where}: conversations[{i}]: expected an object with 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(t["from"]) if isinstance(t["from"], str) else None
+        if role is None:
+            raise UserError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected one of "
+                            f"{', '.join(SHAREGPT_ROLES)}; for tool calls use the messages format)")
+        messages.append({"role": role, "content": t["value"],
+                         **{k: t[k] for k in ("train", "weight") if k in t}})
+    return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where)
+
+
+def detect_format(obj: dict, instruction_field: str) -> str | None:
+    """The example shape of `obj` by its keys (None: none of them)."""
+    if "messages" in obj:
+        return "messages"
+    if "prompt" in obj and "completion" in obj:
+        return "prompt_completion"
+    if "conversations" in obj:
+        return "sharegpt"
+    if instruction_field in obj:  # data.instruction_field may itself be "prompt"
+        return "instruction"
+    return "prompt_completion" if "prompt" in obj or "completion" in obj else None
 
 
 def normalise_instruction(obj: dict, where: str, instruction: str, context: str | None, response: str) -> dict:
@@ -317,12 +422,17 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
             raise UserError(f"{where}: expected a JSON object per example, got {type(obj).__name__}")
         kind = fmt
         if kind == "auto":
-            kind = "messages" if "messages" in obj else "instruction" if data_cfg.instruction_field in obj else None
+            kind = detect_format(obj, data_cfg.instruction_field)
             if kind is None:
-                raise UserError(f"{where}: neither 'messages' nor '{data_cfg.instruction_field}' present "
-                                f"(set data.format and the field names)")
+                raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations' or "
+                                f"'{data_cfg.instruction_field}' field (the example has "
+                                f"{', '.join(map(str, obj)) or 'no fields'}; set data.format and the field names)")
         if kind == "messages":
             out.append(normalise_messages(obj, where))
+        elif kind == "prompt_completion":
+            out.append(normalise_prompt_completion(obj, where))
+        elif kind == "sharegpt":
+            out.append(normalise_sharegpt(obj, where))
         else:
             out.append(normalise_instruction(obj, where, data_cfg.instruction_field, data_cfg.context_field,
                                              data_cfg.response_field))

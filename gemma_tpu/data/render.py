@@ -67,11 +67,11 @@ def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tupl
             body = m["content"] + "".join(fc.format_call(c["name"], c["arguments"]) for c in m.get("tool_calls", []))
             if m.get("tool_calls"):
                 # The model ends a call by emitting the response marker; the tool's answer follows.
-                segs.append((body + fc.START_RESPONSE, True))
+                segs.append((body + fc.START_RESPONSE, m.get("train", True)))
                 in_model_turn = True
                 response_open = True
             else:
-                segs.append((body + chat.END_OF_TURN, True))
+                segs.append((body + chat.END_OF_TURN, m.get("train", True)))
                 segs.append(("\n", False))
                 in_model_turn = False
                 response_open = False
@@ -179,7 +179,7 @@ class Renderer:
                 raise unstable(f"messages[{i}] does not extend the prompt before it")
             answer = full[len(prompt):].rstrip()  # whitespace after the end marker is not generated
             segs.append((prompt[len(done):], False))
-            segs.append((answer, True))
+            segs.append((answer, conv["messages"][i].get("train", True)))
             done = prompt + answer
         final = self._apply(msgs, tools, add_generation_prompt, where)
         if not final.startswith(done):
