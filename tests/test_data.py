@@ -418,6 +418,26 @@ def test_bad_rows_of_every_format_name_the_line(tmp_path, row, message):
         load_conversations(path, DataConfig())
 
 
+def test_gzip_compressed_files_read_as_their_text(tmp_path):
+    import gzip
+
+    rows = [CHAT, TOOL_CHAT]
+    plain = load_conversations(write_jsonl(tmp_path / "d.jsonl", rows), DataConfig())
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(body))
+    (tmp_path / "array.json.gz").write_bytes(gzip.compress(json.dumps(rows, indent=1).encode()))
+    (tmp_path / "named_plain.jsonl").write_bytes(gzip.compress(body))  # told by its bytes, not its name
+    strip = lambda convs: [{k: v for k, v in c.items() if k != "where"} for c in convs]  # noqa: E731
+    for name in ("d.jsonl.gz", "array.json.gz", "named_plain.jsonl"):
+        assert strip(load_conversations(tmp_path / name, DataConfig())) == strip(plain), name
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(body + b"{oops\n"))
+    with pytest.raises(UserError, match=r"bad.jsonl.gz:3: not valid JSON"):
+        load_conversations(tmp_path / "bad.jsonl.gz", DataConfig())
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(body * 50)[:200])
+    with pytest.raises(UserError, match=r"cut.jsonl.gz:\d+: not a readable gzip file"):
+        load_conversations(tmp_path / "cut.jsonl.gz", DataConfig())
+
+
 def test_json_array_and_jsonl_and_parquet_read_the_same(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -14,6 +14,7 @@ no loss, for multi-turn chats where only some answers are good. Problems are rep
 
 Accepted files, all through `iter_raw`:
 - `.jsonl` (or anything else): one JSON object a line; blank lines are skipped.
+- any of the text forms gzip-compressed (`.jsonl.gz`, `.json.gz`; told by its magic bytes).
 - `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
   object, or JSON Lines saved under a `.json` name.
 - `.parquet`: one example a row ("line" = row number, from 1). Parquet stores structs with the union
@@ -24,6 +25,7 @@ Accepted files, all through `iter_raw`:
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -89,7 +91,12 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"data file not found: {p}")
-    suffix = p.suffix.lower()
+    with p.open("rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"  # gzip, whatever the name says
+    opener = gzip.open if gz else open
+    suffix = (Path(p.stem).suffix if gz and p.suffix.lower() == ".gz" else p.suffix).lower()
+    if gz and suffix == ".parquet":
+        raise UserError(f"{p}: a gzip-compressed Parquet file; Parquet compresses itself, write it uncompressed")
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -104,7 +111,10 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         return
     if suffix == ".json":
         try:
-            text = p.read_text(encoding="utf-8-sig")
+            with opener(p, "rb") as f:
+                text = f.read().decode("utf-8-sig")
+        except (OSError, EOFError) as e:
+            raise UserError(f"{p}: {'not a readable gzip file' if gz else 'cannot be read'} ({e})") from None
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
         head = text.lstrip()
@@ -120,18 +130,29 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
             else:
                 yield text[: len(text) - len(head)].count("\n") + 1, obj
                 return
-    with p.open("rb") as f:  # bytes, decoded line by line, so a bad byte is reported at its line
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    yield from _iter_lines(p, opener)
+
+
+def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
+    """JSON Lines (plain or gzip); bytes decoded line by line, so a bad byte is reported at its line."""
+    lineno = 0
+    try:
+        with opener(p, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                yield lineno, obj
+    except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream, an unreadable file
+        what = "not a readable gzip file" if opener is gzip.open else "cannot be read"
+        raise UserError(f"{p}:{lineno + 1}: {what} ({e})") from None
 
 
 def _text(content: Any, where: str) -> str:
