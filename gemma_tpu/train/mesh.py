@@ -160,6 +160,15 @@ def build_mesh(m: MeshConfig, devices=None):
     return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
 
 
+def batch_spec(mesh, rows: int):
+    """How a global batch of `rows` lies on the mesh: split over (data, fsdp), or replicated where
+    those devices cannot split it evenly (single process only; see train.check_batch_divisible)."""
+    from jax.sharding import PartitionSpec
+
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    return PartitionSpec(*DATA_SHARDING_AXIS) if rows % ways == 0 else PartitionSpec()
+
+
 def global_batch(mesh, batch: dict) -> dict:
     """This process's rows of a batch (numpy) -> one global array per field, rows split over
     (data, fsdp), from per-process data (`jax.make_array_from_process_local_data`).
@@ -170,13 +179,12 @@ def global_batch(mesh, batch: dict) -> dict:
     cannot split evenly is replicated instead (single process only; see train.check_batch_divisible).
     """
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding
 
     n = jax.process_count()
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
     out = {}
     for k, v in batch.items():
         rows = v.shape[0] * n
-        spec = PartitionSpec(*DATA_SHARDING_AXIS) if rows % ways == 0 else PartitionSpec()
-        out[k] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v, (rows, *v.shape[1:]))
+        out[k] = jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(mesh, rows)), v,
+                                                        (rows, *v.shape[1:]))
     return out

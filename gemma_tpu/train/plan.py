@@ -435,7 +435,7 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
 
         B, T = cfg.train.batch_size, cfg.data.seq_len
         M = cfg.data.max_loss_tokens or T
-        spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh_lib.DATA_SHARDING_AXIS))
+        spec = jax.sharding.NamedSharding(mesh, mesh_lib.batch_spec(mesh, B))  # as the trainer lays it out
         row_fields = ("tokens", "positions", "segment_ids", "prefix_segment_ids")
         batch = {k: jax.ShapeDtypeStruct((B, T if k in row_fields else M),
                                          jnp.float32 if k == "loss_weights" else jnp.int32, sharding=spec)
