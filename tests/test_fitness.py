@@ -430,6 +430,8 @@ def test_evaluate_checkpoint_restores_lora(tiny_dir, tmp_path):
     assert tuned == pytest.approx(summary["final_eval_loss"], abs=2e-3)
     assert base == pytest.approx(summary["first_eval_loss"], abs=1e-2)
     assert abs(tuned - base) > 0.1
+    # a chat file without tool calls: the tool rows are said to be vacuous
+    assert "has no reference tool call; the tool rows only say whether a model called a tool unasked" in proc.stderr
 
 
 def test_evaluate_errors_are_one_line(tiny_dir, tmp_path):

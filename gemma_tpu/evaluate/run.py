@@ -323,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = spec.label if spec.label not in results else f"{spec.label} (2)"
         results[label], details[label] = evaluate_spec(spec, convs, cfg, args)
     print(format_table(results))
+    if not any(c.reference for c in build_cases(convs)):
+        print(f"note: {args.data} has no reference tool call; the tool rows only say whether a model called a tool "
+              f"unasked (eval_loss and perplexity judge the answers)", file=sys.stderr)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
