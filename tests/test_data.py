@@ -381,6 +381,7 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     assert ours.text == CHAT_TEXT and masked_runs(any_tok, ours) == [f"It is 8.{EOT}"]
     weight0 = json.loads(json.dumps(CHAT))
     weight0["messages"][2]["weight"] = 0
+    weight0["messages"][1]["weight"] = 0  # as ShareGPT exports write it on every turn: a no-op off the assistant
     assert Renderer(any_tok).render(norm(weight0)).loss_mask.tolist() == ours.loss_mask.tolist()
     from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
 
@@ -401,8 +402,8 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "{}"}]},
      r"conversations\[1\]: unknown speaker 'function_call'"),
     ({"conversations": [{"from": "human", "text": "hi"}]}, r"conversations\[0\]: expected an object with 'from'"),
-    ({"messages": [{"role": "user", "content": "hi", "train": False}, {"role": "assistant", "content": "yo"}]},
-     r"messages\[0\]: train applies to assistant messages only"),
+    ({"messages": [{"role": "user", "content": "hi", "weight": 1}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: weight can mark assistant messages only"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "weight": 0.5}]},
      r"messages\[1\]: 'weight' must be 0 or 1, got 0.5"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "train": "no"}]},

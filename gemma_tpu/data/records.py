@@ -35,7 +35,6 @@ from gemma_tpu.core.errors import UserError
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ROLE_ALIASES = {"model": "assistant"}  # Gemma's own name for the assistant turn
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-FORMATS = ("messages", "prompt_completion", "sharegpt", "instruction")
 
 
 def _strip_nulls(value: Any) -> Any:
@@ -325,8 +324,6 @@ def _trained(m: dict, role: str, mw: str) -> bool:
     flags = {k: m[k] for k in ("train", "weight") if k in m}
     if not flags:
         return True
-    if role != "assistant":
-        raise UserError(f"{mw}: {'/'.join(flags)} applies to assistant messages only (a {role} turn is never trained)")
     if "train" in flags and not isinstance(flags["train"], bool):
         raise UserError(f"{mw}: 'train' must be true or false, got {flags['train']!r:.40}")
     if "weight" in flags and (isinstance(flags["weight"], bool) or flags["weight"] not in (0, 1)):
@@ -334,6 +331,8 @@ def _trained(m: dict, role: str, mw: str) -> bool:
     trained = {bool(v) for v in flags.values()}
     if len(trained) > 1:
         raise UserError(f"{mw}: 'train' and 'weight' disagree ({flags})")
+    if role != "assistant" and True in trained:  # a false flag on another turn says what is so anyway
+        raise UserError(f"{mw}: {'/'.join(flags)} can mark assistant messages only (a {role} turn is never trained)")
     return trained.pop()
 
 
