@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Literal, Sequence
 
-from gemma_tpu.core.config import load_typed
+from gemma_tpu.core.config import blame, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.models.registry import Family, families
 
@@ -116,8 +116,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     cfg = load_typed(ServeConfig, path, overrides)
     where = str(path) if path is not None else "config"
 
-    def bad(msg: str) -> None:
-        raise UserError(f"{where}: {msg}")
+    def bad(msg: str) -> None:  # an error a command-line override caused names the override
+        raise UserError(f"{blame(msg, where, overrides)}: {msg}")
 
     if not cfg.model.dir:
         bad("model.dir is not set (the merged model directory, e.g. model.dir=runs/x-merged)")

@@ -403,7 +403,7 @@ CASES = [
          {"m": copy_of("tiny", write={"model.safetensors.index.json": MISSING_SHARD_INDEX})}),
     Case("serve-unknown-key", "serving.launch", [*LAUNCH, "model.dir={tiny}", "server.prot=8001"], ["server.prot"]),
     Case("serve-port-out-of-range", "serving.launch", [*LAUNCH, "model.dir={tiny}", "server.port=70000"],
-         ["server.port", "70000"]),
+         ["override 'server.port=70000': server.port must be in 1..65535", "70000"]),
     Case("serve-port-not-a-number", "serving.launch", [*LAUNCH, "model.dir={tiny}", "server.port=eighty"],
          ["server.port", "'eighty'"]),
     Case("serve-config-unknown-section", "serving.launch", ["--print", "--config", "{tmp}/s.yaml"],
