@@ -257,6 +257,25 @@ def test_parser_classifies_text_bare_calls_and_errors():
         assert reply.error
 
 
+def test_evaluation_scores_the_first_trained_answer(tmp_path):
+    """A prompt-completion row is scored on its completion: the assistant turns of its prompt are context."""
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import load_conversations
+    from gemma_tpu.evaluate.run import build_cases
+
+    ex = dataset.generate(0, {"train": 0, "validation": 0, "test": 1})["test"][0]
+    first = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! Ask me about your day."}]
+    row = {"tools": ex["tools"], "prompt": [ex["messages"][0], *first, ex["messages"][1]],
+           "completion": ex["messages"][2:]}
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (case,) = build_cases(load_conversations(path, DataConfig()))
+    call = ex["messages"][2]["tool_calls"][0]["function"]
+    assert case.reference is not None and (case.reference.name, case.reference.arguments) == (call["name"],
+                                                                                              call["arguments"])
+    assert case.user == ex["messages"][1]["content"] and len(case.prompt["messages"]) == 4
+
+
 def test_arguments_match_normalises_types():
     assert arguments_match({"n": 5, "flag": True, "date": "today"}, {"n": "5", "flag": "true", "date": " Today "})
     assert arguments_match({"n": 5}, {"n": 5.0, "extra": 1})

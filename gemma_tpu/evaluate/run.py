@@ -57,7 +57,8 @@ METRICS = ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", 
 
 @dataclasses.dataclass
 class Case:
-    """One scored decision: the prompt up to the first assistant turn and the reference call."""
+    """One scored decision: the prompt up to the first trained assistant turn and the reference call
+    (an answer marked `train: false`, such as a prompt-completion row's prompt, is context)."""
 
     prompt: dict  # {"tools": [...], "messages": [...]}
     reference: ToolCall | None  # None: the reference answers without a call
@@ -69,7 +70,7 @@ def build_cases(convs: list[dict]) -> list[Case]:
     cases = []
     for conv in convs:
         msgs = conv["messages"]
-        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant" and m.get("train", True))
         calls = msgs[k].get("tool_calls") or []
         ref = ToolCall(calls[0]["name"], calls[0]["arguments"]) if calls else None
         names = [(t.get("function", t))["name"] for t in conv.get("tools") or []]
