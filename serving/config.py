@@ -20,7 +20,7 @@ from typing import Literal, Sequence
 
 from gemma_tpu.core.config import blame, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
-from gemma_tpu.models.registry import Family, families
+from gemma_tpu.models.registry import Family, families, text_config
 
 # The official vLLM TPU image, pinned (docker.io/vllm/vllm-tpu, tags vX.Y.Z = tpu-inference releases).
 # serving/Dockerfile builds FROM exactly this; tests check that the two agree.
@@ -178,11 +178,6 @@ def vllm_families() -> dict[str, Family]:
     """HF architecture -> model family, for every architecture vLLM-TPU serves (the registry's
     `Family.vllm_architectures`)."""
     return {arch: fam for fam in families().values() for arch in fam.vllm_architectures}
-
-
-def text_config(hf: dict) -> dict:
-    """The decoder's settings: nested under `text_config` in multimodal configs."""
-    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
 
 
 def check_weights(model_dir: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import read_hf_config, resolve_path, safetensors_keys
-from gemma_tpu.models.registry import Family, detect_family, get_family
+from gemma_tpu.models.registry import Family, detect_family, get_family, text_config
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,7 @@ class ResolvedModel:
     @property
     def max_positions(self) -> int | None:
         """The context length the model was built for (`max_position_embeddings` of its text config)."""
-        text = self.hf_config.get("text_config") or self.hf_config
-        v = text.get("max_position_embeddings") if isinstance(text, dict) else None
+        v = text_config(self.hf_config).get("max_position_embeddings")
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 

@@ -353,7 +353,8 @@ def supported_architectures() -> list[str]:
 
 def text_config(hf_config: dict) -> dict:
     """The decoder's config: multimodal checkpoints nest it under `text_config`."""
-    return hf_config.get("text_config") or hf_config
+    nested = hf_config.get("text_config")
+    return nested if isinstance(nested, dict) and nested else hf_config
 
 
 def detect_family(hf_config: dict, where: str = "config.json") -> Family:
