@@ -16,6 +16,7 @@ import pytest
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.examples.fitness import dataset, tools
+from gemma_tpu.examples.fitness import templates as phrasings
 from gemma_tpu.examples.fitness.providers import GarminConnectProvider, SimulatedDevice
 from gemma_tpu.formats.function_calling import (
     ParsedReply,
@@ -197,6 +198,35 @@ def test_held_out_check_sees_a_train_request_under_another_date():
             if ex["messages"][2]["tool_calls"][0]["function"]["name"] == "get_daily_step_goal"]
     assert goal and not any("so far" in r for r in goal)
 
+
+def test_extra_train_templates_are_new_phrasings_and_train_only(monkeypatch):
+    import re
+
+    def words(t: str) -> set[str]:
+        return set(re.findall(r"[a-z0-9']+|\{\w+\}", t.lower()))
+
+    pool = [t for ts in phrasings.TEMPLATES.values() for t in ts]
+    assert set(phrasings.EXTRA_TRAIN_TEMPLATES) == set(phrasings.TEMPLATES)
+    for tool, extras in phrasings.EXTRA_TRAIN_TEMPLATES.items():
+        assert len(set(extras)) == len(extras) >= 20, tool
+        for t in extras:  # never a near-copy of any template, whichever split a seed gives it
+            w = words(t)
+            near = max(pool, key=lambda h: len(w & words(h)) / len(w | words(h)))
+            assert len(w & words(near)) / len(w | words(near)) < 0.7, (t, near)
+            assert (t.count("{when}") + t.count("{day}")) == 1, t
+            assert t.count("{metric}") == (tool == "get_heart_rate"), t
+            t.format(when="", day="today", metric="pulse")
+    for seed in (0, 3):
+        split = dataset.split_templates(seed)
+        for tool, extras in phrasings.EXTRA_TRAIN_TEMPLATES.items():
+            assert set(extras) <= set(split["train"][tool])
+            assert not set(extras) & (set(split["validation"][tool]) | set(split["test"][tool]))
+    with_extras = dataset.generate(1, SMALL)
+    monkeypatch.setattr(dataset, "EXTRA_TRAIN_TEMPLATES", {})
+    without = dataset.generate(1, SMALL)
+    assert with_extras["train"] != without["train"]
+    for split in ("validation", "test"):  # the held-out splits do not move
+        assert with_extras[split] == without[split]
 
 def test_committed_data_is_the_seed_0_output(tmp_path):
     sizes = {s: sum(1 for _ in (DATA / f"{s}.jsonl").open()) for s in dataset.SPLITS}

@@ -8,7 +8,8 @@ dates in several spellings) and light noise (typos, lower case, no punctuation).
 
 Generalisation is measured honestly: the request templates of each tool are split between
 train, validation and test, so a test request is a phrasing the model never saw in training
-(and `generate` asserts that no test request text occurs in train). The seven tools are
+(and `generate` asserts that no test request text occurs in train); train also draws on phrasings
+of its own (`templates.EXTRA_TRAIN_TEMPLATES`), which leave the held-out splits unchanged. The seven tools are
 balanced in every split. The output depends only on the seed.
 """
 
@@ -25,6 +26,8 @@ from typing import Any
 from gemma_tpu.core.config import DataConfig
 from gemma_tpu.data import Renderer, load_conversations
 from gemma_tpu.examples.fitness.providers import SimulatedDevice
+from gemma_tpu.examples.fitness.templates import (EXTRA_TRAIN_TEMPLATES, HEART_DEFAULT, HEART_METRICS,
+                                                  TEMPLATES)
 from gemma_tpu.examples.fitness.tools import (WEEKDAYS, call_tool, request_of, system_prompt, tool_schemas,
                                               user_message)
 from gemma_tpu.formats.function_calling import function_token_map
@@ -34,120 +37,6 @@ MONTHS = ("January", "February", "March", "April", "May", "June", "July", "Augus
           "November", "December")
 SPLITS = ("train", "validation", "test")
 DEFAULT_SIZES = {"train": 1200, "validation": 150, "test": 200}
-
-# ------------------------------------------------------------------------------------ requests
-# {when}: an adverbial date phrase ("yesterday", "on Monday", "on March 3", "" for implicit today)
-# {day}: a nominal one ("yesterday", "Monday", "March 3", "today"); {metric}: a heart-rate phrase.
-
-TEMPLATES: dict[str, list[str]] = {
-    "get_steps": [
-        "How many steps did I take {when}?", "how many steps {when}", "steps {when}?",
-        "What's my step count {when}?", "Show me my steps {when}.", "Tell me my step count {when}",
-        "Did I walk much {when}? How many steps?", "number of steps {when}", "Give me the total steps {when}.",
-        "Could you check how many steps I've done {when}?", "I'd like to know my step total {when}.",
-        "yo how many steps did i get {when}", "Pull up my steps {when}", "what was my step total {when}",
-        "Steps walked {when}?", "Can you tell me how many steps I logged {when}?", "step count for {day}",
-        "{day} steps", "How many steps have I got {when}?", "Check my pedometer {when}.",
-        "Please report my daily steps for {day}.", "how much did i walk {when}", "Total steps {when}, please.",
-        "Count of steps {when}?", "I wonder how many steps I did {when}", "my steps {when}?",
-        "What did my watch count for steps {when}?", "Kindly provide the step count for {day}.",
-        "How active was I {when} in terms of steps?", "Let me see {day}'s step count",
-        "how many steps did my watch record {when}", "Step tally for {day}?",
-    ],
-    "get_daily_step_goal": [
-        "What is my daily step goal {when}?", "What's my step goal {when}?", "step goal {when}?",
-        "How many steps am I supposed to do {when}?", "What target do I have for steps {when}?",
-        "Remind me of my step target {when}.", "daily step target for {day}", "what's the goal for steps {when}",
-        "How many steps should I aim for {when}?", "Tell me my daily goal for steps {when}.",
-        "what step goal did i have {when}", "Show my step goal {when}", "Could you look up my step goal for {day}?",
-        "Goal for steps {when}?", "How high is my step goal {when}?", "my daily steps goal {when}",
-        "What number of steps is my goal {when}?", "Please state my daily step objective for {day}.",
-        "what was i aiming for in steps {when}", "Step goal on my watch {when}?", "steps target {day}",
-        "Is my step goal 10k {when}? What is it?", "Which step goal was set {when}?",
-        "How many steps is my daily target {when}?", "Get my step goal {when}.", "goal steps {day}?",
-        "What's the daily step count I'm meant to hit {when}?", "I forgot my step goal, what is it {when}?",
-        "What's the target step number for {day}?", "how many steps do i need per day {when}",
-    ],
-    "get_step_goal_progress": [
-        "Did I reach my step goal {when}?", "How close am I to my step goal {when}?",
-        "Am I on track for my steps {when}?", "step goal progress {when}", "Did I hit 100% of my steps {when}?",
-        "How much of my step goal did I do {when}?", "How many steps left to my goal {when}?",
-        "progress toward step goal for {day}", "Did I make my step target {when}?", "Have I met my goal {when}?",
-        "what percent of my step goal {when}", "Show my progress on steps {when}.",
-        "Could you tell me whether I achieved my step goal {when}?", "steps vs goal {when}?",
-        "Am I done with my steps {when}?", "how far from my step target am i {when}",
-        "Did I beat my step goal {when}?", "Percentage of daily steps goal for {day}?",
-        "How many more steps do I need {when}?", "Check if I hit my steps goal {when}.",
-        "Please report progress against my step goal for {day}.", "goal progress {day}",
-        "Was my step goal reached {when}?", "Did i get my steps in {when}?", "How am I doing on steps {when}?",
-        "remaining steps for my goal {when}?", "Tell me if I completed my step goal {when}",
-        "Step goal status for {day}?", "Am I behind on my step goal {when}?", "did i smash my step goal {when}",
-    ],
-    "get_sleeping_minutes": [
-        "How long did I sleep {when}?", "How much sleep did I get {when}?", "sleep {when}?",
-        "How many minutes did I sleep {when}?", "How many hours of sleep {when}?", "Show my sleep {when}.",
-        "what was my sleep duration {when}", "Did I sleep well {when}? How long?", "sleep time {when}",
-        "Tell me how long I slept {when}.", "Could you check my sleep {when}?", "minutes of sleep {when}?",
-        "How long was I asleep {when}?", "my sleep {when}", "Total sleep {when}, please.",
-        "Did I get enough sleep {when}?", "Please provide my sleep duration for {day}.",
-        "sleep report for {day}", "how much did i sleep {when}", "How many hours did I snooze {when}?",
-        "What did my watch record for sleep {when}?", "hours slept {when}?", "Let me see my sleep for {day}",
-        "I feel tired, how long did I sleep {when}?", "Kindly report total sleeping time for {day}.",
-        "sleep length {day}?", "Was my sleep long enough {when}?", "How much rest did I get {when}?",
-        "check my sleep duration {when}", "Get my sleeping minutes {when}.",
-    ],
-    "get_active_minutes": [
-        "How many active minutes did I get {when}?", "active minutes {when}?", "How active was I {when}?",
-        "Show my active minutes {when}.", "How many minutes of exercise did I do {when}?",
-        "intensity minutes {when}", "How much moderate and vigorous activity {when}?",
-        "What were my activity minutes {when}?", "Tell me my active time {when}.",
-        "Could you check my intensity minutes {when}?", "how long was i active {when}",
-        "Minutes of activity {when}?", "How much did I work out {when}?", "my active minutes {when}",
-        "Vigorous minutes {when}?", "Please report my activity minutes for {day}.", "active time for {day}",
-        "How many minutes did I move {when}?", "Did I exercise {when}? How many minutes?",
-        "exercise minutes {when}?", "What did my watch log as active minutes {when}?",
-        "Get my activity minutes {when}.", "How much intense activity did I have {when}?",
-        "Let me see my active minutes for {day}", "Kindly provide the active minutes for {day}.",
-        "workout minutes {day}?", "How many minutes was I active {when}?", "Active minutes total {when}",
-        "how much exercise did i get {when}", "Was I active enough {when}?",
-    ],
-    "get_heart_rate": [
-        "What was my {metric} {when}?", "What's my {metric} {when}?", "{metric} {when}?",
-        "Show me my {metric} {when}.", "Tell me my {metric} {when}", "Check my {metric} {when}.",
-        "Could you look up my {metric} {when}?", "my {metric} {when}", "How high was my {metric} {when}?",
-        "What did my watch record as my {metric} {when}?", "Please report my {metric} for {day}.",
-        "{metric} for {day}", "I'd like to know my {metric} {when}.", "Get my {metric} {when}.",
-        "what was the {metric} {when}", "How was my {metric} {when}?", "Can you give me my {metric} {when}?",
-        "Let me see my {metric} for {day}", "Kindly provide my {metric} for {day}.",
-        "any idea what my {metric} was {when}", "What number did my {metric} hit {when}?",
-        "{day} {metric}?", "Was my {metric} normal {when}?", "Pull up my {metric} {when}",
-        "What reading did I get for {metric} {when}?", "How fast was my {metric} {when}?",
-        "whats my {metric} {when}", "Tell me the {metric} measured {when}.",
-        "Need my {metric} {when}.", "What's the {metric} my watch saw {when}?",
-    ],
-    "get_body_battery_level": [
-        "What's my body battery {when}?", "body battery {when}?", "How much energy do I have {when}?",
-        "Show my body battery level {when}.", "What is my Body Battery {when}?", "Check my body battery {when}",
-        "How charged am I {when}?", "energy level {when}", "What was my body battery {when}?",
-        "Tell me my body battery level {when}.", "Could you look up my body battery for {day}?",
-        "my body battery {when}", "How is my energy {when}?", "battery level {when}?",
-        "Please report my Body Battery for {day}.", "body battery for {day}", "How drained am I {when}?",
-        "What did my watch say my body battery was {when}?", "Get my body battery {when}.",
-        "How much energy did I have left {when}?", "Let me see my body battery for {day}",
-        "Kindly provide the Body Battery level for {day}.", "am i low on energy {when}",
-        "What's my energy reserve {when}?", "How recharged am I {when}?", "BB level {when}?",
-        "body battery reading {day}?", "Is my body battery low {when}?", "whats my body battery at {when}",
-        "Energy score {when}?",
-    ],
-}
-
-HEART_METRICS: dict[str, list[str]] = {
-    "resting": ["resting heart rate", "resting HR", "RHR", "resting pulse", "heart rate at rest"],
-    "average": ["average heart rate", "avg heart rate", "average HR", "mean heart rate", "average pulse"],
-    "max": ["max heart rate", "maximum heart rate", "peak heart rate", "highest heart rate", "max HR"],
-}
-# a heart-rate request that names no metric means the resting rate (the declaration says so)
-HEART_DEFAULT = ["heart rate", "pulse", "HR"]
 
 
 @dataclasses.dataclass
@@ -247,7 +136,7 @@ def render_request(template: str, tool: str, rng: random.Random, today: dt.date)
         args["metric"] = metric
     text = template.format(**fields)
     text = re.sub(r"\s+", " ", text).strip()
-    text = re.sub(r"\s+([?.!,])", r"\1", text)
+    text = re.sub(r"\s+([?.!,:;])", r"\1", text)
     if text[:1].islower() and template[:1] == "{":
         text = text[:1].upper() + text[1:]
     return add_noise(text, dp.when + " " + dp.day, rng), args, dp.when or dp.day
@@ -327,7 +216,7 @@ def split_templates(seed: int) -> dict[str, dict[str, list[str]]]:
         n_val = max(1, round(len(order) * 0.1))
         out["test"][tool] = order[:n_test]
         out["validation"][tool] = order[n_test:n_test + n_val]
-        out["train"][tool] = order[n_test + n_val:]
+        out["train"][tool] = order[n_test + n_val:] + EXTRA_TRAIN_TEMPLATES.get(tool, [])
     return out
 
 
