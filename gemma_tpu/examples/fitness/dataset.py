@@ -9,8 +9,8 @@ dates in several spellings) and light noise (typos, lower case, no punctuation).
 Generalisation is measured honestly: the request templates of each tool are split between
 train, validation and test, so a test request is a phrasing the model never saw in training
 (and `generate` asserts that no test request text occurs in train); train also draws on phrasings
-of its own (`templates.EXTRA_TRAIN_TEMPLATES`), which leave the held-out splits unchanged. The seven tools are
-balanced in every split. The output depends only on the seed.
+of its own (`templates.EXTRA_TRAIN_TEMPLATES`), which leave the held-out splits unchanged. The
+seven tools are balanced in every split. The output depends only on the seed.
 """
 
 from __future__ import annotations
