@@ -228,6 +228,7 @@ def test_extra_train_templates_are_new_phrasings_and_train_only(monkeypatch):
     for split in ("validation", "test"):  # the held-out splits do not move
         assert with_extras[split] == without[split]
 
+
 def test_committed_data_is_the_seed_0_output(tmp_path):
     sizes = {s: sum(1 for _ in (DATA / f"{s}.jsonl").open()) for s in dataset.SPLITS}
     assert sizes == {"train": 1200, "validation": 150, "test": 200}
