@@ -58,8 +58,30 @@ def test_sliding_band_is_needed(loaded, monkeypatch):
     prompts = _prompts()
     plain = g.Generator(loaded, max_new_tokens=12, batch_size=4, prefix_cache=False).generate(prompts)
     monkeypatch.setattr(g, "band_from", lambda model, start, slots: None)
-    wrong = g.Generator(loaded, max_new_tokens=12, batch_size=4).generate(prompts)
+    monkeypatch.setattr(g, "_JIT_PAIRS", [])  # the decode compiled by earlier tests for this structure has the true band
+    wrong = g.Generator(loaded, max_new_tokens=12, batch_size=4).generate(prompts)  # (its list goes with the patch)
     assert [o.ids for o in wrong] != [o.ids for o in plain]
+
+
+def test_same_structure_shares_compilations_not_weights(tiny_dir, tmp_path):
+    """Two models of one structure (an evaluation's base and merged model): the second generator reuses
+    the first one's jitted decode and prefix forward, and still decodes with its own weights."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+    from gemma_tpu.infer import generate as g
+
+    prompts = _prompts()
+    first = g.load_hf_dir(str(tiny_dir))
+    other = g.load_hf_dir(str(write_tiny_gemma3(tmp_path / "other", seed=5)))
+    gen_first = g.Generator(first, max_new_tokens=12, batch_size=4)
+    out_first = gen_first.generate(prompts)
+    gen_other = g.Generator(other, max_new_tokens=12, batch_size=4)
+    assert gen_other._fn is gen_first._fn and gen_other._prefix_fn is gen_first._prefix_fn
+    out_other = gen_other.generate(prompts)
+    fn, prefix_fn = g._jit_pair(gen_other._graphdef)  # compiled for this model alone
+    gen_alone = g.Generator(other, max_new_tokens=12, batch_size=4)
+    gen_alone._fn, gen_alone._prefix_fn = fn, prefix_fn
+    assert [o.ids for o in out_other] == [o.ids for o in gen_alone.generate(prompts)]
+    assert [o.ids for o in out_other] != [o.ids for o in out_first]  # its own weights, not the first's
 
 
 def test_chat_reuses_the_system_turn(tiny_long_dir):

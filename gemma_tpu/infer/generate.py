@@ -251,6 +251,30 @@ def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *
     return out, step
 
 
+def _jit_pair(graphdef):
+    import jax
+
+    return (jax.jit(functools.partial(_greedy, graphdef), static_argnames=("max_new",)),
+            jax.jit(functools.partial(_prefix_forward, graphdef), static_argnames=("length",)))
+
+
+_JIT_PAIRS: list[tuple[Any, tuple]] = []  # (graphdef, its jitted pair), newest last; compared by ==, since a
+_MAX_JIT_PAIRS = 8                        # GraphDef holding Tunix's ModelConfig cannot be hashed
+
+
+def _jitted(graphdef):
+    """The jitted decode and prefix forward of one model structure. Generators of models with the same
+    structure (the base and the merged model an evaluation compares, a model reloaded) share them,
+    and so their compilations: only the weights differ, and they are arguments."""
+    for known, pair in _JIT_PAIRS:
+        if known == graphdef:
+            return pair
+    pair = _jit_pair(graphdef)
+    _JIT_PAIRS.append((graphdef, pair))
+    del _JIT_PAIRS[:-_MAX_JIT_PAIRS]
+    return pair
+
+
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     """Length of the longest prefix of ids all `seqs` share."""
     if not seqs:
@@ -275,7 +299,6 @@ class Generator:
 
     def __init__(self, loaded: LoadedModel, *, max_new_tokens: int = 64, batch_size: int = 8,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, prefix_cache: bool = True):
-        import jax
         from flax import nnx
 
         self.loaded = loaded
@@ -295,11 +318,10 @@ class Generator:
         stops = self.end_of_turn_ids + [i for i in (self.eos_id, self.call_end_id) if i is not None]
         self.stop_ids = np.asarray(stops, np.int32)
         self._graphdef, self._state = nnx.split(loaded.model)
-        self._fn = jax.jit(functools.partial(_greedy, self._graphdef), static_argnames=("max_new",))
+        self._fn, self._prefix_fn = _jitted(self._graphdef)
         # models that lay out their own cache (Gemma 4) cannot continue a filled cache with a
         # multi-token forward: see the module docstring
         self.prefix_cache = prefix_cache and not hasattr(loaded.model, "init_cache")
-        self._prefix_fn = jax.jit(functools.partial(_prefix_forward, self._graphdef), static_argnames=("length",))
         self._prefix: tuple[tuple[int, ...], Any] | None = None  # (ids, KV cache) kept across calls
         self.prefix_stats = {"computed": 0, "reused_batches": 0, "prefix_tokens": 0}
 
