@@ -103,3 +103,21 @@ def test_prefix_layouts_tiny(tmp_path):
         assert res[side]["examples_per_s"] > 0 and res[side]["peak_rss_gb"] > 0
     assert res["broadcast"]["prefix_len"] + res["broadcast"]["suffix_len"] > 16  # past the window
     assert "ex/s" in proc.stdout and "check (" in proc.stdout
+
+
+def test_eval_compiles_tiny(tmp_path):
+    """The compare-evaluation compile benchmark on the tiny model compared with itself: the shared side
+    compiles nothing for the second model, the separate side does, and both predict the same."""
+    out = tmp_path / "eval_compiles.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/eval_compiles.py", "--a", "embedded:tiny-gemma3", "--b", "embedded:tiny-gemma3",
+         "--limit", "3", "--batch-size", "2", "--max-new-tokens", "4", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "predictions identical: True" in proc.stdout
+    res = json.loads(out.read_text())
+    shared, separate = (res["sides"][s]["models"] for s in ("shared", "separate"))
+    first, second = (k for k in shared if k != "(loading)")
+    assert shared[first]["compilations"] >= 2 and shared[second]["compilations"] == 0
+    assert separate[second]["compilations"] == separate[first]["compilations"]
+    assert res["cpu"]["cpu_model"]
