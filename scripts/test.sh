@@ -6,4 +6,12 @@ bash scripts/setup.sh
 . .venv/bin/activate
 # Two workers (pytest-xdist): the suite is mostly single-threaded compiles and subprocesses, so a 2-core
 # machine runs it in about half the time; real-model tests share one worker (see tests/conftest.py).
+# One XLA compilation cache for this run, empty at its start (a user's own JAX_COMPILATION_CACHE_DIR is kept):
+# the CLI tests start many processes that compile the same tiny programs (a subset ran in 588 s instead of 665 s,
+# benchmarks/RESULTS.md "2026-11-25 (late morning)").
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  JAX_COMPILATION_CACHE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gemma-tpu-tests-xla.XXXXXX")
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
+export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
