@@ -275,6 +275,14 @@ CASES = [
     Case("model-no-tokenizer", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"], ["{tmp}/m", "tokenizer"],
          {"m": copy_of("tiny", drop=("tokenizer.json", "tokenizer_config.json"))}),
     Case("model-no-such-dir", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/nope"], ["{tmp}/nope"]),
+    # config.json keys Tunix's Gemma 3 cannot express (each loaded silently with other numbers before)
+    Case("model-untied-embeddings", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "tie_word_embeddings=false"], {"m": copy_of("tiny", config={"tie_word_embeddings": False})}),
+    Case("model-attention-bias", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "attention_bias=True"], {"m": copy_of("tiny", config={"attention_bias": True})}),
+    Case("model-sliding-window-pattern", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "sliding_window_pattern=2"],  # a transformers 4.x config: no layer_types
+         {"m": copy_of("tiny", config={"layer_types": None, "sliding_window_pattern": 2})}),
     # ---- checkpoints
     Case("ckpt-empty-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck/": ""}, sub=True),
