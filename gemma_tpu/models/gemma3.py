@@ -18,7 +18,9 @@ from gemma_tpu.models.registry import (
     Projection,
     Tensor,
     register,
+    require_tied_embeddings,
     text_config,
+    tied_embeddings,
     tunix_remat,
     tunix_safetensors_loader,
 )
@@ -52,7 +54,7 @@ def hf_text_config(hf_config: dict) -> dict:
             raise UserError(f"config.json: sliding_window_pattern={period!r} is not a positive integer")
         t["layer_types"] = GEMMA3.layer_types(int(t["num_hidden_layers"]), period)
         t["_layer_types_key"] = "sliding_window_pattern"
-    t["tie_word_embeddings"] = bool(hf_config.get("tie_word_embeddings", t.get("tie_word_embeddings", True)))
+    t["tie_word_embeddings"] = tied_embeddings(hf_config)
     return t
 
 
@@ -92,9 +94,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     if missing:
         raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 3 text model")
     t = hf_text_config(hf_config)
-    if not t["tie_word_embeddings"]:
-        raise UserError("config.json: tie_word_embeddings=false is not supported (Tunix's Gemma 3 projects onto "
-                        "the vocabulary with the input embedding; there is no separate lm_head)")
+    require_tied_embeddings(hf_config, "Tunix's Gemma 3")
     if t.get("attention_bias"):
         raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "
                         f"projections have no bias)")

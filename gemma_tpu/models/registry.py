@@ -366,6 +366,22 @@ def text_config(hf_config: dict) -> dict:
     return nested if isinstance(nested, dict) and nested else hf_config
 
 
+def tied_embeddings(hf_config: dict) -> bool:
+    """Whether the output projection is the input embedding: the flag transformers reads (the top
+    level of a multimodal config, else the text config); Gemma ties unless config.json says otherwise."""
+    if "tie_word_embeddings" in hf_config:
+        return bool(hf_config["tie_word_embeddings"])
+    return bool(text_config(hf_config).get("tie_word_embeddings", True))
+
+
+def require_tied_embeddings(hf_config: dict, model: str) -> None:
+    """Tunix's Gemma models project onto the vocabulary with the input embedding: an untied
+    checkpoint's own `lm_head.weight` would be ignored, so it is refused."""
+    if not tied_embeddings(hf_config):
+        raise UserError(f"config.json: tie_word_embeddings=false is not supported ({model} projects onto the "
+                        f"vocabulary with the input embedding; there is no separate lm_head)")
+
+
 def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     """Pick the family from `architectures` / `model_type`; unknown ones get a clear error."""
     archs = list(hf_config.get("architectures") or [])
