@@ -119,6 +119,10 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         )
     heads, kv_heads, head_dim = int(t["num_attention_heads"]), int(t["num_key_value_heads"]), int(t["head_dim"])
     hidden = int(t["hidden_size"])
+    if kv_heads < 1 or heads % kv_heads:  # each KV head serves a whole group of query heads
+        raise UserError(f"config.json: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+    if head_dim % 2:  # rotary embeddings rotate the two halves of every head
+        raise UserError(f"config.json: head_dim={head_dim} must be even (rotary embeddings split it in halves)")
     qpas = t["query_pre_attn_scalar"]
     if qpas == head_dim:
         qnorm = g3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM
