@@ -37,7 +37,7 @@ def hf_logits(model_dir, ids):
         return hf(torch.tensor([ids])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("which", ["tiny_dir", "tiny_mha_dir"])
+@pytest.mark.parametrize("which", ["tiny_dir", "tiny_mha_dir", "tiny_odd_dir"])
 def test_tiny_matches_transformers(which, request):
     from transformers import AutoTokenizer
 
