@@ -62,7 +62,7 @@ from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, tool_chat_template
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.registry import Family, GGUFFacts, detect_family, families, text_config
+from gemma_tpu.models.registry import Family, GGUFFacts, detect_family, families
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 CHUNK_BYTES = 16 << 20  # float32 bytes per row chunk
@@ -325,7 +325,9 @@ def check_config(facts: GGUFFacts, text: dict, where: str) -> None:
         want = ["full_attention" if (i + 1) % facts.swa_period == 0 else "sliding_attention"
                 for i in range(len(layer_types))]
         if list(layer_types) != want:
-            raise UserError(f"{where}: layer_types do not follow llama.cpp's {facts.arch} pattern (every "
+            key = text.get("_layer_types_key", "layer_types")  # set when derived from another key
+            shown = f"{key}={text[key]}" if key != "layer_types" else key
+            raise UserError(f"{where}: {shown} does not follow llama.cpp's {facts.arch} pattern (every "
                             f"{facts.swa_period}th layer global)")
 
 
@@ -407,7 +409,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
                       "base": str(merge.base_dir.resolve()),
                       "kind": "lora" if merge.source.is_lora else "full"}
     check_file_target(out, args.overwrite, protected=protected)
-    text = text_config(config)
+    text = family.read_text_config(config)  # keys config.json omits at the values transformers gives them
     check_config(facts, text, where)
     if facts.rope is not None:
         facts.rope(text)  # refuses what llama.cpp cannot express

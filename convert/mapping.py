@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import Family, Projection, Tensor, text_config
+from gemma_tpu.models.registry import Family, Projection, Tensor, text_config, tied_embeddings  # noqa: F401
 
 
 def tunix_layer_name(family: Family, layer: int, proj: Projection, param: str) -> str:
@@ -128,11 +128,3 @@ _LORA_NAME = re.compile(r".*_lora_[ab]$")
 
 def is_lora_name(name: str) -> bool:
     return bool(_LORA_NAME.match(name))
-
-
-def tied_embeddings(hf_config: dict) -> bool:
-    """Gemma ties the output projection to the embedding unless config.json says otherwise."""
-    if "tie_word_embeddings" in hf_config:
-        return bool(hf_config["tie_word_embeddings"])
-    text = hf_config.get("text_config") or {}
-    return bool(text.get("tie_word_embeddings", True))

@@ -61,6 +61,20 @@ def tiny_mha_dir(tmp_path_factory) -> Path:
     return write_tiny_gemma3(tmp_path_factory.mktemp("tiny_mha") / "gemma3", seed=1, num_key_value_heads=4)
 
 
+@pytest.fixture(scope="session")
+def tiny_odd_dir(tmp_path_factory) -> Path:
+    """A Gemma 3 of another shape: 7 layers (sliding x5, global, sliding: the 2-layer models have no
+    global layer), one KV head, head_dim 32 != hidden/heads with queries scaled by hidden/heads (as the
+    27B), linear rope scaling on global layers, a vocabulary of 509."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny_odd") / "gemma3", seed=2, num_hidden_layers=7,
+                             num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=16, vocab_size=509,
+                             rope_parameters=rope)
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run `python -m ...` as a user would, capturing output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -89,6 +89,17 @@ def copy_of(src_key: str, drop: tuple[str, ...] = (), config: dict | None = None
     return make
 
 
+def tiny_model(**overrides) -> Callable[[Path, dict], None]:
+    """A tiny Gemma 3 of another shape, written by transformers (`write_tiny_gemma3`)."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+        write_tiny_gemma3(dest, seed=0, **overrides)
+
+    return make
+
+
 def parquet(rows: list[dict]) -> Callable[[Path, dict], None]:
     def make(dest: Path, ctx: dict) -> None:
         import pyarrow as pa
@@ -275,6 +286,21 @@ CASES = [
     Case("model-no-tokenizer", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"], ["{tmp}/m", "tokenizer"],
          {"m": copy_of("tiny", drop=("tokenizer.json", "tokenizer_config.json"))}),
     Case("model-no-such-dir", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/nope"], ["{tmp}/nope"]),
+    # config.json keys Tunix's Gemma 3 cannot express (each loaded silently with other numbers before)
+    Case("model-untied-embeddings", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "tie_word_embeddings=false"], {"m": copy_of("tiny", config={"tie_word_embeddings": False})}),
+    Case("model-attention-bias", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "attention_bias=True"], {"m": copy_of("tiny", config={"attention_bias": True})}),
+    # shapes transformers writes but cannot run either (a Tunix traceback before)
+    Case("model-kv-heads-not-dividing", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "num_key_value_heads=4 must divide num_attention_heads=6"],
+         {"m": tiny_model(hidden_size=48, num_attention_heads=6, num_key_value_heads=4, head_dim=8,
+                          query_pre_attn_scalar=8)}),
+    Case("model-odd-head-dim", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "head_dim=15 must be even"], {"m": tiny_model(head_dim=15, query_pre_attn_scalar=15)}),
+    Case("model-sliding-window-pattern", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "sliding_window_pattern=2"],  # a transformers 4.x config: no layer_types
+         {"m": copy_of("tiny", config={"layer_types": None, "sliding_window_pattern": 2})}),
     # ---- checkpoints
     Case("ckpt-empty-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck/": ""}, sub=True),

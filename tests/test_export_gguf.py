@@ -306,12 +306,27 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     _expect_error(capsys, work / "full.gguf", "--merged", base, "--type", "f16", contains="not enough disk space")
 
 
-def test_error_query_scale_llama_cpp_cannot_express(work, capsys):
-    """llama.cpp scales queries by 1/sqrt(head_dim): another query_pre_attn_scalar is refused."""
+@pytest.mark.parametrize("name,edit,contains", [
+    ("qpas", {"query_pre_attn_scalar": 64}, "query_pre_attn_scalar=64"),
+    # omitted: transformers' default, 256, not head_dim
+    ("qpas_omitted", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar=256"),
+    # a transformers 4.x config: no layer_types, the pattern in sliding_window_pattern
+    ("swa_pattern", {"layer_types": None, "sliding_window_pattern": 2}, "sliding_window_pattern=2"),
+])
+def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contains):
+    """llama.cpp scales queries by 1/sqrt(head_dim) and makes every 6th layer global: a config.json
+    that says otherwise, or leaves transformers a default that does, is refused."""
     from gemma_tpu.assets.tiny import write_tiny_gemma3
 
-    d = write_tiny_gemma3(work / "tiny_qpas", seed=0, head_dim=32, query_pre_attn_scalar=64)
-    _expect_error(capsys, work / "qpas.gguf", "--merged", d, contains="query_pre_attn_scalar=64")
+    d = write_tiny_gemma3(work / f"tiny_{name}", seed=0, head_dim=32, query_pre_attn_scalar=32)
+    cfg = json.loads((d / "config.json").read_text())
+    for key, value in edit.items():
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    _expect_error(capsys, work / f"{name}.gguf", "--merged", d, contains=contains)
 
 
 def test_error_failure_midway_leaves_nothing(work, base, capsys, monkeypatch):

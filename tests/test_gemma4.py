@@ -143,6 +143,7 @@ def test_config_built_from_config_json(g4):
 
 @pytest.mark.parametrize("key,value,needle", [
     ("attention_bias", True, "attention_bias"),
+    ("tie_word_embeddings", False, "tie_word_embeddings=false"),  # its lm_head was ignored
     ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
     ("rms_norm_eps", 1e-5, "rms_norm_eps"),
     ("vocab_size_per_layer_input", 256, "vocab_size_per_layer_input"),

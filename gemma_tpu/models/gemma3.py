@@ -18,7 +18,9 @@ from gemma_tpu.models.registry import (
     Projection,
     Tensor,
     register,
+    require_tied_embeddings,
     text_config,
+    tied_embeddings,
     tunix_remat,
     tunix_safetensors_loader,
 )
@@ -31,6 +33,29 @@ SLIDING_WINDOW_PATTERN = 6
 # HF key prefixes of the decoder: text-only, multimodal as released, multimodal as
 # transformers >= 5 saves it.
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+
+# transformers' Gemma3TextConfig defaults of keys that change the numbers: a config.json that omits
+# one (hand-written, or trimmed) means these values to transformers, so it must mean them here too.
+HF_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
+
+
+def hf_text_config(hf_config: dict) -> dict:
+    """The text config as transformers reads it: omitted keys at transformers' defaults, and
+    `layer_types`, when absent, derived from `sliding_window_pattern` (the key of configs written by
+    transformers 4.x, the hub's Gemma 3 configs among them) the way transformers derives it;
+    `tie_word_embeddings` from the top level of a multimodal config, where transformers reads it."""
+    t = dict(text_config(hf_config))
+    for key, value in HF_DEFAULTS.items():
+        if key not in t:
+            t[key] = value
+    if not t.get("layer_types") and t.get("num_hidden_layers") is not None:
+        period = t["sliding_window_pattern"]
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise UserError(f"config.json: sliding_window_pattern={period!r} is not a positive integer")
+        t["layer_types"] = GEMMA3.layer_types(int(t["num_hidden_layers"]), period)
+        t["_layer_types_key"] = "sliding_window_pattern"
+    t["tie_word_embeddings"] = tied_embeddings(hf_config)
+    return t
 
 
 def _rope(t: dict, kind: str) -> tuple[float, float]:
@@ -63,12 +88,16 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
 
     param_dtype = jnp.float32 if param_dtype is None else param_dtype
 
-    t = text_config(hf_config)
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size")
-    missing = [k for k in need if t.get(k) is None]
+    missing = [k for k in need if text_config(hf_config).get(k) is None]
     if missing:
         raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 3 text model")
+    t = hf_text_config(hf_config)
+    require_tied_embeddings(hf_config, "Tunix's Gemma 3")
+    if t.get("attention_bias"):
+        raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "
+                        f"projections have no bias)")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if t.get(key) not in (None, 0, 0.0):
             raise UserError(f"config.json: {key}={t[key]} is not supported by Tunix's Gemma 3")
@@ -81,16 +110,20 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
         raise UserError(f"config.json: hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
     n_layers = int(t["num_hidden_layers"])
-    layer_types = t.get("layer_types")
-    if layer_types:
-        if list(layer_types) != GEMMA3.layer_types(n_layers):
-            raise UserError(
-                "config.json: layer_types must follow Gemma 3's pattern of five sliding-window layers "
-                "then one global layer; this checkpoint's pattern is not supported"
-            )
+    if list(t["layer_types"]) != GEMMA3.layer_types(n_layers):
+        key = t.get("_layer_types_key", "layer_types")  # the key the pattern came from
+        shown = key if key == "layer_types" else f"{key}={t[key]}"
+        raise UserError(
+            f"config.json: {shown} is not supported: Tunix's Gemma 3 has five sliding-window layers "
+            f"then one global layer, repeated"
+        )
     heads, kv_heads, head_dim = int(t["num_attention_heads"]), int(t["num_key_value_heads"]), int(t["head_dim"])
     hidden = int(t["hidden_size"])
-    qpas = t.get("query_pre_attn_scalar", head_dim)
+    if kv_heads < 1 or heads % kv_heads:  # each KV head serves a whole group of query heads
+        raise UserError(f"config.json: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+    if head_dim % 2:  # rotary embeddings rotate the two halves of every head
+        raise UserError(f"config.json: head_dim={head_dim} must be even (rotary embeddings split it in halves)")
+    qpas = t["query_pre_attn_scalar"]
     if qpas == head_dim:
         qnorm = g3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM
     elif qpas == hidden // heads:
@@ -275,6 +308,7 @@ GEMMA3 = register(
         tunix_config=tunix_config,
         loader=load_sharded,
         partition_rules=PARTITION_RULES,
+        hf_text_config=hf_text_config,
         reference_loader=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,

@@ -38,6 +38,7 @@ from gemma_tpu.models.registry import (
     Projection,
     Tensor,
     register,
+    require_tied_embeddings,
     text_config,
     tunix_remat,
     tunix_safetensors_loader,
@@ -185,6 +186,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 4 text model")
     if t.get("attention_bias"):
         raise _cfg_error("attention_bias", t["attention_bias"], "Gemma 4 projections have no bias")
+    require_tied_embeddings(hf_config, "Tunix's Gemma 4")
     if t.get("use_bidirectional_attention") == "all":
         raise _cfg_error("use_bidirectional_attention", "all", "an encoder, not a causal LM")
     if t.get("attn_logit_softcapping") not in (None, 0, 0.0):

@@ -211,6 +211,10 @@ class Family:
     # Partition rules: (regex over the Tunix param path, per-dimension mesh axes), first full match wins;
     # LoRA factors, quantized weights and optimizer state derive theirs (gemma_tpu.train.partition).
     partition_rules: tuple[tuple[str, tuple], ...] = ()
+    # config.json -> its text config as transformers reads it: keys it omits at transformers' defaults,
+    # keys transformers derives (Gemma 3's `layer_types` from `sliding_window_pattern`) filled in.
+    # None: the text config as written.
+    hf_text_config: Callable[[dict], dict] | None = None
 
     def create_model(self, file_dir: str, cfg: Any, mesh=None, dtype=None):
         """The Tunix model of `cfg` with the weights of `file_dir`, each read straight into its shard."""
@@ -225,12 +229,17 @@ class Family:
     # llama.cpp's view of the family (GGUF export); None: `convert.export_gguf` refuses it.
     gguf: GGUFFacts | None = None
 
-    def layer_types(self, n_layers: int) -> list[str]:
-        """HF `layer_types` of the family's attention pattern for `n_layers` decoder layers."""
-        period = self.sliding_window_pattern
+    def layer_types(self, n_layers: int, period: int | None = None) -> list[str]:
+        """HF `layer_types` of the family's attention pattern (or of `period`: every period-th layer
+        global, transformers' `sliding_window_pattern`) for `n_layers` decoder layers."""
+        period = period or self.sliding_window_pattern
         if not period:
             raise ValueError(f"model family {self.name} has no fixed attention pattern")
         return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
+
+    def read_text_config(self, hf_config: dict) -> dict:
+        """The decoder's config with the values transformers would use for it (see `hf_text_config`)."""
+        return self.hf_text_config(hf_config) if self.hf_text_config else text_config(hf_config)
 
     def features(self, cfg: Any, layer: int | None) -> frozenset[str]:
         return self.layer_features(cfg, layer) if self.layer_features else frozenset()
@@ -355,6 +364,22 @@ def text_config(hf_config: dict) -> dict:
     """The decoder's config: multimodal checkpoints nest it under `text_config`."""
     nested = hf_config.get("text_config")
     return nested if isinstance(nested, dict) and nested else hf_config
+
+
+def tied_embeddings(hf_config: dict) -> bool:
+    """Whether the output projection is the input embedding: the flag transformers reads (the top
+    level of a multimodal config, else the text config); Gemma ties unless config.json says otherwise."""
+    if "tie_word_embeddings" in hf_config:
+        return bool(hf_config["tie_word_embeddings"])
+    return bool(text_config(hf_config).get("tie_word_embeddings", True))
+
+
+def require_tied_embeddings(hf_config: dict, model: str) -> None:
+    """Tunix's Gemma models project onto the vocabulary with the input embedding: an untied
+    checkpoint's own `lm_head.weight` would be ignored, so it is refused."""
+    if not tied_embeddings(hf_config):
+        raise UserError(f"config.json: tie_word_embeddings=false is not supported ({model} projects onto the "
+                        f"vocabulary with the input embedding; there is no separate lm_head)")
 
 
 def detect_family(hf_config: dict, where: str = "config.json") -> Family:
