@@ -4,8 +4,14 @@ body), exit non-zero, and write no results file when every request failed."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import io
 import json
+import re
+import socket
+import subprocess
+import threading
 
 import pytest
 
@@ -71,3 +77,144 @@ def test_evaluate_against_an_html_server(tmp_path):
     assert_one_line_error(proc, "/html/v1/chat/completions", "not JSON", "HTTP 200, Content-Type text/html",
                           "Welcome to nginx", "OpenAI-compatible")
     assert not out.exists()
+
+
+# ------------------------------------------------ answers that are not HTTP, or not an OpenAI message
+
+@contextlib.contextmanager
+def raw_server(answer: bytes):
+    """A loopback TCP server that reads each request (headers and body) and sends `answer` verbatim, HTTP
+    or not, then hangs up (at most 20 connections, each read bounded to 1 MB)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(30)
+
+    def serve():
+        for _ in range(20):
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(10)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data and len(data) < 1 << 20:
+                        data += conn.recv(65536) or b"\r\n\r\n"
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+                    while length and len(body) < int(length.group(1)):
+                        body += conn.recv(65536) or b"x" * int(length.group(1))
+                    conn.sendall(answer)
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.recv(1)  # until the client hangs up
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        srv.close()
+
+
+def _in_process(entry: str, *argv: str) -> subprocess.CompletedProcess:
+    """`python -m entry argv` as `cli_main` runs it, in this process (the evaluation's imports once)."""
+    import importlib
+
+    from gemma_tpu.core.cli import cli_main
+
+    module = importlib.import_module({"gemma_tpu.evaluate": "gemma_tpu.evaluate.run"}.get(entry, entry))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(module.main, list(argv))
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
+
+
+NOT_HTTP = [
+    # an SSH port (or any non-HTTP service) given as the server: http.client's BadStatusLine
+    (b"SSH-2.0-OpenSSH_9.6\r\n", ["the answer is not HTTP", "SSH-2.0-OpenSSH_9.6", "OpenAI-compatible"]),
+    # a body cut short of its Content-Length: IncompleteRead
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"choices\": [",
+     ["the answer was cut off", "13 of 100 bytes"]),
+    # an error page cut short: the HTTP status is still reported
+    (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 50\r\n\r\nboom", ["HTTP 500"]),
+]
+
+
+@pytest.mark.parametrize("answer, needles", NOT_HTTP, ids=["not-http", "cut-off", "cut-off-500"])
+def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, needles):
+    out = tmp_path / "r.json"
+    with raw_server(answer) as url:
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps today?")
+        assert_one_line_error(proc, "/v1/chat/completions", *needles)
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "1", "--json", str(out))
+        assert_one_line_error(proc, "/v1/chat/completions", *needles)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("message, needles", [
+    ({"content": 5}, ["content is not a string", "5"]),
+    ({"content": None, "tool_calls": "get_steps"}, ["tool_calls is not a list", '"get_steps"']),
+    ({"content": None, "tool_calls": [None]}, ["tool_calls is not a list", "[null]"]),
+    ({"content": None, "tool_calls": [{"function": "get_steps"}]}, ["tool_calls is not a list"]),
+    ({"content": [{"type": "image_url", "image_url": {"url": "x"}}, 3]}, ["not of text parts"]),
+])
+def test_messages_of_the_wrong_shape_are_one_line_errors(tmp_path, message, needles):
+    from tests.test_serving import scripted
+
+    out = tmp_path / "r.json"
+    _, server = scripted(message, message)
+    with server as url:
+        proc = _in_process("serving.chat", "--base-url", url, "--once", "steps today?")
+        assert_one_line_error(proc, "/v1/chat/completions", *needles)
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "1",
+                           "--json", str(out))
+        assert_one_line_error(proc, "/v1/chat/completions", *needles)
+    assert not out.exists()
+
+
+def test_content_parts_models_without_ids_and_nameless_calls():
+    """Content as a list of text parts is read as its text; a model list without ids names no model; a call
+    whose name is not a string is a format error, not a crash."""
+    from gemma_tpu.examples.fitness.providers import SimulatedDevice
+    from gemma_tpu.infer.openai_client import reply_from_message, served_model_name
+    from serving.chat import RemoteCoach
+    from tests.test_serving import scripted
+
+    _, server = scripted({"content": [{"type": "text", "text": "You slept "}, {"type": "text", "text": "well."}]})
+    with server as url:
+        assert RemoteCoach(url, SimulatedDevice(0), trace=None).ask("how did I sleep?") == "You slept well."
+
+    class Models(Foreign):
+        def do_GET(self):
+            return self._send("application/json", json.dumps({"data": {"id": "m"}}).encode())
+
+    with http_server(Models) as url:
+        assert served_model_name(url + "/v1") is None
+    assert reply_from_message({"tool_calls": [{"function": {"name": 7, "arguments": "{}"}}]}).kind == "format_error"
+
+
+
+def test_tool_results_name_the_call_they_answer():
+    """A turn with two calls and its two results: the second result named `call_<turn>_0` of no turn (it
+    took the id from the message before it, a tool result); a strict server refuses an unknown id."""
+    from gemma_tpu.infer.openai_client import openai_messages
+
+    sent = openai_messages([
+        {"role": "user", "content": "steps and sleep?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_steps", "arguments": {"date": "today"}},
+                                                            {"name": "get_sleeping_minutes", "arguments": {}}]},
+        {"role": "tool", "name": "get_sleeping_minutes", "content": "{\"minutes\": 400}"},
+        {"role": "tool", "name": "get_steps", "content": "{\"steps\": 9000}"},
+        {"role": "assistant", "content": "9000 steps, 400 minutes."},
+        {"role": "user", "content": "and yesterday?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_steps", "arguments": {}}]},
+        {"role": "tool", "name": "get_steps", "content": "{}"},
+    ])
+    ids = {c["function"]["name"] + "@" + str(i): c["id"] for i, m in enumerate(sent) for c in m.get("tool_calls", [])}
+    assert [m.get("tool_call_id") for m in sent if m["role"] == "tool"] == [
+        ids["get_sleeping_minutes@1"], ids["get_steps@1"], ids["get_steps@6"]]
