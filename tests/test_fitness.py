@@ -288,6 +288,20 @@ def test_parser_classifies_text_bare_calls_and_errors():
         assert reply.error
 
 
+def test_parser_and_matcher_take_runs_of_digits_of_any_length():
+    """A degenerate model writes a run of hundreds of digits: float() of 309+ digits is inf and int(inf)
+    raised OverflowError out of parse_reply (a traceback in evaluate and the chat); the matcher's float()
+    of such an int raised too."""
+    for n in (400, 5000):  # 5000: past Python's 4,300-digit int-from-str limit
+        reply = parse_reply(f"<start_function_call>call:get_steps{{date:{'9' * n}}}<end_function_call>")
+        assert reply.kind == "call" and str(reply.first.arguments["date"]) == "9" * n
+        assert not arguments_match({"date": "today"}, reply.first.arguments)
+        assert arguments_match({"date": "9" * n}, reply.first.arguments)
+    assert not arguments_match({"n": 5}, {"n": 10 ** 400}) and arguments_match({"n": 10 ** 400}, {"n": 10 ** 400})
+    assert arguments_match({"n": "9" * 400}, {"n": 10 ** 400 - 1})
+    assert parse_reply("call:f{a:-12, b:1.5e3, c:1e999}").first.arguments == {"a": -12, "b": 1500.0, "c": float("inf")}
+
+
 def test_evaluation_scores_the_first_trained_answer(tmp_path):
     """A prompt-completion row is scored on its completion: the assistant turns of its prompt are context."""
     from gemma_tpu.core.config import DataConfig
