@@ -568,6 +568,49 @@ def test_generic_tool_loop_with_another_toolset():
     assert seen == [[{"role": "user", "content": "hi"}]]
 
 
+def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
+    """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
+    session with a traceback; it is reported as the answer, traced, and the next question is answered."""
+    import io
+
+    from gemma_tpu.examples.fitness.chat import chat_repl
+    from gemma_tpu.infer.tool_loop import run_tool_loop
+
+    class DownGarmin(FakeGarmin):
+        def get_user_summary(self, cdate):
+            raise ConnectionError("Garmin Connect answered 503")
+
+        def get_sleep_data(self, cdate):
+            raise KeyError("dailySleepDTO")
+
+    coach = tools.toolset(GarminConnectProvider(client=DownGarmin()))
+    replies = {"steps?": ParsedReply("call", [ToolCall("get_steps", {"date": "today"})], ""),
+               "sleep?": ParsedReply("call", [ToolCall("get_sleeping_minutes", {"date": "today"})], "")}
+    trace = []
+
+    def ask(question):
+        if question == "hello?":
+            return "hi"
+        return run_tool_loop(question, coach, lambda messages: (replies[question], "raw"), log=trace.append)
+
+    assert ask("steps?") == "(the tool get_steps failed: ConnectionError: Garmin Connect answered 503)"
+    assert trace == ["-> get_steps(date='today') failed: ConnectionError: Garmin Connect answered 503"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("sleep?\nhello?\n"))
+    assert chat_repl(ask, "") == 0
+    assert capsys.readouterr().out.splitlines() == ["(the tool get_sleeping_minutes failed: KeyError: 'dailySleepDTO')",
+                                                    "hi"]
+
+
+def test_tool_results_that_are_not_json_are_sent_as_text():
+    from gemma_tpu.infer.tool_loop import Toolset, run_tool_loop
+
+    seen = []
+    when = Toolset([], lambda name, arguments: {"day": dt.date(2025, 3, 14)})
+    replies = [ParsedReply("call", [ToolCall("when", {})], ""), ParsedReply("text", [], "a Friday")]
+    assert run_tool_loop("when?", when, lambda m: (seen.append(list(m)), (replies.pop(0), ""))[1]) == "a Friday"
+    assert json.loads(seen[1][-1]["content"]) == {"day": "2025-03-14"}
+
+
 def test_coach_developer_turn_is_the_same_every_day_and_the_date_opens_the_user_turn():
     """A prompt prefix every conversation shares (computed once per training row, once per evaluation)."""
     from gemma_tpu.examples.fitness.tools import toolset
