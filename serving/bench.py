@@ -115,10 +115,14 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
     if not p.is_file():
         raise UserError(f"--dataset {path}: no such file (use 'random' or a .jsonl file)")
     rows: list[Prompt] = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, raw in enumerate(p.read_bytes().splitlines(), 1):
+        where = f"{p}:{lineno}"
+        try:  # line by line, so that a bad byte is reported at its line (as the training data reader does)
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
         if not line.strip():
             continue
-        where = f"{p}:{lineno}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
@@ -126,6 +130,8 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected a JSON object")
         limit = row.get("max_tokens", row.get("output_len"))
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+            raise UserError(f"{where}: max_tokens / output_len must be a positive integer, got {limit!r:.40}")
         if isinstance(row.get("messages"), list) and row["messages"]:
             msgs = row["messages"]
             if not all(isinstance(m, dict) and "role" in m for m in msgs):
@@ -201,7 +207,12 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
                     usage_tokens = usage["completion_tokens"]
                 if isinstance(usage.get("prompt_tokens"), int):
                     res.prompt_len = usage["prompt_tokens"]
-            for choice in chunk.get("choices") or []:
+            choices = chunk.get("choices") or []
+            if not isinstance(choices, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("delta") or {}, dict) for c in choices):
+                raise RequestFailed(f"bad event: 'choices' is not a list of objects with a 'delta' object: "
+                                    f"{data[:200]!r}")
+            for choice in choices:
                 if first_choice is None:
                     first_choice = now
                 produced = _delta_output(choice.get("delta") or {})

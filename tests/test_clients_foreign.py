@@ -24,7 +24,8 @@ HTML = b"<!DOCTYPE html><html><head><title>Welcome to nginx!</title></head><body
 
 class Foreign(http.server.BaseHTTPRequestHandler):
     """Behaviour by path prefix: /html (a web page for everything), /json (a plain JSON completion where a
-    stream was asked for), /cut (an event stream whose JSON event is cut off)."""
+    stream was asked for), /cut (an event stream whose JSON event is cut off), /shape (events whose
+    `choices` is not a list of objects)."""
 
     def log_message(self, *args):
         pass
@@ -50,6 +51,9 @@ class Foreign(http.server.BaseHTTPRequestHandler):
                 {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
                               "finish_reason": "stop"}]}).encode())
         body = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if self.path.startswith("/shape"):  # valid JSON events of the wrong shape
+            body += sse({"choices": "one two"}) + sse({"choices": [{"index": 0, "delta": "two"}]})
+            return self._send("text/event-stream", body)
         body += b'data: {"choices": [{"index": 0, "delta": {"cont\n\n'
         self._send("text/event-stream", body)
 
@@ -58,6 +62,7 @@ class Foreign(http.server.BaseHTTPRequestHandler):
     ("/html", ["not an OpenAI event stream", "HTTP 200, Content-Type text/html", "Welcome to nginx"]),
     ("/json", ["not an OpenAI event stream", "Content-Type application/json", '"choices"']),
     ("/cut", ["bad event", "cont"]),
+    ("/shape", ["bad event", "'choices' is not a list of objects", "one two"]),
 ])
 def test_bench_against_a_foreign_server(tmp_path, path, needles):
     out = tmp_path / "bench.json"
@@ -197,6 +202,16 @@ def test_content_parts_models_without_ids_and_nameless_calls():
         assert served_model_name(url + "/v1") is None
     assert reply_from_message({"tool_calls": [{"function": {"name": 7, "arguments": "{}"}}]}).kind == "format_error"
 
+
+
+def test_bench_dataset_lines_are_split_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028 / U+0085 unescaped; str.splitlines() cut such a line in two."""
+    from serving.bench import file_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "one\u2028two\x85three"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    (row,) = file_prompts(str(path), 1, 0)
+    assert row.messages[0]["content"] == "one\u2028two\x85three"
 
 
 def test_tool_results_name_the_call_they_answer():
