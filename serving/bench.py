@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import check_writable
+from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.infer.openai_client import (
@@ -450,8 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
                        latencies=[r.latency for r in results], errors=[r.error for r in results])
         out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_text_atomic(out, json.dumps(doc, indent=2) + "\n")
         print(f"wrote {out}", file=sys.stderr)
     return 0 if metrics["completed"] else 1
 

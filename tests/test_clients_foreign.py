@@ -203,6 +203,42 @@ def test_content_parts_models_without_ids_and_nameless_calls():
     assert reply_from_message({"tool_calls": [{"function": {"name": 7, "arguments": "{}"}}]}).kind == "format_error"
 
 
+# ------------------------------------------------------------------ results files published at once
+
+class Streams(Foreign):
+    """A well-behaved streaming completion for every request."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        chunk = lambda **kw: {"id": "x", "choices": [{"index": 0, **kw}]}  # noqa: E731
+        self._send("text/event-stream", sse(chunk(delta={"role": "assistant", "content": "one"}))
+                   + sse(chunk(delta={"content": " two"}, finish_reason="stop")) + sse("[DONE]"))
+
+
+def test_a_results_file_that_cannot_be_written_whole_keeps_the_old_one(tmp_path):
+    """`--json` used to be rewritten in place: a write that failed midway (a full disk; here a 1 KB file-size
+    limit) left the previous results cut short. Now it is published whole or not at all."""
+    import sys
+
+    out = tmp_path / "bench.json"
+    out.write_text('{"previous": "results"}\n')
+    # the write fails with EFBIG (SIGXFSZ ignored, which survives exec) past a 1 KB file-size limit
+    limited = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
+               "os.execv(sys.executable, [sys.executable, '-m', 'serving.bench', *sys.argv[1:]])")
+    with http_server(Streams) as url:
+        proc = subprocess.run([sys.executable, "-c", limited, "--base-url", url, "--model", "m", "--num-prompts", "2",
+                               "--input-len", "4", "--output-len", "2", "--timeout", "10", "--json", str(out),
+                               "--disable-tqdm"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
+    assert out.read_text() == '{"previous": "results"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+    with http_server(Streams) as url:  # without the limit the results replace the old file
+        proc = run_cli("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "2", "--input-len", "4",
+                       "--output-len", "2", "--timeout", "10", "--json", str(out), "--disable-tqdm", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["completed"] == 2
+
 
 def test_bench_dataset_lines_are_split_at_newlines_only(tmp_path):
     """A JSON string may hold U+2028 / U+0085 unescaped; str.splitlines() cut such a line in two."""

@@ -237,3 +237,13 @@ class AtomicFile(_AtomicOutput):
         self.published = True
         _fsync_dir(self.target.parent)
         return self.target
+
+
+def write_text_atomic(target: str | Path, text: str) -> Path:
+    """Publish a small results file (`--json`) all at once: an existing file is replaced (results files
+    are rewritten by every run), never left cut short by a full disk, Ctrl-C or SIGTERM mid-write."""
+    af = AtomicFile(target, overwrite=True)
+    with af as tmp:
+        tmp.write_text(text, encoding="utf-8")
+        af.publish()
+    return af.target

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
@@ -193,9 +194,7 @@ def run(args: argparse.Namespace) -> dict:
               "distinct_batch_shapes": n_shapes, "batch_shapes": shapes,
               "other_strategy": {k: v.stats() for k, v in prepared.items() if k != chosen}}
     if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import check_writable
+from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
@@ -329,8 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"unasked (eval_loss and perplexity judge the answers)", file=sys.stderr)
     if args.json:
         out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"data": str(args.data), "n": len(convs), "models": results,
-                                   "examples": details}, indent=2, ensure_ascii=False))
+        write_text_atomic(out, json.dumps({"data": str(args.data), "n": len(convs), "models": results,
+                                           "examples": details}, indent=2, ensure_ascii=False))
         print(f"wrote {out}", file=sys.stderr)
     return 0
