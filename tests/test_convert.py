@@ -565,6 +565,25 @@ def test_sigterm_cleans_up(work, lora_ckpt):
     assert leftovers(out) == []
 
 
+def test_a_step_deleted_while_the_merge_reads_it(work, lora_ckpt):
+    """A merge run while training goes on: the trainer's max_to_keep deletes the step the merge chose (here
+    as soon as the merge's temp dir appears, before it reads the second layer's factors). One line saying
+    so (it said `cannot read tensor ...; the step is incomplete or damaged`), nothing at --out."""
+    from tests.conftest import assert_one_line_error
+
+    ckpt, out = work / "deleted_ckpt", work / "deleted_merge"
+    shutil.copytree(lora_ckpt[0], ckpt)
+    (step,) = [p for p in ckpt.iterdir() if p.name.isdigit()]
+    proc = _start_merge(ckpt, out, slow=0.2)  # 28 tensors: ~6 s of writing
+    _wait_for_tmp(proc, out)
+    shutil.rmtree(step)
+    assert proc.wait(timeout=120) != 0
+    err = proc.stderr.read().decode()
+    assert_one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err),
+                          f"{step}: the step was deleted while being read", "checkpoint.max_to_keep")
+    assert leftovers(out) == []
+
+
 # ------------------------------------------------------------------------------ PEFT
 
 
