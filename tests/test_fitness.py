@@ -657,6 +657,33 @@ def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
     assert "bad arguments" in Coach(loaded, device, generator=gen, trace=None).ask("steps?")
 
 
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # en_US.UTF-8 / C.UTF-8 locales
+def test_chat_questions_with_bytes_that_are_not_utf8(tiny_dir, monkeypatch, capsys, errors):
+    """A Latin-1 byte typed or piped into the chat ended the session with a traceback: a UnicodeDecodeError
+    from stdin (strict locale), or the tokenizer's TypeError on the lone surrogate Python decodes it to
+    (C.UTF-8). It reads as U+FFFD now, and the session goes on."""
+    import io
+
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.examples.fitness.chat import Coach, chat_repl, question_text
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.infer.generate import LoadedModel
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
+    gen = ScriptedGenerator(["Nice caf\u00e9.", "Pardon?", "Bye."])
+    coach = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=gen, trace=None)
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9 steps?\n\xff\xfe\nbye\n"), encoding="utf-8", errors=errors)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert chat_repl(coach.ask, "") == 0
+    assert capsys.readouterr().out.splitlines() == ["Nice caf\u00e9.", "Pardon?", "Bye."]
+    assert len(gen.prompts) == 3  # (the tiny character vocabulary renders U+FFFD as <unk>)
+    replacement = tok.decode(tok.encode("\ufffd", add_special_tokens=False))
+    assert f"Today is {TODAY.isoformat()}. caf{replacement} steps?" in tok.decode(gen.prompts[0])
+    assert question_text("caf\udce9") == "caf\ufffd"  # --once: argv keeps such bytes as lone surrogates
+
+
 # ------------------------------------------------------------------------ a real OpenAI server
 
 

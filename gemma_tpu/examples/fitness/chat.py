@@ -94,15 +94,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.once is not None:
         if not args.once.strip():
             raise UserError("--once needs a question")
-        print(coach.ask(args.once))
+        print(coach.ask(question_text(args.once)))
         return 0
     return chat_repl(coach.ask, "")
+
+
+def question_text(raw: str) -> str:
+    """A question as text the tokenizer and JSON accept: bytes that were not UTF-8 (Python keeps them in
+    argv, and in stdin under a C.UTF-8 locale, as lone surrogates, which the tokenizer refuses with a
+    TypeError) become U+FFFD."""
+    return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def chat_repl(ask, greeting: str) -> int:
     """Questions from stdin (a prompt when it is a terminal) until EOF/exit; a failed request is reported
     and the session goes on."""
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # a byte that is not UTF-8 is U+FFFD, not a UnicodeDecodeError (a
+        sys.stdin.reconfigure(errors="surrogateescape")  # strict locale) that ends the session; see question_text
     if interactive:
         print(f"{greeting}Ask about steps, sleep, activity, heart rate or Body Battery (Ctrl-D to quit).",
               file=sys.stderr)
@@ -112,7 +121,7 @@ def chat_repl(ask, greeting: str) -> int:
         line = sys.stdin.readline()
         if not line:
             break
-        question = line.strip()
+        question = question_text(line).strip()
         if not question:
             continue
         if question.lower() in ("exit", "quit"):
