@@ -682,6 +682,7 @@ def test_chat_questions_with_bytes_that_are_not_utf8(tiny_dir, monkeypatch, caps
     replacement = tok.decode(tok.encode("\ufffd", add_special_tokens=False))
     assert f"Today is {TODAY.isoformat()}. caf{replacement} steps?" in tok.decode(gen.prompts[0])
     assert question_text("caf\udce9") == "caf\ufffd"  # --once: argv keeps such bytes as lone surrogates
+    assert "\ud800" not in question_text("x\ud800") and question_text("\u00e9\U0001f600") == "\u00e9\U0001f600"
 
 
 # ------------------------------------------------------------------------ a real OpenAI server

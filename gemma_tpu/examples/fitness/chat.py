@@ -103,7 +103,10 @@ def question_text(raw: str) -> str:
     """A question as text the tokenizer and JSON accept: bytes that were not UTF-8 (Python keeps them in
     argv, and in stdin under a C.UTF-8 locale, as lone surrogates, which the tokenizer refuses with a
     TypeError) become U+FFFD."""
-    return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    try:
+        return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte (not U+DC80..U+DCFF)
+        return raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def chat_repl(ask, greeting: str) -> int:
