@@ -459,6 +459,12 @@ CASES = [
          ["'ftp://127.0.0.1'", "http"]),
     Case("local-chat-bad-dtype", "gemma_tpu.chat", ["--model", "{tiny}", "--dtype", "float16", "--once", "hi"],
          ["--dtype", "'float16'"]),
+    Case("local-chat-zero-new-tokens", "gemma_tpu.chat", ["--model", "{tiny}", "--max-new-tokens", "0", "--once", "hi"],
+         ["--max-new-tokens 0", "positive"]),
+    Case("local-chat-step-without-checkpoint", "gemma_tpu.chat", ["--model", "{tiny}", "--step", "3", "--once", "hi"],
+         ["--step", "--checkpoint"]),
+    Case("evaluate-step-with-model", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--step", "2"],
+         ["--step", "--checkpoint", "not --model"]),
     Case("local-chat-no-such-model", "gemma_tpu.chat", ["--model", "{tmp}/nope", "--once", "hi"], ["{tmp}/nope"],
          sub=True),
     # ---- fitness data generator and embedded assets

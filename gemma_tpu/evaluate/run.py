@@ -304,6 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--limit must be positive")
     if args.batch_size <= 0 or args.max_new_tokens <= 0:
         raise UserError("--batch-size and --max-new-tokens must be positive")
+    if args.step is not None and (args.model or args.endpoint):
+        raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
+                        f"{'--model' if args.model else '--endpoint'}")
     if args.json and Path(args.json).is_dir():
         raise UserError(f"--json {args.json}: is a directory (give a file name)")
     if args.json:

@@ -88,6 +88,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     cli.setup_logging(logging.WARNING)
+    if args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be positive")
+    if args.step is not None and not args.checkpoint:
+        raise UserError("--step applies to --checkpoint, not --model")
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
     loaded = load_hf_dir(args.model, args.dtype) if args.model else load_checkpoint(args.checkpoint, args.step)
     coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache)
