@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not source.is_lora:
         raise UserError(f"{source.dir}: a full fine-tune has no adapter to export; use convert.merge_orbax")
     out = Path(args.out)
-    check_target(out, args.overwrite, protected=[source.dir])
+    check_target(out, args.overwrite, protected=[source.dir], marker=PROVENANCE_FILE)
     recorded_dir = (source.meta.get("base_model") or {}).get("local_dir")
     if recorded_dir and Path(recorded_dir).is_dir():  # the adapter's base_model_name_or_path points there
         check_base_matches(source, Path(recorded_dir), args.allow_base_mismatch, "export_peft")
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer_base = adapter_tokenizer_base(source)
     if tokenizer_base is not None:  # refuse tokenizer files the markers cannot be published in, before writing
         check_tool_token_files(tokenizer_base, source.meta.get("token_map") or {})
-    ad = AtomicDir(out, args.overwrite)
+    ad = AtomicDir(out, args.overwrite, marker=PROVENANCE_FILE)
     with ad as tmp:
         writer = sio.ShardedWriter(tmp, specs, max_shard_bytes=1 << 62, single_name=ADAPTER_FILE)
         try:

@@ -141,7 +141,7 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     weights = sio.WeightsDir(base_dir)
     prefix = source.family.text_prefix(weights.names())
     if out is not None:
-        check_target(out, overwrite, protected=[base_dir, source.dir])
+        check_target(out, overwrite, protected=[base_dir, source.dir], marker=PROVENANCE_FILE)
         # the files written after the weights are read now, so that a broken one is refused before the merge
         generation_config(base_dir, base_config, source.family.stop_token_ids)
         check_tool_token_files(base_dir, source.meta.get("token_map") or {})
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"merge: {s.dir} step {s.step} ({what}) + base {plan.base_dir} -> {plan.out} "
           f"({sio.DTYPE_NAMES_INV[plan.out_dtype]}, {len(plan.specs)} tensors, {human(plan.total_bytes)}, "
           f"{n_shards} shard{'s' if n_shards > 1 else ''})", file=sys.stderr)
-    ad = AtomicDir(plan.out, args.overwrite)
+    ad = AtomicDir(plan.out, args.overwrite, marker=PROVENANCE_FILE)
     with ad as tmp:
         writer = write_weights(plan, tmp, fsync=not args.no_fsync)
         stop_ids = s.family.stop_token_ids

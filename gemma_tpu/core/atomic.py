@@ -37,10 +37,13 @@ def check_writable(path: str | Path, what: str) -> None:
         raise UserError(f"{what}: {probe} is not writable")
 
 
-def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir") -> None:
+def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir",
+                 marker: str | None = None) -> None:
     """Refuse an existing target without --overwrite, a target of the other kind (or a link) in its
     place, targets that hold our own inputs, and targets that cannot be written.
-    `kind`: "dir" or "file"."""
+    `kind`: "dir" or "file". `marker`: the file every output of this tool holds (its provenance JSON);
+    given, --overwrite replaces only an empty directory or an earlier output, never a directory of
+    other files (`--out . --overwrite` would otherwise delete the working directory's contents)."""
     target = Path(target)
     if target.exists() or target.is_symlink():
         if not overwrite:
@@ -56,6 +59,12 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
             raise UserError(f"--out {target} would replace an input ({p})")
         if resolved == p or p in resolved.parents:  # e.g. a step-like name inside a checkpoint dir
             raise UserError(f"--out {target} is inside an input ({p}); write it elsewhere")
+    if kind == "dir" and marker is not None and target.is_dir() and not (target / marker).is_file():
+        held = sorted(p.name for p in target.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise UserError(f"--out {target}: --overwrite replaces an earlier output (a directory with {marker}), "
+                            f"and this one holds other files ({shown}); choose another --out, or remove it yourself")
     check_writable(target.parent, f"--out {target}")
 
 
@@ -142,15 +151,16 @@ class _AtomicOutput:
 
     kind = "dir"
 
-    def __init__(self, target: str | Path, overwrite: bool = False):
+    def __init__(self, target: str | Path, overwrite: bool = False, marker: str | None = None):
         self.target = Path(target).absolute()
         self.overwrite = overwrite
+        self.marker = marker  # see check_target
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
         self.published = False
         self._old_sigterm: object = _UNSET
 
     def __enter__(self) -> Path:
-        check_target(self.target, self.overwrite, kind=self.kind)
+        check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker)
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             clean_stale(self.target)
