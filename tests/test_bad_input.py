@@ -226,6 +226,13 @@ CASES = [
          {"c.yaml": from_corpus("syntax_error.yaml")}),
     Case("config-not-a-mapping", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "mapping"],
          {"c.yaml": "- model\n- train\n"}),
+    Case("config-duplicate-section", "gemma_tpu.train", ["--config", "{tmp}/c.yaml", "--print-config"],
+         ["{tmp}/c.yaml line 3", "'train' appears twice", "line 1"],
+         {"c.yaml": "train:\n  max_steps: 3\ntrain:\n  batch_size: 2\n"}),  # max_steps silently back to 100
+    Case("config-duplicate-key-in-flow", "gemma_tpu.train", ["--config", "{tmp}/c.yaml", "--print-config"],
+         ["{tmp}/c.yaml line 1", "'max_steps' appears twice"], {"c.yaml": "train: {max_steps: 3, max_steps: 4}\n"}),
+    Case("config-not-utf8", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "not UTF-8"],
+         {"c.yaml": b"# caf\xe9\ntrain: {max_steps: 3}\n"}),
     Case("config-missing-file", "gemma_tpu.train", ["--config", "{tmp}/nope.yaml"], ["{tmp}/nope.yaml"]),
     Case("config-override-without-value", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "train.max_steps"],
@@ -436,6 +443,8 @@ CASES = [
          ["override 'server.port=70000': server.port must be in 1..65535", "70000"]),
     Case("serve-port-not-a-number", "serving.launch", [*LAUNCH, "model.dir={tiny}", "server.port=eighty"],
          ["server.port", "'eighty'"]),
+    Case("serve-config-duplicate-section", "serving.launch", ["--print", "--config", "{tmp}/s.yaml"],
+         ["{tmp}/s.yaml line 2", "'model' appears twice"], {"s.yaml": "model: {dir: {tiny}}\nmodel: {name: coach}\n"}),
     Case("serve-config-unknown-section", "serving.launch", ["--print", "--config", "{tmp}/s.yaml"],
          ["{tmp}/s.yaml", "sever"], {"s.yaml": from_corpus("serve_unknown_section.yaml")}),
     # ---- clients
