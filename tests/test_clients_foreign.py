@@ -269,3 +269,40 @@ def test_tool_results_name_the_call_they_answer():
     ids = {c["function"]["name"] + "@" + str(i): c["id"] for i, m in enumerate(sent) for c in m.get("tool_calls", [])}
     assert [m.get("tool_call_id") for m in sent if m["role"] == "tool"] == [
         ids["get_sleeping_minutes@1"], ids["get_steps@1"], ids["get_steps@6"]]
+
+
+def test_a_server_that_never_answers(tmp_path):
+    """A stalled server (it accepts, reads the request, never answers): evaluate waited 300 s per request,
+    with no option to wait less, and then said `cannot reach the server (timed out)` of a server it had
+    reached. `--timeout` bounds it and the line says what happened."""
+    import time
+
+    release = threading.Event()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    held = []
+
+    def accept():
+        while not release.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            held.append(conn)  # read nothing back, answer nothing
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        t0 = time.monotonic()
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "1", "--timeout", "1")
+        assert time.monotonic() - t0 < 30
+        assert_one_line_error(proc, f"{url}/v1/chat/completions: no answer within 1 s")
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--timeout", "1", "--once", "steps?")
+        assert_one_line_error(proc, "/v1/chat/completions: no answer within 1 s")
+    finally:
+        release.set()
+        srv.close()
+        for c in held:
+            c.close()

@@ -42,7 +42,9 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
         except (http.client.HTTPException, OSError):  # the error page itself was cut off
             detail = "no readable body"
         raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+    except TimeoutError:  # connected, asked, and no answer came (a stalled or overloaded server)
+        raise Unreachable(f"{url}: no answer within {timeout:g} s") from None
+    except (urllib.error.URLError, ConnectionError, OSError) as e:
         raise Unreachable(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
     except http.client.HTTPException as e:
         # something answered, but not in HTTP (an SSH or database port: BadStatusLine), or cut its answer
