@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import check_writable, write_text_atomic
+from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.infer.openai_client import (
@@ -406,10 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers like 90,99") from None
     if not percentiles or any(not 0 < p <= 100 for p in percentiles):
         raise UserError("--metric-percentiles: values must be in (0, 100]")
-    if args.json and Path(args.json).is_dir():
-        raise UserError(f"--json {args.json}: is a directory (give a file name)")
-    if args.json:
-        check_writable(Path(args.json).parent, f"--json {args.json}")
+    check_results_file(args.json, {"--dataset": args.dataset if args.dataset != "random" else None})
     try:
         import httpx  # noqa: F401
     except ImportError:

@@ -249,6 +249,22 @@ class AtomicFile(_AtomicOutput):
         return self.target
 
 
+def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | None] = {}) -> None:  # noqa: B006
+    """Refuse, before the work, a `--json` results file that cannot be written, is a directory, or is one
+    of the run's inputs (`--json data/test.jsonl` would replace the test data with the results).
+    `inputs`: option -> path."""
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--json {path}: is a directory (give a file name)")
+    for option, src in inputs.items():
+        if src and Path(src).exists() and p.exists() and p.resolve() == Path(src).resolve():
+            raise UserError(f"--json {path} is the {option} input; the results would replace it (give another "
+                            f"file name)")
+    check_writable(p.parent, f"--json {path}")
+
+
 def write_text_atomic(target: str | Path, text: str) -> Path:
     """Publish a small results file (`--json`) all at once: an existing file is replaced (results files
     are rewritten by every run), never left cut short by a full disk, Ctrl-C or SIGTERM mid-write."""

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import write_text_atomic
+from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> dict:
     path = cfg.data.train_path if args.split == "train" else cfg.data.eval_path
     if not path:
         raise UserError(f"data.{'train' if args.split == 'train' else 'eval'}_path is not set in {args.config}")
+    check_results_file(args.json, {"data": path, "--config": args.config})
     convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
     tok, tok_where, family_format = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import check_writable, write_text_atomic
+from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
@@ -312,10 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.step is not None and (args.model or args.endpoint):
         raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
                         f"{'--model' if args.model else '--endpoint'}")
-    if args.json and Path(args.json).is_dir():
-        raise UserError(f"--json {args.json}: is a directory (give a file name)")
-    if args.json:
-        check_writable(Path(args.json).parent, f"--json {args.json}")
+    check_results_file(args.json, {"--data": args.data, "--config": args.config})
     convs = load_conversations(args.data, cfg.data)
     if args.limit:
         convs = convs[: args.limit]
