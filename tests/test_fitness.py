@@ -246,6 +246,33 @@ def test_generate_cli(tmp_path):
     assert sum(1 for _ in (tmp_path / "train.jsonl").open()) == 14
 
 
+def test_generate_failing_midway_keeps_the_previous_splits_whole(tmp_path, monkeypatch):
+    """Regenerating over earlier splits (another seed) and failing after the first split (a full disk, a
+    kill) left a new train.jsonl beside the old validation and test files: held-out phrasings of the new
+    seed could sit in train. Now the three are renamed into place together, or not at all."""
+    small = {"train": 14, "validation": 7, "test": 7}
+    dataset.write_splits(dataset.generate(0, small), tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_dumps, calls = json.dumps, []
+
+    def failing_dumps(obj, **kw):  # the write fails while the validation split is written
+        calls.append(1)
+        if len(calls) > small["train"] + 2:
+            raise OSError(28, "No space left on device")
+        return real_dumps(obj, **kw)
+
+    other = dataset.generate(1, small)
+    monkeypatch.setattr(dataset.json, "dumps", failing_dumps)
+    with pytest.raises(OSError, match="No space left"):
+        dataset.write_splits(other, tmp_path)
+    assert len(calls) == small["train"] + 3
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file left either
+    monkeypatch.setattr(dataset.json, "dumps", real_dumps)
+    dataset.write_splits(other, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.jsonl", "train.jsonl", "validation.jsonl"]
+    assert (tmp_path / "train.jsonl").read_bytes() != before["train.jsonl"]
+
+
 # ---------------------------------------------------------------------------------- call parser
 
 ROUND_TRIP = [
