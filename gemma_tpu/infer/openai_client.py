@@ -88,7 +88,11 @@ def api_base(url: str) -> str:
     """`http://h:p`, `http://h:p/v1` or `.../v1/chat/completions` -> `http://h:p/v1`."""
     import urllib.parse
 
-    parts = urllib.parse.urlsplit(url.strip())
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0..65535
+    except ValueError as e:  # `http://[::1` (Invalid IPv6 URL), `http://h:abc`, `http://h:99999`
+        raise UserError(f"{url!r} is not an http(s) server address ({e}; e.g. http://127.0.0.1:8000)") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError(f"{url!r} is not an http(s) server address (e.g. http://127.0.0.1:8000)")
     url = url.strip().rstrip("/")
