@@ -343,6 +343,19 @@ def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch)
     assert "verification failed" in err and err.strip().splitlines()[-1].startswith("error: ")
     assert not out.exists()
     assert (work / "merged_fail.unverified" / "model.safetensors").is_file()
+    # a second failure replaces that earlier unverified output; a file or a foreign directory of that name is
+    # kept (it was deleted with shutil.rmtree, or made the move fail and the merged files were lost)
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+    assert (work / "merged_fail.unverified" / "model.safetensors").is_file()
+    for i, make in enumerate((lambda p: p.write_text("mine"), lambda p: (p.mkdir(), (p / "notes").write_text("x")))):
+        out = work / f"merged_fail{i}"
+        make(work / f"merged_fail{i}.unverified")
+        assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+        kept = [p for p in work.iterdir() if p.name.startswith(f"merged_fail{i}.unverified-")]
+        assert len(kept) == 1 and (kept[0] / "model.safetensors").is_file(), capsys.readouterr().err
+        assert str(kept[0]) in capsys.readouterr().err.strip().splitlines()[-1]
+    assert (work / "merged_fail0.unverified").read_text() == "mine"
+    assert (work / "merged_fail1.unverified" / "notes").read_text() == "x"
 
 
 def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt):

@@ -217,10 +217,13 @@ class AtomicDir(_AtomicOutput):
         return self.target
 
     def move_to(self, other: Path) -> Path:
-        """Publish under another name instead (e.g. `<out>.unverified`), replacing it if present."""
+        """Publish under another name instead (e.g. `<out>.unverified`), replacing an earlier such output
+        there (one holding the marker file); anything else there is kept and `<other>-<pid>` is used."""
         other = Path(other).absolute()
-        if other.exists():
+        if other.is_dir() and not other.is_symlink() and (self.marker is None or (other / self.marker).is_file()):
             shutil.rmtree(other)
+        elif other.exists() or other.is_symlink():
+            other = other.with_name(f"{other.name}-{os.getpid()}")
         os.rename(self.tmp, other)
         self.published = True
         return other
