@@ -31,7 +31,7 @@ from convert.source import (
     open_checkpoint,
     resolve_base,
 )
-from convert.tool_tokens import install_tool_tokens
+from convert.tool_tokens import check_tool_token_files, install_tool_tokens
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target
 from gemma_tpu.core.cli import cli_main
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not source.is_lora:
         raise UserError(f"{source.dir}: a full fine-tune has no adapter to export; use convert.merge_orbax")
     out = Path(args.out)
-    check_target(out, args.overwrite, protected=[source.dir])
+    check_target(out, args.overwrite, protected=[source.dir], marker=PROVENANCE_FILE)
     recorded_dir = (source.meta.get("base_model") or {}).get("local_dir")
     if recorded_dir and Path(recorded_dir).is_dir():  # the adapter's base_model_name_or_path points there
         check_base_matches(source, Path(recorded_dir), args.allow_base_mismatch, "export_peft")
@@ -119,7 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs += [sio.OutSpec(f"{stem}.lora_A.weight", "F32", (rank, n_in)),
                   sio.OutSpec(f"{stem}.lora_B.weight", "F32", (n_out, rank))]
     factors = FactorCache(source, sites)
-    ad = AtomicDir(out, args.overwrite)
+    tokenizer_base = adapter_tokenizer_base(source)
+    if tokenizer_base is not None:  # refuse tokenizer files the markers cannot be published in, before writing
+        check_tool_token_files(tokenizer_base, source.meta.get("token_map") or {})
+    ad = AtomicDir(out, args.overwrite, marker=PROVENANCE_FILE)
     with ad as tmp:
         writer = sio.ShardedWriter(tmp, specs, max_shard_bytes=1 << 62, single_name=ADAPTER_FILE)
         try:
@@ -132,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             writer.abort()
             raise
         sio.write_json(tmp / "adapter_config.json", adapter_config(source, prefix))
-        tokenizer_note = write_adapter_tokenizer(source, tmp)
+        tokenizer_note = write_adapter_tokenizer(source, tokenizer_base, tmp)
         sio.write_json(tmp / PROVENANCE_FILE, {
             "tool": "convert.export_peft",
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -150,20 +153,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 
 
-def write_adapter_tokenizer(source: CheckpointSource, out: Path) -> str:
+def adapter_tokenizer_base(source: CheckpointSource) -> Path | None:
+    """The base whose tokenizer a tool-calling adapter ships (see `write_adapter_tokenizer`); None when the
+    run has no token map or its base cannot be found (then no tokenizer is written, with a warning)."""
+    if not source.meta.get("token_map"):
+        return None
+    try:
+        return resolve_base(source)
+    except UserError as e:
+        print(f"export_peft: warning: no tokenizer written ({e})", file=sys.stderr)
+        return None
+
+
+def write_adapter_tokenizer(source: CheckpointSource, base: Path | None, out: Path) -> str:
     """A tool-calling adapter trained on a vocabulary without FunctionGemma markers ships the base's
     tokenizer with the markers published (see convert/tool_tokens.py), so that `AutoTokenizer` on the
     adapter dir and a server's tool parser see `<start_function_call>` rather than `<unusedN>`."""
     import shutil
 
-
     token_map = source.meta.get("token_map") or {}
-    if not token_map:
-        return ""
-    try:
-        base = resolve_base(source)
-    except UserError as e:
-        print(f"export_peft: warning: no tokenizer written ({e})", file=sys.stderr)
+    if not token_map or base is None:
         return ""
     for name in TOKENIZER_FILES:
         if (base / name).is_file():

@@ -57,7 +57,7 @@ from convert.source import (
     open_checkpoint,
     resolve_base,
 )
-from convert.tool_tokens import install_tool_tokens
+from convert.tool_tokens import check_tool_token_files, install_tool_tokens
 from convert.verify import verify_merge
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicDir, check_target
@@ -66,7 +66,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.hf.files import write_sidecar_files
+from gemma_tpu.hf.files import generation_config, write_sidecar_files
 from gemma_tpu.models.registry import detect_family, text_config
 
 PROVENANCE_FILE = "gemma_tpu_merge.json"
@@ -141,7 +141,10 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     weights = sio.WeightsDir(base_dir)
     prefix = source.family.text_prefix(weights.names())
     if out is not None:
-        check_target(out, overwrite, protected=[base_dir, source.dir])
+        check_target(out, overwrite, protected=[base_dir, source.dir], marker=PROVENANCE_FILE)
+        # the files written after the weights are read now, so that a broken one is refused before the merge
+        generation_config(base_dir, base_config, source.family.stop_token_ids)
+        check_tool_token_files(base_dir, source.meta.get("token_map") or {})
     n_layers = text_config(base_config).get("num_hidden_layers")
     if n_layers is not None and int(n_layers) != source.layout.num_layers:
         raise UserError(f"base {base_dir} has num_hidden_layers={n_layers}; the checkpoint was trained "
@@ -329,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"merge: {s.dir} step {s.step} ({what}) + base {plan.base_dir} -> {plan.out} "
           f"({sio.DTYPE_NAMES_INV[plan.out_dtype]}, {len(plan.specs)} tensors, {human(plan.total_bytes)}, "
           f"{n_shards} shard{'s' if n_shards > 1 else ''})", file=sys.stderr)
-    ad = AtomicDir(plan.out, args.overwrite)
+    ad = AtomicDir(plan.out, args.overwrite, marker=PROVENANCE_FILE)
     with ad as tmp:
         writer = write_weights(plan, tmp, fsync=not args.no_fsync)
         stop_ids = s.family.stop_token_ids

@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import START_RESPONSE, tool_chat_template
 
 
-def _rename_tokenizer_json(path: Path, token_map: dict[str, str]) -> dict[str, int]:
-    """Rename in tokenizer.json; return marker -> id."""
-    tok = json.loads(path.read_text())
+def _rename_tokenizer_json(path: Path, token_map: dict[str, str], write: bool = True) -> dict[str, int]:
+    """Rename in tokenizer.json (only check that it can be done, with write=False); return marker -> id."""
+    tok = read_json_object(path, f"{path}: missing")
     by_old = {old: new for new, old in token_map.items()}
     ids: dict[str, int] = {}
     for entry in tok.get("added_tokens", []):
@@ -56,12 +56,13 @@ def _rename_tokenizer_json(path: Path, token_map: dict[str, str]) -> dict[str, i
     if missing:
         raise UserError(f"{path}: the checkpoint's token map names {token_map[missing[0]]} for {missing[0]}, "
                         f"but the tokenizer has no such token")
-    path.write_text(json.dumps(tok, ensure_ascii=False))
+    if write:
+        path.write_text(json.dumps(tok, ensure_ascii=False))
     return ids
 
 
 def _rename_tokenizer_config(path: Path, token_map: dict[str, str]) -> None:
-    cfg = json.loads(path.read_text())
+    cfg = read_json_object(path, f"{path}: missing")
     by_old = {old: new for new, old in token_map.items()}
     for entry in (cfg.get("added_tokens_decoder") or {}).values():
         if isinstance(entry, dict) and entry.get("content") in by_old:
@@ -86,6 +87,22 @@ def _rename_sentencepiece(path: Path, token_map: dict[str, str]) -> bool:
     return True
 
 
+def check_tool_token_files(tok_dir: Path, token_map: dict[str, str]) -> None:
+    """Refuse, before any output is written, tokenizer files `install_tool_tokens` could not publish the
+    markers in: no tokenizer.json, a tokenizer.json / tokenizer_config.json that is not a JSON object, a
+    mapped token the vocabulary lacks (one line naming the file)."""
+    if not token_map:
+        return
+    tj = Path(tok_dir) / "tokenizer.json"
+    if not tj.is_file():
+        raise UserError(f"{tok_dir}: the base has no tokenizer.json, so the tool-call token map "
+                        f"({len(token_map)} markers) cannot be published")
+    _rename_tokenizer_json(tj, token_map, write=False)
+    tc = Path(tok_dir) / "tokenizer_config.json"
+    if tc.is_file():
+        read_json_object(tc, f"{tc}: missing")
+
+
 def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, int]:
     """Rename the mapped `<unusedN>` tokens to their markers in every tokenizer file of `out_dir`,
     write the tool-calling chat template and add `<start_function_response>` to the stop ids.
@@ -105,7 +122,7 @@ def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, i
     (out_dir / "chat_template.jinja").write_text(tool_chat_template(None) + "\n")
     gen_path = out_dir / "generation_config.json"
     if gen_path.is_file() and START_RESPONSE in ids:
-        gen = json.loads(gen_path.read_text())
+        gen = read_json_object(gen_path, f"{gen_path}: missing")
         eos = gen.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         if ids[START_RESPONSE] not in eos:

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import check_writable
+from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.infer.openai_client import (
@@ -115,10 +115,14 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
     if not p.is_file():
         raise UserError(f"--dataset {path}: no such file (use 'random' or a .jsonl file)")
     rows: list[Prompt] = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, raw in enumerate(p.read_bytes().splitlines(), 1):
+        where = f"{p}:{lineno}"
+        try:  # line by line, so that a bad byte is reported at its line (as the training data reader does)
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
         if not line.strip():
             continue
-        where = f"{p}:{lineno}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
@@ -126,6 +130,8 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected a JSON object")
         limit = row.get("max_tokens", row.get("output_len"))
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+            raise UserError(f"{where}: max_tokens / output_len must be a positive integer, got {limit!r:.40}")
         if isinstance(row.get("messages"), list) and row["messages"]:
             msgs = row["messages"]
             if not all(isinstance(m, dict) and "role" in m for m in msgs):
@@ -201,7 +207,12 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
                     usage_tokens = usage["completion_tokens"]
                 if isinstance(usage.get("prompt_tokens"), int):
                     res.prompt_len = usage["prompt_tokens"]
-            for choice in chunk.get("choices") or []:
+            choices = chunk.get("choices") or []
+            if not isinstance(choices, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("delta") or {}, dict) for c in choices):
+                raise RequestFailed(f"bad event: 'choices' is not a list of objects with a 'delta' object: "
+                                    f"{data[:200]!r}")
+            for choice in choices:
                 if first_choice is None:
                     first_choice = now
                 produced = _delta_output(choice.get("delta") or {})
@@ -395,10 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers like 90,99") from None
     if not percentiles or any(not 0 < p <= 100 for p in percentiles):
         raise UserError("--metric-percentiles: values must be in (0, 100]")
-    if args.json and Path(args.json).is_dir():
-        raise UserError(f"--json {args.json}: is a directory (give a file name)")
-    if args.json:
-        check_writable(Path(args.json).parent, f"--json {args.json}")
+    check_results_file(args.json, {"--dataset": args.dataset if args.dataset != "random" else None})
     try:
         import httpx  # noqa: F401
     except ImportError:
@@ -439,8 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
                        latencies=[r.latency for r in results], errors=[r.error for r in results])
         out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_text_atomic(out, json.dumps(doc, indent=2) + "\n")
         print(f"wrote {out}", file=sys.stderr)
     return 0 if metrics["completed"] else 1
 

@@ -24,7 +24,7 @@ from typing import Any, Sequence, TextIO
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.examples.fitness.chat import chat_repl
+from gemma_tpu.examples.fitness.chat import chat_repl, question_text
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
 from gemma_tpu.formats.function_calling import ParsedReply
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = args.model or served_model_name(api_base(args.base_url), api_key, timeout=min(args.timeout, 30))
     coach = RemoteCoach(args.base_url, provider, model, api_key, args.max_tokens, args.temperature, args.timeout)
     if args.once is not None:
-        print(coach.ask(args.once))
+        print(coach.ask(question_text(args.once)))
         return 0
     return chat_repl(coach.ask, f"Connected to {coach.base} (model {model or 'default'}). ")
 

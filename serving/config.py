@@ -203,10 +203,13 @@ def check_weights(model_dir: Path) -> None:
 
 
 def check_tokenizer(model_dir: Path) -> None:
+    """The tokenizer files are there and their JSON reads (transformers, hence vLLM, fails on a broken
+    tokenizer_config.json or tokenizer.json: a copy cut short, a hand edit)."""
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer.model").is_file():
         raise UserError(f"model dir {model_dir}: no tokenizer (tokenizer.json or tokenizer.model)")
-    if not (model_dir / "tokenizer_config.json").is_file():
-        raise UserError(f"model dir {model_dir}: no tokenizer_config.json")
+    read_json_object(model_dir / "tokenizer_config.json", f"model dir {model_dir}: no tokenizer_config.json")
+    if (model_dir / "tokenizer.json").is_file():
+        read_json_object(model_dir / "tokenizer.json", f"model dir {model_dir}: no tokenizer.json")
 
 
 def chat_template_in(model_dir: Path) -> tuple[str | None, bool]:
@@ -248,8 +251,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         raise UserError(f"model.dir {cfg.model.dir}: not a directory")
     hf = read_json_object(d / "config.json", f"model dir {d}: no config.json")
     check_weights(d)
-    if not (d / "generation_config.json").is_file():
-        raise UserError(f"model dir {d}: no generation_config.json (vLLM reads its stop tokens from it)")
+    # vLLM reads its stop tokens from it, and quietly does without one it cannot parse
+    read_json_object(d / "generation_config.json",
+                     f"model dir {d}: no generation_config.json (vLLM reads its stop tokens from it)")
     check_tokenizer(d)
     archs = hf.get("architectures") or []
     if not isinstance(archs, list) or len(archs) != 1:

@@ -113,6 +113,7 @@ class LocalServer:
 
     def start(self) -> "LocalServer":
         cmd = self.command()
+        self._check_port_free()
         self._workdir = Path(tempfile.mkdtemp(prefix="gemma-tpu-serve-"))
         prepare_served_dir(self.model_dir, self.name, self._workdir, self.chat_template)
         hub = self._workdir / "hub-cache"
@@ -124,6 +125,21 @@ class LocalServer:
                                      stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
                                      start_new_session=True)
         return self
+
+    def _check_port_free(self) -> None:
+        """Refuse a port something already listens on: the server would fail to bind only after loading
+        the model, and meanwhile the other server's /health made this one look ready."""
+        import errno
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+            try:
+                s.bind((self.host, self.port))
+            except OSError as e:
+                why = "already in use (another server?)" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+                raise UserError(f"server.port {self.port} on {self.host}: {why}; choose another with "
+                                f"server.port=N") from None
 
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.is_file():

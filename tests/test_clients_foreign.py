@@ -4,8 +4,14 @@ body), exit non-zero, and write no results file when every request failed."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import io
 import json
+import re
+import socket
+import subprocess
+import threading
 
 import pytest
 
@@ -18,7 +24,8 @@ HTML = b"<!DOCTYPE html><html><head><title>Welcome to nginx!</title></head><body
 
 class Foreign(http.server.BaseHTTPRequestHandler):
     """Behaviour by path prefix: /html (a web page for everything), /json (a plain JSON completion where a
-    stream was asked for), /cut (an event stream whose JSON event is cut off)."""
+    stream was asked for), /cut (an event stream whose JSON event is cut off), /shape (events whose
+    `choices` is not a list of objects)."""
 
     def log_message(self, *args):
         pass
@@ -44,6 +51,9 @@ class Foreign(http.server.BaseHTTPRequestHandler):
                 {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
                               "finish_reason": "stop"}]}).encode())
         body = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if self.path.startswith("/shape"):  # valid JSON events of the wrong shape
+            body += sse({"choices": "one two"}) + sse({"choices": [{"index": 0, "delta": "two"}]})
+            return self._send("text/event-stream", body)
         body += b'data: {"choices": [{"index": 0, "delta": {"cont\n\n'
         self._send("text/event-stream", body)
 
@@ -52,6 +62,7 @@ class Foreign(http.server.BaseHTTPRequestHandler):
     ("/html", ["not an OpenAI event stream", "HTTP 200, Content-Type text/html", "Welcome to nginx"]),
     ("/json", ["not an OpenAI event stream", "Content-Type application/json", '"choices"']),
     ("/cut", ["bad event", "cont"]),
+    ("/shape", ["bad event", "'choices' is not a list of objects", "one two"]),
 ])
 def test_bench_against_a_foreign_server(tmp_path, path, needles):
     out = tmp_path / "bench.json"
@@ -71,3 +82,227 @@ def test_evaluate_against_an_html_server(tmp_path):
     assert_one_line_error(proc, "/html/v1/chat/completions", "not JSON", "HTTP 200, Content-Type text/html",
                           "Welcome to nginx", "OpenAI-compatible")
     assert not out.exists()
+
+
+# ------------------------------------------------ answers that are not HTTP, or not an OpenAI message
+
+@contextlib.contextmanager
+def raw_server(answer: bytes):
+    """A loopback TCP server that reads each request (headers and body) and sends `answer` verbatim, HTTP
+    or not, then hangs up (at most 20 connections, each read bounded to 1 MB)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(30)
+
+    def serve():
+        for _ in range(20):
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(10)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data and len(data) < 1 << 20:
+                        data += conn.recv(65536) or b"\r\n\r\n"
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+                    while length and len(body) < int(length.group(1)):
+                        body += conn.recv(65536) or b"x" * int(length.group(1))
+                    conn.sendall(answer)
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.recv(1)  # until the client hangs up
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        srv.close()
+
+
+def _in_process(entry: str, *argv: str) -> subprocess.CompletedProcess:
+    """`python -m entry argv` as `cli_main` runs it, in this process (the evaluation's imports once)."""
+    import importlib
+
+    from gemma_tpu.core.cli import cli_main
+
+    module = importlib.import_module({"gemma_tpu.evaluate": "gemma_tpu.evaluate.run"}.get(entry, entry))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(module.main, list(argv))
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
+
+
+NOT_HTTP = [
+    # an SSH port (or any non-HTTP service) given as the server: http.client's BadStatusLine
+    (b"SSH-2.0-OpenSSH_9.6\r\n", ["the answer is not HTTP", "SSH-2.0-OpenSSH_9.6", "OpenAI-compatible"]),
+    # a body cut short of its Content-Length: IncompleteRead
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"choices\": [",
+     ["the answer was cut off", "13 of 100 bytes"]),
+    # an error page cut short: the HTTP status is still reported
+    (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 50\r\n\r\nboom", ["HTTP 500"]),
+]
+
+
+@pytest.mark.parametrize("answer, needles", NOT_HTTP, ids=["not-http", "cut-off", "cut-off-500"])
+def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, needles):
+    out = tmp_path / "r.json"
+    with raw_server(answer) as url:
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps today?")
+        assert_one_line_error(proc, "/v1/chat/completions", *needles)
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "1", "--json", str(out))
+        assert_one_line_error(proc, "/v1/chat/completions", *needles)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("message, needles", [
+    ({"content": 5}, ["content is not a string", "5"]),
+    ({"content": None, "tool_calls": "get_steps"}, ["tool_calls is not a list", '"get_steps"']),
+    ({"content": None, "tool_calls": [None]}, ["tool_calls is not a list", "[null]"]),
+    ({"content": None, "tool_calls": [{"function": "get_steps"}]}, ["tool_calls is not a list"]),
+    ({"content": [{"type": "image_url", "image_url": {"url": "x"}}, 3]}, ["not of text parts"]),
+])
+def test_messages_of_the_wrong_shape_are_one_line_errors(tmp_path, message, needles):
+    from tests.test_serving import scripted
+
+    out = tmp_path / "r.json"
+    _, server = scripted(message, message)
+    with server as url:
+        proc = _in_process("serving.chat", "--base-url", url, "--once", "steps today?")
+        assert_one_line_error(proc, "/v1/chat/completions", *needles)
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "1",
+                           "--json", str(out))
+        assert_one_line_error(proc, "/v1/chat/completions", *needles)
+    assert not out.exists()
+
+
+def test_content_parts_models_without_ids_and_nameless_calls():
+    """Content as a list of text parts is read as its text; a model list without ids names no model; a call
+    whose name is not a string is a format error, not a crash."""
+    from gemma_tpu.examples.fitness.providers import SimulatedDevice
+    from gemma_tpu.infer.openai_client import reply_from_message, served_model_name
+    from serving.chat import RemoteCoach
+    from tests.test_serving import scripted
+
+    _, server = scripted({"content": [{"type": "text", "text": "You slept "}, {"type": "text", "text": "well."}]})
+    with server as url:
+        assert RemoteCoach(url, SimulatedDevice(0), trace=None).ask("how did I sleep?") == "You slept well."
+
+    class Models(Foreign):
+        def do_GET(self):
+            return self._send("application/json", json.dumps({"data": {"id": "m"}}).encode())
+
+    with http_server(Models) as url:
+        assert served_model_name(url + "/v1") is None
+    assert reply_from_message({"tool_calls": [{"function": {"name": 7, "arguments": "{}"}}]}).kind == "format_error"
+
+
+# ------------------------------------------------------------------ results files published at once
+
+class Streams(Foreign):
+    """A well-behaved streaming completion for every request."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        chunk = lambda **kw: {"id": "x", "choices": [{"index": 0, **kw}]}  # noqa: E731
+        self._send("text/event-stream", sse(chunk(delta={"role": "assistant", "content": "one"}))
+                   + sse(chunk(delta={"content": " two"}, finish_reason="stop")) + sse("[DONE]"))
+
+
+def test_a_results_file_that_cannot_be_written_whole_keeps_the_old_one(tmp_path):
+    """`--json` used to be rewritten in place: a write that failed midway (a full disk; here a 1 KB file-size
+    limit) left the previous results cut short. Now it is published whole or not at all."""
+    import sys
+
+    out = tmp_path / "bench.json"
+    out.write_text('{"previous": "results"}\n')
+    # the write fails with EFBIG (SIGXFSZ ignored, which survives exec) past a 1 KB file-size limit
+    limited = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
+               "os.execv(sys.executable, [sys.executable, '-m', 'serving.bench', *sys.argv[1:]])")
+    with http_server(Streams) as url:
+        proc = subprocess.run([sys.executable, "-c", limited, "--base-url", url, "--model", "m", "--num-prompts", "2",
+                               "--input-len", "4", "--output-len", "2", "--timeout", "10", "--json", str(out),
+                               "--disable-tqdm"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
+    assert out.read_text() == '{"previous": "results"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+    with http_server(Streams) as url:  # without the limit the results replace the old file
+        proc = run_cli("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "2", "--input-len", "4",
+                       "--output-len", "2", "--timeout", "10", "--json", str(out), "--disable-tqdm", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["completed"] == 2
+
+
+def test_bench_dataset_lines_are_split_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028 / U+0085 unescaped; str.splitlines() cut such a line in two."""
+    from serving.bench import file_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "one\u2028two\x85three"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    (row,) = file_prompts(str(path), 1, 0)
+    assert row.messages[0]["content"] == "one\u2028two\x85three"
+
+
+def test_tool_results_name_the_call_they_answer():
+    """A turn with two calls and its two results: the second result named `call_<turn>_0` of no turn (it
+    took the id from the message before it, a tool result); a strict server refuses an unknown id."""
+    from gemma_tpu.infer.openai_client import openai_messages
+
+    sent = openai_messages([
+        {"role": "user", "content": "steps and sleep?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_steps", "arguments": {"date": "today"}},
+                                                            {"name": "get_sleeping_minutes", "arguments": {}}]},
+        {"role": "tool", "name": "get_sleeping_minutes", "content": "{\"minutes\": 400}"},
+        {"role": "tool", "name": "get_steps", "content": "{\"steps\": 9000}"},
+        {"role": "assistant", "content": "9000 steps, 400 minutes."},
+        {"role": "user", "content": "and yesterday?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_steps", "arguments": {}}]},
+        {"role": "tool", "name": "get_steps", "content": "{}"},
+    ])
+    ids = {c["function"]["name"] + "@" + str(i): c["id"] for i, m in enumerate(sent) for c in m.get("tool_calls", [])}
+    assert [m.get("tool_call_id") for m in sent if m["role"] == "tool"] == [
+        ids["get_sleeping_minutes@1"], ids["get_steps@1"], ids["get_steps@6"]]
+
+
+def test_a_server_that_never_answers(tmp_path):
+    """A stalled server (it accepts, reads the request, never answers): evaluate waited 300 s per request,
+    with no option to wait less, and then said `cannot reach the server (timed out)` of a server it had
+    reached. `--timeout` bounds it and the line says what happened."""
+    import time
+
+    release = threading.Event()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    held = []
+
+    def accept():
+        while not release.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            held.append(conn)  # read nothing back, answer nothing
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        t0 = time.monotonic()
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "1", "--timeout", "1")
+        assert time.monotonic() - t0 < 30
+        assert_one_line_error(proc, f"{url}/v1/chat/completions: no answer within 1 s")
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--timeout", "1", "--once", "steps?")
+        assert_one_line_error(proc, "/v1/chat/completions: no answer within 1 s")
+    finally:
+        release.set()
+        srv.close()
+        for c in held:
+            c.close()

@@ -343,6 +343,19 @@ def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch)
     assert "verification failed" in err and err.strip().splitlines()[-1].startswith("error: ")
     assert not out.exists()
     assert (work / "merged_fail.unverified" / "model.safetensors").is_file()
+    # a second failure replaces that earlier unverified output; a file or a foreign directory of that name is
+    # kept (it was deleted with shutil.rmtree, or made the move fail and the merged files were lost)
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+    assert (work / "merged_fail.unverified" / "model.safetensors").is_file()
+    for i, make in enumerate((lambda p: p.write_text("mine"), lambda p: (p.mkdir(), (p / "notes").write_text("x")))):
+        out = work / f"merged_fail{i}"
+        make(work / f"merged_fail{i}.unverified")
+        assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+        kept = [p for p in work.iterdir() if p.name.startswith(f"merged_fail{i}.unverified-")]
+        assert len(kept) == 1 and (kept[0] / "model.safetensors").is_file(), capsys.readouterr().err
+        assert str(kept[0]) in capsys.readouterr().err.strip().splitlines()[-1]
+    assert (work / "merged_fail0.unverified").read_text() == "mine"
+    assert (work / "merged_fail1.unverified" / "notes").read_text() == "x"
 
 
 def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt):
@@ -562,6 +575,25 @@ def test_sigterm_cleans_up(work, lora_ckpt):
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) != 0
+    assert leftovers(out) == []
+
+
+def test_a_step_deleted_while_the_merge_reads_it(work, lora_ckpt):
+    """A merge run while training goes on: the trainer's max_to_keep deletes the step the merge chose (here
+    as soon as the merge's temp dir appears, before it reads the second layer's factors). One line saying
+    so (it said `cannot read tensor ...; the step is incomplete or damaged`), nothing at --out."""
+    from tests.conftest import assert_one_line_error
+
+    ckpt, out = work / "deleted_ckpt", work / "deleted_merge"
+    shutil.copytree(lora_ckpt[0], ckpt)
+    (step,) = [p for p in ckpt.iterdir() if p.name.isdigit()]
+    proc = _start_merge(ckpt, out, slow=0.2)  # 28 tensors: ~6 s of writing
+    _wait_for_tmp(proc, out)
+    shutil.rmtree(step)
+    assert proc.wait(timeout=120) != 0
+    err = proc.stderr.read().decode()
+    assert_one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err),
+                          f"{step}: the step was deleted while being read", "checkpoint.max_to_keep")
     assert leftovers(out) == []
 
 

@@ -246,6 +246,33 @@ def test_generate_cli(tmp_path):
     assert sum(1 for _ in (tmp_path / "train.jsonl").open()) == 14
 
 
+def test_generate_failing_midway_keeps_the_previous_splits_whole(tmp_path, monkeypatch):
+    """Regenerating over earlier splits (another seed) and failing after the first split (a full disk, a
+    kill) left a new train.jsonl beside the old validation and test files: held-out phrasings of the new
+    seed could sit in train. Now the three are renamed into place together, or not at all."""
+    small = {"train": 14, "validation": 7, "test": 7}
+    dataset.write_splits(dataset.generate(0, small), tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_dumps, calls = json.dumps, []
+
+    def failing_dumps(obj, **kw):  # the write fails while the validation split is written
+        calls.append(1)
+        if len(calls) > small["train"] + 2:
+            raise OSError(28, "No space left on device")
+        return real_dumps(obj, **kw)
+
+    other = dataset.generate(1, small)
+    monkeypatch.setattr(dataset.json, "dumps", failing_dumps)
+    with pytest.raises(OSError, match="No space left"):
+        dataset.write_splits(other, tmp_path)
+    assert len(calls) == small["train"] + 3
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file left either
+    monkeypatch.setattr(dataset.json, "dumps", real_dumps)
+    dataset.write_splits(other, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.jsonl", "train.jsonl", "validation.jsonl"]
+    assert (tmp_path / "train.jsonl").read_bytes() != before["train.jsonl"]
+
+
 # ---------------------------------------------------------------------------------- call parser
 
 ROUND_TRIP = [
@@ -286,6 +313,20 @@ def test_parser_classifies_text_bare_calls_and_errors():
         reply = parse_reply(broken)
         assert reply.kind == "format_error", broken
         assert reply.error
+
+
+def test_parser_and_matcher_take_runs_of_digits_of_any_length():
+    """A degenerate model writes a run of hundreds of digits: float() of 309+ digits is inf and int(inf)
+    raised OverflowError out of parse_reply (a traceback in evaluate and the chat); the matcher's float()
+    of such an int raised too."""
+    for n in (400, 5000):  # 5000: past Python's 4,300-digit int-from-str limit
+        reply = parse_reply(f"<start_function_call>call:get_steps{{date:{'9' * n}}}<end_function_call>")
+        assert reply.kind == "call" and str(reply.first.arguments["date"]) == "9" * n
+        assert not arguments_match({"date": "today"}, reply.first.arguments)
+        assert arguments_match({"date": "9" * n}, reply.first.arguments)
+    assert not arguments_match({"n": 5}, {"n": 10 ** 400}) and arguments_match({"n": 10 ** 400}, {"n": 10 ** 400})
+    assert arguments_match({"n": "9" * 400}, {"n": 10 ** 400 - 1})
+    assert parse_reply("call:f{a:-12, b:1.5e3, c:1e999}").first.arguments == {"a": -12, "b": 1500.0, "c": float("inf")}
 
 
 def test_evaluation_scores_the_first_trained_answer(tmp_path):
@@ -554,6 +595,49 @@ def test_generic_tool_loop_with_another_toolset():
     assert seen == [[{"role": "user", "content": "hi"}]]
 
 
+def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
+    """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
+    session with a traceback; it is reported as the answer, traced, and the next question is answered."""
+    import io
+
+    from gemma_tpu.examples.fitness.chat import chat_repl
+    from gemma_tpu.infer.tool_loop import run_tool_loop
+
+    class DownGarmin(FakeGarmin):
+        def get_user_summary(self, cdate):
+            raise ConnectionError("Garmin Connect answered 503")
+
+        def get_sleep_data(self, cdate):
+            raise KeyError("dailySleepDTO")
+
+    coach = tools.toolset(GarminConnectProvider(client=DownGarmin()))
+    replies = {"steps?": ParsedReply("call", [ToolCall("get_steps", {"date": "today"})], ""),
+               "sleep?": ParsedReply("call", [ToolCall("get_sleeping_minutes", {"date": "today"})], "")}
+    trace = []
+
+    def ask(question):
+        if question == "hello?":
+            return "hi"
+        return run_tool_loop(question, coach, lambda messages: (replies[question], "raw"), log=trace.append)
+
+    assert ask("steps?") == "(the tool get_steps failed: ConnectionError: Garmin Connect answered 503)"
+    assert trace == ["-> get_steps(date='today') failed: ConnectionError: Garmin Connect answered 503"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("sleep?\nhello?\n"))
+    assert chat_repl(ask, "") == 0
+    assert capsys.readouterr().out.splitlines() == ["(the tool get_sleeping_minutes failed: KeyError: 'dailySleepDTO')",
+                                                    "hi"]
+
+
+def test_tool_results_that_are_not_json_are_sent_as_text():
+    from gemma_tpu.infer.tool_loop import Toolset, run_tool_loop
+
+    seen = []
+    when = Toolset([], lambda name, arguments: {"day": dt.date(2025, 3, 14)})
+    replies = [ParsedReply("call", [ToolCall("when", {})], ""), ParsedReply("text", [], "a Friday")]
+    assert run_tool_loop("when?", when, lambda m: (seen.append(list(m)), (replies.pop(0), ""))[1]) == "a Friday"
+    assert json.loads(seen[1][-1]["content"]) == {"day": "2025-03-14"}
+
+
 def test_coach_developer_turn_is_the_same_every_day_and_the_date_opens_the_user_turn():
     """A prompt prefix every conversation shares (computed once per training row, once per evaluation)."""
     from gemma_tpu.examples.fitness.tools import toolset
@@ -598,6 +682,34 @@ def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
     assert "malformed" in Coach(loaded, device, generator=gen, trace=None).ask("steps?")
     gen = ScriptedGenerator([format_call("get_steps", {"when": "today"})])
     assert "bad arguments" in Coach(loaded, device, generator=gen, trace=None).ask("steps?")
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # en_US.UTF-8 / C.UTF-8 locales
+def test_chat_questions_with_bytes_that_are_not_utf8(tiny_dir, monkeypatch, capsys, errors):
+    """A Latin-1 byte typed or piped into the chat ended the session with a traceback: a UnicodeDecodeError
+    from stdin (strict locale), or the tokenizer's TypeError on the lone surrogate Python decodes it to
+    (C.UTF-8). It reads as U+FFFD now, and the session goes on."""
+    import io
+
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.examples.fitness.chat import Coach, chat_repl, question_text
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.infer.generate import LoadedModel
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
+    gen = ScriptedGenerator(["Nice caf\u00e9.", "Pardon?", "Bye."])
+    coach = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=gen, trace=None)
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9 steps?\n\xff\xfe\nbye\n"), encoding="utf-8", errors=errors)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert chat_repl(coach.ask, "") == 0
+    assert capsys.readouterr().out.splitlines() == ["Nice caf\u00e9.", "Pardon?", "Bye."]
+    assert len(gen.prompts) == 3  # (the tiny character vocabulary renders U+FFFD as <unk>)
+    replacement = tok.decode(tok.encode("\ufffd", add_special_tokens=False))
+    assert f"Today is {TODAY.isoformat()}. caf{replacement} steps?" in tok.decode(gen.prompts[0])
+    assert question_text("caf\udce9") == "caf\ufffd"  # --once: argv keeps such bytes as lone surrogates
+    assert "\ud800" not in question_text("x\ud800") and question_text("\u00e9\U0001f600") == "\u00e9\U0001f600"
 
 
 # ------------------------------------------------------------------------ a real OpenAI server

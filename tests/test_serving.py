@@ -379,6 +379,23 @@ def test_local_served_dir_adds_a_template_without_touching_the_model(tiny_dir, t
     assert (served / "chat_template.jinja").read_text() == "{{ 'mine' }}"
 
 
+def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp_path, capsys):
+    """`serving.launch --local` on a port another server holds: transformers serve loaded the model, failed to
+    bind, and meanwhile the other server's /health 200 made it announce `serving ... at <that port>`; then
+    `transformers serve exited with code 3`. Now one line before anything starts."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{dir: {tiny_dir}}}\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code = cli_main(__import__("serving.launch", fromlist=["main"]).main,
+                        ["--config", str(cfg), "--local", f"server.port={port}"])
+    err = capsys.readouterr().err
+    one_error_line(code, err, f"server.port {port} on 127.0.0.1: already in use", "server.port=N")
+    assert "serving" not in err.replace("server.port", "")
+
+
 def test_bench_against_local_server(local_server, tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("serving.bench", "--base-url", local_server, "--model", NAME_270M, "--num-prompts", "6",

@@ -47,6 +47,8 @@ class CheckpointParams:
             meta = self._ckptr.metadata(self.path)
         except Exception as e:  # corrupt or foreign directory
             self._ckptr.close()
+            if not self.path.parent.exists():
+                raise step_deleted(self.path.parent) from None
             raise UserError(f"{self.path}: unreadable Orbax metadata ({type(e).__name__}: {e})") from None
         item = meta.item_metadata if hasattr(meta, "item_metadata") else meta
         tree = getattr(item, "tree", item)
@@ -94,6 +96,8 @@ class CheckpointParams:
                 self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
             )
         except Exception as e:  # a data file missing or cut short (tensorstore/Orbax raise ValueError & co)
+            if not self.path.parent.exists():
+                raise step_deleted(self.path.parent) from None
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             raise UserError(f"{self.path}: cannot read tensor {names[0]}{more} ({short_reason(e)}); "
                             f"the step is incomplete or damaged") from None
@@ -124,6 +128,8 @@ ITEM_FILES = ("_METADATA",)  # every Orbax PyTree item has it; OCDBT items also 
 def check_item_files(path: Path) -> None:
     """The files an Orbax PyTree item cannot be read without, named when missing (one line)."""
     path = Path(path)
+    if not path.parent.exists():
+        raise step_deleted(path.parent)
     if not path.is_dir():
         raise UserError(f"{path}: missing (incomplete checkpoint step?)")
     missing = [path / n for n in ITEM_FILES if not (path / n).is_file()]
@@ -139,6 +145,14 @@ def check_item_files(path: Path) -> None:
         what = "truncated" if missing[0].is_file() else "missing"
         raise UserError(f"{missing[0]}: {what} (an incomplete or damaged checkpoint step"
                         f"{f'; {len(missing) - 1} more files missing or truncated' if len(missing) > 1 else ''})")
+
+
+def step_deleted(step_dir: Path) -> UserError:
+    """A step that was listed as complete and then disappeared: in practice a trainer still running on the
+    directory, which keeps only `checkpoint.max_to_keep` steps (the merge or export read it meanwhile)."""
+    return UserError(f"{step_dir}: the step was deleted while being read (a trainer still running on "
+                     f"{step_dir.parent} deletes steps beyond checkpoint.max_to_keep); run again for the latest "
+                     f"step, or wait for the run to end")
 
 
 def _missing_ocdbt_data(root: Path) -> list[Path]:

@@ -37,10 +37,13 @@ def check_writable(path: str | Path, what: str) -> None:
         raise UserError(f"{what}: {probe} is not writable")
 
 
-def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir") -> None:
+def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir",
+                 marker: str | None = None) -> None:
     """Refuse an existing target without --overwrite, a target of the other kind (or a link) in its
     place, targets that hold our own inputs, and targets that cannot be written.
-    `kind`: "dir" or "file"."""
+    `kind`: "dir" or "file". `marker`: the file every output of this tool holds (its provenance JSON);
+    given, --overwrite replaces only an empty directory or an earlier output, never a directory of
+    other files (`--out . --overwrite` would otherwise delete the working directory's contents)."""
     target = Path(target)
     if target.exists() or target.is_symlink():
         if not overwrite:
@@ -56,6 +59,12 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
             raise UserError(f"--out {target} would replace an input ({p})")
         if resolved == p or p in resolved.parents:  # e.g. a step-like name inside a checkpoint dir
             raise UserError(f"--out {target} is inside an input ({p}); write it elsewhere")
+    if kind == "dir" and marker is not None and target.is_dir() and not (target / marker).is_file():
+        held = sorted(p.name for p in target.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise UserError(f"--out {target}: --overwrite replaces an earlier output (a directory with {marker}), "
+                            f"and this one holds other files ({shown}); choose another --out, or remove it yourself")
     check_writable(target.parent, f"--out {target}")
 
 
@@ -142,15 +151,16 @@ class _AtomicOutput:
 
     kind = "dir"
 
-    def __init__(self, target: str | Path, overwrite: bool = False):
+    def __init__(self, target: str | Path, overwrite: bool = False, marker: str | None = None):
         self.target = Path(target).absolute()
         self.overwrite = overwrite
+        self.marker = marker  # see check_target
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
         self.published = False
         self._old_sigterm: object = _UNSET
 
     def __enter__(self) -> Path:
-        check_target(self.target, self.overwrite, kind=self.kind)
+        check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker)
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             clean_stale(self.target)
@@ -207,10 +217,13 @@ class AtomicDir(_AtomicOutput):
         return self.target
 
     def move_to(self, other: Path) -> Path:
-        """Publish under another name instead (e.g. `<out>.unverified`), replacing it if present."""
+        """Publish under another name instead (e.g. `<out>.unverified`), replacing an earlier such output
+        there (one holding the marker file); anything else there is kept and `<other>-<pid>` is used."""
         other = Path(other).absolute()
-        if other.exists():
+        if other.is_dir() and not other.is_symlink() and (self.marker is None or (other / self.marker).is_file()):
             shutil.rmtree(other)
+        elif other.exists() or other.is_symlink():
+            other = other.with_name(f"{other.name}-{os.getpid()}")
         os.rename(self.tmp, other)
         self.published = True
         return other
@@ -237,3 +250,29 @@ class AtomicFile(_AtomicOutput):
         self.published = True
         _fsync_dir(self.target.parent)
         return self.target
+
+
+def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | None] = {}) -> None:  # noqa: B006
+    """Refuse, before the work, a `--json` results file that cannot be written, is a directory, or is one
+    of the run's inputs (`--json data/test.jsonl` would replace the test data with the results).
+    `inputs`: option -> path."""
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--json {path}: is a directory (give a file name)")
+    for option, src in inputs.items():
+        if src and Path(src).exists() and p.exists() and p.resolve() == Path(src).resolve():
+            raise UserError(f"--json {path} is the {option} input; the results would replace it (give another "
+                            f"file name)")
+    check_writable(p.parent, f"--json {path}")
+
+
+def write_text_atomic(target: str | Path, text: str) -> Path:
+    """Publish a small results file (`--json`) all at once: an existing file is replaced (results files
+    are rewritten by every run), never left cut short by a full disk, Ctrl-C or SIGTERM mid-write."""
+    af = AtomicFile(target, overwrite=True)
+    with af as tmp:
+        tmp.write_text(text, encoding="utf-8")
+        af.publish()
+    return af.target

@@ -258,6 +258,32 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently: a
+    second `train:` section would drop every key of the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
+                    seen[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()) -> Any:
     """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
 
@@ -272,11 +298,17 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         if not p.is_file():
             raise UserError(f"config file not found: {p}")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        except _DuplicateKey as e:
+            raise UserError(f"{p} line {e.line}: {e.key!r} appears twice in one mapping (first on line {e.first}); "
+                            f"YAML would keep only the last and drop the first silently: merge them") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
             raise UserError(f"{p}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
+        tree = {} if tree is None else tree
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")
     for text in overrides:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gemma_tpu.core import cli
+from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace) -> dict:
     path = cfg.data.train_path if args.split == "train" else cfg.data.eval_path
     if not path:
         raise UserError(f"data.{'train' if args.split == 'train' else 'eval'}_path is not set in {args.config}")
+    check_results_file(args.json, {"data": path, "--config": args.config})
     convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
     tok, tok_where, family_format = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)
@@ -193,9 +195,7 @@ def run(args: argparse.Namespace) -> dict:
               "distinct_batch_shapes": n_shapes, "batch_shapes": shapes,
               "other_strategy": {k: v.stats() for k, v in prepared.items() if k != chosen}}
     if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import check_writable
+from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
@@ -182,11 +182,11 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
 
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
-                     label: str) -> tuple[list[ParsedReply], list[str]]:
+                     label: str, timeout: float = 300.0) -> tuple[list[ParsedReply], list[str]]:
     from tqdm import tqdm
 
     base = api_base(url)
-    name = served or served_model_name(base)
+    name = served or served_model_name(base, timeout=min(timeout, 30.0))
     preds, texts = [], []
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
         body: dict[str, Any] = {"messages": openai_messages(case.prompt["messages"]),
@@ -195,7 +195,8 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
             body["model"] = name
         if case.prompt.get("tools"):
             body["tools"] = case.prompt["tools"]
-        message = first_message(http_json(f"{base}/chat/completions", body), f"{base}/chat/completions")
+        message = first_message(http_json(f"{base}/chat/completions", body, timeout=timeout),
+                                f"{base}/chat/completions")
         preds.append(reply_from_message(message))
         texts.append(json.dumps(message, ensure_ascii=False))
     return preds, texts
@@ -232,7 +233,8 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     t0 = time.time()
     loss = None
     if spec.kind == "endpoint":
-        preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label)
+        preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
+                                        args.timeout)
     else:
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
@@ -281,6 +283,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                        help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds an --endpoint request may take (default 300)")
     p.add_argument("--limit", type=int, help="evaluate the first N examples")
     p.add_argument("--json", help="write metrics and per-example predictions here")
     # with the prefix cache a row prefills only its suffix, and decoding (memory-bound on the weights) serves
@@ -304,10 +307,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--limit must be positive")
     if args.batch_size <= 0 or args.max_new_tokens <= 0:
         raise UserError("--batch-size and --max-new-tokens must be positive")
-    if args.json and Path(args.json).is_dir():
-        raise UserError(f"--json {args.json}: is a directory (give a file name)")
-    if args.json:
-        check_writable(Path(args.json).parent, f"--json {args.json}")
+    if not args.timeout > 0:
+        raise UserError(f"--timeout {args.timeout:g}: must be positive")
+    if args.step is not None and (args.model or args.endpoint):
+        raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
+                        f"{'--model' if args.model else '--endpoint'}")
+    check_results_file(args.json, {"--data": args.data, "--config": args.config})
     convs = load_conversations(args.data, cfg.data)
     if args.limit:
         convs = convs[: args.limit]
@@ -329,8 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"unasked (eval_loss and perplexity judge the answers)", file=sys.stderr)
     if args.json:
         out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"data": str(args.data), "n": len(convs), "models": results,
-                                   "examples": details}, indent=2, ensure_ascii=False))
+        write_text_atomic(out, json.dumps({"data": str(args.data), "n": len(convs), "models": results,
+                                           "examples": details}, indent=2, ensure_ascii=False))
         print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -195,8 +195,14 @@ class _Reader:
         if word == "null":
             return None
         if _NUMBER.fullmatch(word):
-            num = float(word)
-            return int(num) if re.fullmatch(r"-?\d+", word) else num
+            if re.fullmatch(r"-?\d+", word):
+                # exact, however long (float() of 309+ digits is inf, and int(inf) raises); past
+                # Python's int-from-str limit (4,300 digits) a degenerate run of digits stays text
+                try:
+                    return int(word)
+                except ValueError:
+                    return word
+            return float(word)
         return word
 
     def obj(self) -> dict[str, Any]:
@@ -321,13 +327,21 @@ def normalise_value(v: Any) -> Any:
     if isinstance(v, bool):
         return v
     if isinstance(v, (int, float)):
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:  # an int past float's range (a run of 309+ digits) compares exactly
+            return v
     if isinstance(v, str):
         t = v.strip()
         low = t.lower()
         if low in ("true", "false"):
             return low == "true"
         if _NUMBER.fullmatch(t):
+            if re.fullmatch(r"-?\d+", t):
+                try:
+                    return normalise_value(int(t))  # as the same number written bare
+                except ValueError:  # past Python's int-from-str limit: compared as text
+                    return t
             return float(t)
         return " ".join(low.split())
     if isinstance(v, dict):

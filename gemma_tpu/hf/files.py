@@ -13,6 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
+from gemma_tpu.core.errors import UserError, read_json_object
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
 
 
@@ -34,13 +36,17 @@ def output_config(hf_config: dict, dtype_name: str) -> dict:
 def generation_config(base_dir: Path, hf_config: dict, stop_ids: tuple[int, ...]) -> dict:
     """The base's generation config (or one from config.json) with every stop id in eos_token_id."""
     path = base_dir / "generation_config.json"
-    gen = json.loads(path.read_text()) if path.is_file() else {}
+    gen = read_json_object(path, f"{path}: missing") if path.is_file() else {}
     text = hf_config.get("text_config") or hf_config
     for key in ("bos_token_id", "pad_token_id"):
         if key not in gen and text.get(key, hf_config.get(key)) is not None:
             gen[key] = text.get(key, hf_config.get(key))
     eos = gen.get("eos_token_id", text.get("eos_token_id", hf_config.get("eos_token_id")))
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else eos)
+    if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        raise UserError(f"{path if path.is_file() else base_dir / 'config.json'}: eos_token_id must be a token id or "
+                        f"a list of token ids, got {eos!r:.60}")
+    eos = list(eos)
     for i in stop_ids:
         if i not in eos:
             eos.append(i)

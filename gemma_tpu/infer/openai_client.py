@@ -8,6 +8,7 @@ in `content`. The streaming benchmark (serving/bench.py) uses httpx instead.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import urllib.error
@@ -36,12 +37,31 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
             body = resp.read().decode(errors="replace")
             status, ctype = resp.status, resp.headers.get("Content-Type") or "none"
     except urllib.error.HTTPError as e:
-        detail = " ".join(e.read().decode(errors="replace").split())[:300]
+        try:
+            detail = " ".join(e.read().decode(errors="replace").split())[:300]
+        except (http.client.HTTPException, OSError):  # the error page itself was cut off
+            detail = "no readable body"
         raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+    except TimeoutError:  # connected, asked, and no answer came (a stalled or overloaded server)
+        raise Unreachable(f"{url}: no answer within {timeout:g} s") from None
+    except (urllib.error.URLError, ConnectionError, OSError) as e:
         raise Unreachable(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+    except http.client.HTTPException as e:
+        # something answered, but not in HTTP (an SSH or database port: BadStatusLine), or cut its answer
+        # short (IncompleteRead), or sent a header line past http.client's limit (LineTooLong)
+        raise UserError(f"{url}: {_broken_answer(e)}; is this an OpenAI-compatible server?") from None
     return json_object(body, lambda why: UserError(f"{url}: {why}"),
                        f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
+
+
+def _broken_answer(e: "http.client.HTTPException") -> str:
+    """What an answer that http.client could not read as HTTP was, in a few words."""
+    if isinstance(e, http.client.IncompleteRead):
+        expected = f" of {len(e.partial) + e.expected}" if e.expected is not None else ""
+        return f"the answer was cut off ({len(e.partial)}{expected} bytes of its body arrived)"
+    if isinstance(e, http.client.BadStatusLine):
+        return f"the answer is not HTTP ({str(e.line).strip()[:80]!r})"
+    return f"the answer could not be read as HTTP ({type(e).__name__}: {str(e)[:120]})"
 
 
 def json_object(text: str, error, context: str | None = None) -> dict:
@@ -68,7 +88,11 @@ def api_base(url: str) -> str:
     """`http://h:p`, `http://h:p/v1` or `.../v1/chat/completions` -> `http://h:p/v1`."""
     import urllib.parse
 
-    parts = urllib.parse.urlsplit(url.strip())
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0..65535
+    except ValueError as e:  # `http://[::1` (Invalid IPv6 URL), `http://h:abc`, `http://h:99999`
+        raise UserError(f"{url!r} is not an http(s) server address ({e}; e.g. http://127.0.0.1:8000)") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError(f"{url!r} is not an http(s) server address (e.g. http://127.0.0.1:8000)")
     url = url.strip().rstrip("/")
@@ -83,14 +107,15 @@ def served_model_name(base: str, api_key: str | None = None, timeout: float = 30
     serve DIR` answers /v1/models from the hub cache only); the request then names no model and a
     server pinned to one model uses it."""
     try:
-        models = http_json(f"{base}/models", timeout=timeout, api_key=api_key).get("data") or []
+        models = http_json(f"{base}/models", timeout=timeout, api_key=api_key).get("data")
     except Unreachable:  # nothing will work: say so now, in one line
         raise
     except UserError as e:
         log.warning("%s; sending requests without a model name (pass the model name to choose)", e)
         return None
-    first = models[0] if models and isinstance(models[0], dict) else {}
-    return first.get("id")
+    first = models[0] if isinstance(models, list) and models and isinstance(models[0], dict) else {}
+    name = first.get("id")
+    return name if isinstance(name, str) and name else None
 
 
 def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0) -> None:
@@ -104,8 +129,11 @@ def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0
 
 
 def openai_messages(messages: list[dict]) -> list[dict]:
-    """Our normalised messages in OpenAI's shape (developer turns sent as system: more servers know it)."""
+    """Our normalised messages in OpenAI's shape (developer turns sent as system: more servers know it).
+    Calls get ids `call_<message>_<k>`; each tool result names the call of the latest assistant turn it
+    answers: the first unanswered one of its name, else the first unanswered one (results in order)."""
     out = []
+    open_calls: list[tuple[str, str]] = []  # (id, name) of the latest turn's calls still without a result
     for i, m in enumerate(messages):
         role = "system" if m["role"] == "developer" else m["role"]
         msg: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
@@ -115,8 +143,10 @@ def openai_messages(messages: list[dict]) -> list[dict]:
                                   "function": {"name": c["name"], "arguments": c["arguments"] if isinstance(
                                       c.get("arguments"), str) else json.dumps(c.get("arguments") or {})}}
                                  for j, c in enumerate(calls)]
+            open_calls = [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
         if role == "tool":
-            msg["tool_call_id"] = f"call_{i - 1}_0"
+            k = next((k for k, (_, name) in enumerate(open_calls) if name == m.get("name")), 0)
+            msg["tool_call_id"] = open_calls.pop(k)[0] if open_calls else f"call_{i - 1}_0"
             if m.get("name"):
                 msg["name"] = m["name"]
         out.append(msg)
@@ -133,7 +163,7 @@ def reply_from_message(message: dict) -> ParsedReply:
             args = json.loads(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
         except json.JSONDecodeError:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
-        if not isinstance(args, dict) or not fn.get("name"):
+        if not isinstance(args, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             return ParsedReply("format_error", [], str(raw), "tool call without a name or an object of arguments")
         calls.append(ToolCall(fn["name"], args))
     if calls:
@@ -143,11 +173,26 @@ def reply_from_message(message: dict) -> ParsedReply:
 
 
 def first_message(resp: dict, url: str) -> dict:
-    """`choices[0].message` of a chat completion, or a one-line error naming what came back."""
+    """`choices[0].message` of a chat completion, or a one-line error naming what came back. The message
+    is checked to have OpenAI's shape (`content` a string, null or a list of text parts, given back as
+    a string; `tool_calls` null or a list of objects with a `function` object), so the readers after it
+    need not guard every field."""
     try:
         message = resp["choices"][0]["message"]
     except (KeyError, IndexError, TypeError):
         raise UserError(f"{url}: unexpected response {json.dumps(resp)[:200]}") from None
     if not isinstance(message, dict):
         raise UserError(f"{url}: unexpected message {json.dumps(message)[:200]}")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: [{"type": "text", "text": "..."}]
+        if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+            raise UserError(f"{url}: message content is a list but not of text parts: {json.dumps(content)[:200]}")
+        message = {**message, "content": "".join(p.get("text", "") for p in content)}
+    elif content is not None and not isinstance(content, str):
+        raise UserError(f"{url}: message content is not a string: {json.dumps(content)[:200]}")
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+        raise UserError(f"{url}: tool_calls is not a list of {{\"function\": {{...}}}} objects: "
+                        f"{json.dumps(calls)[:200]}")
     return message

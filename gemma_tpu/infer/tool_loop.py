@@ -4,8 +4,8 @@ until the model answers in words or the call budget is spent.
 The model side is a callable, so the same loop drives a local `Generator` (the fitness chat) and any OpenAI-compatible endpoint (`serving.chat`); the tools are a
 `Toolset`: the declarations sent with each request, a runner, the system prompt and what each user turn
 carries besides the question. One call per turn is run (the first), as in the FunctionGemma data: one request,
-one call, one answer. A malformed call, an unknown tool or wrong arguments are reported in the returned text,
-not raised, so a chat session goes on.
+one call, one answer. A malformed call, an unknown tool, wrong arguments or a tool that raises (its service
+down, say) are reported in the returned text, not raised, so a chat session goes on.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Toolset:
 
 def result_json(result: Any) -> str:
     """Tool results travel as JSON strings in `tool` messages."""
-    return json.dumps(result, ensure_ascii=False)
+    return json.dumps(result, ensure_ascii=False, default=str)  # a date or a Decimal as text, not a crash
 
 
 def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max_calls: int = MAX_CALLS,
@@ -61,7 +61,11 @@ def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max
         except ToolCallError as e:
             log(f"-> {call.name}({shown}): {e}")
             return f"({e})"
-        log(f"-> {call.name}({shown}) = {json.dumps(result)}")
+        except Exception as e:  # noqa: BLE001 - a failing tool (service down, a bug) ends the question, not the chat
+            what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            log(f"-> {call.name}({shown}) failed: {what}")
+            return f"(the tool {call.name} failed: {what[:200]})"
+        log(f"-> {call.name}({shown}) = {result_json(result)}")
         messages.append({"role": "assistant", "content": "",
                          "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
         messages.append({"role": "tool", "name": call.name, "content": result_json(result)})

@@ -88,21 +88,37 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     cli.setup_logging(logging.WARNING)
+    if args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be positive")
+    if args.step is not None and not args.checkpoint:
+        raise UserError("--step applies to --checkpoint, not --model")
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
     loaded = load_hf_dir(args.model, args.dtype) if args.model else load_checkpoint(args.checkpoint, args.step)
     coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache)
     if args.once is not None:
         if not args.once.strip():
             raise UserError("--once needs a question")
-        print(coach.ask(args.once))
+        print(coach.ask(question_text(args.once)))
         return 0
     return chat_repl(coach.ask, "")
+
+
+def question_text(raw: str) -> str:
+    """A question as text the tokenizer and JSON accept: bytes that were not UTF-8 (Python keeps them in
+    argv, and in stdin under a C.UTF-8 locale, as lone surrogates, which the tokenizer refuses with a
+    TypeError) become U+FFFD."""
+    try:
+        return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte (not U+DC80..U+DCFF)
+        return raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def chat_repl(ask, greeting: str) -> int:
     """Questions from stdin (a prompt when it is a terminal) until EOF/exit; a failed request is reported
     and the session goes on."""
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # a byte that is not UTF-8 is U+FFFD, not a UnicodeDecodeError (a
+        sys.stdin.reconfigure(errors="surrogateescape")  # strict locale) that ends the session; see question_text
     if interactive:
         print(f"{greeting}Ask about steps, sleep, activity, heart rate or Body Battery (Ctrl-D to quit).",
               file=sys.stderr)
@@ -112,7 +128,7 @@ def chat_repl(ask, greeting: str) -> int:
         line = sys.stdin.readline()
         if not line:
             break
-        question = line.strip()
+        question = question_text(line).strip()
         if not question:
             continue
         if question.lower() in ("exit", "quit"):

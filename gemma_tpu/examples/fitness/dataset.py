@@ -294,18 +294,32 @@ def request_text(example: dict) -> str:
 
 
 def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str, Path]:
-    """One JSONL per split; stable key order and separators so equal data gives equal bytes."""
+    """One JSONL per split; stable key order and separators so equal data gives equal bytes. Every split
+    is written to a hidden temp file first and the files are renamed into place only once all are
+    written: a failure or a kill midway leaves the previous set whole, never a train split of one seed
+    beside a test split of another (whose held-out phrasings the new train split may then contain)."""
+    import os
+
+    from gemma_tpu.core.atomic import clean_stale
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, examples in splits.items():
-        p = out / f"{split}.jsonl"
-        tmp = p.with_suffix(".jsonl.tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            for ex in examples:
-                f.write(json.dumps(ex, ensure_ascii=False) + "\n")
-        tmp.replace(p)
-        paths[split] = p
+    paths = {split: out / f"{split}.jsonl" for split in splits}
+    tmps: dict[str, Path] = {}
+    try:
+        for split, examples in splits.items():
+            clean_stale(paths[split])  # temp files of a run that was killed
+            tmps[split] = out / f".{paths[split].name}.tmp-{os.getpid()}"
+            with tmps[split].open("w", encoding="utf-8") as f:
+                for ex in examples:
+                    f.write(json.dumps(ex, ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        for split, tmp in tmps.items():
+            tmp.replace(paths[split])
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
     return paths
 
 
