@@ -76,9 +76,9 @@ def lora_model(path, seed=0, scale=0.1):
     return model
 
 
-def assert_exact(model, examples, seq_len=SEQ, strategy="pad", one_seq_len=None):
+def assert_exact(model, examples, seq_len=SEQ, strategy="pad", one_seq_len=None, grad_atol=1e-5):
     """Shared layout vs one example a row (rows of `one_seq_len`, default `seq_len`): same targets,
-    loss and gradients within 1e-5."""
+    loss within 1e-5, gradients within `grad_atol` (1e-5)."""
     one = prepare_examples(examples, "t", DataConfig(seq_len=one_seq_len or seq_len, share_prefix="off"), seed=0)
     shared = prepare_examples(examples, "t", DataConfig(seq_len=seq_len, strategy=strategy), seed=0)
     assert shared.trees() >= 1 and len(shared.rows) < len(one.rows)
@@ -92,7 +92,7 @@ def assert_exact(model, examples, seq_len=SEQ, strategy="pad", one_seq_len=None)
     assert abs(l1 - l2) < 1e-5, (l1, l2)
     assert max(float(np.abs(g).max()) for g in g1) > 1e-3  # gradients that could differ
     for a, b in zip(g1, g2):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(a, b, atol=grad_atol, rtol=1e-4)
     return shared
 
 
@@ -147,7 +147,10 @@ def test_gemma4_shared_prefix_rows_are_exact(tmp_path, variant):
     from gemma_tpu.assets.tiny import write_tiny_gemma4
 
     d = write_tiny_gemma4(tmp_path / variant, seed=5, variant=variant)
-    assert_exact(lora_model(d), shared_examples(11))
+    # Per-layer embeddings: on an AVX2-only EPYC (2026-11-25) one gradient element of 256 differs by 2.2e-5 (max
+    # |grad| 0.76), where two exact layouts (one example a row, rows of 256 vs 512) already differ by 6e-6; on the
+    # AVX-512 EPYC all were within 1e-5. Float summation order, not a layout error (that would show as ~1e-2).
+    assert_exact(lora_model(d), shared_examples(11), grad_atol=1e-5 if variant == "dense" else 4e-5)
 
 
 def test_row_layout_of_a_tree():

@@ -298,7 +298,7 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         if not p.is_file():
             raise UserError(f"config file not found: {p}")
         try:
-            tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+            tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # safety: a SafeLoader subclass
         except _DuplicateKey as e:
             raise UserError(f"{p} line {e.line}: {e.key!r} appears twice in one mapping (first on line {e.first}); "
                             f"YAML would keep only the last and drop the first silently: merge them") from None
