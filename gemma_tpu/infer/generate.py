@@ -267,7 +267,11 @@ def _jitted(graphdef):
     structure (the base and the merged model an evaluation compares, a model reloaded) share them,
     and so their compilations: only the weights differ, and they are arguments."""
     for known, pair in _JIT_PAIRS:
-        if known == graphdef:
+        try:
+            same = bool(known == graphdef)
+        except (TypeError, ValueError):  # a static attribute that does not compare (an array): not shared
+            same = False
+        if same:
             return pair
     pair = _jit_pair(graphdef)
     _JIT_PAIRS.append((graphdef, pair))
