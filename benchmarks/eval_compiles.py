@@ -42,9 +42,12 @@ def child(side: str, a: str, b: str, data: str, limit: int, batch: int, max_new:
     current = ["(loading)"]
     per: dict[str, dict] = {}
 
+    def record(label: str) -> dict:
+        return per.setdefault(label, {"compilations": 0, "compile_s": 0.0, "generate_s": 0.0})
+
     def on_duration(event: str, secs: float, **_kw) -> None:
         if "backend_compile" in event:
-            rec = per.setdefault(current[0], {"compilations": 0, "compile_s": 0.0, "generate_s": 0.0})
+            rec = record(current[0])
             rec["compilations"] += 1
             rec["compile_s"] += secs
 
@@ -55,7 +58,7 @@ def child(side: str, a: str, b: str, data: str, limit: int, batch: int, max_new:
 
     def timed(self, *args, **kwargs):
         current[0] = order.setdefault(id(self), f"{len(order) + 1}. {self.loaded.description}")
-        rec = per.setdefault(current[0], {"compilations": 0, "compile_s": 0.0, "generate_s": 0.0})
+        rec = record(current[0])
         t = time.perf_counter()
         result = generate(self, *args, **kwargs)
         rec["generate_s"] += time.perf_counter() - t
