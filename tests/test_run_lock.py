@@ -78,7 +78,9 @@ def test_two_trainers_on_one_directory(tiny_dir, tmp_path):
     ck = tmp_path / "ck"
     args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
             "data.eval_path=null", "train.max_steps=3", "checkpoint.every_steps=1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "1"}
+    # 10 s a step: the second trainer's start (imports, data) must fall inside the first's run even when
+    # the first's compilations come from the test run's compilation cache and the machine is loaded
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "10"}
     first = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
