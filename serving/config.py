@@ -131,6 +131,17 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
             bad(f"server.{key} must be positive, got {getattr(s, key)}")
     if not 0 < s.port < 65536:
         bad(f"server.port must be in 1..65535, got {s.port}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):
+        bad(f"server.host {s.host!r} is not a host name or address (127.0.0.1 keeps the API local; "
+            "0.0.0.0 exposes it)")
+    c = cfg.container
+    # docker's reference grammar, loosely: [registry[:port]/]path[:tag][@digest], no spaces
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:-]*(@sha256:[0-9a-f]{64})?", c.image or ""):
+        bad(f"container.image {c.image!r} is not an image reference (e.g. {DEFAULT_IMAGE})")
+    if c.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", c.name):
+        bad(f"container.name {c.name!r}: docker names use letters, digits, '_', '.' and '-'")
+    if not (c.compile_cache or "").strip():
+        bad("container.compile_cache is empty (a host directory for vLLM's compile cache, e.g. ~/.cache/vllm)")
     for key in ("api_key_env",):
         v = getattr(s, key)
         if v is not None and not _ENV_NAME.fullmatch(v):

@@ -306,3 +306,89 @@ def test_a_server_that_never_answers(tmp_path):
         srv.close()
         for c in held:
             c.close()
+
+
+class Flaky(http.server.BaseHTTPRequestHandler):
+    """Chat completions fail with `status` for the first `fail` requests, then answer with a get_steps call;
+    `seen` counts the requests."""
+
+    status, fail, seen = 503, 2, 0
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, code: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._json(200, {"object": "list", "data": [{"id": "m"}]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        cls = type(self)
+        cls.seen += 1
+        if cls.seen <= cls.fail:
+            return self._json(cls.status, {"error": {"message": "model is still loading"}})
+        call = {"id": "c", "type": "function", "function": {"name": "get_steps", "arguments": "{}"}}
+        self._json(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": None,
+                                                              "tool_calls": [call]}}]})
+
+
+def flaky(status: int, fail: int):
+    return type("FlakyNow", (Flaky,), {"status": status, "fail": fail, "seen": 0})
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_evaluate_retries_a_busy_server(tmp_path, caplog, status):
+    """A server still loading (503) or rate limiting (429) gets the request again, 1 then 2 s later."""
+    handler = flaky(status, 2)
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert handler.seen == 3
+    assert re.search(r"^n\s+1$", proc.stdout, re.M), proc.stdout
+
+
+def test_evaluate_gives_up_after_its_retries_and_not_on_a_client_error(tmp_path):
+    handler = flaky(503, 100)
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "1",
+                           "--retries", "1")
+    assert_one_line_error(proc, "HTTP 503", "still loading", "after 2 attempts")
+    assert handler.seen == 2
+    handler = flaky(400, 100)  # a request the server will never take: asked once
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "1")
+    assert_one_line_error(proc, "HTTP 400")
+    assert "attempts" not in proc.stderr and handler.seen == 1
+    proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--retries", "-1")
+    assert_one_line_error(proc, "--retries -1")
+
+
+def test_compare_keeps_the_first_models_results_when_the_second_fails(tmp_path):
+    out = tmp_path / "r.json"
+    good, bad = flaky(503, 0), flaky(400, 100)
+    with http_server(good) as a, http_server(bad) as b:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--compare", f"endpoint:{a}",
+                           f"endpoint:{b}", "--limit", "2", "--json", str(out))
+    assert_one_line_error(proc, "HTTP 400")
+    assert not out.exists()  # the results file promised both models
+    partial = json.loads((tmp_path / "r.partial.json").read_text())
+    assert list(partial["models"]) == [f"endpoint:{a}"] and partial["models"][f"endpoint:{a}"]["n"] == 2
+    assert partial["failed"]["model"] == f"endpoint:{b}" and "HTTP 400" in partial["failed"]["error"]
+    assert f"endpoint:{a}" in proc.stdout  # the finished model's table
+
+
+def test_compare_checks_both_models_before_evaluating_either(tmp_path):
+    handler = flaky(503, 0)
+    with http_server(handler) as url:
+        for missing in (f"model:{tmp_path / 'nope'}", f"checkpoint:{tmp_path / 'nope'}"):
+            proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--compare", f"endpoint:{url}", missing,
+                               "--limit", "1")
+            assert_one_line_error(proc, str(tmp_path / "nope"))
+    assert handler.seen == 0  # no request was spent on the first model

@@ -217,6 +217,12 @@ def _missing_shard(p):
     (CONFIG_270M, fake_model_dir, ["server.tensor_parralel_size=1"], ["tensor_parralel_size"]),
     (CONFIG_270M, fake_model_dir, ["container.env={HF_TOKEN: abc}"], ["container.env.HF_TOKEN"]),
     (CONFIG_270M, lambda p: p, [], ["not a directory"]),
+    (CONFIG_270M, fake_model_dir, ['server.host=""'], ["server.host ''"]),
+    (CONFIG_270M, fake_model_dir, ["server.host=127.0.0.1 --evil"], ["server.host '127.0.0.1 --evil'"]),
+    (CONFIG_270M, fake_model_dir, ['container.image=""'], ["container.image ''", "image reference"]),
+    (CONFIG_270M, fake_model_dir, ["container.image=vllm/vllm-tpu latest"], ["container.image 'vllm/vllm-tpu latest'"]),
+    (CONFIG_270M, fake_model_dir, ["container.name=my server"], ["container.name 'my server'"]),
+    (CONFIG_270M, fake_model_dir, ['container.compile_cache=""'], ["container.compile_cache is empty"]),
 ])
 def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
     d = make(tmp_path / "m")

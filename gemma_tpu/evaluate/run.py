@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from gemma_tpu.checkpoint.metadata import read_metadata, resolve_step
+from gemma_tpu.checkpoint.restore import base_dir
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
@@ -42,12 +44,14 @@ from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     api_base,
+    check_reachable,
     first_message,
     http_json,
     openai_messages,
     reply_from_message,
     served_model_name,
 )
+from gemma_tpu.models import resolve_model
 
 log = logging.getLogger("gemma_tpu.evaluate")
 
@@ -182,7 +186,7 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
 
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
-                     label: str, timeout: float = 300.0) -> tuple[list[ParsedReply], list[str]]:
+                     label: str, timeout: float = 300.0, retries: int = 3) -> tuple[list[ParsedReply], list[str]]:
     from tqdm import tqdm
 
     base = api_base(url)
@@ -195,7 +199,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
             body["model"] = name
         if case.prompt.get("tools"):
             body["tools"] = case.prompt["tools"]
-        message = first_message(http_json(f"{base}/chat/completions", body, timeout=timeout),
+        message = first_message(http_json(f"{base}/chat/completions", body, timeout=timeout, retries=retries),
                                 f"{base}/chat/completions")
         preds.append(reply_from_message(message))
         texts.append(json.dumps(message, ensure_ascii=False))
@@ -227,6 +231,19 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None)
 
 
+def check_spec(spec: Spec, timeout: float) -> None:
+    """What can be checked of a model without loading it (the directory, the checkpoint step and its base,
+    the server answering), so `--compare` fails before the first model's minutes of work, not after."""
+    if spec.kind == "model":
+        resolve_model(spec.target)
+    elif spec.kind == "checkpoint":
+        meta = read_metadata(spec.target)
+        resolve_step(spec.target, spec.step)
+        base_dir(spec.target, meta)
+    else:
+        check_reachable(api_base(spec.target), timeout=min(timeout, 30.0))
+
+
 def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[dict, list[dict]]:
     """Metrics (and per-example records) of one model on the conversations."""
     cases = build_cases(convs)
@@ -234,7 +251,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     loss = None
     if spec.kind == "endpoint":
         preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
-                                        args.timeout)
+                                        args.timeout, args.retries)
     else:
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
@@ -272,6 +289,24 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def results_json(results: dict, details: dict, data: str, n: int, **extra) -> str:
+    return json.dumps({"data": str(data), "n": n, "models": results, "examples": details, **extra}, indent=2,
+                      ensure_ascii=False)
+
+
+def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: str, error: BaseException) -> None:
+    """Print the finished models' table and, with --json, write them beside it as `<name>.partial.json`
+    (never the --json file itself: a reader of that file expects every model asked for)."""
+    print(format_table(results))
+    print(f"{failed} failed: the table above holds the models finished before it", file=sys.stderr)
+    if args.json:
+        out = Path(args.json)
+        partial = out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
+        write_text_atomic(partial, results_json(results, details, args.data, len(convs),
+                                                failed={"model": failed, "error": str(error) or type(error).__name__}))
+        print(f"wrote {partial}", file=sys.stderr)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.evaluate", __doc__, config="YAML run config (data.* rendering settings, model.dtype)")
     p.add_argument("--data", required=True, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
@@ -284,6 +319,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds an --endpoint request may take (default 300)")
+    p.add_argument("--retries", type=int, default=3,
+                   help="further attempts of an --endpoint request the server refused or failed with 429 or 5xx "
+                        "(1, 2, 4 ... s apart; default 3)")
     p.add_argument("--limit", type=int, help="evaluate the first N examples")
     p.add_argument("--json", help="write metrics and per-example predictions here")
     # with the prefix cache a row prefills only its suffix, and decoding (memory-bound on the weights) serves
@@ -309,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--batch-size and --max-new-tokens must be positive")
     if not args.timeout > 0:
         raise UserError(f"--timeout {args.timeout:g}: must be positive")
+    if args.retries < 0:
+        raise UserError(f"--retries {args.retries}: must be 0 or more")
     if args.step is not None and (args.model or args.endpoint):
         raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
                         f"{'--model' if args.model else '--endpoint'}")
@@ -324,17 +364,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs = [Spec("checkpoint", args.checkpoint, args.step)]
     else:
         specs = [Spec("endpoint", args.endpoint, None, args.served_model)]
+    if len(specs) > 1:
+        for spec in specs:
+            check_spec(spec, args.timeout)
     results, details = {}, {}
     for spec in specs:
         label = spec.label if spec.label not in results else f"{spec.label} (2)"
-        results[label], details[label] = evaluate_spec(spec, convs, cfg, args)
+        try:
+            results[label], details[label] = evaluate_spec(spec, convs, cfg, args)
+        except (Exception, KeyboardInterrupt) as e:
+            if results:  # the models already done keep their results (minutes of work each)
+                keep_partial(results, details, args, convs, label, e)
+            raise
     print(format_table(results))
     if not any(c.reference for c in build_cases(convs)):
         print(f"note: {args.data} has no reference tool call; the tool rows only say whether a model called a tool "
               f"unasked (eval_loss and perplexity judge the answers)", file=sys.stderr)
     if args.json:
         out = Path(args.json)
-        write_text_atomic(out, json.dumps({"data": str(args.data), "n": len(convs), "models": results,
-                                           "examples": details}, indent=2, ensure_ascii=False))
+        write_text_atomic(out, results_json(results, details, args.data, len(convs)))
         print(f"wrote {out}", file=sys.stderr)
     return 0

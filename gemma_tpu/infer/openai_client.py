@@ -24,9 +24,49 @@ log = logging.getLogger("gemma_tpu.infer.openai_client")
 class Unreachable(UserError):
     """Nothing answers at the address (connection refused, unknown host, no answer in time)."""
 
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient  # refused or reset: a server (re)starting may take the next attempt
 
-def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api_key: str | None = None) -> dict:
-    """POST `payload` (GET without one) and return the JSON object; failures are one-line UserErrors."""
+
+class HTTPStatusError(UserError):
+    """The server answered with an HTTP error status (`code`)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+# Answers a busy or restarting server gives and a later attempt may not: rate limited, internal error
+# (vLLM's for a request its engine dropped), bad gateway, unavailable (still loading), gateway timeout.
+TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api_key: str | None = None,
+              retries: int = 0, backoff: float = 1.0) -> dict:
+    """POST `payload` (GET without one) and return the JSON object; failures are one-line UserErrors.
+
+    retries: further attempts after a transient failure (an HTTP status in TRANSIENT_STATUS, or a refused
+    or reset connection), `backoff` seconds doubling between them; a request that got no answer within
+    `timeout` is not repeated (it would cost another `timeout`), nor one to a host that does not resolve."""
+    import time
+
+    for attempt in range(retries + 1):
+        try:
+            return _http_json_once(url, payload, timeout, api_key)
+        except (HTTPStatusError, Unreachable) as e:
+            transient = e.code in TRANSIENT_STATUS if isinstance(e, HTTPStatusError) else e.transient
+            if not transient or attempt == retries:
+                if attempt:
+                    e.args = (f"{e} (after {attempt + 1} attempts)",)
+                raise
+            wait = backoff * 2 ** attempt
+            log.warning("%s; trying again in %g s (%d of %d)", e, wait, attempt + 1, retries)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str | None) -> dict:
     data = json.dumps(payload).encode() if payload is not None else None
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -41,11 +81,13 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
             detail = " ".join(e.read().decode(errors="replace").split())[:300]
         except (http.client.HTTPException, OSError):  # the error page itself was cut off
             detail = "no readable body"
-        raise UserError(f"{url}: HTTP {e.code} ({detail})") from None
+        raise HTTPStatusError(f"{url}: HTTP {e.code} ({detail})", e.code) from None
     except TimeoutError:  # connected, asked, and no answer came (a stalled or overloaded server)
         raise Unreachable(f"{url}: no answer within {timeout:g} s") from None
     except (urllib.error.URLError, ConnectionError, OSError) as e:
-        raise Unreachable(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+        reason = getattr(e, "reason", e)
+        raise Unreachable(f"{url}: cannot reach the server ({reason})",
+                          transient=isinstance(reason, (ConnectionRefusedError, ConnectionResetError))) from None
     except http.client.HTTPException as e:
         # something answered, but not in HTTP (an SSH or database port: BadStatusLine), or cut its answer
         # short (IncompleteRead), or sent a header line past http.client's limit (LineTooLong)
