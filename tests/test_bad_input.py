@@ -308,6 +308,9 @@ CASES = [
     Case("model-sliding-window-pattern", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
          ["config.json", "sliding_window_pattern=2"],  # a transformers 4.x config: no layer_types
          {"m": copy_of("tiny", config={"layer_types": None, "sliding_window_pattern": 2})}),
+    Case("model-sliding-window-null", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "sliding_window=None"],  # read as 4096 before; transformers refuses it
+         {"m": copy_of("tiny", config={"sliding_window": None})}),
     # ---- checkpoints
     Case("ckpt-empty-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck/": ""}, sub=True),

@@ -155,6 +155,7 @@ def test_config_built_from_config_json(g4):
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
      "global_head_dim"),
     ("num_kv_shared_layers", 6, "num_kv_shared_layers"),
+    ("sliding_window", None, "sliding_window=None must be a positive integer"),  # was read as 512
 ])
 def test_unsupported_config_values_are_refused_by_name(g4, key, value, needle):
     from gemma_tpu.models import get_family

@@ -25,7 +25,7 @@ from gemma_tpu.models.registry import (
     tunix_safetensors_loader,
 )
 from gemma_tpu.models.sharded_weights import load_sharded
-from gemma_tpu.models.sliding_window import masks_by_position
+from gemma_tpu.models.sliding_window import configured_size, masks_by_position
 
 # Tunix's Gemma 3: five sliding-window layers, then one global layer (HF `layer_types`, llama.cpp's default).
 SLIDING_WINDOW_PATTERN = 6
@@ -143,7 +143,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         num_heads=heads,
         head_dim=head_dim,
         num_kv_heads=kv_heads,
-        sliding_window_size=int(t.get("sliding_window") or 4096),
+        sliding_window_size=configured_size(t, 4096),
         local_base_frequency=local_theta,
         global_base_frequency=global_theta,
         local_scale_factor=local_scale,

@@ -44,7 +44,7 @@ from gemma_tpu.models.registry import (
     tunix_safetensors_loader,
 )
 from gemma_tpu.models.sharded_weights import load_sharded
-from gemma_tpu.models.sliding_window import masks_by_position
+from gemma_tpu.models.sliding_window import configured_size, masks_by_position
 
 # HF key prefixes of the decoder: text-only, multimodal as transformers >= 5 saves it (the
 # released layout), and the older multimodal layout, accepted for symmetry with Gemma 3.
@@ -236,7 +236,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         head_dim=head_dim,
         num_kv_heads=kv_heads,
         final_logit_softcap=float(softcap) if softcap not in (None, 0, 0.0) else None,
-        sliding_window_size=int(t.get("sliding_window") or 512),
+        sliding_window_size=configured_size(t, 512),
         per_layer_input_dim=ple,
         # transformers uses the global KV head count only in K=V layers; Tunix in every global layer
         num_global_kv_heads=int(global_kv) if k_eq_v else None,

@@ -16,6 +16,22 @@ import contextlib
 import dataclasses
 from typing import Any, Iterator, Sequence
 
+from gemma_tpu.core.errors import UserError
+
+
+def configured_size(text_config: dict, default: int) -> int:
+    """`sliding_window` of an HF text config: absent means the family's transformers default; null is
+    refused, as transformers' sliding-window mask refuses it (reading it as the default would train and
+    serve a model whose sliding layers see other tokens than the reference's)."""
+    layer_types = text_config.get("layer_types")
+    if "sliding_window" not in text_config or (layer_types and "sliding_attention" not in layer_types):
+        return default  # absent, or no layer reads it
+    size = text_config["sliding_window"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise UserError(f"config.json: sliding_window={size!r} must be a positive integer (the model has "
+                        f"sliding-window layers)")
+    return size
+
 
 def window(attn: Any) -> int | None:
     """The sliding window of a Tunix attention module, or None for a global layer."""
