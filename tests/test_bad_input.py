@@ -200,6 +200,13 @@ CASES = [
          ["{tmp}/d.jsonl:2", "'messages'"], {"d.jsonl": from_corpus("no_messages.jsonl")}),
     Case("data-undeclared-tool", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "'get_weather'", "not in 'tools'"], {"d.jsonl": from_corpus("undeclared_tool.jsonl")}),
+    # what FunctionGemma's call text cannot carry: trained as text that parses back to another call
+    Case("data-call-key-with-colon", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "call 'get_steps' arguments", "key 'time:zone'"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {"time:zone": "UTC"}}}]}]}\n'}),
+    Case("data-call-value-with-escape", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "arguments.q", "<escape>"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {"q": "a<escape>b"}}}]}]}\n'}),
     Case("data-unmatched-tool-call-id", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "messages[2]", "'call_9'", "matches no call", "'call_1'"],
          {"d.jsonl": from_corpus("unmatched_tool_call_id.jsonl")}),

@@ -281,7 +281,21 @@ ROUND_TRIP = [
     ("search", {"q": "a, b {c}: d [e]", "n": 5, "x": -2.5, "flag": True, "off": False, "none": None}),
     ("nested", {"filter": {"kind": "run", "min": 3, "tags": ["a,b", "c}"]}, "list": [1, 2.0, "x"]}),
     ("empty", {}),
+    ("keys", {"user.id": 1, "start-date": "x", "with space": "y", "ünïcode": "z", "$ref": "#/a"}),
 ]
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"time:zone": "UTC"}, "key 'time:zone'"), ({"a,b": 1}, "key 'a,b'"), ({" pad": 1}, "key ' pad'"),
+    ({"q": "x<escape>y"}, "arguments.q"), ({"f": {"tags": ["ok", "<escape>"]}}, r"arguments.f.tags\[1\]"),
+    ({"f": {"{k}": 1}}, "key '{k}'"),
+])
+def test_calls_the_text_cannot_carry_are_refused(args, needle):
+    """Each would render as text that parses back to another call (or none), and train the model on it."""
+    from gemma_tpu.core.errors import UserError
+
+    with pytest.raises(UserError, match=needle):
+        format_call("t", args)
 
 
 @pytest.mark.parametrize("name,args", ROUND_TRIP)

@@ -109,7 +109,10 @@ def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list
     """Read, validate and render every example of a file (no length policy applied yet)."""
     out = []
     for conv in load_conversations(path, data_cfg):
-        r = renderer.render(conv)
+        try:
+            r = renderer.render(conv)
+        except UserError as e:  # what the chat format cannot carry, named with the example's line
+            raise UserError(f"{conv.get('where') or path}: {e}") from None
         out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
     return out
 

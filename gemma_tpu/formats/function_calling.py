@@ -21,6 +21,8 @@ import json
 import re
 from typing import Any
 
+from gemma_tpu.core.errors import UserError
+
 FUNCTION_MARKERS = (
     "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
     "<end_function_call>", "<start_function_response>", "<end_function_response>", "<escape>",
@@ -83,7 +85,28 @@ def format_value(v: Any) -> str:
     return f"{ESCAPE}{v}{ESCAPE}"
 
 
+# a key the call text carries bare: the parser reads a key up to ':' and stops at these characters
+_BARE_KEY = re.compile(r'[^:{}\[\],"<\s](?:[^:{}\[\],"<]*[^:{}\[\],"<\s])?')
+
+
+def check_call_arguments(value: Any, path: str = "arguments") -> None:
+    """Refuse what FunctionGemma's call text cannot carry, so that a trained call parses back to the call
+    in the data: a key with ':', braces, brackets, ',', '"', '<' or edge spaces, a string with `<escape>`."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not _BARE_KEY.fullmatch(str(k)):
+                raise UserError(f"{path}: key {str(k)!r} cannot be written in a FunctionGemma call (no ':', "
+                                f"'{{', '}}', '[', ']', ',', '\"', '<' or leading/trailing spaces in keys)")
+            check_call_arguments(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_call_arguments(v, f"{path}[{i}]")
+    elif isinstance(value, str) and ESCAPE in value:
+        raise UserError(f"{path}: the value {value[:80]!r} contains {ESCAPE}, FunctionGemma's string delimiter")
+
+
 def format_call(name: str, args: dict) -> str:
+    check_call_arguments(args, f"call {name!r} arguments")
     return f"{START_CALL}call:{name}{format_value(args)}{END_CALL}"
 
 
