@@ -149,7 +149,8 @@ def test_gemma4_shared_prefix_rows_are_exact(tmp_path, variant):
     d = write_tiny_gemma4(tmp_path / variant, seed=5, variant=variant)
     # Per-layer embeddings: on an AVX2-only EPYC (2026-11-25) one gradient element of 256 differs by 2.2e-5 (max
     # |grad| 0.76), where two exact layouts (one example a row, rows of 256 vs 512) already differ by 6e-6; on the
-    # AVX-512 EPYC all were within 1e-5. Float summation order, not a layout error (that would show as ~1e-2).
+    # AVX-512 EPYC all were within 1e-5. Float summation order, not a layout error: in float64 the same comparison
+    # agrees to 1.9e-14 (tests/test_shared_prefix_f64.py).
     assert_exact(lora_model(d), shared_examples(11), grad_atol=1e-5 if variant == "dense" else 4e-5)
 
 
