@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_cli
-from tests.test_serving import http_server, sse
+from tests.test_serving import ScriptedModel, http_server, sse
 
 CHAT = REPO / "tests" / "data" / "chat_sample.jsonl"
 HTML = b"<!DOCTYPE html><html><head><title>Welcome to nginx!</title></head><body>It works</body></html>"
@@ -308,25 +308,11 @@ def test_a_server_that_never_answers(tmp_path):
             c.close()
 
 
-class Flaky(http.server.BaseHTTPRequestHandler):
+class Flaky(ScriptedModel):
     """Chat completions fail with `status` for the first `fail` requests, then answer with a get_steps call;
     `seen` counts the requests."""
 
     status, fail, seen = 503, 2, 0
-
-    def log_message(self, *args):
-        pass
-
-    def _json(self, code: int, obj) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self._json(200, {"object": "list", "data": [{"id": "m"}]})
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
