@@ -2,6 +2,7 @@
 
 
 import pytest
+import yaml
 
 from gemma_tpu.core.config import RunConfig, load_config, parse_override
 from gemma_tpu.core.errors import UserError
@@ -61,3 +62,13 @@ def test_print_config_cli():
 def test_typo_cli_is_one_line():
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "train.max_stpes=3")
     assert_one_line_error(proc, "train.max_stpes")
+
+
+def test_overrides_between_options_cli():
+    """Overrides after an option (`--print-config a=1 --debug b=2`) were refused: argparse took the first run
+    of positionals only ('unrecognized arguments: lora.rank=2')."""
+    proc = run_cli("gemma_tpu.train", "train.max_steps=20", "--config", "configs/tiny.yaml", "--print-config",
+                   "lora.rank=2", "--no-compile", "train.seed=7")
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    assert (cfg["train"]["max_steps"], cfg["lora"]["rank"], cfg["train"]["seed"]) == (20, 2, 7)
