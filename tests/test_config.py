@@ -72,3 +72,16 @@ def test_overrides_between_options_cli():
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
     assert (cfg["train"]["max_steps"], cfg["lora"]["rank"], cfg["train"]["seed"]) == (20, 2, 7)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("foo.bar=1", "override 'foo.bar=1': unknown config key 'foo'"),
+    ("train.foo.bar=1", "override 'train.foo.bar=1': unknown config key 'train.foo'"),
+    ("train..max_steps=3", "override 'train..max_steps=3' has no valid key"),
+])
+def test_unknown_section_from_an_override_names_the_override(override, message):
+    """An override through a section that does not exist was blamed on the config file
+    ('configs/tiny.yaml: unknown config key ...'), and 'train..max_steps' read as a key named 'train.'."""
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", [override])
+    assert str(e.value).startswith(message), str(e.value)

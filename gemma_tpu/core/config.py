@@ -249,7 +249,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise UserError(f"override '{text}' is not of the form section.key=value")
     key, raw = text.split("=", 1)
     key = key.strip()
-    if not key or key.startswith(".") or key.endswith("."):
+    if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
         raise UserError(f"override '{text}' has no valid key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
@@ -327,6 +327,10 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
         key = text.split("=", 1)[0].strip()
         if key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
             return f"override '{text}'"
+        parts = key.split(".")  # 'foo.bar=1' is refused as "unknown config key 'foo'": a section it created
+        for n in range(1, len(parts)):
+            if re.search(rf"unknown config key '{re.escape('.'.join(parts[:n]))}'", message):
+                return f"override '{text}'"
     return where
 
 
