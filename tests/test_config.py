@@ -85,3 +85,11 @@ def test_unknown_section_from_an_override_names_the_override(override, message):
     with pytest.raises(UserError) as e:
         load_config(REPO / "configs/tiny.yaml", [override])
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_seed_past_64_bits_is_refused():
+    """A seed of 2**63 loaded and dry-ran, then failed with an OverflowError traceback in JAX's PRNG (nnx.Rngs)
+    once the model had loaded."""
+    with pytest.raises(UserError, match=r"override 'train.seed=9223372036854775808': train.seed must be below 2\*\*63"):
+        load_config(REPO / "configs/tiny.yaml", ["train.seed=9223372036854775808"])
+    assert load_config(REPO / "configs/tiny.yaml", ["train.seed=9223372036854775807"]).train.seed == 2 ** 63 - 1

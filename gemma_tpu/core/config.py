@@ -398,6 +398,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     if t.grad_clip is not None and t.grad_clip < 0:
         bad(f"train.grad_clip must be positive (0 or null: no clipping), got {t.grad_clip}")
     at_least("train.seed", t.seed, 0)
+    if t.seed >= 2 ** 63:  # JAX's PRNG keys take a signed 64-bit seed: an OverflowError once the model had loaded
+        bad(f"train.seed must be below 2**63 (a 64-bit signed integer), got {t.seed}")
     at_least("train.eval_every_steps", t.eval_every_steps, 0)
     at_least("train.log_every_steps", t.log_every_steps, 1, "positive")
     if t.schedule != "constant" and t.warmup_steps > t.max_steps:
