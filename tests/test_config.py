@@ -1,6 +1,8 @@
 """Typed config: YAML + dotted overrides, unknown keys and bad types rejected by name."""
 
 
+import re
+
 import pytest
 import yaml
 
@@ -93,3 +95,10 @@ def test_seed_past_64_bits_is_refused():
     with pytest.raises(UserError, match=r"override 'train.seed=9223372036854775808': train.seed must be below 2\*\*63"):
         load_config(REPO / "configs/tiny.yaml", ["train.seed=9223372036854775808"])
     assert load_config(REPO / "configs/tiny.yaml", ["train.seed=9223372036854775807"]).train.seed == 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("override", ["model.path=", "model.path=' '"])
+def test_empty_model_path_is_named(override):
+    """An empty model.path was read as the working directory: 'error: config.json: missing', naming no key."""
+    with pytest.raises(UserError, match=rf"override '{re.escape(override)}': model.path is empty"):
+        load_config(REPO / "configs/tiny.yaml", [override])

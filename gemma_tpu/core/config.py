@@ -364,6 +364,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if value is not None and not (low <= value <= high if closed_high else low <= value < high):
             bad(f"{key} must be in [{low}, {high}{']' if closed_high else ')'}, got {value}")
 
+    if not cfg.model.path.strip():  # else read as the working directory: "config.json: missing"
+        bad(f"model.path is empty (give a Hugging Face directory, hub id or embedded:NAME)")
     if cfg.lora.enabled:
         at_least("lora.rank", cfg.lora.rank, 1)
         if cfg.lora.alpha <= 0:
