@@ -102,3 +102,26 @@ def test_empty_model_path_is_named(override):
     """An empty model.path was read as the working directory: 'error: config.json: missing', naming no key."""
     with pytest.raises(UserError, match=rf"override '{re.escape(override)}': model.path is empty"):
         load_config(REPO / "configs/tiny.yaml", [override])
+
+
+def test_section_override_sets_its_keys_and_keeps_the_rest():
+    """'train={max_steps: 3}' replaced the file's whole train section: batch_size, learning_rate and
+    eval_every_steps went silently back to their defaults."""
+    cfg = load_config(REPO / "configs/tiny.yaml", ["train={max_steps: 3}", "lora={rank: 2}"])
+    assert (cfg.train.max_steps, cfg.train.batch_size, cfg.train.learning_rate) == (3, 4, pytest.approx(0.01))
+    assert (cfg.lora.rank, cfg.lora.alpha) == (2, 8.0)
+    with pytest.raises(UserError, match=r"override 'lora=\{foo: 1\}': unknown config key 'lora.foo'"):
+        load_config(REPO / "configs/tiny.yaml", ["lora={foo: 1}"])
+
+
+def test_mapping_valued_key_override_still_replaces():
+    """Only dataclass sections merge; a mapping value (serving's container.env) is replaced whole."""
+    from gemma_tpu.core.config import _set_dotted
+    from serving.config import ServeConfig
+
+    tree = {"container": {"env": {"A": "1"}}}
+    _set_dotted(tree, "container.env", {"B": "2"}, "override", ServeConfig)
+    assert tree["container"]["env"] == {"B": "2"}
+    tree = {"container": {"env": {"A": "1"}, "name": "x"}}
+    _set_dotted(tree, "container", {"env": {"B": "2"}}, "override", ServeConfig)
+    assert tree["container"] == {"env": {"B": "2"}, "name": "x"}

@@ -232,7 +232,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
+def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | None = None) -> None:
     parts = dotted.split(".")
     node = tree
     for p in parts[:-1]:
@@ -240,7 +240,26 @@ def _set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
         if not isinstance(child, dict):
             raise UserError(f"{source}: '{dotted}' goes through '{p}', which is not a section")
         node = child
-    node[parts[-1]] = value
+    last = parts[-1]
+    section = _section_type(cls, parts)
+    if isinstance(value, dict) and isinstance(node.get(last), dict) and section is not None:
+        # 'train={max_steps: 3}' sets those keys of the section: replacing it would silently put every
+        # other key the file gave (batch_size, learning_rate, ...) back to its default. A mapping-valued
+        # key (container.env) is still replaced whole.
+        for k, v in value.items():
+            _set_dotted(node[last], str(k), v, source, section)
+        return
+    node[last] = value
+
+
+def _section_type(cls: type | None, parts: Sequence[str]) -> type | None:
+    """The dataclass that the dotted path `parts` names in `cls`; None for a plain value or mapping."""
+    tp: Any = cls
+    for part in parts:
+        if tp is None or not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+    return tp if tp is not None and dataclasses.is_dataclass(tp) else None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -313,7 +332,7 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             raise UserError(f"{p}: the top level must be a mapping of sections")
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value, f"override '{text}'")
+        _set_dotted(tree, key, value, f"override '{text}'", cls)
     try:
         return _build(cls, tree, "")
     except UserError as e:
