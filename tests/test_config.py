@@ -125,3 +125,14 @@ def test_mapping_valued_key_override_still_replaces():
     tree = {"container": {"env": {"A": "1"}, "name": "x"}}
     _set_dotted(tree, "container", {"env": {"B": "2"}}, "override", ServeConfig)
     assert tree["container"] == {"env": {"B": "2"}, "name": "x"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("checkpoint.dir=", "checkpoint.dir is empty"),
+    ("lora.targets=[q_proj, v_proj, q_proj]", "lora.targets: 'q_proj' is listed twice"),
+])
+def test_empty_checkpoint_dir_and_repeated_target_are_named(override, message):
+    """An empty checkpoint.dir was the working directory (checkpoints, metadata and the run lock written among
+    the user's files); a target listed twice loaded, and the FLOPs estimate counted its adapters twice."""
+    with pytest.raises(UserError, match=rf"override '{re.escape(override)}': {re.escape(message)}"):
+        load_config(REPO / "configs/tiny.yaml", [override])

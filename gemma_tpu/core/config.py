@@ -394,6 +394,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         unknown = [t for t in cfg.lora.targets if t not in ALL_TARGETS]
         if unknown:
             bad(f"lora.targets: unknown module {unknown[0]!r} (known: {', '.join(ALL_TARGETS)})")
+        twice = [t for i, t in enumerate(cfg.lora.targets) if t in cfg.lora.targets[:i]]
+        if twice:  # counted twice in the FLOPs estimate, once in the model
+            bad(f"lora.targets: {twice[0]!r} is listed twice")
         in_range("lora.dropout", cfg.lora.dropout, 0.0, 1.0, closed_high=False)
     else:  # settings full fine-tuning would silently ignore
         if cfg.lora.base_quantization:
@@ -425,6 +428,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     at_least("train.log_every_steps", t.log_every_steps, 1, "positive")
     if t.schedule != "constant" and t.warmup_steps > t.max_steps:
         bad(f"train.warmup_steps={t.warmup_steps} is longer than train.max_steps={t.max_steps}")
+    if not cfg.checkpoint.dir.strip():  # else the working directory: checkpoints among the user's files
+        bad("checkpoint.dir is empty (give a directory for the run, e.g. runs/NAME)")
     at_least("checkpoint.every_steps", cfg.checkpoint.every_steps, 1, "positive")
     at_least("checkpoint.max_to_keep", cfg.checkpoint.max_to_keep, 1)
     at_least("mesh.price_per_hour", cfg.mesh.price_per_hour, 0.0)
