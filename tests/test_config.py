@@ -136,3 +136,10 @@ def test_empty_checkpoint_dir_and_repeated_target_are_named(override, message):
     the user's files); a target listed twice loaded, and the FLOPs estimate counted its adapters twice."""
     with pytest.raises(UserError, match=rf"override '{re.escape(override)}': {re.escape(message)}"):
         load_config(REPO / "configs/tiny.yaml", [override])
+
+
+def test_yaml_boolean_for_a_choice_says_why():
+    """'data.overlength=off' read as False: 'False is not one of ...' did not say where the False came from."""
+    with pytest.raises(UserError, match=r"data.overlength: False is not one of .*YAML reads a bare yes/no/on/off"):
+        load_config(None, ["data.overlength=off"])
+    assert load_config(None, ["data.share_prefix=off"]).data.share_prefix == "off"  # the one choice named off

@@ -172,7 +172,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
         if value not in args:
-            raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
+            hint = (" (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
+                    if isinstance(value, bool) else "")
+            raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
         if isinstance(value, str):
