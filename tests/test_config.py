@@ -143,3 +143,14 @@ def test_yaml_boolean_for_a_choice_says_why():
     with pytest.raises(UserError, match=r"data.overlength: False is not one of .*YAML reads a bare yes/no/on/off"):
         load_config(None, ["data.overlength=off"])
     assert load_config(None, ["data.share_prefix=off"]).data.share_prefix == "off"  # the one choice named off
+
+
+@pytest.mark.parametrize("text", ["", "\n# only a comment\n"])
+def test_empty_config_file_is_refused(tmp_path, text):
+    """An empty --config (say, a redirect of a --print-config that failed) ran on every default: the 270M
+    embedded model, runs/default."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    proc = run_cli("gemma_tpu.train", "--config", str(empty), "--print-config")
+    assert_one_line_error(proc, f"{empty}: empty config file")
+    assert not proc.stdout

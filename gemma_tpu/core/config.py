@@ -329,7 +329,9 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             raise UserError(f"{p}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
-        tree = {} if tree is None else tree
+        if tree is None:  # empty or only comments: a truncated or mistyped file would otherwise run on defaults
+            raise UserError(f"{p}: empty config file (no sections); give a config such as configs/tiny.yaml "
+                            f"or leave --config out")
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")
     for text in overrides:
