@@ -388,7 +388,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             bad(f"{key} must be in [{low}, {high}{']' if closed_high else ')'}, got {value}")
 
     if not cfg.model.path.strip():  # else read as the working directory: "config.json: missing"
-        bad(f"model.path is empty (give a Hugging Face directory, hub id or embedded:NAME)")
+        bad("model.path is empty (give a Hugging Face directory, hub id or embedded:NAME)")
     if cfg.lora.enabled:
         at_least("lora.rank", cfg.lora.rank, 1)
         if cfg.lora.alpha <= 0:
