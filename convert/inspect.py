@@ -24,7 +24,7 @@ from gemma_tpu.checkpoint.metadata import METADATA_FILE, list_steps, read_metada
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.core.progress import human
 from gemma_tpu.hf import safetensors_io as sio
 
@@ -57,13 +57,13 @@ def describe_hf(path: Path) -> dict:
     info: dict = {"kind": "huggingface", "path": str(path)}
     cfg_path = path / "config.json"
     if cfg_path.is_file():
-        cfg = json.loads(cfg_path.read_text())
+        cfg = read_json_object(cfg_path, f"{cfg_path}: missing")  # bad JSON or a list: named, not a traceback
         info["architectures"] = cfg.get("architectures")
         info["model_type"] = cfg.get("model_type")
         info["config_dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
     adapter = path / "adapter_config.json"
     if adapter.is_file():
-        a = json.loads(adapter.read_text())
+        a = read_json_object(adapter, f"{adapter}: missing")
         info["kind"] = "peft adapter"
         info["adapter"] = {k: a.get(k) for k in ("peft_type", "r", "lora_alpha", "target_modules",
                                                  "base_model_name_or_path")}
@@ -92,6 +92,9 @@ def describe(path: str | Path, step: int | None = None) -> dict:
     if (path / METADATA_FILE).is_file():
         return describe_checkpoint(path, step)
     if (path / "config.json").is_file() or any(path.glob("*.safetensors")):
+        if step is not None:  # an HF directory has no steps: --step would be ignored silently
+            raise UserError(f"--step {step}: {path} is a Hugging Face directory, not a gemma-tpu checkpoint "
+                            f"(no {METADATA_FILE}); --step applies to checkpoints only")
         return describe_hf(path)
     raise UserError(f"{path}: neither a gemma-tpu checkpoint ({METADATA_FILE}) nor an HF directory")
 

@@ -446,6 +446,16 @@ CASES = [
          {"d/notes.txt": "hello"}),
     Case("inspect-corrupt-safetensors", "convert.inspect", ["{tmp}/m"], ["{tmp}/m/model.safetensors"],
          {"m": copy_of("tiny", write={"model.safetensors": corrupt_header()})}),
+    # a config.json or adapter_config.json that is not a JSON object was a JSONDecodeError / AttributeError
+    # traceback; --step on an HF directory (no steps) was ignored
+    Case("inspect-config-json-not-json", "convert.inspect", ["{tmp}/m"], ["{tmp}/m/config.json", "not valid JSON"],
+         {"m": copy_of("tiny", write={"config.json": "{bad"})}),
+    Case("inspect-config-json-a-list", "convert.inspect", ["{tmp}/m"], ["{tmp}/m/config.json", "a JSON object"],
+         {"m": copy_of("tiny", write={"config.json": "[1, 2]"})}),
+    Case("inspect-adapter-config-not-json", "convert.inspect", ["{tmp}/m"],
+         ["{tmp}/m/adapter_config.json", "not valid JSON"], {"m": copy_of("tiny", write={"adapter_config.json": "{"})}),
+    Case("inspect-step-on-hf-dir", "convert.inspect", ["{tiny}", "--step", "3"],
+         ["--step 3", "{tiny}", "not a gemma-tpu checkpoint"]),
     # ---- evaluate
     Case("evaluate-bad-compare-spec", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "modle:{tiny}", "model:{tiny}"], ["modle:"], sub=True),

@@ -1,7 +1,10 @@
 """Typed config: YAML + dotted overrides, unknown keys and bad types rejected by name."""
 
 
+import re
+
 import pytest
+import yaml
 
 from gemma_tpu.core.config import RunConfig, load_config, parse_override
 from gemma_tpu.core.errors import UserError
@@ -61,3 +64,93 @@ def test_print_config_cli():
 def test_typo_cli_is_one_line():
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "train.max_stpes=3")
     assert_one_line_error(proc, "train.max_stpes")
+
+
+def test_overrides_between_options_cli():
+    """Overrides after an option (`--print-config a=1 --debug b=2`) were refused: argparse took the first run
+    of positionals only ('unrecognized arguments: lora.rank=2')."""
+    proc = run_cli("gemma_tpu.train", "train.max_steps=20", "--config", "configs/tiny.yaml", "--print-config",
+                   "lora.rank=2", "--no-compile", "train.seed=7")
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    assert (cfg["train"]["max_steps"], cfg["lora"]["rank"], cfg["train"]["seed"]) == (20, 2, 7)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("foo.bar=1", "override 'foo.bar=1': unknown config key 'foo'"),
+    ("train.foo.bar=1", "override 'train.foo.bar=1': unknown config key 'train.foo'"),
+    ("train..max_steps=3", "override 'train..max_steps=3' has no valid key"),
+])
+def test_unknown_section_from_an_override_names_the_override(override, message):
+    """An override through a section that does not exist was blamed on the config file
+    ('configs/tiny.yaml: unknown config key ...'), and 'train..max_steps' read as a key named 'train.'."""
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", [override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_seed_past_64_bits_is_refused():
+    """A seed of 2**63 loaded and dry-ran, then failed with an OverflowError traceback in JAX's PRNG (nnx.Rngs)
+    once the model had loaded."""
+    with pytest.raises(UserError, match=r"override 'train.seed=9223372036854775808': train.seed must be below 2\*\*63"):
+        load_config(REPO / "configs/tiny.yaml", ["train.seed=9223372036854775808"])
+    assert load_config(REPO / "configs/tiny.yaml", ["train.seed=9223372036854775807"]).train.seed == 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("override", ["model.path=", "model.path=' '"])
+def test_empty_model_path_is_named(override):
+    """An empty model.path was read as the working directory: 'error: config.json: missing', naming no key."""
+    with pytest.raises(UserError, match=rf"override '{re.escape(override)}': model.path is empty"):
+        load_config(REPO / "configs/tiny.yaml", [override])
+
+
+def test_section_override_sets_its_keys_and_keeps_the_rest():
+    """'train={max_steps: 3}' replaced the file's whole train section: batch_size, learning_rate and
+    eval_every_steps went silently back to their defaults."""
+    cfg = load_config(REPO / "configs/tiny.yaml", ["train={max_steps: 3}", "lora={rank: 2}"])
+    assert (cfg.train.max_steps, cfg.train.batch_size, cfg.train.learning_rate) == (3, 4, pytest.approx(0.01))
+    assert (cfg.lora.rank, cfg.lora.alpha) == (2, 8.0)
+    with pytest.raises(UserError, match=r"override 'lora=\{foo: 1\}': unknown config key 'lora.foo'"):
+        load_config(REPO / "configs/tiny.yaml", ["lora={foo: 1}"])
+
+
+def test_mapping_valued_key_override_still_replaces():
+    """Only dataclass sections merge; a mapping value (serving's container.env) is replaced whole."""
+    from gemma_tpu.core.config import _set_dotted
+    from serving.config import ServeConfig
+
+    tree = {"container": {"env": {"A": "1"}}}
+    _set_dotted(tree, "container.env", {"B": "2"}, "override", ServeConfig)
+    assert tree["container"]["env"] == {"B": "2"}
+    tree = {"container": {"env": {"A": "1"}, "name": "x"}}
+    _set_dotted(tree, "container", {"env": {"B": "2"}}, "override", ServeConfig)
+    assert tree["container"] == {"env": {"B": "2"}, "name": "x"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("checkpoint.dir=", "checkpoint.dir is empty"),
+    ("lora.targets=[q_proj, v_proj, q_proj]", "lora.targets: 'q_proj' is listed twice"),
+])
+def test_empty_checkpoint_dir_and_repeated_target_are_named(override, message):
+    """An empty checkpoint.dir was the working directory (checkpoints, metadata and the run lock written among
+    the user's files); a target listed twice loaded, and the FLOPs estimate counted its adapters twice."""
+    with pytest.raises(UserError, match=rf"override '{re.escape(override)}': {re.escape(message)}"):
+        load_config(REPO / "configs/tiny.yaml", [override])
+
+
+def test_yaml_boolean_for_a_choice_says_why():
+    """'data.overlength=off' read as False: 'False is not one of ...' did not say where the False came from."""
+    with pytest.raises(UserError, match=r"data.overlength: False is not one of .*YAML reads a bare yes/no/on/off"):
+        load_config(None, ["data.overlength=off"])
+    assert load_config(None, ["data.share_prefix=off"]).data.share_prefix == "off"  # the one choice named off
+
+
+@pytest.mark.parametrize("text", ["", "\n# only a comment\n"])
+def test_empty_config_file_is_refused(tmp_path, text):
+    """An empty --config (say, a redirect of a --print-config that failed) ran on every default: the 270M
+    embedded model, runs/default."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    proc = run_cli("gemma_tpu.train", "--config", str(empty), "--print-config")
+    assert_one_line_error(proc, f"{empty}: empty config file")
+    assert not proc.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -537,6 +538,8 @@ def test_empty_file_and_missing_file(tmp_path):
         load_conversations(tmp_path / "empty.json", DataConfig())
     with pytest.raises(UserError, match="data file not found"):
         load_conversations(tmp_path / "nope.jsonl", DataConfig())
+    with pytest.raises(UserError, match=rf"data file {re.escape(str(tmp_path))} is a directory"):
+        load_conversations(tmp_path, DataConfig())  # was 'data file not found' for a path that exists
 
 
 def test_bad_json_array_element_and_bad_bytes(tmp_path):

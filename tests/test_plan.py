@@ -192,3 +192,23 @@ def test_gemma3_27b_fits_v5e16():
     proc = _dry_run("configs/gemma3-27b-v5e16.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "mesh: data=1 fsdp=16 tp=1 = 16 devices of v5e" in proc.stdout and "-> fits" in proc.stdout
+
+
+@pytest.mark.parametrize("options, overrides, needle", [
+    (["--assumed-mfu", "0"], ["mesh.accelerator=v5e", "mesh.fsdp=1"], "--assumed-mfu must be a fraction in (0, 1]"),
+    (["--assumed-mfu", "nan"], ["mesh.accelerator=v5e", "mesh.fsdp=1"], "--assumed-mfu must be a fraction"),
+    (["--assumed-mfu", "-1"], [], "--assumed-mfu must be a fraction"),
+    (["--devices", "-4"], [], "--devices must be a positive number of devices, got -4"),
+    (["--devices", "0"], [], "--devices must be a positive number of devices, got 0"),
+    ([], ["lora.rank=100000"], "lora.rank=100000 exceeds the smallest dimension"),
+    ([], ["data.seq_len=100000"], "data.seq_len=100000 exceeds the model's max_position_embeddings"),
+])
+def test_dry_run_refuses_what_the_run_refuses(tiny_dir, options, overrides, needle):
+    """A zero MFU divided by zero (traceback), a negative --devices planned for -4 devices, and a LoRA rank
+    or seq_len the real run refuses (validate_for_model) passed the dry run with exit 0."""
+    from tests.conftest import assert_one_line_error
+
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--dry-run", "--no-compile", *options,
+                   f"model.path={tiny_dir}", *overrides)
+    assert_one_line_error(proc, needle)
+    assert not proc.stdout.strip(), proc.stdout  # refused before any plan is printed

@@ -26,7 +26,8 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
     """An entry point's parser. `config`: the help text of `--config` (None: no --config).
     `--debug` (shows tracebacks; also GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main`
     and listed here only for `--help`."""
-    p = argparse.ArgumentParser(prog=prog, description=(doc or "").strip().splitlines()[0] if doc else None)
+    cls = _OverridesParser if overrides else argparse.ArgumentParser
+    p = cls(prog=prog, description=(doc or "").strip().splitlines()[0] if doc else None)
     if config is not None:
         p.add_argument("--config", help=config)
         if print_config:
@@ -35,6 +36,15 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
     if overrides:
         p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.max_steps=20")
     return p
+
+
+class _OverridesParser(argparse.ArgumentParser):
+    """A parser whose dotted overrides may come before, between or after the options
+    (`--dry-run train.max_steps=5 --devices 8 mesh.fsdp=8`): plain argparse takes the overrides of the
+    first run only and refuses the rest as unrecognized arguments."""
+
+    def parse_args(self, args=None, namespace=None):
+        return self.parse_intermixed_args(args, namespace)
 
 
 def print_config(cfg: Any) -> None:

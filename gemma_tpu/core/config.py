@@ -172,7 +172,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
         if value not in args:
-            raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
+            hint = (" (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
+                    if isinstance(value, bool) else "")
+            raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
         if isinstance(value, str):
@@ -232,7 +234,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
+def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | None = None) -> None:
     parts = dotted.split(".")
     node = tree
     for p in parts[:-1]:
@@ -240,7 +242,26 @@ def _set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
         if not isinstance(child, dict):
             raise UserError(f"{source}: '{dotted}' goes through '{p}', which is not a section")
         node = child
-    node[parts[-1]] = value
+    last = parts[-1]
+    section = _section_type(cls, parts)
+    if isinstance(value, dict) and isinstance(node.get(last), dict) and section is not None:
+        # 'train={max_steps: 3}' sets those keys of the section: replacing it would silently put every
+        # other key the file gave (batch_size, learning_rate, ...) back to its default. A mapping-valued
+        # key (container.env) is still replaced whole.
+        for k, v in value.items():
+            _set_dotted(node[last], str(k), v, source, section)
+        return
+    node[last] = value
+
+
+def _section_type(cls: type | None, parts: Sequence[str]) -> type | None:
+    """The dataclass that the dotted path `parts` names in `cls`; None for a plain value or mapping."""
+    tp: Any = cls
+    for part in parts:
+        if tp is None or not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+    return tp if tp is not None and dataclasses.is_dataclass(tp) else None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -249,7 +270,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise UserError(f"override '{text}' is not of the form section.key=value")
     key, raw = text.split("=", 1)
     key = key.strip()
-    if not key or key.startswith(".") or key.endswith("."):
+    if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
         raise UserError(f"override '{text}' has no valid key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
@@ -308,12 +329,14 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             raise UserError(f"{p}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
-        tree = {} if tree is None else tree
+        if tree is None:  # empty or only comments: a truncated or mistyped file would otherwise run on defaults
+            raise UserError(f"{p}: empty config file (no sections); give a config such as configs/tiny.yaml "
+                            f"or leave --config out")
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value, f"override '{text}'")
+        _set_dotted(tree, key, value, f"override '{text}'", cls)
     try:
         return _build(cls, tree, "")
     except UserError as e:
@@ -327,6 +350,10 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
         key = text.split("=", 1)[0].strip()
         if key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
             return f"override '{text}'"
+        parts = key.split(".")  # 'foo.bar=1' is refused as "unknown config key 'foo'": a section it created
+        for n in range(1, len(parts)):
+            if re.search(rf"unknown config key '{re.escape('.'.join(parts[:n]))}'", message):
+                return f"override '{text}'"
     return where
 
 
@@ -360,6 +387,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if value is not None and not (low <= value <= high if closed_high else low <= value < high):
             bad(f"{key} must be in [{low}, {high}{']' if closed_high else ')'}, got {value}")
 
+    if not cfg.model.path.strip():  # else read as the working directory: "config.json: missing"
+        bad("model.path is empty (give a Hugging Face directory, hub id or embedded:NAME)")
     if cfg.lora.enabled:
         at_least("lora.rank", cfg.lora.rank, 1)
         if cfg.lora.alpha <= 0:
@@ -369,6 +398,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         unknown = [t for t in cfg.lora.targets if t not in ALL_TARGETS]
         if unknown:
             bad(f"lora.targets: unknown module {unknown[0]!r} (known: {', '.join(ALL_TARGETS)})")
+        twice = [t for i, t in enumerate(cfg.lora.targets) if t in cfg.lora.targets[:i]]
+        if twice:  # counted twice in the FLOPs estimate, once in the model
+            bad(f"lora.targets: {twice[0]!r} is listed twice")
         in_range("lora.dropout", cfg.lora.dropout, 0.0, 1.0, closed_high=False)
     else:  # settings full fine-tuning would silently ignore
         if cfg.lora.base_quantization:
@@ -394,10 +426,14 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     if t.grad_clip is not None and t.grad_clip < 0:
         bad(f"train.grad_clip must be positive (0 or null: no clipping), got {t.grad_clip}")
     at_least("train.seed", t.seed, 0)
+    if t.seed >= 2 ** 63:  # JAX's PRNG keys take a signed 64-bit seed: an OverflowError once the model had loaded
+        bad(f"train.seed must be below 2**63 (a 64-bit signed integer), got {t.seed}")
     at_least("train.eval_every_steps", t.eval_every_steps, 0)
     at_least("train.log_every_steps", t.log_every_steps, 1, "positive")
     if t.schedule != "constant" and t.warmup_steps > t.max_steps:
         bad(f"train.warmup_steps={t.warmup_steps} is longer than train.max_steps={t.max_steps}")
+    if not cfg.checkpoint.dir.strip():  # else the working directory: checkpoints among the user's files
+        bad("checkpoint.dir is empty (give a directory for the run, e.g. runs/NAME)")
     at_least("checkpoint.every_steps", cfg.checkpoint.every_steps, 1, "positive")
     at_least("checkpoint.max_to_keep", cfg.checkpoint.max_to_keep, 1)
     at_least("mesh.price_per_hour", cfg.mesh.price_per_hour, 0.0)

@@ -88,6 +88,8 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
 def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for each example of a .jsonl/.json/.parquet file."""
     p = Path(path)
+    if p.is_dir():  # it exists: "not found" sent users looking for a typo
+        raise UserError(f"data file {p} is a directory; give a .jsonl, .json or .parquet file")
     if not p.is_file():
         raise UserError(f"data file not found: {p}")
     with p.open("rb") as f:

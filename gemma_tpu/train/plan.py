@@ -66,7 +66,7 @@ from typing import Any, Sequence
 from gemma_tpu import lora as lora_lib
 from gemma_tpu.core import cli
 from gemma_tpu.core.accelerators import ACCELERATORS
-from gemma_tpu.core.config import RunConfig
+from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import config_json_for
 from gemma_tpu.models.registry import detect_family, get_family
@@ -263,8 +263,18 @@ def plan_devices(cfg: RunConfig, devices: int | None) -> int:
                     f"(or --devices N)")
 
 
+def check_plan_args(devices: int | None, assumed_mfu: float | None) -> None:
+    """`--devices` a positive count, `--assumed-mfu` a fraction in (0, 1] (0 divided the step time by
+    zero, a negative or NaN one printed a negative or NaN step time)."""
+    if devices is not None and devices < 1:
+        raise UserError(f"--devices must be a positive number of devices, got {devices}")
+    if assumed_mfu is not None and not 0 < assumed_mfu <= 1:
+        raise UserError(f"--assumed-mfu must be a fraction in (0, 1], e.g. 0.4, got {assumed_mfu}")
+
+
 def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | None = None,
               hf_config: dict | None = None) -> Plan:
+    check_plan_args(devices, assumed_mfu)
     hf = hf_config if hf_config is not None else config_json_for(cfg.model.path)
     family = get_family(cfg.model.family) if cfg.model.family else detect_family(hf, f"{cfg.model.path} config.json")
     remat = cfg.train.remat or cfg.model.remat
@@ -575,7 +585,9 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     out = out or sys.stdout
+    check_plan_args(devices, assumed_mfu)
     hf = config_json_for(cfg.model.path)
+    validate_for_model(cfg, hf, cfg.model.path)  # what the real run refuses (rank, seq_len) before planning it
     layout = data_layout(cfg)
     if layout and not cfg.data.max_loss_tokens:  # the loss buffer the data really needs, not seq_len
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))
