@@ -36,18 +36,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("real_model"))
 
 
-@pytest.fixture(autouse=True)
-def _release_real_model_memory(request):
-    """After a real-model test, drop JAX's compiled programs and what they keep alive: the real-model
-    worker grew to 14-17 GB RSS over its tests (2026-11-25), next to the other worker's subprocesses."""
-    yield
-    if request.node.get_closest_marker("slow") and "jax" in sys.modules:
-        import gc
-
-        sys.modules["jax"].clear_caches()
-        gc.collect()
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A 2-layer random Gemma3ForCausalLM (GQA: 4 heads, 2 KV heads) as a real HF directory."""
