@@ -30,7 +30,11 @@ def train_losses(tiny_dir, ckpt, mesh_args, env):
 
 def test_same_loss_on_every_mesh(tiny_dir, tmp_path):
     single = train_losses(tiny_dir, tmp_path / "single", MESHES["1x1x1"], {"XLA_FLAGS": ""})
+    # fsdp8 is left out (a duplicated slow case): fsdp4_tp2 and data2_fsdp4 apply the same FSDP rules 4-way, and
+    # tests/test_multihost.py trains on 8 FSDP devices in one process and in two to equal losses
     for name, args in MESHES.items():
+        if name == "fsdp8":
+            continue
         got = train_losses(tiny_dir, tmp_path / name, args, EIGHT) if name != "1x1x1" else single
         assert len(got) == 3
         for a, b in zip(got, single):
