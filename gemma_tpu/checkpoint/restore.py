@@ -81,6 +81,14 @@ def lora_config(ckpt_dir: str | Path, meta: dict) -> LoraConfig | None:
                       base_quantization=lora.get("base_quantization"))
 
 
+def locate(ckpt_dir: str | Path, step: int | None = None,
+           base: str | Path | None = None) -> tuple[dict, int, Path]:
+    """The run's metadata, the step (the latest by default) and the base directory, checked without loading
+    anything: what a caller can test before minutes of other work."""
+    meta = read_metadata(ckpt_dir)
+    return meta, resolve_step(ckpt_dir, step), base_dir(ckpt_dir, meta, base)
+
+
 def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | None = None, *,
                   apply_base_quantization: bool = True, base: str | Path | None = None) -> RestoredModel:
     """The run's base with the params of one step (the latest by default).
@@ -93,11 +101,10 @@ def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | No
     from flax import nnx
 
     ckpt_dir = Path(ckpt_dir)
-    meta = read_metadata(ckpt_dir)
-    step = resolve_step(ckpt_dir, step)
+    meta, step, base_path = locate(ckpt_dir, step, base)
     lora = lora_config(ckpt_dir, meta)
     recorded = (meta.get("base_model") or {}).get("family")
-    resolved = resolve_model(str(base_dir(ckpt_dir, meta, base)), family=recorded)
+    resolved = resolve_model(str(base_path), family=recorded)
     model, tunix_cfg = load_model(resolved, dtype or meta.get("dtype") or "float32")
     params = read_params(ckpt_dir, step)
     where = f"{ckpt_dir}/{step}"

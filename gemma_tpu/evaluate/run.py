@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gemma_tpu.checkpoint.metadata import read_metadata, resolve_step
-from gemma_tpu.checkpoint.restore import base_dir
+from gemma_tpu.checkpoint.restore import locate
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
@@ -237,9 +236,7 @@ def check_spec(spec: Spec, timeout: float) -> None:
     if spec.kind == "model":
         resolve_model(spec.target)
     elif spec.kind == "checkpoint":
-        meta = read_metadata(spec.target)
-        resolve_step(spec.target, spec.step)
-        base_dir(spec.target, meta)
+        locate(spec.target, spec.step)
     else:
         check_reachable(api_base(spec.target), timeout=min(timeout, 30.0))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -49,8 +50,6 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
     retries: further attempts after a transient failure (an HTTP status in TRANSIENT_STATUS, or a refused
     or reset connection), `backoff` seconds doubling between them; a request that got no answer within
     `timeout` is not repeated (it would cost another `timeout`), nor one to a host that does not resolve."""
-    import time
-
     for attempt in range(retries + 1):
         try:
             return _http_json_once(url, payload, timeout, api_key)
