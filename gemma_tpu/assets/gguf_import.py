@@ -74,6 +74,12 @@ def _convert_weights(gguf_path: Path, out: Path) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log.info("loaded %s: %.1f M parameters", type(model).__name__, n_params / 1e6)
     model = model.to(torch.bfloat16)
+    # The weights are plain dequantized tensors now, but the model still carries the GGUF "quantizer" record,
+    # and transformers >= 5.13 refuses to save such a model ("QuantizationMethod.GGUF ... not serializable").
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
     model.config.architectures = [type(model).__name__]
     t = time.monotonic()
     model.save_pretrained(str(out))
