@@ -78,11 +78,19 @@ def run_recipe(name: str, overrides: list[str], args, combined: Path, spans: lis
         return {**row, "error": f"evaluation exit {rc}: see {rdir / 'eval.log'}"}
     records = next(iter(json.loads((rdir / "eval.json").read_text())["examples"].values()))
     convs = load_conversations(combined, load_config(args.config, overrides).data)
+    return {**row, **score_spans(convs, records, spans)}
+
+
+def score_spans(convs: list[dict], records: list[dict], spans: list[tuple[str, int, int]]) -> dict[str, dict]:
+    """Each held-out set's metrics from one evaluation of all of them (records hold the raw replies)."""
+    if len(convs) != len(records):
+        raise ValueError(f"{len(convs)} conversations but {len(records)} evaluated replies")
+    out = {}
     for label, lo, hi in spans:
         metrics = score(build_cases(convs[lo:hi]), [parse_reply(r["raw"]) for r in records[lo:hi]])
-        row[label] = {k: metrics[k] for k in ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate",
+        out[label] = {k: metrics[k] for k in ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate",
                                               "format_error_rate", "per_tool")}
-    return row
+    return out
 
 
 def main(argv=None) -> int:

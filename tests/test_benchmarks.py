@@ -80,8 +80,9 @@ def test_eval_prefix_cache_tiny(tmp_path):
 
 
 def test_prefix_layouts_tiny(tmp_path):
-    """Both shared-prefix training layouts on the tiny model (window 16, so the broadcast suffixes sit past
-    it): the broadcast layout's loss and LoRA gradients equal one conversation a row, and both sides time."""
+    """The broadcast shared-prefix layout on the tiny model (window 16, so its suffixes sit past it): its loss
+    and LoRA gradients equal one conversation a row, and it times. The tree side is the trainer's own layout,
+    timed by every training test (left out here: a third child process, ~45 s of the suite)."""
     system = ("You are a careful assistant for a bakery. Answer in one short sentence, and name the price. "
               "Prices are in euros; items are numbered; never invent an item that is not on the list.")
     data = tmp_path / "bakery.jsonl"
@@ -92,15 +93,15 @@ def test_prefix_layouts_tiny(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/prefix_layouts.py", "--model", "embedded:tiny-gemma3", "--config",
          "configs/tiny.yaml", "--set", f"data.train_path={data}", "--set", "data.seq_len=256", "--check",
-         "--steps", "1", "--json", str(out)],
+         "--sides", "broadcast", "--steps", "1", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = {r["side"]: r for r in json.loads(out.read_text())["results"]}
     check = res["check"]
     assert check["loss_abs_diff"] < 1e-5 and check["grad_max_abs_diff"] < 1e-5, check
     assert check["grad_max_abs"] > 1e-3  # gradients that could differ
-    for side in ("tree", "broadcast"):
-        assert res[side]["examples_per_s"] > 0 and res[side]["peak_rss_gb"] > 0
+    assert set(res) == {"check", "broadcast"}
+    assert res["broadcast"]["examples_per_s"] > 0 and res["broadcast"]["peak_rss_gb"] > 0
     assert res["broadcast"]["prefix_len"] + res["broadcast"]["suffix_len"] > 16  # past the window
     assert "ex/s" in proc.stdout and "check (" in proc.stdout
 
@@ -121,3 +122,35 @@ def test_eval_compiles_tiny(tmp_path):
     assert shared[first]["compilations"] >= 2 and shared[second]["compilations"] == 0
     assert separate[second]["compilations"] == separate[first]["compilations"]
     assert res["cpu"]["cpu_model"]
+
+
+def test_recipe_sweep_scores_each_set_apart():
+    """The sweep evaluates all held-out sets in one run and scores each set on its own slice of the replies."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import pytest
+    from recipe_sweep import parse_recipe, score_spans
+
+    assert parse_recipe("lr2e3: train.learning_rate=0.002 train.max_steps=32") == (
+        "lr2e3", ["train.learning_rate=0.002", "train.max_steps=32"])
+    assert parse_recipe("main:") == ("main", [])
+    for bad, says in (("no colon", "expected 'NAME: key=value"), ("a/b: x=1", "expected"),
+                      ("r: train.max_steps", "is not a key=value")):
+        with pytest.raises(SystemExit, match=says):
+            parse_recipe(bad)
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
+             for n in ("get_steps", "get_sleep")]
+
+    def conv(name):
+        return {"tools": tools, "messages": [{"role": "user", "content": "q"},
+                                             {"role": "assistant", "tool_calls": [{"name": name, "arguments": {}}]}]}
+
+    def raw(name):
+        return f"<start_function_call>call:{name}{{}}<end_function_call>"
+
+    convs = [conv("get_steps"), conv("get_sleep"), conv("get_steps")]
+    records = [{"raw": raw("get_steps")}, {"raw": raw("get_steps")}, {"raw": raw("get_steps")}]
+    got = score_spans(convs, records, [("test", 0, 2), ("validation", 2, 3)])
+    assert (got["test"]["n"], got["test"]["tool_accuracy"]) == (2, 0.5)
+    assert (got["validation"]["n"], got["validation"]["tool_accuracy"]) == (1, 1.0)
+    with pytest.raises(ValueError, match="3 conversations but 2"):
+        score_spans(convs, records[:2], [("test", 0, 3)])
