@@ -282,6 +282,10 @@ CASES = [
          ["--config", "{repo}/configs/tiny.yaml", "lora.targets=[q_proj,qkv_proj]"], ["lora.targets", "'qkv_proj'"]),
     Case("config-bool-not-bool", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "lora.enabled=maybe"],
          ["lora.enabled", "'maybe'"]),
+    # a whole section set to null went silently back to its defaults (tiny.yaml's max_steps 6 -> 100)
+    Case("config-section-null", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--print-config",
+                                                    "train=null"],
+         ["override 'train=null': a section takes a mapping", "train={key: value}"]),
     Case("plan-unknown-key", "gemma_tpu.plan", ["--config", "{repo}/configs/tiny.yaml", "mesh.tpu=4"], ["mesh.tpu"],
          sub=True),
     # ---- base model directories

@@ -244,6 +244,11 @@ def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | No
         node = child
     last = parts[-1]
     section = _section_type(cls, parts)
+    if value is None and section is not None:
+        # 'train=null' would build the section from nothing: every key the file gave back to its default
+        raise UserError(f"{source}: a section takes a mapping of its keys (e.g. {dotted}={{key: value}}), not "
+                        f"null, which would put every key of '{dotted}' back to its default; override its keys "
+                        f"one by one")
     if isinstance(value, dict) and isinstance(node.get(last), dict) and section is not None:
         # 'train={max_steps: 3}' sets those keys of the section: replacing it would silently put every
         # other key the file gave (batch_size, learning_rate, ...) back to its default. A mapping-valued
