@@ -286,6 +286,10 @@ CASES = [
     Case("config-section-null", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--print-config",
                                                     "train=null"],
          ["override 'train=null': a section takes a mapping", "train={key: value}"]),
+    # two axes taking "the rest" were refused only when the mesh was built, naming no key
+    Case("config-two-mesh-axes-fill", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--print-config", "mesh.data=-1", "mesh.fsdp=-1"],
+         ["override 'mesh.fsdp=-1': mesh.data and mesh.fsdp are both -1", "at most one axis"]),
     Case("plan-unknown-key", "gemma_tpu.plan", ["--config", "{repo}/configs/tiny.yaml", "mesh.tpu=4"], ["mesh.tpu"],
          sub=True),
     # ---- base model directories

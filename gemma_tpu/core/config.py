@@ -453,6 +453,11 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             bad(f"mesh.{name} must be a positive integer or -1, got {v}")
     if cfg.mesh.dcn_data == -1:
         bad("mesh.dcn_data must be the number of slices, not -1")
+    free = [f"mesh.{name}" for name in ("data", "fsdp", "tp") if getattr(cfg.mesh, name) == -1]
+    if len(free) > 1:  # else refused only when the mesh is built, after the data and model were read
+        both = "both" if len(free) == 2 else "all"
+        bad(f"{', '.join(free[:-1])} and {free[-1]} are {both} -1: at most one axis may take the remaining "
+            f"devices; give the others a size")
 
     if cfg.mesh.accelerator not in ACCELERATORS:
         bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")
