@@ -290,6 +290,13 @@ CASES = [
     Case("config-two-mesh-axes-fill", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "--print-config", "mesh.data=-1", "mesh.fsdp=-1"],
          ["override 'mesh.fsdp=-1': mesh.data and mesh.fsdp are both -1", "at most one axis"]),
+    # not host:port: accepted, then jax.distributed failed (or hung) at start-up
+    Case("config-coordinator-no-port", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--print-config", "mesh.coordinator_address=10.0.0.2"],
+         ["override 'mesh.coordinator_address=10.0.0.2'", "host:port", "'10.0.0.2'"]),
+    Case("config-coordinator-port-out-of-range", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--print-config", "mesh.coordinator_address=h:70000"],
+         ["mesh.coordinator_address must be host:port with a port in 1..65535", "'h:70000'"]),
     Case("plan-unknown-key", "gemma_tpu.plan", ["--config", "{repo}/configs/tiny.yaml", "mesh.tpu=4"], ["mesh.tpu"],
          sub=True),
     # ---- base model directories

@@ -20,6 +20,9 @@ import yaml
 from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.errors import UserError
 
+# host:port of the multi-process coordinator: a host name, an IPv4 address or a bracketed IPv6 one
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -443,6 +446,12 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     at_least("checkpoint.max_to_keep", cfg.checkpoint.max_to_keep, 1)
     at_least("mesh.price_per_hour", cfg.mesh.price_per_hour, 0.0)
     at_least("mesh.num_processes", cfg.mesh.num_processes, 1)
+    address = cfg.mesh.coordinator_address
+    if address:  # empty or null: one host (or the JAX_* environment); else jax.distributed fails at start-up
+        m = _HOST_PORT.fullmatch(address)
+        if not m or not 1 <= int(m.group(1)) <= 65535:
+            bad(f"mesh.coordinator_address must be host:port with a port in 1..65535 (e.g. 10.0.0.2:1234), "
+                f"got {address!r}")
     at_least("mesh.process_id", cfg.mesh.process_id, 0)
     if cfg.mesh.num_processes is not None and cfg.mesh.process_id is not None \
             and cfg.mesh.process_id >= cfg.mesh.num_processes:
