@@ -282,6 +282,11 @@ CASES = [
          ["--config", "{repo}/configs/tiny.yaml", "lora.targets=[q_proj,qkv_proj]"], ["lora.targets", "'qkv_proj'"]),
     Case("config-bool-not-bool", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "lora.enabled=maybe"],
          ["lora.enabled", "'maybe'"]),
+    # a string key given a bare yes/no/on/off (YAML: a boolean) said 'expected a string, got True', not why
+    Case("config-yaml-boolean-for-a-string", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--print-config", "model.path=yes"],
+         ["override 'model.path=yes': model.path: expected a string, got True", "YAML reads a bare yes/no",
+          "quote it"]),
     # a whole section set to null went silently back to its defaults (tiny.yaml's max_steps 6 -> 100)
     Case("config-section-null", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--print-config",
                                                     "train=null"],

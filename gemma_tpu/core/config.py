@@ -155,6 +155,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+_YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`, with the few coercions YAML needs."""
     origin = typing.get_origin(tp)
@@ -175,8 +178,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
         if value not in args:
-            hint = (" (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
-                    if isinstance(value, bool) else "")
+            hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""
             raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
@@ -214,7 +216,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         if not isinstance(value, str):
-            raise UserError(f"{where}: expected a string, got {value!r}")
+            hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
+            raise UserError(f"{where}: expected a string, got {value!r}{hint}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
