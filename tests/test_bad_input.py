@@ -302,6 +302,10 @@ CASES = [
     Case("config-coordinator-port-out-of-range", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "--print-config", "mesh.coordinator_address=h:70000"],
          ["mesh.coordinator_address must be host:port with a port in 1..65535", "'h:70000'"]),
+    # the dry run plans a mesh axis of -1 for the local devices (one here): the error did not say how to plan
+    # for the machine the run is meant for, nor name the key
+    Case("dry-run-mesh-needs-more-devices", "gemma_tpu.train", [*TRAIN, "--dry-run", "--no-compile", "mesh.dcn_data=3"],
+         ["mesh.dcn_data=3", "local device(s)", "--devices N"]),
     Case("plan-unknown-key", "gemma_tpu.plan", ["--config", "{repo}/configs/tiny.yaml", "mesh.tpu=4"], ["mesh.tpu"],
          sub=True),
     # ---- base model directories

@@ -279,7 +279,14 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     family = get_family(cfg.model.family) if cfg.model.family else detect_family(hf, f"{cfg.model.path} config.json")
     remat = cfg.train.remat or cfg.model.remat
     n = plan_devices(cfg, devices)
-    sizes = dict(zip(("data", "fsdp", "tp"), mesh_shape(cfg.mesh, n)))
+    try:
+        sizes = dict(zip(("data", "fsdp", "tp"), mesh_shape(cfg.mesh, n)))
+    except UserError as e:
+        if devices:
+            raise
+        # the count came from this machine, which is rarely the one the plan is for
+        raise UserError(f"{e}; this plan counted the {n} local device(s): give --devices N to plan for N "
+                        f"devices") from None
     model, tcfg = abstract_model(family, hf, cfg.model.dtype, remat)
     shapes = _flat_shapes(model)
     b = _DTYPE_BYTES[cfg.model.dtype]
