@@ -575,6 +575,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
         return None
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer))
     split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
+    data.check_one_batch(split, cfg.train.batch_size)  # the run would refuse it: so does its plan
     st = split.stats()
     per_row = st["examples_per_row"]
     return {"examples": st["examples_kept"], "rows": st["rows"], "trees": st["trees"], "examples_per_row": per_row,
