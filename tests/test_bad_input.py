@@ -228,6 +228,19 @@ CASES = [
          ["{tmp}/nope.jsonl"]),
     Case("data-bad-eval-file", "gemma_tpu.train", [*TRAIN, "data.eval_path={tmp}/eval.jsonl"],
          ["{tmp}/eval.jsonl:1", "no assistant message"], {"eval.jsonl": from_corpus("no_assistant.jsonl")}),
+    # fewer rows than one batch: inspect and the dry run exited 0, training refused it only once the model had
+    # loaded, naming no key; all three now refuse it the same way
+    Case("data-fewer-rows-than-a-batch", "gemma_tpu.train", [*TRAIN, "train.batch_size=100"],
+         [f"data.train_path={CHAT}: ", "rows (from 64 examples, data.strategy=pad)", "train.batch_size=100"]),
+    Case("dry-run-fewer-rows-than-a-batch", "gemma_tpu.train", [*TRAIN, "--dry-run", "--no-compile",
+                                                                "train.batch_size=100"],
+         [f"data.train_path={CHAT}: ", "rows (from 64 examples", "fewer than one batch of train.batch_size=100"]),
+    Case("data-inspect-fewer-rows-than-a-batch", "gemma_tpu.data.inspect", [*TRAIN, "train.batch_size=100", "-n", "0"],
+         [f"data.train_path={CHAT}: ", "rows (from 64 examples", "fewer than one batch of train.batch_size=100"]),
+    Case("data-inspect-packed-rows-fewer-than-a-batch", "gemma_tpu.data.inspect",
+         [*TRAIN, "data.strategy=pack", "train.batch_size=64", "-n", "0"],
+         [f"data.train_path={CHAT}", "from 64 examples, data.strategy=pack", "train.batch_size=64",
+          "set data.strategy=pad and data.share_prefix=off (one example a row)"]),
     Case("data-inspect-bad-split", "gemma_tpu.data.inspect", [*TRAIN, "--split", "test"], ["--split", "'test'"]),
     Case("data-inspect-bad-line", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/bad.jsonl"],
          ["{tmp}/bad.jsonl:2"], {"bad.jsonl": from_corpus("bad_json_line.jsonl")}, sub=True),
@@ -282,6 +295,30 @@ CASES = [
          ["--config", "{repo}/configs/tiny.yaml", "lora.targets=[q_proj,qkv_proj]"], ["lora.targets", "'qkv_proj'"]),
     Case("config-bool-not-bool", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "lora.enabled=maybe"],
          ["lora.enabled", "'maybe'"]),
+    # a string key given a bare yes/no/on/off (YAML: a boolean) said 'expected a string, got True', not why
+    Case("config-yaml-boolean-for-a-string", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--print-config", "model.path=yes"],
+         ["override 'model.path=yes': model.path: expected a string, got True", "YAML reads a bare yes/no",
+          "quote it"]),
+    # a whole section set to null went silently back to its defaults (tiny.yaml's max_steps 6 -> 100)
+    Case("config-section-null", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--print-config",
+                                                    "train=null"],
+         ["override 'train=null': a section takes a mapping", "train={key: value}"]),
+    # two axes taking "the rest" were refused only when the mesh was built, naming no key
+    Case("config-two-mesh-axes-fill", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--print-config", "mesh.data=-1", "mesh.fsdp=-1"],
+         ["override 'mesh.fsdp=-1': mesh.data and mesh.fsdp are both -1", "at most one axis"]),
+    # not host:port: accepted, then jax.distributed failed (or hung) at start-up
+    Case("config-coordinator-no-port", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--print-config", "mesh.coordinator_address=10.0.0.2"],
+         ["override 'mesh.coordinator_address=10.0.0.2'", "host:port", "'10.0.0.2'"]),
+    Case("config-coordinator-port-out-of-range", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--print-config", "mesh.coordinator_address=h:70000"],
+         ["mesh.coordinator_address must be host:port with a port in 1..65535", "'h:70000'"]),
+    # the dry run plans a mesh axis of -1 for the local devices (one here): the error did not say how to plan
+    # for the machine the run is meant for, nor name the key
+    Case("dry-run-mesh-needs-more-devices", "gemma_tpu.train", [*TRAIN, "--dry-run", "--no-compile", "mesh.dcn_data=3"],
+         ["mesh.dcn_data=3", "local device(s)", "--devices N"]),
     Case("plan-unknown-key", "gemma_tpu.plan", ["--config", "{repo}/configs/tiny.yaml", "mesh.tpu=4"], ["mesh.tpu"],
          sub=True),
     # ---- base model directories

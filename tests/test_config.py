@@ -6,7 +6,7 @@ import re
 import pytest
 import yaml
 
-from gemma_tpu.core.config import RunConfig, load_config, parse_override
+from gemma_tpu.core.config import RunConfig, load_config, parse_override, validate
 from gemma_tpu.core.errors import UserError
 from tests.conftest import REPO, assert_one_line_error, run_cli
 
@@ -154,3 +154,11 @@ def test_empty_config_file_is_refused(tmp_path, text):
     proc = run_cli("gemma_tpu.train", "--config", str(empty), "--print-config")
     assert_one_line_error(proc, f"{empty}: empty config file")
     assert not proc.stdout
+
+
+@pytest.mark.parametrize("address", ["", None, "10.0.0.2:1234", "tpu-vm-0.internal:8476", "[::1]:8476"])
+def test_coordinator_address_forms_that_load(address):
+    """Empty or null: one host (or the JAX_* environment); host:port with a host name, IPv4 or bracketed IPv6."""
+    cfg = load_config(REPO / "configs/tiny.yaml")
+    cfg.mesh.coordinator_address = address
+    validate(cfg)

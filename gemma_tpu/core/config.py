@@ -20,6 +20,9 @@ import yaml
 from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.errors import UserError
 
+# host:port of the multi-process coordinator: a host name, an IPv4 address or a bracketed IPv6 one
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -152,6 +155,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+_YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`, with the few coercions YAML needs."""
     origin = typing.get_origin(tp)
@@ -172,8 +178,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
         if value not in args:
-            hint = (" (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
-                    if isinstance(value, bool) else "")
+            hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""
             raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
@@ -211,7 +216,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         if not isinstance(value, str):
-            raise UserError(f"{where}: expected a string, got {value!r}")
+            hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
+            raise UserError(f"{where}: expected a string, got {value!r}{hint}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
@@ -244,6 +250,11 @@ def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | No
         node = child
     last = parts[-1]
     section = _section_type(cls, parts)
+    if value is None and section is not None:
+        # 'train=null' would build the section from nothing: every key the file gave back to its default
+        raise UserError(f"{source}: a section takes a mapping of its keys (e.g. {dotted}={{key: value}}), not "
+                        f"null, which would put every key of '{dotted}' back to its default; override its keys "
+                        f"one by one")
     if isinstance(value, dict) and isinstance(node.get(last), dict) and section is not None:
         # 'train={max_steps: 3}' sets those keys of the section: replacing it would silently put every
         # other key the file gave (batch_size, learning_rate, ...) back to its default. A mapping-valued
@@ -438,6 +449,12 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     at_least("checkpoint.max_to_keep", cfg.checkpoint.max_to_keep, 1)
     at_least("mesh.price_per_hour", cfg.mesh.price_per_hour, 0.0)
     at_least("mesh.num_processes", cfg.mesh.num_processes, 1)
+    address = cfg.mesh.coordinator_address
+    if address:  # empty or null: one host (or the JAX_* environment); else jax.distributed fails at start-up
+        m = _HOST_PORT.fullmatch(address)
+        if not m or not 1 <= int(m.group(1)) <= 65535:
+            bad(f"mesh.coordinator_address must be host:port with a port in 1..65535 (e.g. 10.0.0.2:1234), "
+                f"got {address!r}")
     at_least("mesh.process_id", cfg.mesh.process_id, 0)
     if cfg.mesh.num_processes is not None and cfg.mesh.process_id is not None \
             and cfg.mesh.process_id >= cfg.mesh.num_processes:
@@ -448,6 +465,11 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             bad(f"mesh.{name} must be a positive integer or -1, got {v}")
     if cfg.mesh.dcn_data == -1:
         bad("mesh.dcn_data must be the number of slices, not -1")
+    free = [f"mesh.{name}" for name in ("data", "fsdp", "tp") if getattr(cfg.mesh, name) == -1]
+    if len(free) > 1:  # else refused only when the mesh is built, after the data and model were read
+        both = "both" if len(free) == 2 else "all"
+        bad(f"{', '.join(free[:-1])} and {free[-1]} are {both} -1: at most one axis may take the remaining "
+            f"devices; give the others a size")
 
     if cfg.mesh.accelerator not in ACCELERATORS:
         bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")

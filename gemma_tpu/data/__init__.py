@@ -4,6 +4,7 @@ from gemma_tpu.data.pipeline import (
                                      Prepared,
                                      TrainStream,
                                      check_layout,
+                                     check_one_batch,
                                      eval_batches,
                                      make_renderer,
                                      prepare_examples,
@@ -14,5 +15,5 @@ from gemma_tpu.data.pipeline import (
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
 
-__all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "eval_batches", "load_conversations",
+__all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "eval_batches", "load_conversations",
            "make_renderer", "prepare_examples", "prepare_split", "render_examples", "stream_layout"]

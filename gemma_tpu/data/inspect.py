@@ -26,7 +26,7 @@ from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
-from gemma_tpu.data.pipeline import TrainStream, eval_batches, make_renderer, prepare_examples
+from gemma_tpu.data.pipeline import TrainStream, check_one_batch, eval_batches, make_renderer, prepare_examples
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
@@ -92,8 +92,6 @@ def batch_shapes(prepared, batch_size: int, split: str, seed: int) -> tuple[int,
     """Distinct (shape, dtype) signatures over one epoch of the batches training/eval would see."""
 
     if split == "train":
-        if len(prepared.rows) < batch_size:
-            return 0, [f"fewer rows ({len(prepared.rows)}) than one batch of {batch_size}"]
         batches = TrainStream(prepared, batch_size, seed, num_epochs=1)
     else:
         batches = eval_batches(prepared, batch_size)
@@ -131,6 +129,8 @@ def run(args: argparse.Namespace) -> dict:
     for strategy in (chosen, "pack" if chosen == "pad" else "pad"):
         prepared[strategy] = prepare_examples(examples, path, cfg.data, cfg.train.seed, strategy=strategy)
     main = prepared[chosen]
+    if args.split == "train":  # training (and its dry run) refuse it: no batch to show either
+        check_one_batch(main, cfg.train.batch_size)
     stats = main.stats()
     n_shapes, shapes = batch_shapes(main, cfg.train.batch_size, args.split, cfg.train.seed)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))

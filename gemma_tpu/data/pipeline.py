@@ -154,6 +154,20 @@ def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int
     return prepare_examples(render_examples(path, renderer, data_cfg), path, data_cfg, seed, max_loss, strategy)
 
 
+def check_one_batch(prepared: Prepared, batch_size: int) -> None:
+    """The training split fills at least one batch: the one check that training, its dry run and
+    `gemma_tpu.data.inspect` make (a stream of fewer rows has no batch to give)."""
+    n, kept = len(prepared.rows), prepared.report.kept
+    if n < batch_size:
+        # what puts several examples in a row, when one example a row would fill a batch
+        alt = [] if kept < batch_size else [k for k, on in (("data.strategy=pad", prepared.strategy == "pack"),
+                                                             ("data.share_prefix=off", prepared.trees())) if on]
+        hint = f", set {' and '.join(alt)} (one example a row)," if alt else ""
+        raise UserError(f"data.train_path={prepared.source}: {n} rows (from {kept} examples, "
+                        f"data.strategy={prepared.strategy}) are fewer than one batch of "
+                        f"train.batch_size={batch_size}; lower train.batch_size{hint} or add examples")
+
+
 class _RowArrays:
     """The map function of the stream, with a short repr: grain takes the repr of its transforms,
     and a bound method of Prepared would print every row's arrays (seconds per thousand rows)."""
@@ -189,10 +203,8 @@ class TrainStream:
             raise UserError(f"train.batch_size={batch_size} must be divisible by the {process_count} processes")
         if num_epochs is not None and num_epochs < 1:
             raise UserError(f"data.num_epochs must be positive or null, got {num_epochs}")
+        check_one_batch(prepared, batch_size)
         n = len(prepared.rows)
-        if n < batch_size:
-            raise UserError(f"{prepared.source}: {n} rows is fewer than one batch of {batch_size} "
-                            f"(train.batch_size)")
         self.global_batch = batch_size
         self.local_batch = batch_size // process_count
         self.layout = stream_layout(prepared, batch_size, seed, shuffle, num_epochs)

@@ -43,12 +43,17 @@ def mesh_shape(m: MeshConfig, n_devices: int) -> tuple[int, int, int]:
     if len(free) > 1:
         raise UserError("mesh: only one of data, fsdp, tp may be -1")
     fixed = math.prod(s for s in sizes if s != -1)
+    # the config keys behind the fixed sizes, for the messages (dcn_data multiplies data unless that is -1)
+    keys = [f"mesh.{k}={v}" for k, v in (("data", m.data), ("dcn_data", dcn), ("fsdp", m.fsdp), ("tp", m.tp))
+            if v > 1 and not (k == "dcn_data" and m.data == -1)]
+    named = " × ".join(keys) + (f" = {fixed}" if len(keys) > 1 else "")
     if free:
         if n_devices % fixed:
-            raise UserError(f"mesh: {n_devices} devices are not divisible by the fixed axes ({fixed})")
+            raise UserError(f"mesh: {n_devices} devices are not divisible by the fixed axes {named}")
         sizes[free[0]] = n_devices // fixed
     if math.prod(sizes) != n_devices:
-        raise UserError(f"mesh: data×fsdp×tp = {math.prod(sizes)} but there are {n_devices} devices")
+        raise UserError(f"mesh: {' × '.join(keys) or 'every axis 1'} makes a mesh of {math.prod(sizes)} devices "
+                        f"but there are {n_devices}")
     if sizes[0] % dcn:
         raise UserError(f"mesh: the data axis ({sizes[0]}) is not a multiple of mesh.dcn_data={dcn}")
     return tuple(sizes)  # type: ignore[return-value]

@@ -279,7 +279,14 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     family = get_family(cfg.model.family) if cfg.model.family else detect_family(hf, f"{cfg.model.path} config.json")
     remat = cfg.train.remat or cfg.model.remat
     n = plan_devices(cfg, devices)
-    sizes = dict(zip(("data", "fsdp", "tp"), mesh_shape(cfg.mesh, n)))
+    try:
+        sizes = dict(zip(("data", "fsdp", "tp"), mesh_shape(cfg.mesh, n)))
+    except UserError as e:
+        if devices:
+            raise
+        # the count came from this machine, which is rarely the one the plan is for
+        raise UserError(f"{e}; this plan counted the {n} local device(s): give --devices N to plan for N "
+                        f"devices") from None
     model, tcfg = abstract_model(family, hf, cfg.model.dtype, remat)
     shapes = _flat_shapes(model)
     b = _DTYPE_BYTES[cfg.model.dtype]
@@ -568,6 +575,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
         return None
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer))
     split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
+    data.check_one_batch(split, cfg.train.batch_size)  # the run would refuse it: so does its plan
     st = split.stats()
     per_row = st["examples_per_row"]
     return {"examples": st["examples_kept"], "rows": st["rows"], "trees": st["trees"], "examples_per_row": per_row,

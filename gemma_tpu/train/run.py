@@ -119,6 +119,7 @@ def run(cfg: RunConfig) -> dict:
     token_map = function_token_map(tokenizer)
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map)
     train_split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
+    data.check_one_batch(train_split, cfg.train.batch_size)  # before the model loads, as the dry run does
     eval_split = (data.prepare_split(cfg.data.eval_path, renderer, cfg.data, cfg.train.seed)
                   if cfg.data.eval_path else None)
     st = train_split.stats()
