@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -26,7 +25,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from machine import cpu_label  # noqa: E402
 
+from gemma_tpu.core.atomic import check_results_file, write_text_atomic  # noqa: E402
 from gemma_tpu.core.config import load_config  # noqa: E402
+from gemma_tpu.core.errors import UserError  # noqa: E402
 from gemma_tpu.data import load_conversations  # noqa: E402
 from gemma_tpu.evaluate.run import build_cases, score  # noqa: E402
 from gemma_tpu.formats.function_calling import parse_reply  # noqa: E402
@@ -48,20 +49,19 @@ def num(x, width: int, digits: int) -> str:
     return f"{x:>{width}.{digits}f}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
 
 
-def run_logged(cmd: list[str], log: Path, env: dict) -> int:
+def run_logged(cmd: list[str], log: Path) -> int:
     with log.open("w") as fh:
-        return subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+        return subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT).returncode
 
 
 def run_recipe(name: str, overrides: list[str], args, combined: Path, spans: list[tuple[str, int, int]]) -> dict:
     """Train, evaluate on every held-out set at once, score each set on its own."""
     rdir = Path(args.out) / name
     rdir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
     ckpt = rdir / "checkpoints"
     t0 = time.time()
     rc = run_logged([sys.executable, "-m", "gemma_tpu.train", "--config", args.config, f"checkpoint.dir={ckpt}",
-                     *overrides], rdir / "train.log", env)
+                     *overrides], rdir / "train.log")
     train_s = time.time() - t0
     row: dict = {"recipe": name, "overrides": overrides, "train_wall_s": round(train_s, 1)}
     if rc != 0:
@@ -72,7 +72,7 @@ def run_recipe(name: str, overrides: list[str], args, combined: Path, spans: lis
     t1 = time.time()
     rc = run_logged([sys.executable, "-m", "gemma_tpu.evaluate", "--config", args.config, "--data", str(combined),
                      "--checkpoint", str(ckpt), "--no-loss", "--batch-size", str(args.batch_size),
-                     "--json", str(rdir / "eval.json"), *overrides], rdir / "eval.log", env)
+                     "--json", str(rdir / "eval.json"), *overrides], rdir / "eval.log")
     row["eval_wall_s"] = round(time.time() - t1, 1)
     if rc != 0:
         return {**row, "error": f"evaluation exit {rc}: see {rdir / 'eval.log'}"}
@@ -107,6 +107,15 @@ def main(argv=None) -> int:
     names = [n for n, _ in recipes]
     if len(set(names)) != len(names):
         raise SystemExit("error: --recipe names must differ")
+    if args.parallel < 1 or args.batch_size < 1:
+        raise SystemExit("error: --parallel and --batch-size must be at least 1")
+    for path in (args.config, *args.eval):
+        if not Path(path).is_file():
+            raise SystemExit(f"error: {path}: no such file")
+    try:
+        check_results_file(args.json, {"--config": args.config, **{f"--eval {e}": e for e in args.eval}})
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     combined, spans, lines = out / "heldout.jsonl", [], []
@@ -116,7 +125,7 @@ def main(argv=None) -> int:
         lines += rows
     combined.write_text("\n".join(lines) + "\n")
     t0 = time.time()
-    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+    with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda r: run_recipe(r[0], r[1], args, combined, spans), recipes))
     labels = [s[0] for s in spans]
     print(f"\n{'recipe':<22} {'steps':>5} {'s/step':>7} {'train s':>8} {'val loss':>8} "
@@ -136,7 +145,7 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001 - informational only
         pass
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_text_atomic(args.json, json.dumps(result, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
 
 

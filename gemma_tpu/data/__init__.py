@@ -15,5 +15,6 @@ from gemma_tpu.data.pipeline import (
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
 
-__all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "eval_batches", "load_conversations",
-           "make_renderer", "prepare_examples", "prepare_split", "render_examples", "stream_layout"]
+__all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "eval_batches",
+           "load_conversations", "make_renderer", "prepare_examples", "prepare_split", "render_examples",
+           "stream_layout"]
