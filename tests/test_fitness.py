@@ -397,6 +397,46 @@ def test_score_on_hand_made_predictions():
     assert m["per_tool"]["get_heart_rate"] == {"n": 6, "tool_accuracy": 2 / 6, "argument_accuracy": 1 / 6}
 
 
+def test_answer_scores_by_hand():
+    """Exact match, token F1 and ROUGE-L on normalised words, with values worked out by hand."""
+    from gemma_tpu.evaluate.answers import answer_scores, exact_match, rouge_l, token_f1, words
+
+    assert words("Hal, 3 plus 17 IS 20!") == ["hal", "3", "plus", "17", "is", "20"]
+    assert words("日本語です") == ["日", "本", "語", "で", "す"] and words("ｆｕｌｌ－width") == ["full", "width"]
+    assert exact_match("hal, 3 plus 17 is 20.", "Hal, 3 plus 17 is 20") == 1.0
+    assert exact_match("3 plus 17 is 20", "Hal, 3 plus 17 is 20") == 0.0
+    # 5 predicted words, 6 reference words, 5 in common (F1 10/11); the same words reordered keep F1 but not LCS
+    assert token_f1("3 plus 17 is 20", "Hal, 3 plus 17 is 20") == pytest.approx(10 / 11)
+    assert rouge_l("3 plus 17 is 20", "Hal, 3 plus 17 is 20") == pytest.approx(10 / 11)
+    assert token_f1("20 is 17 plus 3", "3 plus 17 is 20") == 1.0
+    assert rouge_l("20 is 17 plus 3", "3 plus 17 is 20") == pytest.approx(2 * 1 / 10)  # LCS of one word
+    assert rouge_l("a b c d", "a x c y d") == pytest.approx(2 * 3 / 9)  # LCS a c d
+    assert token_f1("the the cat", "the cat cat") == pytest.approx(2 * 2 / 6)  # multiset overlap {the, cat}
+    assert (token_f1("", ""), rouge_l("", "x"), token_f1("...", "x")) == (1.0, 0.0, 0.0)
+    m = answer_scores([("Hal, 3 plus 17 is 20.", "Hal, 3 plus 17 is 20"), (None, "Doubled it is 148.")])
+    assert m == {"answer_n": 2, "answer_exact_match": 0.5, "answer_f1": 0.5, "answer_rouge_l": 0.5}
+    assert answer_scores([])["answer_f1"] is None
+
+
+def test_score_judges_text_answers():
+    """Examples whose reference is text get the answer_* metrics; a call instead of an answer scores 0 there,
+    and tool-call examples are not counted in them."""
+    from gemma_tpu.evaluate.run import Case, build_cases, score
+
+    convs = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is 4."}]},
+             {"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "It is 6."}]},
+             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there"}]}]
+    cases = build_cases(convs) + [Case({}, ToolCall("get_steps", {}), ["get_steps"], "steps?")]
+    assert [c.answer for c in cases] == ["It is 4.", "It is 6.", "Hello there", None]
+    preds = [ParsedReply("text", [], "it is 4"), ParsedReply("text", [], "It is 7."),
+             ParsedReply("call", [ToolCall("get_steps", {})], ""), ParsedReply("call", [ToolCall("get_steps", {})], "")]
+    m = score(cases, preds)
+    assert m["answer_n"] == 3
+    assert m["answer_exact_match"] == pytest.approx(1 / 3)
+    assert m["answer_f1"] == pytest.approx((1 + 2 / 3) / 3)  # "it is 7" vs "it is 6": 2 of 3 words
+    assert m["tool_accuracy"] == pytest.approx(3 / 4)  # two text replies where text was due, one right call
+
+
 def test_endpoint_replies_are_read_from_tool_calls_or_content():
     from gemma_tpu.evaluate.run import openai_messages, reply_from_message
 
@@ -535,8 +575,11 @@ def test_evaluate_checkpoint_restores_lora(tiny_dir, tmp_path):
     assert tuned == pytest.approx(summary["final_eval_loss"], abs=2e-3)
     assert base == pytest.approx(summary["first_eval_loss"], abs=1e-2)
     assert abs(tuned - base) > 0.1
-    # a chat file without tool calls: the tool rows are said to be vacuous
+    # a chat file without tool calls: the tool rows are said to be vacuous, the answers are scored
     assert "has no reference tool call; the tool rows only say whether a model called a tool unasked" in proc.stderr
+    for m in models.values():
+        assert m["answer_n"] == 8 and 0.0 <= m["answer_rouge_l"] <= 1.0 and m["answer_exact_match"] == 0.0
+    assert "answer_rouge_l" in proc.stdout
 
 
 def test_evaluate_errors_are_one_line(tiny_dir, tmp_path):

@@ -9,6 +9,9 @@ and generates greedily; its first call is compared with the reference call:
     hallucinated_tool_rate a call names a tool the example does not declare
     no_call_rate           plain text, no call attempted
     format_error_rate      text that attempts a call which does not parse
+    answer_exact_match, answer_f1, answer_rouge_l
+                           for examples whose reference turn is text (chats, instruction pairs): the generated
+                           answer against it (`gemma_tpu/evaluate/answers.py`); answers are cut at --max-new-tokens
     eval_loss, perplexity  teacher-forced NLL of the reference assistant turns (calls and answers),
                            loss-bearing tokens only - as in training; not for --endpoint
 
@@ -39,6 +42,7 @@ from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
+from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
@@ -55,7 +59,8 @@ from gemma_tpu.models import resolve_model
 log = logging.getLogger("gemma_tpu.evaluate")
 
 METRICS = ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", "no_call_rate",
-           "format_error_rate", "eval_loss", "perplexity")
+           "format_error_rate", "answer_n", "answer_exact_match", "answer_f1", "answer_rouge_l", "eval_loss",
+           "perplexity")
 
 
 @dataclasses.dataclass
@@ -67,6 +72,7 @@ class Case:
     reference: ToolCall | None  # None: the reference answers without a call
     tool_names: list[str]
     user: str
+    answer: str | None = None  # the reference turn's text when it makes no call
 
 
 def build_cases(convs: list[dict]) -> list[Case]:
@@ -78,7 +84,8 @@ def build_cases(convs: list[dict]) -> list[Case]:
         ref = ToolCall(calls[0]["name"], calls[0]["arguments"]) if calls else None
         names = [(t.get("function", t))["name"] for t in conv.get("tools") or []]
         user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
-        cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user))
+        answer = None if calls else msgs[k].get("content") or ""  # text: records normalise contents
+        cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer))
     return cases
 
 
@@ -110,6 +117,8 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
     return {
         "n": n, "tool_accuracy": frac(tool), "argument_accuracy": frac(args),
         "hallucinated_tool_rate": frac(halluc), "no_call_rate": frac(nocall), "format_error_rate": frac(fmt),
+        **answer_scores([(pred.text if pred.kind == "text" else None, case.answer)
+                         for case, pred in zip(cases, predictions) if case.answer is not None]),
         "per_tool": {k: {"n": v[0], "tool_accuracy": v[1] / v[0], "argument_accuracy": v[2] / v[0]}
                      for k, v in sorted(per_tool.items())},
     }
@@ -263,6 +272,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     metrics["perplexity"] = math.exp(min(loss, 80.0)) if loss is not None else None
     metrics["seconds"] = round(time.time() - t0, 1)
     records = [{"user": c.user, "reference": dataclasses.asdict(c.reference) if c.reference else None,
+                "reference_answer": c.answer,
                 "kind": p.kind, "predicted": [dataclasses.asdict(x) for x in p.calls], "error": p.error, "raw": t}
                for c, p, t in zip(cases, preds, texts)]
     return metrics, records
@@ -376,7 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(results))
     if not any(c.reference for c in build_cases(convs)):
         print(f"note: {args.data} has no reference tool call; the tool rows only say whether a model called a tool "
-              f"unasked (eval_loss and perplexity judge the answers)", file=sys.stderr)
+              f"unasked (the answer_* rows, eval_loss and perplexity judge the answers; answers are cut at "
+              f"--max-new-tokens {args.max_new_tokens})", file=sys.stderr)
     if args.json:
         out = Path(args.json)
         write_text_atomic(out, results_json(results, details, args.data, len(convs)))

@@ -1,0 +1,65 @@
+"""How close a generated answer is to the reference answer, for data whose reference turns are text (chats,
+instruction pairs, prompt-completion rows), where the tool-call rows say nothing and eval loss is the only other
+judge. The usual measures of extractive QA and summarisation, on normalised words: exact match, token F1 (bag of
+words, as SQuAD scores) and ROUGE-L F1 (longest common subsequence, so word order counts).
+
+Normalisation: Unicode NFKC, lower case, punctuation dropped, whitespace split; Chinese and Japanese characters
+count one word each (their text has no spaces to split on)."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+
+_WORD = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]|[^\W_]+")
+
+
+def words(text: str) -> list[str]:
+    """The words an answer is scored on."""
+    return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+
+
+def exact_match(predicted: str, reference: str) -> float:
+    return float(words(predicted) == words(reference))
+
+
+def token_f1(predicted: str, reference: str) -> float:
+    """Harmonic mean of the share of predicted words in the reference and of reference words predicted
+    (multisets); 1.0 when both are empty."""
+    p, r = words(predicted), words(reference)
+    if not p or not r:
+        return float(p == r)
+    common = sum((Counter(p) & Counter(r)).values())
+    return 0.0 if common == 0 else 2 * common / (len(p) + len(r))
+
+
+def rouge_l(predicted: str, reference: str) -> float:
+    """ROUGE-L F1: the longest common subsequence of words against both lengths; 1.0 when both are empty."""
+    p, r = words(predicted), words(reference)
+    if not p or not r:
+        return float(p == r)
+    prev = [0] * (len(r) + 1)  # the LCS table a row at a time
+    for a in p:
+        cur = [0]
+        for j, b in enumerate(r, 1):
+            cur.append(prev[j - 1] + 1 if a == b else max(prev[j], cur[j - 1]))
+        prev = cur
+    lcs = prev[-1]
+    return 0.0 if lcs == 0 else 2 * lcs / (len(p) + len(r))
+
+
+def answer_scores(pairs: list[tuple[str | None, str]]) -> dict[str, float | int | None]:
+    """Means over (predicted answer or None for a reply that is not an answer, reference answer) pairs;
+    a reply that called a tool or failed to parse scores 0. None for every measure without a pair."""
+    n = len(pairs)
+    if not n:
+        return {"answer_n": 0, "answer_exact_match": None, "answer_f1": None, "answer_rouge_l": None}
+    sums = [0.0, 0.0, 0.0]
+    for predicted, reference in pairs:
+        if predicted is None:
+            continue
+        sums[0] += exact_match(predicted, reference)
+        sums[1] += token_f1(predicted, reference)
+        sums[2] += rouge_l(predicted, reference)
+    return {"answer_n": n, "answer_exact_match": sums[0] / n, "answer_f1": sums[1] / n, "answer_rouge_l": sums[2] / n}
