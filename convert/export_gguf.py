@@ -313,10 +313,8 @@ def check_config(facts: GGUFFacts, text: dict, where: str) -> None:
     for key in facts.require_unset:
         if text.get(key) not in (None, 0, 0.0, False):
             raise UserError(f"{where}: {key}={text[key]} cannot be expressed in llama.cpp's {facts.arch}")
-    for key, other in facts.require_equal:
-        if key in text and text.get(key) != text.get(other):
-            raise UserError(f"{where}: {key}={text[key]} differs from {other}={text.get(other)}; llama.cpp's "
-                            f"{facts.arch} assumes they are equal")
+    for problem in (facts.check(text) if facts.check else []):
+        raise UserError(f"{where}: {problem}")
     for _, key, _, default in facts.hparams:
         if text.get(key) is None and default is None:
             raise UserError(f"{where}: missing key '{key}'")

@@ -312,6 +312,12 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     ("qpas_omitted", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar=256"),
     # a transformers 4.x config: no layer_types, the pattern in sliding_window_pattern
     ("swa_pattern", {"layer_types": None, "sliding_window_pattern": 2}, "sliding_window_pattern=2"),
+    # llama.cpp fixes the sliding layers' rotary base at 10000, whatever the file says
+    ("swa_rope_base", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
+     "rope_parameters.sliding_attention.rope_theta=20000"),
+    # a 62-layer gemma3 is llama.cpp's 27B: queries scaled by hidden/heads (16 here), not head_dim
+    ("qpas_62_layers", {"num_hidden_layers": 62, "layer_types": None}, "hidden_size/num_attention_heads=16"),
 ])
 def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contains):
     """llama.cpp scales queries by 1/sqrt(head_dim) and makes every 6th layer global: a config.json
@@ -327,6 +333,19 @@ def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contain
             cfg[key] = value
     (d / "config.json").write_text(json.dumps(cfg))
     _expect_error(capsys, work / f"{name}.gguf", "--merged", d, contains=contains)
+
+
+def test_62_layers_scale_queries_as_llama_cpp_27b(work):
+    """llama.cpp's gemma3 scales a 62-layer model's queries by 1/sqrt(hidden/heads), as the real 27B
+    (hidden 5376, 32 heads, head_dim 128, query_pre_attn_scalar 168) needs: such a model exports."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    d = write_tiny_gemma3(work / "tiny_62", seed=0, num_hidden_layers=62, head_dim=32, query_pre_attn_scalar=16,
+                          intermediate_size=32)
+    out = work / "l62.gguf"
+    assert export("--merged", d, "--out", out, "--type", "f16") == 0
+    f = fields(out)
+    assert f["gemma3.block_count"] == 62 and f["gemma3.attention.key_length"] == 32
 
 
 def test_error_failure_midway_leaves_nothing(work, base, capsys, monkeypatch):

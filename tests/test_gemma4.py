@@ -156,6 +156,8 @@ def test_config_built_from_config_json(g4):
      "global_head_dim"),
     ("num_kv_shared_layers", 6, "num_kv_shared_layers"),
     ("sliding_window", None, "sliding_window=None must be a positive integer"),  # was read as 512
+    ("head_dim", 15, "head_dim=15 .*must be even"),  # was a JAX traceback ("array split") at load
+    ("global_head_dim", 33, "global_head_dim=33 .*must be even"),
 ])
 def test_unsupported_config_values_are_refused_by_name(g4, key, value, needle):
     from gemma_tpu.models import get_family

@@ -48,8 +48,8 @@ def test_tiny_plan_matches_hand_computation(tiny_dir):
     assert p.term("gradients").bytes == 4 * LORA
     # activations (formula in gemma_tpu.train.plan): t tokens per device, b = 4 bytes
     t, b = B * T, 4
-    full = b * (8 * D + 3 * N * H + 3 * K * H + 4 * F) + b * N * T
-    acts = t * L * full + t * 4 * b * N * T + t * T + t * 2 * b * D + 2 * 4 * min(1024, B * T) * V
+    full = b * (8 * D + 6 * N * H + 6 * K * H + 8 * F) + 3 * b * N * T
+    acts = t * L * full + t * T + t * 2 * b * D + 2 * 4 * min(1024, B * T) * V
     assert p.term("activations").bytes == pytest.approx(acts)
     assert p.term("batch inputs").bytes == B * 7 * T * 4  # four [B, T] fields, three [B, M] with M = T
     assert p.tokens_per_step == B * T
@@ -101,7 +101,8 @@ def test_remat_and_accumulation_and_qlora_change_the_right_terms(tiny_dir):
                          ids=["plain", "remat", "bf16", "accum"])
 def test_estimate_within_factor_of_compiled(tiny_dir, overrides):
     """XLA's memory analysis of the real compiled step (random weights, local CPU device) and our
-    estimate agree: state within 2%, peak within a factor of 1.6 (measured 0.69-1.05)."""
+    estimate agree: state within 2%, peak within a factor of 1.6 (measured 0.97-1.16; remat 0.67:
+    XLA on CPU keeps a rematerialised step's residuals all the same, so remat cannot be checked here)."""
     from gemma_tpu.hf.directory import config_json_for
     from gemma_tpu.train.plan import compiled_memory
 
@@ -110,6 +111,23 @@ def test_estimate_within_factor_of_compiled(tiny_dir, overrides):
     c, e = r["compiled"], r["estimate"]
     assert e["state"] == pytest.approx(c["arguments"], rel=0.02)
     assert 1 / 1.6 < e["peak"] / c["peak"] < 1.6, r
+
+
+@pytest.mark.parametrize("shape", [
+    dict(num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=24),
+    dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=32, query_pre_attn_scalar=32,
+         intermediate_size=256),
+], ids=["8heads_hd24_6layers", "mha_hd32_3layers"])
+def test_estimate_close_to_compiled_on_other_shapes(tiny_dir, shape):
+    """Deeper models with more heads than the tiny one: the per-layer activations dominate, and one
+    copy of the attention probabilities per layer (the earlier formula) gave 0.56-0.6 of XLA's peak."""
+    from gemma_tpu.hf.directory import config_json_for
+    from gemma_tpu.train.plan import compiled_memory
+
+    hf = {**config_json_for(str(tiny_dir)), **shape}
+    hf.pop("layer_types")  # derived again for the new depth
+    r = compiled_memory(tiny_cfg(tiny_dir), hf)
+    assert 0.8 < r["estimate"]["peak"] / r["compiled"]["peak"] < 1.25, r
 
 
 @pytest.mark.parametrize("batch", [8, 4], ids=["split", "replicated"])

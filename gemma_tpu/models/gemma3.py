@@ -249,7 +249,8 @@ PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
 # output projection, so a tied model has no `output.weight`.
 def gguf_rope(t: dict) -> dict[str, Any]:
     """llama.cpp's rotary keys: the global layers' base and linear scaling, the sliding layers'
-    base (llama.cpp applies no scaling there)."""
+    base (written for readers of the file; llama.cpp's gemma3 fixes it at 10000 and applies no scaling
+    there, which `gguf_check` holds the config to)."""
     global_theta, global_scale = _rope(t, "full_attention")
     local_theta, local_scale = _rope(t, "sliding_attention")
     if local_scale != 1.0:
@@ -259,6 +260,36 @@ def gguf_rope(t: dict) -> dict[str, Any]:
     if global_scale != 1.0:
         out.update({"rope.scaling.type": "linear", "rope.scaling.factor": global_scale})
     return out
+
+
+# What llama.cpp's gemma3 hard-wires instead of reading it from the file (llama-model.cpp, hparams of
+# LLM_ARCH_GEMMA3): queries scaled by 1/sqrt(hidden_size / num_attention_heads) when the model has 62
+# layers (it takes that for the 27B), else by 1/sqrt(head_dim); sliding layers' rotary base 10000, unscaled.
+LLAMA_CPP_27B_LAYERS = 62
+LLAMA_CPP_SWA_ROPE_BASE = 10_000.0
+
+
+def gguf_check(t: dict) -> list[str]:
+    """Where a config disagrees with what llama.cpp's gemma3 assumes (one line each)."""
+    problems = []
+    heads, hidden, head_dim = int(t["num_attention_heads"]), int(t["hidden_size"]), int(t["head_dim"])
+    qpas = t.get("query_pre_attn_scalar")
+    if int(t["num_hidden_layers"]) == LLAMA_CPP_27B_LAYERS:
+        want, what = hidden // heads, (f"hidden_size/num_attention_heads={hidden // heads} (it takes a "
+                                       f"{LLAMA_CPP_27B_LAYERS}-layer gemma3 for the 27B)")
+    else:
+        want, what = head_dim, f"head_dim={head_dim}"
+    if qpas != want:
+        problems.append(f"query_pre_attn_scalar={qpas} differs from {what}; llama.cpp's gemma3 scales "
+                        f"queries by 1/sqrt of that")
+    local_theta, _ = _rope(t, "sliding_attention")
+    if local_theta != LLAMA_CPP_SWA_ROPE_BASE:
+        params = t.get("rope_parameters")
+        key = ("rope_parameters.sliding_attention.rope_theta"
+               if isinstance(params, dict) and "sliding_attention" in params else "rope_local_base_freq")
+        problems.append(f"{key}={local_theta:g} cannot be expressed in llama.cpp's gemma3 (its sliding-window "
+                        f"layers use a rotary base of {LLAMA_CPP_SWA_ROPE_BASE:g})")
+    return problems
 
 
 GGUF = GGUFFacts(
@@ -293,8 +324,7 @@ GGUF = GGUFFacts(
         ("attention.layer_norm_rms_epsilon", "rms_norm_eps", "f32", 1e-6),
         ("attention.sliding_window", "sliding_window", "u32", 4096),
     ),
-    # llama.cpp scales queries by 1/sqrt(head_dim) (hidden/heads only for the 62-layer 27B).
-    require_equal=(("query_pre_attn_scalar", "head_dim"),),
+    check=gguf_check,
     require_unset=("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"),
     swa_period=SLIDING_WINDOW_PATTERN,
     rope=gguf_rope,

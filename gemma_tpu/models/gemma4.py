@@ -202,6 +202,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     vocab, hidden = int(t["vocab_size"]), int(t["hidden_size"])
     heads, kv_heads, head_dim = int(t["num_attention_heads"]), int(t["num_key_value_heads"]), int(t["head_dim"])
     global_head_dim = int(t.get("global_head_dim") or head_dim)
+    for key, size in (("head_dim", head_dim), ("global_head_dim", global_head_dim)):
+        if size % 2:  # Tunix splits every head in halves for its rotary embeddings (a JAX error at load)
+            raise _cfg_error(key, size, "must be even: rotary embeddings split each head in halves")
     ple = fields["per_layer_input_dim"]
     if ple and int(t.get("vocab_size_per_layer_input") or vocab) != vocab:
         raise _cfg_error("vocab_size_per_layer_input", t["vocab_size_per_layer_input"],

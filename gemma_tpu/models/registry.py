@@ -154,15 +154,15 @@ class GGUFFacts:
     """What llama.cpp's GGUF needs to know about a family (`convert.export_gguf` reads it).
 
     `hparams`: (key under `{arch}.`, config.json key of the text config, value type, default
-    when the config lacks it). `require_equal`: config keys llama.cpp does not read but hard-wires
-    to another key's value (Gemma 3's attention scale is 1/sqrt(head_dim) there). `require_unset`:
+    when the config lacks it). `check`: values llama.cpp does not read but hard-wires (Gemma 3's
+    query scale, its sliding layers' rotary base): text config -> one line per disagreement. `require_unset`:
     config keys llama.cpp's architecture cannot express when set. `swa_period`: llama.cpp's default
     sliding/global layer pattern (every Nth layer global), which the config must follow."""
 
     arch: str
     tensors: tuple[GGUFTensor, ...]
     hparams: tuple[tuple[str, str, str, Any], ...]
-    require_equal: tuple[tuple[str, str], ...] = ()
+    check: Callable[[dict], list[str]] | None = None
     require_unset: tuple[str, ...] = ()
     swa_period: int | None = None
     # text config -> rotary keys under `{arch}.` (freq_base, freq_base_swa, scaling.*); raises

@@ -29,16 +29,18 @@ Per device (a dimension split over mesh axes holds size / product-of-axis-sizes;
   attention over T = seq_len keys (Tunix materialises the full T×T scores, also in sliding layers),
   and model dims split tp ways:
 
-      full_l  = b·(8·D + 3·N·Hq + 3·K·Hk + 4·F)/tp + b·N·T/tp      bytes per token
-                (residual and norm outputs; q, k, v before and after norm/RoPE and the attention
-                output; gate, up, gelu and product; the attention probabilities)
+      full_l  = b·(8·D + 6·N·Hq + 6·K·Hk + 8·F)/tp + 3·b·N·T/tp      bytes per token
+                (residual and norm outputs; q, k, v before and after norm/RoPE, the scaled queries
+                and the attention output; gate, up, the tanh-GELU's intermediates and the product;
+                the attention logits, probabilities and their gradient: the coefficients are fitted
+                to XLA's compiled memory (CPU) from 2 to 6 layers, 4 to 8 heads, head sizes 16 to
+                256, widths 64 to 640 - within 0.95-1.25 of it, where one copy of the
+                probabilities per layer gave 0.55 at 270M-like widths)
       saved_l = full_l               remat none
               = b·8·D/tp             remat block   (attention and MLP blocks recomputed)
               = b·D/tp               remat decoder (only each layer's input is kept)
 
       activations = t·Σ_l saved_l + t·max_l full_l·[remat ≠ none]   (one layer recomputed at a time)
-                    + t·4·b·N·T/tp   (softmax working set of the layer being differentiated:
-                                      logits, probabilities and both their gradients)
                     + t·T (attention mask) + t·2·b·D/tp (final norm) + loss logits
 
   The loss projects at most 1024 loss positions at a time onto the vocabulary (float32 logits and
@@ -224,7 +226,7 @@ def activation_bytes(dims: list[LayerDims], tokens: float, seq_len: int, b: int,
     """The activation formula of the module docstring; returns (bytes, a short breakdown)."""
 
     def full(d: LayerDims) -> float:
-        return b * (8 * d.D + 3 * d.nq + 1.5 * d.nkv + 4 * d.F) / tp + b * d.heads * seq_len / tp
+        return b * (8 * d.D + 6 * d.nq + 3 * d.nkv + 8 * d.F) / tp + 3 * b * d.heads * seq_len / tp
 
     def saved(d: LayerDims) -> float:
         return {"none": full(d), "block": b * 8 * d.D / tp, "decoder": b * d.D / tp}[remat]
@@ -233,13 +235,12 @@ def activation_bytes(dims: list[LayerDims], tokens: float, seq_len: int, b: int,
         return 0.0, ""
     layers = tokens * sum(saved(d) for d in dims)
     recompute = tokens * max(full(d) for d in dims) if remat != "none" else 0.0
-    softmax = tokens * 4 * b * max(d.heads for d in dims) * seq_len / tp
     mask = tokens * seq_len
     final = tokens * 2 * b * dims[0].D / tp
     loss = 2 * 4 * min(LOSS_CHUNK, loss_rows) * vocab
-    note = (f"layers {_gib(layers).strip()} + recompute {_gib(recompute).strip()} + attention scores "
-            f"{_gib(softmax).strip()} + mask {_gib(mask).strip()} + loss logits {_gib(loss).strip()}")
-    return layers + recompute + softmax + mask + final + loss, note
+    note = (f"layers {_gib(layers).strip()} + recompute {_gib(recompute).strip()} + mask "
+            f"{_gib(mask).strip()} + loss logits {_gib(loss).strip()}")
+    return layers + recompute + mask + final + loss, note
 
 
 # ---------------------------------------------------------------- the plan
