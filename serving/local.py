@@ -10,7 +10,10 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
 * the server runs in that temporary directory with the model given by its bare name, so requests
   may name the model as `NAME` (a pinned `transformers serve` refuses any other name) or not at all;
 * its hub cache is an empty directory (offline): its `/v1/models` lists the hub cache, not the
-  pinned model, and would otherwise advertise unrelated cached models it then refuses to serve.
+  pinned model, and would otherwise advertise unrelated cached models it then refuses to serve;
+* it runs as `python -m serving.local NAME --host H --port P`: `transformers serve`'s own app behind
+  `CheckedChatApp`, which answers a malformed chat completion with 400 and a JSON error naming the field
+  (`serving.openai_request`) instead of a 500, and bounds `max_tokens` by the model's context.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ class LocalServer:
         return self.url + "/v1"
 
     def command(self) -> list[str]:
-        return [transformers_executable(), "serve", self.name, "--host", self.host, "--port", str(self.port)]
+        transformers_executable()  # the serving extras are installed
+        return [sys.executable, "-m", "serving.local", self.name, "--host", self.host, "--port", str(self.port)]
 
     def start(self) -> "LocalServer":
         cmd = self.command()
@@ -118,7 +122,10 @@ class LocalServer:
         prepare_served_dir(self.model_dir, self.name, self._workdir, self.chat_template)
         hub = self._workdir / "hub-cache"
         hub.mkdir()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "PYTHONUNBUFFERED": "1"}
+        root = str(Path(__file__).resolve().parent.parent)  # `-m serving.local` from the temporary directory
+        path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": path}
         if self.log_path is not None:
             self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, cwd=self._workdir, env=env, stdin=subprocess.DEVNULL,
@@ -197,3 +204,131 @@ class LocalServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ------------------------------------------------------------------ the served process
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as `transformers serve` hands them to the chat template (text parts joined, call
+    arguments parsed, content dropped beside tool calls), for counting the prompt's tokens."""
+    import json
+
+    out = []
+    for m in messages:
+        msg = {"role": m["role"]}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(a) if isinstance(
+                a := c["function"].get("arguments", "{}"), str) and a.strip() else (a or {})}} for c in m["tool_calls"]]
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        content = [] if m.get("tool_calls") else (m.get("content") or [])
+        msg["content"] = content if isinstance(content, str) else " ".join(p["text"] for p in content)
+        out.append(msg)
+    return out
+
+
+class CheckedChatApp:
+    """ASGI middleware: a POST to /v1/chat/completions is read whole, checked by
+    `serving.openai_request.check_chat_request` (400 with `{"error": {"message", "type", "param"}}` when
+    malformed, as OpenAI and vLLM answer) and passed on with `max_tokens` resolved; anything else
+    passes untouched."""
+
+    def __init__(self, app, context: int | None = None, count_prompt=None):
+        self.app, self.context, self.count_prompt = app, context, count_prompt
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+        import json
+
+        from serving.openai_request import RequestError, check_chat_request
+
+        raw, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            raw += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        try:
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(None, f"the request body is not valid JSON ({e})") from None
+            body = check_chat_request(body, self.context, self.count_prompt)
+        except RequestError as e:
+            data = json.dumps({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
+                                         "code": None}}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(data)).encode())]})
+            await send({"type": "http.response.body", "body": data})
+            return
+        data = json.dumps(body).encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            return await receive()
+
+        await self.app({**scope, "headers": headers}, replay, send)
+
+
+def prompt_counter(served_dir: Path):
+    """`body -> number of prompt tokens` as the served model's chat template renders the request; a
+    template that refuses the conversation is a RequestError."""
+    from transformers import AutoTokenizer
+
+    from serving.openai_request import RequestError
+
+    tok = AutoTokenizer.from_pretrained(str(served_dir))
+
+    def count(body: dict) -> int:
+        try:
+            text = tok.apply_chat_template(_template_messages(body["messages"]), tools=body.get("tools") or None,
+                                           tokenize=False, add_generation_prompt=True,
+                                           **(body.get("chat_template_kwargs") or {}))
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raise_exception() in the template, ...
+            raise RequestError("messages", f"the chat template refused the conversation ({type(e).__name__}: "
+                                           f"{str(e)[:200]})") from None
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
+def serve_main(argv: list[str] | None = None) -> None:
+    """`python -m serving.local NAME --host H --port P` (in the directory holding NAME): `transformers
+    serve NAME` with its app behind `CheckedChatApp`."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m serving.local")
+    p.add_argument("name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    args = p.parse_args(argv)
+    served = Path(args.name).resolve()
+    config = json.loads((served / "config.json").read_text())
+    context = (config.get("text_config") or config).get("max_position_embeddings")
+    counter = prompt_counter(served)
+
+    from transformers.cli import serve as serve_cli
+    from transformers.cli.serving import server as server_mod
+
+    build = server_mod.build_server
+
+    def checked_build(*a, **k):
+        return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter)
+
+    server_mod.build_server = checked_build  # Serve imports it when constructed
+    serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    serve_main()

@@ -729,15 +729,16 @@ def test_chat_questions_with_bytes_that_are_not_utf8(tiny_dir, monkeypatch, caps
 # ------------------------------------------------------------------------ a real OpenAI server
 
 
-def test_evaluate_against_transformers_serve(tiny_dir, tmp_path):
+def test_evaluate_against_transformers_serve(tiny_long_dir, tmp_path):
     """`transformers serve` on the tiny model with our tool-aware chat template (serving.local writes
     it beside symlinks to the model): three examples go through /v1/chat/completions with `tools`,
-    and are scored."""
+    and are scored. The model declaring 4,096 positions: the server refuses the ~1,700-token prompts
+    past tiny_dir's 1,024, as vLLM does."""
     pytest.importorskip("fastapi", reason="needs transformers[serving]")
     pytest.importorskip("uvicorn", reason="needs transformers[serving]")
     from serving.local import LocalServer
 
-    with LocalServer(tiny_dir, log=tmp_path / "serve.log") as server:
+    with LocalServer(tiny_long_dir, log=tmp_path / "serve.log") as server:
         out = tmp_path / "ep.json"
         proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--endpoint", server.url,
                        "--limit", "3", "--max-new-tokens", "16", "--json", str(out), timeout=300)

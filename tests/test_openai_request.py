@@ -1,0 +1,127 @@
+"""The local server's request checks (`serving.openai_request`, `serving.local.CheckedChatApp`): malformed chat
+completions are 400 with a message naming the field, as OpenAI and vLLM answer, where `transformers serve`
+alone answered 500 (no messages, max_tokens 0 or negative, call arguments that are not JSON, a content part
+without a type), ignored them (n=2, max_completion_tokens, an undeclared tool_choice) or generated past the
+model's context (max_tokens 100000 held the server for minutes)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from serving.openai_request import RequestError, check_chat_request
+
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ([1, 2], None, "JSON object"),
+    ({}, "messages", "non-empty list"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": "hi"}, "messages", "non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "'wizard'"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string or a list"),
+    ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]", '"type"'),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type", "text only"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", "content or tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.name", "non-empty"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"messages": USER, "max_tokens": -1}, "max_tokens", "at least 1"),
+    ({"messages": USER, "max_tokens": "8"}, "max_tokens", "whole number"),
+    ({"messages": USER, "max_completion_tokens": 1.5}, "max_completion_tokens", "whole number"),
+    ({"messages": USER, "temperature": -1}, "temperature", "[0, 2]"),
+    ({"messages": USER, "temperature": 3}, "temperature", "[0, 2]"),
+    ({"messages": USER, "top_p": 0}, "top_p", "(0, 1]"),
+    ({"messages": USER, "n": 2}, "n", "one choice"),
+    ({"messages": USER, "stop": 5}, "stop", "string"),
+    ({"messages": USER, "stream": "yes"}, "stream", "true or false"),
+    ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"messages": USER, "tools": {"name": "f"}}, "tools", "list"),
+    ({"messages": USER, "tools": [{"name": "f"}]}, "tools[0]", "function"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name",
+     "not a tool name"),
+    ({"messages": USER, "tools": [TOOL, TOOL]}, "tools[1].function.name", "twice"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools[0].function.parameters", "object"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": USER, "tool_choice": "sometimes", "tools": [TOOL]}, "tool_choice", '"auto"'),
+    ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
+    ({"messages": USER, "generation_config": "{x"}, "generation_config", "JSON object"),
+])
+def test_malformed_requests_are_refused_naming_the_field(body, param, needle):
+    with pytest.raises(RequestError) as e:
+        check_chat_request(body)
+    assert e.value.param == param and needle in str(e.value)
+
+
+def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
+    ok = {"messages": [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"},
+                       {"role": "user", "content": [{"type": "text", "text": "שלום 👋"}]},
+                       {"role": "assistant", "content": None, "tool_calls": [
+                           {"id": "c1", "type": "function", "function": {"name": "get_steps", "arguments": ""}}]},
+                       {"role": "tool", "tool_call_id": "c1", "content": ""}],
+          "tools": [TOOL, {"type": "function", "function": {"name": "noparams"}}], "tool_choice": "none",
+          "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True}
+    assert check_chat_request(ok) == ok  # unchanged, no context given
+    assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
+    # the context bounds max_tokens (vLLM's rule): the default is what the prompt leaves
+    assert check_chat_request({"messages": USER}, 100, lambda b: 30)["max_tokens"] == 70
+    with pytest.raises(RequestError, match="at most 70") as e:
+        check_chat_request({"messages": USER, "max_tokens": 71}, 100, lambda b: 30)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="the prompt is 100 tokens") as e:
+        check_chat_request({"messages": USER}, 100, lambda b: 100)
+    assert e.value.param == "messages"
+
+
+def _post(url: str, payload: bytes, content_type: str = "application/json") -> tuple[int, dict | str]:
+    req = urllib.request.Request(url, data=payload, headers={"Content-Type": content_type}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            code, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        code, text = e.code, e.read().decode()
+    try:
+        return code, json.loads(text)
+    except json.JSONDecodeError:
+        return code, text
+
+
+def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
+    from serving.local import LocalServer
+
+    with LocalServer(tiny_dir, name="tiny", log=tmp_path / "serve.log") as server:
+        url = server.base_url + "/chat/completions"
+        for payload, param in [(b'{"messages": [{"role": "user"', None), (b'{"messages": []}', "messages"),
+                               (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', "max_tokens"),
+                               (json.dumps({"messages": USER, "max_tokens": 100000}).encode(), "max_tokens"),
+                               (json.dumps({"messages": [{"role": "user", "content": "ab " * 1500}],
+                                            "max_tokens": 2}).encode(), "messages"),
+                               (json.dumps({"messages": [{"role": "assistant", "tool_calls": [
+                                   {"function": {"name": "f", "arguments": "{bad"}}]}]}).encode(),
+                                "messages[0].tool_calls[0].function.arguments")]:
+            code, body = _post(url, payload)
+            assert code == 400 and isinstance(body, dict), (payload, code, body)
+            assert body["error"]["param"] == param and body["error"]["message"], body
+        assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
+        # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
+        good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
+                           "max_completion_tokens": 3, "temperature": 0}).encode()
+        code, body = _post(url, good, "text/plain")
+        assert code == 200 and body["usage"]["completion_tokens"] == 3, body
+        code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
+        assert code == 200 and text.rstrip().endswith("}") and '"finish_reason":"length"' in text
