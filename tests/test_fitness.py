@@ -784,3 +784,38 @@ def test_base_270m_cannot_call_tools_yet(real_270m, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(out.read_text())["models"][f"model:{real_270m}"]
     assert m["n"] == 8 and m["tool_accuracy"] <= 0.1 and np.isfinite(m["eval_loss"])
+
+
+def test_chat_template_names_tool_results_by_their_call_id(tiny_dir):
+    """`transformers serve` hands the template tool messages without `name` (only `tool_call_id`): the results
+    of two parallel calls both rendered as answers of the last call (`response:get_steps{...}` twice). They
+    are matched to their call by id now, as the renderer names them."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.data import Renderer
+    from gemma_tpu.formats.function_calling import function_token_map
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    token_map = function_token_map(tok)
+    tools = [t for t in dataset.generate(0, {"train": 0, "validation": 0, "test": 1})["test"][0]["tools"]]
+    calls = [{"name": "get_heart_rate", "arguments": {"date": "today"}}, {"name": "get_steps", "arguments": {}}]
+    ours = [{"role": "user", "content": "hr and steps?"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "name": "get_heart_rate", "content": "seventy"},
+            {"role": "tool", "name": "get_steps", "content": "five"}]
+    want = Renderer(tok, "gemma", token_map=token_map).render({"tools": tools, "messages": ours},
+                                                               add_generation_prompt=True).text
+    served = [{"role": "user", "content": "hr and steps?"},
+              {"role": "assistant", "content": "", "tool_calls": [
+                  {"id": f"c{k}", "type": "function", "function": c} for k, c in enumerate(calls)]},
+              {"role": "tool", "tool_call_id": "c0", "content": "seventy"},  # as transformers serve passes them
+              {"role": "tool", "tool_call_id": "c1", "content": "five"}]
+    got = tok.apply_chat_template(served, tools=tools, chat_template=tool_chat_template(token_map), tokenize=False,
+                                  add_generation_prompt=True)
+    assert got == "<bos>" + want
+    assert "response:get_heart_rate{result:<escape>seventy<escape>}" in fc_unmap(got, token_map)
+
+
+def fc_unmap(text, token_map):
+    from gemma_tpu.formats.function_calling import unmap_markers
+
+    return unmap_markers(text, token_map)

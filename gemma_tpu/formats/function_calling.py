@@ -404,7 +404,7 @@ _TEMPLATE = r"""
   {%- endif -%}
 {%- endmacro -%}
 {{- bos_token -}}
-{%- set ns = namespace(preamble='', in_model=false, last_call='', response_open=false) -%}
+{%- set ns = namespace(preamble='', in_model=false, last_call='', response_open=false, calls=[], name='') -%}
 {%- set msgs = messages -%}
 {%- if msgs and msgs[0]['role'] in ['system', 'developer'] -%}
   {%- set ns.preamble = text_of(msgs[0]['content']) -%}
@@ -435,6 +435,7 @@ _TEMPLATE = r"""
       {%- for c in m['tool_calls'] -%}
         {%- set f = c['function'] if c['function'] is defined else c -%}
         {%- set ns.last_call = f['name'] -%}
+        {%- if c['id'] is defined and c['id'] is string -%}{%- set ns.calls = ns.calls + [[c['id'], f['name']]] -%}{%- endif -%}
         {{- '<start_function_call>call:' ~ f['name'] ~ fmt(f['arguments'] if f['arguments'] is mapping else {}) ~ '<end_function_call>' -}}
       {%- endfor -%}
       {{- '<start_function_response>' -}}
@@ -446,7 +447,11 @@ _TEMPLATE = r"""
       {%- set ns.response_open = false -%}
     {%- endif -%}
   {%- elif m['role'] == 'tool' -%}
-    {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.last_call -%}
+    {#- the call a result answers: its name, else the call of its tool_call_id (servers such as transformers
+        serve pass the id and drop the name), else the latest call -#}
+    {%- set ns.name = ns.last_call -%}
+    {%- if m['tool_call_id'] is defined -%}{%- for pair in ns.calls if pair[0] == m['tool_call_id'] -%}{%- set ns.name = pair[1] -%}{%- endfor -%}{%- endif -%}
+    {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.name -%}
     {%- set c = m['content'] -%}
     {%- if c is mapping -%}{%- set value = c -%}{%- else -%}{%- set value = {'result': text_of(c)} -%}{%- endif -%}
     {%- if not ns.response_open -%}
