@@ -282,6 +282,11 @@ ROUND_TRIP = [
     ("nested", {"filter": {"kind": "run", "min": 3, "tags": ["a,b", "c}"]}, "list": [1, 2.0, "x"]}),
     ("empty", {}),
     ("keys", {"user.id": 1, "start-date": "x", "with space": "y", "ünïcode": "z", "$ref": "#/a"}),
+    # OpenAI tool names may start with a digit (^[a-zA-Z0-9_-]{1,64}$): such a call was a format error
+    ("3d_render", {"scale": 2}), ("2fa-check", {}),
+    ("values", {"big": 10**30, "tiny": 1.5e-07, "unicode": "héllo 👋 שלום", "newline": "a\nb", "quote": 'say "hi"',
+                "backslash": "a\\b", "padded": "  x  ", "digits": "5", "word": "true", "html": "<b>x</b>",
+                "empty": "", "deep": {"a": {"b": [True, None, [], {}]}}}),
 ]
 
 

@@ -132,7 +132,7 @@ def format_response(name: str, content: str) -> str:
 # --------------------------------------------------------------------------------- parsing
 
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")  # OpenAI tool names may start with a digit
 # Text that looks like an attempt at a call even without the start marker.
 _CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z_]|<end_function_call>|<start_function_call>")
 
