@@ -13,7 +13,8 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
   pinned model, and would otherwise advertise unrelated cached models it then refuses to serve;
 * it runs as `python -m serving.local NAME --host H --port P`: `transformers serve`'s own app behind
   `CheckedChatApp`, which answers a malformed chat completion with 400 and a JSON error naming the field
-  (`serving.openai_request`) instead of a 500, and bounds `max_tokens` by the model's context.
+  (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, and (not
+  streamed) returns the FunctionGemma calls in the model's text as `tool_calls`, as vLLM's parser does.
 """
 
 from __future__ import annotations
@@ -234,8 +235,35 @@ class CheckedChatApp:
     malformed, as OpenAI and vLLM answer) and passed on with `max_tokens` resolved; anything else
     passes untouched."""
 
-    def __init__(self, app, context: int | None = None, count_prompt=None):
-        self.app, self.context, self.count_prompt = app, context, count_prompt
+    def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None):
+        self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+
+    def tool_calls(self, raw: bytes) -> bytes:
+        """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
+        `message.tool_calls` (arguments as JSON strings), the text outside them as `content` and
+        finish_reason `tool_calls`, as vLLM's tool parser answers; anything else unchanged."""
+        import json
+
+        from gemma_tpu.formats.function_calling import parse_reply
+
+        try:
+            resp = json.loads(raw)
+            choice = resp["choices"][0]
+            message = choice["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return raw
+        if not isinstance(message, dict) or message.get("tool_calls") or not isinstance(message.get("content"), str):
+            return raw
+        reply = parse_reply(message["content"], self.token_map)
+        if reply.kind != "call":
+            return raw
+        rid = resp.get("id") or "call"
+        message["tool_calls"] = [{"id": f"{rid}_tool_call_{k}", "type": "function",
+                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                                 for k, c in enumerate(reply.calls)]
+        message["content"] = reply.text or None
+        choice["finish_reason"] = "tool_calls"
+        return json.dumps(resp, ensure_ascii=False).encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != "/v1/chat/completions":
@@ -277,17 +305,34 @@ class CheckedChatApp:
                 return {"type": "http.request", "body": data, "more_body": False}
             return await receive()
 
-        await self.app({**scope, "headers": headers}, replay, send)
+        if not body.get("tools") or body.get("stream") or body.get("tool_choice") == "none":
+            return await self.app({**scope, "headers": headers}, replay, send)
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def collect(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            out = b"".join(chunks)
+            if start.get("status") == 200:
+                out = self.tool_calls(out)
+            await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                        + [(b"content-length", str(len(out)).encode())]})
+            await send({"type": "http.response.body", "body": out})
+
+        await self.app({**scope, "headers": headers}, replay, collect)
 
 
-def prompt_counter(served_dir: Path):
-    """`body -> number of prompt tokens` as the served model's chat template renders the request; a
-    template that refuses the conversation is a RequestError."""
-    from transformers import AutoTokenizer
-
+def prompt_counter(tok):
+    """`body -> number of prompt tokens` as the served model's chat template (of tokenizer `tok`) renders
+    the request; a template that refuses the conversation is a RequestError."""
     from serving.openai_request import RequestError
-
-    tok = AutoTokenizer.from_pretrained(str(served_dir))
 
     def count(body: dict) -> int:
         try:
@@ -316,7 +361,10 @@ def serve_main(argv: list[str] | None = None) -> None:
     served = Path(args.name).resolve()
     config = json.loads((served / "config.json").read_text())
     context = (config.get("text_config") or config).get("max_position_embeddings")
-    counter = prompt_counter(served)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(served))
+    counter = prompt_counter(tok)
 
     from transformers.cli import serve as serve_cli
     from transformers.cli.serving import server as server_mod
@@ -324,7 +372,8 @@ def serve_main(argv: list[str] | None = None) -> None:
     build = server_mod.build_server
 
     def checked_build(*a, **k):
-        return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter)
+        return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter,
+                              function_token_map(tok))
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)

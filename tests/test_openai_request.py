@@ -125,3 +125,57 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
         assert code == 200 and text.rstrip().endswith("}") and '"finish_reason":"length"' in text
+
+
+def _asgi(app, body: dict) -> tuple[int, dict]:
+    """One POST /v1/chat/completions through an ASGI app, without a server."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
+    return start["status"], json.loads(data)
+
+
+def test_calls_in_the_models_text_come_back_as_tool_calls():
+    """transformers serve returns a Gemma 3 model's call as raw text in `content` (it knows no parser for
+    gemma3_text): an OpenAI client saw no `tool_calls` and finish_reason `length`/`stop`. vLLM's functiongemma
+    parser returns them structured; the local server now does too (not streamed)."""
+    from serving.local import CheckedChatApp
+
+    content = ("Sure. <unused2>call:get_steps{date:<unused6>yesterday<unused6>,n:3}<unused3>"
+               "<unused2>call:3d{}<unused3>")
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+
+    async def inner(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        text = content if body.get("tools") else "plain"
+        data = json.dumps({"id": "r1", "object": "chat.completion", "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    app = CheckedChatApp(inner, token_map=token_map)
+    code, resp = _asgi(app, {"messages": USER, "tools": [TOOL]})
+    choice = resp["choices"][0]
+    assert code == 200 and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    calls = choice["message"]["tool_calls"]
+    assert [(c["id"], c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("r1_tool_call_0", "function", "get_steps", {"date": "yesterday", "n": 3}),
+        ("r1_tool_call_1", "function", "3d", {})]
+    assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"] == {"role": "assistant", "content": "plain"}
+    code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": "none"})  # calls not parsed
+    assert resp["choices"][0]["message"]["content"] == content and "tool_calls" not in resp["choices"][0]["message"]
+    code, resp = _asgi(app, {"messages": []})
+    assert code == 400 and resp["error"]["param"] == "messages"
