@@ -159,8 +159,21 @@ def check_chat_request(body: Any, context: int | None = None,
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
+    open_ids: list | None = None  # the ids of the latest assistant turn's calls (None: no call to answer)
     for i, m in enumerate(messages):
         _message(m, i)
+        if m["role"] == "assistant":
+            open_ids = [c.get("id") for c in m.get("tool_calls") or []] or None
+        elif m["role"] == "tool":
+            if open_ids is None:
+                raise RequestError(f"messages[{i}].role", "a tool message must answer a preceding assistant "
+                                                          "message's tool_calls")
+            ref = m.get("tool_call_id")
+            if ref is not None and any(open_ids) and ref not in open_ids:
+                raise RequestError(f"messages[{i}].tool_call_id", f"{ref!r} names none of the calls of the assistant "
+                                                                  f"message before it ({', '.join(map(str, open_ids))})")
+        else:
+            open_ids = None
     names = _tools(body["tools"]) if body.get("tools") is not None else []
     _tool_choice(body.get("tool_choice"), names)
     if body.get("model") is not None and not isinstance(body["model"], str):

@@ -59,6 +59,10 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
     ({"messages": USER, "generation_config": "{x"}, "generation_config", "JSON object"),
+    ({"messages": USER + [{"role": "tool", "content": "5"}]}, "messages[1].role", "preceding assistant"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
+                          {"role": "tool", "tool_call_id": "b", "content": "5"}]},
+     "messages[2].tool_call_id", "'b' names none of the calls"),
 ])
 def test_malformed_requests_are_refused_naming_the_field(body, param, needle):
     with pytest.raises(RequestError) as e:
