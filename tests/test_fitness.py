@@ -320,6 +320,11 @@ def test_parser_round_trip(name, args):
 
 def test_parser_classifies_text_bare_calls_and_errors():
     assert parse_reply("You walked 8,421 steps yesterday. Good call: keep it up!").kind == "text"
+    # `call:` before a word that no brace follows is prose, not a malformed call (was a format error)
+    for prose in ("Give me a call:tomorrow works.", "Missed call:Mom, 2 min", "See the recall:it is fine"):
+        assert parse_reply(prose).kind == "text", prose
+    mid = parse_reply("Checking. call:get_steps{date:today} and recall:x")
+    assert mid.kind == "call" and mid.first == ToolCall("get_steps", {"date": "today"})
     bare = parse_reply("call:get_steps{date:today}")  # a server that strips special tokens
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))

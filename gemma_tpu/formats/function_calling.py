@@ -134,7 +134,9 @@ def format_response(name: str, content: str) -> str:
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")  # OpenAI tool names may start with a digit
 # Text that looks like an attempt at a call even without the start marker.
-_CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z_]|<end_function_call>|<start_function_call>")
+# A word after `call:` is a call's name only when a brace (or the end of the text: a call cut short) follows it:
+# "Give me a call:tomorrow works" is an answer, not a malformed call.
+_CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z0-9_][\w.\-]*\s*(?:\{|$)|<end_function_call>|<start_function_call>")
 
 
 class CallSyntaxError(ValueError):
@@ -315,7 +317,8 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
                 rest = text[pos:]
                 if not calls and _CALL_HINT.search(rest):
                     # no start marker (stripped by a server, or forgotten): try the bare form
-                    m = re.search(r"call:", rest)
+                    m = _CALL_HINT.search(rest)
+                    m = re.compile(r"call:").search(rest, m.start()) if m else None
                     if m is None:
                         raise CallSyntaxError("a call marker without 'call:NAME{...}'")
                     call, end = parse_call_body(rest, m.start())
