@@ -2,7 +2,8 @@
 
 `transformers serve` answers many malformed requests with `500 Internal Server Error` (no messages, a
 negative `max_tokens`, tool-call arguments that are not JSON, a content part without a type), ignores
-others silently (`n`, `max_completion_tokens`, `tool_choice` naming an undeclared tool) and generates
+others silently (`n`, `max_completion_tokens`, `logprobs`, `response_format`, `tool_choice` naming an
+undeclared tool) and generates
 past the model's context when asked. `check_chat_request` refuses what vLLM and the OpenAI API refuse,
 with a message naming the field, and returns the body with `max_tokens` set (from
 `max_completion_tokens`, or what the context leaves when neither is given). Standard library only.
@@ -184,6 +185,14 @@ def check_chat_request(body: Any, context: int | None = None,
             raise RequestError(key, f"{v!r} is not a whole number of at least 1")
     if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
         raise RequestError("n", f"{body['n']!r}: this server returns one choice (n=1)")
+    # fields transformers serve accepts and ignores, where ignoring them breaks what the client relies on
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise RequestError("logprobs" if body.get("logprobs") else "top_logprobs",
+                           "log probabilities are not returned by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise RequestError("response_format", f"only {{\"type\": \"text\"}} is supported here (no constrained "
+                                              f"JSON output), got {json.dumps(fmt)[:80]}")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise RequestError("stream", "expected true or false")
     stop = body.get("stop")

@@ -59,6 +59,9 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
     ({"messages": USER, "generation_config": "{x"}, "generation_config", "JSON object"),
+    ({"messages": USER, "logprobs": True}, "logprobs", "not returned"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "not returned"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"messages": USER + [{"role": "tool", "content": "5"}]}, "messages[1].role", "preceding assistant"),
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
                           {"role": "tool", "tool_call_id": "b", "content": "5"}]},
@@ -77,7 +80,8 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
                            {"id": "c1", "type": "function", "function": {"name": "get_steps", "arguments": ""}}]},
                        {"role": "tool", "tool_call_id": "c1", "content": ""}],
           "tools": [TOOL, {"type": "function", "function": {"name": "noparams"}}], "tool_choice": "none",
-          "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True}
+          "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True, "logprobs": False,
+          "response_format": {"type": "text"}}
     assert check_chat_request(ok) == ok  # unchanged, no context given
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
     # the context bounds max_tokens (vLLM's rule): the default is what the prompt leaves
