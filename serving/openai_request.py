@@ -221,6 +221,15 @@ def check_chat_request(body: Any, context: int | None = None,
         if not ok:
             raise RequestError("generation_config", "expected a JSON object as a string")
     body = dict(body)
+    # spellings OpenAI accepts that transformers serve answered with 500: an empty stop list, integer
+    # logit biases, call arguments given as an object or as an empty string
+    if body.get("stop") == []:
+        del body["stop"]
+    if bias:
+        body["logit_bias"] = {str(k): float(v) for k, v in bias.items()}
+    body["messages"] = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(_arguments(
+        c["function"].get("arguments", "{}"), ""), ensure_ascii=False)}} for c in m["tool_calls"]]}
+                        if m.get("tool_calls") else m for m in body["messages"]]
     asked = body.pop("max_completion_tokens", None)
     if body.get("max_tokens") is None and asked is not None:
         body["max_tokens"] = asked

@@ -82,7 +82,14 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
           "tools": [TOOL, {"type": "function", "function": {"name": "noparams"}}], "tool_choice": "none",
           "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True, "logprobs": False,
           "response_format": {"type": "text"}}
+    assert check_chat_request(ok)["messages"][3]["tool_calls"][0]["function"]["arguments"] == "{}"
+    ok["messages"][3]["tool_calls"][0]["function"]["arguments"] = "{}"
     assert check_chat_request(ok) == ok  # unchanged, no context given
+    # what transformers serve answered with 500: an empty stop list, integer biases, arguments as an object or ""
+    fixed = check_chat_request({"messages": USER + [{"role": "assistant", "tool_calls": [
+        {"id": "a", "function": {"name": "f", "arguments": {"x": "é"}}}]}], "stop": [], "logit_bias": {"5": -100}})
+    assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
+    assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
     # the context bounds max_tokens (vLLM's rule): the default is what the prompt leaves
     assert check_chat_request({"messages": USER}, 100, lambda b: 30)["max_tokens"] == 70
@@ -125,6 +132,11 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             code, body = _post(url, payload)
             assert code == 400 and isinstance(body, dict), (payload, code, body)
             assert body["error"]["param"] == param and body["error"]["message"], body
+        for odd in ({"stop": []}, {"logit_bias": {"5": -100}}, {"messages": USER + [{"role": "assistant", "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "x"}], "tools": [TOOL]}):
+            code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
+            assert code == 200, (odd, body)  # each was a 500
         assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
         # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
         good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
