@@ -235,8 +235,10 @@ class CheckedChatApp:
     malformed, as OpenAI and vLLM answer) and passed on with `max_tokens` resolved; anything else
     passes untouched."""
 
-    def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None):
+    def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
+                 vocab_size: int | None = None, check_generation_config=None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
 
     def tool_calls(self, raw: bytes) -> bytes:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
@@ -284,7 +286,8 @@ class CheckedChatApp:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(None, f"the request body is not valid JSON ({e})") from None
-            body = check_chat_request(body, self.context, self.count_prompt)
+            body = check_chat_request(body, self.context, self.count_prompt, self.vocab_size,
+                                      self.check_generation_config)
         except RequestError as e:
             data = json.dumps({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
                                          "code": None}}).encode()
@@ -347,6 +350,19 @@ def prompt_counter(tok):
     return count
 
 
+def check_generation_config(obj: dict) -> None:
+    """A request's `generation_config` (transformers serve's extension) that transformers refuses is a
+    RequestError, not a 500."""
+    from transformers import GenerationConfig
+
+    from serving.openai_request import RequestError
+
+    try:
+        GenerationConfig(**obj).validate()  # strict: a harmless unused flag would be refused
+    except Exception as e:  # noqa: BLE001 - ValueError, TypeError, ... of an unusable setting
+        raise RequestError("generation_config", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P` (in the directory holding NAME): `transformers
     serve NAME` with its app behind `CheckedChatApp`."""
@@ -360,7 +376,8 @@ def serve_main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     served = Path(args.name).resolve()
     config = json.loads((served / "config.json").read_text())
-    context = (config.get("text_config") or config).get("max_position_embeddings")
+    text_config = config.get("text_config") or config
+    context, vocab = text_config.get("max_position_embeddings"), text_config.get("vocab_size")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(served))
@@ -373,7 +390,8 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     def checked_build(*a, **k):
         return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter,
-                              function_token_map(tok))
+                              function_token_map(tok), vocab if isinstance(vocab, int) else None,
+                              check_generation_config)
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)

@@ -151,10 +151,13 @@ def _range(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) ->
 
 
 def check_chat_request(body: Any, context: int | None = None,
-                       count_prompt: Callable[[dict], int] | None = None) -> dict:
+                       count_prompt: Callable[[dict], int] | None = None, vocab_size: int | None = None,
+                       check_generation_config: Callable[[dict], None] | None = None) -> dict:
     """The request `body` checked (RequestError otherwise), with `max_tokens` resolved: from
     `max_completion_tokens` when only that is given, and bounded by `context` (the model's positions)
-    less the prompt's tokens (`count_prompt(body)`), as vLLM bounds it."""
+    less the prompt's tokens (`count_prompt(body)`), as vLLM bounds it. `vocab_size` bounds the token ids
+    of `logit_bias`; `check_generation_config(obj)` raises RequestError for a `generation_config` the
+    server cannot use."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {type(body).__name__}")
     messages = body.get("messages")
@@ -202,24 +205,33 @@ def check_chat_request(body: Any, context: int | None = None,
     _range(body, "temperature", 0.0, 2.0)
     _range(body, "top_p", 0.0, 1.0, lo_open=True)
     _range(body, "frequency_penalty", -2.0, 2.0)
+    if body.get("frequency_penalty") is not None and body["frequency_penalty"] <= -1:
+        raise RequestError("frequency_penalty", f"{body['frequency_penalty']!r}: this server applies it as a "
+                                                f"repetition penalty of 1 + value, which must be positive: use a "
+                                                f"value above -1")
     _range(body, "presence_penalty", -2.0, 2.0)
-    if body.get("seed") is not None and not _is_int(body["seed"]):
-        raise RequestError("seed", "expected a whole number")
+    if body.get("seed") is not None and not (_is_int(body["seed"]) and -2**63 <= body["seed"] < 2**63):
+        raise RequestError("seed", f"{body['seed']!r} is not a whole number in [-2^63, 2^63)")
     bias = body.get("logit_bias")
     if bias is not None and not (isinstance(bias, dict) and all(
             re.fullmatch(r"\d+", str(k)) and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
         raise RequestError("logit_bias", "expected an object of token ids to numbers in [-100, 100]")
+    if bias and vocab_size and any(int(k) >= vocab_size for k in bias):
+        raise RequestError("logit_bias", f"token id {max(int(k) for k in bias)} is past the vocabulary "
+                                         f"({vocab_size} tokens)")
     for key in ("chat_template_kwargs",):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise RequestError(key, "expected an object")
     gen = body.get("generation_config")
     if gen is not None:
         try:
-            ok = isinstance(gen, str) and isinstance(json.loads(gen), dict)
+            parsed = json.loads(gen) if isinstance(gen, str) else None
         except json.JSONDecodeError:
-            ok = False
-        if not ok:
+            parsed = None
+        if not isinstance(parsed, dict):
             raise RequestError("generation_config", "expected a JSON object as a string")
+        if check_generation_config:
+            check_generation_config(parsed)
     body = dict(body)
     # spellings OpenAI accepts that transformers serve answered with 500: an empty stop list, integer
     # logit biases, call arguments given as an object or as an empty string

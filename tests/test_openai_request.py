@@ -60,6 +60,8 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
     ({"messages": USER, "generation_config": "{x"}, "generation_config", "JSON object"),
     ({"messages": USER, "logprobs": True}, "logprobs", "not returned"),
+    ({"messages": USER, "seed": 2**70}, "seed", "[-2^63, 2^63)"),
+    ({"messages": USER, "frequency_penalty": -1.5}, "frequency_penalty", "above -1"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "not returned"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"messages": USER + [{"role": "tool", "content": "5"}]}, "messages[1].role", "preceding assistant"),
@@ -137,6 +139,11 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                 {"role": "tool", "tool_call_id": "1", "content": "x"}], "tools": [TOOL]}):
             code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
             assert code == 200, (odd, body)  # each was a 500
+        for odd, param in (({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"seed": 2**70}, "seed"),
+                           ({"frequency_penalty": -2}, "frequency_penalty"),
+                           ({"generation_config": json.dumps({"max_new_tokens": -5})}, "generation_config")):
+            code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
+            assert code == 400 and body["error"]["param"] == param, (odd, body)  # each was a 500
         assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
         # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
         good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
