@@ -358,7 +358,7 @@ def check_generation_config(obj: dict) -> None:
     from serving.openai_request import RequestError
 
     try:
-        GenerationConfig(**obj).validate()  # strict: a harmless unused flag would be refused
+        GenerationConfig(**obj).validate()  # not strict: that refuses harmless unused flags too
     except Exception as e:  # noqa: BLE001 - ValueError, TypeError, ... of an unusable setting
         raise RequestError("generation_config", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
 
