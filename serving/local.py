@@ -286,6 +286,8 @@ class CheckedChatApp:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(None, f"the request body is not valid JSON ({e})") from None
+            except RecursionError:
+                raise RequestError(None, "the request body is nested too deeply") from None
             body = check_chat_request(body, self.context, self.count_prompt, self.vocab_size,
                                       self.check_generation_config)
         except RequestError as e:

@@ -27,6 +27,11 @@ class RequestError(ValueError):
         self.param = param
 
 
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(v), type(v).__name__)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -40,7 +45,7 @@ def _text_parts(content: Any, where: str) -> None:
     if isinstance(content, str):
         return
     if not isinstance(content, list):
-        raise RequestError(where, f"expected a string or a list of text parts, got {type(content).__name__}")
+        raise RequestError(where, f"expected a string or a list of text parts, got {_json_type(content)}")
     for k, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise RequestError(f"{where}[{k}]", 'expected an object with a "type"')
@@ -59,6 +64,8 @@ def _arguments(raw: Any, where: str) -> dict:
         value = json.loads(raw) if raw.strip() else {}
     except json.JSONDecodeError as e:
         raise RequestError(where, f"not valid JSON ({e.msg} at character {e.pos})") from None
+    except RecursionError:
+        raise RequestError(where, "nested too deeply") from None
     if not isinstance(value, dict):
         raise RequestError(where, f"expected a JSON object, got {raw[:80]!r}")
     return value
@@ -159,7 +166,7 @@ def check_chat_request(body: Any, context: int | None = None,
     of `logit_bias`; `check_generation_config(obj)` raises RequestError for a `generation_config` the
     server cannot use."""
     if not isinstance(body, dict):
-        raise RequestError(None, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "expected a non-empty list of messages")

@@ -19,13 +19,16 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
 
 
 @pytest.mark.parametrize("body, param, needle", [
-    ([1, 2], None, "JSON object"),
+    ([1, 2], None, "JSON object, got a list"),
+    (None, None, "JSON object, got null"),
     ({}, "messages", "non-empty list"),
     ({"messages": []}, "messages", "non-empty list"),
     ({"messages": "hi"}, "messages", "non-empty list"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "'wizard'"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string or a list"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string or a list of text parts, got a number"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100000}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "nested too deeply"),
     ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]", '"type"'),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type", "text only"),
@@ -124,6 +127,7 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
     with LocalServer(tiny_dir, name="tiny", log=tmp_path / "serve.log") as server:
         url = server.base_url + "/chat/completions"
         for payload, param in [(b'{"messages": [{"role": "user"', None), (b'{"messages": []}', "messages"),
+                               (b"[" * 100000 + b"]" * 100000, None), (b'{"messages": "\xff"}', None),
                                (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', "max_tokens"),
                                (json.dumps({"messages": USER, "max_tokens": 100000}).encode(), "max_tokens"),
                                (json.dumps({"messages": [{"role": "user", "content": "ab " * 1500}],
