@@ -10,9 +10,10 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
 * the server runs in that temporary directory with the model given by its bare name, so requests
   may name the model as `NAME` (a pinned `transformers serve` refuses any other name) or not at all;
 * its hub cache is an empty directory (offline): its `/v1/models` lists the hub cache, not the
-  pinned model, and would otherwise advertise unrelated cached models it then refuses to serve;
+  pinned model, and would otherwise advertise unrelated cached models it then refuses to serve
+  (`CheckedChatApp` answers `/v1/models` with the served name instead);
 * it runs as `python -m serving.local NAME --host H --port P`: `transformers serve`'s own app behind
-  `CheckedChatApp`, which answers a malformed chat completion with 400 and a JSON error naming the field
+  `CheckedChatApp`, which answers a malformed chat (or text) completion with 400 and a JSON error naming the field
   (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, and (not
   streamed) returns the FunctionGemma calls in the model's text as `tool_calls`, as vLLM's parser does.
 """
@@ -230,15 +231,25 @@ def _template_messages(messages: list[dict]) -> list[dict]:
 
 
 class CheckedChatApp:
-    """ASGI middleware: a POST to /v1/chat/completions is read whole, checked by
-    `serving.openai_request.check_chat_request` (400 with `{"error": {"message", "type", "param"}}` when
-    malformed, as OpenAI and vLLM answer) and passed on with `max_tokens` resolved; anything else
-    passes untouched."""
+    """ASGI middleware: a POST to /v1/chat/completions (or /v1/completions) is read whole, checked by
+    `serving.openai_request` (400 with `{"error": {"message", "type", "param"}}` when malformed, as OpenAI
+    and vLLM answer) and passed on with `max_tokens` resolved; GET /v1/models lists `model_name`;
+    anything else passes untouched."""
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
-                 vocab_size: int | None = None, check_generation_config=None):
+                 vocab_size: int | None = None, check_generation_config=None, count_text=None,
+                 model_name: str | None = None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
+        self.count_text, self.model_name = count_text, model_name
+
+    async def _json(self, send, status: int, obj: dict) -> None:
+        import json
+
+        data = json.dumps(obj).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
 
     def tool_calls(self, raw: bytes) -> bytes:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
@@ -268,11 +279,17 @@ class CheckedChatApp:
         return json.dumps(resp, ensure_ascii=False).encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != "/v1/chat/completions":
+        path = scope.get("path", "").rstrip("/") if scope["type"] == "http" else ""
+        if path == "/v1/models" and scope["method"] == "GET" and self.model_name:
+            # the served model, as vLLM lists it (transformers serve lists its hub cache: nothing, offline)
+            return await self._json(send, 200, {"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}]})
+        if scope["type"] != "http" or scope["method"] != "POST" or path not in ("/v1/chat/completions",
+                                                                               "/v1/completions"):
             return await self.app(scope, receive, send)
         import json
 
-        from serving.openai_request import RequestError, check_chat_request
+        from serving.openai_request import RequestError, check_chat_request, check_completion_request
 
         raw, more = b"", True
         while more:
@@ -288,16 +305,15 @@ class CheckedChatApp:
                 raise RequestError(None, f"the request body is not valid JSON ({e})") from None
             except RecursionError:
                 raise RequestError(None, "the request body is nested too deeply") from None
-            body = check_chat_request(body, self.context, self.count_prompt, self.vocab_size,
-                                      self.check_generation_config)
+            if path == "/v1/completions":
+                body = check_completion_request(body, self.context, self.count_text, self.vocab_size,
+                                                self.check_generation_config)
+            else:
+                body = check_chat_request(body, self.context, self.count_prompt, self.vocab_size,
+                                          self.check_generation_config)
         except RequestError as e:
-            data = json.dumps({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
-                                         "code": None}}).encode()
-            await send({"type": "http.response.start", "status": 400,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(data)).encode())]})
-            await send({"type": "http.response.body", "body": data})
-            return
+            return await self._json(send, 400, {"error": {"message": str(e), "type": "invalid_request_error",
+                                                          "param": e.param, "code": None}})
         data = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
@@ -310,7 +326,8 @@ class CheckedChatApp:
                 return {"type": "http.request", "body": data, "more_body": False}
             return await receive()
 
-        if not body.get("tools") or body.get("stream") or body.get("tool_choice") == "none":
+        if path != "/v1/chat/completions" or not body.get("tools") or body.get("stream") or \
+                body.get("tool_choice") == "none":
             return await self.app({**scope, "headers": headers}, replay, send)
         start: dict = {}
         chunks: list[bytes] = []
@@ -393,7 +410,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     def checked_build(*a, **k):
         return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter,
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
-                              check_generation_config)
+                              check_generation_config, lambda text: len(tok(text)["input_ids"]), args.name)
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)

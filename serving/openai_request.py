@@ -157,38 +157,8 @@ def _range(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) ->
         raise RequestError(key, f"{v!r} is not a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
 
 
-def check_chat_request(body: Any, context: int | None = None,
-                       count_prompt: Callable[[dict], int] | None = None, vocab_size: int | None = None,
-                       check_generation_config: Callable[[dict], None] | None = None) -> dict:
-    """The request `body` checked (RequestError otherwise), with `max_tokens` resolved: from
-    `max_completion_tokens` when only that is given, and bounded by `context` (the model's positions)
-    less the prompt's tokens (`count_prompt(body)`), as vLLM bounds it. `vocab_size` bounds the token ids
-    of `logit_bias`; `check_generation_config(obj)` raises RequestError for a `generation_config` the
-    server cannot use."""
-    if not isinstance(body, dict):
-        raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "expected a non-empty list of messages")
-    open_ids: list | None = None  # the ids of the latest assistant turn's calls (None: no call to answer)
-    for i, m in enumerate(messages):
-        _message(m, i)
-        if m["role"] == "assistant":
-            open_ids = [c.get("id") for c in m.get("tool_calls") or []] or None
-        elif m["role"] == "tool":
-            if open_ids is None:
-                raise RequestError(f"messages[{i}].role", "a tool message must answer a preceding assistant "
-                                                          "message's tool_calls")
-            ref = m.get("tool_call_id")
-            if ref is not None and any(open_ids) and ref not in open_ids:
-                raise RequestError(f"messages[{i}].tool_call_id", f"{ref!r} names none of the calls of the assistant "
-                                                                  f"message before it ({', '.join(map(str, open_ids))})")
-        else:
-            open_ids = None
-    names = _tools(body["tools"]) if body.get("tools") is not None else []
-    _tool_choice(body.get("tool_choice"), names)
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise RequestError("model", "expected a string")
+def _settings(body: dict, vocab_size: int | None, check_generation_config) -> None:
+    """The generation settings chat and text completions share."""
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if v is not None and (not _is_int(v) or v < 1):
@@ -239,28 +209,91 @@ def check_chat_request(body: Any, context: int | None = None,
             raise RequestError("generation_config", "expected a JSON object as a string")
         if check_generation_config:
             check_generation_config(parsed)
-    body = dict(body)
-    # spellings OpenAI accepts that transformers serve answered with 500: an empty stop list, integer
-    # logit biases, call arguments given as an object or as an empty string
+
+
+def _normalise_settings(body: dict) -> None:
+    """Spellings OpenAI accepts that transformers serve answered with 500: an empty stop list, integer biases."""
     if body.get("stop") == []:
         del body["stop"]
-    if bias:
-        body["logit_bias"] = {str(k): float(v) for k, v in bias.items()}
+    if body.get("logit_bias"):
+        body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
+
+
+def _bound(body: dict, context: int | None, prompt: int, field: str) -> None:
+    """`max_tokens` bounded by what the context leaves after a prompt of `prompt` tokens (vLLM's rule); the
+    default is all of it."""
+    if not context:
+        return
+    if prompt >= context:
+        raise RequestError(field, f"the prompt is {prompt} tokens; this model's context is {context} "
+                                  f"tokens (max_position_embeddings): shorten the {field}")
+    room = context - prompt
+    if body.get("max_tokens") is None:
+        body["max_tokens"] = room
+    elif body["max_tokens"] > room:
+        raise RequestError("max_tokens", f"{body['max_tokens']} new tokens after a prompt of {prompt} pass this "
+                                         f"model's context of {context} tokens: ask for at most {room}")
+
+
+def check_chat_request(body: Any, context: int | None = None,
+                       count_prompt: Callable[[dict], int] | None = None, vocab_size: int | None = None,
+                       check_generation_config: Callable[[dict], None] | None = None) -> dict:
+    """The request `body` checked (RequestError otherwise), with `max_tokens` resolved: from
+    `max_completion_tokens` when only that is given, and bounded by `context` (the model's positions)
+    less the prompt's tokens (`count_prompt(body)`), as vLLM bounds it. `vocab_size` bounds the token ids
+    of `logit_bias`; `check_generation_config(obj)` raises RequestError for a `generation_config` the
+    server cannot use."""
+    if not isinstance(body, dict):
+        raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "expected a non-empty list of messages")
+    open_ids: list | None = None  # the ids of the latest assistant turn's calls (None: no call to answer)
+    for i, m in enumerate(messages):
+        _message(m, i)
+        if m["role"] == "assistant":
+            open_ids = [c.get("id") for c in m.get("tool_calls") or []] or None
+        elif m["role"] == "tool":
+            if open_ids is None:
+                raise RequestError(f"messages[{i}].role", "a tool message must answer a preceding assistant "
+                                                          "message's tool_calls")
+            ref = m.get("tool_call_id")
+            if ref is not None and any(open_ids) and ref not in open_ids:
+                raise RequestError(f"messages[{i}].tool_call_id", f"{ref!r} names none of the calls of the assistant "
+                                                                  f"message before it ({', '.join(map(str, open_ids))})")
+        else:
+            open_ids = None
+    names = _tools(body["tools"]) if body.get("tools") is not None else []
+    _tool_choice(body.get("tool_choice"), names)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError("model", "expected a string")
+    _settings(body, vocab_size, check_generation_config)
+    body = dict(body)
+    _normalise_settings(body)
+    # call arguments given as an object or as an empty string: transformers serve reads a JSON string
     body["messages"] = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(_arguments(
         c["function"].get("arguments", "{}"), ""), ensure_ascii=False)}} for c in m["tool_calls"]]}
                         if m.get("tool_calls") else m for m in body["messages"]]
     asked = body.pop("max_completion_tokens", None)
     if body.get("max_tokens") is None and asked is not None:
         body["max_tokens"] = asked
-    if context:
-        prompt = count_prompt(body) if count_prompt else 0
-        if prompt >= context:
-            raise RequestError("messages", f"the prompt is {prompt} tokens; this model's context is {context} "
-                                           f"tokens (max_position_embeddings): shorten the messages")
-        room = context - prompt
-        if body.get("max_tokens") is None:
-            body["max_tokens"] = room
-        elif body["max_tokens"] > room:
-            raise RequestError("max_tokens", f"{body['max_tokens']} new tokens after a prompt of {prompt} pass this "
-                                             f"model's context of {context} tokens: ask for at most {room}")
+    _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages")
+    return body
+
+
+def check_completion_request(body: Any, context: int | None = None,
+                             count_prompt: Callable[[str], int] | None = None, vocab_size: int | None = None,
+                             check_generation_config: Callable[[dict], None] | None = None) -> dict:
+    """A text completion (`/v1/completions`) checked like a chat completion: `prompt` a string (what
+    transformers serve reads), the same generation settings, `max_tokens` bounded by the context."""
+    if not isinstance(body, dict):
+        raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
+    if not isinstance(body.get("prompt"), str):
+        raise RequestError("prompt", f"expected a string, got {_json_type(body.get('prompt'))}")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError("model", "expected a string")
+    _settings(body, vocab_size, check_generation_config)
+    body = dict(body)
+    _normalise_settings(body)
+    _bound(body, context, count_prompt(body["prompt"]) if context and count_prompt else 0, "prompt")
     return body

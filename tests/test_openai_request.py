@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from serving.openai_request import RequestError, check_chat_request
+from serving.openai_request import RequestError, check_chat_request, check_completion_request
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"type": "object", "properties": {}}}}
@@ -106,6 +106,17 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert e.value.param == "messages"
 
 
+def test_text_completions_are_checked_alike():
+    for body, param in (({}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "max_tokens": 0},
+                        "max_tokens"), ({"prompt": "x", "temperature": 9}, "temperature"), ({"prompt": "x", "n": 3}, "n")):
+        with pytest.raises(RequestError) as e:
+            check_completion_request(body)
+        assert e.value.param == param
+    assert check_completion_request({"prompt": "héllo", "stop": []}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    with pytest.raises(RequestError, match="at most 45"):
+        check_completion_request({"prompt": "héllo", "max_tokens": 46}, 50, len)
+
+
 def _post(url: str, payload: bytes, content_type: str = "application/json") -> tuple[int, dict | str]:
     req = urllib.request.Request(url, data=payload, headers={"Content-Type": content_type}, method="POST")
     try:
@@ -148,6 +159,17 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                            ({"generation_config": json.dumps({"max_new_tokens": -5})}, "generation_config")):
             code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
             assert code == 400 and body["error"]["param"] == param, (odd, body)  # each was a 500
+        # text completions: transformers serve gave 500 for max_tokens -1 and ran 100000 tokens on for minutes
+        for odd, param in (({"prompt": "hi", "max_tokens": -1}, "max_tokens"), ({"prompt": "hi", "max_tokens": 100000},
+                            "max_tokens"), ({"max_tokens": 2}, "prompt")):
+            code, body = _post(server.base_url + "/completions", json.dumps(odd).encode())
+            assert code == 400 and body["error"]["param"] == param, (odd, body)
+        code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2}')
+        assert code == 200 and body["usage"]["completion_tokens"] == 2
+        # /v1/models names the served model (it listed nothing), and that name is accepted
+        with urllib.request.urlopen(server.base_url + "/models", timeout=30) as resp:
+            assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
+        assert _post(url, json.dumps({"messages": USER, "max_tokens": 1, "model": "tiny"}).encode())[0] == 200
         assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
         # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
         good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
