@@ -453,7 +453,7 @@ _TEMPLATE = r"""
     {#- the call a result answers: its name, else the call of its tool_call_id (servers such as transformers
         serve pass the id and drop the name), else the latest call -#}
     {%- set ns.name = ns.last_call -%}
-    {%- if m['tool_call_id'] is defined -%}{%- for pair in ns.calls if pair[0] == m['tool_call_id'] -%}{%- set ns.name = pair[1] -%}{%- endfor -%}{%- endif -%}
+    {%- if m['tool_call_id'] is defined -%}{%- for pair in ns.calls -%}{%- if pair[0] == m['tool_call_id'] -%}{%- set ns.name = pair[1] -%}{%- endif -%}{%- endfor -%}{%- endif -%}
     {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.name -%}
     {%- set c = m['content'] -%}
     {%- if c is mapping -%}{%- set value = c -%}{%- else -%}{%- set value = {'result': text_of(c)} -%}{%- endif -%}
