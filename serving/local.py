@@ -10,7 +10,12 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
 * the server runs in that temporary directory with the model given by its bare name, so requests
   may name the model as `NAME` (a pinned `transformers serve` refuses any other name) or not at all;
 * its hub cache is an empty directory (offline): its `/v1/models` lists the hub cache, not the
-  pinned model, and would otherwise advertise unrelated cached models it then refuses to serve.
+  pinned model, and would otherwise advertise unrelated cached models it then refuses to serve
+  (`CheckedChatApp` answers `/v1/models` with the served name instead);
+* it runs as `python -m serving.local NAME --host H --port P`: `transformers serve`'s own app behind
+  `CheckedChatApp`, which answers a malformed chat (or text) completion with 400 and a JSON error naming the field
+  (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, and (not
+  streamed) returns the FunctionGemma calls in the model's text as `tool_calls`, as vLLM's parser does.
 """
 
 from __future__ import annotations
@@ -109,7 +114,8 @@ class LocalServer:
         return self.url + "/v1"
 
     def command(self) -> list[str]:
-        return [transformers_executable(), "serve", self.name, "--host", self.host, "--port", str(self.port)]
+        transformers_executable()  # the serving extras are installed
+        return [sys.executable, "-m", "serving.local", self.name, "--host", self.host, "--port", str(self.port)]
 
     def start(self) -> "LocalServer":
         cmd = self.command()
@@ -118,7 +124,10 @@ class LocalServer:
         prepare_served_dir(self.model_dir, self.name, self._workdir, self.chat_template)
         hub = self._workdir / "hub-cache"
         hub.mkdir()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "PYTHONUNBUFFERED": "1"}
+        root = str(Path(__file__).resolve().parent.parent)  # `-m serving.local` from the temporary directory
+        path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": path}
         if self.log_path is not None:
             self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, cwd=self._workdir, env=env, stdin=subprocess.DEVNULL,
@@ -197,3 +206,215 @@ class LocalServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ------------------------------------------------------------------ the served process
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as `transformers serve` hands them to the chat template (text parts joined, call
+    arguments parsed, content dropped beside tool calls), for counting the prompt's tokens."""
+    import json
+
+    out = []
+    for m in messages:
+        msg = {"role": m["role"]}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(a) if isinstance(
+                a := c["function"].get("arguments", "{}"), str) and a.strip() else (a or {})}} for c in m["tool_calls"]]
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        content = [] if m.get("tool_calls") else (m.get("content") or [])
+        msg["content"] = content if isinstance(content, str) else " ".join(p["text"] for p in content)
+        out.append(msg)
+    return out
+
+
+class CheckedChatApp:
+    """ASGI middleware: a POST to /v1/chat/completions (or /v1/completions) is read whole, checked by
+    `serving.openai_request` (400 with `{"error": {"message", "type", "param"}}` when malformed, as OpenAI
+    and vLLM answer) and passed on with `max_tokens` resolved; GET /v1/models lists `model_name`;
+    anything else passes untouched."""
+
+    def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
+                 vocab_size: int | None = None, check_generation_config=None, count_text=None,
+                 model_name: str | None = None):
+        self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
+        self.count_text, self.model_name = count_text, model_name
+
+    async def _json(self, send, status: int, obj: dict) -> None:
+        import json
+
+        data = json.dumps(obj).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    def tool_calls(self, raw: bytes) -> bytes:
+        """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
+        `message.tool_calls` (arguments as JSON strings), the text outside them as `content` and
+        finish_reason `tool_calls`, as vLLM's tool parser answers; anything else unchanged."""
+        import json
+
+        from gemma_tpu.formats.function_calling import parse_reply
+
+        try:
+            resp = json.loads(raw)
+            choice = resp["choices"][0]
+            message = choice["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return raw
+        if not isinstance(message, dict) or message.get("tool_calls") or not isinstance(message.get("content"), str):
+            return raw
+        reply = parse_reply(message["content"], self.token_map)
+        if reply.kind != "call":
+            return raw
+        rid = resp.get("id") or "call"
+        message["tool_calls"] = [{"id": f"{rid}_tool_call_{k}", "type": "function",
+                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                                 for k, c in enumerate(reply.calls)]
+        message["content"] = reply.text or None
+        choice["finish_reason"] = "tool_calls"
+        return json.dumps(resp, ensure_ascii=False).encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "").rstrip("/") if scope["type"] == "http" else ""
+        if path == "/v1/models" and scope["method"] == "GET" and self.model_name:
+            # the served model, as vLLM lists it (transformers serve lists its hub cache: nothing, offline)
+            return await self._json(send, 200, {"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}]})
+        if scope["type"] != "http" or scope["method"] != "POST" or path not in ("/v1/chat/completions",
+                                                                               "/v1/completions"):
+            return await self.app(scope, receive, send)
+        import json
+
+        from serving.openai_request import RequestError, check_chat_request, check_completion_request
+
+        raw, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            raw += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        try:
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(None, f"the request body is not valid JSON ({e})") from None
+            except RecursionError:
+                raise RequestError(None, "the request body is nested too deeply") from None
+            if path == "/v1/completions":
+                body = check_completion_request(body, self.context, self.count_text, self.vocab_size,
+                                                self.check_generation_config)
+            else:
+                body = check_chat_request(body, self.context, self.count_prompt, self.vocab_size,
+                                          self.check_generation_config)
+        except RequestError as e:
+            return await self._json(send, 400, {"error": {"message": str(e), "type": "invalid_request_error",
+                                                          "param": e.param, "code": None}})
+        data = json.dumps(body).encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            return await receive()
+
+        if path != "/v1/chat/completions" or not body.get("tools") or body.get("stream") or \
+                body.get("tool_choice") == "none":
+            return await self.app({**scope, "headers": headers}, replay, send)
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def collect(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            out = b"".join(chunks)
+            if start.get("status") == 200:
+                out = self.tool_calls(out)
+            await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                        + [(b"content-length", str(len(out)).encode())]})
+            await send({"type": "http.response.body", "body": out})
+
+        await self.app({**scope, "headers": headers}, replay, collect)
+
+
+def prompt_counter(tok):
+    """`body -> number of prompt tokens` as the served model's chat template (of tokenizer `tok`) renders
+    the request; a template that refuses the conversation is a RequestError."""
+    from serving.openai_request import RequestError
+
+    def count(body: dict) -> int:
+        try:
+            text = tok.apply_chat_template(_template_messages(body["messages"]), tools=body.get("tools") or None,
+                                           tokenize=False, add_generation_prompt=True,
+                                           **(body.get("chat_template_kwargs") or {}))
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raise_exception() in the template, ...
+            raise RequestError("messages", f"the chat template refused the conversation ({type(e).__name__}: "
+                                           f"{str(e)[:200]})") from None
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
+def check_generation_config(obj: dict) -> None:
+    """A request's `generation_config` (transformers serve's extension) that transformers refuses is a
+    RequestError, not a 500."""
+    from transformers import GenerationConfig
+
+    from serving.openai_request import RequestError
+
+    try:
+        GenerationConfig(**obj).validate()  # not strict: that refuses harmless unused flags too
+    except Exception as e:  # noqa: BLE001 - ValueError, TypeError, ... of an unusable setting
+        raise RequestError("generation_config", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+
+
+def serve_main(argv: list[str] | None = None) -> None:
+    """`python -m serving.local NAME --host H --port P` (in the directory holding NAME): `transformers
+    serve NAME` with its app behind `CheckedChatApp`."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m serving.local")
+    p.add_argument("name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    args = p.parse_args(argv)
+    served = Path(args.name).resolve()
+    config = json.loads((served / "config.json").read_text())
+    text_config = config.get("text_config") or config
+    context, vocab = text_config.get("max_position_embeddings"), text_config.get("vocab_size")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(served))
+    counter = prompt_counter(tok)
+
+    from transformers.cli import serve as serve_cli
+    from transformers.cli.serving import server as server_mod
+
+    build = server_mod.build_server
+
+    def checked_build(*a, **k):
+        return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter,
+                              function_token_map(tok), vocab if isinstance(vocab, int) else None,
+                              check_generation_config, lambda text: len(tok(text)["input_ids"]), args.name)
+
+    server_mod.build_server = checked_build  # Serve imports it when constructed
+    serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    serve_main()

@@ -282,6 +282,11 @@ ROUND_TRIP = [
     ("nested", {"filter": {"kind": "run", "min": 3, "tags": ["a,b", "c}"]}, "list": [1, 2.0, "x"]}),
     ("empty", {}),
     ("keys", {"user.id": 1, "start-date": "x", "with space": "y", "ünïcode": "z", "$ref": "#/a"}),
+    # OpenAI tool names may start with a digit (^[a-zA-Z0-9_-]{1,64}$): such a call was a format error
+    ("3d_render", {"scale": 2}), ("2fa-check", {}),
+    ("values", {"big": 10**30, "tiny": 1.5e-07, "unicode": "héllo 👋 שלום", "newline": "a\nb", "quote": 'say "hi"',
+                "backslash": "a\\b", "padded": "  x  ", "digits": "5", "word": "true", "html": "<b>x</b>",
+                "empty": "", "deep": {"a": {"b": [True, None, [], {}]}}}),
 ]
 
 
@@ -315,6 +320,11 @@ def test_parser_round_trip(name, args):
 
 def test_parser_classifies_text_bare_calls_and_errors():
     assert parse_reply("You walked 8,421 steps yesterday. Good call: keep it up!").kind == "text"
+    # `call:` before a word that no brace follows is prose, not a malformed call (was a format error)
+    for prose in ("Give me a call:tomorrow works.", "Missed call:Mom, 2 min", "See the recall:it is fine"):
+        assert parse_reply(prose).kind == "text", prose
+    mid = parse_reply("Checking. call:get_steps{date:today} and recall:x")
+    assert mid.kind == "call" and mid.first == ToolCall("get_steps", {"date": "today"})
     bare = parse_reply("call:get_steps{date:today}")  # a server that strips special tokens
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))
@@ -772,15 +782,16 @@ def test_chat_questions_with_bytes_that_are_not_utf8(tiny_dir, monkeypatch, caps
 # ------------------------------------------------------------------------ a real OpenAI server
 
 
-def test_evaluate_against_transformers_serve(tiny_dir, tmp_path):
+def test_evaluate_against_transformers_serve(tiny_long_dir, tmp_path):
     """`transformers serve` on the tiny model with our tool-aware chat template (serving.local writes
     it beside symlinks to the model): three examples go through /v1/chat/completions with `tools`,
-    and are scored."""
+    and are scored. The model declaring 4,096 positions: the server refuses the ~1,700-token prompts
+    past tiny_dir's 1,024, as vLLM does."""
     pytest.importorskip("fastapi", reason="needs transformers[serving]")
     pytest.importorskip("uvicorn", reason="needs transformers[serving]")
     from serving.local import LocalServer
 
-    with LocalServer(tiny_dir, log=tmp_path / "serve.log") as server:
+    with LocalServer(tiny_long_dir, log=tmp_path / "serve.log") as server:
         out = tmp_path / "ep.json"
         proc = run_cli("gemma_tpu.evaluate", "--data", str(DATA / "test.jsonl"), "--endpoint", server.url,
                        "--limit", "3", "--max-new-tokens", "16", "--json", str(out), timeout=300)
@@ -826,3 +837,38 @@ def test_base_270m_cannot_call_tools_yet(real_270m, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(out.read_text())["models"][f"model:{real_270m}"]
     assert m["n"] == 8 and m["tool_accuracy"] <= 0.1 and np.isfinite(m["eval_loss"])
+
+
+def test_chat_template_names_tool_results_by_their_call_id(tiny_dir):
+    """`transformers serve` hands the template tool messages without `name` (only `tool_call_id`): the results
+    of two parallel calls both rendered as answers of the last call (`response:get_steps{...}` twice). They
+    are matched to their call by id now, as the renderer names them."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.data import Renderer
+    from gemma_tpu.formats.function_calling import function_token_map
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    token_map = function_token_map(tok)
+    tools = [t for t in dataset.generate(0, {"train": 0, "validation": 0, "test": 1})["test"][0]["tools"]]
+    calls = [{"name": "get_heart_rate", "arguments": {"date": "today"}}, {"name": "get_steps", "arguments": {}}]
+    ours = [{"role": "user", "content": "hr and steps?"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "name": "get_heart_rate", "content": "seventy"},
+            {"role": "tool", "name": "get_steps", "content": "five"}]
+    want = Renderer(tok, "gemma", token_map=token_map).render({"tools": tools, "messages": ours},
+                                                               add_generation_prompt=True).text
+    served = [{"role": "user", "content": "hr and steps?"},
+              {"role": "assistant", "content": "", "tool_calls": [
+                  {"id": f"c{k}", "type": "function", "function": c} for k, c in enumerate(calls)]},
+              {"role": "tool", "tool_call_id": "c0", "content": "seventy"},  # as transformers serve passes them
+              {"role": "tool", "tool_call_id": "c1", "content": "five"}]
+    got = tok.apply_chat_template(served, tools=tools, chat_template=tool_chat_template(token_map), tokenize=False,
+                                  add_generation_prompt=True)
+    assert got == "<bos>" + want
+    assert "response:get_heart_rate{result:<escape>seventy<escape>}" in fc_unmap(got, token_map)
+
+
+def fc_unmap(text, token_map):
+    from gemma_tpu.formats.function_calling import unmap_markers
+
+    return unmap_markers(text, token_map)

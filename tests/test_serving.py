@@ -315,11 +315,13 @@ def test_launch_errors_without_docker_daemon_or_key(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def merged(tiny_dir, tmp_path_factory) -> Path:
-    """The tiny model trained 3 steps with LoRA and merged: a real merged directory."""
+def merged(tiny_long_dir, tmp_path_factory) -> Path:
+    """The tiny model trained 3 steps with LoRA and merged: a real merged directory. Its 4,096 positions hold
+    the ~1,200-token fitness prompts of its character-level tokenizer (the local server refuses prompts
+    past the context, as vLLM does)."""
     root = tmp_path_factory.mktemp("serving")
     ck, out = root / "ckpt", root / "merged"
-    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_long_dir}", f"checkpoint.dir={ck}",
                    "train.max_steps=3", "checkpoint.every_steps=3", "data.eval_path=null")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli("convert.merge_orbax", "--checkpoint", str(ck), "--out", str(out))

@@ -132,9 +132,11 @@ def format_response(name: str, content: str) -> str:
 # --------------------------------------------------------------------------------- parsing
 
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")  # OpenAI tool names may start with a digit
 # Text that looks like an attempt at a call even without the start marker.
-_CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z_]|<end_function_call>|<start_function_call>")
+# A word after `call:` is a call's name only when a brace (or the end of the text: a call cut short) follows it:
+# "Give me a call:tomorrow works" is an answer, not a malformed call.
+_CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z0-9_][\w.\-]*\s*(?:\{|$)|<end_function_call>|<start_function_call>")
 
 
 class CallSyntaxError(ValueError):
@@ -315,7 +317,8 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
                 rest = text[pos:]
                 if not calls and _CALL_HINT.search(rest):
                     # no start marker (stripped by a server, or forgotten): try the bare form
-                    m = re.search(r"call:", rest)
+                    m = _CALL_HINT.search(rest)
+                    m = re.compile(r"call:").search(rest, m.start()) if m else None
                     if m is None:
                         raise CallSyntaxError("a call marker without 'call:NAME{...}'")
                     call, end = parse_call_body(rest, m.start())
@@ -404,7 +407,7 @@ _TEMPLATE = r"""
   {%- endif -%}
 {%- endmacro -%}
 {{- bos_token -}}
-{%- set ns = namespace(preamble='', in_model=false, last_call='', response_open=false) -%}
+{%- set ns = namespace(preamble='', in_model=false, last_call='', response_open=false, calls=[], name='') -%}
 {%- set msgs = messages -%}
 {%- if msgs and msgs[0]['role'] in ['system', 'developer'] -%}
   {%- set ns.preamble = text_of(msgs[0]['content']) -%}
@@ -435,6 +438,7 @@ _TEMPLATE = r"""
       {%- for c in m['tool_calls'] -%}
         {%- set f = c['function'] if c['function'] is defined else c -%}
         {%- set ns.last_call = f['name'] -%}
+        {%- if c['id'] is defined and c['id'] is string -%}{%- set ns.calls = ns.calls + [[c['id'], f['name']]] -%}{%- endif -%}
         {{- '<start_function_call>call:' ~ f['name'] ~ fmt(f['arguments'] if f['arguments'] is mapping else {}) ~ '<end_function_call>' -}}
       {%- endfor -%}
       {{- '<start_function_response>' -}}
@@ -446,7 +450,11 @@ _TEMPLATE = r"""
       {%- set ns.response_open = false -%}
     {%- endif -%}
   {%- elif m['role'] == 'tool' -%}
-    {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.last_call -%}
+    {#- the call a result answers: its name, else the call of its tool_call_id (servers such as transformers
+        serve pass the id and drop the name), else the latest call -#}
+    {%- set ns.name = ns.last_call -%}
+    {%- if m['tool_call_id'] is defined -%}{%- for pair in ns.calls -%}{%- if pair[0] == m['tool_call_id'] -%}{%- set ns.name = pair[1] -%}{%- endif -%}{%- endfor -%}{%- endif -%}
+    {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.name -%}
     {%- set c = m['content'] -%}
     {%- if c is mapping -%}{%- set value = c -%}{%- else -%}{%- set value = {'result': text_of(c)} -%}{%- endif -%}
     {%- if not ns.response_open -%}

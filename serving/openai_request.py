@@ -1,0 +1,299 @@
+"""Checking an OpenAI chat-completion request before a server acts on it.
+
+`transformers serve` answers many malformed requests with `500 Internal Server Error` (no messages, a
+negative `max_tokens`, tool-call arguments that are not JSON, a content part without a type), ignores
+others silently (`n`, `max_completion_tokens`, `logprobs`, `response_format`, `tool_choice` naming an
+undeclared tool) and generates
+past the model's context when asked. `check_chat_request` refuses what vLLM and the OpenAI API refuse,
+with a message naming the field, and returns the body with `max_tokens` set (from
+`max_completion_tokens`, or what the context leaves when neither is given). Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400); `param` names the field."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+
+
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(v), type(v).__name__)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+def _text_parts(content: Any, where: str) -> None:
+    """`content` a string, or a list of text parts (this is a text model)."""
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise RequestError(where, f"expected a string or a list of text parts, got {_json_type(content)}")
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise RequestError(f"{where}[{k}]", 'expected an object with a "type"')
+        if part["type"] not in ("text", "input_text", "output_text"):
+            raise RequestError(f"{where}[{k}].type", f"{part['type']!r} is not supported: this model reads text only")
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{k}].text", "expected a string")
+
+
+def _arguments(raw: Any, where: str) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    if not isinstance(raw, str):
+        raise RequestError(where, "expected a JSON object as a string")
+    try:
+        value = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError as e:
+        raise RequestError(where, f"not valid JSON ({e.msg} at character {e.pos})") from None
+    except RecursionError:
+        raise RequestError(where, "nested too deeply") from None
+    if not isinstance(value, dict):
+        raise RequestError(where, f"expected a JSON object, got {raw[:80]!r}")
+    return value
+
+
+def _message(m: Any, i: int) -> None:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise RequestError(where, "expected an object")
+    role = m.get("role")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
+    content = m.get("content")
+    calls = m.get("tool_calls")
+    if role == "assistant":
+        if content is not None:
+            _text_parts(content, f"{where}.content")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise RequestError(f"{where}.tool_calls", "expected a list")
+            for k, c in enumerate(calls):
+                cw = f"{where}.tool_calls[{k}]"
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict):
+                    raise RequestError(cw, 'expected an object with a "function" object')
+                if not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise RequestError(f"{cw}.function.name", "expected a non-empty string")
+                _arguments(fn.get("arguments", "{}"), f"{cw}.function.arguments")
+                if "id" in c and not isinstance(c["id"], str):
+                    raise RequestError(f"{cw}.id", "expected a string")
+        if content is None and not calls:
+            raise RequestError(f"{where}.content", "an assistant message needs content or tool_calls")
+        return
+    if calls is not None:
+        raise RequestError(f"{where}.tool_calls", f"only assistant messages carry tool calls, not {role!r}")
+    if content is None:
+        raise RequestError(f"{where}.content", "missing")
+    _text_parts(content, f"{where}.content")
+    if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+        raise RequestError(f"{where}.tool_call_id", "expected a string")
+
+
+def _tools(tools: Any) -> list[str]:
+    if not isinstance(tools, list):
+        raise RequestError("tools", "expected a list")
+    names: list[str] = []
+    for k, t in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
+            raise RequestError(where, 'expected {"type": "function", "function": {"name": ...}}')
+        if t.get("type", "function") != "function":
+            raise RequestError(f"{where}.type", f"{t['type']!r} is not supported (only \"function\")")
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise RequestError(f"{where}.function.name",
+                               f"{name!r} is not a tool name (1 to 64 letters, digits, '_', '.' or '-')")
+        if name in names:
+            raise RequestError(f"{where}.function.name", f"{name!r} is declared twice")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise RequestError(f"{where}.function.description", "expected a string")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise RequestError(f"{where}.function.parameters", "expected a JSON Schema object")
+        names.append(name)
+    return names
+
+
+def _tool_choice(choice: Any, names: list[str]) -> None:
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required":
+        if not names:
+            raise RequestError("tool_choice", '"required" needs tools')
+        return
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError("tool_choice", 'expected "none", "auto", "required" or '
+                                          '{"type": "function", "function": {"name": ...}}')
+    if fn["name"] not in names:
+        raise RequestError("tool_choice.function.name", f"{fn['name']!r} is not among the declared tools "
+                                                        f"({', '.join(names) or 'none'})")
+
+
+def _range(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) -> None:
+    v = body.get(key)
+    if v is None:
+        return
+    if not _is_number(v) or v > hi or (v <= lo if lo_open else v < lo):
+        raise RequestError(key, f"{v!r} is not a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+
+
+def _settings(body: dict, vocab_size: int | None, check_generation_config) -> None:
+    """The generation settings chat and text completions share."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise RequestError(key, f"{v!r} is not a whole number of at least 1")
+    if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
+        raise RequestError("n", f"{body['n']!r}: this server returns one choice (n=1)")
+    # fields transformers serve accepts and ignores, where ignoring them breaks what the client relies on
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise RequestError("logprobs" if body.get("logprobs") else "top_logprobs",
+                           "log probabilities are not returned by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise RequestError("response_format", f"only {{\"type\": \"text\"}} is supported here (no constrained "
+                                              f"JSON output), got {json.dumps(fmt)[:80]}")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise RequestError("stream", "expected true or false")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise RequestError("stop", "expected a string or a list of non-empty strings")
+    _range(body, "temperature", 0.0, 2.0)
+    _range(body, "top_p", 0.0, 1.0, lo_open=True)
+    _range(body, "frequency_penalty", -2.0, 2.0)
+    if body.get("frequency_penalty") is not None and body["frequency_penalty"] <= -1:
+        raise RequestError("frequency_penalty", f"{body['frequency_penalty']!r}: this server applies it as a "
+                                                f"repetition penalty of 1 + value, which must be positive: use a "
+                                                f"value above -1")
+    _range(body, "presence_penalty", -2.0, 2.0)
+    if body.get("seed") is not None and not (_is_int(body["seed"]) and -2**63 <= body["seed"] < 2**63):
+        raise RequestError("seed", f"{body['seed']!r} is not a whole number in [-2^63, 2^63)")
+    bias = body.get("logit_bias")
+    if bias is not None and not (isinstance(bias, dict) and all(
+            re.fullmatch(r"\d+", str(k)) and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
+        raise RequestError("logit_bias", "expected an object of token ids to numbers in [-100, 100]")
+    if bias and vocab_size and any(int(k) >= vocab_size for k in bias):
+        raise RequestError("logit_bias", f"token id {max(int(k) for k in bias)} is past the vocabulary "
+                                         f"({vocab_size} tokens)")
+    for key in ("chat_template_kwargs",):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise RequestError(key, "expected an object")
+    gen = body.get("generation_config")
+    if gen is not None:
+        try:
+            parsed = json.loads(gen) if isinstance(gen, str) else None
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise RequestError("generation_config", "expected a JSON object as a string")
+        if check_generation_config:
+            check_generation_config(parsed)
+
+
+def _normalise_settings(body: dict) -> None:
+    """Spellings OpenAI accepts that transformers serve answered with 500: an empty stop list, integer biases."""
+    if body.get("stop") == []:
+        del body["stop"]
+    if body.get("logit_bias"):
+        body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
+
+
+def _bound(body: dict, context: int | None, prompt: int, field: str) -> None:
+    """`max_tokens` bounded by what the context leaves after a prompt of `prompt` tokens (vLLM's rule); the
+    default is all of it."""
+    if not context:
+        return
+    if prompt >= context:
+        raise RequestError(field, f"the prompt is {prompt} tokens; this model's context is {context} "
+                                  f"tokens (max_position_embeddings): shorten the {field}")
+    room = context - prompt
+    if body.get("max_tokens") is None:
+        body["max_tokens"] = room
+    elif body["max_tokens"] > room:
+        raise RequestError("max_tokens", f"{body['max_tokens']} new tokens after a prompt of {prompt} pass this "
+                                         f"model's context of {context} tokens: ask for at most {room}")
+
+
+def check_chat_request(body: Any, context: int | None = None,
+                       count_prompt: Callable[[dict], int] | None = None, vocab_size: int | None = None,
+                       check_generation_config: Callable[[dict], None] | None = None) -> dict:
+    """The request `body` checked (RequestError otherwise), with `max_tokens` resolved: from
+    `max_completion_tokens` when only that is given, and bounded by `context` (the model's positions)
+    less the prompt's tokens (`count_prompt(body)`), as vLLM bounds it. `vocab_size` bounds the token ids
+    of `logit_bias`; `check_generation_config(obj)` raises RequestError for a `generation_config` the
+    server cannot use."""
+    if not isinstance(body, dict):
+        raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "expected a non-empty list of messages")
+    open_ids: list | None = None  # the ids of the latest assistant turn's calls (None: no call to answer)
+    for i, m in enumerate(messages):
+        _message(m, i)
+        if m["role"] == "assistant":
+            open_ids = [c.get("id") for c in m.get("tool_calls") or []] or None
+        elif m["role"] == "tool":
+            if open_ids is None:
+                raise RequestError(f"messages[{i}].role", "a tool message must answer a preceding assistant "
+                                                          "message's tool_calls")
+            ref = m.get("tool_call_id")
+            if ref is not None and any(open_ids) and ref not in open_ids:
+                raise RequestError(f"messages[{i}].tool_call_id", f"{ref!r} names none of the calls of the assistant "
+                                                                  f"message before it ({', '.join(map(str, open_ids))})")
+        else:
+            open_ids = None
+    names = _tools(body["tools"]) if body.get("tools") is not None else []
+    _tool_choice(body.get("tool_choice"), names)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError("model", "expected a string")
+    _settings(body, vocab_size, check_generation_config)
+    body = dict(body)
+    _normalise_settings(body)
+    # call arguments given as an object or as an empty string: transformers serve reads a JSON string
+    body["messages"] = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(_arguments(
+        c["function"].get("arguments", "{}"), ""), ensure_ascii=False)}} for c in m["tool_calls"]]}
+                        if m.get("tool_calls") else m for m in body["messages"]]
+    asked = body.pop("max_completion_tokens", None)
+    if body.get("max_tokens") is None and asked is not None:
+        body["max_tokens"] = asked
+    _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages")
+    return body
+
+
+def check_completion_request(body: Any, context: int | None = None,
+                             count_prompt: Callable[[str], int] | None = None, vocab_size: int | None = None,
+                             check_generation_config: Callable[[dict], None] | None = None) -> dict:
+    """A text completion (`/v1/completions`) checked like a chat completion: `prompt` a string (what
+    transformers serve reads), the same generation settings, `max_tokens` bounded by the context."""
+    if not isinstance(body, dict):
+        raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
+    if not isinstance(body.get("prompt"), str):
+        raise RequestError("prompt", f"expected a string, got {_json_type(body.get('prompt'))}")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError("model", "expected a string")
+    _settings(body, vocab_size, check_generation_config)
+    body = dict(body)
+    _normalise_settings(body)
+    _bound(body, context, count_prompt(body["prompt"]) if context and count_prompt else 0, "prompt")
+    return body

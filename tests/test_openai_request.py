@@ -1,0 +1,234 @@
+"""The local server's request checks (`serving.openai_request`, `serving.local.CheckedChatApp`): malformed chat
+completions are 400 with a message naming the field, as OpenAI and vLLM answer, where `transformers serve`
+alone answered 500 (no messages, max_tokens 0 or negative, call arguments that are not JSON, a content part
+without a type), ignored them (n=2, max_completion_tokens, an undeclared tool_choice) or generated past the
+model's context (max_tokens 100000 held the server for minutes)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from serving.openai_request import RequestError, check_chat_request, check_completion_request
+
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ([1, 2], None, "JSON object, got a list"),
+    (None, None, "JSON object, got null"),
+    ({}, "messages", "non-empty list"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": "hi"}, "messages", "non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "'wizard'"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string or a list of text parts, got a number"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100000}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "nested too deeply"),
+    ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]", '"type"'),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type", "text only"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", "content or tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.name", "non-empty"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"messages": USER, "max_tokens": -1}, "max_tokens", "at least 1"),
+    ({"messages": USER, "max_tokens": "8"}, "max_tokens", "whole number"),
+    ({"messages": USER, "max_completion_tokens": 1.5}, "max_completion_tokens", "whole number"),
+    ({"messages": USER, "temperature": -1}, "temperature", "[0, 2]"),
+    ({"messages": USER, "temperature": 3}, "temperature", "[0, 2]"),
+    ({"messages": USER, "top_p": 0}, "top_p", "(0, 1]"),
+    ({"messages": USER, "n": 2}, "n", "one choice"),
+    ({"messages": USER, "stop": 5}, "stop", "string"),
+    ({"messages": USER, "stream": "yes"}, "stream", "true or false"),
+    ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"messages": USER, "tools": {"name": "f"}}, "tools", "list"),
+    ({"messages": USER, "tools": [{"name": "f"}]}, "tools[0]", "function"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name",
+     "not a tool name"),
+    ({"messages": USER, "tools": [TOOL, TOOL]}, "tools[1].function.name", "twice"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools[0].function.parameters", "object"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": USER, "tool_choice": "sometimes", "tools": [TOOL]}, "tool_choice", '"auto"'),
+    ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
+    ({"messages": USER, "generation_config": "{x"}, "generation_config", "JSON object"),
+    ({"messages": USER, "logprobs": True}, "logprobs", "not returned"),
+    ({"messages": USER, "seed": 2**70}, "seed", "[-2^63, 2^63)"),
+    ({"messages": USER, "frequency_penalty": -1.5}, "frequency_penalty", "above -1"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "not returned"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    ({"messages": USER + [{"role": "tool", "content": "5"}]}, "messages[1].role", "preceding assistant"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
+                          {"role": "tool", "tool_call_id": "b", "content": "5"}]},
+     "messages[2].tool_call_id", "'b' names none of the calls"),
+])
+def test_malformed_requests_are_refused_naming_the_field(body, param, needle):
+    with pytest.raises(RequestError) as e:
+        check_chat_request(body)
+    assert e.value.param == param and needle in str(e.value)
+
+
+def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
+    ok = {"messages": [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"},
+                       {"role": "user", "content": [{"type": "text", "text": "שלום 👋"}]},
+                       {"role": "assistant", "content": None, "tool_calls": [
+                           {"id": "c1", "type": "function", "function": {"name": "get_steps", "arguments": ""}}]},
+                       {"role": "tool", "tool_call_id": "c1", "content": ""}],
+          "tools": [TOOL, {"type": "function", "function": {"name": "noparams"}}], "tool_choice": "none",
+          "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True, "logprobs": False,
+          "response_format": {"type": "text"}}
+    assert check_chat_request(ok)["messages"][3]["tool_calls"][0]["function"]["arguments"] == "{}"
+    ok["messages"][3]["tool_calls"][0]["function"]["arguments"] = "{}"
+    assert check_chat_request(ok) == ok  # unchanged, no context given
+    # what transformers serve answered with 500: an empty stop list, integer biases, arguments as an object or ""
+    fixed = check_chat_request({"messages": USER + [{"role": "assistant", "tool_calls": [
+        {"id": "a", "function": {"name": "f", "arguments": {"x": "é"}}}]}], "stop": [], "logit_bias": {"5": -100}})
+    assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
+    assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
+    assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
+    # the context bounds max_tokens (vLLM's rule): the default is what the prompt leaves
+    assert check_chat_request({"messages": USER}, 100, lambda b: 30)["max_tokens"] == 70
+    with pytest.raises(RequestError, match="at most 70") as e:
+        check_chat_request({"messages": USER, "max_tokens": 71}, 100, lambda b: 30)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="the prompt is 100 tokens") as e:
+        check_chat_request({"messages": USER}, 100, lambda b: 100)
+    assert e.value.param == "messages"
+
+
+def test_text_completions_are_checked_alike():
+    for body, param in (({}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "max_tokens": 0},
+                        "max_tokens"), ({"prompt": "x", "temperature": 9}, "temperature"), ({"prompt": "x", "n": 3}, "n")):
+        with pytest.raises(RequestError) as e:
+            check_completion_request(body)
+        assert e.value.param == param
+    assert check_completion_request({"prompt": "héllo", "stop": []}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    with pytest.raises(RequestError, match="at most 45"):
+        check_completion_request({"prompt": "héllo", "max_tokens": 46}, 50, len)
+
+
+def _post(url: str, payload: bytes, content_type: str = "application/json") -> tuple[int, dict | str]:
+    req = urllib.request.Request(url, data=payload, headers={"Content-Type": content_type}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            code, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        code, text = e.code, e.read().decode()
+    try:
+        return code, json.loads(text)
+    except json.JSONDecodeError:
+        return code, text
+
+
+def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
+    from serving.local import LocalServer
+
+    with LocalServer(tiny_dir, name="tiny", log=tmp_path / "serve.log") as server:
+        url = server.base_url + "/chat/completions"
+        for payload, param in [(b'{"messages": [{"role": "user"', None), (b'{"messages": []}', "messages"),
+                               (b"[" * 100000 + b"]" * 100000, None), (b'{"messages": "\xff"}', None),
+                               (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', "max_tokens"),
+                               (json.dumps({"messages": USER, "max_tokens": 100000}).encode(), "max_tokens"),
+                               (json.dumps({"messages": [{"role": "user", "content": "ab " * 1500}],
+                                            "max_tokens": 2}).encode(), "messages"),
+                               (json.dumps({"messages": [{"role": "assistant", "tool_calls": [
+                                   {"function": {"name": "f", "arguments": "{bad"}}]}]}).encode(),
+                                "messages[0].tool_calls[0].function.arguments")]:
+            code, body = _post(url, payload)
+            assert code == 400 and isinstance(body, dict), (payload, code, body)
+            assert body["error"]["param"] == param and body["error"]["message"], body
+        for odd in ({"stop": []}, {"logit_bias": {"5": -100}}, {"messages": USER + [{"role": "assistant", "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "x"}], "tools": [TOOL]}):
+            code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
+            assert code == 200, (odd, body)  # each was a 500
+        for odd, param in (({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"seed": 2**70}, "seed"),
+                           ({"frequency_penalty": -2}, "frequency_penalty"),
+                           ({"generation_config": json.dumps({"max_new_tokens": -5})}, "generation_config")):
+            code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
+            assert code == 400 and body["error"]["param"] == param, (odd, body)  # each was a 500
+        # text completions: transformers serve gave 500 for max_tokens -1 and ran 100000 tokens on for minutes
+        for odd, param in (({"prompt": "hi", "max_tokens": -1}, "max_tokens"), ({"prompt": "hi", "max_tokens": 100000},
+                            "max_tokens"), ({"max_tokens": 2}, "prompt")):
+            code, body = _post(server.base_url + "/completions", json.dumps(odd).encode())
+            assert code == 400 and body["error"]["param"] == param, (odd, body)
+        code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2}')
+        assert code == 200 and body["usage"]["completion_tokens"] == 2
+        # /v1/models names the served model (it listed nothing), and that name is accepted
+        with urllib.request.urlopen(server.base_url + "/models", timeout=30) as resp:
+            assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
+        assert _post(url, json.dumps({"messages": USER, "max_tokens": 1, "model": "tiny"}).encode())[0] == 200
+        assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
+        # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
+        good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
+                           "max_completion_tokens": 3, "temperature": 0}).encode()
+        code, body = _post(url, good, "text/plain")
+        assert code == 200 and body["usage"]["completion_tokens"] == 3, body
+        code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
+        assert code == 200 and text.rstrip().endswith("}") and '"finish_reason":"length"' in text
+
+
+def _asgi(app, body: dict) -> tuple[int, dict]:
+    """One POST /v1/chat/completions through an ASGI app, without a server."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
+    return start["status"], json.loads(data)
+
+
+def test_calls_in_the_models_text_come_back_as_tool_calls():
+    """transformers serve returns a Gemma 3 model's call as raw text in `content` (it knows no parser for
+    gemma3_text): an OpenAI client saw no `tool_calls` and finish_reason `length`/`stop`. vLLM's functiongemma
+    parser returns them structured; the local server now does too (not streamed)."""
+    from serving.local import CheckedChatApp
+
+    content = ("Sure. <unused2>call:get_steps{date:<unused6>yesterday<unused6>,n:3}<unused3>"
+               "<unused2>call:3d{}<unused3>")
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+
+    async def inner(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        text = content if body.get("tools") else "plain"
+        data = json.dumps({"id": "r1", "object": "chat.completion", "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    app = CheckedChatApp(inner, token_map=token_map)
+    code, resp = _asgi(app, {"messages": USER, "tools": [TOOL]})
+    choice = resp["choices"][0]
+    assert code == 200 and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    calls = choice["message"]["tool_calls"]
+    assert [(c["id"], c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("r1_tool_call_0", "function", "get_steps", {"date": "yesterday", "n": 3}),
+        ("r1_tool_call_1", "function", "3d", {})]
+    assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"] == {"role": "assistant", "content": "plain"}
+    code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": "none"})  # calls not parsed
+    assert resp["choices"][0]["message"]["content"] == content and "tool_calls" not in resp["choices"][0]["message"]
+    code, resp = _asgi(app, {"messages": []})
+    assert code == 400 and resp["error"]["param"] == "messages"
