@@ -18,7 +18,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import SignalExit, UserError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -142,7 +142,7 @@ _UNSET = object()
 
 
 def _raise_on_sigterm(signum, frame):  # noqa: ARG001
-    raise SystemExit(128 + signum)
+    raise SignalExit(signum)
 
 
 class _AtomicOutput:
