@@ -5,6 +5,9 @@ for merge / export / inspect / model dirs, are cases of tests/test_bad_input.py.
 from __future__ import annotations
 
 import shutil
+import subprocess
+
+import pytest
 
 from tests.conftest import assert_one_line_error, run_cli
 
@@ -86,3 +89,39 @@ def test_ocdbt_walk_reaches_every_data_file_of_a_multi_level_tree(tmp_path):
     gone.unlink()
     os.truncate(cut, 10)
     assert sorted(_missing_ocdbt_data(root)) == sorted([gone, cut])
+
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs at tmp_path/disk (root only: skipped where mount is not permitted), unmounted after."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_copy_that_fills_the_disk_names_the_output_not_its_source(tmp_path, small_disk):
+    """A full disk while copying an input into the output (the adapter's tokenizer files): the error named
+    the copy's source ("writing OUT failed in BASE/tokenizer.json (No space left on device)"), blaming the
+    input. It names the file being written."""
+    from gemma_tpu.core.atomic import AtomicDir
+    from gemma_tpu.core.errors import UserError
+
+    src = tmp_path / "base" / "tokenizer.json"
+    src.parent.mkdir()
+    src.write_bytes(b"x" * 200_000)
+    out = small_disk / "out"
+    with pytest.raises(UserError) as e:
+        with AtomicDir(out) as tmp:
+            shutil.copyfile(src, tmp / "tokenizer.json")
+    msg = str(e.value)
+    assert f"writing {out} failed in {small_disk}/.out.tmp-" in msg, msg
+    assert "/tokenizer.json (No space left on device)" in msg and str(src) not in msg, msg
+    assert list(small_disk.iterdir()) == []

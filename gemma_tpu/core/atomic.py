@@ -187,8 +187,17 @@ class _AtomicOutput:
         if not self.published:
             _remove(self.tmp)
             if isinstance(exc, OSError):  # a full disk (ENOSPC), a file too large, an I/O error mid-write
-                raise UserError(f"writing {self.target} failed in {exc.filename or self.tmp} "
+                raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
                                 f"({exc.strerror or exc}); nothing was published") from None
+
+    def _written_path(self, exc: OSError) -> str:
+        """The path an OSError names: for a full disk or a file too large, the one written (a copy's
+        `filename` is its source: "failed in base/tokenizer.json (No space left)" blamed the input)."""
+        names = [n for n in (exc.filename, exc.filename2) if n]
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            inside = [n for n in names if Path(os.fsdecode(n)).absolute().is_relative_to(self.tmp)]
+            return str(inside[0] if inside else self.tmp)
+        return str(names[0] if names else self.tmp)
 
 
 class AtomicDir(_AtomicOutput):
