@@ -5,7 +5,6 @@ for merge / export / inspect / model dirs, are cases of tests/test_bad_input.py.
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
 
@@ -92,22 +91,8 @@ def test_ocdbt_walk_reaches_every_data_file_of_a_multi_level_tree(tmp_path):
 
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 64 KiB tmpfs at tmp_path/disk (root only: skipped where mount is not permitted), unmounted after."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_a_copy_that_fills_the_disk_names_the_output_not_its_source(tmp_path, small_disk):
+    small_disk = small_disk("64k")
     """A full disk while copying an input into the output (the adapter's tokenizer files): the error named
     the copy's source ("writing OUT failed in BASE/tokenizer.json (No space left on device)"), blaming the
     input. It names the file being written."""
@@ -125,3 +110,19 @@ def test_a_copy_that_fills_the_disk_names_the_output_not_its_source(tmp_path, sm
     assert f"writing {out} failed in {small_disk}/.out.tmp-" in msg, msg
     assert "/tokenizer.json (No space left on device)" in msg and str(src) not in msg, msg
     assert list(small_disk.iterdir()) == []
+
+
+def test_training_whose_checkpoint_disk_fills_stops_in_one_line(tiny_dir, small_disk):
+    """checkpoint.dir on a disk that holds step 1 but not step 2: the run ended with exit 1 and the traceback
+    of whichever Orbax writer thread surfaced first, then hundreds of lines of its threads' errors. Now the
+    last line says which save failed, why, and the step still on disk; the lock is released."""
+    ck = small_disk("500k") / "ck"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+                   "data.eval_path=null", "checkpoint.every_steps=1", "train.max_steps=3")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [proc.stderr.splitlines()[-1]], proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: saving checkpoint step 2 in {ck} failed (No space left on device); "
+                                "the last complete step on disk is 1"), errors
+    assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1", "2.orbax-checkpoint-tmp"]
+    assert not (ck / "gemma_tpu_run.lock").exists()

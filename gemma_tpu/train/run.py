@@ -13,6 +13,9 @@ import dataclasses
 import functools
 import json
 import logging
+import os
+import sys
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -264,8 +267,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
     cli.setup_logging()
+    from gemma_tpu.train.finite_guard import CheckpointSaveFailed
+
     try:
         run(cfg)
+    except CheckpointSaveFailed as e:
+        # Orbax's writer threads go on failing and reporting it (hundreds of lines of tracebacks while the
+        # interpreter shuts down, burying this line): say it once, last, and leave at once
+        run_lock.release_all()
+        logging.shutdown()
+        logging.disable(logging.CRITICAL)
+        threading.excepthook = lambda args: None
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)
     finally:
         run_lock.release_all()
     return 0

@@ -161,6 +161,40 @@ class CompileCounter(logging.Filter):
             logging.getLogger(name).removeFilter(self)
 
 
+def guard_tensorboard_writer() -> None:
+    """Keep a dead TensorBoard writer from hanging the run. tensorboardX queues events (at most 10) for a
+    writer thread; when a write of that thread fails (a full disk), the thread ends and the next `put` on the
+    full queue blocks forever: a run whose checkpoint disk filled hung (jax's monitoring events, which Tunix
+    sends to TensorBoard, are recorded inside Orbax's save) instead of reporting the failed save. With the
+    thread gone, events are dropped with one warning; the run goes on to fail, or not, on its own writes."""
+    try:
+        from tensorboardX import event_file_writer as efw
+    except ImportError:
+        return
+    if getattr(efw.EventFileWriter.add_event, "_gemma_tpu_guard", False):
+        return
+    import queue
+
+    def add_event(self, event):
+        if self._closed:
+            return
+        while True:
+            if not self._worker.is_alive():
+                if not getattr(self, "_gemma_tpu_warned", False):
+                    self._gemma_tpu_warned = True
+                    log.warning("TensorBoard: the event writer for %s stopped (a failed write: disk full?); "
+                                "metrics go on to metrics.jsonl only", self._logdir)
+                return
+            try:
+                self._event_queue.put(event, timeout=1.0)
+                return
+            except queue.Full:
+                continue
+
+    add_event._gemma_tpu_guard = True
+    efw.EventFileWriter.add_event = add_event
+
+
 class Trainer(TunixTrainer):
     """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards.
 
@@ -172,6 +206,7 @@ class Trainer(TunixTrainer):
                  tokens_per_step: int, flops=None, peak_flops: float = 0.0,
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
                  metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None):
+        guard_tensorboard_writer()
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
         self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager)  # no non-finite state on disk
         if mesh is not None:
