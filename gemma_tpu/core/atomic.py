@@ -38,12 +38,14 @@ def check_writable(path: str | Path, what: str) -> None:
 
 
 def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir",
-                 marker: str | None = None) -> None:
+                 marker: str | None = None, magic: bytes | None = None) -> None:
     """Refuse an existing target without --overwrite, a target of the other kind (or a link) in its
     place, targets that hold our own inputs, and targets that cannot be written.
     `kind`: "dir" or "file". `marker`: the file every output of this tool holds (its provenance JSON);
     given, --overwrite replaces only an empty directory or an earlier output, never a directory of
-    other files (`--out . --overwrite` would otherwise delete the working directory's contents)."""
+    other files (`--out . --overwrite` would otherwise delete the working directory's contents).
+    `magic`: for a file, the bytes every output of this tool starts with; given, --overwrite replaces only an
+    empty file or an earlier output (`--out train.jsonl --overwrite` would otherwise replace the data)."""
     target = Path(target)
     if target.exists() or target.is_symlink():
         if not overwrite:
@@ -65,12 +67,21 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
             shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
             raise UserError(f"--out {target}: --overwrite replaces an earlier output (a directory with {marker}), "
                             f"and this one holds other files ({shown}); choose another --out, or remove it yourself")
+    if kind == "file" and magic is not None and target.is_file() and not target.is_symlink():
+        try:
+            with target.open("rb") as f:
+                head = f.read(len(magic))
+        except OSError as e:
+            raise UserError(f"--out {target}: cannot read it ({e.strerror or e}); refusing to replace it") from None
+        if head and head != magic:
+            raise UserError(f"--out {target}: --overwrite replaces an earlier output (a file starting with "
+                            f"{magic!r}), and this file is something else; choose another --out, or remove it yourself")
     check_writable(target.parent, f"--out {target}")
 
 
-def check_file_target(target: Path, overwrite: bool, protected: list[Path] = ()) -> None:
+def check_file_target(target: Path, overwrite: bool, protected: list[Path] = (), magic: bytes | None = None) -> None:
     """`check_target` for a single output file."""
-    check_target(target, overwrite, protected, kind="file")
+    check_target(target, overwrite, protected, kind="file", magic=magic)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -151,16 +162,18 @@ class _AtomicOutput:
 
     kind = "dir"
 
-    def __init__(self, target: str | Path, overwrite: bool = False, marker: str | None = None):
+    def __init__(self, target: str | Path, overwrite: bool = False, marker: str | None = None,
+                 magic: bytes | None = None):
         self.target = Path(target).absolute()
         self.overwrite = overwrite
         self.marker = marker  # see check_target
+        self.magic = magic
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
         self.published = False
         self._old_sigterm: object = _UNSET
 
     def __enter__(self) -> Path:
-        check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker)
+        check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker, magic=self.magic)
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             clean_stale(self.target)
