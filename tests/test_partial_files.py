@@ -126,3 +126,15 @@ def test_training_whose_checkpoint_disk_fills_stops_in_one_line(tiny_dir, small_
                                 "the last complete step on disk is 1"), errors
     assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1", "2.orbax-checkpoint-tmp"]
     assert not (ck / "gemma_tpu_run.lock").exists()
+
+
+def test_training_whose_run_dir_fills_stops_in_one_line_naming_the_file(tiny_dir, tmp_path, small_disk):
+    """train.run_dir (metrics.jsonl, TensorBoard) on a full disk: TensorBoard's writer thread died with a
+    traceback (and could hang the run, see above), then the run said only "error: No space left on device",
+    naming no file. Now one warning for TensorBoard, and one error line naming metrics.jsonl."""
+    run_dir = small_disk("8k") / "run"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                   f"checkpoint.dir={tmp_path / 'ck'}", f"train.run_dir={run_dir}", "data.eval_path=null",
+                   "train.max_steps=2")
+    assert_one_line_error(proc, "No space left on device", str(run_dir / "metrics.jsonl"))
+    assert not (tmp_path / "ck" / "gemma_tpu_run.lock").exists()

@@ -162,11 +162,12 @@ class CompileCounter(logging.Filter):
 
 
 def guard_tensorboard_writer() -> None:
-    """Keep a dead TensorBoard writer from hanging the run. tensorboardX queues events (at most 10) for a
-    writer thread; when a write of that thread fails (a full disk), the thread ends and the next `put` on the
-    full queue blocks forever: a run whose checkpoint disk filled hung (jax's monitoring events, which Tunix
-    sends to TensorBoard, are recorded inside Orbax's save) instead of reporting the failed save. With the
-    thread gone, events are dropped with one warning; the run goes on to fail, or not, on its own writes."""
+    """Keep a failing TensorBoard writer from hanging the run. tensorboardX queues events (at most 10) for a
+    writer thread; when a write of that thread failed (a full disk), the thread ended with a traceback and the
+    next `put` on the full queue blocked forever: a run whose disk filled hung (jax's monitoring events, which
+    Tunix sends to TensorBoard, are recorded inside Orbax's save) instead of reporting the failure. Now the
+    thread's failure is one warning and later events are dropped; the run goes on to fail, or not, on its own
+    writes (metrics.jsonl, the checkpoint), which say so in one line."""
     try:
         from tensorboardX import event_file_writer as efw
     except ImportError:
@@ -175,24 +176,51 @@ def guard_tensorboard_writer() -> None:
         return
     import queue
 
+    thread_run = efw._EventLoggerThread.run
+
+    def run(self):
+        try:
+            thread_run(self)
+        except OSError as e:
+            log.warning("TensorBoard: writing events failed (%s%s); metrics go on to metrics.jsonl only",
+                        e.strerror or e, f": {e.filename}" if e.filename else "")
+
     def add_event(self, event):
         if self._closed:
             return
-        while True:
-            if not self._worker.is_alive():
-                if not getattr(self, "_gemma_tpu_warned", False):
-                    self._gemma_tpu_warned = True
-                    log.warning("TensorBoard: the event writer for %s stopped (a failed write: disk full?); "
-                                "metrics go on to metrics.jsonl only", self._logdir)
-                return
+        while self._worker.is_alive():
             try:
                 self._event_queue.put(event, timeout=1.0)
                 return
             except queue.Full:
                 continue
 
+    writer_flush = efw.EventFileWriter.flush
+
+    def flush(self):
+        try:
+            writer_flush(self)
+        except OSError as e:
+            log.warning("TensorBoard: flushing events failed (%s)", e.strerror or e)
+
+    def close(self):  # tensorboardX's own puts a stop signal on the queue: forever, with the writer thread gone
+        if self._closed:
+            return
+        self.flush()
+        if self._worker.is_alive():
+            self._worker.stop()
+        try:
+            self._ev_writer.close()
+        except OSError:
+            pass  # flush said so
+        self._event_queue.close()
+        self._event_queue, self._worker, self._closed = None, None, True
+
     add_event._gemma_tpu_guard = True
+    efw._EventLoggerThread.run = run
     efw.EventFileWriter.add_event = add_event
+    efw.EventFileWriter.flush = flush
+    efw.EventFileWriter.close = close
 
 
 class Trainer(TunixTrainer):
@@ -332,8 +360,11 @@ class Trainer(TunixTrainer):
         self.history.append(rec)
         if not self.primary:
             return
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:  # a full disk: name the file (a failed write() carries no file name)
+            raise OSError(e.errno, e.strerror, str(self.metrics_path)) from e
 
     def learning_rate(self):
         """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it)."""
