@@ -58,3 +58,35 @@ def test_sigterm_inside_a_gc_callback_still_stops_the_write(tmp_path):
     assert_one_line_error(proc, "SIGTERM")
     assert proc.returncode == 143
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_between_the_two_renames_of_a_replace_keeps_an_output(tmp_path, monkeypatch):
+    """--overwrite where the filesystem cannot exchange two names: the old output is renamed aside, then the new
+    one into place. A Ctrl-C between the two removed the new one (the temp dir) and left no target, the old
+    one hidden as `.out.old-PID`, which the next run deletes. Now it waits until the new output is in place."""
+    import os
+    import signal
+
+    import pytest
+
+    from gemma_tpu.core import atomic
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "v").write_text("old")
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def rename(a, b):
+        real_rename(a, b)
+        if str(b).endswith(f".old-{os.getpid()}"):
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C right after the old output went aside
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    ad = atomic.AtomicDir(out, overwrite=True)
+    with pytest.raises(KeyboardInterrupt):
+        with ad as tmp:
+            (tmp / "v").write_text("new")
+            ad.publish()
+    assert (out / "v").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -150,6 +150,34 @@ def _fsync_dir(path: Path) -> None:
 
 
 _UNSET = object()
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
+class _signals_held:
+    """Ctrl-C and SIGTERM wait (recorded, then raised again on leaving) while a publish swaps names: the old
+    output is renamed aside, then the new one into place, and the handler's exception between the two
+    (KeyboardInterrupt, SignalExit) removed the new one, leaving no target and the old one as debris that the
+    next run deletes. (Python handlers, not a signal mask: any thread may receive a process's signal.) Outside
+    the main thread, where Python runs no handlers, it does nothing."""
+
+    def __enter__(self):
+        self.saved, self.got = {}, []
+        try:
+            for signum in _HELD:
+                previous = signal.getsignal(signum)
+                if previous is None:  # set outside Python: leave it alone
+                    continue
+                signal.signal(signum, lambda n, frame: self.got.append(n))
+                self.saved[signum] = previous
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self.saved.items():
+            signal.signal(signum, previous)
+        for signum in self.got:
+            signal.raise_signal(signum)  # to the handler now in place, after the swap
 
 
 def _raise_on_sigterm(signum, frame):  # noqa: ARG001
@@ -222,19 +250,28 @@ class AtomicDir(_AtomicOutput):
     def publish(self) -> Path:
         """Move the finished temp dir to the target (replacing an old one when allowed)."""
         _fsync_dir(self.tmp)
-        if self.target.exists():
-            self._refuse_if_appeared()
-            if _exchange(self.tmp, self.target):
-                old = self.tmp  # now holds the old output
-            else:
-                old = self.target.parent / f".{self.target.name}.old-{os.getpid()}"
-                os.rename(self.target, old)
-                os.rename(self.tmp, self.target)
-            self.published = True
-            shutil.rmtree(old, ignore_errors=True)  # if killed here, the next run removes it
-        else:
-            os.rename(self.tmp, self.target)
-            self.published = True
+        old = None
+        try:
+            with _signals_held():  # a Ctrl-C between the two renames of the fallback lost both outputs
+                if self.target.exists():
+                    self._refuse_if_appeared()
+                    if _exchange(self.tmp, self.target):
+                        old = self.tmp  # now holds the old output
+                    else:
+                        old = self.target.parent / f".{self.target.name}.old-{os.getpid()}"
+                        os.rename(self.target, old)
+                        try:
+                            os.rename(self.tmp, self.target)
+                        except OSError:  # put the old one back: never no output where there was one
+                            os.rename(old, self.target)
+                            old = None
+                            raise
+                else:
+                    os.rename(self.tmp, self.target)
+                self.published = True
+        finally:
+            if old is not None and self.published:
+                shutil.rmtree(old, ignore_errors=True)  # if killed here, the next run removes it
         _fsync_dir(self.target.parent)
         return self.target
 
@@ -268,8 +305,9 @@ class AtomicFile(_AtomicOutput):
         finally:
             os.close(fd)
         self._refuse_if_appeared()
-        os.replace(self.tmp, self.target)
-        self.published = True
+        with _signals_held():
+            os.replace(self.tmp, self.target)
+            self.published = True
         _fsync_dir(self.target.parent)
         return self.target
 
