@@ -138,3 +138,14 @@ def test_training_whose_run_dir_fills_stops_in_one_line_naming_the_file(tiny_dir
                    "train.max_steps=2")
     assert_one_line_error(proc, "No space left on device", str(run_dir / "metrics.jsonl"))
     assert not (tmp_path / "ck" / "gemma_tpu_run.lock").exists()
+
+
+def test_training_on_a_full_disk_from_the_start_names_the_file_and_leaves_no_debris(tiny_dir, small_disk):
+    """checkpoint.dir on a disk with room for the run lock only: the run metadata's own tmp + rename said
+    "error: No space left on device", naming nothing, and left `gemma_tpu_run.tmp-PID` behind."""
+    ck = small_disk("4k") / "ck"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+                   "data.eval_path=null", "train.max_steps=1")
+    assert_one_line_error(proc, f"writing {ck / 'gemma_tpu_run.json'} failed", "No space left on device",
+                          "nothing was published")
+    assert list(ck.iterdir()) == []

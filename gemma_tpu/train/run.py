@@ -24,7 +24,7 @@ from gemma_tpu.checkpoint import metadata as checkpoint
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
 from gemma_tpu.checkpoint.params import check_item_files, short_reason
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import check_writable
+from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import function_token_map
@@ -228,7 +228,7 @@ def run(cfg: RunConfig) -> dict:
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
     if primary:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))  # never a cut-short one
     log.info("done: %s", json.dumps(summary))
     return summary
 
