@@ -149,3 +149,26 @@ def test_training_on_a_full_disk_from_the_start_names_the_file_and_leaves_no_deb
     assert_one_line_error(proc, f"writing {ck / 'gemma_tpu_run.json'} failed", "No space left on device",
                           "nothing was published")
     assert list(ck.iterdir()) == []
+
+
+def test_metrics_after_a_line_cut_short_stay_readable(tmp_path):
+    """metrics.jsonl whose last line a crash cut short: the resumed run's first row was appended to it, and that
+    row was lost to every reader (one unparseable line). It now starts on a line of its own."""
+    import json
+
+    from gemma_tpu.train.trainer import append_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 6.1}\n{"step": 2, "lo')
+    append_jsonl(path, {"step": 2, "loss": 6.0})
+    append_jsonl(path, {"step": 3, "loss": 5.9})
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    fresh = tmp_path / "fresh.jsonl"
+    append_jsonl(fresh, {"step": 1})
+    assert fresh.read_text() == '{"step": 1}\n'

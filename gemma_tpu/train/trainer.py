@@ -161,6 +161,21 @@ class CompileCounter(logging.Filter):
             logging.getLogger(name).removeFilter(self)
 
 
+def append_jsonl(path: Path, rec: dict) -> None:
+    """Append one JSON line. A last line cut short (a crash or a full disk mid-write) is ended first: the
+    resumed run's first row was glued to it, and both were unreadable. A failed write names the file
+    (a failed write() carries no file name: "error: No space left on device" said nothing more)."""
+    try:
+        with path.open("a+b") as f:
+            prefix = b""
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                prefix = b"" if f.read(1) == b"\n" else b"\n"
+            f.write(prefix + (json.dumps(rec) + "\n").encode())
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
 def guard_tensorboard_writer() -> None:
     """Keep a failing TensorBoard writer from hanging the run. tensorboardX queues events (at most 10) for a
     writer thread; when a write of that thread failed (a full disk), the thread ended with a traceback and the
@@ -360,11 +375,7 @@ class Trainer(TunixTrainer):
         self.history.append(rec)
         if not self.primary:
             return
-        try:
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-        except OSError as e:  # a full disk: name the file (a failed write() carries no file name)
-            raise OSError(e.errno, e.strerror, str(self.metrics_path)) from e
+        append_jsonl(self.metrics_path, rec)
 
     def learning_rate(self):
         """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it)."""
