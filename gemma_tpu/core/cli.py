@@ -92,7 +92,10 @@ def _redeliver_interrupts(unraisable) -> None:
     if signum is None or not callable(signal.getsignal(signum)):
         sys.__unraisablehook__(unraisable)
         return
-    _thread.start_new_thread(os.kill, (os.getpid(), signum))
+    try:
+        _thread.start_new_thread(os.kill, (os.getpid(), signum))
+    except RuntimeError:  # no new threads (the interpreter is shutting down): report it as Python would
+        sys.__unraisablehook__(unraisable)
 
 
 def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
