@@ -406,7 +406,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         provenance = {"checkpoint": str(merge.source.dir.resolve()), "step": merge.source.step,
                       "base": str(merge.base_dir.resolve()),
                       "kind": "lora" if merge.source.is_lora else "full"}
-    check_file_target(out, args.overwrite, protected=protected)
+    check_file_target(out, args.overwrite, protected=protected, magic=GGUF_MAGIC)
     text = family.read_text_config(config)  # keys config.json omits at the values transformers gives them
     check_config(facts, text, where)
     if facts.rope is not None:
@@ -425,6 +425,9 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
                       args.type, merge, provenance, skipped)
     check_space(out, plan.tensor_bytes + vocab.nbytes + len(chat_template or "") + (1 << 20))
     return plan
+
+
+GGUF_MAGIC = b"GGUF"  # what every GGUF file starts with: --overwrite replaces only such a file (or an empty one)
 
 
 def free_space(path: Path) -> int:
@@ -585,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.skipped:
         print(f"gguf: not exported ({len(plan.skipped)} tensors outside the text decoder, e.g. {plan.skipped[0]})",
               file=sys.stderr)
-    af = AtomicFile(plan.out, args.overwrite)
+    af = AtomicFile(plan.out, args.overwrite, magic=GGUF_MAGIC)
     with af as tmp:
         size = write_gguf(plan, tmp)
         af.publish()

@@ -75,6 +75,27 @@ def tiny_odd_dir(tmp_path_factory) -> Path:
                              rope_parameters=rope)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """`small_disk("64k")`: a tmpfs of that size mounted at tmp_path/disk (a full disk on demand; root only,
+    the test is skipped where mount is not permitted), unmounted after the test."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"disk{len(mounted) or ''}"
+        mnt.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                              text=True, check=False)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run `python -m ...` as a user would, capturing output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -466,6 +466,11 @@ CASES = [
     # ---- verify / inspect
     Case("gguf-existing-target", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/o.gguf"],
          ["{tmp}/o.gguf", "already exists"], {"o.gguf": "keep me"}, sub=True),
+    # --overwrite replaced any file with the GGUF (a dataset, a script given as --out by mistake)
+    Case("gguf-overwrite-a-foreign-file", "convert.export_gguf",
+         ["--merged", "{tiny}", "--out", "{tmp}/train.jsonl", "--overwrite"],
+         ["{tmp}/train.jsonl", "--overwrite replaces an earlier output", "something else"],
+         {"train.jsonl": '{"messages": []}\n'}),
     Case("gguf-unknown-type", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/o.gguf", "--type", "q5_k"],
          ["--type q5_k", "f16, bf16, q8_0, q4_0"]),
     Case("gguf-unsupported-architecture", "convert.export_gguf", ["--merged", "{tmp}/m", "--out", "{tmp}/o.gguf"],

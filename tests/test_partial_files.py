@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from tests.conftest import assert_one_line_error, run_cli
 
 
@@ -86,3 +88,87 @@ def test_ocdbt_walk_reaches_every_data_file_of_a_multi_level_tree(tmp_path):
     gone.unlink()
     os.truncate(cut, 10)
     assert sorted(_missing_ocdbt_data(root)) == sorted([gone, cut])
+
+
+
+def test_a_copy_that_fills_the_disk_names_the_output_not_its_source(tmp_path, small_disk):
+    small_disk = small_disk("64k")
+    """A full disk while copying an input into the output (the adapter's tokenizer files): the error named
+    the copy's source ("writing OUT failed in BASE/tokenizer.json (No space left on device)"), blaming the
+    input. It names the file being written."""
+    from gemma_tpu.core.atomic import AtomicDir
+    from gemma_tpu.core.errors import UserError
+
+    src = tmp_path / "base" / "tokenizer.json"
+    src.parent.mkdir()
+    src.write_bytes(b"x" * 200_000)
+    out = small_disk / "out"
+    with pytest.raises(UserError) as e:
+        with AtomicDir(out) as tmp:
+            shutil.copyfile(src, tmp / "tokenizer.json")
+    msg = str(e.value)
+    assert f"writing {out} failed in {small_disk}/.out.tmp-" in msg, msg
+    assert "/tokenizer.json (No space left on device)" in msg and str(src) not in msg, msg
+    assert list(small_disk.iterdir()) == []
+
+
+def test_training_whose_checkpoint_disk_fills_stops_in_one_line(tiny_dir, small_disk):
+    """checkpoint.dir on a disk that holds step 1 but not step 2: the run ended with exit 1 and the traceback
+    of whichever Orbax writer thread surfaced first, then hundreds of lines of its threads' errors. Now the
+    last line says which save failed, why, and the step still on disk; the lock is released."""
+    ck = small_disk("500k") / "ck"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+                   "data.eval_path=null", "checkpoint.every_steps=1", "train.max_steps=3")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [proc.stderr.splitlines()[-1]], proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: saving checkpoint step 2 in {ck} failed (No space left on device); "
+                                "the last complete step on disk is 1"), errors
+    assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1", "2.orbax-checkpoint-tmp"]
+    assert not (ck / "gemma_tpu_run.lock").exists()
+
+
+def test_training_whose_run_dir_fills_stops_in_one_line_naming_the_file(tiny_dir, tmp_path, small_disk):
+    """train.run_dir (metrics.jsonl, TensorBoard) on a full disk: TensorBoard's writer thread died with a
+    traceback (and could hang the run, see above), then the run said only "error: No space left on device",
+    naming no file. Now one warning for TensorBoard, and one error line naming metrics.jsonl."""
+    run_dir = small_disk("8k") / "run"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                   f"checkpoint.dir={tmp_path / 'ck'}", f"train.run_dir={run_dir}", "data.eval_path=null",
+                   "train.max_steps=2")
+    assert_one_line_error(proc, "No space left on device", str(run_dir / "metrics.jsonl"))
+    assert not (tmp_path / "ck" / "gemma_tpu_run.lock").exists()
+
+
+def test_training_on_a_full_disk_from_the_start_names_the_file_and_leaves_no_debris(tiny_dir, small_disk):
+    """checkpoint.dir on a disk with room for the run lock only: the run metadata's own tmp + rename said
+    "error: No space left on device", naming nothing, and left `gemma_tpu_run.tmp-PID` behind."""
+    ck = small_disk("4k") / "ck"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+                   "data.eval_path=null", "train.max_steps=1")
+    assert_one_line_error(proc, f"writing {ck / 'gemma_tpu_run.json'} failed", "No space left on device",
+                          "nothing was published")
+    assert list(ck.iterdir()) == []
+
+
+def test_metrics_after_a_line_cut_short_stay_readable(tmp_path):
+    """metrics.jsonl whose last line a crash cut short: the resumed run's first row was appended to it, and that
+    row was lost to every reader (one unparseable line). It now starts on a line of its own."""
+    import json
+
+    from gemma_tpu.train.trainer import append_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 6.1}\n{"step": 2, "lo')
+    append_jsonl(path, {"step": 2, "loss": 6.0})
+    append_jsonl(path, {"step": 3, "loss": 5.9})
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    fresh = tmp_path / "fresh.jsonl"
+    append_jsonl(fresh, {"step": 1})
+    assert fresh.read_text() == '{"step": 1}\n'

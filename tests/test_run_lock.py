@@ -107,3 +107,23 @@ def test_two_trainers_on_one_directory(tiny_dir, tmp_path):
     third.communicate(timeout=300)
     assert third.returncode == 143
     assert not (tmp_path / "ck2" / run_lock.LOCK_FILE).exists()
+
+
+def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, small_disk):
+    """A full disk: the lock file was created (O_EXCL) but its JSON not written, the OSError propagated, and
+    the empty lock stayed: every later run on the directory was refused as "in use by another trainer"."""
+    import pytest
+
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train import run_lock
+
+    disk = small_disk("4k")
+    (disk / "filler").write_bytes(b"x" * 4096)
+    ck = disk / "ck"
+    ck.mkdir()
+    with pytest.raises(UserError, match=f"cannot write the run lock {ck / 'gemma_tpu_run.lock'} \\(No space left"):
+        run_lock.acquire(ck)
+    assert list(ck.iterdir()) == []
+    (disk / "filler").unlink()
+    run_lock.check_free(ck)
+    run_lock.acquire(ck).release()

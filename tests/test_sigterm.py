@@ -124,3 +124,33 @@ def test_sigkill_during_an_eval_then_resume_is_bit_identical(tiny_dir, reference
     assert _signal_during_eval(tiny_dir, ckpt, reference, log, signal.SIGKILL) == -signal.SIGKILL
     text = _resume_with_eval(tiny_dir, ckpt, reference, tmp_path / "resume.log")
     assert re.search(r"resumed at step [1-3]; data position restored", text)
+
+
+def test_ctrl_c_mid_run_saves_the_step_like_sigterm_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
+    """Ctrl-C (SIGINT) is a preemption notice too: exit 130 with the step saved whole. It raised
+    KeyboardInterrupt wherever it landed: mid-save, the step was left as an Orbax temp dir, with a traceback
+    from Orbax's thread. A second Ctrl-C stops at once, the lock released."""
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    proc = _start(tiny_dir, ckpt, reference["cache"], log, delay=0.3)
+    _wait_for(lambda: len(list_steps(ckpt)) >= 3, proc, log)  # async saves every step, now mid-run
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 130, tail(log)
+    text = log.read_text(errors="replace")
+    m = re.search(r"Ctrl-C: step (\d+) is saved", text)
+    assert m and "Traceback" not in text, tail(log)
+    step = int(m.group(1))
+    assert 3 <= step < MAX_STEPS and list_steps(ckpt)[-1] == step
+    assert not [p.name for p in ckpt.iterdir() if "tmp" in p.name or "incomplete" in p.name or "lock" in p.name]
+    _resume_and_compare(tiny_dir, ckpt, reference, tmp_path / "resume.log")
+
+    ckpt2, log2 = tmp_path / "ck2", tmp_path / "run2.log"  # twice: out at once, in one line, unlocked
+    proc = _start(tiny_dir, ckpt2, reference["cache"], log2, delay=2.0)
+    _wait_for(lambda: READY in log2.read_text(errors="replace"), proc, log2)
+    proc.send_signal(signal.SIGINT)
+    _wait_for(lambda: "Ctrl-C again to stop at once" in log2.read_text(errors="replace"), proc, log2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130, tail(log2)
+    assert "error: interrupted" in log2.read_text(errors="replace")
+    assert not (ckpt2 / "gemma_tpu_run.lock").exists()

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.checkpoint.params import CheckpointParams
+from gemma_tpu.core.atomic import write_text_atomic
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.hf.directory import hf_revision
 from gemma_tpu.hf.fingerprint import fingerprint
@@ -33,14 +34,12 @@ VERSION = 1
 
 
 def write_metadata(ckpt_dir: str | Path, meta: dict[str, Any]) -> Path:
-    """Atomically write the metadata file (tmp + rename)."""
+    """Atomically write the metadata file (`core.atomic`: a full disk is one line naming it, and leaves
+    neither a cut-short file nor the temp file, which the own tmp + rename here used to leave behind)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    path = ckpt_dir / METADATA_FILE
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION, **meta}, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(ckpt_dir / METADATA_FILE,
+                             json.dumps({"format": FORMAT, "version": VERSION, **meta}, indent=2, default=str))
 
 
 def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:

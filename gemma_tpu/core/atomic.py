@@ -18,7 +18,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import SignalExit, UserError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -38,12 +38,14 @@ def check_writable(path: str | Path, what: str) -> None:
 
 
 def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir",
-                 marker: str | None = None) -> None:
+                 marker: str | None = None, magic: bytes | None = None) -> None:
     """Refuse an existing target without --overwrite, a target of the other kind (or a link) in its
     place, targets that hold our own inputs, and targets that cannot be written.
     `kind`: "dir" or "file". `marker`: the file every output of this tool holds (its provenance JSON);
     given, --overwrite replaces only an empty directory or an earlier output, never a directory of
-    other files (`--out . --overwrite` would otherwise delete the working directory's contents)."""
+    other files (`--out . --overwrite` would otherwise delete the working directory's contents).
+    `magic`: for a file, the bytes every output of this tool starts with; given, --overwrite replaces only an
+    empty file or an earlier output (`--out train.jsonl --overwrite` would otherwise replace the data)."""
     target = Path(target)
     if target.exists() or target.is_symlink():
         if not overwrite:
@@ -65,12 +67,21 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
             shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
             raise UserError(f"--out {target}: --overwrite replaces an earlier output (a directory with {marker}), "
                             f"and this one holds other files ({shown}); choose another --out, or remove it yourself")
+    if kind == "file" and magic is not None and target.is_file() and not target.is_symlink():
+        try:
+            with target.open("rb") as f:
+                head = f.read(len(magic))
+        except OSError as e:
+            raise UserError(f"--out {target}: cannot read it ({e.strerror or e}); refusing to replace it") from None
+        if head and head != magic:
+            raise UserError(f"--out {target}: --overwrite replaces an earlier output (a file starting with "
+                            f"{magic!r}), and this file is something else; choose another --out, or remove it yourself")
     check_writable(target.parent, f"--out {target}")
 
 
-def check_file_target(target: Path, overwrite: bool, protected: list[Path] = ()) -> None:
+def check_file_target(target: Path, overwrite: bool, protected: list[Path] = (), magic: bytes | None = None) -> None:
     """`check_target` for a single output file."""
-    check_target(target, overwrite, protected, kind="file")
+    check_target(target, overwrite, protected, kind="file", magic=magic)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -139,10 +150,38 @@ def _fsync_dir(path: Path) -> None:
 
 
 _UNSET = object()
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
+class _signals_held:
+    """Ctrl-C and SIGTERM wait (recorded, then raised again on leaving) while a publish swaps names: the old
+    output is renamed aside, then the new one into place, and the handler's exception between the two
+    (KeyboardInterrupt, SignalExit) removed the new one, leaving no target and the old one as debris that the
+    next run deletes. (Python handlers, not a signal mask: any thread may receive a process's signal.) Outside
+    the main thread, where Python runs no handlers, it does nothing."""
+
+    def __enter__(self):
+        self.saved, self.got = {}, []
+        try:
+            for signum in _HELD:
+                previous = signal.getsignal(signum)
+                if previous is None:  # set outside Python: leave it alone
+                    continue
+                signal.signal(signum, lambda n, frame: self.got.append(n))
+                self.saved[signum] = previous
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self.saved.items():
+            signal.signal(signum, previous)
+        for signum in self.got:
+            signal.raise_signal(signum)  # to the handler now in place, after the swap
 
 
 def _raise_on_sigterm(signum, frame):  # noqa: ARG001
-    raise SystemExit(128 + signum)
+    raise SignalExit(signum)
 
 
 class _AtomicOutput:
@@ -151,16 +190,18 @@ class _AtomicOutput:
 
     kind = "dir"
 
-    def __init__(self, target: str | Path, overwrite: bool = False, marker: str | None = None):
+    def __init__(self, target: str | Path, overwrite: bool = False, marker: str | None = None,
+                 magic: bytes | None = None):
         self.target = Path(target).absolute()
         self.overwrite = overwrite
         self.marker = marker  # see check_target
+        self.magic = magic
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
         self.published = False
         self._old_sigterm: object = _UNSET
 
     def __enter__(self) -> Path:
-        check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker)
+        check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker, magic=self.magic)
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             clean_stale(self.target)
@@ -187,8 +228,17 @@ class _AtomicOutput:
         if not self.published:
             _remove(self.tmp)
             if isinstance(exc, OSError):  # a full disk (ENOSPC), a file too large, an I/O error mid-write
-                raise UserError(f"writing {self.target} failed in {exc.filename or self.tmp} "
+                raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
                                 f"({exc.strerror or exc}); nothing was published") from None
+
+    def _written_path(self, exc: OSError) -> str:
+        """The path an OSError names: for a full disk or a file too large, the one written (a copy's
+        `filename` is its source: "failed in base/tokenizer.json (No space left)" blamed the input)."""
+        names = [n for n in (exc.filename, exc.filename2) if n]
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            inside = [n for n in names if Path(os.fsdecode(n)).absolute().is_relative_to(self.tmp)]
+            return str(inside[0] if inside else self.tmp)
+        return str(names[0] if names else self.tmp)
 
 
 class AtomicDir(_AtomicOutput):
@@ -200,19 +250,28 @@ class AtomicDir(_AtomicOutput):
     def publish(self) -> Path:
         """Move the finished temp dir to the target (replacing an old one when allowed)."""
         _fsync_dir(self.tmp)
-        if self.target.exists():
-            self._refuse_if_appeared()
-            if _exchange(self.tmp, self.target):
-                old = self.tmp  # now holds the old output
-            else:
-                old = self.target.parent / f".{self.target.name}.old-{os.getpid()}"
-                os.rename(self.target, old)
-                os.rename(self.tmp, self.target)
-            self.published = True
-            shutil.rmtree(old, ignore_errors=True)  # if killed here, the next run removes it
-        else:
-            os.rename(self.tmp, self.target)
-            self.published = True
+        old = None
+        try:
+            with _signals_held():  # a Ctrl-C between the two renames of the fallback lost both outputs
+                if self.target.exists():
+                    self._refuse_if_appeared()
+                    if _exchange(self.tmp, self.target):
+                        old = self.tmp  # now holds the old output
+                    else:
+                        old = self.target.parent / f".{self.target.name}.old-{os.getpid()}"
+                        os.rename(self.target, old)
+                        try:
+                            os.rename(self.tmp, self.target)
+                        except OSError:  # put the old one back: never no output where there was one
+                            os.rename(old, self.target)
+                            old = None
+                            raise
+                else:
+                    os.rename(self.tmp, self.target)
+                self.published = True
+        finally:
+            if old is not None and self.published:
+                shutil.rmtree(old, ignore_errors=True)  # if killed here, the next run removes it
         _fsync_dir(self.target.parent)
         return self.target
 
@@ -246,8 +305,9 @@ class AtomicFile(_AtomicOutput):
         finally:
             os.close(fd)
         self._refuse_if_appeared()
-        os.replace(self.tmp, self.target)
-        self.published = True
+        with _signals_held():
+            os.replace(self.tmp, self.target)
+            self.published = True
         _fsync_dir(self.target.parent)
         return self.target
 

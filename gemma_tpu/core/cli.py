@@ -4,17 +4,19 @@ usage mistake) into one `error: …` line and a non-zero exit instead of a trace
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 from typing import Any, Callable, Sequence
 
 import yaml
 
 from gemma_tpu.core.config import RunConfig, load_config
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import SignalExit, UserError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries that log at INFO on every call; entry points keep them at WARNING.
@@ -78,9 +80,28 @@ def setup_logging(level: int = logging.INFO) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def _redeliver_interrupts(unraisable) -> None:
+    """`sys.unraisablehook`: a Ctrl-C (KeyboardInterrupt) or a SIGTERM turned into `SignalExit` that
+    surfaced where Python cannot propagate an exception (a gc callback, which jax registers: about one
+    Ctrl-C in three during a merge was printed as "Exception ignored" and the merge went on to publish)
+    is signalled again, from another thread so that it is not handled inside this hook, where it would be
+    lost the same way; the main thread raises it at the next point that can. Anything else is reported."""
+    exc = unraisable.exc_value
+    signum = (signal.SIGINT if isinstance(exc, KeyboardInterrupt)
+              else exc.signum if isinstance(exc, SignalExit) else None)
+    if signum is None or not callable(signal.getsignal(signum)):
+        sys.__unraisablehook__(unraisable)
+        return
+    try:
+        _thread.start_new_thread(os.kill, (os.getpid(), signum))
+    except RuntimeError:  # no new threads (the interpreter is shutting down): report it as Python would
+        sys.__unraisablehook__(unraisable)
+
+
 def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
     """Run `main(argv)` and map `UserError` (and a few OS errors) to a one-line message."""
     args = list(sys.argv[1:] if argv is None else argv)
+    sys.unraisablehook = _redeliver_interrupts
     debug = "--debug" in args or os.environ.get("GEMMA_TPU_DEBUG") == "1"
     if "--debug" in args:
         args.remove("--debug")
@@ -96,6 +117,9 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except SignalExit as e:
+        print(f"error: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return int(e.code)
     except OSError as e:  # a missing file, no permission, a full disk (ENOSPC), a file too large...
         if debug:
             raise

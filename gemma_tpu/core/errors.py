@@ -10,6 +10,16 @@ class UserError(Exception):
     exit_code = 2
 
 
+class SignalExit(SystemExit):
+    """The exit a signal handler asks for (`SystemExit(128 + signum)`), carrying `signum` so that one
+    raised where Python can only report it, not propagate it (a gc callback: jax registers one), is
+    delivered again (`gemma_tpu.core.cli.cli_main`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
 def read_json_object(path, missing: str) -> dict:
     """A JSON object from `path`; a missing file, bad JSON or a non-object is a one-line UserError."""
     import json

@@ -5,11 +5,17 @@ write (the LoRA factors, or every parameter of a full fine-tune) and the optimiz
 non-finite state writes nothing; it waits for saves already under way (so what is on disk is known),
 then raises `NonFiniteState` naming the step, the first non-finite tensor and the last step on disk.
 The check is one jitted all-finite reduction per tensor, run only for steps that are saved.
+
+A save that fails (a full disk: Orbax's writer threads raise RESOURCE_EXHAUSTED; a directory gone) is one
+`CheckpointSaveFailed` line naming the directory, the reason and the step left on disk, instead of the
+exception of whichever Orbax thread surfaced it (the half-written step stays an Orbax temp dir, which the
+resume sets aside).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
@@ -23,6 +29,35 @@ class NonFiniteState(UserError):
     a non-finite loss: a scheduler should not simply retry."""
 
     exit_code = 3
+
+
+class CheckpointSaveFailed(UserError):
+    """A checkpoint could not be written; the previous complete step stays on disk."""
+
+
+def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
+    """One line for a save that raised: directory, reason (a full disk said as such), the step on disk."""
+    inner = orbax_manager(manager)
+    where = str(getattr(inner, "directory", "")) or "the checkpoint directory"
+    text = str(e)
+    if "No space left on device" in text or "RESOURCE_EXHAUSTED" in text or getattr(e, "errno", None) == 28:
+        reason = "No space left on device"
+    else:
+        first = text.strip().splitlines()[0][:200] if text.strip() else ""
+        reason = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    try:
+        last = inner.latest_step() if inner is not None else None
+    except Exception:  # noqa: BLE001 (the manager is in an unknown state; the message matters more)
+        last = None
+    kept = f"the last complete step on disk is {last}" if last is not None else "no complete step is on disk"
+    try:  # with async saves, an earlier step's failure surfaces at the next save: its temp dir names it
+        half = sorted(int(p.name.split(".", 1)[0]) for p in Path(where).iterdir()
+                      if ".orbax-checkpoint-tmp" in p.name and p.name.split(".", 1)[0].isdigit())
+        step = half[0] if half else step
+    except OSError:
+        pass
+    return CheckpointSaveFailed(f"saving checkpoint step {step} in {where} failed ({reason}); {kept}, and a "
+                                f"restart resumes from it")
 
 
 def _path_name(path) -> str:
@@ -104,5 +139,17 @@ class FiniteCheckpoints:
             kept = f"the last checkpoint on disk is step {last}" if last is not None else "no checkpoint was written"
             raise NonFiniteState(f"non-finite {what} {bad} at step {step}: step {step} was not saved; {kept} "
                                  f"(check train.learning_rate and the data)")
-        return self._manager.save(step, model, optimizer, save_only_lora_params=save_only_lora_params,
-                                  force=force, custom_metadata=custom_metadata)
+        try:
+            return self._manager.save(step, model, optimizer, save_only_lora_params=save_only_lora_params,
+                                      force=force, custom_metadata=custom_metadata)
+        except Exception as e:  # an async save of an earlier step may surface here too
+            raise save_failure(self._manager, step, e) from e
+
+    def close(self) -> None:
+        """Waits for a save under way: its failure is one line too."""
+        inner = orbax_manager(self._manager)
+        step = inner.latest_step() if inner is not None else None
+        try:
+            self._manager.close()
+        except Exception as e:
+            raise save_failure(self._manager, "in progress" if step is None else f"after {step}", e) from e

@@ -8,6 +8,10 @@ under the previous step's number). At that point the step in progress has finish
 are waited for; the current step is saved unless it already is; the lock is released; exit 143.
 Before step 1 nothing is saved: a restart begins exactly as the interrupted run did.
 
+Ctrl-C (SIGINT) does the same, exit 130; a second Ctrl-C stops at once (KeyboardInterrupt), keeping the
+last complete checkpoint. (A KeyboardInterrupt raised wherever the signal happened to land used to stop the
+run mid-save: the step being written was left as an Orbax temp dir, and a traceback from its thread.)
+
 Limits: the exit waits for the step (and an eval) in progress to finish; a platform that sends
 SIGKILL before that leaves the last completed checkpoint, which the resume uses.
 """
@@ -31,19 +35,29 @@ class Preemption:
         self.trainer = trainer
         self.on_exit = on_exit
         self.requested = False
+        self.signum = signal.SIGTERM
 
     def install(self) -> "Preemption":
         signal.signal(signal.SIGTERM, self._handler)
+        signal.signal(signal.SIGINT, self._handler)
         self.trainer.feed.before_batch = self.at_batch_boundary
-        log.info("SIGTERM (preemption) from here on: the step in progress finishes, is saved, then exit %d",
-                 EXIT_CODE)
+        log.info("SIGTERM (preemption) from here on: the step in progress finishes, is saved, then exit %d; "
+                 "Ctrl-C the same (exit 130), a second Ctrl-C stops at once", EXIT_CODE)
         return self
+
+    @property
+    def name(self) -> str:
+        return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
         if not self.requested:
             self.requested = True
-            log.warning("SIGTERM: saving and exiting at the next step boundary (%d steps done so far)",
-                        self.trainer.train_steps)
+            self.signum = signum
+            log.warning("%s: saving and exiting at the next step boundary (%d steps done so far)%s", self.name,
+                        self.trainer.train_steps, "; Ctrl-C again to stop at once" if signum == signal.SIGINT else "")
+        elif signum == signal.SIGINT:  # the second Ctrl-C: stop now, the last complete checkpoint stays
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
 
     def at_batch_boundary(self, train_ctx) -> None:
         if not self.requested:
@@ -56,7 +70,7 @@ class Preemption:
     def save_and_exit(self) -> None:
         t = self.trainer
         step = t.train_steps
-        code = EXIT_CODE
+        code = 128 + self.signum
         try:
             cm = t.checkpoint_manager
             last = last_step_on_disk(cm)  # waits for an async save of this step already under way
@@ -66,12 +80,12 @@ class Preemption:
                 last = last_step_on_disk(cm)
             cm.close()
             if step == 0:
-                log.warning("SIGTERM before step 1: nothing to save; a restart begins afresh")
+                log.warning("%s before step 1: nothing to save; a restart begins afresh", self.name)
             else:
-                log.warning("SIGTERM: step %d is saved (latest on disk: %s); exiting", step, last)
+                log.warning("%s: step %d is saved (latest on disk: %s); exiting", self.name, step, last)
         except BaseException as e:  # exit anyway: the platform will not wait
-            log.error("SIGTERM: could not save step %d (%s: %s); the last complete checkpoint stays",
-                      step, type(e).__name__, e)
+            log.error("%s: could not save step %d (%s: %s); the last complete checkpoint stays",
+                      self.name, step, type(e).__name__, e)
             code = 1
         finally:
             self.on_exit()

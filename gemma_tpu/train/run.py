@@ -13,6 +13,9 @@ import dataclasses
 import functools
 import json
 import logging
+import os
+import sys
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -21,7 +24,7 @@ from gemma_tpu.checkpoint import metadata as checkpoint
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
 from gemma_tpu.checkpoint.params import check_item_files, short_reason
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import check_writable
+from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import function_token_map
@@ -225,7 +228,7 @@ def run(cfg: RunConfig) -> dict:
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
     if primary:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))  # never a cut-short one
     log.info("done: %s", json.dumps(summary))
     return summary
 
@@ -264,8 +267,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return plan.run_dry(cfg, devices=args.devices, assumed_mfu=args.assumed_mfu, compile_check=not args.no_compile)
     cli.setup_logging()
+    from gemma_tpu.train.finite_guard import CheckpointSaveFailed
+
     try:
         run(cfg)
+    except CheckpointSaveFailed as e:
+        # Orbax's writer threads go on failing and reporting it (hundreds of lines of tracebacks while the
+        # interpreter shuts down, burying this line): say it once, last, and leave at once
+        run_lock.release_all()
+        logging.shutdown()
+        logging.disable(logging.CRITICAL)
+        threading.excepthook = lambda args: None
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)
     finally:
         run_lock.release_all()
     return 0

@@ -112,7 +112,11 @@ class RunLock:
             try:
                 os.write(fd, json.dumps(info).encode())
                 os.fsync(fd)
-            finally:
+            except OSError as e:  # a full disk: an empty lock left here would refuse every later run
+                os.close(fd)
+                self.path.unlink(missing_ok=True)
+                raise UserError(f"cannot write the run lock {self.path} ({e.strerror or e})") from None
+            else:
                 os.close(fd)
             self.held = True
             _held.append(self)

@@ -161,6 +161,83 @@ class CompileCounter(logging.Filter):
             logging.getLogger(name).removeFilter(self)
 
 
+def append_jsonl(path: Path, rec: dict) -> None:
+    """Append one JSON line. A last line cut short (a crash or a full disk mid-write) is ended first: the
+    resumed run's first row was glued to it, and both were unreadable. A failed write names the file
+    (a failed write() carries no file name: "error: No space left on device" said nothing more)."""
+    try:
+        with path.open("a+b") as f:
+            prefix = b""
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                prefix = b"" if f.read(1) == b"\n" else b"\n"
+            f.write(prefix + (json.dumps(rec) + "\n").encode())
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
+def guard_tensorboard_writer() -> None:
+    """Keep a failing TensorBoard writer from hanging the run. tensorboardX queues events (at most 10) for a
+    writer thread; when a write of that thread failed (a full disk), the thread ended with a traceback and the
+    next `put` on the full queue blocked forever: a run whose disk filled hung (jax's monitoring events, which
+    Tunix sends to TensorBoard, are recorded inside Orbax's save) instead of reporting the failure. Now the
+    thread's failure is one warning and later events are dropped; the run goes on to fail, or not, on its own
+    writes (metrics.jsonl, the checkpoint), which say so in one line."""
+    try:
+        from tensorboardX import event_file_writer as efw
+    except ImportError:
+        return
+    if getattr(efw.EventFileWriter.add_event, "_gemma_tpu_guard", False):
+        return
+    import queue
+
+    thread_run = efw._EventLoggerThread.run
+
+    def run(self):
+        try:
+            thread_run(self)
+        except OSError as e:
+            log.warning("TensorBoard: writing events failed (%s%s); metrics go on to metrics.jsonl only",
+                        e.strerror or e, f": {e.filename}" if e.filename else "")
+
+    def add_event(self, event):
+        if self._closed:
+            return
+        while self._worker.is_alive():
+            try:
+                self._event_queue.put(event, timeout=1.0)
+                return
+            except queue.Full:
+                continue
+
+    writer_flush = efw.EventFileWriter.flush
+
+    def flush(self):
+        try:
+            writer_flush(self)
+        except OSError as e:
+            log.warning("TensorBoard: flushing events failed (%s)", e.strerror or e)
+
+    def close(self):  # tensorboardX's own puts a stop signal on the queue: forever, with the writer thread gone
+        if self._closed:
+            return
+        self.flush()
+        if self._worker.is_alive():
+            self._worker.stop()
+        try:
+            self._ev_writer.close()
+        except OSError:
+            pass  # flush said so
+        self._event_queue.close()
+        self._event_queue, self._worker, self._closed = None, None, True
+
+    add_event._gemma_tpu_guard = True
+    efw._EventLoggerThread.run = run
+    efw.EventFileWriter.add_event = add_event
+    efw.EventFileWriter.flush = flush
+    efw.EventFileWriter.close = close
+
+
 class Trainer(TunixTrainer):
     """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards.
 
@@ -172,6 +249,7 @@ class Trainer(TunixTrainer):
                  tokens_per_step: int, flops=None, peak_flops: float = 0.0,
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
                  metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None):
+        guard_tensorboard_writer()
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
         self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager)  # no non-finite state on disk
         if mesh is not None:
@@ -297,8 +375,7 @@ class Trainer(TunixTrainer):
         self.history.append(rec)
         if not self.primary:
             return
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_jsonl(self.metrics_path, rec)
 
     def learning_rate(self):
         """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it)."""
