@@ -293,7 +293,11 @@ def test_error_existing_target(work, base, capsys):
     assert rc != 0 and err[-1].startswith("error: ") and "already exists" in err[-1]
     assert out.read_bytes() == b"keep me"
     assert leftovers(out) == [out.name]
-    # --overwrite replaces it with a readable GGUF, leaving no temp file beside it
+    # --overwrite does not replace a file of something else (the bad-input case gguf-overwrite-a-foreign-file
+    # says how); an earlier output (here an empty file) it replaces with a readable GGUF, no temp file beside it
+    assert export("--merged", base, "--out", out, "--type", "f16", "--overwrite") != 0
+    assert out.read_bytes() == b"keep me"
+    out.write_bytes(b"")
     assert export("--merged", base, "--out", out, "--type", "f16", "--overwrite") == 0
     assert fields(out)["general.architecture"] == "gemma3"
     assert leftovers(out) == [out.name]
