@@ -81,8 +81,9 @@ def test_eval_prefix_cache_tiny(tmp_path):
 
 def test_prefix_layouts_tiny(tmp_path):
     """The broadcast shared-prefix layout on the tiny model (window 16, so its suffixes sit past it): its loss
-    and LoRA gradients equal one conversation a row, and it times. The tree side is the trainer's own layout,
-    timed by every training test (left out here: a third child process, ~45 s of the suite)."""
+    and LoRA gradients equal one conversation a row. Only the check runs: the timed sides are the check's
+    step functions under a timer (each a child process, ~45 s of the suite; the suite ran 46 min on the AVX2
+    EPYC, 2026-11-26); the tree side is the trainer's own layout, timed by every training test."""
     system = ("You are a careful assistant for a bakery. Answer in one short sentence, and name the price. "
               "Prices are in euros; items are numbered; never invent an item that is not on the list.")
     data = tmp_path / "bakery.jsonl"
@@ -93,17 +94,15 @@ def test_prefix_layouts_tiny(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/prefix_layouts.py", "--model", "embedded:tiny-gemma3", "--config",
          "configs/tiny.yaml", "--set", f"data.train_path={data}", "--set", "data.seq_len=256", "--check",
-         "--sides", "broadcast", "--steps", "1", "--json", str(out)],
+         "--sides", "", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = {r["side"]: r for r in json.loads(out.read_text())["results"]}
     check = res["check"]
     assert check["loss_abs_diff"] < 1e-5 and check["grad_max_abs_diff"] < 1e-5, check
     assert check["grad_max_abs"] > 1e-3  # gradients that could differ
-    assert set(res) == {"check", "broadcast"}
-    assert res["broadcast"]["examples_per_s"] > 0 and res["broadcast"]["peak_rss_gb"] > 0
-    assert res["broadcast"]["prefix_len"] + res["broadcast"]["suffix_len"] > 16  # past the window
-    assert "ex/s" in proc.stdout and "check (" in proc.stdout
+    assert set(res) == {"check"}
+    assert "check (" in proc.stdout
 
 
 def test_eval_compiles_tiny(tmp_path):

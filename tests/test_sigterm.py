@@ -126,10 +126,11 @@ def test_sigkill_during_an_eval_then_resume_is_bit_identical(tiny_dir, reference
     assert re.search(r"resumed at step [1-3]; data position restored", text)
 
 
-def test_ctrl_c_mid_run_saves_the_step_like_sigterm_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
+def test_ctrl_c_mid_run_saves_the_step_like_sigterm(tiny_dir, reference, tmp_path):
     """Ctrl-C (SIGINT) is a preemption notice too: exit 130 with the step saved whole. It raised
     KeyboardInterrupt wherever it landed: mid-save, the step was left as an Orbax temp dir, with a traceback
-    from Orbax's thread. A second Ctrl-C stops at once, the lock released."""
+    from Orbax's thread. A second Ctrl-C stops at once, the lock released. (The save is SIGTERM's, whose
+    resume the test above holds bit-identical; not resumed again here, ~20 s of the suite.)"""
     from gemma_tpu.checkpoint.metadata import list_steps
 
     ckpt, log = tmp_path / "ck", tmp_path / "run.log"
@@ -143,7 +144,6 @@ def test_ctrl_c_mid_run_saves_the_step_like_sigterm_then_resume_is_bit_identical
     step = int(m.group(1))
     assert 3 <= step < MAX_STEPS and list_steps(ckpt)[-1] == step
     assert not [p.name for p in ckpt.iterdir() if "tmp" in p.name or "incomplete" in p.name or "lock" in p.name]
-    _resume_and_compare(tiny_dir, ckpt, reference, tmp_path / "resume.log")
 
     ckpt2, log2 = tmp_path / "ck2", tmp_path / "run2.log"  # twice: out at once, in one line, unlocked
     proc = _start(tiny_dir, ckpt2, reference["cache"], log2, delay=2.0)
