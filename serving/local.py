@@ -14,8 +14,8 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
   (`CheckedChatApp` answers `/v1/models` with the served name instead);
 * it runs as `python -m serving.local NAME --host H --port P`: `transformers serve`'s own app behind
   `CheckedChatApp`, which answers a malformed chat (or text) completion with 400 and a JSON error naming the field
-  (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, and (not
-  streamed) returns the FunctionGemma calls in the model's text as `tool_calls`, as vLLM's parser does.
+  (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, and returns the FunctionGemma calls in the model's text as
+  `tool_calls` (streamed: as `tool_calls` deltas, `StreamedCalls`), as vLLM's parser does.
 """
 
 from __future__ import annotations
@@ -326,9 +326,27 @@ class CheckedChatApp:
                 return {"type": "http.request", "body": data, "more_body": False}
             return await receive()
 
-        if path != "/v1/chat/completions" or not body.get("tools") or body.get("stream") or \
-                body.get("tool_choice") == "none":
+        if path != "/v1/chat/completions" or not body.get("tools") or body.get("tool_choice") == "none":
             return await self.app({**scope, "headers": headers}, replay, send)
+        if body.get("stream"):
+            calls = StreamedCalls(self.token_map)
+            status: list[int] = []
+
+            async def rewrite(message):
+                if message["type"] == "http.response.start":
+                    status.append(message.get("status", 200))
+                    if status[0] == 200:  # the body is rewritten: its length changes
+                        message = {**message, "headers": [(k, v) for k, v in message.get("headers", [])
+                                                          if k.lower() != b"content-length"]}
+                    return await send(message)
+                if message["type"] != "http.response.body" or status[:1] != [200]:
+                    return await send(message)
+                more = message.get("more_body", False)
+                out = calls.feed(message.get("body", b"")) + (b"" if more else calls.close())
+                if out or not more:
+                    await send({**message, "body": out})
+
+            return await self.app({**scope, "headers": headers}, replay, rewrite)
         start: dict = {}
         chunks: list[bytes] = []
 
@@ -349,6 +367,117 @@ class CheckedChatApp:
             await send({"type": "http.response.body", "body": out})
 
         await self.app({**scope, "headers": headers}, replay, collect)
+
+
+class StreamedCalls:
+    """Rewrites a streamed chat completion (`data: {chunk}` events) so FunctionGemma calls in the model's
+    text arrive as `tool_calls` deltas, as vLLM's functiongemma parser streams them: text before a call
+    streams on as `content`; from a call's start marker to its end marker the text is held, then sent as
+    one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason becomes
+    `tool_calls`. Text that only might start a marker is held until the next delta settles it. A call
+    that does not parse, or is cut off by the end of the stream, streams as the text it was. Calls
+    written without their markers (a server that strips them) stay text: they are known only at the end.
+    Feed the body bytes as they come (`feed`), then `close()` for whatever is left."""
+
+    def __init__(self, token_map: dict[str, str] | None):
+        from gemma_tpu.formats.function_calling import END_CALL, START_CALL
+
+        self.token_map = token_map or {}
+        self.start = self.token_map.get(START_CALL, START_CALL)
+        self.end = self.token_map.get(END_CALL, END_CALL)
+        self.raw = b""  # bytes of an event not yet complete
+        self.held = ""  # text not yet sent: a (possible) call marker and what follows it
+        self.calls = 0
+
+    def _chunk(self, like: dict, delta: dict, finish: str | None = None) -> bytes:
+        import json
+
+        out = {k: v for k, v in like.items() if k not in ("choices", "usage")}
+        out["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}]
+        return b"data: " + json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def _text(self, like: dict, final: bool) -> bytes:
+        """Chunks for the held text: what is settled as text or as calls (all of it when `final`)."""
+        import json
+
+        from gemma_tpu.formats.function_calling import parse_reply
+
+        out, text = b"", ""
+        while self.held:
+            i = self.held.find(self.start)
+            if i < 0:
+                keep = 0 if final else next((k for k in range(min(len(self.start) - 1, len(self.held)), 0, -1)
+                                             if self.start.startswith(self.held[-k:])), 0)
+                text += self.held[:len(self.held) - keep]
+                self.held = self.held[len(self.held) - keep:]
+                break
+            text += self.held[:i]
+            j = self.held.find(self.end, i + len(self.start))
+            if j < 0:
+                if final:
+                    text += self.held[i:]
+                    self.held = ""
+                else:
+                    self.held = self.held[i:]
+                break
+            segment, self.held = self.held[i:j + len(self.end)], self.held[j + len(self.end):]
+            reply = parse_reply(segment, self.token_map)
+            if reply.kind != "call":
+                text += segment
+                continue
+            if text:
+                out += self._chunk(like, {"content": text})
+                text = ""
+            rid = like.get("id") or "call"
+            for call in reply.calls:
+                out += self._chunk(like, {"tool_calls": [{
+                    "index": self.calls, "id": f"{rid}_tool_call_{self.calls}", "type": "function",
+                    "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}]})
+                self.calls += 1
+        if text:
+            out += self._chunk(like, {"content": text})
+        return out
+
+    def _event(self, event: bytes) -> bytes:
+        import json
+
+        data = event[len(b"data:"):].strip() if event.startswith(b"data:") else None
+        try:
+            chunk = json.loads(data) if data and data != b"[DONE]" else None
+            choice = chunk["choices"][0] if isinstance(chunk, dict) and chunk.get("choices") else None
+        except (ValueError, KeyError, IndexError, TypeError):
+            choice = None
+        if not isinstance(choice, dict) or not isinstance(choice.get("delta", {}), dict):
+            return event + b"\n\n"  # the role chunk's siblings, usage, errors, [DONE]: untouched
+        delta = dict(choice.get("delta") or {})
+        content = delta.pop("content", None)
+        finish = choice.get("finish_reason")
+        out = b""
+        if isinstance(content, str) and content:
+            self.held += content
+            out += self._text(chunk, final=False)
+        elif content is not None:
+            delta["content"] = content
+        if finish is not None:
+            out += self._text(chunk, final=True)
+            if self.calls and finish in ("stop", "length", "tool_calls"):
+                choice["finish_reason"] = "tool_calls"
+        if delta or finish is not None or "usage" in chunk:
+            choice["delta"] = delta
+            out += b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        return out
+
+    def feed(self, data: bytes) -> bytes:
+        self.raw += data.replace(b"\r\n", b"\n")
+        *events, self.raw = self.raw.split(b"\n\n")
+        return b"".join(self._event(e) for e in events if e.strip())
+
+    def close(self) -> bytes:
+        out = self._event(self.raw) if self.raw.strip() else b""
+        self.raw = b""
+        if self.held:  # a stream that ended without a finishing chunk
+            out += self._text({}, final=True)
+        return out
 
 
 def prompt_counter(tok):

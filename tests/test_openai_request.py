@@ -178,6 +178,11 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
         assert code == 200 and text.rstrip().endswith("}") and '"finish_reason":"length"' in text
+        # streamed with tools, the events pass through the call rewriting (StreamedCalls) whole
+        code, text = _post(url, json.dumps({**json.loads(good), "stream": True, "tools": [TOOL]}).encode())
+        events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip()]
+        assert code == 200 and events[-1]["choices"][0]["finish_reason"] == "length", text
+        assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
 
 def _asgi(app, body: dict) -> tuple[int, dict]:
@@ -232,3 +237,81 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     assert resp["choices"][0]["message"]["content"] == content and "tool_calls" not in resp["choices"][0]["message"]
     code, resp = _asgi(app, {"messages": []})
     assert code == 400 and resp["error"]["param"] == "messages"
+
+
+def _stream_through(app, body: dict, pieces: list[bytes]) -> tuple[int, list[dict]]:
+    """POST a streaming request through `app` whose inner server sends `pieces` as body messages; the
+    events that come out, parsed."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert b"content-length" not in dict(start["headers"])
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert sent[-1]["type"] == "http.response.body" and not sent[-1].get("more_body")
+    events = [e for e in data.decode().split("\n\n") if e.strip()]
+    assert all(e.startswith("data: ") for e in events), events
+    return start["status"], [json.loads(e[len("data: "):]) for e in events]
+
+
+def test_streamed_calls_come_back_as_tool_call_deltas():
+    """A streamed completion held the call as raw text deltas (`<unused2>call:...`) and finished with `stop`:
+    an OpenAI client streaming with tools saw no tool call. Now the text before a call streams as content, the
+    call comes as one `tool_calls` delta, the finish is `tool_calls` - whatever the chunking of the markers and
+    of the events (split mid-marker, mid-event, several events in one body message)."""
+    from serving.local import CheckedChatApp
+
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+    deltas = ["Sure", ". <unu", "sed2>call:get_", "steps{date:<unused6>yester", "day<unused6>,n:3}<unu", "sed3>",
+              "<unused2>call:3d{}<unused3> ok <", "unused2>call:bad{", " <unused3> tail <unused2>call:cut{"]
+
+    def chunk(delta, finish=None):
+        return {"id": "r1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    events = [chunk({"role": "assistant"})] + [chunk({"content": d}) for d in deltas] + [
+        {**chunk({}, "stop"), "usage": {"completion_tokens": 9}}]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    cuts = [0, 5, 60, 61, 300, 301, 302, 700, len(stream)]  # mid-prefix, mid-JSON, mid-separator
+    pieces = [stream[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for k, piece in enumerate(pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": k < len(pieces) - 1})
+
+    app = CheckedChatApp(inner, token_map=token_map)
+    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True}, pieces)
+    assert code == 200 and out[0]["choices"][0]["delta"] == {"role": "assistant"}
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in out)
+    calls = [tc for c in out for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert content == "Sure.  ok <unused2>call:bad{ <unused3> tail <unused2>call:cut{"  # unparsed calls stay text
+    assert "<unused2>call:get_steps" not in content and not any("<unu" == c["choices"][0]["delta"].get("content")
+                                                                  for c in out)
+    assert [(t["index"], t["id"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [
+        (0, "r1_tool_call_0", "get_steps", {"date": "yesterday", "n": 3}), (1, "r1_tool_call_1", "3d", {})]
+    assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"] == {"completion_tokens": 9}
+    assert all(c["id"] == "r1" and c["object"] == "chat.completion.chunk" for c in out)
+    # the same stream without tools in the request passes untouched, byte for byte
+    plain = CheckedChatApp(inner, token_map=token_map)
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps({"messages": USER, "stream": True}).encode()}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send))
+    assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == stream
