@@ -378,3 +378,42 @@ def test_compare_checks_both_models_before_evaluating_either(tmp_path):
                                "--limit", "1")
             assert_one_line_error(proc, str(tmp_path / "nope"))
     assert handler.seen == 0  # no request was spent on the first model
+
+
+class Picky(Flaky):
+    """Refuses (HTTP 400, as vLLM answers a prompt over its context) the requests whose numbers are in `refuse`
+    (counting from 1), answers the others with a get_steps call."""
+
+    refuse: frozenset = frozenset()
+
+    def do_POST(self):
+        cls = type(self)
+        if cls.seen + 1 in cls.refuse:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            cls.seen += 1
+            return self._json(400, {"error": {"message": "This model's maximum context length is 32 tokens"}})
+        cls.status, cls.fail = 503, 0
+        super().do_POST()
+
+
+def test_evaluate_scores_a_refused_request_as_wrong_and_goes_on(tmp_path):
+    """One request the server refuses (a prompt over its context) ended the whole evaluation; it is now that
+    example's miss (refused_rate, the record says why) - unless the server refuses the first five in a row."""
+    out = tmp_path / "r.json"
+    handler = type("PickyNow", (Picky,), {"refuse": frozenset({2, 4}), "seen": 0})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "5", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert handler.seen == 5 and "example 2" in proc.stderr and "maximum context length" in proc.stderr
+    metrics = json.loads(out.read_text())["models"][f"endpoint:{url}"]
+    assert metrics["n"] == 5 and metrics["refused_rate"] == pytest.approx(0.4)
+    records = json.loads(out.read_text())["examples"][f"endpoint:{url}"]
+    assert [r["kind"] for r in records][1::2] == ["refused", "refused"] and "HTTP 400" in records[1]["error"]
+    assert re.search(r"^refused_rate\s+0\.4000$", proc.stdout, re.M), proc.stdout
+    handler = type("PickyNow", (Picky,), {"refuse": frozenset(range(1, 6)), "seen": 0})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "8", "--json", str(out.with_name("s.json")))
+    assert_one_line_error(proc, "refused each of the first 5 requests", "HTTP 400", "maximum context length")
+    assert handler.seen == 5 and not out.with_name("s.json").exists()

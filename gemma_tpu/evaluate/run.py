@@ -9,6 +9,8 @@ and generates greedily; its first call is compared with the reference call:
     hallucinated_tool_rate a call names a tool the example does not declare
     no_call_rate           plain text, no call attempted
     format_error_rate      text that attempts a call which does not parse
+    refused_rate           --endpoint only: the server refused the request (HTTP 400/413/422, e.g. a prompt over
+                           its context); scored as wrong, the run goes on
     answer_exact_match, answer_f1, answer_rouge_l
                            for examples whose reference turn is text (chats, instruction pairs): the generated
                            answer against it (`gemma_tpu/evaluate/answers.py`); answers are cut at --max-new-tokens
@@ -46,6 +48,7 @@ from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
+    HTTPStatusError,
     api_base,
     check_reachable,
     first_message,
@@ -59,8 +62,8 @@ from gemma_tpu.models import resolve_model
 log = logging.getLogger("gemma_tpu.evaluate")
 
 METRICS = ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", "no_call_rate",
-           "format_error_rate", "answer_n", "answer_exact_match", "answer_f1", "answer_rouge_l", "eval_loss",
-           "perplexity")
+           "format_error_rate", "refused_rate", "answer_n", "answer_exact_match", "answer_f1", "answer_rouge_l",
+           "eval_loss", "perplexity")
 
 
 @dataclasses.dataclass
@@ -94,7 +97,7 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
     if len(cases) != len(predictions):
         raise ValueError(f"{len(cases)} cases but {len(predictions)} predictions")
     n = len(cases)
-    tool = args = halluc = nocall = fmt = 0
+    tool = args = halluc = nocall = fmt = refused = 0
     per_tool: dict[str, list[int]] = {}
     for case, pred in zip(cases, predictions):
         first = pred.first if pred.kind == "call" else None
@@ -108,6 +111,7 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
         halluc += pred.kind == "call" and any(c.name not in case.tool_names for c in pred.calls)
         nocall += pred.kind == "text"
         fmt += pred.kind == "format_error"
+        refused += pred.kind == "refused"
         key = case.reference.name if case.reference else "(no call)"
         stats = per_tool.setdefault(key, [0, 0, 0])
         stats[0] += 1
@@ -117,6 +121,7 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
     return {
         "n": n, "tool_accuracy": frac(tool), "argument_accuracy": frac(args),
         "hallucinated_tool_rate": frac(halluc), "no_call_rate": frac(nocall), "format_error_rate": frac(fmt),
+        "refused_rate": frac(refused),
         **answer_scores([(pred.text if pred.kind == "text" else None, case.answer)
                          for case, pred in zip(cases, predictions) if case.answer is not None]),
         "per_tool": {k: {"n": v[0], "tool_accuracy": v[1] / v[0], "argument_accuracy": v[2] / v[0]}
@@ -192,6 +197,11 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
 
 # --------------------------------------------------------------------------------- endpoints
 
+# HTTP statuses that refuse one request for what it holds (bad request, too large, unprocessable): the example
+# scores as wrong (refused_rate) and the evaluation goes on, unless the first FIRST_REFUSALS requests all get one
+REFUSED_STATUS = frozenset({400, 413, 422})
+FIRST_REFUSALS = 5
+
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
                      label: str, timeout: float = 300.0, retries: int = 3) -> tuple[list[ParsedReply], list[str]]:
@@ -200,6 +210,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
     base = api_base(url)
     name = served or served_model_name(base, timeout=min(timeout, 30.0))
     preds, texts = [], []
+    refused = 0
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
         body: dict[str, Any] = {"messages": openai_messages(case.prompt["messages"]),
                                 "max_tokens": max_new_tokens, "temperature": 0.0, "stream": False}
@@ -207,8 +218,23 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
             body["model"] = name
         if case.prompt.get("tools"):
             body["tools"] = case.prompt["tools"]
-        message = first_message(http_json(f"{base}/chat/completions", body, timeout=timeout, retries=retries),
-                                f"{base}/chat/completions")
+        try:
+            answer = http_json(f"{base}/chat/completions", body, timeout=timeout, retries=retries)
+        except HTTPStatusError as e:
+            # a refusal of this one request (a prompt over the server's context, a conversation its template
+            # refuses) scores the example as wrong and the run goes on; a server that refuses everything
+            # (wrong model name, auth, path) or answers anything else ends it, as before
+            refused += 1
+            if e.code not in REFUSED_STATUS or refused == len(preds) + 1 == min(FIRST_REFUSALS, len(cases)):
+                if e.code in REFUSED_STATUS and refused > 1:
+                    e.args = (f"the server refused each of the first {refused} requests; the last: {e}",)
+                raise
+            tqdm.write(f"example {len(preds) + 1} ({case.user[:60]!r}): refused, scored as wrong: {e}",
+                       file=sys.stderr)
+            preds.append(ParsedReply("refused", [], "", str(e)))
+            texts.append("")
+            continue
+        message = first_message(answer, f"{base}/chat/completions")
         preds.append(reply_from_message(message))
         texts.append(json.dumps(message, ensure_ascii=False))
     return preds, texts
