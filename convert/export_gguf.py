@@ -418,7 +418,9 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     vocab = read_vocab(tok_dir, embed.shape[0], token_map, FUNCTION_MARKERS)
     tool_calling = vocab.id_of(START_RESPONSE) is not None
     if token_map:
-        chat_template = tool_chat_template(None)  # the markers now have their published names
+        # the markers now have their published names; without the template's JSON reader for tool results, which
+        # uses Jinja that llama.cpp's own C++ template engine is not known to have ('%c' | format, int(base))
+        chat_template = tool_chat_template(None, parse_json=False)
     else:
         chat_template = read_chat_template(tok_dir)
     plan = ExportPlan(family, facts, config, text, weights, tensors, vocab, chat_template, tool_calling, out,

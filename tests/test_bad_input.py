@@ -215,6 +215,10 @@ CASES = [
     Case("data-two-user-turns", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "messages[1]", "two user turns in a row"],
          {"d.jsonl": from_corpus("two_user_turns.jsonl")}),
+    Case("data-lone-surrogate", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "messages[1].content", "lone UTF-16 surrogate", "\\udc00"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                     '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\\udc00"}]}\n'}),
     Case("data-not-utf8", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "UTF-8"], {"d.jsonl": from_corpus("latin1.jsonl")}),
     Case("data-empty-file", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/empty.jsonl"],

@@ -983,6 +983,86 @@ def test_tool_rendering_equals_tool_chat_template(any_tok, i):
     assert own.ids.tolist() == ours.ids.tolist() and own.loss_mask.tolist() == ours.loss_mask.tolist()
 
 
+def _json_texts(n: int, seed: int = 0) -> list[str]:
+    """Tool results as clients send them: JSON texts of random values (escapes, non-ASCII, surrogate pairs,
+    numbers of every form, indentation) and some of them broken."""
+    import random
+
+    rng = random.Random(seed)
+
+    def value(d=0):
+        k = rng.random()
+        if d > 3 or k < 0.45:
+            return rng.choice([rng.randint(-10**6, 10**6), rng.random() * 10 ** rng.randint(-8, 8), True, False, None,
+                               "".join(rng.choice('ab "\\/\n\té😀\x01<>{}[],:') for _ in range(rng.randint(0, 8))),
+                               float("nan"), float("-inf"), -0.0, 10**25])
+        if k < 0.75:
+            return {"".join(rng.choice('kv_é" ') for _ in range(rng.randint(0, 4))) + str(i): value(d + 1)
+                    for i in range(rng.randint(0, 4))}
+        return [value(d + 1) for _ in range(rng.randint(0, 4))]
+
+    out = []
+    for _ in range(n):
+        text = json.dumps(value(), ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 2, "\t"]),
+                          separators=rng.choice([None, (",", ":"), (" , ", " : ")]))
+        if rng.random() < 0.2:
+            k = rng.randrange(len(text) + 1)
+            text = text[:k] + rng.choice(['"', ",", "}", "]", "x", "\\", ":", ""]) + text[k + 1:]
+        out.append(text)
+    return out
+
+
+TOOL_RESULT_TEXTS = [
+    '{"steps": 8123, "date": "2025-03-02"}', "{}", "[1, 2.5, -0, -0.0, 1e5, 1E+2, 2.5e-3, 12345678901234567890, 1.50]",
+    '"text"', "5", "true", "null", "NaN", "-Infinity", '  {"a" : [ true , false , null ] }  ',
+    '{"s": "q\\"uote \\\\ \\/ \\b\\f\\n\\r\\t \\u00e9 \\ud83d\\ude00 \\ud800x \\udc00"}', '{"\\u00e9": 2}',
+    '{"a":1,}', "[1,]", "{a:1}", "{'a':1}", '{"a" 1}', "", "  ", "plain text", '{"a":1}}', "[1] x", "01", "1.", ".5",
+    "+1", "1e", '"raw\nnewline"', '"\\x"', '"\\u12g4"', '{"a":' * 65 + "1" + "}" * 65,
+    '{"a":' * 64 + "1" + "}" * 64, json.dumps({"rows": ["x" * 40] * 180}), json.dumps({"rows": ["x" * 40] * 190}),
+]
+
+
+def test_tool_results_sent_as_json_text_render_as_in_training(tok):
+    """OpenAI clients send a tool result as a JSON *string*. The served chat template rendered it as
+    `{result:<escape>{"steps": 8123}<escape>}` where training rendered `{steps:8123}`, so a served model read its
+    tool results in a format it was never trained on. The template now reads JSON as `format_response` does:
+    objects field by field, other JSON values as `{result:...}`, anything else (broken JSON, nesting past 64,
+    texts past 8,192 characters) as a string."""
+    from gemma_tpu.formats.function_calling import JSON_RESULT_LIMIT, format_response, tool_chat_template
+
+    token_map = function_token_map(tok)
+    template = tool_chat_template(token_map)
+    renderer = Renderer(tok, token_map=token_map)
+    call = {"type": "function", "function": {"name": "get_steps", "arguments": {"date": "today"}}}
+    texts = TOOL_RESULT_TEXTS + _json_texts(120)
+    assert len(TOOL_RESULT_TEXTS[-2]) <= JSON_RESULT_LIMIT < len(TOOL_RESULT_TEXTS[-1])
+    for text in texts:
+        msgs = [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "get_steps", "content": text}]
+        got = tok.apply_chat_template(msgs, tools=[STEPS_TOOL], chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+        want = renderer.render(norm({"tools": [STEPS_TOOL], "messages": msgs}), add_generation_prompt=True).text
+        assert got == "<bos>" + want, text
+    unmapped = lambda text: format_response("get_steps", text)  # noqa: E731
+    assert unmapped('{"steps": 8123}').endswith("response:get_steps{steps:8123}<end_function_response>")
+    assert "{result:<escape>plain text<escape>}" in unmapped("plain text")
+    assert "{result:5}" in unmapped("5") and "{result:<escape>{a:1}<escape>}" in unmapped("{a:1}")
+    # the GGUF's template (llama.cpp) keeps results as strings
+    plain = tool_chat_template(token_map, parse_json=False)
+    assert "json_value" not in plain
+    msgs = [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "get_steps", "content": '{"steps": 5}'}]
+    got = tok.apply_chat_template(msgs, tools=[STEPS_TOOL], chat_template=plain, tokenize=False)
+    assert fc_unmap_text(got, token_map).endswith('response:get_steps{result:<escape>{"steps": 5}<escape>}'
+                                                  '<end_function_response>')
+
+
+def fc_unmap_text(text: str, token_map: dict) -> str:
+    from gemma_tpu.formats.function_calling import unmap_markers
+
+    return unmap_markers(text, token_map)
+
+
 def test_template_format_with_a_foreign_template(tok):
     chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -485,10 +485,10 @@ def test_chat_template_renders_prompts_like_the_renderer(tiny_dir):
         got = tok.apply_chat_template(openai_messages(prompt["messages"]), tools=ex["tools"], chat_template=template,
                                       tokenize=False, add_generation_prompt=True)
         assert got == "<bos>" + want
-        # a whole exchange, with the tool result and arguments as objects
+        # a whole exchange, the tool result as the JSON string an OpenAI client sends (read as training reads it)
         full = openai_messages(ex["messages"])
         full[2]["tool_calls"][0]["function"]["arguments"] = ex["messages"][2]["tool_calls"][0]["function"]["arguments"]
-        full[3]["content"] = json.loads(full[3]["content"])
+        assert isinstance(full[3]["content"], str)
         got = tok.apply_chat_template(full, tools=ex["tools"], chat_template=template, tokenize=False)
         assert got == "<bos>" + renderer.render(normalise_messages(ex, "example")).text
 

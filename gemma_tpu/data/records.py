@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats.function_calling import LONE_SURROGATE
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ROLE_ALIASES = {"model": "assistant"}  # Gemma's own name for the assistant turn
@@ -154,6 +155,24 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
     except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream, an unreadable file
         what = "not a readable gzip file" if opener is gzip.open else "cannot be read"
         raise UserError(f"{p}:{lineno + 1}: {what} ({e})") from None
+
+
+def check_surrogates(value: Any, where: str, path: str = "") -> None:
+    """Refuse a string holding a lone UTF-16 surrogate (JSON's unpaired `\\ud800`): no tokenizer encodes one, and
+    rendering failed with a TypeError from the tokenizer deep inside preparation."""
+    if isinstance(value, str):
+        m = LONE_SURROGATE.search(value)
+        if m:
+            raise UserError(f"{where}: {path or 'the example'} holds a lone UTF-16 surrogate "
+                            f"(\\u{ord(m.group()):04x} at character {m.start()}), which is not text any tokenizer "
+                            f"encodes; pair it or remove it")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_surrogates(k, where, f"{path}.{k}" if path else f"key {k!r}")
+            check_surrogates(v, where, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_surrogates(v, where, f"{path}[{i}]")
 
 
 def _text(content: Any, where: str) -> str:
@@ -442,6 +461,7 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
         where = f"{path}:{lineno}"
         if not isinstance(obj, dict):
             raise UserError(f"{where}: expected a JSON object per example, got {type(obj).__name__}")
+        check_surrogates(obj, where)
         kind = fmt
         if kind == "auto":
             kind = detect_format(obj, data_cfg.instruction_field)

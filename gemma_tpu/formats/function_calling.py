@@ -118,11 +118,37 @@ def format_declaration(tool: dict) -> str:
     return f"{START_DECLARATION}declaration:{fn['name']}{format_value(body)}{END_DECLARATION}"
 
 
+# Tool results longer than this (characters) are not read as JSON, here or by the chat template: the template reads
+# JSON one character at a time (~45 us a character in transformers' Jinja on a 2-core EPYC, 2026-11-26), so the bound
+# keeps a request holding a huge result from tying up the server's renderer (8,192 characters: ~0.4 s at most).
+JSON_RESULT_LIMIT = 8192
+# ... and nesting deeper than this is not JSON either (Python's reader would hit its recursion limit somewhere
+# past ~900 levels, at a depth that depends on the caller; the template's reader has none)
+JSON_RESULT_MAX_DEPTH = 64
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads leaves of an unpaired \\uD800..\\uDFFF escape
+
+
+def _depth(value: Any) -> int:
+    """How deeply objects and arrays nest in a JSON value (a scalar: 0)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
 def format_response(name: str, content: str) -> str:
-    """A tool result: a JSON object renders field by field, anything else as `{result:...}`."""
+    """A tool result: a JSON object renders field by field, anything else as `{result:...}` (a JSON value
+    read as such; a text that is not JSON, or one over JSON_RESULT_LIMIT characters, as a string)."""
     try:
+        if isinstance(content, str) and len(content) > JSON_RESULT_LIMIT:
+            raise TypeError("too long to be read as JSON (as the chat template reads it)")
         value = json.loads(content)
-    except (json.JSONDecodeError, TypeError):
+        if _depth(value) > JSON_RESULT_MAX_DEPTH:
+            raise TypeError("nested too deeply to be read as JSON (as the chat template reads it)")
+        if LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)):
+            raise TypeError("escapes a lone UTF-16 surrogate, which no tokenizer encodes: kept as the text")
+    except (json.JSONDecodeError, TypeError, RecursionError):
         value = {"result": content}
     if not isinstance(value, dict):
         value = {"result": value}
@@ -456,13 +482,21 @@ _TEMPLATE = r"""
     {%- if m['tool_call_id'] is defined -%}{%- for pair in ns.calls -%}{%- if pair[0] == m['tool_call_id'] -%}{%- set ns.name = pair[1] -%}{%- endif -%}{%- endfor -%}{%- endif -%}
     {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.name -%}
     {%- set c = m['content'] -%}
-    {%- if c is mapping -%}{%- set value = c -%}{%- else -%}{%- set value = {'result': text_of(c)} -%}{%- endif -%}
+    {%- if c is mapping -%}{%- set body = fmt(c) -%}
+    {%- else -%}
+      {#- a JSON text (what OpenAI clients send) is read as the renderer reads it: an object field by field -#}
+      {%- set text = text_of(c) -%}
+      {%- set parsed = (json_value(text) | string) if text | length <= JSON_RESULT_LIMIT else '0' -%}
+      {%- if parsed[:1] == '1' -%}{%- set body = parsed[1:] if parsed[1:2] == '{' else '{result:' ~ parsed[1:] ~ '}' -%}
+      {%- else -%}{%- set body = fmt({'result': text}) -%}
+      {%- endif -%}
+    {%- endif -%}
     {%- if not ns.response_open -%}
       {#- a second result of parallel calls opens its own response marker -#}
       {%- if not ns.in_model -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
       {{- '<start_function_response>' -}}
     {%- endif -%}
-    {{- 'response:' ~ name ~ fmt(value) ~ '<end_function_response>' -}}
+    {{- 'response:' ~ name ~ body ~ '<end_function_response>' -}}
     {%- set ns.in_model = true -%}
     {%- set ns.response_open = false -%}
   {%- endif -%}
@@ -471,15 +505,126 @@ _TEMPLATE = r"""
 """
 
 
-def tool_chat_template(token_map: dict[str, str] | None = None) -> str:
+_JSON_MACRO = r"""
+{%- macro json_value(s) -%}
+  {#- '1' and the FunctionGemma text of the JSON value in `s` (format_value of Python's json.loads(s):
+      strings decoded and escaped, numbers as Python re-dumps them, NaN/Infinity read, control characters
+      in strings refused), or '0' when `s` is not JSON, nests deeper than JSON_RESULT_MAX_DEPTH or escapes a
+      lone UTF-16 surrogate (no tokenizer encodes one). A duplicated
+      key keeps both (Python keeps the last). -#}
+  {%- set j = namespace(out='', ok=true, stack=[], mode='value', buf='', key=false, esc=false, hex=none, hi=none, tok='') -%}
+  {%- for ch in s ~ ' ' -%}
+    {%- if j.mode == 'str' and j.hex is none and not j.esc and j.hi is none and ch not in '"\\' and ch >= ' ' -%}
+      {%- set j.buf = j.buf ~ ch -%}
+    {%- elif j.ok and j.mode == 'str' -%}
+      {%- set code = none -%}
+      {%- if j.hex is not none -%}
+        {%- if ch in '0123456789abcdefABCDEF' -%}{%- set j.hex = j.hex ~ ch -%}{%- else -%}{%- set j.ok = false -%}{%- endif -%}
+        {%- if j.ok and j.hex | length == 4 -%}{%- set code = j.hex | int(0, 16) -%}{%- set j.hex = none -%}{%- endif -%}
+      {%- elif j.esc -%}
+        {%- set j.esc = false -%}
+        {%- if ch == 'u' -%}{%- set j.hex = '' -%}
+        {%- else -%}
+          {%- if j.hi is not none -%}{%- set j.ok = false -%}{%- endif -%}
+          {%- if ch in '"\\/' -%}{%- set j.buf = j.buf ~ ch -%}
+          {%- elif ch == 'b' -%}{%- set j.buf = j.buf ~ '%c' | format(8) -%}
+          {%- elif ch == 'f' -%}{%- set j.buf = j.buf ~ '%c' | format(12) -%}
+          {%- elif ch == 'n' -%}{%- set j.buf = j.buf ~ '\n' -%}
+          {%- elif ch == 'r' -%}{%- set j.buf = j.buf ~ '\r' -%}
+          {%- elif ch == 't' -%}{%- set j.buf = j.buf ~ '\t' -%}
+          {%- else -%}{%- set j.ok = false -%}
+          {%- endif -%}
+        {%- endif -%}
+      {%- else -%}
+        {%- if j.hi is not none and ch != '\\' -%}{%- set j.ok = false -%}{%- endif -%}
+        {%- if ch == '\\' -%}{%- set j.esc = true -%}
+        {%- elif ch == '"' -%}
+          {%- set j.out = j.out ~ (j.buf if j.key else '<escape>' ~ j.buf ~ '<escape>') -%}
+          {%- set j.mode = 'colon' if j.key else ('after' if j.stack else 'done') -%}
+        {%- elif ch < ' ' -%}{%- set j.ok = false -%}
+        {%- else -%}{%- set j.buf = j.buf ~ ch -%}
+        {%- endif -%}
+      {%- endif -%}
+      {%- if code is not none -%}
+        {%- if j.hi is not none and 56320 <= code <= 57343 -%}
+          {%- set j.buf = j.buf ~ '%c' | format(65536 + (j.hi - 55296) * 1024 + code - 56320) -%}{%- set j.hi = none -%}
+        {%- else -%}
+          {%- if j.hi is not none -%}{%- set j.ok = false -%}{%- endif -%}
+          {%- if 55296 <= code <= 56319 -%}{%- set j.hi = code -%}{%- elif 56320 <= code <= 57343 -%}{%- set j.ok = false -%}
+          {%- else -%}{%- set j.buf = j.buf ~ '%c' | format(code) -%}{%- endif -%}
+        {%- endif -%}
+      {%- endif -%}
+    {%- elif j.ok -%}
+      {%- if j.mode == 'lit' and ch not in ' \t\n\r,:[]{}"' -%}{%- set j.tok = j.tok ~ ch -%}
+      {%- else -%}
+        {%- if j.mode == 'lit' -%}
+          {%- if j.tok in ['true', 'false', 'null', 'NaN', 'Infinity', '-Infinity'] -%}{%- set j.out = j.out ~ j.tok -%}
+          {%- else -%}
+            {#- JSON's number grammar: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? -#}
+            {%- set n = namespace(state=0, ok=true) -%}
+            {%- for c in j.tok -%}
+              {%- set digit = c in '0123456789' -%}
+              {%- if n.state == 0 and c == '-' -%}{%- set n.state = 1 -%}
+              {%- elif n.state in [0, 1] and c == '0' -%}{%- set n.state = 2 -%}
+              {%- elif n.state in [0, 1] and digit -%}{%- set n.state = 3 -%}
+              {%- elif n.state == 3 and digit -%}
+              {%- elif n.state in [2, 3] and c == '.' -%}{%- set n.state = 4 -%}
+              {%- elif n.state in [4, 5] and digit -%}{%- set n.state = 5 -%}
+              {%- elif n.state in [2, 3, 5] and c in 'eE' -%}{%- set n.state = 6 -%}
+              {%- elif n.state == 6 and c in '+-' -%}{%- set n.state = 7 -%}
+              {%- elif n.state in [6, 7, 8] and digit -%}{%- set n.state = 8 -%}
+              {%- else -%}{%- set n.ok = false -%}
+              {%- endif -%}
+            {%- endfor -%}
+            {%- if n.ok and n.state in [2, 3] -%}{%- set j.out = j.out ~ (j.tok | int) | tojson -%}
+            {%- elif n.ok and n.state in [5, 8] -%}{%- set j.out = j.out ~ (j.tok | float) | tojson -%}
+            {%- else -%}{%- set j.ok = false -%}
+            {%- endif -%}
+          {%- endif -%}
+          {%- set j.mode = 'after' if j.stack else 'done' -%}
+        {%- endif -%}
+        {%- set top = j.stack[-1] if j.stack else '' -%}
+        {%- if not j.ok or ch in ' \t\n\r' -%}
+        {%- elif ch in '{[' and (j.mode == 'value' or (j.mode == 'first' and top == '[')) -%}
+          {%- set j.out = j.out ~ ch -%}{%- set j.stack = j.stack + [ch] -%}{%- set j.mode = 'first' -%}
+          {%- if j.stack | length > JSON_RESULT_MAX_DEPTH -%}{%- set j.ok = false -%}{%- endif -%}
+        {%- elif ch in '}]' and (j.mode == 'after' or j.mode == 'first') and top == ('{' if ch == '}' else '[') -%}
+          {%- set j.out = j.out ~ ch -%}{%- set j.stack = j.stack[:-1] -%}{%- set j.mode = 'after' if j.stack else 'done' -%}
+        {%- elif ch == ',' and j.mode == 'after' -%}{%- set j.out = j.out ~ ',' -%}{%- set j.mode = 'key' if top == '{' else 'value' -%}
+        {%- elif ch == ':' and j.mode == 'colon' -%}{%- set j.out = j.out ~ ':' -%}{%- set j.mode = 'value' -%}
+        {%- elif ch == '"' and (j.mode in ['value', 'key'] or j.mode == 'first') -%}
+          {%- set j.key = j.mode == 'key' or (j.mode == 'first' and top == '{') -%}{%- set j.buf = '' -%}{%- set j.mode = 'str' -%}
+        {%- elif j.mode == 'value' or (j.mode == 'first' and top == '[') -%}{%- set j.tok = ch -%}{%- set j.mode = 'lit' -%}
+        {%- else -%}{%- set j.ok = false -%}
+        {%- endif -%}
+      {%- endif -%}
+    {%- endif -%}
+  {%- endfor -%}
+  {{- '1' ~ j.out if j.ok and j.mode == 'done' else '0' -}}
+{%- endmacro -%}
+"""
+
+
+def tool_chat_template(token_map: dict[str, str] | None = None, parse_json: bool = True) -> str:
     """A Jinja chat template rendering tools, calls and responses as the renderer does.
 
     Prompts (system/developer, user turns, tools) render byte-identically to
-    `Renderer.render(conv, add_generation_prompt=True).text`. A tool message whose content is a
-    JSON *string* cannot be parsed in Jinja, so it renders as `{result:<escape>...<escape>}`
-    unless the client sends the content as an object.
+    `Renderer.render(conv, add_generation_prompt=True).text`, and so do tool results: OpenAI clients send
+    a result as a JSON *string*, which the template reads with a JSON reader of its own (`json_value`, in
+    Jinja: there is no JSON filter) as `format_response` reads it, so a served model sees
+    `{steps:5}` where it was trained on `{steps:5}`, not `{result:<escape>{"steps": 5}<escape>}`.
+    `parse_json=False` leaves that reader out (results render as strings), for template engines that
+    lack what it uses (`'%c' | format`, `int(base)`: llama.cpp's C++ server).
     """
     text = _TEMPLATE.strip()
+    if parse_json:
+        text = _JSON_MACRO.strip() + "\n" + text
+    else:
+        call = "(json_value(text) | string) if text | length <= JSON_RESULT_LIMIT else '0'"
+        assert call in text
+        text = text.replace(call, "'0'")
+    text = text.replace("JSON_RESULT_LIMIT", str(JSON_RESULT_LIMIT))
+    text = text.replace("JSON_RESULT_MAX_DEPTH", str(JSON_RESULT_MAX_DEPTH))
     for marker, repl in (token_map or {}).items():
         text = text.replace(marker, repl)
     return text
