@@ -90,3 +90,31 @@ def test_ctrl_c_between_the_two_renames_of_a_replace_keeps_an_output(tmp_path, m
             ad.publish()
     assert (out / "v").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_output_set_aside_by_a_killed_replace_is_put_back(tmp_path):
+    """A SIGKILL between the two renames of a replace (filesystems without renameat2 exchange) left the old output
+    as `.out.old-PID` and no `out`; the next run deleted it as a leftover, so the output it was replacing was
+    lost. It is now put back first: without --overwrite the run refuses the (restored) output, with --overwrite
+    it replaces it as usual."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "out"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has exited
+    aside = tmp_path / f".out.old-{pid}"
+    aside.mkdir()
+    (aside / "v").write_text("old")
+    (tmp_path / f".out.tmp-{pid}").mkdir()  # the new output, complete or not: removed as before
+    code = ("import sys; from gemma_tpu.core.atomic import AtomicDir\n"
+            "ad = AtomicDir(sys.argv[1], overwrite=sys.argv[2] == '1')\n"
+            "with ad as tmp:\n    (tmp / 'v').write_text('new'); ad.publish()\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(out), "0"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode != 0 and "already exists" in proc.stderr, proc.stderr
+    assert (out / "v").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [f".out.tmp-{pid}", "out"]
+    proc = subprocess.run([sys.executable, "-c", code, str(out), "1"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "v").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

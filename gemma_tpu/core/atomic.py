@@ -6,19 +6,23 @@ dir, which the next run for the same target removes once its owner process is go
 `--overwrite` an existing target is swapped with the new one in one `renameat2(RENAME_EXCHANGE)`
 call (readers see the old or the new directory, never neither), then the old one is deleted; where
 the filesystem cannot exchange, the fallback renames the old one aside first, leaving a window of
-microseconds with no target.
+microseconds with no target; a run killed in it leaves the old one as `.<name>.old-<pid>`, which the next run
+for the target puts back (`restore_set_aside`) before it checks the target.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import shutil
 import signal
 from pathlib import Path
 
 from gemma_tpu.core.errors import SignalExit, UserError
+
+log = logging.getLogger("gemma_tpu.core.atomic")
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -47,6 +51,7 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
     `magic`: for a file, the bytes every output of this tool starts with; given, --overwrite replaces only an
     empty file or an earlier output (`--out train.jsonl --overwrite` would otherwise replace the data)."""
     target = Path(target)
+    restore_set_aside(target)
     if target.exists() or target.is_symlink():
         if not overwrite:
             raise UserError(f"{target} already exists (use --overwrite to replace it)")
@@ -92,6 +97,23 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def restore_set_aside(target: Path) -> Path | None:
+    """Put back an output that a replace set aside as `.<name>.old-<pid>` when its process was killed
+    (SIGKILL, power loss) between its two renames: the target is missing and the old output is whole. Left
+    alone, the next run's `clean_stale` deleted it, so a killed `--overwrite` lost the output it was replacing."""
+    target = Path(target).absolute()
+    if target.exists() or target.is_symlink() or not target.parent.is_dir():
+        return None
+    aside = [p for p in target.parent.glob(f".{target.name}.old-*") if p.name.rsplit("-", 1)[-1].isdigit()
+             and int(p.name.rsplit("-", 1)[-1]) != os.getpid() and not _pid_alive(int(p.name.rsplit("-", 1)[-1]))]
+    if not aside:
+        return None
+    newest = max(aside, key=lambda p: p.lstat().st_mtime)
+    os.rename(newest, target)
+    log.warning("%s: restored the output a killed run had set aside as %s", target, newest.name)
+    return newest
 
 
 def clean_stale(target: Path) -> list[Path]:
