@@ -185,8 +185,9 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
 
-def _asgi(app, body: dict) -> tuple[int, dict]:
-    """One POST /v1/chat/completions through an ASGI app, without a server."""
+def _asgi_post(app, body: dict) -> tuple[dict, bytes, list[dict]]:
+    """One POST /v1/chat/completions through an ASGI app, without a server: the response's start message, its
+    body, and every message sent."""
     import asyncio
 
     sent: list[dict] = []
@@ -200,7 +201,11 @@ def _asgi(app, body: dict) -> tuple[int, dict]:
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
-    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), sent
+
+
+def _asgi(app, body: dict) -> tuple[int, dict]:
+    start, data, _ = _asgi_post(app, body)
     assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
     return start["status"], json.loads(data)
 
@@ -239,24 +244,10 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     assert code == 400 and resp["error"]["param"] == "messages"
 
 
-def _stream_through(app, body: dict, pieces: list[bytes]) -> tuple[int, list[dict]]:
-    """POST a streaming request through `app` whose inner server sends `pieces` as body messages; the
-    events that come out, parsed."""
-    import asyncio
-
-    sent: list[dict] = []
-
-    async def receive():
-        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    asyncio.run(app(scope, receive, send))
-    start = next(m for m in sent if m["type"] == "http.response.start")
+def _stream_through(app, body: dict) -> tuple[int, list[dict]]:
+    """POST a streaming request through `app`: the events that come out, parsed."""
+    start, data, sent = _asgi_post(app, body)
     assert b"content-length" not in dict(start["headers"])
-    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert sent[-1]["type"] == "http.response.body" and not sent[-1].get("more_body")
     events = [e for e in data.decode().split("\n\n") if e.strip()]
     assert all(e.startswith("data: ") for e in events), events
@@ -290,7 +281,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
             await send({"type": "http.response.body", "body": piece, "more_body": k < len(pieces) - 1})
 
     app = CheckedChatApp(inner, token_map=token_map)
-    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True}, pieces)
+    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True})
     assert code == 200 and out[0]["choices"][0]["delta"] == {"role": "assistant"}
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in out)
     calls = [tc for c in out for tc in c["choices"][0]["delta"].get("tool_calls") or []]
@@ -302,16 +293,4 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"] == {"completion_tokens": 9}
     assert all(c["id"] == "r1" and c["object"] == "chat.completion.chunk" for c in out)
     # the same stream without tools in the request passes untouched, byte for byte
-    plain = CheckedChatApp(inner, token_map=token_map)
-    import asyncio
-
-    sent: list[dict] = []
-
-    async def receive():
-        return {"type": "http.request", "body": json.dumps({"messages": USER, "stream": True}).encode()}
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send))
-    assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == stream
+    assert _asgi_post(CheckedChatApp(inner, token_map=token_map), {"messages": USER, "stream": True})[1] == stream
