@@ -56,6 +56,7 @@ from gemma_tpu.infer.openai_client import (
     describe_body,
     json_object,
     openai_messages,
+    openai_tools,
     served_model_name,
 )
 
@@ -141,7 +142,7 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
                 raise UserError(f"{where}: the conversation starts with an assistant turn")
             sent = openai_messages(msgs[:k])
             est = sum(len(str(m.get("content") or "")) for m in sent) // 4
-            rows.append(Prompt(sent, row.get("tools") or None, est, limit))
+            rows.append(Prompt(sent, openai_tools(row.get("tools")), est, limit))
         elif isinstance(row.get("prompt"), str):
             rows.append(Prompt([{"role": "user", "content": row["prompt"]}], None, len(row["prompt"]) // 4, limit))
         else:

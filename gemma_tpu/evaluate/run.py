@@ -54,6 +54,7 @@ from gemma_tpu.infer.openai_client import (  # noqa: F401
     first_message,
     http_json,
     openai_messages,
+    openai_tools,
     reply_from_message,
     served_model_name,
 )
@@ -217,7 +218,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
         if name:
             body["model"] = name
         if case.prompt.get("tools"):
-            body["tools"] = case.prompt["tools"]
+            body["tools"] = openai_tools(case.prompt["tools"])
         try:
             answer = http_json(f"{base}/chat/completions", body, timeout=timeout, retries=retries)
         except HTTPStatusError as e:
