@@ -13,7 +13,8 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
   pinned model, and would otherwise advertise unrelated cached models it then refuses to serve
   (`CheckedChatApp` answers `/v1/models` with the served name instead);
 * it runs as `python -m serving.local NAME --host H --port P`: `transformers serve`'s own app behind
-  `CheckedChatApp`, which answers a malformed chat (or text) completion with 400 and a JSON error naming the field
+  `CheckedChatApp`, which answers `/v1/responses` itself through a chat completion (`serving.responses`: the
+  served one fails there), answers a malformed chat (or text) completion with 400 and a JSON error naming the field
   (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, and returns the FunctionGemma calls in the model's text as
   `tool_calls` (streamed: as `tool_calls` deltas, `StreamedCalls`), as vLLM's parser does.
 """
@@ -285,11 +286,12 @@ class CheckedChatApp:
             return await self._json(send, 200, {"object": "list", "data": [
                 {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}]})
         if scope["type"] != "http" or scope["method"] != "POST" or path not in ("/v1/chat/completions",
-                                                                               "/v1/completions"):
+                                                                               "/v1/completions", "/v1/responses"):
             return await self.app(scope, receive, send)
         import json
 
         from serving.openai_request import RequestError, check_chat_request, check_completion_request
+        from serving.responses import chat_request
 
         raw, more = b"", True
         while more:
@@ -305,6 +307,9 @@ class CheckedChatApp:
                 raise RequestError(None, f"the request body is not valid JSON ({e})") from None
             except RecursionError:
                 raise RequestError(None, "the request body is nested too deeply") from None
+            request = body  # a Responses request is answered through the chat completion it amounts to
+            if path == "/v1/responses":
+                body = chat_request(body)
             if path == "/v1/completions":
                 body = check_completion_request(body, self.context, self.count_text, self.vocab_size,
                                                 self.check_generation_config)
@@ -312,8 +317,12 @@ class CheckedChatApp:
                 body = check_chat_request(body, self.context, self.count_prompt, self.vocab_size,
                                           self.check_generation_config)
         except RequestError as e:
-            return await self._json(send, 400, {"error": {"message": str(e), "type": "invalid_request_error",
-                                                          "param": e.param, "code": None}})
+            param, message = e.param, str(e)
+            sent = {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(param or "")
+            if path == "/v1/responses" and sent:  # the chat field it became: name the one sent
+                param, message = sent, message.replace(param, sent)
+            return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
+                                                          "param": param, "code": None}})
         data = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
@@ -326,6 +335,8 @@ class CheckedChatApp:
                 return {"type": "http.request", "body": data, "more_body": False}
             return await receive()
 
+        if path == "/v1/responses":
+            return await self._responses(scope, headers, replay, send, request, body)
         if path != "/v1/chat/completions" or not body.get("tools") or body.get("tool_choice") == "none":
             return await self.app({**scope, "headers": headers}, replay, send)
         if body.get("stream"):
@@ -367,6 +378,46 @@ class CheckedChatApp:
             await send({"type": "http.response.body", "body": out})
 
         await self.app({**scope, "headers": headers}, replay, collect)
+
+
+    async def _responses(self, scope, headers, replay, send, request: dict, chat: dict) -> None:
+        """A Responses request answered by the inner app's (non-streamed) chat completion `chat`, its calls
+        parsed, as a Response object, or as its stream's events when `request` asks for a stream."""
+        import json
+
+        from serving.responses import response_events, response_object
+
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def collect(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        inner = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "headers": headers}
+        await self.app(inner, replay, collect)
+        out = b"".join(chunks)
+        if start.get("status") != 200:  # the inner server's error, as it gave it
+            await send({**start, "headers": [(k, v) for k, v in start.get("headers", [])
+                                             if k.lower() != b"content-length"] + [
+                (b"content-length", str(len(out)).encode())]})
+            return await send({"type": "http.response.body", "body": out})
+        if chat.get("tools") and chat.get("tool_choice") != "none":
+            out = self.tool_calls(out)
+        try:
+            resp = response_object(json.loads(out), request, self.model_name)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError):
+            return await self._json(send, 502, {"error": {"message": f"the chat completion behind /v1/responses "
+                                                                     f"was not one: {out[:200]!r}",
+                                                          "type": "server_error", "param": None, "code": None}})
+        if not request.get("stream"):
+            return await self._json(send, 200, resp)
+        data = response_events(resp)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
 
 
 class StreamedCalls:

@@ -171,6 +171,9 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
         assert _post(url, json.dumps({"messages": USER, "max_tokens": 1, "model": "tiny"}).encode())[0] == 200
         assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
+        # /v1/responses: transformers serve answered 500 (and cut streams before response.completed)
+        code, body = _post(server.base_url + "/responses", json.dumps({"input": "hi", "max_output_tokens": 2}).encode())
+        assert code == 200 and body["status"] == "incomplete" and body["usage"]["output_tokens"] == 2, body
         # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
         good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
                            "max_completion_tokens": 3, "temperature": 0}).encode()
@@ -185,8 +188,8 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
 
-def _asgi(app, body: dict) -> tuple[int, dict]:
-    """One POST /v1/chat/completions through an ASGI app, without a server."""
+def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False) -> tuple[int, dict]:
+    """One POST `path` (default /v1/chat/completions) through an ASGI app, without a server."""
     import asyncio
 
     sent: list[dict] = []
@@ -197,12 +200,12 @@ def _asgi(app, body: dict) -> tuple[int, dict]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
-    return start["status"], json.loads(data)
+    return start["status"], data.decode() if raw else json.loads(data)
 
 
 def test_calls_in_the_models_text_come_back_as_tool_calls():
@@ -315,3 +318,61 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
 
     asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send))
     assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == stream
+
+
+def test_responses_api_is_answered_through_a_chat_completion():
+    """`/v1/responses` went to transformers serve, which answered 500 without `stream`, cut every stream off before
+    `response.completed` (the openai SDK's helpers raise), streamed when `stream` was absent and left calls as text.
+    Now the request becomes a checked chat completion and its answer a Response: calls as function_call items,
+    `incomplete` when cut at max_output_tokens, the events of a stream ending in response.completed."""
+    from serving.local import CheckedChatApp
+
+    seen: list[dict] = []
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+
+    async def inner(scope, receive, send):
+        assert scope["path"] == "/v1/chat/completions"
+        body = json.loads((await receive())["body"])
+        seen.append(body)
+        text = "Sure. <unused2>call:get_steps{date:<unused6>today<unused6>}<unused3>" if body.get("tools") else "hé"
+        data = json.dumps({"id": "r1", "created": 5, "model": "m", "choices": [{"index": 0, "finish_reason": "length"
+                           if body.get("max_tokens") == 2 else "stop", "message": {"role": "assistant", "content": text}}],
+                           "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
+
+    app = CheckedChatApp(inner, token_map=token_map, model_name="tiny")
+    tool = {"type": "function", "name": "get_steps", "parameters": {"type": "object", "properties": {}}}
+    code, resp = _asgi(app, {"model": "tiny", "instructions": "be brief", "tools": [tool], "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "steps?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_steps", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "5"},
+        {"role": "user", "content": "and today?"}]}, "/v1/responses")
+    assert seen[-1]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "steps?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_steps", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "user", "content": "and today?"}]
+    assert seen[-1]["tools"] == [{"type": "function", "function": {k: tool[k] for k in ("name", "parameters")}}]
+    assert code == 200 and resp["status"] == "completed" and resp["output_text"] == "Sure."
+    call = resp["output"][1]
+    assert (call["type"], call["name"], json.loads(call["arguments"]), call["call_id"]) == (
+        "function_call", "get_steps", {"date": "today"}, "r1_tool_call_0")
+    assert resp["usage"]["input_tokens"] == 7 and resp["usage"]["output_tokens"] == 2 and resp["model"] == "tiny"
+    code, resp = _asgi(app, {"input": "hi", "max_output_tokens": 2}, "/v1/responses")
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert resp["output"][0]["content"][0]["text"] == "hé" and seen[-1]["stream"] is False
+    code, text = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "hé"
+    assert events[-1]["response"]["output_text"] == "hé" and seen[-1]["stream"] is False
+    for body, param in (({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"), ({"input": []}, "input"),
+                        ({}, "input"), ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type"),
+                        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+                        ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format")):
+        code, resp = _asgi(app, body, "/v1/responses")
+        assert code == 400 and resp["error"]["param"] == param, (body, resp)
