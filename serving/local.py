@@ -234,8 +234,8 @@ def _template_messages(messages: list[dict]) -> list[dict]:
 class CheckedChatApp:
     """ASGI middleware: a POST to /v1/chat/completions (or /v1/completions) is read whole, checked by
     `serving.openai_request` (400 with `{"error": {"message", "type", "param"}}` when malformed, as OpenAI
-    and vLLM answer) and passed on with `max_tokens` resolved; GET /v1/models lists `model_name`;
-    anything else passes untouched."""
+    and vLLM answer; 404 naming another model than `model_name`, as vLLM answers) and passed on with
+    `max_tokens` resolved; GET /v1/models lists `model_name`; anything else passes untouched."""
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
@@ -307,6 +307,12 @@ class CheckedChatApp:
                 raise RequestError(None, f"the request body is not valid JSON ({e})") from None
             except RecursionError:
                 raise RequestError(None, "the request body is nested too deeply") from None
+            model = body.get("model") if isinstance(body, dict) else None
+            if self.model_name and isinstance(model, str) and model != self.model_name:
+                # transformers serve answered 400 {"detail": ...}, which clients read as this request's fault
+                return await self._json(send, 404, {"error": {
+                    "message": f"The model `{model}` does not exist: this server serves `{self.model_name}`",
+                    "type": "NotFoundError", "param": "model", "code": 404}})
             request = body  # a Responses request is answered through the chat completion it amounts to
             if path == "/v1/responses":
                 body = chat_request(body)

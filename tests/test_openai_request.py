@@ -240,6 +240,12 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     assert resp["choices"][0]["message"]["content"] == content and "tool_calls" not in resp["choices"][0]["message"]
     code, resp = _asgi(app, {"messages": []})
     assert code == 400 and resp["error"]["param"] == "messages"
+    # another model's name: 404 in OpenAI's shape, as vLLM answers (transformers serve: 400 {"detail": ...})
+    named = CheckedChatApp(inner, token_map=token_map, model_name="coach")
+    assert _asgi(named, {"messages": USER, "model": "coach"})[0] == 200
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        code, resp = _asgi(named, {"messages": USER, "prompt": "x", "input": "x", "model": "gpt-4o"}, path)
+        assert code == 404 and resp["error"]["param"] == "model" and "`gpt-4o` does not exist" in resp["error"]["message"]
 
 
 def _stream_through(app, body: dict, pieces: list[bytes]) -> tuple[int, list[dict]]:
