@@ -285,11 +285,18 @@ def check_completion_request(body: Any, context: int | None = None,
                              count_prompt: Callable[[str], int] | None = None, vocab_size: int | None = None,
                              check_generation_config: Callable[[dict], None] | None = None) -> dict:
     """A text completion (`/v1/completions`) checked like a chat completion: `prompt` a string (what
-    transformers serve reads), the same generation settings, `max_tokens` bounded by the context."""
+    transformers serve reads; a list of one string is that string), the same generation settings, `max_tokens`
+    bounded by the context."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
-    if not isinstance(body.get("prompt"), str):
-        raise RequestError("prompt", f"expected a string, got {_json_type(body.get('prompt'))}")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        body = {**body, "prompt": prompt[0]}  # a batch of one, as LangChain and the SDK's list form send it
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise RequestError("prompt", f"a batch of {len(prompt)} prompts: this server completes one prompt a "
+                                     f"request; send them one by one")
+    elif not isinstance(prompt, str):
+        raise RequestError("prompt", f"expected a string (or a list of one), got {_json_type(prompt)}")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model", "expected a string")
     _settings(body, vocab_size, check_generation_config)

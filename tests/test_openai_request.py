@@ -113,6 +113,11 @@ def test_text_completions_are_checked_alike():
             check_completion_request(body)
         assert e.value.param == param
     assert check_completion_request({"prompt": "héllo", "stop": []}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
+    assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    for prompt, needle in ((["a", "b"], "one by one"), ([[1, 2]], "or a list of one"), ([], "or a list of one")):
+        with pytest.raises(RequestError, match=needle):
+            check_completion_request({"prompt": prompt})
     with pytest.raises(RequestError, match="at most 45"):
         check_completion_request({"prompt": "héllo", "max_tokens": 46}, 50, len)
 
