@@ -3,7 +3,7 @@
 `transformers serve` answers many malformed requests with `500 Internal Server Error` (no messages, a
 negative `max_tokens`, tool-call arguments that are not JSON, a content part without a type), ignores
 others silently (`n`, `max_completion_tokens`, `logprobs`, `response_format`, `tool_choice` naming an
-undeclared tool) and generates
+undeclared tool, the legacy `functions` / `function_call`) and generates
 past the model's context when asked. `check_chat_request` refuses what vLLM and the OpenAI API refuse,
 with a message naming the field, and returns the body with `max_tokens` set (from
 `max_completion_tokens`, or what the context leaves when neither is given). Standard library only.
@@ -263,6 +263,10 @@ def check_chat_request(body: Any, context: int | None = None,
                                                                   f"message before it ({', '.join(map(str, open_ids))})")
         else:
             open_ids = None
+    for key, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if body.get(key) is not None:  # transformers serve ignored them: the model saw no declarations at all
+            raise RequestError(key, f"the legacy function-calling field is not supported here; send `{instead}` "
+                                    f"(and read the calls from message.tool_calls)")
     names = _tools(body["tools"]) if body.get("tools") is not None else []
     _tool_choice(body.get("tool_choice"), names)
     if body.get("model") is not None and not isinstance(body["model"], str):

@@ -68,6 +68,9 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "not returned"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"messages": USER + [{"role": "tool", "content": "5"}]}, "messages[1].role", "preceding assistant"),
+    # the legacy function calling, which transformers serve ignored (the model saw no declarations)
+    ({"messages": USER, "functions": [TOOL["function"]]}, "functions", "send `tools`"),
+    ({"messages": USER, "tools": [TOOL], "function_call": "auto"}, "function_call", "send `tool_choice`"),
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
                           {"role": "tool", "tool_call_id": "b", "content": "5"}]},
      "messages[2].tool_call_id", "'b' names none of the calls"),
