@@ -303,6 +303,12 @@ def check_completion_request(body: Any, context: int | None = None,
         raise RequestError("prompt", f"expected a string (or a list of one), got {_json_type(prompt)}")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model", "expected a string")
+    # accepted and ignored by transformers serve: the client would read a text without its prompt, or one choice
+    # as the best of several
+    if body.get("echo"):
+        raise RequestError("echo", "this server returns the completion without the prompt (echo is not supported)")
+    if body.get("best_of") is not None and body["best_of"] != 1:
+        raise RequestError("best_of", f"{body['best_of']!r}: this server generates one completion (best_of=1)")
     _settings(body, vocab_size, check_generation_config)
     body = dict(body)
     _normalise_settings(body)

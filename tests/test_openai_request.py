@@ -111,13 +111,16 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
 
 def test_text_completions_are_checked_alike():
     for body, param in (({}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "max_tokens": 0},
-                        "max_tokens"), ({"prompt": "x", "temperature": 9}, "temperature"), ({"prompt": "x", "n": 3}, "n")):
+                        "max_tokens"), ({"prompt": "x", "temperature": 9}, "temperature"), ({"prompt": "x", "n": 3}, "n"),
+                        # ignored by transformers serve: the text came back without the prompt asked for
+                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of")):
         with pytest.raises(RequestError) as e:
             check_completion_request(body)
         assert e.value.param == param
     assert check_completion_request({"prompt": "héllo", "stop": []}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
     # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
     assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1})["prompt"] == "x"
     for prompt, needle in ((["a", "b"], "one by one"), ([[1, 2]], "or a list of one"), ([], "or a list of one")):
         with pytest.raises(RequestError, match=needle):
             check_completion_request({"prompt": prompt})
