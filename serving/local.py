@@ -252,10 +252,11 @@ class CheckedChatApp:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
-    def tool_calls(self, raw: bytes) -> bytes:
+    def tool_calls(self, raw: bytes, parallel: bool = True) -> bytes:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
-        `message.tool_calls` (arguments as JSON strings), the text outside them as `content` and
-        finish_reason `tool_calls`, as vLLM's tool parser answers; anything else unchanged."""
+        `message.tool_calls` (arguments as JSON strings; only the first unless `parallel`, as vLLM honours
+        `parallel_tool_calls: false`), the text outside them as `content` and finish_reason `tool_calls`,
+        as vLLM's tool parser answers; anything else unchanged."""
         import json
 
         from gemma_tpu.formats.function_calling import parse_reply
@@ -274,7 +275,7 @@ class CheckedChatApp:
         rid = resp.get("id") or "call"
         message["tool_calls"] = [{"id": f"{rid}_tool_call_{k}", "type": "function",
                                   "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                                 for k, c in enumerate(reply.calls)]
+                                 for k, c in enumerate(reply.calls if parallel else reply.calls[:1])]
         message["content"] = reply.text or None
         choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
@@ -346,7 +347,7 @@ class CheckedChatApp:
         if path != "/v1/chat/completions" or not body.get("tools") or body.get("tool_choice") == "none":
             return await self.app({**scope, "headers": headers}, replay, send)
         if body.get("stream"):
-            calls = StreamedCalls(self.token_map)
+            calls = StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False)
             status: list[int] = []
 
             async def rewrite(message):
@@ -378,7 +379,7 @@ class CheckedChatApp:
                 return
             out = b"".join(chunks)
             if start.get("status") == 200:
-                out = self.tool_calls(out)
+                out = self.tool_calls(out, body.get("parallel_tool_calls") is not False)
             await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
                         + [(b"content-length", str(len(out)).encode())]})
             await send({"type": "http.response.body", "body": out})
@@ -411,7 +412,7 @@ class CheckedChatApp:
                 (b"content-length", str(len(out)).encode())]})
             return await send({"type": "http.response.body", "body": out})
         if chat.get("tools") and chat.get("tool_choice") != "none":
-            out = self.tool_calls(out)
+            out = self.tool_calls(out, chat.get("parallel_tool_calls") is not False)
         try:
             resp = response_object(json.loads(out), request, self.model_name)
         except (ValueError, TypeError, AttributeError, KeyError, IndexError):
@@ -436,7 +437,7 @@ class StreamedCalls:
     written without their markers (a server that strips them) stay text: they are known only at the end.
     Feed the body bytes as they come (`feed`), then `close()` for whatever is left."""
 
-    def __init__(self, token_map: dict[str, str] | None):
+    def __init__(self, token_map: dict[str, str] | None, parallel: bool = True):
         from gemma_tpu.formats.function_calling import END_CALL, START_CALL
 
         self.token_map = token_map or {}
@@ -445,6 +446,7 @@ class StreamedCalls:
         self.raw = b""  # bytes of an event not yet complete
         self.held = ""  # text not yet sent: a (possible) call marker and what follows it
         self.calls = 0
+        self.parallel = parallel  # False: the first call only (the request's parallel_tool_calls)
 
     def _chunk(self, like: dict, delta: dict, finish: str | None = None) -> bytes:
         import json
@@ -487,6 +489,8 @@ class StreamedCalls:
                 text = ""
             rid = like.get("id") or "call"
             for call in reply.calls:
+                if not self.parallel and self.calls:  # parallel_tool_calls: false, the first call only
+                    break
                 out += self._chunk(like, {"tool_calls": [{
                     "index": self.calls, "id": f"{rid}_tool_call_{self.calls}", "type": "function",
                     "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}]})

@@ -173,8 +173,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise RequestError("response_format", f"only {{\"type\": \"text\"}} is supported here (no constrained "
                                               f"JSON output), got {json.dumps(fmt)[:80]}")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise RequestError("stream", "expected true or false")
+    for key in ("stream", "parallel_tool_calls"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise RequestError(key, "expected true or false")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):

@@ -49,6 +49,7 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "n": 2}, "n", "one choice"),
     ({"messages": USER, "stop": 5}, "stop", "string"),
     ({"messages": USER, "stream": "yes"}, "stream", "true or false"),
+    ({"messages": USER, "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
     ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"messages": USER, "tools": {"name": "f"}}, "tools", "list"),
     ({"messages": USER, "tools": [{"name": "f"}]}, "tools[0]", "function"),
@@ -247,6 +248,9 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
         ("r1_tool_call_0", "function", "get_steps", {"date": "yesterday", "n": 3}),
         ("r1_tool_call_1", "function", "3d", {})]
     assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"] == {"role": "assistant", "content": "plain"}
+    # parallel_tool_calls: false gets the first call only, as vLLM answers it (both came back)
+    code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "parallel_tool_calls": False})
+    assert [c["function"]["name"] for c in resp["choices"][0]["message"]["tool_calls"]] == ["get_steps"]
     code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": "none"})  # calls not parsed
     assert resp["choices"][0]["message"]["content"] == content and "tool_calls" not in resp["choices"][0]["message"]
     code, resp = _asgi(app, {"messages": []})
@@ -321,6 +325,10 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
         (0, "r1_tool_call_0", "get_steps", {"date": "yesterday", "n": 3}), (1, "r1_tool_call_1", "3d", {})]
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"] == {"completion_tokens": 9}
     assert all(c["id"] == "r1" and c["object"] == "chat.completion.chunk" for c in out)
+    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True, "parallel_tool_calls": False},
+                                pieces)
+    assert [t["function"]["name"] for c in out for t in c["choices"][0]["delta"].get("tool_calls") or []] == [
+        "get_steps"] and out[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # the same stream without tools in the request passes untouched, byte for byte
     plain = CheckedChatApp(inner, token_map=token_map)
     import asyncio
