@@ -282,10 +282,17 @@ class CheckedChatApp:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "").rstrip("/") if scope["type"] == "http" else ""
-        if path == "/v1/models" and scope["method"] == "GET" and self.model_name:
+        if path.startswith("/v1/models") and scope["method"] == "GET" and self.model_name:
             # the served model, as vLLM lists it (transformers serve lists its hub cache: nothing, offline)
-            return await self._json(send, 200, {"object": "list", "data": [
-                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}]})
+            card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}
+            if path == "/v1/models":
+                return await self._json(send, 200, {"object": "list", "data": [card]})
+            if path == f"/v1/models/{self.model_name}":  # the SDK's models.retrieve (transformers serve: 404)
+                return await self._json(send, 200, card)
+            if path.startswith("/v1/models/"):
+                return await self._json(send, 404, {"error": {
+                    "message": f"The model `{path[len('/v1/models/'):]}` does not exist: this server serves "
+                               f"`{self.model_name}`", "type": "NotFoundError", "param": "model", "code": 404}})
         if scope["type"] != "http" or scope["method"] != "POST" or path not in ("/v1/chat/completions",
                                                                                "/v1/completions", "/v1/responses"):
             return await self.app(scope, receive, send)

@@ -181,6 +181,8 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         # /v1/models names the served model (it listed nothing), and that name is accepted
         with urllib.request.urlopen(server.base_url + "/models", timeout=30) as resp:
             assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
+        with urllib.request.urlopen(server.base_url + "/models/tiny", timeout=30) as resp:  # models.retrieve: was 404
+            assert json.loads(resp.read())["id"] == "tiny"
         assert _post(url, json.dumps({"messages": USER, "max_tokens": 1, "model": "tiny"}).encode())[0] == 200
         assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
         # /v1/responses: transformers serve answered 500 (and cut streams before response.completed)
@@ -200,8 +202,9 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
 
-def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False) -> tuple[int, dict]:
-    """One POST `path` (default /v1/chat/completions) through an ASGI app, without a server."""
+def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False, method: str = "POST"):
+    """One POST (or `method`) of `path` (default /v1/chat/completions) through an ASGI app, without a server:
+    (status, parsed body)."""
     import asyncio
 
     sent: list[dict] = []
@@ -212,7 +215,7 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    scope = {"type": "http", "method": method, "path": path, "headers": []}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -261,6 +264,11 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         code, resp = _asgi(named, {"messages": USER, "prompt": "x", "input": "x", "model": "gpt-4o"}, path)
         assert code == 404 and resp["error"]["param"] == "model" and "`gpt-4o` does not exist" in resp["error"]["message"]
+    # GET /v1/models/NAME (the SDK's models.retrieve) describes the served model; another name is a 404 in kind
+    assert _asgi(named, {}, "/v1/models/coach", method="GET") == (200, {
+        "id": "coach", "object": "model", "created": 0, "owned_by": "gemma-tpu"})
+    code, resp = _asgi(named, {}, "/v1/models/gpt-4o", method="GET")
+    assert code == 404 and "`gpt-4o` does not exist" in resp["error"]["message"]
 
 
 def _stream_through(app, body: dict, pieces: list[bytes]) -> tuple[int, list[dict]]:
