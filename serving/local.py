@@ -15,7 +15,8 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
 * it runs as `python -m serving.local NAME --host H --port P`: `transformers serve`'s own app behind
   `CheckedChatApp`, which answers `/v1/responses` itself through a chat completion (`serving.responses`: the
   served one fails there), answers a malformed chat (or text) completion with 400 and a JSON error naming the field
-  (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, and returns the FunctionGemma calls in the model's text as
+  (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, cuts the stop string
+  that ended a text from it (`trim_stops`, `StopTrim`), and returns the FunctionGemma calls in the model's text as
   `tool_calls` (streamed: as `tool_calls` deltas, `StreamedCalls`), as vLLM's parser does.
 """
 
@@ -351,10 +352,14 @@ class CheckedChatApp:
 
         if path == "/v1/responses":
             return await self._responses(scope, headers, replay, send, request, body)
-        if path != "/v1/chat/completions" or not body.get("tools") or body.get("tool_choice") == "none":
+        stops = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+        tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
+        if not tools and not stops:
             return await self.app({**scope, "headers": headers}, replay, send)
         if body.get("stream"):
-            calls = StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False)
+            # the stop strings are cut first (transformers serve streams them), then the calls are read
+            filters = ([StopTrim(stops)] if stops else []) + (
+                [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False)] if tools else [])
             status: list[int] = []
 
             async def rewrite(message):
@@ -367,7 +372,9 @@ class CheckedChatApp:
                 if message["type"] != "http.response.body" or status[:1] != [200]:
                     return await send(message)
                 more = message.get("more_body", False)
-                out = calls.feed(message.get("body", b"")) + (b"" if more else calls.close())
+                out = message.get("body", b"")
+                for f in filters:
+                    out = f.feed(out) + (b"" if more else f.close())
                 if out or not more:
                     await send({**message, "body": out})
 
@@ -385,7 +392,9 @@ class CheckedChatApp:
             if message.get("more_body"):
                 return
             out = b"".join(chunks)
-            if start.get("status") == 200:
+            if start.get("status") == 200 and stops:
+                out = trim_stops(out, stops)
+            if start.get("status") == 200 and tools:
                 out = self.tool_calls(out, body.get("parallel_tool_calls") is not False)
             await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
                         + [(b"content-length", str(len(out)).encode())]})
@@ -418,6 +427,8 @@ class CheckedChatApp:
                                              if k.lower() != b"content-length"] + [
                 (b"content-length", str(len(out)).encode())]})
             return await send({"type": "http.response.body", "body": out})
+        if chat.get("stop"):
+            out = trim_stops(out, [chat["stop"]] if isinstance(chat["stop"], str) else chat["stop"])
         if chat.get("tools") and chat.get("tool_choice") != "none":
             out = self.tool_calls(out, chat.get("parallel_tool_calls") is not False)
         try:
@@ -432,6 +443,96 @@ class CheckedChatApp:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
+
+
+def _cut(text: str, stops: list[str]) -> int | None:
+    """Where the first of `stops` starts in `text` (None: nowhere)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def trim_stops(raw: bytes, stops: list[str]) -> bytes:
+    """A non-streamed chat or text completion that stopped at a stop string, with the text cut where it starts:
+    OpenAI and vLLM return the text without it, transformers serve with it (and whatever its last token held
+    after it). Anything else unchanged."""
+    import json
+
+    try:
+        resp = json.loads(raw)
+        choice = resp["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return raw
+    if not isinstance(choice, dict) or choice.get("finish_reason") != "stop":
+        return raw
+    holder, key = (choice["message"], "content") if isinstance(choice.get("message"), dict) else (choice, "text")
+    text = holder.get(key)
+    at = _cut(text, stops) if isinstance(text, str) else None
+    if at is None:
+        return raw
+    holder[key] = text[:at]
+    return json.dumps(resp, ensure_ascii=False).encode()
+
+
+class StopTrim:
+    """`trim_stops` for a stream (chat `delta.content` or text `text` events): text that might begin a stop
+    string is held until the next piece settles it; from a stop string on, nothing more is sent but the
+    finishing event (and what was held, when no stop string came). `feed` bytes as they come, then `close()`."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.raw = b""
+        self.held = ""
+        self.stopped = False
+
+    def _settled(self, final: bool) -> str:
+        """The held text that can be sent now."""
+        if self.stopped:
+            return ""
+        at = _cut(self.held, self.stops)
+        if at is not None:
+            self.stopped = True
+            out, self.held = self.held[:at], ""
+            return out
+        keep = 0 if final else max((k for s in self.stops for k in range(1, min(len(s), len(self.held) + 1))
+                                    if self.held.endswith(s[:k])), default=0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def _event(self, event: bytes) -> bytes:
+        import json
+
+        data = event[len(b"data:"):].strip() if event.startswith(b"data:") else None
+        try:
+            chunk = json.loads(data) if data and data != b"[DONE]" else None
+            choice = chunk["choices"][0] if isinstance(chunk, dict) and chunk.get("choices") else None
+        except (ValueError, KeyError, IndexError, TypeError):
+            choice = None
+        if not isinstance(choice, dict):
+            return event + b"\n\n"
+        holder, key = (choice["delta"], "content") if isinstance(choice.get("delta"), dict) else (choice, "text")
+        piece = holder.get(key)
+        final = choice.get("finish_reason") is not None
+        if not isinstance(piece, str) and not final:
+            return event + b"\n\n"
+        self.held += piece if isinstance(piece, str) else ""
+        text = self._settled(final)
+        if not text and not final:
+            if not (isinstance(choice.get("delta"), dict) and set(holder) - {key}):
+                return b""  # all of it held (or past a stop string)
+            holder.pop(key, None)  # the role (say) goes on without the held text
+        elif text or isinstance(piece, str):
+            holder[key] = text
+        return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def feed(self, data: bytes) -> bytes:
+        self.raw += data.replace(b"\r\n", b"\n")
+        *events, self.raw = self.raw.split(b"\n\n")
+        return b"".join(self._event(e) for e in events if e.strip())
+
+    def close(self) -> bytes:
+        out = self._event(self.raw) if self.raw.strip() else b""
+        self.raw = b""
+        return out
 
 
 class StreamedCalls:

@@ -178,6 +178,11 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             assert code == 400 and body["error"]["param"] == param, (odd, body)
         code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2}')
         assert code == 200 and body["usage"]["completion_tokens"] == 2
+        # a stop string is not part of the text (transformers serve returned it)
+        stop = body["choices"][0]["text"][1:2] or body["choices"][0]["text"][:1]
+        code, body = _post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 4,
+                                                                         "stop": stop}).encode())
+        assert code == 200 and stop not in body["choices"][0]["text"], body
         # /v1/models names the served model (it listed nothing), and that name is accepted
         with urllib.request.urlopen(server.base_url + "/models", timeout=30) as resp:
             assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
@@ -219,7 +224,8 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
+    if not raw or b"content-length" in dict(start["headers"]):  # a stream (raw) may go without one
+        assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
     return start["status"], data.decode() if raw else json.loads(data)
 
 
@@ -409,3 +415,50 @@ def test_responses_api_is_answered_through_a_chat_completion():
                         ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format")):
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param, (body, resp)
+
+
+def test_stop_strings_are_cut_from_the_text():
+    """transformers serve returned the stop string that ended the text (`stop: ["\\n\\nUser:"]` gave "...\\n\\nUser:");
+    OpenAI and vLLM return the text before it. Cut alike for chat and text completions, streamed (a stop string
+    split over deltas is held until settled) or not, and before the calls are read."""
+    from serving.local import CheckedChatApp
+
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+    text = "Hello ## there<unused2>call:get_steps{}<unused3>"
+    deltas = ["Hel", "lo #", "# the", "re"]
+
+    def sse(objs):
+        return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + b"data: [DONE]\n\n"
+
+    async def inner(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        chat = scope["path"] == "/v1/chat/completions"
+        if body.get("stream"):
+            def ev(piece, finish=None):
+                ch = {"index": 0, "finish_reason": finish}
+                ch.update({"delta": {"content": piece} if piece is not None else {}} if chat else {"text": piece or ""})
+                return {"id": "r", "choices": [ch]}
+            data = sse([ev(d) for d in deltas] + [ev(None, "stop")])
+        else:
+            choice = {"index": 0, "finish_reason": "stop"}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            data = json.dumps({"id": "r", "choices": [choice]}).encode()
+        length = [] if body.get("stream") else [(b"content-length", str(len(data)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": length})
+        await send({"type": "http.response.body", "body": data})
+
+    app = CheckedChatApp(inner, token_map=token_map)
+    code, resp = _asgi(app, {"messages": USER, "stop": ["zz", "##"]})
+    assert code == 200 and resp["choices"][0]["message"]["content"] == "Hello "
+    assert _asgi(app, {"prompt": "x", "stop": "<unused2>"}, "/v1/completions")[1]["choices"][0]["text"] == "Hello ## there"
+    code, resp = _asgi(app, {"messages": USER, "stop": "call", "tools": [TOOL]})  # the call is not read past the stop
+    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "Hello ## there<unused2>"}
+    assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"]["content"] == text  # no stop: untouched
+    for path, body, field in (("/v1/chat/completions", {"messages": USER}, "content"), ("/v1/completions",
+                                                                                          {"prompt": "x"}, "text")):
+        for stop, want in (("##", "Hello "), ("# t", "Hello #"), ("lo", "Hel"), ("#x", "Hello ## there")):
+            code, raw = _asgi(app, {**body, "stream": True, "stop": stop}, path, raw=True)
+            events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+            pieces = [(e["choices"][0].get("delta") or e["choices"][0]).get(field) or "" for e in events]
+            assert "".join(pieces) == want and events[-1]["choices"][0]["finish_reason"] == "stop", (stop, raw)
+            assert raw.rstrip().endswith("data: [DONE]")
