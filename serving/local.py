@@ -352,7 +352,7 @@ class CheckedChatApp:
 
         if path == "/v1/responses":
             return await self._responses(scope, headers, replay, send, request, body)
-        stops = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+        stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
         if not tools and not stops:
             return await self.app({**scope, "headers": headers}, replay, send)

@@ -213,8 +213,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
 
 
 def _normalise_settings(body: dict) -> None:
-    """Spellings OpenAI accepts that transformers serve answered with 500: an empty stop list, integer biases."""
-    if body.get("stop") == []:
+    """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
+    misread (an empty stop string ended every text after its first token)."""
+    if body.get("stop") in ([], ""):
         del body["stop"]
     if body.get("logit_bias"):
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}

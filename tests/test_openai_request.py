@@ -98,6 +98,7 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     fixed = check_chat_request({"messages": USER + [{"role": "assistant", "tool_calls": [
         {"id": "a", "function": {"name": "f", "arguments": {"x": "é"}}}]}], "stop": [], "logit_bias": {"5": -100}})
     assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
+    assert "stop" not in check_chat_request({"messages": USER, "stop": ""})  # it ended every text after one token
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
     # the context bounds max_tokens (vLLM's rule): the default is what the prompt leaves
