@@ -354,13 +354,14 @@ class CheckedChatApp:
             return await self._responses(scope, headers, replay, send, request, body)
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
-        if not tools and not stops:
+        if not tools and not stops and not body.get("stream"):
             return await self.app({**scope, "headers": headers}, replay, send)
         if body.get("stream"):
             # the stop strings are cut first (transformers serve streams them), then the calls are read
             filters = ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False)] if tools else [])
             status: list[int] = []
+            tail = [b""]  # the end of what was sent: a stream ends with `data: [DONE]`, as OpenAI's and vLLM's do
 
             async def rewrite(message):
                 if message["type"] == "http.response.start":
@@ -375,6 +376,9 @@ class CheckedChatApp:
                 out = message.get("body", b"")
                 for f in filters:
                     out = f.feed(out) + (b"" if more else f.close())
+                tail[0] = (tail[0] + out)[-64:]
+                if not more and not tail[0].rstrip().endswith(b"data: [DONE]"):  # transformers serve just closed it
+                    out += (b"" if tail[0].endswith(b"\n\n") or not tail[0] else b"\n\n") + b"data: [DONE]\n\n"
                 if out or not more:
                     await send({**message, "body": out})
 

@@ -200,10 +200,11 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         code, body = _post(url, good, "text/plain")
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
-        assert code == 200 and text.rstrip().endswith("}") and '"finish_reason":"length"' in text
+        # it ends with data: [DONE], as OpenAI's and vLLM's streams do (transformers serve just closed it)
+        assert code == 200 and text.rstrip().endswith("}\n\ndata: [DONE]") and '"finish_reason":"length"' in text
         # streamed with tools, the events pass through the call rewriting (StreamedCalls) whole
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True, "tools": [TOOL]}).encode())
-        events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip()]
+        events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip() and "[DONE]" not in e]
         assert code == 200 and events[-1]["choices"][0]["finish_reason"] == "length", text
         assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
@@ -299,6 +300,7 @@ def _stream_through(app, body: dict, pieces: list[bytes]) -> tuple[int, list[dic
     assert sent[-1]["type"] == "http.response.body" and not sent[-1].get("more_body")
     events = [e for e in data.decode().split("\n\n") if e.strip()]
     assert all(e.startswith("data: ") for e in events), events
+    assert events.pop() == "data: [DONE]" and "data: [DONE]" not in events, events  # once, last
     return start["status"], [json.loads(e[len("data: "):]) for e in events]
 
 
@@ -357,7 +359,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
         sent.append(message)
 
     asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send))
-    assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == stream
+    assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == stream + b"data: [DONE]\n\n"
 
 
 def test_responses_api_is_answered_through_a_chat_completion():
