@@ -221,9 +221,9 @@ def _normalise_settings(body: dict) -> None:
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
 
 
-def _bound(body: dict, context: int | None, prompt: int, field: str) -> None:
-    """`max_tokens` bounded by what the context leaves after a prompt of `prompt` tokens (vLLM's rule); the
-    default is all of it."""
+def _bound(body: dict, context: int | None, prompt: int, field: str, asked: str = "max_tokens") -> None:
+    """`max_tokens` (sent as `asked`) bounded by what the context leaves after a prompt of `prompt` tokens (vLLM's
+    rule); the default is all of it."""
     if not context:
         return
     if prompt >= context:
@@ -233,8 +233,8 @@ def _bound(body: dict, context: int | None, prompt: int, field: str) -> None:
     if body.get("max_tokens") is None:
         body["max_tokens"] = room
     elif body["max_tokens"] > room:
-        raise RequestError("max_tokens", f"{body['max_tokens']} new tokens after a prompt of {prompt} pass this "
-                                         f"model's context of {context} tokens: ask for at most {room}")
+        raise RequestError(asked, f"{body['max_tokens']} new tokens after a prompt of {prompt} pass this "
+                                  f"model's context of {context} tokens: ask for at most {room}")
 
 
 def check_chat_request(body: Any, context: int | None = None,
@@ -281,9 +281,10 @@ def check_chat_request(body: Any, context: int | None = None,
         c["function"].get("arguments", "{}"), ""), ensure_ascii=False)}} for c in m["tool_calls"]]}
                         if m.get("tool_calls") else m for m in body["messages"]]
     asked = body.pop("max_completion_tokens", None)
+    field = "max_tokens"
     if body.get("max_tokens") is None and asked is not None:
-        body["max_tokens"] = asked
-    _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages")
+        body["max_tokens"], field = asked, "max_completion_tokens"  # an error names the field the client sent
+    _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages", field)
     return body
 
 

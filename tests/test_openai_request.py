@@ -106,6 +106,9 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     with pytest.raises(RequestError, match="at most 70") as e:
         check_chat_request({"messages": USER, "max_tokens": 71}, 100, lambda b: 30)
     assert e.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="at most 70") as e:  # named max_tokens, which the client never sent
+        check_chat_request({"messages": USER, "max_completion_tokens": 71}, 100, lambda b: 30)
+    assert e.value.param == "max_completion_tokens" and str(e.value).startswith("max_completion_tokens: 71 ")
     with pytest.raises(RequestError, match="the prompt is 100 tokens") as e:
         check_chat_request({"messages": USER}, 100, lambda b: 100)
     assert e.value.param == "messages"
