@@ -276,6 +276,10 @@ def check_chat_request(body: Any, context: int | None = None,
     _settings(body, vocab_size, check_generation_config)
     body = dict(body)
     _normalise_settings(body)
+    # a message as the OpenAI SDK dumps one it returned (`"tool_calls": null`, `"refusal": null`, ...) or with
+    # `"tool_calls": []`: transformers serve failed on the null (500) and dropped the content beside the empty list
+    body["messages"] = [{k: v for k, v in m.items() if k in ("role", "content") or (
+        v is not None and not (k == "tool_calls" and v == []))} for m in body["messages"]]
     # call arguments given as an object or as an empty string: transformers serve reads a JSON string
     body["messages"] = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(_arguments(
         c["function"].get("arguments", "{}"), ""), ensure_ascii=False)}} for c in m["tool_calls"]]}

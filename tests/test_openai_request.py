@@ -101,6 +101,13 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert "stop" not in check_chat_request({"messages": USER, "stop": ""})  # it ended every text after one token
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
+    # an answer sent back as the SDK dumps it (None fields; transformers serve: 500) or with an empty call list
+    # (transformers serve dropped its content): the text and the role only
+    dumped = {"content": "Hi!", "refusal": None, "role": "assistant", "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+    for sent in (dumped, {"role": "assistant", "content": "Hi!", "tool_calls": []}):
+        assert check_chat_request({"messages": USER + [sent] + USER})["messages"][1] == {"role": "assistant",
+                                                                                         "content": "Hi!"}
     # the context bounds max_tokens (vLLM's rule): the default is what the prompt leaves
     assert check_chat_request({"messages": USER}, 100, lambda b: 30)["max_tokens"] == 70
     with pytest.raises(RequestError, match="at most 70") as e:
@@ -165,7 +172,9 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             code, body = _post(url, payload)
             assert code == 400 and isinstance(body, dict), (payload, code, body)
             assert body["error"]["param"] == param and body["error"]["message"], body
-        for odd in ({"stop": []}, {"logit_bias": {"5": -100}}, {"messages": USER + [{"role": "assistant", "tool_calls": [
+        for odd in ({"stop": []}, {"logit_bias": {"5": -100}}, {"messages": USER + [{"role": "assistant", "content": "x",
+                                                                                   "tool_calls": None}] + USER},
+                    {"messages": USER + [{"role": "assistant", "tool_calls": [
                 {"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]},
                 {"role": "tool", "tool_call_id": "1", "content": "x"}], "tools": [TOOL]}):
             code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
