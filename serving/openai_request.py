@@ -214,7 +214,10 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
 
 def _normalise_settings(body: dict) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
-    misread (an empty stop string ended every text after its first token)."""
+    misread (an empty stop string ended every text after its first token); a field given as null is absent, as
+    OpenAI reads it (`"chat_template_kwargs": null` was a 500)."""
+    for key in [k for k, v in body.items() if v is None]:
+        del body[key]
     if body.get("stop") in ([], ""):
         del body["stop"]
     if body.get("logit_bias"):

@@ -99,6 +99,7 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
         {"id": "a", "function": {"name": "f", "arguments": {"x": "é"}}}]}], "stop": [], "logit_bias": {"5": -100}})
     assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
     assert "stop" not in check_chat_request({"messages": USER, "stop": ""})  # it ended every text after one token
+    assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
     # an answer sent back as the SDK dumps it (None fields; transformers serve: 500) or with an empty call list
@@ -172,7 +173,7 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             code, body = _post(url, payload)
             assert code == 400 and isinstance(body, dict), (payload, code, body)
             assert body["error"]["param"] == param and body["error"]["message"], body
-        for odd in ({"stop": []}, {"logit_bias": {"5": -100}}, {"messages": USER + [{"role": "assistant", "content": "x",
+        for odd in ({"stop": []}, {"logit_bias": {"5": -100}}, {"chat_template_kwargs": None}, {"messages": USER + [{"role": "assistant", "content": "x",
                                                                                    "tool_calls": None}] + USER},
                     {"messages": USER + [{"role": "assistant", "tool_calls": [
                 {"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]},
