@@ -224,6 +224,49 @@ def _normalise_settings(body: dict) -> None:
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
 
 
+# vLLM's sampling extensions (its clients and `vllm bench` send them; `serving.bench --ignore-eos` too), which
+# transformers serve refused with 422 {"detail": "Unexpected fields ..."}: read into its `generation_config`
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
+
+
+def _extensions(body: dict, check_generation_config) -> None:
+    """`top_k`, `min_p`, `repetition_penalty`, `min_tokens` and `ignore_eos` (generate `max_tokens` whatever the
+    end-of-sequence token says) moved into `generation_config`, after `max_tokens` is resolved."""
+    given = {k: body.pop(k) for k in _EXTENSIONS if k in body}
+    if not given:
+        return
+    gen: dict[str, Any] = {}
+    if "top_k" in given:
+        v = given["top_k"]
+        if not _is_int(v) or v < -1:
+            raise RequestError("top_k", f"{v!r} is not a whole number of at least -1 (-1 or 0: no top-k)")
+        gen["top_k"] = v if v > 0 else None
+    if "min_p" in given:
+        if not _is_number(given["min_p"]) or not 0 <= given["min_p"] <= 1:
+            raise RequestError("min_p", f"{given['min_p']!r} is not a number in [0, 1]")
+        gen["min_p"] = given["min_p"] or None
+    if "repetition_penalty" in given:
+        if not _is_number(given["repetition_penalty"]) or given["repetition_penalty"] <= 0:
+            raise RequestError("repetition_penalty", f"{given['repetition_penalty']!r} is not a positive number")
+        gen["repetition_penalty"] = float(given["repetition_penalty"])
+    if "min_tokens" in given:
+        if not _is_int(given["min_tokens"]) or given["min_tokens"] < 0:
+            raise RequestError("min_tokens", f"{given['min_tokens']!r} is not a whole number of at least 0")
+        if body.get("max_tokens") is not None and given["min_tokens"] > body["max_tokens"]:
+            raise RequestError("min_tokens", f"{given['min_tokens']} is more than max_tokens ({body['max_tokens']})")
+        gen["min_new_tokens"] = given["min_tokens"]
+    if "ignore_eos" in given:
+        if not isinstance(given["ignore_eos"], bool):
+            raise RequestError("ignore_eos", "expected true or false")
+        if given["ignore_eos"] and body.get("max_tokens") is not None:
+            gen["min_new_tokens"] = body["max_tokens"]  # no stop before max_tokens: what ignoring the EOS does
+    own = json.loads(body["generation_config"]) if body.get("generation_config") else {}
+    merged = {**own, **gen}
+    if check_generation_config:
+        check_generation_config(merged)
+    body["generation_config"] = json.dumps(merged)
+
+
 def _bound(body: dict, context: int | None, prompt: int, field: str, asked: str = "max_tokens") -> None:
     """`max_tokens` (sent as `asked`) bounded by what the context leaves after a prompt of `prompt` tokens (vLLM's
     rule); the default is all of it."""
@@ -292,6 +335,7 @@ def check_chat_request(body: Any, context: int | None = None,
     if body.get("max_tokens") is None and asked is not None:
         body["max_tokens"], field = asked, "max_completion_tokens"  # an error names the field the client sent
     _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages", field)
+    _extensions(body, check_generation_config)
     return body
 
 
@@ -323,4 +367,5 @@ def check_completion_request(body: Any, context: int | None = None,
     body = dict(body)
     _normalise_settings(body)
     _bound(body, context, count_prompt(body["prompt"]) if context and count_prompt else 0, "prompt")
+    _extensions(body, check_generation_config)
     return body

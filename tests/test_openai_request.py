@@ -192,6 +192,9 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             assert code == 400 and body["error"]["param"] == param, (odd, body)
         code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2}')
         assert code == 200 and body["usage"]["completion_tokens"] == 2
+        code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 3, "ignore_eos": true, '
+                                                            b'"top_k": 4}')  # vLLM's extensions: a 422 before
+        assert code == 200 and body["usage"]["completion_tokens"] == 3, body
         # a stop string is not part of the text (transformers serve returned it)
         stop = body["choices"][0]["text"][1:2] or body["choices"][0]["text"][:1]
         code, body = _post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 4,
@@ -478,3 +481,23 @@ def test_stop_strings_are_cut_from_the_text():
             pieces = [(e["choices"][0].get("delta") or e["choices"][0]).get(field) or "" for e in events]
             assert "".join(pieces) == want and events[-1]["choices"][0]["finish_reason"] == "stop", (stop, raw)
             assert raw.rstrip().endswith("data: [DONE]")
+
+
+def test_vllm_sampling_extensions_become_generation_settings():
+    """vLLM's top_k / min_p / repetition_penalty / min_tokens / ignore_eos (sent by `serving.bench --ignore-eos` and
+    by clients written for vLLM) were a 422 {"detail": "Unexpected fields"} from transformers serve: every request
+    of `serving.bench --ignore-eos` failed. They now go into its generation_config (ignore_eos: no stop before
+    max_tokens), merged with one the client sent, and bad values are a 400 naming the field."""
+    body = check_chat_request({"messages": USER, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
+                               "generation_config": json.dumps({"top_p": 0.5})}, 100, lambda b: 30)
+    assert not set(body) & {"top_k", "min_p", "repetition_penalty", "ignore_eos"} and body["max_tokens"] == 70
+    assert json.loads(body["generation_config"]) == {"top_p": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
+                                                     "min_new_tokens": 70}
+    body = check_completion_request({"prompt": "x", "max_tokens": 4, "top_k": -1, "min_tokens": 2})
+    assert json.loads(body["generation_config"]) == {"top_k": None, "min_new_tokens": 2}
+    assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
+    for extra, param in (({"top_k": 1.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens")):
+        with pytest.raises(RequestError) as e:
+            check_chat_request({"messages": USER, "max_tokens": 3, **extra})
+        assert e.value.param == param
