@@ -366,6 +366,10 @@ def check_completion_request(body: Any, context: int | None = None,
     _settings(body, vocab_size, check_generation_config)
     body = dict(body)
     _normalise_settings(body)
+    if body.get("logit_bias"):  # transformers serve applies it to chat completions only, and ignored it here
+        gen = json.loads(body["generation_config"]) if body.get("generation_config") else {}
+        gen["sequence_bias"] = [[[int(k)], v] for k, v in body.pop("logit_bias").items()]
+        body["generation_config"] = json.dumps(gen)
     _bound(body, context, count_prompt(body["prompt"]) if context and count_prompt else 0, "prompt")
     _extensions(body, check_generation_config)
     return body

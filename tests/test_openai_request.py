@@ -134,6 +134,10 @@ def test_text_completions_are_checked_alike():
     # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
     assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
     assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1})["prompt"] == "x"
+    # logit_bias: transformers serve ignores it on text completions; it goes in as the generation's sequence_bias
+    body = check_completion_request({"prompt": "x", "logit_bias": {"112": -100}, "generation_config": '{"top_k": 3}'})
+    assert "logit_bias" not in body and json.loads(body["generation_config"]) == {"top_k": 3,
+                                                                                  "sequence_bias": [[[112], -100.0]]}
     for prompt, needle in ((["a", "b"], "one by one"), ([[1, 2]], "or a list of one"), ([], "or a list of one")):
         with pytest.raises(RequestError, match=needle):
             check_completion_request({"prompt": prompt})
@@ -190,13 +194,20 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                             "max_tokens"), ({"max_tokens": 2}, "prompt")):
             code, body = _post(server.base_url + "/completions", json.dumps(odd).encode())
             assert code == 400 and body["error"]["param"] == param, (odd, body)
-        code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2}')
+        code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": 0}')
         assert code == 200 and body["usage"]["completion_tokens"] == 2
+        plain = body["choices"][0]["text"]
         code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 3, "ignore_eos": true, '
                                                             b'"top_k": 4}')  # vLLM's extensions: a 422 before
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
+        from transformers import AutoTokenizer
+
+        first = AutoTokenizer.from_pretrained(str(tiny_dir))(plain, add_special_tokens=False)["input_ids"][0]
+        code, body = _post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": 0,
+                                                                         "logit_bias": {str(first): -100}}).encode())
+        assert code == 200 and body["choices"][0]["text"] != plain, body  # the bias was ignored: the same text
         # a stop string is not part of the text (transformers serve returned it)
-        stop = body["choices"][0]["text"][1:2] or body["choices"][0]["text"][:1]
+        stop = plain[1:2] or plain[:1]
         code, body = _post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 4,
                                                                          "stop": stop}).encode())
         assert code == 200 and stop not in body["choices"][0]["text"], body
