@@ -253,6 +253,46 @@ class CheckedChatApp:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
+    @staticmethod
+    def _openai_errors(send):
+        """`send`, with an error of the inner server in OpenAI's shape (`{"error": {"message", "type", "param",
+        "code"}}`): transformers serve answers FastAPI's `{"detail": ...}` (422 for a field it does not know, 400
+        for others) or a plain-text 500, which OpenAI clients show as a bare status; a 422 becomes the 400 OpenAI
+        and vLLM answer for an invalid request."""
+        import json
+
+        held: dict = {}
+        chunks: list[bytes] = []
+
+        async def wrapped(message):
+            if message["type"] == "http.response.start" and message.get("status", 200) >= 400:
+                held.update(message)
+                return
+            if not held or message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            status, raw = held["status"], b"".join(chunks)
+            try:
+                obj = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+                out = raw  # already OpenAI's shape
+            else:
+                detail = obj.get("detail") if isinstance(obj, dict) and "detail" in obj else raw.decode(errors="replace")
+                status = 400 if status == 422 else status
+                out = json.dumps({"error": {"message": detail if isinstance(detail, str) else json.dumps(detail),
+                                            "type": "invalid_request_error" if status < 500 else "server_error",
+                                            "param": None, "code": status}}).encode()
+            await send({**held, "status": status, "headers": [
+                (k, v) for k, v in held.get("headers", []) if k.lower() not in (b"content-length", b"content-type")] + [
+                (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+            await send({"type": "http.response.body", "body": out})
+
+        return wrapped
+
     def tool_calls(self, raw: bytes, parallel: bool = True) -> bytes:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
         `message.tool_calls` (arguments as JSON strings; only the first unless `parallel`, as vLLM honours
@@ -302,6 +342,7 @@ class CheckedChatApp:
         from serving.openai_request import RequestError, check_chat_request, check_completion_request
         from serving.responses import chat_request
 
+        send = self._openai_errors(send)
         raw, more = b"", True
         while more:
             msg = await receive()

@@ -512,3 +512,29 @@ def test_vllm_sampling_extensions_become_generation_settings():
         with pytest.raises(RequestError) as e:
             check_chat_request({"messages": USER, "max_tokens": 3, **extra})
         assert e.value.param == param
+
+
+def test_inner_server_errors_come_back_in_openai_shape():
+    """transformers serve refused a field it does not know (vLLM's skip_special_tokens, say) with 422
+    {"detail": ...} and failed with a plain-text 500: OpenAI clients showed a bare status. Now both are
+    {"error": {"message", ...}}, the 422 a 400 as OpenAI and vLLM answer; an error already in that shape is kept."""
+    from serving.local import CheckedChatApp
+
+    answers = [(422, b'{"detail":"Unexpected fields in the request: {\'skip_special_tokens\'}"}'),
+               (500, b"Internal Server Error"), (400, b'{"error": {"message": "mine", "param": "x"}}')]
+
+    async def inner(scope, receive, send):
+        await receive()
+        status, data = answers.pop(0)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data[:5], "more_body": True})
+        await send({"type": "http.response.body", "body": data[5:]})
+
+    app = CheckedChatApp(inner)
+    code, resp = _asgi(app, {"messages": USER, "skip_special_tokens": True})
+    assert code == 400 and "Unexpected fields" in resp["error"]["message"] and "skip_special_tokens" in resp["error"]["message"]
+    code, resp = _asgi(app, {"prompt": "x"}, "/v1/completions")
+    assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "server_error", "param": None,
+                                             "code": 500}
+    assert _asgi(app, {"messages": USER}) == (400, {"error": {"message": "mine", "param": "x"}})
