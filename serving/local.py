@@ -395,11 +395,12 @@ class CheckedChatApp:
             return await self._responses(scope, headers, replay, send, request, body)
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
-        if not tools and not stops and not body.get("stream"):
+        if not tools and not stops and not body.get("stream") and not self.model_name:
             return await self.app({**scope, "headers": headers}, replay, send)
         if body.get("stream"):
             # the stop strings are cut first (transformers serve streams them), then the calls are read
-            filters = ([StopTrim(stops)] if stops else []) + (
+            filters = [ServedName(self.model_name)] if self.model_name else []
+            filters += ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False)] if tools else [])
             status: list[int] = []
             tail = [b""]  # the end of what was sent: a stream ends with `data: [DONE]`, as OpenAI's and vLLM's do
@@ -441,6 +442,8 @@ class CheckedChatApp:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
                 out = self.tool_calls(out, body.get("parallel_tool_calls") is not False)
+            if start.get("status") == 200 and self.model_name:
+                out = ServedName(self.model_name).whole(out)
             await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
                         + [(b"content-length", str(len(out)).encode())]})
             await send({"type": "http.response.body", "body": out})
@@ -488,6 +491,41 @@ class CheckedChatApp:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
+
+
+class ServedName:
+    """A completion (`whole`) or a stream of its chunks (`feed`, `close`) naming the model as it is served (and
+    listed by /v1/models), as vLLM names it: transformers serve answers `NAME@main`."""
+
+    def __init__(self, name: str):
+        self.name, self.raw = name, b""
+
+    def whole(self, raw: bytes) -> bytes:
+        import json
+
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return raw
+        if not isinstance(obj, dict) or "model" not in obj or obj["model"] == self.name:
+            return raw
+        obj["model"] = self.name
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:") or event[5:].strip() == b"[DONE]":
+            return event + b"\n\n"
+        return b"data: " + self.whole(event[5:].strip()) + b"\n\n"
+
+    def feed(self, data: bytes) -> bytes:
+        self.raw += data.replace(b"\r\n", b"\n")
+        *events, self.raw = self.raw.split(b"\n\n")
+        return b"".join(self._event(e) for e in events if e.strip())
+
+    def close(self) -> bytes:
+        out = self._event(self.raw) if self.raw.strip() else b""
+        self.raw = b""
+        return out
 
 
 def _cut(text: str, stops: list[str]) -> int | None:

@@ -271,7 +271,7 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     async def inner(scope, receive, send):
         body = json.loads((await receive())["body"])
         text = content if body.get("tools") else "plain"
-        data = json.dumps({"id": "r1", "object": "chat.completion", "choices": [
+        data = json.dumps({"id": "r1", "object": "chat.completion", "model": "coach@main", "choices": [
             {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
@@ -295,7 +295,9 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     assert code == 400 and resp["error"]["param"] == "messages"
     # another model's name: 404 in OpenAI's shape, as vLLM answers (transformers serve: 400 {"detail": ...})
     named = CheckedChatApp(inner, token_map=token_map, model_name="coach")
-    assert _asgi(named, {"messages": USER, "model": "coach"})[0] == 200
+    # the served name in the answer, as vLLM gives it (transformers serve: coach@main)
+    assert _asgi(named, {"messages": USER, "model": "coach"})[1]["model"] == "coach"
+    assert _asgi(named, {"messages": USER, "tools": [TOOL]})[1]["model"] == "coach"
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         code, resp = _asgi(named, {"messages": USER, "prompt": "x", "input": "x", "model": "gpt-4o"}, path)
         assert code == 404 and resp["error"]["param"] == "model" and "`gpt-4o` does not exist" in resp["error"]["message"]
@@ -373,6 +375,8 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
                                 pieces)
     assert [t["function"]["name"] for c in out for t in c["choices"][0]["delta"].get("tool_calls") or []] == [
         "get_steps"] and out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    named = CheckedChatApp(inner, token_map=token_map, model_name="served")
+    assert {c["model"] for c in _stream_through(named, {"messages": USER, "stream": True}, pieces)[1]} == {"served"}
     # the same stream without tools in the request passes untouched, byte for byte
     plain = CheckedChatApp(inner, token_map=token_map)
     import asyncio
