@@ -456,3 +456,20 @@ def test_flat_tool_declarations_are_sent_in_openai_shape(tmp_path):
     assert [t["function"]["name"] for t in handler.bodies[0]["tools"]] == ["get_steps", "get_heart_rate"]
     assert handler.bodies[0]["tools"][0] == {"type": "function", "function": flat[0]}
     assert file_prompts(str(data), 1, 0)[0].tools == handler.bodies[0]["tools"]  # the benchmark sends them alike
+
+
+def test_bench_reads_a_json_array_dataset(tmp_path):
+    """A .json dataset (one array of rows, as the training reader takes) was read line by line: `[` on its
+    first line was 'not valid JSON'."""
+    from gemma_tpu.core.errors import UserError
+    from serving.bench import file_prompts
+
+    rows = [{"prompt": "héllo"}, {"messages": [{"role": "user", "content": "steps?"}, {"role": "assistant",
+                                                                                      "content": "9000"}]}]
+    data = tmp_path / "d.json"
+    data.write_text("\ufeff" + json.dumps(rows, indent=2, ensure_ascii=False), encoding="utf-8")
+    got = file_prompts(str(data), 2, 0)
+    assert sorted(p.messages[0]["content"] for p in got) == ["héllo", "steps?"]
+    data.write_text(json.dumps([{"prompt": "x"}, 5]))
+    with pytest.raises(UserError, match="item 1: expected a JSON object"):
+        file_prompts(str(data), 1, 0)
