@@ -27,8 +27,8 @@ whole request, streaming included) — so the run ends within about ceil(N / C) 
 server does. Failures are counted and listed; the table is printed either way. Exit status: 0 when at
 least one request completed, 1 when none did.
 
-Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or a JSONL file whose rows
-are chats (`messages`, optional `tools`: the prompt is the conversation up to its first assistant
+Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or a JSONL file (or a JSON array)
+whose rows are chats (`messages`, optional `tools`: the prompt is the conversation up to its first assistant
 turn, e.g. data/fitness/test.jsonl) or `{"prompt": "..."}`; rows are sampled with the seed.
 """
 
@@ -56,6 +56,7 @@ from gemma_tpu.infer.openai_client import (
     describe_body,
     json_object,
     openai_messages,
+    openai_tools,
     served_model_name,
 )
 
@@ -115,18 +116,28 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
     if not p.is_file():
         raise UserError(f"--dataset {path}: no such file (use 'random' or a .jsonl file)")
     rows: list[Prompt] = []
-    for lineno, raw in enumerate(p.read_bytes().splitlines(), 1):
-        where = f"{p}:{lineno}"
-        try:  # line by line, so that a bad byte is reported at its line (as the training data reader does)
-            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
-        if not line.strip():
-            continue
+    data = p.read_bytes()
+    if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):  # a JSON array of rows (a .json dataset), not JSON Lines
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+            items = json.loads(data.decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise UserError(f"{p}: a JSON array that does not parse ({e or 'nested too deeply'})") from None
+        lines = [(f"{p}: item {k}", item) for k, item in enumerate(items)]
+    else:
+        lines = []
+        for lineno, raw in enumerate(data.splitlines(), 1):
+            where = f"{p}:{lineno}"
+            try:  # line by line, so that a bad byte is reported at its line (as the training data reader does)
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                lines.append((where, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+    for where, row in lines:
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected a JSON object")
         limit = row.get("max_tokens", row.get("output_len"))
@@ -141,7 +152,7 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
                 raise UserError(f"{where}: the conversation starts with an assistant turn")
             sent = openai_messages(msgs[:k])
             est = sum(len(str(m.get("content") or "")) for m in sent) // 4
-            rows.append(Prompt(sent, row.get("tools") or None, est, limit))
+            rows.append(Prompt(sent, openai_tools(row.get("tools")), est, limit))
         elif isinstance(row.get("prompt"), str):
             rows.append(Prompt([{"role": "user", "content": row["prompt"]}], None, len(row["prompt"]) // 4, limit))
         else:
@@ -377,7 +388,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (vLLM: --max-concurrency)")
     p.add_argument("--input-len", type=int, default=128, help="words per random prompt (about one token each)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
-    p.add_argument("--dataset", default="random", help="'random' or a JSONL file of chats / prompts")
+    p.add_argument("--dataset", default="random", help="'random' or a JSONL file (or JSON array) of chats / prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here (vllm bench serve field names)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, streaming included")

@@ -13,8 +13,10 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
   pinned model, and would otherwise advertise unrelated cached models it then refuses to serve
   (`CheckedChatApp` answers `/v1/models` with the served name instead);
 * it runs as `python -m serving.local NAME --host H --port P`: `transformers serve`'s own app behind
-  `CheckedChatApp`, which answers a malformed chat (or text) completion with 400 and a JSON error naming the field
-  (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, and returns the FunctionGemma calls in the model's text as
+  `CheckedChatApp`, which answers `/v1/responses` itself through a chat completion (`serving.responses`: the
+  served one fails there), answers a malformed chat (or text) completion with 400 and a JSON error naming the field
+  (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, cuts the stop string
+  that ended a text from it (`trim_stops`, `StopTrim`), and returns the FunctionGemma calls in the model's text as
   `tool_calls` (streamed: as `tool_calls` deltas, `StreamedCalls`), as vLLM's parser does.
 """
 
@@ -233,8 +235,8 @@ def _template_messages(messages: list[dict]) -> list[dict]:
 class CheckedChatApp:
     """ASGI middleware: a POST to /v1/chat/completions (or /v1/completions) is read whole, checked by
     `serving.openai_request` (400 with `{"error": {"message", "type", "param"}}` when malformed, as OpenAI
-    and vLLM answer) and passed on with `max_tokens` resolved; GET /v1/models lists `model_name`;
-    anything else passes untouched."""
+    and vLLM answer; 404 naming another model than `model_name`, as vLLM answers) and passed on with
+    `max_tokens` resolved; GET /v1/models lists `model_name`; anything else passes untouched."""
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
@@ -251,10 +253,51 @@ class CheckedChatApp:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
-    def tool_calls(self, raw: bytes) -> bytes:
+    @staticmethod
+    def _openai_errors(send):
+        """`send`, with an error of the inner server in OpenAI's shape (`{"error": {"message", "type", "param",
+        "code"}}`): transformers serve answers FastAPI's `{"detail": ...}` (422 for a field it does not know, 400
+        for others) or a plain-text 500, which OpenAI clients show as a bare status; a 422 becomes the 400 OpenAI
+        and vLLM answer for an invalid request."""
+        import json
+
+        held: dict = {}
+        chunks: list[bytes] = []
+
+        async def wrapped(message):
+            if message["type"] == "http.response.start" and message.get("status", 200) >= 400:
+                held.update(message)
+                return
+            if not held or message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            status, raw = held["status"], b"".join(chunks)
+            try:
+                obj = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+                out = raw  # already OpenAI's shape
+            else:
+                detail = obj.get("detail") if isinstance(obj, dict) and "detail" in obj else raw.decode(errors="replace")
+                status = 400 if status == 422 else status
+                out = json.dumps({"error": {"message": detail if isinstance(detail, str) else json.dumps(detail),
+                                            "type": "invalid_request_error" if status < 500 else "server_error",
+                                            "param": None, "code": status}}).encode()
+            await send({**held, "status": status, "headers": [
+                (k, v) for k, v in held.get("headers", []) if k.lower() not in (b"content-length", b"content-type")] + [
+                (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+            await send({"type": "http.response.body", "body": out})
+
+        return wrapped
+
+    def tool_calls(self, raw: bytes, parallel: bool = True) -> bytes:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
-        `message.tool_calls` (arguments as JSON strings), the text outside them as `content` and
-        finish_reason `tool_calls`, as vLLM's tool parser answers; anything else unchanged."""
+        `message.tool_calls` (arguments as JSON strings; only the first unless `parallel`, as vLLM honours
+        `parallel_tool_calls: false`), the text outside them as `content` and finish_reason `tool_calls`,
+        as vLLM's tool parser answers; anything else unchanged."""
         import json
 
         from gemma_tpu.formats.function_calling import parse_reply
@@ -273,24 +316,33 @@ class CheckedChatApp:
         rid = resp.get("id") or "call"
         message["tool_calls"] = [{"id": f"{rid}_tool_call_{k}", "type": "function",
                                   "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                                 for k, c in enumerate(reply.calls)]
+                                 for k, c in enumerate(reply.calls if parallel else reply.calls[:1])]
         message["content"] = reply.text or None
         choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "").rstrip("/") if scope["type"] == "http" else ""
-        if path == "/v1/models" and scope["method"] == "GET" and self.model_name:
+        if path.startswith("/v1/models") and scope["method"] == "GET" and self.model_name:
             # the served model, as vLLM lists it (transformers serve lists its hub cache: nothing, offline)
-            return await self._json(send, 200, {"object": "list", "data": [
-                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}]})
+            card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}
+            if path == "/v1/models":
+                return await self._json(send, 200, {"object": "list", "data": [card]})
+            if path == f"/v1/models/{self.model_name}":  # the SDK's models.retrieve (transformers serve: 404)
+                return await self._json(send, 200, card)
+            if path.startswith("/v1/models/"):
+                return await self._json(send, 404, {"error": {
+                    "message": f"The model `{path[len('/v1/models/'):]}` does not exist: this server serves "
+                               f"`{self.model_name}`", "type": "NotFoundError", "param": "model", "code": 404}})
         if scope["type"] != "http" or scope["method"] != "POST" or path not in ("/v1/chat/completions",
-                                                                               "/v1/completions"):
+                                                                               "/v1/completions", "/v1/responses"):
             return await self.app(scope, receive, send)
         import json
 
         from serving.openai_request import RequestError, check_chat_request, check_completion_request
+        from serving.responses import chat_request
 
+        send = self._openai_errors(send)
         raw, more = b"", True
         while more:
             msg = await receive()
@@ -305,6 +357,15 @@ class CheckedChatApp:
                 raise RequestError(None, f"the request body is not valid JSON ({e})") from None
             except RecursionError:
                 raise RequestError(None, "the request body is nested too deeply") from None
+            model = body.get("model") if isinstance(body, dict) else None
+            if self.model_name and isinstance(model, str) and model != self.model_name:
+                # transformers serve answered 400 {"detail": ...}, which clients read as this request's fault
+                return await self._json(send, 404, {"error": {
+                    "message": f"The model `{model}` does not exist: this server serves `{self.model_name}`",
+                    "type": "NotFoundError", "param": "model", "code": 404}})
+            request = body  # a Responses request is answered through the chat completion it amounts to
+            if path == "/v1/responses":
+                body = chat_request(body)
             if path == "/v1/completions":
                 body = check_completion_request(body, self.context, self.count_text, self.vocab_size,
                                                 self.check_generation_config)
@@ -312,8 +373,12 @@ class CheckedChatApp:
                 body = check_chat_request(body, self.context, self.count_prompt, self.vocab_size,
                                           self.check_generation_config)
         except RequestError as e:
-            return await self._json(send, 400, {"error": {"message": str(e), "type": "invalid_request_error",
-                                                          "param": e.param, "code": None}})
+            param, message = e.param, str(e)
+            sent = {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(param or "")
+            if path == "/v1/responses" and sent:  # the chat field it became: name the one sent
+                param, message = sent, message.replace(param, sent)
+            return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
+                                                          "param": param, "code": None}})
         data = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
@@ -326,11 +391,19 @@ class CheckedChatApp:
                 return {"type": "http.request", "body": data, "more_body": False}
             return await receive()
 
-        if path != "/v1/chat/completions" or not body.get("tools") or body.get("tool_choice") == "none":
+        if path == "/v1/responses":
+            return await self._responses(scope, headers, replay, send, request, body)
+        stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
+        tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
+        if not tools and not stops and not body.get("stream") and not self.model_name:
             return await self.app({**scope, "headers": headers}, replay, send)
         if body.get("stream"):
-            calls = StreamedCalls(self.token_map)
+            # the stop strings are cut first (transformers serve streams them), then the calls are read
+            filters = [ServedName(self.model_name)] if self.model_name else []
+            filters += ([StopTrim(stops)] if stops else []) + (
+                [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False)] if tools else [])
             status: list[int] = []
+            tail = [b""]  # the end of what was sent: a stream ends with `data: [DONE]`, as OpenAI's and vLLM's do
 
             async def rewrite(message):
                 if message["type"] == "http.response.start":
@@ -342,7 +415,12 @@ class CheckedChatApp:
                 if message["type"] != "http.response.body" or status[:1] != [200]:
                     return await send(message)
                 more = message.get("more_body", False)
-                out = calls.feed(message.get("body", b"")) + (b"" if more else calls.close())
+                out = message.get("body", b"")
+                for f in filters:
+                    out = f.feed(out) + (b"" if more else f.close())
+                tail[0] = (tail[0] + out)[-64:]
+                if not more and not tail[0].rstrip().endswith(b"data: [DONE]"):  # transformers serve just closed it
+                    out += (b"" if tail[0].endswith(b"\n\n") or not tail[0] else b"\n\n") + b"data: [DONE]\n\n"
                 if out or not more:
                     await send({**message, "body": out})
 
@@ -360,13 +438,184 @@ class CheckedChatApp:
             if message.get("more_body"):
                 return
             out = b"".join(chunks)
-            if start.get("status") == 200:
-                out = self.tool_calls(out)
+            if start.get("status") == 200 and stops:
+                out = trim_stops(out, stops)
+            if start.get("status") == 200 and tools:
+                out = self.tool_calls(out, body.get("parallel_tool_calls") is not False)
+            if start.get("status") == 200 and self.model_name:
+                out = ServedName(self.model_name).whole(out)
             await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
                         + [(b"content-length", str(len(out)).encode())]})
             await send({"type": "http.response.body", "body": out})
 
         await self.app({**scope, "headers": headers}, replay, collect)
+
+
+    async def _responses(self, scope, headers, replay, send, request: dict, chat: dict) -> None:
+        """A Responses request answered by the inner app's (non-streamed) chat completion `chat`, its calls
+        parsed, as a Response object, or as its stream's events when `request` asks for a stream."""
+        import json
+
+        from serving.responses import response_events, response_object
+
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def collect(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        inner = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "headers": headers}
+        await self.app(inner, replay, collect)
+        out = b"".join(chunks)
+        if start.get("status") != 200:  # the inner server's error, as it gave it
+            await send({**start, "headers": [(k, v) for k, v in start.get("headers", [])
+                                             if k.lower() != b"content-length"] + [
+                (b"content-length", str(len(out)).encode())]})
+            return await send({"type": "http.response.body", "body": out})
+        if chat.get("stop"):
+            out = trim_stops(out, [chat["stop"]] if isinstance(chat["stop"], str) else chat["stop"])
+        if chat.get("tools") and chat.get("tool_choice") != "none":
+            out = self.tool_calls(out, chat.get("parallel_tool_calls") is not False)
+        try:
+            resp = response_object(json.loads(out), request, self.model_name)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError):
+            return await self._json(send, 502, {"error": {"message": f"the chat completion behind /v1/responses "
+                                                                     f"was not one: {out[:200]!r}",
+                                                          "type": "server_error", "param": None, "code": None}})
+        if not request.get("stream"):
+            return await self._json(send, 200, resp)
+        data = response_events(resp)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+
+class ServedName:
+    """A completion (`whole`) or a stream of its chunks (`feed`, `close`) naming the model as it is served (and
+    listed by /v1/models), as vLLM names it: transformers serve answers `NAME@main`."""
+
+    def __init__(self, name: str):
+        self.name, self.raw = name, b""
+
+    def whole(self, raw: bytes) -> bytes:
+        import json
+
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return raw
+        if not isinstance(obj, dict) or "model" not in obj or obj["model"] == self.name:
+            return raw
+        obj["model"] = self.name
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:") or event[5:].strip() == b"[DONE]":
+            return event + b"\n\n"
+        return b"data: " + self.whole(event[5:].strip()) + b"\n\n"
+
+    def feed(self, data: bytes) -> bytes:
+        self.raw += data.replace(b"\r\n", b"\n")
+        *events, self.raw = self.raw.split(b"\n\n")
+        return b"".join(self._event(e) for e in events if e.strip())
+
+    def close(self) -> bytes:
+        out = self._event(self.raw) if self.raw.strip() else b""
+        self.raw = b""
+        return out
+
+
+def _cut(text: str, stops: list[str]) -> int | None:
+    """Where the first of `stops` starts in `text` (None: nowhere)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def trim_stops(raw: bytes, stops: list[str]) -> bytes:
+    """A non-streamed chat or text completion that stopped at a stop string, with the text cut where it starts:
+    OpenAI and vLLM return the text without it, transformers serve with it (and whatever its last token held
+    after it). Anything else unchanged."""
+    import json
+
+    try:
+        resp = json.loads(raw)
+        choice = resp["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return raw
+    if not isinstance(choice, dict) or choice.get("finish_reason") != "stop":
+        return raw
+    holder, key = (choice["message"], "content") if isinstance(choice.get("message"), dict) else (choice, "text")
+    text = holder.get(key)
+    at = _cut(text, stops) if isinstance(text, str) else None
+    if at is None:
+        return raw
+    holder[key] = text[:at]
+    return json.dumps(resp, ensure_ascii=False).encode()
+
+
+class StopTrim:
+    """`trim_stops` for a stream (chat `delta.content` or text `text` events): text that might begin a stop
+    string is held until the next piece settles it; from a stop string on, nothing more is sent but the
+    finishing event (and what was held, when no stop string came). `feed` bytes as they come, then `close()`."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.raw = b""
+        self.held = ""
+        self.stopped = False
+
+    def _settled(self, final: bool) -> str:
+        """The held text that can be sent now."""
+        if self.stopped:
+            return ""
+        at = _cut(self.held, self.stops)
+        if at is not None:
+            self.stopped = True
+            out, self.held = self.held[:at], ""
+            return out
+        keep = 0 if final else max((k for s in self.stops for k in range(1, min(len(s), len(self.held) + 1))
+                                    if self.held.endswith(s[:k])), default=0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def _event(self, event: bytes) -> bytes:
+        import json
+
+        data = event[len(b"data:"):].strip() if event.startswith(b"data:") else None
+        try:
+            chunk = json.loads(data) if data and data != b"[DONE]" else None
+            choice = chunk["choices"][0] if isinstance(chunk, dict) and chunk.get("choices") else None
+        except (ValueError, KeyError, IndexError, TypeError):
+            choice = None
+        if not isinstance(choice, dict):
+            return event + b"\n\n"
+        holder, key = (choice["delta"], "content") if isinstance(choice.get("delta"), dict) else (choice, "text")
+        piece = holder.get(key)
+        final = choice.get("finish_reason") is not None
+        if not isinstance(piece, str) and not final:
+            return event + b"\n\n"
+        self.held += piece if isinstance(piece, str) else ""
+        text = self._settled(final)
+        if not text and not final:
+            if not (isinstance(choice.get("delta"), dict) and set(holder) - {key}):
+                return b""  # all of it held (or past a stop string)
+            holder.pop(key, None)  # the role (say) goes on without the held text
+        elif text or isinstance(piece, str):
+            holder[key] = text
+        return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def feed(self, data: bytes) -> bytes:
+        self.raw += data.replace(b"\r\n", b"\n")
+        *events, self.raw = self.raw.split(b"\n\n")
+        return b"".join(self._event(e) for e in events if e.strip())
+
+    def close(self) -> bytes:
+        out = self._event(self.raw) if self.raw.strip() else b""
+        self.raw = b""
+        return out
 
 
 class StreamedCalls:
@@ -379,7 +628,7 @@ class StreamedCalls:
     written without their markers (a server that strips them) stay text: they are known only at the end.
     Feed the body bytes as they come (`feed`), then `close()` for whatever is left."""
 
-    def __init__(self, token_map: dict[str, str] | None):
+    def __init__(self, token_map: dict[str, str] | None, parallel: bool = True):
         from gemma_tpu.formats.function_calling import END_CALL, START_CALL
 
         self.token_map = token_map or {}
@@ -388,6 +637,7 @@ class StreamedCalls:
         self.raw = b""  # bytes of an event not yet complete
         self.held = ""  # text not yet sent: a (possible) call marker and what follows it
         self.calls = 0
+        self.parallel = parallel  # False: the first call only (the request's parallel_tool_calls)
 
     def _chunk(self, like: dict, delta: dict, finish: str | None = None) -> bytes:
         import json
@@ -430,6 +680,8 @@ class StreamedCalls:
                 text = ""
             rid = like.get("id") or "call"
             for call in reply.calls:
+                if not self.parallel and self.calls:  # parallel_tool_calls: false, the first call only
+                    break
                 out += self._chunk(like, {"tool_calls": [{
                     "index": self.calls, "id": f"{rid}_tool_call_{self.calls}", "type": "function",
                     "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}]})

@@ -3,7 +3,7 @@
 `transformers serve` answers many malformed requests with `500 Internal Server Error` (no messages, a
 negative `max_tokens`, tool-call arguments that are not JSON, a content part without a type), ignores
 others silently (`n`, `max_completion_tokens`, `logprobs`, `response_format`, `tool_choice` naming an
-undeclared tool) and generates
+undeclared tool, the legacy `functions` / `function_call`) and generates
 past the model's context when asked. `check_chat_request` refuses what vLLM and the OpenAI API refuse,
 with a message naming the field, and returns the body with `max_tokens` set (from
 `max_completion_tokens`, or what the context leaves when neither is given). Standard library only.
@@ -173,8 +173,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise RequestError("response_format", f"only {{\"type\": \"text\"}} is supported here (no constrained "
                                               f"JSON output), got {json.dumps(fmt)[:80]}")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise RequestError("stream", "expected true or false")
+    for key in ("stream", "parallel_tool_calls"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise RequestError(key, "expected true or false")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
@@ -212,16 +213,63 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
 
 
 def _normalise_settings(body: dict) -> None:
-    """Spellings OpenAI accepts that transformers serve answered with 500: an empty stop list, integer biases."""
-    if body.get("stop") == []:
+    """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
+    misread (an empty stop string ended every text after its first token); a field given as null is absent, as
+    OpenAI reads it (`"chat_template_kwargs": null` was a 500)."""
+    for key in [k for k, v in body.items() if v is None]:
+        del body[key]
+    if body.get("stop") in ([], ""):
         del body["stop"]
     if body.get("logit_bias"):
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
 
 
-def _bound(body: dict, context: int | None, prompt: int, field: str) -> None:
-    """`max_tokens` bounded by what the context leaves after a prompt of `prompt` tokens (vLLM's rule); the
-    default is all of it."""
+# vLLM's sampling extensions (its clients and `vllm bench` send them; `serving.bench --ignore-eos` too), which
+# transformers serve refused with 422 {"detail": "Unexpected fields ..."}: read into its `generation_config`
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
+
+
+def _extensions(body: dict, check_generation_config) -> None:
+    """`top_k`, `min_p`, `repetition_penalty`, `min_tokens` and `ignore_eos` (generate `max_tokens` whatever the
+    end-of-sequence token says) moved into `generation_config`, after `max_tokens` is resolved."""
+    given = {k: body.pop(k) for k in _EXTENSIONS if k in body}
+    if not given:
+        return
+    gen: dict[str, Any] = {}
+    if "top_k" in given:
+        v = given["top_k"]
+        if not _is_int(v) or v < -1:
+            raise RequestError("top_k", f"{v!r} is not a whole number of at least -1 (-1 or 0: no top-k)")
+        gen["top_k"] = v if v > 0 else None
+    if "min_p" in given:
+        if not _is_number(given["min_p"]) or not 0 <= given["min_p"] <= 1:
+            raise RequestError("min_p", f"{given['min_p']!r} is not a number in [0, 1]")
+        gen["min_p"] = given["min_p"] or None
+    if "repetition_penalty" in given:
+        if not _is_number(given["repetition_penalty"]) or given["repetition_penalty"] <= 0:
+            raise RequestError("repetition_penalty", f"{given['repetition_penalty']!r} is not a positive number")
+        gen["repetition_penalty"] = float(given["repetition_penalty"])
+    if "min_tokens" in given:
+        if not _is_int(given["min_tokens"]) or given["min_tokens"] < 0:
+            raise RequestError("min_tokens", f"{given['min_tokens']!r} is not a whole number of at least 0")
+        if body.get("max_tokens") is not None and given["min_tokens"] > body["max_tokens"]:
+            raise RequestError("min_tokens", f"{given['min_tokens']} is more than max_tokens ({body['max_tokens']})")
+        gen["min_new_tokens"] = given["min_tokens"]
+    if "ignore_eos" in given:
+        if not isinstance(given["ignore_eos"], bool):
+            raise RequestError("ignore_eos", "expected true or false")
+        if given["ignore_eos"] and body.get("max_tokens") is not None:
+            gen["min_new_tokens"] = body["max_tokens"]  # no stop before max_tokens: what ignoring the EOS does
+    own = json.loads(body["generation_config"]) if body.get("generation_config") else {}
+    merged = {**own, **gen}
+    if check_generation_config:
+        check_generation_config(merged)
+    body["generation_config"] = json.dumps(merged)
+
+
+def _bound(body: dict, context: int | None, prompt: int, field: str, asked: str = "max_tokens") -> None:
+    """`max_tokens` (sent as `asked`) bounded by what the context leaves after a prompt of `prompt` tokens (vLLM's
+    rule); the default is all of it."""
     if not context:
         return
     if prompt >= context:
@@ -231,8 +279,8 @@ def _bound(body: dict, context: int | None, prompt: int, field: str) -> None:
     if body.get("max_tokens") is None:
         body["max_tokens"] = room
     elif body["max_tokens"] > room:
-        raise RequestError("max_tokens", f"{body['max_tokens']} new tokens after a prompt of {prompt} pass this "
-                                         f"model's context of {context} tokens: ask for at most {room}")
+        raise RequestError(asked, f"{body['max_tokens']} new tokens after a prompt of {prompt} pass this "
+                                  f"model's context of {context} tokens: ask for at most {room}")
 
 
 def check_chat_request(body: Any, context: int | None = None,
@@ -263,6 +311,10 @@ def check_chat_request(body: Any, context: int | None = None,
                                                                   f"message before it ({', '.join(map(str, open_ids))})")
         else:
             open_ids = None
+    for key, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if body.get(key) is not None:  # transformers serve ignored them: the model saw no declarations at all
+            raise RequestError(key, f"the legacy function-calling field is not supported here; send `{instead}` "
+                                    f"(and read the calls from message.tool_calls)")
     names = _tools(body["tools"]) if body.get("tools") is not None else []
     _tool_choice(body.get("tool_choice"), names)
     if body.get("model") is not None and not isinstance(body["model"], str):
@@ -270,14 +322,20 @@ def check_chat_request(body: Any, context: int | None = None,
     _settings(body, vocab_size, check_generation_config)
     body = dict(body)
     _normalise_settings(body)
+    # a message as the OpenAI SDK dumps one it returned (`"tool_calls": null`, `"refusal": null`, ...) or with
+    # `"tool_calls": []`: transformers serve failed on the null (500) and dropped the content beside the empty list
+    body["messages"] = [{k: v for k, v in m.items() if k in ("role", "content") or (
+        v is not None and not (k == "tool_calls" and v == []))} for m in body["messages"]]
     # call arguments given as an object or as an empty string: transformers serve reads a JSON string
     body["messages"] = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(_arguments(
         c["function"].get("arguments", "{}"), ""), ensure_ascii=False)}} for c in m["tool_calls"]]}
                         if m.get("tool_calls") else m for m in body["messages"]]
     asked = body.pop("max_completion_tokens", None)
+    field = "max_tokens"
     if body.get("max_tokens") is None and asked is not None:
-        body["max_tokens"] = asked
-    _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages")
+        body["max_tokens"], field = asked, "max_completion_tokens"  # an error names the field the client sent
+    _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages", field)
+    _extensions(body, check_generation_config)
     return body
 
 
@@ -285,15 +343,33 @@ def check_completion_request(body: Any, context: int | None = None,
                              count_prompt: Callable[[str], int] | None = None, vocab_size: int | None = None,
                              check_generation_config: Callable[[dict], None] | None = None) -> dict:
     """A text completion (`/v1/completions`) checked like a chat completion: `prompt` a string (what
-    transformers serve reads), the same generation settings, `max_tokens` bounded by the context."""
+    transformers serve reads; a list of one string is that string), the same generation settings, `max_tokens`
+    bounded by the context."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
-    if not isinstance(body.get("prompt"), str):
-        raise RequestError("prompt", f"expected a string, got {_json_type(body.get('prompt'))}")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        body = {**body, "prompt": prompt[0]}  # a batch of one, as LangChain and the SDK's list form send it
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise RequestError("prompt", f"a batch of {len(prompt)} prompts: this server completes one prompt a "
+                                     f"request; send them one by one")
+    elif not isinstance(prompt, str):
+        raise RequestError("prompt", f"expected a string (or a list of one), got {_json_type(prompt)}")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model", "expected a string")
+    # accepted and ignored by transformers serve: the client would read a text without its prompt, or one choice
+    # as the best of several
+    if body.get("echo"):
+        raise RequestError("echo", "this server returns the completion without the prompt (echo is not supported)")
+    if body.get("best_of") is not None and body["best_of"] != 1:
+        raise RequestError("best_of", f"{body['best_of']!r}: this server generates one completion (best_of=1)")
     _settings(body, vocab_size, check_generation_config)
     body = dict(body)
     _normalise_settings(body)
+    if body.get("logit_bias"):  # transformers serve applies it to chat completions only, and ignored it here
+        gen = json.loads(body["generation_config"]) if body.get("generation_config") else {}
+        gen["sequence_bias"] = [[[int(k)], v] for k, v in body.pop("logit_bias").items()]
+        body["generation_config"] = json.dumps(gen)
     _bound(body, context, count_prompt(body["prompt"]) if context and count_prompt else 0, "prompt")
+    _extensions(body, check_generation_config)
     return body

@@ -417,3 +417,59 @@ def test_evaluate_scores_a_refused_request_as_wrong_and_goes_on(tmp_path):
                            "--limit", "8", "--json", str(out.with_name("s.json")))
     assert_one_line_error(proc, "refused each of the first 5 requests", "HTTP 400", "maximum context length")
     assert handler.seen == 5 and not out.with_name("s.json").exists()
+
+
+class Checking(Flaky):
+    """Answers as `Flaky` does, after refusing (HTTP 400) what the local server's check refuses; keeps the bodies."""
+
+    bodies: list = []
+
+    def do_POST(self):
+        from serving.openai_request import RequestError, check_chat_request
+
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        type(self).bodies.append(body)
+        try:
+            check_chat_request(body)
+        except RequestError as e:
+            return self._json(400, {"error": {"message": str(e), "param": e.param}})
+        call = {"id": "c", "type": "function", "function": {"name": "get_steps", "arguments": "{\"date\": \"today\"}"}}
+        self._json(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": None,
+                                                              "tool_calls": [call]}}]})
+
+
+def test_flat_tool_declarations_are_sent_in_openai_shape(tmp_path):
+    """Data declaring tools flat (`{"name", "parameters"}`, as many datasets do and training reads) went to the
+    server as it was: OpenAI, vLLM and our local server refuse it (400), so every example was `refused`."""
+    from serving.bench import file_prompts
+
+    flat = [{"name": "get_steps", "description": "steps", "parameters": {"type": "object", "properties": {
+        "date": {"type": "string"}}}}, {"type": "function", "function": {"name": "get_heart_rate"}}]
+    data = tmp_path / "flat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "tool_calls": [
+        {"name": "get_steps", "arguments": {"date": "today"}}]}], "tools": flat}) + "\n")
+    handler = type("CheckingNow", (Checking,), {"bodies": []})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(data), "--endpoint", url, "--served-model", "m")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^argument_accuracy\s+1\.0000$", proc.stdout, re.M), proc.stdout
+    assert [t["function"]["name"] for t in handler.bodies[0]["tools"]] == ["get_steps", "get_heart_rate"]
+    assert handler.bodies[0]["tools"][0] == {"type": "function", "function": flat[0]}
+    assert file_prompts(str(data), 1, 0)[0].tools == handler.bodies[0]["tools"]  # the benchmark sends them alike
+
+
+def test_bench_reads_a_json_array_dataset(tmp_path):
+    """A .json dataset (one array of rows, as the training reader takes) was read line by line: `[` on its
+    first line was 'not valid JSON'."""
+    from gemma_tpu.core.errors import UserError
+    from serving.bench import file_prompts
+
+    rows = [{"prompt": "héllo"}, {"messages": [{"role": "user", "content": "steps?"}, {"role": "assistant",
+                                                                                      "content": "9000"}]}]
+    data = tmp_path / "d.json"
+    data.write_text("\ufeff" + json.dumps(rows, indent=2, ensure_ascii=False), encoding="utf-8")
+    got = file_prompts(str(data), 2, 0)
+    assert sorted(p.messages[0]["content"] for p in got) == ["héllo", "steps?"]
+    data.write_text(json.dumps([{"prompt": "x"}, 5]))
+    with pytest.raises(UserError, match="item 1: expected a JSON object"):
+        file_prompts(str(data), 1, 0)

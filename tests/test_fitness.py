@@ -407,6 +407,25 @@ def test_score_on_hand_made_predictions():
     assert m["per_tool"]["get_heart_rate"] == {"n": 6, "tool_accuracy": 2 / 6, "argument_accuracy": 1 / 6}
 
 
+def test_parallel_reference_calls_are_all_scored():
+    """A reference turn of two calls scored its first call only: a model that made that one call alone scored
+    right. Now every reference call needs a predicted call of its own (order free, extras allowed)."""
+    from gemma_tpu.evaluate.run import build_cases, score
+
+    tools = [{"type": "function", "function": {"name": n}} for n in ("get_steps", "get_heart_rate")]
+    conv = {"tools": tools, "messages": [{"role": "user", "content": "steps and pulse?"}, {"role": "assistant",
+            "content": "", "tool_calls": [{"name": "get_steps", "arguments": {"date": "today"}},
+                                          {"name": "get_heart_rate", "arguments": {"date": "today"}}]}]}
+    steps, pulse = ToolCall("get_steps", {"date": "today"}), ToolCall("get_heart_rate", {"date": "today"})
+    preds = [[steps], [pulse, steps], [steps, steps], [steps, ToolCall("get_heart_rate", {"date": "2020-01-01"})],
+             [steps, pulse, ToolCall("get_steps", {})]]
+    cases = build_cases([conv] * len(preds))
+    assert [c.name for c in cases[0].calls] == ["get_steps", "get_heart_rate"] and cases[0].reference == steps
+    per = [score([c], [ParsedReply("call", p, "")]) for c, p in zip(cases, preds)]
+    assert [(m["tool_accuracy"], m["argument_accuracy"]) for m in per] == [
+        (0.0, 0.0), (1.0, 1.0), (0.0, 0.0), (1.0, 0.0), (1.0, 1.0)]
+
+
 def test_answer_scores_by_hand():
     """Exact match, token F1 and ROUGE-L on normalised words, with values worked out by hand."""
     from gemma_tpu.evaluate.answers import answer_scores, exact_match, rouge_l, token_f1, words

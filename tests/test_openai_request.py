@@ -49,6 +49,7 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "n": 2}, "n", "one choice"),
     ({"messages": USER, "stop": 5}, "stop", "string"),
     ({"messages": USER, "stream": "yes"}, "stream", "true or false"),
+    ({"messages": USER, "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
     ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"messages": USER, "tools": {"name": "f"}}, "tools", "list"),
     ({"messages": USER, "tools": [{"name": "f"}]}, "tools[0]", "function"),
@@ -68,6 +69,9 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "not returned"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"messages": USER + [{"role": "tool", "content": "5"}]}, "messages[1].role", "preceding assistant"),
+    # the legacy function calling, which transformers serve ignored (the model saw no declarations)
+    ({"messages": USER, "functions": [TOOL["function"]]}, "functions", "send `tools`"),
+    ({"messages": USER, "tools": [TOOL], "function_call": "auto"}, "function_call", "send `tool_choice`"),
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
                           {"role": "tool", "tool_call_id": "b", "content": "5"}]},
      "messages[2].tool_call_id", "'b' names none of the calls"),
@@ -94,13 +98,25 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     fixed = check_chat_request({"messages": USER + [{"role": "assistant", "tool_calls": [
         {"id": "a", "function": {"name": "f", "arguments": {"x": "é"}}}]}], "stop": [], "logit_bias": {"5": -100}})
     assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
+    assert "stop" not in check_chat_request({"messages": USER, "stop": ""})  # it ended every text after one token
+    assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
+    # an answer sent back as the SDK dumps it (None fields; transformers serve: 500) or with an empty call list
+    # (transformers serve dropped its content): the text and the role only
+    dumped = {"content": "Hi!", "refusal": None, "role": "assistant", "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+    for sent in (dumped, {"role": "assistant", "content": "Hi!", "tool_calls": []}):
+        assert check_chat_request({"messages": USER + [sent] + USER})["messages"][1] == {"role": "assistant",
+                                                                                         "content": "Hi!"}
     # the context bounds max_tokens (vLLM's rule): the default is what the prompt leaves
     assert check_chat_request({"messages": USER}, 100, lambda b: 30)["max_tokens"] == 70
     with pytest.raises(RequestError, match="at most 70") as e:
         check_chat_request({"messages": USER, "max_tokens": 71}, 100, lambda b: 30)
     assert e.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="at most 70") as e:  # named max_tokens, which the client never sent
+        check_chat_request({"messages": USER, "max_completion_tokens": 71}, 100, lambda b: 30)
+    assert e.value.param == "max_completion_tokens" and str(e.value).startswith("max_completion_tokens: 71 ")
     with pytest.raises(RequestError, match="the prompt is 100 tokens") as e:
         check_chat_request({"messages": USER}, 100, lambda b: 100)
     assert e.value.param == "messages"
@@ -108,11 +124,23 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
 
 def test_text_completions_are_checked_alike():
     for body, param in (({}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "max_tokens": 0},
-                        "max_tokens"), ({"prompt": "x", "temperature": 9}, "temperature"), ({"prompt": "x", "n": 3}, "n")):
+                        "max_tokens"), ({"prompt": "x", "temperature": 9}, "temperature"), ({"prompt": "x", "n": 3}, "n"),
+                        # ignored by transformers serve: the text came back without the prompt asked for
+                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of")):
         with pytest.raises(RequestError) as e:
             check_completion_request(body)
         assert e.value.param == param
     assert check_completion_request({"prompt": "héllo", "stop": []}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
+    assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1})["prompt"] == "x"
+    # logit_bias: transformers serve ignores it on text completions; it goes in as the generation's sequence_bias
+    body = check_completion_request({"prompt": "x", "logit_bias": {"112": -100}, "generation_config": '{"top_k": 3}'})
+    assert "logit_bias" not in body and json.loads(body["generation_config"]) == {"top_k": 3,
+                                                                                  "sequence_bias": [[[112], -100.0]]}
+    for prompt, needle in ((["a", "b"], "one by one"), ([[1, 2]], "or a list of one"), ([], "or a list of one")):
+        with pytest.raises(RequestError, match=needle):
+            check_completion_request({"prompt": prompt})
     with pytest.raises(RequestError, match="at most 45"):
         check_completion_request({"prompt": "héllo", "max_tokens": 46}, 50, len)
 
@@ -149,7 +177,9 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             code, body = _post(url, payload)
             assert code == 400 and isinstance(body, dict), (payload, code, body)
             assert body["error"]["param"] == param and body["error"]["message"], body
-        for odd in ({"stop": []}, {"logit_bias": {"5": -100}}, {"messages": USER + [{"role": "assistant", "tool_calls": [
+        for odd in ({"stop": []}, {"logit_bias": {"5": -100}}, {"chat_template_kwargs": None}, {"messages": USER + [{"role": "assistant", "content": "x",
+                                                                                   "tool_calls": None}] + USER},
+                    {"messages": USER + [{"role": "assistant", "tool_calls": [
                 {"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]},
                 {"role": "tool", "tool_call_id": "1", "content": "x"}], "tools": [TOOL]}):
             code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
@@ -164,30 +194,51 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                             "max_tokens"), ({"max_tokens": 2}, "prompt")):
             code, body = _post(server.base_url + "/completions", json.dumps(odd).encode())
             assert code == 400 and body["error"]["param"] == param, (odd, body)
-        code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2}')
+        code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": 0}')
         assert code == 200 and body["usage"]["completion_tokens"] == 2
+        plain = body["choices"][0]["text"]
+        code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 3, "ignore_eos": true, '
+                                                            b'"top_k": 4}')  # vLLM's extensions: a 422 before
+        assert code == 200 and body["usage"]["completion_tokens"] == 3, body
+        from transformers import AutoTokenizer
+
+        first = AutoTokenizer.from_pretrained(str(tiny_dir))(plain, add_special_tokens=False)["input_ids"][0]
+        code, body = _post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": 0,
+                                                                         "logit_bias": {str(first): -100}}).encode())
+        assert code == 200 and body["choices"][0]["text"] != plain, body  # the bias was ignored: the same text
+        # a stop string is not part of the text (transformers serve returned it)
+        stop = plain[1:2] or plain[:1]
+        code, body = _post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 4,
+                                                                         "stop": stop}).encode())
+        assert code == 200 and stop not in body["choices"][0]["text"], body
         # /v1/models names the served model (it listed nothing), and that name is accepted
         with urllib.request.urlopen(server.base_url + "/models", timeout=30) as resp:
             assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
+        with urllib.request.urlopen(server.base_url + "/models/tiny", timeout=30) as resp:  # models.retrieve: was 404
+            assert json.loads(resp.read())["id"] == "tiny"
         assert _post(url, json.dumps({"messages": USER, "max_tokens": 1, "model": "tiny"}).encode())[0] == 200
         assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
+        # /v1/responses: transformers serve answered 500 (and cut streams before response.completed)
+        code, body = _post(server.base_url + "/responses", json.dumps({"input": "hi", "max_output_tokens": 2}).encode())
+        assert code == 200 and body["status"] == "incomplete" and body["usage"]["output_tokens"] == 2, body
         # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
         good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
                            "max_completion_tokens": 3, "temperature": 0}).encode()
         code, body = _post(url, good, "text/plain")
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
-        assert code == 200 and text.rstrip().endswith("}") and '"finish_reason":"length"' in text
+        # it ends with data: [DONE], as OpenAI's and vLLM's streams do (transformers serve just closed it)
+        assert code == 200 and text.rstrip().endswith("}\n\ndata: [DONE]") and '"finish_reason":"length"' in text
         # streamed with tools, the events pass through the call rewriting (StreamedCalls) whole
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True, "tools": [TOOL]}).encode())
-        events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip()]
+        events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip() and "[DONE]" not in e]
         assert code == 200 and events[-1]["choices"][0]["finish_reason"] == "length", text
         assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
 
-def _asgi_post(app, body: dict) -> tuple[dict, bytes, list[dict]]:
-    """One POST /v1/chat/completions through an ASGI app, without a server: the response's start message, its
-    body, and every message sent."""
+def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False, method: str = "POST"):
+    """One POST (or `method`) of `path` (default /v1/chat/completions) through an ASGI app, without a server:
+    (status, parsed body)."""
     import asyncio
 
     sent: list[dict] = []
@@ -198,16 +249,13 @@ def _asgi_post(app, body: dict) -> tuple[dict, bytes, list[dict]]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    scope = {"type": "http", "method": method, "path": path, "headers": []}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
-    return start, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), sent
-
-
-def _asgi(app, body: dict) -> tuple[int, dict]:
-    start, data, _ = _asgi_post(app, body)
-    assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
-    return start["status"], json.loads(data)
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if not raw or b"content-length" in dict(start["headers"]):  # a stream (raw) may go without one
+        assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
+    return start["status"], data.decode() if raw else json.loads(data)
 
 
 def test_calls_in_the_models_text_come_back_as_tool_calls():
@@ -223,7 +271,7 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     async def inner(scope, receive, send):
         body = json.loads((await receive())["body"])
         text = content if body.get("tools") else "plain"
-        data = json.dumps({"id": "r1", "object": "chat.completion", "choices": [
+        data = json.dumps({"id": "r1", "object": "chat.completion", "model": "coach@main", "choices": [
             {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
@@ -238,19 +286,50 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
         ("r1_tool_call_0", "function", "get_steps", {"date": "yesterday", "n": 3}),
         ("r1_tool_call_1", "function", "3d", {})]
     assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"] == {"role": "assistant", "content": "plain"}
+    # parallel_tool_calls: false gets the first call only, as vLLM answers it (both came back)
+    code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "parallel_tool_calls": False})
+    assert [c["function"]["name"] for c in resp["choices"][0]["message"]["tool_calls"]] == ["get_steps"]
     code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": "none"})  # calls not parsed
     assert resp["choices"][0]["message"]["content"] == content and "tool_calls" not in resp["choices"][0]["message"]
     code, resp = _asgi(app, {"messages": []})
     assert code == 400 and resp["error"]["param"] == "messages"
+    # another model's name: 404 in OpenAI's shape, as vLLM answers (transformers serve: 400 {"detail": ...})
+    named = CheckedChatApp(inner, token_map=token_map, model_name="coach")
+    # the served name in the answer, as vLLM gives it (transformers serve: coach@main)
+    assert _asgi(named, {"messages": USER, "model": "coach"})[1]["model"] == "coach"
+    assert _asgi(named, {"messages": USER, "tools": [TOOL]})[1]["model"] == "coach"
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        code, resp = _asgi(named, {"messages": USER, "prompt": "x", "input": "x", "model": "gpt-4o"}, path)
+        assert code == 404 and resp["error"]["param"] == "model" and "`gpt-4o` does not exist" in resp["error"]["message"]
+    # GET /v1/models/NAME (the SDK's models.retrieve) describes the served model; another name is a 404 in kind
+    assert _asgi(named, {}, "/v1/models/coach", method="GET") == (200, {
+        "id": "coach", "object": "model", "created": 0, "owned_by": "gemma-tpu"})
+    code, resp = _asgi(named, {}, "/v1/models/gpt-4o", method="GET")
+    assert code == 404 and "`gpt-4o` does not exist" in resp["error"]["message"]
 
 
-def _stream_through(app, body: dict) -> tuple[int, list[dict]]:
-    """POST a streaming request through `app`: the events that come out, parsed."""
-    start, data, sent = _asgi_post(app, body)
+def _stream_through(app, body: dict, pieces: list[bytes]) -> tuple[int, list[dict]]:
+    """POST a streaming request through `app` whose inner server sends `pieces` as body messages; the
+    events that come out, parsed."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
     assert b"content-length" not in dict(start["headers"])
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert sent[-1]["type"] == "http.response.body" and not sent[-1].get("more_body")
     events = [e for e in data.decode().split("\n\n") if e.strip()]
     assert all(e.startswith("data: ") for e in events), events
+    assert events.pop() == "data: [DONE]" and "data: [DONE]" not in events, events  # once, last
     return start["status"], [json.loads(e[len("data: "):]) for e in events]
 
 
@@ -281,7 +360,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
             await send({"type": "http.response.body", "body": piece, "more_body": k < len(pieces) - 1})
 
     app = CheckedChatApp(inner, token_map=token_map)
-    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True})
+    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True}, pieces)
     assert code == 200 and out[0]["choices"][0]["delta"] == {"role": "assistant"}
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in out)
     calls = [tc for c in out for tc in c["choices"][0]["delta"].get("tool_calls") or []]
@@ -292,5 +371,174 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
         (0, "r1_tool_call_0", "get_steps", {"date": "yesterday", "n": 3}), (1, "r1_tool_call_1", "3d", {})]
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"] == {"completion_tokens": 9}
     assert all(c["id"] == "r1" and c["object"] == "chat.completion.chunk" for c in out)
+    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True, "parallel_tool_calls": False},
+                                pieces)
+    assert [t["function"]["name"] for c in out for t in c["choices"][0]["delta"].get("tool_calls") or []] == [
+        "get_steps"] and out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    named = CheckedChatApp(inner, token_map=token_map, model_name="served")
+    assert {c["model"] for c in _stream_through(named, {"messages": USER, "stream": True}, pieces)[1]} == {"served"}
     # the same stream without tools in the request passes untouched, byte for byte
-    assert _asgi_post(CheckedChatApp(inner, token_map=token_map), {"messages": USER, "stream": True})[1] == stream
+    plain = CheckedChatApp(inner, token_map=token_map)
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps({"messages": USER, "stream": True}).encode()}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send))
+    assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == stream + b"data: [DONE]\n\n"
+
+
+def test_responses_api_is_answered_through_a_chat_completion():
+    """`/v1/responses` went to transformers serve, which answered 500 without `stream`, cut every stream off before
+    `response.completed` (the openai SDK's helpers raise), streamed when `stream` was absent and left calls as text.
+    Now the request becomes a checked chat completion and its answer a Response: calls as function_call items,
+    `incomplete` when cut at max_output_tokens, the events of a stream ending in response.completed."""
+    from serving.local import CheckedChatApp
+
+    seen: list[dict] = []
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+
+    async def inner(scope, receive, send):
+        assert scope["path"] == "/v1/chat/completions"
+        body = json.loads((await receive())["body"])
+        seen.append(body)
+        text = "Sure. <unused2>call:get_steps{date:<unused6>today<unused6>}<unused3>" if body.get("tools") else "hé"
+        data = json.dumps({"id": "r1", "created": 5, "model": "m", "choices": [{"index": 0, "finish_reason": "length"
+                           if body.get("max_tokens") == 2 else "stop", "message": {"role": "assistant", "content": text}}],
+                           "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
+
+    app = CheckedChatApp(inner, token_map=token_map, model_name="tiny")
+    tool = {"type": "function", "name": "get_steps", "parameters": {"type": "object", "properties": {}}}
+    code, resp = _asgi(app, {"model": "tiny", "instructions": "be brief", "tools": [tool], "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "steps?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_steps", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "5"},
+        {"role": "user", "content": "and today?"}]}, "/v1/responses")
+    assert seen[-1]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "steps?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_steps", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "user", "content": "and today?"}]
+    assert seen[-1]["tools"] == [{"type": "function", "function": {k: tool[k] for k in ("name", "parameters")}}]
+    assert code == 200 and resp["status"] == "completed" and resp["output_text"] == "Sure."
+    call = resp["output"][1]
+    assert (call["type"], call["name"], json.loads(call["arguments"]), call["call_id"]) == (
+        "function_call", "get_steps", {"date": "today"}, "r1_tool_call_0")
+    assert resp["usage"]["input_tokens"] == 7 and resp["usage"]["output_tokens"] == 2 and resp["model"] == "tiny"
+    code, resp = _asgi(app, {"input": "hi", "max_output_tokens": 2}, "/v1/responses")
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert resp["output"][0]["content"][0]["text"] == "hé" and seen[-1]["stream"] is False
+    code, text = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "hé"
+    assert events[-1]["response"]["output_text"] == "hé" and seen[-1]["stream"] is False
+    for body, param in (({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"), ({"input": []}, "input"),
+                        ({}, "input"), ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type"),
+                        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+                        ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format")):
+        code, resp = _asgi(app, body, "/v1/responses")
+        assert code == 400 and resp["error"]["param"] == param, (body, resp)
+
+
+def test_stop_strings_are_cut_from_the_text():
+    """transformers serve returned the stop string that ended the text (`stop: ["\\n\\nUser:"]` gave "...\\n\\nUser:");
+    OpenAI and vLLM return the text before it. Cut alike for chat and text completions, streamed (a stop string
+    split over deltas is held until settled) or not, and before the calls are read."""
+    from serving.local import CheckedChatApp
+
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+    text = "Hello ## there<unused2>call:get_steps{}<unused3>"
+    deltas = ["Hel", "lo #", "# the", "re"]
+
+    def sse(objs):
+        return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + b"data: [DONE]\n\n"
+
+    async def inner(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        chat = scope["path"] == "/v1/chat/completions"
+        if body.get("stream"):
+            def ev(piece, finish=None):
+                ch = {"index": 0, "finish_reason": finish}
+                ch.update({"delta": {"content": piece} if piece is not None else {}} if chat else {"text": piece or ""})
+                return {"id": "r", "choices": [ch]}
+            data = sse([ev(d) for d in deltas] + [ev(None, "stop")])
+        else:
+            choice = {"index": 0, "finish_reason": "stop"}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            data = json.dumps({"id": "r", "choices": [choice]}).encode()
+        length = [] if body.get("stream") else [(b"content-length", str(len(data)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": length})
+        await send({"type": "http.response.body", "body": data})
+
+    app = CheckedChatApp(inner, token_map=token_map)
+    code, resp = _asgi(app, {"messages": USER, "stop": ["zz", "##"]})
+    assert code == 200 and resp["choices"][0]["message"]["content"] == "Hello "
+    assert _asgi(app, {"prompt": "x", "stop": "<unused2>"}, "/v1/completions")[1]["choices"][0]["text"] == "Hello ## there"
+    code, resp = _asgi(app, {"messages": USER, "stop": "call", "tools": [TOOL]})  # the call is not read past the stop
+    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "Hello ## there<unused2>"}
+    assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"]["content"] == text  # no stop: untouched
+    for path, body, field in (("/v1/chat/completions", {"messages": USER}, "content"), ("/v1/completions",
+                                                                                          {"prompt": "x"}, "text")):
+        for stop, want in (("##", "Hello "), ("# t", "Hello #"), ("lo", "Hel"), ("#x", "Hello ## there")):
+            code, raw = _asgi(app, {**body, "stream": True, "stop": stop}, path, raw=True)
+            events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+            pieces = [(e["choices"][0].get("delta") or e["choices"][0]).get(field) or "" for e in events]
+            assert "".join(pieces) == want and events[-1]["choices"][0]["finish_reason"] == "stop", (stop, raw)
+            assert raw.rstrip().endswith("data: [DONE]")
+
+
+def test_vllm_sampling_extensions_become_generation_settings():
+    """vLLM's top_k / min_p / repetition_penalty / min_tokens / ignore_eos (sent by `serving.bench --ignore-eos` and
+    by clients written for vLLM) were a 422 {"detail": "Unexpected fields"} from transformers serve: every request
+    of `serving.bench --ignore-eos` failed. They now go into its generation_config (ignore_eos: no stop before
+    max_tokens), merged with one the client sent, and bad values are a 400 naming the field."""
+    body = check_chat_request({"messages": USER, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
+                               "generation_config": json.dumps({"top_p": 0.5})}, 100, lambda b: 30)
+    assert not set(body) & {"top_k", "min_p", "repetition_penalty", "ignore_eos"} and body["max_tokens"] == 70
+    assert json.loads(body["generation_config"]) == {"top_p": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
+                                                     "min_new_tokens": 70}
+    body = check_completion_request({"prompt": "x", "max_tokens": 4, "top_k": -1, "min_tokens": 2})
+    assert json.loads(body["generation_config"]) == {"top_k": None, "min_new_tokens": 2}
+    assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
+    for extra, param in (({"top_k": 1.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens")):
+        with pytest.raises(RequestError) as e:
+            check_chat_request({"messages": USER, "max_tokens": 3, **extra})
+        assert e.value.param == param
+
+
+def test_inner_server_errors_come_back_in_openai_shape():
+    """transformers serve refused a field it does not know (vLLM's skip_special_tokens, say) with 422
+    {"detail": ...} and failed with a plain-text 500: OpenAI clients showed a bare status. Now both are
+    {"error": {"message", ...}}, the 422 a 400 as OpenAI and vLLM answer; an error already in that shape is kept."""
+    from serving.local import CheckedChatApp
+
+    answers = [(422, b'{"detail":"Unexpected fields in the request: {\'skip_special_tokens\'}"}'),
+               (500, b"Internal Server Error"), (400, b'{"error": {"message": "mine", "param": "x"}}')]
+
+    async def inner(scope, receive, send):
+        await receive()
+        status, data = answers.pop(0)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data[:5], "more_body": True})
+        await send({"type": "http.response.body", "body": data[5:]})
+
+    app = CheckedChatApp(inner)
+    code, resp = _asgi(app, {"messages": USER, "skip_special_tokens": True})
+    assert code == 400 and "Unexpected fields" in resp["error"]["message"] and "skip_special_tokens" in resp["error"]["message"]
+    code, resp = _asgi(app, {"prompt": "x"}, "/v1/completions")
+    assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "server_error", "param": None,
+                                             "code": 500}
+    assert _asgi(app, {"messages": USER}) == (400, {"error": {"message": "mine", "param": "x"}})

@@ -4,7 +4,8 @@ Scores tool calling on held-out conversations. For each example the model sees t
 up to its first assistant turn (developer/system turn with the tool declarations, user request)
 and generates greedily; its first call is compared with the reference call:
 
-    tool_accuracy          the first call names the reference tool
+    tool_accuracy          the first call names the reference tool (a reference turn of several calls: every
+                           one is matched by a call of its name, in any order)
     argument_accuracy      ... and every reference argument is equal (types normalised: 5 == "5")
     hallucinated_tool_rate a call names a tool the example does not declare
     no_call_rate           plain text, no call attempted
@@ -54,6 +55,7 @@ from gemma_tpu.infer.openai_client import (  # noqa: F401
     first_message,
     http_json,
     openai_messages,
+    openai_tools,
     reply_from_message,
     served_model_name,
 )
@@ -76,6 +78,7 @@ class Case:
     tool_names: list[str]
     user: str
     answer: str | None = None  # the reference turn's text when it makes no call
+    calls: list[ToolCall] = dataclasses.field(default_factory=list)  # every call of the reference turn
 
 
 def build_cases(convs: list[dict]) -> list[Case]:
@@ -88,8 +91,19 @@ def build_cases(convs: list[dict]) -> list[Case]:
         names = [(t.get("function", t))["name"] for t in conv.get("tools") or []]
         user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
         answer = None if calls else msgs[k].get("content") or ""  # text: records normalise contents
-        cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer))
+        cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer,
+                          [ToolCall(c["name"], c["arguments"]) for c in calls]))
     return cases
+
+
+def _matched(reference: Sequence[ToolCall], predicted: Sequence[ToolCall], same) -> bool:
+    """Every reference call has a predicted call of its own that is `same(ref, pred)` (a matching, found by
+    trying each candidate: a turn holds a handful of calls)."""
+    def match(i: int, used: frozenset) -> bool:
+        return i == len(reference) or any(k not in used and same(reference[i], p) and match(i + 1, used | {k})
+                                          for k, p in enumerate(predicted))
+
+    return match(0, frozenset())
 
 
 def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str, Any]:
@@ -103,6 +117,11 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
         first = pred.first if pred.kind == "call" else None
         if case.reference is None:
             ok_name = ok_args = pred.kind == "text"
+        elif len(case.calls) > 1:  # parallel calls: all of them, in any order (the first alone scored it right)
+            got = pred.calls if pred.kind == "call" else []
+            ok_name = _matched(case.calls, got, lambda r, p: r.name == p.name)
+            ok_args = ok_name and _matched(case.calls, got, lambda r, p: r.name == p.name and arguments_match(
+                r.arguments, p.arguments))
         else:
             ok_name = first is not None and first.name == case.reference.name
             ok_args = ok_name and arguments_match(case.reference.arguments, first.arguments)
@@ -217,7 +236,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
         if name:
             body["model"] = name
         if case.prompt.get("tools"):
-            body["tools"] = case.prompt["tools"]
+            body["tools"] = openai_tools(case.prompt["tools"])
         try:
             answer = http_json(f"{base}/chat/completions", body, timeout=timeout, retries=retries)
         except HTTPStatusError as e:
@@ -298,6 +317,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     metrics["perplexity"] = math.exp(min(loss, 80.0)) if loss is not None else None
     metrics["seconds"] = round(time.time() - t0, 1)
     records = [{"user": c.user, "reference": dataclasses.asdict(c.reference) if c.reference else None,
+                **({"reference_calls": [dataclasses.asdict(x) for x in c.calls]} if len(c.calls) > 1 else {}),
                 "reference_answer": c.answer,
                 "kind": p.kind, "predicted": [dataclasses.asdict(x) for x in p.calls], "error": p.error, "raw": t}
                for c, p, t in zip(cases, preds, texts)]

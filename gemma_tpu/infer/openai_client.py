@@ -194,6 +194,16 @@ def openai_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def openai_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tool declarations in OpenAI's shape: a flat declaration (`{"name", "description", "parameters"}`, as
+    many datasets store them and training reads) wrapped as `{"type": "function", "function": {...}}`, which
+    is what OpenAI, vLLM and our local server accept (they refused the flat one with HTTP 400)."""
+    if not tools or not isinstance(tools, list):
+        return tools or None
+    return [{"type": "function", "function": t} if isinstance(t, dict) and "function" not in t and "name" in t else t
+            for t in tools]
+
+
 def reply_from_message(message: dict) -> ParsedReply:
     """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content."""
     calls = []
