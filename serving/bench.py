@@ -50,6 +50,7 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.data.records import iter_raw
 from gemma_tpu.infer.openai_client import (
     api_base,
     check_reachable,
@@ -116,27 +117,9 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
     if not p.is_file():
         raise UserError(f"--dataset {path}: no such file (use 'random' or a .jsonl file)")
     rows: list[Prompt] = []
-    data = p.read_bytes()
-    if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):  # a JSON array of rows (a .json dataset), not JSON Lines
-        try:
-            items = json.loads(data.decode("utf-8-sig"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise UserError(f"{p}: a JSON array that does not parse ({e or 'nested too deeply'})") from None
-        lines = [(f"{p}: item {k}", item) for k, item in enumerate(items)]
-    else:
-        lines = []
-        for lineno, raw in enumerate(data.splitlines(), 1):
-            where = f"{p}:{lineno}"
-            try:  # line by line, so that a bad byte is reported at its line (as the training data reader does)
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                lines.append((where, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+    # the training data reader: JSON Lines, a .json array (line numbers of its rows), .parquet, gzip; bad bytes and
+    # bad JSON reported at their line
+    lines = [(f"{p}:{lineno}", row) for lineno, row in iter_raw(p)]
     for where, row in lines:
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected a JSON object")

@@ -471,5 +471,5 @@ def test_bench_reads_a_json_array_dataset(tmp_path):
     got = file_prompts(str(data), 2, 0)
     assert sorted(p.messages[0]["content"] for p in got) == ["héllo", "steps?"]
     data.write_text(json.dumps([{"prompt": "x"}, 5]))
-    with pytest.raises(UserError, match="item 1: expected a JSON object"):
+    with pytest.raises(UserError, match=r"d.json:1: expected a JSON object"):
         file_prompts(str(data), 1, 0)
