@@ -493,12 +493,58 @@ class CheckedChatApp:
         await send({"type": "http.response.body", "body": data})
 
 
-class ServedName:
+class EventStream:
+    """A rewriter of a server-sent event stream (`data: {...}` events, blank-line separated): `feed` the body's
+    bytes as they come and get the rewritten events whole, `close()` at the end for the rest. Subclasses
+    rewrite one event in `_event` and may send what they still hold in `_end`."""
+
+    def __init__(self):
+        self.raw = b""  # bytes of an event not yet complete
+
+    def _event(self, event: bytes) -> bytes:
+        return event + b"\n\n"
+
+    def _end(self) -> bytes:
+        return b""
+
+    def feed(self, data: bytes) -> bytes:
+        self.raw += data.replace(b"\r\n", b"\n")
+        *events, self.raw = self.raw.split(b"\n\n")
+        return b"".join(self._event(e) for e in events if e.strip())
+
+    def close(self) -> bytes:
+        out = self._event(self.raw) if self.raw.strip() else b""
+        self.raw = b""
+        return out + self._end()
+
+
+def sse_choice(event: bytes) -> tuple[dict | None, dict | None]:
+    """The chunk of a `data: {...}` event and its first choice; (None, None) for [DONE], an error event, a
+    comment or anything else without a choice object."""
+    import json
+
+    data = event[len(b"data:"):].strip() if event.startswith(b"data:") else None
+    try:
+        chunk = json.loads(data) if data and data != b"[DONE]" else None
+        choice = chunk["choices"][0] if isinstance(chunk, dict) and chunk.get("choices") else None
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None, None
+    return (chunk, choice) if isinstance(choice, dict) else (None, None)
+
+
+def sse_event(chunk: dict) -> bytes:
+    import json
+
+    return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ServedName(EventStream):
     """A completion (`whole`) or a stream of its chunks (`feed`, `close`) naming the model as it is served (and
     listed by /v1/models), as vLLM names it: transformers serve answers `NAME@main`."""
 
     def __init__(self, name: str):
-        self.name, self.raw = name, b""
+        super().__init__()
+        self.name = name
 
     def whole(self, raw: bytes) -> bytes:
         import json
@@ -516,16 +562,6 @@ class ServedName:
         if not event.startswith(b"data:") or event[5:].strip() == b"[DONE]":
             return event + b"\n\n"
         return b"data: " + self.whole(event[5:].strip()) + b"\n\n"
-
-    def feed(self, data: bytes) -> bytes:
-        self.raw += data.replace(b"\r\n", b"\n")
-        *events, self.raw = self.raw.split(b"\n\n")
-        return b"".join(self._event(e) for e in events if e.strip())
-
-    def close(self) -> bytes:
-        out = self._event(self.raw) if self.raw.strip() else b""
-        self.raw = b""
-        return out
 
 
 def _cut(text: str, stops: list[str]) -> int | None:
@@ -556,14 +592,14 @@ def trim_stops(raw: bytes, stops: list[str]) -> bytes:
     return json.dumps(resp, ensure_ascii=False).encode()
 
 
-class StopTrim:
+class StopTrim(EventStream):
     """`trim_stops` for a stream (chat `delta.content` or text `text` events): text that might begin a stop
     string is held until the next piece settles it; from a stop string on, nothing more is sent but the
     finishing event (and what was held, when no stop string came). `feed` bytes as they come, then `close()`."""
 
     def __init__(self, stops: list[str]):
+        super().__init__()
         self.stops = [s for s in stops if s]
-        self.raw = b""
         self.held = ""
         self.stopped = False
 
@@ -582,14 +618,7 @@ class StopTrim:
         return out
 
     def _event(self, event: bytes) -> bytes:
-        import json
-
-        data = event[len(b"data:"):].strip() if event.startswith(b"data:") else None
-        try:
-            chunk = json.loads(data) if data and data != b"[DONE]" else None
-            choice = chunk["choices"][0] if isinstance(chunk, dict) and chunk.get("choices") else None
-        except (ValueError, KeyError, IndexError, TypeError):
-            choice = None
+        chunk, choice = sse_choice(event)
         if not isinstance(choice, dict):
             return event + b"\n\n"
         holder, key = (choice["delta"], "content") if isinstance(choice.get("delta"), dict) else (choice, "text")
@@ -605,20 +634,10 @@ class StopTrim:
             holder.pop(key, None)  # the role (say) goes on without the held text
         elif text or isinstance(piece, str):
             holder[key] = text
-        return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-    def feed(self, data: bytes) -> bytes:
-        self.raw += data.replace(b"\r\n", b"\n")
-        *events, self.raw = self.raw.split(b"\n\n")
-        return b"".join(self._event(e) for e in events if e.strip())
-
-    def close(self) -> bytes:
-        out = self._event(self.raw) if self.raw.strip() else b""
-        self.raw = b""
-        return out
+        return sse_event(chunk)
 
 
-class StreamedCalls:
+class StreamedCalls(EventStream):
     """Rewrites a streamed chat completion (`data: {chunk}` events) so FunctionGemma calls in the model's
     text arrive as `tool_calls` deltas, as vLLM's functiongemma parser streams them: text before a call
     streams on as `content`; from a call's start marker to its end marker the text is held, then sent as
@@ -634,17 +653,15 @@ class StreamedCalls:
         self.token_map = token_map or {}
         self.start = self.token_map.get(START_CALL, START_CALL)
         self.end = self.token_map.get(END_CALL, END_CALL)
-        self.raw = b""  # bytes of an event not yet complete
+        super().__init__()
         self.held = ""  # text not yet sent: a (possible) call marker and what follows it
         self.calls = 0
         self.parallel = parallel  # False: the first call only (the request's parallel_tool_calls)
 
     def _chunk(self, like: dict, delta: dict, finish: str | None = None) -> bytes:
-        import json
-
         out = {k: v for k, v in like.items() if k not in ("choices", "usage")}
         out["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}]
-        return b"data: " + json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        return sse_event(out)
 
     def _text(self, like: dict, final: bool) -> bytes:
         """Chunks for the held text: what is settled as text or as calls (all of it when `final`)."""
@@ -691,14 +708,7 @@ class StreamedCalls:
         return out
 
     def _event(self, event: bytes) -> bytes:
-        import json
-
-        data = event[len(b"data:"):].strip() if event.startswith(b"data:") else None
-        try:
-            chunk = json.loads(data) if data and data != b"[DONE]" else None
-            choice = chunk["choices"][0] if isinstance(chunk, dict) and chunk.get("choices") else None
-        except (ValueError, KeyError, IndexError, TypeError):
-            choice = None
+        chunk, choice = sse_choice(event)
         if not isinstance(choice, dict) or not isinstance(choice.get("delta", {}), dict):
             return event + b"\n\n"  # the role chunk's siblings, usage, errors, [DONE]: untouched
         delta = dict(choice.get("delta") or {})
@@ -716,7 +726,7 @@ class StreamedCalls:
                 choice["finish_reason"] = "tool_calls"
         if delta or finish is not None or "usage" in chunk:
             choice["delta"] = delta
-            out += b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+            out += sse_event(chunk)
         return out
 
     def feed(self, data: bytes) -> bytes:
@@ -724,12 +734,8 @@ class StreamedCalls:
         *events, self.raw = self.raw.split(b"\n\n")
         return b"".join(self._event(e) for e in events if e.strip())
 
-    def close(self) -> bytes:
-        out = self._event(self.raw) if self.raw.strip() else b""
-        self.raw = b""
-        if self.held:  # a stream that ended without a finishing chunk
-            out += self._text({}, final=True)
-        return out
+    def _end(self) -> bytes:
+        return self._text({}, final=True) if self.held else b""  # a stream that ended without a finishing chunk
 
 
 def prompt_counter(tok):
