@@ -32,10 +32,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
+from gemma_tpu.formats.function_calling import FORCED_CALL_KWARG, function_token_map, tool_chat_template
 from serving.config import chat_template_in
 
 SERVING_EXTRA = "transformers serve needs transformers[serving]: pip install -e '.[serve]'"
@@ -240,10 +240,31 @@ class CheckedChatApp:
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
-                 model_name: str | None = None):
+                 model_name: str | None = None, forced_calls: bool = False):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
         self.count_text, self.model_name = count_text, model_name
+        self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
+
+    def force_call(self, body: Any) -> str:
+        """For a chat request whose tool_choice names a function or is "required", ask the chat template to open
+        the answer with that call (any call) and return the text it writes there (markers as served), which the
+        model's text continues; "" when nothing is forced. transformers serve has no guided decoding, so without
+        this the model was free to answer in text (vLLM enforces tool_choice)."""
+        from gemma_tpu.formats.function_calling import forced_call_prefix
+
+        if not self.forced_calls or not isinstance(body, dict) or not body.get("tools"):
+            return ""
+        choice, kwargs = body.get("tool_choice"), body.get("chat_template_kwargs")
+        named = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(
+            choice.get("function"), dict) else None
+        if not (choice == "required" or isinstance(named, str)) or not isinstance(kwargs or {}, dict):
+            return ""
+        body["chat_template_kwargs"] = {**(kwargs or {}), FORCED_CALL_KWARG: named or True}
+        prefix = forced_call_prefix(named)
+        for marker, repl in (self.token_map or {}).items():
+            prefix = prefix.replace(marker, repl)
+        return prefix
 
     async def _json(self, send, status: int, obj: dict) -> None:
         import json
@@ -293,11 +314,12 @@ class CheckedChatApp:
 
         return wrapped
 
-    def tool_calls(self, raw: bytes, parallel: bool = True) -> bytes:
+    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "") -> bytes:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
         `message.tool_calls` (arguments as JSON strings; only the first unless `parallel`, as vLLM honours
         `parallel_tool_calls: false`), the text outside them as `content` and finish_reason `tool_calls`,
-        as vLLM's tool parser answers; anything else unchanged."""
+        as vLLM's tool parser answers; anything else unchanged. `prefix`: the start of a call the chat template
+        wrote (`force_call`), which the content continues."""
         import json
 
         from gemma_tpu.formats.function_calling import parse_reply
@@ -310,7 +332,7 @@ class CheckedChatApp:
             return raw
         if not isinstance(message, dict) or message.get("tool_calls") or not isinstance(message.get("content"), str):
             return raw
-        reply = parse_reply(message["content"], self.token_map)
+        reply = parse_reply(prefix + message["content"], self.token_map)  # prefix: the call the template opened
         if reply.kind != "call":
             return raw
         rid = resp.get("id") or "call"
@@ -366,6 +388,7 @@ class CheckedChatApp:
             request = body  # a Responses request is answered through the chat completion it amounts to
             if path == "/v1/responses":
                 body = chat_request(body)
+            forced = self.force_call(body) if path == "/v1/chat/completions" else ""
             if path == "/v1/completions":
                 body = check_completion_request(body, self.context, self.count_text, self.vocab_size,
                                                 self.check_generation_config)
@@ -401,7 +424,7 @@ class CheckedChatApp:
             # the stop strings are cut first (transformers serve streams them), then the calls are read
             filters = [ServedName(self.model_name)] if self.model_name else []
             filters += ([StopTrim(stops)] if stops else []) + (
-                [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False)] if tools else [])
+                [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced)] if tools else [])
             status: list[int] = []
             tail = [b""]  # the end of what was sent: a stream ends with `data: [DONE]`, as OpenAI's and vLLM's do
 
@@ -441,7 +464,7 @@ class CheckedChatApp:
             if start.get("status") == 200 and stops:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
-                out = self.tool_calls(out, body.get("parallel_tool_calls") is not False)
+                out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced)
             if start.get("status") == 200 and self.model_name:
                 out = ServedName(self.model_name).whole(out)
             await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
@@ -647,14 +670,15 @@ class StreamedCalls(EventStream):
     written without their markers (a server that strips them) stay text: they are known only at the end.
     Feed the body bytes as they come (`feed`), then `close()` for whatever is left."""
 
-    def __init__(self, token_map: dict[str, str] | None, parallel: bool = True):
+    def __init__(self, token_map: dict[str, str] | None, parallel: bool = True, prefix: str = ""):
         from gemma_tpu.formats.function_calling import END_CALL, START_CALL
 
         self.token_map = token_map or {}
         self.start = self.token_map.get(START_CALL, START_CALL)
         self.end = self.token_map.get(END_CALL, END_CALL)
         super().__init__()
-        self.held = ""  # text not yet sent: a (possible) call marker and what follows it
+        self.held = prefix  # text not yet sent: a (possible) call marker and what follows it (prefix: a call the
+        # chat template opened, which the model's text continues)
         self.calls = 0
         self.parallel = parallel  # False: the first call only (the request's parallel_tool_calls)
 
@@ -797,7 +821,8 @@ def serve_main(argv: list[str] | None = None) -> None:
     def checked_build(*a, **k):
         return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter,
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
-                              check_generation_config, lambda text: len(tok(text)["input_ids"]), args.name)
+                              check_generation_config, lambda text: len(tok(text)["input_ids"]), args.name,
+                              isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template)
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)

@@ -229,6 +229,13 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
         # it ends with data: [DONE], as OpenAI's and vLLM's streams do (transformers serve just closed it)
         assert code == 200 and text.rstrip().endswith("}\n\ndata: [DONE]") and '"finish_reason":"length"' in text
+        # a named tool_choice opens the call in the prompt (the served template's forced_call): one more prompt token
+        # or so, and the tiny model's continuation, which parses as no call, comes back as text
+        body = {"messages": USER, "tools": [TOOL], "max_tokens": 2, "temperature": 0}
+        free = _post(url, json.dumps(body).encode())[1]["usage"]["prompt_tokens"]
+        code, forced = _post(url, json.dumps({**body, "tool_choice": {"type": "function", "function": {
+            "name": "get_steps"}}}).encode())
+        assert code == 200 and forced["usage"]["prompt_tokens"] > free, forced
         # streamed with tools, the events pass through the call rewriting (StreamedCalls) whole
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True, "tools": [TOOL]}).encode())
         events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip() and "[DONE]" not in e]
@@ -308,9 +315,8 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     assert code == 404 and "`gpt-4o` does not exist" in resp["error"]["message"]
 
 
-def _stream_through(app, body: dict, pieces: list[bytes]) -> tuple[int, list[dict]]:
-    """POST a streaming request through `app` whose inner server sends `pieces` as body messages; the
-    events that come out, parsed."""
+def _stream_through(app, body: dict) -> tuple[int, list[dict]]:
+    """POST a streaming request through `app`: the events that come out, parsed ([DONE] checked and dropped)."""
     import asyncio
 
     sent: list[dict] = []
@@ -360,7 +366,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
             await send({"type": "http.response.body", "body": piece, "more_body": k < len(pieces) - 1})
 
     app = CheckedChatApp(inner, token_map=token_map)
-    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True}, pieces)
+    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True})
     assert code == 200 and out[0]["choices"][0]["delta"] == {"role": "assistant"}
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in out)
     calls = [tc for c in out for tc in c["choices"][0]["delta"].get("tool_calls") or []]
@@ -371,12 +377,11 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
         (0, "r1_tool_call_0", "get_steps", {"date": "yesterday", "n": 3}), (1, "r1_tool_call_1", "3d", {})]
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"] == {"completion_tokens": 9}
     assert all(c["id"] == "r1" and c["object"] == "chat.completion.chunk" for c in out)
-    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True, "parallel_tool_calls": False},
-                                pieces)
+    code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True, "parallel_tool_calls": False})
     assert [t["function"]["name"] for c in out for t in c["choices"][0]["delta"].get("tool_calls") or []] == [
         "get_steps"] and out[-1]["choices"][0]["finish_reason"] == "tool_calls"
     named = CheckedChatApp(inner, token_map=token_map, model_name="served")
-    assert {c["model"] for c in _stream_through(named, {"messages": USER, "stream": True}, pieces)[1]} == {"served"}
+    assert {c["model"] for c in _stream_through(named, {"messages": USER, "stream": True})[1]} == {"served"}
     # the same stream without tools in the request passes untouched, byte for byte
     plain = CheckedChatApp(inner, token_map=token_map)
     import asyncio
@@ -542,3 +547,55 @@ def test_inner_server_errors_come_back_in_openai_shape():
     assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "server_error", "param": None,
                                              "code": 500}
     assert _asgi(app, {"messages": USER}) == (400, {"error": {"message": "mine", "param": "x"}})
+
+
+def test_tool_choice_opens_the_call_through_the_chat_template():
+    """tool_choice naming a function, or "required", was checked but not enforced by the local server (transformers
+    serve has no guided decoding): the model could answer in text. The tool chat template now opens the answer with
+    the call (`forced_call` kwarg) and the model's text continues it, streamed or not; a template without the kwarg
+    (forced_calls off) and tool_choice "auto" leave the request as it was."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from gemma_tpu.formats.function_calling import tool_chat_template
+    from serving.local import CheckedChatApp
+
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+    rendered = _compile_jinja_template(tool_chat_template(token_map)).render(
+        messages=USER, tools=[TOOL], add_generation_prompt=True, bos_token="", forced_call="get_steps")
+    assert rendered.endswith("<start_of_turn>model\n<unused2>call:get_steps{")
+    seen: list[dict] = []
+
+    async def inner(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        seen.append(body)
+        forced = (body.get("chat_template_kwargs") or {}).get("forced_call")
+        text = {"get_steps": "date:<unused6>today<unused6>}<unused3>", True: "get_steps{}<unused3>"}.get(forced, "Hi.")
+        if body.get("stream"):
+            chunks = [{"id": "r", "choices": [{"index": 0, "delta": {"content": text[:7]}, "finish_reason": None}]},
+                      {"id": "r", "choices": [{"index": 0, "delta": {"content": text[7:]}, "finish_reason": "stop"}]}]
+            data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        else:
+            data = json.dumps({"id": "r", "object": "chat.completion", "choices": [
+                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
+
+    app = CheckedChatApp(inner, token_map=token_map, forced_calls=True)
+    named = {"type": "function", "function": {"name": "get_steps"}}
+    for choice, args in ((named, {"date": "today"}), ("required", {})):
+        code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": choice})
+        calls = resp["choices"][0]["message"]["tool_calls"]
+        assert code == 200 and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_steps", args)] and resp["choices"][0]["finish_reason"] == "tool_calls", resp
+        code, events = _stream_through(app, {"messages": USER, "tools": [TOOL], "tool_choice": choice, "stream": True})
+        deltas = [t for e in events if e.get("choices") for t in e["choices"][0]["delta"].get("tool_calls") or []]
+        assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in deltas] == [("get_steps", args)]
+        assert not any(e["choices"][0]["delta"].get("content") for e in events if e.get("choices"))
+    assert seen[0]["chat_template_kwargs"] == {"forced_call": "get_steps"}
+    assert seen[2]["chat_template_kwargs"] == {"forced_call": True}
+    code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": "auto"})
+    assert resp["choices"][0]["message"]["content"] == "Hi." and "chat_template_kwargs" not in seen[-1]
+    code, resp = _asgi(CheckedChatApp(inner, token_map=token_map), {"messages": USER, "tools": [TOOL],
+                                                                     "tool_choice": named})
+    assert resp["choices"][0]["message"]["content"] == "Hi." and "chat_template_kwargs" not in seen[-1]

@@ -502,6 +502,11 @@ _TEMPLATE = r"""
   {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt and not ns.in_model -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+{#- chat_template_kwargs {"forced_call": NAME} (or true): the answer starts as a call (of NAME): how a server without
+    guided decoding honours tool_choice (a named function, or "required") -#}
+{%- if add_generation_prompt and forced_call is defined and forced_call -%}
+  {{- '<start_function_call>call:' ~ (forced_call ~ '{' if forced_call is string else '') -}}
+{%- endif -%}
 """
 
 
@@ -605,6 +610,15 @@ _JSON_MACRO = r"""
 """
 
 
+FORCED_CALL_KWARG = "forced_call"
+
+
+def forced_call_prefix(name: str | None) -> str:
+    """What the tool chat template writes after the generation prompt for `forced_call` (unmapped markers): the
+    start of a call of `name`, or of any call (None)."""
+    return f"{START_CALL}call:" + (f"{name}{{" if name else "")
+
+
 def tool_chat_template(token_map: dict[str, str] | None = None, parse_json: bool = True) -> str:
     """A Jinja chat template rendering tools, calls and responses as the renderer does.
 
@@ -614,7 +628,8 @@ def tool_chat_template(token_map: dict[str, str] | None = None, parse_json: bool
     Jinja: there is no JSON filter) as `format_response` reads it, so a served model sees
     `{steps:5}` where it was trained on `{steps:5}`, not `{result:<escape>{"steps": 5}<escape>}`.
     `parse_json=False` leaves that reader out (results render as strings), for template engines that
-    lack what it uses (`'%c' | format`, `int(base)`: llama.cpp's C++ server).
+    lack what it uses (`'%c' | format`, `int(base)`: llama.cpp's C++ server). The template kwarg `forced_call`
+    (a tool name, or true for any) opens the answer with a call: `forced_call_prefix` says what it wrote.
     """
     text = _TEMPLATE.strip()
     if parse_json:
