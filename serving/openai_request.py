@@ -287,8 +287,8 @@ def check_chat_request(body: Any, context: int | None = None,
                        count_prompt: Callable[[dict], int] | None = None, vocab_size: int | None = None,
                        check_generation_config: Callable[[dict], None] | None = None) -> dict:
     """The request `body` checked (RequestError otherwise), with `max_tokens` resolved: from
-    `max_completion_tokens` when only that is given, and bounded by `context` (the model's positions)
-    less the prompt's tokens (`count_prompt(body)`), as vLLM bounds it. `vocab_size` bounds the token ids
+    `max_completion_tokens` when that is given (it wins over `max_tokens`, as in vLLM), and bounded by `context`
+    (the model's positions) less the prompt's tokens (`count_prompt(body)`), as vLLM bounds it. `vocab_size` bounds the token ids
     of `logit_bias`; `check_generation_config(obj)` raises RequestError for a `generation_config` the
     server cannot use."""
     if not isinstance(body, dict):
@@ -332,7 +332,7 @@ def check_chat_request(body: Any, context: int | None = None,
                         if m.get("tool_calls") else m for m in body["messages"]]
     asked = body.pop("max_completion_tokens", None)
     field = "max_tokens"
-    if body.get("max_tokens") is None and asked is not None:
+    if asked is not None:  # OpenAI's newer field wins over the deprecated one, as vLLM reads them
         body["max_tokens"], field = asked, "max_completion_tokens"  # an error names the field the client sent
     _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages", field)
     _extensions(body, check_generation_config)

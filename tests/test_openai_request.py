@@ -102,6 +102,7 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
+    assert check_chat_request({"messages": USER, "max_completion_tokens": 7, "max_tokens": 9})["max_tokens"] == 7
     # an answer sent back as the SDK dumps it (None fields; transformers serve: 500) or with an empty call list
     # (transformers serve dropped its content): the text and the role only
     dumped = {"content": "Hi!", "refusal": None, "role": "assistant", "annotations": None, "audio": None,
