@@ -71,7 +71,7 @@ from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import config_json_for
-from gemma_tpu.models.registry import detect_family, get_family
+from gemma_tpu.models.registry import detect_family, get_family, text_config
 from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import partition
@@ -574,7 +574,8 @@ def data_layout(cfg: RunConfig) -> dict | None:
         tokenizer = load_tokenizer(resolved.local_dir)
     except UserError:
         return None
-    renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer))
+    renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer),
+                                  vocab_size=text_config(resolved.hf_config).get("vocab_size"))
     split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
     data.check_one_batch(split, cfg.train.batch_size)  # the run would refuse it: so does its plan
     st = split.stats()
