@@ -501,10 +501,18 @@ def _gib(x: float) -> str:
     return f"{x:8.0f} B  "
 
 
+def count(n: int) -> str:
+    """A parameter count as people write it: 107.1K, 268.1M, 30.70B (a tiny model was "0.00B")."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}" if unit == "B" else f"{n / div:.1f}{unit}"
+    return str(n)
+
+
 def format_plan(p: Plan) -> str:
     m = p.mesh
     lines = [
-        f"plan: {p.model} ({p.family}), {p.total_params / 1e9:.2f}B parameters, {p.dtype}, remat {p.remat}",
+        f"plan: {p.model} ({p.family}), {count(p.total_params)} parameters, {p.dtype}, remat {p.remat}",
         f"mesh: data={m['data']} fsdp={m['fsdp']} tp={m['tp']} = {p.n_devices} devices of {p.accelerator}",
         "per device:",
     ]
