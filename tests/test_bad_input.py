@@ -418,6 +418,9 @@ CASES = [
          {"ck": damaged("ckpt", "1/model_params/_METADATA")}),
     Case("ckpt-step-missing-manifest", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/1/model_params/manifest.ocdbt", "missing"], {"ck": damaged("ckpt", "1/model_params/manifest.ocdbt")}),
+    Case("ckpt-step-truncated-manifest", "convert.inspect", ["{tmp}/ck"],  # tracebacks from Orbax's loop before
+         ["{tmp}/ck/1/model_params/manifest.ocdbt", "truncated", "incomplete or damaged"],
+         {"ck": damaged("ckpt", truncate=("1/model_params/manifest.ocdbt", -50))}, sub=True),
     Case("ckpt-resume-step-missing-files", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
          ["{tmp}/ck/1/optimizer_state/_METADATA", "missing"], {"ck": damaged("ckpt", "1/optimizer_state/_METADATA")}),
     Case("model-truncated-safetensors", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
