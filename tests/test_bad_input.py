@@ -100,6 +100,13 @@ def tiny_model(**overrides) -> Callable[[Path, dict], None]:
     return make
 
 
+def small_vocab_with_tiny_tokenizer(dest: Path, ctx: dict) -> None:
+    """A 150-token tiny model carrying {tiny}'s 512-token tokenizer (another model's)."""
+    tiny_model(vocab_size=150)(dest, ctx)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(ctx["tiny"]) / name, dest / name)
+
+
 def parquet(rows: list[dict]) -> Callable[[Path, dict], None]:
     def make(dest: Path, ctx: dict) -> None:
         import pyarrow as pa
@@ -359,6 +366,10 @@ CASES = [
     Case("model-sliding-window-null", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
          ["config.json", "sliding_window=None"],  # read as 4096 before; transformers refuses it
          {"m": copy_of("tiny", config={"sliding_window": None})}),
+    # a tokenizer with ids past the model's embedding rows: XLA clamped them, the first loss was NaN
+    Case("model-tokenizer-past-vocab", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         [f"{CHAT}:1", "token id", "past the model's vocabulary (vocab_size 150"],
+         {"m": copy_of("tiny", config={"vocab_size": 150})}),
     # ---- checkpoints
     Case("ckpt-empty-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck/": ""}, sub=True),
@@ -407,6 +418,9 @@ CASES = [
          {"ck": damaged("ckpt", "1/model_params/_METADATA")}),
     Case("ckpt-step-missing-manifest", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/1/model_params/manifest.ocdbt", "missing"], {"ck": damaged("ckpt", "1/model_params/manifest.ocdbt")}),
+    Case("ckpt-step-truncated-manifest", "convert.inspect", ["{tmp}/ck"],  # tracebacks from Orbax's loop before
+         ["{tmp}/ck/1/model_params/manifest.ocdbt", "truncated", "incomplete or damaged"],
+         {"ck": damaged("ckpt", truncate=("1/model_params/manifest.ocdbt", -50))}, sub=True),
     Case("ckpt-resume-step-missing-files", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
          ["{tmp}/ck/1/optimizer_state/_METADATA", "missing"], {"ck": damaged("ckpt", "1/optimizer_state/_METADATA")}),
     Case("model-truncated-safetensors", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
@@ -510,6 +524,8 @@ CASES = [
          ["127.0.0.1:{port}", "cannot reach"]),
     Case("evaluate-bad-data", "gemma_tpu.evaluate", ["--data", "{tmp}/t.jsonl", "--model", "{tiny}"],
          ["{tmp}/t.jsonl:1", "'wizard'"], {"t.jsonl": from_corpus("unknown_role.jsonl")}),
+    Case("evaluate-tokenizer-past-vocab", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tmp}/m"],
+         ["token id", "past the model's vocabulary (vocab_size 150"], {"m": small_vocab_with_tiny_tokenizer}),
     Case("evaluate-json-is-a-dir", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--json", "{tmp}"],
          ["--json {tmp}", "directory"]),
     Case("evaluate-json-is-the-data", "gemma_tpu.evaluate",

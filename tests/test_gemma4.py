@@ -194,6 +194,33 @@ def test_lora_lands_where_each_layer_has_the_projection(g4):
         r.family.targets_to_modules(r.family.tunix_config(r.hf_config), ["k_proj"])
 
 
+def test_qlora_forward_is_the_quantized_base(g4):
+    """QLoRA on Gemma 4 (Tunix's attention projections cast their weight, which Qwix hands over
+    quantized: a TypeError at the first step before). With B = 0 the logits are those of the base
+    with each projection's dequantized int8 weight in place, and not the float base's."""
+    from qwix._src.core import qarray
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.core.config import LoraConfig
+    from gemma_tpu.lora import apply_lora
+    from gemma_tpu.models import load_model, resolve_model
+
+    r = resolve_model(str(g4("ple")))
+    model, cfg = load_model(r, "float32")
+    ids = AutoTokenizer.from_pretrained(str(g4("ple")))(TEXT_PROMPTS[0]).input_ids
+    lora = LoraConfig(rank=2, alpha=4.0, targets=["q_proj", "k_proj", "v_proj", "o_proj"], base_quantization="int8")
+    q = apply_lora(model, r.family, cfg, lora)
+    got = jax_logits(q, ids)
+    for qa, a in zip(q.layers, model.layers):  # the float model, its weights replaced by their int8 values
+        for name in ("q_einsum", "kv_einsum", "k_einsum", "attn_vec_einsum"):
+            if hasattr(a.attn, name):
+                w = getattr(a.attn, name).w
+                deq = qarray.dequantize(getattr(qa.attn, name).w.value.array)
+                assert 0 < np.abs(np.asarray(deq) - np.asarray(w.value)).max() < 0.01 * np.abs(w.value).max()
+                w.value = deq
+    assert np.abs(got - jax_logits(model, ids)).max() < 1e-4
+
+
 # ------------------------------------------------------------------------------ trained LoRA, meshes
 
 

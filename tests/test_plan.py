@@ -58,6 +58,9 @@ def test_tiny_plan_matches_hand_computation(tiny_dir):
     per_token = 2 * fwd + L * 7 * 6 * R * 2 * D
     assert p.flops_per_step == pytest.approx(per_token * B * T + 2 * 2 * D * V * B * T)
     assert p.step_time_s is None and p.hbm == 0 and p.fits  # cpu: reported, not checked
+    from gemma_tpu.train.plan import format_plan
+
+    assert ", 107.1K parameters," in format_plan(p)  # "0.00B" before
 
 
 def test_tiny_plan_sharded_by_the_rules(tiny_dir):

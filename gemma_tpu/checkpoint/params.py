@@ -168,8 +168,8 @@ def _missing_ocdbt_data(root: Path) -> list[Path]:
     try:
         kv = ts.KvStore.open(f"file://{root.resolve()}/").result()
         manifest = ts.ocdbt.dump(kv).result()
-    except Exception:  # noqa: BLE001 - an unreadable manifest: Orbax's own error will name it
-        return []
+    except Exception:  # noqa: BLE001 - an unreadable manifest (cut short, overwritten): Orbax's metadata read
+        return [root / "manifest.ocdbt"]  # would print a traceback per read still in flight (see above)
     ends: dict[Path, int] = {}
     missing: list[Path] = []
     pending = [v["root"]["location"] for v in manifest.get("versions", [])[-1:] if v.get("root", {}).get("location")]

@@ -31,6 +31,7 @@ from gemma_tpu.data.records import load_conversations
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import resolve_model
+from gemma_tpu.models.registry import text_config
 
 ANSI_ON, ANSI_OFF = "\x1b[1;32m", "\x1b[0m"
 ANSI_DIM = "\x1b[2m"
@@ -48,15 +49,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str]:
-    """(tokenizer, where it came from, the family's chat format)."""
-    family_format = "gemma"
+def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str, int | None]:
+    """(tokenizer, where it came from, the family's chat format, the model's vocab_size when known)."""
+    family_format, vocab = "gemma", None
     if spec:
         where = spec
     else:
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
-    return load_tokenizer(where), where, family_format
+        vocab = text_config(resolved.hf_config).get("vocab_size")
+    return load_tokenizer(where), where, family_format, vocab
 
 
 def loss_spans(offsets: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
@@ -115,12 +117,15 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(f"data.{'train' if args.split == 'train' else 'eval'}_path is not set in {args.config}")
     check_results_file(args.json, {"data": path, "--config": args.config})
     convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
-    tok, tok_where, family_format = tokenizer_for(args.tokenizer, cfg)
+    tok, tok_where, family_format, vocab = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)
-    renderer = make_renderer(tok, cfg.data, family_format, token_map)
+    renderer = make_renderer(tok, cfg.data, family_format, token_map, vocab_size=vocab)
     rendered, examples = [], []
     for i, conv in enumerate(convs):
-        r = renderer.render(conv)
+        try:
+            r = renderer.render(conv)
+        except UserError as e:  # named with the example's line, as training names it
+            raise UserError(f"{conv.get('where') or path}: {e}") from None
         if i < args.n:
             rendered.append((conv, r))
         examples.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))

@@ -100,9 +100,10 @@ class Prepared:
 
 
 def make_renderer(tokenizer, data_cfg: DataConfig, family_chat_format: str = "gemma",
-                  token_map: dict[str, str] | None = None) -> Renderer:
+                  token_map: dict[str, str] | None = None, vocab_size: int | None = None) -> Renderer:
+    """`vocab_size`: the model's, when known: ids past it are refused (see `Renderer`)."""
     fmt = family_chat_format if data_cfg.chat_format == "auto" else data_cfg.chat_format
-    return Renderer(tokenizer, fmt, data_cfg.loss_on, token_map=token_map)
+    return Renderer(tokenizer, fmt, data_cfg.loss_on, token_map=token_map, vocab_size=vocab_size)
 
 
 def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list[batching.Example]:

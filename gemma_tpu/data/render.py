@@ -125,8 +125,11 @@ class Renderer:
     """Tokenize rendered segments with one tokenizer call, mapping trainable spans to tokens."""
 
     def __init__(self, tokenizer, chat_format: str = "gemma", loss_on: str = "assistant",
-                 token_map: dict[str, str] | None = None):
+                 token_map: dict[str, str] | None = None, vocab_size: int | None = None):
         self.tokenizer = tokenizer
+        # the model's embedding rows: an id past them is silently clamped by XLA's gather (NaN or wrong
+        # losses), so a tokenizer that does not belong to the model is refused at rendering
+        self.vocab_size = vocab_size
         self.chat_format = chat_format
         self.loss_on = loss_on
         # Markers the vocabulary lacks (plain Gemma 3 has no FunctionGemma tokens) are mapped onto
@@ -200,6 +203,11 @@ class Renderer:
         text = "".join(t for t, _ in segs)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray([self.bos_id] + list(enc["input_ids"]), np.int32)
+        if self.vocab_size is not None and len(ids) and int(ids.max()) >= self.vocab_size:
+            bad = int(ids.max())
+            raise UserError(f"token id {bad} ({self.tokenizer.convert_ids_to_tokens(bad)!r}) is past the model's "
+                            f"vocabulary (vocab_size {self.vocab_size} in its config.json): the tokenizer does not "
+                            f"belong to this model")
         offsets = np.zeros((len(ids), 2), np.int32)
         if len(ids) > 1:
             offsets[1:] = np.asarray(enc["offset_mapping"], np.int32).reshape(-1, 2)

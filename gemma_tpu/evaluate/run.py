@@ -152,7 +152,8 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
 
 
 def _renderer(loaded, data_cfg: DataConfig):
-    return make_renderer(loaded.tokenizer, data_cfg, loaded.chat_format, loaded.token_map)
+    return make_renderer(loaded.tokenizer, data_cfg, loaded.chat_format, loaded.token_map,
+                         vocab_size=getattr(loaded.tunix_cfg, "num_embed", None))
 
 
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,

@@ -375,9 +375,24 @@ def model_class():
                 out = out + self.post_per_layer_input_norm(self.per_layer_projection(gate))
             return cache, out * self.skip_scale.value, kv
 
+    class QuantizableEinsum(g4.Einsum):
+        """Tunix's projection, without casting a QLoRA-quantized weight: Qwix hands it over as its own
+        wrapper, which `jnp.astype` rejects (a TypeError at the first step), and its einsum dequantizes
+        it (Gemma 3's einsum does not cast its weight either)."""
+
+        def __call__(self, x):
+            w = self.w.value
+            if not isinstance(w, jax.Array):
+                y = jnp.einsum(self.einsum_str, jnp.astype(x, self.dtype), w)
+                return y if self.w_scale is None else y * self.w_scale
+            return super().__call__(x)
+
     class Gemma4(g4.Gemma4):
         def __init__(self, config, *, rngs):
             super().__init__(config, rngs=rngs)
+            for _, module in self.iter_modules():
+                if type(module) is g4.Einsum:
+                    module.__class__ = QuantizableEinsum
             # transformers' KV-sharing map (Tunix's fixed choice is right only for some layouts)
             source = kv_source(config)
             self.kv_cache_sharing_patterns = source

@@ -71,7 +71,7 @@ from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import config_json_for
-from gemma_tpu.models.registry import detect_family, get_family
+from gemma_tpu.models.registry import detect_family, get_family, text_config
 from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import partition
@@ -501,10 +501,18 @@ def _gib(x: float) -> str:
     return f"{x:8.0f} B  "
 
 
+def count(n: int) -> str:
+    """A parameter count as people write it: 107.1K, 268.1M, 30.70B (a tiny model was "0.00B")."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}" if unit == "B" else f"{n / div:.1f}{unit}"
+    return str(n)
+
+
 def format_plan(p: Plan) -> str:
     m = p.mesh
     lines = [
-        f"plan: {p.model} ({p.family}), {p.total_params / 1e9:.2f}B parameters, {p.dtype}, remat {p.remat}",
+        f"plan: {p.model} ({p.family}), {count(p.total_params)} parameters, {p.dtype}, remat {p.remat}",
         f"mesh: data={m['data']} fsdp={m['fsdp']} tp={m['tp']} = {p.n_devices} devices of {p.accelerator}",
         "per device:",
     ]
@@ -574,7 +582,8 @@ def data_layout(cfg: RunConfig) -> dict | None:
         tokenizer = load_tokenizer(resolved.local_dir)
     except UserError:
         return None
-    renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer))
+    renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer),
+                                  vocab_size=text_config(resolved.hf_config).get("vocab_size"))
     split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
     data.check_one_batch(split, cfg.train.batch_size)  # the run would refuse it: so does its plan
     st = split.stats()

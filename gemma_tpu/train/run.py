@@ -120,7 +120,8 @@ def run(cfg: RunConfig) -> dict:
     if not cfg.data.train_path:
         raise UserError("data.train_path is not set")
     token_map = function_token_map(tokenizer)
-    renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map)
+    renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map,
+                                  vocab_size=tunix_cfg.num_embed)
     train_split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
     data.check_one_batch(train_split, cfg.train.batch_size)  # before the model loads, as the dry run does
     eval_split = (data.prepare_split(cfg.data.eval_path, renderer, cfg.data, cfg.train.seed)

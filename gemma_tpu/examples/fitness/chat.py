@@ -36,7 +36,8 @@ class Coach:
         self.loaded = loaded
         self.provider = provider
         self.toolset = toolset(provider)
-        self.renderer = make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map)
+        self.renderer = make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map,
+                                      vocab_size=getattr(loaded.tunix_cfg, "num_embed", None))
         self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1,
                                                 prefix_cache=prefix_cache)
         self.trace = trace
