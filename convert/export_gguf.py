@@ -577,6 +577,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def unquantized(plan: "ExportPlan") -> list["OutTensor"]:
+    """The matrices a q8_0 / q4_0 export keeps at f16 (rows not a multiple of the quantization block)."""
+    import gguf
+
+    if plan.type not in ("q8_0", "q4_0"):
+        return []
+    return [t for t in plan.tensors if len(t.shape) > 1 and t.qtype == gguf.GGMLQuantizationType.F16]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.merged and (args.step is not None or args.base):
@@ -589,6 +598,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{', tool-calling' if plan.tool_calling else ''})", file=sys.stderr)
     if plan.skipped:
         print(f"gguf: not exported ({len(plan.skipped)} tensors outside the text decoder, e.g. {plan.skipped[0]})",
+              file=sys.stderr)
+    kept = unquantized(plan)
+    if kept:  # the file came out larger than the type promises, and nothing said why
+        print(f"gguf: {len(kept)} of {sum(len(t.shape) > 1 for t in plan.tensors)} matrices stay f16: their rows are "
+              f"not a multiple of {plan.type}'s 32-value block (e.g. {kept[0].name} {list(kept[0].shape)})",
               file=sys.stderr)
     af = AtomicFile(plan.out, args.overwrite, magic=GGUF_MAGIC)
     with af as tmp:

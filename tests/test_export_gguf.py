@@ -9,6 +9,7 @@ The tiny model here has head_dim 256: transformers' GGUF loader cannot read Gemm
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -184,6 +185,21 @@ def test_merged_dir_q4_0(work, base, base_logits):
     assert types["token_embd.weight"] == "Q8_0"  # tied: it is also the output projection
     assert types["blk.0.ffn_down.weight"] == "Q4_0"
     assert out.stat().st_size < (work / "tiny-q8_0.gguf").stat().st_size if (work / "tiny-q8_0.gguf").exists() else True
+
+
+def test_quantized_export_says_which_matrices_stay_f16(work, capsys):
+    """Matrices whose rows are not a multiple of the 32-value block are written f16: at hidden size 48 the q4_0 and
+    q8_0 files came out the same size as each other, and nothing said why."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    odd = write_tiny_gemma3(work / "tiny-48", seed=1, hidden_size=48, head_dim=256, query_pre_attn_scalar=256)
+    capsys.readouterr()
+    assert export("--merged", odd, "--out", work / "tiny-48.gguf", "--type", "q4_0") == 0
+    err = capsys.readouterr().err
+    assert re.search(r"gguf: \d+ of \d+ matrices stay f16: their rows are not a multiple of q4_0's 32-value block "
+                     r"\(e\.g\. \S+ \[\d+, 48\]\)", err), err
+    assert export("--merged", odd, "--out", work / "tiny-48-f16.gguf", "--type", "f16") == 0
+    assert "stay f16" not in capsys.readouterr().err
 
 
 def test_metadata(work, base):
