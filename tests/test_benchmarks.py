@@ -23,12 +23,11 @@ def test_train_throughput_tiny_both_sides(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/train_throughput.py", "--model", "embedded:tiny-gemma3", "--config",
          "configs/tiny.yaml", "--data", str(subset), "--steps", "1", "--warmup", "1", "--batch", "1",
-         "--seq-len", str(seq_len), "--device", "cpu", "--json", str(out), "--sides", "ours,unshared,torch",
-         "--baseline-set", "data.seq_len=256"],
+         "--seq-len", str(seq_len), "--device", "cpu", "--json", str(out), "--sides", "ours,torch"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ours/torch useful tokens/s" in proc.stdout and "initial loss" in proc.stdout
-    assert "ours/unshared trained examples/s" in proc.stdout
+    # the unshared side (the same trainer with data.share_prefix=off) is left out: ~45 s of the suite's 45 minutes
 
     res = json.loads(out.read_text())
     for key in ("date", "command", "machine", "settings", "sides", "ratio_useful_tokens_per_s", "initial_loss"):
@@ -56,9 +55,6 @@ def test_train_throughput_tiny_both_sides(tmp_path):
     assert abs(lo - lt) < 1e-3 * max(1.0, abs(lt)), (lo, lt)
     assert res["initial_loss"]["match"] is True
     assert res["ratio_useful_tokens_per_s"] > 0
-    base = res["sides"]["unshared"]  # the same trainer, shared prefixes off, its own seq_len
-    assert base["tokens_per_step"] == 256 and base["compiles"] == 1 and base["examples_per_s"] > 0
-    assert res["ratio_examples_per_s_vs_unshared"] > 0
 
 
 def test_eval_prefix_cache_tiny(tmp_path):
