@@ -1,6 +1,6 @@
 """Training throughput side by side: our trainer vs PyTorch + PEFT + transformers, on the same data and model.
 
-    python benchmarks/train_throughput.py [--model embedded:gemma3-270m|embedded:tiny-gemma3|shape:gemma3-1b|DIR]
+    python benchmarks/train_throughput.py [--model embedded:gemma3-270m|embedded:tiny-gemma3|shape:gemma3-1b|shape:gemma3-4b|DIR]
         [--config configs/gemma3-270m-fitness.yaml] [--steps 10] [--warmup 2] [--batch 4] [--seq-len 512]
         [--json OUT] [--sides ours,unshared,torch] [--baseline-set KEY=VALUE ...] [--device auto|cpu|cuda]
         [--dtype float32|bfloat16]
@@ -80,7 +80,12 @@ SHAPE_PREFIX = "shape:"
 GEMMA3_1B = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
                  num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                  sliding_window=512, max_position_embeddings=32768)
-SHAPES = {"gemma3-1b": GEMMA3_1B}
+# Gemma 3 4B's text tower (google/gemma-3-4b-pt text_config): a larger shape for peak memory against the dry-run plan.
+# Its global layers' linear RoPE scaling is left out: it changes no FLOP and no byte.
+GEMMA3_4B = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                 sliding_window=1024, max_position_embeddings=131072)
+SHAPES = {"gemma3-1b": GEMMA3_1B, "gemma3-4b": GEMMA3_4B}
 
 PACKAGES = ("jax", "jaxlib", "flax", "google-tunix", "qwix", "optax", "torch", "transformers", "peft", "numpy")
 
@@ -428,7 +433,7 @@ def run_child(kind: str, spec: dict) -> dict:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="embedded:NAME, shape:gemma3-1b or an HF directory (default: embedded:gemma3-270m "
+    p.add_argument("--model", help="embedded:NAME, shape:gemma3-1b|gemma3-4b or an HF directory (default: embedded:gemma3-270m "
                                    "on CPU, shape:gemma3-1b on CUDA)")
     p.add_argument("--config", default="configs/gemma3-270m-fitness.yaml",
                    help="run config: LoRA targets/rank/alpha/dropout, optimizer, seed (default: %(default)s)")
