@@ -416,6 +416,13 @@ CASES = [
          {"ck": damaged("ckpt", truncate=("1/model_params/ocdbt.process_0/d/*", -100))}),
     Case("ckpt-step-missing-metadata", "convert.inspect", ["{tmp}/ck"], ["{tmp}/ck/1/model_params/_METADATA", "missing"],
          {"ck": damaged("ckpt", "1/model_params/_METADATA")}),
+    # Orbax's JSON records cut short: a bare JSONDecodeError naming no file before
+    Case("ckpt-resume-truncated-metadata", "gemma_tpu.train", [*TRAIN, "train.max_steps=3"],
+         ["{tmp}/ck/1/model_params/_METADATA", "truncated", "move it aside"],
+         {"ck": damaged("ckpt", truncate=("1/model_params/_METADATA", -40))}),
+    Case("ckpt-step-truncated-array-metadata", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/1/model_params/array_metadatas/process_0", "truncated"],
+         {"ck": damaged("ckpt", truncate=("1/model_params/array_metadatas/*", 30))}),
     Case("ckpt-step-missing-manifest", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/1/model_params/manifest.ocdbt", "missing"], {"ck": damaged("ckpt", "1/model_params/manifest.ocdbt")}),
     Case("ckpt-step-truncated-manifest", "convert.inspect", ["{tmp}/ck"],  # tracebacks from Orbax's loop before

@@ -10,6 +10,7 @@ factors, and for restoring a model). Names are flat and dotted: `layers.0.attn.q
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any, Iterable
@@ -141,10 +142,28 @@ def check_item_files(path: Path) -> None:
     if not missing:
         for root in ([path] if (path / "manifest.ocdbt").is_file() else writers):
             missing += _missing_ocdbt_data(root)
+    if not missing:
+        missing = [f for f in _json_files(path) if not _reads_as_json(f)]
     if missing:
         what = "truncated" if missing[0].is_file() else "missing"
         raise UserError(f"{missing[0]}: {what} (an incomplete or damaged checkpoint step"
                         f"{f'; {len(missing) - 1} more files missing or truncated' if len(missing) > 1 else ''})")
+
+
+def _json_files(item: Path) -> list[Path]:
+    """The JSON records Orbax reads before any array: the item's tree metadata, shardings and per-writer
+    array metadata, and the step's own record. One cut short (a copy or a disk that filled) used to be a
+    bare JSONDecodeError out of Orbax, naming no file."""
+    files = [item / n for n in ("_METADATA", "_sharding")] + sorted(item.glob("array_metadatas/*"))
+    return [f for f in files + [item.parent / "_CHECKPOINT_METADATA"] if f.is_file()]
+
+
+def _reads_as_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def step_deleted(step_dir: Path) -> UserError:
