@@ -5,7 +5,9 @@
 PATH is a gemma-tpu checkpoint dir (has gemma_tpu_run.json): steps, the chosen step's tensors (from
 Orbax's metadata), total bytes, LoRA rank/alpha/targets, the recorded base. Or an HF directory
 (config.json and/or *.safetensors, PEFT adapters included): tensors, shapes, dtypes, total bytes,
-architecture, shard count. Only headers and metadata are read.
+architecture, shard count. Or one file: a `.safetensors` shard (its tensors and metadata) or a `.gguf`
+(as `convert.export_gguf` or llama.cpp write it: architecture, metadata, tensors with their quantization
+types; needs the `gguf` package). Only headers and metadata are read.
 
 (Run as a module: this file is named after the standard library's `inspect` on purpose, which is
 harmless under `python -m` but would shadow it if `convert/` itself were put on sys.path.)
@@ -82,12 +84,69 @@ def describe_hf(path: Path) -> dict:
     return info
 
 
+def describe_safetensors_file(path: Path) -> dict:
+    tensors, meta = sio.file_tensors(path)
+    dtypes = collections.Counter()
+    for t in tensors:
+        dtypes[t.dtype] += t.nbytes
+    return {"kind": "safetensors file", "path": str(path), "num_tensors": len(tensors),
+            "total_bytes": sum(t.nbytes for t in tensors), "dtype_bytes": dict(dtypes), "file_metadata": meta,
+            "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in tensors]}
+
+
+GGUF_ARRAY_SHOWN = 8  # longer metadata arrays (the vocabulary, its scores) are described by their length
+
+
+def describe_gguf_file(path: Path) -> dict:
+    """A GGUF's metadata and tensor table (shapes in row-major order, as numpy and safetensors give them;
+    GGUF stores them innermost first)."""
+    try:
+        from gguf import GGUFReader, GGUFValueType  # deferred: optional (the embedded/test/edge extras)
+    except ImportError:
+        raise UserError(f"{path}: reading a .gguf needs the gguf package (pip install gguf)") from None
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError/IndexError/struct errors on bad bytes
+        raise UserError(f"{path}: not a readable GGUF file, truncated or damaged ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'})") from None
+    metadata: dict = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > GGUF_ARRAY_SHOWN:
+            metadata[name] = f"[{len(field.data)} items]"
+        else:
+            value = field.contents()
+            metadata[name] = f"[{len(value)} characters]" if isinstance(value, str) and len(value) > 200 else value
+    types = collections.Counter()
+    tensors = []
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        types[kind] += int(t.n_bytes)
+        tensors.append({"name": t.name, "shape": [int(x) for x in reversed(t.shape)], "dtype": kind})
+    return {"kind": "gguf file", "path": str(path), "architecture": metadata.get("general.architecture"),
+            "name": metadata.get("general.name"), "num_tensors": len(tensors),
+            "total_bytes": sum(types.values()), "dtype_bytes": dict(types), "metadata": metadata, "tensors": tensors}
+
+
+def describe_file(path: Path, step: int | None) -> dict:
+    if step is not None:
+        raise UserError(f"--step {step}: {path} is a single file, not a gemma-tpu checkpoint; "
+                        f"--step applies to checkpoints only")
+    if path.suffix == ".safetensors":
+        return describe_safetensors_file(path)
+    if path.suffix == ".gguf":
+        return describe_gguf_file(path)
+    raise UserError(f"{path}: a file, but neither .safetensors nor .gguf; give a checkpoint dir, an HF directory, "
+                    f"a .safetensors or a .gguf file")
+
+
 def describe(path: str | Path, step: int | None = None) -> dict:
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
     if not path.is_dir():
-        raise UserError(f"{path}: not a directory")
+        return describe_file(path, step)
 
     if (path / METADATA_FILE).is_file():
         return describe_checkpoint(path, step)
@@ -118,6 +177,17 @@ def render(info: dict, tensors: bool = True) -> str:
         if "step" in info:
             lines.append(f"  step {info['step']}: {info['num_tensors']} tensors, {human(info['total_bytes'])} "
                          f"(items: {', '.join(info['items'])})")
+    elif info["kind"] == "gguf file":
+        lines.append(f"  architecture: {info.get('architecture')} (name {info.get('name')!r})")
+        for key, value in info["metadata"].items():
+            if key not in ("general.architecture", "general.name"):
+                lines.append(f"  {key} = {value}")
+        dt = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
+        lines.append(f"  {info['num_tensors']} tensors, {human(info['total_bytes'])} ({dt})")
+    elif info["kind"] == "safetensors file":
+        dt = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
+        lines.append(f"  {info['num_tensors']} tensors, {human(info['total_bytes'])} ({dt})"
+                     + (f"; metadata {json.dumps(info['file_metadata'])}" if info["file_metadata"] else ""))
     else:
         if info.get("architectures"):
             lines.append(f"  architecture: {', '.join(info['architectures'])} "
@@ -139,7 +209,7 @@ def render(info: dict, tensors: bool = True) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m convert.inspect", __doc__, overrides=False)
-    p.add_argument("path", help="checkpoint dir or HF directory")
+    p.add_argument("path", help="checkpoint dir, HF directory, .safetensors or .gguf file")
     p.add_argument("--step", type=int, help="checkpoint step to list (default: the latest)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-tensors", action="store_true", help="summary only")

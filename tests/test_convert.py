@@ -666,6 +666,49 @@ def test_inspect(base, lora_ckpt, merged, capsys):
     assert "28 tensors" in capsys.readouterr().out
 
 
+def test_inspect_single_files(merged, tmp_path, capsys):
+    """One .safetensors shard or one .gguf (written here by the gguf package's own writer) is described
+    from its header; a cut-short GGUF and any other file are one line naming the file."""
+    import gguf
+
+    from convert.inspect import main
+    from gemma_tpu.core.errors import UserError
+
+    assert main([str(merged / "model.safetensors"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "safetensors file" and info["num_tensors"] == 28
+    assert info["total_bytes"] == sio.WeightsDir(merged).total_bytes
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(2)
+    w.add_token_list([f"t{i}" for i in range(40)])
+    w.add_tensor("token_embd.weight", np.ones((40, 8), np.float32))  # numpy order: 40 rows of 8
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((16, 8), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main([str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "gguf file" and info["architecture"] == "gemma3"
+    assert info["metadata"]["gemma3.block_count"] == 2 and info["metadata"]["tokenizer.ggml.tokens"] == "[40 items]"
+    assert {t["name"]: (t["shape"], t["dtype"]) for t in info["tensors"]} == {
+        "token_embd.weight": ([40, 8], "F32"), "blk.0.attn_q.weight": ([16, 8], "F16")}
+    assert info["total_bytes"] == 40 * 8 * 4 + 16 * 8 * 2
+    assert main([str(path)]) == 0
+    assert "gemma3.block_count = 2" in capsys.readouterr().out
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-200])
+    with pytest.raises(UserError, match=f"{cut}: not a readable GGUF file, truncated or damaged"):
+        main([str(cut)])
+    with pytest.raises(UserError, match="neither .safetensors nor .gguf"):
+        main([str(merged / "config.json")])
+    with pytest.raises(UserError, match="--step 3: .* single file"):
+        main([str(path), "--step", "3"])
+
+
 # ------------------------------------------------------------------------------ safetensors I/O
 
 
