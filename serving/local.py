@@ -388,7 +388,7 @@ class CheckedChatApp:
             request = body  # a Responses request is answered through the chat completion it amounts to
             if path == "/v1/responses":
                 body = chat_request(body)
-            forced = self.force_call(body) if path == "/v1/chat/completions" else ""
+            forced = self.force_call(body) if path in ("/v1/chat/completions", "/v1/responses") else ""
             if path == "/v1/completions":
                 body = check_completion_request(body, self.context, self.count_text, self.vocab_size,
                                                 self.check_generation_config)
@@ -415,7 +415,7 @@ class CheckedChatApp:
             return await receive()
 
         if path == "/v1/responses":
-            return await self._responses(scope, headers, replay, send, request, body)
+            return await self._responses(scope, headers, replay, send, request, body, forced)
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
         if not tools and not stops and not body.get("stream") and not self.model_name:
@@ -474,9 +474,10 @@ class CheckedChatApp:
         await self.app({**scope, "headers": headers}, replay, collect)
 
 
-    async def _responses(self, scope, headers, replay, send, request: dict, chat: dict) -> None:
+    async def _responses(self, scope, headers, replay, send, request: dict, chat: dict, forced: str = "") -> None:
         """A Responses request answered by the inner app's (non-streamed) chat completion `chat`, its calls
-        parsed, as a Response object, or as its stream's events when `request` asks for a stream."""
+        parsed (after `forced`, the call the template opened for a forcing tool_choice), as a Response object,
+        or as its stream's events when `request` asks for a stream."""
         import json
 
         from serving.responses import response_events, response_object
@@ -501,7 +502,7 @@ class CheckedChatApp:
         if chat.get("stop"):
             out = trim_stops(out, [chat["stop"]] if isinstance(chat["stop"], str) else chat["stop"])
         if chat.get("tools") and chat.get("tool_choice") != "none":
-            out = self.tool_calls(out, chat.get("parallel_tool_calls") is not False)
+            out = self.tool_calls(out, chat.get("parallel_tool_calls") is not False, forced)
         try:
             resp = response_object(json.loads(out), request, self.model_name)
         except (ValueError, TypeError, AttributeError, KeyError, IndexError):

@@ -595,6 +595,12 @@ def test_tool_choice_opens_the_call_through_the_chat_template():
         assert not any(e["choices"][0]["delta"].get("content") for e in events if e.get("choices"))
     assert seen[0]["chat_template_kwargs"] == {"forced_call": "get_steps"}
     assert seen[2]["chat_template_kwargs"] == {"forced_call": True}
+    # /v1/responses forces too (its flat tool and tool_choice shapes); before, it answered "Hi." in a message item
+    flat = {"type": "function", "name": "get_steps", "parameters": {"type": "object", "properties": {}}}
+    for choice, args in (({"type": "function", "name": "get_steps"}, {"date": "today"}), ("required", {})):
+        code, resp = _asgi(app, {"input": "steps?", "tools": [flat], "tool_choice": choice}, "/v1/responses")
+        assert code == 200 and [(o["type"], o.get("name"), json.loads(o.get("arguments") or "null"))
+                                for o in resp["output"]] == [("function_call", "get_steps", args)], resp
     code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": "auto"})
     assert resp["choices"][0]["message"]["content"] == "Hi." and "chat_template_kwargs" not in seen[-1]
     code, resp = _asgi(CheckedChatApp(inner, token_map=token_map), {"messages": USER, "tools": [TOOL],
