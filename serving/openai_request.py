@@ -3,7 +3,7 @@
 `transformers serve` answers many malformed requests with `500 Internal Server Error` (no messages, a
 negative `max_tokens`, tool-call arguments that are not JSON, a content part without a type), ignores
 others silently (`n`, `max_completion_tokens`, `logprobs`, `response_format`, `tool_choice` naming an
-undeclared tool, the legacy `functions` / `function_call`) and generates
+undeclared tool, the legacy `functions` / `function_call`, `presence_penalty`) and generates
 past the model's context when asked. `check_chat_request` refuses what vLLM and the OpenAI API refuse,
 with a message naming the field, and returns the body with `max_tokens` set (from
 `max_completion_tokens`, or what the context leaves when neither is given). Standard library only.
@@ -188,6 +188,10 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
                                                 f"repetition penalty of 1 + value, which must be positive: use a "
                                                 f"value above -1")
     _range(body, "presence_penalty", -2.0, 2.0)
+    if body.get("presence_penalty"):  # transformers' generate has no such penalty: it was silently dropped
+        raise RequestError("presence_penalty", f"{body['presence_penalty']!r}: the local server cannot apply a "
+                                               f"presence penalty (vLLM can); send 0 or leave it out, or use "
+                                               f"repetition_penalty")
     if body.get("seed") is not None and not (_is_int(body["seed"]) and -2**63 <= body["seed"] < 2**63):
         raise RequestError("seed", f"{body['seed']!r} is not a whole number in [-2^63, 2^63)")
     bias = body.get("logit_bias")

@@ -66,6 +66,7 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "logprobs": True}, "logprobs", "not returned"),
     ({"messages": USER, "seed": 2**70}, "seed", "[-2^63, 2^63)"),
     ({"messages": USER, "frequency_penalty": -1.5}, "frequency_penalty", "above -1"),
+    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "cannot apply a presence penalty"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "not returned"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"messages": USER + [{"role": "tool", "content": "5"}]}, "messages[1].role", "preceding assistant"),
