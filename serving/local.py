@@ -251,7 +251,7 @@ class CheckedChatApp:
         the answer with that call (any call) and return the text it writes there (markers as served), which the
         model's text continues; "" when nothing is forced. transformers serve has no guided decoding, so without
         this the model was free to answer in text (vLLM enforces tool_choice)."""
-        from gemma_tpu.formats.function_calling import forced_call_prefix
+        from gemma_tpu.formats.function_calling import forced_call_prefix, map_markers
 
         if not self.forced_calls or not isinstance(body, dict) or not body.get("tools"):
             return ""
@@ -261,10 +261,7 @@ class CheckedChatApp:
         if not (choice == "required" or isinstance(named, str)) or not isinstance(kwargs or {}, dict):
             return ""
         body["chat_template_kwargs"] = {**(kwargs or {}), FORCED_CALL_KWARG: named or True}
-        prefix = forced_call_prefix(named)
-        for marker, repl in (self.token_map or {}).items():
-            prefix = prefix.replace(marker, repl)
-        return prefix
+        return map_markers(forced_call_prefix(named), self.token_map)
 
     async def _json(self, send, status: int, obj: dict) -> None:
         import json

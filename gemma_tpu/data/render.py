@@ -191,9 +191,7 @@ class Renderer:
         return [(t, tr) for t, tr in segs if t]
 
     def map_markers(self, text: str) -> str:
-        for marker, repl in self.token_map.items():
-            text = text.replace(marker, repl)
-        return text
+        return fc.map_markers(text, self.token_map)
 
     def render(self, conv: dict, add_generation_prompt: bool = False) -> Rendered:
         segs = [(self.map_markers(t), tr) for t, tr in self.segments(conv, add_generation_prompt)]

@@ -189,6 +189,14 @@ class ParsedReply:
         return self.calls[0] if self.calls else None
 
 
+def map_markers(text: str, token_map: dict[str, str] | None) -> str:
+    """Write each FunctionGemma marker in `text` as the token the tokenizer has for it (`token_map`, e.g.
+    `<start_function_call>` -> `<unused2>` in the plain Gemma 3 vocabulary); no map: `text` as it is."""
+    for marker, repl in (token_map or {}).items():
+        text = text.replace(marker, repl)
+    return text
+
+
 def unmap_markers(text: str, token_map: dict[str, str] | None) -> str:
     """Undo the renderer's marker -> `<unusedN>` substitution (longest replacement first)."""
     for marker, repl in sorted((token_map or {}).items(), key=lambda kv: -len(kv[1])):
@@ -640,6 +648,4 @@ def tool_chat_template(token_map: dict[str, str] | None = None, parse_json: bool
         text = text.replace(call, "'0'")
     text = text.replace("JSON_RESULT_LIMIT", str(JSON_RESULT_LIMIT))
     text = text.replace("JSON_RESULT_MAX_DEPTH", str(JSON_RESULT_MAX_DEPTH))
-    for marker, repl in (token_map or {}).items():
-        text = text.replace(marker, repl)
-    return text
+    return map_markers(text, token_map)
