@@ -399,6 +399,8 @@ class CheckedChatApp:
                 param, message = sent, message.replace(param, sent)
             return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
                                                           "param": param, "code": None}})
+        if path == "/v1/responses" and request.get("stream") is True:
+            body["stream"] = True  # its chat completion streams too, and each delta becomes an event as it comes
         data = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
@@ -472,13 +474,19 @@ class CheckedChatApp:
 
 
     async def _responses(self, scope, headers, replay, send, request: dict, chat: dict, forced: str = "") -> None:
-        """A Responses request answered by the inner app's (non-streamed) chat completion `chat`, its calls
-        parsed (after `forced`, the call the template opened for a forcing tool_choice), as a Response object,
-        or as its stream's events when `request` asks for a stream."""
+        """A Responses request answered by the inner app's chat completion `chat`, its calls parsed (after `forced`,
+        the call the template opened for a forcing tool_choice), as a Response object, or, when `request` asks for
+        a stream, as the Response's events while the chat completion streams."""
         import json
 
-        from serving.responses import response_events, response_object
+        from serving.responses import response_object
 
+        inner = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "headers": headers}
+        stops = [chat["stop"]] if isinstance(chat.get("stop"), str) else chat.get("stop") or []
+        tools = chat.get("tools") and chat.get("tool_choice") != "none"
+        parallel = chat.get("parallel_tool_calls") is not False
+        if chat.get("stream"):
+            return await self._responses_stream(inner, replay, send, request, stops, tools, parallel, forced)
         start: dict = {}
         chunks: list[bytes] = []
 
@@ -488,30 +496,60 @@ class CheckedChatApp:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
-        inner = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "headers": headers}
         await self.app(inner, replay, collect)
         out = b"".join(chunks)
         if start.get("status") != 200:  # the inner server's error, as it gave it
-            await send({**start, "headers": [(k, v) for k, v in start.get("headers", [])
-                                             if k.lower() != b"content-length"] + [
-                (b"content-length", str(len(out)).encode())]})
-            return await send({"type": "http.response.body", "body": out})
-        if chat.get("stop"):
-            out = trim_stops(out, [chat["stop"]] if isinstance(chat["stop"], str) else chat["stop"])
-        if chat.get("tools") and chat.get("tool_choice") != "none":
-            out = self.tool_calls(out, chat.get("parallel_tool_calls") is not False, forced)
+            return await _send_whole(send, start, out)
+        if stops:
+            out = trim_stops(out, stops)
+        if tools:
+            out = self.tool_calls(out, parallel, forced)
         try:
             resp = response_object(json.loads(out), request, self.model_name)
         except (ValueError, TypeError, AttributeError, KeyError, IndexError):
             return await self._json(send, 502, {"error": {"message": f"the chat completion behind /v1/responses "
                                                                      f"was not one: {out[:200]!r}",
                                                           "type": "server_error", "param": None, "code": None}})
-        if not request.get("stream"):
-            return await self._json(send, 200, resp)
-        data = response_events(resp)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
+        return await self._json(send, 200, resp)
+
+    async def _responses_stream(self, inner, replay, send, request, stops, tools, parallel, forced) -> None:
+        """The streamed chat completion's events through the chat filters (stop strings cut, calls parsed), then
+        into the Response's events (`ResponseStream`); an inner error (not 200) is passed on whole."""
+        from serving.responses import ResponseStream
+
+        filters = ([StopTrim(stops)] if stops else []) + ([StreamedCalls(self.token_map, parallel, forced)]
+                                                          if tools else [])
+        filters.append(ChatToResponse(ResponseStream(request, self.model_name)))
+        start: dict = {}
+        held: list[bytes] = []  # an error's body, sent whole at its end
+
+        async def rewrite(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+                if message.get("status", 200) == 200:
+                    await send({"type": "http.response.start", "status": 200, "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8")]})
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            more = message.get("more_body", False)
+            out = message.get("body", b"")
+            if start.get("status", 200) != 200:
+                held.append(out)
+                return None if more else await _send_whole(send, start, b"".join(held))
+            for f in filters:
+                out = f.feed(out) + (b"" if more else f.close())
+            if out or not more:
+                await send({"type": "http.response.body", "body": out, "more_body": more})
+
+        await self.app(inner, replay, rewrite)
+
+
+async def _send_whole(send, start: dict, body: bytes) -> None:
+    """A response as the inner app started it, with this body and its length."""
+    await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class EventStream:
@@ -758,6 +796,28 @@ class StreamedCalls(EventStream):
 
     def _end(self) -> bytes:
         return self._text({}, final=True) if self.held else b""  # a stream that ended without a finishing chunk
+
+
+class ChatToResponse(EventStream):
+    """A chat completion's stream (its `data:` events) rewritten as a Response's events (`ResponseStream`);
+    `[DONE]` ends it, and `response.completed` is written at the end."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+
+    def _event(self, event: bytes) -> bytes:
+        import json
+
+        data = event[len(b"data:"):].strip() if event.startswith(b"data:") else b""
+        try:
+            chunk = json.loads(data) if data and data != b"[DONE]" else None
+        except ValueError:
+            chunk = None
+        return self.stream.chunk(chunk) if isinstance(chunk, dict) else b""
+
+    def _end(self) -> bytes:
+        return self.stream.finish()
 
 
 def prompt_counter(tok):

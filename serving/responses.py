@@ -7,8 +7,8 @@ bad `max_output_tokens` into an error event inside a 200. `CheckedChatApp` there
 itself: `chat_request` turns the request into a chat completion (checked like any other, so a malformed one is a
 400 naming the field), the served chat completion (with its FunctionGemma calls already parsed) comes back through
 `response_object` as a Response (`message` and `function_call` output items, `status` `incomplete` when cut at
-`max_output_tokens`), and `response_events` writes a stream's events from it (the whole text in one delta: the
-answer is generated first). Standard library only.
+`max_output_tokens`). A streamed request streams: `ResponseStream` turns the chat completion's chunks into the
+Response's events as they come. Standard library only.
 """
 
 from __future__ import annotations
@@ -145,18 +145,32 @@ def response_object(chat: dict, request: dict, model: str | None) -> dict:
     output: list[dict] = []
     text = message.get("content")
     if text or not message.get("tool_calls"):
-        output.append({"id": f"msg_{rid}", "type": "message", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": text or "", "annotations": []}]})
+        output.append(_message_item(rid, text or ""))
     for k, call in enumerate(message.get("tool_calls") or []):
         fn = call.get("function") or {}
-        cid = call.get("id") or f"call_{rid}_{k}"
-        output.append({"id": f"fc_{cid}", "type": "function_call", "status": "completed", "call_id": cid,
-                       "name": fn.get("name"), "arguments": fn.get("arguments") or "{}"})
-    usage = chat.get("usage") or {}
-    cut = choice.get("finish_reason") == "length"
+        output.append(_call_item(rid, k, call.get("id"), fn.get("name"), fn.get("arguments") or "{}"))
+    return _response(rid, chat.get("created"), output, chat.get("usage") or {}, choice.get("finish_reason"),
+                     request, model or chat.get("model"))
+
+
+def _message_item(rid: str, text: str, status: str = "completed") -> dict:
+    return {"id": f"msg_{rid}", "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(rid: str, k: int, call_id: str | None, name: str | None, arguments: str,
+               status: str = "completed") -> dict:
+    cid = call_id or f"call_{rid}_{k}"
+    return {"id": f"fc_{cid}", "type": "function_call", "status": status, "call_id": cid, "name": name,
+            "arguments": arguments}
+
+
+def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_reason: str | None, request: dict,
+              model: str | None) -> dict:
+    cut = finish_reason == "length"
     tools = _tools(request.get("tools")) or []
-    return {"id": f"resp_{rid}", "object": "response", "created_at": int(chat.get("created") or time.time()),
-            "model": model or chat.get("model"), "status": "incomplete" if cut else "completed",
+    return {"id": f"resp_{rid}", "object": "response", "created_at": int(created or time.time()),
+            "model": model, "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
             "instructions": request.get("instructions"), "output": output,
             "output_text": "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"]),
@@ -172,44 +186,111 @@ def response_object(chat: dict, request: dict, model: str | None) -> dict:
                       "total_tokens": usage.get("total_tokens", 0)}}
 
 
-def response_events(resp: dict) -> bytes:
-    """The server-sent events of a streamed Response, from the finished one: created, in_progress, each
-    output item (a message's text as one delta; a call's arguments as one delta), then `response.completed`
-    (its status says `incomplete` when cut short)."""
-    seq = 0
-    out = []
+class ResponseStream:
+    """The events of a streamed Response written as its chat completion streams: `chunk(obj)` for each chat
+    chunk (its calls already parsed into `tool_calls` deltas), `finish()` at the end. Text deltas become
+    `response.output_text.delta` events as they come (before, the whole answer was generated first); a call
+    opens a `function_call` item. The finished Response in `response.completed` holds the same items, ids and
+    usage (the chat stream's last chunk carries it)."""
 
-    def emit(kind: str, **fields) -> None:
-        nonlocal seq
-        out.append(f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": seq, **fields},
-                                                          ensure_ascii=False) + "\n\n")
-        seq += 1
+    def __init__(self, request: dict, model: str | None):
+        self.request, self.model = request, model
+        self.seq = 0
+        self.rid: str | None = None
+        self.created: Any = None
+        self.output: list[dict] = []  # items in the order they opened (finished ones completed)
+        self.text_at: int | None = None  # index of the message item still open
+        self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
+        self.finish_reason: str | None = None
+        self.usage: dict = {}
 
-    pending = {**resp, "status": "in_progress", "output": [], "output_text": "", "usage": None,
-               "incomplete_details": None}
-    emit("response.created", response=pending)
-    emit("response.in_progress", response=pending)
-    for index, item in enumerate(resp["output"]):
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
-                                                                         "content": []})
-            part = {"type": "output_text", "text": "", "annotations": []}
-            emit("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part)
-            if text:
-                emit("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                     delta=text, logprobs=[])
-            emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text,
-                 logprobs=[])
-            emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                 part={**part, "text": text})
-        else:
-            emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
-                                                                         "arguments": ""})
-            emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                 delta=item["arguments"])
-            emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                 name=item["name"], arguments=item["arguments"])
-        emit("response.output_item.done", output_index=index, item=item)
-    emit("response.completed", response=resp)  # also when incomplete, as vLLM ends it (and the SDK's helper needs)
-    return "".join(out).encode()
+    def _emit(self, kind: str, **fields) -> str:
+        event = f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": self.seq, **fields},
+                                                      ensure_ascii=False) + "\n\n"
+        self.seq += 1
+        return event
+
+    def _pending(self) -> dict:
+        return {**_response(self.rid or "", self.created, [], {}, None, self.request, self.model),
+                "status": "in_progress", "usage": None}
+
+    def _start(self, chunk: dict) -> str:
+        if self.rid is not None:
+            return ""
+        self.rid = str(chunk.get("id") or time.time_ns())
+        self.created = chunk.get("created")
+        return self._emit("response.created", response=self._pending()) + self._emit(
+            "response.in_progress", response=self._pending())
+
+    def _open_text(self) -> str:
+        if self.text_at is not None:
+            return ""
+        index = len(self.output)
+        rid = self.rid if not any(o["type"] == "message" for o in self.output) else f"{self.rid}_{index}"
+        item = _message_item(rid, "", "in_progress")
+        self.output.append(item)
+        self.text_at = index
+        return self._emit("response.output_item.added", output_index=index, item={**item, "content": []}) + \
+            self._emit("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                       part={"type": "output_text", "text": "", "annotations": []})
+
+    def _close_text(self) -> str:
+        if self.text_at is None:
+            return ""
+        index, self.text_at = self.text_at, None
+        item = self.output[index]
+        item["status"] = "completed"
+        text = item["content"][0]["text"]
+        return (self._emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                           text=text, logprobs=[])
+                + self._emit("response.content_part.done", item_id=item["id"], output_index=index,
+                             content_index=0, part=item["content"][0])
+                + self._emit("response.output_item.done", output_index=index, item=item))
+
+    def chunk(self, chunk: dict) -> bytes:
+        out = self._start(chunk)
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        choice = (chunk.get("choices") or [None])[0]
+        if not isinstance(choice, dict):
+            return out.encode()
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            out += self._open_text()
+            index = self.text_at
+            self.output[index]["content"][0]["text"] += delta["content"]
+            out += self._emit("response.output_text.delta", item_id=self.output[index]["id"], output_index=index,
+                              content_index=0, delta=delta["content"], logprobs=[])
+        for tc in delta.get("tool_calls") or []:
+            fn = tc.get("function") or {}
+            k = tc.get("index", len(self.calls))
+            if k not in self.calls:
+                out += self._close_text()
+                self.calls[k] = len(self.output)
+                item = _call_item(self.rid, len(self.calls) - 1, tc.get("id"), fn.get("name"), "", "in_progress")
+                self.output.append(item)
+                out += self._emit("response.output_item.added", output_index=self.calls[k], item=item)
+            index = self.calls[k]
+            if fn.get("arguments"):
+                self.output[index]["arguments"] += fn["arguments"]
+                out += self._emit("response.function_call_arguments.delta", item_id=self.output[index]["id"],
+                                  output_index=index, delta=fn["arguments"])
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+        return out.encode()
+
+    def finish(self) -> bytes:
+        out = self._start({}) + self._close_text()
+        for index in self.calls.values():
+            item = self.output[index]
+            item["status"] = "completed"
+            item["arguments"] = item["arguments"] or "{}"
+            out += self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              name=item["name"], arguments=item["arguments"])
+            out += self._emit("response.output_item.done", output_index=index, item=item)
+        if not self.output:  # no text and no call: one empty message, as a finished Response holds
+            out += self._open_text() + self._close_text()
+        resp = _response(self.rid or "", self.created, self.output, self.usage, self.finish_reason, self.request,
+                         self.model)
+        return (out + self._emit("response.completed", response=resp)).encode()
+

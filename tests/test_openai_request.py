@@ -223,6 +223,13 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         # /v1/responses: transformers serve answered 500 (and cut streams before response.completed)
         code, body = _post(server.base_url + "/responses", json.dumps({"input": "hi", "max_output_tokens": 2}).encode())
         assert code == 200 and body["status"] == "incomplete" and body["usage"]["output_tokens"] == 2, body
+        code, text = _post(server.base_url + "/responses", json.dumps({"input": "hi", "max_output_tokens": 2,
+                                                                       "stream": True}).encode())
+        events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+        assert code == 200 and events[-1]["type"] == "response.completed", text[-500:]
+        final = events[-1]["response"]
+        assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 2, final
+        assert final["output_text"] == "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
         # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
         good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
                            "max_completion_tokens": 3, "temperature": 0}).encode()
@@ -415,9 +422,18 @@ def test_responses_api_is_answered_through_a_chat_completion():
         body = json.loads((await receive())["body"])
         seen.append(body)
         text = "Sure. <unused2>call:get_steps{date:<unused6>today<unused6>}<unused3>" if body.get("tools") else "hé"
-        data = json.dumps({"id": "r1", "created": 5, "model": "m", "choices": [{"index": 0, "finish_reason": "length"
-                           if body.get("max_tokens") == 2 else "stop", "message": {"role": "assistant", "content": text}}],
-                           "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}).encode()
+        finish = "length" if body.get("max_tokens") == 2 else "stop"
+        usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+        if body.get("stream"):  # as transformers serve streams: deltas, then the finish reason with the usage
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            for k in range(0, len(text), 4):
+                chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {"content": text[k:k + 4]}}]}
+                await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                            "more_body": True})
+            end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": usage}
+            return await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
+        data = json.dumps({"id": "r1", "created": 5, "model": "m", "choices": [{"index": 0, "finish_reason": finish,
+                           "message": {"role": "assistant", "content": text}}], "usage": usage}).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": data})
 
@@ -448,7 +464,21 @@ def test_responses_api_is_answered_through_a_chat_completion():
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "hé"
-    assert events[-1]["response"]["output_text"] == "hé" and seen[-1]["stream"] is False
+    assert events[-1]["response"]["output_text"] == "hé" and seen[-1]["stream"] is True  # it streams through
+    assert events[-1]["response"]["usage"]["output_tokens"] == 2
+    # a streamed call: the text before it, then a function_call item; the same items as unstreamed
+    code, text = _asgi(app, {"model": "tiny", "tools": [tool], "input": "steps?", "stream": True}, "/v1/responses",
+                       raw=True)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_text.delta") < kinds.index("response.function_call_arguments.delta")
+    assert kinds[-1] == "response.completed" and kinds.count("response.output_item.done") == 2, kinds
+    final = events[-1]["response"]
+    whole = _asgi(app, {"model": "tiny", "tools": [tool], "input": "steps?"}, "/v1/responses")[1]
+    # (the streamed text keeps the space before the call: it was sent before the call was seen)
+    assert final["output"][1:] == whole["output"][1:] and final["output_text"].strip() == whole["output_text"] == "Sure."
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == final["output"] and json.loads(done[1]["arguments"]) == {"date": "today"}
     for body, param in (({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"), ({"input": []}, "input"),
                         ({}, "input"), ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
                         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type"),
