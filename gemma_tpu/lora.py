@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from gemma_tpu.core.config import LoraConfig
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.tracing import cheap_tracer_attribute_errors
 from gemma_tpu.models.registry import Family, Projection
 
 
@@ -136,7 +137,7 @@ def _apply_sharded(model, wrap, mesh):
 
     _, state = nnx.split(model)
     old = {_key(p) for p, _ in nnx.to_flat_state(state)}
-    with _cheap_tracer_attribute_errors():
+    with cheap_tracer_attribute_errors():
         abstract = nnx.eval_shape(wrap, model)
     graphdef, abs_state = nnx.split(abstract)
     shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(abs_state, mesh)))
@@ -150,38 +151,13 @@ def _apply_sharded(model, wrap, mesh):
         flat = {_key(p): v for p, v in nnx.to_flat_state(nnx.state(wrap(model)))}
         return {k: flat[k].get_value() for k in new}
 
-    with _cheap_tracer_attribute_errors():
+    with cheap_tracer_attribute_errors():
         values = nnx.jit(create, out_shardings=new)(model) if new else {}
     current = {_key(p): v for p, v in nnx.to_flat_state(state)}
     for path, var in nnx.to_flat_state(abs_state):
         k = _key(path)
         var.set_value(values[k] if k in values else current[k].get_value())
     return nnx.merge(graphdef, abs_state)
-
-
-@contextlib.contextmanager
-def _cheap_tracer_attribute_errors() -> Iterator[None]:
-    """While Qwix's rewrite is traced, build the text of a tracer's AttributeError without its origin.
-
-    Qwix asks every base weight for `getattr(w, "sharding", None)`; on a tracer JAX answers with an
-    AttributeError whose message names where the value came from, found by walking everything traced
-    so far. Over the 216 projections of the 270M model, traced twice, those walks took ~10 of the ~20 s
-    of `apply_lora` (2026-11-25, AMD EPYC, 2 cores); the LoRA factors come out bit-identical without
-    them. Only that message changes, and only inside this block.
-    """
-    try:
-        from jax._src.interpreters import partial_eval as pe
-
-        tracer = pe.DynamicJaxprTracer
-        original = tracer.__dict__["_origin_msg"]
-    except (ImportError, AttributeError, KeyError):  # another JAX: nothing to shortcut
-        yield
-        return
-    tracer._origin_msg = lambda self: ""
-    try:
-        yield
-    finally:
-        tracer._origin_msg = original
 
 
 def _key(path) -> str:

@@ -33,6 +33,7 @@ import numpy as np
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.progress import Progress, human
+from gemma_tpu.core.tracing import cheap_tracer_attribute_errors
 from gemma_tpu.hf.safetensors_io import WeightsDir
 from gemma_tpu.models.registry import Family, Projection
 
@@ -168,7 +169,7 @@ def load_sharded(family: Family, model_dir: str | Path, cfg: Any, mesh=None, dty
     weights = WeightsDir(model_dir)
     prefix = family.text_prefix(weights.names())
     ctx = compat.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-    with ctx:
+    with ctx, cheap_tracer_attribute_errors():
         abstract = nnx.eval_shape(lambda: family.model_class()(cfg, rngs=nnx.Rngs(params=0)))
     graph_def, abs_state = nnx.split(abstract)
     state = abs_state.to_pure_dict()
