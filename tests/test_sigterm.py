@@ -1,3 +1,4 @@
+
 """SIGTERM (the TPU preemption notice) at a safe point (gemma_tpu.train.preempt): the step in progress
 finishes, is saved completely (an async save under way is waited for), the run exits 143, and the resumed
 run ends bit-identical to an uninterrupted one, whether the signal came before step 1 or mid-run.
@@ -14,8 +15,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 from tests.test_resume import MAX_STEPS, assert_same_params, command, environment, reference, tail, train_rows  # noqa: F401
+
+# one xdist worker for this module: the reference run (a module-scoped fixture) is then made once, not per worker
+pytestmark = pytest.mark.xdist_group("sigterm")
 
 READY = "SIGTERM (preemption) from here on"
 
@@ -38,8 +44,12 @@ def _resume_and_compare(tiny_dir, ckpt: Path, reference, log: Path) -> None:
         proc = subprocess.run(command(tiny_dir, ckpt), cwd=REPO, env=environment(reference["cache"]),
                               stdout=subprocess.DEVNULL, stderr=err, timeout=900)
     assert proc.returncode == 0, tail(log)
-    for row in train_rows(ckpt):  # every loss ever logged, before and after the interruption
+    rows = train_rows(ckpt)
+    for row in rows:  # every loss ever logged, before and after the interruption
         assert row["loss"] == reference["losses"][row["step"]], (row, tail(log))
+    # every step once: the saved step's record is written at the SIGTERM exit (Tunix held it back until the
+    # next step, so it was lost before)
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1)), [r["step"] for r in rows]
     assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
 
 
@@ -112,6 +122,7 @@ def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_id
     text = _resume_with_eval(tiny_dir, ckpt, reference, tmp_path / "resume.log")
     assert "resumed at step 3; data position restored" in text
     rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows if r.get("mode") == "train"] == list(range(1, MAX_STEPS + 1))
     # the resumed run evaluates at its first step again (Tunix evaluates on entering the loop): the same loss
     evals = [(r["step"], r["loss"]) for r in rows if r.get("mode") == "eval"]
     assert [s for s, _ in evals] == [0, 3, 3, 6, 9, 12] and evals[1] == evals[2], evals

@@ -79,6 +79,11 @@ class Preemption:
                         custom_metadata=t.custom_checkpoint_metadata())
                 last = last_step_on_disk(cm)
             cm.close()
+            if step > 0:  # Tunix holds the finished step's record back until the next step
+                try:
+                    t.write_last_record()
+                except Exception as e:  # noqa: BLE001 - the step is saved; a lost log line must not hide it
+                    log.warning("%s: step %d's metrics record was not written (%s)", self.name, step, e)
             if step == 0:
                 log.warning("%s before step 1: nothing to save; a restart begins afresh", self.name)
             else:

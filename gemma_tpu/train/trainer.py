@@ -371,6 +371,12 @@ class Trainer(TunixTrainer):
         self._closing = True
         return super().close()
 
+    def write_last_record(self) -> None:
+        """The last finished step's metrics record, written now, as `close` writes it (the SIGTERM exit skips
+        `close`)."""
+        self._closing = True
+        self.flush_train_metrics()
+
     def _append(self, rec: dict) -> None:
         self.history.append(rec)
         if not self.primary:

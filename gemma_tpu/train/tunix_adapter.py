@@ -13,6 +13,8 @@ Tunix 0.1.7 offers no public way to do the following, so each is wrapped once, b
 * find the learning rate where optax wrappers nest it (`_try_get_learning_rate` misses the state of
   `optax.apply_if_finite`);
 * choose the progress bar's metrics (`_tqdm_train_metrics`);
+* write the record Tunix holds back for the last finished step (`_write_train_metrics`) when the run exits
+  without `close` (SIGTERM);
 * know whether only the LoRA params are checkpointed (`_lora_enabled`), to save on SIGTERM exactly as
   Tunix's own last save does;
 * the names JAX compiles the train and eval steps under (the methods `_train_step`, `_eval_step`),
@@ -64,6 +66,12 @@ class TunixTrainer(peft_trainer.PeftTrainer):
     def write_metrics(self, metrics_buffer: peft_trainer.MetricsBuffer) -> None:
         """Called for each buffered train or eval record; an override calls this to let Tunix log it."""
         peft_trainer.PeftTrainer._write_metrics(self, metrics_buffer)
+
+    def flush_train_metrics(self) -> None:
+        """Write the last finished step's record now. Tunix holds each step's record back until the next step
+        (or `close`) to overlap its I/O; an exit that skips `close` (the SIGTERM save) lost it, so the saved
+        step had no line in metrics.jsonl."""
+        peft_trainer.PeftTrainer._write_train_metrics(self)
 
     def learning_rate(self):
         """The current learning rate, or None; an override may look further and fall back to this."""
