@@ -11,6 +11,9 @@ import pytest
 
 from tests.conftest import assert_one_line_error, run_cli
 
+# one xdist worker for this module: its module-scoped fixtures are then built once, not once per worker
+pytestmark = pytest.mark.xdist_group("e2e")
+
 
 @pytest.fixture(scope="module")
 def trained(tiny_dir, tmp_path_factory):

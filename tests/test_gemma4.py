@@ -258,6 +258,7 @@ def trained(g4, tmp_path_factory):
     return get
 
 
+@pytest.mark.xdist_group("gemma4_trained")  # the `trained` fixture: one 1x1x1 training for both
 @pytest.mark.parametrize("name", MESH_VARIANTS)
 def test_trained_lora_merges_and_exports(g4, trained, tmp_path, name):
     """3 training steps -> merge: transformers on the merged dir equals the JAX LoRA model; the
@@ -288,6 +289,7 @@ def test_trained_lora_merges_and_exports(g4, trained, tmp_path, name):
     assert diff < TOL
 
 
+@pytest.mark.xdist_group("gemma4_trained")  # the `trained` fixture: one 1x1x1 training for both
 @pytest.mark.parametrize("name", MESH_VARIANTS)
 def test_same_loss_on_every_mesh(g4, trained, tmp_path, name):
     _, single = trained(name)

@@ -10,6 +10,9 @@ import pytest
 
 from tests.conftest import assert_one_line_error, run_cli
 
+# one xdist worker for this module: its module-scoped fixtures are then built once, not once per worker
+pytestmark = pytest.mark.xdist_group("guards")
+
 # lr 1e5 without clipping drives the tiny model's loss to NaN within a few steps
 DIVERGE = ["train.learning_rate=1e5", "train.grad_clip=0", "train.max_steps=8", "data.eval_path=null",
            "checkpoint.every_steps=2"]

@@ -7,6 +7,9 @@ import pytest
 
 from tests.conftest import assert_one_line_error, run_cli
 
+# one xdist worker for this module: its module-scoped fixtures are then built once, not once per worker
+pytestmark = pytest.mark.xdist_group("train")
+
 
 def train(tiny_dir, ckpt, *extra, env=None):
     return run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
