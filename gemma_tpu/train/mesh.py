@@ -159,6 +159,10 @@ def build_mesh(m: MeshConfig, devices=None):
 
         ici = (shape[0] // dcn, shape[1], shape[2])
         grid = mesh_utils.create_hybrid_device_mesh(ici, (dcn, 1, 1), devices, process_is_granule=by_process)
+        owner = (lambda d: d.process_index) if by_process else (lambda d: getattr(d, "slice_index", 0))
+        log.info("mesh.dcn_data=%d (%s): the %s of each data row %s (only the data axis crosses them)", dcn,
+                 " ".join(f"{a}={n}" for a, n in zip(AXES, np.asarray(grid).shape)),
+                 "process" if by_process else "slice", [sorted({owner(d) for d in row.flat}) for row in grid])
         return jax.sharding.Mesh(np.asarray(grid), AXES, axis_types=auto)
     if len(devices) == jax.device_count():
         return jax.make_mesh(shape, AXES, axis_types=auto)
