@@ -466,9 +466,7 @@ class CheckedChatApp:
                 out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced)
             if start.get("status") == 200 and self.model_name:
                 out = ServedName(self.model_name).whole(out)
-            await send({**start, "headers": [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-                        + [(b"content-length", str(len(out)).encode())]})
-            await send({"type": "http.response.body", "body": out})
+            await _send_whole(send, start, out)
 
         await self.app({**scope, "headers": headers}, replay, collect)
 
