@@ -74,23 +74,31 @@ def describe_hf(path: Path) -> dict:
     info["files"] = [p.name for p in weights.files]
     info["num_tensors"] = len(weights.tensors)
     info["total_bytes"] = weights.total_bytes
-    dtypes = collections.Counter()
-    for t in weights.tensors.values():
-        dtypes[t.dtype] += t.nbytes
-    info["dtype_bytes"] = dict(dtypes)
+    info["dtype_bytes"] = _dtype_bytes(weights.tensors.values())
     info["file_metadata"] = weights.file_metadata
     info["tensors"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "file": t.file.name}
                        for t in weights.tensors.values()]
     return info
 
 
+def _dtype_bytes(tensors) -> dict[str, int]:
+    """Bytes per safetensors dtype."""
+    out: collections.Counter = collections.Counter()
+    for t in tensors:
+        out[t.dtype] += t.nbytes
+    return dict(out)
+
+
+def _byte_totals(info: dict) -> str:
+    """`N tensors, SIZE (DTYPE SIZE, ...)` for the rendered summary."""
+    per = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
+    return f"{info['num_tensors']} tensors, {human(info['total_bytes'])} ({per})"
+
+
 def describe_safetensors_file(path: Path) -> dict:
     tensors, meta = sio.file_tensors(path)
-    dtypes = collections.Counter()
-    for t in tensors:
-        dtypes[t.dtype] += t.nbytes
     return {"kind": "safetensors file", "path": str(path), "num_tensors": len(tensors),
-            "total_bytes": sum(t.nbytes for t in tensors), "dtype_bytes": dict(dtypes), "file_metadata": meta,
+            "total_bytes": sum(t.nbytes for t in tensors), "dtype_bytes": _dtype_bytes(tensors), "file_metadata": meta,
             "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in tensors]}
 
 
@@ -182,11 +190,9 @@ def render(info: dict, tensors: bool = True) -> str:
         for key, value in info["metadata"].items():
             if key not in ("general.architecture", "general.name"):
                 lines.append(f"  {key} = {value}")
-        dt = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
-        lines.append(f"  {info['num_tensors']} tensors, {human(info['total_bytes'])} ({dt})")
+        lines.append(f"  {_byte_totals(info)}")
     elif info["kind"] == "safetensors file":
-        dt = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
-        lines.append(f"  {info['num_tensors']} tensors, {human(info['total_bytes'])} ({dt})"
+        lines.append(f"  {_byte_totals(info)}"
                      + (f"; metadata {json.dumps(info['file_metadata'])}" if info["file_metadata"] else ""))
     else:
         if info.get("architectures"):
@@ -197,9 +203,7 @@ def render(info: dict, tensors: bool = True) -> str:
             lines.append(f"  adapter: {a['peft_type']} r={a['r']} alpha={a['lora_alpha']} "
                          f"targets={a['target_modules']} "
                          f"base={a['base_model_name_or_path']}")
-        dt = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
-        lines.append(f"  {info['num_tensors']} tensors, {human(info['total_bytes'])} ({dt}) in "
-                     f"{info['shards']} file{'s' if info['shards'] > 1 else ''}")
+        lines.append(f"  {_byte_totals(info)} in {info['shards']} file{'s' if info['shards'] > 1 else ''}")
     if tensors and info.get("tensors"):
         width = max(len(t["name"]) for t in info["tensors"])
         for t in info["tensors"]:
