@@ -699,7 +699,8 @@ class StreamedCalls(EventStream):
     text arrive as `tool_calls` deltas, as vLLM's functiongemma parser streams them: text before a call
     streams on as `content`; from a call's start marker to its end marker the text is held, then sent as
     one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason becomes
-    `tool_calls`. Text that only might start a marker is held until the next delta settles it. A call
+    `tool_calls`. Text that only might start a marker is held until the next delta settles it, and so is
+    trailing whitespace: the content streamed is the unstreamed one, stripped around the calls. A call
     that does not parse, or is cut off by the end of the stream, streams as the text it was. Calls
     written without their markers (a server that strips them) stay text: they are known only at the end.
     Feed the body bytes as they come (`feed`), then `close()` for whatever is left."""
@@ -715,6 +716,20 @@ class StreamedCalls(EventStream):
         # chat template opened, which the model's text continues)
         self.calls = 0
         self.parallel = parallel  # False: the first call only (the request's parallel_tool_calls)
+        self.space = ""  # whitespace at the end of the text so far, sent only when more text follows it
+        self.texted = False  # some content was sent
+
+    def _content(self, like: dict, text: str) -> bytes:
+        """A content chunk for `text`, its trailing whitespace held: the unstreamed answer strips the text around
+        the calls (`parse_reply`), so a space before a call (or at the end of an answer with calls) is dropped,
+        and one between words is sent with the text that follows it."""
+        full = self.space + text
+        body = full.rstrip()
+        self.space = full[len(body):]
+        if not body:
+            return b""
+        self.texted = True
+        return self._chunk(like, {"content": body})
 
     def _chunk(self, like: dict, delta: dict, finish: str | None = None) -> bytes:
         out = {k: v for k, v in like.items() if k not in ("choices", "usage")}
@@ -750,9 +765,10 @@ class StreamedCalls(EventStream):
             if reply.kind != "call":
                 text += segment
                 continue
-            if text:
-                out += self._chunk(like, {"content": text})
-                text = ""
+            out += self._content(like, text)
+            text = ""
+            if not self.texted:
+                self.space = ""  # leading whitespace before a first call: stripped, as unstreamed
             rid = like.get("id") or "call"
             for call in reply.calls:
                 if not self.parallel and self.calls:  # parallel_tool_calls: false, the first call only
@@ -761,8 +777,11 @@ class StreamedCalls(EventStream):
                     "index": self.calls, "id": f"{rid}_tool_call_{self.calls}", "type": "function",
                     "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}]})
                 self.calls += 1
-        if text:
-            out += self._chunk(like, {"content": text})
+        out += self._content(like, text)
+        if final and self.space and not self.calls:  # no call: the text as it came, as unstreamed
+            out += self._chunk(like, {"content": self.space})
+        if final:
+            self.space = ""
         return out
 
     def _event(self, event: bytes) -> bytes:

@@ -407,6 +407,32 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == stream + b"data: [DONE]\n\n"
 
 
+def test_streamed_content_around_calls_is_the_unstreamed_content():
+    """The text before a call was streamed as it came ("Sure. "), while the unstreamed answer strips it ("Sure."):
+    a client (and `/v1/responses`' output_text) got a different text streaming. Trailing whitespace is now held
+    until text follows it; whatever the chunking, the streamed content is the unstreamed one."""
+    from serving.local import CheckedChatApp, StreamedCalls
+
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+    call = "<unused2>call:get_steps{}<unused3>"
+    app = CheckedChatApp(None, token_map=token_map)
+    for text in ("Sure. " + call, "Sure.  \n" + call + " ", " " + call + "\n", "a " + call + " b " + call + "  ",
+                 "no call, trailing space ", " lead and trail "):
+        whole = json.loads(app.tool_calls(json.dumps({"id": "r", "choices": [{"index": 0, "finish_reason": "stop",
+                                                      "message": {"role": "assistant", "content": text}}]}).encode()))
+        want = whole["choices"][0]["message"]["content"] or ""
+        for size in (1, 2, 5, len(text)):
+            f = StreamedCalls(token_map)
+            events = [{"id": "r", "choices": [{"index": 0, "delta": {"content": text[k:k + size]}}]}
+                      for k in range(0, len(text), size)] + [{"id": "r", "choices": [{"index": 0, "delta": {},
+                                                                                       "finish_reason": "stop"}]}]
+            out = f.feed(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)) + f.close()
+            got = [json.loads(e[len("data: "):]) for e in out.decode().split("\n\n") if e.strip()]
+            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in got)
+            assert content == want, (text, size, content, want)
+            assert sum(len(c["choices"][0]["delta"].get("tool_calls") or []) for c in got) == text.count(call)
+
+
 def test_responses_api_is_answered_through_a_chat_completion():
     """`/v1/responses` went to transformers serve, which answered 500 without `stream`, cut every stream off before
     `response.completed` (the openai SDK's helpers raise), streamed when `stream` was absent and left calls as text.
@@ -475,8 +501,9 @@ def test_responses_api_is_answered_through_a_chat_completion():
     assert kinds[-1] == "response.completed" and kinds.count("response.output_item.done") == 2, kinds
     final = events[-1]["response"]
     whole = _asgi(app, {"model": "tiny", "tools": [tool], "input": "steps?"}, "/v1/responses")[1]
-    # (the streamed text keeps the space before the call: it was sent before the call was seen)
-    assert final["output"][1:] == whole["output"][1:] and final["output_text"].strip() == whole["output_text"] == "Sure."
+    # the same text too: the space before the call was streamed before the call was seen ("Sure. "); now held
+    assert final["output"] == whole["output"] and final["output_text"] == whole["output_text"] == "Sure."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Sure."
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done == final["output"] and json.loads(done[1]["arguments"]) == {"date": "today"}
     for body, param in (({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"), ({"input": []}, "input"),
