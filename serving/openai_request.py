@@ -233,13 +233,26 @@ def _normalise_settings(body: dict) -> None:
 _EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
 
 
+def _sampled(body: dict, given: dict) -> bool:
+    """Whether the request asks for sampling: a temperature above 0, or (no temperature given, so OpenAI's and
+    vLLM's default of 1) a top_p below 1, a top_k or a min_p. transformers serve applied the temperature but
+    sampled only when the model's generation_config.json says `do_sample` (ours, and Gemma's, do not): every
+    `temperature: 0.8, seed: N` answer was the greedy one."""
+    if body.get("temperature") is not None:
+        return body["temperature"] > 0
+    return body.get("top_p", 1) < 1 or (given.get("top_k") or 0) > 0 or bool(given.get("min_p"))
+
+
 def _extensions(body: dict, check_generation_config) -> None:
     """`top_k`, `min_p`, `repetition_penalty`, `min_tokens` and `ignore_eos` (generate `max_tokens` whatever the
-    end-of-sequence token says) moved into `generation_config`, after `max_tokens` is resolved."""
+    end-of-sequence token says) moved into `generation_config`, after `max_tokens` is resolved; and sampling turned
+    on where the request asks for it (see `_sampled`)."""
     given = {k: body.pop(k) for k in _EXTENSIONS if k in body}
-    if not given:
+    own = json.loads(body["generation_config"]) if body.get("generation_config") else {}
+    sampled = _sampled(body, given) and "do_sample" not in own
+    if not given and not sampled:
         return
-    gen: dict[str, Any] = {}
+    gen: dict[str, Any] = {"do_sample": True} if sampled else {}
     if "top_k" in given:
         v = given["top_k"]
         if not _is_int(v) or v < -1:
@@ -264,7 +277,6 @@ def _extensions(body: dict, check_generation_config) -> None:
             raise RequestError("ignore_eos", "expected true or false")
         if given["ignore_eos"] and body.get("max_tokens") is not None:
             gen["min_new_tokens"] = body["max_tokens"]  # no stop before max_tokens: what ignoring the EOS does
-    own = json.loads(body["generation_config"]) if body.get("generation_config") else {}
     merged = {**own, **gen}
     if check_generation_config:
         check_generation_config(merged)

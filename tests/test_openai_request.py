@@ -199,6 +199,12 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": 0}')
         assert code == 200 and body["usage"]["completion_tokens"] == 2
         plain = body["choices"][0]["text"]
+        # a temperature above 0 samples (transformers serve kept the model's greedy do_sample and answered `plain`
+        # whatever the temperature and seed); the seed makes it repeatable
+        sampled = [_post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 6, "temperature": 2,
+                                                                       "seed": seed}).encode())[1] for seed in (1, 2, 1)]
+        texts = [b["choices"][0]["text"] for b in sampled]
+        assert texts[0] == texts[2] and texts[0] != texts[1], texts
         code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 3, "ignore_eos": true, '
                                                             b'"top_k": 4}')  # vLLM's extensions: a 422 before
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
@@ -571,7 +577,7 @@ def test_vllm_sampling_extensions_become_generation_settings():
                                "generation_config": json.dumps({"top_p": 0.5})}, 100, lambda b: 30)
     assert not set(body) & {"top_k", "min_p", "repetition_penalty", "ignore_eos"} and body["max_tokens"] == 70
     assert json.loads(body["generation_config"]) == {"top_p": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
-                                                     "min_new_tokens": 70}
+                                                     "min_new_tokens": 70, "do_sample": True}
     body = check_completion_request({"prompt": "x", "max_tokens": 4, "top_k": -1, "min_tokens": 2})
     assert json.loads(body["generation_config"]) == {"top_k": None, "min_new_tokens": 2}
     assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
