@@ -362,6 +362,7 @@ class CheckedChatApp:
         from serving.responses import chat_request
 
         send = self._openai_errors(send)
+        translated = False
         raw, more = b"", True
         while more:
             msg = await receive()
@@ -385,6 +386,7 @@ class CheckedChatApp:
             request = body  # a Responses request is answered through the chat completion it amounts to
             if path == "/v1/responses":
                 body = chat_request(body)
+            translated = path == "/v1/responses"  # from here on an error names a chat field
             forced = self.force_call(body) if path in ("/v1/chat/completions", "/v1/responses") else ""
             if path == "/v1/completions":
                 body = check_completion_request(body, self.context, self.count_text, self.vocab_size,
@@ -395,7 +397,7 @@ class CheckedChatApp:
         except RequestError as e:
             param, message = e.param, str(e)
             sent = {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(param or "")
-            if path == "/v1/responses" and sent:  # the chat field it became: name the one sent
+            if translated and sent:  # the chat field it became: name the one sent
                 param, message = sent, message.replace(param, sent)
             return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
                                                           "param": param, "code": None}})

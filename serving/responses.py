@@ -22,7 +22,18 @@ from serving.openai_request import RequestError, _json_type
 # fields a chat completion cannot honour, where ignoring them would mislead the client
 _REFUSED = {"previous_response_id": "this server keeps no responses: send the whole conversation in `input`",
             "conversation": "this server keeps no conversations: send the whole conversation in `input`",
-            "background": "background responses are not supported here"}
+            "background": "background responses are not supported here",
+            "prompt": "this server keeps no prompt templates: send the instructions and input themselves",
+            "top_logprobs": "log probabilities are not returned by this server"}
+# the Responses API's other fields: read here, or harmless to leave unread (bookkeeping, hints, a text model's
+# reasoning settings); `seed` and `stop` as vLLM reads them. Anything else is refused, as OpenAI refuses it: read
+# as nothing, a chat completion's `max_tokens` here generated to the end of the context
+_KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+          "temperature", "top_p", "seed", "stop", "stream", "stream_options", "text", "metadata", "store", "user",
+          "safety_identifier", "service_tier", "prompt_cache_key", "reasoning", "truncation", "include",
+          "max_tool_calls", *_REFUSED}
+_INSTEAD = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
+            "response_format": "text.format"}
 
 
 def _content(content: Any, where: str) -> Any:
@@ -107,9 +118,18 @@ def chat_request(body: Any) -> dict:
     """The chat completion request that answers a Responses request `body` (RequestError when malformed)."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
+    for key in body:
+        if key not in _KNOWN:
+            instead = f": the Responses API names it `{_INSTEAD[key]}`" if key in _INSTEAD else ""
+            raise RequestError(key, f"unknown parameter{instead}")
     for key, why in _REFUSED.items():
         if body.get(key):
             raise RequestError(key, why)
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) for i in include)):
+        raise RequestError("include", "expected a list of strings")
+    if any("logprobs" in i for i in include or []):
+        raise RequestError("include", _REFUSED["top_logprobs"])
     if "input" not in body:
         raise RequestError("input", "missing")
     messages = _messages(body["input"])

@@ -516,9 +516,20 @@ def test_responses_api_is_answered_through_a_chat_completion():
                         ({}, "input"), ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
                         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type"),
                         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-                        ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format")):
+                        ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+                        # read as nothing before: max_tokens generated to the end of the context (71 s on the tiny
+                        # model), logprobs never came, a stored prompt was never applied
+                        ({"input": "hi", "max_tokens": 3}, "max_tokens"), ({"input": "hi", "foo": 1}, "foo"),
+                        ({"input": "hi", "top_logprobs": 2}, "top_logprobs"), ({"input": "hi", "prompt": {"id": "p"}},
+                                                                               "prompt"),
+                        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include")):
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param, (body, resp)
+    assert "`max_output_tokens`" in _asgi(app, {"input": "hi", "max_tokens": 3}, "/v1/responses")[1]["error"]["message"]
+    n = len(seen)  # what clients send along, harmless unread, still passes
+    assert _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
+                       "include": [], "truncation": "disabled", "top_logprobs": 0}, "/v1/responses")[0] == 200
+    assert len(seen) == n + 1
 
 
 def test_stop_strings_are_cut_from_the_text():
