@@ -313,10 +313,18 @@ def check_chat_request(body: Any, context: int | None = None,
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
     open_ids: list | None = None  # the ids of the latest assistant turn's calls (None: no call to answer)
+    pending: list = []  # those not answered yet
     for i, m in enumerate(messages):
         _message(m, i)
+        if pending and m["role"] != "tool":
+            # OpenAI's rule: every call answered before the conversation goes on (the model saw a call with no result)
+            raise RequestError(f"messages[{i}]", f"the tool call{'s' if len(pending) > 1 else ''} "
+                                                 f"{', '.join(map(str, pending))} of the assistant message before "
+                                                 f"it got no tool message answering it (each call needs one, with "
+                                                 f"its tool_call_id)")
         if m["role"] == "assistant":
             open_ids = [c.get("id") for c in m.get("tool_calls") or []] or None
+            pending = [k for k in open_ids or [] if k is not None]  # calls without an id are not tracked
         elif m["role"] == "tool":
             if open_ids is None:
                 raise RequestError(f"messages[{i}].role", "a tool message must answer a preceding assistant "
@@ -325,8 +333,15 @@ def check_chat_request(body: Any, context: int | None = None,
             if ref is not None and any(open_ids) and ref not in open_ids:
                 raise RequestError(f"messages[{i}].tool_call_id", f"{ref!r} names none of the calls of the assistant "
                                                                   f"message before it ({', '.join(map(str, open_ids))})")
+            if ref is not None and ref in open_ids and ref not in pending:
+                raise RequestError(f"messages[{i}].tool_call_id", f"{ref!r} was answered already: one tool message "
+                                                                  f"per call")
+            if ref in pending:
+                pending.remove(ref)
+            elif ref is None and pending:
+                pending.pop(0)  # no id: the results answer the calls in order
         else:
-            open_ids = None
+            open_ids, pending = None, []
     for key, instead in (("functions", "tools"), ("function_call", "tool_choice")):
         if body.get(key) is not None:  # transformers serve ignored them: the model saw no declarations at all
             raise RequestError(key, f"the legacy function-calling field is not supported here; send `{instead}` "

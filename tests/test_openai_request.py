@@ -76,6 +76,19 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
                           {"role": "tool", "tool_call_id": "b", "content": "5"}]},
      "messages[2].tool_call_id", "'b' names none of the calls"),
+    # a call left without its result, or one answered twice (OpenAI refuses both; they passed, and the model read a
+    # call with no result before the next user turn)
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}},
+                                                               {"id": "b", "function": {"name": "g"}}]},
+                          {"role": "tool", "tool_call_id": "a", "content": "5"}] + USER},
+     "messages[3]", "the tool call b of the assistant message before it got no tool message"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}},
+                                                               {"id": "b", "function": {"name": "g"}}]},
+                          {"role": "tool", "tool_call_id": "a", "content": "5"},
+                          {"role": "tool", "tool_call_id": "a", "content": "6"}]},
+     "messages[3].tool_call_id", "'a' was answered already"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]}] + USER},
+     "messages[2]", "the tool call a of"),
 ])
 def test_malformed_requests_are_refused_naming_the_field(body, param, needle):
     with pytest.raises(RequestError) as e:
@@ -92,6 +105,11 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
           "tools": [TOOL, {"type": "function", "function": {"name": "noparams"}}], "tool_choice": "none",
           "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True, "logprobs": False,
           "response_format": {"type": "text"}}
+    two = [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}, {"id": "b", "function": {
+        "name": "g"}}]}]
+    for results in ([{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}],  # no ids: in order
+                    [{"role": "tool", "tool_call_id": k, "content": "1"} for k in "ba"]):  # any order
+        assert len(check_chat_request({"messages": USER + two + results + USER})["messages"]) == 5
     assert check_chat_request(ok)["messages"][3]["tool_calls"][0]["function"]["arguments"] == "{}"
     ok["messages"][3]["tool_calls"][0]["function"]["arguments"] = "{}"
     assert check_chat_request(ok) == ok  # unchanged, no context given
