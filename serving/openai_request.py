@@ -392,6 +392,9 @@ def check_completion_request(body: Any, context: int | None = None,
     # as the best of several
     if body.get("echo"):
         raise RequestError("echo", "this server returns the completion without the prompt (echo is not supported)")
+    if body.get("suffix"):  # transformers serve appended it to the text, which the model wrote without seeing it
+        raise RequestError("suffix", "this model does not fill in the middle: send the prompt only (vLLM refuses a "
+                                     "suffix too)")
     if body.get("best_of") is not None and body["best_of"] != 1:
         raise RequestError("best_of", f"{body['best_of']!r}: this server generates one completion (best_of=1)")
     _settings(body, vocab_size, check_generation_config)

@@ -146,14 +146,16 @@ def test_text_completions_are_checked_alike():
     for body, param in (({}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "max_tokens": 0},
                         "max_tokens"), ({"prompt": "x", "temperature": 9}, "temperature"), ({"prompt": "x", "n": 3}, "n"),
                         # ignored by transformers serve: the text came back without the prompt asked for
-                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of")):
+                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of"),
+                        # appended to the text by transformers serve ("UUU" + "x"), the model never saw it
+                        ({"prompt": "x", "suffix": "y"}, "suffix")):
         with pytest.raises(RequestError) as e:
             check_completion_request(body)
         assert e.value.param == param
     assert check_completion_request({"prompt": "héllo", "stop": []}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
     # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
     assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
-    assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1})["prompt"] == "x"
+    assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1, "suffix": ""})["prompt"] == "x"
     # logit_bias: transformers serve ignores it on text completions; it goes in as the generation's sequence_bias
     body = check_completion_request({"prompt": "x", "logit_bias": {"112": -100}, "generation_config": '{"top_k": 3}'})
     assert "logit_bias" not in body and json.loads(body["generation_config"]) == {"top_k": 3,
