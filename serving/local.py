@@ -331,7 +331,12 @@ class CheckedChatApp:
             return raw
         reply = parse_reply(prefix + message["content"], self.token_map)  # prefix: the call the template opened
         if reply.kind != "call":
-            return raw
+            if not prefix:
+                return raw
+            # a forced call that did not come whole (cut at max_tokens, malformed): the answer's text with its opening,
+            # as it streams (this sent the continuation alone, half a call)
+            message["content"] = prefix + message["content"]
+            return json.dumps(resp, ensure_ascii=False).encode()
         rid = resp.get("id") or "call"
         message["tool_calls"] = [{"id": f"{rid}_tool_call_{k}", "type": "function",
                                   "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}

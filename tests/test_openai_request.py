@@ -666,14 +666,16 @@ def test_tool_choice_opens_the_call_through_the_chat_template():
         seen.append(body)
         forced = (body.get("chat_template_kwargs") or {}).get("forced_call")
         text = {"get_steps": "date:<unused6>today<unused6>}<unused3>", True: "get_steps{}<unused3>"}.get(forced, "Hi.")
+        finish = "length" if body.get("max_tokens") == 3 else "stop"
+        text = text[:16] if finish == "length" else text
         if body.get("stream"):
             chunks = [{"id": "r", "choices": [{"index": 0, "delta": {"content": text[:7]}, "finish_reason": None}]},
-                      {"id": "r", "choices": [{"index": 0, "delta": {"content": text[7:]}, "finish_reason": "stop"}]}]
+                      {"id": "r", "choices": [{"index": 0, "delta": {"content": text[7:]}, "finish_reason": finish}]}]
             data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         else:
             data = json.dumps({"id": "r", "object": "chat.completion", "choices": [
-                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}).encode()
+                {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text}}]}).encode()
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": data})
 
@@ -688,6 +690,14 @@ def test_tool_choice_opens_the_call_through_the_chat_template():
         deltas = [t for e in events if e.get("choices") for t in e["choices"][0]["delta"].get("tool_calls") or []]
         assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in deltas] == [("get_steps", args)]
         assert not any(e["choices"][0]["delta"].get("content") for e in events if e.get("choices"))
+    # a forced call cut off by max_tokens is text, its opening included, streamed or not (unstreamed, the text
+    # lacked the opening the template wrote: "date:<unused6>to", half a call)
+    cut = {"messages": USER, "tools": [TOOL], "tool_choice": named, "max_tokens": 3}
+    code, resp = _asgi(app, cut)
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in _stream_through(app, {**cut, "stream": True})[1])
+    assert resp["choices"][0]["message"]["content"] == streamed == "<unused2>call:get_steps{date:<unused6>to", streamed
+    assert resp["choices"][0]["finish_reason"] == "length" and "tool_calls" not in resp["choices"][0]["message"]
+    seen[:] = seen[:4]
     assert seen[0]["chat_template_kwargs"] == {"forced_call": "get_steps"}
     assert seen[2]["chat_template_kwargs"] == {"forced_call": True}
     # /v1/responses forces too (its flat tool and tool_choice shapes); before, it answered "Hi." in a message item
