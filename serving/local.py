@@ -35,7 +35,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import FORCED_CALL_KWARG, function_token_map, tool_chat_template
+from gemma_tpu.formats.function_calling import (
+    FORCED_CALL_KWARG,
+    find_lone_surrogate,
+    function_token_map,
+    tool_chat_template,
+)
 from serving.config import chat_template_in
 
 SERVING_EXTRA = "transformers serve needs transformers[serving]: pip install -e '.[serve]'"
@@ -382,6 +387,10 @@ class CheckedChatApp:
                 raise RequestError(None, f"the request body is not valid JSON ({e})") from None
             except RecursionError:
                 raise RequestError(None, "the request body is nested too deeply") from None
+            bad = find_lone_surrogate(body)
+            if bad:  # JSON's unpaired \ud800: the tokenizer (or the inner server) failed on it with a bare 500
+                raise RequestError(bad[0] or None, f"holds a lone UTF-16 surrogate (\\u{ord(bad[1].group()):04x} at "
+                                                   f"character {bad[1].start()}), which is not text: pair it or remove it")
             model = body.get("model") if isinstance(body, dict) else None
             if self.model_name and isinstance(model, str) and model != self.model_name:
                 # transformers serve answered 400 {"detail": ...}, which clients read as this request's fault

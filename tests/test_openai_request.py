@@ -195,7 +195,9 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                                             "max_tokens": 2}).encode(), "messages"),
                                (json.dumps({"messages": [{"role": "assistant", "tool_calls": [
                                    {"function": {"name": "f", "arguments": "{bad"}}]}]}).encode(),
-                                "messages[0].tool_calls[0].function.arguments")]:
+                                "messages[0].tool_calls[0].function.arguments"),
+                               # a lone surrogate (JSON's unpaired \ud800): the tokenizer failed, a bare 500
+                               (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content")]:
             code, body = _post(url, payload)
             assert code == 400 and isinstance(body, dict), (payload, code, body)
             assert body["error"]["param"] == param and body["error"]["message"], body
@@ -343,6 +345,13 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         code, resp = _asgi(named, {"messages": USER, "prompt": "x", "input": "x", "model": "gpt-4o"}, path)
         assert code == 404 and resp["error"]["param"] == "model" and "`gpt-4o` does not exist" in resp["error"]["message"]
+    # a lone surrogate anywhere (JSON's unpaired \ud800) is a 400 naming where, on every path; the tokenizer or the inner
+    # server failed on it with a bare 500
+    for path, body, param in (("/v1/chat/completions", {"messages": USER, "stop": ["x", "\ud800"]}, "stop[1]"),
+                              ("/v1/completions", {"prompt": "a\udfffb"}, "prompt"),
+                              ("/v1/responses", {"input": [{"role": "user", "content": "\ud83d"}]}, "input[0].content")):
+        code, resp = _asgi(named, body, path)
+        assert code == 400 and resp["error"]["param"] == param and "lone UTF-16 surrogate" in resp["error"]["message"]
     # GET /v1/models/NAME (the SDK's models.retrieve) describes the served model; another name is a 404 in kind
     assert _asgi(named, {}, "/v1/models/coach", method="GET") == (200, {
         "id": "coach", "object": "model", "created": 0, "owned_by": "gemma-tpu"})

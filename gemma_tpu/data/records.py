@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import LONE_SURROGATE
+from gemma_tpu.formats.function_calling import find_lone_surrogate
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ROLE_ALIASES = {"model": "assistant"}  # Gemma's own name for the assistant turn
@@ -160,19 +160,12 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
 def check_surrogates(value: Any, where: str, path: str = "") -> None:
     """Refuse a string holding a lone UTF-16 surrogate (JSON's unpaired `\\ud800`): no tokenizer encodes one, and
     rendering failed with a TypeError from the tokenizer deep inside preparation."""
-    if isinstance(value, str):
-        m = LONE_SURROGATE.search(value)
-        if m:
-            raise UserError(f"{where}: {path or 'the example'} holds a lone UTF-16 surrogate "
-                            f"(\\u{ord(m.group()):04x} at character {m.start()}), which is not text any tokenizer "
-                            f"encodes; pair it or remove it")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_surrogates(k, where, f"{path}.{k}" if path else f"key {k!r}")
-            check_surrogates(v, where, f"{path}.{k}" if path else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_surrogates(v, where, f"{path}[{i}]")
+    hit = find_lone_surrogate(value, path)
+    if hit:
+        at, m = hit
+        raise UserError(f"{where}: {at or 'the example'} holds a lone UTF-16 surrogate "
+                        f"(\\u{ord(m.group()):04x} at character {m.start()}), which is not text any tokenizer "
+                        f"encodes; pair it or remove it")
 
 
 def _text(content: Any, where: str) -> str:

@@ -128,6 +128,26 @@ JSON_RESULT_MAX_DEPTH = 64
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads leaves of an unpaired \\uD800..\\uDFFF escape
 
 
+def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, re.Match] | None:
+    """The first string of a parsed JSON value holding a lone UTF-16 surrogate, as (its path: `a.b[2]`, or
+    `key 'k'` for a top-level key, `path` before it; the match), or None. No tokenizer encodes one. Walked without
+    recursion: a value nested as deeply as json.loads allows does not overflow the stack here."""
+    stack = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            m = LONE_SURROGATE.search(v)
+            if m:
+                return at, m
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                stack.append((x, f"{at}.{k}" if at else str(k)))
+                stack.append((k, f"{at}.{k}" if at else f"key {k!r}"))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in reversed(list(enumerate(v))))
+    return None
+
+
 def _depth(value: Any) -> int:
     """How deeply objects and arrays nest in a JSON value (a scalar: 0)."""
     if isinstance(value, dict):
