@@ -369,7 +369,7 @@ class CheckedChatApp:
         import json
 
         from serving.openai_request import RequestError, check_chat_request, check_completion_request
-        from serving.responses import chat_request
+        from serving.responses import chat_request, request_param
 
         send = self._openai_errors(send)
         translated = False
@@ -410,9 +410,9 @@ class CheckedChatApp:
                                           self.check_generation_config)
         except RequestError as e:
             param, message = e.param, str(e)
-            sent = {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(param or "")
-            if translated and sent:  # the chat field it became: name the one sent
-                param, message = sent, message.replace(param, sent)
+            if translated and param:  # a field of the chat completion it became: name the one sent
+                param = request_param(param, request)
+                message = message.replace(e.param, param)
             return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
                                                           "param": param, "code": None}})
         if path == "/v1/responses" and request.get("stream") is True:

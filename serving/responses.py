@@ -53,12 +53,14 @@ def _content(content: Any, where: str) -> Any:
     return parts
 
 
-def _messages(inp: Any) -> list[dict]:
+def _messages(inp: Any) -> tuple[list[dict], list[tuple[str, list[str]]]]:
+    """The chat messages of `input`, and where each came from: (the input item, the items of its calls)."""
     if isinstance(inp, str):
-        return [{"role": "user", "content": inp}]
+        return [{"role": "user", "content": inp}], [("input", [])]
     if not isinstance(inp, list) or not inp:
         raise RequestError("input", "expected a string or a non-empty list of input items")
     messages: list[dict] = []
+    origins: list[tuple[str, list[str]]] = []
     for i, item in enumerate(inp):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -66,6 +68,7 @@ def _messages(inp: Any) -> list[dict]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _content(item.get("content"), f"{where}.content")})
+            origins.append((where, []))
         elif kind == "function_call":
             for key in ("call_id", "name"):
                 if not isinstance(item.get(key), str) or not item[key]:
@@ -74,20 +77,64 @@ def _messages(inp: Any) -> list[dict]:
                     "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)  # the text before it, parallel calls: one turn
+                origins[-1][1].append(where)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((where, [where]))
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise RequestError(f"{where}.call_id", "expected a string")
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str) else _content(output, f"{where}.output")})
+            origins.append((where, []))
         elif kind == "reasoning":
             continue  # a reasoning model's trace: nothing a Gemma chat template reads
         else:
             raise RequestError(f"{where}.type", f"{kind!r} is not supported (message, function_call, "
                                                 f"function_call_output)")
-    return messages
+    return messages, origins
+
+
+_CALL_FIELDS = {"": "", ".function": "", ".function.name": ".name", ".function.arguments": ".arguments", ".id": ".call_id"}
+
+
+def request_param(param: str | None, body: dict) -> str | None:
+    """The field of the Responses request `body` that the chat completion's field `param` (named by an error of the
+    chat check) came from: `messages[2].tool_calls[0].function.arguments` -> `input[1].arguments`, `tools[0].function.name`
+    -> `tools[0].name`, `max_tokens` -> `max_output_tokens`; `param` itself when there is none."""
+    import re
+
+    if param in ("max_tokens", "response_format", "messages"):
+        return {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}[param]
+    m = re.fullmatch(r"messages\[(\d+)\](.*)", param or "", re.S)
+    if m:
+        origins = _messages(body.get("input"))[1]
+        if isinstance(body.get("instructions"), str):
+            origins.insert(0, ("instructions", []))
+        i, rest = int(m.group(1)), m.group(2)
+        if i >= len(origins):
+            return param
+        where, calls = origins[i]
+        if where in ("instructions", "input"):
+            return where  # a string: its role and content are the field itself
+        call = re.fullmatch(r"\.tool_calls\[(\d+)\](.*)", rest, re.S)
+        if call and int(call.group(1)) < len(calls) and call.group(2) in _CALL_FIELDS:
+            return calls[int(call.group(1))] + _CALL_FIELDS[call.group(2)]
+        if rest == ".tool_call_id":
+            return where + ".call_id"
+        item = body["input"][int(where[len("input["):-1])]
+        if rest.startswith(".content") and item.get("type") == "function_call_output":
+            return where + ".output" + rest[len(".content"):]
+        return where + rest
+    tool = re.fullmatch(r"tools\[(\d+)\]\.function(.*)", param or "", re.S)
+    tools = body.get("tools")
+    if tool and isinstance(tools, list) and int(tool.group(1)) < len(tools) and \
+            "function" not in tools[int(tool.group(1))]:
+        return f"tools[{tool.group(1)}]{tool.group(2)}"
+    if param == "tool_choice.function.name" and "function" not in (body.get("tool_choice") or {}):
+        return "tool_choice.name"
+    return param
 
 
 def _tools(tools: Any) -> list[dict] | None:
@@ -132,7 +179,7 @@ def chat_request(body: Any) -> dict:
         raise RequestError("include", _REFUSED["top_logprobs"])
     if "input" not in body:
         raise RequestError("input", "missing")
-    messages = _messages(body["input"])
+    messages = _messages(body["input"])[0]
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):

@@ -555,6 +555,22 @@ def test_responses_api_is_answered_through_a_chat_completion():
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param, (body, resp)
     assert "`max_output_tokens`" in _asgi(app, {"input": "hi", "max_tokens": 3}, "/v1/responses")[1]["error"]["message"]
+    # an error of the chat check names the Responses field it came from; it named the chat completion's field
+    # (`messages[2].role` for input[1] after instructions, `tools[0].function.name`), which the client never sent
+    call = {"type": "function_call", "call_id": "c", "name": "get_steps", "arguments": "{}"}
+    for body, param in (
+            ({"instructions": "x", "input": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]},
+             "input[1].role"),
+            ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, call,
+                        {**call, "call_id": "d", "arguments": "[1]"}]}, "input[3].arguments"),
+            ({"input": [{"role": "user", "content": "hi"}, call, {"type": "function_call_output", "call_id": "zz",
+                                                                   "output": "5"}]}, "input[2].call_id"),
+            ({"input": [{"role": "user", "content": "hi"}, call, {"role": "user", "content": "x"}]}, "input[2]"),
+            ({"input": [{"type": "function_call_output", "call_id": "c", "output": "5"}]}, "input[0].role"),
+            ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+            ({"input": "hi", "tools": [tool], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name")):
+        code, resp = _asgi(app, body, "/v1/responses")
+        assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
     n = len(seen)  # what clients send along, harmless unread, still passes
     assert _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
                        "include": [], "truncation": "disabled", "top_logprobs": 0}, "/v1/responses")[0] == 200
