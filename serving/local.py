@@ -855,17 +855,26 @@ class ChatToResponse(EventStream):
 
 def prompt_counter(tok):
     """`body -> number of prompt tokens` as the served model's chat template (of tokenizer `tok`) renders
-    the request; a template that refuses the conversation is a RequestError."""
+    the request; a template that refuses the conversation, or leaves a system message out of the prompt, is a
+    RequestError."""
     from serving.openai_request import RequestError
 
     def count(body: dict) -> int:
+        messages = _template_messages(body["messages"])
         try:
-            text = tok.apply_chat_template(_template_messages(body["messages"]), tools=body.get("tools") or None,
+            text = tok.apply_chat_template(messages, tools=body.get("tools") or None,
                                            tokenize=False, add_generation_prompt=True,
                                            **(body.get("chat_template_kwargs") or {}))
         except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raise_exception() in the template, ...
             raise RequestError("messages", f"the chat template refused the conversation ({type(e).__name__}: "
                                            f"{str(e)[:200]})") from None
+        for i, m in enumerate(messages):
+            # Gemma has no system role: its templates fold the text into the first user turn, and with none (and no
+            # tools) drop it, and the model answered as if it had not been sent
+            if m["role"] in ("system", "developer") and m["content"].strip() and m["content"].strip() not in text:
+                raise RequestError(f"messages[{i}]", f"the chat template leaves this {m['role']} message out of the "
+                                                     f"prompt (it goes into the first user turn, and there is none): "
+                                                     f"send its text as a user message")
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
     return count

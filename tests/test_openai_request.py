@@ -442,6 +442,29 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == stream + b"data: [DONE]\n\n"
 
 
+def test_a_system_message_the_template_drops_is_refused(tiny_dir):
+    """Gemma has no system role: the template folds a system message into the first user turn, and a conversation
+    with none (and no tools) lost it: the prompt was `<bos><start_of_turn>model\n` and the model answered as if nothing
+    had been sent. The server renders every request to count its tokens; now a system text left out is a 400."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
+    from serving.local import prompt_counter
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok.chat_template = tool_chat_template(function_token_map(tok))  # as the server serves a model without one
+    count = prompt_counter(tok)
+    system = {"role": "developer", "content": "Answer in French."}
+    for messages in ([system], [system, {"role": "assistant", "content": "Oui."}]):
+        with pytest.raises(RequestError, match="leaves this developer message out of the prompt") as e:
+            check_chat_request({"messages": messages}, 4096, count)
+        assert e.value.param == "messages[0]"
+    # kept: before a user turn, after an assistant turn (the first user turn takes it), with tools (a developer turn)
+    for messages, tools in (([system] + USER, None), ([system, {"role": "assistant", "content": "Oui."}] + USER, None),
+                            ([system], [TOOL]), ([{**system, "content": "   "}] + USER, None)):
+        assert check_chat_request({"messages": messages, "tools": tools}, 4096, count)["max_tokens"] > 0
+
+
 def test_streamed_content_around_calls_is_the_unstreamed_content():
     """The text before a call was streamed as it came ("Sure. "), while the unstreamed answer strips it ("Sure."):
     a client (and `/v1/responses`' output_text) got a different text streaming. Trailing whitespace is now held
