@@ -983,6 +983,21 @@ def test_tool_rendering_equals_tool_chat_template(any_tok, i):
     assert own.ids.tolist() == ours.ids.tolist() and own.loss_mask.tolist() == ours.loss_mask.tolist()
 
 
+def test_nameless_parallel_results_render_as_the_renderer_reads_them(tok):
+    """Results of parallel calls without a name or a tool_call_id (what transformers serve hands the template when a
+    client sends names, or neither) answer the calls in order, as the renderer reads them; the template named every
+    one after the turn's last call (`response:get_steps{bpm:170}` for the heart-rate result)."""
+    from gemma_tpu.formats.function_calling import tool_chat_template
+
+    token_map = function_token_map(tok)
+    t = _with_template(tok, tool_chat_template(token_map))
+    conv = norm(TOOL_CONVS[1])
+    want = Renderer(t, token_map=token_map).render(conv).text
+    msgs = [{k: v for k, v in m.items() if k != "name"} for m in template_messages(conv["messages"])]
+    got = t.apply_chat_template(msgs, tools=conv["tools"], tokenize=False)
+    assert "response:get_heart_rate{bpm:170}" in got and got == "<bos>" + want
+
+
 def _json_texts(n: int, seed: int = 0) -> list[str]:
     """Tool results as clients send them: JSON texts of random values (escapes, non-ASCII, surrogate pairs,
     numbers of every form, indentation) and some of them broken."""

@@ -461,7 +461,8 @@ _TEMPLATE = r"""
   {%- endif -%}
 {%- endmacro -%}
 {{- bos_token -}}
-{%- set ns = namespace(preamble='', in_model=false, last_call='', response_open=false, calls=[], name='') -%}
+{%- set ns = namespace(preamble='', in_model=false, last_call='', response_open=false, calls=[], name='', turn=[],
+                       answered=0) -%}
 {%- set msgs = messages -%}
 {%- if msgs and msgs[0]['role'] in ['system', 'developer'] -%}
   {%- set ns.preamble = text_of(msgs[0]['content']) -%}
@@ -489,9 +490,12 @@ _TEMPLATE = r"""
     {%- if not ns.in_model -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
     {%- if m['tool_calls'] is defined and m['tool_calls'] -%}
       {{- text_of(m['content']) -}}
+      {%- set ns.turn = [] -%}
+      {%- set ns.answered = 0 -%}
       {%- for c in m['tool_calls'] -%}
         {%- set f = c['function'] if c['function'] is defined else c -%}
         {%- set ns.last_call = f['name'] -%}
+        {%- set ns.turn = ns.turn + [f['name']] -%}
         {%- if c['id'] is defined and c['id'] is string -%}{%- set ns.calls = ns.calls + [[c['id'], f['name']]] -%}{%- endif -%}
         {{- '<start_function_call>call:' ~ f['name'] ~ fmt(f['arguments'] if f['arguments'] is mapping else {}) ~ '<end_function_call>' -}}
       {%- endfor -%}
@@ -505,8 +509,10 @@ _TEMPLATE = r"""
     {%- endif -%}
   {%- elif m['role'] == 'tool' -%}
     {#- the call a result answers: its name, else the call of its tool_call_id (servers such as transformers
-        serve pass the id and drop the name), else the latest call -#}
-    {%- set ns.name = ns.last_call -%}
+        serve pass the id and drop the name), else the calls in order (as the renderer reads nameless results),
+        else the latest call -#}
+    {%- set ns.name = ns.turn[ns.answered] if ns.answered < ns.turn | length else ns.last_call -%}
+    {%- set ns.answered = ns.answered + 1 -%}
     {%- if m['tool_call_id'] is defined -%}{%- for pair in ns.calls -%}{%- if pair[0] == m['tool_call_id'] -%}{%- set ns.name = pair[1] -%}{%- endif -%}{%- endfor -%}{%- endif -%}
     {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.name -%}
     {%- set c = m['content'] -%}
