@@ -465,6 +465,33 @@ def test_a_system_message_the_template_drops_is_refused(tiny_dir):
         assert check_chat_request({"messages": messages, "tools": tools}, 4096, count)["max_tokens"] > 0
 
 
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tiny_dir):
+    """A 30 MB prompt took the local server two minutes to refuse (tokenizing it to count its tokens, in the event
+    loop: /health and every other request waited). A text with more characters than the context can hold in
+    tokens of the vocabulary's longest is refused at once; shorter ones are still counted exactly."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
+    from serving.local import prompt_counter, token_counter
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok.chat_template = tool_chat_template(function_token_map(tok))
+    count, text = prompt_counter(tok, 512), token_counter(tok, 512)
+    huge = "ab " * 1_000_000
+    start = time.monotonic()
+    with pytest.raises(RequestError, match=r"the prompt is 30000\d\d characters, more than 512 tokens") as e:
+        check_chat_request({"messages": [{"role": "user", "content": huge}]}, 512, count)
+    assert e.value.param == "messages"
+    with pytest.raises(RequestError, match="3000000 characters") as e:
+        check_completion_request({"prompt": huge}, 512, text)
+    assert e.value.param == "prompt" and time.monotonic() - start < 3  # tokenizing it alone took ~9 s
+    with pytest.raises(RequestError, match="the prompt is 601 tokens"):  # exact where it can be counted
+        check_completion_request({"prompt": "a" * 600}, 512, text)
+    assert check_completion_request({"prompt": "a" * 500}, 512, text)["max_tokens"] == 11
+
+
 def test_streamed_content_around_calls_is_the_unstreamed_content():
     """The text before a call was streamed as it came ("Sure. "), while the unstreamed answer strips it ("Sure."):
     a client (and `/v1/responses`' output_text) got a different text streaming. Trailing whitespace is now held
