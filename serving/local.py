@@ -828,7 +828,8 @@ class StreamedCalls(EventStream):
         return b"".join(self._event(e) for e in events if e.strip())
 
     def _end(self) -> bytes:
-        return self._text({}, final=True) if self.held else b""  # a stream that ended without a finishing chunk
+        # a stream that ended without a finishing chunk: what is held, the whitespace after the text included
+        return self._text({}, final=True) if self.held or self.space else b""
 
 
 class ChatToResponse(EventStream):

@@ -516,6 +516,11 @@ def test_streamed_content_around_calls_is_the_unstreamed_content():
             content = "".join(c["choices"][0]["delta"].get("content") or "" for c in got)
             assert content == want, (text, size, content, want)
             assert sum(len(c["choices"][0]["delta"].get("tool_calls") or []) for c in got) == text.count(call)
+    # a stream cut off before its finishing chunk still sends the whitespace it held (no call came)
+    f = StreamedCalls(token_map)
+    out = f.feed(b'data: {"id": "r", "choices": [{"index": 0, "delta": {"content": "ok "}}]}\n\n') + f.close()
+    assert "".join(json.loads(e[len("data: "):])["choices"][0]["delta"].get("content") or ""
+                   for e in out.decode().split("\n\n") if e.strip()) == "ok "
 
 
 def test_responses_api_is_answered_through_a_chat_completion():
