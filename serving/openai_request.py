@@ -313,18 +313,21 @@ def check_chat_request(body: Any, context: int | None = None,
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
     open_ids: list | None = None  # the ids of the latest assistant turn's calls (None: no call to answer)
-    pending: list = []  # those not answered yet
+    pending: list[tuple[int, int, Any, Any]] = []  # its calls not answered yet: (message, call, id, name)
+    answers: dict[int, tuple[int, int]] = {}  # a tool message without tool_call_id -> the call it answers
     for i, m in enumerate(messages):
         _message(m, i)
-        if pending and m["role"] != "tool":
+        unanswered = [k for _, _, k, _ in pending if k is not None]  # calls without an id: not held to it
+        if unanswered and m["role"] != "tool":
             # OpenAI's rule: every call answered before the conversation goes on (the model saw a call with no result)
-            raise RequestError(f"messages[{i}]", f"the tool call{'s' if len(pending) > 1 else ''} "
-                                                 f"{', '.join(map(str, pending))} of the assistant message before "
+            raise RequestError(f"messages[{i}]", f"the tool call{'s' if len(unanswered) > 1 else ''} "
+                                                 f"{', '.join(map(str, unanswered))} of the assistant message before "
                                                  f"it got no tool message answering it (each call needs one, with "
                                                  f"its tool_call_id)")
         if m["role"] == "assistant":
-            open_ids = [c.get("id") for c in m.get("tool_calls") or []] or None
-            pending = [k for k in open_ids or [] if k is not None]  # calls without an id are not tracked
+            calls = m.get("tool_calls") or []
+            open_ids = [c.get("id") for c in calls] or None
+            pending = [(i, j, c.get("id"), c["function"]["name"]) for j, c in enumerate(calls)]
         elif m["role"] == "tool":
             if open_ids is None:
                 raise RequestError(f"messages[{i}].role", "a tool message must answer a preceding assistant "
@@ -333,13 +336,15 @@ def check_chat_request(body: Any, context: int | None = None,
             if ref is not None and any(open_ids) and ref not in open_ids:
                 raise RequestError(f"messages[{i}].tool_call_id", f"{ref!r} names none of the calls of the assistant "
                                                                   f"message before it ({', '.join(map(str, open_ids))})")
-            if ref is not None and ref in open_ids and ref not in pending:
+            if ref is not None and ref in open_ids and ref not in unanswered:
                 raise RequestError(f"messages[{i}].tool_call_id", f"{ref!r} was answered already: one tool message "
                                                                   f"per call")
-            if ref in pending:
-                pending.remove(ref)
-            elif ref is None and pending:
-                pending.pop(0)  # no id: the results answer the calls in order
+            if ref is not None:
+                pending = [p for p in pending if p[2] != ref]
+            elif pending:  # no id: the call of its name, else the calls in order
+                call = next((p for p in pending if p[3] == m.get("name")), pending[0])
+                pending.remove(call)
+                answers[i] = call[:2]
         else:
             open_ids, pending = None, []
     for key, instead in (("functions", "tools"), ("function_call", "tool_choice")):
@@ -357,6 +362,9 @@ def check_chat_request(body: Any, context: int | None = None,
     # `"tool_calls": []`: transformers serve failed on the null (500) and dropped the content beside the empty list
     body["messages"] = [{k: v for k, v in m.items() if k in ("role", "content") or (
         v is not None and not (k == "tool_calls" and v == []))} for m in body["messages"]]
+    # a result without tool_call_id names the call it answers by id (a call without one gets one): transformers serve
+    # drops a tool message's `name`, and the chat template, given neither, read the results in order
+    body["messages"] = _linked(body["messages"], answers)
     # call arguments given as an object or as an empty string: transformers serve reads a JSON string
     body["messages"] = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(_arguments(
         c["function"].get("arguments", "{}"), ""), ensure_ascii=False)}} for c in m["tool_calls"]]}
@@ -368,6 +376,20 @@ def check_chat_request(body: Any, context: int | None = None,
     _bound(body, context, count_prompt(body) if context and count_prompt else 0, "messages", field)
     _extensions(body, check_generation_config)
     return body
+
+
+def _linked(messages: list[dict], answers: dict[int, tuple[int, int]]) -> list[dict]:
+    """`messages` with `tool_call_id` on each tool message of `answers` (message -> (assistant message, call)),
+    and an id (`call_<message>_<call>`) on the calls those answer that had none."""
+    if not answers:
+        return messages
+    out = [dict(m) for m in messages]
+    for i, (a, j) in answers.items():
+        calls = out[a]["tool_calls"] = [dict(c) for c in out[a]["tool_calls"]]
+        if not isinstance(calls[j].get("id"), str):
+            calls[j]["id"] = f"call_{a}_{j}"
+        out[i]["tool_call_id"] = calls[j]["id"]
+    return out
 
 
 def check_completion_request(body: Any, context: int | None = None,

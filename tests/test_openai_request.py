@@ -465,6 +465,33 @@ def test_a_system_message_the_template_drops_is_refused(tiny_dir):
         assert check_chat_request({"messages": messages, "tools": tools}, 4096, count)["max_tokens"] > 0
 
 
+def test_tool_results_without_ids_answer_the_calls_they_name(tiny_dir):
+    """A tool message that names its call but has no tool_call_id (or neither): transformers serve drops the name, and
+    the template read the results in order, so results sent in another order were rendered as answers of the wrong
+    calls. The server now links each to its call by id (giving an id to a call without one)."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
+    from serving.local import _template_messages
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok.chat_template = tool_chat_template(function_token_map(tok))
+    calls = [{"id": "a", "type": "function", "function": {"name": "get_heart_rate", "arguments": "{}"}},
+             {"type": "function", "function": {"name": "get_steps", "arguments": "{}"}}]
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": calls},
+                       {"role": "tool", "name": "get_steps", "content": "5"},
+                       {"role": "tool", "name": "get_heart_rate", "content": "170"}]
+    body = check_chat_request({"messages": messages, "tools": [TOOL]})
+    assert [m.get("tool_call_id") for m in body["messages"][2:]] == ["call_1_1", "a"]
+    assert [c["id"] for c in body["messages"][1]["tool_calls"]] == ["a", "call_1_1"]
+    text = tok.apply_chat_template(_template_messages(body["messages"]), tools=[TOOL], tokenize=False)
+    assert "response:get_steps{result:5}" in text and "response:get_heart_rate{result:170}" in text, text
+    # neither name nor id: the calls in order
+    plain = check_chat_request({"messages": messages[:2] + [{"role": "tool", "content": "170"},
+                                                            {"role": "tool", "content": "5"}], "tools": [TOOL]})
+    assert [m.get("tool_call_id") for m in plain["messages"][2:]] == ["a", "call_1_1"]
+
+
 def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tiny_dir):
     """A 30 MB prompt took the local server two minutes to refuse (tokenizing it to count its tokens, in the event
     loop: /health and every other request waited). A text with more characters than the context can hold in
