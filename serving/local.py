@@ -363,9 +363,14 @@ class CheckedChatApp:
                 return await self._json(send, 404, {"error": {
                     "message": f"The model `{path[len('/v1/models/'):]}` does not exist: this server serves "
                                f"`{self.model_name}`", "type": "NotFoundError", "param": "model", "code": 404}})
+        if path.startswith("/v1/audio/"):  # transformers serve's transcription endpoint: a bare 500 on a text model
+            return await self._json(send, 404, {"error": {
+                "message": f"{path}: this server serves a text model{f' (`{self.model_name}`)' if self.model_name else ''}"
+                           f"; it has no audio endpoints", "type": "NotFoundError", "param": None, "code": 404}})
         if scope["type"] != "http" or scope["method"] != "POST" or path not in ("/v1/chat/completions",
                                                                                "/v1/completions", "/v1/responses"):
-            return await self.app(scope, receive, send)
+            # anything else as transformers serve answers it, an error in OpenAI's shape (not FastAPI's {"detail"})
+            return await self.app(scope, receive, self._openai_errors(send) if scope["type"] == "http" else send)
         import json
 
         from serving.openai_request import RequestError, check_chat_request, check_completion_request

@@ -750,6 +750,13 @@ def test_inner_server_errors_come_back_in_openai_shape():
     assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "server_error", "param": None,
                                              "code": 500}
     assert _asgi(app, {"messages": USER}) == (400, {"error": {"message": "mine", "param": "x"}})
+    # the other paths too (a 405, an unknown path); the audio endpoint, a bare 500 on a text model, is a 404
+    answers[:] = [(405, b'{"detail":"Method Not Allowed"}'), (404, b'{"detail":"Not Found"}')]
+    assert _asgi(app, {}, "/v1/chat/completions", method="GET") == (405, {"error": {
+        "message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": 405}})
+    assert _asgi(app, {}, "/v1/embeddings")[1]["error"]["message"] == "Not Found"
+    code, resp = _asgi(CheckedChatApp(inner, model_name="tiny"), {}, "/v1/audio/transcriptions")
+    assert code == 404 and "text model (`tiny`)" in resp["error"]["message"] and not answers
 
 
 def test_tool_choice_opens_the_call_through_the_chat_template():
