@@ -17,7 +17,9 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
   served one fails there), answers a malformed chat (or text) completion with 400 and a JSON error naming the field
   (`serving.openai_request`) instead of a 500, bounds `max_tokens` by the model's context, cuts the stop string
   that ended a text from it (`trim_stops`, `StopTrim`), and returns the FunctionGemma calls in the model's text as
-  `tool_calls` (streamed: as `tool_calls` deltas, `StreamedCalls`), as vLLM's parser does.
+  `tool_calls` (streamed: as `tool_calls` deltas, `StreamedCalls`), as vLLM's parser does; it asks the served app
+  for a stream every time (`whole_completion` puts a whole answer together), so a client that goes away stops the
+  generation.
 """
 
 from __future__ import annotations
@@ -420,8 +422,11 @@ class CheckedChatApp:
                 message = message.replace(e.param, param)
             return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
                                                           "param": param, "code": None}})
-        if path == "/v1/responses" and request.get("stream") is True:
-            body["stream"] = True  # its chat completion streams too, and each delta becomes an event as it comes
+        # the inner server streams every answer (a whole one is put together here, `whole_completion`): its streams stop
+        # generating when the client goes away, its whole answers ran on to max_tokens, holding the one generation
+        # thread, after the client had given up
+        whole = (request.get("stream") is not True) if path == "/v1/responses" else not body.get("stream")
+        body["stream"] = True
         data = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
@@ -435,12 +440,10 @@ class CheckedChatApp:
             return await receive()
 
         if path == "/v1/responses":
-            return await self._responses(scope, headers, replay, send, request, body, forced)
+            return await self._responses(scope, headers, replay, send, request, body, forced, whole)
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
-        if not tools and not stops and not body.get("stream") and not self.model_name:
-            return await self.app({**scope, "headers": headers}, replay, send)
-        if body.get("stream"):
+        if not whole:
             # the stop strings are cut first (transformers serve streams them), then the calls are read
             filters = [ServedName(self.model_name)] if self.model_name else []
             filters += ([StopTrim(stops)] if stops else []) + (
@@ -481,6 +484,10 @@ class CheckedChatApp:
             if message.get("more_body"):
                 return
             out = b"".join(chunks)
+            if start.get("status") == 200:
+                out = whole_completion(out)
+                start["headers"] = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-type"] + [
+                    (b"content-type", b"application/json")]
             if start.get("status") == 200 and stops:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
@@ -492,7 +499,8 @@ class CheckedChatApp:
         await self.app({**scope, "headers": headers}, replay, collect)
 
 
-    async def _responses(self, scope, headers, replay, send, request: dict, chat: dict, forced: str = "") -> None:
+    async def _responses(self, scope, headers, replay, send, request: dict, chat: dict, forced: str = "",
+                         whole: bool = True) -> None:
         """A Responses request answered by the inner app's chat completion `chat`, its calls parsed (after `forced`,
         the call the template opened for a forcing tool_choice), as a Response object, or, when `request` asks for
         a stream, as the Response's events while the chat completion streams."""
@@ -504,7 +512,7 @@ class CheckedChatApp:
         stops = [chat["stop"]] if isinstance(chat.get("stop"), str) else chat.get("stop") or []
         tools = chat.get("tools") and chat.get("tool_choice") != "none"
         parallel = chat.get("parallel_tool_calls") is not False
-        if chat.get("stream"):
+        if not whole:
             return await self._responses_stream(inner, replay, send, request, stops, tools, parallel, forced)
         start: dict = {}
         chunks: list[bytes] = []
@@ -519,6 +527,7 @@ class CheckedChatApp:
         out = b"".join(chunks)
         if start.get("status") != 200:  # the inner server's error, as it gave it
             return await _send_whole(send, start, out)
+        out = whole_completion(out)
         if stops:
             out = trim_stops(out, stops)
         if tools:
@@ -562,6 +571,45 @@ class CheckedChatApp:
                 await send({"type": "http.response.body", "body": out, "more_body": more})
 
         await self.app(inner, replay, rewrite)
+
+
+def whole_completion(stream: bytes) -> bytes:
+    """The chat or text completion a stream of its chunks (`data: {...}` events) amounts to, as transformers serve
+    answers a request without `stream`: the text joined, the last finish_reason, the usage of the last chunk; an
+    error event as `{"error": ...}`; anything else unchanged."""
+    import json
+
+    text, out = [], None
+    for event in stream.replace(b"\r\n", b"\n").split(b"\n\n"):
+        data = event.strip()[len(b"data:"):].strip() if event.strip().startswith(b"data:") else b""
+        try:
+            chunk = json.loads(data) if data and data != b"[DONE]" else None
+        except ValueError:
+            return stream
+        if isinstance(chunk, dict) and "error" in chunk:
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            return json.dumps({"error": {"type": "server_error", "param": None, "code": None, **error}}).encode()
+        choice = (chunk.get("choices") or [None])[0] if isinstance(chunk, dict) else None
+        if not isinstance(choice, dict):
+            continue
+        chat = isinstance(choice.get("delta"), dict)
+        piece = choice["delta"].get("content") if chat else choice.get("text")
+        text.append(piece if isinstance(piece, str) else "")
+        if out is None:
+            out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0}], "created": chunk.get("created"),
+                   "model": chunk.get("model"), "object": "chat.completion" if chat else "text_completion"}
+        if choice.get("finish_reason") is not None:
+            out["choices"][0]["finish_reason"] = choice["finish_reason"]
+        if isinstance(chunk.get("usage"), dict):
+            out["usage"] = chunk["usage"]
+    if out is None:
+        return stream
+    joined = "".join(text)
+    if out["object"] == "chat.completion":
+        out["choices"][0]["message"] = {"content": joined, "role": "assistant"}
+    else:
+        out["choices"][0]["text"] = joined
+    return json.dumps(out, ensure_ascii=False).encode()
 
 
 async def _send_whole(send, start: dict, body: bytes) -> None:

@@ -248,6 +248,22 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             assert json.loads(resp.read())["id"] == "tiny"
         assert _post(url, json.dumps({"messages": USER, "max_tokens": 1, "model": "tiny"}).encode())[0] == 200
         assert "1006" in _post(url, json.dumps({"messages": USER, "max_tokens": 100000}).encode())[1]["error"]["message"]
+        # a client that gives up on a whole (unstreamed) answer stops its generation, as a stream's does: transformers
+        # serve generated it to the end, holding its one generation thread (a request after waited it out)
+        import socket
+        import time
+
+        long = json.dumps({"messages": USER, "temperature": 0, "ignore_eos": True}).encode()  # the whole context
+        start = time.monotonic()
+        assert _post(url, long)[1]["usage"]["completion_tokens"] > 900
+        whole = time.monotonic() - start
+        with socket.create_connection((server.host, server.port)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(long), long))
+            time.sleep(whole / 4)
+        start = time.monotonic()
+        assert _post(url, json.dumps({"messages": USER, "max_tokens": 1}).encode())[0] == 200
+        assert time.monotonic() - start < whole / 2, (time.monotonic() - start, whole)
         # /v1/responses: transformers serve answered 500 (and cut streams before response.completed)
         code, body = _post(server.base_url + "/responses", json.dumps({"input": "hi", "max_output_tokens": 2}).encode())
         assert code == 200 and body["status"] == "incomplete" and body["usage"]["output_tokens"] == 2, body
@@ -601,7 +617,7 @@ def test_responses_api_is_answered_through_a_chat_completion():
     assert resp["usage"]["input_tokens"] == 7 and resp["usage"]["output_tokens"] == 2 and resp["model"] == "tiny"
     code, resp = _asgi(app, {"input": "hi", "max_output_tokens": 2}, "/v1/responses")
     assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert resp["output"][0]["content"][0]["text"] == "hé" and seen[-1]["stream"] is False
+    assert resp["output"][0]["content"][0]["text"] == "hé" and seen[-1]["stream"] is True  # streamed inside
     code, text = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
     events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -667,27 +683,22 @@ def test_stop_strings_are_cut_from_the_text():
 
     token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
     text = "Hello ## there<unused2>call:get_steps{}<unused3>"
-    deltas = ["Hel", "lo #", "# the", "re"]
+    deltas = ["Hel", "lo #", "# the", "re", "<unused2>call:get_", "steps{}<unused3>"]
 
     def sse(objs):
         return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + b"data: [DONE]\n\n"
 
-    async def inner(scope, receive, send):
+    async def inner(scope, receive, send):  # the server asks transformers serve for a stream, whole answers too
         body = json.loads((await receive())["body"])
+        assert body["stream"] is True
         chat = scope["path"] == "/v1/chat/completions"
-        if body.get("stream"):
-            def ev(piece, finish=None):
-                ch = {"index": 0, "finish_reason": finish}
-                ch.update({"delta": {"content": piece} if piece is not None else {}} if chat else {"text": piece or ""})
-                return {"id": "r", "choices": [ch]}
-            data = sse([ev(d) for d in deltas] + [ev(None, "stop")])
-        else:
-            choice = {"index": 0, "finish_reason": "stop"}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            data = json.dumps({"id": "r", "choices": [choice]}).encode()
-        length = [] if body.get("stream") else [(b"content-length", str(len(data)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": length})
-        await send({"type": "http.response.body", "body": data})
+
+        def ev(piece, finish=None):
+            ch = {"index": 0, "finish_reason": finish}
+            ch.update({"delta": {"content": piece} if piece is not None else {}} if chat else {"text": piece or ""})
+            return {"id": "r", "choices": [ch]}
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": sse([ev(d) for d in deltas] + [ev(None, "stop")])})
 
     app = CheckedChatApp(inner, token_map=token_map)
     code, resp = _asgi(app, {"messages": USER, "stop": ["zz", "##"]})
@@ -698,7 +709,7 @@ def test_stop_strings_are_cut_from_the_text():
     assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"]["content"] == text  # no stop: untouched
     for path, body, field in (("/v1/chat/completions", {"messages": USER}, "content"), ("/v1/completions",
                                                                                           {"prompt": "x"}, "text")):
-        for stop, want in (("##", "Hello "), ("# t", "Hello #"), ("lo", "Hel"), ("#x", "Hello ## there")):
+        for stop, want in (("##", "Hello "), ("# t", "Hello #"), ("lo", "Hel"), ("#x", text)):
             code, raw = _asgi(app, {**body, "stream": True, "stop": stop}, path, raw=True)
             events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
             pieces = [(e["choices"][0].get("delta") or e["choices"][0]).get(field) or "" for e in events]
