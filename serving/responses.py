@@ -240,6 +240,7 @@ def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_re
             "model": model, "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
             "instructions": request.get("instructions"), "output": output,
+            "metadata": request["metadata"] if isinstance(request.get("metadata"), dict) else {},  # echoed, as OpenAI
             "output_text": "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"]),
             "parallel_tool_calls": request.get("parallel_tool_calls", True),
             "tool_choice": request.get("tool_choice") or "auto",

@@ -670,8 +670,9 @@ def test_responses_api_is_answered_through_a_chat_completion():
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
     n = len(seen)  # what clients send along, harmless unread, still passes
-    assert _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
-                       "include": [], "truncation": "disabled", "top_logprobs": 0}, "/v1/responses")[0] == 200
+    code, resp = _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
+                             "include": [], "truncation": "disabled", "top_logprobs": 0}, "/v1/responses")
+    assert code == 200 and resp["metadata"] == {"a": "b"}  # echoed, as OpenAI does (it was left out)
     assert len(seen) == n + 1
 
 
