@@ -488,6 +488,8 @@ class CheckedChatApp:
                 out = whole_completion(out)
                 start["headers"] = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-type"] + [
                     (b"content-type", b"application/json")]
+                if out.startswith(b'{"error"'):  # the generation failed midway (an error event)
+                    start["status"] = 500
             if start.get("status") == 200 and stops:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
@@ -528,6 +530,9 @@ class CheckedChatApp:
         if start.get("status") != 200:  # the inner server's error, as it gave it
             return await _send_whole(send, start, out)
         out = whole_completion(out)
+        if out.startswith(b'{"error"'):  # the generation failed midway (an error event)
+            return await _send_whole(send, {**start, "status": 500, "headers": [(b"content-type", b"application/json")]},
+                                     out)
         if stops:
             out = trim_stops(out, stops)
         if tools:
@@ -579,7 +584,7 @@ def whole_completion(stream: bytes) -> bytes:
     error event as `{"error": ...}`; anything else unchanged."""
     import json
 
-    text, out = [], None
+    text, reasoning, calls, out = [], [], {}, None
     for event in stream.replace(b"\r\n", b"\n").split(b"\n\n"):
         data = event.strip()[len(b"data:"):].strip() if event.strip().startswith(b"data:") else b""
         try:
@@ -595,6 +600,16 @@ def whole_completion(stream: bytes) -> bytes:
         chat = isinstance(choice.get("delta"), dict)
         piece = choice["delta"].get("content") if chat else choice.get("text")
         text.append(piece if isinstance(piece, str) else "")
+        if chat and isinstance(choice["delta"].get("reasoning_content"), str):  # a thinking model's (Gemma 4)
+            reasoning.append(choice["delta"]["reasoning_content"])
+        for tc in (choice["delta"].get("tool_calls") or []) if chat else []:  # calls transformers serve parsed itself
+            if isinstance(tc, dict):
+                call = calls.setdefault(tc.get("index", len(calls)), {"id": None, "type": "function",
+                                                                      "function": {"name": "", "arguments": ""}})
+                call["id"] = tc.get("id") or call["id"]
+                fn = tc.get("function") or {}
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
         if out is None:
             out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0}], "created": chunk.get("created"),
                    "model": chunk.get("model"), "object": "chat.completion" if chat else "text_completion"}
@@ -607,6 +622,10 @@ def whole_completion(stream: bytes) -> bytes:
     joined = "".join(text)
     if out["object"] == "chat.completion":
         out["choices"][0]["message"] = {"content": joined, "role": "assistant"}
+        if calls:
+            out["choices"][0]["message"]["tool_calls"] = [calls[k] for k in sorted(calls)]
+        if reasoning:
+            out["choices"][0]["message"]["reasoning_content"] = "".join(reasoning)
     else:
         out["choices"][0]["text"] = joined
     return json.dumps(out, ensure_ascii=False).encode()

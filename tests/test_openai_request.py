@@ -566,6 +566,48 @@ def test_streamed_content_around_calls_is_the_unstreamed_content():
                    for e in out.decode().split("\n\n") if e.strip()) == "ok "
 
 
+def test_whole_answers_are_put_together_from_the_stream():
+    """The local server asks transformers serve for a stream every time (a client that goes away then stops the
+    generation); a whole answer is the stream put together: text, finish_reason, usage, and the calls and reasoning
+    transformers serve parses itself (Gemma 4), as its own whole answer holds them; an error event stays an error."""
+    from serving.local import whole_completion
+
+    def sse(*chunks):
+        return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+    head = {"id": "r", "created": 5, "model": "m", "object": "chat.completion.chunk"}
+    chat = sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+               {**head, "choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]},
+               {**head, "choices": [{"index": 0, "delta": {"content": "Hé "}}]},
+               {**head, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "r_tool_call_0",
+                                     "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]},
+               {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
+    assert json.loads(whole_completion(chat)) == {
+        "id": "r", "created": 5, "model": "m", "object": "chat.completion", "usage": {
+            "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": "Hé ", "reasoning_content": "hm", "tool_calls": [
+                {"id": "r_tool_call_0", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]}
+    text = sse({"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]},
+               {"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    assert json.loads(whole_completion(text))["choices"] == [{"index": 0, "finish_reason": "length", "text": "a"}]
+    assert json.loads(whole_completion(b'data: {"error": "boom"}\n\n'))["error"]["message"] == "boom"
+    assert whole_completion(b'{"already": "whole"}') == b'{"already": "whole"}'
+    # through the server: a generation that fails midway is a 500 in OpenAI's shape, chat or Responses
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        partial = b"data: " + json.dumps({**head, "choices": [{"index": 0, "delta": {"content": "x"}}]}).encode()
+        await send({"type": "http.response.body", "body": partial + b'\n\ndata: {"error": "out of memory"}\n\n'})
+
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/responses", {"input": "hi"})):
+        code, resp = _asgi(CheckedChatApp(inner), body, path)
+        assert code == 500 and resp["error"]["message"] == "out of memory", (path, resp)
+
+
 def test_responses_api_is_answered_through_a_chat_completion():
     """`/v1/responses` went to transformers serve, which answered 500 without `stream`, cut every stream off before
     `response.completed` (the openai SDK's helpers raise), streamed when `stream` was absent and left calls as text.
