@@ -24,6 +24,9 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import os
 import shutil
 import socket
@@ -252,6 +255,7 @@ class CheckedChatApp:
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
         self.count_text, self.model_name = count_text, model_name
         self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
+        self._checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="request-checks")
 
     def force_call(self, body: Any) -> str:
         """For a chat request whose tool_choice names a function or is "required", ask the chat template to open
@@ -409,12 +413,12 @@ class CheckedChatApp:
                 body = chat_request(body)
             translated = path == "/v1/responses"  # from here on an error names a chat field
             forced = self.force_call(body) if path in ("/v1/chat/completions", "/v1/responses") else ""
-            if path == "/v1/completions":
-                body = check_completion_request(body, self.context, self.count_text, self.vocab_size,
-                                                self.check_generation_config)
-            else:
-                body = check_chat_request(body, self.context, self.count_prompt, self.vocab_size,
-                                          self.check_generation_config)
+            check = check_completion_request if path == "/v1/completions" else check_chat_request
+            # in a thread of its own (one: the tokenizer is not shared between threads): rendering and counting a long
+            # prompt held the event loop, and every other request's stream and /health waited for it
+            body = await asyncio.get_running_loop().run_in_executor(self._checks, functools.partial(
+                check, body, self.context, self.count_text if check is check_completion_request else self.count_prompt,
+                self.vocab_size, self.check_generation_config))
         except RequestError as e:
             param, message = e.param, str(e)
             if translated and param:  # a field of the chat completion it became: name the one sent

@@ -566,6 +566,46 @@ def test_streamed_content_around_calls_is_the_unstreamed_content():
                    for e in out.decode().split("\n\n") if e.strip()) == "ok "
 
 
+def test_a_long_check_does_not_hold_other_requests():
+    """Rendering and counting a prompt ran in the server's event loop: while a long prompt was counted (seconds),
+    every other request - a stream's next token, /health, /v1/models - waited. The checks now run in a thread."""
+    import asyncio
+    import time
+
+    from serving.local import CheckedChatApp
+
+    def slow_count(body):
+        time.sleep(1.0)
+        return 5
+
+    async def inner(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    app = CheckedChatApp(inner, context=100, count_prompt=slow_count, model_name="m")
+    done: dict[str, float] = {}
+
+    async def call(name, method, path, body):
+        async def receive():
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(message):
+            pass
+
+        await app({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+        done[name] = time.monotonic()
+
+    async def both():
+        start = time.monotonic()
+        await asyncio.gather(call("chat", "POST", "/v1/chat/completions", {"messages": USER}),
+                             call("models", "GET", "/v1/models", {}))
+        return start
+
+    start = asyncio.run(both())
+    assert done["models"] - start < 0.5 <= done["chat"] - start, (done, start)
+
+
 def test_whole_answers_are_put_together_from_the_stream():
     """The local server asks transformers serve for a stream every time (a client that goes away then stops the
     generation); a whole answer is the stream put together: text, finish_reason, usage, and the calls and reasoning
