@@ -127,18 +127,24 @@ def _tools(tools: Any) -> list[str]:
             raise RequestError(f"{where}.function.name", f"{name!r} is declared twice")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise RequestError(f"{where}.function.description", "expected a string")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
             raise RequestError(f"{where}.function.parameters", "expected a JSON Schema object")
+        if params and params.get("type", "object") != "object":  # the arguments are a JSON object (as OpenAI says)
+            raise RequestError(f"{where}.function.parameters.type",
+                               f"the parameters schema must have type \"object\", got {json.dumps(params['type'])}")
         names.append(name)
     return names
 
 
 def _tool_choice(choice: Any, names: list[str]) -> None:
-    if choice is None or choice in ("none", "auto"):
+    if choice is None or choice == "none":
+        return
+    if not names:  # as OpenAI and vLLM refuse it: the client believes the model may call tools it was never shown
+        raise RequestError("tool_choice", f"{json.dumps(choice)[:80]} needs tools; this request declares none")
+    if choice == "auto":
         return
     if choice == "required":
-        if not names:
-            raise RequestError("tool_choice", '"required" needs tools')
         return
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -176,6 +182,14 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
     for key in ("stream", "parallel_tool_calls"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise RequestError(key, "expected true or false")
+    options = body.get("stream_options")
+    if options is not None:
+        if not body.get("stream"):  # OpenAI's and vLLM's rule; the usage chunk it asks for never comes otherwise
+            raise RequestError("stream_options", "is only allowed with \"stream\": true")
+        if not isinstance(options, dict):
+            raise RequestError("stream_options", "expected an object such as {\"include_usage\": true}")
+        if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
+            raise RequestError("stream_options.include_usage", "expected true or false")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
@@ -356,6 +370,8 @@ def check_chat_request(body: Any, context: int | None = None,
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model", "expected a string")
     _settings(body, vocab_size, check_generation_config)
+    if body.get("parallel_tool_calls") is not None and not names:
+        raise RequestError("parallel_tool_calls", "is only allowed with tools; this request declares none")
     body = dict(body)
     _normalise_settings(body)
     # a message as the OpenAI SDK dumps one it returned (`"tool_calls": null`, `"refusal": null`, ...) or with

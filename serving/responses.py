@@ -192,11 +192,13 @@ def chat_request(body: Any) -> dict:
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
-    if body.get("tool_choice") is not None:
+    # without tools, "auto"/"none" and parallel_tool_calls say nothing (Responses clients send them by default);
+    # a forcing choice still reaches the chat check, which refuses it
+    if body.get("tool_choice") is not None and (tools or body["tool_choice"] not in ("auto", "none")):
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for key in ("model", "temperature", "top_p", "seed", "stop", "parallel_tool_calls"):
+    for key in ("model", "temperature", "top_p", "seed", "stop") + (("parallel_tool_calls",) if tools else ()):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("stream") is not None and not isinstance(body["stream"], bool):

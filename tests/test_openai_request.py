@@ -59,6 +59,17 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
      "tools[0].function.parameters", "object"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    # OpenAI's (and vLLM's) rules, which passed here: a tool choice or parallel calls without tools, a schema that
+    # is not an object's, stream options without a stream (the usage chunk they ask for never came)
+    ({"messages": USER, "tool_choice": "auto"}, "tool_choice", '"auto" needs tools; this request declares none'),
+    ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "needs tools"),
+    ({"messages": USER, "parallel_tool_calls": True}, "parallel_tool_calls", "only allowed with tools"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters.type", 'must have type "object", got "string"'),
+    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", '"stream": true'),
+    ({"messages": USER, "stream": True, "stream_options": True}, "stream_options", "expected an object"),
+    ({"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
+     "true or false"),
     ({"messages": USER, "tool_choice": "sometimes", "tools": [TOOL]}, "tool_choice", '"auto"'),
     ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
@@ -753,9 +764,12 @@ def test_responses_api_is_answered_through_a_chat_completion():
         assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
     n = len(seen)  # what clients send along, harmless unread, still passes
     code, resp = _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
-                             "include": [], "truncation": "disabled", "top_logprobs": 0}, "/v1/responses")
+                             "include": [], "truncation": "disabled", "top_logprobs": 0, "tool_choice": "auto",
+                             "parallel_tool_calls": True}, "/v1/responses")
     assert code == 200 and resp["metadata"] == {"a": "b"}  # echoed, as OpenAI does (it was left out)
     assert len(seen) == n + 1
+    code, resp = _asgi(app, {"input": "hi", "tool_choice": "required"}, "/v1/responses")  # forcing: still refused
+    assert code == 400 and resp["error"]["param"] == "tool_choice" and len(seen) == n + 1
 
 
 def test_stop_strings_are_cut_from_the_text():

@@ -159,3 +159,15 @@ def test_prompt_past_the_context_is_refused(loaded):
                                         r"context of 1024 \(max_position_embeddings\)"):
         gen.generate([SHARED + [300], long])
     assert len(gen.generate([long[:-1]], max_new_tokens=8)) == 1
+
+
+def test_max_new_tokens_zero_is_refused(loaded):
+    """`max_new_tokens=0` is an error naming it (it was read as the generator's default of 8 and generated)."""
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.infer.generate import Generator
+
+    gen = Generator(loaded, max_new_tokens=8, batch_size=2)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(UserError, match=rf"max_new_tokens must be a whole number of at least 1, got {bad}"):
+            gen.generate([SHARED + [300]], max_new_tokens=bad)
+    assert len(gen.generate([SHARED + [300]], max_new_tokens=1)[0].ids) == 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import numbers
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -364,7 +365,9 @@ class Generator:
         """Continue each prompt (ids starting with BOS); `on_batch(n)` reports progress. `prefix`:
         ids the prompts (and later calls) are expected to start with, such as a system turn; with
         the prefix cache on, the part of it the prompts do share is computed once and kept."""
-        max_new = max_new_tokens or self.max_new_tokens
+        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not isinstance(max_new, numbers.Integral) or isinstance(max_new, bool) or max_new < 1:  # 0 read as the default before
+            raise UserError(f"max_new_tokens must be a whole number of at least 1, got {max_new!r}")
         if any(len(p) == 0 for p in prompts):
             raise UserError("cannot generate from an empty prompt")
         limit = self.loaded.max_positions
