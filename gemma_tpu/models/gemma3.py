@@ -58,24 +58,30 @@ def hf_text_config(hf_config: dict) -> dict:
     return t
 
 
+def _rope_parameters(t: dict, kind: str) -> dict:
+    """The rotary parameters of 'sliding_attention' or 'full_attention' layers as transformers 5 resolves
+    them (`Gemma3TextConfig.convert_rope_params_to_dict`): `rope_parameters[kind]`, with a legacy
+    `rope_scaling` laid over the global layers' entry, and a rope_theta the entry lacks taken from
+    `rope_theta` (global) or `rope_local_base_freq` (sliding), as transformers 4.x configs name them."""
+    params = t.get("rope_parameters")
+    p = dict((params.get(kind) if isinstance(params, dict) else None) or {"rope_type": "default"})
+    if kind == "full_attention":
+        if isinstance(t.get("rope_scaling"), dict):
+            p.update(t["rope_scaling"])
+        p.setdefault("rope_theta", t.get("rope_theta", 1_000_000.0))
+    else:
+        p.setdefault("rope_theta", t.get("rope_local_base_freq", 10_000.0))
+    return p
+
+
 def _rope(t: dict, kind: str) -> tuple[float, float]:
     """(base frequency, linear scale factor) for 'sliding_attention' or 'full_attention'."""
-    params = t.get("rope_parameters")
-    if isinstance(params, dict) and kind in params:
-        p = params[kind] or {}
-        theta = p.get("rope_theta")
-        rtype = p.get("rope_type", "default")
-        factor = float(p.get("factor", 1.0)) if rtype == "linear" else 1.0
-    else:  # transformers 4.x layout
-        if kind == "sliding_attention":
-            theta, rtype, factor = t.get("rope_local_base_freq", 10_000.0), "default", 1.0
-        else:
-            theta = t.get("rope_theta", 1_000_000.0)
-            scaling = t.get("rope_scaling") or {}
-            rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            factor = float(scaling.get("factor", 1.0)) if rtype == "linear" else 1.0
+    p = _rope_parameters(t, kind)
+    rtype = p.get("rope_type", p.get("type", "default"))
     if rtype not in ("default", "linear"):
         raise UserError(f"config.json: rope type {rtype!r} for {kind} is not supported (default, linear)")
+    factor = float(p.get("factor", 1.0)) if rtype == "linear" else 1.0
+    theta = p["rope_theta"]
     if theta is None:
         theta = 10_000.0 if kind == "sliding_attention" else 1_000_000.0
     return float(theta), factor
