@@ -34,9 +34,14 @@ SLIDING_WINDOW_PATTERN = 6
 # transformers >= 5 saves it.
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 
-# transformers' Gemma3TextConfig defaults of keys that change the numbers: a config.json that omits
-# one (hand-written, or trimmed) means these values to transformers, so it must mean them here too.
-HF_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
+# transformers' Gemma3TextConfig defaults of keys that change the shapes or the numbers: a config.json that
+# omits one means these values to transformers, so it must mean them here too. The released multimodal
+# configs omit most (google/gemma-3-4b-it's text_config names only hidden_size, intermediate_size,
+# num_hidden_layers, rope_scaling and sliding_window); hand-written or trimmed ones do too.
+HF_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
 
 
 def hf_text_config(hf_config: dict) -> dict:
@@ -94,12 +99,12 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
 
     param_dtype = jnp.float32 if param_dtype is None else param_dtype
 
+    t = hf_text_config(hf_config)
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size")
-    missing = [k for k in need if text_config(hf_config).get(k) is None]
+    missing = [k for k in need if t.get(k) is None]  # omitted keys have transformers' defaults: null here
     if missing:
-        raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 3 text model")
-    t = hf_text_config(hf_config)
+        raise UserError(f"config.json: {missing[0]}=null for a Gemma 3 text model")
     require_tied_embeddings(hf_config, "Tunix's Gemma 3")
     if t.get("attention_bias"):
         raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "
