@@ -102,6 +102,15 @@ def test_omitted_keys_mean_transformers_defaults(tmp_path):
     assert (tc.per_layer_input_dim, tc.global_key_size) == (256, 512)
     ids = [2, *range(120, 160)]
     assert max_diff([jax_logits(model, ids)], hf_logits(d, [ids])) < 1e-4
+    # and so do the shape keys (a config without them was "missing key 'num_hidden_layers'")
+    from transformers import Gemma4TextConfig
+
+    from gemma_tpu.models.registry import detect_family
+
+    bare = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text"}
+    tc, hf = detect_family(bare).tunix_config(bare), Gemma4TextConfig()
+    assert (tc.num_embed, tc.embed_dim, tc.num_layers, tc.num_heads, tc.num_kv_heads, tc.head_dim) == (
+        hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
 
 
 def test_hidden_only_and_sparse_loss_apply_the_softcap(g4):

@@ -58,7 +58,9 @@ _HF_TYPES = {"full_attention": GLOBAL, "sliding_attention": LOCAL}
 # transformers' Gemma4TextConfig defaults of keys that change the weights' shapes or the numbers: a
 # config.json that omits one (hand-written, or trimmed) means these values to transformers, so it must mean
 # them here too (an omitted hidden_size_per_layer_input read as 0 dropped the per-layer embeddings).
-HF_DEFAULTS = {"global_head_dim": 512, "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
+HF_DEFAULTS = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+               "global_head_dim": 512, "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
                "sliding_window": 512}
 
 
@@ -199,9 +201,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     t = hf_text_config(hf_config)
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size")
-    missing = [k for k in need if t.get(k) is None]
+    missing = [k for k in need if t.get(k) is None]  # omitted keys have transformers' defaults: null here
     if missing:
-        raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 4 text model")
+        raise UserError(f"config.json: {missing[0]}=null for a Gemma 4 text model")
     if t.get("attention_bias"):
         raise _cfg_error("attention_bias", t["attention_bias"], "Gemma 4 projections have no bias")
     require_tied_embeddings(hf_config, "Tunix's Gemma 4")
