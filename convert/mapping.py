@@ -113,7 +113,7 @@ class Layout:
 
 
 def read_layout(hf_config: dict, family: Family | None = None) -> Layout:
-    t = text_config(hf_config)
+    t = family.read_text_config(hf_config) if family is not None else text_config(hf_config)
     keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
             "intermediate_size")
     missing = [k for k in keys if t.get(k) is None]

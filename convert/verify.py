@@ -42,7 +42,7 @@ from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats import gemma_chat
 from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.registry import text_config
+from gemma_tpu.models.registry import detect_family, text_config
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -185,7 +185,7 @@ def judge(c: Comparison, dtype_name: str) -> Report:
 
 def verify_merge(source, base_dir: Path, merged_dir: Path, dtype_name: str,
                  prompts: Sequence[str] = DEFAULT_PROMPTS) -> Report:
-    vocab = int(text_config(source.hf_config)["vocab_size"])
+    vocab = int(source.family.read_text_config(source.hf_config)["vocab_size"])
     ids = prompt_ids(base_dir, prompts, vocab)
     ref = jax_logits(source, base_dir, ids)
     got = hf_logits(merged_dir, ids)
@@ -208,7 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     dirs = [Path(args.a), Path(args.b)]
     configs = [read_hf_config(d) for d in dirs]
-    vocab = int(text_config(configs[0])["vocab_size"])
+    try:  # keys config.json omits at transformers' defaults, for the families we know
+        text = detect_family(configs[0]).read_text_config(configs[0])
+    except UserError:
+        text = text_config(configs[0])
+    vocab = int(text["vocab_size"])
     ids = prompt_ids(dirs[0], args.prompt or DEFAULT_PROMPTS, vocab)
     c = compare(hf_logits(dirs[0], ids), hf_logits(dirs[1], ids))
     failed = []

@@ -276,7 +276,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if family is None and for_vllm:
         raise UserError(f"model dir {d}: architecture {arch} is not one vLLM-TPU serves here "
                         f"(supported: {', '.join(sorted(served))})")
-    text = text_config(hf)
+    text = fam.read_text_config(hf) if fam else text_config(hf)  # omitted keys at transformers' defaults
     kv = text.get("num_key_value_heads", hf.get("num_key_value_heads"))
     if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0:
         raise UserError(f"model dir {d}: config.json has no num_key_value_heads")

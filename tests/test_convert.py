@@ -319,6 +319,47 @@ def test_real_multimodal_model_and_peft(work, base):
     assert max_diff(hf_logits(mm, adapter=adapter), got) <= TOL
 
 
+def test_sparse_multimodal_config_means_transformers_defaults(work, base):
+    """google/gemma-3-4b-it's config.json names few text keys (hidden_size, intermediate_size,
+    num_hidden_layers, rope_scaling, sliding_window): the rest are transformers' defaults (8 heads, 4 KV
+    heads, head_dim 256, ...). Such a config was refused ("missing key 'num_attention_heads'") by the
+    loader, the trainer's checks and the merge; now each reads it as transformers does."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from gemma_tpu.models import load_model, resolve_model
+
+    mm = work / "base_mm_sparse"
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    text = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            sliding_window=16, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=509,
+                       boi_token_index=508, eoi_token_index=507)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(7)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(str(mm))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(base / f, mm / f)
+    written = json.loads((mm / "config.json").read_text())
+    keep = {"hidden_size", "intermediate_size", "num_hidden_layers", "rope_parameters", "sliding_window",
+            "vocab_size", "model_type"}
+    written["text_config"] = {k: v for k, v in written["text_config"].items() if k in keep}
+    (mm / "config.json").write_text(json.dumps(written))
+    resolved = resolve_model(str(mm))
+    assert max_diff(tunix_logits(load_model(resolved, "float32")[0]), hf_logits(mm)) <= TOL
+    ckpt = work / "ckpt_mm_sparse"
+    ref = make_checkpoint(mm, ckpt, seed=7)
+    out = work / "merged_mm_sparse"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert max_diff(ref, hf_logits(out)) <= TOL
+    assert resolved.text_config["num_attention_heads"] == 8 and resolved.max_positions == 131072
+
+
 def test_bf16_output_with_verify(work, lora_ckpt, merged):
     out = work / "merged_bf16"
     assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--dtype", "bfloat16", "--verify") == 0

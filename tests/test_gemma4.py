@@ -86,6 +86,33 @@ def test_forward_matches_transformers(g4, name):
     assert diff < 1e-4
 
 
+def test_omitted_keys_mean_transformers_defaults(tmp_path):
+    """A config.json without `hidden_size_per_layer_input` / `global_head_dim` (hand-written or trimmed)
+    means transformers' defaults, 256 and 512, as in E2B: the per-layer embeddings were dropped without a
+    word (logits off by 2.3) and the global layers built with head_dim (a shape error naming k_norm)."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.models import load_model, resolve_model
+
+    d = write_tiny_gemma4(tmp_path / "g4", seed=3, variant="ple", hidden_size_per_layer_input=256,
+                          global_head_dim=512)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size_per_layer_input"], cfg["global_head_dim"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    model, tc = load_model(resolve_model(str(d)), "float32")
+    assert (tc.per_layer_input_dim, tc.global_key_size) == (256, 512)
+    ids = [2, *range(120, 160)]
+    assert max_diff([jax_logits(model, ids)], hf_logits(d, [ids])) < 1e-4
+    # and so do the shape keys (a config without them was "missing key 'num_hidden_layers'")
+    from transformers import Gemma4TextConfig
+
+    from gemma_tpu.models.registry import detect_family
+
+    bare = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text"}
+    tc, hf = detect_family(bare).tunix_config(bare), Gemma4TextConfig()
+    assert (tc.num_embed, tc.embed_dim, tc.num_layers, tc.num_heads, tc.num_kv_heads, tc.head_dim) == (
+        hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
+
+
 def test_hidden_only_and_sparse_loss_apply_the_softcap(g4):
     """The trainer's loss projects final hidden states itself: it must soft-cap like the model."""
     import jax

@@ -53,6 +53,30 @@ def test_tiny_matches_transformers(which, request):
         assert diff < 1e-4, (p, diff)
 
 
+def _legacy_rope_scaling(cfg):
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+
+
+def _top_level_rope_thetas(cfg):
+    for kind in ("full_attention", "sliding_attention"):
+        del cfg["rope_parameters"][kind]["rope_theta"]
+    cfg.update(rope_theta=5000.0, rope_local_base_freq=700.0)
+
+
+@pytest.mark.parametrize("edit", [_legacy_rope_scaling, _top_level_rope_thetas])
+def test_rope_keys_resolved_as_transformers_resolves_them(edit, tiny_odd_dir, tmp_path):
+    """transformers 5 lays a 4.x `rope_scaling` over `rope_parameters.full_attention`, and takes a rope_theta
+    that entry lacks from `rope_theta` / `rope_local_base_freq`; both were ignored (the global layers ran
+    with factor 4 instead of 8, or every layer with the default base: logits off by 0.13 and 1.7)."""
+    d = shutil.copytree(tiny_odd_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    ids = [2, *range(120, 160)]
+    assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() < 1e-4
+
+
 def test_omitted_query_pre_attn_scalar_means_transformers_default(tiny_dir, tmp_path):
     """A config.json without `query_pre_attn_scalar` (hand-written or trimmed) means transformers'
     default, 256, not head_dim: with head_dim 16 transformers scales queries by 1/16, which Tunix

@@ -195,6 +195,15 @@ def _no_tokenizer(p):
     return fake_model_dir(p, tokenizer=False)
 
 
+def _sparse_4b_config(p):
+    """google/gemma-3-4b-it's config.json names no head counts: transformers' defaults (8 heads, 4 KV heads)."""
+    d = fake_model_dir(p, arch="Gemma3ForConditionalGeneration", nested=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}))
+    return d
+
+
 def _missing_shard(p):
     d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=2)
     (d / "model-00002-of-00002.safetensors").unlink()
@@ -206,6 +215,8 @@ def _missing_shard(p):
      ["tensor_parallel_size=2", "num_key_value_heads=1"]),
     (CONFIG_31B, lambda p: fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=12, nested=True), [],
      ["tensor_parallel_size=8", "num_key_value_heads=12"]),
+    (CONFIG_270M, _sparse_4b_config, ["server.tensor_parallel_size=8"],  # was "no num_key_value_heads"
+     ["tensor_parallel_size=8", "num_key_value_heads=4"]),
     (CONFIG_270M, _no_tokenizer, [], ["no tokenizer"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, arch="LlamaForCausalLM"), [], ["LlamaForCausalLM", "Gemma3ForCausalLM"]),
     (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),

@@ -31,7 +31,6 @@ from gemma_tpu.data.records import load_conversations
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import resolve_model
-from gemma_tpu.models.registry import text_config
 
 ANSI_ON, ANSI_OFF = "\x1b[1;32m", "\x1b[0m"
 ANSI_DIM = "\x1b[2m"
@@ -57,7 +56,7 @@ def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str, int | None]:
     else:
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
-        vocab = text_config(resolved.hf_config).get("vocab_size")
+        vocab = resolved.text_config.get("vocab_size")
     return load_tokenizer(where), where, family_format, vocab
 
 

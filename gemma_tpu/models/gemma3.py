@@ -34,9 +34,14 @@ SLIDING_WINDOW_PATTERN = 6
 # transformers >= 5 saves it.
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 
-# transformers' Gemma3TextConfig defaults of keys that change the numbers: a config.json that omits
-# one (hand-written, or trimmed) means these values to transformers, so it must mean them here too.
-HF_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
+# transformers' Gemma3TextConfig defaults of keys that change the shapes or the numbers: a config.json that
+# omits one means these values to transformers, so it must mean them here too. The released multimodal
+# configs omit most (google/gemma-3-4b-it's text_config names only hidden_size, intermediate_size,
+# num_hidden_layers, rope_scaling and sliding_window); hand-written or trimmed ones do too.
+HF_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
 
 
 def hf_text_config(hf_config: dict) -> dict:
@@ -58,24 +63,30 @@ def hf_text_config(hf_config: dict) -> dict:
     return t
 
 
+def _rope_parameters(t: dict, kind: str) -> dict:
+    """The rotary parameters of 'sliding_attention' or 'full_attention' layers as transformers 5 resolves
+    them (`Gemma3TextConfig.convert_rope_params_to_dict`): `rope_parameters[kind]`, with a legacy
+    `rope_scaling` laid over the global layers' entry, and a rope_theta the entry lacks taken from
+    `rope_theta` (global) or `rope_local_base_freq` (sliding), as transformers 4.x configs name them."""
+    params = t.get("rope_parameters")
+    p = dict((params.get(kind) if isinstance(params, dict) else None) or {"rope_type": "default"})
+    if kind == "full_attention":
+        if isinstance(t.get("rope_scaling"), dict):
+            p.update(t["rope_scaling"])
+        p.setdefault("rope_theta", t.get("rope_theta", 1_000_000.0))
+    else:
+        p.setdefault("rope_theta", t.get("rope_local_base_freq", 10_000.0))
+    return p
+
+
 def _rope(t: dict, kind: str) -> tuple[float, float]:
     """(base frequency, linear scale factor) for 'sliding_attention' or 'full_attention'."""
-    params = t.get("rope_parameters")
-    if isinstance(params, dict) and kind in params:
-        p = params[kind] or {}
-        theta = p.get("rope_theta")
-        rtype = p.get("rope_type", "default")
-        factor = float(p.get("factor", 1.0)) if rtype == "linear" else 1.0
-    else:  # transformers 4.x layout
-        if kind == "sliding_attention":
-            theta, rtype, factor = t.get("rope_local_base_freq", 10_000.0), "default", 1.0
-        else:
-            theta = t.get("rope_theta", 1_000_000.0)
-            scaling = t.get("rope_scaling") or {}
-            rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            factor = float(scaling.get("factor", 1.0)) if rtype == "linear" else 1.0
+    p = _rope_parameters(t, kind)
+    rtype = p.get("rope_type", p.get("type", "default"))
     if rtype not in ("default", "linear"):
         raise UserError(f"config.json: rope type {rtype!r} for {kind} is not supported (default, linear)")
+    factor = float(p.get("factor", 1.0)) if rtype == "linear" else 1.0
+    theta = p["rope_theta"]
     if theta is None:
         theta = 10_000.0 if kind == "sliding_attention" else 1_000_000.0
     return float(theta), factor
@@ -88,12 +99,12 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
 
     param_dtype = jnp.float32 if param_dtype is None else param_dtype
 
+    t = hf_text_config(hf_config)
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size")
-    missing = [k for k in need if text_config(hf_config).get(k) is None]
+    missing = [k for k in need if t.get(k) is None]  # omitted keys have transformers' defaults: null here
     if missing:
-        raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 3 text model")
-    t = hf_text_config(hf_config)
+        raise UserError(f"config.json: {missing[0]}=null for a Gemma 3 text model")
     require_tied_embeddings(hf_config, "Tunix's Gemma 3")
     if t.get("attention_bias"):
         raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "

@@ -40,6 +40,7 @@ from gemma_tpu.models.registry import (
     register,
     require_tied_embeddings,
     text_config,
+    tied_embeddings,
     tunix_remat,
     tunix_safetensors_loader,
 )
@@ -52,6 +53,25 @@ TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 
 GLOBAL, LOCAL = "GLOBAL", "LOCAL_SLIDING"  # Tunix's AttentionType names
 _HF_TYPES = {"full_attention": GLOBAL, "sliding_attention": LOCAL}
+
+
+# transformers' Gemma4TextConfig defaults of keys that change the weights' shapes or the numbers: a
+# config.json that omits one (hand-written, or trimmed) means these values to transformers, so it must mean
+# them here too (an omitted hidden_size_per_layer_input read as 0 dropped the per-layer embeddings).
+HF_DEFAULTS = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+               "global_head_dim": 512, "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
+               "sliding_window": 512}
+
+
+def hf_text_config(hf_config: dict) -> dict:
+    """The text config as transformers reads it: omitted keys at transformers' defaults (`HF_DEFAULTS`),
+    `tie_word_embeddings` from the top level of a multimodal config, where transformers reads it."""
+    t = dict(text_config(hf_config))
+    for key, value in HF_DEFAULTS.items():
+        t.setdefault(key, value)
+    t["tie_word_embeddings"] = tied_embeddings(hf_config)
+    return t
 
 
 def _cfg_error(key: str, value: Any, why: str) -> UserError:
@@ -93,7 +113,7 @@ def _frac_shared(num_layers: int, num_shared: int) -> float:
 def layout_fields(hf_config: dict) -> dict:
     """What `projections` and `layer_features` read, under Tunix's attribute names, in plain
     Python (the converters use it without importing Tunix)."""
-    t = text_config(hf_config)
+    t = hf_text_config(hf_config)
     n = int(t["num_hidden_layers"])
     types = _layer_types(t)
     shared = int(t.get("num_kv_shared_layers") or 0)
@@ -178,12 +198,12 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
 
     param_dtype = jnp.float32 if param_dtype is None else param_dtype
 
-    t = text_config(hf_config)
+    t = hf_text_config(hf_config)
     need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size")
-    missing = [k for k in need if t.get(k) is None]
+    missing = [k for k in need if t.get(k) is None]  # omitted keys have transformers' defaults: null here
     if missing:
-        raise UserError(f"config.json: missing key '{missing[0]}' for a Gemma 4 text model")
+        raise UserError(f"config.json: {missing[0]}=null for a Gemma 4 text model")
     if t.get("attention_bias"):
         raise _cfg_error("attention_bias", t["attention_bias"], "Gemma 4 projections have no bias")
     require_tied_embeddings(hf_config, "Tunix's Gemma 4")
@@ -466,6 +486,7 @@ GEMMA4 = register(
         tunix_config=tunix_config,
         loader=load_sharded,
         partition_rules=PARTITION_RULES,
+        hf_text_config=hf_text_config,
         reference_loader=tunix_safetensors_loader("gemma4", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,

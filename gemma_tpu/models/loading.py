@@ -11,7 +11,7 @@ from typing import Any
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import read_hf_config, resolve_path, safetensors_keys
-from gemma_tpu.models.registry import Family, detect_family, get_family, text_config
+from gemma_tpu.models.registry import Family, detect_family, get_family
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,14 @@ class ResolvedModel:
     revision: str | None = None
 
     @property
+    def text_config(self) -> dict:
+        """The decoder's config as transformers reads it (keys config.json omits at its defaults)."""
+        return self.family.read_text_config(self.hf_config)
+
+    @property
     def max_positions(self) -> int | None:
         """The context length the model was built for (`max_position_embeddings` of its text config)."""
-        v = text_config(self.hf_config).get("max_position_embeddings")
+        v = self.text_config.get("max_position_embeddings")
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 

@@ -72,7 +72,7 @@ from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.tracing import cheap_tracer_attribute_errors
 from gemma_tpu.hf.directory import config_json_for
-from gemma_tpu.models.registry import detect_family, get_family, text_config
+from gemma_tpu.models.registry import detect_family, get_family
 from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import partition
@@ -586,7 +586,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
     except UserError:
         return None
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer),
-                                  vocab_size=text_config(resolved.hf_config).get("vocab_size"))
+                                  vocab_size=resolved.text_config.get("vocab_size"))
     split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
     data.check_one_batch(split, cfg.train.batch_size)  # the run would refuse it: so does its plan
     st = split.stats()
@@ -608,7 +608,9 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     out = out or sys.stdout
     check_plan_args(devices, assumed_mfu)
     hf = config_json_for(cfg.model.path)
-    validate_for_model(cfg, hf, cfg.model.path)  # what the real run refuses (rank, seq_len) before planning it
+    family = get_family(cfg.model.family) if cfg.model.family else detect_family(hf, f"{cfg.model.path} config.json")
+    # what the real run refuses (rank, seq_len) before planning it
+    validate_for_model(cfg, family.read_text_config(hf), cfg.model.path)
     layout = data_layout(cfg)
     if layout and not cfg.data.max_loss_tokens:  # the loss buffer the data really needs, not seq_len
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))

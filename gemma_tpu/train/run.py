@@ -110,7 +110,7 @@ def run(cfg: RunConfig) -> dict:
 
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
-    validate_for_model(cfg, resolved.hf_config, str(resolved.local_dir))
+    validate_for_model(cfg, resolved.text_config, str(resolved.local_dir))
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
