@@ -90,8 +90,19 @@ def test_indivisible_axis_is_refused_before_loading(tiny_dir, tmp_path):
                    f"checkpoint.dir={tmp_path}/ck", "mesh.fsdp=1", "mesh.tp=8", env=EIGHT)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
-    assert len(err) == 1 and "cannot be split" in err[0] and "tp" in err[0], proc.stderr[-2000:]
+    assert len(err) == 1 and "cannot be split over mesh.tp=8" in err[0] and "divides 4" in err[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_indivisible_axis_names_the_mesh_keys():
+    """The refusal names the config keys that set the split (`mesh.fsdp`, `mesh.tp`), not only the axis names."""
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.partition import resolve
+
+    with pytest.raises(UserError, match=r"^embedder\.input_embedding: dimension 0 \(size 509\) cannot be split over "
+                                        r"mesh\.fsdp=2 × mesh\.tp=2; choose mesh sizes whose product divides 509$"):
+        resolve((("fsdp", "tp"), None), (509, 64), {"fsdp": 2, "tp": 2, "data": 1}, "embedder.input_embedding")
+    assert resolve((("fsdp", "tp"), None), (508, 64), {"fsdp": 2, "tp": 2}) == (("fsdp", "tp"),)
 
 
 def test_lora_factors_on_a_mesh_are_the_same_without_tracer_origin_messages(tiny_dir, monkeypatch):

@@ -109,8 +109,9 @@ def resolve(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int], path: 
             continue
         n = math.prod(mesh_sizes[a] for a in names)
         if size % n:
-            raise UserError(f"{path or 'a parameter'}: dimension {dim} (size {size}) cannot be split over "
-                            f"mesh axes {'×'.join(names)} = {n}; choose mesh sizes that divide it")
+            over = " × ".join(f"mesh.{a}={mesh_sizes[a]}" for a in names)  # the config keys that set them
+            raise UserError(f"{path or 'a parameter'}: dimension {dim} (size {size}) cannot be split over {over}; "
+                            f"choose mesh sizes whose product divides {size}")
         out.append(names[0] if len(names) == 1 else names)
     while out and out[-1] is None:
         out.pop()
