@@ -73,3 +73,33 @@ def test_misshapen_tensor_is_named(tiny_dir, tmp_path):
     line = [l for l in proc.stderr.splitlines() if key in l]
     assert line and "shape" in line[0], proc.stderr[-2000:]
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_unread_decoder_tensors_are_reported(tiny_dir, tmp_path, caplog):
+    """A decoder tensor config.json does not account for (a layer past num_hidden_layers here; per-layer embeddings
+    of a config without them alike) is one warning naming it; the model was built without it in silence."""
+    import logging
+    import shutil
+
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file, save_file
+
+    from gemma_tpu.models import resolve_model
+    from gemma_tpu.train.partition import with_rules
+
+    extra = tmp_path / "extra"
+    shutil.copytree(tiny_dir, extra)
+    weights = load_file(str(extra / "model.safetensors"))
+    n_layers = json.loads((extra / "config.json").read_text())["num_hidden_layers"]
+    key = f"model.layers.{n_layers}.mlp.up_proj.weight"
+    weights[key] = weights["model.layers.0.mlp.up_proj.weight"]
+    save_file(weights, str(extra / "model.safetensors"), metadata={"format": "pt"})
+    for path, warned in ((tiny_dir, False), (extra, True)):
+        caplog.clear()
+        r = resolve_model(str(path))
+        fam = with_rules(r.family)
+        with caplog.at_level(logging.WARNING, logger="gemma_tpu.models.sharded_weights"):
+            fam.create_model(str(path), fam.tunix_config(r.hf_config, jnp.float32), mesh=None, dtype=jnp.float32)
+        lines = [rec.getMessage() for rec in caplog.records if "not read for this config.json" in rec.getMessage()]
+        assert bool(lines) == warned, lines
+    assert f"1 checkpoint tensor under 'model.' not read for this config.json ({key})" in lines[0]

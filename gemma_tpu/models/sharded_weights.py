@@ -156,6 +156,18 @@ def _unique_boxes(sharding, shape: tuple[int, ...]) -> list[tuple[tuple[int, int
     return boxes
 
 
+def _warn_unread(model_dir, family: Family, prefix: str, names, used: set[str]) -> None:
+    """Decoder tensors the config does not read (per-layer embeddings of a config that has none, a layer past
+    num_hidden_layers) mean config.json and the weights disagree: said once, as transformers says "unexpected
+    keys", instead of a model silently built without them. Other towers (vision, audio) are not under `prefix`."""
+    unread = sorted(n for n in names if n.startswith(prefix) and n not in used)
+    if unread:
+        log.warning("%s: %d checkpoint tensor%s under %r not read for this config.json (%s%s): the %s model is built "
+                    "without %s; check config.json", model_dir, len(unread), "s" if len(unread) > 1 else "", prefix,
+                    unread[0], f", ... {unread[-1]}" if len(unread) > 1 else "", family.name,
+                    "them" if len(unread) > 1 else "it")
+
+
 def load_sharded(family: Family, model_dir: str | Path, cfg: Any, mesh=None, dtype=None):
     """Build `family.model_class()(cfg)` with every weight read from `model_dir` into its sharding.
 
@@ -191,6 +203,7 @@ def load_sharded(family: Family, model_dir: str | Path, cfg: Any, mesh=None, dty
         raise UserError(f"{model_dir}: the {family.name} registry has no checkpoint tensor for Tunix param "
                         f"{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
+    _warn_unread(model_dir, family, prefix, weights.names(), {k for ks in by_param.values() for k, _ in ks})
     reader = _Reader(weights)
     plan = []
     local_bytes = checkpoint_bytes = 0
