@@ -361,6 +361,12 @@ def check_chat_request(body: Any, context: int | None = None,
                 answers[i] = call[:2]
         else:
             open_ids, pending = None, []
+    unanswered = [k for _, _, k, _ in pending if k is not None]
+    if unanswered and messages[-1]["role"] == "assistant":  # OpenAI refuses it too: the results are what comes next
+        raise RequestError(f"messages[{len(messages) - 1}]", f"the conversation ends with tool call"
+                                                             f"{'s' if len(unanswered) > 1 else ''} "
+                                                             f"{', '.join(map(str, unanswered))} unanswered: send a "
+                                                             f"tool message with each call's result after it")
     for key, instead in (("functions", "tools"), ("function_call", "tool_choice")):
         if body.get(key) is not None:  # transformers serve ignored them: the model saw no declarations at all
             raise RequestError(key, f"the legacy function-calling field is not supported here; send `{instead}` "

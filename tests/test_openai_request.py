@@ -100,6 +100,8 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "messages[3].tool_call_id", "'a' was answered already"),
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]}] + USER},
      "messages[2]", "the tool call a of"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]}]},
+     "messages[1]", "the conversation ends with tool call a unanswered"),
 ])
 def test_malformed_requests_are_refused_naming_the_field(body, param, needle):
     with pytest.raises(RequestError) as e:
@@ -126,7 +128,9 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert check_chat_request(ok) == ok  # unchanged, no context given
     # what transformers serve answered with 500: an empty stop list, integer biases, arguments as an object or ""
     fixed = check_chat_request({"messages": USER + [{"role": "assistant", "tool_calls": [
-        {"id": "a", "function": {"name": "f", "arguments": {"x": "é"}}}]}], "stop": [], "logit_bias": {"5": -100}})
+        {"id": "a", "function": {"name": "f", "arguments": {"x": "é"}}}]}, {"role": "tool", "tool_call_id": "a",
+                                                                              "content": "1"}],
+        "stop": [], "logit_bias": {"5": -100}})
     assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
     assert "stop" not in check_chat_request({"messages": USER, "stop": ""})  # it ended every text after one token
     assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
