@@ -161,6 +161,20 @@ def nonfinite_factor(step_tensor: str = "layers.0.attn.q_einsum.w_lora_b") -> Ca
     return make
 
 
+def without_tensor(name: str) -> Callable[[Path, dict], None]:
+    """A copy of {tiny} whose model.safetensors lacks the tensor `name` (a conversion that dropped one)."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        shutil.copytree(ctx["tiny"], dest)
+        tensors = load_file(dest / "model.safetensors")
+        del tensors[name]
+        save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+
+    return make
+
+
 def other_base(dest: Path, ctx: dict) -> None:
     """A tiny Gemma 3 of the same shapes as {tiny} with other weights (a base replaced after training)."""
     from gemma_tpu.assets.tiny import write_tiny_gemma3
@@ -507,6 +521,17 @@ CASES = [
     Case("verify-dir-without-config", "convert.verify", ["{tiny}", "{tmp}/b"], ["{tmp}/b/config.json"],
          {"b/model.safetensors": corrupt_header()}),
     Case("verify-bad-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "tiny"], ["--max-kl", "'tiny'"]),
+    # transformers' own errors were tracebacks (SafetensorError, RuntimeError "ignore_mismatched_sizes"), and a
+    # missing weight was filled with random values and compared
+    Case("verify-truncated-safetensors", "convert.verify", ["{tiny}", "{tmp}/m"],
+         ["{tmp}/m/model.safetensors", "truncated"], {"m": damaged("tiny", truncate=("model.safetensors", 1000))}),
+    Case("verify-weight-shape-not-config", "convert.verify", ["{tiny}", "{tmp}/m"],
+         ["{tmp}/m", "model.embed_tokens.weight", "config.json"], {"m": copy_of("tiny", config={"hidden_size": 96})}),
+    Case("verify-missing-weight", "convert.verify", ["{tiny}", "{tmp}/m"],
+         ["{tmp}/m", "model.layers.1.mlp.up_proj.weight", "missing"],
+         {"m": without_tensor("model.layers.1.mlp.up_proj.weight")}),
+    Case("verify-unknown-architecture", "convert.verify", ["{tiny}", "{tmp}/m"], ["{tmp}/m", "nonsense"],
+         {"m": copy_of("tiny", config={"model_type": "nonsense"})}),
     Case("inspect-no-such-step", "convert.inspect", ["{ckpt}", "--step", "7"], ["{ckpt}", "step 7"]),
     Case("inspect-no-such-path", "convert.inspect", ["{tmp}/nope"], ["{tmp}/nope"]),
     Case("inspect-neither-checkpoint-nor-model", "convert.inspect", ["{tmp}/d"], ["{tmp}/d", "neither"],
