@@ -399,6 +399,16 @@ CASES = [
          ["{tmp}/ck/gemma_tpu_run.json", "format"], {"ck": copy_of("ckpt", meta={"format": "something-else"})}),
     Case("ckpt-resume-other-family", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"], ["family", "gemma4"],
          {"ck": copy_of("ckpt", meta={"base_model.family": "gemma4"})}),
+    # settings that change the optimizer state's tree: Orbax's restore failed after the model loaded, advising
+    # to move the (sound) step aside
+    Case("ckpt-resume-other-optimizer", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck", "train.optimizer=sgd"],
+         ["{tmp}/ck", "train.optimizer=adamw", "sgd", "another checkpoint.dir"], {"ck": copy_of("ckpt")}),
+    Case("ckpt-resume-clipping-turned-off", "gemma_tpu.train",
+         [*TRAIN, "checkpoint.dir={tmp}/ck", "train.grad_clip=null"], ["{tmp}/ck", "train.grad_clip=1.0", "None"],
+         {"ck": copy_of("ckpt")}),
+    Case("ckpt-resume-accumulation-turned-on", "gemma_tpu.train",
+         [*TRAIN, "checkpoint.dir={tmp}/ck", "train.grad_accum_steps=2"], ["{tmp}/ck", "train.grad_accum_steps=1", "2"],
+         {"ck": copy_of("ckpt")}),
     Case("ckpt-resume-steps-without-metadata", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck": copy_of("ckpt", drop=("gemma_tpu_run.json",))}),
     Case("merge-nonfinite-factor", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],

@@ -54,7 +54,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: bool = False) -> None:
-    """A checkpoint directory from another base, family, rank or target set is refused. The base is
+    """A checkpoint directory from another base, family, rank or target set, or whose optimizer state has
+    another tree (`optim.state_layout`), is refused. The base is
     compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
     by its path."""
 
@@ -77,6 +78,15 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         ("lora.targets", sorted(old["lora"].get("targets", [])), sorted(meta["lora"]["targets"])),
         ("model.dtype", old.get("dtype"), meta["dtype"]),
     ]
+    # optimizer settings that change the saved optimizer state's tree: Orbax's restore failed after the
+    # model loaded, with advice to move a sound step aside
+    from gemma_tpu.train.optim import state_layout  # deferred: imports optax
+
+    old_train, new_train = old.get("config", {}).get("train", {}), meta["config"]["train"]
+    if "optimizer" in old_train:  # runs recorded before the whole config was: not checked
+        was_layout, now_layout = state_layout(old_train), state_layout(new_train)
+        pairs += [(key, old_train.get(key.split(".")[1]), new_train.get(key.split(".")[1]))
+                  for key in was_layout if was_layout[key] != now_layout[key]]
     for what, was, now in pairs:
         if was != now:
             raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
