@@ -215,6 +215,15 @@ CASES = [
     # ---- datasets (through training, which validates every example before writing anything)
     Case("data-bad-json-line", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/bad.jsonl"],
          ["{tmp}/bad.jsonl:2", "not valid JSON"], {"bad.jsonl": from_corpus("bad_json_line.jsonl")}, sub=True),
+    # Python's JSON reader recurses per level: a RecursionError traceback, in JSON Lines and in a .json array
+    Case("data-nested-too-deep", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "nested more than"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                     + "[" * 100_000 + "]" * 100_000 + "\n"}),
+    Case("data-nested-too-deep-in-an-array", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.json"],
+         ["{tmp}/d.json:3", "nested more than"],
+         {"d.json": '[{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},\n\n'
+                    + '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}]\n"}),
     Case("data-unknown-role", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "'wizard'"], {"d.jsonl": from_corpus("unknown_role.jsonl")}),
     Case("data-no-messages", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],

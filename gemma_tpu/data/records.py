@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -44,6 +45,12 @@ def _strip_nulls(value: Any) -> Any:
     if isinstance(value, list):
         return [_strip_nulls(v) for v in value]
     return value
+
+
+def _too_deep(where: str) -> UserError:
+    """Python's JSON reader recurses once per level of nesting and raised RecursionError (a traceback)."""
+    return UserError(f"{where}: not valid JSON for this reader (nested more than {sys.getrecursionlimit()} "
+                     f"levels of arrays or objects deep)")
 
 
 def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
@@ -73,6 +80,8 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
             obj, end = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise _too_deep(f"{p}:{lineno(i)}") from None
         yield lineno(i), obj
         i = ws(end)
         if i < n and text[i] == ",":
@@ -124,13 +133,16 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
             yield from _iter_json_array(p, text)
             return
         if head.startswith("{"):
+            first = text[: len(text) - len(head)].count("\n") + 1  # the line the object starts on
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 if e.msg != "Extra data":  # "Extra data": several objects, i.e. JSON Lines
                     raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise _too_deep(f"{p}:{first}") from None
             else:
-                yield text[: len(text) - len(head)].count("\n") + 1, obj
+                yield first, obj
                 return
     yield from _iter_lines(p, opener)
 
@@ -151,6 +163,8 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise _too_deep(f"{p}:{lineno}") from None
                 yield lineno, obj
     except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream, an unreadable file
         what = "not a readable gzip file" if opener is gzip.open else "cannot be read"
