@@ -237,6 +237,10 @@ CASES = [
     Case("data-call-value-with-escape", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "arguments.q", "<escape>"],
          {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {"q": "a<escape>b"}}}]}]}\n'}),
+    # `call:get steps{...}` parses back as no call at all: the model was trained on calls it cannot make
+    Case("data-tool-name-not-writable", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "tool name 'get steps'", "cannot be written"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get steps", "description": "Steps.", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get steps", "arguments": {}}}]}]}\n'}),
     Case("data-unmatched-tool-call-id", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "messages[2]", "'call_9'", "matches no call", "'call_1'"],
          {"d.jsonl": from_corpus("unmatched_tool_call_id.jsonl")}),
