@@ -479,6 +479,13 @@ CASES = [
          ["checkpoint.dir={tmp}/f/ck", "{tmp}/f is not a directory"], {"f": "a file"}),
     Case("ckpt-dir-is-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}/gemma_tpu_run.json", "--out", "{tmp}/out"],
          ["{ckpt}/gemma_tpu_run.json", "is a file, not a directory"]),
+    # training wrote its steps, gemma_tpu_run.json and metrics among a model's files
+    Case("train-checkpoint-dir-is-the-base", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m", "checkpoint.dir={tmp}/m"],
+         ["checkpoint.dir={tmp}/m", "is the base model's directory"], {"m": copy_of("tiny")}),
+    Case("train-run-dir-inside-the-base", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m", "train.run_dir={tmp}/m/tb"],
+         ["train.run_dir={tmp}/m/tb", "inside the base model's directory"], {"m": copy_of("tiny")}),
+    Case("train-checkpoint-dir-holds-a-model", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/merged"],
+         ["checkpoint.dir={tmp}/merged", "holds a model (config.json)"], {"merged": copy_of("tiny")}),
     Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
          ["{tmp}/nope"]),
     # ---- merge and export targets

@@ -93,6 +93,22 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
                             f"use another checkpoint.dir")
 
 
+def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
+    """`checkpoint.dir` and `train.run_dir` are neither the base model's directory nor inside it, nor another
+    model's directory (config.json, no run metadata): training wrote its steps, gemma_tpu_run.json, metrics and
+    TensorBoard files among the model's own, and the converters then took the base for a checkpoint."""
+    base = base_dir.resolve()
+    for key, d in (("checkpoint.dir", cfg.checkpoint.dir), ("train.run_dir", cfg.train.run_dir)):
+        if not d:
+            continue
+        p = Path(d).resolve()
+        if p == base or base in p.parents:
+            raise UserError(f"{key}={d} is {'the' if p == base else 'inside the'} base model's directory "
+                            f"{base_dir} (model.path); write the run elsewhere")
+        if (p / "config.json").is_file() and not (p / METADATA_FILE).is_file():
+            raise UserError(f"{key}={d} holds a model (config.json), not a training run; write the run elsewhere")
+
+
 def check_resume_step_files(ckpt_dir: Path) -> None:
     """The step a resume would restore has the files Orbax needs (named when missing), checked before
     the model loads."""
@@ -121,6 +137,7 @@ def run(cfg: RunConfig) -> dict:
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
     validate_for_model(cfg, resolved.hf_config, str(resolved.local_dir))
+    check_run_dirs_apart(cfg, resolved.local_dir)
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
