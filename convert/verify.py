@@ -107,7 +107,8 @@ def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> Comparison:
 
 
 def prompt_ids(tokenizer_dir: Path, prompts: Sequence[str], vocab_size: int) -> list[list[int]]:
-    """Token ids (with BOS) from the base's tokenizer; fixed pseudo-random ids if it has none."""
+    """Token ids (with BOS) from the base's tokenizer; fixed pseudo-random ids if it has none (said on
+    stderr: the prompts are then not what is compared)."""
     try:
         from transformers import AutoTokenizer
 
@@ -115,8 +116,11 @@ def prompt_ids(tokenizer_dir: Path, prompts: Sequence[str], vocab_size: int) -> 
         ids = [list(tok(p)["input_ids"]) for p in prompts]
         if all(len(i) > 1 for i in ids) and max(max(i) for i in ids) < vocab_size:
             return ids
-    except Exception:  # no or unusable tokenizer: the comparison still means something
-        pass
+        why = "its ids do not fit the model's vocabulary" if all(len(i) > 1 for i in ids) else "a prompt gave no tokens"
+    except Exception as e:  # no or unusable tokenizer: the comparison still means something
+        why = f"no usable tokenizer ({type(e).__name__})"
+    print(f"verify: {tokenizer_dir}: {why}; comparing on fixed pseudo-random token ids instead of the prompts",
+          file=sys.stderr)
     rng = np.random.default_rng(0)
     return [[2] + rng.integers(3, vocab_size, size=8 + 4 * i).tolist() for i in range(len(prompts))]
 
@@ -234,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
+    if args.prompt and not all(p.strip() for p in args.prompt):
+        raise UserError("--prompt: an empty prompt gives no tokens to compare")
     dirs = [Path(args.a), Path(args.b)]
     configs = [check_hf_dir(d) for d in dirs]  # both, before the first model loads
     vocab = int(text_config(configs[0])["vocab_size"])

@@ -552,6 +552,7 @@ CASES = [
     Case("verify-no-such-dir", "convert.verify", ["{tmp}/a", "{tiny}"], ["{tmp}/a"], sub=True),
     Case("verify-dir-without-config", "convert.verify", ["{tiny}", "{tmp}/b"], ["{tmp}/b/config.json"],
          {"b/model.safetensors": corrupt_header()}),
+    Case("verify-empty-prompt", "convert.verify", ["{tiny}", "{tiny}", "--prompt", ""], ["--prompt", "empty prompt"]),
     Case("verify-bad-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "tiny"], ["--max-kl", "'tiny'"]),
     # transformers' own errors were tracebacks (SafetensorError, RuntimeError "ignore_mismatched_sizes"), and a
     # missing weight was filled with random values and compared
