@@ -542,6 +542,9 @@ CASES = [
          ["--merged", "{tiny}", "--out", "{tmp}/train.jsonl", "--overwrite"],
          ["{tmp}/train.jsonl", "--overwrite replaces an earlier output", "something else"],
          {"train.jsonl": '{"messages": []}\n'}),
+    # the file was written as {tmp}/models, under the name of the folder it was meant to go into
+    Case("gguf-out-with-a-trailing-slash", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/models/"],
+         ["--out {tmp}/models/", "names a directory"]),
     Case("gguf-unknown-type", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/o.gguf", "--type", "q5_k"],
          ["--type q5_k", "f16, bf16, q8_0, q4_0"]),
     Case("gguf-unsupported-architecture", "convert.export_gguf", ["--merged", "{tmp}/m", "--out", "{tmp}/o.gguf"],
