@@ -224,6 +224,16 @@ CASES = [
          ["{tmp}/d.json:3", "nested more than"],
          {"d.json": '[{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},\n\n'
                     + '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}]\n"}),
+    # what Python's JSON reader accepts silently: the first of two "content" keys dropped, NaN read as a number
+    Case("data-duplicate-key", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "key 'content' appears twice"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                     '{"messages": [{"role": "user", "content": "hi", "content": "ho"}, {"role": "assistant", '
+                     '"content": "x"}]}\n'}),
+    Case("data-nan-literal", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.json"],
+         ["{tmp}/d.json:2", "NaN is not JSON"],
+         {"d.json": '[{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},\n'
+                    '{"messages": [{"role": "user", "content": NaN}, {"role": "assistant", "content": "x"}]}]\n'}),
     Case("data-unknown-role", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "'wizard'"], {"d.jsonl": from_corpus("unknown_role.jsonl")}),
     Case("data-no-messages", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
