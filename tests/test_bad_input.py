@@ -301,6 +301,10 @@ CASES = [
          ["data.strategy", "'zip'"]),
     Case("config-negative-steps", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.max_steps=-3"],
          ["train.max_steps", "-3"]),
+    # trained, then an OverflowError traceback from the ETA of the first progress line
+    Case("config-steps-beyond-int32", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "train.max_steps=99999999999999999999"],
+         ["train.max_steps", "at most 2147483647"]),
     Case("config-yaml-syntax", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml line 3", "YAML"],
          {"c.yaml": from_corpus("syntax_error.yaml")}),
     Case("config-not-a-mapping", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "mapping"],
