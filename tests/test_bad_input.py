@@ -305,6 +305,10 @@ CASES = [
     Case("config-steps-beyond-int32", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "train.max_steps=99999999999999999999"],
          ["train.max_steps", "at most 2147483647"]),
+    # the second --config replaced the first without a word
+    Case("config-given-twice", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--config", "{repo}/configs/gemma3-270m-fitness.yaml", "--print-config"],
+         ["--config given twice", "configs/tiny.yaml", "overrides"]),
     Case("config-yaml-syntax", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml line 3", "YAML"],
          {"c.yaml": from_corpus("syntax_error.yaml")}),
     Case("config-not-a-mapping", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "mapping"],
