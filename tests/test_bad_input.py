@@ -437,6 +437,10 @@ CASES = [
     Case("ckpt-resume-clipping-turned-off", "gemma_tpu.train",
          [*TRAIN, "checkpoint.dir={tmp}/ck", "train.grad_clip=null"], ["{tmp}/ck", "train.grad_clip=1.0", "None"],
          {"ck": copy_of("ckpt")}),
+    # resumed on an int8 base, and gemma_tpu_run.json then said the whole run was QLoRA
+    Case("ckpt-resume-base-quantized", "gemma_tpu.train",
+         [*TRAIN, "checkpoint.dir={tmp}/ck", "lora.base_quantization=int8"],
+         ["{tmp}/ck", "lora.base_quantization=None", "int8"], {"ck": copy_of("ckpt")}),
     Case("ckpt-resume-accumulation-turned-on", "gemma_tpu.train",
          [*TRAIN, "checkpoint.dir={tmp}/ck", "train.grad_accum_steps=2"], ["{tmp}/ck", "train.grad_accum_steps=1", "2"],
          {"ck": copy_of("ckpt")}),

@@ -78,6 +78,8 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         ("lora.targets", sorted(old["lora"].get("targets", [])), sorted(meta["lora"]["targets"])),
         ("model.dtype", old.get("dtype"), meta["dtype"]),
     ]
+    if "base_quantization" in old["lora"]:  # the base the factors were trained against (QLoRA), as model.dtype is
+        pairs.append(("lora.base_quantization", old["lora"]["base_quantization"], meta["lora"]["base_quantization"]))
     # optimizer settings that change the saved optimizer state's tree: Orbax's restore failed after the
     # model loaded, with advice to move a sound step aside
     from gemma_tpu.train.optim import state_layout  # deferred: imports optax
