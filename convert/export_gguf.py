@@ -380,6 +380,8 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     """Validate everything and decide every output tensor and key; writes nothing."""
     if args.type not in TYPES:
         raise UserError(f"--type {args.type}: unknown (known: {', '.join(TYPES)})")
+    if args.out.endswith(("/", os.sep)):  # Path() drops the slash, and the file was written under the folder's name
+        raise UserError(f"--out {args.out}: names a directory; give the file to write (e.g. {args.out}coach.gguf)")
     out = Path(args.out)
     merge = None
     token_map: dict[str, str] = {}

@@ -41,6 +41,7 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats import gemma_chat
+from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
 from gemma_tpu.models.registry import detect_family, text_config
 
@@ -106,7 +107,8 @@ def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> Comparison:
 
 
 def prompt_ids(tokenizer_dir: Path, prompts: Sequence[str], vocab_size: int) -> list[list[int]]:
-    """Token ids (with BOS) from the base's tokenizer; fixed pseudo-random ids if it has none."""
+    """Token ids (with BOS) from the base's tokenizer; fixed pseudo-random ids if it has none (said on
+    stderr: the prompts are then not what is compared)."""
     try:
         from transformers import AutoTokenizer
 
@@ -114,22 +116,52 @@ def prompt_ids(tokenizer_dir: Path, prompts: Sequence[str], vocab_size: int) -> 
         ids = [list(tok(p)["input_ids"]) for p in prompts]
         if all(len(i) > 1 for i in ids) and max(max(i) for i in ids) < vocab_size:
             return ids
-    except Exception:  # no or unusable tokenizer: the comparison still means something
-        pass
+        why = "its ids do not fit the model's vocabulary" if all(len(i) > 1 for i in ids) else "a prompt gave no tokens"
+    except Exception as e:  # no or unusable tokenizer: the comparison still means something
+        why = f"no usable tokenizer ({type(e).__name__})"
+    print(f"verify: {tokenizer_dir}: {why}; comparing on fixed pseudo-random token ids instead of the prompts",
+          file=sys.stderr)
     rng = np.random.default_rng(0)
     return [[2] + rng.integers(3, vocab_size, size=8 + 4 * i).tolist() for i in range(len(prompts))]
 
 
+def check_hf_dir(model_dir: Path) -> dict:
+    """config.json and the safetensors headers of a directory to compare (every tensor's byte range
+    inside its file), read before any model loads; its config. A directory without safetensors is
+    left to transformers (`pytorch_model.bin`)."""
+    config = read_hf_config(model_dir)
+    if (model_dir / sio.INDEX_FILE).is_file() or any(model_dir.glob("*.safetensors")):
+        sio.WeightsDir(model_dir)
+    elif not any(model_dir.glob("pytorch_model*.bin")):
+        raise UserError(f"{model_dir}: no weights (*.safetensors or pytorch_model*.bin)")
+    return config
+
+
 def hf_logits(model_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
-    """Logits of an HF directory with transformers in float32, eager attention, one prompt at a time."""
+    """Logits of an HF directory with transformers in float32, eager attention, one prompt at a time.
+
+    A weight whose shape is not the one config.json makes, or one missing (transformers would fill
+    either with random values, or raise a RuntimeError that names neither), is refused by name."""
     import torch
     import transformers
 
-    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager", ignore_mismatched_sizes=True,
+                  output_loading_info=True)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
-    except ValueError:  # multimodal classes are not registered as causal LMs everywhere
-        model = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), **kwargs)
+        try:
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+        except ValueError:  # multimodal classes are not registered as causal LMs everywhere
+            model, info = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), **kwargs)
+    except Exception as e:  # an architecture transformers does not know, weights it cannot read
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{model_dir}: transformers cannot load it ({first})") from None
+    if info.get("mismatched_keys"):
+        key, found, wanted = sorted(info["mismatched_keys"])[0]
+        raise UserError(f"{model_dir}: weight {key} has shape {tuple(found)} but config.json makes it "
+                        f"{tuple(wanted)}")
+    if info.get("missing_keys"):
+        key = sorted(info["missing_keys"])[0]
+        raise UserError(f"{model_dir}: weight {key} is missing (transformers would fill it with random values)")
     model.eval()
     out = []
     with torch.no_grad():
@@ -206,8 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
+    if args.prompt and not all(p.strip() for p in args.prompt):
+        raise UserError("--prompt: an empty prompt gives no tokens to compare")
     dirs = [Path(args.a), Path(args.b)]
-    configs = [read_hf_config(d) for d in dirs]
+    configs = [check_hf_dir(d) for d in dirs]  # both, before the first model loads
     try:  # keys config.json omits at transformers' defaults, for the families we know
         text = detect_family(configs[0]).read_text_config(configs[0])
     except UserError:

@@ -161,6 +161,20 @@ def nonfinite_factor(step_tensor: str = "layers.0.attn.q_einsum.w_lora_b") -> Ca
     return make
 
 
+def without_tensor(name: str) -> Callable[[Path, dict], None]:
+    """A copy of {tiny} whose model.safetensors lacks the tensor `name` (a conversion that dropped one)."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        shutil.copytree(ctx["tiny"], dest)
+        tensors = load_file(dest / "model.safetensors")
+        del tensors[name]
+        save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+
+    return make
+
+
 def other_base(dest: Path, ctx: dict) -> None:
     """A tiny Gemma 3 of the same shapes as {tiny} with other weights (a base replaced after training)."""
     from gemma_tpu.assets.tiny import write_tiny_gemma3
@@ -201,6 +215,25 @@ CASES = [
     # ---- datasets (through training, which validates every example before writing anything)
     Case("data-bad-json-line", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/bad.jsonl"],
          ["{tmp}/bad.jsonl:2", "not valid JSON"], {"bad.jsonl": from_corpus("bad_json_line.jsonl")}, sub=True),
+    # Python's JSON reader recurses per level: a RecursionError traceback, in JSON Lines and in a .json array
+    Case("data-nested-too-deep", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "nested more than"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                     + "[" * 100_000 + "]" * 100_000 + "\n"}),
+    Case("data-nested-too-deep-in-an-array", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.json"],
+         ["{tmp}/d.json:3", "nested more than"],
+         {"d.json": '[{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},\n\n'
+                    + '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}]\n"}),
+    # what Python's JSON reader accepts silently: the first of two "content" keys dropped, NaN read as a number
+    Case("data-duplicate-key", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "key 'content' appears twice"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                     '{"messages": [{"role": "user", "content": "hi", "content": "ho"}, {"role": "assistant", '
+                     '"content": "x"}]}\n'}),
+    Case("data-nan-literal", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.json"],
+         ["{tmp}/d.json:2", "NaN is not JSON"],
+         {"d.json": '[{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},\n'
+                    '{"messages": [{"role": "user", "content": NaN}, {"role": "assistant", "content": "x"}]}]\n'}),
     Case("data-unknown-role", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "'wizard'"], {"d.jsonl": from_corpus("unknown_role.jsonl")}),
     Case("data-no-messages", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
@@ -214,6 +247,10 @@ CASES = [
     Case("data-call-value-with-escape", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "arguments.q", "<escape>"],
          {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {"q": "a<escape>b"}}}]}]}\n'}),
+    # `call:get steps{...}` parses back as no call at all: the model was trained on calls it cannot make
+    Case("data-tool-name-not-writable", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "tool name 'get steps'", "cannot be written"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get steps", "description": "Steps.", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get steps", "arguments": {}}}]}]}\n'}),
     Case("data-unmatched-tool-call-id", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "messages[2]", "'call_9'", "matches no call", "'call_1'"],
          {"d.jsonl": from_corpus("unmatched_tool_call_id.jsonl")}),
@@ -264,6 +301,14 @@ CASES = [
          ["data.strategy", "'zip'"]),
     Case("config-negative-steps", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.max_steps=-3"],
          ["train.max_steps", "-3"]),
+    # trained, then an OverflowError traceback from the ETA of the first progress line
+    Case("config-steps-beyond-int32", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "train.max_steps=99999999999999999999"],
+         ["train.max_steps", "at most 2147483647"]),
+    # the second --config replaced the first without a word
+    Case("config-given-twice", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--config", "{repo}/configs/gemma3-270m-fitness.yaml", "--print-config"],
+         ["--config given twice", "configs/tiny.yaml", "overrides"]),
     Case("config-yaml-syntax", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml line 3", "YAML"],
          {"c.yaml": from_corpus("syntax_error.yaml")}),
     Case("config-not-a-mapping", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "mapping"],
@@ -385,6 +430,20 @@ CASES = [
          ["{tmp}/ck/gemma_tpu_run.json", "format"], {"ck": copy_of("ckpt", meta={"format": "something-else"})}),
     Case("ckpt-resume-other-family", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"], ["family", "gemma4"],
          {"ck": copy_of("ckpt", meta={"base_model.family": "gemma4"})}),
+    # settings that change the optimizer state's tree: Orbax's restore failed after the model loaded, advising
+    # to move the (sound) step aside
+    Case("ckpt-resume-other-optimizer", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck", "train.optimizer=sgd"],
+         ["{tmp}/ck", "train.optimizer=adamw", "sgd", "another checkpoint.dir"], {"ck": copy_of("ckpt")}),
+    Case("ckpt-resume-clipping-turned-off", "gemma_tpu.train",
+         [*TRAIN, "checkpoint.dir={tmp}/ck", "train.grad_clip=null"], ["{tmp}/ck", "train.grad_clip=1.0", "None"],
+         {"ck": copy_of("ckpt")}),
+    # resumed on an int8 base, and gemma_tpu_run.json then said the whole run was QLoRA
+    Case("ckpt-resume-base-quantized", "gemma_tpu.train",
+         [*TRAIN, "checkpoint.dir={tmp}/ck", "lora.base_quantization=int8"],
+         ["{tmp}/ck", "lora.base_quantization=None", "int8"], {"ck": copy_of("ckpt")}),
+    Case("ckpt-resume-accumulation-turned-on", "gemma_tpu.train",
+         [*TRAIN, "checkpoint.dir={tmp}/ck", "train.grad_accum_steps=2"], ["{tmp}/ck", "train.grad_accum_steps=1", "2"],
+         {"ck": copy_of("ckpt")}),
     Case("ckpt-resume-steps-without-metadata", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck": copy_of("ckpt", drop=("gemma_tpu_run.json",))}),
     Case("merge-nonfinite-factor", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
@@ -440,6 +499,15 @@ CASES = [
          ["--out {tmp}/f/a/b", "{tmp}/f is not a directory"], {"f": "a file"}),
     Case("train-checkpoint-dir-under-a-file", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/f/ck"],
          ["checkpoint.dir={tmp}/f/ck", "{tmp}/f is not a directory"], {"f": "a file"}),
+    Case("ckpt-dir-is-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}/gemma_tpu_run.json", "--out", "{tmp}/out"],
+         ["{ckpt}/gemma_tpu_run.json", "is a file, not a directory"]),
+    # training wrote its steps, gemma_tpu_run.json and metrics among a model's files
+    Case("train-checkpoint-dir-is-the-base", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m", "checkpoint.dir={tmp}/m"],
+         ["checkpoint.dir={tmp}/m", "is the base model's directory"], {"m": copy_of("tiny")}),
+    Case("train-run-dir-inside-the-base", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m", "train.run_dir={tmp}/m/tb"],
+         ["train.run_dir={tmp}/m/tb", "inside the base model's directory"], {"m": copy_of("tiny")}),
+    Case("train-checkpoint-dir-holds-a-model", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/merged"],
+         ["checkpoint.dir={tmp}/merged", "holds a model (config.json)"], {"merged": copy_of("tiny")}),
     Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
          ["{tmp}/nope"]),
     # ---- merge and export targets
@@ -496,6 +564,9 @@ CASES = [
          ["--merged", "{tiny}", "--out", "{tmp}/train.jsonl", "--overwrite"],
          ["{tmp}/train.jsonl", "--overwrite replaces an earlier output", "something else"],
          {"train.jsonl": '{"messages": []}\n'}),
+    # the file was written as {tmp}/models, under the name of the folder it was meant to go into
+    Case("gguf-out-with-a-trailing-slash", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/models/"],
+         ["--out {tmp}/models/", "names a directory"]),
     Case("gguf-unknown-type", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/o.gguf", "--type", "q5_k"],
          ["--type q5_k", "f16, bf16, q8_0, q4_0"]),
     Case("gguf-unsupported-architecture", "convert.export_gguf", ["--merged", "{tmp}/m", "--out", "{tmp}/o.gguf"],
@@ -506,7 +577,19 @@ CASES = [
     Case("verify-no-such-dir", "convert.verify", ["{tmp}/a", "{tiny}"], ["{tmp}/a"], sub=True),
     Case("verify-dir-without-config", "convert.verify", ["{tiny}", "{tmp}/b"], ["{tmp}/b/config.json"],
          {"b/model.safetensors": corrupt_header()}),
+    Case("verify-empty-prompt", "convert.verify", ["{tiny}", "{tiny}", "--prompt", ""], ["--prompt", "empty prompt"]),
     Case("verify-bad-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "tiny"], ["--max-kl", "'tiny'"]),
+    # transformers' own errors were tracebacks (SafetensorError, RuntimeError "ignore_mismatched_sizes"), and a
+    # missing weight was filled with random values and compared
+    Case("verify-truncated-safetensors", "convert.verify", ["{tiny}", "{tmp}/m"],
+         ["{tmp}/m/model.safetensors", "truncated"], {"m": damaged("tiny", truncate=("model.safetensors", 1000))}),
+    Case("verify-weight-shape-not-config", "convert.verify", ["{tiny}", "{tmp}/m"],
+         ["{tmp}/m", "model.embed_tokens.weight", "config.json"], {"m": copy_of("tiny", config={"hidden_size": 96})}),
+    Case("verify-missing-weight", "convert.verify", ["{tiny}", "{tmp}/m"],
+         ["{tmp}/m", "model.layers.1.mlp.up_proj.weight", "missing"],
+         {"m": without_tensor("model.layers.1.mlp.up_proj.weight")}),
+    Case("verify-unknown-architecture", "convert.verify", ["{tiny}", "{tmp}/m"], ["{tmp}/m", "nonsense"],
+         {"m": copy_of("tiny", config={"model_type": "nonsense"})}),
     Case("inspect-no-such-step", "convert.inspect", ["{ckpt}", "--step", "7"], ["{ckpt}", "step 7"]),
     Case("inspect-no-such-path", "convert.inspect", ["{tmp}/nope"], ["{tmp}/nope"]),
     Case("inspect-neither-checkpoint-nor-model", "convert.inspect", ["{tmp}/d"], ["{tmp}/d", "neither"],

@@ -690,6 +690,19 @@ def test_verify_cli(base, merged, capsys):
     assert main([str(base), str(merged), "--max-abs-diff", "1e-6"]) == 1
 
 
+def test_verify_says_when_it_cannot_compare_the_prompts(merged, tmp_path, capsys):
+    """Without a usable tokenizer the comparison runs on fixed pseudo-random ids; --prompt was then ignored
+    without a word."""
+    from convert.verify import main
+
+    copy = tmp_path / "m"
+    shutil.copytree(merged, copy)
+    (copy / "tokenizer.json").write_text("{broken")
+    assert main([str(copy), str(merged), "--prompt", "hello there", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert f"{copy}: no usable tokenizer" in err and "pseudo-random token ids instead of the prompts" in err
+
+
 def test_inspect(base, lora_ckpt, merged, capsys):
     from convert.inspect import main
 

@@ -44,6 +44,9 @@ def write_metadata(ckpt_dir: str | Path, meta: dict[str, Any]) -> Path:
 
 def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
     ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():  # "does not exist" sent users looking for a typo
+        raise UserError(f"checkpoint directory {ckpt_dir} is a file, not a directory (give the run's "
+                        f"checkpoint.dir, which holds {METADATA_FILE})")
     if not ckpt_dir.is_dir():
         raise UserError(f"checkpoint directory {ckpt_dir} does not exist")
     path = ckpt_dir / METADATA_FILE

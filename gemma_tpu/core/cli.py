@@ -31,13 +31,24 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
     cls = _OverridesParser if overrides else argparse.ArgumentParser
     p = cls(prog=prog, description=(doc or "").strip().splitlines()[0] if doc else None)
     if config is not None:
-        p.add_argument("--config", help=config)
+        p.add_argument("--config", action=_Once, help=config)
         if print_config:
             p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     if overrides:
         p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.max_steps=20")
     return p
+
+
+class _Once(argparse.Action):
+    """An option given at most once: a second `--config` replaced the first without a word (configs do not
+    merge; the first one's settings were all ignored)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); configs do not "
+                         f"merge: give one, and change keys with overrides (section.key=value)")
+        setattr(namespace, self.dest, values)
 
 
 class _OverridesParser(argparse.ArgumentParser):

@@ -428,6 +428,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     t = cfg.train
     at_least("train.batch_size", t.batch_size, 1, "positive")
     at_least("train.max_steps", t.max_steps, 1, "positive")
+    if t.max_steps > 2**31 - 1:  # past it optax's int32 step count stops; far past it the ETA log overflowed
+        bad(f"train.max_steps must be at most {2**31 - 1} (optax counts steps in int32), got {t.max_steps}")
     at_least("train.grad_accum_steps", t.grad_accum_steps, 1, "positive")
     if t.learning_rate <= 0:
         bad(f"train.learning_rate must be positive, got {t.learning_rate}")

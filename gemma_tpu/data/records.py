@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,9 +47,37 @@ def _strip_nulls(value: Any) -> Any:
     return value
 
 
+class _NotData(ValueError):
+    """What Python's JSON reader accepts but the data must not hold (raised by `_DECODER`'s hooks)."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; a key given twice is refused (the reader kept the last and dropped the first silently,
+    e.g. one of two "content" fields)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _NotData(f"key {k!r} appears twice in one object (JSON readers keep only the last)")
+        out[k] = v
+    return out
+
+
+def _constant(name: str) -> Any:
+    raise _NotData(f"{name} is not JSON (only finite numbers are)")
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant)
+
+
+def _too_deep(where: str) -> UserError:
+    """Python's JSON reader recurses once per level of nesting and raised RecursionError (a traceback)."""
+    return UserError(f"{where}: not valid JSON for this reader (nested more than {sys.getrecursionlimit()} "
+                     f"levels of arrays or objects deep)")
+
+
 def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array, each with the line its value starts on."""
-    dec = json.JSONDecoder()
+    dec = _DECODER
     n = len(text)
     i = text.index("[") + 1
     line, counted = 1, 0
@@ -73,6 +102,10 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
             obj, end = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise _too_deep(f"{p}:{lineno(i)}") from None
+        except _NotData as e:
+            raise UserError(f"{p}:{lineno(i)}: {e}") from None
         yield lineno(i), obj
         i = ws(end)
         if i < n and text[i] == ",":
@@ -124,13 +157,18 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
             yield from _iter_json_array(p, text)
             return
         if head.startswith("{"):
+            first = text[: len(text) - len(head)].count("\n") + 1  # the line the object starts on
             try:
-                obj = json.loads(text)
+                obj = _DECODER.decode(text)
             except json.JSONDecodeError as e:
                 if e.msg != "Extra data":  # "Extra data": several objects, i.e. JSON Lines
                     raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise _too_deep(f"{p}:{first}") from None
+            except _NotData as e:
+                raise UserError(f"{p}:{first}: {e}") from None
             else:
-                yield text[: len(text) - len(head)].count("\n") + 1, obj
+                yield first, obj
                 return
     yield from _iter_lines(p, opener)
 
@@ -148,9 +186,13 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
+                    obj = _DECODER.decode(line)
                 except json.JSONDecodeError as e:
                     raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise _too_deep(f"{p}:{lineno}") from None
+                except _NotData as e:
+                    raise UserError(f"{p}:{lineno}: {e}") from None
                 yield lineno, obj
     except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream, an unreadable file
         what = "not a readable gzip file" if opener is gzip.open else "cannot be read"

@@ -105,13 +105,24 @@ def check_call_arguments(value: Any, path: str = "arguments") -> None:
         raise UserError(f"{path}: the value {value[:80]!r} contains {ESCAPE}, FunctionGemma's string delimiter")
 
 
+def check_tool_name(name: str, what: str) -> None:
+    """Refuse a tool name the call text cannot carry: the parser (`_NAME`) reads a name of letters, digits,
+    '_', '.' and '-' up to the brace, so `call:get steps{...}` or `call:get{x}{...}` trained a call that
+    parses back to another name, or not at all."""
+    if not _NAME.fullmatch(name):
+        raise UserError(f"{what}: tool name {name!r} cannot be written in a FunctionGemma call (letters, digits, "
+                        f"'_', '.' and '-' only, not starting with '.' or '-')")
+
+
 def format_call(name: str, args: dict) -> str:
+    check_tool_name(name, "call")
     check_call_arguments(args, f"call {name!r} arguments")
     return f"{START_CALL}call:{name}{format_value(args)}{END_CALL}"
 
 
 def format_declaration(tool: dict) -> str:
     fn = tool.get("function", tool)
+    check_tool_name(fn["name"], "declaration")
     body = {"description": fn.get("description", "")}
     if fn.get("parameters"):
         body["parameters"] = fn["parameters"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import optax
 
 from gemma_tpu.core.config import TrainConfig
@@ -42,3 +44,16 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
 
     inner = optax.inject_hyperparams(build)(learning_rate=make_schedule(t))
     return optax.apply_if_finite(inner, max_consecutive_errors=1 << 30)
+
+
+def state_layout(train: Mapping[str, Any]) -> dict[str, bool | str | None]:
+    """What of `train.*` (a config section as a dict) decides the tree of the optimizer state a checkpoint
+    holds: the optimizer, whether gradients are clipped or accumulated (optax.MultiSteps), and for
+    adafactor whether weight decay is on (one more transform in its chain). A resume that changes one
+    cannot restore the saved state; hyperparameters (learning rate, schedule, clip norm, adamw's decay)
+    may change."""
+    optimizer = train.get("optimizer")
+    return {"train.optimizer": optimizer,
+            "train.grad_clip": bool(train.get("grad_clip")),
+            "train.grad_accum_steps": (train.get("grad_accum_steps") or 1) > 1,
+            "train.weight_decay": bool(train.get("weight_decay")) if optimizer == "adafactor" else None}

@@ -54,7 +54,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: bool = False) -> None:
-    """A checkpoint directory from another base, family, rank or target set is refused. The base is
+    """A checkpoint directory from another base, family, rank or target set, or whose optimizer state has
+    another tree (`optim.state_layout`), is refused. The base is
     compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
     by its path."""
 
@@ -77,10 +78,37 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         ("lora.targets", sorted(old["lora"].get("targets", [])), sorted(meta["lora"]["targets"])),
         ("model.dtype", old.get("dtype"), meta["dtype"]),
     ]
+    if "base_quantization" in old["lora"]:  # the base the factors were trained against (QLoRA), as model.dtype is
+        pairs.append(("lora.base_quantization", old["lora"]["base_quantization"], meta["lora"]["base_quantization"]))
+    # optimizer settings that change the saved optimizer state's tree: Orbax's restore failed after the
+    # model loaded, with advice to move a sound step aside
+    from gemma_tpu.train.optim import state_layout  # deferred: imports optax
+
+    old_train, new_train = old.get("config", {}).get("train", {}), meta["config"]["train"]
+    if "optimizer" in old_train:  # runs recorded before the whole config was: not checked
+        was_layout, now_layout = state_layout(old_train), state_layout(new_train)
+        pairs += [(key, old_train.get(key.split(".")[1]), new_train.get(key.split(".")[1]))
+                  for key in was_layout if was_layout[key] != now_layout[key]]
     for what, was, now in pairs:
         if was != now:
             raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
                             f"use another checkpoint.dir")
+
+
+def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
+    """`checkpoint.dir` and `train.run_dir` are neither the base model's directory nor inside it, nor another
+    model's directory (config.json, no run metadata): training wrote its steps, gemma_tpu_run.json, metrics and
+    TensorBoard files among the model's own, and the converters then took the base for a checkpoint."""
+    base = base_dir.resolve()
+    for key, d in (("checkpoint.dir", cfg.checkpoint.dir), ("train.run_dir", cfg.train.run_dir)):
+        if not d:
+            continue
+        p = Path(d).resolve()
+        if p == base or base in p.parents:
+            raise UserError(f"{key}={d} is {'the' if p == base else 'inside the'} base model's directory "
+                            f"{base_dir} (model.path); write the run elsewhere")
+        if (p / "config.json").is_file() and not (p / METADATA_FILE).is_file():
+            raise UserError(f"{key}={d} holds a model (config.json), not a training run; write the run elsewhere")
 
 
 def check_resume_step_files(ckpt_dir: Path) -> None:
@@ -111,6 +139,7 @@ def run(cfg: RunConfig) -> dict:
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
     validate_for_model(cfg, resolved.text_config, str(resolved.local_dir))
+    check_run_dirs_apart(cfg, resolved.local_dir)
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
