@@ -476,6 +476,12 @@ def test_parquet_with_json_string_columns(tmp_path, tok):
     pq.write_table(pa.Table.from_pylist([row]), tmp_path / "s.parquet")
     (conv,) = load_conversations(tmp_path / "s.parquet", DataConfig())
     assert Renderer(tok).render(conv).text == TOOL_TEXT
+    # a declaration's parameters schema kept as a JSON string too (it was rendered as a string)
+    tools = [{**t, "function": {**t["function"], "parameters": json.dumps(t["function"]["parameters"])}}
+             for t in TOOL_CHAT["tools"]]
+    write_jsonl(tmp_path / "p.jsonl", [{**TOOL_CHAT, "tools": tools}])
+    (conv,) = load_conversations(tmp_path / "p.jsonl", DataConfig())
+    assert Renderer(tok).render(conv).text == TOOL_TEXT
 
 
 def test_single_object_json_and_jsonl_named_json(tmp_path):

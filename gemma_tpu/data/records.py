@@ -248,6 +248,15 @@ def _tool_names(tools: Any, where: str) -> list[str]:
         fn = t.get("function", t) if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise UserError(f"{where}: tools[{i}] needs a function name, got {t!r:.80}")
+        if fn["name"] in names:  # both declarations were rendered; which one a call meant is anyone's guess
+            raise UserError(f"{where}: tools[{i}] declares {fn['name']!r} a second time")
+        params = fn.get("parameters")
+        if isinstance(params, str):  # a schema kept as a JSON string, as tools and arguments can be
+            params = fn["parameters"] = _maybe_json(params, f"tools[{i}].parameters", where)
+        if params is not None and not isinstance(params, dict):  # was rendered as a string in the declaration
+            raise UserError(f"{where}: tools[{i}].parameters must be a JSON Schema object, got {params!r:.80}")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise UserError(f"{where}: tools[{i}].description must be a string, got {fn['description']!r:.80}")
         names.append(fn["name"])
     return names
 
