@@ -240,6 +240,13 @@ CASES = [
          ["{tmp}/d.jsonl:2", "'messages'"], {"d.jsonl": from_corpus("no_messages.jsonl")}),
     Case("data-undeclared-tool", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "'get_weather'", "not in 'tools'"], {"d.jsonl": from_corpus("undeclared_tool.jsonl")}),
+    # declarations the renderer took as they came: both of a name declared twice, a schema written as a string
+    Case("data-tool-declared-twice", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "tools[1] declares 'get_steps' a second time"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {}}}, {"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {}}}]}]}\n'}),
+    Case("data-tool-parameters-not-a-schema", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "tools[0].parameters must be a JSON Schema object", "[1, 2]"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": "[1, 2]"}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {}}}]}]}\n'}),
     # what FunctionGemma's call text cannot carry: trained as text that parses back to another call
     Case("data-call-key-with-colon", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "call 'get_steps' arguments", "key 'time:zone'"],
@@ -515,6 +522,14 @@ CASES = [
          ["{tmp}/out", "--overwrite"], {"out/README": "mine"}),
     Case("merge-target-inside-checkpoint", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "{ckpt}/merged"],
          ["{ckpt}/merged", "inside"]),
+    # a model nested in another model's directory (an earlier merge, an HF download): it was written
+    Case("merge-target-inside-an-earlier-merge", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--out", "{tmp}/m1/sub"],
+         ["--out {tmp}/m1/sub", "inside {tmp}/m1", "an earlier output: gemma_tpu_merge.json"],
+         {"m1/gemma_tpu_merge.json": "{}", "m1/config.json": "{}"}),
+    Case("export-target-inside-a-model", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{tmp}/hf/adapter"],
+         ["--out {tmp}/hf/adapter", "inside {tmp}/hf", "config.json and weights"],
+         {"hf/config.json": "{}", "hf/model.safetensors": b"x"}),
     # --overwrite replaces an earlier output, not a directory of other files (`--out .` deleted the cwd's files)
     Case("merge-overwrite-foreign-dir", "convert.merge_orbax",
          ["--checkpoint", "{ckpt}", "--out", ".", "--overwrite"],
@@ -697,6 +712,9 @@ CASES = [
          ["--step", "--checkpoint"]),
     Case("evaluate-step-with-model", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--step", "2"],
          ["--step", "--checkpoint", "not --model"]),
+    Case("evaluate-step-compare-without-checkpoint", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}", "--step", "3"],
+         ["--step 3", "checkpoint: specs", "--compare names none"]),
     Case("local-chat-no-such-model", "gemma_tpu.chat", ["--model", "{tmp}/nope", "--once", "hi"], ["{tmp}/nope"],
          sub=True),
     # ---- fitness data generator and embedded assets

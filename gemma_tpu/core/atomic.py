@@ -66,6 +66,11 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
             raise UserError(f"--out {target} would replace an input ({p})")
         if resolved == p or p in resolved.parents:  # e.g. a step-like name inside a checkpoint dir
             raise UserError(f"--out {target} is inside an input ({p}); write it elsewhere")
+    if kind == "dir":
+        holder = next((a for a in resolved.parents if _holds_model(a, marker)), None)
+        if holder is not None:  # a model nested in another's files: their loaders and cleaners see each other's
+            held = f"an earlier output: {marker}" if marker and (holder / marker).is_file() else "config.json and weights"
+            raise UserError(f"--out {target} is inside {holder}, which holds a model ({held}); write it elsewhere")
     if kind == "dir" and marker is not None and target.is_dir() and not (target / marker).is_file():
         held = sorted(p.name for p in target.iterdir())
         if held:
@@ -82,6 +87,13 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
             raise UserError(f"--out {target}: --overwrite replaces an earlier output (a file starting with "
                             f"{magic!r}), and this file is something else; choose another --out, or remove it yourself")
     check_writable(target.parent, f"--out {target}")
+
+
+def _holds_model(d: Path, marker: str | None) -> bool:
+    """An earlier output of the tool (its `marker` file), or an HF model directory (config.json beside weights)."""
+    if marker and (d / marker).is_file():
+        return True
+    return (d / "config.json").is_file() and (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file())
 
 
 def check_file_target(target: Path, overwrite: bool, protected: list[Path] = (), magic: bytes | None = None) -> None:

@@ -412,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         convs = convs[: args.limit]
     if args.compare:
         specs = [parse_spec(s, args.step, args.served_model) for s in args.compare]
+        if args.step is not None and not any(s.kind == "checkpoint" for s in specs):
+            raise UserError(f"--step {args.step} applies to checkpoint: specs, and --compare names none")
     elif args.model:
         specs = [Spec("model", args.model)]
     elif args.checkpoint:
