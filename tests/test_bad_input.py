@@ -506,6 +506,10 @@ CASES = [
          ["--out {tmp}/f/a/b", "{tmp}/f is not a directory"], {"f": "a file"}),
     Case("train-checkpoint-dir-under-a-file", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/f/ck"],
          ["checkpoint.dir={tmp}/f/ck", "{tmp}/f is not a directory"], {"f": "a file"}),
+    # said before the data is read (a large set takes minutes): this one's data file is missing too
+    Case("train-checkpoint-dir-checked-before-the-data", "gemma_tpu.train",
+         [*TRAIN, "checkpoint.dir={tmp}/f/ck", "data.train_path={tmp}/none.jsonl"],
+         ["checkpoint.dir={tmp}/f/ck", "{tmp}/f is not a directory"], {"f": "a file"}),
     Case("ckpt-dir-is-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}/gemma_tpu_run.json", "--out", "{tmp}/out"],
          ["{ckpt}/gemma_tpu_run.json", "is a file, not a directory"]),
     # training wrote its steps, gemma_tpu_run.json and metrics among a model's files

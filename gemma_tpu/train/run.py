@@ -140,6 +140,11 @@ def run(cfg: RunConfig) -> dict:
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
     validate_for_model(cfg, resolved.text_config, str(resolved.local_dir))
     check_run_dirs_apart(cfg, resolved.local_dir)
+    if primary:  # before the data is read (minutes for a large set): a writable directory, no other trainer on it
+        check_writable(cfg.checkpoint.dir, f"checkpoint.dir={cfg.checkpoint.dir}")
+        if cfg.train.run_dir:
+            check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
+        run_lock.check_free(Path(cfg.checkpoint.dir))
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
@@ -171,11 +176,7 @@ def run(cfg: RunConfig) -> dict:
     if saved is not None:
         data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
                                                        cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]))
-    if primary:  # before loading anything (writes nothing): a writable directory, no other trainer on it
-        check_writable(ckpt_dir, f"checkpoint.dir={ckpt_dir}")
-        if cfg.train.run_dir:
-            check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
-        run_lock.check_free(ckpt_dir)
+    if primary:  # before loading anything (writes nothing)
         check_resume_step_files(ckpt_dir)
 
     # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
