@@ -279,24 +279,18 @@ def test_multimodal_layout(work, base, lora_ckpt):
     assert json.loads((out / "config.json").read_text())["text_config"]["dtype"] == "float32"
 
 
-def test_real_multimodal_model_and_peft(work, base):
-    """A Gemma3ForConditionalGeneration written by transformers (vision tower included): the merge
-    matches the JAX LoRA model, and the PEFT export, whose modules live under
-    model.language_model., loads onto it and keeps away from the vision tower's own q/k/v_proj."""
+
+def _write_multimodal_gemma3(mm, text_config, seed: int, base):
+    """A random Gemma3ForConditionalGeneration (a one-layer SigLIP tower) with the tiny base's tokenizer files."""
     import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
-    from convert.export_peft import main as export_main
-    from gemma_tpu.assets.tiny import TINY_GEMMA3
-    from gemma_tpu.core.cli import cli_main
-
-    mm = work / "base_mm_real"
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=32, patch_size=8)
-    cfg = Gemma3Config(text_config=Gemma3TextConfig(**TINY_GEMMA3), vision_config=vision, mm_tokens_per_image=4,
-                       image_token_index=509, boi_token_index=508, eoi_token_index=507)
+    cfg = Gemma3Config(text_config=text_config, vision_config=vision, mm_tokens_per_image=4, image_token_index=509,
+                       boi_token_index=508, eoi_token_index=507)
     cfg.architectures = ["Gemma3ForConditionalGeneration"]
-    torch.manual_seed(6)
+    torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(cfg)
     with torch.no_grad():
         for _, p in model.named_parameters():
@@ -304,6 +298,19 @@ def test_real_multimodal_model_and_peft(work, base):
     model.save_pretrained(str(mm))
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(base / f, mm / f)
+    return mm
+
+def test_real_multimodal_model_and_peft(work, base):
+    """A Gemma3ForConditionalGeneration written by transformers (vision tower included): the merge
+    matches the JAX LoRA model, and the PEFT export, whose modules live under
+    model.language_model., loads onto it and keeps away from the vision tower's own q/k/v_proj."""
+    from transformers import Gemma3TextConfig
+
+    from convert.export_peft import main as export_main
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
+    from gemma_tpu.core.cli import cli_main
+
+    mm = _write_multimodal_gemma3(work / "base_mm_real", Gemma3TextConfig(**TINY_GEMMA3), 6, base)
     ckpt = work / "ckpt_mm_real"
     ref = make_checkpoint(mm, ckpt, seed=6)
     out = work / "merged_mm_real"
@@ -324,27 +331,13 @@ def test_sparse_multimodal_config_means_transformers_defaults(work, base):
     num_hidden_layers, rope_scaling, sliding_window): the rest are transformers' defaults (8 heads, 4 KV
     heads, head_dim 256, ...). Such a config was refused ("missing key 'num_attention_heads'") by the
     loader, the trainer's checks and the merge; now each reads it as transformers does."""
-    import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from transformers import Gemma3TextConfig
 
     from gemma_tpu.models import load_model, resolve_model
 
-    mm = work / "base_mm_sparse"
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=32, patch_size=8)
     text = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             sliding_window=16, rope_scaling={"rope_type": "linear", "factor": 8.0})
-    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=509,
-                       boi_token_index=508, eoi_token_index=507)
-    cfg.architectures = ["Gemma3ForConditionalGeneration"]
-    torch.manual_seed(7)
-    model = Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.normal_(0.0, 0.05)
-    model.save_pretrained(str(mm))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(base / f, mm / f)
+    mm = _write_multimodal_gemma3(work / "base_mm_sparse", text, 7, base)
     written = json.loads((mm / "config.json").read_text())
     keep = {"hidden_size", "intermediate_size", "num_hidden_layers", "rope_parameters", "sliding_window",
             "vocab_size", "model_type"}
