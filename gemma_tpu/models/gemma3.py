@@ -19,8 +19,7 @@ from gemma_tpu.models.registry import (
     Tensor,
     register,
     require_tied_embeddings,
-    text_config,
-    tied_embeddings,
+    text_config_with_defaults,
     tunix_remat,
     tunix_safetensors_loader,
 )
@@ -49,17 +48,13 @@ def hf_text_config(hf_config: dict) -> dict:
     `layer_types`, when absent, derived from `sliding_window_pattern` (the key of configs written by
     transformers 4.x, the hub's Gemma 3 configs among them) the way transformers derives it;
     `tie_word_embeddings` from the top level of a multimodal config, where transformers reads it."""
-    t = dict(text_config(hf_config))
-    for key, value in HF_DEFAULTS.items():
-        if key not in t:
-            t[key] = value
+    t = text_config_with_defaults(hf_config, HF_DEFAULTS)
     if not t.get("layer_types") and t.get("num_hidden_layers") is not None:
         period = t["sliding_window_pattern"]
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
             raise UserError(f"config.json: sliding_window_pattern={period!r} is not a positive integer")
         t["layer_types"] = GEMMA3.layer_types(int(t["num_hidden_layers"]), period)
         t["_layer_types_key"] = "sliding_window_pattern"
-    t["tie_word_embeddings"] = tied_embeddings(hf_config)
     return t
 
 

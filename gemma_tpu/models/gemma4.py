@@ -39,8 +39,7 @@ from gemma_tpu.models.registry import (
     Tensor,
     register,
     require_tied_embeddings,
-    text_config,
-    tied_embeddings,
+    text_config_with_defaults,
     tunix_remat,
     tunix_safetensors_loader,
 )
@@ -67,11 +66,7 @@ HF_DEFAULTS = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 
 def hf_text_config(hf_config: dict) -> dict:
     """The text config as transformers reads it: omitted keys at transformers' defaults (`HF_DEFAULTS`),
     `tie_word_embeddings` from the top level of a multimodal config, where transformers reads it."""
-    t = dict(text_config(hf_config))
-    for key, value in HF_DEFAULTS.items():
-        t.setdefault(key, value)
-    t["tie_word_embeddings"] = tied_embeddings(hf_config)
-    return t
+    return text_config_with_defaults(hf_config, HF_DEFAULTS)
 
 
 def _cfg_error(key: str, value: Any, why: str) -> UserError:

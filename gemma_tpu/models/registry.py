@@ -374,6 +374,16 @@ def tied_embeddings(hf_config: dict) -> bool:
     return bool(text_config(hf_config).get("tie_word_embeddings", True))
 
 
+def text_config_with_defaults(hf_config: dict, defaults: dict) -> dict:
+    """The decoder's config as transformers reads it: keys config.json omits at the family's transformers
+    defaults (`defaults`), `tie_word_embeddings` where transformers reads it (`tied_embeddings`)."""
+    t = dict(text_config(hf_config))
+    for key, value in defaults.items():
+        t.setdefault(key, value)
+    t["tie_word_embeddings"] = tied_embeddings(hf_config)
+    return t
+
+
 def require_tied_embeddings(hf_config: dict, model: str) -> None:
     """Tunix's Gemma models project onto the vocabulary with the input embedding: an untied
     checkpoint's own `lm_head.weight` would be ignored, so it is refused."""
