@@ -452,6 +452,7 @@ class CheckedChatApp:
             filters = [ServedName(self.model_name)] if self.model_name else []
             filters += ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced)] if tools else [])
+            filters.append(StreamUsage((body.get("stream_options") or {}).get("include_usage") is True))
             status: list[int] = []
             tail = [b""]  # the end of what was sent: a stream ends with `data: [DONE]`, as OpenAI's and vLLM's do
 
@@ -784,6 +785,41 @@ class StopTrim(EventStream):
         elif text or isinstance(piece, str):
             holder[key] = text
         return sse_event(chunk)
+
+
+class StreamUsage(EventStream):
+    """A chat or text completion's stream with its token usage where OpenAI and vLLM put it: with
+    `stream_options.include_usage` (`include`), every chunk says `"usage": null` and one more chunk with no
+    choices carries the usage before `[DONE]`; without it, no chunk carries usage. transformers serve puts it on
+    the finishing chunk whatever the request says."""
+
+    def __init__(self, include: bool):
+        super().__init__()
+        self.include = include
+        self.last: dict | None = None  # the last chunk that carried usage (its usage kept in it)
+
+    def _usage_chunk(self) -> bytes:
+        if not (self.include and self.last):
+            return b""
+        out = {k: v for k, v in self.last.items() if k not in ("choices", "usage")}
+        out, self.last = {**out, "choices": [], "usage": self.last["usage"]}, None
+        return sse_event(out)
+
+    def _event(self, event: bytes) -> bytes:
+        chunk, _ = sse_choice(event)
+        if chunk is None:
+            if event.startswith(b"data:") and event[5:].strip() == b"[DONE]":
+                return self._usage_chunk() + event + b"\n\n"
+            return event + b"\n\n"
+        if isinstance(chunk.get("usage"), dict):
+            self.last = dict(chunk)
+        elif "usage" not in chunk and not self.include:
+            return event + b"\n\n"
+        chunk.pop("usage", None)
+        return sse_event({**chunk, "usage": None} if self.include else chunk)
+
+    def _end(self) -> bytes:
+        return self._usage_chunk()
 
 
 class StreamedCalls(EventStream):
