@@ -225,7 +225,7 @@ class LocalServer:
 
 def _template_messages(messages: list[dict]) -> list[dict]:
     """Messages as `transformers serve` hands them to the chat template (text parts joined, call
-    arguments parsed, content dropped beside tool calls), for counting the prompt's tokens."""
+    arguments parsed), for counting the prompt's tokens."""
     import json
 
     out = []
@@ -236,7 +236,7 @@ def _template_messages(messages: list[dict]) -> list[dict]:
                 a := c["function"].get("arguments", "{}"), str) and a.strip() else (a or {})}} for c in m["tool_calls"]]
         if m.get("tool_call_id") is not None:
             msg["tool_call_id"] = m["tool_call_id"]
-        content = [] if m.get("tool_calls") else (m.get("content") or [])
+        content = m.get("content") or []  # kept beside tool calls: `keep_content_beside_calls`
         msg["content"] = content if isinstance(content, str) else " ".join(p["text"] for p in content)
         out.append(msg)
     return out
@@ -1026,6 +1026,22 @@ def check_generation_config(obj: dict) -> None:
         raise RequestError("generation_config", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
 
 
+def keep_content_beside_calls(parse):
+    """transformers serve's message reader `parse(messages, modality)` (its handlers'
+    `get_processor_inputs_from_messages`), keeping an assistant message's content beside its `tool_calls`: it
+    dropped it ("Sure." before a call was never in the prompt), where vLLM hands both to the chat template, which
+    writes the text before the calls."""
+
+    def read(messages: list[dict], modality):
+        out = parse(messages, modality)
+        for m, parsed in zip(messages, out):
+            if isinstance(m, dict) and m.get("tool_calls") and m.get("content"):
+                parsed["content"] = parse([{"role": m["role"], "content": m["content"]}], modality)[0]["content"]
+        return out
+
+    return read
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P` (in the directory holding NAME): `transformers
     serve NAME` with its app behind `CheckedChatApp`."""
@@ -1059,6 +1075,10 @@ def serve_main(argv: list[str] | None = None) -> None:
                               isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template)
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+
+    ChatCompletionHandler.get_processor_inputs_from_messages = staticmethod(
+        keep_content_beside_calls(ChatCompletionHandler.get_processor_inputs_from_messages))
     serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)
 
 

@@ -304,6 +304,13 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         code, forced = _post(url, json.dumps({**body, "tool_choice": {"type": "function", "function": {
             "name": "get_steps"}}}).encode())
         assert code == 200 and forced["usage"]["prompt_tokens"] > free, forced
+        # an assistant's text beside its calls is in the prompt, as vLLM renders it (transformers serve dropped it)
+        call = {"id": "c1", "type": "function", "function": {"name": "get_steps", "arguments": "{}"}}
+        said = [_post(url, json.dumps({**body, "messages": USER + [
+            {"role": "assistant", "content": text, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"steps": 5}'}]}).encode())[1]["usage"]["prompt_tokens"]
+            for text in (None, "Let me look that up for you.")]
+        assert said[1] > said[0] + 3, said
         # streamed with tools, the events pass through the call rewriting (StreamedCalls) whole
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True, "tools": [TOOL]}).encode())
         events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip() and "[DONE]" not in e]
