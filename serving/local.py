@@ -224,8 +224,8 @@ class LocalServer:
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as `transformers serve` hands them to the chat template (text parts joined, call
-    arguments parsed), for counting the prompt's tokens."""
+    """Messages as `transformers serve` hands them to the chat template (text parts joined, call arguments
+    parsed; `read_messages_as_trained`), for counting the prompt's tokens."""
     import json
 
     out = []
@@ -236,8 +236,8 @@ def _template_messages(messages: list[dict]) -> list[dict]:
                 a := c["function"].get("arguments", "{}"), str) and a.strip() else (a or {})}} for c in m["tool_calls"]]
         if m.get("tool_call_id") is not None:
             msg["tool_call_id"] = m["tool_call_id"]
-        content = m.get("content") or []  # kept beside tool calls: `keep_content_beside_calls`
-        msg["content"] = content if isinstance(content, str) else " ".join(p["text"] for p in content)
+        content = m.get("content") or []  # as `read_messages_as_trained` hands it on
+        msg["content"] = content if isinstance(content, str) else "".join(p["text"] for p in content)
         out.append(msg)
     return out
 
@@ -1026,17 +1026,26 @@ def check_generation_config(obj: dict) -> None:
         raise RequestError("generation_config", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
 
 
-def keep_content_beside_calls(parse):
+def read_messages_as_trained(parse):
     """transformers serve's message reader `parse(messages, modality)` (its handlers'
-    `get_processor_inputs_from_messages`), keeping an assistant message's content beside its `tool_calls`: it
-    dropped it ("Sure." before a call was never in the prompt), where vLLM hands both to the chat template, which
-    writes the text before the calls."""
+    `get_processor_inputs_from_messages`) made to hand the chat template what training rendered: an assistant
+    message's content is kept beside its `tool_calls` (it was dropped: "Sure." before a call was never in the
+    prompt, where vLLM hands both to the template), and a text model's content parts are joined with nothing
+    between them, as the training data reader (`gemma_tpu.data.records`) and the template's own `text_of` join them
+    (it joined them with spaces)."""
 
     def read(messages: list[dict], modality):
         out = parse(messages, modality)
         for m, parsed in zip(messages, out):
-            if isinstance(m, dict) and m.get("tool_calls") and m.get("content"):
-                parsed["content"] = parse([{"role": m["role"], "content": m["content"]}], modality)[0]["content"]
+            content = m.get("content") if isinstance(m, dict) else None
+            if not content or not (m.get("tool_calls") or isinstance(content, list)):
+                continue
+            if isinstance(parsed.get("content"), str):  # a text model: its parts as one text
+                parsed["content"] = content if isinstance(content, str) else "".join(
+                    p.get("text") or "" for p in content
+                    if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text"))
+            elif m.get("tool_calls"):
+                parsed["content"] = parse([{"role": m["role"], "content": content}], modality)[0]["content"]
         return out
 
     return read
@@ -1078,7 +1087,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
 
     ChatCompletionHandler.get_processor_inputs_from_messages = staticmethod(
-        keep_content_beside_calls(ChatCompletionHandler.get_processor_inputs_from_messages))
+        read_messages_as_trained(ChatCompletionHandler.get_processor_inputs_from_messages))
     serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)
 
 

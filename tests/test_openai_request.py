@@ -311,6 +311,11 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
             {"role": "tool", "tool_call_id": "c1", "content": '{"steps": 5}'}]}).encode())[1]["usage"]["prompt_tokens"]
             for text in (None, "Let me look that up for you.")]
         assert said[1] > said[0] + 3, said
+        # text parts joined as training joined them (nothing between), not with spaces
+        joined = [_post(url, json.dumps({**body, "messages": [{"role": "user", "content": content}]}).encode())[1][
+            "usage"]["prompt_tokens"] for content in ("Howmanystepstoday", "How many steps today", [
+                {"type": "text", "text": w} for w in ("How", "many", "steps", "today")])]
+        assert joined[2] == joined[0] != joined[1], joined
         # streamed with tools, the events pass through the call rewriting (StreamedCalls) whole
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True, "tools": [TOOL]}).encode())
         events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip() and "[DONE]" not in e]
