@@ -93,7 +93,7 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
              ["--host", s.host, "--port", str(s.port)],
              ["--tensor-parallel-size", str(s.tensor_parallel_size), "--max-model-len", str(s.max_model_len),
               "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
-              "--dtype", s.dtype]]
+              "--dtype", s.dtype, "--chat-template-content-format", s.chat_template_content_format]]
     if t.enabled:
         serve.append(["--enable-auto-tool-choice", "--tool-call-parser", t.parser]
                      + (["--chat-template", template] if template else []))

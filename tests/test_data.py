@@ -989,6 +989,23 @@ def test_tool_rendering_equals_tool_chat_template(any_tok, i):
     assert own.ids.tolist() == ours.ids.tolist() and own.loss_mask.tolist() == ours.loss_mask.tolist()
 
 
+def test_tool_template_reads_content_parts_as_training_joins_them(any_tok):
+    """vLLM hands the template content as parts (`serving.launch` passes --chat-template-content-format openai; its
+    "string" form joins text parts with newlines first): split into parts, every message renders to the ids the
+    same text as one string renders to, as the training reader joins parts."""
+    from gemma_tpu.formats.function_calling import tool_chat_template
+
+    t = _with_template(any_tok, tool_chat_template(function_token_map(any_tok)))
+    conv = norm(TOOL_CONVS[1])
+    msgs = template_messages(conv["messages"])
+    parted = [{**m, "content": [{"type": "text", "text": m["content"][:len(m["content"]) // 2]},
+                                {"type": "text", "text": m["content"][len(m["content"]) // 2:]}]}
+              if isinstance(m.get("content"), str) and m["content"] else m for m in msgs]
+    assert any(isinstance(m.get("content"), list) for m in parted if m["role"] == "tool")
+    assert _ids(t.apply_chat_template(parted, tools=conv["tools"], tokenize=True)) == _ids(
+        t.apply_chat_template(msgs, tools=conv["tools"], tokenize=True))
+
+
 def test_nameless_parallel_results_render_as_the_renderer_reads_them(tok):
     """Results of parallel calls without a name or a tool_call_id (what transformers serve hands the template when a
     client sends names, or neither) answer the calls in order, as the renderer reads them; the template named every

@@ -165,7 +165,7 @@ def test_print_270m_config(tmp_path):
     assert (flag(serve, "--host"), flag(serve, "--port")) == ("127.0.0.1", "8000")
     assert flag(serve, "--tensor-parallel-size") == "1" and flag(serve, "--dtype") == "bfloat16"
     assert flag(serve, "--max-model-len") == "2048" and flag(serve, "--max-num-batched-tokens") == "2048"
-    assert flag(serve, "--max-num-seqs") == "64"
+    assert flag(serve, "--max-num-seqs") == "64" and flag(serve, "--chat-template-content-format") == "openai"
     assert "--enable-auto-tool-choice" in serve and flag(serve, "--tool-call-parser") == "functiongemma"
     assert flag(serve, "--chat-template") == f"/models/{NAME_270M}/chat_template.jinja"
     assert "--enable-lora" not in serve and "--api-key" not in serve
