@@ -56,8 +56,8 @@ class ServerSection:
     dtype: Literal["bfloat16"] = "bfloat16"  # vLLM-TPU refuses float16 for Gemma 3
     api_key_env: str | None = None  # name of the host variable holding the API key; never its value
     # how vLLM hands message content to the chat template: "openai" passes content parts as a list, which Gemma's
-    # templates and ours join with nothing between them, as training joined them; "string" (what "auto" picks
-    # for a template it does not see iterate parts, ours included) joins text parts with newlines first
+    # templates and ours join with nothing between them, as training joined them; "string" joins text parts with
+    # newlines before the template sees them, and "auto" picks one of the two by reading the template's source
     chat_template_content_format: Literal["openai", "string", "auto"] = "openai"
     extra_args: list[str] = dataclasses.field(default_factory=list)  # appended to `vllm serve`
 
