@@ -411,13 +411,47 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: 'train' must be true or false"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "train": False}]},
      r"no assistant message to learn from \(every one is marked train: false\)"),
-    ({"text": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations' or 'instruction' field "
-                             r"\(the example has text;"),
+    ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "
+                             r"field \(the example has body;"),
+    ({"text": " \n"}, r"field 'text' is empty"),
+    ({"text": ["a", "b"]}, r"field 'text' must be a string, got list"),
 ])
 def test_bad_rows_of_every_format_name_the_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine", "completion": "row"}, row])
     with pytest.raises(UserError, match=f"^{path}:2: {message}"):
         load_conversations(path, DataConfig())
+
+
+def test_trl_text_rows_train_every_token_and_end_with_eos(tmp_path, any_tok):
+    """TRL's language-modeling rows (`{"text": ...}`, its dataset_text_field): BOS, the text and EOS, every
+    token but BOS a target, as TRL's SFTTrainer trains them; also beside chat rows and under another name."""
+    rows = [{"text": "Plain prose, no chat."}, {"text": "<bos>Already ends.<eos>", "source": "web"}, CHAT]
+    path = write_jsonl(tmp_path / "lm.jsonl", rows)
+    r = Renderer(any_tok)
+    prose, ended, chat = (r.render(c) for c in load_conversations(path, DataConfig()))
+    want = [2] + any_tok("Plain prose, no chat.<eos>", add_special_tokens=False)["input_ids"]
+    assert prose.ids.tolist() == want and want[-1] == any_tok.eos_token_id
+    assert not prose.loss_mask[0] and prose.loss_mask[1:].all()
+    assert ended.ids.tolist() == [2] + any_tok("Already ends.<eos>", add_special_tokens=False)["input_ids"]
+    assert ended.loss_mask[1:].all()
+    assert chat.text == CHAT_TEXT and masked_runs(any_tok, chat) == [f"4.{EOT}", f"It is 8.{EOT}"]
+    # the chat format does not touch them
+    assert Renderer(any_tok, chat_format="functiongemma").render(load_conversations(path, DataConfig())[0]).ids.tolist() \
+        == want
+    named = write_jsonl(tmp_path / "named.jsonl", [{"body": "Plain prose, no chat.", "text": 1}])
+    conv, = load_conversations(named, DataConfig(format="text", text_field="body"))
+    assert r.render(conv).ids.tolist() == want
+    ex, = render_examples(str(path), r, DataConfig())[:1]
+    row = batching.build_row(batching.fit_length([ex], 64, "truncate", "x")[0], 64, 64)
+    assert row["loss_weights"].sum() == len(want) - 1
+    np.testing.assert_array_equal(row["loss_targets"][: len(want) - 1], want[1:])
+
+
+def test_config_reads_text_format():
+    from gemma_tpu.core.config import load_config
+
+    cfg = load_config(None, ["data.format=text", "data.text_field=content"])
+    assert (cfg.data.format, cfg.data.text_field) == ("text", "content")
 
 
 def test_gzip_compressed_files_read_as_their_text(tmp_path):

@@ -56,7 +56,7 @@ class DataConfig:
     train_path: str | None = None
     eval_path: str | None = None
     # auto: by each example's keys; see gemma_tpu.data.records for the shapes
-    format: Literal["auto", "messages", "prompt_completion", "sharegpt", "instruction"] = "auto"
+    format: Literal["auto", "messages", "prompt_completion", "sharegpt", "instruction", "text"] = "auto"
     seq_len: int = 512
     strategy: Literal["pad", "pack"] = "pad"
     overlength: Literal["truncate", "drop", "error"] = "truncate"
@@ -67,6 +67,7 @@ class DataConfig:
     instruction_field: str = "instruction"
     context_field: str | None = "context"
     response_field: str = "response"
+    text_field: str = "text"  # language-modeling rows (TRL's dataset_text_field): every token trained
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat for as long as train.max_steps needs
     max_loss_tokens: int | None = None  # per-row loss buffer; None: measured from the data

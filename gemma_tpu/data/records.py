@@ -8,6 +8,8 @@ example shapes (`data.format`, auto-detected by their keys):
   assistant turns inside the prompt are context.
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`.
 - `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn.
+- `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
+  trained, `{"text": ..., "where": ...}` instead of messages (rendered as TRL does: BOS, text, EOS).
 An assistant message may carry `"train": false` (or `"weight": 0`): it stays in the context but carries
 no loss, for multi-turn chats where only some answers are good. Problems are reported as
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
@@ -463,7 +465,7 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
     return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where)
 
 
-def detect_format(obj: dict, instruction_field: str) -> str | None:
+def detect_format(obj: dict, instruction_field: str, text_field: str = "text") -> str | None:
     """The example shape of `obj` by its keys (None: none of them)."""
     if "messages" in obj:
         return "messages"
@@ -473,6 +475,8 @@ def detect_format(obj: dict, instruction_field: str) -> str | None:
         return "sharegpt"
     if instruction_field in obj:  # data.instruction_field may itself be "prompt"
         return "instruction"
+    if text_field in obj:
+        return "text"
     return "prompt_completion" if "prompt" in obj or "completion" in obj else None
 
 
@@ -497,6 +501,19 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
             "tools": None, "where": where}
 
 
+def normalise_text(obj: dict, where: str, field: str) -> dict:
+    """A language-modeling row: its text is trained whole, as TRL trains a `text` dataset."""
+    if field not in obj:
+        raise UserError(f"{where}: missing field '{field}' (data.text_field; the example has "
+                        f"{', '.join(map(str, obj)) or 'no fields'})")
+    text = obj[field]
+    if not isinstance(text, str):
+        raise UserError(f"{where}: field '{field}' must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise UserError(f"{where}: field '{field}' is empty")
+    return {"text": text, "tools": None, "where": where}
+
+
 def load_conversations(path: str | Path, data_cfg) -> list[dict]:
     """All examples of a file as normalised conversations; an empty file is an error."""
     out = []
@@ -508,10 +525,10 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
         check_surrogates(obj, where)
         kind = fmt
         if kind == "auto":
-            kind = detect_format(obj, data_cfg.instruction_field)
+            kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
             if kind is None:
-                raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations' or "
-                                f"'{data_cfg.instruction_field}' field (the example has "
+                raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
+                                f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
                                 f"{', '.join(map(str, obj)) or 'no fields'}; set data.format and the field names)")
         if kind == "messages":
             out.append(normalise_messages(obj, where))
@@ -519,6 +536,8 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
             out.append(normalise_prompt_completion(obj, where))
         elif kind == "sharegpt":
             out.append(normalise_sharegpt(obj, where))
+        elif kind == "text":
+            out.append(normalise_text(obj, where, data_cfg.text_field))
         else:
             out.append(normalise_instruction(obj, where, data_cfg.instruction_field, data_cfg.context_field,
                                              data_cfg.response_field))
