@@ -40,6 +40,37 @@ def test_unknown_key_is_named(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize("override, meant", [
+    ("train.learnig_rate=1e-3", "did you mean 'train.learning_rate'?"),
+    ("data.learning_rate=1e-3", "did you mean 'train.learning_rate'?"),  # the right name in the wrong section
+    ("training.max_steps=3", "did you mean 'train'?"),
+    ("optimizer=adamw", "did you mean 'train.optimizer'?"),
+    ("train.gradient_accumulation_steps=4", "the transformers/TRL name; here it is 'train.grad_accum_steps'"),
+    ("lora.r=16", "here it is 'lora.rank'"),
+    ("lora.lora_alpha=32", "here it is 'lora.alpha'"),
+    ("train.per_device_train_batch_size=4", "here it is 'train.batch_size' (rows per optimizer step over all"),
+    ("train.warmup_ratio=0.03", "here it is 'train.warmup_steps' (a number of steps, not a fraction"),
+    ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
+    ("data.dataset_text_field=body", "here it is 'data.text_field'"),
+])
+def test_unknown_key_suggests_the_key_meant(override, meant):
+    """An unknown key listed the section's keys only: a typo, a key in the wrong section or a transformers/TRL
+    recipe's name for one of ours ('gradient_accumulation_steps') left the user to find it."""
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", ["train.learning_rate=1e-3", override, "train.seed=1"])
+    unknown = override.split("=")[0].replace("training.max_steps", "training")  # a section it does not have
+    assert str(e.value).startswith(f"override '{override}': unknown config key '{unknown}'"), str(e.value)
+    assert meant in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_key_in_the_file_is_blamed_on_the_file_not_the_key_it_suggests(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  learning_rate: 1e-3\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))}: unknown config key 'data.learning_rate' "
+                                        r"\(did you mean 'train.learning_rate'\?"):
+        load_config(bad, ["train.learning_rate=1e-3"])
+
+
 def test_bad_values_are_named(tmp_path):
     with pytest.raises(UserError, match=r"train.batch_size: expected an integer"):
         load_config(None, ["train.batch_size=four"])

@@ -225,6 +225,80 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+class _UnknownKey(UserError):
+    """A key no dataclass of the tree has; `load_typed` words it with the closest real key."""
+
+    def __init__(self, dotted: str, names: list[str], hint: str = ""):
+        super().__init__(f"unknown config key '{dotted}' ({hint}known: {', '.join(names)})")
+        self.dotted, self.names = dotted, names
+
+
+# Names a transformers / TRL / PEFT recipe uses for keys of RunConfig: (our key, what to know when moving it)
+FOREIGN_NAMES: dict[str, tuple[str, str]] = {
+    "lr": ("train.learning_rate", ""),
+    "per_device_train_batch_size": ("train.batch_size", "rows per optimizer step over all devices"),
+    "train_batch_size": ("train.batch_size", "rows per optimizer step over all devices"),
+    "gradient_accumulation_steps": ("train.grad_accum_steps", ""),
+    "max_grad_norm": ("train.grad_clip", "null: no clipping"),
+    "lr_scheduler_type": ("train.schedule", ""),
+    "warmup_ratio": ("train.warmup_steps", "a number of steps, not a fraction of the run"),
+    "optim": ("train.optimizer", ""),
+    "logging_steps": ("train.log_every_steps", ""),
+    "eval_steps": ("train.eval_every_steps", ""),
+    "gradient_checkpointing": ("train.remat", "block or decoder rematerialise, none does not"),
+    "num_train_epochs": ("data.num_epochs", "whole epochs; train.max_steps still ends the run"),
+    "output_dir": ("checkpoint.dir", ""),
+    "save_steps": ("checkpoint.every_steps", ""),
+    "save_total_limit": ("checkpoint.max_to_keep", ""),
+    "max_seq_length": ("data.seq_len", ""),
+    "max_length": ("data.seq_len", ""),
+    "packing": ("data.strategy", "pack, or pad for one example a row"),
+    "dataset_text_field": ("data.text_field", ""),
+    "completion_only_loss": ("data.loss_on", "assistant trains the completions and assistant turns only"),
+    "assistant_only_loss": ("data.loss_on", "assistant trains the assistant turns only"),
+    "r": ("lora.rank", ""),
+    "lora_r": ("lora.rank", ""),
+    "lora_alpha": ("lora.alpha", ""),
+    "target_modules": ("lora.targets", ""),
+    "lora_dropout": ("lora.dropout", ""),
+    "model_name_or_path": ("model.path", ""),
+    "torch_dtype": ("model.dtype", ""),
+    "bf16": ("model.dtype", "bfloat16"),
+    "peft": ("lora", ""),
+}
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a dataclass tree, sections included."""
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        out.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            out += _leaf_keys(tp, f"{prefix}{name}.")
+    return out
+
+
+def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, tuple[str, str]]) -> str:
+    """What the user probably meant by an unknown key: a recipe's name for one of ours, the same name in
+    another section, or a close spelling in its own section."""
+    import difflib
+
+    keys = _leaf_keys(root)
+    section, _, leaf = dotted.rpartition(".")
+    if leaf in foreign and foreign[leaf][0] in keys:
+        ours, note = foreign[leaf]
+        return f"the transformers/TRL name; here it is '{ours}'{f' ({note})' if note else ''}; "
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted]
+    if elsewhere:
+        return f"did you mean '{elsewhere[0]}'? "
+    close = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{section + '.' if section else ''}{close[0]}'? "
+    return ""
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     if data is None:
         data = {}
@@ -236,7 +310,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     for key, value in data.items():
         key_where = f"{where}.{key}" if where else str(key)
         if key not in names:
-            raise UserError(f"unknown config key '{key_where}' (known: {', '.join(sorted(names))})")
+            raise _UnknownKey(key_where, sorted(names))
         kwargs[key] = _coerce(value, hints[key], key_where)
     return cls(**kwargs)
 
@@ -317,7 +391,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()) -> Any:
+def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = (),
+               foreign: dict[str, tuple[str, str]] | None = None) -> Any:
     """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
 
     The generic half of `load_config`, shared by every typed config (runs, serving): unknown keys,
@@ -350,7 +425,10 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         key, value = parse_override(text)
         _set_dotted(tree, key, value, f"override '{text}'", cls)
     try:
-        return _build(cls, tree, "")
+        try:
+            return _build(cls, tree, "")
+        except _UnknownKey as e:  # worded with the key meant (a typo, another section, a recipe's name)
+            raise UserError(str(_UnknownKey(e.dotted, e.names, _key_hint(cls, e.dotted, e.names, foreign or {}))))
     except UserError as e:
         raise UserError(f"{blame(str(e), where, overrides)}: {e}") from None
 
@@ -358,8 +436,12 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
 def blame(message: str, where: str, overrides: Sequence[str]) -> str:
     """Where a config error comes from: the command-line override that set the key it names (the last
     one, which wins), else the file."""
+    unknown = re.match(r"unknown config key '([^']*)'", message)
     for text in reversed(list(overrides)):
         key = text.split("=", 1)[0].strip()
+        u = unknown.group(1) if unknown else None
+        if u is not None and not (key == u or key.startswith(u + ".") or u.startswith(key + ".")):
+            continue  # only the override that set the unknown key is to blame, not the key it suggests instead
         if key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
             return f"override '{text}'"
         parts = key.split(".")  # 'foo.bar=1' is refused as "unknown config key 'foo'": a section it created
@@ -371,7 +453,7 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
-    cfg = load_typed(RunConfig, path, overrides)
+    cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES)
     if cfg.train.optimizer is None:
         cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
     where = str(path) if path is not None else "config"
