@@ -454,6 +454,34 @@ def test_config_reads_text_format():
     assert (cfg.data.format, cfg.data.text_field) == ("text", "content")
 
 
+def test_a_datasets_save_to_disk_directory_reads_as_its_rows(tmp_path):
+    """A `datasets` save_to_disk directory (what a TRL recipe often keeps on disk) was refused as 'a directory';
+    its rows now read as the same examples as JSONL, numbered across its Arrow shards; a DatasetDict names
+    its splits."""
+    import datasets
+
+    rows = [CHAT, TOOL_CHAT, {"prompt": "What is 2+2?", "completion": "4."}, {"text": "Prose."}]
+    plain = load_conversations(write_jsonl(tmp_path / "d.jsonl", rows), DataConfig())
+    strip = lambda convs: [{k: v for k, v in c.items() if k != "where"} for c in convs]  # noqa: E731
+    # one column per key across rows (nulls where a row lacks it), as datasets stores mixed rows
+    keys = ("messages", "tools", "prompt", "completion", "text")
+    ds = datasets.Dataset.from_list([{k: None if k not in r else json.dumps(r[k]) if k in ("messages", "tools") else r[k]
+                                      for k in keys} for r in rows])
+    ds.save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    saved = load_conversations(tmp_path / "saved", DataConfig())
+    assert strip(saved) == strip(plain)
+    assert [c["where"] for c in saved] == [f"{tmp_path / 'saved'}:{i}" for i in (1, 2, 3, 4)]
+    shard = sorted((tmp_path / "saved").glob("*.arrow"))[1]
+    assert strip(load_conversations(shard, DataConfig())) == strip(plain)[2:]
+    datasets.DatasetDict(train=ds, test=ds).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(UserError, match=rf"dict is a DatasetDict saved with save_to_disk; give one split's "
+                                        rf"directory \({tmp_path / 'dict' / 'test'}, {tmp_path / 'dict' / 'train'}\)"):
+        load_conversations(tmp_path / "dict", DataConfig())
+    with pytest.raises(UserError, match=r"is a directory; give a .jsonl, .json or .parquet file or a "
+                                        r"datasets.save_to_disk directory"):
+        load_conversations(tmp_path, DataConfig())
+
+
 def test_gzip_compressed_files_read_as_their_text(tmp_path):
     import gzip
 

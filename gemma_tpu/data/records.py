@@ -19,6 +19,7 @@ Accepted files, all through `iter_raw`:
 - any of the text forms gzip-compressed (`.jsonl.gz`, `.json.gz`; told by its magic bytes).
 - `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
   object, or JSON Lines saved under a `.json` name.
+- a `datasets` `save_to_disk` directory (or one of its `.arrow` shards): one example a row, as Parquet.
 - `.parquet`: one example a row ("line" = row number, from 1). Parquet stores structs with the union
   of all their fields, so keys whose value is null are dropped from every object (a JSON null
   argument cannot be told apart from a field another row has); `messages`, `tools` and tool-call
@@ -124,8 +125,9 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
 def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for each example of a .jsonl/.json/.parquet file."""
     p = Path(path)
-    if p.is_dir():  # it exists: "not found" sent users looking for a typo
-        raise UserError(f"data file {p} is a directory; give a .jsonl, .json or .parquet file")
+    if p.is_dir():
+        yield from _iter_saved_dataset(p)
+        return
     if not p.is_file():
         raise UserError(f"data file not found: {p}")
     with p.open("rb") as f:
@@ -144,6 +146,10 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         except Exception as e:
             raise UserError(f"{p}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
         for i, row in enumerate(table.to_pylist(), start=1):
+            yield i, _strip_nulls(row)
+        return
+    if suffix == ".arrow" and not gz:  # one shard of a save_to_disk directory
+        for i, row in enumerate(_arrow_rows(p, str(p)), start=1):
             yield i, _strip_nulls(row)
         return
     if suffix == ".json":
@@ -173,6 +179,50 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
                 yield first, obj
                 return
     yield from _iter_lines(p, opener)
+
+
+def _arrow_rows(f: Path, where: str) -> list[dict]:
+    """The rows of one Arrow file: the IPC stream `datasets` writes, or the IPC file format."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(f)) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_file(source).read_all()
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"{where}: not a readable Arrow file ({type(e).__name__}: {str(e)[:200]})") from None
+    return table.to_pylist()
+
+
+def _iter_saved_dataset(p: Path) -> Iterator[tuple[int, Any]]:
+    """A `datasets` `save_to_disk` directory (state.json naming its Arrow shards): one example a row, rows
+    numbered from 1 across the shards in order; nulls dropped as for Parquet."""
+    if (p / "dataset_dict.json").is_file():  # a DatasetDict: one directory per split
+        splits = sorted(c.name for c in p.iterdir() if (c / "state.json").is_file())
+        raise UserError(f"data file {p} is a DatasetDict saved with save_to_disk; give one split's directory "
+                        f"({', '.join(str(p / s) for s in splits) or 'it holds no split'})")
+    state = p / "state.json"
+    if not state.is_file():  # it exists: "not found" sent users looking for a typo
+        raise UserError(f"data file {p} is a directory; give a .jsonl, .json or .parquet file or a "
+                        f"datasets.save_to_disk directory (it has no state.json)")
+    try:
+        files = [d["filename"] for d in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
+        if not all(isinstance(f, str) for f in files):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{state}: not the state.json of a datasets.save_to_disk directory "
+                        f"(expected '_data_files': [{{'filename': ...}}])") from None
+    row = 0
+    for name in files:
+        f = p / name
+        if not f.is_file():
+            raise UserError(f"{state}: names {name}, which is not in {p}")
+        for obj in _arrow_rows(f, str(f)):
+            row += 1
+            yield row, _strip_nulls(obj)
 
 
 def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
