@@ -376,6 +376,18 @@ def test_prompt_completion_and_sharegpt_rows_render_as_their_messages(tmp_path, 
     assert from_parquet[1]["messages"][0]["content"] == "[{not json"
 
 
+def test_chat_messages_under_the_sharegpt_column_read_as_messages(tmp_path, tok):
+    """`conversations` holding role/content messages (Hub datasets and converters leave chats so) was refused as
+    ShareGPT turns without 'from'/'value'."""
+    path = write_jsonl(tmp_path / "c.jsonl", [CHAT, {"conversations": CHAT["messages"]},
+                                              {"conversations": TOOL_CHAT["messages"], "tools": TOOL_CHAT["tools"]}])
+    chat, conv, tools = load_conversations(path, DataConfig())
+    assert conv["messages"] == chat["messages"]
+    r = Renderer(tok)
+    assert r.render(conv).text == CHAT_TEXT
+    assert r.render(tools).ids.tolist() == r.render(norm(TOOL_CHAT)).ids.tolist()
+
+
 def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     conv = norm(_untrained_first_answer(CHAT))
     ours = Renderer(any_tok).render(conv)
@@ -411,6 +423,14 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: 'train' must be true or false"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "train": False}]},
      r"no assistant message to learn from \(every one is marked train: false\)"),
+    ({"messages": [{"role": "user", "text": "hi"}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: a user message needs 'content' \(it has role, text\)"),
+    ({"messages": [{"role": "system"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: a system message needs 'content'"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n "}]},
+     r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
+    ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
+     r"messages\[1\]: unknown role 'gpt'"),
     ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "
                              r"field \(the example has body;"),
     ({"text": " \n"}, r"field 'text' is empty"),

@@ -6,7 +6,8 @@ example shapes (`data.format`, auto-detected by their keys):
 - `prompt_completion`: TRL's prompt-completion rows, `{"prompt": str, "completion": str}` or with lists
   of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
   assistant turns inside the prompt are context.
-- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`.
+- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`, or chat messages
+  (`role`/`content`) under that column name.
 - `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn.
 - `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
   trained, `{"text": ..., "where": ...}` instead of messages (rendered as TRL does: BOS, text, EOS).
@@ -367,6 +368,8 @@ def normalise_messages(obj: dict, where: str) -> dict:
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
+        if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
+            raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
         _check_turn_order(out, role, answered, len(pending), mw)
         if not _trained(m, role, mw):
@@ -396,8 +399,9 @@ def normalise_messages(obj: dict, where: str) -> dict:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r}, which is not in 'tools' "
                                     f"({', '.join(names)})")
                 norm_calls.append({"name": fn["name"], "arguments": args})
-            if not msg["content"] and not norm_calls:
-                raise UserError(f"{mw}: assistant message has neither content nor tool_calls")
+            if not msg["content"].strip() and not norm_calls:  # whitespace alone would train an empty answer
+                raise UserError(f"{mw}: assistant message has neither content nor tool_calls"
+                                f"{' (only whitespace)' if msg['content'] else ''}")
             if norm_calls:
                 msg["tool_calls"] = norm_calls
                 pending = [(c.get("id") if isinstance(c, dict) else None, nc["name"])
@@ -502,6 +506,9 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
     turns = _maybe_json(obj.get("conversations"), "conversations", where)
     if not isinstance(turns, list) or not turns:
         raise UserError(f"{where}: 'conversations' must be a non-empty list")
+    if all(isinstance(t, dict) and "role" in t and "from" not in t for t in turns):
+        # chat messages under the ShareGPT column name, as many Hub datasets and converters leave them
+        return normalise_messages({"messages": turns, "tools": obj.get("tools")}, where)
     messages = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
