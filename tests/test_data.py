@@ -431,6 +431,12 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
     ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
      r"messages\[1\]: unknown role 'gpt'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                {"type": "image_url", "image_url": {"url": "x.png"}}]},
+                   {"role": "assistant", "content": "a cat"}]},
+     r"messages\[0\]: content\[1\] is a 'image_url' part; training here is text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}, {"role": "assistant", "content": "a"}]},
+     r"messages\[0\]: content\[0\]: expected a text part"),
     ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "
                              r"field \(the example has body;"),
     ({"text": " \n"}, r"field 'text' is empty"),
@@ -1239,6 +1245,15 @@ def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
     assert proc.returncode == 0, proc.stderr
     assert "truncated 4" in proc.stdout and "<<truncated at data.seq_len" in proc.stdout
     assert "(eval)" in proc.stdout and "batch shapes: 1 distinct (eval, batch 4)" in proc.stdout
+    # an example whose answer lies wholly past the cut is dropped, not trained truncated: say so
+    late = {"messages": [{"role": "user", "content": "q" * 400}, {"role": "assistant", "content": "answer"}]}
+    path = write_jsonl(tmp_path / "late.jsonl", [late] + [long] * 4)
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                   str(tok_dir), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "read 5, kept 4, truncated 4, dropped 1" in proc.stdout
+    assert re.search(r"--- example 1 \(\S+late.jsonl:1\): \d+ tokens, \d+ loss-bearing, dropped \(no loss-bearing "
+                     r"token within data.seq_len\) ---", proc.stdout), proc.stdout
     proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
                    str(tok_dir), "--split", "eval", timeout=300)
     assert_one_line_error(proc, "data.eval_path is not set")

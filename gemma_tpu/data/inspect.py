@@ -192,6 +192,8 @@ def run(args: argparse.Namespace) -> dict:
                 cfg.data.overlength]
             if cfg.data.overlength == "truncate":
                 cut = int(r.offsets[cfg.data.seq_len][0])
+                if not r.loss_mask[1:cfg.data.seq_len].any():  # as batching.fit_length drops it
+                    status = ", dropped (no loss-bearing token within data.seq_len)"
         print(f"\n--- example {i + 1} ({conv.get('where', '?')}): {len(r.ids)} tokens, {n_loss} loss-bearing{status} "
               f"---", file=out)
         print(mark(r.text, loss_spans(r.offsets, r.loss_mask), color, cut), file=out)

@@ -270,11 +270,17 @@ def _text(content: Any, where: str) -> str:
         return content
     if isinstance(content, list):  # [{"type": "text", "text": ...}]
         parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+        for k, part in enumerate(content):
+            kind = part.get("type", "text") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
+                raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
+                                f"language model of a multimodal checkpoint): remove the non-text parts or put "
+                                f"what they say into text")
             else:
-                raise UserError(f"{where}: only text content parts are supported, got {part!r:.60}")
+                raise UserError(f"{where}: content[{k}]: expected a text part {{'type': 'text', 'text': ...}}, "
+                                f"got {part!r:.60}")
         return "".join(parts)
     if isinstance(content, (dict, int, float, bool)):
         return json.dumps(content, ensure_ascii=False)
