@@ -508,6 +508,16 @@ def test_a_datasets_save_to_disk_directory_reads_as_its_rows(tmp_path):
         load_conversations(tmp_path, DataConfig())
 
 
+@pytest.mark.parametrize("fmt, column", [("messages", "messages"), ("sharegpt", "conversations")])
+def test_a_forced_format_names_the_field_the_row_lacks(tmp_path, fmt, column):
+    """data.format forced onto rows of another shape said "'messages' must be a non-empty list", as if the
+    field were there and wrong."""
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "hi", "completion": "yo"}])
+    with pytest.raises(UserError, match=rf"^{path}:1: no '{column}' field for data.format={fmt} \(the example "
+                                        rf"has prompt, completion; data.format=auto"):
+        load_conversations(path, DataConfig(format=fmt))
+
+
 def test_gzip_compressed_files_read_as_their_text(tmp_path):
     import gzip
 

@@ -593,6 +593,11 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
                 raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
                                 f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
                                 f"{', '.join(map(str, obj)) or 'no fields'}; set data.format and the field names)")
+        column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
+        if column and column not in obj:  # data.format forced onto a row of another shape
+            raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "
+                            f"{', '.join(map(str, obj)) or 'no fields'}; data.format=auto tells the shapes apart "
+                            f"by their keys)")
         if kind == "messages":
             out.append(normalise_messages(obj, where))
         elif kind == "prompt_completion":
