@@ -1246,6 +1246,23 @@ def test_inspect_prints_stats_and_marks_the_loss(tmp_path, tok_dir, tok):
     assert f"\x1b[1;32m4.{EOT}\x1b[0m" in colored.stdout
 
 
+def test_over_length_examples_are_one_warning_naming_the_first(tmp_path, tok):
+    """Training logged over-length examples only as counts inside an INFO line: a split whose answers were
+    cut or dropped trained without a warning."""
+    from gemma_tpu.data import overlength_warning
+
+    late = {"messages": [{"role": "user", "content": "q" * 300}, {"role": "assistant", "content": "answer"}]}
+    cut = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "w" * 300}]}
+    path = write_jsonl(tmp_path / "o.jsonl", [CHAT, cut, late, cut])
+    split = prepare_split(str(path), Renderer(tok), DataConfig(seq_len=128), seed=0)
+    assert overlength_warning(split, "truncate") == (
+        f"{path}: 3 of 4 examples are longer than data.seq_len=128 (the first: {path}:2); data.overlength=truncate: "
+        f"2 truncated (trained up to the cut), 1 dropped (1 with no loss-bearing token before the cut); raise "
+        f"data.seq_len or see `python -m gemma_tpu.data.inspect`")
+    assert overlength_warning(prepare_split(str(path), Renderer(tok), DataConfig(seq_len=1024), seed=0),
+                              "truncate") is None
+
+
 def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
     long = {"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "w" * 400}]}
     path = write_jsonl(tmp_path / "t.jsonl", [long] * 4)

@@ -150,6 +150,19 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
     return Prepared(source, rows, report, m, data_cfg.seq_len, strategy, prefixes)
 
 
+def overlength_warning(prepared: Prepared, policy: str) -> str | None:
+    """One line on what data.overlength did, when any example was longer than data.seq_len (None otherwise):
+    a cut answer trains the model to stop mid-sentence, and dropped examples are data the user paid for."""
+    rep = prepared.report
+    if not rep.overlength:
+        return None
+    did = (f"{rep.truncated} truncated (trained up to the cut), {rep.dropped} dropped"
+           f"{f' ({rep.no_loss} with no loss-bearing token before the cut)' if rep.no_loss else ''}")
+    return (f"{prepared.source}: {rep.overlength} of {rep.read} examples are longer than data.seq_len="
+            f"{prepared.seq_len} (the first: {rep.first_overlength}); data.overlength={policy}: {did}; "
+            f"raise data.seq_len or see `python -m gemma_tpu.data.inspect`")
+
+
 def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int, max_loss: int | None = None,
                   strategy: str | None = None) -> Prepared:
     return prepare_examples(render_examples(path, renderer, data_cfg), path, data_cfg, seed, max_loss, strategy)
