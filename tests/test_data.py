@@ -518,6 +518,22 @@ def test_a_forced_format_names_the_field_the_row_lacks(tmp_path, fmt, column):
         load_conversations(path, DataConfig(format=fmt))
 
 
+def test_utf16_files_and_wrapped_arrays_say_what_to_do(tmp_path):
+    """A UTF-16 file (Windows PowerShell's `>`) was 'not UTF-8 text (byte 1 of the line)', and examples wrapped
+    in an object ({"data": [...]}) were one example with no known field."""
+    text = json.dumps({"prompt": "hi", "completion": "yo"}) + "\n"
+    for enc in ("utf-16", "utf-16-be"):
+        (tmp_path / "u.jsonl").write_bytes(("\ufeff" if enc.endswith("be") else "").encode(enc) + text.encode(enc))
+        with pytest.raises(UserError, match=r"u.jsonl: UTF-16 text \(it starts with a UTF-16 byte-order mark\); "
+                                            r"save it as UTF-8"):
+            load_conversations(tmp_path / "u.jsonl", DataConfig())
+    (tmp_path / "w.json").write_text(json.dumps({"version": 1, "data": [{"prompt": "a", "completion": "b"}] * 3}))
+    with pytest.raises(UserError, match=r"w.json:1: no 'messages'.* field \(the example has version, data; .*; its "
+                                        r"'data' holds a list of 3 objects: if those are the examples, give that list "
+                                        r"itself \(a JSON array\) or JSON Lines\)$"):
+        load_conversations(tmp_path / "w.json", DataConfig())
+
+
 def test_gzip_compressed_files_read_as_their_text(tmp_path):
     import gzip
 

@@ -132,7 +132,10 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     if not p.is_file():
         raise UserError(f"data file not found: {p}")
     with p.open("rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"  # gzip, whatever the name says
+        magic = f.read(2)
+    gz = magic == b"\x1f\x8b"  # gzip, whatever the name says
+    if magic in (b"\xff\xfe", b"\xfe\xff"):  # what Windows PowerShell's `>` writes
+        raise UserError(f"{p}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
     opener = gzip.open if gz else open
     suffix = (Path(p.stem).suffix if gz and p.suffix.lower() == ".gz" else p.suffix).lower()
     if gz and suffix == ".parquet":
@@ -590,9 +593,12 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
         if kind == "auto":
             kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
             if kind is None:
+                rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+                hint = (f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
+                        f"give that list itself (a JSON array) or JSON Lines" if rows else "")
                 raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
                                 f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
-                                f"{', '.join(map(str, obj)) or 'no fields'}; set data.format and the field names)")
+                                f"{', '.join(map(str, obj)) or 'no fields'}; set data.format and the field names{hint})")
         column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
         if column and column not in obj:  # data.format forced onto a row of another shape
             raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "
