@@ -71,6 +71,22 @@ def test_unknown_key_in_the_file_is_blamed_on_the_file_not_the_key_it_suggests(t
         load_config(bad, ["train.learning_rate=1e-3"])
 
 
+@pytest.mark.parametrize("text", ["2024.10", "0123", "1_000", "1:30", "0x1F", "1e3", "-0.50"])
+def test_a_number_given_to_a_string_key_keeps_its_spelling(text, tmp_path):
+    """YAML 1.1 reads these as numbers and the string key got the number's digits: checkpoint.dir=2024.10 wrote
+    to '2024.1', model.revision=0123 (octal) asked the hub for revision '83', 1:30 (base 60) became '90'."""
+    cfg = load_config(None, [f"checkpoint.dir=runs/x", f"model.revision={text}", f"data.instruction_field={text}"])
+    assert cfg.model.revision == text and cfg.data.instruction_field == text
+    path = tmp_path / "c.yaml"
+    path.write_text(f"checkpoint:\n  dir: {text}\nmodel:\n  revision: {text}\ntrain:\n  max_steps: 0x10\n"
+                    f"  learning_rate: 1.50e-3\n")
+    cfg = load_config(path)
+    assert (cfg.checkpoint.dir, cfg.model.revision) == (text, text)
+    assert type(cfg.train.max_steps) is int and cfg.train.max_steps == 16  # numeric keys get plain numbers
+    assert type(cfg.train.learning_rate) is float and cfg.train.learning_rate == pytest.approx(1.5e-3)
+    assert yaml.safe_load(cfg.to_yaml())["model"]["revision"] == text
+
+
 def test_bad_values_are_named(tmp_path):
     with pytest.raises(UserError, match=r"train.batch_size: expected an integer"):
         load_config(None, ["train.batch_size=four"])

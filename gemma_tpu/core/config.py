@@ -156,6 +156,44 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+class _SpelledInt(int):
+    """A YAML integer that remembers how it was written: a string key given `0123` (YAML 1.1 octal), `1_000`
+    or `1:30` (base 60) keeps that text, not the number's digits."""
+
+    raw: str
+
+    def __repr__(self) -> str:
+        return self.raw
+
+
+class _SpelledFloat(float):
+    """A YAML float that remembers how it was written (`checkpoint.dir=2024.10` stays '2024.10', not '2024.1')."""
+
+    raw: str
+
+    def __repr__(self) -> str:
+        return self.raw
+
+
+def _spelled(value: Any, raw: str) -> Any:
+    """`value` (what YAML read from `raw`) carrying its spelling when it is a number."""
+    kind = {int: _SpelledInt, float: _SpelledFloat}.get(type(value))
+    if kind is None:
+        return value
+    out = kind(value)
+    out.raw = raw.strip()
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A spelled number as the plain number (what the config holds)."""
+    if isinstance(value, _SpelledInt):
+        return int(value)
+    if isinstance(value, _SpelledFloat):
+        return float(value)
+    return value
+
+
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
 
 
@@ -199,7 +237,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"{where}: expected an integer, got {value!r}")
-        return value
+        return int(value)
     if tp is float:
         number = value
         if isinstance(value, str):
@@ -215,14 +253,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return float(value)
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+            return getattr(value, "raw", str(value))  # as written: 2024.10, not 2024.1
         if not isinstance(value, str):
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
             raise UserError(f"{where}: expected a string, got {value!r}{hint}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
-    return value
+    return _plain(value)
 
 
 class _UnknownKey(UserError):
@@ -359,7 +397,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
         raise UserError(f"override '{text}' has no valid key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _spelled(yaml.safe_load(raw), raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -389,6 +427,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: the base class reports it
                     continue
         return super().construct_mapping(node, deep=deep)
+
+    def construct_spelled_number(self, node):
+        """Numbers keep their text, for the string keys they may be given to (see `_SpelledInt`)."""
+        value = (self.construct_yaml_int if node.tag.endswith(":int") else self.construct_yaml_float)(node)
+        return _spelled(value, node.value)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_spelled_number)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_spelled_number)
 
 
 def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = (),
