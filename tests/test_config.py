@@ -87,6 +87,22 @@ def test_a_number_given_to_a_string_key_keeps_its_spelling(text, tmp_path):
     assert yaml.safe_load(cfg.to_yaml())["model"]["revision"] == text
 
 
+def test_a_config_of_the_other_tool_names_its_command():
+    """A serving config given to training stopped at "unknown config key 'model.dir' (did you mean
+    'checkpoint.dir'?", and a training config given to serving at "unknown config key 'model.path'"."""
+    from serving.config import load_serve_config
+
+    serve = REPO / "configs/serve-gemma3-270m-fitness.yaml"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(serve))}: its 'server' section says this is a serving "
+                                        rf"config \(python -m serving.launch --config {re.escape(str(serve))}\); this "
+                                        rf"command takes a config with the sections model, lora, data, train"):
+        load_config(serve)
+    tiny = REPO / "configs/tiny.yaml"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(tiny))}: its 'data' section says this is a training "
+                                        rf"config \(python -m gemma_tpu.train --config {re.escape(str(tiny))}\)"):
+        load_serve_config(tiny)
+
+
 def test_bad_values_are_named(tmp_path):
     with pytest.raises(UserError, match=r"train.batch_size: expected an integer"):
         load_config(None, ["train.batch_size=four"])

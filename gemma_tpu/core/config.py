@@ -438,8 +438,13 @@ _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.const
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_spelled_number)
 
 
+# sections of the serving config (serving/config.py): a file holding them was given to a training entry point
+SERVING_SECTIONS = {name: "a serving config (python -m serving.launch --config FILE)"
+                    for name in ("server", "tool_calling", "container")}
+
+
 def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = (),
-               foreign: dict[str, tuple[str, str]] | None = None) -> Any:
+               foreign: dict[str, tuple[str, str]] | None = None, elsewhere: dict[str, str] | None = None) -> Any:
     """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
 
     The generic half of `load_config`, shared by every typed config (runs, serving): unknown keys,
@@ -468,6 +473,11 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
                             f"or leave --config out")
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")
+        names = [f.name for f in dataclasses.fields(cls)]
+        stray = [k for k in tree if k not in names and k in (elsewhere or {})]
+        if stray:  # another tool's config: its first shared section's keys made a misleading 'unknown key'
+            raise UserError(f"{p}: its '{stray[0]}' section says this is {elsewhere[stray[0]].replace('FILE', str(p))}; "
+                            f"this command takes a config with the sections {', '.join(names)}")
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value, f"override '{text}'", cls)
@@ -500,7 +510,7 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
-    cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES)
+    cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
     if cfg.train.optimizer is None:
         cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
     where = str(path) if path is not None else "config"
