@@ -437,6 +437,11 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[0\]: content\[1\] is a 'image_url' part; training here is text only"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}, {"role": "assistant", "content": "a"}]},
      r"messages\[0\]: content\[0\]: expected a text part"),
+    ({"prompt": "hi", "chosen": "yo", "rejected": "no"},
+     r"missing field 'completion' \(.*\); this is a preference row \(chosen/rejected, for DPO-style training\): to "
+     r"fine-tune on the preferred answers, write 'chosen' as 'completion'"),
+    ({"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "rejected": []},
+     r"no 'messages'.*field \(the example has chosen, rejected; .*; this is a preference row"),
     ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "
                              r"field \(the example has body;"),
     ({"text": " \n"}, r"field 'text' is empty"),

@@ -479,6 +479,10 @@ def _messages_or_text(value: Any) -> Any:
     return value
 
 
+_PREFERENCE_HINT = ("; this is a preference row (chosen/rejected, for DPO-style training): to fine-tune on the "
+                    "preferred answers, write 'chosen' as 'completion' (or as 'messages' when it holds the prompt)")
+
+
 def normalise_prompt_completion(obj: dict, where: str) -> dict:
     """TRL's prompt-completion rows: strings (a user turn, an assistant turn) or message lists; only
     the completion is trained."""
@@ -486,7 +490,7 @@ def normalise_prompt_completion(obj: dict, where: str) -> dict:
     for key, value in (("prompt", prompt), ("completion", completion)):
         if value is None:
             raise UserError(f"{where}: missing field '{key}' (prompt-completion rows need both 'prompt' and "
-                            f"'completion')")
+                            f"'completion'){_PREFERENCE_HINT if 'chosen' in obj else ''}")
         if not isinstance(value, (str, list)):
             raise UserError(f"{where}: '{key}' must be a string or a list of messages, got {type(value).__name__}")
     if isinstance(prompt, str) != isinstance(completion, str):
@@ -594,7 +598,8 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
             kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
             if kind is None:
                 rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
-                hint = (f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
+                hint = (_PREFERENCE_HINT if "chosen" in obj else
+                        f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
                         f"give that list itself (a JSON array) or JSON Lines" if rows else "")
                 raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
                                 f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
