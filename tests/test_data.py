@@ -442,6 +442,10 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"fine-tune on the preferred answers, write 'chosen' as 'completion'"),
     ({"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "rejected": []},
      r"no 'messages'.*field \(the example has chosen, rejected; .*; this is a preference row"),
+    ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": " "}]},
+     r"completion\[0\]: assistant message has neither content nor tool_calls"),
+    ({"prompt": [{"role": "system", "content": "s"}, {"role": "wizard", "content": "hi"}],
+      "completion": [{"role": "assistant", "content": "yo"}]}, r"prompt\[1\]: unknown role 'wizard'"),
     ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "
                              r"field \(the example has body;"),
     ({"text": " \n"}, r"field 'text' is empty"),

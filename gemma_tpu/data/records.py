@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -508,7 +509,14 @@ def normalise_prompt_completion(obj: dict, where: str) -> dict:
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
     context = [{**m, "train": False} if ROLE_ALIASES.get(m.get("role"), m.get("role")) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
-    conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where)
+    try:
+        conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where)
+    except UserError as e:  # name the message by the field the row has, not by the joined list
+        def field(m: re.Match) -> str:
+            i = int(m.group(1))
+            return f"prompt[{i}]" if i < len(prompt) else f"completion[{i - len(prompt)}]"
+
+        raise UserError(re.sub(r"(?<=: )messages\[(\d+)\]", field, str(e), count=1)) from None
     if any(m.get("train", True) for m in conv["messages"][:len(prompt)] if m["role"] == "assistant"):
         raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
     return conv
