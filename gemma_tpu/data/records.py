@@ -529,7 +529,7 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
         raise UserError(f"{where}: 'conversations' must be a non-empty list")
     if all(isinstance(t, dict) and "role" in t and "from" not in t for t in turns):
         # chat messages under the ShareGPT column name, as many Hub datasets and converters leave them
-        return normalise_messages({"messages": turns, "tools": obj.get("tools")}, where)
+        return _as_conversations(turns, obj, where)
     messages = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
@@ -540,7 +540,15 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
                             f"{', '.join(SHAREGPT_ROLES)}; for tool calls use the messages format)")
         messages.append({"role": role, "content": t["value"],
                          **{k: t[k] for k in ("train", "weight") if k in t}})
-    return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where)
+    return _as_conversations(messages, obj, where)
+
+
+def _as_conversations(messages: list, obj: dict, where: str) -> dict:
+    """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
+    try:
+        return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where)
+    except UserError as e:
+        raise UserError(re.sub(r"(?<=: )messages\[", "conversations[", str(e), count=1)) from None
 
 
 def detect_format(obj: dict, instruction_field: str, text_field: str = "text") -> str | None:
