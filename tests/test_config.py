@@ -103,6 +103,16 @@ def test_a_config_of_the_other_tool_names_its_command():
         load_serve_config(tiny)
 
 
+def test_peft_all_linear_targets_every_projection():
+    """PEFT's target_modules="all-linear", in most TRL recipes, was refused as an unknown module."""
+    from gemma_tpu.core.config import ALL_TARGETS
+
+    assert load_config(None, ["lora.targets=all-linear"]).lora.targets == list(ALL_TARGETS)
+    assert load_config(None, ["lora.targets=[all-linear]"]).lora.targets == list(ALL_TARGETS)
+    with pytest.raises(UserError, match=r"lora.targets: unknown module 'all-linear'"):
+        load_config(None, ["lora.targets=[q_proj,all-linear]"])
+
+
 def test_bad_values_are_named(tmp_path):
     with pytest.raises(UserError, match=r"train.batch_size: expected an integer"):
         load_config(None, ["train.batch_size=four"])

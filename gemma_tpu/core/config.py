@@ -48,6 +48,10 @@ class LoraConfig:
     dropout: float = 0.0  # on the LoRA input, training steps only (evaluation and generation never drop)
     base_quantization: Literal["nf4", "int8"] | None = None  # QLoRA: quantize the frozen base
 
+    def __post_init__(self) -> None:
+        if list(self.targets) == ["all-linear"]:  # PEFT's name for every linear layer but the output head
+            self.targets = list(ALL_TARGETS)
+
 
 @dataclasses.dataclass
 class DataConfig:
