@@ -1375,3 +1375,15 @@ def test_tool_turn_order():
     skipped = {**calls, "messages": calls["messages"][:i + 1] + [{"role": "assistant", "content": "done"}]}
     with pytest.raises(UserError, match=rf"messages\[{i + 1}\]: the assistant continues before every tool call"):
         norm(skipped)
+
+
+def test_a_template_refusal_names_the_line_once(tmp_path, tok):
+    """A chat template's refusal read 'FILE:1: FILE:1: the tokenizer's chat template refused ...' (the renderer
+    and the pipeline each named the example)."""
+    path = write_jsonl(tmp_path / "t.jsonl", [CHAT])
+    refusing = _with_template(tok, "{{ raise_exception('no tools here') }}")
+    with pytest.raises(UserError) as e:
+        render_examples(str(path), Renderer(refusing, chat_format="template"), DataConfig())
+    assert str(e.value).startswith(f"{path}:1: the tokenizer's chat template refused the conversation "
+                                   f"(TemplateError: no tools here)"), str(e.value)
+    assert str(e.value).count(str(path)) == 1

@@ -106,6 +106,12 @@ def make_renderer(tokenizer, data_cfg: DataConfig, family_chat_format: str = "ge
     return Renderer(tokenizer, fmt, data_cfg.loss_on, token_map=token_map, vocab_size=vocab_size)
 
 
+def render_error(e: UserError, conv: dict, path: str) -> UserError:
+    """A rendering error named with the example's FILE:LINE, once (the template renderer names it itself)."""
+    where = conv.get("where") or path
+    return e if str(e).startswith(f"{where}:") else UserError(f"{where}: {e}")
+
+
 def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list[batching.Example]:
     """Read, validate and render every example of a file (no length policy applied yet)."""
     out = []
@@ -113,7 +119,7 @@ def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list
         try:
             r = renderer.render(conv)
         except UserError as e:  # what the chat format cannot carry, named with the example's line
-            raise UserError(f"{conv.get('where') or path}: {e}") from None
+            raise render_error(e, conv, path) from None
         out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
     return out
 
