@@ -115,9 +115,14 @@ class ServeConfig:
         return self.model.name or self.model_dir.name
 
 
+# sections of a training config (gemma_tpu/core/config.py RunConfig) that a serving config never has
+TRAINING_SECTIONS = {name: "a training config (python -m gemma_tpu.train --config FILE)"
+                     for name in ("train", "data", "checkpoint", "mesh")}
+
+
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) -> ServeConfig:
     """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem."""
-    cfg = load_typed(ServeConfig, path, overrides)
+    cfg = load_typed(ServeConfig, path, overrides, elsewhere=TRAINING_SECTIONS)
     where = str(path) if path is not None else "config"
 
     def bad(msg: str) -> None:  # an error a command-line override caused names the override

@@ -40,6 +40,79 @@ def test_unknown_key_is_named(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize("override, meant", [
+    ("train.learnig_rate=1e-3", "did you mean 'train.learning_rate'?"),
+    ("data.learning_rate=1e-3", "did you mean 'train.learning_rate'?"),  # the right name in the wrong section
+    ("training.max_steps=3", "did you mean 'train'?"),
+    ("optimizer=adamw", "did you mean 'train.optimizer'?"),
+    ("train.gradient_accumulation_steps=4", "the transformers/TRL name; here it is 'train.grad_accum_steps'"),
+    ("lora.r=16", "here it is 'lora.rank'"),
+    ("lora.lora_alpha=32", "here it is 'lora.alpha'"),
+    ("train.per_device_train_batch_size=4", "here it is 'train.batch_size' (rows per optimizer step over all"),
+    ("train.warmup_ratio=0.03", "here it is 'train.warmup_steps' (a number of steps, not a fraction"),
+    ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
+    ("data.dataset_text_field=body", "here it is 'data.text_field'"),
+])
+def test_unknown_key_suggests_the_key_meant(override, meant):
+    """An unknown key listed the section's keys only: a typo, a key in the wrong section or a transformers/TRL
+    recipe's name for one of ours ('gradient_accumulation_steps') left the user to find it."""
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", ["train.learning_rate=1e-3", override, "train.seed=1"])
+    unknown = override.split("=")[0].replace("training.max_steps", "training")  # a section it does not have
+    assert str(e.value).startswith(f"override '{override}': unknown config key '{unknown}'"), str(e.value)
+    assert meant in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_key_in_the_file_is_blamed_on_the_file_not_the_key_it_suggests(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  learning_rate: 1e-3\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))}: unknown config key 'data.learning_rate' "
+                                        r"\(did you mean 'train.learning_rate'\?"):
+        load_config(bad, ["train.learning_rate=1e-3"])
+
+
+@pytest.mark.parametrize("text", ["2024.10", "0123", "1_000", "1:30", "0x1F", "1e3", "-0.50"])
+def test_a_number_given_to_a_string_key_keeps_its_spelling(text, tmp_path):
+    """YAML 1.1 reads these as numbers and the string key got the number's digits: checkpoint.dir=2024.10 wrote
+    to '2024.1', model.revision=0123 (octal) asked the hub for revision '83', 1:30 (base 60) became '90'."""
+    cfg = load_config(None, [f"checkpoint.dir=runs/x", f"model.revision={text}", f"data.instruction_field={text}"])
+    assert cfg.model.revision == text and cfg.data.instruction_field == text
+    path = tmp_path / "c.yaml"
+    path.write_text(f"checkpoint:\n  dir: {text}\nmodel:\n  revision: {text}\ntrain:\n  max_steps: 0x10\n"
+                    f"  learning_rate: 1.50e-3\n")
+    cfg = load_config(path)
+    assert (cfg.checkpoint.dir, cfg.model.revision) == (text, text)
+    assert type(cfg.train.max_steps) is int and cfg.train.max_steps == 16  # numeric keys get plain numbers
+    assert type(cfg.train.learning_rate) is float and cfg.train.learning_rate == pytest.approx(1.5e-3)
+    assert yaml.safe_load(cfg.to_yaml())["model"]["revision"] == text
+
+
+def test_a_config_of_the_other_tool_names_its_command():
+    """A serving config given to training stopped at "unknown config key 'model.dir' (did you mean
+    'checkpoint.dir'?", and a training config given to serving at "unknown config key 'model.path'"."""
+    from serving.config import load_serve_config
+
+    serve = REPO / "configs/serve-gemma3-270m-fitness.yaml"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(serve))}: its 'server' section says this is a serving "
+                                        rf"config \(python -m serving.launch --config {re.escape(str(serve))}\); this "
+                                        rf"command takes a config with the sections model, lora, data, train"):
+        load_config(serve)
+    tiny = REPO / "configs/tiny.yaml"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(tiny))}: its 'data' section says this is a training "
+                                        rf"config \(python -m gemma_tpu.train --config {re.escape(str(tiny))}\)"):
+        load_serve_config(tiny)
+
+
+def test_peft_all_linear_targets_every_projection():
+    """PEFT's target_modules="all-linear", in most TRL recipes, was refused as an unknown module."""
+    from gemma_tpu.core.config import ALL_TARGETS
+
+    assert load_config(None, ["lora.targets=all-linear"]).lora.targets == list(ALL_TARGETS)
+    assert load_config(None, ["lora.targets=[all-linear]"]).lora.targets == list(ALL_TARGETS)
+    with pytest.raises(UserError, match=r"lora.targets: unknown module 'all-linear'"):
+        load_config(None, ["lora.targets=[q_proj,all-linear]"])
+
+
 def test_bad_values_are_named(tmp_path):
     with pytest.raises(UserError, match=r"train.batch_size: expected an integer"):
         load_config(None, ["train.batch_size=four"])

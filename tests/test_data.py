@@ -376,6 +376,18 @@ def test_prompt_completion_and_sharegpt_rows_render_as_their_messages(tmp_path, 
     assert from_parquet[1]["messages"][0]["content"] == "[{not json"
 
 
+def test_chat_messages_under_the_sharegpt_column_read_as_messages(tmp_path, tok):
+    """`conversations` holding role/content messages (Hub datasets and converters leave chats so) was refused as
+    ShareGPT turns without 'from'/'value'."""
+    path = write_jsonl(tmp_path / "c.jsonl", [CHAT, {"conversations": CHAT["messages"]},
+                                              {"conversations": TOOL_CHAT["messages"], "tools": TOOL_CHAT["tools"]}])
+    chat, conv, tools = load_conversations(path, DataConfig())
+    assert conv["messages"] == chat["messages"]
+    r = Renderer(tok)
+    assert r.render(conv).text == CHAT_TEXT
+    assert r.render(tools).ids.tolist() == r.render(norm(TOOL_CHAT)).ids.tolist()
+
+
 def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     conv = norm(_untrained_first_answer(CHAT))
     ours = Renderer(any_tok).render(conv)
@@ -411,13 +423,126 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: 'train' must be true or false"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "train": False}]},
      r"no assistant message to learn from \(every one is marked train: false\)"),
-    ({"text": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations' or 'instruction' field "
-                             r"\(the example has text;"),
+    ({"messages": [{"role": "user", "text": "hi"}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: a user message needs 'content' \(it has role, text\)"),
+    ({"messages": [{"role": "system"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: a system message needs 'content'"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n "}]},
+     r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
+    ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
+     r"conversations\[1\]: unknown role 'gpt'"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]},
+     r"conversations\[1\]: assistant message has neither content nor tool_calls"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                {"type": "image_url", "image_url": {"url": "x.png"}}]},
+                   {"role": "assistant", "content": "a cat"}]},
+     r"messages\[0\]: content\[1\] is a 'image_url' part; training here is text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}, {"role": "assistant", "content": "a"}]},
+     r"messages\[0\]: content\[0\]: expected a text part"),
+    ({"prompt": "hi", "chosen": "yo", "rejected": "no"},
+     r"missing field 'completion' \(.*\); this is a preference row \(chosen/rejected, for DPO-style training\): to "
+     r"fine-tune on the preferred answers, write 'chosen' as 'completion'"),
+    ({"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "rejected": []},
+     r"no 'messages'.*field \(the example has chosen, rejected; .*; this is a preference row"),
+    ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": " "}]},
+     r"completion\[0\]: assistant message has neither content nor tool_calls"),
+    ({"prompt": [{"role": "system", "content": "s"}, {"role": "wizard", "content": "hi"}],
+      "completion": [{"role": "assistant", "content": "yo"}]}, r"prompt\[1\]: unknown role 'wizard'"),
+    ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "
+                             r"field \(the example has body;"),
+    ({"text": " \n"}, r"field 'text' is empty"),
+    ({"text": ["a", "b"]}, r"field 'text' must be a string, got list"),
 ])
 def test_bad_rows_of_every_format_name_the_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine", "completion": "row"}, row])
     with pytest.raises(UserError, match=f"^{path}:2: {message}"):
         load_conversations(path, DataConfig())
+
+
+def test_trl_text_rows_train_every_token_and_end_with_eos(tmp_path, any_tok):
+    """TRL's language-modeling rows (`{"text": ...}`, its dataset_text_field): BOS, the text and EOS, every
+    token but BOS a target, as TRL's SFTTrainer trains them; also beside chat rows and under another name."""
+    rows = [{"text": "Plain prose, no chat."}, {"text": "<bos>Already ends.<eos>", "source": "web"}, CHAT]
+    path = write_jsonl(tmp_path / "lm.jsonl", rows)
+    r = Renderer(any_tok)
+    prose, ended, chat = (r.render(c) for c in load_conversations(path, DataConfig()))
+    want = [2] + any_tok("Plain prose, no chat.<eos>", add_special_tokens=False)["input_ids"]
+    assert prose.ids.tolist() == want and want[-1] == any_tok.eos_token_id
+    assert not prose.loss_mask[0] and prose.loss_mask[1:].all()
+    assert ended.ids.tolist() == [2] + any_tok("Already ends.<eos>", add_special_tokens=False)["input_ids"]
+    assert ended.loss_mask[1:].all()
+    assert chat.text == CHAT_TEXT and masked_runs(any_tok, chat) == [f"4.{EOT}", f"It is 8.{EOT}"]
+    # the chat format does not touch them
+    assert Renderer(any_tok, chat_format="functiongemma").render(load_conversations(path, DataConfig())[0]).ids.tolist() \
+        == want
+    named = write_jsonl(tmp_path / "named.jsonl", [{"body": "Plain prose, no chat.", "text": 1}])
+    conv, = load_conversations(named, DataConfig(format="text", text_field="body"))
+    assert r.render(conv).ids.tolist() == want
+    ex, = render_examples(str(path), r, DataConfig())[:1]
+    row = batching.build_row(batching.fit_length([ex], 64, "truncate", "x")[0], 64, 64)
+    assert row["loss_weights"].sum() == len(want) - 1
+    np.testing.assert_array_equal(row["loss_targets"][: len(want) - 1], want[1:])
+
+
+def test_config_reads_text_format():
+    from gemma_tpu.core.config import load_config
+
+    cfg = load_config(None, ["data.format=text", "data.text_field=content"])
+    assert (cfg.data.format, cfg.data.text_field) == ("text", "content")
+
+
+def test_a_datasets_save_to_disk_directory_reads_as_its_rows(tmp_path):
+    """A `datasets` save_to_disk directory (what a TRL recipe often keeps on disk) was refused as 'a directory';
+    its rows now read as the same examples as JSONL, numbered across its Arrow shards; a DatasetDict names
+    its splits."""
+    import datasets
+
+    rows = [CHAT, TOOL_CHAT, {"prompt": "What is 2+2?", "completion": "4."}, {"text": "Prose."}]
+    plain = load_conversations(write_jsonl(tmp_path / "d.jsonl", rows), DataConfig())
+    strip = lambda convs: [{k: v for k, v in c.items() if k != "where"} for c in convs]  # noqa: E731
+    # one column per key across rows (nulls where a row lacks it), as datasets stores mixed rows
+    keys = ("messages", "tools", "prompt", "completion", "text")
+    ds = datasets.Dataset.from_list([{k: None if k not in r else json.dumps(r[k]) if k in ("messages", "tools") else r[k]
+                                      for k in keys} for r in rows])
+    ds.save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    saved = load_conversations(tmp_path / "saved", DataConfig())
+    assert strip(saved) == strip(plain)
+    assert [c["where"] for c in saved] == [f"{tmp_path / 'saved'}:{i}" for i in (1, 2, 3, 4)]
+    shard = sorted((tmp_path / "saved").glob("*.arrow"))[1]
+    assert strip(load_conversations(shard, DataConfig())) == strip(plain)[2:]
+    datasets.DatasetDict(train=ds, test=ds).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(UserError, match=rf"dict is a DatasetDict saved with save_to_disk; give one split's "
+                                        rf"directory \({tmp_path / 'dict' / 'test'}, {tmp_path / 'dict' / 'train'}\)"):
+        load_conversations(tmp_path / "dict", DataConfig())
+    with pytest.raises(UserError, match=r"is a directory; give a .jsonl, .json or .parquet file or a "
+                                        r"datasets.save_to_disk directory"):
+        load_conversations(tmp_path, DataConfig())
+
+
+@pytest.mark.parametrize("fmt, column", [("messages", "messages"), ("sharegpt", "conversations")])
+def test_a_forced_format_names_the_field_the_row_lacks(tmp_path, fmt, column):
+    """data.format forced onto rows of another shape said "'messages' must be a non-empty list", as if the
+    field were there and wrong."""
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "hi", "completion": "yo"}])
+    with pytest.raises(UserError, match=rf"^{path}:1: no '{column}' field for data.format={fmt} \(the example "
+                                        rf"has prompt, completion; data.format=auto"):
+        load_conversations(path, DataConfig(format=fmt))
+
+
+def test_utf16_files_and_wrapped_arrays_say_what_to_do(tmp_path):
+    """A UTF-16 file (Windows PowerShell's `>`) was 'not UTF-8 text (byte 1 of the line)', and examples wrapped
+    in an object ({"data": [...]}) were one example with no known field."""
+    text = json.dumps({"prompt": "hi", "completion": "yo"}) + "\n"
+    for enc in ("utf-16", "utf-16-be"):
+        (tmp_path / "u.jsonl").write_bytes(("\ufeff" if enc.endswith("be") else "").encode(enc) + text.encode(enc))
+        with pytest.raises(UserError, match=r"u.jsonl: UTF-16 text \(it starts with a UTF-16 byte-order mark\); "
+                                            r"save it as UTF-8"):
+            load_conversations(tmp_path / "u.jsonl", DataConfig())
+    (tmp_path / "w.json").write_text(json.dumps({"version": 1, "data": [{"prompt": "a", "completion": "b"}] * 3}))
+    with pytest.raises(UserError, match=r"w.json:1: no 'messages'.* field \(the example has version, data; .*; its "
+                                        r"'data' holds a list of 3 objects: if those are the examples, give that list "
+                                        r"itself \(a JSON array\) or JSON Lines\)$"):
+        load_conversations(tmp_path / "w.json", DataConfig())
 
 
 def test_gzip_compressed_files_read_as_their_text(tmp_path):
@@ -1165,6 +1290,23 @@ def test_inspect_prints_stats_and_marks_the_loss(tmp_path, tok_dir, tok):
     assert f"\x1b[1;32m4.{EOT}\x1b[0m" in colored.stdout
 
 
+def test_over_length_examples_are_one_warning_naming_the_first(tmp_path, tok):
+    """Training logged over-length examples only as counts inside an INFO line: a split whose answers were
+    cut or dropped trained without a warning."""
+    from gemma_tpu.data import overlength_warning
+
+    late = {"messages": [{"role": "user", "content": "q" * 300}, {"role": "assistant", "content": "answer"}]}
+    cut = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "w" * 300}]}
+    path = write_jsonl(tmp_path / "o.jsonl", [CHAT, cut, late, cut])
+    split = prepare_split(str(path), Renderer(tok), DataConfig(seq_len=128), seed=0)
+    assert overlength_warning(split, "truncate") == (
+        f"{path}: 3 of 4 examples are longer than data.seq_len=128 (the first: {path}:2); data.overlength=truncate: "
+        f"2 truncated (trained up to the cut), 1 dropped (1 with no loss-bearing token before the cut); raise "
+        f"data.seq_len or see `python -m gemma_tpu.data.inspect`")
+    assert overlength_warning(prepare_split(str(path), Renderer(tok), DataConfig(seq_len=1024), seed=0),
+                              "truncate") is None
+
+
 def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
     long = {"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "w" * 400}]}
     path = write_jsonl(tmp_path / "t.jsonl", [long] * 4)
@@ -1174,6 +1316,15 @@ def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
     assert proc.returncode == 0, proc.stderr
     assert "truncated 4" in proc.stdout and "<<truncated at data.seq_len" in proc.stdout
     assert "(eval)" in proc.stdout and "batch shapes: 1 distinct (eval, batch 4)" in proc.stdout
+    # an example whose answer lies wholly past the cut is dropped, not trained truncated: say so
+    late = {"messages": [{"role": "user", "content": "q" * 400}, {"role": "assistant", "content": "answer"}]}
+    path = write_jsonl(tmp_path / "late.jsonl", [late] + [long] * 4)
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                   str(tok_dir), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "read 5, kept 4, truncated 4, dropped 1" in proc.stdout
+    assert re.search(r"--- example 1 \(\S+late.jsonl:1\): \d+ tokens, \d+ loss-bearing, dropped \(no loss-bearing "
+                     r"token within data.seq_len\) ---", proc.stdout), proc.stdout
     proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
                    str(tok_dir), "--split", "eval", timeout=300)
     assert_one_line_error(proc, "data.eval_path is not set")
@@ -1241,3 +1392,15 @@ def test_tool_turn_order():
     skipped = {**calls, "messages": calls["messages"][:i + 1] + [{"role": "assistant", "content": "done"}]}
     with pytest.raises(UserError, match=rf"messages\[{i + 1}\]: the assistant continues before every tool call"):
         norm(skipped)
+
+
+def test_a_template_refusal_names_the_line_once(tmp_path, tok):
+    """A chat template's refusal read 'FILE:1: FILE:1: the tokenizer's chat template refused ...' (the renderer
+    and the pipeline each named the example)."""
+    path = write_jsonl(tmp_path / "t.jsonl", [CHAT])
+    refusing = _with_template(tok, "{{ raise_exception('no tools here') }}")
+    with pytest.raises(UserError) as e:
+        render_examples(str(path), Renderer(refusing, chat_format="template"), DataConfig())
+    assert str(e.value).startswith(f"{path}:1: the tokenizer's chat template refused the conversation "
+                                   f"(TemplateError: no tools here)"), str(e.value)
+    assert str(e.value).count(str(path)) == 1

@@ -411,6 +411,8 @@ PRESETS = {
     "google/gemma-3-27b-it": ("gemma3", 62, 5376),
     "google/gemma-3-4b-it": ("gemma3", 34, 2560),
     "google/gemma-3-1b-it": ("gemma3", 26, 1152),
+    "google/gemma-3-1b-pt": ("gemma3", 26, 1152),
+    "google/functiongemma-270m-it": ("gemma3", 18, 640),
 }
 
 
@@ -455,7 +457,9 @@ def test_preset_values_match_tunix():
                                                                                         tunix.frac_shared_layers)
     for hub_id, tunix in [("google/gemma-3-27b-it", g3.ModelConfig.gemma3_27b_it()),
                           ("google/gemma-3-4b-it", g3.ModelConfig.gemma3_4b_it()),
-                          ("google/gemma-3-1b-it", g3.ModelConfig.gemma3_1b_it())]:
+                          ("google/gemma-3-1b-it", g3.ModelConfig.gemma3_1b_it()),
+                          ("google/gemma-3-1b-pt", g3.ModelConfig.gemma3_1b_pt()),
+                          ("google/functiongemma-270m-it", g3.ModelConfig.gemma3_270m_it())]:
         cfg = config_json_for(hub_id)
         ours = detect_family(cfg).tunix_config(cfg)
         for f in ("num_layers", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads",

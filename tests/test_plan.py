@@ -215,6 +215,19 @@ def test_gemma3_27b_fits_v5e16():
     assert "mesh: data=1 fsdp=16 tp=1 = 16 devices of v5e" in proc.stdout and "-> fits" in proc.stdout
 
 
+@pytest.mark.parametrize("config, plan", [
+    ("configs/functiongemma-270m-fitness.yaml", "plan: google/functiongemma-270m-it (gemma3), 268.1M parameters"),
+    ("configs/gemma3-1b-dolly.yaml", "plan: google/gemma-3-1b-pt (gemma3), 999.9M parameters"),
+])
+def test_shipped_hub_configs_plan_offline(config, plan, tmp_path):
+    """Two shipped configs name hub models with no preset: their dry run stopped at 'no local directory, no
+    cached config.json and no preset' on a machine without the hub."""
+    proc = run_cli("gemma_tpu.train", "--config", config, "--dry-run",
+                   env={"XLA_FLAGS": "", "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-cache")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert plan in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("options, overrides, needle", [
     (["--assumed-mfu", "0"], ["mesh.accelerator=v5e", "mesh.fsdp=1"], "--assumed-mfu must be a fraction in (0, 1]"),
     (["--assumed-mfu", "nan"], ["mesh.accelerator=v5e", "mesh.fsdp=1"], "--assumed-mfu must be a fraction"),

@@ -48,6 +48,10 @@ class LoraConfig:
     dropout: float = 0.0  # on the LoRA input, training steps only (evaluation and generation never drop)
     base_quantization: Literal["nf4", "int8"] | None = None  # QLoRA: quantize the frozen base
 
+    def __post_init__(self) -> None:
+        if list(self.targets) == ["all-linear"]:  # PEFT's name for every linear layer but the output head
+            self.targets = list(ALL_TARGETS)
+
 
 @dataclasses.dataclass
 class DataConfig:
@@ -56,7 +60,7 @@ class DataConfig:
     train_path: str | None = None
     eval_path: str | None = None
     # auto: by each example's keys; see gemma_tpu.data.records for the shapes
-    format: Literal["auto", "messages", "prompt_completion", "sharegpt", "instruction"] = "auto"
+    format: Literal["auto", "messages", "prompt_completion", "sharegpt", "instruction", "text"] = "auto"
     seq_len: int = 512
     strategy: Literal["pad", "pack"] = "pad"
     overlength: Literal["truncate", "drop", "error"] = "truncate"
@@ -67,6 +71,7 @@ class DataConfig:
     instruction_field: str = "instruction"
     context_field: str | None = "context"
     response_field: str = "response"
+    text_field: str = "text"  # language-modeling rows (TRL's dataset_text_field): every token trained
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat for as long as train.max_steps needs
     max_loss_tokens: int | None = None  # per-row loss buffer; None: measured from the data
@@ -155,6 +160,44 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+class _SpelledInt(int):
+    """A YAML integer that remembers how it was written: a string key given `0123` (YAML 1.1 octal), `1_000`
+    or `1:30` (base 60) keeps that text, not the number's digits."""
+
+    raw: str
+
+    def __repr__(self) -> str:
+        return self.raw
+
+
+class _SpelledFloat(float):
+    """A YAML float that remembers how it was written (`checkpoint.dir=2024.10` stays '2024.10', not '2024.1')."""
+
+    raw: str
+
+    def __repr__(self) -> str:
+        return self.raw
+
+
+def _spelled(value: Any, raw: str) -> Any:
+    """`value` (what YAML read from `raw`) carrying its spelling when it is a number."""
+    kind = {int: _SpelledInt, float: _SpelledFloat}.get(type(value))
+    if kind is None:
+        return value
+    out = kind(value)
+    out.raw = raw.strip()
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A spelled number as the plain number (what the config holds)."""
+    if isinstance(value, _SpelledInt):
+        return int(value)
+    if isinstance(value, _SpelledFloat):
+        return float(value)
+    return value
+
+
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
 
 
@@ -198,7 +241,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"{where}: expected an integer, got {value!r}")
-        return value
+        return int(value)
     if tp is float:
         number = value
         if isinstance(value, str):
@@ -214,14 +257,88 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return float(value)
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+            return getattr(value, "raw", str(value))  # as written: 2024.10, not 2024.1
         if not isinstance(value, str):
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
             raise UserError(f"{where}: expected a string, got {value!r}{hint}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
-    return value
+    return _plain(value)
+
+
+class _UnknownKey(UserError):
+    """A key no dataclass of the tree has; `load_typed` words it with the closest real key."""
+
+    def __init__(self, dotted: str, names: list[str], hint: str = ""):
+        super().__init__(f"unknown config key '{dotted}' ({hint}known: {', '.join(names)})")
+        self.dotted, self.names = dotted, names
+
+
+# Names a transformers / TRL / PEFT recipe uses for keys of RunConfig: (our key, what to know when moving it)
+FOREIGN_NAMES: dict[str, tuple[str, str]] = {
+    "lr": ("train.learning_rate", ""),
+    "per_device_train_batch_size": ("train.batch_size", "rows per optimizer step over all devices"),
+    "train_batch_size": ("train.batch_size", "rows per optimizer step over all devices"),
+    "gradient_accumulation_steps": ("train.grad_accum_steps", ""),
+    "max_grad_norm": ("train.grad_clip", "null: no clipping"),
+    "lr_scheduler_type": ("train.schedule", ""),
+    "warmup_ratio": ("train.warmup_steps", "a number of steps, not a fraction of the run"),
+    "optim": ("train.optimizer", ""),
+    "logging_steps": ("train.log_every_steps", ""),
+    "eval_steps": ("train.eval_every_steps", ""),
+    "gradient_checkpointing": ("train.remat", "block or decoder rematerialise, none does not"),
+    "num_train_epochs": ("data.num_epochs", "whole epochs; train.max_steps still ends the run"),
+    "output_dir": ("checkpoint.dir", ""),
+    "save_steps": ("checkpoint.every_steps", ""),
+    "save_total_limit": ("checkpoint.max_to_keep", ""),
+    "max_seq_length": ("data.seq_len", ""),
+    "max_length": ("data.seq_len", ""),
+    "packing": ("data.strategy", "pack, or pad for one example a row"),
+    "dataset_text_field": ("data.text_field", ""),
+    "completion_only_loss": ("data.loss_on", "assistant trains the completions and assistant turns only"),
+    "assistant_only_loss": ("data.loss_on", "assistant trains the assistant turns only"),
+    "r": ("lora.rank", ""),
+    "lora_r": ("lora.rank", ""),
+    "lora_alpha": ("lora.alpha", ""),
+    "target_modules": ("lora.targets", ""),
+    "lora_dropout": ("lora.dropout", ""),
+    "model_name_or_path": ("model.path", ""),
+    "torch_dtype": ("model.dtype", ""),
+    "bf16": ("model.dtype", "bfloat16"),
+    "peft": ("lora", ""),
+}
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a dataclass tree, sections included."""
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        out.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            out += _leaf_keys(tp, f"{prefix}{name}.")
+    return out
+
+
+def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, tuple[str, str]]) -> str:
+    """What the user probably meant by an unknown key: a recipe's name for one of ours, the same name in
+    another section, or a close spelling in its own section."""
+    import difflib
+
+    keys = _leaf_keys(root)
+    section, _, leaf = dotted.rpartition(".")
+    if leaf in foreign and foreign[leaf][0] in keys:
+        ours, note = foreign[leaf]
+        return f"the transformers/TRL name; here it is '{ours}'{f' ({note})' if note else ''}; "
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted]
+    if elsewhere:
+        return f"did you mean '{elsewhere[0]}'? "
+    close = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{section + '.' if section else ''}{close[0]}'? "
+    return ""
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -235,7 +352,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     for key, value in data.items():
         key_where = f"{where}.{key}" if where else str(key)
         if key not in names:
-            raise UserError(f"unknown config key '{key_where}' (known: {', '.join(sorted(names))})")
+            raise _UnknownKey(key_where, sorted(names))
         kwargs[key] = _coerce(value, hints[key], key_where)
     return cls(**kwargs)
 
@@ -284,7 +401,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
         raise UserError(f"override '{text}' has no valid key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _spelled(yaml.safe_load(raw), raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -315,8 +432,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     continue
         return super().construct_mapping(node, deep=deep)
 
+    def construct_spelled_number(self, node):
+        """Numbers keep their text, for the string keys they may be given to (see `_SpelledInt`)."""
+        value = (self.construct_yaml_int if node.tag.endswith(":int") else self.construct_yaml_float)(node)
+        return _spelled(value, node.value)
 
-def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()) -> Any:
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_spelled_number)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_spelled_number)
+
+
+# sections of the serving config (serving/config.py): a file holding them was given to a training entry point
+SERVING_SECTIONS = {name: "a serving config (python -m serving.launch --config FILE)"
+                    for name in ("server", "tool_calling", "container")}
+
+
+def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = (),
+               foreign: dict[str, tuple[str, str]] | None = None, elsewhere: dict[str, str] | None = None) -> Any:
     """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
 
     The generic half of `load_config`, shared by every typed config (runs, serving): unknown keys,
@@ -345,11 +477,19 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
                             f"or leave --config out")
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")
+        names = [f.name for f in dataclasses.fields(cls)]
+        stray = [k for k in tree if k not in names and k in (elsewhere or {})]
+        if stray:  # another tool's config: its first shared section's keys made a misleading 'unknown key'
+            raise UserError(f"{p}: its '{stray[0]}' section says this is {elsewhere[stray[0]].replace('FILE', str(p))}; "
+                            f"this command takes a config with the sections {', '.join(names)}")
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value, f"override '{text}'", cls)
     try:
-        return _build(cls, tree, "")
+        try:
+            return _build(cls, tree, "")
+        except _UnknownKey as e:  # worded with the key meant (a typo, another section, a recipe's name)
+            raise UserError(str(_UnknownKey(e.dotted, e.names, _key_hint(cls, e.dotted, e.names, foreign or {}))))
     except UserError as e:
         raise UserError(f"{blame(str(e), where, overrides)}: {e}") from None
 
@@ -357,8 +497,12 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
 def blame(message: str, where: str, overrides: Sequence[str]) -> str:
     """Where a config error comes from: the command-line override that set the key it names (the last
     one, which wins), else the file."""
+    unknown = re.match(r"unknown config key '([^']*)'", message)
     for text in reversed(list(overrides)):
         key = text.split("=", 1)[0].strip()
+        u = unknown.group(1) if unknown else None
+        if u is not None and not (key == u or key.startswith(u + ".") or u.startswith(key + ".")):
+            continue  # only the override that set the unknown key is to blame, not the key it suggests instead
         if key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
             return f"override '{text}'"
         parts = key.split(".")  # 'foo.bar=1' is refused as "unknown config key 'foo'": a section it created
@@ -370,7 +514,7 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
-    cfg = load_typed(RunConfig, path, overrides)
+    cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
     if cfg.train.optimizer is None:
         cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
     where = str(path) if path is not None else "config"

@@ -7,6 +7,7 @@ from gemma_tpu.data.pipeline import (
                                      check_one_batch,
                                      eval_batches,
                                      make_renderer,
+                                     overlength_warning,
                                      prepare_examples,
                                      prepare_split,
                                      render_examples,
@@ -16,5 +17,5 @@ from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
 
 __all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "eval_batches",
-           "load_conversations", "make_renderer", "prepare_examples", "prepare_split", "render_examples",
-           "stream_layout"]
+           "load_conversations", "make_renderer", "overlength_warning", "prepare_examples", "prepare_split",
+           "render_examples", "stream_layout"]

@@ -74,6 +74,7 @@ class FitReport:
     dropped: int = 0
     no_loss: int = 0
     overlength: int = 0  # examples longer than seq_len, whatever the policy did with them
+    first_overlength: str = ""  # where the first of them is (FILE:LINE), for the warning
     lengths: list[int] = dataclasses.field(default_factory=list, repr=False)  # rendered length of each read example
 
 
@@ -87,6 +88,7 @@ def fit_length(examples: list[Example], seq_len: int, policy: str, source: str) 
         cut = False
         if len(ex.ids) > seq_len:
             rep.overlength += 1
+            rep.first_overlength = rep.first_overlength or ex.where or f"{source}: example {i + 1}"
             if policy == "error":
                 where = ex.where or f"{source}: example {i + 1}"
                 raise UserError(f"{where}: the example has {len(ex.ids)} tokens, more than data.seq_len={seq_len} "

@@ -26,7 +26,14 @@ from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
-from gemma_tpu.data.pipeline import TrainStream, check_one_batch, eval_batches, make_renderer, prepare_examples
+from gemma_tpu.data.pipeline import (
+    TrainStream,
+    check_one_batch,
+    eval_batches,
+    make_renderer,
+    prepare_examples,
+    render_error,
+)
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
@@ -124,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             r = renderer.render(conv)
         except UserError as e:  # named with the example's line, as training names it
-            raise UserError(f"{conv.get('where') or path}: {e}") from None
+            raise render_error(e, conv, path) from None
         if i < args.n:
             rendered.append((conv, r))
         examples.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
@@ -192,6 +199,8 @@ def run(args: argparse.Namespace) -> dict:
                 cfg.data.overlength]
             if cfg.data.overlength == "truncate":
                 cut = int(r.offsets[cfg.data.seq_len][0])
+                if not r.loss_mask[1:cfg.data.seq_len].any():  # as batching.fit_length drops it
+                    status = ", dropped (no loss-bearing token within data.seq_len)"
         print(f"\n--- example {i + 1} ({conv.get('where', '?')}): {len(r.ids)} tokens, {n_loss} loss-bearing{status} "
               f"---", file=out)
         print(mark(r.text, loss_spans(r.offsets, r.loss_mask), color, cut), file=out)

@@ -106,6 +106,12 @@ def make_renderer(tokenizer, data_cfg: DataConfig, family_chat_format: str = "ge
     return Renderer(tokenizer, fmt, data_cfg.loss_on, token_map=token_map, vocab_size=vocab_size)
 
 
+def render_error(e: UserError, conv: dict, path: str) -> UserError:
+    """A rendering error named with the example's FILE:LINE, once (the template renderer names it itself)."""
+    where = conv.get("where") or path
+    return e if str(e).startswith(f"{where}:") else UserError(f"{where}: {e}")
+
+
 def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list[batching.Example]:
     """Read, validate and render every example of a file (no length policy applied yet)."""
     out = []
@@ -113,7 +119,7 @@ def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list
         try:
             r = renderer.render(conv)
         except UserError as e:  # what the chat format cannot carry, named with the example's line
-            raise UserError(f"{conv.get('where') or path}: {e}") from None
+            raise render_error(e, conv, path) from None
         out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
     return out
 
@@ -148,6 +154,19 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
         log.warning("%s: %d rows have more than data.max_loss_tokens=%d targets; the excess is not trained",
                     source, over, m)
     return Prepared(source, rows, report, m, data_cfg.seq_len, strategy, prefixes)
+
+
+def overlength_warning(prepared: Prepared, policy: str) -> str | None:
+    """One line on what data.overlength did, when any example was longer than data.seq_len (None otherwise):
+    a cut answer trains the model to stop mid-sentence, and dropped examples are data the user paid for."""
+    rep = prepared.report
+    if not rep.overlength:
+        return None
+    did = (f"{rep.truncated} truncated (trained up to the cut), {rep.dropped} dropped"
+           f"{f' ({rep.no_loss} with no loss-bearing token before the cut)' if rep.no_loss else ''}")
+    return (f"{prepared.source}: {rep.overlength} of {rep.read} examples are longer than data.seq_len="
+            f"{prepared.seq_len} (the first: {rep.first_overlength}); data.overlength={policy}: {did}; "
+            f"raise data.seq_len or see `python -m gemma_tpu.data.inspect`")
 
 
 def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int, max_loss: int | None = None,

@@ -6,8 +6,11 @@ example shapes (`data.format`, auto-detected by their keys):
 - `prompt_completion`: TRL's prompt-completion rows, `{"prompt": str, "completion": str}` or with lists
   of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
   assistant turns inside the prompt are context.
-- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`.
+- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`, or chat messages
+  (`role`/`content`) under that column name.
 - `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn.
+- `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
+  trained, `{"text": ..., "where": ...}` instead of messages (rendered as TRL does: BOS, text, EOS).
 An assistant message may carry `"train": false` (or `"weight": 0`): it stays in the context but carries
 no loss, for multi-turn chats where only some answers are good. Problems are reported as
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
@@ -17,6 +20,7 @@ Accepted files, all through `iter_raw`:
 - any of the text forms gzip-compressed (`.jsonl.gz`, `.json.gz`; told by its magic bytes).
 - `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
   object, or JSON Lines saved under a `.json` name.
+- a `datasets` `save_to_disk` directory (or one of its `.arrow` shards): one example a row, as Parquet.
 - `.parquet`: one example a row ("line" = row number, from 1). Parquet stores structs with the union
   of all their fields, so keys whose value is null are dropped from every object (a JSON null
   argument cannot be told apart from a field another row has); `messages`, `tools` and tool-call
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -122,12 +127,16 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
 def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for each example of a .jsonl/.json/.parquet file."""
     p = Path(path)
-    if p.is_dir():  # it exists: "not found" sent users looking for a typo
-        raise UserError(f"data file {p} is a directory; give a .jsonl, .json or .parquet file")
+    if p.is_dir():
+        yield from _iter_saved_dataset(p)
+        return
     if not p.is_file():
         raise UserError(f"data file not found: {p}")
     with p.open("rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"  # gzip, whatever the name says
+        magic = f.read(2)
+    gz = magic == b"\x1f\x8b"  # gzip, whatever the name says
+    if magic in (b"\xff\xfe", b"\xfe\xff"):  # what Windows PowerShell's `>` writes
+        raise UserError(f"{p}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
     opener = gzip.open if gz else open
     suffix = (Path(p.stem).suffix if gz and p.suffix.lower() == ".gz" else p.suffix).lower()
     if gz and suffix == ".parquet":
@@ -142,6 +151,10 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         except Exception as e:
             raise UserError(f"{p}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
         for i, row in enumerate(table.to_pylist(), start=1):
+            yield i, _strip_nulls(row)
+        return
+    if suffix == ".arrow" and not gz:  # one shard of a save_to_disk directory
+        for i, row in enumerate(_arrow_rows(p, str(p)), start=1):
             yield i, _strip_nulls(row)
         return
     if suffix == ".json":
@@ -171,6 +184,50 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
                 yield first, obj
                 return
     yield from _iter_lines(p, opener)
+
+
+def _arrow_rows(f: Path, where: str) -> list[dict]:
+    """The rows of one Arrow file: the IPC stream `datasets` writes, or the IPC file format."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(f)) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_file(source).read_all()
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"{where}: not a readable Arrow file ({type(e).__name__}: {str(e)[:200]})") from None
+    return table.to_pylist()
+
+
+def _iter_saved_dataset(p: Path) -> Iterator[tuple[int, Any]]:
+    """A `datasets` `save_to_disk` directory (state.json naming its Arrow shards): one example a row, rows
+    numbered from 1 across the shards in order; nulls dropped as for Parquet."""
+    if (p / "dataset_dict.json").is_file():  # a DatasetDict: one directory per split
+        splits = sorted(c.name for c in p.iterdir() if (c / "state.json").is_file())
+        raise UserError(f"data file {p} is a DatasetDict saved with save_to_disk; give one split's directory "
+                        f"({', '.join(str(p / s) for s in splits) or 'it holds no split'})")
+    state = p / "state.json"
+    if not state.is_file():  # it exists: "not found" sent users looking for a typo
+        raise UserError(f"data file {p} is a directory; give a .jsonl, .json or .parquet file or a "
+                        f"datasets.save_to_disk directory (it has no state.json)")
+    try:
+        files = [d["filename"] for d in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
+        if not all(isinstance(f, str) for f in files):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{state}: not the state.json of a datasets.save_to_disk directory "
+                        f"(expected '_data_files': [{{'filename': ...}}])") from None
+    row = 0
+    for name in files:
+        f = p / name
+        if not f.is_file():
+            raise UserError(f"{state}: names {name}, which is not in {p}")
+        for obj in _arrow_rows(f, str(f)):
+            row += 1
+            yield row, _strip_nulls(obj)
 
 
 def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
@@ -217,11 +274,17 @@ def _text(content: Any, where: str) -> str:
         return content
     if isinstance(content, list):  # [{"type": "text", "text": ...}]
         parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+        for k, part in enumerate(content):
+            kind = part.get("type", "text") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
+                raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
+                                f"language model of a multimodal checkpoint): remove the non-text parts or put "
+                                f"what they say into text")
             else:
-                raise UserError(f"{where}: only text content parts are supported, got {part!r:.60}")
+                raise UserError(f"{where}: content[{k}]: expected a text part {{'type': 'text', 'text': ...}}, "
+                                f"got {part!r:.60}")
         return "".join(parts)
     if isinstance(content, (dict, int, float, bool)):
         return json.dumps(content, ensure_ascii=False)
@@ -315,6 +378,8 @@ def normalise_messages(obj: dict, where: str) -> dict:
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
+        if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
+            raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
         _check_turn_order(out, role, answered, len(pending), mw)
         if not _trained(m, role, mw):
@@ -344,8 +409,9 @@ def normalise_messages(obj: dict, where: str) -> dict:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r}, which is not in 'tools' "
                                     f"({', '.join(names)})")
                 norm_calls.append({"name": fn["name"], "arguments": args})
-            if not msg["content"] and not norm_calls:
-                raise UserError(f"{mw}: assistant message has neither content nor tool_calls")
+            if not msg["content"].strip() and not norm_calls:  # whitespace alone would train an empty answer
+                raise UserError(f"{mw}: assistant message has neither content nor tool_calls"
+                                f"{' (only whitespace)' if msg['content'] else ''}")
             if norm_calls:
                 msg["tool_calls"] = norm_calls
                 pending = [(c.get("id") if isinstance(c, dict) else None, nc["name"])
@@ -414,6 +480,10 @@ def _messages_or_text(value: Any) -> Any:
     return value
 
 
+_PREFERENCE_HINT = ("; this is a preference row (chosen/rejected, for DPO-style training): to fine-tune on the "
+                    "preferred answers, write 'chosen' as 'completion' (or as 'messages' when it holds the prompt)")
+
+
 def normalise_prompt_completion(obj: dict, where: str) -> dict:
     """TRL's prompt-completion rows: strings (a user turn, an assistant turn) or message lists; only
     the completion is trained."""
@@ -421,7 +491,7 @@ def normalise_prompt_completion(obj: dict, where: str) -> dict:
     for key, value in (("prompt", prompt), ("completion", completion)):
         if value is None:
             raise UserError(f"{where}: missing field '{key}' (prompt-completion rows need both 'prompt' and "
-                            f"'completion')")
+                            f"'completion'){_PREFERENCE_HINT if 'chosen' in obj else ''}")
         if not isinstance(value, (str, list)):
             raise UserError(f"{where}: '{key}' must be a string or a list of messages, got {type(value).__name__}")
     if isinstance(prompt, str) != isinstance(completion, str):
@@ -439,7 +509,14 @@ def normalise_prompt_completion(obj: dict, where: str) -> dict:
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
     context = [{**m, "train": False} if ROLE_ALIASES.get(m.get("role"), m.get("role")) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
-    conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where)
+    try:
+        conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where)
+    except UserError as e:  # name the message by the field the row has, not by the joined list
+        def field(m: re.Match) -> str:
+            i = int(m.group(1))
+            return f"prompt[{i}]" if i < len(prompt) else f"completion[{i - len(prompt)}]"
+
+        raise UserError(re.sub(r"(?<=: )messages\[(\d+)\]", field, str(e), count=1)) from None
     if any(m.get("train", True) for m in conv["messages"][:len(prompt)] if m["role"] == "assistant"):
         raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
     return conv
@@ -450,6 +527,9 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
     turns = _maybe_json(obj.get("conversations"), "conversations", where)
     if not isinstance(turns, list) or not turns:
         raise UserError(f"{where}: 'conversations' must be a non-empty list")
+    if all(isinstance(t, dict) and "role" in t and "from" not in t for t in turns):
+        # chat messages under the ShareGPT column name, as many Hub datasets and converters leave them
+        return _as_conversations(turns, obj, where)
     messages = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
@@ -460,10 +540,18 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
                             f"{', '.join(SHAREGPT_ROLES)}; for tool calls use the messages format)")
         messages.append({"role": role, "content": t["value"],
                          **{k: t[k] for k in ("train", "weight") if k in t}})
-    return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where)
+    return _as_conversations(messages, obj, where)
 
 
-def detect_format(obj: dict, instruction_field: str) -> str | None:
+def _as_conversations(messages: list, obj: dict, where: str) -> dict:
+    """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
+    try:
+        return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where)
+    except UserError as e:
+        raise UserError(re.sub(r"(?<=: )messages\[", "conversations[", str(e), count=1)) from None
+
+
+def detect_format(obj: dict, instruction_field: str, text_field: str = "text") -> str | None:
     """The example shape of `obj` by its keys (None: none of them)."""
     if "messages" in obj:
         return "messages"
@@ -473,6 +561,8 @@ def detect_format(obj: dict, instruction_field: str) -> str | None:
         return "sharegpt"
     if instruction_field in obj:  # data.instruction_field may itself be "prompt"
         return "instruction"
+    if text_field in obj:
+        return "text"
     return "prompt_completion" if "prompt" in obj or "completion" in obj else None
 
 
@@ -497,6 +587,19 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
             "tools": None, "where": where}
 
 
+def normalise_text(obj: dict, where: str, field: str) -> dict:
+    """A language-modeling row: its text is trained whole, as TRL trains a `text` dataset."""
+    if field not in obj:
+        raise UserError(f"{where}: missing field '{field}' (data.text_field; the example has "
+                        f"{', '.join(map(str, obj)) or 'no fields'})")
+    text = obj[field]
+    if not isinstance(text, str):
+        raise UserError(f"{where}: field '{field}' must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise UserError(f"{where}: field '{field}' is empty")
+    return {"text": text, "tools": None, "where": where}
+
+
 def load_conversations(path: str | Path, data_cfg) -> list[dict]:
     """All examples of a file as normalised conversations; an empty file is an error."""
     out = []
@@ -508,17 +611,28 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
         check_surrogates(obj, where)
         kind = fmt
         if kind == "auto":
-            kind = detect_format(obj, data_cfg.instruction_field)
+            kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
             if kind is None:
-                raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations' or "
-                                f"'{data_cfg.instruction_field}' field (the example has "
-                                f"{', '.join(map(str, obj)) or 'no fields'}; set data.format and the field names)")
+                rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+                hint = (_PREFERENCE_HINT if "chosen" in obj else
+                        f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
+                        f"give that list itself (a JSON array) or JSON Lines" if rows else "")
+                raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
+                                f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
+                                f"{', '.join(map(str, obj)) or 'no fields'}; set data.format and the field names{hint})")
+        column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
+        if column and column not in obj:  # data.format forced onto a row of another shape
+            raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "
+                            f"{', '.join(map(str, obj)) or 'no fields'}; data.format=auto tells the shapes apart "
+                            f"by their keys)")
         if kind == "messages":
             out.append(normalise_messages(obj, where))
         elif kind == "prompt_completion":
             out.append(normalise_prompt_completion(obj, where))
         elif kind == "sharegpt":
             out.append(normalise_sharegpt(obj, where))
+        elif kind == "text":
+            out.append(normalise_text(obj, where, data_cfg.text_field))
         else:
             out.append(normalise_instruction(obj, where, data_cfg.instruction_field, data_cfg.context_field,
                                              data_cfg.response_field))

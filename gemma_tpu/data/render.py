@@ -93,6 +93,12 @@ def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tupl
     return segs
 
 
+def text_segments(text: str, eos: str | None) -> list[tuple[str, bool]]:
+    """A `text` row as TRL's SFTTrainer trains it: the text and EOS (unless it already ends with it), all
+    trained; without the EOS the model never learns to stop."""
+    return [(text if not eos or text.endswith(eos) else text + eos, True)]
+
+
 CHAT_FORMATS = ("gemma", "functiongemma", "template")
 LOSS_ON = ("assistant", "all")
 
@@ -147,6 +153,8 @@ class Renderer:
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
 
     def segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+        if "text" in conv:  # a language-modeling row: no chat markup, every token trained
+            return text_segments(conv["text"], getattr(self.tokenizer, "eos_token", None))
         if self.chat_format == "template":
             return self.template_segments(conv, add_generation_prompt)
         return gemma_segments(conv, add_generation_prompt)

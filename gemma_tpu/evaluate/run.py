@@ -408,6 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{'--model' if args.model else '--endpoint'}")
     check_results_file(args.json, {"--data": args.data, "--config": args.config})
     convs = load_conversations(args.data, cfg.data)
+    lm = next((c for c in convs if "text" in c), None)
+    if lm is not None:  # nothing to prompt with or score against
+        raise UserError(f"{lm['where']}: a language-modeling 'text' row; evaluation scores the assistant turns of "
+                        f"chats (messages, prompt-completion, ShareGPT or instruction rows)")
     if args.limit:
         convs = convs[: args.limit]
     if args.compare:

@@ -166,6 +166,10 @@ def run(cfg: RunConfig) -> dict:
              cfg.data.train_path, st["examples_kept"], st["examples_read"], st["truncated"], st["dropped"],
              st["rows"], cfg.data.seq_len, st["trees"], st["computed_tokens_per_example"],
              st["computed_tokens_per_example_unshared"], st["useful_fraction"])
+    for split in (train_split, eval_split):
+        warning = split and data.overlength_warning(split, cfg.data.overlength)
+        if warning:
+            log.warning(warning)
 
     ckpt_dir = Path(cfg.checkpoint.dir)
     meta = checkpoint.build_metadata(cfg, resolved)
