@@ -308,6 +308,51 @@ def test_a_server_that_never_answers(tmp_path):
             c.close()
 
 
+class Trickle(http.server.BaseHTTPRequestHandler):
+    """Answers every request with a whole, valid chat completion, one byte every 0.2 s (~25 s in all)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.do_POST()
+
+    def do_POST(self):
+        import time
+
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.dumps({"data": [{"id": "m"}], "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "You walked 8123 steps today."}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            for b in body:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:  # the client gave up
+            pass
+
+
+def test_a_server_that_trickles_its_answer_is_bound_by_the_timeout():
+    """`--timeout` is the whole request: urllib's timeout bounds each socket read, so a server sending its
+    answer a byte at a time held evaluate and the chat for the whole trickle (~25 s here at --timeout 1)."""
+    import time
+
+    with http_server(Trickle) as url:
+        t0 = time.monotonic()
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "1", "--timeout", "1")
+        assert time.monotonic() - t0 < 5
+        assert_one_line_error(proc, f"{url}/v1/chat/completions: no answer within 1 s")
+        t0 = time.monotonic()
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--timeout", "1", "--once", "steps?")
+        assert time.monotonic() - t0 < 5
+        assert_one_line_error(proc, "/v1/chat/completions: no answer within 1 s")
+
+
 class Flaky(ScriptedModel):
     """Chat completions fail with `status` for the first `fail` requests, then answer with a get_steps call;
     `seen` counts the requests."""
