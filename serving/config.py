@@ -33,6 +33,18 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY", "HUGGING_FACE_HUB_TOKEN")
+# `vllm serve` options the launcher renders from the config (serving/launch.py), by the key that sets them:
+# repeated in server.extra_args, vLLM's parser keeps the last, so the server ran on another port, context
+# or model name than the config (and the clients) said. --api-key would put the secret on the command line.
+RENDERED_FLAGS = {
+    "--model": "model.dir", "--served-model-name": "model.name", "--host": "server.host", "--port": "server.port",
+    "--tensor-parallel-size": "server.tensor_parallel_size", "-tp": "server.tensor_parallel_size",
+    "--max-model-len": "server.max_model_len", "--max-num-batched-tokens": "server.max_num_batched_tokens",
+    "--max-num-seqs": "server.max_num_seqs", "--dtype": "server.dtype", "--api-key": "server.api_key_env",
+    "--enable-auto-tool-choice": "tool_calling.enabled", "--tool-call-parser": "tool_calling.parser",
+    "--chat-template": "tool_calling.chat_template", "--enable-lora": "lora.adapters",
+    "--lora-modules": "lora.adapters", "--max-lora-rank": "lora.max_lora_rank",
+}
 
 
 @dataclasses.dataclass
@@ -129,6 +141,14 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(s, key) <= 0:
             bad(f"server.{key} must be positive, got {getattr(s, key)}")
+    if s.max_num_batched_tokens < s.max_num_seqs:  # vLLM's SchedulerConfig refuses it when the engine starts
+        bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
+            f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
+    for arg in s.extra_args:
+        flag = arg.split("=", 1)[0]
+        flag = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag  # vLLM reads both spellings
+        if flag in RENDERED_FLAGS:
+            bad(f"server.extra_args: {arg} is set from the config; set {RENDERED_FLAGS[flag]} instead")
     if not 0 < s.port < 65536:
         bad(f"server.port must be in 1..65535, got {s.port}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):

@@ -234,6 +234,13 @@ def _missing_shard(p):
     (CONFIG_270M, fake_model_dir, ["container.image=vllm/vllm-tpu latest"], ["container.image 'vllm/vllm-tpu latest'"]),
     (CONFIG_270M, fake_model_dir, ["container.name=my server"], ["container.name 'my server'"]),
     (CONFIG_270M, fake_model_dir, ['container.compile_cache=""'], ["container.compile_cache is empty"]),
+    # vLLM's SchedulerConfig refuses it minutes into the container's start
+    (CONFIG_270M, fake_model_dir, ["server.max_num_seqs=4096"],
+     ["server.max_num_batched_tokens=2048", "server.max_num_seqs=4096"]),
+    # vLLM keeps the last of a repeated option: the server listened on 9000 while the config (and clients) said 8000
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--port,9000]"], ["--port", "server.port"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max_model_len=100]"], ["server.max_model_len"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--api-key,sk-1]"], ["server.api_key_env"]),
 ])
 def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
     d = make(tmp_path / "m")
