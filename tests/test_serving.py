@@ -650,3 +650,32 @@ def test_bench_argument_errors_are_one_line(tmp_path):
     bad.write_text('{"prompt": "hi"}\n{"nothing": 1}\n')
     proc = run_cli("serving.bench", "--base-url", "http://127.0.0.1:1", "--dataset", str(bad))
     assert_one_line_error(proc, f"{bad}:2")
+
+
+def _help(capsys, module) -> str:
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(["--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_says_what_the_command_does_and_its_defaults(capsys):
+    """`--help` showed the docstring's first line only: a usage line, cut mid-option where it wrapped
+    (`... --concurrency C --input-len I`), nothing of what the command does; options without help text
+    hid their defaults (`--num-prompts NUM_PROMPTS`); serving.launch offered `train.max_steps=20` as its
+    override example, a key it refuses."""
+    import serving.bench
+    import serving.launch
+
+    from gemma_tpu.examples.fitness import chat
+
+    text = _help(capsys, serving.bench)
+    assert "--output-len O --dataset random|FILE.jsonl" in text and "Load-test any OpenAI-compatible server" in text
+    assert "--num-prompts NUM_PROMPTS (default: 100)" in text and "--seed SEED (default: 0)" in text
+    assert "--concurrency CONCURRENCY requests in flight at most (vLLM: --max-concurrency) (default: 8)" in text
+    assert "--json JSON write the results here (vllm bench serve field names) --timeout" in text  # no default shown
+    text = _help(capsys, serving.launch)
+    assert "e.g. server.port=8001" in text and "train.max_steps" not in text
+    assert "renders the `docker run` of the vLLM-TPU image" in text
+    text = _help(capsys, chat)
+    assert "--provider {simulated,garmin} (default: simulated)" in text
