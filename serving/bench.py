@@ -374,8 +374,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dataset", default="random", help="'random' or a JSONL file (or JSON array) of chats / prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here (vllm bench serve field names)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, streaming included")
-    p.add_argument("--temperature", type=float, help="sent when given (default: the server's)")
+    p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds a request may take, streaming included")
+    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), help="sent when given (default: the server's)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate exactly --output-len tokens (vLLM's ignore_eos extension; "
                         "as `vllm bench serve` does for random prompts)")
@@ -392,8 +392,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("num_prompts", "concurrency", "input_len", "output_len"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive")
-    if args.timeout <= 0:
-        raise UserError("--timeout must be positive")
     try:
         percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
     except ValueError:

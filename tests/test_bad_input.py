@@ -597,6 +597,8 @@ CASES = [
     Case("verify-dir-without-config", "convert.verify", ["{tiny}", "{tmp}/b"], ["{tmp}/b/config.json"],
          {"b/model.safetensors": corrupt_header()}),
     Case("verify-empty-prompt", "convert.verify", ["{tiny}", "{tiny}", "--prompt", ""], ["--prompt", "empty prompt"]),
+    # a nan threshold passed every comparison: the gate could never fail
+    Case("verify-nan-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "nan"], ["--max-kl", "'nan'"]),
     Case("verify-bad-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "tiny"], ["--max-kl", "'tiny'"]),
     # transformers' own errors were tracebacks (SafetensorError, RuntimeError "ignore_mismatched_sizes"), and a
     # missing weight was filled with random values and compared
@@ -706,6 +708,17 @@ CASES = [
          ["'http://127.0.0.1:abc'", "not an http(s) server address", "'abc'"]),
     Case("bench-url-port-out-of-range", "serving.bench", ["--base-url", "http://127.0.0.1:99999", "--model", "m"],
          ["'http://127.0.0.1:99999'", "not an http(s) server address", "out of range"]),
+    # `float` took nan and inf: a socket or JSON-encoder traceback
+    Case("bench-nan-timeout", "serving.bench", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                "--timeout", "nan"], ["--timeout", "'nan'", "> 0"]),
+    Case("bench-nan-temperature", "serving.bench", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                    "--temperature", "nan"], ["--temperature", "'nan'", ">= 0"]),
+    Case("chat-inf-timeout", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m", "--once", "hi",
+                                              "--timeout", "inf"], ["--timeout", "'inf'"]),
+    Case("chat-negative-temperature", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                       "--once", "hi", "--temperature", "-1"], ["--temperature", "'-1'"]),
+    Case("evaluate-inf-timeout", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}",
+                                                        "--timeout", "inf"], ["--timeout", "'inf'"]),
     Case("chat-not-a-url", "serving.chat", ["--base-url", "ftp://127.0.0.1", "--model", "m", "--once", "hi"],
          ["'ftp://127.0.0.1'", "http"]),
     Case("local-chat-bad-dtype", "gemma_tpu.chat", ["--model", "{tiny}", "--dtype", "float16", "--once", "hi"],

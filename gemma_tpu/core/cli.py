@@ -9,6 +9,7 @@ import argparse
 import copy
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -82,6 +83,29 @@ class _OverridesParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         return self.parse_intermixed_args(args, namespace)
+
+
+def number(low: float, low_ok: bool = False, high: float | None = None) -> Callable[[str], float]:
+    """An argparse `type`: a finite float above `low` (or equal to it with `low_ok`), at most `high`.
+    `float` took `nan` and `inf`: `--timeout nan` ended in a socket traceback, `--temperature nan` in
+    one from the JSON encoder."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_ok) or (
+                high is not None and value > high):
+            bound = f"{'>=' if low_ok else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a number {bound}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+# seconds a request may wait: positive, and within what a socket timeout takes (1e10 s overflows time_t)
+SECONDS = number(0.0, high=1e6)
 
 
 def print_config(cfg: Any) -> None:

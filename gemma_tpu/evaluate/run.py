@@ -372,7 +372,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                        help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds an --endpoint request may take (default 300)")
+    p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
     p.add_argument("--retries", type=int, default=3,
                    help="further attempts of an --endpoint request the server refused or failed with 429 or 5xx "
                         "(1, 2, 4 ... s apart; default 3)")
@@ -399,8 +399,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--limit must be positive")
     if args.batch_size <= 0 or args.max_new_tokens <= 0:
         raise UserError("--batch-size and --max-new-tokens must be positive")
-    if not args.timeout > 0:
-        raise UserError(f"--timeout {args.timeout:g}: must be positive")
     if args.retries < 0:
         raise UserError(f"--retries {args.retries}: must be 0 or more")
     if args.step is not None and (args.model or args.endpoint):
