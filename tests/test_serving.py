@@ -679,3 +679,48 @@ def test_help_says_what_the_command_does_and_its_defaults(capsys):
     assert "renders the `docker run` of the vLLM-TPU image" in text
     text = _help(capsys, chat)
     assert "--provider {simulated,garmin} (default: simulated)" in text
+
+
+# Runs `python -m MODULE ARGS` with only the distributions named in argv[1] (and what they require) importable
+# beside the standard library and this repository: what a TPU VM has after the README's pip line.
+ONLY_THESE_PACKAGES = r'''
+import importlib.metadata as md, re, runpy, sys
+from packaging.requirements import Requirement
+allowed, seen = {"gemma_tpu", "serving", "convert"}, set()
+def walk(name):
+    key = re.sub(r"[-_.]+", "-", name).lower()
+    if key in seen:
+        return
+    seen.add(key)
+    d = md.distribution(name)
+    tops = (d.read_text("top_level.txt") or "").split() or {
+        str(f).split("/")[0].removesuffix(".py") for f in d.files or [] if "/" in str(f) or str(f).endswith(".py")}
+    allowed.update(tops)
+    for r in map(Requirement, d.requires or []):
+        if r.marker is None or r.marker.evaluate({"extra": ""}):
+            walk(r.name)
+for name in sys.argv[1].split(","):
+    walk(name)
+class OnlyThese:
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if top not in sys.stdlib_module_names and top not in allowed and not top.startswith("_"):
+            raise ModuleNotFoundError(f"No module named {top!r}")
+sys.meta_path.insert(0, OnlyThese())
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+'''
+
+
+def test_the_clients_and_launcher_run_with_the_readme_vm_packages(tmp_path):
+    """The README's VM step installs a few packages, not the training stack: serving.launch and serving.chat
+    imported ml_dtypes (through the model registry's safetensors reader), which that line left out, and
+    stopped on a fresh VM with `ModuleNotFoundError` before checking anything."""
+    line = re.search(r"^python3 -m pip install --user (.+)$", (REPO / "README.md").read_text(), re.M).group(1)
+    packages = [re.split(r"[=<>!~\[]", p.strip('"\''))[0] for p in line.split()]
+    d = fake_model_dir(tmp_path / "m")
+    for argv in (["serving.launch", "--config", CONFIG_270M, "--print", f"model.dir={d}"],
+                 ["serving.chat", "--help"], ["serving.bench", "--help"]):
+        proc = subprocess.run([sys.executable, "-c", ONLY_THESE_PACKAGES, ",".join(packages), *argv], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{argv[0]} with only {packages}: {proc.stderr[-1500:]}"
