@@ -20,6 +20,7 @@ from typing import Literal, Sequence
 
 from gemma_tpu.core.config import blame, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.hf.safetensors_io import file_tensors
 from gemma_tpu.models.registry import Family, families, text_config
 
 # The official vLLM TPU image, pinned (docker.io/vllm/vllm-tpu, tags vX.Y.Z = tpu-inference releases).
@@ -212,7 +213,9 @@ def vllm_families() -> dict[str, Family]:
 
 
 def check_weights(model_dir: Path) -> None:
-    """safetensors weights: one `model.safetensors`, or an index whose every shard is present."""
+    """safetensors weights: one `model.safetensors`, or an index whose every shard is present; each file's
+    header read and its tensors' byte ranges inside the file (a copy cut short, a file of something else:
+    the server failed on it with a safetensors traceback after starting, vLLM minutes into its start)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         data = read_json_object(index, f"{index}: cannot read")
@@ -223,8 +226,11 @@ def check_weights(model_dir: Path) -> None:
             if not (model_dir / shard).is_file():
                 raise UserError(f"model dir {model_dir}: shard {shard} listed in model.safetensors.index.json "
                                 "is missing")
+        for shard in sorted(set(weight_map.values())):
+            file_tensors(model_dir / shard)
         return
     if (model_dir / "model.safetensors").is_file():
+        file_tensors(model_dir / "model.safetensors")
         return
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if shards:

@@ -43,9 +43,12 @@ TOOL_NAMES = {"get_steps", "get_daily_step_goal", "get_step_goal_progress", "get
 # ---------------------------------------------------------------------------------- helpers
 
 
+NO_TENSORS = (2).to_bytes(8, "little") + b"{}"  # a valid safetensors file with an empty header
+
+
 def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nested: bool = False, shards: int = 0,
                    tokenizer: bool = True, template: bool = True, generation: bool = True) -> Path:
-    """A directory with the files vLLM reads (the weights are placeholders: only presence is checked)."""
+    """A directory with the files vLLM reads (the weights are safetensors files holding no tensor)."""
     root.mkdir(parents=True)
     text = {"num_key_value_heads": kv, "num_attention_heads": 2 * kv, "max_position_embeddings": 32768}
     cfg = {"architectures": [arch], **({"text_config": text} if nested else text)}
@@ -55,9 +58,9 @@ def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nes
         (root / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {f"layer.{i}.weight": n for i, n in enumerate(names)}}))
         for n in names:
-            (root / n).write_bytes(b"\0")
+            (root / n).write_bytes(NO_TENSORS)
     else:
-        (root / "model.safetensors").write_bytes(b"\0")
+        (root / "model.safetensors").write_bytes(NO_TENSORS)
     if generation:
         (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
     if tokenizer:
@@ -210,6 +213,12 @@ def _missing_shard(p):
     return d
 
 
+def _damaged_shard(p):
+    d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=2)
+    (d / "model-00001-of-00002.safetensors").write_bytes((20).to_bytes(8, "little") + b'{"w": {"dtype": ')
+    return d
+
+
 @pytest.mark.parametrize("config,make,overrides,needles", [
     (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=2"],
      ["tensor_parallel_size=2", "num_key_value_heads=1"]),
@@ -220,6 +229,8 @@ def _missing_shard(p):
     (CONFIG_270M, _no_tokenizer, [], ["no tokenizer"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, arch="LlamaForCausalLM"), [], ["LlamaForCausalLM", "Gemma3ForCausalLM"]),
     (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),
+    # read by the server only once started: a safetensors traceback (--local), minutes into vLLM's start
+    (CONFIG_31B, _damaged_shard, [], ["model-00001-of-00002.safetensors", "unreadable safetensors header"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, generation=False), [], ["generation_config.json"]),
     (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "model.safetensors").unlink()) and p, [], ["no weights"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, template=False), [], ["no chat template"]),
