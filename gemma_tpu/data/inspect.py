@@ -29,6 +29,7 @@ from gemma_tpu.data import batching
 from gemma_tpu.data.pipeline import TrainStream, check_one_batch, eval_batches, make_renderer, prepare_examples
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.formats.function_calling import function_token_map
+from gemma_tpu.hf.directory import resolve_path
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import resolve_model
 
@@ -41,7 +42,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.data.inspect", __doc__, config="YAML run config (data.*, model.path for the tokenizer)")
     p.add_argument("--split", choices=("train", "eval"), default="train", help="data.train_path or data.eval_path")
     p.add_argument("-n", type=int, default=1, help="rendered examples to show (default 1; 0: none)")
-    p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the config's model.path)")
+    p.add_argument("--tokenizer", help="tokenizer directory, hub id or embedded:NAME (default: the config's model.path)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="mark loss-bearing text with ANSI colour (auto: when stdout is a terminal)")
     p.add_argument("--json", help="also write the statistics to this JSON file")
@@ -51,8 +52,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str, int | None]:
     """(tokenizer, where it came from, the family's chat format, the model's vocab_size when known)."""
     family_format, vocab = "gemma", None
-    if spec:
-        where = spec
+    if spec:  # a directory, hub id or embedded:NAME, as model.path (the spec alone was read as a hub id)
+        where = str(resolve_path(spec, what="--tokenizer"))
     else:
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
