@@ -706,6 +706,22 @@ def test_generic_tool_loop_with_another_toolset():
     assert seen == [[{"role": "user", "content": "hi"}]]
 
 
+def test_ctrl_d_at_the_prompt_ends_its_line(monkeypatch, capsys):
+    """On a terminal, Ctrl-D left `you> ` without a newline: the shell's prompt came after it."""
+    import io
+
+    from gemma_tpu.examples.fitness.chat import chat_repl
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal("hello?\n"))
+    assert chat_repl(lambda q: "hi", "") == 0
+    out, err = capsys.readouterr()
+    assert out == "coach> hi\n" and err.endswith("you> you> \n")
+
+
 def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
     """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
     session with a traceback; it is reported as the answer, traced, and the next question is answered."""

@@ -129,7 +129,9 @@ def chat_repl(ask, greeting: str) -> int:
         if interactive:
             print("you> ", end="", file=sys.stderr, flush=True)
         line = sys.stdin.readline()
-        if not line:
+        if not line:  # Ctrl-D: end the prompt's line, or the shell's prompt follows `you> `
+            if interactive:
+                print(file=sys.stderr)
             break
         question = question_text(line).strip()
         if not question:
