@@ -510,6 +510,10 @@ CASES = [
     Case("train-checkpoint-dir-checked-before-the-data", "gemma_tpu.train",
          [*TRAIN, "checkpoint.dir={tmp}/f/ck", "data.train_path={tmp}/none.jsonl"],
          ["checkpoint.dir={tmp}/f/ck", "{tmp}/f is not a directory"], {"f": "a file"}),
+    # a step directory (the one holding the weights) was "no gemma_tpu_run.json (not a gemma-tpu checkpoint)"
+    Case("ckpt-dir-is-a-step", "gemma_tpu.chat", ["--checkpoint", "{ckpt}/1", "--once", "hi"],
+         ["{ckpt}/1 is step 1 of the checkpoint directory {ckpt}", "give {ckpt} (and --step 1)"]),
+    Case("inspect-a-step-directory", "convert.inspect", ["{ckpt}/1"], ["{ckpt}/1 is step 1", "--step 1"]),
     Case("ckpt-dir-is-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}/gemma_tpu_run.json", "--out", "{tmp}/out"],
          ["{ckpt}/gemma_tpu_run.json", "is a file, not a directory"]),
     # training wrote its steps, gemma_tpu_run.json and metrics among a model's files
