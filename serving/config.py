@@ -353,6 +353,16 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     return ModelFacts(arch, family or "other", kv, template_file, has_template, rank)
 
 
+def open_api_warning(cfg: ServeConfig) -> str | None:
+    """A server listening beyond loopback with no API key answers anyone who can reach the port (the
+    container runs with --net host: the VM's own network)."""
+    if cfg.server.host in ("127.0.0.1", "localhost", "::1", "[::1]") or cfg.server.api_key_env:
+        return None
+    return (f"server.host {cfg.server.host} serves the API beyond this machine without an API key: anyone who "
+            f"reaches port {cfg.server.port} can use it (set server.api_key_env, or keep server.host=127.0.0.1 and "
+            "forward the port)")
+
+
 def stop_token_warning(cfg: ServeConfig, facts: ModelFacts) -> str | None:
     """Chat models must stop on their family's end-of-turn token (Gemma 3: <end_of_turn>); a base
     generation_config that lists only <eos> makes every answer run to the length limit."""

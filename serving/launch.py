@@ -31,7 +31,15 @@ from typing import Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from serving.config import VLLM_TPU_IMAGE, ModelFacts, ServeConfig, inspect_model, load_serve_config, stop_token_warning
+from serving.config import (
+    VLLM_TPU_IMAGE,
+    ModelFacts,
+    ServeConfig,
+    inspect_model,
+    load_serve_config,
+    open_api_warning,
+    stop_token_warning,
+)
 from serving.local import LocalServer
 
 DOCKERFILE = Path(__file__).resolve().parent / "Dockerfile"
@@ -206,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         cli.print_config(cfg)
         return 0
+    if open_api_warning(cfg):
+        print(f"warning: {open_api_warning(cfg)}", file=sys.stderr)
     if args.local:
         return serve_local(cfg)
     facts = inspect_model(cfg)

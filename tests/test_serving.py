@@ -735,3 +735,15 @@ def test_the_clients_and_launcher_run_with_the_readme_vm_packages(tmp_path):
         proc = subprocess.run([sys.executable, "-c", ONLY_THESE_PACKAGES, ",".join(packages), *argv], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"{argv[0]} with only {packages}: {proc.stderr[-1500:]}"
+
+
+def test_a_server_open_beyond_loopback_without_a_key_is_warned_of(tmp_path, capsys):
+    """`server.host=0.0.0.0` with no API key put an open API on the VM's network (the container runs with
+    --net host) without a word; the command is still printed (a firewall may stand in front)."""
+    d = fake_model_dir(tmp_path / "m")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", "server.host=0.0.0.0")
+    assert code == 0 and "--host 0.0.0.0" in out
+    assert [l for l in err.splitlines() if l.startswith("warning: server.host 0.0.0.0")], err
+    for extra in (["server.host=0.0.0.0", "server.api_key_env=SOME_KEY"], []):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", *extra)
+        assert code == 0 and "server.host" not in err, err
