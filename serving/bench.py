@@ -398,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers like 90,99") from None
     if not percentiles or any(not 0 < p <= 100 for p in percentiles):
         raise UserError("--metric-percentiles: values must be in (0, 100]")
-    check_results_file(args.json, {"--dataset": args.dataset if args.dataset != "random" else None})
+    check_results_file(args.json, {"--dataset": args.dataset if args.dataset != "random" else None},
+                       results_key="completed")
     try:
         import httpx  # noqa: F401
     except ImportError:

@@ -703,6 +703,13 @@ CASES = [
     Case("evaluate-json-under-a-file", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}", "--json", "{tmp}/f/r.json"],
          ["--json {tmp}/f/r.json", "{tmp}/f is not a directory"], {"f": "a file"}),
+    # an existing file that no run of the command wrote (here: training data) was replaced by the results
+    Case("evaluate-json-is-other-data", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}", "--json", "{tmp}/train.jsonl"],
+         ["--json {tmp}/train.jsonl", "not an earlier results file", "'models'"], {"train.jsonl": CHAT.read_text()}),
+    Case("bench-json-is-other-data", "serving.bench", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                       "--json", "{tmp}/r.json"],
+         ["--json {tmp}/r.json", "not an earlier results file", "'completed'"], {"r.json": '{"models": {}}'}),
     Case("chat-unreachable", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m", "--once", "hi"],
          ["127.0.0.1:{port}", "cannot reach"], sub=True),
     Case("chat-url-bad-ipv6", "serving.chat", ["--base-url", "http://[::1", "--model", "m", "--once", "hi"],

@@ -221,7 +221,7 @@ def test_a_results_file_that_cannot_be_written_whole_keeps_the_old_one(tmp_path)
     import sys
 
     out = tmp_path / "bench.json"
-    out.write_text('{"previous": "results"}\n')
+    out.write_text('{"completed": 1, "previous": "results"}\n')
     # the write fails with EFBIG (SIGXFSZ ignored, which survives exec) past a 1 KB file-size limit
     limited = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
                "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
@@ -231,7 +231,7 @@ def test_a_results_file_that_cannot_be_written_whole_keeps_the_old_one(tmp_path)
                                "--input-len", "4", "--output-len", "2", "--timeout", "10", "--json", str(out),
                                "--disable-tqdm"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
-    assert out.read_text() == '{"previous": "results"}\n'
+    assert out.read_text() == '{"completed": 1, "previous": "results"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
     with http_server(Streams) as url:  # without the limit the results replace the old file
         proc = run_cli("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "2", "--input-len", "4",

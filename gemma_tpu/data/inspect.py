@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
     path = cfg.data.train_path if args.split == "train" else cfg.data.eval_path
     if not path:
         raise UserError(f"data.{'train' if args.split == 'train' else 'eval'}_path is not set in {args.config}")
-    check_results_file(args.json, {"data": path, "--config": args.config})
+    check_results_file(args.json, {"data": path, "--config": args.config}, results_key="examples_read")
     convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
     tok, tok_where, family_format, vocab = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)

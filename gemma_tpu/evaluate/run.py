@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.step is not None and (args.model or args.endpoint):
         raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
                         f"{'--model' if args.model else '--endpoint'}")
-    check_results_file(args.json, {"--data": args.data, "--config": args.config})
+    check_results_file(args.json, {"--data": args.data, "--config": args.config}, results_key="models")
     convs = load_conversations(args.data, cfg.data)
     if args.limit:
         convs = convs[: args.limit]
