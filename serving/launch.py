@@ -69,18 +69,28 @@ class DockerCommand:
         return " \\\n".join(lines)
 
 
+def _mount(key: str, host: Path, inside: str, mode: str = "") -> list[str]:
+    """`-v HOST:INSIDE[:ro]`; docker splits the spec at ':', so a host path holding one mounted something else
+    or was refused by docker ("invalid volume specification") after the launcher had said nothing."""
+    if ":" in str(host):
+        raise UserError(f"{key} {host}: docker -v cannot mount a path that holds ':' (the path is resolved, so "
+                        "a symlink to it does not help); rename it")
+    return ["-v", f"{host}:{inside}" + (f":{mode}" if mode else "")]
+
+
 def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
     """The docker run command for `cfg` (the model already checked by `inspect_model`)."""
     name = cfg.served_name
     c, s, t = cfg.container, cfg.server, cfg.tool_calling
     model_in = f"{MODELS_MOUNT}/{name}"
-    cache = str(Path(c.compile_cache).expanduser().resolve())
+    cache = Path(c.compile_cache).expanduser().resolve()
     opts = [["--rm", "--name", c.name or f"gemma-tpu-serve-{name}"],
             ["--privileged", "--net", "host", "--shm-size", c.shm_size, "-v", "/dev/shm:/dev/shm"],
-            ["-v", f"{cfg.model_dir}:{model_in}:ro"],
-            ["-v", f"{cache}:{CACHE_MOUNT}"]]
+            _mount("model.dir", cfg.model_dir, model_in, "ro"),
+            _mount("container.compile_cache", cache, CACHE_MOUNT)]
     for a in cfg.lora.adapters:
-        opts.append(["-v", f"{Path(a.dir).expanduser().resolve()}:{ADAPTERS_MOUNT}/{a.name}:ro"])
+        opts.append(_mount(f"lora.adapters.{a.name}.dir", Path(a.dir).expanduser().resolve(),
+                           f"{ADAPTERS_MOUNT}/{a.name}", "ro"))
     template = None
     if t.enabled:
         if t.chat_template == "model":
@@ -88,7 +98,7 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
         else:
             host = Path(t.chat_template).expanduser().resolve()
             template = f"{TEMPLATES_MOUNT}/{host.name}"
-            opts.append(["-v", f"{host}:{template}:ro"])
+            opts.append(_mount("tool_calling.chat_template", host, template, "ro"))
     renamed = []
     for inside, host_var in _secrets(cfg):
         opts.append(["-e", inside])

@@ -245,6 +245,8 @@ def _damaged_shard(p):
     (CONFIG_270M, fake_model_dir, ["container.image=vllm/vllm-tpu latest"], ["container.image 'vllm/vllm-tpu latest'"]),
     (CONFIG_270M, fake_model_dir, ["container.name=my server"], ["container.name 'my server'"]),
     (CONFIG_270M, fake_model_dir, ['container.compile_cache=""'], ["container.compile_cache is empty"]),
+    # docker splits -v at ':': "invalid volume specification" from docker, after --print had shown the command
+    (CONFIG_270M, lambda p: fake_model_dir(p.with_name("a:b")), [], ["model.dir", "a:b", "holds ':'"]),
     # vLLM's SchedulerConfig refuses it minutes into the container's start
     (CONFIG_270M, fake_model_dir, ["server.max_num_seqs=4096"],
      ["server.max_num_batched_tokens=2048", "server.max_num_seqs=4096"]),
