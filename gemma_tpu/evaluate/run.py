@@ -79,6 +79,7 @@ class Case:
     user: str
     answer: str | None = None  # the reference turn's text when it makes no call
     calls: list[ToolCall] = dataclasses.field(default_factory=list)  # every call of the reference turn
+    where: str = ""  # FILE:LINE of the conversation
 
 
 def build_cases(convs: list[dict]) -> list[Case]:
@@ -92,7 +93,7 @@ def build_cases(convs: list[dict]) -> list[Case]:
         user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
         answer = None if calls else msgs[k].get("content") or ""  # text: records normalise contents
         cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer,
-                          [ToolCall(c["name"], c["arguments"]) for c in calls]))
+                          [ToolCall(c["name"], c["arguments"]) for c in calls], conv.get("where", "")))
     return cases
 
 
@@ -166,6 +167,11 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
 
     renderer = _renderer(loaded, data_cfg)
     prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
+    limit = loaded.max_positions
+    for case, ids in zip(cases, prompts):  # the generator's own check said "prompt 2", not which example
+        if limit and len(ids) + max_new_tokens > limit:
+            raise UserError(f"{case.where or 'an example'}: the prompt is {len(ids)} tokens; with --max-new-tokens "
+                            f"{max_new_tokens} it passes the model's context of {limit} (max_position_embeddings)")
     gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
     with tqdm(total=len(prompts), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
         outs = gen.generate(prompts, on_batch=bar.update)
