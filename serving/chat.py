@@ -89,16 +89,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="simulated device seed")
     p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0)
+    p.add_argument("--timeout", type=cli.SECONDS, default=120.0, help="seconds per request")
     return p.parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
     cli.setup_logging(logging.WARNING)
-    if args.max_tokens <= 0 or args.timeout <= 0:
-        raise UserError("--max-tokens and --timeout must be positive")
+    if args.max_tokens <= 0:
+        raise UserError(f"--max-tokens {args.max_tokens}: must be positive")
     if args.once is not None and not args.once.strip():
         raise UserError("--once needs a question")
     provider = make_provider(args.provider, args.seed)  # fail fast on credentials

@@ -20,6 +20,7 @@ from typing import Literal, Sequence
 
 from gemma_tpu.core.config import blame, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.hf.safetensors_io import file_tensors
 from gemma_tpu.models.registry import Family, families, text_config
 
 # The official vLLM TPU image, pinned (docker.io/vllm/vllm-tpu, tags vX.Y.Z = tpu-inference releases).
@@ -33,6 +34,18 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY", "HUGGING_FACE_HUB_TOKEN")
+# `vllm serve` options the launcher renders from the config (serving/launch.py), by the key that sets them:
+# repeated in server.extra_args, vLLM's parser keeps the last, so the server ran on another port, context
+# or model name than the config (and the clients) said. --api-key would put the secret on the command line.
+RENDERED_FLAGS = {
+    "--model": "model.dir", "--served-model-name": "model.name", "--host": "server.host", "--port": "server.port",
+    "--tensor-parallel-size": "server.tensor_parallel_size", "-tp": "server.tensor_parallel_size",
+    "--max-model-len": "server.max_model_len", "--max-num-batched-tokens": "server.max_num_batched_tokens",
+    "--max-num-seqs": "server.max_num_seqs", "--dtype": "server.dtype", "--api-key": "server.api_key_env",
+    "--enable-auto-tool-choice": "tool_calling.enabled", "--tool-call-parser": "tool_calling.parser",
+    "--chat-template": "tool_calling.chat_template", "--enable-lora": "lora.adapters",
+    "--lora-modules": "lora.adapters", "--max-lora-rank": "lora.max_lora_rank",
+}
 
 
 @dataclasses.dataclass
@@ -138,6 +151,14 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(s, key) <= 0:
             bad(f"server.{key} must be positive, got {getattr(s, key)}")
+    if s.max_num_batched_tokens < s.max_num_seqs:  # vLLM's SchedulerConfig refuses it when the engine starts
+        bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
+            f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
+    for arg in s.extra_args:
+        flag = arg.split("=", 1)[0]
+        flag = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag  # vLLM reads both spellings
+        if flag in RENDERED_FLAGS:
+            bad(f"server.extra_args: {arg} is set from the config; set {RENDERED_FLAGS[flag]} instead")
     if not 0 < s.port < 65536:
         bad(f"server.port must be in 1..65535, got {s.port}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):
@@ -201,7 +222,9 @@ def vllm_families() -> dict[str, Family]:
 
 
 def check_weights(model_dir: Path) -> None:
-    """safetensors weights: one `model.safetensors`, or an index whose every shard is present."""
+    """safetensors weights: one `model.safetensors`, or an index whose every shard is present; each file's
+    header read and its tensors' byte ranges inside the file (a copy cut short, a file of something else:
+    the server failed on it with a safetensors traceback after starting, vLLM minutes into its start)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         data = read_json_object(index, f"{index}: cannot read")
@@ -212,8 +235,11 @@ def check_weights(model_dir: Path) -> None:
             if not (model_dir / shard).is_file():
                 raise UserError(f"model dir {model_dir}: shard {shard} listed in model.safetensors.index.json "
                                 "is missing")
+        for shard in sorted(set(weight_map.values())):
+            file_tensors(model_dir / shard)
         return
     if (model_dir / "model.safetensors").is_file():
+        file_tensors(model_dir / "model.safetensors")
         return
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if shards:
@@ -334,6 +360,16 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         if not Path(cfg.tool_calling.chat_template).expanduser().is_file():
             raise UserError(f"tool_calling.chat_template: {cfg.tool_calling.chat_template} is not a file")
     return ModelFacts(arch, family or "other", kv, template_file, has_template, rank)
+
+
+def open_api_warning(cfg: ServeConfig) -> str | None:
+    """A server listening beyond loopback with no API key answers anyone who can reach the port (the
+    container runs with --net host: the VM's own network)."""
+    if cfg.server.host in ("127.0.0.1", "localhost", "::1", "[::1]") or cfg.server.api_key_env:
+        return None
+    return (f"server.host {cfg.server.host} serves the API beyond this machine without an API key: anyone who "
+            f"reaches port {cfg.server.port} can use it (set server.api_key_env, or keep server.host=127.0.0.1 and "
+            "forward the port)")
 
 
 def stop_token_warning(cfg: ServeConfig, facts: ModelFacts) -> str | None:

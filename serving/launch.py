@@ -31,7 +31,15 @@ from typing import Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from serving.config import VLLM_TPU_IMAGE, ModelFacts, ServeConfig, inspect_model, load_serve_config, stop_token_warning
+from serving.config import (
+    VLLM_TPU_IMAGE,
+    ModelFacts,
+    ServeConfig,
+    inspect_model,
+    load_serve_config,
+    open_api_warning,
+    stop_token_warning,
+)
 from serving.local import LocalServer
 
 DOCKERFILE = Path(__file__).resolve().parent / "Dockerfile"
@@ -61,18 +69,28 @@ class DockerCommand:
         return " \\\n".join(lines)
 
 
+def _mount(key: str, host: Path, inside: str, mode: str = "") -> list[str]:
+    """`-v HOST:INSIDE[:ro]`; docker splits the spec at ':', so a host path holding one mounted something else
+    or was refused by docker ("invalid volume specification") after the launcher had said nothing."""
+    if ":" in str(host):
+        raise UserError(f"{key} {host}: docker -v cannot mount a path that holds ':' (the path is resolved, so "
+                        "a symlink to it does not help); rename it")
+    return ["-v", f"{host}:{inside}" + (f":{mode}" if mode else "")]
+
+
 def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
     """The docker run command for `cfg` (the model already checked by `inspect_model`)."""
     name = cfg.served_name
     c, s, t = cfg.container, cfg.server, cfg.tool_calling
     model_in = f"{MODELS_MOUNT}/{name}"
-    cache = str(Path(c.compile_cache).expanduser().resolve())
+    cache = Path(c.compile_cache).expanduser().resolve()
     opts = [["--rm", "--name", c.name or f"gemma-tpu-serve-{name}"],
             ["--privileged", "--net", "host", "--shm-size", c.shm_size, "-v", "/dev/shm:/dev/shm"],
-            ["-v", f"{cfg.model_dir}:{model_in}:ro"],
-            ["-v", f"{cache}:{CACHE_MOUNT}"]]
+            _mount("model.dir", cfg.model_dir, model_in, "ro"),
+            _mount("container.compile_cache", cache, CACHE_MOUNT)]
     for a in cfg.lora.adapters:
-        opts.append(["-v", f"{Path(a.dir).expanduser().resolve()}:{ADAPTERS_MOUNT}/{a.name}:ro"])
+        opts.append(_mount(f"lora.adapters.{a.name}.dir", Path(a.dir).expanduser().resolve(),
+                           f"{ADAPTERS_MOUNT}/{a.name}", "ro"))
     template = None
     if t.enabled:
         if t.chat_template == "model":
@@ -80,7 +98,7 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
         else:
             host = Path(t.chat_template).expanduser().resolve()
             template = f"{TEMPLATES_MOUNT}/{host.name}"
-            opts.append(["-v", f"{host}:{template}:ro"])
+            opts.append(_mount("tool_calling.chat_template", host, template, "ro"))
     renamed = []
     for inside, host_var in _secrets(cfg):
         opts.append(["-e", inside])
@@ -192,7 +210,8 @@ def serve_local(cfg: ServeConfig) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = cli.parser("python -m serving.launch", __doc__, config="serving config, e.g. configs/serve-gemma3-270m-fitness.yaml")
+    p = cli.parser("python -m serving.launch", __doc__, config="serving config, e.g. configs/serve-gemma3-270m-fitness.yaml",
+                   override_example="server.port=8001")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--print", action="store_true", help="print the docker run command and exit")
     mode.add_argument("--local", action="store_true", help="serve here with transformers serve (no TPU, no Docker)")
@@ -205,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         cli.print_config(cfg)
         return 0
+    if open_api_warning(cfg):
+        print(f"warning: {open_api_warning(cfg)}", file=sys.stderr)
     if args.local:
         return serve_local(cfg)
     facts = inspect_model(cfg)

@@ -510,6 +510,10 @@ CASES = [
     Case("train-checkpoint-dir-checked-before-the-data", "gemma_tpu.train",
          [*TRAIN, "checkpoint.dir={tmp}/f/ck", "data.train_path={tmp}/none.jsonl"],
          ["checkpoint.dir={tmp}/f/ck", "{tmp}/f is not a directory"], {"f": "a file"}),
+    # a step directory (the one holding the weights) was "no gemma_tpu_run.json (not a gemma-tpu checkpoint)"
+    Case("ckpt-dir-is-a-step", "gemma_tpu.chat", ["--checkpoint", "{ckpt}/1", "--once", "hi"],
+         ["{ckpt}/1 is step 1 of the checkpoint directory {ckpt}", "give {ckpt} (and --step 1)"]),
+    Case("inspect-a-step-directory", "convert.inspect", ["{ckpt}/1"], ["{ckpt}/1 is step 1", "--step 1"]),
     Case("ckpt-dir-is-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}/gemma_tpu_run.json", "--out", "{tmp}/out"],
          ["{ckpt}/gemma_tpu_run.json", "is a file, not a directory"]),
     # training wrote its steps, gemma_tpu_run.json and metrics among a model's files
@@ -597,6 +601,8 @@ CASES = [
     Case("verify-dir-without-config", "convert.verify", ["{tiny}", "{tmp}/b"], ["{tmp}/b/config.json"],
          {"b/model.safetensors": corrupt_header()}),
     Case("verify-empty-prompt", "convert.verify", ["{tiny}", "{tiny}", "--prompt", ""], ["--prompt", "empty prompt"]),
+    # a nan threshold passed every comparison: the gate could never fail
+    Case("verify-nan-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "nan"], ["--max-kl", "'nan'"]),
     Case("verify-bad-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "tiny"], ["--max-kl", "'tiny'"]),
     # transformers' own errors were tracebacks (SafetensorError, RuntimeError "ignore_mismatched_sizes"), and a
     # missing weight was filled with random values and compared
@@ -700,6 +706,13 @@ CASES = [
     Case("evaluate-json-under-a-file", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}", "--json", "{tmp}/f/r.json"],
          ["--json {tmp}/f/r.json", "{tmp}/f is not a directory"], {"f": "a file"}),
+    # an existing file that no run of the command wrote (here: training data) was replaced by the results
+    Case("evaluate-json-is-other-data", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}", "--json", "{tmp}/train.jsonl"],
+         ["--json {tmp}/train.jsonl", "not an earlier results file", "'models'"], {"train.jsonl": CHAT.read_text()}),
+    Case("bench-json-is-other-data", "serving.bench", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                       "--json", "{tmp}/r.json"],
+         ["--json {tmp}/r.json", "not an earlier results file", "'completed'"], {"r.json": '{"models": {}}'}),
     Case("chat-unreachable", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m", "--once", "hi"],
          ["127.0.0.1:{port}", "cannot reach"], sub=True),
     Case("chat-url-bad-ipv6", "serving.chat", ["--base-url", "http://[::1", "--model", "m", "--once", "hi"],
@@ -709,6 +722,17 @@ CASES = [
          ["'http://127.0.0.1:abc'", "not an http(s) server address", "'abc'"]),
     Case("bench-url-port-out-of-range", "serving.bench", ["--base-url", "http://127.0.0.1:99999", "--model", "m"],
          ["'http://127.0.0.1:99999'", "not an http(s) server address", "out of range"]),
+    # `float` took nan and inf: a socket or JSON-encoder traceback
+    Case("bench-nan-timeout", "serving.bench", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                "--timeout", "nan"], ["--timeout", "'nan'", "> 0"]),
+    Case("bench-nan-temperature", "serving.bench", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                    "--temperature", "nan"], ["--temperature", "'nan'", ">= 0"]),
+    Case("chat-inf-timeout", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m", "--once", "hi",
+                                              "--timeout", "inf"], ["--timeout", "'inf'"]),
+    Case("chat-negative-temperature", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m",
+                                                       "--once", "hi", "--temperature", "-1"], ["--temperature", "'-1'"]),
+    Case("evaluate-inf-timeout", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}",
+                                                        "--timeout", "inf"], ["--timeout", "'inf'"]),
     Case("chat-not-a-url", "serving.chat", ["--base-url", "ftp://127.0.0.1", "--model", "m", "--once", "hi"],
          ["'ftp://127.0.0.1'", "http"]),
     Case("local-chat-bad-dtype", "gemma_tpu.chat", ["--model", "{tiny}", "--dtype", "float16", "--once", "hi"],
@@ -717,6 +741,11 @@ CASES = [
          ["--max-new-tokens 0", "positive"]),
     Case("local-chat-step-without-checkpoint", "gemma_tpu.chat", ["--model", "{tiny}", "--step", "3", "--once", "hi"],
          ["--step", "--checkpoint"]),
+    # the generator's check said "prompt 2 is 1743 tokens", not which example of which file
+    Case("evaluate-prompt-past-the-context", "gemma_tpu.evaluate", ["--data", "{tmp}/d.jsonl", "--model", "{tiny}"],
+         ["{tmp}/d.jsonl:2", "1024 (max_position_embeddings)"],
+         {"d.jsonl": CHAT.read_text().splitlines()[0] + "\n"
+                     + (REPO / "data" / "fitness" / "test.jsonl").read_text().splitlines()[0] + "\n"}),
     Case("evaluate-step-with-model", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--step", "2"],
          ["--step", "--checkpoint", "not --model"]),
     Case("evaluate-step-compare-without-checkpoint", "gemma_tpu.evaluate",

@@ -221,7 +221,7 @@ def test_a_results_file_that_cannot_be_written_whole_keeps_the_old_one(tmp_path)
     import sys
 
     out = tmp_path / "bench.json"
-    out.write_text('{"previous": "results"}\n')
+    out.write_text('{"completed": 1, "previous": "results"}\n')
     # the write fails with EFBIG (SIGXFSZ ignored, which survives exec) past a 1 KB file-size limit
     limited = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
                "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
@@ -231,7 +231,7 @@ def test_a_results_file_that_cannot_be_written_whole_keeps_the_old_one(tmp_path)
                                "--input-len", "4", "--output-len", "2", "--timeout", "10", "--json", str(out),
                                "--disable-tqdm"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
-    assert out.read_text() == '{"previous": "results"}\n'
+    assert out.read_text() == '{"completed": 1, "previous": "results"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
     with http_server(Streams) as url:  # without the limit the results replace the old file
         proc = run_cli("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "2", "--input-len", "4",
@@ -306,6 +306,51 @@ def test_a_server_that_never_answers(tmp_path):
         srv.close()
         for c in held:
             c.close()
+
+
+class Trickle(http.server.BaseHTTPRequestHandler):
+    """Answers every request with a whole, valid chat completion, one byte every 0.2 s (~25 s in all)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.do_POST()
+
+    def do_POST(self):
+        import time
+
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.dumps({"data": [{"id": "m"}], "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "You walked 8123 steps today."}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            for b in body:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:  # the client gave up
+            pass
+
+
+def test_a_server_that_trickles_its_answer_is_bound_by_the_timeout():
+    """`--timeout` is the whole request: urllib's timeout bounds each socket read, so a server sending its
+    answer a byte at a time held evaluate and the chat for the whole trickle (~25 s here at --timeout 1)."""
+    import time
+
+    with http_server(Trickle) as url:
+        t0 = time.monotonic()
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "1", "--timeout", "1")
+        assert time.monotonic() - t0 < 5
+        assert_one_line_error(proc, f"{url}/v1/chat/completions: no answer within 1 s")
+        t0 = time.monotonic()
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--timeout", "1", "--once", "steps?")
+        assert time.monotonic() - t0 < 5
+        assert_one_line_error(proc, "/v1/chat/completions: no answer within 1 s")
 
 
 class Flaky(ScriptedModel):

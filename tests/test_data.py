@@ -1343,6 +1343,21 @@ def test_inspect_reads_the_tokenizer_of_the_configured_model(tmp_path, tiny_dir)
         in proc.stdout
 
 
+def test_inspect_tokenizer_takes_what_model_path_takes(tmp_path, tiny_dir):
+    """`--tokenizer` was handed to transformers as it came: `embedded:tiny-gemma3` and a missing directory
+    were both read as hub ids ("Repo id must use alphanumeric chars ..."), though --help promises a hub id
+    and model.path takes all three."""
+    from gemma_tpu.data.inspect import tokenizer_for
+
+    tok, where, _, _ = tokenizer_for("embedded:tiny-gemma3", None)
+    assert Path(where).is_dir() and tok.convert_tokens_to_ids("<start_of_turn>") is not None
+    assert tokenizer_for(str(tiny_dir), None)[1] == str(tiny_dir)
+    with pytest.raises(UserError, match=r"^--tokenizer \S+/nope: no such directory$"):
+        tokenizer_for(str(tmp_path / "nope"), None)
+    with pytest.raises(UserError, match=r"^--tokenizer \S+config.json: not a directory$"):
+        tokenizer_for(str(tiny_dir / "config.json"), None)
+
+
 # Roles in odd places: refused by the normaliser exactly where Gemma's own chat template refuses; what both accept
 # renders to the template's text.
 _U, _A = {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}

@@ -632,6 +632,31 @@ def test_chat_once_with_tiny_model(tiny_long_dir):
     assert "Traceback" not in proc.stderr
 
 
+def test_chat_dtype_reaches_a_checkpoint_and_an_empty_question_loads_nothing(monkeypatch):
+    """`--dtype bfloat16 --checkpoint DIR` restored the checkpoint in its training dtype whatever was asked,
+    and `--once " "` was refused only after the model had loaded (~30 s for the tiny one)."""
+    from gemma_tpu.examples.fitness import chat
+
+    seen = []
+
+    def fake_load(*args):
+        seen.append(args)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(chat, "load_checkpoint", fake_load)
+    monkeypatch.setattr(chat, "load_hf_dir", fake_load)
+    with pytest.raises(UserError, match="stop here"):
+        chat.main(["--checkpoint", "runs/x", "--dtype", "bfloat16", "--once", "hi"])
+    with pytest.raises(UserError, match="stop here"):
+        chat.main(["--checkpoint", "runs/x", "--once", "hi"])
+    with pytest.raises(UserError, match="stop here"):
+        chat.main(["--model", "m", "--once", "hi"])
+    assert seen == [("runs/x", None, "bfloat16"), ("runs/x", None, None), ("m", "float32")]
+    with pytest.raises(UserError, match="--once needs a question"):
+        chat.main(["--model", "m", "--once", "  "])
+    assert len(seen) == 3
+
+
 class ScriptedGenerator:
     """Replays canned model turns, recording the prompts it was given."""
 
@@ -679,6 +704,22 @@ def test_generic_tool_loop_with_another_toolset():
     seen.clear()
     run_tool_loop("hi", no_prompt, scripted(ParsedReply("text", [], "hello")))
     assert seen == [[{"role": "user", "content": "hi"}]]
+
+
+def test_ctrl_d_at_the_prompt_ends_its_line(monkeypatch, capsys):
+    """On a terminal, Ctrl-D left `you> ` without a newline: the shell's prompt came after it."""
+    import io
+
+    from gemma_tpu.examples.fitness.chat import chat_repl
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal("hello?\n"))
+    assert chat_repl(lambda q: "hi", "") == 0
+    out, err = capsys.readouterr()
+    assert out == "coach> hi\n" and err.endswith("you> you> \n")
 
 
 def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):

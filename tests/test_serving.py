@@ -43,9 +43,12 @@ TOOL_NAMES = {"get_steps", "get_daily_step_goal", "get_step_goal_progress", "get
 # ---------------------------------------------------------------------------------- helpers
 
 
+NO_TENSORS = (2).to_bytes(8, "little") + b"{}"  # a valid safetensors file with an empty header
+
+
 def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nested: bool = False, shards: int = 0,
                    tokenizer: bool = True, template: bool = True, generation: bool = True) -> Path:
-    """A directory with the files vLLM reads (the weights are placeholders: only presence is checked)."""
+    """A directory with the files vLLM reads (the weights are safetensors files holding no tensor)."""
     root.mkdir(parents=True)
     text = {"num_key_value_heads": kv, "num_attention_heads": 2 * kv, "max_position_embeddings": 32768}
     cfg = {"architectures": [arch], **({"text_config": text} if nested else text)}
@@ -55,9 +58,9 @@ def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nes
         (root / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {f"layer.{i}.weight": n for i, n in enumerate(names)}}))
         for n in names:
-            (root / n).write_bytes(b"\0")
+            (root / n).write_bytes(NO_TENSORS)
     else:
-        (root / "model.safetensors").write_bytes(b"\0")
+        (root / "model.safetensors").write_bytes(NO_TENSORS)
     if generation:
         (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
     if tokenizer:
@@ -210,6 +213,12 @@ def _missing_shard(p):
     return d
 
 
+def _damaged_shard(p):
+    d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=2)
+    (d / "model-00001-of-00002.safetensors").write_bytes((20).to_bytes(8, "little") + b'{"w": {"dtype": ')
+    return d
+
+
 @pytest.mark.parametrize("config,make,overrides,needles", [
     (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=2"],
      ["tensor_parallel_size=2", "num_key_value_heads=1"]),
@@ -220,6 +229,8 @@ def _missing_shard(p):
     (CONFIG_270M, _no_tokenizer, [], ["no tokenizer"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, arch="LlamaForCausalLM"), [], ["LlamaForCausalLM", "Gemma3ForCausalLM"]),
     (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),
+    # read by the server only once started: a safetensors traceback (--local), minutes into vLLM's start
+    (CONFIG_31B, _damaged_shard, [], ["model-00001-of-00002.safetensors", "unreadable safetensors header"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, generation=False), [], ["generation_config.json"]),
     (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "model.safetensors").unlink()) and p, [], ["no weights"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, template=False), [], ["no chat template"]),
@@ -234,6 +245,15 @@ def _missing_shard(p):
     (CONFIG_270M, fake_model_dir, ["container.image=vllm/vllm-tpu latest"], ["container.image 'vllm/vllm-tpu latest'"]),
     (CONFIG_270M, fake_model_dir, ["container.name=my server"], ["container.name 'my server'"]),
     (CONFIG_270M, fake_model_dir, ['container.compile_cache=""'], ["container.compile_cache is empty"]),
+    # docker splits -v at ':': "invalid volume specification" from docker, after --print had shown the command
+    (CONFIG_270M, lambda p: fake_model_dir(p.with_name("a:b")), [], ["model.dir", "a:b", "holds ':'"]),
+    # vLLM's SchedulerConfig refuses it minutes into the container's start
+    (CONFIG_270M, fake_model_dir, ["server.max_num_seqs=4096"],
+     ["server.max_num_batched_tokens=2048", "server.max_num_seqs=4096"]),
+    # vLLM keeps the last of a repeated option: the server listened on 9000 while the config (and clients) said 8000
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--port,9000]"], ["--port", "server.port"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max_model_len=100]"], ["server.max_model_len"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--api-key,sk-1]"], ["server.api_key_env"]),
 ])
 def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
     d = make(tmp_path / "m")
@@ -643,3 +663,89 @@ def test_bench_argument_errors_are_one_line(tmp_path):
     bad.write_text('{"prompt": "hi"}\n{"nothing": 1}\n')
     proc = run_cli("serving.bench", "--base-url", "http://127.0.0.1:1", "--dataset", str(bad))
     assert_one_line_error(proc, f"{bad}:2")
+
+
+def _help(capsys, module) -> str:
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(["--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_says_what_the_command_does_and_its_defaults(capsys):
+    """`--help` showed the docstring's first line only: a usage line, cut mid-option where it wrapped
+    (`... --concurrency C --input-len I`), nothing of what the command does; options without help text
+    hid their defaults (`--num-prompts NUM_PROMPTS`); serving.launch offered `train.max_steps=20` as its
+    override example, a key it refuses."""
+    import serving.bench
+    import serving.launch
+
+    from gemma_tpu.examples.fitness import chat
+
+    text = _help(capsys, serving.bench)
+    assert "--output-len O --dataset random|FILE.jsonl" in text and "Load-test any OpenAI-compatible server" in text
+    assert "--num-prompts NUM_PROMPTS (default: 100)" in text and "--seed SEED (default: 0)" in text
+    assert "--concurrency CONCURRENCY requests in flight at most (vLLM: --max-concurrency) (default: 8)" in text
+    assert "--json JSON write the results here (vllm bench serve field names) --timeout" in text  # no default shown
+    text = _help(capsys, serving.launch)
+    assert "e.g. server.port=8001" in text and "train.max_steps" not in text
+    assert "renders the `docker run` of the vLLM-TPU image" in text
+    text = _help(capsys, chat)
+    assert "--provider {simulated,garmin} (default: simulated)" in text
+
+
+# Runs `python -m MODULE ARGS` with only the distributions named in argv[1] (and what they require) importable
+# beside the standard library and this repository: what a TPU VM has after the README's pip line.
+ONLY_THESE_PACKAGES = r'''
+import importlib.metadata as md, re, runpy, sys
+from packaging.requirements import Requirement
+allowed, seen = {"gemma_tpu", "serving", "convert"}, set()
+def walk(name):
+    key = re.sub(r"[-_.]+", "-", name).lower()
+    if key in seen:
+        return
+    seen.add(key)
+    d = md.distribution(name)
+    tops = (d.read_text("top_level.txt") or "").split() or {
+        str(f).split("/")[0].removesuffix(".py") for f in d.files or [] if "/" in str(f) or str(f).endswith(".py")}
+    allowed.update(tops)
+    for r in map(Requirement, d.requires or []):
+        if r.marker is None or r.marker.evaluate({"extra": ""}):
+            walk(r.name)
+for name in sys.argv[1].split(","):
+    walk(name)
+class OnlyThese:
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if top not in sys.stdlib_module_names and top not in allowed and not top.startswith("_"):
+            raise ModuleNotFoundError(f"No module named {top!r}")
+sys.meta_path.insert(0, OnlyThese())
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+'''
+
+
+def test_the_clients_and_launcher_run_with_the_readme_vm_packages(tmp_path):
+    """The README's VM step installs a few packages, not the training stack: serving.launch and serving.chat
+    imported ml_dtypes (through the model registry's safetensors reader), which that line left out, and
+    stopped on a fresh VM with `ModuleNotFoundError` before checking anything."""
+    line = re.search(r"^python3 -m pip install --user (.+)$", (REPO / "README.md").read_text(), re.M).group(1)
+    packages = [re.split(r"[=<>!~\[]", p.strip('"\''))[0] for p in line.split()]
+    d = fake_model_dir(tmp_path / "m")
+    for argv in (["serving.launch", "--config", CONFIG_270M, "--print", f"model.dir={d}"],
+                 ["serving.chat", "--help"], ["serving.bench", "--help"]):
+        proc = subprocess.run([sys.executable, "-c", ONLY_THESE_PACKAGES, ",".join(packages), *argv], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{argv[0]} with only {packages}: {proc.stderr[-1500:]}"
+
+
+def test_a_server_open_beyond_loopback_without_a_key_is_warned_of(tmp_path, capsys):
+    """`server.host=0.0.0.0` with no API key put an open API on the VM's network (the container runs with
+    --net host) without a word; the command is still printed (a firewall may stand in front)."""
+    d = fake_model_dir(tmp_path / "m")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", "server.host=0.0.0.0")
+    assert code == 0 and "--host 0.0.0.0" in out
+    assert [l for l in err.splitlines() if l.startswith("warning: server.host 0.0.0.0")], err
+    for extra in (["server.host=0.0.0.0", "server.api_key_env=SOME_KEY"], []):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", *extra)
+        assert code == 0 and "server.host" not in err, err

@@ -42,6 +42,15 @@ def write_metadata(ckpt_dir: str | Path, meta: dict[str, Any]) -> Path:
                              json.dumps({"format": FORMAT, "version": VERSION, **meta}, indent=2, default=str))
 
 
+def not_a_checkpoint(ckpt_dir: Path) -> str:
+    """Why `ckpt_dir` is no checkpoint directory; one of its step directories (`runs/x/64`, the one that
+    holds the weights) is named as such, with what to give instead."""
+    if ckpt_dir.name.isdigit() and (ckpt_dir.parent / METADATA_FILE).is_file():
+        return (f"{ckpt_dir} is step {int(ckpt_dir.name)} of the checkpoint directory {ckpt_dir.parent}: give "
+                f"{ckpt_dir.parent} (and --step {int(ckpt_dir.name)})")
+    return f"{ckpt_dir}: no {METADATA_FILE} (not a gemma-tpu checkpoint directory)"
+
+
 def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
     ckpt_dir = Path(ckpt_dir)
     if ckpt_dir.exists() and not ckpt_dir.is_dir():  # "does not exist" sent users looking for a typo
@@ -50,7 +59,7 @@ def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
     if not ckpt_dir.is_dir():
         raise UserError(f"checkpoint directory {ckpt_dir} does not exist")
     path = ckpt_dir / METADATA_FILE
-    meta = read_json_object(path, f"{ckpt_dir}: no {METADATA_FILE} (not a gemma-tpu checkpoint directory)")
+    meta = read_json_object(path, not_a_checkpoint(ckpt_dir))
     if meta.get("format") != FORMAT:
         raise UserError(f"{path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
     return meta

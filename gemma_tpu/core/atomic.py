@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import logging
 import os
 import shutil
@@ -346,10 +347,13 @@ class AtomicFile(_AtomicOutput):
         return self.target
 
 
-def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | None] = {}) -> None:  # noqa: B006
+def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | None] = {},  # noqa: B006
+                       results_key: str | None = None) -> None:
     """Refuse, before the work, a `--json` results file that cannot be written, is a directory, or is one
     of the run's inputs (`--json data/test.jsonl` would replace the test data with the results).
-    `inputs`: option -> path."""
+    `inputs`: option -> path. `results_key`: a key every results file of the command holds; an existing,
+    non-empty file without it (the training data, a config: anything but an earlier result) is refused
+    rather than replaced."""
     if not path:
         return
     p = Path(path)
@@ -359,6 +363,14 @@ def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | N
         if src and Path(src).exists() and p.exists() and p.resolve() == Path(src).resolve():
             raise UserError(f"--json {path} is the {option} input; the results would replace it (give another "
                             f"file name)")
+    if results_key and p.is_file() and p.stat().st_size:
+        try:
+            earlier = json.loads(p.read_bytes())
+        except (ValueError, OSError):  # not JSON (or JSON Lines), not UTF-8, unreadable
+            earlier = None
+        if not (isinstance(earlier, dict) and results_key in earlier):
+            raise UserError(f"--json {path}: exists and is not an earlier results file of this command (no "
+                            f"{results_key!r}); the results would replace it (remove it or give another file name)")
     check_writable(p.parent, f"--json {path}")
 
 

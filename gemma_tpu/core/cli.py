@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import copy
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -24,20 +26,43 @@ NOISY_LOGGERS = ("absl", "jax", "orbax", "tunix", "qwix", "httpx", "urllib3", "h
 
 
 def parser(prog: str, doc: str | None, config: str | None = None, overrides: bool = True,
-           print_config: bool = True) -> argparse.ArgumentParser:
-    """An entry point's parser. `config`: the help text of `--config` (None: no --config).
-    `--debug` (shows tracebacks; also GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main`
-    and listed here only for `--help`."""
+           print_config: bool = True, override_example: str = "train.max_steps=20") -> argparse.ArgumentParser:
+    """An entry point's parser. `doc`: the module docstring, shown whole by `--help` (its first line alone
+    was a usage line, cut mid-option where it wrapped, and said nothing of what the command does).
+    `config`: the help text of `--config` (None: no --config). `--debug` (shows tracebacks; also
+    GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`."""
     cls = _OverridesParser if overrides else argparse.ArgumentParser
-    p = cls(prog=prog, description=(doc or "").strip().splitlines()[0] if doc else None)
+    p = cls(prog=prog, description=doc.strip() if doc else None, formatter_class=_HelpFormatter)
     if config is not None:
         p.add_argument("--config", action=_Once, help=config)
         if print_config:
             p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     if overrides:
-        p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.max_steps=20")
+        p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {override_example}")
     return p
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The docstring as written, and each option's default where it has one its help does not state
+    (`--num-prompts NUM_PROMPTS` alone left a user to guess how many requests a run sends)."""
+
+    def _format_action(self, action):
+        if not action.help and _shows_default(action):  # argparse prints no help line for an option without help
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if _shows_default(action) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    d = action.default
+    return bool(action.option_strings) and d is not None and d is not False and d != argparse.SUPPRESS and d != []
 
 
 class _Once(argparse.Action):
@@ -58,6 +83,29 @@ class _OverridesParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         return self.parse_intermixed_args(args, namespace)
+
+
+def number(low: float, low_ok: bool = False, high: float | None = None) -> Callable[[str], float]:
+    """An argparse `type`: a finite float above `low` (or equal to it with `low_ok`), at most `high`.
+    `float` took `nan` and `inf`: `--timeout nan` ended in a socket traceback, `--temperature nan` in
+    one from the JSON encoder."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_ok) or (
+                high is not None and value > high):
+            bound = f"{'>=' if low_ok else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a number {bound}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+# seconds a request may wait: positive, and within what a socket timeout takes (1e10 s overflows time_t)
+SECONDS = number(0.0, high=1e6)
 
 
 def print_config(cfg: Any) -> None:

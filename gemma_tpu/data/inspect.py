@@ -36,6 +36,7 @@ from gemma_tpu.data.pipeline import (
 )
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.formats.function_calling import function_token_map
+from gemma_tpu.hf.directory import resolve_path
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import resolve_model
 
@@ -48,7 +49,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.data.inspect", __doc__, config="YAML run config (data.*, model.path for the tokenizer)")
     p.add_argument("--split", choices=("train", "eval"), default="train", help="data.train_path or data.eval_path")
     p.add_argument("-n", type=int, default=1, help="rendered examples to show (default 1; 0: none)")
-    p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the config's model.path)")
+    p.add_argument("--tokenizer", help="tokenizer directory, hub id or embedded:NAME (default: the config's model.path)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="mark loss-bearing text with ANSI colour (auto: when stdout is a terminal)")
     p.add_argument("--json", help="also write the statistics to this JSON file")
@@ -58,8 +59,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str, int | None]:
     """(tokenizer, where it came from, the family's chat format, the model's vocab_size when known)."""
     family_format, vocab = "gemma", None
-    if spec:
-        where = spec
+    if spec:  # a directory, hub id or embedded:NAME, as model.path (the spec alone was read as a hub id)
+        where = str(resolve_path(spec, what="--tokenizer"))
     else:
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
     path = cfg.data.train_path if args.split == "train" else cfg.data.eval_path
     if not path:
         raise UserError(f"data.{'train' if args.split == 'train' else 'eval'}_path is not set in {args.config}")
-    check_results_file(args.json, {"data": path, "--config": args.config})
+    check_results_file(args.json, {"data": path, "--config": args.config}, results_key="examples_read")
     convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
     tok, tok_where, family_format, vocab = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)

@@ -79,6 +79,7 @@ class Case:
     user: str
     answer: str | None = None  # the reference turn's text when it makes no call
     calls: list[ToolCall] = dataclasses.field(default_factory=list)  # every call of the reference turn
+    where: str = ""  # FILE:LINE of the conversation
 
 
 def build_cases(convs: list[dict]) -> list[Case]:
@@ -92,7 +93,7 @@ def build_cases(convs: list[dict]) -> list[Case]:
         user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
         answer = None if calls else msgs[k].get("content") or ""  # text: records normalise contents
         cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer,
-                          [ToolCall(c["name"], c["arguments"]) for c in calls]))
+                          [ToolCall(c["name"], c["arguments"]) for c in calls], conv.get("where", "")))
     return cases
 
 
@@ -166,6 +167,11 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
 
     renderer = _renderer(loaded, data_cfg)
     prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
+    limit = loaded.max_positions
+    for case, ids in zip(cases, prompts):  # the generator's own check said "prompt 2", not which example
+        if limit and len(ids) + max_new_tokens > limit:
+            raise UserError(f"{case.where or 'an example'}: the prompt is {len(ids)} tokens; with --max-new-tokens "
+                            f"{max_new_tokens} it passes the model's context of {limit} (max_position_embeddings)")
     gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
     with tqdm(total=len(prompts), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
         outs = gen.generate(prompts, on_batch=bar.update)
@@ -372,7 +378,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                        help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds an --endpoint request may take (default 300)")
+    p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
     p.add_argument("--retries", type=int, default=3,
                    help="further attempts of an --endpoint request the server refused or failed with 429 or 5xx "
                         "(1, 2, 4 ... s apart; default 3)")
@@ -399,14 +405,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--limit must be positive")
     if args.batch_size <= 0 or args.max_new_tokens <= 0:
         raise UserError("--batch-size and --max-new-tokens must be positive")
-    if not args.timeout > 0:
-        raise UserError(f"--timeout {args.timeout:g}: must be positive")
     if args.retries < 0:
         raise UserError(f"--retries {args.retries}: must be 0 or more")
     if args.step is not None and (args.model or args.endpoint):
         raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
                         f"{'--model' if args.model else '--endpoint'}")
-    check_results_file(args.json, {"--data": args.data, "--config": args.config})
+    check_results_file(args.json, {"--data": args.data, "--config": args.config}, results_key="models")
     convs = load_conversations(args.data, cfg.data)
     lm = next((c for c in convs if "text" in c), None)
     if lm is not None:  # nothing to prompt with or score against

@@ -14,14 +14,14 @@ from gemma_tpu.core.errors import UserError, read_json_object
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve_path(spec: str, revision: str | None = None) -> Path:
-    """Turn a local dir / hub id / embedded:NAME into a local directory."""
+def resolve_path(spec: str, revision: str | None = None, what: str = "model.path") -> Path:
+    """Turn a local dir / hub id / embedded:NAME into a local directory; `what` names the setting in errors."""
     if spec.startswith("embedded:"):
         return Path(assets.resolve_embedded(spec))
     p = Path(spec).expanduser()
     if p.exists():
         if not p.is_dir():
-            raise UserError(f"model.path {spec}: not a directory")
+            raise UserError(f"{what} {spec}: not a directory")
         return p
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
         try:
@@ -33,10 +33,10 @@ def resolve_path(spec: str, revision: str | None = None) -> Path:
                 allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model"],
             )
         except Exception as e:  # network off, offline mode, gated or missing repo
-            raise UserError(f"model.path {spec}: not a local directory and not downloadable from the hub "
+            raise UserError(f"{what} {spec}: not a local directory and not downloadable from the hub "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         return Path(local)
-    raise UserError(f"model.path {spec}: no such directory")
+    raise UserError(f"{what} {spec}: no such directory")
 
 
 def read_hf_config(model_dir: Path) -> dict:

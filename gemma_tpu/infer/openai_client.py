@@ -71,9 +71,10 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url, data=data, headers=headers, method="POST" if payload is not None else "GET")
+    deadline = time.monotonic() + timeout
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read().decode(errors="replace")
+            body = _read_by(resp, deadline).decode(errors="replace")
             status, ctype = resp.status, resp.headers.get("Content-Type") or "none"
     except urllib.error.HTTPError as e:
         try:
@@ -81,7 +82,7 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
         except (http.client.HTTPException, OSError):  # the error page itself was cut off
             detail = "no readable body"
         raise HTTPStatusError(f"{url}: HTTP {e.code} ({detail})", e.code) from None
-    except TimeoutError:  # connected, asked, and no answer came (a stalled or overloaded server)
+    except TimeoutError:  # connected, asked, and no whole answer came (a stalled or overloaded server)
         raise Unreachable(f"{url}: no answer within {timeout:g} s") from None
     except (urllib.error.URLError, ConnectionError, OSError) as e:
         reason = getattr(e, "reason", e)
@@ -93,6 +94,25 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
         raise UserError(f"{url}: {_broken_answer(e)}; is this an OpenAI-compatible server?") from None
     return json_object(body, lambda why: UserError(f"{url}: {why}"),
                        f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
+
+
+def _read_by(resp, deadline: float) -> bytes:
+    """The whole body, or TimeoutError once `deadline` passes: urllib's timeout bounds each socket read,
+    so a server trickling its answer a byte at a time held `--timeout 2` for minutes."""
+    sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)  # to bound each wait by the time left
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        if sock is not None:
+            sock.settimeout(left)
+        chunk = resp.read1(65536)
+        if not chunk:
+            if resp.length:  # the connection closed short of Content-Length (read() raises this itself)
+                raise http.client.IncompleteRead(b"".join(chunks), resp.length)
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def _broken_answer(e: "http.client.HTTPException") -> str:

@@ -79,7 +79,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--provider", choices=("simulated", "garmin"), default="simulated")
     p.add_argument("--seed", type=int, default=0, help="simulated device seed")
     p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="(default: float32 for --model; a --checkpoint's training dtype)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute the shared developer turn for every reply (to compare with the cached path)")
@@ -93,12 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be positive")
     if args.step is not None and not args.checkpoint:
         raise UserError("--step applies to --checkpoint, not --model")
+    if args.once is not None and not args.once.strip():  # before the model, not after its load
+        raise UserError("--once needs a question")
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
-    loaded = load_hf_dir(args.model, args.dtype) if args.model else load_checkpoint(args.checkpoint, args.step)
+    loaded = (load_hf_dir(args.model, args.dtype or "float32") if args.model
+              else load_checkpoint(args.checkpoint, args.step, args.dtype))  # --dtype was ignored here
     coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache)
     if args.once is not None:
-        if not args.once.strip():
-            raise UserError("--once needs a question")
         print(coach.ask(question_text(args.once)))
         return 0
     return chat_repl(coach.ask, "")
@@ -127,7 +129,9 @@ def chat_repl(ask, greeting: str) -> int:
         if interactive:
             print("you> ", end="", file=sys.stderr, flush=True)
         line = sys.stdin.readline()
-        if not line:
+        if not line:  # Ctrl-D: end the prompt's line, or the shell's prompt follows `you> `
+            if interactive:
+                print(file=sys.stderr)
             break
         question = question_text(line).strip()
         if not question:
