@@ -42,6 +42,7 @@ RENDERED_FLAGS = {
     "--tensor-parallel-size": "server.tensor_parallel_size", "-tp": "server.tensor_parallel_size",
     "--max-model-len": "server.max_model_len", "--max-num-batched-tokens": "server.max_num_batched_tokens",
     "--max-num-seqs": "server.max_num_seqs", "--dtype": "server.dtype", "--api-key": "server.api_key_env",
+    "--chat-template-content-format": "server.chat_template_content_format",
     "--enable-auto-tool-choice": "tool_calling.enabled", "--tool-call-parser": "tool_calling.parser",
     "--chat-template": "tool_calling.chat_template", "--enable-lora": "lora.adapters",
     "--lora-modules": "lora.adapters", "--max-lora-rank": "lora.max_lora_rank",

@@ -254,6 +254,8 @@ def _damaged_shard(p):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--port,9000]"], ["--port", "server.port"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max_model_len=100]"], ["server.max_model_len"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--api-key,sk-1]"], ["server.api_key_env"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--chat-template-content-format,string]"],
+     ["server.chat_template_content_format"]),
 ])
 def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
     d = make(tmp_path / "m")
