@@ -102,6 +102,45 @@ def test_config_built_from_config_json(tiny_dir, tmp_path):
         resolved.family.tunix_config(cfg)
 
 
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_declared_types_are_transformers_own(family):
+    """Each family's table of config.json types (what a value must be for transformers to build the
+    model) is the type transformers' text config class declares for that key."""
+    import dataclasses
+
+    import transformers
+
+    from gemma_tpu.models import gemma3, gemma4
+
+    module, cls = {"gemma3": (gemma3, transformers.Gemma3TextConfig),
+                   "gemma4": (gemma4, transformers.Gemma4TextConfig)}[family]
+    declared = {f.name: str(f.type).replace("<class '", "").replace("'>", "").replace("NoneType", "None")
+                .replace(" ", "") for f in dataclasses.fields(cls)}
+    assert {k: declared.get(k) for k in module.HF_TYPES} == module.HF_TYPES
+
+
+@pytest.mark.parametrize("key,value", [("num_attention_heads", "4"), ("head_dim", 16.0), ("num_hidden_layers", True),
+                                       ("rms_norm_eps", 1), ("final_logit_softcapping", "30"),
+                                       ("tie_word_embeddings", "false"), ("layer_types", "sliding_attention")])
+def test_values_transformers_refuses_are_refused(key, value, tiny_dir):
+    """transformers builds no model from a config.json whose values are not of the declared types ("4" for
+    num_attention_heads, 1 for rms_norm_eps); int("4") trained it here, into a run that could never be merged
+    or served. Both refuse it, naming the key (under text_config. in a multimodal config)."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    cfg[key] = value
+    with pytest.raises(StrictDataclassFieldValidationError, match=key):
+        Gemma3TextConfig.from_dict(cfg)
+    with pytest.raises(UserError, match=f"config.json: {key}={value!r} is not of type"):
+        detect_family(cfg).tunix_config(cfg)
+    if key != "tie_word_embeddings":  # read from the top level of a multimodal config
+        mm = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": cfg}
+        with pytest.raises(UserError, match=f"config.json: text_config.{key}={value!r} is not of type"):
+            detect_family(mm).tunix_config(mm)
+
 def test_unsupported_architecture_lists_supported():
     with pytest.raises(UserError) as e:
         detect_family({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})

@@ -43,12 +43,22 @@ HF_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 
                "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
 
 
+# The types transformers' Gemma3TextConfig declares for the keys read here (`check_types`; a test holds
+# this table to transformers' own field annotations).
+HF_TYPES = {"vocab_size": "int", "hidden_size": "int", "intermediate_size": "int", "num_hidden_layers": "int",
+            "num_attention_heads": "int", "num_key_value_heads": "int", "head_dim": "int",
+            "max_position_embeddings": "int", "query_pre_attn_scalar": "int", "sliding_window": "int|None",
+            "rms_norm_eps": "float", "hidden_activation": "str", "attention_bias": "bool",
+            "layer_types": "list[str]|None", "final_logit_softcapping": "float|None",
+            "attn_logit_softcapping": "float|None", "use_bidirectional_attention": "bool|None"}
+
+
 def hf_text_config(hf_config: dict) -> dict:
     """The text config as transformers reads it: omitted keys at transformers' defaults, and
     `layer_types`, when absent, derived from `sliding_window_pattern` (the key of configs written by
     transformers 4.x, the hub's Gemma 3 configs among them) the way transformers derives it;
     `tie_word_embeddings` from the top level of a multimodal config, where transformers reads it."""
-    t = text_config_with_defaults(hf_config, HF_DEFAULTS)
+    t = text_config_with_defaults(hf_config, HF_DEFAULTS, HF_TYPES)
     if not t.get("layer_types") and t.get("num_hidden_layers") is not None:
         period = t["sliding_window_pattern"]
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
