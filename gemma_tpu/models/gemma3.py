@@ -19,6 +19,7 @@ from gemma_tpu.models.registry import (
     Tensor,
     register,
     require_tied_embeddings,
+    text_config,
     text_config_with_defaults,
     tunix_remat,
     tunix_safetensors_loader,
@@ -41,7 +42,6 @@ HF_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 
                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
-
 
 # The types transformers' Gemma3TextConfig declares for the keys read here (`check_types`; a test holds
 # this table to transformers' own field annotations).
@@ -66,6 +66,11 @@ def hf_text_config(hf_config: dict) -> dict:
         t["layer_types"] = GEMMA3.layer_types(int(t["num_hidden_layers"]), period)
         t["_layer_types_key"] = "sliding_window_pattern"
     return t
+
+
+def multimodal(hf_config: dict) -> bool:
+    """A Gemma3ForConditionalGeneration config: the decoder's under `text_config`."""
+    return text_config(hf_config) is not hf_config
 
 
 def _rope_parameters(t: dict, kind: str) -> dict:
@@ -114,7 +119,11 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     if t.get("attention_bias"):
         raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "
                         f"projections have no bias)")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    # transformers caps the final logits in Gemma3ForCausalLM only: Gemma3ForConditionalGeneration, the
+    # class a multimodal config.json (model_type gemma3, text under text_config) loads as, even through
+    # AutoModelForCausalLM, never reads final_logit_softcapping; Tunix caps neither
+    capped = ("attn_logit_softcapping",) + (() if multimodal(hf_config) else ("final_logit_softcapping",))
+    for key in capped:
         if t.get(key) not in (None, 0, 0.0):
             raise UserError(f"config.json: {key}={t[key]} is not supported by Tunix's Gemma 3")
     if t.get("use_bidirectional_attention"):
