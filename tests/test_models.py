@@ -1,6 +1,7 @@
 """Model registry and loading: Tunix's Gemma 3 built from config.json matches transformers."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -140,6 +141,24 @@ def test_values_transformers_refuses_are_refused(key, value, tiny_dir):
         mm = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": cfg}
         with pytest.raises(UserError, match=f"config.json: text_config.{key}={value!r} is not of type"):
             detect_family(mm).tunix_config(mm)
+
+
+@pytest.mark.parametrize("edit,key", [
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": "20000"},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     "rope_parameters.sliding_attention.rope_theta='20000'"),
+    ({"rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": "10000"}, "rope_local_base_freq='10000'"),
+])
+def test_rotary_numbers_given_as_strings_are_refused(edit, key, tiny_dir):
+    """A rotary base written as a string was float()-ed here; transformers' rotary embedding fails on it."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = {**json.loads((tiny_dir / "config.json").read_text()), **edit}
+    with pytest.raises(TypeError):
+        Gemma3ForCausalLM(Gemma3TextConfig.from_dict(cfg))(torch.tensor([[2, 3]]))
+    with pytest.raises(UserError, match=f"config.json: {re.escape(key)} is not of type int or float"):
+        detect_family(cfg).tunix_config(cfg)
 
 def test_unsupported_architecture_lists_supported():
     with pytest.raises(UserError) as e:

@@ -17,6 +17,7 @@ from gemma_tpu.models.registry import (
     GGUFTensor,
     Projection,
     Tensor,
+    check_types,
     register,
     require_tied_embeddings,
     text_config,
@@ -73,6 +74,9 @@ def multimodal(hf_config: dict) -> bool:
     return text_config(hf_config) is not hf_config
 
 
+ROPE_TYPES = {"rope_theta": "int|float|None", "factor": "int|float", "rope_type": "str"}
+
+
 def _rope_parameters(t: dict, kind: str) -> dict:
     """The rotary parameters of 'sliding_attention' or 'full_attention' layers as transformers 5 resolves
     them (`Gemma3TextConfig.convert_rope_params_to_dict`): `rope_parameters[kind]`, with a legacy
@@ -80,8 +84,12 @@ def _rope_parameters(t: dict, kind: str) -> dict:
     `rope_theta` (global) or `rope_local_base_freq` (sliding), as transformers 4.x configs name them."""
     params = t.get("rope_parameters")
     p = dict((params.get(kind) if isinstance(params, dict) else None) or {"rope_type": "default"})
+    # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
+    check_types(p, ROPE_TYPES, f"rope_parameters.{kind}.")
+    check_types(t, {"rope_theta": "int|float|None", "rope_local_base_freq": "int|float|None"})
     if kind == "full_attention":
         if isinstance(t.get("rope_scaling"), dict):
+            check_types(t["rope_scaling"], ROPE_TYPES, "rope_scaling.")
             p.update(t["rope_scaling"])
         p.setdefault("rope_theta", t.get("rope_theta", 1_000_000.0))
     else:

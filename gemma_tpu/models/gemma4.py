@@ -32,11 +32,12 @@ from __future__ import annotations
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.gemma3 import ATTENTION_MLP_PARTITION_RULES
+from gemma_tpu.models.gemma3 import ATTENTION_MLP_PARTITION_RULES, ROPE_TYPES
 from gemma_tpu.models.registry import (
     Family,
     Projection,
     Tensor,
+    check_types,
     register,
     require_tied_embeddings,
     text_config_with_defaults,
@@ -180,6 +181,8 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int) -> tuple[floa
     p = params.get(kind) if isinstance(params, dict) else None
     if p is None:
         p = defaults[kind]
+    # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
+    check_types(p, {**ROPE_TYPES, "partial_rotary_factor": "int|float"}, f"rope_parameters.{kind}.")
     rtype = p.get("rope_type", "default")
     theta = float(p.get("rope_theta", defaults[kind]["rope_theta"]))
     key = f"rope_parameters.{kind}.rope_type"

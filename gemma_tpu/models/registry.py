@@ -401,7 +401,7 @@ def check_types(config: dict, types: dict[str, str], where: str = "") -> None:
     for key, spec in types.items():
         if key in config and not _has_type(config[key], spec):
             raise UserError(f"config.json: {where}{key}={config[key]!r} is not of type {spec.replace('|', ' or ')} "
-                            f"(transformers refuses this config)")
+                            f"(transformers cannot build a model from it)")
 
 
 def text_config_with_defaults(hf_config: dict, defaults: dict, types: dict[str, str] | None = None) -> dict:
