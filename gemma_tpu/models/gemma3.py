@@ -129,11 +129,11 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
                         f"projections have no bias)")
     # transformers caps the final logits in Gemma3ForCausalLM only: Gemma3ForConditionalGeneration, the
     # class a multimodal config.json (model_type gemma3, text under text_config) loads as, even through
-    # AutoModelForCausalLM, never reads final_logit_softcapping; Tunix caps neither
-    capped = ("attn_logit_softcapping",) + (() if multimodal(hf_config) else ("final_logit_softcapping",))
-    for key in capped:
-        if t.get(key) not in (None, 0, 0.0):
-            raise UserError(f"config.json: {key}={t[key]} is not supported by Tunix's Gemma 3")
+    # AutoModelForCausalLM, never reads final_logit_softcapping. attn_logit_softcapping is read by no Gemma 3
+    # class (transformers' attention is never handed it; vLLM's Gemma 3 passes None). Tunix caps neither.
+    if not multimodal(hf_config) and t.get("final_logit_softcapping") not in (None, 0, 0.0):
+        raise UserError(f"config.json: final_logit_softcapping={t['final_logit_softcapping']} is not supported "
+                        f"by Tunix's Gemma 3")
     if t.get("use_bidirectional_attention"):
         raise UserError("config.json: use_bidirectional_attention (an embedding model) is not a causal LM")
     eps = float(t.get("rms_norm_eps", 1e-6))
