@@ -198,6 +198,29 @@ def test_missing_weight_is_named(tiny_dir, tmp_path):
         load_model(resolve_model(str(d)))
 
 
+
+def test_stored_lm_head_other_than_the_embedding_is_refused(tiny_dir, tmp_path):
+    """A tied config.json whose checkpoint also stores an lm_head.weight: transformers ties the two only
+    when they are equal, else it projects with the stored lm_head (an untied model). Tunix's Gemma
+    projects with the embedding, so that model was trained silently with other logits; it is refused now,
+    and an lm_head equal to the embedding (as torch .bin exports save it) still loads."""
+    from safetensors.numpy import load_file, save_file
+
+    d = shutil.copytree(tiny_dir, tmp_path / "m")
+    tensors = load_file(str(d / "model.safetensors"))
+    emb = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": emb.copy()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    ids = [2, *range(120, 140)]
+    assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() < 1e-4
+    other = emb.copy()
+    other[7, 3] += 0.01
+    save_file({**tensors, "lm_head.weight": other}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() > 1e-3  # transformers did not tie them
+    with pytest.raises(UserError, match="weight 'lm_head.weight' differs from 'model.embed_tokens.weight' although "
+                                        "config.json ties them"):
+        load_model(resolve_model(str(d)), "float32")
+
 def test_sharded_checkpoint_loads(tiny_dir, tmp_path):
     """A checkpoint split across files with model.safetensors.index.json loads the same."""
     import torch
