@@ -238,6 +238,36 @@ def test_sharded_checkpoint_loads(tiny_dir, tmp_path):
     np.testing.assert_array_equal(jax_logits(m1, ids), jax_logits(m2, ids))
 
 
+
+def test_model_safetensors_beside_an_index_of_other_shards_is_refused(tiny_dir, tmp_path):
+    """A directory holding model.safetensors and an index naming other shards (a re-sharded copy, a stale
+    file): transformers loads model.safetensors, vLLM and this loader the shards. Such a base trained
+    silently on weights other than transformers runs; it is refused now, by the loader and the merge's
+    reader alike, while a sharded directory alone still loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gemma_tpu.hf import safetensors_io as sio
+
+    d = shutil.copytree(tiny_dir, tmp_path / "both")
+    other = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    with torch.no_grad():
+        other.model.layers[1].mlp.up_proj.weight.mul_(-1.0)
+    other.save_pretrained(str(tmp_path / "other"), max_shard_size="100KB")
+    for f in (tmp_path / "other").glob("model*.safetensors*"):
+        shutil.copy(f, d)
+    ids = [2, *range(120, 140)]
+    assert np.abs(hf_logits(d, ids) - hf_logits(tmp_path / "other", ids)).max() > 1e-3  # transformers: the file
+    needle = "holds both model.safetensors and model.safetensors.index.json naming other files"
+    with pytest.raises(UserError, match=needle):
+        load_model(resolve_model(str(d)), "float32")
+    with pytest.raises(UserError, match=needle):
+        sio.WeightsDir(d)
+    (d / "model.safetensors").unlink()
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() < 1e-4
+
+
 def test_hub_id_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match=r"google/gemma-3-does-not-exist: not a local directory"):
