@@ -172,8 +172,9 @@ class WeightsDir:
             infos, meta = file_tensors(path)
             self.file_metadata[path.name] = meta
             for t in infos:
-                if weight_map is not None and weight_map.get(t.name) != path.name:
-                    continue  # the index is authoritative for where a key lives
+                if weight_map is not None and weight_map.get(t.name, path.name) != path.name:
+                    continue  # the index is authoritative for where a key lives; one it omits is read from
+                    # the shard holding it, as transformers and vLLM read every tensor of the listed shards
                 if t.name in self.tensors:
                     raise UserError(f"{self.dir}: tensor {t.name} appears in two files")
                 self.tensors[t.name] = t
