@@ -418,6 +418,10 @@ CASES = [
     Case("model-sliding-window-null", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
          ["config.json", "sliding_window=None"],  # read as 4096 before; transformers refuses it
          {"m": copy_of("tiny", config={"sliding_window": None})}),
+    # a value of another type than transformers declares: int("4") trained it, transformers refuses the config
+    Case("model-string-number", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["config.json", "num_attention_heads='4' is not of type int"],
+         {"m": copy_of("tiny", config={"num_attention_heads": "4"})}),
     # a tokenizer with ids past the model's embedding rows: XLA clamped them, the first loss was NaN
     Case("model-tokenizer-past-vocab", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
          [f"{CHAT}:1", "token id", "past the model's vocabulary (vocab_size 150"],

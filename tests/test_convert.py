@@ -326,6 +326,38 @@ def test_real_multimodal_model_and_peft(work, base):
     assert max_diff(hf_logits(mm, adapter=adapter), got) <= TOL
 
 
+
+def test_multimodal_final_logit_softcapping_is_not_applied_as_transformers(work, base):
+    """transformers caps the final logits in Gemma3ForCausalLM only; Gemma3ForConditionalGeneration (what a
+    multimodal config.json loads as, AutoModelForCausalLM included) never reads final_logit_softcapping. Such
+    a checkpoint was refused; now it loads, trains, merges and exports with transformers' numbers, and the
+    text-only model (which does cap) is still refused."""
+    from transformers import Gemma3TextConfig
+
+    from convert.export_peft import main as export_main
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.models import detect_family, load_model, resolve_model
+
+    mm = _write_multimodal_gemma3(work / "base_mm_softcap",
+                                  Gemma3TextConfig(**TINY_GEMMA3, final_logit_softcapping=0.5), 8, base)
+    base_logits = hf_logits(mm)
+    assert max(float(np.abs(x).max()) for x in base_logits) > 0.5  # a 0.5 cap would have changed them
+    assert max_diff(tunix_logits(load_model(resolve_model(str(mm)), "float32")[0]), base_logits) <= TOL
+    ckpt = work / "ckpt_mm_softcap"
+    ref = make_checkpoint(mm, ckpt, seed=8)
+    out = work / "merged_mm_softcap"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    got = hf_logits(out)
+    assert max_diff(ref, got) <= TOL
+    adapter = work / "adapter_mm_softcap"
+    assert cli_main(export_main, ["--checkpoint", str(ckpt), "--out", str(adapter)]) == 0
+    assert max_diff(hf_logits(mm, adapter=adapter), got) <= TOL
+    text = json.loads((mm / "config.json").read_text())["text_config"]
+    with pytest.raises(UserError, match="final_logit_softcapping=0.5"):
+        detect_family(text).tunix_config(text)
+
 def test_sparse_multimodal_config_means_transformers_defaults(work, base):
     """google/gemma-3-4b-it's config.json names few text keys (hidden_size, intermediate_size,
     num_hidden_layers, rope_scaling, sliding_window): the rest are transformers' defaults (8 heads, 4 KV

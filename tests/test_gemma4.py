@@ -182,7 +182,7 @@ def test_config_built_from_config_json(g4):
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
      "global_head_dim"),
     ("num_kv_shared_layers", 6, "num_kv_shared_layers"),
-    ("sliding_window", None, "sliding_window=None must be a positive integer"),  # was read as 512
+    ("sliding_window", None, "sliding_window=None is not of type int"),  # was read as 512
     ("head_dim", 15, "head_dim=15 .*must be even"),  # was a JAX traceback ("array split") at load
     ("global_head_dim", 33, "global_head_dim=33 .*must be even"),
 ])

@@ -1,6 +1,7 @@
 """Model registry and loading: Tunix's Gemma 3 built from config.json matches transformers."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -102,6 +103,75 @@ def test_config_built_from_config_json(tiny_dir, tmp_path):
         resolved.family.tunix_config(cfg)
 
 
+
+
+def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(tiny_odd_dir, tmp_path):
+    """No Gemma 3 class applies attn_logit_softcapping (transformers never hands it to the attention, vLLM's
+    Gemma 3 passes None): a config.json that sets it was refused; it now loads with transformers' numbers."""
+    d = shutil.copytree(tiny_odd_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["attn_logit_softcapping"] = 0.5  # would flatten every attention score if applied
+    (d / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    ids = [2, *range(120, 160)]
+    assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() < 1e-4
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_declared_types_are_transformers_own(family):
+    """Each family's table of config.json types (what a value must be for transformers to build the
+    model) is the type transformers' text config class declares for that key."""
+    import dataclasses
+
+    import transformers
+
+    from gemma_tpu.models import gemma3, gemma4
+
+    module, cls = {"gemma3": (gemma3, transformers.Gemma3TextConfig),
+                   "gemma4": (gemma4, transformers.Gemma4TextConfig)}[family]
+    declared = {f.name: str(f.type).replace("<class '", "").replace("'>", "").replace("NoneType", "None")
+                .replace(" ", "") for f in dataclasses.fields(cls)}
+    assert {k: declared.get(k) for k in module.HF_TYPES} == module.HF_TYPES
+
+
+@pytest.mark.parametrize("key,value", [("num_attention_heads", "4"), ("head_dim", 16.0), ("num_hidden_layers", True),
+                                       ("rms_norm_eps", 1), ("final_logit_softcapping", "30"),
+                                       ("tie_word_embeddings", "false"), ("layer_types", "sliding_attention")])
+def test_values_transformers_refuses_are_refused(key, value, tiny_dir):
+    """transformers builds no model from a config.json whose values are not of the declared types ("4" for
+    num_attention_heads, 1 for rms_norm_eps); int("4") trained it here, into a run that could never be merged
+    or served. Both refuse it, naming the key (under text_config. in a multimodal config)."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    cfg[key] = value
+    with pytest.raises(StrictDataclassFieldValidationError, match=key):
+        Gemma3TextConfig.from_dict(cfg)
+    with pytest.raises(UserError, match=f"config.json: {key}={value!r} is not of type"):
+        detect_family(cfg).tunix_config(cfg)
+    if key != "tie_word_embeddings":  # read from the top level of a multimodal config
+        mm = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": cfg}
+        with pytest.raises(UserError, match=f"config.json: text_config.{key}={value!r} is not of type"):
+            detect_family(mm).tunix_config(mm)
+
+
+@pytest.mark.parametrize("edit,key", [
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": "20000"},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     "rope_parameters.sliding_attention.rope_theta='20000'"),
+    ({"rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": "10000"}, "rope_local_base_freq='10000'"),
+])
+def test_rotary_numbers_given_as_strings_are_refused(edit, key, tiny_dir):
+    """A rotary base written as a string was float()-ed here; transformers' rotary embedding fails on it."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = {**json.loads((tiny_dir / "config.json").read_text()), **edit}
+    with pytest.raises(TypeError):
+        Gemma3ForCausalLM(Gemma3TextConfig.from_dict(cfg))(torch.tensor([[2, 3]]))
+    with pytest.raises(UserError, match=f"config.json: {re.escape(key)} is not of type int or float"):
+        detect_family(cfg).tunix_config(cfg)
+
 def test_unsupported_architecture_lists_supported():
     with pytest.raises(UserError) as e:
         detect_family({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
@@ -128,6 +198,29 @@ def test_missing_weight_is_named(tiny_dir, tmp_path):
         load_model(resolve_model(str(d)))
 
 
+
+def test_stored_lm_head_other_than_the_embedding_is_refused(tiny_dir, tmp_path):
+    """A tied config.json whose checkpoint also stores an lm_head.weight: transformers ties the two only
+    when they are equal, else it projects with the stored lm_head (an untied model). Tunix's Gemma
+    projects with the embedding, so that model was trained silently with other logits; it is refused now,
+    and an lm_head equal to the embedding (as torch .bin exports save it) still loads."""
+    from safetensors.numpy import load_file, save_file
+
+    d = shutil.copytree(tiny_dir, tmp_path / "m")
+    tensors = load_file(str(d / "model.safetensors"))
+    emb = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": emb.copy()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    ids = [2, *range(120, 140)]
+    assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() < 1e-4
+    other = emb.copy()
+    other[7, 3] += 0.01
+    save_file({**tensors, "lm_head.weight": other}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() > 1e-3  # transformers did not tie them
+    with pytest.raises(UserError, match="weight 'lm_head.weight' differs from 'model.embed_tokens.weight' although "
+                                        "config.json ties them"):
+        load_model(resolve_model(str(d)), "float32")
+
 def test_sharded_checkpoint_loads(tiny_dir, tmp_path):
     """A checkpoint split across files with model.safetensors.index.json loads the same."""
     import torch
@@ -143,6 +236,44 @@ def test_sharded_checkpoint_loads(tiny_dir, tmp_path):
     m2, _ = load_model(resolve_model(str(d)))
     ids = [2, 120, 130, 140, 150]
     np.testing.assert_array_equal(jax_logits(m1, ids), jax_logits(m2, ids))
+    # an index that omits a tensor one of its shards holds: transformers loads it from that shard (every
+    # tensor of the listed shards); it was refused here as "missing from the checkpoint"
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    m3, _ = load_model(resolve_model(str(d)))
+    np.testing.assert_array_equal(jax_logits(m1, ids), jax_logits(m3, ids))
+    np.testing.assert_allclose(hf_logits(d, ids), jax_logits(m3, ids), atol=1e-4)
+
+
+
+def test_model_safetensors_beside_an_index_of_other_shards_is_refused(tiny_dir, tmp_path):
+    """A directory holding model.safetensors and an index naming other shards (a re-sharded copy, a stale
+    file): transformers loads model.safetensors, vLLM and this loader the shards. Such a base trained
+    silently on weights other than transformers runs; it is refused now, by the loader and the merge's
+    reader alike, while a sharded directory alone still loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gemma_tpu.hf import safetensors_io as sio
+
+    d = shutil.copytree(tiny_dir, tmp_path / "both")
+    other = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    with torch.no_grad():
+        other.model.layers[1].mlp.up_proj.weight.mul_(-1.0)
+    other.save_pretrained(str(tmp_path / "other"), max_shard_size="100KB")
+    for f in (tmp_path / "other").glob("model*.safetensors*"):
+        shutil.copy(f, d)
+    ids = [2, *range(120, 140)]
+    assert np.abs(hf_logits(d, ids) - hf_logits(tmp_path / "other", ids)).max() > 1e-3  # transformers: the file
+    needle = "holds both model.safetensors and model.safetensors.index.json naming other files"
+    with pytest.raises(UserError, match=needle):
+        load_model(resolve_model(str(d)), "float32")
+    with pytest.raises(UserError, match=needle):
+        sio.WeightsDir(d)
+    (d / "model.safetensors").unlink()
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() < 1e-4
 
 
 def test_hub_id_offline_is_a_clear_error(monkeypatch):

@@ -3,7 +3,6 @@ config.json, its weight index and its hub revision."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -45,31 +44,10 @@ def read_hf_config(model_dir: Path) -> dict:
 
 
 def safetensors_keys(model_dir: Path) -> dict[str, str]:
-    """key -> file name, from the index when present, else from each file's header."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise UserError(f"{index}: not a valid safetensors index ({e})") from None
-        for fname in set(weight_map.values()):
-            if not (model_dir / fname).is_file():
-                raise UserError(f"{index}: shard {fname} is missing")
-        return dict(weight_map)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{model_dir}: no *.safetensors weights (only safetensors are loaded)")
-    from safetensors import safe_open
+    """key -> file name of the weights transformers would load (`safetensors_io.WeightsDir`)."""
+    from gemma_tpu.hf.safetensors_io import WeightsDir
 
-    keys: dict[str, str] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="np") as h:
-                for k in h.keys():
-                    keys[k] = f.name
-        except Exception as e:
-            raise UserError(f"{f}: not a readable safetensors file ({e})") from None
-    return keys
+    return {name: t.file.name for name, t in WeightsDir(model_dir).tensors.items()}
 
 
 def hf_revision(model_dir: Path) -> str | None:

@@ -136,6 +136,9 @@ def file_tensors(path: Path) -> tuple[list[TensorInfo], dict]:
 class WeightsDir:
     """The safetensors weights of an HF directory, read lazily, in the base's own order.
 
+    Which files: the shards the index names, else every `*.safetensors` file. A `model.safetensors`
+    beside an index naming other files is refused: transformers loads that file and ignores the
+    index, vLLM loads the shards, so which weights a run trained on would depend on the reader.
     Order: shards in the order the index first mentions them (else file name order), tensors by
     their offset within each shard, which is the order their writer chose.
     """
@@ -152,13 +155,16 @@ class WeightsDir:
             for f in files:
                 if not (self.dir / f).is_file():
                     raise UserError(f"{index}: shard {f} is missing")
+            if (self.dir / SINGLE_FILE).is_file() and files != [SINGLE_FILE]:
+                raise UserError(f"{self.dir}: holds both {SINGLE_FILE} and {INDEX_FILE} naming other files "
+                                f"(transformers loads the first, vLLM the second); remove the one that is stale")
             self.index_file: Path | None = index
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = None
             self.index_file = None
         if not files:
-            raise UserError(f"{self.dir}: no *.safetensors weights")
+            raise UserError(f"{self.dir}: no *.safetensors weights (only safetensors are loaded)")
         self.files = [self.dir / f for f in files]
         self.tensors: dict[str, TensorInfo] = {}
         self.file_metadata: dict[str, dict] = {}
@@ -166,8 +172,9 @@ class WeightsDir:
             infos, meta = file_tensors(path)
             self.file_metadata[path.name] = meta
             for t in infos:
-                if weight_map is not None and weight_map.get(t.name) != path.name:
-                    continue  # the index is authoritative for where a key lives
+                if weight_map is not None and weight_map.get(t.name, path.name) != path.name:
+                    continue  # the index is authoritative for where a key lives; one it omits is read from
+                    # the shard holding it, as transformers and vLLM read every tensor of the listed shards
                 if t.name in self.tensors:
                     raise UserError(f"{self.dir}: tensor {t.name} appears in two files")
                 self.tensors[t.name] = t

@@ -17,8 +17,10 @@ from gemma_tpu.models.registry import (
     GGUFTensor,
     Projection,
     Tensor,
+    check_types,
     register,
     require_tied_embeddings,
+    text_config,
     text_config_with_defaults,
     tunix_remat,
     tunix_safetensors_loader,
@@ -42,13 +44,22 @@ HF_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 
                "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
 
+# The types transformers' Gemma3TextConfig declares for the keys read here (`check_types`; a test holds
+# this table to transformers' own field annotations).
+HF_TYPES = {"vocab_size": "int", "hidden_size": "int", "intermediate_size": "int", "num_hidden_layers": "int",
+            "num_attention_heads": "int", "num_key_value_heads": "int", "head_dim": "int",
+            "max_position_embeddings": "int", "query_pre_attn_scalar": "int", "sliding_window": "int|None",
+            "rms_norm_eps": "float", "hidden_activation": "str", "attention_bias": "bool",
+            "layer_types": "list[str]|None", "final_logit_softcapping": "float|None",
+            "attn_logit_softcapping": "float|None", "use_bidirectional_attention": "bool|None"}
+
 
 def hf_text_config(hf_config: dict) -> dict:
     """The text config as transformers reads it: omitted keys at transformers' defaults, and
     `layer_types`, when absent, derived from `sliding_window_pattern` (the key of configs written by
     transformers 4.x, the hub's Gemma 3 configs among them) the way transformers derives it;
     `tie_word_embeddings` from the top level of a multimodal config, where transformers reads it."""
-    t = text_config_with_defaults(hf_config, HF_DEFAULTS)
+    t = text_config_with_defaults(hf_config, HF_DEFAULTS, HF_TYPES)
     if not t.get("layer_types") and t.get("num_hidden_layers") is not None:
         period = t["sliding_window_pattern"]
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
@@ -58,6 +69,14 @@ def hf_text_config(hf_config: dict) -> dict:
     return t
 
 
+def multimodal(hf_config: dict) -> bool:
+    """A Gemma3ForConditionalGeneration config: the decoder's under `text_config`."""
+    return text_config(hf_config) is not hf_config
+
+
+ROPE_TYPES = {"rope_theta": "int|float|None", "factor": "int|float", "rope_type": "str"}
+
+
 def _rope_parameters(t: dict, kind: str) -> dict:
     """The rotary parameters of 'sliding_attention' or 'full_attention' layers as transformers 5 resolves
     them (`Gemma3TextConfig.convert_rope_params_to_dict`): `rope_parameters[kind]`, with a legacy
@@ -65,8 +84,12 @@ def _rope_parameters(t: dict, kind: str) -> dict:
     `rope_theta` (global) or `rope_local_base_freq` (sliding), as transformers 4.x configs name them."""
     params = t.get("rope_parameters")
     p = dict((params.get(kind) if isinstance(params, dict) else None) or {"rope_type": "default"})
+    # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
+    check_types(p, ROPE_TYPES, f"rope_parameters.{kind}.")
+    check_types(t, {"rope_theta": "int|float|None", "rope_local_base_freq": "int|float|None"})
     if kind == "full_attention":
         if isinstance(t.get("rope_scaling"), dict):
+            check_types(t["rope_scaling"], ROPE_TYPES, "rope_scaling.")
             p.update(t["rope_scaling"])
         p.setdefault("rope_theta", t.get("rope_theta", 1_000_000.0))
     else:
@@ -104,9 +127,13 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     if t.get("attention_bias"):
         raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "
                         f"projections have no bias)")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if t.get(key) not in (None, 0, 0.0):
-            raise UserError(f"config.json: {key}={t[key]} is not supported by Tunix's Gemma 3")
+    # transformers caps the final logits in Gemma3ForCausalLM only: Gemma3ForConditionalGeneration, the
+    # class a multimodal config.json (model_type gemma3, text under text_config) loads as, even through
+    # AutoModelForCausalLM, never reads final_logit_softcapping. attn_logit_softcapping is read by no Gemma 3
+    # class (transformers' attention is never handed it; vLLM's Gemma 3 passes None). Tunix caps neither.
+    if not multimodal(hf_config) and t.get("final_logit_softcapping") not in (None, 0, 0.0):
+        raise UserError(f"config.json: final_logit_softcapping={t['final_logit_softcapping']} is not supported "
+                        f"by Tunix's Gemma 3")
     if t.get("use_bidirectional_attention"):
         raise UserError("config.json: use_bidirectional_attention (an embedding model) is not a causal LM")
     eps = float(t.get("rms_norm_eps", 1e-6))

@@ -32,11 +32,12 @@ from __future__ import annotations
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.gemma3 import ATTENTION_MLP_PARTITION_RULES
+from gemma_tpu.models.gemma3 import ATTENTION_MLP_PARTITION_RULES, ROPE_TYPES
 from gemma_tpu.models.registry import (
     Family,
     Projection,
     Tensor,
+    check_types,
     register,
     require_tied_embeddings,
     text_config_with_defaults,
@@ -62,11 +63,23 @@ HF_DEFAULTS = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 
                "global_head_dim": 512, "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
                "sliding_window": 512}
 
+# The types transformers' Gemma4TextConfig declares for the keys read here (`check_types`; a test holds
+# this table to transformers' own field annotations).
+HF_TYPES = {"vocab_size": "int", "hidden_size": "int", "intermediate_size": "int", "num_hidden_layers": "int",
+            "num_attention_heads": "int", "num_key_value_heads": "int", "head_dim": "int",
+            "max_position_embeddings": "int", "sliding_window": "int", "rms_norm_eps": "float",
+            "hidden_activation": "str", "attention_bias": "bool", "layer_types": "list[str]|None",
+            "final_logit_softcapping": "float|None", "vocab_size_per_layer_input": "int",
+            "hidden_size_per_layer_input": "int", "num_global_key_value_heads": "int|None", "global_head_dim": "int",
+            "attention_k_eq_v": "bool", "num_kv_shared_layers": "int", "enable_moe_block": "bool",
+            "use_double_wide_mlp": "bool", "num_experts": "int|None", "top_k_experts": "int|None",
+            "moe_intermediate_size": "int|None"}
+
 
 def hf_text_config(hf_config: dict) -> dict:
     """The text config as transformers reads it: omitted keys at transformers' defaults (`HF_DEFAULTS`),
     `tie_word_embeddings` from the top level of a multimodal config, where transformers reads it."""
-    return text_config_with_defaults(hf_config, HF_DEFAULTS)
+    return text_config_with_defaults(hf_config, HF_DEFAULTS, HF_TYPES)
 
 
 def _cfg_error(key: str, value: Any, why: str) -> UserError:
@@ -168,6 +181,8 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int) -> tuple[floa
     p = params.get(kind) if isinstance(params, dict) else None
     if p is None:
         p = defaults[kind]
+    # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
+    check_types(p, {**ROPE_TYPES, "partial_rotary_factor": "int|float"}, f"rope_parameters.{kind}.")
     rtype = p.get("rope_type", "default")
     theta = float(p.get("rope_theta", defaults[kind]["rope_theta"]))
     key = f"rope_parameters.{kind}.rope_type"

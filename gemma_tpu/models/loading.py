@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import read_hf_config, resolve_path, safetensors_keys
 from gemma_tpu.models.registry import Family, detect_family, get_family
@@ -60,7 +62,32 @@ def check_weights(resolved: ResolvedModel, tunix_cfg: Any) -> str:
              and int(k[len(prefix) + 7:].split(".")[0]) >= tunix_cfg.num_layers]
     if extra:
         raise UserError(f"{resolved.local_dir}: weight '{extra[0]}' beyond num_hidden_layers={tunix_cfg.num_layers}")
+    check_output_projection(resolved.local_dir, [k for k in keys if k.endswith("lm_head.weight")],
+                            f"{prefix}embed_tokens.weight")
     return prefix
+
+
+def check_output_projection(model_dir: Path, heads: list[str], embedding: str) -> None:
+    """A tied checkpoint (untied ones are refused by the family) that also stores an `lm_head.weight` is
+    tied by transformers only when the two are equal; otherwise transformers warns and projects with the
+    stored lm_head, an untied model. Tunix's Gemma projects with the embedding, so such a checkpoint would
+    train and merge another model than the one transformers runs: refused, naming both tensors."""
+    if not heads:
+        return
+    from gemma_tpu.hf import safetensors_io as sio
+
+    weights = sio.WeightsDir(model_dir)
+    emb = weights[embedding]
+    for head in heads:
+        t = weights[head]
+        same = t.shape == emb.shape and all(
+            np.array_equal(weights.read_rows(head, a, b).astype(np.float32),
+                           weights.read_rows(embedding, a, b).astype(np.float32))
+            for a, b in sio.row_chunks(tuple(emb.shape), max(t.np_dtype.itemsize, emb.np_dtype.itemsize)))
+        if not same:
+            raise UserError(f"{model_dir}: weight '{head}' differs from '{embedding}' although config.json ties "
+                            f"them (tie_word_embeddings); transformers then keeps it as a separate output "
+                            f"projection, which Tunix's Gemma does not have")
 
 
 def load_model(resolved: ResolvedModel, dtype: str = "float32", remat: str = "none", mesh=None):

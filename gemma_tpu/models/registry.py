@@ -369,15 +369,48 @@ def text_config(hf_config: dict) -> dict:
 def tied_embeddings(hf_config: dict) -> bool:
     """Whether the output projection is the input embedding: the flag transformers reads (the top
     level of a multimodal config, else the text config); Gemma ties unless config.json says otherwise."""
+    t = text_config(hf_config)
+    nested = t is not hf_config
+    # bool("false") is True: a string must not tie an untied model (transformers refuses it)
+    check_types(hf_config, {"tie_word_embeddings": "bool|None" if nested else "bool"})
     if "tie_word_embeddings" in hf_config:
         return bool(hf_config["tie_word_embeddings"])
-    return bool(text_config(hf_config).get("tie_word_embeddings", True))
+    check_types(t, {"tie_word_embeddings": "bool"}, "text_config.")
+    return bool(t.get("tie_word_embeddings", True))
 
 
-def text_config_with_defaults(hf_config: dict, defaults: dict) -> dict:
-    """The decoder's config as transformers reads it: keys config.json omits at the family's transformers
-    defaults (`defaults`), `tie_word_embeddings` where transformers reads it (`tied_embeddings`)."""
-    t = dict(text_config(hf_config))
+_JSON_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None)}
+
+
+def _has_type(value: Any, spec: str) -> bool:
+    for alt in spec.split("|"):
+        if alt == "list[str]":
+            if isinstance(value, list) and all(isinstance(x, str) for x in value):
+                return True
+        elif type(value) is _JSON_TYPES[alt]:  # exact: True is no int, 4 no float, as transformers checks
+            return True
+    return False
+
+
+def check_types(config: dict, types: dict[str, str], where: str = "") -> None:
+    """Refuse, naming the key, a value that is not of the type transformers declares for it (`types`:
+    key -> "int", "float|None", "list[str]|None", ...). transformers 5 builds no model from such a config
+    (`"num_attention_heads": "4"`, `"rms_norm_eps": 1`, `"final_logit_softcapping": 30` are refused when
+    it reads config.json), so a run on it could never be merged, reloaded or served; `int("4")` here would
+    have trained it silently."""
+    for key, spec in types.items():
+        if key in config and not _has_type(config[key], spec):
+            raise UserError(f"config.json: {where}{key}={config[key]!r} is not of type {spec.replace('|', ' or ')} "
+                            f"(transformers cannot build a model from it)")
+
+
+def text_config_with_defaults(hf_config: dict, defaults: dict, types: dict[str, str] | None = None) -> dict:
+    """The decoder's config as transformers reads it: values of the types transformers declares (`types`,
+    see `check_types`), keys config.json omits at the family's transformers defaults (`defaults`),
+    `tie_word_embeddings` where transformers reads it (`tied_embeddings`)."""
+    raw = text_config(hf_config)
+    check_types(raw, types or {}, "text_config." if raw is not hf_config else "")
+    t = dict(raw)
     for key, value in defaults.items():
         t.setdefault(key, value)
     t["tie_word_embeddings"] = tied_embeddings(hf_config)
