@@ -700,6 +700,15 @@ def test_generic_tool_loop_with_another_toolset():
     assert json.loads(seen[1][3]["content"]) == {"sum": 5} and trace == ["-> add(a=2, b=3) = {\"sum\": 5}"]
     assert run_tool_loop("?", calc, scripted(ParsedReply("call", [ToolCall("mul", {})], ""))) == "(no tool mul)"
     assert "stopped after 2 calls" in run_tool_loop("loop", calc, scripted(call, call, call), max_calls=2)
+    # parallel calls in one turn: each is run, and their results answer them in order, in one turn (only the first
+    # was run, and the second question of "steps yesterday and today?" went unanswered)
+    seen.clear()
+    both = ParsedReply("call", [ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 1, "b": 1})], "Both.")
+    assert run_tool_loop("2+3 and 1+1?", calc, scripted(both, ParsedReply("text", [], "5 and 2"))) == "5 and 2"
+    assert [m["role"] for m in seen[1]] == ["developer", "user", "assistant", "tool", "tool"]
+    assert seen[1][2]["content"] == "Both." and len(seen[1][2]["tool_calls"]) == 2
+    assert [json.loads(m["content"]) for m in seen[1][3:]] == [{"sum": 5}, {"sum": 2}]
+    assert "stopped after 0 calls" in run_tool_loop("many", calc, scripted(both), max_calls=1)
     no_prompt = Toolset(calc.schemas, add)
     seen.clear()
     run_tool_loop("hi", no_prompt, scripted(ParsedReply("text", [], "hello")))

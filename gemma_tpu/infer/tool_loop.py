@@ -3,8 +3,8 @@ until the model answers in words or the call budget is spent.
 
 The model side is a callable, so the same loop drives a local `Generator` (the fitness chat) and any OpenAI-compatible endpoint (`serving.chat`); the tools are a
 `Toolset`: the declarations sent with each request, a runner, the system prompt and what each user turn
-carries besides the question. One call per turn is run (the first), as in the FunctionGemma data: one request,
-one call, one answer. A malformed call, an unknown tool, wrong arguments or a tool that raises (its service
+carries besides the question. Every call of a turn is run, in order ("steps yesterday and today?" is two
+calls), and their results answer them in one turn, as the chat template renders parallel calls. A malformed call, an unknown tool, wrong arguments or a tool that raises (its service
 down, say) are reported in the returned text, not raised, so a chat session goes on.
 """
 
@@ -48,25 +48,30 @@ def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max
     log = log or (lambda _text: None)
     messages = [{"role": "developer", "content": toolset.system_prompt()}] if toolset.system_prompt else []
     messages.append({"role": "user", "content": toolset.user_turn(question) if toolset.user_turn else question})
-    for _ in range(max_calls + 1):
+    made = 0
+    while True:
         reply, raw = next_reply(messages)
         if reply.kind == "format_error":
             return f"(the model produced a malformed tool call: {reply.error}; raw output: {str(raw).strip()[:200]!r})"
         if reply.kind == "text":
             return reply.text or "(the model gave an empty answer)"
-        call = reply.calls[0]
-        shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
-        try:
-            result = toolset.call(call.name, call.arguments)
-        except ToolCallError as e:
-            log(f"-> {call.name}({shown}): {e}")
-            return f"({e})"
-        except Exception as e:  # noqa: BLE001 - a failing tool (service down, a bug) ends the question, not the chat
-            what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            log(f"-> {call.name}({shown}) failed: {what}")
-            return f"(the tool {call.name} failed: {what[:200]})"
-        log(f"-> {call.name}({shown}) = {result_json(result)}")
-        messages.append({"role": "assistant", "content": "",
-                         "tool_calls": [{"name": call.name, "arguments": call.arguments}]})
-        messages.append({"role": "tool", "name": call.name, "content": result_json(result)})
-    return f"(the model kept calling tools; stopped after {max_calls} calls)"
+        if made + len(reply.calls) > max_calls:
+            return f"(the model kept calling tools; stopped after {made} calls)"
+        results = []
+        for call in reply.calls:
+            shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+            try:
+                result = toolset.call(call.name, call.arguments)
+            except ToolCallError as e:
+                log(f"-> {call.name}({shown}): {e}")
+                return f"({e})"
+            except Exception as e:  # noqa: BLE001 - a failing tool (service down, a bug) ends the question, not the chat
+                what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                log(f"-> {call.name}({shown}) failed: {what}")
+                return f"(the tool {call.name} failed: {what[:200]})"
+            log(f"-> {call.name}({shown}) = {result_json(result)}")
+            results.append({"role": "tool", "name": call.name, "content": result_json(result)})
+        made += len(reply.calls)
+        messages.append({"role": "assistant", "content": reply.text or "",
+                         "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in reply.calls]})
+        messages.extend(results)
