@@ -196,6 +196,16 @@ def test_unsupported_config_values_are_refused_by_name(g4, key, value, needle):
     assert "\n" not in str(e.value)
 
 
+def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(g4):
+    """Gemma4TextConfig declares no attn_logit_softcapping and no Gemma 4 class reads it: a config.json that sets
+    it (a Gemma 2/3 habit) was refused; it now builds the model transformers builds, the key ignored."""
+    from gemma_tpu.models import get_family
+
+    cfg = json.loads((g4("ple") / "config.json").read_text())
+    plain = get_family("gemma4").tunix_config(cfg)
+    assert get_family("gemma4").tunix_config({**cfg, "attn_logit_softcapping": 50.0}) == plain
+
+
 def test_lora_lands_where_each_layer_has_the_projection(g4):
     """K and V are fused in sliding layers, K alone in the K=V global layers, and KV-sharing
     layers have neither; LoRA factors exist exactly there."""

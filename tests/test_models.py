@@ -103,8 +103,6 @@ def test_config_built_from_config_json(tiny_dir, tmp_path):
         resolved.family.tunix_config(cfg)
 
 
-
-
 def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(tiny_odd_dir, tmp_path):
     """No Gemma 3 class applies attn_logit_softcapping (transformers never hands it to the attention, vLLM's
     Gemma 3 passes None): a config.json that sets it was refused; it now loads with transformers' numbers."""
@@ -115,6 +113,7 @@ def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(tiny_odd_d
     model, _ = load_model(resolve_model(str(d)), "float32")
     ids = [2, *range(120, 160)]
     assert np.abs(jax_logits(model, ids) - hf_logits(d, ids)).max() < 1e-4
+
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 def test_declared_types_are_transformers_own(family):
