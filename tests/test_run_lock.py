@@ -1,6 +1,7 @@
 """One writer per run directory (gemma_tpu.train.run_lock): a second trainer on the same
 checkpoint.dir is refused naming the holder, a dead holder's lock is taken over with a warning, and the
-lock goes away when the trainer ends (normally, by an exception or by SIGTERM)."""
+lock goes away when the trainer ends (normally, by an exception or by SIGTERM). The same lock keeps one
+writer per published output (gemma_tpu.core.atomic; the converters' CLIs: tests/test_convert.py)."""
 
 from __future__ import annotations
 
@@ -112,9 +113,42 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, small_disk):
     (disk / "filler").write_bytes(b"x" * 4096)
     ck = disk / "ck"
     ck.mkdir()
-    with pytest.raises(UserError, match=f"cannot write the run lock {ck / 'gemma_tpu_run.lock'} \\(No space left"):
+    with pytest.raises(UserError, match=f"cannot write the lock {ck / 'gemma_tpu_run.lock'} \\(No space left"):
         run_lock.acquire(ck)
     assert list(ck.iterdir()) == []
     (disk / "filler").unlink()
     run_lock.check_free(ck)
     run_lock.acquire(ck).release()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_one_writer_per_output_file(tmp_path, sig):
+    """An `AtomicFile` (the GGUF export's writer) held by another process refuses a second writer naming
+    it, before anything is created; after the holder ends (SIGTERM: its lock and temp file are removed;
+    SIGKILL: both stay behind and the next writer removes them), the next writer publishes."""
+    from gemma_tpu.core.atomic import AtomicFile, check_file_target
+
+    out = tmp_path / "model.gguf"
+    out.write_bytes(b"GGUF old")
+    hold = ("import sys, time; from gemma_tpu.core.atomic import AtomicFile\n"
+            "with AtomicFile(sys.argv[1], overwrite=True) as tmp:\n    print('held', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        busy = rf"{out} is being written by another process \(PID {proc.pid} on {socket.gethostname()} since "
+        with pytest.raises(UserError, match=busy):
+            check_file_target(out, overwrite=True)
+        af = AtomicFile(out, overwrite=True)
+        with pytest.raises(UserError, match=busy):
+            af.__enter__()
+        assert not af.tmp.exists() and out.read_bytes() == b"GGUF old"
+    finally:
+        proc.send_signal(sig)
+        proc.wait()
+    assert len(list(tmp_path.iterdir())) == (1 if sig == signal.SIGTERM else 3)
+    af = AtomicFile(out, overwrite=True)
+    with af as tmp:
+        tmp.write_bytes(b"GGUF new")
+        af.publish()
+    assert out.read_bytes() == b"GGUF new" and [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
