@@ -37,7 +37,7 @@ def _finite_checkpoints(ckpt):
 @pytest.fixture(scope="module")
 def stopped(tiny_dir, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("nonfinite") / "stop"
-    return ckpt, _run(tiny_dir, ckpt)
+    return ckpt, _run(tiny_dir, ckpt, "checkpoint.every_steps=1")  # whichever step diverges is a save step
 
 
 def test_stop_names_the_step_and_exits_3(stopped):
@@ -47,6 +47,19 @@ def test_stop_names_the_step_and_exits_3(stopped):
     bad = [json.loads(l) for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
     first_bad = next(r["step"] for r in bad if r["mode"] == "train" and not np.isfinite(r["loss"]))
     assert f"at step {first_bad}" in line
+
+
+def test_the_step_whose_loss_went_nonfinite_is_not_saved(stopped):
+    """Its update was dropped, so the step was saved holding the previous step's weights under its own
+    number and data position: a resume went on past the batch that stopped the run. As for non-finite
+    weights, nothing is saved for that step and the message names the step before it."""
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, proc = stopped
+    recs = [json.loads(l) for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    first_bad = next(r["step"] for r in recs if r["mode"] == "train" and not np.isfinite(r["loss"]))
+    assert max(list_steps(ckpt)) == first_bad - 1
+    assert_one_line_error(proc, f"at step {first_bad}; the last checkpoint on disk is step {first_bad - 1} (finite)")
 
 
 def test_checkpoints_after_divergence_hold_finite_params(stopped):

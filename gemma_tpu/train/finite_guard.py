@@ -4,6 +4,7 @@ write (the LoRA factors, or every parameter of a full fine-tune) and the optimiz
 `FiniteCheckpoints` wraps Tunix's CheckpointManager (every other attribute passes through). A save of
 non-finite state writes nothing; it waits for saves already under way (so what is on disk is known),
 then raises `NonFiniteState` naming the step, the first non-finite tensor and the last step on disk.
+`before_save(step)` runs first: the trainer refuses there a step whose loss was not finite.
 The check is one jitted all-finite reduction per tensor, run only for steps that are saved.
 
 A save that fails (a full disk: Orbax's writer threads raise RESOURCE_EXHAUSTED; a directory gone) is one
@@ -114,8 +115,9 @@ def last_step_on_disk(manager) -> int | None:
 class FiniteCheckpoints:
     """Tunix's CheckpointManager with a finiteness check in front of `save`."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, before_save=None):
         self._manager = manager
+        self._before_save = before_save
 
     def __getattr__(self, name):
         return getattr(self._manager, name)
@@ -127,6 +129,8 @@ class FiniteCheckpoints:
             return False
         if not force and not inner.should_save(step):
             return False
+        if self._before_save is not None:
+            self._before_save(step)
         from flax import nnx
 
         params = nnx.state(model, nnx.LoRAParam) if save_only_lora_params else nnx.state(model)
