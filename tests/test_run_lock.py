@@ -152,3 +152,21 @@ def test_one_writer_per_output_file(tmp_path, sig):
         tmp.write_bytes(b"GGUF new")
         af.publish()
     assert out.read_bytes() == b"GGUF new" and [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
+def test_a_run_dir_shared_by_two_trainers_is_refused(tiny_dir, tmp_path):
+    """`train.run_dir` (metrics.jsonl, summary.json) apart from `checkpoint.dir` was not locked: a trainer with
+    its own checkpoint.dir but another trainer's run directory interleaved its metrics records into the other's
+    file. Now refused before anything is written, naming the holder and the option."""
+    busy = tmp_path / "shared"
+    proc = _holder(busy)  # a trainer whose checkpoint.dir (and so run directory) this is
+    try:
+        second = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                         f"checkpoint.dir={tmp_path / 'own'}", f"train.run_dir={busy}", "train.max_steps=1",
+                         "data.eval_path=null")
+        assert_one_line_error(second, f"{busy} is in use by another trainer (PID {proc.pid} on",
+                              "use another train.run_dir")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "own").exists() and [p.name for p in busy.iterdir()] == [run_lock.LOCK_FILE]

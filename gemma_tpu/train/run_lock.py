@@ -1,4 +1,5 @@
-"""One writer per run directory: `gemma_tpu_run.lock` in `checkpoint.dir`, a `gemma_tpu.core.pidlock`.
+"""One writer per run directory: `gemma_tpu_run.lock` in `checkpoint.dir` (and in a separate `train.run_dir`,
+where metrics.jsonl and summary.json go), a `gemma_tpu.core.pidlock`.
 
 Of two trainers started on the same directory exactly one gets it; the other fails with one line naming
 the holder (its PID, host and start time). A dead holder's lock on this host is taken over with a warning.
@@ -16,16 +17,18 @@ LOCK_FILE = "gemma_tpu_run.lock"
 release_all = pidlock.release_all
 
 
-def _busy(path: Path, holder: dict) -> UserError:
-    return UserError(f"{path.parent} is in use by another trainer ({pidlock.describe(holder)}); use another "
-                     f"checkpoint.dir, or remove {path} if that process is gone")
+def _busy(key: str):
+    def busy(path: Path, holder: dict) -> UserError:
+        return UserError(f"{path.parent} is in use by another trainer ({pidlock.describe(holder)}); use another "
+                         f"{key}, or remove {path} if that process is gone")
+    return busy
 
 
-def check_free(run_dir: str | Path) -> None:
-    """Refuse early (writing nothing) when a live trainer holds `run_dir`."""
-    pidlock.check_free(Path(run_dir) / LOCK_FILE, _busy)
+def check_free(run_dir: str | Path, key: str = "checkpoint.dir") -> None:
+    """Refuse early (writing nothing) when a live trainer holds `run_dir` (the option `key` names)."""
+    pidlock.check_free(Path(run_dir) / LOCK_FILE, _busy(key))
 
 
-def acquire(run_dir: str | Path) -> pidlock.PidLock:
+def acquire(run_dir: str | Path, key: str = "checkpoint.dir") -> pidlock.PidLock:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    return pidlock.PidLock(Path(run_dir) / LOCK_FILE, _busy).acquire()
+    return pidlock.PidLock(Path(run_dir) / LOCK_FILE, _busy(key)).acquire()
