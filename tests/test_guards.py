@@ -119,3 +119,26 @@ def test_a_nonfinite_state_is_never_saved(tmp_path):
         cm.save(3, model, opt, save_only_lora_params=True, force=True)
     cm.close()
     assert list_steps(tmp_path) == [1]
+
+
+def test_a_preemption_save_refused_as_nonfinite_exits_3(tmp_path):
+    """SIGTERM at the step whose loss went NaN: its save is refused (on_nonfinite=stop) and the exit said 1, a
+    plain failure a scheduler retries; the same refusal without a signal exits 3."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = (
+        "from types import SimpleNamespace\n"
+        "from gemma_tpu.train.preempt import Preemption\n"
+        "from gemma_tpu.train.trainer import NonFiniteLoss\n"
+        "class Manager:\n"
+        "    def save(self, *a, **k):\n"
+        "        raise NonFiniteLoss('non-finite loss nan at step 6; the last checkpoint on disk is step 4 (finite)')\n"
+        "t = SimpleNamespace(train_steps=6, checkpoint_manager=Manager(), model=None, optimizer=None,\n"
+        "                    lora_enabled=True, custom_checkpoint_metadata=dict)\n"
+        "Preemption(t).save_and_exit()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "could not save step 6 (NonFiniteLoss: non-finite loss nan at step 6" in proc.stderr
