@@ -170,3 +170,32 @@ def test_a_run_dir_shared_by_two_trainers_is_refused(tiny_dir, tmp_path):
         proc.kill()
         proc.wait()
     assert not (tmp_path / "own").exists() and [p.name for p in busy.iterdir()] == [run_lock.LOCK_FILE]
+
+
+def test_a_lock_whose_pid_now_belongs_to_another_process_is_stale(tmp_path, caplog):
+    """After a reboot or a container restart PIDs are handed out again: a preempted trainer's lock named a PID
+    now alive as an unrelated process, and every restart was refused "in use by another trainer" until the
+    user removed the file. The lock records when its process started; another start time is another process."""
+    from gemma_tpu.core import pidlock
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = tmp_path / run_lock.LOCK_FILE
+        holder = {"pid": other.pid, "pid_start": pidlock.start_time(other.pid), "host": socket.gethostname(),
+                  "started": "x"}
+        lock.write_text(json.dumps(holder))
+        with pytest.raises(UserError, match=f"PID {other.pid} on "):  # that very process: alive, busy
+            run_lock.acquire(tmp_path)
+        lock.write_text(json.dumps({**holder, "pid_start": holder["pid_start"] - 1}))  # a process before it
+        with caplog.at_level(logging.WARNING):
+            run_lock.check_free(tmp_path)
+            run_lock.acquire(tmp_path).release()
+        assert f"taking over a stale lock (PID {other.pid} on" in caplog.text
+        # a lock with this process's PID, written by an earlier process that had it
+        lock.write_text(json.dumps({**holder, "pid": os.getpid(), "pid_start": pidlock.start_time(os.getpid()) - 1}))
+        run_lock.check_free(tmp_path)
+        run_lock.acquire(tmp_path).release()
+        assert not lock.exists()
+    finally:
+        other.kill()
+        other.wait()

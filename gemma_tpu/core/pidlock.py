@@ -3,15 +3,17 @@
 The file is created with `O_CREAT | O_EXCL` (atomic on local filesystems and NFSv3+), so of two processes
 started at once exactly one gets it; the other is refused with one line naming the holder. A lock left by a
 process that died without releasing it (SIGKILL, a crash of the machine) is taken over with a warning when
-it was written on this host and its PID is no longer alive; a lock from another host is never taken over
+it was written on this host and its process is gone: its PID is not alive, or is alive but started at
+another time than the holder (after a reboot or a container restart PIDs are handed out again, and the
+PID of a preempted trainer is often alive as an unrelated process); a lock from another host is never taken over
 automatically (its process cannot be checked from here): the message says which file to remove. Released
 at exit (normal end, exception) and by `release_all` (what a SIGTERM handler that ends with `os._exit`
 calls). Users: the trainer's run directory (gemma_tpu.train.run_lock) and every published output
 (gemma_tpu.core.atomic).
 
 Limits: object stores (gs://, s3://) have no O_EXCL; on them, and on filesystems that do not honour it
-(some FUSE mounts), two writers are not prevented. PID reuse after a reboot can make a stale lock look
-alive: then remove the file by hand.
+(some FUSE mounts), two writers are not prevented. Without /proc (not Linux), a reused PID makes a stale
+lock look alive: then remove the file by hand.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def read_holder(path: Path) -> dict | None:
     """The lock's JSON, {} when unreadable (being written, or garbage), None when there is no lock."""
     try:
@@ -64,14 +75,22 @@ def describe(holder: dict) -> str:
 
 
 def is_stale(holder: dict) -> bool:
-    """Written on this host by a process that is gone."""
+    """Written on this host by a process that is gone (its PID dead, or now another process's)."""
     pid = holder.get("pid")
-    return (holder.get("host") == socket.gethostname() and isinstance(pid, int) and pid != os.getpid()
-            and not pid_alive(pid))
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or _mine(holder):
+        return False
+    if pid != os.getpid() and not pid_alive(pid):
+        return True
+    recorded, now = holder.get("pid_start"), start_time(pid)
+    return isinstance(recorded, int) and now is not None and now != recorded
 
 
 def _mine(holder: dict | None) -> bool:
-    return bool(holder) and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+    """Written by this very process (not an earlier one that had its PID)."""
+    if not holder or holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
+        return False
+    recorded = holder.get("pid_start")
+    return not isinstance(recorded, int) or recorded == start_time(os.getpid())
 
 
 # `busy(path, holder)`: the error for a lock another live process holds
@@ -93,7 +112,7 @@ class PidLock:
         self.held = False
 
     def acquire(self) -> PidLock:
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
+        info = {"pid": os.getpid(), "pid_start": start_time(os.getpid()), "host": socket.gethostname(),
                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "argv": sys.argv}
         for _ in range(3):
