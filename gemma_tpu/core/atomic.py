@@ -26,7 +26,7 @@ import signal
 from pathlib import Path
 
 from gemma_tpu.core import pidlock
-from gemma_tpu.core.errors import SignalExit, UserError
+from gemma_tpu.core.errors import UserError, raise_signal_exit
 
 log = logging.getLogger("gemma_tpu.core.atomic")
 
@@ -223,10 +223,6 @@ class _signals_held:
             signal.raise_signal(signum)  # to the handler now in place, after the swap
 
 
-def _raise_on_sigterm(signum, frame):  # noqa: ARG001
-    raise SignalExit(signum)
-
-
 class _AtomicOutput:
     """What AtomicDir and AtomicFile share: the hidden temp path beside the target, SIGTERM turned into
     SystemExit while it exists (so the cleanup runs), and the temp removed unless published."""
@@ -263,7 +259,7 @@ class _AtomicOutput:
             self._release()
             raise
         try:  # SIGTERM -> SystemExit, so the cleanup below runs
-            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+            self._old_sigterm = signal.signal(signal.SIGTERM, raise_signal_exit)
         except ValueError:  # not the main thread: leave signals alone
             pass
         return self.tmp
