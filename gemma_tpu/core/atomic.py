@@ -127,8 +127,9 @@ def restore_set_aside(target: Path) -> Path | None:
     target = Path(target).absolute()
     if target.exists() or target.is_symlink() or not target.parent.is_dir():
         return None
-    aside = [p for p in target.parent.glob(f".{target.name}.old-*") if p.name.rsplit("-", 1)[-1].isdigit()
-             and int(p.name.rsplit("-", 1)[-1]) != os.getpid() and not pidlock.pid_alive(int(p.name.rsplit("-", 1)[-1]))]
+    pids = {p: p.name.rsplit("-", 1)[-1] for p in target.parent.glob(f".{target.name}.old-*")}
+    aside = [p for p, pid in pids.items() if pid.isdigit() and int(pid) != os.getpid()
+             and not pidlock.pid_alive(int(pid))]
     if not aside:
         return None
     newest = max(aside, key=lambda p: p.lstat().st_mtime)
