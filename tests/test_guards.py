@@ -142,3 +142,22 @@ def test_a_preemption_save_refused_as_nonfinite_exits_3(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "could not save step 6 (NonFiniteLoss: non-finite loss nan at step 6" in proc.stderr
+
+
+@pytest.mark.parametrize("code, words", [(27, "File too large"), (122, "Disk quota exceeded"),
+                                         (28, "No space left on device")])
+def test_a_save_that_hits_a_quota_or_the_file_size_limit_says_so(tmp_path, code, words):
+    """TensorStore reports a disk quota or the file-size limit as OUT_OF_RANGE, the errno at the end of a long
+    message; the one line showed its first 200 characters, which never said why the save failed."""
+    from gemma_tpu.train.finite_guard import save_failure
+
+    (tmp_path / "3.orbax-checkpoint-tmp").mkdir()
+    e = ValueError(f'OUT_OF_RANGE: Error writing "opt_state.count/0" in OCDBT database at local file '
+                   f'"{tmp_path}/3.orbax-checkpoint-tmp/optimizer_state/ocdbt.process_0/": Failed writing: '
+                   f'"{tmp_path}/3.orbax-checkpoint-tmp/optimizer_state/d/5d27": Failed to write 18502 bytes to '
+                   f"file 11: {words} [os_error_code='{code}']")
+    inner = type("Orbax", (), {"directory": tmp_path, "latest_step": lambda self: 2})()
+    manager = type("Tunix", (), {"_checkpoint_manager": inner})()
+    assert str(save_failure(manager, 3, e)) == (
+        f"saving checkpoint step 3 in {tmp_path} failed ({words}); the last complete step on disk is 2, and a "
+        "restart resumes from it")

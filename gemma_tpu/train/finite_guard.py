@@ -36,12 +36,21 @@ class CheckpointSaveFailed(UserError):
     """A checkpoint could not be written; the previous complete step stays on disk."""
 
 
+# errno -> strerror of the ways a disk says it is full (TensorStore reports a quota or the file-size limit as
+# OUT_OF_RANGE with the errno at the end of a long message: the cut-off message never said why)
+_FULL_DISK = {28: "No space left on device", 122: "Disk quota exceeded", 27: "File too large"}
+
+
 def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
     """One line for a save that raised: directory, reason (a full disk said as such), the step on disk."""
     inner = orbax_manager(manager)
     where = str(getattr(inner, "directory", "")) or "the checkpoint directory"
     text = str(e)
-    if "No space left on device" in text or "RESOURCE_EXHAUSTED" in text or getattr(e, "errno", None) == 28:
+    full = [words for code, words in _FULL_DISK.items()
+            if words in text or f"os_error_code='{code}'" in text or getattr(e, "errno", None) == code]
+    if full:
+        reason = full[0]
+    elif "RESOURCE_EXHAUSTED" in text:
         reason = "No space left on device"
     else:
         first = text.strip().splitlines()[0][:200] if text.strip() else ""
