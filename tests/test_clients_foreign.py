@@ -8,10 +8,14 @@ import contextlib
 import http.server
 import io
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -518,3 +522,32 @@ def test_bench_reads_a_json_array_dataset(tmp_path):
     data.write_text(json.dumps([{"prompt": "x"}, 5]))
     with pytest.raises(UserError, match=r"d.json:1: expected a JSON object"):
         file_prompts(str(data), 1, 0)
+
+
+def test_compare_keeps_the_first_models_results_when_sigterm_stops_the_second(tmp_path):
+    """A preempted machine's SIGTERM during the second model ended the process at once: the first model's
+    results (minutes of work) were lost, where Ctrl-C keeps them. Now SIGTERM keeps them too, exit 143."""
+    out = tmp_path / "r.json"
+
+    class Hangs(Flaky):  # lists its model, then never answers a completion
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            type(self).seen += 1
+            time.sleep(60)
+
+    with http_server(flaky(503, 0)) as a, http_server(Hangs) as b:
+        proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.evaluate", "--data", str(CHAT), "--compare",
+                                 f"endpoint:{a}", f"endpoint:{b}", "--limit", "2", "--json", str(out)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        deadline = time.monotonic() + 120
+        while Hangs.seen == 0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert not out.exists()
+    partial = json.loads((tmp_path / "r.partial.json").read_text())
+    assert list(partial["models"]) == [f"endpoint:{a}"] and partial["models"][f"endpoint:{a}"]["n"] == 2
+    assert partial["failed"] == {"model": f"endpoint:{b}", "error": "stopped by SIGTERM"}
+    assert f"endpoint:{a}" in stdout

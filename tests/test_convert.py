@@ -512,6 +512,38 @@ def test_overwrite_replaces(work, lora_ckpt, merged):
     assert leftovers(out) == [out.name]
 
 
+def test_a_second_writer_of_one_output_is_refused_until_the_first_is_gone(work, lora_ckpt, merged, capsys, caplog):
+    """Two `--overwrite` runs to one --out both succeeded (the last one's output won): the second is now
+    refused in one line naming the first's PID, leaving the output as it was; once the first is killed
+    (SIGKILL: its lock stays behind), the next run takes the stale lock over and writes."""
+    from convert.export_peft import main as export_main
+    from gemma_tpu.core.cli import cli_main
+
+    out = work / "contended"
+    shutil.copytree(merged, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    hold = ("import sys, time; from gemma_tpu.core.atomic import AtomicDir\n"
+            "with AtomicDir(sys.argv[1], overwrite=True) as tmp:\n    print('held', flush=True); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        for main in (lambda a: merge(*a), lambda a: cli_main(export_main, [str(x) for x in a])):
+            assert main(["--checkpoint", lora_ckpt[0], "--out", out, "--overwrite"]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith(f"error: {out} is being written by another process (PID {proc.pid} on "), err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith(".contended.")) == [
+        f".contended.tmp-{proc.pid}", ".contended.writer.lock"]
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--overwrite", "--dtype", "bfloat16") == 0
+    assert f"taking over a stale lock (PID {proc.pid} on " in caplog.text
+    assert {t.dtype for t in sio.WeightsDir(out).tensors.values()} == {"BF16"}
+    assert leftovers(out) == [out.name]
+
+
 # ------------------------------------------------------------------------------ errors
 
 

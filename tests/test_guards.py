@@ -37,7 +37,7 @@ def _finite_checkpoints(ckpt):
 @pytest.fixture(scope="module")
 def stopped(tiny_dir, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("nonfinite") / "stop"
-    return ckpt, _run(tiny_dir, ckpt)
+    return ckpt, _run(tiny_dir, ckpt, "checkpoint.every_steps=1")  # whichever step diverges is a save step
 
 
 def test_stop_names_the_step_and_exits_3(stopped):
@@ -47,6 +47,19 @@ def test_stop_names_the_step_and_exits_3(stopped):
     bad = [json.loads(l) for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
     first_bad = next(r["step"] for r in bad if r["mode"] == "train" and not np.isfinite(r["loss"]))
     assert f"at step {first_bad}" in line
+
+
+def test_the_step_whose_loss_went_nonfinite_is_not_saved(stopped):
+    """Its update was dropped, so the step was saved holding the previous step's weights under its own
+    number and data position: a resume went on past the batch that stopped the run. As for non-finite
+    weights, nothing is saved for that step and the message names the step before it."""
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, proc = stopped
+    recs = [json.loads(l) for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    first_bad = next(r["step"] for r in recs if r["mode"] == "train" and not np.isfinite(r["loss"]))
+    assert max(list_steps(ckpt)) == first_bad - 1
+    assert_one_line_error(proc, f"at step {first_bad}; the last checkpoint on disk is step {first_bad - 1} (finite)")
 
 
 def test_checkpoints_after_divergence_hold_finite_params(stopped):
@@ -106,3 +119,45 @@ def test_a_nonfinite_state_is_never_saved(tmp_path):
         cm.save(3, model, opt, save_only_lora_params=True, force=True)
     cm.close()
     assert list_steps(tmp_path) == [1]
+
+
+def test_a_preemption_save_refused_as_nonfinite_exits_3(tmp_path):
+    """SIGTERM at the step whose loss went NaN: its save is refused (on_nonfinite=stop) and the exit said 1, a
+    plain failure a scheduler retries; the same refusal without a signal exits 3."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = (
+        "from types import SimpleNamespace\n"
+        "from gemma_tpu.train.preempt import Preemption\n"
+        "from gemma_tpu.train.trainer import NonFiniteLoss\n"
+        "class Manager:\n"
+        "    def save(self, *a, **k):\n"
+        "        raise NonFiniteLoss('non-finite loss nan at step 6; the last checkpoint on disk is step 4 (finite)')\n"
+        "t = SimpleNamespace(train_steps=6, checkpoint_manager=Manager(), model=None, optimizer=None,\n"
+        "                    lora_enabled=True, custom_checkpoint_metadata=dict)\n"
+        "Preemption(t).save_and_exit()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "could not save step 6 (NonFiniteLoss: non-finite loss nan at step 6" in proc.stderr
+
+
+@pytest.mark.parametrize("code, words", [(27, "File too large"), (122, "Disk quota exceeded"),
+                                         (28, "No space left on device")])
+def test_a_save_that_hits_a_quota_or_the_file_size_limit_says_so(tmp_path, code, words):
+    """TensorStore reports a disk quota or the file-size limit as OUT_OF_RANGE, the errno at the end of a long
+    message; the one line showed its first 200 characters, which never said why the save failed."""
+    from gemma_tpu.train.finite_guard import save_failure
+
+    (tmp_path / "3.orbax-checkpoint-tmp").mkdir()
+    e = ValueError(f'OUT_OF_RANGE: Error writing "opt_state.count/0" in OCDBT database at local file '
+                   f'"{tmp_path}/3.orbax-checkpoint-tmp/optimizer_state/ocdbt.process_0/": Failed writing: '
+                   f'"{tmp_path}/3.orbax-checkpoint-tmp/optimizer_state/d/5d27": Failed to write 18502 bytes to '
+                   f"file 11: {words} [os_error_code='{code}']")
+    inner = type("Orbax", (), {"directory": tmp_path, "latest_step": lambda self: 2})()
+    manager = type("Tunix", (), {"_checkpoint_manager": inner})()
+    assert str(save_failure(manager, 3, e)) == (
+        f"saving checkpoint step 3 in {tmp_path} failed ({words}); the last complete step on disk is 2, and a "
+        "restart resumes from it")

@@ -85,3 +85,25 @@ def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_
     assert list((ckpt).glob(f"{MAX_STEPS}.incomplete-*")), sorted(p.name for p in ckpt.iterdir())
     assert train_rows(ckpt)[-1]["loss"] == reference["losses"][MAX_STEPS]
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+
+
+def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, caplog):
+    """The converters, evaluate and chat take the latest complete step when no --step is given: a newer step
+    cut short (no commit markers) was passed over without a word, and the user merged an older step than the
+    one they saw on disk."""
+    import logging
+
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, resolve_step
+
+    for step in (2, 4):
+        (tmp_path / str(step) / "model_params").mkdir(parents=True)
+        for m in COMMIT_MARKERS:
+            (tmp_path / str(step) / m).write_text("{}")
+    (tmp_path / "6" / "model_params").mkdir(parents=True)  # a save cut short
+    (tmp_path / "6" / COMMIT_MARKERS[1]).write_text("{}")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_step(tmp_path, None) == 4
+        assert resolve_step(tmp_path, 2) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}: step 6 is incomplete (no Orbax commit markers: a save cut short); using step 4, the last "
+        "complete one"]

@@ -1,6 +1,7 @@
 """One writer per run directory (gemma_tpu.train.run_lock): a second trainer on the same
 checkpoint.dir is refused naming the holder, a dead holder's lock is taken over with a warning, and the
-lock goes away when the trainer ends (normally, by an exception or by SIGTERM)."""
+lock goes away when the trainer ends (normally, by an exception or by SIGTERM). The same lock keeps one
+writer per published output (gemma_tpu.core.atomic; the converters' CLIs: tests/test_convert.py)."""
 
 from __future__ import annotations
 
@@ -112,9 +113,89 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, small_disk):
     (disk / "filler").write_bytes(b"x" * 4096)
     ck = disk / "ck"
     ck.mkdir()
-    with pytest.raises(UserError, match=f"cannot write the run lock {ck / 'gemma_tpu_run.lock'} \\(No space left"):
+    with pytest.raises(UserError, match=f"cannot write the lock {ck / 'gemma_tpu_run.lock'} \\(No space left"):
         run_lock.acquire(ck)
     assert list(ck.iterdir()) == []
     (disk / "filler").unlink()
     run_lock.check_free(ck)
     run_lock.acquire(ck).release()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_one_writer_per_output_file(tmp_path, sig):
+    """An `AtomicFile` (the GGUF export's writer) held by another process refuses a second writer naming
+    it, before anything is created; after the holder ends (SIGTERM: its lock and temp file are removed;
+    SIGKILL: both stay behind and the next writer removes them), the next writer publishes."""
+    from gemma_tpu.core.atomic import AtomicFile, check_file_target
+
+    out = tmp_path / "model.gguf"
+    out.write_bytes(b"GGUF old")
+    hold = ("import sys, time; from gemma_tpu.core.atomic import AtomicFile\n"
+            "with AtomicFile(sys.argv[1], overwrite=True) as tmp:\n    print('held', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        busy = rf"{out} is being written by another process \(PID {proc.pid} on {socket.gethostname()} since "
+        with pytest.raises(UserError, match=busy):
+            check_file_target(out, overwrite=True)
+        af = AtomicFile(out, overwrite=True)
+        with pytest.raises(UserError, match=busy):
+            af.__enter__()
+        assert not af.tmp.exists() and out.read_bytes() == b"GGUF old"
+    finally:
+        proc.send_signal(sig)
+        proc.wait()
+    assert len(list(tmp_path.iterdir())) == (1 if sig == signal.SIGTERM else 3)
+    af = AtomicFile(out, overwrite=True)
+    with af as tmp:
+        tmp.write_bytes(b"GGUF new")
+        af.publish()
+    assert out.read_bytes() == b"GGUF new" and [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
+def test_a_run_dir_shared_by_two_trainers_is_refused(tiny_dir, tmp_path):
+    """`train.run_dir` (metrics.jsonl, summary.json) apart from `checkpoint.dir` was not locked: a trainer with
+    its own checkpoint.dir but another trainer's run directory interleaved its metrics records into the other's
+    file. Now refused before anything is written, naming the holder and the option."""
+    busy = tmp_path / "shared"
+    proc = _holder(busy)  # a trainer whose checkpoint.dir (and so run directory) this is
+    try:
+        second = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                         f"checkpoint.dir={tmp_path / 'own'}", f"train.run_dir={busy}", "train.max_steps=1",
+                         "data.eval_path=null")
+        assert_one_line_error(second, f"{busy} is in use by another trainer (PID {proc.pid} on",
+                              "use another train.run_dir")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "own").exists() and [p.name for p in busy.iterdir()] == [run_lock.LOCK_FILE]
+
+
+def test_a_lock_whose_pid_now_belongs_to_another_process_is_stale(tmp_path, caplog):
+    """After a reboot or a container restart PIDs are handed out again: a preempted trainer's lock named a PID
+    now alive as an unrelated process, and every restart was refused "in use by another trainer" until the
+    user removed the file. The lock records when its process started; another start time is another process."""
+    from gemma_tpu.core import pidlock
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = tmp_path / run_lock.LOCK_FILE
+        holder = {"pid": other.pid, "pid_start": pidlock.start_time(other.pid), "host": socket.gethostname(),
+                  "started": "x"}
+        lock.write_text(json.dumps(holder))
+        with pytest.raises(UserError, match=f"PID {other.pid} on "):  # that very process: alive, busy
+            run_lock.acquire(tmp_path)
+        lock.write_text(json.dumps({**holder, "pid_start": holder["pid_start"] - 1}))  # a process before it
+        with caplog.at_level(logging.WARNING):
+            run_lock.check_free(tmp_path)
+            run_lock.acquire(tmp_path).release()
+        assert f"taking over a stale lock (PID {other.pid} on" in caplog.text
+        # a lock with this process's PID, written by an earlier process that had it
+        lock.write_text(json.dumps({**holder, "pid": os.getpid(), "pid_start": pidlock.start_time(os.getpid()) - 1}))
+        run_lock.check_free(tmp_path)
+        run_lock.acquire(tmp_path).release()
+        assert not lock.exists()
+    finally:
+        other.kill()
+        other.wait()

@@ -105,6 +105,25 @@ def test_resume_with_other_training_rows_is_refused(tiny_dir, reference_run, tmp
     assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
 
 
+def test_resume_after_the_tokenizer_changed_is_refused_naming_it(tiny_dir, reference_run, tmp_path):
+    """The same weights with another tokenizer (two tokens' ids swapped) make other rows: refused, and the
+    message names the tokenizer among what may have changed (it named only the data file and data settings)."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    tok = json.loads((base / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = [k for k in vocab if len(k) == 1 and k.isalpha()][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (base / "tokenizer.json").write_text(json.dumps(tok))
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_run, ckpt)
+    proc = train(base, ckpt, "train.max_steps=10", "checkpoint.every_steps=2")
+    assert_one_line_error(proc, f"{ckpt / '8'}: its data position is for other training rows (the rows' contents: "
+                                "the data file, the tokenizer or a data setting that shapes rows)")
+
+
 def test_empty_dataset(tiny_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -16,6 +16,7 @@ readers that the merger, the exporter and `convert.inspect` use without building
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from gemma_tpu.core.atomic import write_text_atomic
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.hf.directory import hf_revision
 from gemma_tpu.hf.fingerprint import fingerprint
+
+log = logging.getLogger("gemma_tpu.checkpoint")
 
 METADATA_FILE = "gemma_tpu_run.json"
 FORMAT = "gemma-tpu-checkpoint"
@@ -118,6 +121,11 @@ def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
     if not steps:
         raise UserError(f"{ckpt_dir}: no completed checkpoint step found")
     if step is None:
+        newer = sorted(int(p.name) for p in Path(ckpt_dir).iterdir()
+                       if p.name.isdigit() and int(p.name) > steps[-1] and p.is_dir())
+        if newer:  # the user asked for the latest step and would otherwise not know it is not the newest
+            log.warning("%s: step %s is incomplete (no Orbax commit markers: a save cut short); using step %d, "
+                        "the last complete one", ckpt_dir, ", ".join(map(str, newer)), steps[-1])
         return steps[-1]
     if step not in steps:
         raise UserError(f"{ckpt_dir}: no checkpoint for step {step} (have: {', '.join(map(str, steps))})")

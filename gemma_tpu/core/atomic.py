@@ -8,6 +8,11 @@ call (readers see the old or the new directory, never neither), then the old one
 the filesystem cannot exchange, the fallback renames the old one aside first, leaving a window of
 microseconds with no target; a run killed in it leaves the old one as `.<name>.old-<pid>`, which the next run
 for the target puts back (`restore_set_aside`) before it checks the target.
+
+One writer per target: while a process writes it, it holds `.<name>.writer.lock` beside it (a
+`gemma_tpu.core.pidlock`), and a second process for the same target is refused naming the first (two
+`--overwrite` runs both succeeded, the last one's output replacing the other's); a lock left by a killed
+process is taken over with a warning.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import shutil
 import signal
 from pathlib import Path
 
-from gemma_tpu.core.errors import SignalExit, UserError
+from gemma_tpu.core import pidlock
+from gemma_tpu.core.errors import UserError, raise_signal_exit
 
 log = logging.getLogger("gemma_tpu.core.atomic")
 
@@ -42,6 +48,18 @@ def check_writable(path: str | Path, what: str) -> None:
         raise UserError(f"{what}: {probe} is not writable")
 
 
+def writer_lock(target: str | Path) -> Path:
+    """The lock file a process writing `target` holds (beside it: the target itself is swapped whole)."""
+    target = Path(target).absolute()
+    return target.parent / f".{target.name}.writer.lock"
+
+
+def _busy_writing(path: Path, holder: dict) -> UserError:
+    target = path.parent / path.name[1:-len(".writer.lock")]
+    return UserError(f"{target} is being written by another process ({pidlock.describe(holder)}); wait for it to "
+                     f"end, or remove {path} if that process is gone")
+
+
 def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir",
                  marker: str | None = None, magic: bytes | None = None) -> None:
     """Refuse an existing target without --overwrite, a target of the other kind (or a link) in its
@@ -52,6 +70,7 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
     `magic`: for a file, the bytes every output of this tool starts with; given, --overwrite replaces only an
     empty file or an earlier output (`--out train.jsonl --overwrite` would otherwise replace the data)."""
     target = Path(target)
+    pidlock.check_free(writer_lock(target), _busy_writing)
     restore_set_aside(target)
     if target.exists() or target.is_symlink():
         if not overwrite:
@@ -102,16 +121,6 @@ def check_file_target(target: Path, overwrite: bool, protected: list[Path] = (),
     check_target(target, overwrite, protected, kind="file", magic=magic)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def restore_set_aside(target: Path) -> Path | None:
     """Put back an output that a replace set aside as `.<name>.old-<pid>` when its process was killed
     (SIGKILL, power loss) between its two renames: the target is missing and the old output is whole. Left
@@ -119,8 +128,9 @@ def restore_set_aside(target: Path) -> Path | None:
     target = Path(target).absolute()
     if target.exists() or target.is_symlink() or not target.parent.is_dir():
         return None
-    aside = [p for p in target.parent.glob(f".{target.name}.old-*") if p.name.rsplit("-", 1)[-1].isdigit()
-             and int(p.name.rsplit("-", 1)[-1]) != os.getpid() and not _pid_alive(int(p.name.rsplit("-", 1)[-1]))]
+    pids = {p: p.name.rsplit("-", 1)[-1] for p in target.parent.glob(f".{target.name}.old-*")}
+    aside = [p for p, pid in pids.items() if pid.isdigit() and int(pid) != os.getpid()
+             and not pidlock.pid_alive(int(pid))]
     if not aside:
         return None
     newest = max(aside, key=lambda p: p.lstat().st_mtime)
@@ -138,7 +148,7 @@ def clean_stale(target: Path) -> list[Path]:
     for kind in ("tmp", "old"):
         for p in parent.glob(f".{target.name}.{kind}-*"):
             pid = p.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+            if pid.isdigit() and (int(pid) == os.getpid() or not pidlock.pid_alive(int(pid))):
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p, ignore_errors=True)
                 else:
@@ -215,10 +225,6 @@ class _signals_held:
             signal.raise_signal(signum)  # to the handler now in place, after the swap
 
 
-def _raise_on_sigterm(signum, frame):  # noqa: ARG001
-    raise SignalExit(signum)
-
-
 class _AtomicOutput:
     """What AtomicDir and AtomicFile share: the hidden temp path beside the target, SIGTERM turned into
     SystemExit while it exists (so the cleanup runs), and the temp removed unless published."""
@@ -226,7 +232,7 @@ class _AtomicOutput:
     kind = "dir"
 
     def __init__(self, target: str | Path, overwrite: bool = False, marker: str | None = None,
-                 magic: bytes | None = None):
+                 magic: bytes | None = None, lock: bool = True):
         self.target = Path(target).absolute()
         self.overwrite = overwrite
         self.marker = marker  # see check_target
@@ -234,21 +240,28 @@ class _AtomicOutput:
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
         self.published = False
         self._old_sigterm: object = _UNSET
+        self._lock = pidlock.PidLock(writer_lock(self.target), _busy_writing) if lock else None
 
     def __enter__(self) -> Path:
         check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker, magic=self.magic)
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
+            if self._lock is not None:
+                self._lock.acquire()
             clean_stale(self.target)
             if self.kind == "dir":
                 self.tmp.mkdir()
             else:
                 self.tmp.touch(exist_ok=False)
         except OSError as e:
+            self._release()
             raise UserError(f"--out {self.target}: cannot create {e.filename or self.tmp} "
                             f"({e.strerror or e})") from None
+        except BaseException:
+            self._release()
+            raise
         try:  # SIGTERM -> SystemExit, so the cleanup below runs
-            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+            self._old_sigterm = signal.signal(signal.SIGTERM, raise_signal_exit)
         except ValueError:  # not the main thread: leave signals alone
             pass
         return self.tmp
@@ -257,11 +270,17 @@ class _AtomicOutput:
         if self.target.exists() and not self.overwrite:
             raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
 
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._old_sigterm is not _UNSET:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._old_sigterm is None else self._old_sigterm)
         if not self.published:
             _remove(self.tmp)
+        self._release()
+        if not self.published:
             if isinstance(exc, OSError):  # a full disk (ENOSPC), a file too large, an I/O error mid-write
                 raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
                                 f"({exc.strerror or exc}); nothing was published") from None
@@ -377,7 +396,7 @@ def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | N
 def write_text_atomic(target: str | Path, text: str) -> Path:
     """Publish a small results file (`--json`) all at once: an existing file is replaced (results files
     are rewritten by every run), never left cut short by a full disk, Ctrl-C or SIGTERM mid-write."""
-    af = AtomicFile(target, overwrite=True)
+    af = AtomicFile(target, overwrite=True, lock=False)  # last one wins: a refusal after the run would lose it
     with af as tmp:
         tmp.write_text(text, encoding="utf-8")
         af.publish()

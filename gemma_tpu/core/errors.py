@@ -20,6 +20,11 @@ class SignalExit(SystemExit):
         self.signum = signum
 
 
+def raise_signal_exit(signum, frame):  # noqa: ARG001
+    """A signal handler (for SIGTERM) that raises `SignalExit`, so that `finally` blocks and handlers run."""
+    raise SignalExit(signum)
+
+
 def read_json_object(path, missing: str) -> dict:
     """A JSON object from `path`; a missing file, bad JSON or a non-object is a one-line UserError."""
     import json

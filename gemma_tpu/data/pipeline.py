@@ -278,7 +278,7 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: s
     changed = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if k != "rows_digest" and saved.get(k) != v]
     if saved.get("rows_digest") != current["rows_digest"]:
         changed.append("the rows' contents" if changed else
-                       "the rows' contents: the data file or a data setting that shapes rows")
+                       "the rows' contents: the data file, the tokenizer or a data setting that shapes rows")
     raise UserError(f"{where}: its data position is for other training rows ({'; '.join(changed)}); resume with "
                     f"the data and settings it was saved with, or use another checkpoint.dir")
 

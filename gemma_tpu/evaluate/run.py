@@ -33,6 +33,7 @@ import gc
 import json
 import logging
 import math
+import signal
 import sys
 import tempfile
 import time
@@ -43,7 +44,7 @@ from gemma_tpu.checkpoint.restore import locate
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
@@ -354,6 +355,12 @@ def results_json(results: dict, details: dict, data: str, n: int, **extra) -> st
                       ensure_ascii=False)
 
 
+def describe_stop(error: BaseException) -> str:
+    if isinstance(error, SignalExit):
+        return f"stopped by {signal.Signals(error.signum).name}"
+    return str(error) or type(error).__name__
+
+
 def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: str, error: BaseException) -> None:
     """Print the finished models' table and, with --json, write them beside it as `<name>.partial.json`
     (never the --json file itself: a reader of that file expects every model asked for)."""
@@ -363,7 +370,7 @@ def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: 
         out = Path(args.json)
         partial = out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
         write_text_atomic(partial, results_json(results, details, args.data, len(convs),
-                                                failed={"model": failed, "error": str(error) or type(error).__name__}))
+                                                failed={"model": failed, "error": describe_stop(error)}))
         print(f"wrote {partial}", file=sys.stderr)
 
 
@@ -432,14 +439,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec in specs:
             check_spec(spec, args.timeout)
     results, details = {}, {}
-    for spec in specs:
-        label = spec.label if spec.label not in results else f"{spec.label} (2)"
-        try:
-            results[label], details[label] = evaluate_spec(spec, convs, cfg, args)
-        except (Exception, KeyboardInterrupt) as e:
-            if results:  # the models already done keep their results (minutes of work each)
-                keep_partial(results, details, args, convs, label, e)
-            raise
+    # SIGTERM (a preempted machine) keeps the finished models' results as Ctrl-C does; it used to end the
+    # process at once, losing them
+    previous = signal.signal(signal.SIGTERM, raise_signal_exit)
+    try:
+        for spec in specs:
+            label = spec.label if spec.label not in results else f"{spec.label} (2)"
+            try:
+                results[label], details[label] = evaluate_spec(spec, convs, cfg, args)
+            except (Exception, KeyboardInterrupt, SignalExit) as e:
+                if results:  # the models already done keep their results (minutes of work each)
+                    keep_partial(results, details, args, convs, label, e)
+                raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     print(format_table(results))
     if not any(c.reference for c in build_cases(convs)):
         print(f"note: {args.data} has no reference tool call; the tool rows only say whether a model called a tool "

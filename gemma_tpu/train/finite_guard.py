@@ -4,6 +4,7 @@ write (the LoRA factors, or every parameter of a full fine-tune) and the optimiz
 `FiniteCheckpoints` wraps Tunix's CheckpointManager (every other attribute passes through). A save of
 non-finite state writes nothing; it waits for saves already under way (so what is on disk is known),
 then raises `NonFiniteState` naming the step, the first non-finite tensor and the last step on disk.
+`before_save(step)` runs first: the trainer refuses there a step whose loss was not finite.
 The check is one jitted all-finite reduction per tensor, run only for steps that are saved.
 
 A save that fails (a full disk: Orbax's writer threads raise RESOURCE_EXHAUSTED; a directory gone) is one
@@ -35,12 +36,21 @@ class CheckpointSaveFailed(UserError):
     """A checkpoint could not be written; the previous complete step stays on disk."""
 
 
+# errno -> strerror of the ways a disk says it is full (TensorStore reports a quota or the file-size limit as
+# OUT_OF_RANGE with the errno at the end of a long message: the cut-off message never said why)
+_FULL_DISK = {28: "No space left on device", 122: "Disk quota exceeded", 27: "File too large"}
+
+
 def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
     """One line for a save that raised: directory, reason (a full disk said as such), the step on disk."""
     inner = orbax_manager(manager)
     where = str(getattr(inner, "directory", "")) or "the checkpoint directory"
     text = str(e)
-    if "No space left on device" in text or "RESOURCE_EXHAUSTED" in text or getattr(e, "errno", None) == 28:
+    full = [words for code, words in _FULL_DISK.items()
+            if words in text or f"os_error_code='{code}'" in text or getattr(e, "errno", None) == code]
+    if full:
+        reason = full[0]
+    elif "RESOURCE_EXHAUSTED" in text:
         reason = "No space left on device"
     else:
         first = text.strip().splitlines()[0][:200] if text.strip() else ""
@@ -114,8 +124,9 @@ def last_step_on_disk(manager) -> int | None:
 class FiniteCheckpoints:
     """Tunix's CheckpointManager with a finiteness check in front of `save`."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, before_save=None):
         self._manager = manager
+        self._before_save = before_save
 
     def __getattr__(self, name):
         return getattr(self._manager, name)
@@ -127,6 +138,8 @@ class FiniteCheckpoints:
             return False
         if not force and not inner.should_save(step):
             return False
+        if self._before_save is not None:
+            self._before_save(step)
         from flax import nnx
 
         params = nnx.state(model, nnx.LoRAParam) if save_only_lora_params else nnx.state(model)

@@ -23,6 +23,7 @@ import os
 import signal
 from typing import Callable
 
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.finite_guard import last_step_on_disk
 
 log = logging.getLogger("gemma_tpu.train")
@@ -91,7 +92,9 @@ class Preemption:
         except BaseException as e:  # exit anyway: the platform will not wait
             log.error("%s: could not save step %d (%s: %s); the last complete checkpoint stays",
                       self.name, step, type(e).__name__, e)
-            code = 1
+            # a UserError's own code: a step whose loss or state went non-finite is 3 (do not simply retry), as
+            # when it stops the run without a signal
+            code = getattr(e, "exit_code", 1) if isinstance(e, UserError) else 1
         finally:
             self.on_exit()
             logging.shutdown()

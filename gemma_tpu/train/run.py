@@ -95,6 +95,16 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
                             f"use another checkpoint.dir")
 
 
+def locked_dirs(cfg: RunConfig) -> list[tuple[Path, str]]:
+    """The directories a trainer writes and locks, with their options: `checkpoint.dir`, and `train.run_dir`
+    when it is another directory (two trainers with their own checkpoints but one run_dir interleaved their
+    metrics.jsonl records and replaced each other's summary.json)."""
+    dirs = [(Path(cfg.checkpoint.dir), "checkpoint.dir")]
+    if cfg.train.run_dir and Path(cfg.train.run_dir).absolute().resolve() != dirs[0][0].absolute().resolve():
+        dirs.append((Path(cfg.train.run_dir), "train.run_dir"))
+    return dirs
+
+
 def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
     """`checkpoint.dir` and `train.run_dir` are neither the base model's directory nor inside it, nor another
     model's directory (config.json, no run metadata): training wrote its steps, gemma_tpu_run.json, metrics and
@@ -144,7 +154,8 @@ def run(cfg: RunConfig) -> dict:
         check_writable(cfg.checkpoint.dir, f"checkpoint.dir={cfg.checkpoint.dir}")
         if cfg.train.run_dir:
             check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
-        run_lock.check_free(Path(cfg.checkpoint.dir))
+        for d, key in locked_dirs(cfg):
+            run_lock.check_free(d, key)
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
@@ -213,7 +224,8 @@ def run(cfg: RunConfig) -> dict:
         from tunix.sft.peft_trainer import TrainingConfig
 
         if primary:
-            run_lock.acquire(ckpt_dir)  # one writer per run directory, from the first write on
+            for d, key in locked_dirs(cfg):  # one writer per run directory, from the first write on
+                run_lock.acquire(d, key)
             for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
                 log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
                             "complete one", p)

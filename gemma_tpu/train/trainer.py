@@ -251,7 +251,8 @@ class Trainer(TunixTrainer):
                  metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None):
         guard_tensorboard_writer()
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
-        self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager)  # no non-finite state on disk
+        # no non-finite state on disk, and with on_nonfinite=stop no step whose loss was not finite
+        self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager, before_save=self._refuse_nonfinite_loss)
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
             shard_optimizer_state(self.optimizer, mesh)
@@ -291,6 +292,19 @@ class Trainer(TunixTrainer):
     def custom_checkpoint_metadata(self) -> dict[str, Any]:
         return {"data_state": self.feed.stream.get_state(), "data_layout": self.feed.stream.layout,
                 "step": self.train_steps, "seed": self.seed}
+
+    def _refuse_nonfinite_loss(self, step: int) -> None:
+        """With on_nonfinite=stop, a step whose loss is NaN/inf is not saved: its update was dropped, so the
+        step held the previous step's weights under a later step number and data position, and a resume went
+        on past the batch that stopped the run (as `skip` does). Writing the held-back record stops the run
+        (`write_metrics`) naming the step really on disk."""
+        if self.on_nonfinite != "stop":
+            return
+        losses = self.pending_train_losses()
+        if all(np.isfinite(np.asarray(l, np.float32)).all() for l in losses):
+            return
+        self.flush_train_metrics()  # raises NonFiniteLoss
+        raise NonFiniteLoss(f"non-finite loss at step {step}; step {step} was not saved")
 
     # ---- metrics ---------------------------------------------------------------------
     def _compile_count(self) -> int:

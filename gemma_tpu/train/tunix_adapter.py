@@ -14,7 +14,7 @@ Tunix 0.1.7 offers no public way to do the following, so each is wrapped once, b
   `optax.apply_if_finite`);
 * choose the progress bar's metrics (`_tqdm_train_metrics`);
 * write the record Tunix holds back for the last finished step (`_write_train_metrics`) when the run exits
-  without `close` (SIGTERM);
+  without `close` (SIGTERM), and read its losses before that step is saved (`_prev_buffered_train_metrics`);
 * know whether only the LoRA params are checkpointed (`_lora_enabled`), to save on SIGTERM exactly as
   Tunix's own last save does;
 * the names JAX compiles the train and eval steps under (the methods `_train_step`, `_eval_step`),
@@ -72,6 +72,12 @@ class TunixTrainer(peft_trainer.PeftTrainer):
         (or `close`) to overlap its I/O; an exit that skips `close` (the SIGTERM save) lost it, so the saved
         step had no line in metrics.jsonl."""
         peft_trainer.PeftTrainer._write_train_metrics(self)
+
+    def pending_train_losses(self) -> list:
+        """The losses of the last finished step whose record Tunix still holds back (at a save: the step being
+        saved); empty when none is held."""
+        held = self._prev_buffered_train_metrics
+        return list(held.losses) if held is not None else []
 
     def learning_rate(self):
         """The current learning rate, or None; an override may look further and fall back to this."""

@@ -1,0 +1,185 @@
+"""One writer at a time: a lock file holding its holder's PID, host, start time and command line as JSON.
+
+The file is created with `O_CREAT | O_EXCL` (atomic on local filesystems and NFSv3+), so of two processes
+started at once exactly one gets it; the other is refused with one line naming the holder. A lock left by a
+process that died without releasing it (SIGKILL, a crash of the machine) is taken over with a warning when
+it was written on this host and its process is gone: its PID is not alive, or is alive but started at
+another time than the holder (after a reboot or a container restart PIDs are handed out again, and the
+PID of a preempted trainer is often alive as an unrelated process); a lock from another host is never taken over
+automatically (its process cannot be checked from here): the message says which file to remove. Released
+at exit (normal end, exception) and by `release_all` (what a SIGTERM handler that ends with `os._exit`
+calls). Users: the trainer's run directory (gemma_tpu.train.run_lock) and every published output
+(gemma_tpu.core.atomic).
+
+Limits: object stores (gs://, s3://) have no O_EXCL; on them, and on filesystems that do not honour it
+(some FUSE mounts), two writers are not prevented. Without /proc (not Linux), a reused PID makes a stale
+lock look alive: then remove the file by hand.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Callable
+
+from gemma_tpu.core.errors import UserError
+
+log = logging.getLogger("gemma_tpu.core.pidlock")
+_held: list[PidLock] = []
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_holder(path: Path) -> dict | None:
+    """The lock's JSON, {} when unreadable (being written, or garbage), None when there is no lock."""
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return {}
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def describe(holder: dict) -> str:
+    if not holder:
+        return "an unreadable lock"
+    return f"PID {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
+
+
+def is_stale(holder: dict) -> bool:
+    """Written on this host by a process that is gone (its PID dead, or now another process's)."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or _mine(holder):
+        return False
+    if pid != os.getpid() and not pid_alive(pid):
+        return True
+    recorded, now = holder.get("pid_start"), start_time(pid)
+    return isinstance(recorded, int) and now is not None and now != recorded
+
+
+def _mine(holder: dict | None) -> bool:
+    """Written by this very process (not an earlier one that had its PID)."""
+    if not holder or holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
+        return False
+    recorded = holder.get("pid_start")
+    return not isinstance(recorded, int) or recorded == start_time(os.getpid())
+
+
+# `busy(path, holder)`: the error for a lock another live process holds
+Busy = Callable[[Path, dict], UserError]
+
+
+def check_free(path: str | Path, busy: Busy) -> None:
+    """Refuse early (writing nothing) when a live process other than this one holds the lock `path`."""
+    path = Path(path)
+    holder = read_holder(path)
+    if holder is not None and not is_stale(holder) and not _mine(holder):
+        raise busy(path, holder)
+
+
+class PidLock:
+    def __init__(self, path: str | Path, busy: Busy):
+        self.path = Path(path)
+        self.busy = busy
+        self.held = False
+
+    def acquire(self) -> PidLock:
+        info = {"pid": os.getpid(), "pid_start": start_time(os.getpid()), "host": socket.gethostname(),
+                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "argv": sys.argv}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = read_holder(self.path)
+                if holder is None:  # released meanwhile
+                    continue
+                if _mine(holder):
+                    for other in [h for h in _held if h.path == self.path]:  # an earlier holder in this process
+                        other.release()
+                    self.path.unlink(missing_ok=True)
+                    continue
+                if not is_stale(holder):
+                    raise self.busy(self.path, holder) from None
+                self._take_over(holder)
+                continue
+            try:
+                os.write(fd, json.dumps(info).encode())
+                os.fsync(fd)
+            except OSError as e:  # a full disk: an empty lock left here would refuse every later run
+                os.close(fd)
+                self.path.unlink(missing_ok=True)
+                raise UserError(f"cannot write the lock {self.path} ({e.strerror or e})") from None
+            else:
+                os.close(fd)
+            self.held = True
+            _held.append(self)
+            atexit.register(self.release)
+            return self
+        raise self.busy(self.path, read_holder(self.path) or {})
+
+    def _take_over(self, holder: dict) -> None:
+        """Move the stale lock aside by rename: of two processes taking over at once, one rename wins;
+        the loser finds the winner's fresh lock on its next O_EXCL attempt."""
+        aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        moved = read_holder(aside) or {}
+        if moved.get("pid") != holder.get("pid") or moved.get("started") != holder.get("started"):
+            # someone else's fresh lock got moved (it replaced the stale one after we read it): put it back
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+            os.unlink(aside)
+            return
+        os.unlink(aside)
+        log.warning("%s: taking over a stale lock (%s, no longer running)", self.path, describe(holder))
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        if _mine(read_holder(self.path)):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        if self in _held:
+            _held.remove(self)
+
+
+def release_all() -> None:
+    """Release every lock this process holds (a SIGTERM handler calls this before `os._exit`)."""
+    for lock in _held[:]:
+        lock.release()
