@@ -60,10 +60,48 @@ def test_second_writer_refused_then_stale_lock_taken_over(tmp_path, caplog):
     lock.release()
 
 
-def test_lock_of_another_host_is_never_taken_over(tmp_path):
-    (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "tpu-vm-7", "started": "x"}))
+def test_lock_of_another_host_is_taken_over_only_when_its_holder_stopped_keeping_it_fresh(tmp_path, caplog):
+    """A preempted VM's trainer restarted on a new VM over the same shared checkpoint.dir was refused until the
+    lock was removed by hand: another host's process cannot be checked from here. Holders now touch their locks
+    (pidlock.HEARTBEAT_S); one untouched for pidlock.LEASE_S is stale. A lock that promises no heartbeat (an older
+    version's) is still never taken over."""
+    from gemma_tpu.core import pidlock
+
+    path = tmp_path / run_lock.LOCK_FILE
+    path.write_text(json.dumps({"pid": 1, "host": "tpu-vm-7", "started": "x"}))
+    os.utime(path, (time.time() - 10 * pidlock.LEASE_S,) * 2)
     with pytest.raises(UserError, match="PID 1 on tpu-vm-7"):
         run_lock.acquire(tmp_path)
+    path.write_text(json.dumps({"pid": 1, "host": "tpu-vm-7", "started": "x", "heartbeat": 30}))
+    with pytest.raises(UserError, match="PID 1 on tpu-vm-7"):  # fresh: its holder may be running
+        run_lock.acquire(tmp_path)
+    os.utime(path, (time.time() - pidlock.LEASE_S - 5,) * 2)
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.core.pidlock"):
+        run_lock.check_free(tmp_path)
+        lock = run_lock.acquire(tmp_path)
+    assert "taking over a stale lock (PID 1 on tpu-vm-7" in caplog.text and "not kept fresh" in caplog.text
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_holder_keeps_its_lock_fresh(tmp_path):
+    code = ("import sys, time; from gemma_tpu.core import pidlock; pidlock.HEARTBEAT_S = 0.1; "
+            "from gemma_tpu.train.run_lock import acquire; acquire(sys.argv[1]); print('held', flush=True); "
+            "time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        path = tmp_path / run_lock.LOCK_FILE
+        assert json.loads(path.read_text())["heartbeat"] == 0.1
+        os.utime(path, (time.time() - 1000,) * 2)
+        deadline = time.time() + 30
+        while time.time() - path.stat().st_mtime > 60 and time.time() < deadline:
+            time.sleep(0.1)
+        assert time.time() - path.stat().st_mtime < 60
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize("after", ["pass", "raise SystemExit(3)", "raise ValueError('boom')"])

@@ -5,8 +5,10 @@ started at once exactly one gets it; the other is refused with one line naming t
 process that died without releasing it (SIGKILL, a crash of the machine) is taken over with a warning when
 it was written on this host and its process is gone: its PID is not alive, or is alive but started at
 another time than the holder (after a reboot or a container restart PIDs are handed out again, and the
-PID of a preempted trainer is often alive as an unrelated process); a lock from another host is never taken over
-automatically (its process cannot be checked from here): the message says which file to remove. Released
+PID of a preempted trainer is often alive as an unrelated process). A lock from another host cannot be checked
+from here, so its holder keeps it fresh instead: a thread touches every held lock each `HEARTBEAT_S` seconds,
+and another host's lock untouched for `LEASE_S` is stale too (a preempted VM's trainer, restarted on a new VM
+over the same shared checkpoint directory, was refused until the file was removed by hand). Released
 at exit (normal end, exception) and by `release_all` (what a SIGTERM handler that ends with `os._exit`
 calls). Users: the trainer's run directory (gemma_tpu.train.run_lock) and every published output
 (gemma_tpu.core.atomic).
@@ -25,6 +27,8 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +36,9 @@ from gemma_tpu.core.errors import UserError
 
 log = logging.getLogger("gemma_tpu.core.pidlock")
 _held: list[PidLock] = []
+HEARTBEAT_S = 30.0  # how often a holder touches its locks
+LEASE_S = 300.0  # another host's lock untouched this long is stale (ten heartbeats: slow NFS, clock skew)
+_beating = threading.Event()  # the heartbeat thread is running
 
 
 def pid_alive(pid: int) -> bool:
@@ -74,10 +81,22 @@ def describe(holder: dict) -> str:
     return f"PID {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
 
 
-def is_stale(holder: dict) -> bool:
-    """Written on this host by a process that is gone (its PID dead, or now another process's)."""
+def idle_seconds(path: Path) -> float | None:
+    """Seconds since the lock at `path` was last touched (None: gone)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def is_stale(holder: dict, path: Path | None = None) -> bool:
+    """Written on this host by a process that is gone (its PID dead, or now another process's), or on another
+    host by a holder that keeps it fresh (`heartbeat`) and has not touched it (at `path`) for `LEASE_S`."""
     pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or _mine(holder):
+    if holder.get("host") != socket.gethostname():
+        idle = idle_seconds(path) if path is not None and holder.get("heartbeat") else None
+        return idle is not None and idle > LEASE_S
+    if not isinstance(pid, int) or _mine(holder):
         return False
     if pid != os.getpid() and not pid_alive(pid):
         return True
@@ -101,7 +120,7 @@ def check_free(path: str | Path, busy: Busy) -> None:
     """Refuse early (writing nothing) when a live process other than this one holds the lock `path`."""
     path = Path(path)
     holder = read_holder(path)
-    if holder is not None and not is_stale(holder) and not _mine(holder):
+    if holder is not None and not is_stale(holder, path) and not _mine(holder):
         raise busy(path, holder)
 
 
@@ -114,7 +133,7 @@ class PidLock:
     def acquire(self) -> PidLock:
         info = {"pid": os.getpid(), "pid_start": start_time(os.getpid()), "host": socket.gethostname(),
                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "argv": sys.argv}
+                "argv": sys.argv, "heartbeat": HEARTBEAT_S}
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -127,7 +146,7 @@ class PidLock:
                         other.release()
                     self.path.unlink(missing_ok=True)
                     continue
-                if not is_stale(holder):
+                if not is_stale(holder, self.path):
                     raise self.busy(self.path, holder) from None
                 self._take_over(holder)
                 continue
@@ -143,6 +162,7 @@ class PidLock:
             self.held = True
             _held.append(self)
             atexit.register(self.release)
+            _start_heartbeat()
             return self
         raise self.busy(self.path, read_holder(self.path) or {})
 
@@ -164,7 +184,11 @@ class PidLock:
             os.unlink(aside)
             return
         os.unlink(aside)
-        log.warning("%s: taking over a stale lock (%s, no longer running)", self.path, describe(holder))
+        if holder.get("host") != socket.gethostname():
+            log.warning("%s: taking over a stale lock (%s, not kept fresh for %.0f s)", self.path, describe(holder),
+                        LEASE_S)
+        else:
+            log.warning("%s: taking over a stale lock (%s, no longer running)", self.path, describe(holder))
 
     def release(self) -> None:
         if not self.held:
@@ -183,3 +207,21 @@ def release_all() -> None:
     """Release every lock this process holds (a SIGTERM handler calls this before `os._exit`)."""
     for lock in _held[:]:
         lock.release()
+
+
+def _start_heartbeat() -> None:
+    """Touch every held lock each HEARTBEAT_S seconds, from one daemon thread (started with the first lock)."""
+    if _beating.is_set():
+        return
+    _beating.set()
+
+    def beat():
+        while True:
+            time.sleep(HEARTBEAT_S)
+            for lock in _held[:]:
+                try:
+                    os.utime(lock.path)
+                except OSError:  # released meanwhile, or the disk went away: the holder finds out when it writes
+                    pass
+
+    threading.Thread(target=beat, name="pidlock-heartbeat", daemon=True).start()
