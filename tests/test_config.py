@@ -75,7 +75,7 @@ def test_unknown_key_in_the_file_is_blamed_on_the_file_not_the_key_it_suggests(t
 def test_a_number_given_to_a_string_key_keeps_its_spelling(text, tmp_path):
     """YAML 1.1 reads these as numbers and the string key got the number's digits: checkpoint.dir=2024.10 wrote
     to '2024.1', model.revision=0123 (octal) asked the hub for revision '83', 1:30 (base 60) became '90'."""
-    cfg = load_config(None, [f"checkpoint.dir=runs/x", f"model.revision={text}", f"data.instruction_field={text}"])
+    cfg = load_config(None, ["checkpoint.dir=runs/x", f"model.revision={text}", f"data.instruction_field={text}"])
     assert cfg.model.revision == text and cfg.data.instruction_field == text
     path = tmp_path / "c.yaml"
     path.write_text(f"checkpoint:\n  dir: {text}\nmodel:\n  revision: {text}\ntrain:\n  max_steps: 0x10\n"

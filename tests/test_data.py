@@ -759,7 +759,7 @@ def test_truncate_drop_error_policies_and_counts(tmp_path, tok):
 def test_overlength_error_through_prepare_split(tmp_path, tok):
     rows = chat_rows(4) + [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 300}]}]
     path = write_jsonl(tmp_path / "e.jsonl", rows)
-    with pytest.raises(UserError, match=rf"e\.jsonl:5: the example has \d+ tokens, more than data\.seq_len=160"):
+    with pytest.raises(UserError, match=r"e\.jsonl:5: the example has \d+ tokens, more than data\.seq_len=160"):
         prepare_split(str(path), Renderer(tok), DataConfig(seq_len=160, overlength="error"), 0)
 
 
