@@ -103,6 +103,15 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 900, cwd: Path =
                           timeout=timeout)
 
 
+def holding(code: str, *args: str) -> subprocess.Popen:
+    """A Python process running `code` (with `args` as sys.argv[1:]) that prints `held` once it holds what it
+    takes (a lock, an output being written): returned then, still running, for a test to contend with or kill."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
     """Non-zero exit, an `error:` line naming the thing, and no traceback."""
     assert proc.returncode != 0, proc.stdout + proc.stderr

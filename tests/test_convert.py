@@ -524,10 +524,10 @@ def test_a_second_writer_of_one_output_is_refused_until_the_first_is_gone(work, 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     hold = ("import sys, time; from gemma_tpu.core.atomic import AtomicDir\n"
             "with AtomicDir(sys.argv[1], overwrite=True) as tmp:\n    print('held', flush=True); time.sleep(300)")
-    proc = subprocess.Popen([sys.executable, "-c", hold, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    from tests.conftest import holding
+
+    proc = holding(hold, str(out))
     try:
-        assert proc.stdout.readline().strip() == "held"
         for main in (lambda a: merge(*a), lambda a: cli_main(export_main, [str(x) for x in a])):
             assert main(["--checkpoint", lora_ckpt[0], "--out", out, "--overwrite"]) == 2
             err = capsys.readouterr().err.strip().splitlines()

@@ -19,17 +19,14 @@ import pytest
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train import run_lock
-from tests.conftest import REPO, assert_one_line_error, run_cli
+from tests.conftest import REPO, assert_one_line_error, holding, run_cli
 
 HOLD = ("import sys, time; from gemma_tpu.train.run_lock import acquire; acquire(sys.argv[1]); "
         "print('held', flush=True); {after}")
 
 
 def _holder(tmp_path: Path, after: str = "time.sleep(120)") -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD.format(after=after), str(tmp_path)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.stdout.readline().strip() == "held"
-    return proc
+    return holding(HOLD.format(after=after), str(tmp_path))
 
 
 def test_lock_file_records_pid_host_and_start(tmp_path):
@@ -88,10 +85,8 @@ def test_a_holder_keeps_its_lock_fresh(tmp_path):
     code = ("import sys, time; from gemma_tpu.core import pidlock; pidlock.HEARTBEAT_S = 0.1; "
             "from gemma_tpu.train.run_lock import acquire; acquire(sys.argv[1]); print('held', flush=True); "
             "time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = holding(code, str(tmp_path))
     try:
-        assert proc.stdout.readline().strip() == "held"
         path = tmp_path / run_lock.LOCK_FILE
         assert json.loads(path.read_text())["heartbeat"] == 0.1
         os.utime(path, (time.time() - 1000,) * 2)
@@ -170,10 +165,8 @@ def test_one_writer_per_output_file(tmp_path, sig):
     out.write_bytes(b"GGUF old")
     hold = ("import sys, time; from gemma_tpu.core.atomic import AtomicFile\n"
             "with AtomicFile(sys.argv[1], overwrite=True) as tmp:\n    print('held', flush=True); time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", hold, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = holding(hold, str(out))
     try:
-        assert proc.stdout.readline().strip() == "held"
         busy = rf"{out} is being written by another process \(PID {proc.pid} on {socket.gethostname()} since "
         with pytest.raises(UserError, match=busy):
             check_file_target(out, overwrite=True)
