@@ -372,6 +372,34 @@ def test_evaluation_scores_the_first_trained_answer(tmp_path):
     assert case.user == ex["messages"][1]["content"] and len(case.prompt["messages"]) == 4
 
 
+def test_every_trained_turn_is_scored_with_turns_all(tmp_path):
+    """`evaluate --turns all` scores each trained assistant turn of a multi-turn chat after the reference conversation
+    before it (only the first was ever scored: a chat's later calls and answers went unjudged); the default stays
+    the first turn, and a prompt-completion row's prompt turns stay context either way."""
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import load_conversations
+    from gemma_tpu.evaluate.run import build_cases, parse_args
+
+    ex = dataset.generate(0, {"train": 0, "validation": 0, "test": 1})["test"][0]
+    roles = [m["role"] for m in ex["messages"]]
+    assert roles == ["developer", "user", "assistant", "tool", "assistant"]
+    more = [{"role": "user", "content": "And yesterday?"}, ex["messages"][2], ex["messages"][3],
+            {"role": "assistant", "content": "About the same."}]
+    chat = {"tools": ex["tools"], "messages": ex["messages"] + more}
+    pc = {"tools": ex["tools"], "prompt": ex["messages"][:4], "completion": ex["messages"][4:]}
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(chat) + "\n" + json.dumps(pc) + "\n")
+    convs = load_conversations(path, DataConfig())
+    assert [c.prompt["messages"][-1]["role"] for c in build_cases(convs)] == ["user", "tool"]
+    cases = build_cases(convs, "all")
+    assert [(len(c.prompt["messages"]), c.reference.name if c.reference else c.answer) for c in cases] == [
+        (2, ex["messages"][2]["tool_calls"][0]["function"]["name"]), (4, ex["messages"][4]["content"]),
+        (6, ex["messages"][2]["tool_calls"][0]["function"]["name"]), (8, "About the same."),
+        (4, ex["messages"][4]["content"])]
+    assert cases[2].user == "And yesterday?" and cases[1].prompt["messages"][3]["role"] == "tool"
+    assert parse_args(["--data", "x", "--model", "m"]).turns == "first"
+
+
 def test_arguments_match_normalises_types():
     assert arguments_match({"n": 5, "flag": True, "date": "today"}, {"n": "5", "flag": "true", "date": " Today "})
     assert arguments_match({"n": 5}, {"n": 5.0, "extra": 1})

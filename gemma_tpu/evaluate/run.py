@@ -2,7 +2,9 @@
 
 Scores tool calling on held-out conversations. For each example the model sees the conversation
 up to its first assistant turn (developer/system turn with the tool declarations, user request)
-and generates greedily; its first call is compared with the reference call:
+and generates greedily; its first call is compared with the reference call. `--turns all` scores every
+trained assistant turn of a multi-turn chat the same way, each after the reference conversation before it
+(the tool results and earlier answers as written), one decision each:
 
     tool_accuracy          the first call names the reference tool (a reference turn of several calls: every
                            one is matched by a call of its name, in any order)
@@ -83,18 +85,24 @@ class Case:
     where: str = ""  # FILE:LINE of the conversation
 
 
-def build_cases(convs: list[dict]) -> list[Case]:
+TURNS = ("first", "all")  # which trained assistant turns of a conversation are scored
+
+
+def build_cases(convs: list[dict], turns: str = "first") -> list[Case]:
+    """The scored decisions of `convs`: each conversation's first trained assistant turn, or every one (`turns`
+    "all"), with the reference conversation before it as the prompt."""
     cases = []
     for conv in convs:
         msgs = conv["messages"]
-        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant" and m.get("train", True))
-        calls = msgs[k].get("tool_calls") or []
-        ref = ToolCall(calls[0]["name"], calls[0]["arguments"]) if calls else None
+        trained = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and m.get("train", True)]
         names = [(t.get("function", t))["name"] for t in conv.get("tools") or []]
-        user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
-        answer = None if calls else msgs[k].get("content") or ""  # text: records normalise contents
-        cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer,
-                          [ToolCall(c["name"], c["arguments"]) for c in calls], conv.get("where", "")))
+        for k in trained if turns == "all" else trained[:1]:
+            calls = msgs[k].get("tool_calls") or []
+            ref = ToolCall(calls[0]["name"], calls[0]["arguments"]) if calls else None
+            user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
+            answer = None if calls else msgs[k].get("content") or ""  # text: records normalise contents
+            cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer,
+                              [ToolCall(c["name"], c["arguments"]) for c in calls], conv.get("where", "")))
     return cases
 
 
@@ -305,7 +313,7 @@ def check_spec(spec: Spec, timeout: float) -> None:
 
 def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[dict, list[dict]]:
     """Metrics (and per-example records) of one model on the conversations."""
-    cases = build_cases(convs)
+    cases = build_cases(convs, args.turns)
     t0 = time.time()
     loss = None
     if spec.kind == "endpoint":
@@ -390,6 +398,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="further attempts of an --endpoint request the server refused or failed with 429 or 5xx "
                         "(1, 2, 4 ... s apart; default 3)")
     p.add_argument("--limit", type=int, help="evaluate the first N examples")
+    p.add_argument("--turns", choices=TURNS, default="first",
+                   help="score each conversation's first trained assistant turn, or every one after the reference "
+                        "conversation before it (multi-turn chats; default: first)")
     p.add_argument("--json", help="write metrics and per-example predictions here")
     # with the prefix cache a row prefills only its suffix, and decoding (memory-bound on the weights) serves
     # 32 rows for little more than 8: on the 270M, 200 test conversations 3.3x faster than uncached batches of 8
@@ -454,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     print(format_table(results))
-    if not any(c.reference for c in build_cases(convs)):
+    if not any(c.reference for c in build_cases(convs, args.turns)):
         print(f"note: {args.data} has no reference tool call; the tool rows only say whether a model called a tool "
               f"unasked (the answer_* rows, eval_loss and perplexity judge the answers; answers are cut at "
               f"--max-new-tokens {args.max_new_tokens})", file=sys.stderr)
