@@ -425,7 +425,7 @@ def test_compare_checks_both_models_before_evaluating_either(tmp_path):
         for missing in (f"model:{tmp_path / 'nope'}", f"checkpoint:{tmp_path / 'nope'}"):
             proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--compare", f"endpoint:{url}", missing,
                                "--limit", "1")
-            assert_one_line_error(proc, str(tmp_path / "nope"))
+            assert_one_line_error(proc, str(tmp_path / "nope"), f"--compare B ({missing})")  # not model.path
     assert handler.seen == 0  # no request was spent on the first model
 
 

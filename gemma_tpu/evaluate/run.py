@@ -447,8 +447,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         specs = [Spec("endpoint", args.endpoint, None, args.served_model)]
     if len(specs) > 1:
-        for spec in specs:
-            check_spec(spec, args.timeout)
+        for which, spec in zip(("A", "B"), specs):
+            try:
+                check_spec(spec, args.timeout)
+            except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
+                raise UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") from None
     results, details = {}, {}
     # SIGTERM (a preempted machine) keeps the finished models' results as Ctrl-C does; it used to end the
     # process at once, losing them
