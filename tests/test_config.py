@@ -63,6 +63,19 @@ def test_unknown_key_suggests_the_key_meant(override, meant):
     assert meant in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("override,ours", [
+    ("model.dtype=bf16", "here it is bfloat16"), ("train.optimizer=adamw_torch", "here it is adamw"),
+    ("train.schedule=cosine", "here it is warmup_cosine"), ("train.schedule=constant_with_warmup", "constant"),
+])
+def test_a_transformers_value_names_ours(override, ours):
+    """A recipe's value for a choice key (`bf16`, `adamw_torch`, `cosine`) listed our choices only: the refusal now
+    names the one it is (never rewritten silently)."""
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", [override])
+    assert "transformers/TRL spelling" in str(e.value) and ours in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"override '{override}'") or override.split("=")[0] in str(e.value)
+
+
 def test_unknown_key_in_the_file_is_blamed_on_the_file_not_the_key_it_suggests(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  learning_rate: 1e-3\n")

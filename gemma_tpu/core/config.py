@@ -198,6 +198,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# transformers/TRL/PyTorch spellings of our choice values (a recipe's `bf16`, `adamw_torch`, `cosine`): the refusal
+# names ours; a value is never rewritten silently (warmup and floor differ between the two schedules' families)
+FOREIGN_VALUES = {
+    "bf16": "bfloat16", "torch.bfloat16": "bfloat16", "fp32": "float32", "torch.float32": "float32",
+    "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+    "adam": "adamw (train.weight_decay=0, the default, makes it Adam)", "cosine": "warmup_cosine", "cosine_with_min_lr": "warmup_cosine (with train.min_lr_ratio)",
+    "linear": "warmup_linear", "constant_with_warmup": "constant (train.warmup_steps applies to every schedule)",
+}
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
 
 
@@ -222,6 +230,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
         if value not in args:
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""
+            ours = FOREIGN_VALUES.get(value) if isinstance(value, str) else None
+            if ours and ours.split()[0] in args:
+                hint = f" (that is the transformers/TRL spelling; here it is {ours})"
             raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
