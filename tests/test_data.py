@@ -484,6 +484,19 @@ def test_trl_text_rows_train_every_token_and_end_with_eos(tmp_path, any_tok):
     np.testing.assert_array_equal(row["loss_targets"][: len(want) - 1], want[1:])
 
 
+def test_inspect_says_every_token_is_trained_for_text_rows(tmp_path, tok_dir):
+    """`inspect` said "loss on assistant" for TRL text rows, where every token is a target."""
+    out = []
+    for name, rows in (("lm", [{"text": "Plain prose."}] * 4), ("mixed", [{"text": "Plain prose."}, CHAT] * 4)):
+        path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                       str(tok_dir), timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out.append(proc.stdout.splitlines()[0])
+    assert out[0].endswith("loss on every token (text rows)") and out[1].endswith(
+        "loss on assistant (chats), every token (text rows)"), out
+
+
 def test_config_reads_text_format():
     from gemma_tpu.core.config import load_config
 

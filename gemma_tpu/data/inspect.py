@@ -149,8 +149,11 @@ def run(args: argparse.Namespace) -> dict:
 
     out = sys.stdout
     rep = main.report
+    texts = sum("text" in c for c in convs)  # language-modeling rows: every token is a target, whatever loss_on says
+    loss_on = ("every token (text rows)" if texts == len(convs) else
+               f"{renderer.loss_on} (chats), every token (text rows)" if texts else renderer.loss_on)
     print(f"data       {path} ({args.split}): format {cfg.data.format}, chat format {renderer.chat_format}, "
-          f"loss on {renderer.loss_on}", file=out)
+          f"loss on {loss_on}", file=out)
     print(f"tokenizer  {tok_where}", file=out)
     if token_map:
         print("token map  " + ", ".join(f"{k} -> {v}" for k, v in token_map.items()), file=out)
