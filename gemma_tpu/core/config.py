@@ -198,14 +198,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# transformers/TRL/PyTorch spellings of our choice values (a recipe's `bf16`, `adamw_torch`, `cosine`): the refusal
-# names ours; a value is never rewritten silently (warmup and floor differ between the two schedules' families)
-FOREIGN_VALUES = {
-    "bf16": "bfloat16", "torch.bfloat16": "bfloat16", "fp32": "float32", "torch.float32": "float32",
-    "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
-    "adam": "adamw (train.weight_decay=0, the default, makes it Adam)", "cosine": "warmup_cosine", "cosine_with_min_lr": "warmup_cosine (with train.min_lr_ratio)",
-    "linear": "warmup_linear", "constant_with_warmup": "constant (train.warmup_steps applies to every schedule)",
-}
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
 
 
@@ -318,6 +310,17 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "torch_dtype": ("model.dtype", ""),
     "bf16": ("model.dtype", "bfloat16"),
     "peft": ("lora", ""),
+}
+
+
+# transformers/TRL/PyTorch spellings of our choice values (a recipe's `bf16`, `adamw_torch`, `cosine`): the refusal
+# names ours; a value is never rewritten silently (warmup and floor differ between the two schedules' families)
+FOREIGN_VALUES = {
+    "bf16": "bfloat16", "torch.bfloat16": "bfloat16", "fp32": "float32", "torch.float32": "float32",
+    "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+    "adam": "adamw (train.weight_decay=0, the default, makes it Adam)",
+    "cosine": "warmup_cosine", "cosine_with_min_lr": "warmup_cosine (with train.min_lr_ratio)",
+    "linear": "warmup_linear", "constant_with_warmup": "constant (train.warmup_steps applies to every schedule)",
 }
 
 
