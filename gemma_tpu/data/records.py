@@ -543,6 +543,11 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
     return _as_conversations(messages, obj, where)
 
 
+def _fields(obj: dict) -> str:
+    """The keys a row has, for an error that says what it lacks."""
+    return ", ".join(map(str, obj)) or "no fields"
+
+
 def _as_conversations(messages: list, obj: dict, where: str) -> dict:
     """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
     try:
@@ -570,7 +575,7 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
     for field, key in ((instruction, "data.instruction_field"), (response, "data.response_field")):
         if field not in obj:
             raise UserError(f"{where}: missing field '{field}' ({key}; the example has "
-                            f"{', '.join(map(str, obj)) or 'no fields'})")
+                            f"{_fields(obj)})")
         if not isinstance(obj[field], str):
             raise UserError(f"{where}: field '{field}' must be a string, got {type(obj[field]).__name__}")
     prompt = obj[instruction]
@@ -591,7 +596,7 @@ def normalise_text(obj: dict, where: str, field: str) -> dict:
     """A language-modeling row: its text is trained whole, as TRL trains a `text` dataset."""
     if field not in obj:
         raise UserError(f"{where}: missing field '{field}' (data.text_field; the example has "
-                        f"{', '.join(map(str, obj)) or 'no fields'})")
+                        f"{_fields(obj)})")
     text = obj[field]
     if not isinstance(text, str):
         raise UserError(f"{where}: field '{field}' must be a string, got {type(text).__name__}")
@@ -619,11 +624,11 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
                         f"give that list itself (a JSON array) or JSON Lines" if rows else "")
                 raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
                                 f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
-                                f"{', '.join(map(str, obj)) or 'no fields'}; set data.format and the field names{hint})")
+                                f"{_fields(obj)}; set data.format and the field names{hint})")
         column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
         if column and column not in obj:  # data.format forced onto a row of another shape
             raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "
-                            f"{', '.join(map(str, obj)) or 'no fields'}; data.format=auto tells the shapes apart "
+                            f"{_fields(obj)}; data.format=auto tells the shapes apart "
                             f"by their keys)")
         if kind == "messages":
             out.append(normalise_messages(obj, where))
