@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 
 from gemma_tpu.core.config import MeshConfig
 from gemma_tpu.core.errors import UserError
@@ -132,6 +133,19 @@ def initialize_distributed(m: MeshConfig) -> bool:
 # ---------------------------------------------------------------- the mesh
 
 
+def untuned_gemm_warning(platform: str, xla_flags: str) -> str | None:
+    """A warning when XLA_FLAGS turns GPU autotuning off for training: it saves compile time, but on a lent
+    H100 it made the Gemma 3 1B LoRA step 1.96 s instead of ~0.15 s (benchmarks/RESULTS.md,
+    "2026-11-26 (afternoon)")."""
+    if platform != "gpu":
+        return None
+    levels = re.findall(r"--xla_gpu_autotune_level=(\d+)", xla_flags or "")
+    if not levels or int(levels[-1]) != 0:  # XLA reads the last one
+        return None
+    return ("XLA_FLAGS has --xla_gpu_autotune_level=0: GEMM fusions run untuned (a 1B LoRA step on an H100 ran "
+            "13x slower); drop it for training, keep it for short compile-bound checks")
+
+
 def build_mesh(m: MeshConfig, devices=None):
     """The (data, fsdp, tp) mesh over `devices` (default: all), laid out for ICI locality.
 
@@ -143,6 +157,9 @@ def build_mesh(m: MeshConfig, devices=None):
     import numpy as np
 
     devices = list(devices) if devices is not None else jax.devices()
+    warning = untuned_gemm_warning(devices[0].platform, os.environ.get("XLA_FLAGS", ""))
+    if warning:
+        log.warning(warning)
     shape = mesh_shape(m, len(devices))
     # Auto axes: Tunix's models place weights with sharding annotations and let XLA propagate.
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
