@@ -596,6 +596,25 @@ def test_evaluate_cli_on_tiny_model(tiny_long_dir, tmp_path):
     assert "generate" in proc.stderr  # the progress bar
 
 
+def test_a_prompt_past_the_context_is_scored_as_refused_and_the_run_goes_on(tiny_dir, tmp_path):
+    """A local model ended the whole run on one prompt longer than its context, where --endpoint scores the
+    server's refusal (HTTP 400) as wrong and goes on: now both say so in one line naming the conversation and
+    count it in refused_rate."""
+    data = tmp_path / "mixed.jsonl"
+    chat = (REPO / "tests" / "data" / "chat_sample.jsonl").read_text().splitlines()
+    data.write_text("\n".join([chat[0], (DATA / "test.jsonl").read_text().splitlines()[0], chat[1]]) + "\n")
+    out = tmp_path / "eval.json"
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(data), "--model", str(tiny_dir), "--max-new-tokens", "4",
+                   "--no-loss", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if "refused, scored as wrong" in l]
+    assert len(lines) == 1 and f"{data}:2 (" in lines[0] and "context of 1024" in lines[0], proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    m, ex = res["models"][f"model:{tiny_dir}"], res["examples"][f"model:{tiny_dir}"]
+    assert m["n"] == 3 and m["refused_rate"] == pytest.approx(1 / 3)
+    assert [e["kind"] for e in ex][1] == "refused" and "1024" in ex[1]["error"] and ex[0]["kind"] != "refused"
+
+
 def test_eval_loss_of_packed_shared_prefix_rows_equals_one_conversation_a_row(tiny_loaded):
     """Evaluation's loss packs rows as training does (the developer turn once per row); the mean NLL
     is the one of one conversation a row."""

@@ -12,8 +12,9 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
     hallucinated_tool_rate a call names a tool the example does not declare
     no_call_rate           plain text, no call attempted
     format_error_rate      text that attempts a call which does not parse
-    refused_rate           --endpoint only: the server refused the request (HTTP 400/413/422, e.g. a prompt over
-                           its context); scored as wrong, the run goes on
+    refused_rate           the prompt with --max-new-tokens passes a local model's context, or the server refused
+                           the request (HTTP 400/413/422, e.g. a prompt over its context); one line names the
+                           conversation, it scores as wrong, and the run goes on
     answer_exact_match, answer_f1, answer_rouge_l
                            for examples whose reference turn is text (chats, instruction pairs): the generated
                            answer against it (`gemma_tpu/evaluate/answers.py`); answers are cut at --max-new-tokens
@@ -166,25 +167,45 @@ def _renderer(loaded, data_cfg: DataConfig):
                          vocab_size=getattr(loaded.tunix_cfg, "num_embed", None))
 
 
+def refuse(case: Case, number: int, reason: str) -> ParsedReply:
+    """A prompt the model cannot take (over its context, refused by the server): one line naming the conversation,
+    and a reply that scores as wrong (refused_rate), for the local and the endpoint paths alike."""
+    from tqdm import tqdm
+
+    tqdm.write(f"{case.where or f'example {number}'} ({case.user[:60]!r}): refused, scored as wrong: {reason}",
+               file=sys.stderr)
+    return ParsedReply("refused", [], "", reason)
+
+
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
                   label: str, prefix_cache: bool = True) -> tuple[list[ParsedReply], list[str]]:
     """Greedy generation for every case, batched; returns parsed replies and raw texts. With
     `prefix_cache`, the prompt prefix all cases share (the developer turn with the tool
-    declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same."""
-    from tqdm import tqdm
+    declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same.
 
+    A prompt that with `max_new_tokens` passes the model's context is refused and scored as wrong, as a server
+    refuses it (HTTP 400); when every prompt does, the run ends (--max-new-tokens or the model is wrong)."""
+    from tqdm import tqdm
 
     renderer = _renderer(loaded, data_cfg)
     prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
     limit = loaded.max_positions
-    for case, ids in zip(cases, prompts):  # the generator's own check said "prompt 2", not which example
-        if limit and len(ids) + max_new_tokens > limit:
-            raise UserError(f"{case.where or 'an example'}: the prompt is {len(ids)} tokens; with --max-new-tokens "
-                            f"{max_new_tokens} it passes the model's context of {limit} (max_position_embeddings)")
+    over = {i: f"the prompt is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it passes the model's "
+               f"context of {limit} (max_position_embeddings)"
+            for i, ids in enumerate(prompts) if limit and len(ids) + max_new_tokens > limit}
+    if over and len(over) == len(cases):
+        first = min(over)
+        raise UserError(f"{cases[first].where or 'an example'}: {over[first]}"
+                        + (f" (as are all {len(cases)} prompts)" if len(cases) > 1 else ""))
+    keep = [i for i in range(len(cases)) if i not in over]
     gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
-    with tqdm(total=len(prompts), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
-        outs = gen.generate(prompts, on_batch=bar.update)
-    return [parse_reply(o.text) for o in outs], [o.text for o in outs]
+    with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
+        for i in sorted(over):
+            refuse(cases[i], i + 1, over[i])
+        outs = dict(zip(keep, gen.generate([prompts[i] for i in keep], on_batch=bar.update)))
+    preds = [parse_reply(outs[i].text) if i in outs else ParsedReply("refused", [], "", over[i])
+             for i in range(len(cases))]
+    return preds, [outs[i].text if i in outs else "" for i in range(len(cases))]
 
 
 def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, label: str,
@@ -264,9 +285,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
                 if e.code in REFUSED_STATUS and refused > 1:
                     e.args = (f"the server refused each of the first {refused} requests; the last: {e}",)
                 raise
-            tqdm.write(f"example {len(preds) + 1} ({case.user[:60]!r}): refused, scored as wrong: {e}",
-                       file=sys.stderr)
-            preds.append(ParsedReply("refused", [], "", str(e)))
+            preds.append(refuse(case, len(preds) + 1, str(e)))
             texts.append("")
             continue
         message = first_message(answer, f"{base}/chat/completions")
