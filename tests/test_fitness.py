@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -433,6 +434,13 @@ def test_score_on_hand_made_predictions():
     assert m["no_call_rate"] == pytest.approx(2 / 7)
     assert m["format_error_rate"] == pytest.approx(1 / 7)
     assert m["per_tool"]["get_heart_rate"] == {"n": 6, "tool_accuracy": 2 / 6, "argument_accuracy": 1 / 6}
+    # tool_accuracy counts the right "no call" too; the call_* metrics are over the six that expect a call, and
+    # declined_accuracy over the one that expects none
+    assert (m["call_n"], m["no_call_n"]) == (6, 1)
+    assert m["call_tool_accuracy"] == pytest.approx(2 / 6) and m["call_argument_accuracy"] == pytest.approx(1 / 6)
+    assert m["declined_accuracy"] == 1.0
+    declined = score(cases[-1:] * 2, [ParsedReply("format_error", [], "call:x{", "unclosed"), preds[0]])
+    assert declined["declined_accuracy"] == 0.0 and declined["call_n"] == 0 and declined["call_tool_accuracy"] is None
 
 
 def test_parallel_reference_calls_are_all_scored():
@@ -492,6 +500,13 @@ def test_score_judges_text_answers():
     assert m["answer_exact_match"] == pytest.approx(1 / 3)
     assert m["answer_f1"] == pytest.approx((1 + 2 / 3) / 3)  # "it is 7" vs "it is 6": 2 of 3 words
     assert m["tool_accuracy"] == pytest.approx(3 / 4)  # two text replies where text was due, one right call
+    assert (m["call_n"], m["call_tool_accuracy"], m["no_call_n"]) == (1, 1.0, 3)
+    assert m["declined_accuracy"] == pytest.approx(2 / 3)
+    from gemma_tpu.evaluate.run import format_table
+
+    table = format_table({"m": m})
+    assert re.search(r"^call_tool_accuracy +1\.0000$", table, re.M) and re.search(r"^declined_accuracy +0\.6667$",
+                                                                                  table, re.M), table
 
 
 def test_endpoint_replies_are_read_from_tool_calls_or_content():

@@ -6,9 +6,15 @@ and generates greedily; its first call is compared with the reference call. `--t
 trained assistant turn of a multi-turn chat the same way, each after the reference conversation before it
 (the tool results and earlier answers as written), one decision each:
 
-    tool_accuracy          the first call names the reference tool (a reference turn of several calls: every
-                           one is matched by a call of its name, in any order)
+    tool_accuracy          the right decision, over all n: the first call names the reference tool (a reference
+                           turn of several calls: every one is matched by a call of its name, in any order), or,
+                           where the reference makes no call, a reply without one
     argument_accuracy      ... and every reference argument is equal (types normalised: 5 == "5")
+    call_tool_accuracy, call_argument_accuracy
+                           the same over the call_n conversations whose reference makes a call: tool-name and
+                           argument accuracy proper (equal to the two above on data where every reference calls)
+    declined_accuracy      over the no_call_n conversations whose reference makes no call: replied without one
+                           (text; not a call, a format error or a refusal)
     hallucinated_tool_rate a call names a tool the example does not declare
     no_call_rate           plain text, no call attempted
     format_error_rate      text that attempts a call which does not parse
@@ -67,7 +73,8 @@ from gemma_tpu.models import resolve_model
 
 log = logging.getLogger("gemma_tpu.evaluate")
 
-METRICS = ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", "no_call_rate",
+METRICS = ("n", "tool_accuracy", "argument_accuracy", "call_n", "call_tool_accuracy", "call_argument_accuracy",
+           "no_call_n", "declined_accuracy", "hallucinated_tool_rate", "no_call_rate",
            "format_error_rate", "refused_rate", "answer_n", "answer_exact_match", "answer_f1", "answer_rouge_l",
            "eval_loss", "perplexity")
 
@@ -117,8 +124,12 @@ def _matched(reference: Sequence[ToolCall], predicted: Sequence[ToolCall], same)
     return match(0, frozenset())
 
 
+NO_CALL = "(no call)"  # the per_tool entry of the references that make no call
+
+
 def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str, Any]:
-    """The tool-calling metrics of predictions against their cases (fractions of n)."""
+    """The tool-calling metrics of predictions against their cases (fractions of n; the call_* ones of call_n,
+    declined_accuracy of no_call_n, None without such a case)."""
     if len(cases) != len(predictions):
         raise ValueError(f"{len(cases)} cases but {len(predictions)} predictions")
     n = len(cases)
@@ -142,14 +153,21 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
         nocall += pred.kind == "text"
         fmt += pred.kind == "format_error"
         refused += pred.kind == "refused"
-        key = case.reference.name if case.reference else "(no call)"
+        key = case.reference.name if case.reference else NO_CALL
         stats = per_tool.setdefault(key, [0, 0, 0])
         stats[0] += 1
         stats[1] += ok_name
         stats[2] += ok_args
     frac = (lambda k: k / n) if n else (lambda k: 0.0)
+    calls = {k: v for k, v in per_tool.items() if k != NO_CALL}
+    call_n = sum(v[0] for v in calls.values())
+    declined = per_tool.get(NO_CALL, [0, 0, 0])
     return {
         "n": n, "tool_accuracy": frac(tool), "argument_accuracy": frac(args),
+        "call_n": call_n,
+        "call_tool_accuracy": sum(v[1] for v in calls.values()) / call_n if call_n else None,
+        "call_argument_accuracy": sum(v[2] for v in calls.values()) / call_n if call_n else None,
+        "no_call_n": declined[0], "declined_accuracy": declined[1] / declined[0] if declined[0] else None,
         "hallucinated_tool_rate": frac(halluc), "no_call_rate": frac(nocall), "format_error_rate": frac(fmt),
         "refused_rate": frac(refused),
         **answer_scores([(pred.text if pred.kind == "text" else None, case.answer)
