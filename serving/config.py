@@ -45,7 +45,7 @@ RENDERED_FLAGS = {
     "--chat-template-content-format": "server.chat_template_content_format",
     "--enable-auto-tool-choice": "tool_calling.enabled", "--tool-call-parser": "tool_calling.parser",
     "--chat-template": "tool_calling.chat_template", "--enable-lora": "lora.adapters",
-    "--lora-modules": "lora.adapters", "--max-lora-rank": "lora.max_lora_rank",
+    "--lora-modules": "lora.adapters", "--max-lora-rank": "lora.max_lora_rank", "--max-loras": "lora.max_loras",
 }
 
 
@@ -97,6 +97,9 @@ class LoraSection:
 
     adapters: list[AdapterSection] = dataclasses.field(default_factory=list)
     max_lora_rank: int | None = None  # default: the smallest rank vLLM accepts that fits every adapter
+    # adapters a batch may mix (vLLM's --max-loras, whose own default of 1 makes requests for different adapters
+    # wait for one another); default: every adapter configured
+    max_loras: int | None = None
 
 
 @dataclasses.dataclass
@@ -132,6 +135,34 @@ class ServeConfig:
 # sections of a training config (gemma_tpu/core/config.py RunConfig) that a serving config never has
 TRAINING_SECTIONS = {name: "a training config (python -m gemma_tpu.train --config FILE)"
                      for name in ("train", "data", "checkpoint", "mesh")}
+
+
+def extra_arg(args: Sequence[str], flag: str) -> str | None:
+    """The value server.extra_args gives `flag` (`--flag V` or `--flag=V`, '-' or '_' between words; vLLM keeps the
+    last), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, v = arg.partition("=")
+        if name.startswith("--") and "--" + name[2:].replace("_", "-") == flag:
+            value = v if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return value
+
+
+def max_loras(cfg: ServeConfig) -> int:
+    """--max-loras: lora.max_loras, else one slot for each adapter, so a batch can mix them all."""
+    return cfg.lora.max_loras if cfg.lora.max_loras is not None else max(len(cfg.lora.adapters), 1)
+
+
+def lora_warning(cfg: ServeConfig) -> str | None:
+    """lora.max_loras below the number of adapters: vLLM takes it, and requests for the adapters past it wait for
+    a batch of their own."""
+    n = len(cfg.lora.adapters)
+    if cfg.lora.max_loras is not None and not n:
+        return f"lora.max_loras={cfg.lora.max_loras} has no effect without lora.adapters"
+    if cfg.lora.max_loras is not None and cfg.lora.max_loras < n:
+        return (f"lora.max_loras={cfg.lora.max_loras} is below the {n} adapters configured: a batch holds at most "
+                f"{cfg.lora.max_loras} of them, and requests for the others wait (unset it to serve all {n} at once)")
+    return None
 
 
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) -> ServeConfig:
@@ -195,6 +226,13 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
             bad(f"lora.adapters.{a.name}: dir is not set")
     if len(set(names)) != len(names) or cfg.served_name in names:
         bad("lora.adapters: names must be unique and differ from the served model name")
+    if cfg.lora.max_loras is not None and cfg.lora.max_loras < 1:  # vLLM's LoRAConfig: max_loras >= 1
+        bad(f"lora.max_loras must be at least 1, got {cfg.lora.max_loras}")
+    cpu = extra_arg(s.extra_args, "--max-cpu-loras")
+    if cfg.lora.adapters and cpu is not None:  # vLLM's LoRAConfig refuses max_cpu_loras < max_loras at start
+        if not cpu.isdigit() or int(cpu) < max_loras(cfg):
+            bad(f"server.extra_args: --max-cpu-loras {cpu} must be an integer of at least lora.max_loras="
+                f"{max_loras(cfg)} (vLLM refuses fewer)")
     if cfg.lora.max_lora_rank is not None and cfg.lora.max_lora_rank not in VLLM_LORA_RANKS:
         bad(f"lora.max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's choices), "
             f"got {cfg.lora.max_lora_rank}")

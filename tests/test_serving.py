@@ -192,6 +192,33 @@ def test_print_31b_config_with_adapters(tmp_path, capsys, monkeypatch):
     assert flag(serve, "--tool-call-parser") == "gemma4"
     assert flag(serve, "--lora-modules") == "coach=/adapters/coach"
     assert flag(serve, "--max-lora-rank") == "16"  # the smallest rank vLLM accepts that fits r=12
+    assert flag(serve, "--max-loras") == "1"
+
+
+def test_several_adapters_share_a_batch(tmp_path, capsys):
+    """Two adapters got vLLM's default --max-loras 1: requests for the second waited for batches of their own.
+    Now --max-loras is the number of adapters (a smaller lora.max_loras is vLLM's to take: a warning), and
+    --max-lora-rank fits the largest rank."""
+    d = fake_model_dir(tmp_path / "m")
+    a, b = fake_adapter(tmp_path / "a", r=8), fake_adapter(tmp_path / "b", r=40)
+    adapters = f"lora.adapters=[{{name: a, dir: {a}}}, {{name: b, dir: {b}}}]"
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters)
+    assert code == 0 and "warning" not in err, err
+    serve = words(out)[words(out).index("vllm"):]
+    assert flag(serve, "--max-loras") == "2" and flag(serve, "--max-lora-rank") == "64"
+    assert serve[serve.index("--lora-modules") + 1:serve.index("--lora-modules") + 3] == ["a=/adapters/a", "b=/adapters/b"]
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters,
+                                   "lora.max_loras=1", "lora.max_lora_rank=128", "server.extra_args=[--max-cpu-loras=2]")
+    assert code == 0, err
+    serve = words(out)[words(out).index("vllm"):]
+    assert flag(serve, "--max-loras") == "1" and flag(serve, "--max-lora-rank") == "128"
+    assert "warning: lora.max_loras=1 is below the 2 adapters configured" in err
+    for overrides, needles in ((["lora.max_loras=0"], ["lora.max_loras", "at least 1"]),
+                               (["server.extra_args=[--max-loras,4]"], ["--max-loras", "lora.max_loras"]),
+                               (["server.extra_args=[--max_cpu_loras,1]"], ["--max-cpu-loras 1", "lora.max_loras=2"])):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters, *overrides)
+        one_error_line(code, err, *needles)
+        assert out == ""
 
 
 def _no_tokenizer(p):
