@@ -229,6 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if open_api_warning(cfg):
         print(f"warning: {open_api_warning(cfg)}", file=sys.stderr)
     if args.local:
+        if cfg.lora.adapters:  # transformers serve has no adapters: requests naming them got a 404 unexplained
+            names = ", ".join(a.name for a in cfg.lora.adapters)
+            print(f"warning: --local serves model.dir alone, not lora.adapters ({names}): requests naming them get "
+                  "404 (merge an adapter with python -m convert.merge_orbax to serve it here)", file=sys.stderr)
         return serve_local(cfg)
     facts = inspect_model(cfg)
     for warning in (stop_token_warning(cfg, facts), lora_warning(cfg)):

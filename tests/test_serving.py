@@ -459,9 +459,15 @@ def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp
         port = taken.getsockname()[1]
         code = cli_main(__import__("serving.launch", fromlist=["main"]).main,
                         ["--config", str(cfg), "--local", f"server.port={port}"])
-    err = capsys.readouterr().err
-    one_error_line(code, err, f"server.port {port} on 127.0.0.1: already in use", "server.port=N")
-    assert "serving" not in err.replace("server.port", "")
+        err = capsys.readouterr().err
+        one_error_line(code, err, f"server.port {port} on 127.0.0.1: already in use", "server.port=N")
+        assert "serving" not in err.replace("server.port", "") and "warning" not in err
+        # adapters in the config: --local serves the base alone, and says so (requests for them got a bare 404)
+        code = cli_main(__import__("serving.launch", fromlist=["main"]).main,
+                        ["--config", str(cfg), "--local", f"server.port={port}",
+                         f"lora.adapters=[{{name: coach, dir: {tmp_path}}}]"])
+        err = capsys.readouterr().err
+        assert "warning: --local serves model.dir alone, not lora.adapters (coach)" in err and code != 0
 
 
 def test_bench_against_local_server(local_server, tmp_path):
