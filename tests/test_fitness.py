@@ -641,9 +641,33 @@ def test_eval_loss_of_packed_shared_prefix_rows_equals_one_conversation_a_row(ti
 
     cfg = DataConfig(seq_len=1024)
     convs = load_conversations(str(DATA / "test.jsonl"), cfg)[:12]
-    packed = eval_loss(tiny_loaded, convs, cfg, 4, "tiny")
-    padded = eval_loss(tiny_loaded, convs, dataclasses.replace(cfg, share_prefix="off"), 4, "tiny", strategy="pad")
+    loaded = dataclasses.replace(tiny_loaded, max_positions=4096)  # tiny_long_dir's: the prompts are ~1,800 tokens
+    packed = eval_loss(loaded, convs, cfg, 4, "tiny")
+    padded = eval_loss(loaded, convs, dataclasses.replace(cfg, share_prefix="off"), 4, "tiny", strategy="pad")
     assert np.isfinite(packed) and packed == pytest.approx(padded, rel=1e-5)
+
+
+def test_eval_loss_stops_at_the_models_context(tiny_loaded, capsys):
+    """A conversation longer than the model's context was scored at positions the model does not have (training
+    refuses a data.seq_len past max_position_embeddings): now its first 1,024 tokens count, and one line says so."""
+    import dataclasses
+
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import load_conversations
+    from gemma_tpu.evaluate.run import eval_loss
+
+    cfg = DataConfig(seq_len=1024)
+    convs = load_conversations(str(REPO / "tests" / "data" / "chat_sample.jsonl"), cfg)[:2] + \
+        load_conversations(str(DATA / "test.jsonl"), cfg)[:1]  # ~1,800 tokens with the tiny tokenizer
+    capsys.readouterr()
+    capped = eval_loss(tiny_loaded, convs, cfg, 4, "tiny")
+    err = capsys.readouterr().err
+    assert "test.jsonl:1: 1 of 3 conversations pass the model's context of 1024 tokens" in err, err
+    unbounded = eval_loss(dataclasses.replace(tiny_loaded, max_positions=None), convs, cfg, 4, "tiny")
+    assert np.isfinite(capped) and abs(capped - unbounded) > 1e-3
+    assert "pass the model's context" not in capsys.readouterr().err
+    assert eval_loss(tiny_loaded, convs[2:], cfg, 4, "tiny") is None  # no reference token within the context
+    assert "(1 with no reference token among them: left out)" in capsys.readouterr().err
 
 
 def test_evaluate_checkpoint_restores_lora(tiny_dir, tmp_path):

@@ -25,7 +25,7 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
                            for examples whose reference turn is text (chats, instruction pairs): the generated
                            answer against it (`gemma_tpu/evaluate/answers.py`); answers are cut at --max-new-tokens
     eval_loss, perplexity  teacher-forced NLL of the reference assistant turns (calls and answers),
-                           loss-bearing tokens only - as in training; not for --endpoint
+                           loss-bearing tokens only - as in training (up to the model's context); not for --endpoint
 
 Models: `--model` a base or merged HF directory, `--checkpoint` a gemma-tpu Orbax run directory
 (base + LoRA of `--step`, default the latest), `--endpoint` any OpenAI-compatible server
@@ -44,7 +44,6 @@ import logging
 import math
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -54,7 +53,8 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
-from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
+from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
+from gemma_tpu.data.batching import Example
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
@@ -227,12 +227,13 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
 
 
 def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, label: str,
-              strategy: str = "pack") -> float:
+              strategy: str = "pack") -> float | None:
     """Mean NLL over loss-bearing tokens of the reference conversations, as the trainer computes it.
 
     Rows are packed as training packs them (with `data.share_prefix: auto`, a developer turn the
     conversations share is computed once per row, and short rows share a row): the same loss as one
-    conversation a row (`strategy="pad"` with `share_prefix="off"`; tested), for less forward work."""
+    conversation a row (`strategy="pad"` with `share_prefix="off"`; tested), for less forward work. A conversation
+    past the model's context counts up to it (None: no reference token within it, in any conversation)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -241,15 +242,22 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
     from gemma_tpu.train.loss import sparse_loss  # deferred: imports jax/torch
 
     renderer = _renderer(loaded, data_cfg)
-    longest = max(len(renderer.render(c).ids) for c in convs)
-    cfg = dataclasses.replace(data_cfg, seq_len=max(data_cfg.seq_len, -(-longest // 64) * 64), strategy=strategy,
-                              overlength="truncate", max_loss_tokens=None)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "eval.jsonl"
-        with path.open("w") as f:
-            for c in convs:
-                f.write(json.dumps({"messages": c["messages"], "tools": c.get("tools")}) + "\n")
-        split = prepare_split(str(path), renderer, cfg, seed=0)
+    examples = [Example(r.ids, r.loss_mask, c.get("where", "")) for c in convs for r in [renderer.render(c)]]
+    seq_len = max(data_cfg.seq_len, -(-max(len(e.ids) for e in examples) // 64) * 64)
+    limit = loaded.max_positions
+    if limit and seq_len > limit:  # positions past the context were scored as if the model had them (training refuses)
+        over = [e for e in examples if len(e.ids) > limit]
+        if over:
+            empty = sum(1 for e in over if not e.loss_mask[:limit].any())
+            print(f"{over[0].where or 'an example'}: {len(over)} of {len(examples)} conversations pass the model's "
+                  f"context of {limit} tokens (max_position_embeddings); eval_loss counts the first {limit} of each"
+                  + (f" ({empty} with no reference token among them: left out)" if empty else ""), file=sys.stderr)
+            examples = [e for e in examples if e.loss_mask[:limit].any()]
+            if not examples:
+                return None
+        seq_len = limit
+    cfg = dataclasses.replace(data_cfg, seq_len=seq_len, strategy=strategy, overlength="truncate", max_loss_tokens=None)
+    split = prepare_examples(examples, f"eval loss {label}", cfg, seed=0)
     graphdef, state = nnx.split(loaded.model)
 
     @jax.jit
