@@ -7,7 +7,8 @@ unknown keys and wrong types rejected by name.
 `inspect_model` reads a merged directory the way vLLM-TPU will and refuses, in one line, what would
 fail on the TPU VM minutes into a container start: a missing config/weights/shard/generation
 config/tokenizer, an architecture vLLM-TPU does not serve, a tensor-parallel size that does not
-divide the KV-head count, a tool-call parser for the wrong family, a LoRA rank vLLM cannot take.
+divide the KV-head count, a tool-call parser for the wrong family, a LoRA rank vLLM cannot take, an
+adapter whose weights do not fit the base (an adapter of another model).
 """
 
 from __future__ import annotations
@@ -260,10 +261,11 @@ def vllm_families() -> dict[str, Family]:
     return {arch: fam for fam in families().values() for arch in fam.vllm_architectures}
 
 
-def check_weights(model_dir: Path) -> None:
+def check_weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """safetensors weights: one `model.safetensors`, or an index whose every shard is present; each file's
     header read and its tensors' byte ranges inside the file (a copy cut short, a file of something else:
-    the server failed on it with a safetensors traceback after starting, vLLM minutes into its start)."""
+    the server failed on it with a safetensors traceback after starting, vLLM minutes into its start).
+    Returns each tensor's shape by name."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         data = read_json_object(index, f"{index}: cannot read")
@@ -274,12 +276,10 @@ def check_weights(model_dir: Path) -> None:
             if not (model_dir / shard).is_file():
                 raise UserError(f"model dir {model_dir}: shard {shard} listed in model.safetensors.index.json "
                                 "is missing")
-        for shard in sorted(set(weight_map.values())):
-            file_tensors(model_dir / shard)
-        return
+        return {t.name: t.shape for shard in sorted(set(weight_map.values()))
+                for t in file_tensors(model_dir / shard)[0]}
     if (model_dir / "model.safetensors").is_file():
-        file_tensors(model_dir / "model.safetensors")
-        return
+        return {t.name: t.shape for t in file_tensors(model_dir / "model.safetensors")[0]}
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if shards:
         raise UserError(f"model dir {model_dir}: sharded weights ({shards[0]}, ...) without "
@@ -325,6 +325,40 @@ def adapter_rank(adapter_dir: Path, name: str) -> int:
     return r
 
 
+_LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
+
+
+def check_adapter_fits(adapter_dir: Path, name: str, r: int, base: dict[str, tuple[int, ...]]) -> None:
+    """Every decoder-layer LoRA pair of the adapter fits a weight of the base: A [r, in] and B [out, r] against
+    the base's [out, in]. An adapter of another model (a 270M adapter on a 1B base) or an unreadable
+    adapter_model.safetensors failed in vLLM's start on the TPU VM, after the container had come up."""
+    path = adapter_dir / "adapter_model.safetensors"
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for t in file_tensors(path)[0]:
+        m = _LORA_KEY.fullmatch(t.name)
+        if m:
+            pairs.setdefault(m["module"], {})[m["ab"]] = t.shape
+    if not pairs:
+        raise UserError(f"lora.adapters.{name}: {path} holds no LoRA weights (lora_A / lora_B tensors)")
+    for module, ab in sorted(pairs.items()):
+        if len(ab) != 2:
+            raise UserError(f"lora.adapters.{name}: {path}: {module} has lora_{next(iter(ab))} without its pair")
+        a, b = ab["A"], ab["B"]
+        if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
+            raise UserError(f"lora.adapters.{name}: {path}: {module} lora_A {list(a)} and lora_B {list(b)} are not "
+                            f"[r, in] and [out, r] with adapter_config.json's r={r}")
+        if "layers." not in module:  # embeddings, lm_head: named differently across layouts, left to vLLM
+            continue
+        site = module[module.rindex("layers."):]  # the base's key names put the decoder elsewhere than PEFT's
+        shapes = [shape for key, shape in base.items() if key.endswith(f".{site}.weight") or key == f"{site}.weight"]
+        if not shapes:
+            raise UserError(f"lora.adapters.{name}: the adapter changes {site}, which model.dir has no weight for "
+                            "(an adapter of another model?)")
+        if (b[0], a[1]) not in shapes:
+            raise UserError(f"lora.adapters.{name}: the adapter's update of {site} is [{b[0]}, {a[1]}], model.dir's "
+                            f"weight is {list(shapes[0])} (an adapter of another model?)")
+
+
 def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     """Check the model directory (and adapters) against what vLLM-TPU needs; one-line errors.
 
@@ -335,7 +369,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if not d.is_dir():
         raise UserError(f"model.dir {cfg.model.dir}: not a directory")
     hf = read_json_object(d / "config.json", f"model dir {d}: no config.json")
-    check_weights(d)
+    weights = check_weights(d)
     # vLLM reads its stop tokens from it, and quietly does without one it cannot parse
     read_json_object(d / "generation_config.json",
                      f"model dir {d}: no generation_config.json (vLLM reads its stop tokens from it)")
@@ -383,6 +417,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             if not adir.is_dir():
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
             ranks.append(adapter_rank(adir, a.name))
+            check_adapter_fits(adir, a.name, ranks[-1], weights)
         if ranks:
             need = max(ranks)
             if cfg.lora.max_lora_rank is not None:
