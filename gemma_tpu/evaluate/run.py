@@ -202,7 +202,8 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same.
 
     A prompt that with `max_new_tokens` passes the model's context is refused and scored as wrong, as a server
-    refuses it (HTTP 400); when every prompt does, the run ends (--max-new-tokens or the model is wrong)."""
+    refuses it (vLLM and `serving.launch --local` answer HTTP 400 to a prompt plus max_tokens past the context);
+    when every prompt does, the run ends (--max-new-tokens or the model is wrong)."""
     from tqdm import tqdm
 
     renderer = _renderer(loaded, data_cfg)
