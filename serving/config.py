@@ -158,8 +158,9 @@ def lora_warning(cfg: ServeConfig) -> str | None:
     """lora.max_loras below the number of adapters: vLLM takes it, and requests for the adapters past it wait for
     a batch of their own."""
     n = len(cfg.lora.adapters)
-    if cfg.lora.max_loras is not None and not n:
-        return f"lora.max_loras={cfg.lora.max_loras} has no effect without lora.adapters"
+    unused = [f"lora.{k}={getattr(cfg.lora, k)}" for k in ("max_loras", "max_lora_rank") if getattr(cfg.lora, k)]
+    if unused and not n:
+        return f"{' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without lora.adapters"
     if cfg.lora.max_loras is not None and cfg.lora.max_loras < n:
         return (f"lora.max_loras={cfg.lora.max_loras} is below the {n} adapters configured: a batch holds at most "
                 f"{cfg.lora.max_loras} of them, and requests for the others wait (unset it to serve all {n} at once)")

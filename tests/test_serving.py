@@ -223,6 +223,10 @@ def test_several_adapters_share_a_batch(tmp_path, capsys):
     serve = words(out)[words(out).index("vllm"):]
     assert flag(serve, "--max-loras") == "1" and flag(serve, "--max-lora-rank") == "128"
     assert "warning: lora.max_loras=1 is below the 2 adapters configured" in err
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", "lora.max_loras=2",
+                                   "lora.max_lora_rank=8")
+    assert code == 0 and "--enable-lora" not in out, err
+    assert "warning: lora.max_loras=2 and lora.max_lora_rank=8 have no effect without lora.adapters" in err
     for overrides, needles in ((["lora.max_loras=0"], ["lora.max_loras", "at least 1"]),
                                (["server.extra_args=[--max-loras,4]"], ["--max-loras", "lora.max_loras"]),
                                (["server.extra_args=[--max_cpu_loras,1]"], ["--max-cpu-loras 1", "lora.max_loras=2"])):
