@@ -413,6 +413,44 @@ def test_evaluate_retries_a_busy_server(tmp_path, caplog, status):
     assert re.search(r"^n\s+1$", proc.stdout, re.M), proc.stdout
 
 
+class Locked(Flaky):
+    """Answers only requests carrying `Authorization: Bearer sk-test` (vLLM with --api-key: 401 otherwise)."""
+
+    fail, seen, auth = 0, 0, []
+
+    def _locked(self) -> bool:
+        type(self).auth.append(self.headers.get("Authorization"))
+        if self.headers.get("Authorization") == "Bearer sk-test":
+            return False
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._json(401, {"error": "Unauthorized"})
+        return True
+
+    def do_GET(self):
+        if not self._locked():
+            super().do_GET()
+
+    def do_POST(self):
+        if not self._locked():
+            super().do_POST()
+
+
+def test_evaluate_sends_the_api_key(monkeypatch):
+    """evaluate --endpoint sent no API key, so a server launched with one (server.api_key_env) answered 401 to
+    every request; it now reads it from --api-key-env (VLLM_API_KEY by default), as serving.chat and bench do."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    handler = type("LockedNow", (Locked,), {"seen": 0, "auth": []})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "1")
+        assert_one_line_error(proc, "HTTP 401")
+        monkeypatch.setenv("MY_KEY", "sk-test")
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "2",
+                           "--api-key-env", "MY_KEY")
+    assert proc.returncode == 0, proc.stderr
+    assert handler.seen == 2 and handler.auth[-3:] == ["Bearer sk-test"] * 3  # /models and both requests
+    assert "sk-test" not in proc.stdout + proc.stderr
+
+
 def test_evaluate_gives_up_after_its_retries_and_not_on_a_client_error(tmp_path):
     handler = flaky(503, 100)
     with http_server(handler) as url:

@@ -42,6 +42,7 @@ import gc
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -287,11 +288,12 @@ FIRST_REFUSALS = 5
 
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
-                     label: str, timeout: float = 300.0, retries: int = 3) -> tuple[list[ParsedReply], list[str]]:
+                     label: str, timeout: float = 300.0, retries: int = 3,
+                     api_key: str | None = None) -> tuple[list[ParsedReply], list[str]]:
     from tqdm import tqdm
 
     base = api_base(url)
-    name = served or served_model_name(base, timeout=min(timeout, 30.0))
+    name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0))
     preds, texts = [], []
     refused = 0
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
@@ -302,7 +304,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
         if case.prompt.get("tools"):
             body["tools"] = openai_tools(case.prompt["tools"])
         try:
-            answer = http_json(f"{base}/chat/completions", body, timeout=timeout, retries=retries)
+            answer = http_json(f"{base}/chat/completions", body, timeout=timeout, api_key=api_key, retries=retries)
         except HTTPStatusError as e:
             # a refusal of this one request (a prompt over the server's context, a conversation its template
             # refuses) scores the example as wrong and the run goes on; a server that refuses everything
@@ -346,7 +348,7 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None)
 
 
-def check_spec(spec: Spec, timeout: float) -> None:
+def check_spec(spec: Spec, timeout: float, api_key: str | None = None) -> None:
     """What can be checked of a model without loading it (the directory, the checkpoint step and its base,
     the server answering), so `--compare` fails before the first model's minutes of work, not after."""
     if spec.kind == "model":
@@ -354,7 +356,7 @@ def check_spec(spec: Spec, timeout: float) -> None:
     elif spec.kind == "checkpoint":
         locate(spec.target, spec.step)
     else:
-        check_reachable(api_base(spec.target), timeout=min(timeout, 30.0))
+        check_reachable(api_base(spec.target), api_key, timeout=min(timeout, 30.0))
 
 
 def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[dict, list[dict]]:
@@ -364,7 +366,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     loss = None
     if spec.kind == "endpoint":
         preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
-                                        args.timeout, args.retries)
+                                        args.timeout, args.retries, os.environ.get(args.api_key_env) or None)
     else:
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
@@ -439,6 +441,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                        help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
+    # a vLLM server started with an API key (serving.launch with server.api_key_env) answered every request 401
+    p.add_argument("--api-key-env", default="VLLM_API_KEY",
+                   help="environment variable holding the --endpoint API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
     p.add_argument("--retries", type=int, default=3,
                    help="further attempts of an --endpoint request the server refused or failed with 429 or 5xx "
@@ -495,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(specs) > 1:
         for which, spec in zip(("A", "B"), specs):
             try:
-                check_spec(spec, args.timeout)
+                check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None)
             except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
                 raise UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") from None
     results, details = {}, {}
