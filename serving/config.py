@@ -323,6 +323,14 @@ def adapter_rank(adapter_dir: Path, name: str) -> int:
     r = cfg["r"]
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise UserError(f"lora.adapters.{name}: adapter_config.json r={r!r} is not a positive integer")
+    # what vLLM's PEFT reader refuses when it loads the adapter (vllm/lora/peft_helper.py), on the TPU VM
+    if cfg.get("use_dora"):
+        raise UserError(f"lora.adapters.{name}: {adapter_dir}/adapter_config.json has use_dora=true; vLLM serves "
+                        "no DoRA adapter (merge it into the model instead)")
+    if cfg.get("modules_to_save"):
+        raise UserError(f"lora.adapters.{name}: {adapter_dir}/adapter_config.json has modules_to_save="
+                        f"{cfg['modules_to_save']!r}; vLLM serves adapters without fully trained modules only "
+                        "(merge it into the model instead)")
     return r
 
 

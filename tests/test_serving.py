@@ -323,7 +323,13 @@ def test_adapter_checks(tmp_path, capsys):
     (cut / "adapter_model.safetensors").write_bytes((cut / "adapter_model.safetensors").read_bytes()[:-8])
     bare = fake_adapter(tmp_path / "bare", r=8)
     save_tensors(bare / "adapter_model.safetensors", {"x.weight": (2, 2)})
-    for a, needles in ((other, ["lora.adapters.a:", "layers.0.self_attn.q_proj is [8, 32]", "[8, 16]",
+    dora, saved = fake_adapter(tmp_path / "dora", r=8), fake_adapter(tmp_path / "saved", r=8)
+    for a, extra in ((dora, {"use_dora": True}), (saved, {"modules_to_save": ["lm_head"]})):
+        (a / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                                           **extra}))
+    for a, needles in ((dora, ["lora.adapters.a:", "use_dora=true", "vLLM serves no DoRA"]),
+                       (saved, ["lora.adapters.a:", "modules_to_save=['lm_head']"]),
+                       (other, ["lora.adapters.a:", "layers.0.self_attn.q_proj is [8, 32]", "[8, 16]",
                                 "another model"]),
                        (cut, [f"{cut}/adapter_model.safetensors", "truncated"]),
                        (bare, ["lora.adapters.a:", "no LoRA weights"])):
