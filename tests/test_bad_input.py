@@ -749,7 +749,8 @@ CASES = [
     # among others is scored as refused (tests/test_fitness.py), every prompt past the context ends the run
     Case("evaluate-prompt-past-the-context", "gemma_tpu.evaluate", ["--data", "{tmp}/d.jsonl", "--model", "{tiny}"],
          ["{tmp}/d.jsonl:1", "1024 (max_position_embeddings)", "all 2 prompts"],
-         {"d.jsonl": "".join(l + "\n" for l in (REPO / "data" / "fitness" / "test.jsonl").read_text().splitlines()[:2])}),
+         {"d.jsonl": "".join(line + "\n"
+                             for line in (REPO / "data" / "fitness" / "test.jsonl").read_text().splitlines()[:2])}),
     Case("evaluate-step-with-model", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--step", "2"],
          ["--step", "--checkpoint", "not --model"]),
     Case("evaluate-step-compare-without-checkpoint", "gemma_tpu.evaluate",

@@ -216,9 +216,11 @@ def test_several_adapters_share_a_batch(tmp_path, capsys):
     assert code == 0 and "warning" not in err, err
     serve = words(out)[words(out).index("vllm"):]
     assert flag(serve, "--max-loras") == "2" and flag(serve, "--max-lora-rank") == "64"
-    assert serve[serve.index("--lora-modules") + 1:serve.index("--lora-modules") + 3] == ["a=/adapters/a", "b=/adapters/b"]
+    modules = serve.index("--lora-modules") + 1
+    assert serve[modules:modules + 2] == ["a=/adapters/a", "b=/adapters/b"]
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters,
-                                   "lora.max_loras=1", "lora.max_lora_rank=128", "server.extra_args=[--max-cpu-loras=2]")
+                                   "lora.max_loras=1", "lora.max_lora_rank=128",
+                                   "server.extra_args=[--max-cpu-loras=2]")
     assert code == 0, err
     serve = words(out)[words(out).index("vllm"):]
     assert flag(serve, "--max-loras") == "1" and flag(serve, "--max-lora-rank") == "128"
@@ -230,7 +232,8 @@ def test_several_adapters_share_a_batch(tmp_path, capsys):
     for overrides, needles in ((["lora.max_loras=0"], ["lora.max_loras", "at least 1"]),
                                (["server.extra_args=[--max-loras,4]"], ["--max-loras", "lora.max_loras"]),
                                (["server.extra_args=[--max_cpu_loras,1]"], ["--max-cpu-loras 1", "lora.max_loras=2"])):
-        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters, *overrides)
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters,
+                                       *overrides)
         one_error_line(code, err, *needles)
         assert out == ""
 
