@@ -53,6 +53,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.data.records import iter_raw
 from gemma_tpu.infer.openai_client import (
     api_base,
+    body_text,
     check_reachable,
     describe_body,
     json_object,
@@ -175,7 +176,8 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
     text: list[str] = []
     async with client.stream("POST", url, json=body, headers=headers) as resp:
         if resp.status_code != 200:
-            detail = " ".join((await resp.aread()).decode(errors="replace").split())[:200]
+            detail = body_text((await resp.aread()).decode(errors="replace"),
+                               resp.headers.get("content-type") or "")[:200]
             raise RequestFailed(f"HTTP {resp.status_code}: {detail}")
         ctype = resp.headers.get("content-type") or "none"
         other: list[str] = []  # lines that are not events: what came back instead of a stream

@@ -7,7 +7,8 @@ unknown keys and wrong types rejected by name.
 `inspect_model` reads a merged directory the way vLLM-TPU will and refuses, in one line, what would
 fail on the TPU VM minutes into a container start: a missing config/weights/shard/generation
 config/tokenizer, an architecture vLLM-TPU does not serve, a tensor-parallel size that does not
-divide the KV-head count, a tool-call parser for the wrong family, a LoRA rank vLLM cannot take.
+divide the KV-head count, a tool-call parser for the wrong family, a LoRA rank vLLM cannot take, an
+adapter whose weights do not fit the base (an adapter of another model).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ RENDERED_FLAGS = {
     "--chat-template-content-format": "server.chat_template_content_format",
     "--enable-auto-tool-choice": "tool_calling.enabled", "--tool-call-parser": "tool_calling.parser",
     "--chat-template": "tool_calling.chat_template", "--enable-lora": "lora.adapters",
-    "--lora-modules": "lora.adapters", "--max-lora-rank": "lora.max_lora_rank",
+    "--lora-modules": "lora.adapters", "--max-lora-rank": "lora.max_lora_rank", "--max-loras": "lora.max_loras",
 }
 
 
@@ -97,6 +98,9 @@ class LoraSection:
 
     adapters: list[AdapterSection] = dataclasses.field(default_factory=list)
     max_lora_rank: int | None = None  # default: the smallest rank vLLM accepts that fits every adapter
+    # adapters a batch may mix (vLLM's --max-loras, whose own default of 1 makes requests for different adapters
+    # wait for one another); default: every adapter configured
+    max_loras: int | None = None
 
 
 @dataclasses.dataclass
@@ -132,6 +136,35 @@ class ServeConfig:
 # sections of a training config (gemma_tpu/core/config.py RunConfig) that a serving config never has
 TRAINING_SECTIONS = {name: "a training config (python -m gemma_tpu.train --config FILE)"
                      for name in ("train", "data", "checkpoint", "mesh")}
+
+
+def extra_arg(args: Sequence[str], flag: str) -> str | None:
+    """The value server.extra_args gives `flag` (`--flag V` or `--flag=V`, '-' or '_' between words; vLLM keeps the
+    last), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, v = arg.partition("=")
+        if name.startswith("--") and "--" + name[2:].replace("_", "-") == flag:
+            value = v if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return value
+
+
+def max_loras(cfg: ServeConfig) -> int:
+    """--max-loras: lora.max_loras, else one slot for each adapter, so a batch can mix them all."""
+    return cfg.lora.max_loras if cfg.lora.max_loras is not None else max(len(cfg.lora.adapters), 1)
+
+
+def lora_warning(cfg: ServeConfig) -> str | None:
+    """lora.max_loras below the number of adapters: vLLM takes it, and requests for the adapters past it wait for
+    a batch of their own."""
+    n = len(cfg.lora.adapters)
+    unused = [f"lora.{k}={getattr(cfg.lora, k)}" for k in ("max_loras", "max_lora_rank") if getattr(cfg.lora, k)]
+    if unused and not n:
+        return f"{' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without lora.adapters"
+    if cfg.lora.max_loras is not None and cfg.lora.max_loras < n:
+        return (f"lora.max_loras={cfg.lora.max_loras} is below the {n} adapters configured: a batch holds at most "
+                f"{cfg.lora.max_loras} of them, and requests for the others wait (unset it to serve all {n} at once)")
+    return None
 
 
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) -> ServeConfig:
@@ -195,6 +228,13 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
             bad(f"lora.adapters.{a.name}: dir is not set")
     if len(set(names)) != len(names) or cfg.served_name in names:
         bad("lora.adapters: names must be unique and differ from the served model name")
+    if cfg.lora.max_loras is not None and cfg.lora.max_loras < 1:  # vLLM's LoRAConfig: max_loras >= 1
+        bad(f"lora.max_loras must be at least 1, got {cfg.lora.max_loras}")
+    cpu = extra_arg(s.extra_args, "--max-cpu-loras")
+    if cfg.lora.adapters and cpu is not None:  # vLLM's LoRAConfig refuses max_cpu_loras < max_loras at start
+        if not cpu.isdigit() or int(cpu) < max_loras(cfg):
+            bad(f"server.extra_args: --max-cpu-loras {cpu} must be an integer of at least lora.max_loras="
+                f"{max_loras(cfg)} (vLLM refuses fewer)")
     if cfg.lora.max_lora_rank is not None and cfg.lora.max_lora_rank not in VLLM_LORA_RANKS:
         bad(f"lora.max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's choices), "
             f"got {cfg.lora.max_lora_rank}")
@@ -222,10 +262,11 @@ def vllm_families() -> dict[str, Family]:
     return {arch: fam for fam in families().values() for arch in fam.vllm_architectures}
 
 
-def check_weights(model_dir: Path) -> None:
+def check_weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """safetensors weights: one `model.safetensors`, or an index whose every shard is present; each file's
     header read and its tensors' byte ranges inside the file (a copy cut short, a file of something else:
-    the server failed on it with a safetensors traceback after starting, vLLM minutes into its start)."""
+    the server failed on it with a safetensors traceback after starting, vLLM minutes into its start).
+    Returns each tensor's shape by name."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         data = read_json_object(index, f"{index}: cannot read")
@@ -236,12 +277,10 @@ def check_weights(model_dir: Path) -> None:
             if not (model_dir / shard).is_file():
                 raise UserError(f"model dir {model_dir}: shard {shard} listed in model.safetensors.index.json "
                                 "is missing")
-        for shard in sorted(set(weight_map.values())):
-            file_tensors(model_dir / shard)
-        return
+        return {t.name: t.shape for shard in sorted(set(weight_map.values()))
+                for t in file_tensors(model_dir / shard)[0]}
     if (model_dir / "model.safetensors").is_file():
-        file_tensors(model_dir / "model.safetensors")
-        return
+        return {t.name: t.shape for t in file_tensors(model_dir / "model.safetensors")[0]}
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if shards:
         raise UserError(f"model dir {model_dir}: sharded weights ({shards[0]}, ...) without "
@@ -284,7 +323,49 @@ def adapter_rank(adapter_dir: Path, name: str) -> int:
     r = cfg["r"]
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise UserError(f"lora.adapters.{name}: adapter_config.json r={r!r} is not a positive integer")
+    # what vLLM's PEFT reader refuses when it loads the adapter (vllm/lora/peft_helper.py), on the TPU VM
+    if cfg.get("use_dora"):
+        raise UserError(f"lora.adapters.{name}: {adapter_dir}/adapter_config.json has use_dora=true; vLLM serves "
+                        "no DoRA adapter (merge it into the model instead)")
+    if cfg.get("modules_to_save"):
+        raise UserError(f"lora.adapters.{name}: {adapter_dir}/adapter_config.json has modules_to_save="
+                        f"{cfg['modules_to_save']!r}; vLLM serves adapters without fully trained modules only "
+                        "(merge it into the model instead)")
     return r
+
+
+_LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
+
+
+def check_adapter_fits(adapter_dir: Path, name: str, r: int, base: dict[str, tuple[int, ...]]) -> None:
+    """Every decoder-layer LoRA pair of the adapter fits a weight of the base: A [r, in] and B [out, r] against
+    the base's [out, in]. An adapter of another model (a 270M adapter on a 1B base) or an unreadable
+    adapter_model.safetensors failed in vLLM's start on the TPU VM, after the container had come up."""
+    path = adapter_dir / "adapter_model.safetensors"
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for t in file_tensors(path)[0]:
+        m = _LORA_KEY.fullmatch(t.name)
+        if m:
+            pairs.setdefault(m["module"], {})[m["ab"]] = t.shape
+    if not pairs:
+        raise UserError(f"lora.adapters.{name}: {path} holds no LoRA weights (lora_A / lora_B tensors)")
+    for module, ab in sorted(pairs.items()):
+        if len(ab) != 2:
+            raise UserError(f"lora.adapters.{name}: {path}: {module} has lora_{next(iter(ab))} without its pair")
+        a, b = ab["A"], ab["B"]
+        if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
+            raise UserError(f"lora.adapters.{name}: {path}: {module} lora_A {list(a)} and lora_B {list(b)} are not "
+                            f"[r, in] and [out, r] with adapter_config.json's r={r}")
+        if "layers." not in module:  # embeddings, lm_head: named differently across layouts, left to vLLM
+            continue
+        site = module[module.rindex("layers."):]  # the base's key names put the decoder elsewhere than PEFT's
+        shapes = [shape for key, shape in base.items() if key.endswith(f".{site}.weight") or key == f"{site}.weight"]
+        if not shapes:
+            raise UserError(f"lora.adapters.{name}: the adapter changes {site}, which model.dir has no weight for "
+                            "(an adapter of another model?)")
+        if (b[0], a[1]) not in shapes:
+            raise UserError(f"lora.adapters.{name}: the adapter's update of {site} is [{b[0]}, {a[1]}], model.dir's "
+                            f"weight is {list(shapes[0])} (an adapter of another model?)")
 
 
 def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
@@ -297,7 +378,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if not d.is_dir():
         raise UserError(f"model.dir {cfg.model.dir}: not a directory")
     hf = read_json_object(d / "config.json", f"model dir {d}: no config.json")
-    check_weights(d)
+    weights = check_weights(d)
     # vLLM reads its stop tokens from it, and quietly does without one it cannot parse
     read_json_object(d / "generation_config.json",
                      f"model dir {d}: no generation_config.json (vLLM reads its stop tokens from it)")
@@ -345,6 +426,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             if not adir.is_dir():
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
             ranks.append(adapter_rank(adir, a.name))
+            check_adapter_fits(adir, a.name, ranks[-1], weights)
         if ranks:
             need = max(ranks)
             if cfg.lora.max_lora_rank is not None:

@@ -37,6 +37,8 @@ from serving.config import (
     ServeConfig,
     inspect_model,
     load_serve_config,
+    lora_warning,
+    max_loras,
     open_api_warning,
     stop_token_warning,
 )
@@ -118,7 +120,7 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
     if cfg.lora.adapters:
         serve.append(["--enable-lora", "--lora-modules",
                       *(f"{a.name}={ADAPTERS_MOUNT}/{a.name}" for a in cfg.lora.adapters),
-                      "--max-lora-rank", str(facts.lora_rank)])
+                      "--max-lora-rank", str(facts.lora_rank), "--max-loras", str(max_loras(cfg))])
     if s.extra_args:
         serve.append(list(s.extra_args))
     return DockerCommand(opts, c.image, serve, env_prefix)
@@ -227,11 +229,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if open_api_warning(cfg):
         print(f"warning: {open_api_warning(cfg)}", file=sys.stderr)
     if args.local:
+        if cfg.lora.adapters:  # transformers serve has no adapters: requests naming them got a 404 unexplained
+            names = ", ".join(a.name for a in cfg.lora.adapters)
+            print(f"warning: --local serves model.dir alone, not lora.adapters ({names}): requests naming them get "
+                  "404 (merge an adapter with python -m convert.merge_orbax to serve it here)", file=sys.stderr)
         return serve_local(cfg)
     facts = inspect_model(cfg)
-    warning = stop_token_warning(cfg, facts)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
+    for warning in (stop_token_warning(cfg, facts), lora_warning(cfg)):
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     cmd = render(cfg, facts)
     if args.print:
         print(cmd.shell())

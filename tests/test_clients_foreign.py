@@ -24,6 +24,12 @@ from tests.test_serving import ScriptedModel, http_server, sse
 
 CHAT = REPO / "tests" / "data" / "chat_sample.jsonl"
 HTML = b"<!DOCTYPE html><html><head><title>Welcome to nginx!</title></head><body>It works</body></html>"
+# a load balancer's error page, as Google's front end sends it: style sheet first, the words after
+LB_PAGE = (b"<!DOCTYPE html>\n<html lang=en>\n  <meta charset=utf-8>\n  <title>Error 502 (Server Error)!!1</title>\n"
+           b"  <style>\n    *{margin:0;padding:0}html,code{font:15px/22px arial,sans-serif}html{background:#fff;"
+           b"color:#222;padding:15px}body{margin:7% auto 0;max-width:390px;min-height:180px;padding:30px 0 15px}"
+           b"\n  </style>\n  <p><b>502.</b> <ins>That&#39;s an error.</ins>\n  <p>The server encountered a temporary "
+           b"error and could not complete your request.<p>Please try again in 30 seconds.\n")
 
 
 class Foreign(http.server.BaseHTTPRequestHandler):
@@ -34,8 +40,8 @@ class Foreign(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _send(self, ctype: str, body: bytes) -> None:
-        self.send_response(200)
+    def _send(self, ctype: str, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -48,6 +54,8 @@ class Foreign(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path.startswith("/lb"):
+            return self._send("text/html; charset=UTF-8", LB_PAGE, 502)
         if self.path.startswith("/html"):
             return self._send("text/html; charset=utf-8", HTML)
         if self.path.startswith("/json"):
@@ -86,6 +94,22 @@ def test_evaluate_against_an_html_server(tmp_path):
     assert_one_line_error(proc, "/html/v1/chat/completions", "not JSON", "HTTP 200, Content-Type text/html",
                           "Welcome to nginx", "OpenAI-compatible")
     assert not out.exists()
+
+
+def test_an_error_page_is_told_by_its_words(tmp_path):
+    """A proxy's HTML error page (a 502 from a load balancer) filled the one-line error with its style sheet:
+    `HTTP 502 (<!DOCTYPE html> <html lang=en> <meta charset=utf-8> ... *{margin:0;padding:0}...`. Now its title
+    and text."""
+    with http_server(Foreign) as url:
+        proc = run_cli("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url + "/lb", "--served-model", "m",
+                       "--limit", "2", "--retries", "0", timeout=300)
+        bench = run_cli("serving.bench", "--base-url", url + "/lb", "--model", "m", "--num-prompts", "2",
+                        "--input-len", "4", "--output-len", "2", "--timeout", "10", "--disable-tqdm", timeout=120)
+    line = assert_one_line_error(proc, "/lb/v1/chat/completions", "HTTP 502",
+                                 "web page: Error 502 (Server Error)!!1: 502. That's an error. The server encountered")
+    assert "margin" not in line and "<" not in line
+    line = assert_one_line_error(bench, "HTTP 502", "web page: Error 502 (Server Error)!!1")
+    assert "margin" not in line
 
 
 # ------------------------------------------------ answers that are not HTTP, or not an OpenAI message
@@ -389,6 +413,44 @@ def test_evaluate_retries_a_busy_server(tmp_path, caplog, status):
     assert re.search(r"^n\s+1$", proc.stdout, re.M), proc.stdout
 
 
+class Locked(Flaky):
+    """Answers only requests carrying `Authorization: Bearer sk-test` (vLLM with --api-key: 401 otherwise)."""
+
+    fail, seen, auth = 0, 0, []
+
+    def _locked(self) -> bool:
+        type(self).auth.append(self.headers.get("Authorization"))
+        if self.headers.get("Authorization") == "Bearer sk-test":
+            return False
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._json(401, {"error": "Unauthorized"})
+        return True
+
+    def do_GET(self):
+        if not self._locked():
+            super().do_GET()
+
+    def do_POST(self):
+        if not self._locked():
+            super().do_POST()
+
+
+def test_evaluate_sends_the_api_key(monkeypatch):
+    """evaluate --endpoint sent no API key, so a server launched with one (server.api_key_env) answered 401 to
+    every request; it now reads it from --api-key-env (VLLM_API_KEY by default), as serving.chat and bench do."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    handler = type("LockedNow", (Locked,), {"seen": 0, "auth": []})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "1")
+        assert_one_line_error(proc, "HTTP 401")
+        monkeypatch.setenv("MY_KEY", "sk-test")
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--limit", "2",
+                           "--api-key-env", "MY_KEY")
+    assert proc.returncode == 0, proc.stderr
+    assert handler.seen == 2 and handler.auth[-3:] == ["Bearer sk-test"] * 3  # /models and both requests
+    assert "sk-test" not in proc.stdout + proc.stderr
+
+
 def test_evaluate_gives_up_after_its_retries_and_not_on_a_client_error(tmp_path):
     handler = flaky(503, 100)
     with http_server(handler) as url:
@@ -454,7 +516,7 @@ def test_evaluate_scores_a_refused_request_as_wrong_and_goes_on(tmp_path):
         proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
                            "--limit", "5", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert handler.seen == 5 and "example 2" in proc.stderr and "maximum context length" in proc.stderr
+    assert handler.seen == 5 and f"{CHAT}:2 (" in proc.stderr and "maximum context length" in proc.stderr
     metrics = json.loads(out.read_text())["models"][f"endpoint:{url}"]
     assert metrics["n"] == 5 and metrics["refused_rate"] == pytest.approx(0.4)
     records = json.loads(out.read_text())["examples"][f"endpoint:{url}"]

@@ -324,6 +324,9 @@ def test_real_multimodal_model_and_peft(work, base):
     names = sio.WeightsDir(adapter).names()
     assert names[0].startswith("base_model.model.model.language_model.layers.0.")
     assert max_diff(hf_logits(mm, adapter=adapter), got) <= TOL
+    from serving.config import adapter_rank, check_adapter_fits, check_weights
+
+    check_adapter_fits(adapter, "a", adapter_rank(adapter, "a"), check_weights(mm))  # what serving.launch checks
 
 
 

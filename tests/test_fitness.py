@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -433,6 +434,13 @@ def test_score_on_hand_made_predictions():
     assert m["no_call_rate"] == pytest.approx(2 / 7)
     assert m["format_error_rate"] == pytest.approx(1 / 7)
     assert m["per_tool"]["get_heart_rate"] == {"n": 6, "tool_accuracy": 2 / 6, "argument_accuracy": 1 / 6}
+    # tool_accuracy counts the right "no call" too; the call_* metrics are over the six that expect a call, and
+    # declined_accuracy over the one that expects none
+    assert (m["call_n"], m["no_call_n"]) == (6, 1)
+    assert m["call_tool_accuracy"] == pytest.approx(2 / 6) and m["call_argument_accuracy"] == pytest.approx(1 / 6)
+    assert m["declined_accuracy"] == 1.0
+    declined = score(cases[-1:] * 2, [ParsedReply("format_error", [], "call:x{", "unclosed"), preds[0]])
+    assert declined["declined_accuracy"] == 0.0 and declined["call_n"] == 0 and declined["call_tool_accuracy"] is None
 
 
 def test_parallel_reference_calls_are_all_scored():
@@ -492,6 +500,13 @@ def test_score_judges_text_answers():
     assert m["answer_exact_match"] == pytest.approx(1 / 3)
     assert m["answer_f1"] == pytest.approx((1 + 2 / 3) / 3)  # "it is 7" vs "it is 6": 2 of 3 words
     assert m["tool_accuracy"] == pytest.approx(3 / 4)  # two text replies where text was due, one right call
+    assert (m["call_n"], m["call_tool_accuracy"], m["no_call_n"]) == (1, 1.0, 3)
+    assert m["declined_accuracy"] == pytest.approx(2 / 3)
+    from gemma_tpu.evaluate.run import format_table
+
+    table = format_table({"m": m})
+    assert re.search(r"^call_tool_accuracy +1\.0000$", table, re.M) and re.search(r"^declined_accuracy +0\.6667$",
+                                                                                  table, re.M), table
 
 
 def test_endpoint_replies_are_read_from_tool_calls_or_content():
@@ -596,6 +611,25 @@ def test_evaluate_cli_on_tiny_model(tiny_long_dir, tmp_path):
     assert "generate" in proc.stderr  # the progress bar
 
 
+def test_a_prompt_past_the_context_is_scored_as_refused_and_the_run_goes_on(tiny_dir, tmp_path):
+    """A local model ended the whole run on one prompt longer than its context, where --endpoint scores the
+    server's refusal (HTTP 400) as wrong and goes on: now both say so in one line naming the conversation and
+    count it in refused_rate."""
+    data = tmp_path / "mixed.jsonl"
+    chat = (REPO / "tests" / "data" / "chat_sample.jsonl").read_text().splitlines()
+    data.write_text("\n".join([chat[0], (DATA / "test.jsonl").read_text().splitlines()[0], chat[1]]) + "\n")
+    out = tmp_path / "eval.json"
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(data), "--model", str(tiny_dir), "--max-new-tokens", "4",
+                   "--no-loss", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if "refused, scored as wrong" in l]
+    assert len(lines) == 1 and f"{data}:2 (" in lines[0] and "context of 1024" in lines[0], proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    m, ex = res["models"][f"model:{tiny_dir}"], res["examples"][f"model:{tiny_dir}"]
+    assert m["n"] == 3 and m["refused_rate"] == pytest.approx(1 / 3)
+    assert [e["kind"] for e in ex][1] == "refused" and "1024" in ex[1]["error"] and ex[0]["kind"] != "refused"
+
+
 def test_eval_loss_of_packed_shared_prefix_rows_equals_one_conversation_a_row(tiny_loaded):
     """Evaluation's loss packs rows as training does (the developer turn once per row); the mean NLL
     is the one of one conversation a row."""
@@ -607,9 +641,33 @@ def test_eval_loss_of_packed_shared_prefix_rows_equals_one_conversation_a_row(ti
 
     cfg = DataConfig(seq_len=1024)
     convs = load_conversations(str(DATA / "test.jsonl"), cfg)[:12]
-    packed = eval_loss(tiny_loaded, convs, cfg, 4, "tiny")
-    padded = eval_loss(tiny_loaded, convs, dataclasses.replace(cfg, share_prefix="off"), 4, "tiny", strategy="pad")
+    loaded = dataclasses.replace(tiny_loaded, max_positions=4096)  # tiny_long_dir's: the prompts are ~1,800 tokens
+    packed = eval_loss(loaded, convs, cfg, 4, "tiny")
+    padded = eval_loss(loaded, convs, dataclasses.replace(cfg, share_prefix="off"), 4, "tiny", strategy="pad")
     assert np.isfinite(packed) and packed == pytest.approx(padded, rel=1e-5)
+
+
+def test_eval_loss_stops_at_the_models_context(tiny_loaded, capsys):
+    """A conversation longer than the model's context was scored at positions the model does not have (training
+    refuses a data.seq_len past max_position_embeddings): now its first 1,024 tokens count, and one line says so."""
+    import dataclasses
+
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import load_conversations
+    from gemma_tpu.evaluate.run import eval_loss
+
+    cfg = DataConfig(seq_len=1024)
+    convs = load_conversations(str(REPO / "tests" / "data" / "chat_sample.jsonl"), cfg)[:2] + \
+        load_conversations(str(DATA / "test.jsonl"), cfg)[:1]  # ~1,800 tokens with the tiny tokenizer
+    capsys.readouterr()
+    capped = eval_loss(tiny_loaded, convs, cfg, 4, "tiny")
+    err = capsys.readouterr().err
+    assert "test.jsonl:1: 1 of 3 conversations pass the model's context of 1024 tokens" in err, err
+    unbounded = eval_loss(dataclasses.replace(tiny_loaded, max_positions=None), convs, cfg, 4, "tiny")
+    assert np.isfinite(capped) and abs(capped - unbounded) > 1e-3
+    assert "pass the model's context" not in capsys.readouterr().err
+    assert eval_loss(tiny_loaded, convs[2:], cfg, 4, "tiny") is None  # no reference token within the context
+    assert "(1 with no reference token among them: left out)" in capsys.readouterr().err
 
 
 def test_evaluate_checkpoint_restores_lora(tiny_dir, tmp_path):

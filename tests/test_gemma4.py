@@ -393,6 +393,9 @@ def test_lora_merge_and_peft(g4, tmp_path, name):
     assert cli_main(export_main, ["--checkpoint", str(ckpt), "--out", str(adapter)]) == 0
     check_adapter_keys(base, adapter)
     assert max_diff(hf_logits(base, adapter=adapter), got) <= TOL
+    from serving.config import adapter_rank, check_adapter_fits, check_weights
+
+    check_adapter_fits(adapter, "a", adapter_rank(adapter, "a"), check_weights(base))  # what serving.launch checks
 
 
 @pytest.mark.parametrize("name", ["ple_mm", "moe"])

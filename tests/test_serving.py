@@ -26,6 +26,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gemma_tpu.core.cli import cli_main
@@ -44,6 +45,13 @@ TOOL_NAMES = {"get_steps", "get_daily_step_goal", "get_step_goal_progress", "get
 
 
 NO_TENSORS = (2).to_bytes(8, "little") + b"{}"  # a valid safetensors file with an empty header
+HIDDEN, Q_OUT = 16, 8  # the one weight the fake models have (layer 0's q_proj) and the fake adapters change
+
+
+def save_tensors(path: Path, tensors: dict[str, tuple[int, ...]]) -> None:
+    from safetensors.numpy import save_file
+
+    save_file({k: np.zeros(shape, np.float32) for k, shape in tensors.items()}, str(path))
 
 
 def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nested: bool = False, shards: int = 0,
@@ -57,10 +65,10 @@ def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nes
         names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
         (root / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {f"layer.{i}.weight": n for i, n in enumerate(names)}}))
-        for n in names:
+        for n in names[1:]:
             (root / n).write_bytes(NO_TENSORS)
-    else:
-        (root / "model.safetensors").write_bytes(NO_TENSORS)
+    q = {f"model.{'language_model.' if nested else ''}layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN)}
+    save_tensors(root / (names[0] if shards else "model.safetensors"), q)
     if generation:
         (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
     if tokenizer:
@@ -71,10 +79,12 @@ def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nes
     return root
 
 
-def fake_adapter(root: Path, r: int) -> Path:
+def fake_adapter(root: Path, r: int, nested: bool = False, hidden: int = HIDDEN) -> Path:
     root.mkdir(parents=True)
     (root / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj"]}))
-    (root / "adapter_model.safetensors").write_bytes(b"\0")
+    stem = f"base_model.model.model.{'language_model.' if nested else ''}layers.0.self_attn.q_proj"
+    save_tensors(root / "adapter_model.safetensors", {f"{stem}.lora_A.weight": (r, hidden),
+                                                      f"{stem}.lora_B.weight": (Q_OUT, r)})
     return root
 
 
@@ -176,7 +186,7 @@ def test_print_270m_config(tmp_path):
 
 def test_print_31b_config_with_adapters(tmp_path, capsys, monkeypatch):
     d = fake_model_dir(tmp_path / "g4", arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=3)
-    a = fake_adapter(tmp_path / "coach", r=12)
+    a = fake_adapter(tmp_path / "coach", r=12, nested=True)
     monkeypatch.setenv("VLLM_API_KEY", "api-secret-value-3")
     code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}", "model.name=g4",
                                    f"lora.adapters=[{{name: coach, dir: {a}}}]", "server.host=0.0.0.0")
@@ -192,6 +202,40 @@ def test_print_31b_config_with_adapters(tmp_path, capsys, monkeypatch):
     assert flag(serve, "--tool-call-parser") == "gemma4"
     assert flag(serve, "--lora-modules") == "coach=/adapters/coach"
     assert flag(serve, "--max-lora-rank") == "16"  # the smallest rank vLLM accepts that fits r=12
+    assert flag(serve, "--max-loras") == "1"
+
+
+def test_several_adapters_share_a_batch(tmp_path, capsys):
+    """Two adapters got vLLM's default --max-loras 1: requests for the second waited for batches of their own.
+    Now --max-loras is the number of adapters (a smaller lora.max_loras is vLLM's to take: a warning), and
+    --max-lora-rank fits the largest rank."""
+    d = fake_model_dir(tmp_path / "m")
+    a, b = fake_adapter(tmp_path / "a", r=8), fake_adapter(tmp_path / "b", r=40)
+    adapters = f"lora.adapters=[{{name: a, dir: {a}}}, {{name: b, dir: {b}}}]"
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters)
+    assert code == 0 and "warning" not in err, err
+    serve = words(out)[words(out).index("vllm"):]
+    assert flag(serve, "--max-loras") == "2" and flag(serve, "--max-lora-rank") == "64"
+    modules = serve.index("--lora-modules") + 1
+    assert serve[modules:modules + 2] == ["a=/adapters/a", "b=/adapters/b"]
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters,
+                                   "lora.max_loras=1", "lora.max_lora_rank=128",
+                                   "server.extra_args=[--max-cpu-loras=2]")
+    assert code == 0, err
+    serve = words(out)[words(out).index("vllm"):]
+    assert flag(serve, "--max-loras") == "1" and flag(serve, "--max-lora-rank") == "128"
+    assert "warning: lora.max_loras=1 is below the 2 adapters configured" in err
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", "lora.max_loras=2",
+                                   "lora.max_lora_rank=8")
+    assert code == 0 and "--enable-lora" not in out, err
+    assert "warning: lora.max_loras=2 and lora.max_lora_rank=8 have no effect without lora.adapters" in err
+    for overrides, needles in ((["lora.max_loras=0"], ["lora.max_loras", "at least 1"]),
+                               (["server.extra_args=[--max-loras,4]"], ["--max-loras", "lora.max_loras"]),
+                               (["server.extra_args=[--max_cpu_loras,1]"], ["--max-cpu-loras 1", "lora.max_loras=2"])):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters,
+                                       *overrides)
+        one_error_line(code, err, *needles)
+        assert out == ""
 
 
 def _no_tokenizer(p):
@@ -275,6 +319,27 @@ def test_adapter_checks(tmp_path, capsys):
     code, _, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                  f"lora.adapters=[{{name: e, dir: {empty}}}]")
     one_error_line(code, err, "adapter_config.json")
+    # an adapter of another model, a weights file cut short, one without LoRA tensors: vLLM failed on each in
+    # its start on the TPU VM; now one line before the container
+    other = fake_adapter(tmp_path / "other", r=8, hidden=32)
+    cut = fake_adapter(tmp_path / "cut", r=8)
+    (cut / "adapter_model.safetensors").write_bytes((cut / "adapter_model.safetensors").read_bytes()[:-8])
+    bare = fake_adapter(tmp_path / "bare", r=8)
+    save_tensors(bare / "adapter_model.safetensors", {"x.weight": (2, 2)})
+    dora, saved = fake_adapter(tmp_path / "dora", r=8), fake_adapter(tmp_path / "saved", r=8)
+    for a, extra in ((dora, {"use_dora": True}), (saved, {"modules_to_save": ["lm_head"]})):
+        (a / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                                           **extra}))
+    for a, needles in ((dora, ["lora.adapters.a:", "use_dora=true", "vLLM serves no DoRA"]),
+                       (saved, ["lora.adapters.a:", "modules_to_save=['lm_head']"]),
+                       (other, ["lora.adapters.a:", "layers.0.self_attn.q_proj is [8, 32]", "[8, 16]",
+                                "another model"]),
+                       (cut, [f"{cut}/adapter_model.safetensors", "truncated"]),
+                       (bare, ["lora.adapters.a:", "no LoRA weights"])):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                       f"lora.adapters=[{{name: a, dir: {a}}}]")
+        one_error_line(code, err, *needles)
+        assert out == ""
 
 
 # ------------------------------------------------------------------------ launch (docker run)
@@ -432,9 +497,15 @@ def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp
         port = taken.getsockname()[1]
         code = cli_main(__import__("serving.launch", fromlist=["main"]).main,
                         ["--config", str(cfg), "--local", f"server.port={port}"])
-    err = capsys.readouterr().err
-    one_error_line(code, err, f"server.port {port} on 127.0.0.1: already in use", "server.port=N")
-    assert "serving" not in err.replace("server.port", "")
+        err = capsys.readouterr().err
+        one_error_line(code, err, f"server.port {port} on 127.0.0.1: already in use", "server.port=N")
+        assert "serving" not in err.replace("server.port", "") and "warning" not in err
+        # adapters in the config: --local serves the base alone, and says so (requests for them got a bare 404)
+        code = cli_main(__import__("serving.launch", fromlist=["main"]).main,
+                        ["--config", str(cfg), "--local", f"server.port={port}",
+                         f"lora.adapters=[{{name: coach, dir: {tmp_path}}}]"])
+        err = capsys.readouterr().err
+        assert "warning: --local serves model.dir alone, not lora.adapters (coach)" in err and code != 0
 
 
 def test_bench_against_local_server(local_server, tmp_path):

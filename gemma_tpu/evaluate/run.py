@@ -6,19 +6,26 @@ and generates greedily; its first call is compared with the reference call. `--t
 trained assistant turn of a multi-turn chat the same way, each after the reference conversation before it
 (the tool results and earlier answers as written), one decision each:
 
-    tool_accuracy          the first call names the reference tool (a reference turn of several calls: every
-                           one is matched by a call of its name, in any order)
+    tool_accuracy          the right decision, over all n: the first call names the reference tool (a reference
+                           turn of several calls: every one is matched by a call of its name, in any order), or,
+                           where the reference makes no call, a reply without one
     argument_accuracy      ... and every reference argument is equal (types normalised: 5 == "5")
+    call_tool_accuracy, call_argument_accuracy
+                           the same over the call_n conversations whose reference makes a call: tool-name and
+                           argument accuracy proper (equal to the two above on data where every reference calls)
+    declined_accuracy      over the no_call_n conversations whose reference makes no call: replied without one
+                           (text; not a call, a format error or a refusal)
     hallucinated_tool_rate a call names a tool the example does not declare
     no_call_rate           plain text, no call attempted
     format_error_rate      text that attempts a call which does not parse
-    refused_rate           --endpoint only: the server refused the request (HTTP 400/413/422, e.g. a prompt over
-                           its context); scored as wrong, the run goes on
+    refused_rate           the prompt with --max-new-tokens passes a local model's context, or the server refused
+                           the request (HTTP 400/413/422, e.g. a prompt over its context); one line names the
+                           conversation, it scores as wrong, and the run goes on
     answer_exact_match, answer_f1, answer_rouge_l
                            for examples whose reference turn is text (chats, instruction pairs): the generated
                            answer against it (`gemma_tpu/evaluate/answers.py`); answers are cut at --max-new-tokens
     eval_loss, perplexity  teacher-forced NLL of the reference assistant turns (calls and answers),
-                           loss-bearing tokens only - as in training; not for --endpoint
+                           loss-bearing tokens only - as in training (up to the model's context); not for --endpoint
 
 Models: `--model` a base or merged HF directory, `--checkpoint` a gemma-tpu Orbax run directory
 (base + LoRA of `--step`, default the latest), `--endpoint` any OpenAI-compatible server
@@ -35,9 +42,9 @@ import gc
 import json
 import logging
 import math
+import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -47,7 +54,8 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
-from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_split
+from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
+from gemma_tpu.data.batching import Example
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
@@ -66,7 +74,8 @@ from gemma_tpu.models import resolve_model
 
 log = logging.getLogger("gemma_tpu.evaluate")
 
-METRICS = ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate", "no_call_rate",
+METRICS = ("n", "tool_accuracy", "argument_accuracy", "call_n", "call_tool_accuracy", "call_argument_accuracy",
+           "no_call_n", "declined_accuracy", "hallucinated_tool_rate", "no_call_rate",
            "format_error_rate", "refused_rate", "answer_n", "answer_exact_match", "answer_f1", "answer_rouge_l",
            "eval_loss", "perplexity")
 
@@ -116,8 +125,12 @@ def _matched(reference: Sequence[ToolCall], predicted: Sequence[ToolCall], same)
     return match(0, frozenset())
 
 
+NO_CALL = "(no call)"  # the per_tool entry of the references that make no call
+
+
 def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str, Any]:
-    """The tool-calling metrics of predictions against their cases (fractions of n)."""
+    """The tool-calling metrics of predictions against their cases (fractions of n; the call_* ones of call_n,
+    declined_accuracy of no_call_n, None without such a case)."""
     if len(cases) != len(predictions):
         raise ValueError(f"{len(cases)} cases but {len(predictions)} predictions")
     n = len(cases)
@@ -141,14 +154,21 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
         nocall += pred.kind == "text"
         fmt += pred.kind == "format_error"
         refused += pred.kind == "refused"
-        key = case.reference.name if case.reference else "(no call)"
+        key = case.reference.name if case.reference else NO_CALL
         stats = per_tool.setdefault(key, [0, 0, 0])
         stats[0] += 1
         stats[1] += ok_name
         stats[2] += ok_args
     frac = (lambda k: k / n) if n else (lambda k: 0.0)
+    calls = {k: v for k, v in per_tool.items() if k != NO_CALL}
+    call_n = sum(v[0] for v in calls.values())
+    declined = per_tool.get(NO_CALL, [0, 0, 0])
     return {
         "n": n, "tool_accuracy": frac(tool), "argument_accuracy": frac(args),
+        "call_n": call_n,
+        "call_tool_accuracy": sum(v[1] for v in calls.values()) / call_n if call_n else None,
+        "call_argument_accuracy": sum(v[2] for v in calls.values()) / call_n if call_n else None,
+        "no_call_n": declined[0], "declined_accuracy": declined[1] / declined[0] if declined[0] else None,
         "hallucinated_tool_rate": frac(halluc), "no_call_rate": frac(nocall), "format_error_rate": frac(fmt),
         "refused_rate": frac(refused),
         **answer_scores([(pred.text if pred.kind == "text" else None, case.answer)
@@ -166,34 +186,56 @@ def _renderer(loaded, data_cfg: DataConfig):
                          vocab_size=getattr(loaded.tunix_cfg, "num_embed", None))
 
 
+def refuse(case: Case, number: int, reason: str) -> ParsedReply:
+    """A prompt the model cannot take (over its context, refused by the server): one line naming the conversation,
+    and a reply that scores as wrong (refused_rate), for the local and the endpoint paths alike."""
+    from tqdm import tqdm
+
+    tqdm.write(f"{case.where or f'example {number}'} ({case.user[:60]!r}): refused, scored as wrong: {reason}",
+               file=sys.stderr)
+    return ParsedReply("refused", [], "", reason)
+
+
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
                   label: str, prefix_cache: bool = True) -> tuple[list[ParsedReply], list[str]]:
     """Greedy generation for every case, batched; returns parsed replies and raw texts. With
     `prefix_cache`, the prompt prefix all cases share (the developer turn with the tool
-    declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same."""
-    from tqdm import tqdm
+    declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same.
 
+    A prompt that with `max_new_tokens` passes the model's context is refused and scored as wrong, as a server
+    refuses it (vLLM and `serving.launch --local` answer HTTP 400 to a prompt plus max_tokens past the context);
+    when every prompt does, the run ends (--max-new-tokens or the model is wrong)."""
+    from tqdm import tqdm
 
     renderer = _renderer(loaded, data_cfg)
     prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
     limit = loaded.max_positions
-    for case, ids in zip(cases, prompts):  # the generator's own check said "prompt 2", not which example
-        if limit and len(ids) + max_new_tokens > limit:
-            raise UserError(f"{case.where or 'an example'}: the prompt is {len(ids)} tokens; with --max-new-tokens "
-                            f"{max_new_tokens} it passes the model's context of {limit} (max_position_embeddings)")
+    over = {i: f"the prompt is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it passes the model's "
+               f"context of {limit} (max_position_embeddings)"
+            for i, ids in enumerate(prompts) if limit and len(ids) + max_new_tokens > limit}
+    if over and len(over) == len(cases):
+        first = min(over)
+        raise UserError(f"{cases[first].where or 'an example'}: {over[first]}"
+                        + (f" (as are all {len(cases)} prompts)" if len(cases) > 1 else ""))
+    keep = [i for i in range(len(cases)) if i not in over]
     gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
-    with tqdm(total=len(prompts), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
-        outs = gen.generate(prompts, on_batch=bar.update)
-    return [parse_reply(o.text) for o in outs], [o.text for o in outs]
+    with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
+        for i in sorted(over):
+            refuse(cases[i], i + 1, over[i])
+        outs = dict(zip(keep, gen.generate([prompts[i] for i in keep], on_batch=bar.update)))
+    preds = [parse_reply(outs[i].text) if i in outs else ParsedReply("refused", [], "", over[i])
+             for i in range(len(cases))]
+    return preds, [outs[i].text if i in outs else "" for i in range(len(cases))]
 
 
 def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, label: str,
-              strategy: str = "pack") -> float:
+              strategy: str = "pack") -> float | None:
     """Mean NLL over loss-bearing tokens of the reference conversations, as the trainer computes it.
 
     Rows are packed as training packs them (with `data.share_prefix: auto`, a developer turn the
     conversations share is computed once per row, and short rows share a row): the same loss as one
-    conversation a row (`strategy="pad"` with `share_prefix="off"`; tested), for less forward work."""
+    conversation a row (`strategy="pad"` with `share_prefix="off"`; tested), for less forward work. A conversation
+    past the model's context counts up to it (None: no reference token within it, in any conversation)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -202,15 +244,22 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
     from gemma_tpu.train.loss import sparse_loss  # deferred: imports jax/torch
 
     renderer = _renderer(loaded, data_cfg)
-    longest = max(len(renderer.render(c).ids) for c in convs)
-    cfg = dataclasses.replace(data_cfg, seq_len=max(data_cfg.seq_len, -(-longest // 64) * 64), strategy=strategy,
-                              overlength="truncate", max_loss_tokens=None)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "eval.jsonl"
-        with path.open("w") as f:
-            for c in convs:
-                f.write(json.dumps({"messages": c["messages"], "tools": c.get("tools")}) + "\n")
-        split = prepare_split(str(path), renderer, cfg, seed=0)
+    examples = [Example(r.ids, r.loss_mask, c.get("where", "")) for c in convs for r in [renderer.render(c)]]
+    seq_len = max(data_cfg.seq_len, -(-max(len(e.ids) for e in examples) // 64) * 64)
+    limit = loaded.max_positions
+    if limit and seq_len > limit:  # positions past the context were scored as if the model had them (training refuses)
+        over = [e for e in examples if len(e.ids) > limit]
+        if over:
+            empty = sum(1 for e in over if not e.loss_mask[:limit].any())
+            print(f"{over[0].where or 'an example'}: {len(over)} of {len(examples)} conversations pass the model's "
+                  f"context of {limit} tokens (max_position_embeddings); eval_loss counts the first {limit} of each"
+                  + (f" ({empty} with no reference token among them: left out)" if empty else ""), file=sys.stderr)
+            examples = [e for e in examples if e.loss_mask[:limit].any()]
+            if not examples:
+                return None
+        seq_len = limit
+    cfg = dataclasses.replace(data_cfg, seq_len=seq_len, strategy=strategy, overlength="truncate", max_loss_tokens=None)
+    split = prepare_examples(examples, f"eval loss {label}", cfg, seed=0)
     graphdef, state = nnx.split(loaded.model)
 
     @jax.jit
@@ -239,11 +288,12 @@ FIRST_REFUSALS = 5
 
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
-                     label: str, timeout: float = 300.0, retries: int = 3) -> tuple[list[ParsedReply], list[str]]:
+                     label: str, timeout: float = 300.0, retries: int = 3,
+                     api_key: str | None = None) -> tuple[list[ParsedReply], list[str]]:
     from tqdm import tqdm
 
     base = api_base(url)
-    name = served or served_model_name(base, timeout=min(timeout, 30.0))
+    name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0))
     preds, texts = [], []
     refused = 0
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
@@ -254,7 +304,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
         if case.prompt.get("tools"):
             body["tools"] = openai_tools(case.prompt["tools"])
         try:
-            answer = http_json(f"{base}/chat/completions", body, timeout=timeout, retries=retries)
+            answer = http_json(f"{base}/chat/completions", body, timeout=timeout, api_key=api_key, retries=retries)
         except HTTPStatusError as e:
             # a refusal of this one request (a prompt over the server's context, a conversation its template
             # refuses) scores the example as wrong and the run goes on; a server that refuses everything
@@ -264,9 +314,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
                 if e.code in REFUSED_STATUS and refused > 1:
                     e.args = (f"the server refused each of the first {refused} requests; the last: {e}",)
                 raise
-            tqdm.write(f"example {len(preds) + 1} ({case.user[:60]!r}): refused, scored as wrong: {e}",
-                       file=sys.stderr)
-            preds.append(ParsedReply("refused", [], "", str(e)))
+            preds.append(refuse(case, len(preds) + 1, str(e)))
             texts.append("")
             continue
         message = first_message(answer, f"{base}/chat/completions")
@@ -300,7 +348,7 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None)
 
 
-def check_spec(spec: Spec, timeout: float) -> None:
+def check_spec(spec: Spec, timeout: float, api_key: str | None = None) -> None:
     """What can be checked of a model without loading it (the directory, the checkpoint step and its base,
     the server answering), so `--compare` fails before the first model's minutes of work, not after."""
     if spec.kind == "model":
@@ -308,7 +356,7 @@ def check_spec(spec: Spec, timeout: float) -> None:
     elif spec.kind == "checkpoint":
         locate(spec.target, spec.step)
     else:
-        check_reachable(api_base(spec.target), timeout=min(timeout, 30.0))
+        check_reachable(api_base(spec.target), api_key, timeout=min(timeout, 30.0))
 
 
 def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[dict, list[dict]]:
@@ -318,7 +366,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     loss = None
     if spec.kind == "endpoint":
         preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
-                                        args.timeout, args.retries)
+                                        args.timeout, args.retries, os.environ.get(args.api_key_env) or None)
     else:
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
@@ -393,6 +441,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                        help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
+    # a vLLM server started with an API key (serving.launch with server.api_key_env) answered every request 401
+    p.add_argument("--api-key-env", default="VLLM_API_KEY",
+                   help="environment variable holding the --endpoint API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
     p.add_argument("--retries", type=int, default=3,
                    help="further attempts of an --endpoint request the server refused or failed with 429 or 5xx "
@@ -449,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(specs) > 1:
         for which, spec in zip(("A", "B"), specs):
             try:
-                check_spec(spec, args.timeout)
+                check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None)
             except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
                 raise UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") from None
     results, details = {}, {}

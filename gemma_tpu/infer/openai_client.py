@@ -8,9 +8,11 @@ in `content`. The streaming benchmark (serving/bench.py) uses httpx instead.
 
 from __future__ import annotations
 
+import html
 import http.client
 import json
 import logging
+import re
 import time
 import urllib.error
 import urllib.request
@@ -78,7 +80,7 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
             status, ctype = resp.status, resp.headers.get("Content-Type") or "none"
     except urllib.error.HTTPError as e:
         try:
-            detail = " ".join(e.read().decode(errors="replace").split())[:300]
+            detail = body_text(e.read().decode(errors="replace"), e.headers.get("Content-Type") or "")[:300]
         except (http.client.HTTPException, OSError):  # the error page itself was cut off
             detail = "no readable body"
         raise HTTPStatusError(f"{url}: HTTP {e.code} ({detail})", e.code) from None
@@ -138,9 +140,27 @@ def json_object(text: str, error, context: str | None = None) -> dict:
     return obj
 
 
+_HIDDEN = re.compile(r"(?is)<(script|style)\b.*?</\1\s*>|<!--.*?-->")
+_TITLE = re.compile(r"(?is)<title\b[^>]*>(.*?)</title\s*>")
+
+
+def body_text(body: str, content_type: str) -> str:
+    """A response body in one line: a web page (a proxy's or load balancer's error page) as its title and
+    visible text (its first few hundred characters were style sheet and markup); anything else as it came."""
+    head = body.lstrip()[:64].lower()
+    if not head or "html" not in content_type.lower() and not head.startswith(("<!doctype html", "<html")):
+        return " ".join(body.split())
+    title = _TITLE.search(body)
+    visible = _TITLE.sub(" ", _HIDDEN.sub(" ", body))
+    words = [" ".join(html.unescape(re.sub(r"<[^>]*>", " ", t)).split())
+             for t in (title.group(1) if title else "", visible)]
+    return "web page: " + ": ".join(w for w in words if w) if any(words) else "an empty web page"
+
+
 def describe_body(status: int, content_type: str, body: str) -> str:
-    """`HTTP 200, Content-Type text/html: '<html><head><title>Welcome...'` (what came back, in one line)."""
-    text = " ".join(body.split())
+    """`HTTP 200, Content-Type text/html: 'web page: Welcome to nginx!: It works'` (what came back, in one
+    line)."""
+    text = body_text(body, content_type)
     return f"HTTP {status}, Content-Type {content_type}: {text[:120]!r}" if text else \
         f"HTTP {status}, Content-Type {content_type}, an empty body"
 
