@@ -379,9 +379,11 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         raise UserError(f"model.dir {cfg.model.dir}: not a directory")
     hf = read_json_object(d / "config.json", f"model dir {d}: no config.json")
     weights = check_weights(d)
-    # vLLM reads its stop tokens from it, and quietly does without one it cannot parse
+    # both servers read their stop tokens from it (without it, Gemma's <end_of_turn> would not end an answer);
+    # vLLM quietly does without one it cannot parse
+    server = "vLLM" if for_vllm else "the local server"
     read_json_object(d / "generation_config.json",
-                     f"model dir {d}: no generation_config.json (vLLM reads its stop tokens from it)")
+                     f"model dir {d}: no generation_config.json ({server} reads its stop tokens from it)")
     check_tokenizer(d)
     archs = hf.get("architectures") or []
     if not isinstance(archs, list) or len(archs) != 1:

@@ -308,6 +308,13 @@ def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make,
     assert out == ""
 
 
+def test_missing_generation_config_names_the_server_that_needs_it(tmp_path, capsys):
+    d = fake_model_dir(tmp_path / "m", generation=False)
+    code, _, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}")
+    one_error_line(code, err, "generation_config.json", "the local server reads its stop tokens")
+    assert "vLLM" not in err
+
+
 def test_adapter_checks(tmp_path, capsys):
     d = fake_model_dir(tmp_path / "m")
     big = fake_adapter(tmp_path / "big", r=600)
