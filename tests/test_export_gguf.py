@@ -357,6 +357,19 @@ def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contain
     _expect_error(capsys, work / f"{name}.gguf", "--merged", d, contains=contains)
 
 
+@pytest.mark.parametrize("size", [None, 0, -1])
+def test_error_sliding_window_not_positive(work, base, capsys, size):
+    """`sliding_window` null, 0 or negative in a model with sliding-window layers: training refuses it, the export
+    died with a TypeError or struct.error traceback (null, negative) or wrote 0, which llama.cpp's gemma3 reads as
+    "no sliding-window layers" (every layer global, and a final soft-cap of 0 applied: every logit 0)."""
+    d = work / f"tiny_swa_{size}"
+    shutil.copytree(base, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["sliding_window"] = size
+    (d / "config.json").write_text(json.dumps(cfg))
+    _expect_error(capsys, work / f"swa_{size}.gguf", "--merged", d, contains=f"sliding_window={size} must be a positive")
+
+
 def test_softcapping_transformers_ignores_exports_uncapped(work, base, base_logits):
     """Gemma 3's attn_logit_softcapping (read by no Gemma 3 class) and a multimodal config's
     final_logit_softcapping (Gemma3ForConditionalGeneration never caps) are ignored by transformers, training and

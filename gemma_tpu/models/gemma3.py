@@ -317,6 +317,10 @@ def gguf_check(hf_config: dict, t: dict) -> list[str]:
     what transformers does except for a text model's final_logit_softcapping (`applied_softcap`); no
     softcapping key is written, so the file carries no cap a reader could apply where transformers does not."""
     problems = []
+    try:  # null, 0 or negative: refused as training refuses it (llama.cpp takes 0 for "no sliding layers")
+        configured_size(t, HF_DEFAULTS["sliding_window"])
+    except UserError as e:
+        problems.append(str(e).removeprefix("config.json: "))
     capped = applied_softcap(hf_config)
     if capped:
         problems.append(f"{capped[0]}={capped[1]} cannot be expressed in llama.cpp's gemma3 (transformers' "
