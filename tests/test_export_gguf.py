@@ -340,6 +340,7 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     ("qpas_62_layers", {"num_hidden_layers": 62, "layer_types": None}, "hidden_size/num_attention_heads=16"),
     # Gemma3ForCausalLM caps its final logits; llama.cpp's sliding-window gemma3 never does
     ("final_softcap", {"final_logit_softcapping": 0.5}, "final_logit_softcapping=0.5 cannot be expressed"),
+    ("final_softcap_0", {"final_logit_softcapping": 0.0}, "final_logit_softcapping=0.0 cannot be expressed"),
 ])
 def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contains):
     """llama.cpp scales queries by 1/sqrt(head_dim) and makes every 6th layer global: a config.json

@@ -80,9 +80,10 @@ def applied_softcap(hf_config: dict) -> tuple[str, float] | None:
     Gemma3ForCausalLM only: Gemma3ForConditionalGeneration, the class a multimodal config.json (model_type
     gemma3, text under text_config) loads as, even through AutoModelForCausalLM, never reads
     final_logit_softcapping. attn_logit_softcapping is read by no Gemma 3 class (transformers' attention is
-    never handed it; vLLM's Gemma 3 passes None). Either key may be present and is then ignored, as there."""
+    never handed it; vLLM's Gemma 3 passes None). Either key may be present and is then ignored, as there.
+    A text model's cap of 0 is applied too: transformers divides by it, and every logit comes out 0."""
     cap = text_config(hf_config).get("final_logit_softcapping")
-    if multimodal(hf_config) or cap in (None, 0, 0.0):
+    if multimodal(hf_config) or cap is None:
         return None
     return "final_logit_softcapping", cap
 
