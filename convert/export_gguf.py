@@ -309,11 +309,11 @@ def supported_families() -> list[str]:
     return sorted(name for name, f in families().items() if f.gguf is not None)
 
 
-def check_config(facts: GGUFFacts, text: dict, where: str) -> None:
+def check_config(facts: GGUFFacts, config: dict, text: dict, where: str) -> None:
     for key in facts.require_unset:
         if text.get(key) not in (None, 0, 0.0, False):
             raise UserError(f"{where}: {key}={text[key]} cannot be expressed in llama.cpp's {facts.arch}")
-    for problem in (facts.check(text) if facts.check else []):
+    for problem in (facts.check(config, text) if facts.check else []):
         raise UserError(f"{where}: {problem}")
     for _, key, _, default in facts.hparams:
         if text.get(key) is None and default is None:
@@ -410,7 +410,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
                       "kind": "lora" if merge.source.is_lora else "full"}
     check_file_target(out, args.overwrite, protected=protected, magic=GGUF_MAGIC)
     text = family.read_text_config(config)  # keys config.json omits at the values transformers gives them
-    check_config(facts, text, where)
+    check_config(facts, config, text, where)
     if facts.rope is not None:
         facts.rope(text)  # refuses what llama.cpp cannot express
     prefix = family.text_prefix(weights.names())

@@ -338,6 +338,9 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
      "rope_parameters.sliding_attention.rope_theta=20000"),
     # a 62-layer gemma3 is llama.cpp's 27B: queries scaled by hidden/heads (16 here), not head_dim
     ("qpas_62_layers", {"num_hidden_layers": 62, "layer_types": None}, "hidden_size/num_attention_heads=16"),
+    # Gemma3ForCausalLM caps its final logits; llama.cpp's sliding-window gemma3 never does
+    ("final_softcap", {"final_logit_softcapping": 0.5}, "final_logit_softcapping=0.5 cannot be expressed"),
+    ("final_softcap_0", {"final_logit_softcapping": 0.0}, "final_logit_softcapping=0.0 cannot be expressed"),
 ])
 def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contains):
     """llama.cpp scales queries by 1/sqrt(head_dim) and makes every 6th layer global: a config.json
@@ -353,6 +356,51 @@ def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contain
             cfg[key] = value
     (d / "config.json").write_text(json.dumps(cfg))
     _expect_error(capsys, work / f"{name}.gguf", "--merged", d, contains=contains)
+
+
+@pytest.mark.parametrize("size", [None, 0, -1])
+def test_error_sliding_window_not_positive(work, base, capsys, size):
+    """`sliding_window` null, 0 or negative in a model with sliding-window layers: training refuses it, the export
+    died with a TypeError or struct.error traceback (null, negative) or wrote 0, which llama.cpp's gemma3 reads as
+    "no sliding-window layers" (every layer global, and a final soft-cap of 0 applied: every logit 0)."""
+    d = work / f"tiny_swa_{size}"
+    shutil.copytree(base, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["sliding_window"] = size
+    (d / "config.json").write_text(json.dumps(cfg))
+    _expect_error(capsys, work / f"swa_{size}.gguf", "--merged", d, contains=f"sliding_window={size} must be a positive")
+
+
+def test_softcapping_transformers_ignores_exports_uncapped(work, base, base_logits):
+    """Gemma 3's attn_logit_softcapping (read by no Gemma 3 class) and a multimodal config's
+    final_logit_softcapping (Gemma3ForConditionalGeneration never caps) are ignored by transformers, training and
+    the merge; the export refused them. Now such models export, the file names no soft-cap (llama.cpp's gemma3
+    reads `final_logit_softcapping` and would apply it where transformers does not), and the GGUF's logits are
+    transformers' on the source model, which a 0.5 cap would have changed."""
+    from transformers import Gemma3TextConfig
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
+    from tests.test_convert import _write_multimodal_gemma3
+
+    text = work / "tiny_attn_softcap"
+    shutil.copytree(base, text)
+    cfg = json.loads((text / "config.json").read_text())
+    cfg["attn_logit_softcapping"] = 0.5  # would flatten every attention score if applied
+    (text / "config.json").write_text(json.dumps(cfg))
+    out = work / "attn_softcap.gguf"
+    assert export("--merged", text, "--out", out, "--type", "f16") == 0
+    assert not [k for k in fields(out) if "softcap" in k]
+    assert max_diff(gguf_logits(out), base_logits) <= F16_MAX_DIFF
+
+    tc = Gemma3TextConfig(**{**TINY_GEMMA3, "head_dim": 256, "query_pre_attn_scalar": 256},
+                          final_logit_softcapping=0.5, attn_logit_softcapping=0.5)
+    mm = _write_multimodal_gemma3(work / "mm_softcap", tc, 9, base)
+    want = hf_logits(mm)
+    assert max(float(np.abs(x).max()) for x in want) > 0.5  # a 0.5 cap would have changed them
+    out = work / "mm_softcap.gguf"
+    assert export("--merged", mm, "--out", out, "--type", "f16") == 0
+    assert not [k for k in fields(out) if "softcap" in k]
+    assert max_diff(gguf_logits(out), want) <= F16_MAX_DIFF
 
 
 def test_62_layers_scale_queries_as_llama_cpp_27b(work):

@@ -118,3 +118,61 @@ def test_an_output_set_aside_by_a_killed_replace_is_put_back(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(out), "1"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert (out / "v").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _in_new_pid_namespace(code: str, *args) -> subprocess.CompletedProcess:
+    """Run `code` as a container restart would: in a fresh PID namespace whose PID 1 is a shell (alive, and
+    started just now) and whose PIDs start again from 1."""
+    import pytest
+
+    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no PID namespaces here (unshare needs root)")
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", f'"{sys.executable}" -c "$@"; true',
+                           "sh", code, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_leftovers_whose_pid_now_runs_another_process_are_recognised(tmp_path):
+    """After a reboot or a container restart the PID of a killed merge or export is handed out again: its
+    `.out.tmp-PID` was removed only once no process had that PID, so it stayed for good behind outputs written
+    by a long-running service, and a replace's `.out.old-PID` was never put back. The writer lock's rule
+    (`pidlock.gone`) now decides: a PID alive as a process started after the leftover last changed is gone."""
+    import time
+
+    from gemma_tpu.core.pidlock import CLOCK_SLACK_S
+
+    (tmp_path / ".out.tmp-1").mkdir()  # a merge killed before the restart; PID 1 is the shell after it
+    (tmp_path / ".out.tmp-1" / "model.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / ".coach.gguf.tmp-1").write_bytes(b"GGUF")  # an export killed likewise
+    (tmp_path / ".kept.old-1").mkdir()  # a replace killed between its two renames
+    (tmp_path / ".kept.old-1" / "v").write_text("old")
+    time.sleep(CLOCK_SLACK_S + 1.5)
+    code = ("import sys; from gemma_tpu.core.atomic import AtomicDir, AtomicFile\n"
+            "ad = AtomicDir(sys.argv[1])\n"
+            "with ad as tmp:\n    (tmp / 'v').write_text('new'); ad.publish()\n"
+            "af = AtomicFile(sys.argv[2])\n"
+            "with af as tmp:\n    tmp.write_bytes(b'GGUF'); af.publish()\n"
+            "AtomicDir(sys.argv[3]).__enter__()\n")
+    proc = _in_new_pid_namespace(code, tmp_path / "out", tmp_path / "coach.gguf", tmp_path / "kept")
+    assert "kept already exists" in proc.stderr, proc.stderr  # put back, so not overwritten
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coach.gguf", "kept", "out"]
+    assert (tmp_path / "kept" / "v").read_text() == "old"
+
+
+def test_leftovers_of_a_live_writer_are_kept(tmp_path):
+    """The other side: a temp dir whose writer still runs (its PID alive, started before the temp last changed)
+    is not touched."""
+    import os
+
+    from gemma_tpu.core.atomic import clean_stale
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tmp = tmp_path / f".out.tmp-{live.pid}"
+        tmp.mkdir()
+        dead = tmp_path / f".out.tmp-{2 ** 22 + 7}"  # above pid_max: no such process
+        dead.mkdir()
+        assert clean_stale(tmp_path / "out") == [dead]
+        assert tmp.is_dir() and os.getpid() != live.pid
+    finally:
+        live.kill()
+        live.wait()

@@ -101,6 +101,10 @@ def test_config_built_from_config_json(tiny_dir, tmp_path):
     cfg["final_logit_softcapping"] = 30.0
     with pytest.raises(UserError, match="final_logit_softcapping"):
         resolved.family.tunix_config(cfg)
+    # 0 too: Gemma3ForCausalLM divides by it (every logit 0), where it was read as "no cap" and trained on
+    cfg["final_logit_softcapping"] = 0.0
+    with pytest.raises(UserError, match="final_logit_softcapping=0.0"):
+        resolved.family.tunix_config(cfg)
 
 
 def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(tiny_odd_dir, tmp_path):

@@ -124,8 +124,70 @@ def test_training_whose_checkpoint_disk_fills_stops_in_one_line(tiny_dir, small_
     assert errors == [proc.stderr.splitlines()[-1]], proc.stderr[-3000:]
     assert errors[0].startswith(f"error: saving checkpoint step 2 in {ck} failed (No space left on device); "
                                 "the last complete step on disk is 1"), errors
+    # Orbax's writer threads each logged their traceback (~40 lines apiece) above it: now at DEBUG
+    assert "Traceback" not in proc.stderr and " ERROR " not in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1", "2.orbax-checkpoint-tmp"]
     assert not (ck / "gemma_tpu_run.lock").exists()
+
+
+# A save failing as Orbax's writer threads see it: the exception raised in Orbax's code and logged, traceback and
+# all, from a background thread; then a write completing after its thread closed the event loop (unraisable).
+BACKGROUND_FAILURE = """
+import asyncio, sys, threading
+from absl import logging as absl_logging
+from gemma_tpu.core import cli
+
+ns = {}
+exec(compile("def write():\\n    raise OSError(28, 'No space left on device')", "/site-packages/orbax/fake.py", "exec"),
+     ns)
+
+class LateCompletion:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.loop.close()
+
+    def __del__(self):
+        self.loop.call_soon_threadsafe(print)
+
+def writer():
+    try:
+        ns["write"]()
+    except OSError as e:
+        absl_logging.exception("_SignalingThread.run() raised an exception: %s", e)
+
+def main(argv):
+    cli.setup_logging()
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    LateCompletion()
+    raise OSError(28, "No space left on device", "ck/2.orbax-checkpoint-tmp")
+
+sys.exit(cli.cli_main(main))
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_orbax_background_tracebacks_are_debug_output(debug):
+    """A save that fills the disk: Orbax's background threads logged their tracebacks (one per writer) and
+    TensorStore's late completions printed dozens of "Event loop is closed" ones, burying our one-line error.
+    They are logged at DEBUG now; with GEMMA_TPU_DEBUG=1 all of them are shown, as a genuine bug's must be."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "GEMMA_TPU_DEBUG": "1" if debug else "0"}
+    proc = subprocess.run([sys.executable, "-c", BACKGROUND_FAILURE], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    if debug:
+        assert proc.returncode != 0
+        assert "raised an exception: [Errno 28]" in proc.stderr and "orbax/fake.py" in proc.stderr, proc.stderr
+        assert "RuntimeError: Event loop is closed" in proc.stderr, proc.stderr
+    else:
+        assert_one_line_error(proc, "No space left on device: ck/2.orbax-checkpoint-tmp")
+        assert proc.stderr.strip().splitlines() == ["error: No space left on device: ck/2.orbax-checkpoint-tmp"]
 
 
 def test_training_whose_run_dir_fills_stops_in_one_line_naming_the_file(tiny_dir, tmp_path, small_disk):

@@ -94,6 +94,7 @@ def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, capl
     import logging
 
     from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, resolve_step
+    from gemma_tpu.core.errors import UserError
 
     for step in (2, 4):
         (tmp_path / str(step) / "model_params").mkdir(parents=True)
@@ -101,9 +102,13 @@ def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, capl
             (tmp_path / str(step) / m).write_text("{}")
     (tmp_path / "6" / "model_params").mkdir(parents=True)  # a save cut short
     (tmp_path / "6" / COMMIT_MARKERS[1]).write_text("{}")
+    # Orbax's own leftover of a save that failed (a full disk) or was killed: passed over without a word too
+    (tmp_path / "8.orbax-checkpoint-tmp" / "model_params").mkdir(parents=True)
     with caplog.at_level(logging.WARNING):
         assert resolve_step(tmp_path, None) == 4
         assert resolve_step(tmp_path, 2) == 2
     assert [r.getMessage() for r in caplog.records] == [
-        f"{tmp_path}: step 6 is incomplete (no Orbax commit markers: a save cut short); using step 4, the last "
-        "complete one"]
+        f"{tmp_path}: steps 6, 8 are incomplete (no Orbax commit markers: a save cut short or failed); using step 4, "
+        "the last complete one"]
+    with pytest.raises(UserError, match=r"no checkpoint for step 8 \(its save did not complete; have: 2, 4\)"):
+        resolve_step(tmp_path, 8)

@@ -116,19 +116,38 @@ def set_aside_incomplete_steps(ckpt_dir: str | Path) -> list[Path]:
     return moved
 
 
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # what an Orbax save writes into until it renames it `<step>`
+
+
+def unfinished_steps(ckpt_dir: str | Path, after: int = -1) -> list[int]:
+    """Steps after `after` whose save did not finish: a step directory without Orbax's commit markers (a
+    non-atomic save or a copy cut short), or Orbax's `<step>.orbax-checkpoint-tmp` (a save that failed, a full
+    disk, or was killed; or one still in progress)."""
+    out = set()
+    for p in Path(ckpt_dir).iterdir() if Path(ckpt_dir).is_dir() else []:
+        name = p.name.split(ORBAX_TMP, 1)[0] if ORBAX_TMP in p.name else p.name
+        if p.is_dir() and name.isdigit() and int(name) > after and not is_complete_step(p):
+            out.add(int(name))
+    return sorted(out)
+
+
 def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
     steps = list_steps(ckpt_dir)
+    unfinished = unfinished_steps(ckpt_dir, steps[-1] if steps else -1)
     if not steps:
-        raise UserError(f"{ckpt_dir}: no completed checkpoint step found")
+        also = f" (step {', '.join(map(str, unfinished))}: its save did not complete)" if unfinished else ""
+        raise UserError(f"{ckpt_dir}: no completed checkpoint step found{also}")
     if step is None:
-        newer = sorted(int(p.name) for p in Path(ckpt_dir).iterdir()
-                       if p.name.isdigit() and int(p.name) > steps[-1] and p.is_dir())
-        if newer:  # the user asked for the latest step and would otherwise not know it is not the newest
-            log.warning("%s: step %s is incomplete (no Orbax commit markers: a save cut short); using step %d, "
-                        "the last complete one", ckpt_dir, ", ".join(map(str, newer)), steps[-1])
+        if unfinished:  # the user asked for the latest step and would otherwise not know it is not the newest
+            log.warning("%s: %s incomplete (no Orbax commit markers: a save cut short or failed); using step %d, "
+                        "the last complete one", ckpt_dir,
+                        f"step {unfinished[0]} is" if len(unfinished) == 1 else
+                        f"steps {', '.join(map(str, unfinished))} are", steps[-1])
         return steps[-1]
     if step not in steps:
-        raise UserError(f"{ckpt_dir}: no checkpoint for step {step} (have: {', '.join(map(str, steps))})")
+        why = " its save did not complete;" if step in unfinished else ""
+        raise UserError(f"{ckpt_dir}: no checkpoint for step {step} ({why} have: {', '.join(map(str, steps))})"
+                        .replace("( ", "("))
     return step
 
 

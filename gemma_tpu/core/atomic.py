@@ -2,7 +2,8 @@
 
 The output is built in `.<name>.tmp-<pid>` beside the target (same filesystem, so the final rename
 is atomic). Any exception, Ctrl-C or SIGTERM removes it; a SIGKILL leaves only that hidden temp
-dir, which the next run for the same target removes once its owner process is gone. With
+dir, which the next run for the same target removes once its owner process is gone (its PID dead, or
+reused by a process started after it: `pidlock.gone`, the writer lock's own rule). With
 `--overwrite` an existing target is swapped with the new one in one `renameat2(RENAME_EXCHANGE)`
 call (readers see the old or the new directory, never neither), then the old one is deleted; where
 the filesystem cannot exchange, the fallback renames the old one aside first, leaving a window of
@@ -128,15 +129,32 @@ def restore_set_aside(target: Path) -> Path | None:
     target = Path(target).absolute()
     if target.exists() or target.is_symlink() or not target.parent.is_dir():
         return None
-    pids = {p: p.name.rsplit("-", 1)[-1] for p in target.parent.glob(f".{target.name}.old-*")}
-    aside = [p for p, pid in pids.items() if pid.isdigit() and int(pid) != os.getpid()
-             and not pidlock.pid_alive(int(pid))]
+    aside = [p for p in target.parent.glob(f".{target.name}.old-*")
+             if _owner(p) not in (None, os.getpid()) and _left_behind(p)]
     if not aside:
         return None
     newest = max(aside, key=lambda p: p.lstat().st_mtime)
     os.rename(newest, target)
     log.warning("%s: restored the output a killed run had set aside as %s", target, newest.name)
     return newest
+
+
+def _owner(leftover: Path) -> int | None:
+    """The PID a `.<name>.tmp-<pid>` / `.<name>.old-<pid>` names (None: not such a name)."""
+    pid = leftover.name.rsplit("-", 1)[-1]
+    return int(pid) if pid.isdigit() else None
+
+
+def _left_behind(leftover: Path) -> bool:
+    """Whether the process that wrote `leftover` is gone (`pidlock.gone`): its PID is dead, or alive as a
+    process that started after it last renamed or wrote the leftover (the change time, which a copy or
+    `touch` cannot set back). After a reboot the PID of a killed merge is often alive as another process,
+    and its temp dir was kept for good."""
+    try:
+        changed = leftover.lstat().st_ctime
+    except FileNotFoundError:
+        return False
+    return pidlock.gone(_owner(leftover), alive_at=changed)
 
 
 def clean_stale(target: Path) -> list[Path]:
@@ -147,8 +165,8 @@ def clean_stale(target: Path) -> list[Path]:
         return removed
     for kind in ("tmp", "old"):
         for p in parent.glob(f".{target.name}.{kind}-*"):
-            pid = p.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and (int(pid) == os.getpid() or not pidlock.pid_alive(int(pid))):
+            pid = _owner(p)
+            if pid is not None and (pid == os.getpid() or _left_behind(p)):
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p, ignore_errors=True)
                 else:

@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import traceback
 from typing import Any, Callable, Sequence
 
 import yaml
@@ -23,6 +24,13 @@ from gemma_tpu.core.errors import SignalExit, UserError
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries that log at INFO on every call; entry points keep them at WARNING.
 NOISY_LOGGERS = ("absl", "jax", "orbax", "tunix", "qwix", "httpx", "urllib3", "huggingface_hub")
+DEBUG_ENV = "GEMMA_TPU_DEBUG"
+_debug = os.environ.get(DEBUG_ENV) == "1"  # set by cli_main from --debug / GEMMA_TPU_DEBUG=1
+
+
+def debugging() -> bool:
+    """Whether this command shows tracebacks (`--debug` or GEMMA_TPU_DEBUG=1)."""
+    return _debug
 
 
 def parser(prog: str, doc: str | None, config: str | None = None, overrides: bool = True,
@@ -136,7 +144,30 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT, datefmt="%H:%M:%S", stream=sys.stderr)
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for handler in root.handlers:
+        if not any(isinstance(f, _LibraryTracebacks) for f in handler.filters):
+            handler.addFilter(_LibraryTracebacks())
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+class _LibraryTracebacks(logging.Filter):
+    """Orbax logs, traceback and all, every exception its background threads meet (a save that hits a full
+    disk, a quota or a read-only directory: four ~40-line tracebacks, one per writer thread) before the save
+    raises it where we say it in one line (`finite_guard.save_failure`). Such a record is logged at DEBUG;
+    with --debug / GEMMA_TPU_DEBUG=1 it is shown as Orbax logged it, with our own traceback after it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _debug or not record.exc_info or record.levelno < logging.ERROR or not _raised_in_orbax(record.exc_info):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def _raised_in_orbax(exc_info) -> bool:
+    """Whether the exception went through Orbax's code (absl names its own module as the record's source
+    when Orbax logs from a thread, so the traceback is what tells)."""
+    tb = exc_info[2] if isinstance(exc_info, tuple) else None
+    return any(f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
 
 
 def _redeliver_interrupts(unraisable) -> None:
@@ -148,6 +179,10 @@ def _redeliver_interrupts(unraisable) -> None:
     exc = unraisable.exc_value
     signum = (signal.SIGINT if isinstance(exc, KeyboardInterrupt)
               else exc.signum if isinstance(exc, SignalExit) else None)
+    if signum is None and not _debug and _late_callback(unraisable):
+        logging.getLogger(__name__).debug("a completion reached an event loop already closed",
+                                          exc_info=(type(exc), exc, unraisable.exc_traceback))
+        return
     if signum is None or not callable(signal.getsignal(signum)):
         sys.__unraisablehook__(unraisable)
         return
@@ -157,11 +192,26 @@ def _redeliver_interrupts(unraisable) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+def _late_callback(unraisable) -> bool:
+    """TensorStore completing a write after the Orbax thread that awaited it gave up (a save that failed) and
+    closed its event loop: `call_soon_threadsafe` raises, unraisably, once per write still in flight (dozens
+    of tracebacks, printed between and after our one-line error). Nothing is lost: the save already failed."""
+    exc, tb = unraisable.exc_value, unraisable.exc_traceback
+    if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
+        return False
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
     """Run `main(argv)` and map `UserError` (and a few OS errors) to a one-line message."""
+    global _debug
     args = list(sys.argv[1:] if argv is None else argv)
     sys.unraisablehook = _redeliver_interrupts
-    debug = "--debug" in args or os.environ.get("GEMMA_TPU_DEBUG") == "1"
+    debug = _debug = "--debug" in args or os.environ.get(DEBUG_ENV) == "1"
     if "--debug" in args:
         args.remove("--debug")
     parser_error = argparse.ArgumentParser.error

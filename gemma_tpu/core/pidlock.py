@@ -60,6 +60,36 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def started_at(pid: int) -> float | None:
+    """When process `pid` started, in wall-clock seconds (the boot time plus `start_time`); None where unknown."""
+    ticks = start_time(pid)
+    try:
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+CLOCK_SLACK_S = 1.0  # `started_at` is truncated to whole seconds of boot time; file times are exact
+
+
+def gone(pid: int, pid_start: int | None = None, alive_at: float | None = None) -> bool:
+    """Whether the process that had PID `pid` is gone: the PID is not alive, or it is alive as another process
+    (after a reboot or a container restart PIDs are handed out again), one that started at another time than
+    the holder's recorded `pid_start` (`start_time`), or after `alive_at` (wall-clock seconds at which the
+    holder was known to run: the change time of a file it wrote)."""
+    if not pid_alive(pid):
+        return True
+    if isinstance(pid_start, int):
+        now = start_time(pid)
+        return now is not None and now != pid_start
+    if alive_at is not None:
+        start = started_at(pid)
+        return start is not None and start > alive_at + CLOCK_SLACK_S
+    return False
+
+
 def read_holder(path: Path) -> dict | None:
     """The lock's JSON, {} when unreadable (being written, or garbage), None when there is no lock."""
     try:
@@ -98,10 +128,7 @@ def is_stale(holder: dict, path: Path | None = None) -> bool:
         return idle is not None and idle > LEASE_S
     if not isinstance(pid, int) or _mine(holder):
         return False
-    if pid != os.getpid() and not pid_alive(pid):
-        return True
-    recorded, now = holder.get("pid_start"), start_time(pid)
-    return isinstance(recorded, int) and now is not None and now != recorded
+    return gone(pid, pid_start=holder.get("pid_start"))
 
 
 def _mine(holder: dict | None) -> bool:

@@ -74,6 +74,20 @@ def multimodal(hf_config: dict) -> bool:
     return text_config(hf_config) is not hf_config
 
 
+def applied_softcap(hf_config: dict) -> tuple[str, float] | None:
+    """The soft-capping transformers' Gemma 3 applies for this config.json, as (key, value), or None: what
+    every reader (Tunix, llama.cpp) must apply too or refuse. transformers caps the final logits in
+    Gemma3ForCausalLM only: Gemma3ForConditionalGeneration, the class a multimodal config.json (model_type
+    gemma3, text under text_config) loads as, even through AutoModelForCausalLM, never reads
+    final_logit_softcapping. attn_logit_softcapping is read by no Gemma 3 class (transformers' attention is
+    never handed it; vLLM's Gemma 3 passes None). Either key may be present and is then ignored, as there.
+    A text model's cap of 0 is applied too: transformers divides by it, and every logit comes out 0."""
+    cap = text_config(hf_config).get("final_logit_softcapping")
+    if multimodal(hf_config) or cap is None:
+        return None
+    return "final_logit_softcapping", cap
+
+
 ROPE_TYPES = {"rope_theta": "int|float|None", "factor": "int|float", "rope_type": "str"}
 
 
@@ -127,13 +141,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     if t.get("attention_bias"):
         raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "
                         f"projections have no bias)")
-    # transformers caps the final logits in Gemma3ForCausalLM only: Gemma3ForConditionalGeneration, the
-    # class a multimodal config.json (model_type gemma3, text under text_config) loads as, even through
-    # AutoModelForCausalLM, never reads final_logit_softcapping. attn_logit_softcapping is read by no Gemma 3
-    # class (transformers' attention is never handed it; vLLM's Gemma 3 passes None). Tunix caps neither.
-    if not multimodal(hf_config) and t.get("final_logit_softcapping") not in (None, 0, 0.0):
-        raise UserError(f"config.json: final_logit_softcapping={t['final_logit_softcapping']} is not supported "
-                        f"by Tunix's Gemma 3")
+    capped = applied_softcap(hf_config)  # Tunix caps nothing
+    if capped:
+        raise UserError(f"config.json: {capped[0]}={capped[1]} is not supported by Tunix's Gemma 3")
     if t.get("use_bidirectional_attention"):
         raise UserError("config.json: use_bidirectional_attention (an embedding model) is not a causal LM")
     eps = float(t.get("rms_norm_eps", 1e-6))
@@ -302,9 +312,20 @@ LLAMA_CPP_27B_LAYERS = 62
 LLAMA_CPP_SWA_ROPE_BASE = 10_000.0
 
 
-def gguf_check(t: dict) -> list[str]:
-    """Where a config disagrees with what llama.cpp's gemma3 assumes (one line each)."""
+def gguf_check(hf_config: dict, t: dict) -> list[str]:
+    """Where a config disagrees with what llama.cpp's gemma3 assumes (one line each). Its graph with
+    sliding-window layers (what the exported file always has) applies no soft-capping at all, which is
+    what transformers does except for a text model's final_logit_softcapping (`applied_softcap`); no
+    softcapping key is written, so the file carries no cap a reader could apply where transformers does not."""
     problems = []
+    try:  # null, 0 or negative: refused as training refuses it (llama.cpp takes 0 for "no sliding layers")
+        configured_size(t, HF_DEFAULTS["sliding_window"])
+    except UserError as e:
+        problems.append(str(e).removeprefix("config.json: "))
+    capped = applied_softcap(hf_config)
+    if capped:
+        problems.append(f"{capped[0]}={capped[1]} cannot be expressed in llama.cpp's gemma3 (transformers' "
+                        f"Gemma3ForCausalLM caps the final logits, llama.cpp's sliding-window gemma3 never does)")
     heads, hidden, head_dim = int(t["num_attention_heads"]), int(t["hidden_size"]), int(t["head_dim"])
     qpas = t.get("query_pre_attn_scalar")
     if int(t["num_hidden_layers"]) == LLAMA_CPP_27B_LAYERS:
@@ -358,7 +379,7 @@ GGUF = GGUFFacts(
         ("attention.sliding_window", "sliding_window", "u32", 4096),
     ),
     check=gguf_check,
-    require_unset=("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"),
+    require_unset=("use_bidirectional_attention",),  # soft-capping: gguf_check, as transformers applies it
     swa_period=SLIDING_WINDOW_PATTERN,
     rope=gguf_rope,
 )

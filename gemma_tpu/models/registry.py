@@ -155,14 +155,15 @@ class GGUFFacts:
 
     `hparams`: (key under `{arch}.`, config.json key of the text config, value type, default
     when the config lacks it). `check`: values llama.cpp does not read but hard-wires (Gemma 3's
-    query scale, its sliding layers' rotary base): text config -> one line per disagreement. `require_unset`:
+    query scale, its sliding layers' rotary base, no soft-capping): (config.json, its text config as
+    transformers reads it) -> one line per disagreement. `require_unset`:
     config keys llama.cpp's architecture cannot express when set. `swa_period`: llama.cpp's default
     sliding/global layer pattern (every Nth layer global), which the config must follow."""
 
     arch: str
     tensors: tuple[GGUFTensor, ...]
     hparams: tuple[tuple[str, str, str, Any], ...]
-    check: Callable[[dict], list[str]] | None = None
+    check: Callable[[dict, dict], list[str]] | None = None
     require_unset: tuple[str, ...] = ()
     swa_period: int | None = None
     # text config -> rotary keys under `{arch}.` (freq_base, freq_base_swa, scaling.*); raises
