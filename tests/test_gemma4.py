@@ -206,6 +206,19 @@ def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(g4):
     assert get_family("gemma4").tunix_config({**cfg, "attn_logit_softcapping": 50.0}) == plain
 
 
+def test_final_softcap_of_zero_is_refused(g4):
+    """transformers' Gemma 4 divides the logits by final_logit_softcapping whenever it is not null: a 0 made every
+    logit 0 (or NaN) there, where we read it as "no cap" and trained on."""
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.models import get_family
+
+    cfg = json.loads((g4("ple") / "config.json").read_text())
+    for bad in (0.0, -30.0):  # an int is refused by the type table first
+        with pytest.raises(UserError, match="final_logit_softcapping=.* must be positive or null"):
+            get_family("gemma4").tunix_config({**cfg, "final_logit_softcapping": bad})
+    assert get_family("gemma4").tunix_config({**cfg, "final_logit_softcapping": None}).final_logit_softcap is None
+
+
 def test_lora_lands_where_each_layer_has_the_projection(g4):
     """K and V are fused in sliding layers, K alone in the K=V global layers, and KV-sharing
     layers have neither; LoRA factors exist exactly there."""

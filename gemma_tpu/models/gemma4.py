@@ -259,6 +259,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     local_theta, local_scale, local_prop = _rope(t, "sliding_attention", head_dim, global_head_dim)
     global_theta, global_scale, global_prop = _rope(t, "full_attention", head_dim, global_head_dim)
     softcap = t.get("final_logit_softcapping")
+    if softcap is not None and not softcap > 0:  # null is "no cap"; transformers divides by any other value
+        raise UserError(f"config.json: final_logit_softcapping={softcap!r} must be positive or null: transformers "
+                        f"divides the logits by it (0 makes every logit 0 or NaN)")
     dtype = param_dtype if param_dtype is not None else jnp.float32
     return g4.ModelConfig(
         num_layers=n,
@@ -268,7 +271,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         num_heads=heads,
         head_dim=head_dim,
         num_kv_heads=kv_heads,
-        final_logit_softcap=float(softcap) if softcap not in (None, 0, 0.0) else None,
+        final_logit_softcap=float(softcap) if softcap is not None else None,
         sliding_window_size=configured_size(t, 512),
         per_layer_input_dim=ple,
         # transformers uses the global KV head count only in K=V layers; Tunix in every global layer
