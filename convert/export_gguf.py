@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -55,7 +54,7 @@ from convert.merge_orbax import MergedTensors
 from convert.merge_orbax import plan_tensors as plan_merge_tensors
 from convert.source import open_checkpoint
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import AtomicFile, check_file_target
+from gemma_tpu.core.atomic import AtomicFile, check_file_target, check_space
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.core.progress import Progress, human
@@ -432,20 +431,6 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
 
 
 GGUF_MAGIC = b"GGUF"  # what every GGUF file starts with: --overwrite replaces only such a file (or an empty one)
-
-
-def free_space(path: Path) -> int:
-    """Free bytes on the filesystem that would hold `path` (a function, so tests can fake it)."""
-    probe = Path(path).absolute().parent
-    while not probe.exists():
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
-def check_space(out: Path, nbytes: int) -> None:
-    free = free_space(out)
-    if free < nbytes + (64 << 20):
-        raise UserError(f"not enough disk space for {out}: need {human(nbytes)}, {human(free)} free")
 
 
 # ------------------------------------------------------------------------------ writing

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import re
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ from convert.source import (
 )
 from convert.tool_tokens import check_tool_token_files, install_tool_tokens
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import AtomicDir, check_target
+from gemma_tpu.core.atomic import AtomicDir, check_space, check_target
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf import safetensors_io as sio
@@ -122,6 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer_base = adapter_tokenizer_base(source)
     if tokenizer_base is not None:  # refuse tokenizer files the markers cannot be published in, before writing
         check_tool_token_files(tokenizer_base, source.meta.get("token_map") or {})
+    tokenizer_bytes = sum((tokenizer_base / n).stat().st_size for n in TOKENIZER_FILES
+                          if tokenizer_base is not None and (tokenizer_base / n).is_file())
+    check_space(out, sum(4 * math.prod(s.shape) for s in specs) + tokenizer_bytes + (1 << 20))
     ad = AtomicDir(out, args.overwrite, marker=PROVENANCE_FILE)
     with ad as tmp:
         writer = sio.ShardedWriter(tmp, specs, max_shard_bytes=1 << 62, single_name=ADAPTER_FILE)

@@ -38,7 +38,6 @@ if __name__ == "__main__":
 import argparse
 import dataclasses
 import datetime
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ from convert.source import (
 from convert.tool_tokens import check_tool_token_files, install_tool_tokens
 from convert.verify import verify_merge
 from gemma_tpu.core import cli
-from gemma_tpu.core.atomic import AtomicDir, check_target
+from gemma_tpu.core.atomic import AtomicDir, check_space, check_target
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.progress import Progress, human
@@ -204,15 +203,6 @@ def check_full_sites(source: CheckpointSource, prefix: str, shapes: dict[str, tu
     if extra:
         raise UserError(f"checkpoint tensor {extra[0]} has no counterpart in the base")
     return sites
-
-
-def check_space(out: Path, nbytes: int) -> None:
-    probe = Path(out).absolute().parent
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < nbytes + (64 << 20):
-        raise UserError(f"not enough disk space for {out}: need {human(nbytes)}, {human(free)} free")
 
 
 class MergedTensors:

@@ -738,6 +738,20 @@ def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     assert leftovers(out) == []
 
 
+def test_peft_export_refuses_too_little_disk_before_writing(work, lora_ckpt, capsys, monkeypatch):
+    """As the merge and the GGUF export do: a full disk midway named only the temp folder."""
+    from convert.export_peft import main
+    from gemma_tpu.core import atomic
+    from gemma_tpu.core.cli import cli_main
+
+    monkeypatch.setattr(atomic, "free_space", lambda path: 100 << 10)
+    out = work / "adapter_no_space"
+    assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "not enough disk space for" in err and str(out) in err and err.count("\n") == 1
+    assert leftovers(out) == []
+
+
 # ------------------------------------------------------------------------------ verify / inspect
 
 

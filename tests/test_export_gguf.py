@@ -320,9 +320,9 @@ def test_error_existing_target(work, base, capsys):
 
 
 def test_error_too_little_disk(work, base, capsys, monkeypatch):
-    import convert.export_gguf as eg
+    from gemma_tpu.core import atomic
 
-    monkeypatch.setattr(eg, "free_space", lambda path: 100 << 10)
+    monkeypatch.setattr(atomic, "free_space", lambda path: 100 << 10)
     _expect_error(capsys, work / "full.gguf", "--merged", base, "--type", "f16", contains="not enough disk space")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from gemma_tpu.core import pidlock
 from gemma_tpu.core.errors import UserError, raise_signal_exit
+from gemma_tpu.core.progress import human
 
 log = logging.getLogger("gemma_tpu.core.atomic")
 
@@ -47,6 +48,22 @@ def check_writable(path: str | Path, what: str) -> None:
         raise UserError(f"{what}: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{what}: {probe} is not writable")
+
+
+def free_space(path: str | Path) -> int:
+    """Free bytes on the filesystem that would hold `path` (its nearest existing parent)."""
+    probe = Path(path).absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def check_space(out: str | Path, nbytes: int) -> None:
+    """Refuse, before writing, an output whose bytes (plus 64 MiB) do not fit: a full disk midway left only an
+    error naming a temp folder."""
+    free = free_space(out)
+    if free < nbytes + (64 << 20):
+        raise UserError(f"not enough disk space for {out}: need {human(nbytes)}, {human(free)} free")
 
 
 def writer_lock(target: str | Path) -> Path:
