@@ -103,8 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not source.is_lora:
         raise UserError(f"{source.dir}: a full fine-tune has no adapter to export; use convert.merge_orbax")
     out = Path(args.out)
-    check_target(out, args.overwrite, protected=[source.dir], marker=PROVENANCE_FILE)
     recorded_dir = (source.meta.get("base_model") or {}).get("local_dir")
+    base_dir = [Path(recorded_dir)] if recorded_dir and Path(recorded_dir).is_dir() else []
+    check_target(out, args.overwrite, protected=[source.dir, *base_dir], marker=PROVENANCE_FILE)
     if recorded_dir and Path(recorded_dir).is_dir():  # the adapter's base_model_name_or_path points there
         check_base_matches(source, Path(recorded_dir), args.allow_base_mismatch, "export_peft")
     prefix = module_prefix(source.hf_config)

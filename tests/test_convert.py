@@ -738,6 +738,15 @@ def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     assert leftovers(out) == []
 
 
+def test_peft_export_over_the_base_names_it_as_an_input(work, base, lora_ckpt, capsys):
+    from convert.export_peft import main
+    from gemma_tpu.core.cli import cli_main
+
+    assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(base), "--overwrite"]) == 2
+    assert f"would replace an input ({base.resolve()})" in capsys.readouterr().err
+    assert (base / "config.json").is_file()
+
+
 def test_peft_export_refuses_too_little_disk_before_writing(work, lora_ckpt, capsys, monkeypatch):
     """As the merge and the GGUF export do: a full disk midway named only the temp folder."""
     from convert.export_peft import main
