@@ -136,6 +136,20 @@ def corrupt_header() -> bytes:
     return len(header).to_bytes(8, "little") + header
 
 
+def misshapen(key: str) -> Callable[[Path, dict], None]:
+    """A copy of the tiny model ({tiny}) whose tensor `key` lost its last row (config.json unchanged)."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        copy_of("tiny")(dest, ctx)
+        weights = load_file(str(dest / "model.safetensors"))
+        weights[key] = weights[key][:-1].copy()
+        save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+
+    return make
+
+
 def nonfinite_factor(step_tensor: str = "layers.0.attn.q_einsum.w_lora_b") -> Callable[[Path, dict], None]:
     """A copy of the checkpoint ({ckpt}) whose LoRA factor `step_tensor` holds a NaN (what a run with
     train.learning_rate=nan used to save)."""
@@ -397,6 +411,19 @@ CASES = [
          {"m": copy_of("tiny", write={"model.safetensors.index.json": MISSING_SHARD_INDEX})}),
     Case("model-corrupt-safetensors", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
          ["{tmp}/m/model.safetensors"], {"m": copy_of("tiny", write={"model.safetensors": corrupt_header()})}),
+    # said before the data is read (minutes for a large set), by the run and its dry run alike: the data file is
+    # missing too (the data's error came first, and the dry run planned such a model with exit 0)
+    *[Case(f"model-{what}-checked-before-the-data{'-dry-run' if dry else ''}", "gemma_tpu.train",
+           [*TRAIN, "model.path={tmp}/m", "data.train_path={tmp}/none.jsonl", *(["--dry-run", "--no-compile"] * dry)],
+           needles, {"m": make})
+      for what, needles, make in [
+          ("missing-shard", ["{tmp}/m/model.safetensors.index.json", "model-00002-of-00002.safetensors is missing"],
+           copy_of("tiny", write={"model.safetensors.index.json": MISSING_SHARD_INDEX})),
+          ("corrupt-safetensors", ["{tmp}/m/model.safetensors", "safetensors"],
+           copy_of("tiny", write={"model.safetensors": corrupt_header()})),
+          ("misshapen-tensor", ["{tmp}/m/model.safetensors", "model.layers.1.mlp.up_proj.weight has shape [127, 64]",
+                                "config.json implies [128, 64]"], misshapen("model.layers.1.mlp.up_proj.weight")),
+      ] for dry in (False, True)],
     Case("model-no-tokenizer", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"], ["{tmp}/m", "tokenizer"],
          {"m": copy_of("tiny", drop=("tokenizer.json", "tokenizer_config.json"))}),
     Case("model-no-such-dir", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/nope"], ["{tmp}/nope"]),

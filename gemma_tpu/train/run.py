@@ -31,6 +31,7 @@ from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.fingerprint import check_base
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import load_model, resolve_model
+from gemma_tpu.models.loading import check_weight_files
 from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import plan, run_lock
@@ -160,6 +161,7 @@ def run(cfg: RunConfig) -> dict:
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
         resolved.family.targets_to_modules(tunix_cfg, list(cfg.lora.targets))
+    check_weight_files(resolved, tunix_cfg)  # headers, shards, shapes: before minutes of data preparation
 
     # 2. data, fully validated before anything is written
     if not cfg.data.train_path:
