@@ -248,3 +248,29 @@ def test_coordinator_address_forms_that_load(address):
     cfg = load_config(REPO / "configs/tiny.yaml")
     cfg.mesh.coordinator_address = address
     validate(cfg)
+
+
+def test_integer_keys_take_whole_numbers_written_as_floats(tmp_path):
+    """`train.max_steps=1e3` (or `max_steps: 1e3` in the YAML, a string to YAML 1.1) and `2.0` were refused
+    as "expected an integer"; a whole number is taken exactly, a fraction still refused naming the key."""
+    cfg = load_config(None, ["train.max_steps=1e3", "train.batch_size=2.0", "train.warmup_steps=1.0e+2",
+                             "data.num_epochs=3.", "mesh.fsdp=-1.0", "train.seed=12345678901234567e0"])
+    assert (cfg.train.max_steps, cfg.train.batch_size, cfg.train.warmup_steps) == (1000, 2, 100)
+    assert (cfg.data.num_epochs, cfg.mesh.fsdp, cfg.train.seed) == (3, -1, 12345678901234567)
+    assert all(type(v) is int for v in (cfg.train.max_steps, cfg.train.batch_size, cfg.data.num_epochs))
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_steps: 1e3\n  batch_size: 2.0\n")
+    cfg = load_config(path)
+    assert (cfg.train.max_steps, cfg.train.batch_size) == (1000, 2)
+    for text in ("1.5", "1e-3", ".inf", "nan"):
+        with pytest.raises(UserError, match=rf"override 'train.max_steps={re.escape(text)}': train.max_steps: "
+                                             rf"expected an integer"):
+            load_config(None, [f"train.max_steps={text}"])
+    path.write_text("train:\n  max_steps: 2.5\n")
+    with pytest.raises(UserError, match=rf"{re.escape(str(path))}: train.max_steps: expected an integer, got 2.5 "
+                                         rf"\(not a whole number\)"):
+        load_config(path)
+    with pytest.raises(UserError, match=r"data.num_epochs: expected an integer, got 0.5 \(not a whole number\)"):
+        load_config(None, ["data.num_epochs=0.5"])
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--print-config", "train.max_steps=1e3")
+    assert proc.returncode == 0 and "max_steps: 1000\n" in proc.stdout, proc.stderr

@@ -8,6 +8,7 @@ with a message naming the key and the file.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
 import re
 import types
@@ -198,6 +199,25 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _whole_number(value: Any, where: str) -> int:
+    """An integer key's value: an int, or a number written as a float or in scientific notation that is a
+    whole number (`1e3` -> 1000, `2.0` -> 2; YAML 1.1 reads `1e3` as a string), read exactly from its text."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (float, str)):
+        try:
+            number = decimal.Decimal(str(getattr(value, "raw", value)).strip())
+        except decimal.InvalidOperation:
+            number = None
+        if number is not None and number.is_finite() and number.adjusted() > 100:  # 1e999999999: no such int
+            raise UserError(f"{where}: {value!r} is too large for an integer")
+        if number is not None and number.is_finite():
+            if number == number.to_integral_value():
+                return int(number)
+            raise UserError(f"{where}: expected an integer, got {value!r} (not a whole number)")
+    raise UserError(f"{where}: expected an integer, got {value!r}")
+
+
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
 
 
@@ -242,9 +262,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise UserError(f"{where}: expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{where}: expected an integer, got {value!r}")
-        return int(value)
+        return _whole_number(value, where)
     if tp is float:
         number = value
         if isinstance(value, str):
