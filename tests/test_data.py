@@ -431,6 +431,17 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
     ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
      r"conversations\[1\]: unknown role 'gpt'"),
+    # an empty prompt trains the model to answer nothing: refused as an empty answer is
+    ({"messages": [{"role": "user", "content": " \n\t"}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: user message is empty \(only whitespace\)"),
+    ({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "yo"}]}, r"messages\[0\]: system message is empty;"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                   {"role": "user", "content": [{"type": "text", "text": " "}]}, {"role": "assistant", "content": "a"}]},
+     r"messages\[2\]: user message is empty \(only whitespace\)"),
+    ({"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "yo"}]},
+     r"conversations\[0\]: user message is empty;"),
+    ({"prompt": "  ", "completion": "yo"}, r"prompt\[0\]: user message is empty \(only whitespace\)"),
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]},
      r"conversations\[1\]: assistant message has neither content nor tool_calls"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
@@ -1432,3 +1443,18 @@ def test_a_template_refusal_names_the_line_once(tmp_path, tok):
     assert str(e.value).startswith(f"{path}:1: the tokenizer's chat template refused the conversation "
                                    f"(TemplateError: no tools here)"), str(e.value)
     assert str(e.value).count(str(path)) == 1
+
+
+def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path):
+    """The empty-turn refusal is about text: a user turn of text parts loads joined, and a tool result may be
+    empty (a tool that printed nothing), as before."""
+    tools = [{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": "ok"}]},
+            {"tools": tools, "messages": [{"role": "user", "content": "run it"},
+                                          {"role": "assistant", "tool_calls": [{"function": {"name": "noop"}}]},
+                                          {"role": "tool", "name": "noop", "content": ""},
+                                          {"role": "assistant", "content": "done"}]}]
+    parts, tool = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
+    assert parts["messages"][0]["content"] == "a b"
+    assert tool["messages"][2] == {"role": "tool", "content": "", "name": "noop"}
