@@ -569,6 +569,18 @@ def test_utf16_files_and_wrapped_arrays_say_what_to_do(tmp_path):
         load_conversations(tmp_path / "w.json", DataConfig())
 
 
+def test_windows_files_concatenated_read_line_by_line(tmp_path):
+    """A BOM, CRLF line ends and no final newline, in each file of a `cat a.jsonl b.jsonl` (the second file's
+    BOM then starts line 3): that line was 'not valid JSON (Expecting value at column 1)', an invisible cause."""
+    one = "\ufeff" + json.dumps(CHAT) + "\r\n" + json.dumps({"prompt": "hi", "completion": "yo"}) + "\r\n"
+    two = "\ufeff" + json.dumps({"prompt": "a", "completion": "b"})
+    path = tmp_path / "all.jsonl"
+    path.write_bytes((one + two).encode())
+    convs = load_conversations(path, DataConfig())
+    assert [c["where"] for c in convs] == [f"{path}:1", f"{path}:2", f"{path}:3"]
+    assert convs[2]["messages"] == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+
 def test_gzip_compressed_files_read_as_their_text(tmp_path):
     import gzip
 

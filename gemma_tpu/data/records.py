@@ -237,7 +237,7 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
         with opener(p, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 try:
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                    line = raw.decode("utf-8-sig")  # a BOM on any line: files that each had one, concatenated
                 except UnicodeDecodeError as e:
                     raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
                 if not line.strip():
