@@ -274,3 +274,10 @@ def test_integer_keys_take_whole_numbers_written_as_floats(tmp_path):
         load_config(None, ["data.num_epochs=0.5"])
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--print-config", "train.max_steps=1e3")
     assert proc.returncode == 0 and "max_steps: 1000\n" in proc.stdout, proc.stderr
+
+
+def test_config_that_is_a_directory_says_so(tmp_path):
+    """`--config runs/` (a directory that exists) was 'config file not found', sending users after a typo."""
+    proc = run_cli("gemma_tpu.train", "--config", str(tmp_path), "--print-config")
+    assert_one_line_error(proc, f"config file {tmp_path} is a directory; give a YAML file")
+    assert not proc.stdout

@@ -491,6 +491,8 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
     if path is not None:
         p = Path(path)
         where = str(p)
+        if p.is_dir():  # "not found" sent users looking for a typo in a path that exists
+            raise UserError(f"config file {p} is a directory; give a YAML file (e.g. configs/tiny.yaml)")
         if not p.is_file():
             raise UserError(f"config file not found: {p}")
         try:
