@@ -451,8 +451,19 @@ CASES = [
          {"m": copy_of("tiny", config={"num_attention_heads": "4"})}),
     # a tokenizer with ids past the model's embedding rows: XLA clamped them, the first loss was NaN
     Case("model-tokenizer-past-vocab", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
-         [f"{CHAT}:1", "token id", "past the model's vocabulary (vocab_size 150"],
+         [f"{CHAT}:1", "token id", "past the model's vocabulary (vocab_size 150"], {"m": small_vocab_with_tiny_tokenizer}),
+    # config.json's vocabulary is not the weights': said from the header, before the data is rendered
+    Case("model-config-vocab-is-not-the-weights", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["{tmp}/m/model.safetensors", "model.embed_tokens.weight has shape [512, 64], config.json implies [150, 64]"],
          {"m": copy_of("tiny", config={"vocab_size": 150})}),
+    # the dry run read only the training split: a broken evaluation file passed it with exit 0
+    Case("dry-run-bad-eval-data", "gemma_tpu.train",
+         [*TRAIN, "data.eval_path={tmp}/bad.jsonl", "--dry-run", "--no-compile"], ["{tmp}/bad.jsonl:2", "not valid JSON"],
+         {"bad.jsonl": '{"prompt": "hi", "completion": "yo"}\n{"prompt": \n'}),
+    # a missing evaluation file was found only after the training split was prepared (minutes for a large set)
+    Case("train-missing-eval-file-named-before-the-train-data", "gemma_tpu.train",
+         [*TRAIN, "data.train_path={tmp}/bad.jsonl", "data.eval_path={tmp}/none.jsonl"],
+         ["data file not found: {tmp}/none.jsonl (data.eval_path)"], {"bad.jsonl": '{"prompt": \n'}),
     # ---- checkpoints
     Case("ckpt-empty-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck/": ""}, sub=True),

@@ -608,8 +608,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
         return None
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer),
                                   vocab_size=resolved.text_config.get("vocab_size"))
-    split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
-    data.check_one_batch(split, cfg.train.batch_size)  # the run would refuse it: so does its plan
+    split, _ = data.prepare_splits(renderer, cfg.data, cfg.train.seed, cfg.train.batch_size)  # what the run refuses
     st = split.stats()
     per_row = st["examples_per_row"]
     return {"examples": st["examples_kept"], "rows": st["rows"], "trees": st["trees"], "examples_per_row": per_row,

@@ -169,10 +169,7 @@ def run(cfg: RunConfig) -> dict:
     token_map = function_token_map(tokenizer)
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map,
                                   vocab_size=tunix_cfg.num_embed)
-    train_split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
-    data.check_one_batch(train_split, cfg.train.batch_size)  # before the model loads, as the dry run does
-    eval_split = (data.prepare_split(cfg.data.eval_path, renderer, cfg.data, cfg.train.seed)
-                  if cfg.data.eval_path else None)
+    train_split, eval_split = data.prepare_splits(renderer, cfg.data, cfg.train.seed, cfg.train.batch_size)
     st = train_split.stats()
     log.info("train data %s: %d examples kept of %d (%d truncated, %d dropped) -> %d rows of %d (%d shared-prefix "
              "trees: %.1f computed tokens per example, %.1f one by one); useful-token fraction %.3f",
