@@ -110,7 +110,8 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise UserError(f"{path}: implausible safetensors header length {n}")
         size = os.fstat(f.fileno()).st_size
         if 8 + n > size:
-            raise UserError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+            raise UserError(f"{path}: unreadable safetensors header (a truncated file: header of {n} bytes, file of "
+                            f"{size})")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
