@@ -281,3 +281,15 @@ def test_config_that_is_a_directory_says_so(tmp_path):
     proc = run_cli("gemma_tpu.train", "--config", str(tmp_path), "--print-config")
     assert_one_line_error(proc, f"config file {tmp_path} is a directory; give a YAML file")
     assert not proc.stdout
+
+
+@pytest.mark.parametrize("arg, hint", [
+    ("configs/tiny.yaml", "(a config file is given with --config configs/tiny.yaml)"),
+    ("train.max_steps: 3", "(write it train.max_steps=3)"),
+    ("train.max_steps", ""),
+])
+def test_an_override_without_equals_says_what_was_meant(arg, hint):
+    """A config file given without --config, or a YAML `key: value`, was only 'not of the form section.key=value'."""
+    proc = run_cli("gemma_tpu.train", "--print-config", arg)
+    line = assert_one_line_error(proc, f"override '{arg}' is not of the form section.key=value")
+    assert line.endswith("section.key=value" + (f" {hint}" if hint else "")), line

@@ -427,7 +427,12 @@ def _section_type(cls: type | None, parts: Sequence[str]) -> type | None:
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.max_steps=20` -> ("train.max_steps", 20); values are parsed as YAML scalars."""
     if "=" not in text:
-        raise UserError(f"override '{text}' is not of the form section.key=value")
+        hint = ""
+        if text.lower().endswith((".yaml", ".yml")) or Path(text).is_file():
+            hint = f" (a config file is given with --config {text})"
+        elif ":" in text:
+            hint = f" (write it {text.split(':', 1)[0].strip()}={text.split(':', 1)[1].strip()})"
+        raise UserError(f"override '{text}' is not of the form section.key=value{hint}")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
