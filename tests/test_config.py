@@ -293,3 +293,15 @@ def test_an_override_without_equals_says_what_was_meant(arg, hint):
     proc = run_cli("gemma_tpu.train", "--print-config", arg)
     line = assert_one_line_error(proc, f"override '{arg}' is not of the form section.key=value")
     assert line.endswith("section.key=value" + (f" {hint}" if hint else "")), line
+
+
+def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
+    """`checkpoint.dir=~/runs/a` reaches the program unexpanded (the shell expands ~ only in variable
+    assignments): the run wrote a directory named '~' in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["checkpoint.dir=~/runs/a", "data.train_path=~/d.jsonl", "train.run_dir=~/tb"])
+    assert cfg.checkpoint.dir == f"{tmp_path}/runs/a" and cfg.train.run_dir == f"{tmp_path}/tb"
+    assert cfg.data.train_path == f"{tmp_path}/d.jsonl" and cfg.data.eval_path is None
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  eval_path: ~/e.jsonl\n")
+    assert load_config(path).data.eval_path == f"{tmp_path}/e.jsonl"

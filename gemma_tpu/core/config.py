@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import decimal
 import math
+import os
 import re
 import types
 import typing
@@ -551,9 +552,18 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
     return where
 
 
+# Local paths a run reads or writes, `~` expanded: the shell leaves `checkpoint.dir=~/runs/a` alone (not a
+# variable assignment), and the run wrote a directory named `~` in the working directory.
+PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"), ("train", "run_dir"))
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
     cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(getattr(cfg, section), key, os.path.expanduser(value))
     if cfg.train.optimizer is None:
         cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
     where = str(path) if path is not None else "config"
