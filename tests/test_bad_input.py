@@ -136,6 +136,20 @@ def corrupt_header() -> bytes:
     return len(header).to_bytes(8, "little") + header
 
 
+def misshapen(key: str) -> Callable[[Path, dict], None]:
+    """A copy of the tiny model ({tiny}) whose tensor `key` lost its last row (config.json unchanged)."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        copy_of("tiny")(dest, ctx)
+        weights = load_file(str(dest / "model.safetensors"))
+        weights[key] = weights[key][:-1].copy()
+        save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+
+    return make
+
+
 def nonfinite_factor(step_tensor: str = "layers.0.attn.q_einsum.w_lora_b") -> Callable[[Path, dict], None]:
     """A copy of the checkpoint ({ckpt}) whose LoRA factor `step_tensor` holds a NaN (what a run with
     train.learning_rate=nan used to save)."""
@@ -397,6 +411,19 @@ CASES = [
          {"m": copy_of("tiny", write={"model.safetensors.index.json": MISSING_SHARD_INDEX})}),
     Case("model-corrupt-safetensors", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
          ["{tmp}/m/model.safetensors"], {"m": copy_of("tiny", write={"model.safetensors": corrupt_header()})}),
+    # said before the data is read (minutes for a large set), by the run and its dry run alike: the data file is
+    # missing too (the data's error came first, and the dry run planned such a model with exit 0)
+    *[Case(f"model-{what}-checked-before-the-data{'-dry-run' if dry else ''}", "gemma_tpu.train",
+           [*TRAIN, "model.path={tmp}/m", "data.train_path={tmp}/none.jsonl", *(["--dry-run", "--no-compile"] * dry)],
+           needles, {"m": make})
+      for what, needles, make in [
+          ("missing-shard", ["{tmp}/m/model.safetensors.index.json", "model-00002-of-00002.safetensors is missing"],
+           copy_of("tiny", write={"model.safetensors.index.json": MISSING_SHARD_INDEX})),
+          ("corrupt-safetensors", ["{tmp}/m/model.safetensors", "safetensors"],
+           copy_of("tiny", write={"model.safetensors": corrupt_header()})),
+          ("misshapen-tensor", ["{tmp}/m/model.safetensors", "model.layers.1.mlp.up_proj.weight has shape [127, 64]",
+                                "config.json implies [128, 64]"], misshapen("model.layers.1.mlp.up_proj.weight")),
+      ] for dry in (False, True)],
     Case("model-no-tokenizer", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"], ["{tmp}/m", "tokenizer"],
          {"m": copy_of("tiny", drop=("tokenizer.json", "tokenizer_config.json"))}),
     Case("model-no-such-dir", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/nope"], ["{tmp}/nope"]),
@@ -424,8 +451,19 @@ CASES = [
          {"m": copy_of("tiny", config={"num_attention_heads": "4"})}),
     # a tokenizer with ids past the model's embedding rows: XLA clamped them, the first loss was NaN
     Case("model-tokenizer-past-vocab", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
-         [f"{CHAT}:1", "token id", "past the model's vocabulary (vocab_size 150"],
+         [f"{CHAT}:1", "token id", "past the model's vocabulary (vocab_size 150"], {"m": small_vocab_with_tiny_tokenizer}),
+    # config.json's vocabulary is not the weights': said from the header, before the data is rendered
+    Case("model-config-vocab-is-not-the-weights", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
+         ["{tmp}/m/model.safetensors", "model.embed_tokens.weight has shape [512, 64], config.json implies [150, 64]"],
          {"m": copy_of("tiny", config={"vocab_size": 150})}),
+    # the dry run read only the training split: a broken evaluation file passed it with exit 0
+    Case("dry-run-bad-eval-data", "gemma_tpu.train",
+         [*TRAIN, "data.eval_path={tmp}/bad.jsonl", "--dry-run", "--no-compile"], ["{tmp}/bad.jsonl:2", "not valid JSON"],
+         {"bad.jsonl": '{"prompt": "hi", "completion": "yo"}\n{"prompt": \n'}),
+    # a missing evaluation file was found only after the training split was prepared (minutes for a large set)
+    Case("train-missing-eval-file-named-before-the-train-data", "gemma_tpu.train",
+         [*TRAIN, "data.train_path={tmp}/bad.jsonl", "data.eval_path={tmp}/none.jsonl"],
+         ["data file not found: {tmp}/none.jsonl (data.eval_path)"], {"bad.jsonl": '{"prompt": \n'}),
     # ---- checkpoints
     Case("ckpt-empty-dir", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck", "gemma_tpu_run.json"], {"ck/": ""}, sub=True),

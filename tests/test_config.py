@@ -248,3 +248,60 @@ def test_coordinator_address_forms_that_load(address):
     cfg = load_config(REPO / "configs/tiny.yaml")
     cfg.mesh.coordinator_address = address
     validate(cfg)
+
+
+def test_integer_keys_take_whole_numbers_written_as_floats(tmp_path):
+    """`train.max_steps=1e3` (or `max_steps: 1e3` in the YAML, a string to YAML 1.1) and `2.0` were refused
+    as "expected an integer"; a whole number is taken exactly, a fraction still refused naming the key."""
+    cfg = load_config(None, ["train.max_steps=1e3", "train.batch_size=2.0", "train.warmup_steps=1.0e+2",
+                             "data.num_epochs=3.", "mesh.fsdp=-1.0", "train.seed=12345678901234567e0"])
+    assert (cfg.train.max_steps, cfg.train.batch_size, cfg.train.warmup_steps) == (1000, 2, 100)
+    assert (cfg.data.num_epochs, cfg.mesh.fsdp, cfg.train.seed) == (3, -1, 12345678901234567)
+    assert all(type(v) is int for v in (cfg.train.max_steps, cfg.train.batch_size, cfg.data.num_epochs))
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_steps: 1e3\n  batch_size: 2.0\n")
+    cfg = load_config(path)
+    assert (cfg.train.max_steps, cfg.train.batch_size) == (1000, 2)
+    for text in ("1.5", "1e-3", ".inf", "nan"):
+        with pytest.raises(UserError, match=rf"override 'train.max_steps={re.escape(text)}': train.max_steps: "
+                                             rf"expected an integer"):
+            load_config(None, [f"train.max_steps={text}"])
+    path.write_text("train:\n  max_steps: 2.5\n")
+    with pytest.raises(UserError, match=rf"{re.escape(str(path))}: train.max_steps: expected an integer, got 2.5 "
+                                         rf"\(not a whole number\)"):
+        load_config(path)
+    with pytest.raises(UserError, match=r"data.num_epochs: expected an integer, got 0.5 \(not a whole number\)"):
+        load_config(None, ["data.num_epochs=0.5"])
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--print-config", "train.max_steps=1e3")
+    assert proc.returncode == 0 and "max_steps: 1000\n" in proc.stdout, proc.stderr
+
+
+def test_config_that_is_a_directory_says_so(tmp_path):
+    """`--config runs/` (a directory that exists) was 'config file not found', sending users after a typo."""
+    proc = run_cli("gemma_tpu.train", "--config", str(tmp_path), "--print-config")
+    assert_one_line_error(proc, f"config file {tmp_path} is a directory; give a YAML file")
+    assert not proc.stdout
+
+
+@pytest.mark.parametrize("arg, hint", [
+    ("configs/tiny.yaml", "(a config file is given with --config configs/tiny.yaml)"),
+    ("train.max_steps: 3", "(write it train.max_steps=3)"),
+    ("train.max_steps", ""),
+])
+def test_an_override_without_equals_says_what_was_meant(arg, hint):
+    """A config file given without --config, or a YAML `key: value`, was only 'not of the form section.key=value'."""
+    proc = run_cli("gemma_tpu.train", "--print-config", arg)
+    line = assert_one_line_error(proc, f"override '{arg}' is not of the form section.key=value")
+    assert line.endswith("section.key=value" + (f" {hint}" if hint else "")), line
+
+
+def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
+    """`checkpoint.dir=~/runs/a` reaches the program unexpanded (the shell expands ~ only in variable
+    assignments): the run wrote a directory named '~' in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["checkpoint.dir=~/runs/a", "data.train_path=~/d.jsonl", "train.run_dir=~/tb"])
+    assert cfg.checkpoint.dir == f"{tmp_path}/runs/a" and cfg.train.run_dir == f"{tmp_path}/tb"
+    assert cfg.data.train_path == f"{tmp_path}/d.jsonl" and cfg.data.eval_path is None
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  eval_path: ~/e.jsonl\n")
+    assert load_config(path).data.eval_path == f"{tmp_path}/e.jsonl"

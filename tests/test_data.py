@@ -431,6 +431,17 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
     ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
      r"conversations\[1\]: unknown role 'gpt'"),
+    # an empty prompt trains the model to answer nothing: refused as an empty answer is
+    ({"messages": [{"role": "user", "content": " \n\t"}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: user message is empty \(only whitespace\)"),
+    ({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "yo"}]}, r"messages\[0\]: system message is empty;"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                   {"role": "user", "content": [{"type": "text", "text": " "}]}, {"role": "assistant", "content": "a"}]},
+     r"messages\[2\]: user message is empty \(only whitespace\)"),
+    ({"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "yo"}]},
+     r"conversations\[0\]: user message is empty;"),
+    ({"prompt": "  ", "completion": "yo"}, r"prompt\[0\]: user message is empty \(only whitespace\)"),
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]},
      r"conversations\[1\]: assistant message has neither content nor tool_calls"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
@@ -556,6 +567,18 @@ def test_utf16_files_and_wrapped_arrays_say_what_to_do(tmp_path):
                                         r"'data' holds a list of 3 objects: if those are the examples, give that list "
                                         r"itself \(a JSON array\) or JSON Lines\)$"):
         load_conversations(tmp_path / "w.json", DataConfig())
+
+
+def test_windows_files_concatenated_read_line_by_line(tmp_path):
+    """A BOM, CRLF line ends and no final newline, in each file of a `cat a.jsonl b.jsonl` (the second file's
+    BOM then starts line 3): that line was 'not valid JSON (Expecting value at column 1)', an invisible cause."""
+    one = "\ufeff" + json.dumps(CHAT) + "\r\n" + json.dumps({"prompt": "hi", "completion": "yo"}) + "\r\n"
+    two = "\ufeff" + json.dumps({"prompt": "a", "completion": "b"})
+    path = tmp_path / "all.jsonl"
+    path.write_bytes((one + two).encode())
+    convs = load_conversations(path, DataConfig())
+    assert [c["where"] for c in convs] == [f"{path}:1", f"{path}:2", f"{path}:3"]
+    assert convs[2]["messages"] == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
 
 
 def test_gzip_compressed_files_read_as_their_text(tmp_path):
@@ -1432,3 +1455,18 @@ def test_a_template_refusal_names_the_line_once(tmp_path, tok):
     assert str(e.value).startswith(f"{path}:1: the tokenizer's chat template refused the conversation "
                                    f"(TemplateError: no tools here)"), str(e.value)
     assert str(e.value).count(str(path)) == 1
+
+
+def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path):
+    """The empty-turn refusal is about text: a user turn of text parts loads joined, and a tool result may be
+    empty (a tool that printed nothing), as before."""
+    tools = [{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": "ok"}]},
+            {"tools": tools, "messages": [{"role": "user", "content": "run it"},
+                                          {"role": "assistant", "tool_calls": [{"function": {"name": "noop"}}]},
+                                          {"role": "tool", "name": "noop", "content": ""},
+                                          {"role": "assistant", "content": "done"}]}]
+    parts, tool = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
+    assert parts["messages"][0]["content"] == "a b"
+    assert tool["messages"][2] == {"role": "tool", "content": "", "name": "noop"}

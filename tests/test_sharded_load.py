@@ -4,6 +4,7 @@ param dtype and mesh; every checkpoint byte read exactly once in one process; sh
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,37 @@ def test_unread_decoder_tensors_are_reported(tiny_dir, tmp_path, caplog):
         lines = [rec.getMessage() for rec in caplog.records if "not read for this config.json" in rec.getMessage()]
         assert bool(lines) == warned, lines
     assert f"1 checkpoint tensor under 'model.' not read for this config.json ({key})" in lines[0]
+
+
+def test_malformed_safetensors_headers_are_one_line_errors(tmp_path):
+    """Headers that parse as JSON but are not a tensor table (a list, an entry without data_offsets or with a
+    text shape) and an index whose weight_map is a list raised AttributeError/KeyError/ValueError tracebacks."""
+    import pytest
+
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.hf.safetensors_io import WeightsDir
+
+    def st(header: bytes, data: bytes = b"") -> bytes:
+        return len(header).to_bytes(8, "little") + header + data
+
+    cases = {
+        b"[1, 2]": "unreadable safetensors header (a JSON list, not an object)",
+        b'{"w": 3}': "tensor w has no dtype, shape and data_offsets in the header",
+        b'{"w": {"dtype": "F32", "shape": [1]}}': "tensor w has a malformed shape or data_offsets",
+        b'{"w": {"dtype": "F32", "shape": ["a"], "data_offsets": [0, 4]}}': "tensor w has a malformed shape",
+    }
+    for i, (header, needle) in enumerate(cases.items()):
+        d = tmp_path / f"m{i}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(st(header, b"\0" * 4))
+        with pytest.raises(UserError, match=rf"^{d}/model.safetensors: {re.escape(needle)}"):
+            WeightsDir(d)
+    d = tmp_path / "cut"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes((4096).to_bytes(8, "little") + b'{"w": ')
+    with pytest.raises(UserError, match=r"unreadable safetensors header \(a truncated file: header of 4096 bytes, "
+                                         r"file of 14\)"):
+        WeightsDir(d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    with pytest.raises(UserError, match=r"model.safetensors.index.json: not a valid safetensors index \(weight_map"):
+        WeightsDir(d)

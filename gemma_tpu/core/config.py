@@ -8,7 +8,9 @@ with a message naming the key and the file.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
+import os
 import re
 import types
 import typing
@@ -198,6 +200,25 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _whole_number(value: Any, where: str) -> int:
+    """An integer key's value: an int, or a number written as a float or in scientific notation that is a
+    whole number (`1e3` -> 1000, `2.0` -> 2; YAML 1.1 reads `1e3` as a string), read exactly from its text."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (float, str)):
+        try:
+            number = decimal.Decimal(str(getattr(value, "raw", value)).strip())
+        except decimal.InvalidOperation:
+            number = None
+        if number is not None and number.is_finite() and number.adjusted() > 100:  # 1e999999999: no such int
+            raise UserError(f"{where}: {value!r} is too large for an integer")
+        if number is not None and number.is_finite():
+            if number == number.to_integral_value():
+                return int(number)
+            raise UserError(f"{where}: expected an integer, got {value!r} (not a whole number)")
+    raise UserError(f"{where}: expected an integer, got {value!r}")
+
+
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
 
 
@@ -242,9 +263,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise UserError(f"{where}: expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{where}: expected an integer, got {value!r}")
-        return int(value)
+        return _whole_number(value, where)
     if tp is float:
         number = value
         if isinstance(value, str):
@@ -409,7 +428,12 @@ def _section_type(cls: type | None, parts: Sequence[str]) -> type | None:
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.max_steps=20` -> ("train.max_steps", 20); values are parsed as YAML scalars."""
     if "=" not in text:
-        raise UserError(f"override '{text}' is not of the form section.key=value")
+        hint = ""
+        if text.lower().endswith((".yaml", ".yml")) or Path(text).is_file():
+            hint = f" (a config file is given with --config {text})"
+        elif ":" in text:
+            hint = f" (write it {text.split(':', 1)[0].strip()}={text.split(':', 1)[1].strip()})"
+        raise UserError(f"override '{text}' is not of the form section.key=value{hint}")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
@@ -473,6 +497,8 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
     if path is not None:
         p = Path(path)
         where = str(p)
+        if p.is_dir():  # "not found" sent users looking for a typo in a path that exists
+            raise UserError(f"config file {p} is a directory; give a YAML file (e.g. configs/tiny.yaml)")
         if not p.is_file():
             raise UserError(f"config file not found: {p}")
         try:
@@ -526,9 +552,18 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
     return where
 
 
+# Local paths a run reads or writes, `~` expanded: the shell leaves `checkpoint.dir=~/runs/a` alone (not a
+# variable assignment), and the run wrote a directory named `~` in the working directory.
+PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"), ("train", "run_dir"))
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
     cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(getattr(cfg, section), key, os.path.expanduser(value))
     if cfg.train.optimizer is None:
         cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
     where = str(path) if path is not None else "config"

@@ -10,6 +10,7 @@ from gemma_tpu.data.pipeline import (
                                      overlength_warning,
                                      prepare_examples,
                                      prepare_split,
+                                     prepare_splits,
                                      render_examples,
                                      stream_layout,
 )
@@ -18,4 +19,4 @@ from gemma_tpu.data.render import Renderer
 
 __all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "eval_batches",
            "load_conversations", "make_renderer", "overlength_warning", "prepare_examples", "prepare_split",
-           "render_examples", "stream_layout"]
+           "prepare_splits", "render_examples", "stream_layout"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -172,6 +173,19 @@ def overlength_warning(prepared: Prepared, policy: str) -> str | None:
 def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int, max_loss: int | None = None,
                   strategy: str | None = None) -> Prepared:
     return prepare_examples(render_examples(path, renderer, data_cfg), path, data_cfg, seed, max_loss, strategy)
+
+
+def prepare_splits(renderer: Renderer, data_cfg: DataConfig, seed: int,
+                   batch_size: int) -> tuple[Prepared, Prepared | None]:
+    """The training split (filling one batch at least) and the evaluation split, as training and its dry run
+    read them: a missing file of either is named before the other is read (minutes for a large set)."""
+    for key in ("train_path", "eval_path"):
+        path = getattr(data_cfg, key)
+        if path and not Path(path).exists():
+            raise UserError(f"data file not found: {path} (data.{key})")
+    train = prepare_split(data_cfg.train_path, renderer, data_cfg, seed)
+    check_one_batch(train, batch_size)  # before the model loads
+    return train, (prepare_split(data_cfg.eval_path, renderer, data_cfg, seed) if data_cfg.eval_path else None)
 
 
 def check_one_batch(prepared: Prepared, batch_size: int) -> None:

@@ -237,7 +237,7 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
         with opener(p, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 try:
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                    line = raw.decode("utf-8-sig")  # a BOM on any line: files that each had one, concatenated
                 except UnicodeDecodeError as e:
                     raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
                 if not line.strip():
@@ -381,6 +381,10 @@ def normalise_messages(obj: dict, where: str) -> dict:
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
+        if role in ("user", "system", "developer") and not msg["content"].strip():
+            # as for an assistant answer: the model would learn to answer an empty prompt
+            raise UserError(f"{mw}: {role} message is empty{' (only whitespace)' if msg['content'] else ''}; "
+                            f"give it text or remove the row")
         _check_turn_order(out, role, answered, len(pending), mw)
         if not _trained(m, role, mw):
             msg["train"] = False

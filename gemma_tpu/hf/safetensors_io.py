@@ -108,10 +108,16 @@ def read_header(path: Path) -> tuple[dict, int]:
         (n,) = struct.unpack("<Q", raw)
         if n > 100 << 20:
             raise UserError(f"{path}: implausible safetensors header length {n}")
+        size = os.fstat(f.fileno()).st_size
+        if 8 + n > size:
+            raise UserError(f"{path}: unreadable safetensors header (a truncated file: header of {n} bytes, file of "
+                            f"{size})")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: unreadable safetensors header (a JSON {type(header).__name__}, not an object)")
     return header, 8 + n
 
 
@@ -122,10 +128,15 @@ def file_tensors(path: Path) -> tuple[list[TensorInfo], dict]:
     size = path.stat().st_size
     out = []
     for name, h in header.items():
+        if not isinstance(h, dict):
+            raise UserError(f"{path}: tensor {name} has no dtype, shape and data_offsets in the header")
         if h.get("dtype") not in DTYPES:
             raise UserError(f"{path}: tensor {name} has unsupported dtype {h.get('dtype')!r}")
-        s, e = h["data_offsets"]
-        shape = tuple(int(x) for x in h["shape"])
+        try:
+            s, e = (int(x) for x in h["data_offsets"])
+            shape = tuple(int(x) for x in h["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: tensor {name} has a malformed shape or data_offsets in the header") from None
         if e - s != math.prod(shape) * DTYPES[h["dtype"]].itemsize or base + e > size:
             raise UserError(f"{path}: tensor {name} has an inconsistent byte range (truncated file?)")
         out.append(TensorInfo(name, h["dtype"], shape, path, base + s, e - s))
@@ -151,6 +162,9 @@ class WeightsDir:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise UserError(f"{index}: not a valid safetensors index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise UserError(f"{index}: not a valid safetensors index (weight_map must map tensor names to "
+                                f"file names)")
             files = list(dict.fromkeys(weight_map.values()))
             for f in files:
                 if not (self.dir / f).is_file():

@@ -14,6 +14,7 @@ import numpy as np
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import read_hf_config, resolve_path, safetensors_keys
 from gemma_tpu.models.registry import Family, detect_family, get_family
+from gemma_tpu.models.sharded_weights import check_weight_headers
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +48,25 @@ def resolve_model(spec: str, revision: str | None = None, family: str | None = N
     return ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
 
 
-def check_weights(resolved: ResolvedModel, tunix_cfg: Any) -> str:
-    """Fail early, naming the first missing or misshapen tensor, before Tunix's loader runs."""
+def check_weight_files(resolved: ResolvedModel, tunix_cfg: Any) -> None:
+    """What the weights' safetensors headers and index tell, no weight read: the files readable, every
+    tensor the model reads present with the shape config.json implies, no decoder layer past
+    num_hidden_layers. Training runs it before preparing the data, so these errors come first."""
     keys = safetensors_keys(resolved.local_dir)
     prefix = resolved.family.text_prefix(keys)
-    needed = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"]
-    for layer in range(tunix_cfg.num_layers):
-        needed += [resolved.family.hf_key(prefix, layer, p) for p in resolved.family.layer_projections(tunix_cfg, layer)]
-    needed += [prefix + hf for _, hf, _ in resolved.family.expanded_tensors(tunix_cfg)]  # norms, per-layer inputs
-    for k in dict.fromkeys(needed):
-        if k not in keys:
-            raise UserError(f"{resolved.local_dir}: weight '{k}' is missing from the checkpoint")
     extra = [k for k in keys if re.match(re.escape(prefix) + r"layers\.(\d+)\.", k)
              and int(k[len(prefix) + 7:].split(".")[0]) >= tunix_cfg.num_layers]
     if extra:
         raise UserError(f"{resolved.local_dir}: weight '{extra[0]}' beyond num_hidden_layers={tunix_cfg.num_layers}")
+    check_weight_headers(resolved.family, resolved.local_dir, tunix_cfg)
+
+
+def check_weights(resolved: ResolvedModel, tunix_cfg: Any) -> None:
+    """Fail early, naming the first missing, misshapen or contradicting tensor, before the loader runs."""
+    check_weight_files(resolved, tunix_cfg)
+    keys = safetensors_keys(resolved.local_dir)
     check_output_projection(resolved.local_dir, [k for k in keys if k.endswith("lm_head.weight")],
-                            f"{prefix}embed_tokens.weight")
-    return prefix
+                            f"{resolved.family.text_prefix(keys)}embed_tokens.weight")
 
 
 def check_output_projection(model_dir: Path, heads: list[str], embedding: str) -> None:

@@ -83,9 +83,6 @@ class _Reader:
         self._lock = threading.Lock()
         self.bytes_read = 0
 
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.weights[key].shape)
-
     def read(self, key: str, shape: tuple[int, ...], box: tuple[slice, ...]) -> np.ndarray:
         """`box` of tensor `key` viewed with `shape` (its dims split into Tunix axes: a free reshape
         of the C-ordered bytes), copied out: only the pages under the box are read."""
@@ -133,16 +130,16 @@ def _read_box(reader: _Reader, sources: list[Source], shape: tuple[int, ...],
     return out
 
 
-def _check_shapes(reader: _Reader, name: str, sources: list[Source], shape: tuple[int, ...]) -> None:
+def _check_shapes(weights: WeightsDir, name: str, sources: list[Source], shape: tuple[int, ...]) -> None:
     sizes = dict(zip(sources[0].tunix_axes, shape))
     if len(shape) != len(sources[0].tunix_axes):
         raise UserError(f"{sources[0].hf_key}: Tunix param {name} has rank {len(shape)}, the registry "
                         f"expects axes {sources[0].tunix_axes}")
     for src in sources:
         want = tuple(math.prod(sizes[a] for a in g) for g in src.groups)
-        got = reader.shape(src.hf_key)
+        got = tuple(weights[src.hf_key].shape)
         if got != want:
-            raise UserError(f"{reader.weights[src.hf_key].file}: tensor {src.hf_key} has shape {list(got)}, "
+            raise UserError(f"{weights[src.hf_key].file}: tensor {src.hf_key} has shape {list(got)}, "
                             f"config.json implies {list(want)} (Tunix {name})")
 
 
@@ -168,50 +165,81 @@ def _warn_unread(model_dir, family: Family, prefix: str, names, used: set[str]) 
                     "them" if len(unread) > 1 else "it")
 
 
+def _abstract_state(family: Family, cfg: Any, mesh=None):
+    """(graph def, abstract state) of `family.model_class()(cfg)`: shapes, dtypes, shardings, no memory."""
+    from flax import nnx
+    from tunix.utils import compat
+
+    ctx = compat.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+    with ctx, cheap_tracer_attribute_errors():
+        abstract = nnx.eval_shape(lambda: family.model_class()(cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.split(abstract)
+
+
+def _param_plan(family: Family, model_dir, weights: WeightsDir, cfg: Any, state: dict, warn: bool = False):
+    """(Tunix param names in tree order, abstract leaves, HF sources per name), every name's sources present
+    in the registry and every source tensor of the shape config.json implies: from the headers alone.
+    `warn`: also name the decoder tensors this config does not read."""
+    import jax
+
+    prefix = family.text_prefix(weights.names())
+    by_param: dict[str, list[tuple[str, Any]]] = {}
+    for hf_key, tunix_name, how in family.weight_sources(cfg, prefix):
+        by_param.setdefault(tunix_name, []).append((hf_key, how))
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    names = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in leaves]
+    missing = [n for n in names if n not in by_param]
+    if missing:
+        raise UserError(f"{model_dir}: the {family.name} registry has no checkpoint tensor for Tunix param "
+                        f"{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for hf_key in (k for ks in by_param.values() for k, _ in ks):
+        if hf_key not in weights:
+            raise UserError(f"{model_dir}: weight '{hf_key}' is missing from the checkpoint")
+    sources = {}
+    for name, (_, leaf) in zip(names, leaves):
+        shape = tuple(leaf.shape)
+        sources[name] = [_source(k, how, len(shape)) for k, how in by_param[name]]
+        _check_shapes(weights, name, sources[name], shape)
+    if warn:
+        _warn_unread(model_dir, family, prefix, weights.names(), {k for ks in by_param.values() for k, _ in ks})
+    return names, leaves, sources
+
+
+def check_weight_headers(family: Family, model_dir: str | Path, cfg: Any) -> None:
+    """What can be known of `model_dir`'s weights without reading them: readable safetensors headers, the
+    shards the index names, every tensor the model reads present with the shape config.json implies. Run
+    before the training data is prepared (minutes on a large set), so a damaged or mismatched checkpoint
+    is refused first; loading checks the same again."""
+    _, abs_state = _abstract_state(family, cfg)
+    _param_plan(family, model_dir, WeightsDir(model_dir), cfg, abs_state.to_pure_dict())
+
+
 def load_sharded(family: Family, model_dir: str | Path, cfg: Any, mesh=None, dtype=None):
     """Build `family.model_class()(cfg)` with every weight read from `model_dir` into its sharding.
 
     Without a mesh every param goes to the first device (as Tunix's loader does)."""
     import jax
     from flax import nnx
-    from tunix.utils import compat
-
 
     t0 = time.monotonic()
     weights = WeightsDir(model_dir)
-    prefix = family.text_prefix(weights.names())
-    ctx = compat.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-    with ctx, cheap_tracer_attribute_errors():
-        abstract = nnx.eval_shape(lambda: family.model_class()(cfg, rngs=nnx.Rngs(params=0)))
-    graph_def, abs_state = nnx.split(abstract)
+    graph_def, abs_state = _abstract_state(family, cfg, mesh)
     state = abs_state.to_pure_dict()
     if mesh is not None:
         shardings = nnx.get_named_sharding(abs_state, mesh).to_pure_dict()
     else:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, state)
-
-    by_param: dict[str, list[tuple[str, Any]]] = {}
-    for hf_key, tunix_name, how in family.weight_sources(cfg, prefix):
-        by_param.setdefault(tunix_name, []).append((hf_key, how))
-
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    names, leaves, sources_of = _param_plan(family, model_dir, weights, cfg, state, warn=True)
     shard_leaves = jax.tree.leaves(shardings)
-    names = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in leaves]
-    missing = [n for n in names if n not in by_param]
-    if missing:
-        raise UserError(f"{model_dir}: the {family.name} registry has no checkpoint tensor for Tunix param "
-                        f"{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
-    _warn_unread(model_dir, family, prefix, weights.names(), {k for ks in by_param.values() for k, _ in ks})
     reader = _Reader(weights)
     plan = []
     local_bytes = checkpoint_bytes = 0
     for name, (_, leaf), sharding in zip(names, leaves, shard_leaves):
         shape = tuple(leaf.shape)
         out_dtype = np.dtype(dtype if dtype is not None else leaf.dtype)
-        sources = [_source(k, how, len(shape)) for k, how in by_param[name]]
-        _check_shapes(reader, name, sources, shape)
+        sources = sources_of[name]
         boxes = _unique_boxes(sharding, shape)
         plan.append((name, shape, out_dtype, sharding, sources, boxes))
         itemsize = weights[sources[0].hf_key].np_dtype.itemsize

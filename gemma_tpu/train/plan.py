@@ -561,21 +561,42 @@ def _peak(acc: str) -> float:
     return ACCELERATORS[acc]["peak_flops"]
 
 
+def _on_this_machine(cfg: RunConfig) -> bool:
+    """`model.path` is a directory here or a prepared embedded model: the plan never downloads or prepares one."""
+    from pathlib import Path
+
+    from gemma_tpu.assets import embedded as assets
+
+    spec = str(cfg.model.path)
+    prepared = spec.startswith("embedded:") and assets.is_complete(assets.target_dir(spec[len("embedded:"):]))
+    return Path(spec).expanduser().is_dir() or prepared
+
+
+def check_weights_here(cfg: RunConfig) -> str | None:
+    """The run's header-only weight checks (`gemma_tpu.models.loading.check_weight_files`: damaged headers,
+    missing shards, shapes against config.json) where the model is on this machine; a note when they could
+    not be made (a hub id, a directory of config.json alone)."""
+    if not _on_this_machine(cfg):
+        return "weights not checked: the model is not on this machine"
+    from gemma_tpu.hf.safetensors_io import INDEX_FILE
+    from gemma_tpu.models import resolve_model
+    from gemma_tpu.models.loading import check_weight_files
+
+    resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+    d = resolved.local_dir
+    if not (d / INDEX_FILE).is_file() and not any(d.glob("*.safetensors")):
+        return f"weights not checked: {d} has no *.safetensors (a config.json to plan with)"
+    check_weight_files(resolved, resolved.family.tunix_config(resolved.hf_config, None))
+    return None
+
+
 def data_layout(cfg: RunConfig) -> dict | None:
     """The training split as the run will lay it out (rows, shared-prefix trees, examples per step, the
     loss buffer), or None when its tokenizer is not on this machine (a hub id not downloaded). Bad data
     raises, as it would at the start of the run."""
-    if not cfg.data.train_path:
+    if not cfg.data.train_path or not _on_this_machine(cfg):
         return None
-    from pathlib import Path
-
-    from gemma_tpu.assets import embedded as assets
     from gemma_tpu import data  # deferred: only the dry run reads the data
-
-    spec = str(cfg.model.path)
-    prepared = spec.startswith("embedded:") and assets.is_complete(assets.target_dir(spec[len("embedded:"):]))
-    if not (Path(spec).expanduser().is_dir() or prepared):  # never download or prepare a model to plan
-        return None
     from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.hf.tokenizer import load_tokenizer
     from gemma_tpu.models import resolve_model
@@ -587,8 +608,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
         return None
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer),
                                   vocab_size=resolved.text_config.get("vocab_size"))
-    split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
-    data.check_one_batch(split, cfg.train.batch_size)  # the run would refuse it: so does its plan
+    split, _ = data.prepare_splits(renderer, cfg.data, cfg.train.seed, cfg.train.batch_size)  # what the run refuses
     st = split.stats()
     per_row = st["examples_per_row"]
     return {"examples": st["examples_kept"], "rows": st["rows"], "trees": st["trees"], "examples_per_row": per_row,
@@ -611,6 +631,7 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     family = get_family(cfg.model.family) if cfg.model.family else detect_family(hf, f"{cfg.model.path} config.json")
     # what the real run refuses (rank, seq_len) before planning it
     validate_for_model(cfg, family.read_text_config(hf), cfg.model.path)
+    weights_note = check_weights_here(cfg)  # before the data, as the run does
     layout = data_layout(cfg)
     if layout and not cfg.data.max_loss_tokens:  # the loss buffer the data really needs, not seq_len
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))
@@ -618,6 +639,8 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     p.data = layout
     if layout is None and cfg.data.train_path:
         p.notes.append("data layout not counted: the model's tokenizer is not on this machine")
+    if weights_note:
+        p.notes.append(weights_note)
     if compile_check and p.total_params <= COMPILE_LIMIT:
         p.compiled = compiled_memory(cfg, hf)
     print(format_plan(p), file=out, flush=True)

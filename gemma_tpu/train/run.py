@@ -31,6 +31,7 @@ from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.fingerprint import check_base
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import load_model, resolve_model
+from gemma_tpu.models.loading import check_weight_files
 from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import plan, run_lock
@@ -160,6 +161,7 @@ def run(cfg: RunConfig) -> dict:
     tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
     if cfg.lora.enabled:
         resolved.family.targets_to_modules(tunix_cfg, list(cfg.lora.targets))
+    check_weight_files(resolved, tunix_cfg)  # headers, shards, shapes: before minutes of data preparation
 
     # 2. data, fully validated before anything is written
     if not cfg.data.train_path:
@@ -167,10 +169,7 @@ def run(cfg: RunConfig) -> dict:
     token_map = function_token_map(tokenizer)
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map,
                                   vocab_size=tunix_cfg.num_embed)
-    train_split = data.prepare_split(cfg.data.train_path, renderer, cfg.data, cfg.train.seed)
-    data.check_one_batch(train_split, cfg.train.batch_size)  # before the model loads, as the dry run does
-    eval_split = (data.prepare_split(cfg.data.eval_path, renderer, cfg.data, cfg.train.seed)
-                  if cfg.data.eval_path else None)
+    train_split, eval_split = data.prepare_splits(renderer, cfg.data, cfg.train.seed, cfg.train.batch_size)
     st = train_split.stats()
     log.info("train data %s: %d examples kept of %d (%d truncated, %d dropped) -> %d rows of %d (%d shared-prefix "
              "trees: %.1f computed tokens per example, %.1f one by one); useful-token fraction %.3f",
