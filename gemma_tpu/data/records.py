@@ -381,7 +381,11 @@ def normalise_messages(obj: dict, where: str) -> dict:
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
-        if role in ("user", "system", "developer") and not msg["content"].strip():
+        if role in ("system", "developer") and not msg["content"].strip():
+            # ShareGPT exports often carry {"from": "system", "value": ""}: it says nothing, and Gemma's template
+            # would fold only separators into the first user turn; left out, not refused
+            continue
+        if role == "user" and not msg["content"].strip():
             # as for an assistant answer: the model would learn to answer an empty prompt
             raise UserError(f"{mw}: {role} message is empty{' (only whitespace)' if msg['content'] else ''}; "
                             f"give it text or remove the row")
