@@ -673,7 +673,13 @@ BAD_CASES = {
     "bad_arguments": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "get_steps", "arguments": "{date"}}]}]}], 1,
                       "arguments is not a JSON object"),
-    "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object"),
+    "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object per example, got a list"),
+    # a line holding the messages alone: say how to wrap it
+    "bare_messages": ([GOOD, GOOD["messages"]], 2, 'got a list (a list of messages: wrap each line as {"messages"'),
+    "messages_an_object": ([{"messages": GOOD["messages"][0]}], 1, "'messages' must be a non-empty list, got an object"),
+    "messages_empty": ([{"messages": []}], 1, "'messages' must be a non-empty list, got an empty list"),
+    "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),
+    "conversations_null": ([{"conversations": None}], 1, "got null"),
 }
 
 

@@ -291,6 +291,15 @@ def _text(content: Any, where: str) -> str:
     raise UserError(f"{where}: content must be a string, got {type(content).__name__}")
 
 
+def _json_type(value: Any) -> str:
+    """What a JSON value is, in JSON's words (an error names what it got)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a number")
+
+
 def _maybe_json(value: Any, what: str, where: str) -> Any:
     """Hub datasets often store nested columns as JSON strings; decode those."""
     if isinstance(value, str):
@@ -363,7 +372,8 @@ def normalise_messages(obj: dict, where: str) -> dict:
     """Validate a chat example: roles, contents, tool calls against declared tools."""
     messages = _maybe_json(obj.get("messages"), "messages", where)
     if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: 'messages' must be a non-empty list")
+        raise UserError(f"{where}: 'messages' must be a non-empty list, got "
+                        f"{'an empty list' if messages == [] else _json_type(messages)}")
     tools = _maybe_json(obj.get("tools"), "tools", where)
     names = _tool_names(tools, where)
     out = []
@@ -534,7 +544,8 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
     """ShareGPT rows (`conversations` of `from`/`value` turns, as Axolotl and LLaMA-Factory read them)."""
     turns = _maybe_json(obj.get("conversations"), "conversations", where)
     if not isinstance(turns, list) or not turns:
-        raise UserError(f"{where}: 'conversations' must be a non-empty list")
+        raise UserError(f"{where}: 'conversations' must be a non-empty list, got "
+                        f"{'an empty list' if turns == [] else _json_type(turns)}")
     if all(isinstance(t, dict) and "role" in t and "from" not in t for t in turns):
         # chat messages under the ShareGPT column name, as many Hub datasets and converters leave them
         return _as_conversations(turns, obj, where)
@@ -620,7 +631,9 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
     for lineno, obj in iter_raw(path):
         where = f"{path}:{lineno}"
         if not isinstance(obj, dict):
-            raise UserError(f"{where}: expected a JSON object per example, got {type(obj).__name__}")
+            looks_like_turns = isinstance(obj, list) and obj and all(isinstance(m, dict) and "role" in m for m in obj)
+            hint = ' (a list of messages: wrap each line as {"messages": [...]})' if looks_like_turns else ""
+            raise UserError(f"{where}: expected a JSON object per example, got {_json_type(obj)}{hint}")
         check_surrogates(obj, where)
         kind = fmt
         if kind == "auto":
