@@ -28,11 +28,6 @@ DEBUG_ENV = "GEMMA_TPU_DEBUG"
 _debug = os.environ.get(DEBUG_ENV) == "1"  # set by cli_main from --debug / GEMMA_TPU_DEBUG=1
 
 
-def debugging() -> bool:
-    """Whether this command shows tracebacks (`--debug` or GEMMA_TPU_DEBUG=1)."""
-    return _debug
-
-
 def parser(prog: str, doc: str | None, config: str | None = None, overrides: bool = True,
            print_config: bool = True, override_example: str = "train.max_steps=20") -> argparse.ArgumentParser:
     """An entry point's parser. `doc`: the module docstring, shown whole by `--help` (its first line alone

@@ -220,11 +220,9 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     keep = [i for i in range(len(cases)) if i not in over]
     gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
     with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
-        for i in sorted(over):
-            refuse(cases[i], i + 1, over[i])
+        refused = {i: refuse(cases[i], i + 1, over[i]) for i in sorted(over)}
         outs = dict(zip(keep, gen.generate([prompts[i] for i in keep], on_batch=bar.update)))
-    preds = [parse_reply(outs[i].text) if i in outs else ParsedReply("refused", [], "", over[i])
-             for i in range(len(cases))]
+    preds = [parse_reply(outs[i].text) if i in outs else refused[i] for i in range(len(cases))]
     return preds, [outs[i].text if i in outs else "" for i in range(len(cases))]
 
 
