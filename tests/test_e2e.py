@@ -27,9 +27,10 @@ def trained(tiny_dir, tmp_path_factory):
 
 def hf_logits(model_dir, prompts):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
     out = []
     with torch.no_grad():
@@ -41,7 +42,7 @@ def hf_logits(model_dir, prompts):
 def jax_lora_logits(ckpt, step, prompts):
     """The JAX LoRA model (base + factors from the checkpoint), built as training built it."""
     from flax import nnx
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.checkpoint.metadata import read_metadata, read_params
     from gemma_tpu.core.config import LoraConfig
@@ -60,7 +61,7 @@ def jax_lora_logits(ckpt, step, prompts):
     for path, var in flat.items():
         var.set_value(params[".".join(str(p) for p in path)])
     nnx.update(model, nnx.from_flat_state(flat))
-    tok = AutoTokenizer.from_pretrained(str(r.local_dir))
+    tok = load_tokenizer(r.local_dir)
     return [jax_logits(model, tok(p).input_ids) for p in prompts]
 
 

@@ -102,14 +102,14 @@ def base_logits(base):
 def tool_ckpt(work, base):
     """A LoRA checkpoint of a tool-calling fine-tune: FunctionGemma's markers mapped onto reserved
     `<unusedN>` tokens, as training records them."""
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.checkpoint.metadata import METADATA_FILE
     from gemma_tpu.formats.function_calling import function_token_map
 
     ckpt = work / "ckpt"
     make_checkpoint(base, ckpt, rank=4, alpha=8.0, seed=5)
-    token_map = function_token_map(AutoTokenizer.from_pretrained(str(base)))
+    token_map = function_token_map(load_tokenizer(base))
     assert len(token_map) == 7
     meta_path = ckpt / METADATA_FILE
     meta = json.loads(meta_path.read_text())
@@ -501,7 +501,7 @@ def test_llama_cpp_tiny_logits_and_greedy(work, base):
 def real_vocab_tool_dir(work) -> Path:
     """A tiny Gemma 3 with the real 262k vocabulary, its markers published as a merged tool-calling
     fine-tune's are (convert.tool_tokens)."""
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from convert.tool_tokens import install_tool_tokens
     from gemma_tpu.assets.embedded import resolve_embedded
@@ -514,7 +514,7 @@ def real_vocab_tool_dir(work) -> Path:
     for f in ("tokenizer.model", "chat_template.jinja"):
         if (real / f).is_file():
             shutil.copyfile(real / f, d / f)
-    install_tool_tokens(d, function_token_map(AutoTokenizer.from_pretrained(str(real))))
+    install_tool_tokens(d, function_token_map(load_tokenizer(real)))
     return d
 
 

@@ -530,14 +530,14 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
 
 
 def test_chat_template_renders_prompts_like_the_renderer(tiny_dir):
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.data import Renderer
     from gemma_tpu.data.records import normalise_messages
     from gemma_tpu.evaluate.run import openai_messages
     from gemma_tpu.formats.function_calling import function_token_map
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok = load_tokenizer(tiny_dir)
     token_map = function_token_map(tok)
     renderer = Renderer(tok, "gemma", token_map=token_map)
     template = tool_chat_template(token_map)
@@ -877,13 +877,13 @@ def test_coach_developer_turn_is_the_same_every_day_and_the_date_opens_the_user_
 
 
 def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.examples.fitness.chat import Coach
     from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.infer.generate import LoadedModel
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok = load_tokenizer(tiny_dir)
     loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
     device = SimulatedDevice(0, today=TODAY)
     steps = device.steps(dt.date(2025, 3, 13))
@@ -913,13 +913,13 @@ def test_chat_questions_with_bytes_that_are_not_utf8(tiny_dir, monkeypatch, caps
     (C.UTF-8). It reads as U+FFFD now, and the session goes on."""
     import io
 
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.examples.fitness.chat import Coach, chat_repl, question_text
     from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.infer.generate import LoadedModel
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok = load_tokenizer(tiny_dir)
     loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
     gen = ScriptedGenerator(["Nice caf\u00e9.", "Pardon?", "Bye."])
     coach = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=gen, trace=None)
@@ -999,12 +999,12 @@ def test_chat_template_names_tool_results_by_their_call_id(tiny_dir):
     """`transformers serve` hands the template tool messages without `name` (only `tool_call_id`): the results
     of two parallel calls both rendered as answers of the last call (`response:get_steps{...}` twice). They
     are matched to their call by id now, as the renderer names them."""
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.data import Renderer
     from gemma_tpu.formats.function_calling import function_token_map
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok = load_tokenizer(tiny_dir)
     token_map = function_token_map(tok)
     tools = [t for t in dataset.generate(0, {"train": 0, "validation": 0, "test": 1})["test"][0]["tools"]]
     calls = [{"name": "get_heart_rate", "arguments": {"date": "today"}}, {"name": "get_steps", "arguments": {}}]

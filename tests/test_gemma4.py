@@ -330,9 +330,11 @@ def test_trained_lora_merges_and_exports(g4, trained, tmp_path, name):
     assert {1, 106, 50} <= set(eos)
     assert sio.WeightsDir(out).names() == [k for k in sio.WeightsDir(base).names() if k != "lm_head.weight"]
 
+    from convert.export_peft import main as export_main  # in-process: the CLI itself is tests/test_e2e.py's
+    from gemma_tpu.core.cli import cli_main
+
     adapter = tmp_path / "adapter"
-    proc = run_cli("convert.export_peft", "--checkpoint", str(ckpt), "--out", str(adapter))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli_main(export_main, ["--checkpoint", str(ckpt), "--out", str(adapter)]) == 0
     check_adapter_keys(base, adapter)
     diff = max_diff(hf_logits_text(base, TEXT_PROMPTS, adapter), merged)
     print(f"{name}: max |PEFT on base - merged| = {diff:.2e}")
@@ -355,9 +357,9 @@ def test_same_loss_on_every_mesh(g4, trained, tmp_path, name):
 
 
 def hf_logits_text(model_dir, prompts, adapter=None):
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)
     return hf_logits(model_dir, [tok(p).input_ids for p in prompts], adapter)
 
 

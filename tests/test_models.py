@@ -302,3 +302,29 @@ def test_non_gemma_config_cli(tiny_dir, tmp_path):
                    f"checkpoint.dir={tmp_path}/ck")
     assert_one_line_error(proc, "unsupported architecture LlamaForCausalLM", "Gemma3ForCausalLM")
     assert not (tmp_path / "ck").exists()
+
+
+def test_tokenizer_is_built_once_per_content_and_named_after_its_directory(tiny_dir, tmp_path):
+    """load_tokenizer builds a tokenizer once per process for the same files (transformers takes seconds): a
+    second directory holding the same files gets it named after itself, a changed file is read again, and a
+    damaged one is a one-line error naming the directory."""
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+
+    first = load_tokenizer(tiny_dir)
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    again = load_tokenizer(copy_dir)
+    assert again.name_or_path == str(copy_dir) and first.name_or_path == str(tiny_dir)
+    assert again._tokenizer is first._tokenizer  # the same backend, not rebuilt
+    assert again("Hello there")["input_ids"] == first("Hello there")["input_ids"]
+    assert load_tokenizer(tiny_dir) is first
+
+    cfg = json.loads((copy_dir / "tokenizer_config.json").read_text())
+    cfg["add_bos_token"] = not cfg.get("add_bos_token", True)
+    (copy_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    changed = load_tokenizer(copy_dir)
+    assert changed._tokenizer is not first._tokenizer
+
+    (copy_dir / "tokenizer.json").write_text("{ damaged")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(copy_dir))}: cannot load the tokenizer"):
+        load_tokenizer(copy_dir)

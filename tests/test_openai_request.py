@@ -245,9 +245,9 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 3, "ignore_eos": true, '
                                                             b'"top_k": 4}')  # vLLM's extensions: a 422 before
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
-        from transformers import AutoTokenizer
+        from gemma_tpu.hf.tokenizer import load_tokenizer
 
-        first = AutoTokenizer.from_pretrained(str(tiny_dir))(plain, add_special_tokens=False)["input_ids"][0]
+        first = load_tokenizer(tiny_dir)(plain, add_special_tokens=False)["input_ids"][0]
         code, body = _post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": 0,
                                                                          "logit_bias": {str(first): -100}}).encode())
         assert code == 200 and body["choices"][0]["text"] != plain, body  # the bias was ignored: the same text
@@ -500,12 +500,12 @@ def test_a_system_message_the_template_drops_is_refused(tiny_dir):
     """Gemma has no system role: the template folds a system message into the first user turn, and a conversation
     with none (and no tools) lost it: the prompt was `<bos><start_of_turn>model\n` and the model answered as if nothing
     had been sent. The server renders every request to count its tokens; now a system text left out is a 400."""
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
     from serving.local import prompt_counter
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok = load_tokenizer(tiny_dir)
     tok.chat_template = tool_chat_template(function_token_map(tok))  # as the server serves a model without one
     count = prompt_counter(tok)
     system = {"role": "developer", "content": "Answer in French."}
@@ -523,12 +523,12 @@ def test_tool_results_without_ids_answer_the_calls_they_name(tiny_dir):
     """A tool message that names its call but has no tool_call_id (or neither): transformers serve drops the name, and
     the template read the results in order, so results sent in another order were rendered as answers of the wrong
     calls. The server now links each to its call by id (giving an id to a call without one)."""
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
     from serving.local import _template_messages
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok = load_tokenizer(tiny_dir)
     tok.chat_template = tool_chat_template(function_token_map(tok))
     calls = [{"id": "a", "type": "function", "function": {"name": "get_heart_rate", "arguments": "{}"}},
              {"type": "function", "function": {"name": "get_steps", "arguments": "{}"}}]
@@ -552,12 +552,12 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tiny_dir):
     tokens of the vocabulary's longest is refused at once; shorter ones are still counted exactly."""
     import time
 
-    from transformers import AutoTokenizer
+    from gemma_tpu.hf.tokenizer import load_tokenizer
 
     from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
     from serving.local import prompt_counter, token_counter
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok = load_tokenizer(tiny_dir)
     tok.chat_template = tool_chat_template(function_token_map(tok))
     count, text = prompt_counter(tok, 512), token_counter(tok, 512)
     huge = "ab " * 1_000_000

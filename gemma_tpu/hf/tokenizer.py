@@ -3,6 +3,8 @@ that has no tokenizer files (transformers would quietly build an empty placehold
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from gemma_tpu.core.errors import UserError
@@ -19,11 +21,60 @@ def require_tokenizer_files(model_dir: str | Path) -> None:
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The tokenizer of `model_dir`; a missing or unreadable one is a one-line error naming the directory."""
+    """The tokenizer of `model_dir`; a missing or unreadable one is a one-line error naming the directory.
+
+    Built once per process for the same tokenizer files: transformers takes 5-7 s to build the 262k-token
+    Gemma tokenizer on the AVX2 EPYC (2026-11-26, hashing its files: 0.1 s), and a process often needs it for
+    several directories holding the same files (evaluate's base and merged model, a base and its merges in the
+    tests). Another directory gets its own shallow copy naming it; nothing of ours changes a loaded tokenizer."""
+    require_tokenizer_files(model_dir)
+    d = Path(model_dir)
+    if not d.is_dir():  # a hub id: transformers resolves and caches it
+        return _load(str(model_dir))
+    key = _content_key(d)
+    tok = _LOADED.get(key)
+    if tok is None:
+        tok = _LOADED[key] = _load(str(d))
+        while len(_LOADED) > 4:  # the oldest goes (a process rarely holds more than two tokenizers)
+            del _LOADED[next(iter(_LOADED))]
+    if tok.name_or_path != str(d):
+        named = object.__new__(type(tok))  # not copy.copy: that round-trips the Rust tokenizer through JSON (6 s)
+        named.__dict__.update(tok.__dict__)
+        named.name_or_path = str(d)
+        tok = named
+    return tok
+
+
+# what transformers reads into the tokenizer besides tokenizer.json/.model and tokenizer_config.json
+_ALSO_READ = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+              "vocab.json", "merges.txt")
+
+
+def _content_key(d: Path) -> tuple:
+    """The bytes transformers builds the tokenizer from, and config.json's model_type (it picks the class when
+    tokenizer_config.json does not name one)."""
+    key = []
+    for f in sorted(d.iterdir()):
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in _ALSO_READ):
+            h = hashlib.blake2b(digest_size=16)
+            with f.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+            key.append((f.name, h.hexdigest()))
+    try:
+        key.append(("model_type", json.loads((d / "config.json").read_text()).get("model_type")))
+    except (OSError, ValueError, AttributeError):
+        key.append(("model_type", None))
+    return tuple(key)
+
+
+_LOADED: dict[tuple, object] = {}
+
+
+def _load(model_dir: str):
     from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
-    require_tokenizer_files(model_dir)
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        return AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
         raise UserError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
