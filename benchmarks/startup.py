@@ -1,0 +1,91 @@
+"""What a command pays before its first step: imports and the tokenizer, each in a fresh process.
+
+    python benchmarks/startup.py [--model embedded:gemma3-270m] [--repeats 3] [--json OUT]
+
+Every `python -m gemma_tpu.train` / `evaluate` / `chat` / `data.inspect` starts by importing JAX, the
+tokenizer (transformers, which imports torch and, for `AutoTokenizer`, torch._dynamo), Tunix (whose package
+__init__ imports its RL and distillation trainers, and tensorboardX, which imports torch) and then builds the
+model's tokenizer. On a small model that is most of a short run; this measures each part, in the order the
+trainer meets them, in fresh processes (`--repeats` of them; the median is shown). Prints a table; writes
+JSON (default runs/benchmarks/startup.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import cpu_info  # noqa: E402
+
+# (part, statement run after the parts before it, in one process): torch and torch._dynamo are imported on their
+# own first to tell them apart from transformers, which imports both for AutoTokenizer
+PARTS = [
+    ("python + gemma_tpu CLI modules", "import gemma_tpu.train.run"),
+    ("jax", "import jax; jax.devices()"),
+    ("torch (transformers imports it)", "import torch"),
+    ("torch._dynamo (AutoTokenizer -> masking_utils)", "import torch._dynamo"),
+    ("transformers AutoTokenizer, the rest", "from transformers import AutoTokenizer"),
+    ("tokenizer build", "from gemma_tpu.hf.tokenizer import load_tokenizer; load_tokenizer(MODEL_DIR)"),
+    ("tunix (trainer, Gemma models)", "import tunix.sft.peft_trainer, tunix.models.gemma3.model"),
+]
+
+CHILD = """
+import sys, time, json
+t0 = time.perf_counter()
+MODEL_DIR = sys.argv[1]
+out = []
+for name, stmt in json.loads(sys.argv[2]):
+    t = time.perf_counter()
+    exec(stmt)
+    out.append({"part": name, "s": time.perf_counter() - t, "torch_loaded": "torch" in sys.modules})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def one_process(model_dir: str) -> list[dict]:
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD, model_dir, json.dumps(PARTS)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        sys.exit(f"child failed:\n{proc.stderr[-3000:]}")
+    parts = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    return parts + [{"part": "process wall (incl. interpreter start and exit)", "s": wall, "torch_loaded": None}]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="embedded:gemma3-270m", help="model whose tokenizer is built (dir or embedded:NAME)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=str(REPO / "runs/benchmarks/startup.json"))
+    args = p.parse_args()
+    from gemma_tpu.models import resolve_model
+
+    model_dir = str(resolve_model(args.model).local_dir)
+    runs = [one_process(model_dir) for _ in range(args.repeats)]
+    rows = []
+    for i, first in enumerate(runs[0]):
+        times = [r[i]["s"] for r in runs]
+        rows.append({"part": first["part"], "median_s": statistics.median(times), "runs_s": times,
+                     "torch_loaded_after": first["torch_loaded"]})
+    print(f"{'part':52}{'median s':>10}  torch loaded after")
+    for r in rows:
+        print(f"{r['part']:52}{r['median_s']:10.2f}  {'' if r['torch_loaded_after'] is None else r['torch_loaded_after']}")
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+           "machine": cpu_info(), "model": args.model, "model_dir": model_dir, "repeats": args.repeats, "parts": rows}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
