@@ -242,7 +242,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
         if value not in args:
-            hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""
+            hint = ""
+            if isinstance(value, bool):  # quoting helps only when the word itself is a choice
+                words = ("yes", "on", "true") if value else ("no", "off", "false")
+                hint = _YAML_BOOL_HINT if any(w in args for w in words) else \
+                    " (YAML reads a bare yes/no/on/off/true/false as a boolean; write one of the choices)"
             ours = FOREIGN_VALUES.get(value) if isinstance(value, str) else None
             if ours and ours.split()[0] in args:
                 hint = f" (that is the transformers/TRL spelling; here it is {ours})"
@@ -531,12 +535,54 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         except _UnknownKey as e:  # worded with the key meant (a typo, another section, a recipe's name)
             raise UserError(str(_UnknownKey(e.dotted, e.names, _key_hint(cls, e.dotted, e.names, foreign or {}))))
     except UserError as e:
-        raise UserError(f"{blame(str(e), where, overrides)}: {e}") from None
+        raise UserError(f"{blame(str(e), where, overrides, key_lines(path))}: {e}") from None
 
 
-def blame(message: str, where: str, overrides: Sequence[str]) -> str:
+def key_lines(path: str | Path | None) -> dict[str, int]:
+    """The line of each dotted key in a YAML config (`{'train.max_steps': 14}`), so that an error about a
+    value points into the file; empty when there is no file or it cannot be read. Keys merged with `<<`
+    and reached through an alias point to where their text is."""
+    if path is None:
+        return {}
+    try:
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str, depth: int) -> None:
+        if not isinstance(node, yaml.MappingNode) or depth > 8:  # an alias cycle ends here
+            return
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                for merged in value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]:
+                    walk(merged, prefix, depth + 1)
+                continue
+            if isinstance(key_node, yaml.ScalarNode):
+                dotted = prefix + key_node.value
+                lines.setdefault(dotted, key_node.start_mark.line + 1)
+                walk(value_node, dotted + ".", depth + 1)
+
+    walk(root, "", 0)
+    return lines
+
+
+def _line_of(message: str, lines: dict[str, int]) -> int | None:
+    """The file line of the key `message` names first (the longest key where two start at one place): a
+    dotted key anywhere, a section only as the subject (`train: expected a mapping`) or quoted."""
+    found = []
+    for key, line in lines.items():
+        pattern = rf"(?<![\w.])({re.escape(key)})(?![\w]|\.\w)" if "." in key else \
+            rf"^({re.escape(key)}):|'({re.escape(key)})'"
+        m = re.search(pattern, message)
+        if m:
+            found.append((m.start(), -len(key), line))
+    return min(found)[2] if found else None
+
+
+def blame(message: str, where: str, overrides: Sequence[str], lines: dict[str, int] | None = None) -> str:
     """Where a config error comes from: the command-line override that set the key it names (the last
-    one, which wins), else the file."""
+    one, which wins), else the file, with the line of that key when `lines` (from `key_lines`) has it."""
     unknown = re.match(r"unknown config key '([^']*)'", message)
     for text in reversed(list(overrides)):
         key = text.split("=", 1)[0].strip()
@@ -549,7 +595,8 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
         for n in range(1, len(parts)):
             if re.search(rf"unknown config key '{re.escape('.'.join(parts[:n]))}'", message):
                 return f"override '{text}'"
-    return where
+    line = _line_of(message.removeprefix(where + ": "), lines or {})
+    return f"{where} line {line}" if line else where
 
 
 # Local paths a run reads or writes, `~` expanded: the shell leaves `checkpoint.dir=~/runs/a` alone (not a
@@ -570,7 +617,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     try:
         validate(cfg, where)
     except UserError as e:
-        origin = blame(str(e), where, overrides)
+        origin = blame(str(e), where, overrides, key_lines(path))
         if origin == where:
             raise
         raise UserError(f"{origin}: {str(e).removeprefix(where + ': ')}") from None
