@@ -341,3 +341,11 @@ def test_a_bad_value_from_an_override_still_names_the_override(tmp_path):
     proc = run_cli("gemma_tpu.train", "--config", str(path), "--print-config")
     assert_one_line_error(proc, f"{path} line 5: data.seq_len must be at least 8, got 4")
     assert not proc.stdout
+
+
+@pytest.mark.parametrize("key", ["instruction_field", "response_field", "text_field"])
+def test_an_empty_field_name_is_refused(key):
+    """`data.text_field=` passed and every row then failed with "missing field ''"."""
+    with pytest.raises(UserError, match=rf"^override 'data.{key}=': data.{key} is empty"):
+        load_config(REPO / "configs/tiny.yaml", [f"data.{key}="])
+    assert load_config(REPO / "configs/tiny.yaml", ["data.context_field="]).data.context_field == ""  # no context

@@ -660,6 +660,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if cfg.lora.dropout:
             bad(f"lora.dropout={cfg.lora.dropout} needs lora.enabled=true (it drops the adapters' input; full "
                 f"fine-tuning has no adapters)")
+    for key in ("instruction_field", "response_field", "text_field"):  # else "missing field ''" in every row
+        if not getattr(cfg.data, key).strip():
+            bad(f"data.{key} is empty (the name of a field of the data's rows)")
     at_least("data.seq_len", cfg.data.seq_len, 8)
     at_least("data.num_epochs", cfg.data.num_epochs, 1)
     at_least("data.max_loss_tokens", cfg.data.max_loss_tokens, 1)
