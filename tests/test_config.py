@@ -349,3 +349,16 @@ def test_an_empty_field_name_is_refused(key):
     with pytest.raises(UserError, match=rf"^override 'data.{key}=': data.{key} is empty"):
         load_config(REPO / "configs/tiny.yaml", [f"data.{key}="])
     assert load_config(REPO / "configs/tiny.yaml", ["data.context_field="]).data.context_field == ""  # no context
+
+
+@pytest.mark.parametrize("override", ["train.run_dir=None", "train.grad_clip=none", "data.num_epochs=None",
+                                      "train.optimizer=None", "model.revision=None", "model.family=None"])
+def test_python_none_for_a_nullable_key_is_refused(override):
+    """`train.run_dir=None` was the text 'None': the run wrote its metrics to a directory named None (and a
+    revision or a family named 'None' failed far later); a choice spelled none (train.remat) still loads."""
+    key = override.split("=")[0]
+    with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)}: got the text "
+                                        r"'[Nn]one', not null; write null"):
+        load_config(REPO / "configs/tiny.yaml", [override])
+    assert load_config(REPO / "configs/tiny.yaml", ["train.remat=none"]).train.remat == "none"
+    assert load_config(REPO / "configs/tiny.yaml", [f"{key}=null"]) is not None

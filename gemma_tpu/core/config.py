@@ -229,6 +229,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        choices = [c for a in args if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+        if isinstance(value, str) and value.strip().lower() == "none" and type(None) in args and value not in choices:
+            # Python's spelling: taken as the string 'None' it became a directory named None (train.run_dir),
+            # a revision or a family of that name
+            raise UserError(f"{where}: got the text {value!r}, not null; write null (or ~) to leave it unset")
         errors = []
         for a in args:
             if a is type(None):
