@@ -362,3 +362,17 @@ def test_python_none_for_a_nullable_key_is_refused(override):
         load_config(REPO / "configs/tiny.yaml", [override])
     assert load_config(REPO / "configs/tiny.yaml", ["train.remat=none"]).train.remat == "none"
     assert load_config(REPO / "configs/tiny.yaml", [f"{key}=null"]) is not None
+
+
+@pytest.mark.parametrize("override, meant", [
+    ("data.strategy=packed", "'pack'"), ("data.strategy=Pack", "'pack'"), ("train.schedule=warmup_cosin", "'warmup_cosine'"),
+    ("data.overlength=truncated", "'truncate'"), ("model.dtype=bfloat", "'bfloat16'"), ("mesh.accelerator=V5E", "'v5e'"),
+])
+def test_a_misspelt_choice_suggests_the_choice_meant(override, meant):
+    """A choice typed in another case or misspelt was only told the list of choices."""
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", [override])
+    assert str(e.value).endswith(f"(did you mean {meant}?)"), str(e.value)
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", ["data.format=chat"])
+    assert "did you mean" not in str(e.value)

@@ -222,6 +222,15 @@ def _whole_number(value: Any, where: str) -> int:
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
 
 
+def _did_you_mean(value: str, words: Sequence[str]) -> str:
+    """' (did you mean 'pack'?)' for a choice written in another case or misspelt, else ''."""
+    import difflib
+
+    same = [w for w in words if w.lower() == value.strip().lower()]
+    close = same or difflib.get_close_matches(value.strip().lower(), list(words), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`, with the few coercions YAML needs."""
     origin = typing.get_origin(tp)
@@ -255,6 +264,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             ours = FOREIGN_VALUES.get(value) if isinstance(value, str) else None
             if ours and ours.split()[0] in args:
                 hint = f" (that is the transformers/TRL spelling; here it is {ours})"
+            elif isinstance(value, str):  # a typo or another case: 'packed', 'Pack', 'warmup_cosin'
+                hint = _did_you_mean(value, [a for a in args if isinstance(a, str)])
             raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
@@ -722,7 +733,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             f"devices; give the others a size")
 
     if cfg.mesh.accelerator not in ACCELERATORS:
-        bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")
+        bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})"
+            f"{_did_you_mean(cfg.mesh.accelerator, list(ACCELERATORS))}")
     if cfg.train.remat is not None and cfg.model.remat != "none" and cfg.model.remat != cfg.train.remat:
         bad(f"model.remat={cfg.model.remat} and train.remat={cfg.train.remat} disagree; set train.remat only")
 
