@@ -376,3 +376,12 @@ def test_a_misspelt_choice_suggests_the_choice_meant(override, meant):
     with pytest.raises(UserError) as e:
         load_config(REPO / "configs/tiny.yaml", ["data.format=chat"])
     assert "did you mean" not in str(e.value)
+
+
+def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):
+    """A tab-indented config got PyYAML's "found character '\\t' that cannot start any token" only."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n\tmax_steps: 3\n")
+    proc = run_cli("gemma_tpu.train", "--config", str(path), "--print-config")
+    assert_one_line_error(proc, f"{path} line 2: not valid YAML", "YAML indents with spaces, not tabs")
+    assert not proc.stdout

@@ -529,7 +529,9 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
-            raise UserError(f"{p}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+            problem = str(getattr(e, "problem", None) or e)
+            tab = " - YAML indents with spaces, not tabs" if "'\\t'" in problem else ""
+            raise UserError(f"{p}{line}: not valid YAML ({problem}{tab})") from None
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
         if tree is None:  # empty or only comments: a truncated or mistyped file would otherwise run on defaults
