@@ -145,6 +145,8 @@ def describe_file(path: Path, step: int | None) -> dict:
         return describe_safetensors_file(path)
     if path.suffix == ".gguf":
         return describe_gguf_file(path)
+    if path.name in ("config.json", "adapter_config.json", METADATA_FILE):  # a file that describes its directory
+        raise UserError(f"{path}: give the directory it describes: python -m convert.inspect {path.parent}")
     raise UserError(f"{path}: a file, but neither .safetensors nor .gguf; give a checkpoint dir, an HF directory, "
                     f"a .safetensors or a .gguf file")
 

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Literal, Sequence
 
-from gemma_tpu.core.config import blame, load_typed
+from gemma_tpu.core.config import blame, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.hf.safetensors_io import file_tensors
 from gemma_tpu.models.registry import Family, families, text_config
@@ -173,7 +173,7 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     where = str(path) if path is not None else "config"
 
     def bad(msg: str) -> None:  # an error a command-line override caused names the override
-        raise UserError(f"{blame(msg, where, overrides)}: {msg}")
+        raise UserError(f"{blame(msg, where, overrides, key_lines(path))}: {msg}")
 
     if not cfg.model.dir:
         bad("model.dir is not set (the merged model directory, e.g. model.dir=runs/x-merged)")

@@ -366,6 +366,14 @@ CASES = [
     Case("config-unknown-override-key", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.max_step=3"],
          ["override 'train.max_step=3': unknown config key 'train.max_step'", "max_steps"]),
     Case("config-rank-beyond-model", "gemma_tpu.train", [*TRAIN, "lora.rank=64"], ["{tiny}", "lora.rank=64", "(32)"]),
+    # 'unknown model family' did not say which setting held it
+    Case("config-unknown-family", "gemma_tpu.train", [*TRAIN, "model.family=gemma9"],
+         ["model.family: unknown model family 'gemma9'", "gemma3", "leave it unset"]),
+    Case("data-inspect-unknown-family", "gemma_tpu.data.inspect", [*TRAIN, "model.family=gemma9"],
+         ["model.family: unknown model family 'gemma9'"]),
+    # an emptied eval_path was reported 'not set in configs/tiny.yaml', where it is set
+    Case("data-inspect-eval-path-emptied", "gemma_tpu.data.inspect", [*TRAIN, "--split", "eval", "data.eval_path="],
+         ["data.eval_path is not set (in {repo}/configs/tiny.yaml or as data.eval_path=FILE)"]),
     Case("config-seq-len-beyond-model", "gemma_tpu.train", [*TRAIN, "data.seq_len=4096"],
          ["data.seq_len=4096", "max_position_embeddings=1024"]),
     Case("config-unknown-lora-target", "gemma_tpu.train",

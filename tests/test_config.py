@@ -36,7 +36,7 @@ def test_unknown_key_is_named(tmp_path):
         load_config(REPO / "configs/tiny.yaml", ["train.max_stpes=3"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  path: x\n  dtyp: float32\n")
-    with pytest.raises(UserError, match=r"bad.yaml: unknown config key 'model.dtyp'"):
+    with pytest.raises(UserError, match=r"bad.yaml line 3: unknown config key 'model.dtyp'"):
         load_config(bad)
 
 
@@ -79,7 +79,7 @@ def test_a_transformers_value_names_ours(override, ours):
 def test_unknown_key_in_the_file_is_blamed_on_the_file_not_the_key_it_suggests(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  learning_rate: 1e-3\n")
-    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))}: unknown config key 'data.learning_rate' "
+    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))} line 2: unknown config key 'data.learning_rate' "
                                         r"\(did you mean 'train.learning_rate'\?"):
         load_config(bad, ["train.learning_rate=1e-3"])
 
@@ -267,7 +267,7 @@ def test_integer_keys_take_whole_numbers_written_as_floats(tmp_path):
                                              rf"expected an integer"):
             load_config(None, [f"train.max_steps={text}"])
     path.write_text("train:\n  max_steps: 2.5\n")
-    with pytest.raises(UserError, match=rf"{re.escape(str(path))}: train.max_steps: expected an integer, got 2.5 "
+    with pytest.raises(UserError, match=rf"{re.escape(str(path))} line 2: train.max_steps: expected an integer, got 2.5 "
                                          rf"\(not a whole number\)"):
         load_config(path)
     with pytest.raises(UserError, match=r"data.num_epochs: expected an integer, got 0.5 \(not a whole number\)"):
@@ -305,3 +305,83 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  eval_path: ~/e.jsonl\n")
     assert load_config(path).data.eval_path == f"{tmp_path}/e.jsonl"
+
+
+@pytest.mark.parametrize("text, line, message", [
+    ("data:\n  seq_len: 64\n  strategy: packed\n", 3, "data.strategy: 'packed' is not one of"),
+    ("train:\n  batch_size: 2\n  learning_rate: 0\n", 3, "train.learning_rate must be positive"),
+    ("train: 3\n", 1, "train: expected a mapping, got 3"),
+    ("lora:\n  rank: 4\n  rnak: 8\n", 3, "unknown config key 'lora.rnak' (did you mean 'lora.rank'?"),
+    ("base: &t {max_steps: x}\ntrain:\n  <<: *t\n", 1, "unknown config key 'base'"),
+    ("train:\n  <<: {max_steps: x}\n  seed: 1\n", 2, "train.max_steps: expected an integer, got 'x'"),
+    ("train:\n  max_steps: 3\n  schedule: warmup_cosine\n  warmup_steps: 5\n", 4,
+     "train.warmup_steps=5 is longer than train.max_steps=3"),
+    ("data:\n  share_prefix: on\n", 2, "data.share_prefix: True is not one of 'auto', 'off' (YAML reads a bare "
+     "yes/no/on/off/true/false as a boolean; write one of the choices)"),
+])
+def test_a_bad_value_in_the_file_names_its_line(tmp_path, text, line, message):
+    """A bad value in a long YAML file named the key but not where it is ('run.yaml: data.strategy: ...');
+    the error now gives the line of the key, as YAML syntax errors and repeated keys already did."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"{path} line {line}: {message}"), str(e.value)
+
+
+def test_a_bad_value_from_an_override_still_names_the_override(tmp_path):
+    """The file line is only given when the file set the value: an override that set it is named instead."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_steps: 3\n")
+    with pytest.raises(UserError, match=r"^override 'train.max_steps=0': train.max_steps must be positive"):
+        load_config(path, ["train.max_steps=0"])
+    proc = run_cli("gemma_tpu.train", "--config", str(path), "--print-config", "data.strategy=zip")
+    assert_one_line_error(proc, "override 'data.strategy=zip': data.strategy: 'zip' is not one of")
+    path.write_text("model:\n  path: x\n\ndata:\n  seq_len: 4\n")
+    proc = run_cli("gemma_tpu.train", "--config", str(path), "--print-config")
+    assert_one_line_error(proc, f"{path} line 5: data.seq_len must be at least 8, got 4")
+    assert not proc.stdout
+
+
+@pytest.mark.parametrize("key", ["instruction_field", "response_field", "text_field"])
+def test_an_empty_field_name_is_refused(key):
+    """`data.text_field=` passed and every row then failed with "missing field ''"."""
+    with pytest.raises(UserError, match=rf"^override 'data.{key}=': data.{key} is empty"):
+        load_config(REPO / "configs/tiny.yaml", [f"data.{key}="])
+    assert load_config(REPO / "configs/tiny.yaml", ["data.context_field="]).data.context_field == ""  # no context
+
+
+@pytest.mark.parametrize("override", ["train.run_dir=None", "train.grad_clip=none", "data.num_epochs=None",
+                                      "train.optimizer=None", "model.revision=None", "model.family=None"])
+def test_python_none_for_a_nullable_key_is_refused(override):
+    """`train.run_dir=None` was the text 'None': the run wrote its metrics to a directory named None (and a
+    revision or a family named 'None' failed far later); a choice spelled none (train.remat) still loads."""
+    key = override.split("=")[0]
+    with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)}: got the text "
+                                        r"'[Nn]one', not null; write null"):
+        load_config(REPO / "configs/tiny.yaml", [override])
+    assert load_config(REPO / "configs/tiny.yaml", ["train.remat=none"]).train.remat == "none"
+    assert load_config(REPO / "configs/tiny.yaml", [f"{key}=null"]) is not None
+
+
+@pytest.mark.parametrize("override, meant", [
+    ("data.strategy=packed", "'pack'"), ("data.strategy=Pack", "'pack'"), ("train.schedule=warmup_cosin", "'warmup_cosine'"),
+    ("data.overlength=truncated", "'truncate'"), ("model.dtype=bfloat", "'bfloat16'"), ("mesh.accelerator=V5E", "'v5e'"),
+])
+def test_a_misspelt_choice_suggests_the_choice_meant(override, meant):
+    """A choice typed in another case or misspelt was only told the list of choices."""
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", [override])
+    assert str(e.value).endswith(f"(did you mean {meant}?)"), str(e.value)
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", ["data.format=chat"])
+    assert "did you mean" not in str(e.value)
+
+
+def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):
+    """A tab-indented config got PyYAML's "found character '\\t' that cannot start any token" only."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n\tmax_steps: 3\n")
+    proc = run_cli("gemma_tpu.train", "--config", str(path), "--print-config")
+    assert_one_line_error(proc, f"{path} line 2: not valid YAML", "YAML indents with spaces, not tabs")
+    assert not proc.stdout

@@ -840,10 +840,26 @@ def test_inspect_single_files(merged, tmp_path, capsys):
     cut.write_bytes(path.read_bytes()[:-200])
     with pytest.raises(UserError, match=f"{cut}: not a readable GGUF file, truncated or damaged"):
         main([str(cut)])
-    with pytest.raises(UserError, match="neither .safetensors nor .gguf"):
+    with pytest.raises(UserError, match="config.json: give the directory it describes"):
         main([str(merged / "config.json")])
     with pytest.raises(UserError, match="--step 3: .* single file"):
         main([str(path), "--step", "3"])
+
+
+def test_inspect_a_file_that_describes_a_directory_names_the_directory(tmp_path):
+    """`convert.inspect run/config.json` said 'neither .safetensors nor .gguf', leaving the user to guess
+    that the directory was meant; any other file keeps that message."""
+    from convert.inspect import main
+    from gemma_tpu.core.errors import UserError
+    from tests.conftest import assert_one_line_error, run_cli
+    for name in ("config.json", "adapter_config.json", "gemma_tpu_run.json"):
+        (tmp_path / name).write_text("{}")
+        proc = run_cli("convert.inspect", str(tmp_path / name))
+        assert_one_line_error(proc, f"{tmp_path / name}: give the directory it describes: "
+                                    f"python -m convert.inspect {tmp_path}")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="neither .safetensors nor .gguf"):
+        main([str(tmp_path / "notes.txt")])
 
 
 # ------------------------------------------------------------------------------ safetensors I/O

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from gemma_tpu.checkpoint.metadata import read_metadata, read_params, resolve_step
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, read_params, resolve_step
 from gemma_tpu.core.config import LoraConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import resolve_path
@@ -104,7 +104,8 @@ def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | No
     meta, step, base_path = locate(ckpt_dir, step, base)
     lora = lora_config(ckpt_dir, meta)
     recorded = (meta.get("base_model") or {}).get("family")
-    resolved = resolve_model(str(base_path), family=recorded)
+    resolved = resolve_model(str(base_path), family=recorded,
+                             family_key=f"{ckpt_dir / METADATA_FILE}: base_model.family")
     model, tunix_cfg = load_model(resolved, dtype or meta.get("dtype") or "float32")
     params = read_params(ckpt_dir, step)
     where = f"{ckpt_dir}/{step}"

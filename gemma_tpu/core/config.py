@@ -222,6 +222,15 @@ def _whole_number(value: Any, where: str) -> int:
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
 
 
+def _did_you_mean(value: str, words: Sequence[str]) -> str:
+    """' (did you mean 'pack'?)' for a choice written in another case or misspelt, else ''."""
+    import difflib
+
+    same = [w for w in words if w.lower() == value.strip().lower()]
+    close = same or difflib.get_close_matches(value.strip().lower(), list(words), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`, with the few coercions YAML needs."""
     origin = typing.get_origin(tp)
@@ -229,6 +238,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        choices = [c for a in args if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+        if isinstance(value, str) and value.strip().lower() == "none" and type(None) in args and value not in choices:
+            # Python's spelling: taken as the string 'None' it became a directory named None (train.run_dir),
+            # a revision or a family of that name
+            raise UserError(f"{where}: got the text {value!r}, not null; write null (or ~) to leave it unset")
         errors = []
         for a in args:
             if a is type(None):
@@ -242,10 +256,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
         if value not in args:
-            hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""
+            hint = ""
+            if isinstance(value, bool):  # quoting helps only when the word itself is a choice
+                words = ("yes", "on", "true") if value else ("no", "off", "false")
+                hint = _YAML_BOOL_HINT if any(w in args for w in words) else \
+                    " (YAML reads a bare yes/no/on/off/true/false as a boolean; write one of the choices)"
             ours = FOREIGN_VALUES.get(value) if isinstance(value, str) else None
             if ours and ours.split()[0] in args:
                 hint = f" (that is the transformers/TRL spelling; here it is {ours})"
+            elif isinstance(value, str):  # a typo or another case: 'packed', 'Pack', 'warmup_cosin'
+                hint = _did_you_mean(value, [a for a in args if isinstance(a, str)])
             raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
@@ -509,7 +529,9 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
-            raise UserError(f"{p}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+            problem = str(getattr(e, "problem", None) or e)
+            tab = " - YAML indents with spaces, not tabs" if "'\\t'" in problem else ""
+            raise UserError(f"{p}{line}: not valid YAML ({problem}{tab})") from None
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
         if tree is None:  # empty or only comments: a truncated or mistyped file would otherwise run on defaults
@@ -531,12 +553,54 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         except _UnknownKey as e:  # worded with the key meant (a typo, another section, a recipe's name)
             raise UserError(str(_UnknownKey(e.dotted, e.names, _key_hint(cls, e.dotted, e.names, foreign or {}))))
     except UserError as e:
-        raise UserError(f"{blame(str(e), where, overrides)}: {e}") from None
+        raise UserError(f"{blame(str(e), where, overrides, key_lines(path))}: {e}") from None
 
 
-def blame(message: str, where: str, overrides: Sequence[str]) -> str:
+def key_lines(path: str | Path | None) -> dict[str, int]:
+    """The line of each dotted key in a YAML config (`{'train.max_steps': 14}`), so that an error about a
+    value points into the file; empty when there is no file or it cannot be read. Keys merged with `<<`
+    and reached through an alias point to where their text is."""
+    if path is None:
+        return {}
+    try:
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str, depth: int) -> None:
+        if not isinstance(node, yaml.MappingNode) or depth > 8:  # an alias cycle ends here
+            return
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                for merged in value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]:
+                    walk(merged, prefix, depth + 1)
+                continue
+            if isinstance(key_node, yaml.ScalarNode):
+                dotted = prefix + key_node.value
+                lines.setdefault(dotted, key_node.start_mark.line + 1)
+                walk(value_node, dotted + ".", depth + 1)
+
+    walk(root, "", 0)
+    return lines
+
+
+def _line_of(message: str, lines: dict[str, int]) -> int | None:
+    """The file line of the key `message` names first (the longest key where two start at one place): a
+    dotted key anywhere, a section only as the subject (`train: expected a mapping`) or quoted."""
+    found = []
+    for key, line in lines.items():
+        pattern = rf"(?<![\w.])({re.escape(key)})(?![\w]|\.\w)" if "." in key else \
+            rf"^({re.escape(key)}):|'({re.escape(key)})'"
+        m = re.search(pattern, message)
+        if m:
+            found.append((m.start(), -len(key), line))
+    return min(found)[2] if found else None
+
+
+def blame(message: str, where: str, overrides: Sequence[str], lines: dict[str, int] | None = None) -> str:
     """Where a config error comes from: the command-line override that set the key it names (the last
-    one, which wins), else the file."""
+    one, which wins), else the file, with the line of that key when `lines` (from `key_lines`) has it."""
     unknown = re.match(r"unknown config key '([^']*)'", message)
     for text in reversed(list(overrides)):
         key = text.split("=", 1)[0].strip()
@@ -549,7 +613,8 @@ def blame(message: str, where: str, overrides: Sequence[str]) -> str:
         for n in range(1, len(parts)):
             if re.search(rf"unknown config key '{re.escape('.'.join(parts[:n]))}'", message):
                 return f"override '{text}'"
-    return where
+    line = _line_of(message.removeprefix(where + ": "), lines or {})
+    return f"{where} line {line}" if line else where
 
 
 # Local paths a run reads or writes, `~` expanded: the shell leaves `checkpoint.dir=~/runs/a` alone (not a
@@ -570,7 +635,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     try:
         validate(cfg, where)
     except UserError as e:
-        origin = blame(str(e), where, overrides)
+        origin = blame(str(e), where, overrides, key_lines(path))
         if origin == where:
             raise
         raise UserError(f"{origin}: {str(e).removeprefix(where + ': ')}") from None
@@ -613,6 +678,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if cfg.lora.dropout:
             bad(f"lora.dropout={cfg.lora.dropout} needs lora.enabled=true (it drops the adapters' input; full "
                 f"fine-tuning has no adapters)")
+    for key in ("instruction_field", "response_field", "text_field"):  # else "missing field ''" in every row
+        if not getattr(cfg.data, key).strip():
+            bad(f"data.{key} is empty (the name of a field of the data's rows)")
     at_least("data.seq_len", cfg.data.seq_len, 8)
     at_least("data.num_epochs", cfg.data.num_epochs, 1)
     at_least("data.max_loss_tokens", cfg.data.max_loss_tokens, 1)
@@ -667,7 +735,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             f"devices; give the others a size")
 
     if cfg.mesh.accelerator not in ACCELERATORS:
-        bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})")
+        bad(f"mesh.accelerator: unknown {cfg.mesh.accelerator!r} (known: {', '.join(ACCELERATORS)})"
+            f"{_did_you_mean(cfg.mesh.accelerator, list(ACCELERATORS))}")
     if cfg.train.remat is not None and cfg.model.remat != "none" and cfg.model.remat != cfg.train.remat:
         bad(f"model.remat={cfg.model.remat} and train.remat={cfg.train.remat} disagree; set train.remat only")
 

@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError("-n must be 0 or more")
     path = cfg.data.train_path if args.split == "train" else cfg.data.eval_path
     if not path:
-        raise UserError(f"data.{'train' if args.split == 'train' else 'eval'}_path is not set in {args.config}")
+        key = f"data.{args.split}_path"  # unset in the file, or emptied by an override
+        raise UserError(f"{key} is not set (in {args.config} or as {key}=FILE)")
     check_results_file(args.json, {"data": path, "--config": args.config}, results_key="examples_read")
     convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
     tok, tok_where, family_format, vocab = tokenizer_for(args.tokenizer, cfg)

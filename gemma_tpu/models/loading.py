@@ -41,10 +41,12 @@ class ResolvedModel:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def resolve_model(spec: str, revision: str | None = None, family: str | None = None) -> ResolvedModel:
+def resolve_model(spec: str, revision: str | None = None, family: str | None = None,
+                  family_key: str = "model.family") -> ResolvedModel:
+    """`family_key` names where `family` came from, for the error when it is unknown."""
     local = resolve_path(spec, revision)
     hf_config = read_hf_config(local)
-    fam = get_family(family) if family else detect_family(hf_config, str(local / "config.json"))
+    fam = get_family(family, family_key) if family else detect_family(hf_config, str(local / "config.json"))
     return ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
 
 

@@ -351,9 +351,11 @@ def families() -> dict[str, Family]:
     return dict(_FAMILIES)
 
 
-def get_family(name: str) -> Family:
+def get_family(name: str, key: str | None = None) -> Family:
+    """The family called `name`; `key` is the setting it came from (model.family), named when it is unknown."""
     if name not in _FAMILIES:
-        raise UserError(f"unknown model family {name!r} (known: {', '.join(sorted(_FAMILIES))})")
+        raise UserError(f"{key + ': ' if key else ''}unknown model family {name!r} "
+                        f"(known: {', '.join(sorted(_FAMILIES))}; leave it unset to detect it from config.json)")
     return _FAMILIES[name]
 
 
