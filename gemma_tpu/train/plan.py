@@ -279,7 +279,8 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
               hf_config: dict | None = None) -> Plan:
     check_plan_args(devices, assumed_mfu)
     hf = hf_config if hf_config is not None else config_json_for(cfg.model.path)
-    family = get_family(cfg.model.family, "model.family") if cfg.model.family else detect_family(hf, f"{cfg.model.path} config.json")
+    family = (get_family(cfg.model.family, "model.family") if cfg.model.family
+              else detect_family(hf, f"{cfg.model.path} config.json"))
     remat = cfg.train.remat or cfg.model.remat
     n = plan_devices(cfg, devices)
     try:
@@ -628,7 +629,8 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     out = out or sys.stdout
     check_plan_args(devices, assumed_mfu)
     hf = config_json_for(cfg.model.path)
-    family = get_family(cfg.model.family, "model.family") if cfg.model.family else detect_family(hf, f"{cfg.model.path} config.json")
+    family = (get_family(cfg.model.family, "model.family") if cfg.model.family
+              else detect_family(hf, f"{cfg.model.path} config.json"))
     # what the real run refuses (rank, seq_len) before planning it
     validate_for_model(cfg, family.read_text_config(hf), cfg.model.path)
     weights_note = check_weights_here(cfg)  # before the data, as the run does
