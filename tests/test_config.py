@@ -385,3 +385,13 @@ def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):
     proc = run_cli("gemma_tpu.train", "--config", str(path), "--print-config")
     assert_one_line_error(proc, f"{path} line 2: not valid YAML", "YAML indents with spaces, not tabs")
     assert not proc.stdout
+
+
+def test_a_list_override_split_by_the_shell_says_to_quote_it():
+    """`lora.targets=[q_proj, v_proj]` unquoted reaches us as two words: the first was read as the text
+    '[q_proj,' and refused as `unknown module '[q_proj'`; now the unclosed list is named with the fix."""
+    with pytest.raises(UserError, match=r"^override 'lora.targets=\[q_proj,': '\[q_proj,' is an unclosed YAML list; "
+                                        r"a space splits a shell word, so quote the whole override"):
+        load_config(None, ["lora.targets=[q_proj,", "v_proj]"])
+    assert load_config(None, ["lora.targets=[q_proj, v_proj]"]).lora.targets == ["q_proj", "v_proj"]
+    assert load_config(None, ["lora.targets=[q_proj,v_proj]"]).lora.targets == ["q_proj", "v_proj"]
