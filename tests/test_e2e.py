@@ -165,3 +165,32 @@ def test_merge_and_export_accept_a_relative_checkpoint_path(trained, tmp_path):
         assert read_params(rel, 6)
     finally:
         os.chdir(cwd)
+
+
+def test_odd_shape_with_one_target_at_rank_one_merges_and_loads_in_peft(tiny_odd_dir, tmp_path):
+    """The 7-layer, one-KV-head, head_dim != hidden/heads, linear-rope, vocab-509 model trained through the CLI
+    with LoRA on q_proj alone at rank 1: the merge verifies, and PEFT's adapter on the base gives the merged
+    logits (only q_proj modules in the adapter)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ck, merged, adapter = tmp_path / "ck", tmp_path / "merged", tmp_path / "adapter"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_odd_dir}",
+                   f"checkpoint.dir={ck}", "train.max_steps=2", "train.learning_rate=0.05", "data.eval_path=null",
+                   "lora.targets=[q_proj]", "lora.rank=1", env={"XLA_FLAGS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("convert.merge_orbax", "--checkpoint", str(ck), "--out", str(merged), "--verify")
+    assert proc.returncode == 0 and "verify: PASS" in proc.stderr, proc.stderr[-3000:]
+    proc = run_cli("convert.export_peft", "--checkpoint", str(ck), "--out", str(adapter))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] in (["q_proj"], "q_proj")
+    ids = torch.tensor([list(range(2, 40))])
+    kw = dict(dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(merged), **kw)(ids).logits.numpy()
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_odd_dir), **kw)
+        plain = base(ids).logits.numpy()
+        got = PeftModel.from_pretrained(base, str(adapter))(ids).logits.numpy()
+    assert np.abs(got - want).max() < 1e-4
+    assert np.abs(want - plain).max() > 1e-2
