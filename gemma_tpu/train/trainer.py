@@ -310,6 +310,11 @@ class Trainer(TunixTrainer):
     def _compile_count(self) -> int:
         return self.compile_counter.counts.get(TRAIN_STEP_FN, 0)
 
+    def _log_placeholder_rates(self, step: int) -> None:
+        """Rates of 0 for a step that times nothing, so that the progress bar's rate metrics exist."""
+        for key in ("tokens_per_s", "useful_tokens_per_s"):
+            self.metrics_logger.log(self.metrics_prefix, key, 0.0, self.mode, step)
+
     def write_metrics(self, metrics_buffer):
         mode = str(self.mode)
         loss = float(np.asarray(metrics_buffer.loss))
@@ -335,6 +340,8 @@ class Trainer(TunixTrainer):
                 # close() flushes the last buffered record right after the previous one: its
                 # interval times nothing, so it gets no rate and stays out of the summary medians
                 rec["final_flush"] = True
+                if self._t_last is None:  # the session's only step (max_steps=1, or one step after a resume):
+                    self._log_placeholder_rates(rec["step"])  # the progress bar asks for them (absl warned)
             elif self._t_last is not None and steps > 0:
                 dt = now - self._t_last
                 rec["step_time_s"] = dt / steps
@@ -354,8 +361,7 @@ class Trainer(TunixTrainer):
                         self.metrics_logger.log(self.metrics_prefix, key, rec[key], self.mode, rec["step"])
             else:
                 rec["includes_compile"] = True
-                for key in ("tokens_per_s", "useful_tokens_per_s"):
-                    self.metrics_logger.log(self.metrics_prefix, key, 0.0, self.mode, rec["step"])
+                self._log_placeholder_rates(rec["step"])
             self._t_last, self._step_last = now, rec["step"]
             self._tok_last, self._useful_last = self.feed.tokens, self.feed.useful
             self._examples_last = self.feed.examples
