@@ -63,7 +63,8 @@ def one_process(model_dir: str) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="embedded:gemma3-270m", help="model whose tokenizer is built (dir or embedded:NAME)")
+    p.add_argument("--model", default="embedded:gemma3-270m",
+                   help="model whose tokenizer is built (dir or embedded:NAME)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=str(REPO / "runs/benchmarks/startup.json"))
     args = p.parse_args()
@@ -78,7 +79,8 @@ def main() -> None:
                      "torch_loaded_after": first["torch_loaded"]})
     print(f"{'part':52}{'median s':>10}  torch loaded after")
     for r in rows:
-        print(f"{r['part']:52}{r['median_s']:10.2f}  {'' if r['torch_loaded_after'] is None else r['torch_loaded_after']}")
+        torch_after = "" if r["torch_loaded_after"] is None else r["torch_loaded_after"]
+        print(f"{r['part']:52}{r['median_s']:10.2f}  {torch_after}")
     doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
            "machine": cpu_info(), "model": args.model, "model_dir": model_dir, "repeats": args.repeats, "parts": rows}
     out = Path(args.json)

@@ -462,9 +462,10 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = _spelled(yaml.safe_load(raw), raw) if raw.strip() else ""
     except yaml.YAMLError:
         if raw.strip().startswith(("[", "{")):  # `lora.targets=[q_proj, v_proj]` unquoted: the shell split it
-            raise UserError(f"override '{text}': {raw.strip()!r} is an unclosed YAML "
-                            f"{'list' if raw.strip()[0] == '[' else 'mapping'}; a space splits a shell word, so "
-                            f"quote the whole override ('{key}=[a, b]') or leave out the spaces ({key}=[a,b])") from None
+            kind = "list" if raw.strip()[0] == "[" else "mapping"
+            raise UserError(f"override '{text}': {raw.strip()!r} is an unclosed YAML {kind}; a space splits a shell "
+                            f"word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
+                            f"({key}=[a,b])") from None
         value = raw
     return key, value
 
