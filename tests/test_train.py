@@ -183,4 +183,3 @@ def test_grad_accumulation_equals_bigger_batch(tiny_dir, tmp_path):
     for k in pb:
         np.testing.assert_allclose(pa[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
     assert not np.allclose(pb[next(k for k in pb if "lora_b" in k)], 0)  # trained, not just initialised
-

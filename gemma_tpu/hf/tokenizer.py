@@ -25,8 +25,8 @@ def load_tokenizer(model_dir: str | Path):
 
     Built once per process for the same tokenizer files: transformers takes 5-7 s to build the 262k-token
     Gemma tokenizer on the AVX2 EPYC (2026-11-26, hashing its files: 0.1 s), and a process often needs it for
-    several directories holding the same files (evaluate's base and merged model, a base and its merges in the
-    tests). Another directory gets its own shallow copy naming it; nothing of ours changes a loaded tokenizer."""
+    several directories holding the same files (evaluate's base and a checkpoint on it, a base and its copies
+    in the tests). Another directory gets its own shallow copy naming it; nothing of ours changes a loaded tokenizer."""
     require_tokenizer_files(model_dir)
     d = Path(model_dir)
     if not d.is_dir():  # a hub id: transformers resolves and caches it

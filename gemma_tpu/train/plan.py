@@ -275,12 +275,18 @@ def check_plan_args(devices: int | None, assumed_mfu: float | None) -> None:
         raise UserError(f"--assumed-mfu must be a fraction in (0, 1], e.g. 0.4, got {assumed_mfu}")
 
 
+def family_of(cfg: RunConfig, hf_config: dict, where: str | None = None):
+    """The family `model.family` names (its key named when unknown), else the one config.json describes."""
+    if cfg.model.family:
+        return get_family(cfg.model.family, "model.family")
+    return detect_family(hf_config, where) if where else detect_family(hf_config)
+
+
 def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | None = None,
               hf_config: dict | None = None) -> Plan:
     check_plan_args(devices, assumed_mfu)
     hf = hf_config if hf_config is not None else config_json_for(cfg.model.path)
-    family = (get_family(cfg.model.family, "model.family") if cfg.model.family
-              else detect_family(hf, f"{cfg.model.path} config.json"))
+    family = family_of(cfg, hf, f"{cfg.model.path} config.json")
     remat = cfg.train.remat or cfg.model.remat
     n = plan_devices(cfg, devices)
     try:
@@ -422,7 +428,7 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
     from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
-    family = get_family(cfg.model.family, "model.family") if cfg.model.family else detect_family(hf_config)
+    family = family_of(cfg, hf_config)
     remat = cfg.train.remat or cfg.model.remat
     # the configured mesh when the local devices can form it, else all local devices on fsdp
     local = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, accelerator="cpu", dcn_data=1))
@@ -629,8 +635,7 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     out = out or sys.stdout
     check_plan_args(devices, assumed_mfu)
     hf = config_json_for(cfg.model.path)
-    family = (get_family(cfg.model.family, "model.family") if cfg.model.family
-              else detect_family(hf, f"{cfg.model.path} config.json"))
+    family = family_of(cfg, hf, f"{cfg.model.path} config.json")
     # what the real run refuses (rank, seq_len) before planning it
     validate_for_model(cfg, family.read_text_config(hf), cfg.model.path)
     weights_note = check_weights_here(cfg)  # before the data, as the run does
