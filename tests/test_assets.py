@@ -434,6 +434,23 @@ def test_apply_chat_template(tokenizer):
     assert ids == tokenizer(CHAT_TEXT, add_special_tokens=False).input_ids
 
 
+@pytest.mark.slow
+def test_project_loader_gives_what_auto_tokenizer_gives(prepared, tokenizer):
+    """hf.tokenizer.load_tokenizer picks the class tokenizer_config.json names without AutoTokenizer's import
+    cost: on the real tokenizer it must be AutoTokenizer's class, ids, specials and chat template."""
+    from gemma_tpu.hf.tokenizer import _named_class, load_tokenizer
+
+    assert _named_class(prepared) is not None
+    ours = load_tokenizer(prepared)
+    assert type(ours) is type(tokenizer) and len(ours) == len(tokenizer)
+    texts = ["The capital of France is", "  leading spaces,\ttabs\n\nand 12345 digits", "naïve café 日本語 🙂",
+             "<start_of_turn>user\nHi<end_of_turn>\n<unused0>{x:1}"]
+    for text in texts:
+        assert ours(text).input_ids == tokenizer(text).input_ids, text
+    assert ours.all_special_ids == tokenizer.all_special_ids
+    assert ours.apply_chat_template(CHAT, tokenize=False) == tokenizer.apply_chat_template(CHAT, tokenize=False)
+
+
 # -- the model -------------------------------------------------------------------------------
 
 

@@ -328,3 +328,60 @@ def test_tokenizer_is_built_once_per_content_and_named_after_its_directory(tiny_
     (copy_dir / "tokenizer.json").write_text("{ damaged")
     with pytest.raises(UserError, match=rf"^{re.escape(str(copy_dir))}: cannot load the tokenizer"):
         load_tokenizer(copy_dir)
+
+
+@pytest.mark.parametrize("tokenizer_class,model_type,named", [
+    (None, "gemma3_text", True),  # as written by the tiny-model helper
+    ("GemmaTokenizerFast", "gemma3_text", True),  # a transformers 4 name
+    ("PreTrainedTokenizerFast", "gemma3_text", True),
+    ("GemmaTokenizer", "gemma3_text", True),
+    ("GemmaTokenizer", "llama", False),  # a model type AutoTokenizer may know better: left to it
+])
+def test_named_tokenizer_class_is_what_auto_tokenizer_picks(tiny_dir, tmp_path, tokenizer_class, model_type, named):
+    """load_tokenizer takes the class tokenizer_config.json names without AutoTokenizer (whose import costs
+    seconds: it pulls torch._dynamo) only where AutoTokenizer would pick that same class."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.hf.tokenizer import _named_class, load_tokenizer
+
+    d = tmp_path / "tok"
+    shutil.copytree(tiny_dir, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name, key, value in (("tokenizer_config.json", "tokenizer_class", tokenizer_class),
+                             ("config.json", "model_type", model_type)):
+        cfg = json.loads((d / name).read_text())
+        if value is not None:
+            cfg[key] = value
+        (d / name).write_text(json.dumps(cfg))
+    assert (_named_class(d) is not None) == named
+    ours, auto = load_tokenizer(d), AutoTokenizer.from_pretrained(str(d))
+    assert type(ours) is type(auto)
+    text = "Hello, wörld!\n\t<start_of_turn>user 12 34<end_of_turn>"
+    assert ours(text).input_ids == auto(text).input_ids
+    assert ours.decode(auto(text).input_ids) == auto.decode(auto(text).input_ids)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (auto.bos_token_id, auto.eos_token_id,
+                                                                         auto.pad_token_id)
+
+
+def test_named_tokenizer_class_defers_to_auto_tokenizer_for_remote_code(tiny_dir, tmp_path):
+    from gemma_tpu.hf.tokenizer import _named_class
+
+    d = tmp_path / "tok"
+    shutil.copytree(tiny_dir, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    assert _named_class(d) is not None
+    cfg["auto_map"] = {"AutoTokenizer": [None, "tokenization_mine.MyTokenizer"]}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert _named_class(d) is None
+
+
+def test_loading_a_tokenizer_leaves_out_torch_dynamo(tiny_dir):
+    """What the named class saves: a command that loads a Gemma tokenizer does not import transformers'
+    auto-model machinery and torch._dynamo with it (~2.5 s of start-up on the AVX2 EPYC)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from gemma_tpu.hf.tokenizer import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+            "print(type(t).__name__, 'torch._dynamo' in sys.modules, 'transformers.models.auto' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[1:] == ["False", "False"], proc.stdout

@@ -72,9 +72,45 @@ _LOADED: dict[tuple, object] = {}
 
 
 def _load(model_dir: str):
-    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
-
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        cls = _named_class(Path(model_dir))
+        if cls is None:
+            from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
+
+            cls = AutoTokenizer
+        return cls.from_pretrained(model_dir)
     except Exception as e:
         raise UserError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
+def _named_class(d: Path):
+    """The class AutoTokenizer would pick, where tokenizer_config.json names it and nothing can override that;
+    None sends the directory through AutoTokenizer.
+
+    Why not always AutoTokenizer: importing it imports transformers' auto-model machinery and with it
+    torch._dynamo, ~2.5 s of every command's start on the AVX2 EPYC (benchmarks/startup.py), for a class the
+    directory names. AutoTokenizer departs from the named class only for remote code (`auto_map`) and for model
+    types it knows to name a wrong class; Gemma's are not among them, so a directory whose config.json says a
+    Gemma model type (or has no config.json) gets the named class, as AutoTokenizer would give it
+    (tests/test_tokenizer_load.py compares the two)."""
+    if not d.is_dir():
+        return None
+    try:
+        tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(tok_cfg, dict) or not isinstance(model_cfg, dict) or "auto_map" in tok_cfg:
+        return None
+    name, model_type = tok_cfg.get("tokenizer_class"), model_cfg.get("model_type")
+    if not isinstance(name, str) or not (model_type is None or str(model_type).startswith("gemma")):
+        return None
+    import transformers  # deferred: transformers takes seconds to import
+
+    if name not in ("TokenizersBackend", "PreTrainedTokenizerFast"):  # v5 has one class per tokenizer
+        name = name.removesuffix("Fast")
+    cls = getattr(transformers, name, None)
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedTokenizerBase) \
+            or cls.__name__ == "PythonBackend":
+        return None
+    return cls
