@@ -3,11 +3,13 @@
     python benchmarks/startup.py [--model embedded:gemma3-270m] [--repeats 3] [--json OUT]
 
 Every `python -m gemma_tpu.train` / `evaluate` / `chat` / `data.inspect` starts by importing JAX, the
-tokenizer (transformers, which imports torch and, for `AutoTokenizer`, torch._dynamo), Tunix (whose package
-__init__ imports its RL and distillation trainers, and tensorboardX, which imports torch) and then builds the
-model's tokenizer. On a small model that is most of a short run; this measures each part, in the order the
-trainer meets them, in fresh processes (`--repeats` of them; the median is shown). Prints a table; writes
-JSON (default runs/benchmarks/startup.json).
+tokenizer (transformers' tokenizer module, which imports torch), Tunix (whose package __init__ imports its RL and
+distillation trainers, and tensorboardX, which imports torch) and then builds the model's tokenizer. On a small
+model that is most of a short run; this measures each part, in the order the trainer meets them, in fresh
+processes (`--repeats` of them; the median is shown). Then, side by side in fresh processes, a tokenizer loaded
+the project's way (`hf.tokenizer.load_tokenizer`: the class tokenizer_config.json names) against
+`AutoTokenizer.from_pretrained` (whose import pulls transformers' auto-model machinery and torch._dynamo).
+Prints tables; writes JSON (default runs/benchmarks/startup.json).
 """
 
 from __future__ import annotations
@@ -25,16 +27,23 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
 
-# (part, statement run after the parts before it, in one process): torch and torch._dynamo are imported on their
-# own first to tell them apart from transformers, which imports both for AutoTokenizer
+# (part, statement run after the parts before it, in one process): torch is imported on its own first to tell it
+# apart from transformers, which imports it for its tokenizer module
 PARTS = [
     ("python + gemma_tpu CLI modules", "import gemma_tpu.train.run"),
     ("jax", "import jax; jax.devices()"),
-    ("torch (transformers imports it)", "import torch"),
-    ("torch._dynamo (AutoTokenizer -> masking_utils)", "import torch._dynamo"),
-    ("transformers AutoTokenizer, the rest", "from transformers import AutoTokenizer"),
-    ("tokenizer build", "from gemma_tpu.hf.tokenizer import load_tokenizer; load_tokenizer(MODEL_DIR)"),
+    ("torch (transformers, tensorboardX import it)", "import torch"),
+    ("transformers + tokenizer build (load_tokenizer)",
+     "from gemma_tpu.hf.tokenizer import load_tokenizer; load_tokenizer(MODEL_DIR)"),
     ("tunix (trainer, Gemma models)", "import tunix.sft.peft_trainer, tunix.models.gemma3.model"),
+]
+
+# the same tokenizer from a fresh process, two ways (each a process of its own, alternating)
+LOADERS = [
+    ("load_tokenizer (the class the directory names)",
+     "from gemma_tpu.hf.tokenizer import load_tokenizer; load_tokenizer(MODEL_DIR)"),
+    ("AutoTokenizer.from_pretrained",
+     "from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(MODEL_DIR)"),
 ]
 
 CHILD = """
@@ -45,14 +54,15 @@ out = []
 for name, stmt in json.loads(sys.argv[2]):
     t = time.perf_counter()
     exec(stmt)
-    out.append({"part": name, "s": time.perf_counter() - t, "torch_loaded": "torch" in sys.modules})
+    out.append({"part": name, "s": time.perf_counter() - t, "torch_loaded": "torch" in sys.modules,
+                "dynamo_loaded": "torch._dynamo" in sys.modules})
 print("RESULT " + json.dumps(out))
 """
 
 
-def one_process(model_dir: str) -> list[dict]:
+def one_process(model_dir: str, parts: list[tuple[str, str]]) -> list[dict]:
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, model_dir, json.dumps(PARTS)], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", CHILD, model_dir, json.dumps(parts)], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
@@ -71,7 +81,7 @@ def main() -> None:
     from gemma_tpu.models import resolve_model
 
     model_dir = str(resolve_model(args.model).local_dir)
-    runs = [one_process(model_dir) for _ in range(args.repeats)]
+    runs = [one_process(model_dir, PARTS) for _ in range(args.repeats)]
     rows = []
     for i, first in enumerate(runs[0]):
         times = [r[i]["s"] for r in runs]
@@ -81,8 +91,24 @@ def main() -> None:
     for r in rows:
         torch_after = "" if r["torch_loaded_after"] is None else r["torch_loaded_after"]
         print(f"{r['part']:52}{r['median_s']:10.2f}  {torch_after}")
+
+    loads = {name: [] for name, _ in LOADERS}
+    for _ in range(args.repeats):
+        for name, stmt in LOADERS:
+            loads[name].append(one_process(model_dir, [(name, stmt)]))
+    loaders = []
+    print(f"\n{'the tokenizer from a fresh process':52}{'median s':>10}  process s  torch._dynamo loaded")
+    for name, runs_of in loads.items():
+        row = {"loader": name, "median_s": statistics.median(r[0]["s"] for r in runs_of),
+               "process_median_s": statistics.median(r[-1]["s"] for r in runs_of),
+               "runs_s": [r[0]["s"] for r in runs_of], "dynamo_loaded": runs_of[0][0]["dynamo_loaded"]}
+        loaders.append(row)
+        print(f"{name:52}{row['median_s']:10.2f}{row['process_median_s']:11.2f}  {row['dynamo_loaded']}")
+    ratio = loaders[1]["process_median_s"] / loaders[0]["process_median_s"]
+    print(f"AutoTokenizer / load_tokenizer, whole process: {ratio:.2f}x")
     doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-           "machine": cpu_info(), "model": args.model, "model_dir": model_dir, "repeats": args.repeats, "parts": rows}
+           "machine": cpu_info(), "model": args.model, "model_dir": model_dir, "repeats": args.repeats, "parts": rows,
+           "tokenizer_loaders": loaders, "auto_over_project_process_ratio": round(ratio, 3)}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
