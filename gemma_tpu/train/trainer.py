@@ -119,10 +119,12 @@ class CompileCounter(logging.Filter):
     `jax_log_compiles` makes JAX log every compilation; this filter counts them and swallows
     the lines, except that a second compilation of a watched step is reported loudly with the
     shapes and shardings JAX compiled it for. (A jitted function's cache size counts cache
-    entries, which is 2 after one compilation: not a compile count.)
+    entries, which is 2 after one compilation: not a compile count.) With a persistent compilation
+    cache (JAX_COMPILATION_CACHE_DIR), the same flag makes JAX log every cache hit as a WARNING, ~20
+    per run: those are swallowed too, a watched step's hit said once at INFO.
     """
 
-    LOGGERS = ("jax._src.dispatch", "jax._src.interpreters.pxla")
+    LOGGERS = ("jax._src.dispatch", "jax._src.interpreters.pxla", "jax._src.compiler")
 
     def __init__(self, watched=(TRAIN_STEP_FN, EVAL_STEP_FN)):
         super().__init__()
@@ -132,6 +134,11 @@ class CompileCounter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
+        if record.name == "jax._src.compiler":
+            m = re.match(r"Persistent compilation cache hit for '(?:jit_)?(\w+)'", msg)
+            if m and m.group(1) in self.watched:
+                log.info("%s loaded from the persistent compilation cache", m.group(1))
+            return m is None  # its other lines are not compile logs
         m = re.search(r"Compiling jit\((\w+)\)", msg)
         if m and m.group(1) in self.watched:
             self.last_signature[m.group(1)] = msg
