@@ -403,9 +403,15 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     template_file, has_template = chat_template_in(d)
     rank = None
     if for_vllm:
-        if kv % tp:
-            raise UserError(f"server.tensor_parallel_size={tp} does not divide num_key_value_heads={kv} "
-                            f"({d}/config.json); use a divisor of {kv}")
+        # vLLM (and tpu-inference's JAX models) split the KV heads over tp <= kv devices and copy each KV head
+        # to tp / kv devices past that; the query heads are split in both cases
+        if (kv % tp) if tp <= kv else (tp % kv):
+            raise UserError(f"server.tensor_parallel_size={tp} cannot share out num_key_value_heads={kv} "
+                            f"({d}/config.json): use a divisor of {kv} or a multiple of it")
+        heads = text.get("num_attention_heads", hf.get("num_attention_heads"))
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and heads % tp:
+            raise UserError(f"server.tensor_parallel_size={tp} does not divide num_attention_heads={heads} "
+                            f"({d}/config.json)")
         max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
         if isinstance(max_pos, int) and cfg.server.max_model_len > max_pos:
             raise UserError(f"server.max_model_len={cfg.server.max_model_len} exceeds the model's "

@@ -184,6 +184,17 @@ def test_print_270m_config(tmp_path):
     assert "--enable-lora" not in serve and "--api-key" not in serve
 
 
+@pytest.mark.parametrize("kv,tp", [(1, 2), (2, 4), (4, 2)])
+def test_tensor_parallel_past_the_kv_heads_is_served(tmp_path, capsys, kv, tp):
+    """vLLM copies KV heads to tp > num_key_value_heads devices when tp is a multiple (a one-KV-head Gemma 3 on a
+    v5e-4): such a tp is launched, not refused as "a divisor of 1"."""
+    d = fake_model_dir(tmp_path / "m", kv=kv)  # 2 * kv query heads
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"server.tensor_parallel_size={tp}")
+    assert code == 0, err
+    assert flag(words(out), "--tensor-parallel-size") == str(tp)
+
+
 def test_print_31b_config_with_adapters(tmp_path, capsys, monkeypatch):
     d = fake_model_dir(tmp_path / "g4", arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=3)
     a = fake_adapter(tmp_path / "coach", r=12, nested=True)
@@ -264,12 +275,12 @@ def _damaged_shard(p):
 
 
 @pytest.mark.parametrize("config,make,overrides,needles", [
-    (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=2"],
-     ["tensor_parallel_size=2", "num_key_value_heads=1"]),
+    (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=3"],  # its one KV head copied, but 2 heads
+     ["tensor_parallel_size=3", "num_attention_heads=2"]),
     (CONFIG_31B, lambda p: fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=12, nested=True), [],
      ["tensor_parallel_size=8", "num_key_value_heads=12"]),
-    (CONFIG_270M, _sparse_4b_config, ["server.tensor_parallel_size=8"],  # was "no num_key_value_heads"
-     ["tensor_parallel_size=8", "num_key_value_heads=4"]),
+    (CONFIG_270M, _sparse_4b_config, ["server.tensor_parallel_size=6"],  # was "no num_key_value_heads"
+     ["tensor_parallel_size=6", "num_key_value_heads=4"]),
     (CONFIG_270M, _no_tokenizer, [], ["no tokenizer"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, arch="LlamaForCausalLM"), [], ["LlamaForCausalLM", "Gemma3ForCausalLM"]),
     (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),
