@@ -40,6 +40,15 @@ def test_unknown_key_is_named(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize("override", ["checkpoint.dir=None", "model.path=None", "data.response_field=None"])
+def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
+    """`checkpoint.dir=None` (meant: no checkpoints) made a directory named None."""
+    key = override.split("=")[0]
+    with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)}: got the text "
+                                        r"'None'; this key cannot be null"):
+        load_config(REPO / "configs/tiny.yaml", [override])
+
+
 @pytest.mark.parametrize("override, meant", [
     ("train.learnig_rate=1e-3", "did you mean 'train.learning_rate'?"),
     ("data.learning_rate=1e-3", "did you mean 'train.learning_rate'?"),  # the right name in the wrong section

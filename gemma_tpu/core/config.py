@@ -303,6 +303,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, str):
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
             raise UserError(f"{where}: expected a string, got {value!r}{hint}")
+        if value == "None":  # Python's spelling, meant as "unset": checkpoint.dir=None made a directory named None
+            raise UserError(f"{where}: got the text 'None'; this key cannot be null, give it a value")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
