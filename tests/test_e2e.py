@@ -48,7 +48,7 @@ def jax_lora_logits(ckpt, step, prompts):
     from gemma_tpu.core.config import LoraConfig
     from gemma_tpu.lora import apply_lora
     from gemma_tpu.models import load_model, resolve_model
-    from tests.test_models import jax_logits
+    from tests.test_models import jax_logits_batch
 
     meta = read_metadata(ckpt)
     r = resolve_model(meta["base_model"]["local_dir"])
@@ -62,7 +62,7 @@ def jax_lora_logits(ckpt, step, prompts):
         var.set_value(params[".".join(str(p) for p in path)])
     nnx.update(model, nnx.from_flat_state(flat))
     tok = load_tokenizer(r.local_dir)
-    return [jax_logits(model, tok(p).input_ids) for p in prompts]
+    return jax_logits_batch(model, [tok(p).input_ids for p in prompts])
 
 
 PROMPTS = ["Hi, I am Ada. What is 3 plus 4?", "<start_of_turn>user\nAnd doubled?<end_of_turn>\n<start_of_turn>model\n",

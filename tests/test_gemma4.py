@@ -24,6 +24,7 @@ from gemma_tpu.hf import safetensors_io as sio
 from tests.conftest import run_cli
 from tests.test_convert import ALL_TARGETS, TOL, hf_logits, make_checkpoint, max_diff, merge
 from tests.test_sharding import EIGHT, MESHES
+from tests.test_models import jax_logits, jax_logits_batch
 
 VARIANTS = {"dense": ("dense", False), "dense_mm": ("dense", True), "ple": ("ple", False),
             "ple_mm": ("ple", True), "moe": ("moe", False)}
@@ -52,18 +53,6 @@ def write(path, variant, mm, seed=0):
     return write_tiny_gemma4(path, seed=seed, variant=variant, multimodal=mm)
 
 
-def jax_logits(model, ids):
-    import jax
-    import jax.numpy as jnp
-
-    from gemma_tpu.train.loss import attention_mask
-
-    t = jnp.asarray([ids], jnp.int32)
-    with jax.default_matmul_precision("highest"):
-        logits, _ = model(t, jnp.arange(len(ids), dtype=jnp.int32)[None], None, attention_mask(jnp.ones_like(t)))
-    return np.asarray(logits[0])
-
-
 # ------------------------------------------------------------------------------ forward
 
 
@@ -81,7 +70,7 @@ def test_forward_matches_transformers(g4, name):
     seqs = [tok(p).input_ids for p in TEXT_PROMPTS] + [[2, *range(120, 160)]]
     assert max(len(s) for s in seqs) > 2 * 16  # well past the sliding window
     ref = hf_logits(d, seqs)
-    diff = max_diff([jax_logits(model, s) for s in seqs], ref)
+    diff = max_diff(jax_logits_batch(model, seqs), ref)
     print(f"{name}: max |JAX - transformers| = {diff:.2e}")
     assert diff < 1e-4
 
