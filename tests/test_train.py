@@ -56,10 +56,23 @@ def test_run_writes_checkpoints_metadata_and_metrics(reference_run):
     assert len(l) == 8 and l[-1] < l[0]
 
 
-def test_same_seed_same_losses(tiny_dir, reference_run, tmp_path):
-    proc = train(tiny_dir, tmp_path / "again", "train.max_steps=8", "checkpoint.every_steps=2")
+def test_same_seed_same_losses_with_profiling_on(tiny_dir, reference_run, tmp_path):
+    """Same seed, same losses; this run also profiles steps 3..4 (train.profile_dir, relative to the run dir):
+    the trace is written where the log says, and profiling changes no loss."""
+    proc = train(tiny_dir, tmp_path / "again", "train.max_steps=8", "checkpoint.every_steps=2",
+                 "train.profile_dir=prof")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(tmp_path / "again") == losses(reference_run)
+    traces = list((tmp_path / "again" / "prof" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0, traces
+    assert f"profiling steps 3..4 into {tmp_path / 'again' / 'prof'}" in proc.stderr
+    assert f"profile written: {traces[0]}" in proc.stderr
+
+
+def test_profile_window_past_max_steps_is_one_line_error(tiny_dir, tmp_path):
+    proc = train(tiny_dir, tmp_path / "ck", "train.profile_dir=prof", "train.profile_steps=9")
+    assert_one_line_error(proc, "train.profile_steps=9", "train.max_steps=6")
+    assert not (tmp_path / "ck").exists()
 
 
 def test_lora_dropout_trains_and_resumes_to_the_same_params(tiny_dir, reference_run, tmp_path):
