@@ -309,7 +309,8 @@ def profile_window(cfg: RunConfig, run_dir: Path, ckpt_dir: Path) -> Path | None
     out = (run_dir / t.profile_dir).resolve()
     if jax.process_index() == 0:
         first = (steps[-1] if steps else 0) + t.profile_skip_steps + 1
-        log.info("profiling steps %d..%d into %s", first, min(first + t.profile_steps - 1, t.max_steps), out)
+        last = min(first + t.profile_steps - 1, t.max_steps)
+        log.info("profiling %s into %s", f"steps {first}..{last}" if last > first else f"step {first}", out)
     return out
 
 
