@@ -4,8 +4,9 @@
 
 Reads the newest `*.xplane.pb` under DIR with Google's `xprof` converters and prints, per HLO op category
 (matmul/convolution, fusions by kind, collectives, copies/transposes, custom calls such as attention kernels,
-other), the self time, its share of the profiled steps' wall time and, where the profile has it (GPU/TPU), the
-FLOP rate; then the top-N ops by self time. Device op times come from xprof's `hlo_stats` tool; a CPU trace has
+other), the self time, its share of all device op time ("of dev") and of the profiled steps' wall time ("of step";
+on XLA:CPU ops run on several threads at once, so these can sum past 100%) and, where the profile has it (GPU/TPU),
+the FLOP rate; then the top-N ops by self time. Device op times come from xprof's `hlo_stats` tool; a CPU trace has
 no device planes there, so the XLA ops the CPU runtime traced on its threads are read from xprof's trace
 conversion instead (no FLOP rates then). Steps are the trainer's `train` step annotations that lie wholly
 inside the trace.
@@ -124,14 +125,14 @@ def summarise(xplane: Path, top: int) -> dict:
                                       "gflop": 0.0, "program": e["args"].get("hlo_module")})
             o["occurrences"] += 1
             o["self_us"] += t
-    busy = sum(o["self_us"] for o in ops.values())
-    denom = step_us or busy
+    busy = sum(o["self_us"] for o in ops.values())  # above the steps' wall time where ops overlap (XLA:CPU threads)
 
     def row(label, items):
         t = sum(o["self_us"] for o in items)
         g = sum(o["gflop"] for o in items)
         return {label: items[0][label] if label == "op" else label, "self_ms": round(t / 1e3, 3),
-                "share_of_step": round(t / denom, 4) if denom else None,
+                "share_of_device": round(t / busy, 4) if busy else None,
+                "share_of_step": round(t / step_us, 4) if step_us else None,
                 "tflop_per_s": round(g / (t * 1e-6) / 1e3, 2) if g and t else None}
 
     cats: dict[str, list] = {}
@@ -158,14 +159,15 @@ def print_table(s: dict) -> None:
     print(f"{s['xplane']} ({s['xplane_bytes'] / 1e6:.1f} MB, {s['source']})")
     print(f"profiled steps: {s['steps']} {s['step_nums']}, mean step {s['step_time_ms']} ms, device busy "
           f"{s['device_busy_ms']} ms = {pct(s['device_busy_share']).strip()} of the steps' wall time")
-    print(f"\n{'category':<34} {'ops':>5} {'self ms':>11} {'of step':>8} {'TFLOP/s':>9}")
+    head = f"{'self ms':>11} {'of dev':>8} {'of step':>8} {'TFLOP/s':>9}"
+    cells = lambda r: (f"{r['self_ms']:>11.3f} {pct(r['share_of_device'])} {pct(r['share_of_step'])} "  # noqa: E731
+                       f"{rate(r['tflop_per_s'])}")
+    print(f"\n{'category':<34} {'ops':>5} {head}")
     for r in s["categories"]:
-        print(f"{r['category'][:34]:<34} {r['ops']:>5} {r['self_ms']:>11.3f} {pct(r['share_of_step'])} "
-              f"{rate(r['tflop_per_s'])}")
-    print(f"\n{'top op (self time)':<44} {'category':<22} {'n':>5} {'self ms':>10} {'of step':>8} {'TFLOP/s':>9}")
+        print(f"{r['category'][:34]:<34} {r['ops']:>5} {cells(r)}")
+    print(f"\n{'top op (self time)':<40} {'category':<22} {'n':>5} {head}")
     for r in s["top_ops"]:
-        print(f"{r['op'][:44]:<44} {r['category'][:22]:<22} {r['occurrences']:>5} {r['self_ms']:>10.3f} "
-              f"{pct(r['share_of_step'])} {rate(r['tflop_per_s'])}")
+        print(f"{r['op'][:40]:<40} {r['category'][:22]:<22} {r['occurrences']:>5} {cells(r)}")
 
 
 def main(argv=None) -> int:
