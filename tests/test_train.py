@@ -196,3 +196,16 @@ def test_grad_accumulation_equals_bigger_batch(tiny_dir, tmp_path):
     for k in pb:
         np.testing.assert_allclose(pa[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
     assert not np.allclose(pb[next(k for k in pb if "lora_b" in k)], 0)  # trained, not just initialised
+
+
+def test_profile_window_cut_short_by_the_data_still_writes_the_trace(tiny_dir, tmp_path):
+    """Tunix stops its profiler only at the window's last step; a loop that ended first (the data ran out) never
+    stopped it, and the trace was never written."""
+    rows = Path("tests/data/chat_sample.jsonl").read_text().splitlines(keepends=True)[:12]  # 3 steps of batch 4
+    (tmp_path / "rows.jsonl").write_text("".join(rows))
+    proc = train(tiny_dir, tmp_path / "ck", f"data.train_path={tmp_path / 'rows.jsonl'}", "data.num_epochs=1",
+                 "train.max_steps=8", "train.eval_every_steps=0", "train.profile_dir=prof",
+                 "train.profile_skip_steps=2", "train.profile_steps=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "ck" / "prof").rglob("*.xplane.pb")), proc.stderr[-3000:]
+    assert "training ended inside the profiled steps" in proc.stderr
