@@ -2,7 +2,8 @@
 
     python benchmarks/profile_summary.py DIR [--json OUT] [--top N]
 
-Reads the newest `*.xplane.pb` under DIR with Google's `xprof` converters and prints, per HLO op category
+Reads the newest `*.xplane.pb` (or `*.xplane.pb.gz`; join split parts with `cat` first) under DIR, through a
+scratch copy, with Google's `xprof` converters and prints, per HLO op category
 (matmul/convolution, fusions by kind, collectives, copies/transposes, custom calls such as attention kernels,
 other), the self time, its share of all device op time ("of dev") and of the profiled steps' wall time ("of step";
 on XLA:CPU ops run on several threads at once, so these can sum past 100%) and, where the profile has it (GPU/TPU),
@@ -19,9 +20,12 @@ benchmarks/profile_summary.py runs/NAME/prof`. The script imports nothing else f
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 COLLECTIVE = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "send", "recv",
@@ -54,10 +58,20 @@ def category(name: str, hint: str = "") -> str:
 
 
 def newest_xplane(root: Path) -> Path:
-    found = sorted(root.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    """The newest `*.xplane.pb` (or `*.xplane.pb.gz`, as a device run may send it back) under `root`."""
+    found = sorted([*root.rglob("*.xplane.pb"), *root.rglob("*.xplane.pb.gz")], key=lambda p: p.stat().st_mtime)
     if not found:
         raise SystemExit(f"error: {root}: no *.xplane.pb under it (train.profile_dir's trace)")
     return found[-1]
+
+
+def working_copy(xplane: Path, into: Path) -> Path:
+    """The trace copied (or gunzipped) into a scratch folder: xprof writes its cache (`ALL_HOSTS.op_stats*.pb`)
+    beside the file it reads, and the profile's own folder may be read-only or not ours to write to."""
+    out = into / xplane.name.removesuffix(".gz")
+    with (gzip.open(xplane) if xplane.suffix == ".gz" else open(xplane, "rb")) as src, open(out, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return out
 
 
 def tool(xplane: Path, name: str):
@@ -96,6 +110,12 @@ def self_times(events: list[dict]) -> list[tuple[dict, float]]:
 
 
 def summarise(xplane: Path, top: int) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        return _summarise(working_copy(xplane, Path(scratch)), top) | {"xplane": str(xplane),
+                                                                       "xplane_bytes": xplane.stat().st_size}
+
+
+def _summarise(xplane: Path, top: int) -> dict:
     trace = tool(xplane, "trace_viewer")
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     # the trainer's jax.profiler.StepTraceAnnotation("train", step_num=...), 0-based loop iterations
