@@ -9,8 +9,7 @@ other), the self time, its share of all device op time ("of dev") and of the pro
 on XLA:CPU ops run on several threads at once, so these can sum past 100%) and, where the profile has it (GPU/TPU),
 the FLOP rate; then the top-N ops by self time. Device op times come from xprof's `hlo_stats` tool; a CPU trace has
 no device planes there, so the XLA ops the CPU runtime traced on its threads are read from xprof's trace
-conversion instead (no FLOP rates then). Steps are the trainer's `train` step annotations that lie wholly
-inside the trace.
+conversion instead (no FLOP rates then). Steps are the trainer's `train` step annotations in the trace.
 
 `xprof` is not a dependency of the project (it pins its own numpy/protobuf): install it aside and run this with
 a plain Python, e.g. `pip install --target /tmp/xprof xprof; PYTHONPATH=/tmp/xprof python3
