@@ -1,6 +1,7 @@
 """Typed config: YAML + dotted overrides, unknown keys and bad types rejected by name."""
 
 
+import os
 import re
 
 import pytest
@@ -404,3 +405,18 @@ def test_a_list_override_split_by_the_shell_says_to_quote_it():
         load_config(None, ["lora.targets=[q_proj,", "v_proj]"])
     assert load_config(None, ["lora.targets=[q_proj, v_proj]"]).lora.targets == ["q_proj", "v_proj"]
     assert load_config(None, ["lora.targets=[q_proj,v_proj]"]).lora.targets == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.profile_dir=prof", "train.profile_skip_steps=-1"], "train.profile_skip_steps must be at least 0, got -1"),
+    (["train.profile_dir=prof", "train.profile_steps=0"], "train.profile_steps must be positive, got 0"),
+    (["train.profile_dir=prof", "train.profile_skip_steps=5"],  # tiny: max_steps 6
+     "train.profile_skip_steps=5 + train.profile_steps=2 go past train.max_steps=6"),
+    (["train.profile_dir="], "train.profile_dir is empty"),
+])
+def test_bad_profile_window_is_refused_naming_the_key(overrides, message):
+    """A profile window Tunix would refuse (a ValueError once the model had loaded) or cut short, named at load."""
+    with pytest.raises(UserError, match=rf"override '{re.escape(overrides[-1])}': {re.escape(message)}"):
+        load_config(REPO / "configs/tiny.yaml", overrides)
+    cfg = load_config(REPO / "configs/tiny.yaml", ["train.profile_dir=~/p", "train.profile_skip_steps=4"])
+    assert cfg.train.profile_dir == os.path.expanduser("~/p") and cfg.train.profile_steps == 2

@@ -56,10 +56,23 @@ def test_run_writes_checkpoints_metadata_and_metrics(reference_run):
     assert len(l) == 8 and l[-1] < l[0]
 
 
-def test_same_seed_same_losses(tiny_dir, reference_run, tmp_path):
-    proc = train(tiny_dir, tmp_path / "again", "train.max_steps=8", "checkpoint.every_steps=2")
+def test_same_seed_same_losses_with_profiling_on(tiny_dir, reference_run, tmp_path):
+    """Same seed, same losses; this run also profiles steps 3..4 (train.profile_dir, relative to the run dir):
+    the trace is written where the log says, and profiling changes no loss."""
+    proc = train(tiny_dir, tmp_path / "again", "train.max_steps=8", "checkpoint.every_steps=2",
+                 "train.profile_dir=prof")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(tmp_path / "again") == losses(reference_run)
+    traces = list((tmp_path / "again" / "prof" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0, traces
+    assert f"profiling steps 3..4 into {tmp_path / 'again' / 'prof'}" in proc.stderr
+    assert f"profile written: {traces[0]}" in proc.stderr
+
+
+def test_profile_window_past_max_steps_is_one_line_error(tiny_dir, tmp_path):
+    proc = train(tiny_dir, tmp_path / "ck", "train.profile_dir=prof", "train.profile_steps=9")
+    assert_one_line_error(proc, "train.profile_steps=9", "train.max_steps=6")
+    assert not (tmp_path / "ck").exists()
 
 
 def test_lora_dropout_trains_and_resumes_to_the_same_params(tiny_dir, reference_run, tmp_path):
@@ -183,3 +196,16 @@ def test_grad_accumulation_equals_bigger_batch(tiny_dir, tmp_path):
     for k in pb:
         np.testing.assert_allclose(pa[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
     assert not np.allclose(pb[next(k for k in pb if "lora_b" in k)], 0)  # trained, not just initialised
+
+
+def test_profile_window_cut_short_by_the_data_still_writes_the_trace(tiny_dir, tmp_path):
+    """Tunix stops its profiler only at the window's last step; a loop that ended first (the data ran out) never
+    stopped it, and the trace was never written."""
+    rows = Path("tests/data/chat_sample.jsonl").read_text().splitlines(keepends=True)[:12]  # 3 steps of batch 4
+    (tmp_path / "rows.jsonl").write_text("".join(rows))
+    proc = train(tiny_dir, tmp_path / "ck", f"data.train_path={tmp_path / 'rows.jsonl'}", "data.num_epochs=1",
+                 "train.max_steps=8", "train.eval_every_steps=0", "train.profile_dir=prof",
+                 "train.profile_skip_steps=2", "train.profile_steps=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "ck" / "prof").rglob("*.xplane.pb")), proc.stderr[-3000:]
+    assert "training ended inside the profiled steps" in proc.stderr

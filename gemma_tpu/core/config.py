@@ -107,6 +107,11 @@ class TrainConfig:
     log_every_steps: int = 1
     on_nonfinite: Literal["stop", "skip"] = "stop"
     run_dir: str | None = None  # metrics.jsonl and TensorBoard; default: checkpoint.dir
+    # JAX profiler trace (XProf/TensorBoard `*.xplane.pb`) of a few steps, written by process 0 only; a relative
+    # path is under the run dir (train.run_dir, else checkpoint.dir); null: no profiling
+    profile_dir: str | None = None
+    profile_skip_steps: int = 2  # steps of this session run before profiling (the first ones compile)
+    profile_steps: int = 2  # optimizer steps profiled (each with all its grad_accum_steps micro-batches)
 
 
 @dataclasses.dataclass
@@ -626,7 +631,8 @@ def blame(message: str, where: str, overrides: Sequence[str], lines: dict[str, i
 
 # Local paths a run reads or writes, `~` expanded: the shell leaves `checkpoint.dir=~/runs/a` alone (not a
 # variable assignment), and the run wrote a directory named `~` in the working directory.
-PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"), ("train", "run_dir"))
+PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"), ("train", "run_dir"),
+             ("train", "profile_dir"))
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
@@ -711,6 +717,14 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"train.seed must be below 2**63 (a 64-bit signed integer), got {t.seed}")
     at_least("train.eval_every_steps", t.eval_every_steps, 0)
     at_least("train.log_every_steps", t.log_every_steps, 1, "positive")
+    at_least("train.profile_skip_steps", t.profile_skip_steps, 0)
+    at_least("train.profile_steps", t.profile_steps, 1, "positive")
+    if t.profile_dir is not None:
+        if not t.profile_dir.strip():  # else the run dir itself, among the checkpoints
+            bad("train.profile_dir is empty (give a directory, or null for no profiling)")
+        if t.profile_skip_steps + t.profile_steps > t.max_steps:  # Tunix would cut it short or refuse it
+            bad(f"train.profile_skip_steps={t.profile_skip_steps} + train.profile_steps={t.profile_steps} "
+                f"go past train.max_steps={t.max_steps}")
     if t.schedule != "constant" and t.warmup_steps > t.max_steps:
         bad(f"train.warmup_steps={t.warmup_steps} is longer than train.max_steps={t.max_steps}")
     if not cfg.checkpoint.dir.strip():  # else the working directory: checkpoints among the user's files

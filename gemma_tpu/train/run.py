@@ -222,6 +222,8 @@ def run(cfg: RunConfig) -> dict:
         from tunix.sft import metrics_logger
         from tunix.sft.peft_trainer import TrainingConfig
 
+        from gemma_tpu.train.tunix_adapter import profiler_options
+
         if primary:
             for d, key in locked_dirs(cfg):  # one writer per run directory, from the first write on
                 run_lock.acquire(d, key)
@@ -230,6 +232,7 @@ def run(cfg: RunConfig) -> dict:
                             "complete one", p)
             checkpoint.write_metadata(ckpt_dir, meta)
         run_dir = Path(cfg.train.run_dir or ckpt_dir)
+        profile_dir = profile_window(cfg, run_dir, ckpt_dir)
         tcfg = TrainingConfig(
             eval_every_n_steps=cfg.train.eval_every_steps or cfg.train.max_steps,
             max_steps=cfg.train.max_steps,
@@ -242,6 +245,9 @@ def run(cfg: RunConfig) -> dict:
                 log_dir=str((run_dir / "tensorboard").resolve()), flush_every_n_steps=1),
             data_sharding_axis=mesh_lib.DATA_SHARDING_AXIS,
             pbar_description="train",
+            profiler_options=(profiler_options(str(profile_dir), cfg.train.profile_skip_steps,
+                                               cfg.train.profile_steps, cfg.train.grad_accum_steps)
+                              if profile_dir else None),
         )
         chunk = 1024
         step_flops = flops_lib.training_flops(tunix_cfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
@@ -273,10 +279,39 @@ def run(cfg: RunConfig) -> dict:
         with trainer.compile_counter:
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
+    if profile_dir and primary:
+        traces = sorted(profile_dir.glob("plugins/profile/*/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+        if traces:
+            log.info("profile written: %s (summary: python benchmarks/profile_summary.py %s)", traces[-1],
+                     profile_dir)
+        else:
+            log.warning("no profile written under %s", profile_dir)
     if primary:
         write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))  # never a cut-short one
     log.info("done: %s", json.dumps(summary))
     return summary
+
+
+def profile_window(cfg: RunConfig, run_dir: Path, ckpt_dir: Path) -> Path | None:
+    """Where this session's profiler trace goes (train.profile_dir, relative to the run dir), or None: no
+    profiling, or a resumed run whose remaining steps end before the profiled window starts."""
+    t = cfg.train
+    if t.profile_dir is None:
+        return None
+    steps = checkpoint.list_steps(ckpt_dir)
+    left = t.max_steps - (steps[-1] if steps else 0)
+    if t.profile_skip_steps >= left:
+        log.warning("not profiling: train.profile_skip_steps=%d is not below the %d step(s) left to train",
+                    t.profile_skip_steps, left)
+        return None
+    import jax
+
+    out = (run_dir / t.profile_dir).resolve()
+    if jax.process_index() == 0:
+        first = (steps[-1] if steps else 0) + t.profile_skip_steps + 1
+        last = min(first + t.profile_steps - 1, t.max_steps)
+        log.info("profiling %s into %s", f"steps {first}..{last}" if last > first else f"step {first}", out)
+    return out
 
 
 def effective_remat(cfg: RunConfig) -> str:

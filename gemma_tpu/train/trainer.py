@@ -396,6 +396,8 @@ class Trainer(TunixTrainer):
 
     def close(self):
         self._closing = True
+        if self.stop_profiler():  # the loop ended inside the profiled window
+            log.warning("training ended inside the profiled steps; the trace holds fewer steps")
         return super().close()
 
     def write_last_record(self) -> None:

@@ -21,7 +21,9 @@ Tunix 0.1.7 offers no public way to do the following, so each is wrapped once, b
   which the compile counter watches for in JAX's compile log;
 * reach the Orbax manager inside Tunix's CheckpointManager (`_checkpoint_manager`): its public
   surface (`save`, `latest_step`, `maybe_restore`, `close`) cannot wait for an async save to finish
-  or ask whether a step is due, which the finite-state guard (`finite_guard`) needs.
+  or ask whether a step is due, which the finite-state guard (`finite_guard`) needs;
+* stop the JAX profiler Tunix started (`_prof`) when the loop ends before the profiled window does (the data ran
+  out, a stop): Tunix stops it only at the window's last step, and a trace never stopped is never written.
 
 After a Tunix upgrade, this module is what to check (the resume, metrics and SIGTERM tests exercise it).
 """
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunix.sft import peft_trainer
+from tunix.sft import peft_trainer, profiler
 
 TUNIX_VERSION = "0.1.7"  # the version these private names were read from
 TRAIN_STEP_FN = "_train_step"  # jit names of PeftTrainer's step methods, as JAX logs their compiles
@@ -41,6 +43,16 @@ def orbax_manager(checkpoint_manager) -> Any | None:
     """The `orbax.checkpoint.CheckpointManager` inside Tunix's CheckpointManager (None when checkpointing
     is off)."""
     return getattr(checkpoint_manager, "_checkpoint_manager", None)
+
+
+def profiler_options(log_dir: str, skip_steps: int, steps: int, grad_accum_steps: int = 1):
+    """Tunix's ProfilerOptions for `steps` optimizer steps after the session's first `skip_steps`: Tunix counts
+    loop iterations (micro-batches), so both are scaled by the gradient accumulation."""
+    k = max(1, grad_accum_steps)
+    # python_tracer_level 0: Tunix's default (1) traces every Python call, 85% of the events of a tiny CPU
+    # trace, which a device breakdown does not read and which swell the file
+    return profiler.ProfilerOptions(log_dir=log_dir, skip_first_n_steps=skip_steps * k, profiler_steps=steps * k,
+                                    python_tracer_level=0)
 
 
 class TunixTrainer(peft_trainer.PeftTrainer):
@@ -82,6 +94,19 @@ class TunixTrainer(peft_trainer.PeftTrainer):
     def learning_rate(self):
         """The current learning rate, or None; an override may look further and fall back to this."""
         return peft_trainer.PeftTrainer._try_get_learning_rate(self)
+
+    def stop_profiler(self) -> bool:
+        """Stop the JAX profiler if this trainer started it and the window has not ended (writes the trace);
+        True if it was running."""
+        prof = getattr(self, "_prof", None)
+        if prof is None or not getattr(prof, "_started_by_this_instance", False):
+            return False
+        import jax
+
+        jax.profiler.stop_trace()
+        profiler.Profiler._is_active = False
+        prof._started_by_this_instance = False
+        return True
 
     # ---- Tunix's private hooks, routed to the public names above -----------------------
     def _write_metrics(self, metrics_buffer):

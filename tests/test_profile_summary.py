@@ -1,0 +1,79 @@
+"""benchmarks/profile_summary.py: op categories, self times, the one-line error without xprof, and (when xprof is
+installed) a summary of a real JAX trace (the training run that writes one: test_train's profiling test)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+spec = importlib.util.spec_from_file_location("profile_summary", REPO / "benchmarks" / "profile_summary.py")
+ps = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ps)
+
+
+@pytest.mark.parametrize("name, hint, expected", [
+    ("all-reduce.3", "", "collective"),
+    ("fusion.12", "all-gather fusion", "collective"),
+    ("dot.5", "", "matmul/convolution"),
+    ("cublas-gemm.1", "custom-call", "matmul/convolution"),
+    ("custom-call.7", "custom-call", "custom call (attention etc.)"),
+    ("__cudnn$fmha", "", "custom call (attention etc.)"),
+    ("copy_bitcast_fusion.13", "", "copy/transpose"),
+    ("fusion.4", "data formatting", "copy/transpose"),
+    ("loop_multiply_fusion.2", "", "fusion: loop"),
+    ("fusion.9", "output fusion", "fusion: output"),
+    ("ynn_fusion.63", "", "fusion: ynn (CPU dot library)"),
+    ("subtract_exponential_fusion", "", "fusion: other"),
+    ("rng-bit-generator", "", "other"),
+])
+def test_categories(name, hint, expected):
+    assert ps.category(name, hint) == expected
+
+
+def test_self_time_subtracts_nested_events_on_the_same_thread_only():
+    ev = [{"name": "outer", "pid": 1, "tid": 1, "ts": 0, "dur": 10}, {"name": "inner", "pid": 1, "tid": 1, "ts": 2,
+          "dur": 3}, {"name": "next", "pid": 1, "tid": 1, "ts": 10, "dur": 4},
+          {"name": "other thread", "pid": 1, "tid": 2, "ts": 1, "dur": 5}]
+    got = {e["name"]: t for e, t in ps.self_times(ev)}
+    assert got == {"outer": 7, "inner": 3, "next": 4, "other thread": 5}
+
+
+def test_without_xprof_one_line_error_naming_the_install(tmp_path):
+    code = ("import sys, runpy; sys.modules['xprof'] = None; sys.argv = ['profile_summary.py', sys.argv[1]]; "
+            "runpy.run_path('benchmarks/profile_summary.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the xprof package is missing") \
+        and "pip install xprof" in lines[0], proc.stderr
+
+
+def test_summary_of_a_jax_trace(tmp_path):
+    """Two annotated steps of a jitted matmul + softmax, traced by JAX in a child process, summarised."""
+    pytest.importorskip("xprof.convert.raw_to_tool_data")
+    code = """
+import sys, jax, jax.numpy as jnp
+f = jax.jit(lambda a: jax.nn.softmax(a @ a.T).sum())
+a = jnp.ones((256, 256)); f(a).block_until_ready()
+jax.profiler.start_trace(sys.argv[1])
+for i in range(2):
+    with jax.profiler.StepTraceAnnotation("train", step_num=i):
+        f(a).block_until_ready()
+jax.profiler.stop_trace()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # xprof's own numpy/protobuf stay out of jax's way
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "prof")], cwd=REPO, capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = ps.summarise(ps.newest_xplane(tmp_path / "prof"), top=5)
+    assert s["steps"] == 2 and s["step_nums"] == [1, 2] and s["step_time_ms"] > 0
+    assert any(r["category"] == "matmul/convolution" or r["category"].startswith("fusion") for r in s["categories"])
+    assert sum(r["share_of_device"] for r in s["categories"]) == pytest.approx(1.0, abs=1e-3)
+    assert all(r["share_of_step"] > 0 for r in s["categories"] if r["self_ms"] > 0.01)
+    assert len(s["top_ops"]) <= 5 and s["top_ops"][0]["self_ms"] > 0
