@@ -29,7 +29,7 @@ from pathlib import Path
 
 COLLECTIVE = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "send", "recv",
               "all_reduce", "all_gather", "reduce_scatter", "nccl")
-MATMUL = ("dot", "convolution", "gemm", "cublas", "matmul")
+MATMUL = ("dot", "convolution", "gemm", "cublas", "matmul", "nvjet", "xmma", "cutlass")  # cuBLAS kernel names too
 CUSTOM = ("custom-call", "custom_call", "cudnn", "flash", "attention", "triton", "mosaic", "pallas", "splash")
 COPY = ("copy", "transpose", "bitcast", "data formatting", "dynamic-update-slice", "dynamic_update_slice",
         "memcpy", "memset")
@@ -108,6 +108,19 @@ def self_times(events: list[dict]) -> list[tuple[dict, float]]:
     return out
 
 
+HOST_EVENTS = ("command_buffer::update", "command_buffer::execute")
+
+
+def gpu_kernels(trace: dict, events: list[dict]) -> list[dict]:
+    """The kernel events on the lines named `Stream #N(...)` of `/device:GPU:0` (XLA's GPU trace layout)."""
+    meta = [e for e in trace.get("traceEvents", []) if e.get("ph") == "M"]
+    gpu = {e["pid"] for e in meta if e.get("name") == "process_name"
+           and str(e.get("args", {}).get("name", "")).startswith("/device:GPU:0")}
+    streams = {(e["pid"], e.get("tid")) for e in meta if e.get("name") == "thread_name" and e.get("pid") in gpu
+               and str(e.get("args", {}).get("name", "")).startswith("Stream #")}
+    return [e for e in events if (e["pid"], e.get("tid")) in streams]
+
+
 def summarise(xplane: Path, top: int) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         return _summarise(working_copy(xplane, Path(scratch)), top) | {"xplane": str(xplane),
@@ -133,6 +146,15 @@ def _summarise(xplane: Path, top: int) -> dict:
             o["self_us"] += t
             o["gflop"] += float(r.get("model_flop_rate") or 0.0) * t * 1e-6  # GFLOP/s × s
             o.setdefault("program", r.get("program_id"))
+    elif kernels := gpu_kernels(trace, events):
+        # GPU without hlo_stats rows: XLA ran the step as a CUDA graph (command buffer), so its op line holds one
+        # "command_buffer" op; the kernels the graph ran are on the GPU's stream lines, named after their fusions
+        source = "xprof trace (GPU stream kernels)"
+        for e in kernels:
+            o = ops.setdefault(e["name"], {"op": e["name"], "category": category(e["name"]), "occurrences": 0,
+                                           "self_us": 0.0, "gflop": 0.0})
+            o["occurrences"] += 1
+            o["self_us"] += e["dur"]
     else:  # CPU: the XLA ops the runtime traced (events carrying `hlo_op`), on the first device
         source = "xprof trace (XLA CPU runtime events)"
         xla = [e for e in events if "hlo_op" in e.get("args", {})]
@@ -160,8 +182,11 @@ def _summarise(xplane: Path, top: int) -> dict:
     by_cat = sorted(({**row("category", v), "category": k, "ops": len(v)} for k, v in cats.items()),
                     key=lambda r: -r["self_ms"])
     tops = sorted(ops.values(), key=lambda o: -o["self_us"])[:top]
+    # host time XLA spends updating a CUDA graph before launching it (buffer addresses changed): the GPU waits
+    host = {name: sum(e["dur"] for e in events if e["name"] == name) for name in HOST_EVENTS}
     return {
         "xplane": str(xplane), "xplane_bytes": xplane.stat().st_size, "source": source,
+        "host_ms_per_step": {k: round(v / len(steps) / 1e3, 3) for k, v in host.items() if v and steps},
         "steps": len(steps), "step_nums": sorted(int(e["args"]["step_num"]) + 1 for e in steps),
         "step_time_ms": round(step_us / len(steps) / 1e3, 3) if steps else None,
         "device_busy_ms": round(busy / 1e3, 3),
@@ -178,6 +203,8 @@ def print_table(s: dict) -> None:
     print(f"{s['xplane']} ({s['xplane_bytes'] / 1e6:.1f} MB, {s['source']})")
     print(f"profiled steps: {s['steps']} {s['step_nums']}, mean step {s['step_time_ms']} ms, device busy "
           f"{s['device_busy_ms']} ms = {pct(s['device_busy_share']).strip()} of the steps' wall time")
+    for name, ms in s.get("host_ms_per_step", {}).items():
+        print(f"host {name}: {ms} ms a step")
     head = f"{'self ms':>11} {'of dev':>8} {'of step':>8} {'TFLOP/s':>9}"
     cells = lambda r: (f"{r['self_ms']:>11.3f} {pct(r['share_of_device'])} {pct(r['share_of_step'])} "  # noqa: E731
                        f"{rate(r['tflop_per_s'])}")

@@ -30,6 +30,10 @@ spec.loader.exec_module(ps)
     ("ynn_fusion.63", "", "fusion: ynn (CPU dot library)"),
     ("subtract_exponential_fusion", "", "fusion: other"),
     ("rng-bit-generator", "", "other"),
+    ("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", "", "matmul/convolution"),  # cuBLAS kernels in a GPU trace
+    ("gemm_fusion_dot_627", "", "matmul/convolution"),
+    ("input_add_reduce_fusion_179", "", "fusion: input"),
+    ("fusion_4440", "", "fusion: other"),
 ])
 def test_categories(name, hint, expected):
     assert ps.category(name, hint) == expected
@@ -41,6 +45,19 @@ def test_self_time_subtracts_nested_events_on_the_same_thread_only():
           {"name": "other thread", "pid": 1, "tid": 2, "ts": 1, "dur": 5}]
     got = {e["name"]: t for e, t in ps.self_times(ev)}
     assert got == {"outer": 7, "inner": 3, "next": 4, "other thread": 5}
+
+
+def test_gpu_kernels_are_the_stream_lines_of_the_gpu():
+    """A CUDA-graph step shows one command_buffer op on XLA's op line; the kernels are on the Stream lines."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #14(Memset,Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops - from #14"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #14 lookalike"}}]
+    events = [{"ph": "X", "name": "nvjet_x", "pid": 1, "tid": 7, "ts": 0, "dur": 5},
+              {"ph": "X", "name": "command_buffer_1", "pid": 1, "tid": 8, "ts": 0, "dur": 9},
+              {"ph": "X", "name": "host_thing", "pid": 2, "tid": 7, "ts": 0, "dur": 3}]
+    assert [e["name"] for e in ps.gpu_kernels({"traceEvents": meta + events}, events)] == ["nvjet_x"]
 
 
 def test_without_xprof_one_line_error_naming_the_install(tmp_path):
