@@ -165,3 +165,26 @@ def test_ctrl_c_mid_run_saves_the_step_like_sigterm(tiny_dir, reference, tmp_pat
     assert proc.wait(timeout=60) == 130, tail(log2)
     assert "error: interrupted" in log2.read_text(errors="replace")
     assert not (ckpt2 / "gemma_tpu_run.lock").exists()
+
+
+def test_tensorboard_close_is_bounded_when_its_stop_signal_never_arrives(tmp_path, monkeypatch, caplog):
+    """A second Ctrl-C landing inside the TensorBoard queue's machinery left the stop signal undelivered: the
+    exit-time close joined the writer thread forever ("error: interrupted", then a hang). Close now gives up
+    after TENSORBOARD_STOP_S with a warning (the thread is a daemon: the process exits without it)."""
+    import threading
+
+    from tensorboardX import SummaryWriter
+
+    from gemma_tpu.train import trainer
+
+    trainer.guard_tensorboard_writer()
+    monkeypatch.setattr(trainer, "TENSORBOARD_STOP_S", 0.5)
+    writer = SummaryWriter(str(tmp_path))
+    writer.add_scalar("loss", 1.0, 1)
+    events = writer._get_file_writer().event_writer
+    monkeypatch.setattr(events._event_queue, "put", lambda *a, **k: None)  # what the interrupted queue did
+    closing = threading.Thread(target=writer.close, daemon=True)
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive(), "close() still waiting for the writer thread"
+    assert "TensorBoard: the event writer did not stop within 0 s" in caplog.text

@@ -183,13 +183,20 @@ def append_jsonl(path: Path, rec: dict) -> None:
         raise OSError(e.errno, e.strerror, str(path)) from e
 
 
+TENSORBOARD_STOP_S = 10.0
+
+
 def guard_tensorboard_writer() -> None:
     """Keep a failing TensorBoard writer from hanging the run. tensorboardX queues events (at most 10) for a
     writer thread; when a write of that thread failed (a full disk), the thread ended with a traceback and the
     next `put` on the full queue blocked forever: a run whose disk filled hung (jax's monitoring events, which
     Tunix sends to TensorBoard, are recorded inside Orbax's save) instead of reporting the failure. Now the
     thread's failure is one warning and later events are dropped; the run goes on to fail, or not, on its own
-    writes (metrics.jsonl, the checkpoint), which say so in one line."""
+    writes (metrics.jsonl, the checkpoint), which say so in one line.
+
+    Closing waits at most TENSORBOARD_STOP_S for the writer thread: a second Ctrl-C ("stop at once") can land inside
+    the queue's own machinery, after which the stop signal never reached the thread and the exit-time close joined
+    it forever (the process printed "error: interrupted" and hung)."""
     try:
         from tensorboardX import event_file_writer as efw
     except ImportError:
@@ -229,13 +236,23 @@ def guard_tensorboard_writer() -> None:
         if self._closed:
             return
         self.flush()
-        if self._worker.is_alive():
-            self._worker.stop()
-        try:
-            self._ev_writer.close()
-        except OSError:
-            pass  # flush said so
-        self._event_queue.close()
+        worker, events = self._worker, self._event_queue
+        if worker.is_alive():
+            try:
+                events.put(worker._shutdown_signal, timeout=1.0)
+            except (queue.Full, ValueError, OSError):  # full, or closed under us
+                pass
+            worker.join(timeout=TENSORBOARD_STOP_S)
+        if worker.is_alive():  # a daemon thread: the process exits without it
+            log.warning("TensorBoard: the event writer did not stop within %.0f s; its last events may be lost",
+                        TENSORBOARD_STOP_S)
+        else:
+            try:
+                self._ev_writer.close()
+            except OSError:
+                pass  # flush said so
+        events.close()
+        events.cancel_join_thread()  # nor wait at exit for a feeder thread whose reader is gone
         self._event_queue, self._worker, self._closed = None, None, True
 
     add_event._gemma_tpu_guard = True
