@@ -50,13 +50,16 @@ def batch_of(prepared, rows=None):
 
 
 def loss_and_grads(model, batch):
+    """Jitted (as the trainer's step is): eagerly, every op compiled for each batch shape, and the file's exactness
+    tests took 214 s instead of 156 s (the real 270M's 144 s instead of 129 s, same peak RSS) on the AVX2 EPYC."""
     import jax
     from flax import nnx
 
     from gemma_tpu.train.loss import sparse_loss
 
-    loss, grads = nnx.value_and_grad(lambda m: sparse_loss(m, **batch, chunk=64),
-                                     argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    step = nnx.jit(nnx.value_and_grad(lambda m, b: sparse_loss(m, **b, chunk=64),
+                                      argnums=nnx.DiffState(0, nnx.LoRAParam)))
+    loss, grads = step(model, batch)
     return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
