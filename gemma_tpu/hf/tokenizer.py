@@ -92,7 +92,7 @@ def _named_class(d: Path):
     directory names. AutoTokenizer departs from the named class only for remote code (`auto_map`) and for model
     types it knows to name a wrong class; Gemma's are not among them, so a directory whose config.json says a
     Gemma model type (or has no config.json) gets the named class, as AutoTokenizer would give it
-    (tests/test_tokenizer_load.py compares the two)."""
+    (tests/test_models.py and, on the real tokenizer, tests/test_assets.py compare the two)."""
     if not d.is_dir():
         return None
     try:
