@@ -36,6 +36,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("real_model"))
 
 
+@pytest.fixture(autouse=True)
+def signals_as_found(request):
+    """Each test starts with the worker's Ctrl-C and SIGTERM handling as the one before found it: a test that left
+    SIGINT ignored, handled or blocked (a suite run, 2026-11-27: tests/test_interrupts.py then lost its Ctrl-C, in
+    process and in its children, which inherit an ignored or blocked signal) is named in a warning, and the
+    handlers and signal mask are put back."""
+    import signal
+    import warnings
+
+    watched = (signal.SIGINT, signal.SIGTERM)
+    handlers = {s: signal.getsignal(s) for s in watched}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    now = {s: signal.getsignal(s) for s in watched}
+    now_blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if now != handlers or now_blocked != blocked:
+        warnings.warn(f"{request.node.nodeid} left signal handling changed (handlers {now}, blocked "
+                      f"{sorted(int(b) for b in now_blocked)}); restored")
+        for s, h in handlers.items():
+            if h is not None:
+                signal.signal(s, h)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A 2-layer random Gemma3ForCausalLM (GQA: 4 heads, 2 KV heads) as a real HF directory."""
