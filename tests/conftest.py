@@ -36,28 +36,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("real_model"))
 
 
-@pytest.fixture(autouse=True)
-def signals_as_found(request):
-    """Each test starts with the worker's Ctrl-C and SIGTERM handling as the one before found it: a test that left
-    SIGINT ignored, handled or blocked (a suite run, 2026-11-27: tests/test_interrupts.py then lost its Ctrl-C, in
-    process and in its children, which inherit an ignored or blocked signal) is named in a warning, and the
-    handlers and signal mask are put back."""
+def _signal_state() -> tuple:
+    import signal
+
+    return ({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)},
+            signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+_SIGNALS_AT_START = _signal_state()  # this process's Ctrl-C and SIGTERM handling before any test ran
+
+
+def _put_signals_back(where: str) -> None:
     import signal
     import warnings
 
-    watched = (signal.SIGINT, signal.SIGTERM)
-    handlers = {s: signal.getsignal(s) for s in watched}
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if _signal_state() == _SIGNALS_AT_START:
+        return
+    handlers, blocked = _signal_state()
+    warnings.warn(f"{where}: signal handling changed (handlers {handlers}, blocked "
+                  f"{sorted(int(b) for b in blocked)}); put back as the process started")
+    for s, h in _SIGNALS_AT_START[0].items():
+        if h is not None:
+            signal.signal(s, h)
+    signal.pthread_sigmask(signal.SIG_SETMASK, _SIGNALS_AT_START[1])
+
+
+@pytest.fixture(autouse=True)
+def signals_as_found(request):
+    """Each test starts with the worker's Ctrl-C and SIGTERM handling as the process started with it: a test (or a
+    fixture it set up) that left SIGINT ignored, handled or blocked (a suite run, 2026-11-27: tests/test_interrupts.py
+    then lost its Ctrl-C, in process and in its children, which inherit an ignored or blocked signal) is named in a
+    warning, and the handlers and signal mask are put back, before the next test and after this one."""
+    _put_signals_back(f"before {request.node.nodeid} (set by an earlier test's fixture or teardown)")
     yield
-    now = {s: signal.getsignal(s) for s in watched}
-    now_blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    if now != handlers or now_blocked != blocked:
-        warnings.warn(f"{request.node.nodeid} left signal handling changed (handlers {now}, blocked "
-                      f"{sorted(int(b) for b in now_blocked)}); restored")
-        for s, h in handlers.items():
-            if h is not None:
-                signal.signal(s, h)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    _put_signals_back(f"after {request.node.nodeid}")
 
 
 @pytest.fixture(scope="session")
