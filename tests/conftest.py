@@ -50,9 +50,10 @@ def _put_signals_back(where: str) -> None:
     import signal
     import warnings
 
-    if _signal_state() == _SIGNALS_AT_START:
+    now = _signal_state()
+    if now == _SIGNALS_AT_START:
         return
-    handlers, blocked = _signal_state()
+    handlers, blocked = now
     warnings.warn(f"{where}: signal handling changed (handlers {handlers}, blocked "
                   f"{sorted(int(b) for b in blocked)}); put back as the process started")
     for s, h in _SIGNALS_AT_START[0].items():
