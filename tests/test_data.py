@@ -911,6 +911,33 @@ def test_eval_batches_cover_every_row_once(chat_file, tok):
             np.testing.assert_array_equal(whole[k][key][1::2], halves[1][k][key])
 
 
+
+@pytest.mark.parametrize("strategy", ["pad", "pack"])
+def test_token_weighted_eval_batches_mean_is_the_mean_over_tokens(chat_file, tok, strategy):
+    """The trainer's eval loss is Tunix's plain mean of batch means; `loss_scale` makes that the mean over loss
+    tokens (batches hold different numbers of them), as `gemma_tpu.evaluate` reports, for every process's share."""
+    p = prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy=strategy), 0)
+    rng = np.random.default_rng(0)
+    nll = {i: rng.uniform(0, 5, p.row_arrays(i)["loss_weights"].shape) for i in range(len(p.rows))}
+    bs = eval_batches(p, 4, token_weighted=True)
+    w_all = np.concatenate([p.row_arrays(i)["loss_weights"] for i in range(len(p.rows))]).astype(float)
+    per_token = sum((nll[i] * p.row_arrays(i)["loss_weights"]).sum() for i in range(len(p.rows))) / w_all.sum()
+    batch_means, pos = [], 0
+    for b in bs:
+        rows = [nll[i] for i in range(pos, min(pos + 4, len(p.rows)))]
+        pos += 4
+        w = b["loss_weights"][:len(rows)].astype(float)
+        batch_means.append((np.stack(rows) * w).sum() / max(w.sum(), 1.0) * float(b["loss_scale"][0]))
+        assert b["loss_scale"].shape == (4,) and len(set(b["loss_scale"].tolist())) == 1
+    assert len({round(float(b["loss_scale"][0]), 6) for b in bs}) > 1  # batches do differ in loss tokens
+    assert np.mean(batch_means) == pytest.approx(per_token, rel=1e-5)
+    # two processes: the same scale in both shares of a batch (the whole batch's share of the tokens)
+    halves = [eval_batches(p, 4, process_index=i, process_count=2, token_weighted=True) for i in range(2)]
+    for k, b in enumerate(bs):
+        np.testing.assert_array_equal(halves[0][k]["loss_scale"], b["loss_scale"][:2])
+        np.testing.assert_array_equal(halves[1][k]["loss_scale"], b["loss_scale"][:2])
+    assert "loss_scale" not in eval_batches(p, 4)[0]
+
 # -------------------------------------------------------------------------------------- grain
 
 

@@ -298,22 +298,34 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: s
 
 
 def eval_batches(prepared: Prepared, batch_size: int, max_batches: int | None = None, process_index: int = 0,
-                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+                 process_count: int = 1, token_weighted: bool = False) -> list[dict[str, np.ndarray]]:
     """Every eval row once, in file order; the last batch is completed with weightless empty rows.
 
     With several processes each returns its share of every global batch (rows `i::process_count`),
     so the global eval batch is `batch_size` rows and every host has the same number of batches.
+    `token_weighted`: each batch also carries `loss_scale` ([rows], float32, one value), its share of the
+    loss weight over all batches times their number, so that the plain mean of the batches' mean losses (what
+    Tunix's eval loop reports) is the mean over every loss token, as `gemma_tpu.evaluate` computes it: the
+    same number whichever layout (padded, packed, shared-prefix rows) put the tokens into batches.
     """
     if batch_size % process_count:
         raise UserError(f"batch size {batch_size} must be divisible by the {process_count} processes")
     rows = [prepared.row_arrays(i) for i in range(len(prepared.rows))]
     empty = {k: np.zeros_like(v) for k, v in rows[0].items()}
-    batches = []
+    chunks = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        chunk += [empty] * (batch_size - len(chunk))
-        chunk = chunk[process_index::process_count]
-        batches.append({k: np.stack([r[k] for r in chunk]) for k in rows[0]})
-        if max_batches and len(batches) >= max_batches:
+        chunks.append(chunk + [empty] * (batch_size - len(chunk)))
+        if max_batches and len(chunks) >= max_batches:
             break
+    weights = [float(sum(r["loss_weights"].sum() for r in chunk)) for chunk in chunks]
+    total = sum(weights)
+    batches = []
+    for chunk, weight in zip(chunks, weights):
+        mine = chunk[process_index::process_count]
+        batch = {k: np.stack([r[k] for r in mine]) for k in rows[0]}
+        if token_weighted:
+            scale = weight * len(chunks) / total if total > 0 else 1.0
+            batch["loss_scale"] = np.full((len(mine),), scale, np.float32)
+        batches.append(batch)
     return batches

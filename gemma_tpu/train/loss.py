@@ -98,19 +98,21 @@ def make_loss_fn(chunk: int = 1024, dropout_seed: int = 0):
     A batch with a `dropout_step` field ([B] int32, every row the same: training batches when
     lora.dropout > 0, see `gemma_tpu.train.trainer.BatchFeed`) is computed with LoRA dropout, masks
     from `dropout_seed` folded with that number: fresh masks every step, the same ones after a resume.
-    Batches without it (evaluation) never drop.
+    Batches without it (evaluation) never drop. A `loss_scale` field ([B], every row the same: the trainer's
+    eval batches, `gemma_tpu.data.pipeline.eval_batches(token_weighted=True)`) scales the batch's mean loss.
     """
 
     def loss_fn(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights,
-                prefix_segment_ids=None, dropout_step=None):
+                prefix_segment_ids=None, dropout_step=None, loss_scale=None):
+        args = (model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights, chunk, prefix_segment_ids)
         if dropout_step is None:
-            return sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights, chunk,
-                               prefix_segment_ids)
-        from gemma_tpu.lora import dropout_active
+            loss = sparse_loss(*args)
+        else:
+            from gemma_tpu.lora import dropout_active
 
-        key = jax.random.fold_in(jax.random.key(dropout_seed), dropout_step[0])
-        with dropout_active(model, key):
-            return sparse_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights, chunk,
-                               prefix_segment_ids)
+            key = jax.random.fold_in(jax.random.key(dropout_seed), dropout_step[0])
+            with dropout_active(model, key):
+                loss = sparse_loss(*args)
+        return loss if loss_scale is None else loss * loss_scale[0]
 
     return loss_fn

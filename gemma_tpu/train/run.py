@@ -213,7 +213,7 @@ def run(cfg: RunConfig) -> dict:
         stream = data.TrainStream(train_split, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle,
                                   cfg.data.num_epochs, jax.process_index(), jax.process_count())
         evals = (data.eval_batches(eval_split, cfg.train.batch_size, cfg.data.eval_max_batches,
-                                   jax.process_index(), jax.process_count())
+                                   jax.process_index(), jax.process_count(), token_weighted=True)
                  if eval_split else None)
         feed = BatchFeed(stream, evals, put=functools.partial(mesh_lib.global_batch, mesh),
                          dropout=cfg.lora.enabled and cfg.lora.dropout > 0,
