@@ -1051,6 +1051,36 @@ def read_messages_as_trained(parse):
     return read
 
 
+SEED_ATTR = "_gemma_tpu_request_seed"  # a request's seed, carried on its GenerationConfig to its generation
+
+
+def seed_each_generation(utils) -> None:
+    """A request's `seed` seeds its own generation, as vLLM's per-request generator does: transformers serve seeded
+    the process's generator when it read a request, so a request read while another generated re-seeded that one
+    midway and then sampled from wherever it had left the generator (two concurrent requests with one seed got two
+    texts, neither the one it gets alone). The seed now rides on the generation config and is set on the generation
+    thread just before that request's generate (`utils`: transformers.cli.serving.utils; requests run there in turn)."""
+    build = utils.BaseHandler._build_generation_config
+
+    def build_seeded(self, body, *args, **kwargs):
+        seed = body.get("seed") if isinstance(body, dict) else None
+        config = build(self, {**body, "seed": None} if seed is not None else body, *args, **kwargs)
+        setattr(config, SEED_ATTR, seed)
+        return config
+
+    def seeded(generate):
+        def wrapper(self, model, processor, inputs, gen_config, *args, **kwargs):
+            seed = getattr(gen_config, SEED_ATTR, None)
+            if seed is not None:  # queued right before the generate below: nothing runs between them
+                self.submit(utils.set_torch_seed, seed)
+            return generate(self, model, processor, inputs, gen_config, *args, **kwargs)
+        return functools.wraps(generate)(wrapper)
+
+    utils.BaseHandler._build_generation_config = build_seeded
+    utils.GenerateManager.generate_streaming = seeded(utils.GenerateManager.generate_streaming)
+    utils.GenerateManager.generate_non_streaming = seeded(utils.GenerateManager.generate_non_streaming)
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P` (in the directory holding NAME): `transformers
     serve NAME` with its app behind `CheckedChatApp`."""
@@ -1074,6 +1104,9 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     from transformers.cli import serve as serve_cli
     from transformers.cli.serving import server as server_mod
+    from transformers.cli.serving import utils as serving_utils
+
+    seed_each_generation(serving_utils)
 
     build = server_mod.build_server
 

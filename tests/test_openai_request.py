@@ -242,6 +242,23 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                                                                        "seed": seed}).encode())[1] for seed in (1, 2, 1)]
         texts = [b["choices"][0]["text"] for b in sampled]
         assert texts[0] == texts[2] and texts[0] != texts[1], texts
+        # ... also when another request with a seed arrives while it generates (its seed re-seeded this one midway,
+        # and each got a text neither gets alone)
+        import threading
+        import time
+
+        def sampled_chat(tokens, seed=7):
+            body = {"messages": USER, "max_tokens": tokens, "temperature": 1.5, "seed": seed, "ignore_eos": True}
+            return _post(url, json.dumps(body).encode())[1]["choices"][0]["message"]["content"]
+
+        alone = [sampled_chat(200), sampled_chat(20)]
+        together: list = [None, None]
+        first = threading.Thread(target=lambda: together.__setitem__(0, sampled_chat(200)))
+        first.start()
+        time.sleep(0.3)  # the first is generating
+        together[1] = sampled_chat(20)
+        first.join()
+        assert together == alone and alone[0] != sampled_chat(200, seed=8), (together, alone)
         code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 3, "ignore_eos": true, '
                                                             b'"top_k": 4}')  # vLLM's extensions: a 422 before
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
