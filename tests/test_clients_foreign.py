@@ -509,7 +509,8 @@ class Picky(Flaky):
 
 def test_evaluate_scores_a_refused_request_as_wrong_and_goes_on(tmp_path):
     """One request the server refuses (a prompt over its context) ended the whole evaluation; it is now that
-    example's miss (refused_rate, the record says why) - unless the server refuses the first five in a row."""
+    example's miss (refused_rate, the record says why) - unless the server refuses every one, the rule of a local
+    model's prompts past its context (the first five refused in a row ended an endpoint run, not a local one)."""
     out = tmp_path / "r.json"
     handler = type("PickyNow", (Picky,), {"refuse": frozenset({2, 4}), "seen": 0})
     with http_server(handler) as url:
@@ -526,8 +527,14 @@ def test_evaluate_scores_a_refused_request_as_wrong_and_goes_on(tmp_path):
     with http_server(handler) as url:
         proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
                            "--limit", "8", "--json", str(out.with_name("s.json")))
-    assert_one_line_error(proc, "refused each of the first 5 requests", "HTTP 400", "maximum context length")
-    assert handler.seen == 5 and not out.with_name("s.json").exists()
+    assert proc.returncode == 0, proc.stderr  # the first five refused, the other three scored
+    assert handler.seen == 8 and re.search(r"^refused_rate\s+0\.6250$", proc.stdout, re.M), proc.stdout
+    handler = type("PickyNow", (Picky,), {"refuse": frozenset(range(1, 9)), "seen": 0})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "8", "--json", str(out.with_name("t.json")))
+    assert_one_line_error(proc, f"{CHAT}:1: ", "HTTP 400", "maximum context length", "(as are all 8 prompts)")
+    assert handler.seen == 8 and not out.with_name("t.json").exists()
 
 
 class Checking(Flaky):

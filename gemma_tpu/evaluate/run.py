@@ -196,6 +196,17 @@ def refuse(case: Case, number: int, reason: str) -> ParsedReply:
     return ParsedReply("refused", [], "", reason)
 
 
+def check_not_all_refused(cases: Sequence[Case], reasons: dict[int, str]) -> None:
+    """End the run when every prompt is refused (`reasons`: case index -> why), naming the first: --max-new-tokens,
+    the model, the server or the data is wrong, and a table of zeros would say nothing. One rule for the local and the
+    endpoint paths (the endpoint ended after its first five refusals, so the same data and model served ended there
+    and scored locally); a run with any prompt taken goes on, its refusals scored as wrong."""
+    if reasons and len(reasons) == len(cases):
+        first = min(reasons)
+        raise UserError(f"{cases[first].where or 'an example'}: {reasons[first]}"
+                        + (f" (as are all {len(cases)} prompts)" if len(cases) > 1 else ""))
+
+
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
                   label: str, prefix_cache: bool = True) -> tuple[list[ParsedReply], list[str]]:
     """Greedy generation for every case, batched; returns parsed replies and raw texts. With
@@ -204,7 +215,7 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
 
     A prompt that with `max_new_tokens` passes the model's context is refused and scored as wrong, as a server
     refuses it (vLLM and `serving.launch --local` answer HTTP 400 to a prompt plus max_tokens past the context);
-    when every prompt does, the run ends (--max-new-tokens or the model is wrong)."""
+    when every prompt does, the run ends (`check_not_all_refused`)."""
     from tqdm import tqdm
 
     renderer = _renderer(loaded, data_cfg)
@@ -213,10 +224,7 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     over = {i: f"the prompt is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it passes the model's "
                f"context of {limit} (max_position_embeddings)"
             for i, ids in enumerate(prompts) if limit and len(ids) + max_new_tokens > limit}
-    if over and len(over) == len(cases):
-        first = min(over)
-        raise UserError(f"{cases[first].where or 'an example'}: {over[first]}"
-                        + (f" (as are all {len(cases)} prompts)" if len(cases) > 1 else ""))
+    check_not_all_refused(cases, over)
     keep = [i for i in range(len(cases)) if i not in over]
     gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
     with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
@@ -280,9 +288,8 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
 # --------------------------------------------------------------------------------- endpoints
 
 # HTTP statuses that refuse one request for what it holds (bad request, too large, unprocessable): the example
-# scores as wrong (refused_rate) and the evaluation goes on, unless the first FIRST_REFUSALS requests all get one
+# scores as wrong (refused_rate) and the evaluation goes on, unless every request gets one (check_not_all_refused)
 REFUSED_STATUS = frozenset({400, 413, 422})
-FIRST_REFUSALS = 5
 
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
@@ -293,7 +300,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
     base = api_base(url)
     name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0))
     preds, texts = [], []
-    refused = 0
+    refused: dict[int, str] = {}
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
         body: dict[str, Any] = {"messages": openai_messages(case.prompt["messages"]),
                                 "max_tokens": max_new_tokens, "temperature": 0.0, "stream": False}
@@ -305,19 +312,18 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
             answer = http_json(f"{base}/chat/completions", body, timeout=timeout, api_key=api_key, retries=retries)
         except HTTPStatusError as e:
             # a refusal of this one request (a prompt over the server's context, a conversation its template
-            # refuses) scores the example as wrong and the run goes on; a server that refuses everything
-            # (wrong model name, auth, path) or answers anything else ends it, as before
-            refused += 1
-            if e.code not in REFUSED_STATUS or refused == len(preds) + 1 == min(FIRST_REFUSALS, len(cases)):
-                if e.code in REFUSED_STATUS and refused > 1:
-                    e.args = (f"the server refused each of the first {refused} requests; the last: {e}",)
+            # refuses) scores the example as wrong and the run goes on; any other answer (wrong model name, auth,
+            # path) ends it
+            if e.code not in REFUSED_STATUS:
                 raise
+            refused[len(preds)] = str(e)
             preds.append(refuse(case, len(preds) + 1, str(e)))
             texts.append("")
             continue
         message = first_message(answer, f"{base}/chat/completions")
         preds.append(reply_from_message(message))
         texts.append(json.dumps(message, ensure_ascii=False))
+    check_not_all_refused(cases, refused)
     return preds, texts
 
 
