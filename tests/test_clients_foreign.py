@@ -184,7 +184,7 @@ def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, n
         proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps today?")
         assert_one_line_error(proc, "/v1/chat/completions", *needles)
         proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
-                           "--limit", "1", "--json", str(out))
+                           "--limit", "1", "--json", str(out), "--retries", "0")  # a cut-off answer is asked again
         assert_one_line_error(proc, "/v1/chat/completions", *needles)
     assert not out.exists()
 
@@ -465,6 +465,74 @@ def test_evaluate_gives_up_after_its_retries_and_not_on_a_client_error(tmp_path)
     assert "attempts" not in proc.stderr and handler.seen == 1
     proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--retries", "-1")
     assert_one_line_error(proc, "--retries -1")
+
+
+class Throttled(Flaky):
+    """Answers the first request 429 with `Retry-After: after` (the time of each request in `times`), then as
+    `Flaky` does."""
+
+    after, times = "1", []
+
+    def do_POST(self):
+        cls = type(self)
+        cls.times.append(time.monotonic())
+        if len(cls.times) > 1:
+            return super().do_POST()
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        data = b'{"error": {"message": "rate limited"}}'
+        self.send_response(429)
+        self.send_header("Retry-After", cls.after)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_a_retry_waits_as_long_as_retry_after_asks():
+    """A 429's Retry-After was ignored: the next attempt came 1 s later whatever the server asked, to be
+    rate limited again; it now waits as asked, and a wait past MAX_RETRY_AFTER fails at once, saying so."""
+    import email.utils
+
+    from gemma_tpu.infer.openai_client import HTTPStatusError, http_json, retry_after
+
+    handler = type("ThrottledNow", (Throttled,), {"after": "1", "times": [], "fail": 0, "seen": 0})
+    with http_server(handler) as url:
+        assert http_json(url + "/v1/chat/completions", {"messages": []}, retries=2, backoff=0.01)["choices"]
+    assert len(handler.times) == 2 and handler.times[1] - handler.times[0] >= 0.95, handler.times
+    handler = type("ThrottledNow", (Throttled,), {"after": "3600", "times": [], "fail": 0, "seen": 0})
+    with http_server(handler) as url, pytest.raises(HTTPStatusError, match=r"HTTP 429 .*asks for 3600 s"):
+        http_json(url + "/v1/chat/completions", {"messages": []}, retries=2, backoff=0.01)
+    assert len(handler.times) == 1
+    assert 9 <= retry_after(email.utils.formatdate(time.time() + 10, usegmt=True)) <= 10
+    assert [retry_after(v) for v in (None, "", "soon", "nan", "-5", " 2.5 ")] == [None, None, None, None, 0.0, 2.5]
+
+
+class Dropping(Flaky):
+    """The first answer stops partway (the connection closes short of its Content-Length, as a server killed
+    mid-answer leaves it), then as `Flaky` does."""
+
+    fail, seen = 0, 0
+
+    def do_POST(self):
+        if type(self).seen:
+            return super().do_POST()
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).seen += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "100")
+        self.end_headers()
+        self.wfile.write(b'{"choices": [')
+        self.close_connection = True
+
+
+def test_an_answer_cut_off_midway_is_asked_again():
+    from gemma_tpu.infer.openai_client import http_json
+
+    handler = type("DroppingNow", (Dropping,), {"seen": 0})
+    with http_server(handler) as url:
+        assert http_json(url + "/v1/chat/completions", {"messages": []}, retries=1, backoff=0.01)["choices"]
+    assert handler.seen == 2
 
 
 def test_compare_keeps_the_first_models_results_when_the_second_fails(tmp_path):
