@@ -535,6 +535,30 @@ def test_an_answer_cut_off_midway_is_asked_again():
     assert handler.seen == 2
 
 
+def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_stopped(tmp_path):
+    """A 5xx that outlasted the retries at example 3 of 5 lost the two answered (a single model kept nothing) and
+    the error did not say which example; now they are printed and written to `<json>.partial.json`."""
+    out = tmp_path / "r.json"
+
+    class FailsLater(Flaky):  # answers two requests, then 503 to every one
+        def do_POST(self):
+            cls = type(self)
+            cls.status, cls.fail = 503, 0 if cls.seen < 2 else 10**6
+            super().do_POST()
+
+    handler = type("FailsLaterNow", (FailsLater,), {"seen": 0})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "5", "--retries", "0", "--json", str(out))
+    assert_one_line_error(proc, f"{CHAT}:3 (example 3 of 5): {url}/v1/chat/completions: HTTP 503")
+    assert not out.exists()  # the results file promised the whole model
+    partial = json.loads((tmp_path / "r.partial.json").read_text())
+    assert partial["models"] == {} and partial["failed"]["completed"] == 2, partial["failed"]
+    assert partial["failed"]["metrics"]["n"] == 2 and len(partial["failed"]["examples"]) == 2
+    assert "example 3 of 5" in partial["failed"]["error"]
+    assert f"endpoint:{url} (first 2 of 5)" in proc.stdout and re.search(r"^n\s+2$", proc.stdout, re.M)
+
+
 def test_compare_keeps_the_first_models_results_when_the_second_fails(tmp_path):
     out = tmp_path / "r.json"
     good, bad = flaky(503, 0), flaky(400, 100)

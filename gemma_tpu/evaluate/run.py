@@ -295,11 +295,32 @@ REFUSED_STATUS = frozenset({400, 413, 422})
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
                      label: str, timeout: float = 300.0, retries: int = 3,
                      api_key: str | None = None) -> tuple[list[ParsedReply], list[str]]:
-    from tqdm import tqdm
-
+    """Each case asked of the server in turn. A failure that ends the run (after its retries; Ctrl-C, SIGTERM) names
+    the example it stopped at and carries the replies gathered before it as `done` (preds, texts): they are kept
+    (`keep_partial`), not lost with the error."""
     base = api_base(url)
     name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0))
-    preds, texts = [], []
+    preds: list[ParsedReply] = []
+    texts: list[str] = []
+    try:
+        refused = _ask_each(base, name, cases, max_new_tokens, label, timeout, retries, api_key, preds, texts)
+    except UserError as e:
+        where = cases[len(preds)].where or "an example"
+        e.args = (f"{where} (example {len(preds) + 1} of {len(cases)}): {e}",)
+        e.done = (preds, texts)
+        raise
+    except (Exception, KeyboardInterrupt, SignalExit) as e:
+        e.done = (preds, texts)
+        raise
+    check_not_all_refused(cases, refused)
+    return preds, texts
+
+
+def _ask_each(base: str, name: str | None, cases: Sequence[Case], max_new_tokens: int, label: str, timeout: float,
+              retries: int, api_key: str | None, preds: list, texts: list) -> dict[int, str]:
+    """`predict_endpoint`'s requests, their replies appended to `preds` and `texts`; returns the refusals."""
+    from tqdm import tqdm
+
     refused: dict[int, str] = {}
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
         body: dict[str, Any] = {"messages": openai_messages(case.prompt["messages"]),
@@ -323,8 +344,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
         message = first_message(answer, f"{base}/chat/completions")
         preds.append(reply_from_message(message))
         texts.append(json.dumps(message, ensure_ascii=False))
-    check_not_all_refused(cases, refused)
-    return preds, texts
+    return refused
 
 
 # ---------------------------------------------------------------------------------- driving
@@ -369,8 +389,14 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     t0 = time.time()
     loss = None
     if spec.kind == "endpoint":
-        preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
-                                        args.timeout, args.retries, os.environ.get(args.api_key_env) or None)
+        try:
+            preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
+                                            args.timeout, args.retries, os.environ.get(args.api_key_env) or None)
+        except (Exception, KeyboardInterrupt, SignalExit) as e:
+            done = getattr(e, "done", None)
+            if done and done[0]:  # the examples answered before it stopped: scored, for keep_partial
+                e.partial = scored(cases[:len(done[0])], *done, None, t0)
+            raise
     else:
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
@@ -380,6 +406,12 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
             loss = eval_loss(loaded, convs, cfg.data, args.batch_size, spec.label)
         del loaded
         gc.collect()
+    return scored(cases, preds, texts, loss, t0)
+
+
+def scored(cases: Sequence[Case], preds: Sequence[ParsedReply], texts: Sequence[str], loss: float | None,
+           t0: float) -> tuple[dict, list[dict]]:
+    """The metrics and per-example records of a model's replies."""
     metrics = score(cases, preds)
     metrics["eval_loss"] = loss
     metrics["perplexity"] = math.exp(min(loss, 80.0)) if loss is not None else None
@@ -423,15 +455,23 @@ def describe_stop(error: BaseException) -> str:
 
 def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: str, error: BaseException) -> None:
     """Print the finished models' table and, with --json, write them beside it as `<name>.partial.json`
-    (never the --json file itself: a reader of that file expects every model asked for)."""
-    print(format_table(results))
-    print(f"{failed} failed: the table above holds the models finished before it", file=sys.stderr)
+    (never the --json file itself: a reader of that file expects every model asked for). The examples the failed
+    model answered before it stopped (an endpoint: `error.partial`) are in the table as its own column and in the
+    file under `failed` (`completed`, `metrics`, `examples`): an endpoint failing at example 150 of 200 lost 149."""
+    partial = getattr(error, "partial", None)
+    table, stop = dict(results), {"model": failed, "error": describe_stop(error)}
+    if partial:
+        k, n = partial[0]["n"], len(build_cases(convs, args.turns))
+        table[f"{failed} (first {k} of {n})"] = partial[0]
+        stop.update(completed=k, metrics=partial[0], examples=partial[1])
+    print(format_table(table))
+    print(f"{failed} failed: the table above holds the models finished before it"
+          + (f" and its first {stop['completed']} examples" if partial else ""), file=sys.stderr)
     if args.json:
         out = Path(args.json)
-        partial = out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
-        write_text_atomic(partial, results_json(results, details, args.data, len(convs),
-                                                failed={"model": failed, "error": describe_stop(error)}))
-        print(f"wrote {partial}", file=sys.stderr)
+        path = out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
+        write_text_atomic(path, results_json(results, details, args.data, len(convs), failed=stop))
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -517,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 results[label], details[label] = evaluate_spec(spec, convs, cfg, args)
             except (Exception, KeyboardInterrupt, SignalExit) as e:
-                if results:  # the models already done keep their results (minutes of work each)
+                if results or getattr(e, "partial", None):  # the work done is kept (minutes of it each model)
                     keep_partial(results, details, args, convs, label, e)
                 raise
     finally:
