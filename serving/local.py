@@ -721,9 +721,11 @@ def _cut(text: str, stops: list[str]) -> int | None:
 
 
 def trim_stops(raw: bytes, stops: list[str]) -> bytes:
-    """A non-streamed chat or text completion that stopped at a stop string, with the text cut where it starts:
-    OpenAI and vLLM return the text without it, transformers serve with it (and whatever its last token held
-    after it). Anything else unchanged."""
+    """A non-streamed chat or text completion that stopped at a stop string, with the text cut where it starts and
+    finish_reason "stop": OpenAI and vLLM return the text without it, transformers serve with it (and whatever its
+    last token held after it) - and, when the stop string came with the last token max_tokens allowed, with
+    finish_reason "length" (which this passed on whole, stop string and all, where a stream was cut). Anything else
+    unchanged."""
     import json
 
     try:
@@ -731,7 +733,7 @@ def trim_stops(raw: bytes, stops: list[str]) -> bytes:
         choice = resp["choices"][0]
     except (ValueError, KeyError, IndexError, TypeError):
         return raw
-    if not isinstance(choice, dict) or choice.get("finish_reason") != "stop":
+    if not isinstance(choice, dict) or choice.get("finish_reason") not in ("stop", "length"):
         return raw
     holder, key = (choice["message"], "content") if isinstance(choice.get("message"), dict) else (choice, "text")
     text = holder.get(key)
@@ -739,6 +741,7 @@ def trim_stops(raw: bytes, stops: list[str]) -> bytes:
     if at is None:
         return raw
     holder[key] = text[:at]
+    choice["finish_reason"] = "stop"
     return json.dumps(resp, ensure_ascii=False).encode()
 
 
@@ -778,6 +781,8 @@ class StopTrim(EventStream):
             return event + b"\n\n"
         self.held += piece if isinstance(piece, str) else ""
         text = self._settled(final)
+        if final and self.stopped and choice.get("finish_reason") == "length":  # as `trim_stops` says it
+            choice["finish_reason"] = "stop"
         if not text and not final:
             if not (isinstance(choice.get("delta"), dict) and set(holder) - {key}):
                 return b""  # all of it held (or past a stop string)

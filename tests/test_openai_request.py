@@ -839,8 +839,9 @@ def test_stop_strings_are_cut_from_the_text():
             ch.update({"delta": {"content": piece} if piece is not None else {}} if chat else {"text": piece or ""})
             return {"id": "r", "choices": [ch]}
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": sse([ev(d) for d in deltas] + [ev(None, "stop")])})
+        await send({"type": "http.response.body", "body": sse([ev(d) for d in deltas] + [ev(None, finish[0])])})
 
+    finish = ["stop"]
     app = CheckedChatApp(inner, token_map=token_map)
     code, resp = _asgi(app, {"messages": USER, "stop": ["zz", "##"]})
     assert code == 200 and resp["choices"][0]["message"]["content"] == "Hello "
@@ -856,6 +857,20 @@ def test_stop_strings_are_cut_from_the_text():
             pieces = [(e["choices"][0].get("delta") or e["choices"][0]).get(field) or "" for e in events]
             assert "".join(pieces) == want and events[-1]["choices"][0]["finish_reason"] == "stop", (stop, raw)
             assert raw.rstrip().endswith("data: [DONE]")
+    # the stop string came with the last token max_tokens allowed: transformers serve says "length", and the whole
+    # answer kept the stop string (a stream cut it)
+    finish[0] = "length"
+    for stream in (False, True):
+        code, raw = _asgi(app, {"messages": USER, "stop": "there", "stream": stream}, raw=True)
+        if stream:
+            events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+            got = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+            reason = events[-1]["choices"][0]["finish_reason"]
+        else:
+            got, reason = json.loads(raw)["choices"][0]["message"]["content"], json.loads(raw)["choices"][0][
+                "finish_reason"]
+        assert (got, reason) == ("Hello ## ", "stop"), (stream, raw)
+    assert _asgi(app, {"messages": USER, "stop": "zz"})[1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_vllm_sampling_extensions_become_generation_settings():
