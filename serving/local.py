@@ -250,8 +250,9 @@ class CheckedChatApp:
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
-                 model_name: str | None = None, forced_calls: bool = False):
+                 model_name: str | None = None, forced_calls: bool = False, stops_matchable=None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.stops_matchable = stops_matchable  # `stop` -> whether generate can stop on it (`stops_matcher`)
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
         self.count_text, self.model_name = count_text, model_name
         self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
@@ -431,7 +432,13 @@ class CheckedChatApp:
         # thread, after the client had given up
         whole = (request.get("stream") is not True) if path == "/v1/responses" else not body.get("stream")
         body["stream"] = True
-        data = json.dumps(body).encode()
+        inner_body = body
+        if self.stops_matchable is not None and body.get("stop") and not await asyncio.get_running_loop(
+                ).run_in_executor(self._checks, self.stops_matchable, body["stop"]):
+            # no token can end these stop strings (a character the vocabulary lacks): transformers' generate refused
+            # them with a 500; the generation runs without them and the text is still cut at them here
+            inner_body = {k: v for k, v in body.items() if k != "stop"}
+        data = json.dumps(inner_body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         sent = False
@@ -1086,6 +1093,21 @@ def seed_each_generation(utils) -> None:
     utils.GenerateManager.generate_non_streaming = seeded(utils.GenerateManager.generate_non_streaming)
 
 
+def stops_matcher(tok):
+    """`stop` (a string or a list) -> whether transformers' generate can stop on it: it refuses (ValueError, a 500)
+    stop strings no token of the vocabulary can end, e.g. an emoji a small vocabulary spells in bytes."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    def matchable(stop) -> bool:
+        try:
+            StopStringCriteria(tok, [stop] if isinstance(stop, str) else list(stop))
+        except ValueError:
+            return False
+        return True
+
+    return matchable
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P` (in the directory holding NAME): `transformers
     serve NAME` with its app behind `CheckedChatApp`."""
@@ -1119,7 +1141,8 @@ def serve_main(argv: list[str] | None = None) -> None:
         return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter,
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
-                              isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template)
+                              isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
+                              stops_matcher(tok))
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
