@@ -413,6 +413,34 @@ def test_evaluate_retries_a_busy_server(tmp_path, caplog, status):
     assert re.search(r"^n\s+1$", proc.stdout, re.M), proc.stdout
 
 
+def test_evaluate_waits_for_a_server_still_starting_before_its_first_request():
+    """A refused connection is asked again (a server still starting) - but not the first request, the model list:
+    evaluate --endpoint started beside `serving.launch` failed at once, unless --served-model skipped that request."""
+    from serving.local import free_port
+
+    port = free_port()
+    handler = flaky(503, 0)
+    started = threading.Event()
+    server: list = []
+
+    def start_late():
+        time.sleep(0.5)  # the first attempt is refused, the next (1 s later) is answered
+        server.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), handler))
+        started.set()
+        server[0].serve_forever()
+
+    threading.Thread(target=start_late, daemon=True).start()
+    try:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", f"http://127.0.0.1:{port}",
+                           "--limit", "1", "--retries", "2")
+    finally:
+        assert started.wait(10)
+        server[0].shutdown()
+        server[0].server_close()
+    assert proc.returncode == 0, proc.stderr
+    assert handler.seen == 1 and "without a model name" not in proc.stderr
+
+
 class Locked(Flaky):
     """Answers only requests carrying `Authorization: Bearer sk-test` (vLLM with --api-key: 401 otherwise)."""
 

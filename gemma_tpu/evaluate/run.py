@@ -299,7 +299,7 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
     the example it stopped at and carries the replies gathered before it as `done` (preds, texts): they are kept
     (`keep_partial`), not lost with the error."""
     base = api_base(url)
-    name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0))
+    name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0), retries=retries)
     preds: list[ParsedReply] = []
     texts: list[str] = []
     try:
@@ -372,7 +372,7 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None)
 
 
-def check_spec(spec: Spec, timeout: float, api_key: str | None = None) -> None:
+def check_spec(spec: Spec, timeout: float, api_key: str | None = None, retries: int = 0) -> None:
     """What can be checked of a model without loading it (the directory, the checkpoint step and its base,
     the server answering), so `--compare` fails before the first model's minutes of work, not after."""
     if spec.kind == "model":
@@ -380,7 +380,7 @@ def check_spec(spec: Spec, timeout: float, api_key: str | None = None) -> None:
     elif spec.kind == "checkpoint":
         locate(spec.target, spec.step)
     else:
-        check_reachable(api_base(spec.target), api_key, timeout=min(timeout, 30.0))
+        check_reachable(api_base(spec.target), api_key, timeout=min(timeout, 30.0), retries=retries)
 
 
 def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[dict, list[dict]]:
@@ -544,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(specs) > 1:
         for which, spec in zip(("A", "B"), specs):
             try:
-                check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None)
+                check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None, args.retries)
             except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
                 raise UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") from None
     results, details = {}, {}

@@ -221,12 +221,13 @@ def api_base(url: str) -> str:
     return url + "/v1"
 
 
-def served_model_name(base: str, api_key: str | None = None, timeout: float = 30.0) -> str | None:
+def served_model_name(base: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 0) -> str | None:
     """The first model the server lists, or None when it lists none (or cannot: `transformers
     serve DIR` answers /v1/models from the hub cache only); the request then names no model and a
-    server pinned to one model uses it."""
+    server pinned to one model uses it. `retries`: as `http_json`'s (a server still starting refuses the
+    connection; the caller's requests that follow are retried, so this first one is too)."""
     try:
-        models = http_json(f"{base}/models", timeout=timeout, api_key=api_key).get("data")
+        models = http_json(f"{base}/models", timeout=timeout, api_key=api_key, retries=retries).get("data")
     except Unreachable:  # nothing will work: say so now, in one line
         raise
     except UserError as e:
@@ -237,10 +238,11 @@ def served_model_name(base: str, api_key: str | None = None, timeout: float = 30
     return name if isinstance(name, str) and name else None
 
 
-def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0) -> None:
-    """Refuse a server that does not answer at all (any HTTP answer, even an error, will do)."""
+def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 0) -> None:
+    """Refuse a server that does not answer at all (any HTTP answer, even an error, will do; `retries`: as
+    `http_json`'s)."""
     try:
-        http_json(f"{base}/models", timeout=timeout, api_key=api_key)
+        http_json(f"{base}/models", timeout=timeout, api_key=api_key, retries=retries)
     except Unreachable:
         raise
     except UserError:
