@@ -406,6 +406,10 @@ def test_arguments_match_normalises_types():
     assert arguments_match({"n": 5}, {"n": 5.0, "extra": 1})
     assert not arguments_match({"date": "today"}, {"date": "yesterday"})
     assert not arguments_match({"date": "today"}, {})
+    # a boolean is not a number (Python's True == 1 matched them): 1 for true, "0" for false, true for a count of 1
+    assert not any(arguments_match(r, p) for r, p in (({"flag": True}, {"flag": 1}), ({"flag": False}, {"flag": "0"}),
+                                                      ({"n": 1}, {"n": True}), ({"n": [1, 0]}, {"n": ["true", False]})))
+    assert arguments_match({"flag": [True]}, {"flag": ["TRUE"]})
 
 
 # -------------------------------------------------------------------------------------- scoring
