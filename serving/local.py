@@ -250,8 +250,9 @@ class CheckedChatApp:
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
-                 model_name: str | None = None, forced_calls: bool = False):
+                 model_name: str | None = None, forced_calls: bool = False, stops_matchable=None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.stops_matchable = stops_matchable  # `stop` -> whether generate can stop on it (`stops_matcher`)
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
         self.count_text, self.model_name = count_text, model_name
         self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
@@ -431,7 +432,13 @@ class CheckedChatApp:
         # thread, after the client had given up
         whole = (request.get("stream") is not True) if path == "/v1/responses" else not body.get("stream")
         body["stream"] = True
-        data = json.dumps(body).encode()
+        inner_body = body
+        if self.stops_matchable is not None and body.get("stop") and not await asyncio.get_running_loop(
+                ).run_in_executor(self._checks, self.stops_matchable, body["stop"]):
+            # no token can end these stop strings (a character the vocabulary lacks): transformers' generate refused
+            # them with a 500; the generation runs without them and the text is still cut at them here
+            inner_body = {k: v for k, v in body.items() if k != "stop"}
+        data = json.dumps(inner_body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         sent = False
@@ -721,9 +728,11 @@ def _cut(text: str, stops: list[str]) -> int | None:
 
 
 def trim_stops(raw: bytes, stops: list[str]) -> bytes:
-    """A non-streamed chat or text completion that stopped at a stop string, with the text cut where it starts:
-    OpenAI and vLLM return the text without it, transformers serve with it (and whatever its last token held
-    after it). Anything else unchanged."""
+    """A non-streamed chat or text completion that stopped at a stop string, with the text cut where it starts and
+    finish_reason "stop": OpenAI and vLLM return the text without it, transformers serve with it (and whatever its
+    last token held after it) - and, when the stop string came with the last token max_tokens allowed, with
+    finish_reason "length" (which this passed on whole, stop string and all, where a stream was cut). Anything else
+    unchanged."""
     import json
 
     try:
@@ -731,7 +740,7 @@ def trim_stops(raw: bytes, stops: list[str]) -> bytes:
         choice = resp["choices"][0]
     except (ValueError, KeyError, IndexError, TypeError):
         return raw
-    if not isinstance(choice, dict) or choice.get("finish_reason") != "stop":
+    if not isinstance(choice, dict) or choice.get("finish_reason") not in ("stop", "length"):
         return raw
     holder, key = (choice["message"], "content") if isinstance(choice.get("message"), dict) else (choice, "text")
     text = holder.get(key)
@@ -739,6 +748,7 @@ def trim_stops(raw: bytes, stops: list[str]) -> bytes:
     if at is None:
         return raw
     holder[key] = text[:at]
+    choice["finish_reason"] = "stop"
     return json.dumps(resp, ensure_ascii=False).encode()
 
 
@@ -778,6 +788,8 @@ class StopTrim(EventStream):
             return event + b"\n\n"
         self.held += piece if isinstance(piece, str) else ""
         text = self._settled(final)
+        if final and self.stopped and choice.get("finish_reason") == "length":  # as `trim_stops` says it
+            choice["finish_reason"] = "stop"
         if not text and not final:
             if not (isinstance(choice.get("delta"), dict) and set(holder) - {key}):
                 return b""  # all of it held (or past a stop string)
@@ -1051,6 +1063,51 @@ def read_messages_as_trained(parse):
     return read
 
 
+SEED_ATTR = "_gemma_tpu_request_seed"  # a request's seed, carried on its GenerationConfig to its generation
+
+
+def seed_each_generation(utils) -> None:
+    """A request's `seed` seeds its own generation, as vLLM's per-request generator does: transformers serve seeded
+    the process's generator when it read a request, so a request read while another generated re-seeded that one
+    midway and then sampled from wherever it had left the generator (two concurrent requests with one seed got two
+    texts, neither the one it gets alone). The seed now rides on the generation config and is set on the generation
+    thread just before that request's generate (`utils`: transformers.cli.serving.utils; requests run there in turn)."""
+    build = utils.BaseHandler._build_generation_config
+
+    def build_seeded(self, body, *args, **kwargs):
+        seed = body.get("seed") if isinstance(body, dict) else None
+        config = build(self, {**body, "seed": None} if seed is not None else body, *args, **kwargs)
+        setattr(config, SEED_ATTR, seed)
+        return config
+
+    def seeded(generate):
+        def wrapper(self, model, processor, inputs, gen_config, *args, **kwargs):
+            seed = getattr(gen_config, SEED_ATTR, None)
+            if seed is not None:  # queued right before the generate below: nothing runs between them
+                self.submit(utils.set_torch_seed, seed)
+            return generate(self, model, processor, inputs, gen_config, *args, **kwargs)
+        return functools.wraps(generate)(wrapper)
+
+    utils.BaseHandler._build_generation_config = build_seeded
+    utils.GenerateManager.generate_streaming = seeded(utils.GenerateManager.generate_streaming)
+    utils.GenerateManager.generate_non_streaming = seeded(utils.GenerateManager.generate_non_streaming)
+
+
+def stops_matcher(tok):
+    """`stop` (a string or a list) -> whether transformers' generate can stop on it: it refuses (ValueError, a 500)
+    stop strings no token of the vocabulary can end, e.g. an emoji a small vocabulary spells in bytes."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    def matchable(stop) -> bool:
+        try:
+            StopStringCriteria(tok, [stop] if isinstance(stop, str) else list(stop))
+        except ValueError:
+            return False
+        return True
+
+    return matchable
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P` (in the directory holding NAME): `transformers
     serve NAME` with its app behind `CheckedChatApp`."""
@@ -1074,6 +1131,9 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     from transformers.cli import serve as serve_cli
     from transformers.cli.serving import server as server_mod
+    from transformers.cli.serving import utils as serving_utils
+
+    seed_each_generation(serving_utils)
 
     build = server_mod.build_server
 
@@ -1081,7 +1141,8 @@ def serve_main(argv: list[str] | None = None) -> None:
         return CheckedChatApp(build(*a, **k), context if isinstance(context, int) else None, counter,
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
-                              isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template)
+                              isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
+                              stops_matcher(tok))
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler

@@ -184,7 +184,7 @@ def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, n
         proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps today?")
         assert_one_line_error(proc, "/v1/chat/completions", *needles)
         proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
-                           "--limit", "1", "--json", str(out))
+                           "--limit", "1", "--json", str(out), "--retries", "0")  # a cut-off answer is asked again
         assert_one_line_error(proc, "/v1/chat/completions", *needles)
     assert not out.exists()
 
@@ -413,6 +413,34 @@ def test_evaluate_retries_a_busy_server(tmp_path, caplog, status):
     assert re.search(r"^n\s+1$", proc.stdout, re.M), proc.stdout
 
 
+def test_evaluate_waits_for_a_server_still_starting_before_its_first_request():
+    """A refused connection is asked again (a server still starting) - but not the first request, the model list:
+    evaluate --endpoint started beside `serving.launch` failed at once, unless --served-model skipped that request."""
+    from serving.local import free_port
+
+    port = free_port()
+    handler = flaky(503, 0)
+    started = threading.Event()
+    server: list = []
+
+    def start_late():
+        time.sleep(0.5)  # the first attempt is refused, the next (1 s later) is answered
+        server.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), handler))
+        started.set()
+        server[0].serve_forever()
+
+    threading.Thread(target=start_late, daemon=True).start()
+    try:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", f"http://127.0.0.1:{port}",
+                           "--limit", "1", "--retries", "2")
+    finally:
+        assert started.wait(10)
+        server[0].shutdown()
+        server[0].server_close()
+    assert proc.returncode == 0, proc.stderr
+    assert handler.seen == 1 and "without a model name" not in proc.stderr
+
+
 class Locked(Flaky):
     """Answers only requests carrying `Authorization: Bearer sk-test` (vLLM with --api-key: 401 otherwise)."""
 
@@ -467,6 +495,98 @@ def test_evaluate_gives_up_after_its_retries_and_not_on_a_client_error(tmp_path)
     assert_one_line_error(proc, "--retries -1")
 
 
+class Throttled(Flaky):
+    """Answers the first request 429 with `Retry-After: after` (the time of each request in `times`), then as
+    `Flaky` does."""
+
+    after, times = "1", []
+
+    def do_POST(self):
+        cls = type(self)
+        cls.times.append(time.monotonic())
+        if len(cls.times) > 1:
+            return super().do_POST()
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        data = b'{"error": {"message": "rate limited"}}'
+        self.send_response(429)
+        self.send_header("Retry-After", cls.after)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_a_retry_waits_as_long_as_retry_after_asks():
+    """A 429's Retry-After was ignored: the next attempt came 1 s later whatever the server asked, to be
+    rate limited again; it now waits as asked, and a wait past MAX_RETRY_AFTER fails at once, saying so."""
+    import email.utils
+
+    from gemma_tpu.infer.openai_client import HTTPStatusError, http_json, retry_after
+
+    handler = type("ThrottledNow", (Throttled,), {"after": "1", "times": [], "fail": 0, "seen": 0})
+    with http_server(handler) as url:
+        assert http_json(url + "/v1/chat/completions", {"messages": []}, retries=2, backoff=0.01)["choices"]
+    assert len(handler.times) == 2 and handler.times[1] - handler.times[0] >= 0.95, handler.times
+    handler = type("ThrottledNow", (Throttled,), {"after": "3600", "times": [], "fail": 0, "seen": 0})
+    with http_server(handler) as url, pytest.raises(HTTPStatusError, match=r"HTTP 429 .*asks for 3600 s"):
+        http_json(url + "/v1/chat/completions", {"messages": []}, retries=2, backoff=0.01)
+    assert len(handler.times) == 1
+    assert 9 <= retry_after(email.utils.formatdate(time.time() + 10, usegmt=True)) <= 10
+    assert [retry_after(v) for v in (None, "", "soon", "nan", "-5", " 2.5 ")] == [None, None, None, None, 0.0, 2.5]
+
+
+class Dropping(Flaky):
+    """The first answer stops partway (the connection closes short of its Content-Length, as a server killed
+    mid-answer leaves it), then as `Flaky` does."""
+
+    fail, seen = 0, 0
+
+    def do_POST(self):
+        if type(self).seen:
+            return super().do_POST()
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).seen += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "100")
+        self.end_headers()
+        self.wfile.write(b'{"choices": [')
+        self.close_connection = True
+
+
+def test_an_answer_cut_off_midway_is_asked_again():
+    from gemma_tpu.infer.openai_client import http_json
+
+    handler = type("DroppingNow", (Dropping,), {"seen": 0})
+    with http_server(handler) as url:
+        assert http_json(url + "/v1/chat/completions", {"messages": []}, retries=1, backoff=0.01)["choices"]
+    assert handler.seen == 2
+
+
+def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_stopped(tmp_path):
+    """A 5xx that outlasted the retries at example 3 of 5 lost the two answered (a single model kept nothing) and
+    the error did not say which example; now they are printed and written to `<json>.partial.json`."""
+    out = tmp_path / "r.json"
+
+    class FailsLater(Flaky):  # answers two requests, then 503 to every one
+        def do_POST(self):
+            cls = type(self)
+            cls.status, cls.fail = 503, 0 if cls.seen < 2 else 10**6
+            super().do_POST()
+
+    handler = type("FailsLaterNow", (FailsLater,), {"seen": 0})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "5", "--retries", "0", "--json", str(out))
+    assert_one_line_error(proc, f"{CHAT}:3 (example 3 of 5): {url}/v1/chat/completions: HTTP 503")
+    assert not out.exists()  # the results file promised the whole model
+    partial = json.loads((tmp_path / "r.partial.json").read_text())
+    assert partial["models"] == {} and partial["failed"]["completed"] == 2, partial["failed"]
+    assert partial["failed"]["metrics"]["n"] == 2 and len(partial["failed"]["examples"]) == 2
+    assert "example 3 of 5" in partial["failed"]["error"]
+    assert f"endpoint:{url} (first 2 of 5)" in proc.stdout and re.search(r"^n\s+2$", proc.stdout, re.M)
+
+
 def test_compare_keeps_the_first_models_results_when_the_second_fails(tmp_path):
     out = tmp_path / "r.json"
     good, bad = flaky(503, 0), flaky(400, 100)
@@ -509,7 +629,8 @@ class Picky(Flaky):
 
 def test_evaluate_scores_a_refused_request_as_wrong_and_goes_on(tmp_path):
     """One request the server refuses (a prompt over its context) ended the whole evaluation; it is now that
-    example's miss (refused_rate, the record says why) - unless the server refuses the first five in a row."""
+    example's miss (refused_rate, the record says why) - unless the server refuses every one, the rule of a local
+    model's prompts past its context (the first five refused in a row ended an endpoint run, not a local one)."""
     out = tmp_path / "r.json"
     handler = type("PickyNow", (Picky,), {"refuse": frozenset({2, 4}), "seen": 0})
     with http_server(handler) as url:
@@ -526,8 +647,14 @@ def test_evaluate_scores_a_refused_request_as_wrong_and_goes_on(tmp_path):
     with http_server(handler) as url:
         proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
                            "--limit", "8", "--json", str(out.with_name("s.json")))
-    assert_one_line_error(proc, "refused each of the first 5 requests", "HTTP 400", "maximum context length")
-    assert handler.seen == 5 and not out.with_name("s.json").exists()
+    assert proc.returncode == 0, proc.stderr  # the first five refused, the other three scored
+    assert handler.seen == 8 and re.search(r"^refused_rate\s+0\.6250$", proc.stdout, re.M), proc.stdout
+    handler = type("PickyNow", (Picky,), {"refuse": frozenset(range(1, 9)), "seen": 0})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "8", "--json", str(out.with_name("t.json")))
+    assert_one_line_error(proc, f"{CHAT}:1: ", "HTTP 400", "maximum context length", "(as are all 8 prompts)")
+    assert handler.seen == 8 and not out.with_name("t.json").exists()
 
 
 class Checking(Flaky):

@@ -406,6 +406,10 @@ def test_arguments_match_normalises_types():
     assert arguments_match({"n": 5}, {"n": 5.0, "extra": 1})
     assert not arguments_match({"date": "today"}, {"date": "yesterday"})
     assert not arguments_match({"date": "today"}, {})
+    # a boolean is not a number (Python's True == 1 matched them): 1 for true, "0" for false, true for a count of 1
+    assert not any(arguments_match(r, p) for r, p in (({"flag": True}, {"flag": 1}), ({"flag": False}, {"flag": "0"}),
+                                                      ({"n": 1}, {"n": True}), ({"n": [1, 0]}, {"n": ["true", False]})))
+    assert arguments_match({"flag": [True]}, {"flag": ["TRUE"]})
 
 
 # -------------------------------------------------------------------------------------- scoring
@@ -468,6 +472,9 @@ def test_answer_scores_by_hand():
 
     assert words("Hal, 3 plus 17 IS 20!") == ["hal", "3", "plus", "17", "is", "20"]
     assert words("日本語です") == ["日", "本", "語", "で", "す"] and words("ｆｕｌｌ－width") == ["full", "width"]
+    # combining marks are part of their word: Devanagari split at its virama and vowel signs, which it dropped
+    assert words("नमस्ते, दुनिया!") == ["नमस्ते", "दुनिया"] and words("a_b +c°") == ["a", "b", "c"]
+    assert token_f1("किताब", "कुताब") == 0.0 and exact_match("สวัสดีครับ", "สวัสดีค่ะ") == 0.0
     assert exact_match("hal, 3 plus 17 is 20.", "Hal, 3 plus 17 is 20") == 1.0
     assert exact_match("3 plus 17 is 20", "Hal, 3 plus 17 is 20") == 0.0
     # 5 predicted words, 6 reference words, 5 in common (F1 10/11); the same words reordered keep F1 but not LCS

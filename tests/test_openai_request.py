@@ -242,6 +242,23 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                                                                        "seed": seed}).encode())[1] for seed in (1, 2, 1)]
         texts = [b["choices"][0]["text"] for b in sampled]
         assert texts[0] == texts[2] and texts[0] != texts[1], texts
+        # ... also when another request with a seed arrives while it generates (its seed re-seeded this one midway,
+        # and each got a text neither gets alone)
+        import threading
+        import time
+
+        def sampled_chat(tokens, seed=7):
+            body = {"messages": USER, "max_tokens": tokens, "temperature": 1.5, "seed": seed, "ignore_eos": True}
+            return _post(url, json.dumps(body).encode())[1]["choices"][0]["message"]["content"]
+
+        alone = [sampled_chat(200), sampled_chat(20)]
+        together: list = [None, None]
+        first = threading.Thread(target=lambda: together.__setitem__(0, sampled_chat(200)))
+        first.start()
+        time.sleep(0.3)  # the first is generating
+        together[1] = sampled_chat(20)
+        first.join()
+        assert together == alone and alone[0] != sampled_chat(200, seed=8), (together, alone)
         code, body = _post(server.base_url + "/completions", b'{"prompt": "hi", "max_tokens": 3, "ignore_eos": true, '
                                                             b'"top_k": 4}')  # vLLM's extensions: a 422 before
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
@@ -256,6 +273,12 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         code, body = _post(server.base_url + "/completions", json.dumps({"prompt": "hi", "max_tokens": 4,
                                                                          "stop": stop}).encode())
         assert code == 200 and stop not in body["choices"][0]["text"], body
+        # a stop string no token of the vocabulary can end (the tiny one has no emoji): transformers' generate
+        # refused it, a 500; the answer now runs as without it
+        for stops in ("👋", ["👋", "🙂"]):
+            code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, "temperature": 0,
+                                                "stop": stops}).encode())
+            assert code == 200 and body["usage"]["completion_tokens"] == 2, body
         # /v1/models names the served model (it listed nothing), and that name is accepted
         with urllib.request.urlopen(server.base_url + "/models", timeout=30) as resp:
             assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
@@ -822,8 +845,9 @@ def test_stop_strings_are_cut_from_the_text():
             ch.update({"delta": {"content": piece} if piece is not None else {}} if chat else {"text": piece or ""})
             return {"id": "r", "choices": [ch]}
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": sse([ev(d) for d in deltas] + [ev(None, "stop")])})
+        await send({"type": "http.response.body", "body": sse([ev(d) for d in deltas] + [ev(None, finish[0])])})
 
+    finish = ["stop"]
     app = CheckedChatApp(inner, token_map=token_map)
     code, resp = _asgi(app, {"messages": USER, "stop": ["zz", "##"]})
     assert code == 200 and resp["choices"][0]["message"]["content"] == "Hello "
@@ -839,6 +863,20 @@ def test_stop_strings_are_cut_from_the_text():
             pieces = [(e["choices"][0].get("delta") or e["choices"][0]).get(field) or "" for e in events]
             assert "".join(pieces) == want and events[-1]["choices"][0]["finish_reason"] == "stop", (stop, raw)
             assert raw.rstrip().endswith("data: [DONE]")
+    # the stop string came with the last token max_tokens allowed: transformers serve says "length", and the whole
+    # answer kept the stop string (a stream cut it)
+    finish[0] = "length"
+    for stream in (False, True):
+        code, raw = _asgi(app, {"messages": USER, "stop": "there", "stream": stream}, raw=True)
+        if stream:
+            events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+            got = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+            reason = events[-1]["choices"][0]["finish_reason"]
+        else:
+            got, reason = json.loads(raw)["choices"][0]["message"]["content"], json.loads(raw)["choices"][0][
+                "finish_reason"]
+        assert (got, reason) == ("Hello ## ", "stop"), (stream, raw)
+    assert _asgi(app, {"messages": USER, "stop": "zz"})[1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_vllm_sampling_extensions_become_generation_settings():

@@ -3,8 +3,10 @@ instruction pairs, prompt-completion rows), where the tool-call rows say nothing
 judge. The usual measures of extractive QA and summarisation, on normalised words: exact match, token F1 (bag of
 words, as SQuAD scores) and ROUGE-L F1 (longest common subsequence, so word order counts).
 
-Normalisation: Unicode NFKC, lower case, punctuation dropped, whitespace split; Chinese and Japanese characters
-count one word each (their text has no spaces to split on)."""
+Normalisation: Unicode NFKC, lower case, punctuation and symbols dropped, whitespace split; a word is letters,
+digits and the combining marks on them (Devanagari's vowel signs and virama, Thai's vowels: dropped as punctuation,
+they split नमस्ते into fragments and scored किताब and कुताब as one word); Chinese and Japanese characters count one
+word each (their text has no spaces to split on)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ import re
 import unicodedata
 from collections import Counter
 
-_WORD = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]|[^\W_]+")
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_WORD = re.compile(rf"[{_CJK}]|[^{_CJK}\s]+")
 
 
 def words(text: str) -> list[str]:
-    """The words an answer is scored on."""
-    return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+    """The words an answer is scored on: runs of letters (L), digits (N) and marks (M), other characters
+    separating them."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    return _WORD.findall("".join(c if unicodedata.category(c)[0] in "LNM" else " " for c in text))
 
 
 def exact_match(predicted: str, reference: str) -> float:

@@ -196,6 +196,17 @@ def refuse(case: Case, number: int, reason: str) -> ParsedReply:
     return ParsedReply("refused", [], "", reason)
 
 
+def check_not_all_refused(cases: Sequence[Case], reasons: dict[int, str]) -> None:
+    """End the run when every prompt is refused (`reasons`: case index -> why), naming the first: --max-new-tokens,
+    the model, the server or the data is wrong, and a table of zeros would say nothing. One rule for the local and the
+    endpoint paths (the endpoint ended after its first five refusals, so the same data and model served ended there
+    and scored locally); a run with any prompt taken goes on, its refusals scored as wrong."""
+    if reasons and len(reasons) == len(cases):
+        first = min(reasons)
+        raise UserError(f"{cases[first].where or 'an example'}: {reasons[first]}"
+                        + (f" (as are all {len(cases)} prompts)" if len(cases) > 1 else ""))
+
+
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
                   label: str, prefix_cache: bool = True) -> tuple[list[ParsedReply], list[str]]:
     """Greedy generation for every case, batched; returns parsed replies and raw texts. With
@@ -204,7 +215,7 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
 
     A prompt that with `max_new_tokens` passes the model's context is refused and scored as wrong, as a server
     refuses it (vLLM and `serving.launch --local` answer HTTP 400 to a prompt plus max_tokens past the context);
-    when every prompt does, the run ends (--max-new-tokens or the model is wrong)."""
+    when every prompt does, the run ends (`check_not_all_refused`)."""
     from tqdm import tqdm
 
     renderer = _renderer(loaded, data_cfg)
@@ -213,10 +224,7 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     over = {i: f"the prompt is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it passes the model's "
                f"context of {limit} (max_position_embeddings)"
             for i, ids in enumerate(prompts) if limit and len(ids) + max_new_tokens > limit}
-    if over and len(over) == len(cases):
-        first = min(over)
-        raise UserError(f"{cases[first].where or 'an example'}: {over[first]}"
-                        + (f" (as are all {len(cases)} prompts)" if len(cases) > 1 else ""))
+    check_not_all_refused(cases, over)
     keep = [i for i in range(len(cases)) if i not in over]
     gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
     with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
@@ -280,20 +288,40 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
 # --------------------------------------------------------------------------------- endpoints
 
 # HTTP statuses that refuse one request for what it holds (bad request, too large, unprocessable): the example
-# scores as wrong (refused_rate) and the evaluation goes on, unless the first FIRST_REFUSALS requests all get one
+# scores as wrong (refused_rate) and the evaluation goes on, unless every request gets one (check_not_all_refused)
 REFUSED_STATUS = frozenset({400, 413, 422})
-FIRST_REFUSALS = 5
 
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
                      label: str, timeout: float = 300.0, retries: int = 3,
                      api_key: str | None = None) -> tuple[list[ParsedReply], list[str]]:
+    """Each case asked of the server in turn. A failure that ends the run (after its retries; Ctrl-C, SIGTERM) names
+    the example it stopped at and carries the replies gathered before it as `done` (preds, texts): they are kept
+    (`keep_partial`), not lost with the error."""
+    base = api_base(url)
+    name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0), retries=retries)
+    preds: list[ParsedReply] = []
+    texts: list[str] = []
+    try:
+        refused = _ask_each(base, name, cases, max_new_tokens, label, timeout, retries, api_key, preds, texts)
+    except UserError as e:
+        where = cases[len(preds)].where or "an example"
+        e.args = (f"{where} (example {len(preds) + 1} of {len(cases)}): {e}",)
+        e.done = (preds, texts)
+        raise
+    except (Exception, KeyboardInterrupt, SignalExit) as e:
+        e.done = (preds, texts)
+        raise
+    check_not_all_refused(cases, refused)
+    return preds, texts
+
+
+def _ask_each(base: str, name: str | None, cases: Sequence[Case], max_new_tokens: int, label: str, timeout: float,
+              retries: int, api_key: str | None, preds: list, texts: list) -> dict[int, str]:
+    """`predict_endpoint`'s requests, their replies appended to `preds` and `texts`; returns the refusals."""
     from tqdm import tqdm
 
-    base = api_base(url)
-    name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0))
-    preds, texts = [], []
-    refused = 0
+    refused: dict[int, str] = {}
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
         body: dict[str, Any] = {"messages": openai_messages(case.prompt["messages"]),
                                 "max_tokens": max_new_tokens, "temperature": 0.0, "stream": False}
@@ -305,20 +333,18 @@ def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_ne
             answer = http_json(f"{base}/chat/completions", body, timeout=timeout, api_key=api_key, retries=retries)
         except HTTPStatusError as e:
             # a refusal of this one request (a prompt over the server's context, a conversation its template
-            # refuses) scores the example as wrong and the run goes on; a server that refuses everything
-            # (wrong model name, auth, path) or answers anything else ends it, as before
-            refused += 1
-            if e.code not in REFUSED_STATUS or refused == len(preds) + 1 == min(FIRST_REFUSALS, len(cases)):
-                if e.code in REFUSED_STATUS and refused > 1:
-                    e.args = (f"the server refused each of the first {refused} requests; the last: {e}",)
+            # refuses) scores the example as wrong and the run goes on; any other answer (wrong model name, auth,
+            # path) ends it
+            if e.code not in REFUSED_STATUS:
                 raise
+            refused[len(preds)] = str(e)
             preds.append(refuse(case, len(preds) + 1, str(e)))
             texts.append("")
             continue
         message = first_message(answer, f"{base}/chat/completions")
         preds.append(reply_from_message(message))
         texts.append(json.dumps(message, ensure_ascii=False))
-    return preds, texts
+    return refused
 
 
 # ---------------------------------------------------------------------------------- driving
@@ -346,7 +372,7 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None)
 
 
-def check_spec(spec: Spec, timeout: float, api_key: str | None = None) -> None:
+def check_spec(spec: Spec, timeout: float, api_key: str | None = None, retries: int = 0) -> None:
     """What can be checked of a model without loading it (the directory, the checkpoint step and its base,
     the server answering), so `--compare` fails before the first model's minutes of work, not after."""
     if spec.kind == "model":
@@ -354,7 +380,7 @@ def check_spec(spec: Spec, timeout: float, api_key: str | None = None) -> None:
     elif spec.kind == "checkpoint":
         locate(spec.target, spec.step)
     else:
-        check_reachable(api_base(spec.target), api_key, timeout=min(timeout, 30.0))
+        check_reachable(api_base(spec.target), api_key, timeout=min(timeout, 30.0), retries=retries)
 
 
 def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[dict, list[dict]]:
@@ -363,8 +389,14 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     t0 = time.time()
     loss = None
     if spec.kind == "endpoint":
-        preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
-                                        args.timeout, args.retries, os.environ.get(args.api_key_env) or None)
+        try:
+            preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
+                                            args.timeout, args.retries, os.environ.get(args.api_key_env) or None)
+        except (Exception, KeyboardInterrupt, SignalExit) as e:
+            done = getattr(e, "done", None)
+            if done and done[0]:  # the examples answered before it stopped: scored, for keep_partial
+                e.partial = scored(cases[:len(done[0])], *done, None, t0)
+            raise
     else:
         loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                   else load_checkpoint(spec.target, spec.step, None))
@@ -374,6 +406,12 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
             loss = eval_loss(loaded, convs, cfg.data, args.batch_size, spec.label)
         del loaded
         gc.collect()
+    return scored(cases, preds, texts, loss, t0)
+
+
+def scored(cases: Sequence[Case], preds: Sequence[ParsedReply], texts: Sequence[str], loss: float | None,
+           t0: float) -> tuple[dict, list[dict]]:
+    """The metrics and per-example records of a model's replies."""
     metrics = score(cases, preds)
     metrics["eval_loss"] = loss
     metrics["perplexity"] = math.exp(min(loss, 80.0)) if loss is not None else None
@@ -417,15 +455,23 @@ def describe_stop(error: BaseException) -> str:
 
 def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: str, error: BaseException) -> None:
     """Print the finished models' table and, with --json, write them beside it as `<name>.partial.json`
-    (never the --json file itself: a reader of that file expects every model asked for)."""
-    print(format_table(results))
-    print(f"{failed} failed: the table above holds the models finished before it", file=sys.stderr)
+    (never the --json file itself: a reader of that file expects every model asked for). The examples the failed
+    model answered before it stopped (an endpoint: `error.partial`) are in the table as its own column and in the
+    file under `failed` (`completed`, `metrics`, `examples`): an endpoint failing at example 150 of 200 lost 149."""
+    partial = getattr(error, "partial", None)
+    table, stop = dict(results), {"model": failed, "error": describe_stop(error)}
+    if partial:
+        k, n = partial[0]["n"], len(build_cases(convs, args.turns))
+        table[f"{failed} (first {k} of {n})"] = partial[0]
+        stop.update(completed=k, metrics=partial[0], examples=partial[1])
+    print(format_table(table))
+    print(f"{failed} failed: the table above holds the models finished before it"
+          + (f" and its first {stop['completed']} examples" if partial else ""), file=sys.stderr)
     if args.json:
         out = Path(args.json)
-        partial = out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
-        write_text_atomic(partial, results_json(results, details, args.data, len(convs),
-                                                failed={"model": failed, "error": describe_stop(error)}))
-        print(f"wrote {partial}", file=sys.stderr)
+        path = out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
+        write_text_atomic(path, results_json(results, details, args.data, len(convs), failed=stop))
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -498,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(specs) > 1:
         for which, spec in zip(("A", "B"), specs):
             try:
-                check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None)
+                check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None, args.retries)
             except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
                 raise UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") from None
     results, details = {}, {}
@@ -511,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 results[label], details[label] = evaluate_spec(spec, convs, cfg, args)
             except (Exception, KeyboardInterrupt, SignalExit) as e:
-                if results:  # the models already done keep their results (minutes of work each)
+                if results or getattr(e, "partial", None):  # the work done is kept (minutes of it each model)
                     keep_partial(results, details, args, convs, label, e)
                 raise
     finally:

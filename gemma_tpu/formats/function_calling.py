@@ -412,11 +412,18 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
 # ------------------------------------------------------------------------ argument matching
 
 
+@dataclasses.dataclass(frozen=True)
+class _Truth:
+    """A normalised boolean: Python's True == 1 == 1.0 scored `"flag": true` against a reference `"n": 1` as equal."""
+
+    value: bool
+
+
 def normalise_value(v: Any) -> Any:
-    """Compare arguments by meaning, not spelling: '5' == 5 == 5.0, 'True' == true, case-insensitive
+    """Compare arguments by meaning, not spelling: '5' == 5 == 5.0, 'True' == true (but not 1), case-insensitive
     trimmed strings, containers element-wise."""
     if isinstance(v, bool):
-        return v
+        return _Truth(v)
     if isinstance(v, (int, float)):
         try:
             return float(v)
@@ -426,7 +433,7 @@ def normalise_value(v: Any) -> Any:
         t = v.strip()
         low = t.lower()
         if low in ("true", "false"):
-            return low == "true"
+            return _Truth(low == "true")
         if _NUMBER.fullmatch(t):
             if re.fullmatch(r"-?\d+", t):
                 try:

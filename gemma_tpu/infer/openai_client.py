@@ -33,35 +33,70 @@ class Unreachable(UserError):
 
 
 class HTTPStatusError(UserError):
-    """The server answered with an HTTP error status (`code`)."""
+    """The server answered with an HTTP error status (`code`; `retry_after`: the seconds its Retry-After asks for)."""
 
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: int, retry_after: float | None = None):
         super().__init__(message)
         self.code = code
+        self.retry_after = retry_after
+
+
+class CutOff(UserError):
+    """The connection closed partway through the answer (a server killed or restarted mid-request): transient."""
+
+    transient = True
 
 
 # Answers a busy or restarting server gives and a later attempt may not: rate limited, internal error
 # (vLLM's for a request its engine dropped), bad gateway, unavailable (still loading), gateway timeout.
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+MAX_RETRY_AFTER = 120.0  # a longer Retry-After is not waited for: the request fails at once, saying so
+
+
+def retry_after(value: str | None) -> float | None:
+    """The seconds a Retry-After header asks for (a number of seconds or an HTTP date); None without a usable one."""
+    import datetime
+    import email.utils
+    import math
+
+    if not value or not value.strip():
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value.strip())
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api_key: str | None = None,
               retries: int = 0, backoff: float = 1.0) -> dict:
     """POST `payload` (GET without one) and return the JSON object; failures are one-line UserErrors.
 
-    retries: further attempts after a transient failure (an HTTP status in TRANSIENT_STATUS, or a refused
-    or reset connection), `backoff` seconds doubling between them; a request that got no answer within
-    `timeout` is not repeated (it would cost another `timeout`), nor one to a host that does not resolve."""
+    retries: further attempts after a transient failure (an HTTP status in TRANSIENT_STATUS, a refused or reset
+    connection, one closed partway through the answer), `backoff` seconds doubling between them, or the longer wait
+    a Retry-After header asks for (up to MAX_RETRY_AFTER: the server's 429 came back each time before it); a request
+    that got no answer within `timeout` is not repeated (it would cost another `timeout`), nor one to a host that
+    does not resolve."""
     for attempt in range(retries + 1):
         try:
             return _http_json_once(url, payload, timeout, api_key)
-        except (HTTPStatusError, Unreachable) as e:
+        except (HTTPStatusError, Unreachable, CutOff) as e:
             transient = e.code in TRANSIENT_STATUS if isinstance(e, HTTPStatusError) else e.transient
-            if not transient or attempt == retries:
+            after = getattr(e, "retry_after", None) if transient else None
+            if not transient or attempt == retries or after is not None and after > MAX_RETRY_AFTER:
                 if attempt:
                     e.args = (f"{e} (after {attempt + 1} attempts)",)
+                if after is not None and after > MAX_RETRY_AFTER and attempt < retries:
+                    e.args = (f"{e} (the server asks for {after:g} s before another attempt (Retry-After), more "
+                              f"than the {MAX_RETRY_AFTER:g} s waited for)",)
                 raise
-            wait = backoff * 2 ** attempt
+            wait = max(backoff * 2 ** attempt, after or 0.0)
             log.warning("%s; trying again in %g s (%d of %d)", e, wait, attempt + 1, retries)
             time.sleep(wait)
     raise AssertionError("unreachable")
@@ -83,7 +118,8 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
             detail = body_text(e.read().decode(errors="replace"), e.headers.get("Content-Type") or "")[:300]
         except (http.client.HTTPException, OSError):  # the error page itself was cut off
             detail = "no readable body"
-        raise HTTPStatusError(f"{url}: HTTP {e.code} ({detail})", e.code) from None
+        raise HTTPStatusError(f"{url}: HTTP {e.code} ({detail})", e.code,
+                              retry_after(e.headers.get("Retry-After"))) from None
     except TimeoutError:  # connected, asked, and no whole answer came (a stalled or overloaded server)
         raise Unreachable(f"{url}: no answer within {timeout:g} s") from None
     except (urllib.error.URLError, ConnectionError, OSError) as e:
@@ -92,8 +128,10 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
                           transient=isinstance(reason, (ConnectionRefusedError, ConnectionResetError))) from None
     except http.client.HTTPException as e:
         # something answered, but not in HTTP (an SSH or database port: BadStatusLine), or cut its answer
-        # short (IncompleteRead), or sent a header line past http.client's limit (LineTooLong)
-        raise UserError(f"{url}: {_broken_answer(e)}; is this an OpenAI-compatible server?") from None
+        # short (IncompleteRead: a server stopped mid-answer, which a later attempt may find restarted), or sent a
+        # header line past http.client's limit (LineTooLong)
+        error = CutOff if isinstance(e, http.client.IncompleteRead) else UserError
+        raise error(f"{url}: {_broken_answer(e)}; is this an OpenAI-compatible server?") from None
     return json_object(body, lambda why: UserError(f"{url}: {why}"),
                        f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
 
@@ -183,12 +221,13 @@ def api_base(url: str) -> str:
     return url + "/v1"
 
 
-def served_model_name(base: str, api_key: str | None = None, timeout: float = 30.0) -> str | None:
+def served_model_name(base: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 0) -> str | None:
     """The first model the server lists, or None when it lists none (or cannot: `transformers
     serve DIR` answers /v1/models from the hub cache only); the request then names no model and a
-    server pinned to one model uses it."""
+    server pinned to one model uses it. `retries`: as `http_json`'s (a server still starting refuses the
+    connection; the caller's requests that follow are retried, so this first one is too)."""
     try:
-        models = http_json(f"{base}/models", timeout=timeout, api_key=api_key).get("data")
+        models = http_json(f"{base}/models", timeout=timeout, api_key=api_key, retries=retries).get("data")
     except Unreachable:  # nothing will work: say so now, in one line
         raise
     except UserError as e:
@@ -199,10 +238,11 @@ def served_model_name(base: str, api_key: str | None = None, timeout: float = 30
     return name if isinstance(name, str) and name else None
 
 
-def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0) -> None:
-    """Refuse a server that does not answer at all (any HTTP answer, even an error, will do)."""
+def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 0) -> None:
+    """Refuse a server that does not answer at all (any HTTP answer, even an error, will do; `retries`: as
+    `http_json`'s)."""
     try:
-        http_json(f"{base}/models", timeout=timeout, api_key=api_key)
+        http_json(f"{base}/models", timeout=timeout, api_key=api_key, retries=retries)
     except Unreachable:
         raise
     except UserError:
