@@ -672,7 +672,21 @@ BAD_CASES = {
     "no_assistant": ([{"messages": [GOOD["messages"][0]]}], 1, "no assistant message"),
     "bad_arguments": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "get_steps", "arguments": "{date"}}]}]}], 1,
-                      "arguments is not a JSON object"),
+                      "'tool_calls[0].function.arguments' is a string but not valid JSON"),
+    # JSON kept in a string is read as strictly as the line itself: these were kept (the last key, a NaN trained
+    # as `{x:NaN}`) or raised a traceback (a lone surrogate at the tokenizer, RecursionError)
+    **{f"arguments_{k}": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": a}}]}]}], 1, n)
+       for k, a, n in (
+        ("key_twice", '{"date": "a", "date": "b"}', "key 'date' appears twice"),
+        ("nan", '{"date": NaN}', "NaN is not JSON"),
+        ("lone_surrogate", '{"date": "\\ud800"}', "arguments.date holds a lone UTF-16 surrogate"),
+        ("too_deep", "[" * 5000, "'tool_calls[0].function.arguments': not valid JSON for this reader (nested"))},
+    "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
+                                                                                     '"hi", "content": "x"')}],
+                                  1, "'messages' (a JSON string): key 'content' appears twice"),
+    "tools_string_infinity": ([{"tools": json.dumps([STEPS_TOOL])[:-2] + ', "x": Infinity}]',
+                                "messages": GOOD["messages"]}], 1, "'tools' (a JSON string): Infinity is not JSON"),
     "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object per example, got a list"),
     # a line holding the messages alone: say how to wrap it
     "bare_messages": ([GOOD, GOOD["messages"]], 2, 'got a list (a list of messages: wrap each line as {"messages"'),

@@ -300,13 +300,26 @@ def _json_type(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a number")
 
 
+def _decode_embedded(text: str, what: str, where: str) -> Any:
+    """JSON kept as a string inside a row (a column, tool-call arguments), read as strictly as the file: a key
+    given twice, NaN/Infinity, a lone surrogate or nesting past the stack were kept silently (or raised a
+    traceback) here though refused at the file's own level."""
+    try:
+        value = _DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: '{what}' is a string but not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise _too_deep(f"{where}: '{what}'") from None
+    except _NotData as e:
+        raise UserError(f"{where}: '{what}' (a JSON string): {e}") from None
+    check_surrogates(value, where, what)
+    return value
+
+
 def _maybe_json(value: Any, what: str, where: str) -> Any:
     """Hub datasets often store nested columns as JSON strings; decode those."""
     if isinstance(value, str):
-        try:
-            return json.loads(value) if value.strip() else None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: '{what}' is a string but not valid JSON ({e.msg})") from None
+        return _decode_embedded(value, what, where) if value.strip() else None
     return value
 
 
@@ -413,10 +426,7 @@ def normalise_messages(obj: dict, where: str) -> dict:
                     raise UserError(f"{mw}.tool_calls[{j}]: needs function.name")
                 args = fn.get("arguments", {})
                 if isinstance(args, str):
-                    try:
-                        args = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError:
-                        raise UserError(f"{mw}.tool_calls[{j}]: arguments is not a JSON object") from None
+                    args = _decode_embedded(args, f"tool_calls[{j}].function.arguments", mw) if args.strip() else {}
                 if args is None:
                     args = {}
                 if not isinstance(args, dict):
