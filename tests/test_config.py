@@ -110,6 +110,29 @@ def test_a_number_given_to_a_string_key_keeps_its_spelling(text, tmp_path):
     assert yaml.safe_load(cfg.to_yaml())["model"]["revision"] == text
 
 
+@pytest.mark.parametrize("text", ["2026-01-01", "2026-01-01 10:00:00", "2026-01-01T10:00:00Z"])
+def test_a_date_given_to_a_string_key_keeps_its_text(text, tmp_path):
+    """YAML 1.1 reads these as dates: `checkpoint.dir=2026-01-01` (a run named by its day) or a dated
+    `model.revision` tag was refused as "expected a string, got datetime.date(2026, 1, 1)"."""
+    cfg = load_config(None, [f"checkpoint.dir={text}", f"model.revision={text}"])
+    assert (cfg.checkpoint.dir, cfg.model.revision) == (text, text)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"checkpoint:\n  dir: {text}\nmodel:\n  revision: {text}\n")
+    cfg = load_config(path)
+    assert (cfg.checkpoint.dir, cfg.model.revision) == (text, text)
+    assert yaml.safe_load(cfg.to_yaml())["checkpoint"]["dir"] == text  # written back quoted, read back as text
+    with pytest.raises(UserError, match=rf"^override 'train.max_steps={text}': train.max_steps: expected an "
+                                        rf"integer, got '{text}'$"):
+        load_config(None, [f"train.max_steps={text}"])
+
+
+def test_an_override_mapping_with_a_key_twice_is_refused():
+    """`train={max_steps: 3, max_steps: 4}` kept the last silently, where the same mapping in a file is refused."""
+    with pytest.raises(UserError, match=r"^override 'train=\{max_steps: 3, max_steps: 4\}': 'max_steps' appears "
+                                        r"twice in one mapping"):
+        load_config(None, ["train={max_steps: 3, max_steps: 4}"])
+
+
 def test_a_config_of_the_other_tool_names_its_command():
     """A serving config given to training stopped at "unknown config key 'model.dir' (did you mean
     'checkpoint.dir'?", and a training config given to serving at "unknown config key 'model.path'"."""

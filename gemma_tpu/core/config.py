@@ -465,8 +465,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
         raise UserError(f"override '{text}' has no valid key")
-    try:
-        value = _spelled(yaml.safe_load(raw), raw) if raw.strip() else ""
+    try:  # read as the file is (`_UniqueKeyLoader`: numbers keep their spelling, dates stay text)
+        value = _spelled(yaml.load(raw, Loader=_UniqueKeyLoader), raw) if raw.strip() else ""  # a SafeLoader
+    except _DuplicateKey as e:
+        raise UserError(f"override '{text}': {e.key!r} appears twice in one mapping; YAML would keep only the "
+                        f"last") from None
     except yaml.YAMLError:
         if raw.strip().startswith(("[", "{")):  # `lora.targets=[q_proj, v_proj]` unquoted: the shell split it
             kind = "list" if raw.strip()[0] == "[" else "mapping"
@@ -510,6 +513,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_spelled_number)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_spelled_number)
+# no key takes a date: `checkpoint.dir: 2026-01-01` (a run named by its day) or a dated `model.revision` tag
+# was refused as "expected a string, got datetime.date(2026, 1, 1)"; the text as written is what was meant
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:timestamp", lambda loader, node: node.value)
 
 
 # sections of the serving config (serving/config.py): a file holding them was given to a training entry point
