@@ -126,6 +126,28 @@ def test_a_date_given_to_a_string_key_keeps_its_text(text, tmp_path):
         load_config(None, [f"train.max_steps={text}"])
 
 
+@pytest.mark.parametrize("key, text, message", [
+    ("train.seed", "010", "010 is octal to YAML 1.1 (8); write 8, or 10 without the leading zero"),
+    ("train.max_steps", "-0_10", "-0_10 is octal to YAML 1.1 (-8); write -8, or -10 without the leading zero"),
+    ("lora.alpha", "016", "016 is octal to YAML 1.1 (14); write 14, or 16 without the leading zero"),
+    ("train.max_steps", "1:30", "1:30 is a base-60 number to YAML 1.1 (90); write the number itself"),
+    ("train.learning_rate", "1:30.5", "1:30.5 is a base-60 number to YAML 1.1 (90.5)"),
+])
+def test_a_number_only_yaml11_reads_as_written_is_refused_for_a_number_key(key, text, message, tmp_path):
+    """`train.seed=010` ran with seed 8 and `max_steps: 1:30` ran 90 steps: YAML 1.1 octal and base 60, which
+    YAML 1.2, JSON and Python read otherwise or refuse. Hex, binary, 1_000 and a plain 0 still load."""
+    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={re.escape(text)}': {re.escape(key)}: "
+                                        rf"{re.escape(message)}"):
+        load_config(None, [f"{key}={text}"])
+    section, leaf = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {text}\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {re.escape(key)}: {re.escape(message)}"):
+        load_config(path)
+    cfg = load_config(None, ["train.max_steps=0x10", "train.seed=0", "train.batch_size=0b10", "lora.alpha=1_000"])
+    assert (cfg.train.max_steps, cfg.train.seed, cfg.train.batch_size, cfg.lora.alpha) == (16, 0, 2, 1000.0)
+
+
 def test_an_override_mapping_with_a_key_twice_is_refused():
     """`train={max_steps: 3, max_steps: 4}` kept the last silently, where the same mapping in a file is refused."""
     with pytest.raises(UserError, match=r"^override 'train=\{max_steps: 3, max_steps: 4\}': 'max_steps' appears "

@@ -205,10 +205,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _refuse_yaml11_spelling(value: Any, where: str) -> None:
+    """Refuse an integer that only YAML 1.1 reads as written: `010` is octal 8 (YAML 1.2, JSON and Python 3 read
+    ten or refuse it) and `1:30` is base 60 (90): train.seed=010 ran with seed 8, lora.alpha=016 was 14."""
+    raw = getattr(value, "raw", "").replace("_", "")
+    if re.fullmatch(r"[-+]?0[0-7]+", raw):
+        raise UserError(f"{where}: {value!r} is octal to YAML 1.1 ({_plain(value)}); write {_plain(value)}, or "
+                        f"{int(raw, 10)} without the leading zero")
+    if ":" in raw:
+        raise UserError(f"{where}: {value!r} is a base-60 number to YAML 1.1 ({_plain(value)}); write the number "
+                        f"itself")
+
+
 def _whole_number(value: Any, where: str) -> int:
     """An integer key's value: an int, or a number written as a float or in scientific notation that is a
     whole number (`1e3` -> 1000, `2.0` -> 2; YAML 1.1 reads `1e3` as a string), read exactly from its text."""
     if isinstance(value, int) and not isinstance(value, bool):
+        _refuse_yaml11_spelling(value, where)
         return int(value)
     if isinstance(value, (float, str)):
         try:
@@ -290,6 +303,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         return _whole_number(value, where)
     if tp is float:
+        _refuse_yaml11_spelling(value, where)
         number = value
         if isinstance(value, str):
             try:
