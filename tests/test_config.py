@@ -148,6 +148,20 @@ def test_a_number_only_yaml11_reads_as_written_is_refused_for_a_number_key(key, 
     assert (cfg.train.max_steps, cfg.train.seed, cfg.train.batch_size, cfg.lora.alpha) == (16, 0, 2, 1000.0)
 
 
+@pytest.mark.parametrize("key", ["train.run_dir", "data.train_path", "checkpoint.dir", " train.profile_dir "])
+def test_a_bare_tilde_override_of_a_path_is_refused(key, tmp_path):
+    """`train.run_dir=~` is YAML's null: the run silently wrote its metrics under checkpoint.dir (and
+    `checkpoint.dir=~` said "expected a string, got None"); a user typing ~ for a path means the home directory."""
+    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}=~': a bare ~ is null to YAML, not the home "
+                                        rf"directory; write {key.strip()}=null to leave it unset"):
+        load_config(None, [f"{key}=~"])
+    cfg = load_config(None, ["train.run_dir=null", "checkpoint.dir=~/runs/a"])  # the two meanings, spelt out
+    assert cfg.train.run_dir is None and cfg.checkpoint.dir == os.path.expanduser("~/runs/a")
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  run_dir: ~\n")  # in a file, ~ is the usual YAML null
+    assert load_config(path).train.run_dir is None
+
+
 def test_an_override_mapping_with_a_key_twice_is_refused():
     """`train={max_steps: 3, max_steps: 4}` kept the last silently, where the same mapping in a file is refused."""
     with pytest.raises(UserError, match=r"^override 'train=\{max_steps: 3, max_steps: 4\}': 'max_steps' appears "

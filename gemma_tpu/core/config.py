@@ -657,6 +657,12 @@ PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
+    for text in overrides:  # `train.run_dir=~` was YAML's null: the run wrote to checkpoint.dir, not the home dir
+        key, _, raw = text.partition("=")
+        if raw.strip() == "~" and tuple(key.strip().split(".")) in PATH_KEYS:
+            key = key.strip()
+            raise UserError(f"override '{text}': a bare ~ is null to YAML, not the home directory; write {key}=null "
+                            f"to leave it unset, or a path such as {key}=~/NAME")
     cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
     for section, key in PATH_KEYS:
         value = getattr(getattr(cfg, section), key)
