@@ -300,6 +300,18 @@ def test_yaml_boolean_for_a_choice_says_why():
     assert load_config(None, ["data.share_prefix=off"]).data.share_prefix == "off"  # the one choice named off
 
 
+@pytest.mark.parametrize("word", ["on", "yes", "true"])
+def test_on_for_an_auto_or_off_choice_is_auto(word, tmp_path):
+    """`data.share_prefix: off` loaded (YAML's false read as the choice off) but its opposite `on` was refused
+    as "True is not one of 'auto', 'off'"; for a choice of auto|off, on is auto."""
+    assert load_config(None, [f"data.share_prefix={word}"]).data.share_prefix == "auto"
+    path = tmp_path / "c.yaml"
+    path.write_text(f"data:\n  share_prefix: {word}\n")
+    assert load_config(path).data.share_prefix == "auto"
+    with pytest.raises(UserError, match=r"data.strategy: True is not one of 'pad', 'pack' \(YAML reads a bare"):
+        load_config(None, [f"data.strategy={word}"])  # a choice with no auto/off pair is still refused
+
+
 @pytest.mark.parametrize("text", ["", "\n# only a comment\n"])
 def test_empty_config_file_is_refused(tmp_path, text):
     """An empty --config (say, a redirect of a --print-config that failed) ran on every default: the 270M
@@ -385,8 +397,8 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     ("train:\n  <<: {max_steps: x}\n  seed: 1\n", 2, "train.max_steps: expected an integer, got 'x'"),
     ("train:\n  max_steps: 3\n  schedule: warmup_cosine\n  warmup_steps: 5\n", 4,
      "train.warmup_steps=5 is longer than train.max_steps=3"),
-    ("data:\n  share_prefix: on\n", 2, "data.share_prefix: True is not one of 'auto', 'off' (YAML reads a bare "
-     "yes/no/on/off/true/false as a boolean; write one of the choices)"),
+    ("data:\n  shuffle: on\n  strategy: yes\n", 3, "data.strategy: True is not one of 'pad', 'pack' (YAML reads a "
+     "bare yes/no/on/off/true/false as a boolean; write one of the choices)"),
 ])
 def test_a_bad_value_in_the_file_names_its_line(tmp_path, text, line, message):
     """A bad value in a long YAML file named the key but not where it is ('run.yaml: data.strategy: ...');

@@ -79,7 +79,7 @@ class DataConfig:
     max_loss_tokens: int | None = None  # per-row loss buffer; None: measured from the data
     # shared prompt prefixes (issue 15): auto groups examples by the longest common prefix of their
     # token ids (loss-free tokens only) and reports the tokens sharing would save; off skips it
-    share_prefix: Literal["auto", "off"] = "auto"
+    share_prefix: Literal["auto", "off"] = "auto"  # on (YAML true) reads as auto
     share_prefix_min_tokens: int = 32  # shorter common prefixes do not form a group
     eval_max_batches: int | None = None
 
@@ -273,6 +273,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is Literal:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
+        elif value is True and "on" not in args and {"auto", "off"} <= set(args):
+            value = "auto"  # a choice of auto|off (data.share_prefix): `off` worked and its opposite `on` was refused
         if value not in args:
             hint = ""
             if isinstance(value, bool):  # quoting helps only when the word itself is a choice
