@@ -162,6 +162,20 @@ def test_a_bare_tilde_override_of_a_path_is_refused(key, tmp_path):
     assert load_config(path).train.run_dir is None
 
 
+@pytest.mark.parametrize("key", ["~", "null", "yes", "1", "2026-01-01"])
+def test_a_key_yaml_reads_as_a_value_is_named_as_written(key, tmp_path):
+    """A key written `~:` was refused as "unknown config key 'None'" with no line (the file has no None), `yes:`
+    as 'True': keys are names, so they are read as their text."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"train:\n  max_steps: 3\n  {key}: 3\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 3: unknown config key "
+                                        rf"'train.{re.escape(key)}' \(known: "):
+        load_config(path)
+    path.write_text(f"{key}:\n  max_steps: 3\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 1: unknown config key '{re.escape(key)}'"):
+        load_config(path)
+
+
 def test_an_override_mapping_with_a_key_twice_is_refused():
     """`train={max_steps: 3, max_steps: 4}` kept the last silently, where the same mapping in a file is refused."""
     with pytest.raises(UserError, match=r"^override 'train=\{max_steps: 3, max_steps: 4\}': 'max_steps' appears "

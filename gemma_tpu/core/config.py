@@ -502,6 +502,9 @@ class _DuplicateKey(yaml.YAMLError):
         self.key, self.line, self.first = key, line, first
 
 
+_NOT_NAMES = {f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float", "timestamp")}
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently: a
     second `train:` section would drop every key of the first)."""
@@ -512,6 +515,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag in _NOT_NAMES:
+                    # a key is a name: `~:` was "unknown config key 'None'" (no line), `yes:` was 'True'
+                    key_node.tag = "tag:yaml.org,2002:str"
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     if key in seen:
