@@ -824,6 +824,23 @@ def test_nothing_left_is_an_error(tmp_path, tok):
         prepare_split(str(path), Renderer(tok), DataConfig(seq_len=64), 0)
 
 
+@pytest.mark.parametrize("policy, counts", [("truncate", "0 over-length, 2 with no loss-bearing token left after "
+                                                         "truncation"),
+                                            ("drop", "2 over-length, 0 with no loss-bearing token left")])
+def test_nothing_left_counts_each_example_once(tmp_path, tok, policy, counts):
+    """Every example longer than seq_len under truncate said "dropped 2: 2 over-length, 2 with no loss-bearing
+    token left" (4 reasons for 2 examples); each is counted once, with the length to raise seq_len to."""
+    rows = [{"messages": [{"role": "user", "content": "q" * n}, {"role": "assistant", "content": "a"}]}
+            for n in (300, 200)]
+    path = write_jsonl(tmp_path / "n.jsonl", rows)
+    renderer = Renderer(tok)
+    shortest = min(len(renderer.render(c).ids) for c in load_conversations(path, DataConfig()))
+    with pytest.raises(UserError) as e:
+        prepare_split(str(path), renderer, DataConfig(seq_len=64, overlength=policy), 0)
+    assert str(e.value) == (f"{path}: no usable examples after applying data.seq_len=64 (read 2, dropped 2: {counts}; "
+                            f"2 longer than data.seq_len, the shortest of them {shortest} tokens)")
+
+
 # --------------------------------------------------------------------------------- pad and pack
 
 

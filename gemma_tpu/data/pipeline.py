@@ -130,9 +130,15 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
     """Apply the over-length policy and cut rows (pad: one example a row; pack: first-fit)."""
     kept, report = batching.fit_length(examples, data_cfg.seq_len, data_cfg.overlength, source)
     if not kept:
+        # under truncate an over-length example is cut, not dropped: counting it as both over-length and
+        # loss-free said "dropped 3: 3 over-length, 3 with no loss-bearing token left"
+        cut = report.overlength if data_cfg.overlength == "truncate" else 0
+        longer = (f"; {report.overlength} longer than data.seq_len, the shortest of them "
+                  f"{min(n for n in report.lengths if n > data_cfg.seq_len)} tokens" if report.overlength else "")
         raise UserError(f"{source}: no usable examples after applying data.seq_len={data_cfg.seq_len} "
-                        f"(read {report.read}, dropped {report.dropped}: {report.overlength} over-length, "
-                        f"{report.no_loss} with no loss-bearing token left)")
+                        f"(read {report.read}, dropped {report.dropped}: {report.overlength - cut} over-length, "
+                        f"{report.no_loss} with no loss-bearing token left{' after truncation' if cut else ''}"
+                        f"{longer})")
     strategy = strategy or data_cfg.strategy
     rng = np.random.default_rng(seed)
     if strategy == "pack":
