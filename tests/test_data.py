@@ -685,6 +685,11 @@ BAD_CASES = {
     "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
                                                                                      '"hi", "content": "x"')}],
                                   1, "'messages' (a JSON string): key 'content' appears twice"),
+    "prompt_string_key_twice": ([{"prompt": '[{"role": "user", "content": "a", "content": "b"}]',
+                                  "completion": '[{"role": "assistant", "content": "c"}]'}], 1,
+                                "'prompt' (a JSON string): key 'content' appears twice"),
+    "completion_string_nan": ([{"prompt": "q", "completion": '[{"role": "assistant", "content": NaN}]'}], 1,
+                              "'completion' (a JSON string): NaN is not JSON"),
     "tools_string_infinity": ([{"tools": json.dumps([STEPS_TOOL])[:-2] + ', "x": Infinity}]',
                                 "messages": GOOD["messages"]}], 1, "'tools' (a JSON string): Infinity is not JSON"),
     "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object per example, got a list"),
@@ -695,6 +700,15 @@ BAD_CASES = {
     "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),
     "conversations_null": ([{"conversations": None}], 1, "got null"),
 }
+
+
+def test_a_prompt_that_is_json_nested_past_the_stack_stays_text(tmp_path):
+    """A prompt starting like a list of messages but nested deeper than the JSON reader recurses raised
+    RecursionError (a traceback); text that is not a list of messages stays text."""
+    text = '[{"a": ' + "[" * 5000
+    path = _write_case(tmp_path, "deep", [{"prompt": text, "completion": "x"}])
+    (conv,) = load_conversations(path, DataConfig())
+    assert conv["messages"][0] == {"role": "user", "content": text}
 
 
 def _write_case(tmp_path: Path, name: str, rows: list) -> Path:

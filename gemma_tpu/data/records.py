@@ -495,16 +495,17 @@ def _trained(m: dict, role: str, mw: str) -> bool:
     return trained.pop()
 
 
-def _messages_or_text(value: Any) -> Any:
+def _messages_or_text(value: Any, what: str, where: str) -> Any:
     """A prompt or completion: text, or a list of messages (also as a JSON string, as Parquet files
-    from the Hub store them); text that merely looks like JSON stays text."""
+    from the Hub store them); text that merely looks like JSON stays text. A list of messages is read
+    as strictly as the file (a key twice, NaN were kept; nesting past the stack raised RecursionError)."""
     if isinstance(value, str) and value.lstrip().startswith("[{"):
         try:
             decoded = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return value
         if isinstance(decoded, list) and all(isinstance(m, dict) and "role" in m for m in decoded):
-            return decoded
+            return _decode_embedded(value, what, where)
     return value
 
 
@@ -515,7 +516,7 @@ _PREFERENCE_HINT = ("; this is a preference row (chosen/rejected, for DPO-style 
 def normalise_prompt_completion(obj: dict, where: str) -> dict:
     """TRL's prompt-completion rows: strings (a user turn, an assistant turn) or message lists; only
     the completion is trained."""
-    prompt, completion = (_messages_or_text(obj.get(k)) for k in ("prompt", "completion"))
+    prompt, completion = (_messages_or_text(obj.get(k), k, where) for k in ("prompt", "completion"))
     for key, value in (("prompt", prompt), ("completion", completion)):
         if value is None:
             raise UserError(f"{where}: missing field '{key}' (prompt-completion rows need both 'prompt' and "
