@@ -1392,6 +1392,21 @@ def test_over_length_examples_are_one_warning_naming_the_first(tmp_path, tok):
                               "truncate") is None
 
 
+def test_epochs_that_end_before_max_steps_are_one_warning(tmp_path, tok):
+    """data.num_epochs=1 with train.max_steps past it: the run stopped at the end of the data ("done: steps 4"
+    of 10) without a word, its learning-rate schedule sized for the 10 steps it never took."""
+    from gemma_tpu.data import epochs_warning
+
+    path = write_jsonl(tmp_path / "e.jsonl", chat_rows(10))
+    split = prepare_split(str(path), Renderer(tok), DataConfig(seq_len=256), seed=0)
+    assert len(split.rows) == 10 and len(list(TrainStream(split, 2, seed=0, num_epochs=3))) == 15
+    assert epochs_warning(split, 2, 2, 3, 10) == (
+        f"{path}: data.num_epochs=3 of 10 rows is 7 optimizer steps of train.batch_size=2 x 2 micro-batches, fewer "
+        f"than train.max_steps=10: the run ends at step 7 with the learning-rate schedule sized for 10; set "
+        f"train.max_steps=7 (or data.num_epochs=null)")
+    assert epochs_warning(split, 2, 1, 3, 15) is None and epochs_warning(split, 2, 1, None, 10 ** 6) is None
+
+
 def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
     long = {"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "w" * 400}]}
     path = write_jsonl(tmp_path / "t.jsonl", [long] * 4)

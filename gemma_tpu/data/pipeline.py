@@ -176,6 +176,21 @@ def overlength_warning(prepared: Prepared, policy: str) -> str | None:
             f"raise data.seq_len or see `python -m gemma_tpu.data.inspect`")
 
 
+def epochs_warning(prepared: Prepared, batch_size: int, grad_accum_steps: int, num_epochs: int | None,
+                   max_steps: int) -> str | None:
+    """One line when data.num_epochs ends the stream before train.max_steps (None otherwise): the run then
+    stopped early without a word, its learning-rate schedule sized for steps it never takes."""
+    if num_epochs is None:
+        return None
+    steps = len(prepared.rows) * num_epochs // batch_size // max(1, grad_accum_steps)  # TrainStream's batches
+    if steps >= max_steps:
+        return None
+    return (f"{prepared.source}: data.num_epochs={num_epochs} of {len(prepared.rows)} rows is {steps} optimizer steps "
+            f"of train.batch_size={batch_size}{f' x {grad_accum_steps} micro-batches' if grad_accum_steps > 1 else ''}"
+            f", fewer than train.max_steps={max_steps}: the run ends at step {steps} with the learning-rate "
+            f"schedule sized for {max_steps}; set train.max_steps={steps} (or data.num_epochs=null)")
+
+
 def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int, max_loss: int | None = None,
                   strategy: str | None = None) -> Prepared:
     return prepare_examples(render_examples(path, renderer, data_cfg), path, data_cfg, seed, max_loss, strategy)

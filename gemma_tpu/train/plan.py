@@ -622,7 +622,11 @@ def data_layout(cfg: RunConfig) -> dict | None:
             "examples_per_step": round(per_row * cfg.train.batch_size * cfg.train.grad_accum_steps, 2),
             "computed_tokens_per_example": st["computed_tokens_per_example"],
             "computed_tokens_per_example_unshared": st["computed_tokens_per_example_unshared"],
-            "max_loss": split.max_loss, "share_prefix": cfg.data.share_prefix}
+            "max_loss": split.max_loss, "share_prefix": cfg.data.share_prefix,
+            # what the run warns of at its start, said by the dry run too
+            "warnings": [w for w in (data.overlength_warning(split, cfg.data.overlength),
+                                     data.epochs_warning(split, cfg.train.batch_size, cfg.train.grad_accum_steps,
+                                                         cfg.data.num_epochs, cfg.train.max_steps)) if w]}
 
 
 def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | None = None,
@@ -644,6 +648,7 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))
     p = make_plan(cfg, devices, assumed_mfu, hf_config=hf)
     p.data = layout
+    p.notes.extend(layout["warnings"] if layout else [])
     if layout is None and cfg.data.train_path:
         p.notes.append("data layout not counted: the model's tokenizer is not on this machine")
     if weights_note:
