@@ -653,6 +653,39 @@ def test_single_object_json_and_jsonl_named_json(tmp_path):
     assert len(load_conversations(lines, DataConfig())) == 2
 
 
+def test_a_json_array_under_a_jsonl_name_is_read_as_an_array(tmp_path):
+    """`json.dump(rows, open("train.jsonl", "w"))` (what HF's json loader reads whatever the name) was refused as
+    "expected a JSON object per example, got a list", and indented as "not valid JSON"; the content decides."""
+    import gzip
+
+    for name, text in (("flat.jsonl", json.dumps([CHAT, CHAT])), ("indented.jsonl", json.dumps([CHAT, CHAT], indent=2)),
+                       ("bom.txt", "\ufeff\n [" + json.dumps(CHAT) + "]")):
+        path = tmp_path / name
+        path.write_text(text, encoding="utf-8")
+        convs = load_conversations(path, DataConfig())
+        assert [c["messages"] for c in convs] == [load_conversations(write_jsonl(tmp_path / "one.jsonl", [CHAT]),
+                                                                     DataConfig())[0]["messages"]] * len(convs)
+        assert convs[0]["where"] == f"{path}:{2 if name != 'flat.jsonl' else 1}"
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write(json.dumps([CHAT, CHAT, CHAT], indent=1))
+    assert len(load_conversations(tmp_path / "a.jsonl.gz", DataConfig())) == 3
+
+
+def test_a_pretty_printed_object_under_a_jsonl_name_says_why_it_fails(tmp_path):
+    """One object indented over many lines in a .jsonl read "not valid JSON (Expecting property name enclosed in
+    double quotes ...)" at line 1, with no word of lines; a line cut short later on (a truncated file) is unchanged."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(CHAT, indent=2))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: not valid JSON \(.*; the line ends inside its "
+                                        rf"object: JSON Lines holds one whole object a line, and a pretty-printed "
+                                        rf"JSON file is read as such when named \.json\)$"):
+        load_conversations(path, DataConfig())
+    path.write_text(json.dumps(CHAT) + "\n" + json.dumps(CHAT)[:30])
+    with pytest.raises(UserError) as e:
+        load_conversations(path, DataConfig())
+    assert str(e.value).startswith(f"{path}:2: not valid JSON (") and "JSON Lines holds" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------------- bad input
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
@@ -695,6 +728,8 @@ BAD_CASES = {
     "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object per example, got a list"),
     # a line holding the messages alone: say how to wrap it
     "bare_messages": ([GOOD, GOOD["messages"]], 2, 'got a list (a list of messages: wrap each line as {"messages"'),
+    "bare_messages_first": ([GOOD["messages"], GOOD["messages"]], 1, 'got a list (a list of messages: wrap each '
+                                                                     'line as {"messages"'),
     "messages_an_object": ([{"messages": GOOD["messages"][0]}], 1, "'messages' must be a non-empty list, got an object"),
     "messages_empty": ([{"messages": []}], 1, "'messages' must be a non-empty list, got an empty list"),
     "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),

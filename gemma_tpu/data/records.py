@@ -16,7 +16,8 @@ no loss, for multi-turn chats where only some answers are good. Problems are rep
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
 
 Accepted files, all through `iter_raw`:
-- `.jsonl` (or anything else): one JSON object a line; blank lines are skipped.
+- `.jsonl` (or anything else): one JSON object a line; blank lines are skipped. Text that starts with '['
+  is a JSON array whatever the name (as for `.json`).
 - any of the text forms gzip-compressed (`.jsonl.gz`, `.json.gz`; told by its magic bytes).
 - `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
   object, or JSON Lines saved under a `.json` name.
@@ -157,6 +158,8 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         for i, row in enumerate(_arrow_rows(p, str(p)), start=1):
             yield i, _strip_nulls(row)
         return
+    if suffix != ".json" and _starts_an_array(p, opener):  # `json.dump(rows, open("train.jsonl", "w"))`
+        suffix = ".json"  # was "expected a JSON object per example, got a list" (or, indented, "not valid JSON")
     if suffix == ".json":
         try:
             with opener(p, "rb") as f:
@@ -184,6 +187,25 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
                 yield first, obj
                 return
     yield from _iter_lines(p, opener)
+
+
+def _starts_an_array(p: Path, opener) -> bool:
+    """Whether a text file's first character (past whitespace and a BOM) is '[': a JSON array, whatever its
+    name says (a JSON Lines example is an object, never a list) - unless its first line is a whole list of
+    messages, JSON Lines of bare message lists, which the line reader refuses with how to wrap them."""
+    try:
+        with opener(p, "rb") as f:
+            head = f.read(1 << 16)
+    except (OSError, EOFError):  # reported by the reader that follows
+        return False
+    head = head.removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")
+    if not head.startswith(b"["):
+        return False
+    try:
+        line = json.loads(head.split(b"\n", 1)[0])
+    except (ValueError, RecursionError):
+        return True
+    return not (isinstance(line, list) and line and all(isinstance(m, dict) and "role" in m for m in line))
 
 
 def _arrow_rows(f: Path, where: str) -> list[dict]:
@@ -233,6 +255,7 @@ def _iter_saved_dataset(p: Path) -> Iterator[tuple[int, Any]]:
 def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
     """JSON Lines (plain or gzip); bytes decoded line by line, so a bad byte is reported at its line."""
     lineno = 0
+    first = True
     try:
         with opener(p, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
@@ -245,11 +268,16 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                 try:
                     obj = _DECODER.decode(line)
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                    # the first object spread over lines (pretty-printed) read "Expecting property name ... column 2"
+                    spread = first and e.pos >= len(line.rstrip())
+                    hint = ("; the line ends inside its object: JSON Lines holds one whole object a line, and a "
+                            "pretty-printed JSON file is read as such when named .json" if spread else "")
+                    raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}{hint})") from None
                 except RecursionError:
                     raise _too_deep(f"{p}:{lineno}") from None
                 except _NotData as e:
                     raise UserError(f"{p}:{lineno}: {e}") from None
+                first = False
                 yield lineno, obj
     except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream, an unreadable file
         what = "not a readable gzip file" if opener is gzip.open else "cannot be read"
