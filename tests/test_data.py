@@ -643,6 +643,29 @@ def test_parquet_with_json_string_columns(tmp_path, tok):
     assert Renderer(tok).render(conv).text == TOOL_TEXT
 
 
+def test_openai_legacy_function_calling_renders_as_tool_calls(tmp_path, tok):
+    """OpenAI's legacy fine-tuning rows (`functions`, an assistant `function_call`, a `function` result) were
+    refused as "neither content nor tool_calls" or, with text beside the call, trained the text and dropped the
+    call silently; they are the tools, tool call and tool result they stand for."""
+    msgs = [dict(m) for m in TOOL_CHAT["messages"]]
+    msgs[2] = {"role": "assistant", "content": None, "function_call": {"name": "get_steps",
+                                                                       "arguments": json.dumps({"date": "today"})}}
+    msgs[3] = {**msgs[3], "role": "function"}
+    legacy = {"functions": [t["function"] for t in TOOL_CHAT["tools"]], "messages": msgs}
+    write_jsonl(tmp_path / "l.jsonl", [legacy])
+    (conv,) = load_conversations(tmp_path / "l.jsonl", DataConfig())
+    assert Renderer(tok).render(conv).text == TOOL_TEXT
+    both = [{**legacy, "tools": TOOL_CHAT["tools"]},
+            {**legacy, "messages": [*msgs[:2], {**msgs[2], "tool_calls": TOOL_CHAT["messages"][2]["tool_calls"]},
+                                    *msgs[3:]]}]
+    write_jsonl(tmp_path / "b.jsonl", both[:1])
+    with pytest.raises(UserError, match=r"b.jsonl:1: both 'tools' and 'functions' \(OpenAI's legacy name"):
+        load_conversations(tmp_path / "b.jsonl", DataConfig())
+    write_jsonl(tmp_path / "b.jsonl", both[1:])
+    with pytest.raises(UserError, match=r"b.jsonl:1: messages\[2\]: both tool_calls and function_call"):
+        load_conversations(tmp_path / "b.jsonl", DataConfig())
+
+
 def test_single_object_json_and_jsonl_named_json(tmp_path):
     one = tmp_path / "one.json"
     one.write_text("\n" + json.dumps(CHAT, indent=2))

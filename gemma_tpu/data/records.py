@@ -2,7 +2,8 @@
 
 Every example becomes `{"messages": [...], "tools": [...] | None, "where": "FILE:LINE"}`. Accepted
 example shapes (`data.format`, auto-detected by their keys):
-- `messages`: OpenAI/TRL chat messages, optionally with `tools` and tool calls.
+- `messages`: OpenAI/TRL chat messages, optionally with `tools` and tool calls (or OpenAI's legacy
+  `functions`, `function_call` and `function` results).
 - `prompt_completion`: TRL's prompt-completion rows, `{"prompt": str, "completion": str}` or with lists
   of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
   assistant turns inside the prompt are context.
@@ -41,7 +42,9 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import find_lone_surrogate
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-ROLE_ALIASES = {"model": "assistant"}  # Gemma's own name for the assistant turn
+# Gemma's own name for the assistant turn; OpenAI's legacy function-calling result (with `functions` and
+# `function_call`, read as `tools` and `tool_calls` in `normalise_messages`)
+ROLE_ALIASES = {"model": "assistant", "function": "tool"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -416,6 +419,13 @@ def normalise_messages(obj: dict, where: str) -> dict:
         raise UserError(f"{where}: 'messages' must be a non-empty list, got "
                         f"{'an empty list' if messages == [] else _json_type(messages)}")
     tools = _maybe_json(obj.get("tools"), "tools", where)
+    functions = _maybe_json(obj.get("functions"), "functions", where)
+    if functions is not None:  # OpenAI's legacy declarations: each one the `function` of a tool
+        if tools is not None:
+            raise UserError(f"{where}: both 'tools' and 'functions' (OpenAI's legacy name for them); give one")
+        if not isinstance(functions, list):
+            raise UserError(f"{where}: 'functions' must be a list of function declarations")
+        tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
     out = []
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
@@ -445,6 +455,11 @@ def normalise_messages(obj: dict, where: str) -> dict:
             msg["train"] = False
         if role == "assistant":
             calls = m.get("tool_calls") or []
+            if m.get("function_call") is not None:  # OpenAI's legacy single call: it was dropped silently
+                if calls:
+                    raise UserError(f"{mw}: both tool_calls and function_call (OpenAI's legacy form of one call); "
+                                    f"give one")
+                calls = [{"function": m["function_call"]}]
             if not isinstance(calls, list):
                 raise UserError(f"{mw}: tool_calls must be a list")
             norm_calls = []
