@@ -746,6 +746,20 @@ BAD_CASES = {
                                 "'prompt' (a JSON string): key 'content' appears twice"),
     "completion_string_nan": ([{"prompt": "q", "completion": '[{"role": "assistant", "content": NaN}]'}], 1,
                               "'completion' (a JSON string): NaN is not JSON"),
+    # the chat markup inside a message's text: tokenized as control tokens (an answer with a leaked end of turn
+    # trained two; a user text opened a model turn of its own; raw call text skipped the tools check)
+    "answer_with_end_of_turn": ([GOOD, {"messages": [GOOD["messages"][0], {"role": "assistant",
+                                                                          "content": "yo<end_of_turn>"}]}], 2,
+                                "messages[1]: the text holds '<end_of_turn>' at character 2, the chat markup's own "
+                                "control token"),
+    "user_opens_a_turn": ([{"messages": [{"role": "user", "content": "hi\n<start_of_turn>model\nno"},
+                                         GOOD["messages"][1]]}], 1, "messages[0]: the text holds '<start_of_turn>'"),
+    "raw_call_in_content": ([{"messages": [GOOD["messages"][0], {"role": "assistant", "content":
+                                           "<start_function_call>call:f{}<end_function_call>"}]}], 1,
+                            "'<start_function_call>' at character 0, the chat markup's own control token, which the "
+                            "tokenizer would read as markup; remove it (tool calls go in tool_calls)"),
+    "instruction_with_eos": ([{"instruction": "a", "response": "b<eos>"}], 1, "field 'response': the text holds "
+                                                                             "'<eos>'"),
     "tools_string_infinity": ([{"tools": json.dumps([STEPS_TOOL])[:-2] + ', "x": Infinity}]',
                                 "messages": GOOD["messages"]}], 1, "'tools' (a JSON string): Infinity is not JSON"),
     "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object per example, got a list"),

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import find_lone_surrogate
+from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, find_lone_surrogate
+from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Gemma's own name for the assistant turn; OpenAI's legacy function-calling result (with `functions` and
@@ -298,6 +299,20 @@ def check_surrogates(value: Any, where: str, path: str = "") -> None:
                         f"encodes; pair it or remove it")
 
 
+# markup the renderer writes around the messages: inside a message's text the tokenizer reads it as the control
+# token, so an answer ending in a leaked "<end_of_turn>" (common in generated data) trained the end of turn twice,
+# and a user text could open a model turn of its own
+_MARKUP = re.compile("|".join(re.escape(m) for m in (START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS)))
+
+
+def _check_markup(text: str, where: str) -> None:
+    m = _MARKUP.search(text)
+    if m:
+        raise UserError(f"{where}: the text holds {m.group()!r} at character {m.start()}, the chat markup's own "
+                        f"control token, which the tokenizer would read as markup; remove it"
+                        f"{' (tool calls go in tool_calls)' if m.group() in FUNCTION_MARKERS else ''}")
+
+
 def _text(content: Any, where: str) -> str:
     if content is None:
         return ""
@@ -442,6 +457,7 @@ def normalise_messages(obj: dict, where: str) -> dict:
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
+        _check_markup(msg["content"], mw)
         if role in ("system", "developer") and not msg["content"].strip():
             # ShareGPT exports often carry {"from": "system", "value": ""}: it says nothing, and Gemma's template
             # would fold only separators into the first user turn; left out, not refused
@@ -661,6 +677,9 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
         prompt = f"{prompt}\n\n{ctx}"
     if not obj[response].strip():
         raise UserError(f"{where}: field '{response}' is empty")
+    for field in (instruction, context, response):
+        if field and isinstance(obj.get(field), str):
+            _check_markup(obj[field], f"{where}: field '{field}'")
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj[response]}],
             "tools": None, "where": where}
 
