@@ -263,3 +263,21 @@ def test_dry_run_notes_what_the_run_warns_of_about_its_data(tiny_dir):
     assert any(re.search(r"\d+ of 64 examples are longer than data.seq_len=96", n) for n in notes), notes
     assert any("data.num_epochs=1 of 64 rows is 16 optimizer steps of train.batch_size=4, fewer than "
                "train.max_steps=100: the run ends at step 16" in n for n in notes), notes
+
+
+def test_a_loss_buffer_past_seq_len_is_planned_as_the_run_caps_it(tiny_dir):
+    """data.max_loss_tokens=100000 with seq_len 192: the run's buffer is 192 (capped by the data pipeline) but the
+    plan counted 100000 loss positions a row - gigabytes of loss logits, a plan refused that would fit."""
+    import io
+
+    from gemma_tpu.train.plan import run_dry
+
+    assert plan(tiny_dir, "data.max_loss_tokens=100000").total == plan(tiny_dir, "data.max_loss_tokens=192").total
+    outs = []
+    for m in (100000, 192):
+        out = io.StringIO()
+        cfg = tiny_cfg(tiny_dir, f"data.train_path={REPO / 'tests/data/chat_sample.jsonl'}",
+                       f"data.max_loss_tokens={m}")
+        assert run_dry(cfg, compile_check=False, out=out) == 0
+        outs.append(out.getvalue())
+    assert outs[0] == outs[1] and "loss buffer 192 a row" in outs[0], outs[0]
