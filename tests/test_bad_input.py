@@ -248,6 +248,20 @@ CASES = [
          ["{tmp}/d.json:2", "NaN is not JSON"],
          {"d.json": '[{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},\n'
                     '{"messages": [{"role": "user", "content": NaN}, {"role": "assistant", "content": "x"}]}]\n'}),
+    # ... and inside JSON kept as a string (tool-call arguments): NaN trained as `{x:NaN}`, a lone surrogate a
+    # TypeError traceback from the tokenizer
+    Case("data-nan-in-string-arguments", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "messages[3]: 'tool_calls[0].function.arguments' (a JSON string): NaN is not JSON"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "messages": '
+                     '[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", '
+                     '"content": "f?"}, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
+                     '"function": {"name": "f", "arguments": "{\\"x\\": NaN}"}}]}]}\n'}),
+    Case("data-inspect-lone-surrogate-in-string-arguments", "gemma_tpu.data.inspect",
+         [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "tool_calls[0].function.arguments.x holds a lone UTF-16 surrogate"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "messages": '
+                     '[{"role": "user", "content": "f?"}, {"role": "assistant", "tool_calls": [{"type": "function", '
+                     '"function": {"name": "f", "arguments": "{\\"x\\": \\"\\\\ud800\\"}"}}]}]}\n'}),
     Case("data-unknown-role", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "'wizard'"], {"d.jsonl": from_corpus("unknown_role.jsonl")}),
     Case("data-no-messages", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
@@ -352,6 +366,11 @@ CASES = [
     Case("plan-no-config", "gemma_tpu.plan", [], ["--config"]),
     Case("config-nan-learning-rate", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.learning_rate=nan"],
          ["train.learning_rate", "finite", "'nan'"]),
+    # YAML 1.1 readings no user means: octal 010 (seed 8), a bare ~ for a path (null: metrics under checkpoint.dir)
+    Case("config-octal-seed", "gemma_tpu.train", [*TRAIN, "train.seed=010"],
+         ["override 'train.seed=010'", "octal to YAML 1.1 (8)"]),
+    Case("config-tilde-run-dir", "gemma_tpu.train", [*TRAIN, "train.run_dir=~"],
+         ["override 'train.run_dir=~'", "a bare ~ is null to YAML, not the home directory"]),
     Case("config-inf-in-yaml", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "train.grad_clip", "finite"],
          {"c.yaml": "train:\n  grad_clip: .inf\n"}),
     Case("config-zero-learning-rate", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.learning_rate=0"],

@@ -110,6 +110,79 @@ def test_a_number_given_to_a_string_key_keeps_its_spelling(text, tmp_path):
     assert yaml.safe_load(cfg.to_yaml())["model"]["revision"] == text
 
 
+@pytest.mark.parametrize("text", ["2026-01-01", "2026-01-01 10:00:00", "2026-01-01T10:00:00Z"])
+def test_a_date_given_to_a_string_key_keeps_its_text(text, tmp_path):
+    """YAML 1.1 reads these as dates: `checkpoint.dir=2026-01-01` (a run named by its day) or a dated
+    `model.revision` tag was refused as "expected a string, got datetime.date(2026, 1, 1)"."""
+    cfg = load_config(None, [f"checkpoint.dir={text}", f"model.revision={text}"])
+    assert (cfg.checkpoint.dir, cfg.model.revision) == (text, text)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"checkpoint:\n  dir: {text}\nmodel:\n  revision: {text}\n")
+    cfg = load_config(path)
+    assert (cfg.checkpoint.dir, cfg.model.revision) == (text, text)
+    assert yaml.safe_load(cfg.to_yaml())["checkpoint"]["dir"] == text  # written back quoted, read back as text
+    with pytest.raises(UserError, match=rf"^override 'train.max_steps={text}': train.max_steps: expected an "
+                                        rf"integer, got '{text}'$"):
+        load_config(None, [f"train.max_steps={text}"])
+
+
+@pytest.mark.parametrize("key, text, message", [
+    ("train.seed", "010", "010 is octal to YAML 1.1 (8); write 8, or 10 without the leading zero"),
+    ("train.max_steps", "-0_10", "-0_10 is octal to YAML 1.1 (-8); write -8, or -10 without the leading zero"),
+    ("lora.alpha", "016", "016 is octal to YAML 1.1 (14); write 14, or 16 without the leading zero"),
+    ("train.max_steps", "1:30", "1:30 is a base-60 number to YAML 1.1 (90); write the number itself"),
+    ("train.learning_rate", "1:30.5", "1:30.5 is a base-60 number to YAML 1.1 (90.5)"),
+])
+def test_a_number_only_yaml11_reads_as_written_is_refused_for_a_number_key(key, text, message, tmp_path):
+    """`train.seed=010` ran with seed 8 and `max_steps: 1:30` ran 90 steps: YAML 1.1 octal and base 60, which
+    YAML 1.2, JSON and Python read otherwise or refuse. Hex, binary, 1_000 and a plain 0 still load."""
+    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={re.escape(text)}': {re.escape(key)}: "
+                                        rf"{re.escape(message)}"):
+        load_config(None, [f"{key}={text}"])
+    section, leaf = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {text}\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {re.escape(key)}: {re.escape(message)}"):
+        load_config(path)
+    cfg = load_config(None, ["train.max_steps=0x10", "train.seed=0", "train.batch_size=0b10", "lora.alpha=1_000"])
+    assert (cfg.train.max_steps, cfg.train.seed, cfg.train.batch_size, cfg.lora.alpha) == (16, 0, 2, 1000.0)
+
+
+@pytest.mark.parametrize("key", ["train.run_dir", "data.train_path", "checkpoint.dir", " train.profile_dir "])
+def test_a_bare_tilde_override_of_a_path_is_refused(key, tmp_path):
+    """`train.run_dir=~` is YAML's null: the run silently wrote its metrics under checkpoint.dir (and
+    `checkpoint.dir=~` said "expected a string, got None"); a user typing ~ for a path means the home directory."""
+    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}=~': a bare ~ is null to YAML, not the home "
+                                        rf"directory; write {key.strip()}=null to leave it unset"):
+        load_config(None, [f"{key}=~"])
+    cfg = load_config(None, ["train.run_dir=null", "checkpoint.dir=~/runs/a"])  # the two meanings, spelt out
+    assert cfg.train.run_dir is None and cfg.checkpoint.dir == os.path.expanduser("~/runs/a")
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  run_dir: ~\n")  # in a file, ~ is the usual YAML null
+    assert load_config(path).train.run_dir is None
+
+
+@pytest.mark.parametrize("key", ["~", "null", "yes", "1", "2026-01-01"])
+def test_a_key_yaml_reads_as_a_value_is_named_as_written(key, tmp_path):
+    """A key written `~:` was refused as "unknown config key 'None'" with no line (the file has no None), `yes:`
+    as 'True': keys are names, so they are read as their text."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"train:\n  max_steps: 3\n  {key}: 3\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 3: unknown config key "
+                                        rf"'train.{re.escape(key)}' \(known: "):
+        load_config(path)
+    path.write_text(f"{key}:\n  max_steps: 3\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 1: unknown config key '{re.escape(key)}'"):
+        load_config(path)
+
+
+def test_an_override_mapping_with_a_key_twice_is_refused():
+    """`train={max_steps: 3, max_steps: 4}` kept the last silently, where the same mapping in a file is refused."""
+    with pytest.raises(UserError, match=r"^override 'train=\{max_steps: 3, max_steps: 4\}': 'max_steps' appears "
+                                        r"twice in one mapping"):
+        load_config(None, ["train={max_steps: 3, max_steps: 4}"])
+
+
 def test_a_config_of_the_other_tool_names_its_command():
     """A serving config given to training stopped at "unknown config key 'model.dir' (did you mean
     'checkpoint.dir'?", and a training config given to serving at "unknown config key 'model.path'"."""
@@ -241,6 +314,18 @@ def test_yaml_boolean_for_a_choice_says_why():
     assert load_config(None, ["data.share_prefix=off"]).data.share_prefix == "off"  # the one choice named off
 
 
+@pytest.mark.parametrize("word", ["on", "yes", "true"])
+def test_on_for_an_auto_or_off_choice_is_auto(word, tmp_path):
+    """`data.share_prefix: off` loaded (YAML's false read as the choice off) but its opposite `on` was refused
+    as "True is not one of 'auto', 'off'"; for a choice of auto|off, on is auto."""
+    assert load_config(None, [f"data.share_prefix={word}"]).data.share_prefix == "auto"
+    path = tmp_path / "c.yaml"
+    path.write_text(f"data:\n  share_prefix: {word}\n")
+    assert load_config(path).data.share_prefix == "auto"
+    with pytest.raises(UserError, match=r"data.strategy: True is not one of 'pad', 'pack' \(YAML reads a bare"):
+        load_config(None, [f"data.strategy={word}"])  # a choice with no auto/off pair is still refused
+
+
 @pytest.mark.parametrize("text", ["", "\n# only a comment\n"])
 def test_empty_config_file_is_refused(tmp_path, text):
     """An empty --config (say, a redirect of a --print-config that failed) ran on every default: the 270M
@@ -326,8 +411,8 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     ("train:\n  <<: {max_steps: x}\n  seed: 1\n", 2, "train.max_steps: expected an integer, got 'x'"),
     ("train:\n  max_steps: 3\n  schedule: warmup_cosine\n  warmup_steps: 5\n", 4,
      "train.warmup_steps=5 is longer than train.max_steps=3"),
-    ("data:\n  share_prefix: on\n", 2, "data.share_prefix: True is not one of 'auto', 'off' (YAML reads a bare "
-     "yes/no/on/off/true/false as a boolean; write one of the choices)"),
+    ("data:\n  shuffle: on\n  strategy: yes\n", 3, "data.strategy: True is not one of 'pad', 'pack' (YAML reads a "
+     "bare yes/no/on/off/true/false as a boolean; write one of the choices)"),
 ])
 def test_a_bad_value_in_the_file_names_its_line(tmp_path, text, line, message):
     """A bad value in a long YAML file named the key but not where it is ('run.yaml: data.strategy: ...');

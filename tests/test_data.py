@@ -643,6 +643,29 @@ def test_parquet_with_json_string_columns(tmp_path, tok):
     assert Renderer(tok).render(conv).text == TOOL_TEXT
 
 
+def test_openai_legacy_function_calling_renders_as_tool_calls(tmp_path, tok):
+    """OpenAI's legacy fine-tuning rows (`functions`, an assistant `function_call`, a `function` result) were
+    refused as "neither content nor tool_calls" or, with text beside the call, trained the text and dropped the
+    call silently; they are the tools, tool call and tool result they stand for."""
+    msgs = [dict(m) for m in TOOL_CHAT["messages"]]
+    msgs[2] = {"role": "assistant", "content": None, "function_call": {"name": "get_steps",
+                                                                       "arguments": json.dumps({"date": "today"})}}
+    msgs[3] = {**msgs[3], "role": "function"}
+    legacy = {"functions": [t["function"] for t in TOOL_CHAT["tools"]], "messages": msgs}
+    write_jsonl(tmp_path / "l.jsonl", [legacy])
+    (conv,) = load_conversations(tmp_path / "l.jsonl", DataConfig())
+    assert Renderer(tok).render(conv).text == TOOL_TEXT
+    both = [{**legacy, "tools": TOOL_CHAT["tools"]},
+            {**legacy, "messages": [*msgs[:2], {**msgs[2], "tool_calls": TOOL_CHAT["messages"][2]["tool_calls"]},
+                                    *msgs[3:]]}]
+    write_jsonl(tmp_path / "b.jsonl", both[:1])
+    with pytest.raises(UserError, match=r"b.jsonl:1: both 'tools' and 'functions' \(OpenAI's legacy name"):
+        load_conversations(tmp_path / "b.jsonl", DataConfig())
+    write_jsonl(tmp_path / "b.jsonl", both[1:])
+    with pytest.raises(UserError, match=r"b.jsonl:1: messages\[2\]: both tool_calls and function_call"):
+        load_conversations(tmp_path / "b.jsonl", DataConfig())
+
+
 def test_single_object_json_and_jsonl_named_json(tmp_path):
     one = tmp_path / "one.json"
     one.write_text("\n" + json.dumps(CHAT, indent=2))
@@ -651,6 +674,39 @@ def test_single_object_json_and_jsonl_named_json(tmp_path):
     lines = tmp_path / "lines.json"
     write_jsonl(lines, [CHAT, CHAT])
     assert len(load_conversations(lines, DataConfig())) == 2
+
+
+def test_a_json_array_under_a_jsonl_name_is_read_as_an_array(tmp_path):
+    """`json.dump(rows, open("train.jsonl", "w"))` (what HF's json loader reads whatever the name) was refused as
+    "expected a JSON object per example, got a list", and indented as "not valid JSON"; the content decides."""
+    import gzip
+
+    for name, text in (("flat.jsonl", json.dumps([CHAT, CHAT])), ("indented.jsonl", json.dumps([CHAT, CHAT], indent=2)),
+                       ("bom.txt", "\ufeff\n [" + json.dumps(CHAT) + "]")):
+        path = tmp_path / name
+        path.write_text(text, encoding="utf-8")
+        convs = load_conversations(path, DataConfig())
+        assert [c["messages"] for c in convs] == [load_conversations(write_jsonl(tmp_path / "one.jsonl", [CHAT]),
+                                                                     DataConfig())[0]["messages"]] * len(convs)
+        assert convs[0]["where"] == f"{path}:{2 if name != 'flat.jsonl' else 1}"
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write(json.dumps([CHAT, CHAT, CHAT], indent=1))
+    assert len(load_conversations(tmp_path / "a.jsonl.gz", DataConfig())) == 3
+
+
+def test_a_pretty_printed_object_under_a_jsonl_name_says_why_it_fails(tmp_path):
+    """One object indented over many lines in a .jsonl read "not valid JSON (Expecting property name enclosed in
+    double quotes ...)" at line 1, with no word of lines; a line cut short later on (a truncated file) is unchanged."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(CHAT, indent=2))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: not valid JSON \(.*; the line ends inside its "
+                                        rf"object: JSON Lines holds one whole object a line, and a pretty-printed "
+                                        rf"JSON file is read as such when named \.json\)$"):
+        load_conversations(path, DataConfig())
+    path.write_text(json.dumps(CHAT) + "\n" + json.dumps(CHAT)[:30])
+    with pytest.raises(UserError) as e:
+        load_conversations(path, DataConfig())
+    assert str(e.value).startswith(f"{path}:2: not valid JSON (") and "JSON Lines holds" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------------- bad input
@@ -672,15 +728,59 @@ BAD_CASES = {
     "no_assistant": ([{"messages": [GOOD["messages"][0]]}], 1, "no assistant message"),
     "bad_arguments": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "get_steps", "arguments": "{date"}}]}]}], 1,
-                      "arguments is not a JSON object"),
+                      "'tool_calls[0].function.arguments' is a string but not valid JSON"),
+    # JSON kept in a string is read as strictly as the line itself: these were kept (the last key, a NaN trained
+    # as `{x:NaN}`) or raised a traceback (a lone surrogate at the tokenizer, RecursionError)
+    **{f"arguments_{k}": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": a}}]}]}], 1, n)
+       for k, a, n in (
+        ("key_twice", '{"date": "a", "date": "b"}', "key 'date' appears twice"),
+        ("nan", '{"date": NaN}', "NaN is not JSON"),
+        ("lone_surrogate", '{"date": "\\ud800"}', "arguments.date holds a lone UTF-16 surrogate"),
+        ("too_deep", "[" * 5000, "'tool_calls[0].function.arguments': not valid JSON for this reader (nested"))},
+    "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
+                                                                                     '"hi", "content": "x"')}],
+                                  1, "'messages' (a JSON string): key 'content' appears twice"),
+    "prompt_string_key_twice": ([{"prompt": '[{"role": "user", "content": "a", "content": "b"}]',
+                                  "completion": '[{"role": "assistant", "content": "c"}]'}], 1,
+                                "'prompt' (a JSON string): key 'content' appears twice"),
+    "completion_string_nan": ([{"prompt": "q", "completion": '[{"role": "assistant", "content": NaN}]'}], 1,
+                              "'completion' (a JSON string): NaN is not JSON"),
+    # the chat markup inside a message's text: tokenized as control tokens (an answer with a leaked end of turn
+    # trained two; a user text opened a model turn of its own; raw call text skipped the tools check)
+    "answer_with_end_of_turn": ([GOOD, {"messages": [GOOD["messages"][0], {"role": "assistant",
+                                                                          "content": "yo<end_of_turn>"}]}], 2,
+                                "messages[1]: the text holds '<end_of_turn>' at character 2, the chat markup's own "
+                                "control token"),
+    "user_opens_a_turn": ([{"messages": [{"role": "user", "content": "hi\n<start_of_turn>model\nno"},
+                                         GOOD["messages"][1]]}], 1, "messages[0]: the text holds '<start_of_turn>'"),
+    "raw_call_in_content": ([{"messages": [GOOD["messages"][0], {"role": "assistant", "content":
+                                           "<start_function_call>call:f{}<end_function_call>"}]}], 1,
+                            "'<start_function_call>' at character 0, the chat markup's own control token, which the "
+                            "tokenizer would read as markup; remove it (tool calls go in tool_calls)"),
+    "instruction_with_eos": ([{"instruction": "a", "response": "b<eos>"}], 1, "field 'response': the text holds "
+                                                                             "'<eos>'"),
+    "tools_string_infinity": ([{"tools": json.dumps([STEPS_TOOL])[:-2] + ', "x": Infinity}]',
+                                "messages": GOOD["messages"]}], 1, "'tools' (a JSON string): Infinity is not JSON"),
     "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object per example, got a list"),
     # a line holding the messages alone: say how to wrap it
     "bare_messages": ([GOOD, GOOD["messages"]], 2, 'got a list (a list of messages: wrap each line as {"messages"'),
+    "bare_messages_first": ([GOOD["messages"], GOOD["messages"]], 1, 'got a list (a list of messages: wrap each '
+                                                                     'line as {"messages"'),
     "messages_an_object": ([{"messages": GOOD["messages"][0]}], 1, "'messages' must be a non-empty list, got an object"),
     "messages_empty": ([{"messages": []}], 1, "'messages' must be a non-empty list, got an empty list"),
     "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),
     "conversations_null": ([{"conversations": None}], 1, "got null"),
 }
+
+
+def test_a_prompt_that_is_json_nested_past_the_stack_stays_text(tmp_path):
+    """A prompt starting like a list of messages but nested deeper than the JSON reader recurses raised
+    RecursionError (a traceback); text that is not a list of messages stays text."""
+    text = '[{"a": ' + "[" * 5000
+    path = _write_case(tmp_path, "deep", [{"prompt": text, "completion": "x"}])
+    (conv,) = load_conversations(path, DataConfig())
+    assert conv["messages"][0] == {"role": "user", "content": text}
 
 
 def _write_case(tmp_path: Path, name: str, rows: list) -> Path:
@@ -808,6 +908,23 @@ def test_nothing_left_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "n.jsonl", rows)
     with pytest.raises(UserError, match="no usable examples .* 1 with no loss-bearing token"):
         prepare_split(str(path), Renderer(tok), DataConfig(seq_len=64), 0)
+
+
+@pytest.mark.parametrize("policy, counts", [("truncate", "0 over-length, 2 with no loss-bearing token left after "
+                                                         "truncation"),
+                                            ("drop", "2 over-length, 0 with no loss-bearing token left")])
+def test_nothing_left_counts_each_example_once(tmp_path, tok, policy, counts):
+    """Every example longer than seq_len under truncate said "dropped 2: 2 over-length, 2 with no loss-bearing
+    token left" (4 reasons for 2 examples); each is counted once, with the length to raise seq_len to."""
+    rows = [{"messages": [{"role": "user", "content": "q" * n}, {"role": "assistant", "content": "a"}]}
+            for n in (300, 200)]
+    path = write_jsonl(tmp_path / "n.jsonl", rows)
+    renderer = Renderer(tok)
+    shortest = min(len(renderer.render(c).ids) for c in load_conversations(path, DataConfig()))
+    with pytest.raises(UserError) as e:
+        prepare_split(str(path), renderer, DataConfig(seq_len=64, overlength=policy), 0)
+    assert str(e.value) == (f"{path}: no usable examples after applying data.seq_len=64 (read 2, dropped 2: {counts}; "
+                            f"2 longer than data.seq_len, the shortest of them {shortest} tokens)")
 
 
 # --------------------------------------------------------------------------------- pad and pack
@@ -1372,6 +1489,21 @@ def test_over_length_examples_are_one_warning_naming_the_first(tmp_path, tok):
         f"data.seq_len or see `python -m gemma_tpu.data.inspect`")
     assert overlength_warning(prepare_split(str(path), Renderer(tok), DataConfig(seq_len=1024), seed=0),
                               "truncate") is None
+
+
+def test_epochs_that_end_before_max_steps_are_one_warning(tmp_path, tok):
+    """data.num_epochs=1 with train.max_steps past it: the run stopped at the end of the data ("done: steps 4"
+    of 10) without a word, its learning-rate schedule sized for the 10 steps it never took."""
+    from gemma_tpu.data import epochs_warning
+
+    path = write_jsonl(tmp_path / "e.jsonl", chat_rows(10))
+    split = prepare_split(str(path), Renderer(tok), DataConfig(seq_len=256), seed=0)
+    assert len(split.rows) == 10 and len(list(TrainStream(split, 2, seed=0, num_epochs=3))) == 15
+    assert epochs_warning(split, 2, 2, 3, 10) == (
+        f"{path}: data.num_epochs=3 of 10 rows is 7 optimizer steps of train.batch_size=2 x 2 micro-batches, fewer "
+        f"than train.max_steps=10: the run ends at step 7 with the learning-rate schedule sized for 10; set "
+        f"train.max_steps=7 (or data.num_epochs=null)")
+    assert epochs_warning(split, 2, 1, 3, 15) is None and epochs_warning(split, 2, 1, None, 10 ** 6) is None
 
 
 def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):

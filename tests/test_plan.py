@@ -246,3 +246,38 @@ def test_dry_run_refuses_what_the_run_refuses(tiny_dir, options, overrides, need
                    f"model.path={tiny_dir}", *overrides)
     assert_one_line_error(proc, needle)
     assert not proc.stdout.strip(), proc.stdout  # refused before any plan is printed
+
+
+def test_dry_run_notes_what_the_run_warns_of_about_its_data(tiny_dir):
+    """The run warns at its start of over-length examples and of data.num_epochs ending before train.max_steps;
+    the dry run, there to show what the run will do, said neither."""
+    import io
+
+    from gemma_tpu.train.plan import run_dry
+
+    out = io.StringIO()
+    cfg = tiny_cfg(tiny_dir, f"data.train_path={REPO / 'tests/data/chat_sample.jsonl'}", "data.num_epochs=1",
+                   "train.max_steps=100", "data.seq_len=96")
+    assert run_dry(cfg, compile_check=False, out=out) == 0
+    notes = [line for line in out.getvalue().splitlines() if line.startswith("note: ")]
+    assert any(re.search(r"\d+ of 64 examples are longer than data.seq_len=96", n) for n in notes), notes
+    assert any("data.num_epochs=1 of 64 rows is 16 optimizer steps of train.batch_size=4, fewer than "
+               "train.max_steps=100: the run ends at step 16" in n for n in notes), notes
+
+
+def test_a_loss_buffer_past_seq_len_is_planned_as_the_run_caps_it(tiny_dir):
+    """data.max_loss_tokens=100000 with seq_len 192: the run's buffer is 192 (capped by the data pipeline) but the
+    plan counted 100000 loss positions a row - gigabytes of loss logits, a plan refused that would fit."""
+    import io
+
+    from gemma_tpu.train.plan import run_dry
+
+    assert plan(tiny_dir, "data.max_loss_tokens=100000").total == plan(tiny_dir, "data.max_loss_tokens=192").total
+    outs = []
+    for m in (100000, 192):
+        out = io.StringIO()
+        cfg = tiny_cfg(tiny_dir, f"data.train_path={REPO / 'tests/data/chat_sample.jsonl'}",
+                       f"data.max_loss_tokens={m}")
+        assert run_dry(cfg, compile_check=False, out=out) == 0
+        outs.append(out.getvalue())
+    assert outs[0] == outs[1] and "loss buffer 192 a row" in outs[0], outs[0]

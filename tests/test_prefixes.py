@@ -64,7 +64,8 @@ def test_config_keys_and_preparation(tmp_path):
     with pytest.raises(UserError, match="data.share_prefix_min_tokens must be at least 1"):
         load_config(None, ["data.share_prefix_min_tokens=0"])
     with pytest.raises(UserError, match="data.share_prefix"):
-        load_config(None, ["data.share_prefix=on"])
+        load_config(None, ["data.share_prefix=always"])
+    assert load_config(None, ["data.share_prefix=on"]).data.share_prefix == "auto"  # off's opposite
     assert load_config(None, ["data.share_prefix=off"]).data.share_prefix == "off"  # YAML reads a bare off as False
     (tmp_path / "c.yaml").write_text("data:\n  share_prefix: off\n")
     assert load_config(str(tmp_path / "c.yaml"), []).data.share_prefix == "off"

@@ -79,7 +79,7 @@ class DataConfig:
     max_loss_tokens: int | None = None  # per-row loss buffer; None: measured from the data
     # shared prompt prefixes (issue 15): auto groups examples by the longest common prefix of their
     # token ids (loss-free tokens only) and reports the tokens sharing would save; off skips it
-    share_prefix: Literal["auto", "off"] = "auto"
+    share_prefix: Literal["auto", "off"] = "auto"  # on (YAML true) reads as auto
     share_prefix_min_tokens: int = 32  # shorter common prefixes do not form a group
     eval_max_batches: int | None = None
 
@@ -205,10 +205,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _refuse_yaml11_spelling(value: Any, where: str) -> None:
+    """Refuse an integer that only YAML 1.1 reads as written: `010` is octal 8 (YAML 1.2, JSON and Python 3 read
+    ten or refuse it) and `1:30` is base 60 (90): train.seed=010 ran with seed 8, lora.alpha=016 was 14."""
+    raw = getattr(value, "raw", "").replace("_", "")
+    if re.fullmatch(r"[-+]?0[0-7]+", raw):
+        raise UserError(f"{where}: {value!r} is octal to YAML 1.1 ({_plain(value)}); write {_plain(value)}, or "
+                        f"{int(raw, 10)} without the leading zero")
+    if ":" in raw:
+        raise UserError(f"{where}: {value!r} is a base-60 number to YAML 1.1 ({_plain(value)}); write the number "
+                        f"itself")
+
+
 def _whole_number(value: Any, where: str) -> int:
     """An integer key's value: an int, or a number written as a float or in scientific notation that is a
     whole number (`1e3` -> 1000, `2.0` -> 2; YAML 1.1 reads `1e3` as a string), read exactly from its text."""
     if isinstance(value, int) and not isinstance(value, bool):
+        _refuse_yaml11_spelling(value, where)
         return int(value)
     if isinstance(value, (float, str)):
         try:
@@ -260,6 +273,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is Literal:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
+        elif value is True and "on" not in args and {"auto", "off"} <= set(args):
+            value = "auto"  # a choice of auto|off (data.share_prefix): `off` worked and its opposite `on` was refused
         if value not in args:
             hint = ""
             if isinstance(value, bool):  # quoting helps only when the word itself is a choice
@@ -290,6 +305,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         return _whole_number(value, where)
     if tp is float:
+        _refuse_yaml11_spelling(value, where)
         number = value
         if isinstance(value, str):
             try:
@@ -465,8 +481,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
         raise UserError(f"override '{text}' has no valid key")
-    try:
-        value = _spelled(yaml.safe_load(raw), raw) if raw.strip() else ""
+    try:  # read as the file is (`_UniqueKeyLoader`: numbers keep their spelling, dates stay text)
+        value = _spelled(yaml.load(raw, Loader=_UniqueKeyLoader), raw) if raw.strip() else ""  # a SafeLoader
+    except _DuplicateKey as e:
+        raise UserError(f"override '{text}': {e.key!r} appears twice in one mapping; YAML would keep only the "
+                        f"last") from None
     except yaml.YAMLError:
         if raw.strip().startswith(("[", "{")):  # `lora.targets=[q_proj, v_proj]` unquoted: the shell split it
             kind = "list" if raw.strip()[0] == "[" else "mapping"
@@ -483,6 +502,9 @@ class _DuplicateKey(yaml.YAMLError):
         self.key, self.line, self.first = key, line, first
 
 
+_NOT_NAMES = {f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float", "timestamp")}
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently: a
     second `train:` section would drop every key of the first)."""
@@ -493,6 +515,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag in _NOT_NAMES:
+                    # a key is a name: `~:` was "unknown config key 'None'" (no line), `yes:` was 'True'
+                    key_node.tag = "tag:yaml.org,2002:str"
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     if key in seen:
@@ -510,6 +535,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_spelled_number)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_spelled_number)
+# no key takes a date: `checkpoint.dir: 2026-01-01` (a run named by its day) or a dated `model.revision` tag
+# was refused as "expected a string, got datetime.date(2026, 1, 1)"; the text as written is what was meant
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:timestamp", lambda loader, node: node.value)
 
 
 # sections of the serving config (serving/config.py): a file holding them was given to a training entry point
@@ -637,6 +665,12 @@ PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
+    for text in overrides:  # `train.run_dir=~` was YAML's null: the run wrote to checkpoint.dir, not the home dir
+        key, _, raw = text.partition("=")
+        if raw.strip() == "~" and tuple(key.strip().split(".")) in PATH_KEYS:
+            key = key.strip()
+            raise UserError(f"override '{text}': a bare ~ is null to YAML, not the home directory; write {key}=null "
+                            f"to leave it unset, or a path such as {key}=~/NAME")
     cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
     for section, key in PATH_KEYS:
         value = getattr(getattr(cfg, section), key)

@@ -130,9 +130,15 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
     """Apply the over-length policy and cut rows (pad: one example a row; pack: first-fit)."""
     kept, report = batching.fit_length(examples, data_cfg.seq_len, data_cfg.overlength, source)
     if not kept:
+        # under truncate an over-length example is cut, not dropped: counting it as both over-length and
+        # loss-free said "dropped 3: 3 over-length, 3 with no loss-bearing token left"
+        cut = report.overlength if data_cfg.overlength == "truncate" else 0
+        longer = (f"; {report.overlength} longer than data.seq_len, the shortest of them "
+                  f"{min(n for n in report.lengths if n > data_cfg.seq_len)} tokens" if report.overlength else "")
         raise UserError(f"{source}: no usable examples after applying data.seq_len={data_cfg.seq_len} "
-                        f"(read {report.read}, dropped {report.dropped}: {report.overlength} over-length, "
-                        f"{report.no_loss} with no loss-bearing token left)")
+                        f"(read {report.read}, dropped {report.dropped}: {report.overlength - cut} over-length, "
+                        f"{report.no_loss} with no loss-bearing token left{' after truncation' if cut else ''}"
+                        f"{longer})")
     strategy = strategy or data_cfg.strategy
     rng = np.random.default_rng(seed)
     if strategy == "pack":
@@ -168,6 +174,21 @@ def overlength_warning(prepared: Prepared, policy: str) -> str | None:
     return (f"{prepared.source}: {rep.overlength} of {rep.read} examples are longer than data.seq_len="
             f"{prepared.seq_len} (the first: {rep.first_overlength}); data.overlength={policy}: {did}; "
             f"raise data.seq_len or see `python -m gemma_tpu.data.inspect`")
+
+
+def epochs_warning(prepared: Prepared, batch_size: int, grad_accum_steps: int, num_epochs: int | None,
+                   max_steps: int) -> str | None:
+    """One line when data.num_epochs ends the stream before train.max_steps (None otherwise): the run then
+    stopped early without a word, its learning-rate schedule sized for steps it never takes."""
+    if num_epochs is None:
+        return None
+    steps = len(prepared.rows) * num_epochs // batch_size // max(1, grad_accum_steps)  # TrainStream's batches
+    if steps >= max_steps:
+        return None
+    return (f"{prepared.source}: data.num_epochs={num_epochs} of {len(prepared.rows)} rows is {steps} optimizer steps "
+            f"of train.batch_size={batch_size}{f' x {grad_accum_steps} micro-batches' if grad_accum_steps > 1 else ''}"
+            f", fewer than train.max_steps={max_steps}: the run ends at step {steps} with the learning-rate "
+            f"schedule sized for {max_steps}; set train.max_steps={steps} (or data.num_epochs=null)")
 
 
 def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int, max_loss: int | None = None,

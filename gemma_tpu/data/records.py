@@ -2,7 +2,8 @@
 
 Every example becomes `{"messages": [...], "tools": [...] | None, "where": "FILE:LINE"}`. Accepted
 example shapes (`data.format`, auto-detected by their keys):
-- `messages`: OpenAI/TRL chat messages, optionally with `tools` and tool calls.
+- `messages`: OpenAI/TRL chat messages, optionally with `tools` and tool calls (or OpenAI's legacy
+  `functions`, `function_call` and `function` results).
 - `prompt_completion`: TRL's prompt-completion rows, `{"prompt": str, "completion": str}` or with lists
   of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
   assistant turns inside the prompt are context.
@@ -16,7 +17,8 @@ no loss, for multi-turn chats where only some answers are good. Problems are rep
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
 
 Accepted files, all through `iter_raw`:
-- `.jsonl` (or anything else): one JSON object a line; blank lines are skipped.
+- `.jsonl` (or anything else): one JSON object a line; blank lines are skipped. Text that starts with '['
+  is a JSON array whatever the name (as for `.json`).
 - any of the text forms gzip-compressed (`.jsonl.gz`, `.json.gz`; told by its magic bytes).
 - `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
   object, or JSON Lines saved under a `.json` name.
@@ -37,10 +39,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import find_lone_surrogate
+from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, find_lone_surrogate
+from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-ROLE_ALIASES = {"model": "assistant"}  # Gemma's own name for the assistant turn
+# Gemma's own name for the assistant turn; OpenAI's legacy function-calling result (with `functions` and
+# `function_call`, read as `tools` and `tool_calls` in `normalise_messages`)
+ROLE_ALIASES = {"model": "assistant", "function": "tool"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -157,6 +162,8 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         for i, row in enumerate(_arrow_rows(p, str(p)), start=1):
             yield i, _strip_nulls(row)
         return
+    if suffix != ".json" and _starts_an_array(p, opener):  # `json.dump(rows, open("train.jsonl", "w"))`
+        suffix = ".json"  # was "expected a JSON object per example, got a list" (or, indented, "not valid JSON")
     if suffix == ".json":
         try:
             with opener(p, "rb") as f:
@@ -184,6 +191,25 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
                 yield first, obj
                 return
     yield from _iter_lines(p, opener)
+
+
+def _starts_an_array(p: Path, opener) -> bool:
+    """Whether a text file's first character (past whitespace and a BOM) is '[': a JSON array, whatever its
+    name says (a JSON Lines example is an object, never a list) - unless its first line is a whole list of
+    messages, JSON Lines of bare message lists, which the line reader refuses with how to wrap them."""
+    try:
+        with opener(p, "rb") as f:
+            head = f.read(1 << 16)
+    except (OSError, EOFError):  # reported by the reader that follows
+        return False
+    head = head.removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")
+    if not head.startswith(b"["):
+        return False
+    try:
+        line = json.loads(head.split(b"\n", 1)[0])
+    except (ValueError, RecursionError):
+        return True
+    return not (isinstance(line, list) and line and all(isinstance(m, dict) and "role" in m for m in line))
 
 
 def _arrow_rows(f: Path, where: str) -> list[dict]:
@@ -233,6 +259,7 @@ def _iter_saved_dataset(p: Path) -> Iterator[tuple[int, Any]]:
 def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
     """JSON Lines (plain or gzip); bytes decoded line by line, so a bad byte is reported at its line."""
     lineno = 0
+    first = True
     try:
         with opener(p, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
@@ -245,11 +272,16 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                 try:
                     obj = _DECODER.decode(line)
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                    # the first object spread over lines (pretty-printed) read "Expecting property name ... column 2"
+                    spread = first and e.pos >= len(line.rstrip())
+                    hint = ("; the line ends inside its object: JSON Lines holds one whole object a line, and a "
+                            "pretty-printed JSON file is read as such when named .json" if spread else "")
+                    raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}{hint})") from None
                 except RecursionError:
                     raise _too_deep(f"{p}:{lineno}") from None
                 except _NotData as e:
                     raise UserError(f"{p}:{lineno}: {e}") from None
+                first = False
                 yield lineno, obj
     except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream, an unreadable file
         what = "not a readable gzip file" if opener is gzip.open else "cannot be read"
@@ -265,6 +297,20 @@ def check_surrogates(value: Any, where: str, path: str = "") -> None:
         raise UserError(f"{where}: {at or 'the example'} holds a lone UTF-16 surrogate "
                         f"(\\u{ord(m.group()):04x} at character {m.start()}), which is not text any tokenizer "
                         f"encodes; pair it or remove it")
+
+
+# markup the renderer writes around the messages: inside a message's text the tokenizer reads it as the control
+# token, so an answer ending in a leaked "<end_of_turn>" (common in generated data) trained the end of turn twice,
+# and a user text could open a model turn of its own
+_MARKUP = re.compile("|".join(re.escape(m) for m in (START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS)))
+
+
+def _check_markup(text: str, where: str) -> None:
+    m = _MARKUP.search(text)
+    if m:
+        raise UserError(f"{where}: the text holds {m.group()!r} at character {m.start()}, the chat markup's own "
+                        f"control token, which the tokenizer would read as markup; remove it"
+                        f"{' (tool calls go in tool_calls)' if m.group() in FUNCTION_MARKERS else ''}")
 
 
 def _text(content: Any, where: str) -> str:
@@ -300,13 +346,26 @@ def _json_type(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a number")
 
 
+def _decode_embedded(text: str, what: str, where: str) -> Any:
+    """JSON kept as a string inside a row (a column, tool-call arguments), read as strictly as the file: a key
+    given twice, NaN/Infinity, a lone surrogate or nesting past the stack were kept silently (or raised a
+    traceback) here though refused at the file's own level."""
+    try:
+        value = _DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: '{what}' is a string but not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise _too_deep(f"{where}: '{what}'") from None
+    except _NotData as e:
+        raise UserError(f"{where}: '{what}' (a JSON string): {e}") from None
+    check_surrogates(value, where, what)
+    return value
+
+
 def _maybe_json(value: Any, what: str, where: str) -> Any:
     """Hub datasets often store nested columns as JSON strings; decode those."""
     if isinstance(value, str):
-        try:
-            return json.loads(value) if value.strip() else None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: '{what}' is a string but not valid JSON ({e.msg})") from None
+        return _decode_embedded(value, what, where) if value.strip() else None
     return value
 
 
@@ -375,6 +434,13 @@ def normalise_messages(obj: dict, where: str) -> dict:
         raise UserError(f"{where}: 'messages' must be a non-empty list, got "
                         f"{'an empty list' if messages == [] else _json_type(messages)}")
     tools = _maybe_json(obj.get("tools"), "tools", where)
+    functions = _maybe_json(obj.get("functions"), "functions", where)
+    if functions is not None:  # OpenAI's legacy declarations: each one the `function` of a tool
+        if tools is not None:
+            raise UserError(f"{where}: both 'tools' and 'functions' (OpenAI's legacy name for them); give one")
+        if not isinstance(functions, list):
+            raise UserError(f"{where}: 'functions' must be a list of function declarations")
+        tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
     out = []
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
@@ -391,6 +457,7 @@ def normalise_messages(obj: dict, where: str) -> dict:
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
+        _check_markup(msg["content"], mw)
         if role in ("system", "developer") and not msg["content"].strip():
             # ShareGPT exports often carry {"from": "system", "value": ""}: it says nothing, and Gemma's template
             # would fold only separators into the first user turn; left out, not refused
@@ -404,6 +471,11 @@ def normalise_messages(obj: dict, where: str) -> dict:
             msg["train"] = False
         if role == "assistant":
             calls = m.get("tool_calls") or []
+            if m.get("function_call") is not None:  # OpenAI's legacy single call: it was dropped silently
+                if calls:
+                    raise UserError(f"{mw}: both tool_calls and function_call (OpenAI's legacy form of one call); "
+                                    f"give one")
+                calls = [{"function": m["function_call"]}]
             if not isinstance(calls, list):
                 raise UserError(f"{mw}: tool_calls must be a list")
             norm_calls = []
@@ -413,10 +485,7 @@ def normalise_messages(obj: dict, where: str) -> dict:
                     raise UserError(f"{mw}.tool_calls[{j}]: needs function.name")
                 args = fn.get("arguments", {})
                 if isinstance(args, str):
-                    try:
-                        args = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError:
-                        raise UserError(f"{mw}.tool_calls[{j}]: arguments is not a JSON object") from None
+                    args = _decode_embedded(args, f"tool_calls[{j}].function.arguments", mw) if args.strip() else {}
                 if args is None:
                     args = {}
                 if not isinstance(args, dict):
@@ -485,16 +554,17 @@ def _trained(m: dict, role: str, mw: str) -> bool:
     return trained.pop()
 
 
-def _messages_or_text(value: Any) -> Any:
+def _messages_or_text(value: Any, what: str, where: str) -> Any:
     """A prompt or completion: text, or a list of messages (also as a JSON string, as Parquet files
-    from the Hub store them); text that merely looks like JSON stays text."""
+    from the Hub store them); text that merely looks like JSON stays text. A list of messages is read
+    as strictly as the file (a key twice, NaN were kept; nesting past the stack raised RecursionError)."""
     if isinstance(value, str) and value.lstrip().startswith("[{"):
         try:
             decoded = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return value
         if isinstance(decoded, list) and all(isinstance(m, dict) and "role" in m for m in decoded):
-            return decoded
+            return _decode_embedded(value, what, where)
     return value
 
 
@@ -505,7 +575,7 @@ _PREFERENCE_HINT = ("; this is a preference row (chosen/rejected, for DPO-style 
 def normalise_prompt_completion(obj: dict, where: str) -> dict:
     """TRL's prompt-completion rows: strings (a user turn, an assistant turn) or message lists; only
     the completion is trained."""
-    prompt, completion = (_messages_or_text(obj.get(k)) for k in ("prompt", "completion"))
+    prompt, completion = (_messages_or_text(obj.get(k), k, where) for k in ("prompt", "completion"))
     for key, value in (("prompt", prompt), ("completion", completion)):
         if value is None:
             raise UserError(f"{where}: missing field '{key}' (prompt-completion rows need both 'prompt' and "
@@ -607,6 +677,9 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
         prompt = f"{prompt}\n\n{ctx}"
     if not obj[response].strip():
         raise UserError(f"{where}: field '{response}' is empty")
+    for field in (instruction, context, response):
+        if field and isinstance(obj.get(field), str):
+            _check_markup(obj[field], f"{where}: field '{field}'")
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj[response]}],
             "tools": None, "where": where}
 

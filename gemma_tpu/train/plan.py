@@ -377,7 +377,7 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
         notes.append(f"train.batch_size={B} is not divisible by data×fsdp={ways}: every device computes it all")
     T = cfg.data.seq_len
     tokens_dev = b_dev * T
-    M = cfg.data.max_loss_tokens or T
+    M = min(cfg.data.max_loss_tokens or T, T)  # the data pipeline caps the buffer at seq_len (loss_buffer_size)
     if not cfg.data.max_loss_tokens:
         notes.append(f"loss positions per row assumed {T} (data.max_loss_tokens unset)")
     dims = layer_dims(shapes, tcfg)
@@ -461,7 +461,7 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
             return loss
 
         B, T = cfg.train.batch_size, cfg.data.seq_len
-        M = cfg.data.max_loss_tokens or T
+        M = min(cfg.data.max_loss_tokens or T, T)
         spec = jax.sharding.NamedSharding(mesh, mesh_lib.batch_spec(mesh, B))  # as the trainer lays it out
         row_fields = ("tokens", "positions", "segment_ids", "prefix_segment_ids")
         batch = {k: jax.ShapeDtypeStruct((B, T if k in row_fields else M),
@@ -622,7 +622,11 @@ def data_layout(cfg: RunConfig) -> dict | None:
             "examples_per_step": round(per_row * cfg.train.batch_size * cfg.train.grad_accum_steps, 2),
             "computed_tokens_per_example": st["computed_tokens_per_example"],
             "computed_tokens_per_example_unshared": st["computed_tokens_per_example_unshared"],
-            "max_loss": split.max_loss, "share_prefix": cfg.data.share_prefix}
+            "max_loss": split.max_loss, "share_prefix": cfg.data.share_prefix,
+            # what the run warns of at its start, said by the dry run too
+            "warnings": [w for w in (data.overlength_warning(split, cfg.data.overlength),
+                                     data.epochs_warning(split, cfg.train.batch_size, cfg.train.grad_accum_steps,
+                                                         cfg.data.num_epochs, cfg.train.max_steps)) if w]}
 
 
 def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | None = None,
@@ -640,10 +644,11 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     validate_for_model(cfg, family.read_text_config(hf), cfg.model.path)
     weights_note = check_weights_here(cfg)  # before the data, as the run does
     layout = data_layout(cfg)
-    if layout and not cfg.data.max_loss_tokens:  # the loss buffer the data really needs, not seq_len
+    if layout:  # the loss buffer the run will use: what the data needs, or data.max_loss_tokens capped at seq_len
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))
     p = make_plan(cfg, devices, assumed_mfu, hf_config=hf)
     p.data = layout
+    p.notes.extend(layout["warnings"] if layout else [])
     if layout is None and cfg.data.train_path:
         p.notes.append("data layout not counted: the model's tokenizer is not on this machine")
     if weights_note:

@@ -180,6 +180,10 @@ def run(cfg: RunConfig) -> dict:
         warning = split and data.overlength_warning(split, cfg.data.overlength)
         if warning:
             log.warning(warning)
+    warning = data.epochs_warning(train_split, cfg.train.batch_size, cfg.train.grad_accum_steps,
+                                  cfg.data.num_epochs, cfg.train.max_steps)
+    if warning:
+        log.warning(warning)
 
     ckpt_dir = Path(cfg.checkpoint.dir)
     meta = checkpoint.build_metadata(cfg, resolved)
