@@ -438,6 +438,7 @@ def model_class():
                 if config.enable_moe:
                     layer.__class__ = MoEDecoderLayer
                     layer.moe.__class__ = MoERoutedOnResidual
+            _unsplit_size_one_dims(self)
 
         def __call__(self, tokens, positions=None, cache=None, attention_mask=None,
                      decode_only_last_token=False, segment_ids=None, *, hidden_only=False):
@@ -475,6 +476,25 @@ def model_class():
 
     _MODEL_CLASS = Gemma4
     return _MODEL_CLASS
+
+
+def _unsplit_size_one_dims(model) -> None:
+    """Drop the mesh axis from every weight dimension of size 1 (the rule of gemma_tpu.train.partition).
+
+    Tunix replicates a single KV head in `kv_einsum` but annotates `k_einsum` (K=V global layers) with 'tp'
+    on its head axis whatever its size: with num_global_key_value_heads=1 any mesh with tp > 1 failed to
+    place it (a JAX IndivisibleError traceback at load), and its LoRA factors and optimizer state inherit
+    the annotation."""
+    from flax import nnx
+
+    for _, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        spec = var.get_metadata().get("out_sharding")
+        shape = getattr(var.get_value(), "shape", None)
+        if spec and shape is not None and len(spec) == len(shape) and any(
+                s == 1 and a is not None for s, a in zip(shape, spec)):
+            var.set_metadata(out_sharding=tuple(None if s == 1 else a for s, a in zip(shape, spec)))
 
 
 _L = r"layers\.\d+\."
