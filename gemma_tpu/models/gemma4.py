@@ -172,19 +172,28 @@ def layer_features(cfg: Any, layer: int | None) -> frozenset[str]:
     return frozenset(feats)
 
 
-def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int) -> tuple[float, float, float]:
-    """(base frequency, scale factor, rotated proportion) for 'sliding_attention' / 'full_attention'."""
+def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = True) -> tuple[float, float, float]:
+    """(base frequency, scale factor, rotated proportion) for 'sliding_attention' / 'full_attention'.
+
+    Without `rope_parameters` transformers uses its defaults; with it, transformers' Gemma 4 reads
+    `rope_parameters[kind]["rope_theta"]` for every attention type the layers use and fills in nothing
+    else, so a missing entry or rope_theta is refused (transformers cannot build the model; read here as
+    the defaults, the run trained a model no merge of it could be loaded as). `used`: a layer has `kind`."""
     defaults = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                    "rope_theta": 1_000_000.0}}
-    params = t.get("rope_parameters") or defaults
+    params = t.get("rope_parameters")
+    if params is None or not used:
+        params = defaults
     p = params.get(kind) if isinstance(params, dict) else None
-    if p is None:
-        p = defaults[kind]
+    if not isinstance(p, dict) or p.get("rope_theta") is None:
+        what = f"has no {kind!r} entry" if not isinstance(p, dict) else f"{kind} has no rope_theta"
+        raise UserError(f"config.json: rope_parameters {what}, which the model's {kind} layers read "
+                        f"(transformers cannot build a model from it)")
     # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
     check_types(p, {**ROPE_TYPES, "partial_rotary_factor": "int|float"}, f"rope_parameters.{kind}.")
     rtype = p.get("rope_type", "default")
-    theta = float(p.get("rope_theta", defaults[kind]["rope_theta"]))
+    theta = float(p["rope_theta"])
     key = f"rope_parameters.{kind}.rope_type"
     if rtype == "default":
         # transformers' default RoPE spans `head_dim` whatever the layer's head size; Tunix spans
@@ -256,8 +265,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
                    expert_dim=int(t["moe_intermediate_size"]), moe_dense_hidden_dim=int(t["intermediate_size"]))
     shared = int(t.get("num_kv_shared_layers") or 0)
     double_wide = bool(t.get("use_double_wide_mlp")) and shared > 0
-    local_theta, local_scale, local_prop = _rope(t, "sliding_attention", head_dim, global_head_dim)
-    global_theta, global_scale, global_prop = _rope(t, "full_attention", head_dim, global_head_dim)
+    kinds = set(fields["attention_pattern"])
+    local_theta, local_scale, local_prop = _rope(t, "sliding_attention", head_dim, global_head_dim, LOCAL in kinds)
+    global_theta, global_scale, global_prop = _rope(t, "full_attention", head_dim, global_head_dim, GLOBAL in kinds)
     softcap = t.get("final_logit_softcapping")
     if softcap is not None and not softcap > 0:  # null is "no cap"; transformers divides by any other value
         raise UserError(f"config.json: final_logit_softcapping={softcap!r} must be positive or null: transformers "
