@@ -174,6 +174,7 @@ def test_config_built_from_config_json(g4):
     ("sliding_window", None, "sliding_window=None is not of type int"),  # was read as 512
     ("head_dim", 15, "head_dim=15 .*must be even"),  # was a JAX traceback ("array split") at load
     ("global_head_dim", 33, "global_head_dim=33 .*must be even"),
+    ("num_key_value_heads", 0, "num_key_value_heads=0 .*must divide"),  # was a ZeroDivisionError traceback
 ])
 def test_unsupported_config_values_are_refused_by_name(g4, key, value, needle):
     from gemma_tpu.models import get_family
