@@ -219,7 +219,7 @@ def test_rope_parameters_transformers_cannot_build_are_refused(g4, name, rope, l
     try:
         transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**json.loads(json.dumps(cfg))))
         builds = True
-    except KeyError:
+    except (KeyError, TypeError):  # a missing rope_theta is one or the other, depending on what ran before
         builds = False
     assert builds == (refused is None), name
     if refused is None:
