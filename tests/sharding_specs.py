@@ -54,11 +54,14 @@ def check(model_dir: str, mesh_name: str, quant: str | None) -> dict:
 
 
 def main(argv):
+    """argv: model dirs, checked on every mesh and with int8 QLoRA; `--mesh=NAME` first: on that mesh only."""
     out = {}
-    for model_dir in argv:
-        for mesh_name in MESHES:
+    only = argv[0].removeprefix("--mesh=") if argv and argv[0].startswith("--mesh=") else None
+    for model_dir in argv[1:] if only else argv:
+        for mesh_name in [only] if only else MESHES:
             out[f"{model_dir}|{mesh_name}|-"] = check(model_dir, mesh_name, None)
-        out[f"{model_dir}|fsdp4_tp2|int8"] = check(model_dir, "fsdp4_tp2", "int8")
+        if not only:
+            out[f"{model_dir}|fsdp4_tp2|int8"] = check(model_dir, "fsdp4_tp2", "int8")
     print("RESULT " + json.dumps(out))
 
 

@@ -174,6 +174,7 @@ def test_config_built_from_config_json(g4):
     ("sliding_window", None, "sliding_window=None is not of type int"),  # was read as 512
     ("head_dim", 15, "head_dim=15 .*must be even"),  # was a JAX traceback ("array split") at load
     ("global_head_dim", 33, "global_head_dim=33 .*must be even"),
+    ("num_key_value_heads", 0, "num_key_value_heads=0 .*must divide"),  # was a ZeroDivisionError traceback
 ])
 def test_unsupported_config_values_are_refused_by_name(g4, key, value, needle):
     from gemma_tpu.models import get_family
@@ -183,6 +184,50 @@ def test_unsupported_config_values_are_refused_by_name(g4, key, value, needle):
     with pytest.raises(UserError, match=needle) as e:
         get_family("gemma4").tunix_config(cfg)
     assert "\n" not in str(e.value)
+
+
+_SLIDING, _FULL = {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "proportional", "rope_theta": 1e6,
+                                                                "partial_rotary_factor": 0.25}
+
+
+@pytest.mark.parametrize("name,rope,layer_types,refused", [
+    ("no full_attention entry", {"sliding_attention": _SLIDING}, None, "has no 'full_attention' entry"),
+    ("no sliding_attention entry", {"full_attention": _FULL}, None, "has no 'sliding_attention' entry"),
+    ("full without rope_theta", {"sliding_attention": _SLIDING, "full_attention": {"rope_type": "proportional"}},
+     None, "full_attention has no rope_theta"),
+    ("sliding without rope_theta", {"sliding_attention": {"rope_type": "default"}, "full_attention": _FULL}, None,
+     "sliding_attention has no rope_theta"),
+    ("flat, not per layer type", {"rope_type": "default", "rope_theta": 1e4}, None, "has no 'sliding_attention'"),
+    ("no sliding layers, no sliding entry", {"full_attention": _FULL}, ["full_attention"] * 6, None),
+    ("absent: transformers' defaults", "absent", None, None),
+])
+def test_rope_parameters_transformers_cannot_build_are_refused(g4, name, rope, layer_types, refused):
+    """transformers' Gemma 4 reads rope_parameters[type]["rope_theta"] for each attention type its layers use and
+    fills in nothing when rope_parameters is given: a missing entry or rope_theta was read here as the defaults
+    and trained a model no merge of it could be loaded as. Refused exactly where transformers cannot build it."""
+    import transformers
+
+    from gemma_tpu.models import get_family
+
+    cfg = json.loads((g4("ple") / "config.json").read_text())
+    if rope == "absent":
+        del cfg["rope_parameters"]
+    else:
+        cfg["rope_parameters"] = json.loads(json.dumps(rope))
+    if layer_types:
+        cfg["layer_types"] = layer_types
+    try:
+        transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**json.loads(json.dumps(cfg))))
+        builds = True
+    except (KeyError, TypeError):  # a missing rope_theta is one or the other, depending on what ran before
+        builds = False
+    assert builds == (refused is None), name
+    if refused is None:
+        get_family("gemma4").tunix_config(cfg)
+    else:
+        with pytest.raises(UserError, match=refused) as e:
+            get_family("gemma4").tunix_config(cfg)
+        assert "\n" not in str(e.value)
 
 
 def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(g4):

@@ -186,6 +186,63 @@ def test_rotary_numbers_given_as_strings_are_refused(edit, key, tiny_dir):
     with pytest.raises(UserError, match=f"config.json: {re.escape(key)} is not of type int or float"):
         detect_family(cfg).tunix_config(cfg)
 
+
+def _pop_factor(cfg):
+    del cfg["rope_parameters"]["full_attention"]["factor"]
+
+
+def _legacy_scaling_without_factor(cfg):
+    del cfg["rope_parameters"]
+    cfg["rope_scaling"] = {"rope_type": "linear"}
+
+
+def _null_theta(kind):
+    return lambda cfg: cfg["rope_parameters"][kind].__setitem__("rope_theta", None)
+
+
+def _null_legacy(key):
+    def edit(cfg):
+        del cfg["rope_parameters"]
+        cfg[key] = None
+    return edit
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (_pop_factor, "linear rope scaling for full_attention has no factor"),
+    (_legacy_scaling_without_factor, "linear rope scaling for full_attention has no factor"),
+    (_null_theta("full_attention"), "rope_parameters.full_attention.rope_theta=null"),
+    (_null_theta("sliding_attention"), "rope_parameters.sliding_attention.rope_theta=null"),
+    (_null_legacy("rope_theta"), "rope_theta=null for the model's full_attention layers"),
+    (_null_legacy("rope_local_base_freq"), "rope_local_base_freq=null for the model's sliding_attention layers"),
+])
+def test_rotary_settings_transformers_cannot_build_are_refused(edit, needle, tiny_odd_dir):
+    """Linear scaling without a factor (transformers: KeyError validating the config) was read as factor 1, a
+    null rotary base (transformers: TypeError in its rotary embedding) as the default base: a run trained on
+    them could never be loaded by transformers. Both now refuse it, here naming the key."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())  # sliding and global layers
+    edit(cfg)
+    with pytest.raises((KeyError, TypeError)):
+        Gemma3ForCausalLM(Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg))))(torch.tensor([[2, 3]]))
+    with pytest.raises(UserError, match=re.escape(needle)) as e:
+        detect_family(cfg).tunix_config(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_null_rotary_base_of_a_layer_type_the_model_lacks_is_accepted_as_transformers_does(tiny_dir):
+    """A null rope_theta only fails where transformers builds a rotary embedding for it: the 2-layer model has no
+    global layer, so a null full_attention base is accepted by both."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    cfg["rope_parameters"]["full_attention"]["rope_theta"] = None
+    Gemma3ForCausalLM(Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg))))(torch.tensor([[2, 3]]))
+    assert detect_family(cfg).tunix_config(cfg).num_layers == 2
+
+
 def test_unsupported_architecture_lists_supported():
     with pytest.raises(UserError) as e:
         detect_family({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})

@@ -281,3 +281,38 @@ def test_a_loss_buffer_past_seq_len_is_planned_as_the_run_caps_it(tiny_dir):
         assert run_dry(cfg, compile_check=False, out=out) == 0
         outs.append(out.getvalue())
     assert outs[0] == outs[1] and "loss buffer 192 a row" in outs[0], outs[0]
+
+
+def test_training_counts_the_flops_the_planner_counts(tmp_path, monkeypatch):
+    """A Gemma 4 with routed experts and K=V global layers of their own head size: the trainer counted a step's
+    FLOPs (its tflops_per_s and mfu) with the uniform formula, which misses the experts and the global layers'
+    sizes (a 26B-A4B-like config: 43% too few), while --dry-run counted them. Both now count the same."""
+    import json
+
+    import gemma_tpu.train.trainer as trainer_mod
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.models import get_family
+    from gemma_tpu.train.flops import training_flops
+    from gemma_tpu.train.plan import make_plan
+    from gemma_tpu.train.run import run
+
+    d = write_tiny_gemma4(tmp_path / "moe", seed=0, variant="moe")
+    cfg = tiny_cfg(d, f"checkpoint.dir={tmp_path / 'ck'}", "data.eval_path=null", "mesh.fsdp=1")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def trainer(*args, flops=None, **kwargs):
+        seen["flops"] = flops
+        raise Stop
+
+    monkeypatch.setattr(trainer_mod, "Trainer", trainer)
+    with pytest.raises(Stop):
+        run(cfg)
+    planned = make_plan(cfg, 1)
+    per_step = seen["flops"].step(planned.tokens_per_step, B * T)  # every position a loss position, as planned
+    assert per_step == pytest.approx(planned.flops_per_step, rel=1e-9)
+    tcfg = get_family("gemma4").tunix_config(json.loads((d / "config.json").read_text()))
+    uniform = training_flops(tcfg, T, R, 7).step(planned.tokens_per_step, B * T)
+    assert per_step > 1.05 * uniform  # the experts (not vacuous: the uniform count is clearly below)

@@ -84,6 +84,27 @@ def test_every_parameter_has_the_rule_spec(tiny_dir, tiny_gemma4_dir):
             assert r["quantized"] > 0, key
 
 
+def test_single_global_kv_head_of_a_k_eq_v_gemma4_loads_on_a_tp_mesh(tmp_path):
+    """A Gemma 4 whose K=V global layers have one KV head (k_einsum (1, D, H)): Tunix annotates its head axis
+    with 'tp' whatever its size, and fsdp=4 × tp=2 failed to place it (JAX IndivisibleError traceback at load).
+    It loads, with LoRA and Adam state, replicated along that axis as the partition rules say."""
+    import os
+    import subprocess
+    import sys
+
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from tests.conftest import REPO
+
+    d = write_tiny_gemma4(tmp_path / "g4", seed=0, variant="dense", num_global_key_value_heads=1)
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding_specs", "--mesh=fsdp4_tp2", str(d)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **EIGHT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    (r,) = json.loads(line[len("RESULT "):]).values()
+    assert not r["mismatches"], r["mismatches"][:10]
+    assert r["lora"] > 0 and r["opt_checked"] == 2 * r["lora"] and r["split"] >= r["params"] // 3, r
+
+
 def test_indivisible_axis_is_refused_before_loading(tiny_dir, tmp_path):
     """tp=8 cannot split 4 query heads: one line naming the parameter, nothing written."""
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",

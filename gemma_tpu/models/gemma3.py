@@ -111,15 +111,28 @@ def _rope_parameters(t: dict, kind: str) -> dict:
     return p
 
 
-def _rope(t: dict, kind: str) -> tuple[float, float]:
-    """(base frequency, linear scale factor) for 'sliding_attention' or 'full_attention'."""
+def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
+    """(base frequency, linear scale factor) for 'sliding_attention' or 'full_attention'.
+
+    What transformers cannot build a model from is refused, not read as a default: linear scaling without a
+    factor (a KeyError when it validates the config) and a null rope_theta for layers the model has (a
+    TypeError in its rotary embedding). `used`: a layer is of this kind."""
     p = _rope_parameters(t, kind)
     rtype = p.get("rope_type", p.get("type", "default"))
     if rtype not in ("default", "linear"):
         raise UserError(f"config.json: rope type {rtype!r} for {kind} is not supported (default, linear)")
-    factor = float(p.get("factor", 1.0)) if rtype == "linear" else 1.0
+    if rtype == "linear" and "factor" not in p:
+        raise UserError(f"config.json: linear rope scaling for {kind} has no factor (transformers cannot build a "
+                        f"model from it)")
+    factor = float(p["factor"]) if rtype == "linear" else 1.0
     theta = p["rope_theta"]
     if theta is None:
+        if used:
+            entry = (t.get("rope_parameters") or {}).get(kind) if isinstance(t.get("rope_parameters"), dict) else None
+            key = (f"rope_parameters.{kind}.rope_theta" if isinstance(entry, dict) and "rope_theta" in entry
+                   else "rope_theta" if kind == "full_attention" else "rope_local_base_freq")
+            raise UserError(f"config.json: {key}=null for the model's {kind} layers (transformers cannot build a "
+                            f"model from it)")
         theta = 10_000.0 if kind == "sliding_attention" else 1_000_000.0
     return float(theta), factor
 
@@ -176,8 +189,8 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
             f"config.json: query_pre_attn_scalar={qpas} must equal head_dim ({head_dim}) "
             f"or hidden_size/num_attention_heads ({hidden // heads})"
         )
-    local_theta, local_scale = _rope(t, "sliding_attention")
-    global_theta, global_scale = _rope(t, "full_attention")
+    local_theta, local_scale = _rope(t, "sliding_attention", "sliding_attention" in t["layer_types"])
+    global_theta, global_scale = _rope(t, "full_attention", "full_attention" in t["layer_types"])
     return g3.ModelConfig(
         num_layers=n_layers,
         num_embed=int(t["vocab_size"]),

@@ -172,19 +172,28 @@ def layer_features(cfg: Any, layer: int | None) -> frozenset[str]:
     return frozenset(feats)
 
 
-def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int) -> tuple[float, float, float]:
-    """(base frequency, scale factor, rotated proportion) for 'sliding_attention' / 'full_attention'."""
+def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = True) -> tuple[float, float, float]:
+    """(base frequency, scale factor, rotated proportion) for 'sliding_attention' / 'full_attention'.
+
+    Without `rope_parameters` transformers uses its defaults; with it, transformers' Gemma 4 reads
+    `rope_parameters[kind]["rope_theta"]` for every attention type the layers use and fills in nothing
+    else, so a missing entry or rope_theta is refused (transformers cannot build the model; read here as
+    the defaults, the run trained a model no merge of it could be loaded as). `used`: a layer has `kind`."""
     defaults = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                    "rope_theta": 1_000_000.0}}
-    params = t.get("rope_parameters") or defaults
+    params = t.get("rope_parameters")
+    if params is None or not used:
+        params = defaults
     p = params.get(kind) if isinstance(params, dict) else None
-    if p is None:
-        p = defaults[kind]
+    if not isinstance(p, dict) or p.get("rope_theta") is None:
+        what = f"has no {kind!r} entry" if not isinstance(p, dict) else f"{kind} has no rope_theta"
+        raise UserError(f"config.json: rope_parameters {what}, which the model's {kind} layers read "
+                        f"(transformers cannot build a model from it)")
     # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
     check_types(p, {**ROPE_TYPES, "partial_rotary_factor": "int|float"}, f"rope_parameters.{kind}.")
     rtype = p.get("rope_type", "default")
-    theta = float(p.get("rope_theta", defaults[kind]["rope_theta"]))
+    theta = float(p["rope_theta"])
     key = f"rope_parameters.{kind}.rope_type"
     if rtype == "default":
         # transformers' default RoPE spans `head_dim` whatever the layer's head size; Tunix spans
@@ -245,7 +254,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         raise _cfg_error("num_global_key_value_heads", None, "attention_k_eq_v needs it")
     for key, kv in (("num_key_value_heads", kv_heads),
                     ("num_global_key_value_heads", int(global_kv) if k_eq_v else kv_heads)):
-        if heads % kv:
+        if kv < 1 or heads % kv:  # 0: a ZeroDivisionError traceback here, as in transformers
             raise _cfg_error(key, kv, f"must divide num_attention_heads={heads}")
     moe = {}
     if fields["enable_moe"]:
@@ -256,8 +265,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
                    expert_dim=int(t["moe_intermediate_size"]), moe_dense_hidden_dim=int(t["intermediate_size"]))
     shared = int(t.get("num_kv_shared_layers") or 0)
     double_wide = bool(t.get("use_double_wide_mlp")) and shared > 0
-    local_theta, local_scale, local_prop = _rope(t, "sliding_attention", head_dim, global_head_dim)
-    global_theta, global_scale, global_prop = _rope(t, "full_attention", head_dim, global_head_dim)
+    kinds = set(fields["attention_pattern"])
+    local_theta, local_scale, local_prop = _rope(t, "sliding_attention", head_dim, global_head_dim, LOCAL in kinds)
+    global_theta, global_scale, global_prop = _rope(t, "full_attention", head_dim, global_head_dim, GLOBAL in kinds)
     softcap = t.get("final_logit_softcapping")
     if softcap is not None and not softcap > 0:  # null is "no cap"; transformers divides by any other value
         raise UserError(f"config.json: final_logit_softcapping={softcap!r} must be positive or null: transformers "
@@ -438,6 +448,7 @@ def model_class():
                 if config.enable_moe:
                     layer.__class__ = MoEDecoderLayer
                     layer.moe.__class__ = MoERoutedOnResidual
+            _unsplit_size_one_dims(self)
 
         def __call__(self, tokens, positions=None, cache=None, attention_mask=None,
                      decode_only_last_token=False, segment_ids=None, *, hidden_only=False):
@@ -475,6 +486,25 @@ def model_class():
 
     _MODEL_CLASS = Gemma4
     return _MODEL_CLASS
+
+
+def _unsplit_size_one_dims(model) -> None:
+    """Drop the mesh axis from every weight dimension of size 1 (the rule of gemma_tpu.train.partition).
+
+    Tunix replicates a single KV head in `kv_einsum` but annotates `k_einsum` (K=V global layers) with 'tp'
+    on its head axis whatever its size: with num_global_key_value_heads=1 any mesh with tp > 1 failed to
+    place it (a JAX IndivisibleError traceback at load), and its LoRA factors and optimizer state inherit
+    the annotation."""
+    from flax import nnx
+
+    for _, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        spec = var.get_metadata().get("out_sharding")
+        shape = getattr(var.get_value(), "shape", None)
+        if spec and shape is not None and len(spec) == len(shape) and any(
+                s == 1 and a is not None for s, a in zip(shape, spec)):
+            var.set_metadata(out_sharding=tuple(None if s == 1 else a for s, a in zip(shape, spec)))
 
 
 _L = r"layers\.\d+\."

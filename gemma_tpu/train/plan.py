@@ -182,6 +182,20 @@ class LayerDims:
     matmul: int  # projection weight elements (active ones for MoE)
 
 
+def step_flops(cfg: RunConfig, tcfg, dims: list[LayerDims]) -> flops_lib.StepFlops:
+    """A training step's FLOPs from each layer's real sizes (`layer_dims`): Gemma 4's global layers have their
+    own head size and KV heads, its MoE layers routed experts, which the uniform formula of
+    `flops_lib.training_flops` misses. The planner and the trainer's MFU both count with this."""
+    return flops_lib.training_flops(tcfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
+                                    len(cfg.lora.targets), matmul_params=sum(d.matmul for d in dims),
+                                    attn_dims=sum(d.nq for d in dims))
+
+
+def model_dims(model, tcfg) -> list[LayerDims]:
+    """`layer_dims` of an (abstract) model."""
+    return layer_dims(_flat_shapes(model), tcfg)
+
+
 def layer_dims(shapes: dict, tcfg) -> list[LayerDims]:
     """Per decoder layer, the sizes the activation and FLOP formulas need, read off the weights."""
     out = []
@@ -387,9 +401,7 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
                       "tokens, positions, segments, prefix segments, loss buffers"))
 
     tokens_per_step = B * T * accum
-    attn_dims = sum(d.nq for d in dims)
-    sf = flops_lib.training_flops(tcfg, T, r if cfg.lora.enabled else None, len(cfg.lora.targets),
-                                  matmul_params=sum(d.matmul for d in dims), attn_dims=attn_dims)
+    sf = step_flops(cfg, tcfg, dims)
     flops_step = sf.step(tokens_per_step, B * M * accum)
 
     acc = ACCELERATORS[cfg.mesh.accelerator]

@@ -254,8 +254,7 @@ def run(cfg: RunConfig) -> dict:
                               if profile_dir else None),
         )
         chunk = 1024
-        step_flops = flops_lib.training_flops(tunix_cfg, cfg.data.seq_len, cfg.lora.rank if cfg.lora.enabled else None,
-                                              len(cfg.lora.targets))
+        step_flops = plan.step_flops(cfg, tunix_cfg, plan.model_dims(abstract, tunix_cfg))  # as --dry-run counts
         try:  # restores the latest step, if any
             trainer = Trainer(
                 model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
