@@ -482,7 +482,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
         raise UserError(f"override '{text}' has no valid key")
     try:  # read as the file is (`_UniqueKeyLoader`: numbers keep their spelling, dates stay text)
-        value = _spelled(yaml.load(raw, Loader=_UniqueKeyLoader), raw) if raw.strip() else ""  # a SafeLoader
+        value = _spelled(yaml.load(raw, Loader=_UniqueKeyLoader), raw) if raw.strip() else ""  # safety: a SafeLoader
     except _DuplicateKey as e:
         raise UserError(f"override '{text}': {e.key!r} appears twice in one mapping; YAML would keep only the "
                         f"last") from None
