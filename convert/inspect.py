@@ -42,7 +42,7 @@ def describe_checkpoint(path: Path, step: int | None) -> dict:
         "dtype": meta.get("dtype"),
         "lora": meta.get("lora"),
     }
-    if steps:
+    if steps or step is not None:  # --step on a run with no completed step: said, not ignored
         chosen = resolve_step(path, step)
         params = CheckpointParams(path, chosen)
         info["step"] = chosen

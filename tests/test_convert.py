@@ -846,6 +846,20 @@ def test_inspect_single_files(merged, tmp_path, capsys):
         main([str(path), "--step", "3"])
 
 
+
+def test_inspect_step_of_a_checkpoint_with_no_completed_step_is_refused(lora_ckpt, tmp_path, capsys):
+    """`convert.inspect CKPT --step 5` on a run with no completed step listed 'none completed' and ignored --step."""
+    from convert.inspect import main
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.core.errors import UserError
+
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    shutil.copy(lora_ckpt[0] / METADATA_FILE, empty / METADATA_FILE)
+    assert main([str(empty)]) == 0 and "none completed" in capsys.readouterr().out
+    with pytest.raises(UserError, match=f"{empty}: no completed checkpoint step found"):
+        main([str(empty), "--step", "5"])
+
 def test_inspect_a_file_that_describes_a_directory_names_the_directory(tmp_path):
     """`convert.inspect run/config.json` said 'neither .safetensors nor .gguf', leaving the user to guess
     that the directory was meant; any other file keeps that message."""
