@@ -709,6 +709,20 @@ def test_a_pretty_printed_object_under_a_jsonl_name_says_why_it_fails(tmp_path):
     assert str(e.value).startswith(f"{path}:2: not valid JSON (") and "JSON Lines holds" not in str(e.value)
 
 
+
+def test_a_comma_after_each_jsonl_object_is_named(tmp_path):
+    """Rows copied out of a JSON array, one a line with their commas, read "not valid JSON (Extra data at column
+    N)": now the comma is named."""
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps(CHAT) + ",\n" + json.dumps(CHAT) + "\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: not valid JSON \(Extra data at column \d+; a "
+                                        rf"comma after the object: JSON Lines separates objects by line breaks alone\)$"):
+        load_conversations(path, DataConfig())
+    path.write_text(json.dumps(CHAT) + " x\n")  # other extra data: no comma hint
+    with pytest.raises(UserError) as e:
+        load_conversations(path, DataConfig())
+    assert "Extra data" in str(e.value) and "a comma after" not in str(e.value)
+
 # ----------------------------------------------------------------------------------- bad input
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}

@@ -276,6 +276,8 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                     spread = first and e.pos >= len(line.rstrip())
                     hint = ("; the line ends inside its object: JSON Lines holds one whole object a line, and a "
                             "pretty-printed JSON file is read as such when named .json" if spread else "")
+                    if e.msg == "Extra data" and line[e.pos:].strip() == ",":  # a JSON array's rows, one a line
+                        hint = "; a comma after the object: JSON Lines separates objects by line breaks alone"
                     raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}{hint})") from None
                 except RecursionError:
                     raise _too_deep(f"{p}:{lineno}") from None
