@@ -182,6 +182,13 @@ class LayerDims:
     matmul: int  # projection weight elements (active ones for MoE)
 
 
+def loss_positions(cfg: RunConfig) -> int:
+    """Loss positions a row: data.max_loss_tokens capped at seq_len as the data pipeline caps it
+    (`data.batching.loss_buffer_size`); seq_len when unset (the data not counted)."""
+    T = cfg.data.seq_len
+    return min(cfg.data.max_loss_tokens or T, T)
+
+
 def step_flops(cfg: RunConfig, tcfg, dims: list[LayerDims]) -> flops_lib.StepFlops:
     """A training step's FLOPs from each layer's real sizes (`layer_dims`): Gemma 4's global layers have their
     own head size and KV heads, its MoE layers routed experts, which the uniform formula of
@@ -391,7 +398,7 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
         notes.append(f"train.batch_size={B} is not divisible by data×fsdp={ways}: every device computes it all")
     T = cfg.data.seq_len
     tokens_dev = b_dev * T
-    M = min(cfg.data.max_loss_tokens or T, T)  # the data pipeline caps the buffer at seq_len (loss_buffer_size)
+    M = loss_positions(cfg)
     if not cfg.data.max_loss_tokens:
         notes.append(f"loss positions per row assumed {T} (data.max_loss_tokens unset)")
     dims = layer_dims(shapes, tcfg)
@@ -473,7 +480,7 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
             return loss
 
         B, T = cfg.train.batch_size, cfg.data.seq_len
-        M = min(cfg.data.max_loss_tokens or T, T)
+        M = loss_positions(cfg)
         spec = jax.sharding.NamedSharding(mesh, mesh_lib.batch_spec(mesh, B))  # as the trainer lays it out
         row_fields = ("tokens", "positions", "segment_ids", "prefix_segment_ids")
         batch = {k: jax.ShapeDtypeStruct((B, T if k in row_fields else M),
