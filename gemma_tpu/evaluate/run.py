@@ -60,6 +60,8 @@ from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
+    DEFAULT_RETRIES,
+    RETRIES_HELP,
     HTTPStatusError,
     api_base,
     check_reachable,
@@ -293,7 +295,7 @@ REFUSED_STATUS = frozenset({400, 413, 422})
 
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
-                     label: str, timeout: float = 300.0, retries: int = 3,
+                     label: str, timeout: float = 300.0, retries: int = DEFAULT_RETRIES,
                      api_key: str | None = None) -> tuple[list[ParsedReply], list[str]]:
     """Each case asked of the server in turn. A failure that ends the run (after its retries; Ctrl-C, SIGTERM) names
     the example it stopped at and carries the replies gathered before it as `done` (preds, texts): they are kept
@@ -489,9 +491,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--api-key-env", default="VLLM_API_KEY",
                    help="environment variable holding the --endpoint API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
-    p.add_argument("--retries", type=int, default=3,
-                   help="further attempts of an --endpoint request the server refused or failed with 429 or 5xx "
-                        "(1, 2, 4 ... s apart; default 3)")
+    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=f"--endpoint: {RETRIES_HELP}")
     p.add_argument("--limit", type=int, help="evaluate the first N examples")
     p.add_argument("--turns", choices=TURNS, default="first",
                    help="score each conversation's first trained assistant turn, or every one after the reference "

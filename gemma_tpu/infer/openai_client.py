@@ -51,6 +51,10 @@ class CutOff(UserError):
 # (vLLM's for a request its engine dropped), bad gateway, unavailable (still loading), gateway timeout.
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 MAX_RETRY_AFTER = 120.0  # a longer Retry-After is not waited for: the request fails at once, saying so
+# every client's retry policy (evaluate --endpoint, serving.chat): one default and one description of it
+DEFAULT_RETRIES = 3
+RETRIES_HELP = (f"further attempts of a request the server refused or failed with 429 or 5xx, or whose connection "
+                f"dropped (1, 2, 4 ... s apart, or as Retry-After asks; default {DEFAULT_RETRIES})")
 
 
 def retry_after(value: str | None) -> float | None:
