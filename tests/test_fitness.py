@@ -618,6 +618,48 @@ def test_evaluate_cli_on_tiny_model(tiny_long_dir, tmp_path):
     assert "generate" in proc.stderr  # the progress bar
 
 
+@pytest.mark.parametrize("stop", ["ctrl-c", "loss"])
+def test_a_local_evaluation_stopped_midway_keeps_the_examples_answered(tiny_long_dir, tmp_path, monkeypatch, stop):
+    """A local --model run stopped by Ctrl-C after its first batch, or failing in the eval loss after every
+    example was generated, kept nothing, where --endpoint keeps the examples answered: both now score and write
+    them to `<json>.partial.json` (one rule, `partial_scores`), naming how many of n."""
+    import contextlib
+    import io
+
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.evaluate import run
+
+    class Stops(run.Generator):  # Ctrl-C as the first batch (2 of the 5 prompts) ends
+        def generate(self, prompts, *args, on_batch=None, **kwargs):
+            def report(n):
+                raise KeyboardInterrupt
+
+            return super().generate(prompts, *args, on_batch=report if stop == "ctrl-c" else on_batch, **kwargs)
+
+    def broken_loss(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(run, "Generator", Stops)
+    monkeypatch.setattr(run, "eval_loss", broken_loss)
+    out = tmp_path / "r.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            rc = cli_main(run.main, ["--data", str(DATA / "test.jsonl"), "--model", str(tiny_long_dir), "--limit",
+                                     "5", "--batch-size", "2", "--max-new-tokens", "4", "--json", str(out)])
+        except RuntimeError as e:  # not a user's error: its traceback goes on
+            rc = str(e)
+    assert rc == (130 if stop == "ctrl-c" else "RESOURCE_EXHAUSTED: out of memory"), stderr.getvalue()
+    assert not out.exists()  # the results file promises every example
+    failed = json.loads((tmp_path / "r.partial.json").read_text())["failed"]
+    k = 2 if stop == "ctrl-c" else 5
+    assert failed["completed"] == k and failed["metrics"]["n"] == k and len(failed["examples"]) == k
+    assert failed["metrics"]["eval_loss"] is None and 0 <= failed["metrics"]["tool_accuracy"] <= 1
+    assert failed["error"] == ("KeyboardInterrupt" if stop == "ctrl-c" else "RESOURCE_EXHAUSTED: out of memory")
+    assert len(failed.get("answered", range(k))) == k  # which ones, when not the first k (shortest prompts first)
+    assert re.search(rf"model:\S+ \((first )?{k} of 5\)", stdout.getvalue()), stdout.getvalue()
+
+
 def test_a_prompt_past_the_context_is_scored_as_refused_and_the_run_goes_on(tiny_dir, tmp_path):
     """A local model ended the whole run on one prompt longer than its context, where --endpoint scores the
     server's refusal (HTTP 400) as wrong and goes on: now both say so in one line naming the conversation and
