@@ -412,6 +412,29 @@ def test_arguments_match_normalises_types():
     assert arguments_match({"flag": [True]}, {"flag": ["TRUE"]})
 
 
+def test_arguments_match_nulls_close_floats_exact_ids_and_twice_encoded_arguments():
+    """A reference null scored a call that left the argument out as wrong; 72.5 against 72.50000001 (a float
+    through float32 or a short repr) as wrong while ids 2**53 and 2**53 + 1 matched (both went through float);
+    arguments encoded twice (a JSON string of the object) were a format error, not the call they spell."""
+    from gemma_tpu.infer.openai_client import reply_from_message
+
+    assert arguments_match({"date": "today", "unit": None}, {"date": "today"})
+    assert arguments_match({"unit": None}, {"unit": None}) and arguments_match({"f": {"a": None}}, {"f": {}})
+    assert not arguments_match({"unit": "km"}, {"unit": None}) and not arguments_match({"f": {"a": 1}}, {"f": {}})
+    assert arguments_match({"w": 72.5}, {"w": 72.50000001}) and arguments_match({"n": 1}, {"n": 1.00000001})
+    assert arguments_match({"x": 0.1}, {"x": float(np.float32(0.1))}) and arguments_match({"n": 1}, {"n": "1.0"})
+    assert not arguments_match({"w": 72.5}, {"w": 72.6}) and not arguments_match({"x": 0.1}, {"x": 0.1001})
+    assert not arguments_match({"id": 2 ** 53}, {"id": 2 ** 53 + 1})
+    assert not arguments_match({"id": 123456789}, {"id": 123456790}) and arguments_match({"n": 10 ** 20}, {"n": 1e20})
+    twice = {"tool_calls": [{"function": {"name": "get_steps", "arguments": json.dumps(json.dumps({"date": "x"}))}}]}
+    reply = reply_from_message(twice)
+    assert reply.kind == "call" and reply.first.arguments == {"date": "x"}
+    assert reply_from_message({"tool_calls": [{"function": {"name": "f", "arguments": '"today"'}}]}).kind \
+        == "format_error"  # a JSON string that is no object stays an error
+    assert reply_from_message({"tool_calls": [{"function": {"name": "f", "arguments": '"{oops"'}}]}).kind \
+        == "format_error"
+
+
 # -------------------------------------------------------------------------------------- scoring
 
 

@@ -289,13 +289,17 @@ def openai_tools(tools: list[dict] | None) -> list[dict] | None:
 
 
 def reply_from_message(message: dict) -> ParsedReply:
-    """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content."""
+    """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content. Arguments
+    encoded twice (a JSON string holding the JSON object, as some servers' parsers and models write them) are
+    read as that object: the call is unambiguous, and a format error would score a serialisation quirk as a miss."""
     calls = []
     for tc in message.get("tool_calls") or []:
         fn = tc.get("function") or {}
         raw = fn.get("arguments")
         try:
             args = json.loads(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
+            if isinstance(args, str) and args.strip().startswith("{"):
+                args = json.loads(args)
         except json.JSONDecodeError:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
         if not isinstance(args, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
