@@ -609,6 +609,46 @@ def test_the_tool_calling_chat_retries_a_transient_failure_as_evaluate_does(how)
     assert len(handler.times) == 1
 
 
+class Recording(ScriptedModel):
+    """Keeps each request body; answers a stream (bench) or a whole completion in words."""
+
+    bodies: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        type(self).bodies.append(body)
+        if not body.get("stream"):
+            return self._json(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]}))
+        self.wfile.write(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+        self.wfile.write(sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}))
+        self.wfile.write(sse("[DONE]"))
+        self.close_connection = True
+
+
+def test_every_client_sends_its_sampling(tmp_path):
+    """With no `temperature` vLLM samples at T=1 while the local server decodes greedily: serving.bench sent none
+    unless asked, so the same benchmark timed answers of different kinds on the two servers. Every client we ship
+    now says what it wants (greedy by default)."""
+    handler = type("RecordingNow", (Recording,), {"bodies": []})
+    with http_server(handler) as url:
+        for entry, argv in (("serving.bench", ["--base-url", url, "--num-prompts", "2", "--input-len", "4",
+                                               "--output-len", "2", "--disable-tqdm"]),
+                            ("serving.chat", ["--base-url", url, "--once", "steps?"]),
+                            ("gemma_tpu.evaluate", ["--data", str(CHAT), "--endpoint", url, "--limit", "1"])):
+            handler.bodies.clear()
+            proc = _in_process(entry, "--model" if entry != "gemma_tpu.evaluate" else "--served-model", "m", *argv)
+            assert proc.returncode == 0, (entry, proc.stderr)
+            assert handler.bodies and all(b.get("temperature") == 0.0 for b in handler.bodies), (entry, handler.bodies)
+        handler.bodies.clear()
+        proc = _in_process("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "1", "--input-len",
+                           "4", "--output-len", "2", "--temperature", "0.7", "--disable-tqdm")
+        assert proc.returncode == 0 and [b["temperature"] for b in handler.bodies] == [0.7], proc.stderr
+
+
 def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_stopped(tmp_path):
     """A 5xx that outlasted the retries at example 3 of 5 lost the two answered (a single model kept nothing) and
     the error did not say which example; now they are printed and written to `<json>.partial.json`."""
