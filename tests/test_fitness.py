@@ -979,6 +979,39 @@ def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
     assert "bad arguments" in Coach(loaded, device, generator=gen, trace=None).ask("steps?")
 
 
+def test_a_handover_without_a_call_is_a_format_error_in_evaluate_as_in_the_chat(tiny_dir, monkeypatch):
+    """Text that ended on the call stop token (the model handing over to a tool) without a call was a format
+    error in the chat but an answer in words to evaluate: a correct decline where the reference calls none."""
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.evaluate import run
+    from gemma_tpu.examples.fitness.chat import Coach
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from gemma_tpu.infer.generate import LoadedModel
+
+    class Handover(ScriptedGenerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(["Let me check.", "Let me check."])
+
+        def generate(self, prompts, on_result=None, **kwargs):
+            from gemma_tpu.infer.generate import Generation
+
+            outs = [Generation([], self.texts.pop(0), "call") for _ in prompts]
+            for i, out in enumerate(outs):
+                on_result and on_result(i, out)
+            return outs
+
+    tok = load_tokenizer(tiny_dir)
+    loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
+    assert "malformed" in Coach(loaded, SimulatedDevice(0, today=TODAY), generator=Handover(), trace=None).ask("hi")
+    monkeypatch.setattr(run, "Generator", Handover)
+    case = run.Case({"tools": None, "messages": [{"role": "user", "content": "hello"}]}, None, [], "hello", "Hi!")
+    preds, _ = run.predict_local(loaded, [case], DataConfig(), 8, 1, "fake")
+    assert preds[0].kind == "format_error"
+    metrics = run.score([case], preds)
+    assert metrics["declined_accuracy"] == 0 and metrics["format_error_rate"] == 1
+
+
 @pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # en_US.UTF-8 / C.UTF-8 locales
 def test_chat_questions_with_bytes_that_are_not_utf8(tiny_dir, monkeypatch, capsys, errors):
     """A Latin-1 byte typed or piped into the chat ended the session with a traceback: a UnicodeDecodeError

@@ -57,7 +57,7 @@ from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
 from gemma_tpu.data.batching import Example
 from gemma_tpu.evaluate.answers import answer_scores
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_RETRIES,
@@ -239,7 +239,7 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
         done.update({i: (refuse(cases[i], i + 1, over[i]), "") for i in sorted(over)})
         gen.generate([prompts[i] for i in keep], on_batch=bar.update,
-                     on_result=lambda j, out: done.__setitem__(keep[j], (parse_reply(out.text), out.text)))
+                     on_result=lambda j, out: done.__setitem__(keep[j], (out.reply(), out.text)))
     return [done[i][0] for i in range(len(cases))], [done[i][1] for i in range(len(cases))]
 
 

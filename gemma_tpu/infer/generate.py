@@ -59,6 +59,14 @@ class Generation:
     text: str  # decoded text with FunctionGemma markers restored (token map reversed)
     stop: str  # "end_of_turn" | "call" | "eos" | "length"
 
+    def reply(self) -> fc.ParsedReply:
+        """The continuation parsed. One that handed over to a tool (the call stop token) without writing a call is
+        a format error, not an answer in words: evaluate scored it as a correct decline where the chat said so."""
+        reply = fc.parse_reply(self.text)
+        if reply.kind == "text" and self.stop == "call":
+            return dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
+        return reply
+
 
 @dataclasses.dataclass
 class LoadedModel:
