@@ -508,6 +508,9 @@ def test_answer_scores_by_hand():
     assert rouge_l("a b c d", "a x c y d") == pytest.approx(2 * 3 / 9)  # LCS a c d
     assert token_f1("the the cat", "the cat cat") == pytest.approx(2 * 2 / 6)  # multiset overlap {the, cat}
     assert (token_f1("", ""), rouge_l("", "x"), token_f1("...", "x")) == (1.0, 0.0, 0.0)
+    # a reference without words (an emoji) was matched in full by an empty reply or any other symbol
+    assert (exact_match("", "👍"), token_f1("", "👍"), rouge_l("👎", "👍"), exact_match("...", "!")) == (0, 0, 0, 0)
+    assert (exact_match(" 👍 ", "👍"), token_f1("👍!", "👍"), exact_match("", " ")) == (1.0, pytest.approx(2 / 3), 1.0)
     m = answer_scores([("Hal, 3 plus 17 is 20.", "Hal, 3 plus 17 is 20"), (None, "Doubled it is 148.")])
     assert m == {"answer_n": 2, "answer_exact_match": 0.5, "answer_f1": 0.5, "answer_rouge_l": 0.5}
     assert answer_scores([])["answer_f1"] is None
