@@ -350,6 +350,8 @@ def test_parser_and_matcher_take_runs_of_digits_of_any_length():
         assert not arguments_match({"date": "today"}, reply.first.arguments)
         assert arguments_match({"date": "9" * n}, reply.first.arguments)
     assert not arguments_match({"n": 5}, {"n": 10 ** 400}) and arguments_match({"n": 10 ** 400}, {"n": 10 ** 400})
+    assert not any(arguments_match(r, p) for r, p in (({"n": 10 ** 400}, {"n": 1.5}), ({"n": 1.5}, {"n": "9" * 400}),
+                                                      ({"n": float("inf")}, {"n": 10 ** 400})))
     assert arguments_match({"n": "9" * 400}, {"n": 10 ** 400 - 1})
     assert parse_reply("call:f{a:-12, b:1.5e3, c:1e999}").first.arguments == {"a": -12, "b": 1500.0, "c": float("inf")}
 
