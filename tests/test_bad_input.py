@@ -803,6 +803,8 @@ CASES = [
                                                        "--once", "hi", "--temperature", "-1"], ["--temperature", "'-1'"]),
     Case("evaluate-inf-timeout", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}",
                                                         "--timeout", "inf"], ["--timeout", "'inf'"]),
+    Case("chat-negative-retries", "serving.chat", ["--base-url", "http://127.0.0.1:{port}", "--model", "m", "--once",
+                                                   "hi", "--retries", "-1"], ["--retries -1", "0 or more"]),
     Case("chat-not-a-url", "serving.chat", ["--base-url", "ftp://127.0.0.1", "--model", "m", "--once", "hi"],
          ["'ftp://127.0.0.1'", "http"]),
     Case("local-chat-bad-dtype", "gemma_tpu.chat", ["--model", "{tiny}", "--dtype", "float16", "--once", "hi"],
