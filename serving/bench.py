@@ -263,9 +263,9 @@ async def run_all(url: str, prompts: list[Prompt], model: str | None, args, head
     import httpx
     from tqdm import tqdm
 
-    extra: dict[str, Any] = {}
-    if args.temperature is not None:
-        extra["temperature"] = args.temperature
+    # always sent: with none, vLLM samples at T=1 and the local server decodes greedily, so the two timed answers
+    # of different kinds (lengths, stops) under the same command
+    extra: dict[str, Any] = {"temperature": args.temperature}
     if args.ignore_eos:
         extra["ignore_eos"] = True  # a vLLM extension: generate exactly --output-len tokens
     sem = asyncio.Semaphore(args.concurrency)
@@ -377,7 +377,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here (vllm bench serve field names)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds a request may take, streaming included")
-    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), help="sent when given (default: the server's)")
+    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0,
+                   help="sent with every request (default 0: greedy, as vllm bench serve asks)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate exactly --output-len tokens (vLLM's ignore_eos extension; "
                         "as `vllm bench serve` does for random prompts)")

@@ -29,6 +29,8 @@ from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
 from gemma_tpu.formats.function_calling import ParsedReply
 from gemma_tpu.infer.openai_client import (
+    DEFAULT_RETRIES,
+    RETRIES_HELP,
     api_base,
     first_message,
     http_json,
@@ -45,7 +47,7 @@ class RemoteCoach:
 
     def __init__(self, base_url: str, provider, model: str | None = None, api_key: str | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, timeout: float = 120.0,
-                 trace: TextIO | None = sys.stderr, tools: Toolset | None = None):
+                 trace: TextIO | None = sys.stderr, tools: Toolset | None = None, retries: int = DEFAULT_RETRIES):
         self.base = api_base(base_url)
         self.provider = provider
         self.model = model
@@ -53,6 +55,7 @@ class RemoteCoach:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.timeout = timeout
+        self.retries = retries  # evaluate's policy (http_json): a server restarting or rate limiting is waited for
         self.toolset = tools or fitness_toolset(provider)
         self.trace = trace
 
@@ -67,7 +70,8 @@ class RemoteCoach:
         if self.model:
             body["model"] = self.model
         url = f"{self.base}/chat/completions"
-        return first_message(http_json(url, body, timeout=self.timeout, api_key=self.api_key), url)
+        return first_message(http_json(url, body, timeout=self.timeout, api_key=self.api_key, retries=self.retries),
+                             url)
 
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
         """The endpoint's next turn: its structured `tool_calls`, else calls parsed from its text."""
@@ -91,6 +95,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0)
     p.add_argument("--timeout", type=cli.SECONDS, default=120.0, help="seconds per request")
+    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=RETRIES_HELP)
     return p.parse_args(list(argv))
 
 
@@ -101,10 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--max-tokens {args.max_tokens}: must be positive")
     if args.once is not None and not args.once.strip():
         raise UserError("--once needs a question")
+    if args.retries < 0:
+        raise UserError(f"--retries {args.retries}: must be 0 or more")
     provider = make_provider(args.provider, args.seed)  # fail fast on credentials
     api_key = os.environ.get(args.api_key_env) or None
-    model = args.model or served_model_name(api_base(args.base_url), api_key, timeout=min(args.timeout, 30))
-    coach = RemoteCoach(args.base_url, provider, model, api_key, args.max_tokens, args.temperature, args.timeout)
+    model = args.model or served_model_name(api_base(args.base_url), api_key, timeout=min(args.timeout, 30),
+                                            retries=args.retries)
+    coach = RemoteCoach(args.base_url, provider, model, api_key, args.max_tokens, args.temperature, args.timeout,
+                        retries=args.retries)
     if args.once is not None:
         print(coach.ask(question_text(args.once)))
         return 0

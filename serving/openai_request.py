@@ -192,8 +192,8 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
             raise RequestError("stream_options.include_usage", "expected true or false")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
-            isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise RequestError("stop", "expected a string or a list of non-empty strings")
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise RequestError("stop", "expected a string or a list of strings")
     _range(body, "temperature", 0.0, 2.0)
     _range(body, "top_p", 0.0, 1.0, lo_open=True)
     _range(body, "frequency_penalty", -2.0, 2.0)
@@ -233,9 +233,12 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
 def _normalise_settings(body: dict) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
     misread (an empty stop string ended every text after its first token); a field given as null is absent, as
-    OpenAI reads it (`"chat_template_kwargs": null` was a 500)."""
+    OpenAI reads it (`"chat_template_kwargs": null` was a 500). An empty stop string stops nothing, alone or in
+    a list (`[""]` was refused while `""` was taken)."""
     for key in [k for k, v in body.items() if v is None]:
         del body[key]
+    if isinstance(body.get("stop"), list):
+        body["stop"] = [s for s in body["stop"] if s]
     if body.get("stop") in ([], ""):
         del body["stop"]
     if body.get("logit_bias"):

@@ -181,7 +181,8 @@ NOT_HTTP = [
 def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, needles):
     out = tmp_path / "r.json"
     with raw_server(answer) as url:
-        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps today?")
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps today?",
+                           "--retries", "0")  # a cut-off answer or a 500 is asked again
         assert_one_line_error(proc, "/v1/chat/completions", *needles)
         proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
                            "--limit", "1", "--json", str(out), "--retries", "0")  # a cut-off answer is asked again
@@ -561,6 +562,91 @@ def test_an_answer_cut_off_midway_is_asked_again():
     with http_server(handler) as url:
         assert http_json(url + "/v1/chat/completions", {"messages": []}, retries=1, backoff=0.01)["choices"]
     assert handler.seen == 2
+
+
+class Recovers(ScriptedModel):
+    """The first chat completion fails as `how` says (a 503, a 429 asking for 1 s, a connection closed midway),
+    the next ones answer in words; `times` holds when each came."""
+
+    how, times = "503", []
+
+    def do_POST(self):
+        cls = type(self)
+        cls.times.append(time.monotonic())
+        if len(cls.times) > 1:
+            return super().do_POST()
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if cls.how == "drop":
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"choices": [')
+            self.close_connection = True
+            return
+        self.send_response(int(cls.how))
+        self.send_header("Retry-After", "1")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+
+@pytest.mark.parametrize("how", ["503", "429", "drop"])
+def test_the_tool_calling_chat_retries_a_transient_failure_as_evaluate_does(how):
+    """serving.chat asked once: a server restarting (503), rate limiting (429 with Retry-After) or dropping the
+    connection ended the question with an error that evaluate --endpoint, asking the same server, rode out. It
+    now shares evaluate's retry policy (http_json, DEFAULT_RETRIES, --retries)."""
+    handler = type("RecoversNow", (Recovers,), {"how": how, "times": [], "requests": [],
+                                                "script": [{"content": "You walked 8123 steps."}]})
+    with http_server(handler) as url:
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps today?")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "You walked 8123 steps." and len(handler.times) == 2
+        assert handler.times[1] - handler.times[0] >= 0.95  # 1 s apart (backoff and Retry-After alike)
+        handler.times.clear()
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps today?",
+                           "--retries", "0")
+    assert_one_line_error(proc, "/v1/chat/completions")
+    assert len(handler.times) == 1
+
+
+class Recording(ScriptedModel):
+    """Keeps each request body; answers a stream (bench) or a whole completion in words."""
+
+    bodies: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        type(self).bodies.append(body)
+        if not body.get("stream"):
+            return self._json(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]}))
+        self.wfile.write(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+        self.wfile.write(sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}))
+        self.wfile.write(sse("[DONE]"))
+        self.close_connection = True
+
+
+def test_every_client_sends_its_sampling(tmp_path):
+    """With no `temperature` vLLM samples at T=1 while the local server decodes greedily: serving.bench sent none
+    unless asked, so the same benchmark timed answers of different kinds on the two servers. Every client we ship
+    now says what it wants (greedy by default)."""
+    handler = type("RecordingNow", (Recording,), {"bodies": []})
+    with http_server(handler) as url:
+        for entry, argv in (("serving.bench", ["--base-url", url, "--num-prompts", "2", "--input-len", "4",
+                                               "--output-len", "2", "--disable-tqdm"]),
+                            ("serving.chat", ["--base-url", url, "--once", "steps?"]),
+                            ("gemma_tpu.evaluate", ["--data", str(CHAT), "--endpoint", url, "--limit", "1"])):
+            handler.bodies.clear()
+            proc = _in_process(entry, "--model" if entry != "gemma_tpu.evaluate" else "--served-model", "m", *argv)
+            assert proc.returncode == 0, (entry, proc.stderr)
+            assert handler.bodies and all(b.get("temperature") == 0.0 for b in handler.bodies), (entry, handler.bodies)
+        handler.bodies.clear()
+        proc = _in_process("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "1", "--input-len",
+                           "4", "--output-len", "2", "--temperature", "0.7", "--disable-tqdm")
+        assert proc.returncode == 0 and [b["temperature"] for b in handler.bodies] == [0.7], proc.stderr
 
 
 def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_stopped(tmp_path):

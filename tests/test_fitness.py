@@ -350,6 +350,8 @@ def test_parser_and_matcher_take_runs_of_digits_of_any_length():
         assert not arguments_match({"date": "today"}, reply.first.arguments)
         assert arguments_match({"date": "9" * n}, reply.first.arguments)
     assert not arguments_match({"n": 5}, {"n": 10 ** 400}) and arguments_match({"n": 10 ** 400}, {"n": 10 ** 400})
+    assert not any(arguments_match(r, p) for r, p in (({"n": 10 ** 400}, {"n": 1.5}), ({"n": 1.5}, {"n": "9" * 400}),
+                                                      ({"n": float("inf")}, {"n": 10 ** 400})))
     assert arguments_match({"n": "9" * 400}, {"n": 10 ** 400 - 1})
     assert parse_reply("call:f{a:-12, b:1.5e3, c:1e999}").first.arguments == {"a": -12, "b": 1500.0, "c": float("inf")}
 
@@ -410,6 +412,29 @@ def test_arguments_match_normalises_types():
     assert not any(arguments_match(r, p) for r, p in (({"flag": True}, {"flag": 1}), ({"flag": False}, {"flag": "0"}),
                                                       ({"n": 1}, {"n": True}), ({"n": [1, 0]}, {"n": ["true", False]})))
     assert arguments_match({"flag": [True]}, {"flag": ["TRUE"]})
+
+
+def test_arguments_match_nulls_close_floats_exact_ids_and_twice_encoded_arguments():
+    """A reference null scored a call that left the argument out as wrong; 72.5 against 72.50000001 (a float
+    through float32 or a short repr) as wrong while ids 2**53 and 2**53 + 1 matched (both went through float);
+    arguments encoded twice (a JSON string of the object) were a format error, not the call they spell."""
+    from gemma_tpu.infer.openai_client import reply_from_message
+
+    assert arguments_match({"date": "today", "unit": None}, {"date": "today"})
+    assert arguments_match({"unit": None}, {"unit": None}) and arguments_match({"f": {"a": None}}, {"f": {}})
+    assert not arguments_match({"unit": "km"}, {"unit": None}) and not arguments_match({"f": {"a": 1}}, {"f": {}})
+    assert arguments_match({"w": 72.5}, {"w": 72.50000001}) and arguments_match({"n": 1}, {"n": 1.00000001})
+    assert arguments_match({"x": 0.1}, {"x": float(np.float32(0.1))}) and arguments_match({"n": 1}, {"n": "1.0"})
+    assert not arguments_match({"w": 72.5}, {"w": 72.6}) and not arguments_match({"x": 0.1}, {"x": 0.1001})
+    assert not arguments_match({"id": 2 ** 53}, {"id": 2 ** 53 + 1})
+    assert not arguments_match({"id": 123456789}, {"id": 123456790}) and arguments_match({"n": 10 ** 20}, {"n": 1e20})
+    twice = {"tool_calls": [{"function": {"name": "get_steps", "arguments": json.dumps(json.dumps({"date": "x"}))}}]}
+    reply = reply_from_message(twice)
+    assert reply.kind == "call" and reply.first.arguments == {"date": "x"}
+    assert reply_from_message({"tool_calls": [{"function": {"name": "f", "arguments": '"today"'}}]}).kind \
+        == "format_error"  # a JSON string that is no object stays an error
+    assert reply_from_message({"tool_calls": [{"function": {"name": "f", "arguments": '"{oops"'}}]}).kind \
+        == "format_error"
 
 
 # -------------------------------------------------------------------------------------- scoring
@@ -485,6 +510,9 @@ def test_answer_scores_by_hand():
     assert rouge_l("a b c d", "a x c y d") == pytest.approx(2 * 3 / 9)  # LCS a c d
     assert token_f1("the the cat", "the cat cat") == pytest.approx(2 * 2 / 6)  # multiset overlap {the, cat}
     assert (token_f1("", ""), rouge_l("", "x"), token_f1("...", "x")) == (1.0, 0.0, 0.0)
+    # a reference without words (an emoji) was matched in full by an empty reply or any other symbol
+    assert (exact_match("", "👍"), token_f1("", "👍"), rouge_l("👎", "👍"), exact_match("...", "!")) == (0, 0, 0, 0)
+    assert (exact_match(" 👍 ", "👍"), token_f1("👍!", "👍"), exact_match("", " ")) == (1.0, pytest.approx(2 / 3), 1.0)
     m = answer_scores([("Hal, 3 plus 17 is 20.", "Hal, 3 plus 17 is 20"), (None, "Doubled it is 148.")])
     assert m == {"answer_n": 2, "answer_exact_match": 0.5, "answer_f1": 0.5, "answer_rouge_l": 0.5}
     assert answer_scores([])["answer_f1"] is None
@@ -616,6 +644,48 @@ def test_evaluate_cli_on_tiny_model(tiny_long_dir, tmp_path):
     assert m["n"] == 5 and np.isfinite(m["eval_loss"]) and m["perplexity"] > 1
     assert len(data["examples"][f"model:{tiny_long_dir}"]) == 5
     assert "generate" in proc.stderr  # the progress bar
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "loss"])
+def test_a_local_evaluation_stopped_midway_keeps_the_examples_answered(tiny_long_dir, tmp_path, monkeypatch, stop):
+    """A local --model run stopped by Ctrl-C after its first batch, or failing in the eval loss after every
+    example was generated, kept nothing, where --endpoint keeps the examples answered: both now score and write
+    them to `<json>.partial.json` (one rule, `partial_scores`), naming how many of n."""
+    import contextlib
+    import io
+
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.evaluate import run
+
+    class Stops(run.Generator):  # Ctrl-C as the first batch (2 of the 5 prompts) ends
+        def generate(self, prompts, *args, on_batch=None, **kwargs):
+            def report(n):
+                raise KeyboardInterrupt
+
+            return super().generate(prompts, *args, on_batch=report if stop == "ctrl-c" else on_batch, **kwargs)
+
+    def broken_loss(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(run, "Generator", Stops)
+    monkeypatch.setattr(run, "eval_loss", broken_loss)
+    out = tmp_path / "r.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            rc = cli_main(run.main, ["--data", str(DATA / "test.jsonl"), "--model", str(tiny_long_dir), "--limit",
+                                     "5", "--batch-size", "2", "--max-new-tokens", "4", "--json", str(out)])
+        except RuntimeError as e:  # not a user's error: its traceback goes on
+            rc = str(e)
+    assert rc == (130 if stop == "ctrl-c" else "RESOURCE_EXHAUSTED: out of memory"), stderr.getvalue()
+    assert not out.exists()  # the results file promises every example
+    failed = json.loads((tmp_path / "r.partial.json").read_text())["failed"]
+    k = 2 if stop == "ctrl-c" else 5
+    assert failed["completed"] == k and failed["metrics"]["n"] == k and len(failed["examples"]) == k
+    assert failed["metrics"]["eval_loss"] is None and 0 <= failed["metrics"]["tool_accuracy"] <= 1
+    assert failed["error"] == ("KeyboardInterrupt" if stop == "ctrl-c" else "RESOURCE_EXHAUSTED: out of memory")
+    assert len(failed.get("answered", range(k))) == k  # which ones, when not the first k (shortest prompts first)
+    assert re.search(rf"model:\S+ \((first )?{k} of 5\)", stdout.getvalue()), stdout.getvalue()
 
 
 def test_a_prompt_past_the_context_is_scored_as_refused_and_the_run_goes_on(tiny_dir, tmp_path):
@@ -912,6 +982,39 @@ def test_chat_loop_runs_tools_and_reports_bad_calls(tiny_dir):
     assert "malformed" in Coach(loaded, device, generator=gen, trace=None).ask("steps?")
     gen = ScriptedGenerator([format_call("get_steps", {"when": "today"})])
     assert "bad arguments" in Coach(loaded, device, generator=gen, trace=None).ask("steps?")
+
+
+def test_a_handover_without_a_call_is_a_format_error_in_evaluate_as_in_the_chat(tiny_dir, monkeypatch):
+    """Text that ended on the call stop token (the model handing over to a tool) without a call was a format
+    error in the chat but an answer in words to evaluate: a correct decline where the reference calls none."""
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.evaluate import run
+    from gemma_tpu.examples.fitness.chat import Coach
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from gemma_tpu.infer.generate import LoadedModel
+
+    class Handover(ScriptedGenerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(["Let me check.", "Let me check."])
+
+        def generate(self, prompts, on_result=None, **kwargs):
+            from gemma_tpu.infer.generate import Generation
+
+            outs = [Generation([], self.texts.pop(0), "call") for _ in prompts]
+            for i, out in enumerate(outs):
+                on_result and on_result(i, out)
+            return outs
+
+    tok = load_tokenizer(tiny_dir)
+    loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
+    assert "malformed" in Coach(loaded, SimulatedDevice(0, today=TODAY), generator=Handover(), trace=None).ask("hi")
+    monkeypatch.setattr(run, "Generator", Handover)
+    case = run.Case({"tools": None, "messages": [{"role": "user", "content": "hello"}]}, None, [], "hello", "Hi!")
+    preds, _ = run.predict_local(loaded, [case], DataConfig(), 8, 1, "fake")
+    assert preds[0].kind == "format_error"
+    metrics = run.score([case], preds)
+    assert metrics["declined_accuracy"] == 0 and metrics["format_error_rate"] == 1
 
 
 @pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # en_US.UTF-8 / C.UTF-8 locales

@@ -133,6 +133,10 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
         "stop": [], "logit_bias": {"5": -100}})
     assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
     assert "stop" not in check_chat_request({"messages": USER, "stop": ""})  # it ended every text after one token
+    # OpenAI takes an empty string inside a stop list as it takes a bare one: `[""]` was refused while `""` was taken
+    assert "stop" not in check_chat_request({"messages": USER, "stop": [""]})
+    assert check_chat_request({"messages": USER, "stop": ["", "##"]})["stop"] == ["##"]
+    assert "stop" not in check_completion_request({"prompt": "x", "stop": ["", ""]}, 50, len)
     assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7

@@ -649,6 +649,7 @@ def test_chat_parses_functiongemma_text_and_reports_unknown_tools():
 
 def test_chat_unreachable_server_is_one_line_error():
     proc = run_cli("serving.chat", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--once", "hi",
+                   "--retries", "0",
                    timeout=120)
     assert_one_line_error(proc, "cannot reach the server")
 

@@ -6,7 +6,8 @@ words, as SQuAD scores) and ROUGE-L F1 (longest common subsequence, so word orde
 Normalisation: Unicode NFKC, lower case, punctuation and symbols dropped, whitespace split; a word is letters,
 digits and the combining marks on them (Devanagari's vowel signs and virama, Thai's vowels: dropped as punctuation,
 they split नमस्ते into fragments and scored किताब and कुताब as one word); Chinese and Japanese characters count one
-word each (their text has no spaces to split on)."""
+word each (their text has no spaces to split on). A text without any word (an emoji, a lone symbol) is scored on its
+characters, so an empty reply does not match it in full."""
 
 from __future__ import annotations
 
@@ -19,20 +20,27 @@ _WORD = re.compile(rf"[{_CJK}]|[^{_CJK}\s]+")
 
 
 def words(text: str) -> list[str]:
-    """The words an answer is scored on: runs of letters (L), digits (N) and marks (M), other characters
+    """The words of an answer: runs of letters (L), digits (N) and marks (M), other characters
     separating them."""
     text = unicodedata.normalize("NFKC", text).casefold()
     return _WORD.findall("".join(c if unicodedata.category(c)[0] in "LNM" else " " for c in text))
 
 
+def tokens(text: str) -> list[str]:
+    """What an answer is scored on: its words, or for a text without any (an emoji, a lone symbol: "👍") its
+    characters other than spaces. On words alone such a reference was matched in full by an empty reply, or by
+    any other symbol ("👎")."""
+    return words(text) or [c for c in unicodedata.normalize("NFKC", text).casefold() if not c.isspace()]
+
+
 def exact_match(predicted: str, reference: str) -> float:
-    return float(words(predicted) == words(reference))
+    return float(tokens(predicted) == tokens(reference))
 
 
 def token_f1(predicted: str, reference: str) -> float:
     """Harmonic mean of the share of predicted words in the reference and of reference words predicted
     (multisets); 1.0 when both are empty."""
-    p, r = words(predicted), words(reference)
+    p, r = tokens(predicted), tokens(reference)
     if not p or not r:
         return float(p == r)
     common = sum((Counter(p) & Counter(r)).values())
@@ -41,7 +49,7 @@ def token_f1(predicted: str, reference: str) -> float:
 
 def rouge_l(predicted: str, reference: str) -> float:
     """ROUGE-L F1: the longest common subsequence of words against both lengths; 1.0 when both are empty."""
-    p, r = words(predicted), words(reference)
+    p, r = tokens(predicted), tokens(reference)
     if not p or not r:
         return float(p == r)
     prev = [0] * (len(r) + 1)  # the LCS table a row at a time

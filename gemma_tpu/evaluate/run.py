@@ -9,7 +9,8 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
     tool_accuracy          the right decision, over all n: the first call names the reference tool (a reference
                            turn of several calls: every one is matched by a call of its name, in any order), or,
                            where the reference makes no call, a reply without one
-    argument_accuracy      ... and every reference argument is equal (types normalised: 5 == "5")
+    argument_accuracy      ... and every reference argument is equal (types normalised: 5 == "5"; a reference null
+                           matches one left out; fractional numbers within 1e-6: `arguments_match`)
     call_tool_accuracy, call_argument_accuracy
                            the same over the call_n conversations whose reference makes a call: tool-name and
                            argument accuracy proper (equal to the two above on data where every reference calls)
@@ -57,9 +58,11 @@ from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
 from gemma_tpu.data.batching import Example
 from gemma_tpu.evaluate.answers import answer_scores
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match, parse_reply
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
+    DEFAULT_RETRIES,
+    RETRIES_HELP,
     HTTPStatusError,
     api_base,
     check_reachable,
@@ -207,15 +210,21 @@ def check_not_all_refused(cases: Sequence[Case], reasons: dict[int, str]) -> Non
                         + (f" (as are all {len(cases)} prompts)" if len(cases) > 1 else ""))
 
 
+# the replies gathered so far (case index -> (reply, raw text)), filled by both predict_* as examples are answered:
+# a run stopped midway (an error, Ctrl-C, SIGTERM) scores and keeps them (`partial_scores`, `keep_partial`)
+Done = dict[int, tuple[ParsedReply, str]]
+
+
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
-                  label: str, prefix_cache: bool = True) -> tuple[list[ParsedReply], list[str]]:
+                  label: str, prefix_cache: bool = True,
+                  done: Done | None = None) -> tuple[list[ParsedReply], list[str]]:
     """Greedy generation for every case, batched; returns parsed replies and raw texts. With
     `prefix_cache`, the prompt prefix all cases share (the developer turn with the tool
     declarations) is computed once (`gemma_tpu.infer.generate`); the outputs are the same.
 
     A prompt that with `max_new_tokens` passes the model's context is refused and scored as wrong, as a server
     refuses it (vLLM and `serving.launch --local` answer HTTP 400 to a prompt plus max_tokens past the context);
-    when every prompt does, the run ends (`check_not_all_refused`)."""
+    when every prompt does, the run ends (`check_not_all_refused`). Each reply goes into `done` as its batch ends."""
     from tqdm import tqdm
 
     renderer = _renderer(loaded, data_cfg)
@@ -227,11 +236,12 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     check_not_all_refused(cases, over)
     keep = [i for i in range(len(cases)) if i not in over]
     gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
+    done = {} if done is None else done
     with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
-        refused = {i: refuse(cases[i], i + 1, over[i]) for i in sorted(over)}
-        outs = dict(zip(keep, gen.generate([prompts[i] for i in keep], on_batch=bar.update)))
-    preds = [parse_reply(outs[i].text) if i in outs else refused[i] for i in range(len(cases))]
-    return preds, [outs[i].text if i in outs else "" for i in range(len(cases))]
+        done.update({i: (refuse(cases[i], i + 1, over[i]), "") for i in sorted(over)})
+        gen.generate([prompts[i] for i in keep], on_batch=bar.update,
+                     on_result=lambda j, out: done.__setitem__(keep[j], (out.reply(), out.text)))
+    return [done[i][0] for i in range(len(cases))], [done[i][1] for i in range(len(cases))]
 
 
 def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, label: str,
@@ -293,24 +303,22 @@ REFUSED_STATUS = frozenset({400, 413, 422})
 
 
 def predict_endpoint(url: str, served: str | None, cases: Sequence[Case], max_new_tokens: int,
-                     label: str, timeout: float = 300.0, retries: int = 3,
-                     api_key: str | None = None) -> tuple[list[ParsedReply], list[str]]:
-    """Each case asked of the server in turn. A failure that ends the run (after its retries; Ctrl-C, SIGTERM) names
-    the example it stopped at and carries the replies gathered before it as `done` (preds, texts): they are kept
-    (`keep_partial`), not lost with the error."""
+                     label: str, timeout: float = 300.0, retries: int = DEFAULT_RETRIES,
+                     api_key: str | None = None, done: Done | None = None) -> tuple[list[ParsedReply], list[str]]:
+    """Each case asked of the server in turn, its reply put in `done` as it comes. A failure that ends the run
+    (after its retries) names the example it stopped at."""
     base = api_base(url)
     name = served or served_model_name(base, api_key, timeout=min(timeout, 30.0), retries=retries)
     preds: list[ParsedReply] = []
     texts: list[str] = []
     try:
         refused = _ask_each(base, name, cases, max_new_tokens, label, timeout, retries, api_key, preds, texts)
-    except UserError as e:
-        where = cases[len(preds)].where or "an example"
-        e.args = (f"{where} (example {len(preds) + 1} of {len(cases)}): {e}",)
-        e.done = (preds, texts)
-        raise
     except (Exception, KeyboardInterrupt, SignalExit) as e:
-        e.done = (preds, texts)
+        if isinstance(e, UserError):
+            where = cases[len(preds)].where or "an example"
+            e.args = (f"{where} (example {len(preds) + 1} of {len(cases)}): {e}",)
+        if done is not None:
+            done.update(enumerate(zip(preds, texts)))
         raise
     check_not_all_refused(cases, refused)
     return preds, texts
@@ -388,25 +396,33 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     cases = build_cases(convs, args.turns)
     t0 = time.time()
     loss = None
-    if spec.kind == "endpoint":
-        try:
+    done: Done = {}
+    try:
+        if spec.kind == "endpoint":
             preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
-                                            args.timeout, args.retries, os.environ.get(args.api_key_env) or None)
-        except (Exception, KeyboardInterrupt, SignalExit) as e:
-            done = getattr(e, "done", None)
-            if done and done[0]:  # the examples answered before it stopped: scored, for keep_partial
-                e.partial = scored(cases[:len(done[0])], *done, None, t0)
-            raise
-    else:
-        loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
-                  else load_checkpoint(spec.target, spec.step, None))
-        preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label,
-                                     prefix_cache=not args.no_prefix_cache)
-        if not args.no_loss:
-            loss = eval_loss(loaded, convs, cfg.data, args.batch_size, spec.label)
-        del loaded
-        gc.collect()
+                                            args.timeout, args.retries, os.environ.get(args.api_key_env) or None,
+                                            done=done)
+        else:
+            loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
+                      else load_checkpoint(spec.target, spec.step, None))
+            preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label,
+                                         prefix_cache=not args.no_prefix_cache, done=done)
+            if not args.no_loss:
+                loss = eval_loss(loaded, convs, cfg.data, args.batch_size, spec.label)
+            del loaded
+            gc.collect()
+    except (Exception, KeyboardInterrupt, SignalExit) as e:
+        if done:  # the examples answered before it stopped, local or endpoint alike: scored, for keep_partial
+            e.partial = partial_scores(cases, done, t0)
+        raise
     return scored(cases, preds, texts, loss, t0)
+
+
+def partial_scores(cases: Sequence[Case], done: Done, t0: float) -> tuple[dict, list[dict], list[int]]:
+    """The metrics and records of the examples answered before a run stopped, and their indices (an endpoint's are
+    the first k; a local model's the batches finished, shortest prompts first)."""
+    idx = sorted(done)
+    return (*scored([cases[i] for i in idx], [done[i][0] for i in idx], [done[i][1] for i in idx], None, t0), idx)
 
 
 def scored(cases: Sequence[Case], preds: Sequence[ParsedReply], texts: Sequence[str], loss: float | None,
@@ -456,17 +472,22 @@ def describe_stop(error: BaseException) -> str:
 def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: str, error: BaseException) -> None:
     """Print the finished models' table and, with --json, write them beside it as `<name>.partial.json`
     (never the --json file itself: a reader of that file expects every model asked for). The examples the failed
-    model answered before it stopped (an endpoint: `error.partial`) are in the table as its own column and in the
-    file under `failed` (`completed`, `metrics`, `examples`): an endpoint failing at example 150 of 200 lost 149."""
+    model answered before it stopped (`error.partial`, `partial_scores`) are in the table as its own column and in
+    the file under `failed` (`completed`, `metrics`, `examples`, and `answered`: their numbers, when not the first k):
+    an endpoint failing at example 150 of 200 lost 149, a local model stopped in its last batch lost them all."""
     partial = getattr(error, "partial", None)
     table, stop = dict(results), {"model": failed, "error": describe_stop(error)}
     if partial:
-        k, n = partial[0]["n"], len(build_cases(convs, args.turns))
-        table[f"{failed} (first {k} of {n})"] = partial[0]
-        stop.update(completed=k, metrics=partial[0], examples=partial[1])
+        metrics, records, idx = partial
+        k, n = metrics["n"], len(build_cases(convs, args.turns))
+        which = f"first {k}" if idx == list(range(k)) else str(k)
+        table[f"{failed} ({which} of {n})"] = metrics
+        stop.update(completed=k, metrics=metrics, examples=records)
+        if which != f"first {k}":
+            stop["answered"] = [i + 1 for i in idx]
     print(format_table(table))
     print(f"{failed} failed: the table above holds the models finished before it"
-          + (f" and its first {stop['completed']} examples" if partial else ""), file=sys.stderr)
+          + (f" and {which} of its {n} examples" if partial else ""), file=sys.stderr)
     if args.json:
         out = Path(args.json)
         path = out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
@@ -489,9 +510,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--api-key-env", default="VLLM_API_KEY",
                    help="environment variable holding the --endpoint API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
-    p.add_argument("--retries", type=int, default=3,
-                   help="further attempts of an --endpoint request the server refused or failed with 429 or 5xx "
-                        "(1, 2, 4 ... s apart; default 3)")
+    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=f"--endpoint: {RETRIES_HELP}")
     p.add_argument("--limit", type=int, help="evaluate the first N examples")
     p.add_argument("--turns", choices=TURNS, default="first",
                    help="score each conversation's first trained assistant turn, or every one after the reference "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
@@ -424,11 +425,10 @@ def normalise_value(v: Any) -> Any:
     trimmed strings, containers element-wise."""
     if isinstance(v, bool):
         return _Truth(v)
-    if isinstance(v, (int, float)):
-        try:
-            return float(v)
-        except OverflowError:  # an int past float's range (a run of 309+ digits) compares exactly
-            return v
+    if isinstance(v, int):  # exact: 2**53 + 1 is an id, not 2**53 (float() made them equal)
+        return v
+    if isinstance(v, float):
+        return int(v) if v.is_integer() else v  # 5.0 is 5; inf and nan stay floats
     if isinstance(v, str):
         t = v.strip()
         low = t.lower()
@@ -440,7 +440,7 @@ def normalise_value(v: Any) -> Any:
                     return normalise_value(int(t))  # as the same number written bare
                 except ValueError:  # past Python's int-from-str limit: compared as text
                     return t
-            return float(t)
+            return normalise_value(float(t))
         return " ".join(low.split())
     if isinstance(v, dict):
         return {str(k).strip().lower(): normalise_value(x) for k, x in v.items()}
@@ -449,13 +449,34 @@ def normalise_value(v: Any) -> Any:
     return v
 
 
-def arguments_match(reference: dict, predicted: dict) -> bool:
-    """Every reference argument is present with an equal value (extra predicted ones are allowed)."""
-    pred = normalise_value(predicted or {})
-    for k, v in normalise_value(reference or {}).items():
-        if k not in pred or pred[k] != v:
+REL_TOL = 1e-6  # fractional numbers this close are one value (72.5 and 72.50000001, a float32's 0.1 and 0.1)
+
+
+def _same(ref: Any, pred: Any) -> bool:
+    """Normalised values equal by meaning: whole numbers exactly, fractional ones within REL_TOL, an argument
+    given as null the same as one left out (objects at any depth), lists element by element in order."""
+    if isinstance(ref, dict) and isinstance(pred, dict):
+        keys = {k for k, v in ref.items() if v is not None} | {k for k, v in pred.items() if v is not None}
+        return all(_same(ref.get(k), pred.get(k)) for k in keys)
+    if isinstance(ref, list) and isinstance(pred, list):
+        return len(ref) == len(pred) and all(map(_same, ref, pred))
+    if isinstance(ref, (int, float)) and isinstance(pred, (int, float)) and (
+            isinstance(ref, float) or isinstance(pred, float)):
+        try:
+            return ref == pred or math.isclose(ref, pred, rel_tol=REL_TOL)
+        except OverflowError:  # a whole number past float's range (a run of 309+ digits) is near no float
             return False
-    return True
+    return ref == pred
+
+
+def arguments_match(reference: dict, predicted: dict) -> bool:
+    """Every reference argument is present with an equal value; extra predicted arguments are allowed (a default
+    spelled out, an optional filter). What a fair tool-calling score counts as equal (`normalise_value`, `_same`):
+    '5' == 5 == 5.0; 1.00000001 == 1 and fractional numbers within REL_TOL (a float printed through float32 or a
+    short repr), but whole numbers exactly (ids, counts); a reference null matches the argument left out or null
+    (a tool reads both as "not given"), and a null predicted for a reference value does not match it."""
+    pred = normalise_value(predicted or {})
+    return all(_same(v, pred.get(k)) for k, v in normalise_value(reference or {}).items())
 
 
 # ---------------------------------------------------------------------------- chat template

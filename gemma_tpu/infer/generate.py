@@ -59,6 +59,14 @@ class Generation:
     text: str  # decoded text with FunctionGemma markers restored (token map reversed)
     stop: str  # "end_of_turn" | "call" | "eos" | "length"
 
+    def reply(self) -> fc.ParsedReply:
+        """The continuation parsed. One that handed over to a tool (the call stop token) without writing a call is
+        a format error, not an answer in words: evaluate scored it as a correct decline where the chat said so."""
+        reply = fc.parse_reply(self.text)
+        if reply.kind == "text" and self.stop == "call":
+            return dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
+        return reply
+
 
 @dataclasses.dataclass
 class LoadedModel:
@@ -361,8 +369,10 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
                  on_batch: Callable[[int], None] | None = None,
-                 prefix: Sequence[int] | None = None) -> list[Generation]:
-        """Continue each prompt (ids starting with BOS); `on_batch(n)` reports progress. `prefix`:
+                 prefix: Sequence[int] | None = None,
+                 on_result: Callable[[int, Generation], None] | None = None) -> list[Generation]:
+        """Continue each prompt (ids starting with BOS); `on_batch(n)` reports progress, `on_result(i, generation)`
+        each prompt's as its batch ends (a caller stopped midway keeps those: batches go shortest first). `prefix`:
         ids the prompts (and later calls) are expected to start with, such as a system turn; with
         the prefix cache on, the part of it the prompts do share is computed once and kept."""
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -410,6 +420,8 @@ class Generator:
                 body = ids[:-1] if ids and ids[-1] in stops else ids  # the text leaves the stop token out
                 results[i] = Generation(ids, _decode_text(self.tokenizer, body, self.token_map),
                                         self._stop_reason(ids))
+                if on_result:
+                    on_result(i, results[i])
             if on_batch:
                 on_batch(len(idx))
         return results  # type: ignore[return-value]

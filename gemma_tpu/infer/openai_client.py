@@ -51,6 +51,10 @@ class CutOff(UserError):
 # (vLLM's for a request its engine dropped), bad gateway, unavailable (still loading), gateway timeout.
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 MAX_RETRY_AFTER = 120.0  # a longer Retry-After is not waited for: the request fails at once, saying so
+# every client's retry policy (evaluate --endpoint, serving.chat): one default and one description of it
+DEFAULT_RETRIES = 3
+RETRIES_HELP = (f"further attempts of a request the server refused or failed with 429 or 5xx, or whose connection "
+                f"dropped (1, 2, 4 ... s apart, or as Retry-After asks; default {DEFAULT_RETRIES})")
 
 
 def retry_after(value: str | None) -> float | None:
@@ -285,13 +289,17 @@ def openai_tools(tools: list[dict] | None) -> list[dict] | None:
 
 
 def reply_from_message(message: dict) -> ParsedReply:
-    """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content."""
+    """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content. Arguments
+    encoded twice (a JSON string holding the JSON object, as some servers' parsers and models write them) are
+    read as that object: the call is unambiguous, and a format error would score a serialisation quirk as a miss."""
     calls = []
     for tc in message.get("tool_calls") or []:
         fn = tc.get("function") or {}
         raw = fn.get("arguments")
         try:
             args = json.loads(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
+            if isinstance(args, str) and args.strip().startswith("{"):
+                args = json.loads(args)
         except json.JSONDecodeError:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
         if not isinstance(args, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:

@@ -12,7 +12,6 @@ Tool calls are traced on stderr (`-> get_steps(date='yesterday') = {...}`); answ
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from typing import Sequence, TextIO
@@ -23,7 +22,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import make_renderer
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset
-from gemma_tpu.formats.function_calling import ParsedReply, parse_reply
+from gemma_tpu.formats.function_calling import ParsedReply
 from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.tool_loop import run_tool_loop
 
@@ -61,10 +60,7 @@ class Coach:
         # the developer turn (system prompt and tool declarations) starts every prompt: with the
         # prefix cache its keys and values are computed once for the whole session
         out = self.generator.generate([ids], prefix=self._system_ids(messages))[0]
-        reply = parse_reply(out.text)
-        if reply.kind == "text" and out.stop == "call":  # ended as if it had called, but wrote no call
-            reply = dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
-        return reply, out.text
+        return out.reply(), out.text
 
     def ask(self, question: str) -> str:
         return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)
