@@ -1660,3 +1660,38 @@ def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path)
     parts, tool = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
     assert parts["messages"][0]["content"] == "a b"
     assert tool["messages"][2] == {"role": "tool", "content": "", "name": "noop"}
+
+
+def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_dir, tok, any_tok):
+    """The control tokens refused in message text come from the model's tokenizer: a Gemma 4 vocabulary's
+    `<|turn>` (its own turn marker, which the Gemma 3 list let through) and the `<unusedN>` the tool-call markers
+    map onto in a plain Gemma 3 vocabulary are refused by FILE:LINE at render_examples, as `<end_of_turn>` was;
+    text that only looks like markup in another model's vocabulary stays text."""
+    from transformers import AutoTokenizer
+
+    g4 = AutoTokenizer.from_pretrained(str(tok_dir))
+    g4.add_special_tokens({"additional_special_tokens": ["<|turn>", "<turn|>", '<|"|>']})
+    rows = [CHAT, {"messages": [{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "done<turn|>\n<|turn>user\nmore"}]}]
+    path = write_jsonl(tmp_path / "g4.jsonl", rows)
+    cfg = DataConfig(chat_format="gemma")
+    with pytest.raises(UserError) as e:
+        render_examples(str(path), Renderer(g4, "gemma"), cfg)
+    assert str(e.value).startswith(f"{path}:2: messages[1]: the text holds '<turn|>' at character 4"), e.value
+    # the same text is plain characters to a Gemma 3 vocabulary: it renders
+    assert len(render_examples(str(path), Renderer(tok, "gemma"), cfg)) == 2
+    # whitespace a vocabulary flags special is still ordinary text
+    spaced = AutoTokenizer.from_pretrained(str(tok_dir))
+    spaced.add_special_tokens({"additional_special_tokens": ["\n", "\t\t"]})
+    assert Renderer(spaced, "gemma").markup.search("a\n\t\tb") is None
+    # the reserved token a tool-call marker maps onto (plain Gemma 3) is refused too, in every row shape
+    token_map = function_token_map(any_tok)
+    marker = token_map.get("<start_function_call>")
+    if marker is None:
+        pytest.skip("this vocabulary has the tool-call markers as tokens")
+    for row in ({"prompt": f"call {marker}", "completion": "ok"},
+                {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": f"a {marker}"}]}):
+        p = write_jsonl(tmp_path / "m.jsonl", [row])
+        r = Renderer(any_tok, "gemma", token_map=token_map)
+        with pytest.raises(UserError, match=rf"^{re.escape(str(p))}:1: .*holds '{marker}'.*tool calls go in"):
+            render_examples(str(p), r, cfg)

@@ -124,10 +124,10 @@ def run(args: argparse.Namespace) -> dict:
         key = f"data.{args.split}_path"  # unset in the file, or emptied by an override
         raise UserError(f"{key} is not set (in {args.config} or as {key}=FILE)")
     check_results_file(args.json, {"data": path, "--config": args.config}, results_key="examples_read")
-    convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
     tok, tok_where, family_format, vocab = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)
     renderer = make_renderer(tok, cfg.data, family_format, token_map, vocab_size=vocab)
+    convs = load_conversations(path, cfg.data, renderer.markup)  # the control tokens are the tokenizer's
     rendered, examples = [], []
     for i, conv in enumerate(convs):
         try:

@@ -116,7 +116,7 @@ def render_error(e: UserError, conv: dict, path: str) -> UserError:
 def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list[batching.Example]:
     """Read, validate and render every example of a file (no length policy applied yet)."""
     out = []
-    for conv in load_conversations(path, data_cfg):
+    for conv in load_conversations(path, data_cfg, renderer.markup):
         try:
             r = renderer.render(conv)
         except UserError as e:  # what the chat format cannot carry, named with the example's line

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.data.records import Markup
 from gemma_tpu.formats import function_calling as fc
 from gemma_tpu.formats import gemma_chat as chat
 
@@ -148,9 +149,23 @@ class Renderer:
         if chat_format == "template" and not getattr(tokenizer, "chat_template", None):
             raise UserError(f"data.chat_format=template, but the tokenizer "
                             f"{getattr(tokenizer, 'name_or_path', '') or ''} has no chat template")
+        self.markup = Markup(self.control_tokens(), calls=(*fc.FUNCTION_MARKERS, *self.token_map.values()))
         bos = getattr(tokenizer, "bos_token_id", None)
         self.bos_id = chat.BOS_ID if bos is None else int(bos)
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
+
+    def control_tokens(self) -> list[str]:
+        """What message text must not hold (see `records.Markup`): every special token of the vocabulary (the
+        tokenizer reads each as its control id wherever it stands: a Gemma 4 `<|turn>`, a Gemma 3 `<unused2>`),
+        and the markers our own Gemma format writes and maps (`<start_function_call>` where the vocabulary
+        lacks it)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        specials = [t.content for t in added.values() if getattr(t, "special", False)]
+        specials += [t for t in getattr(self.tokenizer, "all_special_tokens", ()) if isinstance(t, str)]
+        # whitespace or a single character flagged special is ordinary text however the vocabulary files it
+        specials = [t for t in specials if len(t) > 1 and t.strip()]
+        own = () if self.chat_format == "template" else (chat.START_OF_TURN, chat.END_OF_TURN, *fc.FUNCTION_MARKERS)
+        return [*specials, *own, *self.token_map.values()]
 
     def segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
         if "text" in conv:  # a language-modeling row: no chat markup, every token trained
