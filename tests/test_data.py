@@ -1695,3 +1695,29 @@ def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_d
         r = Renderer(any_tok, "gemma", token_map=token_map)
         with pytest.raises(UserError, match=rf"^{re.escape(str(p))}:1: .*holds '{marker}'.*tool calls go in"):
             render_examples(str(p), r, cfg)
+
+
+def test_turns_after_the_last_trained_one_are_left_out_of_the_row(tmp_path, tok_dir, tok, capsys):
+    """A chat ending in a user turn (or an untrained answer) kept those tokens in its row though nothing after
+    them is trained: they took row space and made the example over-length (truncated, or dropped under
+    data.overlength=drop). They are left out, the loss unchanged; data.inspect counts them."""
+    from gemma_tpu.data import inspect
+
+    ended = {"messages": CHAT["messages"] + [{"role": "user", "content": "And tripled? " + "q" * 200}]}
+    untrained = {"messages": CHAT["messages"] + [{"role": "user", "content": "More?"},
+                                                {"role": "assistant", "content": "no", "train": False}]}
+    r = Renderer(tok)
+    full = r.render(norm(CHAT))
+    for conv in (ended, untrained):
+        got = r.render(norm(conv))
+        assert got.text == CHAT_TEXT and got.untrained_tail
+        assert got.ids.tolist() == full.ids.tolist() and got.loss_mask.tolist() == full.loss_mask.tolist()
+    assert not full.untrained_tail
+    # a prompt for generation keeps every turn
+    assert r.render(norm(ended), add_generation_prompt=True).text.endswith(f"{'q' * 200}{EOT}\n{SOT}model\n")
+    path = write_jsonl(tmp_path / "t.jsonl", [CHAT, ended] * 2)
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path, overlength="drop",
+                                                                           share_prefix="off")),
+                                             "--tokenizer", str(tok_dir), "-n", "0"]))
+    assert result["examples_kept"] == 4 and result["dropped"] == 0 and result["untrained_tails"] == 2
+    assert "2 end in turns that train nothing, left out of their rows" in capsys.readouterr().out

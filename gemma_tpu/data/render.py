@@ -33,6 +33,7 @@ class Rendered:
     loss_mask: np.ndarray  # bool [n]; True where the token is a training target
     text: str  # the text tokenized (after marker mapping, without the leading BOS)
     offsets: np.ndarray | None = None  # int32 [n, 2] character span of each token in `text`; BOS is (0, 0)
+    untrained_tail: bool = False  # turns after the last trained one were left out (see `Renderer.render`)
 
 
 def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
@@ -218,6 +219,9 @@ class Renderer:
 
     def render(self, conv: dict, add_generation_prompt: bool = False) -> Rendered:
         segs = [(self.map_markers(t), tr) for t, tr in self.segments(conv, add_generation_prompt)]
+        tail = False
+        if not add_generation_prompt and self.loss_on == "assistant" and "text" not in conv:
+            segs, tail = _drop_untrained_tail(segs)
         # BOS is added as an id; a template that writes it as text has it removed here
         if segs and self.bos_text and segs[0][0].startswith(self.bos_text):
             segs[0] = (segs[0][0][len(self.bos_text):], segs[0][1])
@@ -243,4 +247,18 @@ class Renderer:
                     # a token is a target when any of its characters is in a trainable span
                     mask[1:] |= (starts < pos + len(t)) & (ends > pos)
                 pos += len(t)
-        return Rendered(ids, mask, text, offsets)
+        return Rendered(ids, mask, text, offsets, tail)
+
+
+def _drop_untrained_tail(segs: list[tuple[str, bool]]) -> tuple[list[tuple[str, bool]], bool]:
+    """Segments up to the last trained one and the whitespace that closes its turn: the turns after it (a chat
+    ending in a user turn, an untrained answer, a tool result) train nothing and change no loss (attention is
+    causal), but took row space and made an example over-length. True when something was left out."""
+    last = max((i for i, (t, tr) in enumerate(segs) if tr and t), default=None)
+    if last is None:
+        return segs, False
+    rest = "".join(t for t, _ in segs[last + 1:])
+    keep = rest[:len(rest) - len(rest.lstrip())]
+    if keep == rest:
+        return segs, False
+    return segs[:last + 1] + ([(keep, False)] if keep else []), True
