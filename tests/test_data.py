@@ -1721,3 +1721,27 @@ def test_turns_after_the_last_trained_one_are_left_out_of_the_row(tmp_path, tok_
                                              "--tokenizer", str(tok_dir), "-n", "0"]))
     assert result["examples_kept"] == 4 and result["dropped"] == 0 and result["untrained_tails"] == 2
     assert "2 end in turns that train nothing, left out of their rows" in capsys.readouterr().out
+
+
+def test_exact_duplicate_examples_are_reported_not_removed(tmp_path, tok_dir, tok, capsys):
+    """Rows exported twice (a common export bug) trained twice without a word: the split counts examples that
+    train exactly what an earlier one trains, across row shapes; training, its dry run and data.inspect say so
+    naming the first; the examples are kept."""
+    from gemma_tpu.data import duplicates_warning, inspect
+
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in CHAT["messages"]]}
+    rows = chat_rows(6) + [CHAT, chat_rows(6)[2], sharegpt]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    split = prepare_split(str(path), Renderer(tok), DataConfig(seq_len=256), seed=0)
+    assert split.report.kept == 9 and split.stats()["duplicates"] == 2
+    assert duplicates_warning(split) == (
+        f"{path}: 2 of 9 examples train exactly what an earlier one trains (the first: {path}:8 repeats {path}:3); "
+        f"they are trained as often as they appear - remove them unless that is meant")
+    unique = prepare_split(str(write_jsonl(tmp_path / "u.jsonl", chat_rows(6))), Renderer(tok), DataConfig(), seed=0)
+    assert duplicates_warning(unique) is None
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                                             str(tok_dir), "-n", "0"]))
+    assert result["duplicates"] == 2
+    assert f"duplicates 2 examples train exactly what an earlier one trains, as often as they appear (the first: " \
+           f"{path}:8 repeats {path}:3)" in capsys.readouterr().out

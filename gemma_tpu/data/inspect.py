@@ -163,6 +163,9 @@ def run(args: argparse.Namespace) -> dict:
           f"({rep.overlength} over data.seq_len={cfg.data.seq_len}, policy {cfg.data.overlength}; "
           f"{rep.no_loss} with no loss-bearing token left)"
           + (f"; {tails} end in turns that train nothing, left out of their rows" if tails else ""), file=out)
+    if rep.duplicates:
+        print(f"duplicates {rep.duplicates} examples train exactly what an earlier one trains, as often as they "
+              f"appear (the first: {rep.first_duplicate})", file=out)
     print(f"tokens     per example: min {stats['length_min']}, p50 {stats['p50']}, p90 {stats['p90']}, "
           f"p95 {stats['p95']}, p99 {stats['p99']}, max {stats['length_max']}, mean {stats['length_mean']}; "
           f"{stats['tokens']} in rows, {stats['loss_tokens']} loss-bearing", file=out)

@@ -87,6 +87,7 @@ class Prepared:
             "source": self.source, "strategy": self.strategy, "seq_len": self.seq_len,
             "examples_read": rep.read, "examples_kept": rep.kept, "truncated": rep.truncated,
             "dropped": rep.dropped, "dropped_no_loss": rep.no_loss, "overlength": rep.overlength,
+            "duplicates": rep.duplicates,
             "length_min": int(lengths.min()), **pct, "length_max": int(lengths.max()),
             "length_mean": round(float(lengths.mean()), 1),
             "rows": len(self.rows), "tokens": self.real_tokens(), "loss_tokens": self.loss_tokens(),
@@ -174,6 +175,16 @@ def overlength_warning(prepared: Prepared, policy: str) -> str | None:
     return (f"{prepared.source}: {rep.overlength} of {rep.read} examples are longer than data.seq_len="
             f"{prepared.seq_len} (the first: {rep.first_overlength}); data.overlength={policy}: {did}; "
             f"raise data.seq_len or see `python -m gemma_tpu.data.inspect`")
+
+
+def duplicates_warning(prepared: Prepared) -> str | None:
+    """One line when examples repeat earlier ones exactly (None otherwise): rows exported twice train twice."""
+    rep = prepared.report
+    if not rep.duplicates:
+        return None
+    return (f"{prepared.source}: {rep.duplicates} of {rep.read} examples train exactly what an earlier one trains "
+            f"(the first: {rep.first_duplicate}); they are trained as often as they appear - remove them unless "
+            f"that is meant")
 
 
 def epochs_warning(prepared: Prepared, batch_size: int, grad_accum_steps: int, num_epochs: int | None,

@@ -644,6 +644,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
             "max_loss": split.max_loss, "share_prefix": cfg.data.share_prefix,
             # what the run warns of at its start, said by the dry run too
             "warnings": [w for w in (data.overlength_warning(split, cfg.data.overlength),
+                                     data.duplicates_warning(split),
                                      data.epochs_warning(split, cfg.train.batch_size, cfg.train.grad_accum_steps,
                                                          cfg.data.num_epochs, cfg.train.max_steps)) if w]}
 
