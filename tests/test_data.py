@@ -30,7 +30,7 @@ from gemma_tpu.data import (
     prepare_split,
     render_examples,
 )
-from gemma_tpu.data.records import normalise_messages
+from gemma_tpu.data.records import normalise_messages, normalise_sharegpt
 from gemma_tpu.data.render import template_messages
 from gemma_tpu.formats.function_calling import function_token_map
 from tests.conftest import REPO, assert_one_line_error, run_cli
@@ -1745,3 +1745,22 @@ def test_exact_duplicate_examples_are_reported_not_removed(tmp_path, tok_dir, to
     assert result["duplicates"] == 2
     assert f"duplicates 2 examples train exactly what an earlier one trains, as often as they appear (the first: " \
            f"{path}:8 repeats {path}:3)" in capsys.readouterr().out
+
+
+def test_sharegpt_model_speakers_and_capitalised_roles_are_read(tmp_path, tok):
+    """ShareGPT's own export names the answering model (chatgpt, bing, bard) and many exports capitalise roles
+    (Human, GPT, System, User, Assistant): they were refused as unknown; each has one meaning, so it is read."""
+    plain = Renderer(tok).render(norm(CHAT)).ids.tolist()
+    speakers = ["System", "Human", "chatgpt", "HUMAN", "Bard"]
+    sharegpt = {"conversations": [{"from": s, "value": m["content"]} for s, m in zip(speakers, CHAT["messages"])]}
+    capital = {"messages": [{**m, "role": m["role"].capitalize()} for m in CHAT["messages"]]}
+    pc = {"prompt": [{**m, "role": m["role"].title()} for m in CHAT["messages"][:4]],
+          "completion": [{"role": "Assistant", "content": "It is 8."}]}
+    convs = load_conversations(write_jsonl(tmp_path / "r.jsonl", [sharegpt, capital, pc]), DataConfig())
+    for conv in convs[:2]:
+        assert Renderer(tok).render(conv).ids.tolist() == plain
+    r = Renderer(tok).render(convs[2])  # only the completion is trained
+    assert r.ids.tolist() == plain and masked_runs(tok, r) == [f"It is 8.{EOT}"]
+    with pytest.raises(UserError, match=r"conversations\[1\]: unknown speaker 'observation'"):
+        normalise_sharegpt({"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "x"}]},
+                           "t")

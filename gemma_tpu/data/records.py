@@ -46,7 +46,16 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Gemma's own name for the assistant turn; OpenAI's legacy function-calling result (with `functions` and
 # `function_call`, read as `tools` and `tool_calls` in `normalise_messages`)
 ROLE_ALIASES = {"model": "assistant", "function": "tool"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# ShareGPT's own export names the assistant by the model that answered (chatgpt, bing, bard); speakers and roles
+# are read whatever their case ("Human", "GPT", "User", "Assistant" in many exports)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+
+
+def _role(m: dict) -> Any:
+    """A message's role in our words: Gemma's `model` and OpenAI's legacy `function` mapped, any case."""
+    role = m.get("role")
+    return ROLE_ALIASES.get(role.lower(), role.lower()) if isinstance(role, str) else role
 
 
 def _strip_nulls(value: Any) -> Any:
@@ -481,8 +490,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         mw = f"{where}: messages[{i}]"
         if not isinstance(m, dict):
             raise UserError(f"{mw}: expected an object with 'role' and 'content'")
-        role = m.get("role")
-        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        role = _role(m)
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
@@ -624,9 +632,9 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
         for i, m in enumerate(value):
             if not isinstance(m, dict):
                 raise UserError(f"{where}: {key}[{i}]: expected an object with 'role' and 'content'")
-    if not any(ROLE_ALIASES.get(m.get("role"), m.get("role")) == "assistant" for m in completion):
+    if not any(_role(m) == "assistant" for m in completion):
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
-    context = [{**m, "train": False} if ROLE_ALIASES.get(m.get("role"), m.get("role")) == "assistant"
+    context = [{**m, "train": False} if _role(m) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
     try:
         conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where, markup)
@@ -654,7 +662,7 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
             raise UserError(f"{where}: conversations[{i}]: expected an object with 'from' and 'value'")
-        role = SHAREGPT_ROLES.get(t["from"]) if isinstance(t["from"], str) else None
+        role = SHAREGPT_ROLES.get(t["from"].lower()) if isinstance(t["from"], str) else None
         if role is None:
             raise UserError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected one of "
                             f"{', '.join(SHAREGPT_ROLES)}; for tool calls use the messages format)")
