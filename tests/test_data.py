@@ -1764,3 +1764,16 @@ def test_sharegpt_model_speakers_and_capitalised_roles_are_read(tmp_path, tok):
     with pytest.raises(UserError, match=r"conversations\[1\]: unknown speaker 'observation'"):
         normalise_sharegpt({"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "x"}]},
                            "t")
+
+
+def test_responses_api_text_parts_are_text(tmp_path, tok):
+    """OpenAI's Responses API writes text parts as input_text / output_text: they were refused as "a
+    'input_text' part; training here is text only" though they are text."""
+    parts = {"messages": [{"role": "system", "content": [{"type": "input_text", "text": "You are terse."}]},
+                          {"role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]},
+                          {"role": "assistant", "content": [{"type": "output_text", "text": "4.", "annotations": []}]},
+                          *CHAT["messages"][3:]]}
+    (conv,) = load_conversations(write_jsonl(tmp_path / "r.jsonl", [parts]), DataConfig())
+    assert Renderer(tok).render(conv).text == CHAT_TEXT
+    with pytest.raises(UserError, match=r"content\[0\] is a 'input_image' part; training here is text only"):
+        norm({"messages": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})

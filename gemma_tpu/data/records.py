@@ -361,7 +361,8 @@ def _text(content: Any, where: str) -> str:
         parts = []
         for k, part in enumerate(content):
             kind = part.get("type", "text") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
+            # OpenAI's Responses API (and exports of it) name text parts input_text / output_text
+            if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
                 raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
