@@ -1777,3 +1777,17 @@ def test_responses_api_text_parts_are_text(tmp_path, tok):
     assert Renderer(tok).render(conv).text == CHAT_TEXT
     with pytest.raises(UserError, match=r"content\[0\] is a 'input_image' part; training here is text only"):
         norm({"messages": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
+
+
+def test_tool_declarations_and_call_arguments_may_not_hold_control_tokens():
+    """Declarations and call arguments are rendered into the text as well: a description or an argument holding
+    `<end_of_turn>` was tokenized as the control token (only message text was checked)."""
+    tool = json.loads(json.dumps(STEPS_TOOL))
+    tool["function"]["description"] = "Steps.<end_of_turn>"
+    call = {"role": "assistant", "tool_calls": [{"function": {"name": "get_steps",
+                                                              "arguments": {"date": ["x<start_of_turn>"]}}}]}
+    with pytest.raises(UserError, match=r"^test: tools\[0\].function.description: the text holds '<end_of_turn>'"):
+        norm({"tools": [tool], "messages": TOOL_CHAT["messages"]})
+    with pytest.raises(UserError, match=r"^test: messages\[2\]: tool_calls\[0\].arguments.date\[0\]: the text "
+                                        r"holds '<start_of_turn>' at character 1"):
+        norm({"tools": [STEPS_TOOL], "messages": [*TOOL_CHAT["messages"][:2], call, *TOOL_CHAT["messages"][3:]]})

@@ -340,6 +340,21 @@ class Markup:
                     return i, text[i:i + n]
         return None
 
+    def check_value(self, value: Any, where: str, path: str) -> None:
+        """`check` every string (keys too) of a JSON value: tool declarations and call arguments are rendered into
+        the text as well. Walked without recursion, as `find_lone_surrogate` walks."""
+        stack = [(value, path)]
+        while stack:
+            v, at = stack.pop()
+            if isinstance(v, str):
+                self.check(v, f"{where}: {at}")
+            elif isinstance(v, dict):
+                for k, x in reversed(list(v.items())):
+                    stack.append((x, f"{at}.{k}"))
+                    stack.append((str(k), f"{at} key {str(k)!r}"))
+            elif isinstance(v, list):
+                stack.extend((x, f"{at}[{i}]") for i, x in reversed(list(enumerate(v))))
+
     def check(self, text: str, where: str) -> None:
         hit = self.search(text)
         if hit:
@@ -483,6 +498,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             raise UserError(f"{where}: 'functions' must be a list of function declarations")
         tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
+    markup.check_value(tools, where, "tools")
     out = []
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
     answered = 0
@@ -535,6 +551,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                 if fn["name"] not in names:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r}, which is not in 'tools' "
                                     f"({', '.join(names)})")
+                markup.check_value(args, mw, f"tool_calls[{j}].arguments")
                 norm_calls.append({"name": fn["name"], "arguments": args})
             if not msg["content"].strip() and not norm_calls:  # whitespace alone would train an empty answer
                 raise UserError(f"{mw}: assistant message has neither content nor tool_calls"
