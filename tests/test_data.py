@@ -1791,3 +1791,21 @@ def test_tool_declarations_and_call_arguments_may_not_hold_control_tokens():
     with pytest.raises(UserError, match=r"^test: messages\[2\]: tool_calls\[0\].arguments.date\[0\]: the text "
                                         r"holds '<start_of_turn>' at character 1"):
         norm({"tools": [STEPS_TOOL], "messages": [*TOOL_CHAT["messages"][:2], call, *TOOL_CHAT["messages"][3:]]})
+
+
+def test_alpaca_rows_say_which_fields_to_set_and_never_drop_their_input(tmp_path):
+    """Alpaca rows (instruction, input, output) failed on the Dolly default with "missing field 'response'"; with
+    data.response_field=output alone, each row's input was left out of its prompt without a word."""
+    row = {"instruction": "Translate.", "input": "Bonjour", "output": "Hello"}
+    path = write_jsonl(tmp_path / "a.jsonl", [row])
+    with pytest.raises(UserError, match=r":1: missing field 'response' .*Alpaca rows: data.response_field=output "
+                                        r"data.context_field=input\)$"):
+        load_conversations(path, DataConfig())
+    with pytest.raises(UserError, match=r":1: the row has an 'input' field but no 'context' \(data.context_field\)"):
+        load_conversations(path, DataConfig(response_field="output"))
+    (conv,) = load_conversations(path, DataConfig(response_field="output", context_field="input"))
+    assert conv["messages"][0]["content"] == "Translate.\n\nBonjour"
+    (conv,) = load_conversations(path, DataConfig(response_field="output", context_field=None))
+    assert conv["messages"][0]["content"] == "Translate."
+    empty = write_jsonl(tmp_path / "e.jsonl", [{**row, "input": ""}])
+    assert load_conversations(empty, DataConfig(response_field="output"))[0]["messages"][0]["content"] == "Translate."

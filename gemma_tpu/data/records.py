@@ -719,10 +719,17 @@ def detect_format(obj: dict, instruction_field: str, text_field: str = "text") -
 
 def normalise_instruction(obj: dict, where: str, instruction: str, context: str | None, response: str,
                           markup: Markup = GEMMA_MARKUP) -> dict:
+    alpaca = ("; Alpaca rows: data.response_field=output data.context_field=input"
+              if {"instruction", "input", "output"} <= set(obj) else "")
     for field, key in ((instruction, "data.instruction_field"), (response, "data.response_field")):
         if field not in obj:
             raise UserError(f"{where}: missing field '{field}' ({key}; the example has "
-                            f"{_fields(obj)})")
+                            f"{_fields(obj)}{alpaca})")
+    if context and context not in obj and context != "input" and isinstance(obj.get("input"), str) \
+            and obj["input"].strip():
+        # an Alpaca row read with data.response_field=output alone: its input was left out of every prompt silently
+        raise UserError(f"{where}: the row has an 'input' field but no '{context}' (data.context_field), so the "
+                        f"input would be left out of the prompt; set data.context_field=input (null: leave it out)")
         if not isinstance(obj[field], str):
             raise UserError(f"{where}: field '{field}' must be a string, got {type(obj[field]).__name__}")
     prompt = obj[instruction]
