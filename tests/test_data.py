@@ -1809,3 +1809,21 @@ def test_alpaca_rows_say_which_fields_to_set_and_never_drop_their_input(tmp_path
     assert conv["messages"][0]["content"] == "Translate."
     empty = write_jsonl(tmp_path / "e.jsonl", [{**row, "input": ""}])
     assert load_conversations(empty, DataConfig(response_field="output"))[0]["messages"][0]["content"] == "Translate."
+
+
+def test_evaluation_examples_that_are_training_examples_are_one_warning(tmp_path, tok):
+    """An eval split sampled from the training file (or the same file) trained and evaluated on the same
+    examples without a word: the validation loss measured memorisation."""
+    from gemma_tpu.data import overlap_warning
+
+    rows = chat_rows(12)
+    train_path = write_jsonl(tmp_path / "train.jsonl", rows[:10])
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", [rows[11], rows[7], rows[10], rows[3]])
+    cfg = DataConfig(seq_len=256, strategy="pack")
+    train = prepare_split(str(train_path), Renderer(tok), cfg, seed=0)
+    ev = prepare_split(str(eval_path), Renderer(tok), cfg, seed=0)
+    assert overlap_warning(train, ev) == (
+        f"{eval_path}: 2 of 4 evaluation examples are also training examples in {train_path} (the first: "
+        f"{eval_path}:2); the validation loss measures how well they were memorised")
+    fresh = prepare_split(str(write_jsonl(tmp_path / "fresh.jsonl", rows[10:])), Renderer(tok), cfg, seed=0)
+    assert overlap_warning(train, fresh) is None and overlap_warning(train, None) is None

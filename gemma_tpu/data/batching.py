@@ -111,13 +111,17 @@ def fit_length(examples: list[Example], seq_len: int, policy: str, source: str) 
     return out, rep
 
 
+def example_key(ex: Example) -> bytes:
+    """What an example trains, as bytes: equal keys, equal ids and loss mask."""
+    return np.ascontiguousarray(ex.ids, np.int32).tobytes() + np.packbits(np.asarray(ex.loss_mask, bool)).tobytes()
+
+
 def _count_duplicates(examples: list[Example], rep: FitReport, source: str) -> None:
     """Count examples that train exactly what an earlier one trains (a common export bug: rows written twice);
     they are reported, not removed - repeating an example may be meant."""
     seen: dict[bytes, int] = {}
     for i, ex in enumerate(examples):
-        key = np.ascontiguousarray(ex.ids, np.int32).tobytes() + np.packbits(np.asarray(ex.loss_mask, bool)).tobytes()
-        j = seen.setdefault(key, i)
+        j = seen.setdefault(example_key(ex), i)
         if j != i:
             rep.duplicates += 1
             if not rep.first_duplicate:

@@ -187,6 +187,23 @@ def duplicates_warning(prepared: Prepared) -> str | None:
             f"that is meant")
 
 
+def overlap_warning(train: Prepared, evaluation: Prepared | None) -> str | None:
+    """One line when evaluation examples are also training examples (None otherwise): the validation loss then
+    measures memorisation, not generalisation (an eval split sampled from the training file, or the same file)."""
+    if evaluation is None:
+        return None
+    seen = {batching.example_key(ex) for row in train.rows for item in row for ex in batching.members(item)}
+    shared = [ex for row in evaluation.rows for item in row for ex in batching.members(item)
+              if batching.example_key(ex) in seen]
+    if not shared:
+        return None
+    line = [int(w) if w.isdigit() else 0 for w in (ex.where.rsplit(":", 1)[-1] for ex in shared)]
+    first = shared[line.index(min(line))].where  # rows are shuffled: the first by line
+    return (f"{evaluation.source}: {len(shared)} of {evaluation.report.kept} evaluation examples are also training "
+            f"examples in {train.source} (the first: {first}); the validation loss measures how well they were "
+            f"memorised")
+
+
 def epochs_warning(prepared: Prepared, batch_size: int, grad_accum_steps: int, num_epochs: int | None,
                    max_steps: int) -> str | None:
     """One line when data.num_epochs ends the stream before train.max_steps (None otherwise): the run then

@@ -181,6 +181,9 @@ def run(cfg: RunConfig) -> dict:
                         split and data.duplicates_warning(split)):
             if warning:
                 log.warning(warning)
+    warning = data.overlap_warning(train_split, eval_split)
+    if warning:
+        log.warning(warning)
     warning = data.epochs_warning(train_split, cfg.train.batch_size, cfg.train.grad_accum_steps,
                                   cfg.data.num_epochs, cfg.train.max_steps)
     if warning:
