@@ -33,6 +33,7 @@ class Example:
     ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # bool [n]
     where: str = ""  # FILE:LINE of the example, for messages
+    partial: bool = False  # only its start was tokenized (`Renderer.render`'s max_tokens): longer than its ids
 
 
 @dataclasses.dataclass
@@ -94,7 +95,8 @@ def fit_length(examples: list[Example], seq_len: int, policy: str, source: str) 
             rep.first_overlength = rep.first_overlength or ex.where or f"{source}: example {i + 1}"
             if policy == "error":
                 where = ex.where or f"{source}: example {i + 1}"
-                raise UserError(f"{where}: the example has {len(ex.ids)} tokens, more than data.seq_len={seq_len} "
+                raise UserError(f"{where}: the example has {'at least ' if ex.partial else ''}{len(ex.ids)} tokens, "
+                                f"more than data.seq_len={seq_len} "
                                 f"(data.overlength=error; use truncate or drop, or raise data.seq_len)")
             if policy == "drop":
                 rep.dropped += 1

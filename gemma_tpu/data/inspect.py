@@ -131,13 +131,13 @@ def run(args: argparse.Namespace) -> dict:
     rendered, examples, tails = [], [], 0
     for i, conv in enumerate(convs):
         try:
-            r = renderer.render(conv)
+            r = renderer.render(conv, max_tokens=cfg.data.seq_len)
         except UserError as e:  # named with the example's line, as training names it
             raise render_error(e, conv, path) from None
         if i < args.n:
             rendered.append((conv, r))
         tails += r.untrained_tail
-        examples.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
+        examples.append(batching.Example(r.ids, r.loss_mask, conv.get("where", ""), r.partial))
     chosen = cfg.data.strategy
     prepared = {}
     for strategy in (chosen, "pack" if chosen == "pad" else "pad"):

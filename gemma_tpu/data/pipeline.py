@@ -119,10 +119,10 @@ def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list
     out = []
     for conv in load_conversations(path, data_cfg, renderer.markup):
         try:
-            r = renderer.render(conv)
+            r = renderer.render(conv, max_tokens=data_cfg.seq_len)
         except UserError as e:  # what the chat format cannot carry, named with the example's line
             raise render_error(e, conv, path) from None
-        out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
+        out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", ""), r.partial))
     return out
 
 
