@@ -1860,3 +1860,26 @@ def test_a_huge_example_is_tokenized_only_as_far_as_seq_len_can_reach(tmp_path, 
     assert (split.report.overlength, split.report.truncated, split.report.kept) == (1, 1, 2)
     with pytest.raises(UserError, match=r"big.jsonl:2: the example has at least \d+ tokens, more than data.seq_len"):
         prepare_split(str(path), Renderer(any_tok), DataConfig(seq_len=256, overlength="error"), seed=0)
+
+
+def test_our_gemma_format_refuses_a_vocabulary_without_its_turn_tokens(tok_dir):
+    """A Gemma 4 tokenizer (turns <|turn>...<turn|>) under data.chat_format=auto/gemma: Gemma 3's <start_of_turn>
+    was tokenized as plain text pieces and the run trained on markup the model had never seen, without a word."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    g4_dir = tok_dir.parent / "g4_tok"
+    shutil.copytree(tok_dir, g4_dir, dirs_exist_ok=True)
+    spec = json.loads((g4_dir / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:  # Gemma 4 spells ids 105 and 106 <|turn> and <turn|>
+        t["content"] = {"<start_of_turn>": "<|turn>", "<end_of_turn>": "<turn|>"}.get(t["content"], t["content"])
+    spec["model"]["vocab"] = {{"<start_of_turn>": "<|turn>", "<end_of_turn>": "<turn|>"}.get(k, k): v
+                              for k, v in spec["model"]["vocab"].items()}
+    (g4_dir / "tokenizer.json").write_text(json.dumps(spec))
+    g4 = AutoTokenizer.from_pretrained(str(g4_dir))
+    assert g4.convert_tokens_to_ids("<|turn>") == 105
+    for fmt in ("gemma", "functiongemma"):
+        with pytest.raises(UserError, match=rf"^data.chat_format={fmt} writes Gemma 3's turn markup, but the tokenizer "
+                                            rf".*has no '<start_of_turn>' token .*set data.chat_format=template"):
+            Renderer(g4, fmt)

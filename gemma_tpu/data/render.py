@@ -151,10 +151,26 @@ class Renderer:
         if chat_format == "template" and not getattr(tokenizer, "chat_template", None):
             raise UserError(f"data.chat_format=template, but the tokenizer "
                             f"{getattr(tokenizer, 'name_or_path', '') or ''} has no chat template")
+        if chat_format != "template":
+            self._check_turn_tokens()
         self.markup = Markup(self.control_tokens(), calls=(*fc.FUNCTION_MARKERS, *self.token_map.values()))
         bos = getattr(tokenizer, "bos_token_id", None)
         self.bos_id = chat.BOS_ID if bos is None else int(bos)
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
+
+    def _check_turn_tokens(self) -> None:
+        """Our Gemma format writes Gemma 3's turn markers: a vocabulary without them as tokens (Gemma 4's turns are
+        `<|turn>`...`<turn|>`) tokenized them as plain text pieces, and the run trained on markup the model has never
+        seen, without a word."""
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        for marker in (chat.START_OF_TURN, chat.END_OF_TURN):
+            tid = self.tokenizer.convert_tokens_to_ids(marker)
+            if tid is None or tid == unk:
+                name = getattr(self.tokenizer, "name_or_path", "") or ""
+                raise UserError(f"data.chat_format={self.chat_format} writes Gemma 3's turn markup, but the tokenizer "
+                                f"{name + ' ' if name else ''}has no {marker!r} token (Gemma 4 marks its turns "
+                                f"with tokens of its own): set data.chat_format=template to render with its own chat "
+                                f"template")
 
     def control_tokens(self) -> list[str]:
         """What message text must not hold (see `records.Markup`): every special token of the vocabulary (the
