@@ -390,8 +390,9 @@ CASES = [
          ["model.family: unknown model family 'gemma9'", "gemma3", "leave it unset"]),
     Case("data-inspect-unknown-family", "gemma_tpu.data.inspect", [*TRAIN, "model.family=gemma9"],
          ["model.family: unknown model family 'gemma9'"]),
-    # an emptied eval_path was reported 'not set in configs/tiny.yaml', where it is set
-    Case("data-inspect-eval-path-emptied", "gemma_tpu.data.inspect", [*TRAIN, "--split", "eval", "data.eval_path="],
+    # an eval_path unset by an override was reported 'not set in configs/tiny.yaml', where it is set (an empty one,
+    # `data.eval_path=`, is refused when the config loads: tests/test_config.py)
+    Case("data-inspect-eval-path-emptied", "gemma_tpu.data.inspect", [*TRAIN, "--split", "eval", "data.eval_path=null"],
          ["data.eval_path is not set (in {repo}/configs/tiny.yaml or as data.eval_path=FILE)"]),
     Case("config-seq-len-beyond-model", "gemma_tpu.train", [*TRAIN, "data.seq_len=4096"],
          ["data.seq_len=4096", "max_position_embeddings=1024"]),

@@ -505,3 +505,16 @@ def test_bad_profile_window_is_refused_naming_the_key(overrides, message):
         load_config(REPO / "configs/tiny.yaml", overrides)
     cfg = load_config(REPO / "configs/tiny.yaml", ["train.profile_dir=~/p", "train.profile_skip_steps=4"])
     assert cfg.train.profile_dir == os.path.expanduser("~/p") and cfg.train.profile_steps == 2
+
+
+
+@pytest.mark.parametrize("override", ["data.eval_path=", "data.eval_path=' '", "data={eval_path: ''}"])
+def test_an_empty_eval_path_is_not_taken_as_unset(override):
+    """`data.eval_path=` (or an empty shell variable after the '=') read as '' and then as unset: the run trained
+    without evaluation and said nothing. It is refused as an empty profile_dir is; null unsets."""
+    with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': data.eval_path is empty \(give a "
+                                        rf"file, or null for no evaluation\)$"):
+        load_config(REPO / "configs/tiny.yaml", [override])
+    with pytest.raises(UserError, match=r"data.train_path is empty \(give a file"):
+        load_config(REPO / "configs/tiny.yaml", ["data.train_path="])
+    assert load_config(REPO / "configs/tiny.yaml", ["data.eval_path=null"]).data.eval_path is None

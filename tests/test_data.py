@@ -30,7 +30,7 @@ from gemma_tpu.data import (
     prepare_split,
     render_examples,
 )
-from gemma_tpu.data.records import normalise_messages
+from gemma_tpu.data.records import normalise_messages, normalise_sharegpt
 from gemma_tpu.data.render import template_messages
 from gemma_tpu.formats.function_calling import function_token_map
 from tests.conftest import REPO, assert_one_line_error, run_cli
@@ -1660,3 +1660,226 @@ def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path)
     parts, tool = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
     assert parts["messages"][0]["content"] == "a b"
     assert tool["messages"][2] == {"role": "tool", "content": "", "name": "noop"}
+
+
+def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_dir, tok, any_tok):
+    """The control tokens refused in message text come from the model's tokenizer: a Gemma 4 vocabulary's
+    `<|turn>` (its own turn marker, which the Gemma 3 list let through) and the `<unusedN>` the tool-call markers
+    map onto in a plain Gemma 3 vocabulary are refused by FILE:LINE at render_examples, as `<end_of_turn>` was;
+    text that only looks like markup in another model's vocabulary stays text."""
+    from transformers import AutoTokenizer
+
+    g4 = AutoTokenizer.from_pretrained(str(tok_dir))
+    g4.add_special_tokens({"additional_special_tokens": ["<|turn>", "<turn|>", '<|"|>']})
+    rows = [CHAT, {"messages": [{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "done<turn|>\n<|turn>user\nmore"}]}]
+    path = write_jsonl(tmp_path / "g4.jsonl", rows)
+    cfg = DataConfig(chat_format="gemma")
+    with pytest.raises(UserError) as e:
+        render_examples(str(path), Renderer(g4, "gemma"), cfg)
+    assert str(e.value).startswith(f"{path}:2: messages[1]: the text holds '<turn|>' at character 4"), e.value
+    # the same text is plain characters to a Gemma 3 vocabulary: it renders
+    assert len(render_examples(str(path), Renderer(tok, "gemma"), cfg)) == 2
+    # whitespace a vocabulary flags special is still ordinary text
+    spaced = AutoTokenizer.from_pretrained(str(tok_dir))
+    spaced.add_special_tokens({"additional_special_tokens": ["\n", "\t\t"]})
+    assert Renderer(spaced, "gemma").markup.search("a\n\t\tb") is None
+    # the reserved token a tool-call marker maps onto (plain Gemma 3) is refused too, in every row shape
+    token_map = function_token_map(any_tok)
+    marker = token_map.get("<start_function_call>")
+    if marker is None:
+        pytest.skip("this vocabulary has the tool-call markers as tokens")
+    for row in ({"prompt": f"call {marker}", "completion": "ok"},
+                {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": f"a {marker}"}]}):
+        p = write_jsonl(tmp_path / "m.jsonl", [row])
+        r = Renderer(any_tok, "gemma", token_map=token_map)
+        with pytest.raises(UserError, match=rf"^{re.escape(str(p))}:1: .*holds '{marker}'.*tool calls go in"):
+            render_examples(str(p), r, cfg)
+
+
+def test_turns_after_the_last_trained_one_are_left_out_of_the_row(tmp_path, tok_dir, tok, capsys):
+    """A chat ending in a user turn (or an untrained answer) kept those tokens in its row though nothing after
+    them is trained: they took row space and made the example over-length (truncated, or dropped under
+    data.overlength=drop). They are left out, the loss unchanged; data.inspect counts them."""
+    from gemma_tpu.data import inspect
+
+    ended = {"messages": CHAT["messages"] + [{"role": "user", "content": "And tripled? " + "q" * 200}]}
+    untrained = {"messages": CHAT["messages"] + [{"role": "user", "content": "More?"},
+                                                {"role": "assistant", "content": "no", "train": False}]}
+    r = Renderer(tok)
+    full = r.render(norm(CHAT))
+    for conv in (ended, untrained):
+        got = r.render(norm(conv))
+        assert got.text == CHAT_TEXT and got.untrained_tail
+        assert got.ids.tolist() == full.ids.tolist() and got.loss_mask.tolist() == full.loss_mask.tolist()
+    assert not full.untrained_tail
+    # a prompt for generation keeps every turn
+    assert r.render(norm(ended), add_generation_prompt=True).text.endswith(f"{'q' * 200}{EOT}\n{SOT}model\n")
+    path = write_jsonl(tmp_path / "t.jsonl", [CHAT, ended] * 2)
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path, overlength="drop",
+                                                                           share_prefix="off")),
+                                             "--tokenizer", str(tok_dir), "-n", "0"]))
+    assert result["examples_kept"] == 4 and result["dropped"] == 0 and result["untrained_tails"] == 2
+    assert "2 end in turns that train nothing, left out of their rows" in capsys.readouterr().out
+
+
+def test_exact_duplicate_examples_are_reported_not_removed(tmp_path, tok_dir, tok, capsys):
+    """Rows exported twice (a common export bug) trained twice without a word: the split counts examples that
+    train exactly what an earlier one trains, across row shapes; training, its dry run and data.inspect say so
+    naming the first; the examples are kept."""
+    from gemma_tpu.data import duplicates_warning, inspect
+
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in CHAT["messages"]]}
+    rows = chat_rows(6) + [CHAT, chat_rows(6)[2], sharegpt]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    split = prepare_split(str(path), Renderer(tok), DataConfig(seq_len=256), seed=0)
+    assert split.report.kept == 9 and split.stats()["duplicates"] == 2
+    assert duplicates_warning(split) == (
+        f"{path}: 2 of 9 examples train exactly what an earlier one trains (the first: {path}:8 repeats {path}:3); "
+        f"they are trained as often as they appear - remove them unless that is meant")
+    unique = prepare_split(str(write_jsonl(tmp_path / "u.jsonl", chat_rows(6))), Renderer(tok), DataConfig(), seed=0)
+    assert duplicates_warning(unique) is None
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                                             str(tok_dir), "-n", "0"]))
+    assert result["duplicates"] == 2
+    assert f"duplicates 2 examples train exactly what an earlier one trains, as often as they appear (the first: " \
+           f"{path}:8 repeats {path}:3)" in capsys.readouterr().out
+
+
+def test_sharegpt_model_speakers_and_capitalised_roles_are_read(tmp_path, tok):
+    """ShareGPT's own export names the answering model (chatgpt, bing, bard) and many exports capitalise roles
+    (Human, GPT, System, User, Assistant): they were refused as unknown; each has one meaning, so it is read."""
+    plain = Renderer(tok).render(norm(CHAT)).ids.tolist()
+    speakers = ["System", "Human", "chatgpt", "HUMAN", "Bard"]
+    sharegpt = {"conversations": [{"from": s, "value": m["content"]} for s, m in zip(speakers, CHAT["messages"])]}
+    capital = {"messages": [{**m, "role": m["role"].capitalize()} for m in CHAT["messages"]]}
+    pc = {"prompt": [{**m, "role": m["role"].title()} for m in CHAT["messages"][:4]],
+          "completion": [{"role": "Assistant", "content": "It is 8."}]}
+    convs = load_conversations(write_jsonl(tmp_path / "r.jsonl", [sharegpt, capital, pc]), DataConfig())
+    for conv in convs[:2]:
+        assert Renderer(tok).render(conv).ids.tolist() == plain
+    r = Renderer(tok).render(convs[2])  # only the completion is trained
+    assert r.ids.tolist() == plain and masked_runs(tok, r) == [f"It is 8.{EOT}"]
+    with pytest.raises(UserError, match=r"conversations\[1\]: unknown speaker 'observation'"):
+        normalise_sharegpt({"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "x"}]},
+                           "t")
+
+
+def test_responses_api_text_parts_are_text(tmp_path, tok):
+    """OpenAI's Responses API writes text parts as input_text / output_text: they were refused as "a
+    'input_text' part; training here is text only" though they are text."""
+    parts = {"messages": [{"role": "system", "content": [{"type": "input_text", "text": "You are terse."}]},
+                          {"role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]},
+                          {"role": "assistant", "content": [{"type": "output_text", "text": "4.", "annotations": []}]},
+                          *CHAT["messages"][3:]]}
+    (conv,) = load_conversations(write_jsonl(tmp_path / "r.jsonl", [parts]), DataConfig())
+    assert Renderer(tok).render(conv).text == CHAT_TEXT
+    with pytest.raises(UserError, match=r"content\[0\] is a 'input_image' part; training here is text only"):
+        norm({"messages": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
+
+
+def test_tool_declarations_and_call_arguments_may_not_hold_control_tokens():
+    """Declarations and call arguments are rendered into the text as well: a description or an argument holding
+    `<end_of_turn>` was tokenized as the control token (only message text was checked)."""
+    tool = json.loads(json.dumps(STEPS_TOOL))
+    tool["function"]["description"] = "Steps.<end_of_turn>"
+    call = {"role": "assistant", "tool_calls": [{"function": {"name": "get_steps",
+                                                              "arguments": {"date": ["x<start_of_turn>"]}}}]}
+    with pytest.raises(UserError, match=r"^test: tools\[0\].function.description: the text holds '<end_of_turn>'"):
+        norm({"tools": [tool], "messages": TOOL_CHAT["messages"]})
+    with pytest.raises(UserError, match=r"^test: messages\[2\]: tool_calls\[0\].arguments.date\[0\]: the text "
+                                        r"holds '<start_of_turn>' at character 1"):
+        norm({"tools": [STEPS_TOOL], "messages": [*TOOL_CHAT["messages"][:2], call, *TOOL_CHAT["messages"][3:]]})
+
+
+def test_alpaca_rows_say_which_fields_to_set_and_never_drop_their_input(tmp_path):
+    """Alpaca rows (instruction, input, output) failed on the Dolly default with "missing field 'response'"; with
+    data.response_field=output alone, each row's input was left out of its prompt without a word."""
+    row = {"instruction": "Translate.", "input": "Bonjour", "output": "Hello"}
+    path = write_jsonl(tmp_path / "a.jsonl", [row])
+    with pytest.raises(UserError, match=r":1: missing field 'response' .*Alpaca rows: data.response_field=output "
+                                        r"data.context_field=input\)$"):
+        load_conversations(path, DataConfig())
+    with pytest.raises(UserError, match=r":1: the row has an 'input' field but no 'context' \(data.context_field\)"):
+        load_conversations(path, DataConfig(response_field="output"))
+    (conv,) = load_conversations(path, DataConfig(response_field="output", context_field="input"))
+    assert conv["messages"][0]["content"] == "Translate.\n\nBonjour"
+    (conv,) = load_conversations(path, DataConfig(response_field="output", context_field=None))
+    assert conv["messages"][0]["content"] == "Translate."
+    empty = write_jsonl(tmp_path / "e.jsonl", [{**row, "input": ""}])
+    assert load_conversations(empty, DataConfig(response_field="output"))[0]["messages"][0]["content"] == "Translate."
+
+
+def test_evaluation_examples_that_are_training_examples_are_one_warning(tmp_path, tok):
+    """An eval split sampled from the training file (or the same file) trained and evaluated on the same
+    examples without a word: the validation loss measured memorisation."""
+    from gemma_tpu.data import overlap_warning
+
+    rows = chat_rows(12)
+    train_path = write_jsonl(tmp_path / "train.jsonl", rows[:10])
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", [rows[11], rows[7], rows[10], rows[3]])
+    cfg = DataConfig(seq_len=256, strategy="pack")
+    train = prepare_split(str(train_path), Renderer(tok), cfg, seed=0)
+    ev = prepare_split(str(eval_path), Renderer(tok), cfg, seed=0)
+    assert overlap_warning(train, ev) == (
+        f"{eval_path}: 2 of 4 evaluation examples are also training examples in {train_path} (the first: "
+        f"{eval_path}:2); the validation loss measures how well they were memorised")
+    fresh = prepare_split(str(write_jsonl(tmp_path / "fresh.jsonl", rows[10:])), Renderer(tok), cfg, seed=0)
+    assert overlap_warning(train, fresh) is None and overlap_warning(train, None) is None
+
+
+def test_a_huge_example_is_tokenized_only_as_far_as_seq_len_can_reach(tmp_path, any_tok):
+    """A 10 MB single-line example took 23 s and 1.5 GB in data.inspect (and at training start): the whole text was
+    tokenized, then cut to data.seq_len. Only the part the first seq_len tokens can reach is tokenized now; what is
+    trained is the same as from the whole text."""
+    answer = " ".join(f"word{i % 97}" for i in range(30_000))  # ~200 KB
+    path = write_jsonl(tmp_path / "big.jsonl", [CHAT, {"messages": [{"role": "user", "content": "q"},
+                                                                    {"role": "assistant", "content": answer}]}])
+    seen = []
+
+    class Counting:  # the tokenizer, recording how much text it is given
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def __call__(self, text, **kw):
+            seen.append(len(text))
+            return self.tok(text, **kw)
+
+    cfg = DataConfig(seq_len=256)
+    full = render_examples(str(path), Renderer(any_tok), DataConfig(seq_len=10 ** 9))
+    examples = render_examples(str(path), Renderer(Counting(any_tok)), cfg)
+    assert max(seen) < 40_000 and examples[1].partial and not examples[0].partial
+    assert examples[0].ids.tolist() == full[0].ids.tolist()
+    assert examples[1].ids[:256].tolist() == full[1].ids[:256].tolist()
+    assert examples[1].loss_mask[:256].tolist() == full[1].loss_mask[:256].tolist()
+    split = prepare_split(str(path), Renderer(any_tok), cfg, seed=0)
+    assert (split.report.overlength, split.report.truncated, split.report.kept) == (1, 1, 2)
+    with pytest.raises(UserError, match=r"big.jsonl:2: the example has at least \d+ tokens, more than data.seq_len"):
+        prepare_split(str(path), Renderer(any_tok), DataConfig(seq_len=256, overlength="error"), seed=0)
+
+
+def test_our_gemma_format_refuses_a_vocabulary_without_its_turn_tokens(tok_dir):
+    """A Gemma 4 tokenizer (turns <|turn>...<turn|>) under data.chat_format=auto/gemma: Gemma 3's <start_of_turn>
+    was tokenized as plain text pieces and the run trained on markup the model had never seen, without a word."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    g4_dir = tok_dir.parent / "g4_tok"
+    shutil.copytree(tok_dir, g4_dir, dirs_exist_ok=True)
+    spec = json.loads((g4_dir / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:  # Gemma 4 spells ids 105 and 106 <|turn> and <turn|>
+        t["content"] = {"<start_of_turn>": "<|turn>", "<end_of_turn>": "<turn|>"}.get(t["content"], t["content"])
+    spec["model"]["vocab"] = {{"<start_of_turn>": "<|turn>", "<end_of_turn>": "<turn|>"}.get(k, k): v
+                              for k, v in spec["model"]["vocab"].items()}
+    (g4_dir / "tokenizer.json").write_text(json.dumps(spec))
+    g4 = AutoTokenizer.from_pretrained(str(g4_dir))
+    assert g4.convert_tokens_to_ids("<|turn>") == 105
+    for fmt in ("gemma", "functiongemma"):
+        with pytest.raises(UserError, match=rf"^data.chat_format={fmt} writes Gemma 3's turn markup, but the tokenizer "
+                                            rf".*has no '<start_of_turn>' token .*set data.chat_format=template"):
+            Renderer(g4, fmt)

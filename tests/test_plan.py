@@ -263,6 +263,8 @@ def test_dry_run_notes_what_the_run_warns_of_about_its_data(tiny_dir):
     assert any(re.search(r"\d+ of 64 examples are longer than data.seq_len=96", n) for n in notes), notes
     assert any("data.num_epochs=1 of 64 rows is 16 optimizer steps of train.batch_size=4, fewer than "
                "train.max_steps=100: the run ends at step 16" in n for n in notes), notes
+    # tiny.yaml evaluates on its training file
+    assert any("64 of 64 evaluation examples are also training examples" in n for n in notes), notes
 
 
 def test_a_loss_buffer_past_seq_len_is_planned_as_the_run_caps_it(tiny_dir):

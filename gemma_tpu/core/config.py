@@ -725,6 +725,10 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if cfg.lora.dropout:
             bad(f"lora.dropout={cfg.lora.dropout} needs lora.enabled=true (it drops the adapters' input; full "
                 f"fine-tuning has no adapters)")
+    for key in ("train_path", "eval_path"):  # `data.eval_path=` (an empty $VAR) was read as unset: no evaluation
+        path = getattr(cfg.data, key)
+        if path is not None and not path.strip():
+            bad(f"data.{key} is empty (give a file{', or null for no evaluation' if key == 'eval_path' else ''})")
     for key in ("instruction_field", "response_field", "text_field"):  # else "missing field ''" in every row
         if not getattr(cfg.data, key).strip():
             bad(f"data.{key} is empty (the name of a field of the data's rows)")

@@ -5,9 +5,11 @@ from gemma_tpu.data.pipeline import (
                                      TrainStream,
                                      check_layout,
                                      check_one_batch,
+                                     duplicates_warning,
                                      epochs_warning,
                                      eval_batches,
                                      make_renderer,
+                                     overlap_warning,
                                      overlength_warning,
                                      prepare_examples,
                                      prepare_split,
@@ -18,6 +20,7 @@ from gemma_tpu.data.pipeline import (
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
 
-__all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "epochs_warning", "eval_batches",
-           "load_conversations", "make_renderer", "overlength_warning", "prepare_examples", "prepare_split",
-           "prepare_splits", "render_examples", "stream_layout"]
+__all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "duplicates_warning",
+           "epochs_warning", "eval_batches", "load_conversations", "make_renderer", "overlap_warning",
+           "overlength_warning", "prepare_examples", "prepare_split", "prepare_splits", "render_examples",
+           "stream_layout"]

@@ -33,6 +33,7 @@ class Example:
     ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # bool [n]
     where: str = ""  # FILE:LINE of the example, for messages
+    partial: bool = False  # only its start was tokenized (`Renderer.render`'s max_tokens): longer than its ids
 
 
 @dataclasses.dataclass
@@ -75,6 +76,8 @@ class FitReport:
     no_loss: int = 0
     overlength: int = 0  # examples longer than seq_len, whatever the policy did with them
     first_overlength: str = ""  # where the first of them is (FILE:LINE), for the warning
+    duplicates: int = 0  # examples whose ids and loss mask equal an earlier example's (kept and trained, not deduped)
+    first_duplicate: str = ""  # "FILE:LINE repeats FILE:LINE", for the warning
     lengths: list[int] = dataclasses.field(default_factory=list, repr=False)  # rendered length of each read example
 
 
@@ -83,6 +86,7 @@ def fit_length(examples: list[Example], seq_len: int, policy: str, source: str) 
     if policy not in ("truncate", "drop", "error"):
         raise UserError(f"data.overlength {policy!r} is not one of truncate, drop, error")
     rep = FitReport(read=len(examples), lengths=[len(ex.ids) for ex in examples])
+    _count_duplicates(examples, rep, source)
     out = []
     for i, ex in enumerate(examples):
         cut = False
@@ -91,7 +95,8 @@ def fit_length(examples: list[Example], seq_len: int, policy: str, source: str) 
             rep.first_overlength = rep.first_overlength or ex.where or f"{source}: example {i + 1}"
             if policy == "error":
                 where = ex.where or f"{source}: example {i + 1}"
-                raise UserError(f"{where}: the example has {len(ex.ids)} tokens, more than data.seq_len={seq_len} "
+                raise UserError(f"{where}: the example has {'at least ' if ex.partial else ''}{len(ex.ids)} tokens, "
+                                f"more than data.seq_len={seq_len} "
                                 f"(data.overlength=error; use truncate or drop, or raise data.seq_len)")
             if policy == "drop":
                 rep.dropped += 1
@@ -106,6 +111,24 @@ def fit_length(examples: list[Example], seq_len: int, policy: str, source: str) 
         out.append(ex)
     rep.kept = len(out)
     return out, rep
+
+
+def example_key(ex: Example) -> bytes:
+    """What an example trains, as bytes: equal keys, equal ids and loss mask."""
+    return np.ascontiguousarray(ex.ids, np.int32).tobytes() + np.packbits(np.asarray(ex.loss_mask, bool)).tobytes()
+
+
+def _count_duplicates(examples: list[Example], rep: FitReport, source: str) -> None:
+    """Count examples that train exactly what an earlier one trains (a common export bug: rows written twice);
+    they are reported, not removed - repeating an example may be meant."""
+    seen: dict[bytes, int] = {}
+    for i, ex in enumerate(examples):
+        j = seen.setdefault(example_key(ex), i)
+        if j != i:
+            rep.duplicates += 1
+            if not rep.first_duplicate:
+                rep.first_duplicate = (f"{ex.where or f'{source}: example {i + 1}'} repeats "
+                                       f"{examples[j].where or f'example {j + 1}'}")
 
 
 def pack_first_fit(examples: list[Item], seq_len: int) -> list[list[Item]]:

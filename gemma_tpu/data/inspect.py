@@ -124,19 +124,20 @@ def run(args: argparse.Namespace) -> dict:
         key = f"data.{args.split}_path"  # unset in the file, or emptied by an override
         raise UserError(f"{key} is not set (in {args.config} or as {key}=FILE)")
     check_results_file(args.json, {"data": path, "--config": args.config}, results_key="examples_read")
-    convs = load_conversations(path, cfg.data)  # validates every example first: errors before the tokenizer loads
     tok, tok_where, family_format, vocab = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)
     renderer = make_renderer(tok, cfg.data, family_format, token_map, vocab_size=vocab)
-    rendered, examples = [], []
+    convs = load_conversations(path, cfg.data, renderer.markup)  # the control tokens are the tokenizer's
+    rendered, examples, tails = [], [], 0
     for i, conv in enumerate(convs):
         try:
-            r = renderer.render(conv)
+            r = renderer.render(conv, max_tokens=cfg.data.seq_len)
         except UserError as e:  # named with the example's line, as training names it
             raise render_error(e, conv, path) from None
         if i < args.n:
             rendered.append((conv, r))
-        examples.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
+        tails += r.untrained_tail
+        examples.append(batching.Example(r.ids, r.loss_mask, conv.get("where", ""), r.partial))
     chosen = cfg.data.strategy
     prepared = {}
     for strategy in (chosen, "pack" if chosen == "pad" else "pad"):
@@ -160,7 +161,11 @@ def run(args: argparse.Namespace) -> dict:
         print("token map  " + ", ".join(f"{k} -> {v}" for k, v in token_map.items()), file=out)
     print(f"examples   read {rep.read}, kept {rep.kept}, truncated {rep.truncated}, dropped {rep.dropped} "
           f"({rep.overlength} over data.seq_len={cfg.data.seq_len}, policy {cfg.data.overlength}; "
-          f"{rep.no_loss} with no loss-bearing token left)", file=out)
+          f"{rep.no_loss} with no loss-bearing token left)"
+          + (f"; {tails} end in turns that train nothing, left out of their rows" if tails else ""), file=out)
+    if rep.duplicates:
+        print(f"duplicates {rep.duplicates} examples train exactly what an earlier one trains, as often as they "
+              f"appear (the first: {rep.first_duplicate})", file=out)
     print(f"tokens     per example: min {stats['length_min']}, p50 {stats['p50']}, p90 {stats['p90']}, "
           f"p95 {stats['p95']}, p99 {stats['p99']}, max {stats['length_max']}, mean {stats['length_mean']}; "
           f"{stats['tokens']} in rows, {stats['loss_tokens']} loss-bearing", file=out)
@@ -209,7 +214,8 @@ def run(args: argparse.Namespace) -> dict:
         print(f"\n--- example {i + 1} ({conv.get('where', '?')}): {len(r.ids)} tokens, {n_loss} loss-bearing{status} "
               f"---", file=out)
         print(mark(r.text, loss_spans(r.offsets, r.loss_mask), color, cut), file=out)
-    result = {**stats, "split": args.split, "chat_format": renderer.chat_format, "loss_on": renderer.loss_on,
+    result = {**stats, "untrained_tails": tails, "split": args.split, "chat_format": renderer.chat_format,
+              "loss_on": renderer.loss_on,
               "distinct_batch_shapes": n_shapes, "batch_shapes": shapes,
               "other_strategy": {k: v.stats() for k, v in prepared.items() if k != chosen}}
     if args.json:

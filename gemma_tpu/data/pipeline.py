@@ -87,6 +87,7 @@ class Prepared:
             "source": self.source, "strategy": self.strategy, "seq_len": self.seq_len,
             "examples_read": rep.read, "examples_kept": rep.kept, "truncated": rep.truncated,
             "dropped": rep.dropped, "dropped_no_loss": rep.no_loss, "overlength": rep.overlength,
+            "duplicates": rep.duplicates,
             "length_min": int(lengths.min()), **pct, "length_max": int(lengths.max()),
             "length_mean": round(float(lengths.mean()), 1),
             "rows": len(self.rows), "tokens": self.real_tokens(), "loss_tokens": self.loss_tokens(),
@@ -116,12 +117,12 @@ def render_error(e: UserError, conv: dict, path: str) -> UserError:
 def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list[batching.Example]:
     """Read, validate and render every example of a file (no length policy applied yet)."""
     out = []
-    for conv in load_conversations(path, data_cfg):
+    for conv in load_conversations(path, data_cfg, renderer.markup):
         try:
-            r = renderer.render(conv)
+            r = renderer.render(conv, max_tokens=data_cfg.seq_len)
         except UserError as e:  # what the chat format cannot carry, named with the example's line
             raise render_error(e, conv, path) from None
-        out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", "")))
+        out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", ""), r.partial))
     return out
 
 
@@ -174,6 +175,33 @@ def overlength_warning(prepared: Prepared, policy: str) -> str | None:
     return (f"{prepared.source}: {rep.overlength} of {rep.read} examples are longer than data.seq_len="
             f"{prepared.seq_len} (the first: {rep.first_overlength}); data.overlength={policy}: {did}; "
             f"raise data.seq_len or see `python -m gemma_tpu.data.inspect`")
+
+
+def duplicates_warning(prepared: Prepared) -> str | None:
+    """One line when examples repeat earlier ones exactly (None otherwise): rows exported twice train twice."""
+    rep = prepared.report
+    if not rep.duplicates:
+        return None
+    return (f"{prepared.source}: {rep.duplicates} of {rep.read} examples train exactly what an earlier one trains "
+            f"(the first: {rep.first_duplicate}); they are trained as often as they appear - remove them unless "
+            f"that is meant")
+
+
+def overlap_warning(train: Prepared, evaluation: Prepared | None) -> str | None:
+    """One line when evaluation examples are also training examples (None otherwise): the validation loss then
+    measures memorisation, not generalisation (an eval split sampled from the training file, or the same file)."""
+    if evaluation is None:
+        return None
+    seen = {batching.example_key(ex) for row in train.rows for item in row for ex in batching.members(item)}
+    shared = [ex for row in evaluation.rows for item in row for ex in batching.members(item)
+              if batching.example_key(ex) in seen]
+    if not shared:
+        return None
+    line = [int(w) if w.isdigit() else 0 for w in (ex.where.rsplit(":", 1)[-1] for ex in shared)]
+    first = shared[line.index(min(line))].where  # rows are shuffled: the first by line
+    return (f"{evaluation.source}: {len(shared)} of {evaluation.report.kept} evaluation examples are also training "
+            f"examples in {train.source} (the first: {first}); the validation loss measures how well they were "
+            f"memorised")
 
 
 def epochs_warning(prepared: Prepared, batch_size: int, grad_accum_steps: int, num_epochs: int | None,

@@ -46,7 +46,16 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Gemma's own name for the assistant turn; OpenAI's legacy function-calling result (with `functions` and
 # `function_call`, read as `tools` and `tool_calls` in `normalise_messages`)
 ROLE_ALIASES = {"model": "assistant", "function": "tool"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# ShareGPT's own export names the assistant by the model that answered (chatgpt, bing, bard); speakers and roles
+# are read whatever their case ("Human", "GPT", "User", "Assistant" in many exports)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+
+
+def _role(m: dict) -> Any:
+    """A message's role in our words: Gemma's `model` and OpenAI's legacy `function` mapped, any case."""
+    role = m.get("role")
+    return ROLE_ALIASES.get(role.lower(), role.lower()) if isinstance(role, str) else role
 
 
 def _strip_nulls(value: Any) -> Any:
@@ -301,18 +310,61 @@ def check_surrogates(value: Any, where: str, path: str = "") -> None:
                         f"encodes; pair it or remove it")
 
 
-# markup the renderer writes around the messages: inside a message's text the tokenizer reads it as the control
-# token, so an answer ending in a leaked "<end_of_turn>" (common in generated data) trained the end of turn twice,
-# and a user text could open a model turn of its own
-_MARKUP = re.compile("|".join(re.escape(m) for m in (START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS)))
+class Markup:
+    """Control-token spellings that must not appear in a message's text: inside it the tokenizer reads one as the
+    control token, so an answer ending in a leaked end of turn (common in generated data) trained the end of turn
+    twice, and a user text could open a model turn of its own. Which spellings depends on the model: the renderer
+    builds the set from its tokenizer's special tokens and its chat format's markers (Gemma 4's `<|turn>`, a plain
+    Gemma 3's `<unused2>` that the tool-call markers map onto); without a tokenizer, Gemma 3's own markup."""
+
+    def __init__(self, tokens, calls: tuple[str, ...] = FUNCTION_MARKERS):
+        self.calls = frozenset(calls)  # the ones to point at tool_calls
+        by_first: dict[str, set[str]] = {}
+        for t in tokens:
+            if t:
+                by_first.setdefault(t[0], set()).add(t)
+        # candidates by first character, then one set lookup per distinct length: a regex alternation of the
+        # ~6,000 special tokens of a Gemma vocabulary took 4 ms a kilobyte of text
+        self._by_first = {c: (sorted({len(t) for t in ts}, reverse=True), ts) for c, ts in by_first.items()}
+        self._starts = re.compile("[" + "".join(re.escape(c) for c in self._by_first) + "]") if by_first else None
+
+    def search(self, text: str) -> tuple[int, str] | None:
+        """(character, token) of the first control token in `text`, the longest one at that character."""
+        if self._starts is None:
+            return None
+        for m in self._starts.finditer(text):
+            i = m.start()
+            lengths, tokens = self._by_first[m.group()]
+            for n in lengths:
+                if text[i:i + n] in tokens:
+                    return i, text[i:i + n]
+        return None
+
+    def check_value(self, value: Any, where: str, path: str) -> None:
+        """`check` every string (keys too) of a JSON value: tool declarations and call arguments are rendered into
+        the text as well. Walked without recursion, as `find_lone_surrogate` walks."""
+        stack = [(value, path)]
+        while stack:
+            v, at = stack.pop()
+            if isinstance(v, str):
+                self.check(v, f"{where}: {at}")
+            elif isinstance(v, dict):
+                for k, x in reversed(list(v.items())):
+                    stack.append((x, f"{at}.{k}"))
+                    stack.append((str(k), f"{at} key {str(k)!r}"))
+            elif isinstance(v, list):
+                stack.extend((x, f"{at}[{i}]") for i, x in reversed(list(enumerate(v))))
+
+    def check(self, text: str, where: str) -> None:
+        hit = self.search(text)
+        if hit:
+            at, token = hit
+            raise UserError(f"{where}: the text holds {token!r} at character {at}, the chat markup's own "
+                            f"control token, which the tokenizer would read as markup; remove it"
+                            f"{' (tool calls go in tool_calls)' if token in self.calls else ''}")
 
 
-def _check_markup(text: str, where: str) -> None:
-    m = _MARKUP.search(text)
-    if m:
-        raise UserError(f"{where}: the text holds {m.group()!r} at character {m.start()}, the chat markup's own "
-                        f"control token, which the tokenizer would read as markup; remove it"
-                        f"{' (tool calls go in tool_calls)' if m.group() in FUNCTION_MARKERS else ''}")
+GEMMA_MARKUP = Markup((START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS))
 
 
 def _text(content: Any, where: str) -> str:
@@ -324,7 +376,8 @@ def _text(content: Any, where: str) -> str:
         parts = []
         for k, part in enumerate(content):
             kind = part.get("type", "text") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
+            # OpenAI's Responses API (and exports of it) name text parts input_text / output_text
+            if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
                 raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
@@ -429,8 +482,9 @@ def _check_turn_order(before: list[dict], role: str, answered: int, calls: int, 
                         f"it follows {prev}")
 
 
-def normalise_messages(obj: dict, where: str) -> dict:
-    """Validate a chat example: roles, contents, tool calls against declared tools."""
+def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> dict:
+    """Validate a chat example: roles, contents, tool calls against declared tools; `markup`: the control
+    tokens its text must not hold (see `Markup`)."""
     messages = _maybe_json(obj.get("messages"), "messages", where)
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: 'messages' must be a non-empty list, got "
@@ -444,6 +498,7 @@ def normalise_messages(obj: dict, where: str) -> dict:
             raise UserError(f"{where}: 'functions' must be a list of function declarations")
         tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
+    markup.check_value(tools, where, "tools")
     out = []
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
     answered = 0
@@ -452,14 +507,13 @@ def normalise_messages(obj: dict, where: str) -> dict:
         mw = f"{where}: messages[{i}]"
         if not isinstance(m, dict):
             raise UserError(f"{mw}: expected an object with 'role' and 'content'")
-        role = m.get("role")
-        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        role = _role(m)
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
-        _check_markup(msg["content"], mw)
+        markup.check(msg["content"], mw)
         if role in ("system", "developer") and not msg["content"].strip():
             # ShareGPT exports often carry {"from": "system", "value": ""}: it says nothing, and Gemma's template
             # would fold only separators into the first user turn; left out, not refused
@@ -497,6 +551,7 @@ def normalise_messages(obj: dict, where: str) -> dict:
                 if fn["name"] not in names:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r}, which is not in 'tools' "
                                     f"({', '.join(names)})")
+                markup.check_value(args, mw, f"tool_calls[{j}].arguments")
                 norm_calls.append({"name": fn["name"], "arguments": args})
             if not msg["content"].strip() and not norm_calls:  # whitespace alone would train an empty answer
                 raise UserError(f"{mw}: assistant message has neither content nor tool_calls"
@@ -574,7 +629,7 @@ _PREFERENCE_HINT = ("; this is a preference row (chosen/rejected, for DPO-style 
                     "preferred answers, write 'chosen' as 'completion' (or as 'messages' when it holds the prompt)")
 
 
-def normalise_prompt_completion(obj: dict, where: str) -> dict:
+def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> dict:
     """TRL's prompt-completion rows: strings (a user turn, an assistant turn) or message lists; only
     the completion is trained."""
     prompt, completion = (_messages_or_text(obj.get(k), k, where) for k in ("prompt", "completion"))
@@ -595,12 +650,12 @@ def normalise_prompt_completion(obj: dict, where: str) -> dict:
         for i, m in enumerate(value):
             if not isinstance(m, dict):
                 raise UserError(f"{where}: {key}[{i}]: expected an object with 'role' and 'content'")
-    if not any(ROLE_ALIASES.get(m.get("role"), m.get("role")) == "assistant" for m in completion):
+    if not any(_role(m) == "assistant" for m in completion):
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
-    context = [{**m, "train": False} if ROLE_ALIASES.get(m.get("role"), m.get("role")) == "assistant"
+    context = [{**m, "train": False} if _role(m) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
     try:
-        conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where)
+        conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where, markup)
     except UserError as e:  # name the message by the field the row has, not by the joined list
         def field(m: re.Match) -> str:
             i = int(m.group(1))
@@ -612,7 +667,7 @@ def normalise_prompt_completion(obj: dict, where: str) -> dict:
     return conv
 
 
-def normalise_sharegpt(obj: dict, where: str) -> dict:
+def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> dict:
     """ShareGPT rows (`conversations` of `from`/`value` turns, as Axolotl and LLaMA-Factory read them)."""
     turns = _maybe_json(obj.get("conversations"), "conversations", where)
     if not isinstance(turns, list) or not turns:
@@ -620,18 +675,18 @@ def normalise_sharegpt(obj: dict, where: str) -> dict:
                         f"{'an empty list' if turns == [] else _json_type(turns)}")
     if all(isinstance(t, dict) and "role" in t and "from" not in t for t in turns):
         # chat messages under the ShareGPT column name, as many Hub datasets and converters leave them
-        return _as_conversations(turns, obj, where)
+        return _as_conversations(turns, obj, where, markup)
     messages = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
             raise UserError(f"{where}: conversations[{i}]: expected an object with 'from' and 'value'")
-        role = SHAREGPT_ROLES.get(t["from"]) if isinstance(t["from"], str) else None
+        role = SHAREGPT_ROLES.get(t["from"].lower()) if isinstance(t["from"], str) else None
         if role is None:
             raise UserError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected one of "
                             f"{', '.join(SHAREGPT_ROLES)}; for tool calls use the messages format)")
         messages.append({"role": role, "content": t["value"],
                          **{k: t[k] for k in ("train", "weight") if k in t}})
-    return _as_conversations(messages, obj, where)
+    return _as_conversations(messages, obj, where, markup)
 
 
 def _fields(obj: dict) -> str:
@@ -639,10 +694,10 @@ def _fields(obj: dict) -> str:
     return ", ".join(map(str, obj)) or "no fields"
 
 
-def _as_conversations(messages: list, obj: dict, where: str) -> dict:
+def _as_conversations(messages: list, obj: dict, where: str, markup: Markup) -> dict:
     """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
     try:
-        return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where)
+        return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where, markup)
     except UserError as e:
         raise UserError(re.sub(r"(?<=: )messages\[", "conversations[", str(e), count=1)) from None
 
@@ -662,11 +717,19 @@ def detect_format(obj: dict, instruction_field: str, text_field: str = "text") -
     return "prompt_completion" if "prompt" in obj or "completion" in obj else None
 
 
-def normalise_instruction(obj: dict, where: str, instruction: str, context: str | None, response: str) -> dict:
+def normalise_instruction(obj: dict, where: str, instruction: str, context: str | None, response: str,
+                          markup: Markup = GEMMA_MARKUP) -> dict:
+    alpaca = ("; Alpaca rows: data.response_field=output data.context_field=input"
+              if {"instruction", "input", "output"} <= set(obj) else "")
     for field, key in ((instruction, "data.instruction_field"), (response, "data.response_field")):
         if field not in obj:
             raise UserError(f"{where}: missing field '{field}' ({key}; the example has "
-                            f"{_fields(obj)})")
+                            f"{_fields(obj)}{alpaca})")
+    if context and context not in obj and context != "input" and isinstance(obj.get("input"), str) \
+            and obj["input"].strip():
+        # an Alpaca row read with data.response_field=output alone: its input was left out of every prompt silently
+        raise UserError(f"{where}: the row has an 'input' field but no '{context}' (data.context_field), so the "
+                        f"input would be left out of the prompt; set data.context_field=input (null: leave it out)")
         if not isinstance(obj[field], str):
             raise UserError(f"{where}: field '{field}' must be a string, got {type(obj[field]).__name__}")
     prompt = obj[instruction]
@@ -681,7 +744,7 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
         raise UserError(f"{where}: field '{response}' is empty")
     for field in (instruction, context, response):
         if field and isinstance(obj.get(field), str):
-            _check_markup(obj[field], f"{where}: field '{field}'")
+            markup.check(obj[field], f"{where}: field '{field}'")
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj[response]}],
             "tools": None, "where": where}
 
@@ -699,8 +762,9 @@ def normalise_text(obj: dict, where: str, field: str) -> dict:
     return {"text": text, "tools": None, "where": where}
 
 
-def load_conversations(path: str | Path, data_cfg) -> list[dict]:
-    """All examples of a file as normalised conversations; an empty file is an error."""
+def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP) -> list[dict]:
+    """All examples of a file as normalised conversations; an empty file is an error. `markup`: the control
+    tokens message text must not hold (`Renderer.markup` for the model's tokenizer; Gemma 3's by default)."""
     out = []
     fmt = data_cfg.format
     for lineno, obj in iter_raw(path):
@@ -727,16 +791,16 @@ def load_conversations(path: str | Path, data_cfg) -> list[dict]:
                             f"{_fields(obj)}; data.format=auto tells the shapes apart "
                             f"by their keys)")
         if kind == "messages":
-            out.append(normalise_messages(obj, where))
+            out.append(normalise_messages(obj, where, markup))
         elif kind == "prompt_completion":
-            out.append(normalise_prompt_completion(obj, where))
+            out.append(normalise_prompt_completion(obj, where, markup))
         elif kind == "sharegpt":
-            out.append(normalise_sharegpt(obj, where))
+            out.append(normalise_sharegpt(obj, where, markup))
         elif kind == "text":
             out.append(normalise_text(obj, where, data_cfg.text_field))
         else:
             out.append(normalise_instruction(obj, where, data_cfg.instruction_field, data_cfg.context_field,
-                                             data_cfg.response_field))
+                                             data_cfg.response_field, markup))
     if not out:
         raise UserError(f"{path}: no examples (empty file)")
     return out

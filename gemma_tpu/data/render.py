@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.data.records import Markup
 from gemma_tpu.formats import function_calling as fc
 from gemma_tpu.formats import gemma_chat as chat
 
@@ -32,6 +33,8 @@ class Rendered:
     loss_mask: np.ndarray  # bool [n]; True where the token is a training target
     text: str  # the text tokenized (after marker mapping, without the leading BOS)
     offsets: np.ndarray | None = None  # int32 [n, 2] character span of each token in `text`; BOS is (0, 0)
+    untrained_tail: bool = False  # turns after the last trained one were left out (see `Renderer.render`)
+    partial: bool = False  # only the start of a very long text was tokenized (`max_tokens`): len(ids) is a lower bound
 
 
 def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
@@ -148,9 +151,39 @@ class Renderer:
         if chat_format == "template" and not getattr(tokenizer, "chat_template", None):
             raise UserError(f"data.chat_format=template, but the tokenizer "
                             f"{getattr(tokenizer, 'name_or_path', '') or ''} has no chat template")
+        if chat_format != "template":
+            self._check_turn_tokens()
+        self.markup = Markup(self.control_tokens(), calls=(*fc.FUNCTION_MARKERS, *self.token_map.values()))
         bos = getattr(tokenizer, "bos_token_id", None)
         self.bos_id = chat.BOS_ID if bos is None else int(bos)
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
+
+    def _check_turn_tokens(self) -> None:
+        """Our Gemma format writes Gemma 3's turn markers: a vocabulary without them as tokens (Gemma 4's turns are
+        `<|turn>`...`<turn|>`) tokenized them as plain text pieces, and the run trained on markup the model has never
+        seen, without a word."""
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        for marker in (chat.START_OF_TURN, chat.END_OF_TURN):
+            tid = self.tokenizer.convert_tokens_to_ids(marker)
+            if tid is None or tid == unk:
+                name = getattr(self.tokenizer, "name_or_path", "") or ""
+                raise UserError(f"data.chat_format={self.chat_format} writes Gemma 3's turn markup, but the tokenizer "
+                                f"{name + ' ' if name else ''}has no {marker!r} token (Gemma 4 marks its turns "
+                                f"with tokens of its own): set data.chat_format=template to render with its own chat "
+                                f"template")
+
+    def control_tokens(self) -> list[str]:
+        """What message text must not hold (see `records.Markup`): every special token of the vocabulary (the
+        tokenizer reads each as its control id wherever it stands: a Gemma 4 `<|turn>`, a Gemma 3 `<unused2>`),
+        and the markers our own Gemma format writes and maps (`<start_function_call>` where the vocabulary
+        lacks it)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        specials = [t.content for t in added.values() if getattr(t, "special", False)]
+        specials += [t for t in getattr(self.tokenizer, "all_special_tokens", ()) if isinstance(t, str)]
+        # whitespace or a single character flagged special is ordinary text however the vocabulary files it
+        specials = [t for t in specials if len(t) > 1 and t.strip()]
+        own = () if self.chat_format == "template" else (chat.START_OF_TURN, chat.END_OF_TURN, *fc.FUNCTION_MARKERS)
+        return [*specials, *own, *self.token_map.values()]
 
     def segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
         if "text" in conv:  # a language-modeling row: no chat markup, every token trained
@@ -201,13 +234,32 @@ class Renderer:
     def map_markers(self, text: str) -> str:
         return fc.map_markers(text, self.token_map)
 
-    def render(self, conv: dict, add_generation_prompt: bool = False) -> Rendered:
+    def _max_token_chars(self) -> int:
+        """The longest token's spelling in characters (31 for Gemma): no token covers more characters of text."""
+        if getattr(self, "_longest", None) is None:
+            self._longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return self._longest
+
+    def render(self, conv: dict, add_generation_prompt: bool = False, max_tokens: int | None = None) -> Rendered:
+        """`max_tokens`: only the first that many tokens are needed (training's data.seq_len): a text far longer is
+        tokenized only as far as they can reach (twice over: a cut word re-tokenizes only itself), so a 10 MB
+        example no longer takes 20 s and 1.5 GB to be cut to 512 tokens; `partial` then says so."""
         segs = [(self.map_markers(t), tr) for t, tr in self.segments(conv, add_generation_prompt)]
+        tail = False
+        if not add_generation_prompt and self.loss_on == "assistant" and "text" not in conv:
+            segs, tail = _drop_untrained_tail(segs)
         # BOS is added as an id; a template that writes it as text has it removed here
         if segs and self.bos_text and segs[0][0].startswith(self.bos_text):
             segs[0] = (segs[0][0][len(self.bos_text):], segs[0][1])
         text = "".join(t for t, _ in segs)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        partial = False
+        if max_tokens is not None and len(text) > 2 * (max_tokens + 1) * self._max_token_chars() + 1024:
+            head = text[:2 * (max_tokens + 1) * self._max_token_chars() + 1024]
+            enc = self.tokenizer(head, add_special_tokens=False, return_offsets_mapping=True)
+            partial = len(enc["input_ids"]) > max_tokens  # else a normaliser packed more text into a token: all of it
+            text = head if partial else text
+        if not partial:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray([self.bos_id] + list(enc["input_ids"]), np.int32)
         if self.vocab_size is not None and len(ids) and int(ids.max()) >= self.vocab_size:
             bad = int(ids.max())
@@ -228,4 +280,18 @@ class Renderer:
                     # a token is a target when any of its characters is in a trainable span
                     mask[1:] |= (starts < pos + len(t)) & (ends > pos)
                 pos += len(t)
-        return Rendered(ids, mask, text, offsets)
+        return Rendered(ids, mask, text, offsets, tail, partial)
+
+
+def _drop_untrained_tail(segs: list[tuple[str, bool]]) -> tuple[list[tuple[str, bool]], bool]:
+    """Segments up to the last trained one and the whitespace that closes its turn: the turns after it (a chat
+    ending in a user turn, an untrained answer, a tool result) train nothing and change no loss (attention is
+    causal), but took row space and made an example over-length. True when something was left out."""
+    last = max((i for i, (t, tr) in enumerate(segs) if tr and t), default=None)
+    if last is None:
+        return segs, False
+    rest = "".join(t for t, _ in segs[last + 1:])
+    keep = rest[:len(rest) - len(rest.lstrip())]
+    if keep == rest:
+        return segs, False
+    return segs[:last + 1] + ([(keep, False)] if keep else []), True

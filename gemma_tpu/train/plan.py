@@ -634,7 +634,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
         return None
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer),
                                   vocab_size=resolved.text_config.get("vocab_size"))
-    split, _ = data.prepare_splits(renderer, cfg.data, cfg.train.seed, cfg.train.batch_size)  # what the run refuses
+    split, ev = data.prepare_splits(renderer, cfg.data, cfg.train.seed, cfg.train.batch_size)  # what the run refuses
     st = split.stats()
     per_row = st["examples_per_row"]
     return {"examples": st["examples_kept"], "rows": st["rows"], "trees": st["trees"], "examples_per_row": per_row,
@@ -644,6 +644,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
             "max_loss": split.max_loss, "share_prefix": cfg.data.share_prefix,
             # what the run warns of at its start, said by the dry run too
             "warnings": [w for w in (data.overlength_warning(split, cfg.data.overlength),
+                                     data.duplicates_warning(split), data.overlap_warning(split, ev),
                                      data.epochs_warning(split, cfg.train.batch_size, cfg.train.grad_accum_steps,
                                                          cfg.data.num_epochs, cfg.train.max_steps)) if w]}
 

@@ -177,9 +177,13 @@ def run(cfg: RunConfig) -> dict:
              st["rows"], cfg.data.seq_len, st["trees"], st["computed_tokens_per_example"],
              st["computed_tokens_per_example_unshared"], st["useful_fraction"])
     for split in (train_split, eval_split):
-        warning = split and data.overlength_warning(split, cfg.data.overlength)
-        if warning:
-            log.warning(warning)
+        for warning in (split and data.overlength_warning(split, cfg.data.overlength),
+                        split and data.duplicates_warning(split)):
+            if warning:
+                log.warning(warning)
+    warning = data.overlap_warning(train_split, eval_split)
+    if warning:
+        log.warning(warning)
     warning = data.epochs_warning(train_split, cfg.train.batch_size, cfg.train.grad_accum_steps,
                                   cfg.data.num_epochs, cfg.train.max_steps)
     if warning:
