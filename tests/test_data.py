@@ -1879,7 +1879,21 @@ def test_our_gemma_format_refuses_a_vocabulary_without_its_turn_tokens(tok_dir):
     (g4_dir / "tokenizer.json").write_text(json.dumps(spec))
     g4 = AutoTokenizer.from_pretrained(str(g4_dir))
     assert g4.convert_tokens_to_ids("<|turn>") == 105
-    for fmt in ("gemma", "functiongemma"):
+    from gemma_tpu.data import make_renderer
+
+    with pytest.raises(UserError, match="has no '<start_of_turn>' token .*it has no chat template either"):
+        make_renderer(g4, DataConfig(), "gemma")  # auto, and no template to fall back on
+    g4.chat_template = ("{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+                        "{{ m.content }}<turn|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+    for fmt in ("gemma", "functiongemma"):  # asked for by name: refused, not replaced
         with pytest.raises(UserError, match=rf"^data.chat_format={fmt} writes Gemma 3's turn markup, but the tokenizer "
                                             rf".*has no '<start_of_turn>' token .*set data.chat_format=template"):
-            Renderer(g4, fmt)
+            make_renderer(g4, DataConfig(chat_format=fmt), "gemma")
+    # data.chat_format=auto reads a vocabulary with turn tokens of its own as its template's (README: real Gemma 4
+    # checkpoints train with the template); a Gemma 3 vocabulary keeps our format
+    r = make_renderer(g4, DataConfig(), "gemma")
+    assert r.chat_format == "template"
+    out = r.render({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    assert list(out.ids).count(105) == 2 and out.loss_mask.sum() > 0
+    assert make_renderer(AutoTokenizer.from_pretrained(str(tok_dir)), DataConfig(), "gemma").chat_format == "gemma"

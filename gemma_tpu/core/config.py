@@ -67,7 +67,8 @@ class DataConfig:
     strategy: Literal["pad", "pack"] = "pad"
     overlength: Literal["truncate", "drop", "error"] = "truncate"
     loss_on: Literal["assistant", "all"] = "assistant"
-    # auto: the family's format; template: the tokenizer's own chat template (loss spans by offsets)
+    # auto: the family's format (the tokenizer's template where its vocabulary lacks Gemma 3's turn tokens);
+    # template: the tokenizer's own chat template (loss spans by offsets)
     chat_format: Literal["auto", "gemma", "functiongemma", "template"] = "auto"
     # instruction-pair columns (Databricks Dolly names by default)
     instruction_field: str = "instruction"

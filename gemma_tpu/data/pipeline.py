@@ -19,7 +19,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
 from gemma_tpu.data.prefixes import PrefixReport, find_shared_prefixes
 from gemma_tpu.data.records import load_conversations
-from gemma_tpu.data.render import Renderer
+from gemma_tpu.data.render import Renderer, resolve_chat_format
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Prepared:
 def make_renderer(tokenizer, data_cfg: DataConfig, family_chat_format: str = "gemma",
                   token_map: dict[str, str] | None = None, vocab_size: int | None = None) -> Renderer:
     """`vocab_size`: the model's, when known: ids past it are refused (see `Renderer`)."""
-    fmt = family_chat_format if data_cfg.chat_format == "auto" else data_cfg.chat_format
+    fmt = resolve_chat_format(tokenizer, data_cfg.chat_format, family_chat_format)
     return Renderer(tokenizer, fmt, data_cfg.loss_on, token_map=token_map, vocab_size=vocab_size)
 
 

@@ -130,6 +130,28 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def missing_turn_token(tokenizer) -> str | None:
+    """The first of Gemma 3's turn markers the vocabulary lacks as a token (None: it has both)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for marker in (chat.START_OF_TURN, chat.END_OF_TURN):
+        tid = tokenizer.convert_tokens_to_ids(marker)
+        if tid is None or tid == unk:
+            return marker
+    return None
+
+
+def resolve_chat_format(tokenizer, requested: str, family_chat_format: str) -> str:
+    """`data.chat_format`, with auto read as the family's format - or as the tokenizer's own template where the
+    vocabulary lacks the turn tokens our Gemma format writes and has a template to write its own (a real Gemma 4
+    tokenizer: `<|turn>`...`<turn|>`; our format would be refused on it, see `Renderer`)."""
+    if requested != "auto":
+        return requested
+    if (family_chat_format != "template" and getattr(tokenizer, "chat_template", None)
+            and missing_turn_token(tokenizer)):
+        return "template"
+    return family_chat_format
+
+
 class Renderer:
     """Tokenize rendered segments with one tokenizer call, mapping trainable spans to tokens."""
 
@@ -162,15 +184,15 @@ class Renderer:
         """Our Gemma format writes Gemma 3's turn markers: a vocabulary without them as tokens (Gemma 4's turns are
         `<|turn>`...`<turn|>`) tokenized them as plain text pieces, and the run trained on markup the model has never
         seen, without a word."""
-        unk = getattr(self.tokenizer, "unk_token_id", None)
-        for marker in (chat.START_OF_TURN, chat.END_OF_TURN):
-            tid = self.tokenizer.convert_tokens_to_ids(marker)
-            if tid is None or tid == unk:
-                name = getattr(self.tokenizer, "name_or_path", "") or ""
-                raise UserError(f"data.chat_format={self.chat_format} writes Gemma 3's turn markup, but the tokenizer "
-                                f"{name + ' ' if name else ''}has no {marker!r} token (Gemma 4 marks its turns "
-                                f"with tokens of its own): set data.chat_format=template to render with its own chat "
-                                f"template")
+        missing = missing_turn_token(self.tokenizer)
+        if missing:
+            name = getattr(self.tokenizer, "name_or_path", "") or ""
+            fix = ("set data.chat_format=template to render with its own chat template"
+                   if getattr(self.tokenizer, "chat_template", None) else
+                   "it has no chat template either: give the model's own tokenizer")
+            raise UserError(f"data.chat_format={self.chat_format} writes Gemma 3's turn markup, but the tokenizer "
+                            f"{name + ' ' if name else ''}has no {missing!r} token (Gemma 4 marks its turns "
+                            f"with tokens of its own): {fix}")
 
     def control_tokens(self) -> list[str]:
         """What message text must not hold (see `records.Markup`): every special token of the vocabulary (the
