@@ -688,6 +688,25 @@ def test_a_local_evaluation_stopped_midway_keeps_the_examples_answered(tiny_long
     assert re.search(rf"model:\S+ \((first )?{k} of 5\)", stdout.getvalue()), stdout.getvalue()
 
 
+def test_a_local_evaluation_refuses_the_models_own_control_tokens_in_its_data(tiny_long_dir, tmp_path, capsys):
+    """The test set is read before any tokenizer is known (Gemma 3's markup refused); a local model's own control
+    tokens (here the reserved token its vocabulary maps a tool-call marker onto) are refused by FILE:LINE before
+    generation, as training refuses them, instead of entering the prompt as the control id."""
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.evaluate import run
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+            {"messages": [{"role": "user", "content": "say <unused7> now"}, {"role": "assistant", "content": "no"}]}]
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.json"
+    rc = cli_main(run.main, ["--data", str(data), "--model", str(tiny_long_dir), "--max-new-tokens", "2",
+                             "--json", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{data}:2: messages[0]: the text holds '<unused7>'" in err, err
+    assert not out.exists() and not (tmp_path / "r.partial.json").exists()
+
+
 def test_a_prompt_past_the_context_is_scored_as_refused_and_the_run_goes_on(tiny_dir, tmp_path):
     """A local model ended the whole run on one prompt longer than its context, where --endpoint scores the
     server's refusal (HTTP 400) as wrong and goes on: now both say so in one line naming the conversation and

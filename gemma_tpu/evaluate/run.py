@@ -405,6 +405,9 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
         else:
             loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                       else load_checkpoint(spec.target, spec.step, None))
+            # read again with this model's control tokens (read first with Gemma 3's: no tokenizer was known), so a
+            # Gemma 4 test set holding its `<turn|>` in a message is refused by FILE:LINE, as training refuses it
+            load_conversations(args.data, cfg.data, _renderer(loaded, cfg.data).markup)
             preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label,
                                          prefix_cache=not args.no_prefix_cache, done=done)
             if not args.no_loss:
