@@ -231,6 +231,26 @@ def test_rotary_settings_transformers_cannot_build_are_refused(edit, needle, tin
     assert "\n" not in str(e.value)
 
 
+def test_legacy_rope_scaling_type_key_is_refused_naming_it(tiny_odd_dir):
+    """`rope_scaling={"type": "linear", "factor": 8}` (the key's name before `rope_type`) meant linear scaling to
+    transformers 4, and means nothing to transformers 5 (it runs the global layers unscaled, with a warning);
+    training read it as transformers 5 does, silently: now refused, naming the key. `rope_type` still scales."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    del cfg["rope_parameters"]  # as transformers 4 wrote it
+    cfg["rope_scaling"] = {"type": "linear", "factor": 8.0}
+    assert Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg))).rope_parameters["full_attention"][
+        "rope_type"] == "default"  # what transformers 5 makes of it: no scaling
+    with pytest.raises(UserError, match=r"rope_scaling\.type='linear' is the old name of rope_type") as e:
+        detect_family(cfg).tunix_config(cfg)
+    assert "\n" not in str(e.value)
+    cfg["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": 8.0}  # both agree: read as such
+    assert detect_family(cfg).tunix_config(cfg).global_scale_factor == 8.0
+    cfg["rope_scaling"] = {"type": "default"}  # no scaling either way
+    assert detect_family(cfg).tunix_config(cfg).global_scale_factor == 1.0
+
+
 def test_null_rotary_base_of_a_layer_type_the_model_lacks_is_accepted_as_transformers_does(tiny_dir):
     """A null rope_theta only fails where transformers builds a rotary embedding for it: the 2-layer model has no
     global layer, so a null full_attention base is accepted by both."""

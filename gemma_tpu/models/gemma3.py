@@ -103,8 +103,16 @@ def _rope_parameters(t: dict, kind: str) -> dict:
     check_types(t, {"rope_theta": "int|float|None", "rope_local_base_freq": "int|float|None"})
     if kind == "full_attention":
         if isinstance(t.get("rope_scaling"), dict):
-            check_types(t["rope_scaling"], ROPE_TYPES, "rope_scaling.")
-            p.update(t["rope_scaling"])
+            scaling = t["rope_scaling"]
+            check_types(scaling, ROPE_TYPES, "rope_scaling.")
+            legacy = scaling.get("type")
+            if "rope_type" not in scaling and legacy is not None and legacy != p.get("rope_type", "default"):
+                # transformers 4 read `type` as the rope type; transformers 5 lays it over an entry whose
+                # rope_type is already set and runs unscaled: the two disagree, so neither is guessed
+                raise UserError(f"config.json: rope_scaling.type={legacy!r} is the old name of rope_type, which "
+                                f"transformers 5 ignores here (it runs the model unscaled); rename it to "
+                                f"rope_scaling.rope_type if the scaling is meant")
+            p.update(scaling)
         p.setdefault("rope_theta", t.get("rope_theta", 1_000_000.0))
     else:
         p.setdefault("rope_theta", t.get("rope_local_base_freq", 10_000.0))
