@@ -19,6 +19,7 @@ from gemma_tpu.models.registry import (
     Tensor,
     check_types,
     register,
+    require_positive,
     require_tied_embeddings,
     text_config,
     text_config_with_defaults,
@@ -158,6 +159,8 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     missing = [k for k in need if t.get(k) is None]  # omitted keys have transformers' defaults: null here
     if missing:
         raise UserError(f"config.json: {missing[0]}=null for a Gemma 3 text model")
+    # num_key_value_heads: below, with the query heads it must divide
+    require_positive(t, (*(k for k in need if k != "num_key_value_heads"), "max_position_embeddings"))
     require_tied_embeddings(hf_config, "Tunix's Gemma 3")
     if t.get("attention_bias"):
         raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "

@@ -39,6 +39,7 @@ from gemma_tpu.models.registry import (
     Tensor,
     check_types,
     register,
+    require_positive,
     require_tied_embeddings,
     text_config_with_defaults,
     tunix_remat,
@@ -223,6 +224,12 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     missing = [k for k in need if t.get(k) is None]  # omitted keys have transformers' defaults: null here
     if missing:
         raise UserError(f"config.json: {missing[0]}=null for a Gemma 4 text model")
+    # num_key_value_heads: below, with the query heads it must divide
+    require_positive(t, (*(k for k in need if k != "num_key_value_heads"), "max_position_embeddings",
+                         "global_head_dim", "num_experts", "top_k_experts", "moe_intermediate_size"))
+    if (t.get("hidden_size_per_layer_input") or 0) < 0:
+        raise UserError(f"config.json: hidden_size_per_layer_input={t['hidden_size_per_layer_input']} must be 0 "
+                        f"(no per-layer inputs) or positive")
     if t.get("attention_bias"):
         raise _cfg_error("attention_bias", t["attention_bias"], "Gemma 4 projections have no bias")
     require_tied_embeddings(hf_config, "Tunix's Gemma 4")

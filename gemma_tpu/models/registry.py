@@ -407,6 +407,16 @@ def check_types(config: dict, types: dict[str, str], where: str = "") -> None:
                             f"(transformers cannot build a model from it)")
 
 
+def require_positive(t: dict, keys: tuple[str, ...]) -> None:
+    """Refuse, naming the key, a size of 0 or less (`"vocab_size": 0`, `"head_dim": -16`): transformers builds
+    such a config, but no checkpoint's weights have that shape, and Tunix took it silently (a negative one died
+    in a JAX broadcast traceback at load; a 0 `global_head_dim` was read as `head_dim`)."""
+    for key in keys:
+        v = t.get(key)
+        if v is not None and v < 1:
+            raise UserError(f"config.json: {key}={v!r} must be a positive integer")
+
+
 def text_config_with_defaults(hf_config: dict, defaults: dict, types: dict[str, str] | None = None) -> dict:
     """The decoder's config as transformers reads it: values of the types transformers declares (`types`,
     see `check_types`), keys config.json omits at the family's transformers defaults (`defaults`),
