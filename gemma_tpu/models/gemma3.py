@@ -18,6 +18,7 @@ from gemma_tpu.models.registry import (
     Projection,
     Tensor,
     check_types,
+    positive_sizes,
     register,
     require_positive,
     require_tied_embeddings,
@@ -243,6 +244,24 @@ def projections(cfg) -> tuple[Projection, ...]:
     )
 
 
+def attention_mlp_shapes(d: int, f: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
+    """The HF (out, in) shape of each projection of a layer of these sizes."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+            "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
+
+
+def projection_shapes(t: dict) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Every layer alike (see `Family.projection_shapes`)."""
+    s = positive_sizes(t, ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                           "head_dim"))
+    if s is None:
+        return {}
+    shapes = attention_mlp_shapes(s["hidden_size"], s["intermediate_size"], s["num_attention_heads"],
+                                  s["num_key_value_heads"], s["head_dim"])
+    return {name: (shape,) for name, shape in shapes.items()}
+
+
 def _key_mapping(cfg):
     """Tunix's HF->Tunix key rules, widened to every decoder prefix in TEXT_PREFIXES."""
     from tunix.models.gemma3 import params_safetensors as ps
@@ -420,6 +439,7 @@ GEMMA3 = register(
         reference_loader=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,
+        projection_shapes=projection_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma3"),
         chat_format="gemma",
