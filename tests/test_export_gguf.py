@@ -338,6 +338,8 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
      "rope_parameters.sliding_attention.rope_theta=20000"),
     # transformers 4's name of rope_type: linear to it, ignored by transformers 5 (training refuses it too)
     ("rope_scaling_type", {"rope_scaling": {"type": "linear", "factor": 8.0}}, "rope_scaling.type='linear'"),
+    # fewer layer_types than layers (transformers refuses it): every one followed the pattern, so it was written
+    ("layer_types_short", {"layer_types": ["sliding_attention"]}, "layer_types has 1 entries for num_hidden_layers=2"),
     # a 62-layer gemma3 is llama.cpp's 27B: queries scaled by hidden/heads (16 here), not head_dim
     ("qpas_62_layers", {"num_hidden_layers": 62, "layer_types": None}, "hidden_size/num_attention_heads=16"),
     # Gemma3ForCausalLM caps its final logits; llama.cpp's sliding-window gemma3 never does

@@ -251,6 +251,21 @@ def test_sizes_of_zero_or_less_are_refused_naming_the_key(family, key, value):
     assert "\n" not in str(e.value)
 
 
+def test_layer_types_of_another_length_than_the_layers_is_refused_as_such(tiny_odd_dir):
+    """7 layers, 6 layer_types (transformers: a validation error): training called it an unsupported attention
+    pattern and the GGUF export wrote it; both now name the count, through the family's text config."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    cfg["layer_types"] = cfg["layer_types"][:6]
+    with pytest.raises(Exception, match="must be equal to the number of `layer_types`"):
+        Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg)))
+    family = detect_family(cfg)
+    for call in (family.tunix_config, family.read_text_config):
+        with pytest.raises(UserError, match=r"config.json: layer_types has 6 entries for num_hidden_layers=7"):
+            call(cfg)
+
+
 def test_legacy_rope_scaling_type_key_is_refused_naming_it(tiny_odd_dir):
     """`rope_scaling={"type": "linear", "factor": 8}` (the key's name before `rope_type`) meant linear scaling to
     transformers 4, and means nothing to transformers 5 (it runs the global layers unscaled, with a warning);

@@ -68,6 +68,10 @@ def hf_text_config(hf_config: dict) -> dict:
             raise UserError(f"config.json: sliding_window_pattern={period!r} is not a positive integer")
         t["layer_types"] = GEMMA3.layer_types(int(t["num_hidden_layers"]), period)
         t["_layer_types_key"] = "sliding_window_pattern"
+    elif t.get("layer_types") and len(t["layer_types"]) != t.get("num_hidden_layers"):
+        # transformers refuses it; training called it an unsupported pattern, the GGUF export wrote it
+        raise UserError(f"config.json: layer_types has {len(t['layer_types'])} entries for "
+                        f"num_hidden_layers={t.get('num_hidden_layers')} (transformers cannot build a model from it)")
     return t
 
 
