@@ -524,6 +524,10 @@ CASES = [
     Case("ckpt-run-json-fingerprint-string", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "base_model.fingerprint='x' is not an object"],
          {"ck": copy_of("ckpt", meta={"base_model.fingerprint": "x"})}),
+    # the recorded config.json copy is what is damaged: the error named the base's config.json
+    Case("ckpt-run-json-hf-config-damaged", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json: hf_config", "num_hidden_layers='2' is not of type int"],
+         {"ck": copy_of("ckpt", meta={"hf_config.num_hidden_layers": "2"})}),
     Case("ckpt-foreign-format", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "format"], {"ck": copy_of("ckpt", meta={"format": "something-else"})}),
     Case("ckpt-resume-other-family", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"], ["family", "gemma4"],
