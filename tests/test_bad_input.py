@@ -562,6 +562,11 @@ CASES = [
     Case("export-base-replaced", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"],
          {"other": other_base, "ck": ckpt_pointing_to("{tmp}/other")}),
+    # evaluate restored the checkpoint on the replaced base without a word (merge, export and resume refuse it)
+    Case("evaluate-ckpt-base-replaced", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--checkpoint", "{tmp}/ck", "--json", "{tmp}/r.json"],
+         ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"],
+         {"other": other_base, "ck": ckpt_pointing_to("{tmp}/other")}),
     Case("ckpt-resume-base-replaced", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck", "model.path={tmp}/other"],
          ["{tmp}/other/model.safetensors", "tensor data differs", "checkpoint.allow_base_mismatch"],
          {"other": other_base, "ck": copy_of("ckpt")}),
