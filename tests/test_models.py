@@ -286,6 +286,23 @@ def test_legacy_rope_scaling_type_key_is_refused_naming_it(tiny_odd_dir):
     assert detect_family(cfg).tunix_config(cfg).global_scale_factor == 1.0
 
 
+def test_flat_rope_parameters_are_refused_naming_the_key(tiny_odd_dir):
+    """`rope_parameters` as one set for every layer (how other models write it) is ignored by transformers'
+    Gemma 3, which reads it per layer type: it ran unscaled, and so did training, without a word."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}
+    hf = Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg))).rope_parameters
+    assert hf["full_attention"]["rope_type"] == "default"  # transformers 5: the flat keys ignored
+    with pytest.raises(UserError, match=r"rope_parameters\.factor=8\.0 is not read by transformers' Gemma 3"):
+        detect_family(cfg).tunix_config(cfg)
+    # what transformers 5 writes there itself, beside the per-layer-type entries: read as it reads it
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    cfg["rope_parameters"].update(rope_type="default", rope_theta=None)
+    assert detect_family(cfg).tunix_config(cfg).global_scale_factor == 4.0
+
+
 def test_null_rotary_base_of_a_layer_type_the_model_lacks_is_accepted_as_transformers_does(tiny_dir):
     """A null rope_theta only fails where transformers builds a rotary embedding for it: the 2-layer model has no
     global layer, so a null full_attention base is accepted by both."""

@@ -103,6 +103,15 @@ def _rope_parameters(t: dict, kind: str) -> dict:
     `rope_scaling` laid over the global layers' entry, and a rope_theta the entry lacks taken from
     `rope_theta` (global) or `rope_local_base_freq` (sliding), as transformers 4.x configs name them."""
     params = t.get("rope_parameters")
+    # one set of parameters for every layer, as other models write it: transformers' Gemma 3 ignores it (it writes
+    # rope_type "default" and rope_theta null there itself), so anything else there is refused, not run unscaled
+    flat = sorted(k for k, v in params.items() if k not in ("full_attention", "sliding_attention")
+                  and (k, v) not in (("rope_type", "default"), ("type", "default"), ("rope_theta", None))
+                  ) if isinstance(params, dict) else []
+    if flat:
+        raise UserError(f"config.json: rope_parameters.{flat[0]}={params[flat[0]]!r} is not read by transformers' "
+                        f"Gemma 3 (it runs without it), which reads rope_parameters.full_attention and "
+                        f".sliding_attention")
     p = dict((params.get(kind) if isinstance(params, dict) else None) or {"rope_type": "default"})
     # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
     check_types(p, ROPE_TYPES, f"rope_parameters.{kind}.")
