@@ -258,6 +258,7 @@ def write_weights(plan: MergePlan, tmp: Path, fsync: bool = True) -> sio.Sharded
                     writer.copy_from(op.src)
                 else:
                     for chunk in merged.chunks(op, out_np):
+                        merge_math.check_float16_range(chunk, op.name, "use --dtype bfloat16 or float32")
                         writer.write(chunk)
                 progress.update(spec.nbytes)
                 if slow:

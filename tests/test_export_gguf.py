@@ -618,3 +618,16 @@ def test_llama_cpp_server_chat_template_and_evaluate_endpoint(work, real_vocab_t
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_error_f16_beyond_its_range(work, tool_ckpt, capsys):
+    """A merged weight past float16's +-65504 (a large lora.alpha) was written to an f16 GGUF as inf with exit 0;
+    refused naming the tensor, nothing at --out (bf16 holds it)."""
+    ckpt = shutil.copytree(tool_ckpt[0], work / "ckpt_large_alpha")
+    meta = json.loads((ckpt / "gemma_tpu_run.json").read_text())
+    meta["lora"]["alpha"] = 1e9
+    (ckpt / "gemma_tpu_run.json").write_text(json.dumps(meta))
+    line = _expect_error(capsys, work / "overflow.gguf", "--checkpoint", ckpt, "--type", "f16",
+                         contains="values beyond float16's range")
+    assert "model.layers.0." in line and "--type bf16" in line
+    assert export("--checkpoint", ckpt, "--out", work / "overflow_bf16.gguf", "--type", "bf16") == 0
