@@ -235,16 +235,18 @@ def test_rotary_settings_transformers_cannot_build_are_refused(edit, needle, tin
     ("gemma3", "vocab_size", 0), ("gemma3", "hidden_size", 0), ("gemma3", "intermediate_size", -1),
     ("gemma3", "num_attention_heads", 0), ("gemma3", "head_dim", -16), ("gemma3", "max_position_embeddings", 0),
     ("gemma4", "vocab_size", 0), ("gemma4", "global_head_dim", 0), ("gemma4", "num_hidden_layers", 0),
-    ("gemma4", "hidden_size_per_layer_input", -8),
+    ("gemma4", "hidden_size_per_layer_input", -8), ("gemma4", "num_experts", 0),
+    ("gemma4", "top_k_experts", 9),  # of 8 experts: transformers' router fails in its first forward
 ])
-def test_sizes_of_zero_or_less_are_refused_naming_the_key(family, key, value):
+def test_impossible_sizes_are_refused_naming_the_key(family, key, value):
     """transformers builds these configs, but no checkpoint has weights of such shapes: Tunix's config took them
     silently (a negative intermediate_size died in a JAX broadcast traceback at load, Gemma 4's global_head_dim=0
     was read as head_dim, hidden_size_per_layer_input=-8 blamed vocab_size_per_layer_input)."""
     from gemma_tpu.assets.tiny import TINY_GEMMA3, TINY_GEMMA4
     from gemma_tpu.models.registry import get_family
 
-    base = TINY_GEMMA3 if family == "gemma3" else {**TINY_GEMMA4["ple"], "vocab_size_per_layer_input": 512}
+    base = (TINY_GEMMA3 if family == "gemma3" else TINY_GEMMA4["moe"] if "experts" in key
+            else {**TINY_GEMMA4["ple"], "vocab_size_per_layer_input": 512})
     cfg = {**base, "model_type": f"{family}_text", key: value}
     with pytest.raises(UserError, match=f"config.json: {key}={value} must be ") as e:
         get_family(family).tunix_config(cfg)

@@ -269,6 +269,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             if t.get(key) is None:
                 raise UserError(f"config.json: missing key '{key}' for a Gemma 4 mixture-of-experts model")
+        if t["top_k_experts"] > t["num_experts"]:  # transformers' router: torch.topk fails in the first forward
+            raise UserError(f"config.json: top_k_experts={t['top_k_experts']} must be at most "
+                            f"num_experts={t['num_experts']}")
         moe = dict(enable_moe=True, num_experts=int(t["num_experts"]), num_experts_per_tok=int(t["top_k_experts"]),
                    expert_dim=int(t["moe_intermediate_size"]), moe_dense_hidden_dim=int(t["intermediate_size"]))
     shared = int(t.get("num_kv_shared_layers") or 0)
