@@ -288,6 +288,22 @@ def test_legacy_rope_scaling_type_key_is_refused_naming_it(tiny_odd_dir):
     assert detect_family(cfg).tunix_config(cfg).global_scale_factor == 1.0
 
 
+@pytest.mark.parametrize("key,value", [("rope_scaling", "linear"), ("rope_scaling", 8.0), ("rope_parameters", [1]),
+                                       ("rope_parameters.full_attention", "linear")])
+def test_rotary_keys_that_are_not_objects_are_refused(tiny_odd_dir, key, value):
+    """transformers cannot build a Gemma 3 from these (ValueError, TypeError, a validation error); they were
+    ignored, the model run without its scaling (or, for a layer type's entry, a ValueError traceback)."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    parent, _, name = key.rpartition(".")
+    (cfg[parent] if parent else cfg)[name] = value
+    with pytest.raises(Exception):
+        Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg)))
+    with pytest.raises(UserError, match=f"config.json: {key}={re.escape(repr(value))} is not an object"):
+        detect_family(cfg).tunix_config(cfg)
+
+
 def test_flat_rope_parameters_are_refused_naming_the_key(tiny_odd_dir):
     """`rope_parameters` as one set for every layer (how other models write it) is ignored by transformers'
     Gemma 3, which reads it per layer type: it ran unscaled, and so did training, without a word."""

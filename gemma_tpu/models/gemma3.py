@@ -103,6 +103,12 @@ def _rope_parameters(t: dict, kind: str) -> dict:
     `rope_scaling` laid over the global layers' entry, and a rope_theta the entry lacks taken from
     `rope_theta` (global) or `rope_local_base_freq` (sliding), as transformers 4.x configs name them."""
     params = t.get("rope_parameters")
+    entry = params.get(kind) if isinstance(params, dict) else None
+    for key, value in (("rope_parameters", params), ("rope_scaling", t.get("rope_scaling")),
+                       (f"rope_parameters.{kind}", entry)):  # transformers fails on anything else (ValueError)
+        if value is not None and not isinstance(value, dict):
+            raise UserError(f"config.json: {key}={value!r} is not an object (transformers cannot build a model "
+                            f"from it)")
     # one set of parameters for every layer, as other models write it: transformers' Gemma 3 ignores it (it writes
     # rope_type "default" and rope_theta null there itself), so anything else there is refused, not run unscaled
     flat = sorted(k for k, v in params.items() if k not in ("full_attention", "sliding_attention")
@@ -112,7 +118,7 @@ def _rope_parameters(t: dict, kind: str) -> dict:
         raise UserError(f"config.json: rope_parameters.{flat[0]}={params[flat[0]]!r} is not read by transformers' "
                         f"Gemma 3 (it runs without it), which reads rope_parameters.full_attention and "
                         f".sliding_attention")
-    p = dict((params.get(kind) if isinstance(params, dict) else None) or {"rope_type": "default"})
+    p = dict(entry or {"rope_type": "default"})
     # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
     check_types(p, ROPE_TYPES, f"rope_parameters.{kind}.")
     check_types(t, {"rope_theta": "int|float|None", "rope_local_base_freq": "int|float|None"})
