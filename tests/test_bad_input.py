@@ -150,6 +150,21 @@ def misshapen(key: str) -> Callable[[Path, dict], None]:
     return make
 
 
+def integer_weights(key: str) -> Callable[[Path, dict], None]:
+    """A copy of the tiny model ({tiny}) whose tensor `key` is stored as int8, as a quantized checkpoint stores it."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        import numpy as np
+        from safetensors.numpy import load_file, save_file
+
+        copy_of("tiny")(dest, ctx)
+        weights = load_file(str(dest / "model.safetensors"))
+        weights[key] = np.clip(np.round(weights[key] * 1000), -127, 127).astype(np.int8)
+        save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+
+    return make
+
+
 def nonfinite_factor(step_tensor: str = "layers.0.attn.q_einsum.w_lora_b") -> Callable[[Path, dict], None]:
     """A copy of the checkpoint ({ckpt}) whose LoRA factor `step_tensor` holds a NaN (what a run with
     train.learning_rate=nan used to save)."""
@@ -450,6 +465,9 @@ CASES = [
            copy_of("tiny", write={"model.safetensors": corrupt_header()})),
           ("misshapen-tensor", ["{tmp}/m/model.safetensors", "model.layers.1.mlp.up_proj.weight has shape [127, 64]",
                                 "config.json implies [128, 64]"], misshapen("model.layers.1.mlp.up_proj.weight")),
+          # a bitsandbytes int8 checkpoint's weights (same shapes, scales elsewhere) were cast to float and trained on
+          ("integer-weights", ["{tmp}/m", "model.layers.0.self_attn.q_proj.weight' is I8, not floating point"],
+           integer_weights("model.layers.0.self_attn.q_proj.weight")),
       ] for dry in (False, True)],
     Case("model-no-tokenizer", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"], ["{tmp}/m", "tokenizer"],
          {"m": copy_of("tiny", drop=("tokenizer.json", "tokenizer_config.json"))}),
