@@ -417,6 +417,12 @@ def check_adapter_keys(base: Path, adapter: Path) -> None:
             assert np.array_equal(w.read(f"{stem}k_proj.lora_A.weight"), w.read(f"{stem}v_proj.lora_A.weight"))
         assert f"{stem}q_proj.lora_B.weight" in names and f"{prefix}layers.{i}.mlp.down_proj.lora_A.weight" in names
     assert not [n for n in names if "vision" in n]
+    # layer-major, modules in PEFT's order (K=V layers wrote v_proj... before k_proj: k_proj's later index won)
+    modules = [n.split(".")[-3] for n in w.names() if n.endswith(".lora_A.weight")]
+    peft_order = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    layers = [int(n.split("layers.")[1].split(".")[0]) for n in w.names() if n.endswith(".lora_A.weight")]
+    assert [(layer, peft_order.index(m)) for layer, m in zip(layers, modules)] == sorted(
+        (layer, peft_order.index(m)) for layer, m in zip(layers, modules))
 
 
 # ------------------------------------------------------------------------------ random factors, full fine-tunes
