@@ -50,6 +50,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from convert import merge_math
 from convert.merge_orbax import MergedTensors
 from convert.merge_orbax import plan_tensors as plan_merge_tensors
 from convert.source import open_checkpoint
@@ -490,7 +491,8 @@ def encode(rows: np.ndarray, qtype) -> np.ndarray:
     if qtype == Q.F32:
         return rows.astype(np.float32, copy=False)
     if qtype == Q.F16:
-        return rows.astype(np.float16)
+        with np.errstate(over="ignore"):  # past float16's range: refused by name (merge_math.check_float16_range)
+            return rows.astype(np.float16)
     return gguf.quants.quantize(rows, qtype)
 
 
@@ -532,6 +534,7 @@ def write_gguf(plan: ExportPlan, path: Path) -> int:
                 if t.plus_one:
                     rows = rows + np.float32(1.0)
                 data = np.ascontiguousarray(encode(rows, t.qtype))
+                merge_math.check_float16_range(data, f"{t.hf_key} ({t.name})", "use --type bf16")
                 f.write(memoryview(data).cast("B"))
                 written += data.nbytes
                 progress.update(data.nbytes)

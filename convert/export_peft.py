@@ -111,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = module_prefix(source.hf_config)
     sites = checked_lora_sites(source, prefix)
     check_finite_factors(source, sites)
-    order = {p.hf_name: i for i, p in enumerate(source.family.projections(source.layout))}
+    order: dict[str, int] = {}  # first place of each name: Gemma 4's k_proj is two projections (kv_einsum, k_einsum)
+    for i, p in enumerate(source.family.projections(source.layout)):
+        order.setdefault(p.hf_name, i)
     sites.sort(key=lambda s: (s[0].layer, order[s[0].proj.hf_name]))  # layer-major, as PEFT writes
     rank = int(source.lora["rank"])
     specs = []

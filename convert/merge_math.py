@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf import safetensors_io as sio
 
 T = TypeVar("T")
@@ -52,8 +53,16 @@ def merged_rows(weights: sio.WeightsDir, name: str, a_hf: np.ndarray, b_hf: np.n
     if w.dtype == out_dtype:
         return w
     out = np.empty(w.shape, out_dtype)
-    np.copyto(out, w, casting="unsafe")
+    with np.errstate(over="ignore"):  # values past float16's range: refused by name (check_float16_range)
+        np.copyto(out, w, casting="unsafe")
     return out
+
+
+def check_float16_range(chunk: np.ndarray, name: str, hint: str) -> None:
+    """Narrowing to float16 turns values beyond +-65504 into inf: refused, naming the tensor, rather than
+    written (a merged weight or export of infs, noticed by nothing but a --verify)."""
+    if chunk.dtype == np.float16 and not np.isfinite(chunk).all():
+        raise UserError(f"tensor {name} has values beyond float16's range (+-65504); {hint}")
 
 
 def ordered_prefetch(pool: cf.Executor, fn: Callable[[T], R], items: Iterable[T], ahead: int) -> Iterator[R]:

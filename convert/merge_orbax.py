@@ -230,7 +230,7 @@ class MergedTensors:
         if op.kind in ("copy", "cast"):
             for start, stop in sio.row_chunks(op.src.shape, max(4, op.src.np_dtype.itemsize), budget):
                 raw = plan.weights.read_rows(op.name, start, stop)
-                yield raw if raw.dtype == out_np else raw.astype(np.float32).astype(out_np)
+                yield raw if raw.dtype == out_np else _narrow(raw, out_np)
         elif op.kind == "lora":
             a_hf, b_hf = self.factors.peft(op.site)
             yield from merge_math.lora_chunks(self.pool, plan.weights, op.name, a_hf, b_hf, plan.source.scale, out_np)
@@ -240,7 +240,14 @@ class MergedTensors:
                     self.fused.pop(next(iter(self.fused)))
                 self.fused[op.site.tunix_name] = plan.source.params.read_one(op.site.tunix_name)
             value = op.site.to_hf(self.fused[op.site.tunix_name])
-            yield np.ascontiguousarray(value.astype(np.float32).astype(out_np))
+            yield np.ascontiguousarray(_narrow(value, out_np))
+
+
+def _narrow(value: np.ndarray, out_np: np.dtype) -> np.ndarray:
+    """`value` in `out_np` through float32; values past float16's range are refused by name after it
+    (merge_math.check_float16_range), not warned about by numpy."""
+    with np.errstate(over="ignore"):
+        return value.astype(np.float32).astype(out_np)
 
 
 def write_weights(plan: MergePlan, tmp: Path, fsync: bool = True) -> sio.ShardedWriter:
@@ -258,6 +265,7 @@ def write_weights(plan: MergePlan, tmp: Path, fsync: bool = True) -> sio.Sharded
                     writer.copy_from(op.src)
                 else:
                     for chunk in merged.chunks(op, out_np):
+                        merge_math.check_float16_range(chunk, op.name, "use --dtype bfloat16 or float32")
                         writer.write(chunk)
                 progress.update(spec.nbytes)
                 if slow:

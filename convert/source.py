@@ -71,8 +71,12 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
     except UserError as e:
         raise UserError(f"{ckpt_dir / METADATA_FILE}: base_model: {e}") from None
     lora_config(ckpt_dir, meta)  # a LoRA run's rank, alpha and targets are all recorded
-    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, read_layout(hf_config, family),
-                              CheckpointParams(ckpt_dir, step))
+    try:
+        layout = read_layout(hf_config, family)
+    except UserError as e:  # the recorded copy, not the base's config.json, is the one to look at
+        raise UserError(f"{ckpt_dir / METADATA_FILE}: hf_config (the base's config.json when it was trained): "
+                        f"{str(e).removeprefix('config.json: ')}") from None
+    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, layout, CheckpointParams(ckpt_dir, step))
     has_factors = any(is_lora_name(n) for n in source.params.names())
     if source.is_lora != has_factors:
         raise UserError(f"{ckpt_dir}: metadata says {'LoRA' if source.is_lora else 'full fine-tune'} but step "

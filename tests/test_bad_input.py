@@ -150,6 +150,21 @@ def misshapen(key: str) -> Callable[[Path, dict], None]:
     return make
 
 
+def integer_weights(key: str) -> Callable[[Path, dict], None]:
+    """A copy of the tiny model ({tiny}) whose tensor `key` is stored as int8, as a quantized checkpoint stores it."""
+
+    def make(dest: Path, ctx: dict) -> None:
+        import numpy as np
+        from safetensors.numpy import load_file, save_file
+
+        copy_of("tiny")(dest, ctx)
+        weights = load_file(str(dest / "model.safetensors"))
+        weights[key] = np.clip(np.round(weights[key] * 1000), -127, 127).astype(np.int8)
+        save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+
+    return make
+
+
 def nonfinite_factor(step_tensor: str = "layers.0.attn.q_einsum.w_lora_b") -> Callable[[Path, dict], None]:
     """A copy of the checkpoint ({ckpt}) whose LoRA factor `step_tensor` holds a NaN (what a run with
     train.learning_rate=nan used to save)."""
@@ -451,6 +466,9 @@ CASES = [
            copy_of("tiny", write={"model.safetensors": corrupt_header()})),
           ("misshapen-tensor", ["{tmp}/m/model.safetensors", "model.layers.1.mlp.up_proj.weight has shape [127, 64]",
                                 "config.json implies [128, 64]"], misshapen("model.layers.1.mlp.up_proj.weight")),
+          # a bitsandbytes int8 checkpoint's weights (same shapes, scales elsewhere) were cast to float and trained on
+          ("integer-weights", ["{tmp}/m", "model.layers.0.self_attn.q_proj.weight' is I8, not floating point"],
+           integer_weights("model.layers.0.self_attn.q_proj.weight")),
       ] for dry in (False, True)],
     Case("model-no-tokenizer", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"], ["{tmp}/m", "tokenizer"],
          {"m": copy_of("tiny", drop=("tokenizer.json", "tokenizer_config.json"))}),
@@ -503,6 +521,32 @@ CASES = [
          ["{ckpt}", "step 99"]),
     Case("ckpt-corrupt-run-json", "convert.inspect", ["{tmp}/ck"], ["{tmp}/ck/gemma_tpu_run.json", "JSON"],
          {"ck": copy_of("ckpt", write={"gemma_tpu_run.json": '{"format": "gemma-tpu-checkpoint", '})}, sub=True),
+    # a damaged or hand-edited gemma_tpu_run.json: AttributeError / TypeError tracebacks, or used as written (a
+    # rank of 4.7 merged at alpha/4.7, an alpha of "nan" wrote a model of NaNs, "8" went into adapter_config.json)
+    Case("ckpt-run-json-lora-not-an-object", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "lora=['x'] is not an object"], {"ck": copy_of("ckpt", meta={"lora": ["x"]})}),
+    Case("ckpt-run-json-fractional-rank", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "lora.rank=4.7 is not a positive integer"],
+         {"ck": copy_of("ckpt", meta={"lora.rank": 4.7})}),
+    Case("ckpt-run-json-alpha-nan", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "lora.alpha='nan' is not a positive number"],
+         {"ck": copy_of("ckpt", meta={"lora.alpha": "nan"})}),
+    Case("ckpt-run-json-alpha-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "lora.alpha='8' is not a positive number"],
+         {"ck": copy_of("ckpt", meta={"lora.alpha": "8"})}),
+    Case("ckpt-run-json-targets-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "lora.targets='q_proj' is not a list of names"],
+         {"ck": copy_of("ckpt", meta={"lora.targets": "q_proj"})}),
+    Case("ckpt-run-json-base-model-string", "convert.inspect", ["{tmp}/ck"],
+         ["{tmp}/ck/gemma_tpu_run.json", "base_model='x' is not an object"],
+         {"ck": copy_of("ckpt", meta={"base_model": "x"})}),
+    Case("ckpt-run-json-fingerprint-string", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "base_model.fingerprint='x' is not an object"],
+         {"ck": copy_of("ckpt", meta={"base_model.fingerprint": "x"})}),
+    # the recorded config.json copy is what is damaged: the error named the base's config.json
+    Case("ckpt-run-json-hf-config-damaged", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json: hf_config", "num_hidden_layers='2' is not of type int"],
+         {"ck": copy_of("ckpt", meta={"hf_config.num_hidden_layers": "2"})}),
     Case("ckpt-foreign-format", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "format"], {"ck": copy_of("ckpt", meta={"format": "something-else"})}),
     Case("ckpt-resume-other-family", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"], ["family", "gemma4"],
@@ -535,6 +579,11 @@ CASES = [
          ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"], {"other": other_base},
          sub=True),
     Case("export-base-replaced", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"],
+         {"other": other_base, "ck": ckpt_pointing_to("{tmp}/other")}),
+    # evaluate restored the checkpoint on the replaced base without a word (merge, export and resume refuse it)
+    Case("evaluate-ckpt-base-replaced", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--checkpoint", "{tmp}/ck", "--json", "{tmp}/r.json"],
          ["{tmp}/other/model.safetensors", "tensor data differs", "--allow-base-mismatch"],
          {"other": other_base, "ck": ckpt_pointing_to("{tmp}/other")}),
     Case("ckpt-resume-base-replaced", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck", "model.path={tmp}/other"],

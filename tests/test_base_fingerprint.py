@@ -92,6 +92,21 @@ def test_export_refuses_a_replaced_base(replaced):
     assert rc == 0 and (out / "adapter_model.safetensors").is_file(), err
 
 
+def test_evaluate_and_chat_refuse_a_replaced_base(replaced):
+    """The checkpoint's model for evaluate and chat (`load_checkpoint`) was restored on the replaced base without
+    a word: the trained factors on another model. Refused as the merge refuses it; a base the caller passes
+    (the merge's --verify, after its own check) is taken as given."""
+    from gemma_tpu.checkpoint.restore import restore_model
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.infer.generate import load_checkpoint
+
+    with pytest.raises(UserError, match=r"model\.safetensors: tensor data differs\); merge it with "
+                                        r"convert\.merge_orbax --allow-base-mismatch") as e:
+        load_checkpoint(str(replaced / "ck"))
+    assert "\n" not in str(e.value)
+    assert restore_model(replaced / "ck", base=replaced / "base").step == 1
+
+
 def test_old_run_without_fingerprint_is_warned_not_refused(tiny_dir, tmp_path):
     from convert.merge_orbax import main
 

@@ -949,3 +949,19 @@ def test_trainer_checkpoint_end_to_end(work, base):
     adapter = work / "trained_adapter"
     assert cli_main(main, ["--checkpoint", str(run), "--out", str(adapter)]) == 0
     assert max_diff(hf_logits(base, adapter=adapter), hf_logits(out)) <= TOL
+
+
+def test_float16_output_beyond_its_range_is_refused(work, lora_ckpt, capsys):
+    """A merged weight past float16's +-65504 (here a large lora.alpha) was written as inf with exit 0: a model
+    of infs that only --verify would have noticed. Refused naming the tensor, nothing at --out; bfloat16 holds it."""
+    ckpt = shutil.copytree(lora_ckpt[0], work / "ckpt_large_alpha")
+    meta = json.loads((ckpt / "gemma_tpu_run.json").read_text())
+    meta["lora"]["alpha"] = 1e9
+    (ckpt / "gemma_tpu_run.json").write_text(json.dumps(meta))
+    out = work / "merged_f16_overflow"
+    line = _expect_error(capsys, out, "--checkpoint", ckpt, "--dtype", "float16",
+                         contains="values beyond float16's range")
+    assert "tensor model.layers.0." in line and "--dtype bfloat16" in line
+    assert leftovers(out) == []
+    assert merge("--checkpoint", ckpt, "--out", out, "--dtype", "bfloat16") == 0
+    assert np.isfinite(sio.WeightsDir(out).read("model.layers.0.self_attn.q_proj.weight").astype(np.float32)).all()

@@ -336,6 +336,10 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     ("swa_rope_base", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
      "rope_parameters.sliding_attention.rope_theta=20000"),
+    # transformers 4's name of rope_type: linear to it, ignored by transformers 5 (training refuses it too)
+    ("rope_scaling_type", {"rope_scaling": {"type": "linear", "factor": 8.0}}, "rope_scaling.type='linear'"),
+    # fewer layer_types than layers (transformers refuses it): every one followed the pattern, so it was written
+    ("layer_types_short", {"layer_types": ["sliding_attention"]}, "layer_types has 1 entries for num_hidden_layers=2"),
     # a 62-layer gemma3 is llama.cpp's 27B: queries scaled by hidden/heads (16 here), not head_dim
     ("qpas_62_layers", {"num_hidden_layers": 62, "layer_types": None}, "hidden_size/num_attention_heads=16"),
     # Gemma3ForCausalLM caps its final logits; llama.cpp's sliding-window gemma3 never does
@@ -614,3 +618,16 @@ def test_llama_cpp_server_chat_template_and_evaluate_endpoint(work, real_vocab_t
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_error_f16_beyond_its_range(work, tool_ckpt, capsys):
+    """A merged weight past float16's +-65504 (a large lora.alpha) was written to an f16 GGUF as inf with exit 0;
+    refused naming the tensor, nothing at --out (bf16 holds it)."""
+    ckpt = shutil.copytree(tool_ckpt[0], work / "ckpt_large_alpha")
+    meta = json.loads((ckpt / "gemma_tpu_run.json").read_text())
+    meta["lora"]["alpha"] = 1e9
+    (ckpt / "gemma_tpu_run.json").write_text(json.dumps(meta))
+    line = _expect_error(capsys, work / "overflow.gguf", "--checkpoint", ckpt, "--type", "f16",
+                         contains="values beyond float16's range")
+    assert "model.layers.0." in line and "--type bf16" in line
+    assert export("--checkpoint", ckpt, "--out", work / "overflow_bf16.gguf", "--type", "bf16") == 0

@@ -417,6 +417,12 @@ def check_adapter_keys(base: Path, adapter: Path) -> None:
             assert np.array_equal(w.read(f"{stem}k_proj.lora_A.weight"), w.read(f"{stem}v_proj.lora_A.weight"))
         assert f"{stem}q_proj.lora_B.weight" in names and f"{prefix}layers.{i}.mlp.down_proj.lora_A.weight" in names
     assert not [n for n in names if "vision" in n]
+    # layer-major, modules in PEFT's order (K=V layers wrote v_proj... before k_proj: k_proj's later index won)
+    modules = [n.split(".")[-3] for n in w.names() if n.endswith(".lora_A.weight")]
+    peft_order = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    layers = [int(n.split("layers.")[1].split(".")[0]) for n in w.names() if n.endswith(".lora_A.weight")]
+    assert [(layer, peft_order.index(m)) for layer, m in zip(layers, modules)] == sorted(
+        (layer, peft_order.index(m)) for layer, m in zip(layers, modules))
 
 
 # ------------------------------------------------------------------------------ random factors, full fine-tunes
@@ -572,3 +578,44 @@ def test_greedy_generation_matches_transformers(g4, name):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=[1, 106],
                           pad_token_id=0)[0, len(p):].tolist()
         assert len(g.ids) >= 5 and g.ids == ref[:len(g.ids)]
+
+
+# ------------------------------------------------------------------------------ LoRA rank
+
+
+@pytest.mark.parametrize("variant,overrides", [
+    ("dense", {}), ("ple", {}), ("moe", {}),
+    # global keys narrower than sliding ones: one global KV head of 16 (sliding: two of 16)
+    ("dense", {"num_global_key_value_heads": 1, "global_head_dim": 16}),
+])
+def test_projection_shapes_are_the_checkpoints_and_bound_the_lora_rank(tmp_path, variant, overrides):
+    """The rank check read every layer as a sliding one (head_dim, num_key_value_heads): a rank above a global
+    layer's k_proj side (K=V checkpoints: num_global_key_value_heads x global_head_dim) was accepted, adding
+    parameters, not rank. The family's shapes are those of the weights transformers writes, and bound the rank."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.core.config import load_config, validate_for_model
+    from gemma_tpu.models import resolve_model
+    from tests.conftest import REPO
+
+    d = write_tiny_gemma4(tmp_path / "g4", variant=variant, **overrides)
+    resolved = resolve_model(str(d))
+    shapes = resolved.family.projection_shapes(resolved.text_config)
+    weights = sio.WeightsDir(d)
+    found: dict[str, set] = {}
+    for key in weights.names():
+        name = key.split(".")[-2]
+        if key.endswith("_proj.weight") and name in shapes and ".layers." in key and "vision" not in key:
+            found.setdefault(name, set()).add(tuple(weights[key].shape))
+    assert {k: set(v) for k, v in shapes.items()} == found
+    smallest = min(min(s) for s in shapes["k_proj"])
+    for rank, refused in ((smallest, False), (smallest + 1, True)):
+        cfg = load_config(REPO / "configs/tiny.yaml", [f"model.path={d}", f"lora.rank={rank}",
+                                                      "lora.targets=[k_proj]"])
+        if refused:
+            with pytest.raises(UserError, match=f"lora.rank={rank} exceeds the smallest dimension of k_proj "
+                                                f"\\({smallest}\\)"):
+                validate_for_model(cfg, resolved.text_config, "m", shapes)
+        else:
+            validate_for_model(cfg, resolved.text_config, "m", shapes)
+    if overrides:
+        assert smallest == 16  # the global layers' side, which the check missed

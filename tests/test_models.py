@@ -231,6 +231,96 @@ def test_rotary_settings_transformers_cannot_build_are_refused(edit, needle, tin
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("family,key,value", [
+    ("gemma3", "vocab_size", 0), ("gemma3", "hidden_size", 0), ("gemma3", "intermediate_size", -1),
+    ("gemma3", "num_attention_heads", 0), ("gemma3", "head_dim", -16), ("gemma3", "max_position_embeddings", 0),
+    ("gemma4", "vocab_size", 0), ("gemma4", "global_head_dim", 0), ("gemma4", "num_hidden_layers", 0),
+    ("gemma4", "hidden_size_per_layer_input", -8), ("gemma4", "num_experts", 0),
+    ("gemma4", "top_k_experts", 9),  # of 8 experts: transformers' router fails in its first forward
+])
+def test_impossible_sizes_are_refused_naming_the_key(family, key, value):
+    """transformers builds these configs, but no checkpoint has weights of such shapes: Tunix's config took them
+    silently (a negative intermediate_size died in a JAX broadcast traceback at load, Gemma 4's global_head_dim=0
+    was read as head_dim, hidden_size_per_layer_input=-8 blamed vocab_size_per_layer_input)."""
+    from gemma_tpu.assets.tiny import TINY_GEMMA3, TINY_GEMMA4
+    from gemma_tpu.models.registry import get_family
+
+    base = (TINY_GEMMA3 if family == "gemma3" else TINY_GEMMA4["moe"] if "experts" in key
+            else {**TINY_GEMMA4["ple"], "vocab_size_per_layer_input": 512})
+    cfg = {**base, "model_type": f"{family}_text", key: value}
+    with pytest.raises(UserError, match=f"config.json: {key}={value} must be ") as e:
+        get_family(family).tunix_config(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_layer_types_of_another_length_than_the_layers_is_refused_as_such(tiny_odd_dir):
+    """7 layers, 6 layer_types (transformers: a validation error): training called it an unsupported attention
+    pattern and the GGUF export wrote it; both now name the count, through the family's text config."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    cfg["layer_types"] = cfg["layer_types"][:6]
+    with pytest.raises(Exception, match="must be equal to the number of `layer_types`"):
+        Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg)))
+    family = detect_family(cfg)
+    for call in (family.tunix_config, family.read_text_config):
+        with pytest.raises(UserError, match=r"config.json: layer_types has 6 entries for num_hidden_layers=7"):
+            call(cfg)
+
+
+def test_legacy_rope_scaling_type_key_is_refused_naming_it(tiny_odd_dir):
+    """`rope_scaling={"type": "linear", "factor": 8}` (the key's name before `rope_type`) meant linear scaling to
+    transformers 4, and means nothing to transformers 5 (it runs the global layers unscaled, with a warning);
+    training read it as transformers 5 does, silently: now refused, naming the key. `rope_type` still scales."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    del cfg["rope_parameters"]  # as transformers 4 wrote it
+    cfg["rope_scaling"] = {"type": "linear", "factor": 8.0}
+    assert Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg))).rope_parameters["full_attention"][
+        "rope_type"] == "default"  # what transformers 5 makes of it: no scaling
+    with pytest.raises(UserError, match=r"rope_scaling\.type='linear' is the old name of rope_type") as e:
+        detect_family(cfg).tunix_config(cfg)
+    assert "\n" not in str(e.value)
+    cfg["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": 8.0}  # both agree: read as such
+    assert detect_family(cfg).tunix_config(cfg).global_scale_factor == 8.0
+    cfg["rope_scaling"] = {"type": "default"}  # no scaling either way
+    assert detect_family(cfg).tunix_config(cfg).global_scale_factor == 1.0
+
+
+@pytest.mark.parametrize("key,value", [("rope_scaling", "linear"), ("rope_scaling", 8.0), ("rope_parameters", [1]),
+                                       ("rope_parameters.full_attention", "linear")])
+def test_rotary_keys_that_are_not_objects_are_refused(tiny_odd_dir, key, value):
+    """transformers cannot build a Gemma 3 from these (ValueError, TypeError, a validation error); they were
+    ignored, the model run without its scaling (or, for a layer type's entry, a ValueError traceback)."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    parent, _, name = key.rpartition(".")
+    (cfg[parent] if parent else cfg)[name] = value
+    with pytest.raises(Exception):
+        Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg)))
+    with pytest.raises(UserError, match=f"config.json: {key}={re.escape(repr(value))} is not an object"):
+        detect_family(cfg).tunix_config(cfg)
+
+
+def test_flat_rope_parameters_are_refused_naming_the_key(tiny_odd_dir):
+    """`rope_parameters` as one set for every layer (how other models write it) is ignored by transformers'
+    Gemma 3, which reads it per layer type: it ran unscaled, and so did training, without a word."""
+    from transformers import Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}
+    hf = Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg))).rope_parameters
+    assert hf["full_attention"]["rope_type"] == "default"  # transformers 5: the flat keys ignored
+    with pytest.raises(UserError, match=r"rope_parameters\.factor=8\.0 is not read by transformers' Gemma 3"):
+        detect_family(cfg).tunix_config(cfg)
+    # what transformers 5 writes there itself, beside the per-layer-type entries: read as it reads it
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    cfg["rope_parameters"].update(rope_type="default", rope_theta=None)
+    assert detect_family(cfg).tunix_config(cfg).global_scale_factor == 4.0
+
+
 def test_null_rotary_base_of_a_layer_type_the_model_lacks_is_accepted_as_transformers_does(tiny_dir):
     """A null rope_theta only fails where transformers builds a rotary embedding for it: the 2-layer model has no
     global layer, so a null full_attention base is accepted by both."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,48 @@ def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
     meta = read_json_object(path, not_a_checkpoint(ckpt_dir))
     if meta.get("format") != FORMAT:
         raise UserError(f"{path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
+    check_metadata(path, meta)
     return meta
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
+
+
+# What `build_metadata` writes, as (key path, test, what it must be): a damaged or hand-edited file with another
+# value died in an AttributeError or TypeError traceback (`"lora": [...]`, `"base_model": "x"`), or was used:
+# lora.rank 4.7 merged at alpha/4.7 with factors of rank 4, lora.alpha "nan" wrote a model of NaNs, lora.alpha
+# "8" went into adapter_config.json as a string, lora.targets "q_proj" was read as the targets q, _, p, ...
+_FIELDS: tuple[tuple[str, Any, str], ...] = (
+    ("base_model", lambda v: isinstance(v, dict), "an object"),
+    ("hf_config", lambda v: isinstance(v, dict), "an object"),
+    ("lora", lambda v: isinstance(v, dict), "an object"),
+    ("config", lambda v: isinstance(v, dict), "an object"),
+    ("base_model.path", lambda v: isinstance(v, str), "a string"),
+    ("base_model.local_dir", lambda v: isinstance(v, str), "a string"),
+    ("base_model.revision", lambda v: isinstance(v, str), "a string"),
+    ("base_model.family", lambda v: isinstance(v, str), "a string"),
+    ("base_model.fingerprint", lambda v: isinstance(v, dict), "an object"),
+    ("lora.enabled", lambda v: isinstance(v, bool), "true or false"),
+    ("lora.rank", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
+    ("lora.alpha", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("lora.targets", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names"),
+    ("lora.base_quantization", lambda v: isinstance(v, str), "a string"),
+)
+
+
+def check_metadata(path: Path, meta: dict[str, Any]) -> None:
+    """Refuse, naming the key, a value of another type than the trainer writes (null and absent keys pass: older
+    files lack some, a full fine-tune's LoRA fields are unused)."""
+    for key, ok, what in _FIELDS:
+        parent, _, name = key.rpartition(".")
+        holder = meta.get(parent) if parent else meta
+        if not isinstance(holder, dict) or holder.get(name) is None:
+            continue
+        if parent == "lora" and holder.get("enabled") is False:
+            continue
+        if not ok(holder[name]):
+            raise UserError(f"{path}: {key}={holder[name]!r} is not {what} (the file is damaged or was edited)")
 
 
 # Orbax writes both into a step before it publishes it (rename on local disks; on object stores the

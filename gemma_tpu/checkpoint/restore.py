@@ -16,6 +16,7 @@ without needing a JAX runtime at start-up.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,11 @@ from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, read_par
 from gemma_tpu.core.config import LoraConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import resolve_path
+from gemma_tpu.hf.fingerprint import check_base
 from gemma_tpu.lora import apply_lora
 from gemma_tpu.models import Family, load_model, resolve_model
+
+log = logging.getLogger(__name__)
 
 
 class NoBaseModel(UserError):
@@ -96,12 +100,19 @@ def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | No
     dtype: the model's dtype (default: the run's `model.dtype`, else float32).
     apply_base_quantization: quantize the frozen base as a QLoRA run did in training (the model as it
         was trained); False gives the dense base with the same LoRA factors (the model a merge makes).
-    base: a base directory to use instead of the recorded one (`merge_orbax --base`).
+    base: a base directory to use instead of the recorded one (`merge_orbax --base`), checked by the caller.
+    The recorded base is checked against the fingerprint taken at training (`gemma_tpu.hf.fingerprint`), as the
+    merge, the PEFT export and a resume check it: evaluate and chat ran a checkpoint on a base replaced since
+    by another model of the same shapes without a word.
     """
     from flax import nnx
 
     ckpt_dir = Path(ckpt_dir)
     meta, step, base_path = locate(ckpt_dir, step, base)
+    if base is None:
+        check_base((meta.get("base_model") or {}).get("fingerprint"), base_path, False,
+                   "merge it with convert.merge_orbax --allow-base-mismatch and load the merged directory",
+                   lambda msg: log.warning("%s: %s", ckpt_dir, msg))
     lora = lora_config(ckpt_dir, meta)
     recorded = (meta.get("base_model") or {}).get("family")
     resolved = resolve_model(str(base_path), family=recorded,

@@ -801,30 +801,24 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"model.remat={cfg.model.remat} and train.remat={cfg.train.remat} disagree; set train.remat only")
 
 
-def validate_for_model(cfg: RunConfig, hf_config: dict, where: str = "config") -> None:
+def validate_for_model(cfg: RunConfig, hf_config: dict, where: str = "config",
+                       projection_shapes: dict[str, tuple[tuple[int, int], ...]] | None = None) -> None:
     """Checks that need the base's config.json (read before any weight): a LoRA rank no larger than
-    the smallest dimension of a targeted projection (a larger one adds parameters, not rank), a
-    sequence no longer than the model's positions, a sliding window that is a positive integer."""
+    the smallest dimension of a targeted projection in any layer (a larger one adds parameters, not rank;
+    `projection_shapes`: the family's, `Family.projection_shapes`), a sequence no longer than the model's
+    positions, a sliding window that is a positive integer."""
     text = hf_config.get("text_config") or hf_config
 
     def dim(key: str) -> int | None:
         v = text.get(key)
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
-    d, f = dim("hidden_size"), dim("intermediate_size")
-    heads, kv, hd = dim("num_attention_heads"), dim("num_key_value_heads"), dim("head_dim")
-    if hd is None and d and heads:
-        hd = d // heads
-    q_out = heads * hd if heads and hd else None
-    kv_out = (kv or heads) * hd if (kv or heads) and hd else None
-    sides = {"q_proj": (d, q_out), "k_proj": (d, kv_out), "v_proj": (d, kv_out), "o_proj": (q_out, d),
-             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
     if cfg.lora.enabled:
         for target in cfg.lora.targets:
-            known = [x for x in sides.get(target, ()) if x]
-            if known and cfg.lora.rank > min(known):
+            side = min((min(shape) for shape in (projection_shapes or {}).get(target, ())), default=None)
+            if side is not None and cfg.lora.rank > side:
                 raise UserError(f"{where}: lora.rank={cfg.lora.rank} exceeds the smallest dimension of "
-                                f"{target} ({min(known)}) in this model; use at most {min(known)}")
+                                f"{target} ({side}) in this model; use at most {side}")
     max_pos = dim("max_position_embeddings")
     if max_pos and cfg.data.seq_len > max_pos:
         raise UserError(f"{where}: data.seq_len={cfg.data.seq_len} exceeds the model's "

@@ -18,7 +18,9 @@ from gemma_tpu.models.registry import (
     Projection,
     Tensor,
     check_types,
+    positive_sizes,
     register,
+    require_positive,
     require_tied_embeddings,
     text_config,
     text_config_with_defaults,
@@ -66,6 +68,10 @@ def hf_text_config(hf_config: dict) -> dict:
             raise UserError(f"config.json: sliding_window_pattern={period!r} is not a positive integer")
         t["layer_types"] = GEMMA3.layer_types(int(t["num_hidden_layers"]), period)
         t["_layer_types_key"] = "sliding_window_pattern"
+    elif t.get("layer_types") and len(t["layer_types"]) != t.get("num_hidden_layers"):
+        # transformers refuses it; training called it an unsupported pattern, the GGUF export wrote it
+        raise UserError(f"config.json: layer_types has {len(t['layer_types'])} entries for "
+                        f"num_hidden_layers={t.get('num_hidden_layers')} (transformers cannot build a model from it)")
     return t
 
 
@@ -97,14 +103,37 @@ def _rope_parameters(t: dict, kind: str) -> dict:
     `rope_scaling` laid over the global layers' entry, and a rope_theta the entry lacks taken from
     `rope_theta` (global) or `rope_local_base_freq` (sliding), as transformers 4.x configs name them."""
     params = t.get("rope_parameters")
-    p = dict((params.get(kind) if isinstance(params, dict) else None) or {"rope_type": "default"})
+    entry = params.get(kind) if isinstance(params, dict) else None
+    for key, value in (("rope_parameters", params), ("rope_scaling", t.get("rope_scaling")),
+                       (f"rope_parameters.{kind}", entry)):  # transformers fails on anything else (ValueError)
+        if value is not None and not isinstance(value, dict):
+            raise UserError(f"config.json: {key}={value!r} is not an object (transformers cannot build a model "
+                            f"from it)")
+    # one set of parameters for every layer, as other models write it: transformers' Gemma 3 ignores it (it writes
+    # rope_type "default" and rope_theta null there itself), so anything else there is refused, not run unscaled
+    flat = sorted(k for k, v in params.items() if k not in ("full_attention", "sliding_attention")
+                  and (k, v) not in (("rope_type", "default"), ("type", "default"), ("rope_theta", None))
+                  ) if isinstance(params, dict) else []
+    if flat:
+        raise UserError(f"config.json: rope_parameters.{flat[0]}={params[flat[0]]!r} is not read by transformers' "
+                        f"Gemma 3 (it runs without it), which reads rope_parameters.full_attention and "
+                        f".sliding_attention")
+    p = dict(entry or {"rope_type": "default"})
     # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
     check_types(p, ROPE_TYPES, f"rope_parameters.{kind}.")
     check_types(t, {"rope_theta": "int|float|None", "rope_local_base_freq": "int|float|None"})
     if kind == "full_attention":
         if isinstance(t.get("rope_scaling"), dict):
-            check_types(t["rope_scaling"], ROPE_TYPES, "rope_scaling.")
-            p.update(t["rope_scaling"])
+            scaling = t["rope_scaling"]
+            check_types(scaling, ROPE_TYPES, "rope_scaling.")
+            legacy = scaling.get("type")
+            if "rope_type" not in scaling and legacy is not None and legacy != p.get("rope_type", "default"):
+                # transformers 4 read `type` as the rope type; transformers 5 lays it over an entry whose
+                # rope_type is already set and runs unscaled: the two disagree, so neither is guessed
+                raise UserError(f"config.json: rope_scaling.type={legacy!r} is the old name of rope_type, which "
+                                f"transformers 5 ignores here (it runs the model unscaled); rename it to "
+                                f"rope_scaling.rope_type if the scaling is meant")
+            p.update(scaling)
         p.setdefault("rope_theta", t.get("rope_theta", 1_000_000.0))
     else:
         p.setdefault("rope_theta", t.get("rope_local_base_freq", 10_000.0))
@@ -150,6 +179,8 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     missing = [k for k in need if t.get(k) is None]  # omitted keys have transformers' defaults: null here
     if missing:
         raise UserError(f"config.json: {missing[0]}=null for a Gemma 3 text model")
+    # num_key_value_heads: below, with the query heads it must divide
+    require_positive(t, (*(k for k in need if k != "num_key_value_heads"), "max_position_embeddings"))
     require_tied_embeddings(hf_config, "Tunix's Gemma 3")
     if t.get("attention_bias"):
         raise UserError(f"config.json: attention_bias={t['attention_bias']} is not supported (Tunix's Gemma 3 "
@@ -230,6 +261,24 @@ def projections(cfg) -> tuple[Projection, ...]:
         Projection("up_proj", "mlp.up_proj", "mlp.up_proj", "kernel", ("D", "F"), ("D",)),
         Projection("down_proj", "mlp.down_proj", "mlp.down_proj", "kernel", ("F", "D"), ("F",)),
     )
+
+
+def attention_mlp_shapes(d: int, f: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
+    """The HF (out, in) shape of each projection of a layer of these sizes."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+            "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
+
+
+def projection_shapes(t: dict) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Every layer alike (see `Family.projection_shapes`)."""
+    s = positive_sizes(t, ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                           "head_dim"))
+    if s is None:
+        return {}
+    shapes = attention_mlp_shapes(s["hidden_size"], s["intermediate_size"], s["num_attention_heads"],
+                                  s["num_key_value_heads"], s["head_dim"])
+    return {name: (shape,) for name, shape in shapes.items()}
 
 
 def _key_mapping(cfg):
@@ -409,6 +458,7 @@ GEMMA3 = register(
         reference_loader=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,
+        projection_shapes=projection_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma3"),
         chat_format="gemma",

@@ -32,13 +32,15 @@ from __future__ import annotations
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.gemma3 import ATTENTION_MLP_PARTITION_RULES, ROPE_TYPES
+from gemma_tpu.models.gemma3 import ATTENTION_MLP_PARTITION_RULES, ROPE_TYPES, attention_mlp_shapes
 from gemma_tpu.models.registry import (
     Family,
     Projection,
     Tensor,
     check_types,
+    positive_sizes,
     register,
+    require_positive,
     require_tied_embeddings,
     text_config_with_defaults,
     tunix_remat,
@@ -223,6 +225,12 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     missing = [k for k in need if t.get(k) is None]  # omitted keys have transformers' defaults: null here
     if missing:
         raise UserError(f"config.json: {missing[0]}=null for a Gemma 4 text model")
+    # num_key_value_heads: below, with the query heads it must divide
+    require_positive(t, (*(k for k in need if k != "num_key_value_heads"), "max_position_embeddings",
+                         "global_head_dim", "num_experts", "top_k_experts", "moe_intermediate_size"))
+    if (t.get("hidden_size_per_layer_input") or 0) < 0:
+        raise UserError(f"config.json: hidden_size_per_layer_input={t['hidden_size_per_layer_input']} must be 0 "
+                        f"(no per-layer inputs) or positive")
     if t.get("attention_bias"):
         raise _cfg_error("attention_bias", t["attention_bias"], "Gemma 4 projections have no bias")
     require_tied_embeddings(hf_config, "Tunix's Gemma 4")
@@ -261,6 +269,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             if t.get(key) is None:
                 raise UserError(f"config.json: missing key '{key}' for a Gemma 4 mixture-of-experts model")
+        if t["top_k_experts"] > t["num_experts"]:  # transformers' router: torch.topk fails in the first forward
+            raise UserError(f"config.json: top_k_experts={t['top_k_experts']} must be at most "
+                            f"num_experts={t['num_experts']}")
         moe = dict(enable_moe=True, num_experts=int(t["num_experts"]), num_experts_per_tok=int(t["top_k_experts"]),
                    expert_dim=int(t["moe_intermediate_size"]), moe_dense_hidden_dim=int(t["intermediate_size"]))
     shared = int(t.get("num_kv_shared_layers") or 0)
@@ -321,6 +332,33 @@ def projections(cfg) -> tuple[Projection, ...]:
         Projection("up_proj", "mlp.up_proj", "mlp.up_proj", "kernel", ("D", "F"), ("D",)),
         Projection("down_proj", "mlp.down_proj", "mlp.down_proj", "kernel", ("F", "D"), ("F",)),
     )
+
+
+def projection_shapes(t: dict) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per projection, its shapes in sliding layers (head_dim, num_key_value_heads) and global ones
+    (global_head_dim; num_global_key_value_heads and no v_proj in K=V checkpoints), MLPs double wide in
+    KV-sharing layers where use_double_wide_mlp says so (see `Family.projection_shapes`)."""
+    s = positive_sizes(t, ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                           "num_key_value_heads", "head_dim", "global_head_dim"))
+    if s is None:
+        return {}
+    d, f, heads, kv = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"], s["num_key_value_heads"]
+    layers = []
+    if LOCAL in _layer_types(t):
+        layers.append(attention_mlp_shapes(d, f, heads, kv, s["head_dim"]))
+    if GLOBAL in _layer_types(t):
+        k_eq_v = bool(t.get("attention_k_eq_v"))
+        global_kv = positive_sizes(t, ("num_global_key_value_heads",)) if k_eq_v else {"": kv}
+        if global_kv is None:
+            return {}
+        shapes = attention_mlp_shapes(d, f, heads, next(iter(global_kv.values())), s["global_head_dim"])
+        if k_eq_v:
+            del shapes["v_proj"]  # keys double as values
+        layers.append(shapes)
+    if t.get("use_double_wide_mlp") and (t.get("num_kv_shared_layers") or 0) > 0:
+        layers.append({"gate_proj": (2 * f, d), "up_proj": (2 * f, d), "down_proj": (d, 2 * f)})
+    names = dict.fromkeys(name for shapes in layers for name in shapes)
+    return {name: tuple(dict.fromkeys(shapes[name] for shapes in layers if name in shapes)) for name in names}
 
 
 # Non-projection weights: Tunix's HF->Tunix key table (tunix/models/gemma4/params_safetensors.py),
@@ -533,6 +571,7 @@ GEMMA4 = register(
         reference_loader=tunix_safetensors_loader("gemma4", model_class, _key_mapping),
         model_class=model_class,
         projections=projections,
+        projection_shapes=projection_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma4"),
         chat_format="gemma",

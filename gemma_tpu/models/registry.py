@@ -212,6 +212,10 @@ class Family:
     # Partition rules: (regex over the Tunix param path, per-dimension mesh axes), first full match wins;
     # LoRA factors, quantized weights and optimizer state derive theirs (gemma_tpu.train.partition).
     partition_rules: tuple[tuple[str, tuple], ...] = ()
+    # text config (as transformers reads it) -> for each HF projection name, the HF (out, in) shapes it has across
+    # the decoder's layers (Gemma 4's global layers have their own head size and KV heads): what is checked
+    # before any weight is read (the LoRA rank). {} where a size it needs is not a positive integer.
+    projection_shapes: Callable[[dict], dict[str, tuple[tuple[int, int], ...]]] | None = None
     # config.json -> its text config as transformers reads it: keys it omits at transformers' defaults,
     # keys transformers derives (Gemma 3's `layer_types` from `sliding_window_pattern`) filled in.
     # None: the text config as written.
@@ -405,6 +409,23 @@ def check_types(config: dict, types: dict[str, str], where: str = "") -> None:
         if key in config and not _has_type(config[key], spec):
             raise UserError(f"config.json: {where}{key}={config[key]!r} is not of type {spec.replace('|', ' or ')} "
                             f"(transformers cannot build a model from it)")
+
+
+def positive_sizes(t: dict, keys: tuple[str, ...]) -> dict[str, int] | None:
+    """The values of `keys` when each is a positive integer, else None (refused later, by the family's config)."""
+    sizes = {k: t.get(k) for k in keys}
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes.values())
+    return sizes if ok else None
+
+
+def require_positive(t: dict, keys: tuple[str, ...]) -> None:
+    """Refuse, naming the key, a size of 0 or less (`"vocab_size": 0`, `"head_dim": -16`): transformers builds
+    such a config, but no checkpoint's weights have that shape, and Tunix took it silently (a negative one died
+    in a JAX broadcast traceback at load; a 0 `global_head_dim` was read as `head_dim`)."""
+    for key in keys:
+        v = t.get(key)
+        if v is not None and v < 1:
+            raise UserError(f"config.json: {key}={v!r} must be a positive integer")
 
 
 def text_config_with_defaults(hf_config: dict, defaults: dict, types: dict[str, str] | None = None) -> dict:

@@ -661,7 +661,8 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     hf = config_json_for(cfg.model.path)
     family = family_of(cfg, hf, f"{cfg.model.path} config.json")
     # what the real run refuses (rank, seq_len) before planning it
-    validate_for_model(cfg, family.read_text_config(hf), cfg.model.path)
+    text = family.read_text_config(hf)
+    validate_for_model(cfg, text, cfg.model.path, family.projection_shapes(text))
     weights_note = check_weights_here(cfg)  # before the data, as the run does
     layout = data_layout(cfg)
     if layout:  # the loss buffer the run will use: what the data needs, or data.max_loss_tokens capped at seq_len

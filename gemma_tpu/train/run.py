@@ -149,7 +149,8 @@ def run(cfg: RunConfig) -> dict:
 
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
-    validate_for_model(cfg, resolved.text_config, str(resolved.local_dir))
+    validate_for_model(cfg, resolved.text_config, str(resolved.local_dir),
+                       resolved.family.projection_shapes(resolved.text_config))
     check_run_dirs_apart(cfg, resolved.local_dir)
     if primary:  # before the data is read (minutes for a large set): a writable directory, no other trainer on it
         check_writable(cfg.checkpoint.dir, f"checkpoint.dir={cfg.checkpoint.dir}")
