@@ -172,8 +172,11 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
     if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
         raise RequestError("n", f"{body['n']!r}: this server returns one choice (n=1)")
     # fields transformers serve accepts and ignores, where ignoring them breaks what the client relies on
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise RequestError("logprobs" if body.get("logprobs") else "top_logprobs",
+    # a text completion's `logprobs` is a count, and 0 still asks for the chosen token's log probability (OpenAI,
+    # vLLM); a chat completion's is true/false. Either, asked for, came back without any
+    lp = body.get("logprobs")
+    if lp is True or _is_int(lp) or body.get("top_logprobs"):
+        raise RequestError("logprobs" if lp is True or _is_int(lp) else "top_logprobs",
                            "log probabilities are not returned by this server")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):

@@ -167,7 +167,9 @@ def test_text_completions_are_checked_alike():
                         # ignored by transformers serve: the text came back without the prompt asked for
                         ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of"),
                         # appended to the text by transformers serve ("UUU" + "x"), the model never saw it
-                        ({"prompt": "x", "suffix": "y"}, "suffix")):
+                        ({"prompt": "x", "suffix": "y"}, "suffix"),
+                        # 0 asks for the chosen token's log probability: it passed as falsy, and none came back
+                        ({"prompt": "x", "logprobs": 0}, "logprobs"), ({"prompt": "x", "logprobs": 2}, "logprobs")):
         with pytest.raises(RequestError) as e:
             check_completion_request(body)
         assert e.value.param == param
@@ -175,6 +177,7 @@ def test_text_completions_are_checked_alike():
     # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
     assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
     assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1, "suffix": ""})["prompt"] == "x"
+    assert check_completion_request({"prompt": "x", "logprobs": None})["prompt"] == "x"
     # logit_bias: transformers serve ignores it on text completions; it goes in as the generation's sequence_bias
     body = check_completion_request({"prompt": "x", "logit_bias": {"112": -100}, "generation_config": '{"top_k": 3}'})
     assert "logit_bias" not in body and json.loads(body["generation_config"]) == {"top_k": 3,
