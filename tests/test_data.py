@@ -1689,12 +1689,19 @@ def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_d
     marker = token_map.get("<start_function_call>")
     if marker is None:
         pytest.skip("this vocabulary has the tool-call markers as tokens")
-    for row in ({"prompt": f"call {marker}", "completion": "ok"},
-                {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": f"a {marker}"}]}):
+    # ... pointed at tool_calls in an answer only (a user's text or a tool's result holding it wrote no call)
+    for row, answer in (({"prompt": f"call {marker}", "completion": "ok"}, False),
+                        ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": f"a {marker}"}]},
+                         True),
+                        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
+                            {"function": {"name": "f", "arguments": {}}}]}, {"role": "tool", "content": f"o {marker}"},
+                            {"role": "assistant", "content": "ok"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, False)):
         p = write_jsonl(tmp_path / "m.jsonl", [row])
         r = Renderer(any_tok, "gemma", token_map=token_map)
-        with pytest.raises(UserError, match=rf"^{re.escape(str(p))}:1: .*holds '{marker}'.*tool calls go in"):
+        with pytest.raises(UserError, match=rf"^{re.escape(str(p))}:1: .*holds '{marker}'") as e:
             render_examples(str(p), r, cfg)
+        assert ("tool calls go in tool_calls" in str(e.value)) == answer, e.value
 
 
 def test_turns_after_the_last_trained_one_are_left_out_of_the_row(tmp_path, tok_dir, tok, capsys):

@@ -355,13 +355,15 @@ class Markup:
             elif isinstance(v, list):
                 stack.extend((x, f"{at}[{i}]") for i, x in reversed(list(enumerate(v))))
 
-    def check(self, text: str, where: str) -> None:
+    def check(self, text: str, where: str, answer: bool = False) -> None:
+        """Refuse a control token in `text`; `answer`: an assistant's, where a tool-call marker means a call
+        written as text (pointed at tool_calls; in a tool result or a declaration that hint misled)."""
         hit = self.search(text)
         if hit:
             at, token = hit
             raise UserError(f"{where}: the text holds {token!r} at character {at}, the chat markup's own "
                             f"control token, which the tokenizer would read as markup; remove it"
-                            f"{' (tool calls go in tool_calls)' if token in self.calls else ''}")
+                            f"{' (tool calls go in tool_calls)' if answer and token in self.calls else ''}")
 
 
 GEMMA_MARKUP = Markup((START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS))
@@ -513,7 +515,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
-        markup.check(msg["content"], mw)
+        markup.check(msg["content"], mw, answer=role == "assistant")
         if role in ("system", "developer") and not msg["content"].strip():
             # ShareGPT exports often carry {"from": "system", "value": ""}: it says nothing, and Gemma's template
             # would fold only separators into the first user turn; left out, not refused
