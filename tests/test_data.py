@@ -1747,7 +1747,8 @@ def test_exact_duplicate_examples_are_reported_not_removed(tmp_path, tok_dir, to
         f"they are trained as often as they appear - remove them unless that is meant")
     unique = prepare_split(str(write_jsonl(tmp_path / "u.jsonl", chat_rows(6))), Renderer(tok), DataConfig(), seed=0)
     assert duplicates_warning(unique) is None
-    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path, share_prefix="off")),
+                                             "--tokenizer",
                                              str(tok_dir), "-n", "0"]))
     assert result["duplicates"] == 2
     assert f"duplicates 2 examples train exactly what an earlier one trains, as often as they appear (the first: " \
@@ -1836,7 +1837,7 @@ def test_evaluation_examples_that_are_training_examples_are_one_warning(tmp_path
     assert overlap_warning(train, fresh) is None and overlap_warning(train, None) is None
 
 
-def test_a_huge_example_is_tokenized_only_as_far_as_seq_len_can_reach(tmp_path, any_tok):
+def test_a_huge_example_is_tokenized_only_as_far_as_seq_len_can_reach(tmp_path, any_tok, capsys):
     """A 10 MB single-line example took 23 s and 1.5 GB in data.inspect (and at training start): the whole text was
     tokenized, then cut to data.seq_len. Only the part the first seq_len tokens can reach is tokenized now; what is
     trained is the same as from the whole text."""
@@ -1867,6 +1868,16 @@ def test_a_huge_example_is_tokenized_only_as_far_as_seq_len_can_reach(tmp_path, 
     assert (split.report.overlength, split.report.truncated, split.report.kept) == (1, 1, 2)
     with pytest.raises(UserError, match=r"big.jsonl:2: the example has at least \d+ tokens, more than data.seq_len"):
         prepare_split(str(path), Renderer(any_tok), DataConfig(seq_len=256, overlength="error"), seed=0)
+    # data.inspect says which lengths are lower bounds
+    from gemma_tpu.data import inspect
+
+    path = write_jsonl(tmp_path / "big4.jsonl", [CHAT, json.loads(path.read_text().splitlines()[1])] * 2)
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path, share_prefix="off")),
+                                             "--tokenizer", any_tok.name_or_path, "-n", "2"]))
+    assert result["tokenized_in_part"] == 2, result
+    out = capsys.readouterr().out
+    assert "; 2 tokenized only as far as data.seq_len reaches (their lengths are lower bounds)" in out, out
+    assert re.search(r"--- example 2 \(\S+big4.jsonl:2\): at least \d+ tokens", out), out
 
 
 def test_our_gemma_format_refuses_a_vocabulary_without_its_turn_tokens(tok_dir):

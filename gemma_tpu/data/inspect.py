@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.split == "train":  # training (and its dry run) refuse it: no batch to show either
         check_one_batch(main, cfg.train.batch_size)
     stats = main.stats()
+    partial = sum(ex.partial for ex in examples)  # very long texts are cut before tokenizing (`Renderer.render`)
     n_shapes, shapes = batch_shapes(main, cfg.train.batch_size, args.split, cfg.train.seed)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
 
@@ -168,7 +169,9 @@ def run(args: argparse.Namespace) -> dict:
               f"appear (the first: {rep.first_duplicate})", file=out)
     print(f"tokens     per example: min {stats['length_min']}, p50 {stats['p50']}, p90 {stats['p90']}, "
           f"p95 {stats['p95']}, p99 {stats['p99']}, max {stats['length_max']}, mean {stats['length_mean']}; "
-          f"{stats['tokens']} in rows, {stats['loss_tokens']} loss-bearing", file=out)
+          f"{stats['tokens']} in rows, {stats['loss_tokens']} loss-bearing"
+          + (f"; {partial} tokenized only as far as data.seq_len reaches (their lengths are lower bounds)"
+             if partial else ""), file=out)
     print("", file=out)
     header = ["strategy", "seq_len", "rows", "examples/row", "non-pad", "useful (loss-bearing)", "loss buffer"]
     widths = [10, 7, 6, 12, 7, 21, 11]
@@ -211,10 +214,12 @@ def run(args: argparse.Namespace) -> dict:
                 cut = int(r.offsets[cfg.data.seq_len][0])
                 if not r.loss_mask[1:cfg.data.seq_len].any():  # as batching.fit_length drops it
                     status = ", dropped (no loss-bearing token within data.seq_len)"
-        print(f"\n--- example {i + 1} ({conv.get('where', '?')}): {len(r.ids)} tokens, {n_loss} loss-bearing{status} "
+        print(f"\n--- example {i + 1} ({conv.get('where', '?')}): {'at least ' if r.partial else ''}{len(r.ids)} "
+              f"tokens, {n_loss} loss-bearing{status} "
               f"---", file=out)
         print(mark(r.text, loss_spans(r.offsets, r.loss_mask), color, cut), file=out)
-    result = {**stats, "untrained_tails": tails, "split": args.split, "chat_format": renderer.chat_format,
+    result = {**stats, "untrained_tails": tails, "tokenized_in_part": partial, "split": args.split,
+              "chat_format": renderer.chat_format,
               "loss_on": renderer.loss_on,
               "distinct_batch_shapes": n_shapes, "batch_shapes": shapes,
               "other_strategy": {k: v.stats() for k, v in prepared.items() if k != chosen}}
