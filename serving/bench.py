@@ -29,7 +29,8 @@ completed. When none did: one error line (the first failure), no table, no --jso
 
 Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or a JSONL file (or a JSON array)
 whose rows are chats (`messages`, optional `tools`: the prompt is the conversation up to its first assistant
-turn, e.g. data/fitness/test.jsonl) or `{"prompt": "..."}`; rows are sampled with the seed.
+turn, e.g. data/fitness/test.jsonl), `{"prompt": "..."}`, or any other chat shape the trainer reads (ShareGPT
+`conversations`, instruction pairs, prompt-completion message lists); rows are sampled with the seed.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.data.records import iter_raw
+from gemma_tpu.core.config import DataConfig
+from gemma_tpu.data.records import iter_raw, normalise_row
 from gemma_tpu.infer.openai_client import (
     api_base,
     body_text,
@@ -139,8 +141,16 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
             rows.append(Prompt(sent, openai_tools(row.get("tools")), est, limit))
         elif isinstance(row.get("prompt"), str):
             rows.append(Prompt([{"role": "user", "content": row["prompt"]}], None, len(row["prompt"]) // 4, limit))
-        else:
-            raise UserError(f"{where}: expected 'messages' (a chat) or 'prompt' (a string)")
+        else:  # the trainer's other shapes (ShareGPT, instruction pairs, prompt-completion as message lists)
+            conv = normalise_row(row, where, DataConfig())
+            if "text" in conv:
+                raise UserError(f"{where}: a language-modeling 'text' row has no prompt to send; give 'messages' "
+                                f"(a chat) or 'prompt' (a string)")
+            msgs = conv["messages"]
+            k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")  # the reader requires one
+            sent = openai_messages(msgs[:k])
+            est = sum(len(str(m.get("content") or "")) for m in sent) // 4
+            rows.append(Prompt(sent, openai_tools(conv.get("tools")), est, limit))
     if not rows:
         raise UserError(f"--dataset {path}: no rows")
     rng = random.Random(seed)

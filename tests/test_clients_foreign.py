@@ -799,6 +799,33 @@ def test_bench_reads_a_json_array_dataset(tmp_path):
         file_prompts(str(data), 1, 0)
 
 
+
+def test_bench_reads_the_trainers_other_chat_shapes(tmp_path):
+    """A ShareGPT or instruction-pair dataset (which training and evaluate read) was refused by the benchmark
+    ('expected messages or prompt'): each row's prompt is now its conversation up to the first answer."""
+    from gemma_tpu.core.errors import UserError
+    from serving.bench import file_prompts
+
+    rows = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "steps?"},
+                               {"from": "gpt", "value": "9000"}, {"from": "human", "value": "more"}]},
+            {"instruction": "Name a fruit.", "context": "", "response": "Apple."},
+            {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}]
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    got = sorted((p.messages for p in file_prompts(str(data), 3, 0)), key=lambda m: m[-1]["content"])
+    assert [m[-1]["content"] for m in got] == ["Name a fruit.", "hi", "steps?"], got
+    assert all(m[-1]["role"] == "user" for m in got) and got[2][0] == {"role": "system", "content": "Be brief."}
+    for row, needle in (({"text": "plain"}, r"d.jsonl:1: a language-modeling 'text' row"),
+                        ({"conversations": [{"from": "gpt", "value": "x"}]}, r"d.jsonl:1: "),
+                        ({"nothing": 1}, r"d.jsonl:1: no 'messages', 'prompt'/'completion'")):
+        with pytest.raises(UserError, match=needle):
+            file_prompts(str(write_rows(tmp_path / "d.jsonl", [row])), 1, 0)
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def test_compare_keeps_the_first_models_results_when_sigterm_stops_the_second(tmp_path):
     """A preempted machine's SIGTERM during the second model ended the process at once: the first model's
     results (minutes of work) were lost, where Ctrl-C keeps them. Now SIGTERM keeps them too, exit 143."""

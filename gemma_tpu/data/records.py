@@ -764,45 +764,48 @@ def normalise_text(obj: dict, where: str, field: str) -> dict:
     return {"text": text, "tools": None, "where": where}
 
 
+def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP) -> dict:
+    """One example of any shape the reader knows (told apart by its keys, or `data_cfg.format`) as a normalised
+    conversation; `where` names it in errors (FILE:LINE)."""
+    if not isinstance(obj, dict):
+        looks_like_turns = isinstance(obj, list) and obj and all(isinstance(m, dict) and "role" in m for m in obj)
+        hint = ' (a list of messages: wrap each line as {"messages": [...]})' if looks_like_turns else ""
+        raise UserError(f"{where}: expected a JSON object per example, got {_json_type(obj)}{hint}")
+    check_surrogates(obj, where)
+    kind = data_cfg.format
+    if kind == "auto":
+        kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
+        if kind is None:
+            rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+            hint = (_PREFERENCE_HINT if "chosen" in obj else
+                    f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
+                    f"give that list itself (a JSON array) or JSON Lines" if rows else "")
+            raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
+                            f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
+                            f"{_fields(obj)}; set data.format and the field names{hint})")
+    column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
+    if column and column not in obj:  # data.format forced onto a row of another shape
+        raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "
+                        f"{_fields(obj)}; data.format=auto tells the shapes apart "
+                        f"by their keys)")
+    if kind == "messages":
+        return normalise_messages(obj, where, markup)
+    if kind == "prompt_completion":
+        return normalise_prompt_completion(obj, where, markup)
+    if kind == "sharegpt":
+        return normalise_sharegpt(obj, where, markup)
+    if kind == "text":
+        return normalise_text(obj, where, data_cfg.text_field)
+    return normalise_instruction(obj, where, data_cfg.instruction_field, data_cfg.context_field,
+                                 data_cfg.response_field, markup)
+
+
 def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP) -> list[dict]:
     """All examples of a file as normalised conversations; an empty file is an error. `markup`: the control
     tokens message text must not hold (`Renderer.markup` for the model's tokenizer; Gemma 3's by default)."""
     out = []
-    fmt = data_cfg.format
     for lineno, obj in iter_raw(path):
-        where = f"{path}:{lineno}"
-        if not isinstance(obj, dict):
-            looks_like_turns = isinstance(obj, list) and obj and all(isinstance(m, dict) and "role" in m for m in obj)
-            hint = ' (a list of messages: wrap each line as {"messages": [...]})' if looks_like_turns else ""
-            raise UserError(f"{where}: expected a JSON object per example, got {_json_type(obj)}{hint}")
-        check_surrogates(obj, where)
-        kind = fmt
-        if kind == "auto":
-            kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
-            if kind is None:
-                rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
-                hint = (_PREFERENCE_HINT if "chosen" in obj else
-                        f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
-                        f"give that list itself (a JSON array) or JSON Lines" if rows else "")
-                raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
-                                f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
-                                f"{_fields(obj)}; set data.format and the field names{hint})")
-        column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
-        if column and column not in obj:  # data.format forced onto a row of another shape
-            raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "
-                            f"{_fields(obj)}; data.format=auto tells the shapes apart "
-                            f"by their keys)")
-        if kind == "messages":
-            out.append(normalise_messages(obj, where, markup))
-        elif kind == "prompt_completion":
-            out.append(normalise_prompt_completion(obj, where, markup))
-        elif kind == "sharegpt":
-            out.append(normalise_sharegpt(obj, where, markup))
-        elif kind == "text":
-            out.append(normalise_text(obj, where, data_cfg.text_field))
-        else:
-            out.append(normalise_instruction(obj, where, data_cfg.instruction_field, data_cfg.context_field,
-                                             data_cfg.response_field, markup))
+        out.append(normalise_row(obj, f"{path}:{lineno}", data_cfg, markup))
     if not out:
         raise UserError(f"{path}: no examples (empty file)")
     return out
