@@ -496,6 +496,27 @@ def test_evaluate_gives_up_after_its_retries_and_not_on_a_client_error(tmp_path)
     assert_one_line_error(proc, "--retries -1")
 
 
+def fail_once(handler, how: str, after: str = "1") -> None:
+    """Answer a request as a transient failure: HTTP `how` (429, 503) with `Retry-After: after`, or ("drop") an
+    answer whose connection closes short of its Content-Length, as a server killed mid-answer leaves it."""
+    handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+    if how == "drop":
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", "100")
+        handler.end_headers()
+        handler.wfile.write(b'{"choices": [')
+        handler.close_connection = True
+        return
+    data = b'{"error": {"message": "try again"}}'
+    handler.send_response(int(how))
+    handler.send_header("Retry-After", after)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class Throttled(Flaky):
     """Answers the first request 429 with `Retry-After: after` (the time of each request in `times`), then as
     `Flaky` does."""
@@ -507,14 +528,7 @@ class Throttled(Flaky):
         cls.times.append(time.monotonic())
         if len(cls.times) > 1:
             return super().do_POST()
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        data = b'{"error": {"message": "rate limited"}}'
-        self.send_response(429)
-        self.send_header("Retry-After", cls.after)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        fail_once(self, "429", cls.after)
 
 
 def test_a_retry_waits_as_long_as_retry_after_asks():
@@ -545,14 +559,8 @@ class Dropping(Flaky):
     def do_POST(self):
         if type(self).seen:
             return super().do_POST()
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
         type(self).seen += 1
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", "100")
-        self.end_headers()
-        self.wfile.write(b'{"choices": [')
-        self.close_connection = True
+        fail_once(self, "drop")
 
 
 def test_an_answer_cut_off_midway_is_asked_again():
@@ -575,19 +583,7 @@ class Recovers(ScriptedModel):
         cls.times.append(time.monotonic())
         if len(cls.times) > 1:
             return super().do_POST()
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if cls.how == "drop":
-            self.send_response(200)
-            self.send_header("Content-Length", "100")
-            self.end_headers()
-            self.wfile.write(b'{"choices": [')
-            self.close_connection = True
-            return
-        self.send_response(int(cls.how))
-        self.send_header("Retry-After", "1")
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
+        fail_once(self, cls.how)
 
 
 @pytest.mark.parametrize("how", ["503", "429", "drop"])
