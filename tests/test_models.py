@@ -468,14 +468,25 @@ def test_tokenizer_is_built_once_per_content_and_named_after_its_directory(tiny_
     damaged one is a one-line error naming the directory."""
     from gemma_tpu.hf.tokenizer import load_tokenizer
 
-    first = load_tokenizer(tiny_dir)
-    copy_dir = tmp_path / "copy"
-    shutil.copytree(tiny_dir, copy_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    again = load_tokenizer(copy_dir)
-    assert again.name_or_path == str(copy_dir) and first.name_or_path == str(tiny_dir)
-    assert again._tokenizer is first._tokenizer  # the same backend, not rebuilt
-    assert again("Hello there")["input_ids"] == first("Hello there")["input_ids"]
-    assert load_tokenizer(tiny_dir) is first
+    # an earlier test in this process may have loaded these files from another directory first (CI's stop 37
+    # failed on that order): a directory loaded first elsewhere must still get the same object each time
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tiny_dir, elsewhere, ignore=shutil.ignore_patterns("*.safetensors"))
+    for loaded_first in (False, True):
+        from gemma_tpu.hf import tokenizer as tokenizer_module
+
+        tokenizer_module._LOADED.clear(), tokenizer_module._NAMED.clear()
+        if loaded_first:
+            load_tokenizer(elsewhere)
+        first = load_tokenizer(tiny_dir)
+        copy_dir = tmp_path / "copy"
+        shutil.rmtree(copy_dir, ignore_errors=True)
+        shutil.copytree(tiny_dir, copy_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+        again = load_tokenizer(copy_dir)
+        assert again.name_or_path == str(copy_dir) and first.name_or_path == str(tiny_dir)
+        assert again._tokenizer is first._tokenizer  # the same backend, not rebuilt
+        assert again("Hello there")["input_ids"] == first("Hello there")["input_ids"]
+        assert load_tokenizer(tiny_dir) is first and load_tokenizer(copy_dir) is again
 
     cfg = json.loads((copy_dir / "tokenizer_config.json").read_text())
     cfg["add_bos_token"] = not cfg.get("add_bos_token", True)

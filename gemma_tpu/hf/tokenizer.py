@@ -35,14 +35,22 @@ def load_tokenizer(model_dir: str | Path):
     tok = _LOADED.get(key)
     if tok is None:
         tok = _LOADED[key] = _load(str(d))
-        while len(_LOADED) > 4:  # the oldest goes (a process rarely holds more than two tokenizers)
-            del _LOADED[next(iter(_LOADED))]
-    if tok.name_or_path != str(d):
-        named = object.__new__(type(tok))  # not copy.copy: that round-trips the Rust tokenizer through JSON (6 s)
-        named.__dict__.update(tok.__dict__)
-        named.name_or_path = str(d)
+        _forget_oldest(_LOADED)
+    if tok.name_or_path != str(d):  # the same object for the same directory each time, whatever loaded first
+        named = _NAMED.get((key, str(d)))
+        if named is None or named._tokenizer is not tok._tokenizer:
+            named = object.__new__(type(tok))  # not copy.copy: it round-trips the Rust tokenizer through JSON (6 s)
+            named.__dict__.update(tok.__dict__)
+            named.name_or_path = str(d)
+            _NAMED[(key, str(d))] = named
+            _forget_oldest(_NAMED)
         tok = named
     return tok
+
+
+def _forget_oldest(cache: dict) -> None:
+    while len(cache) > 4:  # the oldest goes (a process rarely holds more than two tokenizers)
+        del cache[next(iter(cache))]
 
 
 # what transformers reads into the tokenizer besides tokenizer.json/.model and tokenizer_config.json
@@ -68,7 +76,8 @@ def _content_key(d: Path) -> tuple:
     return tuple(key)
 
 
-_LOADED: dict[tuple, object] = {}
+_LOADED: dict[tuple, object] = {}  # content key -> the tokenizer as built, named after the first directory
+_NAMED: dict[tuple, object] = {}  # (content key, directory) -> a shallow copy naming another directory
 
 
 def _load(model_dir: str):
