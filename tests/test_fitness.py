@@ -914,6 +914,42 @@ def test_ctrl_d_at_the_prompt_ends_its_line(monkeypatch, capsys):
     assert out == "coach> hi\n" and err.endswith("you> you> \n")
 
 
+def test_ctrl_c_cancels_the_answer_and_at_the_prompt_leaves(monkeypatch, capsys):
+    """Ctrl-C while the coach answered ended the whole session ("error: interrupted"); on a terminal it cancels
+    that answer and asks again, and at the prompt it leaves as Ctrl-D does. Piped questions still stop."""
+    import io
+
+    from gemma_tpu.examples.fitness.chat import chat_repl
+
+    class Terminal(io.StringIO):
+        tty = True
+
+        def isatty(self):
+            return self.tty
+
+        def readline(self, *a):
+            line = super().readline(*a)
+            if line == "^C\n":
+                raise KeyboardInterrupt
+            return line
+
+    def ask(question):
+        if question == "slow?":
+            raise KeyboardInterrupt  # Ctrl-C mid-answer
+        return f"answer to {question}"
+
+    monkeypatch.setattr(sys, "stdin", Terminal("slow?\nsteps?\n^C\nnever?\n"))
+    assert chat_repl(ask, "") == 0
+    out, err = capsys.readouterr()
+    assert out == "coach> answer to steps?\n" and "(cancelled)" in err and err.endswith("you> \n")
+    piped = Terminal("slow?\nsteps?\n")
+    piped.tty = False
+    monkeypatch.setattr(sys, "stdin", piped)
+    with pytest.raises(KeyboardInterrupt):
+        chat_repl(ask, "")
+    assert capsys.readouterr().out == ""
+
+
 def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
     """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
     session with a traceback; it is reported as the answer, traced, and the next question is answered."""

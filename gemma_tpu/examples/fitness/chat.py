@@ -114,17 +114,25 @@ def question_text(raw: str) -> str:
 
 def chat_repl(ask, greeting: str) -> int:
     """Questions from stdin (a prompt when it is a terminal) until EOF/exit; a failed request is reported
-    and the session goes on."""
+    and the session goes on. On a terminal, Ctrl-C during an answer cancels that answer (its request is dropped)
+    and asks again, and Ctrl-C at the prompt leaves as Ctrl-D does: it ended the whole session, mid-answer or not,
+    with "error: interrupted". Piped questions stop at Ctrl-C (exit 130), as any command in a pipeline does."""
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # a byte that is not UTF-8 is U+FFFD, not a UnicodeDecodeError (a
         sys.stdin.reconfigure(errors="surrogateescape")  # strict locale) that ends the session; see question_text
     if interactive:
-        print(f"{greeting}Ask about steps, sleep, activity, heart rate or Body Battery (Ctrl-D to quit).",
+        print(f"{greeting}Ask about steps, sleep, activity, heart rate or Body Battery (Ctrl-C cancels an answer, "
+              f"Ctrl-D quits).",
               file=sys.stderr)
     while True:
         if interactive:
             print("you> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            line = ""  # Ctrl-C at the prompt: leave
         if not line:  # Ctrl-D: end the prompt's line, or the shell's prompt follows `you> `
             if interactive:
                 print(file=sys.stderr)
@@ -138,5 +146,10 @@ def chat_repl(ask, greeting: str) -> int:
             answer = ask(question)
         except UserError as e:  # one failed request does not end the session
             answer = f"(request failed: {e})"
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            print("(cancelled)", file=sys.stderr, flush=True)
+            continue
         print(("coach> " if interactive else "") + answer, flush=True)
     return 0
