@@ -46,6 +46,8 @@ def _text_parts(content: Any, where: str) -> None:
         return
     if not isinstance(content, list):
         raise RequestError(where, f"expected a string or a list of text parts, got {_json_type(content)}")
+    if not content:  # OpenAI refuses an empty array; it passed, and the model answered a turn holding nothing
+        raise RequestError(where, "an empty list of parts: send at least one text part (or a string)")
     for k, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise RequestError(f"{where}[{k}]", 'expected an object with a "type"')
@@ -81,7 +83,7 @@ def _message(m: Any, i: int) -> None:
     content = m.get("content")
     calls = m.get("tool_calls")
     if role == "assistant":
-        if content is not None:
+        if content is not None and (content != [] or not calls):  # [] beside tool_calls: no text, as null says
             _text_parts(content, f"{where}.content")
         if calls is not None:
             if not isinstance(calls, list):
@@ -147,7 +149,7 @@ def _tool_choice(choice: Any, names: list[str]) -> None:
     if choice == "required":
         return
     fn = choice.get("function") if isinstance(choice, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or choice.get("type", "function") != "function":
         raise RequestError("tool_choice", 'expected "none", "auto", "required" or '
                                           '{"type": "function", "function": {"name": ...}}')
     if fn["name"] not in names:
@@ -436,6 +438,8 @@ def check_completion_request(body: Any, context: int | None = None,
                                      f"request; send them one by one")
     elif not isinstance(prompt, str):
         raise RequestError("prompt", f"expected a string (or a list of one), got {_json_type(prompt)}")
+    if body["prompt"] == "":  # vLLM refuses it (400); it was taken, and the model went on from its BOS alone
+        raise RequestError("prompt", "is empty: send the text to complete")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model", "expected a string")
     # accepted and ignored by transformers serve: the client would read a text without its prompt, or one choice

@@ -33,6 +33,12 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type", "text only"),
     ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", "content or tool_calls"),
+    # empty-ish input OpenAI refuses, which passed: the model answered a turn holding nothing, or named a call kind
+    # that is not one
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "empty list of parts"),
+    ({"messages": USER + [{"role": "assistant", "content": []}] + USER}, "messages[1].content", "empty list"),
+    ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "allowed", "function": {"name": "get_steps"}}},
+     "tool_choice", '{"type": "function"'),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
      "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
@@ -178,6 +184,15 @@ def test_text_completions_are_checked_alike():
     assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
     assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1, "suffix": ""})["prompt"] == "x"
     assert check_completion_request({"prompt": "x", "logprobs": None})["prompt"] == "x"
+    # an empty prompt (alone or as a batch of one) is refused, as vLLM refuses it: the model went on from BOS alone
+    for prompt in ("", [""]):
+        with pytest.raises(RequestError, match="prompt: is empty"):
+            check_completion_request({"prompt": prompt})
+    assert check_completion_request({"prompt": " "})["prompt"] == " "
+    # an assistant turn with calls and `content: []` has no text, as with null
+    calls = [{"id": "a", "function": {"name": "get_steps", "arguments": "{}"}}]
+    check_chat_request({"messages": USER + [{"role": "assistant", "content": [], "tool_calls": calls},
+                                            {"role": "tool", "tool_call_id": "a", "content": "5"}]})
     # logit_bias: transformers serve ignores it on text completions; it goes in as the generation's sequence_bias
     body = check_completion_request({"prompt": "x", "logit_bias": {"112": -100}, "generation_config": '{"top_k": 3}'})
     assert "logit_bias" not in body and json.loads(body["generation_config"]) == {"top_k": 3,
