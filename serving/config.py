@@ -251,7 +251,7 @@ class ModelFacts:
     architecture: str
     family: str
     num_key_value_heads: int
-    chat_template_file: str | None  # name of the template file in the model dir, if any
+    chat_template_file: str | None  # name of the .jinja template file in the model dir to pass vLLM, if any
     has_chat_template: bool  # a template anywhere vLLM/transformers look (file or tokenizer_config)
     lora_rank: int | None  # --max-lora-rank to pass
 
@@ -298,18 +298,20 @@ def check_tokenizer(model_dir: Path) -> None:
         read_json_object(model_dir / "tokenizer.json", f"model dir {model_dir}: no tokenizer.json")
 
 
+def _tokenizer_template(model_dir: Path) -> bool:
+    """Whether tokenizer_config.json carries a chat template."""
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+
+
 def chat_template_in(model_dir: Path) -> tuple[str | None, bool]:
     """(template file name or None, whether the directory carries a chat template at all)."""
     for name in ("chat_template.jinja", "chat_template.json"):
         if (model_dir / name).is_file():
             return name, True
-    tc = model_dir / "tokenizer_config.json"
-    if tc.is_file():
-        try:
-            return None, bool(json.loads(tc.read_text()).get("chat_template"))
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            return None, False
-    return None, False
+    return None, _tokenizer_template(model_dir)
 
 
 def adapter_rank(adapter_dir: Path, name: str) -> int:
@@ -401,6 +403,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         raise UserError(f"model dir {d}: config.json has no num_key_value_heads")
     tp = cfg.server.tensor_parallel_size
     template_file, has_template = chat_template_in(d)
+    in_json = template_file == "chat_template.json"
+    if in_json:  # vLLM's --chat-template takes a file's text as the template: JSON would be the prompt itself
+        template_file = None
     rank = None
     if for_vllm:
         # vLLM (and tpu-inference's JAX models) split the KV heads over tp <= kv devices and copy each KV head
@@ -425,6 +430,11 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             if cfg.tool_calling.parser != want:
                 raise UserError(f"tool_calling.parser={cfg.tool_calling.parser} does not read {arch}'s calls; "
                                 f"use {want}")
+            if cfg.tool_calling.chat_template == "model" and in_json and not _tokenizer_template(d):
+                # with tools vLLM reads the tokenizer's template, not the processor's chat_template.json
+                raise UserError(f"model dir {d}: the chat template is in chat_template.json, which vLLM neither "
+                                "reads for tool calls nor takes as --chat-template (a .jinja file); write its "
+                                "\"chat_template\" value to a .jinja file and set tool_calling.chat_template to it")
             if cfg.tool_calling.chat_template == "model" and not has_template:
                 raise UserError(f"model dir {d}: no chat template (chat_template.jinja or tokenizer_config.json) "
                                 "for tool calling; set tool_calling.chat_template to a .jinja file")

@@ -262,6 +262,25 @@ def _sparse_4b_config(p):
     return d
 
 
+def _json_template(p, in_tokenizer: bool):
+    """A model whose template is in chat_template.json (as a processor saves it), and in tokenizer_config.json
+    when `in_tokenizer`."""
+    d = fake_model_dir(p, template=False)
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    if in_tokenizer:
+        (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    return d
+
+
+def test_a_template_in_chat_template_json_is_not_passed_as_the_template(tmp_path, capsys):
+    """--chat-template /models/NAME/chat_template.json: vLLM read the JSON text as the Jinja template. The
+    tokenizer's own template serves tool calls instead."""
+    d = _json_template(tmp_path / "m", in_tokenizer=True)
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}")
+    assert code == 0, err
+    assert "--enable-auto-tool-choice" in words(out) and "--chat-template" not in words(out)
+
+
 def _missing_shard(p):
     d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=2)
     (d / "model-00002-of-00002.safetensors").unlink()
@@ -289,6 +308,8 @@ def _damaged_shard(p):
     (CONFIG_270M, lambda p: fake_model_dir(p, generation=False), [], ["generation_config.json"]),
     (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "model.safetensors").unlink()) and p, [], ["no weights"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, template=False), [], ["no chat template"]),
+    # vLLM's --chat-template reads a file's text as the template: the JSON was passed, and was the prompt
+    (CONFIG_270M, lambda p: _json_template(p, in_tokenizer=False), [], ["chat_template.json", ".jinja"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, arch="Gemma4ForCausalLM"), [], ["tool_calling.parser", "gemma4"]),
     (CONFIG_270M, fake_model_dir, ["server.dtype=float16"], ["server.dtype"]),
     (CONFIG_270M, fake_model_dir, ["server.tensor_parralel_size=1"], ["tensor_parralel_size"]),
