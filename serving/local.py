@@ -93,6 +93,20 @@ def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template:
     return served
 
 
+def startup_failure(log: str) -> str:
+    """`: why` from the output of a server that failed to start: its last line, or, when a module was missing, which
+    one (a multimodal Gemma's processor needs torchvision: the last line said only "Could not import module
+    'Gemma4Processor'. Are this object's requirements defined correctly?")."""
+    import re
+
+    missing = re.findall(r"No module named '([A-Za-z0-9_]+)", log)
+    if missing:
+        return (f": it needs the Python module {missing[-1]}, which is not installed here (pip install "
+                f"{missing[-1]})")
+    lines = [line for line in log.splitlines() if line.strip()]
+    return (": " + lines[-1].strip()[:300]) if lines else ""
+
+
 class LocalServer:
     """`transformers serve` on one model directory, on loopback by default (`chat_template`: a
     .jinja file to use instead of the model's own).
@@ -165,8 +179,7 @@ class LocalServer:
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.is_file():
             return ""
-        lines = [l for l in self.log_path.read_text(errors="replace").splitlines() if l.strip()]
-        return (": " + lines[-1].strip()[:300]) if lines else ""
+        return startup_failure(self.log_path.read_text(errors="replace"))
 
     def wait_ready(self) -> None:
         """Block until GET /health answers 200; a dead server or the timeout is a UserError."""

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import UserError
 from serving.config import DEFAULT_IMAGE, VLLM_TPU_IMAGE
 from serving.local import free_port
 from tests.conftest import REPO, assert_one_line_error, run_cli
@@ -522,6 +523,22 @@ def test_local_served_dir_adds_a_template_without_touching_the_model(tiny_dir, t
     own.write_text("{{ 'mine' }}")
     served = prepare_served_dir(tiny_dir, "tiny2", tmp_path / "w", own)
     assert (served / "chat_template.jinja").read_text() == "{{ 'mine' }}"
+
+
+def test_a_server_missing_a_module_names_it(tiny_dir, tmp_path, monkeypatch):
+    """A multimodal Gemma 4 (as Google releases it) needs torchvision for transformers serve's processor; without
+    it the one line said "Could not import module 'Gemma4Processor'. Are this object's requirements defined
+    correctly?", the module missing only in the log."""
+    from serving.local import LocalServer
+
+    chained = ("try:\n import torchvision_absent_here.transforms\nexcept ImportError as e:\n"
+               " raise ModuleNotFoundError(\"Could not import module 'Gemma4Processor'\") from e")
+    monkeypatch.setattr(LocalServer, "command", lambda self: [sys.executable, "-c", chained])
+    server = LocalServer(tiny_dir, name="tiny", log=tmp_path / "serve.log", startup_timeout=60)
+    with pytest.raises(UserError, match=r"exited with code 1 before it was ready: it needs the Python module "
+                                        r"torchvision_absent_here, which is not installed here \(pip install "):
+        server.__enter__()
+    assert server.proc.poll() == 1 and server._workdir is None  # stopped and cleaned up
 
 
 def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp_path, capsys):
