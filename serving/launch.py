@@ -194,8 +194,10 @@ def serve_local(cfg: ServeConfig) -> int:
     inspect_model(cfg, for_vllm=False)
     t = cfg.tool_calling
     template = t.chat_template if t.enabled and t.chat_template != "model" else None
+    # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
+    # positions for Gemma 3 270M), and prompts vLLM refuses were answered
     server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,
-                         chat_template=template)
+                         chat_template=template, max_model_len=cfg.server.max_model_len)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.start()

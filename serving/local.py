@@ -118,8 +118,9 @@ class LocalServer:
 
     def __init__(self, model_dir: str | Path, name: str | None = None, host: str = "127.0.0.1",
                  port: int | None = None, log: str | Path | None = None, startup_timeout: float = 300.0,
-                 chat_template: str | Path | None = None):
+                 chat_template: str | Path | None = None, max_model_len: int | None = None):
         self.model_dir = Path(model_dir).resolve()
+        self.max_model_len = max_model_len  # the context requests are bounded by, if below the model's
         self.chat_template = Path(chat_template).expanduser() if chat_template else None
         self.name = name or self.model_dir.name
         self.host = host
@@ -141,7 +142,8 @@ class LocalServer:
 
     def command(self) -> list[str]:
         transformers_executable()  # the serving extras are installed
-        return [sys.executable, "-m", "serving.local", self.name, "--host", self.host, "--port", str(self.port)]
+        return [sys.executable, "-m", "serving.local", self.name, "--host", self.host, "--port", str(self.port)] + (
+            ["--max-model-len", str(self.max_model_len)] if self.max_model_len else [])
 
     def start(self) -> "LocalServer":
         cmd = self.command()
@@ -1003,7 +1005,7 @@ def token_counter(tok, context: int | None = None, field: str = "prompt"):
     def count(text: str, special: bool = True) -> int:
         if context and len(text) > 2 * longest * context:
             raise RequestError(field, f"the prompt is {len(text)} characters, more than {context} tokens (this "
-                                      f"model's context, max_position_embeddings) can hold: shorten the {field}")
+                                      f"server's context) can hold: shorten the {field}")
         return len(tok(text, add_special_tokens=special)["input_ids"])
 
     return count
@@ -1122,8 +1124,9 @@ def stops_matcher(tok):
 
 
 def serve_main(argv: list[str] | None = None) -> None:
-    """`python -m serving.local NAME --host H --port P` (in the directory holding NAME): `transformers
-    serve NAME` with its app behind `CheckedChatApp`."""
+    """`python -m serving.local NAME --host H --port P [--max-model-len N]` (in the directory holding NAME):
+    `transformers serve NAME` with its app behind `CheckedChatApp`, requests bounded by the model's positions or N
+    (a config's server.max_model_len, as vLLM bounds them), whichever is smaller."""
     import argparse
     import json
 
@@ -1131,11 +1134,14 @@ def serve_main(argv: list[str] | None = None) -> None:
     p.add_argument("name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int)
     args = p.parse_args(argv)
     served = Path(args.name).resolve()
     config = json.loads((served / "config.json").read_text())
     text_config = config.get("text_config") or config
     context, vocab = text_config.get("max_position_embeddings"), text_config.get("vocab_size")
+    if args.max_model_len and (not isinstance(context, int) or args.max_model_len < context):
+        context = args.max_model_len
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(served))

@@ -16,6 +16,8 @@ import re
 from typing import Any, Callable
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# where a server's context comes from (vLLM's --max-model-len, which a serving config's server.max_model_len sets)
+CONTEXT_SOURCE = "the model's max_position_embeddings, or server.max_model_len when smaller"
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -311,14 +313,14 @@ def _bound(body: dict, context: int | None, prompt: int, field: str, asked: str 
     if not context:
         return
     if prompt >= context:
-        raise RequestError(field, f"the prompt is {prompt} tokens; this model's context is {context} "
-                                  f"tokens (max_position_embeddings): shorten the {field}")
+        raise RequestError(field, f"the prompt is {prompt} tokens; this server's context is {context} "
+                                  f"tokens ({CONTEXT_SOURCE}): shorten the {field}")
     room = context - prompt
     if body.get("max_tokens") is None:
         body["max_tokens"] = room
     elif body["max_tokens"] > room:
         raise RequestError(asked, f"{body['max_tokens']} new tokens after a prompt of {prompt} pass this "
-                                  f"model's context of {context} tokens: ask for at most {room}")
+                                  f"server's context of {context} tokens: ask for at most {room}")
 
 
 def check_chat_request(body: Any, context: int | None = None,

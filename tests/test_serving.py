@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -539,6 +540,42 @@ def test_a_server_missing_a_module_names_it(tiny_dir, tmp_path, monkeypatch):
                                         r"torchvision_absent_here, which is not installed here \(pip install "):
         server.__enter__()
     assert server.proc.poll() == 1 and server._workdir is None  # stopped and cleaned up
+
+
+def test_local_server_is_bounded_by_max_model_len(tiny_dir, tmp_path, capsys, monkeypatch):
+    """`serving.launch --local` bounded requests by the model's positions only, where vLLM takes server.max_model_len:
+    a request without max_tokens generated to the end of the model's context (32k positions for Gemma 3 270M, on
+    a CPU), and prompts the vLLM server refuses were answered."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    from serving.launch import LocalServer
+
+    seen = []
+
+    def requests_then_ctrl_c(server):
+        def chat(**extra):
+            req = urllib.request.Request(server.base_url + "/chat/completions", method="POST",
+                                         headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"messages": [{"role": "user", "content": "hi"}], **extra}
+                                                         ).encode())
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        seen.extend([chat(), chat(max_tokens=100)])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalServer, "wait", requests_then_ctrl_c)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{dir: {tiny_dir}}}\nserver: {{max_model_len: 64, port: {free_port()}}}\n")
+    code, _, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    assert code == 0, err
+    (code, whole), (refused, error) = seen
+    usage = whole["usage"]  # tiny_dir has 1,024 positions
+    assert code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 64, whole
+    assert refused == 400 and error["error"]["param"] == "max_tokens", error
+    assert f"context of 64 tokens: ask for at most {64 - usage['prompt_tokens']}" in error["error"]["message"]
 
 
 def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp_path, capsys):
