@@ -1312,6 +1312,28 @@ def test_tool_rendering_equals_tool_chat_template(any_tok, i):
     assert own.ids.tolist() == ours.ids.tolist() and own.loss_mask.tolist() == ours.loss_mask.tolist()
 
 
+def test_tool_template_reads_call_arguments_sent_as_json_text(tok):
+    """OpenAI clients send a call's arguments as a JSON text: the template rendered every such call as `call:NAME{}`
+    (a server that hands them on unparsed, `apply_chat_template` on an OpenAI history), the arguments lost. Read
+    as the renderer reads them, they render as the object does; text that is not a JSON object stays `{}`."""
+    from gemma_tpu.formats.function_calling import tool_chat_template
+
+    t = _with_template(tok, tool_chat_template(function_token_map(tok)))
+    odd = {"date": "to\"day{}:", "n": -3, "x": [1.5, 2e20, None, True], "o": {"k": "é😀"}}
+    msgs = [{"role": "user", "content": "HR and steps?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_heart_rate", "arguments": {"date": "today", "metric": "max"}}},
+        {"type": "function", "function": {"name": "get_steps", "arguments": odd}}]},
+        {"role": "tool", "name": "get_heart_rate", "content": "1"},
+        {"role": "tool", "name": "get_steps", "content": "2"}]
+    as_text = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in msgs]
+    rendered = t.apply_chat_template(msgs, tokenize=False)
+    assert "call:get_steps{}" not in rendered and t.apply_chat_template(as_text, tokenize=False) == rendered
+    for text in ("", "[1]", "{bad", "null"):
+        as_text[1]["tool_calls"][1]["function"]["arguments"] = text
+        assert "call:get_steps{}<" in t.apply_chat_template(as_text, tokenize=False)
+
+
 def test_tool_template_reads_content_parts_as_training_joins_them(any_tok):
     """vLLM hands the template content as parts (`serving.launch` passes --chat-template-content-format openai; its
     "string" form joins text parts with newlines first): split into parts, every message renders to the ids the

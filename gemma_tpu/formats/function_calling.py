@@ -536,7 +536,15 @@ _TEMPLATE = r"""
         {%- set ns.last_call = f['name'] -%}
         {%- set ns.turn = ns.turn + [f['name']] -%}
         {%- if c['id'] is defined and c['id'] is string -%}{%- set ns.calls = ns.calls + [[c['id'], f['name']]] -%}{%- endif -%}
-        {{- '<start_function_call>call:' ~ f['name'] ~ fmt(f['arguments'] if f['arguments'] is mapping else {}) ~ '<end_function_call>' -}}
+        {%- set args = f['arguments'] if f['arguments'] is defined else none -%}
+        {%- if args is string -%}
+          {#- arguments as OpenAI sends them, a JSON text: read as the renderer reads it (they rendered as {}) -#}
+          {%- set text = args -%}
+          {%- set parsed = (json_value(text) | string) if text | length <= JSON_RESULT_LIMIT else '0' -%}
+          {%- set body = parsed[1:] if parsed[:2] == '1{' else '{}' -%}
+        {%- else -%}{%- set body = fmt(args if args is mapping else {}) -%}
+        {%- endif -%}
+        {{- '<start_function_call>call:' ~ f['name'] ~ body ~ '<end_function_call>' -}}
       {%- endfor -%}
       {{- '<start_function_response>' -}}
       {%- set ns.in_model = true -%}
