@@ -1041,12 +1041,17 @@ def prompt_counter(tok, context: int | None = None):
 
 
 def check_generation_config(obj: dict) -> None:
-    """A request's `generation_config` (transformers serve's extension) that transformers refuses is a
-    RequestError, not a 500."""
+    """A request's `generation_config` (transformers serve's extension) that transformers refuses, or that this server
+    cannot honour, is a RequestError: beam search was a 500 (the server streams every answer, and a streamer takes no
+    beams), and several sequences came back as one choice, their texts run together."""
     from transformers import GenerationConfig
 
     from serving.openai_request import RequestError
 
+    for key, why in (("num_beams", "beam search cannot stream, and this server streams every answer"),
+                     ("num_return_sequences", "this server returns one choice (n=1)")):
+        if obj.get(key) not in (None, 1):
+            raise RequestError("generation_config", f"{key}={obj[key]!r}: {why}")
     try:
         GenerationConfig(**obj).validate()  # not strict: that refuses harmless unused flags too
     except Exception as e:  # noqa: BLE001 - ValueError, TypeError, ... of an unusable setting

@@ -167,6 +167,24 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert e.value.param == "messages"
 
 
+def test_generation_settings_the_server_cannot_honour_are_refused():
+    """transformers serve's `generation_config`: beam search was a 500 (every answer streams, and a streamer takes no
+    beams), several sequences came back as one choice with their texts run together (completion_tokens doubled)."""
+    pytest.importorskip("transformers")
+    from serving.local import check_generation_config
+
+    for gen, needle in (({"num_beams": 2}, "num_beams=2: beam search cannot stream"),
+                        ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2: this server returns "
+                                                                         "one choice")):
+        for check, body in ((check_chat_request, {"messages": USER}), (check_completion_request, {"prompt": "x"})):
+            with pytest.raises(RequestError, match=needle) as e:
+                check({**body, "generation_config": json.dumps(gen)}, check_generation_config=check_generation_config)
+            assert e.value.param == "generation_config"
+    body = check_chat_request({"messages": USER, "generation_config": '{"num_beams": 1, "num_return_sequences": 1}'},
+                              check_generation_config=check_generation_config)
+    assert json.loads(body["generation_config"]) == {"num_beams": 1, "num_return_sequences": 1}
+
+
 def test_text_completions_are_checked_alike():
     for body, param in (({}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "max_tokens": 0},
                         "max_tokens"), ({"prompt": "x", "temperature": 9}, "temperature"), ({"prompt": "x", "n": 3}, "n"),
