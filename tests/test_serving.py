@@ -722,6 +722,16 @@ def test_chat_parses_functiongemma_text_and_reports_unknown_tools():
         assert "bad arguments" in coach.ask("steps?")
 
 
+def test_the_clients_take_any_endpoints_address_as_the_server():
+    """`--base-url .../v1/completions` (or /responses, /models) was taken as the API base, and the chat asked
+    `.../v1/completions/v1/chat/completions` (HTTP 404); `.../v1/chat/completions` was already read as the server."""
+    from gemma_tpu.infer.openai_client import api_base
+
+    for tail in ("", "/", "/v1", "/v1/", "/v1/chat/completions", "/v1/completions", "/v1/responses/", "/v1/models"):
+        assert api_base("http://h:8000" + tail) == "http://h:8000/v1", tail
+    assert api_base("https://h/openai/v1/completions") == "https://h/openai/v1"
+
+
 def test_chat_unreachable_server_is_one_line_error():
     proc = run_cli("serving.chat", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--once", "hi",
                    "--retries", "0",

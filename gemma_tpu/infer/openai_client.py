@@ -208,7 +208,9 @@ def describe_body(status: int, content_type: str, body: str) -> str:
 
 
 def api_base(url: str) -> str:
-    """`http://h:p`, `http://h:p/v1` or `.../v1/chat/completions` -> `http://h:p/v1`."""
+    """`http://h:p`, `http://h:p/v1` or an endpoint's address (`.../v1/chat/completions`, `.../v1/completions`,
+    `.../v1/responses`, `.../v1/models`) -> `http://h:p/v1`. The other endpoints' addresses were taken as the base:
+    requests went to `.../v1/completions/v1/chat/completions` (HTTP 404)."""
     import urllib.parse
 
     try:
@@ -219,7 +221,7 @@ def api_base(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError(f"{url!r} is not an http(s) server address (e.g. http://127.0.0.1:8000)")
     url = url.strip().rstrip("/")
-    for suffix in ("/chat/completions", "/v1"):
+    for suffix in ("/chat/completions", "/completions", "/responses", "/models", "/v1"):
         if url.endswith(suffix):
             url = url[: -len(suffix)]
     return url + "/v1"
