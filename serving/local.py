@@ -475,6 +475,7 @@ class CheckedChatApp:
             filters += ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced)] if tools else [])
             filters.append(StreamUsage((body.get("stream_options") or {}).get("include_usage") is True))
+            filters.append(ErrorEvents())
             status: list[int] = []
             tail = [b""]  # the end of what was sent: a stream ends with `data: [DONE]`, as OpenAI's and vLLM's do
 
@@ -619,8 +620,7 @@ def whole_completion(stream: bytes) -> bytes:
         except ValueError:
             return stream
         if isinstance(chunk, dict) and "error" in chunk:
-            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-            return json.dumps({"error": {"type": "server_error", "param": None, "code": None, **error}}).encode()
+            return json.dumps(openai_error(chunk["error"])).encode()
         choice = (chunk.get("choices") or [None])[0] if isinstance(chunk, dict) else None
         if not isinstance(choice, dict):
             continue
@@ -656,6 +656,12 @@ def whole_completion(stream: bytes) -> bytes:
     else:
         out["choices"][0]["text"] = joined
     return json.dumps(out, ensure_ascii=False).encode()
+
+
+def openai_error(error: Any) -> dict:
+    """An error event's `error` (transformers serve writes a bare string) in OpenAI's shape."""
+    return {"error": {"type": "server_error", "param": None, "code": None,
+                      **(error if isinstance(error, dict) else {"message": str(error)})}}
 
 
 async def _send_whole(send, start: dict, body: bytes) -> None:
@@ -812,6 +818,23 @@ class StopTrim(EventStream):
         elif text or isinstance(piece, str):
             holder[key] = text
         return sse_event(chunk)
+
+
+class ErrorEvents(EventStream):
+    """A stream's error event (a generation that failed midway) in OpenAI's shape, `{"error": {"message", ...}}`:
+    transformers serve writes `{"error": "text"}`, of which the OpenAI SDK shows only "An error occurred during
+    streaming"."""
+
+    def _event(self, event: bytes) -> bytes:
+        import json
+
+        try:
+            chunk = json.loads(event[len(b"data:"):]) if event.startswith(b"data:") else None
+        except ValueError:
+            chunk = None
+        if not (isinstance(chunk, dict) and "error" in chunk and not isinstance(chunk["error"], dict)):
+            return event + b"\n\n"
+        return sse_event(openai_error(chunk["error"]))
 
 
 class StreamUsage(EventStream):

@@ -273,6 +273,7 @@ class ResponseStream:
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
         self.finish_reason: str | None = None
         self.usage: dict = {}
+        self.error: str | None = None  # the chat stream's error event: the generation failed midway
 
     def _emit(self, kind: str, **fields) -> str:
         event = f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": self.seq, **fields},
@@ -319,6 +320,10 @@ class ResponseStream:
 
     def chunk(self, chunk: dict) -> bytes:
         out = self._start(chunk)
+        if chunk.get("error") is not None:
+            error = chunk["error"]
+            self.error = str(error.get("message") or error) if isinstance(error, dict) else str(error)
+            return out.encode()
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         choice = (chunk.get("choices") or [None])[0]
@@ -362,5 +367,8 @@ class ResponseStream:
             out += self._open_text() + self._close_text()
         resp = _response(self.rid or "", self.created, self.output, self.usage, self.finish_reason, self.request,
                          self.model)
+        if self.error is not None:  # it ended in `response.completed`, the answer cut short read as whole
+            resp.update(status="failed", incomplete_details=None, error={"code": "server_error", "message": self.error})
+            return (out + self._emit("response.failed", response=resp)).encode()
         return (out + self._emit("response.completed", response=resp)).encode()
 

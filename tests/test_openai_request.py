@@ -972,6 +972,32 @@ def test_inner_server_errors_come_back_in_openai_shape():
     assert code == 404 and "text model (`tiny`)" in resp["error"]["message"] and not answers
 
 
+def test_a_generation_failing_midway_streams_an_error_clients_read():
+    """A generation that fails midway ends its stream with transformers serve's `{"error": "text"}`: the OpenAI SDK
+    showed "An error occurred during streaming" (it reads error.message), and a streamed Response finished with
+    `response.completed`, the answer cut short read as whole. Now the error is in OpenAI's shape, and the Response
+    fails (`response.failed`, its error saying why)."""
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):
+        await receive()
+        chunk = {"id": "r1", "object": "chat.completion.chunk", "created": 1,
+                 "choices": [{"index": 0, "delta": {"content": "Half an ans"}}]}
+        data = b"data: " + json.dumps(chunk).encode() + b'\n\ndata: {"error": "out of memory"}\n\ndata: [DONE]\n\n'
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": data})
+
+    app = CheckedChatApp(inner)
+    code, events = _stream_through(app, {"messages": USER, "stream": True})
+    assert code == 200 and events[-1] == {"error": {"type": "server_error", "param": None, "code": None,
+                                                    "message": "out of memory"}}, events
+    code, text = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
+    kinds = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if "data: " in e]
+    assert code == 200 and "response.completed" not in [k["type"] for k in kinds]
+    assert kinds[-1]["type"] == "response.failed" and kinds[-1]["response"]["status"] == "failed"
+    assert kinds[-1]["response"]["error"] == {"code": "server_error", "message": "out of memory"}
+
+
 def test_tool_choice_opens_the_call_through_the_chat_template():
     """tool_choice naming a function, or "required", was checked but not enforced by the local server (transformers
     serve has no guided decoding): the model could answer in text. The tool chat template now opens the answer with
