@@ -416,6 +416,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     prefix = family.text_prefix(weights.names())
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
     tensors, skipped = plan_tensors(facts, text, weights, prefix, args.type, tied, where)
+    weights.require_float([t.hf_key for t in tensors])  # an int8 or fp8 matrix was exported as its raw integers
     embed = next(t for t in tensors if t.name == "token_embd.weight")
     vocab = read_vocab(tok_dir, embed.shape[0], token_map, FUNCTION_MARKERS)
     tool_calling = vocab.id_of(START_RESPONSE) is not None

@@ -615,6 +615,48 @@ def test_error_base_without_weights(work, base, lora_ckpt, capsys):
     _expect_error(capsys, work / "err6", "--checkpoint", lora_ckpt[0], "--base", broken, contains="safetensors")
 
 
+def _base_with(work: Path, base: Path, name: str, convert) -> Path:
+    """A copy of `base` whose tensors are `convert(key, array)`."""
+    from safetensors.numpy import load_file, save_file
+
+    out = work / name
+    shutil.copytree(base, out)
+    t = load_file(str(base / "model.safetensors"))
+    save_file({k: convert(k, v) for k, v in t.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_error_quantized_base_is_refused_by_name(work, base, lora_ckpt, capsys):
+    """An int8 base (given with --allow-base-mismatch): a LoRA site of it crashed the writer with a RuntimeError
+    traceback, an untargeted int8 tensor was copied into the output as int8; both merged without their scales."""
+    i8 = _base_with(work, base, "base_i8", lambda k, v: np.clip(np.round(v * 100), -127, 127).astype(np.int8)
+                    if k.endswith(("q_proj.weight", "embed_tokens.weight")) else v)
+    _expect_error(capsys, work / "err_i8", "--checkpoint", lora_ckpt[0], "--base", i8, "--allow-base-mismatch",
+                  contains="weight 'model.embed_tokens.weight' is I8, not floating point")
+    # the merged sites the only int8 tensors
+    only_q = _base_with(work, base, "base_i8_q", lambda k, v: v.astype(np.int8) if k.endswith("q_proj.weight") else v)
+    _expect_error(capsys, work / "err_i8_q", "--checkpoint", lora_ckpt[0], "--base", only_q, "--allow-base-mismatch",
+                  contains="weight 'model.layers.0.self_attn.q_proj.weight' is I8, not floating point")
+
+    from convert.export_gguf import main as gguf_main
+    from gemma_tpu.core.cli import cli_main
+
+    pytest.importorskip("gguf")
+    assert cli_main(gguf_main, ["--merged", str(only_q), "--out", str(work / "i8.gguf"), "--type", "f16"]) == 2
+    assert "q_proj.weight' is I8, not floating point" in capsys.readouterr().err
+    assert leftovers(work / "i8.gguf") == []
+
+
+def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
+    """A float64 base (which the trainer loads) was refused: 'no floating-point tensors'."""
+    f64 = _base_with(work, base, "base_f64", lambda k, v: v.astype(np.float64))
+    out = work / "merged_f64"
+    assert merge("--checkpoint", lora_ckpt[0], "--base", f64, "--out", out, "--allow-base-mismatch") == 0
+    assert {t.dtype for t in sio.WeightsDir(out).tensors.values()} == {"F32"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert max_diff(hf_logits(merged), hf_logits(out)) <= 1e-6
+
+
 # ------------------------------------------------------------------------------ atomicity
 
 
