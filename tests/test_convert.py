@@ -660,6 +660,19 @@ def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
 # ------------------------------------------------------------------------------ atomicity
 
 
+def test_out_that_is_a_mount_point_is_refused_before_the_merge(work, lora_ckpt, small_disk, capsys):
+    """--out a mounted disk with --overwrite: the whole merge ran (and its space was checked on the disk above),
+    then the rename into place failed with 'Device or resource busy'. Refused first; inside it, the merge works."""
+    mnt = small_disk("80m")
+    assert merge("--checkpoint", lora_ckpt[0], "--out", mnt, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"error: --out {mnt} is a mount point, which an output cannot replace (it "
+                                            f"is built beside the target and renamed into place); give a path inside "
+                                            f"it, e.g. {mnt / 'out'}")
+    assert "merge: " not in err and list(mnt.iterdir()) == [] and leftovers(mnt) == [mnt.name]
+    assert merge("--checkpoint", lora_ckpt[0], "--out", mnt / "out") == 0 and _complete(mnt / "out")
+
+
 def _start_merge(ckpt: Path, out: Path, *extra: str, slow: float = 0.15) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "GEMMA_TPU_MERGE_SLOW": str(slow)}
     return subprocess.Popen([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(ckpt),

@@ -97,6 +97,9 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
         if not same_kind or target.is_symlink():
             what = "a directory" if kind == "dir" else "a regular file"
             raise UserError(f"{target} exists and is not {what}; refusing to replace it")
+        if os.path.ismount(target):  # the rename at the end failed with EBUSY, after all the work was done
+            raise UserError(f"--out {target} is a mount point, which an output cannot replace (it is built beside "
+                            f"the target and renamed into place); give a path inside it, e.g. {target / 'out'}")
     resolved = target.resolve()
     for p in protected:
         p = Path(p).resolve()
