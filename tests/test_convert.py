@@ -673,6 +673,14 @@ def test_out_that_is_a_mount_point_is_refused_before_the_merge(work, lora_ckpt, 
     assert merge("--checkpoint", lora_ckpt[0], "--out", mnt / "out") == 0 and _complete(mnt / "out")
 
 
+def test_too_little_disk_names_the_margin_it_keeps(work, lora_ckpt, small_disk, capsys):
+    """A disk with room for the output but not for the 64 MiB kept free beside it: the refusal read 'need
+    428.54 KB, 4.19 MB free', a contradiction to whoever read it."""
+    out = small_disk("4m") / "out"
+    msg = _expect_error(capsys, out, "--checkpoint", lora_ckpt[0], contains="not enough disk space")
+    assert "need 428.54 KB plus 67.11 MB to spare, 4.19 MB free" in msg, msg
+
+
 def _start_merge(ckpt: Path, out: Path, *extra: str, slow: float = 0.15) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "GEMMA_TPU_MERGE_SLOW": str(slow)}
     return subprocess.Popen([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(ckpt),

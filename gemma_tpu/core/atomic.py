@@ -58,12 +58,16 @@ def free_space(path: str | Path) -> int:
     return shutil.disk_usage(probe).free
 
 
+SPACE_MARGIN = 64 << 20  # left free beside an output (the other files of the directory, the filesystem's own)
+
+
 def check_space(out: str | Path, nbytes: int) -> None:
-    """Refuse, before writing, an output whose bytes (plus 64 MiB) do not fit: a full disk midway left only an
-    error naming a temp folder."""
+    """Refuse, before writing, an output whose bytes (plus SPACE_MARGIN) do not fit: a full disk midway left only an
+    error naming a temp folder. The margin is named: 'need 428.54 KB, 4.19 MB free' read as a contradiction."""
     free = free_space(out)
-    if free < nbytes + (64 << 20):
-        raise UserError(f"not enough disk space for {out}: need {human(nbytes)}, {human(free)} free")
+    if free < nbytes + SPACE_MARGIN:
+        raise UserError(f"not enough disk space for {out}: need {human(nbytes)} plus {human(SPACE_MARGIN)} to spare, "
+                        f"{human(free)} free")
 
 
 def writer_lock(target: str | Path) -> Path:
