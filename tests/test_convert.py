@@ -790,6 +790,34 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
     assert max_diff(hf_logits(base, adapter=out), hf_logits(merged)) <= TOL
 
 
+def test_peft_adapter_names_the_base_it_was_trained_on_wherever_it_is_loaded(work, base, lora_ckpt, merged):
+    """model.path as written in a run's config, relative to where training ran (`tiny/gemma3`), went into
+    adapter_config.json as is: AutoPeftModelForCausalLM run anywhere else found no such model. The absolute
+    directory trained on is named; a hub id stays the hub id."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    from convert.export_peft import main, peft_base_path
+    from gemma_tpu.checkpoint.metadata import read_metadata, write_metadata
+    from gemma_tpu.core.cli import cli_main
+
+    ckpt = work / "ckpt_relative_base"
+    shutil.copytree(lora_ckpt[0], ckpt)
+    meta = read_metadata(ckpt)
+    meta["base_model"]["path"] = "tiny/gemma3"
+    write_metadata(ckpt, {k: v for k, v in meta.items() if k not in ("format", "version")})
+    out = work / "adapter_relative_base"
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        got = [model(input_ids=torch.tensor([p])).logits[0].numpy() for p in PROMPTS]
+    assert max_diff(got, hf_logits(merged)) <= TOL
+    hub = {"path": "google/gemma-3-270m", "local_dir": "/cache/models--google--gemma-3-270m/snapshots/0123abc"}
+    assert peft_base_path(hub) == "google/gemma-3-270m"
+    assert peft_base_path({"path": "embedded:tiny", "local_dir": "/assets/tiny"}) == "/assets/tiny"
+
+
 def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     from convert.export_peft import main
     from gemma_tpu.core.cli import cli_main
