@@ -631,3 +631,20 @@ def test_error_f16_beyond_its_range(work, tool_ckpt, capsys):
                          contains="values beyond float16's range")
     assert "model.layers.0." in line and "--type bf16" in line
     assert export("--checkpoint", ckpt, "--out", work / "overflow_bf16.gguf", "--type", "bf16") == 0
+
+
+def test_tool_tokens_in_a_tokenizer_model_that_does_not_parse_are_refused_first(work, base, tool_ckpt, capsys):
+    """A tool-calling merge whose base has a damaged tokenizer.model: the whole merge ran, then renaming the
+    markers in it ended in protobuf's DecodeError traceback. Refused before the merge, naming the file."""
+    from convert.merge_orbax import main
+    from gemma_tpu.core.cli import cli_main
+
+    damaged = work / "base_bad_spm"
+    shutil.copytree(base, damaged)
+    (damaged / "tokenizer.model").write_bytes(b"\xff\xff not a SentencePiece model")
+    out = work / "merged_bad_spm"
+    assert cli_main(main, ["--checkpoint", str(tool_ckpt[0]), "--base", str(damaged), "--out", str(out),
+                           "--allow-base-mismatch"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"error: {damaged / 'tokenizer.model'}: not a SentencePiece model")
+    assert "merge: " not in err and leftovers(out) == []
