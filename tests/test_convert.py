@@ -673,6 +673,21 @@ def test_out_that_is_a_mount_point_is_refused_before_the_merge(work, lora_ckpt, 
     assert merge("--checkpoint", lora_ckpt[0], "--out", mnt / "out") == 0 and _complete(mnt / "out")
 
 
+def test_out_that_is_a_link_to_an_earlier_output_is_named_as_a_link(work, lora_ckpt, capsys):
+    """--out latest --overwrite, `latest` a symlink to the last merge: refused as 'exists and is not a directory',
+    while `ls` showed a directory. It is named as the link it is, and the path it points to is replaced."""
+    real = work / "merged_linked"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", real) == 0
+    link = work / "latest"
+    link.symlink_to(real)
+    assert merge("--checkpoint", lora_ckpt[0], "--out", link, "--overwrite") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {link} is a symbolic link (to {real}); refusing to replace the link: give the path it points to, or "
+        f"remove the link")
+    assert link.is_symlink() and _complete(real)
+    assert merge("--checkpoint", lora_ckpt[0], "--out", link.resolve(), "--overwrite") == 0 and _complete(real)
+
+
 def test_too_little_disk_names_the_margin_it_keeps(work, lora_ckpt, small_disk, capsys):
     """A disk with room for the output but not for the 64 MiB kept free beside it: the refusal read 'need
     428.54 KB, 4.19 MB free', a contradiction to whoever read it."""

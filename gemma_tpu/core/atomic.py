@@ -97,8 +97,10 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
     if target.exists() or target.is_symlink():
         if not overwrite:
             raise UserError(f"{target} already exists (use --overwrite to replace it)")
-        same_kind = target.is_dir() if kind == "dir" else target.is_file()
-        if not same_kind or target.is_symlink():
+        if target.is_symlink():  # 'is not a directory' of a link to one sent users looking at the wrong thing
+            raise UserError(f"{target} is a symbolic link (to {os.readlink(target)}); refusing to replace the link: "
+                            f"give the path it points to, or remove the link")
+        if not (target.is_dir() if kind == "dir" else target.is_file()):
             what = "a directory" if kind == "dir" else "a regular file"
             raise UserError(f"{target} exists and is not {what}; refusing to replace it")
         if os.path.ismount(target):  # the rename at the end failed with EBUSY, after all the work was done
