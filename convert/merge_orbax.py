@@ -22,7 +22,8 @@ is built in a hidden temp dir beside `--out` and renamed into place at the end (
 
 `--verify` compares the JAX LoRA model with the merged output loaded by transformers before the
 output is published. On failure nothing is published at `--out` (an older output there stays
-untouched); the merged files are kept at `<out>.unverified` for inspection and the exit code is 3.
+untouched); the merged files are kept at `<out>.unverified` for inspection and the exit code is 3. So they are
+when the verification cannot run (transformers cannot load the model, memory runs out).
 """
 
 from __future__ import annotations
@@ -342,10 +343,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         sio.write_json(tmp / PROVENANCE_FILE, provenance(plan, writer))
         if args.verify:
-            report = verify_merge(s, plan.base_dir, tmp, sio.DTYPE_NAMES_INV[plan.out_dtype])
+            unverified = plan.out.parent / f"{plan.out.name}.unverified"
+            try:
+                report = verify_merge(s, plan.base_dir, tmp, sio.DTYPE_NAMES_INV[plan.out_dtype])
+            except Exception as e:  # transformers cannot load it, out of memory...: the merge itself is kept too
+                kept = ad.move_to(unverified)
+                if not isinstance(e, UserError):
+                    print(f"merge: verification did not run; nothing published at {plan.out}; the merged files are "
+                          f"kept at {kept}", file=sys.stderr)
+                    raise
+                raise VerificationFailed(f"verification did not run ({e}); nothing published at {plan.out}; the "
+                                         f"merged files are kept at {kept}") from None
             print(report.summary(), file=sys.stderr)
             if not report.passed:
-                kept = ad.move_to(plan.out.parent / f"{plan.out.name}.unverified")
+                kept = ad.move_to(unverified)
                 raise VerificationFailed(f"verification failed ({report.reason}); nothing published at "
                                          f"{plan.out}; the merged files are kept at {kept}")
         ad.publish()

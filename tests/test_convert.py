@@ -427,6 +427,35 @@ def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch)
     assert (work / "merged_fail1.unverified" / "notes").read_text() == "x"
 
 
+def test_verification_that_cannot_run_keeps_the_merge_aside(work, lora_ckpt, capsys, monkeypatch):
+    """transformers unable to load the merged model (a Gemma 4 on a transformers that predates it), or memory
+    running out in the comparison: the merged files, perhaps an hour's work, were deleted with the temp dir.
+    They are kept at <out>.unverified, as for a failed comparison, and nothing is published."""
+    import convert.verify as verify
+    from gemma_tpu.core.errors import UserError
+
+    def cannot_load(model_dir, ids):
+        raise UserError(f"{model_dir}: transformers cannot load it (model type gemma3_text is not known)")
+
+    monkeypatch.setattr(verify, "hf_logits", cannot_load)
+    out = work / "merged_noverify"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: verification did not run (") and "transformers cannot load it" in last, last
+    kept = work / "merged_noverify.unverified"
+    assert last.endswith(f"nothing published at {out}; the merged files are kept at {kept}") and not out.exists()
+    assert _complete(kept)
+
+    def out_of_memory(model_dir, ids):
+        raise MemoryError()
+
+    monkeypatch.setattr(verify, "hf_logits", out_of_memory)
+    with pytest.raises(MemoryError):
+        merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify")
+    assert f"the merged files are kept at {kept}" in capsys.readouterr().err
+    assert _complete(kept) and not out.exists() and leftovers(out) == []
+
+
 def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt):
     """One restore for generate and verify: generate gets the model as trained (int8 base), verify the
     dense base with the same factors, which is what a merge of a QLoRA run is made from."""
