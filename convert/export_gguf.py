@@ -420,12 +420,13 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     embed = next(t for t in tensors if t.name == "token_embd.weight")
     vocab = read_vocab(tok_dir, embed.shape[0], token_map, FUNCTION_MARKERS)
     tool_calling = vocab.id_of(START_RESPONSE) is not None
-    if token_map:
+    chat_template = read_chat_template(tok_dir)
+    if token_map or (chat_template or "").strip() == tool_chat_template(None).strip():
         # the markers now have their published names; without the template's JSON reader for tool results, which
-        # uses Jinja that llama.cpp's own C++ template engine is not known to have ('%c' | format, int(base))
+        # uses Jinja that llama.cpp's own C++ template engine is not known to have ('%c' | format, int(base)).
+        # Also for --merged of a tool-calling merge, whose directory holds the template with the reader: its file
+        # differed from the --checkpoint export of the same run
         chat_template = tool_chat_template(None, parse_json=False)
-    else:
-        chat_template = read_chat_template(tok_dir)
     plan = ExportPlan(family, facts, config, text, weights, tensors, vocab, chat_template, tool_calling, out,
                       args.type, merge, provenance, skipped)
     check_space(out, plan.tensor_bytes + vocab.nbytes + len(chat_template or "") + (1 << 20))

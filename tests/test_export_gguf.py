@@ -262,6 +262,10 @@ def test_checkpoint_export_matches_merge(work, tool_ckpt, merged, base_logits):
     for a, b in zip(r1.tensors, r2.tensors, strict=True):
         assert a.name == b.name and np.array_equal(a.data, b.data), a.name
     assert fields(out2)["tokenizer.ggml.tokens"] == tokens
+    # and the chat template llama.cpp can run (without the JSON reader the merged directory's template has)
+    assert "'%c' | format" in (merged / "chat_template.jinja").read_text()
+    assert fields(out2)["tokenizer.chat_template"] == f["tokenizer.chat_template"]
+    assert "'%c' | format" not in f["tokenizer.chat_template"]
 
 
 def test_checkpoint_q8_0_kl(work, tool_ckpt, merged):
