@@ -111,8 +111,11 @@ def base_float_dtype(weights: sio.WeightsDir) -> str:
     """The base's dtype: the float dtype holding the most bytes (float64, which no --dtype names, as float32)."""
     by = {}
     for t in weights.tensors.values():
-        dtype = "F32" if t.dtype == "F64" else t.dtype
-        by[dtype] = by.get(dtype, 0) + t.nbytes
+        if t.dtype in sio.WEIGHT_DTYPES:
+            dtype = "F32" if t.dtype == "F64" else t.dtype
+            by[dtype] = by.get(dtype, 0) + t.nbytes
+    if not by:
+        raise UserError(f"{weights.dir}: no floating-point tensors")
     return max(by, key=by.get)
 
 
@@ -137,10 +140,11 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     if base_family.name != source.family.name:
         raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
     weights = sio.WeightsDir(base_dir)
-    # every tensor is written as a float of the output dtype: integer or fp8 weights (a quantized base, with
-    # --allow-base-mismatch or another --base) were merged without their scales or crashed the writer
-    weights.require_float(weights.names(), "merge into the unquantized base (--base)")
     prefix = source.family.text_prefix(weights.names())
+    # the decoder's weights are written as floats of the output dtype: integer or fp8 ones (a quantized base, with
+    # --allow-base-mismatch or another --base) were merged without their scales or crashed the writer
+    weights.require_float([n for n in weights.names() if n.startswith((prefix, "lm_head."))],
+                          "merge into the unquantized base (--base)")
     if out is not None:
         check_target(out, overwrite, protected=[base_dir, source.dir], marker=PROVENANCE_FILE)
         # the files written after the weights are read now, so that a broken one is refused before the merge
@@ -170,14 +174,15 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
         if name in ("lm_head.weight", "lm_head.bias") and tied_embeddings(base_config):
             dropped.append(name)
             continue
+        dtype = out_dtype if src.dtype in sio.WEIGHT_DTYPES else src.dtype  # a buffer beside the decoder: as is
         if name in lora_by_key:
             op = Op(name, src, "lora", lora_by_key[name])
         elif name in full_by_key:
             op = Op(name, src, "full", full_by_key[name])
         else:
-            op = Op(name, src, "copy" if out_dtype == src.dtype else "cast")
+            op = Op(name, src, "copy" if dtype == src.dtype else "cast")
         ops.append(op)
-        specs.append(sio.OutSpec(name, out_dtype, src.shape))
+        specs.append(sio.OutSpec(name, dtype, src.shape))
     if out is not None:
         check_space(out, sum(s.nbytes for s in specs))
     return MergePlan(source, base_dir, base_config, weights, prefix, out, out_dtype, ops, specs,

@@ -677,11 +677,20 @@ def test_error_quantized_base_is_refused_by_name(work, base, lora_ckpt, capsys):
 
 
 def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
-    """A float64 base (which the trainer loads) was refused: 'no floating-point tensors'."""
+    """A float64 base (which the trainer loads) was refused: 'no floating-point tensors'. An integer buffer
+    outside the decoder (a vision tower's position ids) is no quantized weight: copied as it is."""
+    from safetensors.numpy import load_file, save_file
+
     f64 = _base_with(work, base, "base_f64", lambda k, v: v.astype(np.float64))
+    t = load_file(str(f64 / "model.safetensors"))
+    t["vision_tower.position_ids"] = np.arange(16, dtype=np.int64)
+    save_file(t, str(f64 / "model.safetensors"), metadata={"format": "pt"})
     out = work / "merged_f64"
     assert merge("--checkpoint", lora_ckpt[0], "--base", f64, "--out", out, "--allow-base-mismatch") == 0
-    assert {t.dtype for t in sio.WeightsDir(out).tensors.values()} == {"F32"}
+    mw = sio.WeightsDir(out)
+    assert {t.dtype for n, t in mw.tensors.items() if n != "vision_tower.position_ids"} == {"F32"}
+    assert mw["vision_tower.position_ids"].dtype == "I64"
+    assert list(mw.read("vision_tower.position_ids")) == list(range(16))
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert max_diff(hf_logits(merged), hf_logits(out)) <= 1e-6
 
