@@ -416,15 +416,17 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     prefix = family.text_prefix(weights.names())
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
     tensors, skipped = plan_tensors(facts, text, weights, prefix, args.type, tied, where)
+    weights.require_float([t.hf_key for t in tensors])  # an int8 or fp8 matrix was exported as its raw integers
     embed = next(t for t in tensors if t.name == "token_embd.weight")
     vocab = read_vocab(tok_dir, embed.shape[0], token_map, FUNCTION_MARKERS)
     tool_calling = vocab.id_of(START_RESPONSE) is not None
-    if token_map:
+    chat_template = read_chat_template(tok_dir)
+    if token_map or (chat_template or "").strip() == tool_chat_template(None).strip():
         # the markers now have their published names; without the template's JSON reader for tool results, which
-        # uses Jinja that llama.cpp's own C++ template engine is not known to have ('%c' | format, int(base))
+        # uses Jinja that llama.cpp's own C++ template engine is not known to have ('%c' | format, int(base)).
+        # Also for --merged of a tool-calling merge, whose directory holds the template with the reader: its file
+        # differed from the --checkpoint export of the same run
         chat_template = tool_chat_template(None, parse_json=False)
-    else:
-        chat_template = read_chat_template(tok_dir)
     plan = ExportPlan(family, facts, config, text, weights, tensors, vocab, chat_template, tool_calling, out,
                       args.type, merge, provenance, skipped)
     check_space(out, plan.tensor_bytes + vocab.nbytes + len(chat_template or "") + (1 << 20))

@@ -61,15 +61,10 @@ def adapter_config(source: CheckpointSource, prefix: str) -> dict:
         escaped = re.escape(prefix)
         target_modules = escaped + r"layers\.\d+\.(?:self_attn|mlp)\.(?:" + "|".join(targets) + ")"
     base = source.meta.get("base_model") or {}
-    # PEFT (AutoPeftModel) and vLLM resolve this themselves: a hub id or a directory, not our
-    # `embedded:NAME` scheme, for which the prepared local directory is given instead.
-    base_path = base.get("path")
-    if not base_path or str(base_path).startswith("embedded:"):
-        base_path = base.get("local_dir") or base_path
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_path,
+        "base_model_name_or_path": peft_base_path(base),
         "revision": base.get("revision"),
         "r": int(source.lora["rank"]),
         "lora_alpha": source.lora["alpha"],
@@ -84,6 +79,16 @@ def adapter_config(source: CheckpointSource, prefix: str) -> dict:
         "modules_to_save": None,
         "layers_to_transform": None,
     }
+
+
+def peft_base_path(base: dict) -> str | None:
+    """The base as PEFT (AutoPeftModel) and vLLM resolve it themselves: the hub id trained on, else the absolute
+    directory trained on. The recorded `path` is what the run's config said: not only our `embedded:NAME`, but a
+    local directory as written, often relative to where training ran (`models/gemma`), which from anywhere else
+    named nothing, or another model of that name."""
+    path, local = base.get("path"), base.get("local_dir")
+    from_hub = local is not None and Path(local).parent.name == "snapshots"  # a hub id's copy in the HF cache
+    return path if path and (from_hub or not local) else local or path
 
 
 def build_parser() -> argparse.ArgumentParser:

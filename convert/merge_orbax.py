@@ -22,7 +22,8 @@ is built in a hidden temp dir beside `--out` and renamed into place at the end (
 
 `--verify` compares the JAX LoRA model with the merged output loaded by transformers before the
 output is published. On failure nothing is published at `--out` (an older output there stays
-untouched); the merged files are kept at `<out>.unverified` for inspection and the exit code is 3.
+untouched); the merged files are kept at `<out>.unverified` for inspection and the exit code is 3. So they are
+when the verification cannot run (transformers cannot load the model, memory runs out).
 """
 
 from __future__ import annotations
@@ -107,11 +108,12 @@ class MergePlan:
 
 
 def base_float_dtype(weights: sio.WeightsDir) -> str:
-    """The base's dtype: the float dtype holding the most bytes."""
+    """The base's dtype: the float dtype holding the most bytes (float64, which no --dtype names, as float32)."""
     by = {}
     for t in weights.tensors.values():
-        if t.dtype in sio.FLOAT_DTYPES:
-            by[t.dtype] = by.get(t.dtype, 0) + t.nbytes
+        if t.dtype in sio.WEIGHT_DTYPES:
+            dtype = "F32" if t.dtype == "F64" else t.dtype
+            by[dtype] = by.get(dtype, 0) + t.nbytes
     if not by:
         raise UserError(f"{weights.dir}: no floating-point tensors")
     return max(by, key=by.get)
@@ -139,6 +141,10 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
         raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
     weights = sio.WeightsDir(base_dir)
     prefix = source.family.text_prefix(weights.names())
+    # the decoder's weights are written as floats of the output dtype: integer or fp8 ones (a quantized base, with
+    # --allow-base-mismatch or another --base) were merged without their scales or crashed the writer
+    weights.require_float([n for n in weights.names() if n.startswith((prefix, "lm_head."))],
+                          "merge into the unquantized base (--base)")
     if out is not None:
         check_target(out, overwrite, protected=[base_dir, source.dir], marker=PROVENANCE_FILE)
         # the files written after the weights are read now, so that a broken one is refused before the merge
@@ -168,7 +174,7 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
         if name in ("lm_head.weight", "lm_head.bias") and tied_embeddings(base_config):
             dropped.append(name)
             continue
-        dtype = out_dtype if src.dtype in sio.FLOAT_DTYPES else src.dtype
+        dtype = out_dtype if src.dtype in sio.WEIGHT_DTYPES else src.dtype  # a buffer beside the decoder: as is
         if name in lora_by_key:
             op = Op(name, src, "lora", lora_by_key[name])
         elif name in full_by_key:
@@ -342,10 +348,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         sio.write_json(tmp / PROVENANCE_FILE, provenance(plan, writer))
         if args.verify:
-            report = verify_merge(s, plan.base_dir, tmp, sio.DTYPE_NAMES_INV[plan.out_dtype])
+            unverified = plan.out.parent / f"{plan.out.name}.unverified"
+            try:
+                report = verify_merge(s, plan.base_dir, tmp, sio.DTYPE_NAMES_INV[plan.out_dtype])
+            except Exception as e:  # transformers cannot load it, out of memory...: the merge itself is kept too
+                kept = ad.move_to(unverified)
+                if not isinstance(e, UserError):
+                    print(f"merge: verification did not run; nothing published at {plan.out}; the merged files are "
+                          f"kept at {kept}", file=sys.stderr)
+                    raise
+                raise VerificationFailed(f"verification did not run ({e}); nothing published at {plan.out}; the "
+                                         f"merged files are kept at {kept}") from None
             print(report.summary(), file=sys.stderr)
             if not report.passed:
-                kept = ad.move_to(plan.out.parent / f"{plan.out.name}.unverified")
+                kept = ad.move_to(unverified)
                 raise VerificationFailed(f"verification failed ({report.reason}); nothing published at "
                                          f"{plan.out}; the merged files are kept at {kept}")
         ad.publish()

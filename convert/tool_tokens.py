@@ -71,14 +71,27 @@ def _rename_tokenizer_config(path: Path, token_map: dict[str, str]) -> None:
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
-def _rename_sentencepiece(path: Path, token_map: dict[str, str]) -> bool:
-    """Rename pieces in a SentencePiece model; False if sentencepiece's proto is unavailable."""
+def _read_sentencepiece(path: Path):
+    """The SentencePiece model proto of `path`, None if sentencepiece's proto is unavailable; a file it cannot
+    parse is one line naming it (it was a protobuf DecodeError traceback, after the whole merge)."""
     try:
         from sentencepiece import sentencepiece_model_pb2 as sp_pb2
     except ImportError:
-        return False
+        return None
     proto = sp_pb2.ModelProto()
-    proto.ParseFromString(path.read_bytes())
+    try:
+        proto.ParseFromString(path.read_bytes())
+    except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
+        raise UserError(f"{path}: not a SentencePiece model ({e}); the tool-call markers cannot be published in "
+                        f"it (remove it: tokenizer.json is the tokenizer transformers loads)") from None
+    return proto
+
+
+def _rename_sentencepiece(path: Path, token_map: dict[str, str]) -> bool:
+    """Rename pieces in a SentencePiece model; False if sentencepiece's proto is unavailable."""
+    proto = _read_sentencepiece(path)
+    if proto is None:
+        return False
     by_old = {old: new for new, old in token_map.items()}
     for piece in proto.pieces:
         if piece.piece in by_old:
@@ -90,7 +103,7 @@ def _rename_sentencepiece(path: Path, token_map: dict[str, str]) -> bool:
 def check_tool_token_files(tok_dir: Path, token_map: dict[str, str]) -> None:
     """Refuse, before any output is written, tokenizer files `install_tool_tokens` could not publish the
     markers in: no tokenizer.json, a tokenizer.json / tokenizer_config.json that is not a JSON object, a
-    mapped token the vocabulary lacks (one line naming the file)."""
+    mapped token the vocabulary lacks, a tokenizer.model that does not parse (one line naming the file)."""
     if not token_map:
         return
     tj = Path(tok_dir) / "tokenizer.json"
@@ -101,6 +114,8 @@ def check_tool_token_files(tok_dir: Path, token_map: dict[str, str]) -> None:
     tc = Path(tok_dir) / "tokenizer_config.json"
     if tc.is_file():
         read_json_object(tc, f"{tc}: missing")
+    if (Path(tok_dir) / "tokenizer.model").is_file():
+        _read_sentencepiece(Path(tok_dir) / "tokenizer.model")
 
 
 def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, int]:

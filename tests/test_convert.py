@@ -427,6 +427,35 @@ def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch)
     assert (work / "merged_fail1.unverified" / "notes").read_text() == "x"
 
 
+def test_verification_that_cannot_run_keeps_the_merge_aside(work, lora_ckpt, capsys, monkeypatch):
+    """transformers unable to load the merged model (a Gemma 4 on a transformers that predates it), or memory
+    running out in the comparison: the merged files, perhaps an hour's work, were deleted with the temp dir.
+    They are kept at <out>.unverified, as for a failed comparison, and nothing is published."""
+    import convert.verify as verify
+    from gemma_tpu.core.errors import UserError
+
+    def cannot_load(model_dir, ids):
+        raise UserError(f"{model_dir}: transformers cannot load it (model type gemma3_text is not known)")
+
+    monkeypatch.setattr(verify, "hf_logits", cannot_load)
+    out = work / "merged_noverify"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: verification did not run (") and "transformers cannot load it" in last, last
+    kept = work / "merged_noverify.unverified"
+    assert last.endswith(f"nothing published at {out}; the merged files are kept at {kept}") and not out.exists()
+    assert _complete(kept)
+
+    def out_of_memory(model_dir, ids):
+        raise MemoryError()
+
+    monkeypatch.setattr(verify, "hf_logits", out_of_memory)
+    with pytest.raises(MemoryError):
+        merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify")
+    assert f"the merged files are kept at {kept}" in capsys.readouterr().err
+    assert _complete(kept) and not out.exists() and leftovers(out) == []
+
+
 def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt):
     """One restore for generate and verify: generate gets the model as trained (int8 base), verify the
     dense base with the same factors, which is what a merge of a QLoRA run is made from."""
@@ -615,7 +644,94 @@ def test_error_base_without_weights(work, base, lora_ckpt, capsys):
     _expect_error(capsys, work / "err6", "--checkpoint", lora_ckpt[0], "--base", broken, contains="safetensors")
 
 
+def _base_with(work: Path, base: Path, name: str, convert) -> Path:
+    """A copy of `base` whose tensors are `convert(key, array)`."""
+    from safetensors.numpy import load_file, save_file
+
+    out = work / name
+    shutil.copytree(base, out)
+    t = load_file(str(base / "model.safetensors"))
+    save_file({k: convert(k, v) for k, v in t.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_error_quantized_base_is_refused_by_name(work, base, lora_ckpt, capsys):
+    """An int8 base (given with --allow-base-mismatch): a LoRA site of it crashed the writer with a RuntimeError
+    traceback, an untargeted int8 tensor was copied into the output as int8; both merged without their scales."""
+    i8 = _base_with(work, base, "base_i8", lambda k, v: np.clip(np.round(v * 100), -127, 127).astype(np.int8)
+                    if k.endswith(("q_proj.weight", "embed_tokens.weight")) else v)
+    _expect_error(capsys, work / "err_i8", "--checkpoint", lora_ckpt[0], "--base", i8, "--allow-base-mismatch",
+                  contains="weight 'model.embed_tokens.weight' is I8, not floating point")
+    # the merged sites the only int8 tensors
+    only_q = _base_with(work, base, "base_i8_q", lambda k, v: v.astype(np.int8) if k.endswith("q_proj.weight") else v)
+    _expect_error(capsys, work / "err_i8_q", "--checkpoint", lora_ckpt[0], "--base", only_q, "--allow-base-mismatch",
+                  contains="weight 'model.layers.0.self_attn.q_proj.weight' is I8, not floating point")
+
+    from convert.export_gguf import main as gguf_main
+    from gemma_tpu.core.cli import cli_main
+
+    pytest.importorskip("gguf")
+    assert cli_main(gguf_main, ["--merged", str(only_q), "--out", str(work / "i8.gguf"), "--type", "f16"]) == 2
+    assert "q_proj.weight' is I8, not floating point" in capsys.readouterr().err
+    assert leftovers(work / "i8.gguf") == []
+
+
+def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
+    """A float64 base (which the trainer loads) was refused: 'no floating-point tensors'. An integer buffer
+    outside the decoder (a vision tower's position ids) is no quantized weight: copied as it is."""
+    from safetensors.numpy import load_file, save_file
+
+    f64 = _base_with(work, base, "base_f64", lambda k, v: v.astype(np.float64))
+    t = load_file(str(f64 / "model.safetensors"))
+    t["vision_tower.position_ids"] = np.arange(16, dtype=np.int64)
+    save_file(t, str(f64 / "model.safetensors"), metadata={"format": "pt"})
+    out = work / "merged_f64"
+    assert merge("--checkpoint", lora_ckpt[0], "--base", f64, "--out", out, "--allow-base-mismatch") == 0
+    mw = sio.WeightsDir(out)
+    assert {t.dtype for n, t in mw.tensors.items() if n != "vision_tower.position_ids"} == {"F32"}
+    assert mw["vision_tower.position_ids"].dtype == "I64"
+    assert list(mw.read("vision_tower.position_ids")) == list(range(16))
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert max_diff(hf_logits(merged), hf_logits(out)) <= 1e-6
+
+
 # ------------------------------------------------------------------------------ atomicity
+
+
+def test_out_that_is_a_mount_point_is_refused_before_the_merge(work, lora_ckpt, small_disk, capsys):
+    """--out a mounted disk with --overwrite: the whole merge ran (and its space was checked on the disk above),
+    then the rename into place failed with 'Device or resource busy'. Refused first; inside it, the merge works."""
+    mnt = small_disk("80m")
+    assert merge("--checkpoint", lora_ckpt[0], "--out", mnt, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"error: --out {mnt} is a mount point, which an output cannot replace (it "
+                                            f"is built beside the target and renamed into place); give a path inside "
+                                            f"it, e.g. {mnt / 'out'}")
+    assert "merge: " not in err and list(mnt.iterdir()) == [] and leftovers(mnt) == [mnt.name]
+    assert merge("--checkpoint", lora_ckpt[0], "--out", mnt / "out") == 0 and _complete(mnt / "out")
+
+
+def test_out_that_is_a_link_to_an_earlier_output_is_named_as_a_link(work, lora_ckpt, capsys):
+    """--out latest --overwrite, `latest` a symlink to the last merge: refused as 'exists and is not a directory',
+    while `ls` showed a directory. It is named as the link it is, and the path it points to is replaced."""
+    real = work / "merged_linked"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", real) == 0
+    link = work / "latest"
+    link.symlink_to(real)
+    assert merge("--checkpoint", lora_ckpt[0], "--out", link, "--overwrite") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {link} is a symbolic link (to {real}); refusing to replace the link: give the path it points to, or "
+        f"remove the link")
+    assert link.is_symlink() and _complete(real)
+    assert merge("--checkpoint", lora_ckpt[0], "--out", link.resolve(), "--overwrite") == 0 and _complete(real)
+
+
+def test_too_little_disk_names_the_margin_it_keeps(work, lora_ckpt, small_disk, capsys):
+    """A disk with room for the output but not for the 64 MiB kept free beside it: the refusal read 'need
+    428.54 KB, 4.19 MB free', a contradiction to whoever read it."""
+    out = small_disk("4m") / "out"
+    msg = _expect_error(capsys, out, "--checkpoint", lora_ckpt[0], contains="not enough disk space")
+    assert "need 428.54 KB plus 67.11 MB to spare, 4.19 MB free" in msg, msg
 
 
 def _start_merge(ckpt: Path, out: Path, *extra: str, slow: float = 0.15) -> subprocess.Popen:
@@ -725,6 +841,34 @@ def test_peft_export_matches_merge(work, base, lora_ckpt, merged):
         assert not np.array_equal(f.get_tensor(p + "k_proj.lora_B.weight"), f.get_tensor(p + "v_proj.lora_B.weight"))
     assert len(keys) == 2 * 7 * 2
     assert max_diff(hf_logits(base, adapter=out), hf_logits(merged)) <= TOL
+
+
+def test_peft_adapter_names_the_base_it_was_trained_on_wherever_it_is_loaded(work, base, lora_ckpt, merged):
+    """model.path as written in a run's config, relative to where training ran (`tiny/gemma3`), went into
+    adapter_config.json as is: AutoPeftModelForCausalLM run anywhere else found no such model. The absolute
+    directory trained on is named; a hub id stays the hub id."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    from convert.export_peft import main, peft_base_path
+    from gemma_tpu.checkpoint.metadata import read_metadata, write_metadata
+    from gemma_tpu.core.cli import cli_main
+
+    ckpt = work / "ckpt_relative_base"
+    shutil.copytree(lora_ckpt[0], ckpt)
+    meta = read_metadata(ckpt)
+    meta["base_model"]["path"] = "tiny/gemma3"
+    write_metadata(ckpt, {k: v for k, v in meta.items() if k not in ("format", "version")})
+    out = work / "adapter_relative_base"
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        got = [model(input_ids=torch.tensor([p])).logits[0].numpy() for p in PROMPTS]
+    assert max_diff(got, hf_logits(merged)) <= TOL
+    hub = {"path": "google/gemma-3-270m", "local_dir": "/cache/models--google--gemma-3-270m/snapshots/0123abc"}
+    assert peft_base_path(hub) == "google/gemma-3-270m"
+    assert peft_base_path({"path": "embedded:tiny", "local_dir": "/assets/tiny"}) == "/assets/tiny"
 
 
 def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):

@@ -262,6 +262,10 @@ def test_checkpoint_export_matches_merge(work, tool_ckpt, merged, base_logits):
     for a, b in zip(r1.tensors, r2.tensors, strict=True):
         assert a.name == b.name and np.array_equal(a.data, b.data), a.name
     assert fields(out2)["tokenizer.ggml.tokens"] == tokens
+    # and the chat template llama.cpp can run (without the JSON reader the merged directory's template has)
+    assert "'%c' | format" in (merged / "chat_template.jinja").read_text()
+    assert fields(out2)["tokenizer.chat_template"] == f["tokenizer.chat_template"]
+    assert "'%c' | format" not in f["tokenizer.chat_template"]
 
 
 def test_checkpoint_q8_0_kl(work, tool_ckpt, merged):
@@ -631,3 +635,20 @@ def test_error_f16_beyond_its_range(work, tool_ckpt, capsys):
                          contains="values beyond float16's range")
     assert "model.layers.0." in line and "--type bf16" in line
     assert export("--checkpoint", ckpt, "--out", work / "overflow_bf16.gguf", "--type", "bf16") == 0
+
+
+def test_tool_tokens_in_a_tokenizer_model_that_does_not_parse_are_refused_first(work, base, tool_ckpt, capsys):
+    """A tool-calling merge whose base has a damaged tokenizer.model: the whole merge ran, then renaming the
+    markers in it ended in protobuf's DecodeError traceback. Refused before the merge, naming the file."""
+    from convert.merge_orbax import main
+    from gemma_tpu.core.cli import cli_main
+
+    damaged = work / "base_bad_spm"
+    shutil.copytree(base, damaged)
+    (damaged / "tokenizer.model").write_bytes(b"\xff\xff not a SentencePiece model")
+    out = work / "merged_bad_spm"
+    assert cli_main(main, ["--checkpoint", str(tool_ckpt[0]), "--base", str(damaged), "--out", str(out),
+                           "--allow-base-mismatch"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"error: {damaged / 'tokenizer.model'}: not a SentencePiece model")
+    assert "merge: " not in err and leftovers(out) == []

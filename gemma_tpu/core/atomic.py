@@ -58,12 +58,16 @@ def free_space(path: str | Path) -> int:
     return shutil.disk_usage(probe).free
 
 
+SPACE_MARGIN = 64 << 20  # left free beside an output (the other files of the directory, the filesystem's own)
+
+
 def check_space(out: str | Path, nbytes: int) -> None:
-    """Refuse, before writing, an output whose bytes (plus 64 MiB) do not fit: a full disk midway left only an
-    error naming a temp folder."""
+    """Refuse, before writing, an output whose bytes (plus SPACE_MARGIN) do not fit: a full disk midway left only an
+    error naming a temp folder. The margin is named: 'need 428.54 KB, 4.19 MB free' read as a contradiction."""
     free = free_space(out)
-    if free < nbytes + (64 << 20):
-        raise UserError(f"not enough disk space for {out}: need {human(nbytes)}, {human(free)} free")
+    if free < nbytes + SPACE_MARGIN:
+        raise UserError(f"not enough disk space for {out}: need {human(nbytes)} plus {human(SPACE_MARGIN)} to spare, "
+                        f"{human(free)} free")
 
 
 def writer_lock(target: str | Path) -> Path:
@@ -93,10 +97,15 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
     if target.exists() or target.is_symlink():
         if not overwrite:
             raise UserError(f"{target} already exists (use --overwrite to replace it)")
-        same_kind = target.is_dir() if kind == "dir" else target.is_file()
-        if not same_kind or target.is_symlink():
+        if target.is_symlink():  # 'is not a directory' of a link to one sent users looking at the wrong thing
+            raise UserError(f"{target} is a symbolic link (to {os.readlink(target)}); refusing to replace the link: "
+                            f"give the path it points to, or remove the link")
+        if not (target.is_dir() if kind == "dir" else target.is_file()):
             what = "a directory" if kind == "dir" else "a regular file"
             raise UserError(f"{target} exists and is not {what}; refusing to replace it")
+        if os.path.ismount(target):  # the rename at the end failed with EBUSY, after all the work was done
+            raise UserError(f"--out {target} is a mount point, which an output cannot replace (it is built beside "
+                            f"the target and renamed into place); give a path inside it, e.g. {target / 'out'}")
     resolved = target.resolve()
     for p in protected:
         p = Path(p).resolve()

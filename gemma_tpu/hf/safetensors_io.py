@@ -44,6 +44,9 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 FLOAT_DTYPES = ("F16", "BF16", "F32")  # what --dtype converts between
+# The weight dtypes read as the numbers they hold. An int8 (bitsandbytes), packed 4-bit or fp8 checkpoint of the
+# same shapes was cast to float and trained on (or merged into, exported), its values without their scales.
+WEIGHT_DTYPES = (*FLOAT_DTYPES, "F64")
 # CLI / config.json names of the float dtypes
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DTYPE_NAMES_INV = {v: k for k, v in DTYPE_NAMES.items()}
@@ -209,6 +212,14 @@ class WeightsDir:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def require_float(self, names: Iterable[str], hint: str = "give the unquantized model") -> None:
+        """Refuse, naming it, the first of `names` stored in another dtype than `WEIGHT_DTYPES`."""
+        for name in names:
+            if self.tensors[name].dtype not in WEIGHT_DTYPES:
+                raise UserError(f"{self.dir}: weight '{name}' is {self.tensors[name].dtype}, not floating point (a "
+                                f"quantized checkpoint's integer or fp8 weights mean nothing without their scales); "
+                                f"{hint}")
 
     def read(self, name: str) -> np.ndarray:
         t = self.tensors[name]

@@ -176,11 +176,6 @@ def _abstract_state(family: Family, cfg: Any, mesh=None):
     return nnx.split(abstract)
 
 
-# The weight dtypes read as the numbers they hold. An int8 (bitsandbytes), packed 4-bit or fp8 checkpoint of the
-# same shapes was cast to float and trained on, its values without their scales.
-WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
-
-
 def _param_plan(family: Family, model_dir, weights: WeightsDir, cfg: Any, state: dict, warn: bool = False):
     """(Tunix param names in tree order, abstract leaves, HF sources per name), every name's sources present
     in the registry and every source tensor of the shape config.json implies: from the headers alone.
@@ -200,10 +195,7 @@ def _param_plan(family: Family, model_dir, weights: WeightsDir, cfg: Any, state:
     for hf_key in (k for ks in by_param.values() for k, _ in ks):
         if hf_key not in weights:
             raise UserError(f"{model_dir}: weight '{hf_key}' is missing from the checkpoint")
-        if weights[hf_key].dtype not in WEIGHT_DTYPES:
-            raise UserError(f"{model_dir}: weight '{hf_key}' is {weights[hf_key].dtype}, not floating point (a "
-                            f"quantized checkpoint's integer or fp8 weights mean nothing without their scales); "
-                            f"give the unquantized model")
+        weights.require_float([hf_key])
     sources = {}
     for name, (_, leaf) in zip(names, leaves):
         shape = tuple(leaf.shape)
