@@ -695,6 +695,21 @@ def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
     assert max_diff(hf_logits(merged), hf_logits(out)) <= 1e-6
 
 
+def test_a_peft_adapter_config_beside_the_base_is_not_copied(work, base, lora_ckpt, merged):
+    """Files beside the base's weights travel with the merge (licence, README), but a PEFT adapter_config.json
+    there made transformers load the merged directory as that adapter on its base, not the merged weights."""
+    shutil.copytree(base, work / "base_adapter")
+    (work / "base_adapter" / "README.md").write_text("licence and card\n")
+    (work / "base_adapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": str(base), "r": 2, "lora_alpha": 2,
+         "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"}))
+    out = work / "merged_beside_adapter"
+    assert merge("--checkpoint", lora_ckpt[0], "--base", work / "base_adapter", "--out", out) == 0
+    assert (out / "README.md").read_text() == "licence and card\n"
+    assert not (out / "adapter_config.json").exists()
+    assert max_diff(hf_logits(merged), hf_logits(out)) <= 1e-6
+
+
 # ------------------------------------------------------------------------------ atomicity
 
 

@@ -4,7 +4,8 @@ A merged model must be servable as is: config.json states the dtype actually wri
 generation_config.json stops on the end-of-turn token (chat fine-tunes end every answer with it, and
 a config listing only `<eos>` makes vLLM/transformers run on to the length limit), and the tokenizer
 files travel with the weights. Everything else at the top level of the base is copied too (licence,
-README, processor configs), except weights and weight indexes, which the writer produces.
+README, processor configs), except weights and weight indexes, which the writer produces, and a PEFT
+adapter's config: beside full weights it makes transformers load the directory as that adapter on its base.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from pathlib import Path
 from gemma_tpu.core.errors import UserError, read_json_object
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
+
+
+# a PEFT adapter's description: a directory holding it is loaded by transformers (with peft installed) as that
+# adapter on the base it names, not as the weights beside it
+ADAPTER_FILES = ("adapter_config.json",)
 
 
 def is_weight_file(name: str) -> bool:
@@ -59,7 +65,7 @@ def write_sidecar_files(base_dir: Path, out_dir: Path, hf_config: dict, dtype_na
     """Write config.json and generation_config.json, copy the rest; return the names written."""
     written = []
     for p in sorted(base_dir.iterdir()):
-        if not p.is_file() or p.name.startswith(".") or is_weight_file(p.name):
+        if not p.is_file() or p.name.startswith(".") or is_weight_file(p.name) or p.name in ADAPTER_FILES:
             continue
         if p.name in ("config.json", "generation_config.json"):
             continue
