@@ -562,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--base", help="base HF dir or hub id (default: the one recorded in the checkpoint)")
     p.add_argument("--out", required=True, help="output .gguf file")
-    p.add_argument("--type", default="q8_0", help=f"weight type: {', '.join(TYPES)} (default q8_0)")
+    p.add_argument("--type", default="q8_0", type=str.lower,  # Q8_0 as llama-quantize spells it
+                   help=f"weight type: {', '.join(TYPES)} (default q8_0; either case)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
     p.add_argument("--allow-base-mismatch", action="store_true",
                    help="export even if the base no longer matches the fingerprint the run recorded")

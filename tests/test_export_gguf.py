@@ -204,8 +204,9 @@ def test_quantized_export_says_which_matrices_stay_f16(work, capsys):
 
 def test_metadata(work, base):
     out = work / "tiny-meta.gguf"
-    assert export("--merged", base, "--out", out, "--type", "f16") == 0
+    assert export("--merged", base, "--out", out, "--type", "F16") == 0  # as llama-quantize spells it
     f = fields(out)
+    assert f["general.file_type"] == 1  # llama.cpp's MOSTLY_F16
     cfg = json.loads((base / "config.json").read_text())
     assert f["general.architecture"] == "gemma3"
     expect = {"gemma3.block_count": cfg["num_hidden_layers"], "gemma3.embedding_length": cfg["hidden_size"],
