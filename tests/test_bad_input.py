@@ -665,6 +665,11 @@ CASES = [
          ["--checkpoint", "{ckpt}", "--out", "{tmp}/models", "--overwrite"],
          ["--out {tmp}/models", "holds other files (a, b, c and 1 more)", "gemma_tpu_adapter.json"],
          {"models/a/config.json": "{}", "models/b": "x", "models/c": "x", "models/d": "x"}),
+    # an empty path is the working directory to pathlib: it was refused as '. already exists'
+    Case("merge-empty-out", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "", "--overwrite"],
+         ["--out", "an empty path"]),
+    Case("gguf-empty-out", "convert.export_gguf", ["--merged", "{tiny}", "--out", " "], ["--out", "an empty path"]),
+    Case("eval-empty-json", "gemma_tpu.evaluate", ["--model", "{tiny}", "--json", ""], ["--json", "an empty path"]),
     Case("merge-target-is-a-file", "convert.merge_orbax",
          ["--checkpoint", "{ckpt}", "--out", "{tmp}/out.txt", "--overwrite"], ["{tmp}/out.txt", "not a directory"],
          {"out.txt": "mine"}),

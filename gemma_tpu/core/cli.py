@@ -107,6 +107,14 @@ def number(low: float, low_ok: bool = False, high: float | None = None) -> Calla
     return parse
 
 
+def output_path(text: str) -> str:
+    """An argparse `type` for a path written to: `--out ""` is the working directory to pathlib, and was
+    refused as '. already exists' (or, with --overwrite, checked as the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (give a file or directory to write)")
+    return text
+
+
 # seconds a request may wait: positive, and within what a socket timeout takes (1e10 s overflows time_t)
 SECONDS = number(0.0, high=1e6)
 
