@@ -443,7 +443,7 @@ def test_an_empty_field_name_is_refused(key):
     """`data.text_field=` passed and every row then failed with "missing field ''"."""
     with pytest.raises(UserError, match=rf"^override 'data.{key}=': data.{key} is empty"):
         load_config(REPO / "configs/tiny.yaml", [f"data.{key}="])
-    assert load_config(REPO / "configs/tiny.yaml", ["data.context_field="]).data.context_field == ""  # no context
+    assert load_config(REPO / "configs/tiny.yaml", ["data.context_field=null"]).data.context_field is None
 
 
 @pytest.mark.parametrize("override", ["train.run_dir=None", "train.grad_clip=none", "data.num_epochs=None",
@@ -518,3 +518,30 @@ def test_an_empty_eval_path_is_not_taken_as_unset(override):
     with pytest.raises(UserError, match=r"data.train_path is empty \(give a file"):
         load_config(REPO / "configs/tiny.yaml", ["data.train_path="])
     assert load_config(REPO / "configs/tiny.yaml", ["data.eval_path=null"]).data.eval_path is None
+
+
+def _optional_text_keys() -> list[str]:
+    """Every `str | None` key of RunConfig."""
+    import dataclasses
+    import typing
+
+    return [f"{section}.{key}" for section, tp in typing.get_type_hints(RunConfig).items()
+            if dataclasses.is_dataclass(tp) for key, t in typing.get_type_hints(tp).items() if t == (str | None)]
+
+
+@pytest.mark.parametrize("key", [k for k in _optional_text_keys() if k != "mesh.coordinator_address"])
+def test_an_empty_optional_text_key_is_refused_not_taken_as_unset(key):
+    """`train.run_dir=` (an empty shell variable) was read as '' and then as unset: the metrics went into
+    checkpoint.dir; `model.revision=` took the hub's main branch, `model.family=` the detected one, all
+    silently. Every optional text key refuses an empty value (null unsets it), as data.eval_path does."""
+    for override in (f"{key}=", f"{key}=' '"):
+        with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)} is empty"):
+            load_config(REPO / "configs/tiny.yaml", [override])
+    section, _, name = key.partition(".")
+    assert getattr(getattr(load_config(REPO / "configs/tiny.yaml", [f"{key}=null"]), section), name) is None
+
+
+def test_an_empty_coordinator_address_still_means_unset():
+    """Documented: empty or null leaves the coordinator to the JAX_* environment (or one host)."""
+    assert load_config(REPO / "configs/tiny.yaml", ["mesh.coordinator_address="]).mesh.coordinator_address == ""
+    assert {"model.revision", "train.run_dir", "data.eval_path"} <= set(_optional_text_keys())

@@ -664,6 +664,12 @@ PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"
              ("train", "profile_dir"))
 
 
+# The optional text keys that no other check covers, with what null means: an empty value is refused like an
+# empty data.eval_path (mesh.coordinator_address alone reads empty as unset: the JAX_* environment, or one host)
+NULL_MEANS = {"model.revision": "the hub's default branch", "model.family": "the family config.json describes",
+              "data.context_field": "no context field", "train.run_dir": "checkpoint.dir"}
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config, apply dotted overrides, and build the typed tree."""
     for text in overrides:  # `train.run_dir=~` was YAML's null: the run wrote to checkpoint.dir, not the home dir
@@ -730,6 +736,11 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         path = getattr(cfg.data, key)
         if path is not None and not path.strip():
             bad(f"data.{key} is empty (give a file{', or null for no evaluation' if key == 'eval_path' else ''})")
+    for key, unset in NULL_MEANS.items():  # `train.run_dir=` (an empty $VAR) was read as unset, silently
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not value.strip():
+            bad(f"{key} is empty (give a value, or null for {unset})")
     for key in ("instruction_field", "response_field", "text_field"):  # else "missing field ''" in every row
         if not getattr(cfg.data, key).strip():
             bad(f"data.{key} is empty (the name of a field of the data's rows)")
