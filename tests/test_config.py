@@ -545,3 +545,14 @@ def test_an_empty_coordinator_address_still_means_unset():
     """Documented: empty or null leaves the coordinator to the JAX_* environment (or one host)."""
     assert load_config(REPO / "configs/tiny.yaml", ["mesh.coordinator_address="]).mesh.coordinator_address == ""
     assert {"model.revision", "train.run_dir", "data.eval_path"} <= set(_optional_text_keys())
+
+
+def test_keys_given_are_the_file_and_override_keys_not_defaults(tmp_path):
+    """What `evaluate --checkpoint` reads to tell a model.dtype asked for from the default float32."""
+    from gemma_tpu.core.config import keys_given
+
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {dtype: bfloat16}\nmodel:\n  <<: *b\ntrain:\n  max_steps: 3\n")
+    assert {"model.dtype", "train.max_steps"} <= keys_given(path) and "train.batch_size" not in keys_given(path)
+    assert keys_given(None, ["lora={rank: 2}", "train.seed=1"]) == {"lora", "lora.rank", "train.seed"}
+    assert keys_given(None) == set()

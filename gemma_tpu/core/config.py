@@ -626,6 +626,19 @@ def key_lines(path: str | Path | None) -> dict[str, int]:
     return lines
 
 
+def keys_given(path: str | Path | None, overrides: Sequence[str] = ()) -> set[str]:
+    """The dotted keys (sections included) that the file or the overrides set, as opposed to defaults: for a
+    command with a default of its own where a key is not given (a checkpoint runs in its training dtype)."""
+    given = set(key_lines(path))
+    todo = [parse_override(text) for text in overrides]
+    while todo:
+        key, value = todo.pop()
+        given.add(key)
+        if isinstance(value, dict):  # `model={dtype: bfloat16}` sets model.dtype
+            todo += [(f"{key}.{k}", v) for k, v in value.items()]
+    return given
+
+
 def _line_of(message: str, lines: dict[str, int]) -> int | None:
     """The file line of the key `message` names first (the longest key where two start at one place): a
     dotted key anywhere, a section only as the subject (`train: expected a mapping`) or quoted."""
