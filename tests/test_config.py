@@ -94,6 +94,17 @@ def test_unknown_key_in_the_file_is_blamed_on_the_file_not_the_key_it_suggests(t
         load_config(bad, ["train.learning_rate=1e-3"])
 
 
+def test_a_dotted_key_in_the_file_says_to_nest_it(tmp_path):
+    """`train.max_steps: 3` at the top of a file (as an override spells it) was "unknown config key
+    'train.max_steps'" with the section names: a key that exists, refused as unknown, and nothing said why."""
+    bad = tmp_path / "dotted.yaml"
+    bad.write_text("model:\n  dtype: float32\ntrain.max_steps: 3\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))} line 3: unknown config key 'train.max_steps' "
+                                        r"\(a dotted key is for the command line; in the file nest it under its "
+                                        r"section, train: \{max_steps: \.\.\.\}; known: checkpoint"):
+        load_config(bad)
+
+
 @pytest.mark.parametrize("text", ["2024.10", "0123", "1_000", "1:30", "0x1F", "1e3", "-0.50"])
 def test_a_number_given_to_a_string_key_keeps_its_spelling(text, tmp_path):
     """YAML 1.1 reads these as numbers and the string key got the number's digits: checkpoint.dir=2024.10 wrote

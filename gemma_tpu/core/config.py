@@ -405,6 +405,10 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
     import difflib
 
     keys = _leaf_keys(root)
+    if dotted in keys:  # `train.max_steps: 3` at the top of a file: a key of ours, spelt as an override spells it
+        section, _, leaf = dotted.partition(".")
+        return f"a dotted key is for the command line; in the file nest it under its section, {section}: " \
+               f"{{{leaf}: ...}}; "
     section, _, leaf = dotted.rpartition(".")
     if leaf in foreign and foreign[leaf][0] in keys:
         ours, note = foreign[leaf]
