@@ -209,3 +209,29 @@ def test_profile_window_cut_short_by_the_data_still_writes_the_trace(tiny_dir, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "ck" / "prof").rglob("*.xplane.pb")), proc.stderr[-3000:]
     assert "training ended inside the profiled steps" in proc.stderr
+
+
+@pytest.mark.parametrize("change, named", [
+    ([], None),
+    (["lora.rank=2"], "checkpoint was trained with lora.rank=4, this run has 2"),
+    (["train.batch_size=2"], "its data position is for other training rows (train.batch_size 4 -> 2)"),
+])
+def test_dry_run_refuses_the_resume_the_run_refuses(tiny_dir, reference_run, change, named):
+    """`--dry-run` on an existing checkpoint.dir with another LoRA rank or batch printed a plan that fits (exit 0);
+    the run then refused to resume it. It is refused the same way, writing nothing; an unchanged resume plans."""
+    import io
+
+    from gemma_tpu.core.config import load_config
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.plan import run_dry
+
+    before = {p: p.stat().st_mtime_ns for p in reference_run.rglob("*")}
+    cfg = load_config("configs/tiny.yaml", [f"model.path={tiny_dir}", f"checkpoint.dir={reference_run}",
+                                            "train.max_steps=10", *change])
+    if named is None:
+        assert run_dry(cfg, compile_check=False, out=io.StringIO()) == 0
+    else:
+        with pytest.raises(UserError) as e:
+            run_dry(cfg, compile_check=False, out=io.StringIO())
+        assert named in str(e.value) and str(reference_run) in str(e.value)
+    assert {p: p.stat().st_mtime_ns for p in reference_run.rglob("*")} == before
