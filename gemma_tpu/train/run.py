@@ -49,7 +49,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="--dry-run: devices to plan for when a mesh axis is -1 (default: the local ones)")
     p.add_argument("--assumed-mfu", type=float, default=None, help="--dry-run: MFU for the step-time estimate")
     p.add_argument("--no-compile", action="store_true", help="--dry-run: skip the compiled memory analysis")
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    given = [o for o, v in (("--devices", args.devices), ("--assumed-mfu", args.assumed_mfu),
+                            ("--no-compile", args.no_compile or None)) if v is not None]
+    if given and not args.dry_run and not args.print_config:  # else ignored, and a whole training run started
+        raise UserError(f"{given[0]} is an option of --dry-run; add --dry-run to plan the run (without it, "
+                        f"leave {given[0]} out to train)")
+    return args
 
 
 
