@@ -235,3 +235,18 @@ def test_dry_run_refuses_the_resume_the_run_refuses(tiny_dir, reference_run, cha
             run_dry(cfg, compile_check=False, out=io.StringIO())
         assert named in str(e.value) and str(reference_run) in str(e.value)
     assert {p: p.stat().st_mtime_ns for p in reference_run.rglob("*")} == before
+
+
+def test_a_last_step_off_the_save_interval_keeps_its_data_position(tiny_dir, reference_run, tmp_path):
+    """train.max_steps=3 with checkpoint.every_steps=2: step 3 is saved by Tunix's close, which saved it without
+    the data position; resuming it for more steps restarted the data at the first batch ("the data restarts"),
+    retraining rows already seen. The resumed run now ends with the uninterrupted run's losses."""
+    ck = tmp_path / "ck"
+    part = train(tiny_dir, ck, "train.max_steps=3", "checkpoint.every_steps=2")
+    assert part.returncode == 0, part.stderr[-3000:]
+    meta = json.loads((ck / "3" / "_CHECKPOINT_METADATA").read_text())
+    assert meta["custom_metadata"]["step"] == 3 and meta["custom_metadata"]["data_state"], meta
+    resumed = train(tiny_dir, ck, "train.max_steps=8", "checkpoint.every_steps=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at step 3; data position restored" in resumed.stderr
+    assert losses(ck) == losses(reference_run)

@@ -72,6 +72,11 @@ class BatchFeed(tunix_hooks.DataHooks):
             time.sleep(self.delay)
         if self.before_batch is not None:
             self.before_batch(train_ctx)
+        max_steps = train_ctx.config.max_steps
+        if max_steps is not None and train_ctx.train_steps >= max_steps:
+            # the run is over: Tunix would fetch one batch more before it stops, and the data position saved
+            # with the last step (at close) then skipped that batch on resume
+            return None
         try:
             batch = next(self.stream)
         except StopIteration:
