@@ -250,3 +250,15 @@ def test_a_last_step_off_the_save_interval_keeps_its_data_position(tiny_dir, ref
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed at step 3; data position restored" in resumed.stderr
     assert losses(ck) == losses(reference_run)
+
+
+def test_log_every_steps_thins_the_train_records(tiny_dir, tmp_path):
+    """train.log_every_steps was checked (positive) and then ignored: metrics.jsonl had every step. Now every N-th
+    train record and the last are written; evaluations are all kept, and the summary still counts every step."""
+    ck = tmp_path / "ck"
+    proc = train(tiny_dir, ck, "train.max_steps=5", "train.log_every_steps=2", "train.eval_every_steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["mode"] == "train"] == [2, 4, 5]
+    assert [r["step"] for r in rows if r["mode"] == "eval"] == [0, 3]
+    assert json.loads((ck / "summary.json").read_text())["steps"] == 5

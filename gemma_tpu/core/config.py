@@ -105,7 +105,7 @@ class TrainConfig:
     remat: Literal["none", "block", "decoder"] | None = None
     seed: int = 0
     eval_every_steps: int = 0  # 0: evaluate only at the start and the end
-    log_every_steps: int = 1
+    log_every_steps: int = 1  # a train record in metrics.jsonl every N steps (and the last); TensorBoard: every step
     on_nonfinite: Literal["stop", "skip"] = "stop"
     run_dir: str | None = None  # metrics.jsonl and TensorBoard; default: checkpoint.dir
     # JAX profiler trace (XProf/TensorBoard `*.xplane.pb`) of a few steps, written by process 0 only; a relative

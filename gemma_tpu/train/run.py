@@ -227,7 +227,7 @@ def run(cfg: RunConfig) -> dict:
                 tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
                 flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                 price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
-                mesh=mesh,
+                mesh=mesh, log_every_steps=cfg.train.log_every_steps,
             )
         except Exception as e:
             steps = checkpoint.list_steps(ckpt_dir)
