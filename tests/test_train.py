@@ -252,7 +252,7 @@ def test_a_last_step_off_the_save_interval_keeps_its_data_position(tiny_dir, ref
     assert losses(ck) == losses(reference_run)
 
 
-def test_log_every_steps_thins_the_train_records(tiny_dir, tmp_path):
+def test_log_every_steps_thins_the_train_records_and_the_end_is_evaluated(tiny_dir, tmp_path):
     """train.log_every_steps was checked (positive) and then ignored: metrics.jsonl had every step. Now every N-th
     train record and the last are written; evaluations are all kept, and the summary still counts every step."""
     ck = tmp_path / "ck"
@@ -260,5 +260,9 @@ def test_log_every_steps_thins_the_train_records(tiny_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["mode"] == "train"] == [2, 4, 5]
-    assert [r["step"] for r in rows if r["mode"] == "eval"] == [0, 3]
-    assert json.loads((ck / "summary.json").read_text())["steps"] == 5
+    evals = [r for r in rows if r["mode"] == "eval"]
+    summary = json.loads((ck / "summary.json").read_text())
+    assert summary["steps"] == 5
+    # train.eval_every_steps=3 evaluated at 0 and 3 only: the model saved at step 5 was never evaluated, and the
+    # summary gave step 3's loss as final_eval_loss. The end of the run is evaluated too.
+    assert [r["step"] for r in evals] == [0, 3, 5] and summary["final_eval_loss"] == evals[-1]["loss"]

@@ -104,7 +104,7 @@ class TrainConfig:
     # recomputed in the backward pass) | decoder (whole decoder layers); null: model.remat
     remat: Literal["none", "block", "decoder"] | None = None
     seed: int = 0
-    eval_every_steps: int = 0  # 0: evaluate only at the start and the end
+    eval_every_steps: int = 0  # also at the start and at the end; 0: only there
     log_every_steps: int = 1  # a train record in metrics.jsonl every N steps (and the last); TensorBoard: every step
     on_nonfinite: Literal["stop", "skip"] = "stop"
     run_dir: str | None = None  # metrics.jsonl and TensorBoard; default: checkpoint.dir

@@ -419,6 +419,9 @@ class Trainer(TunixTrainer):
                  else " (compiling)" if rec.get("includes_compile") else "", eta)
 
     def close(self):
+        evals = [r["step"] for r in self.history if r["mode"] == "eval"]
+        if evals and evals[-1] < self.train_steps:  # the loop ended past the last evaluation: evaluate the model
+            self.evaluate_now()  # it saves (train.max_steps not a multiple of eval_every_steps, or data ran out)
         self._closing = True
         if self.stop_profiler():  # the loop ended inside the profiled window
             log.warning("training ended inside the profiled steps; the trace holds fewer steps")
