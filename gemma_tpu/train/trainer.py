@@ -421,7 +421,10 @@ class Trainer(TunixTrainer):
     def close(self):
         evals = [r["step"] for r in self.history if r["mode"] == "eval"]
         if evals and evals[-1] < self.train_steps:  # the loop ended past the last evaluation: evaluate the model
-            self.evaluate_now()  # it saves (train.max_steps not a multiple of eval_every_steps, or data ran out)
+            # it saves (train.max_steps not a multiple of eval_every_steps, or data ran out), saved first (a
+            # preemption's SIGKILL during the evaluation would otherwise lose the step)
+            self.save_last_checkpoint()
+            self.evaluate_now()
         self._closing = True
         if self.stop_profiler():  # the loop ended inside the profiled window
             log.warning("training ended inside the profiled steps; the trace holds fewer steps")
