@@ -552,6 +552,16 @@ CASES = [
          {"ck": copy_of("ckpt", meta={"dtype": "fp16"})}),
     Case("ckpt-foreign-format", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "format"], {"ck": copy_of("ckpt", meta={"format": "something-else"})}),
+    # a section of gemma_tpu_run.json null or a config value of another type: AttributeError / TypeError tracebacks
+    Case("ckpt-resume-run-json-lora-null", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck", "checkpoint was trained with lora.enabled=None, this run has True"],
+         {"ck": copy_of("ckpt", meta={"lora": None})}),
+    Case("ckpt-resume-run-json-base-model-null", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck", "checkpoint was trained with base model=None"],
+         {"ck": copy_of("ckpt", meta={"base_model": None})}),
+    Case("ckpt-resume-run-json-accumulation-string", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck/gemma_tpu_run.json", "config.train holds a value of the wrong type"],
+         {"ck": copy_of("ckpt", meta={"config.train.grad_accum_steps": "2"})}),
     Case("ckpt-resume-other-family", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"], ["family", "gemma4"],
          {"ck": copy_of("ckpt", meta={"base_model.family": "gemma4"})}),
     # settings that change the optimizer state's tree: Orbax's restore failed after the model loaded, advising

@@ -28,29 +28,38 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
     old = read_metadata(ckpt_dir)
+    # a section missing from a damaged or hand-edited file (read_metadata lets absent keys pass) was a KeyError
+    # traceback; compared as unset instead, it is refused naming the key
+    old_base, old_lora = old.get("base_model") or {}, old.get("lora") or {}
 
-    recorded = old["base_model"].get("fingerprint")
+    recorded = old_base.get("fingerprint")
     check_base(recorded, meta["base_model"]["local_dir"], allow_base_mismatch,
                "set checkpoint.allow_base_mismatch=true", lambda msg: log.warning("%s: %s", ckpt_dir, msg))
     pairs = [] if recorded else [
-        ("base model", old["base_model"].get("local_dir"), meta["base_model"]["local_dir"])]
+        ("base model", old_base.get("local_dir"), meta["base_model"]["local_dir"])]
     pairs += [
-        ("family", old["base_model"].get("family"), meta["base_model"]["family"]),
-        ("lora.enabled", old["lora"].get("enabled"), meta["lora"]["enabled"]),
-        ("lora.rank", old["lora"].get("rank"), meta["lora"]["rank"]),
-        ("lora.alpha", old["lora"].get("alpha"), meta["lora"]["alpha"]),
-        ("lora.targets", sorted(old["lora"].get("targets", [])), sorted(meta["lora"]["targets"])),
+        ("family", old_base.get("family"), meta["base_model"]["family"]),
+        ("lora.enabled", old_lora.get("enabled"), meta["lora"]["enabled"]),
+        ("lora.rank", old_lora.get("rank"), meta["lora"]["rank"]),
+        ("lora.alpha", old_lora.get("alpha"), meta["lora"]["alpha"]),
+        ("lora.targets", sorted(old_lora.get("targets", [])), sorted(meta["lora"]["targets"])),
         ("model.dtype", old.get("dtype"), meta["dtype"]),
     ]
-    if "base_quantization" in old["lora"]:  # the base the factors were trained against (QLoRA), as model.dtype is
-        pairs.append(("lora.base_quantization", old["lora"]["base_quantization"], meta["lora"]["base_quantization"]))
+    if "base_quantization" in old_lora:  # the base the factors were trained against (QLoRA), as model.dtype is
+        pairs.append(("lora.base_quantization", old_lora["base_quantization"], meta["lora"]["base_quantization"]))
     # optimizer settings that change the saved optimizer state's tree: Orbax's restore failed after the
     # model loaded, with advice to move a sound step aside
     from gemma_tpu.train.optim import state_layout  # deferred: imports optax
 
     old_train, new_train = old.get("config", {}).get("train", {}), meta["config"]["train"]
-    if "optimizer" in old_train:  # runs recorded before the whole config was: not checked
-        was_layout, now_layout = state_layout(old_train), state_layout(new_train)
+    # runs recorded before the whole config was are not checked
+    if isinstance(old_train, dict) and "optimizer" in old_train:
+        try:
+            was_layout = state_layout(old_train)
+        except TypeError:  # `"grad_accum_steps": "2"`: a TypeError traceback
+            raise UserError(f"{ckpt_dir / METADATA_FILE}: config.train holds a value of the wrong type (the file is "
+                            f"damaged or was edited)") from None
+        now_layout = state_layout(new_train)
         pairs += [(key, old_train.get(key.split(".")[1]), new_train.get(key.split(".")[1]))
                   for key in was_layout if was_layout[key] != now_layout[key]]
     for what, was, now in pairs:
