@@ -94,6 +94,17 @@ def test_unknown_key_in_the_file_is_blamed_on_the_file_not_the_key_it_suggests(t
         load_config(bad, ["train.learning_rate=1e-3"])
 
 
+def test_a_dotted_key_in_the_file_says_to_nest_it(tmp_path):
+    """`train.max_steps: 3` at the top of a file (as an override spells it) was "unknown config key
+    'train.max_steps'" with the section names: a key that exists, refused as unknown, and nothing said why."""
+    bad = tmp_path / "dotted.yaml"
+    bad.write_text("model:\n  dtype: float32\ntrain.max_steps: 3\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))} line 3: unknown config key 'train.max_steps' "
+                                        r"\(a dotted key is for the command line; in the file nest it under its "
+                                        r"section, train: \{max_steps: \.\.\.\}; known: checkpoint"):
+        load_config(bad)
+
+
 @pytest.mark.parametrize("text", ["2024.10", "0123", "1_000", "1:30", "0x1F", "1e3", "-0.50"])
 def test_a_number_given_to_a_string_key_keeps_its_spelling(text, tmp_path):
     """YAML 1.1 reads these as numbers and the string key got the number's digits: checkpoint.dir=2024.10 wrote
@@ -443,7 +454,7 @@ def test_an_empty_field_name_is_refused(key):
     """`data.text_field=` passed and every row then failed with "missing field ''"."""
     with pytest.raises(UserError, match=rf"^override 'data.{key}=': data.{key} is empty"):
         load_config(REPO / "configs/tiny.yaml", [f"data.{key}="])
-    assert load_config(REPO / "configs/tiny.yaml", ["data.context_field="]).data.context_field == ""  # no context
+    assert load_config(REPO / "configs/tiny.yaml", ["data.context_field=null"]).data.context_field is None
 
 
 @pytest.mark.parametrize("override", ["train.run_dir=None", "train.grad_clip=none", "data.num_epochs=None",
@@ -518,3 +529,41 @@ def test_an_empty_eval_path_is_not_taken_as_unset(override):
     with pytest.raises(UserError, match=r"data.train_path is empty \(give a file"):
         load_config(REPO / "configs/tiny.yaml", ["data.train_path="])
     assert load_config(REPO / "configs/tiny.yaml", ["data.eval_path=null"]).data.eval_path is None
+
+
+def _optional_text_keys() -> list[str]:
+    """Every `str | None` key of RunConfig."""
+    import dataclasses
+    import typing
+
+    return [f"{section}.{key}" for section, tp in typing.get_type_hints(RunConfig).items()
+            if dataclasses.is_dataclass(tp) for key, t in typing.get_type_hints(tp).items() if t == (str | None)]
+
+
+@pytest.mark.parametrize("key", [k for k in _optional_text_keys() if k != "mesh.coordinator_address"])
+def test_an_empty_optional_text_key_is_refused_not_taken_as_unset(key):
+    """`train.run_dir=` (an empty shell variable) was read as '' and then as unset: the metrics went into
+    checkpoint.dir; `model.revision=` took the hub's main branch, `model.family=` the detected one, all
+    silently. Every optional text key refuses an empty value (null unsets it), as data.eval_path does."""
+    for override in (f"{key}=", f"{key}=' '"):
+        with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)} is empty"):
+            load_config(REPO / "configs/tiny.yaml", [override])
+    section, _, name = key.partition(".")
+    assert getattr(getattr(load_config(REPO / "configs/tiny.yaml", [f"{key}=null"]), section), name) is None
+
+
+def test_an_empty_coordinator_address_still_means_unset():
+    """Documented: empty or null leaves the coordinator to the JAX_* environment (or one host)."""
+    assert load_config(REPO / "configs/tiny.yaml", ["mesh.coordinator_address="]).mesh.coordinator_address == ""
+    assert {"model.revision", "train.run_dir", "data.eval_path"} <= set(_optional_text_keys())
+
+
+def test_keys_given_are_the_file_and_override_keys_not_defaults(tmp_path):
+    """What `evaluate --checkpoint` reads to tell a model.dtype asked for from the default float32."""
+    from gemma_tpu.core.config import keys_given
+
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {dtype: bfloat16}\nmodel:\n  <<: *b\ntrain:\n  max_steps: 3\n")
+    assert {"model.dtype", "train.max_steps"} <= keys_given(path) and "train.batch_size" not in keys_given(path)
+    assert keys_given(None, ["lora={rank: 2}", "train.seed=1"]) == {"lora", "lora.rank", "train.seed"}
+    assert keys_given(None) == set()

@@ -1194,3 +1194,23 @@ def fc_unmap(text, token_map):
     from gemma_tpu.formats.function_calling import unmap_markers
 
     return unmap_markers(text, token_map)
+
+
+@pytest.mark.parametrize("overrides, dtype", [([], None), (["model.dtype=bfloat16"], "bfloat16"),
+                                              (["model={dtype: float32}"], "float32")])
+def test_evaluate_checkpoint_takes_a_given_model_dtype(overrides, dtype, monkeypatch, tmp_path):
+    """`evaluate --checkpoint DIR model.dtype=bfloat16` ran the checkpoint in its training dtype whatever was
+    asked (chat's --dtype was mended the same way); a dtype not given still means the training one."""
+    from gemma_tpu.evaluate import run as evaluate
+
+    asked = []
+
+    def fake_load(ckpt, step, dtype_asked):
+        asked.append((ckpt, step, dtype_asked))
+        raise UserError("stop here")
+
+    monkeypatch.setattr(evaluate, "load_checkpoint", fake_load)
+    with pytest.raises(UserError, match="stop here"):
+        evaluate.main(["--data", str(REPO / "tests/data/chat_sample.jsonl"), "--checkpoint", str(tmp_path), "--step",
+                       "3", "--no-loss", *overrides])
+    assert asked == [(str(tmp_path), 3, dtype)]

@@ -3,10 +3,13 @@ same losses as one process with 8 devices; each process reads only its slice of 
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -127,6 +130,28 @@ def test_when_jax_distributed_starts(monkeypatch):
     assert distributed_settings(MeshConfig()) == {}  # jax.distributed.initialize() detects the pod
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
     assert distributed_settings(MeshConfig()) is None  # a single-host slice (v5p-8)
+
+
+@pytest.mark.parametrize("mesh, named", [
+    (dict(coordinator_address="10.0.0.2:1234"), "mesh.coordinator_address=10.0.0.2:1234"),
+    (dict(process_id=2), "mesh.process_id=2"),
+    (dict(coordinator_address="h:1", process_id=0), "mesh.coordinator_address=h:1 and mesh.process_id=0"),
+])
+def test_a_multi_process_key_without_the_process_count_is_refused(monkeypatch, mesh, named):
+    """mesh.coordinator_address (or mesh.process_id) without mesh.num_processes started no jax.distributed: each
+    host ran the whole run alone as one process, silently. Refused; num_processes=1 is a single-process run."""
+    from gemma_tpu.core.config import MeshConfig
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.mesh import distributed_settings
+
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TPU_WORKER_HOSTNAMES",
+              "MEGASCALE_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(UserError, match=rf"^{re.escape(named)} set without mesh.num_processes \(or JAX_NUM_"):
+        distributed_settings(MeshConfig(**mesh))
+    assert distributed_settings(MeshConfig(**mesh, num_processes=1)) is None
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+    assert distributed_settings(MeshConfig(**mesh)) is None
 
 
 def test_mesh_shapes():

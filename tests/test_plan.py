@@ -248,6 +248,25 @@ def test_dry_run_refuses_what_the_run_refuses(tiny_dir, options, overrides, need
     assert not proc.stdout.strip(), proc.stdout  # refused before any plan is printed
 
 
+@pytest.mark.parametrize("option", [["--devices", "8"], ["--assumed-mfu", "0.4"], ["--no-compile"]])
+def test_a_dry_run_option_without_dry_run_is_refused_not_a_training_run(tiny_dir, tmp_path, option):
+    """`python -m gemma_tpu.train --config X --devices 8` (--dry-run forgotten) ignored the option and trained a
+    whole run into checkpoint.dir. Refused before anything is read or written."""
+    import contextlib
+    import io
+
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.train.run import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli_main(main, ["--config", "configs/tiny.yaml", *option, f"model.path={tiny_dir}",
+                             f"checkpoint.dir={tmp_path / 'ck'}"])
+    assert rc == 2 and err.getvalue() == f"error: {option[0]} is an option of --dry-run; add --dry-run to plan the " \
+                                         f"run (without it, leave {option[0]} out to train)\n"
+    assert not (tmp_path / "ck").exists()
+
+
 def test_dry_run_notes_what_the_run_warns_of_about_its_data(tiny_dir):
     """The run warns at its start of over-length examples and of data.num_epochs ending before train.max_steps;
     the dry run, there to show what the run will do, said neither."""

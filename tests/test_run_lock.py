@@ -230,3 +230,23 @@ def test_a_lock_whose_pid_now_belongs_to_another_process_is_stale(tmp_path, capl
     finally:
         other.kill()
         other.wait()
+
+
+@pytest.mark.parametrize("text", ["", "{\"pid\": 12", "[1, 2]"])
+def test_an_unreadable_lock_left_untouched_is_stale(tmp_path, caplog, text):
+    """A trainer killed between creating its lock and writing it (or a VM lost before the fsync: an empty file)
+    left a lock that refused every later run for ever ('in use by another trainer (an unreadable lock)'). One
+    untouched for pidlock.LEASE_S is stale; a fresh one may be a holder writing it and is still refused."""
+    from gemma_tpu.core import pidlock
+
+    path = tmp_path / run_lock.LOCK_FILE
+    path.write_text(text)
+    with pytest.raises(UserError, match=r"in use by another trainer \(an unreadable lock\)"):
+        run_lock.acquire(tmp_path)
+    os.utime(path, (time.time() - pidlock.LEASE_S - 5,) * 2)
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.core.pidlock"):
+        run_lock.check_free(tmp_path)
+        lock = run_lock.acquire(tmp_path)
+    assert "taking over a stale lock (an unreadable lock, not kept fresh" in caplog.text
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()

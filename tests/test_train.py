@@ -209,3 +209,60 @@ def test_profile_window_cut_short_by_the_data_still_writes_the_trace(tiny_dir, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "ck" / "prof").rglob("*.xplane.pb")), proc.stderr[-3000:]
     assert "training ended inside the profiled steps" in proc.stderr
+
+
+@pytest.mark.parametrize("change, named", [
+    ([], None),
+    (["lora.rank=2"], "checkpoint was trained with lora.rank=4, this run has 2"),
+    (["train.batch_size=2"], "its data position is for other training rows (train.batch_size 4 -> 2)"),
+])
+def test_dry_run_refuses_the_resume_the_run_refuses(tiny_dir, reference_run, change, named):
+    """`--dry-run` on an existing checkpoint.dir with another LoRA rank or batch printed a plan that fits (exit 0);
+    the run then refused to resume it. It is refused the same way, writing nothing; an unchanged resume plans."""
+    import io
+
+    from gemma_tpu.core.config import load_config
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.plan import run_dry
+
+    before = {p: p.stat().st_mtime_ns for p in reference_run.rglob("*")}
+    cfg = load_config("configs/tiny.yaml", [f"model.path={tiny_dir}", f"checkpoint.dir={reference_run}",
+                                            "train.max_steps=10", *change])
+    if named is None:
+        assert run_dry(cfg, compile_check=False, out=io.StringIO()) == 0
+    else:
+        with pytest.raises(UserError) as e:
+            run_dry(cfg, compile_check=False, out=io.StringIO())
+        assert named in str(e.value) and str(reference_run) in str(e.value)
+    assert {p: p.stat().st_mtime_ns for p in reference_run.rglob("*")} == before
+
+
+def test_a_last_step_off_the_save_interval_keeps_its_data_position(tiny_dir, reference_run, tmp_path):
+    """train.max_steps=3 with checkpoint.every_steps=2: step 3 is saved by Tunix's close, which saved it without
+    the data position; resuming it for more steps restarted the data at the first batch ("the data restarts"),
+    retraining rows already seen. The resumed run now ends with the uninterrupted run's losses."""
+    ck = tmp_path / "ck"
+    part = train(tiny_dir, ck, "train.max_steps=3", "checkpoint.every_steps=2")
+    assert part.returncode == 0, part.stderr[-3000:]
+    meta = json.loads((ck / "3" / "_CHECKPOINT_METADATA").read_text())
+    assert meta["custom_metadata"]["step"] == 3 and meta["custom_metadata"]["data_state"], meta
+    resumed = train(tiny_dir, ck, "train.max_steps=8", "checkpoint.every_steps=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at step 3; data position restored" in resumed.stderr
+    assert losses(ck) == losses(reference_run)
+
+
+def test_log_every_steps_thins_the_train_records_and_the_end_is_evaluated(tiny_dir, tmp_path):
+    """train.log_every_steps was checked (positive) and then ignored: metrics.jsonl had every step. Now every N-th
+    train record and the last are written; evaluations are all kept, and the summary still counts every step."""
+    ck = tmp_path / "ck"
+    proc = train(tiny_dir, ck, "train.max_steps=5", "train.log_every_steps=2", "train.eval_every_steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["mode"] == "train"] == [2, 4, 5]
+    evals = [r for r in rows if r["mode"] == "eval"]
+    summary = json.loads((ck / "summary.json").read_text())
+    assert summary["steps"] == 5
+    # train.eval_every_steps=3 evaluated at 0 and 3 only: the model saved at step 5 was never evaluated, and the
+    # summary gave step 3's loss as final_eval_loss. The end of the run is evaluated too.
+    assert [r["step"] for r in evals] == [0, 3, 5] and summary["final_eval_loss"] == evals[-1]["loss"]

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.atomic import write_text_atomic
+from gemma_tpu.core.config import ModelConfig
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.hf.directory import hf_revision
 from gemma_tpu.hf.fingerprint import fingerprint
@@ -74,6 +76,9 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
 
 
+_DTYPES = typing.get_args(typing.get_type_hints(ModelConfig)["dtype"])  # model.dtype's choices
+
+
 # What `build_metadata` writes, as (key path, test, what it must be): a damaged or hand-edited file with another
 # value died in an AttributeError or TypeError traceback (`"lora": [...]`, `"base_model": "x"`), or was used:
 # lora.rank 4.7 merged at alpha/4.7 with factors of rank 4, lora.alpha "nan" wrote a model of NaNs, lora.alpha
@@ -93,6 +98,8 @@ _FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("lora.alpha", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("lora.targets", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names"),
     ("lora.base_quantization", lambda v: isinstance(v, str), "a string"),
+    # what evaluate and chat load the model in: "fp16" was a KeyError traceback once the base was read
+    ("dtype", lambda v: v in _DTYPES, " or ".join(_DTYPES)),
 )
 
 

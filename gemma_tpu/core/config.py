@@ -104,8 +104,8 @@ class TrainConfig:
     # recomputed in the backward pass) | decoder (whole decoder layers); null: model.remat
     remat: Literal["none", "block", "decoder"] | None = None
     seed: int = 0
-    eval_every_steps: int = 0  # 0: evaluate only at the start and the end
-    log_every_steps: int = 1
+    eval_every_steps: int = 0  # also at the start and at the end; 0: only there
+    log_every_steps: int = 1  # a train record in metrics.jsonl every N steps (and the last); TensorBoard: every step
     on_nonfinite: Literal["stop", "skip"] = "stop"
     run_dir: str | None = None  # metrics.jsonl and TensorBoard; default: checkpoint.dir
     # JAX profiler trace (XProf/TensorBoard `*.xplane.pb`) of a few steps, written by process 0 only; a relative
@@ -405,6 +405,10 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
     import difflib
 
     keys = _leaf_keys(root)
+    if dotted in keys:  # `train.max_steps: 3` at the top of a file: a key of ours, spelt as an override spells it
+        section, _, leaf = dotted.partition(".")
+        return f"a dotted key is for the command line; in the file nest it under its section, {section}: " \
+               f"{{{leaf}: ...}}; "
     section, _, leaf = dotted.rpartition(".")
     if leaf in foreign and foreign[leaf][0] in keys:
         ours, note = foreign[leaf]
@@ -626,6 +630,19 @@ def key_lines(path: str | Path | None) -> dict[str, int]:
     return lines
 
 
+def keys_given(path: str | Path | None, overrides: Sequence[str] = ()) -> set[str]:
+    """The dotted keys (sections included) that the file or the overrides set, as opposed to defaults: for a
+    command with a default of its own where a key is not given (a checkpoint runs in its training dtype)."""
+    given = set(key_lines(path))
+    todo = [parse_override(text) for text in overrides]
+    while todo:
+        key, value = todo.pop()
+        given.add(key)
+        if isinstance(value, dict):  # `model={dtype: bfloat16}` sets model.dtype
+            todo += [(f"{key}.{k}", v) for k, v in value.items()]
+    return given
+
+
 def _line_of(message: str, lines: dict[str, int]) -> int | None:
     """The file line of the key `message` names first (the longest key where two start at one place): a
     dotted key anywhere, a section only as the subject (`train: expected a mapping`) or quoted."""
@@ -662,6 +679,12 @@ def blame(message: str, where: str, overrides: Sequence[str], lines: dict[str, i
 # variable assignment), and the run wrote a directory named `~` in the working directory.
 PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"), ("train", "run_dir"),
              ("train", "profile_dir"))
+
+
+# The optional text keys that no other check covers, with what null means: an empty value is refused like an
+# empty data.eval_path (mesh.coordinator_address alone reads empty as unset: the JAX_* environment, or one host)
+NULL_MEANS = {"model.revision": "the hub's default branch", "model.family": "the family config.json describes",
+              "data.context_field": "no context field", "train.run_dir": "checkpoint.dir"}
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
@@ -730,6 +753,11 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         path = getattr(cfg.data, key)
         if path is not None and not path.strip():
             bad(f"data.{key} is empty (give a file{', or null for no evaluation' if key == 'eval_path' else ''})")
+    for key, unset in NULL_MEANS.items():  # `train.run_dir=` (an empty $VAR) was read as unset, silently
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not value.strip():
+            bad(f"{key} is empty (give a value, or null for {unset})")
     for key in ("instruction_field", "response_field", "text_field"):  # else "missing field ''" in every row
         if not getattr(cfg.data, key).strip():
             bad(f"data.{key} is empty (the name of a field of the data's rows)")

@@ -8,7 +8,8 @@ another time than the holder (after a reboot or a container restart PIDs are han
 PID of a preempted trainer is often alive as an unrelated process). A lock from another host cannot be checked
 from here, so its holder keeps it fresh instead: a thread touches every held lock each `HEARTBEAT_S` seconds,
 and another host's lock untouched for `LEASE_S` is stale too (a preempted VM's trainer, restarted on a new VM
-over the same shared checkpoint directory, was refused until the file was removed by hand). Released
+over the same shared checkpoint directory, was refused until the file was removed by hand). So is an unreadable
+lock (empty: its writer died before writing it) untouched for `LEASE_S`. Released
 at exit (normal end, exception) and by `release_all` (what a SIGTERM handler that ends with `os._exit`
 calls). Users: the trainer's run directory (gemma_tpu.train.run_lock) and every published output
 (gemma_tpu.core.atomic).
@@ -123,6 +124,10 @@ def is_stale(holder: dict, path: Path | None = None) -> bool:
     """Written on this host by a process that is gone (its PID dead, or now another process's), or on another
     host by a holder that keeps it fresh (`heartbeat`) and has not touched it (at `path`) for `LEASE_S`."""
     pid = holder.get("pid")
+    if not holder:  # empty or garbage: its writer died between creating and writing it (a VM lost before the
+        # fsync leaves an empty file); it was refused for ever. A live holder's heartbeat keeps even such a file fresh
+        idle = idle_seconds(path) if path is not None else None
+        return idle is not None and idle > LEASE_S
     if holder.get("host") != socket.gethostname():
         idle = idle_seconds(path) if path is not None and holder.get("heartbeat") else None
         return idle is not None and idle > LEASE_S
@@ -211,7 +216,7 @@ class PidLock:
             os.unlink(aside)
             return
         os.unlink(aside)
-        if holder.get("host") != socket.gethostname():
+        if not holder or holder.get("host") != socket.gethostname():
             log.warning("%s: taking over a stale lock (%s, not kept fresh for %.0f s)", self.path, describe(holder),
                         LEASE_S)
         else:

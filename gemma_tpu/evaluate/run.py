@@ -53,7 +53,7 @@ from typing import Any, Sequence
 from gemma_tpu.checkpoint.restore import locate
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
-from gemma_tpu.core.config import DataConfig, RunConfig
+from gemma_tpu.core.config import DataConfig, RunConfig, keys_given
 from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
 from gemma_tpu.data.batching import Example
@@ -404,7 +404,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
                                             done=done)
         else:
             loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
-                      else load_checkpoint(spec.target, spec.step, None))
+                      else load_checkpoint(spec.target, spec.step, args.checkpoint_dtype))
             # read again with this model's control tokens (read first with Gemma 3's: no tokenizer was known), so a
             # Gemma 4 test set holding its `<turn|>` in a message is refused by FILE:LINE, as training refuses it
             load_conversations(args.data, cfg.data, _renderer(loaded, cfg.data).markup)
@@ -499,7 +499,8 @@ def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: 
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = cli.parser("python -m gemma_tpu.evaluate", __doc__, config="YAML run config (data.* rendering settings, model.dtype)")
+    p = cli.parser("python -m gemma_tpu.evaluate", __doc__, config="YAML run config (data.* rendering settings; "
+                   "model.dtype, default float32 for --model, a --checkpoint's training dtype)")
     p.add_argument("--data", required=True, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="base or merged HF directory (or hub id / embedded:NAME)")
@@ -536,6 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = cli.run_config(args, required=False)
     if cfg is None:
         return 0
+    # a checkpoint runs in its training dtype unless model.dtype is given (the override was ignored: always that)
+    args.checkpoint_dtype = cfg.model.dtype if "model.dtype" in keys_given(args.config, args.overrides) else None
     if args.limit is not None and args.limit <= 0:
         raise UserError("--limit must be positive")
     if args.batch_size <= 0 or args.max_new_tokens <= 0:

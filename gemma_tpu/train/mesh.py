@@ -102,6 +102,11 @@ def distributed_settings(m: MeshConfig) -> dict | None:
         raise UserError(f"mesh.num_processes={num} needs mesh.coordinator_address (or JAX_COORDINATOR_ADDRESS)")
     if _tpu_pod_env():
         return {}
+    given = [f"mesh.{k}={v}" for k, v in (("coordinator_address", m.coordinator_address),
+                                           ("process_id", m.process_id)) if v not in (None, "")]
+    if given and num is None:  # else each host ran the whole run alone, as a single process, without a word
+        raise UserError(f"{' and '.join(given)} set without mesh.num_processes (or JAX_NUM_PROCESSES): give the "
+                        f"number of processes (1 for a single-process run)")
     return None
 
 

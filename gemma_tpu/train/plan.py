@@ -616,6 +616,23 @@ def check_weights_here(cfg: RunConfig) -> str | None:
     return None
 
 
+def check_resume_here(cfg: RunConfig) -> None:
+    """What the run refuses of an existing checkpoint.dir before loading anything (`gemma_tpu.train.resume`:
+    another base, LoRA, dtype or optimizer tree); the caller knows the base's weights are on this machine.
+    The dry run planned such a resume as one that fits, and the run then refused it."""
+    from pathlib import Path
+
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE, build_metadata
+    from gemma_tpu.models import resolve_model
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    ckpt_dir = Path(cfg.checkpoint.dir)
+    if not ckpt_dir.is_dir() or not any(p.name == METADATA_FILE or p.name.isdigit() for p in ckpt_dir.iterdir()):
+        return  # a new run
+    resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+    check_resume_compatible(ckpt_dir, build_metadata(cfg, resolved), cfg.checkpoint.allow_base_mismatch)
+
+
 def data_layout(cfg: RunConfig) -> dict | None:
     """The training split as the run will lay it out (rows, shared-prefix trees, examples per step, the
     loss buffer), or None when its tokenizer is not on this machine (a hub id not downloaded). Bad data
@@ -626,6 +643,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
     from gemma_tpu.formats.function_calling import function_token_map
     from gemma_tpu.hf.tokenizer import load_tokenizer
     from gemma_tpu.models import resolve_model
+    from gemma_tpu.train.resume import check_data_position
 
     try:
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
@@ -635,6 +653,7 @@ def data_layout(cfg: RunConfig) -> dict | None:
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, function_token_map(tokenizer),
                                   vocab_size=resolved.text_config.get("vocab_size"))
     split, ev = data.prepare_splits(renderer, cfg.data, cfg.train.seed, cfg.train.batch_size)  # what the run refuses
+    check_data_position(cfg, split)  # a resume of checkpoint.dir from a position in other rows: refused too
     st = split.stats()
     per_row = st["examples_per_row"]
     return {"examples": st["examples_kept"], "rows": st["rows"], "trees": st["trees"], "examples_per_row": per_row,
@@ -664,6 +683,8 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     text = family.read_text_config(hf)
     validate_for_model(cfg, text, cfg.model.path, family.projection_shapes(text))
     weights_note = check_weights_here(cfg)  # before the data, as the run does
+    if weights_note is None:  # the base's weights are here: a resume of checkpoint.dir is checked as the run does
+        check_resume_here(cfg)
     layout = data_layout(cfg)
     if layout:  # the loss buffer the run will use: what the data needs, or data.max_loss_tokens capped at seq_len
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))

@@ -21,14 +21,13 @@ from typing import Sequence
 
 from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
-from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
+from gemma_tpu.checkpoint.metadata import METADATA_FILE
 from gemma_tpu.checkpoint.params import check_item_files, short_reason
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import function_token_map
-from gemma_tpu.hf.fingerprint import check_base
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import load_model, resolve_model
 from gemma_tpu.models.loading import check_weight_files
@@ -36,6 +35,7 @@ from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import plan, run_lock
 from gemma_tpu.train.plan import abstract_model
+from gemma_tpu.train.resume import check_data_position, check_resume_compatible
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -49,51 +49,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="--dry-run: devices to plan for when a mesh axis is -1 (default: the local ones)")
     p.add_argument("--assumed-mfu", type=float, default=None, help="--dry-run: MFU for the step-time estimate")
     p.add_argument("--no-compile", action="store_true", help="--dry-run: skip the compiled memory analysis")
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    given = [o for o, v in (("--devices", args.devices), ("--assumed-mfu", args.assumed_mfu),
+                            ("--no-compile", args.no_compile or None)) if v is not None]
+    if given and not args.dry_run and not args.print_config:  # else ignored, and a whole training run started
+        raise UserError(f"{given[0]} is an option of --dry-run; add --dry-run to plan the run (without it, "
+                        f"leave {given[0]} out to train)")
+    return args
 
 
-
-
-def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: bool = False) -> None:
-    """A checkpoint directory from another base, family, rank or target set, or whose optimizer state has
-    another tree (`optim.state_layout`), is refused. The base is
-    compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
-    by its path."""
-
-    if not (ckpt_dir / METADATA_FILE).is_file():
-        if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
-            raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
-        return
-    old = read_metadata(ckpt_dir)
-
-    recorded = old["base_model"].get("fingerprint")
-    check_base(recorded, meta["base_model"]["local_dir"], allow_base_mismatch,
-               "set checkpoint.allow_base_mismatch=true", lambda msg: log.warning("%s: %s", ckpt_dir, msg))
-    pairs = [] if recorded else [
-        ("base model", old["base_model"].get("local_dir"), meta["base_model"]["local_dir"])]
-    pairs += [
-        ("family", old["base_model"].get("family"), meta["base_model"]["family"]),
-        ("lora.enabled", old["lora"].get("enabled"), meta["lora"]["enabled"]),
-        ("lora.rank", old["lora"].get("rank"), meta["lora"]["rank"]),
-        ("lora.alpha", old["lora"].get("alpha"), meta["lora"]["alpha"]),
-        ("lora.targets", sorted(old["lora"].get("targets", [])), sorted(meta["lora"]["targets"])),
-        ("model.dtype", old.get("dtype"), meta["dtype"]),
-    ]
-    if "base_quantization" in old["lora"]:  # the base the factors were trained against (QLoRA), as model.dtype is
-        pairs.append(("lora.base_quantization", old["lora"]["base_quantization"], meta["lora"]["base_quantization"]))
-    # optimizer settings that change the saved optimizer state's tree: Orbax's restore failed after the
-    # model loaded, with advice to move a sound step aside
-    from gemma_tpu.train.optim import state_layout  # deferred: imports optax
-
-    old_train, new_train = old.get("config", {}).get("train", {}), meta["config"]["train"]
-    if "optimizer" in old_train:  # runs recorded before the whole config was: not checked
-        was_layout, now_layout = state_layout(old_train), state_layout(new_train)
-        pairs += [(key, old_train.get(key.split(".")[1]), new_train.get(key.split(".")[1]))
-                  for key in was_layout if was_layout[key] != now_layout[key]]
-    for what, was, now in pairs:
-        if was != now:
-            raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
-                            f"use another checkpoint.dir")
 
 
 def locked_dirs(cfg: RunConfig) -> list[tuple[Path, str]]:
@@ -195,10 +159,7 @@ def run(cfg: RunConfig) -> dict:
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta, cfg.checkpoint.allow_base_mismatch)
-    saved = checkpoint.saved_data_layout(ckpt_dir)  # a resume's data position must name these rows
-    if saved is not None:
-        data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
-                                                       cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]))
+    check_data_position(cfg, train_split)  # a resume's data position must name these rows
     if primary:  # before loading anything (writes nothing)
         check_resume_step_files(ckpt_dir)
 
@@ -266,7 +227,7 @@ def run(cfg: RunConfig) -> dict:
                 tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
                 flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                 price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
-                mesh=mesh,
+                mesh=mesh, log_every_steps=cfg.train.log_every_steps,
             )
         except Exception as e:
             steps = checkpoint.list_steps(ckpt_dir)

@@ -72,6 +72,11 @@ class BatchFeed(tunix_hooks.DataHooks):
             time.sleep(self.delay)
         if self.before_batch is not None:
             self.before_batch(train_ctx)
+        max_steps = train_ctx.config.max_steps
+        if max_steps is not None and train_ctx.train_steps >= max_steps:
+            # the run is over: Tunix would fetch one batch more before it stops, and the data position saved
+            # with the last step (at close) then skipped that batch on resume
+            return None
         try:
             batch = next(self.stream)
         except StopIteration:
@@ -272,7 +277,8 @@ class Trainer(TunixTrainer):
     def __init__(self, model, optimizer, training_config, *, feed: BatchFeed, run_dir: str | Path,
                  tokens_per_step: int, flops=None, peak_flops: float = 0.0,
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
-                 metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None):
+                 metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None,
+                 log_every_steps: int = 1):
         guard_tensorboard_writer()
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
         # no non-finite state on disk, and with on_nonfinite=stop no step whose loss was not finite
@@ -295,6 +301,7 @@ class Trainer(TunixTrainer):
         self.price_per_hour = price_per_hour
         self.on_nonfinite = on_nonfinite
         self.seed = seed
+        self.log_every_steps = max(1, log_every_steps)
         self.resumed_from = self.train_steps
         state = self.restored_custom_metadata.get("data_state")
         if state is not None:
@@ -412,6 +419,12 @@ class Trainer(TunixTrainer):
                  else " (compiling)" if rec.get("includes_compile") else "", eta)
 
     def close(self):
+        evals = [r["step"] for r in self.history if r["mode"] == "eval"]
+        if evals and evals[-1] < self.train_steps:  # the loop ended past the last evaluation: evaluate the model
+            # it saves (train.max_steps not a multiple of eval_every_steps, or data ran out), saved first (a
+            # preemption's SIGKILL during the evaluation would otherwise lose the step)
+            self.save_last_checkpoint()
+            self.evaluate_now()
         self._closing = True
         if self.stop_profiler():  # the loop ended inside the profiled window
             log.warning("training ended inside the profiled steps; the trace holds fewer steps")
@@ -424,8 +437,14 @@ class Trainer(TunixTrainer):
         self.flush_train_metrics()
 
     def _append(self, rec: dict) -> None:
+        """Every record into the history (the summary's medians); into metrics.jsonl the eval records and every
+        `train.log_every_steps`-th train record, the last one and a non-finite one always (the key was read
+        and checked, then ignored: every step was written)."""
         self.history.append(rec)
         if not self.primary:
+            return
+        if rec["mode"] == "train" and rec["step"] % self.log_every_steps and not rec.get("final_flush") \
+                and rec["step"] != self.config.max_steps and math.isfinite(rec["loss"]):
             return
         append_jsonl(self.metrics_path, rec)
 

@@ -17,6 +17,12 @@ Tunix 0.1.7 offers no public way to do the following, so each is wrapped once, b
   without `close` (SIGTERM), and read its losses before that step is saved (`_prev_buffered_train_metrics`);
 * know whether only the LoRA params are checkpointed (`_lora_enabled`), to save on SIGTERM exactly as
   Tunix's own last save does;
+* save the last step at `close` with the custom metadata (`_save_last_checkpoint` saves it without: a run whose
+  train.max_steps is not a multiple of checkpoint.every_steps ended on a step that held no data position, and
+  a resume of it for more steps took up the data from the first batch again);
+* evaluate once more when the loop ends past the last evaluation (`_run_eval`, with the eval step Tunix jitted):
+  Tunix evaluates only at multiples of eval_every_n_steps, so a train.max_steps that is not one (or data that ran
+  out first) ended without evaluating the model it saved, and the summary's final_eval_loss was an older one;
 * the names JAX compiles the train and eval steps under (the methods `_train_step`, `_eval_step`),
   which the compile counter watches for in JAX's compile log;
 * reach the Orbax manager inside Tunix's CheckpointManager (`_checkpoint_manager`): its public
@@ -108,7 +114,29 @@ class TunixTrainer(peft_trainer.PeftTrainer):
         prof._started_by_this_instance = False
         return True
 
+    def train(self, train_ds, eval_ds=None, *args, **kwargs):
+        self.eval_ds = eval_ds  # for `evaluate_now`
+        return super().train(train_ds, eval_ds, *args, **kwargs)
+
+    def evaluate_now(self) -> None:
+        """One evaluation at the current step, as Tunix's loop runs them (after `train` began, with its eval set)."""
+        if getattr(self, "eval_ds", None):
+            _, eval_step = self.jit_train_and_eval_step()  # the ones `train` jitted (cached)
+            self._run_eval(self.eval_ds, eval_step)
+
+    def save_last_checkpoint(self) -> None:
+        """At `close`: the last step, unless it is saved already, as every step is saved (with
+        `custom_checkpoint_metadata()`, the data position)."""
+        last = self.checkpoint_manager.latest_step()
+        if last is None or last < self.train_steps:
+            self.checkpoint_manager.save(self.train_steps, self.model, self.optimizer,
+                                         save_only_lora_params=self.lora_enabled, force=True,
+                                         custom_metadata=self.custom_checkpoint_metadata())
+
     # ---- Tunix's private hooks, routed to the public names above -----------------------
+    def _save_last_checkpoint(self):
+        self.save_last_checkpoint()
+
     def _write_metrics(self, metrics_buffer):
         self.write_metrics(metrics_buffer)
 

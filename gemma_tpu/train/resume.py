@@ -1,0 +1,78 @@
+"""What a run on an existing `checkpoint.dir` must agree with to resume it, checked before anything loads or is
+written: by the run (`gemma_tpu.train.run`) and by `--dry-run` (`gemma_tpu.train.plan`), which planned a resume
+the run then refused (another LoRA rank, batch or data) as one that fits."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from gemma_tpu.checkpoint import metadata as checkpoint
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
+from gemma_tpu.core.config import RunConfig
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf.fingerprint import check_base
+
+log = logging.getLogger("gemma_tpu.train")
+
+
+def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: bool = False) -> None:
+    """A checkpoint directory from another base, family, rank or target set, or whose optimizer state has
+    another tree (`optim.state_layout`), is refused. The base is
+    compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
+    by its path."""
+
+    if not (ckpt_dir / METADATA_FILE).is_file():
+        if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+            raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
+        return
+    old = read_metadata(ckpt_dir)
+    # a section missing from a damaged or hand-edited file (read_metadata lets absent keys pass) was a KeyError
+    # traceback; compared as unset instead, it is refused naming the key
+    old_base, old_lora = old.get("base_model") or {}, old.get("lora") or {}
+
+    recorded = old_base.get("fingerprint")
+    check_base(recorded, meta["base_model"]["local_dir"], allow_base_mismatch,
+               "set checkpoint.allow_base_mismatch=true", lambda msg: log.warning("%s: %s", ckpt_dir, msg))
+    pairs = [] if recorded else [
+        ("base model", old_base.get("local_dir"), meta["base_model"]["local_dir"])]
+    pairs += [
+        ("family", old_base.get("family"), meta["base_model"]["family"]),
+        ("lora.enabled", old_lora.get("enabled"), meta["lora"]["enabled"]),
+        ("lora.rank", old_lora.get("rank"), meta["lora"]["rank"]),
+        ("lora.alpha", old_lora.get("alpha"), meta["lora"]["alpha"]),
+        ("lora.targets", sorted(old_lora.get("targets", [])), sorted(meta["lora"]["targets"])),
+        ("model.dtype", old.get("dtype"), meta["dtype"]),
+    ]
+    if "base_quantization" in old_lora:  # the base the factors were trained against (QLoRA), as model.dtype is
+        pairs.append(("lora.base_quantization", old_lora["base_quantization"], meta["lora"]["base_quantization"]))
+    # optimizer settings that change the saved optimizer state's tree: Orbax's restore failed after the
+    # model loaded, with advice to move a sound step aside
+    from gemma_tpu.train.optim import state_layout  # deferred: imports optax
+
+    old_train, new_train = old.get("config", {}).get("train", {}), meta["config"]["train"]
+    # runs recorded before the whole config was are not checked
+    if isinstance(old_train, dict) and "optimizer" in old_train:
+        try:
+            was_layout = state_layout(old_train)
+        except TypeError:  # `"grad_accum_steps": "2"`: a TypeError traceback
+            raise UserError(f"{ckpt_dir / METADATA_FILE}: config.train holds a value of the wrong type (the file is "
+                            f"damaged or was edited)") from None
+        now_layout = state_layout(new_train)
+        pairs += [(key, old_train.get(key.split(".")[1]), new_train.get(key.split(".")[1]))
+                  for key in was_layout if was_layout[key] != now_layout[key]]
+    for what, was, now in pairs:
+        if was != now:
+            raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
+                            f"use another checkpoint.dir")
+
+
+def check_data_position(cfg: RunConfig, train_split: Any) -> None:
+    """The latest step's data position names these rows, batch, seed and order (`data.check_layout`)."""
+    from gemma_tpu import data  # deferred: imports the tokenizer stack
+
+    saved = checkpoint.saved_data_layout(cfg.checkpoint.dir)
+    if saved is not None:
+        data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
+                                                       cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]))
