@@ -562,6 +562,11 @@ CASES = [
     Case("ckpt-resume-run-json-accumulation-string", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
          ["{tmp}/ck/gemma_tpu_run.json", "config.train holds a value of the wrong type"],
          {"ck": copy_of("ckpt", meta={"config.train.grad_accum_steps": "2"})}),
+    Case("ckpt-resume-run-json-config-null", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck/gemma_tpu_run.json", "config is not a mapping"], {"ck": copy_of("ckpt", meta={"config": None})}),
+    Case("ckpt-resume-run-json-train-null", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck/gemma_tpu_run.json", "config.train is not a mapping"],
+         {"ck": copy_of("ckpt", meta={"config.train": None})}),
     Case("ckpt-resume-other-family", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"], ["family", "gemma4"],
          {"ck": copy_of("ckpt", meta={"base_model.family": "gemma4"})}),
     # settings that change the optimizer state's tree: Orbax's restore failed after the model loaded, advising

@@ -51,9 +51,15 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     # model loaded, with advice to move a sound step aside
     from gemma_tpu.train.optim import state_layout  # deferred: imports optax
 
-    old_train, new_train = old.get("config", {}).get("train", {}), meta["config"]["train"]
+    old_config = old.get("config", {})  # `"config": null` was an AttributeError traceback
+    if not isinstance(old_config, dict):
+        raise UserError(f"{ckpt_dir / METADATA_FILE}: config is not a mapping (the file is damaged or was edited)")
+    old_train, new_train = old_config.get("train", {}), meta["config"]["train"]
+    if not isinstance(old_train, dict):  # `"train": null` was not checked at all
+        raise UserError(f"{ckpt_dir / METADATA_FILE}: config.train is not a mapping (the file is damaged or was "
+                        f"edited)")
     # runs recorded before the whole config was are not checked
-    if isinstance(old_train, dict) and "optimizer" in old_train:
+    if "optimizer" in old_train:
         try:
             was_layout = state_layout(old_train)
         except TypeError:  # `"grad_accum_steps": "2"`: a TypeError traceback
