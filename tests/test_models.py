@@ -472,10 +472,11 @@ def test_tokenizer_is_built_once_per_content_and_named_after_its_directory(tiny_
     # failed on that order): a directory loaded first elsewhere must still get the same object each time
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(tiny_dir, elsewhere, ignore=shutil.ignore_patterns("*.safetensors"))
-    for loaded_first in (False, True):
-        from gemma_tpu.hf import tokenizer as tokenizer_module
+    from gemma_tpu.hf import tokenizer as tokenizer_module
 
-        tokenizer_module._LOADED.clear(), tokenizer_module._NAMED.clear()
+    for loaded_first in (False, True):
+        tokenizer_module._LOADED.clear()
+        tokenizer_module._NAMED.clear()
         if loaded_first:
             load_tokenizer(elsewhere)
         first = load_tokenizer(tiny_dir)
