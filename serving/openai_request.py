@@ -42,6 +42,17 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
 
 
+# OpenAI's integer fields; vLLM (pydantic) takes an integral float there as the integer (`"max_tokens": 5.0`)
+_INTEGERS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens", "top_logprobs", "best_of")
+
+
+def _whole_numbers(body: dict) -> dict:
+    """`body` with each integer field given as an integral float (5.0) as that integer (5), as vLLM reads it: it
+    was refused as "not a whole number"; 5.5 still is."""
+    fix = {k: int(v) for k in _INTEGERS if isinstance(v := body.get(k), float) and v.is_integer()}
+    return {**body, **fix} if fix else body
+
+
 def _text_parts(content: Any, where: str) -> None:
     """`content` a string, or a list of text parts (this is a text model)."""
     if isinstance(content, str):
@@ -82,6 +93,8 @@ def _message(m: Any, i: int) -> None:
     role = m.get("role")
     if role not in ROLES:
         raise RequestError(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
+    if m.get("name") is not None and not isinstance(m["name"], str):  # vLLM and OpenAI refuse it (400)
+        raise RequestError(f"{where}.name", f"expected a string, got {_json_type(m['name'])}")
     content = m.get("content")
     calls = m.get("tool_calls")
     if role == "assistant":
@@ -173,6 +186,8 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
         v = body.get(key)
         if v is not None and (not _is_int(v) or v < 1):
             raise RequestError(key, f"{v!r} is not a whole number of at least 1")
+    if body.get("user") is not None and not isinstance(body["user"], str):  # vLLM and OpenAI refuse it (400)
+        raise RequestError("user", f"expected a string, got {_json_type(body['user'])}")
     if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
         raise RequestError("n", f"{body['n']!r}: this server returns one choice (n=1)")
     # fields transformers serve accepts and ignores, where ignoring them breaks what the client relies on
@@ -333,6 +348,7 @@ def check_chat_request(body: Any, context: int | None = None,
     server cannot use."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
+    body = _whole_numbers(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
@@ -432,6 +448,7 @@ def check_completion_request(body: Any, context: int | None = None,
     bounded by the context."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
+    body = _whole_numbers(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         body = {**body, "prompt": prompt[0]}  # a batch of one, as LangChain and the SDK's list form send it

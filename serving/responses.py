@@ -198,7 +198,7 @@ def chat_request(body: Any) -> dict:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for key in ("model", "temperature", "top_p", "seed", "stop") + (("parallel_tool_calls",) if tools else ()):
+    for key in ("model", "temperature", "top_p", "seed", "stop", "user") + (("parallel_tool_calls",) if tools else ()):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("stream") is not None and not isinstance(body["stream"], bool):

@@ -1064,3 +1064,33 @@ def test_tool_choice_opens_the_call_through_the_chat_template():
     code, resp = _asgi(CheckedChatApp(inner, token_map=token_map), {"messages": USER, "tools": [TOOL],
                                                                      "tool_choice": named})
     assert resp["choices"][0]["message"]["content"] == "Hi." and "chat_template_kwargs" not in seen[-1]
+
+
+def test_fields_are_typed_as_vllm_types_them():
+    """vLLM (and OpenAI) refuse a `user` or a message `name` that is not a string (400); both passed here. vLLM
+    reads an integral float in an integer field as that integer (`"max_tokens": 5.0`); it was refused here."""
+    for body, param in (({"messages": USER, "user": 5}, "user"),
+                        ({"messages": [{"role": "user", "content": "hi", "name": ["x"]}]}, "messages[0].name")):
+        with pytest.raises(RequestError, match="expected a string, got") as e:
+            check_chat_request(body)
+        assert e.value.param == param
+    with pytest.raises(RequestError, match="expected a string, got a number") as e:
+        check_completion_request({"prompt": "x", "user": 1})
+    assert e.value.param == "user"
+    ok = check_chat_request({"messages": [{"role": "user", "content": "hi", "name": "ann"}], "user": "u1",
+                             "max_tokens": 5.0, "n": 1.0, "seed": 3.0, "top_k": 4.0, "min_tokens": 2.0}, 100,
+                            lambda b: 10)
+    assert ok["max_tokens"] == 5 and type(ok["max_tokens"]) is int and ok["seed"] == 3 and type(ok["seed"]) is int
+    assert json.loads(ok["generation_config"]) == {"top_k": 4, "min_new_tokens": 2, "do_sample": True}
+    assert type(check_chat_request({"messages": USER, "max_completion_tokens": 7.0})["max_tokens"]) is int
+    assert type(check_completion_request({"prompt": "x", "max_tokens": 6.0}, 50, len)["max_tokens"]) is int
+    for key in ("max_tokens", "n", "seed"):  # a fraction is still no whole number
+        with pytest.raises(RequestError) as e:
+            check_chat_request({"messages": USER, key: 5.5})
+        assert e.value.param == key
+    # the Responses API's user reaches the same check, and its max_output_tokens the same reading
+    from serving.responses import chat_request
+    with pytest.raises(RequestError, match="expected a string") as e:
+        check_chat_request(chat_request({"input": "hi", "user": {"id": 1}}))
+    assert e.value.param == "user"
+    assert type(check_chat_request(chat_request({"input": "hi", "max_output_tokens": 8.0}))["max_tokens"]) is int
