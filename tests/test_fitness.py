@@ -891,7 +891,10 @@ def test_generic_tool_loop_with_another_toolset():
     assert [m["role"] for m in seen[1]] == ["developer", "user", "assistant", "tool", "tool"]
     assert seen[1][2]["content"] == "Both." and len(seen[1][2]["tool_calls"]) == 2
     assert [json.loads(m["content"]) for m in seen[1][3:]] == [{"sum": 5}, {"sum": 2}]
-    assert "stopped after 0 calls" in run_tool_loop("many", calc, scripted(both), max_calls=1)
+    # a first turn of more parallel calls than the budget: said so ("kept calling tools; stopped after 0 calls")
+    assert run_tool_loop("many", calc, scripted(both), max_calls=1) == (
+        "(the model asked for 2 tool calls at once, more than the 1 allowed per question; none was run)")
+    assert "stopped after 1 call)" in run_tool_loop("more", calc, scripted(call, both), max_calls=2)
     no_prompt = Toolset(calc.schemas, add)
     seen.clear()
     run_tool_loop("hi", no_prompt, scripted(ParsedReply("text", [], "hello")))

@@ -56,7 +56,10 @@ def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max
         if reply.kind == "text":
             return reply.text or "(the model gave an empty answer)"
         if made + len(reply.calls) > max_calls:
-            return f"(the model kept calling tools; stopped after {made} calls)"
+            if not made:  # one turn of parallel calls past the budget: it did not keep calling, it asked too much
+                return (f"(the model asked for {len(reply.calls)} tool calls at once, more than the {max_calls} "
+                        f"allowed per question; none was run)")
+            return f"(the model kept calling tools; stopped after {made} call{'s' if made != 1 else ''})"
         results = []
         for call in reply.calls:
             shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
