@@ -223,8 +223,8 @@ class LocalServer:
             self._workdir = None
 
     def __enter__(self) -> "LocalServer":
-        self.start()
-        try:
+        try:  # start() too: a failure after its temporary directory is made (the log's folder missing) left it
+            self.start()
             self.wait_ready()
         except BaseException:
             self.stop()

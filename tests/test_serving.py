@@ -542,6 +542,24 @@ def test_a_server_missing_a_module_names_it(tiny_dir, tmp_path, monkeypatch):
     assert server.proc.poll() == 1 and server._workdir is None  # stopped and cleaned up
 
 
+def test_a_server_that_fails_to_start_leaves_no_temporary_directory(tiny_dir, tmp_path, monkeypatch):
+    """`with LocalServer(...)` whose start() failed after making its temporary directory (here: the log's folder
+    does not exist) left the directory of symlinks and template behind; it is removed, as when it fails later."""
+    import tempfile
+
+    from serving.local import LocalServer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(LocalServer, "command", lambda self: [sys.executable, "-c", "pass"])
+    template = tmp_path / "own.jinja"
+    template.write_text("{{ 'mine' }}")
+    with pytest.raises(FileNotFoundError):
+        with LocalServer(tiny_dir, name="tiny", log=tmp_path / "absent" / "serve.log", chat_template=template):
+            pass
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_local_server_is_bounded_by_max_model_len(tiny_dir, tmp_path, capsys, monkeypatch):
     """`serving.launch --local` bounded requests by the model's positions only, where vLLM takes server.max_model_len:
     a request without max_tokens generated to the end of the model's context (32k positions for Gemma 3 270M, on
