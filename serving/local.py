@@ -342,11 +342,10 @@ class CheckedChatApp:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
         `message.tool_calls` (arguments as JSON strings; only the first unless `parallel`, as vLLM honours
         `parallel_tool_calls: false`), the text outside them as `content` and finish_reason `tool_calls`,
-        as vLLM's tool parser answers; anything else unchanged. `prefix`: the start of a call the chat template
-        wrote (`force_call`), which the content continues."""
+        as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything else
+        unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
+        continues."""
         import json
-
-        from gemma_tpu.formats.function_calling import parse_reply
 
         try:
             resp = json.loads(raw)
@@ -356,20 +355,15 @@ class CheckedChatApp:
             return raw
         if not isinstance(message, dict) or message.get("tool_calls") or not isinstance(message.get("content"), str):
             return raw
-        reply = parse_reply(prefix + message["content"], self.token_map)  # prefix: the call the template opened
-        if reply.kind != "call":
-            if not prefix:
-                return raw
-            # a forced call that did not come whole (cut at max_tokens, malformed): the answer's text with its opening,
-            # as it streams (this sent the continuation alone, half a call)
-            message["content"] = prefix + message["content"]
-            return json.dumps(resp, ensure_ascii=False).encode()
-        rid = resp.get("id") or "call"
-        message["tool_calls"] = [{"id": f"{rid}_tool_call_{k}", "type": "function",
-                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                                 for k, c in enumerate(reply.calls if parallel else reply.calls[:1])]
-        message["content"] = reply.text or None
-        choice["finish_reason"] = "tool_calls"
+        # read as it streams (`StreamedCalls`), after the prefix: the call the template opened (a forced call that
+        # did not come whole is the answer's text with its opening, as it streams)
+        content, calls = StreamedCalls(self.token_map, parallel, prefix).whole(message["content"], resp.get("id"))
+        if not calls and not prefix:
+            return raw
+        message["content"] = content or (None if calls else "")
+        if calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+            choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
 
     async def __call__(self, scope, receive, send):
@@ -879,8 +873,9 @@ class StreamedCalls(EventStream):
     one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason becomes
     `tool_calls`. Text that only might start a marker is held until the next delta settles it, and so is
     trailing whitespace: the content streamed is the unstreamed one, stripped around the calls. A call
-    that does not parse, or is cut off by the end of the stream, streams as the text it was. Calls
-    written without their markers (a server that strips them) stay text: they are known only at the end.
+    that does not parse, or is cut off by the end of the stream before its arguments close, streams as the
+    text it was (one cut just before its end marker is a call). Calls written without their markers stay
+    text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`).
     Feed the body bytes as they come (`feed`), then `close()` for whatever is left."""
 
     def __init__(self, token_map: dict[str, str] | None, parallel: bool = True, prefix: str = ""):
@@ -902,6 +897,8 @@ class StreamedCalls(EventStream):
         the calls (`parse_reply`), so a space before a call (or at the end of an answer with calls) is dropped,
         and one between words is sent with the text that follows it."""
         full = self.space + text
+        if not self.texted and self.calls:  # the answer opened with calls: its text starts after them, stripped
+            full = full.lstrip()
         body = full.rstrip()
         self.space = full[len(body):]
         if not body:
@@ -931,18 +928,18 @@ class StreamedCalls(EventStream):
                 break
             text += self.held[:i]
             j = self.held.find(self.end, i + len(self.start))
-            if j < 0:
-                if final:
-                    text += self.held[i:]
-                    self.held = ""
-                else:
-                    self.held = self.held[i:]
+            if j < 0 and not final:
+                self.held = self.held[i:]
                 break
-            segment, self.held = self.held[i:j + len(self.end)], self.held[j + len(self.end):]
+            if j < 0:  # the end: a call whole but for its end marker (cut there, or the response marker after it)
+                segment, self.held = self.held[i:], ""
+            else:
+                segment, self.held = self.held[i:j + len(self.end)], self.held[j + len(self.end):]
             reply = parse_reply(segment, self.token_map)
             if reply.kind != "call":
                 text += segment
                 continue
+            after = reply.text if j < 0 else ""  # what parse_reply read after the call, markers dropped
             out += self._content(like, text)
             text = ""
             if not self.texted:
@@ -955,6 +952,7 @@ class StreamedCalls(EventStream):
                     "index": self.calls, "id": f"{rid}_tool_call_{self.calls}", "type": "function",
                     "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}]})
                 self.calls += 1
+            text = after
         out += self._content(like, text)
         if final and self.space and not self.calls:  # no call: the text as it came, as unstreamed
             out += self._chunk(like, {"content": self.space})
@@ -988,6 +986,18 @@ class StreamedCalls(EventStream):
         self.raw += data.replace(b"\r\n", b"\n")
         *events, self.raw = self.raw.split(b"\n\n")
         return b"".join(self._event(e) for e in events if e.strip())
+
+    def whole(self, text: str, rid: Any) -> tuple[str, list[dict]]:
+        """The content and the tool calls a stream of `text` comes to: the unstreamed answer is read by these same
+        rules, so both give one answer for one text (parsed whole, a broken call after a valid one turned the
+        valid one to text too, where the stream had sent it as a call)."""
+        import json
+
+        like = {"id": rid} if rid is not None else {}
+        out = self.feed(sse_event({**like, "choices": [{"index": 0, "delta": {"content": text}}]}) + sse_event(
+            {**like, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})) + self.close()
+        deltas = [json.loads(e[len(b"data:"):])["choices"][0]["delta"] for e in out.split(b"\n\n") if e.strip()]
+        return "".join(d.get("content") or "" for d in deltas), [c for d in deltas for c in d.get("tool_calls") or []]
 
     def _end(self) -> bytes:
         # a stream that ended without a finishing chunk: what is held, the whitespace after the text included

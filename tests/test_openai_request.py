@@ -667,6 +667,54 @@ def test_streamed_content_around_calls_is_the_unstreamed_content():
                    for e in out.decode().split("\n\n") if e.strip()) == "ok "
 
 
+def test_malformed_calls_read_alike_streamed_and_whole():
+    """The unstreamed answer was parsed whole (`parse_reply`) and the stream call by call, so on malformed model
+    output they disagreed: a valid call then a broken one came back as a call streamed but as plain text whole
+    (the valid call lost); a call cut just before its end marker was a call whole but text streamed; a call
+    followed by a stray end marker lost that marker whole only. Both now read by one set of rules
+    (`StreamedCalls`): each call that parses between its markers is a call, anything else is text as written."""
+    from gemma_tpu.formats.function_calling import plain_gemma_token_map
+    from serving.local import CheckedChatApp, StreamedCalls
+
+    token_map = plain_gemma_token_map()
+    start, end, response = "<unused2>", "<unused3>", "<unused4>"
+    good = start + "call:get_steps{n:1}" + end
+    cases = [  # model text -> (content, calls) on both paths
+        ("Sure. " + good + " " + start + "call:get_steps{n:" + end,
+         ("Sure.  " + start + "call:get_steps{n:" + end, ["get_steps"])),
+        (start + "call:oops{" + end + " then " + good, (start + "call:oops{" + end + " then", ["get_steps"])),
+        (good + " then " + end + " x", ("then " + end + " x", ["get_steps"])),
+        ("Sure. " + start + "call:get_steps{n:1}", ("Sure.", ["get_steps"])),  # cut right before its end marker
+        (start + "call:get_steps{n:1}" + response, (None, ["get_steps"])),
+        ("Sure. " + start + "call:get_steps{n:1", ("Sure. " + start + "call:get_steps{n:1", [])),  # cut midway
+        (good + " and " + start, ("and " + start, ["get_steps"])),
+        ("Hi " + end + " there " + start, ("Hi " + end + " there " + start, [])),
+        ("call:get_steps{n:1}", ("call:get_steps{n:1}", [])),  # no markers: text, as vLLM's parser reads it
+    ]
+    app = CheckedChatApp(None, token_map=token_map)
+    for text, (want_content, want_calls) in cases:
+        whole = json.loads(app.tool_calls(json.dumps({"id": "r", "choices": [{"index": 0, "finish_reason": "stop",
+                                                      "message": {"role": "assistant", "content": text}}]}).encode()))
+        message = whole["choices"][0]["message"]
+        got = (message["content"], [c["function"]["name"] for c in message.get("tool_calls") or []])
+        assert got == (want_content, want_calls), (text, got)
+        assert whole["choices"][0]["finish_reason"] == ("tool_calls" if want_calls else "stop")
+        for size in (1, 2, 5, len(text)):
+            f = StreamedCalls(token_map)
+            events = [{"id": "r", "choices": [{"index": 0, "delta": {"content": text[k:k + size]}}]}
+                      for k in range(0, len(text), size)] + [{"id": "r", "choices": [{"index": 0, "delta": {},
+                                                                                       "finish_reason": "stop"}]}]
+            out = f.feed(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)) + f.close()
+            chunks = [json.loads(e[len("data: "):]) for e in out.decode().split("\n\n") if e.strip()]
+            deltas = [c["choices"][0]["delta"] for c in chunks]
+            streamed = ("".join(d.get("content") or "" for d in deltas) or None,
+                        [t["function"]["name"] for d in deltas for t in d.get("tool_calls") or []])
+            assert streamed == (want_content, want_calls), (text, size)
+            assert [t["function"]["arguments"] for d in deltas for t in d.get("tool_calls") or []] == [
+                t["function"]["arguments"] for t in message.get("tool_calls") or []]
+            assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
 def test_a_long_check_does_not_hold_other_requests():
     """Rendering and counting a prompt ran in the server's event loop: while a long prompt was counted (seconds),
     every other request - a stream's next token, /health, /v1/models - waited. The checks now run in a thread."""
