@@ -401,6 +401,14 @@ def test_every_trained_turn_is_scored_with_turns_all(tmp_path):
         (4, ex["messages"][4]["content"])]
     assert cases[2].user == "And yesterday?" and cases[1].prompt["messages"][3]["role"] == "tool"
     assert parse_args(["--data", "x", "--model", "m"]).turns == "first"
+    # each record names its example and turn: a results file under --turns all held four records of one chat that
+    # said neither (nor FILE:LINE under the default)
+    from gemma_tpu.evaluate.run import scored
+    from gemma_tpu.formats.function_calling import ParsedReply
+
+    _, records = scored(cases, [ParsedReply("text", [], "x")] * len(cases), ["x"] * len(cases), None, 0.0)
+    assert [(r["where"], r["turn"]) for r in records] == [(f"{path}:1", 2), (f"{path}:1", 4), (f"{path}:1", 6),
+                                                          (f"{path}:1", 8), (f"{path}:2", 4)]
 
 
 def test_arguments_match_normalises_types():

@@ -95,6 +95,7 @@ class Case:
     answer: str | None = None  # the reference turn's text when it makes no call
     calls: list[ToolCall] = dataclasses.field(default_factory=list)  # every call of the reference turn
     where: str = ""  # FILE:LINE of the conversation
+    turn: int | None = None  # the scored assistant message's index in the conversation's messages
 
 
 TURNS = ("first", "all")  # which trained assistant turns of a conversation are scored
@@ -114,7 +115,7 @@ def build_cases(convs: list[dict], turns: str = "first") -> list[Case]:
             user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
             answer = None if calls else msgs[k].get("content") or ""  # text: records normalise contents
             cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer,
-                              [ToolCall(c["name"], c["arguments"]) for c in calls], conv.get("where", "")))
+                              [ToolCall(c["name"], c["arguments"]) for c in calls], conv.get("where", ""), k))
     return cases
 
 
@@ -435,7 +436,9 @@ def scored(cases: Sequence[Case], preds: Sequence[ParsedReply], texts: Sequence[
     metrics["eval_loss"] = loss
     metrics["perplexity"] = math.exp(min(loss, 80.0)) if loss is not None else None
     metrics["seconds"] = round(time.time() - t0, 1)
-    records = [{"user": c.user, "reference": dataclasses.asdict(c.reference) if c.reference else None,
+    # each record names its example (FILE:LINE) and, as `--turns all` scores several a conversation, its turn
+    records = [{"where": c.where, "turn": c.turn, "user": c.user,
+                "reference": dataclasses.asdict(c.reference) if c.reference else None,
                 **({"reference_calls": [dataclasses.asdict(x) for x in c.calls]} if len(c.calls) > 1 else {}),
                 "reference_answer": c.answer,
                 "kind": p.kind, "predicted": [dataclasses.asdict(x) for x in p.calls], "error": p.error, "raw": t}
