@@ -85,7 +85,7 @@ def test_same_structure_shares_compilations_not_weights(tiny_dir, tmp_path):
     gen_other = g.Generator(other, max_new_tokens=12, batch_size=4)
     assert gen_other._fn is gen_first._fn and gen_other._prefix_fn is gen_first._prefix_fn
     out_other = gen_other.generate(prompts)
-    fn, prefix_fn = g._jit_pair(gen_other._graphdef)  # compiled for this model alone
+    fn, prefix_fn, *_ = g._jit_pair(gen_other._graphdef)  # compiled for this model alone
     gen_alone = g.Generator(other, max_new_tokens=12, batch_size=4)
     gen_alone._fn, gen_alone._prefix_fn = fn, prefix_fn
     assert [o.ids for o in out_other] == [o.ids for o in gen_alone.generate(prompts)]
@@ -181,3 +181,38 @@ def test_max_new_tokens_zero_is_refused(loaded):
         with pytest.raises(UserError, match=rf"max_new_tokens must be a whole number of at least 1, got {bad}"):
             gen.generate([SHARED + [300]], max_new_tokens=bad)
     assert len(gen.generate([SHARED + [300]], max_new_tokens=1)[0].ids) == 1
+
+
+@ONE_LAYOUT
+def test_ctrl_c_stops_a_chunked_generation_between_chunks(loaded):
+    """The whole decode was one device call, and Python handles a signal only between calls: a Ctrl-C in the chat
+    took effect when the answer was done. With `decode_chunk` (the chat's), it stops within that many steps; the
+    ids decoded in chunks are the ones of one call, cached prefix or not."""
+    import os
+    import signal
+
+    from gemma_tpu.examples.fitness.chat import DECODE_CHUNK
+    from gemma_tpu.infer.generate import Generator
+
+    prompts = _prompts()
+    whole = Generator(loaded, max_new_tokens=12, batch_size=4, prefix_cache=False).generate(prompts)
+    for cache in (False, True):
+        chunked = Generator(loaded, max_new_tokens=12, batch_size=4, prefix_cache=cache, decode_chunk=5)
+        assert [o.ids for o in chunked.generate(prompts)] == [o.ids for o in whole]
+    gen = Generator(loaded, max_new_tokens=40, batch_size=1, decode_chunk=4)
+    real, calls = gen._decode_fn, []
+
+    def decode(*args):
+        calls.append(int(args[-1]))
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while the device call runs
+        return real(*args)
+
+    gen._decode_fn = decode
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate([[2, 500]])
+    assert calls == [4, 8]  # the third chunk never started
+    from gemma_tpu.examples.fitness.chat import Coach
+    from gemma_tpu.examples.fitness.providers import make_provider
+
+    assert Coach(loaded, make_provider("simulated", 0), trace=None).generator.decode_chunk == DECODE_CHUNK

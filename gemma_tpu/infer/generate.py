@@ -9,7 +9,8 @@ Static shapes: prompts are left-padded to a bucket length and the batch is fille
 size, so one compilation serves every prompt of a bucket. Left padding keeps the last prompt
 token of every row at the same cache index, which is what Tunix's cache (one write index for the
 batch) needs. Decoding is a `lax.while_loop` that stops when every row has produced a stop token
-(the end of a turn, `<eos>`, or the marker the model emits to hand over to a tool).
+(the end of a turn, `<eos>`, or the marker the model emits to hand over to a tool); an interactive
+caller (`decode_chunk`) runs it a few steps a call, so that a Ctrl-C is handled between them.
 
 Prefix cache (on by default, `prefix_cache=False` turns it off): when the prompts of a call share
 a prefix (an evaluation's developer turn with the tool declarations, or the `prefix` a caller
@@ -203,25 +204,27 @@ def _shifted_prefix(prefix_cache, pad, size: int):
     return out
 
 
-def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *, max_new: int):
-    """Prefill the left-padded prompts, then decode greedily until every row stopped.
+def _forward(graphdef, state, toks, pos, cache, attn, start=0):
+    from flax import nnx
+
+    # A fresh module tree per trace level: Qwix's LoRA writes module attributes when called,
+    # which nnx forbids on modules created outside the while loop's body.
+    model = nnx.merge(graphdef, state)
+    _project_last_only(model)
+    if start:
+        band_from(model, start, attn.shape[-1])
+    return model(toks, pos, cache, attn)
+
+
+def _prefill(graphdef, state, tokens, prompt_mask, prefix_cache=None, *, max_new: int):
+    """Prefill the left-padded prompts: the decode's first carry (step, cache, next ids, positions, key mask,
+    output ids, rows done).
 
     With `prefix_cache` (the keys and values of the first C ids every prompt starts with), the
     first C slots of each row come from it and only slots C.. are prefilled.
-    Returns the [B, max_new] generated ids (PAD after a row's stop token) and their count.
     """
-    import jax
     import jax.numpy as jnp
     from flax import nnx
-
-    def forward(toks, pos, cache, attn, start=0):
-        # A fresh module tree per trace level: Qwix's LoRA writes module attributes when called,
-        # which nnx forbids on modules created outside the while loop's body.
-        model = nnx.merge(graphdef, state)
-        _project_last_only(model)
-        if start:
-            band_from(model, start, attn.shape[-1])
-        return model(toks, pos, cache, attn)
 
     b, p = tokens.shape
     size = p + max_new
@@ -231,19 +234,29 @@ def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *
     attn = jnp.pad(attn, ((0, 0), (0, 0), (0, max_new)))
     if prefix_cache is None:
         cache = init_cache(nnx.merge(graphdef, state), b, size)
-        logits, cache = forward(tokens, positions, cache, attn)
+        logits, cache = _forward(graphdef, state, tokens, positions, cache, attn)
     else:
         c = prefix_cache["layer_0"]["k"].shape[1]
         pad = p - jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
         cache = _shifted_prefix(prefix_cache, pad, size)
-        logits, cache = forward(tokens[:, c:], positions[:, c:], cache, attn[:, c:], start=c)
+        logits, cache = _forward(graphdef, state, tokens[:, c:], positions[:, c:], cache, attn[:, c:], start=c)
     first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     keys = jnp.concatenate([prompt_mask, jnp.zeros((b, max_new), bool)], axis=1)
     out = jnp.full((b, max_new), PAD_ID, jnp.int32)
+    return jnp.int32(0), cache, first, positions[:, -1], keys, out, jnp.zeros((b,), bool)
+
+
+def _decode(graphdef, state, carry, stop_ids, until):
+    """Decode greedily from `carry` (`_prefill`'s) until step `until` or until every row stopped."""
+    import jax
+    import jax.numpy as jnp
+
+    max_new = carry[5].shape[1]
+    p = carry[4].shape[1] - max_new
 
     def cond(c):
         step, _, _, _, _, _, done = c
-        return (step < max_new) & ~jnp.all(done)
+        return (step < until) & (step < max_new) & ~jnp.all(done)
 
     def body(c):
         step, cache, tok, pos, keys, out, done = c
@@ -251,20 +264,28 @@ def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *
         done = done | jnp.isin(tok, stop_ids)
         keys = keys.at[:, p + step].set(True)
         pos = pos + 1
-        logits, cache = forward(tok[:, None], pos[:, None], cache, keys[:, None, :])
+        logits, cache = _forward(graphdef, state, tok[:, None], pos[:, None], cache, keys[:, None, :])
         nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
         return step + 1, cache, nxt, pos, keys, out, done
 
-    init = (jnp.int32(0), cache, first, positions[:, -1], keys, out, jnp.zeros((b,), bool))
-    step, _, _, _, _, out, _ = jax.lax.while_loop(cond, body, init)
-    return out, step
+    return jax.lax.while_loop(cond, body, carry)
+
+
+def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *, max_new: int):
+    """Prefill the left-padded prompts, then decode greedily until every row stopped, in one call.
+    Returns the [B, max_new] generated ids (PAD after a row's stop token) and their count."""
+    carry = _decode(graphdef, state, _prefill(graphdef, state, tokens, prompt_mask, prefix_cache, max_new=max_new),
+                    stop_ids, max_new)
+    return carry[5], carry[0]
 
 
 def _jit_pair(graphdef):
     import jax
 
     return (jax.jit(functools.partial(_greedy, graphdef), static_argnames=("max_new",)),
-            jax.jit(functools.partial(_prefix_forward, graphdef), static_argnames=("length",)))
+            jax.jit(functools.partial(_prefix_forward, graphdef), static_argnames=("length",)),
+            jax.jit(functools.partial(_prefill, graphdef), static_argnames=("max_new",)),
+            jax.jit(functools.partial(_decode, graphdef)))
 
 
 _JIT_PAIRS: list[tuple[Any, tuple]] = []  # (graphdef, its jitted pair), newest last; compared by ==, since a
@@ -272,9 +293,9 @@ _MAX_JIT_PAIRS = 8                        # GraphDef holding Tunix's ModelConfig
 
 
 def _jitted(graphdef):
-    """The jitted decode and prefix forward of one model structure. Generators of models with the same
-    structure (the base and the merged model an evaluation compares, a model reloaded) share them,
-    and so their compilations: only the weights differ, and they are arguments."""
+    """The jitted decode, prefix forward and decode halves (prefill, steps) of one model structure. Generators
+    of models with the same structure (the base and the merged model an evaluation compares, a model reloaded)
+    share them, and so their compilations: only the weights differ, and they are arguments."""
     for known, pair in _JIT_PAIRS:
         try:
             same = bool(known == graphdef)
@@ -308,10 +329,14 @@ class Generator:
     length so that a batch shares a bucket. With `prefix_cache` (the default), the prefix the
     prompts of a call share (at least `MIN_PREFIX_TOKENS` ids) is computed once and reused by
     every batch and by later calls that start with it; suffixes are bucketed by `SUFFIX_BUCKETS`.
+    With `decode_chunk` N, a batch decodes N steps a device call, Python running between them: a Ctrl-C
+    (KeyboardInterrupt) stops the generation within N steps, where one call ran to its end first (an
+    interactive chat's choice; None: one call a batch, as evaluation runs).
     """
 
     def __init__(self, loaded: LoadedModel, *, max_new_tokens: int = 64, batch_size: int = 8,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, prefix_cache: bool = True):
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, prefix_cache: bool = True,
+                 decode_chunk: int | None = None):
         from flax import nnx
 
         self.loaded = loaded
@@ -331,7 +356,8 @@ class Generator:
         stops = self.end_of_turn_ids + [i for i in (self.eos_id, self.call_end_id) if i is not None]
         self.stop_ids = np.asarray(stops, np.int32)
         self._graphdef, self._state = nnx.split(loaded.model)
-        self._fn, self._prefix_fn = _jitted(self._graphdef)
+        self._fn, self._prefix_fn, self._prefill_fn, self._decode_fn = _jitted(self._graphdef)
+        self.decode_chunk = decode_chunk
         # models that lay out their own cache (Gemma 4) cannot continue a filled cache with a
         # multi-token forward: see the module docstring
         self.prefix_cache = prefix_cache and not hasattr(loaded.model, "init_cache")
@@ -366,6 +392,21 @@ class Generator:
             self.prefix_stats["computed"] += 1
             self.prefix_stats["prefix_tokens"] = c
         return c, self._prefix[1]
+
+    def _decode_batch(self, tokens, mask, cache, max_new: int) -> tuple[np.ndarray, int]:
+        """One batch's generated ids and step count: in one device call, or `decode_chunk` steps a call."""
+        extra = (cache,) if cache is not None else ()
+        if not self.decode_chunk:
+            out, steps = self._fn(self._state, tokens, mask, self.stop_ids, *extra, max_new=max_new)
+            return np.asarray(out), int(steps)
+        carry = self._prefill_fn(self._state, tokens, mask, *extra, max_new=max_new)
+        step = 0
+        while step < max_new:
+            carry = self._decode_fn(self._state, carry, self.stop_ids, np.int32(min(step + self.decode_chunk, max_new)))
+            step = int(carry[0])  # waits for the call: a Ctrl-C meanwhile is raised here
+            if bool(np.all(np.asarray(carry[6]))):
+                break
+        return np.asarray(carry[5]), step
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
                  on_batch: Callable[[int], None] | None = None,
@@ -405,11 +446,8 @@ class Generator:
                 tokens[row, length - len(prompt):] = prompt
                 mask[row, length - len(prompt):] = True
             if cache is not None:
-                out, steps = self._fn(self._state, tokens, mask, self.stop_ids, cache, max_new=max_new)
                 self.prefix_stats["reused_batches"] += 1
-            else:
-                out, steps = self._fn(self._state, tokens, mask, self.stop_ids, max_new=max_new)
-            out, steps = np.asarray(out), int(steps)
+            out, steps = self._decode_batch(tokens, mask, cache, max_new)
             stops = set(self.stop_ids.tolist())
             for row, i in enumerate(idx):
                 ids: list[int] = []

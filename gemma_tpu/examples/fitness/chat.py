@@ -27,6 +27,9 @@ from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.tool_loop import run_tool_loop
 
 
+DECODE_CHUNK = 16  # decode steps a device call in the chat (see Generator's decode_chunk)
+
+
 class Coach:
     """One model, one provider; `ask(question)` runs the tool loop and returns the reply text."""
 
@@ -37,8 +40,9 @@ class Coach:
         self.toolset = toolset(provider)
         self.renderer = make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map,
                                       vocab_size=getattr(loaded.tunix_cfg, "num_embed", None))
+        # a few steps a device call: Ctrl-C cancels an answer within them (it waited for the whole generation)
         self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1,
-                                                prefix_cache=prefix_cache)
+                                                prefix_cache=prefix_cache, decode_chunk=DECODE_CHUNK)
         self.trace = trace
 
     def _system_ids(self, messages: list[dict]) -> list[int] | None:
