@@ -7,6 +7,8 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
 * the model directory is never modified: the server reads a temporary directory of symlinks to it,
   named after the served model, plus — when the model carries no chat template — the tool-aware
   FunctionGemma template from `gemma_tpu.formats.function_calling`;
+* the FunctionGemma markers are ordinary tokens in that directory's tokenizer (`show_call_markers`), so the
+  answers keep them (transformers serve leaves special tokens out) and the calls can be read, as vLLM reads them;
 * the server runs in that temporary directory with the model given by its bare name, so requests
   may name the model as `NAME` (a pinned `transformers serve` refuses any other name) or not at all;
 * its hub cache is an empty directory (offline): its `/v1/models` lists the hub cache, not the
@@ -90,7 +92,51 @@ def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template:
 
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         (served / "chat_template.jinja").write_text(tool_chat_template(function_token_map(tok)))
+    show_call_markers(served)
     return served
+
+
+def show_call_markers(served: Path) -> None:
+    """Make the FunctionGemma markers of `served`'s tokenizer (`<start_function_call>`, or the `<unusedN>` a plain
+    vocabulary writes them as) ordinary tokens, in files of its own in place of the symlinks: transformers serve
+    decodes answers without special tokens, and a merged tool-calling model's markers are special, so its calls
+    came back as `call:f{a:x}` with no markers (and no `<escape>`), which the stream never read as calls. vLLM's
+    tool parsers keep special tokens too. The ids, and so the prompts, are unchanged."""
+    import json
+    import types
+
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
+
+    tj = served / "tokenizer.json"
+    try:
+        tok = json.loads(tj.read_text()) if tj.is_file() else None
+    except (OSError, ValueError):
+        return  # transformers serve reports an unreadable tokenizer itself
+    if not isinstance(tok, dict) or not isinstance(tok.get("added_tokens"), list):
+        return
+    vocab = (tok.get("model") or {}).get("vocab")
+    names = set(vocab) if isinstance(vocab, dict) else {v[0] for v in vocab or [] if isinstance(v, list) and v}
+    names |= {e.get("content") for e in tok["added_tokens"] if isinstance(e, dict)}
+    shown = set(FUNCTION_MARKERS) | set(function_token_map(types.SimpleNamespace(get_vocab=lambda: names)).values())
+    entries = [e for e in tok["added_tokens"] if isinstance(e, dict) and e.get("content") in shown and e.get("special")]
+    if not entries:
+        return
+    for e in entries:
+        e["special"] = False
+    tj.unlink()
+    tj.write_text(json.dumps(tok, ensure_ascii=False))
+    tc = served / "tokenizer_config.json"
+    try:
+        cfg = json.loads(tc.read_text()) if tc.is_file() else None
+    except (OSError, ValueError):
+        return
+    decoder = cfg.get("added_tokens_decoder") if isinstance(cfg, dict) else None
+    if isinstance(decoder, dict):
+        for e in decoder.values():
+            if isinstance(e, dict) and e.get("content") in shown:
+                e["special"] = False
+        tc.unlink()
+        tc.write_text(json.dumps(cfg, ensure_ascii=False, indent=2))
 
 
 def startup_failure(log: str) -> str:
@@ -265,8 +311,10 @@ class CheckedChatApp:
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
-                 model_name: str | None = None, forced_calls: bool = False, stops_matchable=None):
+                 model_name: str | None = None, forced_calls: bool = False, stops_matchable=None,
+                 stop_texts: list[str] | None = None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.stop_texts = list(stop_texts or [])  # what the stop tokens decode to (`stop_token_texts`): cut as stops
         self.stops_matchable = stops_matchable  # `stop` -> whether generate can stop on it (`stops_matcher`)
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
         self.count_text, self.model_name = count_text, model_name
@@ -462,6 +510,7 @@ class CheckedChatApp:
         if path == "/v1/responses":
             return await self._responses(scope, headers, replay, send, request, body, forced, whole)
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
+        stops += self.stop_texts
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
         if not whole:
             # the stop strings are cut first (transformers serve streams them), then the calls are read
@@ -533,7 +582,7 @@ class CheckedChatApp:
         from serving.responses import response_object
 
         inner = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "headers": headers}
-        stops = [chat["stop"]] if isinstance(chat.get("stop"), str) else chat.get("stop") or []
+        stops = ([chat["stop"]] if isinstance(chat.get("stop"), str) else chat.get("stop") or []) + self.stop_texts
         tools = chat.get("tools") and chat.get("tool_choice") != "none"
         parallel = chat.get("parallel_tool_calls") is not False
         if not whole:
@@ -1161,6 +1210,25 @@ def stops_matcher(tok):
     return matchable
 
 
+def stop_token_texts(tok, served: Path) -> list[str]:
+    """The texts transformers serve writes for the tokens that end a generation (generation_config.json's
+    eos_token_id, the tokenizer's eos) where they are not special: the `<start_function_response>` a tool-calling
+    merge stops on (`show_call_markers` makes it an ordinary token) ended every call's answer, where vLLM leaves
+    the stop token out of the text."""
+    import json
+
+    path = served / "generation_config.json"
+    try:
+        gen = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        gen = {}
+    eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    ids = ([eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []) + [tok.eos_token_id]
+    added = set(tok.get_added_vocab().values())  # markers, never a piece of ordinary text cut wherever it shows
+    texts = {tok.decode([i], skip_special_tokens=True) for i in ids if isinstance(i, int) and i in added}
+    return sorted(t for t in texts if t.strip())
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P [--max-model-len N]` (in the directory holding NAME):
     `transformers serve NAME` with its app behind `CheckedChatApp`, requests bounded by the model's positions or N
@@ -1199,7 +1267,7 @@ def serve_main(argv: list[str] | None = None) -> None:
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
                               isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
-                              stops_matcher(tok))
+                              stops_matcher(tok), stop_token_texts(tok, served))
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler

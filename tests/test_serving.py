@@ -526,6 +526,77 @@ def test_local_served_dir_adds_a_template_without_touching_the_model(tiny_dir, t
     assert (served / "chat_template.jinja").read_text() == "{{ 'mine' }}"
 
 
+def test_a_merged_tool_models_calls_reach_the_server_with_their_markers(tiny_dir, tmp_path):
+    """A merged tool-calling model's FunctionGemma markers are special tokens, and transformers serve decodes
+    answers without special tokens: its calls came back as `call:get_steps{}` with no markers, which streamed as
+    plain text (and, whole, were parsed only by guessing at bare text, `<escape>` lost). The served directory now
+    has the markers as ordinary tokens (the model directory untouched), and the `<start_function_response>` it
+    stops on is cut from the answer, as vLLM leaves the stop token out: both paths give the call, and no text."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from convert.tool_tokens import install_tool_tokens
+    from gemma_tpu.formats.function_calling import function_token_map
+    from serving.local import CheckedChatApp, prepare_served_dir, stop_token_texts
+
+    merged = tmp_path / "merged"
+    shutil.copytree(tiny_dir, merged)
+    install_tool_tokens(merged, function_token_map(AutoTokenizer.from_pretrained(str(merged))))
+    before = _snapshot(merged)
+    answer = "<start_function_call>call:get_steps{date:<escape>a, b<escape>}<end_function_call>"
+    ids = AutoTokenizer.from_pretrained(str(merged))(answer + "<start_function_response>",
+                                                      add_special_tokens=False).input_ids
+    assert AutoTokenizer.from_pretrained(str(merged)).decode(ids, skip_special_tokens=True) == \
+        "call:get_steps{date:a, b}"  # what was served
+    served = prepare_served_dir(merged, "m", tmp_path / "w")
+    tok = AutoTokenizer.from_pretrained(str(served))
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert text == answer + "<start_function_response>" and _snapshot(merged) == before
+    assert tok(answer, add_special_tokens=False).input_ids == ids[:-1]  # the prompts' ids are unchanged
+    assert tok.decode(tok("<bos>hi<end_of_turn>", add_special_tokens=False).input_ids, skip_special_tokens=True) == "hi"
+    stops = stop_token_texts(tok, served)
+    assert stops == ["<start_function_response>"]
+
+    async def inner(scope, receive, send):  # transformers serve streaming what it decoded, 3 characters a chunk
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for k in range(0, len(text), 3):
+            chunk = {"id": "r", "choices": [{"index": 0, "delta": {"content": text[k:k + 3]}}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        end = {"id": "r", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        await send({"type": "http.response.body",
+                    "body": b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n"})
+
+    def ask(stream: bool) -> bytes:
+        import asyncio
+
+        sent = []
+        tool = {"type": "function", "function": {"name": "get_steps", "parameters": {"type": "object"}}}
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "stream": stream})
+
+        async def receive():
+            return {"type": "http.request", "body": body.encode(), "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        app = CheckedChatApp(inner, token_map=function_token_map(tok), stop_texts=stops)
+        asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive,
+                        send))
+        return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+    message = json.loads(ask(False))["choices"][0]["message"]
+    assert message["content"] is None and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                           for c in message["tool_calls"]] == [("get_steps", {"date": "a, b"})]
+    chunks = [json.loads(e[len("data: "):]) for e in ask(True).decode().split("\n\n")
+              if e.strip() and e.strip() != "data: [DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert [t["function"]["arguments"] for d in deltas for t in d.get("tool_calls") or []] == ['{"date": "a, b"}']
+
+
 def test_a_server_missing_a_module_names_it(tiny_dir, tmp_path, monkeypatch):
     """A multimodal Gemma 4 (as Google releases it) needs torchvision for transformers serve's processor; without
     it the one line said "Could not import module 'Gemma4Processor'. Are this object's requirements defined
