@@ -125,6 +125,8 @@ def test_gemma4_decodes_uncached(tmp_path):
     assert gen.prefix_cache is False
     outs = gen.generate(_prompts()[:3])
     assert gen.prefix_stats["computed"] == 0 and all(len(o.ids) >= 1 for o in outs)
+    chunked = Generator(loaded, max_new_tokens=6, batch_size=4, decode_chunk=4)  # the chat's way: same ids
+    assert [o.ids for o in chunked.generate(_prompts()[:3])] == [o.ids for o in outs]
 
 
 def test_prefix_cache_with_lora(tiny_dir):
