@@ -456,6 +456,47 @@ def test_verification_that_cannot_run_keeps_the_merge_aside(work, lora_ckpt, cap
     assert _complete(kept) and not out.exists() and leftovers(out) == []
 
 
+def test_verify_catches_and_names_one_corrupted_lora_site(work, base, lora_ckpt, merged, monkeypatch, capsys):
+    """One LoRA site whose update is 1% off passed --verify (the logits' KL moved by 2e-7, under the fp32 drift
+    bound) and a failure could not name the tensor. Each site is now checked against the checkpoint's factors,
+    so the merge fails naming it; bf16 rounding of every site stays within the bound."""
+    import convert.merge_math as merge_math
+    from convert.source import open_checkpoint
+    from convert.verify import check_lora_sites, verify_merge
+
+    key = "model.layers.1.self_attn.k_proj.weight"
+    bad = work / "merged_one_bad_site"
+    shutil.copytree(merged, bad)
+    tensors = {n: sio.WeightsDir(merged).read(n) for n in ordered_keys(merged)}
+    w0 = sio.WeightsDir(base).read(key).astype(np.float32)
+    tensors[key] = (w0 + 1.01 * (tensors[key] - w0)).astype(tensors[key].dtype)
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    source = open_checkpoint(lora_ckpt[0])
+    report = verify_merge(source, base, bad, "float32")
+    assert not report.passed and report.reason.startswith(f"tensor {key}: ") and "by 1% of it" in report.reason
+    assert all(r.passed for r in check_lora_sites(source, base, merged, "float32"))
+    for dtype in ("bfloat16", "float16"):
+        out = work / f"merged_sites_{dtype}"
+        assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--dtype", dtype) == 0
+        results = check_lora_sites(source, base, out, dtype)
+        assert len(results) == 14 and all(r.passed for r in results), [r.describe() for r in results]
+
+    # the same fault inside a merge: exit 3, the tensor named, nothing published
+    real = merge_math.merged_rows
+
+    def off_by_one_percent(weights, name, a_hf, b_hf, scale, *rest):
+        return real(weights, name, a_hf, b_hf, scale * (1.01 if name == key else 1.0), *rest)
+
+    monkeypatch.setattr(merge_math, "merged_rows", off_by_one_percent)
+    out = work / "merged_bad_site"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: verification failed (tensor {key}: ") and "by 1% of it" in last, last
+    assert not out.exists() and (work / "merged_bad_site.unverified" / "model.safetensors").is_file()
+
+
 def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt):
     """One restore for generate and verify: generate gets the model as trained (int8 base), verify the
     dense base with the same factors, which is what a merge of a QLoRA run is made from."""
