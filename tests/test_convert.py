@@ -736,6 +736,26 @@ def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
     assert max_diff(hf_logits(merged), hf_logits(out)) <= 1e-6
 
 
+def test_a_base_with_scalar_and_empty_tensors_merges_them_as_they_are(work, base, lora_ckpt, merged):
+    """A 0-dim tensor beside the decoder (a buffer such as a scale) crashed the cast to another --dtype with a
+    numpy reshape traceback; it and an empty tensor are cast and kept."""
+    from safetensors.numpy import load_file, save_file
+
+    odd = _base_with(work, base, "base_scalars", lambda k, v: v)
+    t = load_file(str(odd / "model.safetensors"))
+    t["extra.scale"], t["extra.step"], t["extra.none"] = np.array(3.5, np.float32), np.array(7), np.zeros((0, 4))
+    save_file(t, str(odd / "model.safetensors"), metadata={"format": "pt"})
+    out = work / "merged_scalars"
+    assert merge("--checkpoint", lora_ckpt[0], "--base", odd, "--out", out, "--allow-base-mismatch",
+                 "--dtype", "bfloat16") == 0
+    mw = sio.WeightsDir(out)
+    assert (mw["extra.scale"].dtype, mw["extra.scale"].shape, float(mw.read("extra.scale"))) == ("BF16", (), 3.5)
+    assert (mw["extra.step"].dtype, int(mw.read("extra.step"))) == ("I64", 7)
+    assert (mw["extra.none"].dtype, mw["extra.none"].shape) == ("BF16", (0, 4))
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert mw.read(key).tobytes() == sio.WeightsDir(merged).read(key).astype(sio.DTYPES["BF16"]).tobytes()
+
+
 def test_a_peft_adapter_config_beside_the_base_is_not_copied(work, base, lora_ckpt, merged):
     """Files beside the base's weights travel with the merge (licence, README), but a PEFT adapter_config.json
     there made transformers load the merged directory as that adapter on its base, not the merged weights."""
