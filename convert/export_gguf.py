@@ -171,25 +171,35 @@ def _json_member(path: Path, key: str):
                 window *= 4
 
 
-def _added_tokens(tok_dir: Path, cfg: dict) -> dict[int, bool]:
-    """id -> special for the tokenizer's added tokens (tokenizer.json's `added_tokens`, which
+def _added_tokens(tok_dir: Path, cfg: dict) -> dict[int, tuple[str | None, bool]]:
+    """id -> (content, special) for the tokenizer's added tokens (tokenizer.json's `added_tokens`, which
     transformers 5 writes, and tokenizer_config.json's `added_tokens_decoder`, which 4.x wrote)."""
-    out: dict[int, bool] = {}
+    out: dict[int, tuple[str | None, bool]] = {}
     tj = tok_dir / "tokenizer.json"
-    if tj.is_file():
-        for e in _json_member(tj, "added_tokens") or []:
-            out[int(e["id"])] = bool(e.get("special"))
-    for i, entry in (cfg.get("added_tokens_decoder") or {}).items():
-        if isinstance(entry, dict):
-            out[int(i)] = bool(entry.get("special"))
+    entries = list(_json_member(tj, "added_tokens") or []) if tj.is_file() else []
+    entries += [{**e, "id": i} for i, e in (cfg.get("added_tokens_decoder") or {}).items() if isinstance(e, dict)]
+    for e in entries:
+        content = e.get("content")
+        out[int(e["id"])] = (content if isinstance(content, str) and content else None, bool(e.get("special")))
     return out
+
+
+def _added_type(content: str | None, special: bool) -> int:
+    """An added token's GGUF type as llama.cpp's converter gives it: control when special or spelled like one
+    (the reserved `<unusedN>`, `<|...|>`, and a few names some tokenizers leave unmarked), else user-defined."""
+    text = content or ""
+    looks = (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
+             or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+             or (text.startswith("<unused") and text.endswith(">")))
+    return CONTROL if special or looks else USER_DEFINED
 
 
 def read_vocab(tok_dir: Path, n_rows: int, token_map: dict[str, str], markers: Sequence[str]) -> Vocab:
     """The vocabulary as llama.cpp's SentencePiece ("llama") tokenizer wants it.
 
     Pieces, scores and types come from `tokenizer.model` (else `tokenizer.json`); the added
-    tokens of `tokenizer_config.json` are control tokens when special, user-defined otherwise,
+    tokens of `tokenizer_config.json` are control tokens when special, user-defined otherwise
+    (`_added_type`), those past the model's pieces with their own text (they were `[PADn]`),
     and user-defined pieces are stored with plain spaces (llama.cpp matches them in raw text).
     `token_map` ({marker: "<unusedN>"}) renames reserved tokens; every tool-call marker present
     becomes user-defined. Padded with unused `[PADn]` entries up to the embedding's rows."""
@@ -203,9 +213,18 @@ def read_vocab(tok_dir: Path, n_rows: int, token_map: dict[str, str], markers: S
     else:
         raise UserError(f"{tok_dir}: no tokenizer.model or tokenizer.json; the GGUF needs the vocabulary")
     cfg = _tokenizer_config(tok_dir)
-    for i, special_token in _added_tokens(tok_dir, cfg).items():
-        if i < len(types):
-            types[i] = CONTROL if special_token else USER_DEFINED
+    for i, (content, special_token) in sorted(_added_tokens(tok_dir, cfg).items()):
+        if i >= len(pieces):  # past the SentencePiece pieces (Gemma 3 4B-27B's <image_soft_token>): kept by its text
+            if content is None or i >= n_rows:
+                continue  # nothing to name it by, or beyond the embedding (llama.cpp's converter skips those too)
+            for j in range(len(pieces), i):
+                pieces.append(f"[PAD{j}]")
+                scores.append(-1000.0)
+                types.append(UNUSED)
+            pieces.append(content)
+            scores.append(-1000.0)
+            types.append(UNUSED)
+        types[i] = _added_type(content if content is not None else pieces[i], special_token)
     index = {p: i for i, p in enumerate(pieces)}
     for marker, reserved in (token_map or {}).items():
         if marker in index:

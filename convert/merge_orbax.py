@@ -20,7 +20,8 @@ Safety: everything is checked before writing (checkpoint, step, base files, ever
 is built in a hidden temp dir beside `--out` and renamed into place at the end (see
 `gemma_tpu.core.atomic`), so an interrupted merge leaves nothing at `--out`.
 
-`--verify` compares the JAX LoRA model with the merged output loaded by transformers before the
+`--verify` checks each merged LoRA site against the checkpoint's factors (naming a tensor that is
+off) and compares the JAX LoRA model with the merged output loaded by transformers before the
 output is published. On failure nothing is published at `--out` (an older output there stays
 untouched); the merged files are kept at `<out>.unverified` for inspection and the exit code is 3. So they are
 when the verification cannot run (transformers cannot load the model, memory runs out).

@@ -103,19 +103,31 @@ def _rename_sentencepiece(path: Path, token_map: dict[str, str]) -> bool:
 def check_tool_token_files(tok_dir: Path, token_map: dict[str, str]) -> None:
     """Refuse, before any output is written, tokenizer files `install_tool_tokens` could not publish the
     markers in: no tokenizer.json, a tokenizer.json / tokenizer_config.json that is not a JSON object, a
-    mapped token the vocabulary lacks, a tokenizer.model that does not parse (one line naming the file)."""
+    mapped token the vocabulary lacks, a tokenizer.model that does not parse or lacks a mapped token at
+    tokenizer.json's id (one line naming the file)."""
     if not token_map:
         return
     tj = Path(tok_dir) / "tokenizer.json"
     if not tj.is_file():
         raise UserError(f"{tok_dir}: the base has no tokenizer.json, so the tool-call token map "
                         f"({len(token_map)} markers) cannot be published")
-    _rename_tokenizer_json(tj, token_map, write=False)
+    ids = _rename_tokenizer_json(tj, token_map, write=False)
     tc = Path(tok_dir) / "tokenizer_config.json"
     if tc.is_file():
         read_json_object(tc, f"{tc}: missing")
-    if (Path(tok_dir) / "tokenizer.model").is_file():
-        _read_sentencepiece(Path(tok_dir) / "tokenizer.model")
+    sp = Path(tok_dir) / "tokenizer.model"
+    proto = _read_sentencepiece(sp) if sp.is_file() else None
+    if proto is not None:
+        # a tokenizer.model of another vocabulary had nothing renamed in it, silently: the merged directory then
+        # held two tokenizers that disagree, and a GGUF made from it (which reads tokenizer.model) had no markers
+        pieces = {p.piece: i for i, p in enumerate(proto.pieces)}
+        for marker, i in sorted(ids.items(), key=lambda kv: kv[1]):
+            old = token_map[marker]
+            if pieces.get(old, pieces.get(marker)) != i:
+                where = f"at id {pieces[old]}" if old in pieces else "no such piece"
+                raise UserError(f"{sp}: {old} (for {marker}) is token {i} in tokenizer.json but {where} here, so "
+                                f"the markers cannot be published in it (the two tokenizer files disagree: remove "
+                                f"tokenizer.model, or give the base's own)")
 
 
 def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, int]:

@@ -456,6 +456,47 @@ def test_verification_that_cannot_run_keeps_the_merge_aside(work, lora_ckpt, cap
     assert _complete(kept) and not out.exists() and leftovers(out) == []
 
 
+def test_verify_catches_and_names_one_corrupted_lora_site(work, base, lora_ckpt, merged, monkeypatch, capsys):
+    """One LoRA site whose update is 1% off passed --verify (the logits' KL moved by 2e-7, under the fp32 drift
+    bound) and a failure could not name the tensor. Each site is now checked against the checkpoint's factors,
+    so the merge fails naming it; bf16 rounding of every site stays within the bound."""
+    import convert.merge_math as merge_math
+    from convert.source import open_checkpoint
+    from convert.verify import check_lora_sites, verify_merge
+
+    key = "model.layers.1.self_attn.k_proj.weight"
+    bad = work / "merged_one_bad_site"
+    shutil.copytree(merged, bad)
+    tensors = {n: sio.WeightsDir(merged).read(n) for n in ordered_keys(merged)}
+    w0 = sio.WeightsDir(base).read(key).astype(np.float32)
+    tensors[key] = (w0 + 1.01 * (tensors[key] - w0)).astype(tensors[key].dtype)
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    source = open_checkpoint(lora_ckpt[0])
+    report = verify_merge(source, base, bad, "float32")
+    assert not report.passed and report.reason.startswith(f"tensor {key}: ") and "by 1% of it" in report.reason
+    assert all(r.passed for r in check_lora_sites(source, base, merged, "float32"))
+    for dtype in ("bfloat16", "float16"):
+        out = work / f"merged_sites_{dtype}"
+        assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--dtype", dtype) == 0
+        results = check_lora_sites(source, base, out, dtype)
+        assert len(results) == 14 and all(r.passed for r in results), [r.describe() for r in results]
+
+    # the same fault inside a merge: exit 3, the tensor named, nothing published
+    real = merge_math.merged_rows
+
+    def off_by_one_percent(weights, name, a_hf, b_hf, scale, *rest):
+        return real(weights, name, a_hf, b_hf, scale * (1.01 if name == key else 1.0), *rest)
+
+    monkeypatch.setattr(merge_math, "merged_rows", off_by_one_percent)
+    out = work / "merged_bad_site"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--verify") == 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: verification failed (tensor {key}: ") and "by 1% of it" in last, last
+    assert not out.exists() and (work / "merged_bad_site.unverified" / "model.safetensors").is_file()
+
+
 def test_qlora_checkpoint_restores_quantized_and_verifies_dense(work, lora_ckpt):
     """One restore for generate and verify: generate gets the model as trained (int8 base), verify the
     dense base with the same factors, which is what a merge of a QLoRA run is made from."""
@@ -693,6 +734,26 @@ def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
     assert list(mw.read("vision_tower.position_ids")) == list(range(16))
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert max_diff(hf_logits(merged), hf_logits(out)) <= 1e-6
+
+
+def test_a_base_with_scalar_and_empty_tensors_merges_them_as_they_are(work, base, lora_ckpt, merged):
+    """A 0-dim tensor beside the decoder (a buffer such as a scale) crashed the cast to another --dtype with a
+    numpy reshape traceback; it and an empty tensor are cast and kept."""
+    from safetensors.numpy import load_file, save_file
+
+    odd = _base_with(work, base, "base_scalars", lambda k, v: v)
+    t = load_file(str(odd / "model.safetensors"))
+    t["extra.scale"], t["extra.step"], t["extra.none"] = np.array(3.5, np.float32), np.array(7), np.zeros((0, 4))
+    save_file(t, str(odd / "model.safetensors"), metadata={"format": "pt"})
+    out = work / "merged_scalars"
+    assert merge("--checkpoint", lora_ckpt[0], "--base", odd, "--out", out, "--allow-base-mismatch",
+                 "--dtype", "bfloat16") == 0
+    mw = sio.WeightsDir(out)
+    assert (mw["extra.scale"].dtype, mw["extra.scale"].shape, float(mw.read("extra.scale"))) == ("BF16", (), 3.5)
+    assert (mw["extra.step"].dtype, int(mw.read("extra.step"))) == ("I64", 7)
+    assert (mw["extra.none"].dtype, mw["extra.none"].shape) == ("BF16", (0, 4))
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert mw.read(key).tobytes() == sio.WeightsDir(merged).read(key).astype(sio.DTYPES["BF16"]).tobytes()
 
 
 def test_a_peft_adapter_config_beside_the_base_is_not_copied(work, base, lora_ckpt, merged):

@@ -653,3 +653,73 @@ def test_tool_tokens_in_a_tokenizer_model_that_does_not_parse_are_refused_first(
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith(f"error: {damaged / 'tokenizer.model'}: not a SentencePiece model")
     assert "merge: " not in err and leftovers(out) == []
+
+
+def _sentencepiece_file(path: Path, pieces: list[str]) -> None:
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    proto = sp_pb2.ModelProto()
+    for i, piece in enumerate(pieces):
+        p = proto.pieces.add()
+        p.piece, p.score, p.type = piece, -float(i), 3 if piece.startswith("<") else 1
+    path.write_bytes(proto.SerializeToString())
+
+
+def test_tool_tokens_a_tokenizer_model_lacks_are_refused_first(work, base, tool_ckpt, capsys):
+    """A tool-calling merge whose base's tokenizer.model lacks the mapped `<unusedN>` pieces (another vocabulary)
+    renamed nothing in it, silently: the merged directory held two tokenizers that disagree, and its GGUF (read
+    from tokenizer.model) had no markers. Refused before the merge naming the file and token; a tokenizer.model
+    that agrees with tokenizer.json has the markers at tokenizer.json's ids."""
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    from convert.merge_orbax import main
+    from gemma_tpu.core.cli import cli_main
+
+    vocab = json.loads((base / "tokenizer.json").read_text())["model"]["vocab"]
+    pieces = sorted(vocab, key=vocab.get)
+    token_map = tool_ckpt[1]
+    first = min(token_map, key=lambda m: vocab[token_map[m]])
+    other = [p for p in pieces if not p.startswith("<unused")]
+    for name, spm_pieces, rc in (("other", other, 2), ("agrees", pieces, 0)):
+        b = work / f"base_spm_{name}"
+        shutil.copytree(base, b)
+        _sentencepiece_file(b / "tokenizer.model", spm_pieces)
+        out = work / f"merged_spm_{name}"
+        assert cli_main(main, ["--checkpoint", str(tool_ckpt[0]), "--base", str(b), "--out", str(out),
+                               "--allow-base-mismatch"]) == rc
+        err = capsys.readouterr().err
+        if rc:
+            assert err.strip().splitlines()[-1].startswith(
+                f"error: {b / 'tokenizer.model'}: {token_map[first]} (for {first}) is token {vocab[token_map[first]]} "
+                f"in tokenizer.json but no such piece here"), err
+            assert "merge: " not in err and leftovers(out) == []
+        else:
+            proto = sp_pb2.ModelProto()
+            proto.ParseFromString((out / "tokenizer.model").read_bytes())
+            assert all(proto.pieces[vocab[old]].piece == marker for marker, old in token_map.items())
+
+
+def test_added_tokens_past_the_sentencepiece_pieces_keep_their_text(tmp_path):
+    """Gemma 3 4B-27B's `<image_soft_token>` (id 262144, one past tokenizer.model's pieces) was written as
+    `[PAD262144]`; llama.cpp's converter keeps added tokens there by their text, control when special or
+    spelled like a control token, user-defined (spaces plain) otherwise, and pads the rest."""
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    from convert.export_gguf import CONTROL, NORMAL, UNUSED, USER_DEFINED, read_vocab
+
+    proto = sp_pb2.ModelProto()
+    for i, (piece, kind) in enumerate([("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2)]
+                                      + [(f"\u2581w{i}", 1) for i in range(6)]):
+        p = proto.pieces.add()
+        p.piece, p.score, p.type = piece, -float(i), kind
+    (tmp_path / "tokenizer.model").write_bytes(proto.SerializeToString())
+    added = {10: ("<image_soft_token>", True), 12: ("<unused99>", False), 13: ("\u2581x\u2581y", False),
+             5: ("\u2581w1", True), 40: ("<beyond_the_embedding>", True)}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": {str(i): {"content": c, "special": s} for i, (c, s) in added.items()}}))
+    vocab = read_vocab(tmp_path, 16, {}, [])
+    assert vocab.tokens[4:] == ["\u2581w0", "\u2581w1", "\u2581w2", "\u2581w3", "\u2581w4", "\u2581w5",
+                                "<image_soft_token>", "[PAD11]", "<unused99>", " x y", "[PAD14]", "[PAD15]"]
+    assert vocab.types[4:] == [NORMAL, CONTROL] + [NORMAL] * 4 + [CONTROL, UNUSED, CONTROL, USER_DEFINED, UNUSED,
+                                                                    UNUSED]
+    assert vocab.scores[5] == -5.0 and vocab.scores[10] == -1000.0

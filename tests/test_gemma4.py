@@ -278,6 +278,28 @@ def test_lora_lands_where_each_layer_has_the_projection(g4):
         r.family.targets_to_modules(r.family.tunix_config(r.hf_config), ["k_proj"])
 
 
+def test_k_proj_alone_targets_a_gemma4_whose_layers_are_all_k_eq_v_global(tmp_path):
+    """Every layer global with K=V: no layer has the fused K/V weight, yet `lora.targets: [k_proj]` was refused
+    for not naming v_proj with it. It trains K in every layer and merges; v_proj alone names no layer."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.core.config import LoraConfig
+    from gemma_tpu.lora import apply_lora, lora_state_paths
+    from gemma_tpu.models import load_model, resolve_model
+
+    base = write_tiny_gemma4(tmp_path / "all_global", seed=9, layer_types=["full_attention"] * 4)
+    r = resolve_model(str(base))
+    model, cfg = load_model(r, "float32")
+    model = apply_lora(model, r.family, cfg, LoraConfig(rank=2, alpha=4.0, targets=["k_proj"]))
+    assert {p.rsplit(".", 1)[0] for p in lora_state_paths(model)} == {f"layers.{i}.attn.k_einsum" for i in range(4)}
+    with pytest.raises(UserError, match="no layer of this gemma4 model has v_proj"):
+        r.family.targets_to_modules(cfg, ["v_proj"])
+    ckpt = tmp_path / "ckpt"
+    ref = make_checkpoint(base, ckpt, rank=2, alpha=4.0, targets=["k_proj"], seed=3)
+    assert merge("--checkpoint", ckpt, "--out", tmp_path / "merged") == 0
+    assert max_diff(ref, hf_logits(tmp_path / "merged")) <= TOL
+    assert max_diff(ref, hf_logits(base)) > 10 * TOL
+
+
 def test_qlora_forward_is_the_quantized_base(g4):
     """QLoRA on Gemma 4 (Tunix's attention projections cast their weight, which Qwix hands over
     quantized: a TypeError at the first step before). With B = 0 the logits are those of the base

@@ -226,8 +226,11 @@ class WeightsDir:
         return read_bytes(t, 0, t.nbytes).view(t.np_dtype).reshape(t.shape)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) along the first axis, as a fresh array."""
+        """Rows [start, stop) along the first axis, as a fresh array; a 0-dim tensor is its one "row" (0, 1),
+        as `row_chunks` gives it (it was a reshape error: the row size of a scalar is not its size)."""
         t = self.tensors[name]
+        if not t.shape:
+            return self.read(name)
         row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else 0
         return read_bytes(t, start * row, (stop - start) * row).view(t.np_dtype).reshape((stop - start, *t.shape[1:]))
 

@@ -258,7 +258,8 @@ class Family:
         """Map HF target names to projections; fused Tunix weights need all their HF names.
 
         One HF name may live in several Tunix weights (Gemma 4's k_proj: `kv_einsum` in some
-        layers, `k_einsum` in others); all of them are chosen."""
+        layers, `k_einsum` in others); all of them that some layer has are chosen (a Gemma 4 whose
+        layers are all K=V global has no `kv_einsum`, so k_proj alone is a complete target there)."""
         projs = self.projections(tunix_cfg)
         names = list(dict.fromkeys(p.hf_name for p in projs))
         unknown = [t for t in targets if t not in names]
@@ -267,7 +268,12 @@ class Family:
                 f"lora.targets: {unknown[0]!r} is not a projection of family {self.name} "
                 f"(known: {', '.join(names)})"
             )
+        present = {p for layer in range(tunix_cfg.num_layers) for p in self.layer_projections(tunix_cfg, layer)}
+        projs = [p for p in projs if p in present]
         chosen = [p for t in dict.fromkeys(targets) for p in projs if p.hf_name == t]
+        if targets and not chosen:
+            want, have = " or ".join(dict.fromkeys(targets)), ", ".join(dict.fromkeys(p.hf_name for p in projs))
+            raise UserError(f"lora.targets: no layer of this {self.name} model has {want} (its layers have {have})")
         for p in chosen:
             siblings = [q.hf_name for q in projs if q.tunix_module == p.tunix_module]
             missing = [s for s in siblings if s not in targets]
