@@ -188,3 +188,32 @@ def test_tensorboard_close_is_bounded_when_its_stop_signal_never_arrives(tmp_pat
     closing.join(timeout=30)
     assert not closing.is_alive(), "close() still waiting for the writer thread"
     assert "TensorBoard: the event writer did not stop within 0 s" in caplog.text
+
+
+EARLY_SIGTERM = """
+import os, signal, sys, time
+from gemma_tpu.checkpoint import metadata
+def write_metadata(*args, **kwargs):  # the lock is held; the preemption handler comes after the model loads
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+metadata.write_metadata = write_metadata
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.train.run import main
+sys.exit(cli_main(main))
+"""
+
+
+def test_sigterm_before_the_preemption_handler_releases_the_run_lock(tiny_dir, tmp_path):
+    """SIGTERM while the model loads (after the run lock is taken, before the preemption handler exists): its
+    default action killed the process where it stood, leaving the lock for another host to wait out (5 min).
+    Now it is one line, exit 143, the lock released."""
+    import sys
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    with log.open("w") as err:
+        proc = subprocess.run([sys.executable, "-c", EARLY_SIGTERM, *command(tiny_dir, ckpt)[3:]], cwd=REPO,
+                              env=environment(tmp_path / "cache"), stdout=subprocess.DEVNULL, stderr=err, timeout=300)
+    assert proc.returncode == 143, tail(log)
+    assert "error: stopped by SIGTERM" in log.read_text(), tail(log)
+    assert ckpt.is_dir() and not (ckpt / "gemma_tpu_run.lock").exists(), sorted(p.name for p in ckpt.iterdir())
+

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -26,7 +27,7 @@ from gemma_tpu.checkpoint.params import check_item_files, short_reason
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, raise_signal_exit
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import load_model, resolve_model
@@ -301,12 +302,12 @@ def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_co
         log.warning("%s: every device will compute the whole batch", msg)
 
 
-def _install_sigterm(trainer) -> None:
+def _install_sigterm(trainer):
     """On SIGTERM (TPU preemption notice) finish the step in progress, save it, release the run lock and
     exit 143; at a batch boundary, so the saved step is exactly a step (gemma_tpu.train.preempt)."""
     from gemma_tpu.train.preempt import Preemption  # deferred: imports jax (through Tunix)
 
-    Preemption(trainer, on_exit=run_lock.release_all).install()
+    return Preemption(trainer, on_exit=run_lock.release_all).install()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -319,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli.setup_logging()
     from gemma_tpu.train.finite_guard import CheckpointSaveFailed
 
+    # until the preemption handler takes over (data preparation, model load, restore: minutes), SIGTERM's
+    # default action ended the process where it stood, leaving the run lock for another host to wait out
+    signal.signal(signal.SIGTERM, raise_signal_exit)
     try:
         run(cfg)
     except CheckpointSaveFailed as e:
