@@ -217,3 +217,23 @@ def test_sigterm_before_the_preemption_handler_releases_the_run_lock(tiny_dir, t
     assert "error: stopped by SIGTERM" in log.read_text(), tail(log)
     assert ckpt.is_dir() and not (ckpt / "gemma_tpu_run.lock").exists(), sorted(p.name for p in ckpt.iterdir())
 
+
+def test_sigterm_during_the_end_of_run_eval_exits_143_with_the_last_step_saved(tiny_dir, tmp_path):
+    """The evaluation after the last step (4, off the eval interval: run when the loop has ended) is past every
+    batch boundary: a SIGTERM there was recorded and the run exited 0, as if it had not been preempted. Now the
+    eval finishes, the last step is on disk, exit 143."""
+    import json
+
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    cmd = command(tiny_dir, ckpt) + EVALS + ["train.max_steps=4"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=environment(tmp_path / "cache", 1.0), stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))
+    _wait_for(lambda: "evaluating after step 4" in log.read_text(errors="replace"), proc, log)
+    proc.send_signal(signal.SIGTERM)  # the eval's first batch is sleeping its 1 s
+    assert proc.wait(timeout=300) == 143, tail(log)
+    assert "SIGTERM after the last step: step 4 is saved" in log.read_text(errors="replace"), tail(log)
+    assert list_steps(ckpt)[-1] == 4 and not (ckpt / "gemma_tpu_run.lock").exists()
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows if r.get("mode") == "eval"] == [0, 3, 4]

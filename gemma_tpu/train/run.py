@@ -245,7 +245,7 @@ def run(cfg: RunConfig) -> dict:
                      ckpt_dir, trainer.train_steps)
             trainer.close()
             return {"steps": trainer.train_steps, "resumed_from": trainer.train_steps, "nothing_to_do": True}
-        _install_sigterm(trainer)
+        preemption = _install_sigterm(trainer)
         with trainer.compile_counter:
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
@@ -259,6 +259,7 @@ def run(cfg: RunConfig) -> dict:
     if primary:
         write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))  # never a cut-short one
     log.info("done: %s", json.dumps(summary))
+    preemption.exit_if_requested()
     return summary
 
 
