@@ -195,9 +195,10 @@ def run(cfg: RunConfig) -> dict:
 
         from gemma_tpu.train.tunix_adapter import profiler_options
 
+        locks = []
         if primary:
             for d, key in locked_dirs(cfg):  # one writer per run directory, from the first write on
-                run_lock.acquire(d, key)
+                locks.append((run_lock.acquire(d, key), key))
             for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
                 log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
                             "complete one", p)
@@ -229,6 +230,7 @@ def run(cfg: RunConfig) -> dict:
                 flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                 price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
                 mesh=mesh, log_every_steps=cfg.train.log_every_steps,
+                before_save=functools.partial(check_run_intact, ckpt_dir, locks),
             )
         except Exception as e:
             steps = checkpoint.list_steps(ckpt_dir)
@@ -261,6 +263,25 @@ def run(cfg: RunConfig) -> dict:
     log.info("done: %s", json.dumps(summary))
     preemption.exit_if_requested()
     return summary
+
+
+def check_run_intact(ckpt_dir: Path, locks: list, step: int) -> None:
+    """Before a step is saved: the run's metadata file and its locks (`locks`: (PidLock, key) pairs, held by process
+    0) are still there. A `checkpoint.dir` removed, moved or emptied mid-run was recreated by Orbax for the next step
+    (with a separate train.run_dir the run went on to exit 0): steps without gemma_tpu_run.json, which neither a
+    merge nor a resume accepts, and no lock keeping a second trainer out."""
+    lost: dict[str, list[str]] = {}
+    if not (ckpt_dir / METADATA_FILE).is_file():
+        lost.setdefault(f"checkpoint.dir={ckpt_dir}", []).append(METADATA_FILE)
+    for lock, key in locks:
+        if not lock.still_held():
+            lost.setdefault(f"{key}={lock.path.parent}", []).append("run lock")
+    gone = [f"{where} lost its {' and its '.join(what)}" for where, what in lost.items()]
+    if gone:
+        from gemma_tpu.train.finite_guard import CheckpointSaveFailed
+
+        raise CheckpointSaveFailed(f"{'; '.join(gone)} while training (removed, moved or emptied); step {step} was "
+                                   f"not saved (a step without the run's metadata can be neither merged nor resumed)")
 
 
 def profile_window(cfg: RunConfig, run_dir: Path, ckpt_dir: Path) -> Path | None:
