@@ -41,12 +41,14 @@ def test_unknown_key_is_named(tmp_path):
         load_config(bad)
 
 
-@pytest.mark.parametrize("override", ["checkpoint.dir=None", "model.path=None", "data.response_field=None"])
+@pytest.mark.parametrize("override", ["checkpoint.dir=None", "model.path=None", "data.response_field=None",
+                                      "checkpoint.dir='null'"])
 def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
-    """`checkpoint.dir=None` (meant: no checkpoints) made a directory named None."""
+    """`checkpoint.dir=None` (meant: no checkpoints) made a directory named None, and a quoted 'null' one named
+    null."""
     key = override.split("=")[0]
     with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)}: got the text "
-                                        r"'None'; this key cannot be null"):
+                                        r"'(None|null)'; this key cannot be null"):
         load_config(REPO / "configs/tiny.yaml", [override])
 
 
@@ -458,13 +460,15 @@ def test_an_empty_field_name_is_refused(key):
 
 
 @pytest.mark.parametrize("override", ["train.run_dir=None", "train.grad_clip=none", "data.num_epochs=None",
-                                      "train.optimizer=None", "model.revision=None", "model.family=None"])
+                                      "train.optimizer=None", "model.revision=None", "model.family=None",
+                                      "train.profile_dir='null'", 'data.eval_path="NULL"'])
 def test_python_none_for_a_nullable_key_is_refused(override):
     """`train.run_dir=None` was the text 'None': the run wrote its metrics to a directory named None (and a
-    revision or a family named 'None' failed far later); a choice spelled none (train.remat) still loads."""
+    revision or a family named 'None' failed far later); `train.profile_dir: 'null'` (quoted) profiled into a
+    directory named null. A choice spelled none (train.remat) still loads."""
     key = override.split("=")[0]
     with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)}: got the text "
-                                        r"'[Nn]one', not null; write null"):
+                                        r"'([Nn]one|null|NULL)', not null; write null"):
         load_config(REPO / "configs/tiny.yaml", [override])
     assert load_config(REPO / "configs/tiny.yaml", ["train.remat=none"]).train.remat == "none"
     assert load_config(REPO / "configs/tiny.yaml", [f"{key}=null"]) is not None

@@ -250,6 +250,9 @@ def _did_you_mean(value: str, words: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+_NULL_TEXTS = ("none", "null")  # null as Python spells it, or YAML's null quoted (`profile_dir: 'null'`)
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`, with the few coercions YAML needs."""
     origin = typing.get_origin(tp)
@@ -258,10 +261,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         choices = [c for a in args if typing.get_origin(a) is Literal for c in typing.get_args(a)]
-        if isinstance(value, str) and value.strip().lower() == "none" and type(None) in args and value not in choices:
-            # Python's spelling: taken as the string 'None' it became a directory named None (train.run_dir),
-            # a revision or a family of that name
-            raise UserError(f"{where}: got the text {value!r}, not null; write null (or ~) to leave it unset")
+        if isinstance(value, str) and value.strip().lower() in _NULL_TEXTS and type(None) in args \
+                and value not in choices:
+            # Python's spelling, or YAML's quoted: taken as text, 'None' became a directory named None
+            # (train.run_dir), a revision or a family of that name; 'null' a profile directory named null
+            raise UserError(f"{where}: got the text {value!r}, not null; write null (unquoted) or ~ to leave it "
+                            f"unset")
         errors = []
         for a in args:
             if a is type(None):
@@ -325,8 +330,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, str):
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
             raise UserError(f"{where}: expected a string, got {value!r}{hint}")
-        if value == "None":  # Python's spelling, meant as "unset": checkpoint.dir=None made a directory named None
-            raise UserError(f"{where}: got the text 'None'; this key cannot be null, give it a value")
+        if value == "None" or value.strip().lower() == "null":  # meant as "unset": checkpoint.dir=None (or a quoted
+            # 'null') made a directory of that name
+            raise UserError(f"{where}: got the text {value!r}; this key cannot be null, give it a value")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
