@@ -420,7 +420,8 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     ("train:\n  batch_size: 2\n  learning_rate: 0\n", 3, "train.learning_rate must be positive"),
     ("train: 3\n", 1, "train: expected a mapping, got 3"),
     ("lora:\n  rank: 4\n  rnak: 8\n", 3, "unknown config key 'lora.rnak' (did you mean 'lora.rank'?"),
-    ("base: &t {max_steps: x}\ntrain:\n  <<: *t\n", 1, "unknown config key 'base'"),
+    ("base: &t {max_steps: x}\ntrain:\n  <<: *t\n", 1, "train.max_steps: expected an integer, got 'x'"),
+    ("base: &t {max_steps: 3}\ntrian:\n  seed: 1\n", 1, "unknown config key 'base'"),  # referred to by nothing
     ("train:\n  <<: {max_steps: x}\n  seed: 1\n", 2, "train.max_steps: expected an integer, got 'x'"),
     ("train:\n  max_steps: 3\n  schedule: warmup_cosine\n  warmup_steps: 5\n", 4,
      "train.warmup_steps=5 is longer than train.max_steps=3"),
@@ -560,6 +561,20 @@ def test_an_empty_coordinator_address_still_means_unset():
     """Documented: empty or null leaves the coordinator to the JAX_* environment (or one host)."""
     assert load_config(REPO / "configs/tiny.yaml", ["mesh.coordinator_address="]).mesh.coordinator_address == ""
     assert {"model.revision", "train.run_dir", "data.eval_path"} <= set(_optional_text_keys())
+
+
+def test_a_top_level_anchor_reused_by_the_sections_is_not_an_unknown_key(tmp_path):
+    """`common: &c {...}` then `train: {<<: *c}` (YAML's way to share settings between sections or files' variants)
+    was refused as "unknown config key 'common'"; a top-level key that nothing refers to still is."""
+    path = tmp_path / "run.yaml"
+    path.write_text("common: &c\n  batch_size: 2\n  max_steps: 3\ntargets: &t [q_proj, v_proj]\n"
+                    "train:\n  <<: *c\n  seed: 7\nlora:\n  targets: *t\n")
+    cfg = load_config(path)
+    assert (cfg.train.batch_size, cfg.train.max_steps, cfg.train.seed) == (2, 3, 7)
+    assert cfg.lora.targets == ["q_proj", "v_proj"]
+    path.write_text("common: &c\n  batch_size: 2\ntrain:\n  seed: 7\n")
+    with pytest.raises(UserError, match=r"line 1: unknown config key 'common'"):
+        load_config(path)
 
 
 def test_keys_given_are_the_file_and_override_keys_not_defaults(tmp_path):

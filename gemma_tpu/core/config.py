@@ -591,6 +591,8 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")
         names = [f.name for f in dataclasses.fields(cls)]
+        for key in _template_keys(p.read_text(encoding="utf-8")) - set(names):
+            del tree[key]
         stray = [k for k in tree if k not in names and k in (elsewhere or {})]
         if stray:  # another tool's config: its first shared section's keys made a misleading 'unknown key'
             raise UserError(f"{p}: its '{stray[0]}' section says this is {elsewhere[stray[0]].replace('FILE', str(p))}; "
@@ -605,6 +607,32 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             raise UserError(str(_UnknownKey(e.dotted, e.names, _key_hint(cls, e.dotted, e.names, foreign or {}))))
     except UserError as e:
         raise UserError(f"{blame(str(e), where, overrides, key_lines(path))}: {e}") from None
+
+
+def _template_keys(text: str) -> set[str]:
+    """Top-level keys whose value is there to be reused: anchored and aliased elsewhere in the file (`common: &c
+    {...}`, merged into sections with `<<: *c`). They were refused as unknown keys; a key nothing refers to still
+    is (a misspelt section)."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(root, yaml.MappingNode):
+        return set()
+    tops = {id(v): k.value for k, v in root.value if isinstance(k, yaml.ScalarNode)}
+    used: set[str] = set()
+    seen: set[int] = set()
+
+    def walk(node: Any) -> None:
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        for child in children:
+            if id(child) in tops:  # a top-level value reached from inside another: an alias
+                used.add(tops[id(child)])
+            if id(child) not in seen:
+                seen.add(id(child))
+                walk(child)
+
+    for _, value in root.value:
+        walk(value)
+    return used
 
 
 def key_lines(path: str | Path | None) -> dict[str, int]:
