@@ -1937,3 +1937,21 @@ def test_our_gemma_format_refuses_a_vocabulary_without_its_turn_tokens(tok_dir):
     out = r.render({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
     assert list(out.ids).count(105) == 2 and out.loss_mask.sum() > 0
     assert make_renderer(AutoTokenizer.from_pretrained(str(tok_dir)), DataConfig(), "gemma").chat_format == "gemma"
+
+
+def test_a_resume_without_shuffling_may_change_the_seed_but_not_the_rows():
+    """With data.shuffle=false the seed orders nothing: a resume with another train.seed was refused as one whose
+    data position names other rows. It still is when shuffling (either side), and whatever the seed when the rows
+    differ (the seed chooses which examples share a row: that is in the rows' digest)."""
+    from gemma_tpu.data import check_layout
+
+    def layout(seed, shuffle, digest="d"):
+        return {"rows": 56, "rows_digest": digest, "train.batch_size": 4, "train.seed": seed, "data.shuffle": shuffle,
+                "data.num_epochs": None}
+
+    check_layout(layout(0, False), layout(1, False), "ck/8")
+    for saved, now, named in [(layout(0, True), layout(1, True), "train.seed 0 -> 1"),
+                              (layout(0, True), layout(1, False), "train.seed 0 -> 1; data.shuffle True -> False"),
+                              (layout(0, False, "d"), layout(1, False, "e"), "the rows' contents: the data file")]:
+        with pytest.raises(UserError, match=rf"^ck/8: its data position is for other training rows \({re.escape(named)}"):
+            check_layout(saved, now, "ck/8")

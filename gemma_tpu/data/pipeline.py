@@ -338,7 +338,12 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: s
     (checkpoints from before layouts were stored have none and are not checked)."""
     if saved is None or saved == current:
         return
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if k != "rows_digest" and saved.get(k) != v]
+    ignored = {"rows_digest"}
+    if saved.get("data.shuffle") is False and current.get("data.shuffle") is False:
+        ignored.add("train.seed")  # unshuffled, the seed orders nothing (the rows it packs together are in the digest)
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if k not in ignored and saved.get(k) != v]
+    if not changed and saved.get("rows_digest") == current["rows_digest"]:
+        return
     if saved.get("rows_digest") != current["rows_digest"]:
         changed.append("the rows' contents" if changed else
                        "the rows' contents: the data file, the tokenizer or a data setting that shapes rows")
