@@ -309,6 +309,32 @@ def test_normalisation_is_idempotent_and_accepts_openai_shapes():
     assert norm(model_role)["messages"][1]["role"] == "assistant"
 
 
+
+def test_reasoning_beside_an_answer_is_said_to_be_left_out(tmp_path, caplog):
+    """R1-style exports put the model's reasoning in `reasoning_content` (or `reasoning`, `thinking`) beside the
+    answer: it was dropped like any unknown key, without a word, and the run trained answers without it. It is
+    still not rendered (the conversation is the same as without it), and one warning per file names it."""
+    import logging
+
+    plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]}
+    r1 = json.loads(json.dumps(plain))
+    r1["messages"][1]["reasoning_content"] = "Two and two make four."
+    empty = json.loads(json.dumps(plain))
+    empty["messages"][1]["thinking"] = ""
+    path = write_jsonl(tmp_path / "r1.jsonl", [plain, r1, empty, r1])
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        convs = load_conversations(path, DataConfig())
+    assert [c["messages"] for c in convs] == [convs[0]["messages"]] * 4  # rendered as without it
+    warned = [r.getMessage() for r in caplog.records if "reasoning" in r.getMessage()]
+    assert warned == [f"{path}: 2 of 4 examples carry a model's reasoning beside an answer (first: {path}:2: "
+                      f"messages[1].reasoning_content); it is left out and not trained (messages are rendered from "
+                      f"their content and tool calls): to train it, put it in the content"], caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        load_conversations(write_jsonl(tmp_path / "plain.jsonl", [plain, empty]), DataConfig())
+    assert "reasoning" not in caplog.text
+
+
 # ------------------------------------------------------------------------------ input formats
 
 

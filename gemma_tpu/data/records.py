@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -41,6 +42,8 @@ from typing import Any, Iterator
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, find_lone_surrogate
 from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Gemma's own name for the assistant turn; OpenAI's legacy function-calling result (with `functions` and
@@ -800,12 +803,39 @@ def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP)
                                  data_cfg.response_field, markup)
 
 
+# where chat exports put a model's reasoning beside its answer (DeepSeek-R1 / vLLM, OpenRouter, others)
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def _reasoning(obj: Any) -> str | None:
+    """`messages[i].KEY` of the first message of a row that carries non-empty reasoning, else None."""
+    if not isinstance(obj, dict):
+        return None
+    for column in ("messages", "conversations", "prompt", "completion"):
+        messages = obj.get(column)
+        for i, m in enumerate(messages if isinstance(messages, list) else []):
+            for key in REASONING_KEYS if isinstance(m, dict) else ():
+                if m.get(key) not in (None, "", [], {}):
+                    return f"{column}[{i}].{key}"
+    return None
+
+
 def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP) -> list[dict]:
     """All examples of a file as normalised conversations; an empty file is an error. `markup`: the control
-    tokens message text must not hold (`Renderer.markup` for the model's tokenizer; Gemma 3's by default)."""
+    tokens message text must not hold (`Renderer.markup` for the model's tokenizer; Gemma 3's by default).
+    Reasoning beside an answer (`reasoning_content`, R1-style exports) is not rendered: said once per file (it was
+    dropped like any unknown key, without a word)."""
     out = []
+    reasoning: list[str] = []
     for lineno, obj in iter_raw(path):
         out.append(normalise_row(obj, f"{path}:{lineno}", data_cfg, markup))
+        found = _reasoning(obj)
+        if found:
+            reasoning.append(f"{path}:{lineno}: {found}")
     if not out:
         raise UserError(f"{path}: no examples (empty file)")
+    if reasoning:
+        log.warning("%s: %d of %d examples carry a model's reasoning beside an answer (first: %s); it is left out "
+                    "and not trained (messages are rendered from their content and tool calls): to train it, put it "
+                    "in the content", path, len(reasoning), len(out), reasoning[0])
     return out
