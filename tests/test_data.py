@@ -1594,6 +1594,31 @@ def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
     assert_one_line_error(proc, f"{path}:1", "data.seq_len=256")
 
 
+
+def test_inspect_reports_evaluation_examples_that_are_training_examples(tmp_path, tok_dir, capsys):
+    """Training warns when evaluation examples are also training examples (the validation loss then measures
+    memorisation); `data.inspect`, there to see the data as training will, said nothing of it, on either split."""
+    from gemma_tpu.data import inspect
+
+    rows = chat_rows(12, seed=5)
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", [CHAT, rows[7], rows[2]])
+    cfg = str(_inspect_config(tmp_path, train, eval_path=str(evaluation)))
+    for split in ("train", "eval"):
+        stats = inspect.run(inspect.parse_args(["--config", cfg, "--tokenizer", str(tok_dir), "--split", split,
+                                                "-n", "0"]))
+        out = capsys.readouterr().out
+        assert stats["eval_in_train"] == 2, out
+        assert (f"eval/train 2 of 3 evaluation examples ({evaluation}) are also training examples (the first: "
+                f"{evaluation}:2)") in out
+    write_jsonl(evaluation, [CHAT])
+    assert inspect.run(inspect.parse_args(["--config", cfg, "--tokenizer", str(tok_dir), "-n", "0"]))[
+        "eval_in_train"] == 0
+    assert "eval/train none of the 1 evaluation examples is a training example" in capsys.readouterr().out
+    evaluation.write_text("{not json\n")  # the other split unreadable: the split asked for is still shown
+    stats = inspect.run(inspect.parse_args(["--config", cfg, "--tokenizer", str(tok_dir), "-n", "0"]))
+    assert stats["eval_in_train"] is None and f"eval/train not compared ({evaluation}:1" in capsys.readouterr().out
+
 def test_inspect_reads_the_tokenizer_of_the_configured_model(tmp_path, tiny_dir):
     path = write_jsonl(tmp_path / "m.jsonl", [TOOL_CHAT, CHAT])
     cfg = _inspect_config(tmp_path, path, seq_len=1024)

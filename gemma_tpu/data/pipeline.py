@@ -192,16 +192,25 @@ def overlap_warning(train: Prepared, evaluation: Prepared | None) -> str | None:
     measures memorisation, not generalisation (an eval split sampled from the training file, or the same file)."""
     if evaluation is None:
         return None
+    shared = shared_examples(train, evaluation)
+    if not shared:
+        return None
+    return (f"{evaluation.source}: {len(shared)} of {evaluation.report.kept} evaluation examples are also training "
+            f"examples in {train.source} (the first: {shared[0].where}); the validation loss measures how well they "
+            f"were memorised")
+
+
+def shared_examples(train: Prepared, evaluation: Prepared) -> list[batching.Example]:
+    """The evaluation examples that are also training examples, by line (rows are shuffled)."""
     seen = {batching.example_key(ex) for row in train.rows for item in row for ex in batching.members(item)}
     shared = [ex for row in evaluation.rows for item in row for ex in batching.members(item)
               if batching.example_key(ex) in seen]
-    if not shared:
-        return None
-    line = [int(w) if w.isdigit() else 0 for w in (ex.where.rsplit(":", 1)[-1] for ex in shared)]
-    first = shared[line.index(min(line))].where  # rows are shuffled: the first by line
-    return (f"{evaluation.source}: {len(shared)} of {evaluation.report.kept} evaluation examples are also training "
-            f"examples in {train.source} (the first: {first}); the validation loss measures how well they were "
-            f"memorised")
+
+    def line(ex: batching.Example) -> int:
+        w = ex.where.rsplit(":", 1)[-1]
+        return int(w) if w.isdigit() else 0
+
+    return sorted(shared, key=line)
 
 
 def epochs_warning(prepared: Prepared, batch_size: int, grad_accum_steps: int, num_epochs: int | None,
