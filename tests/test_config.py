@@ -64,6 +64,7 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("train.warmup_ratio=0.03", "here it is 'train.warmup_steps' (a number of steps, not a fraction"),
     ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
     ("data.dataset_text_field=body", "here it is 'data.text_field'"),
+    ("train.MAX_STEPS=3", "did you mean 'train.max_steps'?"),  # another case: no letter in common to difflib
 ])
 def test_unknown_key_suggests_the_key_meant(override, meant):
     """An unknown key listed the section's keys only: a typo, a key in the wrong section or a transformers/TRL

@@ -422,7 +422,9 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
     elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted]
     if elsewhere:
         return f"did you mean '{elsewhere[0]}'? "
-    close = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
+    # another case first: `train.MAX_STEPS` (an environment-variable habit) shared no letter with max_steps
+    close = [n for n in names if n.lower() == leaf.lower()] or \
+        difflib.get_close_matches(leaf.lower(), names, n=1, cutoff=0.6)
     if close:
         return f"did you mean '{section + '.' if section else ''}{close[0]}'? "
     return ""
