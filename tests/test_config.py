@@ -587,3 +587,11 @@ def test_keys_given_are_the_file_and_override_keys_not_defaults(tmp_path):
     assert {"model.dtype", "train.max_steps"} <= keys_given(path) and "train.batch_size" not in keys_given(path)
     assert keys_given(None, ["lora={rank: 2}", "train.seed=1"]) == {"lora", "lora.rank", "train.seed"}
     assert keys_given(None) == set()
+
+
+def test_evaluation_settings_without_an_eval_path_are_accepted():
+    """Decided (round 9): `data.eval_max_batches` and `train.eval_every_steps` without `data.eval_path` load. The
+    shipped configs set them beside eval_path, and `data.eval_path=null` is how a run turns evaluation off (the kill
+    harness and the resume tests do): refusing them would make that override need two more."""
+    cfg = load_config(REPO / "configs/tiny.yaml", ["data.eval_path=null"])
+    assert cfg.data.eval_path is None and cfg.data.eval_max_batches == 2 and cfg.train.eval_every_steps == 3
