@@ -310,6 +310,21 @@ def test_normalisation_is_idempotent_and_accepts_openai_shapes():
 
 
 
+
+@pytest.mark.parametrize("tail, line, hint", [
+    (b"\x00" * 4096, 3, "the line holds 4096 NUL bytes, as a file cut short by a crash or a copy is padded"),
+    (b"\x00\x00\n", 3, "the line holds 2 NUL bytes"),
+    (None, 1, "lines end in CR alone (classic Mac line endings): convert them to LF"),
+])
+def test_a_line_of_nul_bytes_or_cr_line_endings_is_named_as_such(tmp_path, tail, line, hint):
+    """A JSONL file zero-padded by a crash (the tail of a write that never landed) and one with CR-only line endings
+    were "not valid JSON (Expecting value at column 1)" / "(Extra data at column 94)": true, and no help."""
+    row = json.dumps(CHAT).encode()
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(row + b"\r" + row + b"\r" if tail is None else row + b"\n" + row + b"\n" + tail)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{line}: not valid JSON \(.*; {re.escape(hint)}"):
+        load_conversations(path, DataConfig())
+
 def test_reasoning_beside_an_answer_is_said_to_be_left_out(tmp_path, caplog):
     """R1-style exports put the model's reasoning in `reasoning_content` (or `reasoning`, `thinking`) beside the
     answer: it was dropped like any unknown key, without a word, and the run trained answers without it. It is

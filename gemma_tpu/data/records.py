@@ -290,6 +290,11 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                             "pretty-printed JSON file is read as such when named .json" if spread else "")
                     if e.msg == "Extra data" and line[e.pos:].strip() == ",":  # a JSON array's rows, one a line
                         hint = "; a comma after the object: JSON Lines separates objects by line breaks alone"
+                    elif "\x00" in line:  # a file cut short by a crash is often padded with zeros up to its size
+                        hint = (f"; the line holds {line.count(chr(0))} NUL bytes, as a file cut short by a crash or "
+                                f"a copy is padded: re-export it")
+                    elif e.msg == "Extra data" and "\r" in line[:e.pos] and "\n" not in line:
+                        hint = "; lines end in CR alone (classic Mac line endings): convert them to LF"
                     raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}{hint})") from None
                 except RecursionError:
                     raise _too_deep(f"{p}:{lineno}") from None
