@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -292,3 +293,20 @@ def test_a_run_lock_removed_by_hand_is_noticed_at_the_next_save(tmp_path):
             check_run_intact(tmp_path, [(lock, "checkpoint.dir")], 5)
     finally:
         lock.release()
+
+
+def test_a_run_dir_removed_mid_run_is_named_when_its_metrics_are_written(tmp_path):
+    """`rm -rf` of the run directory (checkpoint.dir holding metrics.jsonl) ended the run with "error: No such file
+    or directory: …/metrics.jsonl", which did not say why."""
+    from gemma_tpu.train.trainer import append_jsonl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    append_jsonl(run / "metrics.jsonl", {"step": 1})
+    import shutil
+
+    shutil.rmtree(run)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(run))} was removed or moved while training \(metrics.jsonl "
+                                        r"cannot be written\); the run stops$"):
+        append_jsonl(run / "metrics.jsonl", {"step": 2})
+    assert not run.exists()

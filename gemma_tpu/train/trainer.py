@@ -176,7 +176,8 @@ class CompileCounter(logging.Filter):
 def append_jsonl(path: Path, rec: dict) -> None:
     """Append one JSON line. A last line cut short (a crash or a full disk mid-write) is ended first: the
     resumed run's first row was glued to it, and both were unreadable. A failed write names the file
-    (a failed write() carries no file name: "error: No space left on device" said nothing more)."""
+    (a failed write() carries no file name: "error: No space left on device" said nothing more), and a run
+    directory removed mid-run is said to be gone."""
     try:
         with path.open("a+b") as f:
             prefix = b""
@@ -185,6 +186,9 @@ def append_jsonl(path: Path, rec: dict) -> None:
                 prefix = b"" if f.read(1) == b"\n" else b"\n"
             f.write(prefix + (json.dumps(rec) + "\n").encode())
     except OSError as e:
+        if isinstance(e, FileNotFoundError) and not path.parent.is_dir():  # "No such file or directory: …" said why not
+            raise UserError(f"{path.parent} was removed or moved while training ({path.name} cannot be written); "
+                            f"the run stops") from None
         raise OSError(e.errno, e.strerror, str(path)) from e
 
 
