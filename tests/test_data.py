@@ -325,6 +325,29 @@ def test_a_line_of_nul_bytes_or_cr_line_endings_is_named_as_such(tmp_path, tail,
     with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{line}: not valid JSON \(.*; {re.escape(hint)}"):
         load_conversations(path, DataConfig())
 
+
+def test_text_rows_among_chats_are_said_to_train_every_token(tmp_path, caplog):
+    """A file of chats with some `{"text": ...}` rows (a pretraining shard concatenated to it, or chats that lost
+    their messages) trained those rows on every token, without chat markup, and said nothing. Now one warning
+    names the count and the first; files of one kind say nothing."""
+    import logging
+
+    text = {"text": "Plain prose with no turns."}
+    path = write_jsonl(tmp_path / "mixed.jsonl", [CHAT, CHAT, text, text])
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        convs = load_conversations(path, DataConfig())
+    assert sum("text" in c for c in convs) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 4 examples are language-modeling rows (a 'text' field and none of a chat's: the first is "
+        f"{path}:3), trained on every token without chat markup, beside 2 chats; if that is not meant, fix those "
+        f"rows or set data.format"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        load_conversations(write_jsonl(tmp_path / "t.jsonl", [text, text]), DataConfig())
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [CHAT, {"prompt": "a", "completion": "b"}]),
+                           DataConfig())
+    assert not caplog.records
+
 def test_reasoning_beside_an_answer_is_said_to_be_left_out(tmp_path, caplog):
     """R1-style exports put the model's reasoning in `reasoning_content` (or `reasoning`, `thinking`) beside the
     answer: it was dropped like any unknown key, without a word, and the run trained answers without it. It is

@@ -839,6 +839,12 @@ def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP
             reasoning.append(f"{path}:{lineno}: {found}")
     if not out:
         raise UserError(f"{path}: no examples (empty file)")
+    texts = [c["where"] for c in out if "text" in c]
+    if texts and len(texts) < len(out):  # a pretraining shard concatenated to a chat set, or one chat row missing
+        log.warning("%s: %d of %d examples are language-modeling rows (a '%s' field and none of a chat's: the first "
+                    "is %s), trained on every token without chat markup, beside %d chats; if that is not meant, fix "
+                    "those rows or set data.format", path, len(texts), len(out), data_cfg.text_field, texts[0],
+                    len(out) - len(texts))
     if reasoning:
         log.warning("%s: %d of %d examples carry a model's reasoning beside an answer (first: %s); it is left out "
                     "and not trained (messages are rendered from their content and tool calls): to train it, put it "
