@@ -595,3 +595,20 @@ def test_evaluation_settings_without_an_eval_path_are_accepted():
     harness and the resume tests do): refusing them would make that override need two more."""
     cfg = load_config(REPO / "configs/tiny.yaml", ["data.eval_path=null"])
     assert cfg.data.eval_path is None and cfg.data.eval_max_batches == 2 and cfg.train.eval_every_steps == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.optimizer=sgd", "train.weight_decay=0.01"],
+     "train.weight_decay=0.01 is not applied by train.optimizer=sgd (plain SGD has no weight decay here)"),
+    (["train.schedule=constant", "train.min_lr_ratio=0.1"],
+     "train.min_lr_ratio=0.1 is the floor of a decaying schedule, and train.schedule=constant does not decay"),
+])
+def test_a_setting_the_chosen_optimizer_or_schedule_ignores_is_refused(overrides, message):
+    """optax.sgd has no weight decay and a constant schedule never decays to a floor: both settings were accepted
+    and did nothing (a run meant to be regularised, or to anneal, was not). Refused naming the key; with the
+    settings that use them they load."""
+    with pytest.raises(UserError, match=rf"^override '{re.escape(overrides[1])}': {re.escape(message)}"):
+        load_config(REPO / "configs/tiny.yaml", overrides)
+    assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=adamw", "train.weight_decay=0.01"])
+    assert load_config(REPO / "configs/tiny.yaml", ["train.schedule=warmup_cosine", "train.min_lr_ratio=0.1"])
+    assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=sgd", "train.schedule=constant"])

@@ -813,6 +813,12 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     at_least("train.warmup_steps", t.warmup_steps, 0)
     in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
     at_least("train.weight_decay", t.weight_decay, 0.0)
+    if t.optimizer == "sgd" and t.weight_decay:  # optax.sgd takes none: the run went on without decay, silently
+        bad(f"train.weight_decay={t.weight_decay} is not applied by train.optimizer=sgd (plain SGD has no weight "
+            f"decay here); use adamw or adafactor, or set train.weight_decay=0")
+    if t.schedule == "constant" and t.min_lr_ratio:  # the floor of a decay that a constant schedule never makes
+        bad(f"train.min_lr_ratio={t.min_lr_ratio} is the floor of a decaying schedule, and train.schedule=constant "
+            f"does not decay; use warmup_cosine or warmup_linear, or set train.min_lr_ratio=0")
     if t.grad_clip is not None and t.grad_clip < 0:
         bad(f"train.grad_clip must be positive (0 or null: no clipping), got {t.grad_clip}")
     at_least("train.seed", t.seed, 0)
