@@ -814,6 +814,7 @@ BAD_CASES = {
        for k, a, n in (
         ("key_twice", '{"date": "a", "date": "b"}', "key 'date' appears twice"),
         ("nan", '{"date": NaN}', "NaN is not JSON"),
+        ("overflow", '{"date": -1e400}', "-1e400 is beyond the range of a 64-bit float (it would be read as infinity)"),
         ("lone_surrogate", '{"date": "\\ud800"}', "arguments.date holds a lone UTF-16 surrogate"),
         ("too_deep", "[" * 5000, "'tool_calls[0].function.arguments': not valid JSON for this reader (nested"))},
     "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
@@ -850,6 +851,17 @@ BAD_CASES = {
     "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),
     "conversations_null": ([{"conversations": None}], 1, "got null"),
 }
+
+
+
+def test_a_number_past_a_float_is_refused_at_its_line(tmp_path):
+    """1e400 in a JSONL line was read as infinity and trained as "Infinity" where the file said a number (NaN and
+    Infinity themselves were refused)."""
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + '{"messages": [{"role": "user", "content": "a"}, '
+                    '{"role": "assistant", "content": {"steps": 1e400}}]}\n')
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:2: 1e400 is beyond the range of a 64-bit float"):
+        load_conversations(path, DataConfig())
 
 
 def test_a_prompt_that_is_json_nested_past_the_stack_stays_text(tmp_path):

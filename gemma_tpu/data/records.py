@@ -34,6 +34,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import math
 import re
 import sys
 from pathlib import Path
@@ -88,7 +89,16 @@ def _constant(name: str) -> Any:
     raise _NotData(f"{name} is not JSON (only finite numbers are)")
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant)
+def _float(text: str) -> float:
+    """A JSON number with a fraction or exponent; past a 64-bit float (1e400) Python read it as infinity, and the
+    example was trained on "Infinity" where the file said a number."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotData(f"{text} is beyond the range of a 64-bit float (it would be read as infinity)")
+    return value
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float)
 
 
 def _too_deep(where: str) -> UserError:
