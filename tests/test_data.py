@@ -2053,6 +2053,8 @@ def test_a_resume_without_shuffling_may_change_the_seed_but_not_the_rows():
     check_layout(layout(0, False), layout(1, False), "ck/8")
     for saved, now, named in [(layout(0, True), layout(1, True), "train.seed 0 -> 1"),
                               (layout(0, True), layout(1, False), "train.seed 0 -> 1; data.shuffle True -> False"),
-                              (layout(0, False, "d"), layout(1, False, "e"), "the rows' contents: the data file")]:
+                              (layout(0, False, "d"), layout(0, False, "e"), "the rows' contents: the data file"),
+                              (layout(0, False, "d"), layout(1, False, "e"), "train.seed 0 -> 1, which orders nothing "
+                               "unshuffled but chooses which examples share a row; the rows' contents)")]:
         with pytest.raises(UserError, match=rf"^ck/8: its data position is for other training rows \({re.escape(named)}"):
             check_layout(saved, now, "ck/8")

@@ -354,6 +354,9 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: s
     if not changed and saved.get("rows_digest") == current["rows_digest"]:
         return
     if saved.get("rows_digest") != current["rows_digest"]:
+        if "train.seed" in ignored and saved.get("train.seed") != current.get("train.seed"):
+            changed.append(f"train.seed {saved.get('train.seed')} -> {current.get('train.seed')}, which orders nothing "
+                           f"unshuffled but chooses which examples share a row")
         changed.append("the rows' contents" if changed else
                        "the rows' contents: the data file, the tokenizer or a data setting that shapes rows")
     raise UserError(f"{where}: its data position is for other training rows ({'; '.join(changed)}); resume with "
