@@ -573,6 +573,9 @@ def test_a_top_level_anchor_reused_by_the_sections_is_not_an_unknown_key(tmp_pat
     cfg = load_config(path)
     assert (cfg.train.batch_size, cfg.train.max_steps, cfg.train.seed) == (2, 3, 7)
     assert cfg.lora.targets == ["q_proj", "v_proj"]
+    path.write_text("defaults: &d\n  train: {max_steps: 4}\n<<: *d\nmodel:\n  dtype: bfloat16\n")  # merged at the top
+    cfg = load_config(path)
+    assert (cfg.train.max_steps, cfg.model.dtype) == (4, "bfloat16")
     path.write_text("common: &c\n  batch_size: 2\ntrain:\n  seed: 7\n")
     with pytest.raises(UserError, match=r"line 1: unknown config key 'common'"):
         load_config(path)

@@ -618,9 +618,13 @@ def _template_keys(text: str) -> set[str]:
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     if not isinstance(root, yaml.MappingNode):
         return set()
-    tops = {id(v): k.value for k, v in root.value if isinstance(k, yaml.ScalarNode)}
+    merge = "tag:yaml.org,2002:merge"
+    tops = {id(v): k.value for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.tag != merge}
     used: set[str] = set()
     seen: set[int] = set()
+    for k, v in root.value:  # `<<: *defaults` at the top level merges a template's sections into the file's
+        if k.tag == merge:
+            used.update(tops[id(n)] for n in (v.value if isinstance(v, yaml.SequenceNode) else [v]) if id(n) in tops)
 
     def walk(node: Any) -> None:
         children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
