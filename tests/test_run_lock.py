@@ -278,7 +278,8 @@ def test_a_checkpoint_dir_removed_mid_run_stops_the_run_before_the_next_save(tin
 
 
 def test_a_run_lock_removed_by_hand_is_noticed_at_the_next_save(tmp_path):
-    """The lock alone removed (a second trainer could then start on the directory) is named too."""
+    """The lock alone removed (a second trainer could then start on the directory), or taken over by another
+    trainer, is named too."""
     from gemma_tpu.checkpoint.metadata import METADATA_FILE
     from gemma_tpu.train.finite_guard import CheckpointSaveFailed
     from gemma_tpu.train.run import check_run_intact
@@ -290,6 +291,11 @@ def test_a_run_lock_removed_by_hand_is_noticed_at_the_next_save(tmp_path):
         (tmp_path / run_lock.LOCK_FILE).unlink()
         with pytest.raises(CheckpointSaveFailed, match=rf"checkpoint.dir={tmp_path} lost its run lock while "
                                                          rf"training .*step 5 was not saved"):
+            check_run_intact(tmp_path, [(lock, "checkpoint.dir")], 5)
+        # taken over by another trainer (this one stopped past the lease): named, and the directory left to it
+        (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps({"pid": 4242, "host": "elsewhere", "started": "then"}))
+        with pytest.raises(CheckpointSaveFailed, match=rf"^checkpoint.dir={tmp_path}: another trainer holds its run "
+                                                         rf"lock now \(PID 4242 on elsewhere since then\); step 5"):
             check_run_intact(tmp_path, [(lock, "checkpoint.dir")], 5)
     finally:
         lock.release()

@@ -270,16 +270,23 @@ def check_run_intact(ckpt_dir: Path, locks: list, step: int) -> None:
     0) are still there. A `checkpoint.dir` removed, moved or emptied mid-run was recreated by Orbax for the next step
     (with a separate train.run_dir the run went on to exit 0): steps without gemma_tpu_run.json, which neither a
     merge nor a resume accepts, and no lock keeping a second trainer out."""
+    from gemma_tpu.core import pidlock
+    from gemma_tpu.train.finite_guard import CheckpointSaveFailed
+
     lost: dict[str, list[str]] = {}
     if not (ckpt_dir / METADATA_FILE).is_file():
         lost.setdefault(f"checkpoint.dir={ckpt_dir}", []).append(METADATA_FILE)
     for lock, key in locks:
-        if not lock.still_held():
-            lost.setdefault(f"{key}={lock.path.parent}", []).append("run lock")
+        if lock.still_held():
+            continue
+        holder = pidlock.read_holder(lock.path)
+        if holder:  # taken over: this process was stopped (Ctrl-Z, a frozen VM) past the lease, and another started
+            raise CheckpointSaveFailed(f"{key}={lock.path.parent}: another trainer holds its run lock now "
+                                       f"({pidlock.describe(holder)}); step {step} was not saved, the directory is "
+                                       f"left to it")
+        lost.setdefault(f"{key}={lock.path.parent}", []).append("run lock")
     gone = [f"{where} lost its {' and its '.join(what)}" for where, what in lost.items()]
     if gone:
-        from gemma_tpu.train.finite_guard import CheckpointSaveFailed
-
         raise CheckpointSaveFailed(f"{'; '.join(gone)} while training (removed, moved or emptied); step {step} was "
                                    f"not saved (a step without the run's metadata can be neither merged nor resumed)")
 
