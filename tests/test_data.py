@@ -365,8 +365,8 @@ def test_reasoning_beside_an_answer_is_said_to_be_left_out(tmp_path, caplog):
     assert [c["messages"] for c in convs] == [convs[0]["messages"]] * 4  # rendered as without it
     warned = [r.getMessage() for r in caplog.records if "reasoning" in r.getMessage()]
     assert warned == [f"{path}: 2 of 4 examples carry a model's reasoning beside an answer (first: {path}:2: "
-                      f"messages[1].reasoning_content); it is left out and not trained (messages are rendered from "
-                      f"their content and tool calls): to train it, put it in the content"], caplog.text
+                      f"messages[1].reasoning_content); it is left out of the rendered text, so not trained (a "
+                      f"message renders its content and tool calls): to train on it, put it in the content"], caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
         load_conversations(write_jsonl(tmp_path / "plain.jsonl", [plain, empty]), DataConfig())

@@ -857,6 +857,6 @@ def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP
                     len(out) - len(texts))
     if reasoning:
         log.warning("%s: %d of %d examples carry a model's reasoning beside an answer (first: %s); it is left out "
-                    "and not trained (messages are rendered from their content and tool calls): to train it, put it "
-                    "in the content", path, len(reasoning), len(out), reasoning[0])
+                    "of the rendered text, so not trained (a message renders its content and tool calls): to train on "
+                    "it, put it in the content", path, len(reasoning), len(out), reasoning[0])
     return out
