@@ -237,3 +237,20 @@ def test_sigterm_during_the_end_of_run_eval_exits_143_with_the_last_step_saved(t
     assert list_steps(ckpt)[-1] == 4 and not (ckpt / "gemma_tpu_run.lock").exists()
     rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows if r.get("mode") == "eval"] == [0, 3, 4]
+
+
+def test_the_entry_point_gives_back_the_callers_signal_handlers(tiny_dir, tmp_path):
+    """`main` takes SIGTERM from its start (the test above); an in-process caller (the bad-input corpus) got it
+    back changed, and each such test was named in a warning. The caller's handlers come back on every exit."""
+    import contextlib
+    import io
+
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.train.run import main
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        rc = cli_main(main, ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                             f"checkpoint.dir={tmp_path / 'ck'}", f"data.train_path={tmp_path / 'none.jsonl'}"])
+    assert rc == 2 and "data file not found" in err.getvalue(), err.getvalue()
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -350,7 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gemma_tpu.train.finite_guard import CheckpointSaveFailed
 
     # until the preemption handler takes over (data preparation, model load, restore: minutes), SIGTERM's
-    # default action ended the process where it stood, leaving the run lock for another host to wait out
+    # default action ended the process where it stood, leaving the run lock for another host to wait out; the
+    # caller's handlers come back at the end (an in-process caller kept ours, and the preemption handler's)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, raise_signal_exit)
     try:
         run(cfg)
@@ -365,4 +367,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         os._exit(e.exit_code)
     finally:
         run_lock.release_all()
+        for signum, handler in handlers.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
     return 0
