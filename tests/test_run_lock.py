@@ -270,7 +270,8 @@ def test_a_checkpoint_dir_removed_mid_run_stops_the_run_before_the_next_save(tin
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     import shutil
 
-    shutil.rmtree(ck)
+    ck.rename(tmp_path / "gone")  # away at once (rmtree could meet a save's first files), then deleted
+    shutil.rmtree(tmp_path / "gone")
     out, err = proc.communicate(timeout=300)
     proc.stderr = err
     assert_one_line_error(proc, f"checkpoint.dir={ck} lost its gemma_tpu_run.json and its run lock", "was not saved")
