@@ -165,8 +165,9 @@ def main(argv=None) -> int:
         rows = train_rows(ckpt)
         wrong = [r["step"] for r in rows if r["loss"] != ref_losses.get(r["step"])]
         identical = final.returncode == 0 and not wrong and same_params(ref, ckpt, args.max_steps)
-        # SIGTERM ends a run with 143 (saved at the step boundary), with -15 before the handler is installed (start-up:
-        # default termination), or with 0 when it came during the last step (no boundary left: the run completes)
+        # SIGTERM ends a run with 143 (saved at the step boundary, or once the run's end is saved), with -15 before
+        # the entry point installs its handler (interpreter start-up, imports: default termination), or with 0 when
+        # it came after the run's summary was written (nothing left to stop)
         sigterm_ok = all(k["rc"] in (143, -signal.SIGTERM) or (k["rc"] == 0 and k["complete_after"] == args.max_steps)
                          for k in kills if k["signal"] == "SIGTERM" and k["alive"])
         chains.append({"chain": len(chains), "kills": kills, "final_rc": final.returncode, "wrong_loss_steps": wrong,

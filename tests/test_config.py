@@ -41,12 +41,14 @@ def test_unknown_key_is_named(tmp_path):
         load_config(bad)
 
 
-@pytest.mark.parametrize("override", ["checkpoint.dir=None", "model.path=None", "data.response_field=None"])
+@pytest.mark.parametrize("override", ["checkpoint.dir=None", "model.path=None", "data.response_field=None",
+                                      "checkpoint.dir='null'"])
 def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
-    """`checkpoint.dir=None` (meant: no checkpoints) made a directory named None."""
+    """`checkpoint.dir=None` (meant: no checkpoints) made a directory named None, and a quoted 'null' one named
+    null."""
     key = override.split("=")[0]
     with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)}: got the text "
-                                        r"'None'; this key cannot be null"):
+                                        r"'(None|null)'; this key cannot be null"):
         load_config(REPO / "configs/tiny.yaml", [override])
 
 
@@ -62,6 +64,7 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("train.warmup_ratio=0.03", "here it is 'train.warmup_steps' (a number of steps, not a fraction"),
     ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
     ("data.dataset_text_field=body", "here it is 'data.text_field'"),
+    ("train.MAX_STEPS=3", "did you mean 'train.max_steps'?"),  # another case: no letter in common to difflib
 ])
 def test_unknown_key_suggests_the_key_meant(override, meant):
     """An unknown key listed the section's keys only: a typo, a key in the wrong section or a transformers/TRL
@@ -418,7 +421,8 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     ("train:\n  batch_size: 2\n  learning_rate: 0\n", 3, "train.learning_rate must be positive"),
     ("train: 3\n", 1, "train: expected a mapping, got 3"),
     ("lora:\n  rank: 4\n  rnak: 8\n", 3, "unknown config key 'lora.rnak' (did you mean 'lora.rank'?"),
-    ("base: &t {max_steps: x}\ntrain:\n  <<: *t\n", 1, "unknown config key 'base'"),
+    ("base: &t {max_steps: x}\ntrain:\n  <<: *t\n", 1, "train.max_steps: expected an integer, got 'x'"),
+    ("base: &t {max_steps: 3}\ntrian:\n  seed: 1\n", 1, "unknown config key 'base'"),  # referred to by nothing
     ("train:\n  <<: {max_steps: x}\n  seed: 1\n", 2, "train.max_steps: expected an integer, got 'x'"),
     ("train:\n  max_steps: 3\n  schedule: warmup_cosine\n  warmup_steps: 5\n", 4,
      "train.warmup_steps=5 is longer than train.max_steps=3"),
@@ -458,13 +462,15 @@ def test_an_empty_field_name_is_refused(key):
 
 
 @pytest.mark.parametrize("override", ["train.run_dir=None", "train.grad_clip=none", "data.num_epochs=None",
-                                      "train.optimizer=None", "model.revision=None", "model.family=None"])
+                                      "train.optimizer=None", "model.revision=None", "model.family=None",
+                                      "train.profile_dir='null'", 'data.eval_path="NULL"'])
 def test_python_none_for_a_nullable_key_is_refused(override):
     """`train.run_dir=None` was the text 'None': the run wrote its metrics to a directory named None (and a
-    revision or a family named 'None' failed far later); a choice spelled none (train.remat) still loads."""
+    revision or a family named 'None' failed far later); `train.profile_dir: 'null'` (quoted) profiled into a
+    directory named null. A choice spelled none (train.remat) still loads."""
     key = override.split("=")[0]
     with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': {re.escape(key)}: got the text "
-                                        r"'[Nn]one', not null; write null"):
+                                        r"'([Nn]one|null|NULL)', not null; write null"):
         load_config(REPO / "configs/tiny.yaml", [override])
     assert load_config(REPO / "configs/tiny.yaml", ["train.remat=none"]).train.remat == "none"
     assert load_config(REPO / "configs/tiny.yaml", [f"{key}=null"]) is not None
@@ -558,6 +564,23 @@ def test_an_empty_coordinator_address_still_means_unset():
     assert {"model.revision", "train.run_dir", "data.eval_path"} <= set(_optional_text_keys())
 
 
+def test_a_top_level_anchor_reused_by_the_sections_is_not_an_unknown_key(tmp_path):
+    """`common: &c {...}` then `train: {<<: *c}` (YAML's way to share settings between sections or files' variants)
+    was refused as "unknown config key 'common'"; a top-level key that nothing refers to still is."""
+    path = tmp_path / "run.yaml"
+    path.write_text("common: &c\n  batch_size: 2\n  max_steps: 3\ntargets: &t [q_proj, v_proj]\n"
+                    "train:\n  <<: *c\n  seed: 7\nlora:\n  targets: *t\n")
+    cfg = load_config(path)
+    assert (cfg.train.batch_size, cfg.train.max_steps, cfg.train.seed) == (2, 3, 7)
+    assert cfg.lora.targets == ["q_proj", "v_proj"]
+    path.write_text("defaults: &d\n  train: {max_steps: 4}\n<<: *d\nmodel:\n  dtype: bfloat16\n")  # merged at the top
+    cfg = load_config(path)
+    assert (cfg.train.max_steps, cfg.model.dtype) == (4, "bfloat16")
+    path.write_text("common: &c\n  batch_size: 2\ntrain:\n  seed: 7\n")
+    with pytest.raises(UserError, match=r"line 1: unknown config key 'common'"):
+        load_config(path)
+
+
 def test_keys_given_are_the_file_and_override_keys_not_defaults(tmp_path):
     """What `evaluate --checkpoint` reads to tell a model.dtype asked for from the default float32."""
     from gemma_tpu.core.config import keys_given
@@ -567,3 +590,28 @@ def test_keys_given_are_the_file_and_override_keys_not_defaults(tmp_path):
     assert {"model.dtype", "train.max_steps"} <= keys_given(path) and "train.batch_size" not in keys_given(path)
     assert keys_given(None, ["lora={rank: 2}", "train.seed=1"]) == {"lora", "lora.rank", "train.seed"}
     assert keys_given(None) == set()
+
+
+def test_evaluation_settings_without_an_eval_path_are_accepted():
+    """Decided (round 9): `data.eval_max_batches` and `train.eval_every_steps` without `data.eval_path` load. The
+    shipped configs set them beside eval_path, and `data.eval_path=null` is how a run turns evaluation off (the kill
+    harness and the resume tests do): refusing them would make that override need two more."""
+    cfg = load_config(REPO / "configs/tiny.yaml", ["data.eval_path=null"])
+    assert cfg.data.eval_path is None and cfg.data.eval_max_batches == 2 and cfg.train.eval_every_steps == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.optimizer=sgd", "train.weight_decay=0.01"],
+     "train.weight_decay=0.01 is not applied by train.optimizer=sgd (plain SGD has no weight decay here)"),
+    (["train.schedule=constant", "train.min_lr_ratio=0.1"],
+     "train.min_lr_ratio=0.1 is the floor of a decaying schedule, and train.schedule=constant does not decay"),
+])
+def test_a_setting_the_chosen_optimizer_or_schedule_ignores_is_refused(overrides, message):
+    """optax.sgd has no weight decay and a constant schedule never decays to a floor: both settings were accepted
+    and did nothing (a run meant to be regularised, or to anneal, was not). Refused naming the key; with the
+    settings that use them they load."""
+    with pytest.raises(UserError, match=rf"^override '{re.escape(overrides[1])}': {re.escape(message)}"):
+        load_config(REPO / "configs/tiny.yaml", overrides)
+    assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=adamw", "train.weight_decay=0.01"])
+    assert load_config(REPO / "configs/tiny.yaml", ["train.schedule=warmup_cosine", "train.min_lr_ratio=0.1"])
+    assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=sgd", "train.schedule=constant"])

@@ -309,6 +309,70 @@ def test_normalisation_is_idempotent_and_accepts_openai_shapes():
     assert norm(model_role)["messages"][1]["role"] == "assistant"
 
 
+
+
+@pytest.mark.parametrize("tail, line, hint", [
+    (b"\x00" * 4096, 3, "the line holds 4096 NUL bytes, as a file cut short by a crash or a copy is padded"),
+    (b"\x00\x00\n", 3, "the line holds 2 NUL bytes"),
+    (None, 1, "lines end in CR alone (classic Mac line endings): convert them to LF"),
+])
+def test_a_line_of_nul_bytes_or_cr_line_endings_is_named_as_such(tmp_path, tail, line, hint):
+    """A JSONL file zero-padded by a crash (the tail of a write that never landed) and one with CR-only line endings
+    were "not valid JSON (Expecting value at column 1)" / "(Extra data at column 94)": true, and no help."""
+    row = json.dumps(CHAT).encode()
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(row + b"\r" + row + b"\r" if tail is None else row + b"\n" + row + b"\n" + tail)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{line}: not valid JSON \(.*; {re.escape(hint)}"):
+        load_conversations(path, DataConfig())
+
+
+def test_text_rows_among_chats_are_said_to_train_every_token(tmp_path, caplog):
+    """A file of chats with some `{"text": ...}` rows (a pretraining shard concatenated to it, or chats that lost
+    their messages) trained those rows on every token, without chat markup, and said nothing. Now one warning
+    names the count and the first; files of one kind say nothing."""
+    import logging
+
+    text = {"text": "Plain prose with no turns."}
+    path = write_jsonl(tmp_path / "mixed.jsonl", [CHAT, CHAT, text, text])
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        convs = load_conversations(path, DataConfig())
+    assert sum("text" in c for c in convs) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 4 examples are language-modeling rows (a 'text' field and none of a chat's: the first is "
+        f"{path}:3), trained on every token without chat markup, beside 2 chats; if that is not meant, fix those "
+        f"rows or set data.format"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        load_conversations(write_jsonl(tmp_path / "t.jsonl", [text, text]), DataConfig())
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [CHAT, {"prompt": "a", "completion": "b"}]),
+                           DataConfig())
+    assert not caplog.records
+
+def test_reasoning_beside_an_answer_is_said_to_be_left_out(tmp_path, caplog):
+    """R1-style exports put the model's reasoning in `reasoning_content` (or `reasoning`, `thinking`) beside the
+    answer: it was dropped like any unknown key, without a word, and the run trained answers without it. It is
+    still not rendered (the conversation is the same as without it), and one warning per file names it."""
+    import logging
+
+    plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]}
+    r1 = json.loads(json.dumps(plain))
+    r1["messages"][1]["reasoning_content"] = "Two and two make four."
+    empty = json.loads(json.dumps(plain))
+    empty["messages"][1]["thinking"] = ""
+    path = write_jsonl(tmp_path / "r1.jsonl", [plain, r1, empty, r1])
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        convs = load_conversations(path, DataConfig())
+    assert [c["messages"] for c in convs] == [convs[0]["messages"]] * 4  # rendered as without it
+    warned = [r.getMessage() for r in caplog.records if "reasoning" in r.getMessage()]
+    assert warned == [f"{path}: 2 of 4 examples carry a model's reasoning beside an answer (first: {path}:2: "
+                      f"messages[1].reasoning_content); it is left out of the rendered text, so not trained (a "
+                      f"message renders its content and tool calls): to train on it, put it in the content"], caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        load_conversations(write_jsonl(tmp_path / "plain.jsonl", [plain, empty]), DataConfig())
+    assert "reasoning" not in caplog.text
+
+
 # ------------------------------------------------------------------------------ input formats
 
 
@@ -750,6 +814,7 @@ BAD_CASES = {
        for k, a, n in (
         ("key_twice", '{"date": "a", "date": "b"}', "key 'date' appears twice"),
         ("nan", '{"date": NaN}', "NaN is not JSON"),
+        ("overflow", '{"date": -1e400}', "-1e400 is beyond the range of a 64-bit float (it would be read as infinity)"),
         ("lone_surrogate", '{"date": "\\ud800"}', "arguments.date holds a lone UTF-16 surrogate"),
         ("too_deep", "[" * 5000, "'tool_calls[0].function.arguments': not valid JSON for this reader (nested"))},
     "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
@@ -786,6 +851,17 @@ BAD_CASES = {
     "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),
     "conversations_null": ([{"conversations": None}], 1, "got null"),
 }
+
+
+
+def test_a_number_past_a_float_is_refused_at_its_line(tmp_path):
+    """1e400 in a JSONL line was read as infinity and trained as "Infinity" where the file said a number (NaN and
+    Infinity themselves were refused)."""
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + '{"messages": [{"role": "user", "content": "a"}, '
+                    '{"role": "assistant", "content": {"steps": 1e400}}]}\n')
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:2: 1e400 is beyond the range of a 64-bit float"):
+        load_conversations(path, DataConfig())
 
 
 def test_a_prompt_that_is_json_nested_past_the_stack_stays_text(tmp_path):
@@ -1568,6 +1644,31 @@ def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
     assert_one_line_error(proc, f"{path}:1", "data.seq_len=256")
 
 
+
+def test_inspect_reports_evaluation_examples_that_are_training_examples(tmp_path, tok_dir, capsys):
+    """Training warns when evaluation examples are also training examples (the validation loss then measures
+    memorisation); `data.inspect`, there to see the data as training will, said nothing of it, on either split."""
+    from gemma_tpu.data import inspect
+
+    rows = chat_rows(12, seed=5)
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", [CHAT, rows[7], rows[2]])
+    cfg = str(_inspect_config(tmp_path, train, eval_path=str(evaluation)))
+    for split in ("train", "eval"):
+        stats = inspect.run(inspect.parse_args(["--config", cfg, "--tokenizer", str(tok_dir), "--split", split,
+                                                "-n", "0"]))
+        out = capsys.readouterr().out
+        assert stats["eval_in_train"] == 2, out
+        assert (f"eval/train 2 of 3 evaluation examples ({evaluation}) are also training examples (the first: "
+                f"{evaluation}:2)") in out
+    write_jsonl(evaluation, [CHAT])
+    assert inspect.run(inspect.parse_args(["--config", cfg, "--tokenizer", str(tok_dir), "-n", "0"]))[
+        "eval_in_train"] == 0
+    assert "eval/train none of the 1 evaluation examples is a training example" in capsys.readouterr().out
+    evaluation.write_text("{not json\n")  # the other split unreadable: the split asked for is still shown
+    stats = inspect.run(inspect.parse_args(["--config", cfg, "--tokenizer", str(tok_dir), "-n", "0"]))
+    assert stats["eval_in_train"] is None and f"eval/train not compared ({evaluation}:1" in capsys.readouterr().out
+
 def test_inspect_reads_the_tokenizer_of_the_configured_model(tmp_path, tiny_dir):
     path = write_jsonl(tmp_path / "m.jsonl", [TOOL_CHAT, CHAT])
     cfg = _inspect_config(tmp_path, path, seq_len=1024)
@@ -1937,3 +2038,23 @@ def test_our_gemma_format_refuses_a_vocabulary_without_its_turn_tokens(tok_dir):
     out = r.render({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
     assert list(out.ids).count(105) == 2 and out.loss_mask.sum() > 0
     assert make_renderer(AutoTokenizer.from_pretrained(str(tok_dir)), DataConfig(), "gemma").chat_format == "gemma"
+
+
+def test_a_resume_without_shuffling_may_change_the_seed_but_not_the_rows():
+    """With data.shuffle=false the seed orders nothing: a resume with another train.seed was refused as one whose
+    data position names other rows. It still is when shuffling (either side), and whatever the seed when the rows
+    differ (the seed chooses which examples share a row: that is in the rows' digest)."""
+    from gemma_tpu.data import check_layout
+
+    def layout(seed, shuffle, digest="d"):
+        return {"rows": 56, "rows_digest": digest, "train.batch_size": 4, "train.seed": seed, "data.shuffle": shuffle,
+                "data.num_epochs": None}
+
+    check_layout(layout(0, False), layout(1, False), "ck/8")
+    for saved, now, named in [(layout(0, True), layout(1, True), "train.seed 0 -> 1"),
+                              (layout(0, True), layout(1, False), "train.seed 0 -> 1; data.shuffle True -> False"),
+                              (layout(0, False, "d"), layout(0, False, "e"), "the rows' contents: the data file"),
+                              (layout(0, False, "d"), layout(1, False, "e"), "train.seed 0 -> 1, which orders nothing "
+                               "unshuffled but chooses which examples share a row; the rows' contents)")]:
+        with pytest.raises(UserError, match=rf"^ck/8: its data position is for other training rows \({re.escape(named)}"):
+            check_layout(saved, now, "ck/8")

@@ -555,3 +555,17 @@ def test_loading_a_tokenizer_leaves_out_torch_dynamo(tiny_dir):
     proc = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[1:] == ["False", "False"], proc.stdout
+
+
+def test_a_revision_for_a_local_model_is_refused_unless_it_is_that_snapshot(tiny_dir, tmp_path):
+    """`model.revision` only chooses what to download: with a local `model.path` it was ignored without a word and
+    recorded in the run's metadata as the base's revision. A hub snapshot directory with its own commit passes."""
+    with pytest.raises(UserError, match=rf"^model.revision=v2 chooses what to download from the hub, but model.path "
+                                        rf"{re.escape(str(tiny_dir))} is a local directory, used as it is"):
+        resolve_model(str(tiny_dir), revision="v2")
+    snap = tmp_path / "models--org--tiny" / "snapshots" / "0a1b2c3d4e"
+    shutil.copytree(tiny_dir, snap)
+    assert resolve_model(str(snap), revision="0a1b2c3").revision == "0a1b2c3"
+    with pytest.raises(UserError, match=r"\(a hub snapshot at commit 0a1b2c3d4e\)"):
+        resolve_model(str(snap), revision="main")
+    assert resolve_model(str(tiny_dir)).revision is None

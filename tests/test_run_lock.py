@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -250,3 +251,69 @@ def test_an_unreadable_lock_left_untouched_is_stale(tmp_path, caplog, text):
     assert "taking over a stale lock (an unreadable lock, not kept fresh" in caplog.text
     assert json.loads(path.read_text())["pid"] == os.getpid()
     lock.release()
+
+
+def test_a_checkpoint_dir_removed_mid_run_stops_the_run_before_the_next_save(tiny_dir, tmp_path):
+    """`rm -rf` of checkpoint.dir while training (metrics in a separate train.run_dir): Orbax recreated it for the
+    next step and the run went on to exit 0, leaving steps without gemma_tpu_run.json (neither mergeable nor
+    resumable) and no lock keeping a second trainer out. Now the next save stops the run in one line naming
+    the directory, writing nothing there."""
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            f"train.run_dir={tmp_path / 'run'}", "train.max_steps=12", "checkpoint.every_steps=1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not (ck / "2").is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    import shutil
+
+    ck.rename(tmp_path / "gone")  # away at once (rmtree could meet a save's first files), then deleted
+    shutil.rmtree(tmp_path / "gone")
+    out, err = proc.communicate(timeout=300)
+    proc.stderr = err
+    assert_one_line_error(proc, f"checkpoint.dir={ck} lost its gemma_tpu_run.json and its run lock", "was not saved")
+    assert not ck.exists() or not [p for p in ck.iterdir() if p.name[:1].isdigit()], sorted(ck.iterdir())
+
+
+def test_a_run_lock_removed_by_hand_is_noticed_at_the_next_save(tmp_path):
+    """The lock alone removed (a second trainer could then start on the directory), or taken over by another
+    trainer, is named too."""
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.train.finite_guard import CheckpointSaveFailed
+    from gemma_tpu.train.run import check_run_intact
+
+    (tmp_path / METADATA_FILE).write_text("{}")
+    lock = run_lock.acquire(tmp_path)
+    try:
+        check_run_intact(tmp_path, [(lock, "checkpoint.dir")], 5)  # intact: passes
+        (tmp_path / run_lock.LOCK_FILE).unlink()
+        with pytest.raises(CheckpointSaveFailed, match=rf"checkpoint.dir={tmp_path} lost its run lock while "
+                                                         rf"training .*step 5 was not saved"):
+            check_run_intact(tmp_path, [(lock, "checkpoint.dir")], 5)
+        # taken over by another trainer (this one stopped past the lease): named, and the directory left to it
+        (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps({"pid": 4242, "host": "elsewhere", "started": "then"}))
+        with pytest.raises(CheckpointSaveFailed, match=rf"^checkpoint.dir={tmp_path}: another trainer holds its run "
+                                                         rf"lock now \(PID 4242 on elsewhere since then\); step 5"):
+            check_run_intact(tmp_path, [(lock, "checkpoint.dir")], 5)
+    finally:
+        lock.release()
+
+
+def test_a_run_dir_removed_mid_run_is_named_when_its_metrics_are_written(tmp_path):
+    """`rm -rf` of the run directory (checkpoint.dir holding metrics.jsonl) ended the run with "error: No such file
+    or directory: …/metrics.jsonl", which did not say why."""
+    from gemma_tpu.train.trainer import append_jsonl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    append_jsonl(run / "metrics.jsonl", {"step": 1})
+    import shutil
+
+    shutil.rmtree(run)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(run))} was removed or moved while training \(metrics.jsonl "
+                                        r"cannot be written\); the run stops$"):
+        append_jsonl(run / "metrics.jsonl", {"step": 2})
+    assert not run.exists()

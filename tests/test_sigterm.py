@@ -188,3 +188,69 @@ def test_tensorboard_close_is_bounded_when_its_stop_signal_never_arrives(tmp_pat
     closing.join(timeout=30)
     assert not closing.is_alive(), "close() still waiting for the writer thread"
     assert "TensorBoard: the event writer did not stop within 0 s" in caplog.text
+
+
+EARLY_SIGTERM = """
+import os, signal, sys, time
+from gemma_tpu.checkpoint import metadata
+def write_metadata(*args, **kwargs):  # the lock is held; the preemption handler comes after the model loads
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+metadata.write_metadata = write_metadata
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.train.run import main
+sys.exit(cli_main(main))
+"""
+
+
+def test_sigterm_before_the_preemption_handler_releases_the_run_lock(tiny_dir, tmp_path):
+    """SIGTERM while the model loads (after the run lock is taken, before the preemption handler exists): its
+    default action killed the process where it stood, leaving the lock for another host to wait out (5 min).
+    Now it is one line, exit 143, the lock released."""
+    import sys
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    with log.open("w") as err:
+        proc = subprocess.run([sys.executable, "-c", EARLY_SIGTERM, *command(tiny_dir, ckpt)[3:]], cwd=REPO,
+                              env=environment(tmp_path / "cache"), stdout=subprocess.DEVNULL, stderr=err, timeout=300)
+    assert proc.returncode == 143, tail(log)
+    assert "error: stopped by SIGTERM" in log.read_text(), tail(log)
+    assert ckpt.is_dir() and not (ckpt / "gemma_tpu_run.lock").exists(), sorted(p.name for p in ckpt.iterdir())
+
+
+def test_sigterm_during_the_end_of_run_eval_exits_143_with_the_last_step_saved(tiny_dir, tmp_path):
+    """The evaluation after the last step (4, off the eval interval: run when the loop has ended) is past every
+    batch boundary: a SIGTERM there was recorded and the run exited 0, as if it had not been preempted. Now the
+    eval finishes, the last step is on disk, exit 143."""
+    import json
+
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    cmd = command(tiny_dir, ckpt) + EVALS + ["train.max_steps=4"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=environment(tmp_path / "cache", 1.0), stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))
+    _wait_for(lambda: "evaluating after step 4" in log.read_text(errors="replace"), proc, log)
+    proc.send_signal(signal.SIGTERM)  # the eval's first batch is sleeping its 1 s
+    assert proc.wait(timeout=300) == 143, tail(log)
+    assert "SIGTERM after the last step: step 4 is saved" in log.read_text(errors="replace"), tail(log)
+    assert list_steps(ckpt)[-1] == 4 and not (ckpt / "gemma_tpu_run.lock").exists()
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows if r.get("mode") == "eval"] == [0, 3, 4]
+
+
+def test_the_entry_point_gives_back_the_callers_signal_handlers(tiny_dir, tmp_path):
+    """`main` takes SIGTERM from its start (the test above); an in-process caller (the bad-input corpus) got it
+    back changed, and each such test was named in a warning. The caller's handlers come back on every exit."""
+    import contextlib
+    import io
+
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.train.run import main
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        rc = cli_main(main, ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                             f"checkpoint.dir={tmp_path / 'ck'}", f"data.train_path={tmp_path / 'none.jsonl'}"])
+    assert rc == 2 and "data file not found" in err.getvalue(), err.getvalue()
+    assert {s: signal.getsignal(s) for s in before} == before

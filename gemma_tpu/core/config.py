@@ -250,6 +250,9 @@ def _did_you_mean(value: str, words: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+_NULL_TEXTS = ("none", "null")  # null as Python spells it, or YAML's null quoted (`profile_dir: 'null'`)
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`, with the few coercions YAML needs."""
     origin = typing.get_origin(tp)
@@ -258,10 +261,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         choices = [c for a in args if typing.get_origin(a) is Literal for c in typing.get_args(a)]
-        if isinstance(value, str) and value.strip().lower() == "none" and type(None) in args and value not in choices:
-            # Python's spelling: taken as the string 'None' it became a directory named None (train.run_dir),
-            # a revision or a family of that name
-            raise UserError(f"{where}: got the text {value!r}, not null; write null (or ~) to leave it unset")
+        if isinstance(value, str) and value.strip().lower() in _NULL_TEXTS and type(None) in args \
+                and value not in choices:
+            # Python's spelling, or YAML's quoted: taken as text, 'None' became a directory named None
+            # (train.run_dir), a revision or a family of that name; 'null' a profile directory named null
+            raise UserError(f"{where}: got the text {value!r}, not null; write null (unquoted) or ~ to leave it "
+                            f"unset")
         errors = []
         for a in args:
             if a is type(None):
@@ -325,8 +330,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, str):
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
             raise UserError(f"{where}: expected a string, got {value!r}{hint}")
-        if value == "None":  # Python's spelling, meant as "unset": checkpoint.dir=None made a directory named None
-            raise UserError(f"{where}: got the text 'None'; this key cannot be null, give it a value")
+        if value == "None" or value.strip().lower() == "null":  # meant as "unset": checkpoint.dir=None (or a quoted
+            # 'null') made a directory of that name
+            raise UserError(f"{where}: got the text {value!r}; this key cannot be null, give it a value")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
@@ -416,7 +422,9 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
     elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted]
     if elsewhere:
         return f"did you mean '{elsewhere[0]}'? "
-    close = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
+    # another case first: `train.MAX_STEPS` (an environment-variable habit) shared no letter with max_steps
+    close = [n for n in names if n.lower() == leaf.lower()] or \
+        difflib.get_close_matches(leaf.lower(), names, n=1, cutoff=0.6)
     if close:
         return f"did you mean '{section + '.' if section else ''}{close[0]}'? "
     return ""
@@ -585,6 +593,8 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")
         names = [f.name for f in dataclasses.fields(cls)]
+        for key in _template_keys(p.read_text(encoding="utf-8")) - set(names):
+            del tree[key]
         stray = [k for k in tree if k not in names and k in (elsewhere or {})]
         if stray:  # another tool's config: its first shared section's keys made a misleading 'unknown key'
             raise UserError(f"{p}: its '{stray[0]}' section says this is {elsewhere[stray[0]].replace('FILE', str(p))}; "
@@ -599,6 +609,36 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             raise UserError(str(_UnknownKey(e.dotted, e.names, _key_hint(cls, e.dotted, e.names, foreign or {}))))
     except UserError as e:
         raise UserError(f"{blame(str(e), where, overrides, key_lines(path))}: {e}") from None
+
+
+def _template_keys(text: str) -> set[str]:
+    """Top-level keys whose value is there to be reused: anchored and aliased elsewhere in the file (`common: &c
+    {...}`, merged into sections with `<<: *c`). They were refused as unknown keys; a key nothing refers to still
+    is (a misspelt section)."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(root, yaml.MappingNode):
+        return set()
+    merge = "tag:yaml.org,2002:merge"
+    tops = {id(v): k.value for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.tag != merge}
+    used: set[str] = set()
+    seen: set[int] = set()
+    for k, v in root.value:  # `<<: *defaults` at the top level merges a template's sections into the file's
+        if k.tag == merge:
+            used.update(tops[id(n)] for n in (v.value if isinstance(v, yaml.SequenceNode) else [v]) if id(n) in tops)
+
+    def walk(node: Any) -> None:
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        for child in children:
+            if id(child) in tops:  # a top-level value reached from inside another: an alias
+                used.add(tops[id(child)])
+            if id(child) not in seen:
+                seen.add(id(child))
+                walk(child)
+
+    for _, value in root.value:
+        walk(value)
+    return used
 
 
 def key_lines(path: str | Path | None) -> dict[str, int]:
@@ -777,6 +817,12 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     at_least("train.warmup_steps", t.warmup_steps, 0)
     in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
     at_least("train.weight_decay", t.weight_decay, 0.0)
+    if t.optimizer == "sgd" and t.weight_decay:  # optax.sgd takes none: the run went on without decay, silently
+        bad(f"train.weight_decay={t.weight_decay} is not applied by train.optimizer=sgd (plain SGD has no weight "
+            f"decay here); use adamw or adafactor, or set train.weight_decay=0")
+    if t.schedule == "constant" and t.min_lr_ratio:  # the floor of a decay that a constant schedule never makes
+        bad(f"train.min_lr_ratio={t.min_lr_ratio} is the floor of a decaying schedule, and train.schedule=constant "
+            f"does not decay; use warmup_cosine or warmup_linear, or set train.min_lr_ratio=0")
     if t.grad_clip is not None and t.grad_clip < 0:
         bad(f"train.grad_clip must be positive (0 or null: no clipping), got {t.grad_clip}")
     at_least("train.seed", t.seed, 0)

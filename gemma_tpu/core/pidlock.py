@@ -222,6 +222,10 @@ class PidLock:
         else:
             log.warning("%s: taking over a stale lock (%s, no longer running)", self.path, describe(holder))
 
+    def still_held(self) -> bool:
+        """Whether the lock file is still this holder's (not removed, with its directory, or replaced)."""
+        return self.held and _mine(read_holder(self.path))
+
     def release(self) -> None:
         if not self.held:
             return

@@ -1,10 +1,11 @@
 """`python -m gemma_tpu.data.inspect --config FILE [section.key=value ...] [--split train|eval] [-n N]`
 
-See the data exactly as training will: examples read / kept / truncated / dropped, token-length
-percentiles, rows and useful-token fractions for `pad` and `pack` (the configured strategy first),
-the shared prompt prefixes (`data.share_prefix`: groups of examples starting with the same ids, prefix
-lengths, tokens computed per example with and without computing each prefix once, loss-bearing
-fraction of each), the distinct batch shapes one epoch of the stream produces (1 means one compilation), and the first
+See the data exactly as training will: examples read / kept / truncated / dropped, evaluation examples that
+are also training examples (when both splits are set), token-length percentiles, rows and useful-token
+fractions for `pad` and `pack` (the configured strategy first), the shared prompt prefixes
+(`data.share_prefix`: groups of examples starting with the same ids, prefix lengths, tokens computed per
+example with and without computing each prefix once, loss-bearing fraction of each), the distinct batch
+shapes one epoch of the stream produces (1 means one compilation), and the first
 N rendered examples with their loss-bearing tokens marked - green on a terminal, `[[...]]` otherwise
 (`--color always|never` to choose). `--json OUT` writes the statistics. Nothing is written to the
 run directory and no model weights are loaded; only the tokenizer.
@@ -32,7 +33,9 @@ from gemma_tpu.data.pipeline import (
     eval_batches,
     make_renderer,
     prepare_examples,
+    prepare_split,
     render_error,
+    shared_examples,
 )
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.formats.function_calling import function_token_map
@@ -109,6 +112,25 @@ def batch_shapes(prepared, batch_size: int, split: str, seed: int) -> tuple[int,
     return len(sigs), shown
 
 
+def eval_in_train(cfg, renderer, prepared, split: str) -> dict | None:
+    """Evaluation examples that are also training examples, as training reports them (None: no other split to
+    compare with). The other split is read as training reads it; when it cannot be, the line says why."""
+    other = cfg.data.eval_path if split == "train" else cfg.data.train_path
+    if not cfg.data.eval_path or not other:
+        return None
+    try:
+        counterpart = prepare_split(other, renderer, cfg.data, cfg.train.seed)
+    except UserError as e:
+        return {"count": None, "line": f"not compared ({e})"}
+    train, evaluation = (prepared, counterpart) if split == "train" else (counterpart, prepared)
+    shared = shared_examples(train, evaluation)
+    if not shared:
+        return {"count": 0, "line": f"none of the {evaluation.report.kept} evaluation examples is a training example"}
+    return {"count": len(shared), "line": f"{len(shared)} of {evaluation.report.kept} evaluation examples "
+            f"({evaluation.source}) are also training examples (the first: {shared[0].where}); the validation loss "
+            f"measures how well they were memorised"}
+
+
 def fmt_row(cells: Sequence[Any], widths: Sequence[int]) -> str:
     return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
@@ -148,6 +170,7 @@ def run(args: argparse.Namespace) -> dict:
     stats = main.stats()
     partial = sum(ex.partial for ex in examples)  # very long texts are cut before tokenizing (`Renderer.render`)
     n_shapes, shapes = batch_shapes(main, cfg.train.batch_size, args.split, cfg.train.seed)
+    overlap = eval_in_train(cfg, renderer, main, args.split)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
 
     out = sys.stdout
@@ -167,6 +190,8 @@ def run(args: argparse.Namespace) -> dict:
     if rep.duplicates:
         print(f"duplicates {rep.duplicates} examples train exactly what an earlier one trains, as often as they "
               f"appear (the first: {rep.first_duplicate})", file=out)
+    if overlap is not None:
+        print(f"eval/train {overlap['line']}", file=out)
     print(f"tokens     per example: min {stats['length_min']}, p50 {stats['p50']}, p90 {stats['p90']}, "
           f"p95 {stats['p95']}, p99 {stats['p99']}, max {stats['length_max']}, mean {stats['length_mean']}; "
           f"{stats['tokens']} in rows, {stats['loss_tokens']} loss-bearing"
@@ -222,6 +247,7 @@ def run(args: argparse.Namespace) -> dict:
               "chat_format": renderer.chat_format,
               "loss_on": renderer.loss_on,
               "distinct_batch_shapes": n_shapes, "batch_shapes": shapes,
+              "eval_in_train": overlap and overlap["count"],
               "other_strategy": {k: v.stats() for k, v in prepared.items() if k != chosen}}
     if args.json:
         write_text_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")

@@ -192,16 +192,25 @@ def overlap_warning(train: Prepared, evaluation: Prepared | None) -> str | None:
     measures memorisation, not generalisation (an eval split sampled from the training file, or the same file)."""
     if evaluation is None:
         return None
+    shared = shared_examples(train, evaluation)
+    if not shared:
+        return None
+    return (f"{evaluation.source}: {len(shared)} of {evaluation.report.kept} evaluation examples are also training "
+            f"examples in {train.source} (the first: {shared[0].where}); the validation loss measures how well they "
+            f"were memorised")
+
+
+def shared_examples(train: Prepared, evaluation: Prepared) -> list[batching.Example]:
+    """The evaluation examples that are also training examples, by line (rows are shuffled)."""
     seen = {batching.example_key(ex) for row in train.rows for item in row for ex in batching.members(item)}
     shared = [ex for row in evaluation.rows for item in row for ex in batching.members(item)
               if batching.example_key(ex) in seen]
-    if not shared:
-        return None
-    line = [int(w) if w.isdigit() else 0 for w in (ex.where.rsplit(":", 1)[-1] for ex in shared)]
-    first = shared[line.index(min(line))].where  # rows are shuffled: the first by line
-    return (f"{evaluation.source}: {len(shared)} of {evaluation.report.kept} evaluation examples are also training "
-            f"examples in {train.source} (the first: {first}); the validation loss measures how well they were "
-            f"memorised")
+
+    def line(ex: batching.Example) -> int:
+        w = ex.where.rsplit(":", 1)[-1]
+        return int(w) if w.isdigit() else 0
+
+    return sorted(shared, key=line)
 
 
 def epochs_warning(prepared: Prepared, batch_size: int, grad_accum_steps: int, num_epochs: int | None,
@@ -338,8 +347,16 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: s
     (checkpoints from before layouts were stored have none and are not checked)."""
     if saved is None or saved == current:
         return
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if k != "rows_digest" and saved.get(k) != v]
+    ignored = {"rows_digest"}
+    if saved.get("data.shuffle") is False and current.get("data.shuffle") is False:
+        ignored.add("train.seed")  # unshuffled, the seed orders nothing (the rows it packs together are in the digest)
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if k not in ignored and saved.get(k) != v]
+    if not changed and saved.get("rows_digest") == current["rows_digest"]:
+        return
     if saved.get("rows_digest") != current["rows_digest"]:
+        if "train.seed" in ignored and saved.get("train.seed") != current.get("train.seed"):
+            changed.append(f"train.seed {saved.get('train.seed')} -> {current.get('train.seed')}, which orders nothing "
+                           f"unshuffled but chooses which examples share a row")
         changed.append("the rows' contents" if changed else
                        "the rows' contents: the data file, the tokenizer or a data setting that shapes rows")
     raise UserError(f"{where}: its data position is for other training rows ({'; '.join(changed)}); resume with "

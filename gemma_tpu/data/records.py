@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
+import math
 import re
 import sys
 from pathlib import Path
@@ -41,6 +43,8 @@ from typing import Any, Iterator
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, find_lone_surrogate
 from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Gemma's own name for the assistant turn; OpenAI's legacy function-calling result (with `functions` and
@@ -85,7 +89,16 @@ def _constant(name: str) -> Any:
     raise _NotData(f"{name} is not JSON (only finite numbers are)")
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant)
+def _float(text: str) -> float:
+    """A JSON number with a fraction or exponent; past a 64-bit float (1e400) Python read it as infinity, and the
+    example was trained on "Infinity" where the file said a number."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotData(f"{text} is beyond the range of a 64-bit float (it would be read as infinity)")
+    return value
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float)
 
 
 def _too_deep(where: str) -> UserError:
@@ -287,6 +300,11 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                             "pretty-printed JSON file is read as such when named .json" if spread else "")
                     if e.msg == "Extra data" and line[e.pos:].strip() == ",":  # a JSON array's rows, one a line
                         hint = "; a comma after the object: JSON Lines separates objects by line breaks alone"
+                    elif "\x00" in line:  # a file cut short by a crash is often padded with zeros up to its size
+                        hint = (f"; the line holds {line.count(chr(0))} NUL bytes, as a file cut short by a crash or "
+                                f"a copy is padded: re-export it")
+                    elif e.msg == "Extra data" and "\r" in line[:e.pos] and "\n" not in line:
+                        hint = "; lines end in CR alone (classic Mac line endings): convert them to LF"
                     raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}{hint})") from None
                 except RecursionError:
                     raise _too_deep(f"{p}:{lineno}") from None
@@ -800,12 +818,45 @@ def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP)
                                  data_cfg.response_field, markup)
 
 
+# where chat exports put a model's reasoning beside its answer (DeepSeek-R1 / vLLM, OpenRouter, others)
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def _reasoning(obj: Any) -> str | None:
+    """`messages[i].KEY` of the first message of a row that carries non-empty reasoning, else None."""
+    if not isinstance(obj, dict):
+        return None
+    for column in ("messages", "conversations", "prompt", "completion"):
+        messages = obj.get(column)
+        for i, m in enumerate(messages if isinstance(messages, list) else []):
+            for key in REASONING_KEYS if isinstance(m, dict) else ():
+                if m.get(key) not in (None, "", [], {}):
+                    return f"{column}[{i}].{key}"
+    return None
+
+
 def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP) -> list[dict]:
     """All examples of a file as normalised conversations; an empty file is an error. `markup`: the control
-    tokens message text must not hold (`Renderer.markup` for the model's tokenizer; Gemma 3's by default)."""
+    tokens message text must not hold (`Renderer.markup` for the model's tokenizer; Gemma 3's by default).
+    Reasoning beside an answer (`reasoning_content`, R1-style exports) is not rendered: said once per file (it was
+    dropped like any unknown key, without a word)."""
     out = []
+    reasoning: list[str] = []
     for lineno, obj in iter_raw(path):
         out.append(normalise_row(obj, f"{path}:{lineno}", data_cfg, markup))
+        found = _reasoning(obj)
+        if found:
+            reasoning.append(f"{path}:{lineno}: {found}")
     if not out:
         raise UserError(f"{path}: no examples (empty file)")
+    texts = [c["where"] for c in out if "text" in c]
+    if texts and len(texts) < len(out):  # a pretraining shard concatenated to a chat set, or one chat row missing
+        log.warning("%s: %d of %d examples are language-modeling rows (a '%s' field and none of a chat's: the first "
+                    "is %s), trained on every token without chat markup, beside %d chats; if that is not meant, fix "
+                    "those rows or set data.format", path, len(texts), len(out), data_cfg.text_field, texts[0],
+                    len(out) - len(texts))
+    if reasoning:
+        log.warning("%s: %d of %d examples carry a model's reasoning beside an answer (first: %s); it is left out "
+                    "of the rendered text, so not trained (a message renders its content and tool calls): to train on "
+                    "it, put it in the content", path, len(reasoning), len(out), reasoning[0])
     return out

@@ -38,6 +38,23 @@ def resolve_path(spec: str, revision: str | None = None, what: str = "model.path
     raise UserError(f"{what} {spec}: no such directory")
 
 
+def check_revision_applies(spec: str, local: Path, revision: str | None) -> None:
+    """`model.revision` picks a hub revision to download; a local directory or an embedded model is used as it is.
+    It was ignored without a word there, and recorded in the run's metadata as the base's revision. A hub
+    snapshot directory (…/snapshots/<commit>) given with its own commit (or a prefix of it) is accepted."""
+    if revision is None:
+        return
+    downloaded = not spec.startswith("embedded:") and not Path(spec).expanduser().exists()
+    parts = Path(local).resolve().parts
+    snapshot = parts[-1] if len(parts) >= 2 and parts[-2] == "snapshots" else None
+    if downloaded or (snapshot and snapshot.startswith(revision)):
+        return
+    kind = "an embedded model" if spec.startswith("embedded:") else "a local directory"
+    at = f" (a hub snapshot at commit {snapshot})" if snapshot else ""
+    raise UserError(f"model.revision={revision} chooses what to download from the hub, but model.path {spec} is {kind}"
+                    f"{at}, used as it is: leave model.revision unset, or give the hub id")
+
+
 def read_hf_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     return read_json_object(path, f"{path}: missing (not a Hugging Face model directory)")

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.hf.directory import read_hf_config, resolve_path, safetensors_keys
+from gemma_tpu.hf.directory import check_revision_applies, read_hf_config, resolve_path, safetensors_keys
 from gemma_tpu.models.registry import Family, detect_family, get_family
 from gemma_tpu.models.sharded_weights import check_weight_headers
 
@@ -45,6 +45,7 @@ def resolve_model(spec: str, revision: str | None = None, family: str | None = N
                   family_key: str = "model.family") -> ResolvedModel:
     """`family_key` names where `family` came from, for the error when it is unknown."""
     local = resolve_path(spec, revision)
+    check_revision_applies(spec, local, revision)
     hf_config = read_hf_config(local)
     fam = get_family(family, family_key) if family else detect_family(hf_config, str(local / "config.json"))
     return ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)

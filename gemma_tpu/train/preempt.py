@@ -23,7 +23,7 @@ import os
 import signal
 from typing import Callable
 
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import SignalExit, UserError
 from gemma_tpu.train.finite_guard import last_step_on_disk
 
 log = logging.getLogger("gemma_tpu.train")
@@ -67,6 +67,15 @@ class Preemption:
         if train_ctx.iter_steps % accum:  # mid-accumulation: the step is not finished yet
             return
         self.save_and_exit()
+
+    def exit_if_requested(self) -> None:
+        """A notice that came after the last batch boundary (during the final save or the end-of-run
+        evaluation) is a preemption too: once the run's end is saved, exit with the signal's code (it exited 0,
+        and a scheduler took the preempted process for one that had finished on its own)."""
+        if self.requested:
+            log.warning("%s after the last step: step %d is saved; exiting %d", self.name, self.trainer.train_steps,
+                        128 + self.signum)
+            raise SignalExit(self.signum)
 
     def save_and_exit(self) -> None:
         t = self.trainer

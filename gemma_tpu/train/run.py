@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -26,7 +27,7 @@ from gemma_tpu.checkpoint.params import check_item_files, short_reason
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, raise_signal_exit
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import load_model, resolve_model
@@ -194,9 +195,10 @@ def run(cfg: RunConfig) -> dict:
 
         from gemma_tpu.train.tunix_adapter import profiler_options
 
+        locks = []
         if primary:
             for d, key in locked_dirs(cfg):  # one writer per run directory, from the first write on
-                run_lock.acquire(d, key)
+                locks.append((run_lock.acquire(d, key), key))
             for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
                 log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
                             "complete one", p)
@@ -228,6 +230,7 @@ def run(cfg: RunConfig) -> dict:
                 flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                 price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
                 mesh=mesh, log_every_steps=cfg.train.log_every_steps,
+                before_save=functools.partial(check_run_intact, ckpt_dir, locks),
             )
         except Exception as e:
             steps = checkpoint.list_steps(ckpt_dir)
@@ -244,7 +247,7 @@ def run(cfg: RunConfig) -> dict:
                      ckpt_dir, trainer.train_steps)
             trainer.close()
             return {"steps": trainer.train_steps, "resumed_from": trainer.train_steps, "nothing_to_do": True}
-        _install_sigterm(trainer)
+        preemption = _install_sigterm(trainer)
         with trainer.compile_counter:
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
@@ -258,7 +261,34 @@ def run(cfg: RunConfig) -> dict:
     if primary:
         write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))  # never a cut-short one
     log.info("done: %s", json.dumps(summary))
+    preemption.exit_if_requested()
     return summary
+
+
+def check_run_intact(ckpt_dir: Path, locks: list, step: int) -> None:
+    """Before a step is saved: the run's metadata file and its locks (`locks`: (PidLock, key) pairs, held by process
+    0) are still there. A `checkpoint.dir` removed, moved or emptied mid-run was recreated by Orbax for the next step
+    (with a separate train.run_dir the run went on to exit 0): steps without gemma_tpu_run.json, which neither a
+    merge nor a resume accepts, and no lock keeping a second trainer out."""
+    from gemma_tpu.core import pidlock
+    from gemma_tpu.train.finite_guard import CheckpointSaveFailed
+
+    lost: dict[str, list[str]] = {}
+    if not (ckpt_dir / METADATA_FILE).is_file():
+        lost.setdefault(f"checkpoint.dir={ckpt_dir}", []).append(METADATA_FILE)
+    for lock, key in locks:
+        if lock.still_held():
+            continue
+        holder = pidlock.read_holder(lock.path)
+        if holder:  # taken over: this process was stopped (Ctrl-Z, a frozen VM) past the lease, and another started
+            raise CheckpointSaveFailed(f"{key}={lock.path.parent}: another trainer holds its run lock now "
+                                       f"({pidlock.describe(holder)}); step {step} was not saved, the directory is "
+                                       f"left to it")
+        lost.setdefault(f"{key}={lock.path.parent}", []).append("run lock")
+    gone = [f"{where} lost its {' and its '.join(what)}" for where, what in lost.items()]
+    if gone:
+        raise CheckpointSaveFailed(f"{'; '.join(gone)} while training (removed, moved or emptied); step {step} was "
+                                   f"not saved (a step without the run's metadata can be neither merged nor resumed)")
 
 
 def profile_window(cfg: RunConfig, run_dir: Path, ckpt_dir: Path) -> Path | None:
@@ -301,12 +331,12 @@ def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_co
         log.warning("%s: every device will compute the whole batch", msg)
 
 
-def _install_sigterm(trainer) -> None:
+def _install_sigterm(trainer):
     """On SIGTERM (TPU preemption notice) finish the step in progress, save it, release the run lock and
     exit 143; at a batch boundary, so the saved step is exactly a step (gemma_tpu.train.preempt)."""
     from gemma_tpu.train.preempt import Preemption  # deferred: imports jax (through Tunix)
 
-    Preemption(trainer, on_exit=run_lock.release_all).install()
+    return Preemption(trainer, on_exit=run_lock.release_all).install()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -319,6 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli.setup_logging()
     from gemma_tpu.train.finite_guard import CheckpointSaveFailed
 
+    # until the preemption handler takes over (data preparation, model load, restore: minutes), SIGTERM's
+    # default action ended the process where it stood, leaving the run lock for another host to wait out; the
+    # caller's handlers come back at the end (an in-process caller kept ours, and the preemption handler's)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, raise_signal_exit)
     try:
         run(cfg)
     except CheckpointSaveFailed as e:
@@ -332,4 +367,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         os._exit(e.exit_code)
     finally:
         run_lock.release_all()
+        for signum, handler in handlers.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
     return 0

@@ -176,7 +176,8 @@ class CompileCounter(logging.Filter):
 def append_jsonl(path: Path, rec: dict) -> None:
     """Append one JSON line. A last line cut short (a crash or a full disk mid-write) is ended first: the
     resumed run's first row was glued to it, and both were unreadable. A failed write names the file
-    (a failed write() carries no file name: "error: No space left on device" said nothing more)."""
+    (a failed write() carries no file name: "error: No space left on device" said nothing more), and a run
+    directory removed mid-run is said to be gone."""
     try:
         with path.open("a+b") as f:
             prefix = b""
@@ -185,6 +186,9 @@ def append_jsonl(path: Path, rec: dict) -> None:
                 prefix = b"" if f.read(1) == b"\n" else b"\n"
             f.write(prefix + (json.dumps(rec) + "\n").encode())
     except OSError as e:
+        if isinstance(e, FileNotFoundError) and not path.parent.is_dir():  # "No such file or directory: …" said why not
+            raise UserError(f"{path.parent} was removed or moved while training ({path.name} cannot be written); "
+                            f"the run stops") from None
         raise OSError(e.errno, e.strerror, str(path)) from e
 
 
@@ -278,11 +282,13 @@ class Trainer(TunixTrainer):
                  tokens_per_step: int, flops=None, peak_flops: float = 0.0,
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
                  metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None,
-                 log_every_steps: int = 1):
+                 log_every_steps: int = 1, before_save=None):
         guard_tensorboard_writer()
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
-        # no non-finite state on disk, and with on_nonfinite=stop no step whose loss was not finite
-        self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager, before_save=self._refuse_nonfinite_loss)
+        # no non-finite state on disk, and with on_nonfinite=stop no step whose loss was not finite; `before_save(step)`
+        # (the run's own check that its directory is still its own) first
+        self._before_save_hook = before_save
+        self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager, before_save=self._before_save)
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
             shard_optimizer_state(self.optimizer, mesh)
@@ -323,6 +329,11 @@ class Trainer(TunixTrainer):
     def custom_checkpoint_metadata(self) -> dict[str, Any]:
         return {"data_state": self.feed.stream.get_state(), "data_layout": self.feed.stream.layout,
                 "step": self.train_steps, "seed": self.seed}
+
+    def _before_save(self, step: int) -> None:
+        if self._before_save_hook is not None:
+            self._before_save_hook(step)
+        self._refuse_nonfinite_loss(step)
 
     def _refuse_nonfinite_loss(self, step: int) -> None:
         """With on_nonfinite=stop, a step whose loss is NaN/inf is not saved: its update was dropped, so the
