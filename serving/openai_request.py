@@ -180,8 +180,8 @@ def _range(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) ->
         raise RequestError(key, f"{v!r} is not a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
 
 
-def _settings(body: dict, vocab_size: int | None, check_generation_config) -> None:
-    """The generation settings chat and text completions share."""
+def _settings(body: dict, vocab_size: int | None, check_generation_config, chat: bool = False) -> None:
+    """The generation settings chat and text completions share (`chat`: a chat completion's)."""
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if v is not None and (not _is_int(v) or v < 1):
@@ -192,10 +192,12 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config) -> No
         raise RequestError("n", f"{body['n']!r}: this server returns one choice (n=1)")
     # fields transformers serve accepts and ignores, where ignoring them breaks what the client relies on
     # a text completion's `logprobs` is a count, and 0 still asks for the chosen token's log probability (OpenAI,
-    # vLLM); a chat completion's is true/false. Either, asked for, came back without any
+    # vLLM); a chat completion's is true/false, and vLLM reads 0 there as false (it was refused as asking for them).
+    # Either, asked for, came back without any
     lp = body.get("logprobs")
-    if lp is True or _is_int(lp) or body.get("top_logprobs"):
-        raise RequestError("logprobs" if lp is True or _is_int(lp) else "top_logprobs",
+    asked = lp is True or (_is_int(lp) and not (chat and lp == 0))
+    if asked or body.get("top_logprobs"):
+        raise RequestError("logprobs" if asked else "top_logprobs",
                            "log probabilities are not returned by this server")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -401,7 +403,7 @@ def check_chat_request(body: Any, context: int | None = None,
     _tool_choice(body.get("tool_choice"), names)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model", "expected a string")
-    _settings(body, vocab_size, check_generation_config)
+    _settings(body, vocab_size, check_generation_config, chat=True)
     if body.get("parallel_tool_calls") is not None and not names:
         raise RequestError("parallel_tool_calls", "is only allowed with tools; this request declares none")
     body = dict(body)

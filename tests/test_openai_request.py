@@ -81,6 +81,7 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
     ({"messages": USER, "generation_config": "{x"}, "generation_config", "JSON object"),
     ({"messages": USER, "logprobs": True}, "logprobs", "not returned"),
+    ({"messages": USER, "logprobs": 1}, "logprobs", "not returned"),
     ({"messages": USER, "seed": 2**70}, "seed", "[-2^63, 2^63)"),
     ({"messages": USER, "frequency_penalty": -1.5}, "frequency_penalty", "above -1"),
     ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "cannot apply a presence penalty"),
@@ -116,13 +117,14 @@ def test_malformed_requests_are_refused_naming_the_field(body, param, needle):
 
 
 def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
+    # logprobs: 0 in a chat completion is false, as vLLM reads it (it was refused as asking for log probabilities)
     ok = {"messages": [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"},
                        {"role": "user", "content": [{"type": "text", "text": "שלום 👋"}]},
                        {"role": "assistant", "content": None, "tool_calls": [
                            {"id": "c1", "type": "function", "function": {"name": "get_steps", "arguments": ""}}]},
                        {"role": "tool", "tool_call_id": "c1", "content": ""}],
           "tools": [TOOL, {"type": "function", "function": {"name": "noparams"}}], "tool_choice": "none",
-          "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True, "logprobs": False,
+          "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True, "logprobs": 0,
           "response_format": {"type": "text"}}
     two = [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}, {"id": "b", "function": {
         "name": "g"}}]}]
