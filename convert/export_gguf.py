@@ -59,7 +59,7 @@ from gemma_tpu.core.atomic import AtomicFile, check_file_target, check_space
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.core.progress import Progress, human
-from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, tool_chat_template
+from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, is_reserved, tool_chat_template
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
 from gemma_tpu.models.registry import Family, GGUFFacts, detect_family, families
@@ -190,7 +190,7 @@ def _added_type(content: str | None, special: bool) -> int:
     text = content or ""
     looks = (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
              or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
-             or (text.startswith("<unused") and text.endswith(">")))
+             or is_reserved(text))
     return CONTROL if special or looks else USER_DEFINED
 
 

@@ -38,6 +38,11 @@ def _reserved(n: int) -> str:
     return f"<unused{n}>"
 
 
+def is_reserved(text: str) -> bool:
+    """Whether `text` spells one of the vocabulary's reserved tokens (`<unusedN>`)."""
+    return re.fullmatch(r"<unused\d+>", text) is not None
+
+
 def function_token_map(tokenizer) -> dict[str, str]:
     """Map FunctionGemma markers the vocabulary lacks onto reserved `<unusedN>` tokens, in order.
 
