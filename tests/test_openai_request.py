@@ -638,6 +638,18 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tiny_dir):
     assert check_completion_request({"prompt": "a" * 500}, 512, text)["max_tokens"] == 11
 
 
+def streamed_choices(token_map: dict, text: str, size: int) -> list[dict]:
+    """The choices `StreamedCalls` sends for `text` streamed `size` characters a chunk, then a finishing chunk."""
+    from serving.local import StreamedCalls
+
+    f = StreamedCalls(token_map)
+    events = [{"id": "r", "choices": [{"index": 0, "delta": {"content": text[k:k + size]}}]}
+              for k in range(0, len(text), size)] + [{"id": "r", "choices": [{"index": 0, "delta": {},
+                                                                               "finish_reason": "stop"}]}]
+    out = f.feed(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)) + f.close()
+    return [json.loads(e[len("data: "):])["choices"][0] for e in out.decode().split("\n\n") if e.strip()]
+
+
 def test_streamed_content_around_calls_is_the_unstreamed_content():
     """The text before a call was streamed as it came ("Sure. "), while the unstreamed answer strips it ("Sure."):
     a client (and `/v1/responses`' output_text) got a different text streaming. Trailing whitespace is now held
@@ -653,15 +665,10 @@ def test_streamed_content_around_calls_is_the_unstreamed_content():
                                                       "message": {"role": "assistant", "content": text}}]}).encode()))
         want = whole["choices"][0]["message"]["content"] or ""
         for size in (1, 2, 5, len(text)):
-            f = StreamedCalls(token_map)
-            events = [{"id": "r", "choices": [{"index": 0, "delta": {"content": text[k:k + size]}}]}
-                      for k in range(0, len(text), size)] + [{"id": "r", "choices": [{"index": 0, "delta": {},
-                                                                                       "finish_reason": "stop"}]}]
-            out = f.feed(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)) + f.close()
-            got = [json.loads(e[len("data: "):]) for e in out.decode().split("\n\n") if e.strip()]
-            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in got)
+            deltas = [c["delta"] for c in streamed_choices(token_map, text, size)]
+            content = "".join(d.get("content") or "" for d in deltas)
             assert content == want, (text, size, content, want)
-            assert sum(len(c["choices"][0]["delta"].get("tool_calls") or []) for c in got) == text.count(call)
+            assert sum(len(d.get("tool_calls") or []) for d in deltas) == text.count(call)
     # a stream cut off before its finishing chunk still sends the whitespace it held (no call came)
     f = StreamedCalls(token_map)
     out = f.feed(b'data: {"id": "r", "choices": [{"index": 0, "delta": {"content": "ok "}}]}\n\n') + f.close()
@@ -676,7 +683,7 @@ def test_malformed_calls_read_alike_streamed_and_whole():
     followed by a stray end marker lost that marker whole only. Both now read by one set of rules
     (`StreamedCalls`): each call that parses between its markers is a call, anything else is text as written."""
     from gemma_tpu.formats.function_calling import plain_gemma_token_map
-    from serving.local import CheckedChatApp, StreamedCalls
+    from serving.local import CheckedChatApp
 
     token_map = plain_gemma_token_map()
     start, end, response = "<unused2>", "<unused3>", "<unused4>"
@@ -702,19 +709,14 @@ def test_malformed_calls_read_alike_streamed_and_whole():
         assert got == (want_content, want_calls), (text, got)
         assert whole["choices"][0]["finish_reason"] == ("tool_calls" if want_calls else "stop")
         for size in (1, 2, 5, len(text)):
-            f = StreamedCalls(token_map)
-            events = [{"id": "r", "choices": [{"index": 0, "delta": {"content": text[k:k + size]}}]}
-                      for k in range(0, len(text), size)] + [{"id": "r", "choices": [{"index": 0, "delta": {},
-                                                                                       "finish_reason": "stop"}]}]
-            out = f.feed(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)) + f.close()
-            chunks = [json.loads(e[len("data: "):]) for e in out.decode().split("\n\n") if e.strip()]
-            deltas = [c["choices"][0]["delta"] for c in chunks]
+            choices = streamed_choices(token_map, text, size)
+            deltas = [c["delta"] for c in choices]
             streamed = ("".join(d.get("content") or "" for d in deltas) or None,
                         [t["function"]["name"] for d in deltas for t in d.get("tool_calls") or []])
             assert streamed == (want_content, want_calls), (text, size)
             assert [t["function"]["arguments"] for d in deltas for t in d.get("tool_calls") or []] == [
                 t["function"]["arguments"] for t in message.get("tool_calls") or []]
-            assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+            assert choices[-1]["finish_reason"] == whole["choices"][0]["finish_reason"]
 
 
 def test_a_long_check_does_not_hold_other_requests():
