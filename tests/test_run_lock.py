@@ -155,6 +155,26 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, small_disk):
     run_lock.acquire(ck).release()
 
 
+def test_a_signal_while_the_lock_is_written_leaves_no_lock(tmp_path, monkeypatch):
+    """SIGTERM between creating the lock (O_EXCL) and writing it: the entry point's handler raises its exit there,
+    and the empty lock stayed (stale only after the lease: the next run on any host waited it out)."""
+    from gemma_tpu.core import pidlock
+    from gemma_tpu.core.errors import SignalExit
+    from gemma_tpu.train import run_lock
+
+    def interrupted(fd):
+        raise SignalExit(signal.SIGTERM)
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    monkeypatch.setattr(pidlock.os, "fsync", interrupted)
+    with pytest.raises(SignalExit):
+        run_lock.acquire(ck)
+    monkeypatch.undo()
+    assert list(ck.iterdir()) == []
+    run_lock.acquire(ck).release()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_one_writer_per_output_file(tmp_path, sig):
     """An `AtomicFile` (the GGUF export's writer) held by another process refuses a second writer naming

@@ -185,10 +185,13 @@ class PidLock:
             try:
                 os.write(fd, json.dumps(info).encode())
                 os.fsync(fd)
-            except OSError as e:  # a full disk: an empty lock left here would refuse every later run
+            except BaseException as e:  # a full disk, or a signal's exit raised just here (SIGTERM before the
+                # run's handler): an empty lock left here refused every later run, or until the lease ran out
                 os.close(fd)
                 self.path.unlink(missing_ok=True)
-                raise UserError(f"cannot write the lock {self.path} ({e.strerror or e})") from None
+                if isinstance(e, OSError):
+                    raise UserError(f"cannot write the lock {self.path} ({e.strerror or e})") from None
+                raise
             else:
                 os.close(fd)
             self.held = True
