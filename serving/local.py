@@ -103,9 +103,8 @@ def show_call_markers(served: Path) -> None:
     came back as `call:f{a:x}` with no markers (and no `<escape>`), which the stream never read as calls. vLLM's
     tool parsers keep special tokens too. The ids, and so the prompts, are unchanged."""
     import json
-    import types
 
-    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, vocab_token_map
 
     tj = served / "tokenizer.json"
     try:
@@ -117,7 +116,7 @@ def show_call_markers(served: Path) -> None:
     vocab = (tok.get("model") or {}).get("vocab")
     names = set(vocab) if isinstance(vocab, dict) else {v[0] for v in vocab or [] if isinstance(v, list) and v}
     names |= {e.get("content") for e in tok["added_tokens"] if isinstance(e, dict)}
-    shown = set(FUNCTION_MARKERS) | set(function_token_map(types.SimpleNamespace(get_vocab=lambda: names)).values())
+    shown = set(FUNCTION_MARKERS) | set(vocab_token_map(names).values())
     entries = [e for e in tok["added_tokens"] if isinstance(e, dict) and e.get("content") in shown and e.get("special")]
     if not entries:
         return

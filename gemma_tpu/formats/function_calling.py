@@ -20,7 +20,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Container
 
 from gemma_tpu.core.errors import UserError
 
@@ -50,7 +50,11 @@ def function_token_map(tokenizer) -> dict[str, str]:
     vocabulary does not, so `<start_function_declaration>` -> `<unused0>` ... `<escape>` -> `<unused6>`.
     The map is recorded in the checkpoint metadata and in the merged tokenizer files.
     """
-    vocab = tokenizer.get_vocab()
+    return vocab_token_map(tokenizer.get_vocab())
+
+
+def vocab_token_map(vocab: Container[str]) -> dict[str, str]:
+    """`function_token_map` of a vocabulary given as its token strings (a tokenizer.json read as JSON)."""
     mapping, n = {}, 0
     for marker in FUNCTION_MARKERS:
         if marker in vocab:
