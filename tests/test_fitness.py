@@ -696,6 +696,57 @@ def test_a_local_evaluation_stopped_midway_keeps_the_examples_answered(tiny_long
     assert re.search(rf"model:\S+ \((first )?{k} of 5\)", stdout.getvalue()), stdout.getvalue()
 
 
+def test_ctrl_c_stops_a_local_evaluation_within_a_few_decode_steps(tiny_long_dir, tmp_path, monkeypatch):
+    """A Ctrl-C during a batch's decode was handled when the whole batch was decoded (one device call, and Python
+    runs a signal's handler only when the call returns: on a large model, minutes), and that finished batch was
+    dropped all the same. The evaluation decodes `DECODE_CHUNK` steps a call now: a Ctrl-C arriving during the
+    second batch's first call ends the run when that chunk returns, the first batch kept in `<json>.partial.json`."""
+    import contextlib
+    import io
+
+    import jax
+
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.evaluate import run
+    from gemma_tpu.infer.generate import DECODE_CHUNK
+
+    reached: list[int] = []  # the decode step the interrupted device call reached
+
+    class Interrupted(run.Generator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.batches = 0
+            for name, steps in (("_fn", lambda r: int(r[1])), ("_decode_fn", lambda r: int(r[0]))):
+                setattr(self, name, self._watch(getattr(self, name), steps))
+
+        def _watch(self, fn, steps):
+            def call(*args, **kwargs):
+                out = jax.block_until_ready(fn(*args, **kwargs))
+                if self.batches == 1:  # the Ctrl-C came during this call: Python raises it as the call returns
+                    reached.append(steps(out))
+                    raise KeyboardInterrupt
+                return out
+            return call
+
+        def generate(self, prompts, *args, on_batch=None, **kwargs):
+            def done(n):
+                self.batches += 1
+                on_batch(n)
+            return super().generate(prompts, *args, on_batch=done, **kwargs)
+
+    monkeypatch.setattr(run, "Generator", Interrupted)
+    out = tmp_path / "r.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = cli_main(run.main, ["--data", str(DATA / "test.jsonl"), "--model", str(tiny_long_dir), "--limit", "4",
+                                 "--batch-size", "2", "--max-new-tokens", str(3 * DECODE_CHUNK), "--no-loss",
+                                 "--json", str(out)])
+    assert rc == 130, stderr.getvalue()[-3000:]
+    assert reached == [DECODE_CHUNK], reached  # was [48]: the whole batch decoded before the Ctrl-C was seen
+    failed = json.loads((tmp_path / "r.partial.json").read_text())["failed"]
+    assert failed["completed"] == 2 and len(failed["examples"]) == 2 and not out.exists()
+
+
 def test_a_local_evaluation_refuses_the_models_own_control_tokens_in_its_data(tiny_long_dir, tmp_path, capsys):
     """The test set is read before any tokenizer is known (Gemma 3's markup refused); a local model's own control
     tokens (here the reserved token its vocabulary maps a tool-call marker onto) are refused by FILE:LINE before

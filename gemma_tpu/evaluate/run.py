@@ -59,7 +59,7 @@ from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prep
 from gemma_tpu.data.batching import Example
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match
-from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
+from gemma_tpu.infer.generate import DECODE_CHUNK, Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_RETRIES,
     RETRIES_HELP,
@@ -236,7 +236,10 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
             for i, ids in enumerate(prompts) if limit and len(ids) + max_new_tokens > limit}
     check_not_all_refused(cases, over)
     keep = [i for i in range(len(cases)) if i not in over]
-    gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache)
+    # a few decode steps a device call: a Ctrl-C or SIGTERM is seen when a call returns, and one call a batch made it
+    # wait for the whole batch (then lost it all the same)
+    gen = Generator(loaded, max_new_tokens=max_new_tokens, batch_size=batch_size, prefix_cache=prefix_cache,
+                    decode_chunk=DECODE_CHUNK)
     done = {} if done is None else done
     with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
         done.update({i: (refuse(cases[i], i + 1, over[i]), "") for i in sorted(over)})

@@ -50,6 +50,8 @@ DEFAULT_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
 SUFFIX_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 PREFIX_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 MIN_PREFIX_TOKENS = 32  # a shorter shared prefix is not worth a second forward and its compilation
+# decode steps a device call where a Ctrl-C should land promptly (the chat, evaluation; Generator's decode_chunk)
+DECODE_CHUNK = 16
 
 
 @dataclasses.dataclass

@@ -23,11 +23,8 @@ from gemma_tpu.data import make_renderer
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset
 from gemma_tpu.formats.function_calling import ParsedReply
-from gemma_tpu.infer.generate import Generator, load_checkpoint, load_hf_dir
+from gemma_tpu.infer.generate import DECODE_CHUNK, Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.tool_loop import run_tool_loop
-
-
-DECODE_CHUNK = 16  # decode steps a device call in the chat (see Generator's decode_chunk)
 
 
 class Coach:
