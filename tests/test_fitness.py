@@ -422,6 +422,16 @@ def test_arguments_match_normalises_types():
     assert arguments_match({"flag": [True]}, {"flag": ["TRUE"]})
 
 
+def test_arguments_match_compares_unicode_text_by_its_characters():
+    """One text in two Unicode spellings (é composed, or e and a combining accent, as text typed on a Mac or a
+    model's byte-level tokens give it) scored as a different argument, as did Straße against STRASSE, where case
+    is otherwise ignored; the answer scores already compared them normalised. Other characters stay apart."""
+    assert arguments_match({"city": "S\u00e3o Paulo"}, {"city": "Sa\u0303o Paulo"})
+    assert arguments_match({"street": "Stra\u00dfe"}, {"street": "STRASSE"})
+    assert arguments_match({"caf\u00e9": "x"}, {"cafe\u0301": "x"})  # the argument's name too
+    assert not arguments_match({"city": "S\u00e3o Paulo"}, {"city": "Sao Paulo"})
+    assert not arguments_match({"unit": "m\u00b2"}, {"unit": "m2"})  # a superscript is not a digit (NFC, not NFKC)
+
 def test_arguments_match_nulls_close_floats_exact_ids_and_twice_encoded_arguments():
     """A reference null scored a call that left the argument out as wrong; 72.5 against 72.50000001 (a float
     through float32 or a short repr) as wrong while ids 2**53 and 2**53 + 1 matched (both went through float);

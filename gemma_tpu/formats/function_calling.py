@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import re
+import unicodedata
 from typing import Any, Container
 
 from gemma_tpu.core.errors import UserError
@@ -429,9 +430,15 @@ class _Truth:
     value: bool
 
 
+def _text_key(v: str) -> str:
+    """A string as compared: Unicode NFC (é composed or as e + a combining accent is one text; NFKC would make m²
+    m2), case-folded (Straße is STRASSE, as lower() did not), trimmed."""
+    return unicodedata.normalize("NFC", v).casefold().strip()
+
+
 def normalise_value(v: Any) -> Any:
     """Compare arguments by meaning, not spelling: '5' == 5 == 5.0, 'True' == true (but not 1), case-insensitive
-    trimmed strings, containers element-wise."""
+    trimmed strings in one Unicode form (`_text_key`), containers element-wise."""
     if isinstance(v, bool):
         return _Truth(v)
     if isinstance(v, int):  # exact: 2**53 + 1 is an id, not 2**53 (float() made them equal)
@@ -440,7 +447,7 @@ def normalise_value(v: Any) -> Any:
         return int(v) if v.is_integer() else v  # 5.0 is 5; inf and nan stay floats
     if isinstance(v, str):
         t = v.strip()
-        low = t.lower()
+        low = _text_key(t)
         if low in ("true", "false"):
             return _Truth(low == "true")
         if _NUMBER.fullmatch(t):
@@ -452,7 +459,7 @@ def normalise_value(v: Any) -> Any:
             return normalise_value(float(t))
         return " ".join(low.split())
     if isinstance(v, dict):
-        return {str(k).strip().lower(): normalise_value(x) for k, x in v.items()}
+        return {_text_key(str(k)): normalise_value(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [normalise_value(x) for x in v]
     return v
