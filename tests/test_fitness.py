@@ -490,6 +490,46 @@ def test_score_on_hand_made_predictions():
     assert declined["declined_accuracy"] == 0.0 and declined["call_n"] == 0 and declined["call_tool_accuracy"] is None
 
 
+def test_the_table_is_recomputed_from_the_results_files_records():
+    """The records of a results file said what was asked and replied but not how it scored: the hallucination rate
+    (the declared tools are not in them) and the answer scores (the answer is parsed out of `raw`) could not be
+    recomputed from them, nor the examples a model got wrong found without our scorer. Each record now carries its
+    outcome, and every rate of the table is the mean of its records' (JSON-reloaded) fields."""
+    from gemma_tpu.evaluate.run import METRICS, Case, results_json, scored
+
+    names = ["get_steps", "get_heart_rate"]
+    steps, pulse = ToolCall("get_steps", {"date": "today"}), ToolCall("get_heart_rate", {"date": "today"})
+    cases = [Case({}, steps, names, "a", calls=[steps]), Case({}, steps, names, "b", calls=[steps]),
+             Case({}, steps, names, "c", calls=[steps, pulse]), Case({}, None, names, "d", "Hal, 3 plus 17 is 20."),
+             Case({}, None, names, "e", "It is 20."), Case({}, None, names, "f", "ok"), Case({}, steps, names, "g")]
+    preds = [ParsedReply("call", [ToolCall("get_steps", {"date": "Today"})], ""),
+             ParsedReply("call", [ToolCall("get_pulse", {})], ""),
+             ParsedReply("call", [pulse, steps], ""), ParsedReply("text", [], "Hal: 3 plus 17 = 20"),
+             ParsedReply("call", [steps], ""), ParsedReply("format_error", [], "call:x{", "unclosed"),
+             ParsedReply("refused", [], "", "too long")]
+    metrics, records = scored(cases, preds, [""] * len(cases), None, 0.0)
+    records = json.loads(results_json({"m": metrics}, {"m": records}, "t.jsonl", len(cases)))["examples"]["m"]
+
+    def mean(key, rows):
+        return sum(r[key] for r in rows) / len(rows) if rows else None
+
+    calls = [r for r in records if r["reference"] is not None]
+    declines = [r for r in records if r["reference"] is None]
+    answers = [r for r in records if r["reference_answer"] is not None]
+    again = {"n": len(records), "tool_accuracy": mean("tool_correct", records),
+             "argument_accuracy": mean("arguments_correct", records), "call_n": len(calls),
+             "call_tool_accuracy": mean("tool_correct", calls), "call_argument_accuracy": mean("arguments_correct", calls),
+             "no_call_n": len(declines), "declined_accuracy": mean("tool_correct", declines),
+             "hallucinated_tool_rate": mean("hallucinated", records), "answer_n": len(answers),
+             **{f"{k}_rate": sum(r["kind"] == kind for r in records) / len(records)
+                for k, kind in (("no_call", "text"), ("format_error", "format_error"), ("refused", "refused"))},
+             **{k: mean(k, answers) for k in ("answer_exact_match", "answer_f1", "answer_rouge_l")}}
+    assert set(again) == set(METRICS) - {"eval_loss", "perplexity"}
+    assert again == pytest.approx({k: metrics[k] for k in again})
+    assert [r["tool_correct"] for r in records] == [True, False, True, True, False, False, False]
+    assert metrics["hallucinated_tool_rate"] == pytest.approx(1 / 7) and 0 < metrics["answer_f1"] < 1
+    assert records[3]["answer"] == "Hal: 3 plus 17 = 20" and records[3]["answer_f1"] == pytest.approx(10 / 11)
+
 def test_parallel_reference_calls_are_all_scored():
     """A reference turn of two calls scored its first call only: a model that made that one call alone scored
     right. Now every reference call needs a predicted call of its own (order free, extras allowed)."""

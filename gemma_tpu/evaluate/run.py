@@ -132,6 +132,29 @@ def _matched(reference: Sequence[ToolCall], predicted: Sequence[ToolCall], same)
 NO_CALL = "(no call)"  # the per_tool entry of the references that make no call
 
 
+def outcome(case: Case, pred: ParsedReply) -> dict[str, Any]:
+    """How one reply scored, as its record in the results file says it (`score`'s rates are the means of these):
+    the right tool decision, the right arguments too, a call to an undeclared tool, and for a reference turn of text
+    the answer's scores (0 for a reply that is not text)."""
+    first = pred.first if pred.kind == "call" else None
+    if case.reference is None:
+        ok_name = ok_args = pred.kind == "text"
+    elif len(case.calls) > 1:  # parallel calls: all of them, in any order (the first alone scored it right)
+        got = pred.calls if pred.kind == "call" else []
+        ok_name = _matched(case.calls, got, lambda r, p: r.name == p.name)
+        ok_args = ok_name and _matched(case.calls, got, lambda r, p: r.name == p.name and arguments_match(
+            r.arguments, p.arguments))
+    else:
+        ok_name = first is not None and first.name == case.reference.name
+        ok_args = ok_name and arguments_match(case.reference.arguments, first.arguments)
+    out = {"tool_correct": bool(ok_name), "arguments_correct": bool(ok_args),
+           "hallucinated": pred.kind == "call" and any(c.name not in case.tool_names for c in pred.calls)}
+    if case.answer is not None:
+        out.update({k: v for k, v in answer_scores([(pred.text if pred.kind == "text" else None, case.answer)]).items()
+                    if k != "answer_n"})
+    return out
+
+
 def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str, Any]:
     """The tool-calling metrics of predictions against their cases (fractions of n; the call_* ones of call_n,
     declined_accuracy of no_call_n, None without such a case)."""
@@ -141,20 +164,11 @@ def score(cases: Sequence[Case], predictions: Sequence[ParsedReply]) -> dict[str
     tool = args = halluc = nocall = fmt = refused = 0
     per_tool: dict[str, list[int]] = {}
     for case, pred in zip(cases, predictions):
-        first = pred.first if pred.kind == "call" else None
-        if case.reference is None:
-            ok_name = ok_args = pred.kind == "text"
-        elif len(case.calls) > 1:  # parallel calls: all of them, in any order (the first alone scored it right)
-            got = pred.calls if pred.kind == "call" else []
-            ok_name = _matched(case.calls, got, lambda r, p: r.name == p.name)
-            ok_args = ok_name and _matched(case.calls, got, lambda r, p: r.name == p.name and arguments_match(
-                r.arguments, p.arguments))
-        else:
-            ok_name = first is not None and first.name == case.reference.name
-            ok_args = ok_name and arguments_match(case.reference.arguments, first.arguments)
+        got = outcome(case, pred)
+        ok_name, ok_args = got["tool_correct"], got["arguments_correct"]
         tool += ok_name
         args += ok_args
-        halluc += pred.kind == "call" and any(c.name not in case.tool_names for c in pred.calls)
+        halluc += got["hallucinated"]
         nocall += pred.kind == "text"
         fmt += pred.kind == "format_error"
         refused += pred.kind == "refused"
@@ -439,12 +453,14 @@ def scored(cases: Sequence[Case], preds: Sequence[ParsedReply], texts: Sequence[
     metrics["eval_loss"] = loss
     metrics["perplexity"] = math.exp(min(loss, 80.0)) if loss is not None else None
     metrics["seconds"] = round(time.time() - t0, 1)
-    # each record names its example (FILE:LINE) and, as `--turns all` scores several a conversation, its turn
+    # each record names its example (FILE:LINE) and, as `--turns all` scores several a conversation, its turn; it says
+    # how it scored (`outcome`), so the table is the records' means and a reader finds the examples a model got wrong
     records = [{"where": c.where, "turn": c.turn, "user": c.user,
                 "reference": dataclasses.asdict(c.reference) if c.reference else None,
                 **({"reference_calls": [dataclasses.asdict(x) for x in c.calls]} if len(c.calls) > 1 else {}),
                 "reference_answer": c.answer,
-                "kind": p.kind, "predicted": [dataclasses.asdict(x) for x in p.calls], "error": p.error, "raw": t}
+                "kind": p.kind, "predicted": [dataclasses.asdict(x) for x in p.calls],
+                "answer": p.text if p.kind == "text" else None, "error": p.error, "raw": t, **outcome(c, p)}
                for c, p, t in zip(cases, preds, texts)]
     return metrics, records
 
