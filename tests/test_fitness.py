@@ -1011,7 +1011,8 @@ def test_generic_tool_loop_with_another_toolset():
 
 
 def test_ctrl_d_at_the_prompt_ends_its_line(monkeypatch, capsys):
-    """On a terminal, Ctrl-D left `you> ` without a newline: the shell's prompt came after it."""
+    """On a terminal, Ctrl-D left `you> ` without a newline: the shell's prompt came after it. The greeting says
+    that each question is answered alone (a follow-up such as "and yesterday?" has no earlier turn to lean on)."""
     import io
 
     from gemma_tpu.examples.fitness.chat import chat_repl
@@ -1024,6 +1025,7 @@ def test_ctrl_d_at_the_prompt_ends_its_line(monkeypatch, capsys):
     assert chat_repl(lambda q: "hi", "") == 0
     out, err = capsys.readouterr()
     assert out == "coach> hi\n" and err.endswith("you> you> \n")
+    assert "each question is answered on its own, without the ones before" in err
 
 
 def test_ctrl_c_cancels_the_answer_and_at_the_prompt_leaves(monkeypatch, capsys):

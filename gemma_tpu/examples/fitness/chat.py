@@ -122,8 +122,9 @@ def chat_repl(ask, greeting: str) -> int:
     if hasattr(sys.stdin, "reconfigure"):  # a byte that is not UTF-8 is U+FFFD, not a UnicodeDecodeError (a
         sys.stdin.reconfigure(errors="surrogateescape")  # strict locale) that ends the session; see question_text
     if interactive:
-        print(f"{greeting}Ask about steps, sleep, activity, heart rate or Body Battery (Ctrl-C cancels an answer, "
-              f"Ctrl-D quits).",
+        # a follow-up ("and yesterday?") reaches the model without the turns before it: said, not left to be found
+        print(f"{greeting}Ask about steps, sleep, activity, heart rate or Body Battery; each question is answered on "
+              f"its own, without the ones before (Ctrl-C cancels an answer, Ctrl-D quits).",
               file=sys.stderr)
     while True:
         if interactive:
