@@ -218,3 +218,28 @@ def test_ctrl_c_stops_a_chunked_generation_between_chunks(loaded):
     from gemma_tpu.examples.fitness.providers import make_provider
 
     assert Coach(loaded, make_provider("simulated", 0), trace=None).generator.decode_chunk == DECODE_CHUNK
+
+
+@ONE_LAYOUT
+def test_a_chunked_decode_reuses_its_cache_in_place(loaded):
+    """Each chunk is a device call taking the decode's carry (the KV cache) and returning the next one: without
+    donating it, both caches were live during every call, twice the cache memory of one call a batch, which an
+    evaluation's 32-row batches now pay (they decode in chunks so a Ctrl-C lands). The carry is donated: each call
+    writes the cache it was given, and the ids are those of one call."""
+    import jax
+
+    from gemma_tpu.infer.generate import Generator
+
+    prompts = _prompts()
+    whole = Generator(loaded, max_new_tokens=12, batch_size=4, prefix_cache=False).generate(prompts)
+    gen = Generator(loaded, max_new_tokens=12, batch_size=4, decode_chunk=5)
+    real, given = gen._decode_fn, []
+
+    def decode(state, carry, *args):
+        given.append(carry[1])
+        return real(state, carry, *args)
+
+    gen._decode_fn = decode
+    assert [o.ids for o in gen.generate(prompts)] == [o.ids for o in whole]
+    leaves = jax.tree.leaves(given)
+    assert len(given) >= 3 and leaves and all(leaf.is_deleted() for leaf in leaves)

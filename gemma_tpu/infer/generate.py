@@ -287,7 +287,9 @@ def _jit_pair(graphdef):
     return (jax.jit(functools.partial(_greedy, graphdef), static_argnames=("max_new",)),
             jax.jit(functools.partial(_prefix_forward, graphdef), static_argnames=("length",)),
             jax.jit(functools.partial(_prefill, graphdef), static_argnames=("max_new",)),
-            jax.jit(functools.partial(_decode, graphdef)))
+            # the carry (the KV cache) is donated: a chunk writes the cache it is given, where both were live (twice
+            # the memory of one call a batch, on an evaluation's 32 rows)
+            jax.jit(functools.partial(_decode, graphdef), donate_argnums=(1,)))
 
 
 _JIT_PAIRS: list[tuple[Any, tuple]] = []  # (graphdef, its jitted pair), newest last; compared by ==, since a
