@@ -1064,6 +1064,21 @@ def test_ctrl_c_cancels_the_answer_and_at_the_prompt_leaves(monkeypatch, capsys)
     assert capsys.readouterr().out == ""
 
 
+def test_slash_commands_are_not_sent_to_the_model(monkeypatch, capsys):
+    """`/help` or `/reset` (other chat CLIs' commands) went to the model as a question, and `/quit` did not quit:
+    a slash word is named as no command here, `/exit`, `/quit` and `/bye` leave as `exit` does, and a question
+    that merely holds a slash is asked."""
+    import io
+
+    from gemma_tpu.examples.fitness.chat import chat_repl
+
+    asked = []
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/help\nsteps/day?\n/reset\n/quit\nnever asked\n"))
+    assert chat_repl(lambda q: asked.append(q) or "ok", "") == 0
+    out, err = capsys.readouterr()
+    assert asked == ["steps/day?"] and out == "ok\n"
+    assert "/help: not a command here; exit, quit or Ctrl-D quits, anything else is asked" in err and "/reset:" in err
+
 def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
     """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
     session with a traceback; it is reported as the answer, traced, and the next question is answered."""

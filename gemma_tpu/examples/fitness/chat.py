@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from typing import Sequence, TextIO
 
@@ -113,6 +114,9 @@ def question_text(raw: str) -> str:
         return raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
+QUIT = ("exit", "quit", "/exit", "/quit", "/bye")  # what ends a session (the slash forms other chat CLIs use)
+
+
 def chat_repl(ask, greeting: str) -> int:
     """Questions from stdin (a prompt when it is a terminal) until EOF/exit; a failed request is reported
     and the session goes on. On a terminal, Ctrl-C during an answer cancels that answer (its request is dropped)
@@ -142,8 +146,12 @@ def chat_repl(ask, greeting: str) -> int:
         question = question_text(line).strip()
         if not question:
             continue
-        if question.lower() in ("exit", "quit"):
+        if question.lower() in QUIT:
             break
+        if re.fullmatch(r"/\w+", question):  # "/help", "/reset": a command, which the model would answer as a question
+            print(f"{question}: not a command here; {', '.join(QUIT[:2])} or Ctrl-D quits, anything else is asked",
+                  file=sys.stderr, flush=True)
+            continue
         try:
             answer = ask(question)
         except UserError as e:  # one failed request does not end the session
