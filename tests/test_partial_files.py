@@ -137,8 +137,24 @@ def test_training_whose_checkpoint_disk_fills_stops_in_one_line(tiny_dir, small_
                                 "the last complete step on disk is 1"), errors
     # Orbax's writer threads each logged their traceback (~40 lines apiece) above it: now at DEBUG
     assert "Traceback" not in proc.stderr and " ERROR " not in proc.stderr, proc.stderr[-3000:]
-    assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1", "2.orbax-checkpoint-tmp"]
+    # the failed save's temp dir kept the space the disk had left (until a restart saved that step again): gone
+    assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1"]
     assert not (ck / "gemma_tpu_run.lock").exists()
+
+
+def test_a_restart_removes_the_temp_dirs_of_saves_that_did_not_finish(tmp_path):
+    """`<step>.orbax-checkpoint-tmp` of a killed run (or an older failed save) held its disk space for good: Orbax
+    never finishes one and no resume reads it. The run (holding the lock) removes them; steps stay."""
+    from gemma_tpu.checkpoint.metadata import remove_unfinished_saves
+
+    for name in ("2/model_params", "3.orbax-checkpoint-tmp/model_params", "4.orbax-checkpoint-tmp-1700000000/d",
+                 "tensorboard.orbax-checkpoint-tmp"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "3.orbax-checkpoint-tmp" / "model_params" / "blob").write_bytes(b"x" * 1000)
+    removed = remove_unfinished_saves(tmp_path)
+    assert [(p.name, size) for p, size in removed] == [("3.orbax-checkpoint-tmp", 1000),
+                                                     ("4.orbax-checkpoint-tmp-1700000000", 0)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "tensorboard.orbax-checkpoint-tmp"]
 
 
 # A save failing as Orbax's writer threads see it: the exception raised in Orbax's code and logged, traceback and
