@@ -5,6 +5,7 @@ for merge / export / inspect / model dirs, are cases of tests/test_bad_input.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -139,6 +140,26 @@ def test_training_whose_checkpoint_disk_fills_stops_in_one_line(tiny_dir, small_
     assert "Traceback" not in proc.stderr and " ERROR " not in proc.stderr, proc.stderr[-3000:]
     # the failed save's temp dir kept the space the disk had left (until a restart saved that step again): gone
     assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1"]
+    assert not (ck / "gemma_tpu_run.lock").exists()
+
+
+def test_training_on_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_first_step(tiny_dir, small_disk):
+    """A checkpoint.dir whose disk cannot hold one step: the run trained up to its first save (hours at a real
+    checkpoint.every_steps) and only then failed. Now it is refused once the trainer is built, before any step,
+    with the step's size (LoRA params + optimizer state) and the free space; a temp dir of a save that did not
+    finish (a killed run's) is removed first, its space counted free."""
+    ck = small_disk("64k") / "ck"
+    stale = ck / "7.orbax-checkpoint-tmp" / "model_params"
+    stale.mkdir(parents=True)
+    (stale / "blob").write_bytes(b"x" * 20_000)
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+                   "data.eval_path=null", "checkpoint.every_steps=1", "train.max_steps=3")
+    assert_one_line_error(proc, f"checkpoint.dir {ck}: ", "free on its disk, and a checkpoint step takes about",
+                          "(the LoRA parameters and the optimizer state), so no step could be saved")
+    need = float(re.search(r"takes about ([\d.]+) KB", proc.stderr).group(1))
+    assert 85 < need < 100, proc.stderr[-2000:]  # 92 KB of tensors (~220 KB on disk with Orbax's metadata)
+    assert f"removed {ck / '7.orbax-checkpoint-tmp'} (20.00 KB)" in proc.stderr, proc.stderr[-3000:]
+    assert "step 1/" not in proc.stderr and not any(p.name[0].isdigit() for p in ck.iterdir())
     assert not (ck / "gemma_tpu_run.lock").exists()
 
 

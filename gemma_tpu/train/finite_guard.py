@@ -105,6 +105,44 @@ def first_nonfinite(tree: Any) -> str | None:
     return None
 
 
+def _nbytes(tree: Any) -> int:
+    """Bytes of the arrays (or shape structs) of `tree`; a global array's whole size, as a checkpoint holds it."""
+    import math
+
+    import jax
+
+    def size(leaf) -> int:
+        try:
+            return math.prod(leaf.shape) * leaf.dtype.itemsize
+        except (AttributeError, TypeError):  # not an array (a count kept as a Python int)
+            return 0
+
+    return sum(size(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def check_checkpoint_room(ckpt_dir: str | Path, model, tx, lora_only: bool) -> None:
+    """Refuse, before the first step, a checkpoint disk that cannot hold one step: the run trained until its first
+    save (hours, at checkpoint.every_steps) and then failed on the full disk. A step's size is taken as the bytes
+    of what a save writes, the parameters it keeps and the state `tx` (the optax optimizer) makes for them; Orbax
+    adds its metadata (small beside a real model's tensors), so this refuses only a disk that clearly cannot."""
+    import shutil
+
+    import jax
+    from flax import nnx
+
+    from gemma_tpu.core.progress import human
+
+    params = nnx.state(model, nnx.LoRAParam) if lora_only else nnx.state(model)
+    trained = nnx.state(model, nnx.LoRAParam) if lora_only else nnx.state(model, nnx.Param)
+    need = _nbytes(params) + _nbytes(jax.eval_shape(tx.init, trained))
+    free = shutil.disk_usage(ckpt_dir).free
+    if free < need:
+        what = "the LoRA parameters" if lora_only else "every parameter"
+        raise UserError(f"checkpoint.dir {ckpt_dir}: {human(free)} free on its disk, and a checkpoint step takes "
+                        f"about {human(need)} ({what} and the optimizer state), so no step could be saved; free "
+                        f"some space or set checkpoint.dir to a larger disk")
+
+
 def _all_finite(leaves):
     import jax
     import jax.numpy as jnp

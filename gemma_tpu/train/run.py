@@ -111,6 +111,7 @@ def run(cfg: RunConfig) -> dict:
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
     from gemma_tpu.train.trainer import BatchFeed, Trainer  # deferred: imports jax/torch
+    from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
 
@@ -228,9 +229,12 @@ def run(cfg: RunConfig) -> dict:
         )
         chunk = 1024
         step_flops = plan.step_flops(cfg, tunix_cfg, plan.model_dims(abstract, tunix_cfg))  # as --dry-run counts
+        tx = optim.make_optimizer(cfg.train)
+        if primary:  # a disk that cannot hold one step: refused now, not at the first save
+            check_checkpoint_room(ckpt_dir, model, tx, cfg.lora.enabled)
         try:  # restores the latest step, if any
             trainer = Trainer(
-                model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
+                model, tx, tcfg, feed=feed, run_dir=run_dir,
                 tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
                 flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                 price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
