@@ -850,6 +850,9 @@ BAD_CASES = {
     "messages_empty": ([{"messages": []}], 1, "'messages' must be a non-empty list, got an empty list"),
     "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),
     "conversations_null": ([{"conversations": None}], 1, "got null"),
+    # instruction pairs whose text is not a string: an AttributeError traceback ('NoneType' has no 'strip')
+    "instruction_null": ([{"instruction": None, "response": "b"}], 1, "field 'instruction' must be a string, got null"),
+    "response_a_number": ([{"instruction": "a", "response": 3}], 1, "field 'response' must be a string, got a number"),
 }
 
 

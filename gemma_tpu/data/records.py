@@ -745,13 +745,13 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
         if field not in obj:
             raise UserError(f"{where}: missing field '{field}' ({key}; the example has "
                             f"{_fields(obj)}{alpaca})")
+        if not isinstance(obj[field], str):  # a null or a number: was an AttributeError traceback ('.strip')
+            raise UserError(f"{where}: field '{field}' must be a string, got {_json_type(obj[field])}")
     if context and context not in obj and context != "input" and isinstance(obj.get("input"), str) \
             and obj["input"].strip():
         # an Alpaca row read with data.response_field=output alone: its input was left out of every prompt silently
         raise UserError(f"{where}: the row has an 'input' field but no '{context}' (data.context_field), so the "
                         f"input would be left out of the prompt; set data.context_field=input (null: leave it out)")
-        if not isinstance(obj[field], str):
-            raise UserError(f"{where}: field '{field}' must be a string, got {type(obj[field]).__name__}")
     prompt = obj[instruction]
     ctx = obj.get(context) if context else None
     if ctx is not None and not isinstance(ctx, str):
