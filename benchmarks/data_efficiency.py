@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results import check_json, write_json  # noqa: E402
 
 from gemma_tpu.core.config import DataConfig  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
@@ -207,6 +208,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=str(REPO / "runs" / "benchmarks" / "data_efficiency.json"))
     args = p.parse_args(argv)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    check_json(args.json)
     tok, tok_where = load_tokenizer(args.tokenizer)
     renderer = Renderer(tok, "gemma", token_map=function_token_map(tok))
     results, timings = [], []
@@ -223,8 +225,7 @@ def main(argv=None) -> int:
            "command": "python " + " ".join([os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
            "tokenizer": tok_where, "batch_size": args.batch_size, "overlength": "truncate",
            "results": results, "datasets": timings}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     print(f"\nwrote {args.json}", file=sys.stderr)
     return 0
 

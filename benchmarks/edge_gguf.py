@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
+from benchmarks.results import check_json, write_json  # noqa: E402
 
 HARD_STRINGS = [  # also tests/test_export_gguf.py's tokenizer cases
     "The capital of France is",
@@ -138,6 +139,7 @@ def main() -> int:
     p.add_argument("--logit-prompts", type=int, default=4, help="prompts for the transformers logits check")
     p.add_argument("--json")
     args = p.parse_args()
+    check_json(args.json)
     try:
         import llama_cpp
     except ImportError:
@@ -285,9 +287,7 @@ def main() -> int:
                        "load_avg": os.getloadavg(), "versions": versions},
            "model": label, "n_prompts": len(prompts), "max_new_tokens": args.max_new, "threads": args.threads,
            "hf_greedy_seconds": round(hf_seconds, 1), "results": results}
-    out = Path(args.json or REPO / "benchmarks" / "results" / f"edge_gguf_{label}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    out = write_json(args.json or REPO / "benchmarks" / "results" / f"edge_gguf_{label}.json", res)
     print(f"wrote {out}")
     return 0
 

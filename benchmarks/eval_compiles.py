@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results import check_json, write_json  # noqa: E402
 
 SIDES = ("separate", "shared")
 
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
     if args.child:
         child(args.child, args.a, args.b, args.data, args.limit, args.batch_size, args.max_new_tokens, args.out)
         return 0
+    check_json(args.json, {"--data": args.data}, results_key="cpu")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in SIDES:
@@ -114,8 +116,7 @@ def main(argv=None) -> int:
               "args": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
               "identical_predictions": same,
               "sides": {s: {"models": r["models"], "wall_s": r["wall_s"]} for s, r in results.items()}}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print(f"wrote {args.json}")
     return 0 if same else 1
 

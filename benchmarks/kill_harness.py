@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results import check_json, write_json  # noqa: E402
 
 
 def command(model: Path, ckpt: Path, max_steps: int) -> list[str]:
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", help="work dir (default: a temp dir, removed at the end)")
     p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "kill_harness.json"))
     args = p.parse_args(argv)
-
+    check_json(args.json)
     work = Path(args.work or tempfile.mkdtemp(prefix="kill-harness-"))
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else None
@@ -200,9 +201,7 @@ def write(args, chains, wall_s: float) -> dict:
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": {**cpu_info(), "cpus": os.cpu_count()},
            "args": vars(args), "wall_s": round(wall_s, 1), **tally(chains),
            "chain_records": chains}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(args.json, doc)
     return doc
 
 

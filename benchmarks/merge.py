@@ -30,6 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results import check_json, write_json  # noqa: E402
 from gemma_tpu.core.progress import human  # noqa: E402
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.models.gemma3 import GEMMA3  # noqa: E402
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--no-fsync", action="store_true", help="run the merge with --no-fsync (cp does not fsync)")
     args = p.parse_args(argv)
-
+    check_json(args.json, results_key="merge")
     shape = dict(GEMMA3_4B_TEXT)
     shape["num_hidden_layers"] = max(1, round(shape["num_hidden_layers"] * args.scale))
     shape["vocab_size"] = max(256, round(shape["vocab_size"] * args.scale))
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
             print(f"{r[0]:<8}{r[1]:>10}{r[2]:>14}{r[3]:>8}")
         print(f"merge/cp wall: {result['ratio_wall']}x; checks: {check}; targets: {result['targets']}")
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2))
+            write_json(args.json, result)
         return 0 if all(check.values()) else 1
     finally:
         if not args.keep and not args.workdir:

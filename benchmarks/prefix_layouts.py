@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
+from benchmarks.results import check_json, write_json  # noqa: E402
 from benchmarks.train_throughput import peak_rss_bytes  # noqa: E402
 
 SIDES = ("tree", "broadcast")
@@ -271,6 +272,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
+    check_json(args.json)
     sides = (["check"] if args.check else []) + [s for s in args.sides.split(",") if s]
     results = []
     for side in sides:
@@ -296,8 +298,8 @@ def main(argv=None) -> int:
         print(f"{r['side']:10} {shape:>22} {r['s_per_step']:8.2f} {r['examples_per_step']:8.2f} "
               f"{r['examples_per_s']:7.3f} {r['computed_tokens_per_example']:7.1f} {r['peak_rss_gb']:8.2f}G")
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": str(datetime.date.today()), "machine": cpu_info(),
-                                               "command": " ".join(sys.argv), "results": results}, indent=1))
+        write_json(args.json, {"date": str(datetime.date.today()), "machine": cpu_info(), "command": " ".join(sys.argv),
+                               "results": results}, indent=1)
     return 0
 
 

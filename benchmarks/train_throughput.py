@@ -72,6 +72,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results import check_json, write_json  # noqa: E402
 FITNESS_TRAIN = "data/fitness/train.jsonl"
 SIDES = ("ours", "unshared", "torch")
 SHAPE_PREFIX = "shape:"
@@ -516,6 +517,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--sides: choose from {', '.join(SIDES)}")
     if args.warmup < 1 or args.steps < 1:
         raise SystemExit("--warmup and --steps must be at least 1 (our first step holds the compilation)")
+    check_json(args.json, {"--data": args.data, "--config": args.config})
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
     gpu_name = ""
@@ -605,7 +607,7 @@ def main(argv=None) -> int:
         if comparable and not match:
             status = 1
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
         print(f"wrote {args.json}")
     return status
 

@@ -149,3 +149,25 @@ def test_recipe_sweep_scores_each_set_apart():
     assert (got["validation"]["n"], got["validation"]["tool_accuracy"]) == (1, 1.0)
     with pytest.raises(ValueError, match="3 conversations but 2"):
         score_spans(convs, records[:2], [("test", 0, 3)])
+
+
+# Each benchmark wrote its --json at the end of the run, unchecked: a path it could not write (under a file, in a
+# folder not writable) was a traceback after minutes of measurement, the results lost; a --json naming an input or
+# another file replaced it. All are refused first now, in one line, with nothing written.
+BENCHMARKS_WITH_JSON = ["train_throughput", "data_efficiency", "eval_prefix_cache", "prefix_layouts", "kill_harness",
+                        "merge", "startup", "edge_gguf"]
+
+
+def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"messages": []}\n')
+    for name in BENCHMARKS_WITH_JSON + ["eval_compiles"]:
+        extra = ["--b", str(tmp_path / "nope")] if name == "eval_compiles" else []
+        for bad, why in ((data / "r.json", f"{data} is not a directory"), (tmp_path, "is a directory"),
+                         (data, "exists and is not an earlier results file of this command")):
+            proc = subprocess.run([sys.executable, f"benchmarks/{name}.py", *extra, "--json", str(bad)], cwd=REPO,
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.returncode != 0 and "Traceback" not in proc.stderr, (name, proc.stderr[-2000:])
+            assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --json {bad}") and why in proc.stderr, (
+                name, proc.stderr[-2000:])
+    assert data.read_text() == '{"messages": []}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl"]
