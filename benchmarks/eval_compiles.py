@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 
 SIDES = ("separate", "shared")
 
@@ -81,9 +82,9 @@ def main(argv=None) -> int:
     p.add_argument("--a", default="embedded:gemma3-270m", help="first model (the base)")
     p.add_argument("--b", required=True, help="second model of the same structure (the merged model)")
     p.add_argument("--data", default="data/fitness/test.jsonl")
-    p.add_argument("--limit", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=cli.integer(1), default=200)
+    p.add_argument("--batch-size", type=cli.integer(1), default=32)
+    p.add_argument("--max-new-tokens", type=cli.integer(1), default=64)
     p.add_argument("--json", default="runs/benchmarks/eval_compiles.json")
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 
 
 def command(model: Path, ckpt: Path, max_steps: int) -> list[str]:
@@ -123,10 +124,11 @@ def run_chain(cmd, env, ckpt: Path, rng: random.Random, kills: int, max_steps: i
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kills", type=int, default=100)
-    p.add_argument("--per-chain", type=int, default=8, help="kills before a chain runs to its end")
-    p.add_argument("--max-steps", type=int, default=12)
-    p.add_argument("--delay", type=float, default=0.3, help="seconds slept per batch (GEMMA_TPU_STEP_DELAY)")
+    p.add_argument("--kills", type=cli.integer(1), default=100)
+    p.add_argument("--per-chain", type=cli.integer(1), default=8, help="kills before a chain runs to its end")
+    p.add_argument("--max-steps", type=cli.integer(1), default=12)
+    p.add_argument("--delay", type=cli.number(0.0, low_ok=True), default=0.3,
+                   help="seconds slept per batch (GEMMA_TPU_STEP_DELAY)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="HF dir (default: a tiny Gemma 3 written to a temp dir)")
     p.add_argument("--work", help="work dir (default: a temp dir, removed at the end)")

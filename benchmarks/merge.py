@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 from gemma_tpu.core.progress import human  # noqa: E402
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.models.gemma3 import GEMMA3  # noqa: E402
@@ -207,7 +208,7 @@ def check_output(base: Path, ckpt: Path, out: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", type=float, default=1.0, help="multiply layers and vocab (quick runs: 0.1)")
+    p.add_argument("--scale", type=cli.number(0.0), default=1.0, help="multiply layers and vocab (quick runs: 0.1)")
     p.add_argument("--workdir", help="where to build (default: a temp dir, deleted unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
     p.add_argument("--json", help="write the results here")

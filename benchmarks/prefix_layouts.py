@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
 from benchmarks.results import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 from benchmarks.train_throughput import peak_rss_bytes  # noqa: E402
 
 SIDES = ("tree", "broadcast")
@@ -260,10 +261,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="embedded:gemma3-270m")
     ap.add_argument("--config", default="configs/gemma3-270m-fitness.yaml")
     ap.add_argument("--sides", default="tree,broadcast")
-    ap.add_argument("--batch", type=int, default=0, help="broadcast conversations a step (0: the tree rows' mean)")
-    ap.add_argument("--tree-rows", type=int, default=1, help="tree rows a step")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batch", type=cli.integer(0), default=0,
+                    help="broadcast conversations a step (0: the tree rows' mean)")
+    ap.add_argument("--tree-rows", type=cli.integer(1), default=1, help="tree rows a step")
+    ap.add_argument("--steps", type=cli.integer(1), default=4)
+    ap.add_argument("--warmup", type=cli.integer(0), default=1)
     ap.add_argument("--check", action="store_true", help="compare the broadcast loss and gradients first")
     ap.add_argument("--set", action="append", default=[], help="config override KEY=VALUE")
     ap.add_argument("--json")
@@ -274,6 +276,8 @@ def main(argv=None) -> int:
         return 0
     check_json(args.json)
     sides = (["check"] if args.check else []) + [s for s in args.sides.split(",") if s]
+    if not sides or any(s not in (*SIDES, "check") for s in sides):  # a child's argparse error, after the others ran
+        raise SystemExit(f"error: --sides {args.sides!r}: choose from {', '.join(SIDES)}")
     results = []
     for side in sides:
         cmd = [sys.executable, __file__, "--child", side, "--model", args.model, "--config", args.config,

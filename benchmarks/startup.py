@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 
 # (part, statement run after the parts before it, in one process): torch is imported on its own first to tell it
 # apart from transformers, which imports it for its tokenizer module
@@ -76,7 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded:gemma3-270m",
                    help="model whose tokenizer is built (dir or embedded:NAME)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=cli.integer(1), default=3)
     p.add_argument("--json", default=str(REPO / "runs/benchmarks/startup.json"))
     args = p.parse_args()
     check_json(args.json)

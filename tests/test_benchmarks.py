@@ -6,6 +6,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -171,3 +173,21 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
             assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --json {bad}") and why in proc.stderr, (
                 name, proc.stderr[-2000:])
     assert data.read_text() == '{"messages": []}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["data_efficiency", "--seq-lens", "256,abc"], "argument --seq-lens: 'abc' is not an integer"),  # ValueError
+    (["data_efficiency", "--seq-lens", "0"], "argument --seq-lens: '0': expected an integer >= 1"),  # ran, wrote
+    (["data_efficiency", "--batch-size", "0"], "argument --batch-size: '0': expected"),  # ZeroDivisionError
+    (["eval_compiles", "--b", "x", "--limit", "0"], "argument --limit: '0': expected"),  # a child's traceback
+    (["prefix_layouts", "--sides", "tree,bogus"], "--sides 'tree,bogus': choose from tree, broadcast"),  # ran tree
+    (["kill_harness", "--per-chain", "-1"], "argument --per-chain: '-1': expected"),
+    (["merge", "--scale", "0"], "argument --scale: '0': expected a number > 0"),
+    (["train_throughput", "--seq-len", "0"], "argument --seq-len: '0': expected"),
+])
+def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, args, needle):
+    proc = subprocess.run([sys.executable, f"benchmarks/{args[0]}.py", *args[1:], "--json", str(tmp_path / "r.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert needle in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
