@@ -30,6 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
 from benchmarks.results import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
 from gemma_tpu.core.progress import human  # noqa: E402
@@ -241,13 +242,17 @@ def main(argv=None) -> int:
             cmd.append("--no-fsync")
         merge = run_measured(cmd, env)
         check = check_output(base, ckpt, out)
+        # stamped as every benchmark's results are: a cp/merge wall time means nothing without its machine and date
         result = {
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+            "machine": {**cpu_info(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
             "shape": shape, "lora": {"rank": RANK, "alpha": ALPHA, "targets": TARGETS},
             "base_bytes": base_bytes, "fsync": not args.no_fsync, "cp": cp, "merge": merge, "check": check,
             "ratio_wall": round(merge["wall_s"] / max(cp["wall_s"], 1e-9), 2),
             "targets": {"peak_rss_below_1.5GB": merge["peak_rss_bytes"] < 1.5e9,
                         "wall_within_2x_cp": merge["wall_s"] <= 2 * cp["wall_s"]},
         }
+        print(f"merge vs cp -r on {cpu_label()}, {result['date']}")
         rows = [("", "wall s", "peak RSS", "GB/s"),
                 ("cp -r", f"{cp['wall_s']:.1f}", human(cp["peak_rss_bytes"]), f"{base_bytes / cp['wall_s'] / 1e9:.2f}"),
                 ("merge", f"{merge['wall_s']:.1f}", human(merge["peak_rss_bytes"]),

@@ -191,3 +191,18 @@ def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, a
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert needle in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_merge_benchmark_stamps_its_machine_and_date(tmp_path):
+    """benchmarks/merge.py's results carried no machine, date or command (every other benchmark records them,
+    benchmarks/machine.py): a cp/merge wall time that could not be told apart from another machine's."""
+    out = tmp_path / "merge.json"
+    proc = subprocess.run([sys.executable, "benchmarks/merge.py", "--scale", "0.01", "--workdir", str(tmp_path / "w"),
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    from benchmarks.machine import cpu_info, cpu_label
+
+    assert f"merge vs cp -r on {cpu_label()}, " in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["machine"]["cpu_model"] == cpu_info()["cpu_model"] and res["machine"]["cpus"] > 0
+    assert res["date"] and "benchmarks/merge.py" in res["command"] and all(res["check"].values())
