@@ -230,8 +230,9 @@ def run(cfg: RunConfig) -> dict:
         chunk = 1024
         step_flops = plan.step_flops(cfg, tunix_cfg, plan.model_dims(abstract, tunix_cfg))  # as --dry-run counts
         tx = optim.make_optimizer(cfg.train)
-        if primary:  # a disk that cannot hold one step: refused now, not at the first save
-            check_checkpoint_room(ckpt_dir, model, tx, cfg.lora.enabled)
+        done = checkpoint.list_steps(ckpt_dir)
+        if primary and not (done and done[-1] >= cfg.train.max_steps):  # a disk that cannot hold one step to save:
+            check_checkpoint_room(ckpt_dir, model, tx, cfg.lora.enabled)  # refused now, not at the first save
         try:  # restores the latest step, if any
             trainer = Trainer(
                 model, tx, tcfg, feed=feed, run_dir=run_dir,
