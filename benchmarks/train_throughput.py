@@ -72,7 +72,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
-from benchmarks.results import check_json, write_json  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
 FITNESS_TRAIN = "data/fitness/train.jsonl"
 SIDES = ("ours", "unshared", "torch")
