@@ -44,6 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 
 from gemma_tpu.core.config import DataConfig  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
@@ -201,12 +203,13 @@ def print_tables(results: list[dict], timings: list[dict]) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", help="tokenizer dir or hub id (default: the embedded Gemma 3 270M's)")
-    p.add_argument("--seq-lens", default="256,512,1024,2048,4096")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--instructions", type=int, default=3000, help="rows of the synthetic instruction set")
+    p.add_argument("--seq-lens", type=cli.integers(1), default="256,512,1024,2048,4096")
+    p.add_argument("--batch-size", type=cli.integer(1), default=8)
+    p.add_argument("--instructions", type=cli.integer(1), default=3000, help="rows of the synthetic instruction set")
     p.add_argument("--json", default=str(REPO / "runs" / "benchmarks" / "data_efficiency.json"))
     args = p.parse_args(argv)
-    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    seq_lens = args.seq_lens
+    check_json(args.json)
     tok, tok_where = load_tokenizer(args.tokenizer)
     renderer = Renderer(tok, "gemma", token_map=function_token_map(tok))
     results, timings = [], []
@@ -223,8 +226,7 @@ def main(argv=None) -> int:
            "command": "python " + " ".join([os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
            "tokenizer": tok_where, "batch_size": args.batch_size, "overlength": "truncate",
            "results": results, "datasets": timings}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     print(f"\nwrote {args.json}", file=sys.stderr)
     return 0
 

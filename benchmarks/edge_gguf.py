@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 
 HARD_STRINGS = [  # also tests/test_export_gguf.py's tokenizer cases
     "The capital of France is",
@@ -130,14 +132,15 @@ def main() -> int:
     src.add_argument("--model", default=None, help="HF dir or embedded:NAME (default embedded:gemma3-270m)")
     src.add_argument("--checkpoint", help="a gemma-tpu checkpoint (merged on the fly by the export)")
     p.add_argument("--types", default="f16,q8_0,q4_0")
-    p.add_argument("--n", type=int, default=40, help="test conversations to decode")
-    p.add_argument("--max-new", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n", type=cli.integer(1), default=40, help="test conversations to decode")
+    p.add_argument("--max-new", type=cli.integer(1), default=32)
+    p.add_argument("--threads", type=cli.integer(1), default=2)
     p.add_argument("--workdir")
     p.add_argument("--no-llama", action="store_true", help="only the export and the transformers reload check")
-    p.add_argument("--logit-prompts", type=int, default=4, help="prompts for the transformers logits check")
+    p.add_argument("--logit-prompts", type=cli.integer(0), default=4, help="prompts for the transformers logits check")
     p.add_argument("--json")
     args = p.parse_args()
+    check_json(args.json)
     try:
         import llama_cpp
     except ImportError:
@@ -285,9 +288,7 @@ def main() -> int:
                        "load_avg": os.getloadavg(), "versions": versions},
            "model": label, "n_prompts": len(prompts), "max_new_tokens": args.max_new, "threads": args.threads,
            "hf_greedy_seconds": round(hf_seconds, 1), "results": results}
-    out = Path(args.json or REPO / "benchmarks" / "results" / f"edge_gguf_{label}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    out = write_json(args.json or REPO / "benchmarks" / "results" / f"edge_gguf_{label}.json", res)
     print(f"wrote {out}")
     return 0
 

@@ -26,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 
 SIDES = ("separate", "shared")
 
@@ -80,9 +82,9 @@ def main(argv=None) -> int:
     p.add_argument("--a", default="embedded:gemma3-270m", help="first model (the base)")
     p.add_argument("--b", required=True, help="second model of the same structure (the merged model)")
     p.add_argument("--data", default="data/fitness/test.jsonl")
-    p.add_argument("--limit", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=cli.integer(1), default=200)
+    p.add_argument("--batch-size", type=cli.integer(1), default=32)
+    p.add_argument("--max-new-tokens", type=cli.integer(1), default=64)
     p.add_argument("--json", default="runs/benchmarks/eval_compiles.json")
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -90,6 +92,7 @@ def main(argv=None) -> int:
     if args.child:
         child(args.child, args.a, args.b, args.data, args.limit, args.batch_size, args.max_new_tokens, args.out)
         return 0
+    check_json(args.json, {"--data": args.data}, results_key="cpu")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in SIDES:
@@ -114,8 +117,7 @@ def main(argv=None) -> int:
               "args": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
               "identical_predictions": same,
               "sides": {s: {"models": r["models"], "wall_s": r["wall_s"]} for s, r in results.items()}}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print(f"wrote {args.json}")
     return 0 if same else 1
 

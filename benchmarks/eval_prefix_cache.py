@@ -21,7 +21,6 @@ rewrites the date of every user turn to D (both sides run the same, rewritten pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -34,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
 
 from gemma_tpu.core.config import DataConfig  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.limit <= 0 or args.batch_size <= 0 or args.max_new_tokens <= 0 or (args.uncached_batch_size or 1) <= 0:
         raise UserError("--limit, --batch-size and --max-new-tokens must be positive")
+    check_json(args.json, {"--data": args.data})
 
     from gemma_tpu.infer.generate import Generator, common_prefix_len, load_hf_dir
 
@@ -138,8 +139,7 @@ def main(argv=None) -> int:
            "sides": sides, "speedup": round(speedup, 3),
            "warm_speedup": (round(sides["uncached"]["warm_wall_s"] / sides["prefix cache"]["warm_wall_s"], 3)
                             if args.warm else None), "identical": identical, "differing": differ}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     print(f"wrote {args.json}", file=sys.stderr)
     return 0 if identical else 1
 

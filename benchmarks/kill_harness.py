@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 
 
 def command(model: Path, ckpt: Path, max_steps: int) -> list[str]:
@@ -122,16 +124,17 @@ def run_chain(cmd, env, ckpt: Path, rng: random.Random, kills: int, max_steps: i
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kills", type=int, default=100)
-    p.add_argument("--per-chain", type=int, default=8, help="kills before a chain runs to its end")
-    p.add_argument("--max-steps", type=int, default=12)
-    p.add_argument("--delay", type=float, default=0.3, help="seconds slept per batch (GEMMA_TPU_STEP_DELAY)")
+    p.add_argument("--kills", type=cli.integer(1), default=100)
+    p.add_argument("--per-chain", type=cli.integer(1), default=8, help="kills before a chain runs to its end")
+    p.add_argument("--max-steps", type=cli.integer(1), default=12)
+    p.add_argument("--delay", type=cli.number(0.0, low_ok=True), default=0.3,
+                   help="seconds slept per batch (GEMMA_TPU_STEP_DELAY)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="HF dir (default: a tiny Gemma 3 written to a temp dir)")
     p.add_argument("--work", help="work dir (default: a temp dir, removed at the end)")
     p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "kill_harness.json"))
     args = p.parse_args(argv)
-
+    check_json(args.json)
     work = Path(args.work or tempfile.mkdtemp(prefix="kill-harness-"))
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else None
@@ -200,9 +203,7 @@ def write(args, chains, wall_s: float) -> dict:
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": {**cpu_info(), "cpus": os.cpu_count()},
            "args": vars(args), "wall_s": round(wall_s, 1), **tally(chains),
            "chain_records": chains}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(args.json, doc)
     return doc
 
 

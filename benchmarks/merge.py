@@ -30,6 +30,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 from gemma_tpu.core.progress import human  # noqa: E402
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.models.gemma3 import GEMMA3  # noqa: E402
@@ -206,13 +209,13 @@ def check_output(base: Path, ckpt: Path, out: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", type=float, default=1.0, help="multiply layers and vocab (quick runs: 0.1)")
+    p.add_argument("--scale", type=cli.number(0.0), default=1.0, help="multiply layers and vocab (quick runs: 0.1)")
     p.add_argument("--workdir", help="where to build (default: a temp dir, deleted unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--no-fsync", action="store_true", help="run the merge with --no-fsync (cp does not fsync)")
     args = p.parse_args(argv)
-
+    check_json(args.json, results_key="merge")
     shape = dict(GEMMA3_4B_TEXT)
     shape["num_hidden_layers"] = max(1, round(shape["num_hidden_layers"] * args.scale))
     shape["vocab_size"] = max(256, round(shape["vocab_size"] * args.scale))
@@ -239,13 +242,17 @@ def main(argv=None) -> int:
             cmd.append("--no-fsync")
         merge = run_measured(cmd, env)
         check = check_output(base, ckpt, out)
+        # stamped as every benchmark's results are: a cp/merge wall time means nothing without its machine and date
         result = {
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+            "machine": {**cpu_info(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
             "shape": shape, "lora": {"rank": RANK, "alpha": ALPHA, "targets": TARGETS},
             "base_bytes": base_bytes, "fsync": not args.no_fsync, "cp": cp, "merge": merge, "check": check,
             "ratio_wall": round(merge["wall_s"] / max(cp["wall_s"], 1e-9), 2),
             "targets": {"peak_rss_below_1.5GB": merge["peak_rss_bytes"] < 1.5e9,
                         "wall_within_2x_cp": merge["wall_s"] <= 2 * cp["wall_s"]},
         }
+        print(f"merge vs cp -r on {cpu_label()}, {result['date']}")
         rows = [("", "wall s", "peak RSS", "GB/s"),
                 ("cp -r", f"{cp['wall_s']:.1f}", human(cp["peak_rss_bytes"]), f"{base_bytes / cp['wall_s'] / 1e9:.2f}"),
                 ("merge", f"{merge['wall_s']:.1f}", human(merge["peak_rss_bytes"]),
@@ -254,7 +261,7 @@ def main(argv=None) -> int:
             print(f"{r[0]:<8}{r[1]:>10}{r[2]:>14}{r[3]:>8}")
         print(f"merge/cp wall: {result['ratio_wall']}x; checks: {check}; targets: {result['targets']}")
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2))
+            write_json(args.json, result)
         return 0 if all(check.values()) else 1
     finally:
         if not args.keep and not args.workdir:

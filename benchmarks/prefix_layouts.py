@@ -42,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 from benchmarks.train_throughput import peak_rss_bytes  # noqa: E402
 
 SIDES = ("tree", "broadcast")
@@ -259,10 +261,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="embedded:gemma3-270m")
     ap.add_argument("--config", default="configs/gemma3-270m-fitness.yaml")
     ap.add_argument("--sides", default="tree,broadcast")
-    ap.add_argument("--batch", type=int, default=0, help="broadcast conversations a step (0: the tree rows' mean)")
-    ap.add_argument("--tree-rows", type=int, default=1, help="tree rows a step")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batch", type=cli.integer(0), default=0,
+                    help="broadcast conversations a step (0: the tree rows' mean)")
+    ap.add_argument("--tree-rows", type=cli.integer(1), default=1, help="tree rows a step")
+    ap.add_argument("--steps", type=cli.integer(1), default=4)
+    ap.add_argument("--warmup", type=cli.integer(0), default=1)
     ap.add_argument("--check", action="store_true", help="compare the broadcast loss and gradients first")
     ap.add_argument("--set", action="append", default=[], help="config override KEY=VALUE")
     ap.add_argument("--json")
@@ -271,7 +274,10 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
+    check_json(args.json)
     sides = (["check"] if args.check else []) + [s for s in args.sides.split(",") if s]
+    if not sides or any(s not in (*SIDES, "check") for s in sides):  # a child's argparse error, after the others ran
+        raise SystemExit(f"error: --sides {args.sides!r}: choose from {', '.join(SIDES)}")
     results = []
     for side in sides:
         cmd = [sys.executable, __file__, "--child", side, "--model", args.model, "--config", args.config,
@@ -296,8 +302,8 @@ def main(argv=None) -> int:
         print(f"{r['side']:10} {shape:>22} {r['s_per_step']:8.2f} {r['examples_per_step']:8.2f} "
               f"{r['examples_per_s']:7.3f} {r['computed_tokens_per_example']:7.1f} {r['peak_rss_gb']:8.2f}G")
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": str(datetime.date.today()), "machine": cpu_info(),
-                                               "command": " ".join(sys.argv), "results": results}, indent=1))
+        write_json(args.json, {"date": str(datetime.date.today()), "machine": cpu_info(), "command": " ".join(sys.argv),
+                               "results": results}, indent=1)
     return 0
 
 

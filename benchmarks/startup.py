@@ -26,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 
 # (part, statement run after the parts before it, in one process): torch is imported on its own first to tell it
 # apart from transformers, which imports it for its tokenizer module
@@ -75,9 +77,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded:gemma3-270m",
                    help="model whose tokenizer is built (dir or embedded:NAME)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=cli.integer(1), default=3)
     p.add_argument("--json", default=str(REPO / "runs/benchmarks/startup.json"))
     args = p.parse_args()
+    check_json(args.json)
     from gemma_tpu.models import resolve_model
 
     model_dir = str(resolve_model(args.model).local_dir)
@@ -109,9 +112,7 @@ def main() -> None:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
            "machine": cpu_info(), "model": args.model, "model_dir": model_dir, "repeats": args.repeats, "parts": rows,
            "tokenizer_loaders": loaders, "auto_over_project_process_ratio": round(ratio, 3)}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2))
+    out = write_json(args.json, doc)
     print(f"wrote {out}")
 
 

@@ -72,6 +72,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.results_file import check_json, write_json  # noqa: E402
+from gemma_tpu.core import cli  # noqa: E402
 FITNESS_TRAIN = "data/fitness/train.jsonl"
 SIDES = ("ours", "unshared", "torch")
 SHAPE_PREFIX = "shape:"
@@ -285,7 +287,6 @@ def child_data(spec: dict) -> dict:
 def child_ours(spec: dict) -> dict:
     """`gemma_tpu.train.run.run` on the benchmark config; step times and losses from its metrics.jsonl."""
     t0 = time.perf_counter()
-    from gemma_tpu.core import cli
     from gemma_tpu.core.config import load_config
     from gemma_tpu.train import run as train
 
@@ -440,8 +441,8 @@ def parse_args(argv):
     p.add_argument("--data", default=FITNESS_TRAIN, help="training set (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per side (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps per side, at least 1 (default: 2)")
-    p.add_argument("--batch", type=int, help="rows per step (default: 4)")
-    p.add_argument("--seq-len", type=int, help="tokens per row (default: 512 on CPU, 2048 on CUDA)")
+    p.add_argument("--batch", type=cli.integer(1), help="rows per step (default: 4)")
+    p.add_argument("--seq-len", type=cli.integer(1), help="tokens per row (default: 512 on CPU, 2048 on CUDA)")
     p.add_argument("--strategy", choices=("pad", "pack"), default="pad",
                    help="our side's rows (torch always pads one example per row; pack makes losses incomparable)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="both sides (default: float32 CPU, bfloat16 CUDA)")
@@ -516,6 +517,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--sides: choose from {', '.join(SIDES)}")
     if args.warmup < 1 or args.steps < 1:
         raise SystemExit("--warmup and --steps must be at least 1 (our first step holds the compilation)")
+    check_json(args.json, {"--data": args.data, "--config": args.config})
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
     gpu_name = ""
@@ -605,7 +607,7 @@ def main(argv=None) -> int:
         if comparable and not match:
             status = 1
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
         print(f"wrote {args.json}")
     return status
 

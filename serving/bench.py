@@ -27,10 +27,11 @@ whole request, streaming included) — so the run ends within about ceil(N / C) 
 server does. Failures are counted and listed with the table; exit status 0 when at least one request
 completed. When none did: one error line (the first failure), no table, no --json file, exit status 2.
 
-Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or a JSONL file (or a JSON array)
-whose rows are chats (`messages`, optional `tools`: the prompt is the conversation up to its first assistant
-turn, e.g. data/fitness/test.jsonl), `{"prompt": "..."}`, or any other chat shape the trainer reads (ShareGPT
-`conversations`, instruction pairs, prompt-completion message lists); rows are sampled with the seed.
+Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or data as the trainer reads it (JSONL,
+a JSON array, Parquet, a `datasets` save_to_disk directory) whose rows are chats (`messages`, optional `tools`: the
+prompt is the conversation up to its first assistant turn, e.g. data/fitness/test.jsonl), `{"prompt": "..."}`, or
+any other chat shape the trainer reads (ShareGPT `conversations`, instruction pairs, prompt-completion message
+lists); rows are sampled with the seed.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def random_prompts(n: int, input_len: int, seed: int) -> list[Prompt]:
 
 def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():  # a directory is the trainer's too (a datasets save_to_disk one): it was "no such file"
         raise UserError(f"--dataset {path}: no such file (use 'random' or a .jsonl file)")
     rows: list[Prompt] = []
     # the training data reader: JSON Lines, a .json array (line numbers of its rows), .parquet, gzip; bad bytes and

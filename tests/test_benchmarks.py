@@ -6,6 +6,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -149,3 +151,58 @@ def test_recipe_sweep_scores_each_set_apart():
     assert (got["validation"]["n"], got["validation"]["tool_accuracy"]) == (1, 1.0)
     with pytest.raises(ValueError, match="3 conversations but 2"):
         score_spans(convs, records[:2], [("test", 0, 3)])
+
+
+# Each benchmark wrote its --json at the end of the run, unchecked: a path it could not write (under a file, in a
+# folder not writable) was a traceback after minutes of measurement, the results lost; a --json naming an input or
+# another file replaced it. All are refused first now, in one line, with nothing written.
+BENCHMARKS_WITH_JSON = ["train_throughput", "data_efficiency", "eval_prefix_cache", "prefix_layouts", "kill_harness",
+                        "merge", "startup", "edge_gguf"]
+
+
+def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"messages": []}\n')
+    for name in BENCHMARKS_WITH_JSON + ["eval_compiles"]:
+        extra = ["--b", str(tmp_path / "nope")] if name == "eval_compiles" else []
+        for bad, why in ((data / "r.json", f"{data} is not a directory"), (tmp_path, "is a directory"),
+                         (data, "exists and is not an earlier results file of this command")):
+            proc = subprocess.run([sys.executable, f"benchmarks/{name}.py", *extra, "--json", str(bad)], cwd=REPO,
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.returncode != 0 and "Traceback" not in proc.stderr, (name, proc.stderr[-2000:])
+            assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --json {bad}") and why in proc.stderr, (
+                name, proc.stderr[-2000:])
+    assert data.read_text() == '{"messages": []}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["data_efficiency", "--seq-lens", "256,abc"], "argument --seq-lens: 'abc' is not an integer"),  # ValueError
+    (["data_efficiency", "--seq-lens", "0"], "argument --seq-lens: '0': expected an integer >= 1"),  # ran, wrote
+    (["data_efficiency", "--batch-size", "0"], "argument --batch-size: '0': expected"),  # ZeroDivisionError
+    (["eval_compiles", "--b", "x", "--limit", "0"], "argument --limit: '0': expected"),  # a child's traceback
+    (["prefix_layouts", "--sides", "tree,bogus"], "--sides 'tree,bogus': choose from tree, broadcast"),  # ran tree
+    (["kill_harness", "--per-chain", "-1"], "argument --per-chain: '-1': expected"),
+    (["merge", "--scale", "0"], "argument --scale: '0': expected a number > 0"),
+    (["train_throughput", "--seq-len", "0"], "argument --seq-len: '0': expected"),
+])
+def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, args, needle):
+    proc = subprocess.run([sys.executable, f"benchmarks/{args[0]}.py", *args[1:], "--json", str(tmp_path / "r.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert needle in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_merge_benchmark_stamps_its_machine_and_date(tmp_path):
+    """benchmarks/merge.py's results carried no machine, date or command (every other benchmark records them,
+    benchmarks/machine.py): a cp/merge wall time that could not be told apart from another machine's."""
+    out = tmp_path / "merge.json"
+    proc = subprocess.run([sys.executable, "benchmarks/merge.py", "--scale", "0.01", "--workdir", str(tmp_path / "w"),
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    from benchmarks.machine import cpu_info, cpu_label
+
+    assert f"merge vs cp -r on {cpu_label()}, " in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["machine"]["cpu_model"] == cpu_info()["cpu_model"] and res["machine"]["cpus"] > 0
+    assert res["date"] and "benchmarks/merge.py" in res["command"] and all(res["check"].values())

@@ -691,6 +691,36 @@ def test_json_array_and_jsonl_and_parquet_read_the_same(tmp_path, tok):
         [f"{tmp_path / 'd.parquet'}:{i}" for i in (1, 2, 3)]
 
 
+PAIR = json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+
+
+@pytest.mark.parametrize("columns, null, row", [
+    ({"messages": [PAIR, None]}, "messages", 2),
+    ({"prompt": ["q", None], "completion": ["a", "b"]}, "prompt", 2),
+    ({"text": ["some text", None]}, "text", 2),
+    ({"conversations": [None], "text": [None]}, "conversations", 1),
+    ({"instruction": ["a"], "context": [None], "response": [None]}, "response", 1),
+])
+def test_parquet_null_in_a_text_column_is_named_at_its_row(tmp_path, columns, null, row):
+    """pandas writes a missing value (NaN, None) as null, and a row's nulls are dropped before it is read: a null
+    'messages' or 'text' was "no 'messages' ... field (the example has no fields)", a null prompt a missing field,
+    as if the file had no such column. The row and the null column are named now; a null optional column is not
+    an error (the context above), nor is a mixed file's other shape (below)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "n.parquet"
+    pq.write_table(pa.Table.from_pydict(columns), path)
+    with pytest.raises(UserError) as e:
+        load_conversations(path, DataConfig())
+    assert str(e.value) == (f"{path}:{row}: '{null}' is null in this row (a missing value: pandas writes NaN and "
+                            "None as null); fill it in or drop the row")
+    mixed = {"messages": [PAIR, None], "text": [None, "a language-modeling row"]}
+    pq.write_table(pa.Table.from_pydict(mixed), path)
+    assert [("text" in c, c["where"]) for c in load_conversations(path, DataConfig())] == [(False, f"{path}:1"),
+                                                                                          (True, f"{path}:2")]
+
+
 def test_parquet_with_json_string_columns(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -850,6 +880,9 @@ BAD_CASES = {
     "messages_empty": ([{"messages": []}], 1, "'messages' must be a non-empty list, got an empty list"),
     "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),
     "conversations_null": ([{"conversations": None}], 1, "got null"),
+    # instruction pairs whose text is not a string: an AttributeError traceback ('NoneType' has no 'strip')
+    "instruction_null": ([{"instruction": None, "response": "b"}], 1, "field 'instruction' must be a string, got null"),
+    "response_a_number": ([{"instruction": "a", "response": 3}], 1, "field 'response' must be a string, got a number"),
 }
 
 

@@ -5,6 +5,7 @@ for merge / export / inspect / model dirs, are cases of tests/test_bad_input.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -137,8 +138,58 @@ def test_training_whose_checkpoint_disk_fills_stops_in_one_line(tiny_dir, small_
                                 "the last complete step on disk is 1"), errors
     # Orbax's writer threads each logged their traceback (~40 lines apiece) above it: now at DEBUG
     assert "Traceback" not in proc.stderr and " ERROR " not in proc.stderr, proc.stderr[-3000:]
-    assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1", "2.orbax-checkpoint-tmp"]
+    # the failed save's temp dir kept the space the disk had left (until a restart saved that step again): gone
+    assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1"]
     assert not (ck / "gemma_tpu_run.lock").exists()
+
+
+def test_training_on_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_first_step(tiny_dir, small_disk):
+    """A checkpoint.dir whose disk cannot hold one step: the run trained up to its first save (hours at a real
+    checkpoint.every_steps) and only then failed. Now it is refused once the trainer is built, before any step,
+    with the step's size (LoRA params + optimizer state) and the free space; a temp dir of a save that did not
+    finish (a killed run's) is removed first, its space counted free."""
+    ck = small_disk("64k") / "ck"
+    stale = ck / "7.orbax-checkpoint-tmp" / "model_params"
+    stale.mkdir(parents=True)
+    (stale / "blob").write_bytes(b"x" * 20_000)
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+                   "data.eval_path=null", "checkpoint.every_steps=1", "train.max_steps=3")
+    assert_one_line_error(proc, f"checkpoint.dir {ck}: ", "free on its disk, and a checkpoint step takes about",
+                          "(the LoRA parameters and the optimizer state), so no step could be saved")
+    need = float(re.search(r"takes about ([\d.]+) KB", proc.stderr).group(1))
+    assert 85 < need < 100, proc.stderr[-2000:]  # 92 KB of tensors (~220 KB on disk with Orbax's metadata)
+    assert f"removed {ck / '7.orbax-checkpoint-tmp'} (20.00 KB)" in proc.stderr, proc.stderr[-3000:]
+    assert "step 1/" not in proc.stderr and not any(p.name[0].isdigit() for p in ck.iterdir())
+    assert not (ck / "gemma_tpu_run.lock").exists()
+
+
+
+def test_a_finished_run_on_a_full_disk_is_still_nothing_to_do(tiny_dir, small_disk):
+    """The room check is for a step to come: a run already at train.max_steps, restarted on a disk that has since
+    filled, says there is nothing to do (exit 0) rather than refusing the disk."""
+    ck = small_disk("600k") / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            "train.max_steps=1"]
+    proc = run_cli("gemma_tpu.train", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    free = shutil.disk_usage(ck).free
+    (ck.parent / "filler").write_bytes(b"x" * max(0, free - 16_384))
+    proc = run_cli("gemma_tpu.train", *args)
+    assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr[-3000:]
+
+def test_a_restart_removes_the_temp_dirs_of_saves_that_did_not_finish(tmp_path):
+    """`<step>.orbax-checkpoint-tmp` of a killed run (or an older failed save) held its disk space for good: Orbax
+    never finishes one and no resume reads it. The run (holding the lock) removes them; steps stay."""
+    from gemma_tpu.checkpoint.metadata import remove_unfinished_saves
+
+    for name in ("2/model_params", "3.orbax-checkpoint-tmp/model_params", "4.orbax-checkpoint-tmp-1700000000/d",
+                 "tensorboard.orbax-checkpoint-tmp"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "3.orbax-checkpoint-tmp" / "model_params" / "blob").write_bytes(b"x" * 1000)
+    removed = remove_unfinished_saves(tmp_path)
+    assert [(p.name, size) for p, size in removed] == [("3.orbax-checkpoint-tmp", 1000),
+                                                     ("4.orbax-checkpoint-tmp-1700000000", 0)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "tensorboard.orbax-checkpoint-tmp"]
 
 
 # A save failing as Orbax's writer threads see it: the exception raised in Orbax's code and logged, traceback and

@@ -922,6 +922,24 @@ def test_bench_with_no_server_is_one_line_error_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+def test_bench_reads_a_datasets_save_to_disk_directory_as_the_trainer_does(tmp_path):
+    """--dataset DIR (a `datasets` save_to_disk directory, which training reads) was refused as "no such file"; a
+    directory of something else is named as one, as the trainer names it."""
+    import datasets
+
+    from serving.bench import file_prompts
+
+    chat = [{"role": "user", "content": "How many push-ups?"}, {"role": "assistant", "content": "Ten."}]
+    rows = [{"messages": json.dumps(chat), "prompt": None}, {"messages": None, "prompt": "Squats?"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    prompts = file_prompts(str(tmp_path / "saved"), 4, seed=0)
+    assert sorted({p.messages[0]["content"] for p in prompts}) == ["How many push-ups?", "Squats?"]
+    assert all(len(p.messages) == 1 for p in prompts)
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(UserError, match=r"plain is a directory; give a .jsonl, .json or .parquet file or a "):
+        file_prompts(str(tmp_path / "plain"), 4, seed=0)
+
+
 def test_bench_argument_errors_are_one_line(tmp_path):
     proc = run_cli("serving.bench", "--base-url", "http://127.0.0.1:1", "--dataset", str(tmp_path / "nope.jsonl"))
     assert_one_line_error(proc, "nope.jsonl")

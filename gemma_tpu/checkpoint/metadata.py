@@ -180,6 +180,22 @@ def unfinished_steps(ckpt_dir: str | Path, after: int = -1) -> list[int]:
     return sorted(out)
 
 
+def remove_unfinished_saves(ckpt_dir: str | Path) -> list[tuple[Path, int]]:
+    """Delete Orbax's `<step>.orbax-checkpoint-tmp` directories (a save that failed on a full disk, or was killed):
+    Orbax never finishes one later and no resume reads it, but it kept its disk space, often what the next save
+    needed. Only with the run lock held (another trainer's save in progress looks the same). Returns (path, bytes)."""
+    import shutil
+
+    removed = []
+    for p in sorted(Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []:
+        if ORBAX_TMP in p.name and p.name.split(ORBAX_TMP, 1)[0].split(".", 1)[0].isdigit() and p.is_dir():
+            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():
+                removed.append((p, size))
+    return removed
+
+
 def resolve_step(ckpt_dir: str | Path, step: int | None) -> int:
     steps = list_steps(ckpt_dir)
     unfinished = unfinished_steps(ckpt_dir, steps[-1] if steps else -1)

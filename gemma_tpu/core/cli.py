@@ -107,6 +107,36 @@ def number(low: float, low_ok: bool = False, high: float | None = None) -> Calla
     return parse
 
 
+def integer(low: int = 1) -> Callable[[str], int]:
+    """An argparse `type`: an integer of at least `low` (a count: steps, rows, prompts). `int` took 0 and negatives,
+    which the benchmarks met minutes later as a ZeroDivisionError or a child's traceback."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {low}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def integers(low: int = 1) -> Callable[[str], list[int]]:
+    """An argparse `type`: comma-separated integers of at least `low` (`--seq-lens 256,512`)."""
+    one = integer(low)
+
+    def parse(text: str) -> list[int]:
+        values = [one(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers")
+        return values
+
+    parse.__name__ = "integers"
+    return parse
+
+
 def output_path(text: str) -> str:
     """An argparse `type` for a path written to: `--out ""` is the working directory to pathlib, and was
     refused as '. already exists' (or, with --overwrite, checked as the working directory)."""

@@ -62,6 +62,22 @@ def _role(m: dict) -> Any:
     return ROLE_ALIASES.get(role.lower(), role.lower()) if isinstance(role, str) else role
 
 
+class _Row(dict):
+    """A Parquet/Arrow row without its null columns; `nulls` names them, so that an error about a field the row
+    lacks says it was null there (pandas writes a missing value, NaN or None, as null)."""
+
+    nulls: tuple[str, ...] = ()
+
+
+def _row(obj: Any) -> Any:
+    """`_strip_nulls` of a whole row, remembering its null columns."""
+    if not isinstance(obj, dict):
+        return _strip_nulls(obj)
+    row = _Row(_strip_nulls(obj))
+    row.nulls = tuple(str(k) for k, v in obj.items() if v is None)
+    return row
+
+
 def _strip_nulls(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _strip_nulls(v) for k, v in value.items() if v is not None}
@@ -178,11 +194,11 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         except Exception as e:
             raise UserError(f"{p}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
         for i, row in enumerate(table.to_pylist(), start=1):
-            yield i, _strip_nulls(row)
+            yield i, _row(row)
         return
     if suffix == ".arrow" and not gz:  # one shard of a save_to_disk directory
         for i, row in enumerate(_arrow_rows(p, str(p)), start=1):
-            yield i, _strip_nulls(row)
+            yield i, _row(row)
         return
     if suffix != ".json" and _starts_an_array(p, opener):  # `json.dump(rows, open("train.jsonl", "w"))`
         suffix = ".json"  # was "expected a JSON object per example, got a list" (or, indented, "not valid JSON")
@@ -275,7 +291,7 @@ def _iter_saved_dataset(p: Path) -> Iterator[tuple[int, Any]]:
             raise UserError(f"{state}: names {name}, which is not in {p}")
         for obj in _arrow_rows(f, str(f)):
             row += 1
-            yield row, _strip_nulls(obj)
+            yield row, _row(obj)
 
 
 def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
@@ -745,13 +761,13 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
         if field not in obj:
             raise UserError(f"{where}: missing field '{field}' ({key}; the example has "
                             f"{_fields(obj)}{alpaca})")
+        if not isinstance(obj[field], str):  # a null or a number: was an AttributeError traceback ('.strip')
+            raise UserError(f"{where}: field '{field}' must be a string, got {_json_type(obj[field])}")
     if context and context not in obj and context != "input" and isinstance(obj.get("input"), str) \
             and obj["input"].strip():
         # an Alpaca row read with data.response_field=output alone: its input was left out of every prompt silently
         raise UserError(f"{where}: the row has an 'input' field but no '{context}' (data.context_field), so the "
                         f"input would be left out of the prompt; set data.context_field=input (null: leave it out)")
-        if not isinstance(obj[field], str):
-            raise UserError(f"{where}: field '{field}' must be a string, got {type(obj[field]).__name__}")
     prompt = obj[instruction]
     ctx = obj.get(context) if context else None
     if ctx is not None and not isinstance(ctx, str):
@@ -782,6 +798,24 @@ def normalise_text(obj: dict, where: str, field: str) -> dict:
     return {"text": text, "tools": None, "where": where}
 
 
+def _check_null_columns(obj: dict, kind: str | None, where: str, data_cfg) -> None:
+    """A Parquet/Arrow row whose text column is null (pandas writes a missing value, NaN or None, as null): said as
+    such. Its nulls are dropped before the row is read, so it was "no 'messages' ... field (the example has no
+    fields)", or a missing field, as if the file had no such column."""
+    nulls = getattr(obj, "nulls", ())
+    if not nulls:
+        return
+    if kind is None:  # the shape the row would have with its null columns
+        kind = detect_format({**obj, **dict.fromkeys(nulls)}, data_cfg.instruction_field, data_cfg.text_field)
+    needed = {"messages": ["messages"], "sharegpt": ["conversations"], "prompt_completion": ["prompt", "completion"],
+              "instruction": [data_cfg.instruction_field, data_cfg.response_field],
+              "text": [data_cfg.text_field]}.get(kind or "", [])
+    null = [k for k in needed if k in nulls and k not in obj]
+    if null:
+        raise UserError(f"{where}: '{null[0]}' is null in this row (a missing value: pandas writes NaN and None as "
+                        f"null); fill it in or drop the row")
+
+
 def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP) -> dict:
     """One example of any shape the reader knows (told apart by its keys, or `data_cfg.format`) as a normalised
     conversation; `where` names it in errors (FILE:LINE)."""
@@ -793,14 +827,15 @@ def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP)
     kind = data_cfg.format
     if kind == "auto":
         kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
-        if kind is None:
-            rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
-            hint = (_PREFERENCE_HINT if "chosen" in obj else
-                    f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
-                    f"give that list itself (a JSON array) or JSON Lines" if rows else "")
-            raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
-                            f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
-                            f"{_fields(obj)}; set data.format and the field names{hint})")
+    _check_null_columns(obj, kind, where, data_cfg)
+    if kind is None:
+        rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        hint = (_PREFERENCE_HINT if "chosen" in obj else
+                f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
+                f"give that list itself (a JSON array) or JSON Lines" if rows else "")
+        raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
+                        f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
+                        f"{_fields(obj)}; set data.format and the field names{hint})")
     column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
     if column and column not in obj:  # data.format forced onto a row of another shape
         raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "

@@ -9,8 +9,8 @@ The check is one jitted all-finite reduction per tensor, run only for steps that
 
 A save that fails (a full disk: Orbax's writer threads raise RESOURCE_EXHAUSTED; a directory gone) is one
 `CheckpointSaveFailed` line naming the directory, the reason and the step left on disk, instead of the
-exception of whichever Orbax thread surfaced it (the half-written step stays an Orbax temp dir, which the
-resume sets aside).
+exception of whichever Orbax thread surfaced it; the half-written step's Orbax temp dir is removed on the way
+out (`CheckpointSaveFailed.partial`), so the space it took is free again.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ class NonFiniteState(UserError):
 
 
 class CheckpointSaveFailed(UserError):
-    """A checkpoint could not be written; the previous complete step stays on disk."""
+    """A checkpoint could not be written; the previous complete step stays on disk. `partial`: the failed save's
+    Orbax temp dir (removed on the way out, so the space it took is free again), None when nothing was written."""
+
+    def __init__(self, msg: str, partial: Path | None = None):
+        super().__init__(msg)
+        self.partial = partial
 
 
 # errno -> strerror of the ways a disk says it is full (TensorStore reports a quota or the file-size limit as
@@ -60,14 +65,15 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
     except Exception:  # noqa: BLE001 (the manager is in an unknown state; the message matters more)
         last = None
     kept = f"the last complete step on disk is {last}" if last is not None else "no complete step is on disk"
+    partial = None
     try:  # with async saves, an earlier step's failure surfaces at the next save: its temp dir names it
-        half = sorted(int(p.name.split(".", 1)[0]) for p in Path(where).iterdir()
+        half = sorted((int(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
                       if ".orbax-checkpoint-tmp" in p.name and p.name.split(".", 1)[0].isdigit())
-        step = half[0] if half else step
+        step, partial = half[0] if half else (step, None)
     except OSError:
         pass
     return CheckpointSaveFailed(f"saving checkpoint step {step} in {where} failed ({reason}); {kept}, and a "
-                                f"restart resumes from it")
+                                f"restart resumes from it", partial)
 
 
 def _path_name(path) -> str:
@@ -97,6 +103,44 @@ def first_nonfinite(tree: Any) -> str | None:
         if not ok:
             return name
     return None
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of the arrays (or shape structs) of `tree`; a global array's whole size, as a checkpoint holds it."""
+    import math
+
+    import jax
+
+    def size(leaf) -> int:
+        try:
+            return math.prod(leaf.shape) * leaf.dtype.itemsize
+        except (AttributeError, TypeError):  # not an array (a count kept as a Python int)
+            return 0
+
+    return sum(size(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def check_checkpoint_room(ckpt_dir: str | Path, model, tx, lora_only: bool) -> None:
+    """Refuse, before the first step, a checkpoint disk that cannot hold one step: the run trained until its first
+    save (hours, at checkpoint.every_steps) and then failed on the full disk. A step's size is taken as the bytes
+    of what a save writes, the parameters it keeps and the state `tx` (the optax optimizer) makes for them; Orbax
+    adds its metadata (small beside a real model's tensors), so this refuses only a disk that clearly cannot."""
+    import shutil
+
+    import jax
+    from flax import nnx
+
+    from gemma_tpu.core.progress import human
+
+    params = nnx.state(model, nnx.LoRAParam) if lora_only else nnx.state(model)
+    trained = nnx.state(model, nnx.LoRAParam) if lora_only else nnx.state(model, nnx.Param)
+    need = _nbytes(params) + _nbytes(jax.eval_shape(tx.init, trained))
+    free = shutil.disk_usage(ckpt_dir).free
+    if free < need:
+        what = "the LoRA parameters" if lora_only else "every parameter"
+        raise UserError(f"checkpoint.dir {ckpt_dir}: {human(free)} free on its disk, and a checkpoint step takes "
+                        f"about {human(need)} ({what} and the optimizer state), so no step could be saved; free "
+                        f"some space or set checkpoint.dir to a larger disk")
 
 
 def _all_finite(leaves):

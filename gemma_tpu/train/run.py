@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError, raise_signal_exit
+from gemma_tpu.core.progress import human
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import load_model, resolve_model
@@ -109,6 +111,7 @@ def run(cfg: RunConfig) -> dict:
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
     from gemma_tpu.train.trainer import BatchFeed, Trainer  # deferred: imports jax/torch
+    from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
 
@@ -202,6 +205,9 @@ def run(cfg: RunConfig) -> dict:
             for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
                 log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
                             "complete one", p)
+            for p, size in checkpoint.remove_unfinished_saves(ckpt_dir):
+                log.warning("removed %s (%s): a save that did not finish (a full disk, or the run was killed)", p,
+                            human(size))
             checkpoint.write_metadata(ckpt_dir, meta)
         run_dir = Path(cfg.train.run_dir or ckpt_dir)
         profile_dir = profile_window(cfg, run_dir, ckpt_dir)
@@ -223,9 +229,13 @@ def run(cfg: RunConfig) -> dict:
         )
         chunk = 1024
         step_flops = plan.step_flops(cfg, tunix_cfg, plan.model_dims(abstract, tunix_cfg))  # as --dry-run counts
+        tx = optim.make_optimizer(cfg.train)
+        done = checkpoint.list_steps(ckpt_dir)
+        if primary and not (done and done[-1] >= cfg.train.max_steps):  # a disk that cannot hold one step to save:
+            check_checkpoint_room(ckpt_dir, model, tx, cfg.lora.enabled)  # refused now, not at the first save
         try:  # restores the latest step, if any
             trainer = Trainer(
-                model, optim.make_optimizer(cfg.train), tcfg, feed=feed, run_dir=run_dir,
+                model, tx, tcfg, feed=feed, run_dir=run_dir,
                 tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
                 flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                 price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
@@ -358,7 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(cfg)
     except CheckpointSaveFailed as e:
         # Orbax's writer threads go on failing and reporting it (hundreds of lines of tracebacks while the
-        # interpreter shuts down, burying this line): say it once, last, and leave at once
+        # interpreter shuts down, burying this line): say it once, last, and leave at once. The failed save's
+        # temp dir goes first (by process 0, which holds the run lock): it kept the space a full disk had left
+        import jax
+
+        if e.partial is not None and jax.process_index() == 0:
+            shutil.rmtree(e.partial, ignore_errors=True)
         run_lock.release_all()
         logging.shutdown()
         logging.disable(logging.CRITICAL)
