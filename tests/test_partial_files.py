@@ -163,7 +163,6 @@ def test_training_on_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_th
     assert not (ck / "gemma_tpu_run.lock").exists()
 
 
-
 def test_a_finished_run_on_a_full_disk_is_still_nothing_to_do(tiny_dir, small_disk):
     """The room check is for a step to come: a run already at train.max_steps, restarted on a disk that has since
     filled, says there is nothing to do (exit 0) rather than refusing the disk."""
@@ -176,6 +175,7 @@ def test_a_finished_run_on_a_full_disk_is_still_nothing_to_do(tiny_dir, small_di
     (ck.parent / "filler").write_bytes(b"x" * max(0, free - 16_384))
     proc = run_cli("gemma_tpu.train", *args)
     assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr[-3000:]
+
 
 def test_a_restart_removes_the_temp_dirs_of_saves_that_did_not_finish(tmp_path):
     """`<step>.orbax-checkpoint-tmp` of a killed run (or an older failed save) held its disk space for good: Orbax
