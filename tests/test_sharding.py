@@ -1,6 +1,7 @@
 """Mesh and sharding on 8 simulated CPU devices: same losses on every mesh layout."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,17 @@ def test_same_loss_on_every_mesh(tiny_dir, tmp_path):
         assert len(got) == 3
         for a, b in zip(got, single):
             assert abs(a - b) < 1e-5, (name, got, single)
+
+    # resumed on another slice: the fsdp4_tp2 run's step 2, on 2 devices (fsdp=2), goes on to the same step 3.
+    # Every resume on a multi-device mesh failed ("cannot restore this checkpoint step (ValueError: Received
+    # incompatible devices ...)"): Orbax put the optimizer's restored step count on one device
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp4_tp2", resumed)
+    shutil.rmtree(resumed / "3")
+    got = train_losses(tiny_dir, resumed, ["mesh.data=1", "mesh.fsdp=2", "mesh.tp=1"],
+                       {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert json.loads((resumed / "summary.json").read_text())["resumed_from"] == 2
+    assert abs(got[-1] - single[2]) < 1e-5, (got, single)
 
 
 def test_mesh_that_does_not_fit_is_refused(tiny_dir, tmp_path):

@@ -221,6 +221,7 @@ def shard_optimizer_state(optimizer, mesh) -> None:
     from holding the whole state (full fine-tuning) and makes the placement inspectable.
     """
     import jax
+    import numpy as np
     from flax import nnx
 
     if mesh is None or mesh.empty:
@@ -235,6 +236,11 @@ def shard_optimizer_state(optimizer, mesh) -> None:
         sharding = jax.sharding.NamedSharding(mesh, spec if spec is not None else jax.sharding.PartitionSpec())
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
+        if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set and x.is_fully_addressable:
+            # restored by Orbax onto the one device the fresh state's step count sat on: a jit refuses to move a
+            # committed array to other devices (every resume on a multi-device mesh failed so)
+            value = np.asarray(x)
+            return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
         return jax.jit(lambda v: v, out_shardings=sharding)(x)
 
     placed = jax.tree.map(place, state, specs, is_leaf=lambda v: v is None)
