@@ -117,6 +117,22 @@ def test_single_global_kv_head_of_a_k_eq_v_gemma4_loads_on_a_tp_mesh(tmp_path):
     assert r["lora"] > 0 and r["opt_checked"] == 2 * r["lora"] and r["split"] >= r["params"] // 3, r
 
 
+def test_single_kv_head_lora_keeps_its_placement_one_compile(tmp_path):
+    """A Gemma 4 E2B-like model (one KV head, per-layer embeddings) on fsdp=4 × tp=2: XLA handed the kv_einsum LoRA B
+    back split over tp after step 1 (its rule placement: replicated), so step 2 compiled the train step again
+    ("RECOMPILATION #2 of _train_step"). The step keeps the placements: one compile."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+
+    d = write_tiny_gemma4(tmp_path / "g4", seed=0, variant="ple")
+    ckpt = tmp_path / "ck"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={d}", f"checkpoint.dir={ckpt}",
+                   "train.max_steps=2", "train.batch_size=8", "data.eval_path=null", "mesh.fsdp=4", "mesh.tp=2",
+                   env=EIGHT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RECOMPILATION" not in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((ckpt / "summary.json").read_text())["train_step_compiles"] == 1
+
+
 def test_indivisible_axis_is_refused_before_loading(tiny_dir, tmp_path):
     """tp=8 cannot split 4 query heads: one line naming the parameter, nothing written."""
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",

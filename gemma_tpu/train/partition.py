@@ -245,3 +245,31 @@ def shard_optimizer_state(optimizer, mesh) -> None:
 
     placed = jax.tree.map(place, state, specs, is_leaf=lambda v: v is None)
     nnx.update(optimizer, placed)
+
+
+def keep_placement(step, model, optimizer, wrt):
+    """`step(model, optimizer, inputs)` (a train step, to be jitted) with the trainable params and optimizer state
+    it updates constrained to the placement they have now. Unconstrained, XLA may hand an update back in another
+    layout than it came in (a Gemma 4 E2B-like single-KV-head LoRA B came back split over tp), and the next step
+    compiled again for it. The step keeps its name (the compile counter watches it by name)."""
+    import functools
+
+    import jax
+    from flax import nnx
+
+    kinds = (wrt, nnx.optimizer.OptState)
+    now = [[x.sharding if isinstance(x, jax.Array) else None for x in jax.tree.leaves(nnx.state(obj, kind))]
+           for obj, kind in zip((model, optimizer), kinds)]
+
+    @functools.wraps(step)
+    def constrained(model, optimizer, inputs):
+        out = step(model, optimizer, inputs)
+        for obj, kind, shardings in zip((model, optimizer), kinds, now):
+            leaves, tree = jax.tree.flatten(nnx.state(obj, kind))
+            if len(leaves) != len(shardings):  # not the state it was built for: left as XLA placed it
+                continue
+            nnx.update(obj, jax.tree.unflatten(tree, [x if s is None else jax.lax.with_sharding_constraint(x, s)
+                                                      for x, s in zip(leaves, shardings)]))
+        return out
+
+    return constrained

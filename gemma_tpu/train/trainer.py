@@ -24,7 +24,7 @@ from tunix.sft import hooks as tunix_hooks
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.finite_guard import FiniteCheckpoints, last_step_on_disk
-from gemma_tpu.train.partition import shard_optimizer_state
+from gemma_tpu.train.partition import keep_placement, shard_optimizer_state
 from gemma_tpu.train.tunix_adapter import EVAL_STEP_FN, TRAIN_STEP_FN, TunixTrainer
 
 log = logging.getLogger("gemma_tpu.train")
@@ -289,6 +289,7 @@ class Trainer(TunixTrainer):
         # (the run's own check that its directory is still its own) first
         self._before_save_hook = before_save
         self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager, before_save=self._before_save)
+        self.mesh = mesh
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
             shard_optimizer_state(self.optimizer, mesh)
@@ -324,6 +325,15 @@ class Trainer(TunixTrainer):
         self.compiles = 0
         self.history: list[dict] = []
         self.started = time.time()
+
+    def create_train_step_fn(self):
+        """Tunix's step, handing back the trainable params and optimizer state as it got them (one compile)."""
+        step = super().create_train_step_fn()
+        if self.mesh is None or self.mesh.empty:
+            return step
+        from flax import nnx
+
+        return keep_placement(step, self.model, self.optimizer, nnx.LoRAParam if self.lora_enabled else nnx.Param)
 
     # ---- checkpoint contents ---------------------------------------------------------
     def custom_checkpoint_metadata(self) -> dict[str, Any]:
