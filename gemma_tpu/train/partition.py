@@ -188,12 +188,12 @@ def fit_factored_state_annotations(optimizer, mesh) -> None:
     second moments (a row and a column vector for a matrix, a (1,) placeholder for vectors) do not
     have the parameter's shape, so that annotation can be invalid (wrong rank, or a dimension the mesh
     axes do not divide) and Tunix's resharding fails; such state is annotated replicated (it is the
-    small part of the state)."""
+    small part of the state). `mesh` None: checked by rank alone."""
     import math
 
     from flax import nnx
 
-    sizes = dict(mesh.shape)
+    sizes = dict(mesh.shape) if mesh is not None else {}
 
     def fits(names, shape) -> bool:
         if len(names) != len(shape):
