@@ -42,8 +42,8 @@ def test_same_loss_on_every_mesh(tiny_dir, tmp_path):
             assert abs(a - b) < 1e-5, (name, got, single)
 
     # resumed on another slice: the fsdp4_tp2 run's step 2, on 2 devices (fsdp=2), goes on to the same step 3.
-    # Every resume on a multi-device mesh failed ("cannot restore this checkpoint step (ValueError: Received
-    # incompatible devices ...)"): Orbax put the optimizer's restored step count on one device
+    # With SGD (a state of scalars alone) every resume on a multi-device mesh failed ("cannot restore this checkpoint
+    # step (ValueError: Received incompatible devices ...)"): Orbax put the restored step counts on one device
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "fsdp4_tp2", resumed)
     shutil.rmtree(resumed / "3")

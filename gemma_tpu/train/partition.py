@@ -237,8 +237,9 @@ def shard_optimizer_state(optimizer, mesh) -> None:
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
         if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set and x.is_fully_addressable:
-            # restored by Orbax onto the one device the fresh state's step count sat on: a jit refuses to move a
-            # committed array to other devices (every resume on a multi-device mesh failed so)
+            # restored by Orbax onto the one device the fresh state's step count sat on (Tunix replicates them only
+            # when some state array is already on the mesh: not SGD's): a jit refuses to move a committed array
+            # to other devices (an SGD resume on a multi-device mesh failed so)
             value = np.asarray(x)
             return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
         return jax.jit(lambda v: v, out_shardings=sharding)(x)
