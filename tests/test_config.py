@@ -65,6 +65,11 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
     ("data.dataset_text_field=body", "here it is 'data.text_field'"),
     ("train.MAX_STEPS=3", "did you mean 'train.max_steps'?"),  # another case: no letter in common to difflib
+    # a MaxText recipe's mesh and batch
+    ("mesh.ici_fsdp_parallelism=8", "the MaxText name; here it is 'mesh.fsdp'"),
+    ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),
+    ("mesh.dcn_data_parallelism=2", "the MaxText name; here it is 'mesh.dcn_data' (the number of slices)"),
+    ("train.per_device_batch_size=2", "here it is 'train.batch_size' (rows over all devices: per_device_batch_size"),
 ])
 def test_unknown_key_suggests_the_key_meant(override, meant):
     """An unknown key listed the section's keys only: a typo, a key in the wrong section or a transformers/TRL

@@ -78,6 +78,24 @@ def test_two_processes_match_one_process(tiny_dir, tmp_path):
     assert json.loads((multi / "summary.json").read_text())["steps"] == STEPS
 
 
+def test_tp_across_processes_is_refused_before_the_model_loads():
+    """2 processes with mesh.tp spanning them (data×fsdp = 1): each process passes its own half of every batch,
+    which JAX cannot lay on a batch replicated over both ("Invalid host data, each dimension should match either
+    global or process shape", a traceback at the first batch after the model loaded). Refused up front."""
+    from gemma_tpu.core.config import RunConfig
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.run import check_batch_divisible
+
+    cfg = RunConfig()
+    with pytest.raises(UserError, match=r"^mesh data×fsdp = 1 does not split the batch over the 2 processes: .* a "
+                                        r"multiple of 2 \(keep mesh.tp=4 within one host's devices\)$"):
+        check_batch_divisible(cfg, {"data": 1, "fsdp": 1, "tp": 4}, 2)
+    with pytest.raises(UserError, match="data×fsdp = 2 does not split the batch over the 4 processes"):
+        check_batch_divisible(cfg, {"data": 1, "fsdp": 2, "tp": 4}, 4)
+    check_batch_divisible(cfg, {"data": 1, "fsdp": 2, "tp": 2}, 2)  # each process's devices hold one fsdp shard
+    check_batch_divisible(cfg, {"data": 1, "fsdp": 1, "tp": 4}, 1)
+
+
 def test_each_process_reads_its_slice():
     """Process p's batches are rows p::2 of the one-process batches: disjoint, and together the same rows."""
     import numpy as np

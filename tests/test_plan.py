@@ -236,6 +236,9 @@ def test_shipped_hub_configs_plan_offline(config, plan, tmp_path):
     (["--devices", "0"], [], "--devices must be a positive number of devices, got 0"),
     ([], ["lora.rank=100000"], "lora.rank=100000 exceeds the smallest dimension"),
     ([], ["data.seq_len=100000"], "data.seq_len=100000 exceeds the model's max_position_embeddings"),
+    # two processes whose mesh.tp spans both: each would feed its own rows to a batch replicated over both
+    ([], ["mesh.num_processes=2", "mesh.process_id=0", "mesh.coordinator_address=127.0.0.1:1234", "mesh.fsdp=1",
+          "mesh.tp=2"], "mesh data×fsdp = 1 does not split the batch over the 2 processes"),
 ])
 def test_dry_run_refuses_what_the_run_refuses(tiny_dir, options, overrides, needle):
     """A zero MFU divided by zero (traceback), a negative --devices planned for -4 devices, and a LoRA rank

@@ -1,6 +1,7 @@
 """Mesh and sharding on 8 simulated CPU devices: same losses on every mesh layout."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,17 @@ def test_same_loss_on_every_mesh(tiny_dir, tmp_path):
         assert len(got) == 3
         for a, b in zip(got, single):
             assert abs(a - b) < 1e-5, (name, got, single)
+
+    # resumed on another slice: the fsdp4_tp2 run's step 2, on 2 devices (fsdp=2), goes on to the same step 3.
+    # With SGD (a state of scalars alone) every resume on a multi-device mesh failed ("cannot restore this checkpoint
+    # step (ValueError: Received incompatible devices ...)"): Orbax put the restored step counts on one device
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp4_tp2", resumed)
+    shutil.rmtree(resumed / "3")
+    got = train_losses(tiny_dir, resumed, ["mesh.data=1", "mesh.fsdp=2", "mesh.tp=1"],
+                       {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert json.loads((resumed / "summary.json").read_text())["resumed_from"] == 2
+    assert abs(got[-1] - single[2]) < 1e-5, (got, single)
 
 
 def test_mesh_that_does_not_fit_is_refused(tiny_dir, tmp_path):
@@ -103,6 +115,22 @@ def test_single_global_kv_head_of_a_k_eq_v_gemma4_loads_on_a_tp_mesh(tmp_path):
     (r,) = json.loads(line[len("RESULT "):]).values()
     assert not r["mismatches"], r["mismatches"][:10]
     assert r["lora"] > 0 and r["opt_checked"] == 2 * r["lora"] and r["split"] >= r["params"] // 3, r
+
+
+def test_single_kv_head_lora_keeps_its_placement_one_compile(tmp_path):
+    """A Gemma 4 E2B-like model (one KV head, per-layer embeddings) on fsdp=4 × tp=2: XLA handed the kv_einsum LoRA B
+    back split over tp after step 1 (its rule placement: replicated), so step 2 compiled the train step again
+    ("RECOMPILATION #2 of _train_step"). The step keeps the placements: one compile."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+
+    d = write_tiny_gemma4(tmp_path / "g4", seed=0, variant="ple")
+    ckpt = tmp_path / "ck"
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={d}", f"checkpoint.dir={ckpt}",
+                   "train.max_steps=2", "train.batch_size=8", "data.eval_path=null", "mesh.fsdp=4", "mesh.tp=2",
+                   env=EIGHT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RECOMPILATION" not in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((ckpt / "summary.json").read_text())["train_step_compiles"] == 1
 
 
 def test_indivisible_axis_is_refused_before_loading(tiny_dir, tmp_path):

@@ -347,8 +347,9 @@ class _UnknownKey(UserError):
         self.dotted, self.names = dotted, names
 
 
-# Names a transformers / TRL / PEFT recipe uses for keys of RunConfig: (our key, what to know when moving it)
-FOREIGN_NAMES: dict[str, tuple[str, str]] = {
+# Names a transformers / TRL / PEFT (or MaxText) recipe uses for keys of RunConfig: (our key, what to know when
+# moving it[, whose name it is when not transformers/TRL])
+FOREIGN_NAMES: dict[str, tuple[str, ...]] = {
     "lr": ("train.learning_rate", ""),
     "per_device_train_batch_size": ("train.batch_size", "rows per optimizer step over all devices"),
     "train_batch_size": ("train.batch_size", "rows per optimizer step over all devices"),
@@ -379,6 +380,14 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "torch_dtype": ("model.dtype", ""),
     "bf16": ("model.dtype", "bfloat16"),
     "peft": ("lora", ""),
+    # a MaxText recipe's mesh (ici_*: inside a slice, dcn_*: across slices; -1 takes the rest here too)
+    "ici_data_parallelism": ("mesh.data", "", "MaxText"),
+    "ici_fsdp_parallelism": ("mesh.fsdp", "", "MaxText"),
+    "ici_tensor_parallelism": ("mesh.tp", "", "MaxText"),
+    "dcn_data_parallelism": ("mesh.dcn_data", "the number of slices", "MaxText"),
+    "dcn_fsdp_parallelism": ("mesh.dcn_data", "only data parallelism crosses slices here", "MaxText"),
+    "per_device_batch_size": ("train.batch_size", "rows over all devices: per_device_batch_size × devices",
+                              "MaxText"),
 }
 
 
@@ -405,7 +414,7 @@ def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
     return out
 
 
-def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, tuple[str, str]]) -> str:
+def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, tuple[str, ...]]) -> str:
     """What the user probably meant by an unknown key: a recipe's name for one of ours, the same name in
     another section, or a close spelling in its own section."""
     import difflib
@@ -417,8 +426,8 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
                f"{{{leaf}: ...}}; "
     section, _, leaf = dotted.rpartition(".")
     if leaf in foreign and foreign[leaf][0] in keys:
-        ours, note = foreign[leaf]
-        return f"the transformers/TRL name; here it is '{ours}'{f' ({note})' if note else ''}; "
+        ours, note, origin = (*foreign[leaf], "transformers/TRL")[:3]
+        return f"the {origin} name; here it is '{ours}'{f' ({note})' if note else ''}; "
     elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted]
     if elsewhere:
         return f"did you mean '{elsewhere[0]}'? "
@@ -559,7 +568,7 @@ SERVING_SECTIONS = {name: "a serving config (python -m serving.launch --config F
 
 
 def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = (),
-               foreign: dict[str, tuple[str, str]] | None = None, elsewhere: dict[str, str] | None = None) -> Any:
+               foreign: dict[str, tuple[str, ...]] | None = None, elsewhere: dict[str, str] | None = None) -> Any:
     """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
 
     The generic half of `load_config`, shared by every typed config (runs, serving): unknown keys,

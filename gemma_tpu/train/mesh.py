@@ -191,6 +191,24 @@ def build_mesh(m: MeshConfig, devices=None):
     return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
 
 
+def check_batch_layout(batch_size: int, mesh_sizes: dict[str, int], process_count: int) -> str | None:
+    """The global batch is split over (data, fsdp), each process feeding its own rows to its own devices: refused
+    (UserError) where the processes cannot do that; the warning for a batch the devices cannot split (replicated
+    then, every device computing every example: single process only), else None."""
+    ways = mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
+    if ways % process_count:  # else a ValueError traceback at the first batch, after the model loaded
+        raise UserError(f"mesh data×fsdp = {ways} does not split the batch over the {process_count} processes: each "
+                        f"process feeds its own rows to its own devices, so data×fsdp must be a multiple of "
+                        f"{process_count} (keep mesh.tp={mesh_sizes.get('tp', 1)} within one host's devices)")
+    if batch_size % ways == 0:
+        return None
+    msg = f"train.batch_size={batch_size} is not divisible by mesh data×fsdp = {ways}; the batch cannot be split " \
+          f"over the devices"
+    if process_count > 1:
+        raise UserError(msg)
+    return f"{msg}: every device will compute the whole batch"
+
+
 def batch_spec(mesh, rows: int):
     """How a global batch of `rows` lies on the mesh: split over (data, fsdp), or replicated where
     those devices cannot split it evenly (single process only; see train.check_batch_divisible)."""

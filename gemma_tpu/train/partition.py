@@ -188,12 +188,12 @@ def fit_factored_state_annotations(optimizer, mesh) -> None:
     second moments (a row and a column vector for a matrix, a (1,) placeholder for vectors) do not
     have the parameter's shape, so that annotation can be invalid (wrong rank, or a dimension the mesh
     axes do not divide) and Tunix's resharding fails; such state is annotated replicated (it is the
-    small part of the state)."""
+    small part of the state). `mesh` None: checked by rank alone."""
     import math
 
     from flax import nnx
 
-    sizes = dict(mesh.shape)
+    sizes = dict(mesh.shape) if mesh is not None else {}
 
     def fits(names, shape) -> bool:
         if len(names) != len(shape):
@@ -221,6 +221,7 @@ def shard_optimizer_state(optimizer, mesh) -> None:
     from holding the whole state (full fine-tuning) and makes the placement inspectable.
     """
     import jax
+    import numpy as np
     from flax import nnx
 
     if mesh is None or mesh.empty:
@@ -235,7 +236,41 @@ def shard_optimizer_state(optimizer, mesh) -> None:
         sharding = jax.sharding.NamedSharding(mesh, spec if spec is not None else jax.sharding.PartitionSpec())
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
+        if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set and x.is_fully_addressable:
+            # restored by Orbax onto the one device the fresh state's step count sat on (Tunix replicates them only
+            # when some state array is already on the mesh: not SGD's): a jit refuses to move a committed array
+            # to other devices (an SGD resume on a multi-device mesh failed so)
+            value = np.asarray(x)
+            return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
         return jax.jit(lambda v: v, out_shardings=sharding)(x)
 
     placed = jax.tree.map(place, state, specs, is_leaf=lambda v: v is None)
     nnx.update(optimizer, placed)
+
+
+def keep_placement(step, model, optimizer, wrt):
+    """`step(model, optimizer, inputs)` (a train step, to be jitted) with the trainable params and optimizer state
+    it updates constrained to the placement they have now. Unconstrained, XLA may hand an update back in another
+    layout than it came in (a Gemma 4 E2B-like single-KV-head LoRA B came back split over tp), and the next step
+    compiled again for it. The step keeps its name (the compile counter watches it by name)."""
+    import functools
+
+    import jax
+    from flax import nnx
+
+    kinds = (wrt, nnx.optimizer.OptState)
+    now = [[x.sharding if isinstance(x, jax.Array) else None for x in jax.tree.leaves(nnx.state(obj, kind))]
+           for obj, kind in zip((model, optimizer), kinds)]
+
+    @functools.wraps(step)
+    def constrained(model, optimizer, inputs):
+        out = step(model, optimizer, inputs)
+        for obj, kind, shardings in zip((model, optimizer), kinds, now):
+            leaves, tree = jax.tree.flatten(nnx.state(obj, kind))
+            if len(leaves) != len(shardings):  # not the state it was built for: left as XLA placed it
+                continue
+            nnx.update(obj, jax.tree.unflatten(tree, [x if s is None else jax.lax.with_sharding_constraint(x, s)
+                                                      for x, s in zip(leaves, shardings)]))
+        return out
+
+    return constrained

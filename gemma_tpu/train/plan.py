@@ -689,6 +689,9 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     if layout:  # the loss buffer the run will use: what the data needs, or data.max_loss_tokens capped at seq_len
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))
     p = make_plan(cfg, devices, assumed_mfu, hf_config=hf)
+    settings = mesh_lib.distributed_settings(cfg.mesh)  # {}: a TPU pod's hosts, counted by JAX at the run's start
+    if settings is None or settings:  # the batch layout the run refuses, for the processes it will have
+        mesh_lib.check_batch_layout(cfg.train.batch_size, p.mesh, settings["num_processes"] if settings else 1)
     p.data = layout
     p.notes.extend(layout["warnings"] if layout else [])
     if layout is None and cfg.data.train_path:

@@ -331,14 +331,9 @@ def effective_remat(cfg: RunConfig) -> str:
 def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_count: int) -> None:
     """The global batch is split over (data, fsdp); an indivisible batch would be silently replicated
     by Tunix (every device computing every example), which across processes is wrong, not just slow."""
-    ways = mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
-    b = cfg.train.batch_size
-    if b % ways:
-        msg = (f"train.batch_size={b} is not divisible by mesh data×fsdp = {ways}; the batch cannot be "
-               f"split over the devices")
-        if process_count > 1:
-            raise UserError(msg)
-        log.warning("%s: every device will compute the whole batch", msg)
+    warning = mesh_lib.check_batch_layout(cfg.train.batch_size, mesh_sizes, process_count)
+    if warning:
+        log.warning(warning)
 
 
 def _install_sigterm(trainer):

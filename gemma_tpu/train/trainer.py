@@ -24,7 +24,7 @@ from tunix.sft import hooks as tunix_hooks
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.finite_guard import FiniteCheckpoints, last_step_on_disk
-from gemma_tpu.train.partition import shard_optimizer_state
+from gemma_tpu.train.partition import fit_factored_state_annotations, keep_placement, shard_optimizer_state
 from gemma_tpu.train.tunix_adapter import EVAL_STEP_FN, TRAIN_STEP_FN, TunixTrainer
 
 log = logging.getLogger("gemma_tpu.train")
@@ -284,6 +284,7 @@ class Trainer(TunixTrainer):
                  metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None,
                  log_every_steps: int = 1, before_save=None):
         guard_tensorboard_writer()
+        self.mesh = mesh  # before Tunix's __init__, which builds the optimizer (see `optimizer`) and restores
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
         # no non-finite state on disk, and with on_nonfinite=stop no step whose loss was not finite; `before_save(step)`
         # (the run's own check that its directory is still its own) first
@@ -324,6 +325,27 @@ class Trainer(TunixTrainer):
         self.compiles = 0
         self.history: list[dict] = []
         self.started = time.time()
+
+    @property
+    def optimizer(self):
+        return self._nnx_optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer):
+        """Tunix's __init__ builds the nnx.Optimizer and at once restores the latest step into it, placing the state
+        by its sharding annotations: adafactor's factored moments carried their parameter's (another rank), and
+        every adafactor resume failed (IndexError / IndivisibleError, on one device too). Fitted on assignment."""
+        fit_factored_state_annotations(optimizer, self.mesh)
+        self._nnx_optimizer = optimizer
+
+    def create_train_step_fn(self):
+        """Tunix's step, handing back the trainable params and optimizer state as it got them (one compile)."""
+        step = super().create_train_step_fn()
+        if self.mesh is None or self.mesh.empty:
+            return step
+        from flax import nnx
+
+        return keep_placement(step, self.model, self.optimizer, nnx.LoRAParam if self.lora_enabled else nnx.Param)
 
     # ---- checkpoint contents ---------------------------------------------------------
     def custom_checkpoint_metadata(self) -> dict[str, Any]:
