@@ -155,14 +155,13 @@ def main() -> int:
     if args.checkpoint:
         from convert.merge_orbax import plan_tensors
 
-        plan = plan_tensors(args.checkpoint)
+        plan_tensors(args.checkpoint)  # a bad checkpoint refused in one line before the merge subprocess
         hf_dir, label = None, Path(args.checkpoint).name
         src_args = ["--checkpoint", args.checkpoint]
         merged_dir = Path(tempfile.mkdtemp(prefix="edge-merged-"))
         subprocess.run([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", args.checkpoint, "--out",
                         str(merged_dir / "m"), "--dtype", "float32"], cwd=REPO, check=True)
         hf_dir = merged_dir / "m"
-        del plan
     else:
         spec = args.model or "embedded:gemma3-270m"
         hf_dir = resolve_path(spec)
