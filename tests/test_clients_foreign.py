@@ -667,6 +667,16 @@ def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_s
     assert partial["failed"]["metrics"]["n"] == 2 and len(partial["failed"]["examples"]) == 2
     assert "example 3 of 5" in partial["failed"]["error"]
     assert f"endpoint:{url} (first 2 of 5)" in proc.stdout and re.search(r"^n\s+2$", proc.stdout, re.M)
+    # the rerun completes: the stopped run's smaller numbers no longer sit beside the complete ones (a reader took
+    # them for this run's); a file of the same name that is not our results is left alone
+    with http_server(flaky(503, 0)) as url:
+        rerun = ("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m", "--limit", "5",
+                 "--json", str(out))
+        proc = _in_process(*rerun)
+        assert proc.returncode == 0 and json.loads(out.read_text())["n"] == 5, proc.stderr
+        assert not (tmp_path / "r.partial.json").exists() and "removed " in proc.stderr, proc.stderr
+        (tmp_path / "r.partial.json").write_text('{"notes": "mine"}')
+        assert _in_process(*rerun).returncode == 0 and (tmp_path / "r.partial.json").exists()
 
 
 def test_compare_keeps_the_first_models_results_when_the_second_fails(tmp_path):

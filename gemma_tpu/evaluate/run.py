@@ -494,6 +494,25 @@ def describe_stop(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+def partial_path(out: Path) -> Path:
+    """Where a stopped run's finished work goes beside `--json` (`<name>.partial.json`)."""
+    return out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
+
+
+def remove_stale_partial(out: Path) -> None:
+    """A complete run's results supersede an earlier stopped run's `<name>.partial.json`: left beside them, a reader
+    (or a script globbing the folder) took the old, smaller numbers for this run's. Only a file we wrote (a results
+    object with `failed`) is removed, and said so."""
+    path = partial_path(out)
+    try:
+        stale = isinstance(obj := json.loads(path.read_text()), dict) and "failed" in obj
+    except (OSError, ValueError):
+        return
+    if stale:
+        path.unlink(missing_ok=True)
+        print(f"removed {path} (an earlier stopped run's results; {out} now holds the complete ones)", file=sys.stderr)
+
+
 def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: str, error: BaseException) -> None:
     """Print the finished models' table and, with --json, write them beside it as `<name>.partial.json`
     (never the --json file itself: a reader of that file expects every model asked for). The examples the failed
@@ -514,8 +533,7 @@ def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: 
     print(f"{failed} failed: the table above holds the models finished before it"
           + (f" and {which} of its {n} examples" if partial else ""), file=sys.stderr)
     if args.json:
-        out = Path(args.json)
-        path = out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
+        path = partial_path(Path(args.json))
         write_text_atomic(path, results_json(results, details, args.data, len(convs), failed=stop))
         print(f"wrote {path}", file=sys.stderr)
 
@@ -618,4 +636,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(args.json)
         write_text_atomic(out, results_json(results, details, args.data, len(convs)))
         print(f"wrote {out}", file=sys.stderr)
+        remove_stale_partial(out)
     return 0
