@@ -524,7 +524,9 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "
                              r"field \(the example has body;"),
     ({"text": " \n"}, r"field 'text' is empty"),
-    ({"text": ["a", "b"]}, r"field 'text' must be a string, got list"),
+    ({"text": ["a", "b"]}, r"field 'text' must be a string, got a list"),
+    ({"text": None}, r"field 'text' must be a string, got null"),  # in JSON's words, not Python's NoneType
+    ({"prompt": 3, "completion": "yo"}, r"'prompt' must be a string or a list of messages, got a number"),
 ])
 def test_bad_rows_of_every_format_name_the_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine", "completion": "row"}, row])

@@ -425,7 +425,7 @@ def _text(content: Any, where: str) -> str:
         return "".join(parts)
     if isinstance(content, (dict, int, float, bool)):
         return json.dumps(content, ensure_ascii=False)
-    raise UserError(f"{where}: content must be a string, got {type(content).__name__}")
+    raise UserError(f"{where}: content must be a string, got {_json_type(content)}")
 
 
 def _json_type(value: Any) -> str:
@@ -674,7 +674,7 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
             raise UserError(f"{where}: missing field '{key}' (prompt-completion rows need both 'prompt' and "
                             f"'completion'){_PREFERENCE_HINT if 'chosen' in obj else ''}")
         if not isinstance(value, (str, list)):
-            raise UserError(f"{where}: '{key}' must be a string or a list of messages, got {type(value).__name__}")
+            raise UserError(f"{where}: '{key}' must be a string or a list of messages, got {_json_type(value)}")
     if isinstance(prompt, str) != isinstance(completion, str):
         raise UserError(f"{where}: 'prompt' and 'completion' must both be strings or both be lists of messages")
     if isinstance(prompt, str):
@@ -771,7 +771,7 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
     prompt = obj[instruction]
     ctx = obj.get(context) if context else None
     if ctx is not None and not isinstance(ctx, str):
-        raise UserError(f"{where}: field '{context}' (data.context_field) must be a string, got {type(ctx).__name__}")
+        raise UserError(f"{where}: field '{context}' (data.context_field) must be a string, got {_json_type(ctx)}")
     if not prompt.strip():
         raise UserError(f"{where}: field '{instruction}' is empty")
     if ctx and ctx.strip():
@@ -792,7 +792,7 @@ def normalise_text(obj: dict, where: str, field: str) -> dict:
                         f"{_fields(obj)})")
     text = obj[field]
     if not isinstance(text, str):
-        raise UserError(f"{where}: field '{field}' must be a string, got {type(text).__name__}")
+        raise UserError(f"{where}: field '{field}' must be a string, got {_json_type(text)}")
     if not text.strip():
         raise UserError(f"{where}: field '{field}' is empty")
     return {"text": text, "tools": None, "where": where}
