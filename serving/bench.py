@@ -22,9 +22,9 @@ first chunk with `choices` (vLLM sends its role chunk together with the first to
 that sends the role chunk before generating (transformers serve) is not credited with a TTFT of ~0.
 
 A request fails on an HTTP error, a refused or dropped connection, a stream that ends without a
-finish reason or `[DONE]`, an `error` event, or when it takes longer than --timeout seconds (the
-whole request, streaming included) — so the run ends within about ceil(N / C) x T seconds whatever the
-server does. Failures are counted and listed with the table; exit status 0 when at least one request
+finish reason or `[DONE]`, one that holds no choice at all, an `error` event, or when it takes longer
+than --timeout seconds (the whole request, streaming included) — so the run ends within about
+ceil(N / C) x T seconds whatever the server does. Failures are counted and listed with the table; exit status 0 when at least one request
 completed. When none did: one error line (the first failure), no table, no --json file, exit status 2.
 
 Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or data as the trainer reads it (JSONL,
@@ -238,6 +238,8 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
     if not (done or finished):
         raise RequestFailed(f"the stream ended before the response was complete ({events} event(s), no "
                             f"finish_reason, no [DONE])")
+    if first_choice is None:  # not even a role delta or a finish_reason: the server answered nothing
+        raise RequestFailed(f"the stream held no choice ({events} event(s) up to [DONE]): nothing was generated")
     res.latency = time.perf_counter() - st
     if last is None:  # nothing generated (an immediate stop): the first chunk is all there is
         res.ttft = (first_choice or time.perf_counter()) - st

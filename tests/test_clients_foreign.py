@@ -35,7 +35,7 @@ LB_PAGE = (b"<!DOCTYPE html>\n<html lang=en>\n  <meta charset=utf-8>\n  <title>E
 class Foreign(http.server.BaseHTTPRequestHandler):
     """Behaviour by path prefix: /html (a web page for everything), /json (a plain JSON completion where a
     stream was asked for), /cut (an event stream whose JSON event is cut off), /shape (events whose
-    `choices` is not a list of objects)."""
+    `choices` is not a list of objects), /empty (a stream of no choice at all)."""
 
     def log_message(self, *args):
         pass
@@ -62,6 +62,9 @@ class Foreign(http.server.BaseHTTPRequestHandler):
             return self._send("application/json", json.dumps(
                 {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
                               "finish_reason": "stop"}]}).encode())
+        if self.path.startswith("/empty"):  # a stream that ends at once: no choice, a usage event, [DONE]
+            return self._send("text/event-stream", sse({"id": "x", "choices": [], "usage": {"prompt_tokens": 4}})
+                              + sse("[DONE]"))
         body = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         if self.path.startswith("/shape"):  # valid JSON events of the wrong shape
             body += sse({"choices": "one two"}) + sse({"choices": [{"index": 0, "delta": "two"}]})
@@ -75,6 +78,7 @@ class Foreign(http.server.BaseHTTPRequestHandler):
     ("/json", ["not an OpenAI event stream", "Content-Type application/json", '"choices"']),
     ("/cut", ["bad event", "cont"]),
     ("/shape", ["bad event", "'choices' is not a list of objects", "one two"]),
+    ("/empty", ["the stream held no choice", "[DONE]"]),  # was a completed request of 0 tokens
 ])
 def test_bench_against_a_foreign_server(tmp_path, path, needles):
     out = tmp_path / "bench.json"
