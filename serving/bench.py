@@ -25,7 +25,8 @@ A request fails on an HTTP error, a refused or dropped connection, a stream that
 finish reason or `[DONE]`, one that holds no choice at all, an `error` event, or when it takes longer
 than --timeout seconds (the whole request, streaming included) — so the run ends within about
 ceil(N / C) x T seconds whatever the server does. Failures are counted and listed with the table;
-exit status 0 when at least one request completed. When none did: one error line (the first failure), no table, no --json file, exit status 2.
+exit status 0 when at least one request completed. When none did: one error line (the first failure),
+no table, no --json file, exit status 2.
 
 Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or data as the trainer reads it (JSONL,
 a JSON array, Parquet, a `datasets` save_to_disk directory) whose rows are chats (`messages`, optional `tools`: the
