@@ -169,6 +169,8 @@ def test_prompt_past_the_context_is_refused(loaded):
     with pytest.raises(UserError, match=r"prompt 2 is 1017 tokens; with up to 8 new tokens it passes the model's "
                                         r"context of 1024 \(max_position_embeddings\)"):
         gen.generate([SHARED + [300], long])
+    with pytest.raises(UserError, match=r"^the prompt is 1017 tokens;"):  # one prompt (a chat's): no number
+        gen.generate([long])
     assert len(gen.generate([long[:-1]], max_new_tokens=8)) == 1
 
 

@@ -429,7 +429,8 @@ class Generator:
         longest = max((len(p) for p in prompts), default=0)
         if limit and longest + max_new > limit:
             i = next(i for i, p in enumerate(prompts) if len(p) == longest)
-            raise UserError(f"prompt {i + 1} is {longest} tokens; with up to {max_new} new tokens it passes the "
+            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"  # one (a chat's question): no number
+            raise UserError(f"{which} is {longest} tokens; with up to {max_new} new tokens it passes the "
                             f"model's context of {limit} (max_position_embeddings): shorten the prompt or ask for "
                             f"fewer new tokens")
         shared, cache = self._shared_prefix(prompts, prefix)
