@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from gemma_tpu.checkpoint.metadata import ORBAX_TMP
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.tunix_adapter import orbax_manager
 
@@ -68,7 +69,7 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
     partial = None
     try:  # with async saves, an earlier step's failure surfaces at the next save: its temp dir names it
         half = sorted((int(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
-                      if ".orbax-checkpoint-tmp" in p.name and p.name.split(".", 1)[0].isdigit())
+                      if ORBAX_TMP in p.name and p.name.split(".", 1)[0].isdigit())
         step, partial = half[0] if half else (step, None)
     except OSError:
         pass
