@@ -143,6 +143,33 @@ def test_training_whose_checkpoint_disk_fills_stops_in_one_line(tiny_dir, small_
     assert not (ck / "gemma_tpu_run.lock").exists()
 
 
+def test_failed_save_temp_dirs_brought_back_by_a_late_writer_are_removed(tmp_path):
+    """A save failing synchronously leaves Orbax's other writer threads running: the one removal on the way out
+    raced them and a late thread recreated `2.orbax-checkpoint-tmp` (CI, a loaded 2-core machine, 2026-11-27).
+    The removal goes on until the directory stays quiet; a complete step and our files stay."""
+    import threading
+    import time
+
+    from gemma_tpu.train.finite_guard import remove_failed_saves
+
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "_CHECKPOINT_METADATA").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "2.orbax-checkpoint-tmp" / "default").mkdir(parents=True)
+
+    def late_writer():
+        for _ in range(3):
+            time.sleep(0.3)
+            (tmp_path / "2.orbax-checkpoint-tmp" / "optimizer_state.orbax-checkpoint-tmp").mkdir(parents=True,
+                                                                                                exist_ok=True)
+
+    writer = threading.Thread(target=late_writer)
+    writer.start()
+    remove_failed_saves(tmp_path, quiet_s=0.5)
+    writer.join()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "metrics.jsonl"]
+
+
 def test_training_on_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_first_step(tiny_dir, small_disk):
     """A checkpoint.dir whose disk cannot hold one step: the run trained up to its first save (hours at a real
     checkpoint.every_steps) and only then failed. Now it is refused once the trainer is built, before any step,

@@ -35,11 +35,35 @@ class NonFiniteState(UserError):
 
 class CheckpointSaveFailed(UserError):
     """A checkpoint could not be written; the previous complete step stays on disk. `partial`: the failed save's
-    Orbax temp dir (removed on the way out, so the space it took is free again), None when nothing was written."""
+    Orbax temp dir (removed on the way out, so the space it took is free again), None when nothing was written;
+    `directory`: the checkpoint directory, where `remove_failed_saves` looks for more."""
 
-    def __init__(self, msg: str, partial: Path | None = None):
+    def __init__(self, msg: str, partial: Path | None = None, directory: Path | None = None):
         super().__init__(msg)
         self.partial = partial
+        self.directory = directory if directory is not None or partial is None else partial.parent
+
+
+def remove_failed_saves(directory: Path, quiet_s: float = 1.0, limit_s: float = 15.0) -> None:
+    """Remove the temp dirs of the save that failed, until none has come back for `quiet_s` (at most `limit_s`).
+    A save that fails synchronously leaves Orbax's other writer threads running: one removal raced them, and a
+    thread still creating its directories brought `<step>.orbax-checkpoint-tmp` back (seen on a loaded 2-core
+    machine). Only by the holder of the run lock (another trainer's save in progress looks the same)."""
+    import time
+
+    from gemma_tpu.checkpoint.metadata import remove_unfinished_saves
+
+    start = time.monotonic()
+    quiet_since = start
+    while time.monotonic() - start < limit_s:
+        try:
+            if remove_unfinished_saves(directory) or any(ORBAX_TMP in p.name for p in directory.iterdir()):
+                quiet_since = time.monotonic()
+        except OSError:
+            quiet_since = time.monotonic()
+        if time.monotonic() - quiet_since >= quiet_s:
+            return
+        time.sleep(0.1)
 
 
 # errno -> strerror of the ways a disk says it is full (TensorStore reports a quota or the file-size limit as
@@ -74,7 +98,7 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
     except OSError:
         pass
     return CheckpointSaveFailed(f"saving checkpoint step {step} in {where} failed ({reason}); {kept}, and a "
-                                f"restart resumes from it", partial)
+                                f"restart resumes from it", partial, Path(where) if inner is not None else None)
 
 
 def _path_name(path) -> str:

@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -367,12 +366,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # temp dir goes first (by process 0, which holds the run lock): it kept the space a full disk had left
         import jax
 
-        if e.partial is not None and jax.process_index() == 0:
-            shutil.rmtree(e.partial, ignore_errors=True)
-        run_lock.release_all()
-        logging.shutdown()
+        from gemma_tpu.train.finite_guard import remove_failed_saves
+
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda args: None
+        if e.directory is not None and jax.process_index() == 0:
+            remove_failed_saves(e.directory)
+        run_lock.release_all()
+        logging.shutdown()
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(e.exit_code)
     finally:
