@@ -216,20 +216,63 @@ def print_table(s: dict) -> None:
         print(f"{r['op'][:40]:<40} {r['category'][:22]:<22} {r['occurrences']:>5} {cells(r)}")
 
 
+def json_refusal(path: Path | None) -> str | None:
+    """Why `--json` could not take the summary, said before the (minutes-long) conversion, or None. The project's
+    own check (gemma_tpu.core.atomic) is not importable beside xprof's pinned packages: the same rules here."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return "is a directory (give a file name)"
+    if path.is_file() and path.stat().st_size:
+        try:
+            earlier = json.loads(path.read_bytes())
+        except (ValueError, OSError):
+            earlier = None
+        if not (isinstance(earlier, dict) and "categories" in earlier):
+            return "exists and is not an earlier summary (no 'categories'); remove it or give another file name"
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    import os
+
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot write in {folder} (permission denied)"
+    return None
+
+
+def write_json_atomic(path: Path, doc) -> None:
+    """The summary written beside its target and renamed over it: never left cut short (Ctrl-C, a full disk)."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dir", type=Path, help="train.profile_dir (or any folder above the *.xplane.pb)")
     p.add_argument("--json", type=Path, help="also write the summary here")
     p.add_argument("--top", type=int, default=20, help="ops listed by self time (default: 20)")
     args = p.parse_args(argv)
+    if not args.dir.is_dir():
+        print(f"error: {args.dir}: not a directory", file=sys.stderr)
+        return 2
+    bad_json = json_refusal(args.json)
+    if bad_json:
+        print(f"error: --json {args.json}: {bad_json}; nothing written", file=sys.stderr)
+        return 2
     try:
         import xprof.convert.raw_to_tool_data  # noqa: F401
     except ImportError as e:
         print(f"error: the xprof package is missing ({e}); pip install xprof (e.g. pip install --target "
               f"/tmp/xprof xprof, then PYTHONPATH=/tmp/xprof python3 {sys.argv[0]} ...)", file=sys.stderr)
-        return 2
-    if not args.dir.is_dir():
-        print(f"error: {args.dir}: not a directory", file=sys.stderr)
         return 2
     try:
         s = summarise(newest_xplane(args.dir), args.top)
@@ -238,8 +281,7 @@ def main(argv=None) -> int:
         return 2
     print_table(s)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(s, indent=2))
+        write_json_atomic(args.json, s)
     return 0
 
 

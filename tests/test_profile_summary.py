@@ -94,3 +94,25 @@ jax.profiler.stop_trace()
     assert sum(r["share_of_device"] for r in s["categories"]) == pytest.approx(1.0, abs=1e-3)
     assert all(r["share_of_step"] > 0 for r in s["categories"] if r["self_ms"] > 0.01)
     assert len(s["top_ops"]) <= 5 and s["top_ops"][0]["self_ms"] > 0
+
+
+def test_a_json_that_cannot_take_the_summary_is_refused_before_the_conversion(tmp_path, capsys):
+    """`--json` was written after the (minutes-long) xprof conversion, unchecked: a directory, a path under a file
+    or the trace itself ended in a traceback with the table printed and nothing saved, or replaced the input."""
+    trace = tmp_path / "prof"
+    trace.mkdir()
+    (trace / "host.xplane.pb").write_bytes(b"\x08\x01binary")
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "earlier.json").write_text(json.dumps({"categories": []}))
+    cases = {str(trace): "is a directory", str(tmp_path / "notes.txt" / "s.json"): "notes.txt is a file",
+             str(trace / "host.xplane.pb"): "is not an earlier summary", str(tmp_path / "notes.txt"): "not an earlier"}
+    for out, words in cases.items():
+        assert ps.main([str(trace), "--json", out]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --json {out}: ") and words in err[0], (out, err)
+    assert (trace / "host.xplane.pb").read_bytes() == b"\x08\x01binary"
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert ps.json_refusal(tmp_path / "earlier.json") is None and ps.json_refusal(tmp_path / "new" / "s.json") is None
+    ps.write_json_atomic(tmp_path / "new" / "s.json", {"categories": [1]})
+    assert json.loads((tmp_path / "new" / "s.json").read_text()) == {"categories": [1]}
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["s.json"]
