@@ -149,6 +149,68 @@ def extra_arg(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+VLLM_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.txt")  # made by scripts/vllm_serve_flags.py
+
+
+def vllm_serve_flags() -> frozenset[str]:
+    """The option strings `vllm serve` takes in the pinned release (VLLM_TPU_IMAGE)."""
+    lines = VLLM_FLAGS_FILE.read_text(encoding="utf-8").splitlines()
+    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+def vllm_option(arg: str) -> str | None:
+    """The option an extra_args word names as vLLM's parser reads it, or None for a value: '_' and '-' alike
+    before any '.', `--x=V` and `--x.key V` (a JSON option's field) as `--x`, `-O3` as `-O` (its
+    optimization-level shorthand); `-1` or `-` are values."""
+    if not arg.startswith("-") or arg == "-" or re.fullmatch(r"-[\d.].*", arg):
+        return None
+    if arg.startswith("-O") and not arg.startswith("--"):
+        return "-O"
+    name = arg.split("=", 1)[0]
+    return "--" + name[2:].split(".", 1)[0].replace("_", "-") if name.startswith("--") else name
+
+
+def resolve_vllm_option(option: str, known: frozenset[str]) -> str | None:
+    """`option` as vLLM's argparse takes it: itself, or the one known long option it abbreviates; else None."""
+    if option in known or option == "-O":
+        return option
+    if option.startswith("--"):
+        longer = [k for k in known if k.startswith(option)]
+        if len(longer) == 1:
+            return longer[0]
+    return None
+
+
+def unknown_extra_args(args: Sequence[str]) -> list[str]:
+    """One phrase for each server.extra_args option the pinned `vllm serve` does not take (with the closest
+    option it does): vLLM stops at such a word with a usage error only on the TPU VM, after the image pull."""
+    import difflib
+
+    known = vllm_serve_flags()
+    out = []
+    for arg in args:
+        option = vllm_option(arg)
+        if option is None or resolve_vllm_option(option, known) is not None:
+            continue
+        close = difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.75)
+        out.append(f"{arg} is not an option of `vllm serve`" + (f" (did you mean {close[0]}?)" if close else ""))
+    return out
+
+
+def pinned_image(cfg: ServeConfig) -> bool:
+    """Whether the container runs the vLLM release vllm_serve_flags.txt lists (the pinned image, or ours from it)."""
+    return cfg.container.image in (DEFAULT_IMAGE, VLLM_TPU_IMAGE)
+
+
+def extra_args_warning(cfg: ServeConfig) -> str | None:
+    """With another container.image the option list may differ: the options the pinned release lacks, said once."""
+    unknown = unknown_extra_args(cfg.server.extra_args) if not pinned_image(cfg) else []
+    if not unknown:
+        return None
+    return (f"server.extra_args: {'; '.join(unknown)} in {VLLM_TPU_IMAGE}; container.image {cfg.container.image} "
+            "may take it, else vLLM stops at it when the container starts")
+
+
 def max_loras(cfg: ServeConfig) -> int:
     """--max-loras: lora.max_loras, else one slot for each adapter, so a batch can mix them all."""
     return cfg.lora.max_loras if cfg.lora.max_loras is not None else max(len(cfg.lora.adapters), 1)
@@ -188,11 +250,15 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     if s.max_num_batched_tokens < s.max_num_seqs:  # vLLM's SchedulerConfig refuses it when the engine starts
         bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
             f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
+    known = vllm_serve_flags()
     for arg in s.extra_args:
-        flag = arg.split("=", 1)[0]
-        flag = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag  # vLLM reads both spellings
-        if flag in RENDERED_FLAGS:
-            bad(f"server.extra_args: {arg} is set from the config; set {RENDERED_FLAGS[flag]} instead")
+        option = vllm_option(arg)
+        flag = resolve_vllm_option(option, known) if option is not None else None  # `--max-model-l`: abbreviated
+        if flag in RENDERED_FLAGS or option in RENDERED_FLAGS:
+            bad(f"server.extra_args: {arg} is set from the config; set {RENDERED_FLAGS[flag or option]} instead")
+    if pinned_image(cfg) and unknown_extra_args(s.extra_args):
+        bad(f"server.extra_args: {'; '.join(unknown_extra_args(s.extra_args))} (the options of {VLLM_TPU_IMAGE} "
+            "are listed in serving/vllm_serve_flags.txt); vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:
         bad(f"server.port must be in 1..65535, got {s.port}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):

@@ -37,6 +37,7 @@ from serving.config import (
     ServeConfig,
     inspect_model,
     load_serve_config,
+    extra_args_warning,
     lora_warning,
     max_loras,
     open_api_warning,
@@ -237,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "404 (merge an adapter with python -m convert.merge_orbax to serve it here)", file=sys.stderr)
         return serve_local(cfg)
     facts = inspect_model(cfg)
-    for warning in (stop_token_warning(cfg, facts), lora_warning(cfg)):
+    for warning in (stop_token_warning(cfg, facts), lora_warning(cfg), extra_args_warning(cfg)):
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     cmd = render(cfg, facts)

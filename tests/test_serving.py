@@ -334,6 +334,13 @@ def _damaged_shard(p):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--api-key,sk-1]"], ["server.api_key_env"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--chat-template-content-format,string]"],
      ["server.chat_template_content_format"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-model-l,100]"], ["server.max_model_len"]),  # abbreviated
+    # a misspelt option: vLLM's usage error only on the TPU VM, after the image pull and minutes of container start
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu-memory-utilisation,0.9]"],
+     ["--gpu-memory-utilisation is not an option of `vllm serve`", "did you mean --gpu-memory-utilization?",
+      "vllm/vllm-tpu:v0.27.0"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching,--kv-cache-dtype=fp8,--swap_spac,4]"],
+     ["--swap_spac is not an option"]),
 ])
 def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
     d = make(tmp_path / "m")
@@ -1033,3 +1040,21 @@ def test_a_server_open_beyond_loopback_without_a_key_is_warned_of(tmp_path, caps
     for extra in (["server.host=0.0.0.0", "server.api_key_env=SOME_KEY"], []):
         code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", *extra)
         assert code == 0 and "server.host" not in err, err
+
+
+def test_extra_args_are_read_as_vllms_parser_reads_them(tmp_path, capsys):
+    """The pinned release's options pass in every spelling its parser takes ('_' for '-', `--x=V`, a JSON option's
+    `--x.field`, `--no-x`, `-O3`, an unambiguous abbreviation, negative values); with another container.image a
+    word the pinned release lacks is a warning (that image may take it), not a refusal."""
+    d = fake_model_dir(tmp_path / "m")
+    ok = ("server.extra_args=[--enable_prefix_caching, --gpu-memory-utilization=0.9, --compilation-config.mode, 3, "
+          "--no-enable-log-requests, -O3, --seed, -1, --block-size, 32, --disable-log-stat]")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", ok)
+    assert code == 0 and "warning" not in err, err
+    serve = words(out)[words(out).index("vllm"):]
+    assert serve[-3:] == ["--block-size", "32", "--disable-log-stat"]
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "container.image=vllm/vllm-tpu:nightly", "server.extra_args=[--new-flag,1]")
+    assert code == 0 and "--new-flag" in out, err
+    assert ("warning: server.extra_args: --new-flag is not an option of `vllm serve` in vllm/vllm-tpu:v0.27.0; "
+            "container.image vllm/vllm-tpu:nightly may take it") in err, err
