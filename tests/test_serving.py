@@ -1058,3 +1058,13 @@ def test_extra_args_are_read_as_vllms_parser_reads_them(tmp_path, capsys):
     assert code == 0 and "--new-flag" in out, err
     assert ("warning: server.extra_args: --new-flag is not an option of `vllm serve` in vllm/vllm-tpu:v0.27.0; "
             "container.image vllm/vllm-tpu:nightly may take it") in err, err
+
+
+def test_the_option_list_is_of_the_pinned_release():
+    """Pinning another vllm-tpu image without remaking the list would check extra_args against the wrong release."""
+    from serving.config import VLLM_FLAGS_FILE, VLLM_TPU_IMAGE, vllm_serve_flags
+
+    version = VLLM_TPU_IMAGE.rsplit(":v", 1)[1]
+    assert f"vllm-tpu=={version} " in VLLM_FLAGS_FILE.read_text().splitlines()[0], \
+        f"run: python scripts/vllm_serve_flags.py {version}"
+    assert {"--max-model-len", "--enable-lora", "--tool-call-parser", "-tp"} <= vllm_serve_flags()
