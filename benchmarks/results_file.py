@@ -4,10 +4,10 @@ lost to a traceback at its end; then written all at once, never cut short (Ctrl-
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from gemma_tpu.core import strict_json
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.errors import UserError
 
@@ -26,4 +26,4 @@ def write_json(path: str | Path, doc: Any, indent: int = 2) -> Path:
     """`doc` as JSON at `path` (its folder made), published whole."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return write_text_atomic(out, json.dumps(doc, indent=indent) + "\n")
+    return write_text_atomic(out, strict_json.dumps(doc, indent=indent) + "\n")

@@ -530,6 +530,29 @@ def test_the_table_is_recomputed_from_the_results_files_records():
     assert metrics["hallucinated_tool_rate"] == pytest.approx(1 / 7) and 0 < metrics["answer_f1"] < 1
     assert records[3]["answer"] == "Hal: 3 plus 17 = 20" and records[3]["answer_f1"] == pytest.approx(10 / 11)
 
+def test_a_nonfinite_eval_loss_keeps_the_results_file_strict_json():
+    """A model whose logits went NaN (a diverged run merged) wrote `"eval_loss": NaN, "perplexity": NaN`: the bare
+    word NaN is not JSON, and jq or JavaScript could not read the results file at all. It is null now, and the
+    model's metrics name it in `nonfinite`."""
+    from gemma_tpu.core.strict_json import dumps, finite
+    from gemma_tpu.evaluate.run import Case, results_json, scored
+
+    steps = ToolCall("get_steps", {"date": "today"})
+    metrics, records = scored([Case({}, steps, ["get_steps"], "a", calls=[steps])],
+                              [ParsedReply("call", [steps], "")], [""], float("nan"), 0.0)
+
+    def refuse(word):
+        raise AssertionError(f"{word} is not JSON")
+
+    doc = json.loads(results_json({"m": metrics}, {"m": records}, "t.jsonl", 1), parse_constant=refuse)
+    m = doc["models"]["m"]
+    assert m["eval_loss"] is None and m["perplexity"] is None and m["tool_accuracy"] == 1.0
+    assert m["nonfinite"] == {"eval_loss": "nan", "perplexity": "nan"}
+    assert finite({"a": [1.0, float("inf")], "b": {"c": -float("inf")}, "d": 2}) == \
+        {"a": [1.0, None], "b": {"c": None, "nonfinite": {"c": "-inf"}}, "d": 2}
+    assert dumps({"x": 1.5}) == '{"x": 1.5}'
+
+
 def test_parallel_reference_calls_are_all_scored():
     """A reference turn of two calls scored its first call only: a model that made that one call alone scored
     right. Now every reference call needs a predicted call of its own (order free, extras allowed)."""

@@ -44,9 +44,20 @@ def test_stop_names_the_step_and_exits_3(stopped):
     ckpt, proc = stopped
     line = assert_one_line_error(proc, "non-finite loss", "at step")
     assert proc.returncode == 3
-    bad = [json.loads(l) for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
-    first_bad = next(r["step"] for r in bad if r["mode"] == "train" and not np.isfinite(r["loss"]))
+    first_bad = _first_nonfinite_step(ckpt)
     assert f"at step {first_bad}" in line
+
+
+def _first_nonfinite_step(ckpt) -> int:
+    """metrics.jsonl read as strict JSON (jq, JavaScript): a NaN loss was written as the bare word NaN, which made
+    the line unreadable to them; now null, named in the record's `nonfinite`."""
+    def refuse(word):
+        raise AssertionError(f"{word} in metrics.jsonl is not JSON")
+
+    recs = [json.loads(l, parse_constant=refuse) for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    bad = [r for r in recs if r["mode"] == "train" and r["loss"] is None]
+    assert bad and bad[0]["nonfinite"]["loss"] in ("nan", "inf", "-inf"), bad
+    return bad[0]["step"]
 
 
 def test_the_step_whose_loss_went_nonfinite_is_not_saved(stopped):
@@ -56,8 +67,7 @@ def test_the_step_whose_loss_went_nonfinite_is_not_saved(stopped):
     from gemma_tpu.checkpoint.metadata import list_steps
 
     ckpt, proc = stopped
-    recs = [json.loads(l) for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
-    first_bad = next(r["step"] for r in recs if r["mode"] == "train" and not np.isfinite(r["loss"]))
+    first_bad = _first_nonfinite_step(ckpt)
     assert max(list_steps(ckpt)) == first_bad - 1
     assert_one_line_error(proc, f"at step {first_bad}; the last checkpoint on disk is step {first_bad - 1} (finite)")
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemma_tpu.checkpoint.restore import locate
-from gemma_tpu.core import cli
+from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig, keys_given
 from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
@@ -484,8 +484,8 @@ def format_table(results: dict[str, dict]) -> str:
 
 
 def results_json(results: dict, details: dict, data: str, n: int, **extra) -> str:
-    return json.dumps({"data": str(data), "n": n, "models": results, "examples": details, **extra}, indent=2,
-                      ensure_ascii=False)
+    return strict_json.dumps({"data": str(data), "n": n, "models": results, "examples": details, **extra},
+                             indent=2, ensure_ascii=False)
 
 
 def describe_stop(error: BaseException) -> str:

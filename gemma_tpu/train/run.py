@@ -24,7 +24,7 @@ from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
 from gemma_tpu.checkpoint.metadata import METADATA_FILE
 from gemma_tpu.checkpoint.params import check_item_files, short_reason
-from gemma_tpu.core import cli
+from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError, raise_signal_exit
@@ -268,7 +268,7 @@ def run(cfg: RunConfig) -> dict:
         else:
             log.warning("no profile written under %s", profile_dir)
     if primary:
-        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))  # never a cut-short one
+        write_text_atomic(run_dir / "summary.json", strict_json.dumps(summary, indent=2))  # never a cut-short one
     log.info("done: %s", json.dumps(summary))
     preemption.exit_if_requested()
     return summary

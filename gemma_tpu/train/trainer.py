@@ -9,7 +9,6 @@ a compile counter that warns if the train step compiles again, and a non-finite-
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import math
 import os
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 from tunix.sft import hooks as tunix_hooks
 
+from gemma_tpu.core import strict_json
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.finite_guard import FiniteCheckpoints, last_step_on_disk
 from gemma_tpu.train.partition import fit_factored_state_annotations, keep_placement, shard_optimizer_state
@@ -184,7 +184,7 @@ def append_jsonl(path: Path, rec: dict) -> None:
             if f.tell() > 0:
                 f.seek(-1, os.SEEK_END)
                 prefix = b"" if f.read(1) == b"\n" else b"\n"
-            f.write(prefix + (json.dumps(rec) + "\n").encode())
+            f.write(prefix + (strict_json.dumps(rec) + "\n").encode())
     except OSError as e:
         if isinstance(e, FileNotFoundError) and not path.parent.is_dir():  # "No such file or directory: …" said why not
             raise UserError(f"{path.parent} was removed or moved while training ({path.name} cannot be written); "
