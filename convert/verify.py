@@ -4,7 +4,9 @@
 
 compares any two HF directories with transformers (float32, eager attention): max |logit
 difference|, KL(A || B) per position (mean and max), and how often the argmax agrees. Exit 0 unless
-a threshold given on the command line is exceeded.
+a threshold given on the command line is exceeded. A PEFT adapter directory (`convert.export_peft`)
+is compared as PEFT loads it: on the base its adapter_config.json names (so an adapter can be checked
+against the merge of the same step before it is served).
 
 `verify_merge` (used by `merge_orbax --verify`) takes the reference from the JAX side: the checkpoint
 restored by `gemma_tpu.checkpoint.restore` (the base loaded by our loader, LoRA applied with Qwix and
@@ -46,7 +48,7 @@ from convert.source import FactorCache, checked_lora_sites
 from gemma_tpu.checkpoint.restore import restore_model
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats import gemma_chat
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
@@ -193,6 +195,21 @@ def prompt_ids(tokenizer_dir: Path, prompts: Sequence[str], vocab_size: int) -> 
     return [[2] + rng.integers(3, vocab_size, size=8 + 4 * i).tolist() for i in range(len(prompts))]
 
 
+def adapter_base(d: Path) -> Path | None:
+    """The base a PEFT adapter directory (adapter_config.json, no config.json) names, which it is compared on;
+    None for a model directory. It was refused as "config.json: missing"."""
+    if (d / "config.json").is_file() or not (d / "adapter_config.json").is_file():
+        return None
+    cfg = read_json_object(d / "adapter_config.json", f"{d}/adapter_config.json: missing")
+    base = cfg.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise UserError(f"{d}/adapter_config.json: no base_model_name_or_path to load the adapter on")
+    if not Path(base).is_dir():
+        raise UserError(f"{d}: its base_model_name_or_path {base} is not a directory here (verify compares local "
+                        "directories; download the base and set it in adapter_config.json)")
+    return Path(base)
+
+
 def check_hf_dir(model_dir: Path) -> dict:
     """config.json and the safetensors headers of a directory to compare (every tensor's byte range
     inside its file), read before any model loads; its config. A directory without safetensors is
@@ -205,8 +222,9 @@ def check_hf_dir(model_dir: Path) -> dict:
     return config
 
 
-def hf_logits(model_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
-    """Logits of an HF directory with transformers in float32, eager attention, one prompt at a time.
+def hf_logits(model_dir: Path, ids: list[list[int]], adapter: Path | None = None) -> list[np.ndarray]:
+    """Logits of an HF directory with transformers in float32, eager attention, one prompt at a time
+    (with a PEFT `adapter` on it, as `PeftModel.from_pretrained` loads one).
 
     A weight whose shape is not the one config.json makes, or one missing (transformers would fill
     either with random values, or raise a RuntimeError that names neither), is refused by name."""
@@ -230,6 +248,16 @@ def hf_logits(model_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:
     if info.get("missing_keys"):
         key = sorted(info["missing_keys"])[0]
         raise UserError(f"{model_dir}: weight {key} is missing (transformers would fill it with random values)")
+    if adapter is not None:
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise UserError(f"{adapter}: comparing a PEFT adapter needs the peft package (pip install peft)") from None
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter))
+        except Exception as e:  # an adapter of another model: shapes that do not fit, modules it lacks
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{adapter}: peft cannot load it on {model_dir} ({first:.300})") from None
     model.eval()
     out = []
     with torch.no_grad():
@@ -302,8 +330,8 @@ def verify_merge(source, base_dir: Path, merged_dir: Path, dtype_name: str,
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m convert.verify", __doc__, overrides=False)
-    p.add_argument("a", help="reference HF directory")
-    p.add_argument("b", help="HF directory to compare")
+    p.add_argument("a", help="reference HF directory (or PEFT adapter directory)")
+    p.add_argument("b", help="HF directory (or PEFT adapter directory) to compare")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a fixed set)")
     p.add_argument("--max-abs-diff", type=cli.number(0.0, low_ok=True), help="fail (exit 1) above this max |logit diff|")
     p.add_argument("--max-kl", type=cli.number(0.0, low_ok=True), help="fail (exit 1) above this mean KL(A||B)")
@@ -317,14 +345,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompt and not all(p.strip() for p in args.prompt):
         raise UserError("--prompt: an empty prompt gives no tokens to compare")
     dirs = [Path(args.a), Path(args.b)]
-    configs = [check_hf_dir(d) for d in dirs]  # both, before the first model loads
+    bases = [adapter_base(d) for d in dirs]
+    models = [b or d for d, b in zip(dirs, bases)]  # an adapter is loaded on its base
+    adapters = [d if b else None for d, b in zip(dirs, bases)]
+    configs = [check_hf_dir(d) for d in models]  # both, before the first model loads
     try:  # keys config.json omits at transformers' defaults, for the families we know
         text = detect_family(configs[0]).read_text_config(configs[0])
     except UserError:
         text = text_config(configs[0])
     vocab = int(text["vocab_size"])
-    ids = prompt_ids(dirs[0], args.prompt or DEFAULT_PROMPTS, vocab)
-    c = compare(hf_logits(dirs[0], ids), hf_logits(dirs[1], ids))
+    ids = prompt_ids(models[0], args.prompt or DEFAULT_PROMPTS, vocab)
+    c = compare(*(hf_logits(m, ids, a) for m, a in zip(models, adapters)))
     failed = []
     if args.max_abs_diff is not None and c.max_abs_diff > args.max_abs_diff:
         failed.append(f"max |diff| {c.max_abs_diff:.3g} > {args.max_abs_diff:g}")

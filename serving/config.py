@@ -21,7 +21,9 @@ from typing import Literal, Sequence
 
 from gemma_tpu.core.config import blame, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.safetensors_io import file_tensors
+from gemma_tpu.hf.tokenizer import tokens_named
 from gemma_tpu.models.registry import Family, families, text_config
 
 # The official vLLM TPU image, pinned (docker.io/vllm/vllm-tpu, tags vX.Y.Z = tpu-inference releases).
@@ -436,6 +438,20 @@ def check_adapter_fits(adapter_dir: Path, name: str, r: int, base: dict[str, tup
                             f"weight is {list(shapes[0])} (an adapter of another model?)")
 
 
+def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> None:
+    """vLLM decodes every adapter's output with model.dir's tokenizer (it no longer loads an adapter's own). A
+    tool-calling fine-tune of a base without FunctionGemma markers ships a tokenizer publishing them on the reserved
+    ids it was trained on (convert.export_peft); served on that base its calls came out as `<unusedN>` tokens, which
+    vLLM drops from the text as special tokens, and no tool-call parser saw a call."""
+    lacking = [m for m in FUNCTION_MARKERS if m in tokens_named(adapter_dir, FUNCTION_MARKERS) - tokens_named(
+        model_dir, FUNCTION_MARKERS)]
+    if lacking:
+        raise UserError(f"lora.adapters.{name}: its tokenizer names the tool-call marker {lacking[0]}, which "
+                        f"model.dir's tokenizer lacks; vLLM decodes adapters with model.dir's tokenizer, so this "
+                        f"adapter's tool calls would be lost: serve its merge (python -m convert.merge_orbax) as "
+                        f"model.dir instead")
+
+
 def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     """Check the model directory (and adapters) against what vLLM-TPU needs; one-line errors.
 
@@ -511,6 +527,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
             ranks.append(adapter_rank(adir, a.name))
             check_adapter_fits(adir, a.name, ranks[-1], weights)
+            check_adapter_tokenizer(adir, a.name, d)
         if ranks:
             need = max(ranks)
             if cfg.lora.max_lora_rank is not None:

@@ -947,6 +947,29 @@ def test_peft_adapter_names_the_base_it_was_trained_on_wherever_it_is_loaded(wor
     assert peft_base_path({"path": "embedded:tiny", "local_dir": "/assets/tiny"}) == "/assets/tiny"
 
 
+def test_verify_compares_a_peft_adapter_on_its_base_with_the_merge(work, base, lora_ckpt, merged, capsys):
+    """`convert.verify MERGED ADAPTER` said "config.json: missing": an adapter could not be checked against the
+    merge of its step before serving it. It is compared as PEFT loads it, on the base its config names."""
+    from convert.export_peft import main
+    from convert.verify import main as verify
+    from gemma_tpu.core.cli import cli_main
+
+    out = work / "adapter_verified"
+    assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli_main(verify, [str(merged), str(out), "--max-abs-diff", str(TOL), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["passed"] and got["max_abs_diff"] <= TOL and got["argmax_agreement"] == 1.0
+    assert cli_main(verify, [str(out), str(base), "--max-abs-diff", "0.01"]) == 1  # the adapter changes the model
+    assert "max |diff|" in capsys.readouterr().err
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(work / "gone")}))
+    assert cli_main(verify, [str(merged), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out}: its base_model_name_or_path {work / 'gone'} is not a directory here" in err
+    assert "Traceback" not in err
+
+
 def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     from convert.export_peft import main
     from gemma_tpu.core.cli import cli_main

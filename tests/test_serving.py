@@ -390,6 +390,30 @@ def test_adapter_checks(tmp_path, capsys):
         assert out == ""
 
 
+def test_a_tool_calling_adapter_is_refused_on_a_base_without_its_markers(tmp_path, capsys):
+    """README's recipe served the fitness coach's adapter on plain Gemma 3. vLLM decodes every adapter with
+    model.dir's tokenizer, which names the markers' ids <unusedN> (special tokens it drops from the text): no tool
+    call reached the parser. Refused naming the marker; on its merge (markers published alike) it is taken."""
+    from convert.tool_tokens import install_tool_tokens
+    from gemma_tpu.assets.tiny import _write_small_tokenizer
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
+
+    token_map = {m: f"<unused{5 + i}>" for i, m in enumerate(FUNCTION_MARKERS)}
+    d, a = fake_model_dir(tmp_path / "m"), fake_adapter(tmp_path / "coach", r=8)
+    _write_small_tokenizer(d, 512)
+    _write_small_tokenizer(a, 512)  # what convert.export_peft ships beside a tool-calling adapter
+    install_tool_tokens(a, token_map)
+    args = ("--config", CONFIG_270M, "--print", f"model.dir={d}", f"lora.adapters=[{{name: coach, dir: {a}}}]")
+    code, out, err = launch_inproc(capsys, *args)
+    one_error_line(code, err, "lora.adapters.coach:", "<start_function_declaration>", "model.dir's tokenizer lacks",
+                   "convert.merge_orbax")
+    assert out == ""
+    install_tool_tokens(d, token_map)
+    code, out, err = launch_inproc(capsys, *args)
+    assert code == 0, err
+    assert flag(words(out), "--lora-modules") == "coach=/adapters/coach"
+
+
 # ------------------------------------------------------------------------ launch (docker run)
 
 

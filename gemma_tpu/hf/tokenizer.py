@@ -20,6 +20,18 @@ def require_tokenizer_files(model_dir: str | Path) -> None:
         raise UserError(f"{d}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
 
 
+def tokens_named(model_dir: str | Path, candidates) -> set[str]:
+    """Which of `candidates` the directory's tokenizer.json spells as a token (a JSON string of its own), found
+    without decoding the file: Gemma's is ~33 MB, and a server's launch check wants only a few markers."""
+    import mmap
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file() or path.stat().st_size == 0:
+        return set()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return {c for c in candidates if m.find(json.dumps(c).encode()) >= 0}
+
+
 def load_tokenizer(model_dir: str | Path):
     """The tokenizer of `model_dir`; a missing or unreadable one is a one-line error naming the directory.
 
