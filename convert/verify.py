@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -46,7 +45,7 @@ import numpy as np
 
 from convert.source import FactorCache, checked_lora_sites
 from gemma_tpu.checkpoint.restore import restore_model
-from gemma_tpu.core import cli
+from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats import gemma_chat
@@ -362,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_kl is not None and c.kl_mean > args.max_kl:
         failed.append(f"KL mean {c.kl_mean:.3g} > {args.max_kl:g}")
     if args.json:
-        print(json.dumps({**c.as_dict(), "passed": not failed, "failures": failed}, indent=2))
+        print(strict_json.dumps({**c.as_dict(), "passed": not failed, "failures": failed}, indent=2))
     else:
         print(c.summary())
     if failed:
