@@ -458,8 +458,12 @@ def _build(cls: type, data: Any, where: str) -> Any:
 def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | None = None) -> None:
     parts = dotted.split(".")
     node = tree
-    for p in parts[:-1]:
+    for k, p in enumerate(parts[:-1]):
         child = node.setdefault(p, {})
+        if child is None and _section_type(cls, parts[:k + 1]) is not None:
+            # a section left empty in the file (`train:` with every key commented out) reads as null, which
+            # builds as its defaults; its keys were refused as going through "'train', which is not a section"
+            child = node[p] = {}
         if not isinstance(child, dict):
             raise UserError(f"{source}: '{dotted}' goes through '{p}', which is not a section")
         node = child
