@@ -633,3 +633,19 @@ def test_an_override_into_a_section_the_file_leaves_empty(tmp_path, section):
     with pytest.raises(UserError, match=r"override 'data.context_field.x=1': 'data.context_field.x' goes through "
                                         r"'context_field', which is not a section"):
         load_config(p, ["data.context_field.x=1"])
+
+
+@pytest.mark.parametrize("override, kept", [
+    ("checkpoint.dir=runs/exp #2", "'runs/exp'"),  # quoted for the shell: the run went into another run's dir
+    ("data.eval_path=#1", "null"),  # read as null: no evaluation, without a word
+    ("train.max_steps=3 # fewer", "'3'"),
+])
+def test_an_override_value_that_yaml_would_cut_at_a_comment_is_refused(override, kept):
+    with pytest.raises(UserError, match=rf"override '{re.escape(override)}': YAML reads '#.*' as a comment, so the "
+                                        rf"value would be {re.escape(kept)}; to keep the '#', quote the value"):
+        load_config(None, [override])
+
+
+def test_a_hash_yaml_keeps_in_an_override_value_is_kept():
+    cfg = load_config(None, ["data.train_path=data/a#1.jsonl", "checkpoint.dir=\"runs/exp #2\""])
+    assert (cfg.data.train_path, cfg.checkpoint.dir) == ("data/a#1.jsonl", "runs/exp #2")

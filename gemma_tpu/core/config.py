@@ -519,7 +519,27 @@ def parse_override(text: str) -> tuple[str, Any]:
                             f"word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
                             f"({key}=[a,b])") from None
         value = raw
+    comment = _yaml_comment(raw)
+    if comment is not None:
+        kept = raw[:len(raw) - len(comment)].strip()
+        raise UserError(f"override '{text}': YAML reads {comment.strip()!r} as a comment, so the value would be "
+                        f"{repr(kept) if kept else 'null'}; to keep the '#', quote the value inside the override "
+                        f"({key}=\"{raw.strip()}\", the whole override in single quotes for the shell)")
     return key, value
+
+
+def _yaml_comment(raw: str) -> str | None:
+    """The comment YAML drops from an override's value (`checkpoint.dir='runs/exp #2'` ran in runs/exp, another run's
+    directory; `data.eval_path=#1` was null: no evaluation), or None. A shell comment never reaches us."""
+    if "#" not in raw:
+        return None
+    try:
+        node = yaml.compose(raw, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None  # read as the text itself
+    end = node.end_mark.index if node is not None else 0
+    rest = raw[end:]
+    return rest if rest.strip().startswith("#") else None
 
 
 class _DuplicateKey(yaml.YAMLError):
