@@ -2093,3 +2093,45 @@ def test_a_resume_without_shuffling_may_change_the_seed_but_not_the_rows():
                                "unshuffled but chooses which examples share a row; the rows' contents)")]:
         with pytest.raises(UserError, match=rf"^ck/8: its data position is for other training rows \({re.escape(named)}"):
             check_layout(saved, now, "ck/8")
+
+
+# a chat template that trims each message's text (as some shipped Gemma templates do): written for this test
+TRIMMING_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_turn>' ~ ('model' if m['role'] == "
+                     "'assistant' else 'user') ~ '\\n' ~ (m['content'] | trim) ~ '<end_of_turn>\\n' -}}{%- endfor -%}"
+                     "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}")
+
+
+def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
+    """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
+    the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect
+    now say so, naming the first such chat; with the tokenizer's own template as the renderer nothing is said."""
+    import logging
+    import shutil
+
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+    from gemma_tpu.data import inspect
+
+    plain = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    padded = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a.\n"}]}
+    path = write_jsonl(tmp_path / "s.jsonl", [plain, padded, TOOL_CHAT, padded])
+    trimming = _with_template(tok, TRIMMING_TEMPLATE)
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), Renderer(trimming), DataConfig(seq_len=256), seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of the first 3 chats render otherwise than the tokenizer's own chat template, which a server "
+        f"renders them with (the first: {path}:2: at character 58, ours 'art_of_turn>model\\na.\\n<end_of_turn>\\n',"
+        f" the template's 'art_of_turn>model\\na.<end_of_turn>\\n'); the model would be trained on text it is not "
+        f"served: set data.chat_format=template to train on the template's rendering, or fix the data"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), Renderer(trimming, chat_format="template"), DataConfig(seq_len=256), seed=0)
+        prepare_split(str(path), Renderer(_with_template(tok, GEMMA3_CHAT_TEMPLATE)), DataConfig(seq_len=256), 0)
+    assert caplog.records == []
+    # inspect shows it as training warns it
+    tdir = tmp_path / "tok"
+    shutil.copytree(tok_dir, tdir)
+    (tdir / "chat_template.jinja").write_text(TRIMMING_TEMPLATE)
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                                             str(tdir), "-n", "0", "train.batch_size=1"]))
+    assert result["template_skew"].startswith(f"{path}: 2 of the first 3 chats render otherwise")
+    assert f"template   {result['template_skew']}" in capsys.readouterr().out
