@@ -2135,3 +2135,22 @@ def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path
                                              str(tdir), "-n", "0", "train.batch_size=1"]))
     assert result["template_skew"].startswith(f"{path}: 2 of the first 3 chats render otherwise")
     assert f"template   {result['template_skew']}" in capsys.readouterr().out
+
+
+def test_mixed_schema_json_lines_from_a_table_read_each_row_by_its_shape(tmp_path):
+    """pandas' to_json of sets of several shapes gives every row every column, null where the row is of another
+    shape: the ShareGPT row was refused as "'messages' must be a non-empty list, got null". Each row is read by the
+    fields that hold something, as Parquet rows are; a row whose only shape is null is still refused by its field."""
+    import pandas as pd
+
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            {"conversations": [{"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]},
+            {"instruction": "i", "context": "", "response": "r"}, {"prompt": "p", "completion": "c"}]
+    path = tmp_path / "mixed.jsonl"
+    pd.DataFrame(rows).to_json(path, orient="records", lines=True)
+    assert '"messages":null,"conversations":[' in path.read_text()
+    convs = load_conversations(path, DataConfig())
+    assert [[m["content"] for m in c["messages"]] for c in convs] == [["q", "a"], ["q2", "a2"], ["i", "r"], ["p", "c"]]
+    write_jsonl(path, [rows[0], {"messages": None, "conversations": None}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:2: 'messages' must be a non-empty list, got null"):
+        load_conversations(path, DataConfig())

@@ -798,6 +798,27 @@ def normalise_text(obj: dict, where: str, field: str) -> dict:
     return {"text": text, "tools": None, "where": where}
 
 
+def _shape_fields(kind: str | None, data_cfg) -> list[str]:
+    """The fields a row of shape `kind` is read from."""
+    return {"messages": ["messages"], "sharegpt": ["conversations"], "prompt_completion": ["prompt", "completion"],
+            "instruction": [data_cfg.instruction_field, data_cfg.response_field],
+            "text": [data_cfg.text_field]}.get(kind or "", [])
+
+
+def _detect(obj: dict, data_cfg) -> str | None:
+    """`detect_format`, by the fields that hold something where the shape's own fields are all null: a mixed-schema
+    JSON Lines file written from a table (pandas' to_json of concatenated sets) gives every row every shape's column,
+    null where the row is of another shape, and `{"messages": null, "conversations": [...]}` was refused as "'messages'
+    must be a non-empty list, got null"."""
+    kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
+    fields = _shape_fields(kind, data_cfg)
+    if fields and all(obj.get(k) is None for k in fields):
+        other = detect_format({k: v for k, v in obj.items() if v is not None}, data_cfg.instruction_field,
+                              data_cfg.text_field)
+        kind = other or kind
+    return kind
+
+
 def _check_null_columns(obj: dict, kind: str | None, where: str, data_cfg) -> None:
     """A Parquet/Arrow row whose text column is null (pandas writes a missing value, NaN or None, as null): said as
     such. Its nulls are dropped before the row is read, so it was "no 'messages' ... field (the example has no
@@ -807,10 +828,7 @@ def _check_null_columns(obj: dict, kind: str | None, where: str, data_cfg) -> No
         return
     if kind is None:  # the shape the row would have with its null columns
         kind = detect_format({**obj, **dict.fromkeys(nulls)}, data_cfg.instruction_field, data_cfg.text_field)
-    needed = {"messages": ["messages"], "sharegpt": ["conversations"], "prompt_completion": ["prompt", "completion"],
-              "instruction": [data_cfg.instruction_field, data_cfg.response_field],
-              "text": [data_cfg.text_field]}.get(kind or "", [])
-    null = [k for k in needed if k in nulls and k not in obj]
+    null = [k for k in _shape_fields(kind, data_cfg) if k in nulls and k not in obj]
     if null:
         raise UserError(f"{where}: '{null[0]}' is null in this row (a missing value: pandas writes NaN and None as "
                         f"null); fill it in or drop the row")
@@ -826,7 +844,7 @@ def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP)
     check_surrogates(obj, where)
     kind = data_cfg.format
     if kind == "auto":
-        kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
+        kind = _detect(obj, data_cfg)
     _check_null_columns(obj, kind, where, data_cfg)
     if kind is None:
         rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
