@@ -491,6 +491,11 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[0\]: a user message needs 'content' \(it has role, text\)"),
     ({"messages": [{"role": "system"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: a system message needs 'content'"),
+    # a null was worded as if the field were missing: "needs 'content' (it has role, content)"
+    ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: a user message needs 'content' \(its 'content' is null\)$"),
+    ({"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "yo"}]},
+     r"conversations\[0\]: 'value' is null; a 'human' turn needs text$"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n "}]},
      r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
     ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},

@@ -547,7 +547,8 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
-            raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
+            has = "its 'content' is null" if "content" in m else f"it has {', '.join(map(str, m))}"
+            raise UserError(f"{mw}: a {role} message needs 'content' ({has})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
         markup.check(msg["content"], mw, answer=role == "assistant")
         if role in ("system", "developer") and not msg["content"].strip():
@@ -716,6 +717,8 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
             raise UserError(f"{where}: conversations[{i}]: expected an object with 'from' and 'value'")
+        if t["value"] is None:  # was "a user message needs 'content' (it has role, content)": neither is its field
+            raise UserError(f"{where}: conversations[{i}]: 'value' is null; a {t['from']!r} turn needs text")
         role = SHAREGPT_ROLES.get(t["from"].lower()) if isinstance(t["from"], str) else None
         if role is None:
             raise UserError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected one of "
