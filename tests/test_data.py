@@ -2159,3 +2159,17 @@ def test_mixed_schema_json_lines_from_a_table_read_each_row_by_its_shape(tmp_pat
     write_jsonl(path, [rows[0], {"messages": None, "conversations": None}])
     with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:2: 'messages' must be a non-empty list, got null"):
         load_conversations(path, DataConfig())
+
+
+def test_sharegpt_turns_under_the_messages_column_are_read_as_sharegpt(tmp_path):
+    """Converters leave ShareGPT turns (`from`/`value`) under 'messages' (as they leave chat messages under
+    'conversations', which was already read): each row was refused as "messages[0]: unknown role None"."""
+    turns = [{"from": "system", "value": "S."}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": turns}, {"conversations": turns},
+                                              {"messages": [turns[1], {"from": "wizard", "value": "a"}]}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:3: messages\[1\]: unknown speaker 'wizard'"):
+        load_conversations(path, DataConfig())
+    write_jsonl(path, [{"messages": turns}, {"conversations": turns}])
+    first, second = load_conversations(path, DataConfig())
+    assert first["messages"] == second["messages"] == [
+        {"role": "system", "content": "S."}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]

@@ -8,7 +8,7 @@ example shapes (`data.format`, auto-detected by their keys):
   of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
   assistant turns inside the prompt are context.
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`, or chat messages
-  (`role`/`content`) under that column name.
+  (`role`/`content`) under that column name; ShareGPT turns under `messages` are read as ShareGPT too.
 - `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn.
 - `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
   trained, `{"text": ..., "where": ...}` instead of messages (rendered as TRL does: BOS, text, EOS).
@@ -525,6 +525,13 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: 'messages' must be a non-empty list, got "
                         f"{'an empty list' if messages == [] else _json_type(messages)}")
+    if all(isinstance(t, dict) and "from" in t and "role" not in t for t in messages):
+        # ShareGPT turns (`from`/`value`) under the chat column's name, as converters leave them: each was
+        # "unknown role None"; read as ShareGPT, errors naming the row's own field
+        try:
+            return normalise_sharegpt({**obj, "conversations": messages}, where, markup)
+        except UserError as e:
+            raise UserError(str(e).replace(": conversations[", ": messages[", 1)) from None
     tools = _maybe_json(obj.get("tools"), "tools", where)
     functions = _maybe_json(obj.get("functions"), "functions", where)
     if functions is not None:  # OpenAI's legacy declarations: each one the `function` of a tool
