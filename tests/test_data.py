@@ -491,6 +491,13 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[0\]: a user message needs 'content' \(it has role, text\)"),
     ({"messages": [{"role": "system"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: a system message needs 'content'"),
+    # OpenAI arguments encoded twice (json.dumps of json.dumps, as some exporters write them): said so
+    ({"tools": [STEPS_TOOL], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": json.dumps(json.dumps({"date": "x"}))}}]}]},
+     r"messages\[1\]\.tool_calls\[0\]: arguments must be an object, got a string holding JSON text \(encoded twice"),
+    ({"tools": [STEPS_TOOL], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": "[1]"}}]}]},
+     r"messages\[1\]\.tool_calls\[0\]: arguments must be an object, got a list$"),
     # a null was worded as if the field were missing: "needs 'content' (it has role, content)"
     ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: a user message needs 'content' \(its 'content' is null\)$"),

@@ -589,7 +589,9 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                 if args is None:
                     args = {}
                 if not isinstance(args, dict):
-                    raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object")
+                    twice = isinstance(args, str) and args.lstrip().startswith("{")  # json.dumps of json.dumps
+                    raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object, got {_json_type(args)}"
+                                    + (" holding JSON text (encoded twice: decode it once)" if twice else ""))
                 if not names:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r} but the example declares no 'tools'")
                 if fn["name"] not in names:
