@@ -498,6 +498,11 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     ({"tools": [STEPS_TOOL], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "get_steps", "arguments": "[1]"}}]}]},
      r"messages\[1\]\.tool_calls\[0\]: arguments must be an object, got a list$"),
+    # OpenAI's refusals: "neither content nor tool_calls", or a part "training here is text only (multimodal)"
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "refusal": "No."}]},
+     r"messages\[1\]: the answer is in 'refusal' \(OpenAI's field for a declined request\) and its content is empty"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "No."}]}]}, r"messages\[1\]: content\[0\] is a 'refusal' part \(OpenAI's"),
     # a null was worded as if the field were missing: "needs 'content' (it has role, content)"
     ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: a user message needs 'content' \(its 'content' is null\)$"),

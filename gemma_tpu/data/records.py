@@ -415,6 +415,9 @@ def _text(content: Any, where: str) -> str:
             # OpenAI's Responses API (and exports of it) name text parts input_text / output_text
             if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif kind == "refusal":  # OpenAI's part for a declined request: text, under another key
+                raise UserError(f"{where}: content[{k}] is a 'refusal' part (OpenAI's, for a declined request); to "
+                                f"train its text, give it as a text part {{'type': 'text', 'text': ...}}")
             elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
                 raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
                                 f"language model of a multimodal checkpoint): remove the non-text parts or put "
@@ -599,6 +602,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                                     f"({', '.join(names)})")
                 markup.check_value(args, mw, f"tool_calls[{j}].arguments")
                 norm_calls.append({"name": fn["name"], "arguments": args})
+            if not msg["content"].strip() and not norm_calls and isinstance(m.get("refusal"), str) \
+                    and m["refusal"].strip():  # an OpenAI export of a declined request: the text is elsewhere
+                raise UserError(f"{mw}: the answer is in 'refusal' (OpenAI's field for a declined request) and its "
+                                f"content is empty; to train that answer, put its text in 'content'")
             if not msg["content"].strip() and not norm_calls:  # whitespace alone would train an empty answer
                 raise UserError(f"{mw}: assistant message has neither content nor tool_calls"
                                 f"{' (only whitespace)' if msg['content'] else ''}")
