@@ -2185,3 +2185,25 @@ def test_sharegpt_turns_under_the_messages_column_are_read_as_sharegpt(tmp_path)
     first, second = load_conversations(path, DataConfig())
     assert first["messages"] == second["messages"] == [
         {"role": "system", "content": "S."}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+def test_a_system_prompt_in_a_field_of_its_own_leads_the_conversation(tmp_path, tok):
+    """LLaMA-Factory's ShareGPT and Alpaca rows, and Anthropic-style exports, keep the system prompt in a 'system'
+    field beside the turns: it was dropped without a word, and the model trained without the prompt it is served
+    with. It renders as a first system message does; given twice (a field and a system turn), it is refused."""
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    rows = [{"conversations": turns, "system": "Be brief.", "tools": ""},
+            {"system": [{"type": "text", "text": "Be brief."}], "messages": chat},
+            {"instruction": "q", "input": "", "output": "a", "system": "Be brief."},
+            {"prompt": "q", "completion": "a", "system": "Be brief."},
+            {"messages": [{"role": "system", "content": "Be brief."}, *chat]}]
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    convs = load_conversations(path, DataConfig(response_field="output", context_field="input"))
+    want = Renderer(tok).render(norm(rows[-1])).ids.tolist()
+    assert [Renderer(tok).render(c).ids.tolist() == want for c in convs] == [True] * 5
+    assert "Be brief.\n\nq" in Renderer(tok).render(convs[0]).text
+    write_jsonl(path, [{"conversations": [{"from": "system", "value": "Other."}, *turns], "system": "Be brief."}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: both a 'system' field and a system message "
+                                        rf"opening the conversation; give the system prompt once$"):
+        load_conversations(path, DataConfig())

@@ -12,6 +12,8 @@ example shapes (`data.format`, auto-detected by their keys):
 - `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn.
 - `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
   trained, `{"text": ..., "where": ...}` instead of messages (rendered as TRL does: BOS, text, EOS).
+A system prompt given in a field of its own (`"system"`, as LLaMA-Factory's ShareGPT and Alpaca rows and
+Anthropic-style exports keep it) leads the conversation, as a first system message would.
 An assistant message may carry `"train": false` (or `"weight": 0`): it stays in the context but carries
 no loss, for multi-turn chats where only some answers are good. Problems are reported as
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
@@ -545,7 +547,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
     markup.check_value(tools, where, "tools")
-    out = []
+    out = _system_field(obj, messages, where, markup)
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
     answered = 0
     answered_ids: set = set()
@@ -647,6 +649,24 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     return {"messages": out, "tools": tools if names else None, "where": where}
 
 
+def _system_field(obj: dict, messages: list, where: str, markup: Markup) -> list[dict]:
+    """The system prompt a row gives in a field of its own, as a leading system message ([] for none): LLaMA-Factory's
+    ShareGPT and Alpaca rows and Anthropic-style exports (`{"system": ..., "messages": [...]}`) keep it there, and it
+    was dropped without a word (the model trained without the prompt it is served with)."""
+    if obj.get("system") is None:
+        return []
+    text = _text(obj["system"], f"{where}: 'system'")
+    markup.check(text, f"{where}: 'system'")
+    if not text.strip():
+        return []
+    first = messages[0] if messages else None
+    if isinstance(first, dict) and _role(first) in ("system", "developer") and \
+            not (isinstance(first.get("content"), str) and not first["content"].strip()):
+        raise UserError(f"{where}: both a 'system' field and a {_role(first)} message opening the conversation; "
+                        f"give the system prompt once")
+    return [{"role": "system", "content": text}]
+
+
 def _trained(m: dict, role: str, mw: str) -> bool:
     """Whether a message carries loss: `"train": false` or `"weight": 0` keeps an answer as context only."""
     flags = {k: m[k] for k in ("train", "weight") if k in m}
@@ -708,7 +728,8 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
     context = [{**m, "train": False} if _role(m) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
     try:
-        conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where, markup)
+        conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
+                                   "system": obj.get("system")}, where, markup)
     except UserError as e:  # name the message by the field the row has, not by the joined list
         def field(m: re.Match) -> str:
             i = int(m.group(1))
@@ -752,7 +773,8 @@ def _fields(obj: dict) -> str:
 def _as_conversations(messages: list, obj: dict, where: str, markup: Markup) -> dict:
     """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
     try:
-        return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where, markup)
+        return normalise_messages({"messages": messages, "tools": obj.get("tools"), "system": obj.get("system")},
+                                  where, markup)
     except UserError as e:
         raise UserError(re.sub(r"(?<=: )messages\[", "conversations[", str(e), count=1)) from None
 
@@ -800,8 +822,8 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
     for field in (instruction, context, response):
         if field and isinstance(obj.get(field), str):
             markup.check(obj[field], f"{where}: field '{field}'")
-    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj[response]}],
-            "tools": None, "where": where}
+    turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj[response]}]
+    return {"messages": _system_field(obj, turns, where, markup) + turns, "tools": None, "where": where}
 
 
 def normalise_text(obj: dict, where: str, field: str) -> dict:
