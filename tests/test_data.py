@@ -2207,3 +2207,23 @@ def test_a_system_prompt_in_a_field_of_its_own_leads_the_conversation(tmp_path, 
     with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: both a 'system' field and a system message "
                                         rf"opening the conversation; give the system prompt once$"):
         load_conversations(path, DataConfig())
+
+
+def test_an_alpaca_rows_history_is_its_earlier_turns(tmp_path, tok):
+    """LLaMA-Factory's Alpaca rows carry earlier turns as `history` ([[instruction, response], ...]): they were dropped
+    without a word. They render as the chat's earlier turns, trained as every assistant turn is; a malformed pair is
+    refused naming it."""
+    row = {"instruction": "c", "input": "", "output": "d", "system": "S.", "history": [["a", "b"]]}
+    chat = {"messages": [{"role": "system", "content": "S."}, {"role": "user", "content": "a"},
+                         {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+                         {"role": "assistant", "content": "d"}]}
+    cfg = DataConfig(response_field="output", context_field="input")
+    path = write_jsonl(tmp_path / "h.jsonl", [row, {**row, "history": []}])
+    full, alone = load_conversations(path, cfg)
+    ours, want = Renderer(tok).render(full), Renderer(tok).render(norm(chat))
+    assert ours.ids.tolist() == want.ids.tolist() and ours.loss_mask.tolist() == want.loss_mask.tolist()
+    assert [m["content"] for m in alone["messages"]] == ["S.", "c", "d"]
+    write_jsonl(path, [{**row, "history": [["a"]]}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: history\[0\] must be an \[instruction, "
+                                        rf"response\] pair of non-empty strings, got \['a'\]$"):
+        load_conversations(path, cfg)

@@ -9,7 +9,8 @@ example shapes (`data.format`, auto-detected by their keys):
   assistant turns inside the prompt are context.
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`, or chat messages
   (`role`/`content`) under that column name; ShareGPT turns under `messages` are read as ShareGPT too.
-- `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn.
+- `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn, after
+  the earlier turns of LLaMA-Factory's `history` ([[instruction, response], ...]) when it is given.
 - `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
   trained, `{"text": ..., "where": ...}` instead of messages (rendered as TRL does: BOS, text, EOS).
 A system prompt given in a field of its own (`"system"`, as LLaMA-Factory's ShareGPT and Alpaca rows and
@@ -822,8 +823,30 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
     for field in (instruction, context, response):
         if field and isinstance(obj.get(field), str):
             markup.check(obj[field], f"{where}: field '{field}'")
-    turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj[response]}]
+    turns = _history(obj, where, markup) + [{"role": "user", "content": prompt},
+                                              {"role": "assistant", "content": obj[response]}]
     return {"messages": _system_field(obj, turns, where, markup) + turns, "tools": None, "where": where}
+
+
+def _history(obj: dict, where: str, markup: Markup) -> list[dict]:
+    """The earlier turns of an instruction row, LLaMA-Factory's `history` ([[instruction, response], ...]): they
+    were dropped without a word, and the answer trained without the conversation it answers. Trained as every
+    assistant turn of a chat is."""
+    history = _maybe_json(obj.get("history"), "history", where)
+    if history is None:
+        return []
+    if not isinstance(history, list):
+        raise UserError(f"{where}: 'history' must be a list of [instruction, response] pairs, got "
+                        f"{_json_type(history)}")
+    turns = []
+    for i, pair in enumerate(history):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) and t.strip() for t in pair)):
+            raise UserError(f"{where}: history[{i}] must be an [instruction, response] pair of non-empty strings, "
+                            f"got {pair!r:.80}")
+        for text in pair:
+            markup.check(text, f"{where}: history[{i}]")
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return turns
 
 
 def normalise_text(obj: dict, where: str, field: str) -> dict:
