@@ -477,7 +477,7 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
                  {"role": "user", "content": "c"}], "completion": [{"role": "assistant", "content": "d"}]},
      r"an assistant turn in 'prompt' is marked trained"),
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "{}"}]},
-     r"conversations\[1\]: unknown speaker 'function_call'"),
+     r"conversations\[1\]\.tool_calls\[0\]: needs function.name"),
     ({"conversations": [{"from": "human", "text": "hi"}]}, r"conversations\[0\]: expected an object with 'from'"),
     ({"messages": [{"role": "user", "content": "hi", "weight": 1}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: weight can mark assistant messages only"),
@@ -1944,7 +1944,8 @@ def test_sharegpt_model_speakers_and_capitalised_roles_are_read(tmp_path, tok):
         assert Renderer(tok).render(conv).ids.tolist() == plain
     r = Renderer(tok).render(convs[2])  # only the completion is trained
     assert r.ids.tolist() == plain and masked_runs(tok, r) == [f"It is 8.{EOT}"]
-    with pytest.raises(UserError, match=r"conversations\[1\]: unknown speaker 'observation'"):
+    with pytest.raises(UserError, match=r"conversations\[1\]: a tool result must follow an assistant turn with "
+                                        r"tool_calls"):
         normalise_sharegpt({"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "x"}]},
                            "t")
 
@@ -2227,3 +2228,28 @@ def test_an_alpaca_rows_history_is_its_earlier_turns(tmp_path, tok):
     with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: history\[0\] must be an \[instruction, "
                                         rf"response\] pair of non-empty strings, got \['a'\]$"):
         load_conversations(path, cfg)
+
+
+def test_llama_factory_sharegpt_tool_turns_train_as_openai_tool_calls(tmp_path, tok):
+    """LLaMA-Factory's ShareGPT tool rows (`function_call` turns holding a call or a list of calls as JSON text,
+    `observation` turns holding the result, `tools` as a JSON string of bare functions) were refused as unknown
+    speakers; they train exactly as the same chat in OpenAI messages does (ids and loss mask)."""
+    tools = [STEPS_TOOL["function"], HR_TOOL["function"]]
+    calls = [{"name": "get_steps", "arguments": {"date": "today"}}, {"name": "get_heart_rate", "arguments": {}}]
+    row = {"system": "Coach.", "tools": json.dumps(tools), "conversations": [
+        {"from": "human", "value": "Steps and HR?"}, {"from": "function_call", "value": json.dumps(calls)},
+        {"from": "observation", "value": "{\"steps\": 5}"}, {"from": "observation", "value": "60"},
+        {"from": "gpt", "value": "5 steps, 60 bpm."}]}
+    chat = {"tools": [STEPS_TOOL, HR_TOOL], "messages": [
+        {"role": "system", "content": "Coach."}, {"role": "user", "content": "Steps and HR?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": c} for c in calls]},
+        {"role": "tool", "content": "{\"steps\": 5}"}, {"role": "tool", "content": "60"},
+        {"role": "assistant", "content": "5 steps, 60 bpm."}]}
+    token_map = function_token_map(tok)
+    ours, want = (Renderer(tok, token_map=token_map).render(c)
+                  for c in load_conversations(write_jsonl(tmp_path / "lf.jsonl", [row, chat]), DataConfig()))
+    assert ours.ids.tolist() == want.ids.tolist() and ours.loss_mask.tolist() == want.loss_mask.tolist()
+    assert "call:get_steps{date:" in ours.text and "call:get_heart_rate{}" in ours.text
+    row["conversations"][1]["value"] = "get_steps(today)"
+    with pytest.raises(UserError, match=r":1: conversations\[1\]: 'value' is a string but not valid JSON"):
+        load_conversations(write_jsonl(tmp_path / "lf.jsonl", [row]), DataConfig())

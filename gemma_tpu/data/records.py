@@ -9,6 +9,8 @@ example shapes (`data.format`, auto-detected by their keys):
   assistant turns inside the prompt are context.
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`, or chat messages
   (`role`/`content`) under that column name; ShareGPT turns under `messages` are read as ShareGPT too.
+  LLaMA-Factory's `function_call` (a call or a list of calls, as JSON text) and `observation` (its result)
+  turns are tool calls and results, checked against the row's `tools`.
 - `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn, after
   the earlier turns of LLaMA-Factory's `history` ([[instruction, response], ...]) when it is given.
 - `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
@@ -57,6 +59,7 @@ ROLE_ALIASES = {"model": "assistant", "function": "tool"}
 # are read whatever their case ("Human", "GPT", "User", "Assistant" in many exports)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+SHAREGPT_TOOL_TURNS = ("function_call", "observation")  # LLaMA-Factory's speakers of a call and its result
 
 
 def _role(m: dict) -> Any:
@@ -757,13 +760,31 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             raise UserError(f"{where}: conversations[{i}]: expected an object with 'from' and 'value'")
         if t["value"] is None:  # was "a user message needs 'content' (it has role, content)": neither is its field
             raise UserError(f"{where}: conversations[{i}]: 'value' is null; a {t['from']!r} turn needs text")
-        role = SHAREGPT_ROLES.get(t["from"].lower()) if isinstance(t["from"], str) else None
+        speaker = t["from"].lower() if isinstance(t["from"], str) else None
+        flags = {k: t[k] for k in ("train", "weight") if k in t}
+        if speaker in SHAREGPT_TOOL_TURNS:  # LLaMA-Factory's tool turns: a call (or a list of them), its result
+            messages.append(_sharegpt_tool_turn(speaker, t["value"], f"{where}: conversations[{i}]") | flags)
+            continue
+        role = SHAREGPT_ROLES.get(speaker)
         if role is None:
             raise UserError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected one of "
-                            f"{', '.join(SHAREGPT_ROLES)}; for tool calls use the messages format)")
-        messages.append({"role": role, "content": t["value"],
-                         **{k: t[k] for k in ("train", "weight") if k in t}})
+                            f"{', '.join((*SHAREGPT_ROLES, *SHAREGPT_TOOL_TURNS))})")
+        messages.append({"role": role, "content": t["value"], **flags})
     return _as_conversations(messages, obj, where, markup)
+
+
+def _sharegpt_tool_turn(speaker: str, value: Any, tw: str) -> dict:
+    """A LLaMA-Factory ShareGPT tool turn as a chat message: `function_call` holds a call `{"name": ...,
+    "arguments": {...}}` (or a list of calls) as JSON text, `observation` the result; the calls are checked against
+    the row's `tools` as any chat's are. They were refused as unknown speakers."""
+    if speaker == "observation":
+        return {"role": "tool", "content": value}
+    calls = _decode_embedded(value, "value", tw) if isinstance(value, str) else value
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, dict) for c in calls):
+        raise UserError(f"{tw}: a function_call turn's value must be a call {{\"name\": ..., \"arguments\": {{...}}}} "
+                        f"or a list of them, got {_json_type(calls)}")
+    return {"role": "assistant", "content": "", "tool_calls": [{"function": c} for c in calls]}
 
 
 def _fields(obj: dict) -> str:
