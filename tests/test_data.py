@@ -2253,3 +2253,20 @@ def test_llama_factory_sharegpt_tool_turns_train_as_openai_tool_calls(tmp_path, 
     row["conversations"][1]["value"] = "get_steps(today)"
     with pytest.raises(UserError, match=r":1: conversations\[1\]: 'value' is a string but not valid JSON"):
         load_conversations(write_jsonl(tmp_path / "lf.jsonl", [row]), DataConfig())
+
+
+def test_an_openorca_system_prompt_column_leads_the_conversation(tmp_path, tok):
+    """OpenOrca's rows (system_prompt, question, response; read with data.instruction_field=question) lost their
+    system prompt without a word. It leads the conversation; a row giving both 'system' and 'system_prompt' is
+    refused."""
+    row = {"id": "x.1", "system_prompt": "Be brief.", "question": "q", "response": "a"}
+    cfg = DataConfig(instruction_field="question", context_field=None)
+    path = write_jsonl(tmp_path / "orca.jsonl", [row, {**row, "system_prompt": ""}])
+    with_prompt, without = load_conversations(path, cfg)
+    assert [m["content"] for m in with_prompt["messages"]] == ["Be brief.", "q", "a"]
+    assert Renderer(tok).render(with_prompt).text.startswith(f"{SOT}user\nBe brief.\n\nq{EOT}")
+    assert [m["role"] for m in without["messages"]] == ["user", "assistant"]
+    write_jsonl(path, [{**row, "system": "Other."}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: both 'system' and 'system_prompt' hold a "
+                                        rf"system prompt; give one$"):
+        load_conversations(path, cfg)

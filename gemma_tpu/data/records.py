@@ -16,7 +16,8 @@ example shapes (`data.format`, auto-detected by their keys):
 - `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
   trained, `{"text": ..., "where": ...}` instead of messages (rendered as TRL does: BOS, text, EOS).
 A system prompt given in a field of its own (`"system"`, as LLaMA-Factory's ShareGPT and Alpaca rows and
-Anthropic-style exports keep it) leads the conversation, as a first system message would.
+Anthropic-style exports keep it, or OpenOrca's `"system_prompt"`) leads the conversation, as a first system
+message would.
 An assistant message may carry `"train": false` (or `"weight": 0`): it stays in the context but carries
 no loss, for multi-turn chats where only some answers are good. Problems are reported as
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
@@ -653,20 +654,26 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     return {"messages": out, "tools": tools if names else None, "where": where}
 
 
+SYSTEM_FIELDS = ("system", "system_prompt")  # LLaMA-Factory and Anthropic-style exports; OpenOrca's column
+
+
 def _system_field(obj: dict, messages: list, where: str, markup: Markup) -> list[dict]:
     """The system prompt a row gives in a field of its own, as a leading system message ([] for none): LLaMA-Factory's
-    ShareGPT and Alpaca rows and Anthropic-style exports (`{"system": ..., "messages": [...]}`) keep it there, and it
-    was dropped without a word (the model trained without the prompt it is served with)."""
-    if obj.get("system") is None:
+    ShareGPT and Alpaca rows and Anthropic-style exports (`{"system": ..., "messages": [...]}`) keep it in `system`,
+    OpenOrca in `system_prompt`, and it was dropped without a word (the model trained without the prompt it is
+    served with)."""
+    given = [(k, _text(obj[k], f"{where}: '{k}'")) for k in SYSTEM_FIELDS if obj.get(k) is not None]
+    given = [(k, text) for k, text in given if text.strip()]
+    if not given:
         return []
-    text = _text(obj["system"], f"{where}: 'system'")
-    markup.check(text, f"{where}: 'system'")
-    if not text.strip():
-        return []
+    if len(given) > 1:
+        raise UserError(f"{where}: both 'system' and 'system_prompt' hold a system prompt; give one")
+    key, text = given[0]
+    markup.check(text, f"{where}: '{key}'")
     first = messages[0] if messages else None
     if isinstance(first, dict) and _role(first) in ("system", "developer") and \
             not (isinstance(first.get("content"), str) and not first["content"].strip()):
-        raise UserError(f"{where}: both a 'system' field and a {_role(first)} message opening the conversation; "
+        raise UserError(f"{where}: both a '{key}' field and a {_role(first)} message opening the conversation; "
                         f"give the system prompt once")
     return [{"role": "system", "content": text}]
 
@@ -733,7 +740,7 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
                and "train" not in m and "weight" not in m else m for m in prompt]
     try:
         conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
-                                   "system": obj.get("system")}, where, markup)
+                                   **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
     except UserError as e:  # name the message by the field the row has, not by the joined list
         def field(m: re.Match) -> str:
             i = int(m.group(1))
@@ -795,8 +802,8 @@ def _fields(obj: dict) -> str:
 def _as_conversations(messages: list, obj: dict, where: str, markup: Markup) -> dict:
     """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
     try:
-        return normalise_messages({"messages": messages, "tools": obj.get("tools"), "system": obj.get("system")},
-                                  where, markup)
+        return normalise_messages({"messages": messages, "tools": obj.get("tools"),
+                                   **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
     except UserError as e:
         raise UserError(re.sub(r"(?<=: )messages\[", "conversations[", str(e), count=1)) from None
 
