@@ -503,6 +503,13 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: the answer is in 'refusal' \(OpenAI's field for a declined request\) and its content is empty"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
         {"type": "refusal", "refusal": "No."}]}]}, r"messages\[1\]: content\[0\] is a 'refusal' part \(OpenAI's"),
+    # Anthropic-style tool and thinking blocks were refused as pictures ("training here is text only")
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_steps", "input": {}}]}]},
+     r"messages\[1\]: content\[0\] is a 'tool_use' part; give tool calls as the assistant's tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "yo"}]}]},
+     r"messages\[1\]: content\[0\] is a 'thinking' part, a model's reasoning, which is not rendered"),
     # a null was worded as if the field were missing: "needs 'content' (it has role, content)"
     ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: a user message needs 'content' \(its 'content' is null\)$"),

@@ -410,6 +410,12 @@ class Markup:
 GEMMA_MARKUP = Markup((START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS))
 
 
+# content parts that are not pictures or sound but were refused as such ("training here is text only"): Anthropic's
+# tool blocks and the Responses API's call items, and reasoning blocks
+TOOL_PARTS = ("tool_use", "tool_result", "function_call", "function_call_output")
+REASONING_PARTS = ("thinking", "redacted_thinking", "reasoning")
+
+
 def _text(content: Any, where: str) -> str:
     if content is None:
         return ""
@@ -425,6 +431,12 @@ def _text(content: Any, where: str) -> str:
             elif kind == "refusal":  # OpenAI's part for a declined request: text, under another key
                 raise UserError(f"{where}: content[{k}] is a 'refusal' part (OpenAI's, for a declined request); to "
                                 f"train its text, give it as a text part {{'type': 'text', 'text': ...}}")
+            elif kind in TOOL_PARTS:  # Anthropic-style (and Responses API) tool blocks: not a picture
+                raise UserError(f"{where}: content[{k}] is a {kind!r} part; give tool calls as the assistant's "
+                                f"tool_calls and results as tool messages (OpenAI's chat form), which are rendered")
+            elif kind in REASONING_PARTS:  # extended thinking beside the answer: was "training here is text only"
+                raise UserError(f"{where}: content[{k}] is a {kind!r} part, a model's reasoning, which is not "
+                                f"rendered: remove it, or give it as text to train it")
             elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
                 raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
                                 f"language model of a multimodal checkpoint): remove the non-text parts or put "
