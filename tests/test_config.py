@@ -620,3 +620,32 @@ def test_a_setting_the_chosen_optimizer_or_schedule_ignores_is_refused(overrides
     assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=adamw", "train.weight_decay=0.01"])
     assert load_config(REPO / "configs/tiny.yaml", ["train.schedule=warmup_cosine", "train.min_lr_ratio=0.1"])
     assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=sgd", "train.schedule=constant"])
+
+
+@pytest.mark.parametrize("section", ["train:\n", "train: null\n", "train: ~\n  # max_steps: 3\n"])
+def test_an_override_into_a_section_the_file_leaves_empty(tmp_path, section):
+    """A section whose keys are all commented out is null to YAML, and builds as its defaults; an override of one of
+    its keys was refused as going through "'train', which is not a section". A key that is null stays refused."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model:\n  path: x\n{section}data:\n  context_field: null\n")
+    cfg = load_config(p, ["train.max_steps=4", "train.batch_size=2"])
+    assert (cfg.train.max_steps, cfg.train.batch_size, cfg.train.learning_rate) == (4, 2, pytest.approx(3e-4))
+    with pytest.raises(UserError, match=r"override 'data.context_field.x=1': 'data.context_field.x' goes through "
+                                        r"'context_field', which is not a section"):
+        load_config(p, ["data.context_field.x=1"])
+
+
+@pytest.mark.parametrize("override, kept", [
+    ("checkpoint.dir=runs/exp #2", "'runs/exp'"),  # quoted for the shell: the run went into another run's dir
+    ("data.eval_path=#1", "null"),  # read as null: no evaluation, without a word
+    ("train.max_steps=3 # fewer", "'3'"),
+])
+def test_an_override_value_that_yaml_would_cut_at_a_comment_is_refused(override, kept):
+    with pytest.raises(UserError, match=rf"override '{re.escape(override)}': YAML reads '#.*' as a comment, so the "
+                                        rf"value would be {re.escape(kept)}; to keep the '#', quote the value"):
+        load_config(None, [override])
+
+
+def test_a_hash_yaml_keeps_in_an_override_value_is_kept():
+    cfg = load_config(None, ["data.train_path=data/a#1.jsonl", "checkpoint.dir=\"runs/exp #2\""])
+    assert (cfg.data.train_path, cfg.checkpoint.dir) == ("data/a#1.jsonl", "runs/exp #2")

@@ -477,7 +477,7 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
                  {"role": "user", "content": "c"}], "completion": [{"role": "assistant", "content": "d"}]},
      r"an assistant turn in 'prompt' is marked trained"),
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "{}"}]},
-     r"conversations\[1\]: unknown speaker 'function_call'"),
+     r"conversations\[1\]\.tool_calls\[0\]: needs function.name"),
     ({"conversations": [{"from": "human", "text": "hi"}]}, r"conversations\[0\]: expected an object with 'from'"),
     ({"messages": [{"role": "user", "content": "hi", "weight": 1}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: weight can mark assistant messages only"),
@@ -491,6 +491,30 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[0\]: a user message needs 'content' \(it has role, text\)"),
     ({"messages": [{"role": "system"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: a system message needs 'content'"),
+    # OpenAI arguments encoded twice (json.dumps of json.dumps, as some exporters write them): said so
+    ({"tools": [STEPS_TOOL], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": json.dumps(json.dumps({"date": "x"}))}}]}]},
+     r"messages\[1\]\.tool_calls\[0\]: arguments must be an object, got a string holding JSON text \(encoded twice"),
+    ({"tools": [STEPS_TOOL], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": "[1]"}}]}]},
+     r"messages\[1\]\.tool_calls\[0\]: arguments must be an object, got a list$"),
+    # OpenAI's refusals: "neither content nor tool_calls", or a part "training here is text only (multimodal)"
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "refusal": "No."}]},
+     r"messages\[1\]: the answer is in 'refusal' \(OpenAI's field for a declined request\) and its content is empty"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "No."}]}]}, r"messages\[1\]: content\[0\] is a 'refusal' part \(OpenAI's"),
+    # Anthropic-style tool and thinking blocks were refused as pictures ("training here is text only")
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_steps", "input": {}}]}]},
+     r"messages\[1\]: content\[0\] is a 'tool_use' part; give tool calls as the assistant's tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "yo"}]}]},
+     r"messages\[1\]: content\[0\] is a 'thinking' part, a model's reasoning, which is not rendered"),
+    # a null was worded as if the field were missing: "needs 'content' (it has role, content)"
+    ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: a user message needs 'content' \(its 'content' is null\)$"),
+    ({"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "yo"}]},
+     r"conversations\[0\]: 'value' is null; a 'human' turn needs text$"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n "}]},
      r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
     ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
@@ -1927,7 +1951,8 @@ def test_sharegpt_model_speakers_and_capitalised_roles_are_read(tmp_path, tok):
         assert Renderer(tok).render(conv).ids.tolist() == plain
     r = Renderer(tok).render(convs[2])  # only the completion is trained
     assert r.ids.tolist() == plain and masked_runs(tok, r) == [f"It is 8.{EOT}"]
-    with pytest.raises(UserError, match=r"conversations\[1\]: unknown speaker 'observation'"):
+    with pytest.raises(UserError, match=r"conversations\[1\]: a tool result must follow an assistant turn with "
+                                        r"tool_calls"):
         normalise_sharegpt({"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "x"}]},
                            "t")
 
@@ -2093,3 +2118,162 @@ def test_a_resume_without_shuffling_may_change_the_seed_but_not_the_rows():
                                "unshuffled but chooses which examples share a row; the rows' contents)")]:
         with pytest.raises(UserError, match=rf"^ck/8: its data position is for other training rows \({re.escape(named)}"):
             check_layout(saved, now, "ck/8")
+
+
+# a chat template that trims each message's text (as some shipped Gemma templates do): written for this test
+TRIMMING_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_turn>' ~ ('model' if m['role'] == "
+                     "'assistant' else 'user') ~ '\\n' ~ (m['content'] | trim) ~ '<end_of_turn>\\n' -}}{%- endfor -%}"
+                     "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}")
+
+
+def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
+    """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
+    the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect
+    now say so, naming the first such chat; with the tokenizer's own template as the renderer nothing is said."""
+    import logging
+    import shutil
+
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+    from gemma_tpu.data import inspect
+
+    plain = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    padded = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a.\n"}]}
+    path = write_jsonl(tmp_path / "s.jsonl", [plain, padded, TOOL_CHAT, padded])
+    trimming = _with_template(tok, TRIMMING_TEMPLATE)
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), Renderer(trimming), DataConfig(seq_len=256), seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of the first 3 chats render otherwise than the tokenizer's own chat template, which a server "
+        f"renders them with (the first: {path}:2: at character 58, ours 'art_of_turn>model\\na.\\n<end_of_turn>\\n',"
+        f" the template's 'art_of_turn>model\\na.<end_of_turn>\\n'); the model would be trained on text it is not "
+        f"served: set data.chat_format=template to train on the template's rendering, or fix the data"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), Renderer(trimming, chat_format="template"), DataConfig(seq_len=256), seed=0)
+        prepare_split(str(path), Renderer(_with_template(tok, GEMMA3_CHAT_TEMPLATE)), DataConfig(seq_len=256), 0)
+    assert caplog.records == []
+    # inspect shows it as training warns it
+    tdir = tmp_path / "tok"
+    shutil.copytree(tok_dir, tdir)
+    (tdir / "chat_template.jinja").write_text(TRIMMING_TEMPLATE)
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                                             str(tdir), "-n", "0", "train.batch_size=1"]))
+    assert result["template_skew"].startswith(f"{path}: 2 of the first 3 chats render otherwise")
+    assert f"template   {result['template_skew']}" in capsys.readouterr().out
+
+
+def test_mixed_schema_json_lines_from_a_table_read_each_row_by_its_shape(tmp_path):
+    """pandas' to_json of sets of several shapes gives every row every column, null where the row is of another
+    shape: the ShareGPT row was refused as "'messages' must be a non-empty list, got null". Each row is read by the
+    fields that hold something, as Parquet rows are; a row whose only shape is null is still refused by its field."""
+    import pandas as pd
+
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            {"conversations": [{"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]},
+            {"instruction": "i", "context": "", "response": "r"}, {"prompt": "p", "completion": "c"}]
+    path = tmp_path / "mixed.jsonl"
+    pd.DataFrame(rows).to_json(path, orient="records", lines=True)
+    assert '"messages":null,"conversations":[' in path.read_text()
+    convs = load_conversations(path, DataConfig())
+    assert [[m["content"] for m in c["messages"]] for c in convs] == [["q", "a"], ["q2", "a2"], ["i", "r"], ["p", "c"]]
+    write_jsonl(path, [rows[0], {"messages": None, "conversations": None}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:2: 'messages' must be a non-empty list, got null"):
+        load_conversations(path, DataConfig())
+
+
+def test_sharegpt_turns_under_the_messages_column_are_read_as_sharegpt(tmp_path):
+    """Converters leave ShareGPT turns (`from`/`value`) under 'messages' (as they leave chat messages under
+    'conversations', which was already read): each row was refused as "messages[0]: unknown role None"."""
+    turns = [{"from": "system", "value": "S."}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": turns}, {"conversations": turns},
+                                              {"messages": [turns[1], {"from": "wizard", "value": "a"}]}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:3: messages\[1\]: unknown speaker 'wizard'"):
+        load_conversations(path, DataConfig())
+    write_jsonl(path, [{"messages": turns}, {"conversations": turns}])
+    first, second = load_conversations(path, DataConfig())
+    assert first["messages"] == second["messages"] == [
+        {"role": "system", "content": "S."}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+def test_a_system_prompt_in_a_field_of_its_own_leads_the_conversation(tmp_path, tok):
+    """LLaMA-Factory's ShareGPT and Alpaca rows, and Anthropic-style exports, keep the system prompt in a 'system'
+    field beside the turns: it was dropped without a word, and the model trained without the prompt it is served
+    with. It renders as a first system message does; given twice (a field and a system turn), it is refused."""
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    rows = [{"conversations": turns, "system": "Be brief.", "tools": ""},
+            {"system": [{"type": "text", "text": "Be brief."}], "messages": chat},
+            {"instruction": "q", "input": "", "output": "a", "system": "Be brief."},
+            {"prompt": "q", "completion": "a", "system": "Be brief."},
+            {"messages": [{"role": "system", "content": "Be brief."}, *chat]}]
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    convs = load_conversations(path, DataConfig(response_field="output", context_field="input"))
+    want = Renderer(tok).render(norm(rows[-1])).ids.tolist()
+    assert [Renderer(tok).render(c).ids.tolist() == want for c in convs] == [True] * 5
+    assert "Be brief.\n\nq" in Renderer(tok).render(convs[0]).text
+    write_jsonl(path, [{"conversations": [{"from": "system", "value": "Other."}, *turns], "system": "Be brief."}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: both a 'system' field and a system message "
+                                        rf"opening the conversation; give the system prompt once$"):
+        load_conversations(path, DataConfig())
+
+
+def test_an_alpaca_rows_history_is_its_earlier_turns(tmp_path, tok):
+    """LLaMA-Factory's Alpaca rows carry earlier turns as `history` ([[instruction, response], ...]): they were dropped
+    without a word. They render as the chat's earlier turns, trained as every assistant turn is; a malformed pair is
+    refused naming it."""
+    row = {"instruction": "c", "input": "", "output": "d", "system": "S.", "history": [["a", "b"]]}
+    chat = {"messages": [{"role": "system", "content": "S."}, {"role": "user", "content": "a"},
+                         {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+                         {"role": "assistant", "content": "d"}]}
+    cfg = DataConfig(response_field="output", context_field="input")
+    path = write_jsonl(tmp_path / "h.jsonl", [row, {**row, "history": []}])
+    full, alone = load_conversations(path, cfg)
+    ours, want = Renderer(tok).render(full), Renderer(tok).render(norm(chat))
+    assert ours.ids.tolist() == want.ids.tolist() and ours.loss_mask.tolist() == want.loss_mask.tolist()
+    assert [m["content"] for m in alone["messages"]] == ["S.", "c", "d"]
+    write_jsonl(path, [{**row, "history": [["a"]]}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: history\[0\] must be an \[instruction, "
+                                        rf"response\] pair of non-empty strings, got \['a'\]$"):
+        load_conversations(path, cfg)
+
+
+def test_llama_factory_sharegpt_tool_turns_train_as_openai_tool_calls(tmp_path, tok):
+    """LLaMA-Factory's ShareGPT tool rows (`function_call` turns holding a call or a list of calls as JSON text,
+    `observation` turns holding the result, `tools` as a JSON string of bare functions) were refused as unknown
+    speakers; they train exactly as the same chat in OpenAI messages does (ids and loss mask)."""
+    tools = [STEPS_TOOL["function"], HR_TOOL["function"]]
+    calls = [{"name": "get_steps", "arguments": {"date": "today"}}, {"name": "get_heart_rate", "arguments": {}}]
+    row = {"system": "Coach.", "tools": json.dumps(tools), "conversations": [
+        {"from": "human", "value": "Steps and HR?"}, {"from": "function_call", "value": json.dumps(calls)},
+        {"from": "observation", "value": "{\"steps\": 5}"}, {"from": "observation", "value": "60"},
+        {"from": "gpt", "value": "5 steps, 60 bpm."}]}
+    chat = {"tools": [STEPS_TOOL, HR_TOOL], "messages": [
+        {"role": "system", "content": "Coach."}, {"role": "user", "content": "Steps and HR?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": c} for c in calls]},
+        {"role": "tool", "content": "{\"steps\": 5}"}, {"role": "tool", "content": "60"},
+        {"role": "assistant", "content": "5 steps, 60 bpm."}]}
+    token_map = function_token_map(tok)
+    ours, want = (Renderer(tok, token_map=token_map).render(c)
+                  for c in load_conversations(write_jsonl(tmp_path / "lf.jsonl", [row, chat]), DataConfig()))
+    assert ours.ids.tolist() == want.ids.tolist() and ours.loss_mask.tolist() == want.loss_mask.tolist()
+    assert "call:get_steps{date:" in ours.text and "call:get_heart_rate{}" in ours.text
+    row["conversations"][1]["value"] = "get_steps(today)"
+    with pytest.raises(UserError, match=r":1: conversations\[1\]: 'value' is a string but not valid JSON"):
+        load_conversations(write_jsonl(tmp_path / "lf.jsonl", [row]), DataConfig())
+
+
+def test_an_openorca_system_prompt_column_leads_the_conversation(tmp_path, tok):
+    """OpenOrca's rows (system_prompt, question, response; read with data.instruction_field=question) lost their
+    system prompt without a word. It leads the conversation; a row giving both 'system' and 'system_prompt' is
+    refused."""
+    row = {"id": "x.1", "system_prompt": "Be brief.", "question": "q", "response": "a"}
+    cfg = DataConfig(instruction_field="question", context_field=None)
+    path = write_jsonl(tmp_path / "orca.jsonl", [row, {**row, "system_prompt": ""}])
+    with_prompt, without = load_conversations(path, cfg)
+    assert [m["content"] for m in with_prompt["messages"]] == ["Be brief.", "q", "a"]
+    assert Renderer(tok).render(with_prompt).text.startswith(f"{SOT}user\nBe brief.\n\nq{EOT}")
+    assert [m["role"] for m in without["messages"]] == ["user", "assistant"]
+    write_jsonl(path, [{**row, "system": "Other."}])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: both 'system' and 'system_prompt' hold a "
+                                        rf"system prompt; give one$"):
+        load_conversations(path, cfg)

@@ -458,8 +458,12 @@ def _build(cls: type, data: Any, where: str) -> Any:
 def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | None = None) -> None:
     parts = dotted.split(".")
     node = tree
-    for p in parts[:-1]:
+    for k, p in enumerate(parts[:-1]):
         child = node.setdefault(p, {})
+        if child is None and _section_type(cls, parts[:k + 1]) is not None:
+            # a section left empty in the file (`train:` with every key commented out) reads as null, which
+            # builds as its defaults; its keys were refused as going through "'train', which is not a section"
+            child = node[p] = {}
         if not isinstance(child, dict):
             raise UserError(f"{source}: '{dotted}' goes through '{p}', which is not a section")
         node = child
@@ -515,7 +519,27 @@ def parse_override(text: str) -> tuple[str, Any]:
                             f"word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
                             f"({key}=[a,b])") from None
         value = raw
+    comment = _yaml_comment(raw)
+    if comment is not None:
+        kept = raw[:len(raw) - len(comment)].strip()
+        raise UserError(f"override '{text}': YAML reads {comment.strip()!r} as a comment, so the value would be "
+                        f"{repr(kept) if kept else 'null'}; to keep the '#', quote the value inside the override "
+                        f"({key}=\"{raw.strip()}\", the whole override in single quotes for the shell)")
     return key, value
+
+
+def _yaml_comment(raw: str) -> str | None:
+    """The comment YAML drops from an override's value (`checkpoint.dir='runs/exp #2'` ran in runs/exp, another run's
+    directory; `data.eval_path=#1` was null: no evaluation), or None. A shell comment never reaches us."""
+    if "#" not in raw:
+        return None
+    try:
+        node = yaml.compose(raw, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None  # read as the text itself
+    end = node.end_mark.index if node is not None else 0
+    rest = raw[end:]
+    return rest if rest.strip().startswith("#") else None
 
 
 class _DuplicateKey(yaml.YAMLError):

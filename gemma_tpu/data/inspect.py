@@ -36,6 +36,7 @@ from gemma_tpu.data.pipeline import (
     prepare_split,
     render_error,
     shared_examples,
+    template_skew_warning,
 )
 from gemma_tpu.data.records import load_conversations
 from gemma_tpu.formats.function_calling import function_token_map
@@ -150,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     token_map = function_token_map(tok)
     renderer = make_renderer(tok, cfg.data, family_format, token_map, vocab_size=vocab)
     convs = load_conversations(path, cfg.data, renderer.markup)  # the control tokens are the tokenizer's
+    skew = template_skew_warning(convs, renderer, path)  # as training warns it
     rendered, examples, tails = [], [], 0
     for i, conv in enumerate(convs):
         try:
@@ -187,6 +189,8 @@ def run(args: argparse.Namespace) -> dict:
           f"({rep.overlength} over data.seq_len={cfg.data.seq_len}, policy {cfg.data.overlength}; "
           f"{rep.no_loss} with no loss-bearing token left)"
           + (f"; {tails} end in turns that train nothing, left out of their rows" if tails else ""), file=out)
+    if skew:
+        print(f"template   {skew}", file=out)
     if rep.duplicates:
         print(f"duplicates {rep.duplicates} examples train exactly what an earlier one trains, as often as they "
               f"appear (the first: {rep.first_duplicate})", file=out)
@@ -244,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
               f"---", file=out)
         print(mark(r.text, loss_spans(r.offsets, r.loss_mask), color, cut), file=out)
     result = {**stats, "untrained_tails": tails, "tokenized_in_part": partial, "split": args.split,
-              "chat_format": renderer.chat_format,
+              "chat_format": renderer.chat_format, "template_skew": skew,
               "loss_on": renderer.loss_on,
               "distinct_batch_shapes": n_shapes, "batch_shapes": shapes,
               "eval_in_train": overlap and overlap["count"],

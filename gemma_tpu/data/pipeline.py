@@ -114,10 +114,38 @@ def render_error(e: UserError, conv: dict, path: str) -> UserError:
     return e if str(e).startswith(f"{where}:") else UserError(f"{where}: {e}")
 
 
+SKEW_SAMPLE = 64  # plain chats of a file compared with the tokenizer's template (a Jinja render each)
+
+
+def template_skew_warning(convs: list[dict], renderer: Renderer, path: str) -> str | None:
+    """One line when the first plain chats of a file render otherwise than the tokenizer's own chat template
+    renders them (None otherwise): training would teach text the served model is never shown."""
+    checked, first, n = 0, None, 0
+    for conv in convs:
+        if checked == SKEW_SAMPLE:
+            break
+        if "text" in conv or conv.get("tools"):
+            continue
+        checked += 1
+        diff = renderer.template_difference(conv)
+        if diff:
+            n += 1
+            first = first or f"{conv.get('where') or path}: {diff}"
+    if not n:
+        return None
+    return (f"{path}: {n} of the first {checked} chats render otherwise than the tokenizer's own chat template, "
+            f"which a server renders them with (the first: {first}); the model would be trained on text it is "
+            f"not served: set data.chat_format=template to train on the template's rendering, or fix the data")
+
+
 def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list[batching.Example]:
     """Read, validate and render every example of a file (no length policy applied yet)."""
     out = []
-    for conv in load_conversations(path, data_cfg, renderer.markup):
+    convs = load_conversations(path, data_cfg, renderer.markup)
+    skew = template_skew_warning(convs, renderer, path)
+    if skew:
+        log.warning("%s", skew)
+    for conv in convs:
         try:
             r = renderer.render(conv, max_tokens=data_cfg.seq_len)
         except UserError as e:  # what the chat format cannot carry, named with the example's line

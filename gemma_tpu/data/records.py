@@ -8,10 +8,16 @@ example shapes (`data.format`, auto-detected by their keys):
   of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
   assistant turns inside the prompt are context.
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`, or chat messages
-  (`role`/`content`) under that column name.
-- `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn.
+  (`role`/`content`) under that column name; ShareGPT turns under `messages` are read as ShareGPT too.
+  LLaMA-Factory's `function_call` (a call or a list of calls, as JSON text) and `observation` (its result)
+  turns are tool calls and results, checked against the row's `tools`.
+- `instruction`: instruction pairs (Dolly columns by default) become a user turn and an assistant turn, after
+  the earlier turns of LLaMA-Factory's `history` ([[instruction, response], ...]) when it is given.
 - `text`: TRL's language-modeling rows, `{"text": str}` (`data.text_field`): no chat markup, every token
   trained, `{"text": ..., "where": ...}` instead of messages (rendered as TRL does: BOS, text, EOS).
+A system prompt given in a field of its own (`"system"`, as LLaMA-Factory's ShareGPT and Alpaca rows and
+Anthropic-style exports keep it, or OpenOrca's `"system_prompt"`) leads the conversation, as a first system
+message would.
 An assistant message may carry `"train": false` (or `"weight": 0`): it stays in the context but carries
 no loss, for multi-turn chats where only some answers are good. Problems are reported as
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
@@ -54,6 +60,7 @@ ROLE_ALIASES = {"model": "assistant", "function": "tool"}
 # are read whatever their case ("Human", "GPT", "User", "Assistant" in many exports)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+SHAREGPT_TOOL_TURNS = ("function_call", "observation")  # LLaMA-Factory's speakers of a call and its result
 
 
 def _role(m: dict) -> Any:
@@ -403,6 +410,12 @@ class Markup:
 GEMMA_MARKUP = Markup((START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS))
 
 
+# content parts that are not pictures or sound but were refused as such ("training here is text only"): Anthropic's
+# tool blocks and the Responses API's call items, and reasoning blocks
+TOOL_PARTS = ("tool_use", "tool_result", "function_call", "function_call_output")
+REASONING_PARTS = ("thinking", "redacted_thinking", "reasoning")
+
+
 def _text(content: Any, where: str) -> str:
     if content is None:
         return ""
@@ -415,6 +428,15 @@ def _text(content: Any, where: str) -> str:
             # OpenAI's Responses API (and exports of it) name text parts input_text / output_text
             if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif kind == "refusal":  # OpenAI's part for a declined request: text, under another key
+                raise UserError(f"{where}: content[{k}] is a 'refusal' part (OpenAI's, for a declined request); to "
+                                f"train its text, give it as a text part {{'type': 'text', 'text': ...}}")
+            elif kind in TOOL_PARTS:  # Anthropic-style (and Responses API) tool blocks: not a picture
+                raise UserError(f"{where}: content[{k}] is a {kind!r} part; give tool calls as the assistant's "
+                                f"tool_calls and results as tool messages (OpenAI's chat form), which are rendered")
+            elif kind in REASONING_PARTS:  # extended thinking beside the answer: was "training here is text only"
+                raise UserError(f"{where}: content[{k}] is a {kind!r} part, a model's reasoning, which is not "
+                                f"rendered: remove it, or give it as text to train it")
             elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
                 raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
                                 f"language model of a multimodal checkpoint): remove the non-text parts or put "
@@ -525,6 +547,13 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: 'messages' must be a non-empty list, got "
                         f"{'an empty list' if messages == [] else _json_type(messages)}")
+    if all(isinstance(t, dict) and "from" in t and "role" not in t for t in messages):
+        # ShareGPT turns (`from`/`value`) under the chat column's name, as converters leave them: each was
+        # "unknown role None"; read as ShareGPT, errors naming the row's own field
+        try:
+            return normalise_sharegpt({**obj, "conversations": messages}, where, markup)
+        except UserError as e:
+            raise UserError(str(e).replace(": conversations[", ": messages[", 1)) from None
     tools = _maybe_json(obj.get("tools"), "tools", where)
     functions = _maybe_json(obj.get("functions"), "functions", where)
     if functions is not None:  # OpenAI's legacy declarations: each one the `function` of a tool
@@ -535,7 +564,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
     markup.check_value(tools, where, "tools")
-    out = []
+    out = _system_field(obj, messages, where, markup)
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
     answered = 0
     answered_ids: set = set()
@@ -547,7 +576,8 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
-            raise UserError(f"{mw}: a {role} message needs 'content' (it has {', '.join(map(str, m))})")
+            has = "its 'content' is null" if "content" in m else f"it has {', '.join(map(str, m))}"
+            raise UserError(f"{mw}: a {role} message needs 'content' ({has})")
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
         markup.check(msg["content"], mw, answer=role == "assistant")
         if role in ("system", "developer") and not msg["content"].strip():
@@ -581,7 +611,9 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                 if args is None:
                     args = {}
                 if not isinstance(args, dict):
-                    raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object")
+                    twice = isinstance(args, str) and args.lstrip().startswith("{")  # json.dumps of json.dumps
+                    raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object, got {_json_type(args)}"
+                                    + (" holding JSON text (encoded twice: decode it once)" if twice else ""))
                 if not names:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r} but the example declares no 'tools'")
                 if fn["name"] not in names:
@@ -589,6 +621,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                                     f"({', '.join(names)})")
                 markup.check_value(args, mw, f"tool_calls[{j}].arguments")
                 norm_calls.append({"name": fn["name"], "arguments": args})
+            if not msg["content"].strip() and not norm_calls and isinstance(m.get("refusal"), str) \
+                    and m["refusal"].strip():  # an OpenAI export of a declined request: the text is elsewhere
+                raise UserError(f"{mw}: the answer is in 'refusal' (OpenAI's field for a declined request) and its "
+                                f"content is empty; to train that answer, put its text in 'content'")
             if not msg["content"].strip() and not norm_calls:  # whitespace alone would train an empty answer
                 raise UserError(f"{mw}: assistant message has neither content nor tool_calls"
                                 f"{' (only whitespace)' if msg['content'] else ''}")
@@ -628,6 +664,30 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         raise UserError(f"{where}: no assistant message to learn from" +
                         (" (every one is marked train: false)" if any(m["role"] == "assistant" for m in out) else ""))
     return {"messages": out, "tools": tools if names else None, "where": where}
+
+
+SYSTEM_FIELDS = ("system", "system_prompt")  # LLaMA-Factory and Anthropic-style exports; OpenOrca's column
+
+
+def _system_field(obj: dict, messages: list, where: str, markup: Markup) -> list[dict]:
+    """The system prompt a row gives in a field of its own, as a leading system message ([] for none): LLaMA-Factory's
+    ShareGPT and Alpaca rows and Anthropic-style exports (`{"system": ..., "messages": [...]}`) keep it in `system`,
+    OpenOrca in `system_prompt`, and it was dropped without a word (the model trained without the prompt it is
+    served with)."""
+    given = [(k, _text(obj[k], f"{where}: '{k}'")) for k in SYSTEM_FIELDS if obj.get(k) is not None]
+    given = [(k, text) for k, text in given if text.strip()]
+    if not given:
+        return []
+    if len(given) > 1:
+        raise UserError(f"{where}: both 'system' and 'system_prompt' hold a system prompt; give one")
+    key, text = given[0]
+    markup.check(text, f"{where}: '{key}'")
+    first = messages[0] if messages else None
+    if isinstance(first, dict) and _role(first) in ("system", "developer") and \
+            not (isinstance(first.get("content"), str) and not first["content"].strip()):
+        raise UserError(f"{where}: both a '{key}' field and a {_role(first)} message opening the conversation; "
+                        f"give the system prompt once")
+    return [{"role": "system", "content": text}]
 
 
 def _trained(m: dict, role: str, mw: str) -> bool:
@@ -691,7 +751,8 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
     context = [{**m, "train": False} if _role(m) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
     try:
-        conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools")}, where, markup)
+        conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
+                                   **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
     except UserError as e:  # name the message by the field the row has, not by the joined list
         def field(m: re.Match) -> str:
             i = int(m.group(1))
@@ -716,13 +777,33 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
             raise UserError(f"{where}: conversations[{i}]: expected an object with 'from' and 'value'")
-        role = SHAREGPT_ROLES.get(t["from"].lower()) if isinstance(t["from"], str) else None
+        if t["value"] is None:  # was "a user message needs 'content' (it has role, content)": neither is its field
+            raise UserError(f"{where}: conversations[{i}]: 'value' is null; a {t['from']!r} turn needs text")
+        speaker = t["from"].lower() if isinstance(t["from"], str) else None
+        flags = {k: t[k] for k in ("train", "weight") if k in t}
+        if speaker in SHAREGPT_TOOL_TURNS:  # LLaMA-Factory's tool turns: a call (or a list of them), its result
+            messages.append(_sharegpt_tool_turn(speaker, t["value"], f"{where}: conversations[{i}]") | flags)
+            continue
+        role = SHAREGPT_ROLES.get(speaker)
         if role is None:
             raise UserError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected one of "
-                            f"{', '.join(SHAREGPT_ROLES)}; for tool calls use the messages format)")
-        messages.append({"role": role, "content": t["value"],
-                         **{k: t[k] for k in ("train", "weight") if k in t}})
+                            f"{', '.join((*SHAREGPT_ROLES, *SHAREGPT_TOOL_TURNS))})")
+        messages.append({"role": role, "content": t["value"], **flags})
     return _as_conversations(messages, obj, where, markup)
+
+
+def _sharegpt_tool_turn(speaker: str, value: Any, tw: str) -> dict:
+    """A LLaMA-Factory ShareGPT tool turn as a chat message: `function_call` holds a call `{"name": ...,
+    "arguments": {...}}` (or a list of calls) as JSON text, `observation` the result; the calls are checked against
+    the row's `tools` as any chat's are. They were refused as unknown speakers."""
+    if speaker == "observation":
+        return {"role": "tool", "content": value}
+    calls = _decode_embedded(value, "value", tw) if isinstance(value, str) else value
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, dict) for c in calls):
+        raise UserError(f"{tw}: a function_call turn's value must be a call {{\"name\": ..., \"arguments\": {{...}}}} "
+                        f"or a list of them, got {_json_type(calls)}")
+    return {"role": "assistant", "content": "", "tool_calls": [{"function": c} for c in calls]}
 
 
 def _fields(obj: dict) -> str:
@@ -733,7 +814,8 @@ def _fields(obj: dict) -> str:
 def _as_conversations(messages: list, obj: dict, where: str, markup: Markup) -> dict:
     """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
     try:
-        return normalise_messages({"messages": messages, "tools": obj.get("tools")}, where, markup)
+        return normalise_messages({"messages": messages, "tools": obj.get("tools"),
+                                   **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
     except UserError as e:
         raise UserError(re.sub(r"(?<=: )messages\[", "conversations[", str(e), count=1)) from None
 
@@ -781,8 +863,30 @@ def normalise_instruction(obj: dict, where: str, instruction: str, context: str 
     for field in (instruction, context, response):
         if field and isinstance(obj.get(field), str):
             markup.check(obj[field], f"{where}: field '{field}'")
-    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj[response]}],
-            "tools": None, "where": where}
+    turns = _history(obj, where, markup) + [{"role": "user", "content": prompt},
+                                              {"role": "assistant", "content": obj[response]}]
+    return {"messages": _system_field(obj, turns, where, markup) + turns, "tools": None, "where": where}
+
+
+def _history(obj: dict, where: str, markup: Markup) -> list[dict]:
+    """The earlier turns of an instruction row, LLaMA-Factory's `history` ([[instruction, response], ...]): they
+    were dropped without a word, and the answer trained without the conversation it answers. Trained as every
+    assistant turn of a chat is."""
+    history = _maybe_json(obj.get("history"), "history", where)
+    if history is None:
+        return []
+    if not isinstance(history, list):
+        raise UserError(f"{where}: 'history' must be a list of [instruction, response] pairs, got "
+                        f"{_json_type(history)}")
+    turns = []
+    for i, pair in enumerate(history):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) and t.strip() for t in pair)):
+            raise UserError(f"{where}: history[{i}] must be an [instruction, response] pair of non-empty strings, "
+                            f"got {pair!r:.80}")
+        for text in pair:
+            markup.check(text, f"{where}: history[{i}]")
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return turns
 
 
 def normalise_text(obj: dict, where: str, field: str) -> dict:
@@ -798,6 +902,27 @@ def normalise_text(obj: dict, where: str, field: str) -> dict:
     return {"text": text, "tools": None, "where": where}
 
 
+def _shape_fields(kind: str | None, data_cfg) -> list[str]:
+    """The fields a row of shape `kind` is read from."""
+    return {"messages": ["messages"], "sharegpt": ["conversations"], "prompt_completion": ["prompt", "completion"],
+            "instruction": [data_cfg.instruction_field, data_cfg.response_field],
+            "text": [data_cfg.text_field]}.get(kind or "", [])
+
+
+def _detect(obj: dict, data_cfg) -> str | None:
+    """`detect_format`, by the fields that hold something where the shape's own fields are all null: a mixed-schema
+    JSON Lines file written from a table (pandas' to_json of concatenated sets) gives every row every shape's column,
+    null where the row is of another shape, and `{"messages": null, "conversations": [...]}` was refused as "'messages'
+    must be a non-empty list, got null"."""
+    kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
+    fields = _shape_fields(kind, data_cfg)
+    if fields and all(obj.get(k) is None for k in fields):
+        other = detect_format({k: v for k, v in obj.items() if v is not None}, data_cfg.instruction_field,
+                              data_cfg.text_field)
+        kind = other or kind
+    return kind
+
+
 def _check_null_columns(obj: dict, kind: str | None, where: str, data_cfg) -> None:
     """A Parquet/Arrow row whose text column is null (pandas writes a missing value, NaN or None, as null): said as
     such. Its nulls are dropped before the row is read, so it was "no 'messages' ... field (the example has no
@@ -807,10 +932,7 @@ def _check_null_columns(obj: dict, kind: str | None, where: str, data_cfg) -> No
         return
     if kind is None:  # the shape the row would have with its null columns
         kind = detect_format({**obj, **dict.fromkeys(nulls)}, data_cfg.instruction_field, data_cfg.text_field)
-    needed = {"messages": ["messages"], "sharegpt": ["conversations"], "prompt_completion": ["prompt", "completion"],
-              "instruction": [data_cfg.instruction_field, data_cfg.response_field],
-              "text": [data_cfg.text_field]}.get(kind or "", [])
-    null = [k for k in needed if k in nulls and k not in obj]
+    null = [k for k in _shape_fields(kind, data_cfg) if k in nulls and k not in obj]
     if null:
         raise UserError(f"{where}: '{null[0]}' is null in this row (a missing value: pandas writes NaN and None as "
                         f"null); fill it in or drop the row")
@@ -826,7 +948,7 @@ def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP)
     check_surrogates(obj, where)
     kind = data_cfg.format
     if kind == "auto":
-        kind = detect_format(obj, data_cfg.instruction_field, data_cfg.text_field)
+        kind = _detect(obj, data_cfg)
     _check_null_columns(obj, kind, where, data_cfg)
     if kind is None:
         rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]

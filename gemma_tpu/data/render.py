@@ -253,6 +253,27 @@ class Renderer:
         segs.append((final[len(done):], False))
         return [(t, tr) for t, tr in segs if t]
 
+    def template_difference(self, conv: dict) -> str | None:
+        """Where our Gemma rendering of a plain chat (no tools) departs from the tokenizer's own chat template,
+        which is what a server (vLLM) renders the same conversation with: a template that trims message text (as
+        Google's Gemma 3 template does) or writes the system prompt otherwise trains text the served model never
+        sees. None: they agree, or there is nothing to compare (tools, a text row, no template, or a template
+        that refuses the chat: a server refuses it too)."""
+        if (self.chat_format == "template" or "text" in conv or conv.get("tools")
+                or not getattr(self.tokenizer, "chat_template", None)):
+            return None
+        ours = "".join(t for t, _ in gemma_segments(conv))
+        try:
+            theirs = self._apply(template_messages(conv["messages"]), None, False, "")
+        except UserError:
+            return None
+        theirs = theirs.removeprefix(self.bos_text)
+        if theirs == ours:
+            return None
+        i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        around = slice(max(0, i - 20), i + 20)
+        return f"at character {i}, ours {ours[around]!r}, the template's {theirs[around]!r}"
+
     def map_markers(self, text: str) -> str:
         return fc.map_markers(text, self.token_map)
 
