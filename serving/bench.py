@@ -131,14 +131,20 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
         limit = row.get("max_tokens", row.get("output_len"))
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
             raise UserError(f"{where}: max_tokens / output_len must be a positive integer, got {limit!r:.40}")
-        if isinstance(row.get("messages"), list) and row["messages"]:
-            msgs = row["messages"]
+        msgs = row.get("messages")
+        # a chat holding its answer is read by the trainer's reader below (a `system` field, ShareGPT turns under
+        # `messages`: sent without the prompt trained with, or refused); a prompt-only chat (no answer, which that
+        # reader requires) is sent as given, after the row's system prompt
+        if isinstance(msgs, list) and msgs and not any(
+                isinstance(m, dict) and (m.get("role") in ("assistant", "model") or "from" in m) for m in msgs):
             if not all(isinstance(m, dict) and "role" in m for m in msgs):
                 raise UserError(f"{where}: every message needs a role")
-            k = next((i for i, m in enumerate(msgs) if m["role"] in ("assistant", "model")), len(msgs))
-            if k == 0:
-                raise UserError(f"{where}: the conversation starts with an assistant turn")
-            sent = openai_messages(msgs[:k])
+            system = row.get("system", row.get("system_prompt"))
+            if system is not None and not isinstance(system, str):
+                raise UserError(f"{where}: 'system' must be a string, got {system!r:.40}")
+            if system and any(m["role"] in ("system", "developer") for m in msgs):
+                raise UserError(f"{where}: a system prompt is given twice (the 'system' field and a system turn)")
+            sent = openai_messages(([{"role": "system", "content": system}] if system else []) + msgs)
             est = sum(len(str(m.get("content") or "")) for m in sent) // 4
             rows.append(Prompt(sent, openai_tools(row.get("tools")), est, limit))
         elif isinstance(row.get("prompt"), str):

@@ -831,6 +831,29 @@ def test_bench_reads_the_trainers_other_chat_shapes(tmp_path):
             file_prompts(str(write_rows(tmp_path / "d.jsonl", [row])), 1, 0)
 
 
+def test_bench_sends_the_system_prompt_the_trainer_reads(tmp_path):
+    """A chat row's `system` field (LLaMA-Factory, Anthropic-style exports), which training puts first, was dropped
+    by the benchmark's own messages reader, and ShareGPT turns under `messages` were refused ('every message needs a
+    role'): the served model was measured on prompts without the system prompt it was trained with."""
+    from gemma_tpu.core.errors import UserError
+    from serving.bench import file_prompts
+
+    rows = [{"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a"}], "system": "S1",
+             "max_tokens": 5},
+            {"messages": [{"from": "system", "value": "S2"}, {"from": "human", "value": "q2"},
+                          {"from": "gpt", "value": "a"}]},
+            {"messages": [{"role": "user", "content": "q3"}], "system": "S3"}]  # a prompt-only chat
+    got = sorted(([m["content"] for m in p.messages], p.max_tokens)
+                 for p in file_prompts(str(write_rows(tmp_path / "d.jsonl", rows)), 3, 0))
+    assert got == [(["S1", "q1"], 5), (["S2", "q2"], None), (["S3", "q3"], None)], got
+    for row, needle in (({"messages": [{"role": "system", "content": "A"}, {"role": "user", "content": "q"}],
+                          "system": "B"}, "d.jsonl:1: a system prompt is given twice"),
+                        ({"messages": [{"role": "user", "content": "q"}], "system": 3},
+                         "d.jsonl:1: 'system' must be a string, got 3")):
+        with pytest.raises(UserError, match=needle):
+            file_prompts(str(write_rows(tmp_path / "d.jsonl", [row])), 1, 0)
+
+
 def write_rows(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -14,7 +14,6 @@ run directory and no model weights are loaded; only the tokenizer.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gemma_tpu.core import cli
+from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
@@ -254,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
               "eval_in_train": overlap and overlap["count"],
               "other_strategy": {k: v.stats() for k, v in prepared.items() if k != chosen}}
     if args.json:
-        write_text_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")
+        write_text_atomic(Path(args.json), strict_json.dumps(result, indent=2) + "\n")
     return result
 
 
