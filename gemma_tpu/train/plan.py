@@ -364,7 +364,7 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
         b_shape = (r,) + tuple(by_axis[a] for a in proj.axes if a not in proj.in_axes)
         for suffix, shp in (("_lora_a", a_shape), ("_lora_b", b_shape)):
             p = path + suffix
-            spec = partition.resolve(partition.spec_for(family, tcfg, p, len(shp)), shp, sizes, p)
+            spec = partition.placed_spec(family, tcfg, p, shp, sizes)
             lora_params += math.prod(shp)
             lora_arrays.append((shp, 1 / partition.shards(spec, sizes)))
             lora_bytes += math.prod(shp) / partition.shards(spec, sizes) * b
