@@ -487,7 +487,7 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
                                          jnp.float32 if k == "loss_weights" else jnp.int32, sharding=spec)
                  for k in row_fields + ("loss_idx", "loss_targets", "loss_weights")}
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # the training step drops (train.loss.make_loss_fn)
-            batch["dropout_step"] = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=spec)
+            batch["dropout_step"] = jax.ShapeDtypeStruct((B, 2), jnp.int32, sharding=spec)
         compiled = nnx.jit(train_step, donate_argnames=("optimizer",)).lower(model, optimizer, batch).compile()
     ma = compiled.memory_analysis()
     arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
