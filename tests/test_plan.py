@@ -68,9 +68,10 @@ def test_tiny_plan_sharded_by_the_rules(tiny_dir):
     p = plan(tiny_dir, "mesh.fsdp=8")
     assert p.mesh == {"data": 1, "fsdp": 8, "tp": 1} and p.n_devices == 8
     assert p.term("base params").bytes == 4 * ((V * D + L * PROJ) / 8 + D + L * NORMS)
-    # LoRA factors follow their base weight: A's on a D input axis and B's on a D output axis split
-    split = L * (4 * D * R + 2 * R * D)  # A of q, kv, gate, up; B of o, down
-    assert p.term("LoRA params").bytes == 4 * (LORA - split + split / 8)
+    # every LoRA factor split 8 ways: A's on a D input axis and B's on a D output axis follow their base weight,
+    # the others (B of q, kv, gate, up; A of o, down: only tp from their base) are split over fsdp
+    assert p.term("LoRA params").bytes == 4 * LORA / 8
+    assert p.term("optimizer state").bytes == 2 * 4 * LORA / 8
     # the batch is split over (data, fsdp): 8 rows on 8 devices hold what 1 row holds on one
     split8 = plan(tiny_dir, "mesh.fsdp=8", "train.batch_size=8").term("activations").bytes
     assert split8 == plan(tiny_dir, "mesh.fsdp=1", "train.batch_size=1").term("activations").bytes
