@@ -59,6 +59,7 @@ the real train step is also compiled on the local devices (random weights, nothi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -488,7 +489,11 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
                  for k in row_fields + ("loss_idx", "loss_targets", "loss_weights")}
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # the training step drops (train.loss.make_loss_fn)
             batch["dropout_step"] = jax.ShapeDtypeStruct((B, 2), jnp.int32, sharding=spec)
-        compiled = nnx.jit(train_step, donate_argnames=("optimizer",)).lower(model, optimizer, batch).compile()
+        # the activations laid out as on an accelerator (where the batch is split: a replicated one fits no
+        # constraint over the batch axes)
+        constrained = partition.activation_constraints_on_cpu() if tuple(spec.spec) else contextlib.nullcontext()
+        with constrained:
+            compiled = nnx.jit(train_step, donate_argnames=("optimizer",)).lower(model, optimizer, batch).compile()
     ma = compiled.memory_analysis()
     arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
                              ma.temp_size_in_bytes)
