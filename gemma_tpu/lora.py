@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from typing import Any, Iterator
 
 from gemma_tpu.core.config import LoraConfig
@@ -133,6 +134,7 @@ def _apply_sharded(model, wrap, mesh):
     metadata (LoRA factors inherit their base weight's axes), then compute exactly those in one
     jitted function whose outputs are placed by that metadata. Base weights are not copied.
     """
+    import jax
     from flax import nnx
 
     _, state = nnx.split(model)
@@ -142,10 +144,18 @@ def _apply_sharded(model, wrap, mesh):
     graphdef, abs_state = nnx.split(abstract)
     shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(abs_state, mesh)))
     new = {}
-    for path, _ in nnx.to_flat_state(abs_state):
+    sizes = dict(mesh.shape)
+    for path, var in nnx.to_flat_state(abs_state):
         if _key(path) not in old:
             sh = shardings[path]
-            new[_key(path)] = sh.get_value() if hasattr(sh, "get_value") else sh
+            sh = sh.get_value() if hasattr(sh, "get_value") else sh
+            factor = _FACTOR.search(_key(path))
+            if factor and isinstance(sh, jax.sharding.NamedSharding):
+                spec = factor_spec(tuple(sh.spec), tuple(var.get_value().shape), sizes, factor.group(1))
+                if spec != tuple(sh.spec):
+                    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+                    var.set_metadata(out_sharding=spec)  # what the optimizer state and the train step follow
+            new[_key(path)] = sh
 
     def create(model):
         flat = {_key(p): v for p, v in nnx.to_flat_state(nnx.state(wrap(model)))}
@@ -158,6 +168,30 @@ def _apply_sharded(model, wrap, mesh):
         k = _key(path)
         var.set_value(values[k] if k in values else current[k].get_value())
     return nnx.merge(graphdef, abs_state)
+
+
+_FACTOR = re.compile(r"_lora_([ab])$")
+
+
+def factor_spec(spec: tuple, shape: tuple[int, ...], mesh_sizes: dict[str, int], ab: str) -> tuple:
+    """The placement of a LoRA factor whose inherited spec (`spec`, Qwix's: its base weight's axes) is `spec`.
+
+    A factor inherits only part of its base's axes: B of q/k/v/gate/up and A of o/down keep just the tp axis,
+    so on an fsdp-only mesh (tp=1) they were whole on every device, with their Adam state (hundreds of MB per
+    device for a 27B at rank 64). A factor the inherited spec leaves unsplit on this mesh is split over fsdp on
+    its first non-rank dimension that fsdp divides; one split over some axis keeps it.
+    """
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    fsdp = mesh_sizes.get("fsdp", 1)
+    used = [a for e, size in zip(spec, shape) if e is not None and size > 1
+            for a in ((e,) if isinstance(e, str) else e) if mesh_sizes.get(a, 1) > 1]
+    if used or fsdp <= 1:  # a size-1 dimension is never split (a single KV head's tp entry splits nothing)
+        return spec
+    rank_dim = len(shape) - 1 if ab == "a" else 0
+    for dim, size in enumerate(shape):
+        if dim != rank_dim and size > 1 and size % fsdp == 0:
+            return spec[:dim] + ("fsdp",) + spec[dim + 1:]
+    return spec
 
 
 def _key(path) -> str:

@@ -48,8 +48,19 @@ def check(model_dir: str, mesh_name: str, quant: str | None) -> dict:
         got = partition.normalize(value.sharding.spec, sizes)
         if got != expected[m.group(2)]:
             bad.append(f"{path}: placed {got}, its parameter's rule says {expected[m.group(2)]}")
+    # bytes of LoRA factors and their Adam state, in all and on the device holding most of them (its shards)
+    held: dict = {}
+    total = 0
+    opt_state = partition.flat_params(nnx.state(optimizer, nnx.optimizer.OptState))
+    trainable = [v for p, v in params if "_lora_" in p] + [v for p, v in opt_state if re.search(r"\.(mu|nu)\.", p)]
+    for value in trainable:
+        total += value.nbytes
+        for shard in value.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     return {"params": len(params), "split": split, "opt_checked": opt_checked, "mismatches": bad,
-            "lora": sum(1 for p, _ in params if "_lora_" in p), "quantized": sum(1 for p, _ in params if ".qvalue" in p),
+            "lora_bytes": total, "lora_bytes_per_device": max(held.values()),
+            "lora": sum(1 for p, _ in params if "_lora_" in p),
+            "quantized": sum(1 for p, _ in params if ".qvalue" in p),
             "act_btd": [list(a) if isinstance(a, tuple) else a for a in cfg.shd_config.act_btd]}
 
 

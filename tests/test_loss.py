@@ -94,8 +94,8 @@ def test_lora_dropout_only_in_training_batches(tiny_dir, lora_model):
     loss_fn = make_loss_fn(16, dropout_seed=0)
 
     @nnx.jit
-    def loss(m, step=None):
-        extra = {} if step is None else {"dropout_step": jax.numpy.full((2,), step, jax.numpy.int32)}
+    def loss(m, step=None, micro=0):
+        extra = {} if step is None else {"dropout_step": jax.numpy.tile(jax.numpy.array([step, micro]), (2, 1))}
         return nnx.value_and_grad(lambda m: loss_fn(m, **batch, **extra),
                                   argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
 
@@ -104,7 +104,37 @@ def test_lora_dropout_only_in_training_batches(tiny_dir, lora_model):
     assert float(evaluated) == pytest.approx(float(reference), abs=1e-6)
     (a, ga), (b, gb), (c, _) = loss(model, 3), loss(model, 3), loss(model, 4)
     assert float(a) == float(b) and abs(float(a) - float(reference)) > 1e-4 and abs(float(a) - float(c)) > 1e-4
+    assert abs(float(loss(model, 3, 1)[0]) - float(a)) > 1e-4  # each micro-batch of a step has its own masks
     for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     again, _ = loss(model)  # leaving the dropout block left nothing behind
     assert float(again) == float(evaluated)
+
+
+def test_dropout_masks_stay_fresh_when_a_resume_changes_grad_accum_steps():
+    """Each training micro-batch's dropout key is (optimizer step, micro-batch), not step × accum + micro: a run
+    resumed at step 2 with train.grad_accum_steps 4 -> 2 drew keys 4..7 again (step 2's and 3's masks repeated
+    those of step 1), and 2 -> 4 skipped some."""
+    import types
+
+    import numpy as np
+
+    from gemma_tpu.train.trainer import BatchFeed
+
+    def keys(accum: int, steps: range) -> list[tuple[int, int]]:
+        row = {"tokens": np.zeros((2, 4), np.int32), "segment_ids": np.ones((2, 4), np.int32),
+               "loss_weights": np.ones((2, 3), np.float32)}
+        feed = BatchFeed(iter([row] * (accum * len(steps))), None, dropout=True, grad_accum_steps=accum)
+        out = []
+        for step in steps:
+            ctx = types.SimpleNamespace(train_steps=step, config=types.SimpleNamespace(max_steps=100))
+            for _ in range(accum):
+                d = feed.load_next_train_batch(ctx)["dropout_step"]
+                assert d.shape == (2, 2) and (d == d[0]).all()
+                out.append(tuple(int(x) for x in d[0]))
+        return out
+
+    for before, after in ((4, 2), (2, 4)):
+        drawn = keys(before, range(0, 2)) + keys(after, range(2, 4))
+        assert len(set(drawn)) == len(drawn) == 2 * before + 2 * after, (before, after, drawn)
+        assert drawn[2 * before:] == [(s, m) for s in (2, 3) for m in range(after)]

@@ -40,6 +40,29 @@ def test_resume_from_a_step_with_missing_data_files(tiny_dir, tmp_path):
     assert json.loads((ck / "summary.json").read_text())["train_step_compiles"] == 1
 
 
+def test_resume_onto_another_shaped_base_names_the_setting_and_keeps_the_metadata(tiny_dir, tmp_path):
+    """A sound step that does not fit this run (checkpoint.allow_base_mismatch let a base of another shape through)
+    was 'cannot restore this checkpoint step; move it aside', which fails the same way at every step; and the failed
+    resume had rewritten gemma_tpu_run.json to name the other base beside the old run's steps (a merge then used
+    it). One line naming the tensor and the settings that differ; the metadata file is the one the steps belong to."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    other = write_tiny_gemma3(tmp_path / "wider", seed=1, intermediate_size=256)
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"checkpoint.dir={ck}", "data.eval_path=null", "train.max_steps=2"]
+    proc = run_cli("gemma_tpu.train", *args, f"model.path={tiny_dir}", "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = (ck / "gemma_tpu_run.json").read_bytes()
+    proc = run_cli("gemma_tpu.train", *args, f"model.path={other}", "checkpoint.allow_base_mismatch=true")
+    assert_one_line_error(proc, f"{ck / '1'}: the checkpoint does not fit this run (layers.0.mlp.down_proj."
+                                f"kernel_lora_a is saved with shape (128, 4), this run's model has (256, 4))",
+                          f"model.path ({tiny_dir} -> {other})", "intermediate_size (128 -> 256)",
+                          "moving the step aside will not help")
+    assert "move it aside" not in proc.stderr
+    assert (ck / "gemma_tpu_run.json").read_bytes() == before
+    assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == ["1"]
+
+
 def test_merge_that_runs_out_of_space_publishes_nothing(tiny_dir, tmp_path):
     """A write failing mid-merge (here the file-size limit, as a full disk would: the write raises) is one
     line naming the file; nothing at --out, no temp dir left beside it."""
@@ -323,3 +346,28 @@ def test_metrics_after_a_line_cut_short_stay_readable(tmp_path):
     fresh = tmp_path / "fresh.jsonl"
     append_jsonl(fresh, {"step": 1})
     assert fresh.read_text() == '{"step": 1}\n'
+
+
+def test_an_abandoned_orbax_read_is_not_printed_after_the_error(monkeypatch):
+    """A restore that fails on one array leaves Orbax's reads of the others unawaited; collected, each printed
+    "Exception ignored in: <coroutine ...>" and a traceback after the one-line error (8-18 lines a run on the tiny
+    model). The CLI's unraisable hook drops those, and still reports any other unraisable exception."""
+    import os
+    import sys
+    import types
+
+    from gemma_tpu.core import cli
+
+    reported = []
+    monkeypatch.setattr(sys, "__unraisablehook__", reported.append)
+    where = os.path.join(os.sep, "venv", "orbax", "checkpoint", "serialization.py")
+    scope: dict = {}
+    exec(compile("async def _read_array_index_and_device_put():\n    pass\n", where, "exec"), scope)
+    coro = scope["_read_array_index_and_device_put"]()  # an Orbax coroutine, never awaited
+    unraisable = types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("read failed"), exc_traceback=None,
+                                       err_msg=None, object=coro)
+    cli._redeliver_interrupts(unraisable)
+    coro.close()
+    other = types.SimpleNamespace(**{**vars(unraisable), "object": sys})
+    cli._redeliver_interrupts(other)
+    assert reported == [other]

@@ -31,15 +31,29 @@ def train_losses(tiny_dir, ckpt, mesh_args, env):
 
 def test_same_loss_on_every_mesh(tiny_dir, tmp_path):
     single = train_losses(tiny_dir, tmp_path / "single", MESHES["1x1x1"], {"XLA_FLAGS": ""})
-    # fsdp8 is left out (a duplicated slow case): fsdp4_tp2 and data2_fsdp4 apply the same FSDP rules 4-way, and
-    # tests/test_multihost.py trains on 8 FSDP devices in one process and in two to equal losses
     for name, args in MESHES.items():
-        if name == "fsdp8":
-            continue
         got = train_losses(tiny_dir, tmp_path / name, args, EIGHT) if name != "1x1x1" else single
         assert len(got) == 3
         for a, b in zip(got, single):
             assert abs(a - b) < 1e-5, (name, got, single)
+        # the LoRA factors an fsdp-only mesh splits over fsdp (lora.factor_spec) keep that placement: one compile
+        summary = tmp_path / ("single" if name == "1x1x1" else name) / "summary.json"
+        assert json.loads(summary.read_text())["train_step_compiles"] == 1, name
+
+    # fsdp8's factors, gathered from their fsdp shards, merge into the same model as one device's
+    from safetensors.numpy import load_file
+
+    from convert.merge_orbax import main as merge
+
+    merged = {}
+    for name in ("1x1x1", "fsdp8"):
+        ckpt = tmp_path / ("single" if name == "1x1x1" else name)
+        assert merge(["--checkpoint", str(ckpt), "--out", str(tmp_path / f"merged_{name}")]) == 0
+        merged[name] = {k: v for f in sorted((tmp_path / f"merged_{name}").glob("*.safetensors"))
+                        for k, v in load_file(f).items()}
+    assert merged["1x1x1"].keys() == merged["fsdp8"].keys()
+    for k, v in merged["1x1x1"].items():
+        assert abs(merged["fsdp8"][k] - v).max() < 1e-5, k
 
     # resumed on another slice: the fsdp4_tp2 run's step 2, on 2 devices (fsdp=2), goes on to the same step 3.
     # With SGD (a state of scalars alone) every resume on a multi-device mesh failed ("cannot restore this checkpoint
@@ -94,6 +108,11 @@ def test_every_parameter_has_the_rule_spec(tiny_dir, tiny_gemma4_dir):
             assert r["split"] >= r["params"] // 3, (key, r)  # not vacuous: many arrays really are split
         if key.endswith("|int8"):
             assert r["quantized"] > 0, key
+        if key.endswith(("|fsdp8|-", "|data2_fsdp4|-")):
+            # every LoRA factor and its Adam state split over fsdp: B of q/k/v/gate/up and A of o/down, which
+            # follow only tp from their base, were whole on every device of an fsdp-only mesh
+            fsdp = 8 if "fsdp8" in key else 4
+            assert r["lora_bytes_per_device"] * fsdp == r["lora_bytes"], (key, r)
 
 
 def test_single_global_kv_head_of_a_k_eq_v_gemma4_loads_on_a_tp_mesh(tmp_path):

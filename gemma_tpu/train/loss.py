@@ -95,9 +95,10 @@ def full_loss(model, tokens, positions, segment_ids, loss_idx, loss_targets, los
 def make_loss_fn(chunk: int = 1024, dropout_seed: int = 0):
     """A loss function with explicit batch-field parameters (nnx.grad binds keywords to positions).
 
-    A batch with a `dropout_step` field ([B] int32, every row the same: training batches when
-    lora.dropout > 0, see `gemma_tpu.train.trainer.BatchFeed`) is computed with LoRA dropout, masks
-    from `dropout_seed` folded with that number: fresh masks every step, the same ones after a resume.
+    A batch with a `dropout_step` field ([B, 2] int32, every row the same (optimizer step, micro-batch): training
+    batches when lora.dropout > 0, see `gemma_tpu.train.trainer.BatchFeed`) is computed with LoRA dropout, masks
+    from `dropout_seed` folded with the step, then the micro-batch: fresh masks for every micro-batch, the same
+    ones after a resume, whatever train.grad_accum_steps the resume has.
     Batches without it (evaluation) never drop. A `loss_scale` field ([B], every row the same: the trainer's
     eval batches, `gemma_tpu.data.pipeline.eval_batches(token_weighted=True)`) scales the batch's mean loss.
     """
@@ -110,7 +111,8 @@ def make_loss_fn(chunk: int = 1024, dropout_seed: int = 0):
         else:
             from gemma_tpu.lora import dropout_active
 
-            key = jax.random.fold_in(jax.random.key(dropout_seed), dropout_step[0])
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(dropout_seed), dropout_step[0, 0]),
+                                     dropout_step[0, 1])
             with dropout_active(model, key):
                 loss = sparse_loss(*args)
         return loss if loss_scale is None else loss * loss_scale[0]

@@ -10,7 +10,9 @@ meshes. The planner (`gemma_tpu.train.plan`) reads the same table to count per-d
 Derived rules, never written out per family:
 
 * a LoRA factor follows its base weight (what Qwix does): A = (spec of the base's input axes..., None),
-  B = (None, spec of the base's output axes...), from the family's `Projection` axes;
+  B = (None, spec of the base's output axes...), from the family's `Projection` axes; one that this leaves
+  unsplit on the mesh (B of q/k/v/gate/up, A of o/down where tp=1) is split over fsdp where it divides
+  (`placed_spec`, `gemma_tpu.lora.factor_spec`);
 * a QLoRA base weight keeps the base spec (`<w>.array.qvalue`); its scale has the contracted dims
   collapsed to 1, which are replicated;
 * optimizer state (Adam's mu and nu, the accumulated gradient of gradient accumulation) has the spec
@@ -27,6 +29,7 @@ config. (Tunix skips activation constraints on CPU, so on CPU only the weight ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -134,11 +137,23 @@ def normalize(spec: Any, mesh_sizes: dict[str, int]) -> Spec:
     return tuple(out)
 
 
+def placed_spec(family, tunix_cfg, path: str, shape: Sequence[int], mesh_sizes: dict[str, int]) -> Spec:
+    """The resolved spec a parameter is placed with on this mesh: its rule's, except that a LoRA factor the
+    rule leaves unsplit is split over fsdp where it divides (`lora.factor_spec`, which places it)."""
+    from gemma_tpu.lora import factor_spec
+
+    shape = tuple(shape)
+    spec = resolve(spec_for(family, tunix_cfg, path, len(shape)), shape, mesh_sizes, path)
+    m = _LORA.match(path)
+    if m:
+        spec = resolve(factor_spec(spec, shape, mesh_sizes, m.group("ab")), shape, mesh_sizes, path)
+    return spec
+
+
 def expected_specs(family, tunix_cfg, flat: Iterable[tuple[str, tuple[int, ...]]],
                    mesh_sizes: dict[str, int]) -> dict[str, Spec]:
-    """path -> resolved spec for (path, shape) pairs."""
-    return {path: resolve(spec_for(family, tunix_cfg, path, len(shape)), shape, mesh_sizes, path)
-            for path, shape in flat}
+    """path -> placed spec for (path, shape) pairs."""
+    return {path: placed_spec(family, tunix_cfg, path, shape, mesh_sizes) for path, shape in flat}
 
 
 # ---------------------------------------------------------------- applying the rules
@@ -152,6 +167,33 @@ def with_activation_rules(tunix_cfg):
     fields = {f.name for f in dataclasses.fields(shd)}
     return dataclasses.replace(tunix_cfg, shd_config=dataclasses.replace(
         shd, **{k: v for k, v in ACTIVATIONS.items() if k in fields}))
+
+
+@contextlib.contextmanager
+def activation_constraints_on_cpu():
+    """Inside the block, Tunix's activation sharding constraints (`ACTIVATIONS`) apply on CPU too.
+
+    Tunix skips them on CPU (`tunix.utils.sharding_utils.shard`), and XLA then kept an fsdp mesh's activations
+    partly unsplit: the dry run's compiled check on 8 CPU devices measured 2-3x the estimate's peak, a layout
+    no accelerator run has. With them, the CPU compile lays activations out as a TPU run does."""
+    import jax
+    from jax.interpreters import pxla
+    from tunix.utils import sharding_utils
+
+    original = sharding_utils.shard
+
+    def shard(x, s, eager=False):
+        mesh = pxla.thread_resources.env.physical_mesh
+        if mesh.empty:
+            return jax.numpy.asarray(x)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s))
+        return jax.device_put(x, sharding) if eager else jax.lax.with_sharding_constraint(x, sharding)
+
+    sharding_utils.shard = shard
+    try:
+        yield
+    finally:
+        sharding_utils.shard = original
 
 
 def with_rules(family):
@@ -180,7 +222,7 @@ def check_divisible(family, tunix_cfg, model, mesh) -> None:
     """Every parameter of the (abstract or real) model can be split as the rules say."""
     sizes = dict(mesh.shape)
     for path, val in flat_params(model):
-        resolve(spec_for(family, tunix_cfg, path, len(val.shape)), tuple(val.shape), sizes, path)
+        placed_spec(family, tunix_cfg, path, tuple(val.shape), sizes)
 
 
 def fit_factored_state_annotations(optimizer, mesh) -> None:

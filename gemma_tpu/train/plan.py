@@ -59,6 +59,7 @@ the real train step is also compiled on the local devices (random weights, nothi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -364,7 +365,7 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
         b_shape = (r,) + tuple(by_axis[a] for a in proj.axes if a not in proj.in_axes)
         for suffix, shp in (("_lora_a", a_shape), ("_lora_b", b_shape)):
             p = path + suffix
-            spec = partition.resolve(partition.spec_for(family, tcfg, p, len(shp)), shp, sizes, p)
+            spec = partition.placed_spec(family, tcfg, p, shp, sizes)
             lora_params += math.prod(shp)
             lora_arrays.append((shp, 1 / partition.shards(spec, sizes)))
             lora_bytes += math.prod(shp) / partition.shards(spec, sizes) * b
@@ -487,8 +488,12 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
                                          jnp.float32 if k == "loss_weights" else jnp.int32, sharding=spec)
                  for k in row_fields + ("loss_idx", "loss_targets", "loss_weights")}
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # the training step drops (train.loss.make_loss_fn)
-            batch["dropout_step"] = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=spec)
-        compiled = nnx.jit(train_step, donate_argnames=("optimizer",)).lower(model, optimizer, batch).compile()
+            batch["dropout_step"] = jax.ShapeDtypeStruct((B, 2), jnp.int32, sharding=spec)
+        # the activations laid out as on an accelerator (where the batch is split: a replicated one fits no
+        # constraint over the batch axes)
+        constrained = partition.activation_constraints_on_cpu() if tuple(spec.spec) else contextlib.nullcontext()
+        with constrained:
+            compiled = nnx.jit(train_step, donate_argnames=("optimizer",)).lower(model, optimizer, batch).compile()
     ma = compiled.memory_analysis()
     arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
                              ma.temp_size_in_bytes)

@@ -82,3 +82,66 @@ def check_data_position(cfg: RunConfig, train_split: Any) -> None:
     if saved is not None:
         data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
                                                        cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]))
+
+
+def restore_failure(ckpt_dir: Path, step: int, model, kind, old: dict, new: dict, error: BaseException) -> UserError:
+    """Why restoring `step` into `model` (its `kind` params: nnx.LoRAParam, or every param) failed, as one line.
+
+    Moving the step aside helps only where the step itself is at fault (files missing, cut short, unreadable).
+    A sound step whose tensors do not fit this run's model (another base shape let through by
+    checkpoint.allow_base_mismatch, say) fails the same way at every step: that is said, naming the first
+    tensor that differs and the settings this run (`new`: its metadata, `checkpoint.build_metadata`) differs in
+    from the one that wrote the checkpoint (`old`: its metadata, as it was before this run started)."""
+    from gemma_tpu.checkpoint.params import CheckpointParams, short_reason
+    from gemma_tpu.train.partition import flat_params
+
+    step_dir = ckpt_dir / str(step)
+    aside = "move it aside to resume from the one before"
+    try:
+        saved = {name: spec.shape for name, spec in CheckpointParams(ckpt_dir, step).specs.items()}
+    except UserError as e:
+        return UserError(f"{step_dir}: cannot restore this checkpoint step ({e}); {aside}")
+    from flax import nnx  # deferred: imports jax
+
+    state = nnx.state(model, kind) if kind is not None else nnx.state(model)
+    have = {path: tuple(value.shape) for path, value in flat_params(state)}
+    misfit = next((f"{name} is saved with shape {saved[name]}, this run's model has {shape}"
+                   for name, shape in have.items() if name in saved and saved[name] != shape), None)
+    if misfit is None and saved.keys() != have.keys():
+        name = min(saved.keys() ^ have.keys())
+        misfit = f"{name} is {'in the step but not in' if name in saved else 'in'} this run's model" + (
+            "" if name in saved else " but not in the step")
+    if misfit is None:
+        return UserError(f"{step_dir}: cannot restore this checkpoint step ({short_reason(error)}); {aside}")
+    differs = _settings_that_differ(old, new)
+    return UserError(f"{step_dir}: the checkpoint does not fit this run ({misfit}); "
+                     + (f"this run differs from the one that wrote it in {differs}; " if differs else "")
+                     + "moving the step aside will not help: resume with that run's settings or use another "
+                       "checkpoint.dir")
+
+
+_NOT_SHAPES = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures", "auto_map"}
+
+
+def _settings_that_differ(old: dict, new: dict, limit: int = 3) -> str:
+    """'model.path (a -> b), the base's config.json intermediate_size (128 -> 256)': the run's config keys and
+    the base's config.json keys that differ between a checkpoint's metadata and this run's, those that decide
+    the tensors' shapes first."""
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if k not in _NOT_SHAPES:
+                out.update(flat(v, f"{prefix}{k}."))
+        return out
+
+    items = []
+    for where, a, b in (("", old.get("config"), new.get("config")),
+                        ("the base's config.json ", old.get("hf_config"), new.get("hf_config"))):
+        fa, fb = flat(a or {}), flat(b or {})
+        items += [f"{where}{k} ({fa[k]} -> {fb[k]})" for k in fa if k in fb and fa[k] != fb[k]]
+    items.sort(key=lambda item: not item.startswith(("model.", "lora.", "the base's")))  # what shapes the tensors
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+

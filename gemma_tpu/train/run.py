@@ -23,7 +23,7 @@ from typing import Sequence
 from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
 from gemma_tpu.checkpoint.metadata import METADATA_FILE
-from gemma_tpu.checkpoint.params import check_item_files, short_reason
+from gemma_tpu.checkpoint.params import check_item_files
 from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
@@ -37,7 +37,7 @@ from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import plan, run_lock
 from gemma_tpu.train.plan import abstract_model
-from gemma_tpu.train.resume import check_data_position, check_resume_compatible
+from gemma_tpu.train.resume import check_data_position, check_resume_compatible, restore_failure
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -197,7 +197,7 @@ def run(cfg: RunConfig) -> dict:
 
         from gemma_tpu.train.tunix_adapter import profiler_options
 
-        locks = []
+        locks, previous = [], None
         if primary:
             for d, key in locked_dirs(cfg):  # one writer per run directory, from the first write on
                 locks.append((run_lock.acquire(d, key), key))
@@ -207,6 +207,10 @@ def run(cfg: RunConfig) -> dict:
             for p, size in checkpoint.remove_unfinished_saves(ckpt_dir):
                 log.warning("removed %s (%s): a save that did not finish (a full disk, or the run was killed)", p,
                             human(size))
+            # the run that wrote the steps, put back if they cannot be restored into this one: a failed resume left
+            # the file describing this run's base and settings beside the other run's steps, which a merge then
+            # combined and the next resume's checks compared against
+            previous = (ckpt_dir / METADATA_FILE).read_text() if (ckpt_dir / METADATA_FILE).is_file() else None
             checkpoint.write_metadata(ckpt_dir, meta)
         run_dir = Path(cfg.train.run_dir or ckpt_dir)
         profile_dir = profile_window(cfg, run_dir, ckpt_dir)
@@ -243,10 +247,13 @@ def run(cfg: RunConfig) -> dict:
             )
         except Exception as e:
             steps = checkpoint.list_steps(ckpt_dir)
+            if primary and steps and previous is not None:
+                write_text_atomic(ckpt_dir / METADATA_FILE, previous)
             if isinstance(e, UserError) or not steps:
                 raise
-            raise UserError(f"{ckpt_dir / str(steps[-1])}: cannot restore this checkpoint step ({short_reason(e)}); "
-                            f"move it aside to resume from the one before") from e
+            kind = nnx.LoRAParam if cfg.lora.enabled else None
+            raise restore_failure(ckpt_dir, steps[-1], model, kind,
+                                  json.loads(previous) if previous else {}, meta, e) from e
         from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
         trainer.with_loss_fn(make_loss_fn(chunk, dropout_seed=cfg.train.seed))

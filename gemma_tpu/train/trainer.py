@@ -49,8 +49,9 @@ class BatchFeed(tunix_hooks.DataHooks):
     def __init__(self, stream, eval_batches: list[dict] | None, put=None, dropout: bool = False,
                  grad_accum_steps: int = 1):
         self.stream = stream
-        # lora.dropout > 0: each train batch carries `dropout_step` (train.loss.make_loss_fn), the
-        # number of batches before it in the run, recomputed from the trainer's restored step on resume
+        # lora.dropout > 0: each train batch carries `dropout_step` (train.loss.make_loss_fn): its optimizer step
+        # and micro-batch, recomputed from the trainer's restored step on resume. A pair, not step × accum + micro:
+        # a resume with another train.grad_accum_steps then repeated earlier steps' masks (or skipped some)
         self.dropout = dropout
         self.grad_accum_steps = max(1, grad_accum_steps)
         self._micro = (-1, 0)  # (optimizer step, micro-batches fed in it)
@@ -96,7 +97,7 @@ class BatchFeed(tunix_hooks.DataHooks):
             micro = self._micro[1] if self._micro[0] == step else 0
             self._micro = (step, micro + 1)
             rows = batch["tokens"].shape[0]
-            batch = {**batch, "dropout_step": np.full((rows,), step * self.grad_accum_steps + micro, np.int32)}
+            batch = {**batch, "dropout_step": np.tile(np.array([step, micro], np.int32), (rows, 1))}
         return self.put(batch)
 
     def load_next_eval_batch(self, train_ctx):
