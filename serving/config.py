@@ -183,9 +183,10 @@ def resolve_vllm_option(option: str, known: frozenset[str]) -> str | None:
     return None
 
 
-def unknown_extra_args(args: Sequence[str]) -> list[str]:
-    """One phrase for each server.extra_args option the pinned `vllm serve` does not take (with the closest
-    option it does): vLLM stops at such a word with a usage error only on the TPU VM, after the image pull."""
+def unknown_extra_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
+    """Each server.extra_args word naming an option the pinned `vllm serve` does not take, with the closest option it
+    does (None: nothing close): vLLM stops at such a word with a usage error only on the TPU VM, after the image
+    pull."""
     import difflib
 
     known = vllm_serve_flags()
@@ -195,8 +196,13 @@ def unknown_extra_args(args: Sequence[str]) -> list[str]:
         if option is None or resolve_vllm_option(option, known) is not None:
             continue
         close = difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.75)
-        out.append(f"{arg} is not an option of `vllm serve`" + (f" (did you mean {close[0]}?)" if close else ""))
+        out.append((arg, close[0] if close else None))
     return out
+
+
+def _unknown_phrase(unknown: list[tuple[str, str | None]]) -> str:
+    return "; ".join(f"{arg} is not an option of `vllm serve`" + (f" (did you mean {close}?)" if close else "")
+                     for arg, close in unknown)
 
 
 def pinned_image(cfg: ServeConfig) -> bool:
@@ -205,12 +211,14 @@ def pinned_image(cfg: ServeConfig) -> bool:
 
 
 def extra_args_warning(cfg: ServeConfig) -> str | None:
-    """With another container.image the option list may differ: the options the pinned release lacks, said once."""
-    unknown = unknown_extra_args(cfg.server.extra_args) if not pinned_image(cfg) else []
+    """Options the pinned release lacks that are not refused: with another container.image (its list may differ),
+    or with nothing close among the pinned options (a plugin's option, say); said once."""
+    unknown = [(a, c) for a, c in unknown_extra_args(cfg.server.extra_args) if not pinned_image(cfg) or c is None]
     if not unknown:
         return None
-    return (f"server.extra_args: {'; '.join(unknown)} in {VLLM_TPU_IMAGE}; container.image {cfg.container.image} "
-            "may take it, else vLLM stops at it when the container starts")
+    image = f"container.image {cfg.container.image} may take it" if not pinned_image(cfg) else "a plugin may add it"
+    return (f"server.extra_args: {_unknown_phrase(unknown)} in {VLLM_TPU_IMAGE} (serving/vllm_serve_flags.txt); "
+            f"{image}, else vLLM stops at it when the container starts")
 
 
 def max_loras(cfg: ServeConfig) -> int:
@@ -258,9 +266,11 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
         flag = resolve_vllm_option(option, known) if option is not None else None  # `--max-model-l`: abbreviated
         if flag in RENDERED_FLAGS or option in RENDERED_FLAGS:
             bad(f"server.extra_args: {arg} is set from the config; set {RENDERED_FLAGS[flag or option]} instead")
-    if pinned_image(cfg) and unknown_extra_args(s.extra_args):
-        bad(f"server.extra_args: {'; '.join(unknown_extra_args(s.extra_args))} (the options of {VLLM_TPU_IMAGE} "
-            "are listed in serving/vllm_serve_flags.txt); vLLM would stop at it on the TPU VM")
+    # a misspelling of a pinned option is refused; a word like none of them is only warned of (extra_args_warning)
+    typos = [(a, c) for a, c in unknown_extra_args(s.extra_args) if c is not None]
+    if pinned_image(cfg) and typos:
+        bad(f"server.extra_args: {_unknown_phrase(typos)} (the options of {VLLM_TPU_IMAGE} are listed in "
+            "serving/vllm_serve_flags.txt); vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:
         bad(f"server.port must be in 1..65535, got {s.port}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):

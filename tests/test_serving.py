@@ -339,8 +339,8 @@ def _damaged_shard(p):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu-memory-utilisation,0.9]"],
      ["--gpu-memory-utilisation is not an option of `vllm serve`", "did you mean --gpu-memory-utilization?",
       "vllm/vllm-tpu:v0.27.0"]),
-    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching,--kv-cache-dtype=fp8,--swap_spac,4]"],
-     ["--swap_spac is not an option"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching,--kv-cache-dtype=fp8,--enforce_eagre]"],
+     ["--enforce_eagre is not an option", "did you mean --enforce-eager?"]),
 ])
 def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
     d = make(tmp_path / "m")
@@ -1080,8 +1080,14 @@ def test_extra_args_are_read_as_vllms_parser_reads_them(tmp_path, capsys):
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    "container.image=vllm/vllm-tpu:nightly", "server.extra_args=[--new-flag,1]")
     assert code == 0 and "--new-flag" in out, err
-    assert ("warning: server.extra_args: --new-flag is not an option of `vllm serve` in vllm/vllm-tpu:v0.27.0; "
-            "container.image vllm/vllm-tpu:nightly may take it") in err, err
+    assert ("warning: server.extra_args: --new-flag is not an option of `vllm serve` in vllm/vllm-tpu:v0.27.0 "
+            "(serving/vllm_serve_flags.txt); container.image vllm/vllm-tpu:nightly may take it") in err, err
+    # on the pinned image a word close to none of its options (a plugin's, say) is a warning, not a refusal
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.extra_args=[--zzz-plugin-knob,1]")
+    assert code == 0 and "--zzz-plugin-knob" in out, err
+    assert "--zzz-plugin-knob is not an option of `vllm serve` in vllm/vllm-tpu:v0.27.0" in err
+    assert "a plugin may add it" in err, err
 
 
 def test_the_option_list_is_of_the_pinned_release():
