@@ -145,8 +145,8 @@ def extra_arg(args: Sequence[str], flag: str) -> str | None:
     last), or None."""
     value = None
     for i, arg in enumerate(args):
-        name, eq, v = arg.partition("=")
-        if name.startswith("--") and "--" + name[2:].replace("_", "-") == flag:
+        if vllm_option(arg) == flag and "." not in arg.partition("=")[0]:  # the option's name as vLLM reads it
+            _, eq, v = arg.partition("=")
             value = v if eq else (args[i + 1] if i + 1 < len(args) else "")
     return value
 
@@ -453,8 +453,8 @@ def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> No
     tool-calling fine-tune of a base without FunctionGemma markers ships a tokenizer publishing them on the reserved
     ids it was trained on (convert.export_peft); served on that base its calls came out as `<unusedN>` tokens, which
     vLLM drops from the text as special tokens, and no tool-call parser saw a call."""
-    lacking = [m for m in FUNCTION_MARKERS if m in tokens_named(adapter_dir, FUNCTION_MARKERS) - tokens_named(
-        model_dir, FUNCTION_MARKERS)]
+    missing = tokens_named(adapter_dir, FUNCTION_MARKERS) - tokens_named(model_dir, FUNCTION_MARKERS)
+    lacking = [m for m in FUNCTION_MARKERS if m in missing]  # each tokenizer read once, not once a marker
     if lacking:
         raise UserError(f"lora.adapters.{name}: its tokenizer names the tool-call marker {lacking[0]}, which "
                         f"model.dir's tokenizer lacks; vLLM decodes adapters with model.dir's tokenizer, so this "
