@@ -298,7 +298,9 @@ def _extensions(body: dict, check_generation_config) -> None:
         v = given["top_k"]
         if not _is_int(v) or v < -1:
             raise RequestError("top_k", f"{v!r} is not a whole number of at least -1 (-1 or 0: no top-k)")
-        gen["top_k"] = v if v > 0 else None
+        # 0, not None: transformers fills an unset top_k from the model's generation_config, else its default of 50,
+        # so vLLM's "-1: no top-k" sampled from the 50 likeliest tokens; 0 turns the top-k warper off
+        gen["top_k"] = max(v, 0)
     if "min_p" in given:
         if not _is_number(given["min_p"]) or not 0 <= given["min_p"] <= 1:
             raise RequestError("min_p", f"{given['min_p']!r} is not a number in [0, 1]")

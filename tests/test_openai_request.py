@@ -982,13 +982,33 @@ def test_vllm_sampling_extensions_become_generation_settings():
     assert json.loads(body["generation_config"]) == {"top_p": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
                                                      "min_new_tokens": 70, "do_sample": True}
     body = check_completion_request({"prompt": "x", "max_tokens": 4, "top_k": -1, "min_tokens": 2})
-    assert json.loads(body["generation_config"]) == {"top_k": None, "min_new_tokens": 2}
+    assert json.loads(body["generation_config"]) == {"top_k": 0, "min_new_tokens": 2}
     assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
     for extra, param in (({"top_k": 1.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
                          ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens")):
         with pytest.raises(RequestError) as e:
             check_chat_request({"messages": USER, "max_tokens": 3, **extra})
         assert e.value.param == param
+
+
+def test_no_top_k_reaches_generate_as_off(tiny_dir):
+    """vLLM's `top_k: -1` (or 0) says "no top-k". It became None in the generation_config, which transformers'
+    generate fills from the model's generation_config, else its default top_k of 50: a request asking for the
+    whole distribution sampled from the 50 likeliest tokens. Read as generate reads it (on the tiny model), no
+    top-k (nor min-p) warper is left."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    for extra in ({"top_k": -1}, {"top_k": 0, "min_p": 0}, {"temperature": 0.7, "top_k": -1}):
+        body = check_chat_request({"messages": USER, "max_tokens": 3, "temperature": 1.0, **extra})
+        config, _ = model._prepare_generation_config(GenerationConfig(**json.loads(body["generation_config"])))
+        assert config.do_sample and config.top_k == 0, (extra, config.top_k)
+        warpers = model._get_logits_processor(config, input_ids_seq_length=3, encoder_input_ids=None,
+                                              prefix_allowed_tokens_fn=None, logits_processor=None)
+        assert not [w for w in warpers if type(w).__name__ in ("TopKLogitsWarper", "MinPLogitsWarper")]
+    body = check_chat_request({"messages": USER, "max_tokens": 3, "top_k": 5})
+    config, _ = model._prepare_generation_config(GenerationConfig(**json.loads(body["generation_config"])))
+    assert config.top_k == 5  # a real top-k still applies
 
 
 def test_inner_server_errors_come_back_in_openai_shape():
