@@ -1011,6 +1011,39 @@ def test_no_top_k_reaches_generate_as_off(tiny_dir):
     assert config.top_k == 5  # a real top-k still applies
 
 
+def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir):
+    """`temperature: 0.8` and no top_k: vLLM samples the whole distribution (or the model's generation_config
+    top_k); transformers serve left top_k unset, which generate fills with its default of 50. The served build
+    (`whole_distribution_by_default`) turns top-k off there, keeps a model's own top_k, and leaves greedy alone."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.cli.serving import utils
+
+    from serving.local import whole_distribution_by_default
+
+    class Handler(utils.BaseHandler):  # patched, not transformers' own class
+        pass
+
+    whole_distribution_by_default(SimpleNamespace(BaseHandler=Handler))
+    handler = SimpleNamespace(generation_state=SimpleNamespace(_compile=False))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+
+    def top_k(request: dict, model_config: GenerationConfig) -> tuple[bool, int]:
+        body = check_chat_request({"messages": USER, "max_tokens": 3, **request})
+        model.generation_config = model_config  # what generate fills unset values from
+        config, _ = model._prepare_generation_config(Handler._build_generation_config(handler, body, model_config))
+        return config.do_sample, config.top_k
+
+    own = model.generation_config
+    assert own.top_k is None  # the tiny model's generation_config.json names none
+    assert top_k({"temperature": 0.8}, own) == (True, 0)
+    assert top_k({"temperature": 0.8, "top_k": 7}, own) == (True, 7)
+    assert top_k({"temperature": 0.8}, GenerationConfig(top_k=64, eos_token_id=1)) == (True, 64)
+    assert top_k({"temperature": 0.8, "top_p": 0.9}, GenerationConfig(do_sample=True, eos_token_id=1)) == (True, 0)
+    assert top_k({}, own)[0] is False  # greedy: top_k is not read
+
+
 def test_inner_server_errors_come_back_in_openai_shape():
     """transformers serve refused a field it does not know (vLLM's skip_special_tokens, say) with 422
     {"detail": ...} and failed with a plain-text 500: OpenAI clients showed a bare status. Now both are
