@@ -290,6 +290,15 @@ def _extensions(body: dict, check_generation_config) -> None:
     on where the request asks for it (see `_sampled`)."""
     given = {k: body.pop(k) for k in _EXTENSIONS if k in body}
     own = json.loads(body["generation_config"]) if body.get("generation_config") else {}
+    # transformers serve applies frequency_penalty as repetition_penalty = 1 + value, after the generation_config:
+    # OpenAI's 0 ("none") reset a repetition_penalty the request or the model's generation_config gave to 1, and a
+    # non-zero one replaced it, where vLLM applies both
+    if body.get("frequency_penalty") == 0:
+        del body["frequency_penalty"]
+    if body.get("frequency_penalty") is not None and ("repetition_penalty" in given or "repetition_penalty" in own):
+        raise RequestError("frequency_penalty", "this server applies frequency_penalty as a repetition penalty of "
+                                                "1 + value, which would replace the repetition_penalty also given: "
+                                                "send one of them")
     sampled = _sampled(body, given) and "do_sample" not in own
     if not given and not sampled:
         return

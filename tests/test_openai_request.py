@@ -1044,6 +1044,36 @@ def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir
     assert top_k({}, own)[0] is False  # greedy: top_k is not read
 
 
+def test_frequency_penalty_zero_keeps_the_repetition_penalty():
+    """transformers serve applies frequency_penalty as repetition_penalty = 1 + value, after the generation_config:
+    `frequency_penalty: 0` (OpenAI's "none", which clients send as a default) beside `repetition_penalty: 1.2`
+    decoded with no penalty at all, and a non-zero one replaced it silently. Read as transformers serve's chat and
+    text handlers build the config, the 1.2 is kept; both non-zero is a 400 naming frequency_penalty."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+
+    def penalty(handler_class, body: dict, model_config: GenerationConfig) -> float:
+        handler = handler_class.__new__(handler_class)  # its config builder only reads generation_state
+        handler.generation_state = SimpleNamespace(_compile=False)
+        return handler._build_generation_config(body, model_config).repetition_penalty
+
+    model_config = GenerationConfig(repetition_penalty=1.1, eos_token_id=1)  # a model's generation_config.json
+    chat = {"messages": USER, "max_tokens": 3, "frequency_penalty": 0}
+    assert penalty(ChatCompletionHandler, check_chat_request({**chat, "repetition_penalty": 1.2}), model_config) == 1.2
+    assert penalty(ChatCompletionHandler, check_chat_request(chat), model_config) == 1.1
+    text = {"prompt": "x", "max_tokens": 3, "frequency_penalty": 0.0, "repetition_penalty": 1.2}
+    assert penalty(CompletionHandler, check_completion_request(text), model_config) == 1.2
+    assert penalty(ChatCompletionHandler, check_chat_request({**chat, "frequency_penalty": 0.5}), model_config) == 1.5
+    for body in ({**chat, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+                 {**chat, "frequency_penalty": 0.5, "generation_config": json.dumps({"repetition_penalty": 1.2})}):
+        with pytest.raises(RequestError, match="send one of them") as e:
+            check_chat_request(body)
+        assert e.value.param == "frequency_penalty"
+
+
 def test_inner_server_errors_come_back_in_openai_shape():
     """transformers serve refused a field it does not know (vLLM's skip_special_tokens, say) with 422
     {"detail": ...} and failed with a plain-text 500: OpenAI clients showed a bare status. Now both are
