@@ -308,8 +308,10 @@ def _extensions(body: dict, check_generation_config) -> None:
         if not _is_int(v) or v < -1:
             raise RequestError("top_k", f"{v!r} is not a whole number of at least -1 (-1 or 0: no top-k)")
         # 0, not None: transformers fills an unset top_k from the model's generation_config, else its default of 50,
-        # so vLLM's "-1: no top-k" sampled from the 50 likeliest tokens; 0 turns the top-k warper off
-        gen["top_k"] = max(v, 0)
+        # so vLLM's "-1: no top-k" sampled from the 50 likeliest tokens; 0 turns the top-k warper off (left out of
+        # a greedy request, where transformers warns of a top_k it does not read)
+        if v > 0 or sampled or own.get("do_sample"):
+            gen["top_k"] = max(v, 0)
     if "min_p" in given:
         if not _is_number(given["min_p"]) or not 0 <= given["min_p"] <= 1:
             raise RequestError("min_p", f"{given['min_p']!r} is not a number in [0, 1]")

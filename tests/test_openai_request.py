@@ -982,7 +982,7 @@ def test_vllm_sampling_extensions_become_generation_settings():
     assert json.loads(body["generation_config"]) == {"top_p": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
                                                      "min_new_tokens": 70, "do_sample": True}
     body = check_completion_request({"prompt": "x", "max_tokens": 4, "top_k": -1, "min_tokens": 2})
-    assert json.loads(body["generation_config"]) == {"top_k": 0, "min_new_tokens": 2}
+    assert json.loads(body["generation_config"]) == {"min_new_tokens": 2}  # greedy: no top_k to switch off
     assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
     for extra, param in (({"top_k": 1.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
                          ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens")):
@@ -1009,6 +1009,8 @@ def test_no_top_k_reaches_generate_as_off(tiny_dir):
     body = check_chat_request({"messages": USER, "max_tokens": 3, "top_k": 5})
     config, _ = model._prepare_generation_config(GenerationConfig(**json.loads(body["generation_config"])))
     assert config.top_k == 5  # a real top-k still applies
+    body = check_chat_request({"messages": USER, "max_tokens": 3, "temperature": 0, "top_k": -1})
+    assert "top_k" not in json.loads(body["generation_config"])  # greedy: transformers warned of an unread top_k
 
 
 def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir):
