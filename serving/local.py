@@ -1194,6 +1194,23 @@ def seed_each_generation(utils) -> None:
     utils.GenerateManager.generate_non_streaming = seeded(utils.GenerateManager.generate_non_streaming)
 
 
+def whole_distribution_by_default(utils) -> None:
+    """A sampled request with no top_k samples from the whole distribution, as vLLM samples when neither the
+    request nor the model's generation_config names one: transformers' generate fills an unset top_k with its
+    default of 50, so `temperature: 0.8` on a model whose generation_config.json has no top_k drew from the 50
+    likeliest tokens only (`utils`: transformers.cli.serving.utils)."""
+    build = utils.BaseHandler._build_generation_config
+
+    def build_whole(self, body, model_generation_config, *args, **kwargs):
+        config = build(self, body, model_generation_config, *args, **kwargs)
+        sampled = config.do_sample or (config.do_sample is None and getattr(model_generation_config, "do_sample", None))
+        if sampled and config.top_k is None and getattr(model_generation_config, "top_k", None) is None:
+            config.top_k = 0  # no top-k (None is "the default": 50)
+        return config
+
+    utils.BaseHandler._build_generation_config = build_whole
+
+
 def stops_matcher(tok):
     """`stop` (a string or a list) -> whether transformers' generate can stop on it: it refuses (ValueError, a 500)
     stop strings no token of the vocabulary can end, e.g. an emoji a small vocabulary spells in bytes."""
@@ -1258,6 +1275,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     from transformers.cli.serving import utils as serving_utils
 
     seed_each_generation(serving_utils)
+    whole_distribution_by_default(serving_utils)
 
     build = server_mod.build_server
 

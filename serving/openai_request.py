@@ -290,6 +290,15 @@ def _extensions(body: dict, check_generation_config) -> None:
     on where the request asks for it (see `_sampled`)."""
     given = {k: body.pop(k) for k in _EXTENSIONS if k in body}
     own = json.loads(body["generation_config"]) if body.get("generation_config") else {}
+    # transformers serve applies frequency_penalty as repetition_penalty = 1 + value, after the generation_config:
+    # OpenAI's 0 ("none") reset a repetition_penalty the request or the model's generation_config gave to 1, and a
+    # non-zero one replaced it, where vLLM applies both
+    if body.get("frequency_penalty") == 0:
+        del body["frequency_penalty"]
+    if body.get("frequency_penalty") is not None and ("repetition_penalty" in given or "repetition_penalty" in own):
+        raise RequestError("frequency_penalty", "this server applies frequency_penalty as a repetition penalty of "
+                                                "1 + value, which would replace the repetition_penalty also given: "
+                                                "send one of them")
     sampled = _sampled(body, given) and "do_sample" not in own
     if not given and not sampled:
         return
@@ -298,7 +307,11 @@ def _extensions(body: dict, check_generation_config) -> None:
         v = given["top_k"]
         if not _is_int(v) or v < -1:
             raise RequestError("top_k", f"{v!r} is not a whole number of at least -1 (-1 or 0: no top-k)")
-        gen["top_k"] = v if v > 0 else None
+        # 0, not None: transformers fills an unset top_k from the model's generation_config, else its default of 50,
+        # so vLLM's "-1: no top-k" sampled from the 50 likeliest tokens; 0 turns the top-k warper off (left out of
+        # a greedy request, where transformers warns of a top_k it does not read)
+        if v > 0 or sampled or own.get("do_sample"):
+            gen["top_k"] = max(v, 0)
     if "min_p" in given:
         if not _is_number(given["min_p"]) or not 0 <= given["min_p"] <= 1:
             raise RequestError("min_p", f"{given['min_p']!r} is not a number in [0, 1]")

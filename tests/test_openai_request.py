@@ -982,13 +982,98 @@ def test_vllm_sampling_extensions_become_generation_settings():
     assert json.loads(body["generation_config"]) == {"top_p": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
                                                      "min_new_tokens": 70, "do_sample": True}
     body = check_completion_request({"prompt": "x", "max_tokens": 4, "top_k": -1, "min_tokens": 2})
-    assert json.loads(body["generation_config"]) == {"top_k": None, "min_new_tokens": 2}
+    assert json.loads(body["generation_config"]) == {"min_new_tokens": 2}  # greedy: no top_k to switch off
     assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
     for extra, param in (({"top_k": 1.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
                          ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens")):
         with pytest.raises(RequestError) as e:
             check_chat_request({"messages": USER, "max_tokens": 3, **extra})
         assert e.value.param == param
+
+
+def test_no_top_k_reaches_generate_as_off(tiny_dir):
+    """vLLM's `top_k: -1` (or 0) says "no top-k". It became None in the generation_config, which transformers'
+    generate fills from the model's generation_config, else its default top_k of 50: a request asking for the
+    whole distribution sampled from the 50 likeliest tokens. Read as generate reads it (on the tiny model), no
+    top-k (nor min-p) warper is left."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    for extra in ({"top_k": -1}, {"top_k": 0, "min_p": 0}, {"temperature": 0.7, "top_k": -1}):
+        body = check_chat_request({"messages": USER, "max_tokens": 3, "temperature": 1.0, **extra})
+        config, _ = model._prepare_generation_config(GenerationConfig(**json.loads(body["generation_config"])))
+        assert config.do_sample and config.top_k == 0, (extra, config.top_k)
+        warpers = model._get_logits_processor(config, input_ids_seq_length=3, encoder_input_ids=None,
+                                              prefix_allowed_tokens_fn=None, logits_processor=None)
+        assert not [w for w in warpers if type(w).__name__ in ("TopKLogitsWarper", "MinPLogitsWarper")]
+    body = check_chat_request({"messages": USER, "max_tokens": 3, "top_k": 5})
+    config, _ = model._prepare_generation_config(GenerationConfig(**json.loads(body["generation_config"])))
+    assert config.top_k == 5  # a real top-k still applies
+    body = check_chat_request({"messages": USER, "max_tokens": 3, "temperature": 0, "top_k": -1})
+    assert "top_k" not in json.loads(body["generation_config"])  # greedy: transformers warned of an unread top_k
+
+
+def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir):
+    """`temperature: 0.8` and no top_k: vLLM samples the whole distribution (or the model's generation_config
+    top_k); transformers serve left top_k unset, which generate fills with its default of 50. The served build
+    (`whole_distribution_by_default`) turns top-k off there, keeps a model's own top_k, and leaves greedy alone."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.cli.serving import utils
+
+    from serving.local import whole_distribution_by_default
+
+    class Handler(utils.BaseHandler):  # patched, not transformers' own class
+        pass
+
+    whole_distribution_by_default(SimpleNamespace(BaseHandler=Handler))
+    handler = SimpleNamespace(generation_state=SimpleNamespace(_compile=False))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+
+    def top_k(request: dict, model_config: GenerationConfig) -> tuple[bool, int]:
+        body = check_chat_request({"messages": USER, "max_tokens": 3, **request})
+        model.generation_config = model_config  # what generate fills unset values from
+        config, _ = model._prepare_generation_config(Handler._build_generation_config(handler, body, model_config))
+        return config.do_sample, config.top_k
+
+    own = model.generation_config
+    assert own.top_k is None  # the tiny model's generation_config.json names none
+    assert top_k({"temperature": 0.8}, own) == (True, 0)
+    assert top_k({"temperature": 0.8, "top_k": 7}, own) == (True, 7)
+    assert top_k({"temperature": 0.8}, GenerationConfig(top_k=64, eos_token_id=1)) == (True, 64)
+    assert top_k({"temperature": 0.8, "top_p": 0.9}, GenerationConfig(do_sample=True, eos_token_id=1)) == (True, 0)
+    assert top_k({}, own)[0] is False  # greedy: top_k is not read
+
+
+def test_frequency_penalty_zero_keeps_the_repetition_penalty():
+    """transformers serve applies frequency_penalty as repetition_penalty = 1 + value, after the generation_config:
+    `frequency_penalty: 0` (OpenAI's "none", which clients send as a default) beside `repetition_penalty: 1.2`
+    decoded with no penalty at all, and a non-zero one replaced it silently. Read as transformers serve's chat and
+    text handlers build the config, the 1.2 is kept; both non-zero is a 400 naming frequency_penalty."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+
+    def penalty(handler_class, body: dict, model_config: GenerationConfig) -> float:
+        handler = handler_class.__new__(handler_class)  # its config builder only reads generation_state
+        handler.generation_state = SimpleNamespace(_compile=False)
+        return handler._build_generation_config(body, model_config).repetition_penalty
+
+    model_config = GenerationConfig(repetition_penalty=1.1, eos_token_id=1)  # a model's generation_config.json
+    chat = {"messages": USER, "max_tokens": 3, "frequency_penalty": 0}
+    assert penalty(ChatCompletionHandler, check_chat_request({**chat, "repetition_penalty": 1.2}), model_config) == 1.2
+    assert penalty(ChatCompletionHandler, check_chat_request(chat), model_config) == 1.1
+    text = {"prompt": "x", "max_tokens": 3, "frequency_penalty": 0.0, "repetition_penalty": 1.2}
+    assert penalty(CompletionHandler, check_completion_request(text), model_config) == 1.2
+    assert penalty(ChatCompletionHandler, check_chat_request({**chat, "frequency_penalty": 0.5}), model_config) == 1.5
+    for body in ({**chat, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+                 {**chat, "frequency_penalty": 0.5, "generation_config": json.dumps({"repetition_penalty": 1.2})}):
+        with pytest.raises(RequestError, match="send one of them") as e:
+            check_chat_request(body)
+        assert e.value.param == "frequency_penalty"
 
 
 def test_inner_server_errors_come_back_in_openai_shape():
