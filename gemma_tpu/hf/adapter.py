@@ -1,0 +1,104 @@
+"""A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), checked before another
+program loads it: vLLM at a server's start (serving.config), peft in convert.verify. Both took what they could
+not use quietly or failed late: vLLM refuses at load what peft accepts, peft warns about keys it cannot place
+and goes on with the base's logits."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.hf.safetensors_io import file_tensors
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# One module of transformers' multimodal classes, spelt two ways: checkpoints written before transformers 4.52
+# name the decoder `language_model.model.`, the class (and PEFT's keys since) `model.language_model.`.
+SAME_DECODER = ("language_model.model.", "model.language_model.")
+
+_LORA_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
+
+
+def read_adapter_config(adapter_dir: Path, where: str, for_vllm: bool = True) -> dict:
+    """adapter_config.json with what vLLM's PEFT reader refuses at load (vllm/lora/peft_helper.py) refused here,
+    each naming its key; `where` starts each message. `for_vllm=False` (peft, convert.verify) lets DoRA and
+    modules_to_save through, which peft loads."""
+    cfg = read_json_object(adapter_dir / ADAPTER_CONFIG, f"{where}: {adapter_dir} has no {ADAPTER_CONFIG}")
+    if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        raise UserError(f"{where}: {adapter_dir} has no {ADAPTER_WEIGHTS}")
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in cfg:
+            raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has no {key!r}")
+    r = cfg["r"]
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise UserError(f"{where}: {ADAPTER_CONFIG} r={r!r} is not a positive integer")
+    if for_vllm and cfg.get("use_dora"):
+        raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has use_dora=true; vLLM serves no DoRA adapter "
+                        "(merge it into the model instead)")
+    if for_vllm and cfg.get("modules_to_save"):
+        raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has modules_to_save={cfg['modules_to_save']!r}; "
+                        "vLLM serves adapters without fully trained modules only (merge it into the model instead)")
+    bias = cfg.get("bias", "none")
+    if bias not in ("none", None):  # Gemma's projections have no bias to train; vLLM refuses the adapter at load
+        raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has bias={bias!r}; Gemma has no biases and vLLM "
+                        "loads only bias=\"none\" adapters (set it to \"none\" if the adapter holds no bias tensors)")
+    return cfg
+
+
+def lora_pairs(adapter_dir: Path, where: str, r: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """module path (as the model class names it) -> (lora_A shape, lora_B shape), each pair complete and of rank r."""
+    path = adapter_dir / ADAPTER_WEIGHTS
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for t in file_tensors(path)[0]:
+        m = _LORA_KEY.fullmatch(t.name)
+        if m:
+            pairs.setdefault(m["module"], {})[m["ab"]] = t.shape
+    if not pairs:
+        raise UserError(f"{where}: {path} holds no LoRA weights (base_model.model.*.lora_A / lora_B tensors)")
+    out = {}
+    for module, ab in sorted(pairs.items()):
+        if len(ab) != 2:
+            raise UserError(f"{where}: {path}: {module} has lora_{next(iter(ab))} without its pair")
+        a, b = ab["A"], ab["B"]
+        if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
+            raise UserError(f"{where}: {path}: {module} lora_A {list(a)} and lora_B {list(b)} are not "
+                            f"[r, in] and [out, r] with {ADAPTER_CONFIG}'s r={r}")
+        out[module] = (a, b)
+    return out
+
+
+def decoder_prefix(base: dict[str, tuple[int, ...]], prefixes) -> str | None:
+    """Which of the family's decoder prefixes the base's weight names use (longest first: `model.` would also
+    be a prefix of `model.language_model.`); None if no decoder layers are found."""
+    for prefix in sorted(prefixes, key=len, reverse=True):
+        if any(k.startswith(prefix + "layers.") for k in base):
+            return prefix
+    return None
+
+
+def check_adapter_fits(adapter_dir: Path, where: str, r: int, base: dict[str, tuple[int, ...]],
+                       prefixes) -> None:
+    """Every decoder-layer LoRA pair of the adapter is placed on a weight of the base by its full module path, as
+    PEFT and vLLM place it: A [r, in] and B [out, r] against the base's [out, in]. Matched by the last part of
+    the name (`layers.0.self_attn.q_proj`), a multimodal base's vision tower (SigLIP has q_proj/k_proj/v_proj in
+    `layers.N` too) fitted a text adapter it was not trained on; an adapter saved for a text-only class
+    (`model.layers.`) on a multimodal base was taken, where PEFT and vLLM leave such keys unused."""
+    text = decoder_prefix(base, prefixes)
+    spellings = SAME_DECODER if text in SAME_DECODER else (text,)
+    for module, (a, b) in lora_pairs(adapter_dir, where, r).items():
+        if "layers." not in module:  # embeddings, lm_head: named differently across layouts, left to the loader
+            continue
+        site = module[module.rindex("layers."):]
+        place = module[:-len(site)]
+        if text is None or place not in spellings:
+            have = f"its decoder layers are under {text!r}" if text else "it has no decoder layers"
+            raise UserError(f"{where}: the adapter changes {module}, a module the base does not have ({have}; "
+                            "an adapter of another model or model class?)")
+        shape = base.get(f"{text}{site}.weight")
+        if shape is None:
+            raise UserError(f"{where}: the adapter changes {module}, which the base has no weight for "
+                            "(an adapter of another model?)")
+        if (b[0], a[1]) != tuple(shape):
+            raise UserError(f"{where}: the adapter's update of {module} is [{b[0]}, {a[1]}], the base's weight "
+                            f"is {list(shape)} (an adapter of another model?)")
