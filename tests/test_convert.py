@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -968,6 +969,40 @@ def test_verify_compares_a_peft_adapter_on_its_base_with_the_merge(work, base, l
     err = capsys.readouterr().err
     assert f"{out}: its base_model_name_or_path {work / 'gone'} is not a directory here" in err
     assert "Traceback" not in err
+
+
+def test_verify_refuses_an_adapter_of_a_base_of_another_shape(work, base, tiny_mha_dir, lora_ckpt, merged, capsys):
+    """An adapter compared on a base of another shape (other K/V widths; more layers than the base has) passed
+    with peft's "missing adapter keys" and size warnings while its logits were not the adapter's. Refused in one
+    line naming the module and shapes; so is a bias (Gemma has none; vLLM refuses it at load)."""
+    from safetensors.numpy import load_file, save_file
+
+    from convert.export_peft import main
+    from convert.verify import main as verify
+    from gemma_tpu.core.cli import cli_main
+
+    out = work / "adapter_other_shape"
+    assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 0
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(tiny_mha_dir)}))
+    capsys.readouterr()
+    assert cli_main(verify, [str(merged), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{out} on {tiny_mha_dir}: the adapter's update of model.layers.0.self_attn.k_proj is" in err
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(out / "adapter_model.safetensors"))  # as trained on a deeper base: layers past its last
+    save_file({k.replace("layers.0.", "layers.40."): v for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
+    assert cli_main(verify, [str(merged), str(out)]) == 2
+    assert re.search(r"the adapter changes model\.layers\.40\.\w+\.\w+_proj, which the base has no weight for",
+                     capsys.readouterr().err)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "bias": "all"}))
+    assert cli_main(verify, [str(merged), str(out)]) == 2
+    assert "adapter_config.json has bias='all'" in capsys.readouterr().err
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    assert cli_main(verify, [str(merged), str(out), "--max-abs-diff", str(TOL)]) == 0
 
 
 def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
