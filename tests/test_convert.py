@@ -1005,6 +1005,36 @@ def test_verify_refuses_an_adapter_of_a_base_of_another_shape(work, base, tiny_m
     assert cli_main(verify, [str(merged), str(out), "--max-abs-diff", str(TOL)]) == 0
 
 
+def test_peft_export_of_a_tool_calling_run_needs_its_base_tokenizer(work, base, capsys):
+    """A tool-calling run (token map in its metadata) whose base was gone only warned "no tokenizer written": the
+    adapter shipped without its markers, and serving's launch check could no longer see that it needs them.
+    Refused in one line naming --base, nothing written; with --base the tokenizer ships with the markers."""
+    from convert.export_peft import main
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
+    from gemma_tpu.hf.tokenizer import tokens_named
+
+    gone = work / "base_tool_gone"
+    shutil.copytree(base, gone)
+    ckpt = work / "ckpt_tool"
+    make_checkpoint(gone, ckpt, seed=3)
+    meta = json.loads((ckpt / METADATA_FILE).read_text())
+    meta["token_map"] = {m: f"<unused{5 + i}>" for i, m in enumerate(FUNCTION_MARKERS)}
+    (ckpt / METADATA_FILE).write_text(json.dumps(meta))
+    shutil.rmtree(gone)
+    out = work / "adapter_tool"
+    capsys.readouterr()
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{ckpt}: a tool-calling run's adapter ships its base's tokenizer" in err and err.rstrip().endswith(
+        "pass --base DIR"), err
+    assert leftovers(out) == []
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out), "--base", str(base)]) == 0
+    assert tokens_named(out, FUNCTION_MARKERS) == set(FUNCTION_MARKERS)
+
+
 def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     from convert.export_peft import main
     from gemma_tpu.core.cli import cli_main
