@@ -1003,6 +1003,11 @@ def test_verify_refuses_an_adapter_of_a_base_of_another_shape(work, base, tiny_m
     assert "adapter_config.json has bias='all'" in capsys.readouterr().err
     (out / "adapter_config.json").write_text(json.dumps(cfg))
     assert cli_main(verify, [str(merged), str(out), "--max-abs-diff", str(TOL)]) == 0
+    import torch  # peft's safe_serialization=False: pickled weights, which peft and vLLM read too
+
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, out / "adapter_model.bin")
+    (out / "adapter_model.safetensors").unlink()
+    assert cli_main(verify, [str(merged), str(out), "--max-abs-diff", str(TOL)]) == 0
 
 
 def test_peft_export_of_a_tool_calling_run_needs_its_base_tokenizer(work, base, capsys):

@@ -417,9 +417,16 @@ def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
         one_error_line(code, err, *needles)
         assert out == ""
     ok = fake_adapter(tmp_path / "ok", r=8, nested=True)
+    pickled = fake_adapter(tmp_path / "pickled", r=8, nested=True)  # peft's safe_serialization=False
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    for a in (ok, pickled):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                       f"lora.adapters=[{{name: a, dir: {a}}}]")
+        assert code == 0, err
+    (pickled / "adapter_model.bin").unlink()
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
-                                   f"lora.adapters=[{{name: a, dir: {ok}}}]")
-    assert code == 0, err
+                                   f"lora.adapters=[{{name: a, dir: {pickled}}}]")
+    one_error_line(code, err, "lora.adapters.a:", "has no adapter_model.safetensors (nor adapter_model.bin")
 
 
 def test_a_tool_calling_adapter_is_refused_on_a_base_without_its_markers(tmp_path, capsys):

@@ -13,6 +13,8 @@ from gemma_tpu.hf.safetensors_io import file_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# what vLLM's LoRA loader (and peft) also read, pickled by torch: PEFT's save with safe_serialization=False
+PICKLED_WEIGHTS = ("adapter_model.bin", "adapter_model.pt")
 # One module of transformers' multimodal classes, spelt two ways: checkpoints written before transformers 4.52
 # name the decoder `language_model.model.`, the class (and PEFT's keys since) `model.language_model.`.
 SAME_DECODER = ("language_model.model.", "model.language_model.")
@@ -25,8 +27,8 @@ def read_adapter_config(adapter_dir: Path, where: str, for_vllm: bool = True) ->
     each naming its key; `where` starts each message. `for_vllm=False` (peft, convert.verify) lets DoRA and
     modules_to_save through, which peft loads."""
     cfg = read_json_object(adapter_dir / ADAPTER_CONFIG, f"{where}: {adapter_dir} has no {ADAPTER_CONFIG}")
-    if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
-        raise UserError(f"{where}: {adapter_dir} has no {ADAPTER_WEIGHTS}")
+    if not any((adapter_dir / name).is_file() for name in (ADAPTER_WEIGHTS, *PICKLED_WEIGHTS)):
+        raise UserError(f"{where}: {adapter_dir} has no {ADAPTER_WEIGHTS} (nor {' / '.join(PICKLED_WEIGHTS)})")
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in cfg:
             raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has no {key!r}")
@@ -83,7 +85,10 @@ def check_adapter_fits(adapter_dir: Path, where: str, r: int, base: dict[str, tu
     PEFT and vLLM place it: A [r, in] and B [out, r] against the base's [out, in]. Matched by the last part of
     the name (`layers.0.self_attn.q_proj`), a multimodal base's vision tower (SigLIP has q_proj/k_proj/v_proj in
     `layers.N` too) fitted a text adapter it was not trained on; an adapter saved for a text-only class
-    (`model.layers.`) on a multimodal base was taken, where PEFT and vLLM leave such keys unused."""
+    (`model.layers.`) on a multimodal base was taken, where PEFT and vLLM leave such keys unused. Pickled weights
+    (adapter_model.bin), which vLLM and peft also read, were refused as "no adapter_model.safetensors"."""
+    if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        return  # pickled weights (adapter_model.bin): not unpickled here, their shapes are left to the loader
     text = decoder_prefix(base, prefixes)
     spellings = SAME_DECODER if text in SAME_DECODER else (text,)
     for module, (a, b) in lora_pairs(adapter_dir, where, r).items():
