@@ -429,6 +429,33 @@ def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     one_error_line(code, err, "lora.adapters.a:", "has no adapter_model.safetensors (nor adapter_model.bin")
 
 
+@pytest.mark.parametrize("extra, needles", [
+    ({"init_lora_weights": "pissa"}, ["init_lora_weights='pissa'", "changes the base's weights"]),
+    ({"init_lora_weights": "loftq"}, ["init_lora_weights='loftq'"]),
+    ({"lora_bias": True}, ["lora_bias=True", "no LoRA bias adapter"]),
+    ({"layer_replication": [[0, 1], [0, 1]]}, ["layer_replication=[[0, 1], [0, 1]]"]),
+    ({"alora_invocation_tokens": [5, 6]}, ["Activated LoRA"]),
+])
+def test_an_adapter_of_a_newer_peft_feature_vllm_does_not_serve_is_refused(tmp_path, capsys, extra, needles):
+    """adapter_config.json of a newer peft: PiSSA/LoftQ inits (the base's weights change when peft loads them),
+    LoRA bias, layer replication, aLoRA. Older vLLM dropped the key and served a plain LoRA with other numbers than
+    peft's; newer vLLM refuses at load, on the TPU VM. One line before the container; unknown keys that change
+    nothing (a newer peft's bookkeeping) and the inits that only set the starting factors are taken."""
+    d = fake_model_dir(tmp_path / "m")
+    a = fake_adapter(tmp_path / "a", r=8)
+    cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    (a / "adapter_config.json").write_text(json.dumps({**cfg, **extra}))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {a}}}]")
+    one_error_line(code, err, "lora.adapters.a:", *needles)
+    assert out == ""
+    (a / "adapter_config.json").write_text(json.dumps({**cfg, "init_lora_weights": "gaussian",
+                                                       "peft_version": "0.99.0", "some_future_key": {"x": 1}}))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {a}}}]")
+    assert code == 0, err
+
+
 def test_a_tool_calling_adapter_is_refused_on_a_base_without_its_markers(tmp_path, capsys):
     """README's recipe served the fitness coach's adapter on plain Gemma 3. vLLM decodes every adapter with
     model.dir's tokenizer, which names the markers' ids <unusedN> (special tokens it drops from the text): no tool

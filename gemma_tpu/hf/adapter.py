@@ -19,6 +19,16 @@ PICKLED_WEIGHTS = ("adapter_model.bin", "adapter_model.pt")
 # name the decoder `language_model.model.`, the class (and PEFT's keys since) `model.language_model.`.
 SAME_DECODER = ("language_model.model.", "model.language_model.")
 
+# adapter_config.json keys of newer peft whose adapters mean something else than W + s B A on the base as served:
+# vLLM (vllm/lora/peft_helper.py) refuses them at load in its newer releases; older ones dropped the key and
+# served a plain LoRA, with other numbers than peft's
+UNSERVED_FEATURES = {"lora_bias": "LoRA bias", "alora_invocation_tokens": "Activated LoRA (aLoRA)",
+                     "layer_replication": "layer replication", "use_bdlora": "block-diagonal LoRA (BD-LoRA)",
+                     "use_qalora": "QALoRA"}
+# init_lora_weights values that only set the starting factors (a saved adapter is then a plain LoRA); PiSSA, OLoRA,
+# CorDA and LoftQ also change the base weights when peft loads the adapter
+PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+
 _LORA_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
 
 
@@ -41,6 +51,16 @@ def read_adapter_config(adapter_dir: Path, where: str, for_vllm: bool = True) ->
     if for_vllm and cfg.get("modules_to_save"):
         raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has modules_to_save={cfg['modules_to_save']!r}; "
                         "vLLM serves adapters without fully trained modules only (merge it into the model instead)")
+    if for_vllm:
+        for key, what in UNSERVED_FEATURES.items():
+            if cfg.get(key):
+                raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has {key}={cfg[key]!r}; vLLM serves no "
+                                f"{what} adapter (merge it into the model instead)")
+        init = cfg.get("init_lora_weights", True)
+        if isinstance(init, str) and init.lower() not in PLAIN_INITS:
+            raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has init_lora_weights={init!r}, which changes "
+                            "the base's weights when peft loads the adapter; vLLM serves the base unchanged (convert "
+                            "it to a plain LoRA with peft's path_initial_model_for_weight_conversion, or merge it)")
     bias = cfg.get("bias", "none")
     if bias not in ("none", None):  # Gemma's projections have no bias to train; vLLM refuses the adapter at load
         raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has bias={bias!r}; Gemma has no biases and vLLM "
