@@ -239,6 +239,9 @@ def test_a_list_written_as_text_reads_as_the_list(tmp_path):
         assert load_config(None, [ov]).lora.targets == ["q_proj", "v_proj"], ov
     with pytest.raises(UserError, match=r"lora.targets: unknown module 'qproj'"):
         load_config(None, ['lora.targets="[qproj, v_proj]"'])
+    from gemma_tpu.core.config import _coerce
+
+    assert _coerce("[--seed, 1.10]", list[str], "x") == ["--seed", "1.10"]  # read as the file is: 1.10 as written
 
 
 def test_bad_values_are_named(tmp_path):
