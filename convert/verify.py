@@ -218,12 +218,12 @@ def check_adapter_on(adapter_dir: Path, base: Path, base_config: dict) -> None:
         prefixes = detect_family(base_config).text_prefixes
     except UserError:  # not a family we know: every decoder prefix we do know
         prefixes = {p for fam in families().values() for p in fam.text_prefixes}
-    r = read_adapter_config(adapter_dir, str(adapter_dir), for_vllm=False)["r"]
+    cfg = read_adapter_config(adapter_dir, str(adapter_dir), for_vllm=False)
     if not (base / sio.INDEX_FILE).is_file() and not any(base.glob("*.safetensors")):
         return  # pytorch_model.bin: its shapes are left to peft
     weights = sio.WeightsDir(base)
     shapes = {name: weights[name].shape for name in weights.names()}
-    check_adapter_fits(adapter_dir, f"{adapter_dir} on {base}", r, shapes, prefixes)
+    check_adapter_fits(adapter_dir, f"{adapter_dir} on {base}", cfg["r"], shapes, prefixes, cfg.get("rank_pattern"))
 
 
 def check_hf_dir(model_dir: Path) -> dict:

@@ -1008,6 +1008,13 @@ def test_verify_refuses_an_adapter_of_a_base_of_another_shape(work, base, tiny_m
     torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, out / "adapter_model.bin")
     (out / "adapter_model.safetensors").unlink()
     assert cli_main(verify, [str(merged), str(out), "--max-abs-diff", str(TOL)]) == 0
+    (out / "adapter_model.bin").unlink()  # peft's per-module ranks: q_proj at rank 2, what peft loads
+    save_file({k: (v[:2] if "q_proj.lora_A" in k else v[:, :2] if "q_proj.lora_B" in k else v)
+               for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "rank_pattern": {"q_proj": 2}}))
+    capsys.readouterr()
+    assert cli_main(verify, [str(merged), str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_abs_diff"] > TOL  # a quarter of q_proj's update is gone
 
 
 def test_peft_export_of_a_tool_calling_run_needs_its_base_tokenizer(work, base, capsys):

@@ -68,8 +68,19 @@ def read_adapter_config(adapter_dir: Path, where: str, for_vllm: bool = True) ->
     return cfg
 
 
-def lora_pairs(adapter_dir: Path, where: str, r: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """module path (as the model class names it) -> (lora_A shape, lora_B shape), each pair complete and of rank r."""
+def pattern_value(pattern: dict | None, module: str):
+    """peft's per-module override (`rank_pattern`, `alpha_pattern`): the first key that matches the module name
+    from a '.' boundary to its end; None if none does."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return None
+
+
+def lora_pairs(adapter_dir: Path, where: str, r: int,
+               rank_pattern: dict | None = None) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """module path (as the model class names it) -> (lora_A shape, lora_B shape), each pair complete and of rank r
+    (or the module's `rank_pattern` rank, which peft reads)."""
     path = adapter_dir / ADAPTER_WEIGHTS
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     for t in file_tensors(path)[0]:
@@ -83,9 +94,11 @@ def lora_pairs(adapter_dir: Path, where: str, r: int) -> dict[str, tuple[tuple[i
         if len(ab) != 2:
             raise UserError(f"{where}: {path}: {module} has lora_{next(iter(ab))} without its pair")
         a, b = ab["A"], ab["B"]
-        if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
+        rank = pattern_value(rank_pattern, module) or r
+        if len(a) != 2 or len(b) != 2 or a[0] != rank or b[1] != rank:
+            said = f"r={r}" if rank == r else f"rank_pattern rank {rank}"
             raise UserError(f"{where}: {path}: {module} lora_A {list(a)} and lora_B {list(b)} are not "
-                            f"[r, in] and [out, r] with {ADAPTER_CONFIG}'s r={r}")
+                            f"[r, in] and [out, r] with {ADAPTER_CONFIG}'s {said}")
         out[module] = (a, b)
     return out
 
@@ -100,7 +113,7 @@ def decoder_prefix(base: dict[str, tuple[int, ...]], prefixes) -> str | None:
 
 
 def check_adapter_fits(adapter_dir: Path, where: str, r: int, base: dict[str, tuple[int, ...]],
-                       prefixes) -> None:
+                       prefixes, rank_pattern: dict | None = None) -> None:
     """Every decoder-layer LoRA pair of the adapter is placed on a weight of the base by its full module path, as
     PEFT and vLLM place it: A [r, in] and B [out, r] against the base's [out, in]. Matched by the last part of
     the name (`layers.0.self_attn.q_proj`), a multimodal base's vision tower (SigLIP has q_proj/k_proj/v_proj in
@@ -111,7 +124,7 @@ def check_adapter_fits(adapter_dir: Path, where: str, r: int, base: dict[str, tu
         return  # pickled weights (adapter_model.bin): not unpickled here, their shapes are left to the loader
     text = decoder_prefix(base, prefixes)
     spellings = SAME_DECODER if text in SAME_DECODER else (text,)
-    for module, (a, b) in lora_pairs(adapter_dir, where, r).items():
+    for module, (a, b) in lora_pairs(adapter_dir, where, r, rank_pattern).items():
         if "layers." not in module:  # embeddings, lm_head: named differently across layouts, left to the loader
             continue
         site = module[module.rindex("layers."):]
