@@ -435,12 +435,15 @@ def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     ({"lora_bias": True}, ["lora_bias=True", "no LoRA bias adapter"]),
     ({"layer_replication": [[0, 1], [0, 1]]}, ["layer_replication=[[0, 1], [0, 1]]"]),
     ({"alora_invocation_tokens": [5, 6]}, ["Activated LoRA"]),
+    ({"lora_alpha": "16"}, ["lora_alpha='16' is not a positive number"]),  # vLLM: str / int in its loader
+    ({"lora_alpha": float("nan")}, ["lora_alpha=nan is not a positive number"]),
 ])
 def test_an_adapter_of_a_newer_peft_feature_vllm_does_not_serve_is_refused(tmp_path, capsys, extra, needles):
     """adapter_config.json of a newer peft: PiSSA/LoftQ inits (the base's weights change when peft loads them),
     LoRA bias, layer replication, aLoRA. Older vLLM dropped the key and served a plain LoRA with other numbers than
     peft's; newer vLLM refuses at load, on the TPU VM. One line before the container; unknown keys that change
-    nothing (a newer peft's bookkeeping) and the inits that only set the starting factors are taken."""
+    nothing (a newer peft's bookkeeping) and the inits that only set the starting factors are taken. So is a
+    lora_alpha that is no number (vLLM divides it by r in its loader)."""
     d = fake_model_dir(tmp_path / "m")
     a = fake_adapter(tmp_path / "a", r=8)
     cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}

@@ -45,6 +45,9 @@ def read_adapter_config(adapter_dir: Path, where: str, for_vllm: bool = True) ->
     r = cfg["r"]
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise UserError(f"{where}: {ADAPTER_CONFIG} r={r!r} is not a positive integer")
+    alpha = cfg["lora_alpha"]  # vLLM and peft scale by lora_alpha / r: a string ("16") failed in the loader
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} lora_alpha={alpha!r} is not a positive number")
     if for_vllm and cfg.get("use_dora"):
         raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has use_dora=true; vLLM serves no DoRA adapter "
                         "(merge it into the model instead)")
