@@ -419,7 +419,11 @@ def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     ok = fake_adapter(tmp_path / "ok", r=8, nested=True)
     pickled = fake_adapter(tmp_path / "pickled", r=8, nested=True)  # peft's safe_serialization=False
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
-    for a in (ok, pickled):
+    unprefixed = fake_adapter(tmp_path / "unprefixed", r=8, nested=True)  # vLLM reads names without base_model.model.
+    stem = "model.language_model.layers.0.self_attn.q_proj"
+    save_tensors(unprefixed / "adapter_model.safetensors", {f"{stem}.lora_A.weight": (8, HIDDEN),
+                                                            f"{stem}.lora_B.weight": (Q_OUT, 8)})
+    for a in (ok, pickled, unprefixed):
         code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                        f"lora.adapters=[{{name: a, dir: {a}}}]")
         assert code == 0, err

@@ -29,7 +29,8 @@ UNSERVED_FEATURES = {"lora_bias": "LoRA bias", "alora_invocation_tokens": "Activ
 # CorDA and LoftQ also change the base weights when peft loads the adapter
 PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
-_LORA_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
+# PEFT writes `base_model.model.` before the module path; vLLM also reads names without it
+_LORA_KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
 
 
 def read_adapter_config(adapter_dir: Path, where: str, for_vllm: bool = True) -> dict:
@@ -91,7 +92,7 @@ def lora_pairs(adapter_dir: Path, where: str, r: int,
         if m:
             pairs.setdefault(m["module"], {})[m["ab"]] = t.shape
     if not pairs:
-        raise UserError(f"{where}: {path} holds no LoRA weights (base_model.model.*.lora_A / lora_B tensors)")
+        raise UserError(f"{where}: {path} holds no LoRA weights (lora_A / lora_B tensors)")
     out = {}
     for module, ab in sorted(pairs.items()):
         if len(ab) != 2:
