@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, type=cli.output_path, help="output adapter directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    p.add_argument("--base", help="the base's HF directory when the one recorded at training is not here (a "
+                                  "tool-calling run's adapter ships its tokenizer with the tool-call markers)")
     p.add_argument("--allow-base-mismatch", action="store_true",
                    help="export even if the recorded base's weights differ from the fingerprint taken at training")
     return p
@@ -110,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     recorded_dir = (source.meta.get("base_model") or {}).get("local_dir")
     base_dir = [Path(recorded_dir)] if recorded_dir and Path(recorded_dir).is_dir() else []
+    recorded_base = base_dir[0] if base_dir else None
+    if args.base:
+        base_dir.append(Path(args.base))
     check_target(out, args.overwrite, protected=[source.dir, *base_dir], marker=PROVENANCE_FILE)
     if recorded_dir and Path(recorded_dir).is_dir():  # the adapter's base_model_name_or_path points there
         check_base_matches(source, Path(recorded_dir), args.allow_base_mismatch, "export_peft")
@@ -128,7 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs += [sio.OutSpec(f"{stem}.lora_A.weight", "F32", (rank, n_in)),
                   sio.OutSpec(f"{stem}.lora_B.weight", "F32", (n_out, rank))]
     factors = FactorCache(source, sites)
-    tokenizer_base = adapter_tokenizer_base(source)
+    tokenizer_base = adapter_tokenizer_base(source, args.base)
+    if tokenizer_base is not None and args.base and (recorded_base is None or
+                                                     tokenizer_base.resolve() != recorded_base.resolve()):
+        check_base_matches(source, tokenizer_base, args.allow_base_mismatch, "export_peft")
     if tokenizer_base is not None:  # refuse tokenizer files the markers cannot be published in, before writing
         check_tool_token_files(tokenizer_base, source.meta.get("token_map") or {})
     tokenizer_bytes = sum((tokenizer_base / n).stat().st_size for n in TOKENIZER_FILES
@@ -165,16 +173,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 
 
-def adapter_tokenizer_base(source: CheckpointSource) -> Path | None:
+def adapter_tokenizer_base(source: CheckpointSource, override: str | None = None) -> Path | None:
     """The base whose tokenizer a tool-calling adapter ships (see `write_adapter_tokenizer`); None when the
-    run has no token map or its base cannot be found (then no tokenizer is written, with a warning)."""
+    run has no token map. A base that cannot be found is refused, before anything is written: exported with only
+    a warning, the adapter went out without its markers, and serving's launch check could no longer tell that it
+    needs a base that has them."""
     if not source.meta.get("token_map"):
         return None
     try:
-        return resolve_base(source)
+        return resolve_base(source, override)
     except UserError as e:
-        print(f"export_peft: warning: no tokenizer written ({e})", file=sys.stderr)
-        return None
+        raise UserError(f"{source.dir}: a tool-calling run's adapter ships its base's tokenizer with the tool-call "
+                        f"markers, and the base cannot be found ({str(e).removesuffix('; pass --base')}): pass "
+                        "--base DIR") from None
 
 
 def write_adapter_tokenizer(source: CheckpointSource, base: Path | None, out: Path) -> str:

@@ -50,8 +50,9 @@ from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats import gemma_chat
 from gemma_tpu.hf import safetensors_io as sio
+from gemma_tpu.hf.adapter import check_adapter_fits, read_adapter_config
 from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.registry import detect_family, text_config
+from gemma_tpu.models.registry import detect_family, families, text_config
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -209,6 +210,22 @@ def adapter_base(d: Path) -> Path | None:
     return Path(base)
 
 
+def check_adapter_on(adapter_dir: Path, base: Path, base_config: dict) -> None:
+    """An adapter of a base of another shape (layers it lacks, other widths) or with a bias (Gemma has none) is
+    refused naming the key: peft only warned of "missing adapter keys" and went on, the logits compared were not
+    the adapter's, and vLLM refuses it at load."""
+    try:
+        prefixes = detect_family(base_config).text_prefixes
+    except UserError:  # not a family we know: every decoder prefix we do know
+        prefixes = {p for fam in families().values() for p in fam.text_prefixes}
+    cfg = read_adapter_config(adapter_dir, str(adapter_dir), for_vllm=False)
+    if not (base / sio.INDEX_FILE).is_file() and not any(base.glob("*.safetensors")):
+        return  # pytorch_model.bin: its shapes are left to peft
+    weights = sio.WeightsDir(base)
+    shapes = {name: weights[name].shape for name in weights.names()}
+    check_adapter_fits(adapter_dir, f"{adapter_dir} on {base}", cfg["r"], shapes, prefixes, cfg.get("rank_pattern"))
+
+
 def check_hf_dir(model_dir: Path) -> dict:
     """config.json and the safetensors headers of a directory to compare (every tensor's byte range
     inside its file), read before any model loads; its config. A directory without safetensors is
@@ -348,6 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = [b or d for d, b in zip(dirs, bases)]  # an adapter is loaded on its base
     adapters = [d if b else None for d, b in zip(dirs, bases)]
     configs = [check_hf_dir(d) for d in models]  # both, before the first model loads
+    for adapter_dir, model_dir, config in zip(adapters, models, configs):
+        if adapter_dir is not None:
+            check_adapter_on(adapter_dir, model_dir, config)
     try:  # keys config.json omits at transformers' defaults, for the families we know
         text = detect_family(configs[0]).read_text_config(configs[0])
     except UserError:

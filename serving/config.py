@@ -22,6 +22,8 @@ from typing import Literal, Sequence
 from gemma_tpu.core.config import blame, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
+from gemma_tpu.hf import adapter
+from gemma_tpu.hf.adapter import read_adapter_config
 from gemma_tpu.hf.safetensors_io import file_tensors
 from gemma_tpu.hf.tokenizer import tokens_named
 from gemma_tpu.models.registry import Family, families, text_config
@@ -393,59 +395,16 @@ def chat_template_in(model_dir: Path) -> tuple[str | None, bool]:
 
 
 def adapter_rank(adapter_dir: Path, name: str) -> int:
-    cfg = read_json_object(adapter_dir / "adapter_config.json",
-                           f"lora.adapters.{name}: {adapter_dir} has no adapter_config.json")
-    if not (adapter_dir / "adapter_model.safetensors").is_file():
-        raise UserError(f"lora.adapters.{name}: {adapter_dir} has no adapter_model.safetensors")
-    for key in ("r", "lora_alpha", "target_modules"):
-        if key not in cfg:
-            raise UserError(f"lora.adapters.{name}: {adapter_dir}/adapter_config.json has no {key!r}")
-    r = cfg["r"]
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise UserError(f"lora.adapters.{name}: adapter_config.json r={r!r} is not a positive integer")
-    # what vLLM's PEFT reader refuses when it loads the adapter (vllm/lora/peft_helper.py), on the TPU VM
-    if cfg.get("use_dora"):
-        raise UserError(f"lora.adapters.{name}: {adapter_dir}/adapter_config.json has use_dora=true; vLLM serves "
-                        "no DoRA adapter (merge it into the model instead)")
-    if cfg.get("modules_to_save"):
-        raise UserError(f"lora.adapters.{name}: {adapter_dir}/adapter_config.json has modules_to_save="
-                        f"{cfg['modules_to_save']!r}; vLLM serves adapters without fully trained modules only "
-                        "(merge it into the model instead)")
-    return r
-
-
-_LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
+    """The adapter's rank, its adapter_config.json checked for what vLLM refuses at load (gemma_tpu.hf.adapter)."""
+    return read_adapter_config(adapter_dir, f"lora.adapters.{name}")["r"]
 
 
 def check_adapter_fits(adapter_dir: Path, name: str, r: int, base: dict[str, tuple[int, ...]]) -> None:
-    """Every decoder-layer LoRA pair of the adapter fits a weight of the base: A [r, in] and B [out, r] against
-    the base's [out, in]. An adapter of another model (a 270M adapter on a 1B base) or an unreadable
-    adapter_model.safetensors failed in vLLM's start on the TPU VM, after the container had come up."""
-    path = adapter_dir / "adapter_model.safetensors"
-    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
-    for t in file_tensors(path)[0]:
-        m = _LORA_KEY.fullmatch(t.name)
-        if m:
-            pairs.setdefault(m["module"], {})[m["ab"]] = t.shape
-    if not pairs:
-        raise UserError(f"lora.adapters.{name}: {path} holds no LoRA weights (lora_A / lora_B tensors)")
-    for module, ab in sorted(pairs.items()):
-        if len(ab) != 2:
-            raise UserError(f"lora.adapters.{name}: {path}: {module} has lora_{next(iter(ab))} without its pair")
-        a, b = ab["A"], ab["B"]
-        if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
-            raise UserError(f"lora.adapters.{name}: {path}: {module} lora_A {list(a)} and lora_B {list(b)} are not "
-                            f"[r, in] and [out, r] with adapter_config.json's r={r}")
-        if "layers." not in module:  # embeddings, lm_head: named differently across layouts, left to vLLM
-            continue
-        site = module[module.rindex("layers."):]  # the base's key names put the decoder elsewhere than PEFT's
-        shapes = [shape for key, shape in base.items() if key.endswith(f".{site}.weight") or key == f"{site}.weight"]
-        if not shapes:
-            raise UserError(f"lora.adapters.{name}: the adapter changes {site}, which model.dir has no weight for "
-                            "(an adapter of another model?)")
-        if (b[0], a[1]) not in shapes:
-            raise UserError(f"lora.adapters.{name}: the adapter's update of {site} is [{b[0]}, {a[1]}], model.dir's "
-                            f"weight is {list(shapes[0])} (an adapter of another model?)")
+    """Every decoder-layer LoRA pair of the adapter fits model.dir's weight at its module path. An adapter of
+    another model (a 270M adapter on a 1B base) or an unreadable adapter_model.safetensors failed in vLLM's start
+    on the TPU VM, after the container had come up; one of another model class was quietly left unused."""
+    prefixes = {p for fam in families().values() for p in fam.text_prefixes}
+    adapter.check_adapter_fits(adapter_dir, f"lora.adapters.{name}", r, base, prefixes)
 
 
 def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> None:

@@ -228,6 +228,22 @@ def test_peft_all_linear_targets_every_projection():
         load_config(None, ["lora.targets=[q_proj,all-linear]"])
 
 
+def test_a_list_written_as_text_reads_as_the_list(tmp_path):
+    """`targets: "[q_proj, v_proj]"` (quoted in YAML, or a quoted override) was refused as unknown module '[q_proj',
+    while the same list unquoted worked: the file, the override and the bare list now agree."""
+    cfg = tmp_path / "quoted.yaml"
+    cfg.write_text('lora:\n  targets: "[q_proj, v_proj]"\n')
+    assert load_config(cfg).lora.targets == ["q_proj", "v_proj"]
+    for ov in ('lora.targets="[q_proj, v_proj]"', "lora.targets='[q_proj,v_proj]'", "lora.targets=[q_proj,v_proj]",
+               "lora.targets=q_proj,v_proj", "lora.targets=\"['q_proj', 'v_proj']\""):
+        assert load_config(None, [ov]).lora.targets == ["q_proj", "v_proj"], ov
+    with pytest.raises(UserError, match=r"lora.targets: unknown module 'qproj'"):
+        load_config(None, ['lora.targets="[qproj, v_proj]"'])
+    from gemma_tpu.core.config import _coerce
+
+    assert _coerce("[--seed, 1.10]", list[str], "x") == ["--seed", "1.10"]  # read as the file is: 1.10 as written
+
+
 def test_bad_values_are_named(tmp_path):
     with pytest.raises(UserError, match=r"train.batch_size: expected an integer"):
         load_config(None, ["train.batch_size=four"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -968,6 +969,82 @@ def test_verify_compares_a_peft_adapter_on_its_base_with_the_merge(work, base, l
     err = capsys.readouterr().err
     assert f"{out}: its base_model_name_or_path {work / 'gone'} is not a directory here" in err
     assert "Traceback" not in err
+
+
+def test_verify_refuses_an_adapter_of_a_base_of_another_shape(work, base, tiny_mha_dir, lora_ckpt, merged, capsys):
+    """An adapter compared on a base of another shape (other K/V widths; more layers than the base has) passed
+    with peft's "missing adapter keys" and size warnings while its logits were not the adapter's. Refused in one
+    line naming the module and shapes; so is a bias (Gemma has none; vLLM refuses it at load)."""
+    from safetensors.numpy import load_file, save_file
+
+    from convert.export_peft import main
+    from convert.verify import main as verify
+    from gemma_tpu.core.cli import cli_main
+
+    out = work / "adapter_other_shape"
+    assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out)]) == 0
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(tiny_mha_dir)}))
+    capsys.readouterr()
+    assert cli_main(verify, [str(merged), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{out} on {tiny_mha_dir}: the adapter's update of model.layers.0.self_attn.k_proj is" in err
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(out / "adapter_model.safetensors"))  # as trained on a deeper base: layers past its last
+    save_file({k.replace("layers.0.", "layers.40."): v for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
+    assert cli_main(verify, [str(merged), str(out)]) == 2
+    assert re.search(r"the adapter changes model\.layers\.40\.\w+\.\w+_proj, which the base has no weight for",
+                     capsys.readouterr().err)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "bias": "all"}))
+    assert cli_main(verify, [str(merged), str(out)]) == 2
+    assert "adapter_config.json has bias='all'" in capsys.readouterr().err
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    assert cli_main(verify, [str(merged), str(out), "--max-abs-diff", str(TOL)]) == 0
+    import torch  # peft's safe_serialization=False: pickled weights, which peft and vLLM read too
+
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, out / "adapter_model.bin")
+    (out / "adapter_model.safetensors").unlink()
+    assert cli_main(verify, [str(merged), str(out), "--max-abs-diff", str(TOL)]) == 0
+    (out / "adapter_model.bin").unlink()  # peft's per-module ranks: q_proj at rank 2, what peft loads
+    save_file({k: (v[:2] if "q_proj.lora_A" in k else v[:, :2] if "q_proj.lora_B" in k else v)
+               for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "rank_pattern": {"q_proj": 2}}))
+    capsys.readouterr()
+    assert cli_main(verify, [str(merged), str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_abs_diff"] > TOL  # a quarter of q_proj's update is gone
+
+
+def test_peft_export_of_a_tool_calling_run_needs_its_base_tokenizer(work, base, capsys):
+    """A tool-calling run (token map in its metadata) whose base was gone only warned "no tokenizer written": the
+    adapter shipped without its markers, and serving's launch check could no longer see that it needs them.
+    Refused in one line naming --base, nothing written; with --base the tokenizer ships with the markers."""
+    from convert.export_peft import main
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
+    from gemma_tpu.hf.tokenizer import tokens_named
+
+    gone = work / "base_tool_gone"
+    shutil.copytree(base, gone)
+    ckpt = work / "ckpt_tool"
+    make_checkpoint(gone, ckpt, seed=3)
+    meta = json.loads((ckpt / METADATA_FILE).read_text())
+    meta["token_map"] = {m: f"<unused{5 + i}>" for i, m in enumerate(FUNCTION_MARKERS)}
+    (ckpt / METADATA_FILE).write_text(json.dumps(meta))
+    shutil.rmtree(gone)
+    out = work / "adapter_tool"
+    capsys.readouterr()
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{ckpt}: a tool-calling run's adapter ships its base's tokenizer" in err and err.rstrip().endswith(
+        "pass --base DIR"), err
+    assert leftovers(out) == []
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out), "--base", str(base)]) == 0
+    assert tokens_named(out, FUNCTION_MARKERS) == set(FUNCTION_MARKERS)
 
 
 def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):

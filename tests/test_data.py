@@ -2120,6 +2120,29 @@ def test_a_resume_without_shuffling_may_change_the_seed_but_not_the_rows():
             check_layout(saved, now, "ck/8")
 
 
+def test_a_developer_chat_the_served_template_refuses_is_a_warning(tmp_path, tok, caplog):
+    """A plain chat led by a `developer` message trained folded like a system prompt, without a word, while the
+    tokenizer's own template (what vLLM serves with; Gemma 3's take only `system`) refuses that role: no client
+    could send the prompt as trained. Training now says so, naming the refusal; as `system` nothing is said."""
+    import logging
+
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+
+    t = _with_template(tok, GEMMA3_CHAT_TEMPLATE)
+    qa = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"messages": [{"role": "developer", "content": "Be brief."}, *qa]}])
+    sys_ = write_jsonl(tmp_path / "sys.jsonl", [{"messages": [{"role": "system", "content": "Be brief."}, *qa]}])
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(sys_), Renderer(t), DataConfig(seq_len=256), seed=0)
+    assert caplog.records == []
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(dev), Renderer(t), DataConfig(seq_len=256), seed=0)
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"{dev}: 1 of the first 1 chats render otherwise than the tokenizer's own chat "
+                              f"template, which a server renders them with (the first: {dev}:1: the template "
+                              f"refuses it (TemplateError: unsupported role developer"), message
+
+
 # a chat template that trims each message's text (as some shipped Gemma templates do): written for this test
 TRIMMING_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_turn>' ~ ('model' if m['role'] == "
                      "'assistant' else 'user') ~ '\\n' ~ (m['content'] | trim) ~ '<end_of_turn>\\n' -}}{%- endfor -%}"

@@ -390,6 +390,79 @@ def test_adapter_checks(tmp_path, capsys):
         assert out == ""
 
 
+def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
+    """Matched by the name's tail (`layers.N.self_attn.q_proj`), a multimodal base's vision tower (SigLIP has its
+    own q_proj in layers.N) fitted a text adapter's layer the decoder lacks, and an adapter saved for the text-only
+    class (`model.layers.`) passed on a multimodal base, where vLLM and PEFT leave its keys unused. A bias other
+    than "none" is refused by vLLM at load; each is now one line before the container."""
+    d = fake_model_dir(tmp_path / "m", arch="Gemma3ForConditionalGeneration", nested=True)
+    save_tensors(d / "model.safetensors", {"model.language_model.layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN),
+                                           "model.vision_tower.vision_model.encoder.layers.5.self_attn.q_proj.weight":
+                                           (Q_OUT, HIDDEN)})
+    deep = fake_adapter(tmp_path / "deep", r=8, nested=True)
+    stem = "base_model.model.model.language_model.layers.5.self_attn.q_proj"
+    save_tensors(deep / "adapter_model.safetensors", {f"{stem}.lora_A.weight": (8, HIDDEN),
+                                                      f"{stem}.lora_B.weight": (Q_OUT, 8)})
+    text_only = fake_adapter(tmp_path / "text_only", r=8)
+    biased = fake_adapter(tmp_path / "biased", r=8, nested=True)
+    (biased / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                                            "bias": "lora_only"}))
+    for a, needles in ((deep, ["lora.adapters.a:", "model.language_model.layers.5.self_attn.q_proj",
+                               "no weight for"]),
+                       (text_only, ["lora.adapters.a:", "model.layers.0.self_attn.q_proj",
+                                    "under 'model.language_model.'"]),
+                       (biased, ["lora.adapters.a:", "bias='lora_only'", "Gemma has no biases"])):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                       f"lora.adapters=[{{name: a, dir: {a}}}]")
+        one_error_line(code, err, *needles)
+        assert out == ""
+    ok = fake_adapter(tmp_path / "ok", r=8, nested=True)
+    pickled = fake_adapter(tmp_path / "pickled", r=8, nested=True)  # peft's safe_serialization=False
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    unprefixed = fake_adapter(tmp_path / "unprefixed", r=8, nested=True)  # vLLM reads names without base_model.model.
+    stem = "model.language_model.layers.0.self_attn.q_proj"
+    save_tensors(unprefixed / "adapter_model.safetensors", {f"{stem}.lora_A.weight": (8, HIDDEN),
+                                                            f"{stem}.lora_B.weight": (Q_OUT, 8)})
+    for a in (ok, pickled, unprefixed):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                       f"lora.adapters=[{{name: a, dir: {a}}}]")
+        assert code == 0, err
+    (pickled / "adapter_model.bin").unlink()
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {pickled}}}]")
+    one_error_line(code, err, "lora.adapters.a:", "has no adapter_model.safetensors (nor adapter_model.bin")
+
+
+@pytest.mark.parametrize("extra, needles", [
+    ({"init_lora_weights": "pissa"}, ["init_lora_weights='pissa'", "changes the base's weights"]),
+    ({"init_lora_weights": "loftq"}, ["init_lora_weights='loftq'"]),
+    ({"lora_bias": True}, ["lora_bias=True", "no LoRA bias adapter"]),
+    ({"layer_replication": [[0, 1], [0, 1]]}, ["layer_replication=[[0, 1], [0, 1]]"]),
+    ({"alora_invocation_tokens": [5, 6]}, ["Activated LoRA"]),
+    ({"lora_alpha": "16"}, ["lora_alpha='16' is not a positive number"]),  # vLLM: str / int in its loader
+    ({"lora_alpha": float("nan")}, ["lora_alpha=nan is not a positive number"]),
+])
+def test_an_adapter_of_a_newer_peft_feature_vllm_does_not_serve_is_refused(tmp_path, capsys, extra, needles):
+    """adapter_config.json of a newer peft: PiSSA/LoftQ inits (the base's weights change when peft loads them),
+    LoRA bias, layer replication, aLoRA. Older vLLM dropped the key and served a plain LoRA with other numbers than
+    peft's; newer vLLM refuses at load, on the TPU VM. One line before the container; unknown keys that change
+    nothing (a newer peft's bookkeeping) and the inits that only set the starting factors are taken. So is a
+    lora_alpha that is no number (vLLM divides it by r in its loader)."""
+    d = fake_model_dir(tmp_path / "m")
+    a = fake_adapter(tmp_path / "a", r=8)
+    cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    (a / "adapter_config.json").write_text(json.dumps({**cfg, **extra}))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {a}}}]")
+    one_error_line(code, err, "lora.adapters.a:", *needles)
+    assert out == ""
+    (a / "adapter_config.json").write_text(json.dumps({**cfg, "init_lora_weights": "gaussian",
+                                                       "peft_version": "0.99.0", "some_future_key": {"x": 1}}))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {a}}}]")
+    assert code == 0, err
+
+
 def test_a_tool_calling_adapter_is_refused_on_a_base_without_its_markers(tmp_path, capsys):
     """README's recipe served the fitness coach's adapter on plain Gemma 3. vLLM decodes every adapter with
     model.dir's tokenizer, which names the markers' ids <unusedN> (special tokens it drops from the text): no tool

@@ -295,6 +295,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
+        if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
+            # a list written as text (`targets: "[q_proj, v_proj]"`, a quoted override) reads as the list YAML
+            # reads unquoted; split on commas it kept the brackets ('[q_proj') and was refused
+            try:  # read as the file is: numbers keep their spelling, a key twice is refused
+                value = yaml.load(value, Loader=_UniqueKeyLoader)  # safety: a SafeLoader
+            except yaml.YAMLError:
+                raise UserError(f"{where}: {value!r} is not a readable list (write it [a, b])") from None
         if isinstance(value, str):
             value = value.replace(",", " ").split()
         if not isinstance(value, (list, tuple)):

@@ -257,16 +257,17 @@ class Renderer:
         """Where our Gemma rendering of a plain chat (no tools) departs from the tokenizer's own chat template,
         which is what a server (vLLM) renders the same conversation with: a template that trims message text (as
         Google's Gemma 3 template does) or writes the system prompt otherwise trains text the served model never
-        sees. None: they agree, or there is nothing to compare (tools, a text row, no template, or a template
-        that refuses the chat: a server refuses it too)."""
+        sees. None: they agree, or there is nothing to compare (tools, a text row, no template). A chat the template
+        refuses that we render (a leading `developer` message, folded like system; Gemma 3's templates take only
+        system) is a difference too: a server refuses it as sent, so no client can send the prompt trained on."""
         if (self.chat_format == "template" or "text" in conv or conv.get("tools")
                 or not getattr(self.tokenizer, "chat_template", None)):
             return None
         ours = "".join(t for t, _ in gemma_segments(conv))
         try:
             theirs = self._apply(template_messages(conv["messages"]), None, False, "")
-        except UserError:
-            return None
+        except UserError as e:
+            return f"the template refuses it{str(e).partition('refused the conversation')[2]}"
         theirs = theirs.removeprefix(self.bos_text)
         if theirs == ours:
             return None
