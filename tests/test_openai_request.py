@@ -316,7 +316,7 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                                                                          "stop": stop}).encode())
         assert code == 200 and stop not in body["choices"][0]["text"], body
         # a stop string no token of the vocabulary can end (the tiny one has no emoji): transformers' generate
-        # refused it, a 500; the answer now runs as without it
+        # refused it, a 500; it is now matched on the decoded text (never written here: max_tokens)
         for stops in ("👋", ["👋", "🙂"]):
             code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, "temperature": 0,
                                                 "stop": stops}).encode())
@@ -969,6 +969,39 @@ def test_stop_strings_are_cut_from_the_text():
                 "finish_reason"]
         assert (got, reason) == ("Hello ## ", "stop"), (stream, raw)
     assert _asgi(app, {"messages": USER, "stop": "zz"})[1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_string_generate_cannot_match_ends_the_generation(tiny_dir):
+    """A stop string no token can end (an emoji a small vocabulary spells in bytes) is refused by transformers'
+    generate (ValueError); it was dropped from the generation and only cut from the text, so the model ran on to
+    max_tokens and usage counted the tokens past it. The served build (`stop_on_decoded_text`) stops once the
+    decoded new text holds it, as vLLM's detokenizer-side check does (the refusal is simulated: the tiny greedy
+    model writes only "%", which its vocabulary can end)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from serving.local import stop_on_decoded_text
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+
+    class Refusing(type(model)):  # as generate refuses a stop string it cannot match
+        def _get_stopping_criteria(self, generation_config, *args, **kwargs):
+            if generation_config.stop_strings is not None:
+                raise ValueError("Stop string preprocessing was unable to identify tokens matching ...")
+            return super()._get_stopping_criteria(generation_config, *args, **kwargs)
+
+    stop_on_decoded_text(Refusing)
+    model.__class__ = Refusing
+    for prompt in ("hi", "%%%%"):  # the prompt's own "%%%" does not end the answer at once
+        ids = tok(prompt, return_tensors="pt")
+        plain = model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1]:]
+        assert tok.decode(plain, skip_special_tokens=True) == "%" * 12  # what the stop is then found in
+        for stop in ("%%%", ["zz", "%%%"]):
+            out = model.generate(**ids, max_new_tokens=12, do_sample=False, stop_strings=stop, tokenizer=tok)
+            assert out.shape[1] - ids["input_ids"].shape[1] == 3, (prompt, stop, out.shape)
+    ids = tok("hi", return_tensors="pt")  # a stop never written: max_tokens as before
+    assert model.generate(**ids, max_new_tokens=5, do_sample=False, stop_strings="zz", tokenizer=tok).shape[1] == \
+        ids["input_ids"].shape[1] + 5
 
 
 def test_vllm_sampling_extensions_become_generation_settings():
