@@ -302,6 +302,26 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _unexpected_fields(detail: Any) -> tuple[Any, str | None]:
+    """transformers serve's refusal of fields it does not read ("Unexpected fields in the request: {'foo'}") as
+    (message, param): the field (the first, sorted) in `param`, where a client reads which one it was (it was null).
+    Refused as OpenAI refuses an unknown argument (400); vLLM accepts and ignores one (its request models allow
+    extra fields and log them), but a field this server silently ignored would be a setting the client believes
+    applied, a misspelt `max_token` included. Anything else: (detail, None)."""
+    import ast
+    import re
+
+    m = re.fullmatch(r"Unexpected fields in the request: (\{.*\})", detail, re.S) if isinstance(detail, str) else None
+    try:
+        fields = sorted(str(f) for f in ast.literal_eval(m.group(1))) if m else []
+    except (ValueError, SyntaxError, TypeError):
+        fields = []
+    if not fields:
+        return detail, None
+    return (f"Unexpected field{'s' if len(fields) > 1 else ''} in the request: {', '.join(fields)} (not read by this "
+            f"server; leave {'them' if len(fields) > 1 else 'it'} out)"), fields[0]
+
+
 class CheckedChatApp:
     """ASGI middleware: a POST to /v1/chat/completions (or /v1/completions) is read whole, checked by
     `serving.openai_request` (400 with `{"error": {"message", "type", "param"}}` when malformed, as OpenAI
@@ -373,9 +393,10 @@ class CheckedChatApp:
             else:
                 detail = obj.get("detail") if isinstance(obj, dict) and "detail" in obj else raw.decode(errors="replace")
                 status = 400 if status == 422 else status
+                detail, param = _unexpected_fields(detail)
                 out = json.dumps({"error": {"message": detail if isinstance(detail, str) else json.dumps(detail),
                                             "type": "invalid_request_error" if status < 500 else "server_error",
-                                            "param": None, "code": status}}).encode()
+                                            "param": param, "code": status}}).encode()
             await send({**held, "status": status, "headers": [
                 (k, v) for k, v in held.get("headers", []) if k.lower() not in (b"content-length", b"content-type")] + [
                 (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})

@@ -1128,7 +1128,11 @@ def test_inner_server_errors_come_back_in_openai_shape():
 
     app = CheckedChatApp(inner)
     code, resp = _asgi(app, {"messages": USER, "skip_special_tokens": True})
-    assert code == 400 and "Unexpected fields" in resp["error"]["message"] and "skip_special_tokens" in resp["error"]["message"]
+    assert code == 400 and "Unexpected field" in resp["error"]["message"] and "skip_special_tokens" in resp["error"]["message"]
+    assert resp["error"]["param"] == "skip_special_tokens"  # the field a client reads (it was null)
+    answers.insert(0, (422, b'{"detail":"Unexpected fields in the request: {\'zeta\', \'foo\'}"}'))
+    code, resp = _asgi(app, {"messages": USER, "zeta": 1, "foo": 2})
+    assert (code, resp["error"]["param"]) == (400, "foo") and "foo, zeta" in resp["error"]["message"], resp
     code, resp = _asgi(app, {"prompt": "x"}, "/v1/completions")
     assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "server_error", "param": None,
                                              "code": 500}
