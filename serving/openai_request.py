@@ -150,8 +150,28 @@ def _tools(tools: Any) -> list[str]:
         if params and params.get("type", "object") != "object":  # the arguments are a JSON object (as OpenAI says)
             raise RequestError(f"{where}.function.parameters.type",
                                f"the parameters schema must have type \"object\", got {json.dumps(params['type'])}")
+        if params:
+            _schema_fields(params, f"{where}.function.parameters")
         names.append(name)
     return names
+
+
+def _schema_fields(params: dict, where: str) -> None:
+    """The parameters schema's `properties` an object of schemas (objects, or JSON Schema's true/false) and its
+    `required` a list of names, as OpenAI's schema check refuses otherwise (400): `"properties": "x"` was
+    accepted and rendered into the prompt, where the model read a declaration that declares nothing."""
+    props = params.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise RequestError(f"{where}.properties", f"expected an object of property schemas, got "
+                                                      f"{_json_type(props)}")
+        for name, schema in props.items():
+            if not isinstance(schema, (dict, bool)):
+                raise RequestError(f"{where}.properties.{name}", f"expected a JSON Schema object, got "
+                                                                 f"{_json_type(schema)}")
+    required = params.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise RequestError(f"{where}.required", f"expected a list of property names, got {_json_type(required)}")
 
 
 def _tool_choice(choice: Any, names: list[str]) -> None:

@@ -64,6 +64,14 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [TOOL, TOOL]}, "tools[1].function.name", "twice"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
      "tools[0].function.parameters", "object"),
+    # a schema OpenAI refuses (400), which was rendered into the prompt as a declaration of nothing
+    ({"messages": USER, "tools": [TOOL, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": "x"}}}]}, "tools[1].function.parameters.properties", "got a string"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": "string"}}}}]}, "tools[0].function.parameters.properties.a", "JSON Schema object"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "required": "a"}}}]}, "tools[0].function.parameters.required",
+     "list of property names"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
     # OpenAI's (and vLLM's) rules, which passed here: a tool choice or parallel calls without tools, a schema that
     # is not an object's, stream options without a stream (the usage chunk they ask for never came)
@@ -901,6 +909,8 @@ def test_responses_api_is_answered_through_a_chat_completion():
             ({"input": [{"role": "user", "content": "hi"}, call, {"role": "user", "content": "x"}]}, "input[2]"),
             ({"input": [{"type": "function_call_output", "call_id": "c", "output": "5"}]}, "input[0].role"),
             ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+            ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"properties": "x"}}]},
+             "tools[0].parameters.properties"),
             ({"input": "hi", "tools": [tool], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name")):
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
