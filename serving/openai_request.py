@@ -432,6 +432,13 @@ def check_chat_request(body: Any, context: int | None = None,
         if body.get(key) is not None:  # transformers serve ignored them: the model saw no declarations at all
             raise RequestError(key, f"the legacy function-calling field is not supported here; send `{instead}` "
                                     f"(and read the calls from message.tool_calls)")
+    if body.get("tools") == []:
+        # an empty declaration, as clients that always send `tool_choice: "auto"` (and parallel_tool_calls) send a
+        # turn without tools: nothing to call, which "auto"/"none" ask for, so all three are dropped, as the Responses
+        # path drops them (it was a 400, "needs tools"). OpenAI (and vLLM since it refuses `tools: []`) answer 400, but
+        # the answer is the same text either way; a forcing choice still needs tools and is refused below
+        body = {k: v for k, v in body.items() if k not in ("tools", "parallel_tool_calls") and not (
+            k == "tool_choice" and v in ("auto", "none"))}
     names = _tools(body["tools"]) if body.get("tools") is not None else []
     _tool_choice(body.get("tool_choice"), names)
     if body.get("model") is not None and not isinstance(body["model"], str):

@@ -73,6 +73,9 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
         "type": "object", "properties": {}, "required": "a"}}}]}, "tools[0].function.parameters.required",
      "list of property names"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": USER, "tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": USER, "tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "needs tools"),
     # OpenAI's (and vLLM's) rules, which passed here: a tool choice or parallel calls without tools, a schema that
     # is not an object's, stream options without a stream (the usage chunk they ask for never came)
     ({"messages": USER, "tool_choice": "auto"}, "tool_choice", '"auto" needs tools; this request declares none'),
@@ -154,6 +157,10 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert check_chat_request({"messages": USER, "stop": ["", "##"]})["stop"] == ["##"]
     assert "stop" not in check_completion_request({"prompt": "x", "stop": ["", ""]}, 50, len)
     assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
+    # an empty tool list with the "auto" (or "none", parallel calls) a client always sends: no tools, as the
+    # Responses path reads it (it was a 400, "needs tools")
+    for extra in ({"tool_choice": "auto"}, {"tool_choice": "none", "parallel_tool_calls": True}, {}):
+        assert check_chat_request({"messages": USER, "tools": [], **extra}) == {"messages": USER}, extra
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7, "max_tokens": 9})["max_tokens"] == 7
