@@ -350,6 +350,13 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     # Gemma3ForCausalLM caps its final logits; llama.cpp's sliding-window gemma3 never does
     ("final_softcap", {"final_logit_softcapping": 0.5}, "final_logit_softcapping=0.5 cannot be expressed"),
     ("final_softcap_0", {"final_logit_softcapping": 0.0}, "final_logit_softcapping=0.0 cannot be expressed"),
+    # a size config.json omits takes transformers' default (hidden_size 2304): declared over the 64-wide tensors
+    ("hidden_size_omitted", {"hidden_size": None}, "is [512, 64], but the config's sizes make it [512, 2304]; "
+                                                   "config.json omits hidden_size"),
+    ("kv_heads_omitted", {"num_key_value_heads": None}, "k_proj.weight is [64, 64], but the config's sizes make "
+                                                        "it [128, 64]"),
+    # struct.pack's "argument out of range" traceback before
+    ("context_negative", {"max_position_embeddings": -1}, "max_position_embeddings=-1 must be a positive integer"),
 ])
 def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contains):
     """llama.cpp scales queries by 1/sqrt(head_dim) and makes every 6th layer global: a config.json
