@@ -269,6 +269,10 @@ def read_chat_template(tok_dir: Path) -> str | None:
         return path.read_text()
     template = _tokenizer_config(tok_dir).get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        bad = next((t for t in template if not isinstance(t, dict)), None)
+        if bad is not None:  # an AttributeError traceback before
+            raise UserError(f"{tok_dir / 'tokenizer_config.json'}: chat_template is a list holding {bad!r:.40}, "
+                            f"not a {{\"name\": ..., \"template\": ...}} object")
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None
 

@@ -331,6 +331,20 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     _expect_error(capsys, work / "full.gguf", "--merged", base, "--type", "f16", contains="not enough disk space")
 
 
+def test_error_chat_template_list_of_non_objects(work, base, capsys):
+    """tokenizer_config.json's chat_template as a list of named templates, one entry not an object: an
+    AttributeError traceback before; one line naming the file now, nothing written."""
+    d = work / "bad_template_list"
+    d.mkdir()
+    for p in base.iterdir():
+        if p.name != "tokenizer_config.json":
+            (d / p.name).symlink_to(p)
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": [1]}))
+    _expect_error(capsys, work / "bad_template_list.gguf", "--merged", d, "--type", "f16",
+                  contains="tokenizer_config.json: chat_template is a list holding 1")
+
+
 @pytest.mark.parametrize("name,edit,contains", [
     ("qpas", {"query_pre_attn_scalar": 64}, "query_pre_attn_scalar=64"),
     # omitted: transformers' default, 256, not head_dim
