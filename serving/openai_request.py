@@ -170,8 +170,11 @@ def _schema_fields(params: dict, where: str) -> None:
                 raise RequestError(f"{where}.properties.{name}", f"expected a JSON Schema object, got "
                                                                  f"{_json_type(schema)}")
     required = params.get("required")
-    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+    if required is not None and not isinstance(required, list):
         raise RequestError(f"{where}.required", f"expected a list of property names, got {_json_type(required)}")
+    for k, name in enumerate(required or []):
+        if not isinstance(name, str):
+            raise RequestError(f"{where}.required[{k}]", f"expected a property name, got {_json_type(name)}")
 
 
 def _tool_choice(choice: Any, names: list[str]) -> None:

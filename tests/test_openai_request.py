@@ -72,6 +72,9 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {}, "required": "a"}}}]}, "tools[0].function.parameters.required",
      "list of property names"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"type": "string"}}, "required": ["a", 1]}}}]}, "tools[0].function.parameters.required[1]",
+     "expected a property name, got a number"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"messages": USER, "tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"messages": USER, "tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
