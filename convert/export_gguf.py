@@ -62,7 +62,7 @@ from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, is_reserved, tool_chat_template
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.registry import Family, GGUFFacts, detect_family, families
+from gemma_tpu.models.registry import Family, GGUFFacts, detect_family, families, text_config
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 CHUNK_BYTES = 16 << 20  # float32 bytes per row chunk
@@ -269,6 +269,10 @@ def read_chat_template(tok_dir: Path) -> str | None:
         return path.read_text()
     template = _tokenizer_config(tok_dir).get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        bad = next((t for t in template if not isinstance(t, dict)), None)
+        if bad is not None:  # an AttributeError traceback before
+            raise UserError(f"{tok_dir / 'tokenizer_config.json'}: chat_template is a list holding {bad!r:.40}, "
+                            f"not a {{\"name\": ..., \"template\": ...}} object")
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None
 
@@ -334,9 +338,13 @@ def check_config(facts: GGUFFacts, config: dict, text: dict, where: str) -> None
             raise UserError(f"{where}: {key}={text[key]} cannot be expressed in llama.cpp's {facts.arch}")
     for problem in (facts.check(config, text) if facts.check else []):
         raise UserError(f"{where}: {problem}")
-    for _, key, _, default in facts.hparams:
+    for _, key, kind, default in facts.hparams:
         if text.get(key) is None and default is None:
             raise UserError(f"{where}: missing key '{key}'")
+        value = text.get(key, default)
+        if kind == "u32" and value is not None and not (isinstance(value, int) and 0 < value < 2**32):
+            # a negative one died in the writer's struct.pack ("argument out of range"), with a traceback
+            raise UserError(f"{where}: {key}={value!r} must be a positive integer")
     layer_types = text.get("layer_types")
     if facts.swa_period and layer_types:
         want = ["full_attention" if (i + 1) % facts.swa_period == 0 else "sliding_attention"
@@ -346,6 +354,28 @@ def check_config(facts: GGUFFacts, config: dict, text: dict, where: str) -> None
             shown = f"{key}={text[key]}" if key != "layer_types" else key
             raise UserError(f"{where}: {shown} does not follow llama.cpp's {facts.arch} pattern (every "
                             f"{facts.swa_period}th layer global)")
+
+
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def check_shapes(family: Family, config: dict, text: dict, tensors: list, where: str) -> None:
+    """The weights' shapes agree with the sizes the file will declare (the family's `projection_shapes`, the
+    embedding's width): a config.json that omits hidden_size (or heads, intermediate_size) took transformers'
+    default (2304 for Gemma 3), and the GGUF declared it over 64-wide tensors, a file llama.cpp cannot load."""
+    shapes = family.projection_shapes(text) if family.projection_shapes else {}
+    hidden = text.get("hidden_size")
+    for t in tensors:
+        want = shapes.get(t.hf_key.rsplit(".", 2)[-2], ()) if t.hf_key.endswith(".weight") else ()
+        if t.name == "token_embd.weight" and isinstance(hidden, int):
+            want = ((t.shape[0], hidden),)
+        if want and tuple(t.shape) not in want:
+            raw = text_config(config)
+            omitted = [k for k in SIZE_KEYS if k not in raw]
+            why = (f"; config.json omits {', '.join(omitted)}, which then take{'s' if len(omitted) == 1 else ''} "
+                   f"transformers' default ({', '.join(f'{k}={text.get(k)}' for k in omitted)})") if omitted else ""
+            raise UserError(f"{where}: tensor {t.hf_key} is {list(t.shape)}, but the config's sizes make it "
+                            f"{list(want[0])}{why}")
 
 
 def choose_qtype(out_type: str, name: str, shape: tuple[int, ...], tied_output: bool):
@@ -435,6 +465,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     prefix = family.text_prefix(weights.names())
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
     tensors, skipped = plan_tensors(facts, text, weights, prefix, args.type, tied, where)
+    check_shapes(family, config, text, tensors, where)
     weights.require_float([t.hf_key for t in tensors])  # an int8 or fp8 matrix was exported as its raw integers
     embed = next(t for t in tensors if t.name == "token_embd.weight")
     vocab = read_vocab(tok_dir, embed.shape[0], token_map, FUNCTION_MARKERS)

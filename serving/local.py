@@ -302,6 +302,26 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _unexpected_fields(detail: Any) -> tuple[Any, str | None]:
+    """transformers serve's refusal of fields it does not read ("Unexpected fields in the request: {'foo'}") as
+    (message, param): the field (the first, sorted) in `param`, where a client reads which one it was (it was null).
+    Refused as OpenAI refuses an unknown argument (400); vLLM accepts and ignores one (its request models allow
+    extra fields and log them), but a field this server silently ignored would be a setting the client believes
+    applied, a misspelt `max_token` included. Anything else: (detail, None)."""
+    import ast
+    import re
+
+    m = re.fullmatch(r"Unexpected fields in the request: (\{.*\})", detail, re.S) if isinstance(detail, str) else None
+    try:
+        fields = sorted(str(f) for f in ast.literal_eval(m.group(1))) if m else []
+    except (ValueError, SyntaxError, TypeError):
+        fields = []
+    if not fields:
+        return detail, None
+    return (f"Unexpected field{'s' if len(fields) > 1 else ''} in the request: {', '.join(fields)} (not read by this "
+            f"server; leave {'them' if len(fields) > 1 else 'it'} out)"), fields[0]
+
+
 class CheckedChatApp:
     """ASGI middleware: a POST to /v1/chat/completions (or /v1/completions) is read whole, checked by
     `serving.openai_request` (400 with `{"error": {"message", "type", "param"}}` when malformed, as OpenAI
@@ -310,11 +330,9 @@ class CheckedChatApp:
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
-                 model_name: str | None = None, forced_calls: bool = False, stops_matchable=None,
-                 stop_texts: list[str] | None = None):
+                 model_name: str | None = None, forced_calls: bool = False, stop_texts: list[str] | None = None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
         self.stop_texts = list(stop_texts or [])  # what the stop tokens decode to (`stop_token_texts`): cut as stops
-        self.stops_matchable = stops_matchable  # `stop` -> whether generate can stop on it (`stops_matcher`)
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
         self.count_text, self.model_name = count_text, model_name
         self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
@@ -375,9 +393,10 @@ class CheckedChatApp:
             else:
                 detail = obj.get("detail") if isinstance(obj, dict) and "detail" in obj else raw.decode(errors="replace")
                 status = 400 if status == 422 else status
+                detail, param = _unexpected_fields(detail)
                 out = json.dumps({"error": {"message": detail if isinstance(detail, str) else json.dumps(detail),
                                             "type": "invalid_request_error" if status < 500 else "server_error",
-                                            "param": None, "code": status}}).encode()
+                                            "param": param, "code": status}}).encode()
             await send({**held, "status": status, "headers": [
                 (k, v) for k, v in held.get("headers", []) if k.lower() not in (b"content-length", b"content-type")] + [
                 (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
@@ -488,13 +507,9 @@ class CheckedChatApp:
         # thread, after the client had given up
         whole = (request.get("stream") is not True) if path == "/v1/responses" else not body.get("stream")
         body["stream"] = True
-        inner_body = body
-        if self.stops_matchable is not None and body.get("stop") and not await asyncio.get_running_loop(
-                ).run_in_executor(self._checks, self.stops_matchable, body["stop"]):
-            # no token can end these stop strings (a character the vocabulary lacks): transformers' generate refused
-            # them with a 500; the generation runs without them and the text is still cut at them here
-            inner_body = {k: v for k, v in body.items() if k != "stop"}
-        data = json.dumps(inner_body).encode()
+        # a stop string no token can end (a character the vocabulary lacks) is matched on the decoded text
+        # (`stop_on_decoded_text`), and cut from the text here as any other
+        data = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         sent = False
@@ -1211,19 +1226,47 @@ def whole_distribution_by_default(utils) -> None:
     utils.BaseHandler._build_generation_config = build_whole
 
 
-def stops_matcher(tok):
-    """`stop` (a string or a list) -> whether transformers' generate can stop on it: it refuses (ValueError, a 500)
-    stop strings no token of the vocabulary can end, e.g. an emoji a small vocabulary spells in bytes."""
-    from transformers.generation.stopping_criteria import StopStringCriteria
+def stop_on_decoded_text(cls) -> None:
+    """`cls._get_stopping_criteria` (transformers' GenerationMixin in the served process) made to stop on the decoded
+    text when generate refuses the stop strings (a ValueError, a 500: no token of the vocabulary can end them, e.g.
+    an emoji a small vocabulary spells in bytes), as vLLM checks stops on its detokenized text: such a stop was cut
+    from the text here, but the generation ran on to max_tokens, and usage counted the tokens past it."""
+    import torch
+    from transformers import StoppingCriteria
 
-    def matchable(stop) -> bool:
+    get = cls._get_stopping_criteria
+
+    class DecodedStops(StoppingCriteria):
+        """True once the text generated so far holds a stop string (the prompt's tokens are not read)."""
+
+        def __init__(self, tokenizer, stops: list[str]):
+            self.tokenizer, self.stops, self.start = tokenizer, [s for s in stops if s], None
+            # the stop ends in the newest token and no token is empty: its bytes' worth of tokens hold it
+            self.window = 2 * max((len(s.encode()) for s in self.stops), default=1) + 8
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if self.start is None:  # first called once the first new token is appended
+                self.start = input_ids.shape[-1] - 1
+            tail = input_ids[:, max(self.start, input_ids.shape[-1] - self.window):]
+            texts = self.tokenizer.batch_decode(tail, skip_special_tokens=True)
+            return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
+
+    def stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None, *args, **kwargs):
         try:
-            StopStringCriteria(tok, [stop] if isinstance(stop, str) else list(stop))
+            return get(self, generation_config, stopping_criteria, tokenizer, *args, **kwargs)
         except ValueError:
-            return False
-        return True
+            stops = generation_config.stop_strings
+            if not stops or tokenizer is None:
+                raise
+            generation_config.stop_strings = None
+            try:
+                criteria = get(self, generation_config, stopping_criteria, tokenizer, *args, **kwargs)
+            finally:
+                generation_config.stop_strings = stops
+            criteria.append(DecodedStops(tokenizer, [stops] if isinstance(stops, str) else list(stops)))
+            return criteria
 
-    return matchable
+    cls._get_stopping_criteria = stopping_criteria
 
 
 def stop_token_texts(tok, served: Path) -> list[str]:
@@ -1276,6 +1319,9 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     seed_each_generation(serving_utils)
     whole_distribution_by_default(serving_utils)
+    from transformers.generation.utils import GenerationMixin
+
+    stop_on_decoded_text(GenerationMixin)
 
     build = server_mod.build_server
 
@@ -1284,7 +1330,7 @@ def serve_main(argv: list[str] | None = None) -> None:
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
                               isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
-                              stops_matcher(tok), stop_token_texts(tok, served))
+                              stop_token_texts(tok, served))
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler

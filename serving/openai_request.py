@@ -150,8 +150,31 @@ def _tools(tools: Any) -> list[str]:
         if params and params.get("type", "object") != "object":  # the arguments are a JSON object (as OpenAI says)
             raise RequestError(f"{where}.function.parameters.type",
                                f"the parameters schema must have type \"object\", got {json.dumps(params['type'])}")
+        if params:
+            _schema_fields(params, f"{where}.function.parameters")
         names.append(name)
     return names
+
+
+def _schema_fields(params: dict, where: str) -> None:
+    """The parameters schema's `properties` an object of schemas (objects, or JSON Schema's true/false) and its
+    `required` a list of names, as OpenAI's schema check refuses otherwise (400): `"properties": "x"` was
+    accepted and rendered into the prompt, where the model read a declaration that declares nothing."""
+    props = params.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise RequestError(f"{where}.properties", f"expected an object of property schemas, got "
+                                                      f"{_json_type(props)}")
+        for name, schema in props.items():
+            if not isinstance(schema, (dict, bool)):
+                raise RequestError(f"{where}.properties.{name}", f"expected a JSON Schema object, got "
+                                                                 f"{_json_type(schema)}")
+    required = params.get("required")
+    if required is not None and not isinstance(required, list):
+        raise RequestError(f"{where}.required", f"expected a list of property names, got {_json_type(required)}")
+    for k, name in enumerate(required or []):
+        if not isinstance(name, str):
+            raise RequestError(f"{where}.required[{k}]", f"expected a property name, got {_json_type(name)}")
 
 
 def _tool_choice(choice: Any, names: list[str]) -> None:
@@ -412,6 +435,13 @@ def check_chat_request(body: Any, context: int | None = None,
         if body.get(key) is not None:  # transformers serve ignored them: the model saw no declarations at all
             raise RequestError(key, f"the legacy function-calling field is not supported here; send `{instead}` "
                                     f"(and read the calls from message.tool_calls)")
+    if body.get("tools") == []:
+        # an empty declaration, as clients that always send `tool_choice: "auto"` (and parallel_tool_calls) send a
+        # turn without tools: nothing to call, which "auto"/"none" ask for, so all three are dropped, as the Responses
+        # path drops them (it was a 400, "needs tools"). OpenAI (and vLLM since it refuses `tools: []`) answer 400, but
+        # the answer is the same text either way; a forcing choice still needs tools and is refused below
+        body = {k: v for k, v in body.items() if k not in ("tools", "parallel_tool_calls") and not (
+            k == "tool_choice" and v in ("auto", "none"))}
     names = _tools(body["tools"]) if body.get("tools") is not None else []
     _tool_choice(body.get("tool_choice"), names)
     if body.get("model") is not None and not isinstance(body["model"], str):

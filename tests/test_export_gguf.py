@@ -331,6 +331,20 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     _expect_error(capsys, work / "full.gguf", "--merged", base, "--type", "f16", contains="not enough disk space")
 
 
+def test_error_chat_template_list_of_non_objects(work, base, capsys):
+    """tokenizer_config.json's chat_template as a list of named templates, one entry not an object: an
+    AttributeError traceback before; one line naming the file now, nothing written."""
+    d = work / "bad_template_list"
+    d.mkdir()
+    for p in base.iterdir():
+        if p.name != "tokenizer_config.json":
+            (d / p.name).symlink_to(p)
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": [1]}))
+    _expect_error(capsys, work / "bad_template_list.gguf", "--merged", d, "--type", "f16",
+                  contains="tokenizer_config.json: chat_template is a list holding 1")
+
+
 @pytest.mark.parametrize("name,edit,contains", [
     ("qpas", {"query_pre_attn_scalar": 64}, "query_pre_attn_scalar=64"),
     # omitted: transformers' default, 256, not head_dim
@@ -350,6 +364,13 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     # Gemma3ForCausalLM caps its final logits; llama.cpp's sliding-window gemma3 never does
     ("final_softcap", {"final_logit_softcapping": 0.5}, "final_logit_softcapping=0.5 cannot be expressed"),
     ("final_softcap_0", {"final_logit_softcapping": 0.0}, "final_logit_softcapping=0.0 cannot be expressed"),
+    # a size config.json omits takes transformers' default (hidden_size 2304): declared over the 64-wide tensors
+    ("hidden_size_omitted", {"hidden_size": None}, "is [512, 64], but the config's sizes make it [512, 2304]; "
+                                                   "config.json omits hidden_size"),
+    ("kv_heads_omitted", {"num_key_value_heads": None}, "k_proj.weight is [64, 64], but the config's sizes make "
+                                                        "it [128, 64]"),
+    # struct.pack's "argument out of range" traceback before
+    ("context_negative", {"max_position_embeddings": -1}, "max_position_embeddings=-1 must be a positive integer"),
 ])
 def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contains):
     """llama.cpp scales queries by 1/sqrt(head_dim) and makes every 6th layer global: a config.json

@@ -64,7 +64,21 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [TOOL, TOOL]}, "tools[1].function.name", "twice"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
      "tools[0].function.parameters", "object"),
+    # a schema OpenAI refuses (400), which was rendered into the prompt as a declaration of nothing
+    ({"messages": USER, "tools": [TOOL, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": "x"}}}]}, "tools[1].function.parameters.properties", "got a string"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": "string"}}}}]}, "tools[0].function.parameters.properties.a", "JSON Schema object"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "required": "a"}}}]}, "tools[0].function.parameters.required",
+     "list of property names"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"type": "string"}}, "required": ["a", 1]}}}]}, "tools[0].function.parameters.required[1]",
+     "expected a property name, got a number"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": USER, "tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": USER, "tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "needs tools"),
     # OpenAI's (and vLLM's) rules, which passed here: a tool choice or parallel calls without tools, a schema that
     # is not an object's, stream options without a stream (the usage chunk they ask for never came)
     ({"messages": USER, "tool_choice": "auto"}, "tool_choice", '"auto" needs tools; this request declares none'),
@@ -146,6 +160,10 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert check_chat_request({"messages": USER, "stop": ["", "##"]})["stop"] == ["##"]
     assert "stop" not in check_completion_request({"prompt": "x", "stop": ["", ""]}, 50, len)
     assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
+    # an empty tool list with the "auto" (or "none", parallel calls) a client always sends: no tools, as the
+    # Responses path reads it (it was a 400, "needs tools")
+    for extra in ({"tool_choice": "auto"}, {"tool_choice": "none", "parallel_tool_calls": True}, {}):
+        assert check_chat_request({"messages": USER, "tools": [], **extra}) == {"messages": USER}, extra
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7, "max_tokens": 9})["max_tokens"] == 7
@@ -316,7 +334,7 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
                                                                          "stop": stop}).encode())
         assert code == 200 and stop not in body["choices"][0]["text"], body
         # a stop string no token of the vocabulary can end (the tiny one has no emoji): transformers' generate
-        # refused it, a 500; the answer now runs as without it
+        # refused it, a 500; it is now matched on the decoded text (never written here: max_tokens)
         for stops in ("👋", ["👋", "🙂"]):
             code, body = _post(url, json.dumps({"messages": USER, "max_tokens": 2, "temperature": 0,
                                                 "stop": stops}).encode())
@@ -901,6 +919,8 @@ def test_responses_api_is_answered_through_a_chat_completion():
             ({"input": [{"role": "user", "content": "hi"}, call, {"role": "user", "content": "x"}]}, "input[2]"),
             ({"input": [{"type": "function_call_output", "call_id": "c", "output": "5"}]}, "input[0].role"),
             ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+            ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"properties": "x"}}]},
+             "tools[0].parameters.properties"),
             ({"input": "hi", "tools": [tool], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name")):
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
@@ -969,6 +989,39 @@ def test_stop_strings_are_cut_from_the_text():
                 "finish_reason"]
         assert (got, reason) == ("Hello ## ", "stop"), (stream, raw)
     assert _asgi(app, {"messages": USER, "stop": "zz"})[1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_string_generate_cannot_match_ends_the_generation(tiny_dir):
+    """A stop string no token can end (an emoji a small vocabulary spells in bytes) is refused by transformers'
+    generate (ValueError); it was dropped from the generation and only cut from the text, so the model ran on to
+    max_tokens and usage counted the tokens past it. The served build (`stop_on_decoded_text`) stops once the
+    decoded new text holds it, as vLLM's detokenizer-side check does (the refusal is simulated: the tiny greedy
+    model writes only "%", which its vocabulary can end)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from serving.local import stop_on_decoded_text
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+
+    class Refusing(type(model)):  # as generate refuses a stop string it cannot match
+        def _get_stopping_criteria(self, generation_config, *args, **kwargs):
+            if generation_config.stop_strings is not None:
+                raise ValueError("Stop string preprocessing was unable to identify tokens matching ...")
+            return super()._get_stopping_criteria(generation_config, *args, **kwargs)
+
+    stop_on_decoded_text(Refusing)
+    model.__class__ = Refusing
+    for prompt in ("hi", "%%%%"):  # the prompt's own "%%%" does not end the answer at once
+        ids = tok(prompt, return_tensors="pt")
+        plain = model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1]:]
+        assert tok.decode(plain, skip_special_tokens=True) == "%" * 12  # what the stop is then found in
+        for stop in ("%%%", ["zz", "%%%"]):
+            out = model.generate(**ids, max_new_tokens=12, do_sample=False, stop_strings=stop, tokenizer=tok)
+            assert out.shape[1] - ids["input_ids"].shape[1] == 3, (prompt, stop, out.shape)
+    ids = tok("hi", return_tensors="pt")  # a stop never written: max_tokens as before
+    assert model.generate(**ids, max_new_tokens=5, do_sample=False, stop_strings="zz", tokenizer=tok).shape[1] == \
+        ids["input_ids"].shape[1] + 5
 
 
 def test_vllm_sampling_extensions_become_generation_settings():
@@ -1095,7 +1148,11 @@ def test_inner_server_errors_come_back_in_openai_shape():
 
     app = CheckedChatApp(inner)
     code, resp = _asgi(app, {"messages": USER, "skip_special_tokens": True})
-    assert code == 400 and "Unexpected fields" in resp["error"]["message"] and "skip_special_tokens" in resp["error"]["message"]
+    assert code == 400 and "Unexpected field" in resp["error"]["message"] and "skip_special_tokens" in resp["error"]["message"]
+    assert resp["error"]["param"] == "skip_special_tokens"  # the field a client reads (it was null)
+    answers.insert(0, (422, b'{"detail":"Unexpected fields in the request: {\'zeta\', \'foo\'}"}'))
+    code, resp = _asgi(app, {"messages": USER, "zeta": 1, "foo": 2})
+    assert (code, resp["error"]["param"]) == (400, "foo") and "foo, zeta" in resp["error"]["message"], resp
     code, resp = _asgi(app, {"prompt": "x"}, "/v1/completions")
     assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "server_error", "param": None,
                                              "code": 500}
