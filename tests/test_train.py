@@ -118,6 +118,21 @@ def test_resume_with_other_training_rows_is_refused(tiny_dir, reference_run, tmp
     assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
 
 
+def test_a_resume_with_nothing_left_to_train_keeps_the_runs_record(tiny_dir, reference_run, tmp_path):
+    """train.max_steps below the step on disk: exit 0, "nothing to do" naming both numbers, and gemma_tpu_run.json
+    still the record of the run that wrote the steps (it was rewritten with this session's settings: a record
+    saying max_steps=4 and another learning rate over steps trained to 8 with the first)."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_run, ckpt)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    proc = train(tiny_dir, ckpt, "train.max_steps=4", "train.learning_rate=0.5", "checkpoint.every_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+    assert "already at step 8 >= train.max_steps=4; nothing to do" in proc.stderr
+
+
 def test_resume_after_the_tokenizer_changed_is_refused_naming_it(tiny_dir, reference_run, tmp_path):
     """The same weights with another tokenizer (two tokens' ids swapped) make other rows: refused, and the
     message names the tokenizer among what may have changed (it named only the data file and data settings)."""
