@@ -77,11 +77,13 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
 def check_data_position(cfg: RunConfig, train_split: Any) -> None:
     """The latest step's data position names these rows, batch, seed and order (`data.check_layout`)."""
     from gemma_tpu import data  # deferred: imports the tokenizer stack
+    from gemma_tpu.data.pipeline import position
 
     saved = checkpoint.saved_data_layout(cfg.checkpoint.dir)
     if saved is not None:
         data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
-                                                       cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]))
+                                                       cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]),
+                          position(saved[2]))
 
 
 def restore_failure(ckpt_dir: Path, step: int, model, kind, old: dict, new: dict, error: BaseException) -> UserError:
