@@ -119,7 +119,7 @@ class BatchFeed(tunix_hooks.DataHooks):
             weights = np.asarray([float(np.asarray(b["loss_weights"]).sum()) for b in batches])
             import jax
 
-            if jax.process_count() > 1:  # each process holds its rows of every micro-batch: the global counts
+            if batches and jax.process_count() > 1:  # each process holds its rows of every micro-batch: global counts
                 from jax.experimental import multihost_utils
 
                 weights = np.asarray(multihost_utils.process_allgather(weights)).sum(axis=0)
