@@ -2143,6 +2143,49 @@ def test_a_developer_chat_the_served_template_refuses_is_a_warning(tmp_path, tok
                               f"refuses it (TemplateError: unsupported role developer"), message
 
 
+def test_a_resume_may_change_data_num_epochs_but_not_past_its_end(padded, tmp_path):
+    """A run that used up data.num_epochs=1 was refused another epoch (its position was "for other training
+    rows"), though the stream's first batches are the same whatever the number of epochs: it continues exactly
+    where the longer stream is. A position past the new end is refused, by the run before anything loads too."""
+    import types
+
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS
+    from gemma_tpu.train.resume import check_data_position
+
+    one = TrainStream(padded, 10, seed=0, num_epochs=1)
+    assert len(list(one)) == 4  # 48 rows: the epoch used up
+    for epochs in (2, None):
+        more, again = TrainStream(padded, 10, seed=0, num_epochs=epochs), TrainStream(padded, 10, 0, num_epochs=epochs)
+        more.set_state(one.get_state(), one.layout, "ck/4")
+        for _ in range(4):
+            next(again)
+        np.testing.assert_array_equal(next(more)["tokens"], next(again)["tokens"])
+    three = TrainStream(padded, 10, seed=0, num_epochs=3)
+    for _ in range(5):
+        next(three)
+    with pytest.raises(UserError, match=r"^ck/5: its data position is past the end of data.num_epochs=1 \(batch 5 of "
+                                        r"4\); resume with more epochs or data.num_epochs=null$"):
+        TrainStream(padded, 10, seed=0, num_epochs=1).set_state(three.get_state(), three.layout, "ck/5")
+    with pytest.raises(UserError, match=r"train.batch_size 10 -> 8"):  # what else shapes the position still counts
+        TrainStream(padded, 8, seed=0, num_epochs=3).set_state(three.get_state(), three.layout, "ck/5")
+
+    step = tmp_path / "ck" / "5"  # the run's check, before the model loads, reads the step's stored position
+    (step / "model_params").mkdir(parents=True)
+    (step / COMMIT_MARKERS[1]).write_text("")
+    (step / COMMIT_MARKERS[0]).write_text(json.dumps(
+        {"custom_metadata": {"data_state": three.get_state(), "data_layout": three.layout}}))
+
+    def cfg(epochs):
+        return types.SimpleNamespace(checkpoint=types.SimpleNamespace(dir=str(tmp_path / "ck")),
+                                     train=types.SimpleNamespace(batch_size=10, seed=0),
+                                     data=types.SimpleNamespace(shuffle=True, num_epochs=epochs))
+
+    check_data_position(cfg(2), padded)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(step))}: its data position is past the end of "
+                                        r"data.num_epochs=1 \(batch 5 of 4\)"):
+        check_data_position(cfg(1), padded)
+
+
 # a chat template that trims each message's text (as some shipped Gemma templates do): written for this test
 TRIMMING_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_turn>' ~ ('model' if m['role'] == "
                      "'assistant' else 'user') ~ '\\n' ~ (m['content'] | trim) ~ '<end_of_turn>\\n' -}}{%- endfor -%}"

@@ -138,3 +138,27 @@ def test_dropout_masks_stay_fresh_when_a_resume_changes_grad_accum_steps():
         drawn = keys(before, range(0, 2)) + keys(after, range(2, 4))
         assert len(set(drawn)) == len(drawn) == 2 * before + 2 * after, (before, after, drawn)
         assert drawn[2 * before:] == [(s, m) for s in (2, 3) for m in range(after)]
+
+
+def test_accumulated_micro_batches_carry_their_share_of_the_steps_loss_tokens():
+    """Under gradient accumulation each micro-batch's mean loss is scaled by its share of the step's loss tokens
+    (times their number), so MultiSteps' plain average of the micro-batches is the step's token mean; a step
+    cut short by the end of the data scales over the micro-batches it has."""
+    import types
+
+    import numpy as np
+
+    from gemma_tpu.train.trainer import BatchFeed
+
+    def rows(tokens: int) -> dict:
+        w = np.zeros((2, 4), np.float32)
+        w[0, :tokens] = 1
+        return {"tokens": np.zeros((2, 8), np.int32), "segment_ids": np.ones((2, 8), np.int32), "loss_weights": w}
+
+    feed = BatchFeed(iter([rows(1), rows(3), rows(4), rows(2), rows(2)]), None, grad_accum_steps=2)
+    ctx = types.SimpleNamespace(train_steps=0, config=types.SimpleNamespace(max_steps=100))
+    scales = []
+    while (batch := feed.load_next_train_batch(ctx)) is not None:
+        assert batch["loss_scale"].shape == (2,) and (batch["loss_scale"] == batch["loss_scale"][0]).all()
+        scales.append(float(batch["loss_scale"][0]))
+    np.testing.assert_allclose(scales, [0.5, 1.5, 4 / 3, 2 / 3, 2.0])

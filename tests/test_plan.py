@@ -342,3 +342,22 @@ def test_training_counts_the_flops_the_planner_counts(tmp_path, monkeypatch):
     tcfg = get_family("gemma4").tunix_config(json.loads((d / "config.json").read_text()))
     uniform = training_flops(tcfg, T, R, 7).step(planned.tokens_per_step, B * T)
     assert per_step > 1.05 * uniform  # the experts (not vacuous: the uniform count is clearly below)
+
+
+def test_a_resume_that_moves_the_learning_rate_is_one_warning():
+    """A longer train.max_steps re-stretches a decayed schedule: resumed at step 100 of a finished cosine run, the
+    learning rate jumped from its floor back to half the peak without a word. Where the rate at the resume step
+    stays (a constant schedule, another max_steps after the warmup), nothing is said."""
+    from gemma_tpu.train.resume import learning_rate_warning
+
+    def train(**kw):
+        return {"learning_rate": 1e-3, "schedule": "warmup_cosine", "warmup_steps": 10, "min_lr_ratio": 0.0,
+                "max_steps": 100, **kw}
+
+    assert learning_rate_warning(train(), train(max_steps=200), 100) == (
+        "the learning rate at step 100, where this run resumes, was 0 and is now 0.000541 (train.max_steps 100 -> 200:"
+        " the schedule is recomputed for this run's settings)")
+    assert "train.learning_rate 0.001 -> 0.002" in learning_rate_warning(train(), train(learning_rate=2e-3), 50)
+    assert learning_rate_warning(train(), train(), 50) is None
+    assert learning_rate_warning(train(schedule="constant"), train(schedule="constant", max_steps=300), 50) is None
+    assert learning_rate_warning({"max_steps": 100}, train(), 50) is None  # a record without the schedule's keys

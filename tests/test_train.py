@@ -118,6 +118,21 @@ def test_resume_with_other_training_rows_is_refused(tiny_dir, reference_run, tmp
     assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
 
 
+def test_a_resume_with_nothing_left_to_train_keeps_the_runs_record(tiny_dir, reference_run, tmp_path):
+    """train.max_steps below the step on disk: exit 0, "nothing to do" naming both numbers, and gemma_tpu_run.json
+    still the record of the run that wrote the steps (it was rewritten with this session's settings: a record
+    saying max_steps=4 and another learning rate over steps trained to 8 with the first)."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_run, ckpt)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    proc = train(tiny_dir, ckpt, "train.max_steps=4", "train.learning_rate=0.5", "checkpoint.every_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+    assert "already at step 8 >= train.max_steps=4; nothing to do" in proc.stderr
+
+
 def test_resume_after_the_tokenizer_changed_is_refused_naming_it(tiny_dir, reference_run, tmp_path):
     """The same weights with another tokenizer (two tokens' ids swapped) make other rows: refused, and the
     message names the tokenizer among what may have changed (it named only the data file and data settings)."""
@@ -165,9 +180,11 @@ def test_resume_with_other_rank_is_refused(tiny_dir, reference_run, tmp_path):
 
 
 def test_grad_accumulation_equals_bigger_batch(tiny_dir, tmp_path):
-    """train.grad_accum_steps=2 × batch 2 reaches the losses and LoRA params of batch 4 (Tunix's
-    gradient_accumulation_steps: optax MultiSteps averages the micro-batch gradients, which equals the
-    big batch's gradient when micro-batches have equally many loss tokens, as here)."""
+    """train.grad_accum_steps=2 × batch 2 reaches the losses and LoRA params of batch 4, with micro-batches of
+    unequal loss-token counts (answers of 1 to 40 tokens; half the chats share a system prompt, so some rows
+    are shared-prefix trees). optax MultiSteps averages the micro-batches' gradients, each the mean over its own
+    tokens: without each micro-batch's `loss_scale` (BatchFeed) a step's loss and gradient were not the big
+    batch's (they agreed only when every micro-batch had equally many loss tokens)."""
     import random
 
     import numpy as np
@@ -175,14 +192,16 @@ def test_grad_accumulation_equals_bigger_batch(tiny_dir, tmp_path):
     from gemma_tpu.checkpoint.metadata import read_params
 
     rng = random.Random(0)
-    data = tmp_path / "even.jsonl"
+    system = "You are a terse calculator; answer with letters only, never with digits or words."
+    data = tmp_path / "uneven.jsonl"
     with data.open("w") as f:
         for i in range(16):
             q = "What is " + " plus ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(2, 4))) + "?"
-            answer = "".join(rng.choice("abcdefgh") for _ in range(12))  # 12 target tokens for every row
-            f.write(json.dumps({"messages": [{"role": "user", "content": q},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
-    common = [f"data.train_path={data}", "data.eval_path=null", "data.seq_len=64", "train.max_steps=3",
+            answer = "".join(rng.choice("abcdefgh") for _ in range(rng.choice([1, 3, 25, 40])))
+            turns = [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": ([{"role": "system", "content": system}] if i % 4 < 2 else []) + turns})
+                    + "\n")
+    common = [f"data.train_path={data}", "data.eval_path=null", "data.seq_len=192", "train.max_steps=3",
               "checkpoint.every_steps=3", "data.shuffle=false"]
     big = train(tiny_dir, tmp_path / "big", *common, "train.batch_size=4")
     assert big.returncode == 0, big.stderr[-3000:]

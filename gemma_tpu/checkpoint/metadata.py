@@ -136,16 +136,17 @@ def list_steps(ckpt_dir: str | Path) -> list[int]:
     return sorted(steps)
 
 
-def saved_data_layout(ckpt_dir: str | Path) -> tuple[Path, dict[str, Any] | None] | None:
-    """(latest complete step dir, the data layout stored with its data position) or None without steps;
-    the layout is None for steps saved before layouts were stored."""
+def saved_data_layout(ckpt_dir: str | Path) -> tuple[Path, dict[str, Any] | None, Any] | None:
+    """(latest complete step dir, the data layout stored with its data position, the position) or None without
+    steps; the layout is None for steps saved before layouts were stored."""
     steps = list_steps(ckpt_dir)
     if not steps:
         return None
     step_dir = Path(ckpt_dir) / str(steps[-1])
     meta = read_json_object(step_dir / COMMIT_MARKERS[0], f"{step_dir}: no {COMMIT_MARKERS[0]}")
     custom = meta.get("custom_metadata")
-    return step_dir, (custom.get("data_layout") if isinstance(custom, dict) else None)
+    custom = custom if isinstance(custom, dict) else {}
+    return step_dir, custom.get("data_layout"), custom.get("data_state")
 
 
 def set_aside_incomplete_steps(ckpt_dir: str | Path) -> list[Path]:

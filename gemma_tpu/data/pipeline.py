@@ -358,7 +358,7 @@ class TrainStream:
 
     def set_state(self, state: dict[str, Any], layout: dict[str, Any] | None = None, where: str = "checkpoint") -> None:
         """Continue from a stored position; `layout`, stored beside it, must match (`check_layout`)."""
-        check_layout(layout, self.layout, where)
+        check_layout(layout, self.layout, where, position(state))
         self.iterator.set_state(state)
 
 
@@ -370,12 +370,29 @@ def stream_layout(prepared: Prepared, batch_size: int, seed: int, shuffle: bool 
             "train.seed": seed, "data.shuffle": shuffle, "data.num_epochs": num_epochs}
 
 
-def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: str) -> None:
-    """A position saved with `saved` names other rows than `current` would: refused, naming what changed
-    (checkpoints from before layouts were stored have none and are not checked)."""
-    if saved is None or saved == current:
-        return
-    ignored = {"rows_digest"}
+def position(state: Any) -> int | None:
+    """Global batches a stored data position (`TrainStream.get_state`) has read, None where it does not say."""
+    index = state.get("next_index") if isinstance(state, dict) else None
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+
+def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: str,
+                 read: int | None = None) -> None:
+    """A position saved with `saved` (`read`: the global batches it had read, `position`) names other rows than
+    `current` would: refused, naming what changed (checkpoints from before layouts were stored have none and are
+    not checked). `data.num_epochs` may change: the stream's first batches are the same whatever the number of
+    epochs (a run that used up its one epoch was refused another), unless the position is past the new end."""
+    if saved is not None and saved != current:
+        _check_same_rows(saved, current, where)
+    epochs = current.get("data.num_epochs")
+    if read is not None and epochs is not None and read > current["rows"] * epochs // current["train.batch_size"]:
+        raise UserError(f"{where}: its data position is past the end of data.num_epochs={epochs} (batch {read} of "
+                        f"{current['rows'] * epochs // current['train.batch_size']}); resume with more epochs or "
+                        f"data.num_epochs=null")
+
+
+def _check_same_rows(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    ignored = {"rows_digest", "data.num_epochs"}
     if saved.get("data.shuffle") is False and current.get("data.shuffle") is False:
         ignored.add("train.seed")  # unshuffled, the seed orders nothing (the rows it packs together are in the digest)
     changed = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if k not in ignored and saved.get(k) != v]

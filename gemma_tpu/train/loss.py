@@ -100,7 +100,8 @@ def make_loss_fn(chunk: int = 1024, dropout_seed: int = 0):
     from `dropout_seed` folded with the step, then the micro-batch: fresh masks for every micro-batch, the same
     ones after a resume, whatever train.grad_accum_steps the resume has.
     Batches without it (evaluation) never drop. A `loss_scale` field ([B], every row the same: the trainer's
-    eval batches, `gemma_tpu.data.pipeline.eval_batches(token_weighted=True)`) scales the batch's mean loss.
+    eval batches, `gemma_tpu.data.pipeline.eval_batches(token_weighted=True)`, and its micro-batches under gradient
+    accumulation, `gemma_tpu.train.trainer.BatchFeed`) scales the batch's mean loss.
     """
 
     def loss_fn(model, tokens, positions, segment_ids, loss_idx, loss_targets, loss_weights,

@@ -72,16 +72,48 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         if was != now:
             raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
                             f"use another checkpoint.dir")
+    steps = checkpoint.list_steps(ckpt_dir)
+    warning = steps and steps[-1] < new_train["max_steps"] and learning_rate_warning(old_train, new_train, steps[-1])
+    if warning:
+        log.warning("%s: %s", ckpt_dir, warning)
+
+
+SCHEDULE_KEYS = ("learning_rate", "schedule", "warmup_steps", "min_lr_ratio", "max_steps")
+
+
+def learning_rate_warning(old_train: dict, new_train: dict, step: int) -> str | None:
+    """One line when a resume at `step` changes the learning rate there (None otherwise): the schedule is
+    recomputed from this run's `train.*`, so a longer train.max_steps re-stretched a decayed cosine or linear
+    schedule and the resumed run jumped from its floor back to mid-schedule without a word."""
+    import types
+
+    from gemma_tpu.train.optim import make_schedule  # deferred: imports optax
+
+    if all(old_train.get(k) == new_train[k] for k in SCHEDULE_KEYS):
+        return None
+    try:  # a run recorded before these settings were, or a damaged record: nothing to compare
+        was, now = (float(make_schedule(types.SimpleNamespace(**{k: t[k] for k in SCHEDULE_KEYS}))(step))
+                    for t in (old_train, new_train))
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+    if abs(was - now) <= 1e-3 * max(abs(was), abs(now), 1e-12):
+        return None
+    changed = ", ".join(f"train.{k} {old_train[k]} -> {new_train[k]}" for k in SCHEDULE_KEYS
+                        if old_train[k] != new_train[k])
+    return (f"the learning rate at step {step}, where this run resumes, was {was:.3g} and is now {now:.3g} ({changed}:"
+            f" the schedule is recomputed for this run's settings)")
 
 
 def check_data_position(cfg: RunConfig, train_split: Any) -> None:
     """The latest step's data position names these rows, batch, seed and order (`data.check_layout`)."""
     from gemma_tpu import data  # deferred: imports the tokenizer stack
+    from gemma_tpu.data.pipeline import position
 
     saved = checkpoint.saved_data_layout(cfg.checkpoint.dir)
     if saved is not None:
         data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
-                                                       cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]))
+                                                       cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]),
+                          position(saved[2]))
 
 
 def restore_failure(ckpt_dir: Path, step: int, model, kind, old: dict, new: dict, error: BaseException) -> UserError:

@@ -211,7 +211,11 @@ def run(cfg: RunConfig) -> dict:
             # the file describing this run's base and settings beside the other run's steps, which a merge then
             # combined and the next resume's checks compared against
             previous = (ckpt_dir / METADATA_FILE).read_text() if (ckpt_dir / METADATA_FILE).is_file() else None
-            checkpoint.write_metadata(ckpt_dir, meta)
+            done = checkpoint.list_steps(ckpt_dir)
+            # a session with nothing to train keeps the record of the run that wrote the steps: it was rewritten
+            # with this session's settings (train.max_steps=2 over steps trained to 8, another learning rate)
+            if not (done and done[-1] >= cfg.train.max_steps):
+                checkpoint.write_metadata(ckpt_dir, meta)
         run_dir = Path(cfg.train.run_dir or ckpt_dir)
         profile_dir = profile_window(cfg, run_dir, ckpt_dir)
         tcfg = TrainingConfig(
@@ -259,8 +263,8 @@ def run(cfg: RunConfig) -> dict:
         trainer.with_loss_fn(make_loss_fn(chunk, dropout_seed=cfg.train.seed))
         trainer.with_data_hooks(feed)
         if trainer.train_steps >= cfg.train.max_steps:
-            log.info("checkpoint %s is already at step %d >= train.max_steps; nothing to do",
-                     ckpt_dir, trainer.train_steps)
+            log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
+                     "train.max_steps trains on)", ckpt_dir, trainer.train_steps, cfg.train.max_steps)
             trainer.close()
             return {"steps": trainer.train_steps, "resumed_from": trainer.train_steps, "nothing_to_do": True}
         preemption = _install_sigterm(trainer)

@@ -54,6 +54,7 @@ class BatchFeed(tunix_hooks.DataHooks):
         # a resume with another train.grad_accum_steps then repeated earlier steps' masks (or skipped some)
         self.dropout = dropout
         self.grad_accum_steps = max(1, grad_accum_steps)
+        self._step_batches: list[dict] = []  # the rest of this optimizer step's micro-batches (`_next_batch`)
         self._micro = (-1, 0)  # (optimizer step, micro-batches fed in it)
         # this process's numpy rows -> global device arrays (mesh.global_batch); None: leave as is
         self.put = put or (lambda batch: batch)
@@ -78,9 +79,8 @@ class BatchFeed(tunix_hooks.DataHooks):
             # the run is over: Tunix would fetch one batch more before it stops, and the data position saved
             # with the last step (at close) then skipped that batch on resume
             return None
-        try:
-            batch = next(self.stream)
-        except StopIteration:
+        batch = self._next_batch()
+        if batch is None:
             return None
         sig = signature(batch)
         if self.first_signature is None:
@@ -99,6 +99,36 @@ class BatchFeed(tunix_hooks.DataHooks):
             rows = batch["tokens"].shape[0]
             batch = {**batch, "dropout_step": np.tile(np.array([step, micro], np.int32), (rows, 1))}
         return self.put(batch)
+
+    def _next_batch(self) -> dict | None:
+        """The next training micro-batch, None when the data ran out. With gradient accumulation a step's
+        micro-batches are read together, each carrying `loss_scale` (`train.loss.make_loss_fn`): its share of the
+        step's loss tokens times their number. optax.MultiSteps averages the micro-batches' gradients, each the
+        mean over its own tokens: rows of unequal token counts (shared-prefix trees, packed rows, chats of any
+        length) weighted a token of a light micro-batch more than one of a heavy one, and the step's gradient
+        and loss were not those of the one big batch it stands for. Scaled, they are."""
+        if self.grad_accum_steps == 1:
+            return next(self.stream, None)
+        if not self._step_batches:
+            batches = []
+            while len(batches) < self.grad_accum_steps:  # fewer where the data ends
+                batch = next(self.stream, None)
+                if batch is None:
+                    break
+                batches.append(batch)
+            weights = np.asarray([float(np.asarray(b["loss_weights"]).sum()) for b in batches])
+            import jax
+
+            if batches and jax.process_count() > 1:  # each process holds its rows of every micro-batch: global counts
+                from jax.experimental import multihost_utils
+
+                weights = np.asarray(multihost_utils.process_allgather(weights)).sum(axis=0)
+            total = weights.sum()
+            self._step_batches = [
+                {**b, "loss_scale": np.full((b["tokens"].shape[0],),
+                                            self.grad_accum_steps * w / total if total > 0 else 1.0, np.float32)}
+                for b, w in zip(batches, weights)]
+        return self._step_batches.pop(0) if self._step_batches else None
 
     def load_next_eval_batch(self, train_ctx):
         if self._eval_pos >= len(self.eval_batches):
