@@ -98,3 +98,17 @@ def test_shipped_configs_load():
 
     for path in sorted((REPO / "configs").glob("*.yaml")):
         (load_serve_config if path.name.startswith("serve-") else load_config)(str(path), [])
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_mha_dir"])
+def test_readme_lora_targets_are_accepted(fixture, request):
+    """README's `lora.targets=[q_proj,v_proj]` example was refused on every Gemma (k_proj and v_proj share one Tunix
+    weight; with as many KV heads as query heads q, k and v do): each target list README shows must train."""
+    from gemma_tpu.core.config import parse_override
+    from gemma_tpu.models import resolve_model
+
+    r = resolve_model(str(request.getfixturevalue(fixture)))
+    shown = re.findall(r"`(lora\.targets=\[[^]`]*\])`", README)
+    assert shown
+    for text in shown:
+        r.family.targets_to_modules(r.family.tunix_config(r.hf_config), list(parse_override(text)[1]))
