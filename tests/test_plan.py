@@ -342,3 +342,19 @@ def test_training_counts_the_flops_the_planner_counts(tmp_path, monkeypatch):
     tcfg = get_family("gemma4").tunix_config(json.loads((d / "config.json").read_text()))
     uniform = training_flops(tcfg, T, R, 7).step(planned.tokens_per_step, B * T)
     assert per_step > 1.05 * uniform  # the experts (not vacuous: the uniform count is clearly below)
+
+
+@pytest.mark.parametrize("module", ["gemma_tpu.plan", "gemma_tpu.train"])
+def test_plan_options_say_what_they_do_in_both_entry_points(module, capsys):
+    """`python -m gemma_tpu.plan --help` listed --devices, --assumed-mfu and --no-compile with no help at all, and
+    neither entry point said the MFU the step time assumes unless given (README: 40%)."""
+    import importlib
+
+    from gemma_tpu.core.cli import cli_main
+
+    main = importlib.import_module("gemma_tpu.train.plan" if module == "gemma_tpu.plan" else "gemma_tpu.train.run").main
+    with pytest.raises(SystemExit):
+        cli_main(main, ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.4)" in text and "skip the compiled memory analysis" in text
+    assert "devices to plan for when a mesh axis is -1" in text
