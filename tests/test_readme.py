@@ -112,3 +112,14 @@ def test_readme_lora_targets_are_accepted(fixture, request):
     assert shown
     for text in shown:
         r.family.targets_to_modules(r.family.tunix_config(r.hf_config), list(parse_override(text)[1]))
+
+
+def test_every_option_of_a_readme_script_command_is_taken():
+    """`benchmarks/X.py ... --opt` in README: X.py defines --opt (read from its source: running each would cost
+    a subprocess)."""
+    missing = []
+    for script, rest in re.findall(r"((?:benchmarks|scripts)/[a-z_]+\.py)([^`\n]*)", README):
+        source = (REPO / script).read_text()
+        missing += [f"{script} {o}" for o in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest)
+                    if f'"{o}"' not in source]
+    assert not missing, missing
