@@ -1292,16 +1292,19 @@ def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P [--max-model-len N]` (in the directory holding NAME):
     `transformers serve NAME` with its app behind `CheckedChatApp`, requests bounded by the model's positions or N
     (a config's server.max_model_len, as vLLM bounds them), whichever is smaller."""
-    import argparse
     import json
 
-    p = argparse.ArgumentParser(prog="python -m serving.local")
-    p.add_argument("name")
+    from gemma_tpu.core import cli
+
+    p = cli.parser("python -m serving.local", _SERVE_DOC, overrides=False)
+    p.add_argument("name", help="the model directory, named as requests name the model (run in its parent)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--port", type=cli.integer(), default=8000)
+    p.add_argument("--max-model-len", type=cli.integer(), help="bound requests by this context too")
     args = p.parse_args(argv)
     served = Path(args.name).resolve()
+    if not (served / "config.json").is_file():
+        raise UserError(f"{args.name}: no config.json (not a Hugging Face model directory)")
     config = json.loads((served / "config.json").read_text())
     text_config = config.get("text_config") or config
     context, vocab = text_config.get("max_position_embeddings"), text_config.get("vocab_size")
@@ -1340,5 +1343,15 @@ def serve_main(argv: list[str] | None = None) -> None:
     serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)
 
 
+_SERVE_DOC = """The process `python -m serving.launch --config FILE --local` starts (use that: it serves the merged
+directory through a directory of links named after the served model, with the tool chat template a model without
+one needs): `transformers serve` behind `CheckedChatApp`, the checks vLLM's OpenAI server makes.
+
+    python -m serving.local NAME --host H --port P [--max-model-len N]   # in the directory holding NAME
+"""
+
+
 if __name__ == "__main__":
-    serve_main()
+    from gemma_tpu.core.cli import cli_main
+
+    sys.exit(cli_main(serve_main))

@@ -361,3 +361,19 @@ def test_a_resume_that_moves_the_learning_rate_is_one_warning():
     assert learning_rate_warning(train(), train(), 50) is None
     assert learning_rate_warning(train(schedule="constant"), train(schedule="constant", max_steps=300), 50) is None
     assert learning_rate_warning({"max_steps": 100}, train(), 50) is None  # a record without the schedule's keys
+
+
+@pytest.mark.parametrize("module", ["gemma_tpu.plan", "gemma_tpu.train"])
+def test_plan_options_say_what_they_do_in_both_entry_points(module, capsys):
+    """`python -m gemma_tpu.plan --help` listed --devices, --assumed-mfu and --no-compile with no help at all, and
+    neither entry point said the MFU the step time assumes unless given (README: 40%)."""
+    import importlib
+
+    from gemma_tpu.core.cli import cli_main
+
+    main = importlib.import_module("gemma_tpu.train.plan" if module == "gemma_tpu.plan" else "gemma_tpu.train.run").main
+    with pytest.raises(SystemExit):
+        cli_main(main, ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.4)" in text and "skip the compiled memory analysis" in text
+    assert "devices to plan for when a mesh axis is -1" in text

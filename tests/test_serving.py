@@ -1171,3 +1171,19 @@ def test_the_option_list_is_of_the_pinned_release():
     assert f"vllm-tpu=={version} " in VLLM_FLAGS_FILE.read_text().splitlines()[0], \
         f"run: python scripts/vllm_serve_flags.py {version}"
     assert {"--max-model-len", "--enable-lora", "--tool-call-parser", "-tp"} <= vllm_serve_flags()
+
+
+def test_serving_local_run_by_hand_says_what_it_is_and_refuses_a_non_model_in_one_line(tmp_path, capsys):
+    """`python -m serving.local --help` printed a bare usage (what NAME is, and that `serving.launch --local` is
+    the way to run it, were nowhere), and a NAME without config.json ended in a FileNotFoundError traceback."""
+    from gemma_tpu.core.cli import cli_main
+    from serving.local import serve_main
+
+    with pytest.raises(SystemExit) as stop:
+        cli_main(serve_main, ["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert "serving.launch --config FILE --local" in out and "--debug" in out
+    assert cli_main(serve_main, [str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'nowhere'}: no config.json (not a Hugging Face model directory)"]

@@ -354,11 +354,11 @@ def _build_tiny_gemma3(out: Path, cache_dir: Path) -> dict[str, Any]:
 def _main(argv: Sequence[str] | None) -> int:
     parser = cli.parser("python -m gemma_tpu.assets", __doc__, overrides=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="build the cached HF directory of an embedded model; prints its path")
+    p = cli.subcommand(sub, "prepare", "build the cached HF directory of an embedded model; prints its path")
     p.add_argument("name", help=f"one of: {', '.join(known_models())}")
     p.add_argument("--cache-dir", default=None, help=f"cache root (default: ${CACHE_ENV} or ~/.cache/gemma_tpu)")
     p.add_argument("--force", action="store_true", help="rebuild even if a complete copy exists")
-    sub.add_parser("list", help="list the embedded models")
+    cli.subcommand(sub, "list", "list the embedded models")
     args = parser.parse_args(argv)
 
     if args.command == "list":

@@ -7,7 +7,7 @@ Layout under `checkpoint.dir`:
     <step>/model_params       Orbax PyTree: LoRA params (or every param for a full fine-tune),
                               nested as layers/<i>/<tunix module>/<weight>_lora_{a,b}/value
     <step>/optimizer_state    Orbax PyTree: optimizer state
-    <step>/custom_metadata    JSON: step, data-iterator state, RNG seed
+    <step>/_CHECKPOINT_METADATA  Orbax's JSON; its `custom_metadata`: step, data-iterator state and layout, seed
 
 Tunix's CheckpointManager writes the step directories; this module owns the metadata file and the
 readers that the merger, the exporter and `convert.inspect` use without building a model.

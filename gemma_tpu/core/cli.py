@@ -46,6 +46,12 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
     return p
 
 
+def subcommand(subparsers, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand's parser, formatted as `parser`'s: argparse's own showed its options with no defaults
+    (`generate --train TRAIN` left a user to guess the 1200 the README's committed splits hold)."""
+    return subparsers.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The docstring as written, and each option's default where it has one its help does not state
     (`--num-prompts NUM_PROMPTS` alone left a user to guess how many requests a run sends)."""

@@ -541,8 +541,10 @@ def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.evaluate", __doc__, config="YAML run config (data.* rendering settings; "
                    "model.dtype, default float32 for --model, a --checkpoint's training dtype)")
-    p.add_argument("--data", required=True, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
-    which = p.add_mutually_exclusive_group(required=True)
+    # --print-config evaluates nothing: it needed --data and a model only to print the config and exit
+    needed = "--print-config" not in argv
+    p.add_argument("--data", required=needed, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
+    which = p.add_mutually_exclusive_group(required=needed)
     which.add_argument("--model", help="base or merged HF directory (or hub id / embedded:NAME)")
     which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
     which.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")

@@ -713,11 +713,19 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     return 0
 
 
+def add_plan_arguments(ap, scope: str = "") -> None:
+    """The plan's options, one home for `python -m gemma_tpu.plan` and `gemma_tpu.train --dry-run` (`scope`
+    prefixes their help); the plan's own listed them with no help at all, neither said the assumed MFU."""
+    ap.add_argument("--devices", type=int, default=None,
+                    help=f"{scope}devices to plan for when a mesh axis is -1 (default: the local ones)")
+    ap.add_argument("--assumed-mfu", type=float, default=None,
+                    help=f"{scope}MFU, a fraction in (0, 1], for the step-time estimate (default: {DEFAULT_MFU})")
+    ap.add_argument("--no-compile", action="store_true", help=f"{scope}skip the compiled memory analysis")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = cli.parser("python -m gemma_tpu.plan", __doc__, config="YAML run config (see configs/)")
-    ap.add_argument("--devices", type=int, default=None)
-    ap.add_argument("--assumed-mfu", type=float, default=None)
-    ap.add_argument("--no-compile", action="store_true")
+    add_plan_arguments(ap)
     args = ap.parse_args(list(argv or []))
     cfg = cli.run_config(args)
     if cfg is None:

@@ -47,10 +47,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="print the mesh, per-device memory and step-time plan without loading weights; "
                         "exit 2 if it does not fit the accelerator (see gemma_tpu.train.plan)")
-    p.add_argument("--devices", type=int, default=None,
-                   help="--dry-run: devices to plan for when a mesh axis is -1 (default: the local ones)")
-    p.add_argument("--assumed-mfu", type=float, default=None, help="--dry-run: MFU for the step-time estimate")
-    p.add_argument("--no-compile", action="store_true", help="--dry-run: skip the compiled memory analysis")
+    plan.add_plan_arguments(p, "--dry-run: ")
     args = p.parse_args(list(argv))
     given = [o for o, v in (("--devices", args.devices), ("--assumed-mfu", args.assumed_mfu),
                             ("--no-compile", args.no_compile or None)) if v is not None]

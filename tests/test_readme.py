@@ -1,0 +1,125 @@
+"""README.md is what a new user copies: every `python -m` module it names must answer `--help`, every option a
+README command line passes must be one that module takes, every config key it names must exist in the typed
+configs, and every repository path it names must exist. Docs drift fails here instead of at the user's prompt."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import re
+import runpy
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+README = (REPO / "README.md").read_text()
+# a command continued over lines with a backslash is one line to a shell
+_COMMAND_TEXT = README.replace("\\\n", " ")
+_OURS = r"(?:gemma_tpu|convert|serving)(?:\.[a-z_]+)*"
+
+
+def _modules() -> list[str]:
+    return sorted(set(re.findall(rf"python3? -m ({_OURS})", README)))
+
+
+_HELP: dict[str, str] = {}
+
+
+def _help(module: str) -> str:
+    """`python -m MODULE --help`, run in this process (a subprocess a module would cost ~15 s)."""
+    if module not in _HELP:
+        out = io.StringIO()
+        argv = sys.argv
+        sys.argv = [module, "--help"]
+        try:
+            with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+                runpy.run_module(module, run_name="__main__", alter_sys=False)
+        finally:
+            sys.argv = argv
+        assert stop.value.code in (0, None), f"python -m {module} --help exited {stop.value.code}"
+        _HELP[module] = out.getvalue()
+    return _HELP[module]
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("module", _modules())
+def test_every_readme_module_answers_help(module):
+    assert "usage:" in _help(module), module
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+def test_every_option_of_a_readme_command_is_taken():
+    """`python -m X ... --opt` in README (code blocks and inline commands): X's --help lists --opt."""
+    missing = []
+    for m in re.finditer(rf"python3? -m ({_OURS})([^`\n#]*)", _COMMAND_TEXT):
+        module, rest = m.groups()
+        text = _help(module)
+        for opt in sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest))):
+            if not re.search(re.escape(opt) + r"(?![\w-])", text):
+                missing.append(f"python -m {module} {opt}")
+    assert not missing, missing
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def test_every_config_key_readme_names_exists():
+    """`section.key` in README is a field of the training config or of the serving config's section."""
+    from gemma_tpu.core.config import RunConfig
+    from serving.config import ServeConfig
+
+    known: dict[str, set[str]] = {}
+    for top in (RunConfig, ServeConfig):
+        for f in dataclasses.fields(top):
+            known.setdefault(f.name, set()).update(_fields(f.default_factory))
+    named = set(re.findall(r"(?<![\w./])(" + "|".join(known) + r")\.([a-z_]+)(?==|`|[\s:,)])", README))
+    assert len(named) > 40  # the pattern still finds README's keys
+    files = {"py", "safetensors", "json", "jsonl", "yaml"}  # `model.safetensors`, `lora.py` are files, not keys
+    modules = {(s, k) for s, k in named if (REPO / "gemma_tpu" / s / f"{k}.py").exists()}  # `data.inspect`
+    unknown = sorted(f"{s}.{k}" for s, k in named - modules if k not in known[s] and k not in files)
+    assert not unknown, unknown
+
+
+def test_every_repository_path_readme_names_exists():
+    paths = set(re.findall(r"(?<![\w/.~-])((?:benchmarks|scripts|tests|configs|serving|convert|gemma_tpu)/"
+                           r"[\w./-]*\w)", README))
+    assert len(paths) > 30
+    missing = sorted(p for p in paths if not (REPO / p).exists() and "*" not in p and "<" not in p)
+    assert not missing, missing
+
+
+def test_shipped_configs_load():
+    from gemma_tpu.core.config import load_config
+    from serving.config import load_serve_config
+
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        (load_serve_config if path.name.startswith("serve-") else load_config)(str(path), [])
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_mha_dir"])
+def test_readme_lora_targets_are_accepted(fixture, request):
+    """README's `lora.targets=[q_proj,v_proj]` example was refused on every Gemma (k_proj and v_proj share one Tunix
+    weight; with as many KV heads as query heads q, k and v do): each target list README shows must train."""
+    from gemma_tpu.core.config import parse_override
+    from gemma_tpu.models import resolve_model
+
+    r = resolve_model(str(request.getfixturevalue(fixture)))
+    shown = re.findall(r"`(lora\.targets=\[[^]`]*\])`", README)
+    assert shown
+    for text in shown:
+        r.family.targets_to_modules(r.family.tunix_config(r.hf_config), list(parse_override(text)[1]))
+
+
+def test_every_option_of_a_readme_script_command_is_taken():
+    """`benchmarks/X.py ... --opt` in README: X.py defines --opt (read from its source: running each would cost
+    a subprocess)."""
+    missing = []
+    for script, rest in re.findall(r"((?:benchmarks|scripts)/[a-z_]+\.py)([^`\n]*)", README):
+        source = (REPO / script).read_text()
+        missing += [f"{script} {o}" for o in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest)
+                    if f'"{o}"' not in source]
+    assert not missing, missing
