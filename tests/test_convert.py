@@ -1285,3 +1285,19 @@ def test_float16_output_beyond_its_range_is_refused(work, lora_ckpt, capsys):
     assert leftovers(out) == []
     assert merge("--checkpoint", ckpt, "--out", out, "--dtype", "bfloat16") == 0
     assert np.isfinite(sio.WeightsDir(out).read("model.layers.0.self_attn.q_proj.weight").astype(np.float32)).all()
+
+
+def test_verify_given_the_config_file_names_its_directory(tmp_path, capsys):
+    """`convert.verify runs/x-merged/config.json ...` said "runs/x-merged/config.json/config.json: missing"; the
+    file given for its directory is now named as such, with the directory to give."""
+    from convert.verify import main as verify
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.hf.directory import read_hf_config
+
+    d = tmp_path / "merged"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    assert read_hf_config(d) == {"model_type": "gemma3_text"}
+    assert cli_main(verify, [str(d / "config.json"), str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {d / 'config.json'}: a file, not a Hugging Face model directory: give {d}"], err
