@@ -56,7 +56,7 @@ def check_revision_applies(spec: str, local: Path, revision: str | None) -> None
 
 
 def read_hf_config(model_dir: Path) -> dict:
-    if Path(model_dir).is_file():  # `.../merged/config.json` given for the directory: "config.json/config.json: missing"
+    if Path(model_dir).is_file():  # `x-merged/config.json` given for the directory: "config.json/config.json: missing"
         hint = f": give {Path(model_dir).parent}" if Path(model_dir).name == "config.json" else ""
         raise UserError(f"{model_dir}: a file, not a Hugging Face model directory{hint}")
     path = model_dir / "config.json"
