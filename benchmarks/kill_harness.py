@@ -77,6 +77,7 @@ def run_chain(cmd, env, ckpt: Path, rng: random.Random, kills: int, max_steps: i
               start_s: list, log_dir: Path) -> list[dict]:
     """Kill the run `kills` times at random instants; returns one record per kill."""
     from gemma_tpu.checkpoint.metadata import list_steps
+    from gemma_tpu.train.trainer import drop_records_after
 
     out = []
     for i in range(kills):
@@ -89,6 +90,9 @@ def run_chain(cmd, env, ckpt: Path, rng: random.Random, kills: int, max_steps: i
         if resume_at + k > max_steps - 3:
             k = 0
         sig = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM])
+        # the resumed run drops the records after its step first (trainer.drop_records_after): done here before
+        # the relaunch, the file only grows from this offset on
+        drop_records_after(ckpt / "metrics.jsonl", resume_at)
         offset = (ckpt / "metrics.jsonl").stat().st_size if (ckpt / "metrics.jsonl").exists() else 0
         log = log_dir / f"kill-{i}.log"
         t0 = time.monotonic()

@@ -84,6 +84,8 @@ def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_
     assert "set aside" in log.read_text()
     assert list((ckpt).glob(f"{MAX_STEPS}.incomplete-*")), sorted(p.name for p in ckpt.iterdir())
     assert train_rows(ckpt)[-1]["loss"] == reference["losses"][MAX_STEPS]
+    # the stopped run's record of step 12 (its checkpoint set aside) goes; the resumed run writes it: each step once
+    assert [r["step"] for r in train_rows(ckpt)] == list(range(1, MAX_STEPS + 1)), tail(ckpt / "metrics.jsonl")
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
 
 
@@ -112,3 +114,20 @@ def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, capl
         "the last complete one"]
     with pytest.raises(UserError, match=r"no checkpoint for step 8 \(its save did not complete; have: 2, 4\)"):
         resolve_step(tmp_path, 8)
+
+
+def test_a_resume_drops_the_stopped_runs_records_after_its_step(tmp_path):
+    """metrics.jsonl after a kill holds records of steps past the last checkpoint; the resumed run trains and writes
+    them again (each step appeared twice, a plot of it doubled back). They go, with a line cut short; the rest stays
+    byte for byte, and a file with nothing to drop is not rewritten."""
+    from gemma_tpu.train.trainer import drop_records_after
+
+    path = tmp_path / "metrics.jsonl"
+    assert drop_records_after(path, 4) == 0 and not path.exists()
+    kept = ['{"mode": "eval", "step": 0, "loss": 5.0}', '{"mode": "train", "step": 4, "loss": 1.25}']
+    path.write_text("\n".join([*kept, '{"mode": "train", "step": 5, "loss": 1.0}',
+                               '{"mode": "eval", "step": 6, "loss": null}', '{"mode": "train", "st']))
+    assert drop_records_after(path, 4) == 3
+    assert path.read_text() == "\n".join(kept) + "\n"
+    mtime = path.stat().st_mtime_ns
+    assert drop_records_after(path, 4) == 0 and path.stat().st_mtime_ns == mtime

@@ -9,6 +9,7 @@ a compile counter that warns if the train step compiles again, and a non-finite-
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ import numpy as np
 from tunix.sft import hooks as tunix_hooks
 
 from gemma_tpu.core import strict_json
+from gemma_tpu.core.atomic import write_text_atomic
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.finite_guard import FiniteCheckpoints, last_step_on_disk
 from gemma_tpu.train.partition import fit_factored_state_annotations, keep_placement, shard_optimizer_state
@@ -223,6 +225,28 @@ def append_jsonl(path: Path, rec: dict) -> None:
         raise OSError(e.errno, e.strerror, str(path)) from e
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """metrics.jsonl as a run resumed at `step` goes on with it: the records of later steps (written by the run that
+    stopped before their checkpoint; this run trains and writes those steps again, and each appeared twice) and a
+    line cut short are dropped. Rewritten at once, only where a line goes; returns how many went."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return 0
+    keep = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+            continue
+        keep.append(line)
+    if len(keep) < len(lines):
+        write_text_atomic(path, "".join(line + "\n" for line in keep))
+    return len(lines) - len(keep)
+
+
 TENSORBOARD_STOP_S = 10.0
 
 
@@ -341,6 +365,11 @@ class Trainer(TunixTrainer):
         self.seed = seed
         self.log_every_steps = max(1, log_every_steps)
         self.resumed_from = self.train_steps
+        if self.resumed_from and self.primary:
+            dropped = drop_records_after(self.metrics_path, self.resumed_from)
+            if dropped:
+                log.info("%s: %d record(s) after step %d dropped (that run stopped before saving them; they are "
+                         "trained again)", self.metrics_path, dropped, self.resumed_from)
         state = self.restored_custom_metadata.get("data_state")
         if state is not None:
             feed.stream.set_state(state, self.restored_custom_metadata.get("data_layout"),
