@@ -22,8 +22,7 @@ from typing import Literal, Sequence
 from gemma_tpu.core.config import blame, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
-from gemma_tpu.hf import adapter
-from gemma_tpu.hf.adapter import read_adapter_config
+from gemma_tpu.hf.adapter import check_adapter_fits as check_adapter_sites, read_adapter_config
 from gemma_tpu.hf.safetensors_io import file_tensors
 from gemma_tpu.hf.tokenizer import tokens_named
 from gemma_tpu.models.registry import Family, families, text_config
@@ -404,7 +403,7 @@ def check_adapter_fits(adapter_dir: Path, name: str, r: int, base: dict[str, tup
     another model (a 270M adapter on a 1B base) or an unreadable adapter_model.safetensors failed in vLLM's start
     on the TPU VM, after the container had come up; one of another model class was quietly left unused."""
     prefixes = {p for fam in families().values() for p in fam.text_prefixes}
-    adapter.check_adapter_fits(adapter_dir, f"lora.adapters.{name}", r, base, prefixes)
+    check_adapter_sites(adapter_dir, f"lora.adapters.{name}", r, base, prefixes)
 
 
 def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> None:
