@@ -119,9 +119,9 @@ def test_resume_with_other_training_rows_is_refused(tiny_dir, reference_run, tmp
 
 
 def test_a_resume_with_nothing_left_to_train_keeps_the_runs_record(tiny_dir, reference_run, tmp_path):
-    """train.max_steps below the step on disk: exit 0, "nothing to do" naming both numbers, and gemma_tpu_run.json
-    still the record of the run that wrote the steps (it was rewritten with this session's settings: a record
-    saying max_steps=4 and another learning rate over steps trained to 8 with the first)."""
+    """train.max_steps below the step on disk: exit 0, "nothing to do" naming both numbers before the model loads,
+    and gemma_tpu_run.json still the record of the run that wrote the steps (it was rewritten with this session's
+    settings: a record saying max_steps=4 and another learning rate over steps trained to 8 with the first)."""
     import shutil
 
     ckpt = tmp_path / "ckpt"
@@ -131,6 +131,7 @@ def test_a_resume_with_nothing_left_to_train_keeps_the_runs_record(tiny_dir, ref
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
     assert "already at step 8 >= train.max_steps=4; nothing to do" in proc.stderr
+    assert "trainable parameters" not in proc.stderr  # decided before the model loads (minutes for a large one)
 
 
 def test_resume_after_the_tokenizer_changed_is_refused_naming_it(tiny_dir, reference_run, tmp_path):

@@ -162,6 +162,11 @@ def run(cfg: RunConfig) -> dict:
     check_data_position(cfg, train_split)  # a resume's data position must name these rows
     if primary:  # before loading anything (writes nothing)
         check_resume_step_files(ckpt_dir)
+    done = checkpoint.list_steps(ckpt_dir)
+    if done and done[-1] >= cfg.train.max_steps:  # decided before the mesh and the model (minutes for a large one)
+        log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
+                 "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
+        return {"steps": done[-1], "resumed_from": done[-1], "nothing_to_do": True}
 
     # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
@@ -208,11 +213,7 @@ def run(cfg: RunConfig) -> dict:
             # the file describing this run's base and settings beside the other run's steps, which a merge then
             # combined and the next resume's checks compared against
             previous = (ckpt_dir / METADATA_FILE).read_text() if (ckpt_dir / METADATA_FILE).is_file() else None
-            done = checkpoint.list_steps(ckpt_dir)
-            # a session with nothing to train keeps the record of the run that wrote the steps: it was rewritten
-            # with this session's settings (train.max_steps=2 over steps trained to 8, another learning rate)
-            if not (done and done[-1] >= cfg.train.max_steps):
-                checkpoint.write_metadata(ckpt_dir, meta)
+            checkpoint.write_metadata(ckpt_dir, meta)
         run_dir = Path(cfg.train.run_dir or ckpt_dir)
         profile_dir = profile_window(cfg, run_dir, ckpt_dir)
         tcfg = TrainingConfig(
@@ -234,9 +235,8 @@ def run(cfg: RunConfig) -> dict:
         chunk = 1024
         step_flops = plan.step_flops(cfg, tunix_cfg, plan.model_dims(abstract, tunix_cfg))  # as --dry-run counts
         tx = optim.make_optimizer(cfg.train)
-        done = checkpoint.list_steps(ckpt_dir)
-        if primary and not (done and done[-1] >= cfg.train.max_steps):  # a disk that cannot hold one step to save:
-            check_checkpoint_room(ckpt_dir, model, tx, cfg.lora.enabled)  # refused now, not at the first save
+        if primary:  # a disk that cannot hold one step to save: refused now, not at the first save
+            check_checkpoint_room(ckpt_dir, model, tx, cfg.lora.enabled)
         try:  # restores the latest step, if any
             trainer = Trainer(
                 model, tx, tcfg, feed=feed, run_dir=run_dir,
@@ -259,11 +259,6 @@ def run(cfg: RunConfig) -> dict:
 
         trainer.with_loss_fn(make_loss_fn(chunk, dropout_seed=cfg.train.seed))
         trainer.with_data_hooks(feed)
-        if trainer.train_steps >= cfg.train.max_steps:
-            log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
-                     "train.max_steps trains on)", ckpt_dir, trainer.train_steps, cfg.train.max_steps)
-            trainer.close()
-            return {"steps": trainer.train_steps, "resumed_from": trainer.train_steps, "nothing_to_do": True}
         preemption = _install_sigterm(trainer)
         with trainer.compile_counter:
             trainer.train(train_ds=stream, eval_ds=evals or None)
