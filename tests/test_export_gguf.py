@@ -371,6 +371,17 @@ def test_error_chat_template_list_of_non_objects(work, base, capsys):
                                                         "it [128, 64]"),
     # struct.pack's "argument out of range" traceback before
     ("context_negative", {"max_position_embeddings": -1}, "max_position_embeddings=-1 must be a positive integer"),
+    # the query-scale message named head_dim=256, a value the user never wrote: say it is transformers' default
+    ("head_dim_omitted", {"head_dim": None}, "differs from head_dim=256; llama.cpp's gemma3 scales queries by 1/sqrt "
+                                             "of that; config.json omits head_dim, which then takes transformers' "
+                                             "default (head_dim=256)"),
+    # written as given: every norm of the file divided by ~0 (or NaN)
+    ("eps_negative", {"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be a positive number"),
+    ("eps_zero", {"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be a positive number"),
+    ("eps_nan", {"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be a positive number"),
+    # was written as tied (llama.cpp reused token_embd), where transformers gives the model a random lm_head
+    ("untied_no_lm_head", {"tie_word_embeddings": False}, "tie_word_embeddings is false, but there is no "
+                                                          "lm_head.weight tensor"),
 ])
 def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contains):
     """llama.cpp scales queries by 1/sqrt(head_dim) and makes every 6th layer global: a config.json
