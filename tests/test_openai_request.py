@@ -62,6 +62,18 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name",
      "not a tool name"),
     ({"messages": USER, "tools": [TOOL, TOOL]}, "tools[1].function.name", "twice"),
+    # OpenAI refuses these (400); they were taken: strict "yes" as set, a number rendered as the description, a name
+    # past OpenAI's 64 characters, one the call parser cannot read back (a call of "-x" came back as text)
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+     "tools[0].function.strict", 'expected true or false, got "yes"'),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+     "tools[0].function.description", "expected a string, got a number"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools[0].function.name",
+     "not a tool name (1 to 64"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "-x"}}]}, "tools[0].function.name",
+     "not starting with '.' or '-'"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "caf\u00e9"}}]},
+     "tools[0].function.name", "not a tool name"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
      "tools[0].function.parameters", "object"),
     # a schema OpenAI refuses (400), which was rendered into the prompt as a declaration of nothing
