@@ -223,6 +223,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
     for key in ("chat_template_kwargs",):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise RequestError(key, "expected an object")
+    for key in _TEMPLATE_OWN:  # were "the chat template refused the conversation (TypeError: got multiple values...)"
+        if key in (body.get("chat_template_kwargs") or {}):
+            raise RequestError(f"chat_template_kwargs.{key}", _TEMPLATE_OWN[key])
     gen = body.get("generation_config")
     if gen is not None:
         try:
@@ -233,6 +236,19 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
             raise RequestError("generation_config", "expected a JSON object as a string")
         if check_generation_config:
             check_generation_config(parsed)
+
+
+_OWN = "the server passes it to the chat template itself"
+# apply_chat_template's own arguments, which the server sets (and the template's `messages`): a request's
+# chat_template_kwargs may not give them again or replace the served template (vLLM refuses `chat_template` there too,
+# unless started with --trust-request-chat-template)
+_TEMPLATE_OWN = {"messages": f"{_OWN}; send the conversation as the request's messages",
+                 "conversation": f"{_OWN}; send the conversation as the request's messages",
+                 "tools": f"{_OWN}; send the declarations as the request's tools",
+                 "chat_template": "a request may not replace the served model's chat template",
+                 **{k: _OWN for k in ("documents", "add_generation_prompt", "continue_final_message", "tokenize",
+                                      "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs", "load_audio_from_video")}}
 
 
 def _normalise_settings(body: dict) -> None:

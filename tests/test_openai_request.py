@@ -74,6 +74,16 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "not starting with '.' or '-'"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "caf\u00e9"}}]},
      "tools[0].function.name", "not a tool name"),
+    # what the server passes to the chat template itself: a TypeError ("got multiple values for keyword argument")
+    # reported as the template refusing `messages`, or the served template replaced by the request's
+    ({"messages": USER, "chat_template_kwargs": {"tools": [TOOL]}}, "chat_template_kwargs.tools",
+     "send the declarations as the request's tools"),
+    ({"messages": USER, "chat_template_kwargs": {"messages": USER}}, "chat_template_kwargs.messages",
+     "passes it to the chat template itself"),
+    ({"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs.add_generation_prompt", "passes it to the chat template itself"),
+    ({"messages": USER, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs.chat_template",
+     "may not replace the served model's chat template"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
      "tools[0].function.parameters", "object"),
     # a schema OpenAI refuses (400), which was rendered into the prompt as a declaration of nothing
