@@ -372,10 +372,13 @@ def check_shapes(family: Family, config: dict, text: dict, tensors: list, where:
     default (2304 for Gemma 3), and the GGUF declared it over 64-wide tensors, a file llama.cpp cannot load."""
     shapes = family.projection_shapes(text) if family.projection_shapes else {}
     hidden = text.get("hidden_size")
+    rows = next((t.shape[0] for t in tensors if t.name == "token_embd.weight"), None)
     for t in tensors:
         want = shapes.get(t.hf_key.rsplit(".", 2)[-2], ()) if t.hf_key.endswith(".weight") else ()
         if t.name == "token_embd.weight" and isinstance(hidden, int):
             want = ((t.shape[0], hidden),)
+        if t.name == "output.weight" and isinstance(hidden, int):  # an untied lm_head of another shape was written
+            want = ((rows, hidden),)
         if want and tuple(t.shape) not in want:
             raise UserError(f"{where}: tensor {t.hf_key} is {list(t.shape)}, but the config's sizes make it "
                             f"{list(want[0])}{omitted_note(config, text)}")

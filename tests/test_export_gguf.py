@@ -399,6 +399,27 @@ def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contain
     _expect_error(capsys, work / f"{name}.gguf", "--merged", d, contains=contains)
 
 
+def test_untied_output_is_exported_and_its_shape_checked(work, base, capsys):
+    """An untied model's lm_head becomes output.weight; one whose shape disagrees with the embedding's (another
+    width, a different vocabulary) was written, a file llama.cpp refuses to load (and transformers too)."""
+    from safetensors.numpy import load_file, save_file
+
+    for name, shape in (("untied", (512, 64)), ("untied_narrow", (512, 32)), ("untied_rows", (520, 64))):
+        d = work / f"tiny_{name}"
+        shutil.copytree(base, d)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+        weights = load_file(d / "model.safetensors")
+        head = np.random.default_rng(0).normal(0, 0.05, shape).astype(np.float32)
+        save_file({**weights, "lm_head.weight": head}, d / "model.safetensors", metadata={"format": "pt"})
+        if name == "untied":
+            assert export("--merged", d, "--out", work / f"{name}.gguf", "--type", "f16") == 0
+            np.testing.assert_allclose(read_tensor(work / f"{name}.gguf", "output.weight"), head, atol=1e-3)
+        else:
+            _expect_error(capsys, work / f"{name}.gguf", "--merged", d, "--type", "f16",
+                          contains=f"tensor lm_head.weight is {list(shape)}, but the config's sizes make it [512, 64]")
+
+
 @pytest.mark.parametrize("size", [None, 0, -1])
 def test_error_sliding_window_not_positive(work, base, capsys, size):
     """`sliding_window` null, 0 or negative in a model with sliding-window layers: training refuses it, the export
