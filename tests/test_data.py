@@ -2010,6 +2010,14 @@ def test_a_tool_declaration_the_server_refuses_does_not_train(tmp_path, fn, path
     assert str(trained.value) == f"{tmp_path / 't.jsonl'}:2: {served.value}"
 
 
+def test_a_legacy_functions_declaration_is_refused_by_the_field_the_row_has():
+    """OpenAI's legacy `functions` are checked as the tools they become; the error named `tools[0].function.strict`,
+    a field the row does not have."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(UserError, match=r'^f.jsonl:3: functions\[0\].strict: expected true or false, got "yes"$'):
+        normalise_messages({"functions": [{"name": "f", "strict": "yes"}], "messages": chat}, "f.jsonl:3")
+
+
 def test_alpaca_rows_say_which_fields_to_set_and_never_drop_their_input(tmp_path):
     """Alpaca rows (instruction, input, output) failed on the Dolly default with "missing field 'response'"; with
     data.response_field=output alone, each row's input was left out of its prompt without a word."""

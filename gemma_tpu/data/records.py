@@ -482,7 +482,7 @@ def _maybe_json(value: Any, what: str, where: str) -> Any:
     return value
 
 
-def _tool_names(tools: Any, where: str) -> list[str]:
+def _tool_names(tools: Any, where: str, field: str = "tools") -> list[str]:
     """The names `tools` declares, checked as the local server checks a request's (`check_tools`): a row whose
     declarations the server would refuse (a schema's properties not an object, strict "yes", a 65-character name)
     trained a model on declarations it is never sent."""
@@ -491,11 +491,11 @@ def _tool_names(tools: Any, where: str) -> list[str]:
     for k, t in enumerate(tools if isinstance(tools, list) else []):
         fn = t.get("function", t) if isinstance(t, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("parameters"), str):  # a schema kept as a JSON string
-            fn["parameters"] = _maybe_json(fn["parameters"], f"tools[{k}].parameters", where)
+            fn["parameters"] = _maybe_json(fn["parameters"], f"{field}[{k}].parameters", where)
     try:
         return check_tools(tools, bare=True)
-    except DeclarationError as e:
-        raise UserError(f"{where}: {e}") from None
+    except DeclarationError as e:  # `field`: OpenAI's legacy `functions`, checked as the tools they become
+        raise UserError(f"{where}: {field}{str(e).removeprefix('tools')}") from None
 
 
 def _check_turn_order(before: list[dict], role: str, answered: int, calls: int, mw: str) -> None:
@@ -554,6 +554,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             raise UserError(f"{where}: both 'tools' and 'functions' (OpenAI's legacy name for them); give one")
         if not isinstance(functions, list):
             raise UserError(f"{where}: 'functions' must be a list of function declarations")
+        _tool_names(functions, where, "functions")  # refused naming the field the row has
         tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
     markup.check_value(tools, where, "tools")
