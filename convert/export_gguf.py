@@ -660,6 +660,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.skipped:
         print(f"gguf: not exported ({len(plan.skipped)} tensors outside the text decoder, e.g. {plan.skipped[0]})",
               file=sys.stderr)
+    if plan.chat_template is None:  # llama.cpp then chats in its default format (ChatML), not Gemma's turns
+        print(f"gguf: no chat template in {plan.provenance.get('merged') or plan.provenance.get('base')} "
+              f"(chat_template.jinja or tokenizer_config.json's chat_template): llama.cpp's chat will use its default "
+              f"format, not Gemma's turns (fine for a pretrained model used for completion)", file=sys.stderr)
     kept = unquantized(plan)
     if kept:  # the file came out larger than the type promises, and nothing said why
         print(f"gguf: {len(kept)} of {sum(len(t.shape) > 1 for t in plan.tensors)} matrices stay f16: their rows are "

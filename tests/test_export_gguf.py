@@ -202,6 +202,17 @@ def test_quantized_export_says_which_matrices_stay_f16(work, capsys):
     assert "stay f16" not in capsys.readouterr().err
 
 
+def test_export_without_a_chat_template_says_so(work, base, merged, capsys):
+    """A directory without a chat template gave a GGUF that llama.cpp chats with in its default format (ChatML), and
+    nothing said so; a merged fine-tune carries its template and says nothing."""
+    capsys.readouterr()
+    assert export("--merged", base, "--out", work / "no-template.gguf", "--type", "f16") == 0
+    assert f"gguf: no chat template in {base.resolve()} " in capsys.readouterr().err
+    assert "tokenizer.chat_template" not in fields(work / "no-template.gguf")
+    assert export("--merged", merged, "--out", work / "template.gguf", "--type", "f16") == 0
+    assert "no chat template" not in capsys.readouterr().err
+
+
 def test_metadata(work, base):
     out = work / "tiny-meta.gguf"
     assert export("--merged", base, "--out", out, "--type", "F16") == 0  # as llama-quantize spells it
