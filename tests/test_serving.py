@@ -1086,14 +1086,16 @@ def test_help_says_what_the_command_does_and_its_defaults(capsys):
 
     text = _help(capsys, serving.bench)
     assert "--output-len O --dataset random|FILE.jsonl" in text and "Load-test any OpenAI-compatible server" in text
-    assert "--num-prompts NUM_PROMPTS (default: 100)" in text and "--seed SEED (default: 0)" in text
+    assert "--num-prompts NUM_PROMPTS requests the run sends in all (default: 100)" in text
+    assert "--seed SEED seed of the random prompts (or of the order --dataset rows are sent in) (default: 0)" in text
     assert "--concurrency CONCURRENCY requests in flight at most (vLLM: --max-concurrency) (default: 8)" in text
     assert "--json JSON write the results here (vllm bench serve field names) --timeout" in text  # no default shown
     text = _help(capsys, serving.launch)
     assert "e.g. server.port=8001" in text and "train.max_steps" not in text
     assert "renders the `docker run` of the vLLM-TPU image" in text
     text = _help(capsys, chat)
-    assert "--provider {simulated,garmin} (default: simulated)" in text
+    assert "--provider {simulated,garmin} where the tools read activity data: a simulated device, or your Garmin " \
+           "Connect account (default: simulated)" in text
 
 
 # Runs `python -m MODULE ARGS` with only the distributions named in argv[1] (and what they require) importable
