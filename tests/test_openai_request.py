@@ -943,6 +943,8 @@ def test_responses_api_is_answered_through_a_chat_completion():
             ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
             ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"properties": "x"}}]},
              "tools[0].parameters.properties"),
+            # dropped on the way to the chat completion, so a strict OpenAI refuses (400) was taken
+            ({"input": "hi", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict"),
             ({"input": "hi", "tools": [tool], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name")):
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
