@@ -1282,6 +1282,14 @@ def test_tool_choice_opens_the_call_through_the_chat_template():
     code, resp = _asgi(CheckedChatApp(inner, token_map=token_map), {"messages": USER, "tools": [TOOL],
                                                                      "tool_choice": named})
     assert resp["choices"][0]["message"]["content"] == "Hi." and "chat_template_kwargs" not in seen[-1]
+    # the server's own template argument, sent by a client: the template opened a call the server did not know of,
+    # and the answer came back as the rest of it, in text
+    n = len(seen)
+    for body in ({"messages": USER, "tools": [TOOL], "chat_template_kwargs": {"forced_call": "get_steps"}},
+                 {"messages": USER, "chat_template_kwargs": {"forced_call": True}}):
+        code, resp = _asgi(app, body)
+        assert code == 400 and resp["error"]["param"] == "chat_template_kwargs.forced_call", resp
+        assert "send tool_choice instead" in resp["error"]["message"] and len(seen) == n
 
 
 def test_fields_are_typed_as_vllm_types_them():
