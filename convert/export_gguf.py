@@ -44,6 +44,8 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -337,7 +339,8 @@ def check_config(facts: GGUFFacts, config: dict, text: dict, where: str) -> None
         if text.get(key) not in (None, 0, 0.0, False):
             raise UserError(f"{where}: {key}={text[key]} cannot be expressed in llama.cpp's {facts.arch}")
     for problem in (facts.check(config, text) if facts.check else []):
-        raise UserError(f"{where}: {problem}")
+        # "query_pre_attn_scalar=32 differs from head_dim=256" blamed a key the user set on one they never wrote
+        raise UserError(f"{where}: {problem}{omitted_note(config, text, problem)}")
     for _, key, kind, default in facts.hparams:
         if text.get(key) is None and default is None:
             raise UserError(f"{where}: missing key '{key}'")
@@ -345,6 +348,10 @@ def check_config(facts: GGUFFacts, config: dict, text: dict, where: str) -> None
         if kind == "u32" and value is not None and not (isinstance(value, int) and 0 < value < 2**32):
             # a negative one died in the writer's struct.pack ("argument out of range"), with a traceback
             raise UserError(f"{where}: {key}={value!r} must be a positive integer")
+        if kind == "f32" and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                  and math.isfinite(value) and value > 0):
+            # rms_norm_eps -1.0, 0.0, NaN or null was written as given: a file whose every norm divides by ~0 or NaN
+            raise UserError(f"{where}: {key}={value!r} must be a positive number")
     layer_types = text.get("layer_types")
     if facts.swa_period and layer_types:
         want = ["full_attention" if (i + 1) % facts.swa_period == 0 else "sliding_attention"
@@ -365,17 +372,25 @@ def check_shapes(family: Family, config: dict, text: dict, tensors: list, where:
     default (2304 for Gemma 3), and the GGUF declared it over 64-wide tensors, a file llama.cpp cannot load."""
     shapes = family.projection_shapes(text) if family.projection_shapes else {}
     hidden = text.get("hidden_size")
+    rows = next((t.shape[0] for t in tensors if t.name == "token_embd.weight"), None)
     for t in tensors:
         want = shapes.get(t.hf_key.rsplit(".", 2)[-2], ()) if t.hf_key.endswith(".weight") else ()
         if t.name == "token_embd.weight" and isinstance(hidden, int):
             want = ((t.shape[0], hidden),)
+        if t.name == "output.weight" and isinstance(hidden, int):  # an untied lm_head of another shape was written
+            want = ((rows, hidden),)
         if want and tuple(t.shape) not in want:
-            raw = text_config(config)
-            omitted = [k for k in SIZE_KEYS if k not in raw]
-            why = (f"; config.json omits {', '.join(omitted)}, which then take{'s' if len(omitted) == 1 else ''} "
-                   f"transformers' default ({', '.join(f'{k}={text.get(k)}' for k in omitted)})") if omitted else ""
             raise UserError(f"{where}: tensor {t.hf_key} is {list(t.shape)}, but the config's sizes make it "
-                            f"{list(want[0])}{why}")
+                            f"{list(want[0])}{omitted_note(config, text)}")
+
+
+def omitted_note(config: dict, text: dict, mentioned: str | None = None) -> str:
+    """'; config.json omits K, which then takes transformers' default (K=V)' for the size keys config.json leaves
+    out (only those `mentioned` names, when given), else ''."""
+    raw = text_config(config)
+    omitted = [k for k in SIZE_KEYS if k not in raw and (mentioned is None or re.search(rf"\b{k}\b", mentioned))]
+    return (f"; config.json omits {', '.join(omitted)}, which then take{'s' if len(omitted) == 1 else ''} "
+            f"transformers' default ({', '.join(f'{k}={text.get(k)}' for k in omitted)})") if omitted else ""
 
 
 def choose_qtype(out_type: str, name: str, shape: tuple[int, ...], tied_output: bool):
@@ -409,8 +424,11 @@ def plan_tensors(facts: GGUFFacts, text: dict, weights: sio.WeightsDir, prefix: 
         key = hf if hf.startswith("lm_head.") else prefix + hf
         name = t.gguf.format(i=i)
         if key not in weights:
-            if hf.startswith("lm_head."):
+            if hf.startswith("lm_head.") and tied:
                 continue  # tied: llama.cpp reuses token_embd as the output projection
+            if hf.startswith("lm_head."):  # was written as tied: transformers gives such a model a random lm_head
+                raise UserError(f"{where}: tie_word_embeddings is false, but there is no {key} tensor (the output "
+                                f"projection an untied model needs)")
             raise UserError(f"{where}: tensor {key} is missing (needed for {name})")
         if hf.startswith("lm_head.") and tied:
             used.add(key)
@@ -642,6 +660,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.skipped:
         print(f"gguf: not exported ({len(plan.skipped)} tensors outside the text decoder, e.g. {plan.skipped[0]})",
               file=sys.stderr)
+    if plan.chat_template is None:  # llama.cpp then chats in its default format (ChatML), not Gemma's turns
+        print(f"gguf: no chat template in {plan.provenance.get('merged') or plan.provenance.get('base')} "
+              f"(chat_template.jinja or tokenizer_config.json's chat_template): llama.cpp's chat will use its default "
+              f"format, not Gemma's turns (fine for a pretrained model used for completion)", file=sys.stderr)
     kept = unquantized(plan)
     if kept:  # the file came out larger than the type promises, and nothing said why
         print(f"gguf: {len(kept)} of {sum(len(t.shape) > 1 for t in plan.tensors)} matrices stay f16: their rows are "

@@ -389,12 +389,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m serving.bench", __doc__, overrides=False)
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", help="model name sent with each request; default: the first the server lists, or none")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests the run sends in all")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (vLLM: --max-concurrency)")
     p.add_argument("--input-len", type=int, default=128, help="words per random prompt (about one token each)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     p.add_argument("--dataset", default="random", help="'random' or a JSONL file (or JSON array) of chats / prompts")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random prompts (or of the order --dataset rows are sent in)")
     p.add_argument("--json", type=cli.output_path, help="write the results here (vllm bench serve field names)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds a request may take, streaming included")
     p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0,
@@ -406,7 +407,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--api-key-env", default="VLLM_API_KEY",
                    help="environment variable holding the API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--save-detailed", action="store_true", help="also write per-request lists (ttfts, itls, ...)")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar on stderr")
     return p.parse_args(list(argv))
 
 

@@ -89,11 +89,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                    "or none")
     p.add_argument("--api-key-env", default="VLLM_API_KEY",
                    help="environment variable holding the API key, sent when set (default: VLLM_API_KEY)")
-    p.add_argument("--provider", choices=("simulated", "garmin"), default="simulated")
+    p.add_argument("--provider", choices=("simulated", "garmin"), default="simulated",
+                   help="where the tools read activity data: a simulated device, or your Garmin Connect account")
     p.add_argument("--seed", type=int, default=0, help="simulated device seed")
     p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens each reply may generate at most (max_tokens)")
+    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0,
+                   help="sampling temperature sent with each request (0: greedy)")
     p.add_argument("--timeout", type=cli.SECONDS, default=120.0, help="seconds per request")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=RETRIES_HELP)
     return p.parse_args(list(argv))

@@ -240,19 +240,23 @@ def lora_warning(cfg: ServeConfig) -> str | None:
     return None
 
 
-def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) -> ServeConfig:
-    """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem."""
+MODEL_DIR_HINT = "the merged model directory, e.g. model.dir=runs/x-merged"
+
+
+def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), need_dir: bool = True) -> ServeConfig:
+    """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem; `need_dir=False` (for printing
+    the config) lets model.dir be unset."""
     cfg = load_typed(ServeConfig, path, overrides, elsewhere=TRAINING_SECTIONS)
     where = str(path) if path is not None else "config"
 
     def bad(msg: str) -> None:  # an error a command-line override caused names the override
         raise UserError(f"{blame(msg, where, overrides, key_lines(path))}: {msg}")
 
-    if not cfg.model.dir:
-        bad("model.dir is not set (the merged model directory, e.g. model.dir=runs/x-merged)")
+    if not cfg.model.dir and need_dir:
+        bad(f"model.dir is not set ({MODEL_DIR_HINT})")
     if cfg.model.name is not None and not _NAME.fullmatch(cfg.model.name):
         bad(f"model.name {cfg.model.name!r}: use letters, digits, '.', '_' and '-'")
-    if not _NAME.fullmatch(cfg.served_name):
+    if cfg.model.dir and not _NAME.fullmatch(cfg.served_name):
         bad(f"the directory name {cfg.served_name!r} cannot be a served model name; set model.name")
     s = cfg.server
     for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -305,7 +309,7 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
             bad(f"lora.adapters: name {a.name!r}: use letters, digits, '.', '_' and '-'")
         if not a.dir:
             bad(f"lora.adapters.{a.name}: dir is not set")
-    if len(set(names)) != len(names) or cfg.served_name in names:
+    if len(set(names)) != len(names) or (cfg.model.dir and cfg.served_name in names):
         bad("lora.adapters: names must be unique and differ from the served model name")
     if cfg.lora.max_loras is not None and cfg.lora.max_loras < 1:  # vLLM's LoRAConfig: max_loras >= 1
         bad(f"lora.max_loras must be at least 1, got {cfg.lora.max_loras}")

@@ -32,6 +32,7 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from serving.config import (
+    MODEL_DIR_HINT,
     VLLM_TPU_IMAGE,
     ModelFacts,
     ServeConfig,
@@ -225,9 +226,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv or [])
-    cfg = load_serve_config(args.config, args.overrides)
+    # printing the config needs no model: without --config it stopped at "model.dir is not set", defaults unseen
+    cfg = load_serve_config(args.config, args.overrides, need_dir=not args.print_config)
     if args.print_config:
         cli.print_config(cfg)
+        if not cfg.model.dir:
+            print(f"note: model.dir is not set; serving needs it ({MODEL_DIR_HINT})", file=sys.stderr)
         return 0
     if open_api_warning(cfg):
         print(f"warning: {open_api_warning(cfg)}", file=sys.stderr)

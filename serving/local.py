@@ -344,10 +344,18 @@ class CheckedChatApp:
         model's text continues; "" when nothing is forced. transformers serve has no guided decoding, so without
         this the model was free to answer in text (vLLM enforces tool_choice)."""
         from gemma_tpu.formats.function_calling import forced_call_prefix, map_markers
+        from serving.openai_request import RequestError
 
-        if not self.forced_calls or not isinstance(body, dict) or not body.get("tools"):
+        if not self.forced_calls or not isinstance(body, dict):
             return ""
         choice, kwargs = body.get("tool_choice"), body.get("chat_template_kwargs")
+        if isinstance(kwargs, dict) and FORCED_CALL_KWARG in kwargs:
+            # the template opened a call this server did not know of: the answer came back without its opening,
+            # as text that was half a call
+            raise RequestError(f"chat_template_kwargs.{FORCED_CALL_KWARG}", "set by the server from tool_choice; "
+                                                                            "send tool_choice instead")
+        if not body.get("tools"):
+            return ""
         named = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(
             choice.get("function"), dict) else None
         if not (choice == "required" or isinstance(named, str)) or not isinstance(kwargs or {}, dict):

@@ -6,7 +6,8 @@ others silently (`n`, `max_completion_tokens`, `logprobs`, `response_format`, `t
 undeclared tool, the legacy `functions` / `function_call`, `presence_penalty`) and generates
 past the model's context when asked. `check_chat_request` refuses what vLLM and the OpenAI API refuse,
 with a message naming the field, and returns the body with `max_tokens` set (from
-`max_completion_tokens`, or what the context leaves when neither is given). Standard library only.
+`max_completion_tokens`, or what the context leaves when neither is given). Standard library only, but
+for the tool-declaration check it shares with training data (`gemma_tpu.formats.function_calling`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import json
 import re
 from typing import Any, Callable
 
+from gemma_tpu.formats.function_calling import DeclarationError, check_tools
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # where a server's context comes from (vLLM's --max-model-len, which a serving config's server.max_model_len sets)
 CONTEXT_SOURCE = "the model's max_position_embeddings, or server.max_model_len when smaller"
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 class RequestError(ValueError):
@@ -126,55 +128,11 @@ def _message(m: Any, i: int) -> None:
 
 
 def _tools(tools: Any) -> list[str]:
-    if not isinstance(tools, list):
-        raise RequestError("tools", "expected a list")
-    names: list[str] = []
-    for k, t in enumerate(tools):
-        where = f"tools[{k}]"
-        if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
-            raise RequestError(where, 'expected {"type": "function", "function": {"name": ...}}')
-        if t.get("type", "function") != "function":
-            raise RequestError(f"{where}.type", f"{t['type']!r} is not supported (only \"function\")")
-        fn = t["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-            raise RequestError(f"{where}.function.name",
-                               f"{name!r} is not a tool name (1 to 64 letters, digits, '_', '.' or '-')")
-        if name in names:
-            raise RequestError(f"{where}.function.name", f"{name!r} is declared twice")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise RequestError(f"{where}.function.description", "expected a string")
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise RequestError(f"{where}.function.parameters", "expected a JSON Schema object")
-        if params and params.get("type", "object") != "object":  # the arguments are a JSON object (as OpenAI says)
-            raise RequestError(f"{where}.function.parameters.type",
-                               f"the parameters schema must have type \"object\", got {json.dumps(params['type'])}")
-        if params:
-            _schema_fields(params, f"{where}.function.parameters")
-        names.append(name)
-    return names
-
-
-def _schema_fields(params: dict, where: str) -> None:
-    """The parameters schema's `properties` an object of schemas (objects, or JSON Schema's true/false) and its
-    `required` a list of names, as OpenAI's schema check refuses otherwise (400): `"properties": "x"` was
-    accepted and rendered into the prompt, where the model read a declaration that declares nothing."""
-    props = params.get("properties")
-    if props is not None:
-        if not isinstance(props, dict):
-            raise RequestError(f"{where}.properties", f"expected an object of property schemas, got "
-                                                      f"{_json_type(props)}")
-        for name, schema in props.items():
-            if not isinstance(schema, (dict, bool)):
-                raise RequestError(f"{where}.properties.{name}", f"expected a JSON Schema object, got "
-                                                                 f"{_json_type(schema)}")
-    required = params.get("required")
-    if required is not None and not isinstance(required, list):
-        raise RequestError(f"{where}.required", f"expected a list of property names, got {_json_type(required)}")
-    for k, name in enumerate(required or []):
-        if not isinstance(name, str):
-            raise RequestError(f"{where}.required[{k}]", f"expected a property name, got {_json_type(name)}")
+    """The declared names; the declarations checked by the one check training rows also pass (`check_tools`)."""
+    try:
+        return check_tools(tools)
+    except DeclarationError as e:
+        raise RequestError(e.path, e.detail) from None
 
 
 def _tool_choice(choice: Any, names: list[str]) -> None:
@@ -265,6 +223,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
     for key in ("chat_template_kwargs",):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise RequestError(key, "expected an object")
+    for key in _TEMPLATE_OWN:  # were "the chat template refused the conversation (TypeError: got multiple values...)"
+        if key in (body.get("chat_template_kwargs") or {}):
+            raise RequestError(f"chat_template_kwargs.{key}", _TEMPLATE_OWN[key])
     gen = body.get("generation_config")
     if gen is not None:
         try:
@@ -275,6 +236,19 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
             raise RequestError("generation_config", "expected a JSON object as a string")
         if check_generation_config:
             check_generation_config(parsed)
+
+
+_OWN = "the server passes it to the chat template itself"
+# apply_chat_template's own arguments, which the server sets (and the template's `messages`): a request's
+# chat_template_kwargs may not give them again or replace the served template (vLLM refuses `chat_template` there too,
+# unless started with --trust-request-chat-template)
+_TEMPLATE_OWN = {"messages": f"{_OWN}; send the conversation as the request's messages",
+                 "conversation": f"{_OWN}; send the conversation as the request's messages",
+                 "tools": f"{_OWN}; send the declarations as the request's tools",
+                 "chat_template": "a request may not replace the served model's chat template",
+                 **{k: _OWN for k in ("documents", "add_generation_prompt", "continue_final_message", "tokenize",
+                                      "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs", "load_audio_from_video")}}
 
 
 def _normalise_settings(body: dict) -> None:

@@ -150,7 +150,7 @@ def _tools(tools: Any) -> list[dict] | None:
         if isinstance(t.get("function"), dict):  # the chat completions shape, sent here by mistake: read it too
             out.append({"type": "function", "function": t["function"]})
             continue
-        out.append({"type": "function", "function": {k2: t[k2] for k2 in ("name", "description", "parameters")
+        out.append({"type": "function", "function": {k2: t[k2] for k2 in ("name", "description", "parameters", "strict")
                                                       if t.get(k2) is not None}})
     return out
 

@@ -285,10 +285,10 @@ CASES = [
          ["{tmp}/d.jsonl:1", "'get_weather'", "not in 'tools'"], {"d.jsonl": from_corpus("undeclared_tool.jsonl")}),
     # declarations the renderer took as they came: both of a name declared twice, a schema written as a string
     Case("data-tool-declared-twice", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
-         ["{tmp}/d.jsonl:2", "tools[1] declares 'get_steps' a second time"],
+         ["{tmp}/d.jsonl:2", "tools[1].function.name: 'get_steps' is declared twice (also tools[0])"],
          {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {}}}, {"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {}}}]}]}\n'}),
     Case("data-tool-parameters-not-a-schema", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
-         ["{tmp}/d.jsonl:1", "tools[0].parameters must be a JSON Schema object", "[1, 2]"],
+         ["{tmp}/d.jsonl:1", "tools[0].function.parameters: expected a JSON Schema object", "[1, 2]"],
          {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": "[1, 2]"}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {}}}]}]}\n'}),
     # what FunctionGemma's call text cannot carry: trained as text that parses back to another call
     Case("data-call-key-with-colon", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
@@ -299,7 +299,7 @@ CASES = [
          {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {"q": "a<escape>b"}}}]}]}\n'}),
     # `call:get steps{...}` parses back as no call at all: the model was trained on calls it cannot make
     Case("data-tool-name-not-writable", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
-         ["{tmp}/d.jsonl:1", "tool name 'get steps'", "cannot be written"],
+         ["{tmp}/d.jsonl:1", "tools[0].function.name: 'get steps' is not a tool name"],
          {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get steps", "description": "Steps.", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get steps", "arguments": {}}}]}]}\n'}),
     Case("data-unmatched-tool-call-id", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "messages[2]", "'call_9'", "matches no call", "'call_1'"],

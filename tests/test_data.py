@@ -1984,6 +1984,40 @@ def test_tool_declarations_and_call_arguments_may_not_hold_control_tokens():
         norm({"tools": [STEPS_TOOL], "messages": [*TOOL_CHAT["messages"][:2], call, *TOOL_CHAT["messages"][3:]]})
 
 
+@pytest.mark.parametrize("fn, path", [
+    ({"name": "get_steps", "parameters": {"type": "object", "properties": "x"}}, "function.parameters.properties"),
+    ({"name": "get_steps", "parameters": {"properties": {"d": "string"}}}, "function.parameters.properties.d"),
+    ({"name": "get_steps", "parameters": {"type": "object", "required": "d"}}, "function.parameters.required"),
+    ({"name": "get_steps", "parameters": {"type": "array"}}, "function.parameters.type"),
+    ({"name": "get_steps", "strict": "yes"}, "function.strict"),
+    ({"name": "get_steps" * 8}, "function.name"),
+])
+def test_a_tool_declaration_the_server_refuses_does_not_train(tmp_path, fn, path):
+    """Training rows and the local server's requests share one declaration check: a row whose schema the server
+    refuses (400) trained fine, a model taught declarations no request can send. Both name the same path."""
+    from serving.openai_request import RequestError, check_chat_request
+
+    tools = [{"type": "function", "function": fn}]
+    call = {"role": "assistant", "tool_calls": [{"function": {"name": fn["name"], "arguments": {}}}]}
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"tools": tools, "messages": [{"role": "user", "content": "steps?"}, call,
+                                          {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5."}]}]
+    with pytest.raises(RequestError) as served:
+        check_chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    assert served.value.param == f"tools[0].{path}"
+    with pytest.raises(UserError) as trained:
+        load_conversations(write_jsonl(tmp_path / "t.jsonl", rows), DataConfig())
+    assert str(trained.value) == f"{tmp_path / 't.jsonl'}:2: {served.value}"
+
+
+def test_a_legacy_functions_declaration_is_refused_by_the_field_the_row_has():
+    """OpenAI's legacy `functions` are checked as the tools they become; the error named `tools[0].function.strict`,
+    a field the row does not have."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(UserError, match=r'^f.jsonl:3: functions\[0\].strict: expected true or false, got "yes"$'):
+        normalise_messages({"functions": [{"name": "f", "strict": "yes"}], "messages": chat}, "f.jsonl:3")
+
+
 def test_alpaca_rows_say_which_fields_to_set_and_never_drop_their_input(tmp_path):
     """Alpaca rows (instruction, input, output) failed on the Dolly default with "missing field 'response'"; with
     data.response_field=output alone, each row's input was left out of its prompt without a word."""

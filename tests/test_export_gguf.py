@@ -202,6 +202,17 @@ def test_quantized_export_says_which_matrices_stay_f16(work, capsys):
     assert "stay f16" not in capsys.readouterr().err
 
 
+def test_export_without_a_chat_template_says_so(work, base, merged, capsys):
+    """A directory without a chat template gave a GGUF that llama.cpp chats with in its default format (ChatML), and
+    nothing said so; a merged fine-tune carries its template and says nothing."""
+    capsys.readouterr()
+    assert export("--merged", base, "--out", work / "no-template.gguf", "--type", "f16") == 0
+    assert f"gguf: no chat template in {base.resolve()} " in capsys.readouterr().err
+    assert "tokenizer.chat_template" not in fields(work / "no-template.gguf")
+    assert export("--merged", merged, "--out", work / "template.gguf", "--type", "f16") == 0
+    assert "no chat template" not in capsys.readouterr().err
+
+
 def test_metadata(work, base):
     out = work / "tiny-meta.gguf"
     assert export("--merged", base, "--out", out, "--type", "F16") == 0  # as llama-quantize spells it
@@ -371,6 +382,17 @@ def test_error_chat_template_list_of_non_objects(work, base, capsys):
                                                         "it [128, 64]"),
     # struct.pack's "argument out of range" traceback before
     ("context_negative", {"max_position_embeddings": -1}, "max_position_embeddings=-1 must be a positive integer"),
+    # the query-scale message named head_dim=256, a value the user never wrote: say it is transformers' default
+    ("head_dim_omitted", {"head_dim": None}, "differs from head_dim=256; llama.cpp's gemma3 scales queries by 1/sqrt "
+                                             "of that; config.json omits head_dim, which then takes transformers' "
+                                             "default (head_dim=256)"),
+    # written as given: every norm of the file divided by ~0 (or NaN)
+    ("eps_negative", {"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be a positive number"),
+    ("eps_zero", {"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be a positive number"),
+    ("eps_nan", {"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be a positive number"),
+    # was written as tied (llama.cpp reused token_embd), where transformers gives the model a random lm_head
+    ("untied_no_lm_head", {"tie_word_embeddings": False}, "tie_word_embeddings is false, but there is no "
+                                                          "lm_head.weight tensor"),
 ])
 def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contains):
     """llama.cpp scales queries by 1/sqrt(head_dim) and makes every 6th layer global: a config.json
@@ -386,6 +408,27 @@ def test_error_config_llama_cpp_cannot_express(work, capsys, name, edit, contain
             cfg[key] = value
     (d / "config.json").write_text(json.dumps(cfg))
     _expect_error(capsys, work / f"{name}.gguf", "--merged", d, contains=contains)
+
+
+def test_untied_output_is_exported_and_its_shape_checked(work, base, capsys):
+    """An untied model's lm_head becomes output.weight; one whose shape disagrees with the embedding's (another
+    width, a different vocabulary) was written, a file llama.cpp refuses to load (and transformers too)."""
+    from safetensors.numpy import load_file, save_file
+
+    for name, shape in (("untied", (512, 64)), ("untied_narrow", (512, 32)), ("untied_rows", (520, 64))):
+        d = work / f"tiny_{name}"
+        shutil.copytree(base, d)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+        weights = load_file(d / "model.safetensors")
+        head = np.random.default_rng(0).normal(0, 0.05, shape).astype(np.float32)
+        save_file({**weights, "lm_head.weight": head}, d / "model.safetensors", metadata={"format": "pt"})
+        if name == "untied":
+            assert export("--merged", d, "--out", work / f"{name}.gguf", "--type", "f16") == 0
+            np.testing.assert_allclose(read_tensor(work / f"{name}.gguf", "output.weight"), head, atol=1e-3)
+        else:
+            _expect_error(capsys, work / f"{name}.gguf", "--merged", d, "--type", "f16",
+                          contains=f"tensor lm_head.weight is {list(shape)}, but the config's sizes make it [512, 64]")
 
 
 @pytest.mark.parametrize("size", [None, 0, -1])

@@ -62,6 +62,28 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name",
      "not a tool name"),
     ({"messages": USER, "tools": [TOOL, TOOL]}, "tools[1].function.name", "twice"),
+    # OpenAI refuses these (400); they were taken: strict "yes" as set, a number rendered as the description, a name
+    # past OpenAI's 64 characters, one the call parser cannot read back (a call of "-x" came back as text)
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+     "tools[0].function.strict", 'expected true or false, got "yes"'),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+     "tools[0].function.description", "expected a string, got a number"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools[0].function.name",
+     "not a tool name (1 to 64"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "-x"}}]}, "tools[0].function.name",
+     "not starting with '.' or '-'"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "caf\u00e9"}}]},
+     "tools[0].function.name", "not a tool name"),
+    # what the server passes to the chat template itself: a TypeError ("got multiple values for keyword argument")
+    # reported as the template refusing `messages`, or the served template replaced by the request's
+    ({"messages": USER, "chat_template_kwargs": {"tools": [TOOL]}}, "chat_template_kwargs.tools",
+     "send the declarations as the request's tools"),
+    ({"messages": USER, "chat_template_kwargs": {"messages": USER}}, "chat_template_kwargs.messages",
+     "passes it to the chat template itself"),
+    ({"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs.add_generation_prompt", "passes it to the chat template itself"),
+    ({"messages": USER, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs.chat_template",
+     "may not replace the served model's chat template"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
      "tools[0].function.parameters", "object"),
     # a schema OpenAI refuses (400), which was rendered into the prompt as a declaration of nothing
@@ -921,6 +943,8 @@ def test_responses_api_is_answered_through_a_chat_completion():
             ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
             ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"properties": "x"}}]},
              "tools[0].parameters.properties"),
+            # dropped on the way to the chat completion, so a strict OpenAI refuses (400) was taken
+            ({"input": "hi", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict"),
             ({"input": "hi", "tools": [tool], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name")):
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
@@ -1258,6 +1282,14 @@ def test_tool_choice_opens_the_call_through_the_chat_template():
     code, resp = _asgi(CheckedChatApp(inner, token_map=token_map), {"messages": USER, "tools": [TOOL],
                                                                      "tool_choice": named})
     assert resp["choices"][0]["message"]["content"] == "Hi." and "chat_template_kwargs" not in seen[-1]
+    # the server's own template argument, sent by a client: the template opened a call the server did not know of,
+    # and the answer came back as the rest of it, in text
+    n = len(seen)
+    for body in ({"messages": USER, "tools": [TOOL], "chat_template_kwargs": {"forced_call": "get_steps"}},
+                 {"messages": USER, "chat_template_kwargs": {"forced_call": True}}):
+        code, resp = _asgi(app, body)
+        assert code == 400 and resp["error"]["param"] == "chat_template_kwargs.forced_call", resp
+        assert "send tool_choice instead" in resp["error"]["message"] and len(seen) == n
 
 
 def test_fields_are_typed_as_vllm_types_them():

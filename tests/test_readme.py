@@ -4,12 +4,14 @@ configs, and every repository path it names must exist. Docs drift fails here in
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
 import re
 import runpy
 import sys
+from unittest import mock
 
 import pytest
 
@@ -26,6 +28,7 @@ def _modules() -> list[str]:
 
 
 _HELP: dict[str, str] = {}
+_PARSERS: dict[str, argparse.ArgumentParser] = {}  # the parser that answered `--help`
 
 
 def _help(module: str) -> str:
@@ -34,8 +37,15 @@ def _help(module: str) -> str:
         out = io.StringIO()
         argv = sys.argv
         sys.argv = [module, "--help"]
+        parse = argparse.ArgumentParser.parse_known_args
+
+        def recorded(self, *args, **kwargs):
+            _PARSERS.setdefault(module, self)
+            return parse(self, *args, **kwargs)
+
         try:
-            with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+            with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop, \
+                    mock.patch.object(argparse.ArgumentParser, "parse_known_args", recorded):
                 runpy.run_module(module, run_name="__main__", alter_sys=False)
         finally:
             sys.argv = argv
@@ -61,6 +71,24 @@ def test_every_option_of_a_readme_command_is_taken():
             if not re.search(re.escape(opt) + r"(?![\w-])", text):
                 missing.append(f"python -m {module} {opt}")
     assert not missing, missing
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+def test_every_option_of_a_readme_module_says_what_it_does():
+    """Each option (and each subcommand's) has a help text: `--num-prompts NUM_PROMPTS (default: 100)` alone left a
+    user to guess what was counted, `--provider {simulated,garmin}` what it provides."""
+    bare = []
+    for module in _modules():
+        _help(module)
+        todo = [_PARSERS[module]]
+        while todo:
+            p = todo.pop()
+            for a in p._actions:
+                if isinstance(a, argparse._SubParsersAction):
+                    todo += a.choices.values()
+                elif not isinstance(a, argparse._HelpAction) and not (a.help or "").strip():
+                    bare.append(f"{p.prog} {'/'.join(a.option_strings) or a.dest}")
+    assert not bare, bare
 
 
 def _fields(cls) -> set[str]:

@@ -186,6 +186,20 @@ def test_print_270m_config(tmp_path):
     assert "--enable-lora" not in serve and "--api-key" not in serve
 
 
+def test_print_config_without_a_config_prints_the_defaults(capsys):
+    """`--print-config` alone (a user asking what the defaults are) stopped at "model.dir is not set"; it prints
+    them, model.dir null, and says serving needs it. Serving without one is still refused, as is a bad override."""
+    import yaml
+
+    code, out, err = launch_inproc(capsys, "--print-config", "server.port=8001")
+    cfg = yaml.safe_load(out)
+    assert code == 0 and cfg["model"]["dir"] is None and cfg["server"]["port"] == 8001, err
+    assert "note: model.dir is not set; serving needs it" in err
+    one_error_line(*launch_inproc(capsys, "--print")[::2], "model.dir is not set")
+    code, out, err = launch_inproc(capsys, "--print-config", "server.port=0")
+    assert out == "" and one_error_line(code, err, "server.port must be in 1..65535")
+
+
 @pytest.mark.parametrize("kv,tp", [(1, 2), (2, 4), (4, 2)])
 def test_tensor_parallel_past_the_kv_heads_is_served(tmp_path, capsys, kv, tp):
     """vLLM copies KV heads to tp > num_key_value_heads devices when tp is a multiple (a one-KV-head Gemma 3 on a
@@ -1072,14 +1086,16 @@ def test_help_says_what_the_command_does_and_its_defaults(capsys):
 
     text = _help(capsys, serving.bench)
     assert "--output-len O --dataset random|FILE.jsonl" in text and "Load-test any OpenAI-compatible server" in text
-    assert "--num-prompts NUM_PROMPTS (default: 100)" in text and "--seed SEED (default: 0)" in text
+    assert "--num-prompts NUM_PROMPTS requests the run sends in all (default: 100)" in text
+    assert "--seed SEED seed of the random prompts (or of the order --dataset rows are sent in) (default: 0)" in text
     assert "--concurrency CONCURRENCY requests in flight at most (vLLM: --max-concurrency) (default: 8)" in text
     assert "--json JSON write the results here (vllm bench serve field names) --timeout" in text  # no default shown
     text = _help(capsys, serving.launch)
     assert "e.g. server.port=8001" in text and "train.max_steps" not in text
     assert "renders the `docker run` of the vLLM-TPU image" in text
     text = _help(capsys, chat)
-    assert "--provider {simulated,garmin} (default: simulated)" in text
+    assert "--provider {simulated,garmin} where the tools read activity data: a simulated device, or your Garmin " \
+           "Connect account (default: simulated)" in text
 
 
 # Runs `python -m MODULE ARGS` with only the distributions named in argv[1] (and what they require) importable

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, find_lone_surrogate
+from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, DeclarationError, check_tools, find_lone_surrogate
 from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
 
 log = logging.getLogger(__name__)
@@ -482,27 +482,20 @@ def _maybe_json(value: Any, what: str, where: str) -> Any:
     return value
 
 
-def _tool_names(tools: Any, where: str) -> list[str]:
+def _tool_names(tools: Any, where: str, field: str = "tools") -> list[str]:
+    """The names `tools` declares, checked as the local server checks a request's (`check_tools`): a row whose
+    declarations the server would refuse (a schema's properties not an object, strict "yes", a 65-character name)
+    trained a model on declarations it is never sent."""
     if tools is None:
         return []
-    if not isinstance(tools, list):
-        raise UserError(f"{where}: 'tools' must be a list of function declarations")
-    names = []
-    for i, t in enumerate(tools):
+    for k, t in enumerate(tools if isinstance(tools, list) else []):
         fn = t.get("function", t) if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise UserError(f"{where}: tools[{i}] needs a function name, got {t!r:.80}")
-        if fn["name"] in names:  # both declarations were rendered; which one a call meant is anyone's guess
-            raise UserError(f"{where}: tools[{i}] declares {fn['name']!r} a second time")
-        params = fn.get("parameters")
-        if isinstance(params, str):  # a schema kept as a JSON string, as tools and arguments can be
-            params = fn["parameters"] = _maybe_json(params, f"tools[{i}].parameters", where)
-        if params is not None and not isinstance(params, dict):  # was rendered as a string in the declaration
-            raise UserError(f"{where}: tools[{i}].parameters must be a JSON Schema object, got {params!r:.80}")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise UserError(f"{where}: tools[{i}].description must be a string, got {fn['description']!r:.80}")
-        names.append(fn["name"])
-    return names
+        if isinstance(fn, dict) and isinstance(fn.get("parameters"), str):  # a schema kept as a JSON string
+            fn["parameters"] = _maybe_json(fn["parameters"], f"{field}[{k}].parameters", where)
+    try:
+        return check_tools(tools, bare=True)
+    except DeclarationError as e:  # `field`: OpenAI's legacy `functions`, checked as the tools they become
+        raise UserError(f"{where}: {field}{str(e).removeprefix('tools')}") from None
 
 
 def _check_turn_order(before: list[dict], role: str, answered: int, calls: int, mw: str) -> None:
@@ -561,6 +554,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             raise UserError(f"{where}: both 'tools' and 'functions' (OpenAI's legacy name for them); give one")
         if not isinstance(functions, list):
             raise UserError(f"{where}: 'functions' must be a list of function declarations")
+        _tool_names(functions, where, "functions")  # refused naming the field the row has
         tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
     markup.check_value(tools, where, "tools")

@@ -564,8 +564,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--json", type=cli.output_path, help="write metrics and per-example predictions here")
     # with the prefix cache a row prefills only its suffix, and decoding (memory-bound on the weights) serves
     # 32 rows for little more than 8: on the 270M, 200 test conversations 3.3x faster than uncached batches of 8
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="conversations generated (and scored for the eval loss) together, locally")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens each answer may generate at most (max_tokens of an --endpoint request)")
     p.add_argument("--no-loss", action="store_true", help="skip the teacher-forced eval loss")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: the prefix all prompts share is computed once)")

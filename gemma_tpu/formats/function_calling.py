@@ -125,6 +125,86 @@ def check_tool_name(name: str, what: str) -> None:
                         f"'_', '.' and '-' only, not starting with '.' or '-')")
 
 
+# A declared tool's name: OpenAI's rule (1 to 64 ASCII letters, digits, '_' or '-') with Gemini's '.', not leading
+# with '.' or '-', which the call parser (`_NAME`) cannot read back as the start of a name.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")
+
+
+class DeclarationError(UserError):
+    """A tool declaration refused: `path` names the field (`tools[1].function.parameters.required`), `detail` why."""
+
+    def __init__(self, path: str, detail: str):
+        super().__init__(f"{path}: {detail}")
+        self.path, self.detail = path, detail
+
+
+def _json_kind(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(v), type(v).__name__)
+
+
+def check_tools(tools: Any, bare: bool = False) -> list[str]:
+    """The names `tools` declares, after refusing what OpenAI refuses in a request's tools (400) and the renderer
+    would have written into a prompt as a declaration that declares nothing, or one its calls cannot name. The one
+    check of a declaration for both the local server's requests and training rows (which the server then serves),
+    so a row the server would refuse does not train. `bare`: a tool may also be the function object alone (training
+    rows, OpenAI's legacy `functions`). Raises `DeclarationError`."""
+    if not isinstance(tools, list):
+        raise DeclarationError("tools", f"expected a list of tool declarations, got {_json_kind(tools)}")
+    names: list[str] = []
+    for k, t in enumerate(tools):
+        where = f"tools[{k}]"
+        wrapped = isinstance(t, dict) and "function" in t
+        if not isinstance(t, dict) or not (isinstance(t.get("function"), dict) or (bare and not wrapped)):
+            raise DeclarationError(where, f'expected {{"type": "function", "function": {{"name": ...}}}}, got '
+                                          f"{json.dumps(t, ensure_ascii=False)[:80]}")
+        if wrapped and t.get("type", "function") != "function":
+            raise DeclarationError(f"{where}.type", f"{t['type']!r} is not supported (only \"function\")")
+        fn, fw = (t["function"], f"{where}.function") if wrapped else (t, where)
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise DeclarationError(f"{fw}.name", f"{name!r} is not a tool name (1 to 64 letters, digits, '_', '.' or "
+                                                 f"'-', not starting with '.' or '-')")
+        if name in names:  # both declarations were rendered; which one a call meant is anyone's guess
+            raise DeclarationError(f"{fw}.name", f"{name!r} is declared twice (also tools[{names.index(name)}])")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise DeclarationError(f"{fw}.description", f"expected a string, got {_json_kind(fn['description'])}")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):  # "yes" was taken as set
+            raise DeclarationError(f"{fw}.strict", f"expected true or false, got {json.dumps(fn['strict'])[:40]}")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise DeclarationError(f"{fw}.parameters", f"expected a JSON Schema object, got "
+                                                       f"{json.dumps(params, ensure_ascii=False)[:80]}")
+        if params:
+            _check_schema(params, f"{fw}.parameters")
+        names.append(name)
+    return names
+
+
+def _check_schema(params: dict, where: str) -> None:
+    """The parameters schema an object's (the arguments are a JSON object), its `properties` an object of schemas
+    (objects, or JSON Schema's true/false) and its `required` a list of names, as OpenAI's schema check demands:
+    `"properties": "x"` was rendered into the prompt, where the model read a declaration that declares nothing."""
+    if params.get("type", "object") != "object":
+        raise DeclarationError(f"{where}.type", f"the parameters schema must have type \"object\", got "
+                                                f"{json.dumps(params['type'])}")
+    props = params.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise DeclarationError(f"{where}.properties", f"expected an object of property schemas, got "
+                                                           f"{_json_kind(props)}")
+        for name, schema in props.items():
+            if not isinstance(schema, (dict, bool)):
+                raise DeclarationError(f"{where}.properties.{name}", f"expected a JSON Schema object, got "
+                                                                      f"{_json_kind(schema)}")
+    required = params.get("required")
+    if required is not None and not isinstance(required, list):
+        raise DeclarationError(f"{where}.required", f"expected a list of property names, got {_json_kind(required)}")
+    for k, name in enumerate(required or []):
+        if not isinstance(name, str):
+            raise DeclarationError(f"{where}.required[{k}]", f"expected a property name, got {_json_kind(name)}")
+
+
 def format_call(name: str, args: dict) -> str:
     check_tool_name(name, "call")
     check_call_arguments(args, f"call {name!r} arguments")

@@ -74,12 +74,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     which.add_argument("--model", help="base or merged HF directory (or embedded:NAME)")
     which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    p.add_argument("--provider", choices=("simulated", "garmin"), default="simulated")
+    p.add_argument("--provider", choices=("simulated", "garmin"), default="simulated",
+                   help="where the tools read activity data: a simulated device, or your Garmin Connect account")
     p.add_argument("--seed", type=int, default=0, help="simulated device seed")
     p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="(default: float32 for --model; a --checkpoint's training dtype)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each reply may generate at most")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute the shared developer turn for every reply (to compare with the cached path)")
     return p.parse_args(list(argv))
