@@ -85,6 +85,16 @@ def test_simulated_device_is_deterministic_and_tools_answer():
         tools.call_tool("get_steps", {"day": "today"}, a)
 
 
+def test_a_null_argument_is_the_tools_default_as_evaluate_scores_it():
+    """A model writing `date:null` (an optional argument spelled out) ran the tool with the text 'None' and got an
+    error back, for a call arguments_match scores as the reference that leaves the date out."""
+    a = SimulatedDevice(3, today=TODAY)
+    assert arguments_match({}, {"date": None})
+    assert tools.call_tool("get_steps", {"date": None}, a) == tools.call_tool("get_steps", {}, a)
+    hr = tools.call_tool("get_heart_rate", {"date": "monday", "metric": None}, a)
+    assert hr["metric"] == "resting" and "error" not in hr
+
+
 class FakeGarmin:
     """Stands in for garminconnect.Garmin: the fields our provider reads, for one day."""
 
