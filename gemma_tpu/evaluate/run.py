@@ -18,7 +18,7 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
                            (text; not a call, a format error or a refusal)
     hallucinated_tool_rate a call names a tool the example does not declare
     no_call_rate           plain text, no call attempted
-    format_error_rate      text that attempts a call which does not parse
+    format_error_rate      text that attempts a call which does not parse (one cut off at --max-new-tokens says so)
     refused_rate           the prompt with --max-new-tokens passes a local model's context, or the server refused
                            the request (HTTP 400/413/422, e.g. a prompt over its context); one line names the
                            conversation, it scores as wrong, and the run goes on
@@ -58,7 +58,7 @@ from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
 from gemma_tpu.data.batching import Example
 from gemma_tpu.evaluate.answers import answer_scores
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match
+from gemma_tpu.formats.function_calling import CUT_OFF, ParsedReply, ToolCall, arguments_match
 from gemma_tpu.infer.generate import DECODE_CHUNK, Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_RETRIES,
@@ -66,11 +66,10 @@ from gemma_tpu.infer.openai_client import (  # noqa: F401
     HTTPStatusError,
     api_base,
     check_reachable,
-    first_message,
     http_json,
     openai_messages,
     openai_tools,
-    reply_from_message,
+    reply_from_answer,
     served_model_name,
 )
 from gemma_tpu.models import resolve_model
@@ -367,8 +366,8 @@ def _ask_each(base: str, name: str | None, cases: Sequence[Case], max_new_tokens
             preds.append(refuse(case, len(preds) + 1, str(e)))
             texts.append("")
             continue
-        message = first_message(answer, f"{base}/chat/completions")
-        preds.append(reply_from_message(message))
+        reply, message = reply_from_answer(answer, f"{base}/chat/completions", max_new_tokens)
+        preds.append(reply)
         texts.append(json.dumps(message, ensure_ascii=False))
     return refused
 
@@ -630,6 +629,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     print(format_table(results))
+    for label, records in details.items():  # format errors a larger --max-new-tokens would not have made
+        cut = sum(r["kind"] == "format_error" and (r["error"] or "").startswith(CUT_OFF) for r in records)
+        if cut:
+            print(f"note: {label}: {cut} of its format errors are calls cut off at --max-new-tokens "
+                  f"{args.max_new_tokens} (their records' error says so); raise it to score them", file=sys.stderr)
     if not any(c.reference for c in build_cases(convs, args.turns)):
         print(f"note: {args.data} has no reference tool call; the tool rows only say whether a model called a tool "
               f"unasked (the answer_* rows, eval_loss and perplexity judge the answers; answers are cut at "
