@@ -31,7 +31,8 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
 Models: `--model` a base or merged HF directory, `--checkpoint` a gemma-tpu Orbax run directory
 (base + LoRA of `--step`, default the latest), `--endpoint` any OpenAI-compatible server
 (requests carry `messages` + `tools`; calls are read from `tool_calls`, or parsed from `content`).
-`--compare A B` puts two of them (`model:DIR`, `checkpoint:DIR[@STEP]`, `endpoint:URL`) side by side.
+`--compare A B` puts two of them (`model:DIR`, `checkpoint:DIR[@STEP]`, `endpoint:URL[#MODEL]`) side by side
+(`#MODEL`: the served model of that side, such as a base and its LoRA adapter on one vLLM server).
 Local models run on the same JAX/Tunix stack as training.
 """
 
@@ -381,20 +382,29 @@ class Spec:
     target: str
     step: int | None = None
     served: str | None = None
+    own_name: bool = False  # `served` came with the spec (`endpoint:URL#MODEL`): the label names it
 
     @property
     def label(self) -> str:
-        return f"{self.kind}:{self.target}" + (f"@{self.step}" if self.step is not None else "")
+        return (f"{self.kind}:{self.target}" + (f"@{self.step}" if self.step is not None else "")
+                + (f"#{self.served}" if self.own_name else ""))
 
 
 def parse_spec(text: str, step: int | None = None, served: str | None = None) -> Spec:
     kind, sep, target = text.partition(":")
     if not sep or kind not in ("model", "checkpoint", "endpoint") or not target:
-        raise UserError(f"--compare {text!r}: expected model:DIR, checkpoint:DIR[@STEP] or endpoint:URL")
+        raise UserError(f"--compare {text!r}: expected model:DIR, checkpoint:DIR[@STEP] or endpoint:URL[#MODEL]")
     if kind == "checkpoint" and "@" in target and target.rsplit("@", 1)[1].isdigit():
         target, s = target.rsplit("@", 1)
         step = int(s)
-    return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None)
+    # each side its own served model (a base and its adapter on one server): --served-model named one for both, so
+    # such a comparison scored one model twice
+    own = kind == "endpoint" and "#" in target
+    if own:
+        target, served = target.split("#", 1)
+        if not served or not target:
+            raise UserError(f"--compare {text!r}: expected endpoint:URL#MODEL with both the URL and the model name")
+    return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None, own)
 
 
 def check_spec(spec: Spec, timeout: float, api_key: str | None = None, retries: int = 0) -> None:
@@ -548,7 +558,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
     which.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     which.add_argument("--compare", nargs=2, metavar=("A", "B"),
-                       help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL")
+                       help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL[#MODEL] (#MODEL: that side's "
+                            "served model, else --served-model's)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
     # a vLLM server started with an API key (serving.launch with server.api_key_env) answered every request 401
