@@ -600,6 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.step is not None and (args.model or args.endpoint):
         raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
                         f"{'--model' if args.model else '--endpoint'}")
+    # a local model has no served name: `--model DIR --served-model coach` evaluated DIR, the name unused
+    if args.served_model is not None and (args.model or args.checkpoint):
+        raise UserError("--served-model applies to --endpoint (and endpoint: specs of --compare), not "
+                        f"{'--model' if args.model else '--checkpoint'}")
     check_results_file(args.json, {"--data": args.data, "--config": args.config}, results_key="models")
     convs = load_conversations(args.data, cfg.data)
     lm = next((c for c in convs if "text" in c), None)
@@ -612,6 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs = [parse_spec(s, args.step, args.served_model) for s in args.compare]
         if args.step is not None and not any(s.kind == "checkpoint" for s in specs):
             raise UserError(f"--step {args.step} applies to checkpoint: specs, and --compare names none")
+        if args.served_model is not None and not any(s.kind == "endpoint" and not s.own_name for s in specs):
+            raise UserError(f"--served-model {args.served_model} applies to endpoint: specs without their own "
+                            f"#MODEL, and --compare names none")
     elif args.model:
         specs = [Spec("model", args.model)]
     elif args.checkpoint:
