@@ -220,6 +220,10 @@ def api_base(url: str) -> str:
         raise UserError(f"{url!r} is not an http(s) server address ({e}; e.g. http://127.0.0.1:8000)") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError(f"{url!r} is not an http(s) server address (e.g. http://127.0.0.1:8000)")
+    # the API's paths were appended after them (`http://h:8000#coach/v1/chat/completions`): requests went to `/`
+    if parts.fragment or parts.query:
+        raise UserError(f"{url!r}: a server address has no {'#fragment' if parts.fragment else '?query'} (the "
+                        f"model is named by the client's model option, e.g. evaluate's --served-model)")
     url = url.strip().rstrip("/")
     for suffix in ("/chat/completions", "/completions", "/responses", "/models", "/v1"):
         if url.endswith(suffix):
