@@ -32,10 +32,9 @@ from gemma_tpu.infer.openai_client import (
     DEFAULT_RETRIES,
     RETRIES_HELP,
     api_base,
-    first_message,
     http_json,
     openai_messages,
-    reply_from_message,
+    reply_from_answer,
     served_model_name,
 )
 from gemma_tpu.infer.tool_loop import Toolset, run_tool_loop
@@ -64,19 +63,19 @@ class RemoteCoach:
             print(text, file=self.trace, flush=True)
 
     def complete(self, messages: list[dict]) -> dict:
-        """One chat completion; returns `choices[0].message`."""
+        """One chat completion, the whole answer (`choices`, ...)."""
         body: dict[str, Any] = {"messages": openai_messages(messages), "tools": self.toolset.schemas,
                                 "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": False}
         if self.model:
             body["model"] = self.model
-        url = f"{self.base}/chat/completions"
-        return first_message(http_json(url, body, timeout=self.timeout, api_key=self.api_key, retries=self.retries),
-                             url)
+        return http_json(f"{self.base}/chat/completions", body, timeout=self.timeout, api_key=self.api_key,
+                         retries=self.retries)
 
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
-        """The endpoint's next turn: its structured `tool_calls`, else calls parsed from its text."""
-        message = self.complete(messages)
-        return reply_from_message(message), message.get("content") or json.dumps(message.get("tool_calls"))
+        """The endpoint's next turn: its structured `tool_calls`, else calls parsed from its text (a call cut off at
+        --max-tokens says so)."""
+        reply, message = reply_from_answer(self.complete(messages), f"{self.base}/chat/completions", self.max_tokens)
+        return reply, message.get("content") or json.dumps(message.get("tool_calls"))
 
     def ask(self, question: str) -> str:
         return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)

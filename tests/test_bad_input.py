@@ -897,6 +897,12 @@ CASES = [
     Case("evaluate-step-compare-without-checkpoint", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}", "--step", "3"],
          ["--step 3", "checkpoint: specs", "--compare names none"]),
+    Case("evaluate-served-model-with-model", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--model", "{tiny}", "--served-model", "coach"],
+         ["--served-model", "--endpoint", "not --model"]),
+    Case("evaluate-served-model-compare-without-endpoint", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "model:{tiny}", "endpoint:http://127.0.0.1:9#a", "--served-model", "b"],
+         ["--served-model b", "endpoint: specs without their own #MODEL", "--compare names none"]),
     Case("local-chat-no-such-model", "gemma_tpu.chat", ["--model", "{tmp}/nope", "--once", "hi"], ["{tmp}/nope"],
          sub=True),
     # ---- fitness data generator and embedded assets

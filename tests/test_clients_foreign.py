@@ -697,6 +697,27 @@ def test_compare_keeps_the_first_models_results_when_the_second_fails(tmp_path):
     assert f"endpoint:{a}" in proc.stdout  # the finished model's table
 
 
+def test_compare_scores_two_models_of_one_server_each_by_its_name(tmp_path):
+    """A base and its LoRA adapter served by one vLLM server (README: `--model coach` selects the adapter) could not be
+    compared: --served-model named one model for both sides, so the table scored it twice. `endpoint:URL#MODEL` names
+    each side's model, and the label says which."""
+    out = tmp_path / "r.json"
+    handler = type("RecordingNow", (Recording,), {"bodies": []})
+    with http_server(handler) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--compare", f"endpoint:{url}#base",
+                           f"endpoint:{url}/v1#coach", "--limit", "2", "--json", str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert [b["model"] for b in handler.bodies] == ["base", "base", "coach", "coach"]
+        assert list(json.loads(out.read_text())["models"]) == [f"endpoint:{url}#base", f"endpoint:{url}/v1#coach"]
+        handler.bodies.clear()  # a side without its own name takes --served-model's, under the plain label
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--compare", f"endpoint:{url}",
+                           f"endpoint:{url}#coach", "--served-model", "m", "--limit", "1", "--json", str(out))
+        assert proc.returncode == 0 and [b["model"] for b in handler.bodies] == ["m", "coach"], proc.stderr
+        assert list(json.loads(out.read_text())["models"]) == [f"endpoint:{url}", f"endpoint:{url}#coach"]
+    proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--compare", f"endpoint:{url}#", "model:x")
+    assert_one_line_error(proc, "endpoint:URL#MODEL with both the URL and the model name")
+
+
 def test_compare_checks_both_models_before_evaluating_either(tmp_path):
     handler = flaky(503, 0)
     with http_server(handler) as url:

@@ -85,6 +85,16 @@ def test_simulated_device_is_deterministic_and_tools_answer():
         tools.call_tool("get_steps", {"day": "today"}, a)
 
 
+def test_a_null_argument_is_the_tools_default_as_evaluate_scores_it():
+    """A model writing `date:null` (an optional argument spelled out) ran the tool with the text 'None' and got an
+    error back, for a call arguments_match scores as the reference that leaves the date out."""
+    a = SimulatedDevice(3, today=TODAY)
+    assert arguments_match({}, {"date": None})
+    assert tools.call_tool("get_steps", {"date": None}, a) == tools.call_tool("get_steps", {}, a)
+    hr = tools.call_tool("get_heart_rate", {"date": "monday", "metric": None}, a)
+    assert hr["metric"] == "resting" and "error" not in hr
+
+
 class FakeGarmin:
     """Stands in for garminconnect.Garmin: the fields our provider reads, for one day."""
 
@@ -626,7 +636,7 @@ def test_score_judges_text_answers():
 
 
 def test_endpoint_replies_are_read_from_tool_calls_or_content():
-    from gemma_tpu.evaluate.run import openai_messages, reply_from_message
+    from gemma_tpu.infer.openai_client import openai_messages, reply_from_message
 
     msg = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "get_steps", "arguments": '{"date": "today"}'}}]}
@@ -1222,6 +1232,60 @@ def test_a_handover_without_a_call_is_a_format_error_in_evaluate_as_in_the_chat(
     assert preds[0].kind == "format_error"
     metrics = run.score([case], preds)
     assert metrics["declined_accuracy"] == 0 and metrics["format_error_rate"] == 1
+
+
+CUT_CALL = "<start_function_call>call:get_steps{date:<escape>yester"  # a call stopped by the token limit
+
+
+def test_a_call_cut_off_at_the_token_limit_says_so_locally_and_from_an_endpoint(tiny_dir, tmp_path, monkeypatch):
+    """A call that reached --max-new-tokens was reported as the model's own syntax error ('unterminated <escape>
+    string'), in the chats and in evaluate's records alike, with nothing pointing at the limit: a user's tool data
+    with long arguments scored format errors that a larger limit removes. Local and endpoint replies say so."""
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.evaluate import run
+    from gemma_tpu.examples.fitness.chat import Coach
+    from gemma_tpu.formats.function_calling import CUT_OFF, function_token_map
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from gemma_tpu.infer.generate import Generation, LoadedModel
+    from tests.test_clients_foreign import _in_process
+    from tests.test_serving import ScriptedModel, http_server
+
+    class Cut(ScriptedGenerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__([CUT_CALL, CUT_CALL])
+
+        def generate(self, prompts, on_result=None, **kwargs):
+            outs = [Generation([7] * 8, self.texts.pop(0), "length") for _ in prompts]
+            for i, out in enumerate(outs):
+                on_result and on_result(i, out)
+            return outs
+
+    tok = load_tokenizer(tiny_dir)
+    loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake")
+    answer = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=Cut(), trace=None).ask("steps?")
+    assert "malformed" in answer and f"{CUT_OFF} of 8 new tokens" in answer
+    assert Generation([7] * 8, CUT_CALL, "end_of_turn").reply().error.startswith("unterminated")  # not at the limit
+    monkeypatch.setattr(run, "Generator", Cut)
+    case = run.Case({"tools": None, "messages": [{"role": "user", "content": "steps?"}]}, None, [], "steps?")
+    preds, _ = run.predict_local(loaded, [case], DataConfig(), 8, 1, "fake")
+    assert preds[0].kind == "format_error" and preds[0].error.startswith(CUT_OFF)
+
+    class AtTheLimit(ScriptedModel):  # a server answering every request with the cut call, finish_reason length
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._json(200, {"choices": [{"index": 0, "finish_reason": "length",
+                                          "message": {"role": "assistant", "content": CUT_CALL}}]})
+
+    out = tmp_path / "r.json"
+    with http_server(AtTheLimit) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(REPO / "tests" / "data" / "chat_sample.jsonl"),
+                           "--endpoint", url, "--limit", "2", "--max-new-tokens", "12", "--json", str(out))
+        chat = _in_process("serving.chat", "--base-url", url, "--max-tokens", "12", "--once", "steps?")
+    assert chat.returncode == 0 and "malformed" in chat.stdout and f"{CUT_OFF} of 12 new tokens" in chat.stdout
+    assert proc.returncode == 0, proc.stderr
+    records = next(iter(json.loads(out.read_text())["examples"].values()))
+    assert [r["error"].startswith(f"{CUT_OFF} of 12 new tokens") for r in records] == [True, True]
+    assert "2 of its format errors are calls cut off at --max-new-tokens 12" in proc.stderr
 
 
 @pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # en_US.UTF-8 / C.UTF-8 locales

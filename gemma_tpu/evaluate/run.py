@@ -18,7 +18,7 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
                            (text; not a call, a format error or a refusal)
     hallucinated_tool_rate a call names a tool the example does not declare
     no_call_rate           plain text, no call attempted
-    format_error_rate      text that attempts a call which does not parse
+    format_error_rate      text that attempts a call which does not parse (one cut off at --max-new-tokens says so)
     refused_rate           the prompt with --max-new-tokens passes a local model's context, or the server refused
                            the request (HTTP 400/413/422, e.g. a prompt over its context); one line names the
                            conversation, it scores as wrong, and the run goes on
@@ -31,7 +31,8 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
 Models: `--model` a base or merged HF directory, `--checkpoint` a gemma-tpu Orbax run directory
 (base + LoRA of `--step`, default the latest), `--endpoint` any OpenAI-compatible server
 (requests carry `messages` + `tools`; calls are read from `tool_calls`, or parsed from `content`).
-`--compare A B` puts two of them (`model:DIR`, `checkpoint:DIR[@STEP]`, `endpoint:URL`) side by side.
+`--compare A B` puts two of them (`model:DIR`, `checkpoint:DIR[@STEP]`, `endpoint:URL[#MODEL]`) side by side
+(`#MODEL`: the served model of that side, such as a base and its LoRA adapter on one vLLM server).
 Local models run on the same JAX/Tunix stack as training.
 """
 
@@ -58,7 +59,7 @@ from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
 from gemma_tpu.data.batching import Example
 from gemma_tpu.evaluate.answers import answer_scores
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, arguments_match
+from gemma_tpu.formats.function_calling import CUT_OFF, ParsedReply, ToolCall, arguments_match
 from gemma_tpu.infer.generate import DECODE_CHUNK, Generator, load_checkpoint, load_hf_dir
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_RETRIES,
@@ -66,11 +67,10 @@ from gemma_tpu.infer.openai_client import (  # noqa: F401
     HTTPStatusError,
     api_base,
     check_reachable,
-    first_message,
     http_json,
     openai_messages,
     openai_tools,
-    reply_from_message,
+    reply_from_answer,
     served_model_name,
 )
 from gemma_tpu.models import resolve_model
@@ -367,8 +367,8 @@ def _ask_each(base: str, name: str | None, cases: Sequence[Case], max_new_tokens
             preds.append(refuse(case, len(preds) + 1, str(e)))
             texts.append("")
             continue
-        message = first_message(answer, f"{base}/chat/completions")
-        preds.append(reply_from_message(message))
+        reply, message = reply_from_answer(answer, f"{base}/chat/completions", max_new_tokens)
+        preds.append(reply)
         texts.append(json.dumps(message, ensure_ascii=False))
     return refused
 
@@ -382,20 +382,29 @@ class Spec:
     target: str
     step: int | None = None
     served: str | None = None
+    own_name: bool = False  # `served` came with the spec (`endpoint:URL#MODEL`): the label names it
 
     @property
     def label(self) -> str:
-        return f"{self.kind}:{self.target}" + (f"@{self.step}" if self.step is not None else "")
+        return (f"{self.kind}:{self.target}" + (f"@{self.step}" if self.step is not None else "")
+                + (f"#{self.served}" if self.own_name else ""))
 
 
 def parse_spec(text: str, step: int | None = None, served: str | None = None) -> Spec:
     kind, sep, target = text.partition(":")
     if not sep or kind not in ("model", "checkpoint", "endpoint") or not target:
-        raise UserError(f"--compare {text!r}: expected model:DIR, checkpoint:DIR[@STEP] or endpoint:URL")
+        raise UserError(f"--compare {text!r}: expected model:DIR, checkpoint:DIR[@STEP] or endpoint:URL[#MODEL]")
     if kind == "checkpoint" and "@" in target and target.rsplit("@", 1)[1].isdigit():
         target, s = target.rsplit("@", 1)
         step = int(s)
-    return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None)
+    # each side its own served model (a base and its adapter on one server): --served-model named one for both, so
+    # such a comparison scored one model twice
+    own = kind == "endpoint" and "#" in target
+    if own:
+        target, served = target.split("#", 1)
+        if not served or not target:
+            raise UserError(f"--compare {text!r}: expected endpoint:URL#MODEL with both the URL and the model name")
+    return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None, own)
 
 
 def check_spec(spec: Spec, timeout: float, api_key: str | None = None, retries: int = 0) -> None:
@@ -549,7 +558,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
     which.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     which.add_argument("--compare", nargs=2, metavar=("A", "B"),
-                       help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL")
+                       help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL[#MODEL] (#MODEL: that side's "
+                            "served model, else --served-model's)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
     # a vLLM server started with an API key (serving.launch with server.api_key_env) answered every request 401
@@ -592,6 +602,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.step is not None and (args.model or args.endpoint):
         raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
                         f"{'--model' if args.model else '--endpoint'}")
+    # a local model has no served name: `--model DIR --served-model coach` evaluated DIR, the name unused
+    if args.served_model is not None and (args.model or args.checkpoint):
+        raise UserError("--served-model applies to --endpoint (and endpoint: specs of --compare), not "
+                        f"{'--model' if args.model else '--checkpoint'}")
     check_results_file(args.json, {"--data": args.data, "--config": args.config}, results_key="models")
     convs = load_conversations(args.data, cfg.data)
     lm = next((c for c in convs if "text" in c), None)
@@ -604,6 +618,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs = [parse_spec(s, args.step, args.served_model) for s in args.compare]
         if args.step is not None and not any(s.kind == "checkpoint" for s in specs):
             raise UserError(f"--step {args.step} applies to checkpoint: specs, and --compare names none")
+        if args.served_model is not None and not any(s.kind == "endpoint" and not s.own_name for s in specs):
+            raise UserError(f"--served-model {args.served_model} applies to endpoint: specs without their own "
+                            f"#MODEL, and --compare names none")
     elif args.model:
         specs = [Spec("model", args.model)]
     elif args.checkpoint:
@@ -632,6 +649,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     print(format_table(results))
+    for label, records in details.items():  # format errors a larger --max-new-tokens would not have made
+        cut = sum(r["kind"] == "format_error" and (r["error"] or "").startswith(CUT_OFF) for r in records)
+        if cut:
+            print(f"note: {label}: {cut} of its format errors are calls cut off at --max-new-tokens "
+                  f"{args.max_new_tokens} (their records' error says so); raise it to score them", file=sys.stderr)
     if not any(c.reference for c in build_cases(convs, args.turns)):
         print(f"note: {args.data} has no reference tool call; the tool rows only say whether a model called a tool "
               f"unasked (the answer_* rows, eval_loss and perplexity judge the answers; answers are cut at "

@@ -311,6 +311,17 @@ class ParsedReply:
         return self.calls[0] if self.calls else None
 
 
+CUT_OFF = "cut off at the token limit"  # opens the error of a call attempt that reached the limit (`cut_short`)
+
+
+def cut_short(reply: ParsedReply, limit: int) -> ParsedReply:
+    """`reply` of a turn that stopped at its token limit: a call attempt it holds was cut off, not malformed, and
+    its error says so (the fix is a larger limit, not another model; it read as the model's own syntax error)."""
+    if reply.kind != "format_error":
+        return reply
+    return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise max new tokens): {reply.error}")
+
+
 def map_markers(text: str, token_map: dict[str, str] | None) -> str:
     """Write each FunctionGemma marker in `text` as the token the tokenizer has for it (`token_map`, e.g.
     `<start_function_call>` -> `<unused2>` in the plain Gemma 3 vocabulary); no map: `text` as it is."""

@@ -64,11 +64,12 @@ class Generation:
 
     def reply(self) -> fc.ParsedReply:
         """The continuation parsed. One that handed over to a tool (the call stop token) without writing a call is
-        a format error, not an answer in words: evaluate scored it as a correct decline where the chat said so."""
+        a format error, not an answer in words: evaluate scored it as a correct decline where the chat said so. A call
+        cut off by the token limit says so (`fc.cut_short`)."""
         reply = fc.parse_reply(self.text)
         if reply.kind == "text" and self.stop == "call":
             return dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
-        return reply
+        return fc.cut_short(reply, len(self.ids)) if self.stop == "length" else reply
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ import urllib.request
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, parse_reply, plain_gemma_token_map
+from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, cut_short, parse_reply, plain_gemma_token_map
 
 log = logging.getLogger("gemma_tpu.infer.openai_client")
 
@@ -220,6 +220,10 @@ def api_base(url: str) -> str:
         raise UserError(f"{url!r} is not an http(s) server address ({e}; e.g. http://127.0.0.1:8000)") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError(f"{url!r} is not an http(s) server address (e.g. http://127.0.0.1:8000)")
+    # the API's paths were appended after them (`http://h:8000#coach/v1/chat/completions`): requests went to `/`
+    if parts.fragment or parts.query:
+        raise UserError(f"{url!r}: a server address has no {'#fragment' if parts.fragment else '?query'} (the "
+                        f"model is named by the client's model option, e.g. evaluate's --served-model)")
     url = url.strip().rstrip("/")
     for suffix in ("/chat/completions", "/completions", "/responses", "/models", "/v1"):
         if url.endswith(suffix):
@@ -337,3 +341,12 @@ def first_message(resp: dict, url: str) -> dict:
         raise UserError(f"{url}: tool_calls is not a list of {{\"function\": {{...}}}} objects: "
                         f"{json.dumps(calls)[:200]}")
     return message
+
+
+def reply_from_answer(answer: dict, url: str, max_tokens: int) -> tuple[ParsedReply, dict]:
+    """A chat completion's reply (`reply_from_message` of `first_message`) and its message. A call the server cut
+    at `max_tokens` (finish_reason "length") says so (`cut_short`), as a local model's does: it read as the model's
+    own syntax error."""
+    message = first_message(answer, url)
+    reply = reply_from_message(message)
+    return (cut_short(reply, max_tokens) if answer["choices"][0].get("finish_reason") == "length" else reply), message

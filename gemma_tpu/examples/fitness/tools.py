@@ -201,6 +201,9 @@ def call_tool(name: str, arguments: dict[str, Any], provider: Provider) -> dict:
         raise ToolError(f"model called unknown tool {name}")
     import inspect
 
+    # a null argument is one not given (as evaluate's arguments_match reads it): the tool's default, where it ran
+    # with the text 'None' ("unrecognised date 'None'") for a call evaluate scored right
+    arguments = {k: v for k, v in arguments.items() if v is not None}
     params = inspect.signature(fn).parameters
     missing = [p for p, v in params.items() if v.default is inspect.Parameter.empty and p not in arguments]
     extra = [a for a in arguments if a not in params]
