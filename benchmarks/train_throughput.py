@@ -71,6 +71,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
@@ -532,6 +533,7 @@ def main(argv=None) -> int:
                 raise SystemExit("--device cuda: torch does not see CUDA or JAX sees no GPU")
     on_gpu = device == "cuda"
     model = args.model or ("shape:gemma3-1b" if on_gpu else "embedded:gemma3-270m")
+    check_model(model, "--model")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     accelerator = args.accelerator or (accelerator_key(gpu_name) if on_gpu else "")
     from gemma_tpu.train.flops import peak_flops
@@ -613,4 +615,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.cli_main(main))

@@ -184,6 +184,12 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["kill_harness", "--per-chain", "-1"], "argument --per-chain: '-1': expected"),
     (["merge", "--scale", "0"], "argument --scale: '0': expected a number > 0"),
     (["train_throughput", "--seq-len", "0"], "argument --seq-len: '0': expected"),
+    # a model or tokenizer directory that is not there: a traceback, the parent's or a child's after others had run
+    (["data_efficiency", "--tokenizer", "no/such/tok"], "error: --tokenizer no/such/tok: no such directory"),
+    (["train_throughput", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    (["prefix_layouts", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    (["eval_compiles", "--b", "no/such/model"], "error: --b no/such/model: no such directory"),
+    (["startup", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
 ])
 def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, args, needle):
     proc = subprocess.run([sys.executable, f"benchmarks/{args[0]}.py", *args[1:], "--json", str(tmp_path / "r.json")],
