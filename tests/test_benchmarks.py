@@ -190,6 +190,7 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["prefix_layouts", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
     (["eval_compiles", "--b", "no/such/model"], "error: --b no/such/model: no such directory"),
     (["startup", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    (["kill_harness", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
 ])
 def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, args, needle):
     proc = subprocess.run([sys.executable, f"benchmarks/{args[0]}.py", *args[1:], "--json", str(tmp_path / "r.json")],
