@@ -539,10 +539,11 @@ def main(argv=None) -> int:
     from gemma_tpu.train.flops import peak_flops
 
     peak = peak_flops(accelerator, 1) if accelerator else 0.0
+    config, data_path = find_file(args.config), find_file(args.data)  # before the temp dir, which they left behind
     work = Path(args.workdir or tempfile.mkdtemp(prefix="train-throughput-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     spec = {
-        "workdir": str(work), "config": str(find_file(args.config)), "data_path": str(find_file(args.data)),
+        "workdir": str(work), "config": str(config), "data_path": str(data_path),
         "model": model, "dtype": dtype, "device": device, "accelerator": accelerator,
         "batch": args.batch or 4, "seq_len": args.seq_len or (2048 if on_gpu else 512),
         "steps": args.steps, "warmup": args.warmup, "strategy": args.strategy, "set": args.set,
@@ -550,6 +551,10 @@ def main(argv=None) -> int:
         "batches": str(work / "batches.npz"), "torch_attn": args.torch_attn,
     }
     try:
+        from gemma_tpu.core.config import load_config
+
+        for side in ("ours", "unshared"):  # a bad --set/--baseline-set/--accelerator: one line before any child runs
+            load_config(spec["config"], ours_overrides(spec, side))
         if model.startswith(SHAPE_PREFIX):
             shape = model[len(SHAPE_PREFIX):]
             if shape not in SHAPES:

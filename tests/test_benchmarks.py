@@ -3,6 +3,7 @@ the two shared-prefix training layouts."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -191,13 +192,20 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["eval_compiles", "--b", "no/such/model"], "error: --b no/such/model: no such directory"),
     (["startup", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
     (["kill_harness", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    # a bad override was a child's traceback after the data child had rendered the set
+    (["train_throughput", "--set", "bogus.key=1"], "error: override 'bogus.key=1': unknown config key 'bogus'"),
+    (["train_throughput", "--baseline-set", "data.seq_len=x"], "data.seq_len: expected an integer, got 'x'"),
+    (["train_throughput", "--data", "no/such.jsonl"], "no/such.jsonl: no such file"),  # left an empty temp dir
 ])
 def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, args, needle):
+    temp = tmp_path / "tmp"  # what the benchmark would leave in the temp dir
+    temp.mkdir()
     proc = subprocess.run([sys.executable, f"benchmarks/{args[0]}.py", *args[1:], "--json", str(tmp_path / "r.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+                          cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(temp)})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert needle in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []
+    left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's cache, not ours
+    assert list(tmp_path.iterdir()) == [temp] and left == []
 
 
 def test_merge_benchmark_stamps_its_machine_and_date(tmp_path):
