@@ -78,6 +78,21 @@ def test_eval_prefix_cache_tiny(tmp_path):
     assert res["machine"]["cpu_model"]
 
 
+def test_eval_prefix_cache_sides_each_pay_their_compilations(tmp_path):
+    """Prompts with no shared prefix: the cached side runs the uncached side's functions. Generators of one model
+    share their jitted functions, so it ran on the first side's compilations and reported a 781x speed-up (0.0 s)
+    for the same work; each side now compiles its own, as an evaluation run alone does."""
+    out = tmp_path / "eval_prefix_cache.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/eval_prefix_cache.py", "--data", "tests/data/chat_sample.jsonl", "--limit", "2",
+         "--batch-size", "2", "--max-new-tokens", "2", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sides = json.loads(out.read_text())["sides"]
+    assert sides["prefix cache"]["prefix_stats"]["computed"] == 0  # no prefix: the same path as uncached
+    assert sides["prefix cache"]["compilations"] == sides["uncached"]["compilations"] > 0
+
+
 def test_prefix_layouts_tiny(tmp_path):
     """The broadcast shared-prefix layout on the tiny model (window 16, so its suffixes sit past it): its loss
     and LoRA gradients equal one conversation a row. Only the check runs: the timed sides are the check's
