@@ -116,6 +116,11 @@ def main(argv=None) -> int:
         check_results_file(args.json, {"--config": args.config, **{f"--eval {e}": e for e in args.eval}})
     except UserError as e:
         raise SystemExit(f"error: {e}") from None
+    for name, overrides in recipes:  # a bad override failed that recipe's training, after the others had run
+        try:
+            load_config(args.config, overrides)
+        except UserError as e:
+            raise SystemExit(f"error: --recipe {name}: {e}") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     combined, spans, lines = out / "heldout.jsonl", [], []

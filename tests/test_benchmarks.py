@@ -211,14 +211,18 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["train_throughput", "--set", "bogus.key=1"], "error: override 'bogus.key=1': unknown config key 'bogus'"),
     (["train_throughput", "--baseline-set", "data.seq_len=x"], "data.seq_len: expected an integer, got 'x'"),
     (["train_throughput", "--data", "no/such.jsonl"], "no/such.jsonl: no such file"),  # left an empty temp dir
+    (["recipe_sweep", "--config", "configs/tiny.yaml", "--recipe", "a: data.seq_len=x", "--eval",
+      "tests/data/chat_sample.jsonl", "--out", "{tmp}/sweep"],  # each such recipe trained and failed
+     "error: --recipe a: override 'data.seq_len=x': data.seq_len: expected an integer"),
 ])
 def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, args, needle):
     temp = tmp_path / "tmp"  # what the benchmark would leave in the temp dir
     temp.mkdir()
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     proc = subprocess.run([sys.executable, f"benchmarks/{args[0]}.py", *args[1:], "--json", str(tmp_path / "r.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(temp)})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert needle in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert needle in (proc.stderr.strip().splitlines() or [""])[-1], proc.stdout[-2000:] + proc.stderr[-2000:]
     left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's cache, not ours
     assert list(tmp_path.iterdir()) == [temp] and left == []
 
