@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from gemma_tpu.core.errors import UserError
 from tests.conftest import REPO
 
 
@@ -135,6 +136,24 @@ def test_eval_compiles_tiny(tmp_path):
     assert shared[first]["compilations"] >= 2 and shared[second]["compilations"] == 0
     assert separate[second]["compilations"] == separate[first]["compilations"]
     assert res["cpu"]["cpu_model"]
+
+
+def test_recipe_sweep_reads_held_out_sets_as_training_reads_data(tmp_path):
+    """The held-out sets were copied into one JSONL by their text lines: a JSON array (or gzip, Parquet) set made
+    every recipe's evaluation fail after its training; two sets of one name were one column of the table."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from recipe_sweep import combine_heldout
+
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "é"}]}
+    arr, lines = tmp_path / "val.json", tmp_path / "test.jsonl"
+    arr.write_text(json.dumps([row, row], indent=2))
+    lines.write_text("\ufeff" + json.dumps(row) + "\r\n\n" + json.dumps(row))
+    out, spans = combine_heldout([str(arr), str(lines)])
+    assert [json.loads(x) for x in out] == [row] * 4 and spans == [("val", 0, 2), ("test", 2, 4)]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "test.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(UserError, match="another held-out set is also named 'test'"):
+        combine_heldout([str(lines), str(tmp_path / "b" / "test.jsonl")])
 
 
 def test_recipe_sweep_scores_each_set_apart():
