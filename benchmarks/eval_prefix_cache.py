@@ -8,9 +8,10 @@ The first N fitness test conversations are turned into prompts exactly as `pytho
 gemma_tpu.evaluate` does (the conversation up to the first assistant turn, rendered by the model's
 chat format); one loaded model runs them through the generator twice: once prefilling every prompt
 whole, once with the prefix all prompts share (the developer turn with the tool declarations)
-computed once and copied into every batch. Wall times include each side's compilations, as a user
-of `gemma_tpu.evaluate` sees them; `--warm` also times a second pass of each side (compiled, and for
-the cached side with the prefix already computed: what a long evaluation converges to). The predictions (generated ids) must be identical; the script
+computed once and copied into every batch. Wall times include each side's compilations (each side compiles its
+own, counted in the JSON), as a user of `gemma_tpu.evaluate` sees them; `--warm` also times a second pass of
+each side (compiled, and for the cached side with the prefix already computed: what a long evaluation converges
+to). The predictions (generated ids) must be identical; the script
 exits non-zero otherwise. Prints a table; writes JSON (default runs/benchmarks/eval_prefix_cache.json).
 
 The fitness developer turn is the same in every conversation (today's date opens the user turn), so
@@ -86,9 +87,23 @@ def main(argv=None) -> int:
     print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "
           f"shared prefix {shared} tokens; model {args.model}", file=sys.stderr)
 
+    import jax
+    from gemma_tpu.infer import generate as g
+
+    compiles = [0]
+
+    def on_duration(event: str, _secs: float, **_kw) -> None:
+        compiles[0] += "backend_compile" in event
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     sides = {}
     outputs = {}
     for name, cached in (("uncached", False), ("prefix cache", True)):
+        # each side compiles its own functions, as an evaluation run alone does: generators of one model share
+        # their jitted functions (`generate._jitted`), and the second side ran on the first side's compilations
+        g._JIT_PAIRS.clear()
+        jax.clear_caches()
+        compiles[0] = 0
         batch = args.batch_size if cached else (args.uncached_batch_size or args.batch_size)
         gen = Generator(loaded, max_new_tokens=args.max_new_tokens, batch_size=batch, prefix_cache=cached)
         done = 0
@@ -113,7 +128,8 @@ def main(argv=None) -> int:
         sides[name] = {"wall_s": round(wall, 2), "examples_per_s": round(len(prompts) / wall, 4),
                        "warm_wall_s": warm,
                        "prefix_stats": gen.prefix_stats if cached else None,
-                       "tool_accuracy": metrics.get("tool_accuracy"), "batch_size": batch}
+                       "tool_accuracy": metrics.get("tool_accuracy"), "batch_size": batch,
+                       "compilations": compiles[0]}  # XLA backend compilations of the side's first pass and warm one
     identical = [o.ids for o in outputs["uncached"]] == [o.ids for o in outputs["prefix cache"]]
     differ = sum(a.ids != b.ids for a, b in zip(outputs["uncached"], outputs["prefix cache"]))
     speedup = sides["uncached"]["wall_s"] / sides["prefix cache"]["wall_s"]

@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
@@ -139,7 +140,18 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "kill_harness.json"))
     args = p.parse_args(argv)
     check_json(args.json)
+    if args.model:
+        check_model(args.model, "--model")
     work = Path(args.work or tempfile.mkdtemp(prefix="kill-harness-"))
+    try:
+        return harness(args, work)
+    finally:  # a failed reference run or Ctrl-C left the temp dir (the tiny model, the JAX cache) behind
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def harness(args, work: Path) -> int:
+    """The reference run, then the chains of kills and resumes compared with it, in `work`."""
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else None
     if model is None:
@@ -187,8 +199,6 @@ def main(argv=None) -> int:
             shutil.rmtree(ckpt, ignore_errors=True)
     doc = write(args, chains, time.time() - t_all)
     print(table(doc))
-    if not args.work:
-        shutil.rmtree(work, ignore_errors=True)
     return 0 if doc["all_bit_identical"] else 1
 
 
@@ -221,4 +231,4 @@ def table(doc: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.cli_main(main))

@@ -41,6 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
@@ -275,6 +276,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(args)))
         return 0
     check_json(args.json)
+    check_model(args.model, "--model")
     sides = (["check"] if args.check else []) + [s for s in args.sides.split(",") if s]
     if not sides or any(s not in (*SIDES, "check") for s in sides):  # a child's argparse error, after the others ran
         raise SystemExit(f"error: --sides {args.sides!r}: choose from {', '.join(SIDES)}")
@@ -308,4 +310,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.cli_main(main))

@@ -28,6 +28,7 @@ from machine import cpu_label  # noqa: E402
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic  # noqa: E402
 from gemma_tpu.core.config import load_config  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
+from gemma_tpu.data.records import iter_raw  # noqa: E402
 from gemma_tpu.data import load_conversations  # noqa: E402
 from gemma_tpu.evaluate.run import build_cases, score  # noqa: E402
 from gemma_tpu.formats.function_calling import parse_reply  # noqa: E402
@@ -81,6 +82,22 @@ def run_recipe(name: str, overrides: list[str], args, combined: Path, spans: lis
     return {**row, **score_spans(convs, records, spans)}
 
 
+def combine_heldout(paths: list[str]) -> tuple[list[str], list[tuple[str, int, int]]]:
+    """The held-out sets' examples as JSON lines, each set's (label, first, end) span among them. Read by the one
+    reader training uses: their text lines were copied, so a JSON array, gzip or Parquet set trained every recipe
+    and then failed each evaluation; two sets of one file name were one column of the table."""
+    lines: list[str] = []
+    spans: list[tuple[str, int, int]] = []
+    for path in paths:
+        label = Path(path).stem
+        if label in (s[0] for s in spans):
+            raise UserError(f"--eval {path}: another held-out set is also named {label!r}; give the files other names")
+        rows = [json.dumps(obj, ensure_ascii=False) for _, obj in iter_raw(path)]
+        spans.append((label, len(lines), len(lines) + len(rows)))
+        lines += rows
+    return lines, spans
+
+
 def score_spans(convs: list[dict], records: list[dict], spans: list[tuple[str, int, int]]) -> dict[str, dict]:
     """Each held-out set's metrics from one evaluation of all of them (records hold the raw replies)."""
     if len(convs) != len(records):
@@ -116,14 +133,19 @@ def main(argv=None) -> int:
         check_results_file(args.json, {"--config": args.config, **{f"--eval {e}": e for e in args.eval}})
     except UserError as e:
         raise SystemExit(f"error: {e}") from None
+    for name, overrides in recipes:  # a bad override failed that recipe's training, after the others had run
+        try:
+            load_config(args.config, overrides)
+        except UserError as e:
+            raise SystemExit(f"error: --recipe {name}: {e}") from None
+    try:
+        lines, spans = combine_heldout(args.eval)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    combined, spans, lines = out / "heldout.jsonl", [], []
-    for path in args.eval:
-        rows = [line for line in Path(path).read_text().splitlines() if line.strip()]
-        spans.append((Path(path).stem, len(lines), len(lines) + len(rows)))
-        lines += rows
-    combined.write_text("\n".join(lines) + "\n")
+    combined = out / "heldout.jsonl"
+    combined.write_text("".join(line + "\n" for line in lines))
     t0 = time.time()
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda r: run_recipe(r[0], r[1], args, combined, spans), recipes))

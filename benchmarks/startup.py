@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
@@ -73,14 +74,15 @@ def one_process(model_dir: str, parts: list[tuple[str, str]]) -> list[dict]:
     return parts + [{"part": "process wall (incl. interpreter start and exit)", "s": wall, "torch_loaded": None}]
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded:gemma3-270m",
                    help="model whose tokenizer is built (dir or embedded:NAME)")
     p.add_argument("--repeats", type=cli.integer(1), default=3)
     p.add_argument("--json", default=str(REPO / "runs/benchmarks/startup.json"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     check_json(args.json)
+    check_model(args.model, "--model")
     from gemma_tpu.models import resolve_model
 
     model_dir = str(resolve_model(args.model).local_dir)
@@ -114,7 +116,8 @@ def main() -> None:
            "tokenizer_loaders": loaders, "auto_over_project_process_ratio": round(ratio, 3)}
     out = write_json(args.json, doc)
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.cli_main(main))

@@ -71,6 +71,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
@@ -532,15 +533,17 @@ def main(argv=None) -> int:
                 raise SystemExit("--device cuda: torch does not see CUDA or JAX sees no GPU")
     on_gpu = device == "cuda"
     model = args.model or ("shape:gemma3-1b" if on_gpu else "embedded:gemma3-270m")
+    check_model(model, "--model")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     accelerator = args.accelerator or (accelerator_key(gpu_name) if on_gpu else "")
     from gemma_tpu.train.flops import peak_flops
 
     peak = peak_flops(accelerator, 1) if accelerator else 0.0
+    config, data_path = find_file(args.config), find_file(args.data)  # before the temp dir, which they left behind
     work = Path(args.workdir or tempfile.mkdtemp(prefix="train-throughput-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     spec = {
-        "workdir": str(work), "config": str(find_file(args.config)), "data_path": str(find_file(args.data)),
+        "workdir": str(work), "config": str(config), "data_path": str(data_path),
         "model": model, "dtype": dtype, "device": device, "accelerator": accelerator,
         "batch": args.batch or 4, "seq_len": args.seq_len or (2048 if on_gpu else 512),
         "steps": args.steps, "warmup": args.warmup, "strategy": args.strategy, "set": args.set,
@@ -548,6 +551,10 @@ def main(argv=None) -> int:
         "batches": str(work / "batches.npz"), "torch_attn": args.torch_attn,
     }
     try:
+        from gemma_tpu.core.config import load_config
+
+        for side in ("ours", "unshared"):  # a bad --set/--baseline-set/--accelerator: one line before any child runs
+            load_config(spec["config"], ours_overrides(spec, side))
         if model.startswith(SHAPE_PREFIX):
             shape = model[len(SHAPE_PREFIX):]
             if shape not in SHAPES:
@@ -613,4 +620,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.cli_main(main))

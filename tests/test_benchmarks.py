@@ -3,11 +3,13 @@ the two shared-prefix training layouts."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 
+from gemma_tpu.core.errors import UserError
 from tests.conftest import REPO
 
 
@@ -77,6 +79,21 @@ def test_eval_prefix_cache_tiny(tmp_path):
     assert res["machine"]["cpu_model"]
 
 
+def test_eval_prefix_cache_sides_each_pay_their_compilations(tmp_path):
+    """Prompts with no shared prefix: the cached side runs the uncached side's functions. Generators of one model
+    share their jitted functions, so it ran on the first side's compilations and reported a 781x speed-up (0.0 s)
+    for the same work; each side now compiles its own, as an evaluation run alone does."""
+    out = tmp_path / "eval_prefix_cache.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/eval_prefix_cache.py", "--data", "tests/data/chat_sample.jsonl", "--limit", "2",
+         "--batch-size", "2", "--max-new-tokens", "2", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sides = json.loads(out.read_text())["sides"]
+    assert sides["prefix cache"]["prefix_stats"]["computed"] == 0  # no prefix: the same path as uncached
+    assert sides["prefix cache"]["compilations"] == sides["uncached"]["compilations"] > 0
+
+
 def test_prefix_layouts_tiny(tmp_path):
     """The broadcast shared-prefix layout on the tiny model (window 16, so its suffixes sit past it): its loss
     and LoRA gradients equal one conversation a row. Only the check runs: the timed sides are the check's
@@ -119,6 +136,24 @@ def test_eval_compiles_tiny(tmp_path):
     assert shared[first]["compilations"] >= 2 and shared[second]["compilations"] == 0
     assert separate[second]["compilations"] == separate[first]["compilations"]
     assert res["cpu"]["cpu_model"]
+
+
+def test_recipe_sweep_reads_held_out_sets_as_training_reads_data(tmp_path):
+    """The held-out sets were copied into one JSONL by their text lines: a JSON array (or gzip, Parquet) set made
+    every recipe's evaluation fail after its training; two sets of one name were one column of the table."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from recipe_sweep import combine_heldout
+
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "é"}]}
+    arr, lines = tmp_path / "val.json", tmp_path / "test.jsonl"
+    arr.write_text(json.dumps([row, row], indent=2))
+    lines.write_text("\ufeff" + json.dumps(row) + "\r\n\n" + json.dumps(row))
+    out, spans = combine_heldout([str(arr), str(lines)])
+    assert [json.loads(x) for x in out] == [row] * 4 and spans == [("val", 0, 2), ("test", 2, 4)]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "test.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(UserError, match="another held-out set is also named 'test'"):
+        combine_heldout([str(lines), str(tmp_path / "b" / "test.jsonl")])
 
 
 def test_recipe_sweep_scores_each_set_apart():
@@ -184,13 +219,31 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["kill_harness", "--per-chain", "-1"], "argument --per-chain: '-1': expected"),
     (["merge", "--scale", "0"], "argument --scale: '0': expected a number > 0"),
     (["train_throughput", "--seq-len", "0"], "argument --seq-len: '0': expected"),
+    # a model or tokenizer directory that is not there: a traceback, the parent's or a child's after others had run
+    (["data_efficiency", "--tokenizer", "no/such/tok"], "error: --tokenizer no/such/tok: no such directory"),
+    (["train_throughput", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    (["prefix_layouts", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    (["eval_compiles", "--b", "no/such/model"], "error: --b no/such/model: no such directory"),
+    (["startup", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    (["kill_harness", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    # a bad override was a child's traceback after the data child had rendered the set
+    (["train_throughput", "--set", "bogus.key=1"], "error: override 'bogus.key=1': unknown config key 'bogus'"),
+    (["train_throughput", "--baseline-set", "data.seq_len=x"], "data.seq_len: expected an integer, got 'x'"),
+    (["train_throughput", "--data", "no/such.jsonl"], "no/such.jsonl: no such file"),  # left an empty temp dir
+    (["recipe_sweep", "--config", "configs/tiny.yaml", "--recipe", "a: data.seq_len=x", "--eval",
+      "tests/data/chat_sample.jsonl", "--out", "{tmp}/sweep"],  # each such recipe trained and failed
+     "error: --recipe a: override 'data.seq_len=x': data.seq_len: expected an integer"),
 ])
 def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, args, needle):
+    temp = tmp_path / "tmp"  # what the benchmark would leave in the temp dir
+    temp.mkdir()
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     proc = subprocess.run([sys.executable, f"benchmarks/{args[0]}.py", *args[1:], "--json", str(tmp_path / "r.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+                          cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(temp)})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert needle in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []
+    assert needle in (proc.stderr.strip().splitlines() or [""])[-1], proc.stdout[-2000:] + proc.stderr[-2000:]
+    left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's cache, not ours
+    assert list(tmp_path.iterdir()) == [temp] and left == []
 
 
 def test_merge_benchmark_stamps_its_machine_and_date(tmp_path):

@@ -7,6 +7,7 @@ tests/test_sigterm.py's, SIGKILL mid-step tests/test_resume.py's as well."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,3 +28,16 @@ def test_random_kills_resume_bit_identical(tmp_path):
     phases = {k.split(" ", 1)[1] for k in doc["by_signal_and_phase"]}
     assert {"start-up", "mid-step", "after a step (saving)"} <= phases, doc["by_signal_and_phase"]
     assert f"chains resumed bit-identical: {doc['chains']}/{doc['chains']}" in proc.stdout
+
+
+def test_a_failed_reference_run_leaves_no_temp_dir_and_no_json(tmp_path):
+    """A reference run that fails (here: a model directory without config.json) returned 1 and left the harness's
+    temp dir (the tiny model, the JAX cache) behind; so did Ctrl-C. The temp dir goes whatever ends the run."""
+    temp, model = tmp_path / "tmp", tmp_path / "not-a-model"
+    temp.mkdir()
+    model.mkdir()
+    proc = subprocess.run([sys.executable, "benchmarks/kill_harness.py", "--model", str(model), "--json",
+                           str(tmp_path / "kills.json")], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(temp)})
+    assert proc.returncode == 1 and f"{model}/config.json: missing" in proc.stderr, proc.stderr[-2000:]
+    assert list(temp.iterdir()) == [] and not (tmp_path / "kills.json").exists()

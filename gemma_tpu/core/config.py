@@ -279,8 +279,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is Literal:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
-        elif value is True and "on" not in args and {"auto", "off"} <= set(args):
-            value = "auto"  # a choice of auto|off (data.share_prefix): `off` worked and its opposite `on` was refused
+        elif (value is True or value == "on") and "on" not in args and {"auto", "off"} <= set(args):
+            # a choice of auto|off (data.share_prefix): `off` worked and its opposite `on` was refused (quoted too,
+            # as "off" is taken quoted)
+            value = "auto"
         if value not in args:
             hint = ""
             if isinstance(value, bool):  # quoting helps only when the word itself is a choice

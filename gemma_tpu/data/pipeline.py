@@ -96,7 +96,10 @@ class Prepared:
             "examples_per_row": round(rep.kept / max(len(self.rows), 1), 3), "max_loss": self.max_loss,
             "trees": self.trees(),
             "computed_tokens_per_example": round(self.real_tokens() / max(rep.kept, 1), 1),
-            "computed_tokens_per_example_unshared": round(sum(rep.lengths) / max(rep.read, 1), 1),
+            # the kept examples as trained (truncated), one a forward: over every read example, untruncated, it
+            # counted dropped and cut-off tokens, and the training log and --dry-run credited sharing with them
+            "computed_tokens_per_example_unshared": round(
+                sum(len(ex.ids) for r in self.rows for ex in batching.row_examples(r)) / max(rep.kept, 1), 1),
             "shared_prefixes": self.prefixes.stats() if self.prefixes is not None else None,
         }
 
