@@ -431,6 +431,27 @@ def test_untied_output_is_exported_and_its_shape_checked(work, base, capsys):
                           contains=f"tensor lm_head.weight is {list(shape)}, but the config's sizes make it [512, 64]")
 
 
+def test_rope_buffers_are_skipped_a_stray_decoder_tensor_refused(work, base, capsys):
+    """`rotary_emb.inv_freq` buffers (saved by some writers; computed from rope_theta at load, llama.cpp's converter
+    skips them) were refused as 'no place in llama.cpp's gemma3'; any other decoder tensor the GGUF has no
+    place for still is."""
+    from safetensors.numpy import load_file, save_file
+
+    for name, extra in (("inv_freq", "model.layers.0.self_attn.rotary_emb.inv_freq"),
+                        ("stray", "model.layers.0.self_attn.extra_proj.weight")):
+        d = work / f"tiny_{name}"
+        shutil.copytree(base, d)
+        weights = load_file(d / "model.safetensors")
+        save_file({**weights, extra: np.ones(8, np.float32)}, d / "model.safetensors", metadata={"format": "pt"})
+        if name == "inv_freq":
+            assert export("--merged", d, "--out", work / f"{name}.gguf", "--type", "f16") == 0
+            np.testing.assert_allclose(read_tensor(work / f"{name}.gguf", "token_embd.weight"),
+                                       weights["model.embed_tokens.weight"], atol=1e-3)
+        else:
+            _expect_error(capsys, work / f"{name}.gguf", "--merged", d, "--type", "f16",
+                          contains=f"tensor {extra} has no place in llama.cpp's gemma3")
+
+
 @pytest.mark.parametrize("size", [None, 0, -1])
 def test_error_sliding_window_not_positive(work, base, capsys, size):
     """`sliding_window` null, 0 or negative in a model with sliding-window layers: training refuses it, the export
