@@ -437,9 +437,7 @@ def plan_tensors(facts: GGUFFacts, text: dict, weights: sio.WeightsDir, prefix: 
         out.append(OutTensor(name, key, shape, choose_qtype(out_type, name, shape, tied), t.plus_one))
         used.add(key)
     leftovers = [k for k in weights.names() if k not in used]
-    # a RoPE table some writers save (transformers' older models kept rotary_emb.inv_freq as a buffer): computed from
-    # rope_theta at load, by llama.cpp too, whose converter skips it
-    stray = [k for k in leftovers if k.startswith(prefix) and not k.endswith(".rotary_emb.inv_freq")]
+    stray = [k for k in leftovers if k.startswith(prefix) and not sio.is_computed_buffer(k)]  # llama.cpp's skips them
     if stray:
         raise UserError(f"{where}: tensor {stray[0]} has no place in llama.cpp's {facts.arch}")
     return out, leftovers

@@ -58,6 +58,12 @@ SINGLE_FILE = "model.safetensors"
 CHUNK_BYTES = 64 << 20  # unit of streaming copies and casts
 
 
+def is_computed_buffer(name: str) -> bool:
+    """A tensor some writers save that is not a weight: RoPE's inverse frequencies (transformers' older models kept
+    `rotary_emb.inv_freq` as a buffer), computed from config.json at load by transformers, Tunix and llama.cpp."""
+    return name.endswith(".rotary_emb.inv_freq")
+
+
 def st_dtype(dtype: np.dtype | str) -> str:
     """numpy dtype -> safetensors dtype name."""
     dt = np.dtype(dtype)

@@ -34,7 +34,7 @@ import numpy as np
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.core.tracing import cheap_tracer_attribute_errors
-from gemma_tpu.hf.safetensors_io import WeightsDir
+from gemma_tpu.hf.safetensors_io import WeightsDir, is_computed_buffer
 from gemma_tpu.models.registry import Family, Projection
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def _warn_unread(model_dir, family: Family, prefix: str, names, used: set[str]) 
     """Decoder tensors the config does not read (per-layer embeddings of a config that has none, a layer past
     num_hidden_layers) mean config.json and the weights disagree: said once, as transformers says "unexpected
     keys", instead of a model silently built without them. Other towers (vision, audio) are not under `prefix`."""
-    unread = sorted(n for n in names if n.startswith(prefix) and n not in used)
+    unread = sorted(n for n in names if n.startswith(prefix) and n not in used and not is_computed_buffer(n))
     if unread:
         log.warning("%s: %d checkpoint tensor%s under %r not read for this config.json (%s%s): the %s model is built "
                     "without %s; check config.json", model_dir, len(unread), "s" if len(unread) > 1 else "", prefix,
