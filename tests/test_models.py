@@ -462,6 +462,24 @@ def test_non_gemma_config_cli(tiny_dir, tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_hidden_act_is_not_read_as_transformers_does_not_read_it(family):
+    """transformers' Gemma 3 / 4 text models apply `hidden_activation` (default gelu_pytorch_tanh) and never read
+    `hidden_act` (Gemma 1's key; Gemma 4's audio tower's): a config.json carrying only `"hidden_act": "gelu"` was
+    refused as 'hidden_activation='gelu' is not supported', a model transformers and vLLM run."""
+    import transformers
+
+    from gemma_tpu.models import get_family
+
+    cls, arch = {"gemma3": (transformers.Gemma3TextConfig, "Gemma3ForCausalLM"),
+                 "gemma4": (transformers.Gemma4TextConfig, "Gemma4ForCausalLM")}[family]
+    cfg = {"architectures": [arch], "hidden_act": "gelu", "num_hidden_layers": 6}
+    assert cls(**{k: v for k, v in cfg.items() if k != "architectures"}).hidden_activation == "gelu_pytorch_tanh"
+    get_family(family).tunix_config(cfg)  # taken, as transformers takes it
+    with pytest.raises(UserError, match="hidden_activation='gelu'"):
+        get_family(family).tunix_config({**cfg, "hidden_activation": "gelu"})
+
+
 def test_a_family_config_json_contradicts_is_refused_naming_both(tiny_dir, tmp_path):
     """model.family=gemma4 on a Gemma 3 checkpoint was read as a Gemma 4 config: refused for
     'vocab_size_per_layer_input=262144', a key the file lacks (a Gemma 4 read as Gemma 3: its softcap). A config
