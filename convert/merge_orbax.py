@@ -137,7 +137,10 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     base_dir = resolve_base(source, base)
     base_config = read_hf_config(base_dir)
     check_base_matches(source, base_dir, allow_base_mismatch, "merge")
-    base_family = detect_family(base_config, str(base_dir / "config.json"))
+    try:
+        base_family = detect_family(base_config, str(base_dir / "config.json"))
+    except UserError:  # an architecture no family claims: trained as the model.family its metadata records
+        base_family = source.family
     if base_family.name != source.family.name:
         raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
     weights = sio.WeightsDir(base_dir)

@@ -217,6 +217,28 @@ def test_subset_of_targets(work, base):
     assert not np.array_equal(bw.read(k), mw.read(k))
 
 
+def test_base_of_an_architecture_no_family_claims_merges_as_the_family_trained(work, base, monkeypatch):
+    """A base whose config.json names an architecture of its own trains with model.family (and exports to PEFT);
+    its merge was refused as 'unsupported architecture', the recorded family unread."""
+    import functools
+
+    import gemma_tpu.models
+
+    renamed = work / "base_renamed"
+    shutil.copytree(base, renamed)
+    cfg = json.loads((renamed / "config.json").read_text())
+    (renamed / "config.json").write_text(json.dumps({**cfg, "architectures": ["MyGemmaForCausalLM"]}))
+    # as a run with model.family=gemma3 resolves it
+    monkeypatch.setattr(gemma_tpu.models, "resolve_model",
+                        functools.partial(gemma_tpu.models.resolve_model, family="gemma3"))
+    ckpt = work / "ckpt_renamed"
+    ref = make_checkpoint(renamed, ckpt, rank=2, alpha=4.0, targets=["q_proj", "o_proj"], seed=4)
+    out = work / "merged_renamed"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    (out / "config.json").write_text(json.dumps(cfg))  # for transformers to load the numbers
+    assert max_diff(ref, hf_logits(out)) <= TOL
+
+
 def test_multimodal_layout(work, base, lora_ckpt):
     """Decoder under `language_model.model.`, a vision tower copied untouched, LoRA where expected."""
     from safetensors.numpy import load_file, save_file

@@ -10,7 +10,7 @@ import pytest
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.models import load_model, resolve_model
 from gemma_tpu.models.registry import detect_family, supported_architectures
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import REPO, assert_one_line_error, run_cli
 
 PROMPTS = ["Hello world, this is a tiny test of the model!",
            "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
@@ -460,6 +460,45 @@ def test_non_gemma_config_cli(tiny_dir, tmp_path):
                    f"checkpoint.dir={tmp_path}/ck")
     assert_one_line_error(proc, "unsupported architecture LlamaForCausalLM", "Gemma3ForCausalLM")
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_hidden_act_is_not_read_as_transformers_does_not_read_it(family):
+    """transformers' Gemma 3 / 4 text models apply `hidden_activation` (default gelu_pytorch_tanh) and never read
+    `hidden_act` (Gemma 1's key; Gemma 4's audio tower's): a config.json carrying only `"hidden_act": "gelu"` was
+    refused as 'hidden_activation='gelu' is not supported', a model transformers and vLLM run."""
+    import transformers
+
+    from gemma_tpu.models import get_family
+
+    cls, arch = {"gemma3": (transformers.Gemma3TextConfig, "Gemma3ForCausalLM"),
+                 "gemma4": (transformers.Gemma4TextConfig, "Gemma4ForCausalLM")}[family]
+    cfg = {"architectures": [arch], "hidden_act": "gelu", "num_hidden_layers": 6}
+    assert cls(**{k: v for k, v in cfg.items() if k != "architectures"}).hidden_activation == "gelu_pytorch_tanh"
+    get_family(family).tunix_config(cfg)  # taken, as transformers takes it
+    with pytest.raises(UserError, match="hidden_activation='gelu'"):
+        get_family(family).tunix_config({**cfg, "hidden_activation": "gelu"})
+
+
+def test_a_family_config_json_contradicts_is_refused_naming_both(tiny_dir, tmp_path):
+    """model.family=gemma4 on a Gemma 3 checkpoint was read as a Gemma 4 config: refused for
+    'vocab_size_per_layer_input=262144', a key the file lacks (a Gemma 4 read as Gemma 3: its softcap). A config
+    whose architecture no family claims still takes the family named."""
+    from gemma_tpu.core.config import load_config
+    from gemma_tpu.train.plan import make_plan
+
+    with pytest.raises(UserError, match=r"^model.family=gemma4 contradicts .*config.json \(architectures "
+                                        r"Gemma3ForCausalLM: a gemma3 model\)"):
+        resolve_model(str(tiny_dir), family="gemma4")
+    cfg = load_config(REPO / "configs/tiny.yaml", [f"model.path={tiny_dir}", "model.family=gemma4"])
+    with pytest.raises(UserError, match="model.family=gemma4 contradicts"):
+        make_plan(cfg)
+    d = tmp_path / "renamed"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(architectures=["MyGemmaForCausalLM"], model_type="my_gemma")
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert resolve_model(str(d), family="gemma3").family.name == "gemma3"
 
 
 def test_tokenizer_is_built_once_per_content_and_named_after_its_directory(tiny_dir, tmp_path):

@@ -44,7 +44,7 @@ TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 HF_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-               "sliding_window_pattern": SLIDING_WINDOW_PATTERN}
+               "sliding_window_pattern": SLIDING_WINDOW_PATTERN, "hidden_activation": "gelu_pytorch_tanh"}
 
 # The types transformers' Gemma3TextConfig declares for the keys read here (`check_types`; a test holds
 # this table to transformers' own field annotations).
@@ -193,7 +193,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     eps = float(t.get("rms_norm_eps", 1e-6))
     if abs(eps - 1e-6) > 1e-12:
         raise UserError(f"config.json: rms_norm_eps={eps} is not supported (Tunix's Gemma 3 uses 1e-6)")
-    act = t.get("hidden_activation") or t.get("hidden_act") or "gelu_pytorch_tanh"
+    act = t["hidden_activation"]  # transformers' Gemma 3 reads no `hidden_act` (a Gemma 1 key): nor does this
     if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
         raise UserError(f"config.json: hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
     n_layers = int(t["num_hidden_layers"])

@@ -63,7 +63,7 @@ _HF_TYPES = {"full_attention": GLOBAL, "sliding_attention": LOCAL}
 HF_DEFAULTS = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
                "global_head_dim": 512, "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
-               "sliding_window": 512}
+               "sliding_window": 512, "hidden_activation": "gelu_pytorch_tanh"}
 
 # The types transformers' Gemma4TextConfig declares for the keys read here (`check_types`; a test holds
 # this table to transformers' own field annotations).
@@ -241,7 +241,7 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     eps = float(t.get("rms_norm_eps", 1e-6))
     if abs(eps - 1e-6) > 1e-12:
         raise _cfg_error("rms_norm_eps", eps, "Tunix uses 1e-6")
-    act = t.get("hidden_activation") or t.get("hidden_act") or "gelu_pytorch_tanh"
+    act = t["hidden_activation"]  # `hidden_act` is the audio tower's key: transformers' text model reads no such key
     if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
         raise _cfg_error("hidden_activation", act, "tanh-approximated GELU only")
     fields = layout_fields(hf_config)

@@ -13,7 +13,7 @@ import numpy as np
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import check_revision_applies, read_hf_config, resolve_path, safetensors_keys
-from gemma_tpu.models.registry import Family, detect_family, get_family
+from gemma_tpu.models.registry import Family, choose_family
 from gemma_tpu.models.sharded_weights import check_weight_headers
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def resolve_model(spec: str, revision: str | None = None, family: str | None = N
     local = resolve_path(spec, revision)
     check_revision_applies(spec, local, revision)
     hf_config = read_hf_config(local)
-    fam = get_family(family, family_key) if family else detect_family(hf_config, str(local / "config.json"))
+    fam = choose_family(hf_config, family, family_key, str(local / "config.json"))
     return ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
 
 

@@ -470,3 +470,26 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     raise UserError(
         f"{where}: unsupported architecture {got}; supported: {', '.join(supported_architectures())}"
     )
+
+
+def choose_family(hf_config: dict, name: str | None = None, key: str = "model.family",
+                  where: str = "config.json") -> Family:
+    """The family `name` names (`key`: the setting it came from), else the one config.json (`where`) describes.
+
+    A name is for a config.json whose architecture no family claims; one that contradicts the config's (a Gemma 3
+    checkpoint with model.family=gemma4) is refused: read as the other family's config, the model failed on keys
+    its file does not have (a Gemma 3 as Gemma 4: 'vocab_size_per_layer_input=262144', transformers' Gemma 4
+    default), and the merge refuses such a checkpoint's base anyway."""
+    if not name:
+        return detect_family(hf_config, where)
+    family = get_family(name, key)
+    try:
+        described = detect_family(hf_config, where)
+    except UserError:  # an architecture no family claims: the setting decides
+        return family
+    if described is not family:
+        archs = hf_config.get("architectures") or []
+        what = f"architectures {', '.join(map(str, archs))}" if archs else f"model_type {hf_config.get('model_type')!r}"
+        raise UserError(f"{key}={name} contradicts {where} ({what}: a {described.name} model); leave {key} unset "
+                        f"to use the family config.json describes")
+    return family

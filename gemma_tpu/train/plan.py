@@ -73,7 +73,7 @@ from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.tracing import cheap_tracer_attribute_errors
 from gemma_tpu.hf.directory import config_json_for
-from gemma_tpu.models.registry import detect_family, get_family
+from gemma_tpu.models.registry import choose_family
 from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import partition
@@ -299,9 +299,7 @@ def check_plan_args(devices: int | None, assumed_mfu: float | None) -> None:
 
 def family_of(cfg: RunConfig, hf_config: dict, where: str | None = None):
     """The family `model.family` names (its key named when unknown), else the one config.json describes."""
-    if cfg.model.family:
-        return get_family(cfg.model.family, "model.family")
-    return detect_family(hf_config, where) if where else detect_family(hf_config)
+    return choose_family(hf_config, cfg.model.family, "model.family", where or "config.json")
 
 
 def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | None = None,
