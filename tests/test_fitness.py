@@ -425,6 +425,10 @@ def test_arguments_match_normalises_types():
     assert arguments_match({"n": 5, "flag": True, "date": "today"}, {"n": "5", "flag": "true", "date": " Today "})
     assert arguments_match({"n": 5}, {"n": 5.0, "extra": 1})
     assert not arguments_match({"date": "today"}, {"date": "yesterday"})
+    # a leading zero makes an id or a zip code, not a number: '007' matched 7 and '02139' matched '2139'
+    assert not arguments_match({"agent": "007"}, {"agent": 7}) and not arguments_match({"zip": "02139"}, {"zip": "2139"})
+    assert arguments_match({"zip": "02139"}, {"zip": " 02139"}) and arguments_match({"x": "0.5"}, {"x": 0.5})
+    assert arguments_match({"x": "-0.25"}, {"x": -0.25}) and arguments_match({"n": "0"}, {"n": 0})
     assert not arguments_match({"date": "today"}, {})
     # a boolean is not a number (Python's True == 1 matched them): 1 for true, "0" for false, true for a count of 1
     assert not any(arguments_match(r, p) for r, p in (({"flag": True}, {"flag": 1}), ({"flag": False}, {"flag": "0"}),

@@ -529,7 +529,8 @@ def _text_key(v: str) -> str:
 
 def normalise_value(v: Any) -> Any:
     """Compare arguments by meaning, not spelling: '5' == 5 == 5.0, 'True' == true (but not 1), case-insensitive
-    trimmed strings in one Unicode form (`_text_key`), containers element-wise."""
+    trimmed strings in one Unicode form (`_text_key`), containers element-wise. Digits with a leading zero stay text:
+    '007' is not 7."""
     if isinstance(v, bool):
         return _Truth(v)
     if isinstance(v, int):  # exact: 2**53 + 1 is an id, not 2**53 (float() made them equal)
@@ -541,7 +542,7 @@ def normalise_value(v: Any) -> Any:
         low = _text_key(t)
         if low in ("true", "false"):
             return _Truth(low == "true")
-        if _NUMBER.fullmatch(t):
+        if _NUMBER.fullmatch(t) and not re.match(r"-?0\d", t):  # "007", "02139": an id or zip code, not 7 or 2139
             if re.fullmatch(r"-?\d+", t):
                 try:
                     return normalise_value(int(t))  # as the same number written bare
