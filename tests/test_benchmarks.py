@@ -61,17 +61,21 @@ def test_train_throughput_tiny_both_sides(tmp_path):
     assert res["ratio_useful_tokens_per_s"] > 0
 
 
+def _eval_prefix_cache(tmp_path, *args) -> tuple[str, dict]:
+    """benchmarks/eval_prefix_cache.py on the tiny model: (its stdout, its JSON record)."""
+    out = tmp_path / "eval_prefix_cache.json"
+    proc = subprocess.run([sys.executable, "benchmarks/eval_prefix_cache.py", *args, "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
 def test_eval_prefix_cache_tiny(tmp_path):
     """Both sides of the prefix-cache evaluation benchmark on the tiny model: identical predictions,
     a table and the JSON record."""
-    out = tmp_path / "eval_prefix_cache.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/eval_prefix_cache.py", "--limit", "4", "--batch-size", "2",
-         "--max-new-tokens", "4", "--fixed-date", "2025-06-15", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "predictions identical: yes" in proc.stdout and "speed-up" in proc.stdout
-    res = json.loads(out.read_text())
+    stdout, res = _eval_prefix_cache(tmp_path, "--limit", "4", "--batch-size", "2", "--max-new-tokens", "4",
+                                     "--fixed-date", "2025-06-15")
+    assert "predictions identical: yes" in stdout and "speed-up" in stdout
     assert res["identical"] is True and res["settings"]["n"] == 4 and res["settings"]["fixed_date"] == "2025-06-15"
     assert res["sides"]["prefix cache"]["prefix_stats"]["computed"] == 1
     assert res["sides"]["prefix cache"]["prefix_stats"]["reused_batches"] == 2
@@ -83,13 +87,8 @@ def test_eval_prefix_cache_sides_each_pay_their_compilations(tmp_path):
     """Prompts with no shared prefix: the cached side runs the uncached side's functions. Generators of one model
     share their jitted functions, so it ran on the first side's compilations and reported a 781x speed-up (0.0 s)
     for the same work; each side now compiles its own, as an evaluation run alone does."""
-    out = tmp_path / "eval_prefix_cache.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/eval_prefix_cache.py", "--data", "tests/data/chat_sample.jsonl", "--limit", "2",
-         "--batch-size", "2", "--max-new-tokens", "2", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sides = json.loads(out.read_text())["sides"]
+    sides = _eval_prefix_cache(tmp_path, "--data", "tests/data/chat_sample.jsonl", "--limit", "2", "--batch-size",
+                               "2", "--max-new-tokens", "2")[1]["sides"]
     assert sides["prefix cache"]["prefix_stats"]["computed"] == 0  # no prefix: the same path as uncached
     assert sides["prefix cache"]["compilations"] == sides["uncached"]["compilations"] > 0
 
