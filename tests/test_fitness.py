@@ -1269,6 +1269,19 @@ def test_a_call_cut_off_at_the_token_limit_says_so_locally_and_from_an_endpoint(
     answer = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=Cut(), trace=None).ask("steps?")
     assert "malformed" in answer and f"{CUT_OFF} of 8 new tokens" in answer
     assert Generation([7] * 8, CUT_CALL, "end_of_turn").reply().error.startswith("unterminated")  # not at the limit
+    # a text answer cut at the limit keeps its kind and says so (it was shown as if complete)
+    text = Generation([7] * 8, "You walked 5,000 steps and", "length").reply()
+    assert text.kind == "text" and text.error.startswith(f"{CUT_OFF} of 8 new tokens")
+    assert Generation([7] * 8, "You walked 5,000 steps.", "end_of_turn").reply().error is None
+    short = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=ScriptedGenerator(["Done."]), trace=None)
+    assert short.ask("steps?") == "Done."
+
+    class CutText(ScriptedGenerator):
+        def generate(self, prompts, **kwargs):
+            return [Generation([7] * 8, "You walked 5,000 steps and", "length")]
+
+    answer = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=CutText([]), trace=None).ask("steps?")
+    assert answer == f"You walked 5,000 steps and ({CUT_OFF} of 8 new tokens (raise max new tokens))"
     monkeypatch.setattr(run, "Generator", Cut)
     case = run.Case({"tools": None, "messages": [{"role": "user", "content": "steps?"}]}, None, [], "steps?")
     preds, _ = run.predict_local(loaded, [case], DataConfig(), 8, 1, "fake")

@@ -316,7 +316,10 @@ CUT_OFF = "cut off at the token limit"  # opens the error of a call attempt that
 
 def cut_short(reply: ParsedReply, limit: int) -> ParsedReply:
     """`reply` of a turn that stopped at its token limit: a call attempt it holds was cut off, not malformed, and
-    its error says so (the fix is a larger limit, not another model; it read as the model's own syntax error)."""
+    its error says so (the fix is a larger limit, not another model; it read as the model's own syntax error). A
+    text answer keeps its kind, and its `error` says it is cut (it was shown as if complete)."""
+    if reply.kind == "text":
+        return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise max new tokens)")
     if reply.kind != "format_error":
         return reply
     return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise max new tokens): {reply.error}")
