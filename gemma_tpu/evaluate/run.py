@@ -621,9 +621,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.served_model is not None and not any(s.kind == "endpoint" and not s.own_name for s in specs):
             raise UserError(f"--served-model {args.served_model} applies to endpoint: specs without their own "
                             f"#MODEL, and --compare names none")
-        if specs[0] == specs[1]:  # was scored twice, the second labelled "(2)"
-            raise UserError(f"--compare names {specs[0].label} twice: give two models to compare (to score one, "
-                            f"pass it alone)")
     elif args.model:
         specs = [Spec("model", args.model)]
     elif args.checkpoint:
