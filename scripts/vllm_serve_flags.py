@@ -6,7 +6,8 @@ pulling the image and minutes into the container's start).
 
 Maintenance only (the tests read the file, never run this): it downloads the `vllm-tpu==VERSION` wheel (pure
 Python) and the few packages its argument parser imports into a scratch folder, builds the parser of `vllm serve`
-on vLLM's CPU platform (the options do not depend on the platform) and lists every option string. Run it when
+on vLLM's CPU platform (the options do not depend on the platform) and lists every option string, with the values
+it takes where argparse checks them against a fixed set (`--kv-cache-dtype auto bfloat16 ...`). Run it when
 VLLM_TPU_IMAGE changes.
 """
 
@@ -31,7 +32,12 @@ platforms._current_platform = CpuPlatform()
 from vllm.entrypoints.openai.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 parser = make_arg_parser(FlexibleArgumentParser())
-print(json.dumps(sorted({s for a in parser._actions for s in a.option_strings})))
+flags = {s: [] for a in parser._actions for s in a.option_strings}
+for a in parser._actions:  # a fixed set of values argparse checks as written (no converting type, one value)
+    if a.choices is not None and a.type in (None, str) and a.nargs is None:
+        for s in a.option_strings:
+            flags[s] = [str(c) for c in a.choices]
+print(json.dumps(sorted(flags.items())))
 """
 
 
@@ -56,7 +62,9 @@ def main(argv: list[str]) -> int:
         flags = json.loads(out.stdout.strip().splitlines()[-1])
     OUT.write_text(f"# The options of `vllm serve` in vllm-tpu=={version} (the release of the pinned vllm/vllm-tpu "
                    f"image), one a line;\n# made by scripts/vllm_serve_flags.py {version}. serving/config.py checks "
-                   "server.extra_args against them.\n" + "\n".join(flags) + "\n")
+                   "server.extra_args against them.\n# An option whose value argparse checks against a fixed set is "
+                   "followed by that set (vllm serve stops at any other value).\n"
+                   + "\n".join(" ".join([flag, *choices]) for flag, choices in flags) + "\n")
     print(f"{OUT}: {len(flags)} options of vllm-tpu {version}")
     return 0
 

@@ -14,6 +14,7 @@ adapter whose weights do not fit the base (an adapter of another model).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
 from pathlib import Path
@@ -155,10 +156,17 @@ def extra_arg(args: Sequence[str], flag: str) -> str | None:
 VLLM_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.txt")  # made by scripts/vllm_serve_flags.py
 
 
+def vllm_serve_choices() -> dict[str, tuple[str, ...]]:
+    """Each option string `vllm serve` takes in the pinned release (VLLM_TPU_IMAGE), with the values its parser
+    accepts where they are a fixed set (argparse choices), else ()."""
+    lines = VLLM_FLAGS_FILE.read_text(encoding="utf-8").splitlines()
+    return {words[0]: tuple(words[1:]) for words in (line.split() for line in lines if not line.startswith("#"))
+            if words}
+
+
 def vllm_serve_flags() -> frozenset[str]:
     """The option strings `vllm serve` takes in the pinned release (VLLM_TPU_IMAGE)."""
-    lines = VLLM_FLAGS_FILE.read_text(encoding="utf-8").splitlines()
-    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    return frozenset(vllm_serve_choices())
 
 
 def vllm_option(arg: str) -> str | None:
@@ -188,8 +196,6 @@ def unknown_extra_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
     """Each server.extra_args word naming an option the pinned `vllm serve` does not take, with the closest option it
     does (None: nothing close): vLLM stops at such a word with a usage error only on the TPU VM, after the image
     pull."""
-    import difflib
-
     known = vllm_serve_flags()
     out = []
     for arg in args:
@@ -198,6 +204,28 @@ def unknown_extra_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
             continue
         close = difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.75)
         out.append((arg, close[0] if close else None))
+    return out
+
+
+def invalid_choices(args: Sequence[str]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(option, value, its choices) for each server.extra_args option given a value outside the fixed set the pinned
+    `vllm serve` takes (`--kv-cache-dtype fp8_e4m3fn`, `--logprobs-mode=raw`): vLLM's parser stops at it with a
+    usage error, on the TPU VM after the image pull."""
+    choices = vllm_serve_choices()
+    known = frozenset(choices)
+    out = []
+    for i, arg in enumerate(args):
+        option = vllm_option(arg)
+        flag = resolve_vllm_option(option, known) if option is not None else None
+        name, eq, value = arg.partition("=")
+        if not choices.get(flag) or "." in name:  # no fixed set, or a JSON option's field
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                continue
+            value = args[i + 1]
+        if value not in choices[flag]:
+            out.append((flag, value, choices[flag]))
     return out
 
 
@@ -276,6 +304,11 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     if pinned_image(cfg) and typos:
         bad(f"server.extra_args: {_unknown_phrase(typos)} (the options of {VLLM_TPU_IMAGE} are listed in "
             "serving/vllm_serve_flags.txt); vLLM would stop at it on the TPU VM")
+    for flag, value, allowed in invalid_choices(s.extra_args) if pinned_image(cfg) else ():
+        close = difflib.get_close_matches(value, allowed, n=1, cutoff=0.6)
+        bad(f"server.extra_args: {flag} {value!r} is not a value `vllm serve` takes in {VLLM_TPU_IMAGE} "
+            + (f"(did you mean {close[0]}? " if close else "(") + f"it takes {', '.join(allowed)}); "
+            "vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:
         bad(f"server.port must be in 1..65535, got {s.port}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):

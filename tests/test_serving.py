@@ -355,6 +355,12 @@ def _damaged_shard(p):
       "vllm/vllm-tpu:v0.27.0"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching,--kv-cache-dtype=fp8,--enforce_eagre]"],
      ["--enforce_eagre is not an option", "did you mean --enforce-eager?"]),
+    # a value outside an option's fixed set: the same usage error of vLLM's parser, as late
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype,fp8_e4m3fn]"],
+     ["--kv-cache-dtype 'fp8_e4m3fn' is not a value `vllm serve` takes in vllm/vllm-tpu:v0.27.0",
+      "did you mean fp8_e4m3?", "it takes auto, bfloat16, float16, fp8, "]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--logprobs_mode=raw]"],
+     ["--logprobs-mode 'raw' is not a value", "raw_logits, raw_logprobs"]),
 ])
 def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
     d = make(tmp_path / "m")
@@ -1162,11 +1168,13 @@ def test_a_server_open_beyond_loopback_without_a_key_is_warned_of(tmp_path, caps
 
 def test_extra_args_are_read_as_vllms_parser_reads_them(tmp_path, capsys):
     """The pinned release's options pass in every spelling its parser takes ('_' for '-', `--x=V`, a JSON option's
-    `--x.field`, `--no-x`, `-O3`, an unambiguous abbreviation, negative values); with another container.image a
-    word the pinned release lacks is a warning (that image may take it), not a refusal."""
+    `--x.field`, `--no-x`, `-O3`, an unambiguous abbreviation, negative values, a value of an option's fixed set);
+    with another container.image a word the pinned release lacks is a warning (that image may take it), not a
+    refusal."""
     d = fake_model_dir(tmp_path / "m")
     ok = ("server.extra_args=[--enable_prefix_caching, --gpu-memory-utilization=0.9, --compilation-config.mode, 3, "
-          "--no-enable-log-requests, -O3, --seed, -1, --block-size, 32, --disable-log-stat]")
+          "--no-enable-log-requests, -O3, --seed, -1, --kv_cache_dtype=fp8_e5m2, --scheduling-pol, priority, "
+          "--block-size, 32, --disable-log-stat]")
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", ok)
     assert code == 0 and "warning" not in err, err
     serve = words(out)[words(out).index("vllm"):]
