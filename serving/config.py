@@ -24,7 +24,7 @@ from gemma_tpu.core.config import blame, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import check_adapter_fits as check_adapter_sites, read_adapter_config
-from gemma_tpu.hf.safetensors_io import file_tensors
+from gemma_tpu.hf.safetensors_io import WeightsDir
 from gemma_tpu.hf.tokenizer import tokens_named
 from gemma_tpu.models.registry import Family, families, text_config
 
@@ -379,7 +379,8 @@ def vllm_families() -> dict[str, Family]:
 
 
 def check_weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """safetensors weights: one `model.safetensors`, or an index whose every shard is present; each file's
+    """safetensors weights: one `model.safetensors`, or an index whose every shard is present (and no
+    `model.safetensors` beside it naming other weights: `gemma_tpu.hf.safetensors_io.WeightsDir`); each file's
     header read and its tensors' byte ranges inside the file (a copy cut short, a file of something else:
     the server failed on it with a safetensors traceback after starting, vLLM minutes into its start).
     Returns each tensor's shape by name."""
@@ -393,10 +394,11 @@ def check_weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
             if not (model_dir / shard).is_file():
                 raise UserError(f"model dir {model_dir}: shard {shard} listed in model.safetensors.index.json "
                                 "is missing")
-        return {t.name: t.shape for shard in sorted(set(weight_map.values()))
-                for t in file_tensors(model_dir / shard)[0]}
-    if (model_dir / "model.safetensors").is_file():
-        return {t.name: t.shape for t in file_tensors(model_dir / "model.safetensors")[0]}
+    if index.is_file() or (model_dir / "model.safetensors").is_file():
+        # the files as the loader, inspect and verify read them: a stale model.safetensors beside an index naming
+        # other shards was served, the one by transformers serve (--local) and the other by vLLM
+        weights = WeightsDir(model_dir)
+        return {name: weights[name].shape for name in weights.names()}
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if shards:
         raise UserError(f"model dir {model_dir}: sharded weights ({shards[0]}, ...) without "

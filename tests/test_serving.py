@@ -46,7 +46,6 @@ TOOL_NAMES = {"get_steps", "get_daily_step_goal", "get_step_goal_progress", "get
 # ---------------------------------------------------------------------------------- helpers
 
 
-NO_TENSORS = (2).to_bytes(8, "little") + b"{}"  # a valid safetensors file with an empty header
 HIDDEN, Q_OUT = 16, 8  # the one weight the fake models have (layer 0's q_proj) and the fake adapters change
 
 
@@ -63,13 +62,14 @@ def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nes
     text = {"num_key_value_heads": kv, "num_attention_heads": 2 * kv, "max_position_embeddings": 32768}
     cfg = {"architectures": [arch], **({"text_config": text} if nested else text)}
     (root / "config.json").write_text(json.dumps(cfg))
-    if shards:
+    q = {f"model.{'language_model.' if nested else ''}layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN)}
+    if shards:  # the index names each tensor's shard, as a loader checks it does
         names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
         (root / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {}, "weight_map": {f"layer.{i}.weight": n for i, n in enumerate(names)}}))
-        for n in names[1:]:
-            (root / n).write_bytes(NO_TENSORS)
-    q = {f"model.{'language_model.' if nested else ''}layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN)}
+            {"metadata": {}, "weight_map": {**dict.fromkeys(q, names[0]),
+                                            **{f"layer.{i}.weight": n for i, n in enumerate(names) if i}}}))
+        for i, n in enumerate(names[1:], 1):
+            save_tensors(root / n, {f"layer.{i}.weight": (1,)})
     save_tensors(root / (names[0] if shards else "model.safetensors"), q)
     if generation:
         (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
@@ -309,6 +309,23 @@ def _damaged_shard(p):
     return d
 
 
+def _stale_single_file(p):
+    """A model.safetensors left beside an index naming other shards: transformers serve (--local) loaded the file,
+    vLLM the shards."""
+    d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=2)
+    save_tensors(d / "model.safetensors", {"model.language_model.layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN)})
+    return d
+
+
+def _index_names_another_shard(p):
+    """An index naming a tensor's shard wrongly: transformers serve filled that tensor with random values."""
+    d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=2)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["layer.1.weight"] = "model-00001-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return d
+
+
 @pytest.mark.parametrize("config,make,overrides,needles", [
     (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=3"],  # its one KV head copied, but 2 heads
      ["tensor_parallel_size=3", "num_attention_heads=2"]),
@@ -321,6 +338,9 @@ def _damaged_shard(p):
     (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),
     # read by the server only once started: a safetensors traceback (--local), minutes into vLLM's start
     (CONFIG_31B, _damaged_shard, [], ["model-00001-of-00002.safetensors", "unreadable safetensors header"]),
+    (CONFIG_31B, _stale_single_file, [], ["holds both model.safetensors and model.safetensors.index.json",
+                                          "remove the one that is stale"]),
+    (CONFIG_31B, _index_names_another_shard, [], ["tensor layer.1.weight is not in model-00001-of-00002.safetensors"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, generation=False), [], ["generation_config.json"]),
     (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "model.safetensors").unlink()) and p, [], ["no weights"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, template=False), [], ["no chat template"]),
