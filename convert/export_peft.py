@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, type=cli.output_path, help="output adapter directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
-    p.add_argument("--base", help="the base's HF directory when the one recorded at training is not here (a "
-                                  "tool-calling run's adapter ships its tokenizer with the tool-call markers)")
+    p.add_argument("--base", help="the base's HF directory when the one recorded at training is not here, "
+                                  "checked against the fingerprint taken at training (a tool-calling run's adapter "
+                                  "ships its tokenizer with the tool-call markers)")
     p.add_argument("--allow-base-mismatch", action="store_true",
                    help="export even if the recorded base's weights differ from the fingerprint taken at training")
     return p
@@ -118,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_target(out, args.overwrite, protected=[source.dir, *base_dir], marker=PROVENANCE_FILE)
     if recorded_dir and Path(recorded_dir).is_dir():  # the adapter's base_model_name_or_path points there
         check_base_matches(source, Path(recorded_dir), args.allow_base_mismatch, "export_peft")
+    if args.base:  # the base the adapter is for, checked as the merge checks it, whether or not the run ships a
+        # tokenizer from it: another model (a Gemma 4 for a Gemma 3 run, a missing path) was silently ignored
+        given = resolve_base(source, args.base)
+        if recorded_base is None or given.resolve() != recorded_base.resolve():
+            check_base_matches(source, given, args.allow_base_mismatch, "export_peft")
     prefix = module_prefix(source.hf_config)
     sites = checked_lora_sites(source, prefix)
     check_finite_factors(source, sites)
@@ -134,9 +140,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   sio.OutSpec(f"{stem}.lora_B.weight", "F32", (n_out, rank))]
     factors = FactorCache(source, sites)
     tokenizer_base = adapter_tokenizer_base(source, args.base)
-    if tokenizer_base is not None and args.base and (recorded_base is None or
-                                                     tokenizer_base.resolve() != recorded_base.resolve()):
-        check_base_matches(source, tokenizer_base, args.allow_base_mismatch, "export_peft")
     if tokenizer_base is not None:  # refuse tokenizer files the markers cannot be published in, before writing
         check_tool_token_files(tokenizer_base, source.meta.get("token_map") or {})
     tokenizer_bytes = sum((tokenizer_base / n).stat().st_size for n in TOKENIZER_FILES

@@ -1089,6 +1089,24 @@ def test_peft_export_over_the_base_names_it_as_an_input(work, base, lora_ckpt, c
     assert (base / "config.json").is_file()
 
 
+def test_peft_export_checks_the_base_it_is_given(work, lora_ckpt, capsys):
+    """--base names the base the adapter is for; of a run that ships no tokenizer (no tool-call markers) it was
+    ignored: another model (here one of the same shapes, other weights) went unchecked and the adapter was written.
+    It is refused as the merge refuses it, and taken with --allow-base-mismatch."""
+    from convert.export_peft import main
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+    from gemma_tpu.core.cli import cli_main
+
+    other = write_tiny_gemma3(work / "base_other_weights", seed=7)
+    out = work / "adapter_other_base"
+    assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out), "--base", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: base {other} is not the base this checkpoint was trained on"), err
+    assert "--allow-base-mismatch" in err[-1] and leftovers(out) == []
+    assert cli_main(main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(out), "--base", str(other),
+                           "--allow-base-mismatch"]) == 0
+
+
 def test_peft_export_refuses_too_little_disk_before_writing(work, lora_ckpt, capsys, monkeypatch):
     """As the merge and the GGUF export do: a full disk midway named only the temp folder."""
     from convert.export_peft import main
