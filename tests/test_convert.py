@@ -546,7 +546,8 @@ def test_base_is_found_at_the_recorded_revision(monkeypatch, tmp_path):
     from gemma_tpu.checkpoint import restore
 
     calls = []
-    monkeypatch.setattr(restore, "resolve_path", lambda spec, revision=None: calls.append((spec, revision)) or tmp_path)
+    monkeypatch.setattr(restore, "resolve_path",
+                        lambda spec, revision=None, what="model.path": calls.append((spec, revision)) or tmp_path)
     meta = {"base_model": {"path": "google/gemma-3-270m", "local_dir": str(tmp_path / "gone"), "revision": "abc123"}}
     assert restore.base_dir(tmp_path, meta) == tmp_path and calls == [("google/gemma-3-270m", "abc123")]
     calls.clear()
@@ -692,6 +693,13 @@ def test_error_shape_mismatch(work, lora_ckpt, capsys):
     msg = _expect_error(capsys, work / "err4", "--checkpoint", lora_ckpt[0], "--base", other,
                         "--allow-base-mismatch", contains="shape mismatch")  # past the fingerprint check
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "(64, 64)" in msg and "(64, 32)" in msg
+
+
+def test_error_missing_base_names_the_flag(work, lora_ckpt, capsys):
+    """It was named model.path, a setting of training configs that no one had given here."""
+    msg = _expect_error(capsys, work / "err_nobase", "--checkpoint", lora_ckpt[0], "--base", work / "no_such_base",
+                        contains=f"--base {work / 'no_such_base'}: no such directory")
+    assert "model.path" not in msg
 
 
 def test_error_base_without_config(work, base, lora_ckpt, capsys):

@@ -57,8 +57,8 @@ def base_dir(ckpt_dir: str | Path, meta: dict, override: str | Path | None = Non
     """The base model's local directory: `override` if given, else the local directory recorded at
     training time when it still exists, else the recorded spec (hub id / embedded:NAME) resolved at the
     recorded revision, so a hub base comes back exactly as it was trained on."""
-    if override:
-        return resolve_path(str(override))
+    if override:  # every caller's override is a --base flag: an error named model.path, a key nobody had set
+        return resolve_path(str(override), what="--base")
     base = meta.get("base_model") or {}
     local = base.get("local_dir")
     if local and Path(local).is_dir():
