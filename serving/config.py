@@ -153,6 +153,42 @@ def extra_arg(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def extra_arg_values(args: Sequence[str], flag: str) -> list[str] | None:
+    """The values server.extra_args gives a list option `flag` (`--flag A B ...` up to the next option, or
+    `--flag=A`; vLLM keeps the last), or None."""
+    values = None
+    for i, arg in enumerate(args):
+        if vllm_option(arg) == flag and "." not in arg.partition("=")[0]:
+            _, eq, v = arg.partition("=")
+            if eq:
+                values = [v]
+                continue
+            values = []
+            for word in args[i + 1:]:
+                if vllm_option(word) is not None:
+                    break
+                values.append(word)
+    return values
+
+
+# vLLM's packed modules in Gemma 3 and 4 (packed_modules_mapping, vllm/model_executor/models/gemma3.py, gemma4.py):
+# one LoRA layer wraps a group, so --lora-target-modules naming the group or any member of it applies all members
+VLLM_PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def lora_modules_left_out(adapter_modules: Sequence[str], deployed: Sequence[str]) -> list[str]:
+    """The adapter's modules that vLLM, given `--lora-target-modules deployed`, wraps in no LoRA layer
+    (vllm/lora/utils.py is_in_target_modules): it loads the adapter without a word and serves it without their
+    updates."""
+    chosen = set(deployed)
+
+    def applied(module: str) -> bool:
+        return module in chosen or any(module in group and (parent in chosen or chosen & set(group))
+                                       for parent, group in VLLM_PACKED_MODULES.items())
+
+    return [m for m in adapter_modules if not applied(m)]
+
+
 VLLM_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.txt")  # made by scripts/vllm_serve_flags.py
 
 
@@ -534,6 +570,15 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
             ranks.append(adapter_rank(adir, a.name))
             check_adapter_fits(adir, a.name, ranks[-1], weights)
+            deployed = extra_arg_values(cfg.server.extra_args, "--lora-target-modules")
+            targets = read_adapter_config(adir, f"lora.adapters.{a.name}")["target_modules"]
+            left_out = lora_modules_left_out(targets, deployed) if deployed is not None and isinstance(
+                targets, list) else []
+            if left_out:
+                raise UserError(f"server.extra_args: --lora-target-modules {' '.join(deployed)} leaves out "
+                                f"{', '.join(left_out)} of lora.adapters.{a.name}: vLLM would serve the adapter "
+                                "without their updates (another model than the one trained); name them too (or "
+                                "qkv_proj / gate_up_proj) or drop the option")
             check_adapter_tokenizer(adir, a.name, d)
         if ranks:
             need = max(ranks)

@@ -430,6 +430,24 @@ def test_adapter_checks(tmp_path, capsys):
         assert out == ""
 
 
+@pytest.mark.parametrize("deployed, left_out", [
+    ("[--lora-target-modules, o_proj]", "q_proj"),
+    ("[--lora_target_modules=down_proj, --enforce-eager]", "q_proj"),
+    ("[--lora-target-modules, qkv_proj]", None),  # vLLM's packed layer of q, k and v
+    ("[--lora-target-modules, v_proj, o_proj]", None),  # one member wraps the packed layer: q_proj's update applies
+])
+def test_lora_target_modules_leaving_out_an_adapters_module_is_refused(tmp_path, capsys, deployed, left_out):
+    """vLLM's --lora-target-modules wraps only the modules it names (or their packed qkv_proj / gate_up_proj) in LoRA
+    layers and loads an adapter of others without a word: the adapter was served without those updates."""
+    d, a = fake_model_dir(tmp_path / "m"), fake_adapter(tmp_path / "a", r=8)  # targets q_proj
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: coach, dir: {a}}}]", f"server.extra_args={deployed}")
+    if left_out:
+        one_error_line(code, err, f"leaves out {left_out} of lora.adapters.coach", "without their updates")
+    else:
+        assert code == 0 and "--lora-target-modules" in out, err
+
+
 def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     """Matched by the name's tail (`layers.N.self_attn.q_proj`), a multimodal base's vision tower (SigLIP has its
     own q_proj in layers.N) fitted a text adapter's layer the decoder lacks, and an adapter saved for the text-only
