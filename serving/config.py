@@ -535,9 +535,17 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if for_vllm:
         # vLLM (and tpu-inference's JAX models) split the KV heads over tp <= kv devices and copy each KV head
         # to tp / kv devices past that; the query heads are split in both cases
-        if (kv % tp) if tp <= kv else (tp % kv):
-            raise UserError(f"server.tensor_parallel_size={tp} cannot share out num_key_value_heads={kv} "
-                            f"({d}/config.json): use a divisor of {kv} or a multiple of it")
+        kv_counts = [("num_key_value_heads", kv)]
+        global_kv = text.get("num_global_key_value_heads")
+        if (text.get("attention_k_eq_v") and isinstance(global_kv, int) and not isinstance(global_kv, bool)
+                and global_kv > 0 and "full_attention" in (text.get("layer_types") or ["full_attention"])):
+            # Gemma 4's K=V full-attention layers have their own KV-head count, which vLLM shares out alike
+            # (vllm/model_executor/models/gemma4.py asserts it when the engine builds the model)
+            kv_counts.append(("num_global_key_value_heads", global_kv))
+        for key, n in kv_counts:
+            if (n % tp) if tp <= n else (tp % n):
+                raise UserError(f"server.tensor_parallel_size={tp} cannot share out {key}={n} "
+                                f"({d}/config.json): use a divisor of {n} or a multiple of it")
         heads = text.get("num_attention_heads", hf.get("num_attention_heads"))
         if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and heads % tp:
             raise UserError(f"server.tensor_parallel_size={tp} does not divide num_attention_heads={heads} "

@@ -326,6 +326,16 @@ def _index_names_another_shard(p):
     return d
 
 
+def _k_eq_v_gemma4(p, global_kv: int):
+    """A Gemma 4 whose K=V full-attention layers have `global_kv` KV heads (its sliding layers 4)."""
+    d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"].update(attention_k_eq_v=True, num_global_key_value_heads=global_kv,
+                              layer_types=["sliding_attention", "full_attention"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
 @pytest.mark.parametrize("config,make,overrides,needles", [
     (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=3"],  # its one KV head copied, but 2 heads
      ["tensor_parallel_size=3", "num_attention_heads=2"]),
@@ -333,6 +343,9 @@ def _index_names_another_shard(p):
      ["tensor_parallel_size=8", "num_key_value_heads=12"]),
     (CONFIG_270M, _sparse_4b_config, ["server.tensor_parallel_size=6"],  # was "no num_key_value_heads"
      ["tensor_parallel_size=6", "num_key_value_heads=4"]),
+    # vLLM asserts it of the K=V full-attention layers' own count when it builds the model, minutes into the start
+    (CONFIG_31B, lambda p: _k_eq_v_gemma4(p, 3), ["server.tensor_parallel_size=2"],
+     ["tensor_parallel_size=2", "num_global_key_value_heads=3"]),
     (CONFIG_270M, _no_tokenizer, [], ["no tokenizer"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, arch="LlamaForCausalLM"), [], ["LlamaForCausalLM", "Gemma3ForCausalLM"]),
     (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),
