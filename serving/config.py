@@ -460,6 +460,15 @@ def _tokenizer_template(model_dir: Path) -> bool:
         return False
 
 
+def _tokenizer_max_length(model_dir: Path) -> int | None:
+    """tokenizer_config.json's model_max_length, when it is a length (not transformers' 1e30 "no limit")."""
+    try:
+        n = json.loads((model_dir / "tokenizer_config.json").read_text()).get("model_max_length")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 62 else None
+
+
 def chat_template_in(model_dir: Path) -> tuple[str | None, bool]:
     """(template file name or None, whether the directory carries a chat template at all)."""
     for name in ("chat_template.jinja", "chat_template.json"):
@@ -551,9 +560,18 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             raise UserError(f"server.tensor_parallel_size={tp} does not divide num_attention_heads={heads} "
                             f"({d}/config.json)")
         max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
-        if isinstance(max_pos, int) and cfg.server.max_model_len > max_pos:
+        # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
+        long_ok = str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true")
+        if isinstance(max_pos, int) and cfg.server.max_model_len > max_pos and not long_ok:
             raise UserError(f"server.max_model_len={cfg.server.max_model_len} exceeds the model's "
                             f"max_position_embeddings={max_pos}")
+        tok_max = _tokenizer_max_length(d)
+        if tok_max is not None and cfg.server.max_model_len > tok_max and not long_ok and not (
+                isinstance(hf.get("model_max_length"), int) and hf["model_max_length"] >= cfg.server.max_model_len):
+            # vLLM's max length is the smaller of the two (vllm/config/model.py _get_and_verify_max_len), and it
+            # refuses a longer --max-model-len when the engine starts
+            raise UserError(f"server.max_model_len={cfg.server.max_model_len} exceeds model_max_length={tok_max} in "
+                            f"{d}/tokenizer_config.json, which vLLM also bounds the context by")
         tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True))
         if fam.vllm_tied_embeddings_only and tied is False:
             raise UserError(f"model dir {d}: vLLM serves {arch} only with tied embeddings "

@@ -200,6 +200,16 @@ def test_print_config_without_a_config_prints_the_defaults(capsys):
     assert out == "" and one_error_line(code, err, "server.port must be in 1..65535")
 
 
+def test_a_context_past_the_models_limits_is_served_where_vllm_is_told_to_allow_it(tmp_path, capsys):
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the container's environment lets vLLM take a longer --max-model-len than
+    max_position_embeddings or tokenizer_config.json's model_max_length; so does the launcher."""
+    d = _short_tokenizer_limit(tmp_path / "m")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.max_model_len=65536", "server.max_num_batched_tokens=65536",
+                                   "container.env={VLLM_ALLOW_LONG_MAX_MODEL_LEN: '1'}")
+    assert code == 0 and flag(words(out), "--max-model-len") == "65536", err
+
+
 @pytest.mark.parametrize("kv,tp", [(1, 2), (2, 4), (4, 2)])
 def test_tensor_parallel_past_the_kv_heads_is_served(tmp_path, capsys, kv, tp):
     """vLLM copies KV heads to tp > num_key_value_heads devices when tp is a multiple (a one-KV-head Gemma 3 on a
@@ -326,6 +336,13 @@ def _index_names_another_shard(p):
     return d
 
 
+def _short_tokenizer_limit(p, n=1024):
+    """A tokenizer_config.json whose model_max_length is shorter than max_position_embeddings (32768 here)."""
+    d = fake_model_dir(p)
+    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": n}))
+    return d
+
+
 def _k_eq_v_gemma4(p, global_kv: int):
     """A Gemma 4 whose K=V full-attention layers have `global_kv` KV heads (its sliding layers 4)."""
     d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
@@ -343,6 +360,9 @@ def _k_eq_v_gemma4(p, global_kv: int):
      ["tensor_parallel_size=8", "num_key_value_heads=12"]),
     (CONFIG_270M, _sparse_4b_config, ["server.tensor_parallel_size=6"],  # was "no num_key_value_heads"
      ["tensor_parallel_size=6", "num_key_value_heads=4"]),
+    # vLLM bounds the context by the smaller of the two and refuses a longer --max-model-len when the engine starts
+    (CONFIG_270M, _short_tokenizer_limit, [],
+     ["server.max_model_len=2048 exceeds model_max_length=1024", "tokenizer_config.json"]),
     # vLLM asserts it of the K=V full-attention layers' own count when it builds the model, minutes into the start
     (CONFIG_31B, lambda p: _k_eq_v_gemma4(p, 3), ["server.tensor_parallel_size=2"],
      ["tensor_parallel_size=2", "num_global_key_value_heads=3"]),
