@@ -330,6 +330,13 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
             f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
     known = vllm_serve_flags()
+    chunked = [resolve_vllm_option(o, known) for o in map(vllm_option, s.extra_args) if o is not None]
+    chunked = [o for o in chunked if o in ("--enable-chunked-prefill", "--no-enable-chunked-prefill")]
+    if chunked and chunked[-1] == "--no-enable-chunked-prefill" and s.max_num_batched_tokens < s.max_model_len:
+        # vLLM's SchedulerConfig refuses it when the engine starts: a prompt is prefilled in one step
+        bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_model_len="
+            f"{s.max_model_len} with --no-enable-chunked-prefill in server.extra_args; vLLM refuses a prompt "
+            "longer than a step without chunked prefill (raise it, or keep chunked prefill)")
     for arg in s.extra_args:
         option = vllm_option(arg)
         flag = resolve_vllm_option(option, known) if option is not None else None  # `--max-model-l`: abbreviated

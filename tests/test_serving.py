@@ -395,6 +395,10 @@ def _k_eq_v_gemma4(p, global_kv: int):
     # vLLM's SchedulerConfig refuses it minutes into the container's start
     (CONFIG_270M, fake_model_dir, ["server.max_num_seqs=4096"],
      ["server.max_num_batched_tokens=2048", "server.max_num_seqs=4096"]),
+    # vLLM's SchedulerConfig refuses it without chunked prefill, when the engine starts
+    (CONFIG_270M, fake_model_dir,
+     ["server.extra_args=[--no-enable-chunked-prefill]", "server.max_num_batched_tokens=1024"],
+     ["server.max_num_batched_tokens=1024 is below server.max_model_len=2048", "--no-enable-chunked-prefill"]),
     # vLLM keeps the last of a repeated option: the server listened on 9000 while the config (and clients) said 8000
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--port,9000]"], ["--port", "server.port"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max_model_len=100]"], ["server.max_model_len"]),
