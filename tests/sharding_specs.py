@@ -65,13 +65,16 @@ def check(model_dir: str, mesh_name: str, quant: str | None) -> dict:
 
 
 def main(argv):
-    """argv: model dirs, checked on every mesh and with int8 QLoRA; `--mesh=NAME` first: on that mesh only."""
+    """argv: model dirs, checked on every mesh and with int8 QLoRA; `--mesh=NAME` first: on that mesh only; a dir
+    written `DIR@NAME`: that dir on that mesh only (one process for the dirs of several tests: each start-up costs
+    seconds of imports)."""
     out = {}
     only = argv[0].removeprefix("--mesh=") if argv and argv[0].startswith("--mesh=") else None
-    for model_dir in argv[1:] if only else argv:
-        for mesh_name in [only] if only else MESHES:
+    for arg in argv[1:] if only else argv:
+        model_dir, _, mesh = arg.rpartition("@") if "@" in arg else (arg, "", only)
+        for mesh_name in [mesh] if mesh else MESHES:
             out[f"{model_dir}|{mesh_name}|-"] = check(model_dir, mesh_name, None)
-        if not only:
+        if not mesh:
             out[f"{model_dir}|fsdp4_tp2|int8"] = check(model_dir, "fsdp4_tp2", "int8")
     print("RESULT " + json.dumps(out))
 

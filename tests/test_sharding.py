@@ -82,21 +82,35 @@ def tiny_gemma4_dir(tmp_path_factory):
     return tiny.write_tiny_gemma4(tmp_path_factory.mktemp("tiny4") / "gemma4", seed=0, variant="dense")
 
 
-def test_every_parameter_has_the_rule_spec(tiny_dir, tiny_gemma4_dir):
-    """Base weights, LoRA factors, QLoRA weights and Adam state on 1x1x1, fsdp=8, fsdp=4×tp=2 and
-    data=2×fsdp=4 are placed exactly as gemma_tpu.train.partition says."""
+@pytest.fixture(scope="module")
+def specs(tiny_dir, tiny_gemma4_dir, tmp_path_factory):
+    """tests.sharding_specs run once for both tests below (one process: each start-up costs seconds of imports):
+    the tiny Gemma 3 and Gemma 4 on every mesh and with int8 QLoRA, and the one-global-KV-head K=V Gemma 4 on
+    fsdp=4 × tp=2. The placement per model dir and mesh, keyed `DIR|MESH|QUANT`."""
     import os
     import subprocess
     import sys
 
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
     from tests.conftest import REPO
 
-    proc = subprocess.run([sys.executable, "-m", "tests.sharding_specs", str(tiny_dir), str(tiny_gemma4_dir)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900,
+    k_eq_v = write_tiny_gemma4(tmp_path_factory.mktemp("g4kv1") / "g4", seed=0, variant="dense",
+                               num_global_key_value_heads=1)
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding_specs", str(tiny_dir), str(tiny_gemma4_dir),
+                           f"{k_eq_v}@fsdp4_tp2"], cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, **EIGHT})
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     results = json.loads(line[len("RESULT "):])
+    return {"k_eq_v": {k: r for k, r in results.items() if k.startswith(f"{k_eq_v}|")},
+            "tiny": {k: r for k, r in results.items() if not k.startswith(f"{k_eq_v}|")}}
+
+
+@pytest.mark.xdist_group("sharding_specs")  # with the K=V test below: one worker, one run of the fixture
+def test_every_parameter_has_the_rule_spec(specs):
+    """Base weights, LoRA factors, QLoRA weights and Adam state on 1x1x1, fsdp=8, fsdp=4×tp=2 and
+    data=2×fsdp=4 are placed exactly as gemma_tpu.train.partition says."""
+    results = specs["tiny"]
     assert len(results) == 10
     for key, r in results.items():
         assert not r["mismatches"], (key, r["mismatches"][:10])
@@ -115,23 +129,13 @@ def test_every_parameter_has_the_rule_spec(tiny_dir, tiny_gemma4_dir):
             assert r["lora_bytes_per_device"] * fsdp == r["lora_bytes"], (key, r)
 
 
-def test_single_global_kv_head_of_a_k_eq_v_gemma4_loads_on_a_tp_mesh(tmp_path):
+@pytest.mark.xdist_group("sharding_specs")
+def test_single_global_kv_head_of_a_k_eq_v_gemma4_loads_on_a_tp_mesh(specs):
     """A Gemma 4 whose K=V global layers have one KV head (k_einsum (1, D, H)): Tunix annotates its head axis
     with 'tp' whatever its size, and fsdp=4 × tp=2 failed to place it (JAX IndivisibleError traceback at load).
     It loads, with LoRA and Adam state, replicated along that axis as the partition rules say."""
-    import os
-    import subprocess
-    import sys
-
-    from gemma_tpu.assets.tiny import write_tiny_gemma4
-    from tests.conftest import REPO
-
-    d = write_tiny_gemma4(tmp_path / "g4", seed=0, variant="dense", num_global_key_value_heads=1)
-    proc = subprocess.run([sys.executable, "-m", "tests.sharding_specs", "--mesh=fsdp4_tp2", str(d)], cwd=REPO,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, **EIGHT})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    (r,) = json.loads(line[len("RESULT "):]).values()
+    (key, r), = specs["k_eq_v"].items()
+    assert key.endswith("|fsdp4_tp2|-"), key
     assert not r["mismatches"], r["mismatches"][:10]
     assert r["lora"] > 0 and r["opt_checked"] == 2 * r["lora"] and r["split"] >= r["params"] // 3, r
 
