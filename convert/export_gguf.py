@@ -63,8 +63,8 @@ from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, is_reserved, tool_chat_template
 from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.registry import Family, GGUFFacts, detect_family, families, text_config
+from gemma_tpu.models.loading import resolve_model
+from gemma_tpu.models.registry import Family, GGUFFacts, families, text_config
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 CHUNK_BYTES = 16 << 20  # float32 bytes per row chunk
@@ -456,9 +456,8 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         src = Path(args.merged)
         if not src.is_dir():
             raise UserError(f"--merged {src}: no such directory")
-        config = read_hf_config(src)
-        where = str(src / "config.json")
-        family = detect_family(config, where)
+        resolved = resolve_model(str(src))  # the family its merge recorded, else the one config.json describes
+        config, family, where = resolved.hf_config, resolved.family, str(src / "config.json")
         facts = gguf_facts(family, where)
         weights = sio.WeightsDir(src)
         tok_dir, protected = src, [src]
