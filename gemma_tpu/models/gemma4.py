@@ -564,7 +564,7 @@ PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
     (_L + r"moe\.linear", ("fsdp", "tp", None)),
     (_L + r"moe\.(router_logits|router_scale|per_expert_scale)", ()),
     (_L + r"skip_scale", ()),
-    (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ("tp",)),
+    (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ()),  # replicated, as Gemma 3's
 )
 
 
