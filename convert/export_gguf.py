@@ -63,8 +63,8 @@ from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, is_reserved, tool_chat_template
 from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.registry import Family, GGUFFacts, detect_family, families, text_config
+from gemma_tpu.models.loading import resolve_model
+from gemma_tpu.models.registry import Family, GGUFFacts, families, text_config
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 CHUNK_BYTES = 16 << 20  # float32 bytes per row chunk
@@ -260,9 +260,12 @@ def read_vocab(tok_dir: Path, n_rows: int, token_map: dict[str, str], markers: S
         got = special.get(key, -1)
         return got if got is not None and got >= 0 else default
 
+    add_bos = cfg.get("add_bos_token")
+    if add_bos is not None and not isinstance(add_bos, bool):  # bool("false") is True: it was written as true
+        raise UserError(f"{tok_dir / 'tokenizer_config.json'}: add_bos_token={add_bos!r} is not true or false")
     return Vocab(pieces, scores, types, bos=special_id("bos", "bos", 2), eos=special_id("eos", "eos", 1),
                  unk=special_id("unk", "unk", 3), pad=special_id("pad", "pad", 0),
-                 add_bos=bool(cfg.get("add_bos_token", True)))
+                 add_bos=True if add_bos is None else add_bos)
 
 
 def read_chat_template(tok_dir: Path) -> str | None:
@@ -456,9 +459,8 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         src = Path(args.merged)
         if not src.is_dir():
             raise UserError(f"--merged {src}: no such directory")
-        config = read_hf_config(src)
-        where = str(src / "config.json")
-        family = detect_family(config, where)
+        resolved = resolve_model(str(src))  # the family its merge recorded, else the one config.json describes
+        config, family, where = resolved.hf_config, resolved.family, str(src / "config.json")
         facts = gguf_facts(family, where)
         weights = sio.WeightsDir(src)
         tok_dir, protected = src, [src]
@@ -470,13 +472,17 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         merge = plan_merge_tensors(args.checkpoint, args.step, args.base, dtype="float32",
                                    allow_base_mismatch=args.allow_base_mismatch)
         family, config, weights = merge.source.family, merge.base_config, merge.weights
+        where = str(merge.base_dir / "config.json")
         tok_dir, protected = merge.base_dir, [merge.base_dir, merge.source.dir]
         token_map = dict(merge.source.meta.get("token_map") or {})
         provenance = {"checkpoint": str(merge.source.dir.resolve()), "step": merge.source.step,
                       "base": str(merge.base_dir.resolve()),
                       "kind": "lora" if merge.source.is_lora else "full"}
     check_file_target(out, args.overwrite, protected=protected, magic=GGUF_MAGIC)
-    text = family.read_text_config(config)  # keys config.json omits at the values transformers gives them
+    try:
+        text = family.read_text_config(config)  # keys config.json omits at the values transformers gives them
+    except UserError as e:  # its messages open 'config.json:' ('rms_norm_eps=0 is not of type float'): name the file
+        raise UserError(f"{where}: {str(e).removeprefix('config.json: ')}") from None
     check_config(facts, config, text, where)
     if facts.rope is not None:
         facts.rope(text)  # refuses what llama.cpp cannot express

@@ -66,11 +66,11 @@ from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.hf.directory import read_hf_config
+from gemma_tpu.hf.directory import MERGE_RECORD, read_hf_config
 from gemma_tpu.hf.files import generation_config, write_sidecar_files
-from gemma_tpu.models.registry import detect_family
+from gemma_tpu.models.registry import described_family
 
-PROVENANCE_FILE = "gemma_tpu_merge.json"
+PROVENANCE_FILE = MERGE_RECORD
 SLOW_ENV = "GEMMA_TPU_MERGE_SLOW"  # tests only: seconds to sleep after each tensor
 
 
@@ -137,10 +137,8 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     base_dir = resolve_base(source, base)
     base_config = read_hf_config(base_dir)
     check_base_matches(source, base_dir, allow_base_mismatch, "merge")
-    try:
-        base_family = detect_family(base_config, str(base_dir / "config.json"))
-    except UserError:  # an architecture no family claims: trained as the model.family its metadata records
-        base_family = source.family
+    # an architecture no family claims: trained as the model.family its metadata records
+    base_family = described_family(base_config, str(base_dir / "config.json")) or source.family
     if base_family.name != source.family.name:
         raise UserError(f"base {base_dir} is a {base_family.name} model; the checkpoint is {source.family.name}")
     weights = sio.WeightsDir(base_dir)

@@ -27,7 +27,7 @@ from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.fingerprint import check_base
-from gemma_tpu.models.registry import Family, detect_family, get_family
+from gemma_tpu.models.registry import Family, choose_family
 
 
 @dataclasses.dataclass
@@ -67,7 +67,7 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
     if not isinstance(hf_config, dict):
         raise UserError(f"{ckpt_dir}: metadata has no hf_config (the base's config.json)")
     try:
-        family = get_family(base["family"]) if base.get("family") else detect_family(hf_config, f"{ckpt_dir} metadata")
+        family = choose_family(hf_config, base.get("family"), "family", "hf_config")
     except UserError as e:
         raise UserError(f"{ckpt_dir / METADATA_FILE}: base_model: {e}") from None
     lora_config(ckpt_dir, meta)  # a LoRA run's rank, alpha and targets are all recorded

@@ -246,6 +246,10 @@ _TEMPLATE_OWN = {"messages": f"{_OWN}; send the conversation as the request's me
                  "conversation": f"{_OWN}; send the conversation as the request's messages",
                  "tools": f"{_OWN}; send the declarations as the request's tools",
                  "chat_template": "a request may not replace the served model's chat template",
+                 # transformers lets these kwargs replace the tokenizer's own in the template: bos_token "x" began the
+                 # prompt with 'x' after the <bos> the server adds, a text the model never saw in training
+                 **{k: "the served tokenizer's own special token, which the server passes to the chat template"
+                    for k in ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")},
                  **{k: _OWN for k in ("documents", "add_generation_prompt", "continue_final_message", "tokenize",
                                       "padding", "truncation", "max_length", "return_tensors", "return_dict",
                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "load_audio_from_video")}}

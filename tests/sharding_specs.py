@@ -8,6 +8,7 @@ import re
 import sys
 
 MESHES = {"1x1x1": (1, 1, 1), "fsdp8": (1, 8, 1), "fsdp4_tp2": (1, 4, 2), "data2_fsdp4": (2, 4, 1)}
+ONLY_BY_NAME = {"tp8": (1, 1, 8)}  # checked with --mesh=NAME only
 
 
 def check(model_dir: str, mesh_name: str, quant: str | None) -> dict:
@@ -21,7 +22,7 @@ def check(model_dir: str, mesh_name: str, quant: str | None) -> dict:
     from gemma_tpu.train import mesh as mesh_lib
     from gemma_tpu.train import partition
 
-    d, f, t = MESHES[mesh_name]
+    d, f, t = {**MESHES, **ONLY_BY_NAME}[mesh_name]
     resolved = resolve_model(model_dir)
     mesh = mesh_lib.build_mesh(MeshConfig(data=d, fsdp=f, tp=t), devices=jax.devices()[:d * f * t])
     sizes = dict(mesh.shape)

@@ -219,7 +219,9 @@ def test_subset_of_targets(work, base):
 
 def test_base_of_an_architecture_no_family_claims_merges_as_the_family_trained(work, base, monkeypatch):
     """A base whose config.json names an architecture of its own trains with model.family (and exports to PEFT);
-    its merge was refused as 'unsupported architecture', the recorded family unread."""
+    its merge was refused as 'unsupported architecture', the recorded family unread. The merged directory keeps that
+    config.json: loading it (chat, evaluate --model, serving) and its GGUF export take the family its merge
+    recorded; they refused it as 'unsupported architecture'."""
     import functools
 
     import gemma_tpu.models
@@ -235,6 +237,11 @@ def test_base_of_an_architecture_no_family_claims_merges_as_the_family_trained(w
     ref = make_checkpoint(renamed, ckpt, rank=2, alpha=4.0, targets=["q_proj", "o_proj"], seed=4)
     out = work / "merged_renamed"
     assert merge("--checkpoint", ckpt, "--out", out) == 0
+    monkeypatch.undo()
+    assert gemma_tpu.models.resolve_model(str(out)).family.name == "gemma3"
+    from convert.export_gguf import main as export_gguf
+
+    assert export_gguf(["--merged", str(out), "--out", str(work / "renamed.gguf")]) == 0
     (out / "config.json").write_text(json.dumps(cfg))  # for transformers to load the numbers
     assert max_diff(ref, hf_logits(out)) <= TOL
 

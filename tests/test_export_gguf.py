@@ -342,18 +342,22 @@ def test_error_too_little_disk(work, base, capsys, monkeypatch):
     _expect_error(capsys, work / "full.gguf", "--merged", base, "--type", "f16", contains="not enough disk space")
 
 
-def test_error_chat_template_list_of_non_objects(work, base, capsys):
-    """tokenizer_config.json's chat_template as a list of named templates, one entry not an object: an
-    AttributeError traceback before; one line naming the file now, nothing written."""
-    d = work / "bad_template_list"
+@pytest.mark.parametrize("name,edit,contains", [
+    # an AttributeError traceback before
+    ("bad_template_list", {"chat_template": [1]}, "tokenizer_config.json: chat_template is a list holding 1"),
+    # bool("false") is True: the file said to add <bos> (tokenizer.ggml.add_bos_token true)
+    ("add_bos_string", {"add_bos_token": "false"}, "tokenizer_config.json: add_bos_token='false' is not true or false"),
+])
+def test_error_tokenizer_config(work, base, capsys, name, edit, contains):
+    """A tokenizer_config.json value of the wrong kind: one line naming the file, nothing written."""
+    d = work / name
     d.mkdir()
     for p in base.iterdir():
         if p.name != "tokenizer_config.json":
             (d / p.name).symlink_to(p)
     cfg = json.loads((base / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": [1]}))
-    _expect_error(capsys, work / "bad_template_list.gguf", "--merged", d, "--type", "f16",
-                  contains="tokenizer_config.json: chat_template is a list holding 1")
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **edit}))
+    _expect_error(capsys, work / f"{name}.gguf", "--merged", d, "--type", "f16", contains=contains)
 
 
 @pytest.mark.parametrize("name,edit,contains", [
@@ -390,6 +394,8 @@ def test_error_chat_template_list_of_non_objects(work, base, capsys):
     ("eps_negative", {"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be a positive number"),
     ("eps_zero", {"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be a positive number"),
     ("eps_nan", {"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be a positive number"),
+    # an int (transformers refuses it): the message said 'config.json' of no directory
+    ("eps_int", {"rms_norm_eps": 0}, "tiny_eps_int/config.json: rms_norm_eps=0 is not of type float"),
     # was written as tied (llama.cpp reused token_embd), where transformers gives the model a random lm_head
     ("untied_no_lm_head", {"tie_word_embeddings": False}, "tie_word_embeddings is false, but there is no "
                                                           "lm_head.weight tensor"),

@@ -84,6 +84,9 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "chat_template_kwargs.add_generation_prompt", "passes it to the chat template itself"),
     ({"messages": USER, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs.chat_template",
      "may not replace the served model's chat template"),
+    # transformers renders the request's bos_token in place of the tokenizer's: the prompt opened with its text
+    ({"messages": USER, "chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs.bos_token",
+     "the served tokenizer's own special token"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
      "tools[0].function.parameters", "object"),
     # a schema OpenAI refuses (400), which was rendered into the prompt as a declaration of nothing

@@ -140,6 +140,30 @@ def test_single_global_kv_head_of_a_k_eq_v_gemma4_loads_on_a_tp_mesh(specs):
     assert r["lora"] > 0 and r["opt_checked"] == 2 * r["lora"] and r["split"] >= r["params"] // 3, r
 
 
+def test_norm_scales_are_replicated_where_tp_does_not_divide_the_hidden_size(tmp_path):
+    """A Gemma 4 of hidden_size 60 on tp=8 (8 query heads, one KV head, MLP and vocabulary divisible by 8; Gemma 3's
+    config requires hidden_size divisible by the heads, so tp then divides it too): only the RMSNorm scales
+    have the hidden size under tp, and they were refused ('layers.0.pre_attention_norm.scale: dimension 0 (size 60)
+    cannot be split over mesh.tp=8'; loaded past that check, a JAX IndivisibleError traceback); a norm scale is a
+    few bytes a layer, replicated. The model loads with LoRA and Adam state, every array placed as the rules say."""
+    import os
+    import subprocess
+    import sys
+
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from tests.conftest import REPO
+
+    d = write_tiny_gemma4(tmp_path / "g4", seed=0, variant="dense", hidden_size=60, num_attention_heads=8,
+                          num_key_value_heads=1, num_global_key_value_heads=1)
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding_specs", "--mesh=tp8", str(d)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **EIGHT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    (r,) = json.loads(line[len("RESULT "):]).values()
+    assert not r["mismatches"], r["mismatches"][:10]
+    assert r["lora"] > 0 and r["opt_checked"] == 2 * r["lora"] and r["split"] >= r["params"] // 3, r
+
+
 def test_single_kv_head_lora_keeps_its_placement_one_compile(tmp_path):
     """A Gemma 4 E2B-like model (one KV head, per-layer embeddings) on fsdp=4 × tp=2: XLA handed the kv_einsum LoRA B
     back split over tp after step 1 (its rule placement: replicated), so step 2 compiled the train step again

@@ -63,6 +63,22 @@ def read_hf_config(model_dir: Path) -> dict:
     return read_json_object(path, f"{path}: missing (not a Hugging Face model directory)")
 
 
+# the record `convert.merge_orbax` writes into a merged directory; its `base.family` names the merged model's family
+MERGE_RECORD = "gemma_tpu_merge.json"
+
+
+def recorded_family(model_dir: Path) -> str | None:
+    """The family a merge recorded in its output directory (`base.family` of MERGE_RECORD); None without one.
+    A base whose config.json names an architecture no family claims trains with model.family, and its merge keeps
+    that config.json: the record is what says which family the merged model is."""
+    path = Path(model_dir) / MERGE_RECORD
+    if not path.is_file():
+        return None
+    base = read_json_object(path, f"{path}: missing").get("base")
+    family = base.get("family") if isinstance(base, dict) else None
+    return family if isinstance(family, str) and family else None
+
+
 def safetensors_keys(model_dir: Path) -> dict[str, str]:
     """key -> file name of the weights transformers would load (`safetensors_io.WeightsDir`)."""
     from gemma_tpu.hf.safetensors_io import WeightsDir

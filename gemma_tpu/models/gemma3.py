@@ -344,7 +344,9 @@ ATTENTION_MLP_PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
 )
 PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
     (_L + r"attn\._(query|key)_norm\.scale", ()),  # Tunix: no sharding on head_dim
-    (r"(layers\.\d+\.)?\w*norm\.scale", ("tp",)),
+    # replicated, where Tunix says 'tp' (gemma_tpu.train.partition.TUNIX_WEIGHTS): a few KB a layer, of a size
+    # tp need not divide
+    (r"(layers\.\d+\.)?\w*norm\.scale", ()),
 )
 
 

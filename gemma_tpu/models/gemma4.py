@@ -129,6 +129,15 @@ def layout_fields(hf_config: dict) -> dict:
     shared = int(t.get("num_kv_shared_layers") or 0)
     if not 0 <= shared < n:
         raise _cfg_error("num_kv_shared_layers", shared, f"must be in [0, {n})")
+    if not t.get("enable_moe_block"):
+        # transformers builds a dense model from such a config and drops the checkpoint's experts and router:
+        # an MoE config.json that lost its flag trained and merged a different (dense) model without a word
+        given = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if t.get(k) is not None]
+        if given:
+            flag = "false" if "enable_moe_block" in t else "unset"
+            raise UserError(f"config.json: {given[0]}={t[given[0]]!r} with enable_moe_block={flag}: transformers "
+                            f"builds a dense model and ignores the experts; set enable_moe_block to true for a "
+                            f"mixture-of-experts model, or remove {', '.join(given)}")
     first = n - shared
     for i in range(first, n):
         if types[i] not in types[:first]:
@@ -555,7 +564,7 @@ PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
     (_L + r"moe\.linear", ("fsdp", "tp", None)),
     (_L + r"moe\.(router_logits|router_scale|per_expert_scale)", ()),
     (_L + r"skip_scale", ()),
-    (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ("tp",)),
+    (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ()),  # replicated, as Gemma 3's
 )
 
 

@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.hf.directory import check_revision_applies, read_hf_config, resolve_path, safetensors_keys
+from gemma_tpu.hf.directory import (
+    MERGE_RECORD,
+    check_revision_applies,
+    read_hf_config,
+    recorded_family,
+    resolve_path,
+    safetensors_keys,
+)
 from gemma_tpu.models.registry import Family, choose_family
 from gemma_tpu.models.sharded_weights import check_weight_headers
 
@@ -43,10 +50,13 @@ class ResolvedModel:
 
 def resolve_model(spec: str, revision: str | None = None, family: str | None = None,
                   family_key: str = "model.family") -> ResolvedModel:
-    """`family_key` names where `family` came from, for the error when it is unknown."""
+    """`family_key` names where `family` came from, for the error when it is unknown. Without `family`, a merged
+    directory's is the one its merge recorded (`recorded_family`), else the one config.json describes."""
     local = resolve_path(spec, revision)
     check_revision_applies(spec, local, revision)
     hf_config = read_hf_config(local)
+    if not family:
+        family, family_key = recorded_family(local), f"{local / MERGE_RECORD}: base.family"
     fam = choose_family(hf_config, family, family_key, str(local / "config.json"))
     return ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
 

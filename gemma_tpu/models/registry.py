@@ -472,6 +472,14 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     )
 
 
+def described_family(hf_config: dict, where: str = "config.json") -> Family | None:
+    """The family config.json describes; None where no family claims its architecture (a setting decides then)."""
+    try:
+        return detect_family(hf_config, where)
+    except UserError:
+        return None
+
+
 def choose_family(hf_config: dict, name: str | None = None, key: str = "model.family",
                   where: str = "config.json") -> Family:
     """The family `name` names (`key`: the setting it came from), else the one config.json (`where`) describes.
@@ -483,11 +491,8 @@ def choose_family(hf_config: dict, name: str | None = None, key: str = "model.fa
     if not name:
         return detect_family(hf_config, where)
     family = get_family(name, key)
-    try:
-        described = detect_family(hf_config, where)
-    except UserError:  # an architecture no family claims: the setting decides
-        return family
-    if described is not family:
+    described = described_family(hf_config, where)
+    if described is not None and described is not family:  # None: an architecture no family claims, name decides
         archs = hf_config.get("architectures") or []
         what = f"architectures {', '.join(map(str, archs))}" if archs else f"model_type {hf_config.get('model_type')!r}"
         raise UserError(f"{key}={name} contradicts {where} ({what}: a {described.name} model); leave {key} unset "

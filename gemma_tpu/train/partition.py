@@ -17,6 +17,7 @@ Derived rules, never written out per family:
   collapsed to 1, which are replicated;
 * optimizer state (Adam's mu and nu, the accumulated gradient of gradient accumulation) has the spec
   of the parameter it belongs to;
+* RMSNorm scales are replicated (`TUNIX_WEIGHTS` makes Tunix's annotation agree);
 * a dimension of size 1 is never split (Tunix itself replicates a single KV head); any other
   dimension that a named axis does not divide is an error, raised before anything is loaded.
 
@@ -47,6 +48,10 @@ ACTIVATIONS: dict[str, Spec] = {
     "act_btf": (BATCH_AXES, None, "tp"),
     "act_btnh": (BATCH_AXES, None, "tp", None),
 }
+
+# Tunix ShardingConfig fields for weights where the families' rules differ from Tunix's own annotation: RMSNorm
+# scales replicated (Tunix: 'tp' over the hidden size, which a tp that does not divide it refused; a few KB a layer).
+TUNIX_WEIGHTS: dict[str, Spec] = {"rms_norm_weight": ()}
 
 _LORA = re.compile(r"^(?P<base>.+)_lora_(?P<ab>[ab])$")
 _QUANT = re.compile(r"^(?P<base>.+)\.array\.(?P<part>qvalue|scale)$")
@@ -160,13 +165,13 @@ def expected_specs(family, tunix_cfg, flat: Iterable[tuple[str, tuple[int, ...]]
 
 
 def with_activation_rules(tunix_cfg):
-    """The Tunix config with our activation specs (batch over data and fsdp)."""
+    """The Tunix config with our activation specs (batch over data and fsdp) and weight specs (`TUNIX_WEIGHTS`)."""
     shd = getattr(tunix_cfg, "shd_config", None)
     if shd is None:
         return tunix_cfg
     fields = {f.name for f in dataclasses.fields(shd)}
     return dataclasses.replace(tunix_cfg, shd_config=dataclasses.replace(
-        shd, **{k: v for k, v in ACTIVATIONS.items() if k in fields}))
+        shd, **{k: v for k, v in {**ACTIVATIONS, **TUNIX_WEIGHTS}.items() if k in fields}))
 
 
 @contextlib.contextmanager

@@ -29,13 +29,16 @@ Per device (a dimension split over mesh axes holds size / product-of-axis-sizes;
   attention over T = seq_len keys (Tunix materialises the full T×T scores, also in sliding layers),
   and model dims split tp ways:
 
-      full_l  = b·(8·D + 6·N·Hq + 6·K·Hk + 8·F)/tp + 3·b·N·T/tp      bytes per token
+      full_l  = b·(8·D + 6·N·Hq + 6·K·Hk + 8·F − u)/tp + 3·b·N·T/tp      bytes per token
                 (residual and norm outputs; q, k, v before and after norm/RoPE, the scaled queries
                 and the attention output; gate, up, the tanh-GELU's intermediates and the product;
                 the attention logits, probabilities and their gradient: the coefficients are fitted
                 to XLA's compiled memory (CPU) from 2 to 6 layers, 4 to 8 heads, head sizes 16 to
                 256, widths 64 to 640 - within 0.95-1.25 of it, where one copy of the
-                probabilities per layer gave 0.55 at 270M-like widths)
+                probabilities per layer gave 0.55 at 270M-like widths; these are for LoRA on all seven
+                projections or a full fine-tune. u: what the projections a LoRA run leaves untargeted save,
+                `UNTARGETED_SAVES`: 3·N·Hq for q, 1.5·2·K·Hk for k and for v, 2·N·Hq for o, 1.25·F for gate
+                and for up, F for down, fitted likewise)
       saved_l = full_l               remat none
               = b·8·D/tp             remat block   (attention and MLP blocks recomputed)
               = b·D/tp               remat decoder (only each layer's input is kept)
@@ -245,12 +248,23 @@ def layer_dims(shapes: dict, tcfg) -> list[LayerDims]:
     return out
 
 
+# What a projection that carries no LoRA saves of `full_l` (values per token; the formula's coefficients are for all
+# seven targeted, or a full fine-tune): a LoRA site keeps its input for A's gradient, and XLA then keeps more around
+# it. Fitted to XLA's compiled peak (CPU, 3 and 6 layers, GQA and MHA) with one to four of the seven targeted: within
+# 0.96-1.01 of it, where counting all seven gave 1.2-1.34.
+UNTARGETED_SAVES = {"q_proj": lambda d: 3 * d.nq, "k_proj": lambda d: 1.5 * d.nkv, "v_proj": lambda d: 1.5 * d.nkv,
+                    "o_proj": lambda d: 2 * d.nq, "gate_proj": lambda d: 1.25 * d.F,
+                    "up_proj": lambda d: 1.25 * d.F, "down_proj": lambda d: d.F}
+
+
 def activation_bytes(dims: list[LayerDims], tokens: float, seq_len: int, b: int, tp: int, remat: str,
-                     vocab: int, loss_rows: float) -> tuple[float, str]:
-    """The activation formula of the module docstring; returns (bytes, a short breakdown)."""
+                     vocab: int, loss_rows: float, untargeted: frozenset[str] = frozenset()) -> tuple[float, str]:
+    """The activation formula of the module docstring; returns (bytes, a short breakdown). `untargeted`: the
+    projections of `UNTARGETED_SAVES` that a LoRA run leaves without LoRA."""
 
     def full(d: LayerDims) -> float:
-        return b * (8 * d.D + 6 * d.nq + 3 * d.nkv + 8 * d.F) / tp + 3 * b * d.heads * seq_len / tp
+        saved = sum(UNTARGETED_SAVES[name](d) for name in untargeted)
+        return b * (8 * d.D + 6 * d.nq + 3 * d.nkv + 8 * d.F - saved) / tp + 3 * b * d.heads * seq_len / tp
 
     def saved(d: LayerDims) -> float:
         return {"none": full(d), "block": b * 8 * d.D / tp, "decoder": b * d.D / tp}[remat]
@@ -401,7 +415,9 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     if not cfg.data.max_loss_tokens:
         notes.append(f"loss positions per row assumed {T} (data.max_loss_tokens unset)")
     dims = layer_dims(shapes, tcfg)
-    act, act_note = activation_bytes(dims, tokens_dev, T, b, sizes["tp"], remat, tcfg.num_embed, b_dev * M)
+    untargeted = frozenset(UNTARGETED_SAVES) - set(cfg.lora.targets) if cfg.lora.enabled else frozenset()
+    act, act_note = activation_bytes(dims, tokens_dev, T, b, sizes["tp"], remat, tcfg.num_embed, b_dev * M,
+                                     untargeted)
     terms.append(Term("activations", act, f"remat {remat}, {b_dev:g}×{T} tokens/device; {act_note}"))
     terms.append(Term("batch inputs", b_dev * (4 * T + 3 * M) * 4,
                       "tokens, positions, segments, prefix segments, loss buffers"))
