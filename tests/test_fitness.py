@@ -424,6 +424,11 @@ def test_every_trained_turn_is_scored_with_turns_all(tmp_path):
 def test_arguments_match_normalises_types():
     assert arguments_match({"n": 5, "flag": True, "date": "today"}, {"n": "5", "flag": "true", "date": " Today "})
     assert arguments_match({"n": 5}, {"n": 5.0, "extra": 1})
+    # one rule at every depth: extra keys inside an object argument (or a list's objects) pass as top-level ones do
+    assert arguments_match({"f": {"type": "run"}}, {"f": {"type": "Run", "min_km": 5}, "extra": 1})
+    assert arguments_match({"fs": [{"a": 1}]}, {"fs": [{"a": "1", "b": None, "c": 2}]})
+    assert not arguments_match({"f": {"a": None}}, {"f": {"a": 1}}) and not arguments_match({"a": None}, {"a": 1})
+    assert not arguments_match({"f": {"type": "run", "n": 2}}, {"f": {"type": "run", "min_km": 5}})
     assert not arguments_match({"date": "today"}, {"date": "yesterday"})
     # a leading zero makes an id or a zip code, not a number: '007' matched 7 and '02139' matched '2139'
     assert not arguments_match({"agent": "007"}, {"agent": 7}) and not arguments_match({"zip": "02139"}, {"zip": "2139"})

@@ -10,7 +10,8 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
                            turn of several calls: every one is matched by a call of its name, in any order), or,
                            where the reference makes no call, a reply without one
     argument_accuracy      ... and every reference argument is equal (types normalised: 5 == "5"; a reference null
-                           matches one left out; fractional numbers within 1e-6: `arguments_match`)
+                           matches one left out; fractional numbers within 1e-6; extra predicted keys pass, inside
+                           object arguments too: `arguments_match`)
     call_tool_accuracy, call_argument_accuracy
                            the same over the call_n conversations whose reference makes a call: tool-name and
                            argument accuracy proper (equal to the two above on data where every reference calls)
