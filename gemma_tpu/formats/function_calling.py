@@ -325,6 +325,18 @@ def cut_short(reply: ParsedReply, limit: int) -> ParsedReply:
     return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise max new tokens): {reply.error}")
 
 
+NO_CALL_AT_STOP = "no call before the call stop token"  # the error of a turn that handed over without a call
+
+
+def handed_over(reply: ParsedReply) -> ParsedReply:
+    """`reply` of a turn that stopped at the call stop marker (START_RESPONSE: the model handing over to a tool):
+    without a call it is a format error, not an answer in words (a correct decline where none is due). One rule for
+    a local model (`Generation.reply`) and an endpoint (`openai_client.reply_from_answer`)."""
+    if reply.kind != "text":
+        return reply
+    return dataclasses.replace(reply, kind="format_error", error=NO_CALL_AT_STOP)
+
+
 def map_markers(text: str, token_map: dict[str, str] | None) -> str:
     """Write each FunctionGemma marker in `text` as the token the tokenizer has for it (`token_map`, e.g.
     `<start_function_call>` -> `<unused2>` in the plain Gemma 3 vocabulary); no map: `text` as it is."""
