@@ -205,7 +205,8 @@ def print_tables(results: list[dict], timings: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokenizer", help="tokenizer dir or hub id (default: the embedded Gemma 3 270M's)")
+    p.add_argument("--tokenizer", help="tokenizer dir, or a hub id already downloaded here "
+                   "(default: the embedded Gemma 3 270M's)")
     p.add_argument("--seq-lens", type=cli.integers(1), default="256,512,1024,2048,4096")
     p.add_argument("--batch-size", type=cli.integer(1), default=8)
     p.add_argument("--instructions", type=cli.integer(1), default=3000, help="rows of the synthetic instruction set")

@@ -73,7 +73,8 @@ def child(side: str, a: str, b: str, data: str, limit: int, batch: int, max_new:
         preds = Path(tmp) / "eval.json"
         run.main(["--config", "configs/gemma3-270m-fitness.yaml", "--data", data, "--limit", str(limit),
                   "--batch-size", str(batch), "--max-new-tokens", str(max_new), "--no-loss",
-                  "--compare", f"model:{a}", f"model:{b}", "--json", str(preds)])
+                  "--compare", f"model:{a}", f"model:{b}", "--json", str(preds)],
+                 compare_one_model=True)  # --a and --b may be one model: the second side compiles nothing
         examples = json.loads(preds.read_text())["examples"]
     raw = {label: [e["raw"] for e in rows] for label, rows in examples.items()}
     Path(out).write_text(json.dumps({"models": per, "raw": raw}))

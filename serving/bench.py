@@ -32,7 +32,8 @@ Datasets: `random` (I random words per prompt, roughly I tokens; seeded), or dat
 a JSON array, Parquet, a `datasets` save_to_disk directory) whose rows are chats (`messages`, optional `tools`: the
 prompt is the conversation up to its first assistant turn, e.g. data/fitness/test.jsonl), `{"prompt": "..."}`, or
 any other chat shape the trainer reads (ShareGPT `conversations`, instruction pairs, prompt-completion message
-lists); rows are sampled with the seed.
+lists), all read by the trainer's reader (a chat without its answer too: legacy `functions`, a `system` field, the
+declarations and turns checked as for training); rows are sampled with the seed.
 """
 
 from __future__ import annotations
@@ -132,24 +133,16 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
             raise UserError(f"{where}: max_tokens / output_len must be a positive integer, got {limit!r:.40}")
         msgs = row.get("messages")
-        # a chat holding its answer is read by the trainer's reader below (a `system` field, ShareGPT turns under
-        # `messages`: sent without the prompt trained with, or refused); a prompt-only chat (no answer, which that
-        # reader requires) is sent as given, after the row's system prompt
-        if isinstance(msgs, list) and msgs and not any(
-                isinstance(m, dict) and (m.get("role") in ("assistant", "model") or "from" in m) for m in msgs):
-            if not all(isinstance(m, dict) and "role" in m for m in msgs):
-                raise UserError(f"{where}: every message needs a role")
-            system = row.get("system", row.get("system_prompt"))
-            if system is not None and not isinstance(system, str):
-                raise UserError(f"{where}: 'system' must be a string, got {system!r:.40}")
-            if system and any(m["role"] in ("system", "developer") for m in msgs):
-                raise UserError(f"{where}: a system prompt is given twice (the 'system' field and a system turn)")
-            sent = openai_messages(([{"role": "system", "content": system}] if system else []) + msgs)
-            est = sum(len(str(m.get("content") or "")) for m in sent) // 4
-            rows.append(Prompt(sent, openai_tools(row.get("tools")), est, limit))
-        elif isinstance(row.get("prompt"), str):
+        # a prompt-only chat (no answer) is read by the trainer's reader too, as the prompt of the answer to come: it
+        # was sent as given, so legacy `functions` were dropped, declarations the server refuses (`check_tools`) and
+        # turns the chat template refuses went out, and a `system` field was read by rules of its own
+        prompt_only = isinstance(msgs, list) and msgs and not any(
+            isinstance(m, dict) and (m.get("role") in ("assistant", "model") or "from" in m) for m in msgs)
+        if prompt_only:
+            row = {**row, "messages": [*msgs, {"role": "assistant", "content": "(the answer to come)"}]}
+        if isinstance(row.get("prompt"), str) and not prompt_only:
             rows.append(Prompt([{"role": "user", "content": row["prompt"]}], None, len(row["prompt"]) // 4, limit))
-        else:  # the trainer's other shapes (ShareGPT, instruction pairs, prompt-completion as message lists)
+        else:  # chats, and the trainer's other shapes (ShareGPT, instruction pairs, prompt-completion as message lists)
             conv = normalise_row(row, where, DataConfig())
             if "text" in conv:
                 raise UserError(f"{where}: a language-modeling 'text' row has no prompt to send; give 'messages' "

@@ -817,8 +817,8 @@ def trim_stops(raw: bytes, stops: list[str]) -> bytes:
     """A non-streamed chat or text completion that stopped at a stop string, with the text cut where it starts and
     finish_reason "stop": OpenAI and vLLM return the text without it, transformers serve with it (and whatever its
     last token held after it) - and, when the stop string came with the last token max_tokens allowed, with
-    finish_reason "length" (which this passed on whole, stop string and all, where a stream was cut). Anything else
-    unchanged."""
+    finish_reason "length" (which this passed on whole, stop string and all, where a stream was cut); its
+    `stop_reason` is the stop string. Anything else unchanged."""
     import json
 
     try:
@@ -835,6 +835,9 @@ def trim_stops(raw: bytes, stops: list[str]) -> bytes:
         return raw
     holder[key] = text[:at]
     choice["finish_reason"] = "stop"
+    # which stop it was, as vLLM says it: a client tells the call stop marker (a hand-over to a tool) from the end of
+    # the turn by it (`openai_client.stopped_at_call_marker`)
+    choice["stop_reason"] = next(s for s in stops if text.startswith(s, at))
     return json.dumps(resp, ensure_ascii=False).encode()
 
 
@@ -847,7 +850,7 @@ class StopTrim(EventStream):
         super().__init__()
         self.stops = [s for s in stops if s]
         self.held = ""
-        self.stopped = False
+        self.stopped: str | bool = False  # the stop string the text stopped at, once it has
 
     def _settled(self, final: bool) -> str:
         """The held text that can be sent now."""
@@ -855,7 +858,7 @@ class StopTrim(EventStream):
             return ""
         at = _cut(self.held, self.stops)
         if at is not None:
-            self.stopped = True
+            self.stopped = next(s for s in self.stops if self.held.startswith(s, at))
             out, self.held = self.held[:at], ""
             return out
         keep = 0 if final else max((k for s in self.stops for k in range(1, min(len(s), len(self.held) + 1))
@@ -876,6 +879,8 @@ class StopTrim(EventStream):
         text = self._settled(final)
         if final and self.stopped and choice.get("finish_reason") == "length":  # as `trim_stops` says it
             choice["finish_reason"] = "stop"
+        if final and self.stopped:
+            choice["stop_reason"] = self.stopped
         if not text and not final:
             if not (isinstance(choice.get("delta"), dict) and set(holder) - {key}):
                 return b""  # all of it held (or past a stop string)

@@ -897,6 +897,13 @@ CASES = [
     Case("evaluate-step-compare-without-checkpoint", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}", "--step", "3"],
          ["--step 3", "checkpoint: specs", "--compare names none"]),
+    # one model named twice was scored twice, the second labelled "(2)"; one directory or server however spelt
+    Case("evaluate-compare-one-model-twice", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}/"],
+         ["--compare names one model twice", "model:{tiny}, model:{tiny}/"]),
+    Case("evaluate-compare-one-endpoint-twice", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "endpoint:http://127.0.0.1:9#a", "endpoint:http://127.0.0.1:9/v1#a"],
+         ["--compare names one model twice", "endpoint:http://127.0.0.1:9#a"]),
     Case("evaluate-served-model-with-model", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--model", "{tiny}", "--served-model", "coach"],
          ["--served-model", "--endpoint", "not --model"]),

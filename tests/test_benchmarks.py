@@ -225,6 +225,11 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["eval_compiles", "--b", "no/such/model"], "error: --b no/such/model: no such directory"),
     (["startup", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
     (["kill_harness", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),
+    # an owner/name neither here nor downloaded: each child tried the hub (offline, failing after the others ran)
+    (["eval_compiles", "--b", "nosuchowner/nosuchmodel"],
+     "error: --b nosuchowner/nosuchmodel: no such directory, nor a hub model downloaded to this machine; benchmarks "
+     "do not download"),
+    (["startup", "--model", "runs/merged-typo"], "error: --model runs/merged-typo: no such directory, nor a hub model"),
     # a bad override was a child's traceback after the data child had rendered the set
     (["train_throughput", "--set", "bogus.key=1"], "error: override 'bogus.key=1': unknown config key 'bogus'"),
     (["train_throughput", "--baseline-set", "data.seq_len=x"], "data.seq_len: expected an integer, got 'x'"),

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from gemma_tpu.core.errors import UserError
 from tests.conftest import REPO, assert_one_line_error, run_cli
 from tests.test_serving import ScriptedModel, http_server, sse
 
@@ -281,6 +282,29 @@ def test_bench_dataset_lines_are_split_at_newlines_only(tmp_path):
     path.write_text(json.dumps({"prompt": "one\u2028two\x85three"}, ensure_ascii=False) + "\n", encoding="utf-8")
     (row,) = file_prompts(str(path), 1, 0)
     assert row.messages[0]["content"] == "one\u2028two\x85three"
+
+
+def test_bench_prompt_only_chats_are_read_as_training_reads_them(tmp_path):
+    """A prompt-only chat (no answer) was sent as given: legacy `functions` were dropped (the request had no tools),
+    declarations the server refuses and turns the chat template refuses went out. The trainer's reader reads it now."""
+    from serving.bench import file_prompts
+
+    fn = {"name": "get_steps", "description": "d", "parameters": {"type": "object",
+                                                                  "properties": {"date": {"type": "string"}}}}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"functions": [fn], "system": "be brief",
+                                "messages": [{"role": "user", "content": "s?"}]}) + "\n")
+    (row,) = file_prompts(str(path), 1, 0)
+    assert row.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "s?"}]
+    assert row.tools == [{"type": "function", "function": fn}]
+    bad = {"tools": [{"type": "function", "function": {**fn, "parameters": {"type": "object", "properties": []}}}],
+           "messages": [{"role": "user", "content": "hi"}]}
+    for row, needle in ((bad, "p.jsonl:1: tools[0].function.parameters.properties: expected an object"),
+                        ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+                         "p.jsonl:1: messages[1]: two user turns in a row")):
+        path.write_text(json.dumps(row) + "\n")
+        with pytest.raises(UserError, match=re.escape(needle)):
+            file_prompts(str(path), 1, 0)
 
 
 def test_tool_results_name_the_call_they_answer():
@@ -868,11 +892,13 @@ def test_bench_sends_the_system_prompt_the_trainer_reads(tmp_path):
                  for p in file_prompts(str(write_rows(tmp_path / "d.jsonl", rows)), 3, 0))
     assert got == [(["S1", "q1"], 5), (["S2", "q2"], None), (["S3", "q3"], None)], got
     for row, needle in (({"messages": [{"role": "system", "content": "A"}, {"role": "user", "content": "q"}],
-                          "system": "B"}, "d.jsonl:1: a system prompt is given twice"),
-                        ({"messages": [{"role": "user", "content": "q"}], "system": 3},
-                         "d.jsonl:1: 'system' must be a string, got 3")):
+                          "system": "B"}, "d.jsonl:1: both a 'system' field and a system message"),):  # the trainer's
         with pytest.raises(UserError, match=needle):
             file_prompts(str(write_rows(tmp_path / "d.jsonl", [row])), 1, 0)
+    # a prompt-only chat's system field as training reads any chat's (a number is its JSON text, as content is)
+    (only,) = file_prompts(str(write_rows(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "q"}],
+                                                                     "system": 3}])), 1, 0)
+    assert only.messages == [{"role": "system", "content": "3"}, {"role": "user", "content": "q"}]
 
 
 def write_rows(path, rows):

@@ -1685,7 +1685,16 @@ def test_inspect_shows_truncation_and_eval_split(tmp_path, tok_dir):
                    timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "truncated 4" in proc.stdout and "<<truncated at data.seq_len" in proc.stdout
-    assert "(eval)" in proc.stdout and "batch shapes: 1 distinct (eval, batch 4)" in proc.stdout
+    assert "(eval)" in proc.stdout and "batch shapes: 1 distinct (eval, batch 4, 1 batches)" in proc.stdout
+    # the eval batches evaluation during training runs: each weighted by its tokens (loss_scale), at most
+    # data.eval_max_batches of them (the listing showed every row, without loss_scale)
+    assert re.search(r"loss_scale \[4\] float32", proc.stdout), proc.stdout
+    cfg = _inspect_config(tmp_path, path, eval_path=str(write_jsonl(tmp_path / "e.jsonl", [long] * 9)),
+                          eval_max_batches=2)
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(cfg), "--tokenizer", str(tok_dir), "--split", "eval",
+                   "-n", "0", timeout=300)
+    assert ("batch shapes: 1 distinct (eval, batch 4, 2 batches of 3 (data.eval_max_batches=2: evaluation uses the "
+            "first 8 of 9 rows))") in proc.stdout, proc.stdout + proc.stderr
     # an example whose answer lies wholly past the cut is dropped, not trained truncated: say so
     late = {"messages": [{"role": "user", "content": "q" * 400}, {"role": "assistant", "content": "answer"}]}
     path = write_jsonl(tmp_path / "late.jsonl", [late] + [long] * 4)

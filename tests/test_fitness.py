@@ -424,6 +424,11 @@ def test_every_trained_turn_is_scored_with_turns_all(tmp_path):
 def test_arguments_match_normalises_types():
     assert arguments_match({"n": 5, "flag": True, "date": "today"}, {"n": "5", "flag": "true", "date": " Today "})
     assert arguments_match({"n": 5}, {"n": 5.0, "extra": 1})
+    # one rule at every depth: extra keys inside an object argument (or a list's objects) pass as top-level ones do
+    assert arguments_match({"f": {"type": "run"}}, {"f": {"type": "Run", "min_km": 5}, "extra": 1})
+    assert arguments_match({"fs": [{"a": 1}]}, {"fs": [{"a": "1", "b": None, "c": 2}]})
+    assert not arguments_match({"f": {"a": None}}, {"f": {"a": 1}}) and not arguments_match({"a": None}, {"a": 1})
+    assert not arguments_match({"f": {"type": "run", "n": 2}}, {"f": {"type": "run", "min_km": 5}})
     assert not arguments_match({"date": "today"}, {"date": "yesterday"})
     # a leading zero makes an id or a zip code, not a number: '007' matched 7 and '02139' matched '2139'
     assert not arguments_match({"agent": "007"}, {"agent": 7}) and not arguments_match({"zip": "02139"}, {"zip": "2139"})
@@ -1234,8 +1239,27 @@ def test_a_handover_without_a_call_is_a_format_error_in_evaluate_as_in_the_chat(
     case = run.Case({"tools": None, "messages": [{"role": "user", "content": "hello"}]}, None, [], "hello", "Hi!")
     preds, _ = run.predict_local(loaded, [case], DataConfig(), 8, 1, "fake")
     assert preds[0].kind == "format_error"
+    preds_local_error = preds[0].error
     metrics = run.score([case], preds)
     assert metrics["declined_accuracy"] == 0 and metrics["format_error_rate"] == 1
+    # an endpoint's the same: it scored as an answer in words (the stop marker left out of the text). The server
+    # names the stop (vLLM's stop_reason for a stop string, serving.launch --local's), or keeps it in the text
+    from tests.test_serving import ScriptedModel, http_server
+
+    answers = [{"finish_reason": "stop", "stop_reason": "<start_function_response>",
+                "message": {"role": "assistant", "content": "Let me check."}},
+               {"finish_reason": "stop", "message": {"role": "assistant", "content": "Let me check.<unused4>"}},
+               {"finish_reason": "stop", "stop_reason": None, "message": {"role": "assistant", "content": "Hi!"}}]
+
+    class Handing(ScriptedModel):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._json(200, {"choices": [{"index": 0, **answers.pop(0)}]})
+
+    with http_server(Handing) as url:
+        preds, _ = run.predict_endpoint(url, "m", [case] * 3, 8, "fake", retries=0)
+    assert [(p.kind, p.error) for p in preds[:2]] == [("format_error", preds_local_error)] * 2
+    assert preds[2].kind == "text" and preds[2].error is None
 
 
 CUT_CALL = "<start_function_call>call:get_steps{date:<escape>yester"  # a call stopped by the token limit

@@ -371,3 +371,21 @@ def test_an_abandoned_orbax_read_is_not_printed_after_the_error(monkeypatch):
     other = types.SimpleNamespace(**{**vars(unraisable), "object": sys})
     cli._redeliver_interrupts(other)
     assert reported == [other]
+
+
+def test_check_writable_makes_a_file_rather_than_trusting_os_access(tmp_path):
+    """`check_writable` asked os.access, which as root says yes to a directory no one can write in (sysfs here; a
+    root-squashed NFS export, a FUSE mount): the run failed at its first write, after the heavy work. It makes (and
+    removes) a file now, and leaves the directory as it found it."""
+    import os
+
+    from gemma_tpu.core.atomic import check_writable
+    from gemma_tpu.core.errors import UserError
+
+    before = (sorted(tmp_path.iterdir()), tmp_path.stat().st_mtime_ns)
+    check_writable(tmp_path / "new" / "out.json", "--json X")
+    assert (sorted(tmp_path.iterdir()), tmp_path.stat().st_mtime_ns) == before
+    if not (os.path.isdir("/sys/kernel") and os.access("/sys/kernel", os.W_OK)):
+        pytest.skip("needs /sys as root (os.access saying a read-only directory is writable)")
+    with pytest.raises(UserError, match=r"^--out X: /sys/kernel is not writable \("):
+        check_writable("/sys/kernel/no-such-output", "--out X")

@@ -794,6 +794,20 @@ def test_a_merged_tool_models_calls_reach_the_server_with_their_markers(tiny_dir
     deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     assert "".join(d.get("content") or "" for d in deltas) == ""
     assert [t["function"]["arguments"] for d in deltas for t in d.get("tool_calls") or []] == ['{"date": "a, b"}']
+    # a hand-over without a call: the stop cut is named (`stop_reason`, as vLLM names a stop string), so a client
+    # scores it as a local model's (a format error; it read as an answer in words, the marker gone)
+    from gemma_tpu.formats.function_calling import NO_CALL_AT_STOP
+    from gemma_tpu.infer.openai_client import reply_from_answer
+
+    text = "Let me check.<start_function_response>"
+    whole = json.loads(ask(False))
+    assert whole["choices"][0]["message"]["content"] == "Let me check."
+    assert whole["choices"][0]["stop_reason"] == "<start_function_response>"
+    reply, _ = reply_from_answer(whole, "u", 64)
+    assert (reply.kind, reply.error) == ("format_error", NO_CALL_AT_STOP)
+    last = [json.loads(e[len("data: "):]) for e in ask(True).decode().split("\n\n")
+            if e.strip() and e.strip() != "data: [DONE]"][-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == "<start_function_response>"
 
 
 def test_a_server_missing_a_module_names_it(tiny_dir, tmp_path, monkeypatch):

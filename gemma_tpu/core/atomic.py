@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 from gemma_tpu.core import pidlock
@@ -38,16 +39,28 @@ _RENAME_EXCHANGE = 2
 
 
 def check_writable(path: str | Path, what: str) -> None:
-    """Refuse, before any heavy work and without writing, a path that cannot be created or written:
-    the nearest existing ancestor must be a writable directory. (`what` names the option: `--out X`.)"""
+    """Refuse, before any heavy work and without leaving anything, a path that cannot be created or written:
+    the nearest existing ancestor must be a directory a file can be made in (one is, then removed, its mtime put
+    back). (`what` names the option: `--out X`.)"""
     p = Path(path).absolute()
     probe = p
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
         raise UserError(f"{what}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"{what}: {probe} is not writable")
+    # a file made and removed, not os.access: as root that says yes to a directory no one can write in (sysfs, a
+    # root-squashed NFS export, a FUSE mount that checks for itself), and the run failed at its first write
+    st = probe.stat()
+    try:
+        fd, name = tempfile.mkstemp(prefix=".writable-", dir=probe)
+    except OSError as e:
+        raise UserError(f"{what}: {probe} is not writable ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(name)
+    try:  # left as it was found: nothing was written
+        os.utime(probe, ns=(st.st_atime_ns, st.st_mtime_ns))
+    except OSError:
+        pass
 
 
 def free_space(path: str | Path) -> int:

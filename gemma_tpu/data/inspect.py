@@ -5,7 +5,8 @@ are also training examples (when both splits are set), token-length percentiles,
 fractions for `pad` and `pack` (the configured strategy first), the shared prompt prefixes
 (`data.share_prefix`: groups of examples starting with the same ids, prefix lengths, tokens computed per
 example with and without computing each prefix once, loss-bearing fraction of each), the distinct batch
-shapes one epoch of the stream produces (1 means one compilation), and the first
+shapes one epoch of the stream produces (1 means one compilation; `--split eval`: the batches evaluation during
+training runs, `loss_scale` and `data.eval_max_batches` included), and the first
 N rendered examples with their loss-bearing tokens marked - green on a terminal, `[[...]]` otherwise
 (`--color always|never` to choose). `--json OUT` writes the statistics. Nothing is written to the
 run directory and no model weights are loaded; only the tokenizer.
@@ -100,16 +101,23 @@ def mark(text: str, spans: list[tuple[int, int]], color: bool, cut: int | None =
     return "".join(out)
 
 
-def batch_shapes(prepared, batch_size: int, split: str, seed: int) -> tuple[int, list[str]]:
-    """Distinct (shape, dtype) signatures over one epoch of the batches training/eval would see."""
+def batch_shapes(prepared, batch_size: int, split: str, seed: int,
+                 eval_max_batches: int | None = None) -> tuple[int, list[str], int]:
+    """Distinct (shape, dtype) signatures over one epoch of the batches training/eval would see, and their number.
+    The eval batches are the ones evaluation during training runs: at most `data.eval_max_batches`, each with the
+    `loss_scale` that weights its loss by its tokens (`eval_batches(token_weighted=True)`); without them the listing
+    showed every row and a batch layout no evaluation uses."""
 
     if split == "train":
-        batches = TrainStream(prepared, batch_size, seed, num_epochs=1)
+        batches = TrainStream(prepared, batch_size, seed, num_epochs=1)  # one at a time: an epoch may not fit
     else:
-        batches = eval_batches(prepared, batch_size)
-    sigs = {tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(b.items())) for b in batches}
+        batches = eval_batches(prepared, batch_size, eval_max_batches, token_weighted=True)
+    sigs, n = set(), 0
+    for b in batches:
+        sigs.add(tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(b.items())))
+        n += 1
     shown = [", ".join(f"{k} {list(s)} {d}" for k, s, d in sig) for sig in sorted(sigs)]
-    return len(sigs), shown
+    return len(sigs), shown, n
 
 
 def eval_in_train(cfg, renderer, prepared, split: str) -> dict | None:
@@ -170,7 +178,8 @@ def run(args: argparse.Namespace) -> dict:
         check_one_batch(main, cfg.train.batch_size)
     stats = main.stats()
     partial = sum(ex.partial for ex in examples)  # very long texts are cut before tokenizing (`Renderer.render`)
-    n_shapes, shapes = batch_shapes(main, cfg.train.batch_size, args.split, cfg.train.seed)
+    n_shapes, shapes, n_batches = batch_shapes(main, cfg.train.batch_size, args.split, cfg.train.seed,
+                                               cfg.data.eval_max_batches)
     overlap = eval_in_train(cfg, renderer, main, args.split)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
 
@@ -228,6 +237,12 @@ def run(args: argparse.Namespace) -> dict:
               f"({stats['computed_tokens_per_example'] / max(sp['computed_tokens_per_example'], 1e-9):.3f}x)",
               file=out)
     what = f"one epoch, batch {cfg.train.batch_size}" if args.split == "train" else f"eval, batch {cfg.train.batch_size}"
+    every = -(-len(main.rows) // cfg.train.batch_size)
+    if args.split == "eval":
+        what += f", {n_batches} batches" + (
+            f" of {every} (data.eval_max_batches={cfg.data.eval_max_batches}: evaluation uses the first "
+            f"{min(len(main.rows), n_batches * cfg.train.batch_size)} of {len(main.rows)} rows)"
+            if n_batches < every else "")
     print(f"batch shapes: {n_shapes} distinct ({what})", file=out)
     for s in shapes:
         print(f"  {s}", file=out)
@@ -249,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {**stats, "untrained_tails": tails, "tokenized_in_part": partial, "split": args.split,
               "chat_format": renderer.chat_format, "template_skew": skew,
               "loss_on": renderer.loss_on,
-              "distinct_batch_shapes": n_shapes, "batch_shapes": shapes,
+              "distinct_batch_shapes": n_shapes, "batch_shapes": shapes, "batches": n_batches,
               "eval_in_train": overlap and overlap["count"],
               "other_strategy": {k: v.stats() for k, v in prepared.items() if k != chosen}}
     if args.json:

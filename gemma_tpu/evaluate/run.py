@@ -10,7 +10,8 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
                            turn of several calls: every one is matched by a call of its name, in any order), or,
                            where the reference makes no call, a reply without one
     argument_accuracy      ... and every reference argument is equal (types normalised: 5 == "5"; a reference null
-                           matches one left out; fractional numbers within 1e-6: `arguments_match`)
+                           matches one left out; fractional numbers within 1e-6; extra predicted keys pass, inside
+                           object arguments too: `arguments_match`)
     call_tool_accuracy, call_argument_accuracy
                            the same over the call_n conversations whose reference makes a call: tool-name and
                            argument accuracy proper (equal to the two above on data where every reference calls)
@@ -407,6 +408,19 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     return Spec(kind, target, step if kind == "checkpoint" else None, served if kind == "endpoint" else None, own)
 
 
+def same_model(a: Spec, b: Spec) -> bool:
+    """Whether two specs name one model: one directory however spelt (`runs/x`, `./runs/x/`), one checkpoint step, or
+    one server address (`http://h:8000`, `http://h:8000/v1`) and served model."""
+    if a.kind != b.kind or a.step != b.step or a.served != b.served:
+        return False
+    if a.kind == "endpoint":
+        try:
+            return api_base(a.target) == api_base(b.target)
+        except UserError:  # said of that side by check_spec, naming it
+            return a.target == b.target
+    return os.path.realpath(os.path.expanduser(a.target)) == os.path.realpath(os.path.expanduser(b.target))
+
+
 def check_spec(spec: Spec, timeout: float, api_key: str | None = None, retries: int = 0) -> None:
     """What can be checked of a model without loading it (the directory, the checkpoint step and its base,
     the server answering), so `--compare` fails before the first model's minutes of work, not after."""
@@ -584,7 +598,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) -> int:
+    """`compare_one_model`: let `--compare` name one model twice (benchmarks/eval_compiles.py does, on purpose: one
+    compilation serves both sides); users are refused, as that scored one model twice, the second labelled "(2)"."""
     args = parse_args(argv or [])
 
     cli.setup_logging(logging.WARNING)
@@ -621,6 +637,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.served_model is not None and not any(s.kind == "endpoint" and not s.own_name for s in specs):
             raise UserError(f"--served-model {args.served_model} applies to endpoint: specs without their own "
                             f"#MODEL, and --compare names none")
+        if not compare_one_model and same_model(*specs):
+            raise UserError(f"--compare names one model twice ({specs[0].label}, {specs[1].label}): give two models "
+                            f"to compare (to score one, pass it alone)")
     elif args.model:
         specs = [Spec("model", args.model)]
     elif args.checkpoint:

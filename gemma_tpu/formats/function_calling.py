@@ -325,6 +325,18 @@ def cut_short(reply: ParsedReply, limit: int) -> ParsedReply:
     return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise max new tokens): {reply.error}")
 
 
+NO_CALL_AT_STOP = "no call before the call stop token"  # the error of a turn that handed over without a call
+
+
+def handed_over(reply: ParsedReply) -> ParsedReply:
+    """`reply` of a turn that stopped at the call stop marker (START_RESPONSE: the model handing over to a tool):
+    without a call it is a format error, not an answer in words (a correct decline where none is due). One rule for
+    a local model (`Generation.reply`) and an endpoint (`openai_client.reply_from_answer`)."""
+    if reply.kind != "text":
+        return reply
+    return dataclasses.replace(reply, kind="format_error", error=NO_CALL_AT_STOP)
+
+
 def map_markers(text: str, token_map: dict[str, str] | None) -> str:
     """Write each FunctionGemma marker in `text` as the token the tokenizer has for it (`token_map`, e.g.
     `<start_function_call>` -> `<unused2>` in the plain Gemma 3 vocabulary); no map: `text` as it is."""
@@ -564,11 +576,12 @@ REL_TOL = 1e-6  # fractional numbers this close are one value (72.5 and 72.50000
 
 
 def _same(ref: Any, pred: Any) -> bool:
-    """Normalised values equal by meaning: whole numbers exactly, fractional ones within REL_TOL, an argument
-    given as null the same as one left out (objects at any depth), lists element by element in order."""
+    """Normalised values equal by meaning: whole numbers exactly, fractional ones within REL_TOL, lists element by
+    element in order; objects at any depth as the arguments themselves: each reference key present with an equal value
+    (a reference null: left out or null), extra predicted keys allowed. Extra keys inside an object argument failed
+    the match while extra top-level arguments passed."""
     if isinstance(ref, dict) and isinstance(pred, dict):
-        keys = {k for k, v in ref.items() if v is not None} | {k for k, v in pred.items() if v is not None}
-        return all(_same(ref.get(k), pred.get(k)) for k in keys)
+        return all(_same(v, pred.get(k)) for k, v in ref.items())
     if isinstance(ref, list) and isinstance(pred, list):
         return len(ref) == len(pred) and all(map(_same, ref, pred))
     if isinstance(ref, (int, float)) and isinstance(pred, (int, float)) and (
@@ -582,12 +595,13 @@ def _same(ref: Any, pred: Any) -> bool:
 
 def arguments_match(reference: dict, predicted: dict) -> bool:
     """Every reference argument is present with an equal value; extra predicted arguments are allowed (a default
-    spelled out, an optional filter). What a fair tool-calling score counts as equal (`normalise_value`, `_same`):
-    '5' == 5 == 5.0; 1.00000001 == 1 and fractional numbers within REL_TOL (a float printed through float32 or a
-    short repr), but whole numbers exactly (ids, counts); a reference null matches the argument left out or null
-    (a tool reads both as "not given"), and a null predicted for a reference value does not match it."""
+    spelled out, an optional filter), inside object arguments too (one rule at every depth). What a fair
+    tool-calling score counts as equal (`normalise_value`, `_same`): '5' == 5 == 5.0; 1.00000001 == 1 and
+    fractional numbers within REL_TOL (a float printed through float32 or a short repr), but whole numbers exactly
+    (ids, counts); a reference null matches the argument left out or null (a tool reads both as "not given"), and a
+    null predicted for a reference value does not match it."""
     pred = normalise_value(predicted or {})
-    return all(_same(v, pred.get(k)) for k, v in normalise_value(reference or {}).items())
+    return _same(normalise_value(reference or {}), pred)
 
 
 # ---------------------------------------------------------------------------- chat template

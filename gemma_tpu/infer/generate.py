@@ -67,8 +67,8 @@ class Generation:
         a format error, not an answer in words: evaluate scored it as a correct decline where the chat said so. A call
         cut off by the token limit says so (`fc.cut_short`)."""
         reply = fc.parse_reply(self.text)
-        if reply.kind == "text" and self.stop == "call":
-            return dataclasses.replace(reply, kind="format_error", error="no call before the call stop token")
+        if self.stop == "call":
+            return fc.handed_over(reply)
         return fc.cut_short(reply, len(self.ids)) if self.stop == "length" else reply
 
 

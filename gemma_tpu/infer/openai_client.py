@@ -19,7 +19,15 @@ import urllib.request
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.formats.function_calling import ParsedReply, ToolCall, cut_short, parse_reply, plain_gemma_token_map
+from gemma_tpu.formats.function_calling import (
+    START_RESPONSE,
+    ParsedReply,
+    ToolCall,
+    cut_short,
+    handed_over,
+    parse_reply,
+    plain_gemma_token_map,
+)
 
 log = logging.getLogger("gemma_tpu.infer.openai_client")
 
@@ -349,4 +357,19 @@ def reply_from_answer(answer: dict, url: str, max_tokens: int) -> tuple[ParsedRe
     own syntax error."""
     message = first_message(answer, url)
     reply = reply_from_message(message)
-    return (cut_short(reply, max_tokens) if answer["choices"][0].get("finish_reason") == "length" else reply), message
+    choice = answer["choices"][0]
+    if choice.get("finish_reason") == "length":
+        return cut_short(reply, max_tokens), message
+    return (handed_over(reply) if stopped_at_call_marker(choice, message) else reply), message
+
+
+def stopped_at_call_marker(choice: dict, message: dict) -> bool:
+    """Whether a completion ended at the call stop marker (`<start_function_response>`, or the plain Gemma 3
+    vocabulary's token for it): the `stop_reason` naming it (vLLM's for a stop string, `serving.launch --local`'s for
+    the stop token it cuts) or the content ending with it (a server that keeps the stop text). A reply without a call
+    that stopped there scored as an answer in words from an endpoint, a format error from a local model."""
+    markers = {START_RESPONSE, plain_gemma_token_map()[START_RESPONSE]}
+    reason = choice.get("stop_reason")
+    content = message.get("content")
+    return (isinstance(reason, str) and reason.strip() in markers) or (
+        isinstance(content, str) and content.rstrip().endswith(tuple(markers)))
