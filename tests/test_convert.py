@@ -1356,3 +1356,27 @@ def test_verify_given_the_config_file_names_its_directory(tmp_path, capsys):
     assert cli_main(verify, [str(d / "config.json"), str(d)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {d / 'config.json'}: a file, not a Hugging Face model directory: give {d}"], err
+
+
+def test_a_training_checkpoint_given_for_a_model_says_to_merge_it(tmp_path, capsys):
+    """`convert.verify runs/x/checkpoints merged` (or the run directory above it) said only "config.json: missing (not
+    a Hugging Face model directory)"; a directory holding a training run's record now says it is a checkpoint and
+    how to merge it. A directory that is neither keeps the plain message."""
+    from convert.verify import main as verify
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.hf.directory import RUN_RECORD
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / RUN_RECORD).write_text("{}")
+    other = tmp_path / "empty"
+    other.mkdir()
+    for given in (ckpt, ckpt.parent):
+        assert cli_main(verify, [str(given), str(other)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: {given / 'config.json'}: missing ({ckpt} is a gemma-tpu training checkpoint, not a "
+                       f"Hugging Face model directory: merge it first, python -m convert.merge_orbax --checkpoint "
+                       f"{ckpt} --out DIR)"], err
+    assert cli_main(verify, [str(other), str(ckpt)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {other / 'config.json'}: missing (not a Hugging Face model "
+                                               f"directory)")

@@ -29,12 +29,12 @@ from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.atomic import write_text_atomic
 from gemma_tpu.core.config import ModelConfig
 from gemma_tpu.core.errors import UserError, read_json_object
-from gemma_tpu.hf.directory import hf_revision
+from gemma_tpu.hf.directory import RUN_RECORD, hf_revision
 from gemma_tpu.hf.fingerprint import fingerprint
 
 log = logging.getLogger("gemma_tpu.checkpoint")
 
-METADATA_FILE = "gemma_tpu_run.json"
+METADATA_FILE = RUN_RECORD
 FORMAT = "gemma-tpu-checkpoint"
 VERSION = 1
 

@@ -60,11 +60,23 @@ def read_hf_config(model_dir: Path) -> dict:
         hint = f": give {Path(model_dir).parent}" if Path(model_dir).name == "config.json" else ""
         raise UserError(f"{model_dir}: a file, not a Hugging Face model directory{hint}")
     path = model_dir / "config.json"
-    return read_json_object(path, f"{path}: missing (not a Hugging Face model directory)")
+    return read_json_object(path, f"{path}: missing ({training_run_hint(Path(model_dir))})")
 
 
 # the record `convert.merge_orbax` writes into a merged directory; its `base.family` names the merged model's family
 MERGE_RECORD = "gemma_tpu_merge.json"
+# the record a training run writes beside its Orbax steps (`gemma_tpu.checkpoint.metadata`)
+RUN_RECORD = "gemma_tpu_run.json"
+
+
+def training_run_hint(model_dir: Path) -> str:
+    """Why a directory without config.json is not a model, and what to do where it is a training run's checkpoint
+    directory (or a run directory holding one): the commonest mix-up, `runs/x/checkpoints` given for a merged model."""
+    for ckpt in (model_dir, model_dir / "checkpoints"):
+        if (ckpt / RUN_RECORD).is_file():
+            return (f"{ckpt} is a gemma-tpu training checkpoint, not a Hugging Face model directory: merge it first, "
+                    f"python -m convert.merge_orbax --checkpoint {ckpt} --out DIR")
+    return "not a Hugging Face model directory"
 
 
 def recorded_family(model_dir: Path) -> str | None:
