@@ -24,6 +24,7 @@ from gemma_tpu.core.config import blame, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import check_adapter_fits as check_adapter_sites, read_adapter_config
+from gemma_tpu.hf.directory import training_run_hint
 from gemma_tpu.hf.safetensors_io import WeightsDir
 from gemma_tpu.hf.tokenizer import tokens_named
 from gemma_tpu.models.registry import Family, families, text_config
@@ -520,7 +521,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     d = cfg.model_dir
     if not d.is_dir():
         raise UserError(f"model.dir {cfg.model.dir}: not a directory")
-    hf = read_json_object(d / "config.json", f"model dir {d}: no config.json")
+    hf = read_json_object(d / "config.json", f"model dir {d}: no config.json ({training_run_hint(d)})")
     weights = check_weights(d)
     # both servers read their stop tokens from it (without it, Gemma's <end_of_turn> would not end an answer);
     # vLLM quietly does without one it cannot parse

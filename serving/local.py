@@ -1308,6 +1308,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     import json
 
     from gemma_tpu.core import cli
+    from gemma_tpu.hf.directory import training_run_hint
 
     p = cli.parser("python -m serving.local", _SERVE_DOC, overrides=False)
     p.add_argument("name", help="the model directory, named as requests name the model (run in its parent)")
@@ -1317,7 +1318,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     served = Path(args.name).resolve()
     if not (served / "config.json").is_file():
-        raise UserError(f"{args.name}: no config.json (not a Hugging Face model directory)")
+        raise UserError(f"{args.name}: no config.json ({training_run_hint(served)})")
     config = json.loads((served / "config.json").read_text())
     text_config = config.get("text_config") or config
     context, vocab = text_config.get("max_position_embeddings"), text_config.get("vocab_size")

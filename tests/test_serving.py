@@ -210,6 +210,24 @@ def test_a_context_past_the_models_limits_is_served_where_vllm_is_told_to_allow_
     assert code == 0 and flag(words(out), "--max-model-len") == "65536", err
 
 
+def test_a_training_checkpoint_as_model_dir_says_to_merge_it(tmp_path, capsys):
+    """model.dir=runs/x/checkpoints (the training output, not the merge) said only "no config.json"; it now says what
+    the directory is and the merge command, for vLLM (--print) and the local server alike."""
+    from gemma_tpu.hf.directory import RUN_RECORD
+    from serving.local import serve_main
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / RUN_RECORD).write_text("{}")
+    hint = f"{ckpt} is a gemma-tpu training checkpoint, not a Hugging Face model directory: merge it first, " \
+           f"python -m convert.merge_orbax --checkpoint {ckpt} --out DIR"
+    for mode in ("--print", "--local"):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, mode, f"model.dir={ckpt.parent}")
+        assert out == "" and one_error_line(code, err, f"model dir {ckpt.parent}: no config.json ({hint})")
+    assert cli_main(serve_main, [str(ckpt)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {ckpt}: no config.json ({hint})"
+
+
 @pytest.mark.parametrize("kv,tp", [(1, 2), (2, 4), (4, 2)])
 def test_tensor_parallel_past_the_kv_heads_is_served(tmp_path, capsys, kv, tp):
     """vLLM copies KV heads to tp > num_key_value_heads devices when tp is a multiple (a one-KV-head Gemma 3 on a
