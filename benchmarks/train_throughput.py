@@ -229,7 +229,7 @@ def child_data(spec: dict) -> dict:
     base = load_config(spec["config"], ours_overrides(spec, "unshared"))
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.local_dir))
-    tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
+    tunix_cfg = resolved.tunix_config()
     token_map = function_token_map(tokenizer)
     renderer = data.make_renderer(tokenizer, cfg.data, resolved.family.chat_format, token_map)
     examples = data.render_examples(cfg.data.train_path, renderer, cfg.data)

@@ -63,6 +63,7 @@ from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, is_reserved, tool_chat_template
 from gemma_tpu.hf import safetensors_io as sio
+from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.models.loading import resolve_model
 from gemma_tpu.models.registry import Family, GGUFFacts, families, text_config
 
@@ -479,10 +480,8 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
                       "base": str(merge.base_dir.resolve()),
                       "kind": "lora" if merge.source.is_lora else "full"}
     check_file_target(out, args.overwrite, protected=protected, magic=GGUF_MAGIC)
-    try:
-        text = family.read_text_config(config)  # keys config.json omits at the values transformers gives them
-    except UserError as e:  # its messages open 'config.json:' ('rms_norm_eps=0 is not of type float'): name the file
-        raise UserError(f"{where}: {str(e).removeprefix('config.json: ')}") from None
+    with naming_config_file(where):  # keys config.json omits at the values transformers gives them
+        text = family.read_text_config(config)
     check_config(facts, config, text, where)
     if facts.rope is not None:
         facts.rope(text)  # refuses what llama.cpp cannot express

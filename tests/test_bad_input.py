@@ -493,8 +493,11 @@ CASES = [
          {"m": copy_of("tiny", config={"sliding_window": None})}),
     # a value of another type than transformers declares: int("4") trained it, transformers refuses the config
     Case("model-string-number", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
-         ["config.json", "num_attention_heads='4' is not of type int"],
+         ["{tmp}/m/config.json: num_attention_heads='4' is not of type int"],  # the file named, not a bare config.json
          {"m": copy_of("tiny", config={"num_attention_heads": "4"})}),
+    Case("model-string-number-dry-run", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m", "--dry-run"],
+         ["{tmp}/m config.json: rms_norm_eps='1e-6' is not of type float"],
+         {"m": copy_of("tiny", config={"rms_norm_eps": "1e-6"})}),
     # a tokenizer with ids past the model's embedding rows: XLA clamped them, the first loss was NaN
     Case("model-tokenizer-past-vocab", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m"],
          [f"{CHAT}:1", "token id", "past the model's vocabulary (vocab_size 150"], {"m": small_vocab_with_tiny_tokenizer}),

@@ -3,6 +3,7 @@ config.json, its weight index and its hub revision."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -77,6 +78,18 @@ def training_run_hint(model_dir: Path) -> str:
             return (f"{ckpt} is a gemma-tpu training checkpoint, not a Hugging Face model directory: merge it first, "
                     f"python -m convert.merge_orbax --checkpoint {ckpt} --out DIR")
     return "not a Hugging Face model directory"
+
+
+@contextlib.contextmanager
+def naming_config_file(path: Path | str):
+    """The families' checks see config.json as a dict and say "config.json: rms_norm_eps='1e-6' is not ...": where the
+    file is known, its path replaces that name (a run given several model directories said which one)."""
+    try:
+        yield
+    except UserError as e:
+        if not str(e).startswith("config.json: "):
+            raise
+        raise UserError(f"{path}: {str(e).removeprefix('config.json: ')}") from None
 
 
 def recorded_family(model_dir: Path) -> str | None:

@@ -15,6 +15,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import (
     MERGE_RECORD,
     check_revision_applies,
+    naming_config_file,
     read_hf_config,
     recorded_family,
     resolve_path,
@@ -39,7 +40,13 @@ class ResolvedModel:
     @property
     def text_config(self) -> dict:
         """The decoder's config as transformers reads it (keys config.json omits at its defaults)."""
-        return self.family.read_text_config(self.hf_config)
+        with naming_config_file(self.local_dir / "config.json"):
+            return self.family.read_text_config(self.hf_config)
+
+    def tunix_config(self, dtype: Any = None) -> Any:
+        """The family's Tunix ModelConfig of this config.json; its refusals name the file."""
+        with naming_config_file(self.local_dir / "config.json"):
+            return self.family.tunix_config(self.hf_config, dtype)
 
     @property
     def max_positions(self) -> int | None:
@@ -58,7 +65,9 @@ def resolve_model(spec: str, revision: str | None = None, family: str | None = N
     if not family:
         family, family_key = recorded_family(local), f"{local / MERGE_RECORD}: base.family"
     fam = choose_family(hf_config, family, family_key, str(local / "config.json"))
-    return ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
+    resolved = ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
+    resolved.text_config  # a value transformers cannot build a model from is refused here, naming the file
+    return resolved
 
 
 def check_weight_files(resolved: ResolvedModel, tunix_cfg: Any) -> None:
@@ -110,7 +119,7 @@ def load_model(resolved: ResolvedModel, dtype: str = "float32", remat: str = "no
     import jax.numpy as jnp
 
     jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-    tunix_cfg = resolved.family.tunix_config(resolved.hf_config, jdtype)
+    tunix_cfg = resolved.tunix_config(jdtype)
     tunix_cfg = resolved.family.with_remat(tunix_cfg, remat)
     check_weights(resolved, tunix_cfg)
     log.info("loading %s (%s, %d layers) from %s", resolved.spec, resolved.family.name, tunix_cfg.num_layers,

@@ -75,7 +75,7 @@ from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.tracing import cheap_tracer_attribute_errors
-from gemma_tpu.hf.directory import config_json_for
+from gemma_tpu.hf.directory import config_json_for, naming_config_file
 from gemma_tpu.models.registry import choose_family
 from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
@@ -631,7 +631,7 @@ def check_weights_here(cfg: RunConfig) -> str | None:
     d = resolved.local_dir
     if not (d / INDEX_FILE).is_file() and not any(d.glob("*.safetensors")):
         return f"weights not checked: {d} has no *.safetensors (a config.json to plan with)"
-    check_weight_files(resolved, resolved.family.tunix_config(resolved.hf_config, None))
+    check_weight_files(resolved, resolved.tunix_config())
     return None
 
 
@@ -697,9 +697,11 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     out = out or sys.stdout
     check_plan_args(devices, assumed_mfu)
     hf = config_json_for(cfg.model.path)
-    family = family_of(cfg, hf, f"{cfg.model.path} config.json")
+    where = f"{cfg.model.path} config.json"
+    family = family_of(cfg, hf, where)
     # what the real run refuses (rank, seq_len) before planning it
-    text = family.read_text_config(hf)
+    with naming_config_file(where):
+        text = family.read_text_config(hf)
     validate_for_model(cfg, text, cfg.model.path, family.projection_shapes(text))
     weights_note = check_weights_here(cfg)  # before the data, as the run does
     if weights_note is None:  # the base's weights are here: a resume of checkpoint.dir is checked as the run does
@@ -707,7 +709,8 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     layout = data_layout(cfg)
     if layout:  # the loss buffer the run will use: what the data needs, or data.max_loss_tokens capped at seq_len
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_loss_tokens=layout["max_loss"]))
-    p = make_plan(cfg, devices, assumed_mfu, hf_config=hf)
+    with naming_config_file(where):
+        p = make_plan(cfg, devices, assumed_mfu, hf_config=hf)
     settings = mesh_lib.distributed_settings(cfg.mesh)  # {}: a TPU pod's hosts, counted by JAX at the run's start
     if settings is None or settings:  # the batch layout the run refuses, for the processes it will have
         mesh_lib.check_batch_layout(cfg.train.batch_size, p.mesh, settings["num_processes"] if settings else 1)

@@ -123,7 +123,7 @@ def run(cfg: RunConfig) -> dict:
         for d, key in locked_dirs(cfg):
             run_lock.check_free(d, key)
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
-    tunix_cfg = resolved.family.tunix_config(resolved.hf_config, None)
+    tunix_cfg = resolved.tunix_config()
     if cfg.lora.enabled:
         resolved.family.targets_to_modules(tunix_cfg, list(cfg.lora.targets))
     check_weight_files(resolved, tunix_cfg)  # headers, shards, shapes: before minutes of data preparation
