@@ -18,7 +18,7 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from gemma_tpu.core.config import blame, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
@@ -460,20 +460,22 @@ def check_tokenizer(model_dir: Path) -> None:
         read_json_object(model_dir / "tokenizer.json", f"model dir {model_dir}: no tokenizer.json")
 
 
+def _tokenizer_config_value(model_dir: Path, key: str) -> Any:
+    """A key of tokenizer_config.json, None where the file is absent or unreadable (`check_tokenizer` says so)."""
+    try:
+        return json.loads((model_dir / "tokenizer_config.json").read_text()).get(key)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+
+
 def _tokenizer_template(model_dir: Path) -> bool:
     """Whether tokenizer_config.json carries a chat template."""
-    try:
-        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return False
+    return bool(_tokenizer_config_value(model_dir, "chat_template"))
 
 
 def _tokenizer_max_length(model_dir: Path) -> int | None:
     """tokenizer_config.json's model_max_length, when it is a length (not transformers' 1e30 "no limit")."""
-    try:
-        n = json.loads((model_dir / "tokenizer_config.json").read_text()).get("model_max_length")
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return None
+    n = _tokenizer_config_value(model_dir, "model_max_length")
     return n if isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 62 else None
 
 
