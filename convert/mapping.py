@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import Family, Projection, Tensor, text_config, tied_embeddings  # noqa: F401
+from gemma_tpu.models.registry import Family, Projection, Tensor, tied_embeddings  # noqa: F401
 
 
 def tunix_layer_name(family: Family, layer: int, proj: Projection, param: str) -> str:
@@ -89,38 +89,6 @@ def full_sites(family: Family, tunix_cfg: Any, prefix: str) -> dict[str, FullSit
     if not family.tensors:
         raise UserError(f"full fine-tune merge has no parameter table for family {family.name}")
     return {hf_key: FullSite(hf_key, tunix_name, how) for hf_key, tunix_name, how in family.weight_sources(tunix_cfg, prefix)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """The part of Tunix's `ModelConfig` that the registry's `projections` and the layer loops read,
-    under Tunix's attribute names, built from config.json without importing Tunix's model code
-    (whose import time and memory would dominate a small merge). Converters do not
-    build a model, so they need no more; `--verify` builds the real config through the loader."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    embed_dim: int
-    head_dim: int
-    hidden_dim: int
-    # families whose layers differ (Gemma 4), from `Family.layout_fields`
-    attention_pattern: tuple[str, ...] | None = None
-    frac_shared_layers: float = 0.0
-    k_eq_v_global: bool = False
-    per_layer_input_dim: int = 0
-    enable_moe: bool = False
-
-
-def read_layout(hf_config: dict, family: Family | None = None) -> Layout:
-    t = family.read_text_config(hf_config) if family is not None else text_config(hf_config)
-    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
-            "intermediate_size")
-    missing = [k for k in keys if t.get(k) is None]
-    if missing:
-        raise UserError(f"config.json: missing key '{missing[0]}'")
-    extra = family.layout_fields(hf_config) if family is not None and family.layout_fields else {}
-    return Layout(*(int(t[k]) for k in keys), **extra)
 
 
 _LORA_NAME = re.compile(r".*_lora_[ab]$")

@@ -13,13 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from convert.mapping import (
-    Layout,
     LoraSite,
     axis_sizes_from_factors,
     hf_shape,
     is_lora_name,
     lora_sites,
-    read_layout,
     weight_shape,
 )
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
@@ -27,7 +25,7 @@ from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.fingerprint import check_base
-from gemma_tpu.models.registry import Family, choose_family
+from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout
 
 
 @dataclasses.dataclass
@@ -37,7 +35,7 @@ class CheckpointSource:
     meta: dict
     family: Family
     hf_config: dict  # the base's config.json as recorded at training time
-    layout: Layout  # the model shape the registry's projections need (see convert.mapping.Layout)
+    layout: Layout  # the model shape the registry's projections need (see gemma_tpu.models.registry.Layout)
     params: CheckpointParams
 
     @property

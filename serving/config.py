@@ -414,6 +414,7 @@ class ModelFacts:
     chat_template_file: str | None  # name of the .jinja template file in the model dir to pass vLLM, if any
     has_chat_template: bool  # a template anywhere vLLM/transformers look (file or tokenizer_config)
     lora_rank: int | None  # --max-lora-rank to pass
+    unexpected_weights: list[str] = dataclasses.field(default_factory=list)  # see check_weight_names
 
 
 def vllm_families() -> dict[str, Family]:
@@ -448,6 +449,39 @@ def check_weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
         raise UserError(f"model dir {model_dir}: sharded weights ({shards[0]}, ...) without "
                         "model.safetensors.index.json")
     raise UserError(f"model dir {model_dir}: no weights (model.safetensors or model.safetensors.index.json)")
+
+
+def check_weight_names(model_dir: Path, family: Family, hf_config: dict, names: Sequence[str]) -> list[str]:
+    """Every tensor config.json's model needs is in the weights (the registry's `Family.required_weights`, the
+    table the loader and the merge use); returns the decoder tensors beyond them (a layer past num_hidden_layers,
+    a leftover lm_head of a tied model, ...), which the servers ignore. A directory missing one tensor (a copy
+    cut short, an edited checkpoint) passed here: vLLM refused it when the engine started, minutes into the
+    container's start, and transformers serve filled the tensor with random values and answered."""
+    try:
+        prefix = family.text_prefix(names)
+        want = family.required_weights(hf_config, prefix)
+    except UserError as e:
+        where = f"{model_dir}/config.json"
+        raise UserError(f"model dir {model_dir}: {str(e).replace('config.json', where, 1)}") from None
+    have, need = set(names), set(want)
+    missing = [n for n in want if n not in have]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise UserError(f"model dir {model_dir}: {len(missing)} tensor{'s' if len(missing) > 1 else ''} of the "
+                        f"model its config.json describes missing from the weights ({', '.join(missing[:3])}{more}): "
+                        "vLLM refuses it when the engine starts, transformers fills them with random values "
+                        "(merge it again, or copy the whole directory)")
+    return [n for n in names if n not in need and (n.startswith(prefix) or n.startswith("lm_head."))]
+
+
+def weights_warning(facts: "ModelFacts") -> str | None:
+    """Decoder tensors the model's config.json has no place for (the servers load without them)."""
+    extra = facts.unexpected_weights
+    if not extra:
+        return None
+    more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+    return (f"model.dir: {len(extra)} tensor{'s' if len(extra) > 1 else ''} the model its config.json describes has "
+            f"no place for ({', '.join(extra[:3])}{more}); the servers ignore {'them' if len(extra) > 1 else 'it'}")
 
 
 def check_tokenizer(model_dir: Path) -> None:
@@ -542,6 +576,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         raise UserError(f"model dir {d}: architecture {arch} is not one vLLM-TPU serves here "
                         f"(supported: {', '.join(sorted(served))})")
     text = fam.read_text_config(hf) if fam else text_config(hf)  # omitted keys at transformers' defaults
+    unexpected = check_weight_names(d, fam, hf, list(weights)) if fam else []
     kv = text.get("num_key_value_heads", hf.get("num_key_value_heads"))
     if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0:
         raise UserError(f"model dir {d}: config.json has no num_key_value_heads")
@@ -631,7 +666,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if cfg.tool_calling.enabled and cfg.tool_calling.chat_template != "model":
         if not Path(cfg.tool_calling.chat_template).expanduser().is_file():
             raise UserError(f"tool_calling.chat_template: {cfg.tool_calling.chat_template} is not a file")
-    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank)
+    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected)
 
 
 def open_api_warning(cfg: ServeConfig) -> str | None:

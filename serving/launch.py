@@ -43,6 +43,7 @@ from serving.config import (
     max_loras,
     open_api_warning,
     stop_token_warning,
+    weights_warning,
 )
 from serving.local import LocalServer
 
@@ -193,7 +194,9 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
 def serve_local(cfg: ServeConfig) -> int:
     """`transformers serve` on this machine, until Ctrl-C or SIGTERM."""
 
-    inspect_model(cfg, for_vllm=False)
+    warning = weights_warning(inspect_model(cfg, for_vllm=False))
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     t = cfg.tool_calling
     template = t.chat_template if t.enabled and t.chat_template != "model" else None
     # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
@@ -242,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "404 (merge an adapter with python -m convert.merge_orbax to serve it here)", file=sys.stderr)
         return serve_local(cfg)
     facts = inspect_model(cfg)
-    for warning in (stop_token_warning(cfg, facts), lora_warning(cfg), extra_args_warning(cfg)):
+    for warning in (stop_token_warning(cfg, facts), lora_warning(cfg), extra_args_warning(cfg),
+                    weights_warning(facts)):
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     cmd = render(cfg, facts)

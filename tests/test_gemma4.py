@@ -151,7 +151,7 @@ def test_config_built_from_config_json(g4):
     assert kv_source(tc) == [0, 1, 2, 3, 3, 1]
     assert layer_features(tc, 4) == {"ple"} and layer_features(tc, None) == {"ple"}
     # the converters' Layout (no Tunix import) agrees with the Tunix config
-    from convert.mapping import read_layout
+    from gemma_tpu.models.registry import read_layout
 
     layout = read_layout(mm, fam)
     assert [layer_features(layout, i) for i in range(6)] == [layer_features(tc, i) for i in range(6)]
@@ -475,6 +475,23 @@ def test_lora_merge_and_peft(g4, tmp_path, name):
     from serving.config import adapter_rank, check_adapter_fits, check_weights
 
     check_adapter_fits(adapter, "a", adapter_rank(adapter, "a"), check_weights(base))  # what serving.launch checks
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_serving_finds_every_tensor_of_each_variant(g4, name):
+    """serving.launch's tensor-name check (the registry's required_weights) holds every Gemma 4 transformers
+    writes: per-layer embeddings, experts, K=V and shared layers; a vision tower is outside the decoder."""
+    from gemma_tpu.models import get_family
+    from serving.config import check_weight_names, check_weights
+
+    d = g4(name)
+    hf = json.loads((d / "config.json").read_text())
+    weights = check_weights(d)
+    assert check_weight_names(d, get_family("gemma4"), hf, list(weights)) == []
+    with pytest.raises(UserError, match=r"1 tensor of the model .* missing from the weights "
+                       r"\(model\.(language_model\.)?layers\.0\.input_layernorm\.weight\)"):
+        names = [n for n in weights if not n.endswith("layers.0.input_layernorm.weight")]
+        check_weight_names(d, get_family("gemma4"), hf, names)
 
 
 @pytest.mark.parametrize("name", ["ple_mm", "moe"])

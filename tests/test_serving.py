@@ -32,6 +32,7 @@ import pytest
 
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.models.registry import described_family
 from serving.config import DEFAULT_IMAGE, VLLM_TPU_IMAGE
 from serving.local import free_port
 from tests.conftest import REPO, assert_one_line_error, run_cli
@@ -57,12 +58,14 @@ def save_tensors(path: Path, tensors: dict[str, tuple[int, ...]]) -> None:
 
 def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nested: bool = False, shards: int = 0,
                    tokenizer: bool = True, template: bool = True, generation: bool = True) -> Path:
-    """A directory with the files vLLM reads (the weights are safetensors files holding no tensor)."""
+    """A directory with the files vLLM reads: a two-layer model's tensors, all of shape (1,) but layer 0's q_proj."""
     root.mkdir(parents=True)
-    text = {"num_key_value_heads": kv, "num_attention_heads": 2 * kv, "max_position_embeddings": 32768}
+    text = {"num_key_value_heads": kv, "num_attention_heads": 2 * kv, "max_position_embeddings": 32768,
+            "num_hidden_layers": 2}
     cfg = {"architectures": [arch], **({"text_config": text} if nested else text)}
     (root / "config.json").write_text(json.dumps(cfg))
     q = {f"model.{'language_model.' if nested else ''}layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN)}
+    q = {**every_weight(cfg, nested), **q}
     if shards:  # the index names each tensor's shard, as a loader checks it does
         names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
         (root / "model.safetensors.index.json").write_text(json.dumps(
@@ -79,6 +82,13 @@ def fake_model_dir(root: Path, arch: str = "Gemma3ForCausalLM", kv: int = 1, nes
     if template:
         (root / "chat_template.jinja").write_text("{{ messages }}")
     return root
+
+
+def every_weight(cfg: dict, nested: bool) -> dict[str, tuple[int, ...]]:
+    """Each tensor name the model `cfg` (config.json) describes, of shape (1,)."""
+    family = described_family(cfg)
+    prefix = f"model.{'language_model.' if nested else ''}"
+    return dict.fromkeys(family.required_weights(cfg, prefix) if family else [], (1,))
 
 
 def fake_adapter(root: Path, r: int, nested: bool = False, hidden: int = HIDDEN) -> Path:
@@ -303,6 +313,7 @@ def _sparse_4b_config(p):
     (d / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {
         "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}))
+    save_tensors(d / "model.safetensors", every_weight(json.loads((d / "config.json").read_text()), nested=True))
     return d
 
 
@@ -444,6 +455,41 @@ def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make,
     assert out == ""
 
 
+def _edit_weights(src: Path, dst: Path, drop: str = "", add: str = "") -> Path:
+    """A copy of the model directory `src` whose model.safetensors lacks `drop` and holds an extra `add`."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors.pop(drop, None) if drop else None
+    if add:
+        tensors[add] = np.zeros(4, np.float32)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_directory_missing_a_tensor_of_its_model_is_refused(tiny_dir, tmp_path, capsys):
+    """One decoder tensor gone from a merged directory (a copy cut short, an edited checkpoint) passed --print and
+    --local: vLLM refused it when the engine started and transformers serve filled it with random values. A
+    tensor the config has no place for is only warned of (the servers ignore it); the directory itself passes."""
+    args = ["--config", CONFIG_270M, "tool_calling.enabled=false", "server.max_model_len=512"]
+    code, out, err = launch_inproc(capsys, *args, "--print", f"model.dir={tiny_dir}")
+    assert code == 0 and "warning" not in err, err
+    gone = "model.layers.0.mlp.down_proj.weight"
+    d = _edit_weights(tiny_dir, tmp_path / "m", drop=gone)
+    for mode in ("--print", "--local"):
+        code, out, err = launch_inproc(capsys, *args, mode, f"model.dir={d}")
+        one_error_line(code, err, str(d), "1 tensor", gone, "missing from the weights", "vLLM refuses")
+        assert out == ""
+    extra = "model.layers.9.mlp.down_proj.weight"  # tiny_dir has 2 layers
+    d = _edit_weights(tiny_dir, tmp_path / "x", add=extra)
+    code, out, err = launch_inproc(capsys, *args, "--print", f"model.dir={d}")
+    assert code == 0, err
+    assert f"warning: model.dir: 1 tensor the model its config.json describes has no place for ({extra})" in err
+
+
 def test_missing_generation_config_names_the_server_that_needs_it(tmp_path, capsys):
     d = fake_model_dir(tmp_path / "m", generation=False)
     code, _, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}")
@@ -509,7 +555,8 @@ def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     class (`model.layers.`) passed on a multimodal base, where vLLM and PEFT leave its keys unused. A bias other
     than "none" is refused by vLLM at load; each is now one line before the container."""
     d = fake_model_dir(tmp_path / "m", arch="Gemma3ForConditionalGeneration", nested=True)
-    save_tensors(d / "model.safetensors", {"model.language_model.layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN),
+    save_tensors(d / "model.safetensors", {**every_weight(json.loads((d / "config.json").read_text()), nested=True),
+                                           "model.language_model.layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN),
                                            "model.vision_tower.vision_model.encoder.layers.5.self_attn.q_proj.weight":
                                            (Q_OUT, HIDDEN)})
     deep = fake_adapter(tmp_path / "deep", r=8, nested=True)

@@ -172,6 +172,38 @@ class GGUFFacts:
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+    """The part of Tunix's `ModelConfig` that the registry's `projections` and the layer loops read,
+    under Tunix's attribute names, built from config.json without importing Tunix's model code
+    (whose import time and memory would dominate a small merge or a serving check). Converters do not
+    build a model, so they need no more; `--verify` builds the real config through the loader."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    embed_dim: int
+    head_dim: int
+    hidden_dim: int
+    # families whose layers differ (Gemma 4), from `Family.layout_fields`
+    attention_pattern: tuple[str, ...] | None = None
+    frac_shared_layers: float = 0.0
+    k_eq_v_global: bool = False
+    per_layer_input_dim: int = 0
+    enable_moe: bool = False
+
+
+def read_layout(hf_config: dict, family: "Family | None" = None) -> Layout:
+    t = family.read_text_config(hf_config) if family is not None else text_config(hf_config)
+    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+            "intermediate_size")
+    missing = [k for k in keys if t.get(k) is None]
+    if missing:
+        raise UserError(f"config.json: missing key '{missing[0]}'")
+    extra = family.layout_fields(hf_config) if family is not None and family.layout_fields else {}
+    return Layout(*(int(t[k]) for k in keys), **extra)
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """Everything that differs between model families, as data plus a few small functions."""
 
@@ -187,10 +219,10 @@ class Family:
     layer_path: str = "layers.{layer}"  # Tunix path of decoder layer N
     # Non-projection weights, for converting full fine-tunes (see `Tensor`).
     tensors: tuple[Tensor, ...] = ()
-    # (tunix cfg or convert.mapping.Layout, layer index or None for the model) -> feature names
+    # (tunix cfg or `Layout`, layer index or None for the model) -> feature names
     # that `Projection.requires` / `Tensor.requires` refer to. None: every layer alike.
     layer_features: Callable[[Any, int | None], frozenset[str]] | None = None
-    # config.json (text part) -> extra `convert.mapping.Layout` fields that `projections` and
+    # config.json (text part) -> extra `Layout` fields that `projections` and
     # `layer_features` read, under Tunix's attribute names, computed without importing Tunix.
     layout_fields: Callable[[dict], dict] | None = None
     # generation_config.json eos ids a merged model must stop on
@@ -318,6 +350,14 @@ class Family:
 
     def hf_key(self, prefix: str, layer: int, proj: Projection) -> str:
         return f"{prefix}layers.{layer}.{proj.hf_module}.weight"
+
+    def required_weights(self, hf_config: dict, prefix: str) -> list[str]:
+        """Every HF tensor name a checkpoint of this config.json must hold, its decoder under `prefix`: the
+        decoder weights `weight_sources` lists for the config's layout (layer count, fused or K=V attention,
+        per-layer embeddings, experts, q/k norms: the table the loader and the full fine-tune merge use), and
+        `lm_head.weight` when the embeddings are untied. Reads config.json only (no Tunix)."""
+        names = [key for key, _, _ in self.weight_sources(read_layout(hf_config, self), prefix)]
+        return names + ([] if tied_embeddings(hf_config) else ["lm_head.weight"])
 
 
 _FAMILIES: dict[str, Family] = {}
