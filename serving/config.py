@@ -40,6 +40,10 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY", "HUGGING_FACE_HUB_TOKEN")
+# tpu-inference's MODEL_IMPL_TYPE (tpu_inference/envs.py, 0.27.0): auto picks its JAX model where it has one (Gemma 4)
+# and vLLM's PyTorch model through torchax otherwise (Gemma 3); it refuses other values when the engine starts, and
+# "jetpack", which its list takes, has no model loader (NotImplementedError at model load)
+MODEL_IMPL_TYPES = ("auto", "flax_nnx", "vllm")
 # `vllm serve` options the launcher renders from the config (serving/launch.py), by the key that sets them:
 # repeated in server.extra_args, vLLM's parser keeps the last, so the server ran on another port, context
 # or model name than the config (and the clients) said. --api-key would put the secret on the command line.
@@ -378,6 +382,11 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         if k in SECRET_ENV:
             bad(f"container.env.{k}: secrets are passed by name (server.api_key_env, container.hf_token_env), "
                 "not written into the config")
+    impl = cfg.container.env.get("MODEL_IMPL_TYPE")
+    if impl is not None and impl not in MODEL_IMPL_TYPES:  # tpu-inference refused it at engine start, on the VM
+        close = difflib.get_close_matches(str(impl).lower(), MODEL_IMPL_TYPES, n=1, cutoff=0.6)
+        bad(f"container.env.MODEL_IMPL_TYPE={impl!r} is not one tpu-inference takes ("
+            + (f"did you mean {close[0]}? " if close else "") + f"it takes {', '.join(MODEL_IMPL_TYPES)})")
     if not re.fullmatch(r"\d+[bkmg]?", cfg.container.shm_size.lower()):
         bad(f"container.shm_size {cfg.container.shm_size!r} is not a size like 16g")
     names = [a.name for a in cfg.lora.adapters]
@@ -634,6 +643,14 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             if cfg.tool_calling.chat_template == "model" and not has_template:
                 raise UserError(f"model dir {d}: no chat template (chat_template.jinja or tokenizer_config.json) "
                                 "for tool calling; set tool_calling.chat_template to a .jinja file")
+        impl = cfg.container.env.get("MODEL_IMPL_TYPE", "auto")
+        if cfg.lora.adapters and fam.vllm_jax_native and impl in ("auto", "flax_nnx"):
+            # refused, not switched to vllm here: that would serve another implementation of the model (torchax,
+            # its own speed and memory) than the config says; the README's route for a fine-tune is its merge
+            raise UserError(f"lora.adapters: vLLM-TPU serves {arch} with tpu-inference's JAX model under "
+                            f"container.env.MODEL_IMPL_TYPE={impl}, which applies no LoRA adapter (vLLM's LoRA is "
+                            "on its PyTorch model through torchax only): serve each adapter's merge "
+                            "(python -m convert.merge_orbax) as model.dir, or set container.env.MODEL_IMPL_TYPE=vllm")
         ranks = []
         for a in cfg.lora.adapters:
             adir = Path(a.dir).expanduser()

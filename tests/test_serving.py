@@ -253,14 +253,20 @@ def test_print_31b_config_with_adapters(tmp_path, capsys, monkeypatch):
     d = fake_model_dir(tmp_path / "g4", arch="Gemma4ForConditionalGeneration", kv=16, nested=True, shards=3)
     a = fake_adapter(tmp_path / "coach", r=12, nested=True)
     monkeypatch.setenv("VLLM_API_KEY", "api-secret-value-3")
-    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}", "model.name=g4",
-                                   f"lora.adapters=[{{name: coach, dir: {a}}}]", "server.host=0.0.0.0")
+    args = ["--config", CONFIG_31B, "--print", f"model.dir={d}", "model.name=g4",
+            f"lora.adapters=[{{name: coach, dir: {a}}}]", "server.host=0.0.0.0"]
+    # tpu-inference's JAX Gemma 4 (MODEL_IMPL_TYPE auto, as the config sets it, or flax_nnx) applies no adapter
+    for impl in ("auto", "flax_nnx"):
+        code, out, err = launch_inproc(capsys, *args, f"container.env.MODEL_IMPL_TYPE={impl}")
+        one_error_line(code, err, f"container.env.MODEL_IMPL_TYPE={impl}", "applies no LoRA adapter",
+                       "python -m convert.merge_orbax", "MODEL_IMPL_TYPE=vllm")
+    code, out, err = launch_inproc(capsys, *args, "container.env.MODEL_IMPL_TYPE=vllm")
     assert code == 0, err
     assert "api-secret-value-3" not in out + err
     argv = words(out)
     assert argv[:2] == ["docker", "run"]
     assert has_pair(argv, "-v", f"{a}:/adapters/coach:ro") and has_pair(argv, "-e", "VLLM_API_KEY")
-    assert has_pair(argv, "-e", "MODEL_IMPL_TYPE=auto") and flag(argv, "--shm-size") == "64g"
+    assert has_pair(argv, "-e", "MODEL_IMPL_TYPE=vllm") and flag(argv, "--shm-size") == "64g"
     serve = argv[argv.index("vllm"):]
     assert serve[:3] == ["vllm", "serve", "/models/g4"] and flag(serve, "--host") == "0.0.0.0"
     assert flag(serve, "--tensor-parallel-size") == "8" and flag(serve, "--max-model-len") == "4096"
@@ -445,6 +451,8 @@ def _k_eq_v_gemma4(p, global_kv: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype,fp8_e4m3fn]"],
      ["--kv-cache-dtype 'fp8_e4m3fn' is not a value `vllm serve` takes in vllm/vllm-tpu:v0.27.0",
       "did you mean fp8_e4m3?", "it takes auto, bfloat16, float16, fp8, "]),
+    (CONFIG_270M, fake_model_dir, ["container.env.MODEL_IMPL_TYPE=flax"],  # tpu-inference refused it at start
+     ["container.env.MODEL_IMPL_TYPE='flax'", "did you mean flax_nnx?", "auto, flax_nnx, vllm"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--logprobs_mode=raw]"],
      ["--logprobs-mode 'raw' is not a value", "raw_logits, raw_logprobs"]),
 ])

@@ -595,5 +595,6 @@ GEMMA4 = register(
         # (`tpu_inference/models/common/model_loader.py` registers both); tool calls are `<|tool_call>` blocks.
         vllm_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         vllm_tool_parser="gemma4",
+        vllm_jax_native=True,
     )
 )

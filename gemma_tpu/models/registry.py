@@ -237,6 +237,9 @@ class Family:
     vllm_architectures: tuple[str, ...] = ()
     vllm_tool_parser: str | None = None
     vllm_tied_embeddings_only: bool = False  # vLLM's model has no separate lm_head for this family
+    # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
+    # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
+    vllm_jax_native: bool = False
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
     # Tunix's own safetensors loader for this family: whole tensors on every host; kept as the
     # reference that tests check `create_model` (gemma_tpu.models.sharded_weights) against.
