@@ -338,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"merge: {s.dir} step {s.step} ({what}) + base {plan.base_dir} -> {plan.out} "
           f"({sio.DTYPE_NAMES_INV[plan.out_dtype]}, {len(plan.specs)} tensors, {human(plan.total_bytes)}, "
           f"{n_shards} shard{'s' if n_shards > 1 else ''})", file=sys.stderr)
+    if plan.out_dtype == "F16" and s.family.float16_problem:
+        print(f"merge: warning: float16 for a {s.family.name} model: {s.family.float16_problem}; serving.launch "
+              "serves it as bfloat16 (vLLM) or float32 (--local); --dtype bfloat16 is what vLLM serves",
+              file=sys.stderr)
     ad = AtomicDir(plan.out, args.overwrite, marker=PROVENANCE_FILE)
     with ad as tmp:
         writer = write_weights(plan, tmp, fsync=not args.no_fsync)

@@ -48,6 +48,8 @@ from gemma_tpu.formats.function_calling import (
     function_token_map,
     tool_chat_template,
 )
+from gemma_tpu.hf.files import config_dtype
+from gemma_tpu.models.registry import described_family
 from serving.config import chat_template_in
 
 SERVING_EXTRA = "transformers serve needs transformers[serving]: pip install -e '.[serve]'"
@@ -1301,6 +1303,14 @@ def stop_token_texts(tok, served: Path) -> list[str]:
     return sorted(t for t in texts if t.strip())
 
 
+def local_dtype(config: dict) -> str:
+    """The dtype `transformers serve` loads a model of this config.json in: its weights' ("auto"), but float32 for a
+    float16 copy of a family that is not served in float16 (Gemma 3, `Family.float16_problem`: transformers' Gemma 3
+    overflows in it; vLLM is given --dtype bfloat16 by serving.launch), which holds every float16 value."""
+    family = described_family(config)
+    return "float32" if family and family.float16_problem and config_dtype(config) == "float16" else "auto"
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P [--max-model-len N]` (in the directory holding NAME):
     `transformers serve NAME` with its app behind `CheckedChatApp`, requests bounded by the model's positions or N
@@ -1354,7 +1364,11 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     ChatCompletionHandler.get_processor_inputs_from_messages = staticmethod(
         read_messages_as_trained(ChatCompletionHandler.get_processor_inputs_from_messages))
-    serve_cli.Serve(force_model=args.name, host=args.host, port=args.port)
+    dtype = local_dtype(config)
+    if dtype != "auto":
+        print(f"note: {args.name} holds float16 weights, served in {dtype} (float16: "
+              f"{described_family(config).float16_problem})", file=sys.stderr)
+    serve_cli.Serve(force_model=args.name, host=args.host, port=args.port, dtype=dtype)
 
 
 _SERVE_DOC = """The process `python -m serving.launch --config FILE --local` starts (use that: it serves the merged

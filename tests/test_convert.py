@@ -1342,6 +1342,23 @@ def test_float16_output_beyond_its_range_is_refused(work, lora_ckpt, capsys):
     assert np.isfinite(sio.WeightsDir(out).read("model.layers.0.self_attn.q_proj.weight").astype(np.float32)).all()
 
 
+def test_a_float16_gemma3_merge_is_warned_of_and_served_wider(work, lora_ckpt, merged, capsys):
+    """vLLM refuses float16 for Gemma 3 and transformers' Gemma 3 overflows in it: the merge says so in one line (it
+    said nothing), and the local server loads such a directory in float32 (transformers serve took its float16);
+    vLLM is given --dtype bfloat16 by serving.launch whatever the weights."""
+    from serving.local import local_dtype
+
+    out = work / "merged_f16"
+    assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--dtype", "float16") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "float16 for a gemma3 model: vLLM refuses float16 for Gemma 3" in warnings[0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float16" and local_dtype(config) == "float32"
+    assert local_dtype(json.loads((merged / "config.json").read_text())) == "auto"  # float32 weights: as they are
+    assert merge("--checkpoint", lora_ckpt[0], "--out", work / "merged_bf16_quiet", "--dtype", "bfloat16") == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_verify_given_the_config_file_names_its_directory(tmp_path, capsys):
     """`convert.verify runs/x-merged/config.json ...` said "runs/x-merged/config.json/config.json: missing"; the
     file given for its directory is now named as such, with the directory to give."""

@@ -39,6 +39,17 @@ def output_config(hf_config: dict, dtype_name: str) -> dict:
     return cfg
 
 
+def config_dtype(hf_config: dict) -> str | None:
+    """The dtype config.json records for the weights (`dtype`, transformers 4.x's `torch_dtype`; a multimodal
+    config's text_config otherwise), or None."""
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
+    for cfg in (hf_config, text):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(cfg.get(key), str):
+                return cfg[key]
+    return None
+
+
 def generation_config(base_dir: Path, hf_config: dict, stop_ids: tuple[int, ...]) -> dict:
     """The base's generation config (or one from config.json) with every stop id in eos_token_id."""
     path = base_dir / "generation_config.json"

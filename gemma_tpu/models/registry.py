@@ -240,6 +240,8 @@ class Family:
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
     vllm_jax_native: bool = False
+    # why a float16 copy of this family's weights is not served as float16 (None: it is)
+    float16_problem: str | None = None
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
     # Tunix's own safetensors loader for this family: whole tensors on every host; kept as the
     # reference that tests check `create_model` (gemma_tpu.models.sharded_weights) against.
