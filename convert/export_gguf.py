@@ -634,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--merged", help="a Hugging Face model directory (e.g. the output of convert.merge_orbax)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--base", help="base HF dir or hub id (default: the one recorded in the checkpoint)")
-    p.add_argument("--out", required=True, type=cli.output_path, help="output .gguf file")
+    p.add_argument("--out", required=True, type=cli.output_path_of("output .gguf file"), help="output .gguf file")
     p.add_argument("--type", default="q8_0", type=str.lower,  # Q8_0 as llama-quantize spells it
                    help=f"weight type: {', '.join(TYPES)} (default q8_0; either case)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m convert.export_peft", __doc__, overrides=False)
     p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    p.add_argument("--out", required=True, type=cli.output_path, help="output adapter directory")
+    p.add_argument("--out", required=True, type=cli.output_path_of("adapter directory"),
+                   help="output adapter directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
     p.add_argument("--base", help="the base's HF directory when the one recorded at training is not here, "
                                   "checked against the fingerprint taken at training (a tool-calling run's adapter "

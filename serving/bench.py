@@ -389,7 +389,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dataset", default="random", help="'random' or a JSONL file (or JSON array) of chats / prompts")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random prompts (or of the order --dataset rows are sent in)")
-    p.add_argument("--json", type=cli.output_path, help="write the results here (vllm bench serve field names)")
+    p.add_argument("--json", type=cli.output_path_of("JSON file"),
+                   help="write the results here (vllm bench serve field names)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds a request may take, streaming included")
     p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0,
                    help="sent with every request (default 0: greedy, as vllm bench serve asks)")

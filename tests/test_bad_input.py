@@ -688,9 +688,11 @@ CASES = [
          {"models/a/config.json": "{}", "models/b": "x", "models/c": "x", "models/d": "x"}),
     # an empty path is the working directory to pathlib: it was refused as '. already exists'
     Case("merge-empty-out", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "", "--overwrite"],
-         ["--out", "an empty path"]),
-    Case("gguf-empty-out", "convert.export_gguf", ["--merged", "{tiny}", "--out", " "], ["--out", "an empty path"]),
-    Case("eval-empty-json", "gemma_tpu.evaluate", ["--model", "{tiny}", "--json", ""], ["--json", "an empty path"]),
+         ["--out", "an empty path names no output directory to write"]),
+    Case("gguf-empty-out", "convert.export_gguf", ["--merged", "{tiny}", "--out", " "],
+         ["argument --out: an empty path names no output .gguf file to write"]),  # said "a file or directory"
+    Case("eval-empty-json", "gemma_tpu.evaluate", ["--model", "{tiny}", "--json", ""],
+         ["--json", "an empty path names no JSON file to write"]),
     Case("merge-target-is-a-file", "convert.merge_orbax",
          ["--checkpoint", "{ckpt}", "--out", "{tmp}/out.txt", "--overwrite"], ["{tmp}/out.txt", "not a directory"],
          {"out.txt": "mine"}),

@@ -143,12 +143,24 @@ def integers(low: int = 1) -> Callable[[str], list[int]]:
     return parse
 
 
-def output_path(text: str) -> str:
+def output_path(text: str, what: str = "a file or directory") -> str:
     """An argparse `type` for a path written to: `--out ""` is the working directory to pathlib, and was
-    refused as '. already exists' (or, with --overwrite, checked as the working directory)."""
+    refused as '. already exists' (or, with --overwrite, checked as the working directory). `output_path_of`
+    names what the option writes."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path (give a file or directory to write)")
+        raise argparse.ArgumentTypeError(f"an empty path names no {what} to write")
     return text
+
+
+def output_path_of(what: str):
+    """`output_path` for an option that writes `what` ("output .gguf file"): its error says so, after the option
+    argparse names (`argument --out: an empty path names no output .gguf file to write`)."""
+
+    def output_path_(text: str) -> str:
+        return output_path(text, what)
+
+    output_path_.__name__ = "output_path"
+    return output_path_
 
 
 # seconds a request may wait: positive, and within what a socket timeout takes (1e10 s overflows time_t)

@@ -56,7 +56,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer directory, hub id or embedded:NAME (default: the config's model.path)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="mark loss-bearing text with ANSI colour (auto: when stdout is a terminal)")
-    p.add_argument("--json", type=cli.output_path, help="also write the statistics to this JSON file")
+    p.add_argument("--json", type=cli.output_path_of("JSON file"), help="also write the statistics to this JSON file")
     return p.parse_args(list(argv))
 
 

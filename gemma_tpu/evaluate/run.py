@@ -585,7 +585,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--turns", choices=TURNS, default="first",
                    help="score each conversation's first trained assistant turn, or every one after the reference "
                         "conversation before it (multi-turn chats; default: first)")
-    p.add_argument("--json", type=cli.output_path, help="write metrics and per-example predictions here")
+    p.add_argument("--json", type=cli.output_path_of("JSON file"),
+                   help="write metrics and per-example predictions here")
     # with the prefix cache a row prefills only its suffix, and decoding (memory-bound on the weights) serves
     # 32 rows for little more than 8: on the 270M, 200 test conversations 3.3x faster than uncached batches of 8
     p.add_argument("--batch-size", type=int, default=32,

@@ -27,7 +27,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.examples.fitness", __doc__, overrides=False)
     sub = p.add_subparsers(dest="command", required=True)
     g = cli.subcommand(sub, "generate", "write the train/validation/test JSONL files")
-    g.add_argument("--out", required=True, type=cli.output_path, help="output directory")
+    g.add_argument("--out", required=True, type=cli.output_path_of("output directory"), help="output directory")
     g.add_argument("--seed", type=int, default=0, help="the committed splits are seed 0")
     g.add_argument("--train", type=int, default=1200, help="training examples")
     g.add_argument("--validation", type=int, default=150, help="validation examples")
