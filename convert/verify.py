@@ -52,7 +52,8 @@ from gemma_tpu.formats import gemma_chat
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.adapter import check_adapter_fits, read_adapter_config
 from gemma_tpu.hf.directory import read_hf_config
-from gemma_tpu.models.registry import detect_family, families, text_config
+from gemma_tpu.models.loading import directory_family
+from gemma_tpu.models.registry import families, text_config
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -214,10 +215,8 @@ def check_adapter_on(adapter_dir: Path, base: Path, base_config: dict) -> None:
     """An adapter of a base of another shape (layers it lacks, other widths) or with a bias (Gemma has none) is
     refused naming the key: peft only warned of "missing adapter keys" and went on, the logits compared were not
     the adapter's, and vLLM refuses it at load."""
-    try:
-        prefixes = detect_family(base_config).text_prefixes
-    except UserError:  # not a family we know: every decoder prefix we do know
-        prefixes = {p for fam in families().values() for p in fam.text_prefixes}
+    family = directory_family(base, base_config)  # not a family we know: every decoder prefix we do know
+    prefixes = family.text_prefixes if family else {p for fam in families().values() for p in fam.text_prefixes}
     cfg = read_adapter_config(adapter_dir, str(adapter_dir), for_vllm=False)
     if not (base / sio.INDEX_FILE).is_file() and not any(base.glob("*.safetensors")):
         return  # pytorch_model.bin: its shapes are left to peft
@@ -368,10 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for adapter_dir, model_dir, config in zip(adapters, models, configs):
         if adapter_dir is not None:
             check_adapter_on(adapter_dir, model_dir, config)
-    try:  # keys config.json omits at transformers' defaults, for the families we know
-        text = detect_family(configs[0]).read_text_config(configs[0])
-    except UserError:
-        text = text_config(configs[0])
+    # keys config.json omits at transformers' defaults, for the families we know (each directory's family as the
+    # loader takes it: its merge's record, else its config.json; a record config.json contradicts is refused)
+    families_ = [directory_family(m, c) for m, c in zip(models, configs)]
+    text = families_[0].read_text_config(configs[0]) if families_[0] else text_config(configs[0])
     vocab = int(text["vocab_size"])
     ids = prompt_ids(models[0], args.prompt or DEFAULT_PROMPTS, vocab)
     c = compare(*(hf_logits(m, ids, a) for m, a in zip(models, adapters)))

@@ -1148,6 +1148,25 @@ def test_verify_cli(base, merged, capsys):
     assert main([str(base), str(merged), "--max-abs-diff", "1e-6"]) == 1
 
 
+def test_verify_takes_a_merged_directorys_family_from_its_record(merged, tmp_path, capsys):
+    """verify read the family off config.json alone (detect_family), where every loader takes a merge's record first
+    (resolve_model): a directory whose record contradicts its config.json was compared, and evaluated or served
+    it is refused. Both now go through gemma_tpu.models.loading.directory_family."""
+    from convert.verify import main as verify
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.hf.directory import MERGE_RECORD
+
+    copy = tmp_path / "m"
+    shutil.copytree(merged, copy)
+    record = json.loads((copy / MERGE_RECORD).read_text())
+    record["base"]["family"] = "gemma4"
+    (copy / MERGE_RECORD).write_text(json.dumps(record))
+    assert cli_main(verify, [str(merged), str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {copy / MERGE_RECORD}: base.family=gemma4 contradicts "
+                                               f"{copy / 'config.json'}"), err
+
+
 def test_verify_says_when_it_cannot_compare_the_prompts(merged, tmp_path, capsys):
     """Without a usable tokenizer the comparison runs on fixed pseudo-random ids; --prompt was then ignored
     without a word."""

@@ -21,7 +21,7 @@ from gemma_tpu.hf.directory import (
     resolve_path,
     safetensors_keys,
 )
-from gemma_tpu.models.registry import Family, choose_family
+from gemma_tpu.models.registry import Family, choose_family, described_family
 from gemma_tpu.models.sharded_weights import check_weight_headers
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,17 @@ def resolve_model(spec: str, revision: str | None = None, family: str | None = N
     resolved = ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
     resolved.text_config  # a value transformers cannot build a model from is refused here, naming the file
     return resolved
+
+
+def directory_family(model_dir: Path, hf_config: dict) -> Family | None:
+    """The family of a Hugging Face directory as `resolve_model` finds it: the one its merge recorded (refused where
+    config.json contradicts it), else the one config.json describes; None where neither says (a model no family
+    claims, which tools reading it with transformers alone still take)."""
+    family = recorded_family(model_dir)
+    if family:
+        return choose_family(hf_config, family, f"{model_dir / MERGE_RECORD}: base.family",
+                             str(model_dir / "config.json"))
+    return described_family(hf_config, str(model_dir / "config.json"))
 
 
 def check_weight_files(resolved: ResolvedModel, tunix_cfg: Any) -> None:
