@@ -147,12 +147,22 @@ TRAINING_SECTIONS = {name: "a training config (python -m gemma_tpu.train --confi
                      for name in ("train", "data", "checkpoint", "mesh")}
 
 
+def _names(arg: str, flag: str, known: frozenset[str]) -> bool:
+    """Whether the extra_args word `arg` gives the option `flag` as vLLM's parser reads it: '-' or '_' between
+    words, or an unambiguous abbreviation (vLLM's FlexibleArgumentParser keeps argparse's allow_abbrev, so
+    `--lora-target-mod` is `--lora-target-modules`); not a JSON option's field (`--flag.key`)."""
+    option = vllm_option(arg)
+    return (option is not None and "." not in arg.partition("=")[0]
+            and (option == flag or resolve_vllm_option(option, known) == flag))
+
+
 def extra_arg(args: Sequence[str], flag: str) -> str | None:
-    """The value server.extra_args gives `flag` (`--flag V` or `--flag=V`, '-' or '_' between words; vLLM keeps the
-    last), or None."""
+    """The value server.extra_args gives `flag` (`--flag V` or `--flag=V`, '-' or '_' between words, abbreviated;
+    vLLM keeps the last), or None."""
+    known = vllm_serve_flags()
     value = None
     for i, arg in enumerate(args):
-        if vllm_option(arg) == flag and "." not in arg.partition("=")[0]:  # the option's name as vLLM reads it
+        if _names(arg, flag, known):
             _, eq, v = arg.partition("=")
             value = v if eq else (args[i + 1] if i + 1 < len(args) else "")
     return value
@@ -160,10 +170,11 @@ def extra_arg(args: Sequence[str], flag: str) -> str | None:
 
 def extra_arg_values(args: Sequence[str], flag: str) -> list[str] | None:
     """The values server.extra_args gives a list option `flag` (`--flag A B ...` up to the next option, or
-    `--flag=A`; vLLM keeps the last), or None."""
+    `--flag=A`, abbreviated or not; vLLM keeps the last), or None."""
+    known = vllm_serve_flags()
     values = None
     for i, arg in enumerate(args):
-        if vllm_option(arg) == flag and "." not in arg.partition("=")[0]:
+        if _names(arg, flag, known):
             _, eq, v = arg.partition("=")
             if eq:
                 values = [v]
@@ -243,7 +254,9 @@ def unknown_extra_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
         option = vllm_option(arg)
         if option is None or resolve_vllm_option(option, known) is not None:
             continue
-        close = difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.75)
+        longer = sorted(k for k in known if option.startswith("--") and k.startswith(option))
+        # an abbreviation of several: argparse refuses it as ambiguous (named by the phrase), so it is never a warning
+        close = longer[:1] or difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.75)
         out.append((arg, close[0] if close else None))
     return out
 
@@ -271,8 +284,18 @@ def invalid_choices(args: Sequence[str]) -> list[tuple[str, str, tuple[str, ...]
 
 
 def _unknown_phrase(unknown: list[tuple[str, str | None]]) -> str:
-    return "; ".join(f"{arg} is not an option of `vllm serve`" + (f" (did you mean {close}?)" if close else "")
-                     for arg, close in unknown)
+    known = vllm_serve_flags()
+
+    def phrase(arg: str, close: str | None) -> str:
+        option = vllm_option(arg) or arg
+        longer = sorted(k for k in known if option.startswith("--") and k.startswith(option))
+        if len(longer) > 1:
+            more = f" and {len(longer) - 3} more" if len(longer) > 3 else ""
+            return (f"{arg} abbreviates several options of `vllm serve` ({', '.join(longer[:3])}{more}), which its "
+                    "parser refuses as ambiguous: give the option in full")
+        return f"{arg} is not an option of `vllm serve`" + (f" (did you mean {close}?)" if close else "")
+
+    return "; ".join(phrase(arg, close) for arg, close in unknown)
 
 
 def pinned_image(cfg: ServeConfig) -> bool:

@@ -302,7 +302,8 @@ def test_several_adapters_share_a_batch(tmp_path, capsys):
     assert "warning: lora.max_loras=2 and lora.max_lora_rank=8 have no effect without lora.adapters" in err
     for overrides, needles in ((["lora.max_loras=0"], ["lora.max_loras", "at least 1"]),
                                (["server.extra_args=[--max-loras,4]"], ["--max-loras", "lora.max_loras"]),
-                               (["server.extra_args=[--max_cpu_loras,1]"], ["--max-cpu-loras 1", "lora.max_loras=2"])):
+                               (["server.extra_args=[--max_cpu_loras,1]"], ["--max-cpu-loras 1", "lora.max_loras=2"]),
+                               (["server.extra_args=[--max-cpu-lo=1]"], ["--max-cpu-loras 1"])):  # abbreviated
         code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", adapters,
                                        *overrides)
         one_error_line(code, err, *needles)
@@ -451,6 +452,11 @@ def _k_eq_v_gemma4(p, global_kv: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype,fp8_e4m3fn]"],
      ["--kv-cache-dtype 'fp8_e4m3fn' is not a value `vllm serve` takes in vllm/vllm-tpu:v0.27.0",
       "did you mean fp8_e4m3?", "it takes auto, bfloat16, float16, fp8, "]),
+    # an abbreviation of several options: vLLM's argparse refuses it as ambiguous (--max passed with a warning)
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max,4]"],
+     ["--max abbreviates several options of `vllm serve` (--max-cpu-loras, ", "give the option in full"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-num,4]"],
+     ["(--max-num-batched-tokens, --max-num-scheduled-tokens, --max-num-seqs)", "refuses as ambiguous"]),
     (CONFIG_270M, fake_model_dir, ["container.env.MODEL_IMPL_TYPE=flax"],  # tpu-inference refused it at start
      ["container.env.MODEL_IMPL_TYPE='flax'", "did you mean flax_nnx?", "auto, flax_nnx, vllm"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--logprobs_mode=raw]"],
@@ -544,6 +550,7 @@ def test_adapter_checks(tmp_path, capsys):
     ("[--lora_target_modules=down_proj, --enforce-eager]", "q_proj"),
     ("[--lora-target-modules, qkv_proj]", None),  # vLLM's packed layer of q, k and v
     ("[--lora-target-modules, v_proj, o_proj]", None),  # one member wraps the packed layer: q_proj's update applies
+    ("[--lora-target-mod, o_proj]", "q_proj"),  # vLLM's argparse takes an unambiguous abbreviation: it was let through
 ])
 def test_lora_target_modules_leaving_out_an_adapters_module_is_refused(tmp_path, capsys, deployed, left_out):
     """vLLM's --lora-target-modules wraps only the modules it names (or their packed qkv_proj / gate_up_proj) in LoRA
