@@ -31,6 +31,7 @@ from gemma_tpu.formats.function_calling import ParsedReply
 from gemma_tpu.infer.openai_client import (
     DEFAULT_RETRIES,
     RETRIES_HELP,
+    StopTokenTexts,
     api_base,
     http_json,
     openai_messages,
@@ -57,6 +58,7 @@ class RemoteCoach:
         self.retries = retries  # evaluate's policy (http_json): a server restarting or rate limiting is waited for
         self.toolset = tools or fitness_toolset(provider)
         self.trace = trace
+        self.stop_text = StopTokenTexts(self.base, model, api_key, timeout=min(timeout, 30.0))  # vLLM's stop ids
 
     def _log(self, text: str) -> None:
         if self.trace is not None:
@@ -74,7 +76,8 @@ class RemoteCoach:
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
         """The endpoint's next turn: its structured `tool_calls`, else calls parsed from its text (a call cut off at
         --max-tokens says so)."""
-        reply, message = reply_from_answer(self.complete(messages), f"{self.base}/chat/completions", self.max_tokens)
+        reply, message = reply_from_answer(self.complete(messages), f"{self.base}/chat/completions", self.max_tokens,
+                                           self.stop_text)
         return reply, message.get("content") or json.dumps(message.get("tool_calls"))
 
     def ask(self, question: str) -> str:

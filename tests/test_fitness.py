@@ -1246,20 +1246,32 @@ def test_a_handover_without_a_call_is_a_format_error_in_evaluate_as_in_the_chat(
     # names the stop (vLLM's stop_reason for a stop string, serving.launch --local's), or keeps it in the text
     from tests.test_serving import ScriptedModel, http_server
 
+    # vLLM names a stop *token* (the merge lists the marker among generation_config's eos ids) by its id, the text
+    # left out: the id is named by the server's /detokenize (an answer that ended at <end_of_turn>, 106, stays one)
     answers = [{"finish_reason": "stop", "stop_reason": "<start_function_response>",
                 "message": {"role": "assistant", "content": "Let me check."}},
                {"finish_reason": "stop", "message": {"role": "assistant", "content": "Let me check.<unused4>"}},
+               {"finish_reason": "stop", "stop_reason": 9,
+                "message": {"role": "assistant", "content": "Let me check."}},
+               {"finish_reason": "stop", "stop_reason": 106, "message": {"role": "assistant", "content": "Hi!"}},
+               {"finish_reason": "stop", "stop_reason": 9, "message": {"role": "assistant", "content": "Sure."}},
                {"finish_reason": "stop", "stop_reason": None, "message": {"role": "assistant", "content": "Hi!"}}]
+    vocabulary = {9: "<start_function_response>", 106: "<end_of_turn>"}
+    asked = []
 
     class Handing(ScriptedModel):
         def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/detokenize":
+                asked.append((body["model"], body["tokens"]))
+                return self._json(200, {"prompt": "".join(vocabulary[t] for t in body["tokens"])})
             self._json(200, {"choices": [{"index": 0, **answers.pop(0)}]})
 
     with http_server(Handing) as url:
-        preds, _ = run.predict_endpoint(url, "m", [case] * 3, 8, "fake", retries=0)
-    assert [(p.kind, p.error) for p in preds[:2]] == [("format_error", preds_local_error)] * 2
-    assert preds[2].kind == "text" and preds[2].error is None
+        preds, _ = run.predict_endpoint(url, "m", [case] * 6, 8, "fake", retries=0)
+    assert [(p.kind, p.error) for p in preds] == [("format_error", preds_local_error)] * 3 + [("text", None)] + [
+        ("format_error", preds_local_error), ("text", None)]
+    assert asked == [("m", [9]), ("m", [106])]  # once an id
 
 
 CUT_CALL = "<start_function_call>call:get_steps{date:<escape>yester"  # a call stopped by the token limit

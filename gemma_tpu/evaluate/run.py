@@ -66,6 +66,7 @@ from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_RETRIES,
     RETRIES_HELP,
     HTTPStatusError,
+    StopTokenTexts,
     api_base,
     check_reachable,
     http_json,
@@ -349,6 +350,7 @@ def _ask_each(base: str, name: str | None, cases: Sequence[Case], max_new_tokens
     from tqdm import tqdm
 
     refused: dict[int, str] = {}
+    stop_text = StopTokenTexts(base, name, api_key, timeout=min(timeout, 30.0))  # vLLM's numeric stop_reason
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
         body: dict[str, Any] = {"messages": openai_messages(case.prompt["messages"]),
                                 "max_tokens": max_new_tokens, "temperature": 0.0, "stream": False}
@@ -368,7 +370,7 @@ def _ask_each(base: str, name: str | None, cases: Sequence[Case], max_new_tokens
             preds.append(refuse(case, len(preds) + 1, str(e)))
             texts.append("")
             continue
-        reply, message = reply_from_answer(answer, f"{base}/chat/completions", max_new_tokens)
+        reply, message = reply_from_answer(answer, f"{base}/chat/completions", max_new_tokens, stop_text)
         preds.append(reply)
         texts.append(json.dumps(message, ensure_ascii=False))
     return refused

@@ -16,7 +16,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import (
@@ -351,25 +351,58 @@ def first_message(resp: dict, url: str) -> dict:
     return message
 
 
-def reply_from_answer(answer: dict, url: str, max_tokens: int) -> tuple[ParsedReply, dict]:
+def reply_from_answer(answer: dict, url: str, max_tokens: int,
+                      stop_text: Callable[[int], str | None] | None = None) -> tuple[ParsedReply, dict]:
     """A chat completion's reply (`reply_from_message` of `first_message`) and its message. A call the server cut
     at `max_tokens` (finish_reason "length") says so (`cut_short`), as a local model's does: it read as the model's
-    own syntax error."""
+    own syntax error. `stop_text`: the text of a stop token id (`StopTokenTexts`), for a numeric stop_reason."""
     message = first_message(answer, url)
     reply = reply_from_message(message)
     choice = answer["choices"][0]
     if choice.get("finish_reason") == "length":
         return cut_short(reply, max_tokens), message
-    return (handed_over(reply) if stopped_at_call_marker(choice, message) else reply), message
+    if reply.kind == "text" and stopped_at_call_marker(choice, message, stop_text):
+        return handed_over(reply), message
+    return reply, message
 
 
-def stopped_at_call_marker(choice: dict, message: dict) -> bool:
+def stopped_at_call_marker(choice: dict, message: dict,
+                           stop_text: Callable[[int], str | None] | None = None) -> bool:
     """Whether a completion ended at the call stop marker (`<start_function_response>`, or the plain Gemma 3
     vocabulary's token for it): the `stop_reason` naming it (vLLM's for a stop string, `serving.launch --local`'s for
-    the stop token it cuts) or the content ending with it (a server that keeps the stop text). A reply without a call
+    the stop token it cuts; vLLM's for a stop token, such as a merge's generation_config lists, is its id, whose text
+    `stop_text` gives) or the content ending with it (a server that keeps the stop text). A reply without a call
     that stopped there scored as an answer in words from an endpoint, a format error from a local model."""
     markers = {START_RESPONSE, plain_gemma_token_map()[START_RESPONSE]}
     reason = choice.get("stop_reason")
+    if isinstance(reason, int) and not isinstance(reason, bool) and stop_text is not None:
+        reason = stop_text(reason)
     content = message.get("content")
     return (isinstance(reason, str) and reason.strip() in markers) or (
         isinstance(content, str) and content.rstrip().endswith(tuple(markers)))
+
+
+class StopTokenTexts:
+    """The text of each stop token id a server gives as a completion's `stop_reason`, asked of its `/detokenize`
+    (vLLM's; a token's text, special tokens kept) once per id. vLLM names a stop *token* (the eos ids of
+    generation_config.json, which a merge lists the call stop marker among) by its id and leaves it out of the
+    content, so a reply that handed over to a tool without a call read as an answer in words. None for an id the
+    server cannot name (no such endpoint, as with `transformers serve`, which names the stop as text)."""
+
+    def __init__(self, base: str, model: str | None, api_key: str | None = None, timeout: float = 30.0):
+        self.url = base.rstrip("/").removesuffix("/v1") + "/detokenize"
+        self.model, self.api_key, self.timeout = model, api_key, timeout
+        self.known: dict[int, str | None] = {}
+        self.available = True
+
+    def __call__(self, token_id: int) -> str | None:
+        if token_id not in self.known and self.available:
+            body: dict[str, Any] = {"tokens": [token_id], **({"model": self.model} if self.model else {})}
+            try:
+                answer = http_json(self.url, body, timeout=self.timeout, api_key=self.api_key)
+            except UserError:  # no /detokenize here (404), or it failed: the stop stays unnamed, as before
+                self.available = False
+                return None
+            text = answer.get("prompt")
+            self.known[token_id] = text if isinstance(text, str) else None
+        return self.known.get(token_id)
