@@ -3,12 +3,14 @@
     python benchmarks/startup.py [--model embedded:gemma3-270m] [--repeats 3] [--json OUT]
 
 Every `python -m gemma_tpu.train` / `evaluate` / `chat` / `data.inspect` starts by importing JAX, the
-tokenizer (transformers' tokenizer module, which imports torch), Tunix (whose package __init__ imports its RL and
-distillation trainers, and tensorboardX, which imports torch) and then builds the model's tokenizer. On a small
-model that is most of a short run; this measures each part, in the order the trainer meets them, in fresh
-processes (`--repeats` of them; the median is shown). Then, side by side in fresh processes, a tokenizer loaded
-the project's way (`hf.tokenizer.load_tokenizer`: the class tokenizer_config.json names) against
-`AutoTokenizer.from_pretrained` (whose import pulls transformers' auto-model machinery and torch._dynamo).
+tokenizer (transformers' tokenizer module), Tunix (whose package __init__ imports its RL and distillation trainers,
+and tensorboardX) and then builds the model's tokenizer. On a small model that is most of a short run; this
+measures each part, in the order the trainer meets them, in fresh processes (`--repeats` of them; the median is
+shown), within `deferred_imports` as `cli_main` runs every entry point: torch, which transformers' GGUF reader and
+tensorboardX import at module level, stays out (`gemma_tpu.core.lean_imports`; the column says so). Then, side
+by side in fresh processes, a tokenizer loaded the project's way (`hf.tokenizer.load_tokenizer`: the class
+tokenizer_config.json names) against `AutoTokenizer.from_pretrained` (whose import pulls transformers' auto-model
+machinery and torch._dynamo).
 Prints tables; writes JSON (default runs/benchmarks/startup.json).
 """
 
@@ -30,12 +32,10 @@ from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
 
-# (part, statement run after the parts before it, in one process): torch is imported on its own first to tell it
-# apart from transformers, which imports it for its tokenizer module
+# (part, statement run after the parts before it, in one process)
 PARTS = [
     ("python + gemma_tpu CLI modules", "import gemma_tpu.train.run"),
     ("jax", "import jax; jax.devices()"),
-    ("torch (transformers, tensorboardX import it)", "import torch"),
     ("transformers + tokenizer build (load_tokenizer)",
      "from gemma_tpu.hf.tokenizer import load_tokenizer; load_tokenizer(MODEL_DIR)"),
     ("tunix (trainer, Gemma models)", "import tunix.sft.peft_trainer, tunix.models.gemma3.model"),
@@ -51,14 +51,16 @@ LOADERS = [
 
 CHILD = """
 import sys, time, json
+from gemma_tpu.core.lean_imports import deferred_imports
 t0 = time.perf_counter()
 MODEL_DIR = sys.argv[1]
 out = []
-for name, stmt in json.loads(sys.argv[2]):
-    t = time.perf_counter()
-    exec(stmt)
-    out.append({"part": name, "s": time.perf_counter() - t, "torch_loaded": "torch" in sys.modules,
-                "dynamo_loaded": "torch._dynamo" in sys.modules})
+with deferred_imports():  # as cli_main runs every entry point
+    for name, stmt in json.loads(sys.argv[2]):
+        t = time.perf_counter()
+        exec(stmt)
+        out.append({"part": name, "s": time.perf_counter() - t, "torch_loaded": "torch" in sys.modules,
+                    "dynamo_loaded": "torch._dynamo" in sys.modules})
 print("RESULT " + json.dumps(out))
 """
 

@@ -20,6 +20,7 @@ import yaml
 
 from gemma_tpu.core.config import RunConfig, load_config
 from gemma_tpu.core.errors import SignalExit, UserError
+from gemma_tpu.core.lean_imports import deferred_imports
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries that log at INFO on every call; entry points keep them at WARNING.
@@ -266,7 +267,8 @@ def _abandoned_read(unraisable) -> bool:
 
 
 def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
-    """Run `main(argv)` and map `UserError` (and a few OS errors) to a one-line message."""
+    """Run `main(argv)` and map `UserError` (and a few OS errors) to a one-line message. `main` runs within
+    `deferred_imports`: torch and pandas are imported only by what uses them (lean_imports)."""
     global _debug
     args = list(sys.argv[1:] if argv is None else argv)
     sys.unraisablehook = _redeliver_interrupts
@@ -276,7 +278,8 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     parser_error = argparse.ArgumentParser.error
     argparse.ArgumentParser.error = _argparse_error  # usage mistakes are one line too, not usage + exit
     try:
-        return int(main(args) or 0)
+        with deferred_imports():
+            return int(main(args) or 0)
     except UserError as e:
         if debug:
             raise
