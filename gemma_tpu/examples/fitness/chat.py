@@ -55,8 +55,15 @@ class Coach:
         if self.trace is not None:
             print(text, file=self.trace, flush=True)
 
+    def _check_results(self, messages: list[dict]) -> None:
+        """A tool's result holding the chat markup's own control tokens is refused, as the question is (see `ask`)."""
+        for m in messages:
+            if m["role"] == "tool":
+                self.renderer.markup.check(m["content"], f"the result of {m.get('name')}")
+
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
         """The local model's next turn, parsed."""
+        self._check_results(messages)
         ids = self.renderer.render({"tools": self.toolset.schemas, "messages": messages},
                                    add_generation_prompt=True).ids
         # the developer turn (system prompt and tool declarations) starts every prompt: with the
@@ -65,6 +72,9 @@ class Coach:
         return out.reply(), out.text
 
     def ask(self, question: str) -> str:
+        # the renderer tokenizes the whole prompt at once: a question "what does <start_of_turn> mean?" was read as
+        # markup (a turn opened mid-question), so it is refused, as the training data reader refuses such text
+        self.renderer.markup.check(question, "the question")
         return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)
 
 
