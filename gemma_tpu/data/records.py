@@ -63,8 +63,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 SHAREGPT_TOOL_TURNS = ("function_call", "observation")  # LLaMA-Factory's speakers of a call and its result
 
 
-def _role(m: dict) -> Any:
-    """A message's role in our words: Gemma's `model` and OpenAI's legacy `function` mapped, any case."""
+def message_role(m: dict) -> Any:
+    """A message's role in our words: Gemma's `model` and OpenAI's legacy `function` mapped, any case (what every
+    reader of chats, `serving.bench` included, takes a role to be)."""
     role = m.get("role")
     return ROLE_ALIASES.get(role.lower(), role.lower()) if isinstance(role, str) else role
 
@@ -566,7 +567,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         mw = f"{where}: messages[{i}]"
         if not isinstance(m, dict):
             raise UserError(f"{mw}: expected an object with 'role' and 'content'")
-        role = _role(m)
+        role = message_role(m)
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
@@ -677,9 +678,9 @@ def _system_field(obj: dict, messages: list, where: str, markup: Markup) -> list
     key, text = given[0]
     markup.check(text, f"{where}: '{key}'")
     first = messages[0] if messages else None
-    if isinstance(first, dict) and _role(first) in ("system", "developer") and \
+    if isinstance(first, dict) and message_role(first) in ("system", "developer") and \
             not (isinstance(first.get("content"), str) and not first["content"].strip()):
-        raise UserError(f"{where}: both a '{key}' field and a {_role(first)} message opening the conversation; "
+        raise UserError(f"{where}: both a '{key}' field and a {message_role(first)} message opening the conversation; "
                         f"give the system prompt once")
     return [{"role": "system", "content": text}]
 
@@ -740,9 +741,9 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
         for i, m in enumerate(value):
             if not isinstance(m, dict):
                 raise UserError(f"{where}: {key}[{i}]: expected an object with 'role' and 'content'")
-    if not any(_role(m) == "assistant" for m in completion):
+    if not any(message_role(m) == "assistant" for m in completion):
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
-    context = [{**m, "train": False} if _role(m) == "assistant"
+    context = [{**m, "train": False} if message_role(m) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
     try:
         conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
