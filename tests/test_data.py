@@ -2019,6 +2019,17 @@ def test_a_tool_declaration_the_server_refuses_does_not_train(tmp_path, fn, path
     assert str(trained.value) == f"{tmp_path / 't.jsonl'}:2: {served.value}"
 
 
+@pytest.mark.parametrize("tool", [{"type": "code_interpreter"}, {"type": "file_search", "file_search": {}},
+                                  {"type": "web_search", "function": {"name": "f"}}])
+def test_another_apis_built_in_tool_is_refused_by_its_type(tool):
+    """An Assistants/Responses export's built-in tool was read as a bare function: "tools[0].name: None is not a tool
+    name", of a field the row does not have."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(UserError) as e:
+        normalise_messages({"tools": [tool], "messages": chat}, "f.jsonl:3")
+    assert str(e.value) == f'f.jsonl:3: tools[0].type: "{tool["type"]}" is not supported (only "function" tools)'
+
+
 def test_a_legacy_functions_declaration_is_refused_by_the_field_the_row_has():
     """OpenAI's legacy `functions` are checked as the tools they become; the error named `tools[0].function.strict`,
     a field the row does not have."""

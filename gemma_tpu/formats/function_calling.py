@@ -154,12 +154,14 @@ def check_tools(tools: Any, bare: bool = False) -> list[str]:
     names: list[str] = []
     for k, t in enumerate(tools):
         where = f"tools[{k}]"
+        if isinstance(t, dict) and t.get("type", "function") != "function":  # a built-in tool of another API
+            # (`code_interpreter`, `file_search`, `web_search`): it was read as a bare function, "None is not a name"
+            raise DeclarationError(f"{where}.type", f"{json.dumps(t['type'])[:40]} is not supported (only "
+                                                    f"\"function\" tools)")
         wrapped = isinstance(t, dict) and "function" in t
         if not isinstance(t, dict) or not (isinstance(t.get("function"), dict) or (bare and not wrapped)):
             raise DeclarationError(where, f'expected {{"type": "function", "function": {{"name": ...}}}}, got '
                                           f"{json.dumps(t, ensure_ascii=False)[:80]}")
-        if wrapped and t.get("type", "function") != "function":
-            raise DeclarationError(f"{where}.type", f"{t['type']!r} is not supported (only \"function\")")
         fn, fw = (t["function"], f"{where}.function") if wrapped else (t, where)
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
