@@ -65,6 +65,7 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
     ("data.dataset_text_field=body", "here it is 'data.text_field'"),
     ("train.MAX_STEPS=3", "did you mean 'train.max_steps'?"),  # another case: no letter in common to difflib
+    ("train.epochs=2", "did you mean 'data.num_epochs'?"),  # a close name in another section: no hint at all
     # a MaxText recipe's mesh and batch
     ("mesh.ici_fsdp_parallelism=8", "the MaxText name; here it is 'mesh.fsdp'"),
     ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),

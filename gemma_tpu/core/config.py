@@ -445,7 +445,10 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
         difflib.get_close_matches(leaf.lower(), names, n=1, cutoff=0.6)
     if close:
         return f"did you mean '{section + '.' if section else ''}{close[0]}'? "
-    return ""
+    # a close name in another section: `train.epochs` is data.num_epochs (it had no hint at all)
+    leaves = {k.rpartition(".")[2]: k for k in sorted(keys) if "." in k}
+    close = difflib.get_close_matches(leaf.lower(), leaves, n=1, cutoff=0.7) if section else []
+    return f"did you mean '{leaves[close[0]]}'? " if close else ""
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
