@@ -1238,6 +1238,29 @@ def test_chat_refuses_the_markups_control_tokens_in_a_question_or_a_tool_result(
     with pytest.raises(UserError, match=f"the result of get_steps: the text holds '{token}'"):
         coach.ask("steps today?")
 
+
+def test_chat_refuses_a_question_past_the_context_without_tokenizing_all_of_it(tiny_dir):
+    """A question far past the context (a pasted log) was tokenized whole before the length check: 6 MB took 34 s and
+    3 GB on the tiny model's character-level tokenizer. It is tokenized only as far as the context reaches."""
+    import dataclasses
+    import time
+
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.examples.fitness.chat import Coach
+    from gemma_tpu.formats.function_calling import function_token_map
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from gemma_tpu.infer.generate import LoadedModel
+
+    tok = load_tokenizer(tiny_dir)
+    loaded = LoadedModel(None, tok, function_token_map(tok), "gemma", "fake", max_positions=1024)
+    gen = ScriptedGenerator(["ok", "ok"])
+    start = time.perf_counter()
+    with pytest.raises(UserError, match=r"^the prompt is more than 1024 tokens, the model's context"):
+        Coach(loaded, SimulatedDevice(0, today=TODAY), generator=gen, trace=None).ask("steps " * 500_000)
+    assert time.perf_counter() - start < 2 and gen.prompts == []
+    long = dataclasses.replace(loaded, max_positions=None)  # a context not known: rendered whole, as before
+    assert Coach(long, SimulatedDevice(0, today=TODAY), generator=gen, trace=None).ask("steps " * 100) == "ok"
+
 def test_a_handover_without_a_call_is_a_format_error_in_evaluate_as_in_the_chat(tiny_dir, monkeypatch):
     """Text that ended on the call stop token (the model handing over to a tool) without a call was a format
     error in the chat but an answer in words to evaluate: a correct decline where the reference calls none."""

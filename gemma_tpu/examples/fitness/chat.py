@@ -64,8 +64,14 @@ class Coach:
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
         """The local model's next turn, parsed."""
         self._check_results(messages)
-        ids = self.renderer.render({"tools": self.toolset.schemas, "messages": messages},
-                                   add_generation_prompt=True).ids
+        # tokenized only as far as the context reaches: a pasted 6 MB log took 34 s and 3 GB to be refused
+        limit = self.loaded.max_positions
+        r = self.renderer.render({"tools": self.toolset.schemas, "messages": messages}, add_generation_prompt=True,
+                                 max_tokens=limit)
+        if r.partial:
+            raise UserError(f"the prompt is more than {limit} tokens, the model's context (max_position_embeddings): "
+                            f"shorten the question")
+        ids = r.ids
         # the developer turn (system prompt and tool declarations) starts every prompt: with the
         # prefix cache its keys and values are computed once for the whole session
         out = self.generator.generate([ids], prefix=self._system_ids(messages))[0]
