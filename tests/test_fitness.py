@@ -864,16 +864,20 @@ def test_a_prompt_past_the_context_is_scored_as_refused_and_the_run_goes_on(tiny
     count it in refused_rate."""
     data = tmp_path / "mixed.jsonl"
     chat = (REPO / "tests" / "data" / "chat_sample.jsonl").read_text().splitlines()
-    data.write_text("\n".join([chat[0], (DATA / "test.jsonl").read_text().splitlines()[0], chat[1]]) + "\n")
+    # a pasted log (1.5 MB) is tokenized only as far as the context reaches: whole, it took ~8 s here
+    log = json.dumps({"messages": [{"role": "user", "content": "steps " * 250_000},
+                                   {"role": "assistant", "content": "ok"}]})
+    data.write_text("\n".join([chat[0], (DATA / "test.jsonl").read_text().splitlines()[0], chat[1], log]) + "\n")
     out = tmp_path / "eval.json"
     proc = run_cli("gemma_tpu.evaluate", "--data", str(data), "--model", str(tiny_dir), "--max-new-tokens", "4",
                    "--no-loss", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [l for l in proc.stderr.splitlines() if "refused, scored as wrong" in l]
-    assert len(lines) == 1 and f"{data}:2 (" in lines[0] and "context of 1024" in lines[0], proc.stderr[-3000:]
+    assert len(lines) == 2 and f"{data}:2 (" in lines[0] and "context of 1024" in lines[0], proc.stderr[-3000:]
+    assert f"{data}:4 (" in lines[1] and "the prompt is more than 1024 tokens" in lines[1], lines[1]
     res = json.loads(out.read_text())
     m, ex = res["models"][f"model:{tiny_dir}"], res["examples"][f"model:{tiny_dir}"]
-    assert m["n"] == 3 and m["refused_rate"] == pytest.approx(1 / 3)
+    assert m["n"] == 4 and m["refused_rate"] == pytest.approx(2 / 4)
     assert [e["kind"] for e in ex][1] == "refused" and "1024" in ex[1]["error"] and ex[0]["kind"] != "refused"
 
 
