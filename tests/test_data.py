@@ -962,6 +962,18 @@ def test_empty_file_and_missing_file(tmp_path):
         load_conversations(tmp_path, DataConfig())  # was 'data file not found' for a path that exists
 
 
+def test_a_missing_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """configs/tiny.yaml run from another directory: "data file not found: tests/data/chat_sample.jsonl", of a file
+    the user can see; a relative path is read from the working directory, and the message says which that was."""
+    from gemma_tpu.data.pipeline import prepare_splits
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        prepare_splits(None, DataConfig(train_path="tests/data/chat_sample.jsonl"), 0, 1)
+    assert str(e.value) == (f"data file not found: tests/data/chat_sample.jsonl (data.train_path; a relative path is "
+                            f"read from the working directory, {tmp_path})")
+
+
 def test_bad_json_array_element_and_bad_bytes(tmp_path):
     arr = tmp_path / "a.json"
     arr.write_text(f'[\n  {json.dumps(GOOD)},\n  {{"messages": [}}\n]\n')
