@@ -2047,6 +2047,24 @@ def test_another_apis_built_in_tool_is_refused_by_its_type(tool):
     assert str(e.value) == f'f.jsonl:3: tools[0].type: "{tool["type"]}" is not supported (only "function" tools)'
 
 
+@pytest.mark.parametrize("row", [
+    {"messages": [{"role": "BIG", "content": "user"}, {"role": "assistant", "content": "x"}]},  # columns swapped
+    {"conversations": [{"from": "BIG", "value": "x"}, {"from": "gpt", "value": "y"}]},
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "BIG"}}]},
+    {"messages": [{"role": "user", "content": [{"type": "BIG"}]}, {"role": "assistant", "content": "x"}]},
+])
+def test_a_long_text_in_a_names_place_is_quoted_cut_to_a_line(row):
+    """A message's text given as its role (or a speaker, a tool name, a part type) was quoted whole: a 10 KB error
+    line for a 10 KB text."""
+    big = "word " * 2000
+    with pytest.raises(UserError) as e:
+        normalise_messages(json.loads(json.dumps(row).replace("BIG", big)), "f.jsonl:3") if "messages" in row else \
+            normalise_sharegpt(json.loads(json.dumps(row).replace("BIG", big)), "f.jsonl:3")
+    assert str(e.value).startswith("f.jsonl:3: ") and "'word word" in str(e.value) and len(str(e.value)) < 300, \
+        str(e.value)[:300]
+
+
 def test_a_legacy_functions_declaration_is_refused_by_the_field_the_row_has():
     """OpenAI's legacy `functions` are checked as the tools they become; the error named `tools[0].function.strict`,
     a field the row does not have."""

@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, shown
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, DeclarationError, check_tools, find_lone_surrogate
 from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
 
@@ -439,7 +439,7 @@ def _text(content: Any, where: str) -> str:
                 raise UserError(f"{where}: content[{k}] is a {kind!r} part, a model's reasoning, which is not "
                                 f"rendered: remove it, or give it as text to train it")
             elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
-                raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
+                raise UserError(f"{where}: content[{k}] is a {shown(kind)} part; training here is text only (the "
                                 f"language model of a multimodal checkpoint): remove the non-text parts or put "
                                 f"what they say into text")
             else:
@@ -569,7 +569,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             raise UserError(f"{mw}: expected an object with 'role' and 'content'")
         role = message_role(m)
         if role not in ROLES:
-            raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
+            raise UserError(f"{mw}: unknown role {shown(m.get('role'))} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             has = "its 'content' is null" if "content" in m else f"it has {', '.join(map(str, m))}"
             raise UserError(f"{mw}: a {role} message needs 'content' ({has})")
@@ -610,9 +610,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                     raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object, got {_json_type(args)}"
                                     + (" holding JSON text (encoded twice: decode it once)" if twice else ""))
                 if not names:
-                    raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r} but the example declares no 'tools'")
+                    raise UserError(f"{mw}.tool_calls[{j}]: calls {shown(fn['name'])} but the example declares no "
+                                    f"'tools'")
                 if fn["name"] not in names:
-                    raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r}, which is not in 'tools' "
+                    raise UserError(f"{mw}.tool_calls[{j}]: calls {shown(fn['name'])}, which is not in 'tools' "
                                     f"({', '.join(names)})")
                 markup.check_value(args, mw, f"tool_calls[{j}].arguments")
                 norm_calls.append({"name": fn["name"], "arguments": args})
@@ -637,13 +638,13 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                     ids = [repr(cid) for cid, _ in pending if cid is not None]
                     have = (f"its call ids: {', '.join(ids)}" if ids else
                             "its calls have no ids" if pending else "it made no calls")
-                    raise UserError(f"{mw}: tool_call_id {call_id!r} matches no call of the preceding assistant "
+                    raise UserError(f"{mw}: tool_call_id {shown(call_id)} matches no call of the preceding assistant "
                                     f"turn ({have})")
                 if call_id in answered_ids:
-                    raise UserError(f"{mw}: tool_call_id {call_id!r} was already answered")
+                    raise UserError(f"{mw}: tool_call_id {shown(call_id)} was already answered")
                 if name and name != match[0]:
-                    raise UserError(f"{mw}: tool result named {name!r} answers tool_call_id {call_id!r}, a call "
-                                    f"to {match[0]!r}")
+                    raise UserError(f"{mw}: tool result named {shown(name)} answers tool_call_id {shown(call_id)}, "
+                                    f"a call to {match[0]!r}")
                 answered_ids.add(call_id)
                 name = match[0]
             if not name and answered < len(pending):
@@ -651,7 +652,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             if not isinstance(name, str) or not name:
                 raise UserError(f"{mw}: tool message has no 'name' and answers no earlier tool call")
             if names and name not in names:
-                raise UserError(f"{mw}: tool result for {name!r}, which is not in 'tools' ({', '.join(names)})")
+                raise UserError(f"{mw}: tool result for {shown(name)}, which is not in 'tools' ({', '.join(names)})")
             msg["name"] = name
             answered += 1
         out.append(msg)
@@ -781,7 +782,7 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             continue
         role = SHAREGPT_ROLES.get(speaker)
         if role is None:
-            raise UserError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected one of "
+            raise UserError(f"{where}: conversations[{i}]: unknown speaker {shown(t['from'])} (expected one of "
                             f"{', '.join((*SHAREGPT_ROLES, *SHAREGPT_TOOL_TURNS))})")
         messages.append({"role": role, "content": t["value"], **flags})
     return _as_conversations(messages, obj, where, markup)
