@@ -55,7 +55,7 @@ from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.config import DataConfig
-from gemma_tpu.data.records import iter_raw, normalise_row
+from gemma_tpu.data.records import iter_raw, message_role, normalise_row
 from gemma_tpu.infer.openai_client import (
     api_base,
     body_text,
@@ -137,7 +137,7 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
         # was sent as given, so legacy `functions` were dropped, declarations the server refuses (`check_tools`) and
         # turns the chat template refuses went out, and a `system` field was read by rules of its own
         prompt_only = isinstance(msgs, list) and msgs and not any(
-            isinstance(m, dict) and (m.get("role") in ("assistant", "model") or "from" in m) for m in msgs)
+            isinstance(m, dict) and (message_role(m) == "assistant" or "from" in m) for m in msgs)
         if prompt_only:
             row = {**row, "messages": [*msgs, {"role": "assistant", "content": "(the answer to come)"}]}
         if isinstance(row.get("prompt"), str) and not prompt_only:

@@ -297,6 +297,11 @@ def test_bench_prompt_only_chats_are_read_as_training_reads_them(tmp_path):
     (row,) = file_prompts(str(path), 1, 0)
     assert row.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "s?"}]
     assert row.tools == [{"type": "function", "function": fn}]
+    # roles in any case, as the trainer reads them: a capitalised answer was not seen as one (a second was added)
+    path.write_text(json.dumps({"messages": [{"role": "User", "content": "s?"}, {"role": "Assistant", "content": "a"},
+                                             {"role": "User", "content": "t?"}, {"role": "Model", "content": "b"}]}))
+    (row,) = file_prompts(str(path), 1, 0)
+    assert row.messages == [{"role": "user", "content": "s?"}]
     bad = {"tools": [{"type": "function", "function": {**fn, "parameters": {"type": "object", "properties": []}}}],
            "messages": [{"role": "user", "content": "hi"}]}
     for row, needle in ((bad, "p.jsonl:1: tools[0].function.parameters.properties: expected an object"),

@@ -65,6 +65,7 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
     ("data.dataset_text_field=body", "here it is 'data.text_field'"),
     ("train.MAX_STEPS=3", "did you mean 'train.max_steps'?"),  # another case: no letter in common to difflib
+    ("train.epochs=2", "did you mean 'data.num_epochs'?"),  # a close name in another section: no hint at all
     # a MaxText recipe's mesh and batch
     ("mesh.ici_fsdp_parallelism=8", "the MaxText name; here it is 'mesh.fsdp'"),
     ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),
@@ -512,6 +513,23 @@ def test_a_misspelt_choice_suggests_the_choice_meant(override, meant):
     with pytest.raises(UserError) as e:
         load_config(REPO / "configs/tiny.yaml", ["data.format=chat"])
     assert "did you mean" not in str(e.value)
+
+
+def test_a_large_value_in_the_wrong_place_is_quoted_cut_to_a_line(tmp_path):
+    """The value of a wrong type was quoted whole: a 5,000-item list as train.run_dir made a 35 KB error line, and an
+    alias of an alias (YAML's "billion laughs", a few hundred bytes of file) one of 34 MB."""
+    rows = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'] + \
+        [f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcd", "bcde")]
+    path = tmp_path / "run.yaml"
+    path.write_text("\n".join(rows) + "\ntrain:\n  run_dir: *e\n  seed: 1\n")
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"{path} line 7: train.run_dir: expected a string, got [[[[") and \
+        len(str(e.value)) < 200 + len(str(path)), str(e.value)[:300]
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/tiny.yaml", ["lora.targets=" + "x" * 1000 + ": 1"])
+    shown = str(e.value).partition("lora.targets: expected a list, got ")[2]
+    assert shown.startswith("{'xxx") and "..." in shown and len(shown) < 100, str(e.value)[-300:]
 
 
 def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):

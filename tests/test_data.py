@@ -962,6 +962,18 @@ def test_empty_file_and_missing_file(tmp_path):
         load_conversations(tmp_path, DataConfig())  # was 'data file not found' for a path that exists
 
 
+def test_a_missing_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """configs/tiny.yaml run from another directory: "data file not found: tests/data/chat_sample.jsonl", of a file
+    the user can see; a relative path is read from the working directory, and the message says which that was."""
+    from gemma_tpu.data.pipeline import prepare_splits
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        prepare_splits(None, DataConfig(train_path="tests/data/chat_sample.jsonl"), 0, 1)
+    assert str(e.value) == (f"data file not found: tests/data/chat_sample.jsonl (data.train_path; a relative path is "
+                            f"read from the working directory, {tmp_path})")
+
+
 def test_bad_json_array_element_and_bad_bytes(tmp_path):
     arr = tmp_path / "a.json"
     arr.write_text(f'[\n  {json.dumps(GOOD)},\n  {{"messages": [}}\n]\n')
@@ -1875,6 +1887,11 @@ def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_d
     spaced = AutoTokenizer.from_pretrained(str(tok_dir))
     spaced.add_special_tokens({"additional_special_tokens": ["\n", "\t\t"]})
     assert Renderer(spaced, "gemma").markup.search("a\n\t\tb") is None
+    # a media marker the vocabulary has but does not flag special (Gemma 3's <start_of_image>, id 255999, beside HTML
+    # tags that are text) was tokenized as the image marker: a text-only row trained it without an image
+    media = AutoTokenizer.from_pretrained(str(tok_dir))
+    media.add_tokens(["<start_of_image>", "<table>"])  # not special, as Gemma 3's tokenizer has them
+    assert Renderer(media, "gemma").markup.search("a <table> <start_of_image> b") == (10, "<start_of_image>")
     # the reserved token a tool-call marker maps onto (plain Gemma 3) is refused too, in every row shape
     token_map = function_token_map(any_tok)
     marker = token_map.get("<start_function_call>")
@@ -2017,6 +2034,35 @@ def test_a_tool_declaration_the_server_refuses_does_not_train(tmp_path, fn, path
     with pytest.raises(UserError) as trained:
         load_conversations(write_jsonl(tmp_path / "t.jsonl", rows), DataConfig())
     assert str(trained.value) == f"{tmp_path / 't.jsonl'}:2: {served.value}"
+
+
+@pytest.mark.parametrize("tool", [{"type": "code_interpreter"}, {"type": "file_search", "file_search": {}},
+                                  {"type": "web_search", "function": {"name": "f"}}])
+def test_another_apis_built_in_tool_is_refused_by_its_type(tool):
+    """An Assistants/Responses export's built-in tool was read as a bare function: "tools[0].name: None is not a tool
+    name", of a field the row does not have."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(UserError) as e:
+        normalise_messages({"tools": [tool], "messages": chat}, "f.jsonl:3")
+    assert str(e.value) == f'f.jsonl:3: tools[0].type: "{tool["type"]}" is not supported (only "function" tools)'
+
+
+@pytest.mark.parametrize("row", [
+    {"messages": [{"role": "BIG", "content": "user"}, {"role": "assistant", "content": "x"}]},  # columns swapped
+    {"conversations": [{"from": "BIG", "value": "x"}, {"from": "gpt", "value": "y"}]},
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "BIG"}}]},
+    {"messages": [{"role": "user", "content": [{"type": "BIG"}]}, {"role": "assistant", "content": "x"}]},
+])
+def test_a_long_text_in_a_names_place_is_quoted_cut_to_a_line(row):
+    """A message's text given as its role (or a speaker, a tool name, a part type) was quoted whole: a 10 KB error
+    line for a 10 KB text."""
+    big = "word " * 2000
+    with pytest.raises(UserError) as e:
+        normalise_messages(json.loads(json.dumps(row).replace("BIG", big)), "f.jsonl:3") if "messages" in row else \
+            normalise_sharegpt(json.loads(json.dumps(row).replace("BIG", big)), "f.jsonl:3")
+    assert str(e.value).startswith("f.jsonl:3: ") and "'word word" in str(e.value) and len(str(e.value)) < 300, \
+        str(e.value)[:300]
 
 
 def test_a_legacy_functions_declaration_is_refused_by_the_field_the_row_has():

@@ -59,6 +59,8 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"messages": USER, "tools": {"name": "f"}}, "tools", "list"),
     ({"messages": USER, "tools": [{"name": "f"}]}, "tools[0]", "function"),
+    # another API's built-in tool: read as a function declaration, "None is not a tool name" in a training row
+    ({"messages": USER, "tools": [{"type": "code_interpreter"}]}, "tools[0].type", 'only "function" tools'),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name",
      "not a tool name"),
     ({"messages": USER, "tools": [TOOL, TOOL]}, "tools[1].function.name", "twice"),

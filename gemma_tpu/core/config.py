@@ -20,7 +20,7 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from gemma_tpu.core.accelerators import ACCELERATORS
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, shown
 
 # host:port of the multi-process coordinator: a host name, an IPv4 address or a bracketed IPv6 one
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
@@ -234,8 +234,8 @@ def _whole_number(value: Any, where: str) -> int:
         if number is not None and number.is_finite():
             if number == number.to_integral_value():
                 return int(number)
-            raise UserError(f"{where}: expected an integer, got {value!r} (not a whole number)")
-    raise UserError(f"{where}: expected an integer, got {value!r}")
+            raise UserError(f"{where}: expected an integer, got {shown(value)} (not a whole number)")
+    raise UserError(f"{where}: expected an integer, got {shown(value)}")
 
 
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
@@ -275,7 +275,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except UserError as e:
                 errors.append(str(e))
-        raise UserError(errors[0] if len(errors) == 1 else f"{where}: {value!r} is not a valid {_type_name(tp)}")
+        raise UserError(errors[0] if len(errors) == 1 else f"{where}: {shown(value)} is not a valid {_type_name(tp)}")
     if origin is Literal:
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on (no/yes) as a boolean
@@ -294,7 +294,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 hint = f" (that is the transformers/TRL spelling; here it is {ours})"
             elif isinstance(value, str):  # a typo or another case: 'packed', 'Pack', 'warmup_cosin'
                 hint = _did_you_mean(value, [a for a in args if isinstance(a, str)])
-            raise UserError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
+            raise UserError(f"{where}: {shown(value)} is not one of {', '.join(repr(a) for a in args)}{hint}")
         return value
     if origin is list:
         if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
@@ -303,20 +303,20 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             try:  # read as the file is: numbers keep their spelling, a key twice is refused
                 value = yaml.load(value, Loader=_UniqueKeyLoader)  # safety: a SafeLoader
             except yaml.YAMLError:
-                raise UserError(f"{where}: {value!r} is not a readable list (write it [a, b])") from None
+                raise UserError(f"{where}: {shown(value)} is not a readable list (write it [a, b])") from None
         if isinstance(value, str):
             value = value.replace(",", " ").split()
         if not isinstance(value, (list, tuple)):
-            raise UserError(f"{where}: expected a list, got {value!r}")
+            raise UserError(f"{where}: expected a list, got {shown(value)}")
         return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise UserError(f"{where}: expected a mapping, got {value!r}")
+            raise UserError(f"{where}: expected a mapping, got {shown(value)}")
         return {_coerce(k, args[0], where): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise UserError(f"{where}: expected true/false, got {value!r}")
+        raise UserError(f"{where}: expected true/false, got {shown(value)}")
     if tp is int:
         return _whole_number(value, where)
     if tp is float:
@@ -328,9 +328,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ValueError:
                 pass
         if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise UserError(f"{where}: expected a number, got {value!r}")
+            raise UserError(f"{where}: expected a number, got {shown(value)}")
         if not math.isfinite(number):  # .nan / .inf in YAML, 'nan' / '1e999' as strings
-            raise UserError(f"{where}: must be a finite number, got {value!r}")
+            raise UserError(f"{where}: must be a finite number, got {shown(value)}")
         value = number
         return float(value)
     if tp is str:
@@ -338,7 +338,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return getattr(value, "raw", str(value))  # as written: 2024.10, not 2024.1
         if not isinstance(value, str):
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
-            raise UserError(f"{where}: expected a string, got {value!r}{hint}")
+            raise UserError(f"{where}: expected a string, got {shown(value)}{hint}")
         if value == "None" or value.strip().lower() == "null":  # meant as "unset": checkpoint.dir=None (or a quoted
             # 'null') made a directory of that name
             raise UserError(f"{where}: got the text {value!r}; this key cannot be null, give it a value")
@@ -445,14 +445,17 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
         difflib.get_close_matches(leaf.lower(), names, n=1, cutoff=0.6)
     if close:
         return f"did you mean '{section + '.' if section else ''}{close[0]}'? "
-    return ""
+    # a close name in another section: `train.epochs` is data.num_epochs (it had no hint at all)
+    leaves = {k.rpartition(".")[2]: k for k in sorted(keys) if "." in k}
+    close = difflib.get_close_matches(leaf.lower(), leaves, n=1, cutoff=0.7) if section else []
+    return f"did you mean '{leaves[close[0]]}'? " if close else ""
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"{where}: expected a mapping, got {data!r}")
+        raise UserError(f"{where}: expected a mapping, got {shown(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}

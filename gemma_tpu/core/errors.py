@@ -3,11 +3,25 @@ points print it as one line through `gemma_tpu.core.cli.cli_main`), and a checke
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 
 class UserError(Exception):
     """Bad input that the user can fix; the message names the file, line or key."""
 
     exit_code = 2
+
+
+_SHOWN = reprlib.Repr()  # a value quoted in an error: a 5,000-item list in the wrong place made a 35 KB line, an
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 6, 6, 6  # alias of an alias (YAML's "billion
+_SHOWN.maxstring = _SHOWN.maxother = 80  # laughs") a 34 MB one, a message's text given as its role a 10 KB one
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` for an error message, cut to a line: long texts and large or deep structures elided."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= 120 else text[:116] + " ..."
 
 
 class SignalExit(SystemExit):

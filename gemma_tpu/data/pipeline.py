@@ -270,8 +270,10 @@ def prepare_splits(renderer: Renderer, data_cfg: DataConfig, seed: int,
     read them: a missing file of either is named before the other is read (minutes for a large set)."""
     for key in ("train_path", "eval_path"):
         path = getattr(data_cfg, key)
-        if path and not Path(path).exists():
-            raise UserError(f"data file not found: {path} (data.{key})")
+        if path and not Path(path).exists():  # configs/*.yaml name files from the repository's root, not their own
+            where = "" if Path(path).is_absolute() else f"; a relative path is read from the working directory, " \
+                                                        f"{Path.cwd()}"
+            raise UserError(f"data file not found: {path} (data.{key}{where})")
     train = prepare_split(data_cfg.train_path, renderer, data_cfg, seed)
     check_one_batch(train, batch_size)  # before the model loads
     return train, (prepare_split(data_cfg.eval_path, renderer, data_cfg, seed) if data_cfg.eval_path else None)

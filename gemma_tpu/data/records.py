@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, shown
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, DeclarationError, check_tools, find_lone_surrogate
 from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
 
@@ -63,8 +63,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 SHAREGPT_TOOL_TURNS = ("function_call", "observation")  # LLaMA-Factory's speakers of a call and its result
 
 
-def _role(m: dict) -> Any:
-    """A message's role in our words: Gemma's `model` and OpenAI's legacy `function` mapped, any case."""
+def message_role(m: dict) -> Any:
+    """A message's role in our words: Gemma's `model` and OpenAI's legacy `function` mapped, any case (what every
+    reader of chats, `serving.bench` included, takes a role to be)."""
     role = m.get("role")
     return ROLE_ALIASES.get(role.lower(), role.lower()) if isinstance(role, str) else role
 
@@ -438,7 +439,7 @@ def _text(content: Any, where: str) -> str:
                 raise UserError(f"{where}: content[{k}] is a {kind!r} part, a model's reasoning, which is not "
                                 f"rendered: remove it, or give it as text to train it")
             elif isinstance(kind, str) and kind != "text":  # image, image_url, audio, ...: no tower is trained
-                raise UserError(f"{where}: content[{k}] is a {kind!r} part; training here is text only (the "
+                raise UserError(f"{where}: content[{k}] is a {shown(kind)} part; training here is text only (the "
                                 f"language model of a multimodal checkpoint): remove the non-text parts or put "
                                 f"what they say into text")
             else:
@@ -566,9 +567,9 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         mw = f"{where}: messages[{i}]"
         if not isinstance(m, dict):
             raise UserError(f"{mw}: expected an object with 'role' and 'content'")
-        role = _role(m)
+        role = message_role(m)
         if role not in ROLES:
-            raise UserError(f"{mw}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
+            raise UserError(f"{mw}: unknown role {shown(m.get('role'))} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             has = "its 'content' is null" if "content" in m else f"it has {', '.join(map(str, m))}"
             raise UserError(f"{mw}: a {role} message needs 'content' ({has})")
@@ -609,9 +610,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                     raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object, got {_json_type(args)}"
                                     + (" holding JSON text (encoded twice: decode it once)" if twice else ""))
                 if not names:
-                    raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r} but the example declares no 'tools'")
+                    raise UserError(f"{mw}.tool_calls[{j}]: calls {shown(fn['name'])} but the example declares no "
+                                    f"'tools'")
                 if fn["name"] not in names:
-                    raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']!r}, which is not in 'tools' "
+                    raise UserError(f"{mw}.tool_calls[{j}]: calls {shown(fn['name'])}, which is not in 'tools' "
                                     f"({', '.join(names)})")
                 markup.check_value(args, mw, f"tool_calls[{j}].arguments")
                 norm_calls.append({"name": fn["name"], "arguments": args})
@@ -636,13 +638,13 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                     ids = [repr(cid) for cid, _ in pending if cid is not None]
                     have = (f"its call ids: {', '.join(ids)}" if ids else
                             "its calls have no ids" if pending else "it made no calls")
-                    raise UserError(f"{mw}: tool_call_id {call_id!r} matches no call of the preceding assistant "
+                    raise UserError(f"{mw}: tool_call_id {shown(call_id)} matches no call of the preceding assistant "
                                     f"turn ({have})")
                 if call_id in answered_ids:
-                    raise UserError(f"{mw}: tool_call_id {call_id!r} was already answered")
+                    raise UserError(f"{mw}: tool_call_id {shown(call_id)} was already answered")
                 if name and name != match[0]:
-                    raise UserError(f"{mw}: tool result named {name!r} answers tool_call_id {call_id!r}, a call "
-                                    f"to {match[0]!r}")
+                    raise UserError(f"{mw}: tool result named {shown(name)} answers tool_call_id {shown(call_id)}, "
+                                    f"a call to {match[0]!r}")
                 answered_ids.add(call_id)
                 name = match[0]
             if not name and answered < len(pending):
@@ -650,7 +652,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             if not isinstance(name, str) or not name:
                 raise UserError(f"{mw}: tool message has no 'name' and answers no earlier tool call")
             if names and name not in names:
-                raise UserError(f"{mw}: tool result for {name!r}, which is not in 'tools' ({', '.join(names)})")
+                raise UserError(f"{mw}: tool result for {shown(name)}, which is not in 'tools' ({', '.join(names)})")
             msg["name"] = name
             answered += 1
         out.append(msg)
@@ -677,9 +679,9 @@ def _system_field(obj: dict, messages: list, where: str, markup: Markup) -> list
     key, text = given[0]
     markup.check(text, f"{where}: '{key}'")
     first = messages[0] if messages else None
-    if isinstance(first, dict) and _role(first) in ("system", "developer") and \
+    if isinstance(first, dict) and message_role(first) in ("system", "developer") and \
             not (isinstance(first.get("content"), str) and not first["content"].strip()):
-        raise UserError(f"{where}: both a '{key}' field and a {_role(first)} message opening the conversation; "
+        raise UserError(f"{where}: both a '{key}' field and a {message_role(first)} message opening the conversation; "
                         f"give the system prompt once")
     return [{"role": "system", "content": text}]
 
@@ -740,9 +742,9 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
         for i, m in enumerate(value):
             if not isinstance(m, dict):
                 raise UserError(f"{where}: {key}[{i}]: expected an object with 'role' and 'content'")
-    if not any(_role(m) == "assistant" for m in completion):
+    if not any(message_role(m) == "assistant" for m in completion):
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
-    context = [{**m, "train": False} if _role(m) == "assistant"
+    context = [{**m, "train": False} if message_role(m) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
     try:
         conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
@@ -780,7 +782,7 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             continue
         role = SHAREGPT_ROLES.get(speaker)
         if role is None:
-            raise UserError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected one of "
+            raise UserError(f"{where}: conversations[{i}]: unknown speaker {shown(t['from'])} (expected one of "
                             f"{', '.join((*SHAREGPT_ROLES, *SHAREGPT_TOOL_TURNS))})")
         messages.append({"role": role, "content": t["value"], **flags})
     return _as_conversations(messages, obj, where, markup)

@@ -196,7 +196,8 @@ class Renderer:
 
     def control_tokens(self) -> list[str]:
         """What message text must not hold (see `records.Markup`): every special token of the vocabulary (the
-        tokenizer reads each as its control id wherever it stands: a Gemma 4 `<|turn>`, a Gemma 3 `<unused2>`),
+        tokenizer reads each as its control id wherever it stands: a Gemma 4 `<|turn>`, a Gemma 3 `<unused2>`), the
+        media markers it has (`gemma_chat.MEDIA_MARKERS`: Gemma 3's `<start_of_image>` is not flagged special),
         and the markers our own Gemma format writes and maps (`<start_function_call>` where the vocabulary
         lacks it)."""
         added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
@@ -204,6 +205,8 @@ class Renderer:
         specials += [t for t in getattr(self.tokenizer, "all_special_tokens", ()) if isinstance(t, str)]
         # whitespace or a single character flagged special is ordinary text however the vocabulary files it
         specials = [t for t in specials if len(t) > 1 and t.strip()]
+        # media markers the vocabulary has, special or not (the tokenizer reads any added token as its id)
+        specials += [t.content for t in added.values() if t.content in chat.MEDIA_MARKERS]
         own = () if self.chat_format == "template" else (chat.START_OF_TURN, chat.END_OF_TURN, *fc.FUNCTION_MARKERS)
         return [*specials, *own, *self.token_map.values()]
 

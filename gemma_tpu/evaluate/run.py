@@ -245,11 +245,13 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     from tqdm import tqdm
 
     renderer = _renderer(loaded, data_cfg)
-    prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
     limit = loaded.max_positions
-    over = {i: f"the prompt is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it passes the model's "
-               f"context of {limit} (max_position_embeddings)"
-            for i, ids in enumerate(prompts) if limit and len(ids) + max_new_tokens > limit}
+    # tokenized only as far as the context reaches (`partial`): a 3 MB question took 30 s and 2.4 GB to be refused
+    rendered = [renderer.render(c.prompt, add_generation_prompt=True, max_tokens=limit) for c in cases]
+    prompts = [r.ids for r in rendered]
+    over = {i: f"the prompt is {f'more than {limit}' if r.partial else len(r.ids)} tokens; with --max-new-tokens "
+               f"{max_new_tokens} it passes the model's context of {limit} (max_position_embeddings)"
+            for i, r in enumerate(rendered) if limit and len(r.ids) + max_new_tokens > limit}
     check_not_all_refused(cases, over)
     keep = [i for i in range(len(cases)) if i not in over]
     # a few decode steps a device call: a Ctrl-C or SIGTERM is seen when a call returns, and one call a batch made it
@@ -280,9 +282,10 @@ def eval_loss(loaded, convs: list[dict], data_cfg: DataConfig, batch_size: int, 
     from gemma_tpu.train.loss import sparse_loss  # deferred: imports jax/torch
 
     renderer = _renderer(loaded, data_cfg)
-    examples = [Example(r.ids, r.loss_mask, c.get("where", "")) for c in convs for r in [renderer.render(c)]]
+    limit = loaded.max_positions  # only the tokens within it count: a longer text is tokenized only that far
+    examples = [Example(r.ids, r.loss_mask, c.get("where", "")) for c in convs
+                for r in [renderer.render(c, max_tokens=limit)]]
     seq_len = max(data_cfg.seq_len, -(-max(len(e.ids) for e in examples) // 64) * 64)
-    limit = loaded.max_positions
     if limit and seq_len > limit:  # positions past the context were scored as if the model had them (training refuses)
         over = [e for e in examples if len(e.ids) > limit]
         if over:

@@ -23,7 +23,7 @@ import re
 import unicodedata
 from typing import Any, Container
 
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, shown
 
 FUNCTION_MARKERS = (
     "<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
@@ -106,7 +106,7 @@ def check_call_arguments(value: Any, path: str = "arguments") -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             if not _BARE_KEY.fullmatch(str(k)):
-                raise UserError(f"{path}: key {str(k)!r} cannot be written in a FunctionGemma call (no ':', "
+                raise UserError(f"{path}: key {shown(str(k))} cannot be written in a FunctionGemma call (no ':', "
                                 f"'{{', '}}', '[', ']', ',', '\"', '<' or leading/trailing spaces in keys)")
             check_call_arguments(v, f"{path}.{k}")
     elif isinstance(value, list):
@@ -121,7 +121,7 @@ def check_tool_name(name: str, what: str) -> None:
     '_', '.' and '-' up to the brace, so `call:get steps{...}` or `call:get{x}{...}` trained a call that
     parses back to another name, or not at all."""
     if not _NAME.fullmatch(name):
-        raise UserError(f"{what}: tool name {name!r} cannot be written in a FunctionGemma call (letters, digits, "
+        raise UserError(f"{what}: tool name {shown(name)} cannot be written in a FunctionGemma call (letters, digits, "
                         f"'_', '.' and '-' only, not starting with '.' or '-')")
 
 
@@ -154,17 +154,19 @@ def check_tools(tools: Any, bare: bool = False) -> list[str]:
     names: list[str] = []
     for k, t in enumerate(tools):
         where = f"tools[{k}]"
+        if isinstance(t, dict) and t.get("type", "function") != "function":  # a built-in tool of another API
+            # (`code_interpreter`, `file_search`, `web_search`): it was read as a bare function, "None is not a name"
+            raise DeclarationError(f"{where}.type", f"{json.dumps(t['type'])[:40]} is not supported (only "
+                                                    f"\"function\" tools)")
         wrapped = isinstance(t, dict) and "function" in t
         if not isinstance(t, dict) or not (isinstance(t.get("function"), dict) or (bare and not wrapped)):
             raise DeclarationError(where, f'expected {{"type": "function", "function": {{"name": ...}}}}, got '
                                           f"{json.dumps(t, ensure_ascii=False)[:80]}")
-        if wrapped and t.get("type", "function") != "function":
-            raise DeclarationError(f"{where}.type", f"{t['type']!r} is not supported (only \"function\")")
         fn, fw = (t["function"], f"{where}.function") if wrapped else (t, where)
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise DeclarationError(f"{fw}.name", f"{name!r} is not a tool name (1 to 64 letters, digits, '_', '.' or "
-                                                 f"'-', not starting with '.' or '-')")
+            raise DeclarationError(f"{fw}.name", f"{shown(name)} is not a tool name (1 to 64 letters, digits, '_', "
+                                                 f"'.' or '-', not starting with '.' or '-')")
         if name in names:  # both declarations were rendered; which one a call meant is anyone's guess
             raise DeclarationError(f"{fw}.name", f"{name!r} is declared twice (also tools[{names.index(name)}])")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
@@ -207,7 +209,7 @@ def _check_schema(params: dict, where: str) -> None:
 
 def format_call(name: str, args: dict) -> str:
     check_tool_name(name, "call")
-    check_call_arguments(args, f"call {name!r} arguments")
+    check_call_arguments(args, f"call {shown(name)} arguments")
     return f"{START_CALL}call:{name}{format_value(args)}{END_CALL}"
 
 

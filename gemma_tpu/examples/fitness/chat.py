@@ -55,16 +55,32 @@ class Coach:
         if self.trace is not None:
             print(text, file=self.trace, flush=True)
 
+    def _check_results(self, messages: list[dict]) -> None:
+        """A tool's result holding the chat markup's own control tokens is refused, as the question is (see `ask`)."""
+        for m in messages:
+            if m["role"] == "tool":
+                self.renderer.markup.check(m["content"], f"the result of {m.get('name')}")
+
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
         """The local model's next turn, parsed."""
-        ids = self.renderer.render({"tools": self.toolset.schemas, "messages": messages},
-                                   add_generation_prompt=True).ids
+        self._check_results(messages)
+        # tokenized only as far as the context reaches: a pasted 6 MB log took 34 s and 3 GB to be refused
+        limit = self.loaded.max_positions
+        r = self.renderer.render({"tools": self.toolset.schemas, "messages": messages}, add_generation_prompt=True,
+                                 max_tokens=limit)
+        if r.partial:
+            raise UserError(f"the prompt is more than {limit} tokens, the model's context (max_position_embeddings): "
+                            f"shorten the question")
+        ids = r.ids
         # the developer turn (system prompt and tool declarations) starts every prompt: with the
         # prefix cache its keys and values are computed once for the whole session
         out = self.generator.generate([ids], prefix=self._system_ids(messages))[0]
         return out.reply(), out.text
 
     def ask(self, question: str) -> str:
+        # the renderer tokenizes the whole prompt at once: a question "what does <start_of_turn> mean?" was read as
+        # markup (a turn opened mid-question), so it is refused, as the training data reader refuses such text
+        self.renderer.markup.check(question, "the question")
         return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)
 
 
