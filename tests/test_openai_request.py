@@ -1325,3 +1325,23 @@ def test_fields_are_typed_as_vllm_types_them():
         check_chat_request(chat_request({"input": "hi", "user": {"id": 1}}))
     assert e.value.param == "user"
     assert type(check_chat_request(chat_request({"input": "hi", "max_output_tokens": 8.0}))["max_tokens"]) is int
+
+
+def test_stop_token_texts_only_a_missing_endpoint_turns_the_lookup_off(monkeypatch):
+    """A transient /detokenize failure (503) leaves that stop unnamed and the next one is asked again; a 404 ends it."""
+    from gemma_tpu.infer import openai_client as oc
+    answers = [oc.HTTPStatusError("503", 503), {"prompt": "<x>"}, oc.HTTPStatusError("404", 404)]
+    asked = []
+
+    def fake(url, body, **kw):
+        asked.append(body["tokens"][0])
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+    monkeypatch.setattr(oc, "http_json", fake)
+    texts = oc.StopTokenTexts("http://h/v1", "m")
+    assert texts(7) is None
+    assert texts(7) == "<x>"
+    assert texts(8) is None and texts(9) is None
+    assert asked == [7, 7, 8]

@@ -400,8 +400,11 @@ class StopTokenTexts:
             body: dict[str, Any] = {"tokens": [token_id], **({"model": self.model} if self.model else {})}
             try:
                 answer = http_json(self.url, body, timeout=self.timeout, api_key=self.api_key)
-            except UserError:  # no /detokenize here (404), or it failed: the stop stays unnamed, as before
-                self.available = False
+            except HTTPStatusError as e:  # no /detokenize here (404/405): not asked again; else only this once
+                if e.code in (404, 405):
+                    self.available = False
+                return None
+            except UserError:  # a timeout or refused connection: this stop stays unnamed, the next id is asked
                 return None
             text = answer.get("prompt")
             self.known[token_id] = text if isinstance(text, str) else None
