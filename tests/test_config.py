@@ -66,6 +66,8 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("data.dataset_text_field=body", "here it is 'data.text_field'"),
     ("train.MAX_STEPS=3", "did you mean 'train.max_steps'?"),  # another case: no letter in common to difflib
     ("train.epochs=2", "did you mean 'data.num_epochs'?"),  # a close name in another section: no hint at all
+    ("data.eval_file=x.jsonl", "did you mean 'data.eval_path'?"),  # train_file had a hint, eval_file none
+    ("data.validation_file=x.jsonl", "here it is 'data.eval_path'"),
     # a MaxText recipe's mesh and batch
     ("mesh.ici_fsdp_parallelism=8", "the MaxText name; here it is 'mesh.fsdp'"),
     ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),

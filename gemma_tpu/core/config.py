@@ -378,6 +378,7 @@ FOREIGN_NAMES: dict[str, tuple[str, ...]] = {
     "max_length": ("data.seq_len", ""),
     "packing": ("data.strategy", "pack, or pad for one example a row"),
     "dataset_text_field": ("data.text_field", ""),
+    "validation_file": ("data.eval_path", "a JSONL file; null: no evaluation"),  # run_clm/run_sft scripts' arguments
     "completion_only_loss": ("data.loss_on", "assistant trains the completions and assistant turns only"),
     "assistant_only_loss": ("data.loss_on", "assistant trains the assistant turns only"),
     "r": ("lora.rank", ""),
@@ -443,6 +444,11 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
     # another case first: `train.MAX_STEPS` (an environment-variable habit) shared no letter with max_steps
     close = [n for n in names if n.lower() == leaf.lower()] or \
         difflib.get_close_matches(leaf.lower(), names, n=1, cutoff=0.6)
+    # the same first word and as many words, the rest named otherwise: `data.eval_file` is data.eval_path (0.56 alike
+    # by difflib, under its cutoff, where train_file -> train_path passed at 0.60)
+    words = leaf.lower().split("_")
+    close = close or [n for n in names if len(words) > 1 and n.split("_")[0] == words[0]
+                      and len(n.split("_")) == len(words)][:1]
     if close:
         return f"did you mean '{section + '.' if section else ''}{close[0]}'? "
     # a close name in another section: `train.epochs` is data.num_epochs (it had no hint at all)
