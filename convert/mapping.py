@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.registry import Family, Projection, Tensor, tied_embeddings  # noqa: F401
+from gemma_tpu.models.registry import Family, Projection, Tensor
 
 
 def tunix_layer_name(family: Family, layer: int, proj: Projection, param: str) -> str:

@@ -48,7 +48,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from convert import merge_math
-from convert.mapping import FullSite, LoraSite, full_sites, tied_embeddings
+from convert.mapping import FullSite, LoraSite, full_sites
 from convert.source import (
     CheckpointSource,
     FactorCache,
@@ -68,7 +68,7 @@ from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import MERGE_RECORD, read_hf_config
 from gemma_tpu.hf.files import generation_config, write_sidecar_files
-from gemma_tpu.models.registry import described_family
+from gemma_tpu.models.registry import described_family, tied_embeddings
 
 PROVENANCE_FILE = MERGE_RECORD
 SLOW_ENV = "GEMMA_TPU_MERGE_SLOW"  # tests only: seconds to sleep after each tensor

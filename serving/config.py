@@ -233,15 +233,18 @@ def vllm_option(arg: str) -> str | None:
     return "--" + name[2:].split(".", 1)[0].replace("_", "-") if name.startswith("--") else name
 
 
+def abbreviated_options(option: str, known: frozenset[str]) -> list[str]:
+    """The known long options `option` is a prefix of, sorted (argparse's allow_abbrev: one is that option, several
+    an ambiguous abbreviation argparse refuses)."""
+    return sorted(k for k in known if option.startswith("--") and k.startswith(option))
+
+
 def resolve_vllm_option(option: str, known: frozenset[str]) -> str | None:
     """`option` as vLLM's argparse takes it: itself, or the one known long option it abbreviates; else None."""
     if option in known or option == "-O":
         return option
-    if option.startswith("--"):
-        longer = [k for k in known if k.startswith(option)]
-        if len(longer) == 1:
-            return longer[0]
-    return None
+    longer = abbreviated_options(option, known)
+    return longer[0] if len(longer) == 1 else None
 
 
 def unknown_extra_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -254,7 +257,7 @@ def unknown_extra_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
         option = vllm_option(arg)
         if option is None or resolve_vllm_option(option, known) is not None:
             continue
-        longer = sorted(k for k in known if option.startswith("--") and k.startswith(option))
+        longer = abbreviated_options(option, known)
         # an abbreviation of several: argparse refuses it as ambiguous (named by the phrase), so it is never a warning
         close = longer[:1] or difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.75)
         out.append((arg, close[0] if close else None))
@@ -287,8 +290,7 @@ def _unknown_phrase(unknown: list[tuple[str, str | None]]) -> str:
     known = vllm_serve_flags()
 
     def phrase(arg: str, close: str | None) -> str:
-        option = vllm_option(arg) or arg
-        longer = sorted(k for k in known if option.startswith("--") and k.startswith(option))
+        longer = abbreviated_options(vllm_option(arg) or arg, known)
         if len(longer) > 1:
             more = f" and {len(longer) - 3} more" if len(longer) > 3 else ""
             return (f"{arg} abbreviates several options of `vllm serve` ({', '.join(longer[:3])}{more}), which its "
