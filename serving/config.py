@@ -44,6 +44,12 @@ SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY", "HUGGING_FACE_HUB_TOKEN")
 # and vLLM's PyTorch model through torchax otherwise (Gemma 3); it refuses other values when the engine starts, and
 # "jetpack", which its list takes, has no model loader (NotImplementedError at model load)
 MODEL_IMPL_TYPES = ("auto", "flax_nnx", "vllm")
+# tpu-inference's implementation variables and the values each takes (tpu_inference/envs.py, 0.27.0; a speculative
+# decoding draft model has its own, whose list has no "jetpack")
+IMPL_ENV = {"MODEL_IMPL_TYPE": MODEL_IMPL_TYPES, "DRAFT_MODEL_IMPL_TYPE": MODEL_IMPL_TYPES}
+# vLLM's own --model-impl (vllm/config/model.py ModelImpl): which of vLLM's PyTorch model classes its loader builds.
+# tpu-inference reads it on its vllm (torchax) path only; its JAX models (flax_nnx) are chosen by MODEL_IMPL_TYPE alone
+VLLM_MODEL_IMPLS = ("auto", "vllm", "transformers", "terratorch")
 # `vllm serve` options the launcher renders from the config (serving/launch.py), by the key that sets them:
 # repeated in server.extra_args, vLLM's parser keeps the last, so the server ran on another port, context
 # or model name than the config (and the clients) said. --api-key would put the secret on the command line.
@@ -316,6 +322,40 @@ def extra_args_warning(cfg: ServeConfig) -> str | None:
             f"{image}, else vLLM stops at it when the container starts")
 
 
+def model_impl_problem(cfg: ServeConfig, fam: Family | None = None, arch: str = "") -> str | None:
+    """What tpu-inference or vLLM would refuse, or quietly not do, of the implementation the config chooses; None if
+    nothing. Without `fam` (no directory read yet) the values alone: container.env's MODEL_IMPL_TYPE and
+    DRAFT_MODEL_IMPL_TYPE (tpu-inference refuses another at engine start, on the VM) and server.extra_args'
+    --model-impl. With the family served: a --model-impl tpu-inference's JAX model ignores, and lora.adapters on it."""
+    for key, allowed in IMPL_ENV.items():
+        value = cfg.container.env.get(key)
+        if value is not None and value not in allowed:
+            close = difflib.get_close_matches(str(value).lower(), allowed, n=1, cutoff=0.6)
+            return (f"container.env.{key}={value!r} is not one tpu-inference takes ("
+                    + (f"did you mean {close[0]}? " if close else "") + f"it takes {', '.join(allowed)})")
+    vllm_impl = extra_arg(cfg.server.extra_args, "--model-impl")
+    if vllm_impl is not None and vllm_impl not in VLLM_MODEL_IMPLS:  # vLLM's ModelImpl refuses it at engine start
+        close = difflib.get_close_matches(vllm_impl.lower(), VLLM_MODEL_IMPLS, n=1, cutoff=0.6)
+        return (f"server.extra_args: --model-impl {vllm_impl!r} is not a model implementation vLLM takes ("
+                + (f"did you mean {close[0]}? " if close else "") + f"it takes {', '.join(VLLM_MODEL_IMPLS)})")
+    impl = cfg.container.env.get("MODEL_IMPL_TYPE", "auto")
+    if fam is None or not fam.vllm_jax_native or impl not in ("auto", "flax_nnx"):
+        return None  # vLLM's PyTorch model through torchax, which takes --model-impl and LoRA adapters
+    if vllm_impl not in (None, "auto"):
+        # vLLM's option reads like the switch, and tpu-inference's JAX model would be served without a word
+        return (f"server.extra_args: --model-impl {vllm_impl} chooses among vLLM's PyTorch models, which "
+                f"tpu-inference does not use for {arch} under container.env.MODEL_IMPL_TYPE={impl} (it serves its "
+                "JAX model): set container.env.MODEL_IMPL_TYPE=vllm to serve vLLM's model, or drop --model-impl")
+    if cfg.lora.adapters:
+        # refused, not switched to vllm here: that would serve another implementation of the model (torchax,
+        # its own speed and memory) than the config says; the README's route for a fine-tune is its merge
+        return (f"lora.adapters: vLLM-TPU serves {arch} with tpu-inference's JAX model under "
+                f"container.env.MODEL_IMPL_TYPE={impl}, which applies no LoRA adapter (vLLM's LoRA is "
+                "on its PyTorch model through torchax only): serve each adapter's merge "
+                "(python -m convert.merge_orbax) as model.dir, or set container.env.MODEL_IMPL_TYPE=vllm")
+    return None
+
+
 def max_loras(cfg: ServeConfig) -> int:
     """--max-loras: lora.max_loras, else one slot for each adapter, so a batch can mix them all."""
     return cfg.lora.max_loras if cfg.lora.max_loras is not None else max(len(cfg.lora.adapters), 1)
@@ -407,11 +447,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         if k in SECRET_ENV:
             bad(f"container.env.{k}: secrets are passed by name (server.api_key_env, container.hf_token_env), "
                 "not written into the config")
-    impl = cfg.container.env.get("MODEL_IMPL_TYPE")
-    if impl is not None and impl not in MODEL_IMPL_TYPES:  # tpu-inference refused it at engine start, on the VM
-        close = difflib.get_close_matches(str(impl).lower(), MODEL_IMPL_TYPES, n=1, cutoff=0.6)
-        bad(f"container.env.MODEL_IMPL_TYPE={impl!r} is not one tpu-inference takes ("
-            + (f"did you mean {close[0]}? " if close else "") + f"it takes {', '.join(MODEL_IMPL_TYPES)})")
+    problem = model_impl_problem(cfg)
+    if problem:
+        bad(problem)
     if not re.fullmatch(r"\d+[bkmg]?", cfg.container.shm_size.lower()):
         bad(f"container.shm_size {cfg.container.shm_size!r} is not a size like 16g")
     names = [a.name for a in cfg.lora.adapters]
@@ -668,14 +706,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             if cfg.tool_calling.chat_template == "model" and not has_template:
                 raise UserError(f"model dir {d}: no chat template (chat_template.jinja or tokenizer_config.json) "
                                 "for tool calling; set tool_calling.chat_template to a .jinja file")
-        impl = cfg.container.env.get("MODEL_IMPL_TYPE", "auto")
-        if cfg.lora.adapters and fam.vllm_jax_native and impl in ("auto", "flax_nnx"):
-            # refused, not switched to vllm here: that would serve another implementation of the model (torchax,
-            # its own speed and memory) than the config says; the README's route for a fine-tune is its merge
-            raise UserError(f"lora.adapters: vLLM-TPU serves {arch} with tpu-inference's JAX model under "
-                            f"container.env.MODEL_IMPL_TYPE={impl}, which applies no LoRA adapter (vLLM's LoRA is "
-                            "on its PyTorch model through torchax only): serve each adapter's merge "
-                            "(python -m convert.merge_orbax) as model.dir, or set container.env.MODEL_IMPL_TYPE=vllm")
+        problem = model_impl_problem(cfg, fam, arch)
+        if problem:
+            raise UserError(problem)
         ranks = []
         for a in cfg.lora.adapters:
             adir = Path(a.dir).expanduser()

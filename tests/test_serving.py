@@ -260,6 +260,12 @@ def test_print_31b_config_with_adapters(tmp_path, capsys, monkeypatch):
         code, out, err = launch_inproc(capsys, *args, f"container.env.MODEL_IMPL_TYPE={impl}")
         one_error_line(code, err, f"container.env.MODEL_IMPL_TYPE={impl}", "applies no LoRA adapter",
                        "python -m convert.merge_orbax", "MODEL_IMPL_TYPE=vllm")
+    # vLLM's own --model-impl is not tpu-inference's switch: the adapters stay refused under auto
+    code, out, err = launch_inproc(capsys, *args, "server.extra_args=[--model-impl,vllm]")
+    one_error_line(code, err, "--model-impl vllm", "MODEL_IMPL_TYPE=auto", "set container.env.MODEL_IMPL_TYPE=vllm")
+    code, out, err = launch_inproc(capsys, *args, "container.env.MODEL_IMPL_TYPE=vllm",
+                                   "server.extra_args=[--model-impl,vllm]")
+    assert code == 0 and flag(words(out)[words(out).index("vllm"):], "--model-impl") == "vllm", err
     code, out, err = launch_inproc(capsys, *args, "container.env.MODEL_IMPL_TYPE=vllm")
     assert code == 0, err
     assert "api-secret-value-3" not in out + err
@@ -461,6 +467,19 @@ def _k_eq_v_gemma4(p, global_kv: int):
      ["container.env.MODEL_IMPL_TYPE='flax'", "did you mean flax_nnx?", "auto, flax_nnx, vllm"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--logprobs_mode=raw]"],
      ["--logprobs-mode 'raw' is not a value", "raw_logits, raw_logprobs"]),
+    # the speculative draft's own variable, refused by tpu-inference at engine start as MODEL_IMPL_TYPE is
+    (CONFIG_270M, fake_model_dir, ["container.env.DRAFT_MODEL_IMPL_TYPE=jax"],
+     ["container.env.DRAFT_MODEL_IMPL_TYPE='jax'", "auto, flax_nnx, vllm"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--model-impl=torchax]"],
+     ["--model-impl 'torchax' is not a model implementation vLLM takes", "auto, vllm, transformers, terratorch"]),
+    # vLLM's --model-impl does not choose tpu-inference's implementation: under MODEL_IMPL_TYPE auto Gemma 4 was
+    # served by the JAX model, the option (and, with adapters, the LoRA) quietly unused
+    (CONFIG_31B, lambda p: fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True),
+     ["server.extra_args=[--model_impl,vllm]"],
+     ["--model-impl vllm chooses among vLLM's PyTorch models", "MODEL_IMPL_TYPE=auto", "MODEL_IMPL_TYPE=vllm"]),
+    (CONFIG_31B, lambda p: fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=16, nested=True),
+     ["server.extra_args=[--model-impl,transformers]", "container.env.MODEL_IMPL_TYPE=flax_nnx"],
+     ["--model-impl transformers", "MODEL_IMPL_TYPE=flax_nnx (it serves its JAX model)"]),
 ])
 def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make, overrides, needles):
     d = make(tmp_path / "m")
