@@ -58,7 +58,7 @@ class RemoteCoach:
         self.retries = retries  # evaluate's policy (http_json): a server restarting or rate limiting is waited for
         self.toolset = tools or fitness_toolset(provider)
         self.trace = trace
-        self.stop_text = StopTokenTexts(self.base, model, api_key, timeout=min(timeout, 30.0))  # vLLM's stop ids
+        self.stop_text = StopTokenTexts(self.base, model, api_key, min(timeout, 30.0), retries)  # vLLM's stop ids
 
     def _log(self, text: str) -> None:
         if self.trace is not None:

@@ -1335,13 +1335,47 @@ def test_stop_token_texts_only_a_missing_endpoint_turns_the_lookup_off(monkeypat
 
     def fake(url, body, **kw):
         asked.append(body["tokens"][0])
+        assert kw["retries"] == 2  # the requests' policy
         a = answers.pop(0)
         if isinstance(a, Exception):
             raise a
         return a
     monkeypatch.setattr(oc, "http_json", fake)
-    texts = oc.StopTokenTexts("http://h/v1", "m")
+    texts = oc.StopTokenTexts("http://h/v1", "m", retries=2)
     assert texts(7) is None
     assert texts(7) == "<x>"
     assert texts(8) is None and texts(9) is None
     assert asked == [7, 7, 8]
+
+
+def test_a_stop_name_lookup_is_retried_as_the_requests_are_and_its_failure_only_warns(monkeypatch, caplog):
+    """evaluate --endpoint asked /detokenize once with no retry while its chat requests took --retries: one 503 of a
+    server busy for a moment scored a reply that handed over to a tool as an answer in words. A lookup failing past
+    the retries leaves that reply scored as without it, in one warning, and the run goes on."""
+    import logging
+
+    from gemma_tpu.evaluate import run
+    from gemma_tpu.infer import openai_client as oc
+    from tests.test_serving import ScriptedModel, http_server
+
+    monkeypatch.setattr(oc.time, "sleep", lambda s: None)
+    lookups, stops = [], [9, 8]  # each reply's stop token id, as vLLM gives it
+
+    class Busy(ScriptedModel):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/detokenize":
+                lookups.append(body["tokens"])
+                if len(lookups) in (1, 3, 4):  # the first lookup once, the second one every time
+                    return self._json(503, {"error": "busy"})
+                return self._json(200, {"prompt": "<start_function_response>"})
+            self._json(200, {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": stops.pop(0),
+                                          "message": {"role": "assistant", "content": "Let me check."}}]})
+
+    case = run.Case({"tools": None, "messages": [{"role": "user", "content": "hello"}]}, None, [], "hello", "Hi!")
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.infer.openai_client"), http_server(Busy) as url:
+        preds, _ = run.predict_endpoint(url, "m", [case] * 2, 8, "fake", retries=1)
+    assert lookups == [[9], [9], [8], [8]]
+    assert [p.kind for p in preds] == ["format_error", "text"]  # handed over; the second's stop left unnamed
+    unnamed = [r.getMessage() for r in caplog.records if "left unnamed" in r.getMessage()]
+    assert len(unnamed) == 1 and "HTTP 503" in unnamed[0] and "stop token 8" in unnamed[0]

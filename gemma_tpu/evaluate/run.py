@@ -353,7 +353,7 @@ def _ask_each(base: str, name: str | None, cases: Sequence[Case], max_new_tokens
     from tqdm import tqdm
 
     refused: dict[int, str] = {}
-    stop_text = StopTokenTexts(base, name, api_key, timeout=min(timeout, 30.0))  # vLLM's numeric stop_reason
+    stop_text = StopTokenTexts(base, name, api_key, min(timeout, 30.0), retries)  # vLLM's numeric stop_reason
     for case in tqdm(cases, desc=f"generate {label}", file=sys.stderr, unit="ex"):
         body: dict[str, Any] = {"messages": openai_messages(case.prompt["messages"]),
                                 "max_tokens": max_new_tokens, "temperature": 0.0, "stream": False}

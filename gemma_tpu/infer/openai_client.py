@@ -387,11 +387,16 @@ class StopTokenTexts:
     (vLLM's; a token's text, special tokens kept) once per id. vLLM names a stop *token* (the eos ids of
     generation_config.json, which a merge lists the call stop marker among) by its id and leaves it out of the
     content, so a reply that handed over to a tool without a call read as an answer in words. None for an id the
-    server cannot name (no such endpoint, as with `transformers serve`, which names the stop as text)."""
+    server cannot name (no such endpoint, as with `transformers serve`, which names the stop as text).
 
-    def __init__(self, base: str, model: str | None, api_key: str | None = None, timeout: float = 30.0):
+    `retries`: the chat requests' policy (`http_json`'s, the caller's --retries), so a server busy or restarting is
+    waited for as long for the lookup as for the reply it names. A lookup that still fails leaves that one reply's
+    stop unnamed (scored as without the lookup), said in one warning: it does not end the caller's run."""
+
+    def __init__(self, base: str, model: str | None, api_key: str | None = None, timeout: float = 30.0,
+                 retries: int = 0):
         self.url = base.rstrip("/").removesuffix("/v1") + "/detokenize"
-        self.model, self.api_key, self.timeout = model, api_key, timeout
+        self.model, self.api_key, self.timeout, self.retries = model, api_key, timeout, retries
         self.known: dict[int, str | None] = {}
         self.available = True
 
@@ -399,12 +404,13 @@ class StopTokenTexts:
         if token_id not in self.known and self.available:
             body: dict[str, Any] = {"tokens": [token_id], **({"model": self.model} if self.model else {})}
             try:
-                answer = http_json(self.url, body, timeout=self.timeout, api_key=self.api_key)
-            except HTTPStatusError as e:  # no /detokenize here (404/405): not asked again; else only this once
-                if e.code in (404, 405):
+                answer = http_json(self.url, body, timeout=self.timeout, api_key=self.api_key, retries=self.retries)
+            except UserError as e:
+                if isinstance(e, HTTPStatusError) and e.code in (404, 405):  # no /detokenize here: not asked again
                     self.available = False
-                return None
-            except UserError:  # a timeout or refused connection: this stop stays unnamed, the next id is asked
+                else:  # a timeout, a refused connection, a 5xx past the retries: the next reply's id is asked again
+                    log.warning("%s; the stop token %d of this reply is left unnamed (read as if the server had not "
+                                "given its id)", e, token_id)
                 return None
             text = answer.get("prompt")
             self.known[token_id] = text if isinstance(text, str) else None
