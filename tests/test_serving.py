@@ -863,6 +863,14 @@ def test_a_merged_tool_models_calls_reach_the_server_with_their_markers(tiny_dir
     assert tok.decode(tok("<bos>hi<end_of_turn>", add_special_tokens=False).input_ids, skip_special_tokens=True) == "hi"
     stops = stop_token_texts(tok, served)
     assert stops == ["<start_function_response>"]
+    # a tokenizer_config.json without a marker to flip stays the model's file: it was re-serialised into a file of
+    # its own on each start (tokenizer.json is written only because a flag in it changes)
+    other = shutil.copytree(merged, tmp_path / "other")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "added_tokens_decoder": {"0": {"content": "<pad>", "special": True}}}))
+    again = prepare_served_dir(other, "m2", tmp_path / "w")
+    assert (again / "tokenizer_config.json").is_symlink() and not (again / "tokenizer.json").is_symlink()
 
     async def inner(scope, receive, send):  # transformers serve streaming what it decoded, 3 characters a chunk
         await receive()
@@ -931,6 +939,23 @@ def test_a_server_missing_a_module_names_it(tiny_dir, tmp_path, monkeypatch):
                                         r"torchvision_absent_here, which is not installed here \(pip install "):
         server.__enter__()
     assert server.proc.poll() == 1 and server._workdir is None  # stopped and cleaned up
+
+
+def test_a_restarted_local_servers_log_keeps_the_previous_run(tiny_dir, tmp_path, monkeypatch):
+    """The engine log was opened "w": a restart wiped the previous run's output (why it stopped). It is appended to
+    after a line naming the start, and a start failure is read from this run's output only."""
+    from serving.local import LocalServer
+
+    log = tmp_path / "serve.log"
+    log.write_text("ModuleNotFoundError: No module named 'old_module'\n")
+    monkeypatch.setattr(LocalServer, "command",
+                        lambda self: [sys.executable, "-c", "raise SystemExit('engine: out of memory')"])
+    server = LocalServer(tiny_dir, name="tiny", log=log, startup_timeout=60)
+    with pytest.raises(UserError, match=r"exited with code 1 before it was ready: engine: out of memory$"):
+        server.__enter__()
+    text = log.read_text()
+    assert text.startswith(f"ModuleNotFoundError: No module named 'old_module'\n===== serving.local: tiny ({tiny_dir})")
+    assert re.search(r", started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} =====\nengine: out of memory\n$", text)
 
 
 def test_a_server_that_fails_to_start_leaves_no_temporary_directory(tiny_dir, tmp_path, monkeypatch):
