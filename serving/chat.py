@@ -24,7 +24,8 @@ from typing import Any, Sequence, TextIO
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.examples.fitness.chat import chat_repl, question_text
+from gemma_tpu.data.records import GEMMA_MARKUP
+from gemma_tpu.examples.fitness.chat import chat_repl, check_tool_results, question_text
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
 from gemma_tpu.formats.function_calling import ParsedReply
@@ -58,6 +59,11 @@ class RemoteCoach:
         self.retries = retries  # evaluate's policy (http_json): a server restarting or rate limiting is waited for
         self.toolset = tools or fitness_toolset(provider)
         self.trace = trace
+        # the server renders the messages with its chat template and tokenizes the prompt whole, control tokens read
+        # as such (vLLM and `serving.launch --local` alike): a question holding `<start_of_turn>` opened a turn of
+        # its own. Its vocabulary is not known here, so the markup is Gemma's own (records.GEMMA_MARKUP, what the
+        # training reader refuses without a tokenizer); the local chat checks its tokenizer's (`Coach`)
+        self.markup = GEMMA_MARKUP
         self.stop_text = StopTokenTexts(self.base, model, api_key, min(timeout, 30.0), retries)  # vLLM's stop ids
 
     def _log(self, text: str) -> None:
@@ -76,11 +82,13 @@ class RemoteCoach:
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
         """The endpoint's next turn: its structured `tool_calls`, else calls parsed from its text (a call cut off at
         --max-tokens says so)."""
+        check_tool_results(self.markup, messages)
         reply, message = reply_from_answer(self.complete(messages), f"{self.base}/chat/completions", self.max_tokens,
                                            self.stop_text)
         return reply, message.get("content") or json.dumps(message.get("tool_calls"))
 
     def ask(self, question: str) -> str:
+        self.markup.check(question, "the question")  # as the local chat refuses it (`Coach.ask`)
         return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)
 
 

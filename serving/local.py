@@ -551,6 +551,11 @@ class CheckedChatApp:
             if bad:  # JSON's unpaired \ud800: the tokenizer (or the inner server) failed on it with a bare 500
                 raise RequestError(bad[0] or None, f"holds a lone UTF-16 surrogate (\\u{ord(bad[1].group()):04x} at "
                                                    f"character {bad[1].start()}), which is not text: pair it or remove it")
+            # Message text holding the chat markup's control tokens (`<start_of_turn>` in a user message) is rendered
+            # and tokenized as markup here, and is neither refused nor warned of: vLLM does the same without a word,
+            # and this server stands in for it (a client that passes here passes there, and one that fails, fails
+            # there). The server cannot tell a mistake from a client sending markup on purpose, and the clients
+            # that take people's text refuse it themselves (serving.chat, the chats, the training data reader).
             model = body.get("model") if isinstance(body, dict) else None
             if self.model_name and isinstance(model, str) and model != self.model_name:
                 # transformers serve answered 400 {"detail": ...}, which clients read as this request's fault

@@ -1241,6 +1241,24 @@ def test_chat_refuses_the_markups_control_tokens_in_a_question_or_a_tool_result(
                             coach.toolset.system_prompt, coach.toolset.user_turn)
     with pytest.raises(UserError, match=f"the result of get_steps: the text holds '{token}'"):
         coach.ask("steps today?")
+    # serving.chat sent them unchecked: the server's chat template and tokenizer (vLLM's, serving.launch --local's)
+    # read them as markup all the same; refused in the same words, before any request
+    from serving.chat import RemoteCoach
+    from tests.test_serving import scripted
+
+    handler, server = scripted({"content": "never sent"})
+    with server as url:
+        with pytest.raises(UserError, match=f"the question: the text holds '{token}' at character "
+                                            f"{question.index(token)}, the chat markup's own control token"):
+            RemoteCoach(url, device, model="m", trace=None, retries=0).ask(question)
+        assert handler.requests == []
+    handler, server = scripted({"tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_steps", "arguments": json.dumps({"date": "today"})}}]}, {"content": "never sent"})
+    with server as url:
+        remote = RemoteCoach(url, device, model="m", trace=None, retries=0, tools=coach.toolset)
+        with pytest.raises(UserError, match=f"the result of get_steps: the text holds '{token}'"):
+            remote.ask("steps today?")
+        assert len(handler.requests) == 1
 
 
 def test_chat_refuses_a_question_past_the_context_without_tokenizing_all_of_it(tiny_dir):

@@ -21,6 +21,7 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.config import DataConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import make_renderer
+from gemma_tpu.data.records import Markup
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset
 from gemma_tpu.formats.function_calling import ParsedReply
@@ -55,15 +56,9 @@ class Coach:
         if self.trace is not None:
             print(text, file=self.trace, flush=True)
 
-    def _check_results(self, messages: list[dict]) -> None:
-        """A tool's result holding the chat markup's own control tokens is refused, as the question is (see `ask`)."""
-        for m in messages:
-            if m["role"] == "tool":
-                self.renderer.markup.check(m["content"], f"the result of {m.get('name')}")
-
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
         """The local model's next turn, parsed."""
-        self._check_results(messages)
+        check_tool_results(self.renderer.markup, messages)
         # tokenized only as far as the context reaches: a pasted 6 MB log took 34 s and 3 GB to be refused
         limit = self.loaded.max_positions
         r = self.renderer.render({"tools": self.toolset.schemas, "messages": messages}, add_generation_prompt=True,
@@ -119,6 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(coach.ask(question_text(args.once)))
         return 0
     return chat_repl(coach.ask, "")
+
+
+def check_tool_results(markup: Markup, messages: list[dict]) -> None:
+    """A tool's result holding the chat markup's own control tokens is refused, as the question is (`Coach.ask`,
+    `serving.chat`'s `RemoteCoach.ask`): rendered into the prompt, the tokenizer reads them as markup."""
+    for m in messages:
+        if m["role"] == "tool":
+            markup.check(m["content"], f"the result of {m.get('name')}")
 
 
 def question_text(raw: str) -> str:
