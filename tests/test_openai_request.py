@@ -1379,3 +1379,30 @@ def test_a_stop_name_lookup_is_retried_as_the_requests_are_and_its_failure_only_
     assert [p.kind for p in preds] == ["format_error", "text"]  # handed over; the second's stop left unnamed
     unnamed = [r.getMessage() for r in caplog.records if "left unnamed" in r.getMessage()]
     assert len(unnamed) == 1 and "HTTP 503" in unnamed[0] and "stop token 8" in unnamed[0]
+
+
+@pytest.mark.parametrize("choice, content, stop_texts", [
+    ({"stop_reason": 50}, "Let me check.", {50: "<|tool_response>"}),  # vLLM: a merge's eos id, named by /detokenize
+    ({"stop_reason": "<|tool_response>"}, "Let me check.", {}),  # a stop string, or serving.launch --local's cut
+    ({}, "Let me check.<|tool_response>", {}),  # a server that keeps the stop text
+    ({"stop_reason": 9}, "Let me check.", {9: "<start_function_response>"}),  # Gemma 3's FunctionGemma format
+])
+def test_a_gemma4_reply_handing_over_without_a_call_is_a_format_error(choice, content, stop_texts):
+    """A merged Gemma 4 stops at <|tool_response> (id 50, its stop_token_ids in generation_config.json) to hand over
+    to a tool; only FunctionGemma's marker was known, so a Gemma 4 reply that stopped there without a call scored as
+    an answer in words. The markers are each family's (registry: Family.call_stop_token)."""
+    from gemma_tpu.formats.function_calling import NO_CALL_AT_STOP
+    from gemma_tpu.infer.openai_client import reply_from_answer
+    from gemma_tpu.models.registry import families
+
+    assert families()["gemma4"].call_stop_token == "<|tool_response>" and 50 in families()["gemma4"].stop_token_ids
+    answer = {"choices": [{"index": 0, "finish_reason": "stop", **choice,
+                           "message": {"role": "assistant", "content": content}}]}
+    reply, _ = reply_from_answer(answer, "u", 64, stop_texts.get)
+    assert (reply.kind, reply.error) == ("format_error", NO_CALL_AT_STOP)
+    # the end of a turn is an answer in words, in either family
+    for turn_end in ("<turn|>", "<end_of_turn>"):
+        ended = {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": 106,
+                              "message": {"role": "assistant", "content": "Hi!"}}]}
+        reply, _ = reply_from_answer(ended, "u", 64, {106: turn_end}.get)
+        assert (reply.kind, reply.text, reply.error) == ("text", "Hi!", None)

@@ -366,20 +366,32 @@ def reply_from_answer(answer: dict, url: str, max_tokens: int,
     return reply, message
 
 
+def call_stop_markers() -> tuple[str, ...]:
+    """The texts a served model hands over to a tool with: each family's call stop token (the registry's
+    `Family.call_stop_token`: Gemma 3's `<start_function_response>`, Gemma 4's `<|tool_response>`) and the plain
+    Gemma 3 vocabulary's reserved token for FunctionGemma's. Every family's: the client does not know which one the
+    server serves, and a model stops only at tokens of its own vocabulary."""
+    from gemma_tpu.models.registry import families  # here: the families load with the first reply read this way
+
+    own = (f.call_stop_token for f in families().values() if f.call_stop_token)
+    return tuple(dict.fromkeys((*own, START_RESPONSE, plain_gemma_token_map()[START_RESPONSE])))
+
+
 def stopped_at_call_marker(choice: dict, message: dict,
                            stop_text: Callable[[int], str | None] | None = None) -> bool:
-    """Whether a completion ended at the call stop marker (`<start_function_response>`, or the plain Gemma 3
-    vocabulary's token for it): the `stop_reason` naming it (vLLM's for a stop string, `serving.launch --local`'s for
-    the stop token it cuts; vLLM's for a stop token, such as a merge's generation_config lists, is its id, whose text
-    `stop_text` gives) or the content ending with it (a server that keeps the stop text). A reply without a call
-    that stopped there scored as an answer in words from an endpoint, a format error from a local model."""
-    markers = {START_RESPONSE, plain_gemma_token_map()[START_RESPONSE]}
+    """Whether a completion ended at a call stop marker (`call_stop_markers`: FunctionGemma's
+    `<start_function_response>`, the plain Gemma 3 vocabulary's token for it, Gemma 4's `<|tool_response>`): the
+    `stop_reason` naming it (vLLM's for a stop string, `serving.launch --local`'s for the stop token it cuts; vLLM's
+    for a stop token, such as a merge's generation_config lists, is its id, whose text `stop_text` gives) or the
+    content ending with it (a server that keeps the stop text). A reply without a call that stopped there scored as
+    an answer in words from an endpoint, a format error from a local model."""
+    markers = call_stop_markers()
     reason = choice.get("stop_reason")
     if isinstance(reason, int) and not isinstance(reason, bool) and stop_text is not None:
         reason = stop_text(reason)
     content = message.get("content")
     return (isinstance(reason, str) and reason.strip() in markers) or (
-        isinstance(content, str) and content.rstrip().endswith(tuple(markers)))
+        isinstance(content, str) and content.rstrip().endswith(markers))
 
 
 class StopTokenTexts:

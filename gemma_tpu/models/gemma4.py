@@ -590,6 +590,7 @@ GEMMA4 = register(
         stop_token_ids=(1, 106, 50),  # <eos>, <turn|>, <|tool_response>
         end_of_turn_token="<turn|>",
         end_of_turn_id=106,
+        call_stop_token="<|tool_response>",  # id 50: vLLM names it by its id (stop_reason), /detokenize by text
         sliding_window_pattern=6,  # transformers' default when config.json has no layer_types
         # vLLM-TPU serves Gemma 4 with tpu-inference's JAX-native models
         # (`tpu_inference/models/common/model_loader.py` registers both); tool calls are `<|tool_call>` blocks.

@@ -231,6 +231,10 @@ class Family:
     # checks of a directory without loading its tokenizer (serving) use the recorded one.
     end_of_turn_token: str | None = None
     end_of_turn_id: int | None = None
+    # The token the model hands over to a tool with (its generation stops there, a call written or not), as a server
+    # names it in a completion's stop_reason: Gemma 3's FunctionGemma format `<start_function_response>` (which
+    # convert.tool_tokens adds to a merge's stop ids), Gemma 4's `<|tool_response>` (in its stop_token_ids)
+    call_stop_token: str | None = None
     # HF `layer_types` pattern: `sliding_window_pattern - 1` sliding-window layers, then one global layer.
     sliding_window_pattern: int | None = None
     # Serving on vLLM-TPU: the HF architectures it serves for this family and its tool-call parser.
