@@ -621,6 +621,20 @@ def test_greedy_generation_matches_transformers(g4, name):
         assert len(g.ids) >= 5 and g.ids == ref[:len(g.ids)]
 
 
+def test_local_generation_stops_where_vllm_does_at_the_familys_call_stop_token(g4):
+    """A merged Gemma 4 lists <|tool_response> among generation_config's stop ids, so vLLM ends a reply there and
+    the client scores a hand-over without a call as a format error; the local generator knew only our format's
+    marker and decoded on past it to the token limit."""
+    from gemma_tpu.infer.generate import Generator, load_hf_dir
+
+    loaded = load_hf_dir(str(g4("dense")))
+    loaded.tokenizer.add_tokens(["<|tool_response>"], special_tokens=True)  # the tiny vocabulary has Gemma 3's ids
+    gen = Generator(loaded, max_new_tokens=4, batch_size=1)
+    stop = loaded.tokenizer.convert_tokens_to_ids("<|tool_response>")
+    assert stop in gen.stop_ids.tolist()
+    assert gen._stop_reason([300, stop]) == "call" and gen._stop_reason([300, 106]) == "end_of_turn"
+
+
 # ------------------------------------------------------------------------------ LoRA rank
 
 

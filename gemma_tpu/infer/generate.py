@@ -357,8 +357,13 @@ class Generator:
         self.end_of_turn_ids = list(dict.fromkeys(i for i in (_token_id(self.tokenizer, t) for t in turn_ends)
                                                   if i is not None))
         self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
-        self.call_end_id = _token_id(self.tokenizer, self.token_map.get(fc.START_RESPONSE, fc.START_RESPONSE))
-        stops = self.end_of_turn_ids + [i for i in (self.eos_id, self.call_end_id) if i is not None]
+        # the call-ending marker of our format (mapped onto the vocabulary) and the family's own (Gemma 4's
+        # <|tool_response>, which a merge lists in generation_config's stop ids, so vLLM stops there too)
+        call_ends = [self.token_map.get(fc.START_RESPONSE, fc.START_RESPONSE),
+                     getattr(loaded.family, "call_stop_token", None)]
+        self.call_end_ids = list(dict.fromkeys(i for i in (_token_id(self.tokenizer, t) for t in call_ends)
+                                               if i is not None))
+        stops = self.end_of_turn_ids + [i for i in [self.eos_id] if i is not None] + self.call_end_ids
         self.stop_ids = np.asarray(stops, np.int32)
         self._graphdef, self._state = nnx.split(loaded.model)
         self._fn, self._prefix_fn, self._prefill_fn, self._decode_fn = _jitted(self._graphdef)
@@ -372,7 +377,7 @@ class Generator:
     def _stop_reason(self, ids: list[int]) -> str:
         if ids and ids[-1] in self.end_of_turn_ids:
             return "end_of_turn"
-        if ids and self.call_end_id is not None and ids[-1] == self.call_end_id:
+        if ids and ids[-1] in self.call_end_ids:
             return "call"
         if ids and self.eos_id is not None and ids[-1] == self.eos_id:
             return "eos"
@@ -422,7 +427,8 @@ class Generator:
         ids the prompts (and later calls) are expected to start with, such as a system turn; with
         the prefix cache on, the part of it the prompts do share is computed once and kept."""
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if not isinstance(max_new, numbers.Integral) or isinstance(max_new, bool) or max_new < 1:  # 0 read as the default before
+        # 0 was read as the default before
+        if not isinstance(max_new, numbers.Integral) or isinstance(max_new, bool) or max_new < 1:
             raise UserError(f"max_new_tokens must be a whole number of at least 1, got {max_new!r}")
         if any(len(p) == 0 for p in prompts):
             raise UserError("cannot generate from an empty prompt")
