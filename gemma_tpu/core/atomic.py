@@ -76,11 +76,36 @@ SPACE_MARGIN = 64 << 20  # left free beside an output (the other files of the di
 
 def check_space(out: str | Path, nbytes: int) -> None:
     """Refuse, before writing, an output whose bytes (plus SPACE_MARGIN) do not fit: a full disk midway left only an
-    error naming a temp folder. The margin is named: 'need 428.54 KB, 4.19 MB free' read as a contradiction."""
+    error naming a temp folder. The margin is named: 'need 428.54 KB, 4.19 MB free' read as a contradiction.
+    What killed runs for the same target left beside it (`stale_leftovers`, removed before writing starts) counts
+    as free: a merge SIGKILLed near its end held the space of a whole output, and every rerun was refused for it."""
     free = free_space(out)
     if free < nbytes + SPACE_MARGIN:
+        leftovers = stale_leftovers(Path(out).absolute())
+        held = sum(_disk_usage(p) for p in leftovers)
+        if free + held >= nbytes + SPACE_MARGIN:
+            return
+        also = (f" ({human(held)} of it held by what killed runs left, e.g. {leftovers[0].name}, removed before "
+                f"writing)" if held else "")
         raise UserError(f"not enough disk space for {out}: need {human(nbytes)} plus {human(SPACE_MARGIN)} to spare, "
-                        f"{human(free)} free")
+                        f"{human(free + held)} free{also}")
+
+
+def _disk_usage(path: Path) -> int:
+    """Bytes a file or a directory tree takes on disk (its allocated blocks; links not followed)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return 0
+    total = st.st_blocks * 512
+    if path.is_dir() and not path.is_symlink():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
 
 
 def writer_lock(target: str | Path) -> Path:
@@ -196,21 +221,21 @@ def _left_behind(leftover: Path) -> bool:
     return pidlock.gone(_owner(leftover), alive_at=changed)
 
 
-def clean_stale(target: Path) -> list[Path]:
-    """Remove `.<name>.tmp-<pid>` / `.<name>.old-<pid>` left by merges that were killed."""
-    removed = []
+def stale_leftovers(target: Path) -> list[Path]:
+    """The `.<name>.tmp-<pid>` / `.<name>.old-<pid>` beside `target` whose writer is gone (killed) or is this
+    process."""
     parent = target.parent
     if not parent.is_dir():
-        return removed
-    for kind in ("tmp", "old"):
-        for p in parent.glob(f".{target.name}.{kind}-*"):
-            pid = _owner(p)
-            if pid is not None and (pid == os.getpid() or _left_behind(p)):
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-                removed.append(p)
+        return []
+    return [p for kind in ("tmp", "old") for p in sorted(parent.glob(f".{target.name}.{kind}-*"))
+            if _owner(p) is not None and (_owner(p) == os.getpid() or _left_behind(p))]
+
+
+def clean_stale(target: Path) -> list[Path]:
+    """Remove `.<name>.tmp-<pid>` / `.<name>.old-<pid>` left by merges that were killed."""
+    removed = stale_leftovers(target)
+    for p in removed:
+        _remove(p)
     return removed
 
 
