@@ -389,3 +389,17 @@ def test_check_writable_makes_a_file_rather_than_trusting_os_access(tmp_path):
         pytest.skip("needs /sys as root (os.access saying a read-only directory is writable)")
     with pytest.raises(UserError, match=r"^--out X: /sys/kernel is not writable \("):
         check_writable("/sys/kernel/no-such-output", "--out X")
+
+
+@pytest.mark.parametrize("command", [["serving.bench", "--model", "m", "--base-url"],
+                                     ["gemma_tpu.evaluate", "--data", "tests/data/chat_sample.jsonl", "--endpoint"]])
+def test_a_results_file_on_a_full_disk_is_refused_before_the_run(command, small_disk):
+    """`--json` on a full disk passed the up-front check (an empty file can still be made there), the whole run went
+    by (an hour's evaluation of the 270M, a benchmark) and its results were lost at the end. Refused first now, naming
+    the file and the reason, leaving nothing."""
+    disk = small_disk("64k")
+    (disk / "filler").write_bytes(b"x" * 65536)
+    out = disk / "results.json"
+    proc = run_cli(*command, "http://127.0.0.1:9", "--json", str(out), timeout=120)
+    assert_one_line_error(proc, f"--json {out}: {disk} has no room for it (No space left on device)")
+    assert [p.name for p in disk.iterdir()] == ["filler"]

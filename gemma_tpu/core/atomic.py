@@ -38,10 +38,11 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
-def check_writable(path: str | Path, what: str) -> None:
+def check_writable(path: str | Path, what: str, room: int = 0) -> None:
     """Refuse, before any heavy work and without leaving anything, a path that cannot be created or written:
     the nearest existing ancestor must be a directory a file can be made in (one is, then removed, its mtime put
-    back). (`what` names the option: `--out X`.)"""
+    back). (`what` names the option: `--out X`.) `room`: bytes that file must take too (a full disk still makes an
+    empty file)."""
     p = Path(path).absolute()
     probe = p
     while not probe.exists() and probe != probe.parent:
@@ -55,12 +56,22 @@ def check_writable(path: str | Path, what: str) -> None:
         fd, name = tempfile.mkstemp(prefix=".writable-", dir=probe)
     except OSError as e:
         raise UserError(f"{what}: {probe} is not writable ({e.strerror or e})") from None
-    os.close(fd)
-    os.unlink(name)
+    full = None
+    try:
+        data = b"\0" * room
+        while data:  # a short write says nothing; the next one says why
+            data = data[os.write(fd, data):]
+    except OSError as e:  # ENOSPC, EDQUOT, EFBIG
+        full = e
+    finally:
+        os.close(fd)
+        os.unlink(name)
     try:  # left as it was found: nothing was written
         os.utime(probe, ns=(st.st_atime_ns, st.st_mtime_ns))
     except OSError:
         pass
+    if full is not None:
+        raise UserError(f"{what}: {probe} has no room for it ({full.strerror or full})")
 
 
 def free_space(path: str | Path) -> int:
@@ -448,6 +459,11 @@ class AtomicFile(_AtomicOutput):
         return self.target
 
 
+# bytes a results file's directory must take before the run (`check_results_file`): one byte takes a block, which a
+# full disk refuses (a `ulimit -f` smaller than the results is still met only at the end)
+RESULTS_ROOM = 1
+
+
 def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | None] = {},  # noqa: B006
                        results_key: str | None = None) -> None:
     """Refuse, before the work, a `--json` results file that cannot be written, is a directory, or is one
@@ -472,7 +488,9 @@ def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | N
         if not (isinstance(earlier, dict) and results_key in earlier):
             raise UserError(f"--json {path}: exists and is not an earlier results file of this command (no "
                             f"{results_key!r}); the results would replace it (remove it or give another file name)")
-    check_writable(p.parent, f"--json {path}")
+    # with a byte in it: on a full disk an empty file is still made, and the results of the whole run (an hour's
+    # evaluation, a benchmark) were lost when it ended
+    check_writable(p.parent, f"--json {path}", room=RESULTS_ROOM)
 
 
 def write_text_atomic(target: str | Path, text: str) -> Path:
