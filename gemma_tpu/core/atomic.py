@@ -23,6 +23,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -318,6 +319,21 @@ class _signals_held:
             signal.raise_signal(signum)  # to the handler now in place, after the swap
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def library_os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError inside another library's exception: safetensors (`SafetensorError: Error while serializing: I/O
+    error: No space left on device (os error 28)`, what transformers' save_pretrained raises on a full disk) and
+    tokenizers report I/O errors of their Rust code as their own types, with the errno only in the text. None
+    for anything else."""
+    match = _RUST_OS_ERROR.search(str(exc)) if isinstance(exc, Exception) else None
+    if match is None:
+        return None
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code))
+
+
 class _AtomicOutput:
     """What AtomicDir and AtomicFile share: the hidden temp path beside the target, SIGTERM turned into
     SystemExit while it exists (so the cleanup runs), and the temp removed unless published."""
@@ -374,7 +390,8 @@ class _AtomicOutput:
             _remove(self.tmp)
         self._release()
         if not self.published:
-            if isinstance(exc, OSError):  # a full disk (ENOSPC), a file too large, an I/O error mid-write
+            exc = exc if isinstance(exc, OSError) else library_os_error(exc)
+            if exc is not None:  # a full disk (ENOSPC), a file too large, an I/O error mid-write
                 raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
                                 f"({exc.strerror or exc}); nothing was published") from None
 
