@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import json
 import logging
 import os
@@ -205,7 +206,7 @@ def restore_set_aside(target: Path) -> Path | None:
     target = Path(target).absolute()
     if target.exists() or target.is_symlink() or not target.parent.is_dir():
         return None
-    aside = [p for p in target.parent.glob(f".{target.name}.old-*")
+    aside = [p for p in target.parent.glob(f".{glob.escape(target.name)}.old-*")
              if _owner(p) not in (None, os.getpid()) and _left_behind(p)]
     if not aside:
         return None
@@ -239,7 +240,8 @@ def stale_leftovers(target: Path) -> list[Path]:
     parent = target.parent
     if not parent.is_dir():
         return []
-    return [p for kind in ("tmp", "old") for p in sorted(parent.glob(f".{target.name}.{kind}-*"))
+    name = glob.escape(target.name)  # `run[v2]` as a pattern matched `runv` and `run2`, never itself
+    return [p for kind in ("tmp", "old") for p in sorted(parent.glob(f".{name}.{kind}-*"))
             if _owner(p) is not None and (_owner(p) == os.getpid() or _left_behind(p))]
 
 
