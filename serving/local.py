@@ -32,10 +32,12 @@ import functools
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -207,6 +209,31 @@ def startup_failure(log: str) -> str:
     return (": " + lines[-1].strip()[:300]) if lines else ""
 
 
+WORKDIR_PREFIX = "gemma-tpu-serve-"  # LocalServer's temporary directory, the served process's working directory
+PARENT_ENV = "GEMMA_TPU_SERVE_PARENT"  # the PID of the LocalServer's process, for `stop_with_parent`
+
+
+def stop_with_parent(interval: float = 1.0) -> None:
+    """In a served process a LocalServer started (its PID in PARENT_ENV): stop once that process is gone. The server
+    runs in a session of its own (a Ctrl-C at the terminal reaches the launcher alone, which stops it), so a
+    launcher SIGKILLed (an OOM kill, `timeout -s KILL`, a scheduler) left it serving on the port for good, holding
+    the model and its temporary directory, and the next launch on that port was refused. It removes that directory
+    (its working directory) and sends itself SIGTERM: uvicorn finishes the requests under way, then exits."""
+    parent = os.environ.get(PARENT_ENV, "")
+    if not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(interval)
+        workdir = Path.cwd()
+        if workdir.name.startswith(WORKDIR_PREFIX):
+            shutil.rmtree(workdir, ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stop-with-parent", daemon=True).start()
+
+
 class LocalServer:
     """`transformers serve` on one model directory, on loopback by default (`chat_template`: a
     .jinja file to use instead of the model's own).
@@ -249,14 +276,14 @@ class LocalServer:
     def start(self) -> "LocalServer":
         cmd = self.command()
         self._check_port_free()
-        self._workdir = Path(tempfile.mkdtemp(prefix="gemma-tpu-serve-"))
+        self._workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
         prepare_served_dir(self.model_dir, self.name, self._workdir, self.chat_template)
         hub = self._workdir / "hub-cache"
         hub.mkdir()
         root = str(Path(__file__).resolve().parent.parent)  # `-m serving.local` from the temporary directory
         path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": path}
+               "PYTHONPATH": path, PARENT_ENV: str(os.getpid())}  # it stops when this process is gone
         if self.log_path is not None:
             # appended to, so a restart keeps the previous run's output (why it stopped); each run starts at a line
             # naming its start, and a failure is read from there on (`_log_tail`)
@@ -1394,6 +1421,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=cli.integer(), default=8000)
     p.add_argument("--max-model-len", type=cli.integer(), help="bound requests by this context too")
     args = p.parse_args(argv)
+    stop_with_parent()
     served = Path(args.name).resolve()
     if not (served / "config.json").is_file():
         raise UserError(f"{args.name}: no config.json ({training_run_hint(served)})")

@@ -848,6 +848,30 @@ def test_too_little_disk_names_the_margin_it_keeps(work, lora_ckpt, small_disk, 
     assert "need 428.54 KB plus 67.11 MB to spare, 4.19 MB free" in msg, msg
 
 
+def test_space_a_killed_merge_left_behind_counts_as_free(work, lora_ckpt, small_disk, capsys):
+    """A merge SIGKILLed near its end leaves its hidden temp dir holding almost a whole output: the rerun was
+    refused 'not enough disk space' (it measured the space before removing the leftover), so a disk that held
+    one output could not take it again until the user found and removed the hidden directory."""
+    disk = small_disk("68m")  # 71.3 MB: the output (428.54 KB) and the 67.11 MB margin fit, not with 4 MB held
+    killed = disk / f".out.tmp-{2 ** 22 + 7}"  # above pid_max: a writer that is gone
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"x" * 4_000_000)
+    assert merge("--checkpoint", lora_ckpt[0], "--out", disk / "out") == 0, capsys.readouterr().err
+    assert _complete(disk / "out") and sorted(p.name for p in disk.iterdir()) == ["out"]
+    # not enough even with the leftover: the refusal counts it, names it, and leaves it
+    (disk / "filler").write_bytes(b"x" * 3_500_000)
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"x" * 1_000_000)
+    msg = _expect_error(capsys, disk / "again", "--checkpoint", lora_ckpt[0], contains="not enough disk space")
+    assert msg.endswith("free")
+    assert merge("--checkpoint", lora_ckpt[0], "--out", disk / "out", "--overwrite") == 2
+    msg = capsys.readouterr().err.strip().splitlines()[-1]
+    assert msg.startswith(f"error: not enough disk space for {disk / 'out'}: ")
+    assert re.search(r"MB free \(1\.\d+ MB of it held by what killed runs left, e\.g\. \.out\.tmp-4194311, removed "
+                     r"before writing\)$", msg), msg
+    assert killed.is_dir()
+
+
 def _start_merge(ckpt: Path, out: Path, *extra: str, slow: float = 0.15) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "GEMMA_TPU_MERGE_SLOW": str(slow)}
     return subprocess.Popen([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(ckpt),

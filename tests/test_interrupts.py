@@ -176,3 +176,16 @@ def test_leftovers_of_a_live_writer_are_kept(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_leftovers_of_an_output_named_like_a_pattern_are_found(tmp_path):
+    """An --out such as `coach[v2]` was a glob pattern to the leftover search: its killed runs' temp dirs (and a
+    replace's set-aside output) were never matched, so never removed or put back, while `coachv`'s were taken."""
+    from gemma_tpu.core.atomic import clean_stale, restore_set_aside
+
+    dead = 2 ** 22 + 7  # above pid_max: a writer that is gone
+    for name in (f".coach[v2].tmp-{dead}", f".coachv.tmp-{dead}", f".coach[v2].old-{dead}", f".coachv.old-{dead}"):
+        (tmp_path / name).mkdir()
+    assert restore_set_aside(tmp_path / "coach[v2]") == tmp_path / f".coach[v2].old-{dead}"
+    assert clean_stale(tmp_path / "coach[v2]") == [tmp_path / f".coach[v2].tmp-{dead}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".coachv.old-{dead}", f".coachv.tmp-{dead}", "coach[v2]"]

@@ -389,3 +389,36 @@ def test_check_writable_makes_a_file_rather_than_trusting_os_access(tmp_path):
         pytest.skip("needs /sys as root (os.access saying a read-only directory is writable)")
     with pytest.raises(UserError, match=r"^--out X: /sys/kernel is not writable \("):
         check_writable("/sys/kernel/no-such-output", "--out X")
+
+
+@pytest.mark.parametrize("command", [["serving.bench", "--model", "m", "--base-url"],
+                                     ["gemma_tpu.evaluate", "--data", "tests/data/chat_sample.jsonl", "--endpoint"]])
+def test_a_results_file_on_a_full_disk_is_refused_before_the_run(command, small_disk):
+    """`--json` on a full disk passed the up-front check (an empty file can still be made there), the whole run went
+    by (an hour's evaluation of the 270M, a benchmark) and its results were lost at the end. Refused first now, naming
+    the file and the reason, leaving nothing."""
+    disk = small_disk("64k")
+    (disk / "filler").write_bytes(b"x" * 65536)
+    out = disk / "results.json"
+    proc = run_cli(*command, "http://127.0.0.1:9", "--json", str(out), timeout=120)
+    assert_one_line_error(proc, f"--json {out}: {disk} has no room for it (No space left on device)")
+    assert [p.name for p in disk.iterdir()] == ["filler"]
+
+
+def test_a_full_disk_met_by_safetensors_is_one_line_naming_the_output(small_disk):
+    """safetensors (transformers' save_pretrained: `gemma_tpu.assets prepare` builds with it) reports a full disk as
+    its own `SafetensorError: ... I/O error: No space left on device (os error 28)`, not an OSError: the prepare
+    ended in a traceback. It is the one line an OSError gets, and nothing is left."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from gemma_tpu.core.atomic import AtomicDir
+    from gemma_tpu.core.errors import UserError
+
+    out = small_disk("64k") / "model"
+    with pytest.raises(UserError) as e:
+        with AtomicDir(out) as tmp:
+            save_file({"w": np.zeros(100_000, np.float32)}, str(tmp / "model.safetensors"))
+    assert str(e.value).startswith(f"writing {out} failed in {out.parent}/.model.tmp-"), e.value
+    assert str(e.value).endswith(" (No space left on device); nothing was published"), e.value
+    assert list(out.parent.iterdir()) == []

@@ -155,6 +155,25 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, small_disk):
     run_lock.acquire(ck).release()
 
 
+def test_a_lock_written_only_in_part_is_not_left_behind(tmp_path):
+    """A file-size limit (`ulimit -f`, here 50 bytes) or a disk filling mid-write cuts the lock's JSON short without
+    an error: the short write went unseen, the writer failed later on its output, and the cut-off lock stayed
+    behind as "an unreadable lock" (not recognisably its own, so not released), refusing every export to that
+    --out for LEASE_S. Now the lock is written in full or refused in one line, and none is left."""
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (50, 50))\n"
+            "from gemma_tpu.core.atomic import AtomicFile\n"
+            "from gemma_tpu.core.cli import cli_main\n"
+            "def main(argv):\n"
+            "    with AtomicFile(argv[0]) as tmp:\n        tmp.write_bytes(b'GGUF' * 100)\n"
+            "sys.exit(cli_main(main))\n")
+    out = tmp_path / "m.gguf"
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert_one_line_error(proc, f"cannot write the lock {tmp_path / '.m.gguf.writer.lock'} (File too large)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_signal_while_the_lock_is_written_leaves_no_lock(tmp_path, monkeypatch):
     """SIGTERM between creating the lock (O_EXCL) and writing it: the entry point's handler raises its exit there,
     and the empty lock stayed (stale only after the lease: the next run on any host waited it out)."""

@@ -958,6 +958,56 @@ def test_a_restarted_local_servers_log_keeps_the_previous_run(tiny_dir, tmp_path
     assert re.search(r", started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} =====\nengine: out of memory\n$", text)
 
 
+# A launcher (as serving.launch --local) whose served process is a stand-in that only watches for its launcher
+LAUNCHER = """
+import sys, tempfile, time
+from serving import local
+from serving.local import LocalServer
+local.prepare_served_dir = lambda *args: None  # the model is not served here
+served = ("import time; from serving.local import stop_with_parent; stop_with_parent(0.1); "
+          "print('watching', flush=True); time.sleep(120)")
+LocalServer.command = lambda self: [sys.executable, "-c", served]
+tempfile.tempdir = sys.argv[2]
+server = LocalServer(sys.argv[1]).start()
+print(server.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whatever adopted it, maybe never in a container)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_served_process_stops_when_its_launcher_is_killed(tmp_path):
+    """`serving.launch --local` SIGKILLed (an OOM kill, `timeout -s KILL`, a scheduler): the transformers serve
+    process runs in a session of its own, so it went on serving on the port for good, holding the model and its
+    temporary directory, and the next launch on that port was refused. It stops (after the requests under way)
+    and removes the directory."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "model"), str(tmp_path)], cwd=REPO,
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    served = int(launcher.stdout.readline())
+    try:
+        assert launcher.stdout.readline().strip() == "watching"
+        (workdir,) = tmp_path.iterdir()
+        assert workdir.name.startswith("gemma-tpu-serve-") and _running(served)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while _running(served) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(served) and list(tmp_path.iterdir()) == []
+    finally:
+        if _running(served):
+            os.kill(served, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+
+
 def test_a_server_that_fails_to_start_leaves_no_temporary_directory(tiny_dir, tmp_path, monkeypatch):
     """`with LocalServer(...)` whose start() failed after making its temporary directory (here: the log's folder
     does not exist) left the directory of symlinks and template behind; it is removed, as when it fails later."""

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -38,10 +40,11 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
-def check_writable(path: str | Path, what: str) -> None:
+def check_writable(path: str | Path, what: str, room: int = 0) -> None:
     """Refuse, before any heavy work and without leaving anything, a path that cannot be created or written:
     the nearest existing ancestor must be a directory a file can be made in (one is, then removed, its mtime put
-    back). (`what` names the option: `--out X`.)"""
+    back). (`what` names the option: `--out X`.) `room`: bytes that file must take too (a full disk still makes an
+    empty file)."""
     p = Path(path).absolute()
     probe = p
     while not probe.exists() and probe != probe.parent:
@@ -55,12 +58,22 @@ def check_writable(path: str | Path, what: str) -> None:
         fd, name = tempfile.mkstemp(prefix=".writable-", dir=probe)
     except OSError as e:
         raise UserError(f"{what}: {probe} is not writable ({e.strerror or e})") from None
-    os.close(fd)
-    os.unlink(name)
+    full = None
+    try:
+        data = b"\0" * room
+        while data:  # a short write says nothing; the next one says why
+            data = data[os.write(fd, data):]
+    except OSError as e:  # ENOSPC, EDQUOT, EFBIG
+        full = e
+    finally:
+        os.close(fd)
+        os.unlink(name)
     try:  # left as it was found: nothing was written
         os.utime(probe, ns=(st.st_atime_ns, st.st_mtime_ns))
     except OSError:
         pass
+    if full is not None:
+        raise UserError(f"{what}: {probe} has no room for it ({full.strerror or full})")
 
 
 def free_space(path: str | Path) -> int:
@@ -76,11 +89,36 @@ SPACE_MARGIN = 64 << 20  # left free beside an output (the other files of the di
 
 def check_space(out: str | Path, nbytes: int) -> None:
     """Refuse, before writing, an output whose bytes (plus SPACE_MARGIN) do not fit: a full disk midway left only an
-    error naming a temp folder. The margin is named: 'need 428.54 KB, 4.19 MB free' read as a contradiction."""
+    error naming a temp folder. The margin is named: 'need 428.54 KB, 4.19 MB free' read as a contradiction.
+    What killed runs for the same target left beside it (`stale_leftovers`, removed before writing starts) counts
+    as free: a merge SIGKILLed near its end held the space of a whole output, and every rerun was refused for it."""
     free = free_space(out)
     if free < nbytes + SPACE_MARGIN:
+        leftovers = stale_leftovers(Path(out).absolute())
+        held = sum(_disk_usage(p) for p in leftovers)
+        if free + held >= nbytes + SPACE_MARGIN:
+            return
+        also = (f" ({human(held)} of it held by what killed runs left, e.g. {leftovers[0].name}, removed before "
+                f"writing)" if held else "")
         raise UserError(f"not enough disk space for {out}: need {human(nbytes)} plus {human(SPACE_MARGIN)} to spare, "
-                        f"{human(free)} free")
+                        f"{human(free + held)} free{also}")
+
+
+def _disk_usage(path: Path) -> int:
+    """Bytes a file or a directory tree takes on disk (its allocated blocks; links not followed)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return 0
+    total = st.st_blocks * 512
+    if path.is_dir() and not path.is_symlink():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
 
 
 def writer_lock(target: str | Path) -> Path:
@@ -168,7 +206,7 @@ def restore_set_aside(target: Path) -> Path | None:
     target = Path(target).absolute()
     if target.exists() or target.is_symlink() or not target.parent.is_dir():
         return None
-    aside = [p for p in target.parent.glob(f".{target.name}.old-*")
+    aside = [p for p in target.parent.glob(f".{glob.escape(target.name)}.old-*")
              if _owner(p) not in (None, os.getpid()) and _left_behind(p)]
     if not aside:
         return None
@@ -196,21 +234,22 @@ def _left_behind(leftover: Path) -> bool:
     return pidlock.gone(_owner(leftover), alive_at=changed)
 
 
-def clean_stale(target: Path) -> list[Path]:
-    """Remove `.<name>.tmp-<pid>` / `.<name>.old-<pid>` left by merges that were killed."""
-    removed = []
+def stale_leftovers(target: Path) -> list[Path]:
+    """The `.<name>.tmp-<pid>` / `.<name>.old-<pid>` beside `target` whose writer is gone (killed) or is this
+    process."""
     parent = target.parent
     if not parent.is_dir():
-        return removed
-    for kind in ("tmp", "old"):
-        for p in parent.glob(f".{target.name}.{kind}-*"):
-            pid = _owner(p)
-            if pid is not None and (pid == os.getpid() or _left_behind(p)):
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-                removed.append(p)
+        return []
+    name = glob.escape(target.name)  # `run[v2]` as a pattern matched `runv` and `run2`, never itself
+    return [p for kind in ("tmp", "old") for p in sorted(parent.glob(f".{name}.{kind}-*"))
+            if _owner(p) is not None and (_owner(p) == os.getpid() or _left_behind(p))]
+
+
+def clean_stale(target: Path) -> list[Path]:
+    """Remove `.<name>.tmp-<pid>` / `.<name>.old-<pid>` left by merges that were killed."""
+    removed = stale_leftovers(target)
+    for p in removed:
+        _remove(p)
     return removed
 
 
@@ -282,6 +321,21 @@ class _signals_held:
             signal.raise_signal(signum)  # to the handler now in place, after the swap
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def library_os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError inside another library's exception: safetensors (`SafetensorError: Error while serializing: I/O
+    error: No space left on device (os error 28)`, what transformers' save_pretrained raises on a full disk) and
+    tokenizers report I/O errors of their Rust code as their own types, with the errno only in the text. None
+    for anything else."""
+    match = _RUST_OS_ERROR.search(str(exc)) if isinstance(exc, Exception) else None
+    if match is None:
+        return None
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code))
+
+
 class _AtomicOutput:
     """What AtomicDir and AtomicFile share: the hidden temp path beside the target, SIGTERM turned into
     SystemExit while it exists (so the cleanup runs), and the temp removed unless published."""
@@ -338,7 +392,8 @@ class _AtomicOutput:
             _remove(self.tmp)
         self._release()
         if not self.published:
-            if isinstance(exc, OSError):  # a full disk (ENOSPC), a file too large, an I/O error mid-write
+            exc = exc if isinstance(exc, OSError) else library_os_error(exc)
+            if exc is not None:  # a full disk (ENOSPC), a file too large, an I/O error mid-write
                 raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
                                 f"({exc.strerror or exc}); nothing was published") from None
 
@@ -423,6 +478,11 @@ class AtomicFile(_AtomicOutput):
         return self.target
 
 
+# bytes a results file's directory must take before the run (`check_results_file`): one byte takes a block, which a
+# full disk refuses (a `ulimit -f` smaller than the results is still met only at the end)
+RESULTS_ROOM = 1
+
+
 def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | None] = {},  # noqa: B006
                        results_key: str | None = None) -> None:
     """Refuse, before the work, a `--json` results file that cannot be written, is a directory, or is one
@@ -447,7 +507,9 @@ def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | N
         if not (isinstance(earlier, dict) and results_key in earlier):
             raise UserError(f"--json {path}: exists and is not an earlier results file of this command (no "
                             f"{results_key!r}); the results would replace it (remove it or give another file name)")
-    check_writable(p.parent, f"--json {path}")
+    # with a byte in it: on a full disk an empty file is still made, and the results of the whole run (an hour's
+    # evaluation, a benchmark) were lost when it ended
+    check_writable(p.parent, f"--json {path}", room=RESULTS_ROOM)
 
 
 def write_text_atomic(target: str | Path, text: str) -> Path:

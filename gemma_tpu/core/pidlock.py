@@ -183,7 +183,11 @@ class PidLock:
                 self._take_over(holder)
                 continue
             try:
-                os.write(fd, json.dumps(info).encode())
+                data = json.dumps(info).encode()
+                while data:  # a write cut short (a file-size limit, a disk filling) says nothing: the next one
+                    # raises why. One short write left the lock's JSON cut off, an "unreadable lock" this process
+                    # could not recognise as its own to remove, refusing every run for the same output for LEASE_S
+                    data = data[os.write(fd, data):]
                 os.fsync(fd)
             except BaseException as e:  # a full disk, or a signal's exit raised just here (SIGTERM before the
                 # run's handler): an empty lock left here refused every later run, or until the lease ran out
