@@ -70,8 +70,13 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.useful = 0  # loss-bearing tokens fed
         self.examples = 0  # examples fed (a packed or shared-prefix row holds several)
         self.batches = 0
+        # (time, tokens, useful, examples) when the current optimizer step's first batch was asked for: where the
+        # step before it ended, for its metrics record (Trainer.write_metrics), which Tunix writes later
+        self.step_mark: tuple[float, int, int, int] | None = None
 
     def load_next_train_batch(self, train_ctx):
+        if train_ctx.iter_steps % (train_ctx.config.get_with_default("gradient_accumulation_steps", 1) or 1) == 0:
+            self.step_mark = (time.perf_counter(), self.tokens, self.useful, self.examples)
         if self.delay:
             time.sleep(self.delay)
         if self.before_batch is not None:
@@ -416,6 +421,16 @@ class Trainer(TunixTrainer):
         if self._before_save_hook is not None:
             self._before_save_hook(step)
         self._refuse_nonfinite_loss(step)
+        # the step's own record, written before the step is saved: Tunix holds it back until the next step ends,
+        # and a SIGKILL between this save and then lost it for good (the resume starts after this step and never
+        # writes it again: metrics.jsonl went 3, 5, 6, ...). A save cut short by the kill is set aside on resume,
+        # which drops the record with it (drop_records_after)
+        if self.pending_train_losses():
+            self._flushing_at_save = True  # the step ends now: its rates are measured to here (write_metrics)
+            try:
+                self.flush_train_metrics()
+            finally:
+                self._flushing_at_save = False
 
     def _refuse_nonfinite_loss(self, step: int) -> None:
         """With on_nonfinite=stop, a step whose loss is NaN/inf is not saved: its update was dropped, so the
@@ -458,7 +473,11 @@ class Trainer(TunixTrainer):
             lr = self.learning_rate()
             if lr is not None:
                 rec["learning_rate"] = float(np.asarray(lr))
-            now = time.perf_counter()
+            # where this step ended: when the next step's first batch was asked for (Tunix writes a step's record
+            # once the next step is under way), or now for a record written as its step is saved
+            mark = None if getattr(self, "_flushing_at_save", False) else self.feed.step_mark
+            now, tokens, useful, examples = mark or (time.perf_counter(), self.feed.tokens, self.feed.useful,
+                                                     self.feed.examples)
             steps = rec["step"] - self._step_last
             if getattr(self, "_closing", False):
                 # close() flushes the last buffered record right after the previous one: its
@@ -470,12 +489,12 @@ class Trainer(TunixTrainer):
                 dt = now - self._t_last
                 rec["step_time_s"] = dt / steps
                 rec["tokens_per_s"] = steps * self.tokens_per_step / dt
-                rec["nonpad_tokens_per_s"] = (self.feed.tokens - self._tok_last) / dt
-                rec["useful_tokens_per_s"] = (self.feed.useful - self._useful_last) / dt
+                rec["nonpad_tokens_per_s"] = (tokens - self._tok_last) / dt
+                rec["useful_tokens_per_s"] = (useful - self._useful_last) / dt
                 # the fair rate when layouts differ (packing, shared prefixes): trained examples per second
-                rec["examples_per_s"] = (self.feed.examples - self._examples_last) / dt
+                rec["examples_per_s"] = (examples - self._examples_last) / dt
                 if self.flops is not None:
-                    done = self.flops.step(steps * self.tokens_per_step, self.feed.useful - self._useful_last)
+                    done = self.flops.step(steps * self.tokens_per_step, useful - self._useful_last)
                     tflops = done / dt / 1e12
                     rec["tflops_per_s"] = tflops
                     if self.peak_flops:
@@ -487,8 +506,7 @@ class Trainer(TunixTrainer):
                 rec["includes_compile"] = True
                 self._log_placeholder_rates(rec["step"])
             self._t_last, self._step_last = now, rec["step"]
-            self._tok_last, self._useful_last = self.feed.tokens, self.feed.useful
-            self._examples_last = self.feed.examples
+            self._tok_last, self._useful_last, self._examples_last = tokens, useful, examples
             self.compiles = self._compile_count()
             rec["train_step_compiles"] = self.compiles
             self._log_progress(rec)
