@@ -131,3 +131,29 @@ def test_a_resume_drops_the_stopped_runs_records_after_its_step(tmp_path):
     assert path.read_text() == "\n".join(kept) + "\n"
     mtime = path.stat().st_mtime_ns
     assert drop_records_after(path, 4) == 0 and path.stat().st_mtime_ns == mtime
+
+
+def test_a_run_stopped_before_its_first_save_leaves_nothing_to_refuse(tmp_path, caplog):
+    """A run killed before step 1 (data preparation, model load, the first compile) leaves gemma_tpu_run.json and no
+    step: a rerun with another lora.rank was refused as 'checkpoint was trained with lora.rank=4', naming a
+    checkpoint never written. It starts afresh now; once a step is on disk the change is refused as before."""
+    import logging
+
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    def meta(rank: int) -> dict:
+        return {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+                "lora": {"enabled": True, "rank": rank, "alpha": 8.0, "targets": ["q_proj"]},
+                "config": {"train": {"max_steps": 6}}}
+
+    write_metadata(tmp_path, meta(4))
+    with caplog.at_level(logging.INFO, logger="gemma_tpu.train"):
+        check_resume_compatible(tmp_path, meta(8))
+    assert "no checkpoint step saved yet" in caplog.text
+    (tmp_path / "2" / "model_params").mkdir(parents=True)
+    for marker in COMMIT_MARKERS:
+        (tmp_path / "2" / marker).write_text("{}")
+    with pytest.raises(UserError, match=r"checkpoint was trained with lora.rank=4, this run has 8"):
+        check_resume_compatible(tmp_path, meta(8))
