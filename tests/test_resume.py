@@ -89,6 +89,24 @@ def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
 
 
+def test_a_restart_with_no_step_saved_starts_metrics_afresh(tiny_dir, reference, tmp_path):
+    """The run's directory with its records but no complete step (a kill during the save of step 1, the record of
+    which is written as the save begins): the rerun trains from step 1 again, and step 1 was in metrics.jsonl twice
+    (and the eval of step 0). Its records go; this one's are written once."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    for name in ("gemma_tpu_run.json", "metrics.jsonl"):
+        shutil.copy(reference["ckpt"] / name, ckpt / name)
+    log = tmp_path / "rerun.log"
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt) + ["train.max_steps=2"], cwd=REPO,
+                              env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err, timeout=600)
+    assert proc.returncode == 0, tail(log)
+    assert [(r["step"], r["loss"]) for r in train_rows(ckpt)] == [(1, reference["losses"][1]),
+                                                                  (2, reference["losses"][2])], tail(log)
+    assert "record(s) of the attempt that saved no step dropped" in log.read_text()
+
+
 def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, caplog):
     """The converters, evaluate and chat take the latest complete step when no --step is given: a newer step
     cut short (no commit markers) was passed over without a word, and the user merged an older step than the

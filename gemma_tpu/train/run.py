@@ -106,7 +106,7 @@ def run(cfg: RunConfig) -> dict:
     import jax
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
-    from gemma_tpu.train.trainer import BatchFeed, Trainer  # deferred: imports jax/torch
+    from gemma_tpu.train.trainer import BatchFeed, Trainer, drop_records_after  # deferred: imports jax/torch
     from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
@@ -215,6 +215,14 @@ def run(cfg: RunConfig) -> dict:
             previous = (ckpt_dir / METADATA_FILE).read_text() if (ckpt_dir / METADATA_FILE).is_file() else None
             checkpoint.write_metadata(ckpt_dir, meta)
         run_dir = Path(cfg.train.run_dir or ckpt_dir)
+        if primary and previous is not None and not checkpoint.list_steps(ckpt_dir):
+            # this run's directory, restarted with no step saved (stopped before or during its first save): it
+            # starts afresh, and so does metrics.jsonl (a kill during the save of step 1 left its record, and the
+            # rerun wrote step 1 again; an eval of step 0 twice)
+            dropped = drop_records_after(run_dir / "metrics.jsonl", -1)
+            if dropped:
+                log.info("%s: %d record(s) of the attempt that saved no step dropped (trained again)",
+                         run_dir / "metrics.jsonl", dropped)
         profile_dir = profile_window(cfg, run_dir, ckpt_dir)
         tcfg = TrainingConfig(
             eval_every_n_steps=cfg.train.eval_every_steps or cfg.train.max_steps,
