@@ -107,6 +107,35 @@ def test_a_restart_with_no_step_saved_starts_metrics_afresh(tiny_dir, reference,
     assert "record(s) of the attempt that saved no step dropped" in log.read_text()
 
 
+def test_a_run_stopped_after_its_last_save_is_finished_by_the_rerun(tiny_dir, reference, tmp_path):
+    """A kill during the end-of-run evaluation leaves the last step saved and no summary.json: the rerun said
+    "nothing to do", and the run never got its final evaluation nor its summary. The rerun finishes it (the
+    evaluation of that step, once, and summary.json; nothing trained), and the next one has nothing to do."""
+    from gemma_tpu.train.run import run_finished
+
+    ckpt = tmp_path / "ck"
+    shutil.copytree(reference["ckpt"], ckpt)
+    (ckpt / "summary.json").unlink()
+    assert not run_finished(ckpt, MAX_STEPS)
+    log = tmp_path / "rerun.log"
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt) + ["data.eval_path=tests/data/chat_sample.jsonl",
+                                                         "data.eval_max_batches=2"],
+                              cwd=REPO, env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err,
+                              timeout=600)
+    assert proc.returncode == 0, tail(log)
+    assert "finishing it: the evaluation of that step and the summary" in log.read_text(), tail(log)
+    assert run_finished(ckpt, MAX_STEPS)  # the next rerun: nothing to do
+    assert [(r["step"], r["loss"]) for r in train_rows(ckpt)] == sorted(reference["losses"].items())
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["mode"] == "eval"] == [MAX_STEPS]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert (summary["steps"], summary["resumed_from"]) == (MAX_STEPS, MAX_STEPS)
+    assert summary["final_train_loss"] == reference["losses"][MAX_STEPS]
+    assert summary["final_eval_loss"] == rows[-1]["loss"] and rows[-1]["mode"] == "eval"
+    assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+
+
 def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, caplog):
     """The converters, evaluate and chat take the latest complete step when no --step is given: a newer step
     cut short (no commit markers) was passed over without a word, and the user merged an older step than the

@@ -252,6 +252,23 @@ def drop_records_after(path: Path, step: int) -> int:
     return len(lines) - len(keep)
 
 
+def last_record(path: Path, mode: str, step: int) -> dict | None:
+    """The last record of `mode` ("train" or "eval") at `step` in metrics.jsonl, or None."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("mode") == mode and rec.get("step") == step:
+            found = rec
+    return found
+
+
 TENSORBOARD_STOP_S = 10.0
 
 
@@ -572,6 +589,12 @@ class Trainer(TunixTrainer):
                 break
         return super().learning_rate()
 
+    def _recorded_train_loss(self) -> float | None:
+        """The loss of the restored step from metrics.jsonl: a session that trained no step (one finishing a run
+        stopped after its last save) has none of its own."""
+        rec = last_record(self.metrics_path, "train", self.train_steps) if self.train_steps else None
+        return rec.get("loss") if rec else None
+
     def summary(self) -> dict[str, Any]:
         train = [r for r in self.history if r["mode"] == "train"]
         steady = [r for r in train if "step_time_s" in r and not r.get("final_flush")]
@@ -582,7 +605,7 @@ class Trainer(TunixTrainer):
             "wall_s": round(time.time() - self.started, 1),
             "train_step_compiles": self.compiles,
             "eval_step_compiles": self.compile_counter.counts.get(EVAL_STEP_FN, 0),
-            "final_train_loss": train[-1]["loss"] if train else None,
+            "final_train_loss": train[-1]["loss"] if train else self._recorded_train_loss(),
             "final_eval_loss": evals[-1]["loss"] if evals else None,
             "first_eval_loss": evals[0]["loss"] if evals else None,
         }
