@@ -22,12 +22,12 @@ from typing import Sequence
 
 from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
-from gemma_tpu.checkpoint.metadata import METADATA_FILE
+from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, METADATA_FILE
 from gemma_tpu.checkpoint.params import check_item_files
 from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
-from gemma_tpu.core.errors import UserError, raise_signal_exit
+from gemma_tpu.core.errors import UserError, raise_signal_exit, read_json_object
 from gemma_tpu.core.progress import human
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
@@ -87,11 +87,13 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
 
 def check_resume_step_files(ckpt_dir: Path) -> None:
     """The step a resume would restore has the files Orbax needs (named when missing), checked before
-    the model loads."""
+    the model loads, and before its data position is read from the step's own record (_CHECKPOINT_METADATA: cut
+    short by a copy, it was one line without the way out)."""
     steps = checkpoint.list_steps(ckpt_dir)
     if steps:
         step_dir = ckpt_dir / str(steps[-1])
         try:
+            read_json_object(step_dir / COMMIT_MARKERS[0], f"{step_dir / COMMIT_MARKERS[0]}: missing")
             for item in ("model_params", "optimizer_state"):
                 check_item_files(step_dir / item)
         except UserError as e:
@@ -159,9 +161,9 @@ def run(cfg: RunConfig) -> dict:
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta, cfg.checkpoint.allow_base_mismatch)
-    check_data_position(cfg, train_split)  # a resume's data position must name these rows
     if primary:  # before loading anything (writes nothing)
         check_resume_step_files(ckpt_dir)
+    check_data_position(cfg, train_split)  # a resume's data position must name these rows
     done = checkpoint.list_steps(ckpt_dir)
     run_dir = Path(cfg.train.run_dir or ckpt_dir)
     finishing = False  # the last step is saved, the run's end (its final evaluation, summary.json) is not
