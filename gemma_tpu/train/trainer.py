@@ -70,13 +70,19 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.useful = 0  # loss-bearing tokens fed
         self.examples = 0  # examples fed (a packed or shared-prefix row holds several)
         self.batches = 0
-        # (time, tokens, useful, examples) when the current optimizer step's first batch was asked for: where the
-        # step before it ended, for its metrics record (Trainer.write_metrics), which Tunix writes later
-        self.step_mark: tuple[float, int, int, int] | None = None
+        # (time, tokens, useful, examples, learning rate) when the current optimizer step's first batch was asked
+        # for: where the step before it ended, for its metrics record (Trainer.write_metrics), which Tunix writes
+        # later, once this step has updated the learning rate the record would otherwise read
+        self.step_mark: tuple | None = None
 
     def load_next_train_batch(self, train_ctx):
         if train_ctx.iter_steps % (train_ctx.config.get_with_default("gradient_accumulation_steps", 1) or 1) == 0:
-            self.step_mark = (time.perf_counter(), self.tokens, self.useful, self.examples)
+            lr = train_ctx.learning_rate() if hasattr(train_ctx, "learning_rate") else None
+            if lr is not None:  # a copy, not waited on: the step about to run donates the optimizer state it is in
+                import jax.numpy as jnp
+
+                lr = jnp.copy(lr)
+            self.step_mark = (time.perf_counter(), self.tokens, self.useful, self.examples, lr)
         if self.delay:
             time.sleep(self.delay)
         if self.before_batch is not None:
@@ -487,14 +493,14 @@ class Trainer(TunixTrainer):
                 log.warning("non-finite loss at step %d", metrics_buffer.step)
             for k, (vals, op) in metrics_buffer.additional_metrics.items():
                 rec[k] = float(op(np.asarray([np.asarray(v, np.float32) for v in vals])))
-            lr = self.learning_rate()
+            # where this step ended: when the next step's first batch was asked for (Tunix writes a step's record
+            # once the next step is under way), or now for a record written as its step is saved. The learning rate
+            # too: read when the record was written, it was the next step's (the last record's alone its own)
+            mark = None if getattr(self, "_flushing_at_save", False) else self.feed.step_mark
+            now, tokens, useful, examples, lr = mark or (time.perf_counter(), self.feed.tokens, self.feed.useful,
+                                                         self.feed.examples, self.learning_rate())
             if lr is not None:
                 rec["learning_rate"] = float(np.asarray(lr))
-            # where this step ended: when the next step's first batch was asked for (Tunix writes a step's record
-            # once the next step is under way), or now for a record written as its step is saved
-            mark = None if getattr(self, "_flushing_at_save", False) else self.feed.step_mark
-            now, tokens, useful, examples = mark or (time.perf_counter(), self.feed.tokens, self.feed.useful,
-                                                     self.feed.examples)
             steps = rec["step"] - self._step_last
             if getattr(self, "_closing", False):
                 # close() flushes the last buffered record right after the previous one: its
@@ -527,7 +533,12 @@ class Trainer(TunixTrainer):
             self.compiles = self._compile_count()
             rec["train_step_compiles"] = self.compiles
             self._log_progress(rec)
-        super().write_metrics(metrics_buffer)
+        # TensorBoard's learning rate (Tunix reads it through `learning_rate` as it logs) is the record's too
+        self._record_learning_rate = rec.get("learning_rate")
+        try:
+            super().write_metrics(metrics_buffer)
+        finally:
+            self._record_learning_rate = None
         self._append(rec)
 
     def _log_progress(self, rec: dict) -> None:
@@ -577,14 +588,17 @@ class Trainer(TunixTrainer):
         append_jsonl(self.metrics_path, rec)
 
     def learning_rate(self):
-        """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it)."""
+        """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it, and
+        gradient accumulation's MultiSteps as `inner_opt_state`: no record of such a run had a learning rate)."""
+        if getattr(self, "_record_learning_rate", None) is not None:  # a record being written: its step's
+            return self._record_learning_rate
         state = self.optimizer.opt_state
         for _ in range(4):
             hyper = getattr(state, "hyperparams", None)
             if hyper is not None:
                 lr = hyper["learning_rate"]
                 return getattr(lr, "value", lr)
-            state = getattr(state, "inner_state", None)
+            state = getattr(state, "inner_state", None) or getattr(state, "inner_opt_state", None)
             if state is None:
                 break
         return super().learning_rate()
