@@ -626,6 +626,10 @@ CASES = [
     Case("ckpt-resume-truncated-metadata", "gemma_tpu.train", [*TRAIN, "train.max_steps=3"],
          ["{tmp}/ck/1/model_params/_METADATA", "truncated", "move it aside"],
          {"ck": damaged("ckpt", truncate=("1/model_params/_METADATA", -40))}),
+    # the step's own record (its data position) cut short by a copy: one line, without the way out
+    Case("ckpt-resume-truncated-step-record", "gemma_tpu.train", [*TRAIN, "train.max_steps=3"],
+         ["{tmp}/ck/1/_CHECKPOINT_METADATA", "not valid JSON", "cannot restore this checkpoint step", "move it aside"],
+         {"ck": damaged("ckpt", truncate=("1/_CHECKPOINT_METADATA", -40))}),
     Case("ckpt-step-truncated-array-metadata", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/1/model_params/array_metadatas/process_0", "truncated"],
          {"ck": damaged("ckpt", truncate=("1/model_params/array_metadatas/*", 30))}),

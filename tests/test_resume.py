@@ -89,6 +89,53 @@ def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
 
 
+def test_a_restart_with_no_step_saved_starts_metrics_afresh(tiny_dir, reference, tmp_path):
+    """The run's directory with its records but no complete step (a kill during the save of step 1, the record of
+    which is written as the save begins): the rerun trains from step 1 again, and step 1 was in metrics.jsonl twice
+    (and the eval of step 0). Its records go; this one's are written once."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    for name in ("gemma_tpu_run.json", "metrics.jsonl"):
+        shutil.copy(reference["ckpt"] / name, ckpt / name)
+    log = tmp_path / "rerun.log"
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt) + ["train.max_steps=2"], cwd=REPO,
+                              env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err, timeout=600)
+    assert proc.returncode == 0, tail(log)
+    assert [(r["step"], r["loss"]) for r in train_rows(ckpt)] == [(1, reference["losses"][1]),
+                                                                  (2, reference["losses"][2])], tail(log)
+    assert "record(s) of the attempt that saved no step dropped" in log.read_text()
+
+
+def test_a_run_stopped_after_its_last_save_is_finished_by_the_rerun(tiny_dir, reference, tmp_path):
+    """A kill during the end-of-run evaluation leaves the last step saved and no summary.json: the rerun said
+    "nothing to do", and the run never got its final evaluation nor its summary. The rerun finishes it (the
+    evaluation of that step, once, and summary.json; nothing trained), and the next one has nothing to do."""
+    from gemma_tpu.train.run import run_finished
+
+    ckpt = tmp_path / "ck"
+    shutil.copytree(reference["ckpt"], ckpt)
+    (ckpt / "summary.json").unlink()
+    assert not run_finished(ckpt, MAX_STEPS)
+    log = tmp_path / "rerun.log"
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt) + ["data.eval_path=tests/data/chat_sample.jsonl",
+                                                         "data.eval_max_batches=2"],
+                              cwd=REPO, env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err,
+                              timeout=600)
+    assert proc.returncode == 0, tail(log)
+    assert "finishing it: the evaluation of that step and the summary" in log.read_text(), tail(log)
+    assert run_finished(ckpt, MAX_STEPS)  # the next rerun: nothing to do
+    assert [(r["step"], r["loss"]) for r in train_rows(ckpt)] == sorted(reference["losses"].items())
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["mode"] == "eval"] == [MAX_STEPS]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert (summary["steps"], summary["resumed_from"]) == (MAX_STEPS, MAX_STEPS)
+    assert summary["final_train_loss"] == reference["losses"][MAX_STEPS]
+    assert summary["final_eval_loss"] == rows[-1]["loss"] and rows[-1]["mode"] == "eval"
+    assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+
+
 def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, caplog):
     """The converters, evaluate and chat take the latest complete step when no --step is given: a newer step
     cut short (no commit markers) was passed over without a word, and the user merged an older step than the
@@ -131,3 +178,29 @@ def test_a_resume_drops_the_stopped_runs_records_after_its_step(tmp_path):
     assert path.read_text() == "\n".join(kept) + "\n"
     mtime = path.stat().st_mtime_ns
     assert drop_records_after(path, 4) == 0 and path.stat().st_mtime_ns == mtime
+
+
+def test_a_run_stopped_before_its_first_save_leaves_nothing_to_refuse(tmp_path, caplog):
+    """A run killed before step 1 (data preparation, model load, the first compile) leaves gemma_tpu_run.json and no
+    step: a rerun with another lora.rank was refused as 'checkpoint was trained with lora.rank=4', naming a
+    checkpoint never written. It starts afresh now; once a step is on disk the change is refused as before."""
+    import logging
+
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    def meta(rank: int) -> dict:
+        return {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+                "lora": {"enabled": True, "rank": rank, "alpha": 8.0, "targets": ["q_proj"]},
+                "config": {"train": {"max_steps": 6}}}
+
+    write_metadata(tmp_path, meta(4))
+    with caplog.at_level(logging.INFO, logger="gemma_tpu.train"):
+        check_resume_compatible(tmp_path, meta(8))
+    assert "no checkpoint step saved yet" in caplog.text
+    (tmp_path / "2" / "model_params").mkdir(parents=True)
+    for marker in COMMIT_MARKERS:
+        (tmp_path / "2" / marker).write_text("{}")
+    with pytest.raises(UserError, match=r"checkpoint was trained with lora.rank=4, this run has 8"):
+        check_resume_compatible(tmp_path, meta(8))

@@ -85,11 +85,15 @@ def test_sigterm_mid_run_saves_the_announced_step_then_resume_is_bit_identical(t
 EVALS = ["data.eval_path=tests/data/chat_sample.jsonl", "data.eval_max_batches=2", "train.eval_every_steps=3"]
 
 
-def _signal_during_eval(tiny_dir, ckpt: Path, reference, log: Path, sig) -> int:
-    """Start a run that evaluates every 3 steps (1 s per batch), send `sig` while the eval after step 3 runs."""
+def _signal_during_eval(tiny_dir, ckpt: Path, reference, log: Path, sig, saved: bool = False) -> int:
+    """Start a run that evaluates every 3 steps (1 s per batch), send `sig` while the eval after step 3 runs
+    (`saved`: once step 3's async save is complete too)."""
+    from gemma_tpu.checkpoint.metadata import list_steps
+
     proc = subprocess.Popen(command(tiny_dir, ckpt) + EVALS, cwd=REPO, env=environment(reference["cache"], 1.0),
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    _wait_for(lambda: "evaluating after step 3" in log.read_text(errors="replace"), proc, log)
+    _wait_for(lambda: "evaluating after step 3" in log.read_text(errors="replace")
+              and (not saved or list_steps(ckpt)[-1:] == [3]), proc, log)
     proc.send_signal(sig)  # the eval's first batch is sleeping its 1 s
     return proc.wait(timeout=300)
 
@@ -102,6 +106,8 @@ def _resume_with_eval(tiny_dir, ckpt: Path, reference, log: Path) -> str:
     assert resumed.returncode == 0, tail(log)
     for row in train_rows(ckpt):
         assert row["loss"] == reference["losses"][row["step"]], (row, tail(log))
+    # every step once: the step a kill found saved had lost its record (Tunix writes it when the next step ends)
+    assert [r["step"] for r in train_rows(ckpt)] == list(range(1, MAX_STEPS + 1)), tail(ckpt / "metrics.jsonl")
     assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
     return log.read_text()
 
@@ -129,12 +135,13 @@ def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_id
 
 
 def test_sigkill_during_an_eval_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
-    """SIGKILL (no notice) while the evaluation after step 3 runs: the directory stays resumable and the resumed
-    run's training ends identical to the uninterrupted one."""
+    """SIGKILL (no notice) while the evaluation after step 3 runs, step 3 saved: the directory stays resumable, the
+    resumed run's training ends identical to the uninterrupted one, and step 3's record is in metrics.jsonl (it was
+    written when step 4 ended, so the kill lost it, and the resume from step 3 never wrote it)."""
     ckpt, log = tmp_path / "ck", tmp_path / "run.log"
-    assert _signal_during_eval(tiny_dir, ckpt, reference, log, signal.SIGKILL) == -signal.SIGKILL
+    assert _signal_during_eval(tiny_dir, ckpt, reference, log, signal.SIGKILL, saved=True) == -signal.SIGKILL
     text = _resume_with_eval(tiny_dir, ckpt, reference, tmp_path / "resume.log")
-    assert re.search(r"resumed at step [1-3]; data position restored", text)
+    assert "resumed at step 3; data position restored" in text
 
 
 def test_ctrl_c_mid_run_saves_the_step_like_sigterm(tiny_dir, reference, tmp_path):

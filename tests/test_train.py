@@ -205,7 +205,7 @@ def test_grad_accumulation_equals_bigger_batch(tiny_dir, tmp_path):
             f.write(json.dumps({"messages": ([{"role": "system", "content": system}] if i % 4 < 2 else []) + turns})
                     + "\n")
     common = [f"data.train_path={data}", "data.eval_path=null", "data.seq_len=192", "train.max_steps=3",
-              "checkpoint.every_steps=3", "data.shuffle=false"]
+              "checkpoint.every_steps=3", "data.shuffle=false", "train.warmup_steps=2"]
     big = train(tiny_dir, tmp_path / "big", *common, "train.batch_size=4")
     assert big.returncode == 0, big.stderr[-3000:]
     acc = train(tiny_dir, tmp_path / "acc", *common, "train.batch_size=2", "train.grad_accum_steps=2")
@@ -218,6 +218,11 @@ def test_grad_accumulation_equals_bigger_batch(tiny_dir, tmp_path):
     for k in pb:
         np.testing.assert_allclose(pa[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
     assert not np.allclose(pb[next(k for k in pb if "lora_b" in k)], 0)  # trained, not just initialised
+    # each step's record has the learning rate that step used (warmup 0, 0.005, then 0.01): it was read once the
+    # next step had begun, so it showed the next step's (0.005, 0.01, 0.01), the last record's alone its own
+    for ck in ("big", "acc"):
+        rows = [json.loads(x) for x in (tmp_path / ck / "metrics.jsonl").read_text().splitlines()]
+        assert [r["learning_rate"] for r in rows if r["mode"] == "train"] == pytest.approx([0.0, 0.005, 0.01]), ck
 
 
 def test_profile_window_cut_short_by_the_data_still_writes_the_trace(tiny_dir, tmp_path):

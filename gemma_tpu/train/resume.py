@@ -27,6 +27,15 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
+    steps = checkpoint.list_steps(ckpt_dir)
+    if not steps:
+        # a run stopped before its first save (killed while its data was prepared, the model loaded or the step
+        # compiled) left only this file: there is nothing to resume, so nothing of its settings to keep. Another
+        # lora.rank, dtype or base was refused as "checkpoint was trained with ...", naming a checkpoint that was
+        # never written; the run starts afresh and the file is rewritten with this run's settings
+        log.info("%s: no checkpoint step saved yet (the run that wrote %s stopped before its first save); "
+                 "starting afresh with this run's settings", ckpt_dir, METADATA_FILE)
+        return
     old = read_metadata(ckpt_dir)
     # a section missing from a damaged or hand-edited file (read_metadata lets absent keys pass) was a KeyError
     # traceback; compared as unset instead, it is refused naming the key
@@ -72,7 +81,6 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         if was != now:
             raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
                             f"use another checkpoint.dir")
-    steps = checkpoint.list_steps(ckpt_dir)
     warning = steps and steps[-1] < new_train["max_steps"] and learning_rate_warning(old_train, new_train, steps[-1])
     if warning:
         log.warning("%s: %s", ckpt_dir, warning)

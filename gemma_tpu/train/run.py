@@ -22,12 +22,12 @@ from typing import Sequence
 
 from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
-from gemma_tpu.checkpoint.metadata import METADATA_FILE
+from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, METADATA_FILE
 from gemma_tpu.checkpoint.params import check_item_files
 from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
-from gemma_tpu.core.errors import UserError, raise_signal_exit
+from gemma_tpu.core.errors import UserError, raise_signal_exit, read_json_object
 from gemma_tpu.core.progress import human
 from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
@@ -87,11 +87,13 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
 
 def check_resume_step_files(ckpt_dir: Path) -> None:
     """The step a resume would restore has the files Orbax needs (named when missing), checked before
-    the model loads."""
+    the model loads, and before its data position is read from the step's own record (_CHECKPOINT_METADATA: cut
+    short by a copy, it was one line without the way out)."""
     steps = checkpoint.list_steps(ckpt_dir)
     if steps:
         step_dir = ckpt_dir / str(steps[-1])
         try:
+            read_json_object(step_dir / COMMIT_MARKERS[0], f"{step_dir / COMMIT_MARKERS[0]}: missing")
             for item in ("model_params", "optimizer_state"):
                 check_item_files(step_dir / item)
         except UserError as e:
@@ -106,7 +108,7 @@ def run(cfg: RunConfig) -> dict:
     import jax
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
-    from gemma_tpu.train.trainer import BatchFeed, Trainer  # deferred: imports jax/torch
+    from gemma_tpu.train.trainer import BatchFeed, Trainer, drop_records_after, last_record  # deferred: jax/torch
     from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
@@ -159,14 +161,23 @@ def run(cfg: RunConfig) -> dict:
     meta["token_map"] = token_map
     meta["chat_format"] = renderer.chat_format
     check_resume_compatible(ckpt_dir, meta, cfg.checkpoint.allow_base_mismatch)
-    check_data_position(cfg, train_split)  # a resume's data position must name these rows
     if primary:  # before loading anything (writes nothing)
         check_resume_step_files(ckpt_dir)
+    check_data_position(cfg, train_split)  # a resume's data position must name these rows
     done = checkpoint.list_steps(ckpt_dir)
+    run_dir = Path(cfg.train.run_dir or ckpt_dir)
+    finishing = False  # the last step is saved, the run's end (its final evaluation, summary.json) is not
     if done and done[-1] >= cfg.train.max_steps:  # decided before the mesh and the model (minutes for a large one)
-        log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
-                 "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
-        return {"steps": done[-1], "resumed_from": done[-1], "nothing_to_do": True}
+        if done[-1] > cfg.train.max_steps or run_finished(run_dir, done[-1], jax.process_count() > 1):
+            log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
+                     "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
+            return {"steps": done[-1], "resumed_from": done[-1], "nothing_to_do": True}
+        # stopped after its last save (a kill during the end-of-run evaluation): this rerun said "nothing to do",
+        # and the run never got its final evaluation nor a summary.json
+        finishing = True
+        log.info("checkpoint %s is at its last step %d, but the run did not finish (no summary.json of step %d in "
+                 "%s); finishing it: %sthe summary", ckpt_dir, done[-1], done[-1], run_dir,
+                 "the evaluation of that step and " if cfg.data.eval_path else "")
 
     # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
@@ -214,7 +225,14 @@ def run(cfg: RunConfig) -> dict:
             # combined and the next resume's checks compared against
             previous = (ckpt_dir / METADATA_FILE).read_text() if (ckpt_dir / METADATA_FILE).is_file() else None
             checkpoint.write_metadata(ckpt_dir, meta)
-        run_dir = Path(cfg.train.run_dir or ckpt_dir)
+        if primary and previous is not None and not checkpoint.list_steps(ckpt_dir):
+            # this run's directory, restarted with no step saved (stopped before or during its first save): it
+            # starts afresh, and so does metrics.jsonl (a kill during the save of step 1 left its record, and the
+            # rerun wrote step 1 again; an eval of step 0 twice)
+            dropped = drop_records_after(run_dir / "metrics.jsonl", -1)
+            if dropped:
+                log.info("%s: %d record(s) of the attempt that saved no step dropped (trained again)",
+                         run_dir / "metrics.jsonl", dropped)
         profile_dir = profile_window(cfg, run_dir, ckpt_dir)
         tcfg = TrainingConfig(
             eval_every_n_steps=cfg.train.eval_every_steps or cfg.train.max_steps,
@@ -261,6 +279,8 @@ def run(cfg: RunConfig) -> dict:
         trainer.with_data_hooks(feed)
         preemption = _install_sigterm(trainer)
         with trainer.compile_counter:
+            if finishing and last_record(run_dir / "metrics.jsonl", "eval", trainer.train_steps) is not None:
+                evals = None  # evaluated before the stop (on entering the loop Tunix evaluates again: a second record)
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
     if profile_dir and primary:
@@ -275,6 +295,22 @@ def run(cfg: RunConfig) -> dict:
     log.info("done: %s", json.dumps(summary))
     preemption.exit_if_requested()
     return summary
+
+
+def run_finished(run_dir: Path, step: int, several_processes: bool = False) -> bool:
+    """Whether the run ended at `step`: its summary.json (written last, by process 0) says so. With several
+    processes, process 0's answer for all (a run_dir on its local disk is not on the others')."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        finished = isinstance(summary, dict) and summary.get("steps") == step
+    except (OSError, ValueError):
+        finished = False
+    if several_processes:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        finished = bool(multihost_utils.broadcast_one_to_all(np.int32(finished)))
+    return finished
 
 
 def check_run_intact(ckpt_dir: Path, locks: list, step: int) -> None:

@@ -70,8 +70,19 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.useful = 0  # loss-bearing tokens fed
         self.examples = 0  # examples fed (a packed or shared-prefix row holds several)
         self.batches = 0
+        # (time, tokens, useful, examples, learning rate) when the current optimizer step's first batch was asked
+        # for: where the step before it ended, for its metrics record (Trainer.write_metrics), which Tunix writes
+        # later, once this step has updated the learning rate the record would otherwise read
+        self.step_mark: tuple | None = None
 
     def load_next_train_batch(self, train_ctx):
+        if train_ctx.iter_steps % (train_ctx.config.get_with_default("gradient_accumulation_steps", 1) or 1) == 0:
+            lr = train_ctx.learning_rate() if hasattr(train_ctx, "learning_rate") else None
+            if lr is not None:  # a copy, not waited on: the step about to run donates the optimizer state it is in
+                import jax.numpy as jnp
+
+                lr = jnp.copy(lr)
+            self.step_mark = (time.perf_counter(), self.tokens, self.useful, self.examples, lr)
         if self.delay:
             time.sleep(self.delay)
         if self.before_batch is not None:
@@ -247,6 +258,23 @@ def drop_records_after(path: Path, step: int) -> int:
     return len(lines) - len(keep)
 
 
+def last_record(path: Path, mode: str, step: int) -> dict | None:
+    """The last record of `mode` ("train" or "eval") at `step` in metrics.jsonl, or None."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("mode") == mode and rec.get("step") == step:
+            found = rec
+    return found
+
+
 TENSORBOARD_STOP_S = 10.0
 
 
@@ -416,6 +444,16 @@ class Trainer(TunixTrainer):
         if self._before_save_hook is not None:
             self._before_save_hook(step)
         self._refuse_nonfinite_loss(step)
+        # the step's own record, written before the step is saved: Tunix holds it back until the next step ends,
+        # and a SIGKILL between this save and then lost it for good (the resume starts after this step and never
+        # writes it again: metrics.jsonl went 3, 5, 6, ...). A save cut short by the kill is set aside on resume,
+        # which drops the record with it (drop_records_after)
+        if self.pending_train_losses():
+            self._flushing_at_save = True  # the step ends now: its rates are measured to here (write_metrics)
+            try:
+                self.flush_train_metrics()
+            finally:
+                self._flushing_at_save = False
 
     def _refuse_nonfinite_loss(self, step: int) -> None:
         """With on_nonfinite=stop, a step whose loss is NaN/inf is not saved: its update was dropped, so the
@@ -455,10 +493,14 @@ class Trainer(TunixTrainer):
                 log.warning("non-finite loss at step %d", metrics_buffer.step)
             for k, (vals, op) in metrics_buffer.additional_metrics.items():
                 rec[k] = float(op(np.asarray([np.asarray(v, np.float32) for v in vals])))
-            lr = self.learning_rate()
+            # where this step ended: when the next step's first batch was asked for (Tunix writes a step's record
+            # once the next step is under way), or now for a record written as its step is saved. The learning rate
+            # too: read when the record was written, it was the next step's (the last record's alone its own)
+            mark = None if getattr(self, "_flushing_at_save", False) else self.feed.step_mark
+            now, tokens, useful, examples, lr = mark or (time.perf_counter(), self.feed.tokens, self.feed.useful,
+                                                         self.feed.examples, self.learning_rate())
             if lr is not None:
                 rec["learning_rate"] = float(np.asarray(lr))
-            now = time.perf_counter()
             steps = rec["step"] - self._step_last
             if getattr(self, "_closing", False):
                 # close() flushes the last buffered record right after the previous one: its
@@ -470,12 +512,12 @@ class Trainer(TunixTrainer):
                 dt = now - self._t_last
                 rec["step_time_s"] = dt / steps
                 rec["tokens_per_s"] = steps * self.tokens_per_step / dt
-                rec["nonpad_tokens_per_s"] = (self.feed.tokens - self._tok_last) / dt
-                rec["useful_tokens_per_s"] = (self.feed.useful - self._useful_last) / dt
+                rec["nonpad_tokens_per_s"] = (tokens - self._tok_last) / dt
+                rec["useful_tokens_per_s"] = (useful - self._useful_last) / dt
                 # the fair rate when layouts differ (packing, shared prefixes): trained examples per second
-                rec["examples_per_s"] = (self.feed.examples - self._examples_last) / dt
+                rec["examples_per_s"] = (examples - self._examples_last) / dt
                 if self.flops is not None:
-                    done = self.flops.step(steps * self.tokens_per_step, self.feed.useful - self._useful_last)
+                    done = self.flops.step(steps * self.tokens_per_step, useful - self._useful_last)
                     tflops = done / dt / 1e12
                     rec["tflops_per_s"] = tflops
                     if self.peak_flops:
@@ -487,12 +529,16 @@ class Trainer(TunixTrainer):
                 rec["includes_compile"] = True
                 self._log_placeholder_rates(rec["step"])
             self._t_last, self._step_last = now, rec["step"]
-            self._tok_last, self._useful_last = self.feed.tokens, self.feed.useful
-            self._examples_last = self.feed.examples
+            self._tok_last, self._useful_last, self._examples_last = tokens, useful, examples
             self.compiles = self._compile_count()
             rec["train_step_compiles"] = self.compiles
             self._log_progress(rec)
-        super().write_metrics(metrics_buffer)
+        # TensorBoard's learning rate (Tunix reads it through `learning_rate` as it logs) is the record's too
+        self._record_learning_rate = rec.get("learning_rate")
+        try:
+            super().write_metrics(metrics_buffer)
+        finally:
+            self._record_learning_rate = None
         self._append(rec)
 
     def _log_progress(self, rec: dict) -> None:
@@ -542,17 +588,26 @@ class Trainer(TunixTrainer):
         append_jsonl(self.metrics_path, rec)
 
     def learning_rate(self):
-        """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it)."""
+        """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it, and
+        gradient accumulation's MultiSteps as `inner_opt_state`: no record of such a run had a learning rate)."""
+        if getattr(self, "_record_learning_rate", None) is not None:  # a record being written: its step's
+            return self._record_learning_rate
         state = self.optimizer.opt_state
         for _ in range(4):
             hyper = getattr(state, "hyperparams", None)
             if hyper is not None:
                 lr = hyper["learning_rate"]
                 return getattr(lr, "value", lr)
-            state = getattr(state, "inner_state", None)
+            state = getattr(state, "inner_state", None) or getattr(state, "inner_opt_state", None)
             if state is None:
                 break
         return super().learning_rate()
+
+    def _recorded_train_loss(self) -> float | None:
+        """The loss of the restored step from metrics.jsonl: a session that trained no step (one finishing a run
+        stopped after its last save) has none of its own."""
+        rec = last_record(self.metrics_path, "train", self.train_steps) if self.train_steps else None
+        return rec.get("loss") if rec else None
 
     def summary(self) -> dict[str, Any]:
         train = [r for r in self.history if r["mode"] == "train"]
@@ -564,7 +619,7 @@ class Trainer(TunixTrainer):
             "wall_s": round(time.time() - self.started, 1),
             "train_step_compiles": self.compiles,
             "eval_step_compiles": self.compile_counter.counts.get(EVAL_STEP_FN, 0),
-            "final_train_loss": train[-1]["loss"] if train else None,
+            "final_train_loss": train[-1]["loss"] if train else self._recorded_train_loss(),
             "final_eval_loss": evals[-1]["loss"] if evals else None,
             "first_eval_loss": evals[0]["loss"] if evals else None,
         }
