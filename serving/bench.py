@@ -383,7 +383,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", help="model name sent with each request; default: the first the server lists, or none")
     p.add_argument("--num-prompts", type=int, default=100, help="requests the run sends in all")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (vLLM: --max-concurrency)")
+    p.add_argument("--concurrency", "--max-concurrency", type=int, default=8, dest="concurrency",
+                   help="requests in flight at most (--max-concurrency: vLLM bench's name, also taken)")
     p.add_argument("--input-len", type=int, default=128, help="words per random prompt (about one token each)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     p.add_argument("--dataset", default="random", help="'random' or a JSONL file (or JSON array) of chats / prompts")

@@ -1370,7 +1370,10 @@ def test_help_says_what_the_command_does_and_its_defaults(capsys):
     assert "--output-len O --dataset random|FILE.jsonl" in text and "Load-test any OpenAI-compatible server" in text
     assert "--num-prompts NUM_PROMPTS requests the run sends in all (default: 100)" in text
     assert "--seed SEED seed of the random prompts (or of the order --dataset rows are sent in) (default: 0)" in text
-    assert "--concurrency CONCURRENCY requests in flight at most (vLLM: --max-concurrency) (default: 8)" in text
+    assert ("--concurrency CONCURRENCY, --max-concurrency CONCURRENCY requests in flight at most (--max-concurrency:"
+            " vLLM bench's name, also taken) (default: 8)") in text
+    # a user coming from `vllm bench serve` types its name: it was refused as an unknown option
+    assert serving.bench.parse_args(["--base-url", "http://x", "--max-concurrency", "3"]).concurrency == 3
     assert "--json JSON write the results here (vllm bench serve field names) --timeout" in text  # no default shown
     text = _help(capsys, serving.launch)
     assert "e.g. server.port=8001" in text and "train.max_steps" not in text
