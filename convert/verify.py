@@ -238,7 +238,7 @@ def check_hf_dir(model_dir: Path) -> dict:
 
 
 def hf_logits(model_dir: Path, ids: list[list[int]], adapter: Path | None = None) -> list[np.ndarray]:
-    """Logits of an HF directory with transformers in float32, eager attention, one prompt at a time
+    """Logits of an HF directory with transformers in float32, eager attention and experts, one prompt at a time
     (with a PEFT `adapter` on it, as `PeftModel.from_pretrained` loads one).
 
     A weight whose shape is not the one config.json makes, or one missing (transformers would fill
@@ -246,8 +246,10 @@ def hf_logits(model_dir: Path, ids: list[list[int]], adapter: Path | None = None
     import torch
     import transformers
 
-    kwargs = dict(dtype=torch.float32, attn_implementation="eager", ignore_mismatched_sizes=True,
-                  output_loading_info=True)
+    # eager experts too: transformers' default (torch grouped_mm) needs each expert matrix's rows 16-byte aligned and
+    # raised "strides should be multiple of 16 bytes" for an moe_intermediate_size of 22 (88 bytes in float32)
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+                  ignore_mismatched_sizes=True, output_loading_info=True)
     try:
         try:
             model, info = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)

@@ -676,6 +676,11 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and heads % tp:
             raise UserError(f"server.tensor_parallel_size={tp} does not divide num_attention_heads={heads} "
                             f"({d}/config.json)")
+        for key in fam.vllm_tp_split_sizes:  # an AssertionError minutes into vLLM's start
+            size = text.get(key)
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0 and size % tp:
+                raise UserError(f"server.tensor_parallel_size={tp} does not divide {key}={size} ({d}/config.json): "
+                                f"vLLM splits it evenly over the chips")
         max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
         # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
         long_ok = str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true")

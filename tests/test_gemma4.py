@@ -75,6 +75,21 @@ def test_forward_matches_transformers(g4, name):
     assert diff < 1e-4
 
 
+def test_experts_grouped_mm_cannot_run_are_compared_eagerly(tmp_path):
+    """transformers runs Gemma 4's experts with torch's grouped_mm by default, which needs each expert matrix's rows
+    16-byte aligned: an moe_intermediate_size of 22 (88 bytes in float32) trained and merged, then merge --verify and
+    convert.verify died in a "strides should be multiple of 16 bytes" traceback. Their reference runs the experts
+    eagerly, as it runs attention, and gives our forward's logits."""
+    from convert.verify import hf_logits as reference_logits
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.models import load_model, resolve_model
+
+    d = write_tiny_gemma4(tmp_path / "g4", seed=3, variant="moe", moe_intermediate_size=22)
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    ids = [2, *range(120, 160)]
+    assert max_diff([jax_logits(model, ids)], reference_logits(d, [ids])) < 1e-4
+
+
 def test_omitted_keys_mean_transformers_defaults(tmp_path):
     """A config.json without `hidden_size_per_layer_input` / `global_head_dim` (hand-written or trimmed)
     means transformers' defaults, 256 and 512, as in E2B: the per-layer embeddings were dropped without a

@@ -395,6 +395,14 @@ def _k_eq_v_gemma4(p, global_kv: int):
     return d
 
 
+def _mlp_width(p, width: int):
+    """A Gemma 3 of 8 query heads and 4 KV heads (tensor_parallel_size 8 shares them out) whose MLP is `width` wide."""
+    d = fake_model_dir(p, kv=4)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": width}))
+    return d
+
+
 @pytest.mark.parametrize("config,make,overrides,needles", [
     (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=3"],  # its one KV head copied, but 2 heads
      ["tensor_parallel_size=3", "num_attention_heads=2"]),
@@ -408,6 +416,9 @@ def _k_eq_v_gemma4(p, global_kv: int):
     # vLLM asserts it of the K=V full-attention layers' own count when it builds the model, minutes into the start
     (CONFIG_31B, lambda p: _k_eq_v_gemma4(p, 3), ["server.tensor_parallel_size=2"],
      ["tensor_parallel_size=2", "num_global_key_value_heads=3"]),
+    # vLLM's MLP layers assert that the chips split its width evenly, minutes into the start (an AssertionError)
+    (CONFIG_270M, lambda p: _mlp_width(p, 100), ["server.tensor_parallel_size=8"],
+     ["tensor_parallel_size=8 does not divide intermediate_size=100", "config.json"]),
     (CONFIG_270M, _no_tokenizer, [], ["no tokenizer"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, arch="LlamaForCausalLM"), [], ["LlamaForCausalLM", "Gemma3ForCausalLM"]),
     (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),

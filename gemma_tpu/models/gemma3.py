@@ -487,6 +487,7 @@ GEMMA3 = register(
         vllm_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         vllm_tool_parser="functiongemma",
         vllm_tied_embeddings_only=True,
+        vllm_tp_split_sizes=("intermediate_size",),
         # vllm/config/model.py _FLOAT16_NOT_SUPPORTED_MODELS (gemma3, gemma3_text); Gemma 3's activations outgrow
         # float16's range in transformers
         float16_problem="vLLM refuses float16 for Gemma 3 (numerical instability) and transformers' Gemma 3 "

@@ -597,5 +597,6 @@ GEMMA4 = register(
         vllm_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         vllm_tool_parser="gemma4",
         vllm_jax_native=True,
+        vllm_tp_split_sizes=("intermediate_size",),
     )
 )

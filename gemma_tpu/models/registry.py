@@ -241,6 +241,9 @@ class Family:
     vllm_architectures: tuple[str, ...] = ()
     vllm_tool_parser: str | None = None
     vllm_tied_embeddings_only: bool = False  # vLLM's model has no separate lm_head for this family
+    # config.json sizes vLLM splits evenly over --tensor-parallel-size (the MLP width: MergedColumnParallelLinear and
+    # RowParallelLinear assert it divides when the engine builds the model; tpu-inference shards the same dimension)
+    vllm_tp_split_sizes: tuple[str, ...] = ()
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
     vllm_jax_native: bool = False
