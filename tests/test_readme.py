@@ -12,6 +12,7 @@ import io
 import re
 import runpy
 import sys
+import typing
 from unittest import mock
 
 import pytest
@@ -196,3 +197,37 @@ def test_readme_versions_are_the_pinned_ones():
     stale += [f"Tunix {v} (pyproject: google-tunix=={pins['google-tunix']})"
               for v in re.findall(r"Tunix (\d+\.\d+\.\d+)", README) if v != pins["google-tunix"]]
     assert not stale, stale
+
+
+def test_config_table_keys_exist():
+    """README's configuration table names each section's keys bare (`| `train` | `max_steps`, ... |`), which the
+    `section.key` check above does not see: each key outside the parentheses is a field of that section, and the
+    values it lists for a key (`dtype` (float32 \\| bfloat16)) are the ones that field takes."""
+    from gemma_tpu.core.accelerators import ACCELERATORS
+    from gemma_tpu.core.config import RunConfig
+
+    sections = {f.name: _fields(f.default_factory) for f in dataclasses.fields(RunConfig)}
+    hints = {f.name: typing.get_type_hints(f.default_factory) for f in dataclasses.fields(RunConfig)}
+
+    def choices_of(section: str, key: str) -> set[str]:  # the values a Literal field (or mesh.accelerator) takes
+        if (section, key) == ("mesh", "accelerator"):
+            return set(ACCELERATORS)
+        hint = hints[section][key]
+        literal = next((a for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is typing.Literal), hint)
+        return set(typing.get_args(literal))
+
+    rows = re.findall(r"^\| `([a-z]+)` \| (.*) \|$", README, re.M)
+    assert {s for s, _ in rows} == set(sections), rows  # one row a section
+    unknown = []
+    for section, text in rows:
+        depth, outside = 0, []
+        for ch in text:  # the keys, without the parenthesised values and notes
+            depth += (ch == "(") - (ch == ")")
+            outside.append(ch if depth == 0 and ch != ")" else " ")
+        keys = re.findall(r"`([a-z_]+)`", "".join(outside))
+        assert keys, section
+        unknown += [f"{section}.{k}" for k in keys if k not in sections[section]]
+        for key, values in re.findall(r"`([a-z_]+)` \(((?:[a-z0-9_-]+ \\\| )+[a-z0-9_-]+)[;:)]", text):
+            choices = choices_of(section, key)
+            unknown += [f"{section}.{key}={v}" for v in values.split(" \\| ") if v not in choices]
+    assert not unknown, unknown
