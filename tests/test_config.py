@@ -453,6 +453,8 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     ("train:\n  <<: {max_steps: x}\n  seed: 1\n", 2, "train.max_steps: expected an integer, got 'x'"),
     ("train:\n  max_steps: 3\n  schedule: warmup_cosine\n  warmup_steps: 5\n", 4,
      "train.warmup_steps=5 is longer than train.max_steps=3"),
+    # the constant schedule warms up too (optim.make_schedule): its warmup past the run was cut to the run unsaid
+    ("train:\n  max_steps: 3\n  warmup_steps: 5\n", 3, "train.warmup_steps=5 is longer than train.max_steps=3"),
     ("data:\n  shuffle: on\n  strategy: yes\n", 3, "data.strategy: True is not one of 'pad', 'pack' (YAML reads a "
      "bare yes/no/on/off/true/false as a boolean; write one of the choices)"),
 ])

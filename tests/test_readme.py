@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fnmatch
 import io
 import re
 import runpy
 import sys
+import typing
 from unittest import mock
 
 import pytest
@@ -151,3 +153,81 @@ def test_every_option_of_a_readme_script_command_is_taken():
         missing += [f"{script} {o}" for o in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest)
                     if f'"{o}"' not in source]
     assert not missing, missing
+
+
+def _test_names() -> set[str]:
+    return {n for p in (REPO / "tests").glob("test_*.py")
+            for n in re.findall(r"^\s*def (test_\w+)", p.read_text(), re.M)}
+
+
+def test_every_test_readme_cites_exists():
+    """README answers "what was tested" with test names (`test_ctrl_c_mid_run_...` a prefix), tests/test_bad_input.py
+    case ids (`merge-nonfinite-factor`, globs such as `config-*`) and parts of test names (`second_writer`): a test
+    renamed or a case dropped left README citing a test nobody runs."""
+    names = _test_names()
+    cases = set(re.findall(r'\bCase\(\s*"([^"]+)"', (REPO / "tests" / "test_bad_input.py").read_text()))
+    assert len(names) > 500 and len(cases) > 100  # the patterns still find the tests
+    files = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    missing = []
+    for name, prefix in re.findall(r"(?<![\w/])(test_\w+?)(_\.\.\.)?(?![\w.])", README.replace("`", " ")):
+        if name not in files and not any(n == name or prefix and n.startswith(name + "_") for n in names):
+            missing.append(name + (prefix or ""))
+    for segment in re.findall(r"Test(?:s|ed):(.*?)(?=\n\* |\n\n|\n#)", README, re.S):
+        for cited in re.findall(r"`([^`]+)`", segment):
+            if re.fullmatch(r"[a-z*][a-z0-9*]*(?:-[a-z0-9*]+)+", cited):  # a case id of tests/test_bad_input.py
+                if not fnmatch.filter(cases, cited):
+                    missing.append(cited)
+            elif re.fullmatch(r"[a-z]+(?:_[a-z0-9]+)+", cited) and not cited.startswith("test_"):  # part of a name
+                if not any(cited in n for n in names):
+                    missing.append(cited)
+    assert not missing, missing
+
+
+def test_readme_versions_are_the_pinned_ones():
+    """The versions README names (`torch==...` installed first, the VM's `transformers==...`, the vLLM TPU image,
+    Tunix's version whose behaviour our subclasses correct) are the ones pyproject.toml and serving/Dockerfile pin."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    pins = dict(re.findall(r'"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?==([^";,\s]+)', pyproject))
+    stale = []
+    shown = re.findall(r"(?<![\w.-])([A-Za-z][A-Za-z0-9_.-]*)==([0-9][\w.]*)", README)
+    assert shown
+    stale += [f"{n}=={v} (pyproject: {pins.get(n)})" for n, v in shown if pins.get(n) != v]
+    image = re.search(r"^FROM (\S+)", (REPO / "serving" / "Dockerfile").read_text(), re.M).group(1)
+    stale += [f"FROM {i} (Dockerfile: {image})" for i in re.findall(r"vllm/vllm-tpu:[\w.]+", README) if i != image]
+    stale += [f"Tunix {v} (pyproject: google-tunix=={pins['google-tunix']})"
+              for v in re.findall(r"Tunix (\d+\.\d+\.\d+)", README) if v != pins["google-tunix"]]
+    assert not stale, stale
+
+
+def test_config_table_keys_exist():
+    """README's configuration table names each section's keys bare (`| `train` | `max_steps`, ... |`), which the
+    `section.key` check above does not see: each key outside the parentheses is a field of that section, and the
+    values it lists for a key (`dtype` (float32 \\| bfloat16)) are the ones that field takes."""
+    from gemma_tpu.core.accelerators import ACCELERATORS
+    from gemma_tpu.core.config import RunConfig
+
+    sections = {f.name: _fields(f.default_factory) for f in dataclasses.fields(RunConfig)}
+    hints = {f.name: typing.get_type_hints(f.default_factory) for f in dataclasses.fields(RunConfig)}
+
+    def choices_of(section: str, key: str) -> set[str]:  # the values a Literal field (or mesh.accelerator) takes
+        if (section, key) == ("mesh", "accelerator"):
+            return set(ACCELERATORS)
+        hint = hints[section][key]
+        literal = next((a for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is typing.Literal), hint)
+        return set(typing.get_args(literal))
+
+    rows = re.findall(r"^\| `([a-z]+)` \| (.*) \|$", README, re.M)
+    assert {s for s, _ in rows} == set(sections), rows  # one row a section
+    unknown = []
+    for section, text in rows:
+        depth, outside = 0, []
+        for ch in text:  # the keys, without the parenthesised values and notes
+            depth += (ch == "(") - (ch == ")")
+            outside.append(ch if depth == 0 and ch != ")" else " ")
+        keys = re.findall(r"`([a-z_]+)`", "".join(outside))
+        assert keys, section
+        unknown += [f"{section}.{k}" for k in keys if k not in sections[section]]
+        for key, values in re.findall(r"`([a-z_]+)` \(((?:[a-z0-9_-]+ \\\| )+[a-z0-9_-]+)[;:)]", text):
+            choices = choices_of(section, key)
+            unknown += [f"{section}.{key}={v}" for v in values.split(" \\| ") if v not in choices]
+    assert not unknown, unknown

@@ -889,7 +889,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if t.profile_skip_steps + t.profile_steps > t.max_steps:  # Tunix would cut it short or refuse it
             bad(f"train.profile_skip_steps={t.profile_skip_steps} + train.profile_steps={t.profile_steps} "
                 f"go past train.max_steps={t.max_steps}")
-    if t.schedule != "constant" and t.warmup_steps > t.max_steps:
+    if t.warmup_steps > t.max_steps:  # every schedule warms up (constant too): the set rate would never be reached
         bad(f"train.warmup_steps={t.warmup_steps} is longer than train.max_steps={t.max_steps}")
     if not cfg.checkpoint.dir.strip():  # else the working directory: checkpoints among the user's files
         bad("checkpoint.dir is empty (give a directory for the run, e.g. runs/NAME)")
