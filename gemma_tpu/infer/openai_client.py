@@ -239,6 +239,24 @@ def api_base(url: str) -> str:
     return url + "/v1"
 
 
+def server_key(url: str) -> tuple[str, str, int, str]:
+    """What names one server's API however its address is spelt: `http://localhost:8000/v1`, `http://127.0.0.1:8000`,
+    `http://[::1]:8000/`, `http://0.0.0.0:8000/v1/chat/completions` -> ('http', 'loopback', 8000, '/v1'); the
+    scheme's default port written or not. Loopback names only: other host names are not looked up."""
+    import ipaddress
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(api_base(url))
+    host = (parts.hostname or "").rstrip(".")
+    try:
+        ip = ipaddress.ip_address(host)
+        loopback = ip.is_loopback or ip.is_unspecified  # 0.0.0.0 (what uvicorn prints) connects here too
+    except ValueError:
+        loopback = host == "localhost" or host.endswith(".localhost")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, "loopback" if loopback else host, port, re.sub("/+", "/", parts.path)
+
+
 def served_model_name(base: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 0) -> str | None:
     """The first model the server lists, or None when it lists none (or cannot: `transformers
     serve DIR` answers /v1/models from the hub cache only); the request then names no model and a
