@@ -370,15 +370,17 @@ def first_message(resp: dict, url: str) -> dict:
 
 
 def reply_from_answer(answer: dict, url: str, max_tokens: int,
-                      stop_text: Callable[[int], str | None] | None = None) -> tuple[ParsedReply, dict]:
+                      stop_text: Callable[[int], str | None] | None = None,
+                      option: str = "--max-new-tokens") -> tuple[ParsedReply, dict]:
     """A chat completion's reply (`reply_from_message` of `first_message`) and its message. A call the server cut
     at `max_tokens` (finish_reason "length") says so (`cut_short`), as a local model's does: it read as the model's
-    own syntax error. `stop_text`: the text of a stop token id (`StopTokenTexts`), for a numeric stop_reason."""
+    own syntax error. `stop_text`: the text of a stop token id (`StopTokenTexts`), for a numeric stop_reason.
+    `option`: the client's option for `max_tokens`, named in that error (`cut_short`)."""
     message = first_message(answer, url)
     reply = reply_from_message(message)
     choice = answer["choices"][0]
     if choice.get("finish_reason") == "length":
-        return cut_short(reply, max_tokens), message
+        return cut_short(reply, max_tokens, option), message
     if reply.kind == "text" and stopped_at_call_marker(choice, message, stop_text):
         return handed_over(reply), message
     return reply, message
