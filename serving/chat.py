@@ -84,7 +84,7 @@ class RemoteCoach:
         --max-tokens says so)."""
         check_tool_results(self.markup, messages)
         reply, message = reply_from_answer(self.complete(messages), f"{self.base}/chat/completions", self.max_tokens,
-                                           self.stop_text)
+                                           self.stop_text, option="--max-tokens")
         return reply, message.get("content") or json.dumps(message.get("tool_calls"))
 
     def ask(self, question: str) -> str:

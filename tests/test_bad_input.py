@@ -913,6 +913,10 @@ CASES = [
     Case("evaluate-compare-one-endpoint-twice", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "endpoint:http://127.0.0.1:9#a", "endpoint:http://127.0.0.1:9/v1#a"],
          ["--compare names one model twice", "endpoint:http://127.0.0.1:9#a"]),
+    # one loopback server however named (localhost, 127.0.0.1, [::1]), the http port written or not, a trailing slash
+    Case("evaluate-compare-one-loopback-endpoint-twice", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "endpoint:http://localhost:80/#a", "endpoint:http://[::1]/v1#a"],
+         ["--compare names one model twice", "endpoint:http://localhost:80/#a"]),
     Case("evaluate-served-model-with-model", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--model", "{tiny}", "--served-model", "coach"],
          ["--served-model", "--endpoint", "not --model"]),

@@ -1390,7 +1390,7 @@ def test_a_call_cut_off_at_the_token_limit_says_so_locally_and_from_an_endpoint(
             return [Generation([7] * 8, "You walked 5,000 steps and", "length")]
 
     answer = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=CutText([]), trace=None).ask("steps?")
-    assert answer == f"You walked 5,000 steps and ({CUT_OFF} of 8 new tokens (raise max new tokens))"
+    assert answer == f"You walked 5,000 steps and ({CUT_OFF} of 8 new tokens (raise --max-new-tokens))"
     monkeypatch.setattr(run, "Generator", Cut)
     case = run.Case({"tools": None, "messages": [{"role": "user", "content": "steps?"}]}, None, [], "steps?")
     preds, _ = run.predict_local(loaded, [case], DataConfig(), 8, 1, "fake")
@@ -1407,10 +1407,13 @@ def test_a_call_cut_off_at_the_token_limit_says_so_locally_and_from_an_endpoint(
         proc = _in_process("gemma_tpu.evaluate", "--data", str(REPO / "tests" / "data" / "chat_sample.jsonl"),
                            "--endpoint", url, "--limit", "2", "--max-new-tokens", "12", "--json", str(out))
         chat = _in_process("serving.chat", "--base-url", url, "--max-tokens", "12", "--once", "steps?")
-    assert chat.returncode == 0 and "malformed" in chat.stdout and f"{CUT_OFF} of 12 new tokens" in chat.stdout
+    # the note names the option the user types: serving.chat's --max-tokens, evaluate's --max-new-tokens
+    assert chat.returncode == 0 and "malformed" in chat.stdout
+    assert f"{CUT_OFF} of 12 new tokens (raise --max-tokens)" in chat.stdout
     assert proc.returncode == 0, proc.stderr
     records = next(iter(json.loads(out.read_text())["examples"].values()))
-    assert [r["error"].startswith(f"{CUT_OFF} of 12 new tokens") for r in records] == [True, True]
+    assert [r["error"].startswith(f"{CUT_OFF} of 12 new tokens (raise --max-new-tokens)")
+            for r in records] == [True, True]
     assert "2 of its format errors are calls cut off at --max-new-tokens 12" in proc.stderr
 
 

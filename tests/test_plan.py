@@ -175,7 +175,8 @@ def test_axis_minus_one_needs_a_device_count_for_an_accelerator(tiny_dir):
 
 
 def test_indivisible_mesh_is_refused(tiny_dir):
-    with pytest.raises(UserError, match=r"embedder.input_embedding: dimension 0 \(size 512\) cannot be split"):
+    with pytest.raises(UserError, match=r"embedder.input_embedding: dimension 0 \(size 512, config\.json vocab_size\) "
+                                        r"cannot be split"):
         plan(tiny_dir, "mesh.fsdp=1", "mesh.tp=3")
 
 

@@ -356,3 +356,25 @@ def test_a_run_dir_removed_mid_run_is_named_when_its_metrics_are_written(tmp_pat
                                         r"cannot be written\); the run stops$"):
         append_jsonl(run / "metrics.jsonl", {"step": 2})
     assert not run.exists()
+
+
+@pytest.mark.parametrize("own_level", [False, True])
+def test_every_entry_point_logs_library_warnings_in_the_projects_format(own_level):
+    """The converters and serving (convert.merge_orbax, export_peft, ..., serving.launch) never set logging up: a
+    library warning (a stale lock taken over, a set-aside output restored) came out as
+    `WARNING:gemma_tpu.core.pidlock:...` or bare. `cli_main` sets it up at WARNING; an entry point asking for INFO
+    (train, assets) keeps it."""
+    script = ("import logging, sys\nfrom gemma_tpu.core import cli\n"
+              "def main(argv):\n"
+              f"    {'cli.setup_logging()' if own_level else 'pass'}\n"
+              "    logging.getLogger('gemma_tpu.train').info('step 1')\n"
+              "    logging.getLogger('gemma_tpu.core.pidlock').warning('out: taking over a stale lock (PID 1)')\n"
+              "sys.exit(cli.cli_main(main))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    stamp = r"\d\d:\d\d:\d\d"
+    assert re.fullmatch(rf"{stamp} WARNING gemma_tpu.core.pidlock: out: taking over a stale lock \(PID 1\)", lines[-1])
+    assert len(lines) == (2 if own_level else 1), lines
+    if own_level:
+        assert re.fullmatch(rf"{stamp} INFO gemma_tpu.train: step 1", lines[0])

@@ -1232,6 +1232,21 @@ def test_the_clients_take_any_endpoints_address_as_the_server():
             api_base(bad)
 
 
+def test_server_key_names_one_server_however_spelt():
+    """evaluate --compare refuses one model named twice; `http://localhost:8000/v1` and `http://127.0.0.1:8000` were
+    compared as strings and scored as two models."""
+    from gemma_tpu.infer.openai_client import server_key
+
+    one = {server_key(u) for u in ("http://localhost:8000/v1", "http://127.0.0.1:8000", "http://[::1]:8000/",
+                                    "HTTP://LocalHost:8000/v1/chat/completions", "http://0.0.0.0:8000//v1",
+                                    "http://127.0.0.2:8000/v1/")}
+    assert one == {("http", "loopback", 8000, "/v1")}
+    assert server_key("http://h") == server_key("http://h:80/v1/") != server_key("https://h")
+    assert server_key("https://h/") == server_key("https://H:443/v1")
+    for other in ("http://localhost:8001", "http://h:8000", "https://localhost:8000", "http://localhost:8000/x"):
+        assert server_key(other) != server_key("http://127.0.0.1:8000"), other
+
+
 def test_chat_unreachable_server_is_one_line_error():
     proc = run_cli("serving.chat", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--once", "hi",
                    "--retries", "0",

@@ -201,6 +201,34 @@ def test_indivisible_axis_names_the_mesh_keys():
     assert resolve((("fsdp", "tp"), None), (508, 64), {"fsdp": 2, "tp": 2}) == (("fsdp", "tp"),)
 
 
+
+@pytest.mark.parametrize("family, path, spec, shape, field", [
+    ("gemma4", "embedder.per_layer_input_embedding", ("tp", None, "fsdp"), (262_143, 35, 256), "vocab_size"),
+    ("gemma4", "embedder.per_layer_input_embedding", ("tp", None, "fsdp"), (262_144, 35, 250),
+     "hidden_size_per_layer_input"),
+    ("gemma4", "layers.3.per_layer_input_gate.w", ("fsdp", "tp"), (1536, 250), "hidden_size_per_layer_input"),
+    ("gemma4", "layers.4.attn.kv_einsum.w", (None, "tp", "fsdp", None), (2, 3, 1536, 256),
+     "num_key_value_heads (num_global_key_value_heads on global layers)"),
+    ("gemma3", "layers.0.attn.q_einsum.w", ("tp", "fsdp", None), (4, 640, 256), "num_attention_heads"),
+    ("gemma3", "layers.0.mlp.down_proj.kernel", ("tp", "fsdp"), (2050, 640), "intermediate_size"),
+])
+def test_indivisible_axis_names_the_config_field(family, path, spec, shape, field):
+    """The refusal named the internal parameter (`embedder.per_layer_input_embedding`) and the mesh keys but not the
+    config.json size behind the dimension, which the family registry knows (`partition_dims`)."""
+    import re
+
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.models.registry import get_family
+    from gemma_tpu.train.partition import base_spec, config_fields, resolve
+
+    fam = get_family(family)
+    assert base_spec(fam, path) == spec  # the table's path is the rule's, its dims the rule's
+    assert len(config_fields(fam, path)) == len(spec)
+    with pytest.raises(UserError, match=rf"^{re.escape(path)}: dimension \d \(size \d+, config\.json "
+                                        rf"{re.escape(field)}\) cannot be split over mesh\.\w+=8; choose"):
+        resolve(spec, shape, {"fsdp": 8, "tp": 8}, path, config_fields(fam, path))
+
+
 def test_lora_factors_on_a_mesh_are_the_same_without_tracer_origin_messages(tiny_dir, monkeypatch):
     """`lora._apply_sharded` builds tracers' AttributeError texts without their (slow) origin walk; the
     factors are bit-identical to the ones built with it, and the walk is back afterwards."""

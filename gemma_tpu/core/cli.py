@@ -268,9 +268,13 @@ def _abandoned_read(unraisable) -> bool:
 
 def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
     """Run `main(argv)` and map `UserError` (and a few OS errors) to a one-line message. `main` runs within
-    `deferred_imports`: torch and pandas are imported only by what uses them (lean_imports)."""
+    `deferred_imports`: torch and pandas are imported only by what uses them (lean_imports). Logging is set up
+    at WARNING in the project's format (`setup_logging`); an entry point that shows more calls it again with its
+    level. The converters and serving never did: a library warning (a stale lock taken over, an output restored)
+    came out as `WARNING:gemma_tpu.core.pidlock:...` or bare."""
     global _debug
     args = list(sys.argv[1:] if argv is None else argv)
+    setup_logging(logging.WARNING)
     sys.unraisablehook = _redeliver_interrupts
     debug = _debug = "--debug" in args or os.environ.get(DEBUG_ENV) == "1"
     if "--debug" in args:

@@ -74,6 +74,7 @@ from gemma_tpu.infer.openai_client import (  # noqa: F401
     openai_tools,
     reply_from_answer,
     served_model_name,
+    server_key,
 )
 from gemma_tpu.models import resolve_model
 
@@ -415,12 +416,13 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
 
 def same_model(a: Spec, b: Spec) -> bool:
     """Whether two specs name one model: one directory however spelt (`runs/x`, `./runs/x/`), one checkpoint step, or
-    one server address (`http://h:8000`, `http://h:8000/v1`) and served model."""
+    one server address (`http://h:8000`, `http://h:8000/v1`, `http://localhost:8000` and `http://127.0.0.1:8000`) and
+    served model."""
     if a.kind != b.kind or a.step != b.step or a.served != b.served:
         return False
     if a.kind == "endpoint":
         try:
-            return api_base(a.target) == api_base(b.target)
+            return server_key(a.target) == server_key(b.target)
         except UserError:  # said of that side by check_spec, naming it
             return a.target == b.target
     return os.path.realpath(os.path.expanduser(a.target)) == os.path.realpath(os.path.expanduser(b.target))

@@ -316,15 +316,16 @@ class ParsedReply:
 CUT_OFF = "cut off at the token limit"  # opens the error of a call attempt that reached the limit (`cut_short`)
 
 
-def cut_short(reply: ParsedReply, limit: int) -> ParsedReply:
+def cut_short(reply: ParsedReply, limit: int, option: str = "--max-new-tokens") -> ParsedReply:
     """`reply` of a turn that stopped at its token limit: a call attempt it holds was cut off, not malformed, and
     its error says so (the fix is a larger limit, not another model; it read as the model's own syntax error). A
-    text answer keeps its kind, and its `error` says it is cut (it was shown as if complete)."""
+    text answer keeps its kind, and its `error` says it is cut (it was shown as if complete). `option`: the limit's
+    option as the user types it (evaluate's and the fitness chat's --max-new-tokens, serving.chat's --max-tokens)."""
     if reply.kind == "text":
-        return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise max new tokens)")
+        return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise {option})")
     if reply.kind != "format_error":
         return reply
-    return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise max new tokens): {reply.error}")
+    return dataclasses.replace(reply, error=f"{CUT_OFF} of {limit} new tokens (raise {option}): {reply.error}")
 
 
 NO_CALL_AT_STOP = "no call before the call stop token"  # the error of a turn that handed over without a call

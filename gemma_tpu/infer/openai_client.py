@@ -239,6 +239,24 @@ def api_base(url: str) -> str:
     return url + "/v1"
 
 
+def server_key(url: str) -> tuple[str, str, int, str]:
+    """What names one server's API however its address is spelt: `http://localhost:8000/v1`, `http://127.0.0.1:8000`,
+    `http://[::1]:8000/`, `http://0.0.0.0:8000/v1/chat/completions` -> ('http', 'loopback', 8000, '/v1'); the
+    scheme's default port written or not. Loopback names only: other host names are not looked up."""
+    import ipaddress
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(api_base(url))
+    host = (parts.hostname or "").rstrip(".")
+    try:
+        ip = ipaddress.ip_address(host)
+        loopback = ip.is_loopback or ip.is_unspecified  # 0.0.0.0 (what uvicorn prints) connects here too
+    except ValueError:
+        loopback = host == "localhost" or host.endswith(".localhost")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, "loopback" if loopback else host, port, re.sub("/+", "/", parts.path)
+
+
 def served_model_name(base: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 0) -> str | None:
     """The first model the server lists, or None when it lists none (or cannot: `transformers
     serve DIR` answers /v1/models from the hub cache only); the request then names no model and a
@@ -352,15 +370,17 @@ def first_message(resp: dict, url: str) -> dict:
 
 
 def reply_from_answer(answer: dict, url: str, max_tokens: int,
-                      stop_text: Callable[[int], str | None] | None = None) -> tuple[ParsedReply, dict]:
+                      stop_text: Callable[[int], str | None] | None = None,
+                      option: str = "--max-new-tokens") -> tuple[ParsedReply, dict]:
     """A chat completion's reply (`reply_from_message` of `first_message`) and its message. A call the server cut
     at `max_tokens` (finish_reason "length") says so (`cut_short`), as a local model's does: it read as the model's
-    own syntax error. `stop_text`: the text of a stop token id (`StopTokenTexts`), for a numeric stop_reason."""
+    own syntax error. `stop_text`: the text of a stop token id (`StopTokenTexts`), for a numeric stop_reason.
+    `option`: the client's option for `max_tokens`, named in that error (`cut_short`)."""
     message = first_message(answer, url)
     reply = reply_from_message(message)
     choice = answer["choices"][0]
     if choice.get("finish_reason") == "length":
-        return cut_short(reply, max_tokens), message
+        return cut_short(reply, max_tokens, option), message
     if reply.kind == "text" and stopped_at_call_marker(choice, message, stop_text):
         return handed_over(reply), message
     return reply, message

@@ -343,6 +343,18 @@ ATTENTION_MLP_PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
     (_L + r"mlp\.(gate|up)_proj\.kernel", ("fsdp", "tp")),
     (_L + r"mlp\.down_proj\.kernel", ("tp", "fsdp")),
 )
+# The config.json field behind each dimension of those weights (Tunix's shapes), for the refusal of a mesh that
+# does not divide one. Gemma 4's global layers take their KV heads from num_global_key_value_heads.
+ATTENTION_MLP_PARTITION_DIMS: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embedder\.input_embedding", ("vocab_size", "hidden_size")),
+    (_L + r"attn\.q_einsum\.w", ("num_attention_heads", "hidden_size", "head_dim")),
+    (_L + r"attn\.k_einsum\.w", ("num_key_value_heads", "hidden_size", None)),
+    (_L + r"attn\.kv_einsum\.w", (None, "num_key_value_heads", "hidden_size", None)),
+    (_L + r"attn\.qkv_einsum\.w", (None, "num_attention_heads", "hidden_size", "head_dim")),
+    (_L + r"attn\.attn_vec_einsum\.w", ("num_attention_heads", None, "hidden_size")),
+    (_L + r"mlp\.(gate|up)_proj\.kernel", ("hidden_size", "intermediate_size")),
+    (_L + r"mlp\.down_proj\.kernel", ("intermediate_size", "hidden_size")),
+)
 PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
     (_L + r"attn\._(query|key)_norm\.scale", ()),  # Tunix: no sharding on head_dim
     # replicated, where Tunix says 'tp' (gemma_tpu.train.partition.TUNIX_WEIGHTS): a few KB a layer, of a size
@@ -457,6 +469,7 @@ GEMMA3 = register(
         tunix_config=tunix_config,
         loader=load_sharded,
         partition_rules=PARTITION_RULES,
+        partition_dims=ATTENTION_MLP_PARTITION_DIMS,
         hf_text_config=hf_text_config,
         reference_loader=tunix_safetensors_loader("gemma3", model_class, _key_mapping),
         model_class=model_class,

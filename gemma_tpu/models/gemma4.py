@@ -32,7 +32,12 @@ from __future__ import annotations
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.models.gemma3 import ATTENTION_MLP_PARTITION_RULES, ROPE_TYPES, attention_mlp_shapes
+from gemma_tpu.models.gemma3 import (
+    ATTENTION_MLP_PARTITION_DIMS,
+    ATTENTION_MLP_PARTITION_RULES,
+    ROPE_TYPES,
+    attention_mlp_shapes,
+)
 from gemma_tpu.models.registry import (
     Family,
     Projection,
@@ -566,6 +571,17 @@ PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
     (_L + r"skip_scale", ()),
     (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ()),  # replicated, as Gemma 3's
 )
+# the attention and MLP dims as Gemma 3's but for a global layer's own KV heads and head size; the per-layer
+# embeddings' (Tunix: vocabulary × layers × per-layer width)
+_GLOBAL_FIELDS = {"num_key_value_heads": "num_key_value_heads (num_global_key_value_heads on global layers)",
+                  "head_dim": "head_dim (global_head_dim on global layers)"}
+PARTITION_DIMS = tuple((pattern, tuple(_GLOBAL_FIELDS.get(f, f) if f else f for f in fields))
+                       for pattern, fields in ATTENTION_MLP_PARTITION_DIMS) + (
+    (r"embedder\.per_layer_input_embedding", ("vocab_size", "num_hidden_layers", "hidden_size_per_layer_input")),
+    (r"embedder\.per_layer_model_projection\.w", ("hidden_size", "num_hidden_layers", "hidden_size_per_layer_input")),
+    (_L + r"per_layer_input_gate\.w", ("hidden_size", "hidden_size_per_layer_input")),
+    (_L + r"per_layer_projection\.w", ("hidden_size_per_layer_input", "hidden_size")),
+)
 
 
 GEMMA4 = register(
@@ -576,6 +592,7 @@ GEMMA4 = register(
         tunix_config=tunix_config,
         loader=load_sharded,
         partition_rules=PARTITION_RULES,
+        partition_dims=PARTITION_DIMS,
         hf_text_config=hf_text_config,
         reference_loader=tunix_safetensors_loader("gemma4", model_class, _key_mapping),
         model_class=model_class,

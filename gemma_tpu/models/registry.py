@@ -256,6 +256,9 @@ class Family:
     # Partition rules: (regex over the Tunix param path, per-dimension mesh axes), first full match wins;
     # LoRA factors, quantized weights and optimizer state derive theirs (gemma_tpu.train.partition).
     partition_rules: tuple[tuple[str, tuple], ...] = ()
+    # (regex over the Tunix param path, the config.json field giving each dimension's size, None where none or
+    # unsure): what a refusal of a mesh axis that does not divide a dimension names (gemma_tpu.train.partition)
+    partition_dims: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
     # text config (as transformers reads it) -> for each HF projection name, the HF (out, in) shapes it has across
     # the decoder's layers (Gemma 4's global layers have their own head size and KV heads): what is checked
     # before any weight is read (the LoRA rank). {} where a size it needs is not a positive integer.

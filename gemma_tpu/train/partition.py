@@ -65,6 +65,15 @@ def base_spec(family, path: str) -> Spec:
     raise UserError(f"no partition rule of family {family.name} matches parameter {path!r}")
 
 
+def config_fields(family, path: str) -> tuple[str | None, ...]:
+    """The config.json field giving each dimension of parameter `path` (its family's `partition_dims`; () where
+    the registry does not say: LoRA factors, quantized weights, a family without the table)."""
+    for pattern, fields in family.partition_dims:
+        if re.fullmatch(pattern, path):
+            return fields
+    return ()
+
+
 def _projection_for(family, tunix_cfg, module_path: str):
     """The registry Projection whose Tunix weight is `module_path` ('layers.3.attn.q_einsum.w')."""
     m = re.fullmatch(r"layers\.\d+\.(?P<mod>.+)\.(?P<param>\w+)", module_path)
@@ -105,9 +114,11 @@ def _axes(entry: Axis) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def resolve(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int], path: str = "") -> Spec:
+def resolve(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int], path: str = "",
+            fields: Sequence[str | None] = ()) -> Spec:
     """The spec as placed: size-1 dims and size-1 axes dropped; an axis that does not divide its
-    dimension is a UserError naming the parameter."""
+    dimension is a UserError naming the parameter and, where `fields` (`config_fields`) says, the config.json
+    field that sets that dimension."""
     spec = _pad(spec, len(shape))
     out: list[Axis] = []
     for dim, (size, entry) in enumerate(zip(shape, spec)):
@@ -118,8 +129,9 @@ def resolve(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int], path: 
         n = math.prod(mesh_sizes[a] for a in names)
         if size % n:
             over = " × ".join(f"mesh.{a}={mesh_sizes[a]}" for a in names)  # the config keys that set them
-            raise UserError(f"{path or 'a parameter'}: dimension {dim} (size {size}) cannot be split over {over}; "
-                            f"choose mesh sizes whose product divides {size}")
+            field = f", config.json {fields[dim]}" if dim < len(fields) and fields[dim] else ""
+            raise UserError(f"{path or 'a parameter'}: dimension {dim} (size {size}{field}) cannot be split over "
+                            f"{over}; choose mesh sizes whose product divides {size}")
         out.append(names[0] if len(names) == 1 else names)
     while out and out[-1] is None:
         out.pop()
@@ -148,7 +160,7 @@ def placed_spec(family, tunix_cfg, path: str, shape: Sequence[int], mesh_sizes: 
     from gemma_tpu.lora import factor_spec
 
     shape = tuple(shape)
-    spec = resolve(spec_for(family, tunix_cfg, path, len(shape)), shape, mesh_sizes, path)
+    spec = resolve(spec_for(family, tunix_cfg, path, len(shape)), shape, mesh_sizes, path, config_fields(family, path))
     m = _LORA.match(path)
     if m:
         spec = resolve(factor_spec(spec, shape, mesh_sizes, m.group("ab")), shape, mesh_sizes, path)

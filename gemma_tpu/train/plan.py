@@ -350,7 +350,8 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     total_params = 0
     base_arrays: list[tuple[tuple[int, ...], float]] = []  # (shape, fraction one device holds)
     for path, (shape, _) in shapes.items():
-        spec = partition.resolve(partition.spec_for(family, tcfg, path, len(shape)), shape, sizes, path)
+        spec = partition.resolve(partition.spec_for(family, tcfg, path, len(shape)), shape, sizes, path,
+                                 partition.config_fields(family, path))
         per_dev = math.prod(shape) / partition.shards(spec, sizes)
         base_arrays.append((shape, 1 / partition.shards(spec, sizes)))
         total_params += math.prod(shape)
