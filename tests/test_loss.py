@@ -111,12 +111,19 @@ def test_lora_dropout_only_in_training_batches(tiny_dir, lora_model):
     assert float(again) == float(evaluated)
 
 
+def _train_ctx(step: int):
+    """What BatchFeed reads of Tunix's PeftTrainer (the `train_ctx` its data hooks get): the step counters and the
+    training config (`max_steps`, `get_with_default`)."""
+    import types
+
+    config = types.SimpleNamespace(max_steps=100, get_with_default=lambda key, default: default)
+    return types.SimpleNamespace(train_steps=step, iter_steps=step, config=config)
+
+
 def test_dropout_masks_stay_fresh_when_a_resume_changes_grad_accum_steps():
     """Each training micro-batch's dropout key is (optimizer step, micro-batch), not step × accum + micro: a run
     resumed at step 2 with train.grad_accum_steps 4 -> 2 drew keys 4..7 again (step 2's and 3's masks repeated
     those of step 1), and 2 -> 4 skipped some."""
-    import types
-
     import numpy as np
 
     from gemma_tpu.train.trainer import BatchFeed
@@ -127,7 +134,7 @@ def test_dropout_masks_stay_fresh_when_a_resume_changes_grad_accum_steps():
         feed = BatchFeed(iter([row] * (accum * len(steps))), None, dropout=True, grad_accum_steps=accum)
         out = []
         for step in steps:
-            ctx = types.SimpleNamespace(train_steps=step, config=types.SimpleNamespace(max_steps=100))
+            ctx = _train_ctx(step)
             for _ in range(accum):
                 d = feed.load_next_train_batch(ctx)["dropout_step"]
                 assert d.shape == (2, 2) and (d == d[0]).all()
@@ -144,8 +151,6 @@ def test_accumulated_micro_batches_carry_their_share_of_the_steps_loss_tokens():
     """Under gradient accumulation each micro-batch's mean loss is scaled by its share of the step's loss tokens
     (times their number), so MultiSteps' plain average of the micro-batches is the step's token mean; a step
     cut short by the end of the data scales over the micro-batches it has."""
-    import types
-
     import numpy as np
 
     from gemma_tpu.train.trainer import BatchFeed
@@ -156,7 +161,7 @@ def test_accumulated_micro_batches_carry_their_share_of_the_steps_loss_tokens():
         return {"tokens": np.zeros((2, 8), np.int32), "segment_ids": np.ones((2, 8), np.int32), "loss_weights": w}
 
     feed = BatchFeed(iter([rows(1), rows(3), rows(4), rows(2), rows(2)]), None, grad_accum_steps=2)
-    ctx = types.SimpleNamespace(train_steps=0, config=types.SimpleNamespace(max_steps=100))
+    ctx = _train_ctx(0)
     scales = []
     while (batch := feed.load_next_train_batch(ctx)) is not None:
         assert batch["loss_scale"].shape == (2,) and (batch["loss_scale"] == batch["loss_scale"][0]).all()
