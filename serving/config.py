@@ -322,6 +322,12 @@ def extra_args_warning(cfg: ServeConfig) -> str | None:
             f"{image}, else vLLM stops at it when the container starts")
 
 
+def _takes(query: str, allowed: Sequence[str]) -> str:
+    """'(did you mean X? it takes a, b, c)': the closest of `allowed` to `query`, if any is close, and the list."""
+    close = difflib.get_close_matches(query, allowed, n=1, cutoff=0.6)
+    return "(" + (f"did you mean {close[0]}? " if close else "") + f"it takes {', '.join(allowed)})"
+
+
 def model_impl_problem(cfg: ServeConfig, fam: Family | None = None, arch: str = "") -> str | None:
     """What tpu-inference or vLLM would refuse, or quietly not do, of the implementation the config chooses; None if
     nothing. Without `fam` (no directory read yet) the values alone: container.env's MODEL_IMPL_TYPE and
@@ -330,14 +336,11 @@ def model_impl_problem(cfg: ServeConfig, fam: Family | None = None, arch: str = 
     for key, allowed in IMPL_ENV.items():
         value = cfg.container.env.get(key)
         if value is not None and value not in allowed:
-            close = difflib.get_close_matches(str(value).lower(), allowed, n=1, cutoff=0.6)
-            return (f"container.env.{key}={value!r} is not one tpu-inference takes ("
-                    + (f"did you mean {close[0]}? " if close else "") + f"it takes {', '.join(allowed)})")
+            return f"container.env.{key}={value!r} is not one tpu-inference takes {_takes(str(value).lower(), allowed)}"
     vllm_impl = extra_arg(cfg.server.extra_args, "--model-impl")
     if vllm_impl is not None and vllm_impl not in VLLM_MODEL_IMPLS:  # vLLM's ModelImpl refuses it at engine start
-        close = difflib.get_close_matches(vllm_impl.lower(), VLLM_MODEL_IMPLS, n=1, cutoff=0.6)
-        return (f"server.extra_args: --model-impl {vllm_impl!r} is not a model implementation vLLM takes ("
-                + (f"did you mean {close[0]}? " if close else "") + f"it takes {', '.join(VLLM_MODEL_IMPLS)})")
+        return (f"server.extra_args: --model-impl {vllm_impl!r} is not a model implementation vLLM takes "
+                + _takes(vllm_impl.lower(), VLLM_MODEL_IMPLS))
     impl = cfg.container.env.get("MODEL_IMPL_TYPE", "auto")
     if fam is None or not fam.vllm_jax_native or impl not in ("auto", "flax_nnx"):
         return None  # vLLM's PyTorch model through torchax, which takes --model-impl and LoRA adapters
@@ -418,10 +421,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"server.extra_args: {_unknown_phrase(typos)} (the options of {VLLM_TPU_IMAGE} are listed in "
             "serving/vllm_serve_flags.txt); vLLM would stop at it on the TPU VM")
     for flag, value, allowed in invalid_choices(s.extra_args) if pinned_image(cfg) else ():
-        close = difflib.get_close_matches(value, allowed, n=1, cutoff=0.6)
         bad(f"server.extra_args: {flag} {value!r} is not a value `vllm serve` takes in {VLLM_TPU_IMAGE} "
-            + (f"(did you mean {close[0]}? " if close else "(") + f"it takes {', '.join(allowed)}); "
-            "vLLM would stop at it on the TPU VM")
+            f"{_takes(value, allowed)}; vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:
         bad(f"server.port must be in 1..65535, got {s.port}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):
