@@ -5,8 +5,11 @@ These tests raise the signal inside a gc callback on purpose."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO, assert_one_line_error
 
@@ -90,6 +93,60 @@ def test_ctrl_c_between_the_two_renames_of_a_replace_keeps_an_output(tmp_path, m
             ad.publish()
     assert (out / "v").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# an --overwrite of OUT (an old output holding files a and b) where SIGNAL lands while the old output is deleted,
+# the new one already in place (after it deleted `a`); EXCHANGE 0: a filesystem without renameat2's exchange
+REPLACE = """
+import os, shutil, signal, sys
+from gemma_tpu.core import atomic
+from gemma_tpu.core.cli import cli_main
+
+def main(argv):
+    out, sig, exchange = argv
+    if exchange == "0":
+        atomic._exchange = lambda a, b: False
+    real = shutil.rmtree
+    def rmtree(path, ignore_errors=False):
+        os.unlink(os.path.join(path, "a"))
+        signal.raise_signal(getattr(signal, sig))
+        real(path, ignore_errors)
+    ad = atomic.AtomicDir(out, overwrite=True)
+    with ad as tmp:
+        (tmp / "v").write_text("new")
+        atomic.shutil.rmtree = rmtree
+        ad.publish()
+    print("published")
+
+sys.exit(cli_main(main))
+"""
+
+
+@pytest.mark.parametrize("sig,exchange", [("SIGINT", "1"), ("SIGINT", "0"), ("SIGTERM", "0")])
+def test_a_signal_while_the_replaced_output_is_deleted_says_it_was_published(tmp_path, sig, exchange):
+    """A Ctrl-C (or SIGTERM) while `--overwrite` deleted the old output, the new one already in place, printed a
+    bare 'error: interrupted' (exit 130): the output had been published. It now says so and names what is left of
+    the old one; a rerun removes that (where renameat2 cannot exchange, the old one was left as `.out.old-PID`,
+    which a later run that found `out` missing put back, half deleted, as the output)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("a", "b", "gemma_tpu_merge.json"):
+        (out / name).write_text("old")
+    proc = subprocess.run([sys.executable, "-c", REPLACE, str(out), sig, exchange], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    left = tmp_path / f".out.tmp-{next(p for p in tmp_path.iterdir() if p.name != 'out').name.rsplit('-', 1)[1]}"
+    line = assert_one_line_error(proc, "interrupted" if sig == "SIGINT" else "stopped by SIGTERM",
+                                 f" after {out} was published (the old output it replaced is left, in part, as "
+                                 f"{left}: the next run for it removes it)")
+    assert proc.returncode == (130 if sig == "SIGINT" else 143), line
+    assert (out / "v").read_text() == "new" and sorted(p.name for p in left.iterdir()) == ["b", "gemma_tpu_merge.json"]
+    shutil.rmtree(out)  # the user removes the output: the leftover is not put back in its place
+    code = ("import sys; from gemma_tpu.core.atomic import AtomicDir\n"
+            "ad = AtomicDir(sys.argv[1])\n"
+            "with ad as tmp:\n    (tmp / 'v').write_text('newer'); ad.publish()\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "v").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_an_output_set_aside_by_a_killed_replace_is_put_back(tmp_path):

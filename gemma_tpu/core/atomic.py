@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from gemma_tpu.core import pidlock
-from gemma_tpu.core.errors import UserError, raise_signal_exit
+from gemma_tpu.core.errors import SignalExit, UserError, interrupted_after, raise_signal_exit
 from gemma_tpu.core.progress import human
 
 log = logging.getLogger("gemma_tpu.core.atomic")
@@ -377,6 +377,15 @@ class _AtomicOutput:
             pass
         return self.tmp
 
+    def _stopped_after_publish(self, stop: BaseException, old: Path | None) -> None:
+        """A Ctrl-C or SIGTERM that came once the new output was in place (held during the swap, or during the
+        old one's deletion) still stops the command, saying that the output was published and naming what is
+        left of the old one: a bare 'interrupted' read as nothing published."""
+        done = f"{self.target} was published"
+        if old is not None and os.path.lexists(old):
+            done += f" (the old output it replaced is left, in part, as {old}: the next run for it removes it)"
+        raise interrupted_after(stop, done) from None
+
     def _refuse_if_appeared(self) -> None:
         if self.target.exists() and not self.overwrite:
             raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
@@ -417,6 +426,7 @@ class AtomicDir(_AtomicOutput):
         """Move the finished temp dir to the target (replacing an old one when allowed)."""
         _fsync_dir(self.tmp)
         old = None
+        stop = None
         try:
             with _signals_held():  # a Ctrl-C between the two renames of the fallback lost both outputs
                 if self.target.exists():
@@ -432,13 +442,25 @@ class AtomicDir(_AtomicOutput):
                             os.rename(old, self.target)
                             old = None
                             raise
+                        # named as a temp dir, which no run puts back: a `.old-` copy cut short by a kill in its
+                        # deletion was restored as the output by a later run that found the target missing
+                        os.rename(old, self.tmp)
+                        old = self.tmp
                 else:
                     os.rename(self.tmp, self.target)
                 self.published = True
-        finally:
-            if old is not None and self.published:
+        except (KeyboardInterrupt, SignalExit) as e:  # held during the swap, delivered once it was done
+            if not self.published:
+                raise
+            stop = e
+        if old is not None:
+            try:
                 shutil.rmtree(old, ignore_errors=True)  # if killed here, the next run removes it
+            except (KeyboardInterrupt, SignalExit) as e:
+                stop = stop or e
         _fsync_dir(self.target.parent)
+        if stop is not None:
+            self._stopped_after_publish(stop, old)
         return self.target
 
     def move_to(self, other: Path) -> Path:
@@ -471,9 +493,15 @@ class AtomicFile(_AtomicOutput):
         finally:
             os.close(fd)
         self._refuse_if_appeared()
-        with _signals_held():
-            os.replace(self.tmp, self.target)
-            self.published = True
+        try:
+            with _signals_held():
+                os.replace(self.tmp, self.target)
+                self.published = True
+        except (KeyboardInterrupt, SignalExit) as e:
+            if not self.published:
+                raise
+            _fsync_dir(self.target.parent)
+            self._stopped_after_publish(e, None)
         _fsync_dir(self.target.parent)
         return self.target
 

@@ -289,11 +289,12 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
             raise
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # `interrupted_after` says what was done before it
+        print(f"error: interrupted{f' after {e}' if str(e) else ''}", file=sys.stderr)
         return 130
     except SignalExit as e:
-        print(f"error: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        print(f"error: stopped by {signal.Signals(e.signum).name}{f' after {e.after}' if e.after else ''}",
+              file=sys.stderr)
         return int(e.code)
     except OSError as e:  # a missing file, no permission, a full disk (ENOSPC), a file too large...
         if debug:

@@ -29,9 +29,19 @@ class SignalExit(SystemExit):
     raised where Python can only report it, not propagate it (a gc callback: jax registers one), is
     delivered again (`gemma_tpu.core.cli.cli_main`)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, after: str = ""):
         super().__init__(128 + signum)
         self.signum = signum
+        self.after = after  # what was done before it, said in its message (`interrupted_after`)
+
+
+def interrupted_after(exc: BaseException, done: str) -> BaseException:
+    """The same interruption (a KeyboardInterrupt, a `SignalExit`), saying what was done before it: `cli_main`
+    prints `error: interrupted after <done>` (exit 130, 143 as before). A Ctrl-C that landed while an output was
+    published (the new one already in place) printed a bare 'interrupted', which read as nothing published."""
+    if isinstance(exc, SignalExit):
+        return SignalExit(exc.signum, after=done)
+    return KeyboardInterrupt(done)
 
 
 def raise_signal_exit(signum, frame):  # noqa: ARG001
