@@ -194,6 +194,33 @@ def test_a_signal_while_the_lock_is_written_leaves_no_lock(tmp_path, monkeypatch
     run_lock.acquire(ck).release()
 
 
+def test_a_writer_killed_while_writing_its_lock_leaves_none(tmp_path):
+    """A SIGKILL (the OOM killer) between creating the writer lock and writing its JSON left an empty lock, 'an
+    unreadable lock' that refused every run for that --out for LEASE_S (5 minutes). The lock now appears with its
+    content (written beside it, then linked into place): the next writer goes on at once and removes the debris."""
+    from gemma_tpu.core.atomic import AtomicFile
+
+    out = tmp_path / "model.gguf"
+    code = ("import os, signal, sys\n"
+            "from gemma_tpu.core.atomic import AtomicFile\n"
+            "real = os.write\n"
+            "def write(fd, data):\n"
+            "    if '.writer.lock' in os.readlink(f'/proc/self/fd/{fd}'):\n"
+            "        os.kill(os.getpid(), signal.SIGKILL)\n"
+            "    return real(fd, data)\n"
+            "os.write = write\n"
+            "with AtomicFile(sys.argv[1]) as tmp:\n    pass\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not (tmp_path / ".model.gguf.writer.lock").exists()
+    af = AtomicFile(out)
+    with af as tmp:
+        tmp.write_bytes(b"GGUF new")
+        af.publish()
+    assert out.read_bytes() == b"GGUF new" and [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_one_writer_per_output_file(tmp_path, sig):
     """An `AtomicFile` (the GGUF export's writer) held by another process refuses a second writer naming

@@ -1,7 +1,9 @@
 """One writer at a time: a lock file holding its holder's PID, host, start time and command line as JSON.
 
-The file is created with `O_CREAT | O_EXCL` (atomic on local filesystems and NFSv3+), so of two processes
-started at once exactly one gets it; the other is refused with one line naming the holder. A lock left by a
+The file appears with its content: written as `<lock>.new-<pid>`, then hard-linked into place, which fails on an
+existing name as `O_CREAT | O_EXCL` does (atomic on local filesystems and NFSv3+; where there are no hard links,
+`O_EXCL` and a write in place), so of two processes started at once exactly one gets it; the other is refused
+with one line naming the holder, and a process killed while writing its lock leaves none. A lock left by a
 process that died without releasing it (SIGKILL, a crash of the machine) is taken over with a warning when
 it was written on this host and its process is gone: its PID is not alive, or is alive but started at
 another time than the holder (after a reboot or a container restart PIDs are handed out again, and the
@@ -9,9 +11,9 @@ PID of a preempted trainer is often alive as an unrelated process). A lock from 
 from here, so its holder keeps it fresh instead: a thread touches every held lock each `HEARTBEAT_S` seconds,
 and another host's lock untouched for `LEASE_S` is stale too (a preempted VM's trainer, restarted on a new VM
 over the same shared checkpoint directory, was refused until the file was removed by hand). So is an unreadable
-lock (empty: its writer died before writing it) untouched for `LEASE_S`. Released
-at exit (normal end, exception) and by `release_all` (what a SIGTERM handler that ends with `os._exit`
-calls). Users: the trainer's run directory (gemma_tpu.train.run_lock) and every published output
+lock (empty: written in place, where there are no hard links, by a process that died first) untouched for
+`LEASE_S`. Released at exit (normal end, exception) and by `release_all` (what a SIGTERM handler that ends
+with `os._exit` calls). Users: the trainer's run directory (gemma_tpu.train.run_lock) and every published output
 (gemma_tpu.core.atomic).
 
 Limits: object stores (gs://, s3://) have no O_EXCL; on them, and on filesystems that do not honour it
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
+import glob
 import json
 import logging
 import os
@@ -166,10 +170,10 @@ class PidLock:
         info = {"pid": os.getpid(), "pid_start": start_time(os.getpid()), "host": socket.gethostname(),
                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "argv": sys.argv, "heartbeat": HEARTBEAT_S}
+        data = json.dumps(info).encode()
+        _clean_debris(self.path)
         for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+            if not self._create(data):
                 holder = read_holder(self.path)
                 if holder is None:  # released meanwhile
                     continue
@@ -182,28 +186,57 @@ class PidLock:
                     raise self.busy(self.path, holder) from None
                 self._take_over(holder)
                 continue
-            try:
-                data = json.dumps(info).encode()
-                while data:  # a write cut short (a file-size limit, a disk filling) says nothing: the next one
-                    # raises why. One short write left the lock's JSON cut off, an "unreadable lock" this process
-                    # could not recognise as its own to remove, refusing every run for the same output for LEASE_S
-                    data = data[os.write(fd, data):]
-                os.fsync(fd)
-            except BaseException as e:  # a full disk, or a signal's exit raised just here (SIGTERM before the
-                # run's handler): an empty lock left here refused every later run, or until the lease ran out
-                os.close(fd)
-                self.path.unlink(missing_ok=True)
-                if isinstance(e, OSError):
-                    raise UserError(f"cannot write the lock {self.path} ({e.strerror or e})") from None
-                raise
-            else:
-                os.close(fd)
             self.held = True
             _held.append(self)
             atexit.register(self.release)
             _start_heartbeat()
             return self
         raise self.busy(self.path, read_holder(self.path) or {})
+
+    def _create(self, data: bytes) -> bool:
+        """Make the lock file appear with `data` in it, or return False when it exists. `data` is written and
+        fsynced in `<lock>.new-<pid>`, then hard-linked into place (a link fails on an existing name, as O_EXCL
+        does): a process killed between creating the lock and writing it (SIGKILL, the OOM killer) left an empty
+        lock that refused every run for that output or run directory for LEASE_S. Where the filesystem has no hard
+        links (some FUSE mounts), the lock is created with O_EXCL and written in place."""
+        tmp = self.path.with_name(f"{self.path.name}.new-{os.getpid()}")
+        try:
+            self._write(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, data)
+            try:
+                os.link(tmp, self.path)
+                return True
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                    raise
+        finally:
+            tmp.unlink(missing_ok=True)
+        try:
+            self._write(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, data, remove=True)
+        except FileExistsError:
+            return False
+        return True
+
+    def _write(self, path: Path, flags: int, data: bytes, remove: bool = False) -> None:
+        """Write `data` to a new file `path`, fsynced; a failure (a full disk, a signal's exit raised here)
+        removes what was created when `remove`, and an OSError is one line naming the lock."""
+        fd = os.open(path, flags, 0o644)
+        try:
+            while data:  # a write cut short (a file-size limit, a disk filling) says nothing: the next one
+                # raises why. One short write left the lock's JSON cut off, an "unreadable lock" this process
+                # could not recognise as its own to remove, refusing every run for the same output for LEASE_S
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except BaseException as e:  # a full disk, or a signal's exit raised just here (SIGTERM before the
+            # run's handler): an empty lock left here refused every later run, or until the lease ran out
+            os.close(fd)
+            if remove:
+                path.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise UserError(f"cannot write the lock {self.path} ({e.strerror or e})") from None
+            raise
+        os.close(fd)
 
     def _take_over(self, holder: dict) -> None:
         """Move the stale lock aside by rename: of two processes taking over at once, one rename wins;
@@ -244,6 +277,20 @@ class PidLock:
                 pass
         if self in _held:
             _held.remove(self)
+
+
+def _clean_debris(path: Path) -> None:
+    """Remove what killed processes left beside the lock `path`: `<lock>.new-<pid>` (killed while writing their
+    lock, before linking it into place) and `<lock>.stale-<pid>` (killed while taking a stale one over)."""
+    for kind in ("new", "stale"):
+        for p in path.parent.glob(f"{glob.escape(path.name)}.{kind}-*"):
+            pid = p.name.rsplit("-", 1)[1]
+            try:
+                changed = p.lstat().st_ctime
+            except OSError:
+                continue
+            if pid.isdigit() and int(pid) != os.getpid() and gone(int(pid), alive_at=changed):
+                p.unlink(missing_ok=True)
 
 
 def release_all() -> None:
