@@ -213,6 +213,38 @@ def test_export_without_a_chat_template_says_so(work, base, merged, capsys):
     assert "no chat template" not in capsys.readouterr().err
 
 
+def test_a_merged_dir_replaced_while_it_is_exported_stops_the_export(tmp_path, base, monkeypatch, capsys):
+    """`--merged DIR` while another merge's --overwrite published over DIR: the export read each tensor by path,
+    lazily, so the tensors read after the swap came from the new merge (at the old header's offsets) and the GGUF
+    mixed two merges without a word. Now a read from another file than the one whose header was planned stops
+    the export in one line naming it, and nothing is written."""
+    from gemma_tpu.core.atomic import AtomicDir
+    from gemma_tpu.hf import safetensors_io as sio
+
+    src = tmp_path / "merged"
+    shutil.copytree(base, src)
+    real, swapped = sio.read_bytes, []
+
+    def read_bytes(t, offset, length):
+        if not swapped:  # the first tensor read: another merge of the same shapes publishes over the directory
+            ad = AtomicDir(src, overwrite=True)
+            with ad as tmp:
+                shutil.copytree(base, tmp, dirs_exist_ok=True)
+                ad.publish()
+            swapped.append(t.file)
+        return real(t, offset, length)
+
+    monkeypatch.setattr(sio, "read_bytes", read_bytes)
+    out = tmp_path / "m.gguf"
+    capsys.readouterr()
+    assert export("--merged", src, "--out", out, "--type", "f16") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [f"error: {swapped[0]}: replaced while it was being read (another process published {src} anew "
+                   f"meanwhile, e.g. a merge's --overwrite); what was read would mix the two, so nothing was "
+                   f"written: run again"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+
+
 def test_metadata(work, base):
     out = work / "tiny-meta.gguf"
     assert export("--merged", base, "--out", out, "--type", "F16") == 0  # as llama-quantize spells it

@@ -102,22 +102,46 @@ class TensorInfo:
     file: Path
     start: int  # absolute byte offset of the data in `file`
     nbytes: int
+    ident: tuple[int, ...] | None = None  # `file_ident` of the file whose header this came from (None: unchecked)
 
     @property
     def np_dtype(self) -> np.dtype:
         return DTYPES[self.dtype]
 
+    def check_same(self, st: os.stat_result) -> None:
+        """Refuse to read this tensor from another file than the one its header came from (`st`: what is at
+        `file` now). A reader reads each tensor by path, lazily: when another process published a new
+        directory in its place meanwhile (a merge's --overwrite: a rename, the old one deleted), the reads
+        after it took the new merge's bytes at the old header's offsets, and a GGUF export of `--merged DIR`
+        mixed two merges without a word."""
+        if self.ident is not None and file_ident(st) != self.ident:
+            raise UserError(f"{self.file}: replaced while it was being read (another process published "
+                            f"{self.file.parent} anew meanwhile, e.g. a merge's --overwrite); what was read would "
+                            f"mix the two, so nothing was written: run again")
+
+
+def file_ident(st: os.stat_result) -> tuple[int, ...]:
+    """Which file, in which state: its device, inode, size and modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
 
 def read_header(path: Path) -> tuple[dict, int]:
     """(header dict, absolute offset of the data area) of one safetensors file."""
+    header, base, _ = _read_header(path)
+    return header, base
+
+
+def _read_header(path: Path) -> tuple[dict, int, os.stat_result]:
+    """`read_header`, and the stat of the file it was read from."""
     with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
         raw = f.read(8)
         if len(raw) != 8:
             raise UserError(f"{path}: truncated safetensors file")
         (n,) = struct.unpack("<Q", raw)
         if n > 100 << 20:
             raise UserError(f"{path}: implausible safetensors header length {n}")
-        size = os.fstat(f.fileno()).st_size
+        size = st.st_size
         if 8 + n > size:
             raise UserError(f"{path}: unreadable safetensors header (a truncated file: header of {n} bytes, file of "
                             f"{size})")
@@ -127,14 +151,14 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise UserError(f"{path}: unreadable safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise UserError(f"{path}: unreadable safetensors header (a JSON {type(header).__name__}, not an object)")
-    return header, 8 + n
+    return header, 8 + n, st
 
 
 def file_tensors(path: Path) -> tuple[list[TensorInfo], dict]:
     """Tensors of one file in data-offset order (the order they were written), and its metadata."""
-    header, base = read_header(path)
+    header, base, st = _read_header(path)
     meta = header.pop("__metadata__", None) or {}
-    size = path.stat().st_size
+    size, ident = st.st_size, file_ident(st)
     out = []
     for name, h in header.items():
         if not isinstance(h, dict):
@@ -148,7 +172,7 @@ def file_tensors(path: Path) -> tuple[list[TensorInfo], dict]:
             raise UserError(f"{path}: tensor {name} has a malformed shape or data_offsets in the header") from None
         if e - s != math.prod(shape) * DTYPES[h["dtype"]].itemsize or base + e > size:
             raise UserError(f"{path}: tensor {name} has an inconsistent byte range (truncated file?)")
-        out.append(TensorInfo(name, h["dtype"], shape, path, base + s, e - s))
+        out.append(TensorInfo(name, h["dtype"], shape, path, base + s, e - s, ident))
     out.sort(key=lambda t: t.start)
     return out, meta
 
@@ -247,6 +271,7 @@ def read_bytes(t: TensorInfo, offset: int, length: int) -> np.ndarray:
     view = memoryview(buf)
     fd = os.open(t.file, os.O_RDONLY)
     try:
+        t.check_same(os.fstat(fd))
         done = 0
         while done < length:
             n = os.preadv(fd, [view[done:]], t.start + offset + done)
@@ -384,6 +409,7 @@ class ShardedWriter:
             raise RuntimeError(f"{self._current.name}: {src.nbytes} bytes given, {self._remaining} expected")
         fd_in = os.open(src.file, os.O_RDONLY)
         try:
+            src.check_same(os.fstat(fd_in))
             done = 0
             while done < src.nbytes:
                 n = 0

@@ -90,7 +90,9 @@ class _Reader:
         with self._lock:
             mm = self._maps.get(t.file)
             if mm is None:
-                mm = self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
+                mm = np.memmap(t.file, dtype=np.uint8, mode="r")
+                t.check_same(os.stat(t.file))  # the file mapped is the one its header came from
+                self._maps[t.file] = mm
         view = mm[t.start:t.start + t.nbytes].view(t.np_dtype).reshape(shape)
         out = np.array(view[box])
         with self._lock:
