@@ -8,7 +8,9 @@ reused by a process started after it: `pidlock.gone`, the writer lock's own rule
 call (readers see the old or the new directory, never neither), then the old one is deleted; where
 the filesystem cannot exchange, the fallback renames the old one aside first, leaving a window of
 microseconds with no target; a run killed in it leaves the old one as `.<name>.old-<pid>`, which the next run
-for the target puts back (`restore_set_aside`) before it checks the target.
+for the target puts back (`restore_set_aside`) before it checks the target. Once the new output is in place, the
+old one is deleted under the temp dir's name (never put back); a Ctrl-C or SIGTERM then still stops the command,
+saying that the output was published (`errors.interrupted_after`) and naming what is left of the old one.
 
 One writer per target: while a process writes it, it holds `.<name>.writer.lock` beside it (a
 `gemma_tpu.core.pidlock`), and a second process for the same target is refused naming the first (two
