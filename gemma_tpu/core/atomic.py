@@ -444,10 +444,13 @@ class AtomicDir(_AtomicOutput):
                             os.rename(old, self.target)
                             old = None
                             raise
-                        # named as a temp dir, which no run puts back: a `.old-` copy cut short by a kill in its
-                        # deletion was restored as the output by a later run that found the target missing
-                        os.rename(old, self.tmp)
-                        old = self.tmp
+                        self.published = True
+                        try:  # named as a temp dir, which no run puts back: a `.old-` copy cut short by a kill in
+                            # its deletion was restored as the output by a later run that found the target missing
+                            os.rename(old, self.tmp)
+                            old = self.tmp
+                        except OSError:
+                            pass
                 else:
                     os.rename(self.tmp, self.target)
                 self.published = True
