@@ -149,6 +149,34 @@ def test_a_signal_while_the_replaced_output_is_deleted_says_it_was_published(tmp
     assert (out / "v").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_replace_whose_set_aside_copy_cannot_be_renamed_is_still_published(tmp_path, monkeypatch):
+    """Without renameat2's exchange, the old output set aside is renamed to the temp name before its deletion; that
+    rename failing must not report 'nothing was published' about an output already in place: the copy is deleted
+    under its set-aside name."""
+    import os
+
+    from gemma_tpu.core import atomic
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "v").write_text("old")
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def rename(a, b):
+        if str(a).endswith(f".old-{os.getpid()}") and ".tmp-" in str(b):
+            raise PermissionError(13, "Permission denied", str(a))
+        real_rename(a, b)
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    ad = atomic.AtomicDir(out, overwrite=True)
+    with ad as tmp:
+        (tmp / "v").write_text("new")
+        ad.publish()
+    monkeypatch.undo()
+    assert (out / "v").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_an_output_set_aside_by_a_killed_replace_is_put_back(tmp_path):
     """A SIGKILL between the two renames of a replace (filesystems without renameat2 exchange) left the old output
     as `.out.old-PID` and no `out`; the next run deleted it as a leftover, so the output it was replacing was
