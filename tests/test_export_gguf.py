@@ -245,6 +245,26 @@ def test_a_merged_dir_replaced_while_it_is_exported_stops_the_export(tmp_path, b
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
 
 
+def test_a_merged_dir_being_written_anew_is_refused(tmp_path, base, capsys):
+    """`--merged DIR` while another process holds DIR's writer lock (a merge's --overwrite under way) read the
+    directory that run was about to replace: refused in one line naming the holder, before any work."""
+    import socket
+
+    from gemma_tpu.core import pidlock
+
+    src = tmp_path / "merged"
+    shutil.copytree(base, src)
+    (tmp_path / ".merged.writer.lock").write_text(json.dumps(
+        {"pid": 1, "pid_start": pidlock.start_time(1), "host": socket.gethostname(), "started": "2026-11-28T12:00:00"}))
+    capsys.readouterr()
+    assert export("--merged", src, "--out", tmp_path / "m.gguf") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [f"error: {src} is being written anew by another process (PID 1 on {socket.gethostname()} since "
+                   f"2026-11-28T12:00:00), which replaces it when it ends; wait for it, or remove "
+                   f"{tmp_path / '.merged.writer.lock'} if that process is gone"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".merged.writer.lock", "merged"]
+
+
 def test_metadata(work, base):
     out = work / "tiny-meta.gguf"
     assert export("--merged", base, "--out", out, "--type", "F16") == 0  # as llama-quantize spells it

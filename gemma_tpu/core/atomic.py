@@ -135,6 +135,17 @@ def _busy_writing(path: Path, holder: dict) -> UserError:
                      f"end, or remove {path} if that process is gone")
 
 
+def check_not_being_written(path: str | Path) -> None:
+    """Refuse to read an output that another process is writing anew (its writer lock is held: a merge's
+    --overwrite of a directory read as `--merged DIR` or as a model): what was read would be replaced when that
+    run publishes, midway through the read or just after it."""
+    def busy(lock: Path, holder: dict) -> UserError:
+        return UserError(f"{Path(path)} is being written anew by another process ({pidlock.describe(holder)}), which "
+                         f"replaces it when it ends; wait for it, or remove {lock} if that process is gone")
+
+    pidlock.check_free(writer_lock(path), busy)
+
+
 def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind: str = "dir",
                  marker: str | None = None, magic: bytes | None = None) -> None:
     """Refuse an existing target without --overwrite, a target of the other kind (or a link) in its

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
+from gemma_tpu.core.atomic import check_not_being_written
 from gemma_tpu.core.errors import UserError
 
 # safetensors dtype name <-> numpy dtype (bf16 and fp8 through ml_dtypes).
@@ -189,6 +190,7 @@ class WeightsDir:
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
+        check_not_being_written(self.dir)
         index = self.dir / INDEX_FILE
         if index.is_file():
             try:
