@@ -263,6 +263,12 @@ CASES = [
          ["{tmp}/d.json:2", "NaN is not JSON"],
          {"d.json": '[{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},\n'
                     '{"messages": [{"role": "user", "content": NaN}, {"role": "assistant", "content": "x"}]}]\n'}),
+    # an integer of more digits than Python converts (4,300): a ValueError traceback out of the JSON reader
+    Case("data-integer-past-python-digits", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "a number of 5001 digits (Python reads integers of at most 4300)"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                     '{"id": 1' + "0" * 5000 + ', "messages": [{"role": "user", "content": "hi"}, {"role": '
+                     '"assistant", "content": "x"}]}\n'}),
     # ... and inside JSON kept as a string (tool-call arguments): NaN trained as `{x:NaN}`, a lone surrogate a
     # TypeError traceback from the tokenizer
     Case("data-nan-in-string-arguments", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
@@ -388,6 +394,10 @@ CASES = [
          ["override 'train.run_dir=~'", "a bare ~ is null to YAML, not the home directory"]),
     Case("config-inf-in-yaml", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "train.grad_clip", "finite"],
          {"c.yaml": "train:\n  grad_clip: .inf\n"}),
+    # ... and in YAML (PyYAML's int()): a ValueError traceback, not the key
+    Case("config-integer-past-python-digits", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"],
+         ["{tmp}/c.yaml line 2", "train.max_steps", "too large for an integer"],
+         {"c.yaml": "train:\n  max_steps: 1" + "0" * 5000 + "\n"}),
     Case("config-zero-learning-rate", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.learning_rate=0"],
          ["train.learning_rate", "positive"]),
     Case("config-negative-weight-decay", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml",

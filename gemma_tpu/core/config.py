@@ -230,7 +230,7 @@ def _whole_number(value: Any, where: str) -> int:
         except decimal.InvalidOperation:
             number = None
         if number is not None and number.is_finite() and number.adjusted() > 100:  # 1e999999999: no such int
-            raise UserError(f"{where}: {value!r} is too large for an integer")
+            raise UserError(f"{where}: {shown(value)} is too large for an integer")
         if number is not None and number.is_finite():
             if number == number.to_integral_value():
                 return int(number)
@@ -593,7 +593,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_spelled_number(self, node):
         """Numbers keep their text, for the string keys they may be given to (see `_SpelledInt`)."""
-        value = (self.construct_yaml_int if node.tag.endswith(":int") else self.construct_yaml_float)(node)
+        try:
+            value = (self.construct_yaml_int if node.tag.endswith(":int") else self.construct_yaml_float)(node)
+        except ValueError:  # more digits than Python converts to an int (4,300): a traceback; the text, checked as such
+            return node.value
         return _spelled(value, node.value)
 
 

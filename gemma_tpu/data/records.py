@@ -122,7 +122,17 @@ def _float(text: str) -> float:
     return value
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float)
+def _int(text: str) -> int:
+    """A JSON integer; one longer than Python converts from text (4,300 digits, `sys.get_int_max_str_digits`) was a
+    ValueError traceback out of the reader."""
+    digits = len(text.lstrip("-"))
+    limit = sys.get_int_max_str_digits()
+    if limit and digits > limit:
+        raise _NotData(f"a number of {digits} digits (Python reads integers of at most {limit})")
+    return int(text)
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float, parse_int=_int)
 
 
 def _too_deep(where: str) -> UserError:
@@ -710,7 +720,7 @@ def _messages_or_text(value: Any, what: str, where: str) -> Any:
     if isinstance(value, str) and value.lstrip().startswith("[{"):
         try:
             decoded = json.loads(value)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # not JSON (or a number Python will not read): text
             return value
         if isinstance(decoded, list) and all(isinstance(m, dict) and "role" in m for m in decoded):
             return _decode_embedded(value, what, where)
