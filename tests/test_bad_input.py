@@ -296,6 +296,19 @@ CASES = [
     Case("data-tool-parameters-not-a-schema", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "tools[0].function.parameters: expected a JSON Schema object", "[1, 2]"],
          {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": "[1, 2]"}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {}}}]}]}\n'}),
+    # a declared parameter no call can pass (its name is not a key the call text carries), a required one not declared
+    Case("data-tool-property-name-with-colon", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "tools[0].function.parameters.properties: property name 'time:zone' cannot be written"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "parameters": {"type": '
+                     '"object", "properties": {"time:zone": {"type": "string"}}}}}], "messages": [{"role": "user", '
+                     '"content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", '
+                     '"function": {"name": "get_steps", "arguments": {}}}]}]}\n'}),
+    Case("data-tool-required-undeclared", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "tools[0].function.parameters.required[0]: 'dat' is not a declared property"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "parameters": {"type": '
+                     '"object", "properties": {"date": {"type": "string"}}, "required": ["dat"]}}}], "messages": '
+                     '[{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": '
+                     '[{"type": "function", "function": {"name": "get_steps", "arguments": {"date": "today"}}}]}]}\n'}),
     # what FunctionGemma's call text cannot carry: trained as text that parses back to another call
     Case("data-call-key-with-colon", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "call 'get_steps' arguments", "key 'time:zone'"],

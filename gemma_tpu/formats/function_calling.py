@@ -186,25 +186,55 @@ def check_tools(tools: Any, bare: bool = False) -> list[str]:
 def _check_schema(params: dict, where: str) -> None:
     """The parameters schema an object's (the arguments are a JSON object), its `properties` an object of schemas
     (objects, or JSON Schema's true/false) and its `required` a list of names, as OpenAI's schema check demands:
-    `"properties": "x"` was rendered into the prompt, where the model read a declaration that declares nothing."""
+    `"properties": "x"` was rendered into the prompt, where the model read a declaration that declares nothing.
+    Property names, nested objects' too, must be keys a FunctionGemma call can carry (`check_call_arguments`), and
+    `required` names declared properties, once each: a `time:zone` parameter was declared, and no call could pass it
+    (the call text parses back as another key); a required parameter the schema does not declare is a typo that told
+    the model to pass what it is told nothing of."""
     if params.get("type", "object") != "object":
         raise DeclarationError(f"{where}.type", f"the parameters schema must have type \"object\", got "
                                                 f"{json.dumps(params['type'])}")
-    props = params.get("properties")
-    if props is not None:
-        if not isinstance(props, dict):
-            raise DeclarationError(f"{where}.properties", f"expected an object of property schemas, got "
-                                                           f"{_json_kind(props)}")
-        for name, schema in props.items():
-            if not isinstance(schema, (dict, bool)):
-                raise DeclarationError(f"{where}.properties.{name}", f"expected a JSON Schema object, got "
-                                                                      f"{_json_kind(schema)}")
-    required = params.get("required")
-    if required is not None and not isinstance(required, list):
-        raise DeclarationError(f"{where}.required", f"expected a list of property names, got {_json_kind(required)}")
-    for k, name in enumerate(required or []):
-        if not isinstance(name, str):
-            raise DeclarationError(f"{where}.required[{k}]", f"expected a property name, got {_json_kind(name)}")
+    stack = [(params, where)]
+    while stack:  # without recursion: a schema nested as deeply as the JSON reader allows
+        schema, at = stack.pop()
+        props = schema.get("properties")
+        if props is not None:
+            if not isinstance(props, dict):
+                raise DeclarationError(f"{at}.properties", f"expected an object of property schemas, got "
+                                                            f"{_json_kind(props)}")
+            for name, sub in props.items():
+                if not _BARE_KEY.fullmatch(str(name)):
+                    raise DeclarationError(f"{at}.properties", f"property name {shown(str(name))} cannot be written in "
+                                                                f"a FunctionGemma call (no ':', '{{', '}}', '[', ']', "
+                                                                f"',', '\"', '<' or leading/trailing spaces), so no "
+                                                                f"call could pass it")
+                if not isinstance(sub, (dict, bool)):
+                    raise DeclarationError(f"{at}.properties.{name}", f"expected a JSON Schema object, got "
+                                                                       f"{_json_kind(sub)}")
+                if isinstance(sub, dict):
+                    stack.append((sub, f"{at}.properties.{name}"))
+        required = schema.get("required")
+        if required is not None and not isinstance(required, list):
+            raise DeclarationError(f"{at}.required", f"expected a list of property names, got {_json_kind(required)}")
+        for k, name in enumerate(required or []):
+            if not isinstance(name, str):
+                raise DeclarationError(f"{at}.required[{k}]", f"expected a property name, got {_json_kind(name)}")
+            if name in required[:k]:
+                raise DeclarationError(f"{at}.required[{k}]", f"{shown(name)} is listed twice")
+            # (unless the schema lets other properties in by name: additionalProperties or patternProperties)
+            if isinstance(props, dict) and name not in props and not schema.get("additionalProperties") \
+                    and not schema.get("patternProperties"):
+                raise DeclarationError(f"{at}.required[{k}]", f"{shown(name)} is not a declared property (properties: "
+                                                               f"{', '.join(map(str, props)) or 'none'})")
+        items = schema.get("items")  # an array's items, and each alternative of a union, may be objects in turn
+        if isinstance(items, dict):
+            stack.append((items, f"{at}.items"))
+        stack += [(s, f"{at}.items[{i}]") for i, s in enumerate(items if isinstance(items, list) else [])
+                  if isinstance(s, dict)]
+        for key in ("anyOf", "oneOf", "allOf"):
+            alts = schema.get(key)
+            stack += [(s, f"{at}.{key}[{i}]") for i, s in enumerate(alts if isinstance(alts, list) else [])
+                      if isinstance(s, dict)]
 
 
 def format_call(name: str, args: dict) -> str:
