@@ -405,6 +405,9 @@ CASES = [
          ["override 'train.seed=010'", "octal to YAML 1.1 (8)"]),
     Case("config-tilde-run-dir", "gemma_tpu.train", [*TRAIN, "train.run_dir=~"],
          ["override 'train.run_dir=~'", "a bare ~ is null to YAML, not the home directory"]),
+    # a variable nothing expands (quoted for the shell, or in the YAML file): a directory named '$GEMMA_TPU_UNSET'
+    Case("config-unset-variable-in-a-path", "gemma_tpu.train", [*TRAIN, "checkpoint.dir=$GEMMA_TPU_UNSET/ck"],
+         ["override 'checkpoint.dir=$GEMMA_TPU_UNSET/ck'", "environment variable GEMMA_TPU_UNSET, which is not set"]),
     Case("config-inf-in-yaml", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "train.grad_clip", "finite"],
          {"c.yaml": "train:\n  grad_clip: .inf\n"}),
     # ... and in YAML (PyYAML's int()): a ValueError traceback, not the key

@@ -441,6 +441,14 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  eval_path: ~/e.jsonl\n")
     assert load_config(path).data.eval_path == f"{tmp_path}/e.jsonl"
+    # ... and so are environment variables, which nothing expands in a YAML file (or a quoted override): the run
+    # wrote a directory named '$HOME'; a '$' that names no variable is part of the name
+    monkeypatch.setenv("GEMMA_TPU_TEST_DATA", str(tmp_path / "d"))
+    path.write_text("model:\n  path: $HOME/m\ndata:\n  train_path: ${GEMMA_TPU_TEST_DATA}/t.jsonl\n"
+                    "checkpoint:\n  dir: $HOME/runs/a\ntrain:\n  run_dir: runs/cost$5\n")
+    cfg = load_config(path)
+    assert (cfg.model.path, cfg.data.train_path) == (f"{tmp_path}/m", f"{tmp_path}/d/t.jsonl")
+    assert (cfg.checkpoint.dir, cfg.train.run_dir) == (f"{tmp_path}/runs/a", "runs/cost$5")
 
 
 @pytest.mark.parametrize("text, line, message", [

@@ -790,14 +790,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             raise UserError(f"override '{text}': a bare ~ is null to YAML, not the home directory; write {key}=null "
                             f"to leave it unset, or a path such as {key}=~/NAME")
     cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
-    for section, key in PATH_KEYS:
-        value = getattr(getattr(cfg, section), key)
-        if isinstance(value, str) and value.startswith("~"):
-            setattr(getattr(cfg, section), key, os.path.expanduser(value))
     if cfg.train.optimizer is None:
         cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
     where = str(path) if path is not None else "config"
     try:
+        _expand_paths(cfg, where)
         validate(cfg, where)
     except UserError as e:
         origin = blame(str(e), where, overrides, key_lines(path))
@@ -805,6 +802,28 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             raise
         raise UserError(f"{origin}: {str(e).removeprefix(where + ': ')}") from None
     return cfg
+
+
+_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
+
+
+def _expand_paths(cfg: RunConfig, where: str) -> None:
+    """`~` and environment variables (`$HOME`, `${DATA}`) in the local paths (PATH_KEYS, and model.path when it is
+    one): nothing expands them in a YAML file, nor in an override the shell passes quoted, and `checkpoint.dir:
+    $HOME/runs/a` made a directory named `$HOME` in the working directory. A variable that is not set is refused."""
+    for section, key in (*PATH_KEYS, ("model", "path")):
+        value = getattr(getattr(cfg, section), key)
+        if not isinstance(value, str) or value.startswith("embedded:"):
+            continue
+        unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value)
+                 if (m.group(1) or m.group(2)) not in os.environ]
+        if unset:
+            raise UserError(f"{where}: {section}.{key}={value!r} names the environment variable {unset[0]}, which is "
+                            f"not set; set it or write the path out")
+        expanded = _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+        if (section, key) in PATH_KEYS and expanded.startswith("~"):
+            expanded = os.path.expanduser(expanded)
+        setattr(getattr(cfg, section), key, expanded)
 
 
 def validate(cfg: RunConfig, where: str = "config") -> None:
