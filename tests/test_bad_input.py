@@ -343,6 +343,11 @@ CASES = [
          ["{tmp}/d.jsonl:2", "'response'"], {"d.jsonl": from_corpus("instruction_missing_response.jsonl")}),
     Case("data-missing-file", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/nope.jsonl"],
          ["{tmp}/nope.jsonl"]),
+    # a glob, as datasets' data_files takes: "not found", with the files it matches in plain sight
+    Case("data-path-a-pattern", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/parts/*.jsonl"],
+         ["data file not found: {tmp}/parts/*.jsonl (a pattern matching 2 files, e.g. {tmp}/parts/a.jsonl",
+          "patterns are not expanded"],
+         {"parts/a.jsonl": CHAT.read_text(), "parts/b.jsonl": CHAT.read_text()}),
     Case("data-bad-eval-file", "gemma_tpu.train", [*TRAIN, "data.eval_path={tmp}/eval.jsonl"],
          ["{tmp}/eval.jsonl:1", "no assistant message"], {"eval.jsonl": from_corpus("no_assistant.jsonl")}),
     # fewer rows than one batch: inspect and the dry run exited 0, training refused it only once the model had

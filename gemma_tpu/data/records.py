@@ -192,7 +192,10 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         yield from _iter_saved_dataset(p)
         return
     if not p.is_file():
-        raise UserError(f"data file not found: {p}")
+        matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
+        hint = (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
+                f"file, the examples of all of them concatenated into one)" if matches else "")
+        raise UserError(f"data file not found: {p}{hint}")
     with p.open("rb") as f:
         magic = f.read(2)
     gz = magic == b"\x1f\x8b"  # gzip, whatever the name says
