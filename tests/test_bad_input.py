@@ -398,6 +398,10 @@ CASES = [
     Case("config-override-without-value", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "train.max_steps"],
          ["'train.max_steps'", "section.key=value"]),
+    # the same through --set (it was refused as an unrecognized argument, not as the empty value it is)
+    Case("config-set-override-without-value", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--set", "train.max_steps="],
+         ["override 'train.max_steps=': train.max_steps: expected an integer, got ''"]),
     Case("config-override-through-scalar", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "train.max_steps.x=1"], ["train.max_steps.x"]),
     Case("train-unknown-option", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--stpes", "3"],

@@ -277,10 +277,12 @@ def test_overrides_between_options_cli():
     """Overrides after an option (`--print-config a=1 --debug b=2`) were refused: argparse took the first run
     of positionals only ('unrecognized arguments: lora.rank=2')."""
     proc = run_cli("gemma_tpu.train", "train.max_steps=20", "--config", "configs/tiny.yaml", "--print-config",
-                   "lora.rank=2", "--no-compile", "train.seed=7")
+                   "lora.rank=2", "--no-compile", "train.seed=7", "--set", "train.seed=8", "--set=data.seq_len=64")
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
-    assert (cfg["train"]["max_steps"], cfg["lora"]["rank"], cfg["train"]["seed"]) == (20, 2, 7)
+    # `--set KEY=VALUE` (Helm's spelling) is an override in its place: it was 'unrecognized arguments'
+    assert (cfg["train"]["max_steps"], cfg["lora"]["rank"], cfg["train"]["seed"]) == (20, 2, 8)
+    assert cfg["data"]["seq_len"] == 64
 
 
 @pytest.mark.parametrize("override, message", [
