@@ -334,6 +334,13 @@ CASES = [
                      '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\\udc00"}]}\n'}),
     Case("data-not-utf8", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "UTF-8"], {"d.jsonl": from_corpus("latin1.jsonl")}),
+    # another compression than gzip, or UTF-16 without its byte-order mark: "not UTF-8 text (byte 2 of the line)" and
+    # "NUL bytes, as a file cut short by a crash", not what the file is
+    Case("data-zstd-compressed", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl: a zstd-compressed file; only gzip is read"], {"d.jsonl": b"\x28\xb5\x2f\xfd" + bytes(20)}),
+    Case("data-utf16-without-bom", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl: UTF-16 text", "save it as UTF-8"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'.encode("utf-16-le")}),
     Case("data-empty-file", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/empty.jsonl"],
          ["{tmp}/empty.jsonl", "empty"], {"empty.jsonl": ""}),
     Case("data-parquet-wrong-columns", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.parquet"],
