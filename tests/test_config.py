@@ -467,6 +467,11 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     ("train:\n  max_steps: 3\n  warmup_steps: 5\n", 3, "train.warmup_steps=5 is longer than train.max_steps=3"),
     ("data:\n  shuffle: on\n  strategy: yes\n", 3, "data.strategy: True is not one of 'pad', 'pack' (YAML reads a "
      "bare yes/no/on/off/true/false as a boolean; write one of the choices)"),
+    # a key left without its value (null) where null is not taken: it was "expected an integer, got None"
+    ("train:\n  seed: 1\n  max_steps:\n", 3, "train.max_steps: null (no value given), which this key does not take; "
+     "give an integer"),
+    ("data:\n  strategy: ~\n", 2, "data.strategy: null (no value given), which this key does not take; give one of "
+     "'pad', 'pack'"),
 ])
 def test_a_bad_value_in_the_file_names_its_line(tmp_path, text, line, message):
     """A bad value in a long YAML file named the key but not where it is ('run.yaml: data.strategy: ...');

@@ -257,6 +257,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`, with the few coercions YAML needs."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if value is None and origin not in (typing.Union, types.UnionType) and not dataclasses.is_dataclass(tp):
+        # `max_steps:` with nothing after the colon (or null, ~) for a key that takes no null: it was "expected an
+        # integer, got None", Python's word for what the file never said
+        kind = ("one of " + ", ".join(repr(a) for a in args) if origin is Literal else "a list" if origin is list
+                else "a mapping" if origin is dict else
+                {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, _type_name(tp)))
+        raise UserError(f"{where}: null (no value given), which this key does not take; give {kind}")
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
