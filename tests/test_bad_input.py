@@ -263,6 +263,12 @@ CASES = [
          ["{tmp}/d.json:2", "NaN is not JSON"],
          {"d.json": '[{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},\n'
                     '{"messages": [{"role": "user", "content": NaN}, {"role": "assistant", "content": "x"}]}]\n'}),
+    # an integer of more digits than Python converts (4,300): a ValueError traceback out of the JSON reader
+    Case("data-integer-past-python-digits", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:2", "a number of 5001 digits (Python reads integers of at most 4300)"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                     '{"id": 1' + "0" * 5000 + ', "messages": [{"role": "user", "content": "hi"}, {"role": '
+                     '"assistant", "content": "x"}]}\n'}),
     # ... and inside JSON kept as a string (tool-call arguments): NaN trained as `{x:NaN}`, a lone surrogate a
     # TypeError traceback from the tokenizer
     Case("data-nan-in-string-arguments", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
@@ -290,6 +296,19 @@ CASES = [
     Case("data-tool-parameters-not-a-schema", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:1", "tools[0].function.parameters: expected a JSON Schema object", "[1, 2]"],
          {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "description": "Steps.", "parameters": "[1, 2]"}}], "messages": [{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {}}}]}]}\n'}),
+    # a declared parameter no call can pass (its name is not a key the call text carries), a required one not declared
+    Case("data-tool-property-name-with-colon", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "tools[0].function.parameters.properties: property name 'time:zone' cannot be written"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "parameters": {"type": '
+                     '"object", "properties": {"time:zone": {"type": "string"}}}}}], "messages": [{"role": "user", '
+                     '"content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", '
+                     '"function": {"name": "get_steps", "arguments": {}}}]}]}\n'}),
+    Case("data-tool-required-undeclared", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl:1", "tools[0].function.parameters.required[0]: 'dat' is not a declared property"],
+         {"d.jsonl": '{"tools": [{"type": "function", "function": {"name": "get_steps", "parameters": {"type": '
+                     '"object", "properties": {"date": {"type": "string"}}, "required": ["dat"]}}}], "messages": '
+                     '[{"role": "user", "content": "steps?"}, {"role": "assistant", "content": "", "tool_calls": '
+                     '[{"type": "function", "function": {"name": "get_steps", "arguments": {"date": "today"}}}]}]}\n'}),
     # what FunctionGemma's call text cannot carry: trained as text that parses back to another call
     Case("data-call-key-with-colon", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "call 'get_steps' arguments", "key 'time:zone'"],
@@ -315,6 +334,13 @@ CASES = [
                      '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\\udc00"}]}\n'}),
     Case("data-not-utf8", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
          ["{tmp}/d.jsonl:2", "UTF-8"], {"d.jsonl": from_corpus("latin1.jsonl")}),
+    # another compression than gzip, or UTF-16 without its byte-order mark: "not UTF-8 text (byte 2 of the line)" and
+    # "NUL bytes, as a file cut short by a crash", not what the file is
+    Case("data-zstd-compressed", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl: a zstd-compressed file; only gzip is read"], {"d.jsonl": b"\x28\xb5\x2f\xfd" + bytes(20)}),
+    Case("data-utf16-without-bom", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/d.jsonl"],
+         ["{tmp}/d.jsonl: UTF-16 text", "save it as UTF-8"],
+         {"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'.encode("utf-16-le")}),
     Case("data-empty-file", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/empty.jsonl"],
          ["{tmp}/empty.jsonl", "empty"], {"empty.jsonl": ""}),
     Case("data-parquet-wrong-columns", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/d.parquet"],
@@ -324,6 +350,11 @@ CASES = [
          ["{tmp}/d.jsonl:2", "'response'"], {"d.jsonl": from_corpus("instruction_missing_response.jsonl")}),
     Case("data-missing-file", "gemma_tpu.train", [*TRAIN, "data.train_path={tmp}/nope.jsonl"],
          ["{tmp}/nope.jsonl"]),
+    # a glob, as datasets' data_files takes: "not found", with the files it matches in plain sight
+    Case("data-path-a-pattern", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/parts/*.jsonl"],
+         ["data file not found: {tmp}/parts/*.jsonl (a pattern matching 2 files, e.g. {tmp}/parts/a.jsonl",
+          "patterns are not expanded"],
+         {"parts/a.jsonl": CHAT.read_text(), "parts/b.jsonl": CHAT.read_text()}),
     Case("data-bad-eval-file", "gemma_tpu.train", [*TRAIN, "data.eval_path={tmp}/eval.jsonl"],
          ["{tmp}/eval.jsonl:1", "no assistant message"], {"eval.jsonl": from_corpus("no_assistant.jsonl")}),
     # fewer rows than one batch: inspect and the dry run exited 0, training refused it only once the model had
@@ -374,6 +405,10 @@ CASES = [
     Case("config-override-without-value", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "train.max_steps"],
          ["'train.max_steps'", "section.key=value"]),
+    # the same through --set (it was refused as an unrecognized argument, not as the empty value it is)
+    Case("config-set-override-without-value", "gemma_tpu.train",
+         ["--config", "{repo}/configs/tiny.yaml", "--set", "train.max_steps="],
+         ["override 'train.max_steps=': train.max_steps: expected an integer, got ''"]),
     Case("config-override-through-scalar", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "train.max_steps.x=1"], ["train.max_steps.x"]),
     Case("train-unknown-option", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--stpes", "3"],
@@ -386,8 +421,15 @@ CASES = [
          ["override 'train.seed=010'", "octal to YAML 1.1 (8)"]),
     Case("config-tilde-run-dir", "gemma_tpu.train", [*TRAIN, "train.run_dir=~"],
          ["override 'train.run_dir=~'", "a bare ~ is null to YAML, not the home directory"]),
+    # a variable nothing expands (quoted for the shell, or in the YAML file): a directory named '$GEMMA_TPU_UNSET'
+    Case("config-unset-variable-in-a-path", "gemma_tpu.train", [*TRAIN, "checkpoint.dir=$GEMMA_TPU_UNSET/ck"],
+         ["override 'checkpoint.dir=$GEMMA_TPU_UNSET/ck'", "environment variable GEMMA_TPU_UNSET, which is not set"]),
     Case("config-inf-in-yaml", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "train.grad_clip", "finite"],
          {"c.yaml": "train:\n  grad_clip: .inf\n"}),
+    # ... and in YAML (PyYAML's int()): a ValueError traceback, not the key
+    Case("config-integer-past-python-digits", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"],
+         ["{tmp}/c.yaml line 2", "train.max_steps", "too large for an integer"],
+         {"c.yaml": "train:\n  max_steps: 1" + "0" * 5000 + "\n"}),
     Case("config-zero-learning-rate", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "train.learning_rate=0"],
          ["train.learning_rate", "positive"]),
     Case("config-negative-weight-decay", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml",

@@ -277,10 +277,12 @@ def test_overrides_between_options_cli():
     """Overrides after an option (`--print-config a=1 --debug b=2`) were refused: argparse took the first run
     of positionals only ('unrecognized arguments: lora.rank=2')."""
     proc = run_cli("gemma_tpu.train", "train.max_steps=20", "--config", "configs/tiny.yaml", "--print-config",
-                   "lora.rank=2", "--no-compile", "train.seed=7")
+                   "lora.rank=2", "--no-compile", "train.seed=7", "--set", "train.seed=8", "--set=data.seq_len=64")
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
-    assert (cfg["train"]["max_steps"], cfg["lora"]["rank"], cfg["train"]["seed"]) == (20, 2, 7)
+    # `--set KEY=VALUE` (Helm's spelling) is an override in its place: it was 'unrecognized arguments'
+    assert (cfg["train"]["max_steps"], cfg["lora"]["rank"], cfg["train"]["seed"]) == (20, 2, 8)
+    assert cfg["data"]["seq_len"] == 64
 
 
 @pytest.mark.parametrize("override, message", [
@@ -441,6 +443,14 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  eval_path: ~/e.jsonl\n")
     assert load_config(path).data.eval_path == f"{tmp_path}/e.jsonl"
+    # ... and so are environment variables, which nothing expands in a YAML file (or a quoted override): the run
+    # wrote a directory named '$HOME'; a '$' that names no variable is part of the name
+    monkeypatch.setenv("GEMMA_TPU_TEST_DATA", str(tmp_path / "d"))
+    path.write_text("model:\n  path: $HOME/m\ndata:\n  train_path: ${GEMMA_TPU_TEST_DATA}/t.jsonl\n"
+                    "checkpoint:\n  dir: $HOME/runs/a\ntrain:\n  run_dir: runs/cost$5\n")
+    cfg = load_config(path)
+    assert (cfg.model.path, cfg.data.train_path) == (f"{tmp_path}/m", f"{tmp_path}/d/t.jsonl")
+    assert (cfg.checkpoint.dir, cfg.train.run_dir) == (f"{tmp_path}/runs/a", "runs/cost$5")
 
 
 @pytest.mark.parametrize("text, line, message", [
@@ -457,6 +467,11 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     ("train:\n  max_steps: 3\n  warmup_steps: 5\n", 3, "train.warmup_steps=5 is longer than train.max_steps=3"),
     ("data:\n  shuffle: on\n  strategy: yes\n", 3, "data.strategy: True is not one of 'pad', 'pack' (YAML reads a "
      "bare yes/no/on/off/true/false as a boolean; write one of the choices)"),
+    # a key left without its value (null) where null is not taken: it was "expected an integer, got None"
+    ("train:\n  seed: 1\n  max_steps:\n", 3, "train.max_steps: null (no value given), which this key does not take; "
+     "give an integer"),
+    ("data:\n  strategy: ~\n", 2, "data.strategy: null (no value given), which this key does not take; give one of "
+     "'pad', 'pack'"),
 ])
 def test_a_bad_value_in_the_file_names_its_line(tmp_path, text, line, message):
     """A bad value in a long YAML file named the key but not where it is ('run.yaml: data.strategy: ...');

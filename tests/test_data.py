@@ -1548,7 +1548,8 @@ TOOL_RESULT_TEXTS = [
     '{"s": "q\\"uote \\\\ \\/ \\b\\f\\n\\r\\t \\u00e9 \\ud83d\\ude00 \\ud800x \\udc00"}', '{"\\u00e9": 2}',
     '{"a":1,}', "[1,]", "{a:1}", "{'a':1}", '{"a" 1}', "", "  ", "plain text", '{"a":1}}', "[1] x", "01", "1.", ".5",
     "+1", "1e", '"raw\nnewline"', '"\\x"', '"\\u12g4"', '{"a":' * 65 + "1" + "}" * 65,
-    '{"a":' * 64 + "1" + "}" * 64, json.dumps({"rows": ["x" * 40] * 180}), json.dumps({"rows": ["x" * 40] * 190}),
+    '{"a":' * 64 + "1" + "}" * 64, '{"n": -%s, "m": 1}' % ("9" * 4300), '{"n": %s}' % ("9" * 4301),
+    json.dumps({"rows": ["x" * 40] * 180}), json.dumps({"rows": ["x" * 40] * 190}),
 ]
 
 
@@ -1577,6 +1578,9 @@ def test_tool_results_sent_as_json_text_render_as_in_training(tok):
     assert unmapped('{"steps": 8123}').endswith("response:get_steps{steps:8123}<end_function_response>")
     assert "{result:<escape>plain text<escape>}" in unmapped("plain text")
     assert "{result:5}" in unmapped("5") and "{result:<escape>{a:1}<escape>}" in unmapped("{a:1}")
+    # an integer past Python's 4,300 digits: a ValueError traceback out of the renderer (json.loads), 0 in the template
+    # (Jinja's int filter); both keep such a text as a string
+    assert f"{{result:<escape>{TOOL_RESULT_TEXTS[-3]}<escape>}}" in unmapped(TOOL_RESULT_TEXTS[-3])
     # the GGUF's template (llama.cpp) keeps results as strings
     plain = tool_chat_template(token_map, parse_json=False)
     assert "json_value" not in plain

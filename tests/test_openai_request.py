@@ -102,6 +102,20 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "properties": {"a": {"type": "string"}}, "required": ["a", 1]}}}]}, "tools[0].function.parameters.required[1]",
      "expected a property name, got a number"),
+    # property names no call can carry (FunctionGemma's call text parses `time:zone:` as another key), in nested
+    # objects too, and a required parameter the schema does not declare (a typo): rendered as declared
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"time:zone": {"type": "string"}}}}}]},
+     "tools[0].function.parameters.properties", "property name 'time:zone' cannot be written in a FunctionGemma call"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+        "properties": {"a": {"type": "array", "items": {"type": "object", "properties": {" b": {}}}}}}}}]},
+     "tools[0].function.parameters.properties.a.items.properties", "property name ' b'"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"date": {"type": "string"}}, "required": ["dat"]}}}]},
+     "tools[0].function.parameters.required[0]", "'dat' is not a declared property (properties: date)"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"date": {"type": "string"}}, "required": ["date", "date"]}}}]},
+     "tools[0].function.parameters.required[1]", "'date' is listed twice"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"messages": USER, "tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"messages": USER, "tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
@@ -187,6 +201,15 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert check_chat_request({"messages": USER, "stop": ["", "##"]})["stop"] == ["##"]
     assert "stop" not in check_completion_request({"prompt": "x", "stop": ["", ""]}, 50, len)
     assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
+    # schemas unusual but sound: a property name with an inner space or non-ASCII letters (a call carries them),
+    # enums, nested objects and unions, a required name that additionalProperties lets in
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "time zone": {"type": "string", "enum": ["UTC", "CET"]}, "città": {"type": "object", "properties": {
+            "n": {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"k": {}}, "required": ["k"]}]}}},
+        "tags": {"type": "array", "items": {"enum": [1, 2]}}}, "required": ["time zone"]}}}
+    loose = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": True, "required": ["x"]}}}
+    assert check_chat_request({"messages": USER, "tools": [odd, loose]})["tools"] == [odd, loose]
     # an empty tool list with the "auto" (or "none", parallel calls) a client always sends: no tools, as the
     # Responses path reads it (it was a 400, "needs tools")
     for extra in ({"tool_choice": "auto"}, {"tool_choice": "none", "parallel_tool_calls": True}, {}):

@@ -43,7 +43,8 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
             p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     if overrides:
-        p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {override_example}")
+        p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {override_example} (also "
+                                                    f"--set {override_example})")
     return p
 
 
@@ -92,7 +93,31 @@ class _OverridesParser(argparse.ArgumentParser):
     first run only and refuses the rest as unrecognized arguments."""
 
     def parse_args(self, args=None, namespace=None):
-        return self.parse_intermixed_args(args, namespace)
+        return self.parse_intermixed_args(_bare_overrides(sys.argv[1:] if args is None else args), namespace)
+
+
+def _bare_overrides(args: Sequence[str]) -> list[str]:
+    """`--set KEY=VALUE` (or `--set=KEY=VALUE`, as Helm and many launchers spell an override) as the bare override,
+    in its place: it was 'unrecognized arguments: --set train.max_steps=3'. An empty value stays the override's own
+    error (`--set train.max_steps=` is "train.max_steps: expected an integer, got ''")."""
+    out: list[str] = []
+    args = list(args)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":  # everything after it is positional already
+            out += args[i:]
+            break
+        if a == "--set" or a.startswith("--set="):
+            value = a[len("--set="):] if a.startswith("--set=") else (args[i + 1] if i + 1 < len(args) else None)
+            if value is None or value.startswith("-"):
+                raise UserError("--set needs an override after it, e.g. --set train.max_steps=20")
+            out.append(value)
+            i += 1 if a.startswith("--set=") else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def number(low: float, low_ok: bool = False, high: float | None = None) -> Callable[[str], float]:

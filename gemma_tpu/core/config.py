@@ -230,7 +230,7 @@ def _whole_number(value: Any, where: str) -> int:
         except decimal.InvalidOperation:
             number = None
         if number is not None and number.is_finite() and number.adjusted() > 100:  # 1e999999999: no such int
-            raise UserError(f"{where}: {value!r} is too large for an integer")
+            raise UserError(f"{where}: {shown(value)} is too large for an integer")
         if number is not None and number.is_finite():
             if number == number.to_integral_value():
                 return int(number)
@@ -257,6 +257,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`, with the few coercions YAML needs."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if value is None and origin not in (typing.Union, types.UnionType) and not dataclasses.is_dataclass(tp):
+        # `max_steps:` with nothing after the colon (or null, ~) for a key that takes no null: it was "expected an
+        # integer, got None", Python's word for what the file never said
+        kind = ("one of " + ", ".join(repr(a) for a in args) if origin is Literal else "a list" if origin is list
+                else "a mapping" if origin is dict else
+                {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, _type_name(tp)))
+        raise UserError(f"{where}: null (no value given), which this key does not take; give {kind}")
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -593,7 +600,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_spelled_number(self, node):
         """Numbers keep their text, for the string keys they may be given to (see `_SpelledInt`)."""
-        value = (self.construct_yaml_int if node.tag.endswith(":int") else self.construct_yaml_float)(node)
+        try:
+            value = (self.construct_yaml_int if node.tag.endswith(":int") else self.construct_yaml_float)(node)
+        except ValueError:  # more digits than Python converts to an int (4,300): a traceback; the text, checked as such
+            return node.value
         return _spelled(value, node.value)
 
 
@@ -787,14 +797,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             raise UserError(f"override '{text}': a bare ~ is null to YAML, not the home directory; write {key}=null "
                             f"to leave it unset, or a path such as {key}=~/NAME")
     cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
-    for section, key in PATH_KEYS:
-        value = getattr(getattr(cfg, section), key)
-        if isinstance(value, str) and value.startswith("~"):
-            setattr(getattr(cfg, section), key, os.path.expanduser(value))
     if cfg.train.optimizer is None:
         cfg.train.optimizer = "adamw" if cfg.lora.enabled else "adafactor"
     where = str(path) if path is not None else "config"
     try:
+        _expand_paths(cfg, where)
         validate(cfg, where)
     except UserError as e:
         origin = blame(str(e), where, overrides, key_lines(path))
@@ -802,6 +809,28 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             raise
         raise UserError(f"{origin}: {str(e).removeprefix(where + ': ')}") from None
     return cfg
+
+
+_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
+
+
+def _expand_paths(cfg: RunConfig, where: str) -> None:
+    """`~` and environment variables (`$HOME`, `${DATA}`) in the local paths (PATH_KEYS, and model.path when it is
+    one): nothing expands them in a YAML file, nor in an override the shell passes quoted, and `checkpoint.dir:
+    $HOME/runs/a` made a directory named `$HOME` in the working directory. A variable that is not set is refused."""
+    for section, key in (*PATH_KEYS, ("model", "path")):
+        value = getattr(getattr(cfg, section), key)
+        if not isinstance(value, str) or value.startswith("embedded:"):
+            continue
+        unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value)
+                 if (m.group(1) or m.group(2)) not in os.environ]
+        if unset:
+            raise UserError(f"{where}: {section}.{key}={value!r} names the environment variable {unset[0]}, which is "
+                            f"not set; set it or write the path out")
+        expanded = _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+        if (section, key) in PATH_KEYS and expanded.startswith("~"):
+            expanded = os.path.expanduser(expanded)
+        setattr(getattr(cfg, section), key, expanded)
 
 
 def validate(cfg: RunConfig, where: str = "config") -> None:

@@ -26,6 +26,7 @@ Accepted files, all through `iter_raw`:
 - `.jsonl` (or anything else): one JSON object a line; blank lines are skipped. Text that starts with '['
   is a JSON array whatever the name (as for `.json`).
 - any of the text forms gzip-compressed (`.jsonl.gz`, `.json.gz`; told by its magic bytes).
+  Other compressions and archives (zstd, bzip2, xz, zip, 7z) and UTF-16/32 text are refused saying so.
 - `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
   object, or JSON Lines saved under a `.json` name.
 - a `datasets` `save_to_disk` directory (or one of its `.arrow` shards): one example a row, as Parquet.
@@ -122,7 +123,17 @@ def _float(text: str) -> float:
     return value
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float)
+def _int(text: str) -> int:
+    """A JSON integer; one longer than Python converts from text (4,300 digits, `sys.get_int_max_str_digits`) was a
+    ValueError traceback out of the reader."""
+    digits = len(text.lstrip("-"))
+    limit = sys.get_int_max_str_digits()
+    if limit and digits > limit:
+        raise _NotData(f"a number of {digits} digits (Python reads integers of at most {limit})")
+    return int(text)
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float, parse_int=_int)
 
 
 def _too_deep(where: str) -> UserError:
@@ -182,12 +193,15 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         yield from _iter_saved_dataset(p)
         return
     if not p.is_file():
-        raise UserError(f"data file not found: {p}")
+        matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
+        hint = (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
+                f"file, the examples of all of them concatenated into one)" if matches else "")
+        raise UserError(f"data file not found: {p}{hint}")
     with p.open("rb") as f:
-        magic = f.read(2)
+        head = f.read(6)
+    magic = head[:2]
     gz = magic == b"\x1f\x8b"  # gzip, whatever the name says
-    if magic in (b"\xff\xfe", b"\xfe\xff"):  # what Windows PowerShell's `>` writes
-        raise UserError(f"{p}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
+    _refuse_other_encodings(p, head)
     opener = gzip.open if gz else open
     suffix = (Path(p.stem).suffix if gz and p.suffix.lower() == ".gz" else p.suffix).lower()
     if gz and suffix == ".parquet":
@@ -237,6 +251,32 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
                 yield first, obj
                 return
     yield from _iter_lines(p, opener)
+
+
+# compressions and archives other than gzip, by their magic bytes: read as text they were "not UTF-8 text (byte 2 of
+# the line)", or a zip's padding "NUL bytes, as a file cut short by a crash"
+_OTHER_CONTAINERS = ((b"\x28\xb5\x2f\xfd", "a zstd-compressed file", "zstd -d FILE"),
+                     (b"BZh", "a bzip2-compressed file", "bunzip2 FILE"),
+                     (b"\xfd7zXZ\x00", "an xz-compressed file", "unxz FILE"),
+                     (b"PK\x03\x04", "a zip archive", "unzip FILE"),
+                     (b"7z\xbc\xaf\x27\x1c", "a 7z archive", "7z x FILE"))
+
+
+def _refuse_other_encodings(p: Path, head: bytes) -> None:
+    """Refuse what the reader cannot read as UTF-8 (or gzip of it), by its first bytes, in one line that says what it
+    is: another compression or an archive, UTF-16 or UTF-32 text (with a byte-order mark, or ASCII with every other
+    byte NUL), which was "NUL bytes, as a file cut short by a crash"."""
+    for magic, what, how in _OTHER_CONTAINERS:
+        if head.startswith(magic):
+            raise UserError(f"{p}: {what}; only gzip is read: decompress it ({how})")
+    if head[:4] in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff") or (
+            len(head) >= 4 and head[1:4] == b"\x00\x00\x00" and 0 < head[0] < 0x80):
+        raise UserError(f"{p}: UTF-32 text; save it as UTF-8")
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):  # what Windows PowerShell's `>` writes
+        raise UserError(f"{p}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
+    if len(head) >= 4 and ((0 < head[0] < 0x80 and head[1] == 0 and 0 < head[2] < 0x80 and head[3] == 0) or
+                           (head[0] == 0 and 0 < head[1] < 0x80 and head[2] == 0 and 0 < head[3] < 0x80)):
+        raise UserError(f"{p}: UTF-16 text (ASCII characters with NUL bytes between them); save it as UTF-8")
 
 
 def _starts_an_array(p: Path, opener) -> bool:
@@ -710,7 +750,7 @@ def _messages_or_text(value: Any, what: str, where: str) -> Any:
     if isinstance(value, str) and value.lstrip().startswith("[{"):
         try:
             decoded = json.loads(value)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # not JSON (or a number Python will not read): text
             return value
         if isinstance(decoded, list) and all(isinstance(m, dict) and "role" in m for m in decoded):
             return _decode_embedded(value, what, where)

@@ -118,7 +118,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
         if m["role"] == "tool" and content.lstrip().startswith("{"):
             try:
                 content = json.loads(content)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, an integer past Python's 4,300 digits, nested too deeply
                 pass
         msg: dict[str, Any] = {"role": m["role"], "content": content}
         if m.get("tool_calls"):

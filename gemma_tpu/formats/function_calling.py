@@ -186,25 +186,55 @@ def check_tools(tools: Any, bare: bool = False) -> list[str]:
 def _check_schema(params: dict, where: str) -> None:
     """The parameters schema an object's (the arguments are a JSON object), its `properties` an object of schemas
     (objects, or JSON Schema's true/false) and its `required` a list of names, as OpenAI's schema check demands:
-    `"properties": "x"` was rendered into the prompt, where the model read a declaration that declares nothing."""
+    `"properties": "x"` was rendered into the prompt, where the model read a declaration that declares nothing.
+    Property names, nested objects' too, must be keys a FunctionGemma call can carry (`check_call_arguments`), and
+    `required` names declared properties, once each: a `time:zone` parameter was declared, and no call could pass it
+    (the call text parses back as another key); a required parameter the schema does not declare is a typo that told
+    the model to pass what it is told nothing of."""
     if params.get("type", "object") != "object":
         raise DeclarationError(f"{where}.type", f"the parameters schema must have type \"object\", got "
                                                 f"{json.dumps(params['type'])}")
-    props = params.get("properties")
-    if props is not None:
-        if not isinstance(props, dict):
-            raise DeclarationError(f"{where}.properties", f"expected an object of property schemas, got "
-                                                           f"{_json_kind(props)}")
-        for name, schema in props.items():
-            if not isinstance(schema, (dict, bool)):
-                raise DeclarationError(f"{where}.properties.{name}", f"expected a JSON Schema object, got "
-                                                                      f"{_json_kind(schema)}")
-    required = params.get("required")
-    if required is not None and not isinstance(required, list):
-        raise DeclarationError(f"{where}.required", f"expected a list of property names, got {_json_kind(required)}")
-    for k, name in enumerate(required or []):
-        if not isinstance(name, str):
-            raise DeclarationError(f"{where}.required[{k}]", f"expected a property name, got {_json_kind(name)}")
+    stack = [(params, where)]
+    while stack:  # without recursion: a schema nested as deeply as the JSON reader allows
+        schema, at = stack.pop()
+        props = schema.get("properties")
+        if props is not None:
+            if not isinstance(props, dict):
+                raise DeclarationError(f"{at}.properties", f"expected an object of property schemas, got "
+                                                            f"{_json_kind(props)}")
+            for name, sub in props.items():
+                if not _BARE_KEY.fullmatch(str(name)):
+                    raise DeclarationError(f"{at}.properties", f"property name {shown(str(name))} cannot be written in "
+                                                                f"a FunctionGemma call (no ':', '{{', '}}', '[', ']', "
+                                                                f"',', '\"', '<' or leading/trailing spaces), so no "
+                                                                f"call could pass it")
+                if not isinstance(sub, (dict, bool)):
+                    raise DeclarationError(f"{at}.properties.{name}", f"expected a JSON Schema object, got "
+                                                                       f"{_json_kind(sub)}")
+                if isinstance(sub, dict):
+                    stack.append((sub, f"{at}.properties.{name}"))
+        required = schema.get("required")
+        if required is not None and not isinstance(required, list):
+            raise DeclarationError(f"{at}.required", f"expected a list of property names, got {_json_kind(required)}")
+        for k, name in enumerate(required or []):
+            if not isinstance(name, str):
+                raise DeclarationError(f"{at}.required[{k}]", f"expected a property name, got {_json_kind(name)}")
+            if name in required[:k]:
+                raise DeclarationError(f"{at}.required[{k}]", f"{shown(name)} is listed twice")
+            # (unless the schema lets other properties in by name: additionalProperties or patternProperties)
+            if isinstance(props, dict) and name not in props and not schema.get("additionalProperties") \
+                    and not schema.get("patternProperties"):
+                raise DeclarationError(f"{at}.required[{k}]", f"{shown(name)} is not a declared property (properties: "
+                                                               f"{', '.join(map(str, props)) or 'none'})")
+        items = schema.get("items")  # an array's items, and each alternative of a union, may be objects in turn
+        if isinstance(items, dict):
+            stack.append((items, f"{at}.items"))
+        stack += [(s, f"{at}.items[{i}]") for i, s in enumerate(items if isinstance(items, list) else [])
+                  if isinstance(s, dict)]
+        for key in ("anyOf", "oneOf", "allOf"):
+            alts = schema.get(key)
+            stack += [(s, f"{at}.{key}[{i}]") for i, s in enumerate(alts if isinstance(alts, list) else [])
+                      if isinstance(s, dict)]
 
 
 def format_call(name: str, args: dict) -> str:
@@ -229,6 +259,9 @@ JSON_RESULT_LIMIT = 8192
 # ... and nesting deeper than this is not JSON either (Python's reader would hit its recursion limit somewhere
 # past ~900 levels, at a depth that depends on the caller; the template's reader has none)
 JSON_RESULT_MAX_DEPTH = 64
+# ... and an integer of more digits than this is not a number either: Python's default bound on converting text to int
+# (`sys.get_int_max_str_digits`), past which json.loads raised a ValueError traceback out of the renderer
+JSON_INT_MAX_DIGITS = 4300
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads leaves of an unpaired \\uD800..\\uDFFF escape
 
 
@@ -261,18 +294,24 @@ def _depth(value: Any) -> int:
     return 0
 
 
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > JSON_INT_MAX_DIGITS:
+        raise ValueError(f"an integer of more than {JSON_INT_MAX_DIGITS} digits")
+    return int(text)
+
+
 def format_response(name: str, content: str) -> str:
     """A tool result: a JSON object renders field by field, anything else as `{result:...}` (a JSON value
     read as such; a text that is not JSON, or one over JSON_RESULT_LIMIT characters, as a string)."""
     try:
         if isinstance(content, str) and len(content) > JSON_RESULT_LIMIT:
             raise TypeError("too long to be read as JSON (as the chat template reads it)")
-        value = json.loads(content)
+        value = json.loads(content, parse_int=_json_int)
         if _depth(value) > JSON_RESULT_MAX_DEPTH:
             raise TypeError("nested too deeply to be read as JSON (as the chat template reads it)")
         if LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)):
             raise TypeError("escapes a lone UTF-16 surrogate, which no tokenizer encodes: kept as the text")
-    except (json.JSONDecodeError, TypeError, RecursionError):
+    except (ValueError, TypeError, RecursionError):
         value = {"result": content}
     if not isinstance(value, dict):
         value = {"result": value}
@@ -723,9 +762,9 @@ _JSON_MACRO = r"""
 {%- macro json_value(s) -%}
   {#- '1' and the FunctionGemma text of the JSON value in `s` (format_value of Python's json.loads(s):
       strings decoded and escaped, numbers as Python re-dumps them, NaN/Infinity read, control characters
-      in strings refused), or '0' when `s` is not JSON, nests deeper than JSON_RESULT_MAX_DEPTH or escapes a
-      lone UTF-16 surrogate (no tokenizer encodes one). A duplicated
-      key keeps both (Python keeps the last). -#}
+      in strings refused), or '0' when `s` is not JSON, nests deeper than JSON_RESULT_MAX_DEPTH, holds an integer
+      of more than JSON_INT_MAX_DIGITS digits or escapes a lone UTF-16 surrogate (no tokenizer encodes one).
+      A duplicated key keeps both (Python keeps the last). -#}
   {%- set j = namespace(out='', ok=true, stack=[], mode='value', buf='', key=false, esc=false, hex=none, hi=none, tok='') -%}
   {%- for ch in s ~ ' ' -%}
     {%- if j.mode == 'str' and j.hex is none and not j.esc and j.hi is none and ch not in '"\\' and ch >= ' ' -%}
@@ -790,7 +829,8 @@ _JSON_MACRO = r"""
               {%- else -%}{%- set n.ok = false -%}
               {%- endif -%}
             {%- endfor -%}
-            {%- if n.ok and n.state in [2, 3] -%}{%- set j.out = j.out ~ (j.tok | int) | tojson -%}
+            {%- if n.ok and n.state in [2, 3] and (j.tok | replace('-', '') | length) <= JSON_INT_MAX_DIGITS -%}
+              {%- set j.out = j.out ~ (j.tok | int) | tojson -%}
             {%- elif n.ok and n.state in [5, 8] -%}{%- set j.out = j.out ~ (j.tok | float) | tojson -%}
             {%- else -%}{%- set j.ok = false -%}
             {%- endif -%}
@@ -849,4 +889,5 @@ def tool_chat_template(token_map: dict[str, str] | None = None, parse_json: bool
         text = text.replace(call, "'0'")
     text = text.replace("JSON_RESULT_LIMIT", str(JSON_RESULT_LIMIT))
     text = text.replace("JSON_RESULT_MAX_DEPTH", str(JSON_RESULT_MAX_DEPTH))
+    text = text.replace("JSON_INT_MAX_DIGITS", str(JSON_INT_MAX_DIGITS))
     return map_markers(text, token_map)
