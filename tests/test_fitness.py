@@ -340,6 +340,13 @@ def test_parser_classifies_text_bare_calls_and_errors():
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))
     assert [c.name for c in two.calls] == ["get_steps", "get_daily_step_goal"]
+    # parallel calls from a server that strips special tokens: every bare call, not the first alone (the second was
+    # left as the answer's text, so evaluate scored an endpoint's right two-call turn wrong and the chat ran one)
+    for sep in ("", " ", "\n"):
+        stripped = parse_reply(f"call:get_steps{{date:today}}{sep}call:get_daily_step_goal{{}}")
+        assert (stripped.kind, stripped.calls, stripped.text) == (
+            "call", [ToolCall("get_steps", {"date": "today"}), ToolCall("get_daily_step_goal", {})], ""), sep
+    assert parse_reply("call:get_steps{date:today} then call:get_sleep{").kind == "format_error"
     for broken in ("<start_function_call>call:get_steps{date:<escape>today}",
                    "<start_function_call>call:get_steps{date:<escape>today<escape>",
                    "<start_function_call>call:{date:1}<end_function_call>",

@@ -500,8 +500,10 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
             start = text.find(START_CALL, pos)
             if start < 0:
                 rest = text[pos:]
-                if not calls and _CALL_HINT.search(rest):
-                    # no start marker (stripped by a server, or forgotten): try the bare form
+                # no start marker (stripped by a server, or forgotten): the bare form, every call of it (a server
+                # that strips special tokens turns parallel calls into `call:a{...}call:b{...}`: the second was text)
+                bare = not calls
+                while bare and _CALL_HINT.search(rest):
                     m = _CALL_HINT.search(rest)
                     m = re.compile(r"call:").search(rest, m.start()) if m else None
                     if m is None:
