@@ -607,6 +607,11 @@ def test_answer_scores_by_hand():
     # combining marks are part of their word: Devanagari split at its virama and vowel signs, which it dropped
     assert words("नमस्ते, दुनिया!") == ["नमस्ते", "दुनिया"] and words("a_b +c°") == ["a", "b", "c"]
     assert token_f1("किताब", "कुताब") == 0.0 and exact_match("สวัสดีครับ", "สวัสดีค่ะ") == 0.0
+    # invisible format characters inside a word (soft hyphen, ZWNJ, word joiner, a bidi mark) do not split it; a
+    # zero-width space separates words, as a space does
+    assert words("co\u00adoperation di\u2060rect \u200fשלום\u200f") == ["cooperation", "direct", "שלום"]
+    assert exact_match("Great co\u00adoperation", "great cooperation") == 1.0 and words("می\u200cروم") == ["میروم"]
+    assert words("ก\u200bข") == ["ก", "ข"]
     assert exact_match("hal, 3 plus 17 is 20.", "Hal, 3 plus 17 is 20") == 1.0
     assert exact_match("3 plus 17 is 20", "Hal, 3 plus 17 is 20") == 0.0
     # 5 predicted words, 6 reference words, 5 in common (F1 10/11); the same words reordered keep F1 but not LCS
