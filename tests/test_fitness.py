@@ -347,6 +347,9 @@ def test_parser_classifies_text_bare_calls_and_errors():
         assert (stripped.kind, stripped.calls, stripped.text) == (
             "call", [ToolCall("get_steps", {"date": "today"}), ToolCall("get_daily_step_goal", {})], ""), sep
     assert parse_reply("call:get_steps{date:today} then call:get_sleep{").kind == "format_error"
+    # a key given twice: which value the model meant is anyone's guess (the last was taken, and could score right)
+    twice = parse_reply(format_call("get_steps", {"date": "today"}).replace("}", ",date:<escape>yesterday<escape>}"))
+    assert (twice.kind, twice.calls) == ("format_error", []) and "key 'date' appears twice" in twice.error
     for broken in ("<start_function_call>call:get_steps{date:<escape>today}",
                    "<start_function_call>call:get_steps{date:<escape>today<escape>",
                    "<start_function_call>call:{date:1}<end_function_call>",

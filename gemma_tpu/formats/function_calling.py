@@ -436,6 +436,8 @@ class _Reader:
             if self.i >= len(self.s) or self.s[self.i] != ":":
                 raise self._fail(f"expected ':' after key {key!r}")
             self.i += 1
+            if str(key) in out:  # which one the model meant is anyone's guess (the last was taken without a word)
+                raise self._fail(f"key {str(key)!r} appears twice")
             out[str(key)] = self.value(",}")
             self._ws()
             if self.i >= len(self.s):
