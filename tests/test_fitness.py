@@ -671,6 +671,9 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
     assert reply_from_message({"content": "8,000 steps."}).kind == "text"
     bad = {"tool_calls": [{"function": {"name": "get_steps", "arguments": "{date"}}]}
     assert reply_from_message(bad).kind == "format_error"
+    for args in ('{"date": "today", "date": "yesterday"}', json.dumps('{"date": "a", "date": "b"}')):  # twice encoded
+        twice = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": args}}]})
+        assert (twice.kind, twice.error) == ("format_error", "tool_calls arguments give key 'date' twice"), args
     conv = dataset.generate(0, {"train": 1, "validation": 0, "test": 0})["train"][0]
     sent = openai_messages(conv["messages"])
     assert sent[0]["role"] == "system" and json.loads(sent[2]["tool_calls"][0]["function"]["arguments"])
