@@ -671,6 +671,10 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
     assert reply_from_message({"content": "8,000 steps."}).kind == "text"
     bad = {"tool_calls": [{"function": {"name": "get_steps", "arguments": "{date"}}]}
     assert reply_from_message(bad).kind == "format_error"
+    # no arguments: null, "", "null" (a tool parser's json.dumps of arguments none gave) and "{}" alike
+    for args in (None, "", "null", "{}"):
+        none = reply_from_message({"tool_calls": [{"function": {"name": "get_daily_step_goal", "arguments": args}}]})
+        assert (none.kind, none.calls) == ("call", [ToolCall("get_daily_step_goal", {})]), args
     for args in ('{"date": "today", "date": "yesterday"}', json.dumps('{"date": "a", "date": "b"}')):  # twice encoded
         twice = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": args}}]})
         assert (twice.kind, twice.error) == ("format_error", "tool_calls arguments give key 'date' twice"), args

@@ -346,6 +346,7 @@ def reply_from_message(message: dict) -> ParsedReply:
             args = json.loads(raw, object_pairs_hook=_once) if isinstance(raw, str) and raw.strip() else (raw or {})
             if isinstance(args, str) and args.strip().startswith("{"):
                 args = json.loads(args, object_pairs_hook=_once)
+            args = {} if args is None else args  # "null" (json.dumps of none given): no arguments, as null is
         except json.JSONDecodeError:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
         except _KeyTwice as e:  # as the FunctionGemma text's parser refuses it (which value was meant is a guess)
