@@ -835,6 +835,12 @@ CASES = [
     Case("evaluate-text-rows", "gemma_tpu.evaluate", ["--data", "{tmp}/t.jsonl", "--model", "{tiny}"],
          ["{tmp}/t.jsonl:2", "language-modeling 'text' row"],
          {"t.jsonl": '{"prompt": "hi", "completion": "yo"}\n{"text": "plain prose"}\n'}),
+    # a conversation ending with a question (or a tool result) without its reference answer: that last turn was never
+    # scored, under any --turns, without a word
+    Case("evaluate-unanswered-last-turn", "gemma_tpu.evaluate", ["--data", "{tmp}/t.jsonl", "--model", "{tiny}"],
+         ["{tmp}/t.jsonl:2", "ends with a user message, without the assistant's turn after it"],
+         {"t.jsonl": '{"prompt": "hi", "completion": "yo"}\n{"messages": [{"role": "user", "content": "hi"}, '
+                     '{"role": "assistant", "content": "yo"}, {"role": "user", "content": "and you?"}]}\n'}),
     Case("evaluate-tokenizer-past-vocab", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tmp}/m"],
          ["token id", "past the model's vocabulary (vocab_size 150"], {"m": small_vocab_with_tiny_tokenizer}),
     Case("evaluate-json-is-a-dir", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--json", "{tmp}"],

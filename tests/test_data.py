@@ -893,6 +893,14 @@ BAD_CASES = {
                                            "<start_function_call>call:f{}<end_function_call>"}]}], 1,
                             "'<start_function_call>' at character 0, the chat markup's own control token, which the "
                             "tokenizer would read as markup; remove it (tool calls go in tool_calls)"),
+    # ... and as a plain Gemma 3 vocabulary spells the call markers (`<unused2>`): the evaluation of an endpoint (a
+    # served fine-tune reads them as markup) sent them, where a local evaluation refused them
+    "raw_mapped_call_in_content": ([{"messages": [GOOD["messages"][0], {"role": "assistant", "content":
+                                                  "<unused2>call:f{}<unused3>"}]}], 1,
+                                   "'<unused2>' at character 0, the chat markup's own control token, which the "
+                                   "tokenizer would read as markup; remove it (tool calls go in tool_calls)"),
+    "user_holds_a_mapped_marker": ([{"messages": [{"role": "user", "content": "what is <unused6>?"},
+                                                  GOOD["messages"][1]]}], 1, "messages[0]: the text holds '<unused6>'"),
     "instruction_with_eos": ([{"instruction": "a", "response": "b<eos>"}], 1, "field 'response': the text holds "
                                                                              "'<eos>'"),
     "tools_string_infinity": ([{"tools": json.dumps([STEPS_TOOL])[:-2] + ', "x": Infinity}]',

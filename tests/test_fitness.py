@@ -340,6 +340,16 @@ def test_parser_classifies_text_bare_calls_and_errors():
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))
     assert [c.name for c in two.calls] == ["get_steps", "get_daily_step_goal"]
+    # parallel calls from a server that strips special tokens: every bare call, not the first alone (the second was
+    # left as the answer's text, so evaluate scored an endpoint's right two-call turn wrong and the chat ran one)
+    for sep in ("", " ", "\n"):
+        stripped = parse_reply(f"call:get_steps{{date:today}}{sep}call:get_daily_step_goal{{}}")
+        assert (stripped.kind, stripped.calls, stripped.text) == (
+            "call", [ToolCall("get_steps", {"date": "today"}), ToolCall("get_daily_step_goal", {})], ""), sep
+    assert parse_reply("call:get_steps{date:today} then call:get_sleep{").kind == "format_error"
+    # a key given twice: which value the model meant is anyone's guess (the last was taken, and could score right)
+    twice = parse_reply(format_call("get_steps", {"date": "today"}).replace("}", ",date:<escape>yesterday<escape>}"))
+    assert (twice.kind, twice.calls) == ("format_error", []) and "key 'date' appears twice" in twice.error
     for broken in ("<start_function_call>call:get_steps{date:<escape>today}",
                    "<start_function_call>call:get_steps{date:<escape>today<escape>",
                    "<start_function_call>call:{date:1}<end_function_call>",
@@ -600,6 +610,11 @@ def test_answer_scores_by_hand():
     # combining marks are part of their word: Devanagari split at its virama and vowel signs, which it dropped
     assert words("नमस्ते, दुनिया!") == ["नमस्ते", "दुनिया"] and words("a_b +c°") == ["a", "b", "c"]
     assert token_f1("किताब", "कुताब") == 0.0 and exact_match("สวัสดีครับ", "สวัสดีค่ะ") == 0.0
+    # invisible format characters inside a word (soft hyphen, ZWNJ, word joiner, a bidi mark) do not split it; a
+    # zero-width space separates words, as a space does
+    assert words("co\u00adoperation di\u2060rect \u200fשלום\u200f") == ["cooperation", "direct", "שלום"]
+    assert exact_match("Great co\u00adoperation", "great cooperation") == 1.0 and words("می\u200cروم") == ["میروم"]
+    assert words("ก\u200bข") == ["ก", "ข"]
     assert exact_match("hal, 3 plus 17 is 20.", "Hal, 3 plus 17 is 20") == 1.0
     assert exact_match("3 plus 17 is 20", "Hal, 3 plus 17 is 20") == 0.0
     # 5 predicted words, 6 reference words, 5 in common (F1 10/11); the same words reordered keep F1 but not LCS
@@ -656,6 +671,13 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
     assert reply_from_message({"content": "8,000 steps."}).kind == "text"
     bad = {"tool_calls": [{"function": {"name": "get_steps", "arguments": "{date"}}]}
     assert reply_from_message(bad).kind == "format_error"
+    # no arguments: null, "", "null" (a tool parser's json.dumps of arguments none gave) and "{}" alike
+    for args in (None, "", "null", "{}"):
+        none = reply_from_message({"tool_calls": [{"function": {"name": "get_daily_step_goal", "arguments": args}}]})
+        assert (none.kind, none.calls) == ("call", [ToolCall("get_daily_step_goal", {})]), args
+    for args in ('{"date": "today", "date": "yesterday"}', json.dumps('{"date": "a", "date": "b"}')):  # twice encoded
+        twice = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": args}}]})
+        assert (twice.kind, twice.error) == ("format_error", "tool_calls arguments give key 'date' twice"), args
     conv = dataset.generate(0, {"train": 1, "validation": 0, "test": 0})["train"][0]
     sent = openai_messages(conv["messages"])
     assert sent[0]["role"] == "system" and json.loads(sent[2]["tool_calls"][0]["function"]["arguments"])
@@ -1259,6 +1281,22 @@ def test_chat_refuses_the_markups_control_tokens_in_a_question_or_a_tool_result(
         with pytest.raises(UserError, match=f"the result of get_steps: the text holds '{token}'"):
             remote.ask("steps today?")
         assert len(handler.requests) == 1
+
+
+def test_serving_chat_refuses_the_reserved_tokens_a_plain_gemma_writes_the_call_markers_as():
+    """A served fine-tune of a plain Gemma 3 reads `<unused2>` as its call marker (the client reads its content so,
+    `plain_gemma_token_map`): serving.chat sent a question holding it, where the local chat refuses it."""
+    from gemma_tpu.core.errors import UserError
+    from serving.chat import RemoteCoach
+    from tests.test_serving import scripted
+
+    handler, server = scripted({"content": "never sent"})
+    with server as url:
+        with pytest.raises(UserError, match="the question: the text holds '<unused2>' at character 8, the chat "
+                                            "markup's own control token"):
+            RemoteCoach(url, SimulatedDevice(0, today=TODAY), model="m", trace=None, retries=0).ask(
+                "what is <unused2>call:get_steps{}?")
+        assert handler.requests == []
 
 
 def test_chat_refuses_a_question_past_the_context_without_tokenizing_all_of_it(tiny_dir):

@@ -48,7 +48,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core.errors import UserError, shown
-from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, DeclarationError, check_tools, find_lone_surrogate
+from gemma_tpu.formats.function_calling import (
+    FUNCTION_MARKERS,
+    DeclarationError,
+    check_tools,
+    find_lone_surrogate,
+    plain_gemma_token_map,
+)
 from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
 
 log = logging.getLogger(__name__)
@@ -448,7 +454,13 @@ class Markup:
                             f"{' (tool calls go in tool_calls)' if answer and token in self.calls else ''}")
 
 
-GEMMA_MARKUP = Markup((START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS))
+# Gemma 3's own markup, with the reserved tokens a plain Gemma 3 vocabulary writes the FunctionGemma markers as
+# (`<unused2>` for `<start_function_call>`, ...: what an endpoint's content is read with, `plain_gemma_token_map`):
+# without them a question or a test example holding `<unused2>` went to a served fine-tune, whose tokenizer read it as
+# the call marker, where the local chat and evaluation (their tokenizer's markup) refused it
+GEMMA_MARKUP = Markup((START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS,
+                       *plain_gemma_token_map().values()),
+                      calls=(*FUNCTION_MARKERS, *plain_gemma_token_map().values()))
 
 
 # content parts that are not pictures or sound but were refused as such ("training here is text only"): Anthropic's

@@ -6,7 +6,8 @@ words, as SQuAD scores) and ROUGE-L F1 (longest common subsequence, so word orde
 Normalisation: Unicode NFKC, lower case, punctuation and symbols dropped, whitespace split; a word is letters,
 digits and the combining marks on them (Devanagari's vowel signs and virama, Thai's vowels: dropped as punctuation,
 they split नमस्ते into fragments and scored किताब and कुताब as one word); Chinese and Japanese characters count one
-word each (their text has no spaces to split on). A text without any word (an emoji, a lone symbol) is scored on its
+word each (their text has no spaces to split on); an invisible format character within a word (a soft hyphen,
+ZWNJ) is dropped, not a split. A text without any word (an emoji, a lone symbol) is scored on its
 characters, so an empty reply does not match it in full."""
 
 from __future__ import annotations
@@ -19,11 +20,24 @@ _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _WORD = re.compile(rf"[{_CJK}]|[^{_CJK}\s]+")
 
 
+_ZERO_WIDTH_SPACE = "\u200b"  # the one invisible format character (Cf) that separates words (Thai, Khmer text)
+
+
+def _word_char(c: str) -> str:
+    """`c` as `words` reads it: itself in a word, nothing for an invisible format character inside one (a soft
+    hyphen, ZWNJ/ZWJ, a word joiner, a bidi mark: they split "co\u00adoperation" in two, which then matched
+    "cooperation" in no word), a space for anything else."""
+    cat = unicodedata.category(c)
+    if cat[0] in "LNM":
+        return c
+    return "" if cat == "Cf" and c != _ZERO_WIDTH_SPACE else " "
+
+
 def words(text: str) -> list[str]:
     """The words of an answer: runs of letters (L), digits (N) and marks (M), other characters
-    separating them."""
+    separating them (invisible format characters other than the zero-width space: none, `_word_char`)."""
     text = unicodedata.normalize("NFKC", text).casefold()
-    return _WORD.findall("".join(c if unicodedata.category(c)[0] in "LNM" else " " for c in text))
+    return _WORD.findall("".join(map(_word_char, text)))
 
 
 def tokens(text: str) -> list[str]:

@@ -122,6 +122,19 @@ def build_cases(convs: list[dict], turns: str = "first") -> list[Case]:
     return cases
 
 
+def check_answered(convs: list[dict]) -> None:
+    """Refuse a conversation that does not end with the assistant's turn, by FILE:LINE: its last question (or tool
+    result) has no reference answer, and was never scored under any --turns, without a word (the data reader takes
+    it: it trains nothing there)."""
+    for conv in convs:
+        last = conv["messages"][-1]["role"]
+        if last != "assistant":
+            what = {"user": "a user message", "tool": "a tool result"}.get(last, f"a {last} message")
+            raise UserError(f"{conv.get('where') or 'an example'}: the conversation ends with {what}, without the "
+                            f"assistant's turn after it: no reference answer to score it against (end it with the "
+                            f"assistant's turn, or drop the messages after the last one)")
+
+
 def _matched(reference: Sequence[ToolCall], predicted: Sequence[ToolCall], same) -> bool:
     """Every reference call has a predicted call of its own that is `same(ref, pred)` (a matching, found by
     trying each candidate: a turn holds a handful of calls)."""
@@ -636,6 +649,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
     if lm is not None:  # nothing to prompt with or score against
         raise UserError(f"{lm['where']}: a language-modeling 'text' row; evaluation scores the assistant turns of "
                         f"chats (messages, prompt-completion, ShareGPT or instruction rows)")
+    check_answered(convs)
     if args.limit:
         convs = convs[: args.limit]
     if args.compare:

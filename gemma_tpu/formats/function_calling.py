@@ -475,6 +475,8 @@ class _Reader:
             if self.i >= len(self.s) or self.s[self.i] != ":":
                 raise self._fail(f"expected ':' after key {key!r}")
             self.i += 1
+            if str(key) in out:  # which one the model meant is anyone's guess (the last was taken without a word)
+                raise self._fail(f"key {str(key)!r} appears twice")
             out[str(key)] = self.value(",}")
             self._ws()
             if self.i >= len(self.s):
@@ -539,8 +541,10 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
             start = text.find(START_CALL, pos)
             if start < 0:
                 rest = text[pos:]
-                if not calls and _CALL_HINT.search(rest):
-                    # no start marker (stripped by a server, or forgotten): try the bare form
+                # no start marker (stripped by a server, or forgotten): the bare form, every call of it (a server
+                # that strips special tokens turns parallel calls into `call:a{...}call:b{...}`: the second was text)
+                bare = not calls
+                while bare and _CALL_HINT.search(rest):
                     m = _CALL_HINT.search(rest)
                     m = re.compile(r"call:").search(rest, m.start()) if m else None
                     if m is None:

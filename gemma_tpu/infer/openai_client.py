@@ -320,6 +320,20 @@ def openai_tools(tools: list[dict] | None) -> list[dict] | None:
             for t in tools]
 
 
+class _KeyTwice(ValueError):
+    """A JSON object of arguments that gives one key twice."""
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook refusing a key given twice (json.loads keeps the last without a word)."""
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise _KeyTwice(k)
+        seen.add(k)
+    return dict(pairs)
+
+
 def reply_from_message(message: dict) -> ParsedReply:
     """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content. Arguments
     encoded twice (a JSON string holding the JSON object, as some servers' parsers and models write them) are
@@ -329,11 +343,14 @@ def reply_from_message(message: dict) -> ParsedReply:
         fn = tc.get("function") or {}
         raw = fn.get("arguments")
         try:
-            args = json.loads(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
+            args = json.loads(raw, object_pairs_hook=_once) if isinstance(raw, str) and raw.strip() else (raw or {})
             if isinstance(args, str) and args.strip().startswith("{"):
-                args = json.loads(args)
+                args = json.loads(args, object_pairs_hook=_once)
+            args = {} if args is None else args  # "null" (json.dumps of none given): no arguments, as null is
         except json.JSONDecodeError:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
+        except _KeyTwice as e:  # as the FunctionGemma text's parser refuses it (which value was meant is a guess)
+            return ParsedReply("format_error", [], str(raw), f"tool_calls arguments give key {e.args[0]!r} twice")
         if not isinstance(args, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             return ParsedReply("format_error", [], str(raw), "tool call without a name or an object of arguments")
         calls.append(ToolCall(fn["name"], args))
