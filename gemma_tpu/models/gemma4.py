@@ -608,6 +608,12 @@ GEMMA4 = register(
         end_of_turn_token="<turn|>",
         end_of_turn_id=106,
         call_stop_token="<|tool_response>",  # id 50: vLLM names it by its id (stop_reason), /detokenize by text
+        # its chat template's markup: turns, tool declarations, calls and results, the string quote, thinking
+        # channels, media placeholders (each one special token of the vocabulary)
+        markup_tokens=("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",
+                       "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>",
+                       "<|think|>", "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>",
+                       "<|video|>"),
         sliding_window_pattern=6,  # transformers' default when config.json has no layer_types
         # vLLM-TPU serves Gemma 4 with tpu-inference's JAX-native models
         # (`tpu_inference/models/common/model_loader.py` registers both); tool calls are `<|tool_call>` blocks.
