@@ -1225,6 +1225,10 @@ def test_the_clients_take_any_endpoints_address_as_the_server():
     for tail in ("", "/", "/v1", "/v1/", "/v1/chat/completions", "/v1/completions", "/v1/responses/", "/v1/models"):
         assert api_base("http://h:8000" + tail) == "http://h:8000/v1", tail
     assert api_base("https://h/openai/v1/completions") == "https://h/openai/v1"
+    # capitals and repeated slashes were kept: requests went to `/V1/v1/chat/completions`, `//v1/...` (HTTP 404)
+    for tail in ("/V1", "/V1/", "//v1", "/v1//", "/v1//chat/completions", "/V1/Chat/Completions", "//"):
+        assert api_base("http://h:8000" + tail) == "http://h:8000/v1", tail
+    assert api_base("http://h/API//V1/models") == "http://h/API/v1"
     # a model name after '#' (as evaluate --compare's endpoint:URL#MODEL) or a query had the paths appended after it
     # (`http://h:8000#coach/v1/chat/completions`, sent to `/`): refused in one line
     for bad, needle in (("http://h:8000#coach", "no #fragment"), ("http://h:8000/v1?api-version=1", r"no \?query")):
