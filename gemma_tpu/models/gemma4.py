@@ -620,6 +620,7 @@ GEMMA4 = register(
         vllm_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         vllm_tool_parser="gemma4",
         vllm_jax_native=True,
-        vllm_tp_split_sizes=("intermediate_size",),
+        vllm_tp_split_sizes=("intermediate_size",),  # the dense MLP, beside the experts in a MoE's layers too
+        vllm_tp_expert_split_sizes=("moe_intermediate_size",),  # None in a dense model: not checked
     )
 )

@@ -249,6 +249,9 @@ class Family:
     # config.json sizes vLLM splits evenly over --tensor-parallel-size (the MLP width: MergedColumnParallelLinear and
     # RowParallelLinear assert it divides when the engine builds the model; tpu-inference shards the same dimension)
     vllm_tp_split_sizes: tuple[str, ...] = ()
+    # config.json sizes vLLM splits over --tensor-parallel-size unless --enable-expert-parallel spreads whole experts
+    # over the chips instead: each expert's width (FusedMoE divides it by the TP size and asserts it divides)
+    vllm_tp_expert_split_sizes: tuple[str, ...] = ()
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
     vllm_jax_native: bool = False
