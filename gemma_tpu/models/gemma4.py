@@ -581,6 +581,10 @@ PARTITION_DIMS = tuple((pattern, tuple(_GLOBAL_FIELDS.get(f, f) if f else f for 
     (r"embedder\.per_layer_model_projection\.w", ("hidden_size", "num_hidden_layers", "hidden_size_per_layer_input")),
     (_L + r"per_layer_input_gate\.w", ("hidden_size", "hidden_size_per_layer_input")),
     (_L + r"per_layer_projection\.w", ("hidden_size_per_layer_input", "hidden_size")),
+    # the experts (Tunix: experts × gate/up × expert width × model width, experts × expert width × model width)
+    (_L + r"moe\.gating_einsum", ("num_experts", None, "moe_intermediate_size", "hidden_size")),
+    (_L + r"moe\.linear", ("num_experts", "moe_intermediate_size", "hidden_size")),
+    (_L + r"moe\.router_logits", ("hidden_size", "num_experts")),
 )
 
 
