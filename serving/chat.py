@@ -24,7 +24,7 @@ from typing import Any, Sequence, TextIO
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.data.records import GEMMA_MARKUP
+from gemma_tpu.data.records import served_markup
 from gemma_tpu.examples.fitness.chat import chat_repl, check_tool_results, question_text
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
@@ -61,9 +61,9 @@ class RemoteCoach:
         self.trace = trace
         # the server renders the messages with its chat template and tokenizes the prompt whole, control tokens read
         # as such (vLLM and `serving.launch --local` alike): a question holding `<start_of_turn>` opened a turn of
-        # its own. Its vocabulary is not known here, so the markup is Gemma's own (records.GEMMA_MARKUP, what the
-        # training reader refuses without a tokenizer); the local chat checks its tokenizer's (`Coach`)
-        self.markup = GEMMA_MARKUP
+        # its own. Its vocabulary is not known here, so the markup is every family's (records.served_markup: a
+        # Gemma 4's `<|turn>` too); the local chat checks its tokenizer's (`Coach`)
+        self.markup = served_markup()
         self.stop_text = StopTokenTexts(self.base, model, api_key, min(timeout, 30.0), retries)  # vLLM's stop ids
 
     def _log(self, text: str) -> None:

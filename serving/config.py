@@ -193,6 +193,22 @@ def extra_arg_values(args: Sequence[str], flag: str) -> list[str] | None:
     return values
 
 
+def bool_extra_arg(args: Sequence[str], flag: str, *aliases: str) -> bool:
+    """Whether server.extra_args turns the boolean option `flag` on (`--flag` or one of its short `aliases`, spelt as
+    vLLM's parser reads them; vLLM keeps the last of `--flag` and `--no-flag`)."""
+    known = vllm_serve_flags()
+    negated = "--no-" + flag.removeprefix("--")
+    on = False
+    for arg in args:
+        option = vllm_option(arg)
+        resolved = resolve_vllm_option(option, known) if option is not None else None
+        if resolved in (flag, *aliases) or option in aliases:
+            on = True
+        elif resolved == negated:
+            on = False
+    return on
+
+
 # vLLM's packed modules in Gemma 3 and 4 (packed_modules_mapping, vllm/model_executor/models/gemma3.py, gemma4.py):
 # one LoRA layer wraps a group, so --lora-target-modules naming the group or any member of it applies all members
 VLLM_PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -677,11 +693,16 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and heads % tp:
             raise UserError(f"server.tensor_parallel_size={tp} does not divide num_attention_heads={heads} "
                             f"({d}/config.json)")
-        for key in fam.vllm_tp_split_sizes:  # an AssertionError minutes into vLLM's start
+        # with expert parallelism each expert stays whole on a chip: its width is not split
+        experts_whole = bool_extra_arg(cfg.server.extra_args, "--enable-expert-parallel", "-ep")
+        split = (*fam.vllm_tp_split_sizes, *(() if experts_whole else fam.vllm_tp_expert_split_sizes))
+        for key in split:  # an AssertionError minutes into vLLM's start
             size = text.get(key)
             if isinstance(size, int) and not isinstance(size, bool) and size > 0 and size % tp:
+                hint = (" (or spread whole experts over them: --enable-expert-parallel in server.extra_args)"
+                        if key in fam.vllm_tp_expert_split_sizes else "")
                 raise UserError(f"server.tensor_parallel_size={tp} does not divide {key}={size} ({d}/config.json): "
-                                f"vLLM splits it evenly over the chips")
+                                f"vLLM splits it evenly over the chips{hint}")
         max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
         # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
         long_ok = str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true")

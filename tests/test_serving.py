@@ -403,6 +403,18 @@ def _mlp_width(p, width: int):
     return d
 
 
+def _moe_gemma4(p, expert_width: int):
+    """A Gemma 4 mixture of experts of 8 query and 4 KV heads whose experts are `expert_width` wide."""
+    d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"].update(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                              moe_intermediate_size=expert_width)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_tensors(d / "model.safetensors", {**every_weight(cfg, nested=True),
+                                           "model.language_model.layers.0.self_attn.q_proj.weight": (Q_OUT, HIDDEN)})
+    return d
+
+
 @pytest.mark.parametrize("config,make,overrides,needles", [
     (CONFIG_270M, fake_model_dir, ["server.tensor_parallel_size=3"],  # its one KV head copied, but 2 heads
      ["tensor_parallel_size=3", "num_attention_heads=2"]),
@@ -419,6 +431,9 @@ def _mlp_width(p, width: int):
     # vLLM's MLP layers assert that the chips split its width evenly, minutes into the start (an AssertionError)
     (CONFIG_270M, lambda p: _mlp_width(p, 100), ["server.tensor_parallel_size=8"],
      ["tensor_parallel_size=8 does not divide intermediate_size=100", "config.json"]),
+    # vLLM's FusedMoE splits each expert's width over the chips alike (the dense intermediate_size passed)
+    (CONFIG_31B, lambda p: _moe_gemma4(p, 22), ["server.tensor_parallel_size=8"],
+     ["tensor_parallel_size=8 does not divide moe_intermediate_size=22", "config.json", "--enable-expert-parallel"]),
     (CONFIG_270M, _no_tokenizer, [], ["no tokenizer"]),
     (CONFIG_270M, lambda p: fake_model_dir(p, arch="LlamaForCausalLM"), [], ["LlamaForCausalLM", "Gemma3ForCausalLM"]),
     (CONFIG_31B, _missing_shard, [], ["model-00002-of-00002.safetensors"]),
@@ -497,6 +512,20 @@ def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make,
     code, out, err = launch_inproc(capsys, "--config", config, "--print", f"model.dir={d}", *overrides)
     one_error_line(code, err, *needles)
     assert out == ""
+
+
+def test_experts_spread_whole_over_the_chips_need_not_split_their_width(tmp_path, capsys):
+    """With expert parallelism vLLM keeps each expert whole on a chip: moe_intermediate_size need not divide (the
+    dense MLP's width still must); `--no-enable-expert-parallel` after it takes it back, as vLLM's parser does."""
+    d = _moe_gemma4(tmp_path / "m", 22)
+    for ep in ("-ep", "--enable-expert-parallel", "--enable_expert_parallel"):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                       f"server.extra_args=[{ep}]")
+        assert code == 0, err
+        assert ep in words(out)
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                   "server.extra_args=[-ep,--no-enable-expert-parallel]")
+    one_error_line(code, err, "does not divide moe_intermediate_size=22")
 
 
 def _edit_weights(src: Path, dst: Path, drop: str = "", add: str = "") -> Path:
@@ -1225,6 +1254,10 @@ def test_the_clients_take_any_endpoints_address_as_the_server():
     for tail in ("", "/", "/v1", "/v1/", "/v1/chat/completions", "/v1/completions", "/v1/responses/", "/v1/models"):
         assert api_base("http://h:8000" + tail) == "http://h:8000/v1", tail
     assert api_base("https://h/openai/v1/completions") == "https://h/openai/v1"
+    # capitals and repeated slashes were kept: requests went to `/V1/v1/chat/completions`, `//v1/...` (HTTP 404)
+    for tail in ("/V1", "/V1/", "//v1", "/v1//", "/v1//chat/completions", "/V1/Chat/Completions", "//"):
+        assert api_base("http://h:8000" + tail) == "http://h:8000/v1", tail
+    assert api_base("http://h/API//V1/models") == "http://h/API/v1"
     # a model name after '#' (as evaluate --compare's endpoint:URL#MODEL) or a query had the paths appended after it
     # (`http://h:8000#coach/v1/chat/completions`, sent to `/`): refused in one line
     for bad, needle in (("http://h:8000#coach", "no #fragment"), ("http://h:8000/v1?api-version=1", r"no \?query")):

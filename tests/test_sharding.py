@@ -211,6 +211,9 @@ def test_indivisible_axis_names_the_mesh_keys():
      "num_key_value_heads (num_global_key_value_heads on global layers)"),
     ("gemma3", "layers.0.attn.q_einsum.w", ("tp", "fsdp", None), (4, 640, 256), "num_attention_heads"),
     ("gemma3", "layers.0.mlp.down_proj.kernel", ("tp", "fsdp"), (2050, 640), "intermediate_size"),
+    # a mixture of experts' (the table had none: a refusal named no field)
+    ("gemma4", "layers.2.moe.linear", ("fsdp", "tp", None), (128, 22, 2816), "moe_intermediate_size"),
+    ("gemma4", "layers.2.moe.gating_einsum", ("fsdp", None, None, "tp"), (127, 2, 704, 2816), "num_experts"),
 ])
 def test_indivisible_axis_names_the_config_field(family, path, spec, shape, field):
     """The refusal named the internal parameter (`embedder.per_layer_input_embedding`) and the mesh keys but not the
@@ -227,6 +230,31 @@ def test_indivisible_axis_names_the_config_field(family, path, spec, shape, fiel
     with pytest.raises(UserError, match=rf"^{re.escape(path)}: dimension \d \(size \d+, config\.json "
                                         rf"{re.escape(field)}\) cannot be split over mesh\.\w+=8; choose"):
         resolve(spec, shape, {"fsdp": 8, "tp": 8}, path, config_fields(fam, path))
+
+
+@pytest.mark.parametrize("path, shape, dim, field", [
+    ("layers.0.mlp.down_proj.kernel.array.qvalue", (2050, 640), 0, "intermediate_size"),
+    ("layers.0.mlp.down_proj.kernel_lora_a", (2050, 8), 0, "intermediate_size"),
+    ("layers.0.mlp.up_proj.kernel_lora_b", (8, 2050), 1, "intermediate_size"),
+    ("layers.0.attn.q_einsum.w_lora_b", (8, 6, 256), 1, "num_attention_heads"),
+])
+def test_indivisible_quantized_weight_or_lora_factor_names_the_config_field(path, shape, dim, field):
+    """A quantized weight (`...kernel.array.qvalue`, what lora.base_quantization trains on) or a LoRA factor that a
+    mesh axis does not divide was refused without the config.json field behind the dimension: the registry's table
+    names the weight's dims, which theirs are."""
+    import re
+
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.models.registry import get_family, read_layout
+    from gemma_tpu.train.partition import placed_spec
+
+    fam = get_family("gemma3")
+    layout = read_layout({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 1, "num_attention_heads": 6,
+                          "num_key_value_heads": 1, "hidden_size": 640, "head_dim": 256,
+                          "intermediate_size": 2050}, fam)
+    with pytest.raises(UserError, match=rf"^{re.escape(path)}: dimension {dim} \(size {shape[dim]}, config\.json "
+                                        rf"{field}\) cannot be split over mesh\.tp=4"):
+        placed_spec(fam, layout, path, shape, {"fsdp": 1, "tp": 4})
 
 
 def test_lora_factors_on_a_mesh_are_the_same_without_tracer_origin_messages(tiny_dir, monkeypatch):

@@ -38,6 +38,7 @@ Accepted files, all through `iter_raw`:
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import logging
@@ -461,6 +462,20 @@ class Markup:
 GEMMA_MARKUP = Markup((START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS,
                        *plain_gemma_token_map().values()),
                       calls=(*FUNCTION_MARKERS, *plain_gemma_token_map().values()))
+
+
+@functools.cache
+def served_markup() -> Markup:
+    """Every model family's chat markup (the registry's `Family.markup_tokens`): what a client of an OpenAI-compatible
+    server refuses in message text, not knowing the served model's vocabulary. The server renders the messages with
+    its chat template and tokenizes the prompt whole, control tokens read as such: Gemma's own markup alone let a
+    Gemma 4's `<|turn>` or `<tool_call|>` through to open a turn or a call of its own."""
+    from gemma_tpu.models import registry  # through the package, which registers every family
+
+    tokens = [t for f in registry.families().values() for t in f.markup_tokens]
+    # a call written as text in an answer is pointed at tool_calls: FunctionGemma's markers, Gemma 4's `<|tool_call>`
+    calls = (*FUNCTION_MARKERS, *(t for t in tokens if "tool_call" in t))
+    return Markup(dict.fromkeys(tokens), calls=calls)
 
 
 # content parts that are not pictures or sound but were refused as such ("training here is text only"): Anthropic's

@@ -59,6 +59,7 @@ from gemma_tpu.core.config import DataConfig, RunConfig, keys_given
 from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
 from gemma_tpu.data.batching import Example
+from gemma_tpu.data.records import served_markup
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import CUT_OFF, ParsedReply, ToolCall, arguments_match
 from gemma_tpu.infer.generate import DECODE_CHUNK, Generator, load_checkpoint, load_hf_dir
@@ -460,6 +461,9 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     done: Done = {}
     try:
         if spec.kind == "endpoint":
+            # read again with every family's control tokens (read first with Gemma 3's): the server's tokenizer is
+            # not known here, and a Gemma 4's `<|turn>` in a message opened a turn of its own there
+            load_conversations(args.data, cfg.data, served_markup())
             preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
                                             args.timeout, args.retries, os.environ.get(args.api_key_env) or None,
                                             done=done)

@@ -232,11 +232,14 @@ def api_base(url: str) -> str:
     if parts.fragment or parts.query:
         raise UserError(f"{url!r}: a server address has no {'#fragment' if parts.fragment else '?query'} (the "
                         f"model is named by the client's model option, e.g. evaluate's --served-model)")
-    url = url.strip().rstrip("/")
+    # the path however it is spelt: repeated slashes (`//v1`, `/v1//chat/completions`) and capitals (`/V1`) were kept,
+    # and requests went to `//v1/chat/completions` or `/V1/v1/chat/completions` (HTTP 404: servers match paths
+    # exactly); the API's own paths are lower case
+    path = re.sub("/+", "/", parts.path).rstrip("/")
     for suffix in ("/chat/completions", "/completions", "/responses", "/models", "/v1"):
-        if url.endswith(suffix):
-            url = url[: -len(suffix)]
-    return url + "/v1"
+        if path.lower().endswith(suffix):
+            path = path[: -len(suffix)]
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path + "/v1", "", ""))
 
 
 def server_key(url: str) -> tuple[str, str, int, str]:

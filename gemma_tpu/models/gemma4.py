@@ -581,6 +581,10 @@ PARTITION_DIMS = tuple((pattern, tuple(_GLOBAL_FIELDS.get(f, f) if f else f for 
     (r"embedder\.per_layer_model_projection\.w", ("hidden_size", "num_hidden_layers", "hidden_size_per_layer_input")),
     (_L + r"per_layer_input_gate\.w", ("hidden_size", "hidden_size_per_layer_input")),
     (_L + r"per_layer_projection\.w", ("hidden_size_per_layer_input", "hidden_size")),
+    # the experts (Tunix: experts × gate/up × expert width × model width, experts × expert width × model width)
+    (_L + r"moe\.gating_einsum", ("num_experts", None, "moe_intermediate_size", "hidden_size")),
+    (_L + r"moe\.linear", ("num_experts", "moe_intermediate_size", "hidden_size")),
+    (_L + r"moe\.router_logits", ("hidden_size", "num_experts")),
 )
 
 
@@ -608,12 +612,19 @@ GEMMA4 = register(
         end_of_turn_token="<turn|>",
         end_of_turn_id=106,
         call_stop_token="<|tool_response>",  # id 50: vLLM names it by its id (stop_reason), /detokenize by text
+        # its chat template's markup: turns, tool declarations, calls and results, the string quote, thinking
+        # channels, media placeholders (each one special token of the vocabulary)
+        markup_tokens=("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",
+                       "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>",
+                       "<|think|>", "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>",
+                       "<|video|>"),
         sliding_window_pattern=6,  # transformers' default when config.json has no layer_types
         # vLLM-TPU serves Gemma 4 with tpu-inference's JAX-native models
         # (`tpu_inference/models/common/model_loader.py` registers both); tool calls are `<|tool_call>` blocks.
         vllm_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         vllm_tool_parser="gemma4",
         vllm_jax_native=True,
-        vllm_tp_split_sizes=("intermediate_size",),
+        vllm_tp_split_sizes=("intermediate_size",),  # the dense MLP, beside the experts in a MoE's layers too
+        vllm_tp_expert_split_sizes=("moe_intermediate_size",),  # None in a dense model: not checked
     )
 )

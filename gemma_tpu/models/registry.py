@@ -235,6 +235,11 @@ class Family:
     # names it in a completion's stop_reason: Gemma 3's FunctionGemma format `<start_function_response>` (which
     # convert.tool_tokens adds to a merge's stop ids), Gemma 4's `<|tool_response>` (in its stop_token_ids)
     call_stop_token: str | None = None
+    # The control tokens the family's chat markup is written with (turns, tool declarations, calls and results, string
+    # quotes, media): what message text must not hold where the served model's tokenizer is not at hand (a client of
+    # an OpenAI-compatible server refuses every family's, `records.served_markup`); with the tokenizer, its special
+    # tokens are read instead (`Renderer.control_tokens`)
+    markup_tokens: tuple[str, ...] = ()
     # HF `layer_types` pattern: `sliding_window_pattern - 1` sliding-window layers, then one global layer.
     sliding_window_pattern: int | None = None
     # Serving on vLLM-TPU: the HF architectures it serves for this family and its tool-call parser.
@@ -244,6 +249,9 @@ class Family:
     # config.json sizes vLLM splits evenly over --tensor-parallel-size (the MLP width: MergedColumnParallelLinear and
     # RowParallelLinear assert it divides when the engine builds the model; tpu-inference shards the same dimension)
     vllm_tp_split_sizes: tuple[str, ...] = ()
+    # config.json sizes vLLM splits over --tensor-parallel-size unless --enable-expert-parallel spreads whole experts
+    # over the chips instead: each expert's width (FusedMoE divides it by the TP size and asserts it divides)
+    vllm_tp_expert_split_sizes: tuple[str, ...] = ()
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
     vllm_jax_native: bool = False

@@ -65,13 +65,32 @@ def base_spec(family, path: str) -> Spec:
     raise UserError(f"no partition rule of family {family.name} matches parameter {path!r}")
 
 
-def config_fields(family, path: str) -> tuple[str | None, ...]:
+def config_fields(family, path: str, tunix_cfg=None) -> tuple[str | None, ...]:
     """The config.json field giving each dimension of parameter `path` (its family's `partition_dims`; () where
-    the registry does not say: LoRA factors, quantized weights, a family without the table)."""
+    the registry does not say): a quantized weight's are its weight's (the scale's collapsed dims are of size 1,
+    never split), a LoRA factor's those of its weight's axes it keeps (its rank none; needs `tunix_cfg`)."""
+    m = _QUANT.match(path)
+    if m:
+        return config_fields(family, m.group("base"), tunix_cfg)
+    m = _LORA.match(path)
+    if m:
+        proj = _projection_for(family, tunix_cfg, m.group("base")) if tunix_cfg is not None else None
+        if proj is None:
+            return ()
+        fields = config_fields(family, m.group("base"), tunix_cfg)
+        return _factor_dims(proj, dict(zip(proj.axes, _pad(fields, len(proj.axes)))), m.group("ab"))
     for pattern, fields in family.partition_dims:
         if re.fullmatch(pattern, path):
             return fields
     return ()
+
+
+def _factor_dims(proj, by_axis: dict, ab: str) -> tuple:
+    """A LoRA factor's dimensions as its weight's (`by_axis`: the weight's axis -> entry): A = the input axes then the
+    rank, B = the rank then the output axes (Qwix's layout; the rank's entry None)."""
+    if ab == "a":
+        return tuple(by_axis[a] for a in proj.axes if a in proj.in_axes) + (None,)
+    return (None,) + tuple(by_axis[a] for a in proj.axes if a not in proj.in_axes)
 
 
 def _projection_for(family, tunix_cfg, module_path: str):
@@ -94,10 +113,7 @@ def spec_for(family, tunix_cfg, path: str, ndim: int) -> Spec:
         if proj is None:
             raise UserError(f"LoRA factor {path!r} is on a weight the {family.name} registry does not know")
         bspec = _pad(base_spec(family, base), len(proj.axes))
-        by_axis = dict(zip(proj.axes, bspec))
-        if m.group("ab") == "a":
-            return tuple(by_axis[a] for a in proj.axes if a in proj.in_axes) + (None,)
-        return (None,) + tuple(by_axis[a] for a in proj.axes if a not in proj.in_axes)
+        return _factor_dims(proj, dict(zip(proj.axes, bspec)), m.group("ab"))
     m = _QUANT.match(path)
     if m:
         return _pad(base_spec(family, m.group("base")), ndim)  # scale: collapsed dims are size 1
@@ -160,10 +176,11 @@ def placed_spec(family, tunix_cfg, path: str, shape: Sequence[int], mesh_sizes: 
     from gemma_tpu.lora import factor_spec
 
     shape = tuple(shape)
-    spec = resolve(spec_for(family, tunix_cfg, path, len(shape)), shape, mesh_sizes, path, config_fields(family, path))
+    fields = config_fields(family, path, tunix_cfg)
+    spec = resolve(spec_for(family, tunix_cfg, path, len(shape)), shape, mesh_sizes, path, fields)
     m = _LORA.match(path)
     if m:
-        spec = resolve(factor_spec(spec, shape, mesh_sizes, m.group("ab")), shape, mesh_sizes, path)
+        spec = resolve(factor_spec(spec, shape, mesh_sizes, m.group("ab")), shape, mesh_sizes, path, fields)
     return spec
 
 

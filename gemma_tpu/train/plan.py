@@ -351,7 +351,7 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     base_arrays: list[tuple[tuple[int, ...], float]] = []  # (shape, fraction one device holds)
     for path, (shape, _) in shapes.items():
         spec = partition.resolve(partition.spec_for(family, tcfg, path, len(shape)), shape, sizes, path,
-                                 partition.config_fields(family, path))
+                                 partition.config_fields(family, path, tcfg))
         per_dev = math.prod(shape) / partition.shards(spec, sizes)
         base_arrays.append((shape, 1 / partition.shards(spec, sizes)))
         total_params += math.prod(shape)
