@@ -474,7 +474,7 @@ def served_markup() -> Markup:
 
     tokens = [t for f in registry.families().values() for t in f.markup_tokens]
     # a call written as text in an answer is pointed at tool_calls: FunctionGemma's markers, Gemma 4's `<|tool_call>`
-    calls = (*FUNCTION_MARKERS, *(t for t in tokens if "tool_call" in t))
+    calls = (*FUNCTION_MARKERS, *plain_gemma_token_map().values(), *(t for t in tokens if "tool_call" in t))
     return Markup(dict.fromkeys(tokens), calls=calls)
 
 

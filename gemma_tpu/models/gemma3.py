@@ -11,7 +11,7 @@ from typing import Any
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats import gemma_chat
-from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE
+from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE, plain_gemma_token_map
 from gemma_tpu.models.registry import (
     Family,
     GGUFFacts,
@@ -494,9 +494,10 @@ GEMMA3 = register(
         end_of_turn_token=gemma_chat.END_OF_TURN,
         end_of_turn_id=106,
         call_stop_token=START_RESPONSE,
-        # the turns, FunctionGemma's tool markers (our Gemma format writes them), the media markers
+        # the turns, FunctionGemma's tool markers (our Gemma format writes them) and the reserved tokens a plain
+        # Gemma 3 vocabulary writes them as (`<unused2>`, ...), the media markers
         markup_tokens=("<bos>", "<eos>", "<pad>", gemma_chat.START_OF_TURN, gemma_chat.END_OF_TURN, *FUNCTION_MARKERS,
-                       *gemma_chat.MEDIA_MARKERS),
+                       *plain_gemma_token_map().values(), *gemma_chat.MEDIA_MARKERS),
         sliding_window_pattern=SLIDING_WINDOW_PATTERN,
         # vLLM-TPU serves Gemma 3 with vLLM's PyTorch model through torchax (text only); tool calls
         # are FunctionGemma text.
