@@ -211,6 +211,9 @@ def test_indivisible_axis_names_the_mesh_keys():
      "num_key_value_heads (num_global_key_value_heads on global layers)"),
     ("gemma3", "layers.0.attn.q_einsum.w", ("tp", "fsdp", None), (4, 640, 256), "num_attention_heads"),
     ("gemma3", "layers.0.mlp.down_proj.kernel", ("tp", "fsdp"), (2050, 640), "intermediate_size"),
+    # experts over fsdp (as the 26B-A4B's 128 over a v5p-512's fsdp=256), an expert width over tp
+    ("gemma4", "layers.0.moe.gating_einsum", ("fsdp", None, None, "tp"), (4, 2, 704, 2816), "num_experts"),
+    ("gemma4", "layers.0.moe.linear", ("fsdp", "tp", None), (128, 22, 2816), "moe_intermediate_size"),
 ])
 def test_indivisible_axis_names_the_config_field(family, path, spec, shape, field):
     """The refusal named the internal parameter (`embedder.per_layer_input_embedding`) and the mesh keys but not the

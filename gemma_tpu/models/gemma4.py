@@ -572,7 +572,7 @@ PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
     (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ()),  # replicated, as Gemma 3's
 )
 # the attention and MLP dims as Gemma 3's but for a global layer's own KV heads and head size; the per-layer
-# embeddings' (Tunix: vocabulary × layers × per-layer width)
+# embeddings' (Tunix: vocabulary × layers × per-layer width); the experts'
 _GLOBAL_FIELDS = {"num_key_value_heads": "num_key_value_heads (num_global_key_value_heads on global layers)",
                   "head_dim": "head_dim (global_head_dim on global layers)"}
 PARTITION_DIMS = tuple((pattern, tuple(_GLOBAL_FIELDS.get(f, f) if f else f for f in fields))
@@ -581,6 +581,9 @@ PARTITION_DIMS = tuple((pattern, tuple(_GLOBAL_FIELDS.get(f, f) if f else f for 
     (r"embedder\.per_layer_model_projection\.w", ("hidden_size", "num_hidden_layers", "hidden_size_per_layer_input")),
     (_L + r"per_layer_input_gate\.w", ("hidden_size", "hidden_size_per_layer_input")),
     (_L + r"per_layer_projection\.w", ("hidden_size_per_layer_input", "hidden_size")),
+    # the routed experts (Tunix: experts × gate/up × expert width × hidden; experts × expert width × hidden)
+    (_L + r"moe\.gating_einsum", ("num_experts", None, "moe_intermediate_size", "hidden_size")),
+    (_L + r"moe\.linear", ("num_experts", "moe_intermediate_size", "hidden_size")),
 )
 
 
