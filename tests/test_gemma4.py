@@ -14,6 +14,7 @@ Tiny random Gemma 4s written by transformers (`gemma_tpu.assets.tiny.write_tiny_
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -532,11 +533,18 @@ PRESETS = {
     "google/gemma-4-31b-it": ("gemma4", 60, 5376),
     "google/gemma-4-e2b-it": ("gemma4", 35, 1536),
     "google/gemma-4-e4b-it": ("gemma4", 42, 2560),
+    "google/gemma-4-26B-A4B-it": ("gemma4", 30, 2816),  # the hub's spelling: ids are case-insensitive
     "google/gemma-3-27b-it": ("gemma3", 62, 5376),
+    "google/gemma-3-27b-pt": ("gemma3", 62, 5376),
+    "google/gemma-3-12b-it": ("gemma3", 48, 3840),
+    "google/gemma-3-12b-pt": ("gemma3", 48, 3840),
     "google/gemma-3-4b-it": ("gemma3", 34, 2560),
+    "google/gemma-3-4b-pt": ("gemma3", 34, 2560),
     "google/gemma-3-1b-it": ("gemma3", 26, 1152),
     "google/gemma-3-1b-pt": ("gemma3", 26, 1152),
     "google/functiongemma-270m-it": ("gemma3", 18, 640),
+    "google/gemma-3-270m": ("gemma3", 18, 640),
+    "google/gemma-3-270m-it": ("gemma3", 18, 640),
 }
 
 
@@ -568,8 +576,10 @@ def test_preset_values_match_tunix():
 
     fields = ("num_layers", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads",
               "sliding_window_size", "per_layer_input_dim", "num_global_kv_heads", "k_eq_v_global",
-              "global_key_size", "override_kv_shared_ffw_hidden")
+              "global_key_size", "override_kv_shared_ffw_hidden", "enable_moe", "num_experts", "num_experts_per_tok",
+              "expert_dim", "moe_dense_hidden_dim", "global_rope_proportion")
     for hub_id, tunix in [("google/gemma-4-31b-it", g4m.ModelConfig.gemma4_31b()),
+                          ("google/gemma-4-26b-a4b-it", g4m.ModelConfig.gemma4_26b_a4b()),
                           ("google/gemma-4-e2b-it", g4m.ModelConfig.gemma4_e2b()),
                           ("google/gemma-4-e4b-it", g4m.ModelConfig.gemma4_e4b())]:
         cfg = config_json_for(hub_id)
@@ -580,7 +590,13 @@ def test_preset_values_match_tunix():
         assert _num_unshared(ours.num_layers, ours.frac_shared_layers) == _num_unshared(tunix.num_layers,
                                                                                         tunix.frac_shared_layers)
     for hub_id, tunix in [("google/gemma-3-27b-it", g3.ModelConfig.gemma3_27b_it()),
+                          ("google/gemma-3-27b-pt", g3.ModelConfig.gemma3_27b_pt()),
+                          ("google/gemma-3-12b-it", g3.ModelConfig.gemma3_12b_it()),
+                          ("google/gemma-3-12b-pt", g3.ModelConfig.gemma3_12b_pt()),
                           ("google/gemma-3-4b-it", g3.ModelConfig.gemma3_4b_it()),
+                          ("google/gemma-3-4b-pt", g3.ModelConfig.gemma3_4b_pt()),
+                          ("google/gemma-3-270m", g3.ModelConfig.gemma3_270m()),
+                          ("google/gemma-3-270m-it", g3.ModelConfig.gemma3_270m_it()),
                           ("google/gemma-3-1b-it", g3.ModelConfig.gemma3_1b_it()),
                           ("google/gemma-3-1b-pt", g3.ModelConfig.gemma3_1b_pt()),
                           ("google/functiongemma-270m-it", g3.ModelConfig.gemma3_270m_it())]:
@@ -589,6 +605,33 @@ def test_preset_values_match_tunix():
         for f in ("num_layers", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads",
                   "sliding_window_size", "global_scale_factor", "query_pre_attn_norm"):
             assert getattr(ours, f) == getattr(tunix, f), (hub_id, f)
+
+
+# Published decoder sizes (text only: model cards count vision/audio towers too): KerasHub's exact counts of the text
+# models (with the 262,144-token vocabulary of the text-only releases, 64 rows fewer than the multimodal 262,208),
+# Google's 25.2B total of the 26B-A4B.
+PUBLISHED_PARAMS = {
+    "google/gemma-3-270m": 268_098_176,
+    "google/gemma-3-12b-it": 11_765_788_416 + 64 * 3840,
+    "google/gemma-4-26B-A4B-it": 25.2e9,
+}
+
+
+@pytest.mark.parametrize("hub_id", list(PUBLISHED_PARAMS))
+def test_presets_plan_the_published_parameter_count(hub_id, monkeypatch, tmp_path):
+    """A hub id the registry's families cover plans offline (the 26B-A4B, 12B and 270M had no preset: their dry
+    run stopped at 'no preset'), with the published number of parameters (within 0.5%)."""
+    import huggingface_hub.constants
+
+    from gemma_tpu.hf.directory import config_json_for
+    from gemma_tpu.models.registry import detect_family
+    from gemma_tpu.train.plan import _flat_shapes, abstract_model
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    cfg = config_json_for(hub_id)
+    model, _ = abstract_model(detect_family(cfg), cfg, "bfloat16")
+    total = sum(math.prod(shape) for shape, _ in _flat_shapes(model).values())
+    assert total == pytest.approx(PUBLISHED_PARAMS[hub_id], rel=5e-3), (hub_id, total)
 
 
 def test_config_json_for_prefers_local_dir_then_cache(g4, monkeypatch, tmp_path):

@@ -207,8 +207,10 @@ def test_indivisible_axis_names_the_mesh_keys():
     ("gemma4", "embedder.per_layer_input_embedding", ("tp", None, "fsdp"), (262_144, 35, 250),
      "hidden_size_per_layer_input"),
     ("gemma4", "layers.3.per_layer_input_gate.w", ("fsdp", "tp"), (1536, 250), "hidden_size_per_layer_input"),
-    ("gemma4", "layers.4.attn.kv_einsum.w", (None, "tp", "fsdp", None), (2, 3, 1536, 256),
-     "num_key_value_heads (num_global_key_value_heads on global layers)"),
+    # K and V fused: num_key_value_heads in every layer; K alone (a K=V model's global layers, the 26B-A4B's 2 heads
+    # at tp=4 × fsdp=2): num_global_key_value_heads
+    ("gemma4", "layers.4.attn.kv_einsum.w", (None, "tp", "fsdp", None), (2, 3, 1536, 256), "num_key_value_heads"),
+    ("gemma4", "layers.5.attn.k_einsum.w", ("tp", "fsdp", None), (2, 2816, 512), "num_global_key_value_heads"),
     ("gemma3", "layers.0.attn.q_einsum.w", ("tp", "fsdp", None), (4, 640, 256), "num_attention_heads"),
     ("gemma3", "layers.0.mlp.down_proj.kernel", ("tp", "fsdp"), (2050, 640), "intermediate_size"),
     # a mixture of experts' (the table had none: a refusal named no field)

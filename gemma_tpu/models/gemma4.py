@@ -571,11 +571,15 @@ PARTITION_RULES = ATTENTION_MLP_PARTITION_RULES + (
     (_L + r"skip_scale", ()),
     (r"(embedder\.|layers\.\d+\.(attn\.)?)?\w*norm\.scale", ()),  # replicated, as Gemma 3's
 )
-# the attention and MLP dims as Gemma 3's but for a global layer's own KV heads and head size; the per-layer
-# embeddings' (Tunix: vocabulary × layers × per-layer width)
-_GLOBAL_FIELDS = {"num_key_value_heads": "num_key_value_heads (num_global_key_value_heads on global layers)",
-                  "head_dim": "head_dim (global_head_dim on global layers)"}
-PARTITION_DIMS = tuple((pattern, tuple(_GLOBAL_FIELDS.get(f, f) if f else f for f in fields))
+# the attention and MLP dims as Gemma 3's but for a global layer's own head size, and the KV heads of the weight's
+# own kind: K and V fused (kv_einsum: sliding layers, and global ones unless keys equal values) have
+# num_key_value_heads, K alone (k_einsum: the global layers of a K=V model) num_global_key_value_heads, as
+# transformers' Gemma4TextAttention takes them; the per-layer embeddings' (Tunix: vocabulary × layers × per-layer
+# width); the experts'
+_GLOBAL_FIELDS = {"head_dim": "head_dim (global_head_dim on global layers)"}
+_KV_HEADS = {_L + r"attn\.k_einsum\.w": "num_global_key_value_heads"}
+PARTITION_DIMS = tuple((pattern, tuple(_KV_HEADS.get(pattern, f) if f == "num_key_value_heads"
+                                       else _GLOBAL_FIELDS.get(f, f) if f else f for f in fields))
                        for pattern, fields in ATTENTION_MLP_PARTITION_DIMS) + (
     (r"embedder\.per_layer_input_embedding", ("vocab_size", "num_hidden_layers", "hidden_size_per_layer_input")),
     (r"embedder\.per_layer_model_projection\.w", ("hidden_size", "num_hidden_layers", "hidden_size_per_layer_input")),
