@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -134,6 +135,17 @@ def test_a_run_stopped_after_its_last_save_is_finished_by_the_rerun(tiny_dir, re
     assert summary["final_train_loss"] == reference["losses"][MAX_STEPS]
     assert summary["final_eval_loss"] == rows[-1]["loss"] and rows[-1]["mode"] == "eval"
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+
+    # the next rerun has nothing to do, and clears the lock a dead trainer left (it stayed until a run trained)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock = ckpt / "gemma_tpu_run.lock"
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "2026-11-28T00:00:00"}))
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt), cwd=REPO, env=environment(reference["cache"]),
+                              stdout=subprocess.DEVNULL, stderr=err, timeout=600)
+    assert proc.returncode == 0 and "nothing to do" in log.read_text(), tail(log)
+    assert f"taking over a stale lock (PID {dead.pid}" in log.read_text() and not lock.exists(), tail(log)
 
 
 def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, caplog):

@@ -171,6 +171,9 @@ def run(cfg: RunConfig) -> dict:
         if done[-1] > cfg.train.max_steps or run_finished(run_dir, done[-1], jax.process_count() > 1):
             log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
                      "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
+            if primary:  # a dead trainer's lock stayed until the next run that trained: this one trains nothing
+                for d, key in locked_dirs(cfg):
+                    run_lock.clear_stale(d, key)
             return {"steps": done[-1], "resumed_from": done[-1], "nothing_to_do": True}
         # stopped after its last save (a kill during the end-of-run evaluation): this rerun said "nothing to do",
         # and the run never got its final evaluation nor a summary.json
