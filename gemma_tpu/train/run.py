@@ -108,7 +108,7 @@ def run(cfg: RunConfig) -> dict:
     import jax
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
-    from gemma_tpu.train.trainer import BatchFeed, Trainer, drop_records_after, last_record  # deferred: jax/torch
+    from gemma_tpu.train.trainer import BatchFeed, Trainer, drop_records_after  # deferred: jax/torch
     from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
@@ -166,7 +166,6 @@ def run(cfg: RunConfig) -> dict:
     check_data_position(cfg, train_split)  # a resume's data position must name these rows
     done = checkpoint.list_steps(ckpt_dir)
     run_dir = Path(cfg.train.run_dir or ckpt_dir)
-    finishing = False  # the last step is saved, the run's end (its final evaluation, summary.json) is not
     if done and done[-1] >= cfg.train.max_steps:  # decided before the mesh and the model (minutes for a large one)
         if done[-1] > cfg.train.max_steps or run_finished(run_dir, done[-1], jax.process_count() > 1):
             log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
@@ -176,8 +175,8 @@ def run(cfg: RunConfig) -> dict:
                     run_lock.clear_stale(d, key)
             return {"steps": done[-1], "resumed_from": done[-1], "nothing_to_do": True}
         # stopped after its last save (a kill during the end-of-run evaluation): this rerun said "nothing to do",
-        # and the run never got its final evaluation nor a summary.json
-        finishing = True
+        # and the run never got its final evaluation nor a summary.json. The trainer restores the step and trains
+        # nothing; it evaluates the step unless metrics.jsonl has its eval record (Trainer.skip_entry_eval)
         log.info("checkpoint %s is at its last step %d, but the run did not finish (no summary.json of step %d in "
                  "%s); finishing it: %sthe summary", ckpt_dir, done[-1], done[-1], run_dir,
                  "the evaluation of that step and " if cfg.data.eval_path else "")
@@ -282,8 +281,6 @@ def run(cfg: RunConfig) -> dict:
         trainer.with_data_hooks(feed)
         preemption = _install_sigterm(trainer)
         with trainer.compile_counter:
-            if finishing and last_record(run_dir / "metrics.jsonl", "eval", trainer.train_steps) is not None:
-                evals = None  # evaluated before the stop (on entering the loop Tunix evaluates again: a second record)
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
     if profile_dir and primary:

@@ -398,6 +398,13 @@ class Trainer(TunixTrainer):
             if dropped:
                 log.info("%s: %d record(s) after step %d dropped (that run stopped before saving them; they are "
                          "trained again)", self.metrics_path, dropped, self.resumed_from)
+        # the resumed step evaluated before the stop (its eval record kept): Tunix evaluated it again on entering the
+        # loop, and metrics.jsonl had two eval records of one step. Process 0's answer for all (it reads the file;
+        # every process runs the evaluation)
+        self.skip_entry_eval = self._resumed_step_evaluated()
+        if self.skip_entry_eval:
+            log.info("step %d was evaluated before the stop (its record is in %s); not evaluated again",
+                     self.resumed_from, self.metrics_path)
         state = self.restored_custom_metadata.get("data_state")
         if state is not None:
             feed.stream.set_state(state, self.restored_custom_metadata.get("data_layout"),
@@ -558,7 +565,8 @@ class Trainer(TunixTrainer):
                  else " (compiling)" if rec.get("includes_compile") else "", eta)
 
     def close(self):
-        evals = [r["step"] for r in self.history if r["mode"] == "eval"]
+        evals = [self.resumed_from] if self.skip_entry_eval else []  # evaluated before the stop
+        evals += [r["step"] for r in self.history if r["mode"] == "eval"]
         if evals and evals[-1] < self.train_steps:  # the loop ended past the last evaluation: evaluate the model
             # it saves (train.max_steps not a multiple of eval_every_steps, or data ran out), saved first (a
             # preemption's SIGKILL during the evaluation would otherwise lose the step)
@@ -603,6 +611,23 @@ class Trainer(TunixTrainer):
                 break
         return super().learning_rate()
 
+    def _resumed_step_evaluated(self) -> bool:
+        """Whether metrics.jsonl has an eval record of the step this run resumes at (process 0's answer, for all)."""
+        import jax
+
+        found = bool(self.resumed_from) and self.primary and last_record(
+            self.metrics_path, "eval", self.resumed_from) is not None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+        return found
+
+    def _recorded_eval_loss(self) -> float | None:
+        """The loss of the restored step's evaluation from metrics.jsonl, where this session did not evaluate it."""
+        rec = last_record(self.metrics_path, "eval", self.train_steps) if self.train_steps else None
+        return rec.get("loss") if rec else None
+
     def _recorded_train_loss(self) -> float | None:
         """The loss of the restored step from metrics.jsonl: a session that trained no step (one finishing a run
         stopped after its last save) has none of its own."""
@@ -620,7 +645,7 @@ class Trainer(TunixTrainer):
             "train_step_compiles": self.compiles,
             "eval_step_compiles": self.compile_counter.counts.get(EVAL_STEP_FN, 0),
             "final_train_loss": train[-1]["loss"] if train else self._recorded_train_loss(),
-            "final_eval_loss": evals[-1]["loss"] if evals else None,
+            "final_eval_loss": evals[-1]["loss"] if evals else self._recorded_eval_loss(),
             "first_eval_loss": evals[0]["loss"] if evals else None,
         }
         if steady:
