@@ -57,6 +57,27 @@ def assert_same_params(a_dir: Path, b_dir: Path, step: int) -> None:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"step {step}: {k} differs"
 
 
+def tensorboard_scalars(tb_dir: Path) -> list[tuple[str, int]]:
+    """(tag, step) of every scalar in the events files under `tb_dir`, as TensorBoard shows them: files in the order
+    of their names (their start times), a session's start marked at step s (tensorboardX's purge_step) hiding what
+    the files before it hold at s and after (tensorboard's EventAccumulator, `_CheckForRestartAndMaybePurge`)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    seen: list[tuple[str, int]] = []
+    for path in sorted(tb_dir.rglob("events.out.tfevents.*"), key=lambda p: p.name):
+        data, i = path.read_bytes(), 0
+        while i + 12 <= len(data):  # TFRecords: length (8 bytes), its CRC (4), the event, its CRC (4)
+            n = struct.unpack("<Q", data[i:i + 8])[0]
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 16 + n
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                seen = [(tag, step) for tag, step in seen if step < event.step]
+            seen += [(v.tag, event.step) for v in event.summary.value]
+    return seen
+
+
 def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_path):
     """The latest step dir lacks Orbax's commit markers (a non-atomic save or a copy cut short) and an
     Orbax temp dir lies beside it: the run resumes from the step before and ends identical."""
@@ -88,6 +109,10 @@ def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_
     # the stopped run's record of step 12 (its checkpoint set aside) goes; the resumed run writes it: each step once
     assert [r["step"] for r in train_rows(ckpt)] == list(range(1, MAX_STEPS + 1)), tail(ckpt / "metrics.jsonl")
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+    # TensorBoard too: step 12, trained before the stop and again by the resumed run, is shown once (the resumed
+    # run's), not as two points of one step
+    losses = [step for tag, step in tensorboard_scalars(ckpt / "tensorboard") if tag == "train/loss"]
+    assert losses == list(range(1, MAX_STEPS + 1)), (losses, sorted(set(tensorboard_scalars(ckpt / "tensorboard"))))
 
 
 def test_a_restart_with_no_step_saved_starts_metrics_afresh(tiny_dir, reference, tmp_path):

@@ -108,7 +108,8 @@ def run(cfg: RunConfig) -> dict:
     import jax
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
-    from gemma_tpu.train.trainer import BatchFeed, Trainer, drop_records_after  # deferred: jax/torch
+    from gemma_tpu.train.trainer import (  # deferred: jax/torch
+        BatchFeed, Trainer, drop_records_after, metrics_logging_options)
     from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
@@ -207,7 +208,6 @@ def run(cfg: RunConfig) -> dict:
                          dropout=cfg.lora.enabled and cfg.lora.dropout > 0,
                          grad_accum_steps=cfg.train.grad_accum_steps)
         import orbax.checkpoint as ocp
-        from tunix.sft import metrics_logger
         from tunix.sft.peft_trainer import TrainingConfig
 
         from gemma_tpu.train.tunix_adapter import profiler_options
@@ -244,8 +244,8 @@ def run(cfg: RunConfig) -> dict:
             checkpointing_options=ocp.CheckpointManagerOptions(
                 save_interval_steps=cfg.checkpoint.every_steps, max_to_keep=cfg.checkpoint.max_to_keep,
                 enable_async_checkpointing=cfg.checkpoint.async_save),
-            metrics_logging_options=metrics_logger.MetricsLoggerOptions(
-                log_dir=str((run_dir / "tensorboard").resolve()), flush_every_n_steps=1),
+            metrics_logging_options=metrics_logging_options(str((run_dir / "tensorboard").resolve()),
+                                                            (checkpoint.list_steps(ckpt_dir) or [None])[-1]),
             data_sharding_axis=mesh_lib.DATA_SHARDING_AXIS,
             pbar_description="train",
             profiler_options=(profiler_options(str(profile_dir), cfg.train.profile_skip_steps,

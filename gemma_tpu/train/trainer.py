@@ -354,6 +354,47 @@ def guard_tensorboard_writer() -> None:
     efw.EventFileWriter.close = close
 
 
+class TensorboardBackend:
+    """What Tunix logs TensorBoard scalars through (metrax's TensorboardBackend: one events file a session, flushed at
+    most every FLUSH_S), with tensorboardX's `purge_step`, which metrax does not pass: the step a resumed run trains
+    first. TensorBoard then hides what earlier sessions wrote at that step and after (the steps a killed run trained
+    past its last save, trained again now), which it drew twice, the stopped run's line beside the resumed run's."""
+
+    FLUSH_S = 30.0
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        from tensorboardX import writer
+
+        self._writer = writer.SummaryWriter(logdir=log_dir, purge_step=purge_step)
+        self._last_flush = time.time()
+
+    def log_scalar(self, event: str, value, **kwargs) -> None:
+        step = kwargs.get("step")
+        self._writer.add_scalar(event.lstrip("/"), value, 0 if step is None else int(step))
+        if time.time() - self._last_flush >= self.FLUSH_S:
+            self._writer.flush()
+            self._last_flush = time.time()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def metrics_logging_options(log_dir: str, resumed_from: int | None):
+    """Tunix's MetricsLoggerOptions: TensorBoard under `log_dir` (`TensorboardBackend`, purging from the step after
+    `resumed_from`, the step the run restores; None: it starts afresh, from step 0), and Weights & Biases where
+    installed, as Tunix's defaults have it."""
+    import functools
+    import importlib.util
+
+    from tunix.sft import metrics_logger
+
+    factories = [functools.partial(TensorboardBackend, log_dir, 0 if resumed_from is None else resumed_from + 1)]
+    if importlib.util.find_spec("wandb") is not None:
+        factories.append(functools.partial(metrics_logger.WandbBackend, project="tunix", name=""))
+    return metrics_logger.MetricsLoggerOptions(log_dir=log_dir, flush_every_n_steps=1,
+                                               backend_kwargs={"custom_backend": factories})
+
+
 class Trainer(TunixTrainer):
     """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards.
 
