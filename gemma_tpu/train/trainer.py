@@ -452,7 +452,10 @@ class Trainer(TunixTrainer):
                                   f"{training_config.checkpoint_root_directory}/{self.train_steps}")
             log.info("resumed at step %d; data position restored", self.train_steps)
         elif self.train_steps:
-            log.warning("checkpoint at step %d has no data position; the data restarts", self.train_steps)
+            log.warning("%s/%d: the checkpoint step has no data position (its _CHECKPOINT_METADATA holds no "
+                        "data_state: written by another trainer, or edited); the data restarts from the first batch, "
+                        "so batches already trained are trained again", training_config.checkpoint_root_directory,
+                        self.train_steps)
         self._t_last = None
         self._step_last = self.train_steps
         self._tok_last = 0
