@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_resume import MAX_STEPS, assert_same_params, command, environment, reference, tail, train_rows  # noqa: F401
+from tests.test_resume import (  # noqa: F401
+    MAX_STEPS, assert_same_params, command, environment, reference, tail, tensorboard_scalars, train_rows)
 
 # one xdist worker for this module: the reference run (a module-scoped fixture) is then made once, not per worker
 pytestmark = pytest.mark.xdist_group("sigterm")
@@ -51,6 +52,9 @@ def _resume_and_compare(tiny_dir, ckpt: Path, reference, log: Path) -> None:
     # next step, so it was lost before)
     assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1)), [r["step"] for r in rows]
     assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
+    # TensorBoard too: the signal's exit wrote out its events (they were lost with os._exit)
+    assert [s for tag, s in tensorboard_scalars(ckpt / "tensorboard") if tag == "train/loss"] == list(
+        range(1, MAX_STEPS + 1))
 
 
 def test_sigterm_before_step_one_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
@@ -134,6 +138,10 @@ def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_id
     evals = [r["step"] for r in rows if r.get("mode") == "eval"]
     assert evals == [0, 3, 6, 9, 12], evals
     assert "step 3 was evaluated before the stop" in text
+    # and in TensorBoard: the evaluation the signal let finish is there, written out at the exit
+    shown = tensorboard_scalars(ckpt / "tensorboard")
+    assert [s for tag, s in shown if tag == "eval/loss"] == [0, 3, 6, 9, 12], shown
+    assert [s for tag, s in shown if tag == "train/loss"] == list(range(1, MAX_STEPS + 1)), shown
 
 
 def test_sigkill_during_an_eval_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
