@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -56,6 +57,27 @@ def assert_same_params(a_dir: Path, b_dir: Path, step: int) -> None:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"step {step}: {k} differs"
 
 
+def tensorboard_scalars(tb_dir: Path) -> list[tuple[str, int]]:
+    """(tag, step) of every scalar in the events files under `tb_dir`, as TensorBoard shows them: files in the order
+    of their names (their start times), a session's start marked at step s (tensorboardX's purge_step) hiding what
+    the files before it hold at s and after (tensorboard's EventAccumulator, `_CheckForRestartAndMaybePurge`)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    seen: list[tuple[str, int]] = []
+    for path in sorted(tb_dir.rglob("events.out.tfevents.*"), key=lambda p: p.name):
+        data, i = path.read_bytes(), 0
+        while i + 12 <= len(data):  # TFRecords: length (8 bytes), its CRC (4), the event, its CRC (4)
+            n = struct.unpack("<Q", data[i:i + 8])[0]
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 16 + n
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                seen = [(tag, step) for tag, step in seen if step < event.step]
+            seen += [(v.tag, event.step) for v in event.summary.value]
+    return seen
+
+
 def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_path):
     """The latest step dir lacks Orbax's commit markers (a non-atomic save or a copy cut short) and an
     Orbax temp dir lies beside it: the run resumes from the step before and ends identical."""
@@ -87,6 +109,10 @@ def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_
     # the stopped run's record of step 12 (its checkpoint set aside) goes; the resumed run writes it: each step once
     assert [r["step"] for r in train_rows(ckpt)] == list(range(1, MAX_STEPS + 1)), tail(ckpt / "metrics.jsonl")
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+    # TensorBoard too: step 12, trained before the stop and again by the resumed run, is shown once (the resumed
+    # run's), not as two points of one step
+    losses = [step for tag, step in tensorboard_scalars(ckpt / "tensorboard") if tag == "train/loss"]
+    assert losses == list(range(1, MAX_STEPS + 1)), (losses, sorted(set(tensorboard_scalars(ckpt / "tensorboard"))))
 
 
 def test_a_restart_with_no_step_saved_starts_metrics_afresh(tiny_dir, reference, tmp_path):
@@ -134,6 +160,17 @@ def test_a_run_stopped_after_its_last_save_is_finished_by_the_rerun(tiny_dir, re
     assert summary["final_train_loss"] == reference["losses"][MAX_STEPS]
     assert summary["final_eval_loss"] == rows[-1]["loss"] and rows[-1]["mode"] == "eval"
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+
+    # the next rerun has nothing to do, and clears the lock a dead trainer left (it stayed until a run trained)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock = ckpt / "gemma_tpu_run.lock"
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "2026-11-28T00:00:00"}))
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt), cwd=REPO, env=environment(reference["cache"]),
+                              stdout=subprocess.DEVNULL, stderr=err, timeout=600)
+    assert proc.returncode == 0 and "nothing to do" in log.read_text(), tail(log)
+    assert f"taking over a stale lock (PID {dead.pid}" in log.read_text() and not lock.exists(), tail(log)
 
 
 def test_readers_of_the_latest_step_say_a_newer_one_is_incomplete(tmp_path, caplog):

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_resume import MAX_STEPS, assert_same_params, command, environment, reference, tail, train_rows  # noqa: F401
+from tests.test_resume import (  # noqa: F401
+    MAX_STEPS, assert_same_params, command, environment, reference, tail, tensorboard_scalars, train_rows)
 
 # one xdist worker for this module: the reference run (a module-scoped fixture) is then made once, not per worker
 pytestmark = pytest.mark.xdist_group("sigterm")
@@ -51,6 +52,9 @@ def _resume_and_compare(tiny_dir, ckpt: Path, reference, log: Path) -> None:
     # next step, so it was lost before)
     assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1)), [r["step"] for r in rows]
     assert_same_params(reference["ckpt"], ckpt, MAX_STEPS)
+    # TensorBoard too: the signal's exit wrote out its events (they were lost with os._exit)
+    assert [s for tag, s in tensorboard_scalars(ckpt / "tensorboard") if tag == "train/loss"] == list(
+        range(1, MAX_STEPS + 1))
 
 
 def test_sigterm_before_step_one_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
@@ -129,19 +133,30 @@ def test_sigterm_during_an_eval_finishes_it_saves_the_step_then_resume_is_bit_id
     assert "resumed at step 3; data position restored" in text
     rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows if r.get("mode") == "train"] == list(range(1, MAX_STEPS + 1))
-    # the resumed run evaluates at its first step again (Tunix evaluates on entering the loop): the same loss
-    evals = [(r["step"], r["loss"]) for r in rows if r.get("mode") == "eval"]
-    assert [s for s, _ in evals] == [0, 3, 3, 6, 9, 12] and evals[1] == evals[2], evals
+    # one eval record per step: Tunix evaluates on entering the loop, and step 3, evaluated before the stop, was
+    # evaluated (and recorded) again
+    evals = [r["step"] for r in rows if r.get("mode") == "eval"]
+    assert evals == [0, 3, 6, 9, 12], evals
+    assert "step 3 was evaluated before the stop" in text
+    # and in TensorBoard: the evaluation the signal let finish is there, written out at the exit
+    shown = tensorboard_scalars(ckpt / "tensorboard")
+    assert [s for tag, s in shown if tag == "eval/loss"] == [0, 3, 6, 9, 12], shown
+    assert [s for tag, s in shown if tag == "train/loss"] == list(range(1, MAX_STEPS + 1)), shown
 
 
 def test_sigkill_during_an_eval_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
     """SIGKILL (no notice) while the evaluation after step 3 runs, step 3 saved: the directory stays resumable, the
     resumed run's training ends identical to the uninterrupted one, and step 3's record is in metrics.jsonl (it was
     written when step 4 ended, so the kill lost it, and the resume from step 3 never wrote it)."""
+    import json
+
     ckpt, log = tmp_path / "ck", tmp_path / "run.log"
     assert _signal_during_eval(tiny_dir, ckpt, reference, log, signal.SIGKILL, saved=True) == -signal.SIGKILL
     text = _resume_with_eval(tiny_dir, ckpt, reference, tmp_path / "resume.log")
     assert "resumed at step 3; data position restored" in text
+    # the killed evaluation left no record of step 3: the resumed run evaluates it on entering the loop, once
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows if r.get("mode") == "eval"] == [0, 3, 6, 9, 12]
 
 
 def test_ctrl_c_mid_run_saves_the_step_like_sigterm(tiny_dir, reference, tmp_path):

@@ -94,6 +94,11 @@ class Preemption:
                     t.write_last_record()
                 except Exception as e:  # noqa: BLE001 - the step is saved; a lost log line must not hide it
                     log.warning("%s: step %d's metrics record was not written (%s)", self.name, step, e)
+            try:  # TensorBoard's events not yet written out (the writer's queue, its file's buffer) were lost with
+                # the exit, which skips `close`: the evaluation just finished, the last steps' losses
+                t.metrics_logger.close()
+            except Exception as e:  # noqa: BLE001 - as for the record
+                log.warning("%s: TensorBoard's last events were not written (%s)", self.name, e)
             if step == 0:
                 log.warning("%s before step 1: nothing to save; a restart begins afresh", self.name)
             else:

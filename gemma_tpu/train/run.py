@@ -108,7 +108,8 @@ def run(cfg: RunConfig) -> dict:
     import jax
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
-    from gemma_tpu.train.trainer import BatchFeed, Trainer, drop_records_after, last_record  # deferred: jax/torch
+    from gemma_tpu.train.trainer import (  # deferred: jax/torch
+        BatchFeed, Trainer, drop_records_after, metrics_logging_options)
     from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
@@ -166,15 +167,17 @@ def run(cfg: RunConfig) -> dict:
     check_data_position(cfg, train_split)  # a resume's data position must name these rows
     done = checkpoint.list_steps(ckpt_dir)
     run_dir = Path(cfg.train.run_dir or ckpt_dir)
-    finishing = False  # the last step is saved, the run's end (its final evaluation, summary.json) is not
     if done and done[-1] >= cfg.train.max_steps:  # decided before the mesh and the model (minutes for a large one)
         if done[-1] > cfg.train.max_steps or run_finished(run_dir, done[-1], jax.process_count() > 1):
             log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
                      "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
+            if primary:  # a dead trainer's lock stayed until the next run that trained: this one trains nothing
+                for d, key in locked_dirs(cfg):
+                    run_lock.clear_stale(d, key)
             return {"steps": done[-1], "resumed_from": done[-1], "nothing_to_do": True}
         # stopped after its last save (a kill during the end-of-run evaluation): this rerun said "nothing to do",
-        # and the run never got its final evaluation nor a summary.json
-        finishing = True
+        # and the run never got its final evaluation nor a summary.json. The trainer restores the step and trains
+        # nothing; it evaluates the step unless metrics.jsonl has its eval record (Trainer.skip_entry_eval)
         log.info("checkpoint %s is at its last step %d, but the run did not finish (no summary.json of step %d in "
                  "%s); finishing it: %sthe summary", ckpt_dir, done[-1], done[-1], run_dir,
                  "the evaluation of that step and " if cfg.data.eval_path else "")
@@ -205,7 +208,6 @@ def run(cfg: RunConfig) -> dict:
                          dropout=cfg.lora.enabled and cfg.lora.dropout > 0,
                          grad_accum_steps=cfg.train.grad_accum_steps)
         import orbax.checkpoint as ocp
-        from tunix.sft import metrics_logger
         from tunix.sft.peft_trainer import TrainingConfig
 
         from gemma_tpu.train.tunix_adapter import profiler_options
@@ -242,8 +244,8 @@ def run(cfg: RunConfig) -> dict:
             checkpointing_options=ocp.CheckpointManagerOptions(
                 save_interval_steps=cfg.checkpoint.every_steps, max_to_keep=cfg.checkpoint.max_to_keep,
                 enable_async_checkpointing=cfg.checkpoint.async_save),
-            metrics_logging_options=metrics_logger.MetricsLoggerOptions(
-                log_dir=str((run_dir / "tensorboard").resolve()), flush_every_n_steps=1),
+            metrics_logging_options=metrics_logging_options(str((run_dir / "tensorboard").resolve()),
+                                                            (checkpoint.list_steps(ckpt_dir) or [None])[-1]),
             data_sharding_axis=mesh_lib.DATA_SHARDING_AXIS,
             pbar_description="train",
             profiler_options=(profiler_options(str(profile_dir), cfg.train.profile_skip_steps,
@@ -279,8 +281,6 @@ def run(cfg: RunConfig) -> dict:
         trainer.with_data_hooks(feed)
         preemption = _install_sigterm(trainer)
         with trainer.compile_counter:
-            if finishing and last_record(run_dir / "metrics.jsonl", "eval", trainer.train_steps) is not None:
-                evals = None  # evaluated before the stop (on entering the loop Tunix evaluates again: a second record)
             trainer.train(train_ds=stream, eval_ds=evals or None)
     summary = trainer.summary()
     if profile_dir and primary:

@@ -32,3 +32,11 @@ def check_free(run_dir: str | Path, key: str = "checkpoint.dir") -> None:
 def acquire(run_dir: str | Path, key: str = "checkpoint.dir") -> pidlock.PidLock:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return pidlock.PidLock(Path(run_dir) / LOCK_FILE, _busy(key)).acquire()
+
+
+def clear_stale(run_dir: str | Path, key: str = "checkpoint.dir") -> None:
+    """Remove the lock of a dead trainer on `run_dir` (taken over, with its warning, and released at once), for a
+    run that ends without writing (a rerun of a finished run: "nothing to do"); a live holder is refused as by
+    `acquire`, and nothing is created where there is no lock."""
+    if (Path(run_dir) / LOCK_FILE).exists():
+        pidlock.PidLock(Path(run_dir) / LOCK_FILE, _busy(key)).acquire().release()

@@ -354,6 +354,47 @@ def guard_tensorboard_writer() -> None:
     efw.EventFileWriter.close = close
 
 
+class TensorboardBackend:
+    """What Tunix logs TensorBoard scalars through (metrax's TensorboardBackend: one events file a session, flushed at
+    most every FLUSH_S), with tensorboardX's `purge_step`, which metrax does not pass: the step a resumed run trains
+    first. TensorBoard then hides what earlier sessions wrote at that step and after (the steps a killed run trained
+    past its last save, trained again now), which it drew twice, the stopped run's line beside the resumed run's."""
+
+    FLUSH_S = 30.0
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        from tensorboardX import writer
+
+        self._writer = writer.SummaryWriter(logdir=log_dir, purge_step=purge_step)
+        self._last_flush = time.time()
+
+    def log_scalar(self, event: str, value, **kwargs) -> None:
+        step = kwargs.get("step")
+        self._writer.add_scalar(event.lstrip("/"), value, 0 if step is None else int(step))
+        if time.time() - self._last_flush >= self.FLUSH_S:
+            self._writer.flush()
+            self._last_flush = time.time()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def metrics_logging_options(log_dir: str, resumed_from: int | None):
+    """Tunix's MetricsLoggerOptions: TensorBoard under `log_dir` (`TensorboardBackend`, purging from the step after
+    `resumed_from`, the step the run restores; None: it starts afresh, from step 0), and Weights & Biases where
+    installed, as Tunix's defaults have it."""
+    import functools
+    import importlib.util
+
+    from tunix.sft import metrics_logger
+
+    factories = [functools.partial(TensorboardBackend, log_dir, 0 if resumed_from is None else resumed_from + 1)]
+    if importlib.util.find_spec("wandb") is not None:
+        factories.append(functools.partial(metrics_logger.WandbBackend, project="tunix", name=""))
+    return metrics_logger.MetricsLoggerOptions(log_dir=log_dir, flush_every_n_steps=1,
+                                               backend_kwargs={"custom_backend": factories})
+
+
 class Trainer(TunixTrainer):
     """PeftTrainer + data position in checkpoints, metrics.jsonl, compile counter, guards.
 
@@ -398,13 +439,23 @@ class Trainer(TunixTrainer):
             if dropped:
                 log.info("%s: %d record(s) after step %d dropped (that run stopped before saving them; they are "
                          "trained again)", self.metrics_path, dropped, self.resumed_from)
+        # the resumed step evaluated before the stop (its eval record kept): Tunix evaluated it again on entering the
+        # loop, and metrics.jsonl had two eval records of one step. Process 0's answer for all (it reads the file;
+        # every process runs the evaluation)
+        self.skip_entry_eval = self._resumed_step_evaluated()
+        if self.skip_entry_eval:
+            log.info("step %d was evaluated before the stop (its record is in %s); not evaluated again",
+                     self.resumed_from, self.metrics_path)
         state = self.restored_custom_metadata.get("data_state")
         if state is not None:
             feed.stream.set_state(state, self.restored_custom_metadata.get("data_layout"),
                                   f"{training_config.checkpoint_root_directory}/{self.train_steps}")
             log.info("resumed at step %d; data position restored", self.train_steps)
         elif self.train_steps:
-            log.warning("checkpoint at step %d has no data position; the data restarts", self.train_steps)
+            log.warning("%s/%d: the checkpoint step has no data position (its _CHECKPOINT_METADATA holds no "
+                        "data_state: written by another trainer, or edited); the data restarts from the first batch, "
+                        "so batches already trained are trained again", training_config.checkpoint_root_directory,
+                        self.train_steps)
         self._t_last = None
         self._step_last = self.train_steps
         self._tok_last = 0
@@ -558,7 +609,8 @@ class Trainer(TunixTrainer):
                  else " (compiling)" if rec.get("includes_compile") else "", eta)
 
     def close(self):
-        evals = [r["step"] for r in self.history if r["mode"] == "eval"]
+        evals = [self.resumed_from] if self.skip_entry_eval else []  # evaluated before the stop
+        evals += [r["step"] for r in self.history if r["mode"] == "eval"]
         if evals and evals[-1] < self.train_steps:  # the loop ended past the last evaluation: evaluate the model
             # it saves (train.max_steps not a multiple of eval_every_steps, or data ran out), saved first (a
             # preemption's SIGKILL during the evaluation would otherwise lose the step)
@@ -603,6 +655,23 @@ class Trainer(TunixTrainer):
                 break
         return super().learning_rate()
 
+    def _resumed_step_evaluated(self) -> bool:
+        """Whether metrics.jsonl has an eval record of the step this run resumes at (process 0's answer, for all)."""
+        import jax
+
+        found = bool(self.resumed_from) and self.primary and last_record(
+            self.metrics_path, "eval", self.resumed_from) is not None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+        return found
+
+    def _recorded_eval_loss(self) -> float | None:
+        """The loss of the restored step's evaluation from metrics.jsonl, where this session did not evaluate it."""
+        rec = last_record(self.metrics_path, "eval", self.train_steps) if self.train_steps else None
+        return rec.get("loss") if rec else None
+
     def _recorded_train_loss(self) -> float | None:
         """The loss of the restored step from metrics.jsonl: a session that trained no step (one finishing a run
         stopped after its last save) has none of its own."""
@@ -620,7 +689,7 @@ class Trainer(TunixTrainer):
             "train_step_compiles": self.compiles,
             "eval_step_compiles": self.compile_counter.counts.get(EVAL_STEP_FN, 0),
             "final_train_loss": train[-1]["loss"] if train else self._recorded_train_loss(),
-            "final_eval_loss": evals[-1]["loss"] if evals else None,
+            "final_eval_loss": evals[-1]["loss"] if evals else self._recorded_eval_loss(),
             "first_eval_loss": evals[0]["loss"] if evals else None,
         }
         if steady:

@@ -23,6 +23,9 @@ Tunix 0.1.7 offers no public way to do the following, so each is wrapped once, b
 * evaluate once more when the loop ends past the last evaluation (`_run_eval`, with the eval step Tunix jitted):
   Tunix evaluates only at multiples of eval_every_n_steps, so a train.max_steps that is not one (or data that ran
   out first) ended without evaluating the model it saved, and the summary's final_eval_loss was an older one;
+* skip the evaluation Tunix runs on entering its loop (`_run_eval`, its first call in `train`) where the step was
+  evaluated before (`skip_entry_eval`): every resume evaluated its step again, and metrics.jsonl had two eval
+  records of it;
 * the names JAX compiles the train and eval steps under (the methods `_train_step`, `_eval_step`),
   which the compile counter watches for in JAX's compile log;
 * reach the Orbax manager inside Tunix's CheckpointManager (`_checkpoint_manager`): its public
@@ -114,9 +117,15 @@ class TunixTrainer(peft_trainer.PeftTrainer):
         prof._started_by_this_instance = False
         return True
 
+    skip_entry_eval = False  # set before `train`: skip the evaluation Tunix runs on entering its loop
+
     def train(self, train_ds, eval_ds=None, *args, **kwargs):
         self.eval_ds = eval_ds  # for `evaluate_now`
-        return super().train(train_ds, eval_ds, *args, **kwargs)
+        self._entry_eval_pending = bool(eval_ds)  # Tunix's first `_run_eval` in `train` is the one on entering
+        try:
+            return super().train(train_ds, eval_ds, *args, **kwargs)
+        finally:
+            self._entry_eval_pending = False
 
     def evaluate_now(self) -> None:
         """One evaluation at the current step, as Tunix's loop runs them (after `train` began, with its eval set)."""
@@ -136,6 +145,12 @@ class TunixTrainer(peft_trainer.PeftTrainer):
     # ---- Tunix's private hooks, routed to the public names above -----------------------
     def _save_last_checkpoint(self):
         self.save_last_checkpoint()
+
+    def _run_eval(self, eval_ds, eval_step_fn):
+        entry, self._entry_eval_pending = getattr(self, "_entry_eval_pending", False), False
+        if entry and self.skip_entry_eval:
+            return None
+        return super()._run_eval(eval_ds, eval_step_fn)
 
     def _write_metrics(self, metrics_buffer):
         self.write_metrics(metrics_buffer)
