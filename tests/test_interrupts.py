@@ -63,6 +63,22 @@ def test_sigterm_inside_a_gc_callback_still_stops_the_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def _replace_without_exchange(tmp_path, monkeypatch, rename):
+    """An --overwrite of `out` (holding v = "old") where the filesystem cannot exchange two names, every os.rename
+    of the module going through `rename(real_rename, a, b)`: returns (out, its AtomicDir)."""
+    import functools
+    import os
+
+    from gemma_tpu.core import atomic
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "v").write_text("old")
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic.os, "rename", functools.partial(rename, os.rename))
+    return out, atomic.AtomicDir(out, overwrite=True)
+
+
 def test_ctrl_c_between_the_two_renames_of_a_replace_keeps_an_output(tmp_path, monkeypatch):
     """--overwrite where the filesystem cannot exchange two names: the old output is renamed aside, then the new
     one into place. A Ctrl-C between the two removed the new one (the temp dir) and left no target, the old
@@ -72,21 +88,12 @@ def test_ctrl_c_between_the_two_renames_of_a_replace_keeps_an_output(tmp_path, m
 
     import pytest
 
-    from gemma_tpu.core import atomic
-
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "v").write_text("old")
-    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
-    real_rename = os.rename
-
-    def rename(a, b):
+    def rename(real_rename, a, b):
         real_rename(a, b)
         if str(b).endswith(f".old-{os.getpid()}"):
             signal.raise_signal(signal.SIGINT)  # Ctrl-C right after the old output went aside
 
-    monkeypatch.setattr(atomic.os, "rename", rename)
-    ad = atomic.AtomicDir(out, overwrite=True)
+    out, ad = _replace_without_exchange(tmp_path, monkeypatch, rename)
     with pytest.raises(KeyboardInterrupt):
         with ad as tmp:
             (tmp / "v").write_text("new")
@@ -155,21 +162,12 @@ def test_a_replace_whose_set_aside_copy_cannot_be_renamed_is_still_published(tmp
     under its set-aside name."""
     import os
 
-    from gemma_tpu.core import atomic
-
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "v").write_text("old")
-    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
-    real_rename = os.rename
-
-    def rename(a, b):
+    def rename(real_rename, a, b):
         if str(a).endswith(f".old-{os.getpid()}") and ".tmp-" in str(b):
             raise PermissionError(13, "Permission denied", str(a))
         real_rename(a, b)
 
-    monkeypatch.setattr(atomic.os, "rename", rename)
-    ad = atomic.AtomicDir(out, overwrite=True)
+    out, ad = _replace_without_exchange(tmp_path, monkeypatch, rename)
     with ad as tmp:
         (tmp / "v").write_text("new")
         ad.publish()
