@@ -1012,8 +1012,14 @@ def test_chat_dtype_reaches_a_checkpoint_and_an_empty_question_loads_nothing(mon
     with pytest.raises(UserError, match="stop here"):
         chat.main(["--model", "m", "--once", "hi"])
     assert seen == [("runs/x", None, "bfloat16"), ("runs/x", None, None), ("m", "float32")]
-    with pytest.raises(UserError, match="--once needs a question"):
-        chat.main(["--model", "m", "--once", "  "])
+    # only invisible characters (zero-width space, word joiner, byte-order mark, soft hyphen) are no question
+    # either: `str.strip` keeps them, and they went to the model; the served chat's --once checks the same
+    from serving import chat as served_chat
+    for question in ("  ", "\u200b", "\u2060 \ufeff", "\u00ad\n"):
+        with pytest.raises(UserError, match="--once needs a question"):
+            chat.main(["--model", "m", "--once", question])
+        with pytest.raises(UserError, match="--once needs a question"):
+            served_chat.main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--once", question])
     assert len(seen) == 3
 
 
@@ -1135,13 +1141,14 @@ def test_ctrl_c_cancels_the_answer_and_at_the_prompt_leaves(monkeypatch, capsys)
 def test_slash_commands_are_not_sent_to_the_model(monkeypatch, capsys):
     """`/help` or `/reset` (other chat CLIs' commands) went to the model as a question, and `/quit` did not quit:
     a slash word is named as no command here, `/exit`, `/quit` and `/bye` leave as `exit` does, and a question
-    that merely holds a slash is asked."""
+    that merely holds a slash is asked. A line of invisible characters alone is skipped, as an empty one is."""
     import io
 
     from gemma_tpu.examples.fitness.chat import chat_repl
 
     asked = []
-    monkeypatch.setattr(sys, "stdin", io.StringIO("/help\nsteps/day?\n/reset\n/quit\nnever asked\n"))
+    lines = "/help\n\u200b\u2060\nsteps/day?\n\ufeff\u00ad\n/reset\n/quit\nnever asked\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
     assert chat_repl(lambda q: asked.append(q) or "ok", "") == 0
     out, err = capsys.readouterr()
     assert asked == ["steps/day?"] and out == "ok\n"

@@ -15,6 +15,7 @@ import argparse
 import logging
 import re
 import sys
+import unicodedata
 from typing import Sequence, TextIO
 
 from gemma_tpu.core import cli
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be positive")
     if args.step is not None and not args.checkpoint:
         raise UserError("--step applies to --checkpoint, not --model")
-    if args.once is not None and not args.once.strip():  # before the model, not after its load
+    if args.once is not None and blank(args.once):  # before the model, not after its load
         raise UserError("--once needs a question")
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
     loaded = (load_hf_dir(args.model, args.dtype or "float32") if args.model
@@ -132,6 +133,15 @@ def question_text(raw: str) -> str:
         return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     except UnicodeEncodeError:  # a surrogate that stands for no byte (not U+DC80..U+DCFF)
         return raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+_FILLERS = frozenset("\u115f\u1160\u3164\uffa0")  # Hangul fillers: letters to Unicode, blank on the screen
+
+
+def blank(text: str) -> bool:
+    """Whether a question shows nothing: whitespace, or only invisible format characters (a zero-width space, word
+    joiner, byte-order mark, soft hyphen: `str.strip` keeps them, and such a question went to the model)."""
+    return all(c.isspace() or c in _FILLERS or unicodedata.category(c) in ("Cf", "Cc") for c in text)
 
 
 QUIT = ("exit", "quit", "/exit", "/quit", "/bye")  # what ends a session (the slash forms other chat CLIs use)
@@ -164,7 +174,7 @@ def chat_repl(ask, greeting: str) -> int:
                 print(file=sys.stderr)
             break
         question = question_text(line).strip()
-        if not question:
+        if blank(question):
             continue
         if question.lower() in QUIT:
             break
