@@ -117,12 +117,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return chat_repl(coach.ask, "")
 
 
+WORD_JOINER = "\u2060"
+
+
 def check_tool_results(markup: Markup, messages: list[dict]) -> None:
-    """A tool's result holding the chat markup's own control tokens is refused, as the question is (`Coach.ask`,
-    `serving.chat`'s `RemoteCoach.ask`): rendered into the prompt, the tokenizer reads them as markup."""
+    """A tool's result holding the chat markup's own control tokens carries them broken by a word joiner (U+2060,
+    invisible) after their first character: rendered into the prompt as written, the tokenizer reads them as markup.
+    (A JSON escape would not do: the renderer decodes the result's JSON into the call-response syntax.) Such text is
+    mostly the model's own argument repeated in an error ("unrecognised date '<start_of_turn>'"): it was refused as
+    "...; remove it", ending the question with advice to the user, who never wrote it. The question itself is still
+    refused (`Coach.ask`)."""
     for m in messages:
-        if m["role"] == "tool":
-            markup.check(m["content"], f"the result of {m.get('name')}")
+        if m["role"] == "tool" and isinstance(m.get("content"), str):
+            text = m["content"]
+            while (hit := markup.search(text)) is not None:
+                at, token = hit
+                text = f"{text[:at + 1]}{WORD_JOINER}{text[at + 1:]}"
+            m["content"] = text
 
 
 def question_text(raw: str) -> str:
