@@ -289,6 +289,14 @@ def test_tool_call_ids_must_match_a_call_once():
 
 def test_tool_result_must_follow_a_call():
     conv = json.loads(json.dumps(TOOL_CHAT))
+    # more results in a row than calls: the extra one answered nothing (openai_client gave it an id never issued)
+    extra = {**conv, "messages": [*conv["messages"][:4], dict(conv["messages"][3]), *conv["messages"][4:]]}
+    with pytest.raises(UserError, match=r"messages\[4\]: a tool result past the 1 call of the preceding assistant "
+                                        r"turn \(each result answers one call\)"):
+        norm(extra)
+    del extra["messages"][4]["name"]
+    with pytest.raises(UserError, match=r"messages\[4\]: a tool result past the 1 call"):
+        norm(extra)
     del conv["messages"][2]  # the call is gone: its result now follows the user turn
     with pytest.raises(UserError, match=r"messages\[2\]: a tool result must follow an assistant turn with "
                                         r"tool_calls .*; it follows user"):

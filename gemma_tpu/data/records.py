@@ -714,6 +714,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                                     f"a call to {match[0]!r}")
                 answered_ids.add(call_id)
                 name = match[0]
+            if answered >= len(pending):  # it answers no call: an OpenAI-format export gave it an id never issued
+                n = len(pending)
+                raise UserError(f"{mw}: a tool result past the {n} call{'s' if n != 1 else ''} of the preceding "
+                                f"assistant turn (each result answers one call); remove it or add its call")
             if not name and answered < len(pending):
                 name = pending[answered][1]  # results answer the calls in order
             if not isinstance(name, str) or not name:
