@@ -25,7 +25,7 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data.records import served_markup
-from gemma_tpu.examples.fitness.chat import chat_repl, check_tool_results, question_text
+from gemma_tpu.examples.fitness.chat import blank, chat_repl, check_tool_results, question_text
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
 from gemma_tpu.formats.function_calling import ParsedReply
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli.setup_logging(logging.WARNING)
     if args.max_tokens <= 0:
         raise UserError(f"--max-tokens {args.max_tokens}: must be positive")
-    if args.once is not None and not args.once.strip():
+    if args.once is not None and blank(args.once):
         raise UserError("--once needs a question")
     if args.retries < 0:
         raise UserError(f"--retries {args.retries}: must be 0 or more")

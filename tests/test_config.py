@@ -170,6 +170,23 @@ def test_a_number_only_yaml11_reads_as_written_is_refused_for_a_number_key(key, 
     assert (cfg.train.max_steps, cfg.train.seed, cfg.train.batch_size, cfg.lora.alpha) == (16, 0, 2, 1000.0)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.max_steps=" + "x" * 5000, "train.max_steps: expected an integer, got 'xxx"),
+    ("train.bogus=" + "x" * 5000, "unknown config key 'train.bogus'"),
+    ("lora.targets=[" + "x" * 5000, "is an unclosed YAML list"),
+    ("data.seq_len=" + "x" * 5000 + " #c", "YAML reads '#c' as a comment"),
+    ("train.max_steps:" + "x" * 5000, "is not of the form section.key=value"),
+], ids=["type", "unknown", "unclosed", "comment", "no-equals"])
+def test_a_long_override_is_named_by_its_key_with_its_value_cut(override, message):
+    """A 5,000-character override value made a 5,000-character error line (the whole override, then the value again
+    in the message); a name too long for the file system raised OSError."""
+    with pytest.raises(UserError) as e:
+        load_config(None, [override])
+    text = str(e.value)
+    assert text.startswith(f"override '{override[:20]}") and message in text and len(text) < 500, text[:600]
+    assert "(50" in text  # the cut says how long the value was
+
+
 @pytest.mark.parametrize("key", ["train.run_dir", "data.train_path", "checkpoint.dir", " train.profile_dir "])
 def test_a_bare_tilde_override_of_a_path_is_refused(key, tmp_path):
     """`train.run_dir=~` is YAML's null: the run silently wrote its metrics under checkpoint.dir (and

@@ -287,8 +287,42 @@ def test_tool_call_ids_must_match_a_call_once():
         norm(conv)
 
 
+@pytest.mark.parametrize("arguments, schema, message", [
+    ({"day": "today"}, None, r"'day' is not a declared parameter \(parameters: date\)"),
+    ({}, {"required": ["date"]}, r"the required parameter 'date' is missing"),
+    ({"date": 3}, None, r"'date' is declared string, got a number 3"),
+    ({"date": "today", "metric": "avg"}, {"properties": {"date": {"type": "string"}, "metric": {"enum": ["max"]}}},
+     r"'metric' is \"avg\", not one of its enum \(\"max\"\)"),
+    ({"n": True}, {"properties": {"n": {"type": "integer"}}}, r"'n' is declared integer, got a boolean true"),
+])
+def test_call_arguments_are_checked_against_the_declared_schema(arguments, schema, message):
+    """A call's arguments were never checked against the tool's declaration: a model trained on rows calling with a
+    key the schema does not declare, without a required one, or with a value of another type. Checked where the
+    schema declares properties and lets no others in; a schema without properties, additionalProperties and a null
+    (an argument not given) are accepted."""
+    conv = json.loads(json.dumps(TOOL_CHAT))
+    conv["tools"][0]["function"]["parameters"].update(schema or {})
+    conv["messages"][2]["tool_calls"][0]["function"]["arguments"] = arguments
+    with pytest.raises(UserError, match=r"^test: messages\[2\].tool_calls\[0\]: calls get_steps with arguments its "
+                                        r"declaration in 'tools' refuses: " + message):
+        norm(conv)
+    conv["tools"][0]["function"]["parameters"] = {"type": "object", "properties": {}}
+    assert norm(conv)["messages"][2]["tool_calls"][0]["arguments"] == arguments  # nothing declared: accepted
+    conv["tools"][0]["function"]["parameters"] = {**STEPS_TOOL["function"]["parameters"], "additionalProperties": True}
+    conv["messages"][2]["tool_calls"][0]["function"]["arguments"] = {"date": None, "day": 1, "n": 3.0}
+    assert norm(conv)["messages"][2]["tool_calls"][0]["arguments"]["day"] == 1
+
+
 def test_tool_result_must_follow_a_call():
     conv = json.loads(json.dumps(TOOL_CHAT))
+    # more results in a row than calls: the extra one answered nothing (openai_client gave it an id never issued)
+    extra = {**conv, "messages": [*conv["messages"][:4], dict(conv["messages"][3]), *conv["messages"][4:]]}
+    with pytest.raises(UserError, match=r"messages\[4\]: a tool result past the 1 call of the preceding assistant "
+                                        r"turn \(each result answers one call\)"):
+        norm(extra)
+    del extra["messages"][4]["name"]
+    with pytest.raises(UserError, match=r"messages\[4\]: a tool result past the 1 call"):
+        norm(extra)
     del conv["messages"][2]  # the call is gone: its result now follows the user turn
     with pytest.raises(UserError, match=r"messages\[2\]: a tool result must follow an assistant turn with "
                                         r"tool_calls .*; it follows user"):

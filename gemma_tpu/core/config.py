@@ -519,37 +519,56 @@ def _section_type(cls: type | None, parts: Sequence[str]) -> type | None:
     return tp if tp is not None and dataclasses.is_dataclass(tp) else None
 
 
+def _override(text: str) -> str:
+    """An override named in an error: its key whole, a long value cut (a 5,000-character value made a 5,000-character
+    error line, the value then repeated by the message)."""
+    key, eq, raw = text.partition("=")
+    if len(raw) > 80:
+        raw = f"{raw[:60]}... ({len(raw)} characters)"
+    if len(key) > 200:
+        key = f"{key[:150]}... ({len(key)} characters)"
+    return f"override '{key}{eq}{raw}'"
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.max_steps=20` -> ("train.max_steps", 20); values are parsed as YAML scalars."""
     if "=" not in text:
         hint = ""
-        if text.lower().endswith((".yaml", ".yml")) or Path(text).is_file():
+        if text.lower().endswith((".yaml", ".yml")) or _is_file(text):
             hint = f" (a config file is given with --config {text})"
-        elif ":" in text:
+        elif ":" in text and len(text) <= 200:
             hint = f" (write it {text.split(':', 1)[0].strip()}={text.split(':', 1)[1].strip()})"
-        raise UserError(f"override '{text}' is not of the form section.key=value{hint}")
+        raise UserError(f"{_override(text)} is not of the form section.key=value{hint}")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or "" in key.split("."):  # '.x', 'x.', 'train..max_steps'
-        raise UserError(f"override '{text}' has no valid key")
+        raise UserError(f"{_override(text)} has no valid key")
     try:  # read as the file is (`_UniqueKeyLoader`: numbers keep their spelling, dates stay text)
         value = _spelled(yaml.load(raw, Loader=_UniqueKeyLoader), raw) if raw.strip() else ""  # safety: a SafeLoader
     except _DuplicateKey as e:
-        raise UserError(f"override '{text}': {e.key!r} appears twice in one mapping; YAML would keep only the "
+        raise UserError(f"{_override(text)}: {e.key!r} appears twice in one mapping; YAML would keep only the "
                         f"last") from None
     except yaml.YAMLError:
         if raw.strip().startswith(("[", "{")):  # `lora.targets=[q_proj, v_proj]` unquoted: the shell split it
             kind = "list" if raw.strip()[0] == "[" else "mapping"
-            raise UserError(f"override '{text}': {raw.strip()!r} is an unclosed YAML {kind}; a space splits a shell "
-                            f"word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
+            raise UserError(f"{_override(text)}: {shown(raw.strip())} is an unclosed YAML {kind}; a space splits a "
+                            f"shell word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
                             f"({key}=[a,b])") from None
         value = raw
     comment = _yaml_comment(raw)
     if comment is not None:
         kept = raw[:len(raw) - len(comment)].strip()
-        raise UserError(f"override '{text}': YAML reads {comment.strip()!r} as a comment, so the value would be "
-                        f"{repr(kept) if kept else 'null'}; to keep the '#', quote the value inside the override "
-                        f"({key}=\"{raw.strip()}\", the whole override in single quotes for the shell)")
+        raise UserError(f"{_override(text)}: YAML reads {comment.strip()!r} as a comment, so the value would be "
+                        f"{shown(kept) if kept else 'null'}; to keep the '#', quote the value inside the override "
+                        f"({key}=\"{raw.strip() if len(raw.strip()) <= 80 else '...'}\", the whole override in single "
+                        f"quotes for the shell)")
     return key, value
 
 
@@ -662,7 +681,7 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
                             f"this command takes a config with the sections {', '.join(names)}")
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value, f"override '{text}'", cls)
+        _set_dotted(tree, key, value, _override(text), cls)
     try:
         try:
             return _build(cls, tree, "")
@@ -767,11 +786,11 @@ def blame(message: str, where: str, overrides: Sequence[str], lines: dict[str, i
         if u is not None and not (key == u or key.startswith(u + ".") or u.startswith(key + ".")):
             continue  # only the override that set the unknown key is to blame, not the key it suggests instead
         if key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
-            return f"override '{text}'"
+            return _override(text)
         parts = key.split(".")  # 'foo.bar=1' is refused as "unknown config key 'foo'": a section it created
         for n in range(1, len(parts)):
             if re.search(rf"unknown config key '{re.escape('.'.join(parts[:n]))}'", message):
-                return f"override '{text}'"
+                return _override(text)
     line = _line_of(message.removeprefix(where + ": "), lines or {})
     return f"{where} line {line}" if line else where
 
@@ -794,7 +813,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
         key, _, raw = text.partition("=")
         if raw.strip() == "~" and tuple(key.strip().split(".")) in PATH_KEYS:
             key = key.strip()
-            raise UserError(f"override '{text}': a bare ~ is null to YAML, not the home directory; write {key}=null "
+            raise UserError(f"{_override(text)}: a bare ~ is null to YAML, not the home directory; write {key}=null "
                             f"to leave it unset, or a path such as {key}=~/NAME")
     cfg = load_typed(RunConfig, path, overrides, FOREIGN_NAMES, SERVING_SECTIONS)
     if cfg.train.optimizer is None:

@@ -52,6 +52,7 @@ from gemma_tpu.core.errors import UserError, shown
 from gemma_tpu.formats.function_calling import (
     FUNCTION_MARKERS,
     DeclarationError,
+    arguments_problem,
     check_tools,
     find_lone_surrogate,
     plain_gemma_token_map,
@@ -626,6 +627,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         tools = [{"type": "function", "function": f} for f in functions]
     names = _tool_names(tools, where)
     markup.check_value(tools, where, "tools")
+    declared = {fn.get("name"): fn.get("parameters") for fn in (t.get("function", t) for t in tools or [])}
     out = _system_field(obj, messages, where, markup)
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
     answered = 0
@@ -683,6 +685,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {shown(fn['name'])}, which is not in 'tools' "
                                     f"({', '.join(names)})")
                 markup.check_value(args, mw, f"tool_calls[{j}].arguments")
+                problem = arguments_problem(declared.get(fn["name"]), args)
+                if problem:
+                    raise UserError(f"{mw}.tool_calls[{j}]: calls {fn['name']} with arguments its declaration in "
+                                    f"'tools' refuses: {problem}")
                 norm_calls.append({"name": fn["name"], "arguments": args})
             if not msg["content"].strip() and not norm_calls and isinstance(m.get("refusal"), str) \
                     and m["refusal"].strip():  # an OpenAI export of a declined request: the text is elsewhere
@@ -714,6 +720,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                                     f"a call to {match[0]!r}")
                 answered_ids.add(call_id)
                 name = match[0]
+            if answered >= len(pending):  # it answers no call: an OpenAI-format export gave it an id never issued
+                n = len(pending)
+                raise UserError(f"{mw}: a tool result past the {n} call{'s' if n != 1 else ''} of the preceding "
+                                f"assistant turn (each result answers one call); remove it or add its call")
             if not name and answered < len(pending):
                 name = pending[answered][1]  # results answer the calls in order
             if not isinstance(name, str) or not name:

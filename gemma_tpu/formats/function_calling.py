@@ -237,6 +237,70 @@ def _check_schema(params: dict, where: str) -> None:
                       if isinstance(s, dict)]
 
 
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
+               "object": (dict,), "null": (type(None),)}
+
+
+def _json_type_matches(value: Any, declared: str) -> bool:
+    kinds = _JSON_TYPES.get(declared)
+    if kinds is None:
+        return True  # a type this check does not know: not refused
+    if isinstance(value, bool):
+        return declared == "boolean"
+    if declared == "integer" and isinstance(value, float):
+        return value.is_integer()  # JSON's 3.0 is the integer 3
+    return isinstance(value, kinds)
+
+
+def _json_text(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 80 else text[:76] + " ..."
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON equality: 1 and 1.0 are one number, true is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+def arguments_problem(parameters: Any, args: dict) -> str | None:
+    """What is wrong with a call's `args` for the declared `parameters` schema (its top level), or None. Checked only
+    where the schema declares `properties` (non-empty) and does not let others in (additionalProperties true or a
+    schema, patternProperties): an argument it does not declare, a `required` one missing, a value whose JSON type
+    contradicts the declared `type`, one outside an `enum`. A null value is an argument not given (as the fitness
+    tools and evaluate's arguments_match read it): not type-checked. Nested schemas are not walked."""
+    if not isinstance(parameters, dict):
+        return None
+    props = parameters.get("properties")
+    if not isinstance(props, dict) or not props:
+        return None
+    extra_allowed = parameters.get("additionalProperties") is True or isinstance(
+        parameters.get("additionalProperties"), dict) or bool(parameters.get("patternProperties"))
+    names = ", ".join(map(str, props))
+    for key in args:
+        if key not in props and not extra_allowed:
+            return f"{shown(key)} is not a declared parameter (parameters: {names})"
+    required = parameters.get("required")
+    for key in required if isinstance(required, list) else []:
+        if key not in args:
+            return f"the required parameter {shown(key)} is missing"
+    for key, value in args.items():
+        sub = props.get(key)
+        if value is None or not isinstance(sub, dict):
+            continue
+        declared = sub.get("type")
+        types = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
+        if types and not any(_json_type_matches(value, t) for t in types if isinstance(t, str)):
+            return (f"{shown(key)} is declared {' or '.join(map(str, types))}, got {_json_kind(value)} "
+                    f"{_json_text(value)}")
+        enum = sub.get("enum")
+        if isinstance(enum, list) and not any(_same_json(value, e) for e in enum):
+            return (f"{shown(key)} is {_json_text(value)}, not one of its enum "
+                    f"({', '.join(map(_json_text, enum))[:200]})")
+    return None
+
+
 def format_call(name: str, args: dict) -> str:
     check_tool_name(name, "call")
     check_call_arguments(args, f"call {shown(name)} arguments")

@@ -15,6 +15,7 @@ import argparse
 import logging
 import re
 import sys
+import unicodedata
 from typing import Sequence, TextIO
 
 from gemma_tpu.core import cli
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be positive")
     if args.step is not None and not args.checkpoint:
         raise UserError("--step applies to --checkpoint, not --model")
-    if args.once is not None and not args.once.strip():  # before the model, not after its load
+    if args.once is not None and blank(args.once):  # before the model, not after its load
         raise UserError("--once needs a question")
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
     loaded = (load_hf_dir(args.model, args.dtype or "float32") if args.model
@@ -116,12 +117,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return chat_repl(coach.ask, "")
 
 
+WORD_JOINER = "\u2060"
+
+
 def check_tool_results(markup: Markup, messages: list[dict]) -> None:
-    """A tool's result holding the chat markup's own control tokens is refused, as the question is (`Coach.ask`,
-    `serving.chat`'s `RemoteCoach.ask`): rendered into the prompt, the tokenizer reads them as markup."""
+    """A tool's result holding the chat markup's own control tokens carries them broken by a word joiner (U+2060,
+    invisible) after their first character: rendered into the prompt as written, the tokenizer reads them as markup.
+    (A JSON escape would not do: the renderer decodes the result's JSON into the call-response syntax.) Such text is
+    mostly the model's own argument repeated in an error ("unrecognised date '<start_of_turn>'"): it was refused as
+    "...; remove it", ending the question with advice to the user, who never wrote it. The question itself is still
+    refused (`Coach.ask`)."""
     for m in messages:
-        if m["role"] == "tool":
-            markup.check(m["content"], f"the result of {m.get('name')}")
+        if m["role"] == "tool" and isinstance(m.get("content"), str):
+            text = m["content"]
+            while (hit := markup.search(text)) is not None:
+                at, token = hit
+                text = f"{text[:at + 1]}{WORD_JOINER}{text[at + 1:]}"
+            m["content"] = text
 
 
 def question_text(raw: str) -> str:
@@ -132,6 +144,15 @@ def question_text(raw: str) -> str:
         return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     except UnicodeEncodeError:  # a surrogate that stands for no byte (not U+DC80..U+DCFF)
         return raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+_FILLERS = frozenset("\u115f\u1160\u3164\uffa0")  # Hangul fillers: letters to Unicode, blank on the screen
+
+
+def blank(text: str) -> bool:
+    """Whether a question shows nothing: whitespace, or only invisible format characters (a zero-width space, word
+    joiner, byte-order mark, soft hyphen: `str.strip` keeps them, and such a question went to the model)."""
+    return all(c.isspace() or c in _FILLERS or unicodedata.category(c) in ("Cf", "Cc") for c in text)
 
 
 QUIT = ("exit", "quit", "/exit", "/quit", "/bye")  # what ends a session (the slash forms other chat CLIs use)
@@ -164,7 +185,7 @@ def chat_repl(ask, greeting: str) -> int:
                 print(file=sys.stderr)
             break
         question = question_text(line).strip()
-        if not question:
+        if blank(question):
             continue
         if question.lower() in QUIT:
             break
