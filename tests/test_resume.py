@@ -239,5 +239,25 @@ def test_a_run_stopped_before_its_first_save_leaves_nothing_to_refuse(tmp_path, 
     (tmp_path / "2" / "model_params").mkdir(parents=True)
     for marker in COMMIT_MARKERS:
         (tmp_path / "2" / marker).write_text("{}")
-    with pytest.raises(UserError, match=r"checkpoint was trained with lora.rank=4, this run has 8"):
+    with pytest.raises(UserError, match=r"checkpoint was trained with lora.rank=4, this run has 8; resume it with "
+                                        r"lora.rank=4, or use another checkpoint.dir"):
         check_resume_compatible(tmp_path, meta(8))
+
+
+@pytest.mark.parametrize("what, was, hint", [
+    ("lora.rank", 4, "resume it with lora.rank=4, or "),
+    ("lora.enabled", False, "resume it with lora.enabled=false, or "),
+    ("lora.targets", ["q_proj", "v_proj"], "resume it with lora.targets=[q_proj,v_proj], or "),
+    ("model.dtype", "bfloat16", "resume it with model.dtype=bfloat16, or "),
+    ("lora.base_quantization", None, "resume it with lora.base_quantization=null, or "),
+    ("train.grad_accum_steps", 2, "resume it with train.grad_accum_steps=2, or "),
+    ("base model", "/models/base", "resume it with model.path=/models/base, or "),
+    ("family", "gemma3", "resume it with a gemma3 base (model.path), or "),
+    ("lora.enabled", None, ""),  # a damaged record: nothing to set back
+])
+def test_a_refused_resume_says_how_to_resume(what, was, hint):
+    """'checkpoint was trained with lora.rank=4, this run has 8; use another checkpoint.dir' did not say the other
+    way out, which the data position's refusal does: the override that sets the recorded value back."""
+    from gemma_tpu.train.resume import resume_hint
+
+    assert resume_hint(what, was) == hint
