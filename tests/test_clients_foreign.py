@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -710,6 +711,18 @@ def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_s
         assert not (tmp_path / "r.partial.json").exists() and "removed " in proc.stderr, proc.stderr
         (tmp_path / "r.partial.json").write_text('{"notes": "mine"}')
         assert _in_process(*rerun).returncode == 0 and (tmp_path / "r.partial.json").exists()
+        # a Ctrl-C once the complete file is published (before the partial was removed) left the older one beside it
+        (tmp_path / "r.partial.json").write_text(json.dumps(partial))
+        import gemma_tpu.evaluate.run as evaluate_run
+
+        def publish_then_interrupt(target, text, real=evaluate_run.write_text_atomic):
+            real(target, text)
+            raise KeyboardInterrupt
+
+        with mock.patch.object(evaluate_run, "write_text_atomic", publish_then_interrupt):
+            proc = _in_process(*rerun)
+        assert proc.returncode != 0 and json.loads(out.read_text())["n"] == 5, proc.stderr
+        assert not (tmp_path / "r.partial.json").exists() and "removed " in proc.stderr, proc.stderr
 
 
 def test_compare_keeps_the_first_models_results_when_the_second_fails(tmp_path):
