@@ -160,6 +160,21 @@ def test_a_run_stopped_after_its_last_save_is_finished_by_the_rerun(tiny_dir, re
     assert summary["final_train_loss"] == reference["losses"][MAX_STEPS]
     assert summary["final_eval_loss"] == rows[-1]["loss"] and rows[-1]["mode"] == "eval"
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+    # another eval set (data.eval_max_batches, like another data.eval_path, changes what was measured): the step is
+    # evaluated again, where its record of the old set skipped it and the log promised an evaluation it did not run
+    (ckpt / "summary.json").unlink()
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt) + ["data.eval_path=tests/data/chat_sample.jsonl",
+                                                         "data.eval_max_batches=1"],
+                              cwd=REPO, env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err,
+                              timeout=600)
+    assert proc.returncode == 0, tail(log)
+    assert "finishing it: the evaluation of that step and the summary" in log.read_text(), tail(log)
+    assert "evaluation in " in log.read_text() and "was of other eval data" in log.read_text(), tail(log)
+    again = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()][len(rows):]
+    assert [(r["mode"], r["step"]) for r in again] == [("eval", MAX_STEPS)], again
+    assert again[0]["eval_data"] != rows[-1]["eval_data"] and again[0]["loss"] != rows[-1]["loss"]
+    assert json.loads((ckpt / "summary.json").read_text())["final_eval_loss"] == again[0]["loss"]
 
     # the next rerun has nothing to do, and clears the lock a dead trainer left (it stayed until a run trained)
     dead = subprocess.Popen(["true"])
@@ -215,6 +230,26 @@ def test_a_resume_drops_the_stopped_runs_records_after_its_step(tmp_path):
     assert path.read_text() == "\n".join(kept) + "\n"
     mtime = path.stat().st_mtime_ns
     assert drop_records_after(path, 4) == 0 and path.stat().st_mtime_ns == mtime
+
+
+def test_a_resumed_step_counts_as_evaluated_only_on_the_same_eval_data(tmp_path):
+    """A resume with another data.eval_path skipped evaluating its step: metrics.jsonl held a record of the old eval
+    set. Only a record of this set (its eval_fingerprint: rows and how many evaluated) counts; one from before
+    fingerprints were kept is of an unknown set."""
+    import types
+
+    from gemma_tpu.data import eval_fingerprint
+    from gemma_tpu.train.trainer import step_evaluated
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"mode": "eval", "step": 4, "loss": 2.0, "eval_data": "abc:8"}\n'
+                    '{"mode": "eval", "step": 6, "loss": 2.0}\n')
+    assert step_evaluated(path, 4, "abc:8") and not step_evaluated(path, 4, "def:8")
+    assert not step_evaluated(path, 6, "abc:8") and not step_evaluated(path, 2, "abc:8")
+    assert not step_evaluated(path, 4, None)
+    prepared = types.SimpleNamespace(rows=[[]] * 10, digest=lambda: "abc")
+    assert eval_fingerprint(prepared, 4) == eval_fingerprint(prepared, 4, 3) == "abc:10"
+    assert eval_fingerprint(prepared, 4, 2) == "abc:8"
 
 
 def test_a_run_stopped_before_its_first_save_leaves_nothing_to_refuse(tmp_path, caplog):
