@@ -16,14 +16,15 @@ so the two compare side by side:
     max_output_tokens_per_s, max_concurrent_requests   peaks over the run
 
 Token counts come from the server's `usage` (requested with `stream_options.include_usage`); a
-server that sends none is counted one token per streamed chunk. TTFT is taken at the first chunk
+server that sends none is counted one token per streamed chunk, and the table says so. TTFT is taken at the first chunk
 whose `choices` carry generated output (content, reasoning or a tool call): on vLLM that is its
 first chunk with `choices` (vLLM sends its role chunk together with the first token), and a server
 that sends the role chunk before generating (transformers serve) is not credited with a TTFT of ~0.
 
 A request fails on an HTTP error, a refused or dropped connection, a stream that ends without a
 finish reason or `[DONE]`, one that holds no choice at all, an `error` event, or when it takes longer
-than --timeout seconds (the whole request, streaming included) — so the run ends within about
+than --timeout seconds (the whole request, streaming included); a 429 or 503 is not retried (nor by `vllm bench
+serve`): its error names the status and the server's Retry-After — so the run ends within about
 ceil(N / C) x T seconds whatever the server does. Failures are counted and listed with the table;
 exit status 0 when at least one request completed. When none did: one error line (the first failure),
 no table, no --json file, exit status 2.
@@ -103,10 +104,23 @@ class Result:
     latency: float = 0.0
     start_time: float = 0.0
     generated_text: str = ""
+    usage_reported: bool = False  # output_tokens is the server's usage, not a count of streamed chunks
 
 
 class RequestFailed(Exception):
     pass
+
+
+def turned_away(status: int, headers) -> str:
+    """What a 429 or 503 means, with its Retry-After, for the error summary (' (...)', or '' for another status):
+    the request is failed at once, not retried (as `vllm bench serve` does), and that said a bare 'HTTP 429'
+    left the reader to guess whether the server or the benchmark gave up."""
+    if status not in (429, 503):
+        return ""
+    what = "rate limited" if status == 429 else "service unavailable: overloaded or still starting"
+    after = (headers.get("retry-after") or "").strip()
+    return (f" ({what}{f', Retry-After: {after}' if after else ', no Retry-After'}; the benchmark does not retry: "
+            f"lower --concurrency or wait for the server)")
 
 
 # ------------------------------------------------------------------------------------ datasets
@@ -189,7 +203,7 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
         if resp.status_code != 200:
             detail = body_text((await resp.aread()).decode(errors="replace"),
                                resp.headers.get("content-type") or "")[:200]
-            raise RequestFailed(f"HTTP {resp.status_code}: {detail}")
+            raise RequestFailed(f"HTTP {resp.status_code}{turned_away(resp.status_code, resp.headers)}: {detail}")
         ctype = resp.headers.get("content-type") or "none"
         other: list[str] = []  # lines that are not events: what came back instead of a stream
         events = 0
@@ -244,6 +258,7 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
     if last is None:  # nothing generated (an immediate stop): the first chunk is all there is
         res.ttft = (first_choice or time.perf_counter()) - st
     res.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    res.usage_reported = usage_tokens is not None
     res.generated_text = "".join(text)
     res.success = True
 
@@ -317,6 +332,8 @@ def summarize(results: list[Result], duration: float, percentiles: Sequence[floa
     out: dict[str, Any] = {
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
+        # completed requests whose server sent no usage: their output tokens are streamed chunks (one token each)
+        "output_tokens_counted_per_chunk": sum(not r.usage_reported for r in ok),
         "request_throughput": len(ok) / dur, "request_goodput": None,
         "output_throughput": total_out / dur, "total_token_throughput": (total_in + total_out) / dur,
     }
@@ -360,6 +377,9 @@ def format_table(m: dict[str, Any], concurrency: int, percentiles: Sequence[floa
              row("Successful requests:", m["completed"]), row("Failed requests:", m["failed"]),
              row("Maximum request concurrency:", concurrency), num("Benchmark duration (s):", m["duration"]),
              row("Total input tokens:", m["total_input_tokens"]), row("Total generated tokens:", m["total_output_tokens"]),
+             *([f"  (no usage from the server for {m['output_tokens_counted_per_chunk']} of {m['completed']} "
+                f"requests: their generated tokens are counted one per streamed chunk)"]
+               if m.get("output_tokens_counted_per_chunk") else []),
              num("Request throughput (req/s):", m["request_throughput"]),
              num("Output token throughput (tok/s):", m["output_throughput"]),
              num("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"]),

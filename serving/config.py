@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from gemma_tpu.core.config import blame, key_lines, load_typed
+from gemma_tpu.core.config import blame, expand_env, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import check_adapter_fits as check_adapter_sites, read_adapter_config
@@ -405,6 +405,18 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     def bad(msg: str) -> None:  # an error a command-line override caused names the override
         raise UserError(f"{blame(msg, where, overrides, key_lines(path))}: {msg}")
 
+    # the host paths expand environment variables as a run config's do: `model.dir: $RUNS/x-merged` was read
+    # literally (a directory named '$RUNS' in the working directory, said not to exist)
+    paths = [(cfg.model, "dir", "model.dir"), (cfg.container, "compile_cache", "container.compile_cache")]
+    paths += [(a, "dir", f"lora.adapters.{a.name}.dir") for a in cfg.lora.adapters]
+    if cfg.tool_calling.chat_template != "model":
+        paths.append((cfg.tool_calling, "chat_template", "tool_calling.chat_template"))
+    for section, attr, key in paths:
+        if isinstance(getattr(section, attr), str):
+            try:
+                setattr(section, attr, expand_env(getattr(section, attr), key))
+            except UserError as e:
+                bad(str(e))
     if not cfg.model.dir and need_dir:
         bad(f"model.dir is not set ({MODEL_DIR_HINT})")
     if cfg.model.name is not None and not _NAME.fullmatch(cfg.model.name):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -658,6 +659,43 @@ class Recording(ScriptedModel):
         self.close_connection = True
 
 
+class NoUsageThrottled(Recording):
+    """Answers the first request 429 (Retry-After: 7), then streams without `usage` (a server that sends none)."""
+
+    def do_POST(self):
+        if not type(self).bodies:
+            type(self).bodies.append({})
+            return fail_once(self, "429", "7")
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]}))
+        self.wfile.write(sse({"choices": [{"index": 0, "delta": {"content": " fine"}, "finish_reason": "stop"}]}))
+        self.wfile.write(sse("[DONE]"))
+        self.close_connection = True
+
+
+def test_bench_names_a_turned_away_request_and_tokens_counted_without_usage():
+    """A 429 or 503 failed the request as a bare 'HTTP 429: try again': nothing said it was not retried nor when
+    the server asked to be asked again; and a server sending no usage had its tokens counted per streamed chunk
+    without the table saying so."""
+    handler = type("NoUsageThrottledNow", (NoUsageThrottled,), {"bodies": []})
+    with http_server(handler) as url:
+        proc = _in_process("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "3", "--input-len",
+                           "4", "--output-len", "2", "--concurrency", "1", "--disable-tqdm")
+    assert proc.returncode == 0, proc.stderr
+    assert "HTTP 429 (rate limited, Retry-After: 7; the benchmark does not retry" in proc.stderr, proc.stderr
+    assert re.search(r"^Failed requests:\s+1\b", proc.stdout, re.M) and re.search(
+        r"^Total generated tokens:\s+4\b", proc.stdout, re.M), proc.stdout
+    assert "no usage from the server for 2 of 2 requests: their generated tokens are counted one per streamed " \
+           "chunk" in proc.stdout, proc.stdout
+    with http_server(Recording) as url:  # a server that sends usage: nothing to say
+        proc = _in_process("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "1", "--input-len",
+                           "4", "--output-len", "2", "--disable-tqdm")
+    assert proc.returncode == 0 and "no usage" not in proc.stdout, proc.stdout
+
+
 def test_every_client_sends_its_sampling(tmp_path):
     """With no `temperature` vLLM samples at T=1 while the local server decodes greedily: serving.bench sent none
     unless asked, so the same benchmark timed answers of different kinds on the two servers. Every client we ship
@@ -710,6 +748,18 @@ def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_s
         assert not (tmp_path / "r.partial.json").exists() and "removed " in proc.stderr, proc.stderr
         (tmp_path / "r.partial.json").write_text('{"notes": "mine"}')
         assert _in_process(*rerun).returncode == 0 and (tmp_path / "r.partial.json").exists()
+        # a Ctrl-C once the complete file is published (before the partial was removed) left the older one beside it
+        (tmp_path / "r.partial.json").write_text(json.dumps(partial))
+        import gemma_tpu.evaluate.run as evaluate_run
+
+        def publish_then_interrupt(target, text, real=evaluate_run.write_text_atomic):
+            real(target, text)
+            raise KeyboardInterrupt
+
+        with mock.patch.object(evaluate_run, "write_text_atomic", publish_then_interrupt):
+            proc = _in_process(*rerun)
+        assert proc.returncode != 0 and json.loads(out.read_text())["n"] == 5, proc.stderr
+        assert not (tmp_path / "r.partial.json").exists() and "removed " in proc.stderr, proc.stderr
 
 
 def test_compare_keeps_the_first_models_results_when_the_second_fails(tmp_path):

@@ -55,6 +55,34 @@ def test_prefix_cache_single_prompt_with_named_prefix(loaded):
     for p in prompts[1:4]:
         assert gen.generate([p], prefix=SHARED + [999])[0].ids == plain.generate([p])[0].ids
     assert gen.prefix_stats["computed"] == 1 and gen.prefix_stats["reused_batches"] == 3
+    # calls alternating between two prefixes (two chats' system turns): only the last prefix's cache was kept, so
+    # each call recomputed its own; both are kept now (least recently used dropped past PREFIX_CACHE_ENTRIES)
+    other = [2] + [(13 * i) % 400 + 90 for i in range(40)]
+    for p in [other + [301, 302], prompts[1], other + [310], prompts[2]]:
+        named = other if p[:len(other)] == other else SHARED
+        assert gen.generate([p], prefix=named + [999])[0].ids == plain.generate([p])[0].ids
+    assert gen.prefix_stats["computed"] == 2 and gen.prefix_stats["reused_batches"] == 7
+
+
+def test_prefix_caches_kept_are_bounded_least_recently_used_first(monkeypatch):
+    import collections
+
+    import numpy as np
+
+    from gemma_tpu.infer import generate as g
+
+    gen = object.__new__(g.Generator)
+    gen._prefixes = collections.OrderedDict((k, {"k": np.zeros(1000, np.uint8)}) for k in [(1,), (2,), (3,)])
+    gen._prefixes.move_to_end((1,))  # used last
+    monkeypatch.setattr(g, "PREFIX_CACHE_ENTRIES", 2)
+    gen._evict_prefixes()
+    assert list(gen._prefixes) == [(3,), (1,)]
+    monkeypatch.setattr(g, "PREFIX_CACHE_BYTES", 1500)  # by memory too, keeping the latest whatever its size
+    gen._evict_prefixes()
+    assert list(gen._prefixes) == [(1,)]
+    monkeypatch.setattr(g, "PREFIX_CACHE_BYTES", 10)
+    gen._evict_prefixes()
+    assert list(gen._prefixes) == [(1,)]
 
 
 @ONE_LAYOUT

@@ -160,6 +160,21 @@ def test_a_run_stopped_after_its_last_save_is_finished_by_the_rerun(tiny_dir, re
     assert summary["final_train_loss"] == reference["losses"][MAX_STEPS]
     assert summary["final_eval_loss"] == rows[-1]["loss"] and rows[-1]["mode"] == "eval"
     assert_same_params(ckpt, reference["ckpt"], MAX_STEPS)
+    # another eval set (data.eval_max_batches, like another data.eval_path, changes what was measured): the step is
+    # evaluated again, where its record of the old set skipped it and the log promised an evaluation it did not run
+    (ckpt / "summary.json").unlink()
+    with log.open("w") as err:
+        proc = subprocess.run(command(tiny_dir, ckpt) + ["data.eval_path=tests/data/chat_sample.jsonl",
+                                                         "data.eval_max_batches=1"],
+                              cwd=REPO, env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err,
+                              timeout=600)
+    assert proc.returncode == 0, tail(log)
+    assert "finishing it: the evaluation of that step and the summary" in log.read_text(), tail(log)
+    assert "evaluation in " in log.read_text() and "was of other eval data" in log.read_text(), tail(log)
+    again = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()][len(rows):]
+    assert [(r["mode"], r["step"]) for r in again] == [("eval", MAX_STEPS)], again
+    assert again[0]["eval_data"] != rows[-1]["eval_data"] and again[0]["loss"] != rows[-1]["loss"]
+    assert json.loads((ckpt / "summary.json").read_text())["final_eval_loss"] == again[0]["loss"]
 
     # the next rerun has nothing to do, and clears the lock a dead trainer left (it stayed until a run trained)
     dead = subprocess.Popen(["true"])
@@ -217,6 +232,26 @@ def test_a_resume_drops_the_stopped_runs_records_after_its_step(tmp_path):
     assert drop_records_after(path, 4) == 0 and path.stat().st_mtime_ns == mtime
 
 
+def test_a_resumed_step_counts_as_evaluated_only_on_the_same_eval_data(tmp_path):
+    """A resume with another data.eval_path skipped evaluating its step: metrics.jsonl held a record of the old eval
+    set. Only a record of this set (its eval_fingerprint: rows and how many evaluated) counts; one from before
+    fingerprints were kept is of an unknown set."""
+    import types
+
+    from gemma_tpu.data import eval_fingerprint
+    from gemma_tpu.train.trainer import step_evaluated
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"mode": "eval", "step": 4, "loss": 2.0, "eval_data": "abc:8"}\n'
+                    '{"mode": "eval", "step": 6, "loss": 2.0}\n')
+    assert step_evaluated(path, 4, "abc:8") and not step_evaluated(path, 4, "def:8")
+    assert not step_evaluated(path, 6, "abc:8") and not step_evaluated(path, 2, "abc:8")
+    assert not step_evaluated(path, 4, None)
+    prepared = types.SimpleNamespace(rows=[[]] * 10, digest=lambda: "abc")
+    assert eval_fingerprint(prepared, 4) == eval_fingerprint(prepared, 4, 3) == "abc:10"
+    assert eval_fingerprint(prepared, 4, 2) == "abc:8"
+
+
 def test_a_run_stopped_before_its_first_save_leaves_nothing_to_refuse(tmp_path, caplog):
     """A run killed before step 1 (data preparation, model load, the first compile) leaves gemma_tpu_run.json and no
     step: a rerun with another lora.rank was refused as 'checkpoint was trained with lora.rank=4', naming a
@@ -239,5 +274,25 @@ def test_a_run_stopped_before_its_first_save_leaves_nothing_to_refuse(tmp_path, 
     (tmp_path / "2" / "model_params").mkdir(parents=True)
     for marker in COMMIT_MARKERS:
         (tmp_path / "2" / marker).write_text("{}")
-    with pytest.raises(UserError, match=r"checkpoint was trained with lora.rank=4, this run has 8"):
+    with pytest.raises(UserError, match=r"checkpoint was trained with lora.rank=4, this run has 8; resume it with "
+                                        r"lora.rank=4, or use another checkpoint.dir"):
         check_resume_compatible(tmp_path, meta(8))
+
+
+@pytest.mark.parametrize("what, was, hint", [
+    ("lora.rank", 4, "resume it with lora.rank=4, or "),
+    ("lora.enabled", False, "resume it with lora.enabled=false, or "),
+    ("lora.targets", ["q_proj", "v_proj"], "resume it with lora.targets=[q_proj,v_proj], or "),
+    ("model.dtype", "bfloat16", "resume it with model.dtype=bfloat16, or "),
+    ("lora.base_quantization", None, "resume it with lora.base_quantization=null, or "),
+    ("train.grad_accum_steps", 2, "resume it with train.grad_accum_steps=2, or "),
+    ("base model", "/models/base", "resume it with model.path=/models/base, or "),
+    ("family", "gemma3", "resume it with a gemma3 base (model.path), or "),
+    ("lora.enabled", None, ""),  # a damaged record: nothing to set back
+])
+def test_a_refused_resume_says_how_to_resume(what, was, hint):
+    """'checkpoint was trained with lora.rank=4, this run has 8; use another checkpoint.dir' did not say the other
+    way out, which the data position's refusal does: the override that sets the recorded value back."""
+    from gemma_tpu.train.resume import resume_hint
+
+    assert resume_hint(what, was) == hint

@@ -196,6 +196,29 @@ def test_print_270m_config(tmp_path):
     assert "--enable-lora" not in serve and "--api-key" not in serve
 
 
+def test_serving_paths_expand_environment_variables(tmp_path, monkeypatch):
+    """`model.dir: $RUNS/x-merged` (and the adapter, chat template and compile cache paths) was read literally, a
+    directory named '$RUNS', where the run config expands it; a variable not set is refused naming the key."""
+    from serving.config import load_serve_config
+
+    monkeypatch.setenv("GEMMA_TPU_TEST_RUNS", str(tmp_path))
+    path = tmp_path / "serve.yaml"
+    path.write_text("model:\n  dir: $GEMMA_TPU_TEST_RUNS/x-merged\nlora:\n  adapters:\n    - name: coach\n"
+                    "      dir: ${GEMMA_TPU_TEST_RUNS}/coach\ntool_calling:\n"
+                    "  chat_template: $GEMMA_TPU_TEST_RUNS/t.jinja\ncontainer:\n"
+                    "  compile_cache: $GEMMA_TPU_TEST_RUNS/cache\n")
+    cfg = load_serve_config(path, need_dir=False)
+    assert (cfg.model.dir, cfg.lora.adapters[0].dir) == (f"{tmp_path}/x-merged", f"{tmp_path}/coach")
+    assert (cfg.tool_calling.chat_template, cfg.container.compile_cache) == (f"{tmp_path}/t.jinja", f"{tmp_path}/cache")
+    assert cfg.model_dir == tmp_path / "x-merged" and cfg.served_name == "x-merged"
+    with pytest.raises(UserError, match=r"^override 'model.dir=\$GEMMA_TPU_UNSET/m': model.dir='\$GEMMA_TPU_UNSET/m' "
+                                        r"names the environment variable GEMMA_TPU_UNSET, which is not set"):
+        load_serve_config(path, ["model.dir=$GEMMA_TPU_UNSET/m"], need_dir=False)
+    path.write_text("container:\n  compile_cache: ${GEMMA_TPU_UNSET}/cache\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: container.compile_cache="):
+        load_serve_config(path, need_dir=False)
+
+
 def test_print_config_without_a_config_prints_the_defaults(capsys):
     """`--print-config` alone (a user asking what the defaults are) stopped at "model.dir is not set"; it prints
     them, model.dir null, and says serving needs it. Serving without one is still refused, as is a bad override."""

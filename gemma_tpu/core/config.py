@@ -833,6 +833,16 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
 _ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
 
 
+def expand_env(value: str, key: str) -> str:
+    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`) expanded; one that
+    is not set is refused naming the key (the run config's paths here, the serving config's in serving.config)."""
+    unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value) if (m.group(1) or m.group(2)) not in os.environ]
+    if unset:
+        raise UserError(f"{key}={value!r} names the environment variable {unset[0]}, which is not set; set it or write "
+                        f"the path out")
+    return _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+
+
 def _expand_paths(cfg: RunConfig, where: str) -> None:
     """`~` and environment variables (`$HOME`, `${DATA}`) in the local paths (PATH_KEYS, and model.path when it is
     one): nothing expands them in a YAML file, nor in an override the shell passes quoted, and `checkpoint.dir:
@@ -841,12 +851,10 @@ def _expand_paths(cfg: RunConfig, where: str) -> None:
         value = getattr(getattr(cfg, section), key)
         if not isinstance(value, str) or value.startswith("embedded:"):
             continue
-        unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value)
-                 if (m.group(1) or m.group(2)) not in os.environ]
-        if unset:
-            raise UserError(f"{where}: {section}.{key}={value!r} names the environment variable {unset[0]}, which is "
-                            f"not set; set it or write the path out")
-        expanded = _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+        try:
+            expanded = expand_env(value, f"{section}.{key}")
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
         if (section, key) in PATH_KEYS and expanded.startswith("~"):
             expanded = os.path.expanduser(expanded)
         setattr(getattr(cfg, section), key, expanded)

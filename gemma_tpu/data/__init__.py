@@ -8,6 +8,7 @@ from gemma_tpu.data.pipeline import (
                                      duplicates_warning,
                                      epochs_warning,
                                      eval_batches,
+                                     eval_fingerprint,
                                      make_renderer,
                                      overlap_warning,
                                      overlength_warning,
@@ -21,6 +22,6 @@ from gemma_tpu.data.records import load_conversations
 from gemma_tpu.data.render import Renderer
 
 __all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "duplicates_warning",
-           "epochs_warning", "eval_batches", "load_conversations", "make_renderer", "overlap_warning",
-           "overlength_warning", "prepare_examples", "prepare_split", "prepare_splits", "render_examples",
-           "stream_layout"]
+           "epochs_warning", "eval_batches", "eval_fingerprint", "load_conversations", "make_renderer",
+           "overlap_warning", "overlength_warning", "prepare_examples", "prepare_split", "prepare_splits",
+           "render_examples", "stream_layout"]

@@ -413,6 +413,14 @@ def _check_same_rows(saved: dict[str, Any], current: dict[str, Any], where: str)
                     f"the data and settings it was saved with, or use another checkpoint.dir")
 
 
+def eval_fingerprint(prepared: Prepared, batch_size: int, max_batches: int | None = None) -> str:
+    """What an evaluation of `eval_batches(prepared, batch_size, max_batches)` measured: its rows' digest and how
+    many of them it covered. A training run records it in its eval records; a resume whose step was evaluated on
+    other data (another data.eval_path, seq_len, tokenizer or data.eval_max_batches) evaluates it again."""
+    covered = min(len(prepared.rows), max_batches * batch_size) if max_batches else len(prepared.rows)
+    return f"{prepared.digest()}:{covered}"
+
+
 def eval_batches(prepared: Prepared, batch_size: int, max_batches: int | None = None, process_index: int = 0,
                  process_count: int = 1, token_weighted: bool = False) -> list[dict[str, np.ndarray]]:
     """Every eval row once, in file order; the last batch is completed with weightless empty rows.

@@ -546,6 +546,14 @@ def partial_path(out: Path) -> Path:
     return out.with_name(f"{out.stem}.partial{out.suffix or '.json'}")
 
 
+def published(out: Path, text: str) -> bool:
+    """Whether `out` holds `text`: the complete results were published, whatever interrupted the rest."""
+    try:
+        return out.read_text(encoding="utf-8") == text
+    except (OSError, ValueError):
+        return False
+
+
 def remove_stale_partial(out: Path) -> None:
     """A complete run's results supersede an earlier stopped run's `<name>.partial.json`: left beside them, a reader
     (or a script globbing the folder) took the old, smaller numbers for this run's. Only a file we wrote (a results
@@ -705,7 +713,11 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
               f"--max-new-tokens {args.max_new_tokens})", file=sys.stderr)
     if args.json:
         out = Path(args.json)
-        write_text_atomic(out, results_json(results, details, args.data, len(convs)))
+        text = results_json(results, details, args.data, len(convs))
+        try:
+            write_text_atomic(out, text)
+        finally:  # a Ctrl-C or SIGTERM once the complete file is published left the older partial beside it
+            if published(out, text):
+                remove_stale_partial(out)
         print(f"wrote {out}", file=sys.stderr)
-        remove_stale_partial(out)
     return 0

@@ -14,12 +14,12 @@ caller (`decode_chunk`) runs it a few steps a call, so that a Ctrl-C is handled 
 
 Prefix cache (on by default, `prefix_cache=False` turns it off): when the prompts of a call share
 a prefix (an evaluation's developer turn with the tool declarations, or the `prefix` a caller
-names, such as the chat's system turn), its keys and values are computed once, kept across calls,
-and copied into every batch; only each prompt's remainder is prefilled. The rows keep exactly the
-uncached layout (left padding, then prefix, then suffix), so the decode masks are unchanged: row
-i's first C cache slots are the prefix cache shifted right by its padding, and the prefill covers
-slots C..W (for a row padded by g, that recomputes the last g prefix tokens in slots that would
-otherwise hold padding). Tunix Gemma 3's prefill sliding-window band is |row - key slot| < window,
+names, such as the chat's system turn), its keys and values are computed once, kept across calls
+(the PREFIX_CACHE_ENTRIES most recently used prefixes), and copied into every batch; only each prompt's
+remainder is prefilled. The rows keep exactly the uncached layout (left padding, then prefix, then suffix), so
+the decode masks are unchanged: row i's first C cache slots are the prefix cache shifted right by its padding,
+and the prefill covers slots C..W (for a row padded by g, that recomputes the last g prefix tokens in slots that
+would otherwise hold padding). Tunix Gemma 3's prefill sliding-window band is |row - key slot| < window,
 right only for a forward that starts at slot 0; for the suffix prefill the sliding layers get the
 band of the slots its rows are written to (`band_from`). Tunix Gemma 4's multi-token forward
 writes its cache from slot 0 and attends only to its own tokens, so models with their own
@@ -28,6 +28,7 @@ writes its cache from slot 0 and attends only to its own tokens, so models with 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -50,6 +51,10 @@ DEFAULT_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
 SUFFIX_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 PREFIX_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 MIN_PREFIX_TOKENS = 32  # a shorter shared prefix is not worth a second forward and its compilation
+# prefixes whose KV caches are kept across calls, least recently used dropped first: one kept, calls alternating
+# between two prefixes (an evaluation's two tool sets, two chats' system turns) recomputed each every call
+PREFIX_CACHE_ENTRIES = 4
+PREFIX_CACHE_BYTES = 2 << 30  # and at most this much memory for them (the latest is kept whatever its size)
 # decode steps a device call where a Ctrl-C should land promptly (the chat, evaluation; Generator's decode_chunk)
 DECODE_CHUNK = 16
 
@@ -371,7 +376,8 @@ class Generator:
         # models that lay out their own cache (Gemma 4) cannot continue a filled cache with a
         # multi-token forward: see the module docstring
         self.prefix_cache = prefix_cache and not hasattr(loaded.model, "init_cache")
-        self._prefix: tuple[tuple[int, ...], Any] | None = None  # (ids, KV cache) kept across calls
+        # prefix ids -> KV cache, kept across calls (least recently used first; PREFIX_CACHE_ENTRIES, _BYTES)
+        self._prefixes: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
         self.prefix_stats = {"computed": 0, "reused_batches": 0, "prefix_tokens": 0}
 
     def _stop_reason(self, ids: list[int]) -> str:
@@ -394,14 +400,28 @@ class Generator:
         if c < MIN_PREFIX_TOKENS:
             return 0, None
         ids = tuple(int(t) for t in prompts[0][:c])
-        if self._prefix is None or self._prefix[0] != ids:
+        if ids in self._prefixes:
+            self._prefixes.move_to_end(ids)
+        else:
             n = _bucket(c, PREFIX_BUCKETS)
             tokens = np.full((1, n), PAD_ID, np.int32)
             tokens[0, :c] = ids
-            self._prefix = (ids, self._prefix_fn(self._state, tokens, length=c))
+            self._prefixes[ids] = self._prefix_fn(self._state, tokens, length=c)
             self.prefix_stats["computed"] += 1
             self.prefix_stats["prefix_tokens"] = c
-        return c, self._prefix[1]
+            self._evict_prefixes()
+        return c, self._prefixes[ids]
+
+    def _evict_prefixes(self) -> None:
+        """Drop the least recently used prefix caches past PREFIX_CACHE_ENTRIES or PREFIX_CACHE_BYTES."""
+        import jax
+
+        def size(cache) -> int:
+            return sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree_util.tree_leaves(cache))
+
+        while len(self._prefixes) > 1 and (len(self._prefixes) > PREFIX_CACHE_ENTRIES or
+                                           sum(map(size, self._prefixes.values())) > PREFIX_CACHE_BYTES):
+            self._prefixes.popitem(last=False)
 
     def _decode_batch(self, tokens, mask, cache, max_new: int) -> tuple[np.ndarray, int]:
         """One batch's generated ids and step count: in one device call, or `decode_chunk` steps a call."""

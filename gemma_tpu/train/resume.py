@@ -80,10 +80,31 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     for what, was, now in pairs:
         if was != now:
             raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
-                            f"use another checkpoint.dir")
+                            f"{resume_hint(what, was)}use another checkpoint.dir")
     warning = steps and steps[-1] < new_train["max_steps"] and learning_rate_warning(old_train, new_train, steps[-1])
     if warning:
         log.warning("%s: %s", ckpt_dir, warning)
+
+
+NULLABLE = ("lora.base_quantization", "train.grad_clip", "train.optimizer")  # keys whose null is a setting
+
+
+def resume_hint(what: str, was: Any) -> str:
+    """How to resume a checkpoint refused for `what` (a key of check_resume_compatible's pairs) having been `was`:
+    the override that sets it back, as the data position's refusal says 'resume with the data and settings it was
+    saved with'. Nothing where the record holds no value (a damaged file): another checkpoint.dir is the way."""
+    if was is None and what not in NULLABLE:
+        return ""
+    if what == "family":  # the base's own, not a setting
+        return f"resume it with a {was} base (model.path), or "
+    key = "model.path" if what == "base model" else what
+    if isinstance(was, bool) or was is None:
+        value = {True: "true", False: "false", None: "null"}[was]
+    elif isinstance(was, list):
+        value = "[" + ",".join(map(str, was)) + "]"
+    else:
+        value = str(was)
+    return f"resume it with {key}={value}, or "
 
 
 SCHEDULE_KEYS = ("learning_rate", "schedule", "warmup_steps", "min_lr_ratio", "max_steps")

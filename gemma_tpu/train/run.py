@@ -109,7 +109,7 @@ def run(cfg: RunConfig) -> dict:
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
     from gemma_tpu.train.trainer import (  # deferred: jax/torch
-        BatchFeed, Trainer, drop_records_after, metrics_logging_options)
+        BatchFeed, Trainer, drop_records_after, metrics_logging_options, step_evaluated)
     from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
@@ -149,6 +149,9 @@ def run(cfg: RunConfig) -> dict:
                         split and data.duplicates_warning(split)):
             if warning:
                 log.warning(warning)
+    # what an evaluation measures (its rows and how many): a resume evaluates its step again on other eval data
+    eval_data = data.eval_fingerprint(eval_split, cfg.train.batch_size, cfg.data.eval_max_batches) if eval_split \
+        else None
     warning = data.overlap_warning(train_split, eval_split)
     if warning:
         log.warning(warning)
@@ -177,10 +180,14 @@ def run(cfg: RunConfig) -> dict:
             return {"steps": done[-1], "resumed_from": done[-1], "nothing_to_do": True}
         # stopped after its last save (a kill during the end-of-run evaluation): this rerun said "nothing to do",
         # and the run never got its final evaluation nor a summary.json. The trainer restores the step and trains
-        # nothing; it evaluates the step unless metrics.jsonl has its eval record (Trainer.skip_entry_eval)
+        # nothing; it evaluates the step unless metrics.jsonl has its eval record of this eval set
+        # (Trainer.skip_entry_eval): the log said it would evaluate the step whenever there was eval data
+        work = ("the summary" if not eval_split else
+                f"the summary (step {done[-1]}'s evaluation on this eval data is in metrics.jsonl)"
+                if step_evaluated(run_dir / "metrics.jsonl", done[-1], eval_data) else
+                "the evaluation of that step and the summary")
         log.info("checkpoint %s is at its last step %d, but the run did not finish (no summary.json of step %d in "
-                 "%s); finishing it: %sthe summary", ckpt_dir, done[-1], done[-1], run_dir,
-                 "the evaluation of that step and " if cfg.data.eval_path else "")
+                 "%s); finishing it: %s", ckpt_dir, done[-1], done[-1], run_dir, work)
 
     # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
     mesh = mesh_lib.build_mesh(cfg.mesh)
@@ -264,7 +271,7 @@ def run(cfg: RunConfig) -> dict:
                 flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                 price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
                 mesh=mesh, log_every_steps=cfg.train.log_every_steps,
-                before_save=functools.partial(check_run_intact, ckpt_dir, locks),
+                before_save=functools.partial(check_run_intact, ckpt_dir, locks), eval_data=eval_data,
             )
         except Exception as e:
             steps = checkpoint.list_steps(ckpt_dir)

@@ -275,6 +275,14 @@ def last_record(path: Path, mode: str, step: int) -> dict | None:
     return found
 
 
+def step_evaluated(path: Path, step: int, eval_data: str | None) -> bool:
+    """Whether metrics.jsonl at `path` holds an evaluation of `step` on the eval set `eval_data` (its
+    data.eval_fingerprint): a resume with another data.eval_path skipped evaluating its step, the record being of the
+    old eval set. A record from before fingerprints were kept is of an unknown set: not taken as this one's."""
+    rec = last_record(path, "eval", step)
+    return rec is not None and eval_data is not None and rec.get("eval_data") == eval_data
+
+
 TENSORBOARD_STOP_S = 10.0
 
 
@@ -406,8 +414,9 @@ class Trainer(TunixTrainer):
                  tokens_per_step: int, flops=None, peak_flops: float = 0.0,
                  price_per_hour: float = 0.0, on_nonfinite: str = "stop", seed: int = 0,
                  metrics_logger=None, compile_counter: CompileCounter | None = None, mesh=None,
-                 log_every_steps: int = 1, before_save=None):
+                 log_every_steps: int = 1, before_save=None, eval_data: str | None = None):
         guard_tensorboard_writer()
+        self.eval_data = eval_data  # the eval set's fingerprint (data.eval_fingerprint), kept in each eval record
         self.mesh = mesh  # before Tunix's __init__, which builds the optimizer (see `optimizer`) and restores
         super().__init__(model, optimizer, training_config, metrics_logger=metrics_logger)
         # no non-finite state on disk, and with on_nonfinite=stop no step whose loss was not finite; `before_save(step)`
@@ -533,6 +542,8 @@ class Trainer(TunixTrainer):
         loss = float(np.asarray(metrics_buffer.loss))
         rec: dict[str, Any] = {"step": int(metrics_buffer.step), "mode": mode, "loss": loss,
                                "perplexity": float(math.exp(min(loss, 80.0))), "time": round(time.time(), 3)}
+        if mode == "eval" and self.eval_data is not None:
+            rec["eval_data"] = self.eval_data
         if mode == "train":
             if not math.isfinite(loss):
                 self._append(rec)
@@ -659,8 +670,12 @@ class Trainer(TunixTrainer):
         """Whether metrics.jsonl has an eval record of the step this run resumes at (process 0's answer, for all)."""
         import jax
 
-        found = bool(self.resumed_from) and self.primary and last_record(
-            self.metrics_path, "eval", self.resumed_from) is not None
+        found = bool(self.resumed_from) and self.primary and step_evaluated(
+            self.metrics_path, self.resumed_from, self.eval_data)
+        if self.resumed_from and self.primary and not found and last_record(
+                self.metrics_path, "eval", self.resumed_from) is not None:
+            log.info("step %d's evaluation in %s was of other eval data (data.eval_path, its rows or "
+                     "data.eval_max_batches changed); it is evaluated again", self.resumed_from, self.metrics_path)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
