@@ -613,7 +613,8 @@ def test_answer_scores_by_hand():
     # invisible format characters inside a word (soft hyphen, ZWNJ, word joiner, a bidi mark) do not split it; a
     # zero-width space separates words, as a space does
     assert words("co\u00adoperation di\u2060rect \u200fשלום\u200f") == ["cooperation", "direct", "שלום"]
-    assert exact_match("Great co\u00adoperation", "great cooperation") == 1.0 and words("می\u200cروم") == ["میروم"]
+    assert exact_match("Great co\u00adoperation", "great cooperation") == 1.0
+    assert words("می\u200cروم") == ["میروم"]
     assert words("ก\u200bข") == ["ก", "ข"]
     assert exact_match("hal, 3 plus 17 is 20.", "Hal, 3 plus 17 is 20") == 1.0
     assert exact_match("3 plus 17 is 20", "Hal, 3 plus 17 is 20") == 0.0

@@ -144,11 +144,14 @@ def test_a_run_stopped_after_its_last_save_is_finished_by_the_rerun(tiny_dir, re
     (ckpt / "summary.json").unlink()
     assert not run_finished(ckpt, MAX_STEPS)
     log = tmp_path / "rerun.log"
-    with log.open("w") as err:
-        proc = subprocess.run(command(tiny_dir, ckpt) + ["data.eval_path=tests/data/chat_sample.jsonl",
-                                                         "data.eval_max_batches=2"],
-                              cwd=REPO, env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err,
-                              timeout=600)
+    def rerun(eval_batches):
+        with log.open("w") as err:
+            return subprocess.run(command(tiny_dir, ckpt) + ["data.eval_path=tests/data/chat_sample.jsonl",
+                                                             f"data.eval_max_batches={eval_batches}"],
+                                  cwd=REPO, env=environment(reference["cache"]), stdout=subprocess.DEVNULL,
+                                  stderr=err, timeout=600)
+
+    proc = rerun(2)
     assert proc.returncode == 0, tail(log)
     assert "finishing it: the evaluation of that step and the summary" in log.read_text(), tail(log)
     assert run_finished(ckpt, MAX_STEPS)  # the next rerun: nothing to do
@@ -163,11 +166,7 @@ def test_a_run_stopped_after_its_last_save_is_finished_by_the_rerun(tiny_dir, re
     # another eval set (data.eval_max_batches, like another data.eval_path, changes what was measured): the step is
     # evaluated again, where its record of the old set skipped it and the log promised an evaluation it did not run
     (ckpt / "summary.json").unlink()
-    with log.open("w") as err:
-        proc = subprocess.run(command(tiny_dir, ckpt) + ["data.eval_path=tests/data/chat_sample.jsonl",
-                                                         "data.eval_max_batches=1"],
-                              cwd=REPO, env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err,
-                              timeout=600)
+    proc = rerun(1)
     assert proc.returncode == 0, tail(log)
     assert "finishing it: the evaluation of that step and the summary" in log.read_text(), tail(log)
     assert "evaluation in " in log.read_text() and "was of other eval data" in log.read_text(), tail(log)
