@@ -1006,6 +1006,8 @@ def test_chat_dtype_reaches_a_checkpoint_and_an_empty_question_loads_nothing(mon
 
     monkeypatch.setattr(chat, "load_checkpoint", fake_load)
     monkeypatch.setattr(chat, "load_hf_dir", fake_load)
+    for describe in ("describe_hf_dir", "describe_checkpoint", "check_question"):  # no model to describe here
+        monkeypatch.setattr(chat, describe, lambda *args: None)
     with pytest.raises(UserError, match="stop here"):
         chat.main(["--checkpoint", "runs/x", "--dtype", "bfloat16", "--once", "hi"])
     with pytest.raises(UserError, match="stop here"):
@@ -1022,6 +1024,28 @@ def test_chat_dtype_reaches_a_checkpoint_and_an_empty_question_loads_nothing(mon
         with pytest.raises(UserError, match="--once needs a question"):
             served_chat.main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--once", question])
     assert len(seen) == 3
+
+
+def test_chat_once_refuses_a_question_before_the_model_loads(monkeypatch, tiny_dir, tiny_long_dir):
+    """A `--once` question holding the chat markup, or making a prompt past the model's context, was refused only
+    after the weights had loaded (a minute for a real model): both are checked on the tokenizer and config."""
+    from gemma_tpu.examples.fitness import chat
+
+    def no_load(*args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(chat, "load_hf_dir", no_load)
+    monkeypatch.setattr(chat, "load_checkpoint", no_load)
+    with pytest.raises(UserError, match=r"^the question: .*'<start_of_turn>'"):
+        chat.main(["--model", str(tiny_long_dir), "--once", "what does <start_of_turn> mean?"])
+    # the tiny tokenizer is character-level: the fitness prompt alone is past tiny_dir's 1,024 positions
+    with pytest.raises(UserError, match=r"^the prompt is 17\d\d tokens; with up to 128 new tokens it passes the "
+                                        r"model's context of 1024"):
+        chat.main(["--model", str(tiny_dir), "--once", "how many steps?"])
+    with pytest.raises(UserError, match=r"with up to 3000 new tokens it passes the model's context of 4096"):
+        chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?", "--max-new-tokens", "3000"])
+    with pytest.raises(AssertionError, match="the model was loaded"):  # a question that fits goes on to the load
+        chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?"])
 
 
 class ScriptedGenerator:

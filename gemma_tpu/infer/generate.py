@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gemma_tpu.checkpoint.restore import restore_model
+from gemma_tpu.checkpoint.restore import locate, resolve_base, restore_model, run_chat_format
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats import function_calling as fc
 from gemma_tpu.formats import gemma_chat
@@ -75,6 +75,17 @@ class Generation:
         if self.stop == "call":
             return fc.handed_over(reply)
         return fc.cut_short(reply, len(self.ids)) if self.stop == "length" else reply
+
+
+def check_context(prompts: Sequence[Sequence[int]], max_new: int, limit: int | None) -> None:
+    """Refuse prompts that, with `max_new` new tokens, pass the model's context `limit` (None: not known)."""
+    longest = max((len(p) for p in prompts), default=0)
+    if limit and longest + max_new > limit:
+        i = next(i for i, p in enumerate(prompts) if len(p) == longest)
+        which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"  # one (a chat's question): no number
+        raise UserError(f"{which} is {longest} tokens; with up to {max_new} new tokens it passes the "
+                        f"model's context of {limit} (max_position_embeddings): shorten the prompt or ask for "
+                        f"fewer new tokens")
 
 
 @dataclasses.dataclass
@@ -452,14 +463,7 @@ class Generator:
             raise UserError(f"max_new_tokens must be a whole number of at least 1, got {max_new!r}")
         if any(len(p) == 0 for p in prompts):
             raise UserError("cannot generate from an empty prompt")
-        limit = self.loaded.max_positions
-        longest = max((len(p) for p in prompts), default=0)
-        if limit and longest + max_new > limit:
-            i = next(i for i, p in enumerate(prompts) if len(p) == longest)
-            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"  # one (a chat's question): no number
-            raise UserError(f"{which} is {longest} tokens; with up to {max_new} new tokens it passes the "
-                            f"model's context of {limit} (max_position_embeddings): shorten the prompt or ask for "
-                            f"fewer new tokens")
+        check_context(prompts, max_new, self.loaded.max_positions)
         shared, cache = self._shared_prefix(prompts, prefix)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
         results: list[Generation | None] = [None] * len(prompts)
@@ -517,3 +521,24 @@ def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = 
     return LoadedModel(restored.model, load_tokenizer(restored.tokenizer_dir), restored.token_map,
                        restored.chat_format, f"checkpoint:{ckpt_dir}@{restored.step}", restored.tunix_cfg,
                        restored.family, restored.max_positions)
+
+
+def describe_hf_dir(path: str) -> LoadedModel:
+    """What `load_hf_dir(path)` gives but the model (None): the tokenizer, token map, chat format and context length,
+    read in seconds, so that a caller checks its prompts before the weights load (minutes for a real model)."""
+    resolved = resolve_model(path)
+    tokenizer = load_tokenizer(resolved.local_dir)
+    return LoadedModel(None, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
+                       f"model:{path}", None, resolved.family, resolved.max_positions)
+
+
+def describe_checkpoint(ckpt_dir: str, step: int | None = None) -> LoadedModel:
+    """What `load_checkpoint` gives but the model (None), read from the run's metadata and its base's tokenizer and
+    config without a weight: see `describe_hf_dir`."""
+    from pathlib import Path
+
+    meta, step, base_path = locate(ckpt_dir, step)
+    resolved = resolve_base(Path(ckpt_dir), meta, base_path)
+    return LoadedModel(None, load_tokenizer(resolved.local_dir), dict(meta.get("token_map") or {}),
+                       run_chat_format(meta, resolved), f"checkpoint:{ckpt_dir}@{step}", None, resolved.family,
+                       resolved.max_positions)
