@@ -1630,10 +1630,34 @@ def test_evaluate_checkpoint_takes_a_given_model_dtype(overrides, dtype, monkeyp
         raise UserError("stop here")
 
     monkeypatch.setattr(evaluate, "load_checkpoint", fake_load)
+    monkeypatch.setattr(evaluate, "check_before_load", lambda *args: None)  # no checkpoint to describe here
     with pytest.raises(UserError, match="stop here"):
         evaluate.main(["--data", str(REPO / "tests/data/chat_sample.jsonl"), "--checkpoint", str(tmp_path), "--step",
                        "3", "--no-loss", *overrides])
     assert asked == [(str(tmp_path), 3, dtype)]
+
+
+def test_evaluate_refuses_prompts_past_the_context_before_any_model_loads(tiny_dir, tiny_long_dir, monkeypatch,
+                                                                          tmp_path):
+    """Every prompt past a local model's context with --max-new-tokens (and the test set read with the model's control
+    tokens) was found only after the weights had loaded (a minute for a real model), with --compare after the first
+    model's whole run: both are checked on each model's tokenizer and config before any loads."""
+    from gemma_tpu.evaluate import run as evaluate
+
+    def no_load(*args):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evaluate, "load_hf_dir", no_load)
+    monkeypatch.setattr(evaluate, "load_checkpoint", no_load)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(line + "\n" for line in (DATA / "test.jsonl").read_text().splitlines()[:2]))
+    with pytest.raises(UserError, match=r"d.jsonl:1: the prompt is 17\d\d tokens; with --max-new-tokens 64 it passes "
+                                        r"the model's context of 1024 .*\(as are all 2 prompts\)"):
+        evaluate.main(["--data", str(data), "--model", str(tiny_dir), "--no-loss"])
+    with pytest.raises(UserError, match=rf"^--compare B \(model:{tiny_dir}\): .*d.jsonl:1: the prompt is 17\d\d "):
+        evaluate.main(["--data", str(data), "--compare", f"model:{tiny_long_dir}", f"model:{tiny_dir}", "--no-loss"])
+    with pytest.raises(AssertionError, match="a model was loaded"):  # prompts that fit go on to the load
+        evaluate.main(["--data", str(data), "--model", str(tiny_long_dir), "--no-loss"])
 
 
 def test_evaluate_print_config_needs_no_data_or_model(capsys):
