@@ -1046,6 +1046,9 @@ def test_chat_once_refuses_a_question_before_the_model_loads(monkeypatch, tiny_d
         chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?", "--max-new-tokens", "3000"])
     with pytest.raises(AssertionError, match="the model was loaded"):  # a question that fits goes on to the load
         chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?"])
+    monkeypatch.setenv("GEMMA_TPU_PREFIX_CACHE_BYTES", "2GB")  # read by the generator, checked before the load
+    with pytest.raises(UserError, match=r"^GEMMA_TPU_PREFIX_CACHE_BYTES='2GB': must be a whole number of bytes"):
+        chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?"])
 
 
 class ScriptedGenerator:
@@ -1657,6 +1660,9 @@ def test_evaluate_refuses_prompts_past_the_context_before_any_model_loads(tiny_d
     with pytest.raises(UserError, match=rf"^--compare B \(model:{tiny_dir}\): .*d.jsonl:1: the prompt is 17\d\d "):
         evaluate.main(["--data", str(data), "--compare", f"model:{tiny_long_dir}", f"model:{tiny_dir}", "--no-loss"])
     with pytest.raises(AssertionError, match="a model was loaded"):  # prompts that fit go on to the load
+        evaluate.main(["--data", str(data), "--model", str(tiny_long_dir), "--no-loss"])
+    monkeypatch.setenv("GEMMA_TPU_PREFIX_CACHE_BYTES", "-1")  # read by the generator, checked before the load
+    with pytest.raises(UserError, match=r"^GEMMA_TPU_PREFIX_CACHE_BYTES='-1': must be a whole number of bytes"):
         evaluate.main(["--data", str(data), "--model", str(tiny_long_dir), "--no-loss"])
 
 

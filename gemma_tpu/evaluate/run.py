@@ -63,7 +63,7 @@ from gemma_tpu.data.records import served_markup
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import CUT_OFF, ParsedReply, ToolCall, arguments_match
 from gemma_tpu.infer.generate import (DECODE_CHUNK, Generator, describe_checkpoint, describe_hf_dir, load_checkpoint,
-                                      load_hf_dir)
+                                      load_hf_dir, prefix_cache_bytes_set)
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_RETRIES,
     RETRIES_HELP,
@@ -704,6 +704,8 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
                 check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None, args.retries)
             except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
                 raise UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") from None
+    if not args.no_prefix_cache and any(spec.kind != "endpoint" for spec in specs):
+        prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before a model loads
     for which, spec in zip(("A", "B") if len(specs) > 1 else ("",), specs):  # every model's, before any loads
         if spec.kind != "endpoint":
             try:

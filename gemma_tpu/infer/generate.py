@@ -93,19 +93,28 @@ def free_memory(device=None) -> int | None:
         return None
 
 
-def prefix_cache_budget(device=None) -> int:
-    """Bytes the kept prefix caches may hold: $GEMMA_TPU_PREFIX_CACHE_BYTES (a whole number of bytes) where set,
-    else PREFIX_CACHE_FRACTION of `free_memory(device)`, else (memory unknown) 2 GiB."""
+def prefix_cache_bytes_set() -> int | None:
+    """$GEMMA_TPU_PREFIX_CACHE_BYTES as bytes (None: not set), refused unless a whole number, 0 or more; a command
+    calls it before its model loads, so that a bad value is not found only once the weights are in."""
     import os
 
     raw = os.environ.get(PREFIX_CACHE_BYTES_ENV, "").strip()
-    if raw:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise UserError(f"{PREFIX_CACHE_BYTES_ENV}={raw[:40]!r}: must be a whole number of bytes, 0 or more")
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UserError(f"{PREFIX_CACHE_BYTES_ENV}={raw[:40]!r}: must be a whole number of bytes, 0 or more")
+    return value
+
+
+def prefix_cache_budget(device=None) -> int:
+    """Bytes the kept prefix caches may hold: $GEMMA_TPU_PREFIX_CACHE_BYTES (a whole number of bytes) where set,
+    else PREFIX_CACHE_FRACTION of `free_memory(device)`, else (memory unknown) 2 GiB."""
+    value = prefix_cache_bytes_set()
+    if value is not None:
         return value
     free = free_memory(device)
     return int(free * PREFIX_CACHE_FRACTION) if free is not None else 2 << 30

@@ -27,7 +27,7 @@ from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset
 from gemma_tpu.formats.function_calling import ParsedReply
 from gemma_tpu.infer.generate import (DECODE_CHUNK, Generator, check_context, describe_checkpoint, describe_hf_dir,
-                                      load_checkpoint, load_hf_dir)
+                                      load_checkpoint, load_hf_dir, prefix_cache_bytes_set)
 from gemma_tpu.infer.tool_loop import first_messages, run_tool_loop
 
 
@@ -127,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--step applies to --checkpoint, not --model")
     if args.once is not None and blank(args.once):  # before the model, not after its load
         raise UserError("--once needs a question")
+    if not args.no_prefix_cache:
+        prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before the model loads
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
     if args.once is not None:  # on the tokenizer and config alone: refused before the minutes the weights take
         check_question(describe_hf_dir(args.model) if args.model else describe_checkpoint(args.checkpoint, args.step),
