@@ -951,6 +951,9 @@ CASES = [
          ["--dtype", "'float16'"]),
     Case("local-chat-zero-new-tokens", "gemma_tpu.chat", ["--model", "{tiny}", "--max-new-tokens", "0", "--once", "hi"],
          ["--max-new-tokens 0", "positive"]),
+    # refused on the checkpoint's metadata and its base's tokenizer, before the model loads
+    Case("local-chat-checkpoint-markup-question", "gemma_tpu.chat",
+         ["--checkpoint", "{ckpt}", "--once", "what does <end_of_turn> mean?"], ["the question", "'<end_of_turn>'"]),
     Case("local-chat-step-without-checkpoint", "gemma_tpu.chat", ["--model", "{tiny}", "--step", "3", "--once", "hi"],
          ["--step", "--checkpoint"]),
     # the generator's check said "prompt 2 is 1743 tokens", not which example of which file; one such prompt

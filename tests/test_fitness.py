@@ -1006,6 +1006,8 @@ def test_chat_dtype_reaches_a_checkpoint_and_an_empty_question_loads_nothing(mon
 
     monkeypatch.setattr(chat, "load_checkpoint", fake_load)
     monkeypatch.setattr(chat, "load_hf_dir", fake_load)
+    for describe in ("describe_hf_dir", "describe_checkpoint", "check_question"):  # no model to describe here
+        monkeypatch.setattr(chat, describe, lambda *args: None)
     with pytest.raises(UserError, match="stop here"):
         chat.main(["--checkpoint", "runs/x", "--dtype", "bfloat16", "--once", "hi"])
     with pytest.raises(UserError, match="stop here"):
@@ -1022,6 +1024,31 @@ def test_chat_dtype_reaches_a_checkpoint_and_an_empty_question_loads_nothing(mon
         with pytest.raises(UserError, match="--once needs a question"):
             served_chat.main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--once", question])
     assert len(seen) == 3
+
+
+def test_chat_once_refuses_a_question_before_the_model_loads(monkeypatch, tiny_dir, tiny_long_dir):
+    """A `--once` question holding the chat markup, or making a prompt past the model's context, was refused only
+    after the weights had loaded (a minute for a real model): both are checked on the tokenizer and config."""
+    from gemma_tpu.examples.fitness import chat
+
+    def no_load(*args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(chat, "load_hf_dir", no_load)
+    monkeypatch.setattr(chat, "load_checkpoint", no_load)
+    with pytest.raises(UserError, match=r"^the question: .*'<start_of_turn>'"):
+        chat.main(["--model", str(tiny_long_dir), "--once", "what does <start_of_turn> mean?"])
+    # the tiny tokenizer is character-level: the fitness prompt alone is past tiny_dir's 1,024 positions
+    with pytest.raises(UserError, match=r"^the prompt is 17\d\d tokens; with up to 128 new tokens it passes the "
+                                        r"model's context of 1024"):
+        chat.main(["--model", str(tiny_dir), "--once", "how many steps?"])
+    with pytest.raises(UserError, match=r"with up to 3000 new tokens it passes the model's context of 4096"):
+        chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?", "--max-new-tokens", "3000"])
+    with pytest.raises(AssertionError, match="the model was loaded"):  # a question that fits goes on to the load
+        chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?"])
+    monkeypatch.setenv("GEMMA_TPU_PREFIX_CACHE_BYTES", "2GB")  # read by the generator, checked before the load
+    with pytest.raises(UserError, match=r"^GEMMA_TPU_PREFIX_CACHE_BYTES='2GB': must be a whole number of bytes"):
+        chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?"])
 
 
 class ScriptedGenerator:
@@ -1606,10 +1633,37 @@ def test_evaluate_checkpoint_takes_a_given_model_dtype(overrides, dtype, monkeyp
         raise UserError("stop here")
 
     monkeypatch.setattr(evaluate, "load_checkpoint", fake_load)
+    monkeypatch.setattr(evaluate, "check_before_load", lambda *args: None)  # no checkpoint to describe here
     with pytest.raises(UserError, match="stop here"):
         evaluate.main(["--data", str(REPO / "tests/data/chat_sample.jsonl"), "--checkpoint", str(tmp_path), "--step",
                        "3", "--no-loss", *overrides])
     assert asked == [(str(tmp_path), 3, dtype)]
+
+
+def test_evaluate_refuses_prompts_past_the_context_before_any_model_loads(tiny_dir, tiny_long_dir, monkeypatch,
+                                                                          tmp_path):
+    """Every prompt past a local model's context with --max-new-tokens (and the test set read with the model's control
+    tokens) was found only after the weights had loaded (a minute for a real model), with --compare after the first
+    model's whole run: both are checked on each model's tokenizer and config before any loads."""
+    from gemma_tpu.evaluate import run as evaluate
+
+    def no_load(*args):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evaluate, "load_hf_dir", no_load)
+    monkeypatch.setattr(evaluate, "load_checkpoint", no_load)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(line + "\n" for line in (DATA / "test.jsonl").read_text().splitlines()[:2]))
+    with pytest.raises(UserError, match=r"d.jsonl:1: the prompt is 17\d\d tokens; with --max-new-tokens 64 it passes "
+                                        r"the model's context of 1024 .*\(as are all 2 prompts\)"):
+        evaluate.main(["--data", str(data), "--model", str(tiny_dir), "--no-loss"])
+    with pytest.raises(UserError, match=rf"^--compare B \(model:{tiny_dir}\): .*d.jsonl:1: the prompt is 17\d\d "):
+        evaluate.main(["--data", str(data), "--compare", f"model:{tiny_long_dir}", f"model:{tiny_dir}", "--no-loss"])
+    with pytest.raises(AssertionError, match="a model was loaded"):  # prompts that fit go on to the load
+        evaluate.main(["--data", str(data), "--model", str(tiny_long_dir), "--no-loss"])
+    monkeypatch.setenv("GEMMA_TPU_PREFIX_CACHE_BYTES", "-1")  # read by the generator, checked before the load
+    with pytest.raises(UserError, match=r"^GEMMA_TPU_PREFIX_CACHE_BYTES='-1': must be a whole number of bytes"):
+        evaluate.main(["--data", str(data), "--model", str(tiny_long_dir), "--no-loss"])
 
 
 def test_evaluate_print_config_needs_no_data_or_model(capsys):

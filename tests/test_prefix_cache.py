@@ -3,6 +3,8 @@ once and copied into every batch; greedy outputs must equal the uncached path's 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 SHARED = [2] + [(7 * i) % 400 + 100 for i in range(40)]  # 41 ids: longer than the window (16)
@@ -74,15 +76,48 @@ def test_prefix_caches_kept_are_bounded_least_recently_used_first(monkeypatch):
     gen = object.__new__(g.Generator)
     gen._prefixes = collections.OrderedDict((k, {"k": np.zeros(1000, np.uint8)}) for k in [(1,), (2,), (3,)])
     gen._prefixes.move_to_end((1,))  # used last
+    gen.prefix_cache_bytes = 1 << 30
     monkeypatch.setattr(g, "PREFIX_CACHE_ENTRIES", 2)
     gen._evict_prefixes()
     assert list(gen._prefixes) == [(3,), (1,)]
-    monkeypatch.setattr(g, "PREFIX_CACHE_BYTES", 1500)  # by memory too, keeping the latest whatever its size
+    gen.prefix_cache_bytes = 1500  # by memory too, keeping the latest whatever its size
     gen._evict_prefixes()
     assert list(gen._prefixes) == [(1,)]
-    monkeypatch.setattr(g, "PREFIX_CACHE_BYTES", 10)
+    gen.prefix_cache_bytes = 10
     gen._evict_prefixes()
     assert list(gen._prefixes) == [(1,)]
+
+
+def test_prefix_cache_budget_is_sized_from_free_memory(monkeypatch):
+    """The kept prefix caches were bounded by a fixed 2 GiB, whatever the device: most of a small accelerator's
+    free memory, a sliver of a large one's. Now PREFIX_CACHE_FRACTION of what is free where they live (the device's
+    memory_stats, else the host's available memory), or $GEMMA_TPU_PREFIX_CACHE_BYTES."""
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.infer import generate as g
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.delenv(g.PREFIX_CACHE_BYTES_ENV, raising=False)
+    tpu = Device({"bytes_limit": 16 << 30, "bytes_in_use": 6 << 30})  # 10 GiB free once the weights are in
+    assert g.free_memory(tpu) == 10 << 30
+    assert g.prefix_cache_budget(tpu) == pytest.approx(g.PREFIX_CACHE_FRACTION * (10 << 30), abs=1)
+    assert g.prefix_cache_budget(Device({"bytes_limit": 141 << 30, "bytes_in_use": 1 << 30})) > 2 << 30
+    host = g.free_memory(Device(None))  # a CPU device has no stats: the host's available memory
+    assert host is not None and 0 < host <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert g.prefix_cache_budget(Device(None)) == pytest.approx(g.PREFIX_CACHE_FRACTION * host, rel=0.5)
+    monkeypatch.setenv(g.PREFIX_CACHE_BYTES_ENV, "123456")
+    assert g.prefix_cache_budget(tpu) == 123456
+    monkeypatch.setenv(g.PREFIX_CACHE_BYTES_ENV, "0")  # only the latest prefix kept
+    assert g.prefix_cache_budget(tpu) == 0
+    for bad in ("2GB", "-1", "1.5"):
+        monkeypatch.setenv(g.PREFIX_CACHE_BYTES_ENV, bad)
+        with pytest.raises(UserError, match=f"^GEMMA_TPU_PREFIX_CACHE_BYTES='{bad}': must be a whole number of bytes"):
+            g.prefix_cache_budget(tpu)
 
 
 @ONE_LAYOUT

@@ -114,9 +114,7 @@ def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | No
                    "merge it with convert.merge_orbax --allow-base-mismatch and load the merged directory",
                    lambda msg: log.warning("%s: %s", ckpt_dir, msg))
     lora = lora_config(ckpt_dir, meta)
-    recorded = (meta.get("base_model") or {}).get("family")
-    resolved = resolve_model(str(base_path), family=recorded,
-                             family_key=f"{ckpt_dir / METADATA_FILE}: base_model.family")
+    resolved = resolve_base(ckpt_dir, meta, base_path)
     model, tunix_cfg = load_model(resolved, dtype or meta.get("dtype") or "float32")
     params = read_params(ckpt_dir, step)
     where = f"{ckpt_dir}/{step}"
@@ -128,8 +126,19 @@ def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | No
     else:
         set_params(model, nnx.Param, params, where)
     return RestoredModel(model, tunix_cfg, resolved.family, Path(resolved.local_dir),
-                         dict(meta.get("token_map") or {}), meta.get("chat_format") or resolved.family.chat_format,
-                         meta, ckpt_dir, step, resolved.max_positions)
+                         dict(meta.get("token_map") or {}), run_chat_format(meta, resolved), meta, ckpt_dir, step,
+                         resolved.max_positions)
+
+
+def resolve_base(ckpt_dir: Path, meta: dict, base_path: Path):
+    """The base directory resolved as the family the run recorded (a `ResolvedModel`: no weight read)."""
+    recorded = (meta.get("base_model") or {}).get("family")
+    return resolve_model(str(base_path), family=recorded, family_key=f"{ckpt_dir / METADATA_FILE}: base_model.family")
+
+
+def run_chat_format(meta: dict, resolved) -> str:
+    """The chat format the run trained on (its metadata's), else its base family's."""
+    return meta.get("chat_format") or resolved.family.chat_format
 
 
 def set_params(model, kind, params: dict[str, np.ndarray], where: str) -> None:

@@ -62,7 +62,8 @@ from gemma_tpu.data.batching import Example
 from gemma_tpu.data.records import served_markup
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import CUT_OFF, ParsedReply, ToolCall, arguments_match
-from gemma_tpu.infer.generate import DECODE_CHUNK, Generator, load_checkpoint, load_hf_dir
+from gemma_tpu.infer.generate import (DECODE_CHUNK, Generator, describe_checkpoint, describe_hf_dir, load_checkpoint,
+                                      load_hf_dir, prefix_cache_bytes_set)
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_RETRIES,
     RETRIES_HELP,
@@ -247,6 +248,33 @@ def check_not_all_refused(cases: Sequence[Case], reasons: dict[int, str]) -> Non
 Done = dict[int, tuple[ParsedReply, str]]
 
 
+def prompts_within_context(renderer, cases: Sequence[Case], max_new_tokens: int,
+                           limit: int | None) -> tuple[list[list[int]], dict[int, str]]:
+    """Every case's prompt ids, and why each that with `max_new_tokens` passes the model's context `limit` is refused
+    (case index -> reason). Tokenized only as far as the context reaches (`partial`): a 3 MB question took 30 s and
+    2.4 GB to be refused."""
+    rendered = [renderer.render(c.prompt, add_generation_prompt=True, max_tokens=limit) for c in cases]
+    over = {i: f"the prompt is {f'more than {limit}' if r.partial else len(r.ids)} tokens; with --max-new-tokens "
+               f"{max_new_tokens} it passes the model's context of {limit} (max_position_embeddings)"
+            for i, r in enumerate(rendered) if limit and len(r.ids) + max_new_tokens > limit}
+    return [r.ids for r in rendered], over
+
+
+def check_before_load(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> None:
+    """What of the data a local model refuses whatever it answers, checked on its tokenizer and config alone
+    (`describe_hf_dir`, `describe_checkpoint`: no weight read): the conversations read again with this model's control
+    tokens (read first with Gemma 3's: no tokenizer was known), so a Gemma 4 test set holding its `<turn|>` in a
+    message is refused by FILE:LINE, as training refuses it, and every prompt past the context with --max-new-tokens
+    (`check_not_all_refused`). Both were found only after the weights had loaded (a minute for a real model)."""
+    described = (describe_hf_dir(spec.target) if spec.kind == "model"
+                 else describe_checkpoint(spec.target, spec.step))
+    renderer = _renderer(described, cfg.data)
+    load_conversations(args.data, cfg.data, renderer.markup)
+    cases = build_cases(convs, args.turns)
+    check_not_all_refused(cases, prompts_within_context(renderer, cases, args.max_new_tokens,
+                                                        described.max_positions)[1])
+
+
 def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_tokens: int, batch_size: int,
                   label: str, prefix_cache: bool = True,
                   done: Done | None = None) -> tuple[list[ParsedReply], list[str]]:
@@ -259,14 +287,7 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     when every prompt does, the run ends (`check_not_all_refused`). Each reply goes into `done` as its batch ends."""
     from tqdm import tqdm
 
-    renderer = _renderer(loaded, data_cfg)
-    limit = loaded.max_positions
-    # tokenized only as far as the context reaches (`partial`): a 3 MB question took 30 s and 2.4 GB to be refused
-    rendered = [renderer.render(c.prompt, add_generation_prompt=True, max_tokens=limit) for c in cases]
-    prompts = [r.ids for r in rendered]
-    over = {i: f"the prompt is {f'more than {limit}' if r.partial else len(r.ids)} tokens; with --max-new-tokens "
-               f"{max_new_tokens} it passes the model's context of {limit} (max_position_embeddings)"
-            for i, r in enumerate(rendered) if limit and len(r.ids) + max_new_tokens > limit}
+    prompts, over = prompts_within_context(_renderer(loaded, data_cfg), cases, max_new_tokens, loaded.max_positions)
     check_not_all_refused(cases, over)
     keep = [i for i in range(len(cases)) if i not in over]
     # a few decode steps a device call: a Ctrl-C or SIGTERM is seen when a call returns, and one call a batch made it
@@ -470,9 +491,6 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
         else:
             loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
                       else load_checkpoint(spec.target, spec.step, args.checkpoint_dtype))
-            # read again with this model's control tokens (read first with Gemma 3's: no tokenizer was known), so a
-            # Gemma 4 test set holding its `<turn|>` in a message is refused by FILE:LINE, as training refuses it
-            load_conversations(args.data, cfg.data, _renderer(loaded, cfg.data).markup)
             preds, texts = predict_local(loaded, cases, cfg.data, args.max_new_tokens, args.batch_size, spec.label,
                                          prefix_cache=not args.no_prefix_cache, done=done)
             if not args.no_loss:
@@ -686,6 +704,14 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
                 check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None, args.retries)
             except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
                 raise UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") from None
+    if not args.no_prefix_cache and any(spec.kind != "endpoint" for spec in specs):
+        prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before a model loads
+    for which, spec in zip(("A", "B") if len(specs) > 1 else ("",), specs):  # every model's, before any loads
+        if spec.kind != "endpoint":
+            try:
+                check_before_load(spec, convs, cfg, args)
+            except UserError as e:
+                raise (UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") if which else e) from None
     results, details = {}, {}
     # SIGTERM (a preempted machine) keeps the finished models' results as Ctrl-C does; it used to end the
     # process at once, losing them

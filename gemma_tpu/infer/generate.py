@@ -15,7 +15,8 @@ caller (`decode_chunk`) runs it a few steps a call, so that a Ctrl-C is handled 
 Prefix cache (on by default, `prefix_cache=False` turns it off): when the prompts of a call share
 a prefix (an evaluation's developer turn with the tool declarations, or the `prefix` a caller
 names, such as the chat's system turn), its keys and values are computed once, kept across calls
-(the PREFIX_CACHE_ENTRIES most recently used prefixes), and copied into every batch; only each prompt's
+(the PREFIX_CACHE_ENTRIES most recently used prefixes, within PREFIX_CACHE_FRACTION of the free device memory or
+$GEMMA_TPU_PREFIX_CACHE_BYTES: `prefix_cache_budget`), and copied into every batch; only each prompt's
 remainder is prefilled. The rows keep exactly the uncached layout (left padding, then prefix, then suffix), so
 the decode masks are unchanged: row i's first C cache slots are the prefix cache shifted right by its padding,
 and the prefill covers slots C..W (for a row padded by g, that recomputes the last g prefix tokens in slots that
@@ -37,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gemma_tpu.checkpoint.restore import restore_model
+from gemma_tpu.checkpoint.restore import locate, resolve_base, restore_model, run_chat_format
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats import function_calling as fc
 from gemma_tpu.formats import gemma_chat
@@ -54,9 +55,69 @@ MIN_PREFIX_TOKENS = 32  # a shorter shared prefix is not worth a second forward 
 # prefixes whose KV caches are kept across calls, least recently used dropped first: one kept, calls alternating
 # between two prefixes (an evaluation's two tool sets, two chats' system turns) recomputed each every call
 PREFIX_CACHE_ENTRIES = 4
-PREFIX_CACHE_BYTES = 2 << 30  # and at most this much memory for them (the latest is kept whatever its size)
+# and at most this share of the memory free where they live when the generator starts (`prefix_cache_budget`: the
+# accelerator's, else the host's; $GEMMA_TPU_PREFIX_CACHE_BYTES sets the bytes instead); the latest is kept whatever
+# its size. A fixed 2 GiB was most of a small accelerator's free memory and a sliver of a large one's
+PREFIX_CACHE_FRACTION = 0.1
+PREFIX_CACHE_BYTES_ENV = "GEMMA_TPU_PREFIX_CACHE_BYTES"
 # decode steps a device call where a Ctrl-C should land promptly (the chat, evaluation; Generator's decode_chunk)
 DECODE_CHUNK = 16
+
+
+def free_memory(device=None) -> int | None:
+    """Bytes free on `device` (default: the first local JAX device) by its `memory_stats()` (bytes_limit less
+    bytes_in_use), else the host's available memory (MemAvailable; a CPU device has no stats); None where neither
+    is known."""
+    import os
+
+    if device is None:
+        import jax
+
+        device = jax.local_devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without the call (or failing in it): the host's memory then
+        stats = {}
+    if stats.get("bytes_limit"):
+        return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def prefix_cache_bytes_set() -> int | None:
+    """$GEMMA_TPU_PREFIX_CACHE_BYTES as bytes (None: not set), refused unless a whole number, 0 or more; a command
+    calls it before its model loads, so that a bad value is not found only once the weights are in."""
+    import os
+
+    raw = os.environ.get(PREFIX_CACHE_BYTES_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UserError(f"{PREFIX_CACHE_BYTES_ENV}={raw[:40]!r}: must be a whole number of bytes, 0 or more")
+    return value
+
+
+def prefix_cache_budget(device=None) -> int:
+    """Bytes the kept prefix caches may hold: $GEMMA_TPU_PREFIX_CACHE_BYTES (a whole number of bytes) where set,
+    else PREFIX_CACHE_FRACTION of `free_memory(device)`, else (memory unknown) 2 GiB."""
+    value = prefix_cache_bytes_set()
+    if value is not None:
+        return value
+    free = free_memory(device)
+    return int(free * PREFIX_CACHE_FRACTION) if free is not None else 2 << 30
 
 
 @dataclasses.dataclass
@@ -75,6 +136,17 @@ class Generation:
         if self.stop == "call":
             return fc.handed_over(reply)
         return fc.cut_short(reply, len(self.ids)) if self.stop == "length" else reply
+
+
+def check_context(prompts: Sequence[Sequence[int]], max_new: int, limit: int | None) -> None:
+    """Refuse prompts that, with `max_new` new tokens, pass the model's context `limit` (None: not known)."""
+    longest = max((len(p) for p in prompts), default=0)
+    if limit and longest + max_new > limit:
+        i = next(i for i, p in enumerate(prompts) if len(p) == longest)
+        which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"  # one (a chat's question): no number
+        raise UserError(f"{which} is {longest} tokens; with up to {max_new} new tokens it passes the "
+                        f"model's context of {limit} (max_position_embeddings): shorten the prompt or ask for "
+                        f"fewer new tokens")
 
 
 @dataclasses.dataclass
@@ -376,7 +448,9 @@ class Generator:
         # models that lay out their own cache (Gemma 4) cannot continue a filled cache with a
         # multi-token forward: see the module docstring
         self.prefix_cache = prefix_cache and not hasattr(loaded.model, "init_cache")
-        # prefix ids -> KV cache, kept across calls (least recently used first; PREFIX_CACHE_ENTRIES, _BYTES)
+        # prefix ids -> KV cache, kept across calls (least recently used first; PREFIX_CACHE_ENTRIES and at most
+        # prefix_cache_bytes, sized once the model's weights are in memory)
+        self.prefix_cache_bytes = prefix_cache_budget() if self.prefix_cache else 0
         self._prefixes: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
         self.prefix_stats = {"computed": 0, "reused_batches": 0, "prefix_tokens": 0}
 
@@ -413,14 +487,14 @@ class Generator:
         return c, self._prefixes[ids]
 
     def _evict_prefixes(self) -> None:
-        """Drop the least recently used prefix caches past PREFIX_CACHE_ENTRIES or PREFIX_CACHE_BYTES."""
+        """Drop the least recently used prefix caches past PREFIX_CACHE_ENTRIES or `prefix_cache_bytes`."""
         import jax
 
         def size(cache) -> int:
             return sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree_util.tree_leaves(cache))
 
         while len(self._prefixes) > 1 and (len(self._prefixes) > PREFIX_CACHE_ENTRIES or
-                                           sum(map(size, self._prefixes.values())) > PREFIX_CACHE_BYTES):
+                                           sum(map(size, self._prefixes.values())) > self.prefix_cache_bytes):
             self._prefixes.popitem(last=False)
 
     def _decode_batch(self, tokens, mask, cache, max_new: int) -> tuple[np.ndarray, int]:
@@ -452,14 +526,7 @@ class Generator:
             raise UserError(f"max_new_tokens must be a whole number of at least 1, got {max_new!r}")
         if any(len(p) == 0 for p in prompts):
             raise UserError("cannot generate from an empty prompt")
-        limit = self.loaded.max_positions
-        longest = max((len(p) for p in prompts), default=0)
-        if limit and longest + max_new > limit:
-            i = next(i for i, p in enumerate(prompts) if len(p) == longest)
-            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"  # one (a chat's question): no number
-            raise UserError(f"{which} is {longest} tokens; with up to {max_new} new tokens it passes the "
-                            f"model's context of {limit} (max_position_embeddings): shorten the prompt or ask for "
-                            f"fewer new tokens")
+        check_context(prompts, max_new, self.loaded.max_positions)
         shared, cache = self._shared_prefix(prompts, prefix)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
         results: list[Generation | None] = [None] * len(prompts)
@@ -517,3 +584,24 @@ def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = 
     return LoadedModel(restored.model, load_tokenizer(restored.tokenizer_dir), restored.token_map,
                        restored.chat_format, f"checkpoint:{ckpt_dir}@{restored.step}", restored.tunix_cfg,
                        restored.family, restored.max_positions)
+
+
+def describe_hf_dir(path: str) -> LoadedModel:
+    """What `load_hf_dir(path)` gives but the model (None): the tokenizer, token map, chat format and context length,
+    read in seconds, so that a caller checks its prompts before the weights load (minutes for a real model)."""
+    resolved = resolve_model(path)
+    tokenizer = load_tokenizer(resolved.local_dir)
+    return LoadedModel(None, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
+                       f"model:{path}", None, resolved.family, resolved.max_positions)
+
+
+def describe_checkpoint(ckpt_dir: str, step: int | None = None) -> LoadedModel:
+    """What `load_checkpoint` gives but the model (None), read from the run's metadata and its base's tokenizer and
+    config without a weight: see `describe_hf_dir`."""
+    from pathlib import Path
+
+    meta, step, base_path = locate(ckpt_dir, step)
+    resolved = resolve_base(Path(ckpt_dir), meta, base_path)
+    return LoadedModel(None, load_tokenizer(resolved.local_dir), dict(meta.get("token_map") or {}),
+                       run_chat_format(meta, resolved), f"checkpoint:{ckpt_dir}@{step}", None, resolved.family,
+                       resolved.max_positions)

@@ -42,12 +42,18 @@ def result_json(result: Any) -> str:
     return json.dumps(result, ensure_ascii=False, default=str)  # a date or a Decimal as text, not a crash
 
 
+def first_messages(question: str, toolset: Toolset) -> list[dict]:
+    """The messages a question starts with: the toolset's developer turn, if any, and the user turn."""
+    messages = [{"role": "developer", "content": toolset.system_prompt()}] if toolset.system_prompt else []
+    messages.append({"role": "user", "content": toolset.user_turn(question) if toolset.user_turn else question})
+    return messages
+
+
 def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max_calls: int = MAX_CALLS,
                   log: Callable[[str], None] | None = None) -> str:
     """Answer one question; each tool call is traced through `log` (`-> name(arg=...) = {...}`)."""
     log = log or (lambda _text: None)
-    messages = [{"role": "developer", "content": toolset.system_prompt()}] if toolset.system_prompt else []
-    messages.append({"role": "user", "content": toolset.user_turn(question) if toolset.user_turn else question})
+    messages = first_messages(question, toolset)
     made = 0
     while True:
         reply, raw = next_reply(messages)

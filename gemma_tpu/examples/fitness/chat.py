@@ -26,8 +26,9 @@ from gemma_tpu.data.records import Markup
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset
 from gemma_tpu.formats.function_calling import ParsedReply
-from gemma_tpu.infer.generate import DECODE_CHUNK, Generator, load_checkpoint, load_hf_dir
-from gemma_tpu.infer.tool_loop import run_tool_loop
+from gemma_tpu.infer.generate import (DECODE_CHUNK, Generator, check_context, describe_checkpoint, describe_hf_dir,
+                                      load_checkpoint, load_hf_dir, prefix_cache_bytes_set)
+from gemma_tpu.infer.tool_loop import first_messages, run_tool_loop
 
 
 class Coach:
@@ -38,8 +39,7 @@ class Coach:
         self.loaded = loaded
         self.provider = provider
         self.toolset = toolset(provider)
-        self.renderer = make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map,
-                                      vocab_size=getattr(loaded.tunix_cfg, "num_embed", None))
+        self.renderer = coach_renderer(loaded)
         # a few steps a device call: Ctrl-C cancels an answer within them (it waited for the whole generation)
         self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1,
                                                 prefix_cache=prefix_cache, decode_chunk=DECODE_CHUNK)
@@ -60,14 +60,7 @@ class Coach:
     def next_reply(self, messages: list[dict]) -> tuple[ParsedReply, str]:
         """The local model's next turn, parsed."""
         check_tool_results(self.renderer.markup, messages)
-        # tokenized only as far as the context reaches: a pasted 6 MB log took 34 s and 3 GB to be refused
-        limit = self.loaded.max_positions
-        r = self.renderer.render({"tools": self.toolset.schemas, "messages": messages}, add_generation_prompt=True,
-                                 max_tokens=limit)
-        if r.partial:
-            raise UserError(f"the prompt is more than {limit} tokens, the model's context (max_position_embeddings): "
-                            f"shorten the question")
-        ids = r.ids
+        ids = prompt_ids(self.renderer, self.toolset, messages, self.loaded.max_positions)
         # the developer turn (system prompt and tool declarations) starts every prompt: with the
         # prefix cache its keys and values are computed once for the whole session
         out = self.generator.generate([ids], prefix=self._system_ids(messages))[0]
@@ -78,6 +71,33 @@ class Coach:
         # markup (a turn opened mid-question), so it is refused, as the training data reader refuses such text
         self.renderer.markup.check(question, "the question")
         return run_tool_loop(question, self.toolset, self.next_reply, log=self._log)
+
+
+def coach_renderer(loaded):
+    """The renderer of the coach's prompts for `loaded` (a model, or `describe_*`'s description of one)."""
+    return make_renderer(loaded.tokenizer, DataConfig(), loaded.chat_format, loaded.token_map,
+                         vocab_size=getattr(loaded.tunix_cfg, "num_embed", None))
+
+
+def prompt_ids(renderer, tools, messages: list[dict], limit: int | None) -> list[int]:
+    """The prompt's ids; one past the model's context `limit` is refused, tokenized only as far as the context
+    reaches (a pasted 6 MB log took 34 s and 3 GB to be refused)."""
+    r = renderer.render({"tools": tools.schemas, "messages": messages}, add_generation_prompt=True, max_tokens=limit)
+    if r.partial:
+        raise UserError(f"the prompt is more than {limit} tokens, the model's context (max_position_embeddings): "
+                        f"shorten the question")
+    return r.ids
+
+
+def check_question(described, provider, question: str, max_new_tokens: int) -> None:
+    """What of `--once QUESTION` is refused whatever the model answers, checked on the model's description
+    (`describe_hf_dir`, `describe_checkpoint`: tokenizer and config, no weight) before its load: the question
+    holding the chat markup, and its first prompt past the context, were refused after a minute's load."""
+    renderer = coach_renderer(described)
+    renderer.markup.check(question, "the question")
+    tools = toolset(provider)
+    ids = prompt_ids(renderer, tools, first_messages(question, tools), described.max_positions)
+    check_context([ids], max_new_tokens, described.max_positions)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -107,7 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--step applies to --checkpoint, not --model")
     if args.once is not None and blank(args.once):  # before the model, not after its load
         raise UserError("--once needs a question")
+    if not args.no_prefix_cache:
+        prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before the model loads
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
+    if args.once is not None:  # on the tokenizer and config alone: refused before the minutes the weights take
+        check_question(describe_hf_dir(args.model) if args.model else describe_checkpoint(args.checkpoint, args.step),
+                       provider, question_text(args.once), args.max_new_tokens)
     loaded = (load_hf_dir(args.model, args.dtype or "float32") if args.model
               else load_checkpoint(args.checkpoint, args.step, args.dtype))  # --dtype was ignored here
     coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache)
