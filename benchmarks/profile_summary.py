@@ -19,10 +19,12 @@ benchmarks/profile_summary.py runs/NAME/prof`. The script imports nothing else f
 from __future__ import annotations
 
 import argparse
+import glob
 import gzip
 import json
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -242,15 +244,46 @@ def json_refusal(path: Path | None) -> str | None:
     return None
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised (see `main`) so that the scratch copy of the trace and a half-written summary are removed:
+    Python's default SIGTERM ended the process where it stood, leaving `.<name>.tmp-<pid>` beside --json."""
+
+
+def _raise_terminated(signum, frame):  # noqa: ARG001
+    raise Terminated
+
+
+def _fsync(path: Path) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # a directory on a filesystem that cannot sync one
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: Path, doc) -> None:
-    """The summary written beside its target and renamed over it: never left cut short (Ctrl-C, a full disk)."""
+    """The summary written beside its target, synced, and renamed over it: never left cut short (Ctrl-C, SIGTERM,
+    a full disk, a power loss), and no `.<name>.tmp-<pid>` left but by a SIGKILL, which the next write removes.
+    (xprof's pinned environment cannot import the project: gemma_tpu.core.atomic's own is not used.)"""
     import os
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    for left in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):  # a SIGKILLed write's, its process gone
+        pid = left.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            left.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(doc, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -261,6 +294,24 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="also write the summary here")
     p.add_argument("--top", type=int, default=20, help="ops listed by self time (default: 20)")
     args = p.parse_args(argv)
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread, where Python runs no handlers
+        previous = None
+    try:
+        return _run(args)
+    except Terminated:
+        print("error: stopped by SIGTERM", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
     if not args.dir.is_dir():
         print(f"error: {args.dir}: not a directory", file=sys.stderr)
         return 2

@@ -494,6 +494,8 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     vocab = read_vocab(tok_dir, embed.shape[0], token_map, FUNCTION_MARKERS)
     tool_calling = vocab.id_of(START_RESPONSE) is not None
     chat_template = read_chat_template(tok_dir)
+    if args.merged:  # config.json, the merge record, the headers and the tokenizer of one published directory
+        resolved.check_unchanged()
     if token_map or (chat_template or "").strip() == tool_chat_template(None).strip():
         # the markers now have their published names; without the template's JSON reader for tool results, which
         # uses Jinja that llama.cpp's own C++ template engine is not known to have ('%c' | format, int(base)).

@@ -66,7 +66,7 @@ from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.hf.directory import MERGE_RECORD, read_hf_config
+from gemma_tpu.hf.directory import MERGE_RECORD, check_same_directory, dir_identity, read_hf_config
 from gemma_tpu.hf.files import generation_config, write_sidecar_files
 from gemma_tpu.models.registry import described_family, tied_embeddings
 
@@ -102,6 +102,7 @@ class MergePlan:
     max_shard_bytes: int
     lora_sites: list | None
     dropped: list[str]
+    base_ident: tuple[int, int] | None = None  # `dir_identity` of base_dir before its config.json was read
 
     @property
     def total_bytes(self) -> int:
@@ -135,6 +136,7 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     `dtype`; other writers (the GGUF export) pass no `out` and do their own checks."""
     source = open_checkpoint(checkpoint, step)
     base_dir = resolve_base(source, base)
+    base_ident = dir_identity(base_dir)
     base_config = read_hf_config(base_dir)
     check_base_matches(source, base_dir, allow_base_mismatch, "merge")
     # an architecture no family claims: trained as the model.family its metadata records
@@ -188,7 +190,7 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     if out is not None:
         check_space(out, sum(s.nbytes for s in specs))
     return MergePlan(source, base_dir, base_config, weights, prefix, out, out_dtype, ops, specs,
-                     sio.parse_size(max_shard_size), sites, dropped)
+                     sio.parse_size(max_shard_size), sites, dropped, base_ident)
 
 
 def check_full_sites(source: CheckpointSource, prefix: str, shapes: dict[str, tuple]) -> dict[str, FullSite]:
@@ -353,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"(ids {min(marker_ids.values())}-{max(marker_ids.values())}) and a tool-calling chat template",
                   file=sys.stderr)
         sio.write_json(tmp / PROVENANCE_FILE, provenance(plan, writer))
+        # config.json, weights and tokenizer of one base: another merge publishing over it meanwhile mixed two
+        check_same_directory(plan.base_dir, plan.base_ident)
         if args.verify:
             unverified = plan.out.parent / f"{plan.out.name}.unverified"
             try:

@@ -430,6 +430,35 @@ def test_bf16_output_with_verify(work, lora_ckpt, merged):
     assert mw.read(key).tobytes() == rounded.tobytes()
 
 
+def test_a_base_published_anew_during_the_merge_is_refused(work, base, lora_ckpt, monkeypatch, capsys):
+    """The merge read the base's config.json first, its weights during the merge and its tokenizer files after: a
+    base that is itself a merged output, published anew meanwhile (another merge's --overwrite), gave a merge of one
+    model's weights with the other's config.json and tokenizer. Now refused in one line, nothing published."""
+    import convert.merge_orbax as mo
+    from gemma_tpu.core.atomic import AtomicDir
+
+    src = work / "base_republished"
+    shutil.copytree(base, src)
+    real = mo.write_sidecar_files
+
+    def write_sidecar_files(*a):  # after the weights: a merge publishes over the base
+        ad = AtomicDir(src, overwrite=True)
+        with ad as tmp:
+            shutil.copytree(base, tmp, dirs_exist_ok=True)
+            ad.publish()
+        return real(*a)
+
+    monkeypatch.setattr(mo, "write_sidecar_files", write_sidecar_files)
+    out = work / "merged_republished"
+    capsys.readouterr()
+    assert merge("--checkpoint", lora_ckpt[0], "--base", src, "--out", out) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [f"error: {src}: replaced while it was being read (another process published it anew meanwhile, "
+                   f"e.g. a merge's --overwrite); its config.json, tokenizer and weights as read could mix two "
+                   f"models, so it was not used: run again"]
+    assert not out.exists() and not [p for p in work.iterdir() if p.name.startswith(".merged_republished")]
+
+
 def test_verify_failure_keeps_output_aside(work, lora_ckpt, capsys, monkeypatch):
     import convert.verify as verify
 

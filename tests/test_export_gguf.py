@@ -245,6 +245,36 @@ def test_a_merged_dir_replaced_while_it_is_exported_stops_the_export(tmp_path, b
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
 
 
+def test_a_merged_dir_replaced_between_its_config_and_weights_stops_the_export(tmp_path, base, monkeypatch, capsys):
+    """`--merged DIR` read config.json (and the merge record) first, the weights' headers and the tokenizer after:
+    another merge's --overwrite publishing over DIR between them exported one merge's config.json and tokenizer
+    with the other's weights, without a word (each tensor read is checked against its header's file, not the files
+    around it). Now the directory must be the one published when config.json was read, or nothing is written."""
+    from convert import export_gguf
+    from gemma_tpu.core.atomic import AtomicDir
+
+    src = tmp_path / "merged"
+    shutil.copytree(base, src)
+    real = export_gguf.gguf_facts
+
+    def gguf_facts(*a):  # between config.json and the weights: a merge publishes over the directory
+        ad = AtomicDir(src, overwrite=True)
+        with ad as tmp:
+            shutil.copytree(base, tmp, dirs_exist_ok=True)
+            ad.publish()
+        return real(*a)
+
+    monkeypatch.setattr(export_gguf, "gguf_facts", gguf_facts)
+    out = tmp_path / "m.gguf"
+    capsys.readouterr()
+    assert export("--merged", src, "--out", out, "--type", "f16") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [f"error: {src}: replaced while it was being read (another process published it anew meanwhile, "
+                   f"e.g. a merge's --overwrite); its config.json, tokenizer and weights as read could mix two "
+                   f"models, so it was not used: run again"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+
+
 def test_a_merged_dir_being_written_anew_is_refused(tmp_path, base, capsys):
     """`--merged DIR` while another process holds DIR's writer lock (a merge's --overwrite under way) read the
     directory that run was about to replace: refused in one line naming the holder, before any work."""

@@ -175,6 +175,41 @@ def test_a_replace_whose_set_aside_copy_cannot_be_renamed_is_still_published(tmp
     assert (out / "v").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+def test_ctrl_c_while_an_earlier_unverified_output_is_replaced_keeps_an_output(tmp_path, monkeypatch, exchange):
+    """merge --verify keeps a failed merge at `<out>.unverified` (AtomicDir.move_to), replacing an earlier one: that
+    was deleted first, then the new one renamed there, and a Ctrl-C during the deletion lost both (the new one as
+    the unpublished temp dir). Now the new one is in place before the earlier one is deleted; the command still
+    stops, saying where the output was kept, and what is left of the earlier one is a leftover the next run removes."""
+    import os
+    import signal
+
+    from gemma_tpu.core import atomic
+
+    out, unverified = tmp_path / "out", tmp_path / "out.unverified"
+    unverified.mkdir()
+    for name in ("a", "b", "m.json"):
+        (unverified / name).write_text("old")
+    real = shutil.rmtree
+
+    def rmtree(path, ignore_errors=False):
+        os.unlink(os.path.join(path, "a"))
+        signal.raise_signal(signal.SIGINT)
+        real(path, ignore_errors)
+
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic.shutil, "rmtree", rmtree)
+    ad = atomic.AtomicDir(out, marker="m.json")
+    with pytest.raises(KeyboardInterrupt, match=f"{out} was kept at {unverified}, not published"):
+        with ad as tmp:
+            (tmp / "m.json").write_text("new")
+            ad.move_to(unverified)
+    monkeypatch.undo()
+    assert (unverified / "m.json").read_text() == "new" and not out.exists()
+    assert len(atomic.clean_stale(out)) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["out.unverified"]
+
+
 def test_an_output_set_aside_by_a_killed_replace_is_put_back(tmp_path):
     """A SIGKILL between the two renames of a replace (filesystems without renameat2 exchange) left the old output
     as `.out.old-PID` and no `out`; the next run deleted it as a leftover, so the output it was replacing was

@@ -360,6 +360,26 @@ def test_missing_weight_is_named(tiny_dir, tmp_path):
 
 
 
+def test_a_model_dir_published_anew_after_its_config_was_read_is_refused(tiny_dir, tmp_path):
+    """resolve_model reads config.json (and the merge record), load_model the weights later (train, evaluate, chat
+    read the tokenizer between): another merge's --overwrite publishing over the directory meanwhile loaded one
+    model's weights under the other's config.json and tokenizer. The directory must still be the one whose
+    config.json was read; a directory merely read again is accepted."""
+    from gemma_tpu.core.atomic import AtomicDir
+
+    d = tmp_path / "merged"
+    shutil.copytree(tiny_dir, d)
+    load_model(resolve_model(str(d)))
+    resolved = resolve_model(str(d))
+    ad = AtomicDir(d, overwrite=True)
+    with ad as tmp:
+        shutil.copytree(tiny_dir, tmp, dirs_exist_ok=True)
+        ad.publish()
+    with pytest.raises(UserError, match=re.escape(f"{d}: replaced while it was being read (another process "
+                                                  f"published it anew meanwhile")):
+        load_model(resolved)
+
+
 def test_stored_lm_head_other_than_the_embedding_is_refused(tiny_dir, tmp_path):
     """A tied config.json whose checkpoint also stores an lm_head.weight: transformers ties the two only
     when they are equal, else it projects with the stored lm_head (an untied model). Tunix's Gemma

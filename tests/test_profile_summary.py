@@ -116,3 +116,37 @@ def test_a_json_that_cannot_take_the_summary_is_refused_before_the_conversion(tm
     ps.write_json_atomic(tmp_path / "new" / "s.json", {"categories": [1]})
     assert json.loads((tmp_path / "new" / "s.json").read_text()) == {"categories": [1]}
     assert [p.name for p in (tmp_path / "new").iterdir()] == ["s.json"]
+
+
+# the summary of a trace written to --json OUT, where SIGTERM lands as the finished temp file is renamed over OUT
+SIGTERM_AT_RENAME = """
+import os, signal, sys, types, runpy
+sys.modules['xprof'] = types.ModuleType('xprof')
+sys.modules['xprof.convert'] = types.ModuleType('xprof.convert')
+sys.modules['xprof.convert.raw_to_tool_data'] = types.ModuleType('xprof.convert.raw_to_tool_data')
+ps = runpy.run_path('benchmarks/profile_summary.py')
+ps['main'].__globals__.update(summarise=lambda trace, top: {'categories': ['new']}, newest_xplane=lambda d: d,
+                              print_table=lambda s: None)
+real = os.replace
+def replace(a, b):
+    signal.raise_signal(signal.SIGTERM)
+    real(a, b)
+os.replace = replace
+sys.exit(ps['main']([sys.argv[1], '--json', sys.argv[2]]))
+"""
+
+
+def test_sigterm_while_the_json_is_written_leaves_the_earlier_summary_and_no_temp_file(tmp_path):
+    """profile_summary.py's own JSON writer (xprof's environment cannot import the project's): a SIGTERM ended it
+    where it stood, leaving `.s.json.tmp-PID` beside the summary for good (and the scratch copy of the trace). It
+    now stops with one line, exit 143, the earlier summary whole, nothing else left; a SIGKILLed write's temp file
+    is removed by the next write."""
+    out = tmp_path / "s.json"
+    out.write_text(json.dumps({"categories": ["old"]}))
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_AT_RENAME, str(tmp_path), str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (143, "error: stopped by SIGTERM\n")
+    assert json.loads(out.read_text()) == {"categories": ["old"]} and [p.name for p in tmp_path.iterdir()] == ["s.json"]
+    (tmp_path / f".s.json.tmp-{2 ** 22 + 7}").write_text("{")  # a SIGKILLed writer's, its PID above pid_max
+    ps.write_json_atomic(out, {"categories": ["new"]})
+    assert json.loads(out.read_text()) == {"categories": ["new"]} and [p.name for p in tmp_path.iterdir()] == ["s.json"]

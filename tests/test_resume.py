@@ -251,6 +251,35 @@ def test_a_resumed_step_counts_as_evaluated_only_on_the_same_eval_data(tmp_path)
     assert eval_fingerprint(prepared, 4, 2) == "abc:8"
 
 
+def test_a_resumed_runs_summary_keeps_the_runs_first_evaluation(tmp_path):
+    """summary.json's first_eval_loss (the untrained model's, what final_eval_loss is read against) was the first
+    evaluation of the session that finished the run: after a preemption and resume, that of the restored step or the
+    last one, often equal to final_eval_loss. It is now the run's first on this eval set, from metrics.jsonl."""
+    import time
+    import types
+
+    from gemma_tpu.train.trainer import CompileCounter, Trainer
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"mode": "eval", "step": 0, "loss": 3.0, "eval_data": "old:8"}\n'
+                    '{"mode": "eval", "step": 0, "loss": 2.5, "eval_data": "abc:8"}\n'
+                    '{"mode": "train", "step": 3, "loss": 2.0}\n'
+                    '{"mode": "eval", "step": 3, "loss": 1.8, "eval_data": "abc:8"}\n'
+                    '{"mode": "eval", "step": 6, "loss": 1.5, "eval_data": "abc:8"}\n')
+
+    def summary(resumed_from, history):
+        t = types.SimpleNamespace(metrics_path=path, eval_data="abc:8", resumed_from=resumed_from, primary=True,
+                                  train_steps=6, started=time.time(), compiles=1, compile_counter=CompileCounter(),
+                                  history=history, price_per_hour=0.0)
+        for name in ("_recorded_first_eval_loss", "_recorded_eval_loss", "_recorded_train_loss"):
+            setattr(t, name, getattr(Trainer, name).__get__(t))
+        return Trainer.summary(t)
+
+    history = [{"mode": "train", "step": 6, "loss": 1.9}, {"mode": "eval", "step": 6, "loss": 1.5}]
+    assert (summary(3, history)["first_eval_loss"], summary(3, history)["final_eval_loss"]) == (2.5, 1.5)
+    assert summary(0, [{"mode": "eval", "step": 0, "loss": 4.0}, *history])["first_eval_loss"] == 4.0
+
+
 def test_a_run_stopped_before_its_first_save_leaves_nothing_to_refuse(tmp_path, caplog):
     """A run killed before step 1 (data preparation, model load, the first compile) leaves gemma_tpu_run.json and no
     step: a rerun with another lora.rank was refused as 'checkpoint was trained with lora.rank=4', naming a

@@ -481,14 +481,42 @@ class AtomicDir(_AtomicOutput):
 
     def move_to(self, other: Path) -> Path:
         """Publish under another name instead (e.g. `<out>.unverified`), replacing an earlier such output
-        there (one holding the marker file); anything else there is kept and `<other>-<pid>` is used."""
+        there (one holding the marker file); anything else there is kept and `<other>-<pid>` is used. The earlier
+        one is swapped out (or renamed aside), then deleted: it was deleted first, and a Ctrl-C before the rename
+        lost both."""
         other = Path(other).absolute()
-        if other.is_dir() and not other.is_symlink() and (self.marker is None or (other / self.marker).is_file()):
-            shutil.rmtree(other)
-        elif other.exists() or other.is_symlink():
+        replace = other.is_dir() and not other.is_symlink() and (self.marker is None or (other / self.marker).is_file())
+        if not replace and (other.exists() or other.is_symlink()):
             other = other.with_name(f"{other.name}-{os.getpid()}")
-        os.rename(self.tmp, other)
-        self.published = True
+        old = stop = None
+        try:
+            with _signals_held():
+                if replace and _exchange(self.tmp, other):
+                    old = self.tmp  # now holds the earlier output
+                elif replace:  # a temp dir's name: the next run for the target removes it if killed here
+                    old = other.parent / f".{self.target.name}.tmp-old-{os.getpid()}"
+                    os.rename(other, old)
+                    try:
+                        os.rename(self.tmp, other)
+                    except OSError:
+                        os.rename(old, other)
+                        old = None
+                        raise
+                else:
+                    os.rename(self.tmp, other)
+                self.published = True
+        except (KeyboardInterrupt, SignalExit) as e:
+            if not self.published:
+                raise
+            stop = e
+        if old is not None:
+            try:
+                shutil.rmtree(old, ignore_errors=True)
+            except (KeyboardInterrupt, SignalExit) as e:
+                stop = stop or e
+        _fsync_dir(other.parent)
+        if stop is not None:
+            raise interrupted_after(stop, f"{self.target} was kept at {other}, not published") from None
         return other
 
 

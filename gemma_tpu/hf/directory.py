@@ -56,6 +56,28 @@ def check_revision_applies(spec: str, local: Path, revision: str | None) -> None
                     f"{at}, used as it is: leave model.revision unset, or give the hub id")
 
 
+def dir_identity(model_dir: Path) -> tuple[int, int] | None:
+    """Which published directory is at `model_dir` now: its device and inode. Every publish of a directory (a
+    merge, an export: `gemma_tpu.core.atomic`) renames a new one into place, so this changes with it, while files
+    merely read or added inside leave it alone. None where there is nothing there."""
+    try:
+        st = os.stat(model_dir)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_same_directory(model_dir: Path, ident: tuple[int, int] | None) -> None:
+    """Refuse what was read from `model_dir` in several reads (config.json, the merge record, the tokenizer, the
+    weights' headers) when another directory was published there since the first (`ident`, taken before it): a
+    merge's --overwrite between reading config.json and the weights mixed two models without a word (each tensor
+    read is checked against its header's file, `safetensors_io.TensorInfo.check_same`, but not the files around)."""
+    if ident is not None and dir_identity(model_dir) != ident:
+        raise UserError(f"{model_dir}: replaced while it was being read (another process published it anew "
+                        f"meanwhile, e.g. a merge's --overwrite); its config.json, tokenizer and weights as read "
+                        f"could mix two models, so it was not used: run again")
+
+
 def read_hf_config(model_dir: Path) -> dict:
     if Path(model_dir).is_file():  # `x-merged/config.json` given for the directory: "config.json/config.json: missing"
         hint = f": give {Path(model_dir).parent}" if Path(model_dir).name == "config.json" else ""

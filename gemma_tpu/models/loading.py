@@ -15,6 +15,8 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import (
     MERGE_RECORD,
     check_revision_applies,
+    check_same_directory,
+    dir_identity,
     naming_config_file,
     read_hf_config,
     recorded_family,
@@ -36,6 +38,12 @@ class ResolvedModel:
     hf_config: dict
     family: Family
     revision: str | None = None
+    ident: tuple[int, int] | None = None  # `dir_identity` of local_dir before its config.json was read
+
+    def check_unchanged(self) -> None:
+        """Refuse when another directory was published at local_dir since its config.json was read (see
+        `check_same_directory`): call it once the tokenizer and the weights' headers (or the weights) are read."""
+        check_same_directory(self.local_dir, self.ident)
 
     @property
     def text_config(self) -> dict:
@@ -61,11 +69,13 @@ def resolve_model(spec: str, revision: str | None = None, family: str | None = N
     directory's is the one its merge recorded (`recorded_family`), else the one config.json describes."""
     local = resolve_path(spec, revision)
     check_revision_applies(spec, local, revision)
+    ident = dir_identity(local)
     hf_config = read_hf_config(local)
     if not family:
         family, family_key = recorded_family(local), f"{local / MERGE_RECORD}: base.family"
     fam = choose_family(hf_config, family, family_key, str(local / "config.json"))
-    resolved = ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision)
+    resolved = ResolvedModel(spec=spec, local_dir=local, hf_config=hf_config, family=fam, revision=revision,
+                             ident=ident)
     resolved.text_config  # a value transformers cannot build a model from is refused here, naming the file
     return resolved
 
@@ -136,4 +146,5 @@ def load_model(resolved: ResolvedModel, dtype: str = "float32", remat: str = "no
     log.info("loading %s (%s, %d layers) from %s", resolved.spec, resolved.family.name, tunix_cfg.num_layers,
              resolved.local_dir)
     model = resolved.family.create_model(str(resolved.local_dir), tunix_cfg, mesh=mesh, dtype=jdtype)
+    resolved.check_unchanged()  # config.json (and the tokenizer, read before) are of the directory the weights are
     return model, tunix_cfg

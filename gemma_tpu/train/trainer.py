@@ -275,6 +275,26 @@ def last_record(path: Path, mode: str, step: int) -> dict | None:
     return found
 
 
+def first_eval_record(path: Path, eval_data: str | None) -> dict | None:
+    """The evaluation of the earliest step on the eval set `eval_data` in metrics.jsonl (the run's first, mostly of
+    the untrained model at step 0, whichever session wrote it), or None."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if (isinstance(rec, dict) and rec.get("mode") == "eval" and isinstance(rec.get("step"), int)
+                and eval_data is not None and rec.get("eval_data") == eval_data
+                and (found is None or rec["step"] < found["step"])):
+            found = rec
+    return found
+
+
 def step_evaluated(path: Path, step: int, eval_data: str | None) -> bool:
     """Whether metrics.jsonl at `path` holds an evaluation of `step` on the eval set `eval_data` (its
     data.eval_fingerprint): a resume with another data.eval_path skipped evaluating its step, the record being of the
@@ -693,10 +713,18 @@ class Trainer(TunixTrainer):
         rec = last_record(self.metrics_path, "train", self.train_steps) if self.train_steps else None
         return rec.get("loss") if rec else None
 
+    def _recorded_first_eval_loss(self) -> float | None:
+        """The run's first evaluation loss where this session resumed it: its first evaluation was of the restored
+        (or a later) step, and summary.json's first_eval_loss after a preemption and resume was that, often equal
+        to final_eval_loss, while the untrained model's was in metrics.jsonl."""
+        rec = first_eval_record(self.metrics_path, self.eval_data) if self.resumed_from and self.primary else None
+        return rec.get("loss") if rec else None
+
     def summary(self) -> dict[str, Any]:
         train = [r for r in self.history if r["mode"] == "train"]
         steady = [r for r in train if "step_time_s" in r and not r.get("final_flush")]
         evals = [r for r in self.history if r["mode"] == "eval"]
+        first_eval = self._recorded_first_eval_loss()
         out: dict[str, Any] = {
             "steps": self.train_steps,
             "resumed_from": self.resumed_from,
@@ -705,7 +733,7 @@ class Trainer(TunixTrainer):
             "eval_step_compiles": self.compile_counter.counts.get(EVAL_STEP_FN, 0),
             "final_train_loss": train[-1]["loss"] if train else self._recorded_train_loss(),
             "final_eval_loss": evals[-1]["loss"] if evals else self._recorded_eval_loss(),
-            "first_eval_loss": evals[0]["loss"] if evals else None,
+            "first_eval_loss": first_eval if first_eval is not None else evals[0]["loss"] if evals else None,
         }
         if steady:
             # medians: the last interval is cut short by the final flush of PeftTrainer's buffer
