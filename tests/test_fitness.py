@@ -1268,14 +1268,21 @@ def test_chat_refuses_the_markups_control_tokens_in_a_question_and_escapes_them_
     with pytest.raises(UserError, match=f"the question: the text holds '{token}' at character {question.index(token)}"):
         Coach(loaded, device, generator=gen, trace=None).ask(question)
     assert gen.prompts == []  # refused before the model saw it
-    gen = ScriptedGenerator([format_call("get_steps", {"date": "today"}), "ok"])
+    # the model's own call argument holding one went back into the next prompt as it was (an '<end_of_turn>' closed
+    # its turn there): it is carried as the tool result is
+    gen = ScriptedGenerator([format_call("get_steps", {"date": f"c {token} d"}), "ok"])
     coach = Coach(loaded, device, generator=gen, trace=None)
-    coach.toolset = Toolset(coach.toolset.schemas, lambda name, arguments: {"note": f"a {token} b"},
-                            coach.toolset.system_prompt, coach.toolset.user_turn)
+    seen = []
+    coach.toolset = Toolset(coach.toolset.schemas, lambda name, arguments: seen.append(arguments) or {
+        "note": f"a {token} b"}, coach.toolset.system_prompt, coach.toolset.user_turn)
     assert coach.ask("steps today?") == "ok"
+    assert seen == [{"date": f"c {token} d"}]  # the tool got the arguments as the model wrote them
     second = tok.decode(gen.prompts[1])
     # the joiner is <unk> to the tiny tokenizer (a full Gemma vocabulary has it): the token is text, not markup
     assert re.search(rf"a <(\u2060|<unk>){re.escape(token[1:])} b", second), second[-200:]
+    assert re.search(rf"c <(\u2060|<unk>){re.escape(token[1:])} d", second), second[-200:]
+    turns = [tok.convert_tokens_to_ids(t) for t in ("<start_of_turn>", "<end_of_turn>")]
+    assert [gen.prompts[1].count(t) for t in turns] == [gen.prompts[0].count(t) for t in turns]  # no turn more
     # serving.chat sent them unchecked: the server's chat template and tokenizer (vLLM's, serving.launch --local's)
     # read them as markup all the same; refused in the same words, before any request
     from serving.chat import RemoteCoach
@@ -1288,12 +1295,14 @@ def test_chat_refuses_the_markups_control_tokens_in_a_question_and_escapes_them_
             RemoteCoach(url, device, model="m", trace=None, retries=0).ask(question)
         assert handler.requests == []
     handler, server = scripted({"tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "get_steps", "arguments": json.dumps({"date": "today"})}}]}, {"content": "never sent"})
+        "name": "get_steps", "arguments": json.dumps({"date": f"c {token} d"})}}]}, {"content": "never sent"})
     with server as url:
         remote = RemoteCoach(url, device, model="m", trace=None, retries=0, tools=coach.toolset)
         assert remote.ask("steps today?") == "never sent"  # the second reply: the result was sent
         result = handler.requests[1]["body"]["messages"][-1]["content"]
         assert token not in result and json.loads(result) == {"note": f"a {token[0]}\u2060{token[1:]} b"}
+        call = handler.requests[1]["body"]["messages"][-2]["tool_calls"][0]["function"]
+        assert json.loads(call["arguments"]) == {"date": f"c {token[0]}\u2060{token[1:]} d"}
 
 
 def test_serving_chat_refuses_the_reserved_tokens_a_plain_gemma_writes_the_call_markers_as():
