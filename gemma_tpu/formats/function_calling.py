@@ -264,40 +264,71 @@ def _same_json(a: Any, b: Any) -> bool:
     return a == b
 
 
+ARGUMENTS_SCHEMA_DEPTH = 32  # levels of nested objects and arrays `arguments_problem` walks; deeper is not checked
+
+
 def arguments_problem(parameters: Any, args: dict) -> str | None:
-    """What is wrong with a call's `args` for the declared `parameters` schema (its top level), or None. Checked only
-    where the schema declares `properties` (non-empty) and does not let others in (additionalProperties true or a
+    """What is wrong with a call's `args` for the declared `parameters` schema, or None. An object is checked only
+    where its schema declares `properties` (non-empty) and does not let others in (additionalProperties true or a
     schema, patternProperties): an argument it does not declare, a `required` one missing, a value whose JSON type
-    contradicts the declared `type`, one outside an `enum`. A null value is an argument not given (as the fitness
-    tools and evaluate's arguments_match read it): not type-checked. Nested schemas are not walked."""
+    contradicts the declared `type`, one outside an `enum`. The same at every depth (to ARGUMENTS_SCHEMA_DEPTH): an
+    object argument's `properties`, an array's `items` (one schema for all, or a list by position), the problem
+    naming its path (`'sets[2].reps'`); only the top level was checked, so a row calling with `{"sets": [{"rep":
+    5}]}` for a declared `reps` trained. A null value is an argument not given (as the fitness tools and evaluate's
+    arguments_match read it): not type-checked. Unions (anyOf/oneOf/allOf) are not walked."""
     if not isinstance(parameters, dict):
         return None
-    props = parameters.get("properties")
+    return _object_problem(parameters, args, "", 0)
+
+
+def _object_problem(schema: dict, obj: dict, at: str, depth: int) -> str | None:
+    """`arguments_problem` of the object `obj` at path `at` ('' for the arguments themselves)."""
+    props = schema.get("properties")
     if not isinstance(props, dict) or not props:
         return None
-    extra_allowed = parameters.get("additionalProperties") is True or isinstance(
-        parameters.get("additionalProperties"), dict) or bool(parameters.get("patternProperties"))
-    names = ", ".join(map(str, props))
-    for key in args:
+    extra_allowed = schema.get("additionalProperties") is True or isinstance(
+        schema.get("additionalProperties"), dict) or bool(schema.get("patternProperties"))
+    what, names = ("parameter", "parameters") if not at else ("property", "properties"), ", ".join(map(str, props))
+    for key in obj:
         if key not in props and not extra_allowed:
-            return f"{shown(key)} is not a declared parameter (parameters: {names})"
-    required = parameters.get("required")
+            return f"{shown(at + str(key))} is not a declared {what[0]} ({what[1]}: {names})"
+    required = schema.get("required")
     for key in required if isinstance(required, list) else []:
-        if key not in args:
-            return f"the required parameter {shown(key)} is missing"
-    for key, value in args.items():
+        if key not in obj:
+            return f"the required {what[0]} {shown(at + str(key))} is missing"
+    for key, value in obj.items():
         sub = props.get(key)
-        if value is None or not isinstance(sub, dict):
-            continue
-        declared = sub.get("type")
-        types = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
-        if types and not any(_json_type_matches(value, t) for t in types if isinstance(t, str)):
-            return (f"{shown(key)} is declared {' or '.join(map(str, types))}, got {_json_kind(value)} "
-                    f"{_json_text(value)}")
-        enum = sub.get("enum")
-        if isinstance(enum, list) and not any(_same_json(value, e) for e in enum):
-            return (f"{shown(key)} is {_json_text(value)}, not one of its enum "
-                    f"({', '.join(map(_json_text, enum))[:200]})")
+        if isinstance(sub, dict):
+            problem = _value_problem(sub, value, at + str(key), depth)
+            if problem:
+                return problem
+    return None
+
+
+def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
+    """The problem of one argument `value` (path `at`) with its schema `sub`: its type, its enum, then inside it."""
+    if value is None:
+        return None
+    declared = sub.get("type")
+    types = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
+    if types and not any(_json_type_matches(value, t) for t in types if isinstance(t, str)):
+        return (f"{shown(at)} is declared {' or '.join(map(str, types))}, got {_json_kind(value)} "
+                f"{_json_text(value)}")
+    enum = sub.get("enum")
+    if isinstance(enum, list) and not any(_same_json(value, e) for e in enum):
+        return f"{shown(at)} is {_json_text(value)}, not one of its enum ({', '.join(map(_json_text, enum))[:200]})"
+    if depth >= ARGUMENTS_SCHEMA_DEPTH:
+        return None
+    if isinstance(value, dict):
+        return _object_problem(sub, value, f"{at}.", depth + 1)
+    if isinstance(value, list):
+        items = sub.get("items")
+        for k, v in enumerate(value):
+            item = items if isinstance(items, dict) else items[k] if isinstance(items, list) and k < len(
+                items) else None
+            problem = _value_problem(item, v, f"{at}[{k}]", depth + 1) if isinstance(item, dict) else None
+            if problem:
+                return problem
     return None
 
 
