@@ -1079,6 +1079,17 @@ def test_generic_tool_loop_with_another_toolset():
     assert run_tool_loop("many", calc, scripted(both), max_calls=1) == (
         "(the model asked for 2 tool calls at once, more than the 1 allowed per question; none was run)")
     assert "stopped after 1 call)" in run_tool_loop("more", calc, scripted(call, both), max_calls=2)
+    # a turn whose second call names an undeclared tool: the first was run and its result dropped without a word; the
+    # turn is refused whole before any call runs, and a later call failing says which calls of its turn ran
+    ran = []
+    counted = Toolset(calc.schemas, lambda name, arguments: ran.append(name) or add(name, arguments))
+    mixed = ParsedReply("call", [ToolCall("add", {"a": 2, "b": 3}), ToolCall("mul", {"a": 1, "b": 1})], "")
+    assert run_tool_loop("2+3 and 1*1?", counted, scripted(mixed)) == (
+        "(the model called unknown tool mul among its 2 calls of one turn; none was run)")
+    assert ran == []
+    bad = ParsedReply("call", [ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 1})], "")
+    assert run_tool_loop("2+3 and 1+?", counted, scripted(bad)) == (
+        "(the tool add failed: KeyError: 'b'; add of the same turn ran first, its result not used)")
     no_prompt = Toolset(calc.schemas, add)
     seen.clear()
     run_tool_loop("hi", no_prompt, scripted(ParsedReply("text", [], "hello")))
