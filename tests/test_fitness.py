@@ -336,6 +336,10 @@ def test_parser_classifies_text_bare_calls_and_errors():
         assert parse_reply(prose).kind == "text", prose
     mid = parse_reply("Checking. call:get_steps{date:today} and recall:x")
     assert mid.kind == "call" and mid.first == ToolCall("get_steps", {"date": "today"})
+    # a bare call quoted in prose (backticks, quotes) is the answer's text: it was run as a call
+    for quoted in ("Run `call:get_steps{date:today}` to see.", 'I could "call:get_steps{}" for you.',
+                   "Say \u201ccall:get_steps{}\u201d", "call:get_steps{} or `call:get_daily_step_goal{}`"):
+        assert (parse_reply(quoted).kind, parse_reply(quoted).text) == ("text", quoted), quoted
     bare = parse_reply("call:get_steps{date:today}")  # a server that strips special tokens
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))

@@ -420,6 +420,7 @@ _NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")  # OpenAI tool names may start with 
 # Text that looks like an attempt at a call even without the start marker.
 # A word after `call:` is a call's name only when a brace (or the end of the text: a call cut short) follows it:
 # "Give me a call:tomorrow works" is an answer, not a malformed call.
+_QUOTES = frozenset("`\"'\u2018\u201c")  # before a bare call: a quote of the syntax in prose, not a call
 _CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z0-9_][\w.\-]*\s*(?:\{|$)|<end_function_call>|<start_function_call>")
 
 
@@ -638,12 +639,15 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
                 rest = text[pos:]
                 # no start marker (stripped by a server, or forgotten): the bare form, every call of it (a server
                 # that strips special tokens turns parallel calls into `call:a{...}call:b{...}`: the second was text)
-                bare = not calls
+                bare, whole = not calls, rest
                 while bare and _CALL_HINT.search(rest):
                     m = _CALL_HINT.search(rest)
                     m = re.compile(r"call:").search(rest, m.start()) if m else None
                     if m is None:
                         raise CallSyntaxError("a call marker without 'call:NAME{...}'")
+                    if rest[m.start() - 1:m.start()] in _QUOTES:  # prose quoting the syntax: "run `call:x{}` to see"
+                        calls, outside, rest = [], [], whole  # (was run as a call); other prose around a bare call is
+                        break  # the price of accepting calls a server stripped the markers of
                     call, end = parse_call_body(rest, m.start())
                     calls.append(call)
                     outside.append(rest[:m.start()])
