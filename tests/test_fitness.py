@@ -351,6 +351,11 @@ def test_parser_classifies_text_bare_calls_and_errors():
         assert (stripped.kind, stripped.calls, stripped.text) == (
             "call", [ToolCall("get_steps", {"date": "today"}), ToolCall("get_daily_step_goal", {})], ""), sep
     assert parse_reply("call:get_steps{date:today} then call:get_sleep{").kind == "format_error"
+    # a degenerate model's '[[[[...': RecursionError out of the parser (a traceback in evaluate and the chat)
+    for n in (65, 3000):
+        deep = parse_reply(f"<start_function_call>call:get_steps{{date:{'[' * n}{']' * n}}}<end_function_call>")
+        assert (deep.kind, deep.error.split(" at ")[0]) == ("format_error", "arguments nested more than 64 levels deep")
+    assert parse_reply(format_call("get_steps", {"date": [[[["x"]]]]})).first.arguments == {"date": [[[["x"]]]]}
     # a key given twice: which value the model meant is anyone's guess (the last was taken, and could score right)
     twice = parse_reply(format_call("get_steps", {"date": "today"}).replace("}", ",date:<escape>yesterday<escape>}"))
     assert (twice.kind, twice.calls) == ("format_error", []) and "key 'date' appears twice" in twice.error
@@ -683,6 +688,10 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
     for args in ('{"date": "today", "date": "yesterday"}', json.dumps('{"date": "a", "date": "b"}')):  # twice encoded
         twice = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": args}}]})
         assert (twice.kind, twice.error) == ("format_error", "tool_calls arguments give key 'date' twice"), args
+    for n in (64, 3000):  # nested past what json.loads reaches: RecursionError (a traceback in evaluate)
+        deep = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": json.dumps(
+            {"date": 1}).replace("1", "[" * n + "]" * n)}}]})
+        assert (deep.kind, deep.error) == ("format_error", "tool_calls arguments nested more than 64 levels deep"), n
     conv = dataset.generate(0, {"train": 1, "validation": 0, "test": 0})["train"][0]
     sent = openai_messages(conv["messages"])
     assert sent[0]["role"] == "system" and json.loads(sent[2]["tool_calls"][0]["function"]["arguments"])

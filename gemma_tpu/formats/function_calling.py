@@ -380,12 +380,12 @@ def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, re.Match] | No
     return None
 
 
-def _depth(value: Any) -> int:
+def json_depth(value: Any) -> int:
     """How deeply objects and arrays nest in a JSON value (a scalar: 0)."""
     if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
+        return 1 + max(map(json_depth, value.values()), default=0)
     if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
+        return 1 + max(map(json_depth, value), default=0)
     return 0
 
 
@@ -402,7 +402,7 @@ def format_response(name: str, content: str) -> str:
         if isinstance(content, str) and len(content) > JSON_RESULT_LIMIT:
             raise TypeError("too long to be read as JSON (as the chat template reads it)")
         value = json.loads(content, parse_int=_json_int)
-        if _depth(value) > JSON_RESULT_MAX_DEPTH:
+        if json_depth(value) > JSON_RESULT_MAX_DEPTH:
             raise TypeError("nested too deeply to be read as JSON (as the chat template reads it)")
         if LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)):
             raise TypeError("escapes a lone UTF-16 surrogate, which no tokenizer encodes: kept as the text")
@@ -494,7 +494,14 @@ class _Reader:
     """Recursive-descent reader of one FunctionGemma value."""
 
     def __init__(self, text: str, pos: int):
-        self.s, self.i = text, pos
+        self.s, self.i, self.depth = text, pos, 0
+
+    def _enter(self) -> None:
+        """One more level of objects and arrays; past JSON_RESULT_MAX_DEPTH a syntax error (a degenerate model's
+        '[[[[...' raised RecursionError out of parse_reply: a traceback in evaluate and the chat)."""
+        self.depth += 1
+        if self.depth > JSON_RESULT_MAX_DEPTH:
+            raise self._fail(f"arguments nested more than {JSON_RESULT_MAX_DEPTH} levels deep")
 
     def _ws(self) -> None:
         while self.i < len(self.s) and self.s[self.i] in " \t\r\n":
@@ -552,11 +559,13 @@ class _Reader:
 
     def obj(self) -> dict[str, Any]:
         assert self.s[self.i] == "{"
+        self._enter()
         self.i += 1
         out: dict[str, Any] = {}
         self._ws()
         if self.i < len(self.s) and self.s[self.i] == "}":
             self.i += 1
+            self.depth -= 1
             return out
         while True:
             self._ws()
@@ -582,16 +591,19 @@ class _Reader:
                 continue
             if self.s[self.i] == "}":
                 self.i += 1
+                self.depth -= 1
                 return out
             raise self._fail("expected ',' or '}'")
 
     def array(self) -> list[Any]:
         assert self.s[self.i] == "["
+        self._enter()
         self.i += 1
         out: list[Any] = []
         self._ws()
         if self.i < len(self.s) and self.s[self.i] == "]":
             self.i += 1
+            self.depth -= 1
             return out
         while True:
             out.append(self.value(",]"))
@@ -603,6 +615,7 @@ class _Reader:
                 continue
             if self.s[self.i] == "]":
                 self.i += 1
+                self.depth -= 1
                 return out
             raise self._fail("expected ',' or ']'")
 

@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import (
+    JSON_RESULT_MAX_DEPTH,
     START_RESPONSE,
     ParsedReply,
     ToolCall,
     cut_short,
     handed_over,
+    json_depth,
     parse_reply,
     plain_gemma_token_map,
 )
@@ -358,6 +360,12 @@ def reply_from_message(message: dict) -> ParsedReply:
             if isinstance(args, str) and args.strip().startswith("{"):
                 args = json.loads(args, object_pairs_hook=_once)
             args = {} if args is None else args  # "null" (json.dumps of none given): no arguments, as null is
+            if json_depth(args) > JSON_RESULT_MAX_DEPTH:  # as the FunctionGemma text's parser refuses it
+                return ParsedReply("format_error", [], str(raw)[:200], f"tool_calls arguments nested more than "
+                                                                       f"{JSON_RESULT_MAX_DEPTH} levels deep")
+        except RecursionError:  # nested past what json.loads (or the depth count) reaches: a traceback in evaluate
+            return ParsedReply("format_error", [], str(raw)[:200], f"tool_calls arguments nested more than "
+                                                                   f"{JSON_RESULT_MAX_DEPTH} levels deep")
         except json.JSONDecodeError:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
         except _KeyTwice as e:  # as the FunctionGemma text's parser refuses it (which value was meant is a guess)
