@@ -332,6 +332,11 @@ def test_tool_results_name_the_call_they_answer():
     ids = {c["function"]["name"] + "@" + str(i): c["id"] for i, m in enumerate(sent) for c in m.get("tool_calls", [])}
     assert [m.get("tool_call_id") for m in sent if m["role"] == "tool"] == [
         ids["get_sleeping_minutes@1"], ids["get_steps@1"], ids["get_steps@6"]]
+    # a result past the turn's calls was sent with the id call_<i-1>_0, which named no call: refused, naming it
+    from gemma_tpu.core.errors import UserError
+
+    with pytest.raises(UserError, match=r"^messages\[1\]: a tool result with no call of the preceding assistant turn"):
+        openai_messages([{"role": "user", "content": "steps?"}, {"role": "tool", "name": "get_steps", "content": "{}"}])
 
 
 def test_a_server_that_never_answers(tmp_path):

@@ -287,6 +287,10 @@ def test_tool_call_ids_must_match_a_call_once():
         norm(conv)
 
 
+SETS = {"type": "array", "items": {"type": "object", "properties": {"reps": {"type": "integer"}, "kind": {
+    "enum": ["a", "b"]}}, "required": ["reps"]}}
+
+
 @pytest.mark.parametrize("arguments, schema, message", [
     ({"day": "today"}, None, r"'day' is not a declared parameter \(parameters: date\)"),
     ({}, {"required": ["date"]}, r"the required parameter 'date' is missing"),
@@ -294,6 +298,15 @@ def test_tool_call_ids_must_match_a_call_once():
     ({"date": "today", "metric": "avg"}, {"properties": {"date": {"type": "string"}, "metric": {"enum": ["max"]}}},
      r"'metric' is \"avg\", not one of its enum \(\"max\"\)"),
     ({"n": True}, {"properties": {"n": {"type": "integer"}}}, r"'n' is declared integer, got a boolean true"),
+    # nested schemas, checked as the top level is, the problem naming its path (only the top level was checked)
+    ({"sets": [{"reps": 5}, {"reps": 3}, {"rep": 5}]}, {"properties": {"sets": SETS}},
+     r"'sets\[2\].rep' is not a declared property \(properties: reps, kind\)"),
+    ({"sets": [{"reps": 5}, {"kind": "a"}]}, {"properties": {"sets": SETS}},
+     r"the required property 'sets\[1\].reps' is missing"),
+    ({"sets": [{"reps": "5"}]}, {"properties": {"sets": SETS}}, r"'sets\[0\].reps' is declared integer, got a string"),
+    ({"sets": [{"reps": 5, "kind": "c"}]}, {"properties": {"sets": SETS}}, r"'sets\[0\].kind' is \"c\", not one of"),
+    ({"o": {"unit": 3}}, {"properties": {"o": {"type": "object", "properties": {"unit": {"type": "string"}}}}},
+     r"'o.unit' is declared string, got a number 3"),
 ])
 def test_call_arguments_are_checked_against_the_declared_schema(arguments, schema, message):
     """A call's arguments were never checked against the tool's declaration: a model trained on rows calling with a

@@ -336,6 +336,10 @@ def test_parser_classifies_text_bare_calls_and_errors():
         assert parse_reply(prose).kind == "text", prose
     mid = parse_reply("Checking. call:get_steps{date:today} and recall:x")
     assert mid.kind == "call" and mid.first == ToolCall("get_steps", {"date": "today"})
+    # a bare call quoted in prose (backticks, quotes) is the answer's text: it was run as a call
+    for quoted in ("Run `call:get_steps{date:today}` to see.", 'I could "call:get_steps{}" for you.',
+                   "Say \u201ccall:get_steps{}\u201d", "call:get_steps{} or `call:get_daily_step_goal{}`"):
+        assert (parse_reply(quoted).kind, parse_reply(quoted).text) == ("text", quoted), quoted
     bare = parse_reply("call:get_steps{date:today}")  # a server that strips special tokens
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))
@@ -347,6 +351,11 @@ def test_parser_classifies_text_bare_calls_and_errors():
         assert (stripped.kind, stripped.calls, stripped.text) == (
             "call", [ToolCall("get_steps", {"date": "today"}), ToolCall("get_daily_step_goal", {})], ""), sep
     assert parse_reply("call:get_steps{date:today} then call:get_sleep{").kind == "format_error"
+    # a degenerate model's '[[[[...': RecursionError out of the parser (a traceback in evaluate and the chat)
+    for n in (65, 3000):
+        deep = parse_reply(f"<start_function_call>call:get_steps{{date:{'[' * n}{']' * n}}}<end_function_call>")
+        assert (deep.kind, deep.error.split(" at ")[0]) == ("format_error", "arguments nested more than 64 levels deep")
+    assert parse_reply(format_call("get_steps", {"date": [[[["x"]]]]})).first.arguments == {"date": [[[["x"]]]]}
     # a key given twice: which value the model meant is anyone's guess (the last was taken, and could score right)
     twice = parse_reply(format_call("get_steps", {"date": "today"}).replace("}", ",date:<escape>yesterday<escape>}"))
     assert (twice.kind, twice.calls) == ("format_error", []) and "key 'date' appears twice" in twice.error
@@ -679,6 +688,10 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
     for args in ('{"date": "today", "date": "yesterday"}', json.dumps('{"date": "a", "date": "b"}')):  # twice encoded
         twice = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": args}}]})
         assert (twice.kind, twice.error) == ("format_error", "tool_calls arguments give key 'date' twice"), args
+    for n in (64, 3000):  # nested past what json.loads reaches: RecursionError (a traceback in evaluate)
+        deep = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": json.dumps(
+            {"date": 1}).replace("1", "[" * n + "]" * n)}}]})
+        assert (deep.kind, deep.error) == ("format_error", "tool_calls arguments nested more than 64 levels deep"), n
     conv = dataset.generate(0, {"train": 1, "validation": 0, "test": 0})["train"][0]
     sent = openai_messages(conv["messages"])
     assert sent[0]["role"] == "system" and json.loads(sent[2]["tool_calls"][0]["function"]["arguments"])
@@ -1106,6 +1119,17 @@ def test_generic_tool_loop_with_another_toolset():
     assert run_tool_loop("many", calc, scripted(both), max_calls=1) == (
         "(the model asked for 2 tool calls at once, more than the 1 allowed per question; none was run)")
     assert "stopped after 1 call)" in run_tool_loop("more", calc, scripted(call, both), max_calls=2)
+    # a turn whose second call names an undeclared tool: the first was run and its result dropped without a word; the
+    # turn is refused whole before any call runs, and a later call failing says which calls of its turn ran
+    ran = []
+    counted = Toolset(calc.schemas, lambda name, arguments: ran.append(name) or add(name, arguments))
+    mixed = ParsedReply("call", [ToolCall("add", {"a": 2, "b": 3}), ToolCall("mul", {"a": 1, "b": 1})], "")
+    assert run_tool_loop("2+3 and 1*1?", counted, scripted(mixed)) == (
+        "(the model called unknown tool mul among its 2 calls of one turn; none was run)")
+    assert ran == []
+    bad = ParsedReply("call", [ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 1})], "")
+    assert run_tool_loop("2+3 and 1+?", counted, scripted(bad)) == (
+        "(the tool add failed: KeyError: 'b'; add of the same turn ran first, its result not used)")
     no_prompt = Toolset(calc.schemas, add)
     seen.clear()
     run_tool_loop("hi", no_prompt, scripted(ParsedReply("text", [], "hello")))
@@ -1295,14 +1319,21 @@ def test_chat_refuses_the_markups_control_tokens_in_a_question_and_escapes_them_
     with pytest.raises(UserError, match=f"the question: the text holds '{token}' at character {question.index(token)}"):
         Coach(loaded, device, generator=gen, trace=None).ask(question)
     assert gen.prompts == []  # refused before the model saw it
-    gen = ScriptedGenerator([format_call("get_steps", {"date": "today"}), "ok"])
+    # the model's own call argument holding one went back into the next prompt as it was (an '<end_of_turn>' closed
+    # its turn there): it is carried as the tool result is
+    gen = ScriptedGenerator([format_call("get_steps", {"date": f"c {token} d"}), "ok"])
     coach = Coach(loaded, device, generator=gen, trace=None)
-    coach.toolset = Toolset(coach.toolset.schemas, lambda name, arguments: {"note": f"a {token} b"},
-                            coach.toolset.system_prompt, coach.toolset.user_turn)
+    seen = []
+    coach.toolset = Toolset(coach.toolset.schemas, lambda name, arguments: seen.append(arguments) or {
+        "note": f"a {token} b"}, coach.toolset.system_prompt, coach.toolset.user_turn)
     assert coach.ask("steps today?") == "ok"
+    assert seen == [{"date": f"c {token} d"}]  # the tool got the arguments as the model wrote them
     second = tok.decode(gen.prompts[1])
     # the joiner is <unk> to the tiny tokenizer (a full Gemma vocabulary has it): the token is text, not markup
     assert re.search(rf"a <(\u2060|<unk>){re.escape(token[1:])} b", second), second[-200:]
+    assert re.search(rf"c <(\u2060|<unk>){re.escape(token[1:])} d", second), second[-200:]
+    turns = [tok.convert_tokens_to_ids(t) for t in ("<start_of_turn>", "<end_of_turn>")]
+    assert [gen.prompts[1].count(t) for t in turns] == [gen.prompts[0].count(t) for t in turns]  # no turn more
     # serving.chat sent them unchecked: the server's chat template and tokenizer (vLLM's, serving.launch --local's)
     # read them as markup all the same; refused in the same words, before any request
     from serving.chat import RemoteCoach
@@ -1315,12 +1346,14 @@ def test_chat_refuses_the_markups_control_tokens_in_a_question_and_escapes_them_
             RemoteCoach(url, device, model="m", trace=None, retries=0).ask(question)
         assert handler.requests == []
     handler, server = scripted({"tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "get_steps", "arguments": json.dumps({"date": "today"})}}]}, {"content": "never sent"})
+        "name": "get_steps", "arguments": json.dumps({"date": f"c {token} d"})}}]}, {"content": "never sent"})
     with server as url:
         remote = RemoteCoach(url, device, model="m", trace=None, retries=0, tools=coach.toolset)
         assert remote.ask("steps today?") == "never sent"  # the second reply: the result was sent
         result = handler.requests[1]["body"]["messages"][-1]["content"]
         assert token not in result and json.loads(result) == {"note": f"a {token[0]}\u2060{token[1:]} b"}
+        call = handler.requests[1]["body"]["messages"][-2]["tool_calls"][0]["function"]
+        assert json.loads(call["arguments"]) == {"date": f"c {token[0]}\u2060{token[1:]} d"}
 
 
 def test_serving_chat_refuses_the_reserved_tokens_a_plain_gemma_writes_the_call_markers_as():

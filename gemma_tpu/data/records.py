@@ -400,6 +400,9 @@ def check_surrogates(value: Any, where: str, path: str = "") -> None:
                         f"encodes; pair it or remove it")
 
 
+WORD_JOINER = "\u2060"  # invisible; breaks a control token written as text (`Markup.neutralise`)
+
+
 class Markup:
     """Control-token spellings that must not appear in a message's text: inside it the tokenizer reads one as the
     control token, so an answer ending in a leaked end of turn (common in generated data) trained the end of turn
@@ -444,6 +447,25 @@ class Markup:
                     stack.append((str(k), f"{at} key {str(k)!r}"))
             elif isinstance(v, list):
                 stack.extend((x, f"{at}[{i}]") for i, x in reversed(list(enumerate(v))))
+
+    def neutralise(self, text: str) -> str:
+        """`text` with each control token broken by a word joiner (U+2060, invisible) after its first character:
+        what the model or a tool wrote, carried back into the next prompt as text, not as markup (a JSON escape would
+        not do: the renderer decodes JSON values into the call syntax)."""
+        while (hit := self.search(text)) is not None:
+            at, _token = hit
+            text = f"{text[:at + 1]}{WORD_JOINER}{text[at + 1:]}"
+        return text
+
+    def neutralised(self, value: Any) -> Any:
+        """`neutralise` every string (keys too) of a JSON value, as a new value (the given one is left as it is)."""
+        if isinstance(value, str):
+            return self.neutralise(value)
+        if isinstance(value, dict):
+            return {self.neutralise(k) if isinstance(k, str) else k: self.neutralised(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.neutralised(v) for v in value]
+        return value
 
     def check(self, text: str, where: str, answer: bool = False) -> None:
         """Refuse a control token in `text`; `answer`: an assistant's, where a tool-call marker means a call

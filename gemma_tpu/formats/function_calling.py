@@ -264,40 +264,71 @@ def _same_json(a: Any, b: Any) -> bool:
     return a == b
 
 
+ARGUMENTS_SCHEMA_DEPTH = 32  # levels of nested objects and arrays `arguments_problem` walks; deeper is not checked
+
+
 def arguments_problem(parameters: Any, args: dict) -> str | None:
-    """What is wrong with a call's `args` for the declared `parameters` schema (its top level), or None. Checked only
-    where the schema declares `properties` (non-empty) and does not let others in (additionalProperties true or a
+    """What is wrong with a call's `args` for the declared `parameters` schema, or None. An object is checked only
+    where its schema declares `properties` (non-empty) and does not let others in (additionalProperties true or a
     schema, patternProperties): an argument it does not declare, a `required` one missing, a value whose JSON type
-    contradicts the declared `type`, one outside an `enum`. A null value is an argument not given (as the fitness
-    tools and evaluate's arguments_match read it): not type-checked. Nested schemas are not walked."""
+    contradicts the declared `type`, one outside an `enum`. The same at every depth (to ARGUMENTS_SCHEMA_DEPTH): an
+    object argument's `properties`, an array's `items` (one schema for all, or a list by position), the problem
+    naming its path (`'sets[2].reps'`); only the top level was checked, so a row calling with `{"sets": [{"rep":
+    5}]}` for a declared `reps` trained. A null value is an argument not given (as the fitness tools and evaluate's
+    arguments_match read it): not type-checked. Unions (anyOf/oneOf/allOf) are not walked."""
     if not isinstance(parameters, dict):
         return None
-    props = parameters.get("properties")
+    return _object_problem(parameters, args, "", 0)
+
+
+def _object_problem(schema: dict, obj: dict, at: str, depth: int) -> str | None:
+    """`arguments_problem` of the object `obj` at path `at` ('' for the arguments themselves)."""
+    props = schema.get("properties")
     if not isinstance(props, dict) or not props:
         return None
-    extra_allowed = parameters.get("additionalProperties") is True or isinstance(
-        parameters.get("additionalProperties"), dict) or bool(parameters.get("patternProperties"))
-    names = ", ".join(map(str, props))
-    for key in args:
+    extra_allowed = schema.get("additionalProperties") is True or isinstance(
+        schema.get("additionalProperties"), dict) or bool(schema.get("patternProperties"))
+    what, names = ("parameter", "parameters") if not at else ("property", "properties"), ", ".join(map(str, props))
+    for key in obj:
         if key not in props and not extra_allowed:
-            return f"{shown(key)} is not a declared parameter (parameters: {names})"
-    required = parameters.get("required")
+            return f"{shown(at + str(key))} is not a declared {what[0]} ({what[1]}: {names})"
+    required = schema.get("required")
     for key in required if isinstance(required, list) else []:
-        if key not in args:
-            return f"the required parameter {shown(key)} is missing"
-    for key, value in args.items():
+        if key not in obj:
+            return f"the required {what[0]} {shown(at + str(key))} is missing"
+    for key, value in obj.items():
         sub = props.get(key)
-        if value is None or not isinstance(sub, dict):
-            continue
-        declared = sub.get("type")
-        types = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
-        if types and not any(_json_type_matches(value, t) for t in types if isinstance(t, str)):
-            return (f"{shown(key)} is declared {' or '.join(map(str, types))}, got {_json_kind(value)} "
-                    f"{_json_text(value)}")
-        enum = sub.get("enum")
-        if isinstance(enum, list) and not any(_same_json(value, e) for e in enum):
-            return (f"{shown(key)} is {_json_text(value)}, not one of its enum "
-                    f"({', '.join(map(_json_text, enum))[:200]})")
+        if isinstance(sub, dict):
+            problem = _value_problem(sub, value, at + str(key), depth)
+            if problem:
+                return problem
+    return None
+
+
+def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
+    """The problem of one argument `value` (path `at`) with its schema `sub`: its type, its enum, then inside it."""
+    if value is None:
+        return None
+    declared = sub.get("type")
+    types = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
+    if types and not any(_json_type_matches(value, t) for t in types if isinstance(t, str)):
+        return (f"{shown(at)} is declared {' or '.join(map(str, types))}, got {_json_kind(value)} "
+                f"{_json_text(value)}")
+    enum = sub.get("enum")
+    if isinstance(enum, list) and not any(_same_json(value, e) for e in enum):
+        return f"{shown(at)} is {_json_text(value)}, not one of its enum ({', '.join(map(_json_text, enum))[:200]})"
+    if depth >= ARGUMENTS_SCHEMA_DEPTH:
+        return None
+    if isinstance(value, dict):
+        return _object_problem(sub, value, f"{at}.", depth + 1)
+    if isinstance(value, list):
+        items = sub.get("items")
+        for k, v in enumerate(value):
+            item = items if isinstance(items, dict) else items[k] if isinstance(items, list) and k < len(
+                items) else None
+            problem = _value_problem(item, v, f"{at}[{k}]", depth + 1) if isinstance(item, dict) else None
+            if problem:
+                return problem
     return None
 
 
@@ -349,12 +380,12 @@ def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, re.Match] | No
     return None
 
 
-def _depth(value: Any) -> int:
+def json_depth(value: Any) -> int:
     """How deeply objects and arrays nest in a JSON value (a scalar: 0)."""
     if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
+        return 1 + max(map(json_depth, value.values()), default=0)
     if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
+        return 1 + max(map(json_depth, value), default=0)
     return 0
 
 
@@ -371,7 +402,7 @@ def format_response(name: str, content: str) -> str:
         if isinstance(content, str) and len(content) > JSON_RESULT_LIMIT:
             raise TypeError("too long to be read as JSON (as the chat template reads it)")
         value = json.loads(content, parse_int=_json_int)
-        if _depth(value) > JSON_RESULT_MAX_DEPTH:
+        if json_depth(value) > JSON_RESULT_MAX_DEPTH:
             raise TypeError("nested too deeply to be read as JSON (as the chat template reads it)")
         if LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)):
             raise TypeError("escapes a lone UTF-16 surrogate, which no tokenizer encodes: kept as the text")
@@ -389,6 +420,7 @@ _NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")  # OpenAI tool names may start with 
 # Text that looks like an attempt at a call even without the start marker.
 # A word after `call:` is a call's name only when a brace (or the end of the text: a call cut short) follows it:
 # "Give me a call:tomorrow works" is an answer, not a malformed call.
+_QUOTES = frozenset("`\"'\u2018\u201c")  # before a bare call: a quote of the syntax in prose, not a call
 _CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z0-9_][\w.\-]*\s*(?:\{|$)|<end_function_call>|<start_function_call>")
 
 
@@ -462,7 +494,14 @@ class _Reader:
     """Recursive-descent reader of one FunctionGemma value."""
 
     def __init__(self, text: str, pos: int):
-        self.s, self.i = text, pos
+        self.s, self.i, self.depth = text, pos, 0
+
+    def _enter(self) -> None:
+        """One more level of objects and arrays; past JSON_RESULT_MAX_DEPTH a syntax error (a degenerate model's
+        '[[[[...' raised RecursionError out of parse_reply: a traceback in evaluate and the chat)."""
+        self.depth += 1
+        if self.depth > JSON_RESULT_MAX_DEPTH:
+            raise self._fail(f"arguments nested more than {JSON_RESULT_MAX_DEPTH} levels deep")
 
     def _ws(self) -> None:
         while self.i < len(self.s) and self.s[self.i] in " \t\r\n":
@@ -520,11 +559,13 @@ class _Reader:
 
     def obj(self) -> dict[str, Any]:
         assert self.s[self.i] == "{"
+        self._enter()
         self.i += 1
         out: dict[str, Any] = {}
         self._ws()
         if self.i < len(self.s) and self.s[self.i] == "}":
             self.i += 1
+            self.depth -= 1
             return out
         while True:
             self._ws()
@@ -550,16 +591,19 @@ class _Reader:
                 continue
             if self.s[self.i] == "}":
                 self.i += 1
+                self.depth -= 1
                 return out
             raise self._fail("expected ',' or '}'")
 
     def array(self) -> list[Any]:
         assert self.s[self.i] == "["
+        self._enter()
         self.i += 1
         out: list[Any] = []
         self._ws()
         if self.i < len(self.s) and self.s[self.i] == "]":
             self.i += 1
+            self.depth -= 1
             return out
         while True:
             out.append(self.value(",]"))
@@ -571,6 +615,7 @@ class _Reader:
                 continue
             if self.s[self.i] == "]":
                 self.i += 1
+                self.depth -= 1
                 return out
             raise self._fail("expected ',' or ']'")
 
@@ -607,12 +652,15 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
                 rest = text[pos:]
                 # no start marker (stripped by a server, or forgotten): the bare form, every call of it (a server
                 # that strips special tokens turns parallel calls into `call:a{...}call:b{...}`: the second was text)
-                bare = not calls
+                bare, whole = not calls, rest
                 while bare and _CALL_HINT.search(rest):
                     m = _CALL_HINT.search(rest)
                     m = re.compile(r"call:").search(rest, m.start()) if m else None
                     if m is None:
                         raise CallSyntaxError("a call marker without 'call:NAME{...}'")
+                    if rest[m.start() - 1:m.start()] in _QUOTES:  # prose quoting the syntax: "run `call:x{}` to see"
+                        calls, outside, rest = [], [], whole  # (was run as a call); other prose around a bare call is
+                        break  # the price of accepting calls a server stripped the markers of
                     call, end = parse_call_body(rest, m.start())
                     calls.append(call)
                     outside.append(rest[:m.start()])

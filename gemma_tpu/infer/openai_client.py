@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import (
+    JSON_RESULT_MAX_DEPTH,
     START_RESPONSE,
     ParsedReply,
     ToolCall,
     cut_short,
     handed_over,
+    json_depth,
     parse_reply,
     plain_gemma_token_map,
 )
@@ -291,7 +293,9 @@ def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0
 def openai_messages(messages: list[dict]) -> list[dict]:
     """Our normalised messages in OpenAI's shape (developer turns sent as system: more servers know it).
     Calls get ids `call_<message>_<k>`; each tool result names the call of the latest assistant turn it
-    answers: the first unanswered one of its name, else the first unanswered one (results in order)."""
+    answers: the first unanswered one of its name, else the first unanswered one (results in order). A result with no
+    call left to answer is refused (UserError): it was sent with the id `call_<i-1>_0`, which named no call (the data
+    reader refuses such rows, `normalise_messages`; this is the one home of the ids, so it refuses them too)."""
     out = []
     open_calls: list[tuple[str, str]] = []  # (id, name) of the latest turn's calls still without a result
     for i, m in enumerate(messages):
@@ -306,7 +310,10 @@ def openai_messages(messages: list[dict]) -> list[dict]:
             open_calls = [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
         if role == "tool":
             k = next((k for k, (_, name) in enumerate(open_calls) if name == m.get("name")), 0)
-            msg["tool_call_id"] = open_calls.pop(k)[0] if open_calls else f"call_{i - 1}_0"
+            if not open_calls:  # an id no call was issued with: a strict server refuses the request (HTTP 400)
+                raise UserError(f"messages[{i}]: a tool result with no call of the preceding assistant turn left to "
+                                f"answer (each result answers one call)")
+            msg["tool_call_id"] = open_calls.pop(k)[0]
             if m.get("name"):
                 msg["name"] = m["name"]
         out.append(msg)
@@ -340,7 +347,10 @@ def _once(pairs: list[tuple[str, Any]]) -> dict:
 def reply_from_message(message: dict) -> ParsedReply:
     """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content. Arguments
     encoded twice (a JSON string holding the JSON object, as some servers' parsers and models write them) are
-    read as that object: the call is unambiguous, and a format error would score a serialisation quirk as a miss."""
+    read as that object: the call is unambiguous, and a format error would score a serialisation quirk as a miss.
+    Arguments null, "" or "null" are a call without arguments: OpenAI always sends a JSON string, and these are what a
+    server's tool parser writes for a call the model gave no arguments (a required one missing is the tool's to refuse,
+    `arguments_problem`), not a malformed call."""
     calls = []
     for tc in message.get("tool_calls") or []:
         fn = tc.get("function") or {}
@@ -350,6 +360,12 @@ def reply_from_message(message: dict) -> ParsedReply:
             if isinstance(args, str) and args.strip().startswith("{"):
                 args = json.loads(args, object_pairs_hook=_once)
             args = {} if args is None else args  # "null" (json.dumps of none given): no arguments, as null is
+            if json_depth(args) > JSON_RESULT_MAX_DEPTH:  # as the FunctionGemma text's parser refuses it
+                return ParsedReply("format_error", [], str(raw)[:200], f"tool_calls arguments nested more than "
+                                                                       f"{JSON_RESULT_MAX_DEPTH} levels deep")
+        except RecursionError:  # nested past what json.loads (or the depth count) reaches: a traceback in evaluate
+            return ParsedReply("format_error", [], str(raw)[:200], f"tool_calls arguments nested more than "
+                                                                   f"{JSON_RESULT_MAX_DEPTH} levels deep")
         except json.JSONDecodeError:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
         except _KeyTwice as e:  # as the FunctionGemma text's parser refuses it (which value was meant is a guess)

@@ -5,7 +5,8 @@ The model side is a callable, so the same loop drives a local `Generator` (the f
 `Toolset`: the declarations sent with each request, a runner, the system prompt and what each user turn
 carries besides the question. Every call of a turn is run, in order ("steps yesterday and today?" is two
 calls), and their results answer them in one turn, as the chat template renders parallel calls. A malformed call, an unknown tool, wrong arguments or a tool that raises (its service
-down, say) are reported in the returned text, not raised, so a chat session goes on.
+down, say) are reported in the returned text, not raised, so a chat session goes on. A turn of several calls naming a
+tool the declarations do not is refused whole before any runs; a later call failing says which calls of its turn ran.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def first_messages(question: str, toolset: Toolset) -> list[dict]:
     return messages
 
 
+def declared_names(schemas: list[dict]) -> set[str]:
+    """The tool names `schemas` declares (OpenAI's `{"type": "function", "function": {...}}` or a flat declaration)."""
+    names = set()
+    for t in schemas or []:
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.add(fn["name"])
+    return names
+
+
 def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max_calls: int = MAX_CALLS,
                   log: Callable[[str], None] | None = None) -> str:
     """Answer one question; each tool call is traced through `log` (`-> name(arg=...) = {...}`)."""
@@ -66,18 +77,25 @@ def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max
                 return (f"(the model asked for {len(reply.calls)} tool calls at once, more than the {max_calls} "
                         f"allowed per question; none was run)")
             return f"(the model kept calling tools; stopped after {made} call{'s' if made != 1 else ''})"
+        declared = declared_names(toolset.schemas)
+        unknown = [c.name for c in reply.calls if declared and c.name not in declared]
+        if unknown and len(reply.calls) > 1:  # refused whole, before any runs: not half the turn done, unanswered
+            return (f"(the model called unknown tool {unknown[0]} among its {len(reply.calls)} calls of one turn; "
+                    f"none was run)")
         results = []
-        for call in reply.calls:
+        for i, call in enumerate(reply.calls):
             shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+            ran = ("; " + ", ".join(c.name for c in reply.calls[:i]) + f" of the same turn ran first, "
+                   f"{'its result' if i == 1 else 'their results'} not used") if i else ""
             try:
                 result = toolset.call(call.name, call.arguments)
             except ToolCallError as e:
                 log(f"-> {call.name}({shown}): {e}")
-                return f"({e})"
+                return f"({e}{ran})"
             except Exception as e:  # noqa: BLE001 - a failing tool (service down, a bug) ends the question, not the chat
                 what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 log(f"-> {call.name}({shown}) failed: {what}")
-                return f"(the tool {call.name} failed: {what[:200]})"
+                return f"(the tool {call.name} failed: {what[:200]}{ran})"
             log(f"-> {call.name}({shown}) = {result_json(result)}")
             results.append({"role": "tool", "name": call.name, "content": result_json(result)})
         made += len(reply.calls)

@@ -16,7 +16,7 @@ import logging
 import re
 import sys
 import unicodedata
-from typing import Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 from gemma_tpu.core import cli
 from gemma_tpu.core.config import DataConfig
@@ -142,23 +142,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return chat_repl(coach.ask, "")
 
 
-WORD_JOINER = "\u2060"
-
-
 def check_tool_results(markup: Markup, messages: list[dict]) -> None:
-    """A tool's result holding the chat markup's own control tokens carries them broken by a word joiner (U+2060,
-    invisible) after their first character: rendered into the prompt as written, the tokenizer reads them as markup.
-    (A JSON escape would not do: the renderer decodes the result's JSON into the call-response syntax.) Such text is
-    mostly the model's own argument repeated in an error ("unrecognised date '<start_of_turn>'"): it was refused as
-    "...; remove it", ending the question with advice to the user, who never wrote it. The question itself is still
-    refused (`Coach.ask`)."""
+    """What the model and the tools wrote, carried back into the next prompt, holding the chat markup's own control
+    tokens carries them broken by a word joiner (`Markup.neutralise`): rendered as written, the tokenizer reads them
+    as markup. A tool result's (mostly the model's own argument repeated in an error: "unrecognised date
+    '<start_of_turn>'") was refused as "...; remove it", ending the question with advice to the user, who never
+    wrote it; the model's call arguments (and the text beside its calls) went back as they were, so an argument
+    holding '<end_of_turn>' closed the model's turn in the next prompt. The question itself is still refused
+    (`Coach.ask`)."""
     for m in messages:
         if m["role"] == "tool" and isinstance(m.get("content"), str):
-            text = m["content"]
-            while (hit := markup.search(text)) is not None:
-                at, token = hit
-                text = f"{text[:at + 1]}{WORD_JOINER}{text[at + 1:]}"
-            m["content"] = text
+            m["content"] = markup.neutralise(m["content"])
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            if isinstance(m.get("content"), str):
+                m["content"] = markup.neutralise(m["content"])
+            m["tool_calls"] = [_neutralised_call(markup, c) for c in m["tool_calls"]]
+
+
+def _neutralised_call(markup: Markup, call: Any) -> Any:
+    """One call of an assistant turn, normalised (`{"name", "arguments"}`) or in OpenAI's shape (`{"function":
+    {...}}`), its arguments (an object, or its JSON text) neutralised: a new dict, the tool's own left as they are."""
+    if not isinstance(call, dict):
+        return call
+    if isinstance(call.get("function"), dict):
+        return {**call, "function": _neutralised_call(markup, call["function"])}
+    if "arguments" not in call:
+        return call
+    return {**call, "arguments": markup.neutralised(call["arguments"])}
 
 
 def question_text(raw: str) -> str:
