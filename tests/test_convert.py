@@ -1469,3 +1469,21 @@ def test_a_training_checkpoint_given_for_a_model_says_to_merge_it(tmp_path, caps
     assert cli_main(verify, [str(other), str(ckpt)]) == 2
     assert capsys.readouterr().err.strip() == (f"error: {other / 'config.json'}: missing (not a Hugging Face model "
                                                f"directory)")
+
+
+def test_a_peft_adapter_given_for_a_model_names_its_base(tmp_path, capsys):
+    """`export_gguf --merged adapters/x` (or merge --base, serving's model.dir) given convert.export_peft's output said
+    only "config.json: missing (not a Hugging Face model directory)"; it now says it is an adapter and names the
+    base its adapter_config.json records. Nothing is written."""
+    from convert.export_gguf import main as export_gguf
+    from gemma_tpu.core.cli import cli_main
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/m/g3"}))
+    out = tmp_path / "x.gguf"
+    assert cli_main(export_gguf, ["--merged", str(adapter), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {adapter / 'config.json'}: missing ({adapter} is a PEFT adapter, not a whole model: give "
+                   "its base /m/g3, or a merged directory from python -m convert.merge_orbax)"], err
+    assert not out.exists()

@@ -4,12 +4,14 @@ config.json, its weight index and its hub revision."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 from pathlib import Path
 
 from gemma_tpu.assets import embedded as assets
 from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.hf.adapter import ADAPTER_CONFIG
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -99,6 +101,14 @@ def training_run_hint(model_dir: Path) -> str:
         if (ckpt / RUN_RECORD).is_file():
             return (f"{ckpt} is a gemma-tpu training checkpoint, not a Hugging Face model directory: merge it first, "
                     f"python -m convert.merge_orbax --checkpoint {ckpt} --out DIR")
+    if (model_dir / ADAPTER_CONFIG).is_file():  # an export_peft output given for a model (merge --base, gguf --merged)
+        try:
+            base = json.loads((model_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        base = f"its base {base}" if isinstance(base, str) and base else "its base"
+        return (f"{model_dir} is a PEFT adapter, not a whole model: give {base}, or a merged directory from "
+                "python -m convert.merge_orbax")
     return "not a Hugging Face model directory"
 
 
