@@ -653,6 +653,12 @@ def test_config_json_for_prefers_local_dir_then_cache(g4, monkeypatch, tmp_path)
     with pytest.raises(UserError, match="no preset") as e:
         config_json_for("google/gemma-9-nope")
     assert "google/gemma-4-31b-it" in str(e.value) and "\n" not in str(e.value)
+    # a hub id of another family: what to do, without claiming the id is supported (it said only 'no preset')
+    with pytest.raises(UserError, match=r"^meta-llama/Llama-3\.1-8B: no local directory, no cached config\.json and "
+                                        r"no preset, so its architecture is unknown offline: fetch its config\.json "
+                                        r"\(`hf download meta-llama/Llama-3\.1-8B config\.json` puts it in the Hugging "
+                                        r"Face cache read here\) or give the path of a local directory holding it"):
+        config_json_for("meta-llama/Llama-3.1-8B")
     with pytest.raises(UserError, match="no such directory"):
         config_json_for(str(tmp_path / "missing" / "dir"))
 

@@ -93,6 +93,24 @@ def test_tiny_plan_sharded_by_the_rules(tiny_dir):
     assert p.term("activations").bytes == plan(tiny_dir, "mesh.fsdp=1").term("activations").bytes
 
 
+def test_kv_heads_that_tp_does_not_divide_are_replicated_and_counted(tiny_dir):
+    """2 KV heads on tp=4 (a Gemma 4 E4B or 26B-A4B at tp=4) were refused ('layers.0.attn.kv_einsum.w: dimension 1
+    (size 2, config.json num_key_value_heads) cannot be split over mesh.tp=4'); vLLM and MaxText copy the KV heads
+    to every tp shard instead. The plan counts the K/V projection, its LoRA factors and their Adam state whole on
+    each tp shard (split over fsdp=2 only), every other weight split 8 ways, and says so in a note."""
+    p = plan(tiny_dir, "mesh.fsdp=2", "mesh.tp=4", devices=8)
+    assert p.mesh == {"data": 1, "fsdp": 2, "tp": 4}
+    assert p.term("base params").bytes == 4 * (V * D / 8 + D + L * ((N * D * H + N * H * D + 3 * D * F) / 8
+                                                                    + 2 * K * D * H / 2 + NORMS))
+    # A of q/kv/gate/up and B of o/down follow fsdp on D; B of q/gate/up and A of o/down follow tp; kv's B is
+    # replicated over tp and so split over fsdp (lora.factor_spec)
+    lora = L * (4 * D * R / 2 + 2 * R * D / 2 + (R * N * H + N * H * R + 2 * R * F + F * R) / 4 + R * 2 * K * H / 2)
+    assert p.term("LoRA params").bytes == 4 * lora
+    assert p.term("optimizer state").bytes == 2 * 4 * lora
+    assert any(n.startswith("mesh.tp=4 does not divide config.json num_key_value_heads=2: ") for n in p.notes), p.notes
+    assert not any("num_key_value_heads" in n for n in plan(tiny_dir, "mesh.fsdp=4", "mesh.tp=2", devices=8).notes)
+
+
 def test_remat_and_accumulation_and_qlora_change_the_right_terms(tiny_dir):
     none = plan(tiny_dir, "mesh.fsdp=1")
     block = plan(tiny_dir, "mesh.fsdp=1", "train.remat=block")

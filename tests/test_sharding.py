@@ -97,13 +97,14 @@ def specs(tiny_dir, tiny_gemma4_dir, tmp_path_factory):
     k_eq_v = write_tiny_gemma4(tmp_path_factory.mktemp("g4kv1") / "g4", seed=0, variant="dense",
                                num_global_key_value_heads=1)
     proc = subprocess.run([sys.executable, "-m", "tests.sharding_specs", str(tiny_dir), str(tiny_gemma4_dir),
-                           f"{k_eq_v}@fsdp4_tp2"], cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, **EIGHT})
+                           f"{k_eq_v}@fsdp4_tp2", f"{tiny_dir}@fsdp2_tp4", f"{tiny_gemma4_dir}@fsdp2_tp4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **EIGHT})
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     results = json.loads(line[len("RESULT "):])
     return {"k_eq_v": {k: r for k, r in results.items() if k.startswith(f"{k_eq_v}|")},
-            "tiny": {k: r for k, r in results.items() if not k.startswith(f"{k_eq_v}|")}}
+            "tp4": {k: r for k, r in results.items() if "|fsdp2_tp4|" in k},
+            "tiny": {k: r for k, r in results.items() if not k.startswith(f"{k_eq_v}|") and "|fsdp2_tp4|" not in k}}
 
 
 @pytest.mark.xdist_group("sharding_specs")  # with the K=V test below: one worker, one run of the fixture
@@ -207,10 +208,7 @@ def test_indivisible_axis_names_the_mesh_keys():
     ("gemma4", "embedder.per_layer_input_embedding", ("tp", None, "fsdp"), (262_144, 35, 250),
      "hidden_size_per_layer_input"),
     ("gemma4", "layers.3.per_layer_input_gate.w", ("fsdp", "tp"), (1536, 250), "hidden_size_per_layer_input"),
-    # K and V fused: num_key_value_heads in every layer; K alone (a K=V model's global layers, the 26B-A4B's 2 heads
-    # at tp=4 × fsdp=2): num_global_key_value_heads
-    ("gemma4", "layers.4.attn.kv_einsum.w", (None, "tp", "fsdp", None), (2, 3, 1536, 256), "num_key_value_heads"),
-    ("gemma4", "layers.5.attn.k_einsum.w", ("tp", "fsdp", None), (2, 2816, 512), "num_global_key_value_heads"),
+    # (KV heads are replicated instead: test_kv_head_dims_are_replicated_where_tp_does_not_divide_them)
     ("gemma3", "layers.0.attn.q_einsum.w", ("tp", "fsdp", None), (4, 640, 256), "num_attention_heads"),
     ("gemma3", "layers.0.mlp.down_proj.kernel", ("tp", "fsdp"), (2050, 640), "intermediate_size"),
     # a mixture of experts' (the table had none: a refusal named no field)
@@ -232,6 +230,32 @@ def test_indivisible_axis_names_the_config_field(family, path, spec, shape, fiel
     with pytest.raises(UserError, match=rf"^{re.escape(path)}: dimension \d \(size \d+, config\.json "
                                         rf"{re.escape(field)}\) cannot be split over mesh\.\w+=8; choose"):
         resolve(spec, shape, {"fsdp": 8, "tp": 8}, path, config_fields(fam, path))
+
+
+@pytest.mark.parametrize("family, path, spec, shape, field, placed", [
+    # K and V fused: num_key_value_heads in every layer; K alone (a K=V model's global layers, the 26B-A4B's 2 heads
+    # at tp=4 × fsdp=2): num_global_key_value_heads
+    ("gemma4", "layers.4.attn.kv_einsum.w", (None, "tp", "fsdp", None), (2, 3, 1536, 256), "num_key_value_heads",
+     (None, None, "fsdp")),
+    ("gemma4", "layers.5.attn.k_einsum.w", ("tp", "fsdp", None), (2, 2816, 512), "num_global_key_value_heads",
+     (None, "fsdp")),
+    ("gemma3", "layers.0.attn.kv_einsum.w", (None, "tp", "fsdp", None), (2, 2, 640, 256), "num_key_value_heads",
+     (None, None, "fsdp")),
+])
+def test_kv_head_dims_are_replicated_where_tp_does_not_divide_them(family, path, spec, shape, field, placed):
+    """A KV-head dimension that tp does not divide was refused ('... (size 2, config.json num_key_value_heads)
+    cannot be split over mesh.tp=8'): it is replicated over tp (registry.REPLICATED_WHEN_INDIVISIBLE), the other
+    axes kept; the registry still names its field."""
+    from gemma_tpu.models.registry import get_family
+    from gemma_tpu.train.partition import base_spec, config_fields, replicated_dims, resolve
+
+    fam = get_family(family)
+    assert base_spec(fam, path) == spec and config_fields(fam, path)[spec.index("tp")] == field
+    sizes = {"fsdp": 8, "tp": 8}
+    assert resolve(spec, shape, sizes, path, config_fields(fam, path)) == placed
+    assert list(replicated_dims(spec, shape, sizes, config_fields(fam, path)).values()) == [field]
+    assert resolve(spec, shape, {"fsdp": 8, "tp": shape[spec.index("tp")]}, path, config_fields(fam, path))[:2] == (
+        spec[:2])  # where tp divides them, they are split as before
 
 
 @pytest.mark.parametrize("path, shape, dim, field", [
@@ -305,3 +329,47 @@ def test_untuned_gemm_flag_warns_on_gpu_only():
     assert untuned_gemm_warning("gpu", "--xla_gpu_autotune_level=4 --xla_gpu_autotune_level=0")
     assert untuned_gemm_warning("cpu", "--xla_gpu_autotune_level=0") is None
     assert untuned_gemm_warning("gpu", "--xla_force_host_platform_device_count=8") is None
+
+
+@pytest.mark.xdist_group("sharding_specs")
+def test_kv_heads_that_tp_does_not_divide_are_replicated_over_tp(specs):
+    """2 KV heads on fsdp=2 × tp=4 (the tiny Gemma 3, and the tiny Gemma 4 whose K=V global layers have 2 heads of
+    their own): refused before, as Tunix annotates the head axis 'tp' whatever its count. The K/V projections
+    (kv_einsum, and Gemma 4's K-only k_einsum) are replicated over tp, split over fsdp on D; queries stay split
+    over tp; LoRA factors and Adam state placed as the rules say."""
+    results = specs["tp4"]
+    assert len(results) == 2
+    for key, r in results.items():
+        assert not r["mismatches"], (key, r["mismatches"][:10])
+        assert r["lora"] > 0 and r["opt_checked"] == 2 * r["lora"], (key, r)
+        attn = r["attn"]
+        assert attn["layers.0.attn.q_einsum.w"] == ["tp", "fsdp"], key
+        assert attn["layers.0.attn.kv_einsum.w"] == [None, None, "fsdp"], key
+        assert attn["layers.0.attn.kv_einsum.w_lora_b"] == [None, "fsdp"], key  # no tp: split over fsdp instead
+        if "gemma4" in key:
+            assert attn["layers.1.attn.k_einsum.w"] == [None, "fsdp"], key
+
+
+def test_kv_heads_replicated_over_tp_give_the_tp1_loss_and_lora_gradients(tiny_dir):
+    """The tiny Gemma 3's 2 KV heads on fsdp=2 × tp=4 (K/V replicated over tp, queries split): the loss and every
+    LoRA factor's gradient (B random, so A's are not zero) equal one device's within float32 summation noise."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding_specs", "--grads", f"{tiny_dir}@1x1x1",
+                           f"{tiny_dir}@fsdp2_tp4"], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **EIGHT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    one, tp4 = json.loads(line[len("RESULT "):]).values()
+    assert abs(one["loss"] - tp4["loss"]) < 1e-5, (one["loss"], tp4["loss"])
+    assert one["grads"].keys() == tp4["grads"].keys() and len(one["grads"]) == 2 * 2 * 6  # 2 layers, q kv o g u d
+    scale = max(np.abs(g).max() for g in one["grads"].values())
+    assert 0.1 < scale < 10
+    for k, g in one["grads"].items():
+        np.testing.assert_allclose(tp4["grads"][k], g, rtol=0, atol=1e-5 * scale, err_msg=k)

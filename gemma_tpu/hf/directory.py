@@ -196,5 +196,9 @@ def config_json_for(model_path: str) -> dict:
         if preset.is_file():
             return read_json_object(preset, f"{preset}: unreadable")
         known = ", ".join(sorted(p.stem.replace("--", "/") for p in PRESETS_DIR.glob("*.json")))
-        raise UserError(f"{spec}: no local directory, no cached config.json and no preset (presets: {known})")
+        # the family (or whether one of ours covers it at all) is in config.json, which is not on this machine
+        raise UserError(f"{spec}: no local directory, no cached config.json and no preset, so its architecture is "
+                        f"unknown offline: fetch its config.json (`hf download {spec} config.json` puts it in the "
+                        f"Hugging Face cache read here) or give the path of a local directory holding it (presets: "
+                        f"{known})")
     raise UserError(f"{spec}: no such directory")

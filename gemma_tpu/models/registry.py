@@ -203,6 +203,14 @@ def read_layout(hf_config: dict, family: "Family | None" = None) -> Layout:
     return Layout(*(int(t[k]) for k in keys), **extra)
 
 
+# config.json fields whose dimension is replicated, not refused, where the mesh axes on it do not divide it: the KV
+# heads (a Gemma 4 E4B's 2, or 26B-A4B's, at tp=4). Queries stay split over tp and each tp shard holds every K and V
+# head, as vLLM and MaxText copy KV heads over a tensor-parallel size above their count; the cost is the K/V
+# projections (and their LoRA factors and optimizer state) whole on each tp shard, which the planner counts
+# (`gemma_tpu.train.partition.resolve`, `sharded_weights.replicate_indivisible`).
+REPLICATED_WHEN_INDIVISIBLE = frozenset({"num_key_value_heads", "num_global_key_value_heads"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """Everything that differs between model families, as data plus a few small functions."""
@@ -275,6 +283,14 @@ class Family:
     # keys transformers derives (Gemma 3's `layer_types` from `sliding_window_pattern`) filled in.
     # None: the text config as written.
     hf_text_config: Callable[[dict], dict] | None = None
+
+    def dim_fields(self, path: str) -> tuple[str | None, ...]:
+        """The config.json field behind each dimension of the (base, unquantized) weight `path` ('layers.3.attn.
+        kv_einsum.w'), from `partition_dims`; () where the registry does not say."""
+        for pattern, fields in self.partition_dims:
+            if re.fullmatch(pattern, path):
+                return fields
+        return ()
 
     def create_model(self, file_dir: str, cfg: Any, mesh=None, dtype=None):
         """The Tunix model of `cfg` with the weights of `file_dir`, each read straight into its shard."""

@@ -35,7 +35,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.core.tracing import cheap_tracer_attribute_errors
 from gemma_tpu.hf.safetensors_io import WeightsDir, is_computed_buffer
-from gemma_tpu.models.registry import Family, Projection
+from gemma_tpu.models.registry import REPLICATED_WHEN_INDIVISIBLE, Family, Projection
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +167,44 @@ def _warn_unread(model_dir, family: Family, prefix: str, names, used: set[str]) 
                     "them" if len(unread) > 1 else "it")
 
 
+def replicate_indivisible(model, family: Family, mesh_sizes: dict[str, int]):
+    """The model, each weight's sharding annotation without the mesh axes on a dimension that they do not divide
+    and whose config.json field (`Family.dim_fields`) is in `REPLICATED_WHEN_INDIVISIBLE` (KV heads: Tunix
+    annotates them 'tp' whatever their count; 2 KV heads at tp=4 failed to place). The LoRA factors Qwix adds
+    and the optimizer state inherit the annotation; `gemma_tpu.train.partition.resolve` places them so."""
+    from flax import nnx
+
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        spec = var.get_metadata().get("out_sharding")
+        shape = getattr(var.get_value(), "shape", None)
+        fields = family.dim_fields(".".join(str(p) for p in path))
+        if not spec or shape is None or len(spec) != len(shape) or not fields:
+            continue
+        def split(entry) -> int:
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            return math.prod(mesh_sizes.get(a, 1) for a in axes)
+
+        fitted = tuple(None if d < len(fields) and fields[d] in REPLICATED_WHEN_INDIVISIBLE and size % split(e)
+                       else e for d, (size, e) in enumerate(zip(shape, spec)))
+        if fitted != tuple(spec):
+            var.set_metadata(out_sharding=fitted)
+    return model
+
+
 def _abstract_state(family: Family, cfg: Any, mesh=None):
     """(graph def, abstract state) of `family.model_class()(cfg)`: shapes, dtypes, shardings, no memory."""
     from flax import nnx
     from tunix.utils import compat
 
+    def build():
+        model = family.model_class()(cfg, rngs=nnx.Rngs(params=0))
+        return model if mesh is None else replicate_indivisible(model, family, dict(mesh.shape))
+
     ctx = compat.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     with ctx, cheap_tracer_attribute_errors():
-        abstract = nnx.eval_shape(lambda: family.model_class()(cfg, rngs=nnx.Rngs(params=0)))
+        abstract = nnx.eval_shape(build)
     return nnx.split(abstract)
 
 

@@ -18,8 +18,10 @@ Derived rules, never written out per family:
 * optimizer state (Adam's mu and nu, the accumulated gradient of gradient accumulation) has the spec
   of the parameter it belongs to;
 * RMSNorm scales are replicated (`TUNIX_WEIGHTS` makes Tunix's annotation agree);
-* a dimension of size 1 is never split (Tunix itself replicates a single KV head); any other
-  dimension that a named axis does not divide is an error, raised before anything is loaded.
+* a dimension of size 1 is never split (Tunix itself replicates a single KV head); a KV-head dimension
+  that its axes do not divide (2 KV heads at tp=4) is replicated, queries still split, as vLLM and MaxText
+  do (`registry.REPLICATED_WHEN_INDIVISIBLE`; `sharded_weights.replicate_indivisible` annotates the model so);
+  any other dimension that a named axis does not divide is an error, raised before anything is loaded.
 
 Activations: Tunix constrains them to ('fsdp', None, 'tp'), which on a mesh with a data axis
 would re-gather every data-parallel batch shard (each data replica recomputing its neighbours'
@@ -37,6 +39,7 @@ import re
 from typing import Any, Iterable, Sequence
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.models.registry import REPLICATED_WHEN_INDIVISIBLE
 from gemma_tpu.train.mesh import BATCH_AXES
 
 Axis = str | tuple[str, ...] | None
@@ -79,10 +82,7 @@ def config_fields(family, path: str, tunix_cfg=None) -> tuple[str | None, ...]:
             return ()
         fields = config_fields(family, m.group("base"), tunix_cfg)
         return _factor_dims(proj, dict(zip(proj.axes, _pad(fields, len(proj.axes)))), m.group("ab"))
-    for pattern, fields in family.partition_dims:
-        if re.fullmatch(pattern, path):
-            return fields
-    return ()
+    return family.dim_fields(path)
 
 
 def _factor_dims(proj, by_axis: dict, ab: str) -> tuple:
@@ -143,6 +143,9 @@ def resolve(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int], path: 
             out.append(None)
             continue
         n = math.prod(mesh_sizes[a] for a in names)
+        if size % n and (size, dim) in replicated_dims(spec, shape, mesh_sizes, fields):
+            out.append(None)  # KV heads: every tp shard holds them all (registry.REPLICATED_WHEN_INDIVISIBLE)
+            continue
         if size % n:
             over = " × ".join(f"mesh.{a}={mesh_sizes[a]}" for a in names)  # the config keys that set them
             field = f", config.json {fields[dim]}" if dim < len(fields) and fields[dim] else ""
@@ -152,6 +155,19 @@ def resolve(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int], path: 
     while out and out[-1] is None:
         out.pop()
     return tuple(out)
+
+
+def replicated_dims(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int],
+                    fields: Sequence[str | None] = ()) -> dict[tuple[int, int], str]:
+    """(size, dimension) -> config.json field, for the dimensions of `spec` that `resolve` replicates rather than
+    refuses: a field of `REPLICATED_WHEN_INDIVISIBLE` (KV heads) that its mesh axes do not divide."""
+    out = {}
+    for dim, (size, entry) in enumerate(zip(shape, _pad(spec, len(shape)))):
+        field = fields[dim] if dim < len(fields) else None
+        n = math.prod(mesh_sizes.get(a, 1) for a in _axes(entry))
+        if field in REPLICATED_WHEN_INDIVISIBLE and size > 1 and size % n:
+            out[(size, dim)] = field
+    return out
 
 
 def shards(spec: Spec, mesh_sizes: dict[str, int]) -> int:

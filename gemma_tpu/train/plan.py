@@ -349,9 +349,11 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
     base = full_base = 0.0
     total_params = 0
     base_arrays: list[tuple[tuple[int, ...], float]] = []  # (shape, fraction one device holds)
+    replicated: dict[str, int] = {}  # KV-head fields the tp axis does not divide -> their size
     for path, (shape, _) in shapes.items():
-        spec = partition.resolve(partition.spec_for(family, tcfg, path, len(shape)), shape, sizes, path,
-                                 partition.config_fields(family, path, tcfg))
+        rule, fields = partition.spec_for(family, tcfg, path, len(shape)), partition.config_fields(family, path, tcfg)
+        replicated.update({f: size for (size, _), f in partition.replicated_dims(rule, shape, sizes, fields).items()})
+        spec = partition.resolve(rule, shape, sizes, path, fields)
         per_dev = math.prod(shape) / partition.shards(spec, sizes)
         base_arrays.append((shape, 1 / partition.shards(spec, sizes)))
         total_params += math.prod(shape)
@@ -364,6 +366,9 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
         else:
             base += per_dev * b
     load_peak = full_base + (base if qbytes else 0.0)
+    for field, size in sorted(replicated.items()):
+        notes.append(f"mesh.tp={sizes['tp']} does not divide config.json {field}={size}: those K/V projections "
+                     f"(and their LoRA factors and optimizer state) are whole on every tp shard (counted above)")
     base_note = f"{cfg.model.dtype}" + (f", {cfg.lora.base_quantization} projections" if qbytes else "")
 
     # LoRA factors
@@ -478,7 +483,7 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
     tcfg = partition.with_activation_rules(family.with_remat(family.tunix_config(hf_config, jdtype), remat))
     cls = model_class(family)
     with mesh:
-        model = _random_sharded(cls, tcfg, mesh)
+        model = _random_sharded(family, cls, tcfg, mesh)
         if cfg.lora.enabled:
             model = lora_lib.apply_lora(model, family, tcfg, cfg.lora, seed=0, mesh=mesh)
         tx = optim.make_optimizer(cfg.train)
@@ -524,13 +529,17 @@ def compiled_memory(cfg: RunConfig, hf_config: dict) -> dict:
     }
 
 
-def _random_sharded(cls, tcfg, mesh):
-    """The model with random weights created straight into their shards (jit + out_shardings)."""
+def _random_sharded(family, cls, tcfg, mesh):
+    """The model with random weights created straight into their shards (jit + out_shardings), annotated as
+    the loader's (`replicate_indivisible`)."""
     import jax
     from flax import nnx
 
+    from gemma_tpu.models.sharded_weights import replicate_indivisible
+
     with cheap_tracer_attribute_errors():
-        abstract = nnx.eval_shape(lambda: cls(tcfg, rngs=nnx.Rngs(params=0)))
+        abstract = nnx.eval_shape(lambda: replicate_indivisible(cls(tcfg, rngs=nnx.Rngs(params=0)), family,
+                                                                dict(mesh.shape)))
         graphdef, abs_state = nnx.split(abstract)
         shardings = nnx.get_named_sharding(abs_state, mesh).to_pure_dict()
         values = jax.jit(lambda: nnx.state(cls(tcfg, rngs=nnx.Rngs(params=0))).to_pure_dict(),
