@@ -222,6 +222,16 @@ def test_an_override_mapping_with_a_key_twice_is_refused():
         load_config(None, ["train={max_steps: 3, max_steps: 4}"])
 
 
+def test_a_key_overridden_twice_takes_the_last_and_says_so(caplog):
+    """`train.max_steps=3 --set train.max_steps=5` (a launcher appending its own override) took the last without a
+    word; it still does (Helm's and OmegaConf's rule, in --help) and warns naming both. The same value twice is quiet."""
+    with caplog.at_level("WARNING", logger="gemma_tpu.core.config"):
+        cfg = load_config(None, ["train.max_steps=3", "train.seed=1", "train.max_steps=5", "train.seed=1"])
+    assert (cfg.train.max_steps, cfg.train.seed) == (5, 1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "train.max_steps is overridden twice ('train.max_steps=3', then 'train.max_steps=5'): the last wins"]
+
+
 def test_a_config_of_the_other_tool_names_its_command():
     """A serving config given to training stopped at "unknown config key 'model.dir' (did you mean
     'checkpoint.dir'?", and a training config given to serving at "unknown config key 'model.path'"."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import logging
 import math
 import os
 import re
@@ -21,6 +22,8 @@ import yaml
 
 from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.errors import UserError, shown
+
+_log = logging.getLogger(__name__)
 
 # host:port of the multi-process coordinator: a host name, an IPv4 address or a bracketed IPv6 one
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
@@ -679,8 +682,14 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         if stray:  # another tool's config: its first shared section's keys made a misleading 'unknown key'
             raise UserError(f"{p}: its '{stray[0]}' section says this is {elsewhere[stray[0]].replace('FILE', str(p))}; "
                             f"this command takes a config with the sections {', '.join(names)}")
+    given: dict[str, tuple[str, Any]] = {}
     for text in overrides:
         key, value = parse_override(text)
+        if key in given and given[key][1] != value:  # the last wins (Helm's --set, OmegaConf's dotlist), said:
+            # a launcher's appended override silently beat the one the user typed (or the other way round)
+            first, last = (_override(t).removeprefix("override ") for t in (given[key][0], text))
+            _log.warning("%s is overridden twice (%s, then %s): the last wins", key, first, last)
+        given[key] = (text, value)
         _set_dotted(tree, key, value, _override(text), cls)
     try:
         try:
