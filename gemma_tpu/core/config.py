@@ -842,14 +842,24 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
 _ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
 
 
-def expand_env(value: str, key: str) -> str:
-    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`) expanded; one that
-    is not set is refused naming the key (the run config's paths here, the serving config's in serving.config)."""
+def expand_env(value: str, key: str, home: bool = True) -> str:
+    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`) expanded, and with
+    `home` a leading `~` or `~user`; a variable that is not set, or a user this machine does not know, is refused
+    naming the key (the run config's paths here, the serving config's in serving.config). Expanded once, when the
+    config is read, every consumer sees the same path (serving's --print showed '~/m' where the container mounted
+    /root/m) and an error names the key, not the consumer."""
     unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value) if (m.group(1) or m.group(2)) not in os.environ]
     if unset:
         raise UserError(f"{key}={value!r} names the environment variable {unset[0]}, which is not set; set it or write "
                         f"the path out")
-    return _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+    expanded = _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+    if home and expanded.startswith("~"):
+        expanded = os.path.expanduser(expanded)
+        if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was: a directory named '~bob'
+            user = expanded[1:].split("/", 1)[0]
+            raise UserError(f"{key}={value!r}: {'~' + user!r} is the home directory of user {user!r}, whom this "
+                            f"machine does not know; write the path out")
+    return expanded
 
 
 def _expand_paths(cfg: RunConfig, where: str) -> None:
@@ -861,11 +871,9 @@ def _expand_paths(cfg: RunConfig, where: str) -> None:
         if not isinstance(value, str) or value.startswith("embedded:"):
             continue
         try:
-            expanded = expand_env(value, f"{section}.{key}")
+            expanded = expand_env(value, f"{section}.{key}", home=(section, key) in PATH_KEYS)
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
-        if (section, key) in PATH_KEYS and expanded.startswith("~"):
-            expanded = os.path.expanduser(expanded)
         setattr(getattr(cfg, section), key, expanded)
 
 
