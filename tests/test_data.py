@@ -907,6 +907,17 @@ BAD_CASES = {
         ("overflow", '{"date": -1e400}', "-1e400 is beyond the range of a 64-bit float (it would be read as infinity)"),
         ("lone_surrogate", '{"date": "\\ud800"}', "arguments.date holds a lone UTF-16 surrogate"),
         ("too_deep", "[" * 5000, "'tool_calls[0].function.arguments': not valid JSON for this reader (nested"))},
+    # a tool result the prompt renders as JSON, read as strictly: {"steps": 1e999} was rendered {steps:Infinity}
+    **{f"tool_result_{k}": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {}}}]},
+        {"role": "tool", "content": c}, {"role": "assistant", "content": "ok"}]}], 1, n)
+       for k, c, n in (
+        ("overflow", '{"steps": 1e999}', "messages[2]: the tool result's content, read as JSON to render it: 1e999 is "
+                                         "beyond the range of a 64-bit float"),
+        ("nan", '[{"steps": NaN}]', "messages[2]: the tool result's content, read as JSON to render it: NaN is not "
+                                    "JSON (only finite numbers are)"),
+        ("key_twice", '{"steps": 1, "steps": 2}', "the tool result's content, read as JSON to render it: key 'steps' "
+                                                  "appears twice"))},
     "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
                                                                                      '"hi", "content": "x"')}],
                                   1, "'messages' (a JSON string): key 'content' appears twice"),
@@ -1906,9 +1917,14 @@ def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path)
                                           {"role": "assistant", "tool_calls": [{"function": {"name": "noop"}}]},
                                           {"role": "tool", "name": "noop", "content": ""},
                                           {"role": "assistant", "content": "done"}]}]
-    parts, tool = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
+    # tool results the strict JSON check lets by: text (a bare NaN is rendered as the word it is), JSON of finite
+    # numbers, and text that only starts like JSON
+    rows += [{**rows[1], "messages": [*rows[1]["messages"][:2], {**rows[1]["messages"][2], "content": c},
+                                      rows[1]["messages"][3]]} for c in ("NaN", '{"r": 1.5e3}', "{not json")]
+    parts, tool, *more = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
     assert parts["messages"][0]["content"] == "a b"
     assert tool["messages"][2] == {"role": "tool", "content": "", "name": "noop"}
+    assert [m["messages"][2]["content"] for m in more] == ["NaN", '{"r": 1.5e3}', "{not json"]
 
 
 def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_dir, tok, any_tok):

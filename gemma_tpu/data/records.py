@@ -544,6 +544,24 @@ def _decode_embedded(text: str, what: str, where: str) -> Any:
     return value
 
 
+def _check_tool_result(content: str, where: str) -> None:
+    """A tool result the prompt renders as JSON (`format_response`, and Hugging Face templates, read it with Python's
+    lenient json) is read as strictly as the file: `{"r": 1e999}` was rendered `{r:Infinity}`, `NaN` kept (neither is
+    JSON) and one of a key given twice dropped, so the model trained on a result the file never held."""
+    if not content.lstrip().startswith(("{", "[")):
+        return  # text (a bare word such as NaN is rendered as the text it is)
+    try:
+        json.loads(content)
+    except (ValueError, RecursionError):
+        return  # not JSON: rendered as the text it is
+    try:
+        _DECODER.decode(content)
+    except _NotData as e:
+        raise UserError(f"{where}: the tool result's content, read as JSON to render it: {e}") from None
+    except RecursionError:
+        return
+
+
 def _maybe_json(value: Any, what: str, where: str) -> Any:
     """Hub datasets often store nested columns as JSON strings; decode those."""
     if isinstance(value, str):
@@ -731,6 +749,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             if names and name not in names:
                 raise UserError(f"{mw}: tool result for {shown(name)}, which is not in 'tools' ({', '.join(names)})")
             msg["name"] = name
+            _check_tool_result(msg["content"], mw)
             answered += 1
         out.append(msg)
     if not any(m["role"] == "assistant" and m.get("train", True) for m in out):
