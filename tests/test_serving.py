@@ -236,6 +236,17 @@ def test_serving_paths_expand_the_home_directory_when_read(tmp_path, monkeypatch
         load_serve_config(None, ["model.dir=~gemma_tpu_no_such_user/m"], need_dir=False)
 
 
+def test_an_unknown_key_in_an_overridden_list_names_the_override():
+    """`lora.adapters=[{name: a, dir: /x, rank: 3}]` was blamed on the config file's line of `lora.adapters: []`,
+    which holds no such key; the override that gave it is named."""
+    from serving.config import load_serve_config
+
+    with pytest.raises(UserError, match=r"^override 'lora.adapters=\[\{name: a, dir: /x, rank: 3\}\]': unknown config "
+                                        r"key 'lora.adapters\[0\].rank' \(known: dir, name\)"):
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml",
+                          ["lora.adapters=[{name: a, dir: /x, rank: 3}]"], need_dir=False)
+
+
 def test_print_config_without_a_config_prints_the_defaults(capsys):
     """`--print-config` alone (a user asking what the defaults are) stopped at "model.dir is not set"; it prints
     them, model.dir null, and says serving needs it. Serving without one is still refused, as is a bad override."""

@@ -792,8 +792,10 @@ def blame(message: str, where: str, overrides: Sequence[str], lines: dict[str, i
     for text in reversed(list(overrides)):
         key = text.split("=", 1)[0].strip()
         u = unknown.group(1) if unknown else None
-        if u is not None and not (key == u or key.startswith(u + ".") or u.startswith(key + ".")):
-            continue  # only the override that set the unknown key is to blame, not the key it suggests instead
+        if u is not None and not (key == u or key.startswith(u + ".") or u.startswith((key + ".", key + "["))):
+            # only the override that set the unknown key is to blame, not the key it suggests instead (a key in a
+            # list the override gave, 'lora.adapters[0].rank', was blamed on the file's line of lora.adapters)
+            continue
         if key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
             return _override(text)
         parts = key.split(".")  # 'foo.bar=1' is refused as "unknown config key 'foo'": a section it created
