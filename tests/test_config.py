@@ -441,6 +441,23 @@ def test_integer_keys_take_whole_numbers_written_as_floats(tmp_path):
     assert proc.returncode == 0 and "max_steps: 1000\n" in proc.stdout, proc.stderr
 
 
+@pytest.mark.parametrize("lines", [1, 2])
+def test_a_data_file_given_as_the_config_says_so(tmp_path, lines):
+    """`--config data.jsonl` was "unknown config key 'messages'" (one line: YAML reads a JSON object) or "not valid
+    YAML (expected '<document start>' ...)"; a .json config stays a config (JSON is YAML)."""
+    from serving.config import load_serve_config
+
+    path = tmp_path / "d ü.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * lines)
+    with pytest.raises(UserError, match=rf"^config file {re.escape(str(path))} is a data file, not a YAML config "
+                                        rf"\(training data is given as data.train_path=FILE\)$"):
+        load_config(path)
+    with pytest.raises(UserError, match=rf"^config file {re.escape(str(path))} is a data file, not a YAML config$"):
+        load_serve_config(path, need_dir=False)
+    (tmp_path / "c.json").write_text('{"train": {"max_steps": 3}}')
+    assert load_config(tmp_path / "c.json").train.max_steps == 3
+
+
 def test_config_that_is_a_directory_says_so(tmp_path):
     """`--config runs/` (a directory that exists) was 'config file not found', sending users after a typo."""
     proc = run_cli("gemma_tpu.train", "--config", str(tmp_path), "--print-config")

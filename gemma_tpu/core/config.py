@@ -641,6 +641,10 @@ SERVING_SECTIONS = {name: "a serving config (python -m serving.launch --config F
                     for name in ("server", "tool_calling", "container")}
 
 
+# data files given as --config (a YAML config may be .json: JSON is YAML)
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet", ".arrow", ".csv")
+
+
 def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = (),
                foreign: dict[str, tuple[str, ...]] | None = None, elsewhere: dict[str, str] | None = None) -> Any:
     """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
@@ -657,6 +661,11 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             raise UserError(f"config file {p} is a directory; give a YAML file (e.g. configs/tiny.yaml)")
         if not p.is_file():
             raise UserError(f"config file not found: {p}")
+        if p.name.lower().endswith(DATA_SUFFIXES):  # was "not valid YAML (expected '<document start>' ...)", or
+            # "unknown config key 'messages'" for a one-line JSONL
+            data = " (training data is given as data.train_path=FILE)" if "data" in {f.name for f in
+                                                                                      dataclasses.fields(cls)} else ""
+            raise UserError(f"config file {p} is a data file, not a YAML config{data}")
         try:
             tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # safety: a SafeLoader subclass
         except _DuplicateKey as e:
