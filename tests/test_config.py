@@ -224,7 +224,8 @@ def test_an_override_mapping_with_a_key_twice_is_refused():
 
 def test_a_key_overridden_twice_takes_the_last_and_says_so(caplog):
     """`train.max_steps=3 --set train.max_steps=5` (a launcher appending its own override) took the last without a
-    word; it still does (Helm's and OmegaConf's rule, in --help) and warns naming both. The same value twice is quiet."""
+    word; it still does (Helm's and OmegaConf's rule, in --help) and warns naming both. The same value twice is
+    quiet."""
     with caplog.at_level("WARNING", logger="gemma_tpu.core.config"):
         cfg = load_config(None, ["train.max_steps=3", "train.seed=1", "train.max_steps=5", "train.seed=1"])
     assert (cfg.train.max_steps, cfg.train.seed) == (5, 1)
