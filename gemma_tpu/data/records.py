@@ -42,12 +42,12 @@ import functools
 import gzip
 import json
 import logging
-import math
 import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from gemma_tpu.core import strict_json
 from gemma_tpu.core.errors import UserError, shown
 from gemma_tpu.formats.function_calling import (
     FUNCTION_MARKERS,
@@ -103,45 +103,9 @@ def _strip_nulls(value: Any) -> Any:
     return value
 
 
-class _NotData(ValueError):
-    """What Python's JSON reader accepts but the data must not hold (raised by `_DECODER`'s hooks)."""
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object; a key given twice is refused (the reader kept the last and dropped the first silently,
-    e.g. one of two "content" fields)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _NotData(f"key {k!r} appears twice in one object (JSON readers keep only the last)")
-        out[k] = v
-    return out
-
-
-def _constant(name: str) -> Any:
-    raise _NotData(f"{name} is not JSON (only finite numbers are)")
-
-
-def _float(text: str) -> float:
-    """A JSON number with a fraction or exponent; past a 64-bit float (1e400) Python read it as infinity, and the
-    example was trained on "Infinity" where the file said a number."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise _NotData(f"{text} is beyond the range of a 64-bit float (it would be read as infinity)")
-    return value
-
-
-def _int(text: str) -> int:
-    """A JSON integer; one longer than Python converts from text (4,300 digits, `sys.get_int_max_str_digits`) was a
-    ValueError traceback out of the reader."""
-    digits = len(text.lstrip("-"))
-    limit = sys.get_int_max_str_digits()
-    if limit and digits > limit:
-        raise _NotData(f"a number of {digits} digits (Python reads integers of at most {limit})")
-    return int(text)
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float, parse_int=_int)
+# the strict JSON reader (gemma_tpu.core.strict_json, shared with the server's request checks)
+_NotData = strict_json.NotJSON
+_DECODER = strict_json.DECODER
 
 
 def _too_deep(where: str) -> UserError:
