@@ -459,6 +459,15 @@ def test_a_data_file_given_as_the_config_says_so(tmp_path, lines):
     assert load_config(tmp_path / "c.json").train.max_steps == 3
 
 
+def test_a_config_from_a_pipe_says_so(tmp_path):
+    """`--config <(sed ... configs/x.yaml)` (a pipe, /dev/fd/63) was "config file not found", a path that exists;
+    the config is read more than once (its keys' lines for errors), which a pipe cannot give."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match=rf"^config file {re.escape(str(fifo))} is not a regular file \(a pipe"):
+        load_config(fifo)
+
+
 def test_config_that_is_a_directory_says_so(tmp_path):
     """`--config runs/` (a directory that exists) was 'config file not found', sending users after a typo."""
     proc = run_cli("gemma_tpu.train", "--config", str(tmp_path), "--print-config")

@@ -659,6 +659,9 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         where = str(p)
         if p.is_dir():  # "not found" sent users looking for a typo in a path that exists
             raise UserError(f"config file {p} is a directory; give a YAML file (e.g. configs/tiny.yaml)")
+        if p.exists() and not p.is_file():  # "not found" of a path that exists; it is read more than once
+            raise UserError(f"config file {p} is not a regular file (a pipe or device, as a shell's <(...) gives); "
+                            f"write the config to a file and give that")
         if not p.is_file():
             raise UserError(f"config file not found: {p}")
         if p.name.lower().endswith(DATA_SUFFIXES):  # was "not valid YAML (expected '<document start>' ...)", or
