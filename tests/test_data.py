@@ -1013,6 +1013,9 @@ def test_empty_file_and_missing_file(tmp_path):
         load_conversations(tmp_path / "nope.jsonl", DataConfig())
     with pytest.raises(UserError, match=rf"data file {re.escape(str(tmp_path))} is a directory"):
         load_conversations(tmp_path, DataConfig())  # was 'data file not found' for a path that exists
+    os.mkfifo(tmp_path / "fifo.jsonl")  # `data.train_path=<(zcat d.jsonl.gz)`: also 'not found'
+    with pytest.raises(UserError, match=r"data file .*fifo.jsonl is not a regular file \(a pipe or device"):
+        load_conversations(tmp_path / "fifo.jsonl", DataConfig())
 
 
 def test_a_missing_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):

@@ -164,6 +164,10 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     if p.is_dir():
         yield from _iter_saved_dataset(p)
         return
+    if p.exists() and not p.is_file():  # was "not found", of a path that exists; it is opened more than once (its
+        # head, then its rows), which a pipe cannot give
+        raise UserError(f"data file {p} is not a regular file (a pipe or device, as a shell's <(...) gives); write "
+                        f"the data to a file and give that")
     if not p.is_file():
         matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
         hint = (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
