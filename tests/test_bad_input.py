@@ -967,6 +967,10 @@ CASES = [
     Case("evaluate-step-compare-without-checkpoint", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}", "--step", "3"],
          ["--step 3", "checkpoint: specs", "--compare names none"]),
+    # a step not in digits was read as part of the directory: "checkpoint directory {ckpt}@last does not exist"
+    Case("evaluate-compare-step-not-a-number", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "checkpoint:{ckpt}@last", "model:{tiny}"],
+         ["--compare 'checkpoint:{ckpt}@last': 'last' is not a step number", "e.g. @200"]),
     # one model named twice was scored twice, the second labelled "(2)"; one directory or server however spelt
     Case("evaluate-compare-one-model-twice", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}/"],
