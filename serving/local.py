@@ -44,6 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from gemma_tpu.core import strict_json
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import (
     FORCED_CALL_KWARG,
@@ -569,8 +570,8 @@ class CheckedChatApp:
             more = msg.get("more_body", False)
         try:
             try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                body = strict_json.loads_finite(raw)  # NaN, Infinity, 1e999 were taken (and rendered)
+            except (json.JSONDecodeError, UnicodeDecodeError, strict_json.NotJSON) as e:
                 raise RequestError(None, f"the request body is not valid JSON ({e})") from None
             except RecursionError:
                 raise RequestError(None, "the request body is nested too deeply") from None

@@ -16,6 +16,7 @@ import json
 import re
 from typing import Any, Callable
 
+from gemma_tpu.core import strict_json
 from gemma_tpu.formats.function_calling import DeclarationError, check_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -78,9 +79,11 @@ def _arguments(raw: Any, where: str) -> dict:
     if not isinstance(raw, str):
         raise RequestError(where, "expected a JSON object as a string")
     try:
-        value = json.loads(raw) if raw.strip() else {}
+        value = strict_json.loads_finite(raw) if raw.strip() else {}
     except json.JSONDecodeError as e:
         raise RequestError(where, f"not valid JSON ({e.msg} at character {e.pos})") from None
+    except strict_json.NotJSON as e:  # rendered into the prompt as Infinity / NaN
+        raise RequestError(where, str(e)) from None
     except RecursionError:
         raise RequestError(where, "nested too deeply") from None
     if not isinstance(value, dict):

@@ -453,6 +453,9 @@ CASES = [
          ["data.eval_path is not set (in {repo}/configs/tiny.yaml or as data.eval_path=FILE)"]),
     Case("config-seq-len-beyond-model", "gemma_tpu.train", [*TRAIN, "data.seq_len=4096"],
          ["data.seq_len=4096", "max_position_embeddings=1024"]),
+    # inspect laid out batches of a seq_len training refuses (and a huge one was a numpy MemoryError traceback)
+    Case("data-inspect-seq-len-beyond-model", "gemma_tpu.data.inspect", [*TRAIN, "data.seq_len=4096", "-n", "0"],
+         ["data.seq_len=4096 exceeds the model's max_position_embeddings=1024"]),
     Case("config-unknown-lora-target", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "lora.targets=[q_proj,qkv_proj]"], ["lora.targets", "'qkv_proj'"]),
     Case("config-bool-not-bool", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "lora.enabled=maybe"],
@@ -967,6 +970,10 @@ CASES = [
     Case("evaluate-step-compare-without-checkpoint", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}", "--step", "3"],
          ["--step 3", "checkpoint: specs", "--compare names none"]),
+    # a step not in digits was read as part of the directory: "checkpoint directory {ckpt}@last does not exist"
+    Case("evaluate-compare-step-not-a-number", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "checkpoint:{ckpt}@last", "model:{tiny}"],
+         ["--compare 'checkpoint:{ckpt}@last': 'last' is not a step number", "e.g. @200"]),
     # one model named twice was scored twice, the second labelled "(2)"; one directory or server however spelt
     Case("evaluate-compare-one-model-twice", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}/"],

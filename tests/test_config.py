@@ -222,6 +222,17 @@ def test_an_override_mapping_with_a_key_twice_is_refused():
         load_config(None, ["train={max_steps: 3, max_steps: 4}"])
 
 
+def test_a_key_overridden_twice_takes_the_last_and_says_so(caplog):
+    """`train.max_steps=3 --set train.max_steps=5` (a launcher appending its own override) took the last without a
+    word; it still does (Helm's and OmegaConf's rule, in --help) and warns naming both. The same value twice is
+    quiet."""
+    with caplog.at_level("WARNING", logger="gemma_tpu.core.config"):
+        cfg = load_config(None, ["train.max_steps=3", "train.seed=1", "train.max_steps=5", "train.seed=1"])
+    assert (cfg.train.max_steps, cfg.train.seed) == (5, 1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "train.max_steps is overridden twice ('train.max_steps=3', then 'train.max_steps=5'): the last wins"]
+
+
 def test_a_config_of_the_other_tool_names_its_command():
     """A serving config given to training stopped at "unknown config key 'model.dir' (did you mean
     'checkpoint.dir'?", and a training config given to serving at "unknown config key 'model.path'"."""
@@ -429,6 +440,32 @@ def test_integer_keys_take_whole_numbers_written_as_floats(tmp_path):
         load_config(None, ["data.num_epochs=0.5"])
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--print-config", "train.max_steps=1e3")
     assert proc.returncode == 0 and "max_steps: 1000\n" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("lines", [1, 2])
+def test_a_data_file_given_as_the_config_says_so(tmp_path, lines):
+    """`--config data.jsonl` was "unknown config key 'messages'" (one line: YAML reads a JSON object) or "not valid
+    YAML (expected '<document start>' ...)"; a .json config stays a config (JSON is YAML)."""
+    from serving.config import load_serve_config
+
+    path = tmp_path / "d ü.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * lines)
+    with pytest.raises(UserError, match=rf"^config file {re.escape(str(path))} is a data file, not a YAML config "
+                                        rf"\(training data is given as data.train_path=FILE\)$"):
+        load_config(path)
+    with pytest.raises(UserError, match=rf"^config file {re.escape(str(path))} is a data file, not a YAML config$"):
+        load_serve_config(path, need_dir=False)
+    (tmp_path / "c.json").write_text('{"train": {"max_steps": 3}}')
+    assert load_config(tmp_path / "c.json").train.max_steps == 3
+
+
+def test_a_config_from_a_pipe_says_so(tmp_path):
+    """`--config <(sed ... configs/x.yaml)` (a pipe, /dev/fd/63) was "config file not found", a path that exists;
+    the config is read more than once (its keys' lines for errors), which a pipe cannot give."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match=rf"^config file {re.escape(str(fifo))} is not a regular file \(a pipe"):
+        load_config(fifo)
 
 
 def test_config_that_is_a_directory_says_so(tmp_path):

@@ -920,6 +920,17 @@ BAD_CASES = {
         ("overflow", '{"date": -1e400}', "-1e400 is beyond the range of a 64-bit float (it would be read as infinity)"),
         ("lone_surrogate", '{"date": "\\ud800"}', "arguments.date holds a lone UTF-16 surrogate"),
         ("too_deep", "[" * 5000, "'tool_calls[0].function.arguments': not valid JSON for this reader (nested"))},
+    # a tool result the prompt renders as JSON, read as strictly: {"steps": 1e999} was rendered {steps:Infinity}
+    **{f"tool_result_{k}": ([{"tools": [STEPS_TOOL], "messages": [GOOD["messages"][0], {"role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "get_steps", "arguments": {}}}]},
+        {"role": "tool", "content": c}, {"role": "assistant", "content": "ok"}]}], 1, n)
+       for k, c, n in (
+        ("overflow", '{"steps": 1e999}', "messages[2]: the tool result's content, read as JSON to render it: 1e999 is "
+                                         "beyond the range of a 64-bit float"),
+        ("nan", '[{"steps": NaN}]', "messages[2]: the tool result's content, read as JSON to render it: NaN is not "
+                                    "JSON (only finite numbers are)"),
+        ("key_twice", '{"steps": 1, "steps": 2}', "the tool result's content, read as JSON to render it: key 'steps' "
+                                                  "appears twice"))},
     "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
                                                                                      '"hi", "content": "x"')}],
                                   1, "'messages' (a JSON string): key 'content' appears twice"),
@@ -1015,6 +1026,9 @@ def test_empty_file_and_missing_file(tmp_path):
         load_conversations(tmp_path / "nope.jsonl", DataConfig())
     with pytest.raises(UserError, match=rf"data file {re.escape(str(tmp_path))} is a directory"):
         load_conversations(tmp_path, DataConfig())  # was 'data file not found' for a path that exists
+    os.mkfifo(tmp_path / "fifo.jsonl")  # `data.train_path=<(zcat d.jsonl.gz)`: also 'not found'
+    with pytest.raises(UserError, match=r"data file .*fifo.jsonl is not a regular file \(a pipe or device"):
+        load_conversations(tmp_path / "fifo.jsonl", DataConfig())
 
 
 def test_a_missing_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
@@ -1627,7 +1641,11 @@ def test_tool_results_sent_as_json_text_render_as_in_training(tok):
                 {"role": "tool", "name": "get_steps", "content": text}]
         got = tok.apply_chat_template(msgs, tools=[STEPS_TOOL], chat_template=template, tokenize=False,
                                       add_generation_prompt=True)
-        want = renderer.render(norm({"tools": [STEPS_TOOL], "messages": msgs}), add_generation_prompt=True).text
+        # the data reader refuses a result holding NaN/Infinity (or a key twice); a served one may hold them, so the
+        # renderer gets the text as it is
+        conv = norm({"tools": [STEPS_TOOL], "messages": [*msgs[:2], {**msgs[2], "content": "x"}]})
+        conv["messages"][2]["content"] = text
+        want = renderer.render(conv, add_generation_prompt=True).text
         assert got == "<bos>" + want, text
     unmapped = lambda text: format_response("get_steps", text)  # noqa: E731
     assert unmapped('{"steps": 8123}').endswith("response:get_steps{steps:8123}<end_function_response>")
@@ -1919,9 +1937,14 @@ def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path)
                                           {"role": "assistant", "tool_calls": [{"function": {"name": "noop"}}]},
                                           {"role": "tool", "name": "noop", "content": ""},
                                           {"role": "assistant", "content": "done"}]}]
-    parts, tool = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
+    # tool results the strict JSON check lets by: text (a bare NaN is rendered as the word it is), JSON of finite
+    # numbers, and text that only starts like JSON
+    rows += [{**rows[1], "messages": [*rows[1]["messages"][:2], {**rows[1]["messages"][2], "content": c},
+                                      rows[1]["messages"][3]]} for c in ("NaN", '{"r": 1.5e3}', "{not json")]
+    parts, tool, *more = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
     assert parts["messages"][0]["content"] == "a b"
     assert tool["messages"][2] == {"role": "tool", "content": "", "name": "noop"}
+    assert [m["messages"][2]["content"] for m in more] == ["NaN", '{"r": 1.5e3}', "{not json"]
 
 
 def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_dir, tok, any_tok):

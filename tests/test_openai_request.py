@@ -43,6 +43,11 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
      "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    # read as the data reader reads a row's: 1e999 was rendered into the prompt as Infinity, NaN kept
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"r": 1e999}'}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "1e999 is beyond the range of a 64-bit float"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"r": NaN}'}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "NaN is not JSON (only finite numbers are)"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
      "messages[0].tool_calls[0].function.name", "non-empty"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "at least 1"),
@@ -528,6 +533,11 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
                               ("/v1/responses", {"input": [{"role": "user", "content": "\ud83d"}]}, "input[0].content")):
         code, resp = _asgi(named, body, path)
         assert code == 400 and resp["error"]["param"] == param and "lone UTF-16 surrogate" in resp["error"]["message"]
+    # NaN / Infinity anywhere in the body (Python's json took them; a tool declaration rendered `default:NaN`)
+    nan_default = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"r": {"type": "number", "default": float("nan")}}}}}
+    code, resp = _asgi(named, {"messages": USER, "tools": [nan_default]})
+    assert code == 400 and "the request body is not valid JSON (NaN is not JSON" in resp["error"]["message"]
     # GET /v1/models/NAME (the SDK's models.retrieve) describes the served model; another name is a 404 in kind
     assert _asgi(named, {}, "/v1/models/coach", method="GET") == (200, {
         "id": "coach", "object": "model", "created": 0, "owned_by": "gemma-tpu"})

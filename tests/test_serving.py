@@ -219,6 +219,34 @@ def test_serving_paths_expand_environment_variables(tmp_path, monkeypatch):
         load_serve_config(path, need_dir=False)
 
 
+def test_serving_paths_expand_the_home_directory_when_read(tmp_path, monkeypatch):
+    """`model.dir: ~/x-merged` stayed '~/x-merged' in the config (each consumer expanded it, or not: --print-config
+    showed it unexpanded); it is expanded when the config is read, by expand_env as a run config's paths are, and a
+    ~user this machine does not know is refused naming the key."""
+    from serving.config import load_serve_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_serve_config(None, ["model.dir=~/x-merged", "lora.adapters=[{name: coach, dir: ~/coach}]",
+                                   "tool_calling.chat_template=~/t.jinja"], need_dir=False)
+    assert (cfg.model.dir, cfg.lora.adapters[0].dir) == (f"{tmp_path}/x-merged", f"{tmp_path}/coach")
+    assert (cfg.tool_calling.chat_template, cfg.container.compile_cache) == (f"{tmp_path}/t.jinja",
+                                                                             f"{tmp_path}/.cache/vllm")
+    with pytest.raises(UserError, match=r"^override 'model.dir=~gemma_tpu_no_such_user/m': model.dir='~gemma_tpu_no_"
+                                        r"such_user/m': '~gemma_tpu_no_such_user' is the home directory of user"):
+        load_serve_config(None, ["model.dir=~gemma_tpu_no_such_user/m"], need_dir=False)
+
+
+def test_an_unknown_key_in_an_overridden_list_names_the_override():
+    """`lora.adapters=[{name: a, dir: /x, rank: 3}]` was blamed on the config file's line of `lora.adapters: []`,
+    which holds no such key; the override that gave it is named."""
+    from serving.config import load_serve_config
+
+    with pytest.raises(UserError, match=r"^override 'lora.adapters=\[\{name: a, dir: /x, rank: 3\}\]': unknown config "
+                                        r"key 'lora.adapters\[0\].rank' \(known: dir, name\)"):
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml",
+                          ["lora.adapters=[{name: a, dir: /x, rank: 3}]"], need_dir=False)
+
+
 def test_print_config_without_a_config_prints_the_defaults(capsys):
     """`--print-config` alone (a user asking what the defaults are) stopped at "model.dir is not set"; it prints
     them, model.dir null, and says serving needs it. Serving without one is still refused, as is a bad override."""

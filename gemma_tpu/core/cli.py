@@ -44,7 +44,8 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     if overrides:
         p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {override_example} (also "
-                                                    f"--set {override_example})")
+                                                    f"--set {override_example}); a key given twice takes the last "
+                                                    f"value, with a warning")
     return p
 
 

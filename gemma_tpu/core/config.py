@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import logging
 import math
 import os
 import re
@@ -21,6 +22,8 @@ import yaml
 
 from gemma_tpu.core.accelerators import ACCELERATORS
 from gemma_tpu.core.errors import UserError, shown
+
+_log = logging.getLogger(__name__)
 
 # host:port of the multi-process coordinator: a host name, an IPv4 address or a bracketed IPv6 one
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
@@ -638,6 +641,10 @@ SERVING_SECTIONS = {name: "a serving config (python -m serving.launch --config F
                     for name in ("server", "tool_calling", "container")}
 
 
+# data files given as --config (a YAML config may be .json: JSON is YAML)
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet", ".arrow", ".csv")
+
+
 def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = (),
                foreign: dict[str, tuple[str, ...]] | None = None, elsewhere: dict[str, str] | None = None) -> Any:
     """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
@@ -652,8 +659,16 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         where = str(p)
         if p.is_dir():  # "not found" sent users looking for a typo in a path that exists
             raise UserError(f"config file {p} is a directory; give a YAML file (e.g. configs/tiny.yaml)")
+        if p.exists() and not p.is_file():  # "not found" of a path that exists; it is read more than once
+            raise UserError(f"config file {p} is not a regular file (a pipe or device, as a shell's <(...) gives); "
+                            f"write the config to a file and give that")
         if not p.is_file():
             raise UserError(f"config file not found: {p}")
+        if p.name.lower().endswith(DATA_SUFFIXES):  # was "not valid YAML (expected '<document start>' ...)", or
+            # "unknown config key 'messages'" for a one-line JSONL
+            data = " (training data is given as data.train_path=FILE)" if "data" in {f.name for f in
+                                                                                      dataclasses.fields(cls)} else ""
+            raise UserError(f"config file {p} is a data file, not a YAML config{data}")
         try:
             tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # safety: a SafeLoader subclass
         except _DuplicateKey as e:
@@ -679,8 +694,14 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         if stray:  # another tool's config: its first shared section's keys made a misleading 'unknown key'
             raise UserError(f"{p}: its '{stray[0]}' section says this is {elsewhere[stray[0]].replace('FILE', str(p))}; "
                             f"this command takes a config with the sections {', '.join(names)}")
+    given: dict[str, tuple[str, Any]] = {}
     for text in overrides:
         key, value = parse_override(text)
+        if key in given and given[key][1] != value:  # the last wins (Helm's --set, OmegaConf's dotlist), said:
+            # a launcher's appended override silently beat the one the user typed (or the other way round)
+            first, last = (_override(t).removeprefix("override ") for t in (given[key][0], text))
+            _log.warning("%s is overridden twice (%s, then %s): the last wins", key, first, last)
+        given[key] = (text, value)
         _set_dotted(tree, key, value, _override(text), cls)
     try:
         try:
@@ -783,8 +804,10 @@ def blame(message: str, where: str, overrides: Sequence[str], lines: dict[str, i
     for text in reversed(list(overrides)):
         key = text.split("=", 1)[0].strip()
         u = unknown.group(1) if unknown else None
-        if u is not None and not (key == u or key.startswith(u + ".") or u.startswith(key + ".")):
-            continue  # only the override that set the unknown key is to blame, not the key it suggests instead
+        if u is not None and not (key == u or key.startswith(u + ".") or u.startswith((key + ".", key + "["))):
+            # only the override that set the unknown key is to blame, not the key it suggests instead (a key in a
+            # list the override gave, 'lora.adapters[0].rank', was blamed on the file's line of lora.adapters)
+            continue
         if key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
             return _override(text)
         parts = key.split(".")  # 'foo.bar=1' is refused as "unknown config key 'foo'": a section it created
@@ -833,14 +856,24 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
 _ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
 
 
-def expand_env(value: str, key: str) -> str:
-    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`) expanded; one that
-    is not set is refused naming the key (the run config's paths here, the serving config's in serving.config)."""
+def expand_env(value: str, key: str, home: bool = True) -> str:
+    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`) expanded, and with
+    `home` a leading `~` or `~user`; a variable that is not set, or a user this machine does not know, is refused
+    naming the key (the run config's paths here, the serving config's in serving.config). Expanded once, when the
+    config is read, every consumer sees the same path (serving's --print showed '~/m' where the container mounted
+    /root/m) and an error names the key, not the consumer."""
     unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value) if (m.group(1) or m.group(2)) not in os.environ]
     if unset:
         raise UserError(f"{key}={value!r} names the environment variable {unset[0]}, which is not set; set it or write "
                         f"the path out")
-    return _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+    expanded = _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+    if home and expanded.startswith("~"):
+        expanded = os.path.expanduser(expanded)
+        if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was: a directory named '~bob'
+            user = expanded[1:].split("/", 1)[0]
+            raise UserError(f"{key}={value!r}: {'~' + user!r} is the home directory of user {user!r}, whom this "
+                            f"machine does not know; write the path out")
+    return expanded
 
 
 def _expand_paths(cfg: RunConfig, where: str) -> None:
@@ -852,11 +885,9 @@ def _expand_paths(cfg: RunConfig, where: str) -> None:
         if not isinstance(value, str) or value.startswith("embedded:"):
             continue
         try:
-            expanded = expand_env(value, f"{section}.{key}")
+            expanded = expand_env(value, f"{section}.{key}", home=(section, key) in PATH_KEYS)
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
-        if (section, key) in PATH_KEYS and expanded.startswith("~"):
-            expanded = os.path.expanduser(expanded)
         setattr(getattr(cfg, section), key, expanded)
 
 

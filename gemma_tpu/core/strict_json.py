@@ -1,13 +1,68 @@
-"""JSON that every reader takes. Python's json writes a NaN or infinite float as the bare words NaN/Infinity,
-which jq, JavaScript's JSON.parse and other strict parsers refuse: one diverged step made a whole metrics.jsonl line
-(or an evaluation's results file) unreadable to them. Here such a float is written as null, and the object that
-held it names it in `nonfinite` (`{"loss": "nan"}`), so the fact is kept."""
+"""JSON that every reader takes, written and read. Python's json writes a NaN or infinite float as the bare words
+NaN/Infinity, which jq, JavaScript's JSON.parse and other strict parsers refuse: one diverged step made a whole
+metrics.jsonl line (or an evaluation's results file) unreadable to them. Here such a float is written as null, and the
+object that held it names it in `nonfinite` (`{"loss": "nan"}`), so the fact is kept.
+
+Reading, Python's json takes what is not JSON (NaN, Infinity) or not what the text says (1e400 as infinity, the last
+of a key given twice): `DECODER` refuses these with `NotJSON`, for data files, JSON kept in their strings and the
+server's requests alike (one reader: a call argument the data refused was rendered `Infinity` when a client sent it)."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
+
+
+class NotJSON(ValueError):
+    """What Python's JSON reader accepts but JSON does not hold, or holds otherwise (raised by `DECODER`'s hooks)."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; a key given twice is refused (the reader kept the last and dropped the first silently,
+    e.g. one of two "content" fields)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise NotJSON(f"key {k!r} appears twice in one object (JSON readers keep only the last)")
+        out[k] = v
+    return out
+
+
+def _constant(name: str) -> Any:
+    raise NotJSON(f"{name} is not JSON (only finite numbers are)")
+
+
+def _float(text: str) -> float:
+    """A JSON number with a fraction or exponent; past a 64-bit float (1e400) Python read it as infinity, and the
+    example was trained on "Infinity" where the file said a number."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotJSON(f"{text} is beyond the range of a 64-bit float (it would be read as infinity)")
+    return value
+
+
+def _int(text: str) -> int:
+    """A JSON integer; one longer than Python converts from text (4,300 digits, `sys.get_int_max_str_digits`) was a
+    ValueError traceback out of the reader."""
+    digits = len(text.lstrip("-"))
+    limit = sys.get_int_max_str_digits()
+    if limit and digits > limit:
+        raise NotJSON(f"a number of {digits} digits (Python reads integers of at most {limit})")
+    return int(text)
+
+
+def loads_finite(text: str | bytes) -> Any:
+    """json.loads refusing NaN, Infinity and numbers past a 64-bit float (`NotJSON`), for a server's requests: a call
+    argument of 1e999 was rendered `Infinity` into the prompt. A key given twice keeps the last, as OpenAI's and
+    vLLM's servers read a request."""
+    return json.loads(text, parse_constant=_constant, parse_float=_float)
+
+
+# `DECODER.decode(text)` raises json.JSONDecodeError (not JSON at all), NotJSON, or RecursionError (nested past the
+# stack: Python's reader recurses once a level)
+DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float, parse_int=_int)
 
 
 def _word(x: float) -> str:

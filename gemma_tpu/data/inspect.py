@@ -25,6 +25,7 @@ import numpy as np
 from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.config import validate_for_model
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
 from gemma_tpu.data.pipeline import (
@@ -67,6 +68,11 @@ def tokenizer_for(spec: str | None, cfg) -> tuple[Any, str, str, int | None]:
         where = str(resolve_path(spec, what="--tokenizer"))
     else:
         resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
+        # what training refuses of this model's config (data.seq_len past its context, a rank past a projection):
+        # data.seq_len=10000000 laid out batches of ten million tokens the run refuses, and a larger one stopped
+        # with a numpy MemoryError traceback
+        validate_for_model(cfg, resolved.text_config, str(resolved.local_dir),
+                           resolved.family.projection_shapes(resolved.text_config))
         where, family_format = str(resolved.local_dir), resolved.family.chat_format
         vocab = resolved.text_config.get("vocab_size")
     return load_tokenizer(where), where, family_format, vocab

@@ -42,12 +42,12 @@ import functools
 import gzip
 import json
 import logging
-import math
 import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from gemma_tpu.core import strict_json
 from gemma_tpu.core.errors import UserError, shown
 from gemma_tpu.formats.function_calling import (
     FUNCTION_MARKERS,
@@ -103,45 +103,9 @@ def _strip_nulls(value: Any) -> Any:
     return value
 
 
-class _NotData(ValueError):
-    """What Python's JSON reader accepts but the data must not hold (raised by `_DECODER`'s hooks)."""
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object; a key given twice is refused (the reader kept the last and dropped the first silently,
-    e.g. one of two "content" fields)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _NotData(f"key {k!r} appears twice in one object (JSON readers keep only the last)")
-        out[k] = v
-    return out
-
-
-def _constant(name: str) -> Any:
-    raise _NotData(f"{name} is not JSON (only finite numbers are)")
-
-
-def _float(text: str) -> float:
-    """A JSON number with a fraction or exponent; past a 64-bit float (1e400) Python read it as infinity, and the
-    example was trained on "Infinity" where the file said a number."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise _NotData(f"{text} is beyond the range of a 64-bit float (it would be read as infinity)")
-    return value
-
-
-def _int(text: str) -> int:
-    """A JSON integer; one longer than Python converts from text (4,300 digits, `sys.get_int_max_str_digits`) was a
-    ValueError traceback out of the reader."""
-    digits = len(text.lstrip("-"))
-    limit = sys.get_int_max_str_digits()
-    if limit and digits > limit:
-        raise _NotData(f"a number of {digits} digits (Python reads integers of at most {limit})")
-    return int(text)
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float, parse_int=_int)
+# the strict JSON reader (gemma_tpu.core.strict_json, shared with the server's request checks)
+_NotData = strict_json.NotJSON
+_DECODER = strict_json.DECODER
 
 
 def _too_deep(where: str) -> UserError:
@@ -200,6 +164,10 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     if p.is_dir():
         yield from _iter_saved_dataset(p)
         return
+    if p.exists() and not p.is_file():  # was "not found", of a path that exists; it is opened more than once (its
+        # head, then its rows), which a pipe cannot give
+        raise UserError(f"data file {p} is not a regular file (a pipe or device, as a shell's <(...) gives); write "
+                        f"the data to a file and give that")
     if not p.is_file():
         matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
         hint = (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
@@ -566,6 +534,24 @@ def _decode_embedded(text: str, what: str, where: str) -> Any:
     return value
 
 
+def _check_tool_result(content: str, where: str) -> None:
+    """A tool result the prompt renders as JSON (`format_response`, and Hugging Face templates, read it with Python's
+    lenient json) is read as strictly as the file: `{"r": 1e999}` was rendered `{r:Infinity}`, `NaN` kept (neither is
+    JSON) and one of a key given twice dropped, so the model trained on a result the file never held."""
+    if not content.lstrip().startswith(("{", "[")):
+        return  # text (a bare word such as NaN is rendered as the text it is)
+    try:
+        json.loads(content)
+    except (ValueError, RecursionError):
+        return  # not JSON: rendered as the text it is
+    try:
+        _DECODER.decode(content)
+    except _NotData as e:
+        raise UserError(f"{where}: the tool result's content, read as JSON to render it: {e}") from None
+    except RecursionError:
+        return
+
+
 def _maybe_json(value: Any, what: str, where: str) -> Any:
     """Hub datasets often store nested columns as JSON strings; decode those."""
     if isinstance(value, str):
@@ -753,6 +739,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             if names and name not in names:
                 raise UserError(f"{mw}: tool result for {shown(name)}, which is not in 'tools' ({', '.join(names)})")
             msg["name"] = name
+            _check_tool_result(msg["content"], mw)
             answered += 1
         out.append(msg)
     if not any(m["role"] == "assistant" and m.get("train", True) for m in out):

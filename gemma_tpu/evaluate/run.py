@@ -439,6 +439,10 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     if kind == "checkpoint" and "@" in target and target.rsplit("@", 1)[1].isdigit():
         target, s = target.rsplit("@", 1)
         step = int(s)
+    elif kind == "checkpoint" and "@" in target and not Path(target).exists() \
+            and Path(target.rsplit("@", 1)[0]).is_dir():  # was "checkpoint directory DIR@last does not exist"
+        raise UserError(f"--compare {text!r}: {target.rsplit('@', 1)[1]!r} is not a step number "
+                        f"(checkpoint:DIR@STEP takes the step in digits, e.g. @200; without it, the latest)")
     # each side its own served model (a base and its adapter on one server): --served-model named one for both, so
     # such a comparison scored one model twice
     own = kind == "endpoint" and "#" in target
