@@ -418,6 +418,23 @@ def test_sparse_multimodal_config_means_transformers_defaults(work, base):
     assert resolved.text_config["num_attention_heads"] == 8 and resolved.max_positions == 131072
 
 
+def publish_anew(dst, src) -> None:
+    """Another process's merge --overwrite, in this one: `src`'s files published over `dst` (a new directory)."""
+    from gemma_tpu.core.atomic import AtomicDir
+
+    ad = AtomicDir(dst, overwrite=True)
+    with ad as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        ad.publish()
+
+
+def replaced_while_read(path) -> str:
+    """The error of a reader whose model directory `path` was published anew between its config and its weights."""
+    return (f"error: {path}: replaced while it was being read (another process published it anew meanwhile, "
+            f"e.g. a merge's --overwrite); its config.json, tokenizer and weights as read could mix two "
+            f"models, so it was not used: run again")
+
+
 def test_bf16_output_with_verify(work, lora_ckpt, merged):
     out = work / "merged_bf16"
     assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--dtype", "bfloat16", "--verify") == 0
@@ -435,17 +452,13 @@ def test_a_base_published_anew_during_the_merge_is_refused(work, base, lora_ckpt
     base that is itself a merged output, published anew meanwhile (another merge's --overwrite), gave a merge of one
     model's weights with the other's config.json and tokenizer. Now refused in one line, nothing published."""
     import convert.merge_orbax as mo
-    from gemma_tpu.core.atomic import AtomicDir
 
     src = work / "base_republished"
     shutil.copytree(base, src)
     real = mo.write_sidecar_files
 
     def write_sidecar_files(*a):  # after the weights: a merge publishes over the base
-        ad = AtomicDir(src, overwrite=True)
-        with ad as tmp:
-            shutil.copytree(base, tmp, dirs_exist_ok=True)
-            ad.publish()
+        publish_anew(src, base)
         return real(*a)
 
     monkeypatch.setattr(mo, "write_sidecar_files", write_sidecar_files)
@@ -453,9 +466,7 @@ def test_a_base_published_anew_during_the_merge_is_refused(work, base, lora_ckpt
     capsys.readouterr()
     assert merge("--checkpoint", lora_ckpt[0], "--base", src, "--out", out) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert err == [f"error: {src}: replaced while it was being read (another process published it anew meanwhile, "
-                   f"e.g. a merge's --overwrite); its config.json, tokenizer and weights as read could mix two "
-                   f"models, so it was not used: run again"]
+    assert err == [replaced_while_read(src)]
     assert not out.exists() and not [p for p in work.iterdir() if p.name.startswith(".merged_republished")]
 
 

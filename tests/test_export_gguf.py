@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from benchmarks.edge_gguf import HARD_STRINGS
-from tests.test_convert import PROMPTS, hf_logits, leftovers, make_checkpoint
+from tests.test_convert import PROMPTS, hf_logits, leftovers, make_checkpoint, publish_anew, replaced_while_read
 
 gguf = pytest.importorskip("gguf")
 
@@ -218,7 +218,6 @@ def test_a_merged_dir_replaced_while_it_is_exported_stops_the_export(tmp_path, b
     lazily, so the tensors read after the swap came from the new merge (at the old header's offsets) and the GGUF
     mixed two merges without a word. Now a read from another file than the one whose header was planned stops
     the export in one line naming it, and nothing is written."""
-    from gemma_tpu.core.atomic import AtomicDir
     from gemma_tpu.hf import safetensors_io as sio
 
     src = tmp_path / "merged"
@@ -227,10 +226,7 @@ def test_a_merged_dir_replaced_while_it_is_exported_stops_the_export(tmp_path, b
 
     def read_bytes(t, offset, length):
         if not swapped:  # the first tensor read: another merge of the same shapes publishes over the directory
-            ad = AtomicDir(src, overwrite=True)
-            with ad as tmp:
-                shutil.copytree(base, tmp, dirs_exist_ok=True)
-                ad.publish()
+            publish_anew(src, base)
             swapped.append(t.file)
         return real(t, offset, length)
 
@@ -251,17 +247,13 @@ def test_a_merged_dir_replaced_between_its_config_and_weights_stops_the_export(t
     with the other's weights, without a word (each tensor read is checked against its header's file, not the files
     around it). Now the directory must be the one published when config.json was read, or nothing is written."""
     from convert import export_gguf
-    from gemma_tpu.core.atomic import AtomicDir
 
     src = tmp_path / "merged"
     shutil.copytree(base, src)
     real = export_gguf.gguf_facts
 
     def gguf_facts(*a):  # between config.json and the weights: a merge publishes over the directory
-        ad = AtomicDir(src, overwrite=True)
-        with ad as tmp:
-            shutil.copytree(base, tmp, dirs_exist_ok=True)
-            ad.publish()
+        publish_anew(src, base)
         return real(*a)
 
     monkeypatch.setattr(export_gguf, "gguf_facts", gguf_facts)
@@ -269,9 +261,7 @@ def test_a_merged_dir_replaced_between_its_config_and_weights_stops_the_export(t
     capsys.readouterr()
     assert export("--merged", src, "--out", out, "--type", "f16") == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert err == [f"error: {src}: replaced while it was being read (another process published it anew meanwhile, "
-                   f"e.g. a merge's --overwrite); its config.json, tokenizer and weights as read could mix two "
-                   f"models, so it was not used: run again"]
+    assert err == [replaced_while_read(src)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
 
 

@@ -258,19 +258,29 @@ def drop_records_after(path: Path, step: int) -> int:
     return len(lines) - len(keep)
 
 
-def last_record(path: Path, mode: str, step: int) -> dict | None:
-    """The last record of `mode` ("train" or "eval") at `step` in metrics.jsonl, or None."""
+def metrics_records(path: Path) -> list[dict]:
+    """The records of metrics.jsonl at `path` in file order (none where it cannot be read; a line cut short or not
+    an object skipped)."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
-        return None
-    found = None
+        return []
+    records = []
     for line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("mode") == mode and rec.get("step") == step:
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def last_record(path: Path, mode: str, step: int) -> dict | None:
+    """The last record of `mode` ("train" or "eval") at `step` in metrics.jsonl, or None."""
+    found = None
+    for rec in metrics_records(path):
+        if rec.get("mode") == mode and rec.get("step") == step:
             found = rec
     return found
 
@@ -278,19 +288,10 @@ def last_record(path: Path, mode: str, step: int) -> dict | None:
 def first_eval_record(path: Path, eval_data: str | None) -> dict | None:
     """The evaluation of the earliest step on the eval set `eval_data` in metrics.jsonl (the run's first, mostly of
     the untrained model at step 0, whichever session wrote it), or None."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
     found = None
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if (isinstance(rec, dict) and rec.get("mode") == "eval" and isinstance(rec.get("step"), int)
-                and eval_data is not None and rec.get("eval_data") == eval_data
-                and (found is None or rec["step"] < found["step"])):
+    for rec in metrics_records(path):
+        if (rec.get("mode") == "eval" and isinstance(rec.get("step"), int) and eval_data is not None
+                and rec.get("eval_data") == eval_data and (found is None or rec["step"] < found["step"])):
             found = rec
     return found
 
