@@ -1051,14 +1051,35 @@ def test_chat_once_refuses_a_question_before_the_model_loads(monkeypatch, tiny_d
     monkeypatch.setattr(chat, "load_checkpoint", no_load)
     with pytest.raises(UserError, match=r"^the question: .*'<start_of_turn>'"):
         chat.main(["--model", str(tiny_long_dir), "--once", "what does <start_of_turn> mean?"])
-    # the tiny tokenizer is character-level: the fitness prompt alone is past tiny_dir's 1,024 positions
-    with pytest.raises(UserError, match=r"^the prompt is 17\d\d tokens; with up to 128 new tokens it passes the "
-                                        r"model's context of 1024"):
+    # the tiny tokenizer is character-level: the fitness prompt alone is past tiny_dir's 1,024 positions, and it is
+    # the developer turn that is: it was "shorten the prompt or ask for fewer new tokens", which no question could do
+    with pytest.raises(UserError, match=r"^the prompt is 17\d\d tokens \(the system prompt \d+, the tool "
+                                        r"declarations \d+, the question \d+\); with up to 128 new tokens it passes "
+                                        r"the model's context of 1024 \(max_position_embeddings\) by \d+: the system "
+                                        r"prompt and the tool declarations alone are \d+ tokens, \d+ past the context, "
+                                        r"whatever the question: a model with a longer context is needed$") as e:
         chat.main(["--model", str(tiny_dir), "--once", "how many steps?"])
-    with pytest.raises(UserError, match=r"with up to 3000 new tokens it passes the model's context of 4096"):
+    total, system, tools, question, _, _, over, given, past = map(int, re.findall(r"\d+", str(e.value)))
+    assert (system + tools + question, over, given, past) == (total, total + 128 - 1024, system + tools, given - 1024)
+    assert tools > 1000 and 0 < system < 200 and len("how many steps?") < question < 80, str(e.value)
+    with pytest.raises(UserError, match=r"with up to 3000 new tokens it passes the model's context of 4096 "
+                                        r"\(max_position_embeddings\) by \d+: ask for at most \d+ new tokens$"):
         chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?", "--max-new-tokens", "3000"])
+    # a long question: shortened by what it passes by (a character a token here), the same question fits
+    with pytest.raises(UserError, match=r"the question (\d+)\); with up to 8 new tokens .* by (\d+): shorten the "
+                                        r"question by at least \2 tokens$") as e:
+        chat.main(["--model", str(tiny_long_dir), "--once", "x" * 2500, "--max-new-tokens", "8"])
+    over = int(re.search(r"by (\d+):", str(e.value)).group(1))
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        chat.main(["--model", str(tiny_long_dir), "--once", "x" * (2500 - over), "--max-new-tokens", "8"])
     with pytest.raises(AssertionError, match="the model was loaded"):  # a question that fits goes on to the load
         chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?"])
+    from gemma_tpu.infer.generate import check_context  # neither way alone fits: both are needed, and said
+
+    parts = [("the system prompt", 100), ("the tool declarations", 800), ("the tool calls and results", 124)]
+    with pytest.raises(UserError, match=r"by 200: the system prompt and the tool declarations take 900 of its 1024 "
+                                        r"tokens, leaving 124 for the tool calls and results and the reply: shorten "):
+        check_context([[2] * 1024], 200, 1024, parts)
     monkeypatch.setenv("GEMMA_TPU_PREFIX_CACHE_BYTES", "2GB")  # read by the generator, checked before the load
     with pytest.raises(UserError, match=r"^GEMMA_TPU_PREFIX_CACHE_BYTES='2GB': must be a whole number of bytes"):
         chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?"])
