@@ -110,6 +110,15 @@ def test_prefix_cache_budget_is_sized_from_free_memory(monkeypatch):
     host = g.free_memory(Device(None))  # a CPU device has no stats: the host's available memory
     assert host is not None and 0 < host <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert g.prefix_cache_budget(Device(None)) == pytest.approx(g.PREFIX_CACHE_FRACTION * host, rel=0.5)
+    # several devices (a host's 8 accelerators, the model sharded over them): the least free bounds it, each holding
+    # its copy or shard of the caches; only the first was asked, and a full device 3 went unseen
+    import jax
+
+    many = [tpu, Device({"bytes_limit": 16 << 30, "bytes_in_use": 15 << 30}), Device(None), tpu]
+    assert g.free_memory(many) == 1 << 30
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: many)
+    assert g.free_memory() == 1 << 30
+    assert g.prefix_cache_budget() == pytest.approx(g.PREFIX_CACHE_FRACTION * (1 << 30), abs=1)
     monkeypatch.setenv(g.PREFIX_CACHE_BYTES_ENV, "123456")
     assert g.prefix_cache_budget(tpu) == 123456
     monkeypatch.setenv(g.PREFIX_CACHE_BYTES_ENV, "0")  # only the latest prefix kept

@@ -65,21 +65,27 @@ DECODE_CHUNK = 16
 
 
 def free_memory(device=None) -> int | None:
-    """Bytes free on `device` (default: the first local JAX device) by its `memory_stats()` (bytes_limit less
-    bytes_in_use), else the host's available memory (MemAvailable; a CPU device has no stats); None where neither
-    is known."""
+    """Bytes free on `device` (a device or several; default: every local JAX device) by its `memory_stats()`
+    (bytes_limit less bytes_in_use; of several, the least: each holds its own copy or shard of what is kept, so the
+    fullest bounds it), else the host's available memory (MemAvailable; a CPU device has no stats); None where
+    neither is known. Only the first local device was asked: on a host of 8 accelerators, the model's shards and
+    another process filling device 3 were not seen."""
     import os
 
     if device is None:
         import jax
 
-        device = jax.local_devices()[0]
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - a backend without the call (or failing in it): the host's memory then
-        stats = {}
-    if stats.get("bytes_limit"):
-        return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
+        device = jax.local_devices()
+    frees = []
+    for each in (device if isinstance(device, (list, tuple)) else [device]):
+        try:
+            stats = each.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - a backend without the call (or failing in it): the host's memory then
+            stats = {}
+        if stats.get("bytes_limit"):
+            frees.append(max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0))
+    if frees:
+        return min(frees)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
