@@ -391,6 +391,35 @@ def test_check_writable_makes_a_file_rather_than_trusting_os_access(tmp_path):
         check_writable("/sys/kernel/no-such-output", "--out X")
 
 
+def test_check_writable_says_what_the_directory_is(tmp_path):
+    """A results file under a link to a directory that does not exist passed the up-front check, and the evaluation
+    failed at its end ("--out ...: cannot create LINK (File exists)"), its results lost; one under /proc was "/proc
+    is not writable (No such file or directory)", of a directory that exists. Each now says what the directory is,
+    before the run, leaving nothing."""
+    import os
+
+    from gemma_tpu.core.atomic import check_results_file, write_text_atomic
+    from gemma_tpu.core.errors import UserError
+
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    for out in (tmp_path / "link" / "r.json", tmp_path / "link" / "sub" / "r.json"):
+        with pytest.raises(UserError, match=rf"^--json {out}: {tmp_path}/link is a link to {tmp_path}/gone, which "
+                                            r"does not exist \(create that directory"):
+            check_results_file(out, results_key="models")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+    (tmp_path / "gone").mkdir()  # made, the same path is written
+    write_text_atomic(tmp_path / "link" / "r.json", "{}")
+    assert (tmp_path / "gone" / "r.json").read_text() == "{}"
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs /proc")
+    with pytest.raises(UserError, match=r"^--json /proc/x.json: /proc takes no new files \(a proc filesystem: its "
+                                        r"files are the system's\); give a path on a disk$"):
+        check_results_file("/proc/x.json", results_key="models")
+    with pytest.raises(UserError, match=r"^--json /proc/nope/x.json: /proc takes no new files .*; /proc/nope does not "
+                                        r"exist and cannot be created there; give a path on a disk$"):
+        check_results_file("/proc/nope/x.json", results_key="models")
+
+
 @pytest.mark.parametrize("command", [["serving.bench", "--model", "m", "--base-url"],
                                      ["gemma_tpu.evaluate", "--data", "tests/data/chat_sample.jsonl", "--endpoint"]])
 def test_a_results_file_on_a_full_disk_is_refused_before_the_run(command, small_disk):

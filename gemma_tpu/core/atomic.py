@@ -50,6 +50,9 @@ def check_writable(path: str | Path, what: str, room: int = 0) -> None:
     p = Path(path).absolute()
     probe = p
     while not probe.exists() and probe != probe.parent:
+        if probe.is_symlink():  # a link to nothing passed, and the run failed at its end: "cannot create (File exists)"
+            raise UserError(f"{what}: {probe} is a link to {os.readlink(probe)}, which does not exist (create that "
+                            f"directory, or give another path)")
         probe = probe.parent
     if not probe.is_dir():
         raise UserError(f"{what}: {probe} is not a directory")
@@ -59,7 +62,12 @@ def check_writable(path: str | Path, what: str, room: int = 0) -> None:
     try:
         fd, name = tempfile.mkstemp(prefix=".writable-", dir=probe)
     except OSError as e:
-        raise UserError(f"{what}: {probe} is not writable ({e.strerror or e})") from None
+        missing = f"; {p} does not exist and cannot be created there" if probe != p else ""
+        if e.errno == errno.ENOENT:  # the directory exists: a filesystem whose files the kernel makes (/proc)
+            fs = _filesystem_type(probe)  # it was "/proc is not writable (No such file or directory)"
+            raise UserError(f"{what}: {probe} takes no new files ({f'a {fs} filesystem: ' if fs else ''}its files are "
+                            f"the system's){missing}; give a path on a disk") from None
+        raise UserError(f"{what}: {probe} is not writable ({e.strerror or e}){missing}") from None
     full = None
     try:
         data = b"\0" * room
@@ -76,6 +84,23 @@ def check_writable(path: str | Path, what: str, room: int = 0) -> None:
         pass
     if full is not None:
         raise UserError(f"{what}: {probe} has no room for it ({full.strerror or full})")
+
+
+def _filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem `path` is on (`proc`, `sysfs`), by the longest mount point holding it in
+    /proc/self/mounts; None where that is not known."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for point, fs in mounts:
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)  # a space is \040 there
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > len(best[0])):
+            best = (point, fs)
+    return best[1] if best else None
 
 
 def free_space(path: str | Path) -> int:
