@@ -751,6 +751,12 @@ def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_s
         proc = _in_process(*rerun)
         assert proc.returncode == 0 and json.loads(out.read_text())["n"] == 5, proc.stderr
         assert not (tmp_path / "r.partial.json").exists() and "removed " in proc.stderr, proc.stderr
+        # the top-level n is each model's: the scored decisions (their records), from `conversations` conversations;
+        # under --turns all it was the conversations (5) beside the model's 7
+        assert _in_process(*rerun, "--turns", "all", "--json", str(tmp_path / "all.json")).returncode == 0
+        doc = json.loads((tmp_path / "all.json").read_text())
+        assert (doc["n"], doc["conversations"], doc["turns"]) == (7, 5, "all")
+        assert doc["models"][f"endpoint:{url}"]["n"] == len(doc["examples"][f"endpoint:{url}"]) == 7
         (tmp_path / "r.partial.json").write_text('{"notes": "mine"}')
         assert _in_process(*rerun).returncode == 0 and (tmp_path / "r.partial.json").exists()
         # a Ctrl-C once the complete file is published (before the partial was removed) left the older one beside it

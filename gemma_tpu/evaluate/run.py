@@ -552,9 +552,15 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def results_json(results: dict, details: dict, data: str, n: int, **extra) -> str:
-    return strict_json.dumps({"data": str(data), "n": n, "models": results, "examples": details, **extra},
-                             indent=2, ensure_ascii=False)
+def results_json(results: dict, details: dict, data: str, n: int, conversations: int | None = None,
+                 turns: str | None = None, **extra) -> str:
+    """The results file: `n` the scored decisions (each model's `n`, its records' count: one a conversation, or one a
+    trained assistant turn with `--turns all`), `conversations` the conversations they come from, `turns` which turns
+    were scored, `models` label -> metrics, `examples` label -> records. The top-level `n` was the conversations,
+    each model's the decisions: under `--turns all`, 5 and 12 in one file."""
+    head = {"data": str(data), "n": n, **({"conversations": conversations} if conversations is not None else {}),
+            **({"turns": turns} if turns is not None else {})}
+    return strict_json.dumps({**head, "models": results, "examples": details, **extra}, indent=2, ensure_ascii=False)
 
 
 def describe_stop(error: BaseException) -> str:
@@ -611,7 +617,8 @@ def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: 
           + (f" and {which} of its {n} examples" if partial else ""), file=sys.stderr)
     if args.json:
         path = partial_path(Path(args.json))
-        write_text_atomic(path, results_json(results, details, args.data, len(convs), failed=stop))
+        write_text_atomic(path, results_json(results, details, args.data, len(build_cases(convs, args.turns)),
+                                             len(convs), args.turns, failed=stop))
         print(f"wrote {path}", file=sys.stderr)
 
 
@@ -743,7 +750,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
               f"--max-new-tokens {args.max_new_tokens})", file=sys.stderr)
     if args.json:
         out = Path(args.json)
-        text = results_json(results, details, args.data, len(convs))
+        text = results_json(results, details, args.data, len(build_cases(convs, args.turns)), len(convs), args.turns)
         try:
             write_text_atomic(out, text)
         finally:  # a Ctrl-C or SIGTERM once the complete file is published left the older partial beside it
