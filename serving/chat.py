@@ -25,7 +25,7 @@ from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.data.records import served_markup
-from gemma_tpu.examples.fitness.chat import blank, chat_repl, check_tool_results, question_text
+from gemma_tpu.examples.fitness.chat import blank, chat_repl, check_stdin, check_tool_results, question_text
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset as fitness_toolset
 from gemma_tpu.formats.function_calling import ParsedReply
@@ -120,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--once needs a question")
     if args.retries < 0:
         raise UserError(f"--retries {args.retries}: must be 0 or more")
+    if args.once is None:
+        check_stdin()  # before the server is asked
     provider = make_provider(args.provider, args.seed)  # fail fast on credentials
     api_key = os.environ.get(args.api_key_env) or None
     model = args.model or served_model_name(api_base(args.base_url), api_key, timeout=min(args.timeout, 30),

@@ -1037,6 +1037,16 @@ def test_chat_dtype_reaches_a_checkpoint_and_an_empty_question_loads_nothing(mon
         with pytest.raises(UserError, match="--once needs a question"):
             served_chat.main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--once", question])
     assert len(seen) == 3
+    # a session with its standard input closed (`<&-`: sys.stdin is None) ended in an AttributeError traceback once
+    # the model had loaded (or the server had been asked); refused first now, and --once does not need it
+    monkeypatch.setattr(sys, "stdin", None)
+    for main, argv in ((chat.main, ["--model", "m"]), (served_chat.main, ["--base-url", "http://127.0.0.1:9"])):
+        with pytest.raises(UserError, match=r"^no standard input to read questions from \(it is closed\): give one "
+                                            r"with --once QUESTION"):
+            main(argv)
+    with pytest.raises(UserError, match="stop here"):
+        chat.main(["--model", "m", "--once", "hi"])
+    assert len(seen) == 4
 
 
 def test_chat_once_refuses_a_question_before_the_model_loads(monkeypatch, tiny_dir, tiny_long_dir):

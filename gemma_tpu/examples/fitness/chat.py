@@ -160,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--step applies to --checkpoint, not --model")
     if args.once is not None and blank(args.once):  # before the model, not after its load
         raise UserError("--once needs a question")
+    if args.once is None:
+        check_stdin()  # before the model too
     if not args.no_prefix_cache:
         prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before the model loads
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
@@ -223,6 +225,14 @@ def blank(text: str) -> bool:
     return all(c.isspace() or c in _FILLERS or unicodedata.category(c) in ("Cf", "Cc") for c in text)
 
 
+def check_stdin() -> None:
+    """Refuse a session without a standard input to read its questions from (closed: `<&-`, a service without one):
+    Python's sys.stdin is None there, and the chat ended in an AttributeError traceback, after the model's load."""
+    if sys.stdin is None:
+        raise UserError("no standard input to read questions from (it is closed): give one with --once QUESTION, "
+                        "or pipe the questions in")
+
+
 QUIT = ("exit", "quit", "/exit", "/quit", "/bye")  # what ends a session (the slash forms other chat CLIs use)
 
 
@@ -231,6 +241,7 @@ def chat_repl(ask, greeting: str) -> int:
     and the session goes on. On a terminal, Ctrl-C during an answer cancels that answer (its request is dropped)
     and asks again, and Ctrl-C at the prompt leaves as Ctrl-D does: it ended the whole session, mid-answer or not,
     with "error: interrupted". Piped questions stop at Ctrl-C (exit 130), as any command in a pipeline does."""
+    check_stdin()
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # a byte that is not UTF-8 is U+FFFD, not a UnicodeDecodeError (a
         sys.stdin.reconfigure(errors="surrogateescape")  # strict locale) that ends the session; see question_text
