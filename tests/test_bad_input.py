@@ -965,6 +965,11 @@ CASES = [
          ["{tmp}/d.jsonl:1", "1024 (max_position_embeddings)", "all 2 prompts"],
          {"d.jsonl": "".join(line + "\n"
                              for line in (REPO / "data" / "fitness" / "test.jsonl").read_text().splitlines()[:2])}),
+    # "--batch-size and --max-new-tokens must be positive", whichever of them was given
+    Case("evaluate-zero-new-tokens", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}",
+                                                            "--max-new-tokens", "0"], ["--max-new-tokens 0: must be"]),
+    Case("evaluate-negative-batch-size", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}",
+                                                                "--batch-size", "-4"], ["--batch-size -4: must be"]),
     Case("evaluate-step-with-model", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--step", "2"],
          ["--step", "--checkpoint", "not --model"]),
     Case("evaluate-step-compare-without-checkpoint", "gemma_tpu.evaluate",

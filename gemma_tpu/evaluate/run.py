@@ -673,8 +673,9 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
     args.checkpoint_dtype = cfg.model.dtype if "model.dtype" in keys_given(args.config, args.overrides) else None
     if args.limit is not None and args.limit <= 0:
         raise UserError("--limit must be positive")
-    if args.batch_size <= 0 or args.max_new_tokens <= 0:
-        raise UserError("--batch-size and --max-new-tokens must be positive")
+    for option, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
+        if value <= 0:  # was "--batch-size and --max-new-tokens must be positive", whichever it was
+            raise UserError(f"{option} {value}: must be positive")
     if args.retries < 0:
         raise UserError(f"--retries {args.retries}: must be 0 or more")
     if args.step is not None and (args.model or args.endpoint):
