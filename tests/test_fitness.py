@@ -1066,8 +1066,9 @@ def test_chat_once_refuses_a_question_before_the_model_loads(monkeypatch, tiny_d
     with pytest.raises(UserError, match=r"^the prompt is 17\d\d tokens \(the system prompt \d+, the tool "
                                         r"declarations \d+, the question \d+\); with up to 128 new tokens it passes "
                                         r"the model's context of 1024 \(max_position_embeddings\) by \d+: the system "
-                                        r"prompt and the tool declarations alone are \d+ tokens, \d+ past the context, "
-                                        r"whatever the question: a model with a longer context is needed$") as e:
+                                        r"prompt and the tool declarations alone come to \d+ tokens, \d+ past the "
+                                        r"context, whatever the question: a model with a longer context is "
+                                        r"needed$") as e:
         chat.main(["--model", str(tiny_dir), "--once", "how many steps?"])
     total, system, tools, question, _, _, over, given, past = map(int, re.findall(r"\d+", str(e.value)))
     assert (system + tools + question, over, given, past) == (total, total + 128 - 1024, system + tools, given - 1024)
@@ -1084,6 +1085,23 @@ def test_chat_once_refuses_a_question_before_the_model_loads(monkeypatch, tiny_d
         chat.main(["--model", str(tiny_long_dir), "--once", "x" * (2500 - over), "--max-new-tokens", "8"])
     with pytest.raises(AssertionError, match="the model was loaded"):  # a question that fits goes on to the load
         chat.main(["--model", str(tiny_long_dir), "--once", "how many steps?"])
+    # a later prompt of the tool loop: what came back since the question is its own part, the parts the whole prompt
+    from gemma_tpu.examples.fitness.providers import make_provider
+    from gemma_tpu.examples.fitness.tools import toolset
+    from gemma_tpu.infer.generate import describe_hf_dir
+    from gemma_tpu.infer.tool_loop import first_messages
+
+    renderer, tools = chat.coach_renderer(describe_hf_dir(str(tiny_long_dir))), toolset(make_provider("simulated", 0))
+    messages = first_messages("how many steps?", tools) + [
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_steps", "arguments": {"date": "today"}}]},
+        {"role": "tool", "name": "get_steps", "content": '{"steps": 4000}'}]
+    conv = {"tools": tools.schemas, "messages": messages}
+    ids = renderer.render(conv, add_generation_prompt=True).ids
+    parts = renderer.prompt_parts(conv, len(ids))
+    assert [name for name, _ in parts] == ["the system prompt", "the tool declarations", "the question",
+                                           "the tool calls and results"] and sum(n for _, n in parts) == len(ids)
+    assert 30 < parts[-1][1] < 120 and parts[:3] == renderer.prompt_parts({**conv, "messages": messages[:2]},
+                                                                          sum(n for _, n in parts[:3]))
     from gemma_tpu.infer.generate import check_context  # neither way alone fits: both are needed, and said
 
     parts = [("the system prompt", 100), ("the tool declarations", 800), ("the tool calls and results", 124)]
@@ -1718,9 +1736,17 @@ def test_evaluate_refuses_prompts_past_the_context_before_any_model_loads(tiny_d
     monkeypatch.setattr(evaluate, "load_checkpoint", no_load)
     data = tmp_path / "d.jsonl"
     data.write_text("".join(line + "\n" for line in (DATA / "test.jsonl").read_text().splitlines()[:2]))
-    with pytest.raises(UserError, match=r"d.jsonl:1: the prompt is 17\d\d tokens; with --max-new-tokens 64 it passes "
-                                        r"the model's context of 1024 .*\(as are all 2 prompts\)"):
+    # which part passes it, and by how many: the test set's tool declarations alone, on a small model, where the
+    # message gave only the prompt's length beside --max-new-tokens, as if that were to blame
+    with pytest.raises(UserError, match=r"d.jsonl:1: the prompt is 17\d\d tokens \(the system prompt \d+, the tool "
+                                        r"declarations 1\d\d\d, the question \d+\); with --max-new-tokens 64 it passes "
+                                        r"the model's context of 1024 \(max_position_embeddings\) by 7\d\d: the system "
+                                        r"prompt and the tool declarations alone come to 16\d\d tokens, 6\d\d past the "
+                                        r"context, whatever the question: .*\(as are all 2 prompts\)$"):
         evaluate.main(["--data", str(data), "--model", str(tiny_dir), "--no-loss"])
+    with pytest.raises(UserError, match=r"d.jsonl:1: .* by (\d+): shorten the question by at least \1 tokens or ask "
+                                        r"for at most (\d+) new tokens \(--max-new-tokens\) \(as are all 2 prompts\)$"):
+        evaluate.main(["--data", str(data), "--model", str(tiny_long_dir), "--no-loss", "--max-new-tokens", "2400"])
     with pytest.raises(UserError, match=rf"^--compare B \(model:{tiny_dir}\): .*d.jsonl:1: the prompt is 17\d\d "):
         evaluate.main(["--data", str(data), "--compare", f"model:{tiny_long_dir}", f"model:{tiny_dir}", "--no-loss"])
     with pytest.raises(AssertionError, match="a model was loaded"):  # prompts that fit go on to the load

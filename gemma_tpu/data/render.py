@@ -210,6 +210,15 @@ class Renderer:
         own = () if self.chat_format == "template" else (chat.START_OF_TURN, chat.END_OF_TURN, *fc.FUNCTION_MARKERS)
         return [*specials, *own, *self.token_map.values()]
 
+    def prompt_parts(self, conv: dict, total: int, max_tokens: int | None = None) -> list[tuple[str, int]] | None:
+        """A generation prompt's `total` tokens (`conv` rendered with add_generation_prompt) by part, in order, as
+        (name, count): the system prompt and the tool declarations where given (PROMPT_PARTS), the question with its
+        turn's markup, and the turns after it where there are; for an error that says which part passes a context
+        (`gemma_tpu.infer.generate.context_excess`). None where the conversation does not open with them (no system
+        prompt and no tools given, no question after them), the format cannot render them apart, or one is past
+        `max_tokens`."""
+        return _prompt_parts(self, conv, total, max_tokens)
+
     def segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
         if "text" in conv:  # a language-modeling row: no chat markup, every token trained
             return text_segments(conv["text"], getattr(self.tokenizer, "eos_token", None))
@@ -328,6 +337,43 @@ class Renderer:
                     mask[1:] |= (starts < pos + len(t)) & (ends > pos)
                 pos += len(t)
         return Rendered(ids, mask, text, offsets, tail, partial)
+
+
+# the parts `Renderer.prompt_parts` counts: given with the prompt (the system prompt, the tool declarations), then
+# what its user wrote (the question) and what came after it (a chat's tool calls and results, a test conversation's
+# later turns)
+PROMPT_PARTS = ("the system prompt", "the tool declarations", "the question", "the turns after it",
+                "the tool calls and results")
+
+
+def _prompt_parts(renderer: Renderer, conv: dict, total: int,
+                  max_tokens: int | None = None) -> list[tuple[str, int]] | None:
+    """See `Renderer.prompt_parts`."""
+    msgs, tools = conv.get("messages") or [], conv.get("tools") or []
+    k = next((i for i, m in enumerate(msgs) if m.get("role") not in ("system", "developer")), len(msgs))
+    if k == len(msgs) or msgs[k].get("role") != "user" or (k == 0 and not tools):
+        return None
+
+    def size(messages: list, declared: list) -> int:
+        r = renderer.render({"tools": declared, "messages": messages}, add_generation_prompt=True,
+                            max_tokens=max_tokens)
+        return len(r.ids) if not r.partial else -1
+
+    try:  # the system prompt is counted apart from the declarations: a format may fold it into the user turn
+        question, untooled = size(msgs[k:k + 1], []), size(msgs[:k + 1], [])
+        first = size(msgs[:k + 1], tools) if tools else untooled
+    except (UserError, ValueError):
+        return None
+    if min(question, untooled, first) < 0:
+        return None
+    parts = [(PROMPT_PARTS[0], untooled - question), (PROMPT_PARTS[1], first - untooled)]
+    parts = [p for p in parts if p[1] > 0]
+    if k + 1 < len(msgs):
+        calls_only = all(m.get("role") in ("assistant", "tool") for m in msgs[k + 1:])
+        parts += [(PROMPT_PARTS[2], question), (PROMPT_PARTS[4 if calls_only else 3], total - first)]
+    else:
+        parts.append((PROMPT_PARTS[2], total - first + question))
+    return parts if parts[0][0] != PROMPT_PARTS[2] and all(n >= 0 for _, n in parts) else None
 
 
 def _drop_untrained_tail(segs: list[tuple[str, bool]]) -> tuple[list[tuple[str, bool]], bool]:

@@ -62,8 +62,8 @@ from gemma_tpu.data.batching import Example
 from gemma_tpu.data.records import served_markup
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import CUT_OFF, ParsedReply, ToolCall, arguments_match
-from gemma_tpu.infer.generate import (DECODE_CHUNK, Generator, describe_checkpoint, describe_hf_dir, load_checkpoint,
-                                      load_hf_dir, prefix_cache_bytes_set)
+from gemma_tpu.infer.generate import (DECODE_CHUNK, Generator, context_excess, describe_checkpoint, describe_hf_dir,
+                                      load_checkpoint, load_hf_dir, prefix_cache_bytes_set)
 from gemma_tpu.infer.openai_client import (  # noqa: F401
     DEFAULT_RETRIES,
     RETRIES_HELP,
@@ -254,10 +254,23 @@ def prompts_within_context(renderer, cases: Sequence[Case], max_new_tokens: int,
     (case index -> reason). Tokenized only as far as the context reaches (`partial`): a 3 MB question took 30 s and
     2.4 GB to be refused."""
     rendered = [renderer.render(c.prompt, add_generation_prompt=True, max_tokens=limit) for c in cases]
-    over = {i: f"the prompt is {f'more than {limit}' if r.partial else len(r.ids)} tokens; with --max-new-tokens "
-               f"{max_new_tokens} it passes the model's context of {limit} (max_position_embeddings)"
+    over = {i: past_context(renderer, cases[i].prompt, r, max_new_tokens, limit)
             for i, r in enumerate(rendered) if limit and len(r.ids) + max_new_tokens > limit}
     return [r.ids for r in rendered], over
+
+
+def past_context(renderer, prompt: dict, rendered, max_new_tokens: int, limit: int) -> str:
+    """Why a prompt (`rendered`) with --max-new-tokens passes the context: its tokens by part (`prompt_parts`: the
+    system prompt, the tool declarations, the question...) and by how many, so that a test set whose declarations
+    alone pass a small model's context says so (it was the prompt's length, as if --max-new-tokens were to blame)."""
+    head = f"the prompt is {f'more than {limit}' if rendered.partial else len(rendered.ids)} tokens"
+    parts = None if rendered.partial else renderer.prompt_parts(prompt, len(rendered.ids), max_tokens=limit)
+    if parts:
+        head += f" ({', '.join(f'{name} {n}' for name, n in parts)})"
+    tail = "" if rendered.partial else " " + context_excess(len(rendered.ids), max_new_tokens, limit, parts,
+                                                            "new tokens (--max-new-tokens)")
+    return (f"{head}; with --max-new-tokens {max_new_tokens} it passes the model's context of {limit} "
+            f"(max_position_embeddings){tail}")
 
 
 def check_before_load(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> None:

@@ -144,38 +144,45 @@ class Generation:
         return fc.cut_short(reply, len(self.ids)) if self.stop == "length" else reply
 
 
+def context_excess(total: int, max_new: int, limit: int, parts: Sequence[tuple[str, int]] | None = None,
+                   new_tokens: str = "new tokens") -> str:
+    """What a prompt of `total` tokens with `max_new` new tokens passing the context `limit` passes it by, and what
+    would fit: "by 40: shorten the question by at least 40 tokens or ask for at most 88 new tokens". `parts`: the
+    prompt's tokens by part, in order, as (name, count) (`Renderer.prompt_parts`), the last the part its user writes,
+    the others given (a chat's system prompt, its tool declarations): when the given parts alone leave no room it
+    says so, rather than "shorten the prompt" (a chat whose developer turn alone passed the context was told to
+    shorten its question). `new_tokens`: how the caller's option names them."""
+    over = total + max_new - limit
+    if not parts or len(parts) < 2:
+        return f"by {over}: shorten the prompt or ask for fewer {new_tokens}"
+    given_list = [name for name, _ in parts[:-1]]
+    given_names = " and ".join(filter(None, [", ".join(given_list[:-1]), given_list[-1]]))
+    given, (last_name, last) = sum(n for _, n in parts[:-1]), parts[-1]
+    ways = ([f"shorten {last_name} by at least {over} tokens"] if last > over else []) + \
+           ([f"ask for at most {limit - total} {new_tokens}"] if total < limit else [])
+    if given >= limit:
+        return (f"by {over}: {given_names} alone come to {given} tokens, "
+                + (f"{given - limit} past the context" if given > limit else "the whole context")
+                + f", whatever {last_name}: a model with a longer context is needed")
+    if ways:
+        return f"by {over}: {' or '.join(ways)}"
+    return (f"by {over}: {given_names} take {given} of its {limit} tokens, leaving {limit - given} for {last_name} and "
+            f"the reply: shorten {last_name} and ask for fewer {new_tokens}")
+
+
 def check_context(prompts: Sequence[Sequence[int]], max_new: int, limit: int | None,
                   parts: Sequence[tuple[str, int]] | None = None) -> None:
     """Refuse prompts that, with `max_new` new tokens, pass the model's context `limit` (None: not known), saying by how
-    many tokens. `parts`: the (one) prompt's tokens by part, in order, as (name, count), the last the part its user
-    writes ("the question"), the others given (a chat's system prompt, its tool declarations): the error names each
-    part's count, and when the given parts alone leave no room, says so rather than "shorten the prompt" (a chat whose
-    developer turn alone passed the context was told to shorten its question)."""
+    many tokens and what would fit (`context_excess`; `parts`: the one prompt's tokens by part, named in the error)."""
     longest = max((len(p) for p in prompts), default=0)
     if not limit or longest + max_new <= limit:
         return
     i = next(i for i, p in enumerate(prompts) if len(p) == longest)
     which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"  # one (a chat's question): no number
-    over = longest + max_new - limit
-    shown = f" ({', '.join(f'{name} {n}' for name, n in parts)})" if parts and len(prompts) == 1 else ""
-    advice = "shorten the prompt or ask for fewer new tokens"
-    if shown and len(parts) > 1:
-        names = [name for name, _ in parts]
-        given_names = " and ".join(names[:-1])
-        given, (last_name, last) = sum(n for _, n in parts[:-1]), parts[-1]
-        ways = ([f"shorten {last_name} by at least {over} tokens"] if last > over else []) + \
-               ([f"ask for at most {limit - longest} new tokens"] if longest < limit else [])
-        if given >= limit:
-            advice = (f"{given_names} alone are {given} tokens, "
-                      + (f"{given - limit} past the context" if given > limit else "the whole context")
-                      + f", whatever {last_name}: a model with a longer context is needed")
-        elif ways:
-            advice = " or ".join(ways)
-        else:
-            advice = (f"{given_names} take {given} of its {limit} tokens, leaving {limit - given} for {last_name} and "
-                      f"the reply: shorten {last_name} and ask for fewer new tokens")
+    parts = parts if len(prompts) == 1 else None
+    shown = f" ({', '.join(f'{name} {n}' for name, n in parts)})" if parts else ""
     raise UserError(f"{which} is {longest} tokens{shown}; with up to {max_new} new tokens it passes the model's "
-                    f"context of {limit} (max_position_embeddings) by {over}: {advice}")
+                    f"context of {limit} (max_position_embeddings) {context_excess(longest, max_new, limit, parts)}")
 
 
 @dataclasses.dataclass

@@ -106,31 +106,11 @@ def check_question(described, provider, question: str, max_new_tokens: int) -> N
 def check_prompt(renderer, tools, messages: list[dict], ids: list[int], max_new_tokens: int | None,
                  limit: int | None) -> None:
     """Refuse a prompt (`ids`, of `messages`) that with `max_new_tokens` passes the model's context `limit`, naming
-    its parts' tokens (`prompt_parts`): the coach's developer turn alone past a small model's context was refused
-    with "shorten the prompt", which no question could do."""
+    its parts' tokens (`Renderer.prompt_parts`): the coach's developer turn alone past a small model's context was
+    refused with "shorten the prompt", which no question could do."""
     if limit and max_new_tokens and len(ids) + max_new_tokens > limit:
-        check_context([ids], max_new_tokens, limit, prompt_parts(renderer, tools, messages, len(ids)))
-
-
-def prompt_parts(renderer, tools, messages: list[dict], total: int) -> list[tuple[str, int]] | None:
-    """A prompt's `total` tokens by part: the system prompt, the tool declarations, the question (with its turn's
-    markup and the date it carries) and, after the first reply, the tool calls and results; None where the chat
-    format cannot render them apart or the conversation does not open with a developer turn and a question."""
-    if len(messages) < 2 or messages[0]["role"] not in ("developer", "system") or messages[1]["role"] != "user":
-        return None
-    try:
-        question = len(renderer.render({"tools": [], "messages": messages[1:2]}, add_generation_prompt=True).ids)
-        untooled = len(renderer.render({"tools": [], "messages": messages[:2]}, add_generation_prompt=True).ids)
-        first = len(renderer.render({"tools": tools.schemas, "messages": messages[:2]}, add_generation_prompt=True).ids)
-    except (UserError, ValueError):
-        return None
-    parts = [("the system prompt", untooled - question), ("the tool declarations", first - untooled),
-             ("the question", question)]
-    if len(messages) > 2:  # the rest is what came back since: the last part, the one that grew
-        parts.append(("the tool calls and results", total - first))
-    else:
-        parts[-1] = ("the question", total - first + question)
-    return parts if all(n >= 0 for _, n in parts) else None
+        parts = renderer.prompt_parts({"tools": tools.schemas, "messages": messages}, len(ids))
+        check_context([ids], max_new_tokens, limit, parts)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
