@@ -410,6 +410,17 @@ def test_check_writable_says_what_the_directory_is(tmp_path):
     (tmp_path / "gone").mkdir()  # made, the same path is written
     write_text_atomic(tmp_path / "link" / "r.json", "{}")
     assert (tmp_path / "gone" / "r.json").read_text() == "{}"
+    # what the publish refuses to replace, refused before the run: `--json /dev/stdout` (a link) and a named pipe
+    # passed, and the evaluation's results were refused at its end ("is a symbolic link...; refusing to replace")
+    (tmp_path / "out").symlink_to("/dev/null")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UserError, match=rf"^--json {tmp_path}/out: is a symbolic link \(to /dev/null\), which the "):
+        check_results_file(tmp_path / "out", results_key="models")
+    with pytest.raises(UserError, match=rf"^--json {tmp_path}/fifo: exists and is not a regular file \(a device or a "):
+        check_results_file(tmp_path / "fifo", results_key="models")
+    if os.path.islink("/dev/stdout"):  # Linux's link to /proc/self/fd/1
+        with pytest.raises(UserError, match=r"^--json /dev/stdout: is a symbolic link"):
+            check_results_file("/dev/stdout", results_key="models")
     if not os.path.isdir("/proc/self"):
         pytest.skip("needs /proc")
     with pytest.raises(UserError, match=r"^--json /proc/x.json: /proc takes no new files \(a proc filesystem: its "

@@ -592,6 +592,14 @@ def check_results_file(path: str | Path | None, inputs: dict[str, str | Path | N
     p = Path(path)
     if p.is_dir():
         raise UserError(f"--json {path}: is a directory (give a file name)")
+    # what write_text_atomic refuses to replace (check_target), refused before the work: `--json /dev/stdout` (a
+    # link) or a named pipe passed here, and the evaluation's results were refused at its end
+    if p.is_symlink():
+        raise UserError(f"--json {path}: is a symbolic link (to {os.readlink(p)}), which the results file would "
+                        f"replace, not write through: give the path it points to, or a file name")
+    if p.exists() and not p.is_file():
+        raise UserError(f"--json {path}: exists and is not a regular file (a device or a pipe), which the results "
+                        f"file would replace: give a file name (the table is printed on stdout)")
     for option, src in inputs.items():
         if src and Path(src).exists() and p.exists() and p.resolve() == Path(src).resolve():
             raise UserError(f"--json {path} is the {option} input; the results would replace it (give another "
