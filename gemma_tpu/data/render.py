@@ -362,7 +362,7 @@ def _prompt_parts(renderer: Renderer, conv: dict, total: int,
     try:  # the system prompt is counted apart from the declarations: a format may fold it into the user turn
         question, untooled = size(msgs[k:k + 1], []), size(msgs[:k + 1], [])
         first = size(msgs[:k + 1], tools) if tools else untooled
-    except (UserError, ValueError):
+    except Exception:  # noqa: BLE001 - a template refusing a part alone: the error it serves goes without the parts
         return None
     if min(question, untooled, first) < 0:
         return None
