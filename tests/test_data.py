@@ -307,6 +307,16 @@ SETS = {"type": "array", "items": {"type": "object", "properties": {"reps": {"ty
     ({"sets": [{"reps": 5, "kind": "c"}]}, {"properties": {"sets": SETS}}, r"'sets\[0\].kind' is \"c\", not one of"),
     ({"o": {"unit": 3}}, {"properties": {"o": {"type": "object", "properties": {"unit": {"type": "string"}}}}},
      r"'o.unit' is declared string, got a number 3"),
+    # unions as pydantic writes them (Optional, Union, nested models): a value must pass a branch (were not walked)
+    ({"unit": "kelvin"}, {"properties": {"unit": {"anyOf": [{"enum": ["c", "f"]}, {"type": "null"}]}}},
+     r"'unit' matches none of the 2 schemas of its anyOf \(the first: 'unit' is \"kelvin\", not one of its enum"),
+    ({"loc": {"town": "P"}}, {"properties": {"loc": {"oneOf": [{"type": "string"}, {"type": "object", "properties": {
+        "city": {"type": "string"}}}]}}}, r"'loc' matches none of the 2 schemas of its oneOf \(the first: 'loc' is "
+                                           r"declared string, got an object"),
+    ({"tags": ["a", 1.5]}, {"properties": {"tags": {"items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}},
+     r"'tags\[1\]' matches none of the 2 schemas of its anyOf"),
+    ({"r": 3}, {"properties": {"r": {"allOf": [{"type": "integer"}, {"enum": [1, 2]}]}}},
+     r"'r' is 3, not one of its enum \(1, 2\)"),
 ])
 def test_call_arguments_are_checked_against_the_declared_schema(arguments, schema, message):
     """A call's arguments were never checked against the tool's declaration: a model trained on rows calling with a
@@ -2514,3 +2524,15 @@ def test_an_openorca_system_prompt_column_leads_the_conversation(tmp_path, tok):
     with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: both 'system' and 'system_prompt' hold a "
                                         rf"system prompt; give one$"):
         load_conversations(path, cfg)
+
+
+def test_call_arguments_passing_a_union_branch_are_accepted():
+    """A value some branch of an anyOf/oneOf takes (every branch of an allOf) is accepted; a `$ref` branch takes any."""
+    from gemma_tpu.formats.function_calling import arguments_problem
+
+    params = {"properties": {"unit": {"anyOf": [{"enum": ["c", "f"]}, {"type": "null"}]}, "loc": {"oneOf": [
+        {"type": "string"}, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}]},
+        "r": {"allOf": [{"type": "integer"}, {"enum": [1, 2]}]}, "x": {"anyOf": [{"$ref": "#/$defs/X"}]}}}
+    for args in ({"unit": "c"}, {"unit": None}, {"loc": "Paris"}, {"loc": {"city": "Paris"}}, {"r": 2.0},
+                 {"x": {"any": [1]}}):
+        assert arguments_problem(params, args) is None, args

@@ -319,6 +319,9 @@ def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
         return f"{shown(at)} is {_json_text(value)}, not one of its enum ({', '.join(map(_json_text, enum))[:200]})"
     if depth >= ARGUMENTS_SCHEMA_DEPTH:
         return None
+    problem = _union_problem(sub, value, at, depth)
+    if problem:
+        return problem
     if isinstance(value, dict):
         return _object_problem(sub, value, f"{at}.", depth + 1)
     if isinstance(value, list):
@@ -329,6 +332,29 @@ def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
             problem = _value_problem(item, v, f"{at}[{k}]", depth + 1) if isinstance(item, dict) else None
             if problem:
                 return problem
+    return None
+
+
+def _union_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
+    """The problem of `value` with the unions of its schema `sub`: some branch of an anyOf or oneOf must take it
+    (oneOf is read as anyOf: which one branch a value matches is the tool's concern), every branch of an allOf.
+    Pydantic writes `Optional[int]`, `Union[A, B]` and nested models so; they were not checked, so a row calling
+    `{"unit": "kelvin"}` for `anyOf: [{enum: [c, f]}, {type: null}]` trained. A branch this check cannot read (a
+    `$ref`, `true`) takes any value."""
+    for key in ("anyOf", "oneOf"):
+        alts = sub.get(key)
+        if not isinstance(alts, list) or not alts or not all(isinstance(a, dict) for a in alts):
+            continue
+        problems = [_value_problem(a, value, at, depth + 1) for a in alts]
+        if all(problems):
+            if len(alts) == 1:
+                return problems[0]
+            return f"{shown(at)} matches none of the {len(alts)} schemas of its {key} (the first: {problems[0]})"
+    alts = sub.get("allOf")
+    for a in alts if isinstance(alts, list) else []:
+        problem = _value_problem(a, value, at, depth + 1) if isinstance(a, dict) else None
+        if problem:
+            return problem
     return None
 
 
