@@ -17,7 +17,7 @@ import re
 from typing import Any, Callable
 
 from gemma_tpu.core import strict_json
-from gemma_tpu.formats.function_calling import DeclarationError, check_tools
+from gemma_tpu.formats.function_calling import TOOL_NAME, DeclarationError, check_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # where a server's context comes from (vLLM's --max-model-len, which a serving config's server.max_model_len sets)
@@ -115,6 +115,7 @@ def _message(m: Any, i: int) -> None:
                     raise RequestError(cw, 'expected an object with a "function" object')
                 if not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise RequestError(f"{cw}.function.name", "expected a non-empty string")
+                _tool_name(fn["name"], f"{cw}.function.name")
                 _arguments(fn.get("arguments", "{}"), f"{cw}.function.arguments")
                 if "id" in c and not isinstance(c["id"], str):
                     raise RequestError(f"{cw}.id", "expected a string")
@@ -128,6 +129,17 @@ def _message(m: Any, i: int) -> None:
     _text_parts(content, f"{where}.content")
     if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
         raise RequestError(f"{where}.tool_call_id", "expected a string")
+    if role == "tool" and m.get("name"):  # the template writes it as the response's name
+        _tool_name(m["name"], f"{where}.name")
+
+
+def _tool_name(name: str, where: str) -> None:
+    """A name an earlier call or a tool result gives, as a declaration's must be (`TOOL_NAME`): the template wrote
+    `call:get weather{}` or `response:天气{...}` into the prompt, a call no declaration could have taught (a name the
+    model's call text cannot carry back)."""
+    if not TOOL_NAME.fullmatch(name):
+        raise RequestError(where, f"{name[:80]!r} is not a tool name (1 to 64 letters, digits, '_', '.' or '-', not "
+                                  f"starting with '.' or '-')")
 
 
 def _tools(tools: Any) -> list[str]:

@@ -367,6 +367,12 @@ def test_parser_classifies_text_bare_calls_and_errors():
         reply = parse_reply(broken)
         assert reply.kind == "format_error", broken
         assert reply.error
+    # a name no declaration may have (TOOL_NAME): it was a call of 'météo', whose tool_call the server then refused
+    for name in ("météo", "天气", "x" * 65):
+        reply = parse_reply(f"<start_function_call>call:{name}{{city:Paris}}<end_function_call>")
+        assert (reply.kind, reply.error.split(" at ")[0]) == ("format_error", f"{name!r} is not a tool name (1 to 64 "
+                                                              f"ASCII letters, digits, '_', '.' or '-', not starting "
+                                                              f"with '.' or '-')"), name
 
 
 def test_parser_and_matcher_take_runs_of_digits_of_any_length():

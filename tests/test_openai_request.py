@@ -50,6 +50,12 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "messages[0].tool_calls[0].function.arguments", "NaN is not JSON (only finite numbers are)"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
      "messages[0].tool_calls[0].function.name", "non-empty"),
+    # a name no declaration may have: the template wrote `call:get weather{}` / `response:météo{...}` into the prompt
+    *[({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": name, "arguments": "{}"}}]}]},
+       "messages[0].tool_calls[0].function.name", "is not a tool name") for name in ("météo", "天气", "get weather")],
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
+                          {"role": "tool", "tool_call_id": "a", "name": "f g", "content": "5"}]},
+     "messages[2].name", "'f g' is not a tool name"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "at least 1"),
     ({"messages": USER, "max_tokens": -1}, "max_tokens", "at least 1"),
     ({"messages": USER, "max_tokens": "8"}, "max_tokens", "whole number"),

@@ -117,16 +117,16 @@ def check_call_arguments(value: Any, path: str = "arguments") -> None:
 
 
 def check_tool_name(name: str, what: str) -> None:
-    """Refuse a tool name the call text cannot carry: the parser (`_NAME`) reads a name of letters, digits,
-    '_', '.' and '-' up to the brace, so `call:get steps{...}` or `call:get{x}{...}` trained a call that
+    """Refuse a tool name the call text cannot carry: the parser reads a name up to the brace and takes it only as a
+    declaration could give it (`TOOL_NAME`), so `call:get steps{...}` or `call:get{x}{...}` trained a call that
     parses back to another name, or not at all."""
-    if not _NAME.fullmatch(name):
-        raise UserError(f"{what}: tool name {shown(name)} cannot be written in a FunctionGemma call (letters, digits, "
-                        f"'_', '.' and '-' only, not starting with '.' or '-')")
+    if not TOOL_NAME.fullmatch(name):
+        raise UserError(f"{what}: tool name {shown(name)} cannot be written in a FunctionGemma call (1 to 64 ASCII "
+                        f"letters, digits, '_', '.' and '-' only, not starting with '.' or '-')")
 
 
 # A declared tool's name: OpenAI's rule (1 to 64 ASCII letters, digits, '_' or '-') with Gemini's '.', not leading
-# with '.' or '-', which the call parser (`_NAME`) cannot read back as the start of a name.
+# with '.' or '-'. The one rule of a name: a declaration's, a call's in data or a request, and a call the parser reads.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")
 
 
@@ -442,7 +442,7 @@ def format_response(name: str, content: str) -> str:
 # --------------------------------------------------------------------------------- parsing
 
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")  # OpenAI tool names may start with a digit
+_NAME = re.compile(r"[\w.\-]+")  # what a call's name is read as, up to its brace; a call of it must be a TOOL_NAME
 # Text that looks like an attempt at a call even without the start marker.
 # A word after `call:` is a call's name only when a brace (or the end of the text: a call cut short) follows it:
 # "Give me a call:tomorrow works" is an answer, not a malformed call.
@@ -657,6 +657,10 @@ def parse_call_body(text: str, pos: int = 0) -> tuple[ToolCall, int]:
     m = _NAME.match(text, r.i)
     if not m:
         raise r._fail("expected a function name")
+    if not TOOL_NAME.fullmatch(m.group(0)):  # 'météo', '天气': no declaration could name it (OpenAI's and the
+        # request check's rule), and the server's tool_call of it was refused when the client sent it back
+        raise r._fail(f"{shown(m.group(0))} is not a tool name (1 to 64 ASCII letters, digits, '_', '.' or '-', "
+                      f"not starting with '.' or '-')")
     name, r.i = m.group(0), m.end()
     r._ws()
     if r.i >= len(text) or text[r.i] != "{":
