@@ -340,6 +340,12 @@ def test_parser_classifies_text_bare_calls_and_errors():
     for quoted in ("Run `call:get_steps{date:today}` to see.", 'I could "call:get_steps{}" for you.',
                    "Say \u201ccall:get_steps{}\u201d", "call:get_steps{} or `call:get_daily_step_goal{}`"):
         assert (parse_reply(quoted).kind, parse_reply(quoted).text) == ("text", quoted), quoted
+    # a bare call mid-sentence (a word before it on its line, text after it) is prose mentioning it: it was run
+    for prose in ("you could use call:get_steps{date:today} next time", "I can call:get_steps{} if you want."):
+        assert (parse_reply(prose).kind, parse_reply(prose).text) == ("text", prose), prose
+    for ends in ("Sure.\ncall:get_steps{date:today}", "Let me check call:get_steps{date:today}",
+                 "Checking: call:get_steps{date:today} call:get_daily_step_goal{}"):  # a call ending the sentence
+        assert parse_reply(ends).kind == "call", ends
     bare = parse_reply("call:get_steps{date:today}")  # a server that strips special tokens
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))

@@ -450,6 +450,11 @@ _QUOTES = frozenset("`\"'\u2018\u201c")  # before a bare call: a quote of the sy
 _CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z0-9_][\w.\-]*\s*(?:\{|$)|<end_function_call>|<start_function_call>")
 
 
+# before a bare call: a word and spaces on its line, as in prose ("you could use call:x{...} next time"); a call a
+# server stripped the markers of starts the turn, a line, or follows a sentence ("Checking. call:x{...}")
+_MID_SENTENCE = re.compile(r"\w[ \t]+$")
+
+
 class CallSyntaxError(ValueError):
     """The text tries a call that does not parse."""
 
@@ -692,10 +697,14 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
                         calls, outside, rest = [], [], whole  # (was run as a call); other prose around a bare call is
                         break  # the price of accepting calls a server stripped the markers of
                     call, end = parse_call_body(rest, m.start())
+                    after = rest[end + len(END_CALL):] if rest.startswith(END_CALL, end) else rest[end:]
+                    if _MID_SENTENCE.search(rest, 0, m.start()) and after.strip() and not after.lstrip().startswith(
+                            "call:"):  # "you could use call:get_weather{city:Paris} next time": prose mentioning
+                        calls, outside, rest = [], [], whole  # a call, a word before it on its line and text after
+                        break  # it (was run as a call); a call a server stripped the markers of ends its sentence
                     calls.append(call)
                     outside.append(rest[:m.start()])
-                    rest = rest[end:]
-                    rest = rest[len(END_CALL):] if rest.startswith(END_CALL) else rest
+                    rest = after
                 outside.append(rest)
                 break
             outside.append(text[pos:start])
