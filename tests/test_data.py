@@ -317,6 +317,11 @@ SETS = {"type": "array", "items": {"type": "object", "properties": {"reps": {"ty
      r"'tags\[1\]' matches none of the 2 schemas of its anyOf"),
     ({"r": 3}, {"properties": {"r": {"allOf": [{"type": "integer"}, {"enum": [1, 2]}]}}},
      r"'r' is 3, not one of its enum \(1, 2\)"),
+    # a const (pydantic's Literal["x"]; a discriminated union's tag) was not checked: {"kind": "b"} passed branch a
+    ({"shape": {"kind": "b", "r": 1}}, {"properties": {"shape": {"oneOf": [
+        {"properties": {"kind": {"const": "a"}, "r": {"type": "number"}}},
+        {"properties": {"kind": {"const": "b"}, "w": {"type": "number"}}}]}}},
+     r"'shape' matches none of the 2 schemas of its oneOf \(the first: 'shape.kind' is \"b\", not its const \"a\"\)"),
 ])
 def test_call_arguments_are_checked_against_the_declared_schema(arguments, schema, message):
     """A call's arguments were never checked against the tool's declaration: a model trained on rows calling with a

@@ -271,11 +271,12 @@ def arguments_problem(parameters: Any, args: dict) -> str | None:
     """What is wrong with a call's `args` for the declared `parameters` schema, or None. An object is checked only
     where its schema declares `properties` (non-empty) and does not let others in (additionalProperties true or a
     schema, patternProperties): an argument it does not declare, a `required` one missing, a value whose JSON type
-    contradicts the declared `type`, one outside an `enum`. The same at every depth (to ARGUMENTS_SCHEMA_DEPTH): an
-    object argument's `properties`, an array's `items` (one schema for all, or a list by position), the problem
-    naming its path (`'sets[2].reps'`); only the top level was checked, so a row calling with `{"sets": [{"rep":
-    5}]}` for a declared `reps` trained. A null value is an argument not given (as the fitness tools and evaluate's
-    arguments_match read it): not type-checked. Unions (anyOf/oneOf/allOf) are not walked."""
+    contradicts the declared `type`, one outside an `enum` or other than a `const`. The same at every depth (to
+    ARGUMENTS_SCHEMA_DEPTH): an object argument's `properties`, an array's `items` (one schema for all, or a list by
+    position), the problem naming its path (`'sets[2].reps'`); only the top level was checked, so a row calling with
+    `{"sets": [{"rep": 5}]}` for a declared `reps` trained. A null value is an argument not given (as the fitness
+    tools and evaluate's arguments_match read it): not type-checked. Unions: a value must pass some branch of an
+    anyOf/oneOf and every branch of an allOf (`_union_problem`)."""
     if not isinstance(parameters, dict):
         return None
     return _object_problem(parameters, args, "", 0)
@@ -317,6 +318,8 @@ def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
     enum = sub.get("enum")
     if isinstance(enum, list) and not any(_same_json(value, e) for e in enum):
         return f"{shown(at)} is {_json_text(value)}, not one of its enum ({', '.join(map(_json_text, enum))[:200]})"
+    if "const" in sub and not _same_json(value, sub["const"]):  # pydantic's Literal["x"], a discriminator's tag
+        return f"{shown(at)} is {_json_text(value)}, not its const {_json_text(sub['const'])}"
     if depth >= ARGUMENTS_SCHEMA_DEPTH:
         return None
     problem = _union_problem(sub, value, at, depth)
