@@ -253,6 +253,19 @@ def test_parallel_calls_each_result_opens_its_response(tok):
     assert masked_runs(tok, r) == [f"Checking. {TOOL_CALL}{hr_call}<start_function_response>", f"5 steps, 51 bpm.{EOT}"]
 
 
+def test_tool_results_given_as_json_values_are_their_json_text():
+    """A tool result given as a JSON array is read as one given as an object or a number is, its JSON text (rendered
+    as `{result:[...]}`): it was refused as "content[0]: expected a text part", read as OpenAI's content parts."""
+    for content, text in (([1, 2], "[1, 2]"), ([{"steps": 5}], '[{"steps": 5}]'), ({"steps": 5}, '{"steps": 5}'),
+                          (5, "5"), ([{"type": "text", "text": "5 steps"}], "5 steps")):
+        conv = json.loads(json.dumps(TOOL_CHAT))
+        conv["messages"][3]["content"] = content
+        assert norm(conv)["messages"][3]["content"] == text, content
+    conv["messages"][3]["content"] = [{"type": "text", "text": "x"}, 1]  # parts and something else: not a result
+    with pytest.raises(UserError, match=r"messages\[3\]: content\[1\]: expected a text part"):
+        norm(conv)
+
+
 def test_nameless_tool_results_answer_calls_in_order(tok):
     conv = json.loads(json.dumps(TOOL_CHAT))
     del conv["messages"][3]["name"]
