@@ -503,6 +503,11 @@ def test_arguments_match_nulls_close_floats_exact_ids_and_twice_encoded_argument
         == "format_error"  # a JSON string that is no object stays an error
     assert reply_from_message({"tool_calls": [{"function": {"name": "f", "arguments": '"{oops"'}}]}).kind \
         == "format_error"
+    # a name no declaration may have is a format error, as the same call in the FunctionGemma text is (TOOL_NAME)
+    for name in ("météo", "get weather"):
+        odd = reply_from_message({"tool_calls": [{"function": {"name": name, "arguments": "{}"}}]})
+        assert (odd.kind, odd.error) == ("format_error", f"tool call name {name!r} is not a tool name (1 to 64 ASCII "
+                                                         f"letters, digits, '_', '.' or '-')")
 
 
 # -------------------------------------------------------------------------------------- scoring
