@@ -17,7 +17,8 @@ import re
 from typing import Any, Callable
 
 from gemma_tpu.core import strict_json
-from gemma_tpu.formats.function_calling import TOOL_NAME, DeclarationError, check_tools
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats.function_calling import TOOL_NAME, DeclarationError, check_call_arguments, check_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # where a server's context comes from (vLLM's --max-model-len, which a serving config's server.max_model_len sets)
@@ -116,7 +117,13 @@ def _message(m: Any, i: int) -> None:
                 if not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise RequestError(f"{cw}.function.name", "expected a non-empty string")
                 _tool_name(fn["name"], f"{cw}.function.name")
-                _arguments(fn.get("arguments", "{}"), f"{cw}.function.arguments")
+                args = _arguments(fn.get("arguments", "{}"), f"{cw}.function.arguments")
+                try:  # the template writes the call as the renderer does: a key with ':' or a value holding
+                    # <escape> read back as another call (training data refuses them, `format_call`)
+                    check_call_arguments(args, "arguments")
+                except UserError as e:
+                    at, detail = str(e).split(": ", 1)
+                    raise RequestError(f"{cw}.function.{at}", detail) from None
                 if "id" in c and not isinstance(c["id"], str):
                     raise RequestError(f"{cw}.id", "expected a string")
         if content is None and not calls:

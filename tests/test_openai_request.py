@@ -56,6 +56,12 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
                           {"role": "tool", "tool_call_id": "a", "name": "f g", "content": "5"}]},
      "messages[2].name", "'f g' is not a tool name"),
+    # arguments the call text cannot carry: the template wrote call:f{time:zone:<escape>UTC<escape>}, another call
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                 "arguments": '{"time:zone": 1}'}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "key 'time:zone' cannot be written in a FunctionGemma call"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"o": {
+        "q": ["a", "x<escape>y"]}}}}]}]}, "messages[0].tool_calls[0].function.arguments.o.q[1]", "contains <escape>"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "at least 1"),
     ({"messages": USER, "max_tokens": -1}, "max_tokens", "at least 1"),
     ({"messages": USER, "max_tokens": "8"}, "max_tokens", "whole number"),
