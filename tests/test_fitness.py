@@ -373,6 +373,14 @@ def test_parser_classifies_text_bare_calls_and_errors():
         reply = parse_reply(broken)
         assert reply.kind == "format_error", broken
         assert reply.error
+    # arguments the call text cannot carry (an escaped key with ':', a quoted string holding <escape>): the server sent
+    # them as tool_calls its own request check refuses when the client sends them back, and no training row holds them
+    for odd, needle in (("{<escape>time:zone<escape>:1}", "key 'time:zone' cannot be written"),
+                        ('{a:"x<escape>y"}', "arguments.a: the value 'x<escape>y' contains <escape>")):
+        reply = parse_reply(f"<start_function_call>call:get_steps{odd}<end_function_call>")
+        assert reply.kind == "format_error" and needle in reply.error, odd
+    assert parse_reply("<start_function_call>call:f{<escape>k<escape>:1}<end_function_call>").first.arguments == {
+        "k": 1}
     # a name no declaration may have (TOOL_NAME): it was a call of 'météo', whose tool_call the server then refused
     for name in ("météo", "天气", "x" * 65):
         reply = parse_reply(f"<start_function_call>call:{name}{{city:Paris}}<end_function_call>")

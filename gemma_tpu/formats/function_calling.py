@@ -674,6 +674,11 @@ def parse_call_body(text: str, pos: int = 0) -> tuple[ToolCall, int]:
     if r.i >= len(text) or text[r.i] != "{":
         raise r._fail(f"expected '{{' after call:{name}")
     args = r.obj()
+    try:  # an escaped key `<escape>time:zone<escape>` or a quoted "x<escape>y": a call the server would send as
+        # tool_calls its own request check then refuses, and no training row holds (`format_call`)
+        check_call_arguments(args, f"call:{name} arguments")
+    except UserError as e:
+        raise CallSyntaxError(str(e)) from None
     return ToolCall(name, args), r.i
 
 
