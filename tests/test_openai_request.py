@@ -986,6 +986,8 @@ def test_responses_api_is_answered_through_a_chat_completion():
              "input[1].role"),
             ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, call,
                         {**call, "call_id": "d", "arguments": "[1]"}]}, "input[3].arguments"),
+            ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, call,
+                        {**call, "call_id": "d", "arguments": '{"o": {"a:b": 1}}'}]}, "input[3].arguments.o"),
             ({"input": [{"role": "user", "content": "hi"}, call, {"type": "function_call_output", "call_id": "zz",
                                                                    "output": "5"}]}, "input[2].call_id"),
             ({"input": [{"role": "user", "content": "hi"}, call, {"role": "user", "content": "x"}]}, "input[2]"),
