@@ -88,7 +88,9 @@ def _arguments(raw: Any, where: str) -> dict:
     except RecursionError:
         raise RequestError(where, "nested too deeply") from None
     if not isinstance(value, dict):
-        raise RequestError(where, f"expected a JSON object, got {raw[:80]!r}")
+        twice = isinstance(value, str) and value.lstrip().startswith("{")  # json.dumps of json.dumps, as the data
+        raise RequestError(where, f"expected a JSON object, got {raw[:80]!r}" + (  # reader says it too
+            " (JSON text encoded twice: decode it once)" if twice else ""))
     return value
 
 

@@ -43,6 +43,8 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
      "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '"{\\"a\\": 1}"'}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "(JSON text encoded twice: decode it once)"),
     # read as the data reader reads a row's: 1e999 was rendered into the prompt as Infinity, NaN kept
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"r": 1e999}'}}]}]},
      "messages[0].tool_calls[0].function.arguments", "1e999 is beyond the range of a 64-bit float"),
