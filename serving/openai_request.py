@@ -128,6 +128,10 @@ def _message(m: Any, i: int) -> None:
                     raise RequestError(f"{cw}.function.{at}", detail) from None
                 if "id" in c and not isinstance(c["id"], str):
                     raise RequestError(f"{cw}.id", "expected a string")
+                ids = [d.get("id") for d in calls[:k] if isinstance(d, dict)]
+                if c.get("id") is not None and c["id"] in ids:  # one result answered both, under the later's name
+                    raise RequestError(f"{cw}.id", f"{c['id']!r} is also the id of tool_calls[{ids.index(c['id'])}]: "
+                                                   f"each call of a turn needs its own id")
         if content is None and not calls:
             raise RequestError(f"{where}.content", "an assistant message needs content or tool_calls")
         return

@@ -298,6 +298,12 @@ def test_tool_call_ids_must_match_a_call_once():
     del conv["messages"][2]["tool_calls"][0]["id"]
     with pytest.raises(UserError, match=r"matches no call .*\(its calls have no ids\)"):
         norm(conv)
+    # two calls of a turn with one id: refused at the call (was 'already answered' at the second result, or 'the
+    # assistant continues before every tool call ... has a result' after one), as the local server refuses it
+    call = TOOL_CHAT["messages"][2]["tool_calls"][0]
+    conv["messages"][2]["tool_calls"] = [{**call, "id": "a"}, {**call, "id": "a"}]
+    with pytest.raises(UserError, match=r"messages\[2\].tool_calls\[1\]: id 'a' is also the id of tool_calls\[0\]"):
+        norm(conv)
 
 
 SETS = {"type": "array", "items": {"type": "object", "properties": {"reps": {"type": "integer"}, "kind": {

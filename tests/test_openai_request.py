@@ -58,6 +58,11 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
                           {"role": "tool", "tool_call_id": "a", "name": "f g", "content": "5"}]},
      "messages[2].name", "'f g' is not a tool name"),
+    # two calls of a turn with one id: one result answered both (rendered as the later call's), the other none
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}},
+                                                               {"id": "a", "function": {"name": "g"}}]},
+                          {"role": "tool", "tool_call_id": "a", "content": "5"}]},
+     "messages[1].tool_calls[1].id", "'a' is also the id of tool_calls[0]"),
     # arguments the call text cannot carry: the template wrote call:f{time:zone:<escape>UTC<escape>}, another call
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
                                                                  "arguments": '{"time:zone": 1}'}}]}]},

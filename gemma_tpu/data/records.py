@@ -692,6 +692,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                     twice = isinstance(args, str) and args.lstrip().startswith("{")  # json.dumps of json.dumps
                     raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object, got {_json_type(args)}"
                                     + (" holding JSON text (encoded twice: decode it once)" if twice else ""))
+                ids = [d.get("id") for d in calls[:j] if isinstance(d, dict)]
+                if isinstance(c, dict) and c.get("id") is not None and c["id"] in ids:
+                    raise UserError(f"{mw}.tool_calls[{j}]: id {shown(c['id'])} is also the id of tool_calls"
+                                    f"[{ids.index(c['id'])}]; each call of a turn needs its own id")
                 if not names:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {shown(fn['name'])} but the example declares no "
                                     f"'tools'")
