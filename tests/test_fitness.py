@@ -373,6 +373,15 @@ def test_parser_classifies_text_bare_calls_and_errors():
         reply = parse_reply(broken)
         assert reply.kind == "format_error", broken
         assert reply.error
+    # what follows a call's end marker is never lost: text is the turn's text beside the call, a second call cut
+    # short a format error (the first call kept), a second call without its start marker the text it is
+    call = format_call("get_steps", {"date": "today"})
+    for after, kind, text in (("xyz", "call", "xyz"), (" Done.", "call", "Done."),
+                              ("<start_function_call>call:get_sleep{date:", "format_error", None),
+                              ("call:get_sleep{date:today}", "call", "call:get_sleep{date:today}")):
+        reply = parse_reply(call + after)
+        assert (reply.kind, reply.calls[0]) == (kind, ToolCall("get_steps", {"date": "today"})), after
+        assert reply.text == text if text else reply.error == "missing value at the end", after
     # arguments the call text cannot carry (an escaped key with ':', a quoted string holding <escape>): the server sent
     # them as tool_calls its own request check refuses when the client sends them back, and no training row holds them
     for odd, needle in (("{<escape>time:zone<escape>:1}", "key 'time:zone' cannot be written"),
