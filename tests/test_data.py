@@ -336,6 +336,13 @@ SETS = {"type": "array", "items": {"type": "object", "properties": {"reps": {"ty
      r"'tags\[1\]' matches none of the 2 schemas of its anyOf"),
     ({"r": 3}, {"properties": {"r": {"allOf": [{"type": "integer"}, {"enum": [1, 2]}]}}},
      r"'r' is 3, not one of its enum \(1, 2\)"),
+    # pydantic's nested models and enums, referred to in $defs (a $ref was a branch taking any value)
+    ({"loc": {"town": "P"}}, {"properties": {"loc": {"$ref": "#/$defs/Loc"}}, "$defs": {"Loc": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}},
+     r"'loc.town' is not a declared property \(properties: city\)"),
+    ({"unit": "k"}, {"properties": {"unit": {"anyOf": [{"$ref": "#/$defs/Unit"}, {"type": "null"}]}}, "$defs": {
+        "Unit": {"enum": ["c", "f"]}}}, r"'unit' matches none of the 2 schemas of its anyOf \(the first: 'unit' is "
+                                         r"\"k\", not one of its enum"),
     # a const (pydantic's Literal["x"]; a discriminated union's tag) was not checked: {"kind": "b"} passed branch a
     ({"shape": {"kind": "b", "r": 1}}, {"properties": {"shape": {"oneOf": [
         {"properties": {"kind": {"const": "a"}, "r": {"type": "number"}}},
@@ -2556,7 +2563,15 @@ def test_call_arguments_passing_a_union_branch_are_accepted():
 
     params = {"properties": {"unit": {"anyOf": [{"enum": ["c", "f"]}, {"type": "null"}]}, "loc": {"oneOf": [
         {"type": "string"}, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}]},
-        "r": {"allOf": [{"type": "integer"}, {"enum": [1, 2]}]}, "x": {"anyOf": [{"$ref": "#/$defs/X"}]}}}
+        "r": {"allOf": [{"type": "integer"}, {"enum": [1, 2]}]}, "x": {"anyOf": [{"$ref": "other.json#/X"}]},
+        "tree": {"$ref": "#/$defs/Node"}}, "$defs": {"Node": {"properties": {"v": {"type": "integer"}, "kids": {
+            "items": {"$ref": "#/$defs/Node"}}}},
+        "Loop": {"anyOf": [{"$ref": "#/$defs/Loop"}, {"$ref": "#/$defs/Loop"}]}}}
     for args in ({"unit": "c"}, {"unit": None}, {"loc": "Paris"}, {"loc": {"city": "Paris"}}, {"r": 2.0},
-                 {"x": {"any": [1]}}):
+                 {"x": {"any": [1]}}, {"tree": {"v": 1, "kids": [{"v": 2, "kids": []}]}}):
         assert arguments_problem(params, args) is None, args
+    # a recursive $ref is followed as deep as the value goes; refs that only refer to each other end (a budget)
+    assert arguments_problem(params, {"tree": {"kids": [{"kids": [{"v": "x"}]}]}}) == (
+        "'tree.kids[0].kids[0].v' is declared integer, got a string \"x\"")
+    params["properties"]["loop"] = {"$ref": "#/$defs/Loop"}
+    assert arguments_problem(params, {"loop": 5}) is None

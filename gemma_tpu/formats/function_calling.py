@@ -276,13 +276,39 @@ def arguments_problem(parameters: Any, args: dict) -> str | None:
     position), the problem naming its path (`'sets[2].reps'`); only the top level was checked, so a row calling with
     `{"sets": [{"rep": 5}]}` for a declared `reps` trained. A null value is an argument not given (as the fitness
     tools and evaluate's arguments_match read it): not type-checked. Unions: a value must pass some branch of an
-    anyOf/oneOf and every branch of an allOf (`_union_problem`)."""
+    anyOf/oneOf and every branch of an allOf (`_union_problem`); a local `$ref` (`#/$defs/Loc`) is checked as the
+    schema it names (`_Schemas`)."""
     if not isinstance(parameters, dict):
         return None
-    return _object_problem(parameters, args, "", 0)
+    return _object_problem(parameters, args, "", 0, _Schemas(parameters))
 
 
-def _object_problem(schema: dict, obj: dict, at: str, depth: int) -> str | None:
+@dataclasses.dataclass
+class _Schemas:
+    """What `arguments_problem` reads `$ref`s against: the parameters schema (`#/$defs/Unit`, as pydantic writes
+    nested models and enums), and how many more schema checks one call's arguments may take (`budget`; a schema whose
+    unions refer to each other could take exponentially many; past it, the rest is not checked)."""
+
+    root: dict
+    budget: int = 10_000
+
+    def resolve(self, ref: Any) -> dict | None:
+        """The schema a local JSON pointer `ref` (`#`, `#/$defs/Loc`) names, or None (another document, a typo)."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return None
+        node: Any = self.root
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node if isinstance(node, dict) else None
+
+
+def _object_problem(schema: dict, obj: dict, at: str, depth: int, ctx: _Schemas) -> str | None:
     """`arguments_problem` of the object `obj` at path `at` ('' for the arguments themselves)."""
     props = schema.get("properties")
     if not isinstance(props, dict) or not props:
@@ -300,16 +326,17 @@ def _object_problem(schema: dict, obj: dict, at: str, depth: int) -> str | None:
     for key, value in obj.items():
         sub = props.get(key)
         if isinstance(sub, dict):
-            problem = _value_problem(sub, value, at + str(key), depth)
+            problem = _value_problem(sub, value, at + str(key), depth, ctx)
             if problem:
                 return problem
     return None
 
 
-def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
+def _value_problem(sub: dict, value: Any, at: str, depth: int, ctx: _Schemas) -> str | None:
     """The problem of one argument `value` (path `at`) with its schema `sub`: its type, its enum, then inside it."""
-    if value is None:
+    if value is None or ctx.budget <= 0:
         return None
+    ctx.budget -= 1
     declared = sub.get("type")
     types = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
     if types and not any(_json_type_matches(value, t) for t in types if isinstance(t, str)):
@@ -322,40 +349,42 @@ def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
         return f"{shown(at)} is {_json_text(value)}, not its const {_json_text(sub['const'])}"
     if depth >= ARGUMENTS_SCHEMA_DEPTH:
         return None
-    problem = _union_problem(sub, value, at, depth)
+    target = ctx.resolve(sub.get("$ref")) if "$ref" in sub else None
+    problem = _value_problem(target, value, at, depth + 1, ctx) if target is not None else None
+    problem = problem or _union_problem(sub, value, at, depth, ctx)
     if problem:
         return problem
     if isinstance(value, dict):
-        return _object_problem(sub, value, f"{at}.", depth + 1)
+        return _object_problem(sub, value, f"{at}.", depth + 1, ctx)
     if isinstance(value, list):
         items = sub.get("items")
         for k, v in enumerate(value):
             item = items if isinstance(items, dict) else items[k] if isinstance(items, list) and k < len(
                 items) else None
-            problem = _value_problem(item, v, f"{at}[{k}]", depth + 1) if isinstance(item, dict) else None
+            problem = _value_problem(item, v, f"{at}[{k}]", depth + 1, ctx) if isinstance(item, dict) else None
             if problem:
                 return problem
     return None
 
 
-def _union_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
+def _union_problem(sub: dict, value: Any, at: str, depth: int, ctx: _Schemas) -> str | None:
     """The problem of `value` with the unions of its schema `sub`: some branch of an anyOf or oneOf must take it
     (oneOf is read as anyOf: which one branch a value matches is the tool's concern), every branch of an allOf.
     Pydantic writes `Optional[int]`, `Union[A, B]` and nested models so; they were not checked, so a row calling
     `{"unit": "kelvin"}` for `anyOf: [{enum: [c, f]}, {type: null}]` trained. A branch this check cannot read (a
-    `$ref`, `true`) takes any value."""
+    `$ref` to another document, `true`) takes any value."""
     for key in ("anyOf", "oneOf"):
         alts = sub.get(key)
         if not isinstance(alts, list) or not alts or not all(isinstance(a, dict) for a in alts):
             continue
-        problems = [_value_problem(a, value, at, depth + 1) for a in alts]
+        problems = [_value_problem(a, value, at, depth + 1, ctx) for a in alts]
         if all(problems):
             if len(alts) == 1:
                 return problems[0]
             return f"{shown(at)} matches none of the {len(alts)} schemas of its {key} (the first: {problems[0]})"
     alts = sub.get("allOf")
     for a in alts if isinstance(alts, list) else []:
-        problem = _value_problem(a, value, at, depth + 1) if isinstance(a, dict) else None
+        problem = _value_problem(a, value, at, depth + 1, ctx) if isinstance(a, dict) else None
         if problem:
             return problem
     return None
