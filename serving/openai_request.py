@@ -17,7 +17,8 @@ import re
 from typing import Any, Callable
 
 from gemma_tpu.core import strict_json
-from gemma_tpu.formats.function_calling import DeclarationError, check_tools
+from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats.function_calling import TOOL_NAME, DeclarationError, check_call_arguments, check_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # where a server's context comes from (vLLM's --max-model-len, which a serving config's server.max_model_len sets)
@@ -87,7 +88,9 @@ def _arguments(raw: Any, where: str) -> dict:
     except RecursionError:
         raise RequestError(where, "nested too deeply") from None
     if not isinstance(value, dict):
-        raise RequestError(where, f"expected a JSON object, got {raw[:80]!r}")
+        twice = isinstance(value, str) and value.lstrip().startswith("{")  # json.dumps of json.dumps, as the data
+        raise RequestError(where, f"expected a JSON object, got {raw[:80]!r}" + (  # reader says it too
+            " (JSON text encoded twice: decode it once)" if twice else ""))
     return value
 
 
@@ -115,9 +118,20 @@ def _message(m: Any, i: int) -> None:
                     raise RequestError(cw, 'expected an object with a "function" object')
                 if not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise RequestError(f"{cw}.function.name", "expected a non-empty string")
-                _arguments(fn.get("arguments", "{}"), f"{cw}.function.arguments")
+                _tool_name(fn["name"], f"{cw}.function.name")
+                args = _arguments(fn.get("arguments", "{}"), f"{cw}.function.arguments")
+                try:  # the template writes the call as the renderer does: a key with ':' or a value holding
+                    # <escape> read back as another call (training data refuses them, `format_call`)
+                    check_call_arguments(args, "arguments")
+                except UserError as e:
+                    at, detail = str(e).split(": ", 1)
+                    raise RequestError(f"{cw}.function.{at}", detail) from None
                 if "id" in c and not isinstance(c["id"], str):
                     raise RequestError(f"{cw}.id", "expected a string")
+                ids = [d.get("id") for d in calls[:k] if isinstance(d, dict)]
+                if c.get("id") is not None and c["id"] in ids:  # one result answered both, under the later's name
+                    raise RequestError(f"{cw}.id", f"{c['id']!r} is also the id of tool_calls[{ids.index(c['id'])}]: "
+                                                   f"each call of a turn needs its own id")
         if content is None and not calls:
             raise RequestError(f"{where}.content", "an assistant message needs content or tool_calls")
         return
@@ -128,6 +142,17 @@ def _message(m: Any, i: int) -> None:
     _text_parts(content, f"{where}.content")
     if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
         raise RequestError(f"{where}.tool_call_id", "expected a string")
+    if role == "tool" and m.get("name"):  # the template writes it as the response's name
+        _tool_name(m["name"], f"{where}.name")
+
+
+def _tool_name(name: str, where: str) -> None:
+    """A name an earlier call or a tool result gives, as a declaration's must be (`TOOL_NAME`): the template wrote
+    `call:get weather{}` or `response:天气{...}` into the prompt, a call no declaration could have taught (a name the
+    model's call text cannot carry back)."""
+    if not TOOL_NAME.fullmatch(name):
+        raise RequestError(where, f"{name[:80]!r} is not a tool name (1 to 64 letters, digits, '_', '.' or '-', not "
+                                  f"starting with '.' or '-')")
 
 
 def _tools(tools: Any) -> list[str]:

@@ -121,6 +121,8 @@ def request_param(param: str | None, body: dict) -> str | None:
         call = re.fullmatch(r"\.tool_calls\[(\d+)\](.*)", rest, re.S)
         if call and int(call.group(1)) < len(calls) and call.group(2) in _CALL_FIELDS:
             return calls[int(call.group(1))] + _CALL_FIELDS[call.group(2)]
+        if call and int(call.group(1)) < len(calls) and call.group(2).startswith(".function.arguments."):
+            return calls[int(call.group(1))] + call.group(2)[len(".function"):]  # a path inside the arguments
         if rest == ".tool_call_id":
             return where + ".call_id"
         item = body["input"][int(where[len("input["):-1])]

@@ -253,6 +253,19 @@ def test_parallel_calls_each_result_opens_its_response(tok):
     assert masked_runs(tok, r) == [f"Checking. {TOOL_CALL}{hr_call}<start_function_response>", f"5 steps, 51 bpm.{EOT}"]
 
 
+def test_tool_results_given_as_json_values_are_their_json_text():
+    """A tool result given as a JSON array is read as one given as an object or a number is, its JSON text (rendered
+    as `{result:[...]}`): it was refused as "content[0]: expected a text part", read as OpenAI's content parts."""
+    for content, text in (([1, 2], "[1, 2]"), ([{"steps": 5}], '[{"steps": 5}]'), ({"steps": 5}, '{"steps": 5}'),
+                          (5, "5"), ([{"type": "text", "text": "5 steps"}], "5 steps")):
+        conv = json.loads(json.dumps(TOOL_CHAT))
+        conv["messages"][3]["content"] = content
+        assert norm(conv)["messages"][3]["content"] == text, content
+    conv["messages"][3]["content"] = [{"type": "text", "text": "x"}, 1]  # parts and something else: not a result
+    with pytest.raises(UserError, match=r"messages\[3\]: content\[1\]: expected a text part"):
+        norm(conv)
+
+
 def test_nameless_tool_results_answer_calls_in_order(tok):
     conv = json.loads(json.dumps(TOOL_CHAT))
     del conv["messages"][3]["name"]
@@ -285,6 +298,12 @@ def test_tool_call_ids_must_match_a_call_once():
     del conv["messages"][2]["tool_calls"][0]["id"]
     with pytest.raises(UserError, match=r"matches no call .*\(its calls have no ids\)"):
         norm(conv)
+    # two calls of a turn with one id: refused at the call (was 'already answered' at the second result, or 'the
+    # assistant continues before every tool call ... has a result' after one), as the local server refuses it
+    call = TOOL_CHAT["messages"][2]["tool_calls"][0]
+    conv["messages"][2]["tool_calls"] = [{**call, "id": "a"}, {**call, "id": "a"}]
+    with pytest.raises(UserError, match=r"messages\[2\].tool_calls\[1\]: id 'a' is also the id of tool_calls\[0\]"):
+        norm(conv)
 
 
 SETS = {"type": "array", "items": {"type": "object", "properties": {"reps": {"type": "integer"}, "kind": {
@@ -307,6 +326,28 @@ SETS = {"type": "array", "items": {"type": "object", "properties": {"reps": {"ty
     ({"sets": [{"reps": 5, "kind": "c"}]}, {"properties": {"sets": SETS}}, r"'sets\[0\].kind' is \"c\", not one of"),
     ({"o": {"unit": 3}}, {"properties": {"o": {"type": "object", "properties": {"unit": {"type": "string"}}}}},
      r"'o.unit' is declared string, got a number 3"),
+    # unions as pydantic writes them (Optional, Union, nested models): a value must pass a branch (were not walked)
+    ({"unit": "kelvin"}, {"properties": {"unit": {"anyOf": [{"enum": ["c", "f"]}, {"type": "null"}]}}},
+     r"'unit' matches none of the 2 schemas of its anyOf \(the first: 'unit' is \"kelvin\", not one of its enum"),
+    ({"loc": {"town": "P"}}, {"properties": {"loc": {"oneOf": [{"type": "string"}, {"type": "object", "properties": {
+        "city": {"type": "string"}}}]}}}, r"'loc' matches none of the 2 schemas of its oneOf \(the first: 'loc' is "
+                                           r"declared string, got an object"),
+    ({"tags": ["a", 1.5]}, {"properties": {"tags": {"items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}},
+     r"'tags\[1\]' matches none of the 2 schemas of its anyOf"),
+    ({"r": 3}, {"properties": {"r": {"allOf": [{"type": "integer"}, {"enum": [1, 2]}]}}},
+     r"'r' is 3, not one of its enum \(1, 2\)"),
+    # pydantic's nested models and enums, referred to in $defs (a $ref was a branch taking any value)
+    ({"loc": {"town": "P"}}, {"properties": {"loc": {"$ref": "#/$defs/Loc"}}, "$defs": {"Loc": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}},
+     r"'loc.town' is not a declared property \(properties: city\)"),
+    ({"unit": "k"}, {"properties": {"unit": {"anyOf": [{"$ref": "#/$defs/Unit"}, {"type": "null"}]}}, "$defs": {
+        "Unit": {"enum": ["c", "f"]}}}, r"'unit' matches none of the 2 schemas of its anyOf \(the first: 'unit' is "
+                                         r"\"k\", not one of its enum"),
+    # a const (pydantic's Literal["x"]; a discriminated union's tag) was not checked: {"kind": "b"} passed branch a
+    ({"shape": {"kind": "b", "r": 1}}, {"properties": {"shape": {"oneOf": [
+        {"properties": {"kind": {"const": "a"}, "r": {"type": "number"}}},
+        {"properties": {"kind": {"const": "b"}, "w": {"type": "number"}}}]}}},
+     r"'shape' matches none of the 2 schemas of its oneOf \(the first: 'shape.kind' is \"b\", not its const \"a\"\)"),
 ])
 def test_call_arguments_are_checked_against_the_declared_schema(arguments, schema, message):
     """A call's arguments were never checked against the tool's declaration: a model trained on rows calling with a
@@ -2514,3 +2555,23 @@ def test_an_openorca_system_prompt_column_leads_the_conversation(tmp_path, tok):
     with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: both 'system' and 'system_prompt' hold a "
                                         rf"system prompt; give one$"):
         load_conversations(path, cfg)
+
+
+def test_call_arguments_passing_a_union_branch_are_accepted():
+    """A value some branch of an anyOf/oneOf takes (every branch of an allOf) is accepted; a `$ref` branch takes any."""
+    from gemma_tpu.formats.function_calling import arguments_problem
+
+    params = {"properties": {"unit": {"anyOf": [{"enum": ["c", "f"]}, {"type": "null"}]}, "loc": {"oneOf": [
+        {"type": "string"}, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}]},
+        "r": {"allOf": [{"type": "integer"}, {"enum": [1, 2]}]}, "x": {"anyOf": [{"$ref": "other.json#/X"}]},
+        "tree": {"$ref": "#/$defs/Node"}}, "$defs": {"Node": {"properties": {"v": {"type": "integer"}, "kids": {
+            "items": {"$ref": "#/$defs/Node"}}}},
+        "Loop": {"anyOf": [{"$ref": "#/$defs/Loop"}, {"$ref": "#/$defs/Loop"}]}}}
+    for args in ({"unit": "c"}, {"unit": None}, {"loc": "Paris"}, {"loc": {"city": "Paris"}}, {"r": 2.0},
+                 {"x": {"any": [1]}}, {"tree": {"v": 1, "kids": [{"v": 2, "kids": []}]}}):
+        assert arguments_problem(params, args) is None, args
+    # a recursive $ref is followed as deep as the value goes; refs that only refer to each other end (a budget)
+    assert arguments_problem(params, {"tree": {"kids": [{"kids": [{"v": "x"}]}]}}) == (
+        "'tree.kids[0].kids[0].v' is declared integer, got a string \"x\"")
+    params["properties"]["loop"] = {"$ref": "#/$defs/Loop"}
+    assert arguments_problem(params, {"loop": 5}) is None

@@ -340,6 +340,12 @@ def test_parser_classifies_text_bare_calls_and_errors():
     for quoted in ("Run `call:get_steps{date:today}` to see.", 'I could "call:get_steps{}" for you.',
                    "Say \u201ccall:get_steps{}\u201d", "call:get_steps{} or `call:get_daily_step_goal{}`"):
         assert (parse_reply(quoted).kind, parse_reply(quoted).text) == ("text", quoted), quoted
+    # a bare call mid-sentence (a word before it on its line, text after it) is prose mentioning it: it was run
+    for prose in ("you could use call:get_steps{date:today} next time", "I can call:get_steps{} if you want."):
+        assert (parse_reply(prose).kind, parse_reply(prose).text) == ("text", prose), prose
+    for ends in ("Sure.\ncall:get_steps{date:today}", "Let me check call:get_steps{date:today}",
+                 "Checking: call:get_steps{date:today} call:get_daily_step_goal{}"):  # a call ending the sentence
+        assert parse_reply(ends).kind == "call", ends
     bare = parse_reply("call:get_steps{date:today}")  # a server that strips special tokens
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))
@@ -367,6 +373,29 @@ def test_parser_classifies_text_bare_calls_and_errors():
         reply = parse_reply(broken)
         assert reply.kind == "format_error", broken
         assert reply.error
+    # what follows a call's end marker is never lost: text is the turn's text beside the call, a second call cut
+    # short a format error (the first call kept), a second call without its start marker the text it is
+    call = format_call("get_steps", {"date": "today"})
+    for after, kind, text in (("xyz", "call", "xyz"), (" Done.", "call", "Done."),
+                              ("<start_function_call>call:get_sleep{date:", "format_error", None),
+                              ("call:get_sleep{date:today}", "call", "call:get_sleep{date:today}")):
+        reply = parse_reply(call + after)
+        assert (reply.kind, reply.calls[0]) == (kind, ToolCall("get_steps", {"date": "today"})), after
+        assert reply.text == text if text else reply.error == "missing value at the end", after
+    # arguments the call text cannot carry (an escaped key with ':', a quoted string holding <escape>): the server sent
+    # them as tool_calls its own request check refuses when the client sends them back, and no training row holds them
+    for odd, needle in (("{<escape>time:zone<escape>:1}", "key 'time:zone' cannot be written"),
+                        ('{a:"x<escape>y"}', "arguments.a: the value 'x<escape>y' contains <escape>")):
+        reply = parse_reply(f"<start_function_call>call:get_steps{odd}<end_function_call>")
+        assert reply.kind == "format_error" and needle in reply.error, odd
+    assert parse_reply("<start_function_call>call:f{<escape>k<escape>:1}<end_function_call>").first.arguments == {
+        "k": 1}
+    # a name no declaration may have (TOOL_NAME): it was a call of 'météo', whose tool_call the server then refused
+    for name in ("météo", "天气", "x" * 65):
+        reply = parse_reply(f"<start_function_call>call:{name}{{city:Paris}}<end_function_call>")
+        assert (reply.kind, reply.error.split(" at ")[0]) == ("format_error", f"{name!r} is not a tool name (1 to 64 "
+                                                              f"ASCII letters, digits, '_', '.' or '-', not starting "
+                                                              f"with '.' or '-')"), name
 
 
 def test_parser_and_matcher_take_runs_of_digits_of_any_length():
@@ -491,6 +520,11 @@ def test_arguments_match_nulls_close_floats_exact_ids_and_twice_encoded_argument
         == "format_error"  # a JSON string that is no object stays an error
     assert reply_from_message({"tool_calls": [{"function": {"name": "f", "arguments": '"{oops"'}}]}).kind \
         == "format_error"
+    # a name no declaration may have is a format error, as the same call in the FunctionGemma text is (TOOL_NAME)
+    for name in ("météo", "get weather"):
+        odd = reply_from_message({"tool_calls": [{"function": {"name": name, "arguments": "{}"}}]})
+        assert (odd.kind, odd.error) == ("format_error", f"tool call name {name!r} is not a tool name (1 to 64 ASCII "
+                                                         f"letters, digits, '_', '.' or '-')")
 
 
 # -------------------------------------------------------------------------------------- scoring

@@ -43,6 +43,8 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
      "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '"{\\"a\\": 1}"'}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "(JSON text encoded twice: decode it once)"),
     # read as the data reader reads a row's: 1e999 was rendered into the prompt as Infinity, NaN kept
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"r": 1e999}'}}]}]},
      "messages[0].tool_calls[0].function.arguments", "1e999 is beyond the range of a 64-bit float"),
@@ -50,6 +52,23 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "messages[0].tool_calls[0].function.arguments", "NaN is not JSON (only finite numbers are)"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
      "messages[0].tool_calls[0].function.name", "non-empty"),
+    # a name no declaration may have: the template wrote `call:get weather{}` / `response:météo{...}` into the prompt
+    *[({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": name, "arguments": "{}"}}]}]},
+       "messages[0].tool_calls[0].function.name", "is not a tool name") for name in ("météo", "天气", "get weather")],
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
+                          {"role": "tool", "tool_call_id": "a", "name": "f g", "content": "5"}]},
+     "messages[2].name", "'f g' is not a tool name"),
+    # two calls of a turn with one id: one result answered both (rendered as the later call's), the other none
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}},
+                                                               {"id": "a", "function": {"name": "g"}}]},
+                          {"role": "tool", "tool_call_id": "a", "content": "5"}]},
+     "messages[1].tool_calls[1].id", "'a' is also the id of tool_calls[0]"),
+    # arguments the call text cannot carry: the template wrote call:f{time:zone:<escape>UTC<escape>}, another call
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                 "arguments": '{"time:zone": 1}'}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "key 'time:zone' cannot be written in a FunctionGemma call"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"o": {
+        "q": ["a", "x<escape>y"]}}}}]}]}, "messages[0].tool_calls[0].function.arguments.o.q[1]", "contains <escape>"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "at least 1"),
     ({"messages": USER, "max_tokens": -1}, "max_tokens", "at least 1"),
     ({"messages": USER, "max_tokens": "8"}, "max_tokens", "whole number"),
@@ -974,6 +993,8 @@ def test_responses_api_is_answered_through_a_chat_completion():
              "input[1].role"),
             ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, call,
                         {**call, "call_id": "d", "arguments": "[1]"}]}, "input[3].arguments"),
+            ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, call,
+                        {**call, "call_id": "d", "arguments": '{"o": {"a:b": 1}}'}]}, "input[3].arguments.o"),
             ({"input": [{"role": "user", "content": "hi"}, call, {"type": "function_call_output", "call_id": "zz",
                                                                    "output": "5"}]}, "input[2].call_id"),
             ({"input": [{"role": "user", "content": "hi"}, call, {"role": "user", "content": "x"}]}, "input[2]"),

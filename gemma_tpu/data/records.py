@@ -650,7 +650,13 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
             has = "its 'content' is null" if "content" in m else f"it has {', '.join(map(str, m))}"
             raise UserError(f"{mw}: a {role} message needs 'content' ({has})")
-        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), mw)}
+        content = m.get("content")
+        if role == "tool" and isinstance(content, list) and content and not any(
+                isinstance(p, dict) and "type" in p for p in content):
+            # a JSON array result ([1, 2], [{"steps": 5}]), as an object or a number result is read: it was refused
+            # as "content[0]: expected a text part", read as OpenAI's list of content parts
+            content = json.dumps(content, ensure_ascii=False)
+        msg: dict[str, Any] = {"role": role, "content": _text(content, mw)}
         markup.check(msg["content"], mw, answer=role == "assistant")
         if role in ("system", "developer") and not msg["content"].strip():
             # ShareGPT exports often carry {"from": "system", "value": ""}: it says nothing, and Gemma's template
@@ -686,6 +692,10 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                     twice = isinstance(args, str) and args.lstrip().startswith("{")  # json.dumps of json.dumps
                     raise UserError(f"{mw}.tool_calls[{j}]: arguments must be an object, got {_json_type(args)}"
                                     + (" holding JSON text (encoded twice: decode it once)" if twice else ""))
+                ids = [d.get("id") for d in calls[:j] if isinstance(d, dict)]
+                if isinstance(c, dict) and c.get("id") is not None and c["id"] in ids:
+                    raise UserError(f"{mw}.tool_calls[{j}]: id {shown(c['id'])} is also the id of tool_calls"
+                                    f"[{ids.index(c['id'])}]; each call of a turn needs its own id")
                 if not names:
                     raise UserError(f"{mw}.tool_calls[{j}]: calls {shown(fn['name'])} but the example declares no "
                                     f"'tools'")

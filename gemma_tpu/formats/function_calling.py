@@ -117,16 +117,16 @@ def check_call_arguments(value: Any, path: str = "arguments") -> None:
 
 
 def check_tool_name(name: str, what: str) -> None:
-    """Refuse a tool name the call text cannot carry: the parser (`_NAME`) reads a name of letters, digits,
-    '_', '.' and '-' up to the brace, so `call:get steps{...}` or `call:get{x}{...}` trained a call that
+    """Refuse a tool name the call text cannot carry: the parser reads a name up to the brace and takes it only as a
+    declaration could give it (`TOOL_NAME`), so `call:get steps{...}` or `call:get{x}{...}` trained a call that
     parses back to another name, or not at all."""
-    if not _NAME.fullmatch(name):
-        raise UserError(f"{what}: tool name {shown(name)} cannot be written in a FunctionGemma call (letters, digits, "
-                        f"'_', '.' and '-' only, not starting with '.' or '-')")
+    if not TOOL_NAME.fullmatch(name):
+        raise UserError(f"{what}: tool name {shown(name)} cannot be written in a FunctionGemma call (1 to 64 ASCII "
+                        f"letters, digits, '_', '.' and '-' only, not starting with '.' or '-')")
 
 
 # A declared tool's name: OpenAI's rule (1 to 64 ASCII letters, digits, '_' or '-') with Gemini's '.', not leading
-# with '.' or '-', which the call parser (`_NAME`) cannot read back as the start of a name.
+# with '.' or '-'. The one rule of a name: a declaration's, a call's in data or a request, and a call the parser reads.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")
 
 
@@ -271,17 +271,44 @@ def arguments_problem(parameters: Any, args: dict) -> str | None:
     """What is wrong with a call's `args` for the declared `parameters` schema, or None. An object is checked only
     where its schema declares `properties` (non-empty) and does not let others in (additionalProperties true or a
     schema, patternProperties): an argument it does not declare, a `required` one missing, a value whose JSON type
-    contradicts the declared `type`, one outside an `enum`. The same at every depth (to ARGUMENTS_SCHEMA_DEPTH): an
-    object argument's `properties`, an array's `items` (one schema for all, or a list by position), the problem
-    naming its path (`'sets[2].reps'`); only the top level was checked, so a row calling with `{"sets": [{"rep":
-    5}]}` for a declared `reps` trained. A null value is an argument not given (as the fitness tools and evaluate's
-    arguments_match read it): not type-checked. Unions (anyOf/oneOf/allOf) are not walked."""
+    contradicts the declared `type`, one outside an `enum` or other than a `const`. The same at every depth (to
+    ARGUMENTS_SCHEMA_DEPTH): an object argument's `properties`, an array's `items` (one schema for all, or a list by
+    position), the problem naming its path (`'sets[2].reps'`); only the top level was checked, so a row calling with
+    `{"sets": [{"rep": 5}]}` for a declared `reps` trained. A null value is an argument not given (as the fitness
+    tools and evaluate's arguments_match read it): not type-checked. Unions: a value must pass some branch of an
+    anyOf/oneOf and every branch of an allOf (`_union_problem`); a local `$ref` (`#/$defs/Loc`) is checked as the
+    schema it names (`_Schemas`)."""
     if not isinstance(parameters, dict):
         return None
-    return _object_problem(parameters, args, "", 0)
+    return _object_problem(parameters, args, "", 0, _Schemas(parameters))
 
 
-def _object_problem(schema: dict, obj: dict, at: str, depth: int) -> str | None:
+@dataclasses.dataclass
+class _Schemas:
+    """What `arguments_problem` reads `$ref`s against: the parameters schema (`#/$defs/Unit`, as pydantic writes
+    nested models and enums), and how many more schema checks one call's arguments may take (`budget`; a schema whose
+    unions refer to each other could take exponentially many; past it, the rest is not checked)."""
+
+    root: dict
+    budget: int = 10_000
+
+    def resolve(self, ref: Any) -> dict | None:
+        """The schema a local JSON pointer `ref` (`#`, `#/$defs/Loc`) names, or None (another document, a typo)."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return None
+        node: Any = self.root
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node if isinstance(node, dict) else None
+
+
+def _object_problem(schema: dict, obj: dict, at: str, depth: int, ctx: _Schemas) -> str | None:
     """`arguments_problem` of the object `obj` at path `at` ('' for the arguments themselves)."""
     props = schema.get("properties")
     if not isinstance(props, dict) or not props:
@@ -299,16 +326,17 @@ def _object_problem(schema: dict, obj: dict, at: str, depth: int) -> str | None:
     for key, value in obj.items():
         sub = props.get(key)
         if isinstance(sub, dict):
-            problem = _value_problem(sub, value, at + str(key), depth)
+            problem = _value_problem(sub, value, at + str(key), depth, ctx)
             if problem:
                 return problem
     return None
 
 
-def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
+def _value_problem(sub: dict, value: Any, at: str, depth: int, ctx: _Schemas) -> str | None:
     """The problem of one argument `value` (path `at`) with its schema `sub`: its type, its enum, then inside it."""
-    if value is None:
+    if value is None or ctx.budget <= 0:
         return None
+    ctx.budget -= 1
     declared = sub.get("type")
     types = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
     if types and not any(_json_type_matches(value, t) for t in types if isinstance(t, str)):
@@ -317,18 +345,48 @@ def _value_problem(sub: dict, value: Any, at: str, depth: int) -> str | None:
     enum = sub.get("enum")
     if isinstance(enum, list) and not any(_same_json(value, e) for e in enum):
         return f"{shown(at)} is {_json_text(value)}, not one of its enum ({', '.join(map(_json_text, enum))[:200]})"
+    if "const" in sub and not _same_json(value, sub["const"]):  # pydantic's Literal["x"], a discriminator's tag
+        return f"{shown(at)} is {_json_text(value)}, not its const {_json_text(sub['const'])}"
     if depth >= ARGUMENTS_SCHEMA_DEPTH:
         return None
+    target = ctx.resolve(sub.get("$ref")) if "$ref" in sub else None
+    problem = _value_problem(target, value, at, depth + 1, ctx) if target is not None else None
+    problem = problem or _union_problem(sub, value, at, depth, ctx)
+    if problem:
+        return problem
     if isinstance(value, dict):
-        return _object_problem(sub, value, f"{at}.", depth + 1)
+        return _object_problem(sub, value, f"{at}.", depth + 1, ctx)
     if isinstance(value, list):
         items = sub.get("items")
         for k, v in enumerate(value):
             item = items if isinstance(items, dict) else items[k] if isinstance(items, list) and k < len(
                 items) else None
-            problem = _value_problem(item, v, f"{at}[{k}]", depth + 1) if isinstance(item, dict) else None
+            problem = _value_problem(item, v, f"{at}[{k}]", depth + 1, ctx) if isinstance(item, dict) else None
             if problem:
                 return problem
+    return None
+
+
+def _union_problem(sub: dict, value: Any, at: str, depth: int, ctx: _Schemas) -> str | None:
+    """The problem of `value` with the unions of its schema `sub`: some branch of an anyOf or oneOf must take it
+    (oneOf is read as anyOf: which one branch a value matches is the tool's concern), every branch of an allOf.
+    Pydantic writes `Optional[int]`, `Union[A, B]` and nested models so; they were not checked, so a row calling
+    `{"unit": "kelvin"}` for `anyOf: [{enum: [c, f]}, {type: null}]` trained. A branch this check cannot read (a
+    `$ref` to another document, `true`) takes any value."""
+    for key in ("anyOf", "oneOf"):
+        alts = sub.get(key)
+        if not isinstance(alts, list) or not alts or not all(isinstance(a, dict) for a in alts):
+            continue
+        problems = [_value_problem(a, value, at, depth + 1, ctx) for a in alts]
+        if all(problems):
+            if len(alts) == 1:
+                return problems[0]
+            return f"{shown(at)} matches none of the {len(alts)} schemas of its {key} (the first: {problems[0]})"
+    alts = sub.get("allOf")
+    for a in alts if isinstance(alts, list) else []:
+        problem = _value_problem(a, value, at, depth + 1, ctx) if isinstance(a, dict) else None
+        if problem:
+            return problem
     return None
 
 
@@ -416,12 +474,17 @@ def format_response(name: str, content: str) -> str:
 # --------------------------------------------------------------------------------- parsing
 
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")  # OpenAI tool names may start with a digit
+_NAME = re.compile(r"[\w.\-]+")  # what a call's name is read as, up to its brace; a call of it must be a TOOL_NAME
 # Text that looks like an attempt at a call even without the start marker.
 # A word after `call:` is a call's name only when a brace (or the end of the text: a call cut short) follows it:
 # "Give me a call:tomorrow works" is an answer, not a malformed call.
 _QUOTES = frozenset("`\"'\u2018\u201c")  # before a bare call: a quote of the syntax in prose, not a call
 _CALL_HINT = re.compile(r"(?:^|[^\w])call:[A-Za-z0-9_][\w.\-]*\s*(?:\{|$)|<end_function_call>|<start_function_call>")
+
+
+# before a bare call: a word and spaces on its line, as in prose ("you could use call:x{...} next time"); a call a
+# server stripped the markers of starts the turn, a line, or follows a sentence ("Checking. call:x{...}")
+_MID_SENTENCE = re.compile(r"\w[ \t]+$")
 
 
 class CallSyntaxError(ValueError):
@@ -631,11 +694,20 @@ def parse_call_body(text: str, pos: int = 0) -> tuple[ToolCall, int]:
     m = _NAME.match(text, r.i)
     if not m:
         raise r._fail("expected a function name")
+    if not TOOL_NAME.fullmatch(m.group(0)):  # 'météo', '天气': no declaration could name it (OpenAI's and the
+        # request check's rule), and the server's tool_call of it was refused when the client sent it back
+        raise r._fail(f"{shown(m.group(0))} is not a tool name (1 to 64 ASCII letters, digits, '_', '.' or '-', "
+                      f"not starting with '.' or '-')")
     name, r.i = m.group(0), m.end()
     r._ws()
     if r.i >= len(text) or text[r.i] != "{":
         raise r._fail(f"expected '{{' after call:{name}")
     args = r.obj()
+    try:  # an escaped key `<escape>time:zone<escape>` or a quoted "x<escape>y": a call the server would send as
+        # tool_calls its own request check then refuses, and no training row holds (`format_call`)
+        check_call_arguments(args, f"call:{name} arguments")
+    except UserError as e:
+        raise CallSyntaxError(str(e)) from None
     return ToolCall(name, args), r.i
 
 
@@ -662,10 +734,14 @@ def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedRep
                         calls, outside, rest = [], [], whole  # (was run as a call); other prose around a bare call is
                         break  # the price of accepting calls a server stripped the markers of
                     call, end = parse_call_body(rest, m.start())
+                    after = rest[end + len(END_CALL):] if rest.startswith(END_CALL, end) else rest[end:]
+                    if _MID_SENTENCE.search(rest, 0, m.start()) and after.strip() and not after.lstrip().startswith(
+                            "call:"):  # "you could use call:get_weather{city:Paris} next time": prose mentioning
+                        calls, outside, rest = [], [], whole  # a call, a word before it on its line and text after
+                        break  # it (was run as a call); a call a server stripped the markers of ends its sentence
                     calls.append(call)
                     outside.append(rest[:m.start()])
-                    rest = rest[end:]
-                    rest = rest[len(END_CALL):] if rest.startswith(END_CALL) else rest
+                    rest = after
                 outside.append(rest)
                 break
             outside.append(text[pos:start])

@@ -22,6 +22,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import (
     JSON_RESULT_MAX_DEPTH,
     START_RESPONSE,
+    TOOL_NAME,
     ParsedReply,
     ToolCall,
     cut_short,
@@ -372,6 +373,9 @@ def reply_from_message(message: dict) -> ParsedReply:
             return ParsedReply("format_error", [], str(raw), f"tool_calls arguments give key {e.args[0]!r} twice")
         if not isinstance(args, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             return ParsedReply("format_error", [], str(raw), "tool call without a name or an object of arguments")
+        if not TOOL_NAME.fullmatch(fn["name"]):  # as the FunctionGemma text's parser reads `call:météo{...}`
+            return ParsedReply("format_error", [], str(raw), f"tool call name {fn['name'][:80]!r} is not a tool name "
+                                                             f"(1 to 64 ASCII letters, digits, '_', '.' or '-')")
         calls.append(ToolCall(fn["name"], args))
     if calls:
         return ParsedReply("call", calls, message.get("content") or "")
