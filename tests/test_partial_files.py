@@ -391,6 +391,32 @@ def test_check_writable_makes_a_file_rather_than_trusting_os_access(tmp_path):
         check_writable("/sys/kernel/no-such-output", "--out X")
 
 
+def test_check_writable_never_sets_back_another_writers_change_of_the_directory(tmp_path, monkeypatch):
+    """`check_writable` made a named probe file, removed it, then set the directory's mtime back to what it was
+    before: a file another process made there meanwhile (another trainer in a shared checkpoint directory) was
+    hidden from whatever reads the mtime for news (NFS clients' caches, Python's import cache). The probe is an
+    unnamed file now, which changes nothing, so there is nothing to set back."""
+    import os
+
+    from gemma_tpu.core import atomic
+
+    os.utime(tmp_path, ns=(10**18, 10**18))  # an mtime far from now, so the other writer's change shows
+    seen = {}
+    close = os.close
+
+    def other_writer_meanwhile(fd):  # the probe's file is closed: another process adds its file in this instant
+        close(fd)
+        if not seen:
+            (tmp_path / "other.txt").write_text("x")
+            seen["mtime"] = tmp_path.stat().st_mtime_ns
+
+    monkeypatch.setattr(atomic.os, "close", other_writer_meanwhile)
+    atomic.check_writable(tmp_path / "out.json", "--json X", room=1)
+    monkeypatch.undo()
+    assert seen["mtime"] != 10**18 and tmp_path.stat().st_mtime_ns == seen["mtime"]
+    assert [p.name for p in tmp_path.iterdir()] == ["other.txt"]
+
+
 @pytest.mark.parametrize("command", [["serving.bench", "--model", "m", "--base-url"],
                                      ["gemma_tpu.evaluate", "--data", "tests/data/chat_sample.jsonl", "--endpoint"]])
 def test_a_results_file_on_a_full_disk_is_refused_before_the_run(command, small_disk):
