@@ -348,6 +348,28 @@ def test_metrics_after_a_line_cut_short_stay_readable(tmp_path):
     assert fresh.read_text() == '{"step": 1}\n'
 
 
+def test_a_metrics_record_that_does_not_fit_leaves_the_file_as_it_was(tmp_path):
+    """A metrics.jsonl record written on a full disk (here past a file-size limit) left its first bytes as a line
+    cut short, which every line-by-line reader (pandas' read_json(lines=True) too) failed on after the run stopped.
+    Now the error names the file and the file is as it was."""
+    import resource
+    import signal
+
+    from gemma_tpu.train.trainer import append_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 6.1}\n')
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))  # this process's soft limit, put back below
+        with pytest.raises(OSError, match=f"File too large: '{path}'"):
+            append_jsonl(path, {"step": 2, "loss": 6.0, "note": "x" * 200})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert path.read_text() == '{"step": 1, "loss": 6.1}\n'
+
+
 def test_an_abandoned_orbax_read_is_not_printed_after_the_error(monkeypatch):
     """A restore that fails on one array leaves Orbax's reads of the others unawaited; collected, each printed
     "Exception ignored in: <coroutine ...>" and a traceback after the one-line error (8-18 lines a run on the tiny

@@ -219,17 +219,26 @@ class CompileCounter(logging.Filter):
 
 
 def append_jsonl(path: Path, rec: dict) -> None:
-    """Append one JSON line. A last line cut short (a crash or a full disk mid-write) is ended first: the
-    resumed run's first row was glued to it, and both were unreadable. A failed write names the file
-    (a failed write() carries no file name: "error: No space left on device" said nothing more), and a run
-    directory removed mid-run is said to be gone."""
+    """Append one JSON line, whole or not at all (a write that fails midway, on a full disk, leaves the file as it
+    was: a line cut short broke every reader that reads each line, pandas' too). A last line cut short (a crash
+    mid-write) is ended first: the resumed run's first row was glued to it, and both were unreadable. A failed
+    write names the file (a failed write() carries no file name: "error: No space left on device" said nothing
+    more), and a run directory removed mid-run is said to be gone."""
     try:
-        with path.open("a+b") as f:
+        with path.open("a+b", buffering=0) as f:
+            end = f.seek(0, os.SEEK_END)
             prefix = b""
-            if f.tell() > 0:
+            if end > 0:
                 f.seek(-1, os.SEEK_END)
                 prefix = b"" if f.read(1) == b"\n" else b"\n"
-            f.write(prefix + (strict_json.dumps(rec) + "\n").encode())
+            data = prefix + (strict_json.dumps(rec) + "\n").encode()
+            try:
+                while data:  # a short write says nothing; the next one says why
+                    data = data[f.write(data):]
+            except OSError:  # a full disk, a file-size limit: the part written goes, the file is as it was
+                with contextlib.suppress(OSError):
+                    f.truncate(end)
+                raise
     except OSError as e:
         if isinstance(e, FileNotFoundError) and not path.parent.is_dir():  # "No such file or directory: …" said why not
             raise UserError(f"{path.parent} was removed or moved while training ({path.name} cannot be written); "
