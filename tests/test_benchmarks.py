@@ -289,8 +289,11 @@ def test_a_benchmark_child_stopped_mid_write_leaves_no_half_results(tmp_path, na
 
 def test_merge_benchmark_stamps_its_machine_and_date(tmp_path):
     """benchmarks/merge.py's results carried no machine, date or command (every other benchmark records them,
-    benchmarks/machine.py): a cp/merge wall time that could not be told apart from another machine's."""
+    benchmarks/machine.py): a cp/merge wall time that could not be told apart from another machine's.
+    Its --workdir holds what a run stopped while writing the base left (a part of it): that base was taken as is."""
     out = tmp_path / "merge.json"
+    (tmp_path / "w" / "base").mkdir(parents=True)
+    (tmp_path / "w" / "base" / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 100)
     proc = subprocess.run([sys.executable, "benchmarks/merge.py", "--scale", "0.01", "--workdir", str(tmp_path / "w"),
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
