@@ -29,6 +29,7 @@ from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
+from gemma_tpu.core.atomic import write_text_atomic  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
 
 SIDES = ("separate", "shared")
@@ -77,7 +78,7 @@ def child(side: str, a: str, b: str, data: str, limit: int, batch: int, max_new:
                  compare_one_model=True)  # --a and --b may be one model: the second side compiles nothing
         examples = json.loads(preds.read_text())["examples"]
     raw = {label: [e["raw"] for e in rows] for label, rows in examples.items()}
-    Path(out).write_text(json.dumps({"models": per, "raw": raw}))
+    write_text_atomic(out, json.dumps({"models": per, "raw": raw}))  # never half a file for the parent to read
 
 
 def main(argv=None) -> int:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.machine import cpu_info, cpu_label  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
+from gemma_tpu.core.atomic import write_text_atomic  # noqa: E402
 from gemma_tpu.core.progress import human  # noqa: E402
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.models.gemma3 import GEMMA3  # noqa: E402
@@ -224,9 +225,21 @@ def main(argv=None) -> int:
     base, ckpt, out, copy = work / "base", work / "ckpt", work / "merged", work / "cp"
     try:
         t = time.perf_counter()
-        if not base.exists():
+        # a --workdir's base and checkpoint are reused only when whole and of this shape (their record, written
+        # last): a run stopped while writing them (minutes at --scale 1) left a base the next run took as is, and
+        # one of another --scale was timed under this shape's name
+        built = work / "setup.json"
+        try:
+            reusable = json.loads(built.read_text()) == shape and base.is_dir() and ckpt.is_dir()
+        except (OSError, ValueError):
+            reusable = False
+        if not reusable:
+            built.unlink(missing_ok=True)
+            shutil.rmtree(base, ignore_errors=True)
+            shutil.rmtree(ckpt, ignore_errors=True)
             write_base(base, shape)
             write_checkpoint(ckpt, base, shape)
+            write_text_atomic(built, json.dumps(shape))
         setup = time.perf_counter() - t
         base_bytes = sum(f.stat().st_size for f in base.iterdir())
         print(f"base: {base} ({human(base_bytes)}, {shape['num_hidden_layers']} layers, setup {setup:.0f}s)",

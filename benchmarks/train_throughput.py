@@ -75,6 +75,7 @@ from benchmarks.args import check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
+from gemma_tpu.core.atomic import write_text_atomic  # noqa: E402
 FITNESS_TRAIN = "data/fitness/train.jsonl"
 SIDES = ("ours", "unshared", "torch")
 SHAPE_PREFIX = "shape:"
@@ -510,7 +511,8 @@ def main(argv=None) -> int:
     if args.child:
         spec = json.loads(Path(args.spec).read_text())
         result = CHILDREN[args.child](spec)
-        Path(args.out).write_text(json.dumps(result))
+        # whole or not at all: a child killed or out of disk mid-write left half a file the parent read
+        write_text_atomic(args.out, json.dumps(result))
         return 0
 
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]

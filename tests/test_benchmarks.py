@@ -250,10 +250,50 @@ def test_benchmark_argument_errors_are_one_line_before_anything_runs(tmp_path, a
     assert list(tmp_path.iterdir()) == [temp] and left == []
 
 
+# A benchmark child writes its results for the parent to read; it wrote them in place, so a child stopped mid-write
+# (its disk full; here a 10 KB file-size limit, set by `limit()`) left half a file. The child's work is replaced by
+# a fake returning 100 KB.
+CHILD_WRITES = {
+    "train_throughput": ("benchmarks.train_throughput",
+                         "t.CHILDREN['fake'] = lambda spec: limit() or {'x': 'y' * 100_000}",
+                         ["--child", "fake", "--spec", "{spec}", "--out", "{out}"]),
+    "eval_compiles": ("benchmarks.eval_compiles",
+                      "import gemma_tpu.evaluate.run as r\n"
+                      "def fake(argv, **kw):\n"
+                      "    doc = {'examples': {'m': [{'raw': 'y' * 100_000}]}}\n"
+                      "    open(argv[argv.index('--json') + 1], 'w').write(json.dumps(doc))\n"
+                      "    limit()\n"
+                      "r.main = fake",
+                      ["--child", "shared", "--b", "x", "--out", "{out}"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHILD_WRITES))
+def test_a_benchmark_child_stopped_mid_write_leaves_no_half_results(tmp_path, name):
+    module, fake, argv = CHILD_WRITES[name]
+    spec, out = tmp_path / "spec.json", tmp_path / "out" / "child.json"
+    out.parent.mkdir()
+    spec.write_text("{}")
+    argv = [a.format(spec=spec, out=out) for a in argv]
+    code = ("import json, resource, signal, sys\n"
+            "def limit():\n"
+            "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "    resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))\n"
+            f"import {module} as t\n{fake}\nfrom gemma_tpu.core import cli\n"
+            f"sys.exit(cli.cli_main(t.main, {argv!r}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"writing {out} failed" in proc.stderr and "File too large" in proc.stderr, proc.stderr[-2000:]
+    assert list(out.parent.iterdir()) == []
+
+
 def test_merge_benchmark_stamps_its_machine_and_date(tmp_path):
     """benchmarks/merge.py's results carried no machine, date or command (every other benchmark records them,
-    benchmarks/machine.py): a cp/merge wall time that could not be told apart from another machine's."""
+    benchmarks/machine.py): a cp/merge wall time that could not be told apart from another machine's.
+    Its --workdir holds what a run stopped while writing the base left (a part of it): that base was taken as is."""
     out = tmp_path / "merge.json"
+    (tmp_path / "w" / "base").mkdir(parents=True)
+    (tmp_path / "w" / "base" / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 100)
     proc = subprocess.run([sys.executable, "benchmarks/merge.py", "--scale", "0.01", "--workdir", str(tmp_path / "w"),
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -307,3 +307,37 @@ def test_leftovers_of_an_output_named_like_a_pattern_are_found(tmp_path):
     assert restore_set_aside(tmp_path / "coach[v2]") == tmp_path / f".coach[v2].old-{dead}"
     assert clean_stale(tmp_path / "coach[v2]") == [tmp_path / f".coach[v2].tmp-{dead}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".coachv.old-{dead}", f".coachv.tmp-{dead}", "coach[v2]"]
+
+
+# SIGTERM while the main thread waits for an XLA compilation (jax compiles in a thread pool): the exit tore down
+# XLA's client under the compilation still running, a segmentation fault (exit 139, every time here; about one
+# SIGTERM in three at the start of `gemma_tpu.evaluate`, while its decode step compiled).
+COMPILING = """
+import atexit, os, signal, sys, threading
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.core.errors import raise_signal_exit
+
+def main(argv):
+    import jax, jax.numpy as jnp
+    signal.signal(signal.SIGTERM, raise_signal_exit)
+    atexit.register(lambda: print("exit handlers ran", file=sys.stderr, flush=True))
+    def f(x):
+        for i in range(40):  # ~2 s of XLA compilation on a 2-core CPU
+            x = jnp.sin(x) @ x + i
+        return x
+    lowered = jax.jit(f).lower(jnp.ones((8, 8)))
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.daemon = True
+    timer.start()
+    lowered.compile()
+    return 0
+
+sys.exit(cli_main(main))
+"""
+
+
+def test_sigterm_while_xla_compiles_exits_143_not_a_segfault():
+    proc = subprocess.run([sys.executable, "-c", COMPILING], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines() == ["error: stopped by SIGTERM", "exit handlers ran"], proc.stderr[-2000:]

@@ -348,6 +348,28 @@ def test_metrics_after_a_line_cut_short_stay_readable(tmp_path):
     assert fresh.read_text() == '{"step": 1}\n'
 
 
+def test_a_metrics_record_that_does_not_fit_leaves_the_file_as_it_was(tmp_path):
+    """A metrics.jsonl record written on a full disk (here past a file-size limit) left its first bytes as a line
+    cut short, which every line-by-line reader (pandas' read_json(lines=True) too) failed on after the run stopped.
+    Now the error names the file and the file is as it was."""
+    import resource
+    import signal
+
+    from gemma_tpu.train.trainer import append_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 6.1}\n')
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))  # this process's soft limit, put back below
+        with pytest.raises(OSError, match=f"File too large: '{path}'"):
+            append_jsonl(path, {"step": 2, "loss": 6.0, "note": "x" * 200})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert path.read_text() == '{"step": 1, "loss": 6.1}\n'
+
+
 def test_an_abandoned_orbax_read_is_not_printed_after_the_error(monkeypatch):
     """A restore that fails on one array leaves Orbax's reads of the others unawaited; collected, each printed
     "Exception ignored in: <coroutine ...>" and a traceback after the one-line error (8-18 lines a run on the tiny
@@ -429,6 +451,32 @@ def test_check_writable_says_what_the_directory_is(tmp_path):
     with pytest.raises(UserError, match=r"^--json /proc/nope/x.json: /proc takes no new files .*; /proc/nope does not "
                                         r"exist and cannot be created there; give a path on a disk$"):
         check_results_file("/proc/nope/x.json", results_key="models")
+
+
+def test_check_writable_never_sets_back_another_writers_change_of_the_directory(tmp_path, monkeypatch):
+    """`check_writable` made a named probe file, removed it, then set the directory's mtime back to what it was
+    before: a file another process made there meanwhile (another trainer in a shared checkpoint directory) was
+    hidden from whatever reads the mtime for news (NFS clients' caches, Python's import cache). The probe is an
+    unnamed file now, which changes nothing, so there is nothing to set back."""
+    import os
+
+    from gemma_tpu.core import atomic
+
+    os.utime(tmp_path, ns=(10**18, 10**18))  # an mtime far from now, so the other writer's change shows
+    seen = {}
+    close = os.close
+
+    def other_writer_meanwhile(fd):  # the probe's file is closed: another process adds its file in this instant
+        close(fd)
+        if not seen:
+            (tmp_path / "other.txt").write_text("x")
+            seen["mtime"] = tmp_path.stat().st_mtime_ns
+
+    monkeypatch.setattr(atomic.os, "close", other_writer_meanwhile)
+    atomic.check_writable(tmp_path / "out.json", "--json X", room=1)
+    monkeypatch.undo()
+    assert seen["mtime"] != 10**18 and tmp_path.stat().st_mtime_ns == seen["mtime"]
+    assert [p.name for p in tmp_path.iterdir()] == ["other.txt"]
 
 
 @pytest.mark.parametrize("command", [["serving.bench", "--model", "m", "--base-url"],

@@ -51,6 +51,13 @@ def test_run_writes_checkpoints_metadata_and_metrics(reference_run):
     # batch 4, pad: at least one conversation a row (a shared-prefix tree holds several), a whole number a step
     per_step = [r["examples_per_s"] * r["step_time_s"] for r in timed]
     assert timed and all(n >= 4 - 1e-6 and n == pytest.approx(round(n)) for n in per_step), per_step
+    # a save or an evaluation is timed apart, in the record whose interval holds it (saves of steps 2, 4, 6 in those
+    # of 3, 5, 7; the evaluations of steps 3 and 6 in those of 3 and 7), not in its step time: the record after a
+    # save read as a step ~2x the others on the 270M (save time folded in)
+    saved = {r["step"] for r in timed if r.get("save_s", 0) > 0}
+    assert saved >= {3, 5, 7} and {r["step"] for r in timed if r.get("eval_s", 0) > 0} == {3, 7}, timed
+    assert summary["save_s"] == pytest.approx(sum(r.get("save_s", 0) for r in timed), abs=0.02)
+    assert summary["eval_s"] == pytest.approx(sum(r.get("eval_s", 0) for r in timed), abs=0.02)
     assert list((ck / "tensorboard").rglob("events.*"))
     l = losses(ck)
     assert len(l) == 8 and l[-1] < l[0]

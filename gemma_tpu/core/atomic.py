@@ -44,9 +44,14 @@ _RENAME_EXCHANGE = 2
 
 def check_writable(path: str | Path, what: str, room: int = 0) -> None:
     """Refuse, before any heavy work and without leaving anything, a path that cannot be created or written:
-    the nearest existing ancestor must be a directory a file can be made in (one is, then removed, its mtime put
-    back). (`what` names the option: `--out X`.) `room`: bytes that file must take too (a full disk still makes an
-    empty file)."""
+    the nearest existing ancestor must be a directory a file can be made in. (`what` names the option: `--out X`.)
+    `room`: bytes that file must take too (a full disk still makes an empty file).
+
+    The file is made unnamed (`O_TMPFILE`), so the directory is not changed at all: no entry appears, its mtime
+    stays. A named probe file whose mtime change was then set back could undo another process's change of the
+    directory made in that instant (another trainer's file in a shared checkpoint directory), and an mtime set
+    back is what NFS clients and Python's import cache read as "nothing new here". Where the filesystem has no
+    unnamed files (NFS, most FUSE mounts, sysfs) a named one is made and removed, its mtime change left as is."""
     p = Path(path).absolute()
     probe = p
     while not probe.exists() and probe != probe.parent:
@@ -56,18 +61,28 @@ def check_writable(path: str | Path, what: str, room: int = 0) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise UserError(f"{what}: {probe} is not a directory")
-    # a file made and removed, not os.access: as root that says yes to a directory no one can write in (sysfs, a
-    # root-squashed NFS export, a FUSE mount that checks for itself), and the run failed at its first write
-    st = probe.stat()
-    try:
-        fd, name = tempfile.mkstemp(prefix=".writable-", dir=probe)
-    except OSError as e:
+    # a file made, not os.access: as root that says yes to a directory no one can write in (sysfs, a root-squashed
+    # NFS export, a FUSE mount that checks for itself), and the run failed at its first write
+    def refuse(e: OSError) -> UserError:
         missing = f"; {p} does not exist and cannot be created there" if probe != p else ""
         if e.errno == errno.ENOENT:  # the directory exists: a filesystem whose files the kernel makes (/proc)
             fs = _filesystem_type(probe)  # it was "/proc is not writable (No such file or directory)"
-            raise UserError(f"{what}: {probe} takes no new files ({f'a {fs} filesystem: ' if fs else ''}its files are "
-                            f"the system's){missing}; give a path on a disk") from None
-        raise UserError(f"{what}: {probe} is not writable ({e.strerror or e}){missing}") from None
+            return UserError(f"{what}: {probe} takes no new files ({f'a {fs} filesystem: ' if fs else ''}its files are "
+                             f"the system's){missing}; give a path on a disk")
+        return UserError(f"{what}: {probe} is not writable ({e.strerror or e}){missing}")
+
+    name = fd = None
+    if hasattr(os, "O_TMPFILE"):  # Linux
+        try:
+            fd = os.open(probe, os.O_TMPFILE | os.O_WRONLY, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):  # EISDIR: a kernel without O_TMPFILE
+                raise refuse(e) from None
+    if fd is None:
+        try:
+            fd, name = tempfile.mkstemp(prefix=".writable-", dir=probe)
+        except OSError as e:
+            raise refuse(e) from None
     full = None
     try:
         data = b"\0" * room
@@ -77,11 +92,8 @@ def check_writable(path: str | Path, what: str, room: int = 0) -> None:
         full = e
     finally:
         os.close(fd)
-        os.unlink(name)
-    try:  # left as it was found: nothing was written
-        os.utime(probe, ns=(st.st_atime_ns, st.st_mtime_ns))
-    except OSError:
-        pass
+        if name is not None:
+            os.unlink(name)
     if full is not None:
         raise UserError(f"{what}: {probe} has no room for it ({full.strerror or full})")
 

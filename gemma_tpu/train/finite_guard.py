@@ -15,6 +15,7 @@ out (`CheckpointSaveFailed.partial`), so the space it took is free again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -193,9 +194,10 @@ def last_step_on_disk(manager) -> int | None:
 class FiniteCheckpoints:
     """Tunix's CheckpointManager with a finiteness check in front of `save`."""
 
-    def __init__(self, manager, before_save=None):
+    def __init__(self, manager, before_save=None, timed=None):
         self._manager = manager
         self._before_save = before_save
+        self._timed = timed  # a context manager factory timing the save proper (the trainer's, to keep it apart)
 
     def __getattr__(self, name):
         return getattr(self._manager, name)
@@ -209,6 +211,10 @@ class FiniteCheckpoints:
             return False
         if self._before_save is not None:
             self._before_save(step)
+        with self._timed() if self._timed is not None else contextlib.nullcontext():
+            return self._checked_save(step, model, optimizer, save_only_lora_params, force, custom_metadata)
+
+    def _checked_save(self, step, model, optimizer, save_only_lora_params, force, custom_metadata) -> bool:
         from flax import nnx
 
         params = nnx.state(model, nnx.LoRAParam) if save_only_lora_params else nnx.state(model)

@@ -8,6 +8,7 @@ a compile counter that warns if the train step compiles again, and a non-finite-
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -218,17 +219,26 @@ class CompileCounter(logging.Filter):
 
 
 def append_jsonl(path: Path, rec: dict) -> None:
-    """Append one JSON line. A last line cut short (a crash or a full disk mid-write) is ended first: the
-    resumed run's first row was glued to it, and both were unreadable. A failed write names the file
-    (a failed write() carries no file name: "error: No space left on device" said nothing more), and a run
-    directory removed mid-run is said to be gone."""
+    """Append one JSON line, whole or not at all (a write that fails midway, on a full disk, leaves the file as it
+    was: a line cut short broke every reader that reads each line, pandas' too). A last line cut short (a crash
+    mid-write) is ended first: the resumed run's first row was glued to it, and both were unreadable. A failed
+    write names the file (a failed write() carries no file name: "error: No space left on device" said nothing
+    more), and a run directory removed mid-run is said to be gone."""
     try:
-        with path.open("a+b") as f:
+        with path.open("a+b", buffering=0) as f:
+            end = f.seek(0, os.SEEK_END)
             prefix = b""
-            if f.tell() > 0:
+            if end > 0:
                 f.seek(-1, os.SEEK_END)
                 prefix = b"" if f.read(1) == b"\n" else b"\n"
-            f.write(prefix + (strict_json.dumps(rec) + "\n").encode())
+            data = prefix + (strict_json.dumps(rec) + "\n").encode()
+            try:
+                while data:  # a short write says nothing; the next one says why
+                    data = data[f.write(data):]
+            except OSError:  # a full disk, a file-size limit: the part written goes, the file is as it was
+                with contextlib.suppress(OSError):
+                    f.truncate(end)
+                raise
     except OSError as e:
         if isinstance(e, FileNotFoundError) and not path.parent.is_dir():  # "No such file or directory: …" said why not
             raise UserError(f"{path.parent} was removed or moved while training ({path.name} cannot be written); "
@@ -443,7 +453,11 @@ class Trainer(TunixTrainer):
         # no non-finite state on disk, and with on_nonfinite=stop no step whose loss was not finite; `before_save(step)`
         # (the run's own check that its directory is still its own) first
         self._before_save_hook = before_save
-        self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager, before_save=self._before_save)
+        # seconds spent saving and evaluating since the last train record was written, which is where they were spent:
+        # kept out of the next record's step time and rates (a step that saved read ~16 s on the 270M), given apart
+        self._paused = {"save_s": 0.0, "eval_s": 0.0}
+        self.checkpoint_manager = FiniteCheckpoints(self.checkpoint_manager, before_save=self._before_save,
+                                                    timed=lambda: self._pause("save_s"))
         if mesh is not None:
             # optimizer state (created or restored) placed like its parameters right away
             shard_optimizer_state(self.optimizer, mesh)
@@ -550,6 +564,25 @@ class Trainer(TunixTrainer):
         raise NonFiniteLoss(f"non-finite loss at step {step}; step {step} was not saved")
 
     # ---- metrics ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _pause(self, kind: str):
+        """Time a save or an evaluation (`kind`: save_s, eval_s) for the next train record, which leaves it out of
+        its step time (from the later of its start and the last record's end: a record written as a save begins
+        ends where the save's own time starts)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            t_last = getattr(self, "_t_last", None)
+            self._paused[kind] += time.perf_counter() - max(t0, t_last if t_last is not None else t0)
+
+    def evaluation_timer(self):
+        import jax
+
+        # the step before it may still be running (dispatch is asynchronous, on CPU too): its time is the step's
+        jax.block_until_ready(self.pending_train_losses())
+        return self._pause("eval_s")
+
     def _compile_count(self) -> int:
         return self.compile_counter.counts.get(TRAIN_STEP_FN, 0)
 
@@ -592,8 +625,10 @@ class Trainer(TunixTrainer):
                 if self._t_last is None:  # the session's only step (max_steps=1, or one step after a resume):
                     self._log_placeholder_rates(rec["step"])  # the progress bar asks for them (absl warned)
             elif self._t_last is not None and steps > 0:
-                dt = now - self._t_last
+                paused = {k: v for k, v in self._paused.items() if v > 0}
+                dt = max(now - self._t_last - sum(paused.values()), 1e-9)
                 rec["step_time_s"] = dt / steps
+                rec.update(paused)  # saving and evaluating, left out of the step time and the rates
                 rec["tokens_per_s"] = steps * self.tokens_per_step / dt
                 rec["nonpad_tokens_per_s"] = (tokens - self._tok_last) / dt
                 rec["useful_tokens_per_s"] = (useful - self._useful_last) / dt
@@ -612,6 +647,7 @@ class Trainer(TunixTrainer):
                 rec["includes_compile"] = True
                 self._log_placeholder_rates(rec["step"])
             self._t_last, self._step_last = now, rec["step"]
+            self._paused = dict.fromkeys(self._paused, 0.0)
             self._tok_last, self._useful_last, self._examples_last = tokens, useful, examples
             self.compiles = self._compile_count()
             rec["train_step_compiles"] = self.compiles
@@ -750,6 +786,8 @@ class Trainer(TunixTrainer):
                 out["tflops_per_s"] = round(med("tflops_per_s"), 4)
             if med("mfu") is not None:
                 out["mfu"] = round(med("mfu"), 4)
+            for key in ("save_s", "eval_s"):  # this session's saving and evaluating, outside the step times
+                out[key] = round(sum(r.get(key, 0.0) for r in train), 2)
             if self.price_per_hour:
                 out["est_cost_per_run"] = round(self.price_per_hour * out["wall_s"] / 3600, 4)
         return out

@@ -39,6 +39,7 @@ After a Tunix upgrade, this module is what to check (the resume, metrics and SIG
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from tunix.sft import peft_trainer, profiler
@@ -133,6 +134,10 @@ class TunixTrainer(peft_trainer.PeftTrainer):
             _, eval_step = self.jit_train_and_eval_step()  # the ones `train` jitted (cached)
             self._run_eval(self.eval_ds, eval_step)
 
+    def evaluation_timer(self):
+        """A context manager around each evaluation Tunix runs (an override times it); here, nothing."""
+        return contextlib.nullcontext()
+
     def save_last_checkpoint(self) -> None:
         """At `close`: the last step, unless it is saved already, as every step is saved (with
         `custom_checkpoint_metadata()`, the data position)."""
@@ -150,7 +155,8 @@ class TunixTrainer(peft_trainer.PeftTrainer):
         entry, self._entry_eval_pending = getattr(self, "_entry_eval_pending", False), False
         if entry and self.skip_entry_eval:
             return None
-        return super()._run_eval(eval_ds, eval_step_fn)
+        with self.evaluation_timer():
+            return super()._run_eval(eval_ds, eval_step_fn)
 
     def _write_metrics(self, metrics_buffer):
         self.write_metrics(metrics_buffer)
