@@ -394,6 +394,8 @@ def lora_warning(cfg: ServeConfig) -> str | None:
 
 
 MODEL_DIR_HINT = "the merged model directory, e.g. model.dir=runs/x-merged"
+# the largest server.* count the launcher passes on (vLLM-TPU's JAX side counts tokens and positions in int32)
+MAX_SERVER_INT = 2**31 - 1
 
 
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), need_dir: bool = True) -> ServeConfig:
@@ -427,6 +429,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(s, key) <= 0:
             bad(f"server.{key} must be positive, got {getattr(s, key)}")
+        if getattr(s, key) > MAX_SERVER_INT:  # `max_model_len: 1e20` was rendered as --max-model-len 1000...0
+            bad(f"server.{key}={getattr(s, key)} is past what vLLM's 32-bit token counts and positions hold "
+                f"(at most {MAX_SERVER_INT})")
     if s.max_num_batched_tokens < s.max_num_seqs:  # vLLM's SchedulerConfig refuses it when the engine starts
         bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
             f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
@@ -481,6 +486,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(problem)
     if not re.fullmatch(r"\d+[bkmg]?", cfg.container.shm_size.lower()):
         bad(f"container.shm_size {cfg.container.shm_size!r} is not a size like 16g")
+    if not int(cfg.container.shm_size.rstrip("bkmgBKMG")):  # docker takes 0 as "its default" (64m), silently
+        bad(f"container.shm_size {cfg.container.shm_size!r} is zero; give a positive size like 16g")
     names = [a.name for a in cfg.lora.adapters]
     for a in cfg.lora.adapters:
         if not _NAME.fullmatch(a.name or ""):

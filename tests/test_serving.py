@@ -509,6 +509,12 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["container.image=vllm/vllm-tpu latest"], ["container.image 'vllm/vllm-tpu latest'"]),
     (CONFIG_270M, fake_model_dir, ["container.name=my server"], ["container.name 'my server'"]),
     (CONFIG_270M, fake_model_dir, ['container.compile_cache=""'], ["container.compile_cache is empty"]),
+    # docker takes a zero --shm-size as its default (64m) without a word
+    (CONFIG_270M, fake_model_dir, ["container.shm_size=0g"], ["container.shm_size '0g' is zero"]),
+    # rendered as --max-model-len 100000000000000000000 where vLLM is told to allow a context past the model's
+    (CONFIG_270M, fake_model_dir, ["server.max_model_len=1e20", "container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"],
+     ["override 'server.max_model_len=1e20'", "server.max_model_len=100000000000000000000 is past", "2147483647"]),
+    (CONFIG_270M, fake_model_dir, ["model.dir=~"], ["override 'model.dir=~'", "model.dir is not set"]),  # YAML null
     # docker splits -v at ':': "invalid volume specification" from docker, after --print had shown the command
     (CONFIG_270M, lambda p: fake_model_dir(p.with_name("a:b")), [], ["model.dir", "a:b", "holds ':'"]),
     # vLLM's SchedulerConfig refuses it minutes into the container's start
