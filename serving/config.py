@@ -23,7 +23,12 @@ from typing import Any, Literal, Sequence
 from gemma_tpu.core.config import blame, expand_env, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
-from gemma_tpu.hf.adapter import check_adapter_fits as check_adapter_sites, read_adapter_config
+from gemma_tpu.hf.adapter import (
+    check_adapter_fits as check_adapter_sites,
+    check_vllm_scaling,
+    largest_rank,
+    read_adapter_config,
+)
 from gemma_tpu.hf.directory import training_run_hint
 from gemma_tpu.hf.safetensors_io import WeightsDir
 from gemma_tpu.hf.tokenizer import tokens_named
@@ -630,16 +635,24 @@ def chat_template_in(model_dir: Path) -> tuple[str | None, bool]:
 
 
 def adapter_rank(adapter_dir: Path, name: str) -> int:
-    """The adapter's rank, its adapter_config.json checked for what vLLM refuses at load (gemma_tpu.hf.adapter)."""
-    return read_adapter_config(adapter_dir, f"lora.adapters.{name}")["r"]
+    """The adapter's largest rank (r, or a module's rank_pattern rank above it: vLLM's max_lora_rank must hold every
+    module's lora_A, whatever its r says), adapter_config.json checked for what vLLM refuses at load
+    (gemma_tpu.hf.adapter)."""
+    return largest_rank(read_adapter_config(adapter_dir, f"lora.adapters.{name}"))
 
 
 def check_adapter_fits(adapter_dir: Path, name: str, r: int, base: dict[str, tuple[int, ...]]) -> None:
-    """Every decoder-layer LoRA pair of the adapter fits model.dir's weight at its module path. An adapter of
+    """Every decoder-layer LoRA pair of the adapter fits model.dir's weight at its module path, at rank `r` (its
+    adapter_config.json's) or its rank_pattern rank, and is scaled by vLLM as by peft. An adapter of
     another model (a 270M adapter on a 1B base) or an unreadable adapter_model.safetensors failed in vLLM's start
-    on the TPU VM, after the container had come up; one of another model class was quietly left unused."""
+    on the TPU VM, after the container had come up; one of another model class was quietly left unused; one with
+    per-module ranks was refused as mis-shaped, and one whose patterns change a module's scale was served with
+    vLLM's one scale."""
+    where = f"lora.adapters.{name}"
+    cfg = read_adapter_config(adapter_dir, where)
     prefixes = {p for fam in families().values() for p in fam.text_prefixes}
-    check_adapter_sites(adapter_dir, f"lora.adapters.{name}", r, base, prefixes)
+    check_adapter_sites(adapter_dir, where, r, base, prefixes, cfg.get("rank_pattern"))
+    check_vllm_scaling(adapter_dir, where, cfg)
 
 
 def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> None:
@@ -760,10 +773,11 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             adir = Path(a.dir).expanduser()
             if not adir.is_dir():
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
-            ranks.append(adapter_rank(adir, a.name))
-            check_adapter_fits(adir, a.name, ranks[-1], weights)
+            adapter = read_adapter_config(adir, f"lora.adapters.{a.name}")
+            ranks.append(largest_rank(adapter))
+            check_adapter_fits(adir, a.name, adapter["r"], weights)
             deployed = extra_arg_values(cfg.server.extra_args, "--lora-target-modules")
-            targets = read_adapter_config(adir, f"lora.adapters.{a.name}")["target_modules"]
+            targets = adapter["target_modules"]
             left_out = lora_modules_left_out(targets, deployed) if deployed is not None and isinstance(
                 targets, list) else []
             if left_out:

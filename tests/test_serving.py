@@ -732,6 +732,9 @@ def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     ({"alora_invocation_tokens": [5, 6]}, ["Activated LoRA"]),
     ({"lora_alpha": "16"}, ["lora_alpha='16' is not a positive number"]),  # vLLM: str / int in its loader
     ({"lora_alpha": float("nan")}, ["lora_alpha=nan is not a positive number"]),
+    ({"rank_pattern": ["q_proj"]}, ["rank_pattern=['q_proj'] is not an object of module patterns and their ranks"]),
+    ({"rank_pattern": {"q_proj": 0}}, ["rank_pattern['q_proj']=0 is not a positive integer"]),
+    ({"alpha_pattern": {"q_proj": "32"}}, ["alpha_pattern['q_proj']='32' is not a positive number"]),
 ])
 def test_an_adapter_of_a_newer_peft_feature_vllm_does_not_serve_is_refused(tmp_path, capsys, extra, needles):
     """adapter_config.json of a newer peft: PiSSA/LoftQ inits (the base's weights change when peft loads them),
@@ -752,6 +755,27 @@ def test_an_adapter_of_a_newer_peft_feature_vllm_does_not_serve_is_refused(tmp_p
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    f"lora.adapters=[{{name: a, dir: {a}}}]")
     assert code == 0, err
+
+
+def test_an_adapter_with_per_module_ranks_gets_room_for_its_largest(tmp_path, capsys):
+    """peft's rank_pattern saves a module at another rank than r: its lora_A / lora_B were refused as mis-shaped
+    ("not [r, in] and [out, r]"), and --max-lora-rank was sized by r alone (vLLM could not hold the module). Now
+    the largest rank sizes it; a module whose patterns give it another scale than lora_alpha / r (the one scale
+    vLLM applies to every module) is refused, naming it."""
+    d = fake_model_dir(tmp_path / "m")
+    a = fake_adapter(tmp_path / "a", r=16)  # q_proj saved at rank 16, r=8 for the rest
+    cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "rank_pattern": {"q_proj": 16}}
+    (a / "adapter_config.json").write_text(json.dumps({**cfg, "alpha_pattern": {"q_proj": 32}}))  # scale 2, as r's
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {a}}}]")
+    assert code == 0, err
+    assert flag(words(out), "--max-lora-rank") == "16"
+    (a / "adapter_config.json").write_text(json.dumps(cfg))  # q_proj scaled by 16 / 16 in peft, 16 / 8 in vLLM
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {a}}}]")
+    one_error_line(code, err, "lora.adapters.a:", "model.layers.0.self_attn.q_proj rank 16 and alpha 16",
+                   "vLLM scales every module by lora_alpha=16 over r=8 (2)")
+    assert out == ""
 
 
 def test_a_tool_calling_adapter_is_refused_on_a_base_without_its_markers(tmp_path, capsys):
