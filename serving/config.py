@@ -29,7 +29,7 @@ from gemma_tpu.hf.adapter import (
     largest_rank,
     read_adapter_config,
 )
-from gemma_tpu.hf.directory import training_run_hint
+from gemma_tpu.hf.directory import check_same_directory, dir_identity, training_run_hint
 from gemma_tpu.hf.safetensors_io import WeightsDir
 from gemma_tpu.hf.tokenizer import tokens_named
 from gemma_tpu.models.registry import Family, families, text_config
@@ -528,6 +528,8 @@ class ModelFacts:
     has_chat_template: bool  # a template anywhere vLLM/transformers look (file or tokenizer_config)
     lora_rank: int | None  # --max-lora-rank to pass
     unexpected_weights: list[str] = dataclasses.field(default_factory=list)  # see check_weight_names
+    # `dir_identity` of the directory checked (taken before its config.json): the local server refuses another
+    identity: tuple[int, int] | None = None
 
 
 def vllm_families() -> dict[str, Family]:
@@ -678,6 +680,8 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     d = cfg.model_dir
     if not d.is_dir():
         raise UserError(f"model.dir {cfg.model.dir}: not a directory")
+    # its files are read one by one: a merge's --overwrite publishing another model meanwhile is refused at the end
+    identity = dir_identity(d)
     hf = read_json_object(d / "config.json", f"model dir {d}: no config.json ({training_run_hint(d)})")
     weights = check_weights(d)
     # both servers read their stop tokens from it (without it, Gemma's <end_of_turn> would not end an answer);
@@ -773,6 +777,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             adir = Path(a.dir).expanduser()
             if not adir.is_dir():
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
+            adapter_identity = dir_identity(adir)  # an export_peft --overwrite publishes it anew as a merge does
             adapter = read_adapter_config(adir, f"lora.adapters.{a.name}")
             ranks.append(largest_rank(adapter))
             check_adapter_fits(adir, a.name, adapter["r"], weights)
@@ -786,6 +791,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                 "without their updates (another model than the one trained); name them too (or "
                                 "qkv_proj / gate_up_proj) or drop the option")
             check_adapter_tokenizer(adir, a.name, d)
+            check_same_directory(adir, adapter_identity)
         if ranks:
             need = max(ranks)
             if cfg.lora.max_lora_rank is not None:
@@ -801,7 +807,8 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if cfg.tool_calling.enabled and cfg.tool_calling.chat_template != "model":
         if not Path(cfg.tool_calling.chat_template).expanduser().is_file():
             raise UserError(f"tool_calling.chat_template: {cfg.tool_calling.chat_template} is not a file")
-    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected)
+    check_same_directory(d, identity)
+    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected, identity)
 
 
 def open_api_warning(cfg: ServeConfig) -> str | None:

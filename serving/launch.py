@@ -194,7 +194,8 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
 def serve_local(cfg: ServeConfig) -> int:
     """`transformers serve` on this machine, until Ctrl-C or SIGTERM."""
 
-    warning = weights_warning(inspect_model(cfg, for_vllm=False))
+    facts = inspect_model(cfg, for_vllm=False)
+    warning = weights_warning(facts)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     t = cfg.tool_calling
@@ -202,7 +203,7 @@ def serve_local(cfg: ServeConfig) -> int:
     # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
     # positions for Gemma 3 270M), and prompts vLLM refuses were answered
     server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,
-                         chat_template=template, max_model_len=cfg.server.max_model_len)
+                         chat_template=template, max_model_len=cfg.server.max_model_len, identity=facts.identity)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.start()

@@ -271,6 +271,43 @@ def test_a_context_past_the_models_limits_is_served_where_vllm_is_told_to_allow_
     assert code == 0 and flag(words(out), "--max-model-len") == "65536", err
 
 
+def test_a_directory_published_anew_while_it_is_checked_is_refused(tmp_path, capsys, monkeypatch):
+    """The launcher reads model.dir file by file (config.json, the weights' headers, generation_config.json, the
+    tokenizer) and --local links its files and reads its tokenizer again: a merge's --overwrite publishing another
+    model there meanwhile was checked half as one model, half as the other, and served. Refused in one line, nothing
+    printed or started; an adapter directory published anew (export_peft --overwrite) alike."""
+    import serving.config as sc
+    import serving.launch as sl
+    from tests.test_convert import publish_anew, replaced_while_read
+
+    d, other = fake_model_dir(tmp_path / "m"), fake_model_dir(tmp_path / "other", kv=2)
+
+    def republishing(real, dst, src):
+        def call(*a):
+            publish_anew(dst, src)
+            return real(*a)
+        return call
+
+    with monkeypatch.context() as m:  # after config.json and the weights were read
+        m.setattr(sc, "check_tokenizer", republishing(sc.check_tokenizer, d, other))
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}")
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [replaced_while_read(d)], err
+    assert code == 2 and out == ""
+    with monkeypatch.context() as m:  # --local: between the check and the served directory's links
+        m.setattr(sl, "weights_warning", republishing(sl.weights_warning, d, other))
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
+                                       f"server.port={free_port()}")
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [replaced_while_read(d)], err
+    assert code == 2 and "serving" not in err
+    a, b = fake_adapter(tmp_path / "a", r=8), fake_adapter(tmp_path / "b", r=16)
+    with monkeypatch.context() as m:
+        m.setattr(sc, "check_adapter_tokenizer", republishing(sc.check_adapter_tokenizer, a, b))
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                       f"lora.adapters=[{{name: a, dir: {a}}}]")
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [replaced_while_read(a)], err
+    assert code == 2 and out == ""
+
+
 def test_a_training_checkpoint_as_model_dir_says_to_merge_it(tmp_path, capsys):
     """model.dir=runs/x/checkpoints (the training output, not the merge) said only "no config.json"; it now says what
     the directory is and the merge command, for vLLM (--print) and the local server alike."""
