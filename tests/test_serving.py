@@ -1526,6 +1526,24 @@ def test_bench_argument_errors_are_one_line(tmp_path):
     assert_one_line_error(proc, f"{bad}:2")
 
 
+@pytest.mark.parametrize("given, needle", [
+    ("50,,90", "'50,,90' has an empty entry"),  # was read as 50,90 without a word
+    ("", "an empty list"),
+    ("0", "'0' is not a percentile above 0 and below 100"),
+    ("100", "'100' is not a percentile above 0 and below 100"),  # was taken (the maximum, as p100)
+    ("101", "'101' is not a percentile"),
+    ("-5", "'-5' is not a percentile"),
+    ("nan", "'nan' is not a percentile"),
+    ("90,ninety", "'ninety' is not a number"),
+    ("90,90.0", "'90.0' is given twice in '90,90.0'"),  # was reported twice, under one key
+])
+def test_bench_metric_percentiles_are_refused_by_option_name(capsys, given, needle):
+    from serving.bench import main
+
+    code = cli_main(main, ["--base-url", "http://127.0.0.1:1", f"--metric-percentiles={given}"])
+    one_error_line(code, capsys.readouterr().err, "argument --metric-percentiles: " + needle)
+
+
 def _help(capsys, module) -> str:
     with pytest.raises(SystemExit) as e:
         module.parse_args(["--help"])
