@@ -29,7 +29,14 @@ from gemma_tpu.hf.adapter import (
     largest_rank,
     read_adapter_config,
 )
-from gemma_tpu.hf.directory import check_same_directory, dir_identity, training_run_hint
+from gemma_tpu.hf.directory import (
+    ADAPTER_RECORD,
+    MERGE_RECORD,
+    check_same_directory,
+    dir_identity,
+    training_run_hint,
+)
+from gemma_tpu.hf.fingerprint import first_difference
 from gemma_tpu.hf.safetensors_io import WeightsDir
 from gemma_tpu.hf.tokenizer import tokens_named
 from gemma_tpu.models.registry import Family, families, text_config
@@ -530,6 +537,7 @@ class ModelFacts:
     unexpected_weights: list[str] = dataclasses.field(default_factory=list)  # see check_weight_names
     # `dir_identity` of the directory checked (taken before its config.json): the local server refuses another
     identity: tuple[int, int] | None = None
+    adapter_warnings: list[str] = dataclasses.field(default_factory=list)  # see check_adapter_base
 
 
 def vllm_families() -> dict[str, Family]:
@@ -657,6 +665,39 @@ def check_adapter_fits(adapter_dir: Path, name: str, r: int, base: dict[str, tup
     check_vllm_scaling(adapter_dir, where, cfg)
 
 
+def _record(path: Path) -> dict:
+    """One of our provenance records (a merge's, an adapter export's) as a dict; {} where absent or unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_adapter_base(adapter_dir: Path, name: str, model_dir: Path) -> str | None:
+    """The base model.dir is to the adapter, by the records convert.export_peft and convert.merge_orbax write: a
+    model.dir that is the merge of the very run the adapter was exported from is refused (vLLM adds the adapter's
+    update to weights that hold it already: the update twice, of the same shapes, without a word); one whose weights
+    differ from the base fingerprinted at training is returned as a warning (another model of the same shapes, or
+    the base re-saved, e.g. in another dtype). None where nothing is recorded or all agrees."""
+    adapter = _record(adapter_dir / ADAPTER_RECORD)
+    run = adapter.get("checkpoint")
+    if not run:
+        return None
+    merge = _record(model_dir / MERGE_RECORD)
+    if merge.get("kind") == "lora" and merge.get("checkpoint") == run:
+        base = (merge.get("base") or {}).get("dir")
+        raise UserError(f"lora.adapters.{name}: model.dir {model_dir} is a merge of {run}, the run this adapter was "
+                        f"exported from: vLLM would add the adapter's update a second time; serve model.dir without "
+                        f"the adapter, or the adapter on its base{f' {base}' if base else ''}")
+    recorded = (adapter.get("base") or {}).get("fingerprint")
+    diff = first_difference(recorded, model_dir) if isinstance(recorded, dict) else None
+    if diff is None:
+        return None
+    return (f"lora.adapters.{name} was trained on another base than model.dir ({diff}): another model of the same "
+            "shapes serves the adapter with other numbers than trained (fine if model.dir is that base re-saved)")
+
+
 def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> None:
     """vLLM decodes every adapter's output with model.dir's tokenizer (it no longer loads an adapter's own). A
     tool-calling fine-tune of a base without FunctionGemma markers ships a tokenizer publishing them on the reserved
@@ -711,6 +752,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if in_json:  # vLLM's --chat-template takes a file's text as the template: JSON would be the prompt itself
         template_file = None
     rank = None
+    base_warnings: list[str] = []  # adapters trained on another base than model.dir (check_adapter_base)
     if for_vllm:
         # vLLM (and tpu-inference's JAX models) split the KV heads over tp <= kv devices and copy each KV head
         # to tp / kv devices past that; the query heads are split in both cases
@@ -791,6 +833,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                 "without their updates (another model than the one trained); name them too (or "
                                 "qkv_proj / gate_up_proj) or drop the option")
             check_adapter_tokenizer(adir, a.name, d)
+            warning = check_adapter_base(adir, a.name, d)
+            if warning:
+                base_warnings.append(warning)
             check_same_directory(adir, adapter_identity)
         if ranks:
             need = max(ranks)
@@ -808,7 +853,8 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         if not Path(cfg.tool_calling.chat_template).expanduser().is_file():
             raise UserError(f"tool_calling.chat_template: {cfg.tool_calling.chat_template} is not a file")
     check_same_directory(d, identity)
-    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected, identity)
+    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected, identity,
+                      base_warnings)
 
 
 def open_api_warning(cfg: ServeConfig) -> str | None:

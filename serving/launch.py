@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_local(cfg)
     facts = inspect_model(cfg)
     for warning in (stop_token_warning(cfg, facts), lora_warning(cfg), extra_args_warning(cfg),
-                    weights_warning(facts)):
+                    weights_warning(facts), *facts.adapter_warnings):
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     cmd = render(cfg, facts)

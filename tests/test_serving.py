@@ -815,6 +815,32 @@ def test_an_adapter_with_per_module_ranks_gets_room_for_its_largest(tmp_path, ca
     assert out == ""
 
 
+def test_an_adapter_on_a_model_dir_that_holds_its_update_already_is_refused(tmp_path, capsys):
+    """model.dir set to the run's merge with the run's own adapter beside it (the README serves the base with the
+    adapter, or the merge alone): the shapes fit, and vLLM added the update a second time without a word. Refused by
+    the records convert writes (the merge's and the export's checkpoint); a model.dir whose weights differ from the
+    base fingerprinted at training is warned of (another model of the same shapes, or the base re-saved)."""
+    from gemma_tpu.hf.directory import ADAPTER_RECORD, MERGE_RECORD
+    from gemma_tpu.hf.fingerprint import fingerprint
+
+    base, merged, other = (fake_model_dir(tmp_path / n, kv=k) for n, k in (("base", 1), ("merged", 1), ("other", 2)))
+    (merged / MERGE_RECORD).write_text(json.dumps({"tool": "convert.merge_orbax", "checkpoint": "/runs/x/checkpoints",
+                                                   "kind": "lora", "base": {"dir": str(base)}}))
+    a = fake_adapter(tmp_path / "a", r=8)
+    (a / ADAPTER_RECORD).write_text(json.dumps({"tool": "convert.export_peft", "checkpoint": "/runs/x/checkpoints",
+                                                "base": {"fingerprint": fingerprint(base)}}))
+    adapters = f"lora.adapters=[{{name: a, dir: {a}}}]"
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={base}", adapters)
+    assert code == 0 and "warning" not in err, err
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={merged}", adapters)
+    one_error_line(code, err, f"lora.adapters.a: model.dir {merged} is a merge of /runs/x/checkpoints, the run this "
+                   "adapter was exported from", "a second time", f"or the adapter on its base {base}")
+    assert out == ""
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={other}", adapters)
+    assert code == 0 and "--enable-lora" in out, err
+    assert f"warning: lora.adapters.a was trained on another base than model.dir ({other}/config.json" in err
+
+
 def test_a_tool_calling_adapter_is_refused_on_a_base_without_its_markers(tmp_path, capsys):
     """README's recipe served the fitness coach's adapter on plain Gemma 3. vLLM decodes every adapter with
     model.dir's tokenizer, which names the markers' ids <unusedN> (special tokens it drops from the text): no tool
