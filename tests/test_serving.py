@@ -1366,6 +1366,20 @@ def test_chat_tool_round_trip(tmp_path):
     assert json.loads(second["messages"][3]["content"])["steps"] == steps
 
 
+def test_an_answer_holding_a_lone_surrogate_is_one_line_error():
+    """A server's answer escaping half a UTF-16 pair (`"\\ud800"`): serving.chat printed it, a UnicodeEncodeError
+    traceback. Refused where every whole answer is read (gemma_tpu.infer.openai_client.http_json), naming where."""
+    from gemma_tpu.examples.fitness.providers import SimulatedDevice
+    from serving.chat import RemoteCoach
+
+    _, server = scripted({"content": "You took \ud800 steps."})
+    with server as url:
+        coach = RemoteCoach(url, SimulatedDevice(0), trace=None)
+        with pytest.raises(UserError, match=r"chat/completions: the answer's choices\[0\]\.message\.content holds a "
+                                            r"lone UTF-16 surrogate \('\\ud800'\), which is no text"):
+            coach.ask("how many steps?")
+
+
 def test_chat_parses_functiongemma_text_and_reports_unknown_tools():
     from gemma_tpu.examples.fitness.providers import SimulatedDevice
     from serving.chat import RemoteCoach

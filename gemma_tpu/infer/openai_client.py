@@ -25,6 +25,7 @@ from gemma_tpu.formats.function_calling import (
     ParsedReply,
     ToolCall,
     cut_short,
+    find_lone_surrogate,
     handed_over,
     json_depth,
     parse_reply,
@@ -146,8 +147,13 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
         # header line past http.client's limit (LineTooLong)
         error = CutOff if isinstance(e, http.client.IncompleteRead) else UserError
         raise error(f"{url}: {_broken_answer(e)}; is this an OpenAI-compatible server?") from None
-    return json_object(body, lambda why: UserError(f"{url}: {why}"),
-                       f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
+    obj = json_object(body, lambda why: UserError(f"{url}: {why}"),
+                      f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
+    lone = find_lone_surrogate(obj)
+    if lone:  # an unpaired \uD800 escape: printing the answer was a UnicodeEncodeError traceback (serving.chat)
+        raise UserError(f"{url}: the answer's {lone[0]} holds a lone UTF-16 surrogate ({lone[1].group()!a}), which "
+                        "is no text: a broken encoding in the server")
+    return obj
 
 
 def _read_by(resp, deadline: float) -> bytes:
