@@ -473,6 +473,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):
         bad(f"server.host {s.host!r} is not a host name or address (127.0.0.1 keeps the API local; "
             "0.0.0.0 exposes it)")
+    if s.host.startswith("["):  # an IPv6 address as a URL writes it: servers bind the address itself, and vLLM's
+        s.host = s.host[1:-1]   # uvicorn (and --local's port check) took '[::1]' for a name that does not resolve
     c = cfg.container
     # docker's reference grammar, loosely: [registry[:port]/]path[:tag][@digest], no spaces
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:-]*(@sha256:[0-9a-f]{64})?", c.image or ""):

@@ -270,7 +270,7 @@ class LocalServer:
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"  # an IPv6 address in brackets
 
     @property
     def base_url(self) -> str:
@@ -317,9 +317,11 @@ class LocalServer:
             try:
                 s.bind((self.host, self.port))
             except OSError as e:
-                why = "already in use (another server?)" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-                raise UserError(f"server.port {self.port} on {self.host}: {why}; choose another with "
-                                f"server.port=N") from None
+                if e.errno != errno.EADDRINUSE:  # no such name, or an address of another machine: not the port's fault
+                    raise UserError(f"server.host {self.host}: cannot listen there ({e.strerror or e}); give an "
+                                    f"address of this machine (127.0.0.1 keeps the API local)") from None
+                raise UserError(f"server.port {self.port} on {self.host}: already in use (another server?); choose "
+                                f"another with server.port=N") from None
 
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.is_file():

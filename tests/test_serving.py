@@ -1269,6 +1269,22 @@ def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp
         assert "warning: --local serves model.dir alone, not lora.adapters (coach)" in err and code != 0
 
 
+def test_server_host_written_as_in_a_url_or_not_of_this_machine(tmp_path, capsys):
+    """`server.host: "[::1]"` (an IPv6 address as a URL writes it) passed the config and reached vLLM's uvicorn and
+    --local's bind as a name that does not resolve; `::1` printed --local's address as http://::1:PORT. A host that
+    is no address of this machine was blamed on the port ("choose another with server.port=N")."""
+    from serving.local import LocalServer
+
+    d = fake_model_dir(tmp_path / "m")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", "server.host='[::1]'")
+    assert code == 0 and has_pair(words(out), "--host", "::1"), err
+    assert LocalServer(d, host="::1", port=8123).url == "http://[::1]:8123"
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
+                                   "server.host=192.0.2.1", f"server.port={free_port()}")  # TEST-NET-1: not ours
+    line = one_error_line(code, err, "server.host 192.0.2.1: cannot listen there", "an address of this machine")
+    assert "server.port" not in line
+
+
 def test_bench_against_local_server(local_server, tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("serving.bench", "--base-url", local_server, "--model", NAME_270M, "--num-prompts", "6",
