@@ -1434,7 +1434,8 @@ def test_the_clients_take_any_endpoints_address_as_the_server():
     assert api_base("http://h/API//V1/models") == "http://h/API/v1"
     # a model name after '#' (as evaluate --compare's endpoint:URL#MODEL) or a query had the paths appended after it
     # (`http://h:8000#coach/v1/chat/completions`, sent to `/`): refused in one line
-    for bad, needle in (("http://h:8000#coach", "no #fragment"), ("http://h:8000/v1?api-version=1", r"no \?query")):
+    for bad, needle in (("http://h:8000#coach", "no #fragment"), ("http://h:8000/v1?api-version=1", r"no \?query"),
+                        ("http://h 1:8000", "holds a space"), ("http://h:8000/v\t1", "holds a space")):
         with pytest.raises(UserError, match=needle):
             api_base(bad)
 

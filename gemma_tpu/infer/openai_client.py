@@ -236,6 +236,9 @@ def api_base(url: str) -> str:
         raise UserError(f"{url!r} is not an http(s) server address ({e}; e.g. http://127.0.0.1:8000)") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError(f"{url!r} is not an http(s) server address (e.g. http://127.0.0.1:8000)")
+    if re.search(r"[\x00-\x20\x7f]", url.strip()):  # `http://a b`: the benchmark's every request failed, one by one
+        raise UserError(f"{url!r} is not an http(s) server address (it holds a space or control character; "
+                        "e.g. http://127.0.0.1:8000)")
     # the API's paths were appended after them (`http://h:8000#coach/v1/chat/completions`): requests went to `/`
     if parts.fragment or parts.query:
         raise UserError(f"{url!r}: a server address has no {'#fragment' if parts.fragment else '?query'} (the "
