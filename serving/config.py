@@ -431,6 +431,11 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
                 setattr(section, attr, expand_env(getattr(section, attr), key))
             except UserError as e:
                 bad(str(e))
+            try:  # as the launcher resolves it (the served name, the mounts): a loop was a RuntimeError traceback
+                Path(getattr(section, attr)).expanduser().resolve()
+            except (RuntimeError, OSError) as e:
+                bad(f"{key} {getattr(section, attr)}: cannot resolve the path ({e}; a symbolic link that leads back "
+                    "to itself?)")
     if not cfg.model.dir and need_dir:
         bad(f"model.dir is not set ({MODEL_DIR_HINT})")
     if cfg.model.name is not None and not _NAME.fullmatch(cfg.model.name):

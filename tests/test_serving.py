@@ -552,6 +552,9 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.max_model_len=1e20", "container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"],
      ["override 'server.max_model_len=1e20'", "server.max_model_len=100000000000000000000 is past", "2147483647"]),
     (CONFIG_270M, fake_model_dir, ["model.dir=~"], ["override 'model.dir=~'", "model.dir is not set"]),  # YAML null
+    # two symbolic links leading to each other: a RuntimeError traceback where the launcher resolved the path
+    (CONFIG_270M, lambda p: (p.symlink_to(p.with_name("loop")), p.with_name("loop").symlink_to(p)) and p, [],
+     ["model.dir", "/m: cannot resolve the path", "leads back to itself"]),
     # docker splits -v at ':': "invalid volume specification" from docker, after --print had shown the command
     (CONFIG_270M, lambda p: fake_model_dir(p.with_name("a:b")), [], ["model.dir", "a:b", "holds ':'"]),
     # vLLM's SchedulerConfig refuses it minutes into the container's start
