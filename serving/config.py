@@ -413,7 +413,8 @@ MAX_SERVER_INT = 2**31 - 1
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), need_dir: bool = True) -> ServeConfig:
     """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem; `need_dir=False` (for printing
     the config) lets model.dir be unset."""
-    cfg = load_typed(ServeConfig, path, overrides, elsewhere=TRAINING_SECTIONS)
+    cfg = load_typed(ServeConfig, path, overrides, elsewhere=TRAINING_SECTIONS,
+                     example="configs/serve-gemma3-270m-fitness.yaml")
     where = str(path) if path is not None else "config"
 
     def bad(msg: str) -> None:  # an error a command-line override caused names the override

@@ -247,6 +247,18 @@ def test_an_unknown_key_in_an_overridden_list_names_the_override():
                           ["lora.adapters=[{name: a, dir: /x, rank: 3}]"], need_dir=False)
 
 
+def test_an_empty_serving_config_points_to_a_serving_config(tmp_path):
+    """An empty (or truncated to comments) serving config, or a directory given for it, was told to give 'a config
+    such as configs/tiny.yaml', a training config the launcher refuses."""
+    from serving.config import load_serve_config
+
+    (tmp_path / "serve.yaml").write_text("# nothing yet\n")
+    for given, needle in ((tmp_path / "serve.yaml", "empty config file (no sections); give a config such as "),
+                          (tmp_path, "is a directory; give a YAML file (e.g. ")):
+        with pytest.raises(UserError, match=re.escape(needle + "configs/serve-gemma3-270m-fitness.yaml")):
+            load_serve_config(given, need_dir=False)
+
+
 def test_print_config_without_a_config_prints_the_defaults(capsys):
     """`--print-config` alone (a user asking what the defaults are) stopped at "model.dir is not set"; it prints
     them, model.dir null, and says serving needs it. Serving without one is still refused, as is a bad override."""
