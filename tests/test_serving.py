@@ -320,6 +320,27 @@ def test_a_directory_published_anew_while_it_is_checked_is_refused(tmp_path, cap
     assert code == 2 and out == ""
 
 
+def test_a_directory_whose_files_link_outside_it_is_refused_for_the_container(tmp_path, capsys):
+    """A Hugging Face cache snapshot as model.dir: its files are links to ../../blobs/, which every check read on the
+    host, and which lead nowhere in the container that mounts the snapshot alone (vLLM failed to read config.json
+    minutes into its start). Refused in one line, naming the link; links inside the directory are fine."""
+    snap = fake_model_dir(tmp_path / "hub" / "snapshots" / "abc")
+    blobs = tmp_path / "hub" / "blobs"
+    blobs.mkdir()
+    for f in sorted(snap.iterdir()):
+        f.rename(blobs / f.name)
+        f.symlink_to(Path("../../blobs") / f.name)
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={snap}")
+    one_error_line(code, err, f"model.dir {snap}: chat_template.jinja is a symbolic link to "
+                   f"{blobs}/chat_template.jinja, outside the directory", "cp -rL")
+    assert out == ""
+    inside = fake_model_dir(tmp_path / "inside")
+    (inside / "chat_template.jinja").rename(inside / "template.jinja")
+    (inside / "chat_template.jinja").symlink_to("template.jinja")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={inside}")
+    assert code == 0, err
+
+
 def test_a_training_checkpoint_as_model_dir_says_to_merge_it(tmp_path, capsys):
     """model.dir=runs/x/checkpoints (the training output, not the merge) said only "no config.json"; it now says what
     the directory is and the merge command, for vLLM (--print) and the local server alike."""
