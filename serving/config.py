@@ -720,6 +720,21 @@ def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> No
                         f"model.dir instead")
 
 
+def check_template_file(path: Path, key: str) -> None:
+    """A chat template file the server is given: a file of UTF-8 text, not empty. One that is not text stopped --local
+    with a UnicodeDecodeError traceback and vLLM when it read it, after the container had come up."""
+    if not path.is_file():
+        raise UserError(f"{key}: {path} is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key}: {path} is not UTF-8 text (byte {e.start}): not a Jinja chat template") from None
+    except OSError as e:
+        raise UserError(f"{key}: {path}: cannot read it ({e.strerror or e})") from None
+    if not text.strip():
+        raise UserError(f"{key}: {path} is empty: no chat template to render the messages with")
+
+
 def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     """Check the model directory (and adapters) against what vLLM-TPU needs; one-line errors.
 
@@ -858,8 +873,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                     f"{VLLM_LORA_RANKS[-1]}")
                 rank = fitting[0]
     if cfg.tool_calling.enabled and cfg.tool_calling.chat_template != "model":
-        if not Path(cfg.tool_calling.chat_template).expanduser().is_file():
-            raise UserError(f"tool_calling.chat_template: {cfg.tool_calling.chat_template} is not a file")
+        check_template_file(Path(cfg.tool_calling.chat_template).expanduser(), "tool_calling.chat_template")
+    elif cfg.tool_calling.enabled and template_file:  # the model's own, passed as vLLM's --chat-template
+        check_template_file(d / template_file, f"model dir {d}")
     check_same_directory(d, identity)
     return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected, identity,
                       base_warnings)

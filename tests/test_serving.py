@@ -341,6 +341,16 @@ def test_a_directory_whose_files_link_outside_it_is_refused_for_the_container(tm
     assert code == 0, err
 
 
+def test_a_chat_template_file_that_is_no_text_is_refused_before_local_serving(tmp_path, capsys):
+    """tool_calling.chat_template naming a file that is not UTF-8 (a binary, a UTF-16 export): --local stopped with a
+    UnicodeDecodeError traceback where it copied the template."""
+    d = fake_model_dir(tmp_path / "m")
+    (tmp_path / "t.jinja").write_bytes("{{ messages }}".encode("utf-16"))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
+                                   f"tool_calling.chat_template={tmp_path / 't.jinja'}", f"server.port={free_port()}")
+    one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / 't.jinja'} is not UTF-8 text (byte 0)")
+
+
 def test_a_training_checkpoint_as_model_dir_says_to_merge_it(tmp_path, capsys):
     """model.dir=runs/x/checkpoints (the training output, not the merge) said only "no config.json"; it now says what
     the directory is and the merge command, for vLLM (--print) and the local server alike."""
@@ -585,6 +595,11 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.max_model_len=1e20", "container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"],
      ["override 'server.max_model_len=1e20'", "server.max_model_len=100000000000000000000 is past", "2147483647"]),
     (CONFIG_270M, fake_model_dir, ["model.dir=~"], ["override 'model.dir=~'", "model.dir is not set"]),  # YAML null
+    # a template that is no text, or empty: vLLM failed on it once the container was up
+    (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "chat_template.jinja").write_bytes(b"\xff{{ x }}")) and p, [],
+     ["/m/chat_template.jinja is not UTF-8 text (byte 0)"]),
+    (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "chat_template.jinja").write_text(" \n")) and p, [],
+     ["/m/chat_template.jinja is empty"]),
     # two symbolic links leading to each other: a RuntimeError traceback where the launcher resolved the path
     (CONFIG_270M, lambda p: (p.symlink_to(p.with_name("loop")), p.with_name("loop").symlink_to(p)) and p, [],
      ["model.dir", "/m: cannot resolve the path", "leads back to itself"]),
