@@ -38,9 +38,10 @@ from gemma_tpu.core.atomic import AtomicDir, check_space, check_target
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf import safetensors_io as sio
+from gemma_tpu.hf.directory import ADAPTER_RECORD
 
 ADAPTER_FILE = "adapter_model.safetensors"
-PROVENANCE_FILE = "gemma_tpu_adapter.json"
+PROVENANCE_FILE = ADAPTER_RECORD
 
 
 def module_prefix(hf_config: dict) -> str:

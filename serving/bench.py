@@ -44,6 +44,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import math
 import os
 import random
 import sys
@@ -398,6 +399,29 @@ def format_table(m: dict[str, Any], concurrency: int, percentiles: Sequence[floa
 # ------------------------------------------------------------------------------------------ CLI
 
 
+def percentile_list(text: str) -> list[float]:
+    """An argparse `type`: comma-separated percentiles, each above 0 and below 100, none twice. An empty entry
+    (`50,,90`) was skipped without a word, 100 taken as the maximum and a repeated one reported twice under one key."""
+    values: list[float] = []
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty list; give comma-separated percentiles like 50,90,99")
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty entry; give comma-separated percentiles like "
+                                             "50,90,99")
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a number; give comma-separated percentiles like "
+                                             "50,90,99") from None
+        if not (math.isfinite(value) and 0 < value < 100):
+            raise argparse.ArgumentTypeError(f"{item!r} is not a percentile above 0 and below 100 (e.g. 50, 99.9)")
+        if value in values:
+            raise argparse.ArgumentTypeError(f"{item!r} is given twice in {text!r}")
+        values.append(value)
+    return values
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m serving.bench", __doc__, overrides=False)
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
@@ -418,7 +442,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate exactly --output-len tokens (vLLM's ignore_eos extension; "
                         "as `vllm bench serve` does for random prompts)")
-    p.add_argument("--metric-percentiles", default="90,99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--metric-percentiles", type=percentile_list, default="90,99",
+                   help="comma-separated, each above 0 and below 100, e.g. 50,90,99.9")
     p.add_argument("--api-key-env", default="VLLM_API_KEY",
                    help="environment variable holding the API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--save-detailed", action="store_true", help="also write per-request lists (ttfts, itls, ...)")
@@ -431,12 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("num_prompts", "concurrency", "input_len", "output_len"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive")
-    try:
-        percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers like 90,99") from None
-    if not percentiles or any(not 0 < p <= 100 for p in percentiles):
-        raise UserError("--metric-percentiles: values must be in (0, 100]")
+    percentiles = args.metric_percentiles
     check_results_file(args.json, {"--dataset": args.dataset if args.dataset != "random" else None},
                        results_key="completed")
     try:

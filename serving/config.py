@@ -23,8 +23,20 @@ from typing import Any, Literal, Sequence
 from gemma_tpu.core.config import blame, expand_env, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
-from gemma_tpu.hf.adapter import check_adapter_fits as check_adapter_sites, read_adapter_config
-from gemma_tpu.hf.directory import training_run_hint
+from gemma_tpu.hf.adapter import (
+    check_adapter_fits as check_adapter_sites,
+    check_vllm_scaling,
+    largest_rank,
+    read_adapter_config,
+)
+from gemma_tpu.hf.directory import (
+    ADAPTER_RECORD,
+    MERGE_RECORD,
+    check_same_directory,
+    dir_identity,
+    training_run_hint,
+)
+from gemma_tpu.hf.fingerprint import first_difference
 from gemma_tpu.hf.safetensors_io import WeightsDir
 from gemma_tpu.hf.tokenizer import tokens_named
 from gemma_tpu.models.registry import Family, families, text_config
@@ -394,12 +406,15 @@ def lora_warning(cfg: ServeConfig) -> str | None:
 
 
 MODEL_DIR_HINT = "the merged model directory, e.g. model.dir=runs/x-merged"
+# the largest server.* count the launcher passes on (vLLM-TPU's JAX side counts tokens and positions in int32)
+MAX_SERVER_INT = 2**31 - 1
 
 
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), need_dir: bool = True) -> ServeConfig:
     """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem; `need_dir=False` (for printing
     the config) lets model.dir be unset."""
-    cfg = load_typed(ServeConfig, path, overrides, elsewhere=TRAINING_SECTIONS)
+    cfg = load_typed(ServeConfig, path, overrides, elsewhere=TRAINING_SECTIONS,
+                     example="configs/serve-gemma3-270m-fitness.yaml")
     where = str(path) if path is not None else "config"
 
     def bad(msg: str) -> None:  # an error a command-line override caused names the override
@@ -417,6 +432,11 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
                 setattr(section, attr, expand_env(getattr(section, attr), key))
             except UserError as e:
                 bad(str(e))
+            try:  # as the launcher resolves it (the served name, the mounts): a loop was a RuntimeError traceback
+                Path(getattr(section, attr)).expanduser().resolve()
+            except (RuntimeError, OSError) as e:
+                bad(f"{key} {getattr(section, attr)}: cannot resolve the path ({e}; a symbolic link that leads back "
+                    "to itself?)")
     if not cfg.model.dir and need_dir:
         bad(f"model.dir is not set ({MODEL_DIR_HINT})")
     if cfg.model.name is not None and not _NAME.fullmatch(cfg.model.name):
@@ -427,6 +447,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(s, key) <= 0:
             bad(f"server.{key} must be positive, got {getattr(s, key)}")
+        if getattr(s, key) > MAX_SERVER_INT:  # `max_model_len: 1e20` was rendered as --max-model-len 1000...0
+            bad(f"server.{key}={getattr(s, key)} is past what vLLM's 32-bit token counts and positions hold "
+                f"(at most {MAX_SERVER_INT})")
     if s.max_num_batched_tokens < s.max_num_seqs:  # vLLM's SchedulerConfig refuses it when the engine starts
         bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
             f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
@@ -456,6 +479,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):
         bad(f"server.host {s.host!r} is not a host name or address (127.0.0.1 keeps the API local; "
             "0.0.0.0 exposes it)")
+    if s.host.startswith("["):  # an IPv6 address as a URL writes it: servers bind the address itself, and vLLM's
+        s.host = s.host[1:-1]   # uvicorn (and --local's port check) took '[::1]' for a name that does not resolve
     c = cfg.container
     # docker's reference grammar, loosely: [registry[:port]/]path[:tag][@digest], no spaces
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:-]*(@sha256:[0-9a-f]{64})?", c.image or ""):
@@ -481,6 +506,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(problem)
     if not re.fullmatch(r"\d+[bkmg]?", cfg.container.shm_size.lower()):
         bad(f"container.shm_size {cfg.container.shm_size!r} is not a size like 16g")
+    if not int(cfg.container.shm_size.rstrip("bkmgBKMG")):  # docker takes 0 as "its default" (64m), silently
+        bad(f"container.shm_size {cfg.container.shm_size!r} is zero; give a positive size like 16g")
     names = [a.name for a in cfg.lora.adapters]
     for a in cfg.lora.adapters:
         if not _NAME.fullmatch(a.name or ""):
@@ -516,6 +543,9 @@ class ModelFacts:
     has_chat_template: bool  # a template anywhere vLLM/transformers look (file or tokenizer_config)
     lora_rank: int | None  # --max-lora-rank to pass
     unexpected_weights: list[str] = dataclasses.field(default_factory=list)  # see check_weight_names
+    # `dir_identity` of the directory checked (taken before its config.json): the local server refuses another
+    identity: tuple[int, int] | None = None
+    adapter_warnings: list[str] = dataclasses.field(default_factory=list)  # see check_adapter_base
 
 
 def vllm_families() -> dict[str, Family]:
@@ -623,16 +653,57 @@ def chat_template_in(model_dir: Path) -> tuple[str | None, bool]:
 
 
 def adapter_rank(adapter_dir: Path, name: str) -> int:
-    """The adapter's rank, its adapter_config.json checked for what vLLM refuses at load (gemma_tpu.hf.adapter)."""
-    return read_adapter_config(adapter_dir, f"lora.adapters.{name}")["r"]
+    """The adapter's largest rank (r, or a module's rank_pattern rank above it: vLLM's max_lora_rank must hold every
+    module's lora_A, whatever its r says), adapter_config.json checked for what vLLM refuses at load
+    (gemma_tpu.hf.adapter)."""
+    return largest_rank(read_adapter_config(adapter_dir, f"lora.adapters.{name}"))
 
 
 def check_adapter_fits(adapter_dir: Path, name: str, r: int, base: dict[str, tuple[int, ...]]) -> None:
-    """Every decoder-layer LoRA pair of the adapter fits model.dir's weight at its module path. An adapter of
+    """Every decoder-layer LoRA pair of the adapter fits model.dir's weight at its module path, at rank `r` (its
+    adapter_config.json's) or its rank_pattern rank, and is scaled by vLLM as by peft. An adapter of
     another model (a 270M adapter on a 1B base) or an unreadable adapter_model.safetensors failed in vLLM's start
-    on the TPU VM, after the container had come up; one of another model class was quietly left unused."""
+    on the TPU VM, after the container had come up; one of another model class was quietly left unused; one with
+    per-module ranks was refused as mis-shaped, and one whose patterns change a module's scale was served with
+    vLLM's one scale."""
+    where = f"lora.adapters.{name}"
+    cfg = read_adapter_config(adapter_dir, where)
     prefixes = {p for fam in families().values() for p in fam.text_prefixes}
-    check_adapter_sites(adapter_dir, f"lora.adapters.{name}", r, base, prefixes)
+    check_adapter_sites(adapter_dir, where, r, base, prefixes, cfg.get("rank_pattern"))
+    check_vllm_scaling(adapter_dir, where, cfg)
+
+
+def _record(path: Path) -> dict:
+    """One of our provenance records (a merge's, an adapter export's) as a dict; {} where absent or unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_adapter_base(adapter_dir: Path, name: str, model_dir: Path) -> str | None:
+    """The base model.dir is to the adapter, by the records convert.export_peft and convert.merge_orbax write: a
+    model.dir that is the merge of the very run the adapter was exported from is refused (vLLM adds the adapter's
+    update to weights that hold it already: the update twice, of the same shapes, without a word); one whose weights
+    differ from the base fingerprinted at training is returned as a warning (another model of the same shapes, or
+    the base re-saved, e.g. in another dtype). None where nothing is recorded or all agrees."""
+    adapter = _record(adapter_dir / ADAPTER_RECORD)
+    run = adapter.get("checkpoint")
+    if not run:
+        return None
+    merge = _record(model_dir / MERGE_RECORD)
+    if merge.get("kind") == "lora" and merge.get("checkpoint") == run:
+        base = (merge.get("base") or {}).get("dir")
+        raise UserError(f"lora.adapters.{name}: model.dir {model_dir} is a merge of {run}, the run this adapter was "
+                        f"exported from: vLLM would add the adapter's update a second time; serve model.dir without "
+                        f"the adapter, or the adapter on its base{f' {base}' if base else ''}")
+    recorded = (adapter.get("base") or {}).get("fingerprint")
+    diff = first_difference(recorded, model_dir) if isinstance(recorded, dict) else None
+    if diff is None:
+        return None
+    return (f"lora.adapters.{name} was trained on another base than model.dir ({diff}): another model of the same "
+            "shapes serves the adapter with other numbers than trained (fine if model.dir is that base re-saved)")
 
 
 def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> None:
@@ -649,6 +720,21 @@ def check_adapter_tokenizer(adapter_dir: Path, name: str, model_dir: Path) -> No
                         f"model.dir instead")
 
 
+def check_template_file(path: Path, key: str) -> None:
+    """A chat template file the server is given: a file of UTF-8 text, not empty. One that is not text stopped --local
+    with a UnicodeDecodeError traceback and vLLM when it read it, after the container had come up."""
+    if not path.is_file():
+        raise UserError(f"{key}: {path} is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key}: {path} is not UTF-8 text (byte {e.start}): not a Jinja chat template") from None
+    except OSError as e:
+        raise UserError(f"{key}: {path}: cannot read it ({e.strerror or e})") from None
+    if not text.strip():
+        raise UserError(f"{key}: {path} is empty: no chat template to render the messages with")
+
+
 def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     """Check the model directory (and adapters) against what vLLM-TPU needs; one-line errors.
 
@@ -658,6 +744,8 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     d = cfg.model_dir
     if not d.is_dir():
         raise UserError(f"model.dir {cfg.model.dir}: not a directory")
+    # its files are read one by one: a merge's --overwrite publishing another model meanwhile is refused at the end
+    identity = dir_identity(d)
     hf = read_json_object(d / "config.json", f"model dir {d}: no config.json ({training_run_hint(d)})")
     weights = check_weights(d)
     # both servers read their stop tokens from it (without it, Gemma's <end_of_turn> would not end an answer);
@@ -687,6 +775,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     if in_json:  # vLLM's --chat-template takes a file's text as the template: JSON would be the prompt itself
         template_file = None
     rank = None
+    base_warnings: list[str] = []  # adapters trained on another base than model.dir (check_adapter_base)
     if for_vllm:
         # vLLM (and tpu-inference's JAX models) split the KV heads over tp <= kv devices and copy each KV head
         # to tp / kv devices past that; the query heads are split in both cases
@@ -753,10 +842,12 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             adir = Path(a.dir).expanduser()
             if not adir.is_dir():
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
-            ranks.append(adapter_rank(adir, a.name))
-            check_adapter_fits(adir, a.name, ranks[-1], weights)
+            adapter_identity = dir_identity(adir)  # an export_peft --overwrite publishes it anew as a merge does
+            adapter = read_adapter_config(adir, f"lora.adapters.{a.name}")
+            ranks.append(largest_rank(adapter))
+            check_adapter_fits(adir, a.name, adapter["r"], weights)
             deployed = extra_arg_values(cfg.server.extra_args, "--lora-target-modules")
-            targets = read_adapter_config(adir, f"lora.adapters.{a.name}")["target_modules"]
+            targets = adapter["target_modules"]
             left_out = lora_modules_left_out(targets, deployed) if deployed is not None and isinstance(
                 targets, list) else []
             if left_out:
@@ -765,6 +856,10 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                 "without their updates (another model than the one trained); name them too (or "
                                 "qkv_proj / gate_up_proj) or drop the option")
             check_adapter_tokenizer(adir, a.name, d)
+            warning = check_adapter_base(adir, a.name, d)
+            if warning:
+                base_warnings.append(warning)
+            check_same_directory(adir, adapter_identity)
         if ranks:
             need = max(ranks)
             if cfg.lora.max_lora_rank is not None:
@@ -778,9 +873,12 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                     f"{VLLM_LORA_RANKS[-1]}")
                 rank = fitting[0]
     if cfg.tool_calling.enabled and cfg.tool_calling.chat_template != "model":
-        if not Path(cfg.tool_calling.chat_template).expanduser().is_file():
-            raise UserError(f"tool_calling.chat_template: {cfg.tool_calling.chat_template} is not a file")
-    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected)
+        check_template_file(Path(cfg.tool_calling.chat_template).expanduser(), "tool_calling.chat_template")
+    elif cfg.tool_calling.enabled and template_file:  # the model's own, passed as vLLM's --chat-template
+        check_template_file(d / template_file, f"model dir {d}")
+    check_same_directory(d, identity)
+    return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected, identity,
+                      base_warnings)
 
 
 def open_api_warning(cfg: ServeConfig) -> str | None:

@@ -83,12 +83,32 @@ def _mount(key: str, host: Path, inside: str, mode: str = "") -> list[str]:
     return ["-v", f"{host}:{inside}" + (f":{mode}" if mode else "")]
 
 
+def _check_links_inside(key: str, host: Path) -> None:
+    """A directory the container mounts alone (`docker -v`): a symbolic link in it to a file outside (a Hugging Face
+    cache snapshot's files link to ../../blobs/) leads nowhere in the container, and vLLM failed to read the model
+    minutes into its start, after every check here had read the files through the links."""
+    root = host.resolve()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted((*dirnames, *filenames)):
+            link = Path(dirpath) / name
+            if link.is_symlink():
+                target = link.resolve()
+                if target != root and root not in target.parents:
+                    raise UserError(f"{key} {host}: {link.relative_to(root)} is a symbolic link to {target}, outside "
+                                    "the directory; the container mounts the directory alone, where it leads nowhere "
+                                    f"(a Hugging Face cache snapshot is such a directory): copy it with its files "
+                                    f"(cp -rL {shlex.quote(str(host))} DIR) and serve the copy")
+
+
 def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
     """The docker run command for `cfg` (the model already checked by `inspect_model`)."""
     name = cfg.served_name
     c, s, t = cfg.container, cfg.server, cfg.tool_calling
     model_in = f"{MODELS_MOUNT}/{name}"
     cache = Path(c.compile_cache).expanduser().resolve()
+    _check_links_inside("model.dir", cfg.model_dir)
+    for a in cfg.lora.adapters:
+        _check_links_inside(f"lora.adapters.{a.name}.dir", Path(a.dir).expanduser())
     opts = [["--rm", "--name", c.name or f"gemma-tpu-serve-{name}"],
             ["--privileged", "--net", "host", "--shm-size", c.shm_size, "-v", "/dev/shm:/dev/shm"],
             _mount("model.dir", cfg.model_dir, model_in, "ro"),
@@ -194,7 +214,8 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
 def serve_local(cfg: ServeConfig) -> int:
     """`transformers serve` on this machine, until Ctrl-C or SIGTERM."""
 
-    warning = weights_warning(inspect_model(cfg, for_vllm=False))
+    facts = inspect_model(cfg, for_vllm=False)
+    warning = weights_warning(facts)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     t = cfg.tool_calling
@@ -202,7 +223,7 @@ def serve_local(cfg: ServeConfig) -> int:
     # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
     # positions for Gemma 3 270M), and prompts vLLM refuses were answered
     server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,
-                         chat_template=template, max_model_len=cfg.server.max_model_len)
+                         chat_template=template, max_model_len=cfg.server.max_model_len, identity=facts.identity)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.start()
@@ -246,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_local(cfg)
     facts = inspect_model(cfg)
     for warning in (stop_token_warning(cfg, facts), lora_warning(cfg), extra_args_warning(cfg),
-                    weights_warning(facts)):
+                    weights_warning(facts), *facts.adapter_warnings):
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     cmd = render(cfg, facts)

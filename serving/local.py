@@ -52,6 +52,7 @@ from gemma_tpu.formats.function_calling import (
     function_token_map,
     tool_chat_template,
 )
+from gemma_tpu.hf.directory import check_same_directory, dir_identity
 from gemma_tpu.hf.files import config_dtype
 from gemma_tpu.models.registry import described_family
 from serving.config import chat_template_in
@@ -79,10 +80,13 @@ def transformers_executable() -> str:
     return exe
 
 
-def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template: Path | None = None) -> Path:
+def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template: Path | None = None,
+                       identity: tuple[int, int] | None = None) -> Path:
     """`workdir/name`: symlinks to every file of `model_dir`, plus `chat_template` if given, else a
-    tool chat template when the model has none."""
+    tool chat template when the model has none. Refused where another directory was published at `model_dir` since
+    `identity` (`dir_identity`, taken when it was checked; else here, before its listing)."""
     model_dir = Path(model_dir).resolve()
+    identity = identity or dir_identity(model_dir)
     served = Path(workdir) / name
     served.mkdir(parents=True)
     for p in sorted(model_dir.iterdir()):
@@ -99,6 +103,7 @@ def prepare_served_dir(model_dir: Path, name: str, workdir: Path, chat_template:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         (served / "chat_template.jinja").write_text(tool_chat_template(function_token_map(tok)))
     show_call_markers(served)
+    check_same_directory(model_dir, identity)  # links made to one directory's files, its tokenizer read
     return served
 
 
@@ -246,8 +251,10 @@ class LocalServer:
 
     def __init__(self, model_dir: str | Path, name: str | None = None, host: str = "127.0.0.1",
                  port: int | None = None, log: str | Path | None = None, startup_timeout: float = 300.0,
-                 chat_template: str | Path | None = None, max_model_len: int | None = None):
+                 chat_template: str | Path | None = None, max_model_len: int | None = None,
+                 identity: tuple[int, int] | None = None):
         self.model_dir = Path(model_dir).resolve()
+        self.identity = identity  # `dir_identity` of model_dir when it was checked (serving.config.inspect_model)
         self.max_model_len = max_model_len  # the context requests are bounded by, if below the model's
         self.chat_template = Path(chat_template).expanduser() if chat_template else None
         self.name = name or self.model_dir.name
@@ -263,7 +270,7 @@ class LocalServer:
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"  # an IPv6 address in brackets
 
     @property
     def base_url(self) -> str:
@@ -278,7 +285,7 @@ class LocalServer:
         cmd = self.command()
         self._check_port_free()
         self._workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
-        prepare_served_dir(self.model_dir, self.name, self._workdir, self.chat_template)
+        prepare_served_dir(self.model_dir, self.name, self._workdir, self.chat_template, self.identity)
         hub = self._workdir / "hub-cache"
         hub.mkdir()
         root = str(Path(__file__).resolve().parent.parent)  # `-m serving.local` from the temporary directory
@@ -310,9 +317,11 @@ class LocalServer:
             try:
                 s.bind((self.host, self.port))
             except OSError as e:
-                why = "already in use (another server?)" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-                raise UserError(f"server.port {self.port} on {self.host}: {why}; choose another with "
-                                f"server.port=N") from None
+                if e.errno != errno.EADDRINUSE:  # no such name, or an address of another machine: not the port's fault
+                    raise UserError(f"server.host {self.host}: cannot listen there ({e.strerror or e}); give an "
+                                    f"address of this machine (127.0.0.1 keeps the API local)") from None
+                raise UserError(f"server.port {self.port} on {self.host}: already in use (another server?); choose "
+                                f"another with server.port=N") from None
 
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.is_file():

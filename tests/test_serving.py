@@ -247,6 +247,18 @@ def test_an_unknown_key_in_an_overridden_list_names_the_override():
                           ["lora.adapters=[{name: a, dir: /x, rank: 3}]"], need_dir=False)
 
 
+def test_an_empty_serving_config_points_to_a_serving_config(tmp_path):
+    """An empty (or truncated to comments) serving config, or a directory given for it, was told to give 'a config
+    such as configs/tiny.yaml', a training config the launcher refuses."""
+    from serving.config import load_serve_config
+
+    (tmp_path / "serve.yaml").write_text("# nothing yet\n")
+    for given, needle in ((tmp_path / "serve.yaml", "empty config file (no sections); give a config such as "),
+                          (tmp_path, "is a directory; give a YAML file (e.g. ")):
+        with pytest.raises(UserError, match=re.escape(needle + "configs/serve-gemma3-270m-fitness.yaml")):
+            load_serve_config(given, need_dir=False)
+
+
 def test_print_config_without_a_config_prints_the_defaults(capsys):
     """`--print-config` alone (a user asking what the defaults are) stopped at "model.dir is not set"; it prints
     them, model.dir null, and says serving needs it. Serving without one is still refused, as is a bad override."""
@@ -269,6 +281,74 @@ def test_a_context_past_the_models_limits_is_served_where_vllm_is_told_to_allow_
                                    "server.max_model_len=65536", "server.max_num_batched_tokens=65536",
                                    "container.env={VLLM_ALLOW_LONG_MAX_MODEL_LEN: '1'}")
     assert code == 0 and flag(words(out), "--max-model-len") == "65536", err
+
+
+def test_a_directory_published_anew_while_it_is_checked_is_refused(tmp_path, capsys, monkeypatch):
+    """The launcher reads model.dir file by file (config.json, the weights' headers, generation_config.json, the
+    tokenizer) and --local links its files and reads its tokenizer again: a merge's --overwrite publishing another
+    model there meanwhile was checked half as one model, half as the other, and served. Refused in one line, nothing
+    printed or started; an adapter directory published anew (export_peft --overwrite) alike."""
+    import serving.config as sc
+    import serving.launch as sl
+    from tests.test_convert import publish_anew, replaced_while_read
+
+    d, other = fake_model_dir(tmp_path / "m"), fake_model_dir(tmp_path / "other", kv=2)
+
+    def republishing(real, dst, src):
+        def call(*a):
+            publish_anew(dst, src)
+            return real(*a)
+        return call
+
+    with monkeypatch.context() as m:  # after config.json and the weights were read
+        m.setattr(sc, "check_tokenizer", republishing(sc.check_tokenizer, d, other))
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}")
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [replaced_while_read(d)], err
+    assert code == 2 and out == ""
+    with monkeypatch.context() as m:  # --local: between the check and the served directory's links
+        m.setattr(sl, "weights_warning", republishing(sl.weights_warning, d, other))
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
+                                       f"server.port={free_port()}")
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [replaced_while_read(d)], err
+    assert code == 2 and "serving" not in err
+    a, b = fake_adapter(tmp_path / "a", r=8), fake_adapter(tmp_path / "b", r=16)
+    with monkeypatch.context() as m:
+        m.setattr(sc, "check_adapter_tokenizer", republishing(sc.check_adapter_tokenizer, a, b))
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                       f"lora.adapters=[{{name: a, dir: {a}}}]")
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [replaced_while_read(a)], err
+    assert code == 2 and out == ""
+
+
+def test_a_directory_whose_files_link_outside_it_is_refused_for_the_container(tmp_path, capsys):
+    """A Hugging Face cache snapshot as model.dir: its files are links to ../../blobs/, which every check read on the
+    host, and which lead nowhere in the container that mounts the snapshot alone (vLLM failed to read config.json
+    minutes into its start). Refused in one line, naming the link; links inside the directory are fine."""
+    snap = fake_model_dir(tmp_path / "hub" / "snapshots" / "abc")
+    blobs = tmp_path / "hub" / "blobs"
+    blobs.mkdir()
+    for f in sorted(snap.iterdir()):
+        f.rename(blobs / f.name)
+        f.symlink_to(Path("../../blobs") / f.name)
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={snap}")
+    one_error_line(code, err, f"model.dir {snap}: chat_template.jinja is a symbolic link to "
+                   f"{blobs}/chat_template.jinja, outside the directory", "cp -rL")
+    assert out == ""
+    inside = fake_model_dir(tmp_path / "inside")
+    (inside / "chat_template.jinja").rename(inside / "template.jinja")
+    (inside / "chat_template.jinja").symlink_to("template.jinja")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={inside}")
+    assert code == 0, err
+
+
+def test_a_chat_template_file_that_is_no_text_is_refused_before_local_serving(tmp_path, capsys):
+    """tool_calling.chat_template naming a file that is not UTF-8 (a binary, a UTF-16 export): --local stopped with a
+    UnicodeDecodeError traceback where it copied the template."""
+    d = fake_model_dir(tmp_path / "m")
+    (tmp_path / "t.jinja").write_bytes("{{ messages }}".encode("utf-16"))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
+                                   f"tool_calling.chat_template={tmp_path / 't.jinja'}", f"server.port={free_port()}")
+    one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / 't.jinja'} is not UTF-8 text (byte 0)")
 
 
 def test_a_training_checkpoint_as_model_dir_says_to_merge_it(tmp_path, capsys):
@@ -509,6 +589,20 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["container.image=vllm/vllm-tpu latest"], ["container.image 'vllm/vllm-tpu latest'"]),
     (CONFIG_270M, fake_model_dir, ["container.name=my server"], ["container.name 'my server'"]),
     (CONFIG_270M, fake_model_dir, ['container.compile_cache=""'], ["container.compile_cache is empty"]),
+    # docker takes a zero --shm-size as its default (64m) without a word
+    (CONFIG_270M, fake_model_dir, ["container.shm_size=0g"], ["container.shm_size '0g' is zero"]),
+    # rendered as --max-model-len 100000000000000000000 where vLLM is told to allow a context past the model's
+    (CONFIG_270M, fake_model_dir, ["server.max_model_len=1e20", "container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"],
+     ["override 'server.max_model_len=1e20'", "server.max_model_len=100000000000000000000 is past", "2147483647"]),
+    (CONFIG_270M, fake_model_dir, ["model.dir=~"], ["override 'model.dir=~'", "model.dir is not set"]),  # YAML null
+    # a template that is no text, or empty: vLLM failed on it once the container was up
+    (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "chat_template.jinja").write_bytes(b"\xff{{ x }}")) and p, [],
+     ["/m/chat_template.jinja is not UTF-8 text (byte 0)"]),
+    (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "chat_template.jinja").write_text(" \n")) and p, [],
+     ["/m/chat_template.jinja is empty"]),
+    # two symbolic links leading to each other: a RuntimeError traceback where the launcher resolved the path
+    (CONFIG_270M, lambda p: (p.symlink_to(p.with_name("loop")), p.with_name("loop").symlink_to(p)) and p, [],
+     ["model.dir", "/m: cannot resolve the path", "leads back to itself"]),
     # docker splits -v at ':': "invalid volume specification" from docker, after --print had shown the command
     (CONFIG_270M, lambda p: fake_model_dir(p.with_name("a:b")), [], ["model.dir", "a:b", "holds ':'"]),
     # vLLM's SchedulerConfig refuses it minutes into the container's start
@@ -726,6 +820,9 @@ def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     ({"alora_invocation_tokens": [5, 6]}, ["Activated LoRA"]),
     ({"lora_alpha": "16"}, ["lora_alpha='16' is not a positive number"]),  # vLLM: str / int in its loader
     ({"lora_alpha": float("nan")}, ["lora_alpha=nan is not a positive number"]),
+    ({"rank_pattern": ["q_proj"]}, ["rank_pattern=['q_proj'] is not an object of module patterns and their ranks"]),
+    ({"rank_pattern": {"q_proj": 0}}, ["rank_pattern['q_proj']=0 is not a positive integer"]),
+    ({"alpha_pattern": {"q_proj": "32"}}, ["alpha_pattern['q_proj']='32' is not a positive number"]),
 ])
 def test_an_adapter_of_a_newer_peft_feature_vllm_does_not_serve_is_refused(tmp_path, capsys, extra, needles):
     """adapter_config.json of a newer peft: PiSSA/LoftQ inits (the base's weights change when peft loads them),
@@ -746,6 +843,53 @@ def test_an_adapter_of_a_newer_peft_feature_vllm_does_not_serve_is_refused(tmp_p
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    f"lora.adapters=[{{name: a, dir: {a}}}]")
     assert code == 0, err
+
+
+def test_an_adapter_with_per_module_ranks_gets_room_for_its_largest(tmp_path, capsys):
+    """peft's rank_pattern saves a module at another rank than r: its lora_A / lora_B were refused as mis-shaped
+    ("not [r, in] and [out, r]"), and --max-lora-rank was sized by r alone (vLLM could not hold the module). Now
+    the largest rank sizes it; a module whose patterns give it another scale than lora_alpha / r (the one scale
+    vLLM applies to every module) is refused, naming it."""
+    d = fake_model_dir(tmp_path / "m")
+    a = fake_adapter(tmp_path / "a", r=16)  # q_proj saved at rank 16, r=8 for the rest
+    cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "rank_pattern": {"q_proj": 16}}
+    (a / "adapter_config.json").write_text(json.dumps({**cfg, "alpha_pattern": {"q_proj": 32}}))  # scale 2, as r's
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {a}}}]")
+    assert code == 0, err
+    assert flag(words(out), "--max-lora-rank") == "16"
+    (a / "adapter_config.json").write_text(json.dumps(cfg))  # q_proj scaled by 16 / 16 in peft, 16 / 8 in vLLM
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: a, dir: {a}}}]")
+    one_error_line(code, err, "lora.adapters.a:", "model.layers.0.self_attn.q_proj rank 16 and alpha 16",
+                   "vLLM scales every module by lora_alpha=16 over r=8 (2)")
+    assert out == ""
+
+
+def test_an_adapter_on_a_model_dir_that_holds_its_update_already_is_refused(tmp_path, capsys):
+    """model.dir set to the run's merge with the run's own adapter beside it (the README serves the base with the
+    adapter, or the merge alone): the shapes fit, and vLLM added the update a second time without a word. Refused by
+    the records convert writes (the merge's and the export's checkpoint); a model.dir whose weights differ from the
+    base fingerprinted at training is warned of (another model of the same shapes, or the base re-saved)."""
+    from gemma_tpu.hf.directory import ADAPTER_RECORD, MERGE_RECORD
+    from gemma_tpu.hf.fingerprint import fingerprint
+
+    base, merged, other = (fake_model_dir(tmp_path / n, kv=k) for n, k in (("base", 1), ("merged", 1), ("other", 2)))
+    (merged / MERGE_RECORD).write_text(json.dumps({"tool": "convert.merge_orbax", "checkpoint": "/runs/x/checkpoints",
+                                                   "kind": "lora", "base": {"dir": str(base)}}))
+    a = fake_adapter(tmp_path / "a", r=8)
+    (a / ADAPTER_RECORD).write_text(json.dumps({"tool": "convert.export_peft", "checkpoint": "/runs/x/checkpoints",
+                                                "base": {"fingerprint": fingerprint(base)}}))
+    adapters = f"lora.adapters=[{{name: a, dir: {a}}}]"
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={base}", adapters)
+    assert code == 0 and "warning" not in err, err
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={merged}", adapters)
+    one_error_line(code, err, f"lora.adapters.a: model.dir {merged} is a merge of /runs/x/checkpoints, the run this "
+                   "adapter was exported from", "a second time", f"or the adapter on its base {base}")
+    assert out == ""
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={other}", adapters)
+    assert code == 0 and "--enable-lora" in out, err
+    assert f"warning: lora.adapters.a was trained on another base than model.dir ({other}/config.json" in err
 
 
 def test_a_tool_calling_adapter_is_refused_on_a_base_without_its_markers(tmp_path, capsys):
@@ -1176,6 +1320,22 @@ def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp
         assert "warning: --local serves model.dir alone, not lora.adapters (coach)" in err and code != 0
 
 
+def test_server_host_written_as_in_a_url_or_not_of_this_machine(tmp_path, capsys):
+    """`server.host: "[::1]"` (an IPv6 address as a URL writes it) passed the config and reached vLLM's uvicorn and
+    --local's bind as a name that does not resolve; `::1` printed --local's address as http://::1:PORT. A host that
+    is no address of this machine was blamed on the port ("choose another with server.port=N")."""
+    from serving.local import LocalServer
+
+    d = fake_model_dir(tmp_path / "m")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", "server.host='[::1]'")
+    assert code == 0 and has_pair(words(out), "--host", "::1"), err
+    assert LocalServer(d, host="::1", port=8123).url == "http://[::1]:8123"
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
+                                   "server.host=192.0.2.1", f"server.port={free_port()}")  # TEST-NET-1: not ours
+    line = one_error_line(code, err, "server.host 192.0.2.1: cannot listen there", "an address of this machine")
+    assert "server.port" not in line
+
+
 def test_bench_against_local_server(local_server, tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("serving.bench", "--base-url", local_server, "--model", NAME_270M, "--num-prompts", "6",
@@ -1273,6 +1433,20 @@ def test_chat_tool_round_trip(tmp_path):
     assert json.loads(second["messages"][3]["content"])["steps"] == steps
 
 
+def test_an_answer_holding_a_lone_surrogate_is_one_line_error():
+    """A server's answer escaping half a UTF-16 pair (`"\\ud800"`): serving.chat printed it, a UnicodeEncodeError
+    traceback. Refused where every whole answer is read (gemma_tpu.infer.openai_client.http_json), naming where."""
+    from gemma_tpu.examples.fitness.providers import SimulatedDevice
+    from serving.chat import RemoteCoach
+
+    _, server = scripted({"content": "You took \ud800 steps."})
+    with server as url:
+        coach = RemoteCoach(url, SimulatedDevice(0), trace=None)
+        with pytest.raises(UserError, match=r"chat/completions: the answer's choices\[0\]\.message\.content holds a "
+                                            r"lone UTF-16 surrogate \('\\ud800'\), which is no text"):
+            coach.ask("how many steps?")
+
+
 def test_chat_parses_functiongemma_text_and_reports_unknown_tools():
     from gemma_tpu.examples.fitness.providers import SimulatedDevice
     from serving.chat import RemoteCoach
@@ -1311,7 +1485,8 @@ def test_the_clients_take_any_endpoints_address_as_the_server():
     assert api_base("http://h/API//V1/models") == "http://h/API/v1"
     # a model name after '#' (as evaluate --compare's endpoint:URL#MODEL) or a query had the paths appended after it
     # (`http://h:8000#coach/v1/chat/completions`, sent to `/`): refused in one line
-    for bad, needle in (("http://h:8000#coach", "no #fragment"), ("http://h:8000/v1?api-version=1", r"no \?query")):
+    for bad, needle in (("http://h:8000#coach", "no #fragment"), ("http://h:8000/v1?api-version=1", r"no \?query"),
+                        ("http://h 1:8000", "holds a space"), ("http://h:8000/v\t1", "holds a space")):
         with pytest.raises(UserError, match=needle):
             api_base(bad)
 
@@ -1457,6 +1632,24 @@ def test_bench_argument_errors_are_one_line(tmp_path):
     bad.write_text('{"prompt": "hi"}\n{"nothing": 1}\n')
     proc = run_cli("serving.bench", "--base-url", "http://127.0.0.1:1", "--dataset", str(bad))
     assert_one_line_error(proc, f"{bad}:2")
+
+
+@pytest.mark.parametrize("given, needle", [
+    ("50,,90", "'50,,90' has an empty entry"),  # was read as 50,90 without a word
+    ("", "an empty list"),
+    ("0", "'0' is not a percentile above 0 and below 100"),
+    ("100", "'100' is not a percentile above 0 and below 100"),  # was taken (the maximum, as p100)
+    ("101", "'101' is not a percentile"),
+    ("-5", "'-5' is not a percentile"),
+    ("nan", "'nan' is not a percentile"),
+    ("90,ninety", "'ninety' is not a number"),
+    ("90,90.0", "'90.0' is given twice in '90,90.0'"),  # was reported twice, under one key
+])
+def test_bench_metric_percentiles_are_refused_by_option_name(capsys, given, needle):
+    from serving.bench import main
+
+    code = cli_main(main, ["--base-url", "http://127.0.0.1:1", f"--metric-percentiles={given}"])
+    one_error_line(code, capsys.readouterr().err, "argument --metric-percentiles: " + needle)
 
 
 def _help(capsys, module) -> str:

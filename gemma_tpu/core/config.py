@@ -646,8 +646,10 @@ DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet", ".arrow", ".csv"
 
 
 def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = (),
-               foreign: dict[str, tuple[str, ...]] | None = None, elsewhere: dict[str, str] | None = None) -> Any:
-    """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides.
+               foreign: dict[str, tuple[str, ...]] | None = None, elsewhere: dict[str, str] | None = None,
+               example: str = "configs/tiny.yaml") -> Any:
+    """Build the dataclass tree `cls` from a YAML file (optional) and dotted overrides; `example` is a config of
+    this kind the errors point to (a serving config's: the launcher's empty file was told of configs/tiny.yaml).
 
     The generic half of `load_config`, shared by every typed config (runs, serving): unknown keys,
     wrong types and bad YAML are one-line `UserError`s that name the file.
@@ -658,7 +660,7 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         p = Path(path)
         where = str(p)
         if p.is_dir():  # "not found" sent users looking for a typo in a path that exists
-            raise UserError(f"config file {p} is a directory; give a YAML file (e.g. configs/tiny.yaml)")
+            raise UserError(f"config file {p} is a directory; give a YAML file (e.g. {example})")
         if p.exists() and not p.is_file():  # "not found" of a path that exists; it is read more than once
             raise UserError(f"config file {p} is not a regular file (a pipe or device, as a shell's <(...) gives); "
                             f"write the config to a file and give that")
@@ -683,7 +685,7 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
         if tree is None:  # empty or only comments: a truncated or mistyped file would otherwise run on defaults
-            raise UserError(f"{p}: empty config file (no sections); give a config such as configs/tiny.yaml "
+            raise UserError(f"{p}: empty config file (no sections); give a config such as {example} "
                             f"or leave --config out")
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")

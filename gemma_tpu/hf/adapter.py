@@ -5,6 +5,7 @@ and goes on with the base's logits."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -65,6 +66,20 @@ def read_adapter_config(adapter_dir: Path, where: str, for_vllm: bool = True) ->
             raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has init_lora_weights={init!r}, which changes "
                             "the base's weights when peft loads the adapter; vLLM serves the base unchanged (convert "
                             "it to a plain LoRA with peft's path_initial_model_for_weight_conversion, or merge it)")
+    for key, what in (("rank_pattern", "rank"), ("alpha_pattern", "alpha")):
+        # peft's per-module overrides: a module name pattern -> its rank / alpha (`pattern_value`)
+        pattern = cfg.get(key)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} {key}={pattern!r:.60} is not an object of "
+                            f"module patterns and their {what}s")
+        for module, value in pattern.items():
+            if isinstance(value, bool) or not isinstance(value, int if key == "rank_pattern" else (int, float)) \
+                    or not value > 0:
+                kind = "integer" if key == "rank_pattern" else "number"
+                raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} {key}[{module!r}]={value!r:.40} is not a "
+                                f"positive {kind}")
     bias = cfg.get("bias", "none")
     if bias not in ("none", None):  # Gemma's projections have no bias to train; vLLM refuses the adapter at load
         raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG} has bias={bias!r}; Gemma has no biases and vLLM "
@@ -79,6 +94,35 @@ def pattern_value(pattern: dict | None, module: str):
         if re.match(rf"(.*\.)?({key})$", module):
             return value
     return None
+
+
+def largest_rank(cfg: dict) -> int:
+    """The largest rank of an adapter_config.json (`read_adapter_config`): r, or a module's rank_pattern rank above
+    it, which its lora_A / lora_B are saved at."""
+    return max([cfg["r"], *(cfg.get("rank_pattern") or {}).values()])
+
+
+def _scale(alpha: float, rank: int, rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def check_vllm_scaling(adapter_dir: Path, where: str, cfg: dict) -> None:
+    """vLLM scales every module's update by the adapter's lora_alpha / r (vllm/lora/peft_helper.py, lora_weights.py:
+    it reads neither `rank_pattern` nor `alpha_pattern`); peft scales each by its own alpha / rank. A module whose
+    patterns give it another scale would be served with another update than the one trained."""
+    ranks, alphas = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    if not (ranks or alphas) or not (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        return
+    r, alpha, rslora = cfg["r"], cfg["lora_alpha"], bool(cfg.get("use_rslora"))
+    served = _scale(alpha, r, rslora)
+    for module in lora_pairs(adapter_dir, where, r, ranks):
+        rank, a = pattern_value(ranks, module) or r, pattern_value(alphas, module) or alpha
+        if not math.isclose(_scale(a, rank, rslora), served, rel_tol=1e-6):
+            raise UserError(f"{where}: {adapter_dir}/{ADAPTER_CONFIG}'s rank_pattern / alpha_pattern give {module} "
+                            f"rank {rank} and alpha {a:g}, an update scaled by {_scale(a, rank, rslora):g}, but vLLM "
+                            f"scales every module by lora_alpha={alpha:g} over r={r} ({served:g}), reading neither "
+                            "pattern: it would serve another model than the one trained (merge it into the model "
+                            "instead)")
 
 
 def lora_pairs(adapter_dir: Path, where: str, r: int,

@@ -90,6 +90,8 @@ def read_hf_config(model_dir: Path) -> dict:
 
 # the record `convert.merge_orbax` writes into a merged directory; its `base.family` names the merged model's family
 MERGE_RECORD = "gemma_tpu_merge.json"
+# the record `convert.export_peft` writes into an adapter directory: the checkpoint it came from, its base's fingerprint
+ADAPTER_RECORD = "gemma_tpu_adapter.json"
 # the record a training run writes beside its Orbax steps (`gemma_tpu.checkpoint.metadata`)
 RUN_RECORD = "gemma_tpu_run.json"
 

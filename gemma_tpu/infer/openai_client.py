@@ -26,6 +26,7 @@ from gemma_tpu.formats.function_calling import (
     ParsedReply,
     ToolCall,
     cut_short,
+    find_lone_surrogate,
     handed_over,
     json_depth,
     parse_reply,
@@ -147,8 +148,13 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
         # header line past http.client's limit (LineTooLong)
         error = CutOff if isinstance(e, http.client.IncompleteRead) else UserError
         raise error(f"{url}: {_broken_answer(e)}; is this an OpenAI-compatible server?") from None
-    return json_object(body, lambda why: UserError(f"{url}: {why}"),
-                       f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
+    obj = json_object(body, lambda why: UserError(f"{url}: {why}"),
+                      f"{describe_body(status, ctype, body)}; is this an OpenAI-compatible server?")
+    lone = find_lone_surrogate(obj)
+    if lone:  # an unpaired \uD800 escape: printing the answer was a UnicodeEncodeError traceback (serving.chat)
+        raise UserError(f"{url}: the answer's {lone[0]} holds a lone UTF-16 surrogate ({lone[1].group()!a}), which "
+                        "is no text: a broken encoding in the server")
+    return obj
 
 
 def _read_by(resp, deadline: float) -> bytes:
@@ -231,6 +237,9 @@ def api_base(url: str) -> str:
         raise UserError(f"{url!r} is not an http(s) server address ({e}; e.g. http://127.0.0.1:8000)") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError(f"{url!r} is not an http(s) server address (e.g. http://127.0.0.1:8000)")
+    if re.search(r"[\x00-\x20\x7f]", url.strip()):  # `http://a b`: the benchmark's every request failed, one by one
+        raise UserError(f"{url!r} is not an http(s) server address (it holds a space or control character; "
+                        "e.g. http://127.0.0.1:8000)")
     # the API's paths were appended after them (`http://h:8000#coach/v1/chat/completions`): requests went to `/`
     if parts.fragment or parts.query:
         raise UserError(f"{url!r}: a server address has no {'#fragment' if parts.fragment else '?query'} (the "
