@@ -400,8 +400,9 @@ def format_table(m: dict[str, Any], concurrency: int, percentiles: Sequence[floa
 
 
 def percentile_list(text: str) -> list[float]:
-    """An argparse `type`: comma-separated percentiles, each above 0 and below 100, none twice. An empty entry
-    (`50,,90`) was skipped without a word, 100 taken as the maximum and a repeated one reported twice under one key."""
+    """An argparse `type`: comma-separated percentiles from 0 to 100 as numpy takes them (0 the least, 100 the
+    most), none twice. An empty entry (`50,,90`) was skipped without a word and a repeated one reported twice under
+    one key."""
     values: list[float] = []
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty list; give comma-separated percentiles like 50,90,99")
@@ -414,8 +415,8 @@ def percentile_list(text: str) -> list[float]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{item!r} is not a number; give comma-separated percentiles like "
                                              "50,90,99") from None
-        if not (math.isfinite(value) and 0 < value < 100):
-            raise argparse.ArgumentTypeError(f"{item!r} is not a percentile above 0 and below 100 (e.g. 50, 99.9)")
+        if not (math.isfinite(value) and 0 <= value <= 100):
+            raise argparse.ArgumentTypeError(f"{item!r} is not a percentile from 0 to 100 (e.g. 50, 99.9)")
         if value in values:
             raise argparse.ArgumentTypeError(f"{item!r} is given twice in {text!r}")
         values.append(value)

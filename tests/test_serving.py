@@ -1637,8 +1637,7 @@ def test_bench_argument_errors_are_one_line(tmp_path):
 @pytest.mark.parametrize("given, needle", [
     ("50,,90", "'50,,90' has an empty entry"),  # was read as 50,90 without a word
     ("", "an empty list"),
-    ("0", "'0' is not a percentile above 0 and below 100"),
-    ("100", "'100' is not a percentile above 0 and below 100"),  # was taken (the maximum, as p100)
+    ("100.5", "'100.5' is not a percentile from 0 to 100"),
     ("101", "'101' is not a percentile"),
     ("-5", "'-5' is not a percentile"),
     ("nan", "'nan' is not a percentile"),
@@ -1650,6 +1649,13 @@ def test_bench_metric_percentiles_are_refused_by_option_name(capsys, given, need
 
     code = cli_main(main, ["--base-url", "http://127.0.0.1:1", f"--metric-percentiles={given}"])
     one_error_line(code, capsys.readouterr().err, "argument --metric-percentiles: " + needle)
+
+
+def test_bench_metric_percentiles_take_the_ends_as_numpy_does():
+    """0 and 100 are the least and the most (numpy's ends, vLLM's bench passes them on too)."""
+    from serving.bench import percentile_list
+
+    assert percentile_list("0, 50,99.9,100") == [0.0, 50.0, 99.9, 100.0]
 
 
 def _help(capsys, module) -> str:
