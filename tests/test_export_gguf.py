@@ -437,7 +437,10 @@ def test_error_tokenizer_config(work, base, capsys, name, edit, contains):
     # omitted: transformers' default, 256, not head_dim
     ("qpas_omitted", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar=256"),
     # a transformers 4.x config: no layer_types, the pattern in sliding_window_pattern
-    ("swa_pattern", {"layer_types": None, "sliding_window_pattern": 2}, "sliding_window_pattern=2"),
+    ("swa_pattern", {"layer_types": None, "sliding_window_pattern": 2}, "sliding_window_pattern=2 (6 expected)"),
+    # the entry that departs and what it needs: it said 'layer_types does not follow', naming no entry
+    ("layer_types_global_first", {"layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types[0]='full_attention' ('sliding_attention' expected) does not follow llama.cpp's gemma3 pattern"),
     # llama.cpp fixes the sliding layers' rotary base at 10000, whatever the file says
     ("swa_rope_base", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
