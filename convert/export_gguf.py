@@ -338,7 +338,7 @@ def supported_families() -> list[str]:
     return sorted(name for name, f in families().items() if f.gguf is not None)
 
 
-def check_config(facts: GGUFFacts, config: dict, text: dict, where: str) -> None:
+def check_config(family: Family, facts: GGUFFacts, config: dict, text: dict, where: str) -> None:
     for key in facts.require_unset:
         if text.get(key) not in (None, 0, 0.0, False):
             raise UserError(f"{where}: {key}={text[key]} cannot be expressed in llama.cpp's {facts.arch}")
@@ -356,15 +356,10 @@ def check_config(facts: GGUFFacts, config: dict, text: dict, where: str) -> None
                                   and math.isfinite(value) and value > 0):
             # rms_norm_eps -1.0, 0.0, NaN or null was written as given: a file whose every norm divides by ~0 or NaN
             raise UserError(f"{where}: {key}={value!r} must be a positive number")
-    layer_types = text.get("layer_types")
-    if facts.swa_period and layer_types:
-        want = ["full_attention" if (i + 1) % facts.swa_period == 0 else "sliding_attention"
-                for i in range(len(layer_types))]
-        if list(layer_types) != want:
-            key = text.get("_layer_types_key", "layer_types")  # set when derived from another key
-            shown = f"{key}={text[key]}" if key != "layer_types" else key
-            raise UserError(f"{where}: {shown} does not follow llama.cpp's {facts.arch} pattern (every "
-                            f"{facts.swa_period}th layer global)")
+    departure = family.pattern_departure(text, facts.swa_period) if facts.swa_period else None
+    if departure:  # the key config.json has (layer_types, or sliding_window_pattern) and what it needs
+        raise UserError(f"{where}: {departure} does not follow llama.cpp's {facts.arch} pattern (every "
+                        f"{facts.swa_period}th layer global)")
 
 
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -482,7 +477,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     check_file_target(out, args.overwrite, protected=protected, magic=GGUF_MAGIC)
     with naming_config_file(where):  # keys config.json omits at the values transformers gives them
         text = family.read_text_config(config)
-    check_config(facts, config, text, where)
+    check_config(family, facts, config, text, where)
     if facts.rope is not None:
         facts.rope(text)  # refuses what llama.cpp cannot express
     prefix = family.text_prefix(weights.names())

@@ -264,8 +264,8 @@ def test_multimodal_layout(work, base, lora_ckpt):
     save_file(tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
     text_cfg = json.loads((base / "config.json").read_text())
     mm_cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_cfg,
-              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8}, "tie_word_embeddings": True,
-              "dtype": "float32"}
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8, "torch_dtype": "bfloat16"},
+              "tie_word_embeddings": True, "dtype": "float32"}
     (mm / "config.json").write_text(json.dumps(mm_cfg))
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(base / f, mm / f)
@@ -306,7 +306,10 @@ def test_multimodal_layout(work, base, lora_ckpt):
     assert changed == 7 * cfg.num_layers
     for k in ("language_model.model.norm.weight", "language_model.model.embed_tokens.weight"):
         assert mw.read(k).tobytes() == bw.read(k).tobytes()
-    assert json.loads((out / "config.json").read_text())["text_config"]["dtype"] == "float32"
+    written = json.loads((out / "config.json").read_text())
+    assert written["text_config"]["dtype"] == "float32"
+    # the tower's weights are written float32 too: its config said bfloat16 still
+    assert written["vision_config"]["dtype"] == written["vision_config"]["torch_dtype"] == "float32"
 
 
 

@@ -2,8 +2,8 @@
 llama.cpp through llama-cpp-python where installed) load and run like the HF model.
 
 The tiny model here has head_dim 256: transformers' GGUF loader cannot read Gemma 3's
-`query_pre_attn_scalar` from the file and uses its default (256), as llama.cpp uses
-1/sqrt(head_dim); the exporter refuses models where the two differ.
+`query_pre_attn_scalar` (nor rope scaling) from the file and uses its default (256), as llama.cpp uses
+1/sqrt(head_dim); the exporter refuses models where the two differ (but for llama.cpp's 62-layer 27B).
 """
 
 from __future__ import annotations
@@ -437,7 +437,10 @@ def test_error_tokenizer_config(work, base, capsys, name, edit, contains):
     # omitted: transformers' default, 256, not head_dim
     ("qpas_omitted", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar=256"),
     # a transformers 4.x config: no layer_types, the pattern in sliding_window_pattern
-    ("swa_pattern", {"layer_types": None, "sliding_window_pattern": 2}, "sliding_window_pattern=2"),
+    ("swa_pattern", {"layer_types": None, "sliding_window_pattern": 2}, "sliding_window_pattern=2 (6 expected)"),
+    # the entry that departs and what it needs: it said 'layer_types does not follow', naming no entry
+    ("layer_types_global_first", {"layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types[0]='full_attention' ('sliding_attention' expected) does not follow llama.cpp's gemma3 pattern"),
     # llama.cpp fixes the sliding layers' rotary base at 10000, whatever the file says
     ("swa_rope_base", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
@@ -586,6 +589,42 @@ def test_62_layers_scale_queries_as_llama_cpp_27b(work):
     assert export("--merged", d, "--out", out, "--type", "f16") == 0
     f = fields(out)
     assert f["gemma3.block_count"] == 62 and f["gemma3.attention.key_length"] == 32
+
+
+def test_rope_scaled_4b_shape_reads_back_with_its_config(work):
+    """The 4B/12B/27B text towers scale their global layers' rotary positions (linear, factor 8): the file carries
+    rope.scaling.type/factor, which llama.cpp reads. transformers' GGUF loader maps neither those nor
+    query_pre_attn_scalar for gemma3 (its GGUF_CONFIG_MAPPING has no key for them: it ran this file unscaled,
+    max |logit diff| 0.13, and reads a 27B's query scale as 256): given the model's config.json it gives the HF
+    model's logits, so what the file holds is right and the loader's own reading is transformers' limitation."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    d = write_tiny_gemma3(work / "tiny_4b_rope", seed=5, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
+                          rope_parameters=rope)
+    out = work / "rope_4b.gguf"
+    assert export("--merged", d, "--out", out, "--type", "f16") == 0
+    f = fields(out)
+    assert (f["gemma3.rope.scaling.type"], f["gemma3.rope.scaling.factor"]) == ("linear", 8.0)
+    assert (f["gemma3.rope.freq_base"], f["gemma3.rope.freq_base_swa"]) == (1e6, 1e4)
+    prompts = [[2, *range(120, 160)]]
+    want = hf_logits(d, prompts)
+    unscaled = work / "tiny_4b_unscaled"
+    shutil.copytree(d, unscaled)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"]["full_attention"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    (unscaled / "config.json").write_text(json.dumps(cfg))
+    assert max_diff(hf_logits(unscaled, prompts), want) > 10 * F16_MAX_DIFF  # the scaling shows in these logits
+    model = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name,
+                                                 config=AutoConfig.from_pretrained(d), dtype=torch.float32,
+                                                 attn_implementation="eager")
+    with torch.no_grad():
+        got = [model(input_ids=torch.tensor([p])).logits[0].numpy() for p in prompts]
+    assert max_diff(got, want) <= F16_MAX_DIFF
 
 
 def test_error_failure_midway_leaves_nothing(work, base, capsys, monkeypatch):

@@ -28,14 +28,22 @@ def is_weight_file(name: str) -> bool:
     return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
 
 
+# A multimodal config's sub-configs: every tower's weights are written in the output dtype (the merge casts them all)
+SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
+
+
 def output_config(hf_config: dict, dtype_name: str) -> dict:
-    """config.json with the output dtype (both the transformers 5 and the 4.x key)."""
+    """config.json with the output dtype (both the transformers 5 and the 4.x key), at the top level, in text_config
+    and in any sub-config that states one: a vision_config still saying bfloat16 over float32 weights is what vLLM
+    reads when the top level has none, and what a reader of the file takes the tower's dtype to be."""
     cfg = json.loads(json.dumps(hf_config))
     cfg["dtype"] = dtype_name
     cfg["torch_dtype"] = dtype_name
-    if isinstance(cfg.get("text_config"), dict):
-        cfg["text_config"]["dtype"] = dtype_name
-        cfg["text_config"]["torch_dtype"] = dtype_name
+    for key in SUB_CONFIGS:
+        sub = cfg.get(key)
+        if isinstance(sub, dict) and (key == "text_config" or "dtype" in sub or "torch_dtype" in sub):
+            sub["dtype"] = dtype_name
+            sub["torch_dtype"] = dtype_name
     return cfg
 
 

@@ -198,13 +198,10 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
         raise UserError(f"config.json: hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
     n_layers = int(t["num_hidden_layers"])
-    if list(t["layer_types"]) != GEMMA3.layer_types(n_layers):
-        key = t.get("_layer_types_key", "layer_types")  # the key the pattern came from
-        shown = key if key == "layer_types" else f"{key}={t[key]}"
-        raise UserError(
-            f"config.json: {shown} is not supported: Tunix's Gemma 3 has five sliding-window layers "
-            f"then one global layer, repeated"
-        )
+    departure = GEMMA3.pattern_departure(t)  # the key config.json has: layer_types or sliding_window_pattern
+    if departure:
+        raise UserError(f"config.json: {departure} is not supported: Tunix's Gemma 3 has five sliding-window layers "
+                        f"then one global layer, repeated")
     heads, kv_heads, head_dim = int(t["num_attention_heads"]), int(t["num_key_value_heads"]), int(t["head_dim"])
     hidden = int(t["hidden_size"])
     if kv_heads < 1 or heads % kv_heads:  # each KV head serves a whole group of query heads

@@ -313,6 +313,21 @@ class Family:
             raise ValueError(f"model family {self.name} has no fixed attention pattern")
         return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
 
+    def pattern_departure(self, t: dict, period: int | None = None) -> str | None:
+        """Where a text config's `layer_types` (as `read_text_config` gives it) departs from the family's attention
+        pattern (or `period`'s), naming the key config.json has and what it needs: 'sliding_window_pattern=3 (6
+        expected)' when the types were derived from that key, else the first entry that differs,
+        "layer_types[0]='full_attention' ('sliding_attention' expected)"; None where it follows the pattern."""
+        types = list(t.get("layer_types") or [])
+        want = self.layer_types(len(types), period)
+        if types == want:
+            return None
+        key = t.get("_layer_types_key", "layer_types")  # set by `hf_text_config` when derived from another key
+        if key != "layer_types":
+            return f"{key}={t.get(key)!r} ({period or self.sliding_window_pattern} expected)"
+        i = next(i for i, (got, need) in enumerate(zip(types, want)) if got != need)
+        return f"layer_types[{i}]={types[i]!r} ({want[i]!r} expected)"
+
     def read_text_config(self, hf_config: dict) -> dict:
         """The decoder's config with the values transformers would use for it (see `hf_text_config`)."""
         return self.hf_text_config(hf_config) if self.hf_text_config else text_config(hf_config)
