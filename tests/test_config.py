@@ -170,6 +170,30 @@ def test_a_number_only_yaml11_reads_as_written_is_refused_for_a_number_key(key, 
     assert (cfg.train.max_steps, cfg.train.seed, cfg.train.batch_size, cfg.lora.alpha) == (16, 0, 2, 1000.0)
 
 
+@pytest.mark.parametrize("key, why", [
+    ("train.grad_accum_steps", "optax counts micro-batches in int32"),
+    ("train.batch_size", "a 32-bit integer"),
+    ("checkpoint.every_steps", "a 32-bit integer"),
+    ("data.max_loss_tokens", "a 32-bit integer"),
+    ("mesh.fsdp", "a 32-bit integer"),
+])
+def test_an_integer_key_past_int32_is_refused_by_key(key, why, tmp_path):
+    """`train.grad_accum_steps=1e30` was taken: the run read micro-batches for ever, holding each in memory (4 GB in
+    five minutes of a tiny model), and other counts past 32 bits failed later or never; every integer key now
+    stops at 2**31 - 1, in the file (by its line) as on the command line. train.seed keeps its own 2**63."""
+    for text, value in (("1e30", 10**30), ("2147483648", 2**31)):
+        with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={text}': {re.escape(key)} must be at most "
+                                            rf"2147483647 \({why}\), got {value}$"):
+            load_config(None, [f"{key}={text}"])
+    section, leaf = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: 99999999999999999999999\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {re.escape(key)} must be at most"):
+        load_config(path)
+    cfg = load_config(None, [f"{key}=2147483647", "train.seed=9223372036854775807"])
+    assert getattr(getattr(cfg, section), leaf) == 2147483647 and cfg.train.seed == 2**63 - 1
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.max_steps=" + "x" * 5000, "train.max_steps: expected an integer, got 'xxx"),
     ("train.bogus=" + "x" * 5000, "unknown config key 'train.bogus'"),

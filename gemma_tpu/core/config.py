@@ -891,6 +891,25 @@ def _expand_paths(cfg: RunConfig, where: str) -> None:
         setattr(getattr(cfg, section), key, expanded)
 
 
+INT32_MAX = 2**31 - 1
+# why an integer key stops at INT32_MAX, where it says more than "a 32-bit integer": `train.grad_accum_steps=1e30`
+# was taken, and the run read micro-batches for ever, holding each in memory (the step's are read together)
+INT32_WHY = {"train.max_steps": "optax counts steps in int32",
+             "train.grad_accum_steps": "optax counts micro-batches in int32"}
+
+
+def _int_values(node: Any, prefix: str = "") -> list[tuple[str, int]]:
+    """(dotted key, value) of every integer the dataclass tree `node` holds."""
+    out = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _int_values(value, f"{prefix}{f.name}.")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out.append((prefix + f.name, value))
+    return out
+
+
 def validate(cfg: RunConfig, where: str = "config") -> None:
     """Cross-field checks that the type system cannot express."""
 
@@ -905,6 +924,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if value is not None and not (low <= value <= high if closed_high else low <= value < high):
             bad(f"{key} must be in [{low}, {high}{']' if closed_high else ')'}, got {value}")
 
+    for key, value in _int_values(cfg):  # one bound for every count and size (train.seed's is 2**63, below)
+        if key != "train.seed" and value > INT32_MAX:
+            bad(f"{key} must be at most {INT32_MAX} ({INT32_WHY.get(key, 'a 32-bit integer')}), got {value}")
     if not cfg.model.path.strip():  # else read as the working directory: "config.json: missing"
         bad("model.path is empty (give a Hugging Face directory, hub id or embedded:NAME)")
     if cfg.lora.enabled:
@@ -947,8 +969,6 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     t = cfg.train
     at_least("train.batch_size", t.batch_size, 1, "positive")
     at_least("train.max_steps", t.max_steps, 1, "positive")
-    if t.max_steps > 2**31 - 1:  # past it optax's int32 step count stops; far past it the ETA log overflowed
-        bad(f"train.max_steps must be at most {2**31 - 1} (optax counts steps in int32), got {t.max_steps}")
     at_least("train.grad_accum_steps", t.grad_accum_steps, 1, "positive")
     if t.learning_rate <= 0:
         bad(f"train.learning_rate must be positive, got {t.learning_rate}")
