@@ -194,6 +194,33 @@ def test_an_integer_key_past_int32_is_refused_by_key(key, why, tmp_path):
     assert getattr(getattr(cfg, section), leaf) == 2147483647 and cfg.train.seed == 2**63 - 1
 
 
+@pytest.mark.parametrize("key, text, kind, value", [
+    ("train.max_steps", "'5'", "an integer", 5),
+    ("train.learning_rate", "'1e-3'", "a number", 1e-3),
+    ("lora.alpha", '"16"', "a number", 16.0),
+    ("checkpoint.async_save", "'true'", "true/false", True),
+])
+def test_a_quoted_value_of_a_number_or_boolean_key_is_text(key, text, kind, value, tmp_path):
+    """YAML's types are the truth, in the file and in an override (parsed as a YAML scalar): `max_steps: '5'` ran 5
+    steps where `async_save: 'true'` was refused as text. A quoted value is text for every key, refused in one
+    form naming the key and the type; unquoted, YAML 1.2's `1e3` and `3e-4` (text to YAML 1.1) are numbers."""
+    bare = text.strip("'\"")
+    message = rf"{re.escape(key)}: expected {re.escape(kind)}, got '{re.escape(bare)}' \(quoted, so text to YAML; " \
+              rf"write it without the quotes: {re.escape(bare)}\)$"
+    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={re.escape(text)}': {message}"):
+        load_config(None, [f"{key}={text}"])
+    section, leaf = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {text}\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {message}"):
+        load_config(path)
+    path.write_text(f"{section}:\n  {leaf}: {bare}\n")
+    assert getattr(getattr(load_config(path), section), leaf) == value
+    path.write_text("train:\n  learning_rate: 3e-4\n  max_steps: 1e3\ncheckpoint:\n  dir: 1e3\n")
+    cfg = load_config(path)
+    assert (cfg.train.learning_rate, cfg.train.max_steps, cfg.checkpoint.dir) == (3e-4, 1000, "1e3")
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.max_steps=" + "x" * 5000, "train.max_steps: expected an integer, got 'xxx"),
     ("train.bogus=" + "x" * 5000, "unknown config key 'train.bogus'"),

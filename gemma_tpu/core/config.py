@@ -190,6 +190,10 @@ class _SpelledFloat(float):
         return self.raw
 
 
+class _LongDigits(str):
+    """An unquoted integer with more digits than Python converts (4,300): kept as its text, refused as too large."""
+
+
 def _spelled(value: Any, raw: str) -> Any:
     """`value` (what YAML read from `raw`) carrying its spelling when it is a number."""
     kind = {int: _SpelledInt, float: _SpelledFloat}.get(type(value))
@@ -239,6 +243,22 @@ def _whole_number(value: Any, where: str) -> int:
                 return int(number)
             raise UserError(f"{where}: expected an integer, got {shown(value)} (not a whole number)")
     raise UserError(f"{where}: expected an integer, got {shown(value)}")
+
+
+def _expected(where: str, kind: str, value: Any, tp: type) -> str:
+    """The one wrong-type message of a number or boolean key: `{where}: expected {kind}, got {value}`. A quoted value
+    is text to YAML whatever it spells, in the file as in an override (parsed as a YAML scalar): `max_steps: '5'`
+    ran 5 steps where `async_save: 'true'` was refused; both are refused now, saying to drop the quotes."""
+    hint = ""
+    if isinstance(value, str):
+        try:
+            unquoted = yaml.load(value, Loader=_UniqueKeyLoader)  # safety: a SafeLoader
+        except yaml.YAMLError:
+            unquoted = None
+        if isinstance(unquoted, tp) and not (tp is not bool and isinstance(unquoted, bool)) or \
+                tp is float and isinstance(unquoted, int) and not isinstance(unquoted, bool):
+            hint = f" (quoted, so text to YAML; write it without the quotes: {value.strip()})"
+    return f"{where}: expected {kind}, got {shown(value)}{hint}"
 
 
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
@@ -326,10 +346,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise UserError(f"{where}: expected true/false, got {shown(value)}")
+        raise UserError(_expected(where, "true/false", value, bool))
     if tp is int:
+        if isinstance(value, str) and not isinstance(value, _LongDigits):
+            raise UserError(_expected(where, "an integer", value, int))
         return _whole_number(value, where)
     if tp is float:
+        if isinstance(value, str) and not isinstance(value, _LongDigits):
+            try:  # `nan`, `inf` (text to YAML, which spells them .nan, .inf) are said to be what they are
+                finite = math.isfinite(float(value))
+            except ValueError:
+                finite = True
+            if finite:
+                raise UserError(_expected(where, "a number", value, float))
         _refuse_yaml11_spelling(value, where)
         number = value
         if isinstance(value, str):
@@ -625,10 +654,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         try:
             value = (self.construct_yaml_int if node.tag.endswith(":int") else self.construct_yaml_float)(node)
         except ValueError:  # more digits than Python converts to an int (4,300): a traceback; the text, checked as such
-            return node.value
+            return _LongDigits(node.value)
         return _spelled(value, node.value)
 
 
+# a number YAML 1.2 (and JSON, and Python) reads that YAML 1.1 reads as text: an exponent without a dot or without a sign
+# (`1e3`, `3e-4`, `1.0e5`); as text it could not be told from a quoted '1e3'
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_spelled_number)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_spelled_number)
 # no key takes a date: `checkpoint.dir: 2026-01-01` (a run named by its day) or a dated `model.revision` tag
