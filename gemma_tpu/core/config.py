@@ -377,6 +377,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return getattr(value, "raw", str(value))  # as written: 2024.10, not 2024.1
         if not isinstance(value, str):
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
+            if isinstance(value, (list, tuple)) and where in ("data.train_path", "data.eval_path"):
+                hint = " (a single file is read: concatenate the files into one)"
             raise UserError(f"{where}: expected a string, got {shown(value)}{hint}")
         if value == "None" or value.strip().lower() == "null":  # meant as "unset": checkpoint.dir=None (or a quoted
             # 'null') made a directory of that name

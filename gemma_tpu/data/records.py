@@ -158,6 +158,13 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
         raise UserError(f"{p}:{where}: not valid JSON (expected ',' or ']' after an array element)")
 
 
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except (OSError, ValueError):  # a name too long for the file system
+        return False
+
+
 def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for each example of a .jsonl/.json/.parquet file."""
     p = Path(path)
@@ -172,6 +179,11 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
         hint = (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
                 f"file, the examples of all of them concatenated into one)" if matches else "")
+        parts = [Path(part.strip()) for part in str(p).split(",")]
+        if not hint and len(parts) > 1 and any(_is_file(part) for part in parts):  # `data.train_path=a.jsonl,b.jsonl`
+            hint = (f" (a comma-separated list of {len(parts)} files; a single file is read: concatenate them into one, "
+                    f"e.g. cat {' '.join(str(part) for part in parts[:2])}{' ...' if len(parts) > 2 else ''} > "
+                    f"all.jsonl)")
         raise UserError(f"data file not found: {p}{hint}")
     with p.open("rb") as f:
         head = f.read(6)
