@@ -656,6 +656,22 @@ def test_a_large_value_in_the_wrong_place_is_quoted_cut_to_a_line(tmp_path):
     assert shown.startswith("{'xxx") and "..." in shown and len(shown) < 100, str(e.value)[-300:]
 
 
+@pytest.mark.parametrize("text, line, message", [
+    ("base: &b\n  max_steps: 3\ntrain:\n  <<: *b\n  seed: &b 2\n", 5,
+     "found duplicate anchor 'b'; first occurrence (line 1), second occurrence"),
+    ("train:\n  max_steps: 3\n---\ntrain:\n  seed: 1\n", 3,
+     "expected a single document in the stream (line 1), but found another document"),
+])
+def test_a_yaml_error_says_both_halves_of_pyyaml_message(text, line, message, tmp_path):
+    """PyYAML splits some errors into a context and a problem: a duplicate anchor was "not valid YAML (second
+    occurrence)" and a second document "(but found another document)", the half that says nothing alone."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    where = re.escape(f"{path} line {line}")
+    with pytest.raises(UserError, match=rf"^{where}: not valid YAML \({re.escape(message)}\)$"):
+        load_config(path)
+
+
 def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):
     """A tab-indented config got PyYAML's "found character '\\t' that cannot start any token" only."""
     path = tmp_path / "run.yaml"

@@ -714,6 +714,10 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
             problem = str(getattr(e, "problem", None) or e)
+            context, at = getattr(e, "context", None), getattr(e, "context_mark", None)
+            if context and problem:  # "second occurrence" alone, of a duplicate anchor, or "but found another document"
+                first = f" (line {at.line + 1})" if at and mark and at.line != mark.line else ""
+                problem = f"{context}{first}, {problem}"
             tab = " - YAML indents with spaces, not tabs" if "'\\t'" in problem else ""
             raise UserError(f"{p}{line}: not valid YAML ({problem}{tab})") from None
         except UnicodeDecodeError as e:
