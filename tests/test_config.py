@@ -672,6 +672,25 @@ def test_a_yaml_error_says_both_halves_of_pyyaml_message(text, line, message, tm
         load_config(path)
 
 
+@pytest.mark.parametrize("key", ["checkpoint.dir", "data.train_path", "model.path", "lora.targets"])
+def test_a_nul_character_in_a_config_text_is_refused_by_key(key, tmp_path):
+    """YAML's "\\0" escape put a NUL into a path: checkpoint.dir stopped training with a ValueError traceback
+    (embedded null byte) from os.path.realpath. A NUL byte in the file itself was PyYAML's two-line message with a
+    character position, no line."""
+    section, leaf = key.split(".")
+    path = tmp_path / "run.yaml"
+    value = '["q_proj\\0"]' if leaf == "targets" else '"runs/a\\0b"'
+    path.write_text(f"train:\n  max_steps: 3\n{section}:\n  {leaf}: {value}\n")
+    where = re.escape(f"{path} line 4: {key}{'[0]' if leaf == 'targets' else ''}: ")
+    with pytest.raises(UserError, match=rf"^{where}'.*\\x00.*' holds a NUL character, which no path, name or text"):
+        load_config(path)
+    path.write_bytes(b"train:\n  max_steps: 3\n  seed: 1\x00\n")
+    where = re.escape(f"{path} line 3")
+    with pytest.raises(UserError, match=rf"^{where}: not valid YAML \(character #x0000, which YAML does not allow in a "
+                                        rf"file; a NUL byte"):
+        load_config(path)
+
+
 def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):
     """A tab-indented config got PyYAML's "found character '\\t' that cannot start any token" only."""
     path = tmp_path / "run.yaml"

@@ -380,6 +380,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             if isinstance(value, (list, tuple)) and where in ("data.train_path", "data.eval_path"):
                 hint = " (a single file is read: concatenate the files into one)"
             raise UserError(f"{where}: expected a string, got {shown(value)}{hint}")
+        if "\x00" in value:  # YAML's "\0" escape: a path holding one was a ValueError traceback (embedded null byte)
+            raise UserError(f"{where}: {shown(value)} holds a NUL character, which no path, name or text here can hold")
         if value == "None" or value.strip().lower() == "null":  # meant as "unset": checkpoint.dir=None (or a quoted
             # 'null') made a directory of that name
             raise UserError(f"{where}: got the text {value!r}; this key cannot be null, give it a value")
@@ -710,6 +712,12 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         except _DuplicateKey as e:
             raise UserError(f"{p} line {e.line}: {e.key!r} appears twice in one mapping (first on line {e.first}); "
                             f"YAML would keep only the last and drop the first silently: merge them") from None
+        except yaml.reader.ReaderError as e:  # a NUL or other control byte: PyYAML's message spans two lines, no line
+            line = p.read_text(encoding="utf-8")[:e.position].count("\n") + 1
+            code = ord(e.character) if isinstance(e.character, str) else e.character
+            what = "a NUL byte, as a file cut short by a crash is padded" if code == 0 else "a control character"
+            raise UserError(f"{p} line {line}: not valid YAML (character #x{code:04x}, which YAML does not allow in "
+                            f"a file; {what})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
