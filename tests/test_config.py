@@ -700,6 +700,19 @@ def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):
     assert not proc.stdout
 
 
+@pytest.mark.parametrize("text", ["train:\n  max_steps:\t3\n", "train:\n  max_steps: 3\t# steps\n"])
+def test_a_tab_after_text_is_not_called_indentation(text, tmp_path):
+    """A tab between a key and its value, or before a comment, was refused with "YAML indents with spaces, not tabs",
+    in a file indented with spaces: that tab indents nothing."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"{path} line 2: not valid YAML (") and str(e.value).endswith(
+        "a tab after text on its line, before a value or a comment, which PyYAML (the reader here) refuses where "
+        "YAML 1.2 allows it; write a space)"), str(e.value)
+
+
 def test_a_list_override_split_by_the_shell_says_to_quote_it():
     """`lora.targets=[q_proj, v_proj]` unquoted reaches us as two words: the first was read as the text
     '[q_proj,' and refused as `unknown module '[q_proj'`; now the unclosed list is named with the fix."""

@@ -727,6 +727,10 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
                 first = f" (line {at.line + 1})" if at and mark and at.line != mark.line else ""
                 problem = f"{context}{first}, {problem}"
             tab = " - YAML indents with spaces, not tabs" if "'\\t'" in problem else ""
+            if tab and mark and p.read_text(encoding="utf-8").splitlines()[mark.line][:mark.column].strip():
+                # after a key's colon or a value (`seed: 1<TAB># note`): that tab indents nothing
+                tab = (" - a tab after text on its line, before a value or a comment, which PyYAML (the reader here) "
+                       "refuses where YAML 1.2 allows it; write a space")
             raise UserError(f"{p}{line}: not valid YAML ({problem}{tab})") from None
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
