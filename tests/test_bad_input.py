@@ -398,6 +398,11 @@ CASES = [
     Case("config-given-twice", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "--config", "{repo}/configs/gemma3-270m-fitness.yaml", "--print-config"],
          ["--config given twice", "configs/tiny.yaml", "overrides"]),
+    # `--config "$CFG"` with CFG unset: the config printed (and evaluate ran) was the defaults, without a word
+    Case("config-empty-path", "gemma_tpu.train", ["--config", "", "--print-config"],
+         ["--config is empty (an unset variable?); give a YAML config file"]),
+    Case("config-empty-path-evaluate", "gemma_tpu.evaluate", ["--config", " ", "--data", str(CHAT)],
+         ["--config is empty (an unset variable?)"]),
     Case("config-yaml-syntax", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml line 3", "YAML"],
          {"c.yaml": from_corpus("syntax_error.yaml")}),
     Case("config-not-a-mapping", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "mapping"],
