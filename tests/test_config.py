@@ -831,6 +831,18 @@ def test_a_setting_the_chosen_optimizer_or_schedule_ignores_is_refused(overrides
     assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=sgd", "train.schedule=constant"])
 
 
+@pytest.mark.parametrize("override, leaf", [("train.max_steps.deep=1", "max_steps"),
+                                            ("lora.targets.x.y=1", "targets"), ("data.train_path.x=a", "train_path")])
+def test_an_override_through_a_key_no_file_gave_is_blamed_on_it(override, leaf):
+    """`train.max_steps.deep=1` without a file giving train.max_steps built {'deep': 1} and was blamed on the config
+    ("config: train.max_steps: expected an integer, got {'deep': 1}"); with the key in the file it said which
+    override goes through a key that is not a section, as it does now either way."""
+    key = override.partition("=")[0]
+    with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': '{re.escape(key)}' goes through "
+                                        rf"'{leaf}', which is not a section$"):
+        load_config(None, [override])
+
+
 @pytest.mark.parametrize("section", ["train:\n", "train: null\n", "train: ~\n  # max_steps: 3\n"])
 def test_an_override_into_a_section_the_file_leaves_empty(tmp_path, section):
     """A section whose keys are all commented out is null to YAML, and builds as its defaults; an override of one of

@@ -520,6 +520,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | No
     parts = dotted.split(".")
     node = tree
     for k, p in enumerate(parts[:-1]):
+        if p not in node and _is_leaf(cls, parts[:k + 1]):  # `train.max_steps.deep=1` where no file gave max_steps:
+            # it was built into {'deep': 1} and blamed on "config: train.max_steps: expected an integer"
+            raise UserError(f"{source}: '{dotted}' goes through '{p}', which is not a section")
         child = node.setdefault(p, {})
         if child is None and _section_type(cls, parts[:k + 1]) is not None:
             # a section left empty in the file (`train:` with every key commented out) reads as null, which
@@ -543,6 +546,20 @@ def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | No
             _set_dotted(node[last], str(k), v, source, section)
         return
     node[last] = value
+
+
+def _is_leaf(cls: type | None, parts: Sequence[str]) -> bool:
+    """Whether the dotted path `parts` names a key of `cls`'s tree that holds a value, not keys (neither a section nor
+    a mapping such as serving's container.env)."""
+    tp: Any = cls
+    for part in parts:
+        if tp is None or not dataclasses.is_dataclass(tp):
+            return False
+        tp = typing.get_type_hints(tp).get(part)
+    if tp is None or dataclasses.is_dataclass(tp):
+        return False
+    kinds = [tp, *typing.get_args(tp)] if typing.get_origin(tp) in (typing.Union, types.UnionType) else [tp]
+    return not any(k is dict or typing.get_origin(k) is dict or dataclasses.is_dataclass(k) or k is Any for k in kinds)
 
 
 def _section_type(cls: type | None, parts: Sequence[str]) -> type | None:
