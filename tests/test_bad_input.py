@@ -355,6 +355,14 @@ CASES = [
          ["data file not found: {tmp}/parts/*.jsonl (a pattern matching 2 files, e.g. {tmp}/parts/a.jsonl",
           "patterns are not expanded"],
          {"parts/a.jsonl": CHAT.read_text(), "parts/b.jsonl": CHAT.read_text()}),
+    # several files, comma-separated or as a YAML list: "not found" / "expected a string" said nothing of one file
+    Case("data-path-comma-list", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/a.jsonl,{tmp}/b.jsonl"],
+         ["data file not found: {tmp}/a.jsonl,{tmp}/b.jsonl (a comma-separated list of 2 files; a single file is read: "
+          "concatenate them into one, e.g. cat {tmp}/a.jsonl {tmp}/b.jsonl > all.jsonl)"],
+         {"a.jsonl": CHAT.read_text(), "b.jsonl": CHAT.read_text()}),
+    Case("data-path-yaml-list", "gemma_tpu.data.inspect", [*TRAIN, "data.eval_path=[{tmp}/a.jsonl,{tmp}/b.jsonl]"],
+         ["data.eval_path: expected a string, got [", "(a single file is read: concatenate the files into one)"],
+         {"a.jsonl": CHAT.read_text(), "b.jsonl": CHAT.read_text()}),
     Case("data-bad-eval-file", "gemma_tpu.train", [*TRAIN, "data.eval_path={tmp}/eval.jsonl"],
          ["{tmp}/eval.jsonl:1", "no assistant message"], {"eval.jsonl": from_corpus("no_assistant.jsonl")}),
     # fewer rows than one batch: inspect and the dry run exited 0, training refused it only once the model had
@@ -390,6 +398,11 @@ CASES = [
     Case("config-given-twice", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "--config", "{repo}/configs/gemma3-270m-fitness.yaml", "--print-config"],
          ["--config given twice", "configs/tiny.yaml", "overrides"]),
+    # `--config "$CFG"` with CFG unset: the config printed (and evaluate ran) was the defaults, without a word
+    Case("config-empty-path", "gemma_tpu.train", ["--config", "", "--print-config"],
+         ["--config is empty (an unset variable?); give a YAML config file"]),
+    Case("config-empty-path-evaluate", "gemma_tpu.evaluate", ["--config", " ", "--data", str(CHAT)],
+         ["--config is empty (an unset variable?)"]),
     Case("config-yaml-syntax", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml line 3", "YAML"],
          {"c.yaml": from_corpus("syntax_error.yaml")}),
     Case("config-not-a-mapping", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "mapping"],

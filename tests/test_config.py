@@ -170,6 +170,57 @@ def test_a_number_only_yaml11_reads_as_written_is_refused_for_a_number_key(key, 
     assert (cfg.train.max_steps, cfg.train.seed, cfg.train.batch_size, cfg.lora.alpha) == (16, 0, 2, 1000.0)
 
 
+@pytest.mark.parametrize("key, why", [
+    ("train.grad_accum_steps", "optax counts micro-batches in int32"),
+    ("train.batch_size", "a 32-bit integer"),
+    ("checkpoint.every_steps", "a 32-bit integer"),
+    ("data.max_loss_tokens", "a 32-bit integer"),
+    ("mesh.fsdp", "a 32-bit integer"),
+])
+def test_an_integer_key_past_int32_is_refused_by_key(key, why, tmp_path):
+    """`train.grad_accum_steps=1e30` was taken: the run read micro-batches for ever, holding each in memory (4 GB in
+    five minutes of a tiny model), and other counts past 32 bits failed later or never; every integer key now
+    stops at 2**31 - 1, in the file (by its line) as on the command line. train.seed keeps its own 2**63."""
+    for text, value in (("1e30", 10**30), ("2147483648", 2**31)):
+        with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={text}': {re.escape(key)} must be at most "
+                                            rf"2147483647 \({why}\), got {value}$"):
+            load_config(None, [f"{key}={text}"])
+    section, leaf = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: 99999999999999999999999\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {re.escape(key)} must be at most"):
+        load_config(path)
+    cfg = load_config(None, [f"{key}=2147483647", "train.seed=9223372036854775807"])
+    assert getattr(getattr(cfg, section), leaf) == 2147483647 and cfg.train.seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("key, text, kind, value", [
+    ("train.max_steps", "'5'", "an integer", 5),
+    ("train.learning_rate", "'1e-3'", "a number", 1e-3),
+    ("lora.alpha", '"16"', "a number", 16.0),
+    ("checkpoint.async_save", "'true'", "true/false", True),
+])
+def test_a_quoted_value_of_a_number_or_boolean_key_is_text(key, text, kind, value, tmp_path):
+    """YAML's types are the truth, in the file and in an override (parsed as a YAML scalar): `max_steps: '5'` ran 5
+    steps where `async_save: 'true'` was refused as text. A quoted value is text for every key, refused in one
+    form naming the key and the type; unquoted, YAML 1.2's `1e3` and `3e-4` (text to YAML 1.1) are numbers."""
+    bare = text.strip("'\"")
+    message = rf"{re.escape(key)}: expected {re.escape(kind)}, got '{re.escape(bare)}' \(quoted, so text to YAML; " \
+              rf"write it without the quotes: {re.escape(bare)}\)$"
+    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={re.escape(text)}': {message}"):
+        load_config(None, [f"{key}={text}"])
+    section, leaf = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {text}\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {message}"):
+        load_config(path)
+    path.write_text(f"{section}:\n  {leaf}: {bare}\n")
+    assert getattr(getattr(load_config(path), section), leaf) == value
+    path.write_text("train:\n  learning_rate: 3e-4\n  max_steps: 1e3\ncheckpoint:\n  dir: 1e3\n")
+    cfg = load_config(path)
+    assert (cfg.train.learning_rate, cfg.train.max_steps, cfg.checkpoint.dir) == (3e-4, 1000, "1e3")
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.max_steps=" + "x" * 5000, "train.max_steps: expected an integer, got 'xxx"),
     ("train.bogus=" + "x" * 5000, "unknown config key 'train.bogus'"),
@@ -605,6 +656,41 @@ def test_a_large_value_in_the_wrong_place_is_quoted_cut_to_a_line(tmp_path):
     assert shown.startswith("{'xxx") and "..." in shown and len(shown) < 100, str(e.value)[-300:]
 
 
+@pytest.mark.parametrize("text, line, message", [
+    ("base: &b\n  max_steps: 3\ntrain:\n  <<: *b\n  seed: &b 2\n", 5,
+     "found duplicate anchor 'b'; first occurrence (line 1), second occurrence"),
+    ("train:\n  max_steps: 3\n---\ntrain:\n  seed: 1\n", 3,
+     "expected a single document in the stream (line 1), but found another document"),
+])
+def test_a_yaml_error_says_both_halves_of_pyyaml_message(text, line, message, tmp_path):
+    """PyYAML splits some errors into a context and a problem: a duplicate anchor was "not valid YAML (second
+    occurrence)" and a second document "(but found another document)", the half that says nothing alone."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    where = re.escape(f"{path} line {line}")
+    with pytest.raises(UserError, match=rf"^{where}: not valid YAML \({re.escape(message)}\)$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "data.train_path", "model.path", "lora.targets"])
+def test_a_nul_character_in_a_config_text_is_refused_by_key(key, tmp_path):
+    """YAML's "\\0" escape put a NUL into a path: checkpoint.dir stopped training with a ValueError traceback
+    (embedded null byte) from os.path.realpath. A NUL byte in the file itself was PyYAML's two-line message with a
+    character position, no line."""
+    section, leaf = key.split(".")
+    path = tmp_path / "run.yaml"
+    value = '["q_proj\\0"]' if leaf == "targets" else '"runs/a\\0b"'
+    path.write_text(f"train:\n  max_steps: 3\n{section}:\n  {leaf}: {value}\n")
+    where = re.escape(f"{path} line 4: {key}{'[0]' if leaf == 'targets' else ''}: ")
+    with pytest.raises(UserError, match=rf"^{where}'.*\\x00.*' holds a NUL character, which no path, name or text"):
+        load_config(path)
+    path.write_bytes(b"train:\n  max_steps: 3\n  seed: 1\x00\n")
+    where = re.escape(f"{path} line 3")
+    with pytest.raises(UserError, match=rf"^{where}: not valid YAML \(character #x0000, which YAML does not allow in a "
+                                        rf"file; a NUL byte"):
+        load_config(path)
+
+
 def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):
     """A tab-indented config got PyYAML's "found character '\\t' that cannot start any token" only."""
     path = tmp_path / "run.yaml"
@@ -612,6 +698,19 @@ def test_a_tab_in_the_yaml_says_to_indent_with_spaces(tmp_path):
     proc = run_cli("gemma_tpu.train", "--config", str(path), "--print-config")
     assert_one_line_error(proc, f"{path} line 2: not valid YAML", "YAML indents with spaces, not tabs")
     assert not proc.stdout
+
+
+@pytest.mark.parametrize("text", ["train:\n  max_steps:\t3\n", "train:\n  max_steps: 3\t# steps\n"])
+def test_a_tab_after_text_is_not_called_indentation(text, tmp_path):
+    """A tab between a key and its value, or before a comment, was refused with "YAML indents with spaces, not tabs",
+    in a file indented with spaces: that tab indents nothing."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"{path} line 2: not valid YAML (") and str(e.value).endswith(
+        "a tab after text on its line, before a value or a comment, which PyYAML (the reader here) refuses where "
+        "YAML 1.2 allows it; write a space)"), str(e.value)
 
 
 def test_a_list_override_split_by_the_shell_says_to_quote_it():
@@ -730,6 +829,18 @@ def test_a_setting_the_chosen_optimizer_or_schedule_ignores_is_refused(overrides
     assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=adamw", "train.weight_decay=0.01"])
     assert load_config(REPO / "configs/tiny.yaml", ["train.schedule=warmup_cosine", "train.min_lr_ratio=0.1"])
     assert load_config(REPO / "configs/tiny.yaml", ["train.optimizer=sgd", "train.schedule=constant"])
+
+
+@pytest.mark.parametrize("override, leaf", [("train.max_steps.deep=1", "max_steps"),
+                                            ("lora.targets.x.y=1", "targets"), ("data.train_path.x=a", "train_path")])
+def test_an_override_through_a_key_no_file_gave_is_blamed_on_it(override, leaf):
+    """`train.max_steps.deep=1` without a file giving train.max_steps built {'deep': 1} and was blamed on the config
+    ("config: train.max_steps: expected an integer, got {'deep': 1}"); with the key in the file it said which
+    override goes through a key that is not a section, as it does now either way."""
+    key = override.partition("=")[0]
+    with pytest.raises(UserError, match=rf"^override '{re.escape(override)}': '{re.escape(key)}' goes through "
+                                        rf"'{leaf}', which is not a section$"):
+        load_config(None, [override])
 
 
 @pytest.mark.parametrize("section", ["train:\n", "train: null\n", "train: ~\n  # max_steps: 3\n"])

@@ -2263,6 +2263,11 @@ def test_a_huge_example_is_tokenized_only_as_far_as_seq_len_can_reach(tmp_path, 
     assert (split.report.overlength, split.report.truncated, split.report.kept) == (1, 1, 2)
     with pytest.raises(UserError, match=r"big.jsonl:2: the example has at least \d+ tokens, more than data.seq_len"):
         prepare_split(str(path), Renderer(any_tok), DataConfig(seq_len=256, overlength="error"), seed=0)
+    # nothing left: the length it names is a lower bound too (a 50 MB line said "the shortest of them 1626 tokens")
+    alone = write_jsonl(tmp_path / "alone.jsonl", [{"messages": [{"role": "user", "content": answer},
+                                                                 {"role": "assistant", "content": "a"}]}])
+    with pytest.raises(UserError, match=r"1 longer than data.seq_len, the shortest of them at least \d+ tokens\)$"):
+        prepare_split(str(alone), Renderer(any_tok), cfg, seed=0)
     # data.inspect says which lengths are lower bounds
     from gemma_tpu.data import inspect
 

@@ -83,6 +83,8 @@ class _Once(argparse.Action):
     merge; the first one's settings were all ignored)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if not str(values).strip():  # `--config "$CFG"` with CFG unset: evaluate (and --print-config) ran on defaults
+            parser.error(f"{option_string} is empty (an unset variable?); give a YAML config file")
         if getattr(namespace, self.dest, None) is not None:
             parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); configs do not "
                          f"merge: give one, and change keys with overrides (section.key=value)")

@@ -190,6 +190,10 @@ class _SpelledFloat(float):
         return self.raw
 
 
+class _LongDigits(str):
+    """An unquoted integer with more digits than Python converts (4,300): kept as its text, refused as too large."""
+
+
 def _spelled(value: Any, raw: str) -> Any:
     """`value` (what YAML read from `raw`) carrying its spelling when it is a number."""
     kind = {int: _SpelledInt, float: _SpelledFloat}.get(type(value))
@@ -239,6 +243,22 @@ def _whole_number(value: Any, where: str) -> int:
                 return int(number)
             raise UserError(f"{where}: expected an integer, got {shown(value)} (not a whole number)")
     raise UserError(f"{where}: expected an integer, got {shown(value)}")
+
+
+def _expected(where: str, kind: str, value: Any, tp: type) -> str:
+    """The one wrong-type message of a number or boolean key: `{where}: expected {kind}, got {value}`. A quoted value
+    is text to YAML whatever it spells, in the file as in an override (parsed as a YAML scalar): `max_steps: '5'`
+    ran 5 steps where `async_save: 'true'` was refused; both are refused now, saying to drop the quotes."""
+    hint = ""
+    if isinstance(value, str):
+        try:
+            unquoted = yaml.load(value, Loader=_UniqueKeyLoader)  # safety: a SafeLoader
+        except yaml.YAMLError:
+            unquoted = None
+        if isinstance(unquoted, tp) and not (tp is not bool and isinstance(unquoted, bool)) or \
+                tp is float and isinstance(unquoted, int) and not isinstance(unquoted, bool):
+            hint = f" (quoted, so text to YAML; write it without the quotes: {value.strip()})"
+    return f"{where}: expected {kind}, got {shown(value)}{hint}"
 
 
 _YAML_BOOL_HINT = " (YAML reads a bare yes/no/on/off/true/false as a boolean; quote it if you meant the word)"
@@ -326,10 +346,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise UserError(f"{where}: expected true/false, got {shown(value)}")
+        raise UserError(_expected(where, "true/false", value, bool))
     if tp is int:
+        if isinstance(value, str) and not isinstance(value, _LongDigits):
+            raise UserError(_expected(where, "an integer", value, int))
         return _whole_number(value, where)
     if tp is float:
+        if isinstance(value, str) and not isinstance(value, _LongDigits):
+            try:  # `nan`, `inf` (text to YAML, which spells them .nan, .inf) are said to be what they are
+                finite = math.isfinite(float(value))
+            except ValueError:
+                finite = True
+            if finite:
+                raise UserError(_expected(where, "a number", value, float))
         _refuse_yaml11_spelling(value, where)
         number = value
         if isinstance(value, str):
@@ -348,7 +377,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return getattr(value, "raw", str(value))  # as written: 2024.10, not 2024.1
         if not isinstance(value, str):
             hint = _YAML_BOOL_HINT if isinstance(value, bool) else ""  # model.path=yes, model.revision=on
+            if isinstance(value, (list, tuple)) and where in ("data.train_path", "data.eval_path"):
+                hint = " (a single file is read: concatenate the files into one)"
             raise UserError(f"{where}: expected a string, got {shown(value)}{hint}")
+        if "\x00" in value:  # YAML's "\0" escape: a path holding one was a ValueError traceback (embedded null byte)
+            raise UserError(f"{where}: {shown(value)} holds a NUL character, which no path, name or text here can hold")
         if value == "None" or value.strip().lower() == "null":  # meant as "unset": checkpoint.dir=None (or a quoted
             # 'null') made a directory of that name
             raise UserError(f"{where}: got the text {value!r}; this key cannot be null, give it a value")
@@ -487,6 +520,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | No
     parts = dotted.split(".")
     node = tree
     for k, p in enumerate(parts[:-1]):
+        if p not in node and _is_leaf(cls, parts[:k + 1]):  # `train.max_steps.deep=1` where no file gave max_steps:
+            # it was built into {'deep': 1} and blamed on "config: train.max_steps: expected an integer"
+            raise UserError(f"{source}: '{dotted}' goes through '{p}', which is not a section")
         child = node.setdefault(p, {})
         if child is None and _section_type(cls, parts[:k + 1]) is not None:
             # a section left empty in the file (`train:` with every key commented out) reads as null, which
@@ -510,6 +546,20 @@ def _set_dotted(tree: dict, dotted: str, value: Any, source: str, cls: type | No
             _set_dotted(node[last], str(k), v, source, section)
         return
     node[last] = value
+
+
+def _is_leaf(cls: type | None, parts: Sequence[str]) -> bool:
+    """Whether the dotted path `parts` names a key of `cls`'s tree that holds a value, not keys (neither a section nor
+    a mapping such as serving's container.env)."""
+    tp: Any = cls
+    for part in parts:
+        if tp is None or not dataclasses.is_dataclass(tp):
+            return False
+        tp = typing.get_type_hints(tp).get(part)
+    if tp is None or dataclasses.is_dataclass(tp):
+        return False
+    kinds = [tp, *typing.get_args(tp)] if typing.get_origin(tp) in (typing.Union, types.UnionType) else [tp]
+    return not any(k is dict or typing.get_origin(k) is dict or dataclasses.is_dataclass(k) or k is Any for k in kinds)
 
 
 def _section_type(cls: type | None, parts: Sequence[str]) -> type | None:
@@ -625,10 +675,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         try:
             value = (self.construct_yaml_int if node.tag.endswith(":int") else self.construct_yaml_float)(node)
         except ValueError:  # more digits than Python converts to an int (4,300): a traceback; the text, checked as such
-            return node.value
+            return _LongDigits(node.value)
         return _spelled(value, node.value)
 
 
+# a number YAML 1.2 (and JSON, and Python) reads that YAML 1.1 reads as text: an exponent without a dot or without a sign
+# (`1e3`, `3e-4`, `1.0e5`); as text it could not be told from a quoted '1e3'
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_spelled_number)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_spelled_number)
 # no key takes a date: `checkpoint.dir: 2026-01-01` (a run named by its day) or a dated `model.revision` tag
@@ -676,11 +731,25 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
         except _DuplicateKey as e:
             raise UserError(f"{p} line {e.line}: {e.key!r} appears twice in one mapping (first on line {e.first}); "
                             f"YAML would keep only the last and drop the first silently: merge them") from None
+        except yaml.reader.ReaderError as e:  # a NUL or other control byte: PyYAML's message spans two lines, no line
+            line = p.read_text(encoding="utf-8")[:e.position].count("\n") + 1
+            code = ord(e.character) if isinstance(e.character, str) else e.character
+            what = "a NUL byte, as a file cut short by a crash is padded" if code == 0 else "a control character"
+            raise UserError(f"{p} line {line}: not valid YAML (character #x{code:04x}, which YAML does not allow in "
+                            f"a file; {what})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
             problem = str(getattr(e, "problem", None) or e)
+            context, at = getattr(e, "context", None), getattr(e, "context_mark", None)
+            if context and problem:  # "second occurrence" alone, of a duplicate anchor, or "but found another document"
+                first = f" (line {at.line + 1})" if at and mark and at.line != mark.line else ""
+                problem = f"{context}{first}, {problem}"
             tab = " - YAML indents with spaces, not tabs" if "'\\t'" in problem else ""
+            if tab and mark and p.read_text(encoding="utf-8").splitlines()[mark.line][:mark.column].strip():
+                # after a key's colon or a value (`seed: 1<TAB># note`): that tab indents nothing
+                tab = (" - a tab after text on its line, before a value or a comment, which PyYAML (the reader here) "
+                       "refuses where YAML 1.2 allows it; write a space")
             raise UserError(f"{p}{line}: not valid YAML ({problem}{tab})") from None
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
@@ -893,6 +962,25 @@ def _expand_paths(cfg: RunConfig, where: str) -> None:
         setattr(getattr(cfg, section), key, expanded)
 
 
+INT32_MAX = 2**31 - 1
+# why an integer key stops at INT32_MAX, where it says more than "a 32-bit integer": `train.grad_accum_steps=1e30`
+# was taken, and the run read micro-batches for ever, holding each in memory (the step's are read together)
+INT32_WHY = {"train.max_steps": "optax counts steps in int32",
+             "train.grad_accum_steps": "optax counts micro-batches in int32"}
+
+
+def _int_values(node: Any, prefix: str = "") -> list[tuple[str, int]]:
+    """(dotted key, value) of every integer the dataclass tree `node` holds."""
+    out = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _int_values(value, f"{prefix}{f.name}.")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out.append((prefix + f.name, value))
+    return out
+
+
 def validate(cfg: RunConfig, where: str = "config") -> None:
     """Cross-field checks that the type system cannot express."""
 
@@ -907,6 +995,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if value is not None and not (low <= value <= high if closed_high else low <= value < high):
             bad(f"{key} must be in [{low}, {high}{']' if closed_high else ')'}, got {value}")
 
+    for key, value in _int_values(cfg):  # one bound for every count and size (train.seed's is 2**63, below)
+        if key != "train.seed" and value > INT32_MAX:
+            bad(f"{key} must be at most {INT32_MAX} ({INT32_WHY.get(key, 'a 32-bit integer')}), got {value}")
     if not cfg.model.path.strip():  # else read as the working directory: "config.json: missing"
         bad("model.path is empty (give a Hugging Face directory, hub id or embedded:NAME)")
     if cfg.lora.enabled:
@@ -949,8 +1040,6 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     t = cfg.train
     at_least("train.batch_size", t.batch_size, 1, "positive")
     at_least("train.max_steps", t.max_steps, 1, "positive")
-    if t.max_steps > 2**31 - 1:  # past it optax's int32 step count stops; far past it the ETA log overflowed
-        bad(f"train.max_steps must be at most {2**31 - 1} (optax counts steps in int32), got {t.max_steps}")
     at_least("train.grad_accum_steps", t.grad_accum_steps, 1, "positive")
     if t.learning_rate <= 0:
         bad(f"train.learning_rate must be positive, got {t.learning_rate}")

@@ -165,8 +165,12 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
         # under truncate an over-length example is cut, not dropped: counting it as both over-length and
         # loss-free said "dropped 3: 3 over-length, 3 with no loss-bearing token left"
         cut = report.overlength if data_cfg.overlength == "truncate" else 0
+        # a very long text is tokenized only as far as seq_len reaches (`partial`): its length is a lower bound (a 50 MB
+        # line said "the shortest of them 1626 tokens")
+        over = [ex for ex in examples if len(ex.ids) > data_cfg.seq_len]
+        shortest = min(over, key=lambda ex: len(ex.ids)) if over else None
         longer = (f"; {report.overlength} longer than data.seq_len, the shortest of them "
-                  f"{min(n for n in report.lengths if n > data_cfg.seq_len)} tokens" if report.overlength else "")
+                  f"{'at least ' if shortest.partial else ''}{len(shortest.ids)} tokens" if shortest else "")
         raise UserError(f"{source}: no usable examples after applying data.seq_len={data_cfg.seq_len} "
                         f"(read {report.read}, dropped {report.dropped}: {report.overlength - cut} over-length, "
                         f"{report.no_loss} with no loss-bearing token left{' after truncation' if cut else ''}"

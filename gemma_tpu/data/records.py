@@ -103,11 +103,6 @@ def _strip_nulls(value: Any) -> Any:
     return value
 
 
-# the strict JSON reader (gemma_tpu.core.strict_json, shared with the server's request checks)
-_NotData = strict_json.NotJSON
-_DECODER = strict_json.DECODER
-
-
 def _too_deep(where: str) -> UserError:
     """Python's JSON reader recurses once per level of nesting and raised RecursionError (a traceback)."""
     return UserError(f"{where}: not valid JSON for this reader (nested more than {sys.getrecursionlimit()} "
@@ -116,7 +111,7 @@ def _too_deep(where: str) -> UserError:
 
 def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array, each with the line its value starts on."""
-    dec = _DECODER
+    dec = strict_json.DECODER
     n = len(text)
     i = text.index("[") + 1
     line, counted = 1, 0
@@ -143,7 +138,7 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
             raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         except RecursionError:
             raise _too_deep(f"{p}:{lineno(i)}") from None
-        except _NotData as e:
+        except strict_json.NotJSON as e:
             raise UserError(f"{p}:{lineno(i)}: {e}") from None
         yield lineno(i), obj
         i = ws(end)
@@ -156,6 +151,13 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
             return
         where = lineno(min(i, n))
         raise UserError(f"{p}:{where}: not valid JSON (expected ',' or ']' after an array element)")
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except (OSError, ValueError):  # a name too long for the file system
+        return False
 
 
 def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
@@ -172,6 +174,11 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
         hint = (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
                 f"file, the examples of all of them concatenated into one)" if matches else "")
+        parts = [Path(part.strip()) for part in str(p).split(",")]
+        if not hint and len(parts) > 1 and any(_is_file(part) for part in parts):  # `data.train_path=a.jsonl,b.jsonl`
+            hint = (f" (a comma-separated list of {len(parts)} files; a single file is read: concatenate them into "
+                    f"one, e.g. cat {' '.join(str(part) for part in parts[:2])}{' ...' if len(parts) > 2 else ''} > "
+                    f"all.jsonl)")
         raise UserError(f"data file not found: {p}{hint}")
     with p.open("rb") as f:
         head = f.read(6)
@@ -215,13 +222,13 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         if head.startswith("{"):
             first = text[: len(text) - len(head)].count("\n") + 1  # the line the object starts on
             try:
-                obj = _DECODER.decode(text)
+                obj = strict_json.DECODER.decode(text)
             except json.JSONDecodeError as e:
                 if e.msg != "Extra data":  # "Extra data": several objects, i.e. JSON Lines
                     raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             except RecursionError:
                 raise _too_deep(f"{p}:{first}") from None
-            except _NotData as e:
+            except strict_json.NotJSON as e:
                 raise UserError(f"{p}:{first}: {e}") from None
             else:
                 yield first, obj
@@ -332,7 +339,7 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    obj = _DECODER.decode(line)
+                    obj = strict_json.DECODER.decode(line)
                 except json.JSONDecodeError as e:
                     # the first object spread over lines (pretty-printed) read "Expecting property name ... column 2"
                     spread = first and e.pos >= len(line.rstrip())
@@ -348,7 +355,7 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                     raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}{hint})") from None
                 except RecursionError:
                     raise _too_deep(f"{p}:{lineno}") from None
-                except _NotData as e:
+                except strict_json.NotJSON as e:
                     raise UserError(f"{p}:{lineno}: {e}") from None
                 first = False
                 yield lineno, obj
@@ -523,12 +530,12 @@ def _decode_embedded(text: str, what: str, where: str) -> Any:
     given twice, NaN/Infinity, a lone surrogate or nesting past the stack were kept silently (or raised a
     traceback) here though refused at the file's own level."""
     try:
-        value = _DECODER.decode(text)
+        value = strict_json.DECODER.decode(text)
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: '{what}' is a string but not valid JSON ({e.msg})") from None
     except RecursionError:
         raise _too_deep(f"{where}: '{what}'") from None
-    except _NotData as e:
+    except strict_json.NotJSON as e:
         raise UserError(f"{where}: '{what}' (a JSON string): {e}") from None
     check_surrogates(value, where, what)
     return value
@@ -545,8 +552,8 @@ def _check_tool_result(content: str, where: str) -> None:
     except (ValueError, RecursionError):
         return  # not JSON: rendered as the text it is
     try:
-        _DECODER.decode(content)
-    except _NotData as e:
+        strict_json.DECODER.decode(content)
+    except strict_json.NotJSON as e:
         raise UserError(f"{where}: the tool result's content, read as JSON to render it: {e}") from None
     except RecursionError:
         return
