@@ -438,7 +438,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--json", type=cli.output_path_of("JSON file"),
                    help="write the results here (vllm bench serve field names)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds a request may take, streaming included")
-    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0,
+    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True, high=2.0), default=0.0,  # OpenAI's range
                    help="sent with every request (default 0: greedy, as vllm bench serve asks)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate exactly --output-len tokens (vLLM's ignore_eos extension; "

@@ -104,8 +104,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="simulated device seed")
     p.add_argument("--once", metavar="QUESTION", help="answer one question and exit")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens each reply may generate at most (max_tokens)")
-    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True), default=0.0,
-                   help="sampling temperature sent with each request (0: greedy)")
+    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True, high=2.0), default=0.0,  # OpenAI's range
+                   help="sampling temperature sent with each request, 0 to 2 (0: greedy)")
     p.add_argument("--timeout", type=cli.SECONDS, default=120.0, help="seconds per request")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=RETRIES_HELP)
     return p.parse_args(list(argv))

@@ -61,8 +61,8 @@ SERVING_EXTRA = "transformers serve needs transformers[serving]: pip install -e 
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS's pick)."""
-    with socket.socket() as s:
+    """A port nothing listens on right now (the OS's pick), on `host`'s address family (`::1` is IPv6)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -259,7 +259,7 @@ class LocalServer:
         self.chat_template = Path(chat_template).expanduser() if chat_template else None
         self.name = name or self.model_dir.name
         self.host = host
-        self.port = port or free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+        self.port = port or free_port(self._client_host())
         self.log_path = Path(log) if log else None
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
@@ -267,9 +267,14 @@ class LocalServer:
         self._log: IO | None = None
         self._log_start = 0  # where this run's output begins in the log
 
+    def _client_host(self) -> str:
+        """The address a client on this machine reaches the server at: the loopback of the family it listens on
+        (a server on `::` may be IPv6-only, where 127.0.0.1 finds nothing)."""
+        return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        host = self._client_host()
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"  # an IPv6 address in brackets
 
     @property

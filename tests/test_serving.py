@@ -1330,6 +1330,9 @@ def test_server_host_written_as_in_a_url_or_not_of_this_machine(tmp_path, capsys
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}", "server.host='[::1]'")
     assert code == 0 and has_pair(words(out), "--host", "::1"), err
     assert LocalServer(d, host="::1", port=8123).url == "http://[::1]:8123"
+    picked = LocalServer(d, host="::1")  # no port given: the OS picks one on the IPv6 loopback (was a gaierror)
+    assert picked.url == f"http://[::1]:{picked.port}" and picked.port > 0
+    assert LocalServer(d, host="::", port=8123).url == "http://[::1]:8123"  # an IPv6 wildcard's loopback is ::1
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
                                    "server.host=192.0.2.1", f"server.port={free_port()}")  # TEST-NET-1: not ours
     line = one_error_line(code, err, "server.host 192.0.2.1: cannot listen there", "an address of this machine")
