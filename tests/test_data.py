@@ -1057,11 +1057,14 @@ def test_bad_input_names_file_and_line(tmp_path, name):
 
 def test_empty_file_and_missing_file(tmp_path):
     empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n\n")
+    empty.write_text("")
     with pytest.raises(UserError, match=r"empty\.jsonl: no examples \(empty file\)"):
         load_conversations(empty, DataConfig())
+    empty.write_text("\n  \r\n\n")  # lines a user sees, all blank: was also "(empty file)"
+    with pytest.raises(UserError, match=r"empty\.jsonl: no examples \(only blank lines\)"):
+        load_conversations(empty, DataConfig())
     (tmp_path / "empty.json").write_text("[]")
-    with pytest.raises(UserError, match="empty file"):
+    with pytest.raises(UserError, match=r"empty\.json: no examples \(no rows in it\)"):
         load_conversations(tmp_path / "empty.json", DataConfig())
     with pytest.raises(UserError, match="data file not found"):
         load_conversations(tmp_path / "nope.jsonl", DataConfig())

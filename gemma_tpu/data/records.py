@@ -1091,6 +1091,20 @@ def _reasoning(obj: Any) -> str | None:
     return None
 
 
+def _why_no_rows(path: str | Path) -> str:
+    """What a file without rows holds: a file of blank lines was called an "empty file" by a user looking at lines."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return "empty file"
+    if not head:
+        return "empty file"
+    if not str(path).endswith(".gz") and not head.strip():
+        return "only blank lines"
+    return "no rows in it"
+
+
 def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP) -> list[dict]:
     """All examples of a file as normalised conversations; an empty file is an error. `markup`: the control
     tokens message text must not hold (`Renderer.markup` for the model's tokenizer; Gemma 3's by default).
@@ -1104,7 +1118,7 @@ def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP
         if found:
             reasoning.append(f"{path}:{lineno}: {found}")
     if not out:
-        raise UserError(f"{path}: no examples (empty file)")
+        raise UserError(f"{path}: no examples ({_why_no_rows(path)})")
     texts = [c["where"] for c in out if "text" in c]
     if texts and len(texts) < len(out):  # a pretraining shard concatenated to a chat set, or one chat row missing
         log.warning("%s: %d of %d examples are language-modeling rows (a '%s' field and none of a chat's: the first "
