@@ -688,3 +688,14 @@ def test_a_revision_for_a_local_model_is_refused_unless_it_is_that_snapshot(tiny
     with pytest.raises(UserError, match=r"\(a hub snapshot at commit 0a1b2c3d4e\)"):
         resolve_model(str(snap), revision="main")
     assert resolve_model(str(tiny_dir)).revision is None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_zero_kv_heads_is_refused_as_zero_not_as_a_divisor(family):
+    """`num_key_value_heads: 0` was refused as '0 must divide num_attention_heads=4' (a riddle: nothing is wrong with
+    the division a user reads there); it is a count that must be at least 1."""
+    from gemma_tpu.models import get_family
+
+    arch = {"gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}[family]
+    with pytest.raises(UserError, match=r"num_key_value_heads=0 must be at least 1"):
+        get_family(family).tunix_config({"architectures": [arch], "num_hidden_layers": 6, "num_key_value_heads": 0})

@@ -204,7 +204,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
                         f"then one global layer, repeated")
     heads, kv_heads, head_dim = int(t["num_attention_heads"]), int(t["num_key_value_heads"]), int(t["head_dim"])
     hidden = int(t["hidden_size"])
-    if kv_heads < 1 or heads % kv_heads:  # each KV head serves a whole group of query heads
+    if kv_heads < 1:  # 0 "must divide" read as a riddle
+        raise UserError(f"config.json: num_key_value_heads={kv_heads} must be at least 1")
+    if heads % kv_heads:  # each KV head serves a whole group of query heads
         raise UserError(f"config.json: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
     if head_dim % 2:  # rotary embeddings rotate the two halves of every head
         raise UserError(f"config.json: head_dim={head_dim} must be even (rotary embeddings split it in halves)")

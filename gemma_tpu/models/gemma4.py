@@ -276,7 +276,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         raise _cfg_error("num_global_key_value_heads", None, "attention_k_eq_v needs it")
     for key, kv in (("num_key_value_heads", kv_heads),
                     ("num_global_key_value_heads", int(global_kv) if k_eq_v else kv_heads)):
-        if kv < 1 or heads % kv:  # 0: a ZeroDivisionError traceback here, as in transformers
+        if kv < 1:  # 0: a ZeroDivisionError traceback here, as in transformers; "must divide" read as a riddle
+            raise UserError(f"config.json: {key}={kv} must be at least 1")
+        if heads % kv:
             raise _cfg_error(key, kv, f"must divide num_attention_heads={heads}")
     moe = {}
     if fields["enable_moe"]:
