@@ -200,6 +200,9 @@ def test_indivisible_axis_names_the_mesh_keys():
                                         r"mesh\.fsdp=2 × mesh\.tp=2; choose mesh sizes whose product divides 509$"):
         resolve((("fsdp", "tp"), None), (509, 64), {"fsdp": 2, "tp": 2, "data": 1}, "embedder.input_embedding")
     assert resolve((("fsdp", "tp"), None), (508, 64), {"fsdp": 2, "tp": 2}) == (("fsdp", "tp"),)
+    # one axis over the dimension (fsdp 1 is dropped): the key to change is that axis's, not "a product"
+    with pytest.raises(UserError, match=r"over mesh\.tp=4; choose a mesh\.tp that divides 509$"):
+        resolve((("fsdp", "tp"), None), (509, 64), {"fsdp": 1, "tp": 4}, "embedder.input_embedding")
 
 
 

@@ -150,7 +150,8 @@ def resolve(spec: Spec, shape: Sequence[int], mesh_sizes: dict[str, int], path: 
             over = " × ".join(f"mesh.{a}={mesh_sizes[a]}" for a in names)  # the config keys that set them
             field = f", config.json {fields[dim]}" if dim < len(fields) and fields[dim] else ""
             raise UserError(f"{path or 'a parameter'}: dimension {dim} (size {size}{field}) cannot be split over "
-                            f"{over}; choose mesh sizes whose product divides {size}")
+                            f"{over}; choose " + (f"a mesh.{names[0]} that divides {size}" if len(names) == 1
+                                                  else f"mesh sizes whose product divides {size}"))
         out.append(names[0] if len(names) == 1 else names)
     while out and out[-1] is None:
         out.pop()
