@@ -20,6 +20,7 @@ from gemma_tpu.examples.fitness import dataset, tools
 from gemma_tpu.examples.fitness import templates as phrasings
 from gemma_tpu.examples.fitness.providers import GarminConnectProvider, SimulatedDevice
 from gemma_tpu.formats.function_calling import (
+    NO_CALL_AT_STOP,
     ParsedReply,
     ToolCall,
     arguments_match,
@@ -382,6 +383,14 @@ def test_parser_classifies_text_bare_calls_and_errors():
         reply = parse_reply(call + after)
         assert (reply.kind, reply.calls[0]) == (kind, ToolCall("get_steps", {"date": "today"})), after
         assert reply.text == text if text else reply.error == "missing value at the end", after
+    # a turn going on past the function response marker (a server not stopping there): the model inventing the tool's
+    # answer and words on it was the turn's text beside the call; it is read as if it had stopped at the marker
+    invented = "<start_function_response>response:get_steps{steps:9000}<end_function_response>You walked 9000 steps."
+    for before, kind in ((call, "call"), (call.replace("<end_function_call>", ""), "call"), ("Let me see.", "format_error")):
+        reply = parse_reply(before + invented)
+        assert reply.kind == kind and "9000" not in reply.text, before
+        assert reply.calls == ([ToolCall("get_steps", {"date": "today"})] if kind == "call" else []), before
+    assert parse_reply("Let me see." + invented).error == NO_CALL_AT_STOP
     # arguments the call text cannot carry (an escaped key with ':', a quoted string holding <escape>): the server sent
     # them as tool_calls its own request check refuses when the client sends them back, and no training row holds them
     for odd, needle in (("{<escape>time:zone<escape>:1}", "key 'time:zone' cannot be written"),

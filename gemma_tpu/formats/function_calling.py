@@ -712,8 +712,14 @@ def parse_call_body(text: str, pos: int = 0) -> tuple[ToolCall, int]:
 
 
 def parse_reply(text: str, token_map: dict[str, str] | None = None) -> ParsedReply:
-    """Classify and parse one model turn (already cut at its stop token)."""
+    """Classify and parse one model turn (already cut at its stop token). A turn that goes on past a function response's
+    start marker (a server not stopping there) is read up to it, as if it had stopped: what follows is the model
+    inventing the tool's answer (`response:f{...}` and words on it), which was kept as the turn's text."""
     text = unmap_markers(text, token_map)
+    invented = text.find(START_RESPONSE)
+    if invented >= 0:
+        reply = parse_reply(text[:invented])
+        return handed_over(reply)
     calls: list[ToolCall] = []
     outside: list[str] = []
     pos = 0
