@@ -386,7 +386,8 @@ def test_parser_classifies_text_bare_calls_and_errors():
     # a turn going on past the function response marker (a server not stopping there): the model inventing the tool's
     # answer and words on it was the turn's text beside the call; it is read as if it had stopped at the marker
     invented = "<start_function_response>response:get_steps{steps:9000}<end_function_response>You walked 9000 steps."
-    for before, kind in ((call, "call"), (call.replace("<end_function_call>", ""), "call"), ("Let me see.", "format_error")):
+    for before, kind in ((call, "call"), (call.replace("<end_function_call>", ""), "call"),
+                         ("Let me see.", "format_error")):
         reply = parse_reply(before + invented)
         assert reply.kind == kind and "9000" not in reply.text, before
         assert reply.calls == ([ToolCall("get_steps", {"date": "today"})] if kind == "call" else []), before
