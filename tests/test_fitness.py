@@ -421,7 +421,11 @@ def test_parser_and_matcher_take_runs_of_digits_of_any_length():
     assert not any(arguments_match(r, p) for r, p in (({"n": 10 ** 400}, {"n": 1.5}), ({"n": 1.5}, {"n": "9" * 400}),
                                                       ({"n": float("inf")}, {"n": 10 ** 400})))
     assert arguments_match({"n": "9" * 400}, {"n": 10 ** 400 - 1})
-    assert parse_reply("call:f{a:-12, b:1.5e3, c:1e999}").first.arguments == {"a": -12, "b": 1500.0, "c": float("inf")}
+    assert parse_reply("call:f{a:-12, b:1.5e3, c:1e9}").first.arguments == {"a": -12, "b": 1500.0, "c": 1e9}
+    # 1e999 is no number JSON carries: the call was sent on as tool_calls arguments {"c": Infinity}, which an OpenAI
+    # client's JSON reader refuses, and refused by our own request check when the client sent it back
+    overflow = parse_reply("call:f{a:-12, b:1.5e3, c:1e999}")
+    assert overflow.kind == "format_error" and "arguments.c: inf is not a number JSON can carry" in overflow.error
 
 
 def test_evaluation_scores_the_first_trained_answer(tmp_path):

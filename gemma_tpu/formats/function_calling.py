@@ -114,6 +114,9 @@ def check_call_arguments(value: Any, path: str = "arguments") -> None:
             check_call_arguments(v, f"{path}[{i}]")
     elif isinstance(value, str) and ESCAPE in value:
         raise UserError(f"{path}: the value {value[:80]!r} contains {ESCAPE}, FunctionGemma's string delimiter")
+    elif isinstance(value, float) and not math.isfinite(value):  # `1e999` in a model's call: sent on as tool_calls
+        # arguments `Infinity`/`NaN`, which no JSON reader but Python's takes (an OpenAI client's JSON.parse fails)
+        raise UserError(f"{path}: {value!r} is not a number JSON can carry (1e999 and the like)")
 
 
 def check_tool_name(name: str, what: str) -> None:
