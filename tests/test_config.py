@@ -556,6 +556,9 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     cfg = load_config(path)
     assert (cfg.model.path, cfg.data.train_path) == (f"{tmp_path}/m", f"{tmp_path}/d/t.jsonl")
     assert (cfg.checkpoint.dir, cfg.train.run_dir) == (f"{tmp_path}/runs/a", "runs/cost$5")
+    # `$$` is a `$` of the path (docker compose's escape): a directory named `$HOME` or `$x` could not be given
+    cfg = load_config(path, ["checkpoint.dir=/r/$$HOME/a", "train.run_dir=/r/$${X}$$$HOME"])
+    assert (cfg.checkpoint.dir, cfg.train.run_dir) == ("/r/$HOME/a", f"/r/${{X}}${tmp_path}")
 
 
 @pytest.mark.parametrize("text, line, message", [

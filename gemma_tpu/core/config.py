@@ -924,20 +924,22 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     return cfg
 
 
-_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
+_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})|\$\$")  # `$$`: a `$` of the path itself
 
 
 def expand_env(value: str, key: str, home: bool = True) -> str:
     """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`) expanded, and with
     `home` a leading `~` or `~user`; a variable that is not set, or a user this machine does not know, is refused
-    naming the key (the run config's paths here, the serving config's in serving.config). Expanded once, when the
+    naming the key (the run config's paths here, the serving config's in serving.config); `$$` is a `$` of the path
+    (as docker compose writes it: a directory named `$x` could not be given). Expanded once, when the
     config is read, every consumer sees the same path (serving's --print showed '~/m' where the container mounted
     /root/m) and an error names the key, not the consumer."""
-    unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value) if (m.group(1) or m.group(2)) not in os.environ]
+    unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value)
+             if m.group(0) != "$$" and (m.group(1) or m.group(2)) not in os.environ]
     if unset:
         raise UserError(f"{key}={value!r} names the environment variable {unset[0]}, which is not set; set it or write "
-                        f"the path out")
-    expanded = _ENV_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value)
+                        f"the path out ($$ for a $ of the path)")
+    expanded = _ENV_VAR.sub(lambda m: "$" if m.group(0) == "$$" else os.environ[m.group(1) or m.group(2)], value)
     if home and expanded.startswith("~"):
         expanded = os.path.expanduser(expanded)
         if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was: a directory named '~bob'
