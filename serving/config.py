@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -157,7 +158,12 @@ class ServeConfig:
 
     @property
     def served_name(self) -> str:
-        return self.model.name or self.model_dir.name
+        """model.name, else the directory's name as model.dir writes it: a link's own name (`models/coach`, a link to
+        a content-hashed directory, was served as the hash); `.` or `..` the name of the directory they are."""
+        if self.model.name:
+            return self.model.name
+        written = Path(os.path.normpath(Path(self.model.dir).expanduser())).name
+        return written if written not in ("", ".", "..") else self.model_dir.name
 
 
 # sections of a training config (gemma_tpu/core/config.py RunConfig) that a serving config never has

@@ -211,6 +211,13 @@ def test_serving_paths_expand_environment_variables(tmp_path, monkeypatch):
     assert (cfg.model.dir, cfg.lora.adapters[0].dir) == (f"{tmp_path}/x-merged", f"{tmp_path}/coach")
     assert (cfg.tool_calling.chat_template, cfg.container.compile_cache) == (f"{tmp_path}/t.jinja", f"{tmp_path}/cache")
     assert cfg.model_dir == tmp_path / "x-merged" and cfg.served_name == "x-merged"
+    # a link's own name is served, not its target's (a content-hashed directory's), and '.' is the directory it is
+    (tmp_path / "snap" / "0f3a9c").mkdir(parents=True)
+    (tmp_path / "fitness").symlink_to(tmp_path / "snap" / "0f3a9c")
+    cfg = load_serve_config(path, [f"model.dir={tmp_path}/fitness/"], need_dir=False)
+    assert cfg.model_dir == tmp_path / "snap" / "0f3a9c" and cfg.served_name == "fitness"
+    monkeypatch.chdir(tmp_path / "fitness")
+    assert load_serve_config(path, ["model.dir=."], need_dir=False).served_name == "0f3a9c"
     with pytest.raises(UserError, match=r"^override 'model.dir=\$GEMMA_TPU_UNSET/m': model.dir='\$GEMMA_TPU_UNSET/m' "
                                         r"names the environment variable GEMMA_TPU_UNSET, which is not set"):
         load_serve_config(path, ["model.dir=$GEMMA_TPU_UNSET/m"], need_dir=False)
