@@ -739,6 +739,35 @@ def check_template_file(path: Path, key: str) -> None:
         raise UserError(f"{key}: {path}: cannot read it ({e.strerror or e})") from None
     if not text.strip():
         raise UserError(f"{key}: {path} is empty: no chat template to render the messages with")
+    if path.suffix != ".json":  # chat_template.json holds the template as a JSON string
+        problem = jinja_syntax_error(text)
+        if problem:
+            raise UserError(f"{key}: {path} {problem}")
+
+
+def jinja_syntax_error(text: str) -> str | None:
+    """Where the Jinja template `text` cannot be parsed ("line 3: unexpected '}'"), or None. Parsed as transformers
+    compiles chat templates (loop controls, the `{% generation %}` block of assistant masks): a template with a
+    syntax error passed the launcher and failed in vLLM at the first request, the container up and the model loaded."""
+    try:
+        import jinja2
+        import jinja2.ext
+    except ImportError:  # no transformers (nor jinja2) here: the server's own load still says it
+        return None
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    try:
+        jinja2.Environment(extensions=[jinja2.ext.loopcontrols, Generation]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        return f"line {e.lineno}: {e.message} (not a Jinja template transformers and vLLM can compile)"
+    return None
 
 
 def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:

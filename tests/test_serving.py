@@ -356,6 +356,19 @@ def test_a_chat_template_file_that_is_no_text_is_refused_before_local_serving(tm
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
                                    f"tool_calling.chat_template={tmp_path / 't.jinja'}", f"server.port={free_port()}")
     one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / 't.jinja'} is not UTF-8 text (byte 0)")
+    # a template with a Jinja syntax error passed and failed in vLLM at the first request (the model loaded): refused
+    # naming the line; transformers' `{% generation %}` block and loop controls are syntax it compiles
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}"
+                                      "{% break %}{% endfor %}\n{{ messages[0].content }\n")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"tool_calling.chat_template={tmp_path / 't.jinja'}")
+    one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / 't.jinja'} line 2: unexpected '}}'")
+    assert out == ""
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}"
+                                      "{% break %}{% endfor %}\n")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   f"tool_calling.chat_template={tmp_path / 't.jinja'}")
+    assert code == 0, err
 
 
 def test_a_training_checkpoint_as_model_dir_says_to_merge_it(tmp_path, capsys):
