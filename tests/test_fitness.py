@@ -1598,7 +1598,7 @@ def test_a_call_cut_off_at_the_token_limit_says_so_locally_and_from_an_endpoint(
             return [Generation([7] * 8, "You walked 5,000 steps and", "length")]
 
     answer = Coach(loaded, SimulatedDevice(0, today=TODAY), generator=CutText([]), trace=None).ask("steps?")
-    assert answer == f"You walked 5,000 steps and ({CUT_OFF} of 8 new tokens (raise --max-new-tokens))"
+    assert answer == f"You walked 5,000 steps and [{CUT_OFF} of 8 new tokens (raise --max-new-tokens)]"
     monkeypatch.setattr(run, "Generator", Cut)
     case = run.Case({"tools": None, "messages": [{"role": "user", "content": "steps?"}]}, None, [], "steps?")
     preds, _ = run.predict_local(loaded, [case], DataConfig(), 8, 1, "fake")

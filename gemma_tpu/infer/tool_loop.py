@@ -71,7 +71,8 @@ def run_tool_loop(question: str, toolset: Toolset, next_reply: NextReply, *, max
         if reply.kind == "format_error":
             return f"(the model produced a malformed tool call: {reply.error}; raw output: {str(raw).strip()[:200]!r})"
         if reply.kind == "text":  # an answer cut at the token limit says so (`cut_short`)
-            return (reply.text or "(the model gave an empty answer)") + (f" ({reply.error})" if reply.error else "")
+            # the note in brackets: its own text has parentheses ("(raise --max-new-tokens)"), which nested
+            return (reply.text or "(the model gave an empty answer)") + (f" [{reply.error}]" if reply.error else "")
         if made + len(reply.calls) > max_calls:
             if not made:  # one turn of parallel calls past the budget: it did not keep calling, it asked too much
                 return (f"(the model asked for {len(reply.calls)} tool calls at once, more than the {max_calls} "
