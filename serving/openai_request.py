@@ -140,10 +140,26 @@ def _message(m: Any, i: int) -> None:
     if content is None:
         raise RequestError(f"{where}.content", "missing")
     _text_parts(content, f"{where}.content")
+    if role == "tool" and isinstance(content, str):
+        _result_keys_once(content, f"{where}.content")
     if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
         raise RequestError(f"{where}.tool_call_id", "expected a string")
     if role == "tool" and m.get("name"):  # the template writes it as the response's name
         _tool_name(m["name"], f"{where}.name")
+
+
+def _result_keys_once(content: str, where: str) -> None:
+    """Refuse a JSON tool result giving a key twice: the template renders both, where the data reader refuses such a
+    row and Python's reader keeps the last (which one the tool meant is a guess). Anything else that is not JSON is
+    the result's text, rendered as written."""
+    if not content.lstrip().startswith(("{", "[")):
+        return
+    try:
+        json.loads(content, object_pairs_hook=strict_json.unique_keys)
+    except strict_json.NotJSON as e:
+        raise RequestError(where, f"the tool result, read as JSON: {e}") from None
+    except (ValueError, RecursionError):  # not JSON: text
+        pass
 
 
 def _tool_name(name: str, where: str) -> None:

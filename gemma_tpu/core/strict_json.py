@@ -19,7 +19,7 @@ class NotJSON(ValueError):
     """What Python's JSON reader accepts but JSON does not hold, or holds otherwise (raised by `DECODER`'s hooks)."""
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object; a key given twice is refused (the reader kept the last and dropped the first silently,
     e.g. one of two "content" fields)."""
     out: dict[str, Any] = {}
@@ -62,7 +62,7 @@ def loads_finite(text: str | bytes) -> Any:
 
 # `DECODER.decode(text)` raises json.JSONDecodeError (not JSON at all), NotJSON, or RecursionError (nested past the
 # stack: Python's reader recurses once a level)
-DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_constant, parse_float=_float, parse_int=_int)
+DECODER = json.JSONDecoder(object_pairs_hook=unique_keys, parse_constant=_constant, parse_float=_float, parse_int=_int)
 
 
 def _word(x: float) -> str:
