@@ -138,6 +138,11 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
         "properties": {"a": {"type": "array", "items": {"type": "object", "properties": {" b": {}}}}}}}}]},
      "tools[0].function.parameters.properties.a.items.properties", "property name ' b'"),
+    # ... and in pydantic's $defs, reached through a $ref (were not checked)
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+        "properties": {"at": {"$ref": "#/$defs/Place"}},
+        "$defs": {"Place": {"type": "object", "properties": {"time:zone": {"type": "string"}}}}}}}]},
+     "tools[0].function.parameters.$defs.Place.properties", "property name 'time:zone'"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"date": {"type": "string"}}, "required": ["dat"]}}}]},
      "tools[0].function.parameters.required[0]", "'dat' is not a declared property (properties: date)"),

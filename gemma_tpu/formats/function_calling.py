@@ -238,6 +238,10 @@ def _check_schema(params: dict, where: str) -> None:
             alts = schema.get(key)
             stack += [(s, f"{at}.{key}[{i}]") for i, s in enumerate(alts if isinstance(alts, list) else [])
                       if isinstance(s, dict)]
+        for key in ("$defs", "definitions"):  # pydantic's nested models, reached through $ref: their property names
+            defs = schema.get(key)  # were not checked, and a call could not pass them either
+            stack += [(s, f"{at}.{key}.{name}") for name, s in (defs.items() if isinstance(defs, dict) else [])
+                      if isinstance(s, dict)]
 
 
 _JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
