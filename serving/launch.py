@@ -204,11 +204,20 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
     Path(cfg.container.compile_cache).expanduser().mkdir(parents=True, exist_ok=True)
     print("+ " + cmd.shell(), file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd.argv, env=env)
+    # a SIGTERM or SIGHUP to this launcher alone (kill PID, a closed terminal, a supervisor) goes on to the docker
+    # client, whose signal proxy hands it to the server: the launcher died and left the client and the container
+    # serving on, holding the TPU, with nothing in the foreground to stop them
+    forwarded = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda signum, _frame: proc.send_signal(signum)) for sig in forwarded}
     try:
-        return proc.wait()
-    except KeyboardInterrupt:  # docker forwards the signal to the container; wait for it to stop
-        proc.send_signal(signal.SIGINT)
-        return proc.wait()
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # docker forwards the signal to the container; wait for it to stop
+                proc.send_signal(signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def serve_local(cfg: ServeConfig) -> int:

@@ -956,6 +956,16 @@ if args[0] == "version":
     print("28.0")
 elif args[:2] == ["image", "inspect"]:
     sys.exit(1)
+elif args[0] == "run" and os.environ.get("FAKE_DOCKER_SERVE"):  # in the foreground until a signal, as docker run is
+    import signal, time
+    def stop(signum, _frame):
+        with open({str(log)!r}, "a") as f:
+            f.write(json.dumps({{"signal": signum}}) + "\\n")
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
+    open(os.environ["FAKE_DOCKER_SERVE"], "w").close()
+    time.sleep(120)
 """)
     script.chmod(0o755)
 
@@ -984,6 +994,28 @@ def test_launch_runs_docker_with_the_printed_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     calls = [json.loads(l)["args"] for l in log.read_text().splitlines()]
     assert [c[0] for c in calls] == ["version", "run"] and VLLM_TPU_IMAGE in calls[1]
+
+
+def test_a_signal_to_the_launcher_alone_stops_the_container(tmp_path):
+    """`kill PID` of the launcher (or its terminal closing) ended it and left the docker client and the container
+    serving on, holding the TPU; the launcher hands SIGTERM/SIGHUP to the client, whose proxy stops the server."""
+    d = fake_model_dir(tmp_path / "merged")
+    log = tmp_path / "docker.jsonl"
+    _fake_docker(tmp_path / "bin", log)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        serving = tmp_path / f"serving-{sig}"
+        env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_DOCKER_SERVE": str(serving)}
+        proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", CONFIG_270M, f"model.dir={d}",
+                                 f"container.image={VLLM_TPU_IMAGE}", f"container.compile_cache={tmp_path / 'c'}"],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not serving.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert serving.exists(), proc.communicate()[1][-2000:]
+        proc.send_signal(sig)  # the launcher alone, not its process group
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + sig, err[-2000:]
+        assert {"signal": int(sig)} in [json.loads(l) for l in log.read_text().splitlines()], err[-2000:]
 
 
 def test_launch_errors_without_docker_daemon_or_key(tmp_path):
