@@ -3,6 +3,7 @@
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -148,6 +149,19 @@ def test_a_date_given_to_a_string_key_keeps_its_text(text, tmp_path):
         load_config(None, [f"train.max_steps={text}"])
 
 
+def _refused_in_override_and_file(key: str, text: str, message: str, tmp_path) -> Path:
+    """`key=text` is refused on the command line (naming the override) and in a file (naming its line 2) with the
+    regex `message`; returns the file, for more cases."""
+    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={re.escape(text)}': {message}"):
+        load_config(None, [f"{key}={text}"])
+    section, leaf = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {text}\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {message}"):
+        load_config(path)
+    return path
+
+
 @pytest.mark.parametrize("key, text, message", [
     ("train.seed", "010", "010 is octal to YAML 1.1 (8); write 8, or 10 without the leading zero"),
     ("train.max_steps", "-0_10", "-0_10 is octal to YAML 1.1 (-8); write -8, or -10 without the leading zero"),
@@ -158,14 +172,7 @@ def test_a_date_given_to_a_string_key_keeps_its_text(text, tmp_path):
 def test_a_number_only_yaml11_reads_as_written_is_refused_for_a_number_key(key, text, message, tmp_path):
     """`train.seed=010` ran with seed 8 and `max_steps: 1:30` ran 90 steps: YAML 1.1 octal and base 60, which
     YAML 1.2, JSON and Python read otherwise or refuse. Hex, binary, 1_000 and a plain 0 still load."""
-    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={re.escape(text)}': {re.escape(key)}: "
-                                        rf"{re.escape(message)}"):
-        load_config(None, [f"{key}={text}"])
-    section, leaf = key.split(".")
-    path = tmp_path / "c.yaml"
-    path.write_text(f"{section}:\n  {leaf}: {text}\n")
-    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {re.escape(key)}: {re.escape(message)}"):
-        load_config(path)
+    _refused_in_override_and_file(key, text, f"{re.escape(key)}: {re.escape(message)}", tmp_path)
     cfg = load_config(None, ["train.max_steps=0x10", "train.seed=0", "train.batch_size=0b10", "lora.alpha=1_000"])
     assert (cfg.train.max_steps, cfg.train.seed, cfg.train.batch_size, cfg.lora.alpha) == (16, 0, 2, 1000.0)
 
@@ -181,15 +188,10 @@ def test_an_integer_key_past_int32_is_refused_by_key(key, why, tmp_path):
     """`train.grad_accum_steps=1e30` was taken: the run read micro-batches for ever, holding each in memory (4 GB in
     five minutes of a tiny model), and other counts past 32 bits failed later or never; every integer key now
     stops at 2**31 - 1, in the file (by its line) as on the command line. train.seed keeps its own 2**63."""
-    for text, value in (("1e30", 10**30), ("2147483648", 2**31)):
-        with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={text}': {re.escape(key)} must be at most "
-                                            rf"2147483647 \({why}\), got {value}$"):
-            load_config(None, [f"{key}={text}"])
+    for text, value in (("1e30", 10**30), ("2147483648", 2**31), ("99999999999999999999999", 10**23 - 1)):
+        _refused_in_override_and_file(key, text, rf"{re.escape(key)} must be at most 2147483647 \({why}\), "
+                                                 rf"got {value}$", tmp_path)
     section, leaf = key.split(".")
-    path = tmp_path / "c.yaml"
-    path.write_text(f"{section}:\n  {leaf}: 99999999999999999999999\n")
-    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {re.escape(key)} must be at most"):
-        load_config(path)
     cfg = load_config(None, [f"{key}=2147483647", "train.seed=9223372036854775807"])
     assert getattr(getattr(cfg, section), leaf) == 2147483647 and cfg.train.seed == 2**63 - 1
 
@@ -207,13 +209,8 @@ def test_a_quoted_value_of_a_number_or_boolean_key_is_text(key, text, kind, valu
     bare = text.strip("'\"")
     message = rf"{re.escape(key)}: expected {re.escape(kind)}, got '{re.escape(bare)}' \(quoted, so text to YAML; " \
               rf"write it without the quotes: {re.escape(bare)}\)$"
-    with pytest.raises(UserError, match=rf"^override '{re.escape(key)}={re.escape(text)}': {message}"):
-        load_config(None, [f"{key}={text}"])
+    path = _refused_in_override_and_file(key, text, message, tmp_path)
     section, leaf = key.split(".")
-    path = tmp_path / "c.yaml"
-    path.write_text(f"{section}:\n  {leaf}: {text}\n")
-    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} line 2: {message}"):
-        load_config(path)
     path.write_text(f"{section}:\n  {leaf}: {bare}\n")
     assert getattr(getattr(load_config(path), section), leaf) == value
     path.write_text("train:\n  learning_rate: 3e-4\n  max_steps: 1e3\ncheckpoint:\n  dir: 1e3\n")
