@@ -2016,8 +2016,9 @@ def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_d
     # a media marker the vocabulary has but does not flag special (Gemma 3's <start_of_image>, id 255999, beside HTML
     # tags that are text) was tokenized as the image marker: a text-only row trained it without an image
     media = AutoTokenizer.from_pretrained(str(tok_dir))
-    media.add_tokens(["<start_of_image>", "<table>"])  # not special, as Gemma 3's tokenizer has them
+    media.add_tokens(["<start_of_image>", "<table>", "[multimodal]"])  # not special, as Gemma 3's tokenizer has them
     assert Renderer(media, "gemma").markup.search("a <table> <start_of_image> b") == (10, "<start_of_image>")
+    assert Renderer(media, "gemma").markup.search("a [multimodal] b") == (2, "[multimodal]")  # Gemma 3's id 5
     # the reserved token a tool-call marker maps onto (plain Gemma 3) is refused too, in every row shape
     token_map = function_token_map(any_tok)
     marker = token_map.get("<start_function_call>")

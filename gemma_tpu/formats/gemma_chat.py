@@ -16,8 +16,9 @@ BOS_ID = 2
 # Where a multimodal Gemma's picture (or sound) goes: tokens of the vocabulary that are not flagged special (Gemma
 # 3's <start_of_image> is id 255999, beside HTML tags that are plain text), so a text holding one was tokenized as the
 # image marker and trained without an image.
-MEDIA_MARKERS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_audio>", "<end_of_audio>",
-                 "<audio_soft_token>")
+# (`[multimodal]`: Gemma 3's id 5, an added token not flagged special, read as that id wherever it stands in text)
+MEDIA_MARKERS = ("[multimodal]", "<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_audio>",
+                 "<end_of_audio>", "<audio_soft_token>")
 
 
 def open_turn(role: str) -> str:
