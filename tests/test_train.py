@@ -63,6 +63,21 @@ def test_run_writes_checkpoints_metadata_and_metrics(reference_run):
     assert len(l) == 8 and l[-1] < l[0]
 
 
+def test_step_times_are_ready_to_ready_around_saves(tiny_dir, tmp_path):
+    """A step's time is from the step before it being done to its own being done: timed by when the next step's
+    first batch was asked for (dispatch is asynchronous), the record after a save read 0.02 s and the one after it
+    two steps' compute (0.019, 0.301 against ~0.16). Steps big enough that compute outweighs the host's work."""
+    ckpt = tmp_path / "ckpt"
+    proc = train(tiny_dir, ckpt, "train.max_steps=6", "checkpoint.every_steps=2", "train.batch_size=8",
+                 "data.seq_len=384", "train.eval_every_steps=100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    timed = {r["step"]: r["step_time_s"] for r in rows if r["mode"] == "train" and "step_time_s" in r}
+    assert set(timed) >= {3, 4, 5} and any(r.get("save_s", 0) > 0 for r in rows if r["step"] in (3, 5)), rows
+    median = sorted(timed.values())[len(timed) // 2]
+    assert min(timed.values()) > 0.3 * median and max(timed.values()) < 3 * median, timed
+
+
 def test_same_seed_same_losses_with_profiling_on(tiny_dir, reference_run, tmp_path):
     """Same seed, same losses; this run also profiles steps 3..4 (train.profile_dir, relative to the run dir):
     the trace is written where the log says, and profiling changes no loss."""

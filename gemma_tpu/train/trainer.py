@@ -71,9 +71,9 @@ class BatchFeed(tunix_hooks.DataHooks):
         self.useful = 0  # loss-bearing tokens fed
         self.examples = 0  # examples fed (a packed or shared-prefix row holds several)
         self.batches = 0
-        # (time, tokens, useful, examples, learning rate) when the current optimizer step's first batch was asked
-        # for: where the step before it ended, for its metrics record (Trainer.write_metrics), which Tunix writes
-        # later, once this step has updated the learning rate the record would otherwise read
+        # (tokens, useful, examples, learning rate) when the current optimizer step's first batch was asked for:
+        # what the step before it fed, for its metrics record (Trainer.write_metrics), which Tunix writes later,
+        # once this step has updated the learning rate the record would otherwise read
         self.step_mark: tuple | None = None
 
     def load_next_train_batch(self, train_ctx):
@@ -83,7 +83,7 @@ class BatchFeed(tunix_hooks.DataHooks):
                 import jax.numpy as jnp
 
                 lr = jnp.copy(lr)
-            self.step_mark = (time.perf_counter(), self.tokens, self.useful, self.examples, lr)
+            self.step_mark = (self.tokens, self.useful, self.examples, lr)
         if self.delay:
             time.sleep(self.delay)
         if self.before_batch is not None:
@@ -609,12 +609,16 @@ class Trainer(TunixTrainer):
                 log.warning("non-finite loss at step %d", metrics_buffer.step)
             for k, (vals, op) in metrics_buffer.additional_metrics.items():
                 rec[k] = float(op(np.asarray([np.asarray(v, np.float32) for v in vals])))
-            # where this step ended: when the next step's first batch was asked for (Tunix writes a step's record
-            # once the next step is under way), or now for a record written as its step is saved. The learning rate
-            # too: read when the record was written, it was the next step's (the last record's alone its own)
+            # where this step ended: now, its loss read above (ready-to-ready: dispatch is asynchronous, on CPU too,
+            # and the time the next step's first batch was asked for came before this step's compute had run: the
+            # record after a save read 0.01 s, the next one two steps' time). What it fed: counted when the next
+            # step's first batch was asked for (Tunix writes a step's record once the next step is under way), or
+            # now for a record written as its step is saved. The learning rate too: read when the record was
+            # written, it was the next step's (the last record's alone its own)
+            now = time.perf_counter()
             mark = None if getattr(self, "_flushing_at_save", False) else self.feed.step_mark
-            now, tokens, useful, examples, lr = mark or (time.perf_counter(), self.feed.tokens, self.feed.useful,
-                                                         self.feed.examples, self.learning_rate())
+            tokens, useful, examples, lr = mark or (self.feed.tokens, self.feed.useful, self.feed.examples,
+                                                    self.learning_rate())
             if lr is not None:
                 rec["learning_rate"] = float(np.asarray(lr))
             steps = rec["step"] - self._step_last
