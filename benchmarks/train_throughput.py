@@ -29,8 +29,8 @@ Each side runs in its own child process, one after the other (never at the same 
 script. Peak RSS is the child's VmHWM (Linux's high-water mark of the resident set, reset at exec), so it
 is the memory of that side alone: one framework and one copy of the model, not the other side's nor this
 launcher's. The steady state excludes the first `--warmup` steps (ours: the first step holds the one XLA
-compilation; torch: allocator warm-up; our run also takes one step more, because the trainer's last metrics
-record is its final flush, see `child_ours`); s/step is the median over the `--steps` timed steps, and tokens/s
+compilation; torch: allocator warm-up; our run also takes one step more, whose record, the final flush written
+after the loop, is left out, see `child_ours`); s/step is the median over the `--steps` timed steps, and tokens/s
 are the timed steps' mean tokens per step over that median (both sides see the same batches, so the
 ratio of useful tokens/s is the ratio of step times). Trained examples/s (examples per step: the segments of
 each row) is the fair rate when the layouts differ (packing, shared prefixes), where computed tokens/s would
@@ -178,7 +178,7 @@ def ours_overrides(spec: dict, side: str = "ours") -> list[str]:
     """The dotted overrides that turn the config into the benchmark run (see the module docstring);
     the `unshared` side adds `--baseline-set` (default: shared prefixes off) last."""
     run = Path(spec["workdir"]) / side
-    total = spec["warmup"] + spec["steps"] + 1  # + 1: the last record is the final flush (see child_ours)
+    total = spec["warmup"] + spec["steps"] + 1  # + 1: the last record, the final flush, is left out (see child_ours)
     out = [
         f"model.path={spec['model']}", f"model.dtype={spec['dtype']}",
         f"data.train_path={spec['data_path']}", "data.eval_path=null", f"data.seq_len={spec['seq_len']}",
@@ -306,11 +306,10 @@ def child_ours(spec: dict) -> dict:
         gpu_peak = None
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in recs if r["mode"] == "train"}
-    # The trainer times record k from the previous record's write to its own. Record 1 holds the
-    # compilation (no time). Where JAX runs the step synchronously (CPU) that interval is step k+1's
-    # execution, and the last record, written by the final flush after the loop, times nothing; on
-    # an asynchronous device it is step k's. So the run has one step more than the benchmark times
-    # and that last record is dropped: records 2..W+N are all steady-state steps on either kind.
+    # The trainer times record k from step k-1 being done to step k being done (ready to ready).
+    # Record 1 holds the compilation (no time). The run has one step more than the benchmark times and
+    # that last record (the final flush, written after the loop) is dropped: records 2..W+N are all
+    # steady-state steps.
     total = spec["warmup"] + spec["steps"]
     return {
         "step_times": [by_step.get(k, {}).get("step_time_s") for k in range(1, total + 1)],

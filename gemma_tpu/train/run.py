@@ -42,6 +42,17 @@ from gemma_tpu.train.resume import check_data_position, check_resume_compatible,
 log = logging.getLogger("gemma_tpu.train")
 
 
+def save_schedule(every_steps: int):
+    """Orbax's save policy for `checkpoint.every_steps`: every N steps, and where JAX signals a preemption. Not
+    Orbax's default built from `save_interval_steps` alone, which also saves the first step of a run with no
+    checkpoint (its InitialSavePolicy): every fresh run saved step 1 whatever every_steps said (one save's time:
+    minutes for a large full fine-tune), and max_to_keep later dropped it. The run's last step is saved at close."""
+    from orbax.checkpoint import checkpoint_managers as policies
+
+    return policies.AnySavePolicy([policies.FixedIntervalPolicy(every_steps),
+                                   policies.PreemptionCheckpointingPolicy()])
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.train", __doc__, config="YAML run config (see configs/)")
     p.add_argument("--dry-run", action="store_true",
@@ -250,7 +261,8 @@ def run(cfg: RunConfig) -> dict:
             checkpoint_root_directory=str(ckpt_dir.resolve()),
             checkpointing_options=ocp.CheckpointManagerOptions(
                 save_interval_steps=cfg.checkpoint.every_steps, max_to_keep=cfg.checkpoint.max_to_keep,
-                enable_async_checkpointing=cfg.checkpoint.async_save),
+                enable_async_checkpointing=cfg.checkpoint.async_save,
+                save_decision_policy=save_schedule(cfg.checkpoint.every_steps)),
             metrics_logging_options=metrics_logging_options(str((run_dir / "tensorboard").resolve()),
                                                             (checkpoint.list_steps(ckpt_dir) or [None])[-1]),
             data_sharding_axis=mesh_lib.DATA_SHARDING_AXIS,

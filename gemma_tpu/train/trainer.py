@@ -623,12 +623,8 @@ class Trainer(TunixTrainer):
                 rec["learning_rate"] = float(np.asarray(lr))
             steps = rec["step"] - self._step_last
             if getattr(self, "_closing", False):
-                # close() flushes the last buffered record right after the previous one: its
-                # interval times nothing, so it gets no rate and stays out of the summary medians
-                rec["final_flush"] = True
-                if self._t_last is None:  # the session's only step (max_steps=1, or one step after a resume):
-                    self._log_placeholder_rates(rec["step"])  # the progress bar asks for them (absl warned)
-            elif self._t_last is not None and steps > 0:
+                rec["final_flush"] = True  # written by close() (or the SIGTERM exit), timed like the others
+            if self._t_last is not None and steps > 0:
                 paused = {k: v for k, v in self._paused.items() if v > 0}
                 dt = max(now - self._t_last - sum(paused.values()), 1e-9)
                 rec["step_time_s"] = dt / steps
@@ -647,9 +643,9 @@ class Trainer(TunixTrainer):
                 for key in ("tokens_per_s", "useful_tokens_per_s", "mfu"):
                     if key in rec:
                         self.metrics_logger.log(self.metrics_prefix, key, rec[key], self.mode, rec["step"])
-            else:
+            else:  # the session's first step (max_steps=1, or one step after a resume: also its last)
                 rec["includes_compile"] = True
-                self._log_placeholder_rates(rec["step"])
+                self._log_placeholder_rates(rec["step"])  # the progress bar asks for them (absl warned)
             self._t_last, self._step_last = now, rec["step"]
             self._paused = dict.fromkeys(self._paused, 0.0)
             self._tok_last, self._useful_last, self._examples_last = tokens, useful, examples
@@ -689,6 +685,7 @@ class Trainer(TunixTrainer):
             self.save_last_checkpoint()
             self.evaluate_now()
         self._closing = True
+        self.flush_train_metrics()  # the last step's record, timed to now: before the profiler's trace is written
         if self.stop_profiler():  # the loop ended inside the profiled window
             log.warning("training ended inside the profiled steps; the trace holds fewer steps")
         return super().close()
@@ -763,7 +760,7 @@ class Trainer(TunixTrainer):
 
     def summary(self) -> dict[str, Any]:
         train = [r for r in self.history if r["mode"] == "train"]
-        steady = [r for r in train if "step_time_s" in r and not r.get("final_flush")]
+        steady = [r for r in train if "step_time_s" in r]
         evals = [r for r in self.history if r["mode"] == "eval"]
         first_eval = self._recorded_first_eval_loss()
         out: dict[str, Any] = {
@@ -777,7 +774,6 @@ class Trainer(TunixTrainer):
             "first_eval_loss": first_eval if first_eval is not None else evals[0]["loss"] if evals else None,
         }
         if steady:
-            # medians: the last interval is cut short by the final flush of PeftTrainer's buffer
             def med(key):
                 vals = sorted(r[key] for r in steady if key in r)
                 return vals[len(vals) // 2] if vals else None
