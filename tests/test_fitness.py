@@ -735,7 +735,14 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
         assert (none.kind, none.calls) == ("call", [ToolCall("get_daily_step_goal", {})]), args
     for args in ('{"date": "today", "date": "yesterday"}', json.dumps('{"date": "a", "date": "b"}')):  # twice encoded
         twice = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": args}}]})
-        assert (twice.kind, twice.error) == ("format_error", "tool_calls arguments give key 'date' twice"), args
+        assert (twice.kind, twice.error) == ("format_error", "tool_calls arguments: key 'date' appears twice in one "
+                                                             "object (JSON readers keep only the last)"), args
+    # numbers JSON does not hold, as text or in structured arguments: a format error, as in the call text
+    for args, error in (('{"sets": NaN}', "arguments: NaN is not JSON"),
+                        ('{"sets": 1e999}', "arguments: 1e999 is beyond the range of a 64-bit float"),
+                        ({"sets": [1, {"reps": float("inf")}]}, "arguments.sets[1].reps is not a number JSON can carry")):
+        odd = reply_from_message({"tool_calls": [{"function": {"name": "log_workout", "arguments": args}}]})
+        assert odd.kind == "format_error" and odd.error.startswith(f"tool_calls {error}"), (args, odd)
     for n in (64, 3000):  # nested past what json.loads reaches: RecursionError (a traceback in evaluate)
         deep = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": json.dumps(
             {"date": 1}).replace("1", "[" * n + "]" * n)}}]})

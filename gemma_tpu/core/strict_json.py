@@ -87,6 +87,19 @@ def finite(obj: Any) -> Any:
     return obj
 
 
+def nonfinite_path(obj: Any, path: str = "arguments") -> str | None:
+    """Where `obj` (parsed JSON, or a structure a client built) holds a NaN or infinite float, as `arguments.a[2]`;
+    None when nowhere."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else path
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found = nonfinite_path(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}")
+        if found:
+            return found
+    return None
+
+
 def dumps(obj: Any, **kwargs: Any) -> str:
     """json.dumps of `finite(obj)`; NaN/Infinity can no longer reach the text."""
     return json.dumps(finite(obj), allow_nan=False, **kwargs)

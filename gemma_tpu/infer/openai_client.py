@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
+from gemma_tpu.core import strict_json
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.formats.function_calling import (
     JSON_RESULT_MAX_DEPTH,
@@ -340,35 +341,23 @@ def openai_tools(tools: list[dict] | None) -> list[dict] | None:
             for t in tools]
 
 
-class _KeyTwice(ValueError):
-    """A JSON object of arguments that gives one key twice."""
-
-
-def _once(pairs: list[tuple[str, Any]]) -> dict:
-    """json's object_pairs_hook refusing a key given twice (json.loads keeps the last without a word)."""
-    seen: set[str] = set()
-    for k, _ in pairs:
-        if k in seen:
-            raise _KeyTwice(k)
-        seen.add(k)
-    return dict(pairs)
-
-
 def reply_from_message(message: dict) -> ParsedReply:
     """An OpenAI `choices[0].message` as a ParsedReply: structured calls first, else the content. Arguments
     encoded twice (a JSON string holding the JSON object, as some servers' parsers and models write them) are
     read as that object: the call is unambiguous, and a format error would score a serialisation quirk as a miss.
     Arguments null, "" or "null" are a call without arguments: OpenAI always sends a JSON string, and these are what a
     server's tool parser writes for a call the model gave no arguments (a required one missing is the tool's to refuse,
-    `arguments_problem`), not a malformed call."""
+    `arguments_problem`), not a malformed call. Arguments JSON does not hold (NaN, Infinity, 1e999, a key given twice:
+    which value was meant is a guess), as text or as a structured object, are a format error, as the FunctionGemma
+    text's parser makes them (a tool loop sent them back as `Infinity`, which an OpenAI client's JSON.parse refuses)."""
     calls = []
     for tc in message.get("tool_calls") or []:
         fn = tc.get("function") or {}
         raw = fn.get("arguments")
         try:
-            args = json.loads(raw, object_pairs_hook=_once) if isinstance(raw, str) and raw.strip() else (raw or {})
+            args = strict_json.DECODER.decode(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
             if isinstance(args, str) and args.strip().startswith("{"):
-                args = json.loads(args, object_pairs_hook=_once)
+                args = strict_json.DECODER.decode(args)
             args = {} if args is None else args  # "null" (json.dumps of none given): no arguments, as null is
             if json_depth(args) > JSON_RESULT_MAX_DEPTH:  # as the FunctionGemma text's parser refuses it
                 return ParsedReply("format_error", [], str(raw)[:200], f"tool_calls arguments nested more than "
@@ -378,8 +367,11 @@ def reply_from_message(message: dict) -> ParsedReply:
                                                                    f"{JSON_RESULT_MAX_DEPTH} levels deep")
         except json.JSONDecodeError:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
-        except _KeyTwice as e:  # as the FunctionGemma text's parser refuses it (which value was meant is a guess)
-            return ParsedReply("format_error", [], str(raw), f"tool_calls arguments give key {e.args[0]!r} twice")
+        except strict_json.NotJSON as e:
+            return ParsedReply("format_error", [], str(raw), f"tool_calls arguments: {e}")
+        if strict_json.nonfinite_path(args):  # structured arguments (an object, not JSON text) read by the client
+            return ParsedReply("format_error", [], str(raw)[:200], f"tool_calls {strict_json.nonfinite_path(args)} "
+                                                                   f"is not a number JSON can carry (NaN, Infinity)")
         if not isinstance(args, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             return ParsedReply("format_error", [], str(raw), "tool call without a name or an object of arguments")
         if not TOOL_NAME.fullmatch(fn["name"]):  # as the FunctionGemma text's parser reads `call:météo{...}`
