@@ -114,10 +114,25 @@ class ToolCallingSection:
     chat_template: str = "model"  # "model": the directory's own template; else a .jinja file on the host
 
 
+def resolved_once(section: Any, written: str, key: str) -> Path:
+    """`written` (a path of `section`) resolved, links followed, once for each value it takes: the checks, the mounts
+    and the local server then name one directory, where a link retargeted meanwhile (a new merge published under
+    `models/coach`) had the command mount a model never checked."""
+    done, resolved = section.__dict__.get(key, (None, None))
+    if done != written:
+        done, resolved = written, Path(written).expanduser().resolve()
+        section.__dict__[key] = (done, resolved)
+    return resolved
+
+
 @dataclasses.dataclass
 class AdapterSection:
     name: str = ""
     dir: str = ""  # a PEFT adapter directory (python -m convert.export_peft)
+
+    @property
+    def path(self) -> Path:
+        return resolved_once(self, self.dir, "_dir_resolved")
 
 
 @dataclasses.dataclass
@@ -154,7 +169,7 @@ class ServeConfig:
 
     @property
     def model_dir(self) -> Path:
-        return Path(self.model.dir).expanduser().resolve()
+        return resolved_once(self, self.model.dir, "_model_dir_resolved")
 
     @property
     def served_name(self) -> str:
@@ -874,7 +889,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             raise UserError(problem)
         ranks = []
         for a in cfg.lora.adapters:
-            adir = Path(a.dir).expanduser()
+            adir = a.path
             if not adir.is_dir():
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} is not a directory")
             adapter_identity = dir_identity(adir)  # an export_peft --overwrite publishes it anew as a merge does

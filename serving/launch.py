@@ -108,13 +108,13 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
     cache = Path(c.compile_cache).expanduser().resolve()
     _check_links_inside("model.dir", cfg.model_dir)
     for a in cfg.lora.adapters:
-        _check_links_inside(f"lora.adapters.{a.name}.dir", Path(a.dir).expanduser())
+        _check_links_inside(f"lora.adapters.{a.name}.dir", a.path)
     opts = [["--rm", "--name", c.name or f"gemma-tpu-serve-{name}"],
             ["--privileged", "--net", "host", "--shm-size", c.shm_size, "-v", "/dev/shm:/dev/shm"],
             _mount("model.dir", cfg.model_dir, model_in, "ro"),
             _mount("container.compile_cache", cache, CACHE_MOUNT)]
     for a in cfg.lora.adapters:
-        opts.append(_mount(f"lora.adapters.{a.name}.dir", Path(a.dir).expanduser().resolve(),
+        opts.append(_mount(f"lora.adapters.{a.name}.dir", a.path,
                            f"{ADAPTERS_MOUNT}/{a.name}", "ro"))
     template = None
     if t.enabled:

@@ -327,6 +327,28 @@ def test_a_directory_published_anew_while_it_is_checked_is_refused(tmp_path, cap
     assert code == 2 and out == ""
 
 
+def test_a_link_retargeted_while_its_model_is_checked_launches_the_checked_one(tmp_path, capsys, monkeypatch):
+    """model.dir a link (`models/coach` -> a merge), retargeted by a new merge's publish after its model was checked:
+    the command mounted the link's new target, a model never checked. One resolution for the whole launch."""
+    import serving.config as sc
+
+    checked, other = fake_model_dir(tmp_path / "a"), fake_model_dir(tmp_path / "b", kv=2)
+    link = tmp_path / "coach"
+    link.symlink_to(checked)
+
+    def retarget(real):
+        def call(*a):
+            (tmp_path / "coach.new").symlink_to(other)
+            os.replace(tmp_path / "coach.new", link)
+            return real(*a)
+        return call
+
+    monkeypatch.setattr(sc, "check_tokenizer", retarget(sc.check_tokenizer))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={link}")
+    assert code == 0, err
+    assert f"-v {checked}:/models/" in out and str(other) not in out, out
+
+
 def test_a_directory_whose_files_link_outside_it_is_refused_for_the_container(tmp_path, capsys):
     """A Hugging Face cache snapshot as model.dir: its files are links to ../../blobs/, which every check read on the
     host, and which lead nowhere in the container that mounts the snapshot alone (vLLM failed to read config.json
