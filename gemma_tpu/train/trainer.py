@@ -75,8 +75,21 @@ class BatchFeed(tunix_hooks.DataHooks):
         # what the step before it fed, for its metrics record (Trainer.write_metrics), which Tunix writes later,
         # once this step has updated the learning rate the record would otherwise read
         self.step_mark: tuple | None = None
+        # When the last dispatched optimizer step was seen done: (step, its last micro-batch's loss) until then, and
+        # (step, time) after, looked at (never waited on) as each batch is asked for. Tunix writes a step's record
+        # once the next step's micro-batches are all dispatched: with gradient accumulation its work had long ended
+        # and the record took the next step's time (records alternated 0.36 / 1.18 s for 0.65 s steps)
+        self._watched: tuple[int, Any] | None = None
+        self.seen_done: tuple[int, float] | None = None
+
+    def _look_for_done(self) -> None:
+        if self._watched is not None:
+            step, loss = self._watched
+            if getattr(loss, "is_ready", lambda: True)():
+                self.seen_done, self._watched = (step, time.perf_counter()), None
 
     def load_next_train_batch(self, train_ctx):
+        self._look_for_done()
         if train_ctx.iter_steps % (train_ctx.config.get_with_default("gradient_accumulation_steps", 1) or 1) == 0:
             lr = train_ctx.learning_rate() if hasattr(train_ctx, "learning_rate") else None
             if lr is not None:  # a copy, not waited on: the step about to run donates the optimizer state it is in
@@ -84,6 +97,9 @@ class BatchFeed(tunix_hooks.DataHooks):
 
                 lr = jnp.copy(lr)
             self.step_mark = (self.tokens, self.useful, self.examples, lr)
+            losses = train_ctx.pending_train_losses() if hasattr(train_ctx, "pending_train_losses") else []
+            self._watched = (train_ctx.train_steps, losses[-1]) if losses else None  # the step just dispatched
+            self._look_for_done()
         if self.delay:
             time.sleep(self.delay)
         if self.before_batch is not None:
@@ -609,13 +625,14 @@ class Trainer(TunixTrainer):
                 log.warning("non-finite loss at step %d", metrics_buffer.step)
             for k, (vals, op) in metrics_buffer.additional_metrics.items():
                 rec[k] = float(op(np.asarray([np.asarray(v, np.float32) for v in vals])))
-            # where this step ended: now, its loss read above (ready-to-ready: dispatch is asynchronous, on CPU too,
-            # and the time the next step's first batch was asked for came before this step's compute had run: the
-            # record after a save read 0.01 s, the next one two steps' time). What it fed: counted when the next
-            # step's first batch was asked for (Tunix writes a step's record once the next step is under way), or
-            # now for a record written as its step is saved. The learning rate too: read when the record was
-            # written, it was the next step's (the last record's alone its own)
-            now = time.perf_counter()
+            # where this step ended (ready to ready: dispatch is asynchronous, on CPU too, and the time the next
+            # step's first batch was asked for came before this step's compute had run: the record after a save
+            # read 0.01 s, the next one two steps' time): when the feed saw it done, else now, its loss read above.
+            # What it fed: counted when the next step's first batch was asked for (Tunix writes a step's record
+            # once the next step is under way), or now for a record written as its step is saved. The learning
+            # rate too: read when the record was written, it was the next step's (the last record's alone its own)
+            seen = self.feed.seen_done
+            now = seen[1] if seen is not None and seen[0] == rec["step"] else time.perf_counter()
             mark = None if getattr(self, "_flushing_at_save", False) else self.feed.step_mark
             tokens, useful, examples, lr = mark or (self.feed.tokens, self.feed.useful, self.feed.examples,
                                                     self.learning_rate())
