@@ -516,6 +516,23 @@ def test_a_config_from_a_pipe_says_so(tmp_path):
         load_config(fifo)
 
 
+@pytest.mark.parametrize("data, message", [
+    ("train:\n  max_steps: 3\n".encode("utf-16"), "c.yaml: UTF-16 text (it starts with a UTF-16 byte-order mark); "
+                                                    "save it as UTF-8"),
+    ("train:\n  max_steps: 3\n".encode("utf-16-le"), "c.yaml: UTF-16 text (ASCII characters with NUL bytes between "
+                                                       "them); save it as UTF-8"),
+    (b"# caf\xe9\ntrain: {max_steps: 3}\n", "c.yaml line 1: not UTF-8 text (byte offset 5: 0xe9, 'é' in "
+                                            "Latin-1/Windows-1252); save it as UTF-8"),
+])
+def test_a_config_in_another_encoding_names_it(data, message, tmp_path):
+    """A config saved as UTF-16 (PowerShell's `>`, Notepad's 'Unicode') was 'not UTF-8 text (byte offset 0)', where
+    the same bytes as a data file were named UTF-16; a Latin-1 byte was an offset alone, no line, no byte."""
+    (tmp_path / "c.yaml").write_bytes(data)
+    with pytest.raises(UserError) as e:
+        load_config(tmp_path / "c.yaml")
+    assert str(e.value) == f"{tmp_path}/{message}"
+
+
 def test_config_that_is_a_directory_says_so(tmp_path):
     """`--config runs/` (a directory that exists) was 'config file not found', sending users after a typo."""
     proc = run_cli("gemma_tpu.train", "--config", str(tmp_path), "--print-config")

@@ -1097,8 +1097,12 @@ def test_bad_json_array_element_and_bad_bytes(tmp_path):
         load_conversations(arr, DataConfig())
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes((json.dumps(GOOD) + "\n").encode() + b'{"messages": "\xe9"}\n')
-    with pytest.raises(UserError, match=r"latin\.jsonl:2: not UTF-8"):
+    with pytest.raises(UserError, match=r"latin\.jsonl:2: not UTF-8 text \(byte 15 of the line: 0xe9, 'é' in "
+                                        r"Latin-1/Windows-1252\); save it as UTF-8$"):
         load_conversations(latin, DataConfig())
+    latin.rename(tmp_path / "latin.json")  # read whole, as a JSON document: its line counted from the bytes
+    with pytest.raises(UserError, match=r"latin\.json:2: not UTF-8 text \(byte offset \d+: 0xe9, "):
+        load_conversations(tmp_path / "latin.json", DataConfig())
     (tmp_path / "x.parquet").write_bytes(b"not parquet")
     with pytest.raises(UserError, match="not a readable Parquet file"):
         load_conversations(tmp_path / "x.parquet", DataConfig())

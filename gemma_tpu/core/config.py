@@ -21,7 +21,7 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from gemma_tpu.core.accelerators import ACCELERATORS
-from gemma_tpu.core.errors import UserError, shown
+from gemma_tpu.core.errors import UserError, not_utf8, other_unicode, shown
 
 _log = logging.getLogger(__name__)
 
@@ -726,6 +726,10 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             data = " (training data is given as data.train_path=FILE)" if "data" in {f.name for f in
                                                                                       dataclasses.fields(cls)} else ""
             raise UserError(f"config file {p} is a data file, not a YAML config{data}")
+        raw = p.read_bytes()
+        form = other_unicode(raw[:6])
+        if form:  # was "not UTF-8 text (byte offset 0)", naming no encoding (the data reader said UTF-16)
+            raise UserError(f"{p}: {form}; save it as UTF-8")
         try:
             tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # safety: a SafeLoader subclass
         except _DuplicateKey as e:
@@ -752,7 +756,8 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
                        "refuses where YAML 1.2 allows it; write a space")
             raise UserError(f"{p}{line}: not valid YAML ({problem}{tab})") from None
         except UnicodeDecodeError as e:
-            raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
+            line = raw[:e.start].count(b"\n") + 1
+            raise UserError(f"{p} line {line}: not UTF-8 text (byte offset {e.start}{not_utf8(raw, e.start)}") from None
         if tree is None:  # empty or only comments: a truncated or mistyped file would otherwise run on defaults
             raise UserError(f"{p}: empty config file (no sections); give a config such as {example} "
                             f"or leave --config out")

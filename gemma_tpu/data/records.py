@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core import strict_json
-from gemma_tpu.core.errors import UserError, shown
+from gemma_tpu.core.errors import UserError, not_utf8, other_unicode, shown
 from gemma_tpu.formats.function_calling import (
     FUNCTION_MARKERS,
     DeclarationError,
@@ -210,11 +210,13 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     if suffix == ".json":
         try:
             with opener(p, "rb") as f:
-                text = f.read().decode("utf-8-sig")
+                data = f.read()
+            text = data.decode("utf-8-sig")
         except (OSError, EOFError) as e:
             raise UserError(f"{p}: {'not a readable gzip file' if gz else 'cannot be read'} ({e})") from None
         except UnicodeDecodeError as e:
-            raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
+            line = data[:e.start].count(b"\n") + 1
+            raise UserError(f"{p}:{line}: not UTF-8 text (byte offset {e.start}{not_utf8(data, e.start)}") from None
         head = text.lstrip()
         if head.startswith("["):
             yield from _iter_json_array(p, text)
@@ -252,14 +254,9 @@ def _refuse_other_encodings(p: Path, head: bytes) -> None:
     for magic, what, how in _OTHER_CONTAINERS:
         if head.startswith(magic):
             raise UserError(f"{p}: {what}; only gzip is read: decompress it ({how})")
-    if head[:4] in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff") or (
-            len(head) >= 4 and head[1:4] == b"\x00\x00\x00" and 0 < head[0] < 0x80):
-        raise UserError(f"{p}: UTF-32 text; save it as UTF-8")
-    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):  # what Windows PowerShell's `>` writes
-        raise UserError(f"{p}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
-    if len(head) >= 4 and ((0 < head[0] < 0x80 and head[1] == 0 and 0 < head[2] < 0x80 and head[3] == 0) or
-                           (head[0] == 0 and 0 < head[1] < 0x80 and head[2] == 0 and 0 < head[3] < 0x80)):
-        raise UserError(f"{p}: UTF-16 text (ASCII characters with NUL bytes between them); save it as UTF-8")
+    form = other_unicode(head)
+    if form:
+        raise UserError(f"{p}: {form}; save it as UTF-8")
 
 
 def _starts_an_array(p: Path, opener) -> bool:
@@ -335,7 +332,8 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                 try:
                     line = raw.decode("utf-8-sig")  # a BOM on any line: files that each had one, concatenated
                 except UnicodeDecodeError as e:
-                    raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+                    raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line"
+                                    f"{not_utf8(raw, e.start)}") from None
                 if not line.strip():
                     continue
                 try:
