@@ -69,6 +69,8 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("train.epochs=2", "did you mean 'data.num_epochs'?"),  # a close name in another section: no hint at all
     ("data.eval_file=x.jsonl", "did you mean 'data.eval_path'?"),  # train_file had a hint, eval_file none
     ("data.validation_file=x.jsonl", "here it is 'data.eval_path'"),
+    # a key of its own section ending in the name first: axolotl's datasets' `path` is the data file, not model.path
+    ("data.path=x.jsonl", "did you mean 'data.train_path', 'data.eval_path' or 'model.path'?"),
     # a MaxText recipe's mesh and batch
     ("mesh.ici_fsdp_parallelism=8", "the MaxText name; here it is 'mesh.fsdp'"),
     ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),

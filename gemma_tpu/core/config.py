@@ -482,8 +482,12 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
         ours, note, origin = (*foreign[leaf], "transformers/TRL")[:3]
         return f"the {origin} name; here it is '{ours}'{f' ({note})' if note else ''}; "
     elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted]
-    if elsewhere:
-        return f"did you mean '{elsewhere[0]}'? "
+    # a key of its own section named '<what>_<leaf>' first: `data.path` (axolotl's datasets' path) is the data file,
+    # data.train_path, where the hint named model.path alone
+    own = [k for k in keys if section and k.rpartition(".")[0] == section and k.endswith(f"_{leaf}")]
+    meant = [f"'{k}'" for k in (own[:2] + elsewhere[:1] if own else elsewhere[:1])]
+    if meant:
+        return f"did you mean {' or '.join(meant) if len(meant) < 3 else ', '.join(meant[:-1]) + ' or ' + meant[-1]}? "
     # another case first: `train.MAX_STEPS` (an environment-variable habit) shared no letter with max_steps
     close = [n for n in names if n.lower() == leaf.lower()] or \
         difflib.get_close_matches(leaf.lower(), names, n=1, cutoff=0.6)
