@@ -607,6 +607,12 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
     ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
      r"conversations\[1\]: unknown role 'gpt'"),
+    # a misspelt or missing role key was "unknown role None"
+    ({"messages": [{"rol": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: a message needs 'role', one of system, developer, user, assistant, tool \(it has rol, "
+     r"content\)$"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": None, "content": "yo"}]},
+     r"messages\[1\]: a message needs 'role', .* \(its 'role' is null\)$"),
     # an empty prompt trains the model to answer nothing: refused as an empty answer is
     ({"messages": [{"role": "user", "content": " \n\t"}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: user message is empty \(only whitespace\)"),

@@ -650,6 +650,9 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         if not isinstance(m, dict):
             raise UserError(f"{mw}: expected an object with 'role' and 'content'")
         role = message_role(m)
+        if m.get("role") is None:  # was "unknown role None", of a key misspelt (`rol`) or left out
+            has = "its 'role' is null" if "role" in m else f"it has {', '.join(map(str, m)) or 'no keys'}"
+            raise UserError(f"{mw}: a message needs 'role', one of {', '.join(ROLES)} ({has})")
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {shown(m.get('role'))} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls
