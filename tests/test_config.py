@@ -575,6 +575,21 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     # `$$` is a `$` of the path (docker compose's escape): a directory named `$HOME` or `$x` could not be given
     cfg = load_config(path, ["checkpoint.dir=/r/$$HOME/a", "train.run_dir=/r/$${X}$$$HOME"])
     assert (cfg.checkpoint.dir, cfg.train.run_dir) == ("/r/$HOME/a", f"/r/${{X}}${tmp_path}")
+    # docker compose's defaults are read; another `${` or a `$(` is refused: `${RUNS:-runs}/a` and `$(pwd)/a` were
+    # kept as written, a directory of that name made in the working directory
+    monkeypatch.delenv("GEMMA_TPU_TEST_UNSET", raising=False)
+    monkeypatch.setenv("GEMMA_TPU_TEST_EMPTY", "")
+    cfg = load_config(None, ["checkpoint.dir=${GEMMA_TPU_TEST_UNSET:-/r}/a", "train.run_dir=${GEMMA_TPU_TEST_EMPTY-x}y",
+                             "data.train_path=${GEMMA_TPU_TEST_DATA:-/nope}/t.jsonl"])
+    assert (cfg.checkpoint.dir, cfg.train.run_dir, cfg.data.train_path) == ("/r/a", "y", f"{tmp_path}/d/t.jsonl")
+    for value, message in [("${GEMMA_TPU_TEST_EMPTY:?give the runs directory}/a",
+                            "the environment variable GEMMA_TPU_TEST_EMPTY is set but empty: give the runs directory"),
+                           ("${HOME/a", "'${' starts no variable form read here ($NAME, ${NAME}, ${NAME:-default}, "
+                                        "${NAME:?message}; $$ for a $ of the path)"),
+                           ("$(pwd)/a", "'$(' is a shell's command substitution, not run here: write the path out")]:
+        with pytest.raises(UserError) as e:
+            load_config(None, [f"checkpoint.dir={value}"])
+        assert str(e.value).startswith(f"override 'checkpoint.dir={value}': checkpoint.dir={value!r}: {message}")
 
 
 @pytest.mark.parametrize("text, line, message", [

@@ -933,22 +933,45 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     return cfg
 
 
-_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})|\$\$")  # `$$`: a `$` of the path itself
+# `$NAME`, `${NAME}`, docker compose's `${NAME:-default}` / `${NAME-default}` (the default when unset or empty / unset)
+# and `${NAME:?why}` / `${NAME?why}` (refused then), and `$$`, a `$` of the path itself
+_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)(?:(:?[-?])([^}$]*))?\})|\$\$")
 
 
 def expand_env(value: str, key: str, home: bool = True) -> str:
-    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`) expanded, and with
-    `home` a leading `~` or `~user`; a variable that is not set, or a user this machine does not know, is refused
-    naming the key (the run config's paths here, the serving config's in serving.config); `$$` is a `$` of the path
-    (as docker compose writes it: a directory named `$x` could not be given). Expanded once, when the
+    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`, `${DATA:-/data}`)
+    expanded, and with `home` a leading `~` or `~user`; a variable that is not set, or a user this machine does not
+    know, is refused naming the key (the run config's paths here, the serving config's in serving.config); `$$` is a
+    `$` of the path (as docker compose writes it: a directory named `$x` could not be given). Expanded once, when the
     config is read, every consumer sees the same path (serving's --print showed '~/m' where the container mounted
-    /root/m) and an error names the key, not the consumer."""
-    unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value)
-             if m.group(0) != "$$" and (m.group(1) or m.group(2)) not in os.environ]
-    if unset:
-        raise UserError(f"{key}={value!r} names the environment variable {unset[0]}, which is not set; set it or write "
-                        f"the path out ($$ for a $ of the path)")
-    expanded = _ENV_VAR.sub(lambda m: "$" if m.group(0) == "$$" else os.environ[m.group(1) or m.group(2)], value)
+    /root/m) and an error names the key, not the consumer. A `${` or `$(` left that is none of these forms is refused:
+    `${RUNS:-runs}/a` (a default) and `$(pwd)/a` were kept as written, a directory of that name made in the working
+    directory."""
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1) or m.group(2), m.group(3), m.group(4)
+        got = os.environ.get(name)
+        missing = got is None or (bool(op) and op.startswith(":") and got == "")
+        if op and op.endswith("-"):
+            return arg if missing else got
+        if op and missing:  # `${NAME:?why}`
+            empty = "set but empty" if got is not None else "not set"
+            raise UserError(f"{key}={value!r}: the environment variable {name} is {empty}"
+                            f"{': ' + arg if arg.strip() else ''}")
+        if got is None:
+            raise UserError(f"{key}={value!r} names the environment variable {name}, which is not set; set it or "
+                            f"write the path out ($$ for a $ of the path)")
+        return got
+
+    left = re.search(r"\$[({]", _ENV_VAR.sub("", value))
+    if left:
+        if left.group() == "$(":
+            raise UserError(f"{key}={value!r}: '$(' is a shell's command substitution, not run here: write the path "
+                            f"out ($$ for a $ of the path)")
+        raise UserError(f"{key}={value!r}: '${{' starts no variable form read here ($NAME, ${{NAME}}, "
+                        f"${{NAME:-default}}, ${{NAME:?message}}; $$ for a $ of the path)")
+    expanded = _ENV_VAR.sub(one, value)
     if home and expanded.startswith("~"):
         expanded = os.path.expanduser(expanded)
         if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was: a directory named '~bob'
