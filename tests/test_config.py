@@ -755,6 +755,13 @@ def test_a_list_override_split_by_the_shell_says_to_quote_it():
         load_config(None, ["lora.targets=[q_proj,", "v_proj]"])
     assert load_config(None, ["lora.targets=[q_proj, v_proj]"]).lora.targets == ["q_proj", "v_proj"]
     assert load_config(None, ["lora.targets=[q_proj,v_proj]"]).lora.targets == ["q_proj", "v_proj"]
+    # a mapping's advice was the list's ('data=[a, b]', or no spaces: `{train_path:x}` is the key 'train_path:x')
+    with pytest.raises(UserError) as e:
+        load_config(None, ["data={train_path:", "x}"])
+    assert str(e.value) == ("override 'data={train_path:': '{train_path:' is an unclosed YAML mapping; a space splits "
+                            "a shell word, so quote the whole override ('data={train_path: ...}', the space after the "
+                            "colon kept) or set its keys one by one (data.train_path=...)")
+    assert load_config(None, ["data={train_path: x}"]).data.train_path == "x"
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -614,10 +614,17 @@ def parse_override(text: str) -> tuple[str, Any]:
                         f"last") from None
     except yaml.YAMLError:
         if raw.strip().startswith(("[", "{")):  # `lora.targets=[q_proj, v_proj]` unquoted: the shell split it
-            kind = "list" if raw.strip()[0] == "[" else "mapping"
-            raise UserError(f"{_override(text)}: {shown(raw.strip())} is an unclosed YAML {kind}; a space splits a "
-                            f"shell word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
-                            f"({key}=[a,b])") from None
+            if raw.strip()[0] == "[":
+                raise UserError(f"{_override(text)}: {shown(raw.strip())} is an unclosed YAML list; a space splits a "
+                                f"shell word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
+                                f"({key}=[a,b])") from None
+            # a mapping keeps its spaces (`{a:b}` is the key 'a:b'): the advice to drop them led to an unknown key
+            first = raw.strip()[1:].split(":", 1)[0].strip()
+            first = first if re.fullmatch(r"[A-Za-z_]\w{0,40}", first) else ""  # a key, not 5,000 characters
+            one = f"{key}.{first or 'KEY'}"
+            raise UserError(f"{_override(text)}: {shown(raw.strip())} is an unclosed YAML mapping; a space splits a "
+                            f"shell word, so quote the whole override ('{key}={{{first or 'k'}: ...}}', the space "
+                            f"after the colon kept) or set its keys one by one ({one}=...)") from None
         value = raw
     comment = _yaml_comment(raw)
     if comment is not None:
