@@ -607,6 +607,11 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
     ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
      r"conversations\[1\]: unknown role 'gpt'"),
+    # a declaration without its name was "tools[0].function.name: None is not a tool name"
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+      "tools": [{"type": "function", "function": {"description": "d", "parameters": {}}}]},
+     r"tools\[0\].function.name: missing: a declaration needs its function's name \(it has description, "
+     r"parameters\)$"),
     # a misspelt or missing role key was "unknown role None"
     ({"messages": [{"rol": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: a message needs 'role', one of system, developer, user, assistant, tool \(it has rol, "
