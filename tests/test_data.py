@@ -8,6 +8,7 @@ second); the ones marked by `any_tok` also run on the real Gemma 3 tokenizer whe
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -749,6 +750,11 @@ def test_utf16_files_and_wrapped_arrays_say_what_to_do(tmp_path):
         with pytest.raises(UserError, match=r"u.jsonl: UTF-16 text \(it starts with a UTF-16 byte-order mark\); "
                                             r"save it as UTF-8"):
             load_conversations(tmp_path / "u.jsonl", DataConfig())
+    # gzipped, its text was refused as 'not UTF-8 text (byte 1 of the line)', naming no encoding
+    (tmp_path / "u.jsonl.gz").write_bytes(gzip.compress(text.encode("utf-16")))
+    with pytest.raises(UserError, match=r"u.jsonl.gz: gzip-compressed UTF-16 text \(it starts with a UTF-16 "
+                                        r"byte-order mark\); save the text as UTF-8$"):
+        load_conversations(tmp_path / "u.jsonl.gz", DataConfig())
     (tmp_path / "w.json").write_text(json.dumps({"version": 1, "data": [{"prompt": "a", "completion": "b"}] * 3}))
     with pytest.raises(UserError, match=r"w.json:1: no 'messages'.* field \(the example has version, data; .*; its "
                                         r"'data' holds a list of 3 objects: if those are the examples, give that list "

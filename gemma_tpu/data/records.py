@@ -186,6 +186,14 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     gz = magic == b"\x1f\x8b"  # gzip, whatever the name says
     _refuse_other_encodings(p, head)
     opener = gzip.open if gz else open
+    if gz:  # the text inside: UTF-16 gzipped was 'not UTF-8 text (byte 1 of the line: 0xff, 'ÿ' in Latin-1 ...)'
+        try:
+            with gzip.open(p, "rb") as f:
+                form = other_unicode(f.read(6))
+        except (OSError, EOFError):  # a corrupt stream: the reader below names it at its line
+            form = None
+        if form:
+            raise UserError(f"{p}: gzip-compressed {form}; save the text as UTF-8")
     suffix = (Path(p.stem).suffix if gz and p.suffix.lower() == ".gz" else p.suffix).lower()
     if gz and suffix == ".parquet":
         raise UserError(f"{p}: a gzip-compressed Parquet file; Parquet compresses itself, write it uncompressed")
