@@ -415,6 +415,19 @@ def test_a_line_of_nul_bytes_or_cr_line_endings_is_named_as_such(tmp_path, tail,
         load_conversations(path, DataConfig())
 
 
+@pytest.mark.parametrize("name, sep", [("d.csv", ""), ("d.tsv.gz", ", sep='\\t'")])
+def test_a_csv_file_is_named_as_such(tmp_path, name, sep):
+    """A CSV or TSV export (a spreadsheet's, pandas') was "not valid JSON (Expecting value at column 1)"."""
+    text = "prompt,completion\nhi,yo\n".replace(",", "\t" if sep else ",").encode()
+    (tmp_path / name).write_bytes(gzip.compress(text) if name.endswith(".gz") else text)
+    with pytest.raises(UserError) as e:
+        load_conversations(tmp_path / name, DataConfig())
+    kind = "TSV" if sep else "CSV"
+    assert str(e.value) == (f"{tmp_path / name}:1: not valid JSON (Expecting value at column 1; a {kind} file, which "
+                            f"is not read: convert it to JSON Lines, e.g. pandas.read_csv(FILE{sep}).to_json("
+                            f"'train.jsonl', orient='records', lines=True))")
+
+
 def test_text_rows_among_chats_are_said_to_train_every_token(tmp_path, caplog):
     """A file of chats with some `{"text": ...}` rows (a pretraining shard concatenated to it, or chats that lost
     their messages) trained those rows on every token, without chat markup, and said nothing. Now one warning

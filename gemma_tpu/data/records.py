@@ -351,7 +351,12 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                     spread = first and e.pos >= len(line.rstrip())
                     hint = ("; the line ends inside its object: JSON Lines holds one whole object a line, and a "
                             "pretty-printed JSON file is read as such when named .json" if spread else "")
-                    if e.msg == "Extra data" and line[e.pos:].strip() == ",":  # a JSON array's rows, one a line
+                    table = next((x for x in (".csv", ".tsv") if x in map(str.lower, p.suffixes)), None)
+                    if first and table:  # a spreadsheet export: 'not valid JSON' alone left it unexplained
+                        sep = ", sep='\\t'" if table == ".tsv" else ""
+                        hint = (f"; a {table[1:].upper()} file, which is not read: convert it to JSON Lines, e.g. "
+                                f"pandas.read_csv(FILE{sep}).to_json('train.jsonl', orient='records', lines=True)")
+                    elif e.msg == "Extra data" and line[e.pos:].strip() == ",":  # a JSON array's rows, one a line
                         hint = "; a comma after the object: JSON Lines separates objects by line breaks alone"
                     elif "\x00" in line:  # a file cut short by a crash is often padded with zeros up to its size
                         hint = (f"; the line holds {line.count(chr(0))} NUL bytes, as a file cut short by a crash or "
