@@ -744,6 +744,19 @@ def test_a_datasets_save_to_disk_directory_reads_as_its_rows(tmp_path):
         load_conversations(tmp_path, DataConfig())
 
 
+def test_a_directory_of_data_files_names_them(tmp_path):
+    """A directory of JSONL files (a hub download, a split's folder) was refused naming none of the files in it."""
+    write_jsonl(tmp_path / "train.jsonl", [CHAT])
+    with pytest.raises(UserError, match=rf"\(it has no state.json\); it holds {re.escape(str(tmp_path))}/train.jsonl$"):
+        load_conversations(tmp_path, DataConfig())
+    write_jsonl(tmp_path / "eval.jsonl", [CHAT])
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match=rf"; it holds 2 data files \({re.escape(str(tmp_path))}/eval.jsonl, "
+                                        rf"{re.escape(str(tmp_path))}/train.jsonl\): give one, or their examples "
+                                        rf"concatenated into one file$"):
+        load_conversations(tmp_path, DataConfig())
+
+
 @pytest.mark.parametrize("fmt, column", [("messages", "messages"), ("sharegpt", "conversations")])
 def test_a_forced_format_names_the_field_the_row_lacks(tmp_path, fmt, column):
     """data.format forced onto rows of another shape said "'messages' must be a non-empty list", as if the

@@ -311,8 +311,16 @@ def _iter_saved_dataset(p: Path) -> Iterator[tuple[int, Any]]:
                         f"({', '.join(str(p / s) for s in splits) or 'it holds no split'})")
     state = p / "state.json"
     if not state.is_file():  # it exists: "not found" sent users looking for a typo
+        try:  # a hub download's or a split's directory: the files it holds are named (one of them is meant)
+            held = sorted(str(f) for f in p.iterdir() if f.is_file() and not f.name.startswith(".") and
+                          f.name.lower().endswith((".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")))
+        except OSError:
+            held = []
+        shown_held = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        files = (f"; it holds {held[0]}" if len(held) == 1 else f"; it holds {len(held)} data files ({shown_held}): "
+                 f"give one, or their examples concatenated into one file" if held else "")
         raise UserError(f"data file {p} is a directory; give a .jsonl, .json or .parquet file or a "
-                        f"datasets.save_to_disk directory (it has no state.json)")
+                        f"datasets.save_to_disk directory (it has no state.json){files}")
     try:
         files = [d["filename"] for d in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
         if not all(isinstance(f, str) for f in files):
