@@ -1178,6 +1178,19 @@ def test_inspect_cli_bad_input_is_one_line(tmp_path, tok_dir, name):
     assert proc.stdout == ""
 
 
+def test_inspect_names_the_key_of_a_missing_data_file(tmp_path, monkeypatch):
+    """inspect said 'data file not found: data/t.jsonl' alone, where training names the key and, for a relative
+    path, the working directory it is read from (a config's paths are not read from the config's directory)."""
+    from gemma_tpu.data.inspect import parse_args, run
+
+    monkeypatch.chdir(tmp_path)
+    config = _inspect_config(tmp_path, "data/t.jsonl")
+    with pytest.raises(UserError) as e:
+        run(parse_args(["--config", str(config), "--tokenizer", str(tmp_path / "no-tokenizer")]))
+    assert str(e.value) == (f"data file not found: data/t.jsonl (data.train_path; a relative path is read from the "
+                            f"working directory, {tmp_path})")
+
+
 # ------------------------------------------------------------------------- over-length policies
 
 
