@@ -69,6 +69,8 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("train.epochs=2", "did you mean 'data.num_epochs'?"),  # a close name in another section: no hint at all
     ("data.eval_file=x.jsonl", "did you mean 'data.eval_path'?"),  # train_file had a hint, eval_file none
     ("data.validation_file=x.jsonl", "here it is 'data.eval_path'"),
+    # a key of its own section ending in the name first: axolotl's datasets' `path` is the data file, not model.path
+    ("data.path=x.jsonl", "did you mean 'data.train_path', 'data.eval_path' or 'model.path'?"),
     # a MaxText recipe's mesh and batch
     ("mesh.ici_fsdp_parallelism=8", "the MaxText name; here it is 'mesh.fsdp'"),
     ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),
@@ -516,6 +518,23 @@ def test_a_config_from_a_pipe_says_so(tmp_path):
         load_config(fifo)
 
 
+@pytest.mark.parametrize("data, message", [
+    ("train:\n  max_steps: 3\n".encode("utf-16"), "c.yaml: UTF-16 text (it starts with a UTF-16 byte-order mark); "
+                                                    "save it as UTF-8"),
+    ("train:\n  max_steps: 3\n".encode("utf-16-le"), "c.yaml: UTF-16 text (ASCII characters with NUL bytes between "
+                                                       "them); save it as UTF-8"),
+    (b"# caf\xe9\ntrain: {max_steps: 3}\n", "c.yaml line 1: not UTF-8 text (byte offset 5: 0xe9, 'é' in "
+                                            "Latin-1/Windows-1252); save it as UTF-8"),
+])
+def test_a_config_in_another_encoding_names_it(data, message, tmp_path):
+    """A config saved as UTF-16 (PowerShell's `>`, Notepad's 'Unicode') was 'not UTF-8 text (byte offset 0)', where
+    the same bytes as a data file were named UTF-16; a Latin-1 byte was an offset alone, no line, no byte."""
+    (tmp_path / "c.yaml").write_bytes(data)
+    with pytest.raises(UserError) as e:
+        load_config(tmp_path / "c.yaml")
+    assert str(e.value) == f"{tmp_path}/{message}"
+
+
 def test_config_that_is_a_directory_says_so(tmp_path):
     """`--config runs/` (a directory that exists) was 'config file not found', sending users after a typo."""
     proc = run_cli("gemma_tpu.train", "--config", str(tmp_path), "--print-config")
@@ -556,6 +575,21 @@ def test_home_in_run_paths_is_expanded(tmp_path, monkeypatch):
     # `$$` is a `$` of the path (docker compose's escape): a directory named `$HOME` or `$x` could not be given
     cfg = load_config(path, ["checkpoint.dir=/r/$$HOME/a", "train.run_dir=/r/$${X}$$$HOME"])
     assert (cfg.checkpoint.dir, cfg.train.run_dir) == ("/r/$HOME/a", f"/r/${{X}}${tmp_path}")
+    # docker compose's defaults are read; another `${` or a `$(` is refused: `${RUNS:-runs}/a` and `$(pwd)/a` were
+    # kept as written, a directory of that name made in the working directory
+    monkeypatch.delenv("GEMMA_TPU_TEST_UNSET", raising=False)
+    monkeypatch.setenv("GEMMA_TPU_TEST_EMPTY", "")
+    cfg = load_config(None, ["checkpoint.dir=${GEMMA_TPU_TEST_UNSET:-/r}/a", "train.run_dir=${GEMMA_TPU_TEST_EMPTY-x}y",
+                             "data.train_path=${GEMMA_TPU_TEST_DATA:-/nope}/t.jsonl"])
+    assert (cfg.checkpoint.dir, cfg.train.run_dir, cfg.data.train_path) == ("/r/a", "y", f"{tmp_path}/d/t.jsonl")
+    for value, message in [("${GEMMA_TPU_TEST_EMPTY:?give the runs directory}/a",
+                            "the environment variable GEMMA_TPU_TEST_EMPTY is set but empty: give the runs directory"),
+                           ("${HOME/a", "'${' starts no variable form read here ($NAME, ${NAME}, ${NAME:-default}, "
+                                        "${NAME:?message}; $$ for a $ of the path)"),
+                           ("$(pwd)/a", "'$(' is a shell's command substitution, not run here: write the path out")]:
+        with pytest.raises(UserError) as e:
+            load_config(None, [f"checkpoint.dir={value}"])
+        assert str(e.value).startswith(f"override 'checkpoint.dir={value}': checkpoint.dir={value!r}: {message}")
 
 
 @pytest.mark.parametrize("text, line, message", [
@@ -721,6 +755,13 @@ def test_a_list_override_split_by_the_shell_says_to_quote_it():
         load_config(None, ["lora.targets=[q_proj,", "v_proj]"])
     assert load_config(None, ["lora.targets=[q_proj, v_proj]"]).lora.targets == ["q_proj", "v_proj"]
     assert load_config(None, ["lora.targets=[q_proj,v_proj]"]).lora.targets == ["q_proj", "v_proj"]
+    # a mapping's advice was the list's ('data=[a, b]', or no spaces: `{train_path:x}` is the key 'train_path:x')
+    with pytest.raises(UserError) as e:
+        load_config(None, ["data={train_path:", "x}"])
+    assert str(e.value) == ("override 'data={train_path:': '{train_path:' is an unclosed YAML mapping; a space splits "
+                            "a shell word, so quote the whole override ('data={train_path: ...}', the space after the "
+                            "colon kept) or set its keys one by one (data.train_path=...)")
+    assert load_config(None, ["data={train_path: x}"]).data.train_path == "x"
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -8,6 +8,7 @@ second); the ones marked by `any_tok` also run on the real Gemma 3 tokenizer whe
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -414,6 +415,19 @@ def test_a_line_of_nul_bytes_or_cr_line_endings_is_named_as_such(tmp_path, tail,
         load_conversations(path, DataConfig())
 
 
+@pytest.mark.parametrize("name, sep", [("d.csv", ""), ("d.tsv.gz", ", sep='\\t'")])
+def test_a_csv_file_is_named_as_such(tmp_path, name, sep):
+    """A CSV or TSV export (a spreadsheet's, pandas') was "not valid JSON (Expecting value at column 1)"."""
+    text = "prompt,completion\nhi,yo\n".replace(",", "\t" if sep else ",").encode()
+    (tmp_path / name).write_bytes(gzip.compress(text) if name.endswith(".gz") else text)
+    with pytest.raises(UserError) as e:
+        load_conversations(tmp_path / name, DataConfig())
+    kind = "TSV" if sep else "CSV"
+    assert str(e.value) == (f"{tmp_path / name}:1: not valid JSON (Expecting value at column 1; a {kind} file, which "
+                            f"is not read: convert it to JSON Lines, e.g. pandas.read_csv(FILE{sep}).to_json("
+                            f"'train.jsonl', orient='records', lines=True))")
+
+
 def test_text_rows_among_chats_are_said_to_train_every_token(tmp_path, caplog):
     """A file of chats with some `{"text": ...}` rows (a pretraining shard concatenated to it, or chats that lost
     their messages) trained those rows on every token, without chat markup, and said nothing. Now one warning
@@ -607,6 +621,17 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"messages\[1\]: assistant message has neither content nor tool_calls \(only whitespace\)"),
     ({"conversations": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
      r"conversations\[1\]: unknown role 'gpt'"),
+    # a declaration without its name was "tools[0].function.name: None is not a tool name"
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+      "tools": [{"type": "function", "function": {"description": "d", "parameters": {}}}]},
+     r"tools\[0\].function.name: missing: a declaration needs its function's name \(it has description, "
+     r"parameters\)$"),
+    # a misspelt or missing role key was "unknown role None"
+    ({"messages": [{"rol": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+     r"messages\[0\]: a message needs 'role', one of system, developer, user, assistant, tool \(it has rol, "
+     r"content\)$"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": None, "content": "yo"}]},
+     r"messages\[1\]: a message needs 'role', .* \(its 'role' is null\)$"),
     # an empty prompt trains the model to answer nothing: refused as an empty answer is
     ({"messages": [{"role": "user", "content": " \n\t"}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\]: user message is empty \(only whitespace\)"),
@@ -719,6 +744,19 @@ def test_a_datasets_save_to_disk_directory_reads_as_its_rows(tmp_path):
         load_conversations(tmp_path, DataConfig())
 
 
+def test_a_directory_of_data_files_names_them(tmp_path):
+    """A directory of JSONL files (a hub download, a split's folder) was refused naming none of the files in it."""
+    write_jsonl(tmp_path / "train.jsonl", [CHAT])
+    with pytest.raises(UserError, match=rf"\(it has no state.json\); it holds {re.escape(str(tmp_path))}/train.jsonl$"):
+        load_conversations(tmp_path, DataConfig())
+    write_jsonl(tmp_path / "eval.jsonl", [CHAT])
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match=rf"; it holds 2 data files \({re.escape(str(tmp_path))}/eval.jsonl, "
+                                        rf"{re.escape(str(tmp_path))}/train.jsonl\): give one, or their examples "
+                                        rf"concatenated into one file$"):
+        load_conversations(tmp_path, DataConfig())
+
+
 @pytest.mark.parametrize("fmt, column", [("messages", "messages"), ("sharegpt", "conversations")])
 def test_a_forced_format_names_the_field_the_row_lacks(tmp_path, fmt, column):
     """data.format forced onto rows of another shape said "'messages' must be a non-empty list", as if the
@@ -738,6 +776,11 @@ def test_utf16_files_and_wrapped_arrays_say_what_to_do(tmp_path):
         with pytest.raises(UserError, match=r"u.jsonl: UTF-16 text \(it starts with a UTF-16 byte-order mark\); "
                                             r"save it as UTF-8"):
             load_conversations(tmp_path / "u.jsonl", DataConfig())
+    # gzipped, its text was refused as 'not UTF-8 text (byte 1 of the line)', naming no encoding
+    (tmp_path / "u.jsonl.gz").write_bytes(gzip.compress(text.encode("utf-16")))
+    with pytest.raises(UserError, match=r"u.jsonl.gz: gzip-compressed UTF-16 text \(it starts with a UTF-16 "
+                                        r"byte-order mark\); save the text as UTF-8$"):
+        load_conversations(tmp_path / "u.jsonl.gz", DataConfig())
     (tmp_path / "w.json").write_text(json.dumps({"version": 1, "data": [{"prompt": "a", "completion": "b"}] * 3}))
     with pytest.raises(UserError, match=r"w.json:1: no 'messages'.* field \(the example has version, data; .*; its "
                                         r"'data' holds a list of 3 objects: if those are the examples, give that list "
@@ -1097,8 +1140,12 @@ def test_bad_json_array_element_and_bad_bytes(tmp_path):
         load_conversations(arr, DataConfig())
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes((json.dumps(GOOD) + "\n").encode() + b'{"messages": "\xe9"}\n')
-    with pytest.raises(UserError, match=r"latin\.jsonl:2: not UTF-8"):
+    with pytest.raises(UserError, match=r"latin\.jsonl:2: not UTF-8 text \(byte 15 of the line: 0xe9, 'é' in "
+                                        r"Latin-1/Windows-1252\); save it as UTF-8$"):
         load_conversations(latin, DataConfig())
+    latin.rename(tmp_path / "latin.json")  # read whole, as a JSON document: its line counted from the bytes
+    with pytest.raises(UserError, match=r"latin\.json:2: not UTF-8 text \(byte offset \d+: 0xe9, "):
+        load_conversations(tmp_path / "latin.json", DataConfig())
     (tmp_path / "x.parquet").write_bytes(b"not parquet")
     with pytest.raises(UserError, match="not a readable Parquet file"):
         load_conversations(tmp_path / "x.parquet", DataConfig())
@@ -1129,6 +1176,19 @@ def test_inspect_cli_bad_input_is_one_line(tmp_path, tok_dir, name):
                    "--tokenizer", str(tok_dir), timeout=300)
     assert_one_line_error(proc, f"{path}:{line}" if line else str(path))
     assert proc.stdout == ""
+
+
+def test_inspect_names_the_key_of_a_missing_data_file(tmp_path, monkeypatch):
+    """inspect said 'data file not found: data/t.jsonl' alone, where training names the key and, for a relative
+    path, the working directory it is read from (a config's paths are not read from the config's directory)."""
+    from gemma_tpu.data.inspect import parse_args, run
+
+    monkeypatch.chdir(tmp_path)
+    config = _inspect_config(tmp_path, "data/t.jsonl")
+    with pytest.raises(UserError) as e:
+        run(parse_args(["--config", str(config), "--tokenizer", str(tmp_path / "no-tokenizer")]))
+    assert str(e.value) == (f"data file not found: data/t.jsonl (data.train_path; a relative path is read from the "
+                            f"working directory, {tmp_path})")
 
 
 # ------------------------------------------------------------------------- over-length policies

@@ -21,7 +21,7 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from gemma_tpu.core.accelerators import ACCELERATORS
-from gemma_tpu.core.errors import UserError, shown
+from gemma_tpu.core.errors import UserError, not_utf8, other_unicode, shown
 
 _log = logging.getLogger(__name__)
 
@@ -482,8 +482,12 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
         ours, note, origin = (*foreign[leaf], "transformers/TRL")[:3]
         return f"the {origin} name; here it is '{ours}'{f' ({note})' if note else ''}; "
     elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted]
-    if elsewhere:
-        return f"did you mean '{elsewhere[0]}'? "
+    # a key of its own section named '<what>_<leaf>' first: `data.path` (axolotl's datasets' path) is the data file,
+    # data.train_path, where the hint named model.path alone
+    own = [k for k in keys if section and k.rpartition(".")[0] == section and k.endswith(f"_{leaf}")]
+    meant = [f"'{k}'" for k in (own[:2] + elsewhere[:1] if own else elsewhere[:1])]
+    if meant:
+        return f"did you mean {' or '.join(meant) if len(meant) < 3 else ', '.join(meant[:-1]) + ' or ' + meant[-1]}? "
     # another case first: `train.MAX_STEPS` (an environment-variable habit) shared no letter with max_steps
     close = [n for n in names if n.lower() == leaf.lower()] or \
         difflib.get_close_matches(leaf.lower(), names, n=1, cutoff=0.6)
@@ -610,10 +614,17 @@ def parse_override(text: str) -> tuple[str, Any]:
                         f"last") from None
     except yaml.YAMLError:
         if raw.strip().startswith(("[", "{")):  # `lora.targets=[q_proj, v_proj]` unquoted: the shell split it
-            kind = "list" if raw.strip()[0] == "[" else "mapping"
-            raise UserError(f"{_override(text)}: {shown(raw.strip())} is an unclosed YAML {kind}; a space splits a "
-                            f"shell word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
-                            f"({key}=[a,b])") from None
+            if raw.strip()[0] == "[":
+                raise UserError(f"{_override(text)}: {shown(raw.strip())} is an unclosed YAML list; a space splits a "
+                                f"shell word, so quote the whole override ('{key}=[a, b]') or leave out the spaces "
+                                f"({key}=[a,b])") from None
+            # a mapping keeps its spaces (`{a:b}` is the key 'a:b'): the advice to drop them led to an unknown key
+            first = raw.strip()[1:].split(":", 1)[0].strip()
+            first = first if re.fullmatch(r"[A-Za-z_]\w{0,40}", first) else ""  # a key, not 5,000 characters
+            one = f"{key}.{first or 'KEY'}"
+            raise UserError(f"{_override(text)}: {shown(raw.strip())} is an unclosed YAML mapping; a space splits a "
+                            f"shell word, so quote the whole override ('{key}={{{first or 'k'}: ...}}', the space "
+                            f"after the colon kept) or set its keys one by one ({one}=...)") from None
         value = raw
     comment = _yaml_comment(raw)
     if comment is not None:
@@ -726,6 +737,10 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             data = " (training data is given as data.train_path=FILE)" if "data" in {f.name for f in
                                                                                       dataclasses.fields(cls)} else ""
             raise UserError(f"config file {p} is a data file, not a YAML config{data}")
+        raw = p.read_bytes()
+        form = other_unicode(raw[:6])
+        if form:  # was "not UTF-8 text (byte offset 0)", naming no encoding (the data reader said UTF-16)
+            raise UserError(f"{p}: {form}; save it as UTF-8")
         try:
             tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # safety: a SafeLoader subclass
         except _DuplicateKey as e:
@@ -752,7 +767,8 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
                        "refuses where YAML 1.2 allows it; write a space")
             raise UserError(f"{p}{line}: not valid YAML ({problem}{tab})") from None
         except UnicodeDecodeError as e:
-            raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
+            line = raw[:e.start].count(b"\n") + 1
+            raise UserError(f"{p} line {line}: not UTF-8 text (byte offset {e.start}{not_utf8(raw, e.start)}") from None
         if tree is None:  # empty or only comments: a truncated or mistyped file would otherwise run on defaults
             raise UserError(f"{p}: empty config file (no sections); give a config such as {example} "
                             f"or leave --config out")
@@ -924,22 +940,45 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     return cfg
 
 
-_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})|\$\$")  # `$$`: a `$` of the path itself
+# `$NAME`, `${NAME}`, docker compose's `${NAME:-default}` / `${NAME-default}` (the default when unset or empty / unset)
+# and `${NAME:?why}` / `${NAME?why}` (refused then), and `$$`, a `$` of the path itself
+_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)(?:(:?[-?])([^}$]*))?\})|\$\$")
 
 
 def expand_env(value: str, key: str, home: bool = True) -> str:
-    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`) expanded, and with
-    `home` a leading `~` or `~user`; a variable that is not set, or a user this machine does not know, is refused
-    naming the key (the run config's paths here, the serving config's in serving.config); `$$` is a `$` of the path
-    (as docker compose writes it: a directory named `$x` could not be given). Expanded once, when the
+    """`value` (the config key `key`'s path) with its environment variables (`$HOME`, `${DATA}`, `${DATA:-/data}`)
+    expanded, and with `home` a leading `~` or `~user`; a variable that is not set, or a user this machine does not
+    know, is refused naming the key (the run config's paths here, the serving config's in serving.config); `$$` is a
+    `$` of the path (as docker compose writes it: a directory named `$x` could not be given). Expanded once, when the
     config is read, every consumer sees the same path (serving's --print showed '~/m' where the container mounted
-    /root/m) and an error names the key, not the consumer."""
-    unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value)
-             if m.group(0) != "$$" and (m.group(1) or m.group(2)) not in os.environ]
-    if unset:
-        raise UserError(f"{key}={value!r} names the environment variable {unset[0]}, which is not set; set it or write "
-                        f"the path out ($$ for a $ of the path)")
-    expanded = _ENV_VAR.sub(lambda m: "$" if m.group(0) == "$$" else os.environ[m.group(1) or m.group(2)], value)
+    /root/m) and an error names the key, not the consumer. A `${` or `$(` left that is none of these forms is refused:
+    `${RUNS:-runs}/a` (a default) and `$(pwd)/a` were kept as written, a directory of that name made in the working
+    directory."""
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1) or m.group(2), m.group(3), m.group(4)
+        got = os.environ.get(name)
+        missing = got is None or (bool(op) and op.startswith(":") and got == "")
+        if op and op.endswith("-"):
+            return arg if missing else got
+        if op and missing:  # `${NAME:?why}`
+            empty = "set but empty" if got is not None else "not set"
+            raise UserError(f"{key}={value!r}: the environment variable {name} is {empty}"
+                            f"{': ' + arg if arg.strip() else ''}")
+        if got is None:
+            raise UserError(f"{key}={value!r} names the environment variable {name}, which is not set; set it or "
+                            f"write the path out ($$ for a $ of the path)")
+        return got
+
+    left = re.search(r"\$[({]", _ENV_VAR.sub("", value))
+    if left:
+        if left.group() == "$(":
+            raise UserError(f"{key}={value!r}: '$(' is a shell's command substitution, not run here: write the path "
+                            f"out ($$ for a $ of the path)")
+        raise UserError(f"{key}={value!r}: '${{' starts no variable form read here ($NAME, ${{NAME}}, "
+                        f"${{NAME:-default}}, ${{NAME:?message}}; $$ for a $ of the path)")
+    expanded = _ENV_VAR.sub(one, value)
     if home and expanded.startswith("~"):
         expanded = os.path.expanduser(expanded)
         if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was: a directory named '~bob'

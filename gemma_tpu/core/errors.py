@@ -49,6 +49,35 @@ def raise_signal_exit(signum, frame):  # noqa: ARG001
     raise SignalExit(signum)
 
 
+def other_unicode(head: bytes) -> str | None:
+    """What a file's first bytes say it is when it is Unicode text but not UTF-8 (UTF-32, UTF-16: with a byte-order
+    mark, or ASCII with every other byte NUL), worded for an error ('UTF-16 text (...)'), or None. One test for data
+    files and config files: a config saved as UTF-16 was 'not UTF-8 text (byte offset 0)', naming no encoding."""
+    if head[:4] in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff") or (
+            len(head) >= 4 and head[1:4] == b"\x00\x00\x00" and 0 < head[0] < 0x80):
+        return "UTF-32 text"
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):  # what Windows PowerShell's `>` writes
+        return "UTF-16 text (it starts with a UTF-16 byte-order mark)"
+    if len(head) >= 4 and ((0 < head[0] < 0x80 and head[1] == 0 and 0 < head[2] < 0x80 and head[3] == 0) or
+                           (head[0] == 0 and 0 < head[1] < 0x80 and head[2] == 0 and 0 < head[3] < 0x80)):
+        return "UTF-16 text (ASCII characters with NUL bytes between them)"
+    return None
+
+
+def not_utf8(raw: bytes, start: int) -> str:
+    """What follows 'not UTF-8 text (byte N': the byte, and the character it is in Windows-1252 (Latin-1), the usual
+    other encoding of a file that is not UTF-8 ('café' from Excel or an old editor); was the position alone."""
+    byte = raw[start:start + 1]
+    if not byte:
+        return ""
+    try:
+        char = byte.decode("cp1252")
+    except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d: no character there
+        char = ""
+    legacy = f", {char!r} in Latin-1/Windows-1252" if char.isprintable() and char else ""
+    return f": 0x{byte[0]:02x}{legacy}); save it as UTF-8"
+
+
 def read_json_object(path, missing: str) -> dict:
     """A JSON object from `path`; a missing file, bad JSON or a non-object is a one-line UserError."""
     import json

@@ -30,6 +30,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import batching
 from gemma_tpu.data.pipeline import (
     TrainStream,
+    check_data_file,
     check_one_batch,
     eval_batches,
     make_renderer,
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
     if not path:
         key = f"data.{args.split}_path"  # unset in the file, or emptied by an override
         raise UserError(f"{key} is not set (in {args.config} or as {key}=FILE)")
+    check_data_file(cfg.data, f"{args.split}_path")  # named by its key, before the tokenizer loads
     check_results_file(args.json, {"data": path, "--config": args.config}, results_key="examples_read")
     tok, tok_where, family_format, vocab = tokenizer_for(args.tokenizer, cfg)
     token_map = function_token_map(tok)

@@ -268,16 +268,23 @@ def prepare_split(path: str, renderer: Renderer, data_cfg: DataConfig, seed: int
     return prepare_examples(render_examples(path, renderer, data_cfg), path, data_cfg, seed, max_loss, strategy)
 
 
+def check_data_file(data_cfg: DataConfig, key: str) -> None:
+    """data.`key`'s file exists, or a one-line error naming the key and, for a relative path, the working directory
+    it is read from (configs/*.yaml name files from the repository's root, not their own): training, its dry run and
+    `gemma_tpu.data.inspect` (which said 'data file not found: tests/data/chat_sample.jsonl' alone) alike."""
+    path = getattr(data_cfg, key)
+    if path and not Path(path).exists():
+        where = "" if Path(path).is_absolute() else f"; a relative path is read from the working directory, " \
+                                                    f"{Path.cwd()}"
+        raise UserError(f"data file not found: {path} (data.{key}{where})")
+
+
 def prepare_splits(renderer: Renderer, data_cfg: DataConfig, seed: int,
                    batch_size: int) -> tuple[Prepared, Prepared | None]:
     """The training split (filling one batch at least) and the evaluation split, as training and its dry run
     read them: a missing file of either is named before the other is read (minutes for a large set)."""
     for key in ("train_path", "eval_path"):
-        path = getattr(data_cfg, key)
-        if path and not Path(path).exists():  # configs/*.yaml name files from the repository's root, not their own
-            where = "" if Path(path).is_absolute() else f"; a relative path is read from the working directory, " \
-                                                        f"{Path.cwd()}"
-            raise UserError(f"data file not found: {path} (data.{key}{where})")
+        check_data_file(data_cfg, key)
     train = prepare_split(data_cfg.train_path, renderer, data_cfg, seed)
     check_one_batch(train, batch_size)  # before the model loads
     return train, (prepare_split(data_cfg.eval_path, renderer, data_cfg, seed) if data_cfg.eval_path else None)

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core import strict_json
-from gemma_tpu.core.errors import UserError, shown
+from gemma_tpu.core.errors import UserError, not_utf8, other_unicode, shown
 from gemma_tpu.formats.function_calling import (
     FUNCTION_MARKERS,
     DeclarationError,
@@ -186,6 +186,14 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     gz = magic == b"\x1f\x8b"  # gzip, whatever the name says
     _refuse_other_encodings(p, head)
     opener = gzip.open if gz else open
+    if gz:  # the text inside: UTF-16 gzipped was 'not UTF-8 text (byte 1 of the line: 0xff, 'ÿ' in Latin-1 ...)'
+        try:
+            with gzip.open(p, "rb") as f:
+                form = other_unicode(f.read(6))
+        except (OSError, EOFError):  # a corrupt stream: the reader below names it at its line
+            form = None
+        if form:
+            raise UserError(f"{p}: gzip-compressed {form}; save the text as UTF-8")
     suffix = (Path(p.stem).suffix if gz and p.suffix.lower() == ".gz" else p.suffix).lower()
     if gz and suffix == ".parquet":
         raise UserError(f"{p}: a gzip-compressed Parquet file; Parquet compresses itself, write it uncompressed")
@@ -210,11 +218,13 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     if suffix == ".json":
         try:
             with opener(p, "rb") as f:
-                text = f.read().decode("utf-8-sig")
+                data = f.read()
+            text = data.decode("utf-8-sig")
         except (OSError, EOFError) as e:
             raise UserError(f"{p}: {'not a readable gzip file' if gz else 'cannot be read'} ({e})") from None
         except UnicodeDecodeError as e:
-            raise UserError(f"{p}: not UTF-8 text (byte offset {e.start})") from None
+            line = data[:e.start].count(b"\n") + 1
+            raise UserError(f"{p}:{line}: not UTF-8 text (byte offset {e.start}{not_utf8(data, e.start)}") from None
         head = text.lstrip()
         if head.startswith("["):
             yield from _iter_json_array(p, text)
@@ -252,14 +262,9 @@ def _refuse_other_encodings(p: Path, head: bytes) -> None:
     for magic, what, how in _OTHER_CONTAINERS:
         if head.startswith(magic):
             raise UserError(f"{p}: {what}; only gzip is read: decompress it ({how})")
-    if head[:4] in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff") or (
-            len(head) >= 4 and head[1:4] == b"\x00\x00\x00" and 0 < head[0] < 0x80):
-        raise UserError(f"{p}: UTF-32 text; save it as UTF-8")
-    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):  # what Windows PowerShell's `>` writes
-        raise UserError(f"{p}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
-    if len(head) >= 4 and ((0 < head[0] < 0x80 and head[1] == 0 and 0 < head[2] < 0x80 and head[3] == 0) or
-                           (head[0] == 0 and 0 < head[1] < 0x80 and head[2] == 0 and 0 < head[3] < 0x80)):
-        raise UserError(f"{p}: UTF-16 text (ASCII characters with NUL bytes between them); save it as UTF-8")
+    form = other_unicode(head)
+    if form:
+        raise UserError(f"{p}: {form}; save it as UTF-8")
 
 
 def _starts_an_array(p: Path, opener) -> bool:
@@ -306,8 +311,16 @@ def _iter_saved_dataset(p: Path) -> Iterator[tuple[int, Any]]:
                         f"({', '.join(str(p / s) for s in splits) or 'it holds no split'})")
     state = p / "state.json"
     if not state.is_file():  # it exists: "not found" sent users looking for a typo
+        try:  # a hub download's or a split's directory: the files it holds are named (one of them is meant)
+            held = sorted(str(f) for f in p.iterdir() if f.is_file() and not f.name.startswith(".") and
+                          f.name.lower().endswith((".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")))
+        except OSError:
+            held = []
+        shown_held = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        files = (f"; it holds {held[0]}" if len(held) == 1 else f"; it holds {len(held)} data files ({shown_held}): "
+                 f"give one, or their examples concatenated into one file" if held else "")
         raise UserError(f"data file {p} is a directory; give a .jsonl, .json or .parquet file or a "
-                        f"datasets.save_to_disk directory (it has no state.json)")
+                        f"datasets.save_to_disk directory (it has no state.json){files}")
     try:
         files = [d["filename"] for d in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
         if not all(isinstance(f, str) for f in files):
@@ -335,7 +348,8 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                 try:
                     line = raw.decode("utf-8-sig")  # a BOM on any line: files that each had one, concatenated
                 except UnicodeDecodeError as e:
-                    raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+                    raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line"
+                                    f"{not_utf8(raw, e.start)}") from None
                 if not line.strip():
                     continue
                 try:
@@ -345,7 +359,12 @@ def _iter_lines(p: Path, opener) -> Iterator[tuple[int, Any]]:
                     spread = first and e.pos >= len(line.rstrip())
                     hint = ("; the line ends inside its object: JSON Lines holds one whole object a line, and a "
                             "pretty-printed JSON file is read as such when named .json" if spread else "")
-                    if e.msg == "Extra data" and line[e.pos:].strip() == ",":  # a JSON array's rows, one a line
+                    table = next((x for x in (".csv", ".tsv") if x in map(str.lower, p.suffixes)), None)
+                    if first and table:  # a spreadsheet export: 'not valid JSON' alone left it unexplained
+                        sep = ", sep='\\t'" if table == ".tsv" else ""
+                        hint = (f"; a {table[1:].upper()} file, which is not read: convert it to JSON Lines, e.g. "
+                                f"pandas.read_csv(FILE{sep}).to_json('train.jsonl', orient='records', lines=True)")
+                    elif e.msg == "Extra data" and line[e.pos:].strip() == ",":  # a JSON array's rows, one a line
                         hint = "; a comma after the object: JSON Lines separates objects by line breaks alone"
                     elif "\x00" in line:  # a file cut short by a crash is often padded with zeros up to its size
                         hint = (f"; the line holds {line.count(chr(0))} NUL bytes, as a file cut short by a crash or "
@@ -652,6 +671,9 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         if not isinstance(m, dict):
             raise UserError(f"{mw}: expected an object with 'role' and 'content'")
         role = message_role(m)
+        if m.get("role") is None:  # was "unknown role None", of a key misspelt (`rol`) or left out
+            has = "its 'role' is null" if "role" in m else f"it has {', '.join(map(str, m)) or 'no keys'}"
+            raise UserError(f"{mw}: a message needs 'role', one of {', '.join(ROLES)} ({has})")
         if role not in ROLES:
             raise UserError(f"{mw}: unknown role {shown(m.get('role'))} (expected one of {', '.join(ROLES)})")
         if m.get("content") is None and role != "assistant":  # an assistant turn may be only tool calls

@@ -167,6 +167,9 @@ def check_tools(tools: Any, bare: bool = False) -> list[str]:
                                           f"{json.dumps(t, ensure_ascii=False)[:80]}")
         fn, fw = (t["function"], f"{where}.function") if wrapped else (t, where)
         name = fn.get("name")
+        if name is None:  # was "None is not a tool name", Python's word for a key left out (or JSON's null)
+            has = "it is null" if "name" in fn else f"it has {', '.join(map(str, fn)) or 'no keys'}"
+            raise DeclarationError(f"{fw}.name", f"missing: a declaration needs its function's name ({has})")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise DeclarationError(f"{fw}.name", f"{shown(name)} is not a tool name (1 to 64 letters, digits, '_', "
                                                  f"'.' or '-', not starting with '.' or '-')")
