@@ -846,6 +846,8 @@ CASES = [
     # ---- evaluate
     Case("evaluate-bad-compare-spec", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "modle:{tiny}", "model:{tiny}"], ["modle:"], sub=True),
+    Case("evaluate-limit-negative", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--limit", "-3"],
+         ["--limit -3: must be positive"]),
     Case("evaluate-unreachable-endpoint", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}", "--json", "{tmp}/r.json"],
          ["127.0.0.1:{port}", "cannot reach"]),

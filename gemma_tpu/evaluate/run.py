@@ -655,7 +655,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="environment variable holding the --endpoint API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=f"--endpoint: {RETRIES_HELP}")
-    p.add_argument("--limit", type=int, help="evaluate the first N examples")
+    # of conversations (the data's rows): under --turns all one gives an example for each trained assistant turn
+    p.add_argument("--limit", type=int, help="evaluate the first N conversations (rows of --data)")
     p.add_argument("--turns", choices=TURNS, default="first",
                    help="score each conversation's first trained assistant turn, or every one after the reference "
                         "conversation before it (multi-turn chats; default: first)")
@@ -685,7 +686,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
     # a checkpoint runs in its training dtype unless model.dtype is given (the override was ignored: always that)
     args.checkpoint_dtype = cfg.model.dtype if "model.dtype" in keys_given(args.config, args.overrides) else None
     if args.limit is not None and args.limit <= 0:
-        raise UserError("--limit must be positive")
+        raise UserError(f"--limit {args.limit}: must be positive")  # which value, as --batch-size says it
     for option, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
         if value <= 0:  # was "--batch-size and --max-new-tokens must be positive", whichever it was
             raise UserError(f"{option} {value}: must be positive")
