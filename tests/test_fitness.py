@@ -1306,7 +1306,8 @@ def test_slash_commands_are_not_sent_to_the_model(monkeypatch, capsys):
 
 def test_a_questions_file_with_a_byte_order_mark_and_crlf_asks_plain_questions(monkeypatch, capsys):
     """A questions file saved as "UTF-8 with BOM" with CRLF line ends (Windows Notepad), piped in: the first
-    question went to the model with U+FEFF before it. --once's question is read the same way."""
+    question went to the model with U+FEFF before it. --once's question is read the same way: `--once "$(cat q.txt)"`
+    of such a file kept the '\\r' ($(...) drops only the '\\n')."""
     import io
 
     from gemma_tpu.examples.fitness.chat import chat_repl, question_text
@@ -1317,6 +1318,8 @@ def test_a_questions_file_with_a_byte_order_mark_and_crlf_asks_plain_questions(m
     assert chat_repl(lambda q: asked.append(q) or "ok", "") == 0
     assert asked == ["steps?", "sleep?"] and capsys.readouterr().out == "ok\nok\n"
     assert question_text("\ufeffsteps \ufeff today?") == "steps \ufeff today?"
+    assert question_text("\ufeff  sleep last night?\r") == "sleep last night?"
+
 
 def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
     """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
