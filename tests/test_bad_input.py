@@ -1004,6 +1004,9 @@ CASES = [
     Case("evaluate-compare-one-model-twice", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}/"],
          ["--compare names one model twice", "model:{tiny}, model:{tiny}/"]),
+    Case("evaluate-compare-one-checkpoint-step-twice", "gemma_tpu.evaluate",  # @1 is the latest step, the default
+         ["--data", f"{CHAT}", "--compare", "checkpoint:{ckpt}@1", "checkpoint:{ckpt}/"],
+         ["--compare names one model twice", "checkpoint:{ckpt}@1, checkpoint:{ckpt}/"]),
     Case("evaluate-compare-one-endpoint-twice", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "endpoint:http://127.0.0.1:9#a", "endpoint:http://127.0.0.1:9/v1#a"],
          ["--compare names one model twice", "endpoint:http://127.0.0.1:9#a"]),
