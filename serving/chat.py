@@ -48,13 +48,15 @@ class RemoteCoach:
 
     def __init__(self, base_url: str, provider, model: str | None = None, api_key: str | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, timeout: float = 120.0,
-                 trace: TextIO | None = sys.stderr, tools: Toolset | None = None, retries: int = DEFAULT_RETRIES):
+                 trace: TextIO | None = sys.stderr, tools: Toolset | None = None, retries: int = DEFAULT_RETRIES,
+                 sampling_seed: int | None = None):
         self.base = api_base(base_url)
         self.provider = provider
         self.model = model
         self.api_key = api_key
         self.max_tokens = max_tokens
         self.temperature = temperature
+        self.sampling_seed = sampling_seed  # the request's `seed` (vLLM and serving.launch --local honour it)
         self.timeout = timeout
         self.retries = retries  # evaluate's policy (http_json): a server restarting or rate limiting is waited for
         self.toolset = tools or fitness_toolset(provider)
@@ -76,6 +78,8 @@ class RemoteCoach:
                                 "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": False}
         if self.model:
             body["model"] = self.model
+        if self.sampling_seed is not None:
+            body["seed"] = self.sampling_seed
         return http_json(f"{self.base}/chat/completions", body, timeout=self.timeout, api_key=self.api_key,
                          retries=self.retries)
 
@@ -106,6 +110,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens each reply may generate at most (max_tokens)")
     p.add_argument("--temperature", type=cli.number(0.0, low_ok=True, high=2.0), default=0.0,  # OpenAI's range
                    help="sampling temperature sent with each request, 0 to 2 (0: greedy)")
+    # --seed is the simulated device's: with --temperature above 0 no run's answers could be had again
+    p.add_argument("--sampling-seed", type=int,
+                   help="seed sent with each request (its `seed`): a sampled (--temperature > 0) answer is the same "
+                        "every run (default: none, the server's own randomness)")
     p.add_argument("--timeout", type=cli.SECONDS, default=120.0, help="seconds per request")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=RETRIES_HELP)
     return p.parse_args(list(argv))
@@ -120,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("--once needs a question")
     if args.retries < 0:
         raise UserError(f"--retries {args.retries}: must be 0 or more")
+    if args.sampling_seed is not None and not -2**63 <= args.sampling_seed < 2**63:  # what the servers take
+        raise UserError(f"--sampling-seed {args.sampling_seed}: must be in [-2^63, 2^63)")
     if args.once is None:
         check_stdin()  # before the server is asked
     provider = make_provider(args.provider, args.seed)  # fail fast on credentials
@@ -127,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = args.model or served_model_name(api_base(args.base_url), api_key, timeout=min(args.timeout, 30),
                                             retries=args.retries)
     coach = RemoteCoach(args.base_url, provider, model, api_key, args.max_tokens, args.temperature, args.timeout,
-                        retries=args.retries)
+                        retries=args.retries, sampling_seed=args.sampling_seed)
     if args.once is not None:
         print(coach.ask(question_text(args.once)))
         return 0

@@ -846,6 +846,8 @@ CASES = [
     # ---- evaluate
     Case("evaluate-bad-compare-spec", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "modle:{tiny}", "model:{tiny}"], ["modle:"], sub=True),
+    Case("evaluate-limit-negative", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--limit", "-3"],
+         ["--limit -3: must be positive"]),
     Case("evaluate-unreachable-endpoint", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--endpoint", "http://127.0.0.1:{port}", "--json", "{tmp}/r.json"],
          ["127.0.0.1:{port}", "cannot reach"]),
@@ -1002,6 +1004,9 @@ CASES = [
     Case("evaluate-compare-one-model-twice", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tiny}/"],
          ["--compare names one model twice", "model:{tiny}, model:{tiny}/"]),
+    Case("evaluate-compare-one-checkpoint-step-twice", "gemma_tpu.evaluate",  # @1 is the latest step, the default
+         ["--data", f"{CHAT}", "--compare", "checkpoint:{ckpt}@1", "checkpoint:{ckpt}/"],
+         ["--compare names one model twice", "checkpoint:{ckpt}@1, checkpoint:{ckpt}/"]),
     Case("evaluate-compare-one-endpoint-twice", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "endpoint:http://127.0.0.1:9#a", "endpoint:http://127.0.0.1:9/v1#a"],
          ["--compare names one model twice", "endpoint:http://127.0.0.1:9#a"]),

@@ -719,6 +719,13 @@ def test_every_client_sends_its_sampling(tmp_path):
         proc = _in_process("serving.bench", "--base-url", url, "--model", "m", "--num-prompts", "1", "--input-len",
                            "4", "--output-len", "2", "--temperature", "0.7", "--disable-tqdm")
         assert proc.returncode == 0 and [b["temperature"] for b in handler.bodies] == [0.7], proc.stderr
+        # a sampled chat answer could not be had twice: --seed is the simulated device's, and no seed was sent
+        for argv, seeds in (([], [None]), (["--sampling-seed", "5"], [5])):
+            handler.bodies.clear()
+            proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps?", "--temperature",
+                               "0.7", *argv)
+            assert proc.returncode == 0, proc.stderr
+            assert [(b["temperature"], b.get("seed")) for b in handler.bodies] == [(0.7, s) for s in seeds]
 
 
 def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_stopped(tmp_path):

@@ -1310,6 +1310,24 @@ def test_slash_commands_are_not_sent_to_the_model(monkeypatch, capsys):
     assert asked == ["steps/day?"] and out == "ok\n"
     assert "/help: not a command here; exit, quit or Ctrl-D quits, anything else is asked" in err and "/reset:" in err
 
+
+def test_a_questions_file_with_a_byte_order_mark_and_crlf_asks_plain_questions(monkeypatch, capsys):
+    """A questions file saved as "UTF-8 with BOM" with CRLF line ends (Windows Notepad), piped in: the first
+    question went to the model with U+FEFF before it. --once's question is read the same way: `--once "$(cat q.txt)"`
+    of such a file kept the '\\r' ($(...) drops only the '\\n')."""
+    import io
+
+    from gemma_tpu.examples.fitness.chat import chat_repl, question_text
+
+    asked = []
+    stdin = io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfsteps?\r\nsleep?\r\n"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert chat_repl(lambda q: asked.append(q) or "ok", "") == 0
+    assert asked == ["steps?", "sleep?"] and capsys.readouterr().out == "ok\nok\n"
+    assert question_text("\ufeffsteps \ufeff today?") == "steps \ufeff today?"
+    assert question_text("\ufeff  sleep last night?\r") == "sleep last night?"
+
+
 def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
     """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
     session with a traceback; it is reported as the answer, traced, and the next question is answered."""

@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from gemma_tpu.checkpoint.metadata import list_steps
 from gemma_tpu.checkpoint.restore import locate
 from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
@@ -469,8 +470,11 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
 def same_model(a: Spec, b: Spec) -> bool:
     """Whether two specs name one model: one directory however spelt (`runs/x`, `./runs/x/`), one checkpoint step, or
     one server address (`http://h:8000`, `http://h:8000/v1`, `http://localhost:8000` and `http://127.0.0.1:8000`) and
-    served model."""
-    if a.kind != b.kind or a.step != b.step or a.served != b.served:
+    served model. A checkpoint's step given and left to the latest are one step when it is the latest
+    (`checkpoint:runs/x@64 checkpoint:runs/x` of a run that stopped at 64 scored it twice)."""
+    if a.kind != b.kind or a.served != b.served:
+        return False
+    if a.step != b.step and (a.kind != "checkpoint" or _step_of(a) != _step_of(b)):
         return False
     if a.kind == "endpoint":
         try:
@@ -478,6 +482,14 @@ def same_model(a: Spec, b: Spec) -> bool:
         except UserError:  # said of that side by check_spec, naming it
             return a.target == b.target
     return os.path.realpath(os.path.expanduser(a.target)) == os.path.realpath(os.path.expanduser(b.target))
+
+
+def _step_of(spec: Spec) -> int | None:
+    """A checkpoint spec's step: the one given, else its directory's latest complete step (None without one)."""
+    if spec.step is not None:
+        return spec.step
+    steps = list_steps(spec.target)
+    return steps[-1] if steps else None
 
 
 def check_spec(spec: Spec, timeout: float, api_key: str | None = None, retries: int = 0) -> None:
@@ -655,7 +667,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="environment variable holding the --endpoint API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=f"--endpoint: {RETRIES_HELP}")
-    p.add_argument("--limit", type=int, help="evaluate the first N examples")
+    # of conversations (the data's rows): under --turns all one gives an example for each trained assistant turn
+    p.add_argument("--limit", type=int, help="evaluate the first N conversations (rows of --data)")
     p.add_argument("--turns", choices=TURNS, default="first",
                    help="score each conversation's first trained assistant turn, or every one after the reference "
                         "conversation before it (multi-turn chats; default: first)")
@@ -685,7 +698,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
     # a checkpoint runs in its training dtype unless model.dtype is given (the override was ignored: always that)
     args.checkpoint_dtype = cfg.model.dtype if "model.dtype" in keys_given(args.config, args.overrides) else None
     if args.limit is not None and args.limit <= 0:
-        raise UserError("--limit must be positive")
+        raise UserError(f"--limit {args.limit}: must be positive")  # which value, as --batch-size says it
     for option, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
         if value <= 0:  # was "--batch-size and --max-new-tokens must be positive", whichever it was
             raise UserError(f"{option} {value}: must be positive")

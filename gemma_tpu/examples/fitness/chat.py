@@ -189,11 +189,14 @@ def _neutralised_call(markup: Markup, call: Any) -> Any:
 def question_text(raw: str) -> str:
     """A question as text the tokenizer and JSON accept: bytes that were not UTF-8 (Python keeps them in
     argv, and in stdin under a C.UTF-8 locale, as lone surrogates, which the tokenizer refuses with a
-    TypeError) become U+FFFD."""
+    TypeError) become U+FFFD. A leading byte-order mark is dropped: a questions file saved as "UTF-8 with BOM"
+    (Windows Notepad) and piped in sent its first question to the model with U+FEFF before it. The whitespace around
+    it too, as of a piped line: `--once "$(cat q.txt)"` of a CRLF file sent the question with its '\\r'."""
     try:
-        return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        text = raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     except UnicodeEncodeError:  # a surrogate that stands for no byte (not U+DC80..U+DCFF)
-        return raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+        text = raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text.lstrip("\ufeff").strip()
 
 
 _FILLERS = frozenset("\u115f\u1160\u3164\uffa0")  # Hangul fillers: letters to Unicode, blank on the screen
@@ -243,7 +246,7 @@ def chat_repl(ask, greeting: str) -> int:
             if interactive:
                 print(file=sys.stderr)
             break
-        question = question_text(line).strip()
+        question = question_text(line)
         if blank(question):
             continue
         if question.lower() in QUIT:
