@@ -417,10 +417,13 @@ def test_mapping_valued_key_override_still_replaces():
 @pytest.mark.parametrize("override, message", [
     ("checkpoint.dir=", "checkpoint.dir is empty"),
     ("lora.targets=[q_proj, v_proj, q_proj]", "lora.targets: 'q_proj' is listed twice"),
+    ("train.grad_clip=", "train.grad_clip is empty (give a value, or null to leave it unset)"),
+    ("data.num_epochs=", "data.num_epochs is empty (give a value, or null to leave it unset)"),
 ])
 def test_empty_checkpoint_dir_and_repeated_target_are_named(override, message):
     """An empty checkpoint.dir was the working directory (checkpoints, metadata and the run lock written among
-    the user's files); a target listed twice loaded, and the FLOPs estimate counted its adapters twice."""
+    the user's files); a target listed twice loaded, and the FLOPs estimate counted its adapters twice. An empty
+    value of a key that also takes null (an unset $VAR) said "expected a number, got ''", not that null is one."""
     with pytest.raises(UserError, match=rf"override '{re.escape(override)}': {re.escape(message)}"):
         load_config(REPO / "configs/tiny.yaml", [override])
 

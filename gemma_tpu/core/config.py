@@ -305,6 +305,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except UserError as e:
                 errors.append(str(e))
+        if isinstance(value, str) and not value.strip() and type(None) in args:  # `train.grad_clip=` (an empty $VAR)
+            raise UserError(f"{where} is empty (give a value, or null to leave it unset)")
         raise UserError(errors[0] if len(errors) == 1 else f"{where}: {shown(value)} is not a valid {_type_name(tp)}")
     if origin is Literal:
         if isinstance(value, bool) and ("off" if not value else "on") in args:

@@ -160,6 +160,21 @@ def _is_file(p: Path) -> bool:
         return False
 
 
+def not_found_hint(p: Path) -> str:
+    """What a data path that names no file may have meant, as ' (...)', or '': a glob pattern or a comma-separated
+    list of files that exist (one file is read)."""
+    matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
+    if matches:
+        return (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
+                f"file, the examples of all of them concatenated into one)")
+    parts = [Path(part.strip()) for part in str(p).split(",")]
+    if len(parts) > 1 and any(_is_file(part) for part in parts):  # `data.train_path=a.jsonl,b.jsonl`
+        return (f" (a comma-separated list of {len(parts)} files; a single file is read: concatenate them into "
+                f"one, e.g. cat {' '.join(str(part) for part in parts[:2])}{' ...' if len(parts) > 2 else ''} > "
+                f"all.jsonl)")
+    return ""
+
+
 def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for each example of a .jsonl/.json/.parquet file."""
     p = Path(path)
@@ -171,15 +186,7 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         raise UserError(f"data file {p} is not a regular file (a pipe or device, as a shell's <(...) gives); write "
                         f"the data to a file and give that")
     if not p.is_file():
-        matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
-        hint = (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
-                f"file, the examples of all of them concatenated into one)" if matches else "")
-        parts = [Path(part.strip()) for part in str(p).split(",")]
-        if not hint and len(parts) > 1 and any(_is_file(part) for part in parts):  # `data.train_path=a.jsonl,b.jsonl`
-            hint = (f" (a comma-separated list of {len(parts)} files; a single file is read: concatenate them into "
-                    f"one, e.g. cat {' '.join(str(part) for part in parts[:2])}{' ...' if len(parts) > 2 else ''} > "
-                    f"all.jsonl)")
-        raise UserError(f"data file not found: {p}{hint}")
+        raise UserError(f"data file not found: {p}{not_found_hint(p)}")
     with p.open("rb") as f:
         head = f.read(6)
     magic = head[:2]
