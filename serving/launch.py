@@ -45,7 +45,7 @@ from serving.config import (
     stop_token_warning,
     weights_warning,
 )
-from serving.local import LocalServer
+from serving.local import LocalServer, check_port_free
 
 DOCKERFILE = Path(__file__).resolve().parent / "Dockerfile"
 MODELS_MOUNT = "/models"
@@ -192,6 +192,9 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
     if probe.returncode != 0:
         first = (probe.stderr.strip().splitlines() or ["no answer"])[0]
         raise UserError(f"cannot reach the Docker daemon ({first})")
+    # vLLM binds server.host:server.port on this machine (--net host): a port in use failed only once the image was
+    # built or pulled and the container started, in a traceback from inside it
+    check_port_free(cfg.server.host, cfg.server.port)
     upstream = cfg.container.image.split(":")[0] == VLLM_TPU_IMAGE.split(":")[0]
     if cfg.container.build and not upstream and _docker("image", "inspect", cfg.container.image).returncode != 0:
         # (an image that is not built here, e.g. vllm/vllm-tpu:TAG itself, is pulled by docker run)

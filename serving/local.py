@@ -60,6 +60,25 @@ from serving.config import chat_template_in
 SERVING_EXTRA = "transformers serve needs transformers[serving]: pip install -e '.[serve]'"
 
 
+def check_port_free(host: str, port: int) -> None:
+    """A UserError naming server.port when something on this machine already listens on `host:port` (or `host` is
+    no address of this machine): a server started there (transformers serve here, vLLM in a `--net host` container)
+    fails to bind only after it started, having loaded the model or pulled its image."""
+    import errno
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:  # no such name, or an address of another machine: not the port's fault
+                raise UserError(f"server.host {host}: cannot listen there ({e.strerror or e}); give an "
+                                f"address of this machine (127.0.0.1 keeps the API local)") from None
+            raise UserError(f"server.port {port} on {host}: already in use (another server?); choose "
+                            f"another with server.port=N") from None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now (the OS's pick), on `host`'s address family (`::1` is IPv6)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
@@ -314,19 +333,7 @@ class LocalServer:
     def _check_port_free(self) -> None:
         """Refuse a port something already listens on: the server would fail to bind only after loading
         the model, and meanwhile the other server's /health made this one look ready."""
-        import errno
-
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
-            try:
-                s.bind((self.host, self.port))
-            except OSError as e:
-                if e.errno != errno.EADDRINUSE:  # no such name, or an address of another machine: not the port's fault
-                    raise UserError(f"server.host {self.host}: cannot listen there ({e.strerror or e}); give an "
-                                    f"address of this machine (127.0.0.1 keeps the API local)") from None
-                raise UserError(f"server.port {self.port} on {self.host}: already in use (another server?); choose "
-                                f"another with server.port=N") from None
+        check_port_free(self.host, self.port)
 
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.is_file():

@@ -997,7 +997,8 @@ def test_launch_runs_docker_with_the_printed_command(tmp_path):
     log = tmp_path / "docker.jsonl"
     _fake_docker(tmp_path / "bin", log)
     cache = tmp_path / "vllm-cache"
-    args = ["--config", CONFIG_270M, f"model.dir={d}", "server.api_key_env=MY_KEY", f"container.compile_cache={cache}"]
+    args = ["--config", CONFIG_270M, f"model.dir={d}", "server.api_key_env=MY_KEY",
+            f"container.compile_cache={cache}", f"server.port={free_port()}"]  # free: one in use is refused
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "MY_KEY": "api-secret-4", "HF_TOKEN": "hf-secret-5"}
     printed = run_cli("serving.launch", *args, "--print", env=env, timeout=120)
     assert printed.returncode == 0, printed.stderr
@@ -1028,7 +1029,8 @@ def test_a_signal_to_the_launcher_alone_stops_the_container(tmp_path):
         serving = tmp_path / f"serving-{sig}"
         env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_DOCKER_SERVE": str(serving)}
         proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", CONFIG_270M, f"model.dir={d}",
-                                 f"container.image={VLLM_TPU_IMAGE}", f"container.compile_cache={tmp_path / 'c'}"],
+                                 f"container.image={VLLM_TPU_IMAGE}", f"container.compile_cache={tmp_path / 'c'}",
+                                 f"server.port={free_port()}"],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while not serving.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -1050,6 +1052,16 @@ def test_launch_errors_without_docker_daemon_or_key(tmp_path):
     path = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     proc = run_cli("serving.launch", "--config", CONFIG_270M, f"model.dir={d}", env=path)
     assert_one_line_error(proc, "cannot reach the Docker daemon")
+    # vLLM binds the port on this machine (--net host): one taken is refused before the image is built or run
+    _fake_docker(tmp_path / "bin-up", tmp_path / "up.jsonl")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = run_cli("serving.launch", "--config", CONFIG_270M, f"model.dir={d}", f"server.port={port}",
+                       env={"PATH": f"{tmp_path / 'bin-up'}:{os.environ['PATH']}"})
+    assert_one_line_error(proc, f"server.port {port} on 127.0.0.1: already in use")
+    assert [json.loads(line)["args"][0] for line in (tmp_path / "up.jsonl").read_text().splitlines()] == ["version"]
     env = {k: v for k, v in os.environ.items() if k != "UNSET_KEY_VAR"}
     proc = subprocess.run([sys.executable, "-m", "serving.launch", "--config", CONFIG_270M, f"model.dir={d}",
                            "server.api_key_env=UNSET_KEY_VAR"], cwd=REPO, capture_output=True, text=True,
