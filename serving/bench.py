@@ -264,6 +264,15 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
     res.success = True
 
 
+def _http_error(e: Exception) -> str:
+    """httpx's error, with the first reason its causes give: a connection reset mid-stream read as a bare
+    'ReadError' (httpx's and httpcore's carry no message; the ConnectionResetError under them does)."""
+    cause: BaseException | None = e
+    while cause is not None and not str(cause):
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(e).__name__}: {cause}" if cause is not None else type(e).__name__
+
+
 async def one_request(client, url: str, prompt: Prompt, model: str | None, output_len: int,
                       extra: dict, headers: dict, timeout: float) -> Result:
     import httpx
@@ -282,7 +291,7 @@ async def one_request(client, url: str, prompt: Prompt, model: str | None, outpu
     except RequestFailed as e:
         res.success, res.error = False, str(e)
     except httpx.HTTPError as e:
-        res.success, res.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        res.success, res.error = False, _http_error(e)
     except OSError as e:
         res.success, res.error = False, f"{type(e).__name__}: {e}"
     return res

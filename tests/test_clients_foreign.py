@@ -68,6 +68,16 @@ class Foreign(http.server.BaseHTTPRequestHandler):
             return self._send("text/event-stream", sse({"id": "x", "choices": [], "usage": {"prompt_tokens": 4}})
                               + sse("[DONE]"))
         body = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if self.path.startswith("/reset"):  # the connection reset mid-stream (a proxy's idle cut, a server killed)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # RST
+            self.connection.close()
+            self.wfile = io.BytesIO()  # what finish() flushes
+            return
         if self.path.startswith("/shape"):  # valid JSON events of the wrong shape
             body += sse({"choices": "one two"}) + sse({"choices": [{"index": 0, "delta": "two"}]})
             return self._send("text/event-stream", body)
@@ -81,6 +91,7 @@ class Foreign(http.server.BaseHTTPRequestHandler):
     ("/cut", ["bad event", "cont"]),
     ("/shape", ["bad event", "'choices' is not a list of objects", "one two"]),
     ("/empty", ["the stream held no choice", "[DONE]"]),  # was a completed request of 0 tokens
+    ("/reset", ["ReadError: [Errno 104] Connection reset by peer"]),  # was a bare 'ReadError'
 ])
 def test_bench_against_a_foreign_server(tmp_path, path, needles):
     out = tmp_path / "bench.json"
