@@ -699,3 +699,47 @@ def test_zero_kv_heads_is_refused_as_zero_not_as_a_divisor(family):
     arch = {"gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}[family]
     with pytest.raises(UserError, match=r"num_key_value_heads=0 must be at least 1"):
         get_family(family).tunix_config({"architectures": [arch], "num_hidden_layers": 6, "num_key_value_heads": 0})
+
+
+_SWA, _FULL = "sliding_attention", "full_attention"
+
+
+# The keys transformers 4.x (sliding_window_pattern), 5.x (layer_types, and `_sliding_window_pattern`, which its
+# reader ignores) write for the attention pattern, alone and together, in a text and a multimodal config.json.
+@pytest.mark.parametrize("keys", [
+    {},
+    {"sliding_window_pattern": 2},
+    {"_sliding_window_pattern": 2},
+    {"layer_types": [_FULL, _SWA, _SWA, _FULL]},
+    {"sliding_window_pattern": 2, "_sliding_window_pattern": 2},
+    {"layer_types": [_SWA] * 4, "sliding_window_pattern": 2, "_sliding_window_pattern": 2},
+    {"layer_types": None, "sliding_window_pattern": 3},
+], ids=["none", "pattern", "private-pattern", "layer-types", "both-patterns", "all-three", "null-layer-types"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("nested", [False, True], ids=["text", "multimodal"])
+def test_attention_pattern_keys_give_transformers_layer_types(keys, family, nested):
+    """Whichever of the pattern keys a config.json has (as transformers 4.x or 5.x writes it), the layer types
+    read here are the ones transformers builds the model with (Gemma 4 ignores sliding_window_pattern)."""
+    import transformers
+
+    text = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "intermediate_size": 128, "vocab_size": 512, **keys}
+    if family == "gemma3":
+        text_cls, arch, model_type = transformers.Gemma3TextConfig, "Gemma3ForCausalLM", "gemma3_text"
+        top_cls, top_arch, top_type = transformers.Gemma3Config, "Gemma3ForConditionalGeneration", "gemma3"
+    else:
+        text_cls, arch, model_type = transformers.Gemma4TextConfig, "Gemma4ForCausalLM", "gemma4_text"
+        top_cls, top_arch, top_type = transformers.Gemma4Config, "Gemma4ForConditionalGeneration", "gemma4"
+    if nested:
+        cfg = {"architectures": [top_arch], "model_type": top_type, "text_config": {"model_type": model_type, **text}}
+        want = top_cls.from_dict(json.loads(json.dumps(cfg))).text_config.layer_types
+    else:
+        cfg = {"architectures": [arch], "model_type": model_type, **text}
+        want = text_cls.from_dict(json.loads(json.dumps(cfg))).layer_types
+    t = detect_family(cfg).read_text_config(cfg)
+    if family == "gemma3":
+        got = t["layer_types"]
+    else:  # Gemma 4 derives them where read (Tunix's names; the last layer global, as transformers forces)
+        from gemma_tpu.models.gemma4 import _HF_TYPES, _layer_types
+        got, want = _layer_types(t), [_HF_TYPES[x] for x in want]
+    assert list(got) == list(want)
