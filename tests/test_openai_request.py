@@ -50,6 +50,9 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
      "messages[0].tool_calls[0].function.arguments", "1e999 is beyond the range of a 64-bit float"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"r": NaN}'}}]}]},
      "messages[0].tool_calls[0].function.arguments", "NaN is not JSON (only finite numbers are)"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"r": 1' + "0" * 4300
+                                                                                      + "}"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "a number of 4301 digits (Python reads integers of at most 4300)"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
      "messages[0].tool_calls[0].function.name", "non-empty"),
     # a name no declaration may have: the template wrote `call:get weather{}` / `response:météo{...}` into the prompt

@@ -56,8 +56,9 @@ def _int(text: str) -> int:
 def loads_finite(text: str | bytes) -> Any:
     """json.loads refusing NaN, Infinity and numbers past a 64-bit float (`NotJSON`), for a server's requests: a call
     argument of 1e999 was rendered `Infinity` into the prompt. A key given twice keeps the last, as OpenAI's and
-    vLLM's servers read a request."""
-    return json.loads(text, parse_constant=_constant, parse_float=_float)
+    vLLM's servers read a request. An integer past Python's 4,300 digits is `NotJSON` too (it was a bare ValueError,
+    which neither the server's body reader nor its arguments check caught: a traceback and HTTP 500)."""
+    return json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
 
 
 # `DECODER.decode(text)` raises json.JSONDecodeError (not JSON at all), NotJSON, or RecursionError (nested past the
