@@ -140,8 +140,9 @@ def _message(m: Any, i: int) -> None:
     if content is None:
         raise RequestError(f"{where}.content", "missing")
     _text_parts(content, f"{where}.content")
-    if role == "tool" and isinstance(content, str):
-        _result_keys_once(content, f"{where}.content")
+    if role == "tool":  # text parts are rendered joined (`{"steps": 5, ` and `"steps": 6}` one JSON result)
+        _result_keys_once(content if isinstance(content, str) else "".join(p["text"] for p in content),
+                          f"{where}.content")
     if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
         raise RequestError(f"{where}.tool_call_id", "expected a string")
     if role == "tool" and m.get("name"):  # the template writes it as the response's name

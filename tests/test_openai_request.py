@@ -65,6 +65,10 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
                           {"role": "tool", "tool_call_id": "a", "content": '[{"steps": 5, "steps": 6}]'}]},
      "messages[2].content", "the tool result, read as JSON: key 'steps' appears twice"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
+                          {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": '{"steps": 5, '},
+                                                                            {"type": "text", "text": '"steps": 6}'}]}]},
+     "messages[2].content", "the tool result, read as JSON: key 'steps' appears twice"),
     # two calls of a turn with one id: one result answered both (rendered as the later call's), the other none
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}},
                                                                {"id": "a", "function": {"name": "g"}}]},
