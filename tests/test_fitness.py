@@ -1209,6 +1209,12 @@ def test_generic_tool_loop_with_another_toolset():
     assert run_tool_loop("2+3?", calc, scripted(call, ParsedReply("text", [], "5")), log=trace.append) == "5"
     assert [m["role"] for m in seen[1]] == ["developer", "user", "assistant", "tool"]
     assert json.loads(seen[1][3]["content"]) == {"sum": 5} and trace == ["-> add(a=2, b=3) = {\"sum\": 5}"]
+    seen.clear()  # a NaN result (the mean of no days) as JSON every reader takes: json.dumps wrote `NaN`
+    run_tool_loop("nan?", Toolset(calc.schemas, lambda name, arguments: {"mean": float("nan"), "n": 0}),
+                  scripted(call, ParsedReply("text", [], "none")))
+    from gemma_tpu.core import strict_json
+
+    assert strict_json.DECODER.decode(seen[1][-1]["content"]) == {"mean": None, "n": 0, "nonfinite": {"mean": "nan"}}
     assert run_tool_loop("?", calc, scripted(ParsedReply("call", [ToolCall("mul", {})], ""))) == "(no tool mul)"
     assert "stopped after 2 calls" in run_tool_loop("loop", calc, scripted(call, call, call), max_calls=2)
     # parallel calls in one turn: each is run, and their results answer them in order, in one turn (only the first

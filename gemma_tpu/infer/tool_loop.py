@@ -12,10 +12,10 @@ tool the declarations do not is refused whole before any runs; a later call fail
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from typing import Any
 
+from gemma_tpu.core import strict_json
 from gemma_tpu.formats.function_calling import ParsedReply
 
 MAX_CALLS = 3  # tool calls per question before the model is stopped
@@ -39,8 +39,10 @@ class Toolset:
 
 
 def result_json(result: Any) -> str:
-    """Tool results travel as JSON strings in `tool` messages."""
-    return json.dumps(result, ensure_ascii=False, default=str)  # a date or a Decimal as text, not a crash
+    """Tool results travel as JSON strings in `tool` messages. A NaN or infinite float (the mean of no days) is null,
+    named in `nonfinite` (`strict_json.dumps`): json.dumps wrote `NaN`, which is no JSON, and which the data reader
+    refuses in a tool result (the generated data held it)."""
+    return strict_json.dumps(result, ensure_ascii=False, default=str)  # a date or a Decimal as text, not a crash
 
 
 def first_messages(question: str, toolset: Toolset) -> list[dict]:
