@@ -743,6 +743,14 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
                         ({"sets": [1, {"reps": float("inf")}]}, "arguments.sets[1].reps is not a number JSON can carry")):
         odd = reply_from_message({"tool_calls": [{"function": {"name": "log_workout", "arguments": args}}]})
         assert odd.kind == "format_error" and odd.error.startswith(f"tool_calls {error}"), (args, odd)
+    for args in ([], 0, False, "[]"):  # not an object of arguments: `[]` (a list, as JSON too) was read as none given
+        odd = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": args}}]})
+        assert (odd.kind, odd.error) == ("format_error", "tool call without a name or an object of arguments"), args
+    big = reply_from_message({"tool_calls": [{"function": {"name": "f", "arguments": '{"n": 9007199254740993}'}}]})
+    assert big.first.arguments == {"n": 2**53 + 1}
+    with pytest.raises(UserError, match=r"^messages\[1\]\.tool_calls\[0\] arguments.n is not a number JSON"):
+        openai_messages([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"function": {"name": "f", "arguments": {"n": float("nan")}}}]}])
     for n in (64, 3000):  # nested past what json.loads reaches: RecursionError (a traceback in evaluate)
         deep = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": json.dumps(
             {"date": 1}).replace("1", "[" * n + "]" * n)}}]})

@@ -314,6 +314,11 @@ def openai_messages(messages: list[dict]) -> list[dict]:
         msg: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
         if m.get("tool_calls"):
             calls = [c.get("function", c) for c in m["tool_calls"]]  # normalised or raw OpenAI shape
+            for j, c in enumerate(calls):  # json.dumps wrote NaN as `NaN`: a request body no strict server reads
+                bad = None if isinstance(c.get("arguments"), str) else strict_json.nonfinite_path(c.get("arguments"))
+                if bad:
+                    raise UserError(f"messages[{i}].tool_calls[{j}] {bad} is not a number JSON can carry (NaN, "
+                                    f"Infinity)")
             msg["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function",
                                   "function": {"name": c["name"], "arguments": c["arguments"] if isinstance(
                                       c.get("arguments"), str) else json.dumps(c.get("arguments") or {})}}
@@ -355,7 +360,9 @@ def reply_from_message(message: dict) -> ParsedReply:
         fn = tc.get("function") or {}
         raw = fn.get("arguments")
         try:
-            args = strict_json.DECODER.decode(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
+            # null or "" is no arguments; [] / 0 / false are not an object of them (`raw or {}` took them as none)
+            args = strict_json.DECODER.decode(raw) if isinstance(raw, str) and raw.strip() else (
+                {} if raw is None or isinstance(raw, str) else raw)
             if isinstance(args, str) and args.strip().startswith("{"):
                 args = strict_json.DECODER.decode(args)
             args = {} if args is None else args  # "null" (json.dumps of none given): no arguments, as null is
