@@ -740,7 +740,8 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
     # numbers JSON does not hold, as text or in structured arguments: a format error, as in the call text
     for args, error in (('{"sets": NaN}', "arguments: NaN is not JSON"),
                         ('{"sets": 1e999}', "arguments: 1e999 is beyond the range of a 64-bit float"),
-                        ({"sets": [1, {"reps": float("inf")}]}, "arguments.sets[1].reps is not a number JSON can carry")):
+                        ({"sets": [1, {"reps": float("inf")}]},
+                         "arguments.sets[1].reps is not a number JSON can carry")):
         odd = reply_from_message({"tool_calls": [{"function": {"name": "log_workout", "arguments": args}}]})
         assert odd.kind == "format_error" and odd.error.startswith(f"tool_calls {error}"), (args, odd)
     for args in ([], 0, False, "[]"):  # not an object of arguments: `[]` (a list, as JSON too) was read as none given
