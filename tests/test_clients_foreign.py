@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -134,7 +135,8 @@ def test_an_error_page_is_told_by_its_words(tmp_path):
 @contextlib.contextmanager
 def raw_server(answer: bytes):
     """A loopback TCP server that reads each request (headers and body) and sends `answer` verbatim, HTTP
-    or not, then hangs up (at most 20 connections, each read bounded to 1 MB)."""
+    or not, then hangs up (at most 20 connections, each read bounded to 1 MB); an answer ending in RESET hangs up
+    with a TCP reset (SO_LINGER 0) instead."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
@@ -156,6 +158,12 @@ def raw_server(answer: bytes):
                     length = re.search(rb"(?i)content-length:\s*(\d+)", head)
                     while length and len(body) < int(length.group(1)):
                         body += conn.recv(65536) or b"x" * int(length.group(1))
+                    if answer.endswith(RESET):
+                        conn.sendall(answer[:-len(RESET)])
+                        time.sleep(0.2)  # the answer read before the reset arrives
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        conn.close()
+                        continue
                     conn.sendall(answer)
                     conn.shutdown(socket.SHUT_WR)
                     conn.recv(1)  # until the client hangs up
@@ -191,10 +199,18 @@ NOT_HTTP = [
      ["the answer was cut off", "13 of 100 bytes"]),
     # an error page cut short: the HTTP status is still reported
     (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 50\r\n\r\nboom", ["HTTP 500"]),
+    # a chunked body cut short after a chunk: what arrived is counted (it said 0 bytes, the last read's)
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"d\r\n{\"choices\": [\r\n", ["the answer was cut off (13 bytes of its body arrived)"]),
+    # a connection reset after the headers: the server was reached (it said "cannot reach the server")
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"choices\": ["
+     + b"RESET", ["the answer was cut off (13 of 100 bytes of its body arrived)"]),
 ]
+RESET = b"RESET"
 
 
-@pytest.mark.parametrize("answer, needles", NOT_HTTP, ids=["not-http", "cut-off", "cut-off-500"])
+@pytest.mark.parametrize("answer, needles", NOT_HTTP, ids=["not-http", "cut-off", "cut-off-500", "cut-off-chunked",
+                                                           "reset-midway"])
 def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, needles):
     out = tmp_path / "r.json"
     with raw_server(answer) as url:

@@ -169,7 +169,13 @@ def _read_by(resp, deadline: float) -> bytes:
             raise TimeoutError
         if sock is not None:
             sock.settimeout(left)
-        chunk = resp.read1(65536)
+        try:
+            chunk = resp.read1(65536)
+        except http.client.IncompleteRead as e:  # a chunked body cut short: its partial is the last chunk's alone
+            raise http.client.IncompleteRead(b"".join(chunks) + e.partial, e.expected) from None
+        except ConnectionError:  # reset after the headers: the server was reached, its answer cut off (it said
+            # "cannot reach the server")
+            raise http.client.IncompleteRead(b"".join(chunks), resp.length) from None
         if not chunk:
             if resp.length:  # the connection closed short of Content-Length (read() raises this itself)
                 raise http.client.IncompleteRead(b"".join(chunks), resp.length)
