@@ -375,6 +375,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = families_[0].read_text_config(configs[0]) if families_[0] else text_config(configs[0])
     vocab = int(text["vocab_size"])
     ids = prompt_ids(models[0], args.prompt or DEFAULT_PROMPTS, vocab)
+    context = text.get("max_position_embeddings")
+    longest = max(range(len(ids)), key=lambda k: len(ids[k]))
+    if isinstance(context, int) and len(ids[longest]) > context:  # compared past the context the model was built for
+        raise UserError(f"--prompt {longest + 1}: {len(ids[longest])} tokens, past the model's context of {context} "
+                        f"(max_position_embeddings); give a shorter prompt")
     c = compare(*(hf_logits(m, ids, a) for m, a in zip(models, adapters)))
     failed = []
     if args.max_abs_diff is not None and c.max_abs_diff > args.max_abs_diff:

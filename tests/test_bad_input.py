@@ -813,6 +813,8 @@ CASES = [
     Case("verify-dir-without-config", "convert.verify", ["{tiny}", "{tmp}/b"], ["{tmp}/b/config.json"],
          {"b/model.safetensors": corrupt_header()}),
     Case("verify-empty-prompt", "convert.verify", ["{tiny}", "{tiny}", "--prompt", ""], ["--prompt", "empty prompt"]),
+    Case("verify-prompt-past-context", "convert.verify", ["{tiny}", "{tiny}", "--prompt", "hi", "--prompt", "x" * 2000],
+         ["--prompt 2: 2001 tokens, past the model's context of 1024 (max_position_embeddings)"]),
     # a nan threshold passed every comparison: the gate could never fail
     Case("verify-nan-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "nan"], ["--max-kl", "'nan'"]),
     Case("verify-bad-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "tiny"], ["--max-kl", "'tiny'"]),
