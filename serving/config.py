@@ -832,9 +832,10 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         kv_counts = [("num_key_value_heads", kv)]
         global_kv = text.get("num_global_key_value_heads")
         if (text.get("attention_k_eq_v") and isinstance(global_kv, int) and not isinstance(global_kv, bool)
-                and global_kv > 0 and "full_attention" in (text.get("layer_types") or ["full_attention"])):
+                and global_kv > 0):
             # Gemma 4's K=V full-attention layers have their own KV-head count, which vLLM shares out alike
-            # (vllm/model_executor/models/gemma4.py asserts it when the engine builds the model)
+            # (vllm/model_executor/models/gemma4.py asserts it when the engine builds the model); there is always
+            # one, the last layer, whatever layer_types says (transformers makes it full attention)
             kv_counts.append(("num_global_key_value_heads", global_kv))
         for key, n in kv_counts:
             if (n % tp) if tp <= n else (tp % n):

@@ -558,12 +558,14 @@ def _short_tokenizer_limit(p, n=1024):
     return d
 
 
-def _k_eq_v_gemma4(p, global_kv: int):
-    """A Gemma 4 whose K=V full-attention layers have `global_kv` KV heads (its sliding layers 4)."""
+def _k_eq_v_gemma4(p, global_kv: int, last: str = "full_attention"):
+    """A Gemma 4 whose K=V full-attention layers have `global_kv` KV heads (its sliding layers 4); its last layer
+    full attention whatever layer_types says (transformers makes it so: a list of sliding layers alone was not
+    checked)."""
     d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"].update(attention_k_eq_v=True, num_global_key_value_heads=global_kv,
-                              layer_types=["sliding_attention", "full_attention"])
+                              layer_types=["sliding_attention", last])
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -600,6 +602,8 @@ def _moe_gemma4(p, expert_width: int):
      ["server.max_model_len=2048 exceeds model_max_length=1024", "tokenizer_config.json"]),
     # vLLM asserts it of the K=V full-attention layers' own count when it builds the model, minutes into the start
     (CONFIG_31B, lambda p: _k_eq_v_gemma4(p, 3), ["server.tensor_parallel_size=2"],
+     ["tensor_parallel_size=2", "num_global_key_value_heads=3"]),
+    (CONFIG_31B, lambda p: _k_eq_v_gemma4(p, 3, "sliding_attention"), ["server.tensor_parallel_size=2"],
      ["tensor_parallel_size=2", "num_global_key_value_heads=3"]),
     # vLLM's MLP layers assert that the chips split its width evenly, minutes into the start (an AssertionError)
     (CONFIG_270M, lambda p: _mlp_width(p, 100), ["server.tensor_parallel_size=8"],
