@@ -538,6 +538,23 @@ def test_a_config_in_another_encoding_names_it(data, message, tmp_path):
     assert str(e.value) == f"{tmp_path}/{message}"
 
 
+@pytest.mark.parametrize("data, message", [
+    ('{"model_type": "gemma3"}'.encode("utf-16"), "config.json: UTF-16 text (it starts with a UTF-16 byte-order "
+                                                  "mark); save it as UTF-8"),
+    (b'{"name": "caf\xe9"}', "config.json line 1: not UTF-8 text (byte offset 13: 0xe9, 'é' in Latin-1/Windows-1252); "
+                             "save it as UTF-8"),
+])
+def test_a_json_file_in_another_encoding_names_it(data, message, tmp_path):
+    """config.json, tokenizer_config.json, adapter_config.json (read_json_object) said 'not UTF-8 text' alone, as
+    configs did; and were read in the locale's encoding, not UTF-8."""
+    from gemma_tpu.core.errors import read_json_object
+
+    (tmp_path / "config.json").write_bytes(data)
+    with pytest.raises(UserError) as e:
+        read_json_object(tmp_path / "config.json", "missing")
+    assert str(e.value) == f"{tmp_path}/{message}"
+
+
 def test_config_that_is_a_directory_says_so(tmp_path):
     """`--config runs/` (a directory that exists) was 'config file not found', sending users after a typo."""
     proc = run_cli("gemma_tpu.train", "--config", str(tmp_path), "--print-config")

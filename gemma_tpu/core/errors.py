@@ -86,12 +86,17 @@ def read_json_object(path, missing: str) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(missing)
+    raw = path.read_bytes()
+    form = other_unicode(raw[:6])
+    if form:  # was "not UTF-8 text", naming no encoding (a config.json saved by a Windows editor)
+        raise UserError(f"{path}: {form}; save it as UTF-8")
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(raw.decode("utf-8"))  # UTF-8 whatever the locale (read_text took the locale's encoding)
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text") from None
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise UserError(f"{path} line {line}: not UTF-8 text (byte offset {e.start}{not_utf8(raw, e.start)}") from None
     if not isinstance(obj, dict):
         raise UserError(f"{path}: expected a JSON object")
     return obj
