@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from gemma_tpu.core.config import blame, expand_env, key_lines, load_typed
-from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.core.errors import UserError, other_unicode, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import (
     check_adapter_fits as check_adapter_sites,
@@ -747,7 +747,11 @@ def check_template_file(path: Path, key: str) -> None:
     if not path.is_file():
         raise UserError(f"{key}: {path} is not a file")
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
+        form = other_unicode(raw[:6])
+        if form:  # a UTF-16 export was 'not UTF-8 text (byte 0)', naming no encoding, as configs and data name it
+            raise UserError(f"{key}: {path} is {form}; save it as UTF-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{key}: {path} is not UTF-8 text (byte {e.start}): not a Jinja chat template") from None
     except OSError as e:

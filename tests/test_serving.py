@@ -377,7 +377,12 @@ def test_a_chat_template_file_that_is_no_text_is_refused_before_local_serving(tm
     (tmp_path / "t.jinja").write_bytes("{{ messages }}".encode("utf-16"))
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
                                    f"tool_calling.chat_template={tmp_path / 't.jinja'}", f"server.port={free_port()}")
-    one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / 't.jinja'} is not UTF-8 text (byte 0)")
+    one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / 't.jinja'} is UTF-16 text (it starts with "
+                              f"a UTF-16 byte-order mark); save it as UTF-8")
+    (tmp_path / "t.jinja").write_bytes(b"{{ messages }}\xff\xfe")  # binary, not text
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--local", f"model.dir={d}",
+                                   f"tool_calling.chat_template={tmp_path / 't.jinja'}", f"server.port={free_port()}")
+    one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / 't.jinja'} is not UTF-8 text (byte 14)")
     # a template with a Jinja syntax error passed and failed in vLLM at the first request (the model loaded): refused
     # naming the line; transformers' `{% generation %}` block and loop controls are syntax it compiles
     (tmp_path / "t.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}"
