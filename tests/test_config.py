@@ -71,6 +71,7 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("data.validation_file=x.jsonl", "here it is 'data.eval_path'"),
     # a key of its own section ending in the name first: axolotl's datasets' `path` is the data file, not model.path
     ("data.path=x.jsonl", "did you mean 'data.train_path', 'data.eval_path' or 'model.path'?"),
+    ("lora.remat=block", "did you mean 'train.remat'?"),  # not model.remat, its older name
     # a MaxText recipe's mesh and batch
     ("mesh.ici_fsdp_parallelism=8", "the MaxText name; here it is 'mesh.fsdp'"),
     ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),

@@ -469,6 +469,10 @@ def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
     return out
 
 
+# keys kept for configs written before their new home, never suggested: `lora.remat` was told 'model.remat'
+OLDER_NAMES = {"model.remat": "train.remat"}
+
+
 def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, tuple[str, ...]]) -> str:
     """What the user probably meant by an unknown key: a recipe's name for one of ours, the same name in
     another section, or a close spelling in its own section."""
@@ -483,7 +487,7 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
     if leaf in foreign and foreign[leaf][0] in keys:
         ours, note, origin = (*foreign[leaf], "transformers/TRL")[:3]
         return f"the {origin} name; here it is '{ours}'{f' ({note})' if note else ''}; "
-    elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted]
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != dotted and k not in OLDER_NAMES]
     # a key of its own section named '<what>_<leaf>' first: `data.path` (axolotl's datasets' path) is the data file,
     # data.train_path, where the hint named model.path alone
     own = [k for k in keys if section and k.rpartition(".")[0] == section and k.endswith(f"_{leaf}")]
