@@ -307,7 +307,7 @@ class LocalServer:
 
     def start(self) -> "LocalServer":
         cmd = self.command()
-        self._check_port_free()
+        check_port_free(self.host, self.port)  # the other server's /health made this one look ready
         self._workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
         prepare_served_dir(self.model_dir, self.name, self._workdir, self.chat_template, self.identity)
         hub = self._workdir / "hub-cache"
@@ -329,11 +329,6 @@ class LocalServer:
                                      stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
                                      start_new_session=True)
         return self
-
-    def _check_port_free(self) -> None:
-        """Refuse a port something already listens on: the server would fail to bind only after loading
-        the model, and meanwhile the other server's /health made this one look ready."""
-        check_port_free(self.host, self.port)
 
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.is_file():

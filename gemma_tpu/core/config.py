@@ -21,7 +21,7 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from gemma_tpu.core.accelerators import ACCELERATORS
-from gemma_tpu.core.errors import UserError, not_utf8, other_unicode, shown
+from gemma_tpu.core.errors import UserError, shown, utf8_text
 
 _log = logging.getLogger(__name__)
 
@@ -743,17 +743,15 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
             data = " (training data is given as data.train_path=FILE)" if "data" in {f.name for f in
                                                                                       dataclasses.fields(cls)} else ""
             raise UserError(f"config file {p} is a data file, not a YAML config{data}")
-        raw = p.read_bytes()
-        form = other_unicode(raw[:6])
-        if form:  # was "not UTF-8 text (byte offset 0)", naming no encoding (the data reader said UTF-16)
-            raise UserError(f"{p}: {form}; save it as UTF-8")
+        # another encoding was "not UTF-8 text (byte offset 0)", naming none (the data reader said UTF-16)
+        text = utf8_text(p.read_bytes(), str(p))
         try:
-            tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # safety: a SafeLoader subclass
+            tree = yaml.load(text, Loader=_UniqueKeyLoader)  # safety: a SafeLoader subclass
         except _DuplicateKey as e:
             raise UserError(f"{p} line {e.line}: {e.key!r} appears twice in one mapping (first on line {e.first}); "
                             f"YAML would keep only the last and drop the first silently: merge them") from None
         except yaml.reader.ReaderError as e:  # a NUL or other control byte: PyYAML's message spans two lines, no line
-            line = p.read_text(encoding="utf-8")[:e.position].count("\n") + 1
+            line = text[:e.position].count("\n") + 1
             code = ord(e.character) if isinstance(e.character, str) else e.character
             what = "a NUL byte, as a file cut short by a crash is padded" if code == 0 else "a control character"
             raise UserError(f"{p} line {line}: not valid YAML (character #x{code:04x}, which YAML does not allow in "
@@ -767,21 +765,18 @@ def load_typed(cls: type, path: str | Path | None, overrides: Sequence[str] = ()
                 first = f" (line {at.line + 1})" if at and mark and at.line != mark.line else ""
                 problem = f"{context}{first}, {problem}"
             tab = " - YAML indents with spaces, not tabs" if "'\\t'" in problem else ""
-            if tab and mark and p.read_text(encoding="utf-8").splitlines()[mark.line][:mark.column].strip():
+            if tab and mark and text.splitlines()[mark.line][:mark.column].strip():
                 # after a key's colon or a value (`seed: 1<TAB># note`): that tab indents nothing
                 tab = (" - a tab after text on its line, before a value or a comment, which PyYAML (the reader here) "
                        "refuses where YAML 1.2 allows it; write a space")
             raise UserError(f"{p}{line}: not valid YAML ({problem}{tab})") from None
-        except UnicodeDecodeError as e:
-            line = raw[:e.start].count(b"\n") + 1
-            raise UserError(f"{p} line {line}: not UTF-8 text (byte offset {e.start}{not_utf8(raw, e.start)}") from None
         if tree is None:  # empty or only comments: a truncated or mistyped file would otherwise run on defaults
             raise UserError(f"{p}: empty config file (no sections); give a config such as {example} "
                             f"or leave --config out")
         if not isinstance(tree, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections")
         names = [f.name for f in dataclasses.fields(cls)]
-        for key in _template_keys(p.read_text(encoding="utf-8")) - set(names):
+        for key in _template_keys(text) - set(names):
             del tree[key]
         stray = [k for k in tree if k not in names and k in (elsewhere or {})]
         if stray:  # another tool's config: its first shared section's keys made a misleading 'unknown key'

@@ -78,6 +78,19 @@ def not_utf8(raw: bytes, start: int) -> str:
     return f": 0x{byte[0]:02x}{legacy}); save it as UTF-8"
 
 
+def utf8_text(raw: bytes, where: str) -> str:
+    """A text file's bytes as UTF-8 text, or a one-line UserError about `where` (a file name) naming the encoding it
+    is in (`other_unicode`) or the line and byte that is not UTF-8 (`not_utf8`): configs and JSON files alike."""
+    form = other_unicode(raw[:6])
+    if form:
+        raise UserError(f"{where}: {form}; save it as UTF-8")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise UserError(f"{where} line {line}: not UTF-8 text (byte offset {e.start}{not_utf8(raw, e.start)}") from None
+
+
 def read_json_object(path, missing: str) -> dict:
     """A JSON object from `path`; a missing file, bad JSON or a non-object is a one-line UserError."""
     import json
@@ -86,17 +99,10 @@ def read_json_object(path, missing: str) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(missing)
-    raw = path.read_bytes()
-    form = other_unicode(raw[:6])
-    if form:  # was "not UTF-8 text", naming no encoding (a config.json saved by a Windows editor)
-        raise UserError(f"{path}: {form}; save it as UTF-8")
-    try:
-        obj = json.loads(raw.decode("utf-8"))  # UTF-8 whatever the locale (read_text took the locale's encoding)
+    try:  # UTF-8 whatever the locale (read_text took the locale's encoding); it said "not UTF-8 text" alone
+        obj = json.loads(utf8_text(path.read_bytes(), str(path)))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise UserError(f"{path} line {line}: not UTF-8 text (byte offset {e.start}{not_utf8(raw, e.start)}") from None
     if not isinstance(obj, dict):
         raise UserError(f"{path}: expected a JSON object")
     return obj

@@ -382,9 +382,10 @@ def reply_from_message(message: dict) -> ParsedReply:
             return ParsedReply("format_error", [], str(raw), "tool_calls arguments are not JSON")
         except strict_json.NotJSON as e:
             return ParsedReply("format_error", [], str(raw), f"tool_calls arguments: {e}")
-        if strict_json.nonfinite_path(args):  # structured arguments (an object, not JSON text) read by the client
-            return ParsedReply("format_error", [], str(raw)[:200], f"tool_calls {strict_json.nonfinite_path(args)} "
-                                                                   f"is not a number JSON can carry (NaN, Infinity)")
+        bad = strict_json.nonfinite_path(args)  # structured arguments (an object, not JSON text) read by the client
+        if bad:
+            return ParsedReply("format_error", [], str(raw)[:200], f"tool_calls {bad} is not a number JSON can carry "
+                                                                   f"(NaN, Infinity)")
         if not isinstance(args, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             return ParsedReply("format_error", [], str(raw), "tool call without a name or an object of arguments")
         if not TOOL_NAME.fullmatch(fn["name"]):  # as the FunctionGemma text's parser reads `call:météo{...}`
