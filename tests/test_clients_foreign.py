@@ -229,6 +229,9 @@ def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, n
     ({"content": None, "tool_calls": [None]}, ["tool_calls is not a list", "[null]"]),
     ({"content": None, "tool_calls": [{"function": "get_steps"}]}, ["tool_calls is not a list"]),
     ({"content": [{"type": "image_url", "image_url": {"url": "x"}}, 3]}, ["not of text parts"]),
+    # a part without text read as "" (an empty answer), as did a refusal part (below)
+    ({"content": [{"type": "image_url", "image_url": {"url": "x"}}]}, ["not of text parts", "image_url"]),
+    ({"content": None, "refusal": 5}, ["refusal is not a string", "5"]),
 ])
 def test_messages_of_the_wrong_shape_are_one_line_errors(tmp_path, message, needles):
     from tests.test_serving import scripted
@@ -255,6 +258,13 @@ def test_content_parts_models_without_ids_and_nameless_calls():
     _, server = scripted({"content": [{"type": "text", "text": "You slept "}, {"type": "text", "text": "well."}]})
     with server as url:
         assert RemoteCoach(url, SimulatedDevice(0), trace=None).ask("how did I sleep?") == "You slept well."
+    # a refusal (a part of its own, or the message's `refusal` with content null) is the model's answer in words
+    _, server = scripted({"content": [{"type": "refusal", "refusal": "I cannot share that."}]},
+                         {"content": None, "refusal": "I cannot share that either."})
+    with server as url:
+        coach = RemoteCoach(url, SimulatedDevice(0), trace=None)
+        assert coach.ask("how did I sleep?") == "I cannot share that."
+        assert coach.ask("and today?") == "I cannot share that either."
 
     class Models(Foreign):
         def do_GET(self):

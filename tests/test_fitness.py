@@ -752,6 +752,13 @@ def test_endpoint_replies_are_read_from_tool_calls_or_content():
     with pytest.raises(UserError, match=r"^messages\[1\]\.tool_calls\[0\] arguments.n is not a number JSON"):
         openai_messages([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
             {"function": {"name": "f", "arguments": {"n": float("nan")}}}]}])
+    # arguments already JSON text were sent on unchecked: a string holding NaN or a key twice reached the server
+    for text, why in (('{"n": NaN}', "NaN is not JSON"), ('{"n": 1, "n": 2}', "key 'n' appears twice"),
+                      ('{"n": 1e999}', "1e999 is beyond the range"), ('{"n"', "Expecting")):
+        with pytest.raises(UserError, match=r"^messages\[1\]\.tool_calls\[0\] arguments are not JSON a server "
+                                            rf"reads: {re.escape(why)}"):
+            openai_messages([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+                {"function": {"name": "f", "arguments": text}}]}])
     for n in (64, 3000):  # nested past what json.loads reaches: RecursionError (a traceback in evaluate)
         deep = reply_from_message({"tool_calls": [{"function": {"name": "get_steps", "arguments": json.dumps(
             {"date": 1}).replace("1", "[" * n + "]" * n)}}]})

@@ -321,7 +321,14 @@ def openai_messages(messages: list[dict]) -> list[dict]:
         if m.get("tool_calls"):
             calls = [c.get("function", c) for c in m["tool_calls"]]  # normalised or raw OpenAI shape
             for j, c in enumerate(calls):  # json.dumps wrote NaN as `NaN`: a request body no strict server reads
-                bad = None if isinstance(c.get("arguments"), str) else strict_json.nonfinite_path(c.get("arguments"))
+                args = c.get("arguments")
+                if isinstance(args, str) and args.strip():  # sent as given: it must be what a strict server reads
+                    try:
+                        args = strict_json.DECODER.decode(args)
+                    except (ValueError, RecursionError) as e:  # JSONDecodeError and NotJSON are ValueErrors
+                        raise UserError(f"messages[{i}].tool_calls[{j}] arguments are not JSON a server reads: "
+                                        f"{str(e) or 'nested too deep'}") from None
+                bad = strict_json.nonfinite_path(args)
                 if bad:
                     raise UserError(f"messages[{i}].tool_calls[{j}] {bad} is not a number JSON can carry (NaN, "
                                     f"Infinity)")
@@ -398,10 +405,20 @@ def reply_from_message(message: dict) -> ParsedReply:
     return parse_reply(message.get("content") or "", plain_gemma_token_map())
 
 
+def part_text(part: Any) -> str | None:
+    """The text of one content part: a text part's `text`, a refusal part's `refusal` (the model declining, in
+    words: it read as "" and the chat showed an empty answer); None for a part without text (an image)."""
+    if not isinstance(part, dict):
+        return None
+    if part.get("type") == "refusal":
+        return part.get("refusal")
+    return part.get("text")
+
+
 def first_message(resp: dict, url: str) -> dict:
     """`choices[0].message` of a chat completion, or a one-line error naming what came back. The message
-    is checked to have OpenAI's shape (`content` a string, null or a list of text parts, given back as
-    a string; `tool_calls` null or a list of objects with a `function` object), so the readers after it
+    is checked to have OpenAI's shape (`content` a string, null or a list of text or refusal parts, given back as
+    a string, or the message's `refusal` where content is empty; `tool_calls` null or a list of objects with a `function` object), so the readers after it
     need not guard every field."""
     try:
         message = resp["choices"][0]["message"]
@@ -410,12 +427,18 @@ def first_message(resp: dict, url: str) -> dict:
     if not isinstance(message, dict):
         raise UserError(f"{url}: unexpected message {json.dumps(message)[:200]}")
     content = message.get("content")
-    if isinstance(content, list):  # content parts: [{"type": "text", "text": "..."}]
-        if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+    if isinstance(content, list):  # content parts: [{"type": "text", "text": "..."}, {"type": "refusal", ...}]
+        texts = [part_text(p) for p in content]
+        if not all(isinstance(t, str) for t in texts):
             raise UserError(f"{url}: message content is a list but not of text parts: {json.dumps(content)[:200]}")
-        message = {**message, "content": "".join(p.get("text", "") for p in content)}
+        message = {**message, "content": "".join(texts)}
     elif content is not None and not isinstance(content, str):
         raise UserError(f"{url}: message content is not a string: {json.dumps(content)[:200]}")
+    refusal = message.get("refusal")  # OpenAI's: the model declined in words, with content null
+    if refusal is not None and not isinstance(refusal, str):
+        raise UserError(f"{url}: message refusal is not a string: {json.dumps(refusal)[:200]}")
+    if refusal and not message.get("content"):
+        message = {**message, "content": refusal}
     calls = message.get("tool_calls")
     if calls is not None and not (isinstance(calls, list) and all(
             isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
