@@ -347,6 +347,10 @@ def test_parser_classifies_text_bare_calls_and_errors():
     for ends in ("Sure.\ncall:get_steps{date:today}", "Let me check call:get_steps{date:today}",
                  "Checking: call:get_steps{date:today} call:get_daily_step_goal{}"):  # a call ending the sentence
         assert parse_reply(ends).kind == "call", ends
+    # a bare value with a leading zero (a zip code whose <escape>s a server stripped) is text, as JSON has no 01:
+    # '02139' read as the number 2139; a number written as JSON writes it is still a number
+    zips = parse_reply("call:find_gym{zip:02139,floor:-01,n:0,x:0.5,k:10}")
+    assert zips.first.arguments == {"zip": "02139", "floor": "-01", "n": 0, "x": 0.5, "k": 10}
     bare = parse_reply("call:get_steps{date:today}")  # a server that strips special tokens
     assert bare.kind == "call" and bare.first == ToolCall("get_steps", {"date": "today"})
     two = parse_reply(format_call("get_steps", {"date": "today"}) + format_call("get_daily_step_goal", {}))

@@ -619,7 +619,8 @@ class _Reader:
             return word == "true"
         if word == "null":
             return None
-        if _NUMBER.fullmatch(word):
+        if _NUMBER.fullmatch(word) and not re.match(r"-?0\d", word):  # JSON has no 01: a zip code or id whose
+            # <escape>s a server stripped ('02139' was read as 2139, and scored unlike the reference '02139')
             if re.fullmatch(r"-?\d+", word):
                 # exact, however long (float() of 309+ digits is inf, and int(inf) raises); past
                 # Python's int-from-str limit (4,300 digits) a degenerate run of digits stays text
