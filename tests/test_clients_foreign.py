@@ -859,6 +859,11 @@ def test_compare_checks_both_models_before_evaluating_either(tmp_path):
             proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--compare", f"endpoint:{url}", missing,
                                "--limit", "1")
             assert_one_line_error(proc, str(tmp_path / "nope"), f"--compare B ({missing})")  # not model.path
+        # the side is named as given, its step or served model included (the @STEP was left out of the line)
+        missing = f"checkpoint:{tmp_path / 'nope'}@7"
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--compare", f"endpoint:{url}#m", missing,
+                           "--limit", "1")
+        assert_one_line_error(proc, str(tmp_path / "nope"), f"--compare B ({missing})")
     assert handler.seen == 0  # no request was spent on the first model
 
 

@@ -741,7 +741,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
             try:
                 check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None, args.retries)
             except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
-                raise UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") from None
+                raise UserError(f"--compare {which} ({spec.label}): {e}") from None
     if not args.no_prefix_cache and any(spec.kind != "endpoint" for spec in specs):
         prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before a model loads
     for which, spec in zip(("A", "B") if len(specs) > 1 else ("",), specs):  # every model's, before any loads
@@ -749,7 +749,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
             try:
                 check_before_load(spec, convs, cfg, args)
             except UserError as e:
-                raise (UserError(f"--compare {which} ({spec.kind}:{spec.target}): {e}") if which else e) from None
+                raise (UserError(f"--compare {which} ({spec.label}): {e}") if which else e) from None
     results, details = {}, {}
     # SIGTERM (a preempted machine) keeps the finished models' results as Ctrl-C does; it used to end the
     # process at once, losing them
