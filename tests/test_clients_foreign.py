@@ -867,6 +867,24 @@ def test_compare_checks_both_models_before_evaluating_either(tmp_path):
     assert handler.seen == 0  # no request was spent on the first model
 
 
+def test_evaluate_limit_reads_only_the_rows_it_evaluates(tmp_path):
+    """`--limit N` of a large file read and checked every row: a bad row past the N-th refused the run."""
+    from tests.test_serving import scripted
+
+    rows = CHAT.read_text(encoding="utf-8").splitlines()[:2]
+    data = tmp_path / "test.jsonl"
+    data.write_text("\n".join(rows + ['{"messages": [{"role": "user"}'] ) + "\n", encoding="utf-8")
+    out = tmp_path / "r.json"
+    handler, server = scripted(*[{"content": "Fine."}] * 2)
+    with server as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(data), "--endpoint", url, "--limit", "2",
+                           "--json", str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert len(handler.requests) == 2 and json.loads(out.read_text())["models"]
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(data), "--endpoint", url, "--limit", "3")
+        assert_one_line_error(proc, f"{data}:3")  # the bad row itself is still refused when it is asked for
+
+
 class Picky(Flaky):
     """Refuses (HTTP 400, as vLLM answers a prompt over its context) the requests whose numbers are in `refuse`
     (counting from 1), answers the others with a get_steps call."""

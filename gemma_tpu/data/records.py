@@ -1134,18 +1134,23 @@ def _why_no_rows(path: str | Path) -> str:
     return "no rows in it"
 
 
-def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP) -> list[dict]:
+def load_conversations(path: str | Path, data_cfg, markup: Markup = GEMMA_MARKUP,
+                       limit: int | None = None) -> list[dict]:
     """All examples of a file as normalised conversations; an empty file is an error. `markup`: the control
     tokens message text must not hold (`Renderer.markup` for the model's tokenizer; Gemma 3's by default).
+    `limit`: the first N examples only; the rows after them are not read (evaluate --limit 5 of a large file read
+    and checked every row, and a bad row past the fifth refused the run).
     Reasoning beside an answer (`reasoning_content`, R1-style exports) is not rendered: said once per file (it was
     dropped like any unknown key, without a word)."""
     out = []
     reasoning: list[str] = []
-    for lineno, obj in iter_raw(path):
+    for lineno, obj in iter_raw(path) if limit is None or limit > 0 else ():
         out.append(normalise_row(obj, f"{path}:{lineno}", data_cfg, markup))
         found = _reasoning(obj)
         if found:
             reasoning.append(f"{path}:{lineno}: {found}")
+        if limit is not None and len(out) >= limit:
+            break  # before the next row is parsed
     if not out:
         raise UserError(f"{path}: no examples ({_why_no_rows(path)})")
     texts = [c["where"] for c in out if "text" in c]

@@ -283,7 +283,7 @@ def check_before_load(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> No
     described = (describe_hf_dir(spec.target) if spec.kind == "model"
                  else describe_checkpoint(spec.target, spec.step))
     renderer = _renderer(described, cfg.data)
-    load_conversations(args.data, cfg.data, renderer.markup)
+    load_conversations(args.data, cfg.data, renderer.markup, args.limit)
     cases = build_cases(convs, args.turns)
     check_not_all_refused(cases, prompts_within_context(renderer, cases, args.max_new_tokens,
                                                         described.max_positions)[1])
@@ -513,7 +513,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
         if spec.kind == "endpoint":
             # read again with every family's control tokens (read first with Gemma 3's): the server's tokenizer is
             # not known here, and a Gemma 4's `<|turn>` in a message opened a turn of its own there
-            load_conversations(args.data, cfg.data, served_markup())
+            load_conversations(args.data, cfg.data, served_markup(), args.limit)
             preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
                                             args.timeout, args.retries, os.environ.get(args.api_key_env) or None,
                                             done=done)
@@ -668,7 +668,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=f"--endpoint: {RETRIES_HELP}")
     # of conversations (the data's rows): under --turns all one gives an example for each trained assistant turn
-    p.add_argument("--limit", type=int, help="evaluate the first N conversations (rows of --data)")
+    p.add_argument("--limit", type=int,
+                   help="evaluate the first N conversations (rows of --data); the rows after them are not read")
     p.add_argument("--turns", choices=TURNS, default="first",
                    help="score each conversation's first trained assistant turn, or every one after the reference "
                         "conversation before it (multi-turn chats; default: first)")
@@ -712,14 +713,12 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
         raise UserError("--served-model applies to --endpoint (and endpoint: specs of --compare), not "
                         f"{'--model' if args.model else '--checkpoint'}")
     check_results_file(args.json, {"--data": args.data, "--config": args.config}, results_key="models")
-    convs = load_conversations(args.data, cfg.data)
+    convs = load_conversations(args.data, cfg.data, limit=args.limit)
     lm = next((c for c in convs if "text" in c), None)
     if lm is not None:  # nothing to prompt with or score against
         raise UserError(f"{lm['where']}: a language-modeling 'text' row; evaluation scores the assistant turns of "
                         f"chats (messages, prompt-completion, ShareGPT or instruction rows)")
     check_answered(convs)
-    if args.limit:
-        convs = convs[: args.limit]
     if args.compare:
         specs = [parse_spec(s, args.step, args.served_model) for s in args.compare]
         if args.step is not None and not any(s.kind == "checkpoint" for s in specs):
