@@ -714,7 +714,9 @@ _SWA, _FULL = "sliding_attention", "full_attention"
     {"sliding_window_pattern": 2, "_sliding_window_pattern": 2},
     {"layer_types": [_SWA] * 4, "sliding_window_pattern": 2, "_sliding_window_pattern": 2},
     {"layer_types": None, "sliding_window_pattern": 3},
-], ids=["none", "pattern", "private-pattern", "layer-types", "both-patterns", "all-three", "null-layer-types"])
+    {"sliding_window_pattern": 3.0},  # a float a script wrote: transformers takes it (it was refused here)
+], ids=["none", "pattern", "private-pattern", "layer-types", "both-patterns", "all-three", "null-layer-types",
+        "float-pattern"])
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 @pytest.mark.parametrize("nested", [False, True], ids=["text", "multimodal"])
 def test_attention_pattern_keys_give_transformers_layer_types(keys, family, nested):

@@ -65,6 +65,8 @@ def hf_text_config(hf_config: dict) -> dict:
     t = text_config_with_defaults(hf_config, HF_DEFAULTS, HF_TYPES)
     if not t.get("layer_types") and t.get("num_hidden_layers") is not None:
         period = t["sliding_window_pattern"]
+        if isinstance(period, float) and period.is_integer():  # 6.0, as a config a script wrote may hold:
+            period = int(period)  # transformers derives the same layers from it (it was refused)
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
             raise UserError(f"config.json: sliding_window_pattern={period!r} is not a positive integer")
         t["layer_types"] = GEMMA3.layer_types(int(t["num_hidden_layers"]), period)
