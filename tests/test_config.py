@@ -77,6 +77,15 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),
     ("mesh.dcn_data_parallelism=2", "the MaxText name; here it is 'mesh.dcn_data' (the number of slices)"),
     ("train.per_device_batch_size=2", "here it is 'train.batch_size' (rows over all devices: per_device_batch_size"),
+    # other words for a key of the section: no hint, or one for another section's key of the same leaf
+    ("model.name=google/gemma-3-1b-it", "did you mean 'model.path'?"),
+    ("base_model=google/gemma-3-1b-it", "the axolotl name; here it is 'model.path'"),
+    ("data.file=x.jsonl", "did you mean 'data.train_path'?"),
+    ("checkpoint.path=runs/x", "did you mean 'checkpoint.dir'?"),  # it said model.path
+    ("mesh.dp=2", "did you mean 'mesh.data'?"),  # it said mesh.fsdp
+    ("mesh.model=2", "did you mean 'mesh.tp'?"),
+    ("checkpoint.save_every=50", "did you mean 'checkpoint.every_steps'?"),
+    ("lora.modules=[q_proj]", "did you mean 'lora.targets'?"),
 ])
 def test_unknown_key_suggests_the_key_meant(override, meant):
     """An unknown key listed the section's keys only: a typo, a key in the wrong section or a transformers/TRL
@@ -86,6 +95,16 @@ def test_unknown_key_suggests_the_key_meant(override, meant):
     unknown = override.split("=")[0].replace("training.max_steps", "training")  # a section it does not have
     assert str(e.value).startswith(f"override '{override}': unknown config key '{unknown}'"), str(e.value)
     assert meant in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_suggested_key_exists():
+    """The tables of other names point at keys RunConfig has, and name none it has (a rename would leave a hint to
+    a key that is gone, or shadow a real key)."""
+    from gemma_tpu.core.config import FOREIGN_NAMES, SYNONYMS, RunConfig, _leaf_keys
+
+    keys = set(_leaf_keys(RunConfig))
+    assert {v[0] for v in FOREIGN_NAMES.values()} | set(SYNONYMS.values()) <= keys
+    assert not keys & set(SYNONYMS) and not {k.rpartition(".")[2] for k in keys} & set(FOREIGN_NAMES)
 
 
 @pytest.mark.parametrize("override,ours", [

@@ -432,6 +432,7 @@ FOREIGN_NAMES: dict[str, tuple[str, ...]] = {
     "target_modules": ("lora.targets", ""),
     "lora_dropout": ("lora.dropout", ""),
     "model_name_or_path": ("model.path", ""),
+    "base_model": ("model.path", "an HF repo id or a local directory", "axolotl"),
     "torch_dtype": ("model.dtype", ""),
     "bf16": ("model.dtype", "bfloat16"),
     "peft": ("lora", ""),
@@ -469,6 +470,28 @@ def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
     return out
 
 
+# Other words for a key of a section (another tool's, or the plain English one): `checkpoint.path` was told
+# 'model.path' (the same leaf in another section), `model.name`, `data.file` and `mesh.dp` got no hint or a wrong one
+SYNONYMS = {
+    **dict.fromkeys(("model.name", "model.id", "model.model_id", "model.repo", "model.repo_id", "model.model_name",
+                     "model.name_or_path", "model.base_model", "model.hf_path", "model.dir"), "model.path"),
+    **dict.fromkeys(("data.file", "data.files", "data.dataset", "data.train", "data.train_files", "data.train_data",
+                     "data.dataset_path", "data.data_path"), "data.train_path"),
+    **dict.fromkeys(("data.eval", "data.validation", "data.test", "data.eval_data", "data.validation_files"),
+                    "data.eval_path"),
+    **dict.fromkeys(("mesh.dp", "mesh.data_parallel", "mesh.data_parallelism"), "mesh.data"),
+    **dict.fromkeys(("mesh.model", "mesh.tensor", "mesh.mp", "mesh.tensor_parallel", "mesh.tensor_parallelism",
+                     "mesh.model_parallel"), "mesh.tp"),
+    **dict.fromkeys(("checkpoint.path", "checkpoint.directory", "checkpoint.save_dir", "checkpoint.output_dir",
+                     "checkpoint.ckpt_dir"), "checkpoint.dir"),
+    **dict.fromkeys(("checkpoint.save_every", "checkpoint.interval", "checkpoint.save_interval",
+                     "checkpoint.save_steps", "checkpoint.period"), "checkpoint.every_steps"),
+    **dict.fromkeys(("checkpoint.keep", "checkpoint.keep_last", "checkpoint.max_checkpoints"), "checkpoint.max_to_keep"),
+    **dict.fromkeys(("train.accumulation", "train.gradient_accumulation", "train.accumulate_grad_batches"),
+                    "train.grad_accum_steps"),
+    **dict.fromkeys(("lora.modules", "lora.target_layers", "lora.layers"), "lora.targets"),
+}
+
 # keys kept for configs written before their new home, never suggested: `lora.remat` was told 'model.remat'
 OLDER_NAMES = {"model.remat": "train.remat"}
 
@@ -484,6 +507,8 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
         return f"a dotted key is for the command line; in the file nest it under its section, {section}: " \
                f"{{{leaf}: ...}}; "
     section, _, leaf = dotted.rpartition(".")
+    if SYNONYMS.get(dotted) in keys:
+        return f"did you mean '{SYNONYMS[dotted]}'? "
     if leaf in foreign and foreign[leaf][0] in keys:
         ours, note, origin = (*foreign[leaf], "transformers/TRL")[:3]
         return f"the {origin} name; here it is '{ours}'{f' ({note})' if note else ''}; "
