@@ -721,6 +721,15 @@ CASES = [
     Case("inspect-a-step-directory", "convert.inspect", ["{ckpt}/1"], ["{ckpt}/1 is step 1", "--step 1"]),
     Case("ckpt-dir-is-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}/gemma_tpu_run.json", "--out", "{tmp}/out"],
          ["{ckpt}/gemma_tpu_run.json", "is a file, not a directory"]),
+    # a model given as a file: a GGUF (not read here: how to convert it), or one file of a model directory
+    Case("train-model-is-a-gguf-file", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m.gguf"],
+         ["model.path {tmp}/m.gguf: not a directory", "a GGUF file is not read here", "gguf_file='m.gguf'"],
+         {"m.gguf": b"GGUF\x03\x00\x00\x00"}),
+    Case("train-model-dir-holds-a-gguf", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/g"],
+         ["{tmp}/g/config.json: missing", "it holds m.gguf", "a GGUF file is not read here"],
+         {"g/m.gguf": b"GGUF\x03\x00\x00\x00"}),
+    Case("train-model-is-its-config-file", "gemma_tpu.train", [*TRAIN, "model.path={tiny}/config.json"],
+         ["{tiny}/config.json: not a directory", "give the directory, {tiny}"]),
     # training wrote its steps, gemma_tpu_run.json and metrics among a model's files
     Case("train-checkpoint-dir-is-the-base", "gemma_tpu.train", [*TRAIN, "model.path={tmp}/m", "checkpoint.dir={tmp}/m"],
          ["checkpoint.dir={tmp}/m", "is the base model's directory"], {"m": copy_of("tiny")}),

@@ -23,7 +23,7 @@ def resolve_path(spec: str, revision: str | None = None, what: str = "model.path
     p = Path(spec).expanduser()
     if p.exists():
         if not p.is_dir():
-            raise UserError(f"{what} {spec}: not a directory")
+            raise UserError(f"{what} {spec}: not a directory{file_hint(p)}")
         return p
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
         try:
@@ -96,6 +96,23 @@ ADAPTER_RECORD = "gemma_tpu_adapter.json"
 RUN_RECORD = "gemma_tpu_run.json"
 
 
+def gguf_hint(name: str) -> str:
+    """What to do with a GGUF file given for a model: this project reads Hugging Face directories."""
+    return (f"a GGUF file is not read here (Hugging Face safetensors directories are): convert it, e.g. transformers' "
+            f"AutoModelForCausalLM.from_pretrained(DIR, gguf_file={name!r}).save_pretrained(OUT), with the original "
+            f"model's tokenizer files (transformers derives a wrong one from a Gemma GGUF)")
+
+
+def file_hint(p: Path) -> str:
+    """Why a file given for a model directory is not one, and what to give instead: its directory for one of the
+    directory's own files (config.json, a weights shard), a conversion for a GGUF."""
+    if p.suffix.lower() == ".gguf":
+        return f"; {gguf_hint(p.name)}"
+    if p.name == "config.json" or p.suffix in (".safetensors", ".json", ".bin"):
+        return f" (a file of a model directory: give the directory, {p.parent})"
+    return ""
+
+
 def training_run_hint(model_dir: Path) -> str:
     """Why a directory without config.json is not a model, and what to do where it is a training run's checkpoint
     directory (or a run directory holding one): the commonest mix-up, `runs/x/checkpoints` given for a merged model."""
@@ -111,6 +128,9 @@ def training_run_hint(model_dir: Path) -> str:
         base = f"its base {base}" if isinstance(base, str) and base else "its base"
         return (f"{model_dir} is a PEFT adapter, not a whole model: give {base}, or a merged directory from "
                 "python -m convert.merge_orbax")
+    gguf = sorted(p.name for p in Path(model_dir).glob("*.gguf")) if Path(model_dir).is_dir() else []
+    if gguf:
+        return f"not a Hugging Face model directory; it holds {gguf[0]}: {gguf_hint(gguf[0])}"
     return "not a Hugging Face model directory"
 
 
