@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from gemma_tpu.core.config import RunConfig, load_config
+from gemma_tpu.core.config import RunConfig, load_config, option_key
 from gemma_tpu.core.errors import SignalExit, UserError
 from gemma_tpu.core.lean_imports import deferred_imports
 
@@ -31,13 +31,17 @@ _debug = os.environ.get(DEBUG_ENV) == "1"  # set by cli_main from --debug / GEMM
 
 
 def parser(prog: str, doc: str | None, config: str | None = None, overrides: bool = True,
-           print_config: bool = True, override_example: str = "train.max_steps=20") -> argparse.ArgumentParser:
+           print_config: bool = True, override_example: str = "train.max_steps=20",
+           config_root: type = RunConfig) -> argparse.ArgumentParser:
     """An entry point's parser. `doc`: the module docstring, shown whole by `--help` (its first line alone
     was a usage line, cut mid-option where it wrapped, and said nothing of what the command does).
     `config`: the help text of `--config` (None: no --config). `--debug` (shows tracebacks; also
-    GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`."""
+    GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`.
+    `config_root`: the config class the overrides set (an unknown `--max-steps` is told its override)."""
     cls = _OverridesParser if overrides else argparse.ArgumentParser
     p = cls(prog=prog, description=doc.strip() if doc else None, formatter_class=_HelpFormatter)
+    if overrides:
+        p.config_root = config_root
     if config is not None:
         p.add_argument("--config", action=_Once, help=config)
         if print_config:
@@ -206,7 +210,9 @@ def run_config(args: argparse.Namespace, required: bool = True):
     """The `RunConfig` of `--config` plus overrides (defaults when neither is given and not `required`);
     None once `--print-config` has printed it, so the caller returns."""
     if required and not args.config:
-        raise UserError("--config FILE is required (see configs/)")
+        given = next((o for o in args.overrides or () if "=" not in o and o.lower().endswith((".yaml", ".yml"))), None)
+        raise UserError(f"--config FILE is required: give it as --config {given}" if given else
+                        "--config FILE is required (see configs/)")
     cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else RunConfig()
     if getattr(args, "print_config", False):
         print_config(cfg)
@@ -364,5 +370,14 @@ def _exit_now(code: int) -> None:
 
 
 def _argparse_error(parser, message: str):
-    """argparse's `error`, as a UserError: `error: python -m X: argument --y: ... (see --help)`."""
+    """argparse's `error`, as a UserError: `error: python -m X: argument --y: ... (see --help)`. An unknown option
+    naming a config key (`--max-steps 3`, `--learning_rate=1e-4`, `--train.seed=1`, as other trainers take them) is
+    told the override that sets it."""
+    root = getattr(parser, "config_root", None)
+    if root is not None and message.startswith("unrecognized arguments:"):
+        meant = [f"{key}={value or 'VALUE'}" for key, value in (
+            (option_key(root, o.split("=", 1)[0]), o.partition("=")[2])
+            for o in message.split(":", 1)[1].split() if o.startswith("--")) if key]
+        if meant:
+            raise UserError(f"{parser.prog}: {message}; config keys are set as overrides: {' '.join(meant)}")
     raise UserError(f"{parser.prog}: {message} (see --help)")

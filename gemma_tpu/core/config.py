@@ -497,6 +497,21 @@ SYNONYMS = {
 OLDER_NAMES = {"model.remat": "train.remat"}
 
 
+def option_key(root: type, option: str) -> str | None:
+    """The config key a command-line option names, as other trainers spell their flags (`--max-steps`,
+    `--learning_rate`, `--lora_r`, `--train.seed`): the one key of `root` with that name, else a recipe's name for
+    one of ours; None when it names none (or several)."""
+    name = option.lstrip("-").replace("-", "_").lower()
+    keys = _leaf_keys(root)
+    if "." in name:
+        return name if name in keys else None
+    same = [k for k in keys if "." in k and k.rpartition(".")[2] == name]
+    if len(same) == 1:
+        return same[0]
+    ours = FOREIGN_NAMES.get(name, ("",))[0]
+    return ours if ours in keys and "." in ours else None
+
+
 def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, tuple[str, ...]]) -> str:
     """What the user probably meant by an unknown key: a recipe's name for one of ours, the same name in
     another section, or a close spelling in its own section."""
