@@ -652,6 +652,9 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     ({"prompt": "hi", "chosen": "yo", "rejected": "no"},
      r"missing field 'completion' \(.*\); this is a preference row \(chosen/rejected, for DPO-style training\): to "
      r"fine-tune on the preferred answers, write 'chosen' as 'completion'"),
+    # TRL's unpaired preference rows (KTO): a completion marked undesirable was trained as a good answer
+    ({"prompt": "hi", "completion": "go away", "label": False},
+     r"'label': false marks an undesirable completion \(TRL's unpaired preference rows, for KTO\)"),
     ({"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "rejected": []},
      r"no 'messages'.*field \(the example has chosen, rejected; .*; this is a preference row"),
     ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": " "}]},

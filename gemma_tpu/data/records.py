@@ -856,6 +856,10 @@ _PREFERENCE_HINT = ("; this is a preference row (chosen/rejected, for DPO-style 
 def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> dict:
     """TRL's prompt-completion rows: strings (a user turn, an assistant turn) or message lists; only
     the completion is trained."""
+    if obj.get("label") is False:  # TRL's unpaired preference rows (KTO): it was trained as a good answer
+        raise UserError(f"{where}: 'label': false marks an undesirable completion (TRL's unpaired preference rows, "
+                        f"for KTO); fine-tuning would train it as a good answer: leave such rows out (label true "
+                        f"rows train as they are)")
     prompt, completion = (_messages_or_text(obj.get(k), k, where) for k in ("prompt", "completion"))
     for key, value in (("prompt", prompt), ("completion", completion)):
         if value is None:
