@@ -1257,11 +1257,17 @@ def test_nothing_left_counts_each_example_once(tmp_path, tok, policy, counts):
             for n in (300, 200)]
     path = write_jsonl(tmp_path / "n.jsonl", rows)
     renderer = Renderer(tok)
-    shortest = min(len(renderer.render(c).ids) for c in load_conversations(path, DataConfig()))
+    rendered = [renderer.render(c) for c in load_conversations(path, DataConfig())]
+    shortest = min(len(r.ids) for r in rendered)
+    # under truncate, the seq_len that keeps the first loss-bearing token of one of them: what to raise it to
+    need = min(int(np.flatnonzero(r.loss_mask)[0]) + 1 for r in rendered)
     with pytest.raises(UserError) as e:
         prepare_split(str(path), renderer, DataConfig(seq_len=64, overlength=policy), 0)
     assert str(e.value) == (f"{path}: no usable examples after applying data.seq_len=64 (read 2, dropped 2: {counts}; "
-                            f"2 longer than data.seq_len, the shortest of them {shortest} tokens)")
+                            f"2 longer than data.seq_len, the shortest of them {shortest} tokens"
+                            f"{f'; data.seq_len={need} or more trains some of them' if policy == 'truncate' else ''})")
+    if policy == "truncate":  # and it does
+        prepare_split(str(path), renderer, DataConfig(seq_len=need, overlength=policy), 0)
 
 
 # --------------------------------------------------------------------------------- pad and pack

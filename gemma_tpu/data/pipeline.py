@@ -171,10 +171,14 @@ def prepare_examples(examples: list[batching.Example], source: str, data_cfg: Da
         shortest = min(over, key=lambda ex: len(ex.ids)) if over else None
         longer = (f"; {report.overlength} longer than data.seq_len, the shortest of them "
                   f"{'at least ' if shortest.partial else ''}{len(shortest.ids)} tokens" if shortest else "")
+        # the smallest seq_len that keeps some example's first loss-bearing token: what to raise it to
+        firsts = [int(np.flatnonzero(ex.loss_mask)[0]) + 1 for ex in examples if ex.loss_mask.any()]
+        need = (f"; data.seq_len={min(firsts)} or more trains some of them" if cut and firsts
+                and min(firsts) > data_cfg.seq_len else "")
         raise UserError(f"{source}: no usable examples after applying data.seq_len={data_cfg.seq_len} "
                         f"(read {report.read}, dropped {report.dropped}: {report.overlength - cut} over-length, "
                         f"{report.no_loss} with no loss-bearing token left{' after truncation' if cut else ''}"
-                        f"{longer})")
+                        f"{longer}{need})")
     strategy = strategy or data_cfg.strategy
     rng = np.random.default_rng(seed)
     if strategy == "pack":
