@@ -641,8 +641,8 @@ class Trainer(TunixTrainer):
             steps = rec["step"] - self._step_last
             if getattr(self, "_closing", False):
                 rec["final_flush"] = True  # written by close() (or the SIGTERM exit), timed like the others
+            paused = {k: v for k, v in self._paused.items() if v > 0}
             if self._t_last is not None and steps > 0:
-                paused = {k: v for k, v in self._paused.items() if v > 0}
                 dt = max(now - self._t_last - sum(paused.values()), 1e-9)
                 rec["step_time_s"] = dt / steps
                 rec.update(paused)  # saving and evaluating, left out of the step time and the rates
@@ -662,6 +662,7 @@ class Trainer(TunixTrainer):
                         self.metrics_logger.log(self.metrics_prefix, key, rec[key], self.mode, rec["step"])
             else:  # the session's first step (max_steps=1, or one step after a resume: also its last)
                 rec["includes_compile"] = True
+                rec.update(paused)  # the evaluation before it (step 0's), counted with the session's
                 self._log_placeholder_rates(rec["step"])  # the progress bar asks for them (absl warned)
             self._t_last, self._step_last = now, rec["step"]
             self._paused = dict.fromkeys(self._paused, 0.0)
@@ -803,8 +804,11 @@ class Trainer(TunixTrainer):
                 out["tflops_per_s"] = round(med("tflops_per_s"), 4)
             if med("mfu") is not None:
                 out["mfu"] = round(med("mfu"), 4)
-            for key in ("save_s", "eval_s"):  # this session's saving and evaluating, outside the step times
-                out[key] = round(sum(r.get(key, 0.0) for r in train), 2)
+            # this session's saving and evaluating, outside the step times; the last record is written before the
+            # run's final save and evaluation, whose time is still held (they read 0.0 where a save and an
+            # evaluation had followed the last step)
+            for key in ("save_s", "eval_s"):
+                out[key] = round(sum(r.get(key, 0.0) for r in train) + self._paused[key], 2)
             if self.price_per_hour:
                 out["est_cost_per_run"] = round(self.price_per_hour * out["wall_s"] / 3600, 4)
         return out
