@@ -433,6 +433,10 @@ CASES = [
           "config keys are set as overrides: train.max_steps=VALUE train.learning_rate=1e-4 lora.rank=VALUE"]),
     Case("launch-config-key-as-option", "serving.launch", [*LAUNCH, "--port=8001"],
          ["unrecognized arguments: --port=8001", "config keys are set as overrides: server.port=8001"]),
+    # evaluate reads data.* and model.dtype: a key it reads is named, a training key is not (it would change nothing)
+    Case("evaluate-config-key-as-option", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--model", "{tiny}", "--max-steps", "3", "--seq-len=512"],
+         ["unrecognized arguments: --max-steps --seq-len=512", "config keys are set as overrides: data.seq_len=512"]),
     Case("train-config-without-option", "gemma_tpu.train", ["{repo}/configs/tiny.yaml"],
          ["--config FILE is required: give it as --config {repo}/configs/tiny.yaml"]),
     Case("plan-no-config", "gemma_tpu.plan", [], ["--config"]),

@@ -32,16 +32,17 @@ _debug = os.environ.get(DEBUG_ENV) == "1"  # set by cli_main from --debug / GEMM
 
 def parser(prog: str, doc: str | None, config: str | None = None, overrides: bool = True,
            print_config: bool = True, override_example: str = "train.max_steps=20",
-           config_root: type = RunConfig) -> argparse.ArgumentParser:
+           config_root: type = RunConfig, config_keys: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """An entry point's parser. `doc`: the module docstring, shown whole by `--help` (its first line alone
     was a usage line, cut mid-option where it wrapped, and said nothing of what the command does).
     `config`: the help text of `--config` (None: no --config). `--debug` (shows tracebacks; also
     GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`.
-    `config_root`: the config class the overrides set (an unknown `--max-steps` is told its override)."""
+    `config_root`: the config class the overrides set (an unknown `--max-steps` is told its override);
+    `config_keys`: the keys (or sections) of it the command reads, where not all (`option_key`'s `within`)."""
     cls = _OverridesParser if overrides else argparse.ArgumentParser
     p = cls(prog=prog, description=doc.strip() if doc else None, formatter_class=_HelpFormatter)
     if overrides:
-        p.config_root = config_root
+        p.config_root, p.config_keys = config_root, config_keys
     if config is not None:
         p.add_argument("--config", action=_Once, help=config)
         if print_config:
@@ -376,7 +377,7 @@ def _argparse_error(parser, message: str):
     root = getattr(parser, "config_root", None)
     if root is not None and message.startswith("unrecognized arguments:"):
         meant = [f"{key}={value or 'VALUE'}" for key, value in (
-            (option_key(root, o.split("=", 1)[0]), o.partition("=")[2])
+            (option_key(root, o.split("=", 1)[0], getattr(parser, "config_keys", None)), o.partition("=")[2])
             for o in message.split(":", 1)[1].split() if o.startswith("--")) if key]
         if meant:
             raise UserError(f"{parser.prog}: {message}; config keys are set as overrides: {' '.join(meant)}")

@@ -497,12 +497,13 @@ SYNONYMS = {
 OLDER_NAMES = {"model.remat": "train.remat"}
 
 
-def option_key(root: type, option: str) -> str | None:
+def option_key(root: type, option: str, within: Sequence[str] | None = None) -> str | None:
     """The config key a command-line option names, as other trainers spell their flags (`--max-steps`,
     `--learning_rate`, `--lora_r`, `--train.seed`): the one key of `root` with that name, else a recipe's name for
-    one of ours; None when it names none (or several)."""
+    one of ours; None when it names none (or several). `within`: the keys (or sections) the command reads, the
+    only ones named (evaluate reads data.* and model.dtype: `--max-steps` is no key of its)."""
     name = option.lstrip("-").replace("-", "_").lower()
-    keys = _leaf_keys(root)
+    keys = [k for k in _leaf_keys(root) if within is None or any(k == w or k.startswith(f"{w}.") for w in within)]
     if "." in name:
         return name if name in keys else None
     same = [k for k in keys if "." in k and k.rpartition(".")[2] == name]

@@ -649,7 +649,8 @@ def keep_partial(results: dict, details: dict, args, convs: list[dict], failed: 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.evaluate", __doc__, config="YAML run config (data.* rendering settings; "
-                   "model.dtype, default float32 for --model, a --checkpoint's training dtype)")
+                   "model.dtype, default float32 for --model, a --checkpoint's training dtype)",
+                   config_keys=("data", "model.dtype"))
     # --print-config evaluates nothing: it needed --data and a model only to print the config and exit
     needed = "--print-config" not in argv
     p.add_argument("--data", required=needed, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
