@@ -67,6 +67,34 @@ def test_run_writes_checkpoints_metadata_and_metrics(reference_run):
     assert len(l) == 8 and l[-1] < l[0]
 
 
+# A W&B client as far as the trainer reaches it (metrax's backend calls wandb.init): without a key it refuses, as the
+# real one does ("No API key configured"), with an error class of wandb's own; the real package is not a dependency
+WANDB_WITHOUT_KEY = {
+    "wandb/__init__.py": "from wandb import errors\nrun = None\n\n\ndef init(**kwargs):\n"
+                         "    raise errors.UsageError('No API key configured. Use `wandb login` to log in.')\n",
+    "wandb/errors.py": "class UsageError(Exception):\n    pass\n",
+}
+
+
+def test_wandb_is_used_only_when_asked_for(tiny_dir, tmp_path):
+    """With wandb installed and no train.wandb_project, every run went to W&B (Tunix's default backends), and without
+    a W&B key it stopped with a traceback before its first step; asked for, its refusal is one line naming the key;
+    not installed, the key is refused before the model loads."""
+    for name, text in WANDB_WITHOUT_KEY.items():
+        (tmp_path / "site" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "site" / name).write_text(text)
+    env = {"PYTHONPATH": str(tmp_path / "site")}
+    proc = train(tiny_dir, tmp_path / "a", "train.max_steps=1", "data.eval_path=null", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = train(tiny_dir, tmp_path / "b", "train.max_steps=1", "data.eval_path=null", "train.wandb_project=coach",
+                 env=env)
+    assert_one_line_error(proc, "train.wandb_project=coach: W&B did not start (No API key configured.",
+                          "WANDB_MODE=offline")
+    proc = train(tiny_dir, tmp_path / "c", "train.max_steps=1", "train.wandb_project=coach")
+    assert_one_line_error(proc, "train.wandb_project=coach: the wandb package is not installed")
+    assert not (tmp_path / "c").exists()
+
+
 def test_summary_counts_the_saves_and_evaluations_after_the_last_record(tiny_dir, tmp_path):
     """The last train record is written as the last step is saved: the run's final save and evaluation came after
     it, and summary.json (which summed the records) said save_s 0.0 and eval_s 0.0 for a run that saved its one

@@ -116,6 +116,10 @@ class TrainConfig:
     profile_dir: str | None = None
     profile_skip_steps: int = 2  # steps of this session run before profiling (the first ones compile)
     profile_steps: int = 2  # optimizer steps profiled (each with all its grad_accum_steps micro-batches)
+    # Weights & Biases project the metrics also go to (process 0; `wandb login` or WANDB_API_KEY first, or
+    # WANDB_MODE=offline); null: none. Asked for, never implied: with wandb merely installed, every run was sent to
+    # W&B (Tunix's default), and without a key it stopped with a traceback before its first step
+    wandb_project: str | None = None
 
 
 @dataclasses.dataclass

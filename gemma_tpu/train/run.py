@@ -120,10 +120,12 @@ def run(cfg: RunConfig) -> dict:
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
     from gemma_tpu.train.trainer import (  # deferred: jax/torch
-        BatchFeed, Trainer, drop_records_after, metrics_logging_options, step_evaluated)
+        BatchFeed, Trainer, check_wandb, drop_records_after, metrics_logging_options, step_evaluated)
     from gemma_tpu.train.finite_guard import check_checkpoint_room  # deferred: imports Tunix
 
     primary = jax.process_index() == 0
+    if primary:
+        check_wandb(cfg.train.wandb_project)
 
     # 1. model files and tokenizer (nothing loaded into memory yet)
     resolved = resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family)
@@ -264,7 +266,8 @@ def run(cfg: RunConfig) -> dict:
                 enable_async_checkpointing=cfg.checkpoint.async_save,
                 save_decision_policy=save_schedule(cfg.checkpoint.every_steps)),
             metrics_logging_options=metrics_logging_options(str((run_dir / "tensorboard").resolve()),
-                                                            (checkpoint.list_steps(ckpt_dir) or [None])[-1]),
+                                                            (checkpoint.list_steps(ckpt_dir) or [None])[-1],
+                                                            cfg.train.wandb_project, ckpt_dir.resolve().name),
             data_sharding_axis=mesh_lib.DATA_SHARDING_AXIS,
             pbar_description="train",
             profiler_options=(profiler_options(str(profile_dir), cfg.train.profile_skip_steps,

@@ -434,20 +434,44 @@ class TensorboardBackend:
         self._writer.close()
 
 
-def metrics_logging_options(log_dir: str, resumed_from: int | None):
+def metrics_logging_options(log_dir: str, resumed_from: int | None, wandb_project: str | None = None,
+                            run_name: str | None = None):
     """Tunix's MetricsLoggerOptions: TensorBoard under `log_dir` (`TensorboardBackend`, purging from the step after
     `resumed_from`, the step the run restores; None: it starts afresh, from step 0), and Weights & Biases where
-    installed, as Tunix's defaults have it."""
+    `wandb_project` names a project (train.wandb_project; Tunix's defaults log to W&B whenever it is installed)."""
     import functools
-    import importlib.util
 
     from tunix.sft import metrics_logger
 
     factories = [functools.partial(TensorboardBackend, log_dir, 0 if resumed_from is None else resumed_from + 1)]
-    if importlib.util.find_spec("wandb") is not None:
-        factories.append(functools.partial(metrics_logger.WandbBackend, project="tunix", name=""))
+    if wandb_project:  # W&B's files in the run directory (the working directory's ./wandb otherwise)
+        factories.append(functools.partial(wandb_backend, wandb_project, run_name, str(Path(log_dir).parent)))
     return metrics_logger.MetricsLoggerOptions(log_dir=log_dir, flush_every_n_steps=1,
                                                backend_kwargs={"custom_backend": factories})
+
+
+def check_wandb(project: str | None) -> None:
+    """train.wandb_project needs the wandb package: refused before the model loads, not at the trainer's start."""
+    import importlib.util
+
+    if project and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"train.wandb_project={project}: the wandb package is not installed (pip install wandb), "
+                        f"or set train.wandb_project=null")
+
+
+def wandb_backend(project: str, run_name: str | None, run_dir: str):
+    """Tunix's (metrax's) W&B backend for `project`; W&B's own refusal (no API key, no network) as one line naming
+    the key, not a traceback out of the trainer's start."""
+    from tunix.sft import metrics_logger
+
+    try:
+        return metrics_logger.WandbBackend(project=project, name=run_name, dir=run_dir)
+    except Exception as e:  # noqa: BLE001 - only W&B's own errors are turned into a user's error
+        if not type(e).__module__.startswith("wandb"):
+            raise
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"train.wandb_project={project}: W&B did not start ({why}); log in (wandb login, or "
+                        f"WANDB_API_KEY), or set WANDB_MODE=offline, or train.wandb_project=null") from None
 
 
 class Trainer(TunixTrainer):
