@@ -961,7 +961,8 @@ PATH_KEYS = (("data", "train_path"), ("data", "eval_path"), ("checkpoint", "dir"
 # The optional text keys that no other check covers, with what null means: an empty value is refused like an
 # empty data.eval_path (mesh.coordinator_address alone reads empty as unset: the JAX_* environment, or one host)
 NULL_MEANS = {"model.revision": "the hub's default branch", "model.family": "the family config.json describes",
-              "data.context_field": "no context field", "train.run_dir": "checkpoint.dir"}
+              "data.context_field": "no context field", "train.run_dir": "checkpoint.dir",
+              "train.wandb_project": "no Weights & Biases logging"}
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
