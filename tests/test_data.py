@@ -1960,7 +1960,8 @@ def test_inspect_tokenizer_takes_what_model_path_takes(tmp_path, tiny_dir):
     assert tokenizer_for(str(tiny_dir), None)[1] == str(tiny_dir)
     with pytest.raises(UserError, match=r"^--tokenizer \S+/nope: no such directory$"):
         tokenizer_for(str(tmp_path / "nope"), None)
-    with pytest.raises(UserError, match=r"^--tokenizer \S+config.json: not a directory$"):
+    with pytest.raises(UserError, match=r"^--tokenizer \S+config.json: not a directory \(a file of a model directory: "
+                                        r"give the directory, \S+\)$"):
         tokenizer_for(str(tiny_dir / "config.json"), None)
 
 
