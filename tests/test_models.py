@@ -253,6 +253,27 @@ def test_impossible_sizes_are_refused_naming_the_key(family, key, value):
     assert "\n" not in str(e.value)
 
 
+def test_hidden_size_not_a_multiple_of_the_heads_is_refused_as_transformers_refuses_it():
+    """transformers' Gemma3TextConfig refuses a hidden_size that is not a multiple of num_attention_heads, even with
+    head_dim given (66 over 4 heads of 16): the run trained on it here, and its merge could not be loaded."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+    from transformers import Gemma3TextConfig
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
+    from gemma_tpu.models.registry import get_family
+
+    cfg = {**TINY_GEMMA3, "model_type": "gemma3_text", "hidden_size": 66}
+    with pytest.raises(StrictDataclassClassValidationError, match="hidden size"):
+        Gemma3TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    with pytest.raises(UserError, match=r"config.json: hidden_size=66 must be a multiple of "
+                                        r"num_attention_heads=4 \(transformers cannot") as e:
+        get_family("gemma3").tunix_config(cfg)
+    assert "\n" not in str(e.value)
+    mm = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": cfg}
+    with pytest.raises(UserError, match="hidden_size=66 must be a multiple"):
+        get_family("gemma3").tunix_config(mm)
+
+
 def test_layer_types_of_another_length_than_the_layers_is_refused_as_such(tiny_odd_dir):
     """7 layers, 6 layer_types (transformers: a validation error): training called it an unsupported attention
     pattern and the GGUF export wrote it; both now name the count, through the family's text config."""

@@ -208,6 +208,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         raise UserError(f"config.json: num_key_value_heads={kv_heads} must be at least 1")
     if heads % kv_heads:  # each KV head serves a whole group of query heads
         raise UserError(f"config.json: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+    if hidden % heads:  # transformers' Gemma3TextConfig refuses it (validate_architecture), head_dim given or not
+        raise UserError(f"config.json: hidden_size={hidden} must be a multiple of num_attention_heads={heads} "
+                        f"(transformers cannot build a model from it)")
     if head_dim % 2:  # rotary embeddings rotate the two halves of every head
         raise UserError(f"config.json: head_dim={head_dim} must be even (rotary embeddings split it in halves)")
     qpas = t["query_pre_attn_scalar"]
