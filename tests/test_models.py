@@ -231,6 +231,41 @@ def test_rotary_settings_transformers_cannot_build_are_refused(edit, needle, tin
     assert "\n" not in str(e.value)
 
 
+def _rope_entry(kind, **entry):
+    def edit(cfg):
+        cfg["rope_parameters"][kind] = {"rope_theta": 1e4 if kind == "sliding_attention" else 1e6, **entry}
+    return edit
+
+
+def _legacy_scaling(**scaling):
+    def edit(cfg):
+        cfg["rope_parameters"]["full_attention"] = {"rope_type": "default", "rope_theta": 1e6}
+        cfg["rope_scaling"] = scaling
+    return edit
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (_rope_entry("full_attention", rope_type="yarn", factor=4.0),
+     "rope_parameters.full_attention.rope_type='yarn' is not supported"),
+    (_rope_entry("sliding_attention", rope_type="dynamic", factor=2.0),
+     "rope_parameters.sliding_attention.rope_type='dynamic' is not supported"),
+    (_rope_entry("full_attention", type="llama3", factor=8.0),
+     "rope_parameters.full_attention.type='llama3' is not supported"),
+    (_legacy_scaling(rope_type="yarn", factor=4.0), "rope_scaling.rope_type='yarn' is not supported"),
+    (_rope_entry("sliding_attention", rope_type="linear"), "(rope_parameters.sliding_attention.factor missing"),
+    (_legacy_scaling(rope_type="linear"), "(rope_scaling.factor missing"),
+])
+def test_rotary_refusals_name_the_key_config_json_has(edit, needle, tiny_odd_dir):
+    """A rope type Tunix's Gemma 3 cannot express, or a linear one without its factor, is refused naming the key it
+    is (or belongs) under: rope_parameters.<layer type> or the legacy rope_scaling. It said "rope type 'yarn' for
+    full_attention", which names no key of config.json."""
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())  # sliding and global layers
+    edit(cfg)
+    with pytest.raises(UserError, match=re.escape(needle)) as e:
+        detect_family(cfg).tunix_config(cfg)
+    assert str(e.value).startswith("config.json: ") and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("family,key,value", [
     ("gemma3", "vocab_size", 0), ("gemma3", "hidden_size", 0), ("gemma3", "intermediate_size", -1),
     ("gemma3", "num_attention_heads", 0), ("gemma3", "head_dim", -16), ("gemma3", "max_position_embeddings", 0),
