@@ -248,6 +248,38 @@ def test_rope_parameters_transformers_cannot_build_are_refused(g4, name, rope, l
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("kind", ["full_attention", "sliding_attention"])
+@pytest.mark.parametrize("factor,runs", [(1.5, False), (-0.25, False), (0.0, True), (1.0, True)])
+def test_partial_rotary_factor_outside_0_to_1_is_refused_naming_the_key(kind, factor, runs):
+    """Proportional RoPE rotates int(factor * head_dim // 2) angles: above 1 that is more than a head has halves,
+    below 0 fewer than none, and transformers' first forward fails on either (a shape error, an empty range); Tunix's
+    rotary embedding fails alike, so the config was taken here and the run died in a JAX traceback."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA4
+    from gemma_tpu.models import get_family
+
+    rope = {"full_attention": dict(_FULL), "sliding_attention": dict(_SLIDING)}
+    rope[kind].update(rope_type="proportional", partial_rotary_factor=factor)
+    cfg = {**TINY_GEMMA4["dense"], "rope_parameters": rope}
+    try:
+        with torch.no_grad():
+            Gemma4ForCausalLM(Gemma4TextConfig(**json.loads(json.dumps(cfg))))(torch.tensor([[2, 5, 6, 7]]))
+        ran = True
+    except RuntimeError:
+        ran = False
+    assert ran == runs
+    cfg["model_type"] = "gemma4_text"
+    if runs:
+        assert get_family("gemma4").tunix_config(cfg) is not None
+        return
+    with pytest.raises(UserError, match=rf"config.json: rope_parameters.{kind}.partial_rotary_factor={factor} "
+                                        r"must be between 0 and 1") as e:
+        get_family("gemma4").tunix_config(cfg)
+    assert "\n" not in str(e.value)
+
+
 def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(g4):
     """Gemma4TextConfig declares no attn_logit_softcapping and no Gemma 4 class reads it: a config.json that sets
     it (a Gemma 2/3 habit) was refused; it now builds the model transformers builds, the key ignored."""

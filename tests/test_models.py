@@ -231,6 +231,41 @@ def test_rotary_settings_transformers_cannot_build_are_refused(edit, needle, tin
     assert "\n" not in str(e.value)
 
 
+def _rope_entry(kind, **entry):
+    def edit(cfg):
+        cfg["rope_parameters"][kind] = {"rope_theta": 1e4 if kind == "sliding_attention" else 1e6, **entry}
+    return edit
+
+
+def _legacy_scaling(**scaling):
+    def edit(cfg):
+        cfg["rope_parameters"]["full_attention"] = {"rope_type": "default", "rope_theta": 1e6}
+        cfg["rope_scaling"] = scaling
+    return edit
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (_rope_entry("full_attention", rope_type="yarn", factor=4.0),
+     "rope_parameters.full_attention.rope_type='yarn' is not supported"),
+    (_rope_entry("sliding_attention", rope_type="dynamic", factor=2.0),
+     "rope_parameters.sliding_attention.rope_type='dynamic' is not supported"),
+    (_rope_entry("full_attention", type="llama3", factor=8.0),
+     "rope_parameters.full_attention.type='llama3' is not supported"),
+    (_legacy_scaling(rope_type="yarn", factor=4.0), "rope_scaling.rope_type='yarn' is not supported"),
+    (_rope_entry("sliding_attention", rope_type="linear"), "(rope_parameters.sliding_attention.factor missing"),
+    (_legacy_scaling(rope_type="linear"), "(rope_scaling.factor missing"),
+])
+def test_rotary_refusals_name_the_key_config_json_has(edit, needle, tiny_odd_dir):
+    """A rope type Tunix's Gemma 3 cannot express, or a linear one without its factor, is refused naming the key it
+    is (or belongs) under: rope_parameters.<layer type> or the legacy rope_scaling. It said "rope type 'yarn' for
+    full_attention", which names no key of config.json."""
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())  # sliding and global layers
+    edit(cfg)
+    with pytest.raises(UserError, match=re.escape(needle)) as e:
+        detect_family(cfg).tunix_config(cfg)
+    assert str(e.value).startswith("config.json: ") and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("family,key,value", [
     ("gemma3", "vocab_size", 0), ("gemma3", "hidden_size", 0), ("gemma3", "intermediate_size", -1),
     ("gemma3", "num_attention_heads", 0), ("gemma3", "head_dim", -16), ("gemma3", "max_position_embeddings", 0),
@@ -251,6 +286,27 @@ def test_impossible_sizes_are_refused_naming_the_key(family, key, value):
     with pytest.raises(UserError, match=f"config.json: {key}={value} must be ") as e:
         get_family(family).tunix_config(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_hidden_size_not_a_multiple_of_the_heads_is_refused_as_transformers_refuses_it():
+    """transformers' Gemma3TextConfig refuses a hidden_size that is not a multiple of num_attention_heads, even with
+    head_dim given (66 over 4 heads of 16): the run trained on it here, and its merge could not be loaded."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+    from transformers import Gemma3TextConfig
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
+    from gemma_tpu.models.registry import get_family
+
+    cfg = {**TINY_GEMMA3, "model_type": "gemma3_text", "hidden_size": 66}
+    with pytest.raises(StrictDataclassClassValidationError, match="hidden size"):
+        Gemma3TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    with pytest.raises(UserError, match=r"config.json: hidden_size=66 must be a multiple of "
+                                        r"num_attention_heads=4 \(transformers cannot") as e:
+        get_family("gemma3").tunix_config(cfg)
+    assert "\n" not in str(e.value)
+    mm = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": cfg}
+    with pytest.raises(UserError, match="hidden_size=66 must be a multiple"):
+        get_family("gemma3").tunix_config(mm)
 
 
 def test_layer_types_of_another_length_than_the_layers_is_refused_as_such(tiny_odd_dir):

@@ -143,6 +143,17 @@ def _rope_parameters(t: dict, kind: str) -> dict:
     return p
 
 
+def _rope_key(t: dict, kind: str, name: str) -> str:
+    """The config.json key `name` of `kind`'s rotary parameters comes from (or, missing, belongs in): the legacy
+    rope_scaling, which `_rope_parameters` lays over the global layers' entry, where it holds the name (or, for a
+    missing factor, the rope type that needs it), else rope_parameters.<kind>."""
+    scaling = t.get("rope_scaling")
+    if kind == "full_attention" and isinstance(scaling, dict) and (
+            name in scaling or (name == "factor" and ("rope_type" in scaling or "type" in scaling))):
+        return f"rope_scaling.{name}"
+    return f"rope_parameters.{kind}.{name}"
+
+
 def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
     """(base frequency, linear scale factor) for 'sliding_attention' or 'full_attention'.
 
@@ -152,10 +163,12 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
     p = _rope_parameters(t, kind)
     rtype = p.get("rope_type", p.get("type", "default"))
     if rtype not in ("default", "linear"):
-        raise UserError(f"config.json: rope type {rtype!r} for {kind} is not supported (default, linear)")
+        key = _rope_key(t, kind, "rope_type" if "rope_type" in p else "type")
+        raise UserError(f"config.json: {key}={rtype!r} is not supported (Tunix's Gemma 3 rotates its {kind} layers "
+                        f"with default or linear rope)")
     if rtype == "linear" and "factor" not in p:
-        raise UserError(f"config.json: linear rope scaling for {kind} has no factor (transformers cannot build a "
-                        f"model from it)")
+        raise UserError(f"config.json: linear rope scaling for {kind} has no factor ({_rope_key(t, kind, 'factor')} "
+                        f"missing; transformers cannot build a model from it)")
     factor = float(p["factor"]) if rtype == "linear" else 1.0
     theta = p["rope_theta"]
     if theta is None:
@@ -210,6 +223,9 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
         raise UserError(f"config.json: num_key_value_heads={kv_heads} must be at least 1")
     if heads % kv_heads:  # each KV head serves a whole group of query heads
         raise UserError(f"config.json: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+    if hidden % heads:  # transformers' Gemma3TextConfig refuses it (validate_architecture), head_dim given or not
+        raise UserError(f"config.json: hidden_size={hidden} must be a multiple of num_attention_heads={heads} "
+                        f"(transformers cannot build a model from it)")
     if head_dim % 2:  # rotary embeddings rotate the two halves of every head
         raise UserError(f"config.json: head_dim={head_dim} must be even (rotary embeddings split it in halves)")
     qpas = t["query_pre_attn_scalar"]

@@ -222,7 +222,12 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = 
         factor = float(p.get("factor", 1.0))
         if factor < 1.0:
             raise _cfg_error(f"rope_parameters.{kind}.factor", factor, "must be >= 1")
-        return theta, factor, float(p.get("partial_rotary_factor", 1.0))
+        prop = float(p.get("partial_rotary_factor", 1.0))
+        if not 0.0 <= prop <= 1.0:  # more angles than a head has halves, or fewer than none: both fail in a forward
+            raise UserError(f"config.json: rope_parameters.{kind}.partial_rotary_factor={p['partial_rotary_factor']!r} "
+                            f"must be between 0 and 1 (the share of each head rotated; transformers cannot run a "
+                            f"model with it)")
+        return theta, factor, prop
     raise _cfg_error(key, rtype, "default or proportional")
 
 
