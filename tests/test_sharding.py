@@ -181,6 +181,23 @@ def test_single_kv_head_lora_keeps_its_placement_one_compile(tmp_path):
     assert json.loads((ckpt / "summary.json").read_text())["train_step_compiles"] == 1
 
 
+def test_a_vocabulary_tp_does_not_divide_trains_as_on_one_device(tmp_path):
+    """A vocabulary of 515 (as a real one with a token added, 262,145) at tp=2 was refused ('embedder.input_embedding:
+    dimension 0 (size 515, config.json vocab_size) cannot be split over mesh.tp=2'): the embedding is whole on each
+    tp shard, and the losses are those of one device."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma3
+    from tests.test_train import losses
+
+    d = write_tiny_gemma3(tmp_path / "v515", seed=0, vocab_size=515)
+    runs = {}
+    for name, extra, env in (("one", [], None), ("tp2", ["mesh.fsdp=4", "mesh.tp=2"], EIGHT)):
+        runs[name] = tmp_path / name
+        proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={d}",
+                       f"checkpoint.dir={runs[name]}", "train.max_steps=3", "data.eval_path=null", *extra, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(runs["tp2"]) == pytest.approx(losses(runs["one"]), rel=1e-5)
+
+
 def test_indivisible_axis_is_refused_before_loading(tiny_dir, tmp_path):
     """tp=8 cannot split 4 query heads: one line naming the parameter, nothing written."""
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
@@ -207,7 +224,6 @@ def test_indivisible_axis_names_the_mesh_keys():
 
 
 @pytest.mark.parametrize("family, path, spec, shape, field", [
-    ("gemma4", "embedder.per_layer_input_embedding", ("tp", None, "fsdp"), (262_143, 35, 256), "vocab_size"),
     ("gemma4", "embedder.per_layer_input_embedding", ("tp", None, "fsdp"), (262_144, 35, 250),
      "hidden_size_per_layer_input"),
     ("gemma4", "layers.3.per_layer_input_gate.w", ("fsdp", "tp"), (1536, 250), "hidden_size_per_layer_input"),
@@ -244,11 +260,16 @@ def test_indivisible_axis_names_the_config_field(family, path, spec, shape, fiel
      (None, "fsdp")),
     ("gemma3", "layers.0.attn.kv_einsum.w", (None, "tp", "fsdp", None), (2, 2, 640, 256), "num_key_value_heads",
      (None, None, "fsdp")),
+    # a vocabulary with tokens added (262,145 rows): no tensor parallelism at all was possible
+    ("gemma3", "embedder.input_embedding", ("tp", "fsdp"), (262_145, 640), "vocab_size", (None, "fsdp")),
+    ("gemma4", "embedder.per_layer_input_embedding", ("tp", None, "fsdp"), (262_143, 35, 256), "vocab_size",
+     (None, None, "fsdp")),
 ])
-def test_kv_head_dims_are_replicated_where_tp_does_not_divide_them(family, path, spec, shape, field, placed):
-    """A KV-head dimension that tp does not divide was refused ('... (size 2, config.json num_key_value_heads)
-    cannot be split over mesh.tp=8'): it is replicated over tp (registry.REPLICATED_WHEN_INDIVISIBLE), the other
-    axes kept; the registry still names its field."""
+def test_kv_head_and_vocab_dims_are_replicated_where_tp_does_not_divide_them(family, path, spec, shape, field,
+                                                                            placed):
+    """A KV-head (or vocabulary) dimension that tp does not divide was refused ('... (size 2, config.json
+    num_key_value_heads) cannot be split over mesh.tp=8'): it is replicated over tp (registry.REPLICATED_WHEN_
+    INDIVISIBLE), the other axes kept; the registry still names its field."""
     from gemma_tpu.models.registry import get_family
     from gemma_tpu.train.partition import base_spec, config_fields, replicated_dims, resolve
 

@@ -207,8 +207,10 @@ def read_layout(hf_config: dict, family: "Family | None" = None) -> Layout:
 # heads (a Gemma 4 E4B's 2, or 26B-A4B's, at tp=4). Queries stay split over tp and each tp shard holds every K and V
 # head, as vLLM and MaxText copy KV heads over a tensor-parallel size above their count; the cost is the K/V
 # projections (and their LoRA factors and optimizer state) whole on each tp shard, which the planner counts
-# (`gemma_tpu.train.partition.resolve`, `sharded_weights.replicate_indivisible`).
-REPLICATED_WHEN_INDIVISIBLE = frozenset({"num_key_value_heads", "num_global_key_value_heads"})
+# (`gemma_tpu.train.partition.resolve`, `sharded_weights.replicate_indivisible`). The vocabulary too: a model with
+# tokens added to its 262,144 (262,145 rows) could use no tensor parallelism at all; its embedding is then whole on
+# each tp shard (still split over fsdp along the hidden size).
+REPLICATED_WHEN_INDIVISIBLE = frozenset({"num_key_value_heads", "num_global_key_value_heads", "vocab_size"})
 
 
 @dataclasses.dataclass(frozen=True)

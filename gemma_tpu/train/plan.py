@@ -367,8 +367,10 @@ def make_plan(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | N
             base += per_dev * b
     load_peak = full_base + (base if qbytes else 0.0)
     for field, size in sorted(replicated.items()):
-        notes.append(f"mesh.tp={sizes['tp']} does not divide config.json {field}={size}: those K/V projections "
-                     f"(and their LoRA factors and optimizer state) are whole on every tp shard (counted above)")
+        what = ("the token embedding (and its optimizer state, when trained) is" if field == "vocab_size" else
+                "those K/V projections (and their LoRA factors and optimizer state) are")
+        notes.append(f"mesh.tp={sizes['tp']} does not divide config.json {field}={size}: {what} whole on every tp "
+                     f"shard (counted above)")
     base_note = f"{cfg.model.dtype}" + (f", {cfg.lora.base_quantization} projections" if qbytes else "")
 
     # LoRA factors
