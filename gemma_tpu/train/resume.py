@@ -142,7 +142,7 @@ def check_data_position(cfg: RunConfig, train_split: Any) -> None:
     if saved is not None:
         data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
                                                        cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]),
-                          position(saved[2]))
+                          position(saved[2], str(saved[0])))
 
 
 def restore_failure(ckpt_dir: Path, step: int, model, kind, old: dict, new: dict, error: BaseException) -> UserError:
