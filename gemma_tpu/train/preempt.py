@@ -103,6 +103,11 @@ class Preemption:
                 log.warning("%s before step 1: nothing to save; a restart begins afresh", self.name)
             else:
                 log.warning("%s: step %d is saved (latest on disk: %s); exiting", self.name, step, last)
+        except KeyboardInterrupt:  # Ctrl-C again during the save: the stop at once asked for, not a failed save
+            # (it was "ERROR could not save step N (KeyboardInterrupt: )" and exit 1)
+            log.warning("Ctrl-C again: stopped at once; step %d was not saved, the last complete checkpoint stays",
+                        step)
+            code = 128 + signal.SIGINT
         except BaseException as e:  # exit anyway: the platform will not wait
             log.error("%s: could not save step %d (%s: %s); the last complete checkpoint stays",
                       self.name, step, type(e).__name__, e)
