@@ -40,6 +40,23 @@ def test_resume_from_a_step_with_missing_data_files(tiny_dir, tmp_path):
     assert json.loads((ck / "summary.json").read_text())["train_step_compiles"] == 1
 
 
+def test_resume_from_a_step_with_damaged_data_names_the_tensor(tiny_dir, tmp_path):
+    """A step whose data files are all there but damaged (zeroed by a disk fault, overwritten): the refusal
+    gave Orbax's outer message, "Encountered error while reading array index: (slice(0, 128, 1), ...). See full
+    TensorStore details: <bound method pybind11_detail_function_record_v1_...", naming neither the tensor nor the
+    fault. It gives the cause: the tensor that could not be read, and why."""
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            "checkpoint.every_steps=1"]
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for p in (ck / "1" / "model_params").glob("ocdbt.process_*/d/*"):
+        p.write_bytes(bytes(p.stat().st_size))
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=2")
+    line = assert_one_line_error(proc, f"{ck / '1'}: cannot restore this checkpoint step", "move it aside")
+    assert "bound method" not in line and re.search(r'Error reading "layers\.\d+\.[\w.]+_lora_[ab]', line), line
+
+
 def test_resume_onto_another_shaped_base_names_the_setting_and_keeps_the_metadata(tiny_dir, tmp_path):
     """A sound step that does not fit this run (checkpoint.allow_base_mismatch let a base of another shape through)
     was 'cannot restore this checkpoint step; move it aside', which fails the same way at every step; and the failed
