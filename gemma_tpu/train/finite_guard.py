@@ -183,11 +183,16 @@ _JIT = None
 
 
 def last_step_on_disk(manager) -> int | None:
-    """The newest finished step, after any async save under way has finished."""
+    """The newest finished step, after any async save under way has finished; that save's failure (a full disk)
+    is `save_failure`'s one line (the preemption's exit waits here for the step it saves: it said "could not save step
+    2 (ValueError: RESOURCE_EXHAUSTED: Error writing local file ...", exit 1, the temp dir left)."""
     inner = orbax_manager(manager)
     if inner is None:
         return None
-    inner.wait_until_finished()
+    try:
+        inner.wait_until_finished()
+    except Exception as e:
+        raise save_failure(manager, "in progress", e) from e
     return inner.latest_step()
 
 
