@@ -90,7 +90,8 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
         last = inner.latest_step() if inner is not None else None
     except Exception:  # noqa: BLE001 (the manager is in an unknown state; the message matters more)
         last = None
-    kept = f"the last complete step on disk is {last}" if last is not None else "no complete step is on disk"
+    kept = (f"the last complete step on disk is {last}, and a restart resumes from it" if last is not None
+            else "no complete step is on disk, and a restart begins afresh")
     partial = None
     try:  # with async saves, an earlier step's failure surfaces at the next save: its temp dir names it
         half = sorted((int(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
@@ -98,8 +99,8 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
         step, partial = half[0] if half else (step, None)
     except OSError:
         pass
-    return CheckpointSaveFailed(f"saving checkpoint step {step} in {where} failed ({reason}); {kept}, and a "
-                                f"restart resumes from it", partial, Path(where) if inner is not None else None)
+    return CheckpointSaveFailed(f"saving checkpoint step {step} in {where} failed ({reason}); {kept}", partial,
+                                Path(where) if inner is not None else None)
 
 
 def _path_name(path) -> str:
