@@ -2494,6 +2494,16 @@ def test_a_damaged_data_position_is_refused_naming_the_step(padded, tmp_path, st
         check_data_position(cfg, padded)
 
 
+@pytest.mark.parametrize("layout", ["x", [1, 2], 3])
+def test_a_damaged_data_layout_is_refused_naming_the_step(padded, layout):
+    """A step whose stored data layout is not a mapping (its _CHECKPOINT_METADATA edited or damaged) ended the resume
+    in an AttributeError traceback ('str' object has no attribute 'get'). One line naming the step."""
+    stream = TrainStream(padded, 10, seed=0)
+    with pytest.raises(UserError, match=r"^ck/5: its data layout .* is not one the trainer writes .*move the step "
+                                        r"aside to resume from the one before$"):
+        TrainStream(padded, 10, seed=0).set_state(stream.get_state(), layout, "ck/5")
+
+
 # a chat template that trims each message's text (as some shipped Gemma templates do): written for this test
 TRIMMING_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_turn>' ~ ('model' if m['role'] == "
                      "'assistant' else 'user') ~ '\\n' ~ (m['content'] | trim) ~ '<end_of_turn>\\n' -}}{%- endfor -%}"

@@ -406,6 +406,10 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: s
     `current` would: refused, naming what changed (checkpoints from before layouts were stored have none and are
     not checked). `data.num_epochs` may change: the stream's first batches are the same whatever the number of
     epochs (a run that used up its one epoch was refused another), unless the position is past the new end."""
+    if saved is not None and not isinstance(saved, dict):  # an AttributeError traceback in _check_same_rows
+        raise UserError(f"{where}: its data layout {shown(saved)} is not one the trainer writes (a mapping; the "
+                        f"step's _CHECKPOINT_METADATA was edited or damaged); move the step aside to resume from the "
+                        f"one before")
     if saved is not None and saved != current:
         _check_same_rows(saved, current, where)
     epochs = current.get("data.num_epochs")
