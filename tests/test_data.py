@@ -2477,6 +2477,43 @@ def test_a_resume_may_change_data_num_epochs_but_not_past_its_end(padded, tmp_pa
         check_data_position(cfg(1), padded)
 
 
+@pytest.mark.parametrize("state", [{"next_index": 3.0}, {}, "x", {"next_index": -2}, {"next_index": True}])
+def test_a_damaged_data_position_is_refused_naming_the_step(padded, tmp_path, state):
+    """A step whose stored data position is not what the trainer writes (a hand-edited or rewritten
+    _CHECKPOINT_METADATA: `{"next_index": 3.0}` from a tool that writes numbers as floats, `{}`, a negative index):
+    grain took 3.0 and the run died at its first batch in a traceback; the others failed only once the model had
+    loaded, as a KeyError or IndexError of grain's. Refused in one line naming the step, before the model loads."""
+    import types
+
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS
+    from gemma_tpu.train.resume import check_data_position
+
+    stream = TrainStream(padded, 10, seed=0)
+    with pytest.raises(UserError, match=r"^ck/5: its data position .* is not one the trainer writes"):
+        TrainStream(padded, 10, seed=0).set_state(state, stream.layout, "ck/5")
+    step = tmp_path / "ck" / "5"
+    (step / "model_params").mkdir(parents=True)
+    (step / COMMIT_MARKERS[1]).write_text("")
+    (step / COMMIT_MARKERS[0]).write_text(json.dumps(
+        {"custom_metadata": {"data_state": state, "data_layout": stream.layout}}))
+    cfg = types.SimpleNamespace(checkpoint=types.SimpleNamespace(dir=str(tmp_path / "ck")),
+                                train=types.SimpleNamespace(batch_size=10, seed=0),
+                                data=types.SimpleNamespace(shuffle=True, num_epochs=None))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(step))}: its data position .* is not one the trainer "
+                                        r"writes .*move the step aside to resume from the one before"):
+        check_data_position(cfg, padded)
+
+
+@pytest.mark.parametrize("layout", ["x", [1, 2], 3])
+def test_a_damaged_data_layout_is_refused_naming_the_step(padded, layout):
+    """A step whose stored data layout is not a mapping (its _CHECKPOINT_METADATA edited or damaged) ended the resume
+    in an AttributeError traceback ('str' object has no attribute 'get'). One line naming the step."""
+    stream = TrainStream(padded, 10, seed=0)
+    with pytest.raises(UserError, match=r"^ck/5: its data layout .* is not one the trainer writes .*move the step "
+                                        r"aside to resume from the one before$"):
+        TrainStream(padded, 10, seed=0).set_state(stream.get_state(), layout, "ck/5")
+
+
 # a chat template that trims each message's text (as some shipped Gemma templates do): written for this test
 TRIMMING_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_turn>' ~ ('model' if m['role'] == "
                      "'assistant' else 'user') ~ '\\n' ~ (m['content'] | trim) ~ '<end_of_turn>\\n' -}}{%- endfor -%}"

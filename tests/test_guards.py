@@ -171,3 +171,15 @@ def test_a_save_that_hits_a_quota_or_the_file_size_limit_says_so(tmp_path, code,
     assert str(save_failure(manager, 3, e)) == (
         f"saving checkpoint step 3 in {tmp_path} failed ({words}); the last complete step on disk is 2, and a "
         "restart resumes from it")
+
+
+def test_a_failed_first_save_says_a_restart_begins_afresh(tmp_path):
+    """With no complete step on disk the line ended "no complete step is on disk, and a restart resumes from it":
+    from nothing. It says the restart begins afresh."""
+    from gemma_tpu.train.finite_guard import save_failure
+
+    inner = type("Orbax", (), {"directory": tmp_path, "latest_step": lambda self: None})()
+    manager = type("Tunix", (), {"_checkpoint_manager": inner})()
+    assert str(save_failure(manager, 1, OSError(28, "No space left on device"))) == (
+        f"saving checkpoint step 1 in {tmp_path} failed (No space left on device); no complete step is on disk, and "
+        "a restart begins afresh")

@@ -40,6 +40,23 @@ def test_resume_from_a_step_with_missing_data_files(tiny_dir, tmp_path):
     assert json.loads((ck / "summary.json").read_text())["train_step_compiles"] == 1
 
 
+def test_resume_from_a_step_with_damaged_data_names_the_tensor(tiny_dir, tmp_path):
+    """A step whose data files are all there but damaged (zeroed by a disk fault, overwritten): the refusal
+    gave Orbax's outer message, "Encountered error while reading array index: (slice(0, 128, 1), ...). See full
+    TensorStore details: <bound method pybind11_detail_function_record_v1_...", naming neither the tensor nor the
+    fault. It gives the cause: the tensor that could not be read, and why."""
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            "checkpoint.every_steps=1"]
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for p in (ck / "1" / "model_params").glob("ocdbt.process_*/d/*"):
+        p.write_bytes(bytes(p.stat().st_size))
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=2")
+    line = assert_one_line_error(proc, f"{ck / '1'}: cannot restore this checkpoint step", "move it aside")
+    assert "bound method" not in line and re.search(r'Error reading "layers\.\d+\.[\w.]+_lora_[ab]', line), line
+
+
 def test_resume_onto_another_shaped_base_names_the_setting_and_keeps_the_metadata(tiny_dir, tmp_path):
     """A sound step that does not fit this run (checkpoint.allow_base_mismatch let a base of another shape through)
     was 'cannot restore this checkpoint step; move it aside', which fails the same way at every step; and the failed
@@ -510,3 +527,37 @@ def test_a_full_disk_met_by_safetensors_is_one_line_naming_the_output(small_disk
     assert str(e.value).startswith(f"writing {out} failed in {out.parent}/.model.tmp-"), e.value
     assert str(e.value).endswith(" (No space left on device); nothing was published"), e.value
     assert list(out.parent.iterdir()) == []
+
+
+def test_a_preemption_whose_save_fills_the_disk_says_so_and_frees_the_space(tiny_dir, small_disk):
+    """SIGTERM, and the step's save (asynchronous) meets a full disk: the exit said "could not save step 2 (ValueError:
+    RESOURCE_EXHAUSTED: Error writing local file ...", exit 1, and left the save's temp dir holding what space the
+    disk had. As for a save that fails while training: one line saying the disk is full and the step on disk, exit 2,
+    the temp dir removed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    ck = small_disk("160k") / "ck"  # room for the run's files, not for a step
+    cmd = [sys.executable, "-m", "gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+           f"checkpoint.dir={ck}", "data.eval_path=null", "train.max_steps=50", "checkpoint.every_steps=100",
+           "checkpoint.async_save=true"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    deadline = time.time() + 600
+    while "step 1/" not in seen and time.time() < deadline:
+        line = proc.stderr.readline()
+        assert line, seen[-3000:]
+        seen += line
+    proc.send_signal(signal.SIGTERM)
+    err = seen + proc.stderr.read()
+    assert proc.wait(timeout=300) == 2, err[-3000:]
+    assert re.search(rf"SIGTERM: could not save step \d+ \(CheckpointSaveFailed: saving checkpoint step \d+ in {ck} "
+                     rf"failed \(No space left on device\); no complete step is on disk", err), err[-3000:]
+    assert not [p.name for p in ck.iterdir() if "orbax-checkpoint-tmp" in p.name], sorted(ck.iterdir())
+    assert not (ck / "gemma_tpu_run.lock").exists()

@@ -405,3 +405,46 @@ def test_every_entry_point_logs_library_warnings_in_the_projects_format(own_leve
     assert len(lines) == (2 if own_level else 1), lines
     if own_level:
         assert re.fullmatch(rf"{stamp} INFO gemma_tpu.train: step 1", lines[0])
+
+
+def test_a_checkpoint_dir_made_read_only_mid_run_names_what_could_not_be_written(tiny_dir, tmp_path):
+    """checkpoint.dir turned read-only while training (a remount, a full quota's read-only fallback): the run stopped
+    with "error: Read-only file system: …/gemma_tpu_run.lock", from releasing the run lock on the way out, which hid
+    the write that had stopped it. The run's own error is said; the lock left behind is taken over by the rerun,
+    which resumes from the last complete step once the directory is writable again."""
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            "train.max_steps=12", "checkpoint.every_steps=1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not list_steps(ck)[-1:] >= [2] and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    mounted = subprocess.run(["mount", "--bind", str(ck), str(ck)], capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        proc.kill()
+        proc.wait()
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.strip()}")
+    try:
+        ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(ck)], capture_output=True, text=True, check=False)
+        assert ro.returncode == 0, ro.stderr
+        out, err = proc.communicate(timeout=300)
+    finally:
+        subprocess.run(["umount", "-l", str(ck)], check=False)
+    proc.stderr = err
+    line = assert_one_line_error(proc, "Read-only file system")
+    assert run_lock.LOCK_FILE not in line, err[-3000:]
+    assert f"{run_lock.LOCK_FILE}: cannot remove this lock (Read-only file system)" in err, err[-3000:]  # a warning
+    saved = list_steps(ck)[-1]
+    assert 2 <= saved < 12 and (ck / run_lock.LOCK_FILE).exists()
+
+    rerun = run_cli("gemma_tpu.train", *args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "taking over a stale lock" in rerun.stderr, rerun.stderr[-3000:]
+    assert f"resumed at step {saved}" in rerun.stderr, rerun.stderr[-3000:]
+    assert json.loads((ck / "summary.json").read_text())["steps"] == 12
+    assert not (ck / run_lock.LOCK_FILE).exists()

@@ -276,3 +276,36 @@ def test_the_entry_point_gives_back_the_callers_signal_handlers(tiny_dir, tmp_pa
                              f"checkpoint.dir={tmp_path / 'ck'}", f"data.train_path={tmp_path / 'none.jsonl'}"])
     assert rc == 2 and "data file not found" in err.getvalue(), err.getvalue()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+SECOND_CTRL_C_IN_SAVE = """
+import os, signal, sys
+import orbax.checkpoint as ocp
+save = ocp.CheckpointManager.save
+def save_interrupted(self, *args, **kwargs):  # the second Ctrl-C lands as the preemption's save begins
+    os.kill(os.getpid(), signal.SIGINT)
+    return save(self, *args, **kwargs)
+ocp.CheckpointManager.save = save_interrupted
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.train.run import main
+sys.exit(cli_main(main))
+"""
+
+
+def test_a_second_ctrl_c_during_the_preemption_save_stops_at_once_with_130(tiny_dir, tmp_path):
+    """Ctrl-C, then Ctrl-C again while the step it asked for is being saved: "a second Ctrl-C stops at once", but the
+    run exited 1 with "ERROR ... could not save step N (KeyboardInterrupt: )", as if the save had failed. It is the
+    stop the user asked for: exit 130, said as such, the step not saved, the lock released."""
+    import sys
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    cmd = [sys.executable, "-c", SECOND_CTRL_C_IN_SAVE, *command(tiny_dir, ckpt)[3:], "checkpoint.every_steps=100"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=environment(tmp_path / "cache", 0.5), stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))
+    _wait_for(lambda: "step 1/" in log.read_text(errors="replace"), proc, log)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 130, tail(log)
+    text = log.read_text(errors="replace")
+    assert re.search(r"Ctrl-C again: stopped at once; step \d+ was not saved", text), tail(log)
+    assert " ERROR " not in text and "Traceback" not in text, tail(log)
+    assert not [p for p in ckpt.iterdir() if p.name[:1].isdigit()] and not (ckpt / "gemma_tpu_run.lock").exists()

@@ -369,3 +369,26 @@ def test_log_every_steps_thins_the_train_records_and_the_end_is_evaluated(tiny_d
     # train.eval_every_steps=3 evaluated at 0 and 3 only: the model saved at step 5 was never evaluated, and the
     # summary gave step 3's loss as final_eval_loss. The end of the run is evaluated too.
     assert [r["step"] for r in evals] == [0, 3, 5] and summary["final_eval_loss"] == evals[-1]["loss"]
+
+
+def test_a_rerun_of_a_run_whose_data_ran_out_has_nothing_to_do(tiny_dir, tmp_path):
+    """A run that ended because data.num_epochs ran out (before train.max_steps) is finished too: its rerun (a retry
+    loop, a scheduler) loaded the model, restored the last step, trained nothing and replaced summary.json with its
+    own ("resumed_from" the last step, no step time, tokens/s or MFU: the run's record lost). Now it has nothing to
+    do, as a run at train.max_steps, and leaves every file as it was; more epochs train on."""
+    ckpt = tmp_path / "ckpt"
+    args = ["data.eval_path=null", "data.num_epochs=1", "train.max_steps=20", "checkpoint.every_steps=5"]
+    proc = train(tiny_dir, ckpt, *args)  # 56 rows, batches of 4: the data ends at step 14
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["steps"] == 14 and "median_step_time_s" in summary, summary
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    proc = train(tiny_dir, ckpt, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+    assert "is at step 14, where its training data ends (data.num_epochs=1); nothing to do" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "trainable parameters" not in proc.stderr
+    proc = train(tiny_dir, ckpt, *args[:1], "data.num_epochs=2", *args[2:])  # another epoch: it trains on
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ckpt / "summary.json").read_text())["steps"] == 20

@@ -229,5 +229,10 @@ def _ocdbt_location(root: Path, loc: str) -> tuple[Path, int]:
 
 
 def short_reason(e: BaseException) -> str:
+    """`e` in a line: its innermost direct cause that says something (Orbax wraps TensorStore's error, which names the
+    tensor and the fault, in "Encountered error while reading array index: (slice(0, 128, 1), ...). See full
+    TensorStore details: <bound method pybind11_...", which names neither), its type and first line, cut to 200."""
+    while e.__cause__ is not None and str(e.__cause__).strip():
+        e = e.__cause__
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__

@@ -275,6 +275,10 @@ class PidLock:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            except OSError as e:  # a directory made read-only, a disk gone: raised here (at exit, in `finally`), it
+                # replaced the error that stopped the writer ("Read-only file system: …/gemma_tpu_run.lock")
+                log.warning("%s: cannot remove this lock (%s); it is left, and the next writer takes it over once "
+                            "this process has ended", self.path, e.strerror or e)
         if self in _held:
             _held.remove(self)
 

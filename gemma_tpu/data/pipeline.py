@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from gemma_tpu.core.config import DataConfig
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, shown
 from gemma_tpu.data import batching
 from gemma_tpu.data.prefixes import PrefixReport, find_shared_prefixes
 from gemma_tpu.data.records import load_conversations, not_found_hint
@@ -378,7 +378,7 @@ class TrainStream:
 
     def set_state(self, state: dict[str, Any], layout: dict[str, Any] | None = None, where: str = "checkpoint") -> None:
         """Continue from a stored position; `layout`, stored beside it, must match (`check_layout`)."""
-        check_layout(layout, self.layout, where, position(state))
+        check_layout(layout, self.layout, where, position(state, where))
         self.iterator.set_state(state)
 
 
@@ -390,10 +390,18 @@ def stream_layout(prepared: Prepared, batch_size: int, seed: int, shuffle: bool 
             "train.seed": seed, "data.shuffle": shuffle, "data.num_epochs": num_epochs}
 
 
-def position(state: Any) -> int | None:
-    """Global batches a stored data position (`TrainStream.get_state`) has read, None where it does not say."""
+def position(state: Any, where: str = "checkpoint") -> int | None:
+    """Global batches a stored data position (`TrainStream.get_state`) has read; None where none is stored. Anything
+    else (`where`'s record hand-edited or rewritten) is refused in one line: grain took {"next_index": 3.0} and the
+    run died at its first batch in a traceback, and `{}` or a negative index failed once the model had loaded."""
+    if state is None:
+        return None
     index = state.get("next_index") if isinstance(state, dict) else None
-    return index if isinstance(index, int) and not isinstance(index, bool) else None
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise UserError(f"{where}: its data position {shown(state)} is not one the trainer writes "
+                        f"({{'next_index': <batches read>}}; the step's _CHECKPOINT_METADATA was edited or damaged); "
+                        f"move the step aside to resume from the one before")
+    return index
 
 
 def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: str,
@@ -402,6 +410,10 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: s
     `current` would: refused, naming what changed (checkpoints from before layouts were stored have none and are
     not checked). `data.num_epochs` may change: the stream's first batches are the same whatever the number of
     epochs (a run that used up its one epoch was refused another), unless the position is past the new end."""
+    if saved is not None and not isinstance(saved, dict):  # an AttributeError traceback in _check_same_rows
+        raise UserError(f"{where}: its data layout {shown(saved)} is not one the trainer writes (a mapping; the "
+                        f"step's _CHECKPOINT_METADATA was edited or damaged); move the step aside to resume from the "
+                        f"one before")
     if saved is not None and saved != current:
         _check_same_rows(saved, current, where)
     epochs = current.get("data.num_epochs")

@@ -90,7 +90,8 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
         last = inner.latest_step() if inner is not None else None
     except Exception:  # noqa: BLE001 (the manager is in an unknown state; the message matters more)
         last = None
-    kept = f"the last complete step on disk is {last}" if last is not None else "no complete step is on disk"
+    kept = (f"the last complete step on disk is {last}, and a restart resumes from it" if last is not None
+            else "no complete step is on disk, and a restart begins afresh")
     partial = None
     try:  # with async saves, an earlier step's failure surfaces at the next save: its temp dir names it
         half = sorted((int(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
@@ -98,8 +99,8 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
         step, partial = half[0] if half else (step, None)
     except OSError:
         pass
-    return CheckpointSaveFailed(f"saving checkpoint step {step} in {where} failed ({reason}); {kept}, and a "
-                                f"restart resumes from it", partial, Path(where) if inner is not None else None)
+    return CheckpointSaveFailed(f"saving checkpoint step {step} in {where} failed ({reason}); {kept}", partial,
+                                Path(where) if inner is not None else None)
 
 
 def _path_name(path) -> str:
@@ -183,11 +184,16 @@ _JIT = None
 
 
 def last_step_on_disk(manager) -> int | None:
-    """The newest finished step, after any async save under way has finished."""
+    """The newest finished step, after any async save under way has finished; that save's failure (a full disk)
+    is `save_failure`'s one line (the preemption's exit waits here for the step it saves: it said "could not save step
+    2 (ValueError: RESOURCE_EXHAUSTED: Error writing local file ...", exit 1, the temp dir left)."""
     inner = orbax_manager(manager)
     if inner is None:
         return None
-    inner.wait_until_finished()
+    try:
+        inner.wait_until_finished()
+    except Exception as e:
+        raise save_failure(manager, "in progress", e) from e
     return inner.latest_step()
 
 

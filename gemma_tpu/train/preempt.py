@@ -24,7 +24,7 @@ import signal
 from typing import Callable
 
 from gemma_tpu.core.errors import SignalExit, UserError
-from gemma_tpu.train.finite_guard import last_step_on_disk
+from gemma_tpu.train.finite_guard import CheckpointSaveFailed, last_step_on_disk, remove_failed_saves
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -103,9 +103,16 @@ class Preemption:
                 log.warning("%s before step 1: nothing to save; a restart begins afresh", self.name)
             else:
                 log.warning("%s: step %d is saved (latest on disk: %s); exiting", self.name, step, last)
+        except KeyboardInterrupt:  # Ctrl-C again during the save: the stop at once asked for, not a failed save
+            # (it was "ERROR could not save step N (KeyboardInterrupt: )" and exit 1)
+            log.warning("Ctrl-C again: stopped at once; step %d was not saved, the last complete checkpoint stays",
+                        step)
+            code = 128 + signal.SIGINT
         except BaseException as e:  # exit anyway: the platform will not wait
             log.error("%s: could not save step %d (%s: %s); the last complete checkpoint stays",
                       self.name, step, type(e).__name__, e)
+            if isinstance(e, CheckpointSaveFailed) and e.directory is not None and getattr(t, "primary", True):
+                remove_failed_saves(e.directory)  # the failed save's temp dir kept what space a full disk had
             # a UserError's own code: a step whose loss or state went non-finite is 3 (do not simply retry), as
             # when it stops the run without a signal
             code = getattr(e, "exit_code", 1) if isinstance(e, UserError) else 1

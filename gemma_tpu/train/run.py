@@ -37,7 +37,7 @@ from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import plan, run_lock
 from gemma_tpu.train.plan import abstract_model
-from gemma_tpu.train.resume import check_data_position, check_resume_compatible, restore_failure
+from gemma_tpu.train.resume import check_data_position, check_resume_compatible, data_used_up, restore_failure
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -183,10 +183,17 @@ def run(cfg: RunConfig) -> dict:
     check_data_position(cfg, train_split)  # a resume's data position must name these rows
     done = checkpoint.list_steps(ckpt_dir)
     run_dir = Path(cfg.train.run_dir or ckpt_dir)
-    if done and done[-1] >= cfg.train.max_steps:  # decided before the mesh and the model (minutes for a large one)
+    # decided before the mesh and the model (minutes for a large one). A run whose data ran out (data.num_epochs)
+    # before train.max_steps ended too: its rerun restored the last step, trained nothing and replaced the run's
+    # summary.json (its step time, tokens/s, MFU) with its own
+    if done and (done[-1] >= cfg.train.max_steps or data_used_up(cfg, train_split)):
         if done[-1] > cfg.train.max_steps or run_finished(run_dir, done[-1], jax.process_count() > 1):
-            log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
-                     "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
+            if done[-1] >= cfg.train.max_steps:
+                log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
+                         "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
+            else:
+                log.info("checkpoint %s is at step %d, where its training data ends (data.num_epochs=%d); nothing to "
+                         "do (a larger data.num_epochs trains on)", ckpt_dir, done[-1], cfg.data.num_epochs)
             if primary:  # a dead trainer's lock stayed until the next run that trained: this one trains nothing
                 for d, key in locked_dirs(cfg):
                     run_lock.clear_stale(d, key)
