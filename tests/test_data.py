@@ -1164,6 +1164,21 @@ def _inspect_config(tmp_path: Path, train_path, **data) -> Path:
     return path
 
 
+def test_inspect_json_written_as_option_equals_tilde_goes_home(tmp_path, tok_dir):
+    """`--json=~/stats.json`: the shell expands no `~` after `--json=`, and the file went into a directory named `~`
+    in the working directory, where the config's own paths (`checkpoint.dir=~/x`) expand it."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    path = write_jsonl(tmp_path / "i.jsonl", chat_rows(8, seed=1))
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                   str(tok_dir), "-n", "0", "--json=~/stats.json", cwd=work,
+                   env={"HOME": str(home), "PYTHONPATH": str(REPO)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((home / "stats.json").read_text())["examples_read"] == 8
+    assert not (work / "~").exists()
+
+
 @pytest.mark.parametrize("name", CLI_CASES + ["empty"])
 def test_inspect_cli_bad_input_is_one_line(tmp_path, tok_dir, name):
     if name == "empty":

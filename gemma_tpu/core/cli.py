@@ -175,10 +175,18 @@ def integers(low: int = 1) -> Callable[[str], list[int]]:
 
 def output_path(text: str, what: str = "a file or directory") -> str:
     """An argparse `type` for a path written to: `--out ""` is the working directory to pathlib, and was
-    refused as '. already exists' (or, with --overwrite, checked as the working directory). `output_path_of`
-    names what the option writes."""
+    refused as '. already exists' (or, with --overwrite, checked as the working directory). A leading `~` is the
+    home directory, as in the config's paths: the shell expands none after `--out=`, and `--out=~/merged` wrote a
+    directory named `~` in the working directory. `output_path_of` names what the option writes."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"an empty path names no {what} to write")
+    if text.startswith("~"):
+        expanded = os.path.expanduser(text)
+        if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was
+            user = text[1:].split("/", 1)[0]
+            raise argparse.ArgumentTypeError(f"{text!r}: '~{user}' is the home directory of user {user!r}, whom "
+                                             f"this machine does not know; write the path out")
+        return expanded
     return text
 
 
