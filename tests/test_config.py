@@ -91,6 +91,10 @@ def test_unknown_key_suggests_the_key_meant(override, meant):
 @pytest.mark.parametrize("override,ours", [
     ("model.dtype=bf16", "here it is bfloat16"), ("train.optimizer=adamw_torch", "here it is adamw"),
     ("train.schedule=cosine", "here it is warmup_cosine"), ("train.schedule=constant_with_warmup", "constant"),
+    # int4 was told "did you mean 'int8'?" (twice the 4-bit choice's memory); TRL's names had no hint
+    ("lora.base_quantization=int4", "here it is nf4"), ("lora.base_quantization=4bit", "here it is nf4"),
+    ("data.loss_on=completion_only", "here it is assistant"), ("data.format=conversational", "here it is messages"),
+    ("data.format=language_modeling", "here it is text"),
 ])
 def test_a_transformers_value_names_ours(override, ours):
     """A recipe's value for a choice key (`bf16`, `adamw_torch`, `cosine`) listed our choices only: the refusal now

@@ -454,6 +454,14 @@ FOREIGN_VALUES = {
     "adam": "adamw (train.weight_decay=0, the default, makes it Adam)",
     "cosine": "warmup_cosine", "cosine_with_min_lr": "warmup_cosine (with train.min_lr_ratio)",
     "linear": "warmup_linear", "constant_with_warmup": "constant (train.warmup_steps applies to every schedule)",
+    # quantization (transformers' quanto/torchao `int4`, bitsandbytes' `fp4` and 4/8-bit loading): `int4` was told
+    # "did you mean 'int8'?", twice the memory of the 4-bit choice
+    "int4": "nf4 (the 4-bit base quantization; int8 is 8-bit)", "fp4": "nf4 (4-bit NormalFloat, as QLoRA trains)",
+    "4bit": "nf4", "8bit": "int8",
+    # TRL's dataset types and its completion-only loss (they had no hint at all)
+    "conversational": "messages", "language_modeling": "text",
+    "completion": "assistant (the completion of prompt-completion rows, the assistant turns of chats)",
+    "completion_only": "assistant (the completion of prompt-completion rows, the assistant turns of chats)",
 }
 
 
