@@ -276,6 +276,15 @@ def vllm_serve_flags() -> frozenset[str]:
     return frozenset(vllm_serve_choices())
 
 
+def vllm_option_keys() -> dict[str, tuple[str, ...]]:
+    """The `vllm serve` options the config has no key for, by the key a vLLM user writes for one (the server section
+    mirrors its options: `server.gpu_memory_utilization` was an unknown key, its section's keys listed and nothing
+    said that server.extra_args passes it), as `load_typed`'s `foreign` names: (our key, how, whose name)."""
+    return {flag[2:].replace("-", "_"): ("server.extra_args", f"as [{flag}, VALUE], or [{flag}] for a switch",
+                                         "vllm serve option's")
+            for flag in vllm_serve_flags() if flag.startswith("--") and flag not in RENDERED_FLAGS}
+
+
 def vllm_option(arg: str) -> str | None:
     """The option an extra_args word names as vLLM's parser reads it, or None for a value: '_' and '-' alike
     before any '.', `--x=V` and `--x.key V` (a JSON option's field) as `--x`, `-O3` as `-O` (its
@@ -434,7 +443,7 @@ MAX_SERVER_INT = 2**31 - 1
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), need_dir: bool = True) -> ServeConfig:
     """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem; `need_dir=False` (for printing
     the config) lets model.dir be unset."""
-    cfg = load_typed(ServeConfig, path, overrides, elsewhere=TRAINING_SECTIONS,
+    cfg = load_typed(ServeConfig, path, overrides, foreign=vllm_option_keys(), elsewhere=TRAINING_SECTIONS,
                      example="configs/serve-gemma3-270m-fitness.yaml")
     where = str(path) if path is not None else "config"
 

@@ -254,6 +254,23 @@ def test_an_unknown_key_in_an_overridden_list_names_the_override():
                           ["lora.adapters=[{name: a, dir: /x, rank: 3}]"], need_dir=False)
 
 
+@pytest.mark.parametrize("override,flag", [
+    ("server.gpu_memory_utilization=0.95", "--gpu-memory-utilization"),
+    ("server.enable_prefix_caching=true", "--enable-prefix-caching"), ("model.quantization=fp8", "--quantization"),
+])
+def test_a_vllm_serve_option_given_as_a_key_is_pointed_to_extra_args(override, flag):
+    """The server section mirrors `vllm serve` (max_model_len, max_num_seqs, ...), so a vLLM user writes its other
+    options as keys too: `server.gpu_memory_utilization` was an unknown key with the section's keys listed, and
+    nothing said that server.extra_args passes it."""
+    from serving.config import load_serve_config
+
+    with pytest.raises(UserError) as e:
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml", [override], need_dir=False)
+    key = override.split("=")[0]
+    assert str(e.value).startswith(f"override '{override}': unknown config key '{key}'"), str(e.value)
+    assert "server.extra_args" in str(e.value) and f"[{flag}" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_an_empty_serving_config_points_to_a_serving_config(tmp_path):
     """An empty (or truncated to comments) serving config, or a directory given for it, was told to give 'a config
     such as configs/tiny.yaml', a training config the launcher refuses."""
