@@ -269,6 +269,8 @@ def test_shipped_hub_configs_plan_offline(config, plan, tmp_path):
     (["--assumed-mfu", "-1"], [], "--assumed-mfu must be a fraction"),
     (["--devices", "-4"], [], "--devices must be a positive number of devices, got -4"),
     (["--devices", "0"], [], "--devices must be a positive number of devices, got 0"),
+    # every axis sized: the plan was for their 2 devices, --devices 3 unsaid, where the run on 3 refuses the mesh
+    (["--devices", "3"], ["mesh.fsdp=2"], "--devices 3: mesh.data=1 × mesh.fsdp=2 × mesh.tp=1 make 2 devices"),
     ([], ["lora.rank=100000"], "lora.rank=100000 exceeds the smallest dimension"),
     ([], ["data.seq_len=100000"], "data.seq_len=100000 exceeds the model's max_position_embeddings"),
     # two processes whose mesh.tp spans both: each would feed its own rows to a batch replicated over both
