@@ -453,7 +453,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="ask the server to generate exactly --output-len tokens (vLLM's ignore_eos extension; "
                         "as `vllm bench serve` does for random prompts)")
     p.add_argument("--metric-percentiles", type=percentile_list, default="90,99",
-                   help="comma-separated, each above 0 and below 100, e.g. 50,90,99.9")
+                   help="comma-separated, each from 0 to 100 (the least and the most), e.g. 50,90,99.9")
     p.add_argument("--api-key-env", default="VLLM_API_KEY",
                    help="environment variable holding the API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--save-detailed", action="store_true", help="also write per-request lists (ttfts, itls, ...)")

@@ -1766,11 +1766,16 @@ def test_bench_metric_percentiles_are_refused_by_option_name(capsys, given, need
     one_error_line(code, capsys.readouterr().err, "argument --metric-percentiles: " + needle)
 
 
-def test_bench_metric_percentiles_take_the_ends_as_numpy_does():
-    """0 and 100 are the least and the most (numpy's ends, vLLM's bench passes them on too)."""
+def test_bench_metric_percentiles_take_the_ends_as_numpy_does(capsys):
+    """0 and 100 are the least and the most (numpy's ends, vLLM's bench passes them on too); `--help` said "each above
+    0 and below 100"."""
+    import serving.bench
     from serving.bench import percentile_list
 
     assert percentile_list("0, 50,99.9,100") == [0.0, 50.0, 99.9, 100.0]
+    text = _help(capsys, serving.bench)
+    assert "--metric-percentiles METRIC_PERCENTILES comma-separated, each from 0 to 100" in text
+    assert "below 100" not in text
 
 
 def _help(capsys, module) -> str:
