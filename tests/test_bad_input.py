@@ -848,6 +848,14 @@ CASES = [
     # ---- evaluate
     Case("evaluate-bad-compare-spec", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "modle:{tiny}", "model:{tiny}"], ["modle:"], sub=True),
+    # said "model.path {tmp}/nope: no such directory", a config key the command line never gave
+    Case("evaluate-model-missing", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tmp}/nope"],
+         ["error: --model {tmp}/nope: no such directory"]),
+    Case("evaluate-compare-model-missing", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tmp}/nope"],
+         ["error: --compare B (model:{tmp}/nope): {tmp}/nope: no such directory"]),
+    Case("chat-model-missing", "gemma_tpu.chat", ["--model", "{tmp}/nope", "--once", "hi"],
+         ["error: --model {tmp}/nope: no such directory"]),
     Case("evaluate-limit-negative", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--limit", "-3"],
          ["--limit -3: must be positive"]),
     Case("evaluate-unreachable-endpoint", "gemma_tpu.evaluate",

@@ -496,7 +496,7 @@ def check_spec(spec: Spec, timeout: float, api_key: str | None = None, retries: 
     """What can be checked of a model without loading it (the directory, the checkpoint step and its base,
     the server answering), so `--compare` fails before the first model's minutes of work, not after."""
     if spec.kind == "model":
-        resolve_model(spec.target)
+        resolve_model(spec.target, what="")  # the caller names the spec
     elif spec.kind == "checkpoint":
         locate(spec.target, spec.step)
     else:

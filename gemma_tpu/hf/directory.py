@@ -17,13 +17,15 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_path(spec: str, revision: str | None = None, what: str = "model.path") -> Path:
-    """Turn a local dir / hub id / embedded:NAME into a local directory; `what` names the setting in errors."""
+    """Turn a local dir / hub id / embedded:NAME into a local directory; `what` names the setting in errors (the
+    config key or the option; empty where the caller names it)."""
     if spec.startswith("embedded:"):
         return Path(assets.resolve_embedded(spec))
+    named = f"{what} {spec}" if what else spec
     p = Path(spec).expanduser()
     if p.exists():
         if not p.is_dir():
-            raise UserError(f"{what} {spec}: not a directory")
+            raise UserError(f"{named}: not a directory")
         return p
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
         try:
@@ -35,10 +37,10 @@ def resolve_path(spec: str, revision: str | None = None, what: str = "model.path
                 allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model"],
             )
         except Exception as e:  # network off, offline mode, gated or missing repo
-            raise UserError(f"{what} {spec}: not a local directory and not downloadable from the hub "
+            raise UserError(f"{named}: not a local directory and not downloadable from the hub "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         return Path(local)
-    raise UserError(f"{what} {spec}: no such directory")
+    raise UserError(f"{named}: no such directory")
 
 
 def check_revision_applies(spec: str, local: Path, revision: str | None) -> None:
