@@ -656,6 +656,9 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"no 'messages'.*field \(the example has chosen, rejected; .*; this is a preference row"),
     ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": " "}]},
      r"completion\[0\]: assistant message has neither content nor tool_calls"),
+    # TRL's unpaired preference rows (KTO): one labelled false was trained as an answer to imitate
+    ({"prompt": "hi", "completion": "go away", "label": False},
+     r"'label' is false: an unpaired preference row \(KTO\) marking this completion undesirable"),
     ({"prompt": [{"role": "system", "content": "s"}, {"role": "wizard", "content": "hi"}],
       "completion": [{"role": "assistant", "content": "yo"}]}, r"prompt\[1\]: unknown role 'wizard'"),
     ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "

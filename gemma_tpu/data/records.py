@@ -856,6 +856,10 @@ _PREFERENCE_HINT = ("; this is a preference row (chosen/rejected, for DPO-style 
 def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> dict:
     """TRL's prompt-completion rows: strings (a user turn, an assistant turn) or message lists; only
     the completion is trained."""
+    if obj.get("label") is False:  # TRL's unpaired preference (KTO) rows: trained here as an answer to imitate
+        raise UserError(f"{where}: 'label' is false: an unpaired preference row (KTO) marking this completion "
+                        f"undesirable, which supervised fine-tuning would train as an answer to imitate; keep only the "
+                        f"rows labelled true")
     prompt, completion = (_messages_or_text(obj.get(k), k, where) for k in ("prompt", "completion"))
     for key, value in (("prompt", prompt), ("completion", completion)):
         if value is None:
