@@ -656,6 +656,14 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"no 'messages'.*field \(the example has chosen, rejected; .*; this is a preference row"),
     ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": " "}]},
      r"completion\[0\]: assistant message has neither content nor tool_calls"),
+    # a table written column by column (pandas' to_json() default, a to_dict() dump): named as such
+    ({"prompt": {"0": "a", "1": "b"}, "completion": {"0": "c", "1": "d"}},
+     r"'prompt' must be a string or a list of messages, got an object; this looks like a table of 2 rows written "
+     r"column by column \(each field an object of row number -> value, as pandas' DataFrame.to_json\(\) writes by "
+     r"default\): write one object per example, to_json\(orient='records'\)"),
+    ({"prompt": ["a", "b", "c"], "completion": ["d", "e", "f"]},
+     r"prompt\[0\]: expected an object .*; this looks like a table of 3 rows written column by column \(each field "
+     r"a list of every row's value"),
     # TRL's unpaired preference rows (KTO): one labelled false was trained as an answer to imitate
     ({"prompt": "hi", "completion": "go away", "label": False},
      r"'label' is false: an unpaired preference row \(KTO\) marking this completion undesirable"),

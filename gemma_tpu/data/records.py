@@ -1078,6 +1078,37 @@ def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP)
         hint = ' (a list of messages: wrap each line as {"messages": [...]})' if looks_like_turns else ""
         raise UserError(f"{where}: expected a JSON object per example, got {_json_type(obj)}{hint}")
     check_surrogates(obj, where)
+    try:
+        return _normalise_shape(obj, where, data_cfg, markup)
+    except UserError as e:  # a table written column by column: each field holds every example's value
+        columns = _column_oriented(obj)
+        if columns is None:
+            raise
+        raise UserError(f"{e}; {columns}") from None
+
+
+def _column_oriented(obj: dict) -> str | None:
+    """What to say of a row that is a whole table written column by column, else None: pandas' `DataFrame.to_json()`
+    (orient='columns', its default: each field an object of row index -> value) or a `to_dict()` / orient='list'
+    dump (each field a list of every row's value). Its error named the first field's type alone ("'prompt' must be a
+    string or a list of messages, got an object")."""
+    values = list(obj.values())
+    if not values:
+        return None
+    if all(isinstance(v, dict) and v and all(isinstance(k, str) and k.isdigit() for k in v) for v in values):
+        how, n = "each field an object of row number -> value, as pandas' DataFrame.to_json() writes by default", \
+            len(values[0])
+    elif all(isinstance(v, list) and len(v) == len(values[0]) > 1 and not any(
+            isinstance(x, dict) and ("role" in x or "from" in x) for x in v) for v in values):
+        how, n = "each field a list of every row's value, as a to_dict() dump holds it", len(values[0])
+    else:
+        return None
+    return (f"this looks like a table of {n} rows written column by column ({how}): write one object per example, "
+            f"to_json(orient='records') (a JSON array) or to_json(orient='records', lines=True) (JSON Lines)")
+
+
+def _normalise_shape(obj: dict, where: str, data_cfg, markup: Markup) -> dict:
+    """`normalise_row` of a JSON object: its shape told apart (or `data_cfg.format`), then read as that shape."""
     kind = data_cfg.format
     if kind == "auto":
         kind = _detect(obj, data_cfg)
