@@ -1042,6 +1042,9 @@ CASES = [
     Case("assets-no-command", "gemma_tpu.assets", [], ["command"]),
     Case("assets-unknown-model", "gemma_tpu.assets", ["prepare", "gemma9-1t", "--cache-dir", "{tmp}/cache"],
          ["gemma9-1t"], sub=True),
+    # `--cache-dir "$CACHE"` with CACHE unset: the model was prepared into ./embedded of the working directory
+    Case("assets-empty-cache-dir", "gemma_tpu.assets", ["prepare", "tiny-gemma3", "--cache-dir", ""],
+         ["argument --cache-dir: an empty path names no cache directory to write"]),
 ]
 
 MAIN = {"gemma_tpu.assets": "_main"}  # the function cli_main wraps, where it is not `main`
