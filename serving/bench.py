@@ -441,7 +441,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="requests in flight at most (--max-concurrency: vLLM bench's name, also taken)")
     p.add_argument("--input-len", type=int, default=128, help="words per random prompt (about one token each)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
-    p.add_argument("--dataset", default="random", help="'random' or a JSONL file (or JSON array) of chats / prompts")
+    p.add_argument("--dataset", default="random", type=cli.input_path_of("dataset"),
+                   help="'random' or a JSONL file (or JSON array) of chats / prompts")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random prompts (or of the order --dataset rows are sent in)")
     p.add_argument("--json", type=cli.output_path_of("JSON file"),

@@ -856,6 +856,16 @@ CASES = [
          ["error: --compare B (model:{tmp}/nope): {tmp}/nope: no such directory"]),
     Case("chat-model-missing", "gemma_tpu.chat", ["--model", "{tmp}/nope", "--once", "hi"],
          ["error: --model {tmp}/nope: no such directory"]),
+    # `--model "$M"` with M unset: taken for no --model, evaluate asked an endpoint of None (a traceback), chat raised
+    # a TypeError, and the merge went on with the recorded base, --base unsaid
+    Case("evaluate-empty-model", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", ""],
+         ["argument --model: an empty path names no model directory"]),
+    Case("evaluate-empty-checkpoint", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--checkpoint", " "],
+         ["argument --checkpoint: an empty path names no checkpoint directory"]),
+    Case("chat-empty-model", "gemma_tpu.chat", ["--model", "", "--once", "hi"],
+         ["argument --model: an empty path names no model directory"]),
+    Case("merge-empty-base", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--base", "", "--out", "{tmp}/out"],
+         ["argument --base: an empty path names no base model"]),
     Case("evaluate-limit-negative", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--limit", "-3"],
          ["--limit -3: must be positive"]),
     Case("evaluate-unreachable-endpoint", "gemma_tpu.evaluate",

@@ -180,14 +180,19 @@ def output_path(text: str, what: str = "a file or directory") -> str:
     directory named `~` in the working directory. `output_path_of` names what the option writes."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"an empty path names no {what} to write")
-    if text.startswith("~"):
-        expanded = os.path.expanduser(text)
-        if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was
-            user = text[1:].split("/", 1)[0]
-            raise argparse.ArgumentTypeError(f"{text!r}: '~{user}' is the home directory of user {user!r}, whom "
-                                             f"this machine does not know; write the path out")
-        return expanded
-    return text
+    return _home(text)
+
+
+def _home(text: str) -> str:
+    """`text` with a leading `~` (or `~user`) expanded; an unknown user is refused."""
+    if not text.startswith("~"):
+        return text
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was
+        user = text[1:].split("/", 1)[0]
+        raise argparse.ArgumentTypeError(f"{text!r}: '~{user}' is the home directory of user {user!r}, whom this "
+                                         f"machine does not know; write the path out")
+    return expanded
 
 
 def output_path_of(what: str):
@@ -199,6 +204,20 @@ def output_path_of(what: str):
 
     output_path_.__name__ = "output_path"
     return output_path_
+
+
+def input_path_of(what: str):
+    """An argparse `type` for an option naming `what` to read ("model directory"): an empty one (`--model "$M"` with
+    M unset) is refused, where it was taken for no option at all (evaluate then asked an endpoint of None: a
+    traceback) or for the working directory; a leading `~` is the home directory, as for outputs."""
+
+    def input_path_(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"an empty path names no {what}")
+        return _home(text)
+
+    input_path_.__name__ = "input_path"
+    return input_path_
 
 
 # seconds a request may wait: positive, and within what a socket timeout takes (1e10 s overflows time_t)

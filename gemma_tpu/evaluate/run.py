@@ -652,10 +652,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    "model.dtype, default float32 for --model, a --checkpoint's training dtype)")
     # --print-config evaluates nothing: it needed --data and a model only to print the config and exit
     needed = "--print-config" not in argv
-    p.add_argument("--data", required=needed, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
+    p.add_argument("--data", required=needed, type=cli.input_path_of("data file"),
+                   help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
     which = p.add_mutually_exclusive_group(required=needed)
-    which.add_argument("--model", help="base or merged HF directory (or hub id / embedded:NAME)")
-    which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
+    which.add_argument("--model", type=cli.input_path_of("model directory"),
+                       help="base or merged HF directory (or hub id / embedded:NAME)")
+    which.add_argument("--checkpoint", type=cli.input_path_of("checkpoint directory"),
+                       help="gemma-tpu checkpoint directory (base + LoRA)")
     which.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     which.add_argument("--compare", nargs=2, metavar=("A", "B"),
                        help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL[#MODEL] (#MODEL: that side's "
