@@ -360,6 +360,14 @@ CASES = [
          ["data file not found: {tmp}/a.jsonl,{tmp}/b.jsonl (a comma-separated list of 2 files; a single file is read: "
           "concatenate them into one, e.g. cat {tmp}/a.jsonl {tmp}/b.jsonl > all.jsonl)"],
          {"a.jsonl": CHAT.read_text(), "b.jsonl": CHAT.read_text()}),
+    # what a TRL recipe gives load_dataset: a hub dataset id, or a URL; both were "not found ... a relative path is read
+    # from the working directory", as if a file of that name were missing there
+    Case("data-path-a-hub-dataset-id", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path=trl-lib/Capybara"],
+         ["data file not found: trl-lib/Capybara (no such file here; a Hugging Face Hub dataset id is not downloaded: "
+          "datasets.load_dataset('trl-lib/Capybara', split='train').to_json('train.jsonl')"]),
+    Case("data-path-a-url", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path=https://example.org/d/train.jsonl"],
+         ["data file not found: https://example.org/d/train.jsonl (a URL; data files are read from this machine's "
+          "disk: download it first) (data.train_path)"]),
     Case("data-path-yaml-list", "gemma_tpu.data.inspect", [*TRAIN, "data.eval_path=[{tmp}/a.jsonl,{tmp}/b.jsonl]"],
          ["data.eval_path: expected a string, got [", "(a single file is read: concatenate the files into one)"],
          {"a.jsonl": CHAT.read_text(), "b.jsonl": CHAT.read_text()}),

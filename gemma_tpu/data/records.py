@@ -160,9 +160,28 @@ def _is_file(p: Path) -> bool:
         return False
 
 
-def not_found_hint(p: Path) -> str:
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+# a Hugging Face Hub dataset id as TRL's recipes give load_dataset (`trl-lib/Capybara`): owner/name, no file suffix
+_HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w-]+(?:\.[\w-]+)*")
+
+
+def is_url(path: str | Path) -> bool:
+    """Whether a data path is a URL (`https://...`, `gs://...`, `hf://...`), not a path of this machine's disk."""
+    return bool(_URL.match(str(path)))
+
+
+def not_found_hint(path: str | Path) -> str:
     """What a data path that names no file may have meant, as ' (...)', or '': a glob pattern or a comma-separated
-    list of files that exist (one file is read)."""
+    list of files that exist (one file is read), a URL or a Hugging Face Hub dataset id (neither is downloaded).
+    `path` as given: a Path has lost a URL's '//'."""
+    text, p = str(path), Path(path)
+    if is_url(text):
+        return " (a URL; data files are read from this machine's disk: download it first)"
+    if _HUB_DATASET.fullmatch(text) and not p.parent.exists() and not re.search(
+            r"\.(jsonl|json|parquet|arrow|gz|csv)$", text, re.IGNORECASE):
+        return (f" (no such file here; a Hugging Face Hub dataset id is not downloaded: "
+                f"datasets.load_dataset('{text}', split='train').to_json('train.jsonl') (or .save_to_disk(DIR)) and "
+                f"give that file)")
     matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
     if matches:
         return (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
@@ -186,7 +205,7 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         raise UserError(f"data file {p} is not a regular file (a pipe or device, as a shell's <(...) gives); write "
                         f"the data to a file and give that")
     if not p.is_file():
-        raise UserError(f"data file not found: {p}{not_found_hint(p)}")
+        raise UserError(f"data file not found: {path}{not_found_hint(path)}")
     with p.open("rb") as f:
         head = f.read(6)
     magic = head[:2]
