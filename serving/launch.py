@@ -253,7 +253,7 @@ def serve_local(cfg: ServeConfig) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m serving.launch", __doc__, config="serving config, e.g. configs/serve-gemma3-270m-fitness.yaml",
-                   override_example="server.port=8001")
+                   override_example="server.port=8001", config_cls=ServeConfig)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--print", action="store_true", help="print the docker run command and exit")
     mode.add_argument("--local", action="store_true", help="serve here with transformers serve (no TPU, no Docker)")

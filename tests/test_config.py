@@ -368,6 +368,33 @@ def test_overrides_between_options_cli():
     assert cfg["data"]["seq_len"] == 64
 
 
+@pytest.mark.parametrize("argv, message", [
+    # HfArgumentParser's spelling (a TRL recipe's command line), absl/Hydra's dotted options: "unrecognized arguments"
+    (["--learning_rate", "1e-4"], "--learning_rate 1e-4: config keys are set by overrides, not options: write "
+                                  "train.learning_rate=1e-4"),
+    (["--max-steps=3"], "--max-steps=3: config keys are set by overrides, not options: write train.max_steps=3"),
+    (["--train.max_steps=3"], "--train.max_steps=3: config keys are set by overrides, not options: write "
+                              "train.max_steps=3"),
+    (["--per_device_train_batch_size", "4"], "write train.batch_size=4 (the transformers/TRL name"),
+    (["--shuffle", "--print-config"], "--shuffle: config keys are set by overrides, not options: write "
+                                      "data.shuffle=true"),
+])
+def test_a_config_key_given_as_an_option_names_the_override(argv, message):
+    from gemma_tpu.train.run import parse_args
+
+    with pytest.raises(UserError) as e:
+        parse_args(["--config", "configs/tiny.yaml", *argv])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_vllm_option_given_to_the_launcher_names_the_override():
+    from serving.launch import parse_args
+
+    with pytest.raises(UserError, match=r"--max-model-len 4096: config keys are set by overrides, not options: "
+                                        r"write server.max_model_len=4096"):
+        parse_args(["--config", "configs/serve-gemma3-270m-fitness.yaml", "--max-model-len", "4096", "--print"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("foo.bar=1", "override 'foo.bar=1': unknown config key 'foo'"),
     ("train.foo.bar=1", "override 'train.foo.bar=1': unknown config key 'train.foo'"),

@@ -31,13 +31,17 @@ _debug = os.environ.get(DEBUG_ENV) == "1"  # set by cli_main from --debug / GEMM
 
 
 def parser(prog: str, doc: str | None, config: str | None = None, overrides: bool = True,
-           print_config: bool = True, override_example: str = "train.max_steps=20") -> argparse.ArgumentParser:
+           print_config: bool = True, override_example: str = "train.max_steps=20",
+           config_cls: type = RunConfig) -> argparse.ArgumentParser:
     """An entry point's parser. `doc`: the module docstring, shown whole by `--help` (its first line alone
     was a usage line, cut mid-option where it wrapped, and said nothing of what the command does).
     `config`: the help text of `--config` (None: no --config). `--debug` (shows tracebacks; also
-    GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`."""
+    GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`.
+    `config_cls`: the config the overrides set (its keys, given as options, are named as overrides)."""
     cls = _OverridesParser if overrides else argparse.ArgumentParser
     p = cls(prog=prog, description=doc.strip() if doc else None, formatter_class=_HelpFormatter)
+    if overrides:
+        p.config_cls = config_cls
     if config is not None:
         p.add_argument("--config", action=_Once, help=config)
         if print_config:
@@ -96,8 +100,54 @@ class _OverridesParser(argparse.ArgumentParser):
     (`--dry-run train.max_steps=5 --devices 8 mesh.fsdp=8`): plain argparse takes the overrides of the
     first run only and refuses the rest as unrecognized arguments."""
 
+    config_cls: type = RunConfig
+
     def parse_args(self, args=None, namespace=None):
-        return self.parse_intermixed_args(_bare_overrides(sys.argv[1:] if args is None else args), namespace)
+        args = _bare_overrides(sys.argv[1:] if args is None else args)
+        self._refuse_config_options(args)
+        return self.parse_intermixed_args(args, namespace)
+
+    def _refuse_config_options(self, args: Sequence[str]) -> None:
+        """A config key given as an option, as HfArgumentParser (a TRL recipe's command line: `--learning_rate 1e-4`)
+        or absl/Hydra (`--train.max_steps=3`) take them, is named with the override that sets it; it was
+        'unrecognized arguments'. An option of this command (or an abbreviation argparse takes) is left alone."""
+        for i, arg in enumerate(args):
+            if arg == "--":
+                return
+            name, eq, value = arg.partition("=")
+            if not name.startswith("--") or len(name) < 3 or any(o.startswith(name) for o in
+                                                                 self._option_string_actions):
+                continue
+            meant = _config_key(self.config_cls, name[2:])
+            if meant is None:
+                continue
+            key, note = meant
+            given = arg
+            if not eq:  # `--key VALUE`, or a switch (`--shuffle`): true
+                nxt = args[i + 1] if i + 1 < len(args) else None
+                value = nxt if nxt is not None and not nxt.startswith("-") and "=" not in nxt else "true"
+                given = arg if value == "true" and nxt != "true" else f"{arg} {value}"
+            raise UserError(f"{given}: config keys are set by overrides, not options: write {key}={value}{note}")
+
+
+def _config_key(cls: type, name: str) -> tuple[str, str] | None:
+    """The dotted key of `cls` an option's name (`max-steps`, `train.max_steps`, a transformers/TRL name) sets, and a
+    note on it; None where it names none, or several."""
+    from gemma_tpu.core.config import FOREIGN_NAMES, OLDER_NAMES, _leaf_keys
+
+    name = name.replace("-", "_")
+    keys = [k for k in _leaf_keys(cls) if "." in k and k not in OLDER_NAMES]
+    if name in keys:
+        return name, ""
+    leaf = name.rpartition(".")[2]
+    same = [k for k in keys if k.rpartition(".")[2] == leaf]
+    if len(same) == 1:
+        return same[0], ""
+    foreign = FOREIGN_NAMES.get(leaf) if cls is RunConfig else None
+    if foreign and foreign[0] in keys:
+        note = f"; {foreign[1]}" if foreign[1] else ""
+        return foreign[0], f" (the {foreign[2] if len(foreign) > 2 else 'transformers/TRL'} name{note})"
+    return None
 
 
 def _bare_overrides(args: Sequence[str]) -> list[str]:
