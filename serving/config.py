@@ -539,13 +539,19 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     if not int(cfg.container.shm_size.rstrip("bkmgBKMG")):  # docker takes 0 as "its default" (64m), silently
         bad(f"container.shm_size {cfg.container.shm_size!r} is zero; give a positive size like 16g")
     names = [a.name for a in cfg.lora.adapters]
-    for a in cfg.lora.adapters:
+    for i, a in enumerate(cfg.lora.adapters):
+        if not (a.name or "").strip():  # was "name '': use letters, ...", of a name never given
+            bad(f"lora.adapters[{i}]: name is not set (give {{name: NAME, dir: DIR}}: clients send NAME as the model)")
         if not _NAME.fullmatch(a.name or ""):
             bad(f"lora.adapters: name {a.name!r}: use letters, digits, '.', '_' and '-'")
         if not a.dir:
             bad(f"lora.adapters.{a.name}: dir is not set")
-    if len(set(names)) != len(names) or (cfg.model.dir and cfg.served_name in names):
-        bad("lora.adapters: names must be unique and differ from the served model name")
+        if a.name in names[:i]:  # the two cases said as one ("names must be unique and differ ..."), naming neither
+            bad(f"lora.adapters: {a.name!r} is the name of two adapters (lora.adapters[{names.index(a.name)}] and "
+                f"[{i}]); give each its own")
+        if (cfg.model.dir or cfg.model.name) and a.name == cfg.served_name:
+            key = "model.name" if cfg.model.name else f"the name of model.dir, {cfg.model.dir}"
+            bad(f"lora.adapters[{i}]: {a.name!r} is the served model's name ({key}) too; give the adapter another")
     if cfg.lora.max_loras is not None and cfg.lora.max_loras < 1:  # vLLM's LoRAConfig: max_loras >= 1
         bad(f"lora.max_loras must be at least 1, got {cfg.lora.max_loras}")
     cpu = extra_arg(s.extra_args, "--max-cpu-loras")

@@ -271,6 +271,24 @@ def test_a_vllm_serve_option_given_as_a_key_is_pointed_to_extra_args(override, f
     assert "server.extra_args" in str(e.value) and f"[{flag}" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # said "lora.adapters: name '': use letters, digits, '.', '_' and '-'"
+    (["lora.adapters=[{dir: /x/coach}]"], "lora.adapters[0]: name is not set (give {name: NAME, dir: DIR}: clients "
+                                          "send NAME as the model)"),
+    # both said "lora.adapters: names must be unique and differ from the served model name", naming neither
+    (["lora.adapters=[{name: coach, dir: /x/a}, {name: coach, dir: /x/b}]"],
+     "lora.adapters: 'coach' is the name of two adapters (lora.adapters[0] and [1]); give each its own"),
+    (["model.name=coach", "lora.adapters=[{name: coach, dir: /x/a}]"],
+     "lora.adapters[0]: 'coach' is the served model's name (model.name) too; give the adapter another"),
+])
+def test_adapter_names_are_refused_by_what_is_wrong(overrides, message):
+    from serving.config import load_serve_config
+
+    with pytest.raises(UserError) as e:
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml", overrides, need_dir=False)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_an_empty_serving_config_points_to_a_serving_config(tmp_path):
     """An empty (or truncated to comments) serving config, or a directory given for it, was told to give 'a config
     such as configs/tiny.yaml', a training config the launcher refuses."""
