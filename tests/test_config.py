@@ -351,6 +351,17 @@ def test_print_config_cli():
     assert "max_steps: 20" in proc.stdout and "seq_len:" in proc.stdout
 
 
+def test_config_given_with_equals_tilde_is_read_from_home(tmp_path):
+    """`--config=~/run.yaml`: the shell expands no `~` after '=', and it was "config file not found: ~/run.yaml"."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "run.yaml").write_text("train:\n  max_steps: 7\n")
+    proc = run_cli("gemma_tpu.train", "--config=~/run.yaml", "--print-config", cwd=tmp_path,
+                   env={"HOME": str(home), "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["train"]["max_steps"] == 7
+
+
 def test_typo_cli_is_one_line():
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "train.max_stpes=3")
     assert_one_line_error(proc, "train.max_stpes")

@@ -92,6 +92,10 @@ class _Once(argparse.Action):
         if getattr(namespace, self.dest, None) is not None:
             parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); configs do not "
                          f"merge: give one, and change keys with overrides (section.key=value)")
+        try:  # `--config=~/run.yaml`: the shell expands no `~` after '=' ("config file not found: ~/run.yaml")
+            values = _home(values)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"argument {option_string}: {e}")
         setattr(namespace, self.dest, values)
 
 
