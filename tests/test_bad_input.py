@@ -1057,6 +1057,10 @@ CASES = [
          ["--train -5"]),
     Case("fitness-out-is-a-file", "gemma_tpu.examples.fitness", ["generate", "--out", "{tmp}/fit"],
          ["{tmp}/fit", "not a directory"], {"fit": "not a dir"}),
+    # a directory of the user's own data: its train.jsonl was replaced by the coach's, without a word
+    Case("fitness-out-holds-other-data", "gemma_tpu.examples.fitness", ["generate", "--out", "{tmp}/d"],
+         ["--out {tmp}/d: {tmp}/d/train.jsonl holds data this command did not write", "another --out"],
+         {"d/train.jsonl": CHAT.read_text()}),
     Case("assets-no-command", "gemma_tpu.assets", [], ["command"]),
     Case("assets-unknown-model", "gemma_tpu.assets", ["prepare", "gemma9-1t", "--cache-dir", "{tmp}/cache"],
          ["gemma9-1t"], sub=True),
