@@ -450,6 +450,8 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     kind, sep, target = text.partition(":")
     if not sep or kind not in ("model", "checkpoint", "endpoint") or not target:
         raise UserError(f"--compare {text!r}: expected model:DIR, checkpoint:DIR[@STEP] or endpoint:URL[#MODEL]")
+    if kind != "endpoint":  # the shell expands no `~` inside a word: checkpoint:~/x "did not exist"
+        target = os.path.expanduser(target)
     if kind == "checkpoint" and "@" in target and target.rsplit("@", 1)[1].isdigit():
         target, s = target.rsplit("@", 1)
         step = int(s)
