@@ -52,6 +52,15 @@ DEFAULT_IMAGE = "gemma-tpu-serve:v0.27.0"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _secret_like(value: str) -> bool:
+    """Whether a value given for a variable's *name* is a key or token itself: an OpenAI-style `sk-...`, or a run of 16
+    or more letters and digits mixed (a Hugging Face `hf_...` token, `openssl rand -hex 16`), which no variable name
+    people write holds."""
+    return value.startswith("sk-") or any(
+        len(part) >= 16 and re.search(r"\d", part) and re.search(r"[A-Za-z]", part)
+        for part in re.split(r"[_-]", value))
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY", "HUGGING_FACE_HUB_TOKEN")
 # tpu-inference's MODEL_IMPL_TYPE (tpu_inference/envs.py, 0.27.0): auto picks its JAX model where it has one (Gemma 4)
 # and vLLM's PyTorch model through torchax otherwise (Gemma 3); it refuses other values when the engine starts, and
@@ -519,12 +528,14 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"container.name {c.name!r}: docker names use letters, digits, '_', '.' and '-'")
     if not (c.compile_cache or "").strip():
         bad("container.compile_cache is empty (a host directory for vLLM's compile cache, e.g. ~/.cache/vllm)")
-    for key in ("api_key_env",):
-        v = getattr(s, key)
+    for key, v in (("server.api_key_env", s.api_key_env), ("container.hf_token_env", cfg.container.hf_token_env)):
+        if v is not None and _secret_like(v):  # passed as a name, it was printed in the docker command (and refused
+            # as no name, echoed in the error): said without it
+            bad(f"{key} names the environment variable that holds the secret (e.g. "
+                f"{'VLLM_API_KEY' if key.startswith('server') else 'HF_TOKEN'}), and its value looks like a key or "
+                f"token itself ({len(v)} characters, not shown here): export it under that name and give the name")
         if v is not None and not _ENV_NAME.fullmatch(v):
-            bad(f"server.{key} must be an environment variable name, got {v!r}")
-    if cfg.container.hf_token_env is not None and not _ENV_NAME.fullmatch(cfg.container.hf_token_env):
-        bad(f"container.hf_token_env must be an environment variable name, got {cfg.container.hf_token_env!r}")
+            bad(f"{key} must be an environment variable name, got {v!r}")
     for k in cfg.container.env:
         if not _ENV_NAME.fullmatch(k):
             bad(f"container.env: {k!r} is not an environment variable name")

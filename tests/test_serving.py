@@ -289,6 +289,27 @@ def test_adapter_names_are_refused_by_what_is_wrong(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("key, value", [
+    ("server.api_key_env", "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),  # the token where its variable's name goes
+    ("container.hf_token_env", "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),
+    ("server.api_key_env", "a3f9c2e1b4d5f6a7b8c9d0e1f2a3b4c5"),  # `openssl rand -hex 16`, as the README makes one
+    ("server.api_key_env", "sk-proj-AbCdEf0123456789AbCdEf0123456789"),
+])
+def test_a_secret_given_for_its_variables_name_is_refused_unshown(tmp_path, key, value):
+    """A token written where the variable's name goes passed as a name (`-e hf_...`, `VLLM_API_KEY="$a3f9..."`): the
+    secret was printed in the docker command and seen in the process list; one that is no name (`sk-...`) was
+    refused by echoing it, into the terminal and any log."""
+    from serving.config import load_serve_config
+
+    section, name = key.split(".")
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"model:\n  dir: /x/m\n{section}:\n  {name}: {value}\n")
+    with pytest.raises(UserError) as e:
+        load_serve_config(path, need_dir=False)
+    assert str(e.value).startswith(f"{path} line 4: {key} ") and "looks like a key or token itself" in str(e.value)
+    assert value not in str(e.value) and value[:8] not in str(e.value), str(e.value)
+
+
 def test_an_empty_serving_config_points_to_a_serving_config(tmp_path):
     """An empty (or truncated to comments) serving config, or a directory given for it, was told to give 'a config
     such as configs/tiny.yaml', a training config the launcher refuses."""
