@@ -464,6 +464,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     paths = [(cfg.model, "dir", "model.dir"), (cfg.container, "compile_cache", "container.compile_cache")]
     paths += [(a, "dir", f"lora.adapters.{a.name}.dir") for a in cfg.lora.adapters]
     if cfg.tool_calling.chat_template != "model":
+        if not cfg.tool_calling.chat_template.strip():  # was "tool_calling.chat_template: . is not a file"
+            bad("tool_calling.chat_template is empty (give model, the directory's own template, or a .jinja file)")
         paths.append((cfg.tool_calling, "chat_template", "tool_calling.chat_template"))
     for section, attr, key in paths:
         if isinstance(getattr(section, attr), str):

@@ -310,6 +310,16 @@ def test_a_secret_given_for_its_variables_name_is_refused_unshown(tmp_path, key,
     assert value not in str(e.value) and value[:8] not in str(e.value), str(e.value)
 
 
+def test_an_empty_chat_template_is_said_to_be_empty():
+    """`tool_calling.chat_template=` (an unset $TEMPLATE) was "tool_calling.chat_template: . is not a file"."""
+    from serving.config import load_serve_config
+
+    with pytest.raises(UserError, match=r"^override 'tool_calling.chat_template=': tool_calling.chat_template is "
+                                        r"empty \(give model, the directory's own template, or a .jinja file\)$"):
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml", ["tool_calling.chat_template="],
+                          need_dir=False)
+
+
 def test_an_empty_serving_config_points_to_a_serving_config(tmp_path):
     """An empty (or truncated to comments) serving config, or a directory given for it, was told to give 'a config
     such as configs/tiny.yaml', a training config the launcher refuses."""
