@@ -627,10 +627,13 @@ def write_gguf(plan: ExportPlan, path: Path) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m convert.export_gguf", __doc__, overrides=False)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
-    src.add_argument("--merged", help="a Hugging Face model directory (e.g. the output of convert.merge_orbax)")
+    src.add_argument("--checkpoint", type=cli.input_path_of("checkpoint directory"),
+                     help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
+    src.add_argument("--merged", type=cli.input_path_of("model directory"),
+                     help="a Hugging Face model directory (e.g. the output of convert.merge_orbax)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    p.add_argument("--base", help="base HF dir or hub id (default: the one recorded in the checkpoint)")
+    p.add_argument("--base", type=cli.input_path_of("base model"),
+                   help="base HF dir or hub id (default: the one recorded in the checkpoint)")
     p.add_argument("--out", required=True, type=cli.output_path_of("output .gguf file"), help="output .gguf file")
     p.add_argument("--type", default="q8_0", type=str.lower,  # Q8_0 as llama-quantize spells it
                    help=f"weight type: {', '.join(TYPES)} (default q8_0; either case)")

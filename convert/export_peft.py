@@ -94,14 +94,16 @@ def peft_base_path(base: dict) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m convert.export_peft", __doc__, overrides=False)
-    p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
+    p.add_argument("--checkpoint", required=True, type=cli.input_path_of("checkpoint directory"),
+                   help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, type=cli.output_path_of("adapter directory"),
                    help="output adapter directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
-    p.add_argument("--base", help="the base's HF directory when the one recorded at training is not here, "
-                                  "checked against the fingerprint taken at training (a tool-calling run's adapter "
-                                  "ships its tokenizer with the tool-call markers)")
+    p.add_argument("--base", type=cli.input_path_of("base model"),
+                   help="the base's HF directory when the one recorded at training is not here, checked against "
+                        "the fingerprint taken at training (a tool-calling run's adapter ships its tokenizer with the "
+                        "tool-call markers)")
     p.add_argument("--allow-base-mismatch", action="store_true",
                    help="export even if the recorded base's weights differ from the fingerprint taken at training")
     return p

@@ -217,7 +217,8 @@ def render(info: dict, tensors: bool = True) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m convert.inspect", __doc__, overrides=False)
-    p.add_argument("path", help="checkpoint dir, HF directory, .safetensors or .gguf file")
+    p.add_argument("path", type=cli.input_path_of("checkpoint, model directory or file"),
+                   help="checkpoint dir, HF directory, .safetensors or .gguf file")
     p.add_argument("--step", type=int, help="checkpoint step to list (default: the latest)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-tensors", action="store_true", help="summary only")

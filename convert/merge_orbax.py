@@ -312,10 +312,12 @@ def provenance(plan: MergePlan, writer: sio.ShardedWriter) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m convert.merge_orbax", __doc__, overrides=False)
-    p.add_argument("--checkpoint", required=True, help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
+    p.add_argument("--checkpoint", required=True, type=cli.input_path_of("checkpoint directory"),
+                   help="gemma-tpu checkpoint dir (with gemma_tpu_run.json)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, type=cli.output_path_of("output directory"), help="output HF directory")
-    p.add_argument("--base", help="base HF dir or hub id (default: the one recorded in the checkpoint)")
+    p.add_argument("--base", type=cli.input_path_of("base model"),
+                   help="base HF dir or hub id (default: the one recorded in the checkpoint)")
     p.add_argument("--dtype", choices=sorted(sio.DTYPE_NAMES), help="output dtype (default: the base's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")

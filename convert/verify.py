@@ -347,8 +347,10 @@ def verify_merge(source, base_dir: Path, merged_dir: Path, dtype_name: str,
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m convert.verify", __doc__, overrides=False)
-    p.add_argument("a", help="reference HF directory (or PEFT adapter directory)")
-    p.add_argument("b", help="HF directory (or PEFT adapter directory) to compare")
+    p.add_argument("a", type=cli.input_path_of("model directory"),
+                   help="reference HF directory (or PEFT adapter directory)")
+    p.add_argument("b", type=cli.input_path_of("model directory"),
+                   help="HF directory (or PEFT adapter directory) to compare")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a fixed set)")
     p.add_argument("--max-abs-diff", type=cli.number(0.0, low_ok=True), help="fail (exit 1) above this max |logit diff|")
     p.add_argument("--max-kl", type=cli.number(0.0, low_ok=True), help="fail (exit 1) above this mean KL(A||B)")

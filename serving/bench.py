@@ -441,7 +441,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="requests in flight at most (--max-concurrency: vLLM bench's name, also taken)")
     p.add_argument("--input-len", type=int, default=128, help="words per random prompt (about one token each)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
-    p.add_argument("--dataset", default="random", help="'random' or a JSONL file (or JSON array) of chats / prompts")
+    p.add_argument("--dataset", default="random", type=cli.input_path_of("dataset"),
+                   help="'random' or a JSONL file (or JSON array) of chats / prompts")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random prompts (or of the order --dataset rows are sent in)")
     p.add_argument("--json", type=cli.output_path_of("JSON file"),
@@ -453,7 +454,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="ask the server to generate exactly --output-len tokens (vLLM's ignore_eos extension; "
                         "as `vllm bench serve` does for random prompts)")
     p.add_argument("--metric-percentiles", type=percentile_list, default="90,99",
-                   help="comma-separated, each above 0 and below 100, e.g. 50,90,99.9")
+                   help="comma-separated, each from 0 to 100 (the least and the most), e.g. 50,90,99.9")
     p.add_argument("--api-key-env", default="VLLM_API_KEY",
                    help="environment variable holding the API key, sent when set (default: VLLM_API_KEY)")
     p.add_argument("--save-detailed", action="store_true", help="also write per-request lists (ttfts, itls, ...)")

@@ -52,6 +52,15 @@ DEFAULT_IMAGE = "gemma-tpu-serve:v0.27.0"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _secret_like(value: str) -> bool:
+    """Whether a value given for a variable's *name* is a key or token itself: an OpenAI-style `sk-...`, or a run of 16
+    or more letters and digits mixed (a Hugging Face `hf_...` token, `openssl rand -hex 16`), which no variable name
+    people write holds."""
+    return value.startswith("sk-") or any(
+        len(part) >= 16 and re.search(r"\d", part) and re.search(r"[A-Za-z]", part)
+        for part in re.split(r"[_-]", value))
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY", "HUGGING_FACE_HUB_TOKEN")
 # tpu-inference's MODEL_IMPL_TYPE (tpu_inference/envs.py, 0.27.0): auto picks its JAX model where it has one (Gemma 4)
 # and vLLM's PyTorch model through torchax otherwise (Gemma 3); it refuses other values when the engine starts, and
@@ -276,6 +285,15 @@ def vllm_serve_flags() -> frozenset[str]:
     return frozenset(vllm_serve_choices())
 
 
+def vllm_option_keys() -> dict[str, tuple[str, ...]]:
+    """The `vllm serve` options the config has no key for, by the key a vLLM user writes for one (the server section
+    mirrors its options: `server.gpu_memory_utilization` was an unknown key, its section's keys listed and nothing
+    said that server.extra_args passes it), as `load_typed`'s `foreign` names: (our key, how, whose name)."""
+    return {flag[2:].replace("-", "_"): ("server.extra_args", f"as [{flag}, VALUE], or [{flag}] for a switch",
+                                         "vllm serve option's")
+            for flag in vllm_serve_flags() if flag.startswith("--") and flag not in RENDERED_FLAGS}
+
+
 def vllm_option(arg: str) -> str | None:
     """The option an extra_args word names as vLLM's parser reads it, or None for a value: '_' and '-' alike
     before any '.', `--x=V` and `--x.key V` (a JSON option's field) as `--x`, `-O3` as `-O` (its
@@ -434,7 +452,7 @@ MAX_SERVER_INT = 2**31 - 1
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), need_dir: bool = True) -> ServeConfig:
     """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem; `need_dir=False` (for printing
     the config) lets model.dir be unset."""
-    cfg = load_typed(ServeConfig, path, overrides, elsewhere=TRAINING_SECTIONS,
+    cfg = load_typed(ServeConfig, path, overrides, foreign=vllm_option_keys(), elsewhere=TRAINING_SECTIONS,
                      example="configs/serve-gemma3-270m-fitness.yaml")
     where = str(path) if path is not None else "config"
 
@@ -446,6 +464,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     paths = [(cfg.model, "dir", "model.dir"), (cfg.container, "compile_cache", "container.compile_cache")]
     paths += [(a, "dir", f"lora.adapters.{a.name}.dir") for a in cfg.lora.adapters]
     if cfg.tool_calling.chat_template != "model":
+        if not cfg.tool_calling.chat_template.strip():  # was "tool_calling.chat_template: . is not a file"
+            bad("tool_calling.chat_template is empty (give model, the directory's own template, or a .jinja file)")
         paths.append((cfg.tool_calling, "chat_template", "tool_calling.chat_template"))
     for section, attr, key in paths:
         if isinstance(getattr(section, attr), str):
@@ -510,12 +530,14 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"container.name {c.name!r}: docker names use letters, digits, '_', '.' and '-'")
     if not (c.compile_cache or "").strip():
         bad("container.compile_cache is empty (a host directory for vLLM's compile cache, e.g. ~/.cache/vllm)")
-    for key in ("api_key_env",):
-        v = getattr(s, key)
+    for key, v in (("server.api_key_env", s.api_key_env), ("container.hf_token_env", cfg.container.hf_token_env)):
+        if v is not None and _secret_like(v):  # passed as a name, it was printed in the docker command (and refused
+            # as no name, echoed in the error): said without it
+            bad(f"{key} names the environment variable that holds the secret (e.g. "
+                f"{'VLLM_API_KEY' if key.startswith('server') else 'HF_TOKEN'}), and its value looks like a key or "
+                f"token itself ({len(v)} characters, not shown here): export it under that name and give the name")
         if v is not None and not _ENV_NAME.fullmatch(v):
-            bad(f"server.{key} must be an environment variable name, got {v!r}")
-    if cfg.container.hf_token_env is not None and not _ENV_NAME.fullmatch(cfg.container.hf_token_env):
-        bad(f"container.hf_token_env must be an environment variable name, got {cfg.container.hf_token_env!r}")
+            bad(f"{key} must be an environment variable name, got {v!r}")
     for k in cfg.container.env:
         if not _ENV_NAME.fullmatch(k):
             bad(f"container.env: {k!r} is not an environment variable name")
@@ -530,13 +552,19 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     if not int(cfg.container.shm_size.rstrip("bkmgBKMG")):  # docker takes 0 as "its default" (64m), silently
         bad(f"container.shm_size {cfg.container.shm_size!r} is zero; give a positive size like 16g")
     names = [a.name for a in cfg.lora.adapters]
-    for a in cfg.lora.adapters:
+    for i, a in enumerate(cfg.lora.adapters):
+        if not (a.name or "").strip():  # was "name '': use letters, ...", of a name never given
+            bad(f"lora.adapters[{i}]: name is not set (give {{name: NAME, dir: DIR}}: clients send NAME as the model)")
         if not _NAME.fullmatch(a.name or ""):
             bad(f"lora.adapters: name {a.name!r}: use letters, digits, '.', '_' and '-'")
         if not a.dir:
             bad(f"lora.adapters.{a.name}: dir is not set")
-    if len(set(names)) != len(names) or (cfg.model.dir and cfg.served_name in names):
-        bad("lora.adapters: names must be unique and differ from the served model name")
+        if a.name in names[:i]:  # the two cases said as one ("names must be unique and differ ..."), naming neither
+            bad(f"lora.adapters: {a.name!r} is the name of two adapters (lora.adapters[{names.index(a.name)}] and "
+                f"[{i}]); give each its own")
+        if (cfg.model.dir or cfg.model.name) and a.name == cfg.served_name:
+            key = "model.name" if cfg.model.name else f"the name of model.dir, {cfg.model.dir}"
+            bad(f"lora.adapters[{i}]: {a.name!r} is the served model's name ({key}) too; give the adapter another")
     if cfg.lora.max_loras is not None and cfg.lora.max_loras < 1:  # vLLM's LoRAConfig: max_loras >= 1
         bad(f"lora.max_loras must be at least 1, got {cfg.lora.max_loras}")
     cpu = extra_arg(s.extra_args, "--max-cpu-loras")

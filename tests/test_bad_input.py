@@ -360,6 +360,14 @@ CASES = [
          ["data file not found: {tmp}/a.jsonl,{tmp}/b.jsonl (a comma-separated list of 2 files; a single file is read: "
           "concatenate them into one, e.g. cat {tmp}/a.jsonl {tmp}/b.jsonl > all.jsonl)"],
          {"a.jsonl": CHAT.read_text(), "b.jsonl": CHAT.read_text()}),
+    # what a TRL recipe gives load_dataset: a hub dataset id, or a URL; both were "not found ... a relative path is read
+    # from the working directory", as if a file of that name were missing there
+    Case("data-path-a-hub-dataset-id", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path=trl-lib/Capybara"],
+         ["data file not found: trl-lib/Capybara (no such file here; a Hugging Face Hub dataset id is not downloaded: "
+          "datasets.load_dataset('trl-lib/Capybara', split='train').to_json('train.jsonl')"]),
+    Case("data-path-a-url", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path=https://example.org/d/train.jsonl"],
+         ["data file not found: https://example.org/d/train.jsonl (a URL; data files are read from this machine's "
+          "disk: download it first) (data.train_path)"]),
     Case("data-path-yaml-list", "gemma_tpu.data.inspect", [*TRAIN, "data.eval_path=[{tmp}/a.jsonl,{tmp}/b.jsonl]"],
          ["data.eval_path: expected a string, got [", "(a single file is read: concatenate the files into one)"],
          {"a.jsonl": CHAT.read_text(), "b.jsonl": CHAT.read_text()}),
@@ -426,17 +434,16 @@ CASES = [
          ["--config", "{repo}/configs/tiny.yaml", "train.max_steps.x=1"], ["train.max_steps.x"]),
     Case("train-unknown-option", "gemma_tpu.train", ["--config", "{repo}/configs/tiny.yaml", "--stpes", "3"],
          ["--stpes"]),
-    # another trainer's flags for our config keys are told the override that sets each (they were unrecognized only)
+    # another trainer's flags for our config keys are told the override that sets them (they were unrecognized only)
     Case("train-config-key-as-options", "gemma_tpu.train",
          ["--config", "{repo}/configs/tiny.yaml", "--max-steps", "3", "--learning_rate=1e-4", "--lora_r", "8"],
-         ["unrecognized arguments: --max-steps --learning_rate=1e-4 --lora_r",
-          "config keys are set as overrides: train.max_steps=VALUE train.learning_rate=1e-4 lora.rank=VALUE"]),
+         ["--max-steps 3: config keys are set by overrides, not options: write train.max_steps=3"]),
     Case("launch-config-key-as-option", "serving.launch", [*LAUNCH, "--port=8001"],
-         ["unrecognized arguments: --port=8001", "config keys are set as overrides: server.port=8001"]),
+         ["--port=8001: config keys are set by overrides, not options: write server.port=8001"]),
     # evaluate reads data.* and model.dtype: a key it reads is named, a training key is not (it would change nothing)
     Case("evaluate-config-key-as-option", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--model", "{tiny}", "--max-steps", "3", "--seq-len=512"],
-         ["unrecognized arguments: --max-steps --seq-len=512", "config keys are set as overrides: data.seq_len=512"]),
+         ["--seq-len=512: config keys are set by overrides, not options: write data.seq_len=512"]),
     Case("train-config-without-option", "gemma_tpu.train", ["{repo}/configs/tiny.yaml"],
          ["--config FILE is required: give it as --config {repo}/configs/tiny.yaml"]),
     Case("plan-no-config", "gemma_tpu.plan", [], ["--config"]),
@@ -870,6 +877,24 @@ CASES = [
     # ---- evaluate
     Case("evaluate-bad-compare-spec", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "modle:{tiny}", "model:{tiny}"], ["modle:"], sub=True),
+    # said "model.path {tmp}/nope: no such directory", a config key the command line never gave
+    Case("evaluate-model-missing", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tmp}/nope"],
+         ["error: --model {tmp}/nope: no such directory"]),
+    Case("evaluate-compare-model-missing", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "model:{tiny}", "model:{tmp}/nope"],
+         ["error: --compare B (model:{tmp}/nope): {tmp}/nope: no such directory"]),
+    Case("chat-model-missing", "gemma_tpu.chat", ["--model", "{tmp}/nope", "--once", "hi"],
+         ["error: --model {tmp}/nope: no such directory"]),
+    # `--model "$M"` with M unset: taken for no --model, evaluate asked an endpoint of None (a traceback), chat raised
+    # a TypeError, and the merge went on with the recorded base, --base unsaid
+    Case("evaluate-empty-model", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", ""],
+         ["argument --model: an empty path names no model directory"]),
+    Case("evaluate-empty-checkpoint", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--checkpoint", " "],
+         ["argument --checkpoint: an empty path names no checkpoint directory"]),
+    Case("chat-empty-model", "gemma_tpu.chat", ["--model", "", "--once", "hi"],
+         ["argument --model: an empty path names no model directory"]),
+    Case("merge-empty-base", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--base", "", "--out", "{tmp}/out"],
+         ["argument --base: an empty path names no base model"]),
     Case("evaluate-limit-negative", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--model", "{tiny}", "--limit", "-3"],
          ["--limit -3: must be positive"]),
     Case("evaluate-unreachable-endpoint", "gemma_tpu.evaluate",
@@ -1053,9 +1078,16 @@ CASES = [
          ["--train -5"]),
     Case("fitness-out-is-a-file", "gemma_tpu.examples.fitness", ["generate", "--out", "{tmp}/fit"],
          ["{tmp}/fit", "not a directory"], {"fit": "not a dir"}),
+    # a directory of the user's own data: its train.jsonl was replaced by the coach's, without a word
+    Case("fitness-out-holds-other-data", "gemma_tpu.examples.fitness", ["generate", "--out", "{tmp}/d"],
+         ["--out {tmp}/d: {tmp}/d/train.jsonl holds data this command did not write", "another --out"],
+         {"d/train.jsonl": CHAT.read_text()}),
     Case("assets-no-command", "gemma_tpu.assets", [], ["command"]),
     Case("assets-unknown-model", "gemma_tpu.assets", ["prepare", "gemma9-1t", "--cache-dir", "{tmp}/cache"],
          ["gemma9-1t"], sub=True),
+    # `--cache-dir "$CACHE"` with CACHE unset: the model was prepared into ./embedded of the working directory
+    Case("assets-empty-cache-dir", "gemma_tpu.assets", ["prepare", "tiny-gemma3", "--cache-dir", ""],
+         ["argument --cache-dir: an empty path names no cache directory to write"]),
 ]
 
 MAIN = {"gemma_tpu.assets": "_main"}  # the function cli_main wraps, where it is not `main`

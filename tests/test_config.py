@@ -110,6 +110,10 @@ def test_every_suggested_key_exists():
 @pytest.mark.parametrize("override,ours", [
     ("model.dtype=bf16", "here it is bfloat16"), ("train.optimizer=adamw_torch", "here it is adamw"),
     ("train.schedule=cosine", "here it is warmup_cosine"), ("train.schedule=constant_with_warmup", "constant"),
+    # int4 was told "did you mean 'int8'?" (twice the 4-bit choice's memory); TRL's names had no hint
+    ("lora.base_quantization=int4", "here it is nf4"), ("lora.base_quantization=4bit", "here it is nf4"),
+    ("data.loss_on=completion_only", "here it is assistant"), ("data.format=conversational", "here it is messages"),
+    ("data.format=language_modeling", "here it is text"),
 ])
 def test_a_transformers_value_names_ours(override, ours):
     """A recipe's value for a choice key (`bf16`, `adamw_torch`, `cosine`) listed our choices only: the refusal now
@@ -366,6 +370,17 @@ def test_print_config_cli():
     assert "max_steps: 20" in proc.stdout and "seq_len:" in proc.stdout
 
 
+def test_config_given_with_equals_tilde_is_read_from_home(tmp_path):
+    """`--config=~/run.yaml`: the shell expands no `~` after '=', and it was "config file not found: ~/run.yaml"."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "run.yaml").write_text("train:\n  max_steps: 7\n")
+    proc = run_cli("gemma_tpu.train", "--config=~/run.yaml", "--print-config", cwd=tmp_path,
+                   env={"HOME": str(home), "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["train"]["max_steps"] == 7
+
+
 def test_typo_cli_is_one_line():
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "train.max_stpes=3")
     assert_one_line_error(proc, "train.max_stpes")
@@ -381,6 +396,33 @@ def test_overrides_between_options_cli():
     # `--set KEY=VALUE` (Helm's spelling) is an override in its place: it was 'unrecognized arguments'
     assert (cfg["train"]["max_steps"], cfg["lora"]["rank"], cfg["train"]["seed"]) == (20, 2, 8)
     assert cfg["data"]["seq_len"] == 64
+
+
+@pytest.mark.parametrize("argv, message", [
+    # HfArgumentParser's spelling (a TRL recipe's command line), absl/Hydra's dotted options: "unrecognized arguments"
+    (["--learning_rate", "1e-4"], "--learning_rate 1e-4: config keys are set by overrides, not options: write "
+                                  "train.learning_rate=1e-4"),
+    (["--max-steps=3"], "--max-steps=3: config keys are set by overrides, not options: write train.max_steps=3"),
+    (["--train.max_steps=3"], "--train.max_steps=3: config keys are set by overrides, not options: write "
+                              "train.max_steps=3"),
+    (["--per_device_train_batch_size", "4"], "write train.batch_size=4 (the transformers/TRL name"),
+    (["--shuffle", "--print-config"], "--shuffle: config keys are set by overrides, not options: write "
+                                      "data.shuffle=true"),
+])
+def test_a_config_key_given_as_an_option_names_the_override(argv, message):
+    from gemma_tpu.train.run import parse_args
+
+    with pytest.raises(UserError) as e:
+        parse_args(["--config", "configs/tiny.yaml", *argv])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_vllm_option_given_to_the_launcher_names_the_override():
+    from serving.launch import parse_args
+
+    with pytest.raises(UserError, match=r"--max-model-len 4096: config keys are set by overrides, not options: "
+                                        r"write server.max_model_len=4096"):
+        parse_args(["--config", "configs/serve-gemma3-270m-fitness.yaml", "--max-model-len", "4096", "--print"])
 
 
 @pytest.mark.parametrize("override, message", [

@@ -1337,6 +1337,27 @@ def test_inspect_a_file_that_describes_a_directory_names_the_directory(tmp_path)
         main([str(tmp_path / "notes.txt")])
 
 
+
+def test_a_path_option_given_with_equals_tilde_is_read_from_home(tmp_path, tiny_dir):
+    """`--merged=~/m` (and a `~/m` the shell left quoted): the shell expands no `~` there, and the converters said
+    "--merged ~/m: no such directory" of a directory that exists; paths of the config expand it."""
+    from tests.conftest import REPO, run_cli
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "m").symlink_to(tiny_dir)
+    proc = run_cli("convert.inspect", "~/m", "--json", "--no-tensors", cwd=tmp_path,
+                   env={"HOME": str(home), "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["architectures"] == ["Gemma3ForCausalLM"]
+    proc = run_cli("convert.export_gguf", "--merged=~/m", "--out=~/m.gguf", "--type", "f16", cwd=tmp_path,
+                   env={"HOME": str(home), "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    from tests.test_export_gguf import fields
+
+    assert fields(home / "m.gguf")["general.architecture"] == "gemma3"
+    assert not (tmp_path / "~").exists()
+
 # ------------------------------------------------------------------------------ safetensors I/O
 
 

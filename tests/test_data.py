@@ -659,6 +659,14 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
      r"no 'messages'.*field \(the example has chosen, rejected; .*; this is a preference row"),
     ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": " "}]},
      r"completion\[0\]: assistant message has neither content nor tool_calls"),
+    # a table written column by column (pandas' to_json() default, a to_dict() dump): named as such
+    ({"prompt": {"0": "a", "1": "b"}, "completion": {"0": "c", "1": "d"}},
+     r"'prompt' must be a string or a list of messages, got an object; this looks like a table of 2 rows written "
+     r"column by column \(each field an object of row number -> value, as pandas' DataFrame.to_json\(\) writes by "
+     r"default\): write one object per example, to_json\(orient='records'\)"),
+    ({"prompt": ["a", "b", "c"], "completion": ["d", "e", "f"]},
+     r"prompt\[0\]: expected an object .*; this looks like a table of 3 rows written column by column \(each field "
+     r"a list of every row's value"),
     ({"prompt": [{"role": "system", "content": "s"}, {"role": "wizard", "content": "hi"}],
       "completion": [{"role": "assistant", "content": "yo"}]}, r"prompt\[1\]: unknown role 'wizard'"),
     ({"body": "plain text"}, r"no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' "
@@ -1165,6 +1173,21 @@ def _inspect_config(tmp_path: Path, train_path, **data) -> Path:
     path = tmp_path / "inspect.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def test_inspect_json_written_as_option_equals_tilde_goes_home(tmp_path, tok_dir):
+    """`--json=~/stats.json`: the shell expands no `~` after `--json=`, and the file went into a directory named `~`
+    in the working directory, where the config's own paths (`checkpoint.dir=~/x`) expand it."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    path = write_jsonl(tmp_path / "i.jsonl", chat_rows(8, seed=1))
+    proc = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                   str(tok_dir), "-n", "0", "--json=~/stats.json", cwd=work,
+                   env={"HOME": str(home), "PYTHONPATH": str(REPO)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((home / "stats.json").read_text())["examples_read"] == 8
+    assert not (work / "~").exists()
 
 
 @pytest.mark.parametrize("name", CLI_CASES + ["empty"])

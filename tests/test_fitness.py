@@ -1060,6 +1060,18 @@ def test_evaluate_checkpoint_restores_lora(tiny_dir, tmp_path):
     assert "answer_rouge_l" in proc.stdout
 
 
+def test_compare_specs_read_a_leading_tilde_as_home(tmp_path, monkeypatch):
+    """`--compare checkpoint:~/runs/x model:~/m`: the shell expands no `~` inside a word, and the checkpoint side was
+    "checkpoint directory ~/runs/x does not exist" where the model side was read from home."""
+    from gemma_tpu.evaluate.run import parse_spec
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    spec = parse_spec("checkpoint:~/runs/x@3")
+    assert (spec.target, spec.step) == (f"{tmp_path}/runs/x", 3)
+    assert parse_spec("model:~/m").target == f"{tmp_path}/m"
+    assert parse_spec("endpoint:http://h:8000#~x").served == "~x"
+
+
 def test_evaluate_errors_are_one_line(tiny_dir, tmp_path):
     proc = run_cli("gemma_tpu.evaluate", "--data", str(tmp_path / "none.jsonl"), "--model", str(tiny_dir))
     assert_one_line_error(proc, "none.jsonl")

@@ -270,6 +270,12 @@ def test_shipped_hub_configs_plan_offline(config, plan, tmp_path):
     (["--assumed-mfu", "-1"], [], "--assumed-mfu must be a fraction"),
     (["--devices", "-4"], [], "--devices must be a positive number of devices, got -4"),
     (["--devices", "0"], [], "--devices must be a positive number of devices, got 0"),
+    # said "/nonexistent-h22/gemma: no such directory", naming no key, where the run names model.path
+    ([], ["model.path=/nonexistent-h22/gemma"], "model.path /nonexistent-h22/gemma: no such directory"),
+    ([], ["model.path=https://huggingface.co/google/gemma-3-1b-it"], "model.path https://huggingface.co/google/"
+     "gemma-3-1b-it: no such directory (a Hugging Face page's URL: give the hub id, google/gemma-3-1b-it)"),
+    # every axis sized: the plan was for their 2 devices, --devices 3 unsaid, where the run on 3 refuses the mesh
+    (["--devices", "3"], ["mesh.fsdp=2"], "--devices 3: mesh.data=1 × mesh.fsdp=2 × mesh.tp=1 make 2 devices"),
     ([], ["lora.rank=100000"], "lora.rank=100000 exceeds the smallest dimension"),
     ([], ["data.seq_len=100000"], "data.seq_len=100000 exceeds the model's max_position_embeddings"),
     # two processes whose mesh.tp spans both: each would feed its own rows to a batch replicated over both

@@ -254,6 +254,72 @@ def test_an_unknown_key_in_an_overridden_list_names_the_override():
                           ["lora.adapters=[{name: a, dir: /x, rank: 3}]"], need_dir=False)
 
 
+@pytest.mark.parametrize("override,flag", [
+    ("server.gpu_memory_utilization=0.95", "--gpu-memory-utilization"),
+    ("server.enable_prefix_caching=true", "--enable-prefix-caching"), ("model.quantization=fp8", "--quantization"),
+])
+def test_a_vllm_serve_option_given_as_a_key_is_pointed_to_extra_args(override, flag):
+    """The server section mirrors `vllm serve` (max_model_len, max_num_seqs, ...), so a vLLM user writes its other
+    options as keys too: `server.gpu_memory_utilization` was an unknown key with the section's keys listed, and
+    nothing said that server.extra_args passes it."""
+    from serving.config import load_serve_config
+
+    with pytest.raises(UserError) as e:
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml", [override], need_dir=False)
+    key = override.split("=")[0]
+    assert str(e.value).startswith(f"override '{override}': unknown config key '{key}'"), str(e.value)
+    assert "server.extra_args" in str(e.value) and f"[{flag}" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # said "lora.adapters: name '': use letters, digits, '.', '_' and '-'"
+    (["lora.adapters=[{dir: /x/coach}]"], "lora.adapters[0]: name is not set (give {name: NAME, dir: DIR}: clients "
+                                          "send NAME as the model)"),
+    # both said "lora.adapters: names must be unique and differ from the served model name", naming neither
+    (["lora.adapters=[{name: coach, dir: /x/a}, {name: coach, dir: /x/b}]"],
+     "lora.adapters: 'coach' is the name of two adapters (lora.adapters[0] and [1]); give each its own"),
+    (["model.name=coach", "lora.adapters=[{name: coach, dir: /x/a}]"],
+     "lora.adapters[0]: 'coach' is the served model's name (model.name) too; give the adapter another"),
+])
+def test_adapter_names_are_refused_by_what_is_wrong(overrides, message):
+    from serving.config import load_serve_config
+
+    with pytest.raises(UserError) as e:
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml", overrides, need_dir=False)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("server.api_key_env", "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),  # the token where its variable's name goes
+    ("container.hf_token_env", "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),
+    ("server.api_key_env", "a3f9c2e1b4d5f6a7b8c9d0e1f2a3b4c5"),  # `openssl rand -hex 16`, as the README makes one
+    ("server.api_key_env", "sk-proj-AbCdEf0123456789AbCdEf0123456789"),
+])
+def test_a_secret_given_for_its_variables_name_is_refused_unshown(tmp_path, key, value):
+    """A token written where the variable's name goes passed as a name (`-e hf_...`, `VLLM_API_KEY="$a3f9..."`): the
+    secret was printed in the docker command and seen in the process list; one that is no name (`sk-...`) was
+    refused by echoing it, into the terminal and any log."""
+    from serving.config import load_serve_config
+
+    section, name = key.split(".")
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"model:\n  dir: /x/m\n{section}:\n  {name}: {value}\n")
+    with pytest.raises(UserError) as e:
+        load_serve_config(path, need_dir=False)
+    assert str(e.value).startswith(f"{path} line 4: {key} ") and "looks like a key or token itself" in str(e.value)
+    assert value not in str(e.value) and value[:8] not in str(e.value), str(e.value)
+
+
+def test_an_empty_chat_template_is_said_to_be_empty():
+    """`tool_calling.chat_template=` (an unset $TEMPLATE) was "tool_calling.chat_template: . is not a file"."""
+    from serving.config import load_serve_config
+
+    with pytest.raises(UserError, match=r"^override 'tool_calling.chat_template=': tool_calling.chat_template is "
+                                        r"empty \(give model, the directory's own template, or a .jinja file\)$"):
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml", ["tool_calling.chat_template="],
+                          need_dir=False)
+
+
 def test_an_empty_serving_config_points_to_a_serving_config(tmp_path):
     """An empty (or truncated to comments) serving config, or a directory given for it, was told to give 'a config
     such as configs/tiny.yaml', a training config the launcher refuses."""
@@ -1749,11 +1815,16 @@ def test_bench_metric_percentiles_are_refused_by_option_name(capsys, given, need
     one_error_line(code, capsys.readouterr().err, "argument --metric-percentiles: " + needle)
 
 
-def test_bench_metric_percentiles_take_the_ends_as_numpy_does():
-    """0 and 100 are the least and the most (numpy's ends, vLLM's bench passes them on too)."""
+def test_bench_metric_percentiles_take_the_ends_as_numpy_does(capsys):
+    """0 and 100 are the least and the most (numpy's ends, vLLM's bench passes them on too); `--help` said "each above
+    0 and below 100"."""
+    import serving.bench
     from serving.bench import percentile_list
 
     assert percentile_list("0, 50,99.9,100") == [0.0, 50.0, 99.9, 100.0]
+    text = _help(capsys, serving.bench)
+    assert "--metric-percentiles METRIC_PERCENTILES comma-separated, each from 0 to 100" in text
+    assert "below 100" not in text
 
 
 def _help(capsys, module) -> str:

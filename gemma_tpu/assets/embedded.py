@@ -356,7 +356,8 @@ def _main(argv: Sequence[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = cli.subcommand(sub, "prepare", "build the cached HF directory of an embedded model; prints its path")
     p.add_argument("name", help=f"one of: {', '.join(known_models())}")
-    p.add_argument("--cache-dir", default=None, help=f"cache root (default: ${CACHE_ENV} or ~/.cache/gemma_tpu)")
+    p.add_argument("--cache-dir", default=None, type=cli.output_path_of("cache directory"),
+                   help=f"cache root (default: ${CACHE_ENV} or ~/.cache/gemma_tpu)")
     p.add_argument("--force", action="store_true", help="rebuild even if a complete copy exists")
     cli.subcommand(sub, "list", "list the embedded models")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from gemma_tpu.core.config import RunConfig, load_config, option_key
+from gemma_tpu.core.config import RunConfig, load_config
 from gemma_tpu.core.errors import SignalExit, UserError
 from gemma_tpu.core.lean_imports import deferred_imports
 
@@ -38,7 +38,7 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
     `config`: the help text of `--config` (None: no --config). `--debug` (shows tracebacks; also
     GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`.
     `config_root`: the config class the overrides set (an unknown `--max-steps` is told its override);
-    `config_keys`: the keys (or sections) of it the command reads, where not all (`option_key`'s `within`)."""
+    `config_keys`: the keys (or sections) of it the command reads, where not all (`_config_key`'s `within`)."""
     cls = _OverridesParser if overrides else argparse.ArgumentParser
     p = cls(prog=prog, description=doc.strip() if doc else None, formatter_class=_HelpFormatter)
     if overrides:
@@ -93,6 +93,10 @@ class _Once(argparse.Action):
         if getattr(namespace, self.dest, None) is not None:
             parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); configs do not "
                          f"merge: give one, and change keys with overrides (section.key=value)")
+        try:  # `--config=~/run.yaml`: the shell expands no `~` after '=' ("config file not found: ~/run.yaml")
+            values = _home(values)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"argument {option_string}: {e}")
         setattr(namespace, self.dest, values)
 
 
@@ -101,8 +105,57 @@ class _OverridesParser(argparse.ArgumentParser):
     (`--dry-run train.max_steps=5 --devices 8 mesh.fsdp=8`): plain argparse takes the overrides of the
     first run only and refuses the rest as unrecognized arguments."""
 
+    config_root: type = RunConfig
+    config_keys: Sequence[str] | None = None
+
     def parse_args(self, args=None, namespace=None):
-        return self.parse_intermixed_args(_bare_overrides(sys.argv[1:] if args is None else args), namespace)
+        args = _bare_overrides(sys.argv[1:] if args is None else args)
+        self._refuse_config_options(args)
+        return self.parse_intermixed_args(args, namespace)
+
+    def _refuse_config_options(self, args: Sequence[str]) -> None:
+        """A config key given as an option, as HfArgumentParser (a TRL recipe's command line: `--learning_rate 1e-4`)
+        or absl/Hydra (`--train.max_steps=3`) take them, is named with the override that sets it; it was
+        'unrecognized arguments'. An option of this command (or an abbreviation argparse takes) is left alone."""
+        for i, arg in enumerate(args):
+            if arg == "--":
+                return
+            name, eq, value = arg.partition("=")
+            if not name.startswith("--") or len(name) < 3 or any(o.startswith(name) for o in
+                                                                 self._option_string_actions):
+                continue
+            meant = _config_key(self.config_root, name[2:], self.config_keys)
+            if meant is None:
+                continue
+            key, note = meant
+            given = arg
+            if not eq:  # `--key VALUE`, or a switch (`--shuffle`): true
+                nxt = args[i + 1] if i + 1 < len(args) else None
+                value = nxt if nxt is not None and not nxt.startswith("-") and "=" not in nxt else "true"
+                given = arg if value == "true" and nxt != "true" else f"{arg} {value}"
+            raise UserError(f"{given}: config keys are set by overrides, not options: write {key}={value}{note}")
+
+
+def _config_key(cls: type, name: str, within: Sequence[str] | None = None) -> tuple[str, str] | None:
+    """The dotted key of `cls` an option's name (`max-steps`, `train.max_steps`, a transformers/TRL name) sets, and a
+    note on it; None where it names none, or several. `within`: the keys (or sections) the command reads, the only
+    ones named (evaluate reads data.* and model.dtype: `--max-steps` names no key of its)."""
+    from gemma_tpu.core.config import FOREIGN_NAMES, OLDER_NAMES, _leaf_keys
+
+    name = name.replace("-", "_")
+    keys = [k for k in _leaf_keys(cls) if "." in k and k not in OLDER_NAMES
+            and (within is None or any(k == w or k.startswith(f"{w}.") for w in within))]
+    if name in keys:
+        return name, ""
+    leaf = name.rpartition(".")[2]
+    same = [k for k in keys if k.rpartition(".")[2] == leaf]
+    if len(same) == 1:
+        return same[0], ""
+    foreign = FOREIGN_NAMES.get(leaf) if cls is RunConfig else None
+    if foreign and foreign[0] in keys:
+        note = f"; {foreign[1]}" if foreign[1] else ""
+        return foreign[0], f" (the {foreign[2] if len(foreign) > 2 else 'transformers/TRL'} name{note})"
+    return None
 
 
 def _bare_overrides(args: Sequence[str]) -> list[str]:
@@ -180,11 +233,24 @@ def integers(low: int = 1) -> Callable[[str], list[int]]:
 
 def output_path(text: str, what: str = "a file or directory") -> str:
     """An argparse `type` for a path written to: `--out ""` is the working directory to pathlib, and was
-    refused as '. already exists' (or, with --overwrite, checked as the working directory). `output_path_of`
-    names what the option writes."""
+    refused as '. already exists' (or, with --overwrite, checked as the working directory). A leading `~` is the
+    home directory, as in the config's paths: the shell expands none after `--out=`, and `--out=~/merged` wrote a
+    directory named `~` in the working directory. `output_path_of` names what the option writes."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"an empty path names no {what} to write")
-    return text
+    return _home(text)
+
+
+def _home(text: str) -> str:
+    """`text` with a leading `~` (or `~user`) expanded; an unknown user is refused."""
+    if not text.startswith("~"):
+        return text
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):  # expanduser leaves a user it cannot find as it was
+        user = text[1:].split("/", 1)[0]
+        raise argparse.ArgumentTypeError(f"{text!r}: '~{user}' is the home directory of user {user!r}, whom this "
+                                         f"machine does not know; write the path out")
+    return expanded
 
 
 def output_path_of(what: str):
@@ -196,6 +262,20 @@ def output_path_of(what: str):
 
     output_path_.__name__ = "output_path"
     return output_path_
+
+
+def input_path_of(what: str):
+    """An argparse `type` for an option naming `what` to read ("model directory"): an empty one (`--model "$M"` with
+    M unset) is refused, where it was taken for no option at all (evaluate then asked an endpoint of None: a
+    traceback) or for the working directory; a leading `~` is the home directory, as for outputs."""
+
+    def input_path_(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"an empty path names no {what}")
+        return _home(text)
+
+    input_path_.__name__ = "input_path"
+    return input_path_
 
 
 # seconds a request may wait: positive, and within what a socket timeout takes (1e10 s overflows time_t)
@@ -371,14 +451,5 @@ def _exit_now(code: int) -> None:
 
 
 def _argparse_error(parser, message: str):
-    """argparse's `error`, as a UserError: `error: python -m X: argument --y: ... (see --help)`. An unknown option
-    naming a config key (`--max-steps 3`, `--learning_rate=1e-4`, `--train.seed=1`, as other trainers take them) is
-    told the override that sets it."""
-    root = getattr(parser, "config_root", None)
-    if root is not None and message.startswith("unrecognized arguments:"):
-        meant = [f"{key}={value or 'VALUE'}" for key, value in (
-            (option_key(root, o.split("=", 1)[0], getattr(parser, "config_keys", None)), o.partition("=")[2])
-            for o in message.split(":", 1)[1].split() if o.startswith("--")) if key]
-        if meant:
-            raise UserError(f"{parser.prog}: {message}; config keys are set as overrides: {' '.join(meant)}")
+    """argparse's `error`, as a UserError: `error: python -m X: argument --y: ... (see --help)`."""
     raise UserError(f"{parser.prog}: {message} (see --help)")

@@ -459,6 +459,14 @@ FOREIGN_VALUES = {
     "adam": "adamw (train.weight_decay=0, the default, makes it Adam)",
     "cosine": "warmup_cosine", "cosine_with_min_lr": "warmup_cosine (with train.min_lr_ratio)",
     "linear": "warmup_linear", "constant_with_warmup": "constant (train.warmup_steps applies to every schedule)",
+    # quantization (transformers' quanto/torchao `int4`, bitsandbytes' `fp4` and 4/8-bit loading): `int4` was told
+    # "did you mean 'int8'?", twice the memory of the 4-bit choice
+    "int4": "nf4 (the 4-bit base quantization; int8 is 8-bit)", "fp4": "nf4 (4-bit NormalFloat, as QLoRA trains)",
+    "4bit": "nf4", "8bit": "int8",
+    # TRL's dataset types and its completion-only loss (they had no hint at all)
+    "conversational": "messages", "language_modeling": "text",
+    "completion": "assistant (the completion of prompt-completion rows, the assistant turns of chats)",
+    "completion_only": "assistant (the completion of prompt-completion rows, the assistant turns of chats)",
 }
 
 
@@ -499,22 +507,6 @@ SYNONYMS = {
 
 # keys kept for configs written before their new home, never suggested: `lora.remat` was told 'model.remat'
 OLDER_NAMES = {"model.remat": "train.remat"}
-
-
-def option_key(root: type, option: str, within: Sequence[str] | None = None) -> str | None:
-    """The config key a command-line option names, as other trainers spell their flags (`--max-steps`,
-    `--learning_rate`, `--lora_r`, `--train.seed`): the one key of `root` with that name, else a recipe's name for
-    one of ours; None when it names none (or several). `within`: the keys (or sections) the command reads, the
-    only ones named (evaluate reads data.* and model.dtype: `--max-steps` is no key of its)."""
-    name = option.lstrip("-").replace("-", "_").lower()
-    keys = [k for k in _leaf_keys(root) if within is None or any(k == w or k.startswith(f"{w}.") for w in within)]
-    if "." in name:
-        return name if name in keys else None
-    same = [k for k in keys if "." in k and k.rpartition(".")[2] == name]
-    if len(same) == 1:
-        return same[0]
-    ours = FOREIGN_NAMES.get(name, ("",))[0]
-    return ours if ours in keys and "." in ours else None
 
 
 def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, tuple[str, ...]]) -> str:

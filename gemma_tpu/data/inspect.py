@@ -55,7 +55,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.data.inspect", __doc__, config="YAML run config (data.*, model.path for the tokenizer)")
     p.add_argument("--split", choices=("train", "eval"), default="train", help="data.train_path or data.eval_path")
     p.add_argument("-n", type=int, default=1, help="rendered examples to show (default 1; 0: none)")
-    p.add_argument("--tokenizer", help="tokenizer directory, hub id or embedded:NAME (default: the config's model.path)")
+    p.add_argument("--tokenizer", type=cli.input_path_of("tokenizer"),
+                   help="tokenizer directory, hub id or embedded:NAME (default: the config's model.path)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="mark loss-bearing text with ANSI colour (auto: when stdout is a terminal)")
     p.add_argument("--json", type=cli.output_path_of("JSON file"), help="also write the statistics to this JSON file")

@@ -18,7 +18,7 @@ from gemma_tpu.core.config import DataConfig
 from gemma_tpu.core.errors import UserError, shown
 from gemma_tpu.data import batching
 from gemma_tpu.data.prefixes import PrefixReport, find_shared_prefixes
-from gemma_tpu.data.records import load_conversations, not_found_hint
+from gemma_tpu.data.records import is_url, load_conversations, not_found_hint
 from gemma_tpu.data.render import Renderer, resolve_chat_format
 
 log = logging.getLogger(__name__)
@@ -278,9 +278,9 @@ def check_data_file(data_cfg: DataConfig, key: str) -> None:
     `gemma_tpu.data.inspect` (which said 'data file not found: tests/data/chat_sample.jsonl' alone) alike."""
     path = getattr(data_cfg, key)
     if path and not Path(path).exists():
-        where = "" if Path(path).is_absolute() else f"; a relative path is read from the working directory, " \
-                                                    f"{Path.cwd()}"
-        raise UserError(f"data file not found: {path}{not_found_hint(Path(path))} (data.{key}{where})")
+        where = "" if Path(path).is_absolute() or is_url(path) else \
+            f"; a relative path is read from the working directory, {Path.cwd()}"
+        raise UserError(f"data file not found: {path}{not_found_hint(path)} (data.{key}{where})")
 
 
 def prepare_splits(renderer: Renderer, data_cfg: DataConfig, seed: int,

@@ -160,9 +160,28 @@ def _is_file(p: Path) -> bool:
         return False
 
 
-def not_found_hint(p: Path) -> str:
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+# a Hugging Face Hub dataset id as TRL's recipes give load_dataset (`trl-lib/Capybara`): owner/name, no file suffix
+_HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w-]+(?:\.[\w-]+)*")
+
+
+def is_url(path: str | Path) -> bool:
+    """Whether a data path is a URL (`https://...`, `gs://...`, `hf://...`), not a path of this machine's disk."""
+    return bool(_URL.match(str(path)))
+
+
+def not_found_hint(path: str | Path) -> str:
     """What a data path that names no file may have meant, as ' (...)', or '': a glob pattern or a comma-separated
-    list of files that exist (one file is read)."""
+    list of files that exist (one file is read), a URL or a Hugging Face Hub dataset id (neither is downloaded).
+    `path` as given: a Path has lost a URL's '//'."""
+    text, p = str(path), Path(path)
+    if is_url(text):
+        return " (a URL; data files are read from this machine's disk: download it first)"
+    if _HUB_DATASET.fullmatch(text) and not p.parent.exists() and not re.search(
+            r"\.(jsonl|json|parquet|arrow|gz|csv)$", text, re.IGNORECASE):
+        return (f" (no such file here; a Hugging Face Hub dataset id is not downloaded: "
+                f"datasets.load_dataset('{text}', split='train').to_json('train.jsonl') (or .save_to_disk(DIR)) and "
+                f"give that file)")
     matches = sorted(p.parent.glob(p.name)) if re.search(r"[*?\[]", p.name) and p.parent.is_dir() else []
     if matches:
         return (f" (a pattern matching {len(matches)} files, e.g. {matches[0]}; patterns are not expanded: give one "
@@ -186,7 +205,7 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
         raise UserError(f"data file {p} is not a regular file (a pipe or device, as a shell's <(...) gives); write "
                         f"the data to a file and give that")
     if not p.is_file():
-        raise UserError(f"data file not found: {p}{not_found_hint(p)}")
+        raise UserError(f"data file not found: {path}{not_found_hint(path)}")
     with p.open("rb") as f:
         head = f.read(6)
     magic = head[:2]
@@ -1078,6 +1097,37 @@ def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP)
         hint = ' (a list of messages: wrap each line as {"messages": [...]})' if looks_like_turns else ""
         raise UserError(f"{where}: expected a JSON object per example, got {_json_type(obj)}{hint}")
     check_surrogates(obj, where)
+    try:
+        return _normalise_shape(obj, where, data_cfg, markup)
+    except UserError as e:  # a table written column by column: each field holds every example's value
+        columns = _column_oriented(obj)
+        if columns is None:
+            raise
+        raise UserError(f"{e}; {columns}") from None
+
+
+def _column_oriented(obj: dict) -> str | None:
+    """What to say of a row that is a whole table written column by column, else None: pandas' `DataFrame.to_json()`
+    (orient='columns', its default: each field an object of row index -> value) or a `to_dict()` / orient='list'
+    dump (each field a list of every row's value). Its error named the first field's type alone ("'prompt' must be a
+    string or a list of messages, got an object")."""
+    values = list(obj.values())
+    if not values:
+        return None
+    if all(isinstance(v, dict) and v and all(isinstance(k, str) and k.isdigit() for k in v) for v in values):
+        how, n = "each field an object of row number -> value, as pandas' DataFrame.to_json() writes by default", \
+            len(values[0])
+    elif all(isinstance(v, list) and len(v) == len(values[0]) > 1 and not any(
+            isinstance(x, dict) and ("role" in x or "from" in x) for x in v) for v in values):
+        how, n = "each field a list of every row's value, as a to_dict() dump holds it", len(values[0])
+    else:
+        return None
+    return (f"this looks like a table of {n} rows written column by column ({how}): write one object per example, "
+            f"to_json(orient='records') (a JSON array) or to_json(orient='records', lines=True) (JSON Lines)")
+
+
+def _normalise_shape(obj: dict, where: str, data_cfg, markup: Markup) -> dict:
+    """`normalise_row` of a JSON object: its shape told apart (or `data_cfg.format`), then read as that shape."""
     kind = data_cfg.format
     if kind == "auto":
         kind = _detect(obj, data_cfg)

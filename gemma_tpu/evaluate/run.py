@@ -450,6 +450,8 @@ def parse_spec(text: str, step: int | None = None, served: str | None = None) ->
     kind, sep, target = text.partition(":")
     if not sep or kind not in ("model", "checkpoint", "endpoint") or not target:
         raise UserError(f"--compare {text!r}: expected model:DIR, checkpoint:DIR[@STEP] or endpoint:URL[#MODEL]")
+    if kind != "endpoint":  # the shell expands no `~` inside a word: checkpoint:~/x "did not exist"
+        target = os.path.expanduser(target)
     if kind == "checkpoint" and "@" in target and target.rsplit("@", 1)[1].isdigit():
         target, s = target.rsplit("@", 1)
         step = int(s)
@@ -496,7 +498,7 @@ def check_spec(spec: Spec, timeout: float, api_key: str | None = None, retries: 
     """What can be checked of a model without loading it (the directory, the checkpoint step and its base,
     the server answering), so `--compare` fails before the first model's minutes of work, not after."""
     if spec.kind == "model":
-        resolve_model(spec.target)
+        resolve_model(spec.target, what="")  # the caller names the spec
     elif spec.kind == "checkpoint":
         locate(spec.target, spec.step)
     else:
@@ -653,10 +655,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    config_keys=("data", "model.dtype"))
     # --print-config evaluates nothing: it needed --data and a model only to print the config and exit
     needed = "--print-config" not in argv
-    p.add_argument("--data", required=needed, help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
+    p.add_argument("--data", required=needed, type=cli.input_path_of("data file"),
+                   help="JSONL of tool-calling conversations (e.g. data/fitness/test.jsonl)")
     which = p.add_mutually_exclusive_group(required=needed)
-    which.add_argument("--model", help="base or merged HF directory (or hub id / embedded:NAME)")
-    which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
+    which.add_argument("--model", type=cli.input_path_of("model directory"),
+                       help="base or merged HF directory (or hub id / embedded:NAME)")
+    which.add_argument("--checkpoint", type=cli.input_path_of("checkpoint directory"),
+                       help="gemma-tpu checkpoint directory (base + LoRA)")
     which.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     which.add_argument("--compare", nargs=2, metavar=("A", "B"),
                        help="two of model:DIR, checkpoint:DIR[@STEP], endpoint:URL[#MODEL] (#MODEL: that side's "

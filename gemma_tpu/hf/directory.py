@@ -16,14 +16,26 @@ from gemma_tpu.hf.adapter import ADAPTER_CONFIG
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+_HUB_URL = re.compile(r"https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([A-Za-z0-9][\w.-]*/[\w.-]+)(?:/.*)?")
+
+
+def _missing(named: str, spec: str) -> str:
+    """'NAMED: no such directory', with the hub id a model page's URL names (the address a browser shows was given)."""
+    page = _HUB_URL.fullmatch(spec.strip())
+    return f"{named}: no such directory" + (f" (a Hugging Face page's URL: give the hub id, {page.group(1)})"
+                                            if page else "")
+
+
 def resolve_path(spec: str, revision: str | None = None, what: str = "model.path") -> Path:
-    """Turn a local dir / hub id / embedded:NAME into a local directory; `what` names the setting in errors."""
+    """Turn a local dir / hub id / embedded:NAME into a local directory; `what` names the setting in errors (the
+    config key or the option; empty where the caller names it)."""
     if spec.startswith("embedded:"):
         return Path(assets.resolve_embedded(spec))
+    named = f"{what} {spec}" if what else spec
     p = Path(spec).expanduser()
     if p.exists():
         if not p.is_dir():
-            raise UserError(f"{what} {spec}: not a directory{file_hint(p)}")
+            raise UserError(f"{named}: not a directory{file_hint(p)}")
         return p
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
         try:
@@ -35,10 +47,10 @@ def resolve_path(spec: str, revision: str | None = None, what: str = "model.path
                 allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model"],
             )
         except Exception as e:  # network off, offline mode, gated or missing repo
-            raise UserError(f"{what} {spec}: not a local directory and not downloadable from the hub "
+            raise UserError(f"{named}: not a local directory and not downloadable from the hub "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         return Path(local)
-    raise UserError(f"{what} {spec}: no such directory")
+    raise UserError(_missing(named, spec))
 
 
 def check_revision_applies(spec: str, local: Path, revision: str | None) -> None:
@@ -223,4 +235,4 @@ def config_json_for(model_path: str) -> dict:
                         f"unknown offline: fetch its config.json (`hf download {spec} config.json` puts it in the "
                         f"Hugging Face cache read here) or give the path of a local directory holding it (presets: "
                         f"{known})")
-    raise UserError(f"{spec}: no such directory")
+    raise UserError(_missing(f"model.path {spec}", spec))  # as the run (resolve_path) names it

@@ -603,10 +603,11 @@ class Generator:
 # ------------------------------------------------------------------------------- loading
 
 
-def load_hf_dir(path: str, dtype: str = "float32") -> LoadedModel:
-    """A base or merged HF directory (or hub id / embedded:NAME) through `load_model`."""
+def load_hf_dir(path: str, dtype: str = "float32", what: str = "--model") -> LoadedModel:
+    """A base or merged HF directory (or hub id / embedded:NAME) through `load_model`; `what` names the option that
+    gave it in errors (they said "model.path", a config key the command line never gave)."""
 
-    resolved = resolve_model(path)
+    resolved = resolve_model(path, what=what)
     tokenizer = load_tokenizer(resolved.local_dir)
     model, tunix_cfg = load_model(resolved, dtype)
     return LoadedModel(model, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
@@ -622,10 +623,10 @@ def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = 
                        restored.family, restored.max_positions)
 
 
-def describe_hf_dir(path: str) -> LoadedModel:
+def describe_hf_dir(path: str, what: str = "--model") -> LoadedModel:
     """What `load_hf_dir(path)` gives but the model (None): the tokenizer, token map, chat format and context length,
     read in seconds, so that a caller checks its prompts before the weights load (minutes for a real model)."""
-    resolved = resolve_model(path)
+    resolved = resolve_model(path, what=what)
     tokenizer = load_tokenizer(resolved.local_dir)
     return LoadedModel(None, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
                        f"model:{path}", None, resolved.family, resolved.max_positions)

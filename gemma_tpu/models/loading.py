@@ -64,10 +64,11 @@ class ResolvedModel:
 
 
 def resolve_model(spec: str, revision: str | None = None, family: str | None = None,
-                  family_key: str = "model.family") -> ResolvedModel:
-    """`family_key` names where `family` came from, for the error when it is unknown. Without `family`, a merged
-    directory's is the one its merge recorded (`recorded_family`), else the one config.json describes."""
-    local = resolve_path(spec, revision)
+                  family_key: str = "model.family", what: str = "model.path") -> ResolvedModel:
+    """`family_key` names where `family` came from, for the error when it is unknown, and `what` where `spec` did
+    (`resolve_path`). Without `family`, a merged directory's is the one its merge recorded (`recorded_family`), else
+    the one config.json describes."""
+    local = resolve_path(spec, revision, what)
     check_revision_applies(spec, local, revision)
     ident = dir_identity(local)
     hf_config = read_hf_config(local)

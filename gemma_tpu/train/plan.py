@@ -290,7 +290,13 @@ def plan_devices(cfg: RunConfig, devices: int | None) -> int:
     m = cfg.mesh
     sizes = [m.data, m.fsdp, m.tp]
     if -1 not in sizes:
-        return math.prod(sizes) * max(m.dcn_data, 1)
+        n = math.prod(sizes) * max(m.dcn_data, 1)
+        if devices and devices != n:  # planned for n, --devices unsaid, where a run on `devices` refuses the mesh
+            dcn = f" × mesh.dcn_data={m.dcn_data}" if m.dcn_data > 1 else ""
+            raise UserError(f"--devices {devices}: mesh.data={m.data} × mesh.fsdp={m.fsdp} × mesh.tp={m.tp}{dcn} "
+                            f"make {n} devices, and a run on {devices} refuses that mesh; give one axis -1 (the rest "
+                            f"of the devices) or sizes that make {devices}, or leave --devices out")
+        return n
     if devices:
         return devices
     if m.accelerator == "cpu":

@@ -33,8 +33,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     g.add_argument("--validation", type=int, default=150, help="validation examples")
     g.add_argument("--test", type=int, default=200, help="test examples")
     s = cli.subcommand(sub, "stats", "examples per tool and token lengths of a generated directory")
-    s.add_argument("--data", required=True, help="directory with the split files")
-    s.add_argument("--tokenizer", default="embedded:gemma3-270m", help="HF dir, hub id or embedded:NAME")
+    s.add_argument("--data", required=True, type=cli.input_path_of("data directory"),
+                   help="directory with the split files")
+    s.add_argument("--tokenizer", default="embedded:gemma3-270m", type=cli.input_path_of("tokenizer"),
+                   help="HF dir, hub id or embedded:NAME")
     return p.parse_args(list(argv))
 
 

@@ -116,8 +116,10 @@ def check_prompt(renderer, tools, messages: list[dict], ids: list[int], max_new_
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.parser("python -m gemma_tpu.chat", __doc__, overrides=False)
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="base or merged HF directory (or embedded:NAME)")
-    which.add_argument("--checkpoint", help="gemma-tpu checkpoint directory (base + LoRA)")
+    which.add_argument("--model", type=cli.input_path_of("model directory"),
+                       help="base or merged HF directory (or embedded:NAME)")
+    which.add_argument("--checkpoint", type=cli.input_path_of("checkpoint directory"),
+                       help="gemma-tpu checkpoint directory (base + LoRA)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--provider", choices=("simulated", "garmin"), default="simulated",
                    help="where the tools read activity data: a simulated device, or your Garmin Connect account")

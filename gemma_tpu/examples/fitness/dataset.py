@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma_tpu.core.config import DataConfig
+from gemma_tpu.core.errors import UserError
 from gemma_tpu.data import Renderer, load_conversations
 from gemma_tpu.examples.fitness.providers import SimulatedDevice
 from gemma_tpu.examples.fitness.templates import (EXTRA_TRAIN_TEMPLATES, HEART_DEFAULT, HEART_METRICS,
@@ -293,18 +294,44 @@ def request_text(example: dict) -> str:
     return request_of(user_text(example))
 
 
+def written_here(path: Path) -> bool:
+    """Whether `path` is absent, empty, or a split this generator wrote (its first row declares the coach's tools),
+    so that writing the splits may replace it."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if not first.strip():
+        return True
+    try:
+        row = json.loads(first)
+        names = {t["function"]["name"] for t in row["tools"]}
+    except (ValueError, TypeError, KeyError):
+        return False
+    return names == {t["function"]["name"] for t in tool_schemas()}
+
+
 def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str, Path]:
     """One JSONL per split; stable key order and separators so equal data gives equal bytes. Every split
     is written to a hidden temp file first and the files are renamed into place only once all are
     written: a failure or a kill midway leaves the previous set whole, never a train split of one seed
-    beside a test split of another (whose held-out phrasings the new train split may then contain)."""
+    beside a test split of another (whose held-out phrasings the new train split may then contain).
+    Earlier splits of this generator are replaced; a file of other data under a split's name is refused
+    (`--out` a directory of the user's own data: its train.jsonl was replaced without a word)."""
     import os
 
     from gemma_tpu.core.atomic import clean_stale
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = {split: out / f"{split}.jsonl" for split in splits}
+    other = next((p for p in paths.values() if not written_here(p)), None)
+    if other is not None:
+        raise UserError(f"--out {out_dir}: {other} holds data this command did not write (not a fitness split); give "
+                        f"another --out, or move the file")
+    out.mkdir(parents=True, exist_ok=True)
     tmps: dict[str, Path] = {}
     try:
         for split, examples in splits.items():
