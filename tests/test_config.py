@@ -77,6 +77,9 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("mesh.ici_tensor_parallelism=2", "the MaxText name; here it is 'mesh.tp'"),
     ("mesh.dcn_data_parallelism=2", "the MaxText name; here it is 'mesh.dcn_data' (the number of slices)"),
     ("train.per_device_batch_size=2", "here it is 'train.batch_size' (rows over all devices: per_device_batch_size"),
+    # another tool's way of starting from another config (Hydra's defaults, extends): none here, which it now says
+    ("extends=configs/tiny.yaml", "a config does not include another here"),
+    ("defaults=[base]", "a config does not include another here"),
     # other words for a key of the section: no hint, or one for another section's key of the same leaf
     ("model.name=google/gemma-3-1b-it", "did you mean 'model.path'?"),
     ("base_model=google/gemma-3-1b-it", "the axolotl name; here it is 'model.path'"),

@@ -505,6 +505,10 @@ SYNONYMS = {
     **dict.fromkeys(("lora.modules", "lora.target_layers", "lora.layers"), "lora.targets"),
 }
 
+# what other tools' configs name another config to start from with (Hydra's defaults list, axolotl's and
+# MMEngine's bases): no such thing here
+INCLUDE_KEYS = frozenset({"defaults", "extends", "base", "_base_", "include", "includes", "inherit", "inherits"})
+
 # keys kept for configs written before their new home, never suggested: `lora.remat` was told 'model.remat'
 OLDER_NAMES = {"model.remat": "train.remat"}
 
@@ -520,6 +524,8 @@ def _key_hint(root: type, dotted: str, names: Sequence[str], foreign: dict[str, 
         return f"a dotted key is for the command line; in the file nest it under its section, {section}: " \
                f"{{{leaf}: ...}}; "
     section, _, leaf = dotted.rpartition(".")
+    if not section and leaf in INCLUDE_KEYS:  # Hydra's `defaults:`, other tools' `extends:` / `base:`
+        return "a config does not include another here: copy the file and change its keys, or give overrides; "
     if SYNONYMS.get(dotted) in keys:
         return f"did you mean '{SYNONYMS[dotted]}'? "
     if leaf in foreign and foreign[leaf][0] in keys:
