@@ -66,7 +66,13 @@ from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.hf import safetensors_io as sio
-from gemma_tpu.hf.directory import MERGE_RECORD, check_same_directory, dir_identity, read_hf_config
+from gemma_tpu.hf.directory import (
+    MERGE_RECORD,
+    check_same_directory,
+    dir_identity,
+    naming_config_file,
+    read_hf_config,
+)
 from gemma_tpu.hf.files import generation_config, write_sidecar_files
 from gemma_tpu.models.registry import described_family, tied_embeddings
 
@@ -154,7 +160,8 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
         # the files written after the weights are read now, so that a broken one is refused before the merge
         generation_config(base_dir, base_config, source.family.stop_token_ids)
         check_tool_token_files(base_dir, source.meta.get("token_map") or {})
-    n_layers = source.family.read_text_config(base_config).get("num_hidden_layers")
+    with naming_config_file(base_dir / "config.json"):  # the families' checks say "config.json: ..."
+        n_layers = source.family.read_text_config(base_config).get("num_hidden_layers")
     if n_layers is not None and int(n_layers) != source.layout.num_layers:
         raise UserError(f"base {base_dir} has num_hidden_layers={n_layers}; the checkpoint was trained "
                         f"with {source.layout.num_layers}")

@@ -785,6 +785,11 @@ CASES = [
          ["--dtype", "'int8'"]),
     Case("merge-missing-base", "convert.merge_orbax",
          ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--base", "{tmp}/nobase"], ["{tmp}/nobase"]),
+    # the families' checks of the base's config.json said "config.json: ...", naming no directory
+    Case("merge-base-config-layer-count-not-its-layer-types", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
+         ["{tmp}/b/config.json: layer_types has 2 entries for num_hidden_layers=3"],
+         {"b": copy_of("tiny", config={"num_hidden_layers": 3})}),
     Case("export-no-such-step", "convert.export_peft",
          ["--checkpoint", "{ckpt}", "--step", "5", "--out", "{tmp}/out"], ["{ckpt}", "step 5"]),
     Case("export-existing-target", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{tmp}/out"],
