@@ -24,6 +24,7 @@ from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.hf.fingerprint import check_base
 from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout
 
@@ -100,6 +101,27 @@ def check_base_matches(source: CheckpointSource, base_dir: Path, allow: bool, to
     recorded = (source.meta.get("base_model") or {}).get("fingerprint")
     check_base(recorded, base_dir, allow, "pass --allow-base-mismatch",
                lambda msg: print(f"{tool}: warning: {msg}", file=sys.stderr))
+
+
+# the config.json keys behind `Layout`'s fields (the others are named as the layout's)
+_LAYOUT_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads", "embed_dim": "hidden_size", "head_dim": "head_dim",
+                "hidden_dim": "intermediate_size"}
+
+
+def check_base_layout(source: CheckpointSource, base_dir: Path, base_config: dict) -> None:
+    """The base's config.json gives the model shape the checkpoint was trained with (its recorded hf_config): a
+    merge publishes that config.json beside weights of the checkpoint's shapes, and one of another shape (edited,
+    let through the fingerprint by --allow-base-mismatch) made a model transformers cannot load."""
+    where = base_dir / "config.json"
+    with naming_config_file(where):  # the families' checks say "config.json: ..."
+        layout = read_layout(base_config, source.family)
+    for field in dataclasses.fields(Layout):
+        have, want = getattr(layout, field.name), getattr(source.layout, field.name)
+        if have != want:
+            key = _LAYOUT_KEYS.get(field.name, f"the layer layout ({field.name})")
+            raise UserError(f"{where}: {key}={have}, the checkpoint was trained with {key}={want}; give the base it "
+                            f"was trained on (--base)")
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")

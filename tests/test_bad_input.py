@@ -790,6 +790,12 @@ CASES = [
          ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
          ["{tmp}/b/config.json: layer_types has 2 entries for num_hidden_layers=3"],
          {"b": copy_of("tiny", config={"num_hidden_layers": 3})}),
+    # a base config.json of another shape than its weights and the checkpoint (an edit let through the fingerprint
+    # by --allow-base-mismatch) was published beside the checkpoint's weights: a model transformers cannot load
+    Case("merge-base-config-another-shape", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
+         ["{tmp}/b/config.json", "hidden_size=32", "the checkpoint was trained with hidden_size=64"],
+         {"b": copy_of("tiny", config={"hidden_size": 32})}),
     Case("export-no-such-step", "convert.export_peft",
          ["--checkpoint", "{ckpt}", "--step", "5", "--out", "{tmp}/out"], ["{ckpt}", "step 5"]),
     Case("export-existing-target", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{tmp}/out"],
