@@ -124,6 +124,20 @@ def check_base_layout(source: CheckpointSource, base_dir: Path, base_config: dic
                             f"was trained on (--base)")
 
 
+def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,
+                       names: list[str]) -> None:
+    """Every tensor of the model the base's config.json describes is in its weights `names` (the registry's
+    `Family.required_weights`): a LoRA merge copies the tensors it does not change, and a base missing one (a copy
+    cut short, an edit, let through the fingerprint by --allow-base-mismatch) was published without it, a model
+    transformers fills in with initial values and serves without a word."""
+    have = set(names)
+    missing = [n for n in source.family.required_weights(base_config, prefix) if n not in have]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"{base_dir}: tensor {missing[0]}{more} of the model its config.json describes is missing "
+                        f"from the weights; give the whole base (--base)")
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 

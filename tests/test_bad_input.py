@@ -796,6 +796,12 @@ CASES = [
          ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
          ["{tmp}/b/config.json", "hidden_size=32", "the checkpoint was trained with hidden_size=64"],
          {"b": copy_of("tiny", config={"hidden_size": 32})}),
+    # a base missing a tensor its config.json needs (a copy cut short, an edit, let through the fingerprint): the merge
+    # published the model without it, which transformers fills with initial values and serves without a word
+    Case("merge-base-missing-a-norm", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
+         ["{tmp}/b", "model.layers.1.post_feedforward_layernorm.weight", "missing"],
+         {"b": without_tensor("model.layers.1.post_feedforward_layernorm.weight")}),
     Case("export-no-such-step", "convert.export_peft",
          ["--checkpoint", "{ckpt}", "--step", "5", "--out", "{tmp}/out"], ["{ckpt}", "step 5"]),
     Case("export-existing-target", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{tmp}/out"],
