@@ -26,7 +26,7 @@ from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.hf.fingerprint import check_base
-from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout
+from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout, text_config
 
 
 @dataclasses.dataclass
@@ -112,16 +112,20 @@ _LAYOUT_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_h
 def check_base_layout(source: CheckpointSource, base_dir: Path, base_config: dict) -> None:
     """The base's config.json gives the model shape the checkpoint was trained with (its recorded hf_config): a
     merge publishes that config.json beside weights of the checkpoint's shapes, and one of another shape (edited,
-    let through the fingerprint by --allow-base-mismatch) made a model transformers cannot load."""
+    let through the fingerprint by --allow-base-mismatch, or a vocab_size left out: transformers' default) made a
+    model transformers cannot load."""
     where = base_dir / "config.json"
     with naming_config_file(where):  # the families' checks say "config.json: ..."
         layout = read_layout(base_config, source.family)
-    for field in dataclasses.fields(Layout):
-        have, want = getattr(layout, field.name), getattr(source.layout, field.name)
+        vocab = source.family.read_text_config(base_config).get("vocab_size")
+    sizes = [(_LAYOUT_KEYS.get(f.name, f"the layer layout ({f.name})"), getattr(layout, f.name),
+              getattr(source.layout, f.name)) for f in dataclasses.fields(Layout)]
+    sizes.append(("vocab_size", vocab, source.family.read_text_config(source.hf_config).get("vocab_size")))
+    for key, have, want in sizes:
         if have != want:
-            key = _LAYOUT_KEYS.get(field.name, f"the layer layout ({field.name})")
-            raise UserError(f"{where}: {key}={have}, the checkpoint was trained with {key}={want}; give the base it "
-                            f"was trained on (--base)")
+            omitted = " (it omits the key: transformers' default)" if key not in text_config(base_config) else ""
+            raise UserError(f"{where}: {key}={have}{omitted}, the checkpoint was trained with {key}={want}; give the "
+                            f"base it was trained on (--base)")
 
 
 def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,

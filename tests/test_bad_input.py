@@ -796,6 +796,10 @@ CASES = [
          ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
          ["{tmp}/b/config.json", "hidden_size=32", "the checkpoint was trained with hidden_size=64"],
          {"b": copy_of("tiny", config={"hidden_size": 32})}),
+    Case("merge-base-config-another-vocabulary", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
+         ["{tmp}/b/config.json", "vocab_size=1000", "the checkpoint was trained with vocab_size=512"],
+         {"b": copy_of("tiny", config={"vocab_size": 1000})}),
     # a base missing a tensor its config.json needs (a copy cut short, an edit, let through the fingerprint): the merge
     # published the model without it, which transformers fills with initial values and serves without a word
     Case("merge-base-missing-a-norm", "convert.merge_orbax",
