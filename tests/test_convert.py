@@ -1215,6 +1215,27 @@ def test_verify_cli(base, merged, capsys):
     assert main([str(base), str(merged), "--max-abs-diff", "1e-6"]) == 1
 
 
+def test_verify_thresholds_fail_logits_that_are_not_numbers(merged, tmp_path, capsys):
+    """A weight holding a NaN makes every logit NaN: `--max-kl`/`--max-abs-diff` compared NaN > bound, which is
+    false, and the comparison passed (exit 0, "passed": true)."""
+    from safetensors.numpy import load_file, save_file
+
+    from convert.verify import main
+
+    copy = tmp_path / "m"
+    shutil.copytree(merged, copy)
+    weights = load_file(str(copy / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = np.nan
+    save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    assert main([str(merged), str(copy), "--max-kl", "0.1", "--json"]) == 1
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["passed"] is False and result["kl_mean"] is None, result
+    assert "KL mean nan > 0.1" in captured.err, captured.err
+    assert main([str(merged), str(copy), "--max-abs-diff", "1"]) == 1
+    assert "max |diff| nan > 1" in capsys.readouterr().err
+
+
 def test_verify_takes_a_merged_directorys_family_from_its_record(merged, tmp_path, capsys):
     """verify read the family off config.json alone (detect_family), where every loader takes a merge's record first
     (resolve_model): a directory whose record contradicts its config.json was compared, and evaluated or served
