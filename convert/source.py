@@ -152,6 +152,10 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
     specs = source.params.specs
     rank = int(source.lora["rank"])
     sites = lora_sites(source.family, source.layout, prefix, list(source.lora["targets"]))
+    # the shapes of the model the run records: a step whose factors fit another model (a checkpoint dir two runs
+    # wrote) was exported as an adapter that peft refuses on load ('size mismatch'), its base being this model
+    shapes = source.family.projection_shapes(source.family.read_text_config(source.hf_config)) \
+        if source.family.projection_shapes else {}
     out = []
     used = set()
     for site in sites:
@@ -164,6 +168,12 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
             raise UserError(f"checkpoint tensor {site.a_name} {a} / {site.b_name} {b}: LoRA rank "
                             f"{a[-1]} does not match metadata lora.rank={rank}")
         sizes = axis_sizes_from_factors(site.proj, a, b)
+        recorded = shapes.get(site.proj.hf_name)
+        if recorded and hf_shape(site.proj, sizes) not in recorded:
+            raise UserError(f"checkpoint tensor {site.a_name} {a} / {site.b_name} {b}: a LoRA update of a "
+                            f"{hf_shape(site.proj, sizes)} weight, where the model recorded in "
+                            f"{source.dir / METADATA_FILE} (hf_config) has {site.hf_key} of shape {recorded[0]}: "
+                            f"the step was written by a run of another model")
         if base_shapes is not None:
             if site.hf_key not in base_shapes:
                 raise UserError(f"base has no tensor {site.hf_key} (needed for LoRA {site.a_name})")

@@ -1162,6 +1162,27 @@ def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     assert leftovers(out) == []
 
 
+def test_peft_export_refuses_factors_of_another_model_than_the_recorded_one(work, lora_ckpt, capsys, tmp_path):
+    """A step whose LoRA factors do not fit the model its gemma_tpu_run.json records (a checkpoint dir that two runs
+    of different models wrote): the adapter was written with A [4, 64] for a base whose hidden_size is 32 by the
+    record, which peft refuses on load ('size mismatch'). The merge refused it only against the base's weights."""
+    from convert.export_peft import main
+    from gemma_tpu.core.cli import cli_main
+
+    ckpt = tmp_path / "ck"
+    shutil.copytree(lora_ckpt[0], ckpt)
+    meta = json.loads((ckpt / "gemma_tpu_run.json").read_text())
+    meta["hf_config"]["hidden_size"] = 32
+    (ckpt / "gemma_tpu_run.json").write_text(json.dumps(meta))
+    out = tmp_path / "adapter"
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layers.0.attn.q_einsum.w_lora_a (64, 4)" in err[0], err
+    assert f"a (64, 64) weight, where the model recorded in {ckpt / 'gemma_tpu_run.json'}" in err[0], err
+    assert "model.layers.0.self_attn.q_proj.weight of shape (64, 32)" in err[0], err
+    assert leftovers(out) == []
+
+
 def test_peft_export_over_the_base_names_it_as_an_input(work, base, lora_ckpt, capsys):
     from convert.export_peft import main
     from gemma_tpu.core.cli import cli_main
