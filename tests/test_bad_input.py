@@ -598,6 +598,14 @@ CASES = [
     Case("ckpt-run-json-alpha-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "lora.alpha='8' is not a positive number"],
          {"ck": copy_of("ckpt", meta={"lora.alpha": "8"})}),
+    # the adapter's lora_dropout: a string was a ValueError traceback, 2.5 went into adapter_config.json, which peft
+    # then refuses to load (nn.Dropout takes a probability)
+    Case("ckpt-run-json-dropout-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "config.lora.dropout='x' is not a number in [0, 1)"],
+         {"ck": copy_of("ckpt", meta={"config.lora.dropout": "x"})}),
+    Case("ckpt-run-json-dropout-past-one", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "config.lora.dropout=2.5 is not a number in [0, 1)"],
+         {"ck": copy_of("ckpt", meta={"config.lora.dropout": 2.5})}),
     Case("ckpt-run-json-targets-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "lora.targets='q_proj' is not a list of names"],
          {"ck": copy_of("ckpt", meta={"lora.targets": "q_proj"})}),

@@ -98,6 +98,11 @@ _FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("lora.alpha", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("lora.targets", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names"),
     ("lora.base_quantization", lambda v: isinstance(v, str), "a string"),
+    # the run's own LoRA dropout, which the PEFT export writes into adapter_config.json: a string was a ValueError
+    # traceback, 2.5 an adapter that peft refuses to load
+    ("config.lora", lambda v: isinstance(v, dict), "an object"),
+    ("config.lora.dropout", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("lora.dropout", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     # what evaluate and chat load the model in: "fp16" was a KeyError traceback once the base was read
     ("dtype", lambda v: v in _DTYPES, " or ".join(_DTYPES)),
 )
@@ -108,7 +113,9 @@ def check_metadata(path: Path, meta: dict[str, Any]) -> None:
     files lack some, a full fine-tune's LoRA fields are unused)."""
     for key, ok, what in _FIELDS:
         parent, _, name = key.rpartition(".")
-        holder = meta.get(parent) if parent else meta
+        holder = meta
+        for part in parent.split(".") if parent else ():
+            holder = holder.get(part) if isinstance(holder, dict) else None
         if not isinstance(holder, dict) or holder.get(name) is None:
             continue
         if parent == "lora" and holder.get("enabled") is False:
