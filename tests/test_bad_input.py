@@ -598,6 +598,10 @@ CASES = [
     Case("ckpt-run-json-alpha-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "lora.alpha='8' is not a positive number"],
          {"ck": copy_of("ckpt", meta={"lora.alpha": "8"})}),
+    # the tool-call markers' tokens (marker -> token): an AttributeError traceback where the merge installs them
+    Case("ckpt-run-json-token-map-string", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "token_map='x' is not an object of marker -> token names"],
+         {"ck": copy_of("ckpt", meta={"token_map": "x"})}),
     # the adapter's lora_dropout: a string was a ValueError traceback, 2.5 went into adapter_config.json, which peft
     # then refuses to load (nn.Dropout takes a probability)
     Case("ckpt-run-json-dropout-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],

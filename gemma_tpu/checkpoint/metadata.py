@@ -98,6 +98,10 @@ _FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("lora.alpha", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("lora.targets", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names"),
     ("lora.base_quantization", lambda v: isinstance(v, str), "a string"),
+    # FunctionGemma markers -> the reserved tokens they were trained on (`function_token_map`), which the merge and
+    # the exports install in the tokenizer: a string was an AttributeError traceback
+    ("token_map", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
+                                                        for k, t in v.items()), "an object of marker -> token names"),
     # the run's own LoRA dropout, which the PEFT export writes into adapter_config.json: a string was a ValueError
     # traceback, 2.5 an adapter that peft refuses to load
     ("config.lora", lambda v: isinstance(v, dict), "an object"),
