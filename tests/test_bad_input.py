@@ -598,6 +598,11 @@ CASES = [
     Case("ckpt-run-json-alpha-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "lora.alpha='8' is not a positive number"],
          {"ck": copy_of("ckpt", meta={"lora.alpha": "8"})}),
+    # its entries read by name: a TypeError traceback in the merge, the export and a resume
+    Case("ckpt-run-json-fingerprint-files-damaged", "convert.export_peft",
+         ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "base_model.fingerprint.files=[1] is not a list of files"],
+         {"ck": copy_of("ckpt", meta={"base_model.fingerprint.files": [1]})}),
     # the tool-call markers' tokens (marker -> token): an AttributeError traceback where the merge installs them
     Case("ckpt-run-json-token-map-string", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "token_map='x' is not an object of marker -> token names"],

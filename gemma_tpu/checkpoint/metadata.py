@@ -93,6 +93,9 @@ _FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("base_model.revision", lambda v: isinstance(v, str), "a string"),
     ("base_model.family", lambda v: isinstance(v, str), "a string"),
     ("base_model.fingerprint", lambda v: isinstance(v, dict), "an object"),
+    # its entries are read by name (`gemma_tpu.hf.fingerprint.first_difference`): a TypeError traceback otherwise
+    ("base_model.fingerprint.files", lambda v: isinstance(v, list) and all(isinstance(e, dict) and isinstance(
+        e.get("name"), str) for e in v), "a list of files (objects with a name)"),
     ("lora.enabled", lambda v: isinstance(v, bool), "true or false"),
     ("lora.rank", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
     ("lora.alpha", lambda v: _is_number(v) and v > 0, "a positive number"),
