@@ -52,7 +52,9 @@ from convert.mapping import FullSite, LoraSite, full_sites
 from convert.source import (
     CheckpointSource,
     FactorCache,
+    check_base_layout,
     check_base_matches,
+    check_base_weights,
     check_finite_factors,
     checked_lora_sites,
     open_checkpoint,
@@ -154,10 +156,6 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
         # the files written after the weights are read now, so that a broken one is refused before the merge
         generation_config(base_dir, base_config, source.family.stop_token_ids)
         check_tool_token_files(base_dir, source.meta.get("token_map") or {})
-    n_layers = source.family.read_text_config(base_config).get("num_hidden_layers")
-    if n_layers is not None and int(n_layers) != source.layout.num_layers:
-        raise UserError(f"base {base_dir} has num_hidden_layers={n_layers}; the checkpoint was trained "
-                        f"with {source.layout.num_layers}")
     out_dtype = sio.DTYPE_NAMES[dtype] if dtype else base_float_dtype(weights)
     shapes = {n: t.shape for n, t in weights.tensors.items()}
 
@@ -170,6 +168,10 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
         lora_by_key = {s.hf_key: s for s, _ in sites}
     else:
         full_by_key = check_full_sites(source, prefix, shapes)
+    # after the tensors' own checks, which name a tensor of a base of another shape: here, a config.json that
+    # is not its weights' (the merge publishes it beside them)
+    check_base_layout(source, base_dir, base_config)
+    check_base_weights(source, base_dir, base_config, prefix, weights.names())
 
     dropped = []
     ops, specs = [], []

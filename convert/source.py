@@ -24,8 +24,9 @@ from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.hf.fingerprint import check_base
-from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout
+from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout, text_config
 
 
 @dataclasses.dataclass
@@ -102,6 +103,45 @@ def check_base_matches(source: CheckpointSource, base_dir: Path, allow: bool, to
                lambda msg: print(f"{tool}: warning: {msg}", file=sys.stderr))
 
 
+# the config.json keys behind `Layout`'s fields (the others are named as the layout's)
+_LAYOUT_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads", "embed_dim": "hidden_size", "head_dim": "head_dim",
+                "hidden_dim": "intermediate_size"}
+
+
+def check_base_layout(source: CheckpointSource, base_dir: Path, base_config: dict) -> None:
+    """The base's config.json gives the model shape the checkpoint was trained with (its recorded hf_config): a
+    merge publishes that config.json beside weights of the checkpoint's shapes, and one of another shape (edited,
+    let through the fingerprint by --allow-base-mismatch, or a vocab_size left out: transformers' default) made a
+    model transformers cannot load."""
+    where = base_dir / "config.json"
+    with naming_config_file(where):  # the families' checks say "config.json: ..."
+        layout = read_layout(base_config, source.family)
+        vocab = source.family.read_text_config(base_config).get("vocab_size")
+    sizes = [(_LAYOUT_KEYS.get(f.name, f"the layer layout ({f.name})"), getattr(layout, f.name),
+              getattr(source.layout, f.name)) for f in dataclasses.fields(Layout)]
+    sizes.append(("vocab_size", vocab, source.family.read_text_config(source.hf_config).get("vocab_size")))
+    for key, have, want in sizes:
+        if have != want:
+            omitted = " (it omits the key: transformers' default)" if key not in text_config(base_config) else ""
+            raise UserError(f"{where}: {key}={have}{omitted}, the checkpoint was trained with {key}={want}; give the "
+                            f"base it was trained on (--base)")
+
+
+def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,
+                       names: list[str]) -> None:
+    """Every tensor of the model the base's config.json describes is in its weights `names` (the registry's
+    `Family.required_weights`): a LoRA merge copies the tensors it does not change, and a base missing one (a copy
+    cut short, an edit, let through the fingerprint by --allow-base-mismatch) was published without it, a model
+    transformers fills in with initial values and serves without a word."""
+    have = set(names)
+    missing = [n for n in source.family.required_weights(base_config, prefix) if n not in have]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"{base_dir}: tensor {missing[0]}{more} of the model its config.json describes is missing "
+                        f"from the weights; give the whole base (--base)")
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -112,6 +152,10 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
     specs = source.params.specs
     rank = int(source.lora["rank"])
     sites = lora_sites(source.family, source.layout, prefix, list(source.lora["targets"]))
+    # the shapes of the model the run records: a step whose factors fit another model (a checkpoint dir two runs
+    # wrote) was exported as an adapter that peft refuses on load ('size mismatch'), its base being this model
+    shapes = source.family.projection_shapes(source.family.read_text_config(source.hf_config)) \
+        if source.family.projection_shapes else {}
     out = []
     used = set()
     for site in sites:
@@ -124,6 +168,12 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
             raise UserError(f"checkpoint tensor {site.a_name} {a} / {site.b_name} {b}: LoRA rank "
                             f"{a[-1]} does not match metadata lora.rank={rank}")
         sizes = axis_sizes_from_factors(site.proj, a, b)
+        recorded = shapes.get(site.proj.hf_name)
+        if recorded and hf_shape(site.proj, sizes) not in recorded:
+            raise UserError(f"checkpoint tensor {site.a_name} {a} / {site.b_name} {b}: a LoRA update of a "
+                            f"{hf_shape(site.proj, sizes)} weight, where the model recorded in "
+                            f"{source.dir / METADATA_FILE} (hf_config) has {site.hf_key} of shape {recorded[0]}: "
+                            f"the step was written by a run of another model")
         if base_shapes is not None:
             if site.hf_key not in base_shapes:
                 raise UserError(f"base has no tensor {site.hf_key} (needed for LoRA {site.a_name})")

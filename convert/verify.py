@@ -383,10 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--prompt {longest + 1}: {len(ids[longest])} tokens, past the model's context of {context} "
                         f"(max_position_embeddings); give a shorter prompt")
     c = compare(*(hf_logits(m, ids, a) for m, a in zip(models, adapters)))
-    failed = []
-    if args.max_abs_diff is not None and c.max_abs_diff > args.max_abs_diff:
+    failed = []  # `not x <= bound`: a NaN (a weight holding one) fails, where `x > bound` let it pass
+    if args.max_abs_diff is not None and not c.max_abs_diff <= args.max_abs_diff:
         failed.append(f"max |diff| {c.max_abs_diff:.3g} > {args.max_abs_diff:g}")
-    if args.max_kl is not None and c.kl_mean > args.max_kl:
+    if args.max_kl is not None and not c.kl_mean <= args.max_kl:
         failed.append(f"KL mean {c.kl_mean:.3g} > {args.max_kl:g}")
     if args.json:
         print(strict_json.dumps({**c.as_dict(), "passed": not failed, "failures": failed}, indent=2))

@@ -618,6 +618,23 @@ CASES = [
     Case("ckpt-run-json-alpha-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "lora.alpha='8' is not a positive number"],
          {"ck": copy_of("ckpt", meta={"lora.alpha": "8"})}),
+    # its entries read by name: a TypeError traceback in the merge, the export and a resume
+    Case("ckpt-run-json-fingerprint-files-damaged", "convert.export_peft",
+         ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "base_model.fingerprint.files=[1] is not a list of files"],
+         {"ck": copy_of("ckpt", meta={"base_model.fingerprint.files": [1]})}),
+    # the tool-call markers' tokens (marker -> token): an AttributeError traceback where the merge installs them
+    Case("ckpt-run-json-token-map-string", "convert.merge_orbax", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "token_map='x' is not an object of marker -> token names"],
+         {"ck": copy_of("ckpt", meta={"token_map": "x"})}),
+    # the adapter's lora_dropout: a string was a ValueError traceback, 2.5 went into adapter_config.json, which peft
+    # then refuses to load (nn.Dropout takes a probability)
+    Case("ckpt-run-json-dropout-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "config.lora.dropout='x' is not a number in [0, 1)"],
+         {"ck": copy_of("ckpt", meta={"config.lora.dropout": "x"})}),
+    Case("ckpt-run-json-dropout-past-one", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
+         ["{tmp}/ck/gemma_tpu_run.json", "config.lora.dropout=2.5 is not a number in [0, 1)"],
+         {"ck": copy_of("ckpt", meta={"config.lora.dropout": 2.5})}),
     Case("ckpt-run-json-targets-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "lora.targets='q_proj' is not a list of names"],
          {"ck": copy_of("ckpt", meta={"lora.targets": "q_proj"})}),
@@ -814,6 +831,27 @@ CASES = [
          ["--dtype", "'int8'"]),
     Case("merge-missing-base", "convert.merge_orbax",
          ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--base", "{tmp}/nobase"], ["{tmp}/nobase"]),
+    # the families' checks of the base's config.json said "config.json: ...", naming no directory
+    Case("merge-base-config-layer-count-not-its-layer-types", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
+         ["{tmp}/b/config.json: layer_types has 2 entries for num_hidden_layers=3"],
+         {"b": copy_of("tiny", config={"num_hidden_layers": 3})}),
+    # a base config.json of another shape than its weights and the checkpoint (an edit let through the fingerprint
+    # by --allow-base-mismatch) was published beside the checkpoint's weights: a model transformers cannot load
+    Case("merge-base-config-another-shape", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
+         ["{tmp}/b/config.json", "hidden_size=32", "the checkpoint was trained with hidden_size=64"],
+         {"b": copy_of("tiny", config={"hidden_size": 32})}),
+    Case("merge-base-config-another-vocabulary", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
+         ["{tmp}/b/config.json", "vocab_size=1000", "the checkpoint was trained with vocab_size=512"],
+         {"b": copy_of("tiny", config={"vocab_size": 1000})}),
+    # a base missing a tensor its config.json needs (a copy cut short, an edit, let through the fingerprint): the merge
+    # published the model without it, which transformers fills with initial values and serves without a word
+    Case("merge-base-missing-a-norm", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--base", "{tmp}/b", "--out", "{tmp}/out", "--allow-base-mismatch"],
+         ["{tmp}/b", "model.layers.1.post_feedforward_layernorm.weight", "missing"],
+         {"b": without_tensor("model.layers.1.post_feedforward_layernorm.weight")}),
     Case("export-no-such-step", "convert.export_peft",
          ["--checkpoint", "{ckpt}", "--step", "5", "--out", "{tmp}/out"], ["{ckpt}", "step 5"]),
     Case("export-existing-target", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{tmp}/out"],

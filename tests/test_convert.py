@@ -1162,6 +1162,27 @@ def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     assert leftovers(out) == []
 
 
+def test_peft_export_refuses_factors_of_another_model_than_the_recorded_one(work, lora_ckpt, capsys, tmp_path):
+    """A step whose LoRA factors do not fit the model its gemma_tpu_run.json records (a checkpoint dir that two runs
+    of different models wrote): the adapter was written with A [4, 64] for a base whose hidden_size is 32 by the
+    record, which peft refuses on load ('size mismatch'). The merge refused it only against the base's weights."""
+    from convert.export_peft import main
+    from gemma_tpu.core.cli import cli_main
+
+    ckpt = tmp_path / "ck"
+    shutil.copytree(lora_ckpt[0], ckpt)
+    meta = json.loads((ckpt / "gemma_tpu_run.json").read_text())
+    meta["hf_config"]["hidden_size"] = 32
+    (ckpt / "gemma_tpu_run.json").write_text(json.dumps(meta))
+    out = tmp_path / "adapter"
+    assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layers.0.attn.q_einsum.w_lora_a (64, 4)" in err[0], err
+    assert f"a (64, 64) weight, where the model recorded in {ckpt / 'gemma_tpu_run.json'}" in err[0], err
+    assert "model.layers.0.self_attn.q_proj.weight of shape (64, 32)" in err[0], err
+    assert leftovers(out) == []
+
+
 def test_peft_export_over_the_base_names_it_as_an_input(work, base, lora_ckpt, capsys):
     from convert.export_peft import main
     from gemma_tpu.core.cli import cli_main
@@ -1213,6 +1234,27 @@ def test_verify_cli(base, merged, capsys):
     same = json.loads(capsys.readouterr().out)
     assert same["max_abs_diff"] == 0.0 and same["argmax_agreement"] == 1.0 and same["kl_mean"] <= 1e-12
     assert main([str(base), str(merged), "--max-abs-diff", "1e-6"]) == 1
+
+
+def test_verify_thresholds_fail_logits_that_are_not_numbers(merged, tmp_path, capsys):
+    """A weight holding a NaN makes every logit NaN: `--max-kl`/`--max-abs-diff` compared NaN > bound, which is
+    false, and the comparison passed (exit 0, "passed": true)."""
+    from safetensors.numpy import load_file, save_file
+
+    from convert.verify import main
+
+    copy = tmp_path / "m"
+    shutil.copytree(merged, copy)
+    weights = load_file(str(copy / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = np.nan
+    save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    assert main([str(merged), str(copy), "--max-kl", "0.1", "--json"]) == 1
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["passed"] is False and result["kl_mean"] is None, result
+    assert "KL mean nan > 0.1" in captured.err, captured.err
+    assert main([str(merged), str(copy), "--max-abs-diff", "1"]) == 1
+    assert "max |diff| nan > 1" in capsys.readouterr().err
 
 
 def test_verify_takes_a_merged_directorys_family_from_its_record(merged, tmp_path, capsys):

@@ -98,7 +98,18 @@ def test_merge_that_runs_out_of_space_publishes_nothing(tiny_dir, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", limited, "--checkpoint", str(tmp_path / "ck"), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
-    assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
+    line = assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
+    # the shard being written, not only the temp dir it was in ("failed in OUT/.out.tmp-PID")
+    assert re.search(rf"failed in {re.escape(str(tmp_path))}/\.out\.tmp-\d+/model\.safetensors \(", line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    # the PEFT export (its adapter is ~50 KB) writes with the same writer: named too
+    out = tmp_path / "adapter"
+    limited = limited.replace("convert.merge_orbax", "convert.export_peft").replace("200_000", "20_000")
+    proc = subprocess.run([sys.executable, "-c", limited, "--checkpoint", str(tmp_path / "ck"), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    line = assert_one_line_error(proc, f"writing {out} failed", "File too large", "nothing was published")
+    assert re.search(rf"failed in {re.escape(str(tmp_path))}/\.adapter\.tmp-\d+/adapter_model\.safetensors \(",
+                     line), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 

@@ -93,11 +93,23 @@ _FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("base_model.revision", lambda v: isinstance(v, str), "a string"),
     ("base_model.family", lambda v: isinstance(v, str), "a string"),
     ("base_model.fingerprint", lambda v: isinstance(v, dict), "an object"),
+    # its entries are read by name (`gemma_tpu.hf.fingerprint.first_difference`): a TypeError traceback otherwise
+    ("base_model.fingerprint.files", lambda v: isinstance(v, list) and all(isinstance(e, dict) and isinstance(
+        e.get("name"), str) for e in v), "a list of files (objects with a name)"),
     ("lora.enabled", lambda v: isinstance(v, bool), "true or false"),
     ("lora.rank", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
     ("lora.alpha", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("lora.targets", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names"),
     ("lora.base_quantization", lambda v: isinstance(v, str), "a string"),
+    # FunctionGemma markers -> the reserved tokens they were trained on (`function_token_map`), which the merge and
+    # the exports install in the tokenizer: a string was an AttributeError traceback
+    ("token_map", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
+                                                        for k, t in v.items()), "an object of marker -> token names"),
+    # the run's own LoRA dropout, which the PEFT export writes into adapter_config.json: a string was a ValueError
+    # traceback, 2.5 an adapter that peft refuses to load
+    ("config.lora", lambda v: isinstance(v, dict), "an object"),
+    ("config.lora.dropout", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("lora.dropout", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     # what evaluate and chat load the model in: "fp16" was a KeyError traceback once the base was read
     ("dtype", lambda v: v in _DTYPES, " or ".join(_DTYPES)),
 )
@@ -108,7 +120,9 @@ def check_metadata(path: Path, meta: dict[str, Any]) -> None:
     files lack some, a full fine-tune's LoRA fields are unused)."""
     for key, ok, what in _FIELDS:
         parent, _, name = key.rpartition(".")
-        holder = meta.get(parent) if parent else meta
+        holder = meta
+        for part in parent.split(".") if parent else ():
+            holder = holder.get(part) if isinstance(holder, dict) else None
         if not isinstance(holder, dict) or holder.get(name) is None:
             continue
         if parent == "lora" and holder.get("enabled") is False:

@@ -418,7 +418,7 @@ class ShardedWriter:
                 if self._in_kernel:
                     try:
                         n = os.copy_file_range(fd_in, self._fd, min(src.nbytes - done, 1 << 30), src.start + done)
-                    except OSError:
+                    except OSError:  # a full disk too: the plain write below raises it, naming the shard
                         self._in_kernel = False
                 if n > 0:
                     self._advance(n)
@@ -454,9 +454,19 @@ class ShardedWriter:
     def _write_all(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while len(view):
-            n = os.write(self._fd, view)
+            try:
+                n = os.write(self._fd, view)
+            except OSError as e:
+                raise self._naming_shard(e) from None
             view = view[n:]
             self._advance(n)
+
+    def _naming_shard(self, e: OSError) -> OSError:
+        """`e` naming the shard being written: os.write and fsync name no file, and a full disk (or a file-size
+        limit) was reported as "failed in <the temp dir>" alone."""
+        if e.filename is None and self._shard >= 0:
+            e.filename = str(self.dir / self.files[self._shard])
+        return e
 
     def _advance(self, n: int) -> None:
         self._pos += n
@@ -466,10 +476,14 @@ class ShardedWriter:
 
     def _close_file(self) -> None:
         if self._fd is not None:
-            if self.fsync:
-                os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            try:
+                if self.fsync:
+                    os.fsync(fd)
+            except OSError as e:  # a delayed write error (NFS, a full thin volume) comes back here
+                raise self._naming_shard(e) from None
+            finally:
+                os.close(fd)
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -494,12 +508,17 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def write_json(path: Path, obj, fsync: bool = False) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as e:  # a write's error (a full disk) names no file
+        if e.filename is None:
+            e.filename = str(path)
+        raise
 
 
 def cast_chunks(src: TensorInfo, out_dtype: str, budget: int = CHUNK_BYTES) -> Iterable[np.ndarray]:
