@@ -38,7 +38,8 @@ LB_PAGE = (b"<!DOCTYPE html>\n<html lang=en>\n  <meta charset=utf-8>\n  <title>E
 class Foreign(http.server.BaseHTTPRequestHandler):
     """Behaviour by path prefix: /html (a web page for everything), /json (a plain JSON completion where a
     stream was asked for), /cut (an event stream whose JSON event is cut off), /shape (events whose
-    `choices` is not a list of objects), /empty (a stream of no choice at all)."""
+    `choices` is not a list of objects), /deep (an event nested past the JSON parser), /empty (a stream of no
+    choice at all)."""
 
     def log_message(self, *args):
         pass
@@ -79,6 +80,9 @@ class Foreign(http.server.BaseHTTPRequestHandler):
             self.connection.close()
             self.wfile = io.BytesIO()  # what finish() flushes
             return
+        if self.path.startswith("/deep"):  # an event nested past Python's JSON parser (it was a traceback)
+            body += b"data: " + b"[" * 100000 + b"]" * 100000 + b"\n\n"
+            return self._send("text/event-stream", body)
         if self.path.startswith("/shape"):  # valid JSON events of the wrong shape
             body += sse({"choices": "one two"}) + sse({"choices": [{"index": 0, "delta": "two"}]})
             return self._send("text/event-stream", body)
@@ -91,6 +95,7 @@ class Foreign(http.server.BaseHTTPRequestHandler):
     ("/json", ["not an OpenAI event stream", "Content-Type application/json", '"choices"']),
     ("/cut", ["bad event", "cont"]),
     ("/shape", ["bad event", "'choices' is not a list of objects", "one two"]),
+    ("/deep", ["bad event", "nested too deeply"]),
     ("/empty", ["the stream held no choice", "[DONE]"]),  # was a completed request of 0 tokens
     ("/reset", ["ReadError: [Errno 104] Connection reset by peer"]),  # was a bare 'ReadError'
 ])
@@ -205,12 +210,15 @@ NOT_HTTP = [
     # a connection reset after the headers: the server was reached (it said "cannot reach the server")
     (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"choices\": ["
      + b"RESET", ["the answer was cut off (13 of 100 bytes of its body arrived)"]),
+    # JSON nested past Python's parser (a broken or hostile server): it was a RecursionError traceback
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200000\r\n\r\n"
+     + b"[" * 100000 + b"]" * 100000, ["the answer is JSON nested too deeply to read", "HTTP 200"]),
 ]
 RESET = b"RESET"
 
 
 @pytest.mark.parametrize("answer, needles", NOT_HTTP, ids=["not-http", "cut-off", "cut-off-500", "cut-off-chunked",
-                                                           "reset-midway"])
+                                                           "reset-midway", "nested-too-deeply"])
 def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, needles):
     out = tmp_path / "r.json"
     with raw_server(answer) as url:

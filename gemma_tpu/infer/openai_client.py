@@ -201,6 +201,8 @@ def json_object(text: str, error, context: str | None = None) -> dict:
     except json.JSONDecodeError:
         raise error(f"the answer is not JSON but {context}" if context else
                     f"the answer is not JSON ({' '.join(text.split())[:200]!r})") from None
+    except RecursionError:  # a broken or hostile server's `[[[[...`: it was a traceback
+        raise error("the answer is JSON nested too deeply to read" + (f" ({context})" if context else "")) from None
     if not isinstance(obj, dict):
         raise error(f"expected a JSON object, got {text[:200]!r}")
     return obj
