@@ -262,6 +262,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
     if bias is not None and not (isinstance(bias, dict) and all(
             re.fullmatch(r"\d+", str(k)) and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
         raise RequestError("logit_bias", "expected an object of token ids to numbers in [-100, 100]")
+    long = next((str(k) for k in bias or () if len(str(k)) > 20), None)
+    if long is not None:  # int() refuses over 4,300 digits (a ValueError: a bare 500), and no vocabulary is so large
+        raise RequestError("logit_bias", f"key {long[:12]}... ({len(long)} digits) is not a token id")
     if bias and vocab_size and any(int(k) >= vocab_size for k in bias):
         raise RequestError("logit_bias", f"token id {max(int(k) for k in bias)} is past the vocabulary "
                                          f"({vocab_size} tokens)")

@@ -211,6 +211,19 @@ def test_malformed_requests_are_refused_naming_the_field(body, param, needle):
     assert e.value.param == param and needle in str(e.value)
 
 
+@pytest.mark.parametrize("key", ["9" * 5000, "0" * 4999 + "5", "1" * 40],
+                         ids=["5000-digits", "zero-padded", "40-digits"])
+def test_a_logit_bias_key_of_thousands_of_digits_is_refused_naming_the_field(key):
+    """Python's int() refuses a text of over 4,300 digits (ValueError): the local server answered a bare 500 "Internal
+    Server Error"; and an id of 40 digits went on to transformers serve, past any vocabulary."""
+    for check, body in ((check_chat_request, {"messages": USER}), (check_completion_request, {"prompt": "x"})):
+        for vocab in (512, None):
+            with pytest.raises(RequestError) as e:
+                check({**body, "logit_bias": {key: 1}}, vocab_size=vocab)
+            assert e.value.param == "logit_bias" and "is not a token id" in str(e.value)
+            assert len(str(e.value)) < 200
+
+
 def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     # logprobs: 0 in a chat completion is false, as vLLM reads it (it was refused as asking for log probabilities)
     ok = {"messages": [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"},
