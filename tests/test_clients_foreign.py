@@ -213,12 +213,16 @@ NOT_HTTP = [
     # JSON nested past Python's parser (a broken or hostile server): it was a RecursionError traceback
     (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200000\r\n\r\n"
      + b"[" * 100000 + b"]" * 100000, ["the answer is JSON nested too deeply to read", "HTTP 200"]),
+    # an integer past Python's 4,300 digits: json.loads' ValueError was a traceback
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5013\r\n\r\n{\"created\": "
+     + b"9" * 5000 + b"}", ["the answer is not JSON Python can read", "5000 digits", "HTTP 200"]),
 ]
 RESET = b"RESET"
 
 
 @pytest.mark.parametrize("answer, needles", NOT_HTTP, ids=["not-http", "cut-off", "cut-off-500", "cut-off-chunked",
-                                                           "reset-midway", "nested-too-deeply"])
+                                                           "reset-midway", "nested-too-deeply",
+                                                           "number-of-5000-digits"])
 def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, needles):
     out = tmp_path / "r.json"
     with raw_server(answer) as url:

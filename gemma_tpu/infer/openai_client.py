@@ -203,6 +203,10 @@ def json_object(text: str, error, context: str | None = None) -> dict:
                     f"the answer is not JSON ({' '.join(text.split())[:200]!r})") from None
     except RecursionError:  # a broken or hostile server's `[[[[...`: it was a traceback
         raise error("the answer is JSON nested too deeply to read" + (f" ({context})" if context else "")) from None
+    except ValueError as e:  # an integer past Python's 4,300 digits (int's own refusal): it was a traceback
+        digits = re.search(r"has (\d+) digits", str(e))
+        raise error("the answer is not JSON Python can read (" + (f"a number of {digits.group(1)} digits" if digits
+                    else str(e)[:120]) + ")" + (f"; {context}" if context else "")) from None
     if not isinstance(obj, dict):
         raise error(f"expected a JSON object, got {text[:200]!r}")
     return obj
