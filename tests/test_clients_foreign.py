@@ -426,7 +426,10 @@ def test_a_server_that_never_answers(tmp_path):
 
 
 class Trickle(http.server.BaseHTTPRequestHandler):
-    """Answers every request with a whole, valid chat completion, one byte every 0.2 s (~25 s in all)."""
+    """Answers every request with a whole, valid chat completion, one byte every 0.2 s (~25 s in all); with `status`
+    not 200, an OpenAI error of that status (~10 s)."""
+
+    status = 200
 
     def log_message(self, *args):
         pass
@@ -440,7 +443,9 @@ class Trickle(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         body = json.dumps({"data": [{"id": "m"}], "choices": [
             {"index": 0, "message": {"role": "assistant", "content": "You walked 8123 steps today."}}]}).encode()
-        self.send_response(200)
+        if self.status != 200:
+            body = json.dumps({"error": {"message": "the request was refused, slowly"}}).encode()
+        self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -468,6 +473,22 @@ def test_a_server_that_trickles_its_answer_is_bound_by_the_timeout():
         proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--timeout", "1", "--once", "steps?")
         assert time.monotonic() - t0 < 5
         assert_one_line_error(proc, "/v1/chat/completions: no answer within 1 s")
+
+
+class TrickledRefusal(Trickle):
+    status = 400
+
+
+def test_a_server_that_trickles_its_error_page_is_bound_by_the_timeout():
+    """An error status's body was read without the request's deadline (urllib's timeout bounds each socket read):
+    a server trickling its 400 page held evaluate and the chat for all of it, then reported the page."""
+    with http_server(TrickledRefusal) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "1", "--timeout", "1", "--retries", "0")
+        assert_one_line_error(proc, f"{url}/v1/chat/completions: HTTP 400 (no whole body within 1 s)")
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--timeout", "1", "--once", "steps?",
+                           "--retries", "0")
+        assert_one_line_error(proc, "/v1/chat/completions: HTTP 400 (no whole body within 1 s)")
 
 
 class Flaky(ScriptedModel):

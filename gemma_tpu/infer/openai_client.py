@@ -131,8 +131,11 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
             body = _read_by(resp, deadline).decode(errors="replace")
             status, ctype = resp.status, resp.headers.get("Content-Type") or "none"
     except urllib.error.HTTPError as e:
-        try:
-            detail = body_text(e.read().decode(errors="replace"), e.headers.get("Content-Type") or "")[:300]
+        try:  # by the request's deadline too: a server trickling its error page held the client for all of it
+            raw = _read_by(e.fp, deadline) if hasattr(e.fp, "read1") else e.read()
+            detail = body_text(raw.decode(errors="replace"), e.headers.get("Content-Type") or "")[:300]
+        except TimeoutError:
+            detail = f"no whole body within {timeout:g} s"
         except (http.client.HTTPException, OSError):  # the error page itself was cut off
             detail = "no readable body"
         raise HTTPStatusError(f"{url}: HTTP {e.code} ({detail})", e.code,
