@@ -305,9 +305,9 @@ _TEMPLATE_OWN = {"messages": f"{_OWN}; send the conversation as the request's me
 
 def _normalise_settings(body: dict) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
-    misread (an empty stop string ended every text after its first token); a field given as null is absent, as
-    OpenAI reads it (`"chat_template_kwargs": null` was a 500). An empty stop string stops nothing, alone or in
-    a list (`[""]` was refused while `""` was taken)."""
+    misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
+    field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a 500). An empty stop string
+    stops nothing, alone or in a list (`[""]` was refused while `""` was taken)."""
     for key in [k for k, v in body.items() if v is None]:
         del body[key]
     if isinstance(body.get("stop"), list):
@@ -316,6 +316,9 @@ def _normalise_settings(body: dict) -> None:
         del body["stop"]
     if body.get("logit_bias"):
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
+    # a temperature below 1e-5 is greedy, as vLLM reads it: it sampled, with logits divided by 1e-300 infinite (a 500)
+    if body.get("temperature") is not None and 0 < body["temperature"] < 1e-5:
+        body["temperature"] = 0
 
 
 # vLLM's sampling extensions (its clients and `vllm bench` send them; `serving.bench --ignore-eos` too), which

@@ -1178,6 +1178,24 @@ def test_no_top_k_reaches_generate_as_off(tiny_dir):
     assert "top_k" not in json.loads(body["generation_config"])  # greedy: transformers warned of an unread top_k
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6])
+def test_a_temperature_too_small_to_sample_with_is_greedy(tiny_dir, temperature):
+    """vLLM reads a temperature below 1e-5 as 0 (greedy); it sampled here, and logits divided by 1e-300 are
+    infinite: a 500 ("probability tensor contains either `inf`, `nan` or element < 0"). Generated as
+    transformers serve generates it, the answer is the greedy one."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    body = check_chat_request({"messages": USER, "max_tokens": 4, "temperature": temperature, "seed": 3})
+    assert body["temperature"] == 0
+    config = GenerationConfig(**json.loads(body.get("generation_config") or "{}"))
+    config.temperature, config.do_sample = 0.0, False  # transformers serve's reading of temperature 0
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    ids = torch.tensor([[2, 5, 9, 14]])
+    out = model.generate(ids, generation_config=config, max_new_tokens=4)
+    assert out.tolist() == model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
+
+
 def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir):
     """`temperature: 0.8` and no top_k: vLLM samples the whole distribution (or the model's generation_config
     top_k); transformers serve left top_k unset, which generate fills with its default of 50. The served build
