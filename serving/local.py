@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gemma_tpu.core import strict_json
-from gemma_tpu.core.errors import UserError
+from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import (
     FORCED_CALL_KWARG,
     find_lone_surrogate,
@@ -1427,8 +1427,6 @@ def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P [--max-model-len N]` (in the directory holding NAME):
     `transformers serve NAME` with its app behind `CheckedChatApp`, requests bounded by the model's positions or N
     (a config's server.max_model_len, as vLLM bounds them), whichever is smaller."""
-    import json
-
     from gemma_tpu.core import cli
     from gemma_tpu.hf.directory import training_run_hint
 
@@ -1442,8 +1440,9 @@ def serve_main(argv: list[str] | None = None) -> None:
     served = Path(args.name).resolve()
     if not (served / "config.json").is_file():
         raise UserError(f"{args.name}: no config.json ({training_run_hint(served)})")
-    config = json.loads((served / "config.json").read_text())
-    text_config = config.get("text_config") or config
+    # not JSON, or not an object: a traceback (serving.launch checks the model first; this is for a run by hand)
+    config = read_json_object(served / "config.json", f"{args.name}: no config.json")
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     context, vocab = text_config.get("max_position_embeddings"), text_config.get("vocab_size")
     if args.max_model_len and (not isinstance(context, int) or args.max_model_len < context):
         context = args.max_model_len

@@ -262,6 +262,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
     if bias is not None and not (isinstance(bias, dict) and all(
             re.fullmatch(r"\d+", str(k)) and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
         raise RequestError("logit_bias", "expected an object of token ids to numbers in [-100, 100]")
+    long = next((str(k) for k in bias or () if len(str(k)) > 20), None)
+    if long is not None:  # int() refuses over 4,300 digits (a ValueError: a bare 500), and no vocabulary is so large
+        raise RequestError("logit_bias", f"key {long[:12]}... ({len(long)} digits) is not a token id")
     if bias and vocab_size and any(int(k) >= vocab_size for k in bias):
         raise RequestError("logit_bias", f"token id {max(int(k) for k in bias)} is past the vocabulary "
                                          f"({vocab_size} tokens)")
@@ -302,9 +305,9 @@ _TEMPLATE_OWN = {"messages": f"{_OWN}; send the conversation as the request's me
 
 def _normalise_settings(body: dict) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
-    misread (an empty stop string ended every text after its first token); a field given as null is absent, as
-    OpenAI reads it (`"chat_template_kwargs": null` was a 500). An empty stop string stops nothing, alone or in
-    a list (`[""]` was refused while `""` was taken)."""
+    misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
+    field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a 500). An empty stop string
+    stops nothing, alone or in a list (`[""]` was refused while `""` was taken)."""
     for key in [k for k, v in body.items() if v is None]:
         del body[key]
     if isinstance(body.get("stop"), list):
@@ -313,6 +316,9 @@ def _normalise_settings(body: dict) -> None:
         del body["stop"]
     if body.get("logit_bias"):
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
+    # a temperature below 1e-5 is greedy, as vLLM reads it: it sampled, with logits divided by 1e-300 infinite (a 500)
+    if body.get("temperature") is not None and 0 < body["temperature"] < 1e-5:
+        body["temperature"] = 0
 
 
 # vLLM's sampling extensions (its clients and `vllm bench` send them; `serving.bench --ignore-eos` too), which

@@ -38,7 +38,8 @@ LB_PAGE = (b"<!DOCTYPE html>\n<html lang=en>\n  <meta charset=utf-8>\n  <title>E
 class Foreign(http.server.BaseHTTPRequestHandler):
     """Behaviour by path prefix: /html (a web page for everything), /json (a plain JSON completion where a
     stream was asked for), /cut (an event stream whose JSON event is cut off), /shape (events whose
-    `choices` is not a list of objects), /empty (a stream of no choice at all)."""
+    `choices` is not a list of objects), /deep (an event nested past the JSON parser), /empty (a stream of no
+    choice at all)."""
 
     def log_message(self, *args):
         pass
@@ -79,6 +80,9 @@ class Foreign(http.server.BaseHTTPRequestHandler):
             self.connection.close()
             self.wfile = io.BytesIO()  # what finish() flushes
             return
+        if self.path.startswith("/deep"):  # an event nested past Python's JSON parser (it was a traceback)
+            body += b"data: " + b"[" * 100000 + b"]" * 100000 + b"\n\n"
+            return self._send("text/event-stream", body)
         if self.path.startswith("/shape"):  # valid JSON events of the wrong shape
             body += sse({"choices": "one two"}) + sse({"choices": [{"index": 0, "delta": "two"}]})
             return self._send("text/event-stream", body)
@@ -91,6 +95,7 @@ class Foreign(http.server.BaseHTTPRequestHandler):
     ("/json", ["not an OpenAI event stream", "Content-Type application/json", '"choices"']),
     ("/cut", ["bad event", "cont"]),
     ("/shape", ["bad event", "'choices' is not a list of objects", "one two"]),
+    ("/deep", ["bad event", "nested too deeply"]),
     ("/empty", ["the stream held no choice", "[DONE]"]),  # was a completed request of 0 tokens
     ("/reset", ["ReadError: [Errno 104] Connection reset by peer"]),  # was a bare 'ReadError'
 ])
@@ -205,12 +210,19 @@ NOT_HTTP = [
     # a connection reset after the headers: the server was reached (it said "cannot reach the server")
     (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"choices\": ["
      + b"RESET", ["the answer was cut off (13 of 100 bytes of its body arrived)"]),
+    # JSON nested past Python's parser (a broken or hostile server): it was a RecursionError traceback
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200000\r\n\r\n"
+     + b"[" * 100000 + b"]" * 100000, ["the answer is JSON nested too deeply to read", "HTTP 200"]),
+    # an integer past Python's 4,300 digits: json.loads' ValueError was a traceback
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5013\r\n\r\n{\"created\": "
+     + b"9" * 5000 + b"}", ["the answer is not JSON Python can read", "5000 digits", "HTTP 200"]),
 ]
 RESET = b"RESET"
 
 
 @pytest.mark.parametrize("answer, needles", NOT_HTTP, ids=["not-http", "cut-off", "cut-off-500", "cut-off-chunked",
-                                                           "reset-midway"])
+                                                           "reset-midway", "nested-too-deeply",
+                                                           "number-of-5000-digits"])
 def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, needles):
     out = tmp_path / "r.json"
     with raw_server(answer) as url:
@@ -414,7 +426,10 @@ def test_a_server_that_never_answers(tmp_path):
 
 
 class Trickle(http.server.BaseHTTPRequestHandler):
-    """Answers every request with a whole, valid chat completion, one byte every 0.2 s (~25 s in all)."""
+    """Answers every request with a whole, valid chat completion, one byte every 0.2 s (~25 s in all); with `status`
+    not 200, an OpenAI error of that status (~10 s)."""
+
+    status = 200
 
     def log_message(self, *args):
         pass
@@ -428,7 +443,9 @@ class Trickle(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         body = json.dumps({"data": [{"id": "m"}], "choices": [
             {"index": 0, "message": {"role": "assistant", "content": "You walked 8123 steps today."}}]}).encode()
-        self.send_response(200)
+        if self.status != 200:
+            body = json.dumps({"error": {"message": "the request was refused, slowly"}}).encode()
+        self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -456,6 +473,22 @@ def test_a_server_that_trickles_its_answer_is_bound_by_the_timeout():
         proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--timeout", "1", "--once", "steps?")
         assert time.monotonic() - t0 < 5
         assert_one_line_error(proc, "/v1/chat/completions: no answer within 1 s")
+
+
+class TrickledRefusal(Trickle):
+    status = 400
+
+
+def test_a_server_that_trickles_its_error_page_is_bound_by_the_timeout():
+    """An error status's body was read without the request's deadline (urllib's timeout bounds each socket read):
+    a server trickling its 400 page held evaluate and the chat for all of it, then reported the page."""
+    with http_server(TrickledRefusal) as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(CHAT), "--endpoint", url, "--served-model", "m",
+                           "--limit", "1", "--timeout", "1", "--retries", "0")
+        assert_one_line_error(proc, f"{url}/v1/chat/completions: HTTP 400 (no whole body within 1 s)")
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--timeout", "1", "--once", "steps?",
+                           "--retries", "0")
+        assert_one_line_error(proc, "/v1/chat/completions: HTTP 400 (no whole body within 1 s)")
 
 
 class Flaky(ScriptedModel):

@@ -211,6 +211,19 @@ def test_malformed_requests_are_refused_naming_the_field(body, param, needle):
     assert e.value.param == param and needle in str(e.value)
 
 
+@pytest.mark.parametrize("key", ["9" * 5000, "0" * 4999 + "5", "1" * 40],
+                         ids=["5000-digits", "zero-padded", "40-digits"])
+def test_a_logit_bias_key_of_thousands_of_digits_is_refused_naming_the_field(key):
+    """Python's int() refuses a text of over 4,300 digits (ValueError): the local server answered a bare 500 "Internal
+    Server Error"; and an id of 40 digits went on to transformers serve, past any vocabulary."""
+    for check, body in ((check_chat_request, {"messages": USER}), (check_completion_request, {"prompt": "x"})):
+        for vocab in (512, None):
+            with pytest.raises(RequestError) as e:
+                check({**body, "logit_bias": {key: 1}}, vocab_size=vocab)
+            assert e.value.param == "logit_bias" and "is not a token id" in str(e.value)
+            assert len(str(e.value)) < 200
+
+
 def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     # logprobs: 0 in a chat completion is false, as vLLM reads it (it was refused as asking for log probabilities)
     ok = {"messages": [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"},
@@ -1163,6 +1176,24 @@ def test_no_top_k_reaches_generate_as_off(tiny_dir):
     assert config.top_k == 5  # a real top-k still applies
     body = check_chat_request({"messages": USER, "max_tokens": 3, "temperature": 0, "top_k": -1})
     assert "top_k" not in json.loads(body["generation_config"])  # greedy: transformers warned of an unread top_k
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6])
+def test_a_temperature_too_small_to_sample_with_is_greedy(tiny_dir, temperature):
+    """vLLM reads a temperature below 1e-5 as 0 (greedy); it sampled here, and logits divided by 1e-300 are
+    infinite: a 500 ("probability tensor contains either `inf`, `nan` or element < 0"). Generated as
+    transformers serve generates it, the answer is the greedy one."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    body = check_chat_request({"messages": USER, "max_tokens": 4, "temperature": temperature, "seed": 3})
+    assert body["temperature"] == 0
+    config = GenerationConfig(**json.loads(body.get("generation_config") or "{}"))
+    config.temperature, config.do_sample = 0.0, False  # transformers serve's reading of temperature 0
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    ids = torch.tensor([[2, 5, 9, 14]])
+    out = model.generate(ids, generation_config=config, max_new_tokens=4)
+    assert out.tolist() == model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
 
 
 def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir):

@@ -1968,3 +1968,10 @@ def test_serving_local_run_by_hand_says_what_it_is_and_refuses_a_non_model_in_on
     assert cli_main(serve_main, [str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {tmp_path / 'nowhere'}: no config.json (not a Hugging Face model directory)"]
+    # a config.json that is not JSON, or not an object: a JSONDecodeError / AttributeError traceback
+    for name, text, needle in (("cut", '{"model_type":', "not valid JSON (line 1"), ("list", "[1]", "a JSON object")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        assert cli_main(serve_main, [str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{tmp_path / name / 'config.json'}: " in err[0] and needle in err[0], err

@@ -131,8 +131,11 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
             body = _read_by(resp, deadline).decode(errors="replace")
             status, ctype = resp.status, resp.headers.get("Content-Type") or "none"
     except urllib.error.HTTPError as e:
-        try:
-            detail = body_text(e.read().decode(errors="replace"), e.headers.get("Content-Type") or "")[:300]
+        try:  # by the request's deadline too: a server trickling its error page held the client for all of it
+            raw = _read_by(e.fp, deadline) if hasattr(e.fp, "read1") else e.read()
+            detail = body_text(raw.decode(errors="replace"), e.headers.get("Content-Type") or "")[:300]
+        except TimeoutError:
+            detail = f"no whole body within {timeout:g} s"
         except (http.client.HTTPException, OSError):  # the error page itself was cut off
             detail = "no readable body"
         raise HTTPStatusError(f"{url}: HTTP {e.code} ({detail})", e.code,
@@ -201,6 +204,12 @@ def json_object(text: str, error, context: str | None = None) -> dict:
     except json.JSONDecodeError:
         raise error(f"the answer is not JSON but {context}" if context else
                     f"the answer is not JSON ({' '.join(text.split())[:200]!r})") from None
+    except RecursionError:  # a broken or hostile server's `[[[[...`: it was a traceback
+        raise error("the answer is JSON nested too deeply to read" + (f" ({context})" if context else "")) from None
+    except ValueError as e:  # an integer past Python's 4,300 digits (int's own refusal): it was a traceback
+        digits = re.search(r"has (\d+) digits", str(e))
+        raise error("the answer is not JSON Python can read (" + (f"a number of {digits.group(1)} digits" if digits
+                    else str(e)[:120]) + ")" + (f"; {context}" if context else "")) from None
     if not isinstance(obj, dict):
         raise error(f"expected a JSON object, got {text[:200]!r}")
     return obj
