@@ -427,8 +427,8 @@ def part_text(part: Any) -> str | None:
 def first_message(resp: dict, url: str) -> dict:
     """`choices[0].message` of a chat completion, or a one-line error naming what came back. The message
     is checked to have OpenAI's shape (`content` a string, null or a list of text or refusal parts, given back as
-    a string, or the message's `refusal` where content is empty; `tool_calls` null or a list of objects with a `function` object), so the readers after it
-    need not guard every field."""
+    a string, or the message's `refusal` where content is empty; `tool_calls` null or a list of objects with a
+    `function` object), so the readers after it need not guard every field."""
     try:
         message = resp["choices"][0]["message"]
     except (KeyError, IndexError, TypeError):
