@@ -12,6 +12,7 @@ from pathlib import Path
 from gemma_tpu.assets import embedded as assets
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.hf.adapter import ADAPTER_CONFIG
+from gemma_tpu.hf.files import WEIGHT_SUFFIXES
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -120,7 +121,7 @@ def file_hint(p: Path) -> str:
     directory's own files (config.json, a weights shard), a conversion for a GGUF."""
     if p.suffix.lower() == ".gguf":
         return f"; {gguf_hint(p.name)}"
-    if p.name == "config.json" or p.suffix in (".safetensors", ".json", ".bin"):
+    if p.suffix == ".json" or p.suffix.lower() in WEIGHT_SUFFIXES:
         return f" (a file of a model directory: give the directory, {p.parent})"
     return ""
 
