@@ -216,13 +216,16 @@ NOT_HTTP = [
     # an integer past Python's 4,300 digits: json.loads' ValueError was a traceback
     (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5013\r\n\r\n{\"created\": "
      + b"9" * 5000 + b"}", ["the answer is not JSON Python can read", "5000 digits", "HTTP 200"]),
+    # a body without end (a wrong URL serving a large file, a broken server): it was read into memory until --timeout
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + b" " * (65 << 20),
+     ["the answer passed 64 MB and was read no further"]),
 ]
 RESET = b"RESET"
 
 
 @pytest.mark.parametrize("answer, needles", NOT_HTTP, ids=["not-http", "cut-off", "cut-off-500", "cut-off-chunked",
                                                            "reset-midway", "nested-too-deeply",
-                                                           "number-of-5000-digits"])
+                                                           "number-of-5000-digits", "too-large"])
 def test_chat_and_evaluate_against_answers_that_are_not_http(tmp_path, answer, needles):
     out = tmp_path / "r.json"
     with raw_server(answer) as url:

@@ -161,11 +161,22 @@ def _http_json_once(url: str, payload: dict | None, timeout: float, api_key: str
     return obj
 
 
+# the most an answer's body may hold: a chat completion of tens of thousands of tokens is a few MB; a server sending
+# without end (or a wrong URL serving a large file) filled the client's memory until --timeout ran out
+MAX_ANSWER_BYTES = 64 << 20
+
+
+class AnswerTooLarge(http.client.HTTPException):
+    """An answer whose body passed MAX_ANSWER_BYTES (read no further)."""
+
+
 def _read_by(resp, deadline: float) -> bytes:
     """The whole body, or TimeoutError once `deadline` passes: urllib's timeout bounds each socket read,
-    so a server trickling its answer a byte at a time held `--timeout 2` for minutes."""
+    so a server trickling its answer a byte at a time held `--timeout 2` for minutes. A body past
+    MAX_ANSWER_BYTES is AnswerTooLarge."""
     sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)  # to bound each wait by the time left
     chunks = []
+    size = 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -184,6 +195,9 @@ def _read_by(resp, deadline: float) -> bytes:
                 raise http.client.IncompleteRead(b"".join(chunks), resp.length)
             return b"".join(chunks)
         chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise AnswerTooLarge(size)
 
 
 def _broken_answer(e: "http.client.HTTPException") -> str:
@@ -191,6 +205,9 @@ def _broken_answer(e: "http.client.HTTPException") -> str:
     if isinstance(e, http.client.IncompleteRead):
         expected = f" of {len(e.partial) + e.expected}" if e.expected is not None else ""
         return f"the answer was cut off ({len(e.partial)}{expected} bytes of its body arrived)"
+    if isinstance(e, AnswerTooLarge):
+        return (f"the answer passed {MAX_ANSWER_BYTES >> 20} MB and was read no further (no chat completion is that "
+                f"large)")
     if isinstance(e, http.client.BadStatusLine):
         return f"the answer is not HTTP ({str(e.line).strip()[:80]!r})"
     return f"the answer could not be read as HTTP ({type(e).__name__}: {str(e)[:120]})"
