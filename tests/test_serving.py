@@ -252,6 +252,11 @@ def test_an_unknown_key_in_an_overridden_list_names_the_override():
                                         r"key 'lora.adapters\[0\].rank' \(known: dir, name\)"):
         load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml",
                           ["lora.adapters=[{name: a, dir: /x, rank: 3}]"], need_dir=False)
+    # vLLM's --lora-modules form, `name=dir`: the entry's keys are named (it said "expected a mapping" alone)
+    with pytest.raises(UserError, match=r"^override 'lora.adapters=\[coach=/x\]': lora.adapters\[0\]: expected a "
+                                        r"mapping, got 'coach=/x' \(write it \{name: \.\.\., dir: \.\.\.\}\)$"):
+        load_serve_config(REPO / "configs/serve-gemma3-270m-fitness.yaml", ["lora.adapters=[coach=/x]"],
+                          need_dir=False)
 
 
 @pytest.mark.parametrize("override,flag", [

@@ -558,7 +558,10 @@ def _build(cls: type, data: Any, where: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"{where}: expected a mapping, got {shown(data)}")
+        # a `name=dir` pair (vLLM's --lora-modules form) or other text: the mapping's keys are named
+        fields = [f"{f.name}: ..." for f in dataclasses.fields(cls) if f.init]
+        hint = f" (write it {{{', '.join(fields)}}})" if isinstance(data, str) and len(fields) <= 4 else ""
+        raise UserError(f"{where}: expected a mapping, got {shown(data)}{hint}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
