@@ -16,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from gemma_tpu.core.config import blame, expand_env, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, other_unicode, read_json_object
@@ -359,6 +360,38 @@ def invalid_choices(args: Sequence[str]) -> list[tuple[str, str, tuple[str, ...]
     return out
 
 
+# extra_args options whose number vLLM checks only as the engine starts (on the TPU VM, after the image pull):
+# (what it must be, the test), vLLM's CacheConfig bound (the options the server section sets are checked there)
+VLLM_NUMBER_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "--gpu-memory-utilization": ("a fraction of the accelerator's memory in (0, 1]", lambda x: 0 < x <= 1),
+}
+
+
+def invalid_numbers(args: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(option, value, what it must be) for each server.extra_args option of VLLM_NUMBER_BOUNDS given a value vLLM
+    refuses (`--gpu-memory-utilization 1.5`, `--max-num-seqs 0`, a word for a number)."""
+    known = vllm_serve_flags()
+    out = []
+    for i, arg in enumerate(args):
+        option = vllm_option(arg)
+        flag = resolve_vllm_option(option, known) if option is not None else None
+        if flag not in VLLM_NUMBER_BOUNDS:
+            continue
+        _, eq, value = arg.partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                continue
+            value = args[i + 1]
+        what, ok = VLLM_NUMBER_BOUNDS[flag]
+        try:
+            good = math.isfinite(float(value)) and ok(float(value))
+        except ValueError:
+            good = False
+        if not good:
+            out.append((flag, value, what))
+    return out
+
+
 def _unknown_phrase(unknown: list[tuple[str, str | None]]) -> str:
     known = vllm_serve_flags()
 
@@ -515,6 +548,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     for flag, value, allowed in invalid_choices(s.extra_args) if pinned_image(cfg) else ():
         bad(f"server.extra_args: {flag} {value!r} is not a value `vllm serve` takes in {VLLM_TPU_IMAGE} "
             f"{_takes(value, allowed)}; vLLM would stop at it on the TPU VM")
+    for flag, value, what in invalid_numbers(s.extra_args):
+        bad(f"server.extra_args: {flag} {value!r} is not {what}; vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:
         bad(f"server.port must be in 1..65535, got {s.port}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9A-Fa-f:.]+\]", s.host or ""):

@@ -751,6 +751,11 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype,fp8_e4m3fn]"],
      ["--kv-cache-dtype 'fp8_e4m3fn' is not a value `vllm serve` takes in vllm/vllm-tpu:v0.27.0",
       "did you mean fp8_e4m3?", "it takes auto, bfloat16, float16, fp8, "]),
+    # a number vLLM's engine refuses as it starts (CacheConfig: gpu_memory_utilization in (0, 1]), on the TPU VM
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu-memory-utilization,1.5]"],
+     ["--gpu-memory-utilization '1.5' is not a fraction of the accelerator's memory in (0, 1]"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu_memory_utilization=nan]"],
+     ["--gpu-memory-utilization 'nan' is not a fraction"]),
     # an abbreviation of several options: vLLM's argparse refuses it as ambiguous (--max passed with a warning)
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max,4]"],
      ["--max abbreviates several options of `vllm serve` (--max-cpu-loras, ", "give the option in full"]),
