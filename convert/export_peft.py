@@ -199,14 +199,14 @@ def write_adapter_tokenizer(source: CheckpointSource, base: Path | None, out: Pa
     """A tool-calling adapter trained on a vocabulary without FunctionGemma markers ships the base's
     tokenizer with the markers published (see convert/tool_tokens.py), so that `AutoTokenizer` on the
     adapter dir and a server's tool parser see `<start_function_call>` rather than `<unusedN>`."""
-    import shutil
+    from gemma_tpu.hf.files import copy_file
 
     token_map = source.meta.get("token_map") or {}
     if not token_map or base is None:
         return ""
     for name in TOKENIZER_FILES:
         if (base / name).is_file():
-            shutil.copyfile(base / name, out / name)
+            copy_file(base / name, out / name)
     install_tool_tokens(out, token_map)
     return "; tokenizer with tool-call markers and chat template"
 

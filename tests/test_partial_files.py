@@ -80,6 +80,30 @@ def test_resume_onto_another_shaped_base_names_the_setting_and_keeps_the_metadat
     assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == ["1"]
 
 
+def test_a_full_disk_names_the_file_being_written_not_the_one_copied(tiny_dir, tmp_path):
+    """Past a file-size limit (as a full disk), copying a base model's tokenizer.json into the output named the
+    *source* (the merge said it failed in the base's tokenizer.json), and writing config.json named no file."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    only_config = tmp_path / "base"
+    only_config.mkdir()
+    shutil.copyfile(tiny_dir / "config.json", only_config / "config.json")
+    code = ("import json, resource, signal, sys; from pathlib import Path; signal.signal(signal.SIGXFSZ, "
+            "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100)); "
+            "from gemma_tpu.hf.files import write_sidecar_files; base, out = Path(sys.argv[1]), Path(sys.argv[2]); "
+            "out.mkdir()\ntry:\n    write_sidecar_files(base, out, json.loads((base / 'config.json').read_text()), "
+            "'float32', ())\nexcept OSError as e:\n    print(e.filename)")
+    for base, named in ((tiny_dir, "tokenizer.json"), (only_config, "config.json")):
+        out = tmp_path / f"out-{named}"
+        proc = subprocess.run([sys.executable, "-c", code, str(base), str(out)], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.stdout.strip() == str(out / named), proc.stdout + proc.stderr[-2000:]
+
+
 def test_merge_that_runs_out_of_space_publishes_nothing(tiny_dir, tmp_path):
     """A write failing mid-merge (here the file-size limit, as a full disk would: the write raises) is one
     line naming the file; nothing at --out, no temp dir left beside it."""

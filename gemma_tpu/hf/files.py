@@ -10,6 +10,7 @@ adapter's config: beside full weights it makes transformers load the directory a
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -79,18 +80,30 @@ def generation_config(base_dir: Path, hf_config: dict, stop_ids: tuple[int, ...]
     return gen
 
 
+def copy_file(src: Path, dst: Path) -> None:
+    """shutil.copyfile, whose write error (a full disk, a file-size limit) named the *source*: the merge said it failed
+    in the base model's tokenizer.json; the file being written is named."""
+    try:
+        shutil.copyfile(src, dst)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS):
+            e.filename, e.filename2 = str(dst), None
+        raise
+
+
 def write_sidecar_files(base_dir: Path, out_dir: Path, hf_config: dict, dtype_name: str,
                         stop_ids: tuple[int, ...]) -> list[str]:
-    """Write config.json and generation_config.json, copy the rest; return the names written."""
+    """Write config.json and generation_config.json, copy the rest; return the names written. A write that fails
+    (a full disk) names its file (`write_json`; Path.write_text's error named none)."""
+    from gemma_tpu.hf.safetensors_io import write_json  # here: it brings numpy, which this module's readers need not
     written = []
     for p in sorted(base_dir.iterdir()):
         if not p.is_file() or p.name.startswith(".") or is_weight_file(p.name) or p.name in ADAPTER_FILES:
             continue
         if p.name in ("config.json", "generation_config.json"):
             continue
-        shutil.copyfile(p, out_dir / p.name)
+        copy_file(p, out_dir / p.name)
         written.append(p.name)
-    (out_dir / "config.json").write_text(json.dumps(output_config(hf_config, dtype_name), indent=2) + "\n")
-    gen = generation_config(base_dir, hf_config, stop_ids)
-    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_json(out_dir / "config.json", output_config(hf_config, dtype_name))
+    write_json(out_dir / "generation_config.json", generation_config(base_dir, hf_config, stop_ids))
     return sorted(written + ["config.json", "generation_config.json"])
