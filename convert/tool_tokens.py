@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gemma_tpu.core.atomic import write_file
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import START_RESPONSE, tool_chat_template
 
@@ -57,7 +58,7 @@ def _rename_tokenizer_json(path: Path, token_map: dict[str, str], write: bool = 
         raise UserError(f"{path}: the checkpoint's token map names {token_map[missing[0]]} for {missing[0]}, "
                         f"but the tokenizer has no such token")
     if write:
-        path.write_text(json.dumps(tok, ensure_ascii=False))
+        write_file(path, json.dumps(tok, ensure_ascii=False))
     return ids
 
 
@@ -68,7 +69,7 @@ def _rename_tokenizer_config(path: Path, token_map: dict[str, str]) -> None:
         if isinstance(entry, dict) and entry.get("content") in by_old:
             entry["content"] = by_old[entry["content"]]
     cfg.pop("chat_template", None)  # chat_template.jinja is the one template
-    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    write_file(path, json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def _read_sentencepiece(path: Path):
@@ -96,7 +97,7 @@ def _rename_sentencepiece(path: Path, token_map: dict[str, str]) -> bool:
     for piece in proto.pieces:
         if piece.piece in by_old:
             piece.piece = by_old[piece.piece]
-    path.write_bytes(proto.SerializeToString())
+    write_file(path, proto.SerializeToString())
     return True
 
 
@@ -146,7 +147,7 @@ def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, i
     sp = out_dir / "tokenizer.model"
     if sp.is_file() and not _rename_sentencepiece(sp, token_map):
         sp.unlink()  # a stale slow-tokenizer file would contradict tokenizer.json
-    (out_dir / "chat_template.jinja").write_text(tool_chat_template(None) + "\n")
+    write_file(out_dir / "chat_template.jinja", tool_chat_template(None) + "\n")
     gen_path = out_dir / "generation_config.json"
     if gen_path.is_file() and START_RESPONSE in ids:
         gen = read_json_object(gen_path, f"{gen_path}: missing")
@@ -155,5 +156,5 @@ def install_tool_tokens(out_dir: Path, token_map: dict[str, str]) -> dict[str, i
         if ids[START_RESPONSE] not in eos:
             eos.append(ids[START_RESPONSE])
         gen["eos_token_id"] = eos
-        gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+        write_file(gen_path, json.dumps(gen, indent=2) + "\n")
     return ids

@@ -102,6 +102,20 @@ def test_a_full_disk_names_the_file_being_written_not_the_one_copied(tiny_dir, t
         proc = subprocess.run([sys.executable, "-c", code, str(base), str(out)], cwd=REPO, capture_output=True,
                               text=True, timeout=300)
         assert proc.stdout.strip() == str(out / named), proc.stdout + proc.stderr[-2000:]
+    # the tool-call markers published into a copied tokenizer (convert/tool_tokens.py): its rewrite is named too
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tiny_dir / name, tok / name)
+    code = ("import resource, signal, sys; from pathlib import Path; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100)); from convert.tool_tokens import "
+            "install_tool_tokens; from gemma_tpu.formats.function_calling import vocab_token_map\n"
+            "from transformers import AutoTokenizer\nout = Path(sys.argv[1])\ntry:\n    install_tool_tokens(out, "
+            "vocab_token_map(AutoTokenizer.from_pretrained(out).get_vocab()))\nexcept OSError as e:\n"
+            "    print(e.filename)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tok)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.stdout.strip() == str(tok / "tokenizer.json"), proc.stdout + proc.stderr[-2000:]
 
 
 def test_merge_that_runs_out_of_space_publishes_nothing(tiny_dir, tmp_path):

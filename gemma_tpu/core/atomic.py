@@ -371,6 +371,17 @@ class _signals_held:
             signal.raise_signal(signum)  # to the handler now in place, after the swap
 
 
+def write_file(path: Path, data: str | bytes) -> None:
+    """`data` written to `path` (text as UTF-8); a failed write (a full disk, a file-size limit) names `path`:
+    Path.write_text's error names no file, and a publish's message then named only its temp directory."""
+    try:
+        path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
