@@ -371,11 +371,16 @@ class _signals_held:
             signal.raise_signal(signum)  # to the handler now in place, after the swap
 
 
-def write_file(path: Path, data: str | bytes) -> None:
-    """`data` written to `path` (text as UTF-8); a failed write (a full disk, a file-size limit) names `path`:
-    Path.write_text's error names no file, and a publish's message then named only its temp directory."""
+def write_file(path: Path, data: str | bytes, fsync: bool = False) -> None:
+    """`data` written to `path` (text as UTF-8), flushed to disk with `fsync`; a failed write (a full disk, a
+    file-size limit) names `path`: Path.write_text's error names no file, and a publish's message then named only
+    its temp directory."""
     try:
-        path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+        with open(path, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
     except OSError as e:
         if e.filename is None:
             e.filename = str(path)

@@ -15,6 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
+from gemma_tpu.core.atomic import write_file
 from gemma_tpu.core.errors import UserError, read_json_object
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
@@ -94,8 +95,7 @@ def copy_file(src: Path, dst: Path) -> None:
 def write_sidecar_files(base_dir: Path, out_dir: Path, hf_config: dict, dtype_name: str,
                         stop_ids: tuple[int, ...]) -> list[str]:
     """Write config.json and generation_config.json, copy the rest; return the names written. A write that fails
-    (a full disk) names its file (`write_json`; Path.write_text's error named none)."""
-    from gemma_tpu.hf.safetensors_io import write_json  # here: it brings numpy, which this module's readers need not
+    (a full disk) names its file (`write_file`; Path.write_text's error named none)."""
     written = []
     for p in sorted(base_dir.iterdir()):
         if not p.is_file() or p.name.startswith(".") or is_weight_file(p.name) or p.name in ADAPTER_FILES:
@@ -104,6 +104,7 @@ def write_sidecar_files(base_dir: Path, out_dir: Path, hf_config: dict, dtype_na
             continue
         copy_file(p, out_dir / p.name)
         written.append(p.name)
-    write_json(out_dir / "config.json", output_config(hf_config, dtype_name))
-    write_json(out_dir / "generation_config.json", generation_config(base_dir, hf_config, stop_ids))
+    write_file(out_dir / "config.json", json.dumps(output_config(hf_config, dtype_name), indent=2) + "\n")
+    gen = generation_config(base_dir, hf_config, stop_ids)
+    write_file(out_dir / "generation_config.json", json.dumps(gen, indent=2) + "\n")
     return sorted(written + ["config.json", "generation_config.json"])

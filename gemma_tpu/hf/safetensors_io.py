@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
-from gemma_tpu.core.atomic import check_not_being_written
+from gemma_tpu.core.atomic import check_not_being_written, write_file
 from gemma_tpu.core.errors import UserError
 
 # safetensors dtype name <-> numpy dtype (bf16 and fp8 through ml_dtypes).
@@ -508,17 +508,8 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def write_json(path: Path, obj, fsync: bool = False) -> None:
-    try:
-        with open(path, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-    except OSError as e:  # a write's error (a full disk) names no file
-        if e.filename is None:
-            e.filename = str(path)
-        raise
+    """`obj` as indented JSON; a failed write names `path` (`write_file`)."""
+    write_file(path, json.dumps(obj, indent=2) + "\n", fsync=fsync)
 
 
 def cast_chunks(src: TensorInfo, out_dtype: str, budget: int = CHUNK_BYTES) -> Iterable[np.ndarray]:
