@@ -369,20 +369,12 @@ VLLM_NUMBER_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
 
 def invalid_numbers(args: Sequence[str]) -> list[tuple[str, str, str]]:
     """(option, value, what it must be) for each server.extra_args option of VLLM_NUMBER_BOUNDS given a value vLLM
-    refuses (`--gpu-memory-utilization 1.5`, `--max-num-seqs 0`, a word for a number)."""
-    known = vllm_serve_flags()
+    refuses (`--gpu-memory-utilization 1.5`, a word for a number); the value vLLM keeps (`extra_arg`)."""
     out = []
-    for i, arg in enumerate(args):
-        option = vllm_option(arg)
-        flag = resolve_vllm_option(option, known) if option is not None else None
-        if flag not in VLLM_NUMBER_BOUNDS:
+    for flag, (what, ok) in VLLM_NUMBER_BOUNDS.items():
+        value = extra_arg(args, flag)
+        if value is None:
             continue
-        _, eq, value = arg.partition("=")
-        if not eq:
-            if i + 1 >= len(args):
-                continue
-            value = args[i + 1]
-        what, ok = VLLM_NUMBER_BOUNDS[flag]
         try:
             good = math.isfinite(float(value)) and ok(float(value))
         except ValueError:
