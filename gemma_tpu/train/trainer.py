@@ -665,11 +665,13 @@ class Trainer(TunixTrainer):
             steps = rec["step"] - self._step_last
             if getattr(self, "_closing", False):
                 rec["final_flush"] = True  # written by close() (or the SIGTERM exit), timed like the others
+            # saving and evaluating since the last record, left out of the step time and the rates (in the session's
+            # first record: the evaluation before it, step 0's)
             paused = {k: v for k, v in self._paused.items() if v > 0}
+            rec.update(paused)
             if self._t_last is not None and steps > 0:
                 dt = max(now - self._t_last - sum(paused.values()), 1e-9)
                 rec["step_time_s"] = dt / steps
-                rec.update(paused)  # saving and evaluating, left out of the step time and the rates
                 rec["tokens_per_s"] = steps * self.tokens_per_step / dt
                 rec["nonpad_tokens_per_s"] = (tokens - self._tok_last) / dt
                 rec["useful_tokens_per_s"] = (useful - self._useful_last) / dt
@@ -686,7 +688,6 @@ class Trainer(TunixTrainer):
                         self.metrics_logger.log(self.metrics_prefix, key, rec[key], self.mode, rec["step"])
             else:  # the session's first step (max_steps=1, or one step after a resume: also its last)
                 rec["includes_compile"] = True
-                rec.update(paused)  # the evaluation before it (step 0's), counted with the session's
                 self._log_placeholder_rates(rec["step"])  # the progress bar asks for them (absl warned)
             self._t_last, self._step_last = now, rec["step"]
             self._paused = dict.fromkeys(self._paused, 0.0)
