@@ -1107,6 +1107,13 @@ CASES = [
     Case("evaluate-served-model-compare-without-endpoint", "gemma_tpu.evaluate",
          ["--data", f"{CHAT}", "--compare", "model:{tiny}", "endpoint:http://127.0.0.1:9#a", "--served-model", "b"],
          ["--served-model b", "endpoint: specs without their own #MODEL", "--compare names none"]),
+    # --timeout/--retries/--api-key-env with only local models were silently unused (`--timeout 30` set no limit)
+    Case("evaluate-timeout-with-model", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--model", "{tiny}", "--timeout", "30"],
+         ["--timeout applies to --endpoint", "not --model"]),
+    Case("evaluate-retries-compare-without-endpoint", "gemma_tpu.evaluate",
+         ["--data", f"{CHAT}", "--compare", "model:{tiny}", "checkpoint:{ckpt}", "--retries", "0"],
+         ["--retries applies to --endpoint", "--compare names none"]),
     Case("local-chat-no-such-model", "gemma_tpu.chat", ["--model", "{tmp}/nope", "--once", "hi"], ["{tmp}/nope"],
          sub=True),
     # ---- fitness data generator and embedded assets

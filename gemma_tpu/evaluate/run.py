@@ -669,10 +669,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--served-model", help="model name for --endpoint (default: the first the server lists)")
     # a vLLM server started with an API key (serving.launch with server.api_key_env) answered every request 401
-    p.add_argument("--api-key-env", default="VLLM_API_KEY",
+    # the three --endpoint options default to None so that one given with only local models is refused (a
+    # `--model DIR --timeout 30` ran with no limit at all, the option silently unused); ENDPOINT_DEFAULTS fills them
+    p.add_argument("--api-key-env",
                    help="environment variable holding the --endpoint API key, sent when set (default: VLLM_API_KEY)")
-    p.add_argument("--timeout", type=cli.SECONDS, default=300.0, help="seconds an --endpoint request may take (default 300)")
-    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=f"--endpoint: {RETRIES_HELP}")
+    p.add_argument("--timeout", type=cli.SECONDS, help="seconds an --endpoint request may take (default 300)")
+    p.add_argument("--retries", type=int, help=f"--endpoint: {RETRIES_HELP}")
     # of conversations (the data's rows): under --turns all one gives an example for each trained assistant turn
     p.add_argument("--limit", type=int,
                    help="evaluate the first N conversations (rows of --data); the rows after them are not read")
@@ -693,6 +695,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+ENDPOINT_DEFAULTS = {"api_key_env": "VLLM_API_KEY", "timeout": 300.0, "retries": DEFAULT_RETRIES}
+
+
+def endpoint_only(args: argparse.Namespace, specs: list[Spec]) -> None:
+    """Refuse --timeout/--retries/--api-key-env when no model is a server (they were silently unused), then fill
+    in the defaults of those not given."""
+    given = [name for name in ENDPOINT_DEFAULTS if getattr(args, name) is not None]
+    if given and not any(spec.kind == "endpoint" for spec in specs):
+        option = "--" + given[0].replace("_", "-")
+        local = "--compare names none" if args.compare else f"not --{specs[0].kind}"
+        raise UserError(f"{option} applies to --endpoint (and endpoint: specs of --compare), {local}")
+    for name, default in ENDPOINT_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) -> int:
     """`compare_one_model`: let `--compare` name one model twice (benchmarks/eval_compiles.py does, on purpose: one
     compilation serves both sides); users are refused, as that scored one model twice, the second labelled "(2)"."""
@@ -709,7 +727,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
     for option, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
         if value <= 0:  # was "--batch-size and --max-new-tokens must be positive", whichever it was
             raise UserError(f"{option} {value}: must be positive")
-    if args.retries < 0:
+    if args.retries is not None and args.retries < 0:
         raise UserError(f"--retries {args.retries}: must be 0 or more")
     if args.step is not None and (args.model or args.endpoint):
         raise UserError("--step applies to --checkpoint (and checkpoint: specs of --compare), not "
@@ -741,6 +759,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
         specs = [Spec("checkpoint", args.checkpoint, args.step)]
     else:
         specs = [Spec("endpoint", args.endpoint, None, args.served_model)]
+    endpoint_only(args, specs)
     if len(specs) > 1:
         for which, spec in zip(("A", "B"), specs):
             try:
