@@ -390,6 +390,16 @@ CASES = [
     Case("data-inspect-bad-line", "gemma_tpu.data.inspect", [*TRAIN, "data.train_path={tmp}/bad.jsonl"],
          ["{tmp}/bad.jsonl:2"], {"bad.jsonl": from_corpus("bad_json_line.jsonl")}, sub=True),
     # ---- run configs
+    # a bucket URL was taken for a local path: `checkpoint.dir=gs://b/run` trained into a directory named `gs:` in
+    # the working directory and failed at the first save; `--out s3://...` and `--checkpoint gs://...` the same way
+    Case("config-checkpoint-dir-url", "gemma_tpu.train", [*TRAIN, "checkpoint.dir=gs://bucket/run"],
+         ["checkpoint.dir='gs://bucket/run': a URL", "gcsfuse"]),
+    Case("config-model-path-url", "gemma_tpu.train", [*TRAIN, "model.path=gs://bucket/gemma"],
+         ["model.path gs://bucket/gemma: a URL", "gcsfuse"]),
+    Case("merge-out-url", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "s3://bucket/merged"],
+         ["--out", "'s3://bucket/merged' is a URL", "written on this machine"]),
+    Case("export-checkpoint-url", "convert.export_peft", ["--checkpoint", "gs://bucket/run", "--out", "{tmp}/a"],
+         ["--checkpoint", "'gs://bucket/run' is a URL", "read from this machine's disk"]),
     Case("config-unknown-key", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"], ["{tmp}/c.yaml", "train.max_step"],
          {"c.yaml": from_corpus("unknown_key.yaml")}, sub=True),
     Case("config-wrong-type", "gemma_tpu.train", ["--config", "{tmp}/c.yaml"],

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from gemma_tpu.core.config import RunConfig, load_config
+from gemma_tpu.core.config import RunConfig, is_url, load_config
 from gemma_tpu.core.errors import SignalExit, UserError
 from gemma_tpu.core.lean_imports import deferred_imports
 
@@ -238,6 +238,10 @@ def output_path(text: str, what: str = "a file or directory") -> str:
     directory named `~` in the working directory. `output_path_of` names what the option writes."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"an empty path names no {what} to write")
+    if is_url(text):  # `--out gs://b/merged` wrote a local directory named `gs:`
+        raise argparse.ArgumentTypeError(f"{text!r} is a URL; the {what} is written on this machine: give a local "
+                                         f"path, or mount the bucket (gcsfuse BUCKET /mnt/BUCKET) and give the path "
+                                         f"under it")
     return _home(text)
 
 
@@ -272,6 +276,12 @@ def input_path_of(what: str):
     def input_path_(text: str) -> str:
         if not text.strip():
             raise argparse.ArgumentTypeError(f"an empty path names no {what}")
+        # a bucket's `gs://b/run` was read as the local path `gs:/b/run` ("does not exist"); http(s) addresses are
+        # left to the readers, which say what to give instead (a hub id for a model page, a download for data)
+        if is_url(text) and not text.lower().startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(f"{text!r} is a URL; the {what} is read from this machine's disk: copy "
+                                             f"it here, or mount the bucket (gcsfuse BUCKET /mnt/BUCKET) and give the "
+                                             f"path under it")
         return _home(text)
 
     input_path_.__name__ = "input_path"

@@ -1037,10 +1037,34 @@ def expand_env(value: str, key: str, home: bool = True) -> str:
     return expanded
 
 
+# the run's outputs: written with this machine's file operations (Orbax aside: the lock, metadata, metrics, the
+# profile), so `checkpoint.dir=gs://b/run` trained into a local directory named `gs:` and failed at the first save
+OUTPUT_KEYS = (("checkpoint", "dir"), ("train", "run_dir"), ("train", "profile_dir"))
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether a path is a URL (`https://...`, `gs://...`, `hf://...`), not a path of this machine's disk."""
+    return bool(_URL.match(str(path)))
+
+
+def _refuse_url_outputs(cfg: RunConfig) -> None:
+    for section, key in OUTPUT_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and is_url(value):
+            raise UserError(f"{section}.{key}={value!r}: a URL; the run writes its outputs to a directory of this "
+                            f"machine: give a local disk, or mount the bucket (gcsfuse BUCKET /mnt/BUCKET) and give "
+                            f"the path under it")
+
+
 def _expand_paths(cfg: RunConfig, where: str) -> None:
     """`~` and environment variables (`$HOME`, `${DATA}`) in the local paths (PATH_KEYS, and model.path when it is
     one): nothing expands them in a YAML file, nor in an override the shell passes quoted, and `checkpoint.dir:
     $HOME/runs/a` made a directory named `$HOME` in the working directory. A variable that is not set is refused."""
+    try:
+        _refuse_url_outputs(cfg)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
     for section, key in (*PATH_KEYS, ("model", "path")):
         value = getattr(getattr(cfg, section), key)
         if not isinstance(value, str) or value.startswith("embedded:"):

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gemma_tpu.core import strict_json
+from gemma_tpu.core.config import is_url
 from gemma_tpu.core.errors import UserError, not_utf8, other_unicode, shown
 from gemma_tpu.formats.function_calling import (
     FUNCTION_MARKERS,
@@ -160,14 +161,8 @@ def _is_file(p: Path) -> bool:
         return False
 
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 # a Hugging Face Hub dataset id as TRL's recipes give load_dataset (`trl-lib/Capybara`): owner/name, no file suffix
 _HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w-]+(?:\.[\w-]+)*")
-
-
-def is_url(path: str | Path) -> bool:
-    """Whether a data path is a URL (`https://...`, `gs://...`, `hf://...`), not a path of this machine's disk."""
-    return bool(_URL.match(str(path)))
 
 
 def not_found_hint(path: str | Path) -> str:

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from gemma_tpu.assets import embedded as assets
+from gemma_tpu.core.config import is_url
 from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.hf.adapter import ADAPTER_CONFIG
 from gemma_tpu.hf.files import WEIGHT_SUFFIXES
@@ -21,10 +22,15 @@ _HUB_URL = re.compile(r"https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([A-Za-z0-
 
 
 def _missing(named: str, spec: str) -> str:
-    """'NAMED: no such directory', with the hub id a model page's URL names (the address a browser shows was given)."""
+    """'NAMED: no such directory', with the hub id a model page's URL names (the address a browser shows was given),
+    or what to do with another URL (a bucket's `gs://b/model`)."""
     page = _HUB_URL.fullmatch(spec.strip())
-    return f"{named}: no such directory" + (f" (a Hugging Face page's URL: give the hub id, {page.group(1)})"
-                                            if page else "")
+    if page:
+        return f"{named}: no such directory (a Hugging Face page's URL: give the hub id, {page.group(1)})"
+    if is_url(spec):
+        return (f"{named}: a URL; the model is read from a directory of this machine (or a hub id): copy it here "
+                f"(gcloud storage cp -r), or mount the bucket (gcsfuse BUCKET /mnt/BUCKET) and give the path under it")
+    return f"{named}: no such directory"
 
 
 def resolve_path(spec: str, revision: str | None = None, what: str = "model.path") -> Path:
