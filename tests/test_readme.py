@@ -231,3 +231,17 @@ def test_config_table_keys_exist():
             choices = choices_of(section, key)
             unknown += [f"{section}.{key}={v}" for v in values.split(" \\| ") if v not in choices]
     assert not unknown, unknown
+
+
+@pytest.mark.parametrize("package", ["gemma_tpu", "convert", "serving"])
+def test_python_m_package_lists_every_command(package):
+    """`python -m gemma_tpu` was Python's "is a package and cannot be directly executed"; its list must name every
+    module of the package that runs with `python -m` (a new command missing from COMMANDS fails here)."""
+    from gemma_tpu.core.commands import entry_modules
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop, mock.patch.object(sys, "argv", [package]):
+        runpy.run_module(package, run_name="__main__", alter_sys=False)
+    assert stop.value.code == 0
+    listed = set(re.findall(rf"python -m ({package}\.[a-z_.]+)", out.getvalue()))
+    assert listed == set(entry_modules(REPO / package, package))
