@@ -1,4 +1,4 @@
-"""`python -m gemma_tpu.assets prepare|list|path NAME`: the embedded-model cache."""
+"""`python -m gemma_tpu.assets prepare NAME | list`: the embedded-model cache (prepare prints the directory)."""
 
 import sys
 
