@@ -1718,6 +1718,33 @@ def test_nameless_parallel_results_render_as_the_renderer_reads_them(tok):
     assert "response:get_heart_rate{bpm:170}" in got and got == "<bos>" + want
 
 
+def test_a_result_without_id_answers_the_call_results_by_id_left_open(tok):
+    """Results of parallel calls answered by id out of order, then one with neither an id nor a name: it answers
+    the call still open. It was credited to the call in its position (`response:get_steps` twice, the heart rate
+    never answered) in training and in the served template alike."""
+    from gemma_tpu.formats.function_calling import tool_chat_template
+
+    conv = json.loads(json.dumps(TOOL_CONVS[1]))
+    calls, results = conv["messages"][2]["tool_calls"], conv["messages"][3:5]
+    calls[0]["id"], calls[1]["id"] = "hr", "st"
+    results[0].update(name="get_steps", tool_call_id="st", content="plain text result")
+    del results[1]["name"]
+    results[1]["content"] = "{\"bpm\": 170}"
+    got = norm(conv)["messages"]
+    assert [m.get("name") for m in got[3:5]] == ["get_steps", "get_heart_rate"]
+    # a named result answers the open call of its name: the one after it is the call left
+    named = json.loads(json.dumps(conv))
+    del named["messages"][3]["tool_call_id"]
+    assert [m.get("name") for m in norm(named)["messages"][3:5]] == ["get_steps", "get_heart_rate"]
+    token_map = function_token_map(tok)
+    t = _with_template(tok, tool_chat_template(token_map))
+    want = Renderer(t, token_map=token_map).render(norm(conv)).text
+    assert "response:get_heart_rate{bpm:170}" in want
+    for row in (conv, named):  # the client's messages as sent, the nameless result without a name
+        msgs = template_messages(norm(row)["messages"])
+        del msgs[4]["name"]
+        assert t.apply_chat_template(msgs, tools=conv["tools"], tokenize=False) == "<bos>" + want
+
 def _json_texts(n: int, seed: int = 0) -> list[str]:
     """Tool results as clients send them: JSON texts of random values (escapes, non-ASCII, surrogate pairs,
     numbers of every form, indentation) and some of them broken."""
