@@ -2606,6 +2606,29 @@ def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path
     assert f"template   {result['template_skew']}" in capsys.readouterr().out
 
 
+def test_an_answer_opening_with_newlines_is_one_warning(tmp_path, real_tok, caplog):
+    """An answer opening with newlines shares one token with its turn's newline ('\\n\\n\\n', trained from
+    'model'), as the whole conversation tokenizes; a server tokenizes the prompt apart (ending in its own '\\n') and
+    the model generates from there, so that token was trained where it is never served, without a word. Said once
+    per file, naming the first such example; an answer opening with a space or a word is not."""
+    import logging
+
+    def chat(answer):
+        return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+
+    path = write_jsonl(tmp_path / "n.jsonl", [chat("Hello"), chat(" Hi"), chat("\n\nHello"), chat("\nOk")])
+    renderer = Renderer(real_tok)
+    served = renderer.render({"messages": [{"role": "user", "content": "q"}]}, add_generation_prompt=True)
+    trained = renderer.render(norm(chat("\n\nHello")))
+    assert trained.ids[:len(served.ids)].tolist() != served.ids.tolist() and trained.joined == "\n\n\n"
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), renderer, DataConfig(seq_len=64), seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 4 examples have an answer whose first token also holds the end of the prompt before it (the "
+        f"first: {path}:3, token '\\n\\n\\n'); a server tokenizes the prompt apart from the answer, so the model "
+        f"is trained on a token it is never served there: strip the answers' leading whitespace"]
+
+
 def test_mixed_schema_json_lines_from_a_table_read_each_row_by_its_shape(tmp_path):
     """pandas' to_json of sets of several shapes gives every row every column, null where the row is of another
     shape: the ShareGPT row was refused as "'messages' must be a non-empty list, got null". Each row is read by the
