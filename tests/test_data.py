@@ -1897,6 +1897,23 @@ def test_inspect_prints_stats_and_marks_the_loss(tmp_path, tok_dir, tok):
     assert f"\x1b[1;32m4.{EOT}\x1b[0m" in colored.stdout
 
 
+def test_inspect_shows_control_characters_of_the_text_as_escapes(tmp_path, tok_dir, capsys):
+    """A carriage return or a terminal escape in a message was printed as it is: the terminal moved the cursor, hid
+    the text before a '\\r' or changed its colours, and the example shown was not the text trained. They show as
+    their escapes; newlines and tabs stay as they are."""
+    from gemma_tpu.data import inspect
+
+    row = {"messages": [{"role": "user", "content": "q\tr"},
+                        {"role": "assistant", "content": "hidden\rshown \x1b[2Jcleared\x00end\x7f\u0085."}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [row] * 4)
+    inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer", str(tok_dir),
+                                    "--color", "never", "-n", "1"]))
+    out = capsys.readouterr().out
+    assert f"{SOT}user\nq\tr{EOT}\n" in out
+    assert f"[[hidden\\rshown \\x1b[2Jcleared\\x00end\\x7f\\x85.{EOT}]]" in out
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", out)
+
+
 def test_over_length_examples_are_one_warning_naming_the_first(tmp_path, tok):
     """Training logged over-length examples only as counts inside an INFO line: a split whose answers were
     cut or dropped trained without a warning."""
