@@ -1686,6 +1686,28 @@ def test_tool_template_reads_call_arguments_sent_as_json_text(tok):
         assert "call:get_steps{}<" in t.apply_chat_template(as_text, tokenize=False)
 
 
+def test_a_tool_without_a_description_renders_alike_as_vllm_hands_it_over(tok):
+    """vLLM hands the chat template each declaration as its request model dumps it, a description left out as None
+    (`FunctionDefinition.model_dump()`): the template wrote `description:null` where training wrote the empty
+    description of the same tool (`description:<escape><escape>`). A null description is an empty one on both
+    sides."""
+    from gemma_tpu.formats.function_calling import tool_chat_template
+
+    token_map = function_token_map(tok)
+    t = _with_template(tok, tool_chat_template(token_map))
+    bare = {"type": "function", "function": {"name": "ping"}}
+    dumped = {"type": "function", "function": {"name": "ping", "description": None, "parameters": None}}
+    msgs = [{"role": "user", "content": "q"}]
+    conv = norm({"tools": [bare], "messages": msgs + [{"role": "assistant", "content": "a"}]})
+    want = Renderer(t, token_map=token_map).render({"tools": conv["tools"], "messages": msgs},
+                                                   add_generation_prompt=True).text
+    for tools in ([bare], [dumped]):
+        assert t.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True) == "<bos>" + want
+        assert Renderer(t, token_map=token_map).render(
+            {"tools": norm({"tools": tools, "messages": msgs + [{"role": "assistant", "content": "a"}]})["tools"],
+             "messages": msgs}, add_generation_prompt=True).text == want
+
+
 def test_tool_template_reads_content_parts_as_training_joins_them(any_tok):
     """vLLM hands the template content as parts (`serving.launch` passes --chat-template-content-format openai; its
     "string" form joins text parts with newlines first): split into parts, every message renders to the ids the

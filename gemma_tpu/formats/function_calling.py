@@ -409,7 +409,7 @@ def format_call(name: str, args: dict) -> str:
 def format_declaration(tool: dict) -> str:
     fn = tool.get("function", tool)
     check_tool_name(fn["name"], "declaration")
-    body = {"description": fn.get("description", "")}
+    body = {"description": "" if fn.get("description") is None else fn["description"]}  # null: none given
     if fn.get("parameters"):
         body["parameters"] = fn["parameters"]
     return f"{START_DECLARATION}declaration:{fn['name']}{format_value(body)}{END_DECLARATION}"
@@ -887,7 +887,9 @@ _TEMPLATE = r"""
   {{- '<start_of_turn>developer\n' ~ ns.preamble -}}
   {%- for t in tools -%}
     {%- set fn = t['function'] if t['function'] is defined else t -%}
-    {%- set body = {'description': fn['description'] if fn['description'] is defined else ''} -%}
+    {#- vLLM hands a declaration over as its request model dumps it: a description left out is None -#}
+    {%- set body = {'description': fn['description'] if fn['description'] is defined and fn['description'] is not none
+                    else ''} -%}
     {%- if fn['parameters'] is defined and fn['parameters'] -%}{%- set body = dict(body, parameters=fn['parameters']) -%}{%- endif -%}
     {{- '<start_function_declaration>declaration:' ~ fn['name'] ~ fmt(body) ~ '<end_function_declaration>' -}}
   {%- endfor -%}
