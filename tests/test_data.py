@@ -1686,6 +1686,28 @@ def test_tool_template_reads_call_arguments_sent_as_json_text(tok):
         assert "call:get_steps{}<" in t.apply_chat_template(as_text, tokenize=False)
 
 
+def test_a_tool_without_a_description_renders_alike_as_vllm_hands_it_over(tok):
+    """vLLM hands the chat template each declaration as its request model dumps it, a description left out as None
+    (`FunctionDefinition.model_dump()`): the template wrote `description:null` where training wrote the empty
+    description of the same tool (`description:<escape><escape>`). A null description is an empty one on both
+    sides."""
+    from gemma_tpu.formats.function_calling import tool_chat_template
+
+    token_map = function_token_map(tok)
+    t = _with_template(tok, tool_chat_template(token_map))
+    bare = {"type": "function", "function": {"name": "ping"}}
+    dumped = {"type": "function", "function": {"name": "ping", "description": None, "parameters": None}}
+    msgs = [{"role": "user", "content": "q"}]
+    conv = norm({"tools": [bare], "messages": msgs + [{"role": "assistant", "content": "a"}]})
+    want = Renderer(t, token_map=token_map).render({"tools": conv["tools"], "messages": msgs},
+                                                   add_generation_prompt=True).text
+    for tools in ([bare], [dumped]):
+        assert t.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True) == "<bos>" + want
+        assert Renderer(t, token_map=token_map).render(
+            {"tools": norm({"tools": tools, "messages": msgs + [{"role": "assistant", "content": "a"}]})["tools"],
+             "messages": msgs}, add_generation_prompt=True).text == want
+
+
 def test_tool_template_reads_content_parts_as_training_joins_them(any_tok):
     """vLLM hands the template content as parts (`serving.launch` passes --chat-template-content-format openai; its
     "string" form joins text parts with newlines first): split into parts, every message renders to the ids the
@@ -1717,6 +1739,33 @@ def test_nameless_parallel_results_render_as_the_renderer_reads_them(tok):
     got = t.apply_chat_template(msgs, tools=conv["tools"], tokenize=False)
     assert "response:get_heart_rate{bpm:170}" in got and got == "<bos>" + want
 
+
+def test_a_result_without_id_answers_the_call_results_by_id_left_open(tok):
+    """Results of parallel calls answered by id out of order, then one with neither an id nor a name: it answers
+    the call still open. It was credited to the call in its position (`response:get_steps` twice, the heart rate
+    never answered) in training and in the served template alike."""
+    from gemma_tpu.formats.function_calling import tool_chat_template
+
+    conv = json.loads(json.dumps(TOOL_CONVS[1]))
+    calls, results = conv["messages"][2]["tool_calls"], conv["messages"][3:5]
+    calls[0]["id"], calls[1]["id"] = "hr", "st"
+    results[0].update(name="get_steps", tool_call_id="st", content="plain text result")
+    del results[1]["name"]
+    results[1]["content"] = "{\"bpm\": 170}"
+    got = norm(conv)["messages"]
+    assert [m.get("name") for m in got[3:5]] == ["get_steps", "get_heart_rate"]
+    # a named result answers the open call of its name: the one after it is the call left
+    named = json.loads(json.dumps(conv))
+    del named["messages"][3]["tool_call_id"]
+    assert [m.get("name") for m in norm(named)["messages"][3:5]] == ["get_steps", "get_heart_rate"]
+    token_map = function_token_map(tok)
+    t = _with_template(tok, tool_chat_template(token_map))
+    want = Renderer(t, token_map=token_map).render(norm(conv)).text
+    assert "response:get_heart_rate{bpm:170}" in want
+    for row in (conv, named):  # the client's messages as sent, the nameless result without a name
+        msgs = template_messages(norm(row)["messages"])
+        del msgs[4]["name"]
+        assert t.apply_chat_template(msgs, tools=conv["tools"], tokenize=False) == "<bos>" + want
 
 def _json_texts(n: int, seed: int = 0) -> list[str]:
     """Tool results as clients send them: JSON texts of random values (escapes, non-ASCII, surrogate pairs,
@@ -1868,6 +1917,23 @@ def test_inspect_prints_stats_and_marks_the_loss(tmp_path, tok_dir, tok):
     colored = run_cli("gemma_tpu.data.inspect", "--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
                       str(tok_dir), "--color", "always", "-n", "1", timeout=300)
     assert f"\x1b[1;32m4.{EOT}\x1b[0m" in colored.stdout
+
+
+def test_inspect_shows_control_characters_of_the_text_as_escapes(tmp_path, tok_dir, capsys):
+    """A carriage return or a terminal escape in a message was printed as it is: the terminal moved the cursor, hid
+    the text before a '\\r' or changed its colours, and the example shown was not the text trained. They show as
+    their escapes; newlines and tabs stay as they are."""
+    from gemma_tpu.data import inspect
+
+    row = {"messages": [{"role": "user", "content": "q\tr"},
+                        {"role": "assistant", "content": "hidden\rshown \x1b[2Jcleared\x00end\x7f\u0085."}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [row] * 4)
+    inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer", str(tok_dir),
+                                    "--color", "never", "-n", "1"]))
+    out = capsys.readouterr().out
+    assert f"{SOT}user\nq\tr{EOT}\n" in out
+    assert f"[[hidden\\rshown \\x1b[2Jcleared\\x00end\\x7f\\x85.{EOT}]]" in out
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", out)
 
 
 def test_over_length_examples_are_one_warning_naming_the_first(tmp_path, tok):
@@ -2577,6 +2643,29 @@ def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path
                                              str(tdir), "-n", "0", "train.batch_size=1"]))
     assert result["template_skew"].startswith(f"{path}: 2 of the first 3 chats render otherwise")
     assert f"template   {result['template_skew']}" in capsys.readouterr().out
+
+
+def test_an_answer_opening_with_newlines_is_one_warning(tmp_path, real_tok, caplog):
+    """An answer opening with newlines shares one token with its turn's newline ('\\n\\n\\n', trained from
+    'model'), as the whole conversation tokenizes; a server tokenizes the prompt apart (ending in its own '\\n') and
+    the model generates from there, so that token was trained where it is never served, without a word. Said once
+    per file, naming the first such example; an answer opening with a space or a word is not."""
+    import logging
+
+    def chat(answer):
+        return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+
+    path = write_jsonl(tmp_path / "n.jsonl", [chat("Hello"), chat(" Hi"), chat("\n\nHello"), chat("\nOk")])
+    renderer = Renderer(real_tok)
+    served = renderer.render({"messages": [{"role": "user", "content": "q"}]}, add_generation_prompt=True)
+    trained = renderer.render(norm(chat("\n\nHello")))
+    assert trained.ids[:len(served.ids)].tolist() != served.ids.tolist() and trained.joined == "\n\n\n"
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), renderer, DataConfig(seq_len=64), seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 4 examples have an answer whose first token also holds the end of the prompt before it (the "
+        f"first: {path}:3, token '\\n\\n\\n'); a server tokenizes the prompt apart from the answer, so the model "
+        f"is trained on a token it is never served there: strip the answers' leading whitespace"]
 
 
 def test_mixed_schema_json_lines_from_a_table_read_each_row_by_its_shape(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -93,8 +94,19 @@ def loss_spans(offsets: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
     return spans
 
 
+# control characters but newline and tab: printed as they are, a '\r' hid the text before it and an escape sequence
+# moved the cursor or changed the terminal's colours, and the example shown was not the text trained
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """`text` with its control characters (newline and tab aside) written as their escapes (`\\r`, `\\x1b`)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 def mark(text: str, spans: list[tuple[int, int]], color: bool, cut: int | None = None) -> str:
-    """`text` with the spans wrapped in markers; `cut`: character offset where truncation falls."""
+    """`text` with the spans wrapped in markers; `cut`: character offset where truncation falls. Control characters
+    show as their escapes (`visible`)."""
     on, off = (ANSI_ON, ANSI_OFF) if color else (PLAIN_ON, PLAIN_OFF)
     if cut is not None:  # nothing past the cut is trained
         spans = [(s, min(e, cut)) for s, e in spans if s < cut]
@@ -104,7 +116,7 @@ def mark(text: str, spans: list[tuple[int, int]], color: bool, cut: int | None =
         if a == cut:
             out.append(f"{ANSI_DIM if color else ''}<<truncated at data.seq_len: the rest is not trained>>"
                        f"{ANSI_OFF if color else ''}")
-        piece = text[a:b]
+        piece = visible(text[a:b])
         out.append(f"{on}{piece}{off}" if any(s <= a and b <= e for s, e in spans) else piece)
     return "".join(out)
 

@@ -148,13 +148,29 @@ def render_examples(path: str, renderer: Renderer, data_cfg: DataConfig) -> list
     skew = template_skew_warning(convs, renderer, path)
     if skew:
         log.warning("%s", skew)
+    joined: list[tuple[str, str]] = []
     for conv in convs:
         try:
             r = renderer.render(conv, max_tokens=data_cfg.seq_len)
         except UserError as e:  # what the chat format cannot carry, named with the example's line
             raise render_error(e, conv, path) from None
         out.append(batching.Example(r.ids, r.loss_mask, conv.get("where", ""), r.partial))
+        if r.joined is not None:
+            joined.append((conv.get("where") or path, r.joined))
+    if joined:
+        log.warning("%s", joined_warning(joined, len(out), path))
     return out
+
+
+def joined_warning(joined: list[tuple[str, str]], n: int, path: str) -> str:
+    """One line on the examples whose trained text starts inside a token of the text before it (`Rendered.joined`):
+    their ids equal what a chat template and the tokenizer give the whole conversation, but a served model is given
+    its prompt tokenized apart, and generates from there."""
+    where, token = joined[0]
+    return (f"{path}: {len(joined)} of {n} examples have an answer whose first token also holds the end of the "
+            f"prompt before it (the first: {where}, token {token!r}); a server tokenizes the prompt apart from the "
+            f"answer, so the model is trained on a token it is never served there: strip the answers' leading "
+            f"whitespace")
 
 
 def prepare_examples(examples: list[batching.Example], source: str, data_cfg: DataConfig, seed: int,

@@ -686,7 +686,7 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     out = _system_field(obj, messages, where, markup)
     pending: list[tuple[str | None, str]] = []  # (id, name) of the latest calls, for nameless tool results
     answered = 0
-    answered_ids: set = set()
+    done: set[int] = set()  # the calls of `pending` answered so far
     for i, m in enumerate(messages):
         mw = f"{where}: messages[{i}]"
         if not isinstance(m, dict):
@@ -769,31 +769,36 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
                 msg["tool_calls"] = norm_calls
                 pending = [(c.get("id") if isinstance(c, dict) else None, nc["name"])
                            for c, nc in zip(calls, norm_calls)]
-                answered, answered_ids = 0, set()
+                answered, done = 0, set()
         elif role == "tool":
             name = m.get("name")
             call_id = m.get("tool_call_id")
+            k = None  # the call of the latest assistant turn it answers
             if call_id is not None:  # must answer a call of the latest assistant turn, once, by its id
-                match = [n for cid, n in pending if cid is not None and cid == call_id]
-                if not match:
+                k = next((j for j, (cid, _) in enumerate(pending) if cid is not None and cid == call_id), None)
+                if k is None:
                     ids = [repr(cid) for cid, _ in pending if cid is not None]
                     have = (f"its call ids: {', '.join(ids)}" if ids else
                             "its calls have no ids" if pending else "it made no calls")
                     raise UserError(f"{mw}: tool_call_id {shown(call_id)} matches no call of the preceding assistant "
                                     f"turn ({have})")
-                if call_id in answered_ids:
+                if k in done:
                     raise UserError(f"{mw}: tool_call_id {shown(call_id)} was already answered")
-                if name and name != match[0]:
+                if name and name != pending[k][1]:
                     raise UserError(f"{mw}: tool result named {shown(name)} answers tool_call_id {shown(call_id)}, "
-                                    f"a call to {match[0]!r}")
-                answered_ids.add(call_id)
-                name = match[0]
+                                    f"a call to {pending[k][1]!r}")
             if answered >= len(pending):  # it answers no call: an OpenAI-format export gave it an id never issued
                 n = len(pending)
                 raise UserError(f"{mw}: a tool result past the {n} call{'s' if n != 1 else ''} of the preceding "
                                 f"assistant turn (each result answers one call); remove it or add its call")
-            if not name and answered < len(pending):
-                name = pending[answered][1]  # results answer the calls in order
+            if k is None:
+                # a result without an id answers the first call still open (of its name, where it has one): the calls
+                # in order, and after results by id out of order, the call they left (not the call in its position,
+                # answered twice while another went unanswered); the tool chat template reads it alike
+                left = [j for j in range(len(pending)) if j not in done]
+                k = next((j for j in left if pending[j][1] == name), left[0])
+            done.add(k)
+            name = name or pending[k][1]
             if not isinstance(name, str) or not name:
                 raise UserError(f"{mw}: tool message has no 'name' and answers no earlier tool call")
             if names and name not in names:

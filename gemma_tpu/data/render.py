@@ -35,6 +35,8 @@ class Rendered:
     offsets: np.ndarray | None = None  # int32 [n, 2] character span of each token in `text`; BOS is (0, 0)
     untrained_tail: bool = False  # turns after the last trained one were left out (see `Renderer.render`)
     partial: bool = False  # only the start of a very long text was tokenized (`max_tokens`): len(ids) is a lower bound
+    # the first token that holds both the end of a prompt and the start of the trained text after it (see `joined_at`)
+    joined: str | None = None
 
 
 def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
@@ -336,7 +338,7 @@ class Renderer:
                     # a token is a target when any of its characters is in a trainable span
                     mask[1:] |= (starts < pos + len(t)) & (ends > pos)
                 pos += len(t)
-        return Rendered(ids, mask, text, offsets, tail, partial)
+        return Rendered(ids, mask, text, offsets, tail, partial, joined_at(segs, text, offsets))
 
 
 # the parts `Renderer.prompt_parts` counts: given with the prompt (the system prompt, the tool declarations), then
@@ -374,6 +376,25 @@ def _prompt_parts(renderer: Renderer, conv: dict, total: int,
     else:
         parts.append((PROMPT_PARTS[2], total - first + question))
     return parts if parts[0][0] != PROMPT_PARTS[2] and all(n >= 0 for _, n in parts) else None
+
+
+def joined_at(segs: list[tuple[str, bool]], text: str, offsets: np.ndarray) -> str | None:
+    """The first token that spans the start of a trained span after untrained text (the place a served model starts
+    generating), as its text; None where every such start is a token's start. Tokenized with the prompt, an answer
+    opening with newlines shares one token with the turn's own newline (Gemma's '\n\n\n'); a server tokenizes the
+    prompt apart and the model generates after the prompt's last token, so that token is trained where it is never
+    served."""
+    starts, ends = offsets[1:, 0], offsets[1:, 1]
+    pos, before = 0, False
+    for t, trainable in segs:
+        if trainable and t and before and pos:
+            hit = np.flatnonzero((starts < pos) & (ends > pos))
+            if len(hit):
+                return text[starts[hit[0]]:ends[hit[0]]]
+        if t:
+            before = not trainable
+        pos += len(t)
+    return None
 
 
 def _drop_untrained_tail(segs: list[tuple[str, bool]]) -> tuple[list[tuple[str, bool]], bool]:

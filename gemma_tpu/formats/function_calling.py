@@ -409,7 +409,7 @@ def format_call(name: str, args: dict) -> str:
 def format_declaration(tool: dict) -> str:
     fn = tool.get("function", tool)
     check_tool_name(fn["name"], "declaration")
-    body = {"description": fn.get("description", "")}
+    body = {"description": "" if fn.get("description") is None else fn["description"]}  # null: none given
     if fn.get("parameters"):
         body["parameters"] = fn["parameters"]
     return f"{START_DECLARATION}declaration:{fn['name']}{format_value(body)}{END_DECLARATION}"
@@ -877,7 +877,7 @@ _TEMPLATE = r"""
 {%- endmacro -%}
 {{- bos_token -}}
 {%- set ns = namespace(preamble='', in_model=false, last_call='', response_open=false, calls=[], name='', turn=[],
-                       answered=0) -%}
+                       ids=[], done=[], k=none) -%}
 {%- set msgs = messages -%}
 {%- if msgs and msgs[0]['role'] in ['system', 'developer'] -%}
   {%- set ns.preamble = text_of(msgs[0]['content']) -%}
@@ -887,7 +887,9 @@ _TEMPLATE = r"""
   {{- '<start_of_turn>developer\n' ~ ns.preamble -}}
   {%- for t in tools -%}
     {%- set fn = t['function'] if t['function'] is defined else t -%}
-    {%- set body = {'description': fn['description'] if fn['description'] is defined else ''} -%}
+    {#- vLLM hands a declaration over as its request model dumps it: a description left out is None -#}
+    {%- set body = {'description': fn['description'] if fn['description'] is defined and fn['description'] is not none
+                    else ''} -%}
     {%- if fn['parameters'] is defined and fn['parameters'] -%}{%- set body = dict(body, parameters=fn['parameters']) -%}{%- endif -%}
     {{- '<start_function_declaration>declaration:' ~ fn['name'] ~ fmt(body) ~ '<end_function_declaration>' -}}
   {%- endfor -%}
@@ -906,11 +908,13 @@ _TEMPLATE = r"""
     {%- if m['tool_calls'] is defined and m['tool_calls'] -%}
       {{- text_of(m['content']) -}}
       {%- set ns.turn = [] -%}
-      {%- set ns.answered = 0 -%}
+      {%- set ns.ids = [] -%}
+      {%- set ns.done = [] -%}
       {%- for c in m['tool_calls'] -%}
         {%- set f = c['function'] if c['function'] is defined else c -%}
         {%- set ns.last_call = f['name'] -%}
         {%- set ns.turn = ns.turn + [f['name']] -%}
+        {%- set ns.ids = ns.ids + [c['id'] if c['id'] is defined and c['id'] is string else none] -%}
         {%- if c['id'] is defined and c['id'] is string -%}{%- set ns.calls = ns.calls + [[c['id'], f['name']]] -%}{%- endif -%}
         {%- set args = f['arguments'] if f['arguments'] is defined else none -%}
         {%- if args is string -%}
@@ -932,12 +936,32 @@ _TEMPLATE = r"""
     {%- endif -%}
   {%- elif m['role'] == 'tool' -%}
     {#- the call a result answers: its name, else the call of its tool_call_id (servers such as transformers
-        serve pass the id and drop the name), else the calls in order (as the renderer reads nameless results),
-        else the latest call -#}
-    {%- set ns.name = ns.turn[ns.answered] if ns.answered < ns.turn | length else ns.last_call -%}
-    {%- set ns.answered = ns.answered + 1 -%}
-    {%- if m['tool_call_id'] is defined -%}{%- for pair in ns.calls -%}{%- if pair[0] == m['tool_call_id'] -%}{%- set ns.name = pair[1] -%}{%- endif -%}{%- endfor -%}{%- endif -%}
-    {%- set name = m['name'] if m['name'] is defined and m['name'] else ns.name -%}
+        serve pass the id and drop the name), else the first call of the turn still open (of the result's name where
+        it has one: the calls in order, as the renderer reads results without ids), else the latest call -#}
+    {%- set ns.k = none -%}
+    {%- set rname = m['name'] if m['name'] is defined and m['name'] else none -%}
+    {%- set rid = m['tool_call_id'] if m['tool_call_id'] is defined and m['tool_call_id'] is string else none -%}
+    {%- for i in range(ns.turn | length) -%}
+      {%- if ns.k is none and rid is not none and ns.ids[i] == rid and i not in ns.done -%}
+        {%- set ns.k = i -%}
+      {%- endif -%}
+    {%- endfor -%}
+    {%- set by_id = ns.k is not none -%}
+    {%- if not by_id -%}
+      {%- for i in range(ns.turn | length) -%}
+        {%- if ns.k is none and i not in ns.done and ns.turn[i] == rname -%}{%- set ns.k = i -%}{%- endif -%}
+      {%- endfor -%}
+      {%- for i in range(ns.turn | length) -%}
+        {%- if ns.k is none and i not in ns.done -%}{%- set ns.k = i -%}{%- endif -%}
+      {%- endfor -%}
+    {%- endif -%}
+    {%- if ns.k is not none -%}{%- set ns.done = ns.done + [ns.k] -%}{%- set ns.name = ns.turn[ns.k] -%}
+    {%- else -%}{%- set ns.name = ns.last_call -%}
+    {%- endif -%}
+    {%- if not by_id and rid is not none -%}
+      {%- for pair in ns.calls -%}{%- if pair[0] == rid -%}{%- set ns.name = pair[1] -%}{%- endif -%}{%- endfor -%}
+    {%- endif -%}
+    {%- set name = rname if rname else ns.name -%}
     {%- set c = m['content'] -%}
     {%- if c is mapping -%}{%- set body = fmt(c) -%}
     {%- else -%}
