@@ -8,6 +8,8 @@ under the previous step's number). At that point the step in progress has finish
 are waited for; the current step is saved unless it already is; the lock is released; exit 143.
 Before step 1 nothing is saved: a restart begins exactly as the interrupted run did.
 
+SIGHUP (the terminal closed, an ssh session dropped) does the same, exit 129: the run's terminal output goes to
+/dev/null from then on (writes to a hung-up terminal fail); a run started with SIGHUP ignored (nohup) goes on.
 Ctrl-C (SIGINT) does the same, exit 130; a second Ctrl-C stops at once (KeyboardInterrupt), keeping the
 last complete checkpoint. (A KeyboardInterrupt raised wherever the signal happened to land used to stop the
 run mid-save: the step being written was left as an Orbax temp dir, and a traceback from its thread.)
@@ -23,7 +25,7 @@ import os
 import signal
 from typing import Callable
 
-from gemma_tpu.core.errors import SignalExit, UserError
+from gemma_tpu.core.errors import SignalExit, UserError, detach_hung_up_terminal
 from gemma_tpu.train.finite_guard import CheckpointSaveFailed, last_step_on_disk, remove_failed_saves
 
 log = logging.getLogger("gemma_tpu.train")
@@ -41,9 +43,11 @@ class Preemption:
     def install(self) -> "Preemption":
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._handler)
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # nohup's runs outlive their terminal
+            signal.signal(signal.SIGHUP, self._handler)
         self.trainer.feed.before_batch = self.at_batch_boundary
         log.info("SIGTERM (preemption) from here on: the step in progress finishes, is saved, then exit %d; "
-                 "Ctrl-C the same (exit 130), a second Ctrl-C stops at once", EXIT_CODE)
+                 "SIGHUP and Ctrl-C the same (exit 129, 130), a second Ctrl-C stops at once", EXIT_CODE)
         return self
 
     @property
@@ -51,6 +55,8 @@ class Preemption:
         return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
+        if signum == signal.SIGHUP:
+            detach_hung_up_terminal()
         if not self.requested:
             self.requested = True
             self.signum = signum
