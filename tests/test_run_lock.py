@@ -385,6 +385,32 @@ def test_a_run_dir_removed_mid_run_is_named_when_its_metrics_are_written(tmp_pat
     assert not run.exists()
 
 
+def test_metrics_jsonl_removed_mid_run_is_said_once_and_recording_goes_on(tiny_dir, tmp_path):
+    """metrics.jsonl alone deleted while training (a clean-up, by hand) was recreated at the next record without a
+    word: a file starting mid-run, read as the whole history (the summary's first evaluation, a resume's check of
+    the steps evaluated). It is said once, naming the file and the step the new one starts at; the run goes on."""
+    from benchmarks.kill_harness import train_rows
+
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            "train.max_steps=8", "checkpoint.every_steps=4"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while len(train_rows(ck)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    (ck / "metrics.jsonl").unlink()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    first = train_rows(ck)[0]["step"]
+    assert 3 <= first < 8 and [r["step"] for r in train_rows(ck)] == list(range(first, 9))
+    said = [line for line in err.splitlines() if "was removed while training" in line]
+    assert len(said) == 1 and f"{ck / 'metrics.jsonl'} was removed while training" in said[0], err[-3000:]
+    assert f"a new file starts at step {first}" in said[0], said
+
+
 @pytest.mark.parametrize("own_level", [False, True])
 def test_every_entry_point_logs_library_warnings_in_the_projects_format(own_level):
     """The converters and serving (convert.merge_orbax, export_peft, ..., serving.launch) never set logging up: a
