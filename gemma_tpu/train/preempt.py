@@ -27,6 +27,7 @@ from typing import Callable
 
 from gemma_tpu.core.errors import SignalExit, UserError, detach_hung_up_terminal
 from gemma_tpu.train.finite_guard import CheckpointSaveFailed, last_step_on_disk, remove_failed_saves
+from gemma_tpu.train.tunix_adapter import orbax_manager
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -115,8 +116,11 @@ class Preemption:
                         step)
             code = 128 + signal.SIGINT
         except BaseException as e:  # exit anyway: the platform will not wait
-            log.error("%s: could not save step %d (%s: %s); the last complete checkpoint stays",
-                      self.name, step, type(e).__name__, e)
+            # what is on disk: a failed save's own line says it ("no complete step is on disk"), and was followed
+            # by "the last complete checkpoint stays", as was a failure before the save (metrics.jsonl on a disk
+            # turned read-only) where there was none
+            kept = "" if isinstance(e, CheckpointSaveFailed) else f"; {_kept_on_disk(t.checkpoint_manager)}"
+            log.error("%s: could not save step %d (%s: %s)%s", self.name, step, type(e).__name__, e, kept)
             if isinstance(e, CheckpointSaveFailed) and e.directory is not None and getattr(t, "primary", True):
                 remove_failed_saves(e.directory)  # the failed save's temp dir kept what space a full disk had
             # a UserError's own code: a step whose loss or state went non-finite is 3 (do not simply retry), as
@@ -126,3 +130,18 @@ class Preemption:
             self.on_exit()
             logging.shutdown()
             os._exit(code)
+
+
+def _kept_on_disk(manager) -> str:
+    """What a restart resumes from after a preemption's save failed, as Orbax knows it (`save_failure` says the same
+    for a failed save)."""
+    inner = orbax_manager(manager)
+    try:
+        last = inner.latest_step() if inner is not None else -1
+    except Exception:  # noqa: BLE001 - the manager is in an unknown state; the line matters more
+        last = -1
+    if last is None:
+        return "no checkpoint is on disk, and a restart begins afresh"
+    if last == -1:
+        return "the last complete checkpoint stays"
+    return f"the last complete step on disk is {last}, and a restart resumes from it"
