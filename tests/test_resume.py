@@ -307,6 +307,31 @@ def test_a_run_stopped_before_its_first_save_leaves_nothing_to_refuse(tmp_path, 
         check_resume_compatible(tmp_path, meta(8))
 
 
+def test_a_step_that_is_a_symbolic_link_is_refused_naming_it(tmp_path):
+    """A link named like a step (`3 -> ../other_run/3`) was taken for the latest step: the run resumed from another
+    run's step without a word, and when max_to_keep dropped it, Orbax's clean-up failed ("Cannot call rmtree on a
+    symbolic link") and stopped the run mid-way. It is refused before anything loads, naming the link."""
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    meta = {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+            "lora": {"enabled": True, "rank": 4, "alpha": 8.0, "targets": ["q_proj"]},
+            "config": {"train": {"max_steps": 2}}}
+    run, other = tmp_path / "run", tmp_path / "other"
+    for d, step in ((run, 2), (other, 3)):
+        write_metadata(d, meta)
+        (d / str(step) / "model_params").mkdir(parents=True)
+        for marker in COMMIT_MARKERS:
+            (d / str(step) / marker).write_text("{}")
+    check_resume_compatible(run, meta)
+    (run / "3").symlink_to(other / "3")
+    with pytest.raises(UserError, match=rf"^{run / '3'}: a symbolic link named like a checkpoint step \(to "
+                                        rf"{other / '3'}\)"):
+        check_resume_compatible(run, meta)
+    assert (other / "3" / "model_params").is_dir()
+
+
 @pytest.mark.parametrize("what, was, hint", [
     ("lora.rank", 4, "resume it with lora.rank=4, or "),
     ("lora.enabled", False, "resume it with lora.enabled=false, or "),

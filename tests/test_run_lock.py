@@ -385,6 +385,32 @@ def test_a_run_dir_removed_mid_run_is_named_when_its_metrics_are_written(tmp_pat
     assert not run.exists()
 
 
+def test_metrics_jsonl_removed_mid_run_is_said_once_and_recording_goes_on(tiny_dir, tmp_path):
+    """metrics.jsonl alone deleted while training (a clean-up, by hand) was recreated at the next record without a
+    word: a file starting mid-run, read as the whole history (the summary's first evaluation, a resume's check of
+    the steps evaluated). It is said once, naming the file and the step the new one starts at; the run goes on."""
+    from benchmarks.kill_harness import train_rows
+
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            "train.max_steps=8", "checkpoint.every_steps=4"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while len(train_rows(ck)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    (ck / "metrics.jsonl").unlink()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    first = train_rows(ck)[0]["step"]
+    assert 3 <= first < 8 and [r["step"] for r in train_rows(ck)] == list(range(first, 9))
+    said = [line for line in err.splitlines() if "was removed while training" in line]
+    assert len(said) == 1 and f"{ck / 'metrics.jsonl'} was removed while training" in said[0], err[-3000:]
+    assert f"a new file starts at step {first}" in said[0], said
+
+
 @pytest.mark.parametrize("own_level", [False, True])
 def test_every_entry_point_logs_library_warnings_in_the_projects_format(own_level):
     """The converters and serving (convert.merge_orbax, export_peft, ..., serving.launch) never set logging up: a
@@ -448,3 +474,36 @@ def test_a_checkpoint_dir_made_read_only_mid_run_names_what_could_not_be_written
     assert f"resumed at step {saved}" in rerun.stderr, rerun.stderr[-3000:]
     assert json.loads((ck / "summary.json").read_text())["steps"] == 12
     assert not (ck / run_lock.LOCK_FILE).exists()
+
+
+def test_a_preemption_on_a_checkpoint_dir_made_read_only_says_no_step_is_on_disk(tiny_dir, tmp_path):
+    """SIGTERM before the first save, on a checkpoint.dir turned read-only: the step could not be saved (its metrics
+    record could not be written first), and the line ended "the last complete checkpoint stays", with none on disk.
+    It says there is none, and that a restart begins afresh."""
+    ck = tmp_path / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
+            "train.max_steps=50", "checkpoint.every_steps=100"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen, deadline = "", time.time() + 600
+    while "step 1/" not in seen and time.time() < deadline:
+        line = proc.stderr.readline()
+        assert line, seen[-3000:]
+        seen += line
+    mounted = subprocess.run(["mount", "--bind", str(ck), str(ck)], capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        proc.kill()
+        proc.wait()
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.strip()}")
+    try:
+        ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(ck)], capture_output=True, text=True, check=False)
+        assert ro.returncode == 0, ro.stderr
+        proc.send_signal(signal.SIGTERM)
+        err = seen + proc.stderr.read()
+        assert proc.wait(timeout=300) == 1, err[-3000:]
+    finally:
+        subprocess.run(["umount", "-l", str(ck)], check=False)
+    line = next((x for x in err.splitlines() if "could not save step" in x), "")
+    assert "Read-only file system" in line and "metrics.jsonl" in line, err[-3000:]
+    assert line.endswith("; no checkpoint is on disk, and a restart begins afresh"), line

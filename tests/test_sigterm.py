@@ -309,3 +309,62 @@ def test_a_second_ctrl_c_during_the_preemption_save_stops_at_once_with_130(tiny_
     assert re.search(r"Ctrl-C again: stopped at once; step \d+ was not saved", text), tail(log)
     assert " ERROR " not in text and "Traceback" not in text, tail(log)
     assert not [p for p in ckpt.iterdir() if p.name[:1].isdigit()] and not (ckpt / "gemma_tpu_run.lock").exists()
+
+
+ON_A_TERMINAL = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                 "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def _on_a_terminal(cmd: list[str], env: dict) -> tuple[subprocess.Popen, int]:
+    """Start `cmd` in its own session whose controlling terminal is a new pty (as a login shell's job is); returns the
+    process and the pty's master end: closing it hangs the terminal up (SIGHUP, and EIO on every later write)."""
+    import os
+    import pty
+    import sys
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, *cmd], cwd=REPO, env=env, stdin=slave,
+                            stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    return proc, master
+
+
+def test_a_closed_terminal_saves_the_step_like_sigterm_then_resume_is_bit_identical(tiny_dir, reference, tmp_path):
+    """The terminal closes (SIGHUP) mid-run: the run stopped where it stood (SIGHUP's default action), the step
+    in progress unsaved and the run lock left behind. Now it is a preemption notice like SIGTERM: the step is
+    saved whole, exit 129, the lock released, though every write to the hung-up terminal fails (EIO)."""
+    import os
+    import select
+
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, seen = tmp_path / "ck", b""
+    proc, master = _on_a_terminal(command(tiny_dir, ckpt), environment(reference["cache"], 0.3))
+    try:
+        deadline = time.time() + 600
+        while len(list_steps(ckpt)) < 3:  # async saves every step, now mid-run; the terminal is read meanwhile
+            assert proc.poll() is None and time.time() < deadline, (proc.returncode, seen[-3000:])
+            if select.select([master], [], [], 0.05)[0]:
+                seen += os.read(master, 65536)
+        assert READY.encode() in seen, seen[-3000:]
+    finally:
+        os.close(master)  # the terminal goes away
+    assert proc.wait(timeout=300) == 129
+    step = list_steps(ckpt)[-1]
+    assert 3 <= step < MAX_STEPS
+    assert not [p.name for p in ckpt.iterdir() if "tmp" in p.name or "incomplete" in p.name or "lock" in p.name]
+    _resume_and_compare(tiny_dir, ckpt, reference, tmp_path / "resume.log")
+    assert f"resumed at step {step}; data position restored" in (tmp_path / "resume.log").read_text()
+
+
+def test_a_run_started_with_sighup_ignored_outlives_its_terminal(tiny_dir, reference, tmp_path):
+    """nohup's runs ignore SIGHUP: the preemption handler leaves that as it is, and the run trains to its end."""
+    import json
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    proc = subprocess.Popen(["nohup", *command(tiny_dir, ckpt), "train.max_steps=4"], cwd=REPO,
+                            env=environment(reference["cache"], 0.3), stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    _wait_for(lambda: "step 1/" in log.read_text(errors="replace"), proc, log)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=300) == 0, tail(log)
+    assert json.loads((ckpt / "summary.json").read_text())["steps"] == 4

@@ -3,7 +3,9 @@ points print it as one line through `gemma_tpu.core.cli.cli_main`), and a checke
 
 from __future__ import annotations
 
+import os
 import reprlib
+import signal
 from typing import Any
 
 
@@ -45,8 +47,29 @@ def interrupted_after(exc: BaseException, done: str) -> BaseException:
 
 
 def raise_signal_exit(signum, frame):  # noqa: ARG001
-    """A signal handler (for SIGTERM) that raises `SignalExit`, so that `finally` blocks and handlers run."""
+    """A signal handler (for SIGTERM, SIGHUP) that raises `SignalExit`, so that `finally` blocks and handlers run."""
+    if signum == signal.SIGHUP:
+        detach_hung_up_terminal()
     raise SignalExit(signum)
+
+
+def detach_hung_up_terminal() -> None:
+    """Point the standard streams that were a terminal now hung up (closed, its ssh session dropped: the SIGHUP's
+    cause) at /dev/null. Every write to such a stream fails with EIO, so the stop the hangup asks for (a save, the
+    lock released, its one-line message) died on its first log line or progress bar update instead."""
+    import errno
+    import termios
+
+    for fd in (0, 1, 2):
+        try:
+            termios.tcgetattr(fd)
+        except termios.error as e:  # ENOTTY: a file or pipe, written as before; EIO: a hung-up terminal
+            if e.args and e.args[0] == errno.EIO:
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, fd)
+                os.close(null)
+        except OSError:  # a closed descriptor
+            pass
 
 
 def other_unicode(head: bytes) -> str | None:

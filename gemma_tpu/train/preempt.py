@@ -8,6 +8,8 @@ under the previous step's number). At that point the step in progress has finish
 are waited for; the current step is saved unless it already is; the lock is released; exit 143.
 Before step 1 nothing is saved: a restart begins exactly as the interrupted run did.
 
+SIGHUP (the terminal closed, an ssh session dropped) does the same, exit 129: the run's terminal output goes to
+/dev/null from then on (writes to a hung-up terminal fail); a run started with SIGHUP ignored (nohup) goes on.
 Ctrl-C (SIGINT) does the same, exit 130; a second Ctrl-C stops at once (KeyboardInterrupt), keeping the
 last complete checkpoint. (A KeyboardInterrupt raised wherever the signal happened to land used to stop the
 run mid-save: the step being written was left as an Orbax temp dir, and a traceback from its thread.)
@@ -23,8 +25,9 @@ import os
 import signal
 from typing import Callable
 
-from gemma_tpu.core.errors import SignalExit, UserError
+from gemma_tpu.core.errors import SignalExit, UserError, detach_hung_up_terminal
 from gemma_tpu.train.finite_guard import CheckpointSaveFailed, last_step_on_disk, remove_failed_saves
+from gemma_tpu.train.tunix_adapter import orbax_manager
 
 log = logging.getLogger("gemma_tpu.train")
 
@@ -41,9 +44,11 @@ class Preemption:
     def install(self) -> "Preemption":
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._handler)
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # nohup's runs outlive their terminal
+            signal.signal(signal.SIGHUP, self._handler)
         self.trainer.feed.before_batch = self.at_batch_boundary
         log.info("SIGTERM (preemption) from here on: the step in progress finishes, is saved, then exit %d; "
-                 "Ctrl-C the same (exit 130), a second Ctrl-C stops at once", EXIT_CODE)
+                 "SIGHUP and Ctrl-C the same (exit 129, 130), a second Ctrl-C stops at once", EXIT_CODE)
         return self
 
     @property
@@ -51,6 +56,8 @@ class Preemption:
         return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
+        if signum == signal.SIGHUP:
+            detach_hung_up_terminal()
         if not self.requested:
             self.requested = True
             self.signum = signum
@@ -109,8 +116,11 @@ class Preemption:
                         step)
             code = 128 + signal.SIGINT
         except BaseException as e:  # exit anyway: the platform will not wait
-            log.error("%s: could not save step %d (%s: %s); the last complete checkpoint stays",
-                      self.name, step, type(e).__name__, e)
+            # what is on disk: a failed save's own line says it ("no complete step is on disk"), and was followed
+            # by "the last complete checkpoint stays", as was a failure before the save (metrics.jsonl on a disk
+            # turned read-only) where there was none
+            kept = "" if isinstance(e, CheckpointSaveFailed) else f"; {_kept_on_disk(t.checkpoint_manager)}"
+            log.error("%s: could not save step %d (%s: %s)%s", self.name, step, type(e).__name__, e, kept)
             if isinstance(e, CheckpointSaveFailed) and e.directory is not None and getattr(t, "primary", True):
                 remove_failed_saves(e.directory)  # the failed save's temp dir kept what space a full disk had
             # a UserError's own code: a step whose loss or state went non-finite is 3 (do not simply retry), as
@@ -120,3 +130,18 @@ class Preemption:
             self.on_exit()
             logging.shutdown()
             os._exit(code)
+
+
+def _kept_on_disk(manager) -> str:
+    """What a restart resumes from after a preemption's save failed, as Orbax knows it (`save_failure` says the same
+    for a failed save)."""
+    inner = orbax_manager(manager)
+    try:
+        last = inner.latest_step() if inner is not None else -1
+    except Exception:  # noqa: BLE001 - the manager is in an unknown state; the line matters more
+        last = -1
+    if last is None:
+        return "no checkpoint is on disk, and a restart begins afresh"
+    if last == -1:
+        return "the last complete checkpoint stays"
+    return f"the last complete step on disk is {last}, and a restart resumes from it"

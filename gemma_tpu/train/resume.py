@@ -5,6 +5,7 @@ the run then refused (another LoRA rank, batch or data) as one that fits."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,11 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
+    links = sorted((p for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_symlink()), key=lambda p: int(p.name))
+    if links:  # taken for a step: resumed from without a word, and Orbax's clean-up (max_to_keep) failed on it
+        raise UserError(f"{links[0]}: a symbolic link named like a checkpoint step (to {os.readlink(links[0])}); a "
+                        f"run's steps are its own directories (Orbax cannot delete a link when checkpoint.max_to_keep "
+                        f"drops the step): copy the step in its place, or remove the link")
     steps = checkpoint.list_steps(ckpt_dir)
     if not steps:
         # a run stopped before its first save (killed while its data was prepared, the model loaded or the step

@@ -424,8 +424,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # until the preemption handler takes over (data preparation, model load, restore: minutes), SIGTERM's
     # default action ended the process where it stood, leaving the run lock for another host to wait out; the
     # caller's handlers come back at the end (an in-process caller kept ours, and the preemption handler's)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    # (SIGHUP too, a closed terminal: it ended the run where it stood, the lock left behind; not where ignored: nohup)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     signal.signal(signal.SIGTERM, raise_signal_exit)
+    if handlers[signal.SIGHUP] is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, raise_signal_exit)
     try:
         run(cfg)
     except CheckpointSaveFailed as e:

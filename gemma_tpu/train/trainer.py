@@ -526,6 +526,7 @@ class Trainer(TunixTrainer):
         # the resumed step evaluated before the stop (its eval record kept): Tunix evaluated it again on entering the
         # loop, and metrics.jsonl had two eval records of one step. Process 0's answer for all (it reads the file;
         # every process runs the evaluation)
+        self._metrics_written = self.metrics_path.is_file()  # a file this run has (or kept): one gone later is said
         self.skip_entry_eval = self._resumed_step_evaluated()
         if self.skip_entry_eval:
             log.info("step %d was evaluated before the stop (its record is in %s); not evaluated again",
@@ -749,7 +750,12 @@ class Trainer(TunixTrainer):
         if rec["mode"] == "train" and rec["step"] % self.log_every_steps and not rec.get("final_flush") \
                 and rec["step"] != self.config.max_steps and math.isfinite(rec["loss"]):
             return
+        if self._metrics_written and not self.metrics_path.exists() and self.metrics_path.parent.is_dir():
+            # deleted mid-run: recreated without a word, a file starting mid-run read as the run's whole history
+            log.warning("%s was removed while training: the records before it are gone; a new file starts at step %d",
+                        self.metrics_path, rec["step"])
         append_jsonl(self.metrics_path, rec)
+        self._metrics_written = True
 
     def learning_rate(self):
         """The injected learning rate, wherever optax wrappers put it (apply_if_finite nests it, and
