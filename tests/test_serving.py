@@ -1771,6 +1771,52 @@ def test_bench_counts_failures_and_never_hangs(tmp_path):
     assert len(r["ttfts"]) == 10 and len(r["itls"]) == 10
 
 
+class SpecStream(http.server.BaseHTTPRequestHandler):
+    """An event stream as the SSE spec allows it: CRLF line ends, comments, `event:`/`id:` fields, and each event's
+    JSON spread over several `data:` lines (joined by a newline into one event)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = lambda **kw: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, **kw}]}  # noqa
+        events = [chunk(delta={"role": "assistant", "content": "one"}), chunk(delta={"content": " two"}),
+                  chunk(delta={}, finish_reason="stop"), {"id": "x", "choices": [], "usage": {
+                      "prompt_tokens": 5, "completion_tokens": 2}}]
+        self.wfile.write(b": keep-alive\r\n\r\n")
+        for k, e in enumerate(events):
+            lines = json.dumps(e, indent=1).splitlines()  # one event, many lines
+            self.wfile.write(f"event: message\r\nid: {k}\r\n".encode()
+                             + b"".join(f"data: {line}\r\n".encode() for line in lines) + b"\r\n")
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\r\n\r\n")
+
+
+def test_bench_reads_an_event_of_several_data_lines_as_one_event():
+    """An event's `data:` lines are one event (joined by a newline, as the SSE spec reads them): each line was read as
+    an event of its own, and a server that spreads its JSON over lines failed every request as a 'bad event'."""
+    import asyncio
+
+    import httpx
+
+    from serving.bench import Prompt, one_request
+
+    async def go(url):
+        async with httpx.AsyncClient() as client:
+            return await one_request(client, f"{url}/v1/chat/completions", Prompt([{"role": "user", "content": "hi"}],
+                                     None, 1, None), "m", 4, {}, {}, 10.0)
+
+    with http_server(SpecStream) as url:
+        res = asyncio.run(go(url))
+    assert res.success, res.error
+    assert (res.generated_text, res.output_tokens, res.prompt_len) == ("one two", 2, 5)
+    assert len(res.itl) == 1 and res.ttft > 0
+
+
 def test_bench_with_no_server_is_one_line_error_and_writes_nothing(tmp_path):
     """Nothing listening: refused before the benchmark starts (a server that dies mid-run is counted
     as failed requests instead, see above)."""
