@@ -550,7 +550,11 @@ class CheckedChatApp:
         return json.dumps(resp, ensure_ascii=False).encode()
 
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "").rstrip("/") if scope["type"] == "http" else ""
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.endswith("/") and path != "/":
+            # answered by the inner app as vLLM (FastAPI) answers it, before reading the body: a 307 to the path
+            # without the slash (where the request is checked), or a 404
+            return await self.app(scope, receive, self._openai_errors(send))
         if path.startswith("/v1/models") and scope["method"] == "GET" and self.model_name:
             # the served model, as vLLM lists it (transformers serve lists its hub cache: nothing, offline)
             card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}

@@ -1296,6 +1296,36 @@ def test_inner_server_errors_come_back_in_openai_shape():
     assert code == 404 and "text model (`tiny`)" in resp["error"]["message"] and not answers
 
 
+def test_a_path_with_a_trailing_slash_is_redirected_unchecked_as_vllm_redirects_it():
+    """`/v1/chat/completions/` was checked (a 400 for a malformed body, the prompt rendered and counted) and then
+    answered 307 by transformers serve; vLLM (FastAPI) answers the 307 to the path without the slash before reading
+    the body, and the request sent there is checked. `/v1/models/` and `/v1/responses/` were answered here directly
+    (vLLM: 307). The redirected path is answered as before."""
+    fastapi = pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    from serving.local import CheckedChatApp
+
+    inner = fastapi.FastAPI()  # routes as transformers serve's (and vLLM's): no trailing slash
+
+    @inner.post("/v1/chat/completions")
+    @inner.post("/v1/completions")
+    @inner.post("/v1/responses")
+    async def answer():
+        return {"served": True}
+
+    @inner.get("/v1/models")
+    async def models():
+        return {"data": []}
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    for path, method, body in [("/v1/chat/completions/", "POST", {"messages": []}),
+                               ("/v1/completions/", "POST", {"prompt": "x", "max_tokens": -1}),
+                               ("/v1/responses/", "POST", {"input": []}), ("/v1/models/", "GET", {})]:
+        code, text = _asgi(app, body, path, raw=True, method=method)
+        assert (code, text) == (307, ""), (path, code, text)
+    assert _asgi(app, {"messages": []})[1]["error"]["param"] == "messages"
+    assert _asgi(app, {}, "/v1/models", method="GET")[1]["data"][0]["id"] == "tiny"
+
+
 def test_a_generation_failing_midway_streams_an_error_clients_read():
     """A generation that fails midway ends its stream with transformers serve's `{"error": "text"}`: the OpenAI SDK
     showed "An error occurred during streaming" (it reads error.message), and a streamed Response finished with
