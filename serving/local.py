@@ -1246,15 +1246,41 @@ def prompt_counter(tok, context: int | None = None):
 
     tokens = token_counter(tok, context, "messages")
 
+    def render(messages: list[dict], tools: list | None, kwargs: dict) -> str:
+        return tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                       **kwargs)
+
+    def refused_tool(messages: list[dict], tools: list, kwargs: dict) -> str | None:
+        """Where a failed rendering's fault lies in `tools` (`tools[k]`: the first that fails declared alone for a
+        plain question; `tools`: they together), or None where the conversation fails without them."""
+        kwargs = {k: v for k, v in kwargs.items() if k != FORCED_CALL_KWARG}
+        question = [{"role": "user", "content": "?"}]
+        try:
+            render(messages, None, kwargs)
+            render(question, None, kwargs)
+        except Exception:  # noqa: BLE001 - as below
+            return None
+        for k, tool in enumerate(tools):
+            try:
+                render(question, [tool], kwargs)
+            except Exception:  # noqa: BLE001 - as below
+                return f"tools[{k}]"
+        return "tools"
+
     def count(body: dict) -> int:
         messages = _template_messages(body["messages"])
+        kwargs = body.get("chat_template_kwargs") or {}
         try:
-            text = tok.apply_chat_template(messages, tools=body.get("tools") or None,
-                                           tokenize=False, add_generation_prompt=True,
-                                           **(body.get("chat_template_kwargs") or {}))
+            text = render(messages, body.get("tools"), kwargs)
         except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raise_exception() in the template, ...
-            raise RequestError("messages", f"the chat template refused the conversation ({type(e).__name__}: "
-                                           f"{str(e)[:200]})") from None
+            why = f"({type(e).__name__}: {str(e)[:200]})"
+            # a tool the template cannot render (parameters nested past its recursion) is the tool's fault, not the
+            # conversation's: named, so the client looks there
+            where = refused_tool(messages, body["tools"], kwargs) if body.get("tools") else None
+            if where is not None:
+                what = "these tools" if where == "tools" else "this tool"
+                raise RequestError(where, f"the chat template cannot render {what} {why}") from None
+            raise RequestError("messages", f"the chat template refused the conversation {why}") from None
         for i, m in enumerate(messages):
             # Gemma has no system role: its templates fold the text into the first user turn, and with none (and no
             # tools) drop it, and the model answered as if it had not been sent

@@ -710,6 +710,32 @@ def test_a_system_message_the_template_drops_is_refused(tiny_dir):
         assert check_chat_request({"messages": messages, "tools": tools}, 4096, count)["max_tokens"] > 0
 
 
+def test_a_tool_the_template_cannot_render_is_named(tiny_dir):
+    """A tool whose parameters nest deeper than the template renders (RecursionError at ~100 levels) was refused as
+    `param: "messages"`, "the chat template refused the conversation": the client looked for the fault in its
+    messages. The tool is named (`tools[k]`); a conversation the template refuses is still `messages`."""
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+
+    from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
+    from serving.local import prompt_counter
+
+    tok = load_tokenizer(tiny_dir)
+    tok.chat_template = tool_chat_template(function_token_map(tok))
+    count = prompt_counter(tok)
+    schema: dict = {"type": "string"}
+    for _ in range(500):
+        schema = {"type": "object", "properties": {"a": schema}}
+    deep = {"type": "function", "function": {"name": "deep", "parameters": schema}}
+    with pytest.raises(RequestError, match=r"tools\[1\]: the chat template cannot render this tool \(RecursionError"
+                       ) as e:
+        check_chat_request({"messages": USER, "tools": [TOOL, deep]}, 4096, count)
+    assert e.value.param == "tools[1]"
+    tok.chat_template = "{{ raise_exception('no such role') if messages[0].role == 'user' else '' }}"
+    with pytest.raises(RequestError, match="refused the conversation") as e:
+        check_chat_request({"messages": USER, "tools": [TOOL]}, 4096, prompt_counter(tok))
+    assert e.value.param == "messages"
+
+
 def test_tool_results_without_ids_answer_the_calls_they_name(tiny_dir):
     """A tool message that names its call but has no tool_call_id (or neither): transformers serve drops the name, and
     the template read the results in order, so results sent in another order were rendered as answers of the wrong
