@@ -578,6 +578,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"container.shm_size {cfg.container.shm_size!r} is not a size like 16g")
     if not int(cfg.container.shm_size.rstrip("bkmgBKMG")):  # docker takes 0 as "its default" (64m), silently
         bad(f"container.shm_size {cfg.container.shm_size!r} is zero; give a positive size like 16g")
+    elif cfg.container.shm_size.isdigit():  # docker reads it as bytes: a unit meant (16 -> 16 bytes of /dev/shm)
+        bad(f"container.shm_size {cfg.container.shm_size!r} has no unit, and docker reads a bare number as bytes "
+            f"({cfg.container.shm_size} bytes); give the unit, e.g. {cfg.container.shm_size}g ('b' for bytes)")
     names = [a.name for a in cfg.lora.adapters]
     for i, a in enumerate(cfg.lora.adapters):
         if not (a.name or "").strip():  # was "name '': use letters, ...", of a name never given

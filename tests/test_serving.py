@@ -713,6 +713,9 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ['container.compile_cache=""'], ["container.compile_cache is empty"]),
     # docker takes a zero --shm-size as its default (64m) without a word
     (CONFIG_270M, fake_model_dir, ["container.shm_size=0g"], ["container.shm_size '0g' is zero"]),
+    # docker reads a bare number as bytes: `shm_size: 16` gave the container 16 bytes of shared memory
+    (CONFIG_270M, fake_model_dir, ["container.shm_size=16"], ["container.shm_size '16' has no unit", "16 bytes",
+                                                              "16g"]),
     # rendered as --max-model-len 100000000000000000000 where vLLM is told to allow a context past the model's
     (CONFIG_270M, fake_model_dir, ["server.max_model_len=1e20", "container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"],
      ["override 'server.max_model_len=1e20'", "server.max_model_len=100000000000000000000 is past", "2147483647"]),
