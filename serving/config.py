@@ -13,6 +13,7 @@ adapter whose weights do not fit the base (an adapter of another model).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -474,6 +475,25 @@ MODEL_DIR_HINT = "the merged model directory, e.g. model.dir=runs/x-merged"
 MAX_SERVER_INT = 2**31 - 1
 
 
+def _host_paths(cfg: ServeConfig) -> list[tuple[Any, str, str]]:
+    """(section, attribute, key) of each host path of `cfg`, the values that expand environment variables."""
+    paths = [(cfg.model, "dir", "model.dir"), (cfg.container, "compile_cache", "container.compile_cache")]
+    paths += [(a, "dir", f"lora.adapters.{a.name}.dir") for a in cfg.lora.adapters]
+    if cfg.tool_calling.chat_template != "model":
+        paths.append((cfg.tool_calling, "chat_template", "tool_calling.chat_template"))
+    return paths
+
+
+def as_written(cfg: ServeConfig) -> ServeConfig:
+    """A copy of `cfg` as a config file writes it: each host path's `$` as `$$` (read back, `$x` is the variable
+    x; a path holding a `$` was printed by --print-config as one `--config` then refused or read otherwise)."""
+    cfg = copy.deepcopy(cfg)
+    for section, attr, _ in _host_paths(cfg):
+        if isinstance(getattr(section, attr), str):
+            setattr(section, attr, getattr(section, attr).replace("$", "$$"))
+    return cfg
+
+
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), need_dir: bool = True) -> ServeConfig:
     """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem; `need_dir=False` (for printing
     the config) lets model.dir be unset."""
@@ -486,13 +506,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
 
     # the host paths expand environment variables as a run config's do: `model.dir: $RUNS/x-merged` was read
     # literally (a directory named '$RUNS' in the working directory, said not to exist)
-    paths = [(cfg.model, "dir", "model.dir"), (cfg.container, "compile_cache", "container.compile_cache")]
-    paths += [(a, "dir", f"lora.adapters.{a.name}.dir") for a in cfg.lora.adapters]
-    if cfg.tool_calling.chat_template != "model":
-        if not cfg.tool_calling.chat_template.strip():  # was "tool_calling.chat_template: . is not a file"
-            bad("tool_calling.chat_template is empty (give model, the directory's own template, or a .jinja file)")
-        paths.append((cfg.tool_calling, "chat_template", "tool_calling.chat_template"))
-    for section, attr, key in paths:
+    if cfg.tool_calling.chat_template != "model" and not cfg.tool_calling.chat_template.strip():
+        bad("tool_calling.chat_template is empty (give model, the directory's own template, or a .jinja file)")
+    for section, attr, key in _host_paths(cfg):
         if isinstance(getattr(section, attr), str):
             try:
                 setattr(section, attr, expand_env(getattr(section, attr), key))

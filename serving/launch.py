@@ -36,6 +36,7 @@ from serving.config import (
     VLLM_TPU_IMAGE,
     ModelFacts,
     ServeConfig,
+    as_written,
     inspect_model,
     load_serve_config,
     extra_args_warning,
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # printing the config needs no model: without --config it stopped at "model.dir is not set", defaults unseen
     cfg = load_serve_config(args.config, args.overrides, need_dir=not args.print_config)
     if args.print_config:
-        cli.print_config(cfg)
+        cli.print_config(as_written(cfg))  # the form --config reads back: a path's `$` as `$$`
         if not cfg.model.dir:
             print(f"note: model.dir is not set; serving needs it ({MODEL_DIR_HINT})", file=sys.stderr)
         return 0

@@ -351,6 +351,23 @@ def test_print_config_without_a_config_prints_the_defaults(capsys):
     assert out == "" and one_error_line(code, err, "server.port must be in 1..65535")
 
 
+def test_print_config_writes_a_dollar_of_a_path_so_it_reads_back(tmp_path, capsys, monkeypatch):
+    """`$$` is a `$` of the path; --print-config printed the path as expanded (`a$x`), which `--config` read back as
+    the variable x (refused: not set). The expanded paths print their `$` as `$$`; other keys are printed as given."""
+    from serving.config import load_serve_config
+
+    monkeypatch.delenv("x", raising=False)
+    monkeypatch.setenv("GEMMA_TPU_TEST_D", "b$y")
+    code, out, err = launch_inproc(capsys, "--print-config", f"model.dir={tmp_path}/a$$x", "model.name=m",
+                                   "lora.adapters=[{name: coach, dir: $GEMMA_TPU_TEST_D}]",
+                                   f"container.compile_cache={tmp_path}/c$$", "container.env={NOTE: p$$q}")
+    assert code == 0, err
+    (tmp_path / "printed.yaml").write_text(out)
+    cfg = load_serve_config(tmp_path / "printed.yaml", need_dir=False)
+    assert (cfg.model.dir, cfg.lora.adapters[0].dir) == (f"{tmp_path}/a$x", "b$y")
+    assert cfg.container.compile_cache == f"{tmp_path}/c$" and cfg.container.env == {"NOTE": "p$$q"}
+
+
 def test_a_context_past_the_models_limits_is_served_where_vllm_is_told_to_allow_it(tmp_path, capsys):
     """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the container's environment lets vLLM take a longer --max-model-len than
     max_position_embeddings or tokenizer_config.json's model_max_length; so does the launcher."""
