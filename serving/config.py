@@ -832,10 +832,18 @@ def check_template_file(path: Path, key: str) -> None:
         raise UserError(f"{key}: {path}: cannot read it ({e.strerror or e})") from None
     if not text.strip():
         raise UserError(f"{key}: {path} is empty: no chat template to render the messages with")
-    if path.suffix != ".json":  # chat_template.json holds the template as a JSON string
-        problem = jinja_syntax_error(text)
-        if problem:
-            raise UserError(f"{key}: {path} {problem}")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if path.suffix == ".json" or isinstance(obj, dict):
+        # a chat_template.json (the template as a JSON string): vLLM's --chat-template (and --local, which writes it
+        # as the served chat_template.jinja) took the file's text as the template, and the JSON was every prompt
+        raise UserError(f"{key}: {path} holds JSON, and the server reads the file's text as the template (the JSON "
+                        f"would be the prompt): save its \"chat_template\" as a .jinja file and give that")
+    problem = jinja_syntax_error(text)
+    if problem:
+        raise UserError(f"{key}: {path} {problem}")
 
 
 def jinja_syntax_error(text: str) -> str | None:

@@ -486,6 +486,22 @@ def test_a_chat_template_file_that_is_no_text_is_refused_before_local_serving(tm
     assert code == 0, err
 
 
+def test_a_chat_template_given_as_json_is_refused_for_vllm_and_local_serving(tmp_path, capsys):
+    """tool_calling.chat_template naming a chat_template.json (or a tokenizer_config.json-like object under another
+    name): vLLM's --chat-template (and --local, which writes it as chat_template.jinja) read the file's text as the
+    template, and every prompt was that JSON. Refused, saying to give the template itself as a .jinja file."""
+    d = fake_model_dir(tmp_path / "m")
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    (tmp_path / "t.txt").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    for name in ("chat_template.json", "t.txt"):
+        for mode in ("--print", f"--local server.port={free_port()}"):
+            code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, *mode.split(), f"model.dir={d}",
+                                           f"tool_calling.chat_template={tmp_path / name}")
+            one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / name} holds JSON",
+                           "reads the file's text as the template", "save its \"chat_template\" as a .jinja file")
+            assert out == ""
+
+
 def test_a_training_checkpoint_as_model_dir_says_to_merge_it(tmp_path, capsys):
     """model.dir=runs/x/checkpoints (the training output, not the merge) said only "no config.json"; it now says what
     the directory is and the merge command, for vLLM (--print) and the local server alike."""
