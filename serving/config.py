@@ -274,12 +274,25 @@ def lora_modules_left_out(adapter_modules: Sequence[str], deployed: Sequence[str
 VLLM_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.txt")  # made by scripts/vllm_serve_flags.py
 
 
-def vllm_serve_choices() -> dict[str, tuple[str, ...]]:
-    """Each option string `vllm serve` takes in the pinned release (VLLM_TPU_IMAGE), with the values its parser
-    accepts where they are a fixed set (argparse choices), else ()."""
+def _vllm_serve_lines() -> dict[str, tuple[str, ...]]:
+    """vllm_serve_flags.txt: each option string, with the words that follow it (its choices, or its number type)."""
     lines = VLLM_FLAGS_FILE.read_text(encoding="utf-8").splitlines()
     return {words[0]: tuple(words[1:]) for words in (line.split() for line in lines if not line.startswith("#"))
             if words}
+
+
+def vllm_serve_choices() -> dict[str, tuple[str, ...]]:
+    """Each option string `vllm serve` takes in the pinned release (VLLM_TPU_IMAGE), with the values its parser
+    accepts where they are a fixed set (argparse choices), else ()."""
+    return {flag: () if words[:1] and words[0].startswith(":") else words
+            for flag, words in _vllm_serve_lines().items()}
+
+
+def vllm_serve_number_types() -> dict[str, str]:
+    """The options whose value the pinned `vllm serve`'s parser converts to a number, by the type it converts to:
+    "int" or "float", "int?" / "float?" for one that takes "None" and "" too (vLLM's optional_type)."""
+    return {flag: words[0][1:] for flag, words in _vllm_serve_lines().items()
+            if len(words) == 1 and words[0].startswith(":")}
 
 
 def vllm_serve_flags() -> frozenset[str]:
@@ -358,6 +371,34 @@ def invalid_choices(args: Sequence[str]) -> list[tuple[str, str, tuple[str, ...]
             value = args[i + 1]
         if value not in choices[flag]:
             out.append((flag, value, choices[flag]))
+    return out
+
+
+def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(option, value, what it must be) for each server.extra_args option the pinned `vllm serve`'s parser converts
+    to a number, given a value that conversion refuses (`--seed x`, `--max-logprobs 2.5`): its usage error, on the
+    TPU VM after the image pull. Each occurrence, as argparse converts each."""
+    types = vllm_serve_number_types()
+    known = vllm_serve_flags()
+    out = []
+    for i, arg in enumerate(args):
+        option = vllm_option(arg)
+        flag = resolve_vllm_option(option, known) if option is not None else None
+        name, eq, value = arg.partition("=")
+        if flag not in types or "." in name:
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                continue
+            value = args[i + 1]
+        kind = types[flag]
+        if kind.endswith("?") and value in ("", "None"):
+            continue
+        try:
+            (int if kind.startswith("int") else float)(value)
+        except ValueError:
+            what = "an integer" if kind.startswith("int") else "a number"
+            out.append((flag, value, what + (" (or None)" if kind.endswith("?") else "")))
     return out
 
 
@@ -556,6 +597,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     for flag, value, allowed in invalid_choices(s.extra_args) if pinned_image(cfg) else ():
         bad(f"server.extra_args: {flag} {value!r} is not a value `vllm serve` takes in {VLLM_TPU_IMAGE} "
             f"{_takes(value, allowed)}; vLLM would stop at it on the TPU VM")
+    for flag, value, what in invalid_number_types(s.extra_args) if pinned_image(cfg) else ():
+        bad(f"server.extra_args: {flag} {value!r} is not {what}, which `vllm serve` takes in {VLLM_TPU_IMAGE}; "
+            f"vLLM would stop at it on the TPU VM")
     for flag, value, what in invalid_numbers(s.extra_args):
         bad(f"server.extra_args: {flag} {value!r} is not {what}; vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:

@@ -792,6 +792,15 @@ def _moe_gemma4(p, expert_width: int):
      ["--gpu-memory-utilization '1.5' is not a fraction of the accelerator's memory in (0, 1]"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu_memory_utilization=nan]"],
      ["--gpu-memory-utilization 'nan' is not a fraction"]),
+    # a word (or a fraction) where vLLM's parser converts the value to a number: its usage error, on the TPU VM
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,x]"],
+     ["--seed 'x' is not an integer, which `vllm serve` takes in vllm/vllm-tpu:v0.27.0"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-logprobs=2.5,--enforce-eager]"],
+     ["--max-logprobs '2.5' is not an integer"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--cpu-offload-gb,lots]"],
+     ["--cpu-offload-gb 'lots' is not a number"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-cpu-loras,four]"],  # optional: "None" too
+     ["--max-cpu-loras 'four' is not an integer (or None)"]),
     # an abbreviation of several options: vLLM's argparse refuses it as ambiguous (--max passed with a warning)
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max,4]"],
      ["--max abbreviates several options of `vllm serve` (--max-cpu-loras, ", "give the option in full"]),
