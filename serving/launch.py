@@ -160,17 +160,23 @@ def _secrets(cfg: ServeConfig) -> list[tuple[str, str]]:
     return out
 
 
+def api_key(cfg: ServeConfig) -> str | None:
+    """The API key server.api_key_env names (None without one); a variable that is not set is refused."""
+    name = cfg.server.api_key_env
+    if name and not os.environ.get(name):
+        raise UserError(f"server.api_key_env: environment variable {name} is not set (export it, or set "
+                        "server.api_key_env=null for a server without an API key)")
+    return os.environ[name] if name else None
+
+
 def _docker_env(cfg: ServeConfig) -> dict[str, str]:
     """This environment, with each secret copied under the name the container expects, so that
     `docker run -e NAME` passes it on (values never reach the command line)."""
     env = dict(os.environ)
     for inside, host_var in _secrets(cfg):
-        value = os.environ.get(host_var)
+        value = api_key(cfg) if inside == "VLLM_API_KEY" else os.environ.get(host_var)
         if value:
             env[inside] = value
-        elif inside == "VLLM_API_KEY":
-            raise UserError(f"server.api_key_env: environment variable {host_var} is not set (export it, or set "
-                            "server.api_key_env=null for a server without an API key)")
         else:
             env.pop(inside, None)
     return env
@@ -227,6 +233,7 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
 def serve_local(cfg: ServeConfig) -> int:
     """`transformers serve` on this machine, until Ctrl-C or SIGTERM."""
 
+    key = api_key(cfg)  # required by the served /v1 paths, as vLLM's --api-key: a client without it fails here too
     facts = inspect_model(cfg, for_vllm=False)
     warning = weights_warning(facts)
     if warning:
@@ -236,7 +243,8 @@ def serve_local(cfg: ServeConfig) -> int:
     # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
     # positions for Gemma 3 270M), and prompts vLLM refuses were answered
     server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,
-                         chat_template=template, max_model_len=cfg.server.max_model_len, identity=facts.identity)
+                         chat_template=template, max_model_len=cfg.server.max_model_len, identity=facts.identity,
+                         api_key=key)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.start()

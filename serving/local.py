@@ -21,7 +21,8 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
   that ended a text from it (`trim_stops`, `StopTrim`), and returns the FunctionGemma calls in the model's text as
   `tool_calls` (streamed: as `tool_calls` deltas, `StreamedCalls`), as vLLM's parser does; it asks the served app
   for a stream every time (`whole_completion` puts a whole answer together), so a client that goes away stops the
-  generation.
+  generation; with an API key (`server.api_key_env`, handed over in the environment) the /v1 paths need it, as vLLM's
+  `--api-key` makes them.
 """
 
 from __future__ import annotations
@@ -236,6 +237,8 @@ def startup_failure(log: str) -> str:
 
 WORKDIR_PREFIX = "gemma-tpu-serve-"  # LocalServer's temporary directory, the served process's working directory
 PARENT_ENV = "GEMMA_TPU_SERVE_PARENT"  # the PID of the LocalServer's process, for `stop_with_parent`
+# the API key a LocalServer hands its served process (in its environment: the command line is visible to all)
+API_KEY_ENV = "GEMMA_TPU_SERVE_API_KEY"
 
 
 def stop_with_parent(interval: float = 1.0) -> None:
@@ -271,8 +274,9 @@ class LocalServer:
     def __init__(self, model_dir: str | Path, name: str | None = None, host: str = "127.0.0.1",
                  port: int | None = None, log: str | Path | None = None, startup_timeout: float = 300.0,
                  chat_template: str | Path | None = None, max_model_len: int | None = None,
-                 identity: tuple[int, int] | None = None):
+                 identity: tuple[int, int] | None = None, api_key: str | None = None):
         self.model_dir = Path(model_dir).resolve()
+        self.api_key = api_key  # the /v1 paths need `Authorization: Bearer KEY` (as vLLM's --api-key) when given
         self.identity = identity  # `dir_identity` of model_dir when it was checked (serving.config.inspect_model)
         self.max_model_len = max_model_len  # the context requests are bounded by, if below the model's
         self.chat_template = Path(chat_template).expanduser() if chat_template else None
@@ -316,6 +320,9 @@ class LocalServer:
         path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": path, PARENT_ENV: str(os.getpid())}  # it stops when this process is gone
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
         if self.log_path is not None:
             # appended to, so a restart keeps the previous run's output (why it stopped); each run starts at a line
             # naming its start, and a failure is read from there on (`_log_tail`)
@@ -439,8 +446,10 @@ class CheckedChatApp:
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
-                 model_name: str | None = None, forced_calls: bool = False, stop_texts: list[str] | None = None):
+                 model_name: str | None = None, forced_calls: bool = False, stop_texts: list[str] | None = None,
+                 api_key: str | None = None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.api_key = api_key  # required on the /v1 paths as vLLM's --api-key requires it (`_authorized`)
         self.stop_texts = list(stop_texts or [])  # what the stop tokens decode to (`stop_token_texts`): cut as stops
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
         self.count_text, self.model_name = count_text, model_name
@@ -549,8 +558,23 @@ class CheckedChatApp:
             choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
 
+    def _authorized(self, scope) -> bool:
+        """Whether a request may pass the API key check, as vLLM's (its AuthenticationMiddleware): with a key, every
+        /v1 path but a CORS preflight (OPTIONS) needs `Authorization: Bearer KEY`; /health and the rest do not."""
+        import hmac
+
+        if not self.api_key or scope["type"] != "http" or scope["method"] == "OPTIONS" or \
+                not scope.get("path", "").startswith("/v1"):
+            return True
+        given = dict(scope.get("headers", [])).get(b"authorization", b"")
+        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not self._authorized(scope):  # before anything else, as vLLM's middleware (a trailing slash included)
+            return await self._json(send, 401, {"error": {
+                "message": "Unauthorized: this server needs its API key, sent as `Authorization: Bearer KEY`",
+                "type": "authentication_error", "param": None, "code": 401}})
         if path.endswith("/") and path != "/":
             # answered by the inner app as vLLM (FastAPI) answers it, before reading the body: a 307 to the path
             # without the slash (where the request is checked), or a 404
@@ -1467,6 +1491,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=cli.integer(), help="bound requests by this context too")
     args = p.parse_args(argv)
     stop_with_parent()
+    api_key = os.environ.pop(API_KEY_ENV, None) or None  # from the LocalServer that started it
     served = Path(args.name).resolve()
     if not (served / "config.json").is_file():
         raise UserError(f"{args.name}: no config.json ({training_run_hint(served)})")
@@ -1499,7 +1524,7 @@ def serve_main(argv: list[str] | None = None) -> None:
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
                               isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
-                              stop_token_texts(tok, served))
+                              stop_token_texts(tok, served), api_key)
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler

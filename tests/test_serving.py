@@ -1513,6 +1513,45 @@ def test_local_server_is_bounded_by_max_model_len(tiny_dir, tmp_path, capsys, mo
     assert f"context of 64 tokens: ask for at most {64 - usage['prompt_tokens']}" in error["error"]["message"]
 
 
+def test_local_server_takes_the_api_key_as_vllm_does(tiny_dir, tmp_path, capsys, monkeypatch):
+    """`--local` ignored server.api_key_env: the config said the API needed a key, transformers serve answered anyone
+    (beyond loopback without the warning a keyless server gets), and a client that forgot its key passed here and
+    failed on vLLM. The /v1 paths now need `Authorization: Bearer KEY` (401 otherwise), as vLLM's; /health does not.
+    A variable that is not set is refused before anything starts, as for the container."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    from serving.launch import LocalServer
+
+    seen = []
+
+    def requests_then_ctrl_c(server):
+        def ask(path, key=None, body=None):
+            headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+            req = urllib.request.Request(server.url + path, headers=headers, method="POST" if body else "GET",
+                                         data=json.dumps(body).encode() if body else None)
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        seen.extend([ask("/health"), ask("/v1/models"), ask("/v1/models", "wrong"), ask("/v1/models", "s3cret"),
+                     ask("/v1/chat/completions", None, chat), ask("/v1/chat/completions", "s3cret", chat)])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalServer, "wait", requests_then_ctrl_c)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{dir: {tiny_dir}}}\nserver: {{port: {free_port()}, api_key_env: GEMMA_TPU_TEST_KEY}}\n")
+    monkeypatch.delenv("GEMMA_TPU_TEST_KEY", raising=False)
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    one_error_line(code, err, "server.api_key_env: environment variable GEMMA_TPU_TEST_KEY is not set")
+    assert not seen
+    monkeypatch.setenv("GEMMA_TPU_TEST_KEY", "s3cret")
+    code, _, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    assert code == 0, err
+    assert seen == [200, 401, 401, 200, 401, 200]
+
+
 def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp_path, capsys):
     """`serving.launch --local` on a port another server holds: transformers serve loaded the model, failed to
     bind, and meanwhile the other server's /health 200 made it announce `serving ... at <that port>`; then
