@@ -376,8 +376,9 @@ def invalid_choices(args: Sequence[str]) -> list[tuple[str, str, tuple[str, ...]
 
 def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
     """(option, value, what it must be) for each server.extra_args option the pinned `vllm serve`'s parser converts
-    to a number, given a value that conversion refuses (`--seed x`, `--max-logprobs 2.5`): its usage error, on the
-    TPU VM after the image pull. Each occurrence, as argparse converts each."""
+    to a number, given a value that conversion refuses (`--seed x`, `--max-logprobs 2.5`) or none (value None: at the
+    end, or before another option): its usage error, on the TPU VM after the image pull. Each occurrence, as argparse
+    converts each."""
     types = vllm_serve_number_types()
     known = vllm_serve_flags()
     out = []
@@ -387,18 +388,19 @@ def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
         name, eq, value = arg.partition("=")
         if flag not in types or "." in name:
             continue
+        kind = types[flag]
+        what = ("an integer" if kind.startswith("int") else "a number") + (" (or None)" if kind.endswith("?") else "")
         if not eq:
-            if i + 1 >= len(args):
+            if i + 1 >= len(args) or vllm_option(args[i + 1]) is not None:  # argparse: "expected one argument"
+                out.append((flag, None, what))
                 continue
             value = args[i + 1]
-        kind = types[flag]
         if kind.endswith("?") and value in ("", "None"):
             continue
         try:
             (int if kind.startswith("int") else float)(value)
         except ValueError:
-            what = "an integer" if kind.startswith("int") else "a number"
-            out.append((flag, value, what + (" (or None)" if kind.endswith("?") else "")))
+            out.append((flag, value, what))
     return out
 
 
@@ -598,8 +600,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"server.extra_args: {flag} {value!r} is not a value `vllm serve` takes in {VLLM_TPU_IMAGE} "
             f"{_takes(value, allowed)}; vLLM would stop at it on the TPU VM")
     for flag, value, what in invalid_number_types(s.extra_args) if pinned_image(cfg) else ():
-        bad(f"server.extra_args: {flag} {value!r} is not {what}, which `vllm serve` takes in {VLLM_TPU_IMAGE}; "
-            f"vLLM would stop at it on the TPU VM")
+        bad(f"server.extra_args: {flag} " + (f"needs a value ({what})" if value is None else f"{value!r} is not {what}")
+            + f", which `vllm serve` takes in {VLLM_TPU_IMAGE}; vLLM would stop at it on the TPU VM")
     for flag, value, what in invalid_numbers(s.extra_args):
         bad(f"server.extra_args: {flag} {value!r} is not {what}; vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:

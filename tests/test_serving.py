@@ -801,6 +801,9 @@ def _moe_gemma4(p, expert_width: int):
      ["--cpu-offload-gb 'lots' is not a number"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-cpu-loras,four]"],  # optional: "None" too
      ["--max-cpu-loras 'four' is not an integer (or None)"]),
+    # argparse takes no option for the value: "expected one argument"
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed]"], ["--seed needs a value (an integer)"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,--enforce-eager]"], ["--seed needs a value"]),
     # an abbreviation of several options: vLLM's argparse refuses it as ambiguous (--max passed with a warning)
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max,4]"],
      ["--max abbreviates several options of `vllm serve` (--max-cpu-loras, ", "give the option in full"]),
