@@ -93,6 +93,9 @@ def _messages(inp: Any) -> tuple[list[dict], list[tuple[str, list[str]]]]:
         else:
             raise RequestError(f"{where}.type", f"{kind!r} is not supported (message, function_call, "
                                                 f"function_call_output)")
+    if not messages:  # reasoning items alone
+        raise RequestError("input", "holds no message, function_call or function_call_output item (reasoning items "
+                                    "are not read): nothing to answer")
     return messages, origins
 
 

@@ -1062,6 +1062,12 @@ def test_responses_api_is_answered_through_a_chat_completion():
             ({"input": "hi", "tools": [tool], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name")):
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
+    # reasoning items alone (a reasoning model's trace, not read): no conversation; the chat check's "messages: expected
+    # a non-empty list of messages" came back as "input: expected a non-empty list of input"
+    code, resp = _asgi(app, {"input": [{"type": "reasoning", "summary": []}]}, "/v1/responses")
+    assert (code, resp["error"]["param"]) == (400, "input"), resp
+    assert resp["error"]["message"] == ("input: holds no message, function_call or function_call_output item "
+                                        "(reasoning items are not read): nothing to answer"), resp
     n = len(seen)  # what clients send along, harmless unread, still passes
     code, resp = _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
                              "include": [], "truncation": "disabled", "top_logprobs": 0, "tool_choice": "auto",
