@@ -1068,6 +1068,14 @@ def test_responses_api_is_answered_through_a_chat_completion():
     assert (code, resp["error"]["param"]) == (400, "input"), resp
     assert resp["error"]["message"] == ("input: holds no message, function_call or function_call_output item "
                                         "(reasoning items are not read): nothing to answer"), resp
+    # fields read as nothing when of the wrong type (metadata "x" echoed back as {}), where OpenAI (and vLLM's request
+    # model) refuse them
+    for key, value, kind in (("text", "x", "an object"), ("metadata", "x", "an object"), ("reasoning", [], "an object"),
+                             ("store", "no", "true or false"), ("max_tool_calls", True, "a whole number"),
+                             ("truncation", 1, "a string"), ("service_tier", {}, "a string")):
+        code, resp = _asgi(app, {"input": "hi", key: value}, "/v1/responses")
+        assert (code, resp["error"]["param"]) == (400, key), resp
+        assert resp["error"]["message"].startswith(f"{key}: expected {kind}, got "), resp
     n = len(seen)  # what clients send along, harmless unread, still passes
     code, resp = _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
                              "include": [], "truncation": "disabled", "top_logprobs": 0, "tool_choice": "auto",
