@@ -893,9 +893,10 @@ def check_template_file(path: Path, key: str) -> None:
 
 
 def jinja_syntax_error(text: str) -> str | None:
-    """Where the Jinja template `text` cannot be parsed ("line 3: unexpected '}'"), or None. Parsed as transformers
-    compiles chat templates (loop controls, the `{% generation %}` block of assistant masks): a template with a
-    syntax error passed the launcher and failed in vLLM at the first request, the container up and the model loaded."""
+    """Where the Jinja template `text` cannot be parsed ("line 3: unexpected '}'"), or why it is no chat template (it
+    never reads `messages`), or None. Parsed as transformers compiles chat templates (loop controls, the `{%
+    generation %}` block of assistant masks): a template with a syntax error passed the launcher and failed in vLLM at
+    the first request, the container up and the model loaded."""
     try:
         import jinja2
         import jinja2.ext
@@ -911,9 +912,14 @@ def jinja_syntax_error(text: str) -> str | None:
             return jinja2.nodes.Scope(body).set_lineno(lineno)
 
     try:
-        jinja2.Environment(extensions=[jinja2.ext.loopcontrols, Generation]).parse(text)
+        env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, Generation])
+        ast = env.parse(text)
     except jinja2.TemplateSyntaxError as e:
         return f"line {e.lineno}: {e.message} (not a Jinja template transformers and vLLM can compile)"
+    import jinja2.meta
+
+    if "messages" not in jinja2.meta.find_undeclared_variables(ast):  # every prompt would be the same text
+        return "never reads `messages`: not a chat template (the conversation would not reach the prompt)"
     return None
 
 

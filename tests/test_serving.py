@@ -758,6 +758,9 @@ def _moe_gemma4(p, expert_width: int):
      ["/m/chat_template.jinja is not UTF-8 text (byte 0)"]),
     (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "chat_template.jinja").write_text(" \n")) and p, [],
      ["/m/chat_template.jinja is empty"]),
+    # text that never reads the conversation (a system prompt saved as the template): every prompt was that text
+    (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "chat_template.jinja").write_text("You are a coach.\n")) and p,
+     [], ["/m/chat_template.jinja never reads `messages`: not a chat template"]),
     # two symbolic links leading to each other: a RuntimeError traceback where the launcher resolved the path
     (CONFIG_270M, lambda p: (p.symlink_to(p.with_name("loop")), p.with_name("loop").symlink_to(p)) and p, [],
      ["model.dir", "/m: cannot resolve the path", "leads back to itself"]),
