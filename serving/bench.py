@@ -45,7 +45,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -60,6 +59,7 @@ from gemma_tpu.core.config import DataConfig
 from gemma_tpu.data.records import iter_raw, message_role, normalise_row
 from gemma_tpu.infer.openai_client import (
     api_base,
+    api_key_from_env,
     body_text,
     check_reachable,
     describe_body,
@@ -492,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = (random_prompts(args.num_prompts, args.input_len, args.seed) if args.dataset == "random"
                else file_prompts(args.dataset, args.num_prompts, args.seed))
     base = api_base(args.base_url)
-    api_key = os.environ.get(args.api_key_env) or None
+    api_key = api_key_from_env(args.api_key_env)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # an unreachable server is refused here, in one line, before anything is timed or written
     if args.model:

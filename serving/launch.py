@@ -31,6 +31,7 @@ from typing import Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.infer.openai_client import api_key_from_env
 from serving.config import (
     MODEL_DIR_HINT,
     VLLM_TPU_IMAGE,
@@ -166,7 +167,7 @@ def api_key(cfg: ServeConfig) -> str | None:
     if name and not os.environ.get(name):
         raise UserError(f"server.api_key_env: environment variable {name} is not set (export it, or set "
                         "server.api_key_env=null for a server without an API key)")
-    return os.environ[name] if name else None
+    return api_key_from_env(name, "server.api_key_env") if name else None  # one a client's header can carry
 
 
 def _docker_env(cfg: ServeConfig) -> dict[str, str]:

@@ -1552,6 +1552,11 @@ def test_local_server_takes_the_api_key_as_vllm_does(tiny_dir, tmp_path, capsys,
     code, out, err = launch_inproc(capsys, "--config", str(cfg), "--local")
     one_error_line(code, err, "server.api_key_env: environment variable GEMMA_TPU_TEST_KEY is not set")
     assert not seen
+    monkeypatch.setenv("GEMMA_TPU_TEST_KEY", "s3cret\n")  # no client could send it (a traceback in each)
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    one_error_line(code, err, "server.api_key_env: the environment variable GEMMA_TPU_TEST_KEY holds the character "
+                              "U+000A (character 7 of 7)")
+    assert not seen and "s3cret" not in out + err
     monkeypatch.setenv("GEMMA_TPU_TEST_KEY", "s3cret")
     code, _, err = launch_inproc(capsys, "--config", str(cfg), "--local")
     assert code == 0, err

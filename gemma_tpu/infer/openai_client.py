@@ -322,6 +322,25 @@ def served_model_name(base: str, api_key: str | None = None, timeout: float = 30
     return name if isinstance(name, str) and name else None
 
 
+def api_key_from_env(name: str, option: str = "--api-key-env") -> str | None:
+    """The API key the environment variable `name` holds (None when unset or empty), refused (naming `option` and the
+    character, never the key) when no HTTP header carries it as given: a line break (a key file's newline) was
+    urllib's ValueError traceback printing the whole `Bearer KEY` header, a non-ASCII letter httpx's
+    UnicodeEncodeError, and an edge space a 401 (servers strip a header's edge spaces)."""
+    import os
+
+    key = os.environ.get(name) or None
+    if key is None:
+        return None
+    for i, ch in enumerate(key):
+        edge = i in (0, len(key) - 1)
+        if not (" " <= ch <= "~") or (edge and ch == " "):
+            what = "a space at its edge" if ch == " " else f"the character U+{ord(ch):04X}"
+            raise UserError(f"{option}: the environment variable {name} holds {what} (character {i + 1} of "
+                            f"{len(key)}), which an HTTP header cannot carry as the key: set it to the key alone")
+    return key
+
+
 def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 0) -> None:
     """Refuse a server that does not answer at all (any HTTP answer, even an error, will do; `retries`: as
     `http_json`'s)."""
