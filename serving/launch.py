@@ -245,7 +245,7 @@ def serve_local(cfg: ServeConfig) -> int:
     # positions for Gemma 3 270M), and prompts vLLM refuses were answered
     server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,
                          chat_template=template, max_model_len=cfg.server.max_model_len, identity=facts.identity,
-                         api_key=key)
+                         api_key=key, auto_tools=t.enabled)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.start()

@@ -274,8 +274,9 @@ class LocalServer:
     def __init__(self, model_dir: str | Path, name: str | None = None, host: str = "127.0.0.1",
                  port: int | None = None, log: str | Path | None = None, startup_timeout: float = 300.0,
                  chat_template: str | Path | None = None, max_model_len: int | None = None,
-                 identity: tuple[int, int] | None = None, api_key: str | None = None):
+                 identity: tuple[int, int] | None = None, api_key: str | None = None, auto_tools: bool = True):
         self.model_dir = Path(model_dir).resolve()
+        self.auto_tools = auto_tools  # False: "auto" tool choice refused, as vLLM without --enable-auto-tool-choice
         self.api_key = api_key  # the /v1 paths need `Authorization: Bearer KEY` (as vLLM's --api-key) when given
         self.identity = identity  # `dir_identity` of model_dir when it was checked (serving.config.inspect_model)
         self.max_model_len = max_model_len  # the context requests are bounded by, if below the model's
@@ -307,7 +308,8 @@ class LocalServer:
     def command(self) -> list[str]:
         transformers_executable()  # the serving extras are installed
         return [sys.executable, "-m", "serving.local", self.name, "--host", self.host, "--port", str(self.port)] + (
-            ["--max-model-len", str(self.max_model_len)] if self.max_model_len else [])
+            ["--max-model-len", str(self.max_model_len)] if self.max_model_len else []) + (
+            [] if self.auto_tools else ["--no-auto-tool-choice"])
 
     def start(self) -> "LocalServer":
         cmd = self.command()
@@ -447,8 +449,9 @@ class CheckedChatApp:
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
                  model_name: str | None = None, forced_calls: bool = False, stop_texts: list[str] | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, auto_tools: bool = True):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.auto_tools = auto_tools  # as vLLM's --enable-auto-tool-choice (tool_calling.enabled)
         self.api_key = api_key  # required on the /v1 paths as vLLM's --api-key requires it (`_authorized`)
         self.stop_texts = list(stop_texts or [])  # what the stop tokens decode to (`stop_token_texts`): cut as stops
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
@@ -645,6 +648,12 @@ class CheckedChatApp:
             body = await asyncio.get_running_loop().run_in_executor(self._checks, functools.partial(
                 check, body, self.context, self.count_text if check is check_completion_request else self.count_prompt,
                 self.vocab_size, self.check_generation_config))
+            if not self.auto_tools and check is check_chat_request and body.get("tools") and \
+                    body.get("tool_choice", "auto") == "auto":  # vLLM's refusal without --enable-auto-tool-choice
+                raise RequestError("tool_choice", '"auto" tool choice (the default with tools) requires tool calling, '
+                                                  'which this server has off (tool_calling.enabled: false), as vLLM '
+                                                  'refuses it without --enable-auto-tool-choice: send tool_choice '
+                                                  '"none" or a named function, or serve with tool calling on')
         except RequestError as e:
             param, message = e.param, str(e)
             if translated and param:  # a field of the chat completion it became: name the one sent
@@ -1489,6 +1498,8 @@ def serve_main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=cli.integer(), default=8000)
     p.add_argument("--max-model-len", type=cli.integer(), help="bound requests by this context too")
+    p.add_argument("--no-auto-tool-choice", action="store_true",
+                   help='refuse "auto" tool choice, as vLLM without --enable-auto-tool-choice (tool_calling.enabled)')
     args = p.parse_args(argv)
     stop_with_parent()
     api_key = os.environ.pop(API_KEY_ENV, None) or None  # from the LocalServer that started it
@@ -1524,7 +1535,7 @@ def serve_main(argv: list[str] | None = None) -> None:
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
                               isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
-                              stop_token_texts(tok, served), api_key)
+                              stop_token_texts(tok, served), api_key, not args.no_auto_tool_choice)
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler

@@ -1563,6 +1563,43 @@ def test_local_server_takes_the_api_key_as_vllm_does(tiny_dir, tmp_path, capsys,
     assert seen == [200, 401, 401, 200, 401, 200]
 
 
+def test_local_server_without_tool_calling_refuses_auto_tool_choice_as_vllm_does(tiny_dir, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """tool_calling.enabled: false renders no --enable-auto-tool-choice, and vLLM answers a request with tools (and
+    tool_choice "auto", the default with tools) 400; `--local` answered it, parsing calls from the text, so a client
+    that passed here failed there. "none" still passes (the tools unread), as in vLLM."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    from serving.launch import LocalServer
+
+    seen = []
+
+    def requests_then_ctrl_c(server):
+        def chat(**extra):
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{
+                "type": "function", "function": {"name": "get_steps", "parameters": {"type": "object"}}}], **extra}
+            req = urllib.request.Request(server.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        seen.extend([chat(), chat(tool_choice="auto"), chat(tool_choice="none")])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalServer, "wait", requests_then_ctrl_c)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{dir: {tiny_dir}}}\nserver: {{port: {free_port()}}}\ntool_calling: {{enabled: false}}\n")
+    code, _, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    assert code == 0, err
+    (plain, refused), (auto, _), (none, _) = seen
+    assert (plain, auto, none) == (400, 400, 200), seen
+    assert refused["error"]["param"] == "tool_choice", refused
+    assert "requires tool calling, which this server has off (tool_calling.enabled: false)" in refused["error"][
+        "message"], refused
+
+
 def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp_path, capsys):
     """`serving.launch --local` on a port another server holds: transformers serve loaded the model, failed to
     bind, and meanwhile the other server's /health 200 made it announce `serving ... at <that port>`; then
