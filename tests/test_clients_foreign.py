@@ -526,6 +526,21 @@ def test_evaluate_retries_a_busy_server(tmp_path, caplog, status):
     assert re.search(r"^n\s+1$", proc.stdout, re.M), proc.stdout
 
 
+def test_the_waits_between_many_retries_stop_growing(monkeypatch):
+    """`--retries 12` waited 1, 2, 4 ... 2048 s between attempts (over an hour before the last, days with a few more);
+    the doubling stops at MAX_RETRY_AFTER, the longest wait a server's Retry-After gets, and every attempt is still
+    made."""
+    from gemma_tpu.infer.openai_client import MAX_RETRY_AFTER, http_json
+
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    handler = flaky(503, 12)
+    with http_server(handler) as url:
+        assert http_json(url + "/v1/chat/completions", {"messages": []}, retries=12)["choices"]
+    assert handler.seen == 13
+    assert waits == [1, 2, 4, 8, 16, 32, 64] + [MAX_RETRY_AFTER] * 5, waits
+
+
 def test_evaluate_waits_for_a_server_still_starting_before_its_first_request():
     """A refused connection is asked again (a server still starting) - but not the first request, the model list:
     evaluate --endpoint started beside `serving.launch` failed at once, unless --served-model skipped that request."""
