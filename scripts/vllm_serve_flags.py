@@ -33,10 +33,17 @@ from vllm.entrypoints.openai.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 parser = make_arg_parser(FlexibleArgumentParser())
 flags = {s: [] for a in parser._actions for s in a.option_strings}
+def number_type(t):  # int or float, or vLLM's optional_type of one (which also takes "" and "None"), else None
+    inner = [c.cell_contents for c in t.__closure__ or ()] if getattr(t, "__name__", "") == "_optional_type" else []
+    base = t if t in (int, float) else next((c for c in inner if c in (int, float)), None)
+    return base and ":" + base.__name__ + ("?" if inner else "")
 for a in parser._actions:  # a fixed set of values argparse checks as written (no converting type, one value)
     if a.choices is not None and a.type in (None, str) and a.nargs is None:
         for s in a.option_strings:
             flags[s] = [str(c) for c in a.choices]
+    elif a.choices is None and a.nargs is None and number_type(a.type):  # a number argparse converts (int("x"))
+        for s in a.option_strings:
+            flags[s] = [number_type(a.type)]
 print(json.dumps(sorted(flags.items())))
 """
 
@@ -63,7 +70,8 @@ def main(argv: list[str]) -> int:
     OUT.write_text(f"# The options of `vllm serve` in vllm-tpu=={version} (the release of the pinned vllm/vllm-tpu "
                    f"image), one a line;\n# made by scripts/vllm_serve_flags.py {version}. serving/config.py checks "
                    "server.extra_args against them.\n# An option whose value argparse checks against a fixed set is "
-                   "followed by that set (vllm serve stops at any other value).\n"
+                   "followed by that set (vllm serve stops at any other value);\n# one whose value argparse converts "
+                   "to a number by :int or :float (:int? and :float? take \"None\" and an empty value too).\n"
                    + "\n".join(" ".join([flag, *choices]) for flag, choices in flags) + "\n")
     print(f"{OUT}: {len(flags)} options of vllm-tpu {version}")
     return 0

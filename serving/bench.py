@@ -45,7 +45,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -60,6 +59,7 @@ from gemma_tpu.core.config import DataConfig
 from gemma_tpu.data.records import iter_raw, message_role, normalise_row
 from gemma_tpu.infer.openai_client import (
     api_base,
+    api_key_from_env,
     body_text,
     check_reachable,
     describe_body,
@@ -191,6 +191,27 @@ def _delta_output(delta: dict) -> str | None:
     return None
 
 
+async def sse_data(lines, other: list[str]):
+    """The data of each event of a server-sent event stream, read from its `lines` (line ends taken off) as the SSE
+    spec reads them: an event's `data:` lines joined by newlines (one leading space off each), dispatched at the
+    blank line that ends it (or at the stream's end); comments and the other fields (`event:`, `id:`, `retry:`) are
+    no data. Other non-blank lines (what came back instead of a stream) go to `other`, the first 20."""
+    data: list[str] | None = None
+    async for line in lines:
+        if not line.strip():
+            if data is not None:
+                yield "\n".join(data)
+            data = None
+            continue
+        field, _, value = line.partition(":")
+        if field == "data":
+            data = (data or []) + [value[1:] if value.startswith(" ") else value]
+        elif field not in ("", "event", "id", "retry") and len(other) < 20:
+            other.append(line.strip())
+    if data is not None:
+        yield "\n".join(data)
+
+
 async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> None:
     st = time.perf_counter()
     res.start_time = st
@@ -208,15 +229,9 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
         ctype = resp.headers.get("content-type") or "none"
         other: list[str] = []  # lines that are not events: what came back instead of a stream
         events = 0
-        async for line in resp.aiter_lines():
-            line = line.strip()
-            if not line.startswith("data:"):
-                if line and not line.startswith((":", "event:", "id:", "retry:")) and len(other) < 20:
-                    other.append(line)
-                continue
+        async for data in sse_data(resp.aiter_lines(), other):
             events += 1
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
+            if data.strip() == "[DONE]":
                 done = True
                 break
             chunk = json_object(data, lambda why: RequestFailed(f"bad event: {why}"))
@@ -477,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = (random_prompts(args.num_prompts, args.input_len, args.seed) if args.dataset == "random"
                else file_prompts(args.dataset, args.num_prompts, args.seed))
     base = api_base(args.base_url)
-    api_key = os.environ.get(args.api_key_env) or None
+    api_key = api_key_from_env(args.api_key_env)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # an unreachable server is refused here, in one line, before anything is timed or written
     if args.model:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from typing import Any, Sequence, TextIO
 
@@ -34,6 +33,7 @@ from gemma_tpu.infer.openai_client import (
     RETRIES_HELP,
     StopTokenTexts,
     api_base,
+    api_key_from_env,
     http_json,
     openai_messages,
     reply_from_answer,
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.once is None:
         check_stdin()  # before the server is asked
     provider = make_provider(args.provider, args.seed)  # fail fast on credentials
-    api_key = os.environ.get(args.api_key_env) or None
+    api_key = api_key_from_env(args.api_key_env)
     model = args.model or served_model_name(api_base(args.base_url), api_key, timeout=min(args.timeout, 30),
                                             retries=args.retries)
     coach = RemoteCoach(args.base_url, provider, model, api_key, args.max_tokens, args.temperature, args.timeout,

@@ -13,6 +13,7 @@ adapter whose weights do not fit the base (an adapter of another model).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -273,12 +274,25 @@ def lora_modules_left_out(adapter_modules: Sequence[str], deployed: Sequence[str
 VLLM_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.txt")  # made by scripts/vllm_serve_flags.py
 
 
-def vllm_serve_choices() -> dict[str, tuple[str, ...]]:
-    """Each option string `vllm serve` takes in the pinned release (VLLM_TPU_IMAGE), with the values its parser
-    accepts where they are a fixed set (argparse choices), else ()."""
+def _vllm_serve_lines() -> dict[str, tuple[str, ...]]:
+    """vllm_serve_flags.txt: each option string, with the words that follow it (its choices, or its number type)."""
     lines = VLLM_FLAGS_FILE.read_text(encoding="utf-8").splitlines()
     return {words[0]: tuple(words[1:]) for words in (line.split() for line in lines if not line.startswith("#"))
             if words}
+
+
+def vllm_serve_choices() -> dict[str, tuple[str, ...]]:
+    """Each option string `vllm serve` takes in the pinned release (VLLM_TPU_IMAGE), with the values its parser
+    accepts where they are a fixed set (argparse choices), else ()."""
+    return {flag: () if words[:1] and words[0].startswith(":") else words
+            for flag, words in _vllm_serve_lines().items()}
+
+
+def vllm_serve_number_types() -> dict[str, str]:
+    """The options whose value the pinned `vllm serve`'s parser converts to a number, by the type it converts to:
+    "int" or "float", "int?" / "float?" for one that takes "None" and "" too (vLLM's optional_type)."""
+    return {flag: words[0][1:] for flag, words in _vllm_serve_lines().items()
+            if len(words) == 1 and words[0].startswith(":")}
 
 
 def vllm_serve_flags() -> frozenset[str]:
@@ -357,6 +371,36 @@ def invalid_choices(args: Sequence[str]) -> list[tuple[str, str, tuple[str, ...]
             value = args[i + 1]
         if value not in choices[flag]:
             out.append((flag, value, choices[flag]))
+    return out
+
+
+def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(option, value, what it must be) for each server.extra_args option the pinned `vllm serve`'s parser converts
+    to a number, given a value that conversion refuses (`--seed x`, `--max-logprobs 2.5`) or none (value None: at the
+    end, or before another option): its usage error, on the TPU VM after the image pull. Each occurrence, as argparse
+    converts each."""
+    types = vllm_serve_number_types()
+    known = vllm_serve_flags()
+    out = []
+    for i, arg in enumerate(args):
+        option = vllm_option(arg)
+        flag = resolve_vllm_option(option, known) if option is not None else None
+        name, eq, value = arg.partition("=")
+        if flag not in types or "." in name:
+            continue
+        kind = types[flag]
+        what = ("an integer" if kind.startswith("int") else "a number") + (" (or None)" if kind.endswith("?") else "")
+        if not eq:
+            if i + 1 >= len(args) or vllm_option(args[i + 1]) is not None:  # argparse: "expected one argument"
+                out.append((flag, None, what))
+                continue
+            value = args[i + 1]
+        if kind.endswith("?") and value in ("", "None"):
+            continue
+        try:
+            (int if kind.startswith("int") else float)(value)
+        except ValueError:
+            out.append((flag, value, what))
     return out
 
 
@@ -474,6 +518,25 @@ MODEL_DIR_HINT = "the merged model directory, e.g. model.dir=runs/x-merged"
 MAX_SERVER_INT = 2**31 - 1
 
 
+def _host_paths(cfg: ServeConfig) -> list[tuple[Any, str, str]]:
+    """(section, attribute, key) of each host path of `cfg`, the values that expand environment variables."""
+    paths = [(cfg.model, "dir", "model.dir"), (cfg.container, "compile_cache", "container.compile_cache")]
+    paths += [(a, "dir", f"lora.adapters.{a.name}.dir") for a in cfg.lora.adapters]
+    if cfg.tool_calling.chat_template != "model":
+        paths.append((cfg.tool_calling, "chat_template", "tool_calling.chat_template"))
+    return paths
+
+
+def as_written(cfg: ServeConfig) -> ServeConfig:
+    """A copy of `cfg` as a config file writes it: each host path's `$` as `$$` (read back, `$x` is the variable
+    x; a path holding a `$` was printed by --print-config as one `--config` then refused or read otherwise)."""
+    cfg = copy.deepcopy(cfg)
+    for section, attr, _ in _host_paths(cfg):
+        if isinstance(getattr(section, attr), str):
+            setattr(section, attr, getattr(section, attr).replace("$", "$$"))
+    return cfg
+
+
 def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), need_dir: bool = True) -> ServeConfig:
     """Read a serve-*.yaml, apply overrides, check the fields that need no filesystem; `need_dir=False` (for printing
     the config) lets model.dir be unset."""
@@ -486,13 +549,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
 
     # the host paths expand environment variables as a run config's do: `model.dir: $RUNS/x-merged` was read
     # literally (a directory named '$RUNS' in the working directory, said not to exist)
-    paths = [(cfg.model, "dir", "model.dir"), (cfg.container, "compile_cache", "container.compile_cache")]
-    paths += [(a, "dir", f"lora.adapters.{a.name}.dir") for a in cfg.lora.adapters]
-    if cfg.tool_calling.chat_template != "model":
-        if not cfg.tool_calling.chat_template.strip():  # was "tool_calling.chat_template: . is not a file"
-            bad("tool_calling.chat_template is empty (give model, the directory's own template, or a .jinja file)")
-        paths.append((cfg.tool_calling, "chat_template", "tool_calling.chat_template"))
-    for section, attr, key in paths:
+    if cfg.tool_calling.chat_template != "model" and not cfg.tool_calling.chat_template.strip():
+        bad("tool_calling.chat_template is empty (give model, the directory's own template, or a .jinja file)")
+    for section, attr, key in _host_paths(cfg):
         if isinstance(getattr(section, attr), str):
             try:
                 setattr(section, attr, expand_env(getattr(section, attr), key))
@@ -540,6 +599,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     for flag, value, allowed in invalid_choices(s.extra_args) if pinned_image(cfg) else ():
         bad(f"server.extra_args: {flag} {value!r} is not a value `vllm serve` takes in {VLLM_TPU_IMAGE} "
             f"{_takes(value, allowed)}; vLLM would stop at it on the TPU VM")
+    for flag, value, what in invalid_number_types(s.extra_args) if pinned_image(cfg) else ():
+        bad(f"server.extra_args: {flag} " + (f"needs a value ({what})" if value is None else f"{value!r} is not {what}")
+            + f", which `vllm serve` takes in {VLLM_TPU_IMAGE}; vLLM would stop at it on the TPU VM")
     for flag, value, what in invalid_numbers(s.extra_args):
         bad(f"server.extra_args: {flag} {value!r} is not {what}; vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:
@@ -578,6 +640,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"container.shm_size {cfg.container.shm_size!r} is not a size like 16g")
     if not int(cfg.container.shm_size.rstrip("bkmgBKMG")):  # docker takes 0 as "its default" (64m), silently
         bad(f"container.shm_size {cfg.container.shm_size!r} is zero; give a positive size like 16g")
+    elif cfg.container.shm_size.isdigit():  # docker reads it as bytes: a unit meant (16 -> 16 bytes of /dev/shm)
+        bad(f"container.shm_size {cfg.container.shm_size!r} has no unit, and docker reads a bare number as bytes "
+            f"({cfg.container.shm_size} bytes); give the unit, e.g. {cfg.container.shm_size}g ('b' for bytes)")
     names = [a.name for a in cfg.lora.adapters]
     for i, a in enumerate(cfg.lora.adapters):
         if not (a.name or "").strip():  # was "name '': use letters, ...", of a name never given
@@ -813,16 +878,25 @@ def check_template_file(path: Path, key: str) -> None:
         raise UserError(f"{key}: {path}: cannot read it ({e.strerror or e})") from None
     if not text.strip():
         raise UserError(f"{key}: {path} is empty: no chat template to render the messages with")
-    if path.suffix != ".json":  # chat_template.json holds the template as a JSON string
-        problem = jinja_syntax_error(text)
-        if problem:
-            raise UserError(f"{key}: {path} {problem}")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if path.suffix == ".json" or isinstance(obj, dict):
+        # a chat_template.json (the template as a JSON string): vLLM's --chat-template (and --local, which writes it
+        # as the served chat_template.jinja) took the file's text as the template, and the JSON was every prompt
+        raise UserError(f"{key}: {path} holds JSON, and the server reads the file's text as the template (the JSON "
+                        f"would be the prompt): save its \"chat_template\" as a .jinja file and give that")
+    problem = jinja_syntax_error(text)
+    if problem:
+        raise UserError(f"{key}: {path} {problem}")
 
 
 def jinja_syntax_error(text: str) -> str | None:
-    """Where the Jinja template `text` cannot be parsed ("line 3: unexpected '}'"), or None. Parsed as transformers
-    compiles chat templates (loop controls, the `{% generation %}` block of assistant masks): a template with a
-    syntax error passed the launcher and failed in vLLM at the first request, the container up and the model loaded."""
+    """Where the Jinja template `text` cannot be parsed ("line 3: unexpected '}'"), or why it is no chat template (it
+    never reads `messages`), or None. Parsed as transformers compiles chat templates (loop controls, the `{%
+    generation %}` block of assistant masks): a template with a syntax error passed the launcher and failed in vLLM at
+    the first request, the container up and the model loaded."""
     try:
         import jinja2
         import jinja2.ext
@@ -838,9 +912,14 @@ def jinja_syntax_error(text: str) -> str | None:
             return jinja2.nodes.Scope(body).set_lineno(lineno)
 
     try:
-        jinja2.Environment(extensions=[jinja2.ext.loopcontrols, Generation]).parse(text)
+        env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, Generation])
+        ast = env.parse(text)
     except jinja2.TemplateSyntaxError as e:
         return f"line {e.lineno}: {e.message} (not a Jinja template transformers and vLLM can compile)"
+    import jinja2.meta
+
+    if "messages" not in jinja2.meta.find_undeclared_variables(ast):  # every prompt would be the same text
+        return "never reads `messages`: not a chat template (the conversation would not reach the prompt)"
     return None
 
 

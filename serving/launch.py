@@ -31,11 +31,13 @@ from typing import Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.infer.openai_client import api_key_from_env
 from serving.config import (
     MODEL_DIR_HINT,
     VLLM_TPU_IMAGE,
     ModelFacts,
     ServeConfig,
+    as_written,
     inspect_model,
     load_serve_config,
     extra_args_warning,
@@ -159,17 +161,23 @@ def _secrets(cfg: ServeConfig) -> list[tuple[str, str]]:
     return out
 
 
+def api_key(cfg: ServeConfig) -> str | None:
+    """The API key server.api_key_env names (None without one); a variable that is not set is refused."""
+    name = cfg.server.api_key_env
+    if name and not os.environ.get(name):
+        raise UserError(f"server.api_key_env: environment variable {name} is not set (export it, or set "
+                        "server.api_key_env=null for a server without an API key)")
+    return api_key_from_env(name, "server.api_key_env") if name else None  # one a client's header can carry
+
+
 def _docker_env(cfg: ServeConfig) -> dict[str, str]:
     """This environment, with each secret copied under the name the container expects, so that
     `docker run -e NAME` passes it on (values never reach the command line)."""
     env = dict(os.environ)
     for inside, host_var in _secrets(cfg):
-        value = os.environ.get(host_var)
+        value = api_key(cfg) if inside == "VLLM_API_KEY" else os.environ.get(host_var)
         if value:
             env[inside] = value
-        elif inside == "VLLM_API_KEY":
-            raise UserError(f"server.api_key_env: environment variable {host_var} is not set (export it, or set "
-                            "server.api_key_env=null for a server without an API key)")
         else:
             env.pop(inside, None)
     return env
@@ -226,6 +234,7 @@ def run_container(cfg: ServeConfig, cmd: DockerCommand) -> int:
 def serve_local(cfg: ServeConfig) -> int:
     """`transformers serve` on this machine, until Ctrl-C or SIGTERM."""
 
+    key = api_key(cfg)  # required by the served /v1 paths, as vLLM's --api-key: a client without it fails here too
     facts = inspect_model(cfg, for_vllm=False)
     warning = weights_warning(facts)
     if warning:
@@ -235,7 +244,8 @@ def serve_local(cfg: ServeConfig) -> int:
     # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
     # positions for Gemma 3 270M), and prompts vLLM refuses were answered
     server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,
-                         chat_template=template, max_model_len=cfg.server.max_model_len, identity=facts.identity)
+                         chat_template=template, max_model_len=cfg.server.max_model_len, identity=facts.identity,
+                         api_key=key, auto_tools=t.enabled)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.start()
@@ -265,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # printing the config needs no model: without --config it stopped at "model.dir is not set", defaults unseen
     cfg = load_serve_config(args.config, args.overrides, need_dir=not args.print_config)
     if args.print_config:
-        cli.print_config(cfg)
+        cli.print_config(as_written(cfg))  # the form --config reads back: a path's `$` as `$$`
         if not cfg.model.dir:
             print(f"note: model.dir is not set; serving needs it ({MODEL_DIR_HINT})", file=sys.stderr)
         return 0

@@ -21,7 +21,8 @@ CPU with `/v1/chat/completions`, streaming and `tools` included. `LocalServer` w
   that ended a text from it (`trim_stops`, `StopTrim`), and returns the FunctionGemma calls in the model's text as
   `tool_calls` (streamed: as `tool_calls` deltas, `StreamedCalls`), as vLLM's parser does; it asks the served app
   for a stream every time (`whole_completion` puts a whole answer together), so a client that goes away stops the
-  generation.
+  generation; with an API key (`server.api_key_env`, handed over in the environment) the /v1 paths need it, as vLLM's
+  `--api-key` makes them.
 """
 
 from __future__ import annotations
@@ -236,6 +237,8 @@ def startup_failure(log: str) -> str:
 
 WORKDIR_PREFIX = "gemma-tpu-serve-"  # LocalServer's temporary directory, the served process's working directory
 PARENT_ENV = "GEMMA_TPU_SERVE_PARENT"  # the PID of the LocalServer's process, for `stop_with_parent`
+# the API key a LocalServer hands its served process (in its environment: the command line is visible to all)
+API_KEY_ENV = "GEMMA_TPU_SERVE_API_KEY"
 
 
 def stop_with_parent(interval: float = 1.0) -> None:
@@ -271,8 +274,10 @@ class LocalServer:
     def __init__(self, model_dir: str | Path, name: str | None = None, host: str = "127.0.0.1",
                  port: int | None = None, log: str | Path | None = None, startup_timeout: float = 300.0,
                  chat_template: str | Path | None = None, max_model_len: int | None = None,
-                 identity: tuple[int, int] | None = None):
+                 identity: tuple[int, int] | None = None, api_key: str | None = None, auto_tools: bool = True):
         self.model_dir = Path(model_dir).resolve()
+        self.auto_tools = auto_tools  # False: "auto" tool choice refused, as vLLM without --enable-auto-tool-choice
+        self.api_key = api_key  # the /v1 paths need `Authorization: Bearer KEY` (as vLLM's --api-key) when given
         self.identity = identity  # `dir_identity` of model_dir when it was checked (serving.config.inspect_model)
         self.max_model_len = max_model_len  # the context requests are bounded by, if below the model's
         self.chat_template = Path(chat_template).expanduser() if chat_template else None
@@ -303,7 +308,8 @@ class LocalServer:
     def command(self) -> list[str]:
         transformers_executable()  # the serving extras are installed
         return [sys.executable, "-m", "serving.local", self.name, "--host", self.host, "--port", str(self.port)] + (
-            ["--max-model-len", str(self.max_model_len)] if self.max_model_len else [])
+            ["--max-model-len", str(self.max_model_len)] if self.max_model_len else []) + (
+            [] if self.auto_tools else ["--no-auto-tool-choice"])
 
     def start(self) -> "LocalServer":
         cmd = self.command()
@@ -316,6 +322,9 @@ class LocalServer:
         path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": path, PARENT_ENV: str(os.getpid())}  # it stops when this process is gone
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
         if self.log_path is not None:
             # appended to, so a restart keeps the previous run's output (why it stopped); each run starts at a line
             # naming its start, and a failure is read from there on (`_log_tail`)
@@ -439,8 +448,11 @@ class CheckedChatApp:
 
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
-                 model_name: str | None = None, forced_calls: bool = False, stop_texts: list[str] | None = None):
+                 model_name: str | None = None, forced_calls: bool = False, stop_texts: list[str] | None = None,
+                 api_key: str | None = None, auto_tools: bool = True):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.auto_tools = auto_tools  # as vLLM's --enable-auto-tool-choice (tool_calling.enabled)
+        self.api_key = api_key  # required on the /v1 paths as vLLM's --api-key requires it (`_authorized`)
         self.stop_texts = list(stop_texts or [])  # what the stop tokens decode to (`stop_token_texts`): cut as stops
         self.vocab_size, self.check_generation_config = vocab_size, check_generation_config
         self.count_text, self.model_name = count_text, model_name
@@ -549,8 +561,27 @@ class CheckedChatApp:
             choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
 
+    def _authorized(self, scope) -> bool:
+        """Whether a request may pass the API key check, as vLLM's (its AuthenticationMiddleware): with a key, every
+        /v1 path but a CORS preflight (OPTIONS) needs `Authorization: Bearer KEY`; /health and the rest do not."""
+        import hmac
+
+        if not self.api_key or scope["type"] != "http" or scope["method"] == "OPTIONS" or \
+                not scope.get("path", "").startswith("/v1"):
+            return True
+        given = dict(scope.get("headers", [])).get(b"authorization", b"")
+        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "").rstrip("/") if scope["type"] == "http" else ""
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not self._authorized(scope):  # before anything else, as vLLM's middleware (a trailing slash included)
+            return await self._json(send, 401, {"error": {
+                "message": "Unauthorized: this server needs its API key, sent as `Authorization: Bearer KEY`",
+                "type": "authentication_error", "param": None, "code": 401}})
+        if path.endswith("/") and path != "/":
+            # answered by the inner app as vLLM (FastAPI) answers it, before reading the body: a 307 to the path
+            # without the slash (where the request is checked), or a 404
+            return await self.app(scope, receive, self._openai_errors(send))
         if path.startswith("/v1/models") and scope["method"] == "GET" and self.model_name:
             # the served model, as vLLM lists it (transformers serve lists its hub cache: nothing, offline)
             card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}
@@ -617,6 +648,12 @@ class CheckedChatApp:
             body = await asyncio.get_running_loop().run_in_executor(self._checks, functools.partial(
                 check, body, self.context, self.count_text if check is check_completion_request else self.count_prompt,
                 self.vocab_size, self.check_generation_config))
+            if not self.auto_tools and check is check_chat_request and body.get("tools") and \
+                    body.get("tool_choice", "auto") == "auto":  # vLLM's refusal without --enable-auto-tool-choice
+                raise RequestError("tool_choice", '"auto" tool choice (the default with tools) requires tool calling, '
+                                                  'which this server has off (tool_calling.enabled: false), as vLLM '
+                                                  'refuses it without --enable-auto-tool-choice: send tool_choice '
+                                                  '"none" or a named function, or serve with tool calling on')
         except RequestError as e:
             param, message = e.param, str(e)
             if translated and param:  # a field of the chat completion it became: name the one sent
@@ -1242,15 +1279,41 @@ def prompt_counter(tok, context: int | None = None):
 
     tokens = token_counter(tok, context, "messages")
 
+    def render(messages: list[dict], tools: list | None, kwargs: dict) -> str:
+        return tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                       **kwargs)
+
+    def refused_tool(messages: list[dict], tools: list, kwargs: dict) -> str | None:
+        """Where a failed rendering's fault lies in `tools` (`tools[k]`: the first that fails declared alone for a
+        plain question; `tools`: they together), or None where the conversation fails without them."""
+        kwargs = {k: v for k, v in kwargs.items() if k != FORCED_CALL_KWARG}
+        question = [{"role": "user", "content": "?"}]
+        try:
+            render(messages, None, kwargs)
+            render(question, None, kwargs)
+        except Exception:  # noqa: BLE001 - as below
+            return None
+        for k, tool in enumerate(tools):
+            try:
+                render(question, [tool], kwargs)
+            except Exception:  # noqa: BLE001 - as below
+                return f"tools[{k}]"
+        return "tools"
+
     def count(body: dict) -> int:
         messages = _template_messages(body["messages"])
+        kwargs = body.get("chat_template_kwargs") or {}
         try:
-            text = tok.apply_chat_template(messages, tools=body.get("tools") or None,
-                                           tokenize=False, add_generation_prompt=True,
-                                           **(body.get("chat_template_kwargs") or {}))
+            text = render(messages, body.get("tools"), kwargs)
         except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raise_exception() in the template, ...
-            raise RequestError("messages", f"the chat template refused the conversation ({type(e).__name__}: "
-                                           f"{str(e)[:200]})") from None
+            why = f"({type(e).__name__}: {str(e)[:200]})"
+            # a tool the template cannot render (parameters nested past its recursion) is the tool's fault, not the
+            # conversation's: named, so the client looks there
+            where = refused_tool(messages, body["tools"], kwargs) if body.get("tools") else None
+            if where is not None:
+                what = "these tools" if where == "tools" else "this tool"
+                raise RequestError(where, f"the chat template cannot render {what} {why}") from None
+            raise RequestError("messages", f"the chat template refused the conversation {why}") from None
         for i, m in enumerate(messages):
             # Gemma has no system role: its templates fold the text into the first user turn, and with none (and no
             # tools) drop it, and the model answered as if it had not been sent
@@ -1435,8 +1498,11 @@ def serve_main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=cli.integer(), default=8000)
     p.add_argument("--max-model-len", type=cli.integer(), help="bound requests by this context too")
+    p.add_argument("--no-auto-tool-choice", action="store_true",
+                   help='refuse "auto" tool choice, as vLLM without --enable-auto-tool-choice (tool_calling.enabled)')
     args = p.parse_args(argv)
     stop_with_parent()
+    api_key = os.environ.pop(API_KEY_ENV, None) or None  # from the LocalServer that started it
     served = Path(args.name).resolve()
     if not (served / "config.json").is_file():
         raise UserError(f"{args.name}: no config.json ({training_run_hint(served)})")
@@ -1469,7 +1535,7 @@ def serve_main(argv: list[str] | None = None) -> None:
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
                               isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
-                              stop_token_texts(tok, served))
+                              stop_token_texts(tok, served), api_key, not args.no_auto_tool_choice)
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler

@@ -32,6 +32,12 @@ _KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "parallel_to
           "temperature", "top_p", "seed", "stop", "stream", "stream_options", "text", "metadata", "store", "user",
           "safety_identifier", "service_tier", "prompt_cache_key", "reasoning", "truncation", "include",
           "max_tool_calls", *_REFUSED}
+# the JSON type of the fields read as nothing (or echoed) here, refused when another, as OpenAI refuses it (a
+# `metadata: "x"` came back as {}); null is absent
+_TYPED = {"text": (dict, "an object"), "metadata": (dict, "an object"), "reasoning": (dict, "an object"),
+          "stream_options": (dict, "an object"), "store": (bool, "true or false"),
+          "parallel_tool_calls": (bool, "true or false"), "max_tool_calls": (int, "a whole number"),
+          **{k: (str, "a string") for k in ("truncation", "service_tier", "safety_identifier", "prompt_cache_key")}}
 _INSTEAD = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
             "response_format": "text.format"}
 
@@ -93,6 +99,9 @@ def _messages(inp: Any) -> tuple[list[dict], list[tuple[str, list[str]]]]:
         else:
             raise RequestError(f"{where}.type", f"{kind!r} is not supported (message, function_call, "
                                                 f"function_call_output)")
+    if not messages:  # reasoning items alone
+        raise RequestError("input", "holds no message, function_call or function_call_output item (reasoning items "
+                                    "are not read): nothing to answer")
     return messages, origins
 
 
@@ -174,6 +183,10 @@ def chat_request(body: Any) -> dict:
     for key, why in _REFUSED.items():
         if body.get(key):
             raise RequestError(key, why)
+    for key, (kind, what) in _TYPED.items():
+        v = body.get(key)
+        if v is not None and (not isinstance(v, kind) or kind is int and isinstance(v, bool)):
+            raise RequestError(key, f"expected {what}, got {_json_type(v)}")
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) for i in include)):
         raise RequestError("include", "expected a list of strings")

@@ -526,6 +526,21 @@ def test_evaluate_retries_a_busy_server(tmp_path, caplog, status):
     assert re.search(r"^n\s+1$", proc.stdout, re.M), proc.stdout
 
 
+def test_the_waits_between_many_retries_stop_growing(monkeypatch):
+    """`--retries 12` waited 1, 2, 4 ... 2048 s between attempts (over an hour before the last, days with a few more);
+    the doubling stops at MAX_RETRY_AFTER, the longest wait a server's Retry-After gets, and every attempt is still
+    made."""
+    from gemma_tpu.infer.openai_client import MAX_RETRY_AFTER, http_json
+
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    handler = flaky(503, 12)
+    with http_server(handler) as url:
+        assert http_json(url + "/v1/chat/completions", {"messages": []}, retries=12)["choices"]
+    assert handler.seen == 13
+    assert waits == [1, 2, 4, 8, 16, 32, 64] + [MAX_RETRY_AFTER] * 5, waits
+
+
 def test_evaluate_waits_for_a_server_still_starting_before_its_first_request():
     """A refused connection is asked again (a server still starting) - but not the first request, the model list:
     evaluate --endpoint started beside `serving.launch` failed at once, unless --served-model skipped that request."""
@@ -590,6 +605,27 @@ def test_evaluate_sends_the_api_key(monkeypatch):
     assert proc.returncode == 0, proc.stderr
     assert handler.seen == 2 and handler.auth[-3:] == ["Bearer sk-test"] * 3  # /models and both requests
     assert "sk-test" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("key, where", [("sk-te\nst", "character 6 of 8"), ("sk-tést", "character 5 of 7"),
+                                        ("sk-test ", "character 8 of 8")])
+def test_an_api_key_no_header_can_carry_is_one_line_error_without_the_key(monkeypatch, key, where):
+    """A key holding a line break (a file's newline), a non-ASCII letter or an edge space: urllib's ValueError or
+    httpx's UnicodeEncodeError traceback (the line break's printing the whole `Bearer KEY` header), or a 401 (a
+    server strips the header's edge spaces); now one line naming the variable and where the bad character is, without
+    the key, from every client, before any request."""
+    monkeypatch.setenv("MY_KEY", key)
+    handler = type("LockedNow", (Locked,), {"seen": 0, "auth": []})
+    with http_server(handler) as url:
+        for entry, *argv in (("serving.chat", "--once", "hi", "--retries", "0"),
+                             ("serving.bench", "--num-prompts", "1"),
+                             ("gemma_tpu.evaluate", "--data", str(CHAT), "--limit", "1")):
+            proc = _in_process(entry, *argv, "--endpoint" if entry.startswith("gemma") else "--base-url", url,
+                               "--api-key-env", "MY_KEY")
+            line = assert_one_line_error(proc, "--api-key-env: the environment variable MY_KEY holds", where,
+                                         "set it to the key alone")
+            assert "sk-t" not in proc.stdout + proc.stderr, line
+    assert handler.seen == 0
 
 
 def test_evaluate_gives_up_after_its_retries_and_not_on_a_client_error(tmp_path):

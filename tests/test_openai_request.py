@@ -710,6 +710,32 @@ def test_a_system_message_the_template_drops_is_refused(tiny_dir):
         assert check_chat_request({"messages": messages, "tools": tools}, 4096, count)["max_tokens"] > 0
 
 
+def test_a_tool_the_template_cannot_render_is_named(tiny_dir):
+    """A tool whose parameters nest deeper than the template renders (RecursionError at ~100 levels) was refused as
+    `param: "messages"`, "the chat template refused the conversation": the client looked for the fault in its
+    messages. The tool is named (`tools[k]`); a conversation the template refuses is still `messages`."""
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+
+    from gemma_tpu.formats.function_calling import function_token_map, tool_chat_template
+    from serving.local import prompt_counter
+
+    tok = load_tokenizer(tiny_dir)
+    tok.chat_template = tool_chat_template(function_token_map(tok))
+    count = prompt_counter(tok)
+    schema: dict = {"type": "string"}
+    for _ in range(500):
+        schema = {"type": "object", "properties": {"a": schema}}
+    deep = {"type": "function", "function": {"name": "deep", "parameters": schema}}
+    with pytest.raises(RequestError, match=r"tools\[1\]: the chat template cannot render this tool \(RecursionError"
+                       ) as e:
+        check_chat_request({"messages": USER, "tools": [TOOL, deep]}, 4096, count)
+    assert e.value.param == "tools[1]"
+    tok.chat_template = "{{ raise_exception('no such role') if messages[0].role == 'user' else '' }}"
+    with pytest.raises(RequestError, match="refused the conversation") as e:
+        check_chat_request({"messages": USER, "tools": [TOOL]}, 4096, prompt_counter(tok))
+    assert e.value.param == "messages"
+
+
 def test_tool_results_without_ids_answer_the_calls_they_name(tiny_dir):
     """A tool message that names its call but has no tool_call_id (or neither): transformers serve drops the name, and
     the template read the results in order, so results sent in another order were rendered as answers of the wrong
@@ -1036,6 +1062,20 @@ def test_responses_api_is_answered_through_a_chat_completion():
             ({"input": "hi", "tools": [tool], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name")):
         code, resp = _asgi(app, body, "/v1/responses")
         assert code == 400 and resp["error"]["param"] == param and resp["error"]["message"].startswith(param + ":"), resp
+    # reasoning items alone (a reasoning model's trace, not read): no conversation; the chat check's "messages: expected
+    # a non-empty list of messages" came back as "input: expected a non-empty list of input"
+    code, resp = _asgi(app, {"input": [{"type": "reasoning", "summary": []}]}, "/v1/responses")
+    assert (code, resp["error"]["param"]) == (400, "input"), resp
+    assert resp["error"]["message"] == ("input: holds no message, function_call or function_call_output item "
+                                        "(reasoning items are not read): nothing to answer"), resp
+    # fields read as nothing when of the wrong type (metadata "x" echoed back as {}), where OpenAI (and vLLM's request
+    # model) refuse them
+    for key, value, kind in (("text", "x", "an object"), ("metadata", "x", "an object"), ("reasoning", [], "an object"),
+                             ("store", "no", "true or false"), ("max_tool_calls", True, "a whole number"),
+                             ("truncation", 1, "a string"), ("service_tier", {}, "a string")):
+        code, resp = _asgi(app, {"input": "hi", key: value}, "/v1/responses")
+        assert (code, resp["error"]["param"]) == (400, key), resp
+        assert resp["error"]["message"].startswith(f"{key}: expected {kind}, got "), resp
     n = len(seen)  # what clients send along, harmless unread, still passes
     code, resp = _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
                              "include": [], "truncation": "disabled", "top_logprobs": 0, "tool_choice": "auto",
@@ -1294,6 +1334,36 @@ def test_inner_server_errors_come_back_in_openai_shape():
     assert _asgi(app, {}, "/v1/embeddings")[1]["error"]["message"] == "Not Found"
     code, resp = _asgi(CheckedChatApp(inner, model_name="tiny"), {}, "/v1/audio/transcriptions")
     assert code == 404 and "text model (`tiny`)" in resp["error"]["message"] and not answers
+
+
+def test_a_path_with_a_trailing_slash_is_redirected_unchecked_as_vllm_redirects_it():
+    """`/v1/chat/completions/` was checked (a 400 for a malformed body, the prompt rendered and counted) and then
+    answered 307 by transformers serve; vLLM (FastAPI) answers the 307 to the path without the slash before reading
+    the body, and the request sent there is checked. `/v1/models/` and `/v1/responses/` were answered here directly
+    (vLLM: 307). The redirected path is answered as before."""
+    fastapi = pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    from serving.local import CheckedChatApp
+
+    inner = fastapi.FastAPI()  # routes as transformers serve's (and vLLM's): no trailing slash
+
+    @inner.post("/v1/chat/completions")
+    @inner.post("/v1/completions")
+    @inner.post("/v1/responses")
+    async def answer():
+        return {"served": True}
+
+    @inner.get("/v1/models")
+    async def models():
+        return {"data": []}
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    for path, method, body in [("/v1/chat/completions/", "POST", {"messages": []}),
+                               ("/v1/completions/", "POST", {"prompt": "x", "max_tokens": -1}),
+                               ("/v1/responses/", "POST", {"input": []}), ("/v1/models/", "GET", {})]:
+        code, text = _asgi(app, body, path, raw=True, method=method)
+        assert (code, text) == (307, ""), (path, code, text)
+    assert _asgi(app, {"messages": []})[1]["error"]["param"] == "messages"
+    assert _asgi(app, {}, "/v1/models", method="GET")[1]["data"][0]["id"] == "tiny"
 
 
 def test_a_generation_failing_midway_streams_an_error_clients_read():

@@ -351,6 +351,23 @@ def test_print_config_without_a_config_prints_the_defaults(capsys):
     assert out == "" and one_error_line(code, err, "server.port must be in 1..65535")
 
 
+def test_print_config_writes_a_dollar_of_a_path_so_it_reads_back(tmp_path, capsys, monkeypatch):
+    """`$$` is a `$` of the path; --print-config printed the path as expanded (`a$x`), which `--config` read back as
+    the variable x (refused: not set). The expanded paths print their `$` as `$$`; other keys are printed as given."""
+    from serving.config import load_serve_config
+
+    monkeypatch.delenv("x", raising=False)
+    monkeypatch.setenv("GEMMA_TPU_TEST_D", "b$y")
+    code, out, err = launch_inproc(capsys, "--print-config", f"model.dir={tmp_path}/a$$x", "model.name=m",
+                                   "lora.adapters=[{name: coach, dir: $GEMMA_TPU_TEST_D}]",
+                                   f"container.compile_cache={tmp_path}/c$$", "container.env={NOTE: p$$q}")
+    assert code == 0, err
+    (tmp_path / "printed.yaml").write_text(out)
+    cfg = load_serve_config(tmp_path / "printed.yaml", need_dir=False)
+    assert (cfg.model.dir, cfg.lora.adapters[0].dir) == (f"{tmp_path}/a$x", "b$y")
+    assert cfg.container.compile_cache == f"{tmp_path}/c$" and cfg.container.env == {"NOTE": "p$$q"}
+
+
 def test_a_context_past_the_models_limits_is_served_where_vllm_is_told_to_allow_it(tmp_path, capsys):
     """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the container's environment lets vLLM take a longer --max-model-len than
     max_position_embeddings or tokenizer_config.json's model_max_length; so does the launcher."""
@@ -467,6 +484,22 @@ def test_a_chat_template_file_that_is_no_text_is_refused_before_local_serving(tm
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    f"tool_calling.chat_template={tmp_path / 't.jinja'}")
     assert code == 0, err
+
+
+def test_a_chat_template_given_as_json_is_refused_for_vllm_and_local_serving(tmp_path, capsys):
+    """tool_calling.chat_template naming a chat_template.json (or a tokenizer_config.json-like object under another
+    name): vLLM's --chat-template (and --local, which writes it as chat_template.jinja) read the file's text as the
+    template, and every prompt was that JSON. Refused, saying to give the template itself as a .jinja file."""
+    d = fake_model_dir(tmp_path / "m")
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    (tmp_path / "t.txt").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    for name in ("chat_template.json", "t.txt"):
+        for mode in ("--print", f"--local server.port={free_port()}"):
+            code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, *mode.split(), f"model.dir={d}",
+                                           f"tool_calling.chat_template={tmp_path / name}")
+            one_error_line(code, err, f"tool_calling.chat_template: {tmp_path / name} holds JSON",
+                           "reads the file's text as the template", "save its \"chat_template\" as a .jinja file")
+            assert out == ""
 
 
 def test_a_training_checkpoint_as_model_dir_says_to_merge_it(tmp_path, capsys):
@@ -713,6 +746,9 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ['container.compile_cache=""'], ["container.compile_cache is empty"]),
     # docker takes a zero --shm-size as its default (64m) without a word
     (CONFIG_270M, fake_model_dir, ["container.shm_size=0g"], ["container.shm_size '0g' is zero"]),
+    # docker reads a bare number as bytes: `shm_size: 16` gave the container 16 bytes of shared memory
+    (CONFIG_270M, fake_model_dir, ["container.shm_size=16"], ["container.shm_size '16' has no unit", "16 bytes",
+                                                              "16g"]),
     # rendered as --max-model-len 100000000000000000000 where vLLM is told to allow a context past the model's
     (CONFIG_270M, fake_model_dir, ["server.max_model_len=1e20", "container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"],
      ["override 'server.max_model_len=1e20'", "server.max_model_len=100000000000000000000 is past", "2147483647"]),
@@ -722,6 +758,9 @@ def _moe_gemma4(p, expert_width: int):
      ["/m/chat_template.jinja is not UTF-8 text (byte 0)"]),
     (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "chat_template.jinja").write_text(" \n")) and p, [],
      ["/m/chat_template.jinja is empty"]),
+    # text that never reads the conversation (a system prompt saved as the template): every prompt was that text
+    (CONFIG_270M, lambda p: (fake_model_dir(p), (p / "chat_template.jinja").write_text("You are a coach.\n")) and p,
+     [], ["/m/chat_template.jinja never reads `messages`: not a chat template"]),
     # two symbolic links leading to each other: a RuntimeError traceback where the launcher resolved the path
     (CONFIG_270M, lambda p: (p.symlink_to(p.with_name("loop")), p.with_name("loop").symlink_to(p)) and p, [],
      ["model.dir", "/m: cannot resolve the path", "leads back to itself"]),
@@ -756,6 +795,18 @@ def _moe_gemma4(p, expert_width: int):
      ["--gpu-memory-utilization '1.5' is not a fraction of the accelerator's memory in (0, 1]"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu_memory_utilization=nan]"],
      ["--gpu-memory-utilization 'nan' is not a fraction"]),
+    # a word (or a fraction) where vLLM's parser converts the value to a number: its usage error, on the TPU VM
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,x]"],
+     ["--seed 'x' is not an integer, which `vllm serve` takes in vllm/vllm-tpu:v0.27.0"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-logprobs=2.5,--enforce-eager]"],
+     ["--max-logprobs '2.5' is not an integer"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--cpu-offload-gb,lots]"],
+     ["--cpu-offload-gb 'lots' is not a number"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-cpu-loras,four]"],  # optional: "None" too
+     ["--max-cpu-loras 'four' is not an integer (or None)"]),
+    # argparse takes no option for the value: "expected one argument"
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed]"], ["--seed needs a value (an integer)"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,--enforce-eager]"], ["--seed needs a value"]),
     # an abbreviation of several options: vLLM's argparse refuses it as ambiguous (--max passed with a warning)
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max,4]"],
      ["--max abbreviates several options of `vllm serve` (--max-cpu-loras, ", "give the option in full"]),
@@ -1468,6 +1519,87 @@ def test_local_server_is_bounded_by_max_model_len(tiny_dir, tmp_path, capsys, mo
     assert f"context of 64 tokens: ask for at most {64 - usage['prompt_tokens']}" in error["error"]["message"]
 
 
+def test_local_server_takes_the_api_key_as_vllm_does(tiny_dir, tmp_path, capsys, monkeypatch):
+    """`--local` ignored server.api_key_env: the config said the API needed a key, transformers serve answered anyone
+    (beyond loopback without the warning a keyless server gets), and a client that forgot its key passed here and
+    failed on vLLM. The /v1 paths now need `Authorization: Bearer KEY` (401 otherwise), as vLLM's; /health does not.
+    A variable that is not set is refused before anything starts, as for the container."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    from serving.launch import LocalServer
+
+    seen = []
+
+    def requests_then_ctrl_c(server):
+        def ask(path, key=None, body=None):
+            headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+            req = urllib.request.Request(server.url + path, headers=headers, method="POST" if body else "GET",
+                                         data=json.dumps(body).encode() if body else None)
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        seen.extend([ask("/health"), ask("/v1/models"), ask("/v1/models", "wrong"), ask("/v1/models", "s3cret"),
+                     ask("/v1/chat/completions", None, chat), ask("/v1/chat/completions", "s3cret", chat)])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalServer, "wait", requests_then_ctrl_c)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{dir: {tiny_dir}}}\nserver: {{port: {free_port()}, api_key_env: GEMMA_TPU_TEST_KEY}}\n")
+    monkeypatch.delenv("GEMMA_TPU_TEST_KEY", raising=False)
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    one_error_line(code, err, "server.api_key_env: environment variable GEMMA_TPU_TEST_KEY is not set")
+    assert not seen
+    monkeypatch.setenv("GEMMA_TPU_TEST_KEY", "s3cret\n")  # no client could send it (a traceback in each)
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    one_error_line(code, err, "server.api_key_env: the environment variable GEMMA_TPU_TEST_KEY holds the character "
+                              "U+000A (character 7 of 7)")
+    assert not seen and "s3cret" not in out + err
+    monkeypatch.setenv("GEMMA_TPU_TEST_KEY", "s3cret")
+    code, _, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    assert code == 0, err
+    assert seen == [200, 401, 401, 200, 401, 200]
+
+
+def test_local_server_without_tool_calling_refuses_auto_tool_choice_as_vllm_does(tiny_dir, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """tool_calling.enabled: false renders no --enable-auto-tool-choice, and vLLM answers a request with tools (and
+    tool_choice "auto", the default with tools) 400; `--local` answered it, parsing calls from the text, so a client
+    that passed here failed there. "none" still passes (the tools unread), as in vLLM."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    from serving.launch import LocalServer
+
+    seen = []
+
+    def requests_then_ctrl_c(server):
+        def chat(**extra):
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{
+                "type": "function", "function": {"name": "get_steps", "parameters": {"type": "object"}}}], **extra}
+            req = urllib.request.Request(server.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        seen.extend([chat(), chat(tool_choice="auto"), chat(tool_choice="none")])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalServer, "wait", requests_then_ctrl_c)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{dir: {tiny_dir}}}\nserver: {{port: {free_port()}}}\ntool_calling: {{enabled: false}}\n")
+    code, _, err = launch_inproc(capsys, "--config", str(cfg), "--local")
+    assert code == 0, err
+    (plain, refused), (auto, _), (none, _) = seen
+    assert (plain, auto, none) == (400, 400, 200), seen
+    assert refused["error"]["param"] == "tool_choice", refused
+    assert "requires tool calling, which this server has off (tool_calling.enabled: false)" in refused["error"][
+        "message"], refused
+
+
 def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp_path, capsys):
     """`serving.launch --local` on a port another server holds: transformers serve loaded the model, failed to
     bind, and meanwhile the other server's /health 200 made it announce `serving ... at <that port>`; then
@@ -1769,6 +1901,52 @@ def test_bench_counts_failures_and_never_hangs(tmp_path):
     assert sum("ended before the response was complete" in e for e in errors) == 2
     assert sum("RemoteProtocolError" in e or "ReadError" in e for e in errors) == 2, errors
     assert len(r["ttfts"]) == 10 and len(r["itls"]) == 10
+
+
+class SpecStream(http.server.BaseHTTPRequestHandler):
+    """An event stream as the SSE spec allows it: CRLF line ends, comments, `event:`/`id:` fields, and each event's
+    JSON spread over several `data:` lines (joined by a newline into one event)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = lambda **kw: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, **kw}]}  # noqa
+        events = [chunk(delta={"role": "assistant", "content": "one"}), chunk(delta={"content": " two"}),
+                  chunk(delta={}, finish_reason="stop"), {"id": "x", "choices": [], "usage": {
+                      "prompt_tokens": 5, "completion_tokens": 2}}]
+        self.wfile.write(b": keep-alive\r\n\r\n")
+        for k, e in enumerate(events):
+            lines = json.dumps(e, indent=1).splitlines()  # one event, many lines
+            self.wfile.write(f"event: message\r\nid: {k}\r\n".encode()
+                             + b"".join(f"data: {line}\r\n".encode() for line in lines) + b"\r\n")
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\r\n\r\n")
+
+
+def test_bench_reads_an_event_of_several_data_lines_as_one_event():
+    """An event's `data:` lines are one event (joined by a newline, as the SSE spec reads them): each line was read as
+    an event of its own, and a server that spreads its JSON over lines failed every request as a 'bad event'."""
+    import asyncio
+
+    import httpx
+
+    from serving.bench import Prompt, one_request
+
+    async def go(url):
+        async with httpx.AsyncClient() as client:
+            return await one_request(client, f"{url}/v1/chat/completions", Prompt([{"role": "user", "content": "hi"}],
+                                     None, 1, None), "m", 4, {}, {}, 10.0)
+
+    with http_server(SpecStream) as url:
+        res = asyncio.run(go(url))
+    assert res.success, res.error
+    assert (res.generated_text, res.output_tokens, res.prompt_len) == ("one two", 2, 5)
+    assert len(res.itl) == 1 and res.ttft > 0
 
 
 def test_bench_with_no_server_is_one_line_error_and_writes_nothing(tmp_path):

@@ -71,6 +71,7 @@ from gemma_tpu.infer.openai_client import (  # noqa: F401
     HTTPStatusError,
     StopTokenTexts,
     api_base,
+    api_key_from_env,
     check_reachable,
     http_json,
     openai_messages,
@@ -517,7 +518,7 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
             # not known here, and a Gemma 4's `<|turn>` in a message opened a turn of its own there
             load_conversations(args.data, cfg.data, served_markup(), args.limit)
             preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
-                                            args.timeout, args.retries, os.environ.get(args.api_key_env) or None,
+                                            args.timeout, args.retries, api_key_from_env(args.api_key_env),
                                             done=done)
         else:
             loaded = (load_hf_dir(spec.target, cfg.model.dtype) if spec.kind == "model"
@@ -763,7 +764,7 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
     if len(specs) > 1:
         for which, spec in zip(("A", "B"), specs):
             try:
-                check_spec(spec, args.timeout, os.environ.get(args.api_key_env) or None, args.retries)
+                check_spec(spec, args.timeout, api_key_from_env(args.api_key_env), args.retries)
             except UserError as e:  # said of model.path or a checkpoint dir: name the argument that gave it
                 raise UserError(f"--compare {which} ({spec.label}): {e}") from None
     if not args.no_prefix_cache and any(spec.kind != "endpoint" for spec in specs):

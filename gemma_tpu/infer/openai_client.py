@@ -67,7 +67,8 @@ MAX_RETRY_AFTER = 120.0  # a longer Retry-After is not waited for: the request f
 # every client's retry policy (evaluate --endpoint, serving.chat): one default and one description of it
 DEFAULT_RETRIES = 3
 RETRIES_HELP = (f"further attempts of a request the server refused or failed with 429 or 5xx, or whose connection "
-                f"dropped (1, 2, 4 ... s apart, or as Retry-After asks; default {DEFAULT_RETRIES})")
+                f"dropped (1, 2, 4 ... s apart, at most {MAX_RETRY_AFTER:g} s, or as Retry-After asks; default "
+                f"{DEFAULT_RETRIES})")
 
 
 def retry_after(value: str | None) -> float | None:
@@ -96,10 +97,10 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
     """POST `payload` (GET without one) and return the JSON object; failures are one-line UserErrors.
 
     retries: further attempts after a transient failure (an HTTP status in TRANSIENT_STATUS, a refused or reset
-    connection, one closed partway through the answer), `backoff` seconds doubling between them, or the longer wait
-    a Retry-After header asks for (up to MAX_RETRY_AFTER: the server's 429 came back each time before it); a request
-    that got no answer within `timeout` is not repeated (it would cost another `timeout`), nor one to a host that
-    does not resolve."""
+    connection, one closed partway through the answer), `backoff` seconds doubling between them (up to
+    MAX_RETRY_AFTER), or the longer wait a Retry-After header asks for (up to MAX_RETRY_AFTER: the server's 429 came
+    back each time before it); a request that got no answer within `timeout` is not repeated (it would cost another
+    `timeout`), nor one to a host that does not resolve."""
     for attempt in range(retries + 1):
         try:
             return _http_json_once(url, payload, timeout, api_key)
@@ -113,7 +114,8 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0, api
                     e.args = (f"{e} (the server asks for {after:g} s before another attempt (Retry-After), more "
                               f"than the {MAX_RETRY_AFTER:g} s waited for)",)
                 raise
-            wait = max(backoff * 2 ** attempt, after or 0.0)
+            # doubling up to the longest wait a Retry-After gets (--retries 12 waited 2048 s before its last attempt)
+            wait = max(min(backoff * 2 ** min(attempt, 30), MAX_RETRY_AFTER), after or 0.0)
             log.warning("%s; trying again in %g s (%d of %d)", e, wait, attempt + 1, retries)
             time.sleep(wait)
     raise AssertionError("unreachable")
@@ -320,6 +322,25 @@ def served_model_name(base: str, api_key: str | None = None, timeout: float = 30
     first = models[0] if isinstance(models, list) and models and isinstance(models[0], dict) else {}
     name = first.get("id")
     return name if isinstance(name, str) and name else None
+
+
+def api_key_from_env(name: str, option: str = "--api-key-env") -> str | None:
+    """The API key the environment variable `name` holds (None when unset or empty), refused (naming `option` and the
+    character, never the key) when no HTTP header carries it as given: a line break (a key file's newline) was
+    urllib's ValueError traceback printing the whole `Bearer KEY` header, a non-ASCII letter httpx's
+    UnicodeEncodeError, and an edge space a 401 (servers strip a header's edge spaces)."""
+    import os
+
+    key = os.environ.get(name) or None
+    if key is None:
+        return None
+    for i, ch in enumerate(key):
+        edge = i in (0, len(key) - 1)
+        if not (" " <= ch <= "~") or (edge and ch == " "):
+            what = "a space at its edge" if ch == " " else f"the character U+{ord(ch):04X}"
+            raise UserError(f"{option}: the environment variable {name} holds {what} (character {i + 1} of "
+                            f"{len(key)}), which an HTTP header cannot carry as the key: set it to the key alone")
+    return key
 
 
 def check_reachable(base: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 0) -> None:
