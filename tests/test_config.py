@@ -367,6 +367,20 @@ def test_bad_values_are_named(tmp_path):
         load_config(bad)
 
 
+def test_print_config_writes_a_dollar_of_a_path_so_it_reads_back(tmp_path):
+    """`checkpoint.dir=/runs/a$$b` (a `$` of the path) was printed as `/runs/a$b`, which --config then read as the
+    variable b and refused: the printed config must read back to the same paths."""
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--print-config",
+                   f"checkpoint.dir={tmp_path}/a$$b", f"data.train_path={REPO}/tests/data/chat$$sample.jsonl")
+    assert proc.returncode == 0, proc.stderr
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(proc.stdout)
+    cfg = load_config(printed)
+    assert cfg.checkpoint.dir == f"{tmp_path}/a$b"
+    assert cfg.data.train_path == f"{REPO}/tests/data/chat$sample.jsonl"
+    assert cfg.model.path == "embedded:tiny-gemma3"
+
+
 def test_print_config_cli():
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--print-config", "train.max_steps=20")
     assert proc.returncode == 0, proc.stderr

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from gemma_tpu.core.config import RunConfig, is_url, load_config
+from gemma_tpu.core.config import RunConfig, as_written, is_url, load_config
 from gemma_tpu.core.errors import SignalExit, UserError
 from gemma_tpu.core.lean_imports import deferred_imports
 
@@ -306,7 +306,7 @@ def run_config(args: argparse.Namespace, required: bool = True):
                         "--config FILE is required (see configs/)")
     cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else RunConfig()
     if getattr(args, "print_config", False):
-        print_config(cfg)
+        print_config(as_written(cfg))  # the form --config reads back: a path's `$` as `$$`
         return None
     return cfg
 

@@ -7,6 +7,7 @@ with a message naming the key and the file.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import decimal
 import logging
@@ -1055,6 +1056,17 @@ def _refuse_url_outputs(cfg: RunConfig) -> None:
             raise UserError(f"{section}.{key}={value!r}: a URL; the run writes its outputs to a directory of this "
                             f"machine: give a local disk, or mount the bucket (gcsfuse BUCKET /mnt/BUCKET) and give "
                             f"the path under it")
+
+
+def as_written(cfg: RunConfig) -> RunConfig:
+    """A copy of `cfg` as a config file writes it: the expanded paths' `$` as `$$` (`--print-config` printed a path
+    given as `/runs/a$$b` as `/runs/a$b`, which `--config` read back as the variable b and refused)."""
+    cfg = copy.deepcopy(cfg)
+    for section, key in (*PATH_KEYS, ("model", "path")):
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and not value.startswith("embedded:"):
+            setattr(getattr(cfg, section), key, value.replace("$", "$$"))
+    return cfg
 
 
 def _expand_paths(cfg: RunConfig, where: str) -> None:
