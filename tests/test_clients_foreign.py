@@ -1111,9 +1111,11 @@ def write_rows(path, rows):
     return path
 
 
-def test_compare_keeps_the_first_models_results_when_sigterm_stops_the_second(tmp_path):
-    """A preempted machine's SIGTERM during the second model ended the process at once: the first model's
-    results (minutes of work) were lost, where Ctrl-C keeps them. Now SIGTERM keeps them too, exit 143."""
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_compare_keeps_the_first_models_results_when_sigterm_stops_the_second(tmp_path, sig, code):
+    """A preempted machine's SIGTERM (or a closed terminal's SIGHUP) during the second model ended the process at
+    once: the first model's results (minutes of work) were lost, where Ctrl-C keeps them. Now both keep them too,
+    exit 143 / 129."""
     out = tmp_path / "r.json"
 
     class Hangs(Flaky):  # lists its model, then never answers a completion
@@ -1130,11 +1132,11 @@ def test_compare_keeps_the_first_models_results_when_sigterm_stops_the_second(tm
         deadline = time.monotonic() + 120
         while Hangs.seen == 0 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stderr
+    assert proc.returncode == code, stderr
     assert not out.exists()
     partial = json.loads((tmp_path / "r.partial.json").read_text())
     assert list(partial["models"]) == [f"endpoint:{a}"] and partial["models"][f"endpoint:{a}"]["n"] == 2
-    assert partial["failed"] == {"model": f"endpoint:{b}", "error": "stopped by SIGTERM"}
+    assert partial["failed"] == {"model": f"endpoint:{b}", "error": f"stopped by {sig}"}
     assert f"endpoint:{a}" in stdout

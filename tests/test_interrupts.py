@@ -63,6 +63,24 @@ def test_sigterm_inside_a_gc_callback_still_stops_the_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_sighup_inside_a_write_stops_it_and_leaves_nothing(tmp_path):
+    """A closed terminal's SIGHUP ended a converter at once (its default action): the hidden temp output and the
+    writer lock were left beside --out. Now it stops the write as SIGTERM does, exit 129."""
+    proc = _run(tmp_path / "out", "SIGHUP")
+    assert_one_line_error(proc, "SIGHUP")
+    assert proc.returncode == 129
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_write_started_with_sighup_ignored_is_published(tmp_path):
+    """`nohup python -m convert.merge_orbax ...`: SIGHUP ignored at the start stays ignored."""
+    proc = subprocess.run([sys.executable, "-c", "import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n" +
+                           SCRIPT, str(tmp_path / "out"), "SIGHUP"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0 and "published" in proc.stdout, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def _replace_without_exchange(tmp_path, monkeypatch, rename):
     """An --overwrite of `out` (holding v = "old") where the filesystem cannot exchange two names, every os.rename
     of the module going through `rename(real_rename, a, b)`: returns (out, its AtomicDir)."""

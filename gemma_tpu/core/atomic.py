@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from gemma_tpu.core import pidlock
-from gemma_tpu.core.errors import SignalExit, UserError, interrupted_after, raise_signal_exit
+from gemma_tpu.core.errors import SignalExit, UserError, interrupted_after, stop_signals_raise
 from gemma_tpu.core.progress import human
 
 log = logging.getLogger("gemma_tpu.core.atomic")
@@ -340,12 +340,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-_UNSET = object()
-_HELD = {signal.SIGINT, signal.SIGTERM}
+_HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 class _signals_held:
-    """Ctrl-C and SIGTERM wait (recorded, then raised again on leaving) while a publish swaps names: the old
+    """Ctrl-C, SIGTERM and SIGHUP wait (recorded, then raised again on leaving) while a publish swaps names: the old
     output is renamed aside, then the new one into place, and the handler's exception between the two
     (KeyboardInterrupt, SignalExit) removed the new one, leaving no target and the old one as debris that the
     next run deletes. (Python handlers, not a signal mask: any thread may receive a process's signal.) Outside
@@ -403,8 +402,8 @@ def library_os_error(exc: BaseException | None) -> OSError | None:
 
 
 class _AtomicOutput:
-    """What AtomicDir and AtomicFile share: the hidden temp path beside the target, SIGTERM turned into
-    SystemExit while it exists (so the cleanup runs), and the temp removed unless published."""
+    """What AtomicDir and AtomicFile share: the hidden temp path beside the target, SIGTERM and SIGHUP turned into
+    SignalExit while it exists (so the cleanup runs), and the temp removed unless published."""
 
     kind = "dir"
 
@@ -416,7 +415,7 @@ class _AtomicOutput:
         self.magic = magic
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
         self.published = False
-        self._old_sigterm: object = _UNSET
+        self._stop_signals = stop_signals_raise()
         self._lock = pidlock.PidLock(writer_lock(self.target), _busy_writing) if lock else None
 
     def __enter__(self) -> Path:
@@ -437,10 +436,7 @@ class _AtomicOutput:
         except BaseException:
             self._release()
             raise
-        try:  # SIGTERM -> SystemExit, so the cleanup below runs
-            self._old_sigterm = signal.signal(signal.SIGTERM, raise_signal_exit)
-        except ValueError:  # not the main thread: leave signals alone
-            pass
+        self._stop_signals.__enter__()  # SIGTERM and SIGHUP -> SignalExit, so the cleanup below runs
         return self.tmp
 
     def _stopped_after_publish(self, stop: BaseException, old: Path | None) -> None:
@@ -461,8 +457,7 @@ class _AtomicOutput:
             self._lock.release()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._old_sigterm is not _UNSET:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._old_sigterm is None else self._old_sigterm)
+        self._stop_signals.__exit__(exc_type, exc, tb)
         if not self.published:
             _remove(self.tmp)
         self._release()

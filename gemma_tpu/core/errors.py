@@ -53,6 +53,30 @@ def raise_signal_exit(signum, frame):  # noqa: ARG001
     raise SignalExit(signum)
 
 
+class stop_signals_raise:
+    """In the block, SIGTERM and SIGHUP raise `SignalExit` (`raise_signal_exit`: `finally` blocks and cleanups run,
+    as for Ctrl-C), restored on leaving. A converter or an evaluation closed with its terminal (SIGHUP's default
+    action) ended at once: its temp output and writer lock left, its finished results lost. A SIGHUP ignored at
+    the start (`nohup`) stays ignored; outside the main thread, where Python runs no handlers, nothing changes."""
+
+    def __enter__(self) -> "stop_signals_raise":
+        self.saved: dict[int, Any] = {}
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous = signal.getsignal(signum)
+            if signum == signal.SIGHUP and previous is signal.SIG_IGN:
+                continue
+            try:
+                signal.signal(signum, raise_signal_exit)
+            except ValueError:  # not the main thread
+                break
+            self.saved[signum] = previous
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self.saved.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+
+
 def detach_hung_up_terminal() -> None:
     """Point the standard streams that were a terminal now hung up (closed, its ssh session dropped: the SIGHUP's
     cause) at /dev/null. Every write to such a stream fails with EIO, so the stop the hangup asks for (a save, the

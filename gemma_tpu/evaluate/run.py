@@ -57,7 +57,7 @@ from gemma_tpu.checkpoint.restore import locate
 from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig, keys_given
-from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
+from gemma_tpu.core.errors import SignalExit, UserError, stop_signals_raise
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
 from gemma_tpu.data.batching import Example
 from gemma_tpu.data.records import served_markup
@@ -776,10 +776,9 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
             except UserError as e:
                 raise (UserError(f"--compare {which} ({spec.label}): {e}") if which else e) from None
     results, details = {}, {}
-    # SIGTERM (a preempted machine) keeps the finished models' results as Ctrl-C does; it used to end the
-    # process at once, losing them
-    previous = signal.signal(signal.SIGTERM, raise_signal_exit)
-    try:
+    # SIGTERM (a preempted machine) and SIGHUP (the terminal closed) keep the finished models' results as Ctrl-C
+    # does; they used to end the process at once, losing them
+    with stop_signals_raise():
         for spec in specs:
             label = spec.label if spec.label not in results else f"{spec.label} (2)"
             try:
@@ -788,8 +787,6 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
                 if results or getattr(e, "partial", None):  # the work done is kept (minutes of it each model)
                     keep_partial(results, details, args, convs, label, e)
                 raise
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     print(format_table(results))
     for label, records in details.items():  # format errors a larger --max-new-tokens would not have made
         cut = sum(r["kind"] == "format_error" and (r["error"] or "").startswith(CUT_OFF) for r in records)
