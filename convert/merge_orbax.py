@@ -54,6 +54,7 @@ from convert.source import (
     FactorCache,
     check_base_layout,
     check_base_matches,
+    check_base_shapes,
     check_base_weights,
     check_finite_factors,
     checked_lora_sites,
@@ -172,6 +173,7 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     # is not its weights' (the merge publishes it beside them)
     check_base_layout(source, base_dir, base_config)
     check_base_weights(source, base_dir, base_config, prefix, weights.names())
+    check_base_shapes(source, base_dir, base_config, prefix, shapes)
 
     dropped = []
     ops, specs = [], []

@@ -26,7 +26,7 @@ from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.hf.fingerprint import check_base
-from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout, text_config
+from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout, text_config, tied_embeddings
 
 
 @dataclasses.dataclass
@@ -140,6 +140,22 @@ def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: di
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UserError(f"{base_dir}: tensor {missing[0]}{more} of the model its config.json describes is missing "
                         f"from the weights; give the whole base (--base)")
+
+
+def check_base_shapes(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,
+                      shapes: dict[str, tuple[int, ...]]) -> None:
+    """The base's tensors that a merge copies (embeddings, norms: `Family.tensor_shapes`; an untied `lm_head`) have
+    the shapes its config.json gives them: one of another length (an edit, a copy of another model's file, let
+    through the fingerprint by --allow-base-mismatch) was published, a model transformers refuses to load."""
+    t = source.family.read_text_config(base_config)
+    want = {prefix + k: v for k, v in (source.family.tensor_shapes(t) if source.family.tensor_shapes else {}).items()}
+    embed = want.get(prefix + "embed_tokens.weight")
+    if embed is not None and not tied_embeddings(base_config):
+        want["lm_head.weight"] = embed
+    for key, shape in want.items():
+        if key in shapes and tuple(shapes[key]) != shape:
+            raise UserError(f"{base_dir}: tensor {key} is {list(shapes[key])}, but its config.json makes it "
+                            f"{list(shape)}; give the base it was trained on (--base)")
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")

@@ -798,6 +798,18 @@ def test_error_quantized_base_is_refused_by_name(work, base, lora_ckpt, capsys):
     assert leftovers(work / "i8.gguf") == []
 
 
+def test_a_base_tensor_the_merge_copies_must_have_its_config_shape(work, base, lora_ckpt, capsys):
+    """A norm or embedding of another length (let through by --allow-base-mismatch) was copied into the output
+    as it was: a merge transformers refuses to load ('size mismatch'). Each is refused by name, nothing written."""
+    cases = [("model.norm.weight", lambda v: v[:-1], "is [63], but its config.json makes it [64]"),
+             ("model.layers.1.self_attn.k_norm.weight", lambda v: np.concatenate([v, v]), "is [32]"),
+             ("model.embed_tokens.weight", lambda v: v[:-3], "is [509, 64], but its config.json makes it [512, 64]")]
+    for i, (key, edit, says) in enumerate(cases):
+        bad = _base_with(work, base, f"base_badshape{i}", lambda k, v: edit(v) if k == key else v)
+        _expect_error(capsys, work / f"err_badshape{i}", "--checkpoint", lora_ckpt[0], "--base", bad,
+                      "--allow-base-mismatch", contains=f"{bad}: tensor {key} {says}")
+
+
 def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
     """A float64 base (which the trainer loads) was refused: 'no floating-point tensors'. An integer buffer
     outside the decoder (a vision tower's position ids) is no quantized weight: copied as it is."""
