@@ -26,7 +26,15 @@ from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.hf.fingerprint import check_base
-from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout, text_config, tied_embeddings
+from gemma_tpu.models.registry import (
+    Family,
+    Layout,
+    choose_family,
+    described_family,
+    read_layout,
+    text_config,
+    tied_embeddings,
+)
 
 
 @dataclasses.dataclass
@@ -128,6 +136,20 @@ def check_base_layout(source: CheckpointSource, base_dir: Path, base_config: dic
                             f"base it was trained on (--base)")
 
 
+def check_base_model_type(source: CheckpointSource, base_dir: Path, base_config: dict) -> None:
+    """The base's config.json, which a merge publishes, has the `model_type` transformers picks the model class by:
+    one without it (or of another family's, its architecture a Gemma's) merged, and transformers could not load the
+    output ('Unrecognized model ... Should have a `model_type` key'). An architecture no family claims keeps its own
+    model_type."""
+    where = base_dir / "config.json"
+    have = base_config.get("model_type")
+    want = source.family.model_types
+    claimed = described_family(base_config, str(where)) is not None
+    if not isinstance(have, str) or not have or (claimed and have not in want):
+        what = "is missing" if have is None else f"is {have!r}"
+        raise UserError(f"{where}: model_type {what}, so transformers cannot load the merged model (a "
+                        f"{source.family.name} config.json has one of: {', '.join(want)}); fix it or give another "
+                        f"base (--base)")
 def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,
                        names: list[str]) -> None:
     """Every tensor of the model the base's config.json describes is in its weights `names` (the registry's

@@ -810,6 +810,20 @@ def test_a_base_tensor_the_merge_copies_must_have_its_config_shape(work, base, l
                       "--allow-base-mismatch", contains=f"{bad}: tensor {key} {says}")
 
 
+def test_a_base_config_without_model_type_is_refused(work, base, lora_ckpt, capsys):
+    """transformers picks the model class by config.json's model_type: a base without it (or with another family's,
+    its architecture a Gemma 3) merged, and transformers could not load the output ('Unrecognized model')."""
+    for i, (value, says) in enumerate([(None, "is missing"), ("llama", "is 'llama'")]):
+        bad = work / f"base_model_type{i}"
+        shutil.copytree(base, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg.pop("model_type")
+        (bad / "config.json").write_text(json.dumps(cfg if value is None else {**cfg, "model_type": value}))
+        _expect_error(capsys, work / f"err_model_type{i}", "--checkpoint", lora_ckpt[0], "--base", bad,
+                      "--allow-base-mismatch", contains=f"{bad / 'config.json'}: model_type {says}, so transformers "
+                      f"cannot load the merged model (a gemma3 config.json has one of: gemma3_text, gemma3)")
+
+
 def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
     """A float64 base (which the trainer loads) was refused: 'no floating-point tensors'. An integer buffer
     outside the decoder (a vision tower's position ids) is no quantized weight: copied as it is."""
