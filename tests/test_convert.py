@@ -1476,6 +1476,14 @@ def test_parse_size():
     assert sio.parse_size("1024") == 1024
     with pytest.raises(UserError):
         sio.parse_size("lots")
+    # a fraction without a unit is a fraction of a byte: it said "must be positive", which it is
+    with pytest.raises(UserError, match=r"^size '0.5' is 0.5 bytes, less than one; give a unit \(e.g. 0.5GB\)$"):
+        sio.parse_size("0.5")
+    with pytest.raises(UserError, match=r"^size '0.1B' is 0.1 bytes, less than one$"):
+        sio.parse_size("0.1B")
+    with pytest.raises(UserError, match=r"^size '0' must be positive$"):
+        sio.parse_size("0")
+    assert sio.parse_size("0.5GB") == 5 * 10**8
 
 
 # ------------------------------------------------------------------------------ with the real trainer
