@@ -29,6 +29,7 @@ from gemma_tpu.hf.fingerprint import check_base
 from gemma_tpu.models.registry import (
     Family,
     Layout,
+    Projection,
     choose_family,
     described_family,
     read_layout,
@@ -166,18 +167,25 @@ def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: di
 
 def check_base_shapes(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,
                       shapes: dict[str, tuple[int, ...]]) -> None:
-    """The base's tensors that a merge copies (embeddings, norms: `Family.tensor_shapes`; an untied `lm_head`) have
-    the shapes its config.json gives them: one of another length (an edit, a copy of another model's file, let
-    through the fingerprint by --allow-base-mismatch) was published, a model transformers refuses to load."""
-    t = source.family.read_text_config(base_config)
-    want = {prefix + k: v for k, v in (source.family.tensor_shapes(t) if source.family.tensor_shapes else {}).items()}
+    """The base's tensors that a merge copies (embeddings, norms: `Family.tensor_shapes`; an untied `lm_head`; the
+    projections no LoRA targets: `Family.projection_shapes`) have the shapes its config.json gives them: one of
+    another size (an edit, a copy of another model's file, let through the fingerprint by --allow-base-mismatch) was
+    published, a model transformers refuses to load."""
+    family = source.family
+    t = family.read_text_config(base_config)
+    want = {prefix + k: (v,) for k, v in (family.tensor_shapes(t) if family.tensor_shapes else {}).items()}
     embed = want.get(prefix + "embed_tokens.weight")
     if embed is not None and not tied_embeddings(base_config):
         want["lm_head.weight"] = embed
-    for key, shape in want.items():
-        if key in shapes and tuple(shapes[key]) != shape:
+    projections = family.projection_shapes(t) if family.projection_shapes else {}
+    for key, _, how in family.weight_sources(source.layout, prefix):
+        if isinstance(how, Projection) and projections.get(how.hf_name):
+            want[key] = projections[how.hf_name]  # its shapes across the layers (Gemma 4's global ones differ)
+    for key, allowed in want.items():
+        if key in shapes and tuple(shapes[key]) not in allowed:
+            makes = " or ".join(str(list(s)) for s in allowed)
             raise UserError(f"{base_dir}: tensor {key} is {list(shapes[key])}, but its config.json makes it "
-                            f"{list(shape)}; give the base it was trained on (--base)")
+                            f"{makes}; give the base it was trained on (--base)")
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")

@@ -810,6 +810,18 @@ def test_a_base_tensor_the_merge_copies_must_have_its_config_shape(work, base, l
                       "--allow-base-mismatch", contains=f"{bad}: tensor {key} {says}")
 
 
+def test_a_base_projection_no_lora_targets_must_have_its_config_shape(work, base, capsys):
+    """A run that targets q_proj only copies the other projections: one of another width (let through by
+    --allow-base-mismatch) was published as it was, a model transformers refuses to load."""
+    ckpt = work / "ckpt_q_only"
+    if not ckpt.exists():
+        make_checkpoint(base, ckpt, rank=2, alpha=4.0, targets=["q_proj"], seed=3)
+    key = "model.layers.1.mlp.down_proj.weight"
+    bad = _base_with(work, base, "base_narrow_down", lambda k, v: v[:, :-8] if k == key else v)
+    _expect_error(capsys, work / "err_narrow_down", "--checkpoint", ckpt, "--base", bad, "--allow-base-mismatch",
+                  contains=f"{bad}: tensor {key} is [64, 120], but its config.json makes it [64, 128]")
+
+
 def test_a_base_config_without_model_type_is_refused(work, base, lora_ckpt, capsys):
     """transformers picks the model class by config.json's model_type: a base without it (or with another family's,
     its architecture a Gemma 3) merged, and transformers could not load the output ('Unrecognized model')."""
