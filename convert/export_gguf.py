@@ -365,15 +365,20 @@ def check_config(family: Family, facts: GGUFFacts, config: dict, text: dict, whe
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
-def check_shapes(family: Family, config: dict, text: dict, tensors: list, where: str) -> None:
-    """The weights' shapes agree with the sizes the file will declare (the family's `projection_shapes`, the
-    embedding's width): a config.json that omits hidden_size (or heads, intermediate_size) took transformers'
-    default (2304 for Gemma 3), and the GGUF declared it over 64-wide tensors, a file llama.cpp cannot load."""
+def check_shapes(family: Family, config: dict, text: dict, tensors: list, where: str, prefix: str) -> None:
+    """The weights' shapes agree with the sizes the file will declare (the family's `projection_shapes`, its
+    `tensor_shapes` for the norms, the embedding's width): a config.json that omits hidden_size (or heads,
+    intermediate_size) took transformers' default (2304 for Gemma 3), and the GGUF declared it over 64-wide tensors,
+    a file llama.cpp cannot load; a norm of another length (a merged directory edited or cut) was written as it was.
+    The embedding's rows are the vocabulary's, which the tokenizer gives (config.json's vocab_size is not read)."""
     shapes = family.projection_shapes(text) if family.projection_shapes else {}
+    others = family.tensor_shapes(text) if family.tensor_shapes else {}
     hidden = text.get("hidden_size")
     rows = next((t.shape[0] for t in tensors if t.name == "token_embd.weight"), None)
     for t in tensors:
         want = shapes.get(t.hf_key.rsplit(".", 2)[-2], ()) if t.hf_key.endswith(".weight") else ()
+        if t.hf_key.startswith(prefix) and t.hf_key[len(prefix):] in others:
+            want = (others[t.hf_key[len(prefix):]],)
         if t.name == "token_embd.weight" and isinstance(hidden, int):
             want = ((t.shape[0], hidden),)
         if t.name == "output.weight" and isinstance(hidden, int):  # an untied lm_head of another shape was written
@@ -483,7 +488,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     prefix = family.text_prefix(weights.names())
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
     tensors, skipped = plan_tensors(facts, text, weights, prefix, args.type, tied, where)
-    check_shapes(family, config, text, tensors, where)
+    check_shapes(family, config, text, tensors, where, prefix)
     weights.require_float([t.hf_key for t in tensors])  # an int8 or fp8 matrix was exported as its raw integers
     embed = next(t for t in tensors if t.name == "token_embd.weight")
     vocab = read_vocab(tok_dir, embed.shape[0], token_map, FUNCTION_MARKERS)

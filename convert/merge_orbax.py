@@ -54,6 +54,8 @@ from convert.source import (
     FactorCache,
     check_base_layout,
     check_base_matches,
+    check_base_model_type,
+    check_base_shapes,
     check_base_weights,
     check_finite_factors,
     checked_lora_sites,
@@ -172,6 +174,9 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     # is not its weights' (the merge publishes it beside them)
     check_base_layout(source, base_dir, base_config)
     check_base_weights(source, base_dir, base_config, prefix, weights.names())
+    check_base_shapes(source, base_dir, base_config, prefix, shapes)
+    if out is not None:  # the config.json published beside the weights (a GGUF export writes its own)
+        check_base_model_type(source, base_dir, base_config)
 
     dropped = []
     ops, specs = [], []

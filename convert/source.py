@@ -26,7 +26,16 @@ from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.hf.fingerprint import check_base
-from gemma_tpu.models.registry import Family, Layout, choose_family, read_layout, text_config
+from gemma_tpu.models.registry import (
+    Family,
+    Layout,
+    Projection,
+    choose_family,
+    described_family,
+    read_layout,
+    text_config,
+    tied_embeddings,
+)
 
 
 @dataclasses.dataclass
@@ -128,6 +137,20 @@ def check_base_layout(source: CheckpointSource, base_dir: Path, base_config: dic
                             f"base it was trained on (--base)")
 
 
+def check_base_model_type(source: CheckpointSource, base_dir: Path, base_config: dict) -> None:
+    """The base's config.json, which a merge publishes, has the `model_type` transformers picks the model class by:
+    one without it (or of another family's, its architecture a Gemma's) merged, and transformers could not load the
+    output ('Unrecognized model ... Should have a `model_type` key'). An architecture no family claims keeps its own
+    model_type."""
+    where = base_dir / "config.json"
+    have = base_config.get("model_type")
+    want = source.family.model_types
+    claimed = described_family(base_config, str(where)) is not None
+    if not isinstance(have, str) or not have or (claimed and have not in want):
+        what = "is missing" if have is None else f"is {have!r}"
+        raise UserError(f"{where}: model_type {what}, so transformers cannot load the merged model (a "
+                        f"{source.family.name} config.json has one of: {', '.join(want)}); fix it or give another "
+                        f"base (--base)")
 def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,
                        names: list[str]) -> None:
     """Every tensor of the model the base's config.json describes is in its weights `names` (the registry's
@@ -140,6 +163,29 @@ def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: di
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UserError(f"{base_dir}: tensor {missing[0]}{more} of the model its config.json describes is missing "
                         f"from the weights; give the whole base (--base)")
+
+
+def check_base_shapes(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,
+                      shapes: dict[str, tuple[int, ...]]) -> None:
+    """The base's tensors that a merge copies (embeddings, norms: `Family.tensor_shapes`; an untied `lm_head`; the
+    projections no LoRA targets: `Family.projection_shapes`) have the shapes its config.json gives them: one of
+    another size (an edit, a copy of another model's file, let through the fingerprint by --allow-base-mismatch) was
+    published, a model transformers refuses to load."""
+    family = source.family
+    t = family.read_text_config(base_config)
+    want = {prefix + k: (v,) for k, v in (family.tensor_shapes(t) if family.tensor_shapes else {}).items()}
+    embed = want.get(prefix + "embed_tokens.weight")
+    if embed is not None and not tied_embeddings(base_config):
+        want["lm_head.weight"] = embed
+    projections = family.projection_shapes(t) if family.projection_shapes else {}
+    for key, _, how in family.weight_sources(source.layout, prefix):
+        if isinstance(how, Projection) and projections.get(how.hf_name):
+            want[key] = projections[how.hf_name]  # its shapes across the layers (Gemma 4's global ones differ)
+    for key, allowed in want.items():
+        if key in shapes and tuple(shapes[key]) not in allowed:
+            makes = " or ".join(str(list(s)) for s in allowed)
+            raise UserError(f"{base_dir}: tensor {key} is {list(shapes[key])}, but its config.json makes it "
+                            f"{makes}; give the base it was trained on (--base)")
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")

@@ -798,6 +798,44 @@ def test_error_quantized_base_is_refused_by_name(work, base, lora_ckpt, capsys):
     assert leftovers(work / "i8.gguf") == []
 
 
+def test_a_base_tensor_the_merge_copies_must_have_its_config_shape(work, base, lora_ckpt, capsys):
+    """A norm or embedding of another length (let through by --allow-base-mismatch) was copied into the output
+    as it was: a merge transformers refuses to load ('size mismatch'). Each is refused by name, nothing written."""
+    cases = [("model.norm.weight", lambda v: v[:-1], "is [63], but its config.json makes it [64]"),
+             ("model.layers.1.self_attn.k_norm.weight", lambda v: np.concatenate([v, v]), "is [32]"),
+             ("model.embed_tokens.weight", lambda v: v[:-3], "is [509, 64], but its config.json makes it [512, 64]")]
+    for i, (key, edit, says) in enumerate(cases):
+        bad = _base_with(work, base, f"base_badshape{i}", lambda k, v: edit(v) if k == key else v)
+        _expect_error(capsys, work / f"err_badshape{i}", "--checkpoint", lora_ckpt[0], "--base", bad,
+                      "--allow-base-mismatch", contains=f"{bad}: tensor {key} {says}")
+
+
+def test_a_base_projection_no_lora_targets_must_have_its_config_shape(work, base, capsys):
+    """A run that targets q_proj only copies the other projections: one of another width (let through by
+    --allow-base-mismatch) was published as it was, a model transformers refuses to load."""
+    ckpt = work / "ckpt_q_only"
+    if not ckpt.exists():
+        make_checkpoint(base, ckpt, rank=2, alpha=4.0, targets=["q_proj"], seed=3)
+    key = "model.layers.1.mlp.down_proj.weight"
+    bad = _base_with(work, base, "base_narrow_down", lambda k, v: v[:, :-8] if k == key else v)
+    _expect_error(capsys, work / "err_narrow_down", "--checkpoint", ckpt, "--base", bad, "--allow-base-mismatch",
+                  contains=f"{bad}: tensor {key} is [64, 120], but its config.json makes it [64, 128]")
+
+
+def test_a_base_config_without_model_type_is_refused(work, base, lora_ckpt, capsys):
+    """transformers picks the model class by config.json's model_type: a base without it (or with another family's,
+    its architecture a Gemma 3) merged, and transformers could not load the output ('Unrecognized model')."""
+    for i, (value, says) in enumerate([(None, "is missing"), ("llama", "is 'llama'")]):
+        bad = work / f"base_model_type{i}"
+        shutil.copytree(base, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg.pop("model_type")
+        (bad / "config.json").write_text(json.dumps(cfg if value is None else {**cfg, "model_type": value}))
+        _expect_error(capsys, work / f"err_model_type{i}", "--checkpoint", lora_ckpt[0], "--base", bad,
+                      "--allow-base-mismatch", contains=f"{bad / 'config.json'}: model_type {says}, so transformers "
+                      f"cannot load the merged model (a gemma3 config.json has one of: gemma3_text, gemma3)")
+
+
 def test_float64_base_merges_to_float32(work, base, lora_ckpt, merged):
     """A float64 base (which the trainer loads) was refused: 'no floating-point tensors'. An integer buffer
     outside the decoder (a vision tower's position ids) is no quantized weight: copied as it is."""
@@ -1450,6 +1488,14 @@ def test_parse_size():
     assert sio.parse_size("1024") == 1024
     with pytest.raises(UserError):
         sio.parse_size("lots")
+    # a fraction without a unit is a fraction of a byte: it said "must be positive", which it is
+    with pytest.raises(UserError, match=r"^size '0.5' is 0.5 bytes, less than one; give a unit \(e.g. 0.5GB\)$"):
+        sio.parse_size("0.5")
+    with pytest.raises(UserError, match=r"^size '0.1B' is 0.1 bytes, less than one$"):
+        sio.parse_size("0.1B")
+    with pytest.raises(UserError, match=r"^size '0' must be positive$"):
+        sio.parse_size("0")
+    assert sio.parse_size("0.5GB") == 5 * 10**8
 
 
 # ------------------------------------------------------------------------------ with the real trainer

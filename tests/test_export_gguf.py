@@ -512,6 +512,23 @@ def test_untied_output_is_exported_and_its_shape_checked(work, base, capsys):
                           contains=f"tensor lm_head.weight is {list(shape)}, but the config's sizes make it [512, 64]")
 
 
+def test_a_norm_of_another_length_is_refused(work, base, capsys):
+    """A merged directory whose norm scale is not config.json's width (cut, or another model's file) was exported
+    as it was: a file transformers' GGUF loader refuses ('size mismatch'), as llama.cpp does."""
+    from safetensors.numpy import load_file, save_file
+
+    for key, edit in (("model.norm.weight", lambda v: v[:-1]),
+                      ("model.layers.1.self_attn.q_norm.weight", lambda v: np.concatenate([v, v]))):
+        d = work / f"tiny_badnorm_{key}"
+        shutil.copytree(base, d)
+        weights = load_file(d / "model.safetensors")
+        bad = edit(weights[key])
+        save_file({**weights, key: bad}, d / "model.safetensors", metadata={"format": "pt"})
+        _expect_error(capsys, work / "badnorm.gguf", "--merged", d, "--type", "f16",
+                      contains=f"tensor {key} is {list(bad.shape)}, but the config's sizes make it "
+                               f"{list(weights[key].shape)}")
+
+
 def test_rope_buffers_are_skipped_a_stray_decoder_tensor_refused(work, base, capsys):
     """`rotary_emb.inv_freq` buffers (saved by some writers; computed from rope_theta at load, llama.cpp's converter
     skips them) were refused as 'no place in llama.cpp's gemma3'; any other decoder tensor the GGUF has no

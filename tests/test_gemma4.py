@@ -731,6 +731,29 @@ def test_local_generation_stops_where_vllm_does_at_the_familys_call_stop_token(g
     assert gen._stop_reason([300, stop]) == "call" and gen._stop_reason([300, 106]) == "end_of_turn"
 
 
+@pytest.mark.parametrize("variant,multimodal", [("dense", False), ("ple", False), ("moe", False), ("ple", True)])
+def test_tensor_shapes_are_the_checkpoints(tmp_path, variant, multimodal):
+    """`Family.tensor_shapes` (what a merge checks the base tensors it copies against) gives the shapes of the
+    weights transformers writes: every non-projection decoder tensor of each layout, q/k norms of a global layer at
+    its own head size. A KV-sharing layer has no k_norm: listed, and not checked where a checkpoint has none."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.models import resolve_model
+
+    d = write_tiny_gemma4(tmp_path / "g4", variant=variant, multimodal=multimodal)
+    resolved = resolve_model(str(d))
+    weights = sio.WeightsDir(d)
+    prefix = resolved.family.text_prefix(weights.names())
+    want = resolved.family.tensor_shapes(resolved.text_config)
+    have = {k[len(prefix):]: tuple(weights[k].shape) for k in weights.names() if k.startswith(prefix)}
+    assert {k: v for k, v in want.items() if k in have} == {k: v for k, v in have.items() if k in want}
+    unlisted = [k for k in have if k not in want and not k.endswith("_proj.weight")]
+    assert unlisted == [], unlisted
+    missing = [k for k in want if k not in have]
+    assert all(k.endswith("self_attn.k_norm.weight") for k in missing), missing
+    if variant == "ple":
+        assert missing  # the shared layers'
+
+
 # ------------------------------------------------------------------------------ LoRA rank
 
 

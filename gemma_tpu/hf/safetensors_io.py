@@ -88,6 +88,9 @@ def parse_size(text: str | int) -> int:
     if scale is None:
         raise UserError(f"size {text!r}: unknown unit {m.group(2)!r}")
     size = int(value * scale)
+    if size <= 0 and value > 0:  # "0.5" is half a byte: it said "must be positive", a rule it keeps
+        hint = f"; give a unit (e.g. {text.strip()}GB)" if not m.group(2) else ""
+        raise UserError(f"size {text!r} is {value * scale:g} bytes, less than one{hint}")
     if size <= 0:
         raise UserError(f"size {text!r} must be positive")
     return size

@@ -299,6 +299,22 @@ def projection_shapes(t: dict) -> dict[str, tuple[tuple[int, int], ...]]:
     return {name: (shape,) for name, shape in shapes.items()}
 
 
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def tensor_shapes(t: dict) -> dict[str, tuple[int, ...]]:
+    """The embedding, the norms (see `Family.tensor_shapes`)."""
+    s = positive_sizes(t, ("num_hidden_layers", "hidden_size", "head_dim", "vocab_size"))
+    if s is None:
+        return {}
+    d, hd = s["hidden_size"], s["head_dim"]
+    out = {"embed_tokens.weight": (s["vocab_size"], d), "norm.weight": (d,)}
+    for i in range(s["num_hidden_layers"]):
+        out.update({f"layers.{i}.{norm}.weight": (d,) for norm in NORMS})
+        out.update({f"layers.{i}.self_attn.{norm}.weight": (hd,) for norm in ("q_norm", "k_norm")})
+    return out
+
+
 def _key_mapping(cfg):
     """Tunix's HF->Tunix key rules, widened to every decoder prefix in TEXT_PREFIXES."""
     from tunix.models.gemma3 import params_safetensors as ps
@@ -492,6 +508,7 @@ GEMMA3 = register(
         model_class=model_class,
         projections=projections,
         projection_shapes=projection_shapes,
+        tensor_shapes=tensor_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma3"),
         chat_format="gemma",

@@ -35,6 +35,7 @@ from gemma_tpu.core.errors import UserError
 from gemma_tpu.models.gemma3 import (
     ATTENTION_MLP_PARTITION_DIMS,
     ATTENTION_MLP_PARTITION_RULES,
+    NORMS,
     ROPE_TYPES,
     attention_mlp_shapes,
 )
@@ -382,6 +383,42 @@ def projection_shapes(t: dict) -> dict[str, tuple[tuple[int, int], ...]]:
     return {name: tuple(dict.fromkeys(shapes[name] for shapes in layers if name in shapes)) for name in names}
 
 
+
+def tensor_shapes(t: dict) -> dict[str, tuple[int, ...]]:
+    """The embeddings, the norms (q/k norms of a global layer its own head size), the layer scalars, and where the
+    model has them the per-layer embeddings' and the experts' weights (see `Family.tensor_shapes`)."""
+    s = positive_sizes(t, ("num_hidden_layers", "hidden_size", "head_dim", "global_head_dim", "vocab_size"))
+    if s is None:
+        return {}
+    n, d = s["num_hidden_layers"], s["hidden_size"]
+    types = _layer_types(t)
+    out = {"embed_tokens.weight": (s["vocab_size"], d), "norm.weight": (d,)}
+    ple = positive_sizes(t, ("hidden_size_per_layer_input", "vocab_size_per_layer_input"))
+    if ple is not None:
+        p = ple["hidden_size_per_layer_input"]
+        out.update({"embed_tokens_per_layer.weight": (ple["vocab_size_per_layer_input"], n * p),
+                    "per_layer_model_projection.weight": (n * p, d), "per_layer_projection_norm.weight": (p,)})
+    moe = positive_sizes(t, ("num_experts", "moe_intermediate_size")) if t.get("enable_moe_block") else None
+    for i in range(n):
+        layer = f"layers.{i}."
+        hd = s["global_head_dim"] if types[i] == GLOBAL else s["head_dim"]
+        out.update({f"{layer}{norm}.weight": (d,) for norm in NORMS})
+        out.update({f"{layer}self_attn.{norm}.weight": (hd,) for norm in ("q_norm", "k_norm")})
+        out[f"{layer}layer_scalar"] = (1,)
+        if ple is not None:
+            out.update({f"{layer}per_layer_input_gate.weight": (p, d), f"{layer}per_layer_projection.weight": (d, p),
+                        f"{layer}post_per_layer_input_norm.weight": (d,)})
+        if moe is not None:
+            e, f = moe["num_experts"], moe["moe_intermediate_size"]
+            out.update({f"{layer}{norm}.weight": (d,) for norm in ("post_feedforward_layernorm_1",
+                                                                     "pre_feedforward_layernorm_2",
+                                                                     "post_feedforward_layernorm_2")})
+            out.update({f"{layer}router.proj.weight": (e, d), f"{layer}router.scale": (d,),
+                        f"{layer}router.per_expert_scale": (e,), f"{layer}experts.gate_up_proj": (e, 2 * f, d),
+                        f"{layer}experts.down_proj": (e, d, f)})
+    return out
+
+
 # Non-projection weights: Tunix's HF->Tunix key table (tunix/models/gemma4/params_safetensors.py),
 # inverted; axes regrouped where HF stores them otherwise.
 TENSORS = (
@@ -613,6 +650,7 @@ GEMMA4 = register(
         model_class=model_class,
         projections=projections,
         projection_shapes=projection_shapes,
+        tensor_shapes=tensor_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma4"),
         chat_format="gemma",

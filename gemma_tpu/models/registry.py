@@ -281,6 +281,11 @@ class Family:
     # the decoder's layers (Gemma 4's global layers have their own head size and KV heads): what is checked
     # before any weight is read (the LoRA rank). {} where a size it needs is not a positive integer.
     projection_shapes: Callable[[dict], dict[str, tuple[tuple[int, int], ...]]] | None = None
+    # text config (as transformers reads it) -> the shape of each non-projection weight (embeddings, norms, layer
+    # scalars, ...) by its HF key under the decoder prefix: what a merge checks the base tensors it copies against
+    # (a wrong-length norm was published, a model transformers refuses to load). {} where a size it needs is not a
+    # positive integer; keys it omits are not checked.
+    tensor_shapes: Callable[[dict], dict[str, tuple[int, ...]]] | None = None
     # config.json -> its text config as transformers reads it: keys it omits at transformers' defaults,
     # keys transformers derives (Gemma 3's `layer_types` from `sliding_window_pattern`) filled in.
     # None: the text config as written.
