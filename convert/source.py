@@ -33,6 +33,7 @@ from gemma_tpu.models.registry import (
     choose_family,
     described_family,
     read_layout,
+    supported_architectures,
     text_config,
     tied_embeddings,
 )
@@ -145,12 +146,15 @@ def check_base_model_type(source: CheckpointSource, base_dir: Path, base_config:
     where = base_dir / "config.json"
     have = base_config.get("model_type")
     want = source.family.model_types
-    claimed = described_family(base_config, str(where)) is not None
+    archs = base_config.get("architectures") or []  # claimed by a family (whose model_type it then contradicts)
+    claimed = any(a in supported_architectures() for a in archs) or described_family(base_config, str(where))
     if not isinstance(have, str) or not have or (claimed and have not in want):
         what = "is missing" if have is None else f"is {have!r}"
         raise UserError(f"{where}: model_type {what}, so transformers cannot load the merged model (a "
                         f"{source.family.name} config.json has one of: {', '.join(want)}); fix it or give another "
                         f"base (--base)")
+
+
 def check_base_weights(source: CheckpointSource, base_dir: Path, base_config: dict, prefix: str,
                        names: list[str]) -> None:
     """Every tensor of the model the base's config.json describes is in its weights `names` (the registry's

@@ -397,6 +397,21 @@ def test_unsupported_architecture_lists_supported():
     assert "LlamaForCausalLM" in str(e.value)
 
 
+@pytest.mark.parametrize("arch,model_type", [("Gemma3ForCausalLM", "llama"), ("Gemma4ForCausalLM", "gemma3_text"),
+                                              ("Gemma3ForConditionalGeneration", "gemma4")])
+def test_an_architecture_contradicting_its_model_type_is_refused(arch, model_type, tiny_dir, tmp_path):
+    """Gemma3ForCausalLM with model_type llama trained as a Gemma 3; transformers builds what model_type names (a
+    Llama), and the merge refused the base only after training. Refused where the family is read, naming both."""
+    with pytest.raises(UserError, match=rf"architectures {arch} but model_type '{model_type}'"):
+        detect_family({"architectures": [arch], "model_type": model_type})
+    edited = tmp_path / "m"
+    shutil.copytree(tiny_dir, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={edited}", "--dry-run")
+    assert_one_line_error(proc, "config.json: architectures Gemma3ForCausalLM but model_type 'llama'")
+
+
 def test_multimodal_text_config_is_detected():
     fam = detect_family({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
                          "text_config": {"model_type": "gemma3_text"}})

@@ -562,6 +562,13 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     model_types = {hf_config.get("model_type"), text_config(hf_config).get("model_type")}
     for fam in _FAMILIES.values():
         if any(a in fam.architectures for a in archs):
+            other = hf_config.get("model_type")
+            if isinstance(other, str) and other and other not in fam.model_types:
+                # Gemma3ForCausalLM with model_type llama trained as a Gemma 3, and its merge was refused only after
+                # training: transformers builds the model model_type names (a Llama here), not the architecture
+                raise UserError(f"{where}: architectures {', '.join(map(str, archs))} but model_type {other!r}, "
+                                f"which transformers loads as another model (a {fam.name} config.json has "
+                                f"{' or '.join(fam.model_types)}); fix the file")
             return fam
     if not archs:
         for fam in _FAMILIES.values():
