@@ -324,6 +324,26 @@ def test_layer_types_of_another_length_than_the_layers_is_refused_as_such(tiny_o
             call(cfg)
 
 
+@pytest.mark.parametrize("family_name", ["gemma3", "gemma4"])
+def test_empty_layer_types_is_refused_as_transformers_refuses_it(family_name):
+    """`"layer_types": []` is not an absent key to transformers (which derives the pattern only for null) but a
+    list of 0 entries, refused when it reads config.json; both families read it as absent and trained the default
+    pattern on a config no merge of it could be loaded with."""
+    import transformers
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA3, TINY_GEMMA4
+    from gemma_tpu.models import get_family
+
+    cfg = {**(TINY_GEMMA3 if family_name == "gemma3" else TINY_GEMMA4["dense"]), "layer_types": []}
+    config_class = transformers.Gemma3TextConfig if family_name == "gemma3" else transformers.Gemma4TextConfig
+    with pytest.raises(Exception, match="must be equal to the number of `layer_types`"):
+        config_class(**cfg)
+    n = cfg["num_hidden_layers"]
+    with pytest.raises(UserError, match=rf"config.json: layer_types has 0 entries for num_hidden_layers={n}") as e:
+        get_family(family_name).tunix_config({**cfg, "model_type": f"{family_name}_text"})
+    assert "\n" not in str(e.value)
+
+
 def test_legacy_rope_scaling_type_key_is_refused_naming_it(tiny_odd_dir):
     """`rope_scaling={"type": "linear", "factor": 8}` (the key's name before `rope_type`) meant linear scaling to
     transformers 4, and means nothing to transformers 5 (it runs the global layers unscaled, with a warning);

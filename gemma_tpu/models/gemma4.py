@@ -98,7 +98,7 @@ def _layer_types(t: dict) -> list[str]:
     five sliding layers then one global; the last layer is always global, as transformers forces)."""
     n = int(t["num_hidden_layers"])
     types = t.get("layer_types")
-    if not types:
+    if types is None:  # null or absent only: [] is a list of 0 entries to transformers, refused below
         types = GEMMA4.layer_types(n)
     types = list(types)
     if len(types) != n:
