@@ -231,6 +231,22 @@ def test_rotary_settings_transformers_cannot_build_are_refused(edit, needle, tin
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("edit,key", [
+    (lambda cfg: cfg["rope_parameters"]["full_attention"].update(factor=0.5), "rope_parameters.full_attention.factor"),
+    (lambda cfg: cfg["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=0),
+     "rope_parameters.sliding_attention.factor"),
+    (lambda cfg: cfg.update(rope_scaling={"rope_type": "linear", "factor": 0.25}), "rope_scaling.factor"),
+])
+def test_linear_rope_factor_below_one_is_refused_naming_the_key(edit, key, tiny_odd_dir):
+    """Tunix's Gemma 3 rotary embedding refuses a scale factor below 1 (transformers only warns and divides the
+    frequencies by it): the config was taken and the first training step died in a JAX ValueError traceback."""
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    edit(cfg)
+    with pytest.raises(UserError, match=rf"config.json: {re.escape(key)}=0?\.?\d* must be at least 1") as e:
+        detect_family(cfg).tunix_config(cfg)
+    assert "\n" not in str(e.value)
+
+
 def _rope_entry(kind, **entry):
     def edit(cfg):
         cfg["rope_parameters"][kind] = {"rope_theta": 1e4 if kind == "sliding_attention" else 1e6, **entry}

@@ -171,6 +171,9 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
         raise UserError(f"config.json: linear rope scaling for {kind} has no factor ({_rope_key(t, kind, 'factor')} "
                         f"missing; transformers cannot build a model from it)")
     factor = float(p["factor"]) if rtype == "linear" else 1.0
+    if factor < 1.0 and used:  # transformers only warns; Tunix's rotary embedding raises a ValueError in a forward
+        raise UserError(f"config.json: {_rope_key(t, kind, 'factor')}={p['factor']!r} must be at least 1 (Tunix's "
+                        f"Gemma 3 scales rotary positions down only)")
     theta = p["rope_theta"]
     if theta is None:
         if used:
