@@ -330,6 +330,30 @@ def test_linear_rope_runs_as_transformers_runs_it(tmp_path, name):
     assert "\n" not in str(e.value)
 
 
+def test_multimodal_tie_flag_is_read_where_transformers_reads_it(g4, tmp_path):
+    """transformers ties a multimodal model's output projection by the flag at the top of config.json (Gemma4Config's,
+    true when absent), not by text_config's: a config.json whose text_config alone says tie_word_embeddings=false
+    loads tied (no lm_head.weight needed) there, and was refused here as untied."""
+    import shutil
+
+    from convert.verify import hf_logits as reference_logits
+    from gemma_tpu.models import load_model, resolve_model
+
+    d = tmp_path / "mm"
+    shutil.copytree(g4("dense_mm"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("tie_word_embeddings", None)
+    cfg["text_config"]["tie_word_embeddings"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    ids = [2, *range(120, 150)]
+    ref = reference_logits(d, [ids])  # refuses a missing lm_head.weight (transformers would fill it at random)
+    assert max_diff(ref, reference_logits(g4("dense_mm"), [ids])) == 0
+    resolved = resolve_model(str(d))
+    assert "lm_head.weight" not in resolved.family.required_weights(cfg, "model.language_model.")
+    model, _ = load_model(resolved, "float32")
+    assert max_diff([jax_logits(model, ids)], ref) < 1e-4
+
+
 def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(g4):
     """Gemma4TextConfig declares no attn_logit_softcapping and no Gemma 4 class reads it: a config.json that sets
     it (a Gemma 2/3 habit) was refused; it now builds the model transformers builds, the key ignored."""
