@@ -280,6 +280,80 @@ def test_partial_rotary_factor_outside_0_to_1_is_refused_naming_the_key(kind, fa
     assert "\n" not in str(e.value)
 
 
+_LINEAR_CASES = {  # name: (kind, its linear entry, global_head_dim, refusal or None)
+    "sliding, factor 1": ("sliding_attention", {"factor": 1.0}, 32, None),
+    "sliding, factor 2": ("sliding_attention", {"factor": 2.0}, 32, None),
+    "full, factor 3, one head size": ("full_attention", {"factor": 3}, 16, None),
+    "full, own head size": ("full_attention", {"factor": 1.0}, 32, r"spans int\(head_dim \* .*\)=16 dimensions"),
+    "sliding, partial": ("sliding_attention", {"factor": 1.0, "partial_rotary_factor": 0.5}, 32, "=8 dimensions"),
+    "no factor": ("sliding_attention", {}, 32, r"rope_parameters.sliding_attention.factor is missing"),
+    "factor below 1": ("full_attention", {"factor": 0.5}, 16, r"rope_parameters.full_attention.factor=0.5 .*>= 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(_LINEAR_CASES))
+def test_linear_rope_runs_as_transformers_runs_it(tmp_path, name):
+    """transformers' linear RoPE divides default frequencies over int(head_dim * partial_rotary_factor) by `factor`:
+    where that span is the layer's head it is proportional RoPE over the whole head (default RoPE at factor 1), and
+    it was refused ('default or proportional'). Accepted, the logits are transformers'; refused, by the key, exactly
+    where transformers cannot build or run the model (no factor: a KeyError; another span: a shape error)."""
+    from convert.verify import hf_logits as reference_logits
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.models import get_family, load_model, resolve_model
+
+    kind, entry, global_head_dim, refused = _LINEAR_CASES[name]
+    rope = {"full_attention": dict(_FULL), "sliding_attention": dict(_SLIDING)}
+    rope[kind] = {"rope_type": "linear", "rope_theta": rope[kind]["rope_theta"], **entry}
+    ids = [2, *range(120, 160)]
+    if refused is None:
+        d = write_tiny_gemma4(tmp_path / "g4", seed=5, variant="dense", global_head_dim=global_head_dim,
+                              rope_parameters=rope)
+        model, _ = load_model(resolve_model(str(d)), "float32")
+        ours, ref = jax_logits(model, ids), reference_logits(d, [ids])
+        assert max_diff([ours], ref) < 1e-4
+        if entry["factor"] != 1:  # the factor is applied, not ignored
+            d1 = write_tiny_gemma4(tmp_path / "g4_1", seed=5, variant="dense", global_head_dim=global_head_dim,
+                                   rope_parameters={**rope, kind: {**rope[kind], "factor": 1.0}})
+            assert max_diff(reference_logits(d1, [ids]), ref) > 1e-3
+        return
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA4
+
+    cfg = {**TINY_GEMMA4["dense"], "global_head_dim": global_head_dim, "rope_parameters": rope}
+    if "factor below" not in name:  # transformers only warns on a factor below 1; Tunix refuses it
+        with pytest.raises((KeyError, RuntimeError)), torch.no_grad():
+            Gemma4ForCausalLM(Gemma4TextConfig(**json.loads(json.dumps(cfg))))(torch.tensor([ids]))
+    with pytest.raises(UserError, match=refused) as e:
+        get_family("gemma4").tunix_config({**cfg, "model_type": "gemma4_text"})
+    assert "\n" not in str(e.value)
+
+
+def test_multimodal_tie_flag_is_read_where_transformers_reads_it(g4, tmp_path):
+    """transformers ties a multimodal model's output projection by the flag at the top of config.json (Gemma4Config's,
+    true when absent), not by text_config's: a config.json whose text_config alone says tie_word_embeddings=false
+    loads tied (no lm_head.weight needed) there, and was refused here as untied."""
+    import shutil
+
+    from convert.verify import hf_logits as reference_logits
+    from gemma_tpu.models import load_model, resolve_model
+
+    d = tmp_path / "mm"
+    shutil.copytree(g4("dense_mm"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("tie_word_embeddings", None)
+    cfg["text_config"]["tie_word_embeddings"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    ids = [2, *range(120, 150)]
+    ref = reference_logits(d, [ids])  # refuses a missing lm_head.weight (transformers would fill it at random)
+    assert max_diff(ref, reference_logits(g4("dense_mm"), [ids])) == 0
+    resolved = resolve_model(str(d))
+    assert "lm_head.weight" not in resolved.family.required_weights(cfg, "model.language_model.")
+    model, _ = load_model(resolved, "float32")
+    assert max_diff([jax_logits(model, ids)], ref) < 1e-4
+
+
 def test_attn_logit_softcapping_is_ignored_as_transformers_ignores_it(g4):
     """Gemma4TextConfig declares no attn_logit_softcapping and no Gemma 4 class reads it: a config.json that sets
     it (a Gemma 2/3 habit) was refused; it now builds the model transformers builds, the key ignored."""

@@ -231,6 +231,22 @@ def test_rotary_settings_transformers_cannot_build_are_refused(edit, needle, tin
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("edit,key", [
+    (lambda cfg: cfg["rope_parameters"]["full_attention"].update(factor=0.5), "rope_parameters.full_attention.factor"),
+    (lambda cfg: cfg["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=0),
+     "rope_parameters.sliding_attention.factor"),
+    (lambda cfg: cfg.update(rope_scaling={"rope_type": "linear", "factor": 0.25}), "rope_scaling.factor"),
+])
+def test_linear_rope_factor_below_one_is_refused_naming_the_key(edit, key, tiny_odd_dir):
+    """Tunix's Gemma 3 rotary embedding refuses a scale factor below 1 (transformers only warns and divides the
+    frequencies by it): the config was taken and the first training step died in a JAX ValueError traceback."""
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())
+    edit(cfg)
+    with pytest.raises(UserError, match=rf"config.json: {re.escape(key)}=0?\.?\d* must be at least 1") as e:
+        detect_family(cfg).tunix_config(cfg)
+    assert "\n" not in str(e.value)
+
+
 def _rope_entry(kind, **entry):
     def edit(cfg):
         cfg["rope_parameters"][kind] = {"rope_theta": 1e4 if kind == "sliding_attention" else 1e6, **entry}
@@ -322,6 +338,26 @@ def test_layer_types_of_another_length_than_the_layers_is_refused_as_such(tiny_o
     for call in (family.tunix_config, family.read_text_config):
         with pytest.raises(UserError, match=r"config.json: layer_types has 6 entries for num_hidden_layers=7"):
             call(cfg)
+
+
+@pytest.mark.parametrize("family_name", ["gemma3", "gemma4"])
+def test_empty_layer_types_is_refused_as_transformers_refuses_it(family_name):
+    """`"layer_types": []` is not an absent key to transformers (which derives the pattern only for null) but a
+    list of 0 entries, refused when it reads config.json; both families read it as absent and trained the default
+    pattern on a config no merge of it could be loaded with."""
+    import transformers
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA3, TINY_GEMMA4
+    from gemma_tpu.models import get_family
+
+    cfg = {**(TINY_GEMMA3 if family_name == "gemma3" else TINY_GEMMA4["dense"]), "layer_types": []}
+    config_class = transformers.Gemma3TextConfig if family_name == "gemma3" else transformers.Gemma4TextConfig
+    with pytest.raises(Exception, match="must be equal to the number of `layer_types`"):
+        config_class(**cfg)
+    n = cfg["num_hidden_layers"]
+    with pytest.raises(UserError, match=rf"config.json: layer_types has 0 entries for num_hidden_layers={n}") as e:
+        get_family(family_name).tunix_config({**cfg, "model_type": f"{family_name}_text"})
+    assert "\n" not in str(e.value)
 
 
 def test_legacy_rope_scaling_type_key_is_refused_naming_it(tiny_odd_dir):

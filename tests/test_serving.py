@@ -1398,6 +1398,36 @@ def test_a_server_missing_a_module_names_it(tiny_dir, tmp_path, monkeypatch):
     assert server.proc.poll() == 1 and server._workdir is None  # stopped and cleaned up
 
 
+def test_local_server_runs_a_gemma4_whose_experts_grouped_mm_cannot(tmp_path):
+    """transformers runs Gemma 4's experts with torch's grouped_mm by default, which needs each expert matrix's rows
+    16-byte aligned: a merged mixture of experts 22 wide (88 bytes in float32) trains, merges and verifies (eager
+    experts), but `serving.launch --local` answered every request with a 500 "strides should be multiple of 16
+    bytes". The local server runs the experts eagerly, as convert.verify does: the greedy answer is the reference's."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
+    from convert.verify import hf_logits
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from serving.local import LocalServer
+
+    d = write_tiny_gemma4(tmp_path / "moe", seed=3, variant="moe", moe_intermediate_size=22)
+    prompt = "Hello there"
+    with LocalServer(d, name="moe", log=tmp_path / "serve.log") as server:
+        req = urllib.request.Request(server.base_url + "/completions", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                status, body = resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            status, body = e.code, e.read().decode(errors="replace")
+    assert status == 200, body
+    tok = load_tokenizer(d)
+    ids = tok(prompt).input_ids
+    want = tok.decode([int(hf_logits(d, [ids])[0][-1].argmax())])
+    assert body["choices"][0]["text"] == want
+
+
 def test_a_restarted_local_servers_log_keeps_the_previous_run(tiny_dir, tmp_path, monkeypatch):
     """The engine log was opened "w": a restart wiped the previous run's output (why it stopped). It is appended to
     after a line naming the start, and a start failure is read from this run's output only."""

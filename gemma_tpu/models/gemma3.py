@@ -63,7 +63,8 @@ def hf_text_config(hf_config: dict) -> dict:
     transformers 4.x, the hub's Gemma 3 configs among them) the way transformers derives it;
     `tie_word_embeddings` from the top level of a multimodal config, where transformers reads it."""
     t = text_config_with_defaults(hf_config, HF_DEFAULTS, HF_TYPES)
-    if not t.get("layer_types") and t.get("num_hidden_layers") is not None:
+    # null or absent only: transformers derives no pattern for [] (a list of 0 entries, refused below)
+    if t.get("layer_types") is None and t.get("num_hidden_layers") is not None:
         period = t["sliding_window_pattern"]
         if isinstance(period, float) and period.is_integer():  # 6.0, as a config a script wrote may hold:
             period = int(period)  # transformers derives the same layers from it (it was refused)
@@ -71,7 +72,7 @@ def hf_text_config(hf_config: dict) -> dict:
             raise UserError(f"config.json: sliding_window_pattern={period!r} is not a positive integer")
         t["layer_types"] = GEMMA3.layer_types(int(t["num_hidden_layers"]), period)
         t["_layer_types_key"] = "sliding_window_pattern"
-    elif t.get("layer_types") and len(t["layer_types"]) != t.get("num_hidden_layers"):
+    elif t.get("layer_types") is not None and len(t["layer_types"]) != t.get("num_hidden_layers"):
         # transformers refuses it; training called it an unsupported pattern, the GGUF export wrote it
         raise UserError(f"config.json: layer_types has {len(t['layer_types'])} entries for "
                         f"num_hidden_layers={t.get('num_hidden_layers')} (transformers cannot build a model from it)")
@@ -170,6 +171,9 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
         raise UserError(f"config.json: linear rope scaling for {kind} has no factor ({_rope_key(t, kind, 'factor')} "
                         f"missing; transformers cannot build a model from it)")
     factor = float(p["factor"]) if rtype == "linear" else 1.0
+    if factor < 1.0 and used:  # transformers only warns; Tunix's rotary embedding raises a ValueError in a forward
+        raise UserError(f"config.json: {_rope_key(t, kind, 'factor')}={p['factor']!r} must be at least 1 (Tunix's "
+                        f"Gemma 3 scales rotary positions down only)")
     theta = p["rope_theta"]
     if theta is None:
         if used:

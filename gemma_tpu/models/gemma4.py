@@ -99,7 +99,7 @@ def _layer_types(t: dict) -> list[str]:
     five sliding layers then one global; the last layer is always global, as transformers forces)."""
     n = int(t["num_hidden_layers"])
     types = t.get("layer_types")
-    if not types:
+    if types is None:  # null or absent only: [] is a list of 0 entries to transformers, refused below
         types = GEMMA4.layer_types(n)
     types = list(types)
     if len(types) != n:
@@ -229,7 +229,24 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = 
                             f"must be between 0 and 1 (the share of each head rotated; transformers cannot run a "
                             f"model with it)")
         return theta, factor, prop
-    raise _cfg_error(key, rtype, "default or proportional")
+    if rtype == "linear":
+        # transformers' linear RoPE spans int(head_dim * partial_rotary_factor) of `head_dim` (whatever the
+        # layer's head size) and divides the frequencies by `factor`: where that span is the layer's whole head
+        # it is proportional RoPE over the whole head with that factor (default RoPE at factor 1); any other span
+        # gives cos/sin of another width than the heads, which transformers' first forward fails on
+        if "factor" not in p:
+            raise UserError(f"config.json: rope_parameters.{kind}.factor is missing for linear RoPE (transformers "
+                            f"cannot build a model without it)")
+        factor = float(p["factor"])
+        if factor < 1.0:
+            raise _cfg_error(f"rope_parameters.{kind}.factor", p["factor"], "must be >= 1")
+        size = global_head_dim if kind == "full_attention" else head_dim
+        span = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+        if span != size:
+            raise _cfg_error(key, rtype, f"linear RoPE spans int(head_dim * partial_rotary_factor)={span} "
+                                         f"dimensions, the {kind} layers' heads have {size}; use proportional")
+        return theta, factor, 1.0
+    raise _cfg_error(key, rtype, "default, linear or proportional")
 
 
 def tunix_config(hf_config: dict, param_dtype: Any = None):

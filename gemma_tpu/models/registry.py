@@ -482,15 +482,16 @@ def text_config(hf_config: dict) -> dict:
 
 def tied_embeddings(hf_config: dict) -> bool:
     """Whether the output projection is the input embedding: the flag transformers reads (the top
-    level of a multimodal config, else the text config); Gemma ties unless config.json says otherwise."""
+    level of a multimodal config, the text config's own of a text model); Gemma ties unless it says otherwise.
+    A multimodal config without the flag at its top is tied whatever its text_config says (Gemma3Config's and
+    Gemma4Config's default: transformers builds and loads it tied, with no lm_head.weight)."""
     t = text_config(hf_config)
     nested = t is not hf_config
     # bool("false") is True: a string must not tie an untied model (transformers refuses it)
     check_types(hf_config, {"tie_word_embeddings": "bool|None" if nested else "bool"})
-    if "tie_word_embeddings" in hf_config:
-        return bool(hf_config["tie_word_embeddings"])
-    check_types(t, {"tie_word_embeddings": "bool"}, "text_config.")
-    return bool(t.get("tie_word_embeddings", True))
+    if nested:
+        check_types(t, {"tie_word_embeddings": "bool"}, "text_config.")  # transformers builds the text config too
+    return bool(hf_config.get("tie_word_embeddings", True))
 
 
 _JSON_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None)}
