@@ -557,6 +557,17 @@ def require_tied_embeddings(hf_config: dict, model: str) -> None:
                         f"vocabulary with the input embedding; there is no separate lm_head)")
 
 
+def attention_dropout_warning(hf_config: dict, where: str = "config.json") -> str | None:
+    """config.json's attention_dropout > 0, which transformers applies in training (a recipe ported from PEFT trains
+    with it) and Tunix's Gemma attention does not have: said once, where it was silently not applied. Inference is
+    unaffected (no dropout there on either side)."""
+    rate = text_config(hf_config).get("attention_dropout")
+    if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+        return (f"{where}: attention_dropout={rate} is not applied in training (the JAX Gemma attention has no "
+                f"dropout; transformers applies it); LoRA's own dropout is lora.dropout")
+    return None
+
+
 def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     """Pick the family from `architectures` / `model_type`; unknown ones get a clear error."""
     archs = list(hf_config.get("architectures") or [])

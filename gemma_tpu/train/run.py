@@ -33,6 +33,7 @@ from gemma_tpu.formats.function_calling import function_token_map
 from gemma_tpu.hf.tokenizer import load_tokenizer
 from gemma_tpu.models import load_model, resolve_model
 from gemma_tpu.models.loading import check_weight_files
+from gemma_tpu.models.registry import attention_dropout_warning
 from gemma_tpu.train import flops as flops_lib
 from gemma_tpu.train import mesh as mesh_lib
 from gemma_tpu.train import plan, run_lock
@@ -213,6 +214,9 @@ def run(cfg: RunConfig) -> dict:
     mesh = mesh_lib.build_mesh(cfg.mesh)
     check_batch_divisible(cfg, dict(mesh.shape), jax.process_count())
     remat = effective_remat(cfg)
+    warning = attention_dropout_warning(resolved.hf_config, str(resolved.local_dir / "config.json"))
+    if warning:
+        log.warning(warning)
     with mesh:  # the mesh PeftTrainer reads (thread resources) for input sharding
 
         abstract, _ = abstract_model(resolved.family, resolved.hf_config, cfg.model.dtype, remat)
