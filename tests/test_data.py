@@ -2803,3 +2803,23 @@ def test_call_arguments_passing_a_union_branch_are_accepted():
         "'tree.kids[0].kids[0].v' is declared integer, got a string \"x\"")
     params["properties"]["loop"] = {"$ref": "#/$defs/Loop"}
     assert arguments_problem(params, {"loop": 5}) is None
+
+
+def test_a_blank_system_message_is_left_out_by_the_tool_template_as_in_training(tok):
+    """Training leaves out a system message of only whitespace (ShareGPT exports carry them), anywhere in the chat;
+    the served tool template put `" \\n"` before the first user turn (or in the developer turn) and rendered a later
+    one as an empty user turn: a prompt the model never saw. Both now render what training renders."""
+    from gemma_tpu.formats.function_calling import tool_chat_template
+
+    token_map = function_token_map(tok)
+    t = _with_template(tok, tool_chat_template(token_map))
+    tool = {"type": "function", "function": {"name": "ping", "description": "d"}}
+    blank = {"role": "system", "content": " \n"}
+    q, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+    for tools in ([], [tool]):
+        for msgs in ([blank, q], [q, a, blank, q], [{"role": "developer", "content": "  "}, q]):
+            conv = norm({"tools": tools, "messages": msgs + [a]} if tools else {"messages": msgs + [a]})
+            want = Renderer(t, token_map=token_map).render({**conv, "messages": conv["messages"][:-1]},
+                                                           add_generation_prompt=True).text
+            got = t.apply_chat_template(msgs, tools=tools or None, tokenize=False, add_generation_prompt=True)
+            assert got == "<bos>" + want, (msgs, tools)

@@ -880,7 +880,8 @@ _TEMPLATE = r"""
                        ids=[], done=[], k=none) -%}
 {%- set msgs = messages -%}
 {%- if msgs and msgs[0]['role'] in ['system', 'developer'] -%}
-  {%- set ns.preamble = text_of(msgs[0]['content']) -%}
+  {#- one of only whitespace says nothing: left out, as training leaves it out -#}
+  {%- set ns.preamble = text_of(msgs[0]['content']) if text_of(msgs[0]['content']) | trim else '' -%}
   {%- set msgs = msgs[1:] -%}
 {%- endif -%}
 {%- if tools -%}
@@ -897,7 +898,8 @@ _TEMPLATE = r"""
   {%- set ns.preamble = '' -%}
 {%- endif -%}
 {%- for m in msgs -%}
-  {%- if m['role'] in ['user', 'system', 'developer'] -%}
+  {%- if m['role'] in ['system', 'developer'] and not (text_of(m['content']) | trim) -%}
+  {%- elif m['role'] in ['user', 'system', 'developer'] -%}
     {%- if ns.in_model -%}{{- '<end_of_turn>\n' -}}{%- set ns.in_model = false -%}{%- endif -%}
     {%- set ns.response_open = false -%}
     {%- set text = text_of(m['content']) -%}
