@@ -5,6 +5,7 @@ writer per published output (gemma_tpu.core.atomic; the converters' CLIs: tests/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -433,6 +434,23 @@ def test_every_entry_point_logs_library_warnings_in_the_projects_format(own_leve
         assert re.fullmatch(rf"{stamp} INFO gemma_tpu.train: step 1", lines[0])
 
 
+@contextlib.contextmanager
+def made_read_only(ck: Path, proc: subprocess.Popen):
+    """`ck` bind-mounted over itself read-only for the block (the run `proc` writing there goes on), unmounted after;
+    skips the test (killing `proc`) where this machine cannot bind-mount."""
+    mounted = subprocess.run(["mount", "--bind", str(ck), str(ck)], capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        proc.kill()
+        proc.wait()
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.strip()}")
+    try:
+        ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(ck)], capture_output=True, text=True, check=False)
+        assert ro.returncode == 0, ro.stderr
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(ck)], check=False)
+
+
 def test_a_checkpoint_dir_made_read_only_mid_run_names_what_could_not_be_written(tiny_dir, tmp_path):
     """checkpoint.dir turned read-only while training (a remount, a full quota's read-only fallback): the run stopped
     with "error: Read-only file system: …/gemma_tpu_run.lock", from releasing the run lock on the way out, which hid
@@ -450,17 +468,8 @@ def test_a_checkpoint_dir_made_read_only_mid_run_names_what_could_not_be_written
     while not list_steps(ck)[-1:] >= [2] and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
-    mounted = subprocess.run(["mount", "--bind", str(ck), str(ck)], capture_output=True, text=True, check=False)
-    if mounted.returncode != 0:
-        proc.kill()
-        proc.wait()
-        pytest.skip(f"cannot bind-mount here: {mounted.stderr.strip()}")
-    try:
-        ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(ck)], capture_output=True, text=True, check=False)
-        assert ro.returncode == 0, ro.stderr
+    with made_read_only(ck, proc):
         out, err = proc.communicate(timeout=300)
-    finally:
-        subprocess.run(["umount", "-l", str(ck)], check=False)
     proc.stderr = err
     line = assert_one_line_error(proc, "Read-only file system")
     assert run_lock.LOCK_FILE not in line, err[-3000:]
@@ -491,19 +500,10 @@ def test_a_preemption_on_a_checkpoint_dir_made_read_only_says_no_step_is_on_disk
         line = proc.stderr.readline()
         assert line, seen[-3000:]
         seen += line
-    mounted = subprocess.run(["mount", "--bind", str(ck), str(ck)], capture_output=True, text=True, check=False)
-    if mounted.returncode != 0:
-        proc.kill()
-        proc.wait()
-        pytest.skip(f"cannot bind-mount here: {mounted.stderr.strip()}")
-    try:
-        ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(ck)], capture_output=True, text=True, check=False)
-        assert ro.returncode == 0, ro.stderr
+    with made_read_only(ck, proc):
         proc.send_signal(signal.SIGTERM)
         err = seen + proc.stderr.read()
         assert proc.wait(timeout=300) == 1, err[-3000:]
-    finally:
-        subprocess.run(["umount", "-l", str(ck)], check=False)
     line = next((x for x in err.splitlines() if "could not save step" in x), "")
     assert "Read-only file system" in line and "metrics.jsonl" in line, err[-3000:]
     assert line.endswith("; no checkpoint is on disk, and a restart begins afresh"), line
