@@ -233,12 +233,26 @@ def test_config_table_keys_exist():
     assert not unknown, unknown
 
 
+_MAIN_GUARD = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
+
+
+def entry_modules(package_dir, package: str) -> list[str]:
+    """Every module under `package_dir` that runs with `python -m`: a package with `__main__.py`, or a module that
+    checks `__name__ == "__main__"`."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir).with_suffix("").parts
+        if path.name == "__main__.py" and len(parts) > 1:
+            found.append(".".join((package, *parts[:-1])))
+        elif path.name != "__main__.py" and _MAIN_GUARD.search(path.read_text(encoding="utf-8")):
+            found.append(".".join((package, *parts)))
+    return found
+
+
 @pytest.mark.parametrize("package", ["gemma_tpu", "convert", "serving"])
 def test_python_m_package_lists_every_command(package):
     """`python -m gemma_tpu` was Python's "is a package and cannot be directly executed"; its list must name every
     module of the package that runs with `python -m` (a new command missing from COMMANDS fails here)."""
-    from gemma_tpu.core.commands import entry_modules
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop, mock.patch.object(sys, "argv", [package]):
         runpy.run_module(package, run_name="__main__", alter_sys=False)

@@ -4,27 +4,10 @@ name answered only Python's "'gemma_tpu' is a package and cannot be directly exe
 from __future__ import annotations
 
 import os
-import re
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from gemma_tpu.core import cli
-
-_MAIN_GUARD = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
-
-
-def entry_modules(package_dir: Path, package: str) -> list[str]:
-    """Every module under `package_dir` that runs with `python -m`: a package with `__main__.py`, or a module that
-    checks `__name__ == "__main__"`."""
-    found = []
-    for path in sorted(package_dir.rglob("*.py")):
-        parts = path.relative_to(package_dir).with_suffix("").parts
-        if path.name == "__main__.py" and len(parts) > 1:
-            found.append(".".join((package, *parts[:-1])))
-        elif path.name != "__main__.py" and _MAIN_GUARD.search(path.read_text(encoding="utf-8")):
-            found.append(".".join((package, *parts)))
-    return found
 
 
 def print_commands(package: str, commands: dict[str, str], more: str = "", argv: Sequence[str] | None = None) -> int:
