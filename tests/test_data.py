@@ -1060,9 +1060,9 @@ BAD_CASES = {
                                 "messages": GOOD["messages"]}], 1, "'tools' (a JSON string): Infinity is not JSON"),
     "not_an_object": ([GOOD, [1, 2]], 2, "expected a JSON object per example, got a list"),
     # a line holding the messages alone: say how to wrap it
-    "bare_messages": ([GOOD, GOOD["messages"]], 2, 'got a list (a list of messages: wrap each line as {"messages"'),
+    "bare_messages": ([GOOD, GOOD["messages"]], 2, 'got a list (a list of messages: wrap each example as {"messages"'),
     "bare_messages_first": ([GOOD["messages"], GOOD["messages"]], 1, 'got a list (a list of messages: wrap each '
-                                                                     'line as {"messages"'),
+                                                                     'example as {"messages"'),
     "messages_an_object": ([{"messages": GOOD["messages"][0]}], 1, "'messages' must be a non-empty list, got an object"),
     "messages_empty": ([{"messages": []}], 1, "'messages' must be a non-empty list, got an empty list"),
     "conversations_a_string": ([{"conversations": "hi"}], 1, "'conversations' is a string but not valid JSON"),

@@ -1094,7 +1094,7 @@ def normalise_row(obj: Any, where: str, data_cfg, markup: Markup = GEMMA_MARKUP)
     conversation; `where` names it in errors (FILE:LINE)."""
     if not isinstance(obj, dict):
         looks_like_turns = isinstance(obj, list) and obj and all(isinstance(m, dict) and "role" in m for m in obj)
-        hint = ' (a list of messages: wrap each line as {"messages": [...]})' if looks_like_turns else ""
+        hint = ' (a list of messages: wrap each example as {"messages": [...]})' if looks_like_turns else ""
         raise UserError(f"{where}: expected a JSON object per example, got {_json_type(obj)}{hint}")
     check_surrogates(obj, where)
     try:
