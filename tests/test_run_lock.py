@@ -27,6 +27,14 @@ HOLD = ("import sys, time; from gemma_tpu.train.run_lock import acquire; acquire
         "print('held', flush=True); {after}")
 
 
+def slow_trainer(args: list[str], delay: str = "0.5", stdout=subprocess.PIPE) -> subprocess.Popen:
+    """`python -m gemma_tpu.train ARGS`, each step slowed by `delay` seconds (GEMMA_TPU_STEP_DELAY) so that a test can
+    act mid-run; stderr piped, output unbuffered."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": delay}
+    return subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
+                            stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
 def _holder(tmp_path: Path, after: str = "time.sleep(120)") -> subprocess.Popen:
     return holding(HOLD.format(after=after), str(tmp_path))
 
@@ -116,9 +124,7 @@ def test_two_trainers_on_one_directory(tiny_dir, tmp_path):
             "data.eval_path=null", "train.max_steps=40", "checkpoint.every_steps=1"]
     # 10 s a step: the second trainer's start (imports, data) must fall inside the first's run even when
     # the first's compilations come from the test run's compilation cache and the machine is loaded
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "10"}
-    first = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = slow_trainer(args, delay="10")
     deadline = time.time() + 600
     while not (ck / run_lock.LOCK_FILE).exists() and first.poll() is None and time.time() < deadline:
         time.sleep(0.5)
@@ -328,9 +334,7 @@ def test_a_checkpoint_dir_removed_mid_run_stops_the_run_before_the_next_save(tin
     ck = tmp_path / "ck"
     args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
             f"train.run_dir={tmp_path / 'run'}", "train.max_steps=12", "checkpoint.every_steps=1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
-    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = slow_trainer(args)
     deadline = time.time() + 600
     while not (ck / "2").is_dir() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
@@ -395,9 +399,7 @@ def test_metrics_jsonl_removed_mid_run_is_said_once_and_recording_goes_on(tiny_d
     ck = tmp_path / "ck"
     args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
             "train.max_steps=8", "checkpoint.every_steps=4"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
-    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = slow_trainer(args, stdout=subprocess.DEVNULL)
     deadline = time.time() + 600
     while len(train_rows(ck)) < 2 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -461,9 +463,7 @@ def test_a_checkpoint_dir_made_read_only_mid_run_names_what_could_not_be_written
     ck = tmp_path / "ck"
     args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
             "train.max_steps=12", "checkpoint.every_steps=1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
-    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = slow_trainer(args)
     deadline = time.time() + 600
     while not list_steps(ck)[-1:] >= [2] and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -492,9 +492,7 @@ def test_a_preemption_on_a_checkpoint_dir_made_read_only_says_no_step_is_on_disk
     ck = tmp_path / "ck"
     args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null",
             "train.max_steps=50", "checkpoint.every_steps=100"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_TPU_STEP_DELAY": "0.5"}
-    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = slow_trainer(args, stdout=subprocess.DEVNULL)
     seen, deadline = "", time.time() + 600
     while "step 1/" not in seen and time.time() < deadline:
         line = proc.stderr.readline()
