@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from gemma_tpu.core.config import blame, expand_env, key_lines, load_typed
+from gemma_tpu.core.typed_yaml import blame, expand_env, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, other_unicode, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import (

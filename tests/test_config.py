@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gemma_tpu.core.config import RunConfig, load_config, parse_override, validate
+from gemma_tpu.core.config import RunConfig, load_config, validate
+from gemma_tpu.core.typed_yaml import parse_override
 from gemma_tpu.core.errors import UserError
 from tests.conftest import REPO, assert_one_line_error, run_cli
 
@@ -103,9 +104,11 @@ def test_unknown_key_suggests_the_key_meant(override, meant):
 def test_every_suggested_key_exists():
     """The tables of other names point at keys RunConfig has, and name none it has (a rename would leave a hint to
     a key that is gone, or shadow a real key)."""
-    from gemma_tpu.core.config import FOREIGN_NAMES, SYNONYMS, RunConfig, _leaf_keys
+    from gemma_tpu.core.config import RunConfig
+    from gemma_tpu.core.recipe_names import FOREIGN_NAMES, SYNONYMS
+    from gemma_tpu.core.typed_yaml import leaf_keys
 
-    keys = set(_leaf_keys(RunConfig))
+    keys = set(leaf_keys(RunConfig))
     assert {v[0] for v in FOREIGN_NAMES.values()} | set(SYNONYMS.values()) <= keys
     assert not keys & set(SYNONYMS) and not {k.rpartition(".")[2] for k in keys} & set(FOREIGN_NAMES)
 
@@ -303,7 +306,7 @@ def test_a_key_overridden_twice_takes_the_last_and_says_so(caplog):
     """`train.max_steps=3 --set train.max_steps=5` (a launcher appending its own override) took the last without a
     word; it still does (Helm's and OmegaConf's rule, in --help) and warns naming both. The same value twice is
     quiet."""
-    with caplog.at_level("WARNING", logger="gemma_tpu.core.config"):
+    with caplog.at_level("WARNING", logger="gemma_tpu.core.typed_yaml"):
         cfg = load_config(None, ["train.max_steps=3", "train.seed=1", "train.max_steps=5", "train.seed=1"])
     assert (cfg.train.max_steps, cfg.train.seed) == (5, 1)
     assert [r.getMessage() for r in caplog.records] == [
@@ -347,7 +350,7 @@ def test_a_list_written_as_text_reads_as_the_list(tmp_path):
         assert load_config(None, [ov]).lora.targets == ["q_proj", "v_proj"], ov
     with pytest.raises(UserError, match=r"lora.targets: unknown module 'qproj'"):
         load_config(None, ['lora.targets="[qproj, v_proj]"'])
-    from gemma_tpu.core.config import _coerce
+    from gemma_tpu.core.typed_yaml import _coerce
 
     assert _coerce("[--seed, 1.10]", list[str], "x") == ["--seed", "1.10"]  # read as the file is: 1.10 as written
 
@@ -482,7 +485,7 @@ def test_section_override_sets_its_keys_and_keeps_the_rest():
 
 def test_mapping_valued_key_override_still_replaces():
     """Only dataclass sections merge; a mapping value (serving's container.env) is replaced whole."""
-    from gemma_tpu.core.config import _set_dotted
+    from gemma_tpu.core.typed_yaml import _set_dotted
     from serving.config import ServeConfig
 
     tree = {"container": {"env": {"A": "1"}}}
@@ -937,7 +940,7 @@ def test_a_top_level_anchor_reused_by_the_sections_is_not_an_unknown_key(tmp_pat
 
 def test_keys_given_are_the_file_and_override_keys_not_defaults(tmp_path):
     """What `evaluate --checkpoint` reads to tell a model.dtype asked for from the default float32."""
-    from gemma_tpu.core.config import keys_given
+    from gemma_tpu.core.typed_yaml import keys_given
 
     path = tmp_path / "c.yaml"
     path.write_text("base: &b {dtype: bfloat16}\nmodel:\n  <<: *b\ntrain:\n  max_steps: 3\n")

@@ -134,7 +134,7 @@ def test_shipped_configs_load():
 def test_readme_lora_targets_are_accepted(fixture, request):
     """README's `lora.targets=[q_proj,v_proj]` example was refused on every Gemma (k_proj and v_proj share one Tunix
     weight; with as many KV heads as query heads q, k and v do): each target list README shows must train."""
-    from gemma_tpu.core.config import parse_override
+    from gemma_tpu.core.typed_yaml import parse_override
     from gemma_tpu.models import resolve_model
 
     r = resolve_model(str(request.getfixturevalue(fixture)))

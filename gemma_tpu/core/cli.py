@@ -140,10 +140,11 @@ def _config_key(cls: type, name: str, within: Sequence[str] | None = None) -> tu
     """The dotted key of `cls` an option's name (`max-steps`, `train.max_steps`, a transformers/TRL name) sets, and a
     note on it; None where it names none, or several. `within`: the keys (or sections) the command reads, the only
     ones named (evaluate reads data.* and model.dtype: `--max-steps` names no key of its)."""
-    from gemma_tpu.core.config import FOREIGN_NAMES, OLDER_NAMES, _leaf_keys
+    from gemma_tpu.core.recipe_names import FOREIGN_NAMES, OLDER_NAMES
+    from gemma_tpu.core.typed_yaml import leaf_keys
 
     name = name.replace("-", "_")
-    keys = [k for k in _leaf_keys(cls) if "." in k and k not in OLDER_NAMES
+    keys = [k for k in leaf_keys(cls) if "." in k and k not in OLDER_NAMES
             and (within is None or any(k == w or k.startswith(f"{w}.") for w in within))]
     if name in keys:
         return name, ""

@@ -56,7 +56,8 @@ from gemma_tpu.checkpoint.metadata import list_steps
 from gemma_tpu.checkpoint.restore import locate
 from gemma_tpu.core import cli, strict_json
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic
-from gemma_tpu.core.config import DataConfig, RunConfig, keys_given
+from gemma_tpu.core.config import DataConfig, RunConfig
+from gemma_tpu.core.typed_yaml import keys_given
 from gemma_tpu.core.errors import SignalExit, UserError, stop_signals_raise
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
 from gemma_tpu.data.batching import Example
