@@ -542,6 +542,30 @@ def test_prompt_completion_and_sharegpt_rows_render_as_their_messages(tmp_path, 
     assert from_parquet[1]["messages"][0]["content"] == "[{not json"
 
 
+def test_a_prompt_ending_in_a_partial_answer_trains_its_continuation(tmp_path, gemma_template_tok):
+    """TRL's "continue final message" rows: the prompt ends in the start of the assistant's answer and the completion
+    continues it. The answer is one turn whose given start is context: the trained text is what a server generates
+    after the prompt it renders with continue_final_message=True (they were refused as two assistant turns)."""
+    t = gemma_template_tok
+    prompt = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 6*7?"},
+              {"role": "assistant", "content": "The answer is"}]
+    row = {"prompt": prompt, "completion": [{"role": "assistant", "content": " 42."}]}
+    conv, = load_conversations(write_jsonl(tmp_path / "c.jsonl", [row]), DataConfig())
+    served = t.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
+    whole = t.apply_chat_template(prompt[:2] + [{"role": "assistant", "content": "The answer is 42."}], tokenize=False)
+    for fmt in ("gemma", "template"):
+        r = Renderer(t, chat_format=fmt).render(conv)
+        assert "<bos>" + r.text == whole
+        assert masked_runs(t, r) == [f" 42.{EOT}"]
+        first = int(np.flatnonzero(r.loss_mask)[0])
+        assert r.ids[:first].tolist() == _ids(t.apply_chat_template(prompt, tokenize=True, continue_final_message=True))
+        assert t.decode(r.ids[:first].tolist(), skip_special_tokens=False) == served
+    nothing = {"prompt": prompt, "completion": [{"role": "assistant", "content": " "}]}
+    with pytest.raises(UserError, match=re.escape("c.jsonl:1: completion[0] continues the prompt's final assistant "
+                                                  "message with nothing (only whitespace)")):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [nothing]), DataConfig())
+
+
 def test_chat_messages_under_the_sharegpt_column_read_as_messages(tmp_path, tok):
     """`conversations` holding role/content messages (Hub datasets and converters leave chats so) was refused as
     ShareGPT turns without 'from'/'value'."""

@@ -6,7 +6,8 @@ example shapes (`data.format`, auto-detected by their keys):
   `functions`, `function_call` and `function` results).
 - `prompt_completion`: TRL's prompt-completion rows, `{"prompt": str, "completion": str}` or with lists
   of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
-  assistant turns inside the prompt are context.
+  assistant turns inside the prompt are context. A prompt ending in the start of the answer, continued by the
+  completion (TRL's continue_final_message rows), is one answer whose start is context.
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`, or chat messages
   (`role`/`content`) under that column name; ShareGPT turns under `messages` are read as ShareGPT too.
   LLaMA-Factory's `function_call` (a call or a list of calls, as JSON text) and `observation` (its result)
@@ -899,6 +900,7 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
                 raise UserError(f"{where}: {key}[{i}]: expected an object with 'role' and 'content'")
     if not any(message_role(m) == "assistant" for m in completion):
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
+    prompt, completion, given = _continued_answer(prompt, completion, where, markup)
     context = [{**m, "train": False} if message_role(m) == "assistant"
                and "train" not in m and "weight" not in m else m for m in prompt]
     try:
@@ -910,9 +912,36 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
             return f"prompt[{i}]" if i < len(prompt) else f"completion[{i - len(prompt)}]"
 
         raise UserError(re.sub(r"(?<=: )messages\[(\d+)\]", field, str(e), count=1)) from None
-    if any(m.get("train", True) for m in conv["messages"][:len(prompt)] if m["role"] == "assistant"):
+    answers = [m for m in conv["messages"] if m["role"] == "assistant"]
+    n_context = sum(message_role(m) == "assistant" for m in prompt)
+    if any(m.get("train", True) for m in answers[:n_context]):
         raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
+    if given:  # the prompt's start of the answer is context; the completion's continuation of it is trained
+        answers[n_context]["given"] = given
     return conv
+
+
+def _continued_answer(prompt: list, completion: list, where: str, markup: Markup) -> tuple[list, list, int]:
+    """TRL's "continue final message" rows: a prompt that ends in the start of the assistant's answer, continued by a
+    completion that opens with an assistant message, is one answer (they were refused as two assistant turns in a
+    row). Returned as (prompt without that start, completion with the start joined to its first message, the start's
+    length in characters): the start is context, as a server renders it with continue_final_message=True, and the
+    continuation is what it generates after it. Other rows are returned as they are, with 0."""
+    last, first = (prompt[-1] if prompt else None), completion[0]
+    if not (isinstance(last, dict) and message_role(last) == "assistant" and message_role(first) == "assistant"
+            and last.get("tool_calls") is None and last.get("function_call") is None):
+        return prompt, completion, 0
+    k = len(prompt) - 1
+    if ("train" in last or "weight" in last) and _trained(last, "assistant", f"{where}: prompt[{k}]"):
+        raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
+    start = _text(last.get("content"), f"{where}: prompt[{k}]")
+    markup.check(start, f"{where}: prompt[{k}]", answer=True)
+    rest = _text(first.get("content"), f"{where}: completion[0]")
+    if not rest.strip() and not first.get("tool_calls") and first.get("function_call") is None:
+        raise UserError(f"{where}: completion[0] continues the prompt's final assistant message with nothing"
+                        f"{' (only whitespace)' if rest else ''}: give the text that follows it, or end the prompt "
+                        f"with the user's turn")
+    return prompt[:k], [{**first, "content": start + rest}, *completion[1:]], len(start)
 
 
 def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> dict:
