@@ -2692,6 +2692,22 @@ def test_an_answer_opening_with_newlines_is_one_warning(tmp_path, real_tok, capl
         f"is trained on a token it is never served there: strip the answers' leading whitespace"]
 
 
+def test_inspect_names_answers_whose_first_token_holds_the_prompts_end(tmp_path, real_tok, capsys):
+    """Training warns of answers opening with newlines (their first token, '\\n\\n\\n', also holds the prompt's end);
+    `data.inspect`, which the README says shows it as training warns it, said nothing."""
+    from gemma_tpu.data import inspect
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": answer}]}
+            for i, answer in enumerate(["Hello", "\n\nHello", "\nOk", "Hi"])]
+    path = write_jsonl(tmp_path / "n.jsonl", rows)
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                                             real_tok.name_or_path, "-n", "0", "train.batch_size=1"]))
+    line = (f"{path}: 2 of 4 examples have an answer whose first token also holds the end of the prompt before it "
+            f"(the first: {path}:2, token '\\n\\n\\n')")
+    assert result["joined_answers"].startswith(line)
+    assert f"joined     {result['joined_answers']}\n" in capsys.readouterr().out
+
+
 def test_mixed_schema_json_lines_from_a_table_read_each_row_by_its_shape(tmp_path):
     """pandas' to_json of sets of several shapes gives every row every column, null where the row is of another
     shape: the ShareGPT row was refused as "'messages' must be a non-empty list, got null". Each row is read by the
