@@ -542,7 +542,7 @@ def test_prompt_completion_and_sharegpt_rows_render_as_their_messages(tmp_path, 
     assert from_parquet[1]["messages"][0]["content"] == "[{not json"
 
 
-def test_a_prompt_ending_in_a_partial_answer_trains_its_continuation(tmp_path, gemma_template_tok):
+def test_a_prompt_ending_in_a_partial_answer_trains_its_continuation(tmp_path, gemma_template_tok, caplog):
     """TRL's "continue final message" rows: the prompt ends in the start of the assistant's answer and the completion
     continues it. The answer is one turn whose given start is context: the trained text is what a server generates
     after the prompt it renders with continue_final_message=True (they were refused as two assistant turns)."""
@@ -560,6 +560,18 @@ def test_a_prompt_ending_in_a_partial_answer_trains_its_continuation(tmp_path, g
         first = int(np.flatnonzero(r.loss_mask)[0])
         assert r.ids[:first].tolist() == _ids(t.apply_chat_template(prompt, tokenize=True, continue_final_message=True))
         assert t.decode(r.ids[:first].tolist(), skip_special_tokens=False) == served
+    if "answer" in t.get_vocab():  # Gemma's vocabulary (not the character-level one): a cut inside a word is said
+        import logging
+
+        cut = {"prompt": [*prompt[:2], {"role": "assistant", "content": "The ans"}],
+               "completion": [{"role": "assistant", "content": "wer is 42."}]}
+        with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+            render_examples(str(write_jsonl(tmp_path / "w.jsonl", [cut])), Renderer(t), DataConfig())
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{tmp_path / 'w.jsonl'}: 1 of 1 examples have an answer whose first token also holds the end of the "
+            f"prompt before it (the first: {tmp_path / 'w.jsonl'}:1, token ' answer'); a server tokenizes the prompt "
+            f"apart from the answer, so the model is trained on a token it is never served there: end the start of "
+            f"the answer a prompt gives where a word ends"]
     nothing = {"prompt": prompt, "completion": [{"role": "assistant", "content": " "}]}
     with pytest.raises(UserError, match=re.escape("c.jsonl:1: completion[0] continues the prompt's final assistant "
                                                   "message with nothing (only whitespace)")):
