@@ -743,6 +743,18 @@ def test_an_empty_field_name_is_refused(key):
     assert load_config(REPO / "configs/tiny.yaml", ["data.context_field=null"]).data.context_field is None
 
 
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.response_field=instruction"], "data.instruction_field and data.response_field both name 'instruction'"),
+    (["data.instruction_field=q", "data.response_field=a", "data.context_field=a"],
+     "data.context_field and data.response_field both name 'a'"),
+    (["data.context_field=instruction"], "data.instruction_field and data.context_field both name 'instruction'")])
+def test_one_field_named_for_two_parts_of_an_instruction_row_is_refused(overrides, message):
+    """An instruction row read with its answer field naming its question field trained the model to echo the
+    question (and a context field naming either put it in the prompt twice, or the answer in the prompt), silently."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(REPO / "configs/tiny.yaml", overrides)
+
 @pytest.mark.parametrize("override", ["train.run_dir=None", "train.grad_clip=none", "data.num_epochs=None",
                                       "train.optimizer=None", "model.revision=None", "model.family=None",
                                       "train.profile_dir='null'", 'data.eval_path="NULL"'])
