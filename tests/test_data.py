@@ -1955,6 +1955,21 @@ def test_inspect_prints_stats_and_marks_the_loss(tmp_path, tok_dir, tok):
     assert f"\x1b[1;32m4.{EOT}\x1b[0m" in colored.stdout
 
 
+def test_inspect_warns_of_the_loss_buffer_once_for_the_configured_strategy(tmp_path, tok_dir, caplog):
+    """`data.inspect` lays the rows out under both strategies to compare them; the loss-buffer warning came twice,
+    the second time with the other strategy's row count, as if training would lose that much."""
+    import logging
+
+    from gemma_tpu.data import inspect
+
+    path = write_jsonl(tmp_path / "c.jsonl", chat_rows(8, seed=1))
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer", str(tok_dir),
+                                        "-n", "0", "data.max_loss_tokens=1", "data.strategy=pad"]))
+    said = [r.getMessage() for r in caplog.records if "data.max_loss_tokens" in r.getMessage()]
+    assert said == [f"{path}: 8 rows have more than data.max_loss_tokens=1 targets; the excess is not trained"]
+
+
 def test_inspect_shows_control_characters_of_the_text_as_escapes(tmp_path, tok_dir, capsys):
     """A carriage return or a terminal escape in a message was printed as it is: the terminal moved the cursor, hid
     the text before a '\\r' or changed its colours, and the example shown was not the text trained. They show as

@@ -16,6 +16,7 @@ run directory and no model weights are loaded; only the tokenizer.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -198,7 +199,14 @@ def run(args: argparse.Namespace) -> dict:
     chosen = cfg.data.strategy
     prepared = {}
     for strategy in (chosen, "pack" if chosen == "pad" else "pad"):
-        prepared[strategy] = prepare_examples(examples, path, cfg.data, cfg.train.seed, strategy=strategy)
+        # the other strategy is laid out only to compare: what it warns of (rows past the loss buffer) is not what
+        # training will do, and it was a second warning with other counts
+        quiet = logging.getLogger("gemma_tpu.data.pipeline")
+        was, quiet.disabled = quiet.disabled, strategy != chosen
+        try:
+            prepared[strategy] = prepare_examples(examples, path, cfg.data, cfg.train.seed, strategy=strategy)
+        finally:
+            quiet.disabled = was
     main = prepared[chosen]
     if args.split == "train":  # training (and its dry run) refuse it: no batch to show either
         check_one_batch(main, cfg.train.batch_size)
@@ -301,8 +309,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import logging
-
     cli.setup_logging(logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     run(parse_args(argv or []))
