@@ -604,6 +604,25 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     assert own.ids.tolist() == ours.ids.tolist() and own.loss_mask.tolist() == ours.loss_mask.tolist()
 
 
+def test_a_null_weight_or_train_flag_is_no_flag(tmp_path, tok):
+    """OpenHermes-2.5 style ShareGPT exports carry `"weight": null` on every turn (a column other rows fill): every
+    row was refused as "'weight' must be 0 or 1, got None", though the same data as Parquet (nulls dropped) loaded.
+    A null flag is no flag: the answer trains, as it does without one."""
+    turns = [{"from": "system", "value": "Be brief.", "weight": None}, {"from": "human", "value": "hi", "weight": None},
+             {"from": "gpt", "value": "yo", "weight": None}]
+    chat = {"messages": [{"role": "user", "content": "hi", "train": None},
+                         {"role": "assistant", "content": "yo", "train": None, "weight": None}]}
+    pair = {"prompt": [chat["messages"][0], {"role": "assistant", "content": "yo", "weight": None},
+                       {"role": "user", "content": "hi"}], "completion": chat["messages"][1:]}
+    path = write_jsonl(tmp_path / "h.jsonl", [{"conversations": turns}, chat, pair])
+    sharegpt, messages, context = load_conversations(path, DataConfig())
+    assert [m.get("train", True) for m in context["messages"]] == [True, False, True, True]
+    plain = norm({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "yo"}]})
+    assert sharegpt["messages"] == plain["messages"] and messages["messages"] == plain["messages"][1:]
+    assert masked_runs(tok, Renderer(tok).render(sharegpt)) == [f"yo{EOT}"]
+
+
 @pytest.mark.parametrize("row, message", [
     ({"prompt": "hi"}, r"missing field 'completion'"),
     ({"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]},

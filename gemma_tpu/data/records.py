@@ -839,8 +839,9 @@ def _system_field(obj: dict, messages: list, where: str, markup: Markup) -> list
 
 
 def _trained(m: dict, role: str, mw: str) -> bool:
-    """Whether a message carries loss: `"train": false` or `"weight": 0` keeps an answer as context only."""
-    flags = {k: m[k] for k in ("train", "weight") if k in m}
+    """Whether a message carries loss: `"train": false` or `"weight": 0` keeps an answer as context only. A null flag
+    is no flag (OpenHermes-style exports write `"weight": null` on every turn; Parquet drops such nulls anyway)."""
+    flags = {k: m[k] for k in ("train", "weight") if m.get(k) is not None}
     if not flags:
         return True
     if "train" in flags and not isinstance(flags["train"], bool):
@@ -902,7 +903,7 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
     prompt, completion, given = _continued_answer(prompt, completion, where, markup)
     context = [{**m, "train": False} if message_role(m) == "assistant"
-               and "train" not in m and "weight" not in m else m for m in prompt]
+               and m.get("train") is None and m.get("weight") is None else m for m in prompt]
     try:
         conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
                                    **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
@@ -932,7 +933,8 @@ def _continued_answer(prompt: list, completion: list, where: str, markup: Markup
             and last.get("tool_calls") is None and last.get("function_call") is None):
         return prompt, completion, 0
     k = len(prompt) - 1
-    if ("train" in last or "weight" in last) and _trained(last, "assistant", f"{where}: prompt[{k}]"):
+    if (last.get("train") is not None or last.get("weight") is not None) and \
+            _trained(last, "assistant", f"{where}: prompt[{k}]"):
         raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
     start = _text(last.get("content"), f"{where}: prompt[{k}]")
     markup.check(start, f"{where}: prompt[{k}]", answer=True)
