@@ -854,6 +854,22 @@ def test_utf16_files_and_wrapped_arrays_say_what_to_do(tmp_path):
         load_conversations(tmp_path / "w.json", DataConfig())
 
 
+def test_a_chat_under_another_field_name_says_to_name_it_messages(tmp_path):
+    """lmsys-chat-1m keeps its chats under 'conversation': the error said "set data.format and the field names" (no
+    setting names a chat's field) and "if those are the examples, give that list itself", of a chat's messages."""
+    rows = [{"conversation_id": "a", "conversation": [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "yo"}], "turn": 1},
+            {"dialog": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
+    for i, (field, name) in enumerate((("conversation", "messages"), ("dialog", "conversations"))):
+        path = write_jsonl(tmp_path / f"c{i}.jsonl", [rows[i]])
+        with pytest.raises(UserError, match=re.escape(
+                f"c{i}.jsonl:1: no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' field "
+                f"(the example has {', '.join(rows[i])}; its '{field}' holds a chat's "
+                f"{'messages' if i == 0 else 'ShareGPT turns'}: name that field '{name}', which no setting "
+                f"renames)")):
+            load_conversations(path, DataConfig())
+
+
 def test_windows_files_concatenated_read_line_by_line(tmp_path):
     """A BOM, CRLF line ends and no final newline, in each file of a `cat a.jsonl b.jsonl` (the second file's
     BOM then starts line 3): that line was 'not valid JSON (Expecting value at column 1)', an invisible cause."""

@@ -1165,12 +1165,19 @@ def _normalise_shape(obj: dict, where: str, data_cfg, markup: Markup) -> dict:
     _check_null_columns(obj, kind, where, data_cfg)
     if kind is None:
         rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
-        hint = (_PREFERENCE_HINT if "chosen" in obj else
-                f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
-                f"give that list itself (a JSON array) or JSON Lines" if rows else "")
+        # a chat under a name of its own (lmsys-chat-1m's 'conversation'): no setting names a chat's field
+        chats = [(k, "from" in obj[k][0]) for k in rows if all("role" in m or "from" in m for m in obj[k])]
+        if chats and "chosen" not in obj:
+            hint = (f"; its '{chats[0][0]}' holds a chat's {'ShareGPT turns' if chats[0][1] else 'messages'}: name "
+                    f"that field '{'conversations' if chats[0][1] else 'messages'}', which no setting renames")
+        else:
+            hint = "; set data.format and the field names" + (
+                _PREFERENCE_HINT if "chosen" in obj else
+                f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, give that "
+                f"list itself (a JSON array) or JSON Lines" if rows else "")
         raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
                         f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
-                        f"{_fields(obj)}; set data.format and the field names{hint})")
+                        f"{_fields(obj)}{hint})")
     column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
     if column and column not in obj:  # data.format forced onto a row of another shape
         raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "
