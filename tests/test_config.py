@@ -65,6 +65,8 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("train.warmup_ratio=0.03", "here it is 'train.warmup_steps' (a number of steps, not a fraction"),
     ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
     ("data.dataset_text_field=body", "here it is 'data.text_field'"),
+    # TRL's side to cut over-long examples from: was "did you mean 'data.instruction_field'?"
+    ("data.truncation_mode=keep_end", "here it is 'data.overlength' (truncate keeps the start, as TRL's keep_start"),
     ("train.MAX_STEPS=3", "did you mean 'train.max_steps'?"),  # another case: no letter in common to difflib
     ("train.epochs=2", "did you mean 'data.num_epochs'?"),  # a close name in another section: no hint at all
     ("data.eval_file=x.jsonl", "did you mean 'data.eval_path'?"),  # train_file had a hint, eval_file none
