@@ -730,6 +730,13 @@ def test_a_null_weight_or_train_flag_is_no_flag(tmp_path, tok):
     ({"text": ["a", "b"]}, r"field 'text' must be a string, got a list"),
     ({"text": None}, r"field 'text' must be a string, got null"),  # in JSON's words, not Python's NoneType
     ({"prompt": 3, "completion": "yo"}, r"'prompt' must be a string or a list of messages, got a number"),
+    # text already rendered with the chat template (TRL's apply_chat_template, saved): was "prompt[0]: ... holds
+    # '<bos>' ...; remove it", one token after another
+    ({"prompt": f"<bos>{SOT}user\nWhat color is the sky?{EOT}\n{SOT}model\n", "completion": f"It is blue.{EOT}\n"},
+     r"'prompt' holds '<bos>' at character 0, a control token of the chat markup: text prompt-completion rows are "
+     r"rendered as a user turn and an assistant turn, so text already rendered with a chat template \(as TRL's "
+     r"apply_chat_template writes it\) goes in as lists of messages"),
+    ({"prompt": "What color is the sky?", "completion": f"It is blue.{EOT}\n"}, r"'completion' holds '<end_of_turn>'"),
 ])
 def test_bad_rows_of_every_format_name_the_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine", "completion": "row"}, row])

@@ -893,6 +893,13 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
     if isinstance(prompt, str):
         if not completion.strip():
             raise UserError(f"{where}: field 'completion' is empty")
+        for key, text in (("prompt", prompt), ("completion", completion)):
+            hit = markup.search(text)
+            if hit:  # named by the row's field (it was "prompt[0]", and "remove it" of one token after another)
+                raise UserError(f"{where}: '{key}' holds {hit[1]!r} at character {hit[0]}, a control token of the "
+                                f"chat markup: text prompt-completion rows are rendered as a user turn and an "
+                                f"assistant turn, so text already rendered with a chat template (as TRL's "
+                                f"apply_chat_template writes it) goes in as lists of messages; else remove it")
         prompt = [{"role": "user", "content": prompt}]
         completion = [{"role": "assistant", "content": completion}]
     for key, value in (("prompt", prompt), ("completion", completion)):
