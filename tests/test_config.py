@@ -66,6 +66,8 @@ def test_python_none_for_a_key_that_cannot_be_null_is_refused(override):
     ("train.warmup_ratio=0.03", "here it is 'train.warmup_steps' (a number of steps, not a fraction"),
     ("data.max_seq_length=1024", "here it is 'data.seq_len'"),
     ("data.dataset_text_field=body", "here it is 'data.text_field'"),
+    # TRL's side to cut over-long examples from: was "did you mean 'data.instruction_field'?"
+    ("data.truncation_mode=keep_end", "here it is 'data.overlength' (truncate keeps the start, as TRL's keep_start"),
     ("train.MAX_STEPS=3", "did you mean 'train.max_steps'?"),  # another case: no letter in common to difflib
     ("train.epochs=2", "did you mean 'data.num_epochs'?"),  # a close name in another section: no hint at all
     ("data.eval_file=x.jsonl", "did you mean 'data.eval_path'?"),  # train_file had a hint, eval_file none
@@ -745,6 +747,18 @@ def test_an_empty_field_name_is_refused(key):
         load_config(REPO / "configs/tiny.yaml", [f"data.{key}="])
     assert load_config(REPO / "configs/tiny.yaml", ["data.context_field=null"]).data.context_field is None
 
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.response_field=instruction"], "data.instruction_field and data.response_field both name 'instruction'"),
+    (["data.instruction_field=q", "data.response_field=a", "data.context_field=a"],
+     "data.context_field and data.response_field both name 'a'"),
+    (["data.context_field=instruction"], "data.instruction_field and data.context_field both name 'instruction'")])
+def test_one_field_named_for_two_parts_of_an_instruction_row_is_refused(overrides, message):
+    """An instruction row read with its answer field naming its question field trained the model to echo the
+    question (and a context field naming either put it in the prompt twice, or the answer in the prompt), silently."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(REPO / "configs/tiny.yaml", overrides)
 
 @pytest.mark.parametrize("override", ["train.run_dir=None", "train.grad_clip=none", "data.num_epochs=None",
                                       "train.optimizer=None", "model.revision=None", "model.family=None",

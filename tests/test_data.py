@@ -542,6 +542,42 @@ def test_prompt_completion_and_sharegpt_rows_render_as_their_messages(tmp_path, 
     assert from_parquet[1]["messages"][0]["content"] == "[{not json"
 
 
+def test_a_prompt_ending_in_a_partial_answer_trains_its_continuation(tmp_path, gemma_template_tok, caplog):
+    """TRL's "continue final message" rows: the prompt ends in the start of the assistant's answer and the completion
+    continues it. The answer is one turn whose given start is context: the trained text is what a server generates
+    after the prompt it renders with continue_final_message=True (they were refused as two assistant turns)."""
+    t = gemma_template_tok
+    prompt = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 6*7?"},
+              {"role": "assistant", "content": "The answer is"}]
+    row = {"prompt": prompt, "completion": [{"role": "assistant", "content": " 42."}]}
+    conv, = load_conversations(write_jsonl(tmp_path / "c.jsonl", [row]), DataConfig())
+    served = t.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
+    whole = t.apply_chat_template(prompt[:2] + [{"role": "assistant", "content": "The answer is 42."}], tokenize=False)
+    for fmt in ("gemma", "template"):
+        r = Renderer(t, chat_format=fmt).render(conv)
+        assert "<bos>" + r.text == whole
+        assert masked_runs(t, r) == [f" 42.{EOT}"]
+        first = int(np.flatnonzero(r.loss_mask)[0])
+        assert r.ids[:first].tolist() == _ids(t.apply_chat_template(prompt, tokenize=True, continue_final_message=True))
+        assert t.decode(r.ids[:first].tolist(), skip_special_tokens=False) == served
+    if "answer" in t.get_vocab():  # Gemma's vocabulary (not the character-level one): a cut inside a word is said
+        import logging
+
+        cut = {"prompt": [*prompt[:2], {"role": "assistant", "content": "The ans"}],
+               "completion": [{"role": "assistant", "content": "wer is 42."}]}
+        with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+            render_examples(str(write_jsonl(tmp_path / "w.jsonl", [cut])), Renderer(t), DataConfig())
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{tmp_path / 'w.jsonl'}: 1 of 1 examples have an answer whose first token also holds the end of the "
+            f"prompt before it (the first: {tmp_path / 'w.jsonl'}:1, token ' answer'); a server tokenizes the prompt "
+            f"apart from the answer, so the model is trained on a token it is never served there: end the start of "
+            f"the answer a prompt gives where a word ends"]
+    nothing = {"prompt": prompt, "completion": [{"role": "assistant", "content": " "}]}
+    with pytest.raises(UserError, match=re.escape("c.jsonl:1: completion[0] continues the prompt's final assistant "
+                                                  "message with nothing (only whitespace)")):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [nothing]), DataConfig())
+
+
 def test_chat_messages_under_the_sharegpt_column_read_as_messages(tmp_path, tok):
     """`conversations` holding role/content messages (Hub datasets and converters leave chats so) was refused as
     ShareGPT turns without 'from'/'value'."""
@@ -566,6 +602,25 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
 
     own = Renderer(_with_template(any_tok, GEMMA3_CHAT_TEMPLATE), chat_format="template").render(conv)
     assert own.ids.tolist() == ours.ids.tolist() and own.loss_mask.tolist() == ours.loss_mask.tolist()
+
+
+def test_a_null_weight_or_train_flag_is_no_flag(tmp_path, tok):
+    """OpenHermes-2.5 style ShareGPT exports carry `"weight": null` on every turn (a column other rows fill): every
+    row was refused as "'weight' must be 0 or 1, got None", though the same data as Parquet (nulls dropped) loaded.
+    A null flag is no flag: the answer trains, as it does without one."""
+    turns = [{"from": "system", "value": "Be brief.", "weight": None}, {"from": "human", "value": "hi", "weight": None},
+             {"from": "gpt", "value": "yo", "weight": None}]
+    chat = {"messages": [{"role": "user", "content": "hi", "train": None},
+                         {"role": "assistant", "content": "yo", "train": None, "weight": None}]}
+    pair = {"prompt": [chat["messages"][0], {"role": "assistant", "content": "yo", "weight": None},
+                       {"role": "user", "content": "hi"}], "completion": chat["messages"][1:]}
+    path = write_jsonl(tmp_path / "h.jsonl", [{"conversations": turns}, chat, pair])
+    sharegpt, messages, context = load_conversations(path, DataConfig())
+    assert [m.get("train", True) for m in context["messages"]] == [True, False, True, True]
+    plain = norm({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "yo"}]})
+    assert sharegpt["messages"] == plain["messages"] and messages["messages"] == plain["messages"][1:]
+    assert masked_runs(tok, Renderer(tok).render(sharegpt)) == [f"yo{EOT}"]
 
 
 @pytest.mark.parametrize("row, message", [
@@ -675,6 +730,13 @@ def test_an_answer_marked_untrained_is_context_in_every_chat_format(any_tok):
     ({"text": ["a", "b"]}, r"field 'text' must be a string, got a list"),
     ({"text": None}, r"field 'text' must be a string, got null"),  # in JSON's words, not Python's NoneType
     ({"prompt": 3, "completion": "yo"}, r"'prompt' must be a string or a list of messages, got a number"),
+    # text already rendered with the chat template (TRL's apply_chat_template, saved): was "prompt[0]: ... holds
+    # '<bos>' ...; remove it", one token after another
+    ({"prompt": f"<bos>{SOT}user\nWhat color is the sky?{EOT}\n{SOT}model\n", "completion": f"It is blue.{EOT}\n"},
+     r"'prompt' holds '<bos>' at character 0, a control token of the chat markup: text prompt-completion rows are "
+     r"rendered as a user turn and an assistant turn, so text already rendered with a chat template \(as TRL's "
+     r"apply_chat_template writes it\) goes in as lists of messages"),
+    ({"prompt": "What color is the sky?", "completion": f"It is blue.{EOT}\n"}, r"'completion' holds '<end_of_turn>'"),
 ])
 def test_bad_rows_of_every_format_name_the_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine", "completion": "row"}, row])
@@ -797,6 +859,22 @@ def test_utf16_files_and_wrapped_arrays_say_what_to_do(tmp_path):
                                         r"'data' holds a list of 3 objects: if those are the examples, give that list "
                                         r"itself \(a JSON array\) or JSON Lines\)$"):
         load_conversations(tmp_path / "w.json", DataConfig())
+
+
+def test_a_chat_under_another_field_name_says_to_name_it_messages(tmp_path):
+    """lmsys-chat-1m keeps its chats under 'conversation': the error said "set data.format and the field names" (no
+    setting names a chat's field) and "if those are the examples, give that list itself", of a chat's messages."""
+    rows = [{"conversation_id": "a", "conversation": [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "yo"}], "turn": 1},
+            {"dialog": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
+    for i, (field, name) in enumerate((("conversation", "messages"), ("dialog", "conversations"))):
+        path = write_jsonl(tmp_path / f"c{i}.jsonl", [rows[i]])
+        with pytest.raises(UserError, match=re.escape(
+                f"c{i}.jsonl:1: no 'messages', 'prompt'/'completion', 'conversations', 'instruction' or 'text' field "
+                f"(the example has {', '.join(rows[i])}; its '{field}' holds a chat's "
+                f"{'messages' if i == 0 else 'ShareGPT turns'}: name that field '{name}', which no setting "
+                f"renames)")):
+            load_conversations(path, DataConfig())
 
 
 def test_windows_files_concatenated_read_line_by_line(tmp_path):
@@ -1919,6 +1997,21 @@ def test_inspect_prints_stats_and_marks_the_loss(tmp_path, tok_dir, tok):
     assert f"\x1b[1;32m4.{EOT}\x1b[0m" in colored.stdout
 
 
+def test_inspect_warns_of_the_loss_buffer_once_for_the_configured_strategy(tmp_path, tok_dir, caplog):
+    """`data.inspect` lays the rows out under both strategies to compare them; the loss-buffer warning came twice,
+    the second time with the other strategy's row count, as if training would lose that much."""
+    import logging
+
+    from gemma_tpu.data import inspect
+
+    path = write_jsonl(tmp_path / "c.jsonl", chat_rows(8, seed=1))
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer", str(tok_dir),
+                                        "-n", "0", "data.max_loss_tokens=1", "data.strategy=pad"]))
+    said = [r.getMessage() for r in caplog.records if "data.max_loss_tokens" in r.getMessage()]
+    assert said == [f"{path}: 8 rows have more than data.max_loss_tokens=1 targets; the excess is not trained"]
+
+
 def test_inspect_shows_control_characters_of_the_text_as_escapes(tmp_path, tok_dir, capsys):
     """A carriage return or a terminal escape in a message was printed as it is: the terminal moved the cursor, hid
     the text before a '\\r' or changed its colours, and the example shown was not the text trained. They show as
@@ -2666,6 +2759,22 @@ def test_an_answer_opening_with_newlines_is_one_warning(tmp_path, real_tok, capl
         f"{path}: 2 of 4 examples have an answer whose first token also holds the end of the prompt before it (the "
         f"first: {path}:3, token '\\n\\n\\n'); a server tokenizes the prompt apart from the answer, so the model "
         f"is trained on a token it is never served there: strip the answers' leading whitespace"]
+
+
+def test_inspect_names_answers_whose_first_token_holds_the_prompts_end(tmp_path, real_tok, capsys):
+    """Training warns of answers opening with newlines (their first token, '\\n\\n\\n', also holds the prompt's end);
+    `data.inspect`, which the README says shows it as training warns it, said nothing."""
+    from gemma_tpu.data import inspect
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": answer}]}
+            for i, answer in enumerate(["Hello", "\n\nHello", "\nOk", "Hi"])]
+    path = write_jsonl(tmp_path / "n.jsonl", rows)
+    result = inspect.run(inspect.parse_args(["--config", str(_inspect_config(tmp_path, path)), "--tokenizer",
+                                             real_tok.name_or_path, "-n", "0", "train.batch_size=1"]))
+    line = (f"{path}: 2 of 4 examples have an answer whose first token also holds the end of the prompt before it "
+            f"(the first: {path}:2, token '\\n\\n\\n')")
+    assert result["joined_answers"].startswith(line)
+    assert f"joined     {result['joined_answers']}\n" in capsys.readouterr().out
 
 
 def test_mixed_schema_json_lines_from_a_table_read_each_row_by_its_shape(tmp_path):

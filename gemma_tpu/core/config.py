@@ -326,6 +326,15 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     for key in ("instruction_field", "response_field", "text_field"):  # else "missing field ''" in every row
         if not getattr(cfg.data, key).strip():
             bad(f"data.{key} is empty (the name of a field of the data's rows)")
+    # one field named for two parts of an instruction row: its answer would be its question (an echo trained), or a
+    # field in the prompt twice
+    fields = [("instruction_field", cfg.data.instruction_field), ("context_field", cfg.data.context_field),
+              ("response_field", cfg.data.response_field)]
+    same = next(((a, b, x) for i, (a, x) in enumerate(fields) for b, y in fields[i + 1:] if x is not None and x == y),
+                None)
+    if same:
+        bad(f"data.{same[0]} and data.{same[1]} both name {same[2]!r}: an instruction row's question, context and "
+            f"answer are three fields")
     at_least("data.seq_len", cfg.data.seq_len, 8)
     at_least("data.num_epochs", cfg.data.num_epochs, 1)
     at_least("data.max_loss_tokens", cfg.data.max_loss_tokens, 1)

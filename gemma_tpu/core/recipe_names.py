@@ -25,6 +25,7 @@ FOREIGN_NAMES: dict[str, tuple[str, ...]] = {
     "save_total_limit": ("checkpoint.max_to_keep", ""),
     "max_seq_length": ("data.seq_len", ""),
     "max_length": ("data.seq_len", ""),
+    "truncation_mode": ("data.overlength", "truncate keeps the start, as TRL's keep_start; nothing keeps the end"),
     "packing": ("data.strategy", "pack, or pad for one example a row"),
     "dataset_text_field": ("data.text_field", ""),
     "validation_file": ("data.eval_path", "a JSONL file; null: no evaluation"),  # run_clm/run_sft scripts' arguments

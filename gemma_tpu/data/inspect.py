@@ -1,8 +1,9 @@
 """`python -m gemma_tpu.data.inspect --config FILE [section.key=value ...] [--split train|eval] [-n N]`
 
 See the data exactly as training will: examples read / kept / truncated / dropped, evaluation examples that
-are also training examples (when both splits are set), token-length percentiles, rows and useful-token
-fractions for `pad` and `pack` (the configured strategy first), the shared prompt prefixes
+are also training examples (when both splits are set), chats the tokenizer's own template renders otherwise and
+answers whose first token also holds the prompt's end (as training warns of them), token-length percentiles, rows
+and useful-token fractions for `pad` and `pack` (the configured strategy first), the shared prompt prefixes
 (`data.share_prefix`: groups of examples starting with the same ids, prefix lengths, tokens computed per
 example with and without computing each prefix once, loss-bearing fraction of each), the distinct batch
 shapes one epoch of the stream produces (1 means one compilation; `--split eval`: the batches evaluation during
@@ -15,6 +16,7 @@ run directory and no model weights are loaded; only the tokenizer.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -34,6 +36,7 @@ from gemma_tpu.data.pipeline import (
     check_data_file,
     check_one_batch,
     eval_batches,
+    joined_warning,
     make_renderer,
     prepare_examples,
     prepare_split,
@@ -180,7 +183,7 @@ def run(args: argparse.Namespace) -> dict:
     renderer = make_renderer(tok, cfg.data, family_format, token_map, vocab_size=vocab)
     convs = load_conversations(path, cfg.data, renderer.markup)  # the control tokens are the tokenizer's
     skew = template_skew_warning(convs, renderer, path)  # as training warns it
-    rendered, examples, tails = [], [], 0
+    rendered, examples, tails, joined = [], [], 0, []
     for i, conv in enumerate(convs):
         try:
             r = renderer.render(conv, max_tokens=cfg.data.seq_len)
@@ -189,11 +192,21 @@ def run(args: argparse.Namespace) -> dict:
         if i < args.n:
             rendered.append((conv, r))
         tails += r.untrained_tail
+        if r.joined is not None:
+            joined.append((conv.get("where") or path, r.joined))
         examples.append(batching.Example(r.ids, r.loss_mask, conv.get("where", ""), r.partial))
+    joined_line = joined_warning(joined, len(examples), path) if joined else None  # as training warns it
     chosen = cfg.data.strategy
     prepared = {}
     for strategy in (chosen, "pack" if chosen == "pad" else "pad"):
-        prepared[strategy] = prepare_examples(examples, path, cfg.data, cfg.train.seed, strategy=strategy)
+        # the other strategy is laid out only to compare: what it warns of (rows past the loss buffer) is not what
+        # training will do, and it was a second warning with other counts
+        quiet = logging.getLogger("gemma_tpu.data.pipeline")
+        was, quiet.disabled = quiet.disabled, strategy != chosen
+        try:
+            prepared[strategy] = prepare_examples(examples, path, cfg.data, cfg.train.seed, strategy=strategy)
+        finally:
+            quiet.disabled = was
     main = prepared[chosen]
     if args.split == "train":  # training (and its dry run) refuse it: no batch to show either
         check_one_batch(main, cfg.train.batch_size)
@@ -220,6 +233,8 @@ def run(args: argparse.Namespace) -> dict:
           + (f"; {tails} end in turns that train nothing, left out of their rows" if tails else ""), file=out)
     if skew:
         print(f"template   {skew}", file=out)
+    if joined_line:
+        print(f"joined     {joined_line}", file=out)
     if rep.duplicates:
         print(f"duplicates {rep.duplicates} examples train exactly what an earlier one trains, as often as they "
               f"appear (the first: {rep.first_duplicate})", file=out)
@@ -283,7 +298,7 @@ def run(args: argparse.Namespace) -> dict:
               f"---", file=out)
         print(mark(r.text, loss_spans(r.offsets, r.loss_mask), color, cut), file=out)
     result = {**stats, "untrained_tails": tails, "tokenized_in_part": partial, "split": args.split,
-              "chat_format": renderer.chat_format, "template_skew": skew,
+              "chat_format": renderer.chat_format, "template_skew": skew, "joined_answers": joined_line,
               "loss_on": renderer.loss_on,
               "distinct_batch_shapes": n_shapes, "batch_shapes": shapes, "batches": n_batches,
               "eval_in_train": overlap and overlap["count"],
@@ -294,8 +309,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import logging
-
     cli.setup_logging(logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     run(parse_args(argv or []))

@@ -167,10 +167,13 @@ def joined_warning(joined: list[tuple[str, str]], n: int, path: str) -> str:
     their ids equal what a chat template and the tokenizer give the whole conversation, but a served model is given
     its prompt tokenized apart, and generates from there."""
     where, token = joined[0]
+    # whitespace joins an answer's leading newlines to its turn's; a word, the start of an answer a prompt gives
+    # (TRL's continue_final_message rows) cut inside it
+    fix = ("strip the answers' leading whitespace" if not token.strip() else
+           "end the start of the answer a prompt gives where a word ends")
     return (f"{path}: {len(joined)} of {n} examples have an answer whose first token also holds the end of the "
             f"prompt before it (the first: {where}, token {token!r}); a server tokenizes the prompt apart from the "
-            f"answer, so the model is trained on a token it is never served there: strip the answers' leading "
-            f"whitespace")
+            f"answer, so the model is trained on a token it is never served there: {fix}")
 
 
 def prepare_examples(examples: list[batching.Example], source: str, data_cfg: DataConfig, seed: int,

@@ -6,7 +6,8 @@ example shapes (`data.format`, auto-detected by their keys):
   `functions`, `function_call` and `function` results).
 - `prompt_completion`: TRL's prompt-completion rows, `{"prompt": str, "completion": str}` or with lists
   of messages on both sides; only the completion is trained (TRL's completion-only loss), so any
-  assistant turns inside the prompt are context.
+  assistant turns inside the prompt are context. A prompt ending in the start of the answer, continued by the
+  completion (TRL's continue_final_message rows), is one answer whose start is context.
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`, or chat messages
   (`role`/`content`) under that column name; ShareGPT turns under `messages` are read as ShareGPT too.
   LLaMA-Factory's `function_call` (a call or a list of calls, as JSON text) and `observation` (its result)
@@ -838,8 +839,9 @@ def _system_field(obj: dict, messages: list, where: str, markup: Markup) -> list
 
 
 def _trained(m: dict, role: str, mw: str) -> bool:
-    """Whether a message carries loss: `"train": false` or `"weight": 0` keeps an answer as context only."""
-    flags = {k: m[k] for k in ("train", "weight") if k in m}
+    """Whether a message carries loss: `"train": false` or `"weight": 0` keeps an answer as context only. A null flag
+    is no flag (OpenHermes-style exports write `"weight": null` on every turn; Parquet drops such nulls anyway)."""
+    flags = {k: m[k] for k in ("train", "weight") if m.get(k) is not None}
     if not flags:
         return True
     if "train" in flags and not isinstance(flags["train"], bool):
@@ -891,6 +893,13 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
     if isinstance(prompt, str):
         if not completion.strip():
             raise UserError(f"{where}: field 'completion' is empty")
+        for key, text in (("prompt", prompt), ("completion", completion)):
+            hit = markup.search(text)
+            if hit:  # named by the row's field (it was "prompt[0]", and "remove it" of one token after another)
+                raise UserError(f"{where}: '{key}' holds {hit[1]!r} at character {hit[0]}, a control token of the "
+                                f"chat markup: text prompt-completion rows are rendered as a user turn and an "
+                                f"assistant turn, so text already rendered with a chat template (as TRL's "
+                                f"apply_chat_template writes it) goes in as lists of messages; else remove it")
         prompt = [{"role": "user", "content": prompt}]
         completion = [{"role": "assistant", "content": completion}]
     for key, value in (("prompt", prompt), ("completion", completion)):
@@ -899,8 +908,9 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
                 raise UserError(f"{where}: {key}[{i}]: expected an object with 'role' and 'content'")
     if not any(message_role(m) == "assistant" for m in completion):
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
+    prompt, completion, given = _continued_answer(prompt, completion, where, markup)
     context = [{**m, "train": False} if message_role(m) == "assistant"
-               and "train" not in m and "weight" not in m else m for m in prompt]
+               and m.get("train") is None and m.get("weight") is None else m for m in prompt]
     try:
         conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
                                    **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
@@ -910,9 +920,37 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
             return f"prompt[{i}]" if i < len(prompt) else f"completion[{i - len(prompt)}]"
 
         raise UserError(re.sub(r"(?<=: )messages\[(\d+)\]", field, str(e), count=1)) from None
-    if any(m.get("train", True) for m in conv["messages"][:len(prompt)] if m["role"] == "assistant"):
+    answers = [m for m in conv["messages"] if m["role"] == "assistant"]
+    n_context = sum(message_role(m) == "assistant" for m in prompt)
+    if any(m.get("train", True) for m in answers[:n_context]):
         raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
+    if given:  # the prompt's start of the answer is context; the completion's continuation of it is trained
+        answers[n_context]["given"] = given
     return conv
+
+
+def _continued_answer(prompt: list, completion: list, where: str, markup: Markup) -> tuple[list, list, int]:
+    """TRL's "continue final message" rows: a prompt that ends in the start of the assistant's answer, continued by a
+    completion that opens with an assistant message, is one answer (they were refused as two assistant turns in a
+    row). Returned as (prompt without that start, completion with the start joined to its first message, the start's
+    length in characters): the start is context, as a server renders it with continue_final_message=True, and the
+    continuation is what it generates after it. Other rows are returned as they are, with 0."""
+    last, first = (prompt[-1] if prompt else None), completion[0]
+    if not (isinstance(last, dict) and message_role(last) == "assistant" and message_role(first) == "assistant"
+            and last.get("tool_calls") is None and last.get("function_call") is None):
+        return prompt, completion, 0
+    k = len(prompt) - 1
+    if (last.get("train") is not None or last.get("weight") is not None) and \
+            _trained(last, "assistant", f"{where}: prompt[{k}]"):
+        raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
+    start = _text(last.get("content"), f"{where}: prompt[{k}]")
+    markup.check(start, f"{where}: prompt[{k}]", answer=True)
+    rest = _text(first.get("content"), f"{where}: completion[0]")
+    if not rest.strip() and not first.get("tool_calls") and first.get("function_call") is None:
+        raise UserError(f"{where}: completion[0] continues the prompt's final assistant message with nothing"
+                        f"{' (only whitespace)' if rest else ''}: give the text that follows it, or end the prompt "
+                        f"with the user's turn")
+    return prompt[:k], [{**first, "content": start + rest}, *completion[1:]], len(start)
 
 
 def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> dict:
@@ -1134,12 +1172,19 @@ def _normalise_shape(obj: dict, where: str, data_cfg, markup: Markup) -> dict:
     _check_null_columns(obj, kind, where, data_cfg)
     if kind is None:
         rows = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
-        hint = (_PREFERENCE_HINT if "chosen" in obj else
-                f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, "
-                f"give that list itself (a JSON array) or JSON Lines" if rows else "")
+        # a chat under a name of its own (lmsys-chat-1m's 'conversation'): no setting names a chat's field
+        chats = [(k, "from" in obj[k][0]) for k in rows if all("role" in m or "from" in m for m in obj[k])]
+        if chats and "chosen" not in obj:
+            hint = (f"; its '{chats[0][0]}' holds a chat's {'ShareGPT turns' if chats[0][1] else 'messages'}: name "
+                    f"that field '{'conversations' if chats[0][1] else 'messages'}', which no setting renames")
+        else:
+            hint = "; set data.format and the field names" + (
+                _PREFERENCE_HINT if "chosen" in obj else
+                f"; its '{rows[0]}' holds a list of {len(obj[rows[0]])} objects: if those are the examples, give that "
+                f"list itself (a JSON array) or JSON Lines" if rows else "")
         raise UserError(f"{where}: no 'messages', 'prompt'/'completion', 'conversations', "
                         f"'{data_cfg.instruction_field}' or '{data_cfg.text_field}' field (the example has "
-                        f"{_fields(obj)}; set data.format and the field names{hint})")
+                        f"{_fields(obj)}{hint})")
     column = {"messages": "messages", "sharegpt": "conversations"}.get(kind)
     if column and column not in obj:  # data.format forced onto a row of another shape
         raise UserError(f"{where}: no '{column}' field for data.format={kind} (the example has "

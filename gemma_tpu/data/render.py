@@ -70,6 +70,10 @@ def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tupl
             if not in_model_turn:
                 segs.append((chat.open_turn(chat.MODEL), False))
             body = m["content"] + "".join(fc.format_call(c["name"], c["arguments"]) for c in m.get("tool_calls", []))
+            given = m.get("given", 0)  # the start of the answer a prompt gave (TRL's continue_final_message): context
+            if given:
+                segs.append((body[:given], False))
+                body = body[given:]
             if m.get("tool_calls"):
                 # The model ends a call by emitting the response marker; the tool's answer follows.
                 segs.append((body + fc.START_RESPONSE, m.get("train", True)))
@@ -228,10 +232,14 @@ class Renderer:
             return self.template_segments(conv, add_generation_prompt)
         return gemma_segments(conv, add_generation_prompt)
 
-    def _apply(self, messages: list[dict], tools, add_generation_prompt: bool, where: str) -> str:
+    def _apply(self, messages: list[dict], tools, add_generation_prompt: bool, where: str,
+               continue_final: bool = False) -> str:
+        """The template's text; `continue_final`: up to the end of the last message's text, left open (the
+        tokenizer's continue_final_message), as a server renders a prompt that ends in the start of an answer."""
+        more = {"continue_final_message": True} if continue_final else {}
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **more)
         except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
             raise UserError(f"{where}: the tokenizer's chat template refused the conversation "
                             f"({type(e).__name__}: {str(e)[:200]})") from None
@@ -251,7 +259,12 @@ class Renderer:
         for i, m in enumerate(msgs):
             if m["role"] != "assistant" or i == 0:
                 continue
-            prompt = self._apply(msgs[:i], tools, True, where)
+            given = conv["messages"][i].get("given", 0)
+            if given:  # the answer's start is the prompt's (see `gemma_segments`): rendered as a server continues it
+                start = {"role": "assistant", "content": conv["messages"][i]["content"][:given]}
+                prompt = self._apply(msgs[:i] + [start], tools, False, where, continue_final=True)
+            else:
+                prompt = self._apply(msgs[:i], tools, True, where)
             full = self._apply(msgs[:i + 1], tools, False, where)
             if not prompt.startswith(done):
                 raise unstable(f"the prompt before messages[{i}] does not extend the earlier turns")
