@@ -405,19 +405,40 @@ def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
 
 
 # extra_args options whose number vLLM checks only as the engine starts (on the TPU VM, after the image pull):
-# (what it must be, the test), vLLM's CacheConfig bound (the options the server section sets are checked there)
+# (what it must be, the test), vLLM's CacheConfig and ParallelConfig bounds (the options the server section sets
+# are checked there; `--pipeline-parallel-size 0` passed, and `vllm serve` stopped at it once the container was up)
 VLLM_NUMBER_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "--gpu-memory-utilization": ("a fraction of the accelerator's memory in (0, 1]", lambda x: 0 < x <= 1),
+    "--pipeline-parallel-size": ("a number of pipeline stages (at least 1)", lambda x: x >= 1),
+    "--data-parallel-size": ("a number of data-parallel replicas (at least 1)", lambda x: x >= 1),
+    "--prefill-context-parallel-size": ("a number of context-parallel ranks (at least 1)", lambda x: x >= 1),
+    "--decode-context-parallel-size": ("a number of context-parallel ranks (at least 1)", lambda x: x >= 1),
+    "--max-parallel-loading-workers": ("a number of loading workers (at least 1, or None)", lambda x: x >= 1),
+    "--nnodes": ("a number of nodes (at least 1)", lambda x: x >= 1),
 }
+# the short spellings `vllm serve` takes for the options above (vLLM's EngineArgs), which set the same value
+VLLM_SHORT_OPTIONS = {"-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size",
+                      "-pcp": "--prefill-context-parallel-size", "-dcp": "--decode-context-parallel-size"}
+
+
+def _last_value(args: Sequence[str], flag: str) -> str | None:
+    """The value server.extra_args gives `flag` as `extra_arg` reads it, its short spellings (VLLM_SHORT_OPTIONS,
+    `-pp 2`, `-pp=2`) included: vLLM keeps the last of them all."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, v = arg.partition("=")
+        if VLLM_SHORT_OPTIONS.get(name) == flag or extra_arg([arg], flag) is not None:
+            value = v if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return value
 
 
 def invalid_numbers(args: Sequence[str]) -> list[tuple[str, str, str]]:
     """(option, value, what it must be) for each server.extra_args option of VLLM_NUMBER_BOUNDS given a value vLLM
-    refuses (`--gpu-memory-utilization 1.5`, a word for a number); the value vLLM keeps (`extra_arg`)."""
+    refuses (`--gpu-memory-utilization 1.5`, `-pp 0`, a word for a number); the value vLLM keeps (`extra_arg`)."""
     out = []
     for flag, (what, ok) in VLLM_NUMBER_BOUNDS.items():
-        value = extra_arg(args, flag)
-        if value is None:
+        value = _last_value(args, flag)
+        if value is None or value in ("", "None") and vllm_serve_number_types().get(flag, "").endswith("?"):
             continue
         try:
             good = math.isfinite(float(value)) and ok(float(value))

@@ -795,6 +795,15 @@ def _moe_gemma4(p, expert_width: int):
      ["--gpu-memory-utilization '1.5' is not a fraction of the accelerator's memory in (0, 1]"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu_memory_utilization=nan]"],
      ["--gpu-memory-utilization 'nan' is not a fraction"]),
+    # a parallel size below 1 (vLLM's ParallelConfig: ge=1), refused as the engine starts, on the TPU VM
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--pipeline-parallel-size,0]"],
+     ["--pipeline-parallel-size '0' is not a number of pipeline stages (at least 1)"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-pp,0]"], ["--pipeline-parallel-size '0' is not"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--data_parallel_size=-2]"],
+     ["--data-parallel-size '-2' is not a number of data-parallel replicas (at least 1)"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-dcp=0]"], ["--decode-context-parallel-size '0' is not"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-parallel-loading-workers,0]"],
+     ["--max-parallel-loading-workers '0' is not"]),
     # a word (or a fraction) where vLLM's parser converts the value to a number: its usage error, on the TPU VM
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,x]"],
      ["--seed 'x' is not an integer, which `vllm serve` takes in vllm/vllm-tpu:v0.27.0"]),
