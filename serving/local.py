@@ -607,6 +607,14 @@ class CheckedChatApp:
         from serving.responses import chat_request, request_param
 
         send = self._openai_errors(send)
+        ctype = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            # vLLM's validate_json_request refuses it (400) before reading the body: a client sending text/plain (or
+            # curl -d's form encoding) passed here and failed there
+            return await self._json(send, 400, {"error": {
+                "message": f"Content-Type {ctype or '(none)'!r}: this endpoint reads a JSON body, sent as "
+                           "Content-Type: application/json (Unsupported Media Type: Only 'application/json' is "
+                           "allowed, as vLLM answers)", "type": "invalid_request_error", "param": None, "code": 400}})
         translated = False
         raw, more = b"", True
         while more:

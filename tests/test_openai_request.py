@@ -477,11 +477,14 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         final = events[-1]["response"]
         assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 2, final
         assert final["output_text"] == "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-        # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
+        # good requests still work, streaming or not, the content type's parameters aside (a text/plain body is
+        # refused, as vLLM refuses it); max_completion_tokens is honoured
         good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
                            "max_completion_tokens": 3, "temperature": 0}).encode()
-        code, body = _post(url, good, "text/plain")
+        code, body = _post(url, good, "application/json; charset=utf-8")
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
+        code, body = _post(url, good, "text/plain")
+        assert code == 400 and "application/json" in body["error"]["message"], body
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
         # it ends with data: [DONE], as OpenAI's and vLLM's streams do (transformers serve just closed it)
         assert code == 200 and text.rstrip().endswith("}\n\ndata: [DONE]") and '"finish_reason":"length"' in text
@@ -511,9 +514,13 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
 
-def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False, method: str = "POST"):
+JSON_HEADERS = [(b"content-type", b"application/json")]  # what clients send (vLLM refuses a body without it)
+
+
+def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False, method: str = "POST",
+          headers: list | None = None):
     """One POST (or `method`) of `path` (default /v1/chat/completions) through an ASGI app, without a server:
-    (status, parsed body)."""
+    (status, parsed body). `headers`: the request's (default: a JSON content type)."""
     import asyncio
 
     sent: list[dict] = []
@@ -524,13 +531,46 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path, "headers": []}
+    scope = {"type": "http", "method": method, "path": path, "headers": JSON_HEADERS if headers is None else headers}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     if not raw or b"content-length" in dict(start["headers"]):  # a stream (raw) may go without one
         assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
     return start["status"], data.decode() if raw else json.loads(data)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(path):
+    """vLLM's OpenAI server refuses a POST whose Content-Type is not application/json (its validate_json_request:
+    400, "Unsupported Media Type: Only 'application/json' is allowed"), before reading the body; the local server
+    answered it (text/plain, curl -d's form encoding, no header at all), so a client that worked here failed
+    there. The media type's parameters and case do not matter."""
+    from serving.local import CheckedChatApp
+
+    answered = []
+
+    async def inner(scope, receive, send):  # the served app: reached only by a request that passes
+        answered.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b'data: {"id":"r","choices":[{"index":0,"delta":'
+                                                            b'{"content":"x"},"text":"x","finish_reason":"stop"}]}'
+                                                            b'\n\ndata: [DONE]\n\n'})
+
+    body = {"/v1/chat/completions": {"messages": USER, "max_tokens": 1}, "/v1/completions": {
+        "prompt": "hi", "max_tokens": 1}, "/v1/responses": {"input": "hi", "max_output_tokens": 1}}[path]
+    app = CheckedChatApp(inner)
+    for headers, shown in (([(b"content-type", b"text/plain")], "'text/plain'"),
+                           ([(b"content-type", b"application/x-www-form-urlencoded")], "'application/x-www-form"),
+                           ([], "(none)"), ([(b"content-type", b"application/jsonl")], "'application/jsonl'")):
+        code, resp = _asgi(app, body, path, headers=headers)
+        assert code == 400 and resp["error"]["type"] == "invalid_request_error", resp
+        assert shown in resp["error"]["message"] and "Content-Type: application/json" in resp["error"]["message"]
+    assert answered == []
+    for ctype in (b"application/json", b"Application/JSON; charset=utf-8"):
+        code, resp = _asgi(app, body, path, headers=[(b"content-type", ctype)])
+        assert code == 200, resp
+    assert answered == [path if path != "/v1/responses" else "/v1/chat/completions"] * 2
 
 
 def test_calls_in_the_models_text_come_back_as_tool_calls():
@@ -607,7 +647,7 @@ def _stream_through(app, body: dict) -> tuple[int, list[dict]]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": JSON_HEADERS}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     assert b"content-length" not in dict(start["headers"])
@@ -682,7 +722,8 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     async def send(message):
         sent.append(message)
 
-    asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send))
+    asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": JSON_HEADERS},
+                      receive, send))
     untouched = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events[:-1])
     assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == untouched + (
         b'data: {"id":"r1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
@@ -900,7 +941,7 @@ def test_a_long_check_does_not_hold_other_requests():
         async def send(message):
             pass
 
-        await app({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+        await app({"type": "http", "method": method, "path": path, "headers": JSON_HEADERS}, receive, send)
         done[name] = time.monotonic()
 
     async def both():

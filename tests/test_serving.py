@@ -1363,7 +1363,8 @@ def test_a_merged_tool_models_calls_reach_the_server_with_their_markers(tiny_dir
             sent.append(message)
 
         app = CheckedChatApp(inner, token_map=function_token_map(tok), stop_texts=stops)
-        asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive,
+        asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                         "headers": [(b"content-type", b"application/json")]}, receive,
                         send))
         return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
