@@ -1989,6 +1989,53 @@ def test_bench_reads_an_event_of_several_data_lines_as_one_event():
     assert len(res.itl) == 1 and res.ttft > 0
 
 
+class TypedEvents(http.server.BaseHTTPRequestHandler):
+    """A stream whose events carry SSE types: `tail` (set per test) is written between the text and the finishing
+    chunk, then [DONE]."""
+
+    tail = b""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = lambda **kw: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, **kw}]}  # noqa
+        self.wfile.write(sse(chunk(delta={"role": "assistant", "content": "one"})) + TypedEvents.tail
+                         + sse(chunk(delta={}, finish_reason="stop")) + sse("[DONE]"))
+
+
+@pytest.mark.parametrize("tail, error", [
+    # an error event (its type in the `event:` field, as SSE names events): counted as a completed request
+    (b'event: error\ndata: {"message": "the engine died", "code": 500}\n\n', "the engine died"),
+    (b'event: error\ndata: engine died\n\n', "engine died"),
+    # an event of another type (a keep-alive a proxy sends) is not a chunk: it failed the request as a 'bad event'
+    (b"event: ping\ndata: ping\n\n", None),
+])
+def test_bench_reads_the_type_of_an_event(tail, error):
+    import asyncio
+
+    import httpx
+
+    from serving.bench import Prompt, one_request
+
+    async def go(url):
+        async with httpx.AsyncClient() as client:
+            return await one_request(client, f"{url}/v1/chat/completions", Prompt([{"role": "user", "content": "hi"}],
+                                     None, 1, None), "m", 4, {}, {}, 10.0)
+
+    TypedEvents.tail = tail
+    with http_server(TypedEvents) as url:
+        res = asyncio.run(go(url))
+    if error is None:
+        assert res.success and res.generated_text == "one", res.error
+    else:
+        assert not res.success and "server error" in res.error and error in res.error, res.error
+
+
 def test_bench_with_no_server_is_one_line_error_and_writes_nothing(tmp_path):
     """Nothing listening: refused before the benchmark starts (a server that dies mid-run is counted
     as failed requests instead, see above)."""
