@@ -171,6 +171,11 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "stream": True, "stream_options": True}, "stream_options", "expected an object"),
     ({"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
      "true or false"),
+    # vLLM's extension (usage on every chunk), which this server cannot count: it was taken and ignored
+    ({"messages": USER, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats", "usage on every chunk is not counted by this server"),
+    ({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats", "true or false"),
     ({"messages": USER, "tool_choice": "sometimes", "tools": [TOOL]}, "tool_choice", '"auto"'),
     ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
@@ -233,7 +238,8 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
                        {"role": "tool", "tool_call_id": "c1", "content": ""}],
           "tools": [TOOL, {"type": "function", "function": {"name": "noparams"}}], "tool_choice": "none",
           "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True, "logprobs": 0,
-          "response_format": {"type": "text"}}
+          "response_format": {"type": "text"}, "stream_options": {"include_usage": True,
+                                                                  "continuous_usage_stats": False}}
     two = [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}, {"id": "b", "function": {
         "name": "g"}}]}]
     for results in ([{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}],  # no ids: in order
