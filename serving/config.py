@@ -404,6 +404,32 @@ def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def stray_words(args: Sequence[str]) -> list[tuple[str, str | None]]:
+    """Each server.extra_args word the pinned `vllm serve`'s parser reads as an argument of its own, with the option
+    before it that took its value already (None: no option before it): `vllm serve` takes one such argument, the
+    model, which the rendered command gives first, and stops at another ("unrecognized arguments") on the TPU VM,
+    after the image pull. Those are a word before any option, one after an option given as `--x=V`, and one after
+    the value of an option that takes exactly one (a number, or one of a fixed set); after any other option a word
+    may be one of its values (`--lora-target-modules q_proj v_proj`, a switch's none), and is not judged."""
+    known = vllm_serve_flags()
+    single = {flag for flag, values in vllm_serve_choices().items() if values} | set(vllm_serve_number_types())
+    out: list[tuple[str, str | None]] = []
+    free, owed, last = True, 0, None  # a word now is an argument of its own / words the last option still takes
+    for arg in args:
+        option = vllm_option(arg)
+        if option is not None:
+            name, eq, _ = arg.partition("=")
+            whole = "." not in name  # `--x.field V`: a JSON option's field, read by vLLM's own rules
+            flag = resolve_vllm_option(option, known)
+            free, owed, last = whole and bool(eq or flag in single), int(whole and not eq and flag in single), arg
+            continue
+        if owed:
+            owed -= 1
+        elif free:
+            out.append((arg, last))
+    return out
+
+
 # extra_args options whose number vLLM checks only as the engine starts (on the TPU VM, after the image pull):
 # (what it must be, the test), vLLM's CacheConfig and ParallelConfig bounds (the options the server section sets
 # are checked there; `--pipeline-parallel-size 0` passed, and `vllm serve` stopped at it once the container was up)
@@ -623,6 +649,12 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     for flag, value, what in invalid_number_types(s.extra_args) if pinned_image(cfg) else ():
         bad(f"server.extra_args: {flag} " + (f"needs a value ({what})" if value is None else f"{value!r} is not {what}")
             + f", which `vllm serve` takes in {VLLM_TPU_IMAGE}; vLLM would stop at it on the TPU VM")
+    for word, after in stray_words(s.extra_args) if pinned_image(cfg) else ():
+        took = (f"{after} took its value" if "=" in after else f"{vllm_option(after)} takes one") if after else \
+            "no option before it"
+        bad(f"server.extra_args: {word!r} is no option's value ({took}): `vllm serve` would read it as a second "
+            f"model and stop at it on the TPU VM (unrecognized arguments); give each option and each value as a "
+            f"word of its own")
     for flag, value, what in invalid_numbers(s.extra_args):
         bad(f"server.extra_args: {flag} {value!r} is not {what}; vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:

@@ -813,6 +813,13 @@ def _moe_gemma4(p, expert_width: int):
      ["--cpu-offload-gb 'lots' is not a number"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-cpu-loras,four]"],  # optional: "None" too
      ["--max-cpu-loras 'four' is not an integer (or None)"]),
+    # a word no option takes: vLLM's parser reads it as a second model argument ("unrecognized arguments"), on the VM
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[foo,--enforce-eager]"],
+     ["server.extra_args: 'foo' is no option's value", "unrecognized arguments"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,1,2]"], ["'2' is no option's value (--seed takes one"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype=fp8,fp8]"],
+     ["'fp8' is no option's value (--kv-cache-dtype=fp8 took its value"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=['']"], ["'' is no option's value"]),
     # argparse takes no option for the value: "expected one argument"
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed]"], ["--seed needs a value (an integer)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,--enforce-eager]"], ["--seed needs a value"]),
