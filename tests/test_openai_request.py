@@ -1125,10 +1125,16 @@ def test_responses_api_is_answered_through_a_chat_completion():
         code, resp = _asgi(app, {"input": "hi", key: value}, "/v1/responses")
         assert (code, resp["error"]["param"]) == (400, key), resp
         assert resp["error"]["message"].startswith(f"{key}: expected {kind}, got "), resp
+    # a value outside the field's fixed set, which OpenAI and vLLM (its request model's Literal) refuse: it was taken
+    for key, value, allowed in (("truncation", "on", "auto, disabled"),
+                                ("service_tier", "fast", "auto, default, flex, scale, priority")):
+        code, resp = _asgi(app, {"input": "hi", key: value}, "/v1/responses")
+        assert (code, resp["error"]["param"]) == (400, key), resp
+        assert resp["error"]["message"] == f"{key}: {value!r} is not one of {allowed}", resp
     n = len(seen)  # what clients send along, harmless unread, still passes
     code, resp = _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
-                             "include": [], "truncation": "disabled", "top_logprobs": 0, "tool_choice": "auto",
-                             "parallel_tool_calls": True}, "/v1/responses")
+                             "include": [], "truncation": "disabled", "service_tier": "auto", "top_logprobs": 0,
+                             "tool_choice": "auto", "parallel_tool_calls": True}, "/v1/responses")
     assert code == 200 and resp["metadata"] == {"a": "b"}  # echoed, as OpenAI does (it was left out)
     assert len(seen) == n + 1
     code, resp = _asgi(app, {"input": "hi", "tool_choice": "required"}, "/v1/responses")  # forcing: still refused
