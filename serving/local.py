@@ -640,7 +640,9 @@ class CheckedChatApp:
             # there). The server cannot tell a mistake from a client sending markup on purpose, and the clients
             # that take people's text refuse it themselves (serving.chat, the chats, the training data reader).
             model = body.get("model") if isinstance(body, dict) else None
-            if self.model_name and isinstance(model, str) and model != self.model_name:
+            if model == "":  # vLLM serves its model to a request naming it "" as to one naming none (a 404 here)
+                del body["model"]
+            elif self.model_name and isinstance(model, str) and model != self.model_name:
                 # transformers serve answered 400 {"detail": ...}, which clients read as this request's fault
                 return await self._json(send, 404, {"error": {
                     "message": f"The model `{model}` does not exist: this server serves `{self.model_name}`",

@@ -641,6 +641,33 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     assert code == 404 and "`gpt-4o` does not exist" in resp["error"]["message"]
 
 
+def test_an_empty_model_name_is_the_served_model_as_vllm_reads_it():
+    """vLLM serves its model to a request whose `model` is "" as to one naming none (its `_is_model_supported`); the
+    local server answered 404 "The model `` does not exist" (and transformers serve, pinned to its model, 400)."""
+    from serving.local import CheckedChatApp
+
+    seen = []
+
+    async def inner(scope, receive, send):  # as transformers serve pinned to "coach" answers
+        body = json.loads((await receive())["body"])
+        seen.append(body)
+        if "model" in body and body["model"] != "coach":
+            data, status = json.dumps({"detail": f"Server is pinned to 'coach'; requested '{body['model']}'."}), 400
+        else:
+            chunk = {"id": "r", "model": "coach@main", "choices": [
+                {"index": 0, "delta": {"content": "hi"}, "text": "hi", "finish_reason": "stop"}]}
+            data, status = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n", 200
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": data.encode()})
+
+    app = CheckedChatApp(inner, model_name="coach")
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "x"}),
+                       ("/v1/responses", {"input": "x"})):
+        code, resp = _asgi(app, {**body, "model": ""}, path)
+        assert code == 200 and resp["model"] == "coach", (path, resp)
+    assert len(seen) == 3
+
+
 def _stream_through(app, body: dict) -> tuple[int, list[dict]]:
     """POST a streaming request through `app`: the events that come out, parsed ([DONE] checked and dropped)."""
     import asyncio
