@@ -1512,6 +1512,20 @@ def local_dtype(config: dict) -> str:
     return "float32" if family and family.float16_problem and config_dtype(config) == "float16" else "auto"
 
 
+def _port(text: str) -> int:
+    """An argparse `type`: a TCP port, 1..65535 (uvicorn listened on a larger one modulo 65536: 70000 on 4464, and
+    said it ran on 70000)."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number in 1..65535")
+    return port
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P [--max-model-len N]` (in the directory holding NAME):
     `transformers serve NAME` with its app behind `CheckedChatApp`, requests bounded by the model's positions or N
@@ -1522,7 +1536,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     p = cli.parser("python -m serving.local", _SERVE_DOC, overrides=False)
     p.add_argument("name", help="the model directory, named as requests name the model (run in its parent)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=cli.integer(), default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-model-len", type=cli.integer(), help="bound requests by this context too")
     p.add_argument("--no-auto-tool-choice", action="store_true",
                    help='refuse "auto" tool choice, as vLLM without --enable-auto-tool-choice (tool_calling.enabled)')

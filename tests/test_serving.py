@@ -2250,6 +2250,11 @@ def test_serving_local_run_by_hand_says_what_it_is_and_refuses_a_non_model_in_on
     assert cli_main(serve_main, [str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {tmp_path / 'nowhere'}: no config.json (not a Hugging Face model directory)"]
+    # a port past 65535: uvicorn listened on it modulo 65536 (70000: 4464) and said it ran on 70000
+    for port in ("70000", "65536"):
+        assert cli_main(serve_main, [str(tmp_path / "nowhere"), "--port", port]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"argument --port: {port!r}: expected a port number in 1..65535" in err[0], err
     # a config.json that is not JSON, or not an object: a JSONDecodeError / AttributeError traceback
     for name, text, needle in (("cut", '{"model_type":', "not valid JSON (line 1"), ("list", "[1]", "a JSON object")):
         (tmp_path / name).mkdir()
