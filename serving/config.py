@@ -441,6 +441,7 @@ VLLM_NUMBER_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "--decode-context-parallel-size": ("a number of context-parallel ranks (at least 1)", lambda x: x >= 1),
     "--max-parallel-loading-workers": ("a number of loading workers (at least 1, or None)", lambda x: x >= 1),
     "--nnodes": ("a number of nodes (at least 1)", lambda x: x >= 1),
+    "--block-size": ("a number of tokens a KV cache block holds (at least 1)", lambda x: x >= 1),
 }
 # the short spellings `vllm serve` takes for the options above (vLLM's EngineArgs), which set the same value
 VLLM_SHORT_OPTIONS = {"-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size",

@@ -804,6 +804,8 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[-dcp=0]"], ["--decode-context-parallel-size '0' is not"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-parallel-loading-workers,0]"],
      ["--max-parallel-loading-workers '0' is not"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--block-size=0]"],
+     ["--block-size '0' is not a number of tokens a KV cache block holds (at least 1)"]),
     # a word (or a fraction) where vLLM's parser converts the value to a number: its usage error, on the TPU VM
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,x]"],
      ["--seed 'x' is not an integer, which `vllm serve` takes in vllm/vllm-tpu:v0.27.0"]),
