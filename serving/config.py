@@ -122,7 +122,8 @@ class ToolCallingSection:
 
     enabled: bool = False
     parser: Literal["functiongemma", "gemma4"] = "functiongemma"
-    chat_template: str = "model"  # "model": the directory's own template; else a .jinja file on the host
+    # "model": the directory's own template; else a .jinja file on the host (passed with tool calling off too)
+    chat_template: str = "model"
 
 
 def resolved_once(section: Any, written: str, key: str) -> Path:
@@ -1115,7 +1116,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                     raise UserError(f"lora.adapters: rank {need} exceeds vLLM's largest max_lora_rank "
                                     f"{VLLM_LORA_RANKS[-1]}")
                 rank = fitting[0]
-    if cfg.tool_calling.enabled and cfg.tool_calling.chat_template != "model":
+    if cfg.tool_calling.chat_template != "model":  # passed with tool calling off too
         check_template_file(Path(cfg.tool_calling.chat_template).expanduser(), "tool_calling.chat_template")
     elif cfg.tool_calling.enabled and template_file:  # the model's own, passed as vLLM's --chat-template
         check_template_file(d / template_file, f"model dir {d}")

@@ -196,6 +196,26 @@ def test_print_270m_config(tmp_path):
     assert "--enable-lora" not in serve and "--api-key" not in serve
 
 
+def test_a_chat_template_file_is_served_with_tool_calling_off_too(tmp_path, capsys):
+    """tool_calling.chat_template naming a file, with tool_calling.enabled false, was dropped without a word (no
+    --chat-template, no mount, no check), and `--chat-template` in server.extra_args is refused as set by that key: a
+    model without a template of its own could not be given one, and every chat completion failed on the VM."""
+    d = fake_model_dir(tmp_path / "m", template=False)
+    t = tmp_path / "t.jinja"
+    t.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "tool_calling.enabled=false", f"tool_calling.chat_template={t}")
+    assert code == 0, err
+    argv = words(out)
+    serve = argv[argv.index("vllm"):]
+    assert flag(serve, "--chat-template") == "/templates/t.jinja" and "--enable-auto-tool-choice" not in serve
+    assert has_pair(argv, "-v", f"{t}:/templates/t.jinja:ro")
+    t.write_bytes(b"\xff\xfe{\x00{\x00")  # checked as with tool calling on
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "tool_calling.enabled=false", f"tool_calling.chat_template={t}")
+    one_error_line(code, err, f"tool_calling.chat_template: {t} is UTF-16 text")
+
+
 def test_serving_paths_expand_environment_variables(tmp_path, monkeypatch):
     """`model.dir: $RUNS/x-merged` (and the adapter, chat template and compile cache paths) was read literally, a
     directory named '$RUNS', where the run config expands it; a variable not set is refused naming the key."""
