@@ -192,24 +192,29 @@ def _delta_output(delta: dict) -> str | None:
 
 
 async def sse_data(lines, other: list[str]):
-    """The data of each event of a server-sent event stream, read from its `lines` (line ends taken off) as the SSE
-    spec reads them: an event's `data:` lines joined by newlines (one leading space off each), dispatched at the
-    blank line that ends it (or at the stream's end); comments and the other fields (`event:`, `id:`, `retry:`) are
-    no data. Other non-blank lines (what came back instead of a stream) go to `other`, the first 20."""
+    """(type, data) of each event of a server-sent event stream, read from its `lines` (line ends taken off) as the
+    SSE spec reads them: an event's `data:` lines joined by newlines (one leading space off each), its type the last
+    `event:` field's value ("message" without one), dispatched at the blank line that ends it (or at the stream's
+    end); comments and the `id:` and `retry:` fields are no data. Other non-blank lines (what came back instead of a
+    stream) go to `other`, the first 20."""
     data: list[str] | None = None
+    kind = "message"
     async for line in lines:
         if not line.strip():
             if data is not None:
-                yield "\n".join(data)
-            data = None
+                yield kind, "\n".join(data)
+            data, kind = None, "message"
             continue
         field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
         if field == "data":
-            data = (data or []) + [value[1:] if value.startswith(" ") else value]
-        elif field not in ("", "event", "id", "retry") and len(other) < 20:
+            data = (data or []) + [value]
+        elif field == "event":
+            kind = value or "message"
+        elif field not in ("", "id", "retry") and len(other) < 20:
             other.append(line.strip())
     if data is not None:
-        yield "\n".join(data)
+        yield kind, "\n".join(data)
 
 
 async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> None:
@@ -229,8 +234,12 @@ async def _stream(client, url: str, body: dict, headers: dict, res: Result) -> N
         ctype = resp.headers.get("content-type") or "none"
         other: list[str] = []  # lines that are not events: what came back instead of a stream
         events = 0
-        async for data in sse_data(resp.aiter_lines(), other):
+        async for kind, data in sse_data(resp.aiter_lines(), other):
             events += 1
+            if kind == "error":  # an error event named by its type, whatever its data holds
+                raise RequestFailed(f"server error (an `event: error`): {data.strip()[:200]}")
+            if kind != "message":  # another type (a proxy's keep-alive `event: ping`): no chunk of the completion
+                continue
             if data.strip() == "[DONE]":
                 done = True
                 break

@@ -122,7 +122,8 @@ class ToolCallingSection:
 
     enabled: bool = False
     parser: Literal["functiongemma", "gemma4"] = "functiongemma"
-    chat_template: str = "model"  # "model": the directory's own template; else a .jinja file on the host
+    # "model": the directory's own template; else a .jinja file on the host (passed with tool calling off too)
+    chat_template: str = "model"
 
 
 def resolved_once(section: Any, written: str, key: str) -> Path:
@@ -404,20 +405,68 @@ def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def stray_words(args: Sequence[str]) -> list[tuple[str, str | None]]:
+    """Each server.extra_args word the pinned `vllm serve`'s parser reads as an argument of its own, with the option
+    before it that took its value already (None: no option before it): `vllm serve` takes one such argument, the
+    model, which the rendered command gives first, and stops at another ("unrecognized arguments") on the TPU VM,
+    after the image pull. Those are a word before any option, one after an option given as `--x=V`, and one after
+    the value of an option that takes exactly one (a number, or one of a fixed set); after any other option a word
+    may be one of its values (`--lora-target-modules q_proj v_proj`, a switch's none), and is not judged."""
+    known = vllm_serve_flags()
+    single = {flag for flag, values in vllm_serve_choices().items() if values} | set(vllm_serve_number_types())
+    out: list[tuple[str, str | None]] = []
+    free, owed, last = True, 0, None  # a word now is an argument of its own / words the last option still takes
+    for arg in args:
+        option = vllm_option(arg)
+        if option is not None:
+            name, eq, _ = arg.partition("=")
+            whole = "." not in name  # `--x.field V`: a JSON option's field, read by vLLM's own rules
+            flag = resolve_vllm_option(option, known)
+            free, owed, last = whole and bool(eq or flag in single), int(whole and not eq and flag in single), arg
+            continue
+        if owed:
+            owed -= 1
+        elif free:
+            out.append((arg, last))
+    return out
+
+
 # extra_args options whose number vLLM checks only as the engine starts (on the TPU VM, after the image pull):
-# (what it must be, the test), vLLM's CacheConfig bound (the options the server section sets are checked there)
+# (what it must be, the test), vLLM's CacheConfig and ParallelConfig bounds (the options the server section sets
+# are checked there; `--pipeline-parallel-size 0` passed, and `vllm serve` stopped at it once the container was up)
 VLLM_NUMBER_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "--gpu-memory-utilization": ("a fraction of the accelerator's memory in (0, 1]", lambda x: 0 < x <= 1),
+    "--pipeline-parallel-size": ("a number of pipeline stages (at least 1)", lambda x: x >= 1),
+    "--data-parallel-size": ("a number of data-parallel replicas (at least 1)", lambda x: x >= 1),
+    "--prefill-context-parallel-size": ("a number of context-parallel ranks (at least 1)", lambda x: x >= 1),
+    "--decode-context-parallel-size": ("a number of context-parallel ranks (at least 1)", lambda x: x >= 1),
+    "--max-parallel-loading-workers": ("a number of loading workers (at least 1, or None)", lambda x: x >= 1),
+    "--nnodes": ("a number of nodes (at least 1)", lambda x: x >= 1),
+    "--block-size": ("a number of tokens a KV cache block holds (at least 1)", lambda x: x >= 1),
 }
+# the short spellings `vllm serve` takes for the options above (vLLM's EngineArgs), which set the same value
+VLLM_SHORT_OPTIONS = {"-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size",
+                      "-pcp": "--prefill-context-parallel-size", "-dcp": "--decode-context-parallel-size"}
+
+
+def _last_value(args: Sequence[str], flag: str) -> str | None:
+    """The value server.extra_args gives `flag` as `extra_arg` reads it, its short spellings (VLLM_SHORT_OPTIONS,
+    `-pp 2`, `-pp=2`) included: vLLM keeps the last of them all."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, v = arg.partition("=")
+        if VLLM_SHORT_OPTIONS.get(name) == flag or extra_arg([arg], flag) is not None:
+            value = v if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return value
 
 
 def invalid_numbers(args: Sequence[str]) -> list[tuple[str, str, str]]:
     """(option, value, what it must be) for each server.extra_args option of VLLM_NUMBER_BOUNDS given a value vLLM
-    refuses (`--gpu-memory-utilization 1.5`, a word for a number); the value vLLM keeps (`extra_arg`)."""
+    refuses (`--gpu-memory-utilization 1.5`, `-pp 0`, a word for a number); the value vLLM keeps (`extra_arg`)."""
     out = []
     for flag, (what, ok) in VLLM_NUMBER_BOUNDS.items():
-        value = extra_arg(args, flag)
-        if value is None:
+        value = _last_value(args, flag)
+        if value is None or value in ("", "None") and vllm_serve_number_types().get(flag, "").endswith("?"):
             continue
         try:
             good = math.isfinite(float(value)) and ok(float(value))
@@ -602,6 +651,12 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     for flag, value, what in invalid_number_types(s.extra_args) if pinned_image(cfg) else ():
         bad(f"server.extra_args: {flag} " + (f"needs a value ({what})" if value is None else f"{value!r} is not {what}")
             + f", which `vllm serve` takes in {VLLM_TPU_IMAGE}; vLLM would stop at it on the TPU VM")
+    for word, after in stray_words(s.extra_args) if pinned_image(cfg) else ():
+        took = (f"{after} took its value" if "=" in after else f"{vllm_option(after)} takes one") if after else \
+            "no option before it"
+        bad(f"server.extra_args: {word!r} is no option's value ({took}): `vllm serve` would read it as a second "
+            f"model and stop at it on the TPU VM (unrecognized arguments); give each option and each value as a "
+            f"word of its own")
     for flag, value, what in invalid_numbers(s.extra_args):
         bad(f"server.extra_args: {flag} {value!r} is not {what}; vLLM would stop at it on the TPU VM")
     if not 0 < s.port < 65536:
@@ -1061,7 +1116,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                     raise UserError(f"lora.adapters: rank {need} exceeds vLLM's largest max_lora_rank "
                                     f"{VLLM_LORA_RANKS[-1]}")
                 rank = fitting[0]
-    if cfg.tool_calling.enabled and cfg.tool_calling.chat_template != "model":
+    if cfg.tool_calling.chat_template != "model":  # passed with tool calling off too
         check_template_file(Path(cfg.tool_calling.chat_template).expanduser(), "tool_calling.chat_template")
     elif cfg.tool_calling.enabled and template_file:  # the model's own, passed as vLLM's --chat-template
         check_template_file(d / template_file, f"model dir {d}")

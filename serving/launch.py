@@ -119,13 +119,12 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
         opts.append(_mount(f"lora.adapters.{a.name}.dir", a.path,
                            f"{ADAPTERS_MOUNT}/{a.name}", "ro"))
     template = None
-    if t.enabled:
-        if t.chat_template == "model":
-            template = f"{model_in}/{facts.chat_template_file}" if facts.chat_template_file else None
-        else:
-            host = Path(t.chat_template).expanduser().resolve()
-            template = f"{TEMPLATES_MOUNT}/{host.name}"
-            opts.append(_mount("tool_calling.chat_template", host, template, "ro"))
+    if t.chat_template != "model":  # with tool calling off too: the key is the one way to give vLLM a template
+        host = Path(t.chat_template).expanduser().resolve()
+        template = f"{TEMPLATES_MOUNT}/{host.name}"
+        opts.append(_mount("tool_calling.chat_template", host, template, "ro"))
+    elif t.enabled:
+        template = f"{model_in}/{facts.chat_template_file}" if facts.chat_template_file else None
     renamed = []
     for inside, host_var in _secrets(cfg):
         opts.append(["-e", inside])
@@ -142,6 +141,8 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
     if t.enabled:
         serve.append(["--enable-auto-tool-choice", "--tool-call-parser", t.parser]
                      + (["--chat-template", template] if template else []))
+    elif template:
+        serve.append(["--chat-template", template])
     if cfg.lora.adapters:
         serve.append(["--enable-lora", "--lora-modules",
                       *(f"{a.name}={ADAPTERS_MOUNT}/{a.name}" for a in cfg.lora.adapters),
@@ -240,7 +241,7 @@ def serve_local(cfg: ServeConfig) -> int:
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     t = cfg.tool_calling
-    template = t.chat_template if t.enabled and t.chat_template != "model" else None
+    template = t.chat_template if t.chat_template != "model" else None  # tool calling on or off, as vLLM gets it
     # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
     # positions for Gemma 3 270M), and prompts vLLM refuses were answered
     server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,

@@ -607,6 +607,14 @@ class CheckedChatApp:
         from serving.responses import chat_request, request_param
 
         send = self._openai_errors(send)
+        ctype = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            # vLLM's validate_json_request refuses it (400) before reading the body: a client sending text/plain (or
+            # curl -d's form encoding) passed here and failed there
+            return await self._json(send, 400, {"error": {
+                "message": f"Content-Type {ctype or '(none)'!r}: this endpoint reads a JSON body, sent as "
+                           "Content-Type: application/json (Unsupported Media Type: Only 'application/json' is "
+                           "allowed, as vLLM answers)", "type": "invalid_request_error", "param": None, "code": 400}})
         translated = False
         raw, more = b"", True
         while more:
@@ -632,7 +640,9 @@ class CheckedChatApp:
             # there). The server cannot tell a mistake from a client sending markup on purpose, and the clients
             # that take people's text refuse it themselves (serving.chat, the chats, the training data reader).
             model = body.get("model") if isinstance(body, dict) else None
-            if self.model_name and isinstance(model, str) and model != self.model_name:
+            if model == "":  # vLLM serves its model to a request naming it "" as to one naming none (a 404 here)
+                del body["model"]
+            elif self.model_name and isinstance(model, str) and model != self.model_name:
                 # transformers serve answered 400 {"detail": ...}, which clients read as this request's fault
                 return await self._json(send, 404, {"error": {
                     "message": f"The model `{model}` does not exist: this server serves `{self.model_name}`",
@@ -1502,6 +1512,20 @@ def local_dtype(config: dict) -> str:
     return "float32" if family and family.float16_problem and config_dtype(config) == "float16" else "auto"
 
 
+def _port(text: str) -> int:
+    """An argparse `type`: a TCP port, 1..65535 (uvicorn listened on a larger one modulo 65536: 70000 on 4464, and
+    said it ran on 70000)."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number in 1..65535")
+    return port
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m serving.local NAME --host H --port P [--max-model-len N]` (in the directory holding NAME):
     `transformers serve NAME` with its app behind `CheckedChatApp`, requests bounded by the model's positions or N
@@ -1512,7 +1536,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     p = cli.parser("python -m serving.local", _SERVE_DOC, overrides=False)
     p.add_argument("name", help="the model directory, named as requests name the model (run in its parent)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=cli.integer(), default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-model-len", type=cli.integer(), help="bound requests by this context too")
     p.add_argument("--no-auto-tool-choice", action="store_true",
                    help='refuse "auto" tool choice, as vLLM without --enable-auto-tool-choice (tool_calling.enabled)')

@@ -238,8 +238,14 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
             raise RequestError("stream_options", "is only allowed with \"stream\": true")
         if not isinstance(options, dict):
             raise RequestError("stream_options", "expected an object such as {\"include_usage\": true}")
-        if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
-            raise RequestError("stream_options.include_usage", "expected true or false")
+        for key in ("include_usage", "continuous_usage_stats"):
+            if options.get(key) is not None and not isinstance(options[key], bool):
+                raise RequestError(f"stream_options.{key}", "expected true or false")
+        if options.get("continuous_usage_stats"):  # vLLM's extension: taken and ignored, each chunk's usage null
+            raise RequestError("stream_options.continuous_usage_stats", "usage on every chunk is not counted by this "
+                                                                        "server (vLLM counts it): leave it out, and "
+                                                                        "read the usage of the last chunk "
+                                                                        "(include_usage)")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):

@@ -38,6 +38,8 @@ _TYPED = {"text": (dict, "an object"), "metadata": (dict, "an object"), "reasoni
           "stream_options": (dict, "an object"), "store": (bool, "true or false"),
           "parallel_tool_calls": (bool, "true or false"), "max_tool_calls": (int, "a whole number"),
           **{k: (str, "a string") for k in ("truncation", "service_tier", "safety_identifier", "prompt_cache_key")}}
+# the fields among them that take one of a fixed set (OpenAI's, which vLLM's request model checks too)
+_ONE_OF = {"truncation": ("auto", "disabled"), "service_tier": ("auto", "default", "flex", "scale", "priority")}
 _INSTEAD = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
             "response_format": "text.format"}
 
@@ -187,6 +189,9 @@ def chat_request(body: Any) -> dict:
         v = body.get(key)
         if v is not None and (not isinstance(v, kind) or kind is int and isinstance(v, bool)):
             raise RequestError(key, f"expected {what}, got {_json_type(v)}")
+    for key, allowed in _ONE_OF.items():  # it was taken, where OpenAI and vLLM answer 400
+        if body.get(key) is not None and body[key] not in allowed:
+            raise RequestError(key, f"{body[key]!r} is not one of {', '.join(allowed)}")
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) for i in include)):
         raise RequestError("include", "expected a list of strings")

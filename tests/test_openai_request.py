@@ -171,6 +171,11 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
     ({"messages": USER, "stream": True, "stream_options": True}, "stream_options", "expected an object"),
     ({"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
      "true or false"),
+    # vLLM's extension (usage on every chunk), which this server cannot count: it was taken and ignored
+    ({"messages": USER, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats", "usage on every chunk is not counted by this server"),
+    ({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats", "true or false"),
     ({"messages": USER, "tool_choice": "sometimes", "tools": [TOOL]}, "tool_choice", '"auto"'),
     ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice.function.name", "'get_weather' is not among the declared tools (get_steps)"),
@@ -233,7 +238,8 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
                        {"role": "tool", "tool_call_id": "c1", "content": ""}],
           "tools": [TOOL, {"type": "function", "function": {"name": "noparams"}}], "tool_choice": "none",
           "stop": ["\n"], "temperature": 0, "top_p": 1, "n": 1, "stream": True, "logprobs": 0,
-          "response_format": {"type": "text"}}
+          "response_format": {"type": "text"}, "stream_options": {"include_usage": True,
+                                                                  "continuous_usage_stats": False}}
     two = [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}, {"id": "b", "function": {
         "name": "g"}}]}]
     for results in ([{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}],  # no ids: in order
@@ -477,11 +483,14 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         final = events[-1]["response"]
         assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 2, final
         assert final["output_text"] == "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-        # good requests still work, streaming or not, whatever the content type; max_completion_tokens is honoured
+        # good requests still work, streaming or not, the content type's parameters aside (a text/plain body is
+        # refused, as vLLM refuses it); max_completion_tokens is honoured
         good = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 👋"}]}],
                            "max_completion_tokens": 3, "temperature": 0}).encode()
-        code, body = _post(url, good, "text/plain")
+        code, body = _post(url, good, "application/json; charset=utf-8")
         assert code == 200 and body["usage"]["completion_tokens"] == 3, body
+        code, body = _post(url, good, "text/plain")
+        assert code == 400 and "application/json" in body["error"]["message"], body
         code, text = _post(url, json.dumps({**json.loads(good), "stream": True}).encode())
         # it ends with data: [DONE], as OpenAI's and vLLM's streams do (transformers serve just closed it)
         assert code == 200 and text.rstrip().endswith("}\n\ndata: [DONE]") and '"finish_reason":"length"' in text
@@ -511,9 +520,13 @@ def test_local_server_answers_malformed_requests_with_400(tiny_dir, tmp_path):
         assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
 
-def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False, method: str = "POST"):
+JSON_HEADERS = [(b"content-type", b"application/json")]  # what clients send (vLLM refuses a body without it)
+
+
+def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False, method: str = "POST",
+          headers: list | None = None):
     """One POST (or `method`) of `path` (default /v1/chat/completions) through an ASGI app, without a server:
-    (status, parsed body)."""
+    (status, parsed body). `headers`: the request's (default: a JSON content type)."""
     import asyncio
 
     sent: list[dict] = []
@@ -524,13 +537,46 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path, "headers": []}
+    scope = {"type": "http", "method": method, "path": path, "headers": JSON_HEADERS if headers is None else headers}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     if not raw or b"content-length" in dict(start["headers"]):  # a stream (raw) may go without one
         assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
     return start["status"], data.decode() if raw else json.loads(data)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(path):
+    """vLLM's OpenAI server refuses a POST whose Content-Type is not application/json (its validate_json_request:
+    400, "Unsupported Media Type: Only 'application/json' is allowed"), before reading the body; the local server
+    answered it (text/plain, curl -d's form encoding, no header at all), so a client that worked here failed
+    there. The media type's parameters and case do not matter."""
+    from serving.local import CheckedChatApp
+
+    answered = []
+
+    async def inner(scope, receive, send):  # the served app: reached only by a request that passes
+        answered.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b'data: {"id":"r","choices":[{"index":0,"delta":'
+                                                            b'{"content":"x"},"text":"x","finish_reason":"stop"}]}'
+                                                            b'\n\ndata: [DONE]\n\n'})
+
+    body = {"/v1/chat/completions": {"messages": USER, "max_tokens": 1}, "/v1/completions": {
+        "prompt": "hi", "max_tokens": 1}, "/v1/responses": {"input": "hi", "max_output_tokens": 1}}[path]
+    app = CheckedChatApp(inner)
+    for headers, shown in (([(b"content-type", b"text/plain")], "'text/plain'"),
+                           ([(b"content-type", b"application/x-www-form-urlencoded")], "'application/x-www-form"),
+                           ([], "(none)"), ([(b"content-type", b"application/jsonl")], "'application/jsonl'")):
+        code, resp = _asgi(app, body, path, headers=headers)
+        assert code == 400 and resp["error"]["type"] == "invalid_request_error", resp
+        assert shown in resp["error"]["message"] and "Content-Type: application/json" in resp["error"]["message"]
+    assert answered == []
+    for ctype in (b"application/json", b"Application/JSON; charset=utf-8"):
+        code, resp = _asgi(app, body, path, headers=[(b"content-type", ctype)])
+        assert code == 200, resp
+    assert answered == [path if path != "/v1/responses" else "/v1/chat/completions"] * 2
 
 
 def test_calls_in_the_models_text_come_back_as_tool_calls():
@@ -595,6 +641,33 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     assert code == 404 and "`gpt-4o` does not exist" in resp["error"]["message"]
 
 
+def test_an_empty_model_name_is_the_served_model_as_vllm_reads_it():
+    """vLLM serves its model to a request whose `model` is "" as to one naming none (its `_is_model_supported`); the
+    local server answered 404 "The model `` does not exist" (and transformers serve, pinned to its model, 400)."""
+    from serving.local import CheckedChatApp
+
+    seen = []
+
+    async def inner(scope, receive, send):  # as transformers serve pinned to "coach" answers
+        body = json.loads((await receive())["body"])
+        seen.append(body)
+        if "model" in body and body["model"] != "coach":
+            data, status = json.dumps({"detail": f"Server is pinned to 'coach'; requested '{body['model']}'."}), 400
+        else:
+            chunk = {"id": "r", "model": "coach@main", "choices": [
+                {"index": 0, "delta": {"content": "hi"}, "text": "hi", "finish_reason": "stop"}]}
+            data, status = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n", 200
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": data.encode()})
+
+    app = CheckedChatApp(inner, model_name="coach")
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "x"}),
+                       ("/v1/responses", {"input": "x"})):
+        code, resp = _asgi(app, {**body, "model": ""}, path)
+        assert code == 200 and resp["model"] == "coach", (path, resp)
+    assert len(seen) == 3
+
+
 def _stream_through(app, body: dict) -> tuple[int, list[dict]]:
     """POST a streaming request through `app`: the events that come out, parsed ([DONE] checked and dropped)."""
     import asyncio
@@ -607,7 +680,7 @@ def _stream_through(app, body: dict) -> tuple[int, list[dict]]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": JSON_HEADERS}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     assert b"content-length" not in dict(start["headers"])
@@ -682,7 +755,8 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     async def send(message):
         sent.append(message)
 
-    asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send))
+    asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": JSON_HEADERS},
+                      receive, send))
     untouched = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events[:-1])
     assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == untouched + (
         b'data: {"id":"r1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
@@ -900,7 +974,7 @@ def test_a_long_check_does_not_hold_other_requests():
         async def send(message):
             pass
 
-        await app({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+        await app({"type": "http", "method": method, "path": path, "headers": JSON_HEADERS}, receive, send)
         done[name] = time.monotonic()
 
     async def both():
@@ -1078,10 +1152,16 @@ def test_responses_api_is_answered_through_a_chat_completion():
         code, resp = _asgi(app, {"input": "hi", key: value}, "/v1/responses")
         assert (code, resp["error"]["param"]) == (400, key), resp
         assert resp["error"]["message"].startswith(f"{key}: expected {kind}, got "), resp
+    # a value outside the field's fixed set, which OpenAI and vLLM (its request model's Literal) refuse: it was taken
+    for key, value, allowed in (("truncation", "on", "auto, disabled"),
+                                ("service_tier", "fast", "auto, default, flex, scale, priority")):
+        code, resp = _asgi(app, {"input": "hi", key: value}, "/v1/responses")
+        assert (code, resp["error"]["param"]) == (400, key), resp
+        assert resp["error"]["message"] == f"{key}: {value!r} is not one of {allowed}", resp
     n = len(seen)  # what clients send along, harmless unread, still passes
     code, resp = _asgi(app, {"input": "hi", "metadata": {"a": "b"}, "store": False, "user": "u", "reasoning": {},
-                             "include": [], "truncation": "disabled", "top_logprobs": 0, "tool_choice": "auto",
-                             "parallel_tool_calls": True}, "/v1/responses")
+                             "include": [], "truncation": "disabled", "service_tier": "auto", "top_logprobs": 0,
+                             "tool_choice": "auto", "parallel_tool_calls": True}, "/v1/responses")
     assert code == 200 and resp["metadata"] == {"a": "b"}  # echoed, as OpenAI does (it was left out)
     assert len(seen) == n + 1
     code, resp = _asgi(app, {"input": "hi", "tool_choice": "required"}, "/v1/responses")  # forcing: still refused

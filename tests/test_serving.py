@@ -196,6 +196,26 @@ def test_print_270m_config(tmp_path):
     assert "--enable-lora" not in serve and "--api-key" not in serve
 
 
+def test_a_chat_template_file_is_served_with_tool_calling_off_too(tmp_path, capsys):
+    """tool_calling.chat_template naming a file, with tool_calling.enabled false, was dropped without a word (no
+    --chat-template, no mount, no check), and `--chat-template` in server.extra_args is refused as set by that key: a
+    model without a template of its own could not be given one, and every chat completion failed on the VM."""
+    d = fake_model_dir(tmp_path / "m", template=False)
+    t = tmp_path / "t.jinja"
+    t.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "tool_calling.enabled=false", f"tool_calling.chat_template={t}")
+    assert code == 0, err
+    argv = words(out)
+    serve = argv[argv.index("vllm"):]
+    assert flag(serve, "--chat-template") == "/templates/t.jinja" and "--enable-auto-tool-choice" not in serve
+    assert has_pair(argv, "-v", f"{t}:/templates/t.jinja:ro")
+    t.write_bytes(b"\xff\xfe{\x00{\x00")  # checked as with tool calling on
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "tool_calling.enabled=false", f"tool_calling.chat_template={t}")
+    one_error_line(code, err, f"tool_calling.chat_template: {t} is UTF-16 text")
+
+
 def test_serving_paths_expand_environment_variables(tmp_path, monkeypatch):
     """`model.dir: $RUNS/x-merged` (and the adapter, chat template and compile cache paths) was read literally, a
     directory named '$RUNS', where the run config expands it; a variable not set is refused naming the key."""
@@ -795,6 +815,17 @@ def _moe_gemma4(p, expert_width: int):
      ["--gpu-memory-utilization '1.5' is not a fraction of the accelerator's memory in (0, 1]"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu_memory_utilization=nan]"],
      ["--gpu-memory-utilization 'nan' is not a fraction"]),
+    # a parallel size below 1 (vLLM's ParallelConfig: ge=1), refused as the engine starts, on the TPU VM
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--pipeline-parallel-size,0]"],
+     ["--pipeline-parallel-size '0' is not a number of pipeline stages (at least 1)"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-pp,0]"], ["--pipeline-parallel-size '0' is not"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--data_parallel_size=-2]"],
+     ["--data-parallel-size '-2' is not a number of data-parallel replicas (at least 1)"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-dcp=0]"], ["--decode-context-parallel-size '0' is not"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-parallel-loading-workers,0]"],
+     ["--max-parallel-loading-workers '0' is not"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--block-size=0]"],
+     ["--block-size '0' is not a number of tokens a KV cache block holds (at least 1)"]),
     # a word (or a fraction) where vLLM's parser converts the value to a number: its usage error, on the TPU VM
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,x]"],
      ["--seed 'x' is not an integer, which `vllm serve` takes in vllm/vllm-tpu:v0.27.0"]),
@@ -804,6 +835,13 @@ def _moe_gemma4(p, expert_width: int):
      ["--cpu-offload-gb 'lots' is not a number"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-cpu-loras,four]"],  # optional: "None" too
      ["--max-cpu-loras 'four' is not an integer (or None)"]),
+    # a word no option takes: vLLM's parser reads it as a second model argument ("unrecognized arguments"), on the VM
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[foo,--enforce-eager]"],
+     ["server.extra_args: 'foo' is no option's value", "unrecognized arguments"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,1,2]"], ["'2' is no option's value (--seed takes one"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype=fp8,fp8]"],
+     ["'fp8' is no option's value (--kv-cache-dtype=fp8 took its value"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=['']"], ["'' is no option's value"]),
     # argparse takes no option for the value: "expected one argument"
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed]"], ["--seed needs a value (an integer)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,--enforce-eager]"], ["--seed needs a value"]),
@@ -1354,7 +1392,8 @@ def test_a_merged_tool_models_calls_reach_the_server_with_their_markers(tiny_dir
             sent.append(message)
 
         app = CheckedChatApp(inner, token_map=function_token_map(tok), stop_texts=stops)
-        asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive,
+        asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                         "headers": [(b"content-type", b"application/json")]}, receive,
                         send))
         return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
@@ -1979,6 +2018,53 @@ def test_bench_reads_an_event_of_several_data_lines_as_one_event():
     assert len(res.itl) == 1 and res.ttft > 0
 
 
+class TypedEvents(http.server.BaseHTTPRequestHandler):
+    """A stream whose events carry SSE types: `tail` (set per test) is written between the text and the finishing
+    chunk, then [DONE]."""
+
+    tail = b""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = lambda **kw: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, **kw}]}  # noqa
+        self.wfile.write(sse(chunk(delta={"role": "assistant", "content": "one"})) + TypedEvents.tail
+                         + sse(chunk(delta={}, finish_reason="stop")) + sse("[DONE]"))
+
+
+@pytest.mark.parametrize("tail, error", [
+    # an error event (its type in the `event:` field, as SSE names events): counted as a completed request
+    (b'event: error\ndata: {"message": "the engine died", "code": 500}\n\n', "the engine died"),
+    (b'event: error\ndata: engine died\n\n', "engine died"),
+    # an event of another type (a keep-alive a proxy sends) is not a chunk: it failed the request as a 'bad event'
+    (b"event: ping\ndata: ping\n\n", None),
+])
+def test_bench_reads_the_type_of_an_event(tail, error):
+    import asyncio
+
+    import httpx
+
+    from serving.bench import Prompt, one_request
+
+    async def go(url):
+        async with httpx.AsyncClient() as client:
+            return await one_request(client, f"{url}/v1/chat/completions", Prompt([{"role": "user", "content": "hi"}],
+                                     None, 1, None), "m", 4, {}, {}, 10.0)
+
+    TypedEvents.tail = tail
+    with http_server(TypedEvents) as url:
+        res = asyncio.run(go(url))
+    if error is None:
+        assert res.success and res.generated_text == "one", res.error
+    else:
+        assert not res.success and "server error" in res.error and error in res.error, res.error
+
+
 def test_bench_with_no_server_is_one_line_error_and_writes_nothing(tmp_path):
     """Nothing listening: refused before the benchmark starts (a server that dies mid-run is counted
     as failed requests instead, see above)."""
@@ -2186,6 +2272,11 @@ def test_serving_local_run_by_hand_says_what_it_is_and_refuses_a_non_model_in_on
     assert cli_main(serve_main, [str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {tmp_path / 'nowhere'}: no config.json (not a Hugging Face model directory)"]
+    # a port past 65535: uvicorn listened on it modulo 65536 (70000: 4464) and said it ran on 70000
+    for port in ("70000", "65536"):
+        assert cli_main(serve_main, [str(tmp_path / "nowhere"), "--port", port]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"argument --port: {port!r}: expected a port number in 1..65535" in err[0], err
     # a config.json that is not JSON, or not an object: a JSONDecodeError / AttributeError traceback
     for name, text, needle in (("cut", '{"model_type":', "not valid JSON (line 1"), ("list", "[1]", "a JSON object")):
         (tmp_path / name).mkdir()
