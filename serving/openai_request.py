@@ -309,6 +309,32 @@ _TEMPLATE_OWN = {"messages": f"{_OWN}; send the conversation as the request's me
                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "load_audio_from_video")}}
 
 
+# vLLM's request extensions (its ChatCompletionRequest / CompletionRequest fields) at the value this server behaves
+# as: clients built for vLLM send them at their defaults (`skip_special_tokens: true`, `add_generation_prompt: true`,
+# `echo: false`), which vLLM takes and this server refused as unexpected fields. Dropped, as they change nothing here;
+# another value is refused by name (transformers serve reads none of them).
+_VLLM_AT_DEFAULT = {"echo": False, "add_generation_prompt": True, "continue_final_message": False,
+                    "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                    "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
+                    "stop_token_ids": [], "bad_words": [], "priority": 0, "return_tokens_as_token_ids": False,
+                    "return_token_ids": False}
+
+
+def _vllm_defaults(body: dict) -> None:
+    """Drop the vLLM extensions `body` gives at the value this server behaves as (`_VLLM_AT_DEFAULT`); refuse one
+    at another value, naming it."""
+    for key, default in _VLLM_AT_DEFAULT.items():
+        if key not in body:
+            continue
+        value = body[key]
+        same = value == default and type(value) is type(default) or (
+            isinstance(default, float) and _is_number(value) and value == default)
+        if not same:
+            raise RequestError(key, f"{json.dumps(value)[:80]}: vLLM reads it; this server serves only its default "
+                                    f"({json.dumps(default)}): leave it out, or send the request to vLLM")
+        del body[key]
+
+
 def _normalise_settings(body: dict) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
     misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
@@ -316,6 +342,7 @@ def _normalise_settings(body: dict) -> None:
     stops nothing, alone or in a list (`[""]` was refused while `""` was taken)."""
     for key in [k for k, v in body.items() if v is None]:
         del body[key]
+    _vllm_defaults(body)
     if isinstance(body.get("stop"), list):
         body["stop"] = [s for s in body["stop"] if s]
     if body.get("stop") in ([], ""):

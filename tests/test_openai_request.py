@@ -1659,3 +1659,30 @@ def test_a_gemma4_reply_handing_over_without_a_call_is_a_format_error(choice, co
                               "message": {"role": "assistant", "content": "Hi!"}}]}
         reply, _ = reply_from_answer(ended, "u", 64, {106: turn_end}.get)
         assert (reply.kind, reply.text, reply.error) == ("text", "Hi!", None)
+
+
+def test_vllm_extensions_at_their_defaults_are_served_and_other_values_named(tiny_dir, tmp_path):
+    """Clients written for vLLM send its request extensions at their defaults (`skip_special_tokens: true`,
+    `add_generation_prompt: true`, `echo: false`, `stop_token_ids: []`): vLLM takes them, and this server answered
+    400 "Unexpected fields" (transformers serve reads none). At the value this server behaves as they are served;
+    another value is refused naming the field, in chat and text completions alike."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    from serving.local import LocalServer
+
+    defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "add_generation_prompt": True,
+                "continue_final_message": False, "echo": False, "include_stop_str_in_output": False,
+                "stop_token_ids": [], "bad_words": [], "use_beam_search": False, "length_penalty": 1,
+                "priority": 0}
+    with LocalServer(tiny_dir, name="tiny", log=tmp_path / "serve.log") as server:
+        chat, text = server.base_url + "/chat/completions", server.base_url + "/completions"
+        code, body = _post(chat, json.dumps({"messages": USER, "max_tokens": 2, **defaults}).encode())
+        assert code == 200 and body["choices"][0]["message"]["role"] == "assistant", body
+        code, body = _post(text, json.dumps({"prompt": "hi", "max_tokens": 2, "echo": False,
+                                             "skip_special_tokens": True}).encode())
+        assert code == 200 and body["choices"][0]["text"] is not None, body
+        for odd in ({"skip_special_tokens": False}, {"stop_token_ids": [5]}, {"continue_final_message": True},
+                    {"length_penalty": 2.0}, {"use_beam_search": 1}):
+            code, body = _post(chat, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
+            (key,) = odd
+            assert code == 400 and body["error"]["param"] == key, (odd, body)
+            assert "this server serves only its default" in body["error"]["message"], body
