@@ -67,6 +67,8 @@ def check_port_free(host: str, port: int) -> None:
     fails to bind only after it started, having loaded the model or pulled its image."""
     import errno
 
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:  # socket's OverflowError
+        raise UserError(f"server.port {port!r}: not a TCP port (0 to 65535)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle

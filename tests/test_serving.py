@@ -2277,6 +2277,12 @@ def test_serving_local_run_by_hand_says_what_it_is_and_refuses_a_non_model_in_on
         assert cli_main(serve_main, [str(tmp_path / "nowhere"), "--port", port]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"argument --port: {port!r}: expected a port number in 1..65535" in err[0], err
+    # and from Python (`LocalServer(dir, port=70000).start()` checks the port first): socket's OverflowError
+    from gemma_tpu.core.errors import UserError
+    from serving.local import check_port_free
+    for port in (70000, -1, "80"):
+        with pytest.raises(UserError, match=r"not a TCP port \(0 to 65535\)"):
+            check_port_free("127.0.0.1", port)
     # a config.json that is not JSON, or not an object: a JSONDecodeError / AttributeError traceback
     for name, text, needle in (("cut", '{"model_type":', "not valid JSON (line 1"), ("list", "[1]", "a JSON object")):
         (tmp_path / name).mkdir()
