@@ -147,6 +147,10 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
         limit = row.get("max_tokens", row.get("output_len"))
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
             raise UserError(f"{where}: max_tokens / output_len must be a positive integer, got {limit!r:.40}")
+        if isinstance(row.get("prompt"), list) and row.get("completion") is None and not row.get("messages"):
+            # TRL's conversational prompt-only rows (GRPO's, online DPO's): the prompt's messages are the chat sent;
+            # it was refused as a prompt-completion row without its 'completion'
+            row = {**{k: v for k, v in row.items() if k not in ("prompt", "completion")}, "messages": row["prompt"]}
         msgs = row.get("messages")
         # a prompt-only chat (no answer) is read by the trainer's reader too, as the prompt of the answer to come: it
         # was sent as given, so legacy `functions` were dropped, declarations the server refuses (`check_tools`) and

@@ -2093,6 +2093,25 @@ def test_bench_reads_a_datasets_save_to_disk_directory_as_the_trainer_does(tmp_p
         file_prompts(str(tmp_path / "plain"), 4, seed=0)
 
 
+def test_bench_reads_trls_conversational_prompt_only_rows(tmp_path):
+    """TRL's prompt-only rows with a conversational prompt (`{"prompt": [messages]}`, GRPO's and online DPO's data)
+    were refused as prompt-completion rows missing 'completion', where a prompt-only `messages` row was read."""
+    from serving.bench import file_prompts
+
+    tool = {"type": "function", "function": {"name": "get_steps", "description": "Steps.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Steps today?"}],
+             "tools": [tool]},
+            {"prompt": [{"role": "user", "content": "Squats?"}], "completion": None}]
+    path = tmp_path / "grpo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = sorted(file_prompts(str(path), 2, seed=0), key=lambda p: len(p.messages))
+    assert [m["content"] for m in prompts[0].messages] == ["Squats?"] and not prompts[0].tools
+    assert [(m["role"], m["content"]) for m in prompts[1].messages] == [("system", "Be brief."),
+                                                                         ("user", "Steps today?")]
+    assert [t["function"]["name"] for t in prompts[1].tools] == ["get_steps"]
+
+
 def test_bench_argument_errors_are_one_line(tmp_path):
     proc = run_cli("serving.bench", "--base-url", "http://127.0.0.1:1", "--dataset", str(tmp_path / "nope.jsonl"))
     assert_one_line_error(proc, "nope.jsonl")
