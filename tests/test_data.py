@@ -623,6 +623,26 @@ def test_a_null_weight_or_train_flag_is_no_flag(tmp_path, tok):
     assert masked_runs(tok, Renderer(tok).render(sharegpt)) == [f"yo{EOT}"]
 
 
+def test_axolotls_training_flag_keeps_an_answer_as_context(tmp_path, tok):
+    """Axolotl's chat datasets mark an answer not to train with `"training": false` (its message_field_training): the
+    key was ignored as unknown and the answer trained. It is read as `"train"` is, in chats and ShareGPT turns alike;
+    a non-boolean one, or one contradicting `train`, is refused naming the message."""
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bad", "training": False},
+                         {"role": "user", "content": "again"}, {"role": "assistant", "content": "good",
+                                                                "training": True}]}
+    turns = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "bad", "training": False},
+                               {"from": "human", "value": "again"}, {"from": "gpt", "value": "good"}]}
+    path = write_jsonl(tmp_path / "ax.jsonl", [chat, turns])
+    for conv in load_conversations(path, DataConfig()):
+        assert [m.get("train", True) for m in conv["messages"]] == [True, False, True, True]
+        assert masked_runs(tok, Renderer(tok).render(conv)) == [f"good{EOT}"]
+    for flags, needle in (({"training": "no"}, r"'training' must be true or false"),
+                          ({"training": False, "train": True}, r"'train' and 'training' disagree")):
+        bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", **flags}]}
+        with pytest.raises(UserError, match=needle):
+            load_conversations(write_jsonl(tmp_path / "bad.jsonl", [bad]), DataConfig())
+
+
 @pytest.mark.parametrize("row, message", [
     ({"prompt": "hi"}, r"missing field 'completion'"),
     ({"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]},

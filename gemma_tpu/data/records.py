@@ -19,7 +19,8 @@ example shapes (`data.format`, auto-detected by their keys):
 A system prompt given in a field of its own (`"system"`, as LLaMA-Factory's ShareGPT and Alpaca rows and
 Anthropic-style exports keep it, or OpenOrca's `"system_prompt"`) leads the conversation, as a first system
 message would.
-An assistant message may carry `"train": false` (or `"weight": 0`): it stays in the context but carries
+An assistant message may carry `"train": false` (or `"weight": 0`, or Axolotl's `"training": false`): it stays in
+the context but carries
 no loss, for multi-turn chats where only some answers are good. Problems are reported as
 `FILE:LINE: what is wrong`, so a user can jump to the bad line.
 
@@ -838,19 +839,26 @@ def _system_field(obj: dict, messages: list, where: str, markup: Markup) -> list
     return [{"role": "system", "content": text}]
 
 
+# a message's loss flags: ours, Axolotl's per-message `training` (its message_field_training default: it was ignored
+# as an unknown key, and the answers it kept out were trained) and ShareGPT exports' `weight`
+TRAIN_FLAGS = ("train", "training", "weight")
+
+
 def _trained(m: dict, role: str, mw: str) -> bool:
-    """Whether a message carries loss: `"train": false` or `"weight": 0` keeps an answer as context only. A null flag
-    is no flag (OpenHermes-style exports write `"weight": null` on every turn; Parquet drops such nulls anyway)."""
-    flags = {k: m[k] for k in ("train", "weight") if m.get(k) is not None}
+    """Whether a message carries loss: `"train": false` (`"training": false`) or `"weight": 0` keeps an answer as
+    context only. A null flag is no flag (OpenHermes-style exports write `"weight": null` on every turn; Parquet drops
+    such nulls anyway)."""
+    flags = {k: m[k] for k in TRAIN_FLAGS if m.get(k) is not None}
     if not flags:
         return True
-    if "train" in flags and not isinstance(flags["train"], bool):
-        raise UserError(f"{mw}: 'train' must be true or false, got {flags['train']!r:.40}")
+    for key in ("train", "training"):
+        if key in flags and not isinstance(flags[key], bool):
+            raise UserError(f"{mw}: '{key}' must be true or false, got {flags[key]!r:.40}")
     if "weight" in flags and (isinstance(flags["weight"], bool) or flags["weight"] not in (0, 1)):
         raise UserError(f"{mw}: 'weight' must be 0 or 1, got {flags['weight']!r:.40}")
     trained = {bool(v) for v in flags.values()}
     if len(trained) > 1:
-        raise UserError(f"{mw}: 'train' and 'weight' disagree ({flags})")
+        raise UserError(f"{mw}: {' and '.join(repr(k) for k in flags)} disagree ({flags})")
     if role != "assistant" and True in trained:  # a false flag on another turn says what is so anyway
         raise UserError(f"{mw}: {'/'.join(flags)} can mark assistant messages only (a {role} turn is never trained)")
     return trained.pop()
@@ -910,7 +918,7 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
         raise UserError(f"{where}: 'completion' has no assistant message to learn from")
     prompt, completion, given = _continued_answer(prompt, completion, where, markup)
     context = [{**m, "train": False} if message_role(m) == "assistant"
-               and m.get("train") is None and m.get("weight") is None else m for m in prompt]
+               and all(m.get(k) is None for k in TRAIN_FLAGS) else m for m in prompt]
     try:
         conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
                                    **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
@@ -940,7 +948,7 @@ def _continued_answer(prompt: list, completion: list, where: str, markup: Markup
             and last.get("tool_calls") is None and last.get("function_call") is None):
         return prompt, completion, 0
     k = len(prompt) - 1
-    if (last.get("train") is not None or last.get("weight") is not None) and \
+    if any(last.get(k) is not None for k in TRAIN_FLAGS) and \
             _trained(last, "assistant", f"{where}: prompt[{k}]"):
         raise UserError(f"{where}: an assistant turn in 'prompt' is marked trained; only the completion is trained")
     start = _text(last.get("content"), f"{where}: prompt[{k}]")
@@ -969,7 +977,7 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         if t["value"] is None:  # was "a user message needs 'content' (it has role, content)": neither is its field
             raise UserError(f"{where}: conversations[{i}]: 'value' is null; a {t['from']!r} turn needs text")
         speaker = t["from"].lower() if isinstance(t["from"], str) else None
-        flags = {k: t[k] for k in ("train", "weight") if k in t}
+        flags = {k: t[k] for k in TRAIN_FLAGS if k in t}
         if speaker in SHAREGPT_TOOL_TURNS:  # LLaMA-Factory's tool turns: a call (or a list of them), its result
             messages.append(_sharegpt_tool_turn(speaker, t["value"], f"{where}: conversations[{i}]") | flags)
             continue
