@@ -801,6 +801,17 @@ def check_weight_names(model_dir: Path, family: Family, hf_config: dict, names: 
     return [n for n in names if n not in need and (n.startswith(prefix) or n.startswith("lm_head."))]
 
 
+def template_warning(cfg: "ServeConfig", facts: "ModelFacts") -> str | None:
+    """A model without a chat template served with tool calling off and no tool_calling.chat_template: vLLM answers
+    every /v1/chat/completions with an error (transformers has no default template), where `--local` writes our tool
+    template and answers, so a client tried locally failed on the VM without a word here."""
+    if cfg.tool_calling.enabled or cfg.tool_calling.chat_template != "model" or facts.has_chat_template:
+        return None
+    return (f"model.dir {cfg.model_dir} has no chat template (chat_template.jinja or tokenizer_config.json) and "
+            f"tool calling is off: vLLM answers /v1/completions only, every chat completion an error (--local "
+            f"answers them with the tool template it writes); set tool_calling.chat_template to a .jinja file")
+
+
 def weights_warning(facts: "ModelFacts") -> str | None:
     """Decoder tensors the model's config.json has no place for (the servers load without them)."""
     extra = facts.unexpected_weights

@@ -45,6 +45,7 @@ from serving.config import (
     max_loras,
     open_api_warning,
     stop_token_warning,
+    template_warning,
     weights_warning,
 )
 from serving.local import LocalServer, check_port_free
@@ -237,9 +238,9 @@ def serve_local(cfg: ServeConfig) -> int:
 
     key = api_key(cfg)  # required by the served /v1 paths, as vLLM's --api-key: a client without it fails here too
     facts = inspect_model(cfg, for_vllm=False)
-    warning = weights_warning(facts)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
+    for warning in (weights_warning(facts), template_warning(cfg, facts)):
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     t = cfg.tool_calling
     template = t.chat_template if t.chat_template != "model" else None  # tool calling on or off, as vLLM gets it
     # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
@@ -290,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_local(cfg)
     facts = inspect_model(cfg)
     for warning in (stop_token_warning(cfg, facts), lora_warning(cfg), extra_args_warning(cfg),
-                    weights_warning(facts), *facts.adapter_warnings):
+                    weights_warning(facts), template_warning(cfg, facts), *facts.adapter_warnings):
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     cmd = render(cfg, facts)
