@@ -29,6 +29,7 @@ Anything else Tunix cannot express is refused by config key, in one line.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
@@ -436,6 +437,54 @@ def tensor_shapes(t: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# transformers' Gemma4VisionConfig defaults of the keys the vision tower's shapes depend on (a vision_config
+# omitting one means these values; a test holds this table to transformers').
+VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 12,
+                   "head_dim": 64, "patch_size": 16, "position_embedding_size": 10 * 1024}
+_VISION_KEY = re.compile(r"(?:model\.)?vision_tower\.(.+)")
+_EMBED_VISION_KEY = re.compile(r"(?:model\.)?embed_vision\.(.+)")
+_ENCODER_LAYER = re.compile(r"encoder\.layers\.\d+\.(.+)")
+
+
+def vision_shapes(hf_config: dict, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """The vision tower's and its projection's weights among `names` (see `Family.vision_shapes`); none when
+    vision_config is null (transformers then builds no tower)."""
+    v = hf_config.get("vision_config")
+    if not isinstance(v, dict):
+        return {}
+    v = {**VISION_DEFAULTS, **v}
+    s = positive_sizes(v, tuple(VISION_DEFAULTS))
+    if s is None:
+        return {}
+    h, f, p, hd = s["hidden_size"], s["intermediate_size"], s["patch_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+    tower = {"patch_embedder.input_proj.weight": (h, 3 * p * p),
+             "patch_embedder.position_embedding_table": (2, s["position_embedding_size"], h),
+             "std_bias": (h,), "std_scale": (h,)}
+    layer = {f"{norm}.weight": (h,) for norm in NORMS}
+    layer.update({"self_attn.q_proj.linear.weight": (q, h), "self_attn.k_proj.linear.weight": (kv, h),
+                  "self_attn.v_proj.linear.weight": (kv, h), "self_attn.o_proj.linear.weight": (h, q),
+                  "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+                  "mlp.gate_proj.linear.weight": (f, h), "mlp.up_proj.linear.weight": (f, h),
+                  "mlp.down_proj.linear.weight": (h, f)})
+    embed = {}
+    text = positive_sizes(hf_text_config(hf_config), ("hidden_size",))
+    if text is not None:
+        embed["embedding_projection.weight"] = (text["hidden_size"], h)
+    out = {}
+    for name in names:
+        m = _VISION_KEY.fullmatch(name)
+        if m:
+            lm = _ENCODER_LAYER.fullmatch(m.group(1))
+            want = layer.get(lm.group(1)) if lm else tower.get(m.group(1))
+        else:
+            m = _EMBED_VISION_KEY.fullmatch(name)
+            want = embed.get(m.group(1)) if m else None
+        if want is not None:
+            out[name] = want
+    return out
+
+
 # Non-projection weights: Tunix's HF->Tunix key table (tunix/models/gemma4/params_safetensors.py),
 # inverted; axes regrouped where HF stores them otherwise.
 TENSORS = (
@@ -668,6 +717,7 @@ GEMMA4 = register(
         projections=projections,
         projection_shapes=projection_shapes,
         tensor_shapes=tensor_shapes,
+        vision_shapes=vision_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma4"),
         chat_format="gemma",
