@@ -857,10 +857,10 @@ def test_a_multimodal_base_vision_tensor_must_have_its_config_shape(work, base, 
     # every tensor beside the decoder is checked, and the table's defaults are transformers'
     from transformers import SiglipVisionConfig
 
-    from gemma_tpu.models.gemma3 import VISION_DEFAULTS, vision_shapes
+    from gemma_tpu.models.gemma3 import VISION_DEFAULTS, tower_shapes
 
     tensors = sio.WeightsDir(mm).tensors
-    want = vision_shapes(json.loads((mm / "config.json").read_text()), list(tensors))
+    want = tower_shapes(json.loads((mm / "config.json").read_text()), list(tensors))
     assert set(want) == {n for n in tensors if not n.startswith("language_model.")}
     assert all(tuple(tensors[n].shape) == shape for n, shape in want.items())
     defaults = SiglipVisionConfig().to_dict()
@@ -874,7 +874,7 @@ def test_a_multimodal_base_vision_tensor_must_have_its_config_shape(work, base, 
     cfg = Gemma3Config(text_config=Gemma3TextConfig(**TINY_GEMMA3), vision_config=vision, mm_tokens_per_image=4)
     with torch.device("meta"):
         built = {n: tuple(p.shape) for n, p in Gemma3ForConditionalGeneration(cfg).state_dict().items()}
-    want = vision_shapes(cfg.to_dict(), list(built))
+    want = tower_shapes(cfg.to_dict(), list(built))
     assert set(want) == {n for n in built if not n.startswith("model.language_model.") and n != "lm_head.weight"}
     assert all(built[n] == shape for n, shape in want.items())
 

@@ -330,8 +330,9 @@ _PROJECTOR_KEY = re.compile(r"(?:model\.)?multi_modal_projector\.(.+)")
 _ENCODER_LAYER = re.compile(r"encoder\.layers\.\d+\.(.+)")
 
 
-def vision_shapes(hf_config: dict, names: list[str]) -> dict[str, tuple[int, ...]]:
-    """The SigLIP tower's and the projector's weights among `names` (see `Family.vision_shapes`)."""
+def tower_shapes(hf_config: dict, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """The SigLIP tower's and the projector's weights among `names` (see `Family.tower_shapes`; Gemma 3 has no
+    audio tower)."""
     v = hf_config.get("vision_config")
     if not isinstance(v, dict) and v is not None:
         return {}
@@ -566,7 +567,7 @@ GEMMA3 = register(
         projections=projections,
         projection_shapes=projection_shapes,
         tensor_shapes=tensor_shapes,
-        vision_shapes=vision_shapes,
+        tower_shapes=tower_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma3"),
         chat_format="gemma",
