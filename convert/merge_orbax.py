@@ -56,6 +56,7 @@ from convert.source import (
     check_base_matches,
     check_base_model_type,
     check_base_shapes,
+    check_base_tower_shapes,
     check_base_weights,
     check_finite_factors,
     checked_lora_sites,
@@ -175,8 +176,10 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     check_base_layout(source, base_dir, base_config)
     check_base_weights(source, base_dir, base_config, prefix, weights.names())
     check_base_shapes(source, base_dir, base_config, prefix, shapes)
-    if out is not None:  # the config.json published beside the weights (a GGUF export writes its own)
+    if out is not None:  # the config.json and the vision/audio towers published beside the decoder (a GGUF export
+        # writes neither)
         check_base_model_type(source, base_dir, base_config)
+        check_base_tower_shapes(source, base_dir, base_config, shapes)
 
     dropped = []
     ops, specs = [], []

@@ -192,6 +192,20 @@ def check_base_shapes(source: CheckpointSource, base_dir: Path, base_config: dic
                             f"{makes}; give the base it was trained on (--base)")
 
 
+def check_base_tower_shapes(source: CheckpointSource, base_dir: Path, base_config: dict,
+                             shapes: dict[str, tuple[int, ...]]) -> None:
+    """A multimodal base's vision (audio) tower and its projection, which a merge copies as they are, have the shapes
+    its config.json's vision_config (audio_config) gives them (`Family.tower_shapes`): one of another shape (a tower
+    copied from another model, an edited vision_config, let through the fingerprint by --allow-base-mismatch) was
+    published, a model transformers refuses to load."""
+    if source.family.tower_shapes is None:
+        return
+    for key, want in source.family.tower_shapes(base_config, list(shapes)).items():
+        if tuple(shapes[key]) != tuple(want):
+            raise UserError(f"{base_dir}: tensor {key} is {list(shapes[key])}, but its config.json makes it "
+                            f"{list(want)}; give the base it was trained on (--base)")
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 

@@ -27,6 +27,7 @@ from gemma_tpu.core.typed_yaml import blame, expand_env, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, other_unicode, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import (
+    adapter_modules,
     check_adapter_fits as check_adapter_sites,
     check_vllm_scaling,
     largest_rank,
@@ -1102,9 +1103,8 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             ranks.append(largest_rank(adapter))
             check_adapter_fits(adir, a.name, adapter["r"], weights)
             deployed = extra_arg_values(cfg.server.extra_args, "--lora-target-modules")
-            targets = adapter["target_modules"]
-            left_out = lora_modules_left_out(targets, deployed) if deployed is not None and isinstance(
-                targets, list) else []
+            targets = adapter_modules(adir, adapter, f"lora.adapters.{a.name}")  # a multimodal export's: a regex
+            left_out = lora_modules_left_out(targets, deployed) if deployed is not None and targets is not None else []
             if left_out:
                 raise UserError(f"server.extra_args: --lora-target-modules {' '.join(deployed)} leaves out "
                                 f"{', '.join(left_out)} of lora.adapters.{a.name}: vLLM would serve the adapter "

@@ -264,7 +264,8 @@ def test_multimodal_layout(work, base, lora_ckpt):
     save_file(tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
     text_cfg = json.loads((base / "config.json").read_text())
     mm_cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_cfg,
-              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8, "torch_dtype": "bfloat16"},
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8, "patch_size": 4,
+                                "torch_dtype": "bfloat16"},
               "tie_word_embeddings": True, "dtype": "float32"}
     (mm / "config.json").write_text(json.dumps(mm_cfg))
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -820,6 +821,62 @@ def test_a_base_projection_no_lora_targets_must_have_its_config_shape(work, base
     bad = _base_with(work, base, "base_narrow_down", lambda k, v: v[:, :-8] if k == key else v)
     _expect_error(capsys, work / "err_narrow_down", "--checkpoint", ckpt, "--base", bad, "--allow-base-mismatch",
                   contains=f"{bad}: tensor {key} is [64, 120], but its config.json makes it [64, 128]")
+
+
+def test_a_multimodal_base_vision_tensor_must_have_its_config_shape(work, base, capsys):
+    """The merge copies a multimodal base's vision tower and projector as they are: one of another shape than
+    config.json's vision_config gives it (a tower copied from another model, a vision_config edited; let through
+    the fingerprint by --allow-base-mismatch) was published, a model transformers refuses to load ('size
+    mismatch'). Each is refused by name, nothing written; the text tensors were already checked."""
+    from transformers import Gemma3TextConfig
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
+
+    mm = work / "base_mm_vision"
+    if not mm.exists():
+        _write_multimodal_gemma3(mm, Gemma3TextConfig(**TINY_GEMMA3), 9, base)
+    ckpt = work / "ckpt_mm_vision"
+    if not ckpt.exists():
+        make_checkpoint(mm, ckpt, rank=2, alpha=4.0, targets=["q_proj"], seed=9)
+    fc1, proj = "vision_tower.encoder.layers.0.mlp.fc1.weight", "multi_modal_projector.mm_input_projection_weight"
+    cases = [(fc1, lambda v: v[:-16], None, f"tensor {fc1} is [48, 32], but its config.json makes it [64, 32]"),
+             (proj, lambda v: v[:, :-4], None, f"tensor {proj} is [32, 60], but its config.json makes it [32, 64]"),
+             (None, None, {"patch_size": 4}, "tensor vision_tower.embeddings.patch_embedding.weight is [32, 3, 8, 8], "
+                                              "but its config.json makes it [32, 3, 4, 4]")]
+    for i, (key, edit, vision, says) in enumerate(cases):
+        bad = _base_with(work, mm, f"base_mm_badvision{i}", lambda k, v: edit(v) if k == key else v)
+        if vision:
+            cfg = json.loads((bad / "config.json").read_text())
+            cfg["vision_config"].update(vision)
+            (bad / "config.json").write_text(json.dumps(cfg))
+        _expect_error(capsys, work / f"err_mm_badvision{i}", "--checkpoint", ckpt, "--base", bad,
+                      "--allow-base-mismatch", contains=f"{bad}: {says}")
+    out = work / "merged_mm_vision"  # the base as written: merged
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert ordered_keys(out) == ordered_keys(mm)
+    # every tensor beside the decoder is checked, and the table's defaults are transformers'
+    from transformers import SiglipVisionConfig
+
+    from gemma_tpu.models.gemma3 import VISION_DEFAULTS, tower_shapes
+
+    tensors = sio.WeightsDir(mm).tensors
+    want = tower_shapes(json.loads((mm / "config.json").read_text()), list(tensors))
+    assert set(want) == {n for n in tensors if not n.startswith("language_model.")}
+    assert all(tuple(tensors[n].shape) == shape for n, shape in want.items())
+    defaults = SiglipVisionConfig().to_dict()
+    assert {k: defaults[k] for k in VISION_DEFAULTS} == VISION_DEFAULTS
+    # and a tower of other sizes (no head, an image size patches do not divide) as transformers builds it
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig
+
+    vision = SiglipVisionConfig(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3,
+                                image_size=30, patch_size=8, vision_use_head=False)
+    cfg = Gemma3Config(text_config=Gemma3TextConfig(**TINY_GEMMA3), vision_config=vision, mm_tokens_per_image=4)
+    with torch.device("meta"):
+        built = {n: tuple(p.shape) for n, p in Gemma3ForConditionalGeneration(cfg).state_dict().items()}
+    want = tower_shapes(cfg.to_dict(), list(built))
+    assert set(want) == {n for n in built if not n.startswith("model.language_model.") and n != "lm_head.weight"}
+    assert all(built[n] == shape for n, shape in want.items())
 
 
 def test_a_base_config_without_model_type_is_refused(work, base, lora_ckpt, capsys):

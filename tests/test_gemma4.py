@@ -599,6 +599,131 @@ def test_lora_merge_and_peft(g4, tmp_path, name):
     check_adapter_fits(adapter, "a", adapter_rank(adapter, "a"), check_weights(base))  # what serving.launch checks
 
 
+def test_a_multimodal_base_vision_tensor_must_have_its_config_shape(g4, tmp_path, capsys):
+    """Gemma 4's vision tower and its projection into the text model are copied by the merge as they are: one of
+    another shape than config.json's vision_config gives it (let through by --allow-base-mismatch) was published,
+    a model transformers refuses to load. Refused by name, nothing written."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from tests.test_convert import leftovers
+
+    base = g4("dense_mm")
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(base, ckpt, rank=2, alpha=4.0, targets=["q_proj"], seed=9)
+    q = "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight"
+    cases = [(q, lambda v: v[:-8], None, f"tensor {q} is [24, 32], but its config.json makes it [32, 32]"),
+             ("model.embed_vision.embedding_projection.weight", lambda v: v[:, :-2], None,
+              "tensor model.embed_vision.embedding_projection.weight is [64, 30], but its config.json makes it "
+              "[64, 32]"),
+             (None, None, {"patch_size": 2}, "tensor model.vision_tower.patch_embedder.input_proj.weight is "
+                                             "[32, 48], but its config.json makes it [32, 12]")]
+    for i, (key, edit, vision, says) in enumerate(cases):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(base, bad)
+        t = load_file(str(base / "model.safetensors"))
+        save_file({k: edit(v) if k == key else v for k, v in t.items()}, str(bad / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if vision:
+            cfg = json.loads((bad / "config.json").read_text())
+            cfg["vision_config"].update(vision)
+            (bad / "config.json").write_text(json.dumps(cfg))
+        out = tmp_path / f"out{i}"
+        capsys.readouterr()
+        assert merge("--checkpoint", ckpt, "--base", bad, "--allow-base-mismatch", "--out", out) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: ") and f"{bad}: {says}" in err[-1], err
+        assert leftovers(out) == []
+    assert merge("--checkpoint", ckpt, "--out", tmp_path / "merged") == 0  # the base as written
+    # every tensor beside the decoder is checked, and the table's defaults are transformers'
+    from transformers import Gemma4VisionConfig
+
+    from gemma_tpu.models.gemma4 import VISION_DEFAULTS, tower_shapes
+
+    for name in ("dense_mm", "ple_mm"):
+        tensors = sio.WeightsDir(g4(name)).tensors
+        want = tower_shapes(json.loads((g4(name) / "config.json").read_text()), list(tensors))
+        assert set(want) == {n for n in tensors if not n.startswith("model.language_model.")}
+        assert all(tuple(tensors[n].shape) == shape for n, shape in want.items())
+    defaults = Gemma4VisionConfig().to_dict()
+    assert {k: defaults[k] for k in VISION_DEFAULTS} == VISION_DEFAULTS
+    # and a tower of other sizes (one KV head, a head size of its own, standardized) as transformers builds it
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    text = {k: v for k, v in json.loads((base / "config.json").read_text())["text_config"].items()
+            if k not in ("model_type", "transformers_version")}
+    vision = Gemma4VisionConfig(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3,
+                                num_key_value_heads=1, head_dim=8, patch_size=3, position_embedding_size=7,
+                                standardize=True)
+    cfg = Gemma4Config(text_config=Gemma4TextConfig(**text), vision_config=vision, audio_config=None)
+    with torch.device("meta"):
+        built = {n: tuple(p.shape) for n, p in Gemma4ForConditionalGeneration(cfg).state_dict().items()}
+    want = tower_shapes(cfg.to_dict(), list(built))
+    assert set(want) == {n for n in built if not n.startswith("model.language_model.") and n != "lm_head.weight"}
+    assert all(built[n] == shape for n, shape in want.items())
+
+
+def test_a_multimodal_base_audio_tensor_must_have_its_config_shape(g4, tmp_path, capsys):
+    """The same for the audio tower of an E2B/E4B-like Gemma 4 and its projection into the text model (copied by
+    the merge as they are): one of another shape than audio_config gives it is refused by name, nothing written."""
+    import shutil
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration
+
+    from gemma_tpu.models.gemma4 import AUDIO_DEFAULTS, tower_shapes
+    from tests.test_convert import leftovers
+
+    # ple_mm with an audio tower as transformers builds it (its weights random)
+    audio = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, output_proj_dims=48,
+                              subsampling_conv_channels=[8, 4], conv_kernel_size=3)
+    base = tmp_path / "base"
+    shutil.copytree(g4("ple_mm"), base)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["audio_config"] = audio.to_dict()
+    with torch.device("meta"):
+        built = {n: tuple(p.shape) for n, p in Gemma4ForConditionalGeneration(Gemma4Config(**cfg)).state_dict().items()}
+    rng = np.random.default_rng(0)
+    tensors = load_file(str(base / "model.safetensors"))
+    tensors.update({n: rng.normal(0, 0.05, shape).astype(np.float32) for n, shape in built.items()
+                    if n.startswith(("model.audio_tower.", "model.embed_audio."))})
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    (base / "config.json").write_text(json.dumps(cfg))
+    want = tower_shapes(cfg, list(built))
+    assert {n for n in want if "audio" in n} == {n for n in built if n.startswith(("model.audio_tower.",
+                                                                                  "model.embed_audio."))
+                                                 and not n.endswith(("_min", "_max"))}  # clipping bounds: scalars
+    assert all(built[n] == shape for n, shape in want.items())
+    defaults = Gemma4AudioConfig().to_dict()
+    assert {k: defaults[k] for k in AUDIO_DEFAULTS} == {k: list(v) if isinstance(v, (list, tuple)) else v
+                                                         for k, v in AUDIO_DEFAULTS.items()}
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(base, ckpt, rank=2, alpha=4.0, targets=["q_proj"], seed=9)
+    conv = "model.audio_tower.layers.1.lconv1d.depthwise_conv1d.weight"
+    cases = [(conv, lambda v: v[..., :-1], f"tensor {conv} is [32, 1, 2], but its config.json makes it [32, 1, 3]"),
+             ("model.embed_audio.embedding_projection.weight", lambda v: v[:, :-8],
+              "tensor model.embed_audio.embedding_projection.weight is [64, 40], but its config.json makes it "
+              "[64, 48]")]
+    for i, (key, edit, says) in enumerate(cases):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(base, bad)
+        save_file({k: edit(v) if k == key else v for k, v in tensors.items()}, str(bad / "model.safetensors"),
+                  metadata={"format": "pt"})
+        out = tmp_path / f"out{i}"
+        capsys.readouterr()
+        assert merge("--checkpoint", ckpt, "--base", bad, "--allow-base-mismatch", "--out", out) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: ") and f"{bad}: {says}" in err[-1], err
+        assert leftovers(out) == []
+    out = tmp_path / "merged"  # the base as written: merged, its audio tower copied
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert sio.WeightsDir(out).read(conv).tobytes() == sio.WeightsDir(base).read(conv).tobytes()
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_serving_finds_every_tensor_of_each_variant(g4, name):
     """serving.launch's tensor-name check (the registry's required_weights) holds every Gemma 4 transformers

@@ -1008,6 +1008,25 @@ def test_lora_target_modules_leaving_out_an_adapters_module_is_refused(tmp_path,
         assert code == 0 and "--lora-target-modules" in out, err
 
 
+def test_lora_target_modules_leaving_out_a_multimodal_adapters_module_is_refused(tmp_path, capsys):
+    """convert.export_peft writes a multimodal base's target_modules as a regex (keeping PEFT out of the vision
+    tower's own q/k/v_proj): the --lora-target-modules check read only a list, so such an adapter of q_proj was
+    launched under `--lora-target-modules o_proj` and served without its update. Its modules are now read off its
+    weights."""
+    d = fake_model_dir(tmp_path / "m", arch="Gemma3ForConditionalGeneration", nested=True)
+    a = fake_adapter(tmp_path / "a", r=8, nested=True)  # q_proj, as export_peft names a multimodal adapter's
+    regex = r"model\.language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:q_proj)"
+    (a / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": regex}))
+    for deployed, left_out in (("[--lora-target-modules, o_proj]", "q_proj"), ("[--lora-target-modules, qkv_proj]",
+                                                                               None)):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                       f"lora.adapters=[{{name: coach, dir: {a}}}]", f"server.extra_args={deployed}")
+        if left_out:
+            one_error_line(code, err, f"leaves out {left_out} of lora.adapters.coach", "without their updates")
+        else:
+            assert code == 0 and "--lora-target-modules" in out, err
+
+
 def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     """Matched by the name's tail (`layers.N.self_attn.q_proj`), a multimodal base's vision tower (SigLIP has its
     own q_proj in layers.N) fitted a text adapter's layer the decoder lacks, and an adapter saved for the text-only

@@ -151,6 +151,19 @@ def lora_pairs(adapter_dir: Path, where: str, r: int,
     return out
 
 
+def adapter_modules(adapter_dir: Path, cfg: dict, where: str) -> list[str] | None:
+    """The module names (`q_proj`, ...) an adapter changes: its target_modules when they are a list; when they are a
+    regex (what convert.export_peft writes for a multimodal base), the last part of each module its weights change;
+    None where that cannot be told (a regex over pickled weights, adapter_model.bin)."""
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        return targets
+    if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        return None
+    modules = lora_pairs(adapter_dir, where, cfg["r"], cfg.get("rank_pattern"))
+    return sorted({module.rsplit(".", 1)[-1] for module in modules})
+
+
 def decoder_prefix(base: dict[str, tuple[int, ...]], prefixes) -> str | None:
     """Which of the family's decoder prefixes the base's weight names use (longest first: `model.` would also
     be a prefix of `model.language_model.`); None if no decoder layers are found."""

@@ -7,6 +7,7 @@ than silently mis-modelled.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
@@ -319,6 +320,59 @@ def tensor_shapes(t: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# transformers' SiglipVisionConfig defaults of the keys the vision tower's shapes depend on (a multimodal
+# config.json's vision_config omitting one means these values; a test holds this table to transformers').
+VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_channels": 3, "image_size": 224,
+                   "patch_size": 16}
+# The SigLIP tower's keys as released (`vision_tower.vision_model.`) and as transformers >= 5 saves them.
+_VISION_KEY = re.compile(r"(?:model\.)?vision_tower\.(?:vision_model\.)?(.+)")
+_PROJECTOR_KEY = re.compile(r"(?:model\.)?multi_modal_projector\.(.+)")
+_ENCODER_LAYER = re.compile(r"encoder\.layers\.\d+\.(.+)")
+
+
+def tower_shapes(hf_config: dict, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """The SigLIP tower's and the projector's weights among `names` (see `Family.tower_shapes`; Gemma 3 has no
+    audio tower)."""
+    v = hf_config.get("vision_config")
+    if not isinstance(v, dict) and v is not None:
+        return {}
+    v = {**VISION_DEFAULTS, **(v or {})}
+    s = positive_sizes(v, ("hidden_size", "intermediate_size", "num_channels", "patch_size"))
+    if s is None:
+        return {}
+    h, f, p = s["hidden_size"], s["intermediate_size"], s["patch_size"]
+    tower = {"embeddings.patch_embedding.weight": (h, s["num_channels"], p, p), "embeddings.patch_embedding.bias": (h,),
+             "post_layernorm.weight": (h,), "post_layernorm.bias": (h,), "head.probe": (1, 1, h),
+             "head.attention.in_proj_weight": (3 * h, h), "head.attention.in_proj_bias": (3 * h,),
+             "head.attention.out_proj.weight": (h, h), "head.attention.out_proj.bias": (h,),
+             "head.layernorm.weight": (h,), "head.layernorm.bias": (h,)}
+    mlp = {"mlp.fc1.weight": (f, h), "mlp.fc1.bias": (f,), "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,)}
+    tower.update({f"head.{k}": v for k, v in mlp.items()})
+    layer = {**mlp, **{f"{norm}.{w}": (h,) for norm in ("layer_norm1", "layer_norm2") for w in ("weight", "bias")}}
+    for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        layer.update({f"self_attn.{proj}.weight": (h, h), f"self_attn.{proj}.bias": (h,)})
+    image = positive_sizes(v, ("image_size",))
+    if image is not None:
+        tower["embeddings.position_embedding.weight"] = ((image["image_size"] // p) ** 2, h)
+    projector = {"mm_soft_emb_norm.weight": (h,)}
+    text = positive_sizes(hf_text_config(hf_config), ("hidden_size",))
+    if text is not None:
+        projector["mm_input_projection_weight"] = (h, text["hidden_size"])
+    out = {}
+    for name in names:
+        m = _VISION_KEY.fullmatch(name)
+        if m:
+            rest = m.group(1)
+            lm = _ENCODER_LAYER.fullmatch(rest)
+            want = layer.get(lm.group(1)) if lm else tower.get(rest)
+        else:
+            m = _PROJECTOR_KEY.fullmatch(name)
+            want = projector.get(m.group(1)) if m else None
+        if want is not None:
+            out[name] = want
+    return out
+
+
 def _key_mapping(cfg):
     """Tunix's HF->Tunix key rules, widened to every decoder prefix in TEXT_PREFIXES."""
     from tunix.models.gemma3 import params_safetensors as ps
@@ -513,6 +567,7 @@ GEMMA3 = register(
         projections=projections,
         projection_shapes=projection_shapes,
         tensor_shapes=tensor_shapes,
+        tower_shapes=tower_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma3"),
         chat_format="gemma",

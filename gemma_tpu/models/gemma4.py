@@ -29,6 +29,7 @@ Anything else Tunix cannot express is refused by config key, in one line.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
@@ -436,6 +437,94 @@ def tensor_shapes(t: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# transformers' Gemma4VisionConfig and Gemma4AudioConfig defaults of the keys the towers' shapes depend on (a
+# vision_config or audio_config omitting one means these values; a test holds these tables to transformers').
+VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 12,
+                   "head_dim": 64, "patch_size": 16, "position_embedding_size": 10 * 1024}
+AUDIO_DEFAULTS = {"hidden_size": 1024, "num_attention_heads": 8, "conv_kernel_size": 5, "output_proj_dims": 1536,
+                  "subsampling_conv_channels": [128, 32]}
+# (a tower's keys, its projection's keys into the text model, the layers' keys inside the tower)
+_TOWER_KEYS = {"vision": (re.compile(r"(?:model\.)?vision_tower\.(.+)"), re.compile(r"(?:model\.)?embed_vision\.(.+)"),
+                          re.compile(r"encoder\.layers\.\d+\.(.+)")),
+               "audio": (re.compile(r"(?:model\.)?audio_tower\.(.+)"), re.compile(r"(?:model\.)?embed_audio\.(.+)"),
+                         re.compile(r"layers\.\d+\.(.+)"))}
+
+
+def _vision_tables(v: dict) -> tuple[dict, dict, int] | None:
+    """(the tower's own weights, each layer's, the width it hands the text model) from a vision_config."""
+    s = positive_sizes({**VISION_DEFAULTS, **v}, tuple(VISION_DEFAULTS))
+    if s is None:
+        return None
+    h, f, p, hd = s["hidden_size"], s["intermediate_size"], s["patch_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+    tower = {"patch_embedder.input_proj.weight": (h, 3 * p * p),
+             "patch_embedder.position_embedding_table": (2, s["position_embedding_size"], h),
+             "std_bias": (h,), "std_scale": (h,)}
+    layer = {f"{norm}.weight": (h,) for norm in NORMS}
+    layer.update({"self_attn.q_proj.linear.weight": (q, h), "self_attn.k_proj.linear.weight": (kv, h),
+                  "self_attn.v_proj.linear.weight": (kv, h), "self_attn.o_proj.linear.weight": (h, q),
+                  "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+                  "mlp.gate_proj.linear.weight": (f, h), "mlp.up_proj.linear.weight": (f, h),
+                  "mlp.down_proj.linear.weight": (h, f)})
+    return tower, layer, h
+
+
+def _audio_tables(a: dict) -> tuple[dict, dict, int] | None:
+    """(the tower's own weights, each conformer layer's, the width it hands the text model) from an audio_config."""
+    a = {**AUDIO_DEFAULTS, **a}
+    s = positive_sizes(a, ("hidden_size", "num_attention_heads", "conv_kernel_size", "output_proj_dims"))
+    channels = a["subsampling_conv_channels"]
+    if s is None or not isinstance(channels, (list, tuple)) or len(channels) != 2 \
+            or positive_sizes(dict(enumerate(channels)), (0, 1)) is None:
+        return None
+    h, out, (c0, c1) = s["hidden_size"], s["output_proj_dims"], channels
+    tower = {"subsample_conv_projection.layer0.conv.weight": (c0, 1, 3, 3),
+             "subsample_conv_projection.layer0.norm.weight": (c0,),
+             "subsample_conv_projection.layer1.conv.weight": (c1, c0, 3, 3),
+             "subsample_conv_projection.layer1.norm.weight": (c1,),
+             "subsample_conv_projection.input_proj_linear.weight": (h, (c0 // 4) * c1),
+             "output_proj.weight": (out, h), "output_proj.bias": (out,)}
+    layer = {f"{norm}.weight": (h,) for norm in ("norm_pre_attn", "norm_post_attn", "norm_out",
+                                                 "lconv1d.pre_layer_norm", "lconv1d.conv_norm")}
+    for ffw in ("feed_forward1", "feed_forward2"):
+        layer.update({f"{ffw}.ffw_layer_1.linear.weight": (4 * h, h), f"{ffw}.ffw_layer_2.linear.weight": (h, 4 * h),
+                      f"{ffw}.pre_layer_norm.weight": (h,), f"{ffw}.post_layer_norm.weight": (h,)})
+    layer.update({f"self_attn.{proj}.linear.weight": (h, h) for proj in ("q_proj", "k_proj", "v_proj", "post")})
+    layer.update({"self_attn.relative_k_proj.weight": (h, h),
+                  "self_attn.per_dim_scale": (h // s["num_attention_heads"],),
+                  "lconv1d.linear_start.linear.weight": (2 * h, h), "lconv1d.linear_end.linear.weight": (h, h),
+                  "lconv1d.depthwise_conv1d.weight": (h, 1, s["conv_kernel_size"])})
+    return tower, layer, out
+
+
+def tower_shapes(hf_config: dict, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """The vision and audio towers' weights and their projections' among `names` (see `Family.tower_shapes`); none
+    for a tower whose config is null (transformers then builds none)."""
+    text = positive_sizes(hf_text_config(hf_config), ("hidden_size",))
+    tables = {}
+    for kind, make in (("vision", _vision_tables), ("audio", _audio_tables)):
+        config = hf_config.get(f"{kind}_config")
+        made = make(config) if isinstance(config, dict) else None
+        if made is not None:
+            tower, layer, width = made
+            embed = {"embedding_projection.weight": (text["hidden_size"], width)} if text is not None else {}
+            tables[kind] = tower, layer, embed
+    out = {}
+    for name in names:
+        for kind, (tower, layer, embed) in tables.items():
+            tower_key, embed_key, layer_key = _TOWER_KEYS[kind]
+            m = tower_key.fullmatch(name)
+            if m:
+                lm = layer_key.fullmatch(m.group(1))
+                want = layer.get(lm.group(1)) if lm else tower.get(m.group(1))
+            else:
+                m = embed_key.fullmatch(name)
+                want = embed.get(m.group(1)) if m else None
+            if want is not None:
+                out[name] = want
+    return out
+
+
 # Non-projection weights: Tunix's HF->Tunix key table (tunix/models/gemma4/params_safetensors.py),
 # inverted; axes regrouped where HF stores them otherwise.
 TENSORS = (
@@ -668,6 +757,7 @@ GEMMA4 = register(
         projections=projections,
         projection_shapes=projection_shapes,
         tensor_shapes=tensor_shapes,
+        tower_shapes=tower_shapes,
         text_prefixes=TEXT_PREFIXES,
         with_remat=tunix_remat("gemma4"),
         chat_format="gemma",

@@ -286,6 +286,11 @@ class Family:
     # (a wrong-length norm was published, a model transformers refuses to load). {} where a size it needs is not a
     # positive integer; keys it omits are not checked.
     tensor_shapes: Callable[[dict], dict[str, tuple[int, ...]]] | None = None
+    # (config.json, the base's tensor names) -> the shape its vision_config (audio_config) gives each of those names
+    # that is a weight of a vision (audio) tower or its projection the family knows: what a merge checks the towers
+    # it copies against (one of another shape was published, a model transformers refuses to load). Names it does
+    # not know, and sizes that are not positive integers, are left out (not checked).
+    tower_shapes: Callable[[dict, list[str]], dict[str, tuple[int, ...]]] | None = None
     # config.json -> its text config as transformers reads it: keys it omits at transformers' defaults,
     # keys transformers derives (Gemma 3's `layer_types` from `sliding_window_pattern`) filled in.
     # None: the text config as written.
