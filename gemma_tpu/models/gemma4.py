@@ -692,5 +692,7 @@ GEMMA4 = register(
         vllm_jax_native=True,
         vllm_tp_split_sizes=("intermediate_size",),  # the dense MLP, beside the experts in a MoE's layers too
         vllm_tp_expert_split_sizes=("moe_intermediate_size",),  # None in a dense model: not checked
+        # hidden_size_per_layer_input 0 (no per-layer inputs): not checked
+        vllm_torch_tp_split_products=(("num_hidden_layers", "hidden_size_per_layer_input"),),
     )
 )
