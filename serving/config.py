@@ -1009,6 +1009,12 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                     f"{' x '.join(map(str, sizes))} = {math.prod(sizes)} ({d}/config.json): vLLM's "
                                     f"own model (container.env.MODEL_IMPL_TYPE={impl}) splits it evenly over the "
                                     f"chips; tpu-inference's JAX model (MODEL_IMPL_TYPE=auto) keeps it whole")
+            for key in fam.vllm_torch_reads_unused_keys:
+                if text.get(key):  # null, 0 or absent: nothing applied
+                    raise UserError(f"model dir {d}: config.json has {key}={text[key]!r}, which vLLM's own {arch} "
+                                    f"(container.env.MODEL_IMPL_TYPE={impl}) applies and transformers (and training) "
+                                    f"ignore: it would serve another model than the one trained; remove the key from "
+                                    f"config.json, or serve tpu-inference's JAX model (MODEL_IMPL_TYPE=auto)")
         max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
         # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
         long_ok = str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true")

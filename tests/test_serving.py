@@ -879,6 +879,29 @@ def test_per_layer_input_projection_splits_over_the_chips_on_vllms_own_model_onl
     assert code == 0, err
 
 
+def test_gemma4_attention_softcap_that_only_vllms_own_model_applies_is_refused_there(tmp_path, capsys):
+    """attn_logit_softcapping is no field of transformers' Gemma4TextConfig (a Gemma 2/3 key a converted config.json may
+    carry): transformers and training ignore it, and tpu-inference's JAX model too, but vLLM's own Gemma 4
+    (MODEL_IMPL_TYPE=vllm) passes it to its attention as the logit cap: that server ran another model than the one
+    trained and merged, without a word. A null cap is what transformers' configs of other families write."""
+    d = fake_model_dir(tmp_path / "m", arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["attn_logit_softcapping"] = 50.0
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                   "container.env.MODEL_IMPL_TYPE=vllm")
+    one_error_line(code, err, "config.json has attn_logit_softcapping=50.0", "MODEL_IMPL_TYPE=vllm",
+                   "transformers")
+    assert out == ""
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}")  # the JAX model
+    assert code == 0, err
+    cfg["text_config"]["attn_logit_softcapping"] = None
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                   "container.env.MODEL_IMPL_TYPE=vllm")
+    assert code == 0, err
+
+
 def _edit_weights(src: Path, dst: Path, drop: str = "", add: str = "") -> Path:
     """A copy of the model directory `src` whose model.safetensors lacks `drop` and holds an extra `add`."""
     import shutil
