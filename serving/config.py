@@ -514,6 +514,12 @@ def _takes(query: str, allowed: Sequence[str]) -> str:
     return "(" + (f"did you mean {close[0]}? " if close else "") + f"it takes {', '.join(allowed)})"
 
 
+def serves_jax_model(fam: Family, impl: str) -> bool:
+    """Whether vLLM-TPU serves `fam` with tpu-inference's own JAX model under container.env.MODEL_IMPL_TYPE=`impl`
+    (else vLLM's PyTorch model, through torchax)."""
+    return fam.vllm_jax_native and impl in ("auto", "flax_nnx")
+
+
 def model_impl_problem(cfg: ServeConfig, fam: Family | None = None, arch: str = "") -> str | None:
     """What tpu-inference or vLLM would refuse, or quietly not do, of the implementation the config chooses; None if
     nothing. Without `fam` (no directory read yet) the values alone: container.env's MODEL_IMPL_TYPE and
@@ -528,7 +534,7 @@ def model_impl_problem(cfg: ServeConfig, fam: Family | None = None, arch: str = 
         return (f"server.extra_args: --model-impl {vllm_impl!r} is not a model implementation vLLM takes "
                 + _takes(vllm_impl.lower(), VLLM_MODEL_IMPLS))
     impl = cfg.container.env.get("MODEL_IMPL_TYPE", "auto")
-    if fam is None or not fam.vllm_jax_native or impl not in ("auto", "flax_nnx"):
+    if fam is None or not serves_jax_model(fam, impl):
         return None  # vLLM's PyTorch model through torchax, which takes --model-impl and LoRA adapters
     if vllm_impl not in (None, "auto"):
         # vLLM's option reads like the switch, and tpu-inference's JAX model would be served without a word
@@ -1060,6 +1066,22 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                         if key in fam.vllm_tp_expert_split_sizes else "")
                 raise UserError(f"server.tensor_parallel_size={tp} does not divide {key}={size} ({d}/config.json): "
                                 f"vLLM splits it evenly over the chips{hint}")
+        impl = cfg.container.env.get("MODEL_IMPL_TYPE", "auto")
+        if not serves_jax_model(fam, impl):
+            for keys in fam.vllm_torch_tp_split_products:
+                sizes = [text.get(key) for key in keys]
+                if all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes) and math.prod(
+                        sizes) % tp:
+                    raise UserError(f"server.tensor_parallel_size={tp} does not divide {' x '.join(keys)} = "
+                                    f"{' x '.join(map(str, sizes))} = {math.prod(sizes)} ({d}/config.json): vLLM's "
+                                    f"own model (container.env.MODEL_IMPL_TYPE={impl}) splits it evenly over the "
+                                    f"chips; tpu-inference's JAX model (MODEL_IMPL_TYPE=auto) keeps it whole")
+            for key in fam.vllm_torch_reads_unused_keys:
+                if text.get(key):  # null, 0 or absent: nothing applied
+                    raise UserError(f"model dir {d}: config.json has {key}={text[key]!r}, which vLLM's own {arch} "
+                                    f"(container.env.MODEL_IMPL_TYPE={impl}) applies and transformers (and training) "
+                                    f"ignore: it would serve another model than the one trained; remove the key from "
+                                    f"config.json, or serve tpu-inference's JAX model (MODEL_IMPL_TYPE=auto)")
         max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
         # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
         long_ok = str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true")

@@ -282,6 +282,39 @@ def test_rotary_refusals_name_the_key_config_json_has(edit, needle, tiny_odd_dir
     assert str(e.value).startswith("config.json: ") and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("edit,needle", [
+    (lambda cfg: cfg["rope_parameters"]["full_attention"].update(partial_rotary_factor=0.5),
+     "rope_parameters.full_attention.partial_rotary_factor=0.5"),
+    (_rope_entry("sliding_attention", rope_type="linear", factor=2.0, partial_rotary_factor=0.25),
+     "rope_parameters.sliding_attention.partial_rotary_factor=0.25"),
+    (_legacy_scaling(rope_type="linear", factor=2.0, partial_rotary_factor=0.5),
+     "rope_scaling.partial_rotary_factor=0.5"),
+    (lambda cfg: cfg["rope_parameters"]["full_attention"].update(partial_rotary_factor=2),
+     "rope_parameters.full_attention.partial_rotary_factor=2"),
+])
+def test_linear_rope_over_part_of_the_head_is_refused_naming_the_key(edit, needle, tiny_odd_dir):
+    """transformers' linear RoPE spans int(head_dim * partial_rotary_factor) dimensions (Gemma 3's own default RoPE
+    ignores the key), so a share other than the whole head gives cos/sin of another width than the heads: its first
+    forward fails. The config was taken here and trained whole-head rotations, a run no merge of could be loaded."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = json.loads((tiny_odd_dir / "config.json").read_text())  # sliding and global layers, global ones linear
+    edit(cfg)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        Gemma3ForCausalLM(Gemma3TextConfig.from_dict(json.loads(json.dumps(cfg))))(torch.tensor([[2, 3]]))
+    with pytest.raises(UserError, match=re.escape(needle)) as e:
+        detect_family(cfg).tunix_config(cfg)
+    assert str(e.value).startswith("config.json: ") and "\n" not in str(e.value)
+    # the whole head (1, or a share whose span rounds down to it) is linear RoPE as before
+    edit(cfg)
+    for c in (cfg["rope_parameters"]["full_attention"], cfg["rope_parameters"]["sliding_attention"],
+              cfg.get("rope_scaling") or {}):
+        if "partial_rotary_factor" in c:
+            c["partial_rotary_factor"] = 1.0
+    detect_family(cfg).tunix_config(cfg)
+
+
 @pytest.mark.parametrize("family,key,value", [
     ("gemma3", "vocab_size", 0), ("gemma3", "hidden_size", 0), ("gemma3", "intermediate_size", -1),
     ("gemma3", "num_attention_heads", 0), ("gemma3", "head_dim", -16), ("gemma3", "max_position_embeddings", 0),

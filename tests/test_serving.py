@@ -907,6 +907,57 @@ def test_experts_spread_whole_over_the_chips_need_not_split_their_width(tmp_path
     one_error_line(code, err, "does not divide moe_intermediate_size=22")
 
 
+def _ple_gemma4(p, width: int):
+    """A Gemma 4 (2 layers, 8 query and 4 KV heads) whose per-layer inputs are `width` wide."""
+    d = fake_model_dir(p, arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"].update(hidden_size_per_layer_input=width)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_per_layer_input_projection_splits_over_the_chips_on_vllms_own_model_only(tmp_path, capsys):
+    """vLLM's PyTorch Gemma 4 (MODEL_IMPL_TYPE=vllm, what LoRA adapters are served on) splits the per-layer input
+    projection (num_hidden_layers x hidden_size_per_layer_input outputs, a ColumnParallelLinear) evenly over the chips
+    and asserts it divides, minutes into the engine's start; the check passed it. tpu-inference's JAX model (auto)
+    keeps that projection whole: any width is served."""
+    d = _ple_gemma4(tmp_path / "m", 6)  # 2 layers x 6 = 12 outputs: not 8 chips' share
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                   "container.env.MODEL_IMPL_TYPE=vllm")
+    one_error_line(code, err, "tensor_parallel_size=8 does not divide num_hidden_layers x hidden_size_per_layer_input"
+                              " = 2 x 6 = 12", "config.json", "MODEL_IMPL_TYPE")
+    assert out == ""
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}")
+    assert code == 0, err
+    d = _ple_gemma4(tmp_path / "m4", 4)  # 8 outputs: one a chip
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                   "container.env.MODEL_IMPL_TYPE=vllm")
+    assert code == 0, err
+
+
+def test_gemma4_attention_softcap_that_only_vllms_own_model_applies_is_refused_there(tmp_path, capsys):
+    """attn_logit_softcapping is no field of transformers' Gemma4TextConfig (a Gemma 2/3 key a converted config.json may
+    carry): transformers and training ignore it, and tpu-inference's JAX model too, but vLLM's own Gemma 4
+    (MODEL_IMPL_TYPE=vllm) passes it to its attention as the logit cap: that server ran another model than the one
+    trained and merged, without a word. A null cap is what transformers' configs of other families write."""
+    d = fake_model_dir(tmp_path / "m", arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["attn_logit_softcapping"] = 50.0
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                   "container.env.MODEL_IMPL_TYPE=vllm")
+    one_error_line(code, err, "config.json has attn_logit_softcapping=50.0", "MODEL_IMPL_TYPE=vllm",
+                   "transformers")
+    assert out == ""
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}")  # the JAX model
+    assert code == 0, err
+    cfg["text_config"]["attn_logit_softcapping"] = None
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                   "container.env.MODEL_IMPL_TYPE=vllm")
+    assert code == 0, err
+
+
 def _edit_weights(src: Path, dst: Path, drop: str = "", add: str = "") -> Path:
     """A copy of the model directory `src` whose model.safetensors lacks `drop` and holds an extra `add`."""
     import shutil

@@ -7,6 +7,7 @@ than silently mis-modelled.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -171,6 +172,21 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
     if rtype == "linear" and "factor" not in p:
         raise UserError(f"config.json: linear rope scaling for {kind} has no factor ({_rope_key(t, kind, 'factor')} "
                         f"missing; transformers cannot build a model from it)")
+    if rtype == "linear" and used:
+        # transformers' linear RoPE spans int(head_dim * partial_rotary_factor) dimensions (its Gemma 3 default RoPE
+        # ignores the key): any other span than the whole head gives cos/sin of another width than the heads, which
+        # its first forward fails on (Tunix rotates whole heads, so training went on)
+        share = p.get("partial_rotary_factor", 1.0)
+        key = _rope_key(t, kind, "partial_rotary_factor")
+        if isinstance(share, bool) or not isinstance(share, (int, float)):
+            raise UserError(f"config.json: {key}={share!r} is not of type int or float")
+        head_dim = int(t["head_dim"])
+        span = int(head_dim * share) if math.isfinite(share) else share
+        if span != head_dim:
+            raise UserError(f"config.json: {key}={share!r} is not supported: linear RoPE then spans "
+                            f"int(head_dim * partial_rotary_factor)={span} of head_dim={head_dim} "
+                            f"dimensions, which transformers cannot run (Tunix's Gemma 3 rotates whole heads); "
+                            f"remove it or set it to 1")
     factor = float(p["factor"]) if rtype == "linear" else 1.0
     if factor < 1.0 and used:  # transformers only warns; Tunix's rotary embedding raises a ValueError in a forward
         raise UserError(f"config.json: {_rope_key(t, kind, 'factor')}={p['factor']!r} must be at least 1 (Tunix's "

@@ -275,7 +275,8 @@ def tunix_config(hf_config: dict, param_dtype: Any = None):
     if t.get("use_bidirectional_attention") == "all":
         raise _cfg_error("use_bidirectional_attention", "all", "an encoder, not a causal LM")
     # attn_logit_softcapping (a Gemma 2/3 key a converted config may carry) is not a Gemma4TextConfig field and no
-    # Gemma 4 class reads it: ignored here as transformers ignores it
+    # Gemma 4 class of transformers reads it: ignored here as transformers ignores it (vLLM's own Gemma 4 applies it:
+    # serving.config refuses it there, `Family.vllm_torch_reads_unused_keys`)
     eps = float(t.get("rms_norm_eps", 1e-6))
     if abs(eps - 1e-6) > 1e-12:
         raise _cfg_error("rms_norm_eps", eps, "Tunix uses 1e-6")
@@ -782,5 +783,8 @@ GEMMA4 = register(
         vllm_jax_native=True,
         vllm_tp_split_sizes=("intermediate_size",),  # the dense MLP, beside the experts in a MoE's layers too
         vllm_tp_expert_split_sizes=("moe_intermediate_size",),  # None in a dense model: not checked
+        # hidden_size_per_layer_input 0 (no per-layer inputs): not checked
+        vllm_torch_tp_split_products=(("num_hidden_layers", "hidden_size_per_layer_input"),),
+        vllm_torch_reads_unused_keys=("attn_logit_softcapping",),  # ignored here (tunix_config), as transformers
     )
 )

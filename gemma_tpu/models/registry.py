@@ -262,6 +262,14 @@ class Family:
     # config.json sizes vLLM splits over --tensor-parallel-size unless --enable-expert-parallel spreads whole experts
     # over the chips instead: each expert's width (FusedMoE divides it by the TP size and asserts it divides)
     vllm_tp_expert_split_sizes: tuple[str, ...] = ()
+    # products of config.json sizes that vLLM's own (PyTorch, MODEL_IMPL_TYPE=vllm) model splits evenly over
+    # --tensor-parallel-size and tpu-inference's JAX model keeps whole: Gemma 4's per-layer input projection, a
+    # ColumnParallelLinear of num_hidden_layers x hidden_size_per_layer_input outputs (it asserts that they divide)
+    vllm_torch_tp_split_products: tuple[tuple[str, ...], ...] = ()
+    # config.json keys that vLLM's own (PyTorch) model applies and transformers' class ignores (no field of its config;
+    # a converted config.json may carry them): served there, the model would not be the one trained and merged.
+    # Gemma 4: attn_logit_softcapping, which vLLM's Gemma4Attention takes as its logit cap
+    vllm_torch_reads_unused_keys: tuple[str, ...] = ()
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
     vllm_jax_native: bool = False
