@@ -206,6 +206,14 @@ def test_indivisible_axis_is_refused_before_loading(tiny_dir, tmp_path):
     err = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(err) == 1 and "cannot be split over mesh.tp=8" in err[0] and "divides 4" in err[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    # before the data is read (minutes for a large set): a bad row further on is not what stops the run
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"x": 1}\n')
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                   f"checkpoint.dir={tmp_path}/ck", "mesh.fsdp=1", "mesh.tp=8", f"data.train_path={bad}", env=EIGHT)
+    err = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert proc.returncode == 2 and len(err) == 1 and "cannot be split over mesh.tp=8" in err[0], proc.stderr[-2000:]
+    assert not (tmp_path / "ck").exists()
 
 
 def test_indivisible_axis_names_the_mesh_keys():

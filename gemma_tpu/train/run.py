@@ -144,6 +144,14 @@ def run(cfg: RunConfig) -> dict:
     if cfg.lora.enabled:
         resolved.family.targets_to_modules(tunix_cfg, list(cfg.lora.targets))
     check_weight_files(resolved, tunix_cfg)  # headers, shards, shapes: before minutes of data preparation
+    # the mesh and what it splits, from the model's shapes alone (nothing allocated): a mesh that cannot split the
+    # model (tp=8 over 4 heads) was refused only after the data had been prepared, minutes for a large set
+    mesh = mesh_lib.build_mesh(cfg.mesh)
+    check_batch_divisible(cfg, dict(mesh.shape), jax.process_count())
+    remat = effective_remat(cfg)
+    with mesh:
+        abstract, _ = abstract_model(resolved.family, resolved.hf_config, cfg.model.dtype, remat)
+        partition.check_divisible(resolved.family, tunix_cfg, abstract, mesh)
 
     # 2. data, fully validated before anything is written
     if not cfg.data.train_path:
@@ -210,17 +218,11 @@ def run(cfg: RunConfig) -> dict:
         log.info("checkpoint %s is at its last step %d, but the run did not finish (no summary.json of step %d in "
                  "%s); finishing it: %s", ckpt_dir, done[-1], done[-1], run_dir, work)
 
-    # 3. mesh, model, LoRA: weights go straight into their shards (gemma_tpu.train.partition rules)
-    mesh = mesh_lib.build_mesh(cfg.mesh)
-    check_batch_divisible(cfg, dict(mesh.shape), jax.process_count())
-    remat = effective_remat(cfg)
+    # 3. model, LoRA on the mesh checked above: weights go straight into their shards (gemma_tpu.train.partition)
     warning = attention_dropout_warning(resolved.hf_config, str(resolved.local_dir / "config.json"))
     if warning:
         log.warning(warning)
     with mesh:  # the mesh PeftTrainer reads (thread resources) for input sharding
-
-        abstract, _ = abstract_model(resolved.family, resolved.hf_config, cfg.model.dtype, remat)
-        partition.check_divisible(resolved.family, tunix_cfg, abstract, mesh)
         ruled = dataclasses.replace(resolved, family=partition.with_rules(resolved.family))
         model, tunix_cfg = load_model(ruled, cfg.model.dtype, remat, mesh=mesh)
         if cfg.lora.enabled:
