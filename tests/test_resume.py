@@ -349,3 +349,29 @@ def test_a_refused_resume_says_how_to_resume(what, was, hint):
     from gemma_tpu.train.resume import resume_hint
 
     assert resume_hint(what, was) == hint
+
+
+def test_a_file_named_like_a_step_is_refused_naming_it(tmp_path):
+    """A plain file named like a step (`checkpoints/4`: notes, a copy's leftover) was deleted without a word by
+    Orbax when the run saved step 4 (the user's file lost). It is refused before anything loads, naming the file,
+    with run metadata or without, and is left as it was."""
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    meta = {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+            "lora": {"enabled": True, "rank": 4, "alpha": 8.0, "targets": ["q_proj"]},
+            "config": {"train": {"max_steps": 2}}}
+    fresh, run = tmp_path / "fresh", tmp_path / "run"
+    fresh.mkdir()
+    write_metadata(run, meta)
+    (run / "2" / "model_params").mkdir(parents=True)
+    for marker in COMMIT_MARKERS:
+        (run / "2" / marker).write_text("{}")
+    check_resume_compatible(run, meta)
+    for d in (fresh, run):
+        (d / "4").write_text("my notes\n")
+        with pytest.raises(UserError, match=rf"^{d / '4'}: a file named like a checkpoint step, not a step directory;"
+                                            rf" saving step 4 would replace it: move it out of checkpoint.dir"):
+            check_resume_compatible(d, meta)
+        assert (d / "4").read_text() == "my notes\n"

@@ -24,6 +24,11 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
     by its path."""
 
+    files = sorted((p for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink() and not p.is_dir()),
+                   key=lambda p: int(p.name)) if ckpt_dir.is_dir() else []
+    if files:  # Orbax deleted it without a word as it saved that step: the user's file was lost
+        raise UserError(f"{files[0]}: a file named like a checkpoint step, not a step directory; saving step "
+                        f"{int(files[0].name)} would replace it: move it out of checkpoint.dir")
     if not (ckpt_dir / METADATA_FILE).is_file():
         if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
