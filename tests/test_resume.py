@@ -7,6 +7,7 @@ tests/test_kill_harness.py and benchmarks/kill_harness.py.)
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -105,6 +106,10 @@ def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_
     assert (summary["resumed_from"], summary["steps"]) == (MAX_STEPS - 1, MAX_STEPS), tail(log)
     assert "set aside" in log.read_text()
     assert list((ckpt).glob(f"{MAX_STEPS}.incomplete-*")), sorted(p.name for p in ckpt.iterdir())
+    # kept (possibly the only copy), and never removed by a run: said with the space it takes, at every start
+    assert re.search(rf"{re.escape(str(ckpt))} holds 1 step directory set aside as incomplete \(\d+\.\d\d KB: "
+                     rf"{MAX_STEPS}\.incomplete-\d+\), kept as possibly the only copy of that step; no run removes "
+                     rf"them", log.read_text()), tail(log)
     assert train_rows(ckpt)[-1]["loss"] == reference["losses"][MAX_STEPS]
     # the stopped run's record of step 12 (its checkpoint set aside) goes; the resumed run writes it: each step once
     assert [r["step"] for r in train_rows(ckpt)] == list(range(1, MAX_STEPS + 1)), tail(ckpt / "metrics.jsonl")

@@ -180,6 +180,18 @@ def set_aside_incomplete_steps(ckpt_dir: str | Path) -> list[Path]:
     return moved
 
 
+def set_aside_steps(ckpt_dir: str | Path) -> list[tuple[Path, int]]:
+    """The step directories `set_aside_incomplete_steps` renamed, this run's and earlier ones', with their sizes in
+    bytes, oldest name first. Never removed by a run (possibly the only copy of a step a copy cut short); each one
+    kept the space of a whole step, unsaid after the start that set it aside."""
+    out = []
+    for p in sorted(Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []:
+        step, _, stamp = p.name.partition(".incomplete-")
+        if step.isdigit() and stamp.isdigit() and p.is_dir() and not p.is_symlink():
+            out.append((p, sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())))
+    return out
+
+
 ORBAX_TMP = ".orbax-checkpoint-tmp"  # what an Orbax save writes into until it renames it `<step>`
 
 

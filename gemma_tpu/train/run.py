@@ -250,6 +250,12 @@ def run(cfg: RunConfig) -> dict:
             for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
                 log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
                             "complete one", p)
+            aside = checkpoint.set_aside_steps(ckpt_dir)
+            if aside:
+                log.warning("%s holds %d step director%s set aside as incomplete (%s: %s), kept as possibly the only "
+                            "copy of %s; no run removes them: delete them once not needed", ckpt_dir, len(aside),
+                            "y" if len(aside) == 1 else "ies", human(sum(size for _, size in aside)),
+                            ", ".join(p.name for p, _ in aside), "that step" if len(aside) == 1 else "those steps")
             for p, size in checkpoint.remove_unfinished_saves(ckpt_dir):
                 log.warning("removed %s (%s): a save that did not finish (a full disk, or the run was killed)", p,
                             human(size))
