@@ -37,12 +37,15 @@ class NonFiniteState(UserError):
 class CheckpointSaveFailed(UserError):
     """A checkpoint could not be written; the previous complete step stays on disk. `partial`: the failed save's
     Orbax temp dir (removed on the way out, so the space it took is free again), None when nothing was written;
-    `directory`: the checkpoint directory, where `remove_failed_saves` looks for more."""
+    `directory`: the checkpoint directory, where `remove_failed_saves` looks for more. `old_step`: where the new step
+    was saved and removing this older one (checkpoint.max_to_keep) failed, with `on_disk` the last complete step."""
 
-    def __init__(self, msg: str, partial: Path | None = None, directory: Path | None = None):
+    def __init__(self, msg: str, partial: Path | None = None, directory: Path | None = None,
+                 old_step: int | None = None, on_disk: int | None = None):
         super().__init__(msg)
         self.partial = partial
         self.directory = directory if directory is not None or partial is None else partial.parent
+        self.old_step, self.on_disk = old_step, on_disk
 
 
 def remove_failed_saves(directory: Path, quiet_s: float = 1.0, limit_s: float = 15.0) -> None:
@@ -99,7 +102,8 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
     old = _step_being_removed(e)
     if old is not None:  # the new step was saved; the removal of an old one after it failed
         return CheckpointSaveFailed(f"removing the old checkpoint step {old} in {where} (checkpoint.max_to_keep) "
-                                    f"failed ({reason}); {kept}", None, Path(where) if inner is not None else None)
+                                    f"failed ({reason}); {kept}", None, Path(where) if inner is not None else None,
+                                    old_step=old, on_disk=last)
     partial = None
     try:  # with async saves, an earlier step's failure surfaces at the next save: its temp dir names it
         half = sorted((int(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
