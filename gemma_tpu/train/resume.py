@@ -157,14 +157,16 @@ def check_data_position(cfg: RunConfig, train_split: Any) -> None:
 
 
 def data_used_up(cfg: RunConfig, train_split: Any) -> bool:
-    """Whether the latest step's data position is at the end of a finite stream (`data.num_epochs`): a run that
-    ended because its data ran out, before train.max_steps, on which a rerun has nothing left to train."""
+    """Whether the latest step's data position is at the end of a finite stream (`data.num_epochs`), or less than
+    one optimizer step (train.grad_accum_steps micro-batches) before it: a run that ended because its data ran out,
+    before train.max_steps, on which a rerun has nothing left to train."""
     from gemma_tpu.data.pipeline import position
 
     epochs = cfg.data.num_epochs
     saved = checkpoint.saved_data_layout(cfg.checkpoint.dir) if epochs is not None else None
     read = position(saved[2], str(saved[0])) if saved is not None else None
-    return read is not None and read >= len(train_split.rows) * epochs // cfg.train.batch_size
+    left = len(train_split.rows) * epochs // cfg.train.batch_size - read if read is not None else None
+    return left is not None and left < max(1, cfg.train.grad_accum_steps)
 
 
 def restore_failure(ckpt_dir: Path, step: int, model, kind, old: dict, new: dict, error: BaseException) -> UserError:
