@@ -380,3 +380,32 @@ def test_a_file_named_like_a_step_is_refused_naming_it(tmp_path):
                                             rf" saving step 4 would replace it: move it out of checkpoint.dir"):
             check_resume_compatible(d, meta)
         assert (d / "4").read_text() == "my notes\n"
+
+
+def test_step_names_orbax_does_not_read_are_not_taken_for_steps(tmp_path):
+    """`04` (a copy of step 4 named by a script's %02d) was taken here for step 4, which Orbax does not read: the
+    resume failed naming `4/_CHECKPOINT_METADATA: missing`, a path that was never there. It is refused naming it.
+    `²` and `³` (digits to str.isdigit, not to int()) were a ValueError traceback before anything was said; they
+    are no step to anyone and are left alone."""
+    import shutil as sh
+
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, list_steps, set_aside_incomplete_steps, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    meta = {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+            "lora": {"enabled": True, "rank": 4, "alpha": 8.0, "targets": ["q_proj"]},
+            "config": {"train": {"max_steps": 2}}}
+    write_metadata(tmp_path, meta)
+    (tmp_path / "2" / "model_params").mkdir(parents=True)
+    for marker in COMMIT_MARKERS:
+        (tmp_path / "2" / marker).write_text("{}")
+    (tmp_path / "²").mkdir()
+    (tmp_path / "³").write_text("notes")
+    assert set_aside_incomplete_steps(tmp_path) == [] and list_steps(tmp_path) == [2]
+    check_resume_compatible(tmp_path, meta)
+    sh.copytree(tmp_path / "2", tmp_path / "04")
+    assert list_steps(tmp_path) == [2]
+    with pytest.raises(UserError, match=rf"^{tmp_path / '04'}: named like checkpoint step 4, but Orbax reads a step "
+                                        rf"only by its plain number: rename it 4, or move it out of checkpoint.dir$"):
+        check_resume_compatible(tmp_path, meta)

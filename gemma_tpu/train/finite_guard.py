@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gemma_tpu.checkpoint.metadata import ORBAX_TMP, list_steps
+from gemma_tpu.checkpoint.metadata import ORBAX_TMP, list_steps, step_of
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.tunix_adapter import orbax_manager
 
@@ -106,8 +106,8 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
                                     old_step=old, on_disk=last)
     partial = None
     try:  # with async saves, an earlier step's failure surfaces at the next save: its temp dir names it
-        half = sorted((int(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
-                      if ORBAX_TMP in p.name and p.name.split(".", 1)[0].isdigit())
+        half = sorted((step_of(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
+                      if ORBAX_TMP in p.name and step_of(p.name.split(".", 1)[0]) is not None)
         step, partial = half[0] if half else (step, None)
     except OSError:
         pass

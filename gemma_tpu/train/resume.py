@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma_tpu.checkpoint import metadata as checkpoint
-from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, step_of
 from gemma_tpu.core.config import RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.fingerprint import check_base
@@ -24,16 +24,22 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
     by its path."""
 
-    files = sorted((p for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink() and not p.is_dir()),
-                   key=lambda p: int(p.name)) if ckpt_dir.is_dir() else []
+    entries = sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []
+    padded = [p for p in entries if p.name.isascii() and p.name.isdigit() and step_of(p.name) is None]
+    if padded:  # taken for step 4 here (its files looked for in `4`), not a step at all to Orbax
+        raise UserError(f"{padded[0]}: named like checkpoint step {int(padded[0].name)}, but Orbax reads a step only "
+                        f"by its plain number: rename it {int(padded[0].name)}, or move it out of checkpoint.dir")
+    files = sorted((p for p in entries if step_of(p.name) is not None and not p.is_symlink() and not p.is_dir()),
+                   key=lambda p: step_of(p.name))
     if files:  # Orbax deleted it without a word as it saved that step: the user's file was lost
         raise UserError(f"{files[0]}: a file named like a checkpoint step, not a step directory; saving step "
-                        f"{int(files[0].name)} would replace it: move it out of checkpoint.dir")
+                        f"{step_of(files[0].name)} would replace it: move it out of checkpoint.dir")
     if not (ckpt_dir / METADATA_FILE).is_file():
-        if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        if any(step_of(p.name) is not None for p in entries):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
-    links = sorted((p for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_symlink()), key=lambda p: int(p.name))
+    links = sorted((p for p in entries if step_of(p.name) is not None and p.is_symlink()),
+                   key=lambda p: step_of(p.name))
     if links:  # taken for a step: resumed from without a word, and Orbax's clean-up (max_to_keep) failed on it
         raise UserError(f"{links[0]}: a symbolic link named like a checkpoint step (to {os.readlink(links[0])}); a "
                         f"run's steps are its own directories (Orbax cannot delete a link when checkpoint.max_to_keep "
