@@ -784,6 +784,17 @@ CASES = [
          ["train.run_dir={tmp}/m/tb", "inside the base model's directory"], {"m": copy_of("tiny")}),
     Case("train-checkpoint-dir-holds-a-model", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/merged"],
          ["checkpoint.dir={tmp}/merged", "holds a model (config.json)"], {"merged": copy_of("tiny")}),
+    # the run's own outputs in the way: refused before anything is written (a resume blamed its sound step, "move it
+    # aside"; a fresh run wrote its metadata first; summary.json, after every step had trained)
+    Case("train-metrics-file-is-a-directory", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck/metrics.jsonl: not a regular file", "checkpoint.dir"], {"ck/metrics.jsonl/": ""}),
+    Case("train-resume-metrics-file-is-a-directory", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck/metrics.jsonl: not a regular file"],
+         {"ck": copy_of("ckpt", drop=("metrics.jsonl",)), "ck/metrics.jsonl/": ""}),
+    Case("train-tensorboard-is-a-file", "gemma_tpu.train", [*TRAIN, "train.run_dir={tmp}/rd"],
+         ["{tmp}/rd/tensorboard: not a directory", "train.run_dir"], {"rd/tensorboard": "notes"}),
+    Case("train-summary-is-a-directory", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
+         ["{tmp}/ck/summary.json: not a regular file"], {"ck/summary.json/": ""}),
     Case("ckpt-missing-checkpoint-dir", "convert.export_peft", ["--checkpoint", "{tmp}/nope", "--out", "{tmp}/out"],
          ["{tmp}/nope"]),
     # ---- merge and export targets

@@ -183,3 +183,47 @@ def test_a_failed_first_save_says_a_restart_begins_afresh(tmp_path):
     assert str(save_failure(manager, 1, OSError(28, "No space left on device"))) == (
         f"saving checkpoint step 1 in {tmp_path} failed (No space left on device); no complete step is on disk, and "
         "a restart begins afresh")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_removal_of_an_old_step_is_not_said_to_be_a_failed_save(tmp_path, async_save):
+    """checkpoint.max_to_keep removes the oldest step once a new one is saved; a removal that failed (a file of the
+    old step that cannot be deleted) was said as "saving checkpoint step 2 ... failed" while step 2 was on disk, and
+    with async saves "no complete step is on disk, and a restart begins afresh" (Orbax forgets the step whose
+    finalisation raised): the restart resumed from step 2. The line names the removal and the step really on disk."""
+    import subprocess
+
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from tunix.sft.checkpoint_manager import CheckpointManager
+
+    from gemma_tpu.checkpoint.metadata import list_steps
+    from gemma_tpu.train.finite_guard import CheckpointSaveFailed, FiniteCheckpoints, last_step_on_disk
+
+    class Tiny(nnx.Module):
+        def __init__(self):
+            self.w_lora_a = nnx.LoRAParam(jnp.ones((4, 2)))
+
+    model = Tiny()
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)
+    ckpt = tmp_path / "ck"
+    cm = FiniteCheckpoints(CheckpointManager(str(ckpt), ocp.CheckpointManagerOptions(
+        save_interval_steps=1, max_to_keep=1, enable_async_checkpointing=async_save)))
+    assert cm.save(1, model, opt, save_only_lora_params=True)
+    last_step_on_disk(cm)  # the async save of step 1 finished
+    stuck = ckpt / "1" / "commit_success.txt"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True, check=False).returncode != 0:
+        pytest.skip("cannot make a file undeletable here (chattr +i needs root and ext4 or the like)")
+    try:
+        with pytest.raises(CheckpointSaveFailed) as raised:
+            cm.save(2, model, opt, save_only_lora_params=True)
+            cm.save(3, model, opt, save_only_lora_params=True)  # an async save's failure surfaces at the next one
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=False)
+    assert str(raised.value) == (
+        f"removing the old checkpoint step 1 in {ckpt} (checkpoint.max_to_keep) failed (PermissionError: [Errno 1] "
+        "Operation not permitted: 'commit_success.txt'); the last complete step on disk is 2, and a restart resumes "
+        "from it")
+    assert list_steps(ckpt) == [2]

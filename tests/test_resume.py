@@ -7,6 +7,7 @@ tests/test_kill_harness.py and benchmarks/kill_harness.py.)
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -105,6 +106,10 @@ def test_half_written_latest_step_is_ignored_on_resume(tiny_dir, reference, tmp_
     assert (summary["resumed_from"], summary["steps"]) == (MAX_STEPS - 1, MAX_STEPS), tail(log)
     assert "set aside" in log.read_text()
     assert list((ckpt).glob(f"{MAX_STEPS}.incomplete-*")), sorted(p.name for p in ckpt.iterdir())
+    # kept (possibly the only copy), and never removed by a run: said with the space it takes, at every start
+    assert re.search(rf"{re.escape(str(ckpt))} holds 1 step directory set aside as incomplete \(\d+\.\d\d KB: "
+                     rf"{MAX_STEPS}\.incomplete-\d+\), kept as possibly the only copy of that step; no run removes "
+                     rf"them", log.read_text()), tail(log)
     assert train_rows(ckpt)[-1]["loss"] == reference["losses"][MAX_STEPS]
     # the stopped run's record of step 12 (its checkpoint set aside) goes; the resumed run writes it: each step once
     assert [r["step"] for r in train_rows(ckpt)] == list(range(1, MAX_STEPS + 1)), tail(ckpt / "metrics.jsonl")
@@ -349,3 +354,58 @@ def test_a_refused_resume_says_how_to_resume(what, was, hint):
     from gemma_tpu.train.resume import resume_hint
 
     assert resume_hint(what, was) == hint
+
+
+def test_a_file_named_like_a_step_is_refused_naming_it(tmp_path):
+    """A plain file named like a step (`checkpoints/4`: notes, a copy's leftover) was deleted without a word by
+    Orbax when the run saved step 4 (the user's file lost). It is refused before anything loads, naming the file,
+    with run metadata or without, and is left as it was."""
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    meta = {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+            "lora": {"enabled": True, "rank": 4, "alpha": 8.0, "targets": ["q_proj"]},
+            "config": {"train": {"max_steps": 2}}}
+    fresh, run = tmp_path / "fresh", tmp_path / "run"
+    fresh.mkdir()
+    write_metadata(run, meta)
+    (run / "2" / "model_params").mkdir(parents=True)
+    for marker in COMMIT_MARKERS:
+        (run / "2" / marker).write_text("{}")
+    check_resume_compatible(run, meta)
+    for d in (fresh, run):
+        (d / "4").write_text("my notes\n")
+        with pytest.raises(UserError, match=rf"^{d / '4'}: a file named like a checkpoint step, not a step directory;"
+                                            rf" saving step 4 would replace it: move it out of checkpoint.dir"):
+            check_resume_compatible(d, meta)
+        assert (d / "4").read_text() == "my notes\n"
+
+
+def test_step_names_orbax_does_not_read_are_not_taken_for_steps(tmp_path):
+    """`04` (a copy of step 4 named by a script's %02d) was taken here for step 4, which Orbax does not read: the
+    resume failed naming `4/_CHECKPOINT_METADATA: missing`, a path that was never there. It is refused naming it.
+    `²` and `³` (digits to str.isdigit, not to int()) were a ValueError traceback before anything was said; they
+    are no step to anyone and are left alone."""
+    import shutil as sh
+
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, list_steps, set_aside_incomplete_steps, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    meta = {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+            "lora": {"enabled": True, "rank": 4, "alpha": 8.0, "targets": ["q_proj"]},
+            "config": {"train": {"max_steps": 2}}}
+    write_metadata(tmp_path, meta)
+    (tmp_path / "2" / "model_params").mkdir(parents=True)
+    for marker in COMMIT_MARKERS:
+        (tmp_path / "2" / marker).write_text("{}")
+    (tmp_path / "²").mkdir()
+    (tmp_path / "³").write_text("notes")
+    assert set_aside_incomplete_steps(tmp_path) == [] and list_steps(tmp_path) == [2]
+    check_resume_compatible(tmp_path, meta)
+    sh.copytree(tmp_path / "2", tmp_path / "04")
+    assert list_steps(tmp_path) == [2]
+    with pytest.raises(UserError, match=rf"^{tmp_path / '04'}: named like checkpoint step 4, but Orbax reads a step "
+                                        rf"only by its plain number: rename it 4, or move it out of checkpoint.dir$"):
+        check_resume_compatible(tmp_path, meta)

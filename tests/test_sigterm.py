@@ -368,3 +368,34 @@ def test_a_run_started_with_sighup_ignored_outlives_its_terminal(tiny_dir, refer
     proc.send_signal(signal.SIGHUP)
     assert proc.wait(timeout=300) == 0, tail(log)
     assert json.loads((ckpt / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_preemption_whose_step_is_saved_but_an_old_step_not_removed_exits_143(tiny_dir, tmp_path):
+    """SIGTERM, the step saved, then checkpoint.max_to_keep's removal of an older step failed (a file of it that
+    cannot be deleted): the run said "ERROR SIGTERM: could not save step N (... the last complete step on disk is
+    N ...)" and exited 2, a failure to a scheduler, with the step it was preempted for on disk. It says the step is
+    saved and what failed after, and exits 143."""
+    from gemma_tpu.checkpoint.metadata import list_steps
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    first = subprocess.run(command(tiny_dir, ckpt) + ["train.max_steps=2", "checkpoint.every_steps=2"], cwd=REPO,
+                           env=environment(tmp_path / "cache"), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    stuck = ckpt / "2" / "commit_success.txt"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True, check=False).returncode != 0:
+        pytest.skip("cannot make a file undeletable here (chattr +i needs root and ext4 or the like)")
+    try:
+        proc = subprocess.Popen(command(tiny_dir, ckpt) + ["checkpoint.every_steps=100", "checkpoint.max_to_keep=1"],
+                                cwd=REPO, env=environment(tmp_path / "cache", 0.5), stdout=subprocess.DEVNULL,
+                                stderr=log.open("w"))
+        _wait_for(lambda: "step 3/" in log.read_text(errors="replace"), proc, log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 143, tail(log)
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=False)
+    text = log.read_text(errors="replace")
+    m = re.search(r"SIGTERM: step (\d+) is saved, but removing the old checkpoint step 2 in \S+ "
+                  r"\(checkpoint.max_to_keep\) failed \(PermissionError: [^)]*\); the last complete step on disk is "
+                  r"(\d+), and a restart resumes from it; exiting", text)
+    assert m and m.group(1) == m.group(2), tail(log)
+    assert list_steps(ckpt)[-1] == int(m.group(1)) > 2 and " ERROR " not in text, tail(log)

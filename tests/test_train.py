@@ -394,6 +394,35 @@ def test_a_rerun_of_a_run_whose_data_ran_out_has_nothing_to_do(tiny_dir, tmp_pat
     assert json.loads((ckpt / "summary.json").read_text())["steps"] == 20
 
 
+def test_data_that_ends_mid_accumulation_ends_the_run_at_its_last_whole_step(tiny_dir, tmp_path):
+    """data.num_epochs=1 ends 2 micro-batches into an optimizer step of train.grad_accum_steps=3 (56 rows, batches of
+    4: 14 micro-batches, 4 steps). Those 2 were fed anyway: the optimizer never applied them (MultiSteps waits for 3),
+    but metrics.jsonl got a "step 5" record with their loss scaled by 3/2 (7.8 after 5.4), which the summary gave as
+    final_train_loss; and every rerun restored step 4, fed them again and replaced summary.json. The run ends at
+    step 4, as the epochs warning says; its rerun has nothing to do. Its data position is the step's start: a resume
+    with another epoch trains what an uninterrupted two-epoch run does (it began one step later, the 2 skipped)."""
+    ckpt = tmp_path / "ckpt"
+    args = ["data.eval_path=null", "data.num_epochs=1", "train.grad_accum_steps=3", "train.max_steps=20",
+            "checkpoint.every_steps=100"]  # step 4 is saved as the run ends, with the position the feed left
+    proc = train(tiny_dir, ckpt, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the run ends at step 4" in proc.stderr, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["mode"] == "train"] == [1, 2, 3, 4]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_train_loss"] == rows[-1]["loss"], summary
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    proc = train(tiny_dir, ckpt, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is at step 4, where its training data ends (data.num_epochs=1); nothing to do" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+    two = [*args[:1], "data.num_epochs=2", *args[2:]]
+    assert train(tiny_dir, ckpt, *two).returncode == 0
+    assert train(tiny_dir, tmp_path / "two", *two).returncode == 0
+    assert losses(ckpt) == losses(tmp_path / "two") and len(losses(ckpt)) == 9
+
+
 def test_attention_dropout_of_the_config_is_said_not_applied(tiny_dir, tmp_path):
     """config.json's attention_dropout > 0 (transformers applies it in training; a PEFT recipe trained with it) was
     silently not applied: the JAX attention has none. One warning names the file and the key; the run trains."""

@@ -136,8 +136,15 @@ def check_metadata(path: Path, meta: dict[str, Any]) -> None:
 COMMIT_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
+def step_of(name: str) -> int | None:
+    """The step of an entry of `checkpoint.dir` named `name`, as Orbax names step directories (`4`), else None: Orbax
+    reads neither `04` (taken here for step 4, whose files were then looked for in `4`) nor `²` (str.isdigit's, a
+    ValueError traceback from int())."""
+    return int(name) if name.isascii() and name.isdigit() and str(int(name)) == name else None
+
+
 def is_complete_step(p: Path) -> bool:
-    return (p.is_dir() and p.name.isdigit() and (p / "model_params").is_dir()
+    return (p.is_dir() and step_of(p.name) is not None and (p / "model_params").is_dir()
             and all((p / m).is_file() for m in COMMIT_MARKERS))
 
 
@@ -173,11 +180,24 @@ def set_aside_incomplete_steps(ckpt_dir: str | Path) -> list[Path]:
     done = list_steps(ckpt_dir)
     moved = []
     for p in sorted(Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []:
-        if p.is_dir() and p.name.isdigit() and int(p.name) > (done[-1] if done else -1) and not is_complete_step(p):
+        step = step_of(p.name)
+        if p.is_dir() and step is not None and step > (done[-1] if done else -1) and not is_complete_step(p):
             dest = p.with_name(f"{p.name}.incomplete-{time.time_ns()}")
             os.rename(p, dest)
             moved.append(dest)
     return moved
+
+
+def set_aside_steps(ckpt_dir: str | Path) -> list[tuple[Path, int]]:
+    """The step directories `set_aside_incomplete_steps` renamed, this run's and earlier ones', with their sizes in
+    bytes, oldest name first. Never removed by a run (possibly the only copy of a step a copy cut short); each one
+    kept the space of a whole step, unsaid after the start that set it aside."""
+    out = []
+    for p in sorted(Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []:
+        step, _, stamp = p.name.partition(".incomplete-")
+        if step_of(step) is not None and stamp.isdigit() and p.is_dir() and not p.is_symlink():
+            out.append((p, sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())))
+    return out
 
 
 ORBAX_TMP = ".orbax-checkpoint-tmp"  # what an Orbax save writes into until it renames it `<step>`
@@ -190,8 +210,8 @@ def unfinished_steps(ckpt_dir: str | Path, after: int = -1) -> list[int]:
     out = set()
     for p in Path(ckpt_dir).iterdir() if Path(ckpt_dir).is_dir() else []:
         name = p.name.split(ORBAX_TMP, 1)[0] if ORBAX_TMP in p.name else p.name
-        if p.is_dir() and name.isdigit() and int(name) > after and not is_complete_step(p):
-            out.add(int(name))
+        if p.is_dir() and step_of(name) is not None and step_of(name) > after and not is_complete_step(p):
+            out.add(step_of(name))
     return sorted(out)
 
 

@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gemma_tpu.checkpoint.metadata import ORBAX_TMP
+from gemma_tpu.checkpoint.metadata import ORBAX_TMP, list_steps, step_of
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.train.tunix_adapter import orbax_manager
 
@@ -37,12 +37,15 @@ class NonFiniteState(UserError):
 class CheckpointSaveFailed(UserError):
     """A checkpoint could not be written; the previous complete step stays on disk. `partial`: the failed save's
     Orbax temp dir (removed on the way out, so the space it took is free again), None when nothing was written;
-    `directory`: the checkpoint directory, where `remove_failed_saves` looks for more."""
+    `directory`: the checkpoint directory, where `remove_failed_saves` looks for more. `old_step`: where the new step
+    was saved and removing this older one (checkpoint.max_to_keep) failed, with `on_disk` the last complete step."""
 
-    def __init__(self, msg: str, partial: Path | None = None, directory: Path | None = None):
+    def __init__(self, msg: str, partial: Path | None = None, directory: Path | None = None,
+                 old_step: int | None = None, on_disk: int | None = None):
         super().__init__(msg)
         self.partial = partial
         self.directory = directory if directory is not None or partial is None else partial.parent
+        self.old_step, self.on_disk = old_step, on_disk
 
 
 def remove_failed_saves(directory: Path, quiet_s: float = 1.0, limit_s: float = 15.0) -> None:
@@ -90,17 +93,44 @@ def save_failure(manager, step, e: BaseException) -> CheckpointSaveFailed:
         last = inner.latest_step() if inner is not None else None
     except Exception:  # noqa: BLE001 (the manager is in an unknown state; the message matters more)
         last = None
+    try:  # what a restart reads: Orbax forgets a step whose async finalisation raised, though it is on disk
+        last = max(list_steps(where), default=last)
+    except OSError:
+        pass
     kept = (f"the last complete step on disk is {last}, and a restart resumes from it" if last is not None
             else "no complete step is on disk, and a restart begins afresh")
+    old = _step_being_removed(e)
+    if old is not None:  # the new step was saved; the removal of an old one after it failed
+        return CheckpointSaveFailed(f"removing the old checkpoint step {old} in {where} (checkpoint.max_to_keep) "
+                                    f"failed ({reason}); {kept}", None, Path(where) if inner is not None else None,
+                                    old_step=old, on_disk=last)
     partial = None
     try:  # with async saves, an earlier step's failure surfaces at the next save: its temp dir names it
-        half = sorted((int(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
-                      if ORBAX_TMP in p.name and p.name.split(".", 1)[0].isdigit())
+        half = sorted((step_of(p.name.split(".", 1)[0]), p) for p in Path(where).iterdir()
+                      if ORBAX_TMP in p.name and step_of(p.name.split(".", 1)[0]) is not None)
         step, partial = half[0] if half else (step, None)
     except OSError:
         pass
     return CheckpointSaveFailed(f"saving checkpoint step {step} in {where} failed ({reason}); {kept}", partial,
                                 Path(where) if inner is not None else None)
+
+
+def _step_being_removed(e: BaseException) -> int | None:
+    """The old step whose removal (checkpoint.max_to_keep, after a new step is saved) raised `e`, from Orbax's
+    deleter in its traceback (its cause's, or the exception it was raised while handling); None for another failure."""
+    import os
+    import traceback
+
+    deleter = os.sep.join(("orbax", "checkpoint", "_src", "path", "deleter.py"))
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for frame, _ in traceback.walk_tb(e.__traceback__):
+            step = frame.f_locals.get("step")
+            if frame.f_code.co_filename.endswith(deleter) and isinstance(step, int):
+                return step
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _path_name(path) -> str:

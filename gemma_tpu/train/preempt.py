@@ -101,11 +101,7 @@ class Preemption:
                     t.write_last_record()
                 except Exception as e:  # noqa: BLE001 - the step is saved; a lost log line must not hide it
                     log.warning("%s: step %d's metrics record was not written (%s)", self.name, step, e)
-            try:  # TensorBoard's events not yet written out (the writer's queue, its file's buffer) were lost with
-                # the exit, which skips `close`: the evaluation just finished, the last steps' losses
-                t.metrics_logger.close()
-            except Exception as e:  # noqa: BLE001 - as for the record
-                log.warning("%s: TensorBoard's last events were not written (%s)", self.name, e)
+            self._close_tensorboard()
             if step == 0:
                 log.warning("%s before step 1: nothing to save; a restart begins afresh", self.name)
             else:
@@ -115,21 +111,39 @@ class Preemption:
             log.warning("Ctrl-C again: stopped at once; step %d was not saved, the last complete checkpoint stays",
                         step)
             code = 128 + signal.SIGINT
+        except CheckpointSaveFailed as e:
+            if e.old_step is None or e.on_disk != step:
+                code = self._failed(step, e)
+            else:  # the step is saved; only the removal of an older one after it failed (it said "could not save")
+                log.warning("%s: step %d is saved, but %s; exiting", self.name, step, e)
+                self._close_tensorboard()
         except BaseException as e:  # exit anyway: the platform will not wait
-            # what is on disk: a failed save's own line says it ("no complete step is on disk"), and was followed
-            # by "the last complete checkpoint stays", as was a failure before the save (metrics.jsonl on a disk
-            # turned read-only) where there was none
-            kept = "" if isinstance(e, CheckpointSaveFailed) else f"; {_kept_on_disk(t.checkpoint_manager)}"
-            log.error("%s: could not save step %d (%s: %s)%s", self.name, step, type(e).__name__, e, kept)
-            if isinstance(e, CheckpointSaveFailed) and e.directory is not None and getattr(t, "primary", True):
-                remove_failed_saves(e.directory)  # the failed save's temp dir kept what space a full disk had
-            # a UserError's own code: a step whose loss or state went non-finite is 3 (do not simply retry), as
-            # when it stops the run without a signal
-            code = getattr(e, "exit_code", 1) if isinstance(e, UserError) else 1
+            code = self._failed(step, e)
         finally:
             self.on_exit()
             logging.shutdown()
             os._exit(code)
+
+    def _close_tensorboard(self) -> None:
+        try:  # TensorBoard's events not yet written out (the writer's queue, its file's buffer) were lost with
+            # the exit, which skips `close`: the evaluation just finished, the last steps' losses
+            self.trainer.metrics_logger.close()
+        except Exception as e:  # noqa: BLE001 - the step is saved; a lost log line must not hide it
+            log.warning("%s: TensorBoard's last events were not written (%s)", self.name, e)
+
+    def _failed(self, step: int, e: BaseException) -> int:
+        """Say why `step` could not be saved (`e`); the exit code."""
+        t = self.trainer
+        # what is on disk: a failed save's own line says it ("no complete step is on disk"), and was followed
+        # by "the last complete checkpoint stays", as was a failure before the save (metrics.jsonl on a disk
+        # turned read-only) where there was none
+        kept = "" if isinstance(e, CheckpointSaveFailed) else f"; {_kept_on_disk(t.checkpoint_manager)}"
+        log.error("%s: could not save step %d (%s: %s)%s", self.name, step, type(e).__name__, e, kept)
+        if isinstance(e, CheckpointSaveFailed) and e.directory is not None and getattr(t, "primary", True):
+            remove_failed_saves(e.directory)  # the failed save's temp dir kept what space a full disk had
+        # a UserError's own code: a step whose loss or state went non-finite is 3 (do not simply retry), as
+        # when it stops the run without a signal
+        return getattr(e, "exit_code", 1) if isinstance(e, UserError) else 1
 
 
 def _kept_on_disk(manager) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma_tpu.checkpoint import metadata as checkpoint
-from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, step_of
 from gemma_tpu.core.config import RunConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.fingerprint import check_base
@@ -24,11 +24,22 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     compared by its weights' fingerprint (gemma_tpu.hf.fingerprint) where the run recorded one, else
     by its path."""
 
+    entries = sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []
+    padded = [p for p in entries if p.name.isascii() and p.name.isdigit() and step_of(p.name) is None]
+    if padded:  # taken for step 4 here (its files looked for in `4`), not a step at all to Orbax
+        raise UserError(f"{padded[0]}: named like checkpoint step {int(padded[0].name)}, but Orbax reads a step only "
+                        f"by its plain number: rename it {int(padded[0].name)}, or move it out of checkpoint.dir")
+    files = sorted((p for p in entries if step_of(p.name) is not None and not p.is_symlink() and not p.is_dir()),
+                   key=lambda p: step_of(p.name))
+    if files:  # Orbax deleted it without a word as it saved that step: the user's file was lost
+        raise UserError(f"{files[0]}: a file named like a checkpoint step, not a step directory; saving step "
+                        f"{step_of(files[0].name)} would replace it: move it out of checkpoint.dir")
     if not (ckpt_dir / METADATA_FILE).is_file():
-        if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        if any(step_of(p.name) is not None for p in entries):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
         return
-    links = sorted((p for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_symlink()), key=lambda p: int(p.name))
+    links = sorted((p for p in entries if step_of(p.name) is not None and p.is_symlink()),
+                   key=lambda p: step_of(p.name))
     if links:  # taken for a step: resumed from without a word, and Orbax's clean-up (max_to_keep) failed on it
         raise UserError(f"{links[0]}: a symbolic link named like a checkpoint step (to {os.readlink(links[0])}); a "
                         f"run's steps are its own directories (Orbax cannot delete a link when checkpoint.max_to_keep "
@@ -152,14 +163,16 @@ def check_data_position(cfg: RunConfig, train_split: Any) -> None:
 
 
 def data_used_up(cfg: RunConfig, train_split: Any) -> bool:
-    """Whether the latest step's data position is at the end of a finite stream (`data.num_epochs`): a run that
-    ended because its data ran out, before train.max_steps, on which a rerun has nothing left to train."""
+    """Whether the latest step's data position is at the end of a finite stream (`data.num_epochs`), or less than
+    one optimizer step (train.grad_accum_steps micro-batches) before it: a run that ended because its data ran out,
+    before train.max_steps, on which a rerun has nothing left to train."""
     from gemma_tpu.data.pipeline import position
 
     epochs = cfg.data.num_epochs
     saved = checkpoint.saved_data_layout(cfg.checkpoint.dir) if epochs is not None else None
     read = position(saved[2], str(saved[0])) if saved is not None else None
-    return read is not None and read >= len(train_split.rows) * epochs // cfg.train.batch_size
+    left = len(train_split.rows) * epochs // cfg.train.batch_size - read if read is not None else None
+    return left is not None and left < max(1, cfg.train.grad_accum_steps)
 
 
 def restore_failure(ckpt_dir: Path, step: int, model, kind, old: dict, new: dict, error: BaseException) -> UserError:

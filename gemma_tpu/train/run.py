@@ -97,6 +97,22 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
             raise UserError(f"{key}={d} holds a model (config.json), not a training run; write the run elsewhere")
 
 
+# what a run writes under its run dir by these names: True a directory, False a file
+RUN_OUTPUTS = {"metrics.jsonl": False, "summary.json": False, "tensorboard": True}
+
+
+def check_run_outputs(run_dir: Path, key: str) -> None:
+    """The run's own outputs in `run_dir` (`key`: the option naming it), where they exist, are of their kind: a
+    directory named metrics.jsonl failed the run after its metadata was written (on a resume as "cannot restore this
+    checkpoint step ...; move it aside", of a sound step), a summary.json directory after every step had trained."""
+    for name, is_dir in RUN_OUTPUTS.items():
+        p = run_dir / name
+        if not p.exists() or (p.is_dir() if is_dir else p.is_file()):
+            continue
+        raise UserError(f"{p}: not a {'directory' if is_dir else 'regular file'} (the run writes its "
+                        f"{'TensorBoard events' if is_dir else name} there); move it out of {key}={run_dir}")
+
+
 def check_resume_step_files(ckpt_dir: Path) -> None:
     """The step a resume would restore has the files Orbax needs (named when missing), checked before
     the model loads, and before its data position is read from the step's own record (_CHECKPOINT_METADATA: cut
@@ -139,6 +155,8 @@ def run(cfg: RunConfig) -> dict:
             check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
         for d, key in locked_dirs(cfg):
             run_lock.check_free(d, key)
+        check_run_outputs(Path(cfg.train.run_dir or cfg.checkpoint.dir),
+                          "train.run_dir" if cfg.train.run_dir else "checkpoint.dir")
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.tunix_config()
     if cfg.lora.enabled:
@@ -252,6 +270,12 @@ def run(cfg: RunConfig) -> dict:
             for p in checkpoint.set_aside_incomplete_steps(ckpt_dir):
                 log.warning("set aside %s: a step without Orbax's commit markers; resuming from the last "
                             "complete one", p)
+            aside = checkpoint.set_aside_steps(ckpt_dir)
+            if aside:
+                log.warning("%s holds %d step director%s set aside as incomplete (%s: %s), kept as possibly the only "
+                            "copy of %s; no run removes them: delete them once not needed", ckpt_dir, len(aside),
+                            "y" if len(aside) == 1 else "ies", human(sum(size for _, size in aside)),
+                            ", ".join(p.name for p, _ in aside), "that step" if len(aside) == 1 else "those steps")
             for p, size in checkpoint.remove_unfinished_saves(ckpt_dir):
                 log.warning("removed %s (%s): a save that did not finish (a full disk, or the run was killed)", p,
                             human(size))

@@ -136,15 +136,22 @@ class BatchFeed(tunix_hooks.DataHooks):
         step's loss tokens times their number. optax.MultiSteps averages the micro-batches' gradients, each the
         mean over its own tokens: rows of unequal token counts (shared-prefix trees, packed rows, chats of any
         length) weighted a token of a light micro-batch more than one of a heavy one, and the step's gradient
-        and loss were not those of the one big batch it stands for. Scaled, they are."""
+        and loss were not those of the one big batch it stands for. Scaled, they are.
+
+        Where the data (data.num_epochs) ends inside a step, its micro-batches are not fed: the optimizer never applies
+        a step it has not all of (optax.MultiSteps), and their loss was recorded as a step after the last one. The data
+        position stays at the step's start, where a resume with more epochs begins it, as an uninterrupted run did."""
         if self.grad_accum_steps == 1:
             return next(self.stream, None)
         if not self._step_batches:
+            start = self.stream.get_state() if hasattr(self.stream, "get_state") else None
             batches = []
-            while len(batches) < self.grad_accum_steps:  # fewer where the data ends
+            while len(batches) < self.grad_accum_steps:
                 batch = next(self.stream, None)
                 if batch is None:
-                    break
+                    if start is not None:
+                        self.stream.set_state(start)
+                    return None
                 batches.append(batch)
             weights = np.asarray([float(np.asarray(b["loss_weights"]).sum()) for b in batches])
             import jax
