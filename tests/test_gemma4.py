@@ -599,15 +599,36 @@ def test_lora_merge_and_peft(g4, tmp_path, name):
     check_adapter_fits(adapter, "a", adapter_rank(adapter, "a"), check_weights(base))  # what serving.launch checks
 
 
+def merge_refuses_edited_base(base, tensors, ckpt, bad, key, edit, says, capsys, config_update=None):
+    """A copy of `base` at `bad` with tensor `key` edited (and config.json's sections updated by `config_update`):
+    merging `ckpt` onto it (--allow-base-mismatch) is one error line ending in `says`, and nothing is written."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from tests.test_convert import leftovers
+
+    shutil.copytree(base, bad)
+    save_file({k: edit(v) if k == key else v for k, v in tensors.items()}, str(bad / "model.safetensors"),
+              metadata={"format": "pt"})
+    if config_update:
+        cfg = json.loads((bad / "config.json").read_text())
+        for section, values in config_update.items():
+            cfg[section].update(values)
+        (bad / "config.json").write_text(json.dumps(cfg))
+    out = bad.parent / f"out-{bad.name}"
+    capsys.readouterr()
+    assert merge("--checkpoint", ckpt, "--base", bad, "--allow-base-mismatch", "--out", out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and f"{bad}: {says}" in err[-1], err
+    assert leftovers(out) == []
+
+
 def test_a_multimodal_base_vision_tensor_must_have_its_config_shape(g4, tmp_path, capsys):
     """Gemma 4's vision tower and its projection into the text model are copied by the merge as they are: one of
     another shape than config.json's vision_config gives it (let through by --allow-base-mismatch) was published,
     a model transformers refuses to load. Refused by name, nothing written."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    from tests.test_convert import leftovers
+    from safetensors.numpy import load_file
 
     base = g4("dense_mm")
     ckpt = tmp_path / "ckpt"
@@ -619,22 +640,10 @@ def test_a_multimodal_base_vision_tensor_must_have_its_config_shape(g4, tmp_path
               "[64, 32]"),
              (None, None, {"patch_size": 2}, "tensor model.vision_tower.patch_embedder.input_proj.weight is "
                                              "[32, 48], but its config.json makes it [32, 12]")]
+    t = load_file(str(base / "model.safetensors"))
     for i, (key, edit, vision, says) in enumerate(cases):
-        bad = tmp_path / f"bad{i}"
-        shutil.copytree(base, bad)
-        t = load_file(str(base / "model.safetensors"))
-        save_file({k: edit(v) if k == key else v for k, v in t.items()}, str(bad / "model.safetensors"),
-                  metadata={"format": "pt"})
-        if vision:
-            cfg = json.loads((bad / "config.json").read_text())
-            cfg["vision_config"].update(vision)
-            (bad / "config.json").write_text(json.dumps(cfg))
-        out = tmp_path / f"out{i}"
-        capsys.readouterr()
-        assert merge("--checkpoint", ckpt, "--base", bad, "--allow-base-mismatch", "--out", out) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("error: ") and f"{bad}: {says}" in err[-1], err
-        assert leftovers(out) == []
+        merge_refuses_edited_base(base, t, ckpt, tmp_path / f"bad{i}", key, edit, says, capsys,
+                                  {"vision_config": vision} if vision else None)
     assert merge("--checkpoint", ckpt, "--out", tmp_path / "merged") == 0  # the base as written
     # every tensor beside the decoder is checked, and the table's defaults are transformers'
     from transformers import Gemma4VisionConfig
@@ -675,7 +684,6 @@ def test_a_multimodal_base_audio_tensor_must_have_its_config_shape(g4, tmp_path,
     from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration
 
     from gemma_tpu.models.gemma4 import AUDIO_DEFAULTS, tower_shapes
-    from tests.test_convert import leftovers
 
     # ple_mm with an audio tower as transformers builds it (its weights random)
     audio = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, output_proj_dims=48,
@@ -709,16 +717,7 @@ def test_a_multimodal_base_audio_tensor_must_have_its_config_shape(g4, tmp_path,
               "tensor model.embed_audio.embedding_projection.weight is [64, 40], but its config.json makes it "
               "[64, 48]")]
     for i, (key, edit, says) in enumerate(cases):
-        bad = tmp_path / f"bad{i}"
-        shutil.copytree(base, bad)
-        save_file({k: edit(v) if k == key else v for k, v in tensors.items()}, str(bad / "model.safetensors"),
-                  metadata={"format": "pt"})
-        out = tmp_path / f"out{i}"
-        capsys.readouterr()
-        assert merge("--checkpoint", ckpt, "--base", bad, "--allow-base-mismatch", "--out", out) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("error: ") and f"{bad}: {says}" in err[-1], err
-        assert leftovers(out) == []
+        merge_refuses_edited_base(base, tensors, ckpt, tmp_path / f"bad{i}", key, edit, says, capsys)
     out = tmp_path / "merged"  # the base as written: merged, its audio tower copied
     assert merge("--checkpoint", ckpt, "--out", out) == 0
     assert sio.WeightsDir(out).read(conv).tobytes() == sio.WeightsDir(base).read(conv).tobytes()

@@ -2066,29 +2066,44 @@ def test_bench_counts_failures_and_never_hangs(tmp_path):
     assert len(r["ttfts"]) == 10 and len(r["itls"]) == 10
 
 
-class SpecStream(http.server.BaseHTTPRequestHandler):
-    """An event stream as the SSE spec allows it: CRLF line ends, comments, `event:`/`id:` fields, and each event's
-    JSON spread over several `data:` lines (joined by a newline into one event)."""
+class EventStream(http.server.BaseHTTPRequestHandler):
+    """Answers a POST with an event stream: the byte pieces `pieces()` gives, each flushed as it is written."""
 
     def log_message(self, *args):
         pass
+
+    @staticmethod
+    def chunk(**kw) -> dict:
+        return {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, **kw}]}
+
+    def pieces(self):
+        raise NotImplementedError
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        chunk = lambda **kw: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, **kw}]}  # noqa
+        for piece in self.pieces():
+            self.wfile.write(piece)
+            self.wfile.flush()
+
+
+class SpecStream(EventStream):
+    """An event stream as the SSE spec allows it: CRLF line ends, comments, `event:`/`id:` fields, and each event's
+    JSON spread over several `data:` lines (joined by a newline into one event)."""
+
+    def pieces(self):
+        chunk = self.chunk
         events = [chunk(delta={"role": "assistant", "content": "one"}), chunk(delta={"content": " two"}),
                   chunk(delta={}, finish_reason="stop"), {"id": "x", "choices": [], "usage": {
                       "prompt_tokens": 5, "completion_tokens": 2}}]
-        self.wfile.write(b": keep-alive\r\n\r\n")
+        yield b": keep-alive\r\n\r\n"
         for k, e in enumerate(events):
             lines = json.dumps(e, indent=1).splitlines()  # one event, many lines
-            self.wfile.write(f"event: message\r\nid: {k}\r\n".encode()
-                             + b"".join(f"data: {line}\r\n".encode() for line in lines) + b"\r\n")
-            self.wfile.flush()
-        self.wfile.write(b"data: [DONE]\r\n\r\n")
+            yield (f"event: message\r\nid: {k}\r\n".encode()
+                   + b"".join(f"data: {line}\r\n".encode() for line in lines) + b"\r\n")
+        yield b"data: [DONE]\r\n\r\n"
 
 
 def test_bench_reads_an_event_of_several_data_lines_as_one_event():
@@ -2112,23 +2127,15 @@ def test_bench_reads_an_event_of_several_data_lines_as_one_event():
     assert len(res.itl) == 1 and res.ttft > 0
 
 
-class TypedEvents(http.server.BaseHTTPRequestHandler):
+class TypedEvents(EventStream):
     """A stream whose events carry SSE types: `tail` (set per test) is written between the text and the finishing
     chunk, then [DONE]."""
 
     tail = b""
 
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        chunk = lambda **kw: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, **kw}]}  # noqa
-        self.wfile.write(sse(chunk(delta={"role": "assistant", "content": "one"})) + TypedEvents.tail
-                         + sse(chunk(delta={}, finish_reason="stop")) + sse("[DONE]"))
+    def pieces(self):
+        yield (sse(self.chunk(delta={"role": "assistant", "content": "one"})) + TypedEvents.tail
+               + sse(self.chunk(delta={}, finish_reason="stop")) + sse("[DONE]"))
 
 
 @pytest.mark.parametrize("tail, error", [

@@ -28,6 +28,7 @@ from gemma_tpu.models.registry import (
     text_config,
     text_config_with_defaults,
     tunix_remat,
+    tower_tensor_shapes,
     tunix_safetensors_loader,
 )
 from gemma_tpu.models.sharded_weights import load_sharded
@@ -374,19 +375,7 @@ def tower_shapes(hf_config: dict, names: list[str]) -> dict[str, tuple[int, ...]
     text = positive_sizes(hf_text_config(hf_config), ("hidden_size",))
     if text is not None:
         projector["mm_input_projection_weight"] = (h, text["hidden_size"])
-    out = {}
-    for name in names:
-        m = _VISION_KEY.fullmatch(name)
-        if m:
-            rest = m.group(1)
-            lm = _ENCODER_LAYER.fullmatch(rest)
-            want = layer.get(lm.group(1)) if lm else tower.get(rest)
-        else:
-            m = _PROJECTOR_KEY.fullmatch(name)
-            want = projector.get(m.group(1)) if m else None
-        if want is not None:
-            out[name] = want
-    return out
+    return tower_tensor_shapes(names, [(_VISION_KEY, _ENCODER_LAYER, _PROJECTOR_KEY, tower, layer, projector)])
 
 
 def _key_mapping(cfg):

@@ -51,6 +51,7 @@ from gemma_tpu.models.registry import (
     require_tied_embeddings,
     text_config_with_defaults,
     tunix_remat,
+    tower_tensor_shapes,
     tunix_safetensors_loader,
 )
 from gemma_tpu.models.sharded_weights import load_sharded
@@ -509,21 +510,9 @@ def tower_shapes(hf_config: dict, names: list[str]) -> dict[str, tuple[int, ...]
         if made is not None:
             tower, layer, width = made
             embed = {"embedding_projection.weight": (text["hidden_size"], width)} if text is not None else {}
-            tables[kind] = tower, layer, embed
-    out = {}
-    for name in names:
-        for kind, (tower, layer, embed) in tables.items():
             tower_key, embed_key, layer_key = _TOWER_KEYS[kind]
-            m = tower_key.fullmatch(name)
-            if m:
-                lm = layer_key.fullmatch(m.group(1))
-                want = layer.get(lm.group(1)) if lm else tower.get(m.group(1))
-            else:
-                m = embed_key.fullmatch(name)
-                want = embed.get(m.group(1)) if m else None
-            if want is not None:
-                out[name] = want
-    return out
+            tables[kind] = tower_key, layer_key, embed_key, tower, layer, embed
+    return tower_tensor_shapes(names, list(tables.values()))
 
 
 # Non-projection weights: Tunix's HF->Tunix key table (tunix/models/gemma4/params_safetensors.py),

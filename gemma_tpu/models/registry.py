@@ -539,6 +539,26 @@ def positive_sizes(t: dict, keys: tuple[str, ...]) -> dict[str, int] | None:
     return sizes if ok else None
 
 
+def tower_tensor_shapes(names: list[str], towers: list[tuple]) -> dict[str, tuple[int, ...]]:
+    """The shape config.json gives each of `names` that a tower table knows (for `Family.tower_shapes`). Each tower is
+    (tower_key, layer_key, embed_key, tower, layer, embed): `tower_key` matches the tower's tensors (its group, the
+    rest of the name), `layer_key` an encoder layer's rest (its group, the name within the layer), `embed_key` the
+    projection into the text model's; the three dicts map those rests to shapes."""
+    out = {}
+    for name in names:
+        for tower_key, layer_key, embed_key, tower, layer, embed in towers:
+            m = tower_key.fullmatch(name)
+            if m:
+                lm = layer_key.fullmatch(m.group(1))
+                want = layer.get(lm.group(1)) if lm else tower.get(m.group(1))
+            else:
+                m = embed_key.fullmatch(name)
+                want = embed.get(m.group(1)) if m else None
+            if want is not None:
+                out[name] = want
+    return out
+
+
 def require_positive(t: dict, keys: tuple[str, ...]) -> None:
     """Refuse, naming the key, a size of 0 or less (`"vocab_size": 0`, `"head_dim": -16`): transformers builds
     such a config, but no checkpoint's weights have that shape, and Tunix took it silently (a negative one died
