@@ -1047,35 +1047,26 @@ def test_adapter_checks(tmp_path, capsys):
     ("[--lora-target-modules, v_proj, o_proj]", None),  # one member wraps the packed layer: q_proj's update applies
     ("[--lora-target-mod, o_proj]", "q_proj"),  # vLLM's argparse takes an unambiguous abbreviation: it was let through
 ])
-def test_lora_target_modules_leaving_out_an_adapters_module_is_refused(tmp_path, capsys, deployed, left_out):
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_lora_target_modules_leaving_out_an_adapters_module_is_refused(tmp_path, capsys, deployed, left_out,
+                                                                       multimodal):
     """vLLM's --lora-target-modules wraps only the modules it names (or their packed qkv_proj / gate_up_proj) in LoRA
-    layers and loads an adapter of others without a word: the adapter was served without those updates."""
-    d, a = fake_model_dir(tmp_path / "m"), fake_adapter(tmp_path / "a", r=8)  # targets q_proj
+    layers and loads an adapter of others without a word: the adapter was served without those updates.
+    convert.export_peft writes a multimodal base's target_modules as a regex (keeping PEFT out of the vision tower's
+    own q/k/v_proj), which the check did not read: its modules are read off the adapter's weights."""
+    if multimodal:
+        d = fake_model_dir(tmp_path / "m", arch="Gemma3ForConditionalGeneration", nested=True)
+        a = fake_adapter(tmp_path / "a", r=8, nested=True)  # q_proj, as export_peft names a multimodal adapter's
+        regex = r"model\.language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:q_proj)"
+        (a / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": regex}))
+    else:
+        d, a = fake_model_dir(tmp_path / "m"), fake_adapter(tmp_path / "a", r=8)  # targets q_proj
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    f"lora.adapters=[{{name: coach, dir: {a}}}]", f"server.extra_args={deployed}")
     if left_out:
         one_error_line(code, err, f"leaves out {left_out} of lora.adapters.coach", "without their updates")
     else:
         assert code == 0 and "--lora-target-modules" in out, err
-
-
-def test_lora_target_modules_leaving_out_a_multimodal_adapters_module_is_refused(tmp_path, capsys):
-    """convert.export_peft writes a multimodal base's target_modules as a regex (keeping PEFT out of the vision
-    tower's own q/k/v_proj): the --lora-target-modules check read only a list, so such an adapter of q_proj was
-    launched under `--lora-target-modules o_proj` and served without its update. Its modules are now read off its
-    weights."""
-    d = fake_model_dir(tmp_path / "m", arch="Gemma3ForConditionalGeneration", nested=True)
-    a = fake_adapter(tmp_path / "a", r=8, nested=True)  # q_proj, as export_peft names a multimodal adapter's
-    regex = r"model\.language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:q_proj)"
-    (a / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": regex}))
-    for deployed, left_out in (("[--lora-target-modules, o_proj]", "q_proj"), ("[--lora-target-modules, qkv_proj]",
-                                                                               None)):
-        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
-                                       f"lora.adapters=[{{name: coach, dir: {a}}}]", f"server.extra_args={deployed}")
-        if left_out:
-            one_error_line(code, err, f"leaves out {left_out} of lora.adapters.coach", "without their updates")
-        else:
-            assert code == 0 and "--lora-target-modules" in out, err
 
 
 def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
