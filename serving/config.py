@@ -446,7 +446,7 @@ VLLM_NUMBER_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "--block-size": ("a number of tokens a KV cache block holds (at least 1)", lambda x: x >= 1),
 }
 # the short spellings `vllm serve` takes for the options above (vLLM's EngineArgs), which set the same value
-VLLM_SHORT_OPTIONS = {"-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size",
+VLLM_SHORT_OPTIONS = {"-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size", "-n": "--nnodes",
                       "-pcp": "--prefill-context-parallel-size", "-dcp": "--decode-context-parallel-size"}
 
 

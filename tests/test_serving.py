@@ -840,6 +840,8 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--data_parallel_size=-2]"],
      ["--data-parallel-size '-2' is not a number of data-parallel replicas (at least 1)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[-dcp=0]"], ["--decode-context-parallel-size '0' is not"]),
+    # vLLM's short -n is --nnodes (and -r --node-rank): `-n 0` passed where `--nnodes 0` was refused
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-n,0]"], ["--nnodes '0' is not a number of nodes (at least 1)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-parallel-loading-workers,0]"],
      ["--max-parallel-loading-workers '0' is not"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--block-size=0]"],
