@@ -406,15 +406,49 @@ def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+# vLLM's short spellings of its switches (vllm/engine/arg_utils.py), which take no value as their long forms do
+VLLM_SHORT_SWITCHES = {"-ep": "--enable-expert-parallel", "-dph": "--data-parallel-hybrid-lb",
+                       "-dpe": "--data-parallel-external-lb"}
+
+
+def vllm_switches() -> dict[str, tuple[str, str]]:
+    """The option strings of the pinned `vllm serve` that take no value, each with its (on, off) pair: an option
+    listed with its `--no-` form is one of vLLM's BooleanOptionalAction switches (`--x` / `--no-x`), and so are their
+    short spellings. Its parser stops at `--x=true` ("ignored explicit argument"), and reads `--x true` as a second
+    model."""
+    known = vllm_serve_flags()
+    on = [f for f in known if f.startswith("--") and not f.startswith("--no-") and "--no-" + f[2:] in known]
+    pairs = {f: (f, "--no-" + f[2:]) for f in on}
+    pairs.update({"--no-" + f[2:]: (f, "--no-" + f[2:]) for f in on})
+    pairs.update({short: (short, pairs[f][1]) for short, f in VLLM_SHORT_SWITCHES.items() if f in pairs})
+    return pairs
+
+
+def switch_values(args: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(word, on, off) for each server.extra_args switch given a value (`--enable-prefix-caching=true`)."""
+    switches = vllm_switches()
+    known = vllm_serve_flags()
+    out = []
+    for arg in args:
+        option = vllm_option(arg)
+        name, eq, _ = arg.partition("=")
+        flag = resolve_vllm_option(option, known) if option is not None else None
+        if eq and "." not in name and flag in switches:
+            out.append((arg, *switches[flag]))
+    return out
+
+
 def stray_words(args: Sequence[str]) -> list[tuple[str, str | None]]:
     """Each server.extra_args word the pinned `vllm serve`'s parser reads as an argument of its own, with the option
     before it that took its value already (None: no option before it): `vllm serve` takes one such argument, the
     model, which the rendered command gives first, and stops at another ("unrecognized arguments") on the TPU VM,
     after the image pull. Those are a word before any option, one after an option given as `--x=V`, and one after
-    the value of an option that takes exactly one (a number, or one of a fixed set); after any other option a word
-    may be one of its values (`--lora-target-modules q_proj v_proj`, a switch's none), and is not judged."""
+    the value of an option that takes exactly one (a number, or one of a fixed set), and one after a switch
+    (`vllm_switches`: `--enable-prefix-caching true`); after any other option a word may be one of its values
+    (`--lora-target-modules q_proj v_proj`), and is not judged."""
     known = vllm_serve_flags()
     single = {flag for flag, values in vllm_serve_choices().items() if values} | set(vllm_serve_number_types())
+    switches = vllm_switches()
     out: list[tuple[str, str | None]] = []
     free, owed, last = True, 0, None  # a word now is an argument of its own / words the last option still takes
     for arg in args:
@@ -423,7 +457,8 @@ def stray_words(args: Sequence[str]) -> list[tuple[str, str | None]]:
             name, eq, _ = arg.partition("=")
             whole = "." not in name  # `--x.field V`: a JSON option's field, read by vLLM's own rules
             flag = resolve_vllm_option(option, known)
-            free, owed, last = whole and bool(eq or flag in single), int(whole and not eq and flag in single), arg
+            free = whole and bool(eq or flag in single or flag in switches)
+            owed, last = int(whole and not eq and flag in single), arg
             continue
         if owed:
             owed -= 1
@@ -658,9 +693,17 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     for flag, value, what in invalid_number_types(s.extra_args) if pinned_image(cfg) else ():
         bad(f"server.extra_args: {flag} " + (f"needs a value ({what})" if value is None else f"{value!r} is not {what}")
             + f", which `vllm serve` takes in {VLLM_TPU_IMAGE}; vLLM would stop at it on the TPU VM")
+    for word, on, off in switch_values(s.extra_args) if pinned_image(cfg) else ():
+        bad(f"server.extra_args: {word} gives a value to a switch, which `vllm serve` stops at (ignored explicit "
+            f"argument) on the TPU VM; write {on} to turn it on, or {off} to turn it off")
+    switches = vllm_switches()
     for word, after in stray_words(s.extra_args) if pinned_image(cfg) else ():
-        took = (f"{after} took its value" if "=" in after else f"{vllm_option(after)} takes one") if after else \
-            "no option before it"
+        option = vllm_option(after) if after else None
+        if option is not None and "=" not in after and resolve_vllm_option(option, known) in switches:
+            took = f"{after} is a switch, which takes none"
+        else:
+            took = (f"{after} took its value" if "=" in after else f"{option} takes one") if after else \
+                "no option before it"
         bad(f"server.extra_args: {word!r} is no option's value ({took}): `vllm serve` would read it as a second "
             f"model and stop at it on the TPU VM (unrecognized arguments); give each option and each value as a "
             f"word of its own")

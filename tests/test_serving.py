@@ -862,6 +862,17 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype=fp8,fp8]"],
      ["'fp8' is no option's value (--kv-cache-dtype=fp8 took its value"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=['']"], ["'' is no option's value"]),
+    # a switch (vLLM's BooleanOptionalAction: --x / --no-x) takes no value: its parser stops at `--x=true` ("ignored
+    # explicit argument 'true'"), and at `--x true` as a second model; both passed here
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching=true]"],
+     ["server.extra_args: --enable-prefix-caching=true gives a value to a switch", "write --enable-prefix-caching",
+      "or --no-enable-prefix-caching"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--no-enable_prefix_caching=0]"],
+     ["--no-enable_prefix_caching=0 gives a value to a switch"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-ep=false]"], ["-ep=false gives a value to a switch"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching,'true']"],
+     ["'true' is no option's value (--enable-prefix-caching is a switch, which takes none)"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-dph,1]"], ["'1' is no option's value (-dph is a switch"]),
     # argparse takes no option for the value: "expected one argument"
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed]"], ["--seed needs a value (an integer)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,--enforce-eager]"], ["--seed needs a value"]),
