@@ -6,7 +6,8 @@ streams when `stream` is absent (OpenAI's default is no stream), never parses a 
 bad `max_output_tokens` into an error event inside a 200. `CheckedChatApp` therefore answers `/v1/responses`
 itself: `chat_request` turns the request into a chat completion (checked like any other, so a malformed one is a
 400 naming the field), the served chat completion (with its FunctionGemma calls already parsed) comes back through
-`response_object` as a Response (`message` and `function_call` output items, `status` `incomplete` when cut at
+`response_object` as a Response (`message` and `function_call` output items, a thinking model's `reasoning_content`
+as a `reasoning` item before them, as vLLM's reasoning parser gives it; `status` `incomplete` when cut at
 `max_output_tokens`). A streamed request streams: `ResponseStream` turns the chat completion's chunks into the
 Response's events as they come. Standard library only.
 """
@@ -232,14 +233,32 @@ def response_object(chat: dict, request: dict, model: str | None) -> dict:
     message = choice.get("message") or {}
     rid = str(chat.get("id") or f"{time.time_ns()}")
     output: list[dict] = []
+    thought = _reasoning(message)
+    if thought:  # first, as vLLM's reasoning parser puts it
+        output.append(_reasoning_item(rid, thought))
     text = message.get("content")
-    if text or not message.get("tool_calls"):
+    if text or not (message.get("tool_calls") or thought):
         output.append(_message_item(rid, text or ""))
     for k, call in enumerate(message.get("tool_calls") or []):
         fn = call.get("function") or {}
         output.append(_call_item(rid, k, call.get("id"), fn.get("name"), fn.get("arguments") or "{}"))
     return _response(rid, chat.get("created"), output, chat.get("usage") or {}, choice.get("finish_reason"),
                      request, model or chat.get("model"))
+
+
+def _reasoning(message: dict) -> str:
+    """A thinking model's thought in a chat message or delta: transformers serve's `reasoning_content`, or vLLM's
+    `reasoning`; "" for none."""
+    for key in ("reasoning_content", "reasoning"):
+        if isinstance(message.get(key), str) and message[key]:
+            return message[key]
+    return ""
+
+
+def _reasoning_item(rid: str, text: str, status: str = "completed") -> dict:
+    """A `reasoning` output item, as vLLM writes a reasoning parser's text (a `reasoning_text` part, no summary)."""
+    return {"id": f"rs_{rid}", "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _message_item(rid: str, text: str, status: str = "completed") -> dict:
@@ -290,6 +309,7 @@ class ResponseStream:
         self.created: Any = None
         self.output: list[dict] = []  # items in the order they opened (finished ones completed)
         self.text_at: int | None = None  # index of the message item still open
+        self.thought_at: int | None = None  # index of the reasoning item still open
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
         self.finish_reason: str | None = None
         self.usage: dict = {}
@@ -313,15 +333,36 @@ class ResponseStream:
         return self._emit("response.created", response=self._pending()) + self._emit(
             "response.in_progress", response=self._pending())
 
+    def _open_thought(self) -> str:
+        if self.thought_at is not None:
+            return ""
+        index = len(self.output)
+        rid = self.rid if not any(o["type"] == "reasoning" for o in self.output) else f"{self.rid}_{index}"
+        item = _reasoning_item(rid, "", "in_progress")
+        self.output.append(item)
+        self.thought_at = index
+        return self._emit("response.output_item.added", output_index=index, item={**item, "content": []})
+
+    def _close_thought(self) -> str:
+        if self.thought_at is None:
+            return ""
+        index, self.thought_at = self.thought_at, None
+        item = self.output[index]
+        item["status"] = "completed"
+        return (self._emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                           text=item["content"][0]["text"])
+                + self._emit("response.output_item.done", output_index=index, item=item))
+
     def _open_text(self) -> str:
         if self.text_at is not None:
             return ""
+        out = self._close_thought()
         index = len(self.output)
         rid = self.rid if not any(o["type"] == "message" for o in self.output) else f"{self.rid}_{index}"
         item = _message_item(rid, "", "in_progress")
         self.output.append(item)
         self.text_at = index
-        return self._emit("response.output_item.added", output_index=index, item={**item, "content": []}) + \
+        return out + self._emit("response.output_item.added", output_index=index, item={**item, "content": []}) + \
             self._emit("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
                        part={"type": "output_text", "text": "", "annotations": []})
 
@@ -350,6 +391,13 @@ class ResponseStream:
         if not isinstance(choice, dict):
             return out.encode()
         delta = choice.get("delta") or {}
+        thought = _reasoning(delta)
+        if thought:
+            out += self._close_text() + self._open_thought()
+            index = self.thought_at
+            self.output[index]["content"][0]["text"] += thought
+            out += self._emit("response.reasoning_text.delta", item_id=self.output[index]["id"], output_index=index,
+                              content_index=0, delta=thought)
         if delta.get("content"):
             out += self._open_text()
             index = self.text_at
@@ -360,7 +408,7 @@ class ResponseStream:
             fn = tc.get("function") or {}
             k = tc.get("index", len(self.calls))
             if k not in self.calls:
-                out += self._close_text()
+                out += self._close_thought() + self._close_text()
                 self.calls[k] = len(self.output)
                 item = _call_item(self.rid, len(self.calls) - 1, tc.get("id"), fn.get("name"), "", "in_progress")
                 self.output.append(item)
@@ -375,7 +423,7 @@ class ResponseStream:
         return out.encode()
 
     def finish(self) -> bytes:
-        out = self._start({}) + self._close_text()
+        out = self._start({}) + self._close_thought() + self._close_text()
         for index in self.calls.values():
             item = self.output[index]
             item["status"] = "completed"

@@ -1029,6 +1029,42 @@ def test_whole_answers_are_put_together_from_the_stream():
         assert code == 500 and resp["error"]["message"] == "out of memory", (path, resp)
 
 
+def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
+    """A thinking model's chat completion (Gemma 4: transformers serve sends its thought as `reasoning_content`
+    deltas) came back from `/v1/responses` without the thought: the output held the message alone, whole or
+    streamed. vLLM with a reasoning parser answers a `reasoning` item first (its text a `reasoning_text` part),
+    streamed as `response.reasoning_text.delta` events; the message item follows."""
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):
+        deltas = [{"role": "assistant"}, {"reasoning_content": "5 steps "}, {"reasoning_content": "is few."},
+                  {"content": "Walk "}, {"content": "more."}]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for d in deltas:
+            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}}
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    code, whole = _asgi(app, {"input": "hi"}, "/v1/responses")
+    assert code == 200 and [o["type"] for o in whole["output"]] == ["reasoning", "message"], whole
+    thought = whole["output"][0]
+    assert thought["content"] == [{"type": "reasoning_text", "text": "5 steps is few."}] and thought["summary"] == []
+    assert thought["id"].startswith("rs_") and whole["output_text"] == "Walk more."
+    code, text = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+    kinds = [e["type"] for e in events]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "5 steps is few."
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta"), kinds
+    assert [e["text"] for e in events if e["type"] == "response.reasoning_text.done"] == ["5 steps is few."]
+    final = events[-1]["response"]
+    assert kinds[-1] == "response.completed" and final["output"] == whole["output"], final
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
+
+
 def test_responses_api_is_answered_through_a_chat_completion():
     """`/v1/responses` went to transformers serve, which answered 500 without `stream`, cut every stream off before
     `response.completed` (the openai SDK's helpers raise), streamed when `stream` was absent and left calls as text.
