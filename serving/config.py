@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from gemma_tpu.core.typed_yaml import blame, expand_env, key_lines, load_typed
+from gemma_tpu.core.typed_yaml import blame, expand_env, key_lines, keys_given, load_typed
 from gemma_tpu.core.errors import UserError, other_unicode, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import (
@@ -105,7 +105,7 @@ class ServerSection:
     host: str = "127.0.0.1"  # the container shares the host network: 0.0.0.0 exposes the API
     port: int = 8000
     tensor_parallel_size: int = 1
-    max_model_len: int = 2048
+    max_model_len: int = 2048  # left unset: 2048, or the model's context where that is shorter (`served_context`)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     dtype: Literal["bfloat16"] = "bfloat16"  # vLLM-TPU refuses float16 for Gemma 3
@@ -605,6 +605,7 @@ def lora_warning(cfg: ServeConfig) -> str | None:
 
 
 MODEL_DIR_HINT = "the merged model directory, e.g. model.dir=runs/x-merged"
+_CONTEXT_GIVEN = "_max_model_len_given"  # ServerSection: whether the config or an override set max_model_len
 # the largest server.* count the launcher passes on (vLLM-TPU's JAX side counts tokens and positions in int32)
 MAX_SERVER_INT = 2**31 - 1
 
@@ -660,6 +661,7 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     if cfg.model.dir and not _NAME.fullmatch(cfg.served_name):
         bad(f"the directory name {cfg.served_name!r} cannot be a served model name; set model.name")
     s = cfg.server
+    s.__dict__[_CONTEXT_GIVEN] = "server.max_model_len" in keys_given(path, overrides)
     for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(s, key) <= 0:
             bad(f"server.{key} must be positive, got {getattr(s, key)}")
@@ -792,6 +794,7 @@ class ModelFacts:
     # `dir_identity` of the directory checked (taken before its config.json): the local server refuses another
     identity: tuple[int, int] | None = None
     adapter_warnings: list[str] = dataclasses.field(default_factory=list)  # see check_adapter_base
+    max_model_len: int | None = None  # the context to serve (`served_context`): --max-model-len, --local's bound
 
 
 def vllm_families() -> dict[str, Family]:
@@ -1039,6 +1042,33 @@ def jinja_syntax_error(text: str) -> str | None:
     return None
 
 
+def served_context(cfg: ServeConfig, d: Path, hf: dict, text: dict) -> int:
+    """The context both servers are given: server.max_model_len, refused where it passes the model's
+    max_position_embeddings or tokenizer_config.json's model_max_length (vLLM's max length is the smaller of them,
+    vllm/config/model.py _get_and_verify_max_len, and it refuses a longer --max-model-len when the engine starts;
+    --local quietly served the shorter one), unless container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM take it.
+    Left unset, the default follows a model whose context is shorter."""
+    want = cfg.server.max_model_len
+    # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
+    if str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true"):
+        return want
+    limits = []
+    max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
+    if isinstance(max_pos, int) and not isinstance(max_pos, bool) and max_pos > 0:
+        limits.append((max_pos, f"the model's max_position_embeddings={max_pos}"))
+    tok_max = _tokenizer_max_length(d)
+    if tok_max is not None and not (isinstance(hf.get("model_max_length"), int) and hf["model_max_length"] >= want):
+        limits.append((tok_max, f"model_max_length={tok_max} in {d}/tokenizer_config.json, which vLLM also bounds "
+                                f"the context by"))
+    if not cfg.server.__dict__.get(_CONTEXT_GIVEN, False):
+        return min([want, *(n for n, _ in limits)])
+    for n, what in limits:
+        if want > n:
+            raise UserError(f"server.max_model_len={want} exceeds {what}: vLLM refuses it when the engine starts; set "
+                            f"server.max_model_len to at most {n}, or leave it unset to follow the model")
+    return want
+
+
 def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     """Check the model directory (and adapters) against what vLLM-TPU needs; one-line errors.
 
@@ -1073,6 +1103,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
     kv = text.get("num_key_value_heads", hf.get("num_key_value_heads"))
     if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0:
         raise UserError(f"model dir {d}: config.json has no num_key_value_heads")
+    context = served_context(cfg, d, hf, text)
     tp = cfg.server.tensor_parallel_size
     template_file, has_template = chat_template_in(d)
     in_json = template_file == "chat_template.json"
@@ -1125,19 +1156,6 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                     f"(container.env.MODEL_IMPL_TYPE={impl}) applies and transformers (and training) "
                                     f"ignore: it would serve another model than the one trained; remove the key from "
                                     f"config.json, or serve tpu-inference's JAX model (MODEL_IMPL_TYPE=auto)")
-        max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
-        # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
-        long_ok = str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true")
-        if isinstance(max_pos, int) and cfg.server.max_model_len > max_pos and not long_ok:
-            raise UserError(f"server.max_model_len={cfg.server.max_model_len} exceeds the model's "
-                            f"max_position_embeddings={max_pos}")
-        tok_max = _tokenizer_max_length(d)
-        if tok_max is not None and cfg.server.max_model_len > tok_max and not long_ok and not (
-                isinstance(hf.get("model_max_length"), int) and hf["model_max_length"] >= cfg.server.max_model_len):
-            # vLLM's max length is the smaller of the two (vllm/config/model.py _get_and_verify_max_len), and it
-            # refuses a longer --max-model-len when the engine starts
-            raise UserError(f"server.max_model_len={cfg.server.max_model_len} exceeds model_max_length={tok_max} in "
-                            f"{d}/tokenizer_config.json, which vLLM also bounds the context by")
         tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True))
         if fam.vllm_tied_embeddings_only and tied is False:
             raise UserError(f"model dir {d}: vLLM serves {arch} only with tied embeddings "
@@ -1198,7 +1216,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
         check_template_file(d / template_file, f"model dir {d}")
     check_same_directory(d, identity)
     return ModelFacts(arch, family or "other", kv, template_file, has_template, rank, unexpected, identity,
-                      base_warnings)
+                      base_warnings, context)
 
 
 def open_api_warning(cfg: ServeConfig) -> str | None:

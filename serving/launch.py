@@ -136,7 +136,8 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
         opts.append(["-e", f"{k}={v}"])
     serve = [["vllm", "serve", model_in, "--served-model-name", name],
              ["--host", s.host, "--port", str(s.port)],
-             ["--tensor-parallel-size", str(s.tensor_parallel_size), "--max-model-len", str(s.max_model_len),
+             ["--tensor-parallel-size", str(s.tensor_parallel_size),
+              "--max-model-len", str(facts.max_model_len or s.max_model_len),
               "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
               "--dtype", s.dtype, "--chat-template-content-format", s.chat_template_content_format]]
     if t.enabled:
@@ -246,7 +247,7 @@ def serve_local(cfg: ServeConfig) -> int:
     # bounded by server.max_model_len as vLLM is: a request without max_tokens ran to the model's whole context (32k
     # positions for Gemma 3 270M), and prompts vLLM refuses were answered
     server = LocalServer(cfg.model_dir, name=cfg.served_name, host=cfg.server.host, port=cfg.server.port,
-                         chat_template=template, max_model_len=cfg.server.max_model_len, identity=facts.identity,
+                         chat_template=template, max_model_len=facts.max_model_len, identity=facts.identity,
                          api_key=key, auto_tools=t.enabled)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

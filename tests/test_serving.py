@@ -1650,6 +1650,24 @@ def test_a_server_that_fails_to_start_leaves_no_temporary_directory(tiny_dir, tm
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
+def test_a_context_past_the_models_is_refused_locally_as_by_vllm_and_an_unset_one_follows_the_model(
+        tiny_dir, tmp_path, capsys):
+    """A server.max_model_len past the model's max_position_embeddings: vLLM refuses it when its engine starts (and
+    --print says so), where --local quietly served the model's shorter context, so a config tried locally failed on
+    the VM. Refused alike, in one line naming the key, nothing started. Left unset, the default of 2048 follows a
+    model whose context is shorter (tiny_dir: 1,024 positions), for vLLM and --local alike."""
+    for mode in ("--print", "--local"):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, mode, f"model.dir={tiny_dir}",
+                                       f"server.port={free_port()}")
+        one_error_line(code, err, "server.max_model_len=2048 exceeds the model's max_position_embeddings=1024",
+                       "leave it unset to follow the model")
+        assert out == "" and "serving" not in err
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{dir: {tiny_dir}}}\n")
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--print")
+    assert code == 0 and flag(words(out), "--max-model-len") == "1024", err
+
+
 def test_local_server_is_bounded_by_max_model_len(tiny_dir, tmp_path, capsys, monkeypatch):
     """`serving.launch --local` bounded requests by the model's positions only, where vLLM takes server.max_model_len:
     a request without max_tokens generated to the end of the model's context (32k positions for Gemma 3 270M, on
