@@ -250,6 +250,8 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("stop", "expected a string or a list of strings")
+    # [0, 2] as OpenAI's, and vLLM's since v0.24 (SamplingParams._verify_args, vllm-project/vllm#44965): the pinned
+    # vllm-tpu 0.27 answers 400 above 2 too, so a temperature of 3 that passed here would fail on the TPU VM
     _range(body, "temperature", 0.0, 2.0)
     _range(body, "top_p", 0.0, 1.0, lo_open=True)
     _range(body, "frequency_penalty", -2.0, 2.0)
