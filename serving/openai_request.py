@@ -340,10 +340,13 @@ def _vllm_defaults(body: dict) -> None:
 def _normalise_settings(body: dict) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
     misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
-    field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a 500). An empty stop string
+    field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a 500), and so is a seed of
+    -1, as vLLM reads it. An empty stop string
     stops nothing, alone or in a list (`[""]` was refused while `""` was taken)."""
     for key in [k for k, v in body.items() if v is None]:
         del body[key]
+    if body.get("seed") == -1:  # vLLM's "no seed" (SamplingParams: -1 -> None): each answer sampled afresh
+        del body["seed"]
     _vllm_defaults(body)
     if isinstance(body.get("stop"), list):
         body["stop"] = [s for s in body["stop"] if s]

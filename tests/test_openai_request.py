@@ -1336,6 +1336,16 @@ def test_no_top_k_reaches_generate_as_off(tiny_dir):
     assert "top_k" not in json.loads(body["generation_config"])  # greedy: transformers warned of an unread top_k
 
 
+def test_seed_minus_one_is_no_seed_as_vllm_reads_it():
+    """vLLM reads `seed: -1` as no seed (SamplingParams: -1 -> None), each answer sampled afresh; the local server
+    seeded every such request with -1, so a client asking for fresh samples got the same text each time. A chat or
+    text completion now goes on without it; any other seed is kept."""
+    for check, base in ((check_chat_request, {"messages": USER}), (check_completion_request, {"prompt": "hi"})):
+        assert "seed" not in check({**base, "max_tokens": 3, "temperature": 0.8, "seed": -1})
+        assert "seed" not in check({**base, "max_tokens": 3, "temperature": 0.8, "seed": -1.0})
+        assert check({**base, "max_tokens": 3, "temperature": 0.8, "seed": -2})["seed"] == -2
+
+
 @pytest.mark.parametrize("temperature", [1e-300, 1e-6])
 def test_a_temperature_too_small_to_sample_with_is_greedy(tiny_dir, temperature):
     """vLLM reads a temperature below 1e-5 as 0 (greedy); it sampled here, and logits divided by 1e-300 are
