@@ -322,10 +322,11 @@ _VLLM_AT_DEFAULT = {"echo": False, "add_generation_prompt": True, "continue_fina
                     "return_token_ids": False}
 
 
-def _vllm_defaults(body: dict) -> None:
+def _vllm_defaults(body: dict, chat: bool) -> None:
     """Drop the vLLM extensions `body` gives at the value this server behaves as (`_VLLM_AT_DEFAULT`); refuse one
-    at another value, naming it."""
-    for key, default in _VLLM_AT_DEFAULT.items():
+    at another value, naming it. `add_special_tokens` is vLLM's false for a chat completion (the template writes
+    <bos>) and true for a text completion (the tokenizer adds it), as this server tokenizes them."""
+    for key, default in {**_VLLM_AT_DEFAULT, "add_special_tokens": not chat}.items():
         if key not in body:
             continue
         value = body[key]
@@ -337,7 +338,7 @@ def _vllm_defaults(body: dict) -> None:
         del body[key]
 
 
-def _normalise_settings(body: dict) -> None:
+def _normalise_settings(body: dict, chat: bool = False) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
     misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
     field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a 500), and so is a seed of
@@ -347,7 +348,7 @@ def _normalise_settings(body: dict) -> None:
         del body[key]
     if body.get("seed") == -1:  # vLLM's "no seed" (SamplingParams: -1 -> None): each answer sampled afresh
         del body["seed"]
-    _vllm_defaults(body)
+    _vllm_defaults(body, chat)
     if isinstance(body.get("stop"), list):
         body["stop"] = [s for s in body["stop"] if s]
     if body.get("stop") in ([], ""):
@@ -517,7 +518,7 @@ def check_chat_request(body: Any, context: int | None = None,
     if body.get("parallel_tool_calls") is not None and not names:
         raise RequestError("parallel_tool_calls", "is only allowed with tools; this request declares none")
     body = dict(body)
-    _normalise_settings(body)
+    _normalise_settings(body, chat=True)
     # a message as the OpenAI SDK dumps one it returned (`"tool_calls": null`, `"refusal": null`, ...) or with
     # `"tool_calls": []`: transformers serve failed on the null (500) and dropped the content beside the empty list
     body["messages"] = [{k: v for k, v in m.items() if k in ("role", "content") or (

@@ -1707,6 +1707,21 @@ def test_a_gemma4_reply_handing_over_without_a_call_is_a_format_error(choice, co
         assert (reply.kind, reply.text, reply.error) == ("text", "Hi!", None)
 
 
+def test_add_special_tokens_at_vllms_default_for_each_endpoint_is_served():
+    """vLLM's `add_special_tokens` defaults to false for a chat completion (the template writes <bos>) and true for a
+    text completion (the tokenizer adds it), as this server behaves; clients built for vLLM send it at that default,
+    and this server answered 400 "Unexpected field". Served at each endpoint's default, the other value refused
+    naming the field."""
+    chat = check_chat_request({"messages": USER, "max_tokens": 2, "add_special_tokens": False})
+    text = check_completion_request({"prompt": "hi", "max_tokens": 2, "add_special_tokens": True})
+    assert "add_special_tokens" not in chat and "add_special_tokens" not in text
+    for check, body in ((check_chat_request, {"messages": USER, "add_special_tokens": True}),
+                        (check_completion_request, {"prompt": "hi", "add_special_tokens": False})):
+        with pytest.raises(RequestError, match="this server serves only its default") as e:
+            check({**body, "max_tokens": 2})
+        assert e.value.param == "add_special_tokens"
+
+
 def test_vllm_extensions_at_their_defaults_are_served_and_other_values_named(tiny_dir, tmp_path):
     """Clients written for vLLM send its request extensions at their defaults (`skip_special_tokens: true`,
     `add_generation_prompt: true`, `echo: false`, `stop_token_ids: []`): vLLM takes them, and this server answered
