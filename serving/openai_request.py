@@ -568,6 +568,10 @@ def check_completion_request(body: Any, context: int | None = None,
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise RequestError("prompt", f"a batch of {len(prompt)} prompts: this server completes one prompt a "
                                      f"request; send them one by one")
+    elif isinstance(prompt, list) and prompt and all(
+            _is_int(t) or isinstance(t, list) and t and all(_is_int(u) for u in t) for t in prompt):
+        raise RequestError("prompt", "token ids: this server completes a text prompt only (vLLM takes token ids); "
+                                     "send the text")
     elif not isinstance(prompt, str):
         raise RequestError("prompt", f"expected a string (or a list of one), got {_json_type(prompt)}")
     if body["prompt"] == "":  # vLLM refuses it (400); it was taken, and the model went on from its BOS alone

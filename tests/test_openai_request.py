@@ -331,6 +331,11 @@ def test_text_completions_are_checked_alike():
     assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
     assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1, "suffix": ""})["prompt"] == "x"
     assert check_completion_request({"prompt": "x", "logprobs": None})["prompt"] == "x"
+    # token ids (vLLM takes them, one prompt or a batch) were "expected a string (or a list of one), got a list"
+    for ids in ([2, 9, 14], [[2, 9], [2, 14]]):
+        with pytest.raises(RequestError, match=r"^prompt: token ids: this server completes a text prompt only "
+                                               r"\(vLLM takes token ids\); send the text"):
+            check_completion_request({"prompt": ids})
     # an empty prompt (alone or as a batch of one) is refused, as vLLM refuses it: the model went on from BOS alone
     for prompt in ("", [""]):
         with pytest.raises(RequestError, match="prompt: is empty"):
@@ -344,7 +349,7 @@ def test_text_completions_are_checked_alike():
     body = check_completion_request({"prompt": "x", "logit_bias": {"112": -100}, "generation_config": '{"top_k": 3}'})
     assert "logit_bias" not in body and json.loads(body["generation_config"]) == {"top_k": 3,
                                                                                   "sequence_bias": [[[112], -100.0]]}
-    for prompt, needle in ((["a", "b"], "one by one"), ([[1, 2]], "or a list of one"), ([], "or a list of one")):
+    for prompt, needle in ((["a", "b"], "one by one"), ([[1, 2]], "token ids"), ([], "or a list of one")):
         with pytest.raises(RequestError, match=needle):
             check_completion_request({"prompt": prompt})
     with pytest.raises(RequestError, match="at most 45"):
