@@ -113,7 +113,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     # --seed is the simulated device's: with --temperature above 0 no run's answers could be had again
     p.add_argument("--sampling-seed", type=int,
                    help="seed sent with each request (its `seed`): a sampled (--temperature > 0) answer is the same "
-                        "every run (default: none, the server's own randomness)")
+                        "every run (default: none, the server's own randomness; -1, which the servers read as none, "
+                        "is refused)")
     p.add_argument("--timeout", type=cli.SECONDS, default=120.0, help="seconds per request")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=RETRIES_HELP)
     return p.parse_args(list(argv))
@@ -130,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--retries {args.retries}: must be 0 or more")
     if args.sampling_seed is not None and not -2**63 <= args.sampling_seed < 2**63:  # what the servers take
         raise UserError(f"--sampling-seed {args.sampling_seed}: must be in [-2^63, 2^63)")
+    if args.sampling_seed == -1:  # vLLM's SamplingParams (and the local server) read it as None
+        raise UserError("--sampling-seed -1: vLLM and serving.launch --local read seed -1 as no seed (each answer "
+                        "sampled afresh); give another seed, or leave the option out")
     if args.once is None:
         check_stdin()  # before the server is asked
     provider = make_provider(args.provider, args.seed)  # fail fast on credentials

@@ -837,6 +837,17 @@ def test_every_client_sends_its_sampling(tmp_path):
             assert [(b["temperature"], b.get("seed")) for b in handler.bodies] == [(0.7, s) for s in seeds]
 
 
+def test_a_sampling_seed_the_servers_read_as_none_is_refused():
+    """`serving.chat --sampling-seed -1` promised the same sampled answer every run, but vLLM (and the local server)
+    read seed -1 as no seed: each run sampled afresh. Refused before any request, naming the option."""
+    handler = type("RecordingSeed", (Recording,), {"bodies": []})
+    with http_server(handler) as url:
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps?", "--temperature",
+                           "0.7", "--sampling-seed", "-1")
+    assert_one_line_error(proc, "--sampling-seed -1", "read seed -1 as no seed", "give another seed")
+    assert handler.bodies == []
+
+
 def test_an_endpoint_failing_midway_keeps_the_examples_done_and_names_where_it_stopped(tmp_path):
     """A 5xx that outlasted the retries at example 3 of 5 lost the two answered (a single model kept nothing) and
     the error did not say which example; now they are printed and written to `<json>.partial.json`."""
