@@ -699,7 +699,8 @@ class CheckedChatApp:
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
         if not whole:
             # the stop strings are cut first (transformers serve streams them), then the calls are read
-            filters = [ServedName(self.model_name)] if self.model_name else []
+            filters = ([ServedName(self.model_name)] if self.model_name else []) + (
+                [ReasoningName()] if path == "/v1/chat/completions" else [])
             filters += ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced)] if tools else [])
             filters.append(StreamUsage((body.get("stream_options") or {}).get("include_usage") is True))
@@ -855,8 +856,9 @@ def whole_completion(stream: bytes) -> bytes:
         chat = isinstance(choice.get("delta"), dict)
         piece = choice["delta"].get("content") if chat else choice.get("text")
         text.append(piece if isinstance(piece, str) else "")
-        if chat and isinstance(choice["delta"].get("reasoning_content"), str):  # a thinking model's (Gemma 4)
-            reasoning.append(choice["delta"]["reasoning_content"])
+        for key in ("reasoning_content", "reasoning"):  # a thinking model's (Gemma 4): transformers serve's name
+            if chat and isinstance(choice["delta"].get(key), str):
+                reasoning.append(choice["delta"][key])
         for tc in (choice["delta"].get("tool_calls") or []) if chat else []:  # calls transformers serve parsed itself
             if isinstance(tc, dict):
                 call = calls.setdefault(tc.get("index", len(calls)), {"id": None, "type": "function",
@@ -879,8 +881,8 @@ def whole_completion(stream: bytes) -> bytes:
         out["choices"][0]["message"] = {"content": joined, "role": "assistant"}
         if calls:
             out["choices"][0]["message"]["tool_calls"] = [calls[k] for k in sorted(calls)]
-        if reasoning:
-            out["choices"][0]["message"]["reasoning_content"] = "".join(reasoning)
+        if reasoning:  # named as vLLM names it (`ReasoningName`)
+            out["choices"][0]["message"]["reasoning"] = "".join(reasoning)
     else:
         out["choices"][0]["text"] = joined
     return json.dumps(out, ensure_ascii=False).encode()
@@ -1050,6 +1052,20 @@ class StopTrim(EventStream):
             holder.pop(key, None)  # the role (say) goes on without the held text
         elif text or isinstance(piece, str):
             holder[key] = text
+        return sse_event(chunk)
+
+
+class ReasoningName(EventStream):
+    """A chat stream's thought (a thinking model's, Gemma 4's) named `reasoning`, as vLLM's reasoning parsers name it
+    (vLLM dropped `reasoning_content`); transformers serve writes `reasoning_content`, which a client written for vLLM
+    does not read."""
+
+    def _event(self, event: bytes) -> bytes:
+        chunk, choice = sse_choice(event)
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or "reasoning_content" not in delta:
+            return event + b"\n\n"
+        choice["delta"] = {("reasoning" if k == "reasoning_content" else k): v for k, v in delta.items()}
         return sse_event(chunk)
 
 

@@ -6,7 +6,7 @@ streams when `stream` is absent (OpenAI's default is no stream), never parses a 
 bad `max_output_tokens` into an error event inside a 200. `CheckedChatApp` therefore answers `/v1/responses`
 itself: `chat_request` turns the request into a chat completion (checked like any other, so a malformed one is a
 400 naming the field), the served chat completion (with its FunctionGemma calls already parsed) comes back through
-`response_object` as a Response (`message` and `function_call` output items, a thinking model's `reasoning_content`
+`response_object` as a Response (`message` and `function_call` output items, a thinking model's `reasoning`
 as a `reasoning` item before them, as vLLM's reasoning parser gives it; `status` `incomplete` when cut at
 `max_output_tokens`). A streamed request streams: `ResponseStream` turns the chat completion's chunks into the
 Response's events as they come. Standard library only.

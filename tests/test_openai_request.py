@@ -995,7 +995,8 @@ def test_a_long_check_does_not_hold_other_requests():
 def test_whole_answers_are_put_together_from_the_stream():
     """The local server asks transformers serve for a stream every time (a client that goes away then stops the
     generation); a whole answer is the stream put together: text, finish_reason, usage, and the calls and reasoning
-    transformers serve parses itself (Gemma 4), as its own whole answer holds them; an error event stays an error."""
+    transformers serve parses itself (Gemma 4), as its own whole answer holds them (the reasoning named as vLLM names
+    it); an error event stays an error."""
     from serving.local import whole_completion
 
     def sse(*chunks):
@@ -1013,7 +1014,7 @@ def test_whole_answers_are_put_together_from_the_stream():
         "id": "r", "created": 5, "model": "m", "object": "chat.completion", "usage": {
             "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
         "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-            "role": "assistant", "content": "Hé ", "reasoning_content": "hm", "tool_calls": [
+            "role": "assistant", "content": "Hé ", "reasoning": "hm", "tool_calls": [
                 {"id": "r_tool_call_0", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]}
     text = sse({"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]},
                {"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
@@ -1032,6 +1033,36 @@ def test_whole_answers_are_put_together_from_the_stream():
     for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/responses", {"input": "hi"})):
         code, resp = _asgi(CheckedChatApp(inner), body, path)
         assert code == 500 and resp["error"]["message"] == "out of memory", (path, resp)
+
+
+def test_a_thinking_models_reasoning_is_named_reasoning_as_vllm_names_it():
+    """A thinking model's thought (Gemma 4: transformers serve sends it as `reasoning_content`) came back from a chat
+    completion as `reasoning_content`, whole or streamed, where vLLM (with a reasoning parser, e.g. extra_args
+    `--reasoning-parser gemma4`) names it `reasoning` since it dropped the old name: a client written for the VM read
+    no thought from --local. Now `reasoning`, in the message and in each delta."""
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):
+        deltas = [{"role": "assistant"}, {"reasoning_content": "5 steps "}, {"reasoning_content": "is few."},
+                  {"content": "Walk more."}]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for d in deltas:
+            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    code, whole = _asgi(app, {"messages": USER})
+    message = whole["choices"][0]["message"]
+    assert code == 200 and message["reasoning"] == "5 steps is few." and "reasoning_content" not in message, whole
+    assert message["content"] == "Walk more."
+    code, text = _asgi(app, {"messages": USER, "stream": True}, raw=True)
+    deltas = [json.loads(e.split("data: ", 1)[1])["choices"][0]["delta"] for e in text.split("\n\n")
+              if e.startswith("data: {") and '"choices": [{' in e.replace('":[{', '": [{')]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "5 steps is few.", deltas
+    assert not any("reasoning_content" in d for d in deltas), deltas
 
 
 def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
