@@ -289,7 +289,8 @@ def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_re
             "temperature": request.get("temperature"), "top_p": request.get("top_p"),
             "max_output_tokens": request.get("max_output_tokens"),
             "usage": {"input_tokens": usage.get("prompt_tokens", 0),
-                      "input_tokens_details": {"cached_tokens": 0},
+                      # both counts, as the openai SDK's types require them (a client validating refused it)
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": usage.get("completion_tokens", 0),
                       "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": usage.get("total_tokens", 0)}}

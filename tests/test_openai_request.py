@@ -1101,6 +1101,38 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
 
 
+def test_responses_validate_against_the_pinned_openai_sdk():
+    """A Response (whole, and each event of a stream) read by the pinned `openai` SDK's own types: its usage lacked
+    `input_tokens_details.cache_write_tokens`, which those types require, so `Response.model_validate` (a client
+    checking what it got, a framework built on the types) refused every answer of the local server."""
+    pytest.importorskip("openai")
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):
+        deltas = [{"role": "assistant"}, {"reasoning_content": "hm"}, {"content": "Walk more."}]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for d in deltas:
+            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    code, whole = _asgi(app, {"input": "hi", "max_output_tokens": 4}, "/v1/responses")
+    resp = Response.model_validate(whole)
+    assert code == 200 and resp.output_text == "Walk more." and resp.usage.output_tokens == 4
+    assert resp.status == "incomplete" and [o.type for o in resp.output] == ["reasoning", "message"]
+    code, text = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(json.loads(e.split("data: ", 1)[1]))
+              for e in text.split("\n\n") if e.strip()]
+    assert events[-1].type == "response.completed" and events[-1].response.usage.input_tokens == 3
+
+
 def test_responses_api_is_answered_through_a_chat_completion():
     """`/v1/responses` went to transformers serve, which answered 500 without `stream`, cut every stream off before
     `response.completed` (the openai SDK's helpers raise), streamed when `stream` was absent and left calls as text.
