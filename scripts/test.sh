@@ -14,6 +14,11 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 fi
 export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+# LLVM's optimization level 0 for XLA's CPU code (first, so a level in the user's own XLA_FLAGS wins): the tests'
+# programs are tiny, their time is compiling, not running them. A tiny training run's CPU time fell ~27% (11.9 ->
+# 8.7 s), the real 270M's tests rose ~7% (benchmarks/RESULTS.md "2026-11-29 (midday, CPU)"). Tests that start
+# a child with its own XLA_FLAGS keep this flag through tests/conftest.py `xla_env`.
+export XLA_FLAGS="--xla_backend_optimization_level=0${XLA_FLAGS:+ $XLA_FLAGS}"
 # A crashed worker (an OOM kill) is not replaced: pytest-xdist 3.8 re-runs the test that killed it on each
 # replacement under --dist loadgroup, and can then hang with every worker idle (pytest-xdist issues 1323, 1327,
 # 1371; a suite run here stalled that way). Without a restart the crash fails the run: the crashed test is

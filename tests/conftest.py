@@ -133,6 +133,16 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def xla_env(devices: int | None = None) -> dict:
+    """XLA_FLAGS for a child process on `devices` simulated CPU devices (None: one), keeping the other XLA flags this
+    process has (scripts/test.sh sets a compile-time one that a child's own XLA_FLAGS would otherwise drop)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices:
+        kept.append(f"--xla_force_host_platform_device_count={devices}")
+    return {"XLA_FLAGS": " ".join(kept)}
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run `python -m ...` as a user would, capturing output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, run_cli, xla_env
 
 # one xdist worker for this module: its module-scoped fixtures are then built once, not once per worker
 pytestmark = pytest.mark.xdist_group("e2e")
@@ -178,7 +178,7 @@ def test_odd_shape_with_one_target_at_rank_one_merges_and_loads_in_peft(tiny_odd
     ck, merged, adapter = tmp_path / "ck", tmp_path / "merged", tmp_path / "adapter"
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_odd_dir}",
                    f"checkpoint.dir={ck}", "train.max_steps=2", "train.learning_rate=0.05", "data.eval_path=null",
-                   "lora.targets=[q_proj]", "lora.rank=1", env={"XLA_FLAGS": ""})
+                   "lora.targets=[q_proj]", "lora.rank=1", env=xla_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     from convert.export_peft import main as export_peft  # in-process: their CLIs run in the tests above
     from convert.merge_orbax import main as merge

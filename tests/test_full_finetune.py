@@ -7,9 +7,9 @@ import json
 import shutil
 
 from gemma_tpu.core.config import load_config
-from tests.conftest import run_cli
+from tests.conftest import run_cli, xla_env
 
-EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT = xla_env(8)
 
 
 def test_optimizer_defaults_follow_lora():
@@ -39,7 +39,7 @@ def test_adafactor_full_finetune_on_fsdp_tp_mesh_then_merge(tiny_dir, tmp_path):
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
                    f"checkpoint.dir={resumed}", "lora.enabled=false", "train.optimizer=null", "train.max_steps=4",
                    "train.batch_size=8", "train.learning_rate=0.01", "data.eval_path=null", "mesh.fsdp=2", "mesh.tp=1",
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                   env=xla_env(2))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["resumed_from"] == 2 and abs(summary["final_train_loss"] - losses[-1]) < 1e-4, (summary, losses)

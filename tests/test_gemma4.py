@@ -22,7 +22,7 @@ import pytest
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf import safetensors_io as sio
-from tests.conftest import run_cli
+from tests.conftest import run_cli, xla_env
 from tests.test_convert import ALL_TARGETS, TOL, hf_logits, make_checkpoint, max_diff, merge
 from tests.test_sharding import EIGHT, MESHES
 from tests.test_models import jax_logits, jax_logits_batch
@@ -482,7 +482,7 @@ def trained(g4, tmp_path_factory):
     def get(name: str):
         if name not in done:
             ckpt = tmp_path_factory.mktemp(f"trained_{name}") / "ckpt"
-            done[name] = ckpt, train_losses(g4(name), ckpt, MESHES["1x1x1"], {"XLA_FLAGS": ""})
+            done[name] = ckpt, train_losses(g4(name), ckpt, MESHES["1x1x1"], xla_env())
         return done[name]
 
     return get

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_env
 
 STEPS = 3
 
@@ -29,7 +29,7 @@ def _args(tiny_dir, ckpt):
 
 
 def _env(devices: int, **extra) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **xla_env(devices)}
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(k, None)
     env.update(extra)

@@ -7,10 +7,10 @@ import pytest
 
 from gemma_tpu.core.config import load_config
 from gemma_tpu.core.errors import UserError
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, xla_env
 
 GiB = 2 ** 30
-EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT = xla_env(8)
 
 # tiny Gemma 3 (gemma_tpu.assets.tiny.TINY_GEMMA3) with configs/tiny.yaml: float32, LoRA r=4 on all seven
 # projections, batch 4 x 192 tokens, adamw, no remat
@@ -215,7 +215,7 @@ def test_accelerator_table_public_figures():
 
 
 def _dry_run(config, *overrides):
-    proc = run_cli("gemma_tpu.train", "--config", config, "--dry-run", *overrides, env={"XLA_FLAGS": ""})
+    proc = run_cli("gemma_tpu.train", "--config", config, "--dry-run", *overrides, env=xla_env())
     if proc.returncode != 0 and "no local directory, no cached config.json and no preset" in proc.stderr:
         pytest.xfail(f"no config.json preset for {config}'s model yet (gemma_tpu/models/presets/, registry "
                      f"config_json_for): {proc.stderr.strip()[-300:]}")
@@ -259,7 +259,7 @@ def test_shipped_hub_configs_plan_offline(config, plan, tmp_path):
     """Two shipped configs name hub models with no preset: their dry run stopped at 'no local directory, no
     cached config.json and no preset' on a machine without the hub."""
     proc = run_cli("gemma_tpu.train", "--config", config, "--dry-run",
-                   env={"XLA_FLAGS": "", "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-cache")})
+                   env={**xla_env(), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-cache")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert plan in proc.stdout, proc.stdout
 

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, xla_env
 
 _CHILD = r"""
 import json, sys
@@ -47,7 +47,7 @@ def test_same_arrays_as_tunix_loader(tiny_dir, tiny_mha_dir, tmp_path):
     for variant, mm in (("dense", False), ("ple", False), ("moe", False), ("dense", True)):
         name = f"gemma4_{variant}{'_multimodal' if mm else ''}"
         models[name] = str(write_tiny_gemma4(tmp_path / name, variant=variant, multimodal=mm))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, **xla_env(8)}
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(models)], cwd=REPO, capture_output=True,
                           text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, xla_env
 
-EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT = xla_env(8)
 MESHES = {
     "1x1x1": ["mesh.data=1", "mesh.fsdp=1", "mesh.tp=1"],
     "fsdp8": ["mesh.data=1", "mesh.fsdp=8", "mesh.tp=1"],
@@ -30,7 +30,7 @@ def train_losses(tiny_dir, ckpt, mesh_args, env):
 
 
 def test_same_loss_on_every_mesh(tiny_dir, tmp_path):
-    single = train_losses(tiny_dir, tmp_path / "single", MESHES["1x1x1"], {"XLA_FLAGS": ""})
+    single = train_losses(tiny_dir, tmp_path / "single", MESHES["1x1x1"], xla_env())
     for name, args in MESHES.items():
         got = train_losses(tiny_dir, tmp_path / name, args, EIGHT) if name != "1x1x1" else single
         assert len(got) == 3
@@ -62,7 +62,7 @@ def test_same_loss_on_every_mesh(tiny_dir, tmp_path):
     shutil.copytree(tmp_path / "fsdp4_tp2", resumed)
     shutil.rmtree(resumed / "3")
     got = train_losses(tiny_dir, resumed, ["mesh.data=1", "mesh.fsdp=2", "mesh.tp=1"],
-                       {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                       xla_env(2))
     assert json.loads((resumed / "summary.json").read_text())["resumed_from"] == 2
     assert abs(got[-1] - single[2]) < 1e-5, (got, single)
 
