@@ -39,9 +39,11 @@ class Rendered:
     joined: str | None = None
 
 
-def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+def gemma_segments(conv: dict, add_generation_prompt: bool = False,
+                   continue_final: bool = False) -> list[tuple[str, bool]]:
     """Gemma 3 turns; system/developer text folds into the first user turn; tools in FunctionGemma
-    form (declarations in a developer turn, calls and responses inside the model turn)."""
+    form (declarations in a developer turn, calls and responses inside the model turn). `continue_final`: the last
+    message is the start of an assistant answer, left open for the model to continue (`Renderer.render`)."""
     msgs = list(conv["messages"])
     segs: list[tuple[str, bool]] = []
     preamble = ""
@@ -69,6 +71,9 @@ def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tupl
         elif role == "assistant":
             if not in_model_turn:
                 segs.append((chat.open_turn(chat.MODEL), False))
+            if continue_final and i == len(msgs) - 1:  # its text as training renders a given start: context
+                segs.append((m["content"], False))
+                return segs
             body = m["content"] + "".join(fc.format_call(c["name"], c["arguments"]) for c in m.get("tool_calls", []))
             given = m.get("given", 0)  # the start of the answer a prompt gave (TRL's continue_final_message): context
             if given:
@@ -225,12 +230,13 @@ class Renderer:
         `max_tokens`."""
         return _prompt_parts(self, conv, total, max_tokens)
 
-    def segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+    def segments(self, conv: dict, add_generation_prompt: bool = False,
+                 continue_final: bool = False) -> list[tuple[str, bool]]:
         if "text" in conv:  # a language-modeling row: no chat markup, every token trained
             return text_segments(conv["text"], getattr(self.tokenizer, "eos_token", None))
         if self.chat_format == "template":
-            return self.template_segments(conv, add_generation_prompt)
-        return gemma_segments(conv, add_generation_prompt)
+            return self.template_segments(conv, add_generation_prompt, continue_final)
+        return gemma_segments(conv, add_generation_prompt, continue_final)
 
     def _apply(self, messages: list[dict], tools, add_generation_prompt: bool, where: str,
                continue_final: bool = False) -> str:
@@ -244,8 +250,10 @@ class Renderer:
             raise UserError(f"{where}: the tokenizer's chat template refused the conversation "
                             f"({type(e).__name__}: {str(e)[:200]})") from None
 
-    def template_segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
-        """Segments from the tokenizer's own template; assistant spans found by prefix differences."""
+    def template_segments(self, conv: dict, add_generation_prompt: bool = False,
+                          continue_final: bool = False) -> list[tuple[str, bool]]:
+        """Segments from the tokenizer's own template; assistant spans found by prefix differences. `continue_final`:
+        the last message is the start of an answer, rendered as the template continues it (`Renderer.render`)."""
         where = conv.get("where") or "example"
         msgs = template_messages(conv["messages"])
         tools = conv.get("tools")
@@ -256,7 +264,7 @@ class Renderer:
             return UserError(f"{where}: the tokenizer's chat template is not prefix-stable ({what}); its assistant "
                              f"spans cannot be located - use data.chat_format=gemma")
 
-        for i, m in enumerate(msgs):
+        for i, m in enumerate(msgs[:-1] if continue_final else msgs):
             if m["role"] != "assistant" or i == 0:
                 continue
             given = conv["messages"][i].get("given", 0)
@@ -274,7 +282,7 @@ class Renderer:
             segs.append((prompt[len(done):], False))
             segs.append((answer, conv["messages"][i].get("train", True)))
             done = prompt + answer
-        final = self._apply(msgs, tools, add_generation_prompt, where)
+        final = self._apply(msgs, tools, add_generation_prompt, where, continue_final=continue_final)
         if not final.startswith(done):
             raise unstable("the whole conversation does not extend its turns")
         segs.append((final[len(done):], False))
@@ -311,13 +319,17 @@ class Renderer:
             self._longest = max(map(len, self.tokenizer.get_vocab()), default=1)
         return self._longest
 
-    def render(self, conv: dict, add_generation_prompt: bool = False, max_tokens: int | None = None) -> Rendered:
+    def render(self, conv: dict, add_generation_prompt: bool = False, max_tokens: int | None = None,
+               continue_final: bool = False) -> Rendered:
         """`max_tokens`: only the first that many tokens are needed (training's data.seq_len): a text far longer is
         tokenized only as far as they can reach (twice over: a cut word re-tokenizes only itself), so a 10 MB
-        example no longer takes 20 s and 1.5 GB to be cut to 512 tokens; `partial` then says so."""
-        segs = [(self.map_markers(t), tr) for t, tr in self.segments(conv, add_generation_prompt)]
+        example no longer takes 20 s and 1.5 GB to be cut to 512 tokens; `partial` then says so.
+        `continue_final`: a prompt whose last message is the start of an assistant answer (TRL's continue_final_message
+        rows), left open as apply_chat_template(continue_final_message=True) leaves it, for the model to continue as
+        training saw the start given (instead of `add_generation_prompt`)."""
+        segs = [(self.map_markers(t), tr) for t, tr in self.segments(conv, add_generation_prompt, continue_final)]
         tail = False
-        if not add_generation_prompt and self.loss_on == "assistant" and "text" not in conv:
+        if not add_generation_prompt and not continue_final and self.loss_on == "assistant" and "text" not in conv:
             segs, tail = _drop_untrained_tail(segs)
         # BOS is added as an id; a template that writes it as text has it removed here
         if segs and self.bos_text and segs[0][0].startswith(self.bos_text):
