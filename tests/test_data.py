@@ -2722,6 +2722,41 @@ TRIMMING_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_t
                      "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}")
 
 
+def test_a_given_start_a_trimming_template_continues_otherwise_is_warned(tmp_path, tok, caplog):
+    """A prompt ending in the start of the answer with trailing whitespace ("The answer is "), continued by the
+    completion: a template that trims message text continues it after "The answer is" (apply_chat_template with
+    continue_final_message=True), so the served model generates " 42." where our Gemma rendering trained "42." after
+    the space. The whole conversation renders alike, so nothing was said; the prompt before the continuation is
+    compared too now. With the template as the renderer, the trained text is what it serves."""
+    import logging
+
+    trimming = _with_template(tok, TRIMMING_TEMPLATE)
+    prompt = [{"role": "user", "content": "What is 6*7?"}, {"role": "assistant", "content": "The answer is "}]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": prompt,
+                                               "completion": [{"role": "assistant", "content": "42."}]}])
+    conv, = load_conversations(path, DataConfig())
+    served = trimming.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
+    assert served.endswith("<start_of_turn>model\nThe answer is")
+    own = Renderer(trimming, chat_format="template").render(conv)
+    first = int(np.flatnonzero(own.loss_mask)[0])
+    assert trimming.decode(own.ids[:first].tolist(), skip_special_tokens=False) == served
+    assert masked_runs(trimming, own) == [f" 42.{EOT}"]
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), Renderer(trimming), DataConfig(seq_len=256), seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 1 of the first 1 chats render otherwise than the tokenizer's own chat template, which a server "
+        f"renders them with (the first: {path}:1: messages[1]'s given start, continued (continue_final_message): ours "
+        f"ends 'model\\nThe answer is ', the template's '>model\\nThe answer is'); the model would be "
+        f"trained on text it is not served: set data.chat_format=template to train on the template's rendering, or "
+        f"fix the data"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):  # a start the template keeps as it is
+        prepare_split(str(write_jsonl(tmp_path / "d.jsonl", [{"prompt": [prompt[0], {
+            "role": "assistant", "content": "The answer is"}], "completion": [{"role": "assistant", "content": " 42."}]}
+        ])), Renderer(trimming), DataConfig(seq_len=256), seed=0)
+    assert caplog.records == []
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect

@@ -304,11 +304,32 @@ class Renderer:
         except UserError as e:
             return f"the template refuses it{str(e).partition('refused the conversation')[2]}"
         theirs = theirs.removeprefix(self.bos_text)
-        if theirs == ours:
-            return None
-        i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        around = slice(max(0, i - 20), i + 20)
-        return f"at character {i}, ours {ours[around]!r}, the template's {theirs[around]!r}"
+        if theirs != ours:
+            i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            around = slice(max(0, i - 20), i + 20)
+            return f"at character {i}, ours {ours[around]!r}, the template's {theirs[around]!r}"
+        return self._given_start_difference(conv)
+
+    def _given_start_difference(self, conv: dict) -> str | None:
+        """`template_difference` of the prompts that end in an answer's given start (TRL's continue_final_message
+        rows): a template that trims message text continues "The answer is " after "The answer is", so the served
+        model generates " 42." where ours trains "42." after the space, though the whole conversations agree."""
+        msgs = conv["messages"]
+        for k, m in enumerate(msgs):
+            given = m.get("given", 0) if m["role"] == "assistant" else 0
+            if not given:
+                continue
+            start = {"role": "assistant", "content": m["content"][:given]}
+            ours = "".join(t for t, _ in gemma_segments({"messages": msgs[:k] + [start]}, continue_final=True))
+            what = f"messages[{k}]'s given start, continued (continue_final_message)"
+            try:
+                theirs = self._apply(template_messages(msgs[:k]) + [start], None, False, "", continue_final=True)
+            except UserError as e:
+                return f"{what}: the template refuses it{str(e).partition('refused the conversation')[2]}"
+            theirs = theirs.removeprefix(self.bos_text)
+            if theirs != ours:
+                return f"{what}: ours ends {ours[-20:]!r}, the template's {theirs[-20:]!r}"
+        return None
 
     def map_markers(self, text: str) -> str:
         return fc.map_markers(text, self.token_map)
