@@ -481,6 +481,11 @@ def test_a_prompt_giving_the_start_of_the_answer_is_continued_and_the_continuati
     for fmt in ("gemma", "template"):
         (ids,), over = prompts_within_context(Renderer(tok, fmt), [case], 8, None)
         assert [int(i) for i in ids] == served and not over, fmt
+    # past the context, the parts of the prompt are named as they are (the start was "the tool calls and results")
+    _, over = prompts_within_context(Renderer(tok), [case], 8, len(served) + 4)
+    assert re.search(r"\(the system prompt \d+, the question \d+, the start of the answer 13\); with "
+                     r"--max-new-tokens 8 it passes the model's context of \d+ \(max_position_embeddings\) by 4: "
+                     r"shorten the start of the answer by at least 4 tokens or ask for at most 4 new", over[0]), over
     handler, server = scripted({"content": " 42."})
     out = tmp_path / "r.json"
     with server as url:

@@ -389,9 +389,9 @@ class Renderer:
 
 # the parts `Renderer.prompt_parts` counts: given with the prompt (the system prompt, the tool declarations), then
 # what its user wrote (the question) and what came after it (a chat's tool calls and results, a test conversation's
-# later turns)
+# later turns, the start of the answer a prompt gives: `Renderer.render`'s continue_final)
 PROMPT_PARTS = ("the system prompt", "the tool declarations", "the question", "the turns after it",
-                "the tool calls and results")
+                "the tool calls and results", "the start of the answer")
 
 
 def _prompt_parts(renderer: Renderer, conv: dict, total: int,
@@ -417,8 +417,12 @@ def _prompt_parts(renderer: Renderer, conv: dict, total: int,
     parts = [(PROMPT_PARTS[0], untooled - question), (PROMPT_PARTS[1], first - untooled)]
     parts = [p for p in parts if p[1] > 0]
     if k + 1 < len(msgs):
-        calls_only = all(m.get("role") in ("assistant", "tool") for m in msgs[k + 1:])
-        parts += [(PROMPT_PARTS[2], question), (PROMPT_PARTS[4 if calls_only else 3], total - first)]
+        after = msgs[k + 1:]
+        if len(after) == 1 and after[0].get("role") == "assistant" and not after[0].get("tool_calls"):
+            name = PROMPT_PARTS[5]  # a text answer's start, continued (it was named the tool calls and results)
+        else:
+            name = PROMPT_PARTS[4 if all(m.get("role") in ("assistant", "tool") for m in after) else 3]
+        parts += [(PROMPT_PARTS[2], question), (name, total - first)]
     else:
         parts.append((PROMPT_PARTS[2], total - first + question))
     return parts if parts[0][0] != PROMPT_PARTS[2] and all(n >= 0 for _, n in parts) else None
