@@ -1466,6 +1466,34 @@ def test_pack_is_first_fit(seed):
     assert got == _naive_first_fit(lengths, 256)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_trees_are_first_fit(seed):
+    """Each group's examples are cut into trees `[P | S1 | S2 ...]` by first fit of their suffixes (a scan of every
+    open tree per example, quadratic in a group's size, was replaced by pack_first_fit's max-tree): the same trees,
+    each in its first member's place, a tree of one member a plain example."""
+    rng = np.random.default_rng(seed)
+    n, seq_len = int(rng.integers(100, 300)), 256
+    prefix = rng.integers(3, 500, 200).tolist()
+    perm = rng.permutation(n).tolist()
+    groups, at = [], 0
+    while at < n * 3 // 4:  # groups of shuffled indices, the rest alone
+        k, p = int(rng.integers(1, 60)), int(rng.integers(1, 120))
+        groups.append((p, perm[at:at + k]))
+        at += k
+    plen = {i: p for p, idx in groups for i in idx}
+    exs = [batching.Example(np.asarray(prefix[:plen.get(i, 0)] + [i] * int(rng.integers(1, seq_len - plen.get(i, 0))),
+                                       np.int32), np.ones(1, bool)) for i in range(n)]
+    got = [(type(it).__name__, [int(e.ids[-1]) for e in batching.members(it)]) for it in
+           batching.make_trees(exs, groups, seq_len)]
+    first, taken = {}, set()
+    for p, idx in groups:
+        for tree in _naive_first_fit([len(exs[i].ids) - p for i in idx], seq_len - p):
+            first[idx[tree[0]]] = ("Tree" if len(tree) > 1 else "Example", [idx[k] for k in tree])
+            taken.update(idx[k] for k in tree)
+    assert got == [first.get(i, ("Example", [i])) for i in range(n) if i in first or i not in taken]
+    assert sum(kind == "Tree" for kind, _ in got) > 2
+
+
 def test_loss_buffer_is_static_and_counts_overflow(chat_file, tok):
     p = prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy="pack"), 0)
     most = max(batching.row_loss_count(r) for r in p.rows)
