@@ -499,6 +499,31 @@ def test_a_prompt_giving_the_start_of_the_answer_is_continued_and_the_continuati
                                                                                                 "The answer is", 1.0)
 
 
+def test_a_prompt_the_chat_template_refuses_is_named_by_its_line(tmp_path):
+    """Under data.chat_format=template, a test conversation the tokenizer's template refuses (Gemma 3's takes no
+    developer turn) stopped evaluate with "example: the tokenizer's chat template refused the conversation": the
+    prompts carry no FILE:LINE. It is named by its line, as training names it."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+    from gemma_tpu.assets.tiny import _write_small_tokenizer
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import Renderer, load_conversations
+    from gemma_tpu.evaluate.run import build_cases, prompts_within_context
+
+    _write_small_tokenizer(tmp_path / "tok", 512)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(ok) + "\n" + json.dumps({"messages": [{"role": "developer", "content": "Be terse."},
+                                                                     *ok["messages"]]}) + "\n")
+    cases = build_cases(load_conversations(path, DataConfig()))
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))}:2: the tokenizer's chat template refused the "
+                                        f"conversation \\(TemplateError: unsupported role developer"):
+        prompts_within_context(Renderer(tok, "template"), cases, 8, None)
+
+
 def test_every_trained_turn_is_scored_with_turns_all(tmp_path):
     """`evaluate --turns all` scores each trained assistant turn of a multi-turn chat after the reference conversation
     before it (only the first was ever scored: a chat's later calls and answers went unjudged); the default stays

@@ -61,7 +61,7 @@ from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.typed_yaml import keys_given
 from gemma_tpu.core.errors import SignalExit, UserError, stop_signals_raise
-from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
+from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples, render_error
 from gemma_tpu.data.batching import Example
 from gemma_tpu.data.records import served_markup
 from gemma_tpu.evaluate.answers import answer_scores
@@ -266,11 +266,21 @@ def prompts_within_context(renderer, cases: Sequence[Case], max_new_tokens: int,
     """Every case's prompt ids, and why each that with `max_new_tokens` passes the model's context `limit` is refused
     (case index -> reason). Tokenized only as far as the context reaches (`partial`): a 3 MB question took 30 s and
     2.4 GB to be refused."""
-    rendered = [renderer.render(c.prompt, add_generation_prompt=not c.start, max_tokens=limit,
-                                continue_final=bool(c.start)) for c in cases]
+    rendered = [_render_prompt(renderer, c, limit) for c in cases]
     over = {i: past_context(renderer, cases[i].prompt, r, max_new_tokens, limit)
             for i, r in enumerate(rendered) if limit and len(r.ids) + max_new_tokens > limit}
     return [r.ids for r in rendered], over
+
+
+def _render_prompt(renderer, case: Case, limit: int | None):
+    """A case's prompt as the model is asked it (after the start of the answer it gives, if any); a prompt the
+    renderer refuses (a chat template refusing a developer turn) is named by its FILE:LINE, as training names it
+    (it was "example: the tokenizer's chat template refused the conversation")."""
+    try:
+        return renderer.render({**case.prompt, "where": case.where}, add_generation_prompt=not case.start,
+                               max_tokens=limit, continue_final=bool(case.start))
+    except UserError as e:
+        raise render_error(e, {"where": case.where}, "an example") from None
 
 
 def past_context(renderer, prompt: dict, rendered, max_new_tokens: int, limit: int) -> str:
