@@ -2785,6 +2785,29 @@ def test_a_given_start_a_trimming_template_continues_otherwise_is_warned(tmp_pat
     assert caplog.records == []
 
 
+def test_a_chat_template_without_tools_is_refused_for_tool_chats(tmp_path, tok):
+    """data.chat_format=template with a template that renders no tools (Gemma 3's, which raises only on a tool
+    message): a chat whose answer is a tool call trained '<end_of_turn>' alone as that answer (the call was not in
+    the text), and declared tools were left out of the prompt, without a word. Both are refused by FILE:LINE."""
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": {"date": "today"}}}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [{"tools": [STEPS_TOOL], "messages": [
+        {"role": "user", "content": "Steps today?"}, call]}])
+    conv, = load_conversations(path, DataConfig())
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))}:1: the tokenizer's chat template does not render "
+                                        f"the tool declarations \\(the conversation renders the same without them\\)"):
+        Renderer(_with_template(tok, GEMMA3_CHAT_TEMPLATE), chat_format="template").render(conv)
+    # a template that writes the declarations but not the calls
+    declares = ("{{- bos_token -}}{%- if tools -%}{{- '<start_of_turn>user\\n' ~ (tools | tojson) ~ "
+                "'<end_of_turn>\\n' -}}{%- endif -%}" + GEMMA3_CHAT_TEMPLATE.replace("{{- bos_token -}}", ""))
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))}:1: the tokenizer's chat template does not render "
+                                        f"messages\\[1\\]'s tool call 'get_steps' \\(the answer it renders, "
+                                        f"'<end_of_turn>', does not name it\\)"):
+        Renderer(_with_template(tok, declares), chat_format="template").render(conv)
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect
@@ -2807,8 +2830,9 @@ def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path
         f" the template's 'art_of_turn>model\\na.<end_of_turn>\\n'); the model would be trained on text it is not "
         f"served: set data.chat_format=template to train on the template's rendering, or fix the data"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
-        prepare_split(str(path), Renderer(trimming, chat_format="template"), DataConfig(seq_len=256), seed=0)
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):  # (that template writes no tool calls: refused)
+        prepare_split(str(write_jsonl(tmp_path / "p.jsonl", [plain, padded])),
+                      Renderer(trimming, chat_format="template"), DataConfig(seq_len=256), seed=0)
         prepare_split(str(path), Renderer(_with_template(tok, GEMMA3_CHAT_TEMPLATE)), DataConfig(seq_len=256), 0)
     assert caplog.records == []
     # inspect shows it as training warns it

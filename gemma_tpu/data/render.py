@@ -190,6 +190,7 @@ class Renderer:
         bos = getattr(tokenizer, "bos_token_id", None)
         self.bos_id = chat.BOS_ID if bos is None else int(bos)
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
+        self._renders_tools = False  # the chat template was seen to write `tools` (`_check_renders_tools`)
 
     def _check_turn_tokens(self) -> None:
         """Our Gemma format writes Gemma 3's turn markers: a vocabulary without them as tokens (Gemma 4's turns are
@@ -264,6 +265,8 @@ class Renderer:
             return UserError(f"{where}: the tokenizer's chat template is not prefix-stable ({what}); its assistant "
                              f"spans cannot be located - use data.chat_format=gemma")
 
+        if tools:
+            self._check_renders_tools(msgs, tools, where)
         for i, m in enumerate(msgs[:-1] if continue_final else msgs):
             if m["role"] != "assistant" or i == 0:
                 continue
@@ -279,6 +282,13 @@ class Renderer:
             if not full.startswith(prompt):
                 raise unstable(f"messages[{i}] does not extend the prompt before it")
             answer = full[len(prompt):].rstrip()  # whitespace after the end marker is not generated
+            # a template that renders no tool calls (Gemma 3's) trained an answer of '<end_of_turn>' alone for a call
+            unnamed = [c["name"] for c in conv["messages"][i].get("tool_calls") or [] if c["name"] not in answer]
+            if unnamed:
+                raise UserError(f"{where}: the tokenizer's chat template does not render messages[{i}]'s tool call "
+                                f"{unnamed[0]!r} (the answer it renders, {answer[:80]!r}, does not name it): the call "
+                                f"would train as that text - use data.chat_format=gemma, or a template that renders "
+                                f"tool calls")
             segs.append((prompt[len(done):], False))
             segs.append((answer, conv["messages"][i].get("train", True)))
             done = prompt + answer
@@ -287,6 +297,21 @@ class Renderer:
             raise unstable("the whole conversation does not extend its turns")
         segs.append((final[len(done):], False))
         return [(t, tr) for t, tr in segs if t]
+
+    def _check_renders_tools(self, msgs: list[dict], tools: list, where: str) -> None:
+        """Refuse a chat template that ignores `tools` (the conversation renders the same without them; once it is
+        seen to write them, not checked again): the declarations were left out of every prompt trained, without a
+        word."""
+        if not self._renders_tools:
+            with_tools = self._apply(msgs, tools, False, where)
+            try:
+                self._renders_tools = with_tools != self._apply(msgs, None, False, where)
+            except UserError:  # a template that needs the declarations of the calls: it reads them
+                self._renders_tools = True
+        if not self._renders_tools:
+            raise UserError(f"{where}: the tokenizer's chat template does not render the tool declarations (the "
+                            f"conversation renders the same without them): the model would be trained without its "
+                            f"tools - use data.chat_format=gemma, or a template that renders tools")
 
     def template_difference(self, conv: dict) -> str | None:
         """Where our Gemma rendering of a plain chat (no tools) departs from the tokenizer's own chat template,
