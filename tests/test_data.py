@@ -1466,6 +1466,34 @@ def test_pack_is_first_fit(seed):
     assert got == _naive_first_fit(lengths, 256)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_trees_are_first_fit(seed):
+    """Each group's examples are cut into trees `[P | S1 | S2 ...]` by first fit of their suffixes (a scan of every
+    open tree per example, quadratic in a group's size, was replaced by pack_first_fit's max-tree): the same trees,
+    each in its first member's place, a tree of one member a plain example."""
+    rng = np.random.default_rng(seed)
+    n, seq_len = int(rng.integers(100, 300)), 256
+    prefix = rng.integers(3, 500, 200).tolist()
+    perm = rng.permutation(n).tolist()
+    groups, at = [], 0
+    while at < n * 3 // 4:  # groups of shuffled indices, the rest alone
+        k, p = int(rng.integers(1, 60)), int(rng.integers(1, 120))
+        groups.append((p, perm[at:at + k]))
+        at += k
+    plen = {i: p for p, idx in groups for i in idx}
+    exs = [batching.Example(np.asarray(prefix[:plen.get(i, 0)] + [i] * int(rng.integers(1, seq_len - plen.get(i, 0))),
+                                       np.int32), np.ones(1, bool)) for i in range(n)]
+    got = [(type(it).__name__, [int(e.ids[-1]) for e in batching.members(it)]) for it in
+           batching.make_trees(exs, groups, seq_len)]
+    first, taken = {}, set()
+    for p, idx in groups:
+        for tree in _naive_first_fit([len(exs[i].ids) - p for i in idx], seq_len - p):
+            first[idx[tree[0]]] = ("Tree" if len(tree) > 1 else "Example", [idx[k] for k in tree])
+            taken.update(idx[k] for k in tree)
+    assert got == [first.get(i, ("Example", [i])) for i in range(n) if i in first or i not in taken]
+    assert sum(kind == "Tree" for kind, _ in got) > 2
+
+
 def test_loss_buffer_is_static_and_counts_overflow(chat_file, tok):
     p = prepare_split(str(chat_file), Renderer(tok), DataConfig(seq_len=256, strategy="pack"), 0)
     most = max(batching.row_loss_count(r) for r in p.rows)
@@ -2722,6 +2750,64 @@ TRIMMING_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_t
                      "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}")
 
 
+def test_a_given_start_a_trimming_template_continues_otherwise_is_warned(tmp_path, tok, caplog):
+    """A prompt ending in the start of the answer with trailing whitespace ("The answer is "), continued by the
+    completion: a template that trims message text continues it after "The answer is" (apply_chat_template with
+    continue_final_message=True), so the served model generates " 42." where our Gemma rendering trained "42." after
+    the space. The whole conversation renders alike, so nothing was said; the prompt before the continuation is
+    compared too now. With the template as the renderer, the trained text is what it serves."""
+    import logging
+
+    trimming = _with_template(tok, TRIMMING_TEMPLATE)
+    prompt = [{"role": "user", "content": "What is 6*7?"}, {"role": "assistant", "content": "The answer is "}]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": prompt,
+                                               "completion": [{"role": "assistant", "content": "42."}]}])
+    conv, = load_conversations(path, DataConfig())
+    served = trimming.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
+    assert served.endswith("<start_of_turn>model\nThe answer is")
+    own = Renderer(trimming, chat_format="template").render(conv)
+    first = int(np.flatnonzero(own.loss_mask)[0])
+    assert trimming.decode(own.ids[:first].tolist(), skip_special_tokens=False) == served
+    assert masked_runs(trimming, own) == [f" 42.{EOT}"]
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), Renderer(trimming), DataConfig(seq_len=256), seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 1 of the first 1 chats render otherwise than the tokenizer's own chat template, which a server "
+        f"renders them with (the first: {path}:1: messages[1]'s given start, continued (continue_final_message): ours "
+        f"ends 'model\\nThe answer is ', the template's '>model\\nThe answer is'); the model would be "
+        f"trained on text it is not served: set data.chat_format=template to train on the template's rendering, or "
+        f"fix the data"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):  # a start the template keeps as it is
+        prepare_split(str(write_jsonl(tmp_path / "d.jsonl", [{"prompt": [prompt[0], {
+            "role": "assistant", "content": "The answer is"}], "completion": [{"role": "assistant", "content": " 42."}]}
+        ])), Renderer(trimming), DataConfig(seq_len=256), seed=0)
+    assert caplog.records == []
+
+
+def test_a_chat_template_without_tools_is_refused_for_tool_chats(tmp_path, tok):
+    """data.chat_format=template with a template that renders no tools (Gemma 3's, which raises only on a tool
+    message): a chat whose answer is a tool call trained '<end_of_turn>' alone as that answer (the call was not in
+    the text), and declared tools were left out of the prompt, without a word. Both are refused by FILE:LINE."""
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_steps", "arguments": {"date": "today"}}}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [{"tools": [STEPS_TOOL], "messages": [
+        {"role": "user", "content": "Steps today?"}, call]}])
+    conv, = load_conversations(path, DataConfig())
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))}:1: the tokenizer's chat template does not render "
+                                        f"the tool declarations \\(the conversation renders the same without them\\)"):
+        Renderer(_with_template(tok, GEMMA3_CHAT_TEMPLATE), chat_format="template").render(conv)
+    # a template that writes the declarations but not the calls
+    declares = ("{{- bos_token -}}{%- if tools -%}{{- '<start_of_turn>user\\n' ~ (tools | tojson) ~ "
+                "'<end_of_turn>\\n' -}}{%- endif -%}" + GEMMA3_CHAT_TEMPLATE.replace("{{- bos_token -}}", ""))
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))}:1: the tokenizer's chat template does not render "
+                                        f"messages\\[1\\]'s tool call 'get_steps' \\(the answer it renders, "
+                                        f"'<end_of_turn>', does not name it\\)"):
+        Renderer(_with_template(tok, declares), chat_format="template").render(conv)
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect
@@ -2744,8 +2830,9 @@ def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path
         f" the template's 'art_of_turn>model\\na.<end_of_turn>\\n'); the model would be trained on text it is not "
         f"served: set data.chat_format=template to train on the template's rendering, or fix the data"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
-        prepare_split(str(path), Renderer(trimming, chat_format="template"), DataConfig(seq_len=256), seed=0)
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):  # (that template writes no tool calls: refused)
+        prepare_split(str(write_jsonl(tmp_path / "p.jsonl", [plain, padded])),
+                      Renderer(trimming, chat_format="template"), DataConfig(seq_len=256), seed=0)
         prepare_split(str(path), Renderer(_with_template(tok, GEMMA3_CHAT_TEMPLATE)), DataConfig(seq_len=256), 0)
     assert caplog.records == []
     # inspect shows it as training warns it

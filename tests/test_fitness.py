@@ -451,6 +451,79 @@ def test_evaluation_scores_the_first_trained_answer(tmp_path):
     assert case.user == ex["messages"][1]["content"] and len(case.prompt["messages"]) == 4
 
 
+def test_a_prompt_giving_the_start_of_the_answer_is_continued_and_the_continuation_scored(tmp_path):
+    """TRL's continue_final_message rows (the prompt ends in the start of the answer, the completion continues it)
+    train the continuation after the given start; evaluate prompted without the start (the model answered from
+    scratch) and scored against start and continuation. The model now continues the start, locally as the tokenizer's
+    apply_chat_template(continue_final_message=True) renders it and from an endpoint with vLLM's request extension,
+    and the continuation is scored."""
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import Renderer, load_conversations
+    from gemma_tpu.evaluate.run import build_cases, prompts_within_context
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+    from gemma_tpu.assets.tiny import _write_small_tokenizer
+    from tests.test_clients_foreign import _in_process
+    from tests.test_serving import scripted
+
+    prompt = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 6*7?"},
+              {"role": "assistant", "content": "The answer is"}]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "completion": [{"role": "assistant", "content": " 42."}]}) + "\n")
+    (case,) = build_cases(load_conversations(path, DataConfig()))
+    assert (case.prompt["messages"][-1], case.answer, case.start) == (prompt[-1], " 42.", "The answer is")
+    _write_small_tokenizer(tmp_path / "tok", 512)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    served = [int(i) for i in tok.apply_chat_template(prompt, tokenize=True, continue_final_message=True,
+                                                      return_dict=False)]
+    for fmt in ("gemma", "template"):
+        (ids,), over = prompts_within_context(Renderer(tok, fmt), [case], 8, None)
+        assert [int(i) for i in ids] == served and not over, fmt
+    # past the context, the parts of the prompt are named as they are (the start was "the tool calls and results")
+    _, over = prompts_within_context(Renderer(tok), [case], 8, len(served) + 4)
+    assert re.search(r"\(the system prompt \d+, the question \d+, the start of the answer 13\); with "
+                     r"--max-new-tokens 8 it passes the model's context of \d+ \(max_position_embeddings\) by 4: "
+                     r"shorten the start of the answer by at least 4 tokens or ask for at most 4 new", over[0]), over
+    handler, server = scripted({"content": " 42."})
+    out = tmp_path / "r.json"
+    with server as url:
+        proc = _in_process("gemma_tpu.evaluate", "--data", str(path), "--endpoint", url, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    body = handler.requests[0]["body"]
+    assert body["messages"][-1] == prompt[-1] and len(body["messages"]) == 3
+    assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+    (record,) = next(iter(json.loads(out.read_text())["examples"].values()))
+    assert (record["reference_answer"], record["answer_start"], record["answer_exact_match"]) == (" 42.",
+                                                                                                "The answer is", 1.0)
+
+
+def test_a_prompt_the_chat_template_refuses_is_named_by_its_line(tmp_path):
+    """Under data.chat_format=template, a test conversation the tokenizer's template refuses (Gemma 3's takes no
+    developer turn) stopped evaluate with "example: the tokenizer's chat template refused the conversation": the
+    prompts carry no FILE:LINE. It is named by its line, as training names it."""
+    from transformers import AutoTokenizer
+
+    from gemma_tpu.assets.embedded import GEMMA3_CHAT_TEMPLATE
+    from gemma_tpu.assets.tiny import _write_small_tokenizer
+    from gemma_tpu.core.config import DataConfig
+    from gemma_tpu.data import Renderer, load_conversations
+    from gemma_tpu.evaluate.run import build_cases, prompts_within_context
+
+    _write_small_tokenizer(tmp_path / "tok", 512)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(ok) + "\n" + json.dumps({"messages": [{"role": "developer", "content": "Be terse."},
+                                                                     *ok["messages"]]}) + "\n")
+    cases = build_cases(load_conversations(path, DataConfig()))
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))}:2: the tokenizer's chat template refused the "
+                                        f"conversation \\(TemplateError: unsupported role developer"):
+        prompts_within_context(Renderer(tok, "template"), cases, 8, None)
+
+
 def test_every_trained_turn_is_scored_with_turns_all(tmp_path):
     """`evaluate --turns all` scores each trained assistant turn of a multi-turn chat after the reference conversation
     before it (only the first was ever scored: a chat's later calls and answers went unjudged); the default stays

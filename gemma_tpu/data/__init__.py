@@ -15,6 +15,7 @@ from gemma_tpu.data.pipeline import (
                                      prepare_examples,
                                      prepare_split,
                                      prepare_splits,
+                                     render_error,
                                      render_examples,
                                      stream_layout,
 )
@@ -24,4 +25,4 @@ from gemma_tpu.data.render import Renderer
 __all__ = ["Prepared", "Renderer", "TrainStream", "check_layout", "check_one_batch", "duplicates_warning",
            "epochs_warning", "eval_batches", "eval_fingerprint", "load_conversations", "make_renderer",
            "overlap_warning", "overlength_warning", "prepare_examples", "prepare_split", "prepare_splits",
-           "render_examples", "stream_layout"]
+           "render_error", "render_examples", "stream_layout"]

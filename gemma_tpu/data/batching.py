@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -131,41 +132,44 @@ def _count_duplicates(examples: list[Example], rep: FitReport, source: str) -> N
                                        f"{examples[j].where or f'example {j + 1}'}")
 
 
-def pack_first_fit(examples: list[Item], seq_len: int) -> list[list[Item]]:
-    """First-fit: each item (example or tree) goes into the first row with room, else opens a new row.
+def first_fit(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """First fit: each size (by index, in order) goes into the first bin with room, else opens a new bin.
 
-    The leftmost row with enough room is found in a max-tree over the rows' free space, so packing
-    is O(n log n) rather than a scan of every open row per example.
+    The leftmost bin with enough room is found in a max-tree over the bins' free space, so packing
+    is O(n log n) rather than a scan of every open bin per item (make_trees scanned so: 20,000 examples
+    sharing one prefix took 0.8 s, 4x as many 16x that).
     """
-    n = len(examples)
+    n = len(sizes)
     if n == 0:
         return []
     size = 1
     while size < n:
         size *= 2
-    tree = [-1] * (2 * size)  # free room per row at the leaves; -1: no row yet
-    rows: list[list[Item]] = []
-    for ex in examples:
-        need = item_size(ex)
-        if need > seq_len:
-            raise ValueError(f"item of {need} tokens does not fit a row of {seq_len}")
+    tree = [-1] * (2 * size)  # free room per bin at the leaves; -1: no bin yet
+    bins: list[list[int]] = []
+    for i, need in enumerate(sizes):
+        if need > capacity:
+            raise ValueError(f"item of {need} tokens does not fit a row of {capacity}")
         if tree[1] >= need:
             node = 1
             while node < size:  # descend to the leftmost leaf with room >= need
                 node = 2 * node if tree[2 * node] >= need else 2 * node + 1
-            r = node - size
-            rows[r].append(ex)
+            bins[node - size].append(i)
             tree[node] -= need
         else:
-            r = len(rows)
-            rows.append([ex])
-            node = size + r
-            tree[node] = seq_len - need
+            node = size + len(bins)
+            bins.append([i])
+            tree[node] = capacity - need
         node //= 2
         while node:
             tree[node] = max(tree[2 * node], tree[2 * node + 1])
             node //= 2
-    return rows
+    return bins
+
+
+def pack_first_fit(examples: list[Item], seq_len: int) -> list[list[Item]]:
+    """First-fit: each item (example or tree) goes into the first row with room, else opens a new row."""
+    return [[examples[i] for i in row] for row in first_fit([item_size(ex) for ex in examples], seq_len)]
 
 
 def row_loss_count(row: list[Item]) -> int:
@@ -227,17 +231,7 @@ def make_trees(examples: list[Example], groups: list[tuple[int, list[int]]], seq
     first: dict[int, Item] = {}  # index of an item's first member -> the item
     taken: set[int] = set()
     for p, idx in groups:
-        trees: list[list[int]] = []
-        room: list[int] = []
-        for i in idx:
-            need = len(examples[i].ids) - p
-            t = next((k for k, r in enumerate(room) if r >= need), None)
-            if t is None:
-                trees.append([])
-                room.append(seq_len - p)
-                t = len(trees) - 1
-            trees[t].append(i)
-            room[t] -= need
+        trees = [[idx[k] for k in tree] for tree in first_fit([len(examples[i].ids) - p for i in idx], seq_len - p)]
         for mem in trees:
             first[mem[0]] = Tree(p, [examples[i] for i in mem]) if len(mem) > 1 else examples[mem[0]]
             taken.update(mem)

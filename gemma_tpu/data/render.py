@@ -39,9 +39,11 @@ class Rendered:
     joined: str | None = None
 
 
-def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+def gemma_segments(conv: dict, add_generation_prompt: bool = False,
+                   continue_final: bool = False) -> list[tuple[str, bool]]:
     """Gemma 3 turns; system/developer text folds into the first user turn; tools in FunctionGemma
-    form (declarations in a developer turn, calls and responses inside the model turn)."""
+    form (declarations in a developer turn, calls and responses inside the model turn). `continue_final`: the last
+    message is the start of an assistant answer, left open for the model to continue (`Renderer.render`)."""
     msgs = list(conv["messages"])
     segs: list[tuple[str, bool]] = []
     preamble = ""
@@ -69,6 +71,9 @@ def gemma_segments(conv: dict, add_generation_prompt: bool = False) -> list[tupl
         elif role == "assistant":
             if not in_model_turn:
                 segs.append((chat.open_turn(chat.MODEL), False))
+            if continue_final and i == len(msgs) - 1:  # its text as training renders a given start: context
+                segs.append((m["content"], False))
+                return segs
             body = m["content"] + "".join(fc.format_call(c["name"], c["arguments"]) for c in m.get("tool_calls", []))
             given = m.get("given", 0)  # the start of the answer a prompt gave (TRL's continue_final_message): context
             if given:
@@ -185,6 +190,7 @@ class Renderer:
         bos = getattr(tokenizer, "bos_token_id", None)
         self.bos_id = chat.BOS_ID if bos is None else int(bos)
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
+        self._renders_tools = False  # the chat template was seen to write `tools` (`_check_renders_tools`)
 
     def _check_turn_tokens(self) -> None:
         """Our Gemma format writes Gemma 3's turn markers: a vocabulary without them as tokens (Gemma 4's turns are
@@ -225,12 +231,13 @@ class Renderer:
         `max_tokens`."""
         return _prompt_parts(self, conv, total, max_tokens)
 
-    def segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+    def segments(self, conv: dict, add_generation_prompt: bool = False,
+                 continue_final: bool = False) -> list[tuple[str, bool]]:
         if "text" in conv:  # a language-modeling row: no chat markup, every token trained
             return text_segments(conv["text"], getattr(self.tokenizer, "eos_token", None))
         if self.chat_format == "template":
-            return self.template_segments(conv, add_generation_prompt)
-        return gemma_segments(conv, add_generation_prompt)
+            return self.template_segments(conv, add_generation_prompt, continue_final)
+        return gemma_segments(conv, add_generation_prompt, continue_final)
 
     def _apply(self, messages: list[dict], tools, add_generation_prompt: bool, where: str,
                continue_final: bool = False) -> str:
@@ -244,8 +251,10 @@ class Renderer:
             raise UserError(f"{where}: the tokenizer's chat template refused the conversation "
                             f"({type(e).__name__}: {str(e)[:200]})") from None
 
-    def template_segments(self, conv: dict, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
-        """Segments from the tokenizer's own template; assistant spans found by prefix differences."""
+    def template_segments(self, conv: dict, add_generation_prompt: bool = False,
+                          continue_final: bool = False) -> list[tuple[str, bool]]:
+        """Segments from the tokenizer's own template; assistant spans found by prefix differences. `continue_final`:
+        the last message is the start of an answer, rendered as the template continues it (`Renderer.render`)."""
         where = conv.get("where") or "example"
         msgs = template_messages(conv["messages"])
         tools = conv.get("tools")
@@ -256,7 +265,9 @@ class Renderer:
             return UserError(f"{where}: the tokenizer's chat template is not prefix-stable ({what}); its assistant "
                              f"spans cannot be located - use data.chat_format=gemma")
 
-        for i, m in enumerate(msgs):
+        if tools:
+            self._check_renders_tools(msgs, tools, where)
+        for i, m in enumerate(msgs[:-1] if continue_final else msgs):
             if m["role"] != "assistant" or i == 0:
                 continue
             given = conv["messages"][i].get("given", 0)
@@ -271,14 +282,36 @@ class Renderer:
             if not full.startswith(prompt):
                 raise unstable(f"messages[{i}] does not extend the prompt before it")
             answer = full[len(prompt):].rstrip()  # whitespace after the end marker is not generated
+            # a template that renders no tool calls (Gemma 3's) trained an answer of '<end_of_turn>' alone for a call
+            unnamed = [c["name"] for c in conv["messages"][i].get("tool_calls") or [] if c["name"] not in answer]
+            if unnamed:
+                raise UserError(f"{where}: the tokenizer's chat template does not render messages[{i}]'s tool call "
+                                f"{unnamed[0]!r} (the answer it renders, {answer[:80]!r}, does not name it): the call "
+                                f"would train as that text - use data.chat_format=gemma, or a template that renders "
+                                f"tool calls")
             segs.append((prompt[len(done):], False))
             segs.append((answer, conv["messages"][i].get("train", True)))
             done = prompt + answer
-        final = self._apply(msgs, tools, add_generation_prompt, where)
+        final = self._apply(msgs, tools, add_generation_prompt, where, continue_final=continue_final)
         if not final.startswith(done):
             raise unstable("the whole conversation does not extend its turns")
         segs.append((final[len(done):], False))
         return [(t, tr) for t, tr in segs if t]
+
+    def _check_renders_tools(self, msgs: list[dict], tools: list, where: str) -> None:
+        """Refuse a chat template that ignores `tools` (the conversation renders the same without them; once it is
+        seen to write them, not checked again): the declarations were left out of every prompt trained, without a
+        word."""
+        if not self._renders_tools:
+            with_tools = self._apply(msgs, tools, False, where)
+            try:
+                self._renders_tools = with_tools != self._apply(msgs, None, False, where)
+            except UserError:  # a template that needs the declarations of the calls: it reads them
+                self._renders_tools = True
+        if not self._renders_tools:
+            raise UserError(f"{where}: the tokenizer's chat template does not render the tool declarations (the "
+                            f"conversation renders the same without them): the model would be trained without its "
+                            f"tools - use data.chat_format=gemma, or a template that renders tools")
 
     def template_difference(self, conv: dict) -> str | None:
         """Where our Gemma rendering of a plain chat (no tools) departs from the tokenizer's own chat template,
@@ -296,11 +329,32 @@ class Renderer:
         except UserError as e:
             return f"the template refuses it{str(e).partition('refused the conversation')[2]}"
         theirs = theirs.removeprefix(self.bos_text)
-        if theirs == ours:
-            return None
-        i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        around = slice(max(0, i - 20), i + 20)
-        return f"at character {i}, ours {ours[around]!r}, the template's {theirs[around]!r}"
+        if theirs != ours:
+            i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            around = slice(max(0, i - 20), i + 20)
+            return f"at character {i}, ours {ours[around]!r}, the template's {theirs[around]!r}"
+        return self._given_start_difference(conv)
+
+    def _given_start_difference(self, conv: dict) -> str | None:
+        """`template_difference` of the prompts that end in an answer's given start (TRL's continue_final_message
+        rows): a template that trims message text continues "The answer is " after "The answer is", so the served
+        model generates " 42." where ours trains "42." after the space, though the whole conversations agree."""
+        msgs = conv["messages"]
+        for k, m in enumerate(msgs):
+            given = m.get("given", 0) if m["role"] == "assistant" else 0
+            if not given:
+                continue
+            start = {"role": "assistant", "content": m["content"][:given]}
+            ours = "".join(t for t, _ in gemma_segments({"messages": msgs[:k] + [start]}, continue_final=True))
+            what = f"messages[{k}]'s given start, continued (continue_final_message)"
+            try:
+                theirs = self._apply(template_messages(msgs[:k]) + [start], None, False, "", continue_final=True)
+            except UserError as e:
+                return f"{what}: the template refuses it{str(e).partition('refused the conversation')[2]}"
+            theirs = theirs.removeprefix(self.bos_text)
+            if theirs != ours:
+                return f"{what}: ours ends {ours[-20:]!r}, the template's {theirs[-20:]!r}"
+        return None
 
     def map_markers(self, text: str) -> str:
         return fc.map_markers(text, self.token_map)
@@ -311,13 +365,17 @@ class Renderer:
             self._longest = max(map(len, self.tokenizer.get_vocab()), default=1)
         return self._longest
 
-    def render(self, conv: dict, add_generation_prompt: bool = False, max_tokens: int | None = None) -> Rendered:
+    def render(self, conv: dict, add_generation_prompt: bool = False, max_tokens: int | None = None,
+               continue_final: bool = False) -> Rendered:
         """`max_tokens`: only the first that many tokens are needed (training's data.seq_len): a text far longer is
         tokenized only as far as they can reach (twice over: a cut word re-tokenizes only itself), so a 10 MB
-        example no longer takes 20 s and 1.5 GB to be cut to 512 tokens; `partial` then says so."""
-        segs = [(self.map_markers(t), tr) for t, tr in self.segments(conv, add_generation_prompt)]
+        example no longer takes 20 s and 1.5 GB to be cut to 512 tokens; `partial` then says so.
+        `continue_final`: a prompt whose last message is the start of an assistant answer (TRL's continue_final_message
+        rows), left open as apply_chat_template(continue_final_message=True) leaves it, for the model to continue as
+        training saw the start given (instead of `add_generation_prompt`)."""
+        segs = [(self.map_markers(t), tr) for t, tr in self.segments(conv, add_generation_prompt, continue_final)]
         tail = False
-        if not add_generation_prompt and self.loss_on == "assistant" and "text" not in conv:
+        if not add_generation_prompt and not continue_final and self.loss_on == "assistant" and "text" not in conv:
             segs, tail = _drop_untrained_tail(segs)
         # BOS is added as an id; a template that writes it as text has it removed here
         if segs and self.bos_text and segs[0][0].startswith(self.bos_text):
@@ -356,9 +414,9 @@ class Renderer:
 
 # the parts `Renderer.prompt_parts` counts: given with the prompt (the system prompt, the tool declarations), then
 # what its user wrote (the question) and what came after it (a chat's tool calls and results, a test conversation's
-# later turns)
+# later turns, the start of the answer a prompt gives: `Renderer.render`'s continue_final)
 PROMPT_PARTS = ("the system prompt", "the tool declarations", "the question", "the turns after it",
-                "the tool calls and results")
+                "the tool calls and results", "the start of the answer")
 
 
 def _prompt_parts(renderer: Renderer, conv: dict, total: int,
@@ -384,8 +442,12 @@ def _prompt_parts(renderer: Renderer, conv: dict, total: int,
     parts = [(PROMPT_PARTS[0], untooled - question), (PROMPT_PARTS[1], first - untooled)]
     parts = [p for p in parts if p[1] > 0]
     if k + 1 < len(msgs):
-        calls_only = all(m.get("role") in ("assistant", "tool") for m in msgs[k + 1:])
-        parts += [(PROMPT_PARTS[2], question), (PROMPT_PARTS[4 if calls_only else 3], total - first)]
+        after = msgs[k + 1:]
+        if len(after) == 1 and after[0].get("role") == "assistant" and not after[0].get("tool_calls"):
+            name = PROMPT_PARTS[5]  # a text answer's start, continued (it was named the tool calls and results)
+        else:
+            name = PROMPT_PARTS[4 if all(m.get("role") in ("assistant", "tool") for m in after) else 3]
+        parts += [(PROMPT_PARTS[2], question), (name, total - first)]
     else:
         parts.append((PROMPT_PARTS[2], total - first + question))
     return parts if parts[0][0] != PROMPT_PARTS[2] and all(n >= 0 for _, n in parts) else None

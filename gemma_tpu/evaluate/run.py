@@ -26,6 +26,8 @@ trained assistant turn of a multi-turn chat the same way, each after the referen
     answer_exact_match, answer_f1, answer_rouge_l
                            for examples whose reference turn is text (chats, instruction pairs): the generated
                            answer against it (`gemma_tpu/evaluate/answers.py`); answers are cut at --max-new-tokens
+                           (a prompt ending in the start of the answer, TRL's continue_final_message rows: the model
+                           continues it, and the continuation is scored against the reference's)
     eval_loss, perplexity  teacher-forced NLL of the reference assistant turns (calls and answers),
                            loss-bearing tokens only - as in training (up to the model's context); not for --endpoint
 
@@ -59,7 +61,7 @@ from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.config import DataConfig, RunConfig
 from gemma_tpu.core.typed_yaml import keys_given
 from gemma_tpu.core.errors import SignalExit, UserError, stop_signals_raise
-from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples
+from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples, render_error
 from gemma_tpu.data.batching import Example
 from gemma_tpu.data.records import served_markup
 from gemma_tpu.evaluate.answers import answer_scores
@@ -104,6 +106,9 @@ class Case:
     calls: list[ToolCall] = dataclasses.field(default_factory=list)  # every call of the reference turn
     where: str = ""  # FILE:LINE of the conversation
     turn: int | None = None  # the scored assistant message's index in the conversation's messages
+    # the start of the reference answer its prompt gives (TRL's continue_final_message rows): the prompt's last
+    # message, continued by the model as training saw it continued; `answer` is the reference's continuation
+    start: str = ""
 
 
 TURNS = ("first", "all")  # which trained assistant turns of a conversation are scored
@@ -121,9 +126,14 @@ def build_cases(convs: list[dict], turns: str = "first") -> list[Case]:
             calls = msgs[k].get("tool_calls") or []
             ref = ToolCall(calls[0]["name"], calls[0]["arguments"]) if calls else None
             user = next((m["content"] for m in reversed(msgs[:k]) if m["role"] == "user"), "")
-            answer = None if calls else msgs[k].get("content") or ""  # text: records normalise contents
-            cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k]}, ref, names, user, answer,
-                              [ToolCall(c["name"], c["arguments"]) for c in calls], conv.get("where", ""), k))
+            text = msgs[k].get("content") or ""  # text: records normalise contents
+            # a given start is the prompt's (it was left out: the model answered from scratch, scored against the
+            # start and the continuation); the model continues it, and its continuation is scored
+            given = msgs[k].get("given", 0)
+            start = [{"role": "assistant", "content": text[:given]}] if given else []
+            cases.append(Case({"tools": conv.get("tools"), "messages": msgs[:k] + start}, ref, names, user,
+                              None if calls else text[given:], [ToolCall(c["name"], c["arguments"]) for c in calls],
+                              conv.get("where", ""), k, text[:given]))
     return cases
 
 
@@ -256,10 +266,21 @@ def prompts_within_context(renderer, cases: Sequence[Case], max_new_tokens: int,
     """Every case's prompt ids, and why each that with `max_new_tokens` passes the model's context `limit` is refused
     (case index -> reason). Tokenized only as far as the context reaches (`partial`): a 3 MB question took 30 s and
     2.4 GB to be refused."""
-    rendered = [renderer.render(c.prompt, add_generation_prompt=True, max_tokens=limit) for c in cases]
+    rendered = [_render_prompt(renderer, c, limit) for c in cases]
     over = {i: past_context(renderer, cases[i].prompt, r, max_new_tokens, limit)
             for i, r in enumerate(rendered) if limit and len(r.ids) + max_new_tokens > limit}
     return [r.ids for r in rendered], over
+
+
+def _render_prompt(renderer, case: Case, limit: int | None):
+    """A case's prompt as the model is asked it (after the start of the answer it gives, if any); a prompt the
+    renderer refuses (a chat template refusing a developer turn) is named by its FILE:LINE, as training names it
+    (it was "example: the tokenizer's chat template refused the conversation")."""
+    try:
+        return renderer.render({**case.prompt, "where": case.where}, add_generation_prompt=not case.start,
+                               max_tokens=limit, continue_final=bool(case.start))
+    except UserError as e:
+        raise render_error(e, {"where": case.where}, "an example") from None
 
 
 def past_context(renderer, prompt: dict, rendered, max_new_tokens: int, limit: int) -> str:
@@ -413,6 +434,8 @@ def _ask_each(base: str, name: str | None, cases: Sequence[Case], max_new_tokens
             body["model"] = name
         if case.prompt.get("tools"):
             body["tools"] = openai_tools(case.prompt["tools"])
+        if case.start:  # vLLM's extension: the reply continues the prompt's last (assistant) message
+            body.update(continue_final_message=True, add_generation_prompt=False)
         try:
             answer = http_json(f"{base}/chat/completions", body, timeout=timeout, api_key=api_key, retries=retries)
         except HTTPStatusError as e:
@@ -556,7 +579,7 @@ def scored(cases: Sequence[Case], preds: Sequence[ParsedReply], texts: Sequence[
     records = [{"where": c.where, "turn": c.turn, "user": c.user,
                 "reference": dataclasses.asdict(c.reference) if c.reference else None,
                 **({"reference_calls": [dataclasses.asdict(x) for x in c.calls]} if len(c.calls) > 1 else {}),
-                "reference_answer": c.answer,
+                "reference_answer": c.answer, **({"answer_start": c.start} if c.start else {}),
                 "kind": p.kind, "predicted": [dataclasses.asdict(x) for x in p.calls],
                 "answer": p.text if p.kind == "text" else None, "error": p.error, "raw": t, **outcome(c, p)}
                for c, p, t in zip(cases, preds, texts)]
