@@ -1303,18 +1303,18 @@ def prompt_counter(tok, context: int | None = None):
     """`body -> number of prompt tokens` as the served model's chat template (of tokenizer `tok`) renders
     the request; a template that refuses the conversation, or leaves a system message out of the prompt, is a
     RequestError, and so is a prompt too long to count (see `token_counter`)."""
-    from serving.openai_request import RequestError
+    from serving.openai_request import PROMPT_END_KWARG, RequestError, prompt_end_arguments
 
     tokens = token_counter(tok, context, "messages")
 
     def render(messages: list[dict], tools: list | None, kwargs: dict) -> str:
-        return tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
-                                       **kwargs)
+        return tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                       **{"add_generation_prompt": True, **prompt_end_arguments(kwargs)})
 
     def refused_tool(messages: list[dict], tools: list, kwargs: dict) -> str | None:
         """Where a failed rendering's fault lies in `tools` (`tools[k]`: the first that fails declared alone for a
         plain question; `tools`: they together), or None where the conversation fails without them."""
-        kwargs = {k: v for k, v in kwargs.items() if k != FORCED_CALL_KWARG}
+        kwargs = {k: v for k, v in kwargs.items() if k not in (FORCED_CALL_KWARG, PROMPT_END_KWARG)}
         question = [{"role": "user", "content": "?"}]
         try:
             render(messages, None, kwargs)
@@ -1398,6 +1398,21 @@ def read_messages_as_trained(parse):
 
 
 SEED_ATTR = "_gemma_tpu_request_seed"  # a request's seed, carried on its GenerationConfig to its generation
+
+
+def prompt_end_as_asked(cls) -> None:
+    """`cls.apply_chat_template` (a tokenizer's, a processor's) ends the prompt as the request asked
+    (`serving.openai_request.PROMPT_END_KWARG` in its chat_template_kwargs): transformers serve always asks for a
+    generation prompt, so vLLM's `continue_final_message` (and `add_generation_prompt: false`) had no way through."""
+    from serving.openai_request import prompt_end_arguments
+
+    original = cls.apply_chat_template
+
+    @functools.wraps(original)
+    def apply(self, conversation, *args, **kwargs):
+        return original(self, conversation, *args, **prompt_end_arguments(kwargs))
+
+    cls.apply_chat_template = apply
 
 
 def seed_each_generation(utils) -> None:
@@ -1603,6 +1618,11 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     ChatCompletionHandler.get_processor_inputs_from_messages = staticmethod(
         read_messages_as_trained(ChatCompletionHandler.get_processor_inputs_from_messages))
+    from transformers.processing_utils import ProcessorMixin
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    for cls in (PreTrainedTokenizerBase, ProcessorMixin):
+        prompt_end_as_asked(cls)
     dtype = local_dtype(config)
     if dtype != "auto":
         print(f"note: {args.name} holds float16 weights, served in {dtype} (float16: "

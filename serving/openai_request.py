@@ -298,7 +298,13 @@ _OWN = "the server passes it to the chat template itself"
 # apply_chat_template's own arguments, which the server sets (and the template's `messages`): a request's
 # chat_template_kwargs may not give them again or replace the served template (vLLM refuses `chat_template` there too,
 # unless started with --trust-request-chat-template)
+# vLLM's `add_generation_prompt` / `continue_final_message`, as the chat rendering is to end the prompt, carried in
+# chat_template_kwargs under this key ("continue": the final message is continued; "closed": the conversation ends
+# closed, no generation prompt) and made apply_chat_template's own arguments again by `prompt_end_arguments`
+PROMPT_END_KWARG = "_gemma_tpu_prompt_end"
 _TEMPLATE_OWN = {"messages": f"{_OWN}; send the conversation as the request's messages",
+                 PROMPT_END_KWARG: "set by the server from add_generation_prompt and continue_final_message; send "
+                                   "those",
                  "conversation": f"{_OWN}; send the conversation as the request's messages",
                  "tools": f"{_OWN}; send the declarations as the request's tools",
                  "chat_template": "a request may not replace the served model's chat template",
@@ -314,12 +320,47 @@ _TEMPLATE_OWN = {"messages": f"{_OWN}; send the conversation as the request's me
 # vLLM's request extensions (its ChatCompletionRequest / CompletionRequest fields) at the value this server behaves
 # as: clients built for vLLM send them at their defaults (`skip_special_tokens: true`, `add_generation_prompt: true`,
 # `echo: false`), which vLLM takes and this server refused as unexpected fields. Dropped, as they change nothing here;
-# another value is refused by name (transformers serve reads none of them).
+# another value is refused by name (transformers serve reads none of them). A chat completion's prompt end is read
+# before (`_prompt_end`).
 _VLLM_AT_DEFAULT = {"echo": False, "add_generation_prompt": True, "continue_final_message": False,
                     "skip_special_tokens": True, "spaces_between_special_tokens": True,
                     "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
                     "stop_token_ids": [], "bad_words": [], "priority": 0, "return_tokens_as_token_ids": False,
                     "return_token_ids": False}
+
+
+def _prompt_end(body: dict) -> None:
+    """vLLM's `continue_final_message: true` (the model continues the final message, TRL's continue rows and
+    prefilled answers) and `add_generation_prompt: false` (the conversation rendered closed) put into
+    chat_template_kwargs for the chat rendering (`PROMPT_END_KWARG`); at their defaults they are dropped. As in
+    vLLM, continuing needs `add_generation_prompt: false` beside it (vLLM's template call refuses the pair)."""
+    given = {k: body.pop(k) for k in ("add_generation_prompt", "continue_final_message") if k in body}
+    for key, value in given.items():
+        if not isinstance(value, bool):
+            raise RequestError(key, f"{json.dumps(value)[:80]} is not true or false")
+    if given.get("continue_final_message") and given.get("add_generation_prompt", True):
+        raise RequestError("continue_final_message", "true needs add_generation_prompt: false beside it (the "
+                                                     "final message is continued, no new turn is opened), as vLLM "
+                                                     "needs it")
+    end = "continue" if given.get("continue_final_message") else (
+        "closed" if given.get("add_generation_prompt") is False else None)
+    if end is None:
+        return
+    if body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict):
+        raise RequestError("tool_choice", f"{json.dumps(body['tool_choice'])[:80]} is forced at a generation prompt; "
+                                          "this server cannot force it where the prompt continues or ends closed "
+                                          "(add_generation_prompt: false): send tool_choice \"auto\"")
+    body["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}), PROMPT_END_KWARG: end}
+
+
+def prompt_end_arguments(kwargs: dict) -> dict:
+    """chat_template_kwargs with the server's `PROMPT_END_KWARG` made apply_chat_template's own
+    `add_generation_prompt` / `continue_final_message` (they override the caller's generation prompt)."""
+    kwargs = dict(kwargs)
+    end = kwargs.pop(PROMPT_END_KWARG, None)
+    if end is not None:
+        kwargs.update(add_generation_prompt=False, continue_final_message=end == "continue")
+    return kwargs
 
 
 def _vllm_defaults(body: dict, chat: bool) -> None:
@@ -348,6 +389,8 @@ def _normalise_settings(body: dict, chat: bool = False) -> None:
         del body[key]
     if body.get("seed") == -1:  # vLLM's "no seed" (SamplingParams: -1 -> None): each answer sampled afresh
         del body["seed"]
+    if chat:
+        _prompt_end(body)
     _vllm_defaults(body, chat)
     if isinstance(body.get("stop"), list):
         body["stop"] = [s for s in body["stop"] if s]

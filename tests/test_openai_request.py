@@ -1790,6 +1790,48 @@ def test_add_special_tokens_at_vllms_default_for_each_endpoint_is_served():
         assert e.value.param == "add_special_tokens"
 
 
+def test_continue_final_message_continues_the_answer_as_vllm_renders_it(tiny_dir, tmp_path):
+    """vLLM's `continue_final_message: true` with `add_generation_prompt: false` (how `gemma_tpu.evaluate --endpoint`
+    sends TRL's continue rows, how clients prefill an answer) was a 400 here, "serves only its default": the prompt
+    now ends inside the final message, as apply_chat_template(continue_final_message=True) renders it, and
+    `add_generation_prompt: false` alone ends it closed. The pair both true is refused as vLLM refuses it, and so is
+    a forced tool choice (this server forces a call at the generation prompt)."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from serving.local import LocalServer
+
+    started = [*USER, {"role": "assistant", "content": "The answer is"}]
+    with LocalServer(tiny_dir, name="tiny", log=tmp_path / "serve.log") as server:
+        tok = AutoTokenizer.from_pretrained(str(server._workdir / "tiny"))  # the served dir: its chat template
+        chat = server.base_url + "/chat/completions"
+        got = {}
+        for end, extra in (("continue", {"continue_final_message": True, "add_generation_prompt": False}),
+                           ("closed", {"add_generation_prompt": False}), ("open", {})):
+            code, body = _post(chat, json.dumps({"messages": started, "max_tokens": 6, "temperature": 0,
+                                                 **extra}).encode())
+            assert code == 200, (end, body)
+            got[end] = body
+        cfm = "continue_final_message"
+        for odd, param in (({cfm: True}, cfm), ({cfm: True, "add_generation_prompt": True}, cfm),
+                           ({cfm: "yes", "add_generation_prompt": False}, cfm),
+                           ({"add_generation_prompt": False, "tool_choice": "required", "tools": [TOOL]},
+                            "tool_choice")):
+            code, body = _post(chat, json.dumps({"messages": started, "max_tokens": 2, **odd}).encode())
+            assert code == 400 and body["error"]["param"] == param, (odd, body)
+    prompts = {end: tok.apply_chat_template(started, tokenize=True, return_dict=True, **kw)["input_ids"]
+               for end, kw in (("continue", {"continue_final_message": True, "add_generation_prompt": False}),
+                               ("closed", {"add_generation_prompt": False}), ("open", {"add_generation_prompt": True}))}
+    assert tok.decode(prompts["continue"]).endswith("The answer is")
+    assert len({len(p) for p in prompts.values()}) == 3
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    for end, ids in prompts.items():
+        assert got[end]["usage"]["prompt_tokens"] == len(ids), (end, got[end]["usage"], len(ids))
+        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+        assert got[end]["choices"][0]["message"]["content"] == tok.decode(out, skip_special_tokens=True), end
+
+
 def test_vllm_extensions_at_their_defaults_are_served_and_other_values_named(tiny_dir, tmp_path):
     """Clients written for vLLM send its request extensions at their defaults (`skip_special_tokens: true`,
     `add_generation_prompt: true`, `echo: false`, `stop_token_ids: []`): vLLM takes them, and this server answered
@@ -1809,8 +1851,8 @@ def test_vllm_extensions_at_their_defaults_are_served_and_other_values_named(tin
         code, body = _post(text, json.dumps({"prompt": "hi", "max_tokens": 2, "echo": False,
                                              "skip_special_tokens": True}).encode())
         assert code == 200 and body["choices"][0]["text"] is not None, body
-        for odd in ({"skip_special_tokens": False}, {"stop_token_ids": [5]}, {"continue_final_message": True},
-                    {"length_penalty": 2.0}, {"use_beam_search": 1}):
+        for odd in ({"skip_special_tokens": False}, {"stop_token_ids": [5]}, {"length_penalty": 2.0},
+                    {"use_beam_search": 1}):
             code, body = _post(chat, json.dumps({"messages": USER, "max_tokens": 2, **odd}).encode())
             (key,) = odd
             assert code == 400 and body["error"]["param"] == key, (odd, body)
