@@ -672,13 +672,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
             f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
     known = vllm_serve_flags()
-    chunked = [resolve_vllm_option(o, known) for o in map(vllm_option, s.extra_args) if o is not None]
-    chunked = [o for o in chunked if o in ("--enable-chunked-prefill", "--no-enable-chunked-prefill")]
-    if chunked and chunked[-1] == "--no-enable-chunked-prefill" and s.max_num_batched_tokens < s.max_model_len:
-        # vLLM's SchedulerConfig refuses it when the engine starts: a prompt is prefilled in one step
-        bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_model_len="
-            f"{s.max_model_len} with --no-enable-chunked-prefill in server.extra_args; vLLM refuses a prompt "
-            "longer than a step without chunked prefill (raise it, or keep chunked prefill)")
+    if s.__dict__[_CONTEXT_GIVEN] and (why := unchunked_prefill_refusal(s, s.max_model_len)):
+        bad(why)  # left unset, the context may follow a shorter model: checked with it (`served_context`)
     for arg in s.extra_args:
         option = vllm_option(arg)
         flag = resolve_vllm_option(option, known) if option is not None else None  # `--max-model-l`: abbreviated
@@ -1042,6 +1037,20 @@ def jinja_syntax_error(text: str) -> str | None:
     return None
 
 
+def unchunked_prefill_refusal(s: ServerSection, context: int) -> str | None:
+    """Why vLLM would refuse `context` with these server settings: with --no-enable-chunked-prefill last in
+    server.extra_args a prompt is prefilled in one step, so vLLM's SchedulerConfig needs max_num_batched_tokens of
+    at least the context when the engine starts."""
+    known = vllm_serve_flags()
+    chunked = [resolve_vllm_option(o, known) for o in map(vllm_option, s.extra_args) if o is not None]
+    chunked = [o for o in chunked if o in ("--enable-chunked-prefill", "--no-enable-chunked-prefill")]
+    if not (chunked and chunked[-1] == "--no-enable-chunked-prefill" and s.max_num_batched_tokens < context):
+        return None
+    return (f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_model_len={context} with "
+            "--no-enable-chunked-prefill in server.extra_args; vLLM refuses a prompt longer than a step without "
+            "chunked prefill (raise it, or keep chunked prefill)")
+
+
 def served_context(cfg: ServeConfig, d: Path, hf: dict, text: dict) -> int:
     """The context both servers are given: server.max_model_len, refused where it passes the model's
     max_position_embeddings or tokenizer_config.json's model_max_length (vLLM's max length is the smaller of them,
@@ -1049,24 +1058,27 @@ def served_context(cfg: ServeConfig, d: Path, hf: dict, text: dict) -> int:
     --local quietly served the shorter one), unless container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM take it.
     Left unset, the default follows a model whose context is shorter."""
     want = cfg.server.max_model_len
+    given = cfg.server.__dict__.get(_CONTEXT_GIVEN, False)
     # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
     if str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true"):
-        return want
-    limits = []
-    max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
-    if isinstance(max_pos, int) and not isinstance(max_pos, bool) and max_pos > 0:
-        limits.append((max_pos, f"the model's max_position_embeddings={max_pos}"))
-    tok_max = _tokenizer_max_length(d)
-    if tok_max is not None and not (isinstance(hf.get("model_max_length"), int) and hf["model_max_length"] >= want):
-        limits.append((tok_max, f"model_max_length={tok_max} in {d}/tokenizer_config.json, which vLLM also bounds "
-                                f"the context by"))
-    if not cfg.server.__dict__.get(_CONTEXT_GIVEN, False):
-        return min([want, *(n for n, _ in limits)])
-    for n, what in limits:
+        limits = []
+    else:
+        limits = []
+        max_pos = text.get("max_position_embeddings", hf.get("max_position_embeddings"))
+        if isinstance(max_pos, int) and not isinstance(max_pos, bool) and max_pos > 0:
+            limits.append((max_pos, f"the model's max_position_embeddings={max_pos}"))
+        tok_max = _tokenizer_max_length(d)
+        if tok_max is not None and not (isinstance(hf.get("model_max_length"), int) and hf["model_max_length"] >= want):
+            limits.append((tok_max, f"model_max_length={tok_max} in {d}/tokenizer_config.json, which vLLM also "
+                                    f"bounds the context by"))
+    for n, what in limits if given else ():
         if want > n:
             raise UserError(f"server.max_model_len={want} exceeds {what}: vLLM refuses it when the engine starts; set "
                             f"server.max_model_len to at most {n}, or leave it unset to follow the model")
-    return want
+    context = min([want, *(n for n, _ in limits)])
+    if not given and (why := unchunked_prefill_refusal(cfg.server, context)):
+        raise UserError(why)  # a given context was checked with the config (`validate`)
+    return context
 
 
 def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:

@@ -1666,6 +1666,14 @@ def test_a_context_past_the_models_is_refused_locally_as_by_vllm_and_an_unset_on
     cfg.write_text(f"model: {{dir: {tiny_dir}}}\n")
     code, out, err = launch_inproc(capsys, "--config", str(cfg), "--print")
     assert code == 0 and flag(words(out), "--max-model-len") == "1024", err
+    # without chunked prefill a step must hold the context: the one followed, not the unset 2048 (refused before)
+    unchunked = "server.extra_args=[--no-enable-chunked-prefill]"
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--print", unchunked,
+                                   "server.max_num_batched_tokens=1024")
+    assert code == 0 and flag(words(out), "--max-model-len") == "1024", err
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--print", unchunked,
+                                   "server.max_num_batched_tokens=512")
+    one_error_line(code, err, "server.max_num_batched_tokens=512 is below server.max_model_len=1024")
 
 
 def test_local_server_is_bounded_by_max_model_len(tiny_dir, tmp_path, capsys, monkeypatch):
