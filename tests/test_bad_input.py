@@ -990,7 +990,7 @@ CASES = [
          {"d.jsonl": lambda d, ctx: shutil.copy(CHAT, d)}),
     # ---- serving configs and model dirs
     Case("serve-tp-not-dividing-kv-heads", "serving.launch",
-         [*LAUNCH, "model.dir={tmp}/m", "server.tensor_parallel_size=3"],
+         [*LAUNCH, "model.dir={tmp}/m", "server.tensor_parallel_size=3", "server.max_model_len=1024"],
          ["server.tensor_parallel_size=3", "num_key_value_heads=2"],
          {"m": copy_of("tiny", write={"chat_template.jinja": "{{ messages }}"})}, sub=True),
     Case("serve-no-tokenizer", "serving.launch", [*LAUNCH, "model.dir={tmp}/m"], ["{tmp}/m", "tokenizer"],
