@@ -280,6 +280,28 @@ def test_partial_rotary_factor_outside_0_to_1_is_refused_naming_the_key(kind, fa
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("top", [0.5, 1.0])
+def test_a_top_level_partial_rotary_factor_is_the_one_transformers_rotates_by(tmp_path, top):
+    """A `partial_rotary_factor` at the top of config.json (as other models write it) is laid over every
+    rope_parameters entry when transformers builds its proportional RoPE (standardize_rope_params): the global
+    layers rotate that share of each head, not the entry's 0.25. Read from the entry alone, training rotated 0.25
+    of each global head where the merged model, loaded by transformers, rotates `top` of it."""
+    from convert.verify import hf_logits as reference_logits
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+    from gemma_tpu.models import load_model, resolve_model
+
+    d = write_tiny_gemma4(tmp_path / "g4", seed=6, variant="dense")
+    config = json.loads((d / "config.json").read_text())
+    assert config["rope_parameters"]["full_attention"]["partial_rotary_factor"] == 0.25
+    (d / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": top}))
+    ids = [2, *range(120, 160)]
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    ref = reference_logits(d, [ids])
+    assert max_diff([jax_logits(model, ids)], ref) < 1e-4
+    (d / "config.json").write_text(json.dumps(config))  # the entry's 0.25 is another model
+    assert max_diff(reference_logits(d, [ids]), ref) > 1e-3
+
+
 _LINEAR_CASES = {  # name: (kind, its linear entry, global_head_dim, refusal or None)
     "sliding, factor 1": ("sliding_attention", {"factor": 1.0}, 32, None),
     "sliding, factor 2": ("sliding_attention", {"factor": 2.0}, 32, None),

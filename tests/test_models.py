@@ -291,6 +291,8 @@ def test_rotary_refusals_name_the_key_config_json_has(edit, needle, tiny_odd_dir
      "rope_scaling.partial_rotary_factor=0.5"),
     (lambda cfg: cfg["rope_parameters"]["full_attention"].update(partial_rotary_factor=2),
      "rope_parameters.full_attention.partial_rotary_factor=2"),
+    # at the top of config.json (as other models write it): laid over every entry as transformers builds linear RoPE
+    (lambda cfg: cfg.update(partial_rotary_factor=0.5), "config.json: partial_rotary_factor=0.5"),
 ])
 def test_linear_rope_over_part_of_the_head_is_refused_naming_the_key(edit, needle, tiny_odd_dir):
     """transformers' linear RoPE spans int(head_dim * partial_rotary_factor) dimensions (Gemma 3's own default RoPE
@@ -309,7 +311,7 @@ def test_linear_rope_over_part_of_the_head_is_refused_naming_the_key(edit, needl
     # the whole head (1, or a share whose span rounds down to it) is linear RoPE as before
     edit(cfg)
     for c in (cfg["rope_parameters"]["full_attention"], cfg["rope_parameters"]["sliding_attention"],
-              cfg.get("rope_scaling") or {}):
+              cfg.get("rope_scaling") or {}, cfg):
         if "partial_rotary_factor" in c:
             c["partial_rotary_factor"] = 1.0
     detect_family(cfg).tunix_config(cfg)

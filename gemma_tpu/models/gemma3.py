@@ -179,6 +179,8 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
         # its first forward fails on (Tunix rotates whole heads, so training went on)
         share = p.get("partial_rotary_factor", 1.0)
         key = _rope_key(t, kind, "partial_rotary_factor")
+        if t.get("partial_rotary_factor") is not None:  # laid over every entry when transformers builds linear RoPE
+            share, key = t["partial_rotary_factor"], "partial_rotary_factor"  # (standardize_rope_params)
         if isinstance(share, bool) or not isinstance(share, (int, float)):
             raise UserError(f"config.json: {key}={share!r} is not of type int or float")
         head_dim = int(t["head_dim"])

@@ -212,6 +212,12 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = 
     # numbers, not strings: float("1e6") here, a TypeError in transformers' rotary embedding
     check_types(p, {**ROPE_TYPES, "partial_rotary_factor": "int|float"}, f"rope_parameters.{kind}.")
     rtype = p.get("rope_type", "default")
+    share_key = f"rope_parameters.{kind}.partial_rotary_factor"
+    if t.get("partial_rotary_factor") is not None and rtype in ("proportional", "linear"):
+        # a top-level partial_rotary_factor (as other models write it) is laid over every entry when transformers
+        # builds proportional or linear RoPE (standardize_rope_params), whatever the entry says
+        check_types(t, {"partial_rotary_factor": "int|float"})
+        p, share_key = {**p, "partial_rotary_factor": t["partial_rotary_factor"]}, "partial_rotary_factor"
     theta = float(p["rope_theta"])
     key = f"rope_parameters.{kind}.rope_type"
     if rtype == "default":
@@ -227,9 +233,8 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = 
             raise _cfg_error(f"rope_parameters.{kind}.factor", factor, "must be >= 1")
         prop = float(p.get("partial_rotary_factor", 1.0))
         if not 0.0 <= prop <= 1.0:  # more angles than a head has halves, or fewer than none: both fail in a forward
-            raise UserError(f"config.json: rope_parameters.{kind}.partial_rotary_factor={p['partial_rotary_factor']!r} "
-                            f"must be between 0 and 1 (the share of each head rotated; transformers cannot run a "
-                            f"model with it)")
+            raise UserError(f"config.json: {share_key}={p['partial_rotary_factor']!r} must be between 0 and 1 (the "
+                            f"share of each head rotated; transformers cannot run a model with it)")
         return theta, factor, prop
     if rtype == "linear":
         # transformers' linear RoPE spans int(head_dim * partial_rotary_factor) of `head_dim` (whatever the
@@ -245,7 +250,7 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = 
         size = global_head_dim if kind == "full_attention" else head_dim
         span = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
         if span != size:
-            raise _cfg_error(key, rtype, f"linear RoPE spans int(head_dim * partial_rotary_factor)={span} "
+            raise _cfg_error(key, rtype, f"linear RoPE spans int(head_dim * {share_key})={span} "
                                          f"dimensions, the {kind} layers' heads have {size}; use proportional")
         return theta, factor, 1.0
     raise _cfg_error(key, rtype, "default, linear or proportional")
