@@ -971,6 +971,58 @@ def test_gemma4_attention_softcap_that_only_vllms_own_model_applies_is_refused_t
     assert code == 0, err
 
 
+_SLIDE, _FULL = {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "proportional", "rope_theta": 1e6,
+                                                              "partial_rotary_factor": 0.25}
+_HALF = {**_SLIDE, "partial_rotary_factor": 0.5}
+# name: (family, edit of the text config, impls refused (auto: tpu-inference's JAX model; vllm: vLLM's own), needle)
+_ROPE_CASES = {
+    "gemma3 entry": ("gemma3", {"rope_parameters": {"sliding_attention": _HALF,
+                                                    "full_attention": {**_SLIDE, "rope_theta": 1e6}}},
+                     ("auto",), "rope_parameters.sliding_attention.partial_rotary_factor=0.5"),
+    "gemma3 top level": ("gemma3", {"partial_rotary_factor": 0.5}, ("auto",),
+                         "config.json has partial_rotary_factor=0.5"),
+    "gemma3 whole head": ("gemma3", {"partial_rotary_factor": 1.0}, (), ""),
+    "gemma4 sliding entry": ("gemma4", {"rope_parameters": {"sliding_attention": _HALF, "full_attention": _FULL}},
+                             ("auto", "vllm"), "rope_parameters.sliding_attention.partial_rotary_factor=0.5"),
+    "gemma4 top level": ("gemma4", {"partial_rotary_factor": 0.25}, ("auto", "vllm"),
+                         "has partial_rotary_factor=0.25"),
+    "gemma4 proportional factor": ("gemma4", {"rope_parameters": {"sliding_attention": _SLIDE,
+                                                                  "full_attention": {**_FULL, "factor": 2.0}}},
+                                   ("auto", "vllm"), "rope_parameters.full_attention.factor=2.0"),
+    "gemma4 linear": ("gemma4", {"rope_parameters": {"sliding_attention": {**_SLIDE, "rope_type": "linear",
+                                                                           "factor": 2.0},
+                                                     "full_attention": _FULL}},
+                      ("auto",), "rope_parameters.sliding_attention.factor=2.0"),
+    "gemma4 as published": ("gemma4", {"rope_parameters": {"sliding_attention": _SLIDE, "full_attention": _FULL}},
+                            (), ""),
+}
+
+
+@pytest.mark.parametrize("name", list(_ROPE_CASES))
+def test_rope_that_vllm_would_rotate_otherwise_than_transformers_is_refused_by_key(tmp_path, capsys, name):
+    """transformers' default RoPE (Gemma 3's layers, Gemma 4's sliding ones) rotates whole heads whatever
+    partial_rotary_factor says, and training with it; vLLM's get_rope rotates int(head_size * partial_rotary_factor)
+    of each head for default RoPE, tpu-inference's JAX Gemma 4 that share of its angles, both after laying a top-level
+    factor over every rope_parameters entry. Proportional RoPE's factor is divided into the frequencies by transformers
+    and ignored by both servers; tpu-inference scales linear RoPE as llama3 RoPE. Each served another model than the
+    one trained and merged, without a word: refused in one line naming the key, where it would be served so."""
+    family, edit, refused, needle = _ROPE_CASES[name]
+    nested = family == "gemma4"
+    d = fake_model_dir(tmp_path / "m", arch="Gemma4ForConditionalGeneration" if nested else "Gemma3ForCausalLM",
+                       kv=4 if nested else 1, nested=nested)
+    cfg = json.loads((d / "config.json").read_text())
+    (cfg["text_config"] if nested else cfg).update(json.loads(json.dumps(edit)))
+    (d / "config.json").write_text(json.dumps(cfg))
+    for impl in ("auto", "vllm") if nested else ("auto",):
+        code, out, err = launch_inproc(capsys, "--config", CONFIG_31B if nested else CONFIG_270M, "--print",
+                                       f"model.dir={d}", f"container.env.MODEL_IMPL_TYPE={impl}")
+        if impl in refused:
+            one_error_line(code, err, needle, "transformers")
+            assert out == ""
+        else:
+            assert code == 0, err
+
+
 def _edit_weights(src: Path, dst: Path, drop: str = "", add: str = "") -> Path:
     """A copy of the model directory `src` whose model.safetensors lacks `drop` and holds an extra `add`."""
     import shutil

@@ -206,6 +206,22 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
     return float(theta), factor
 
 
+def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
+    """A partial_rotary_factor other than 1 for default RoPE (an entry's, or one at the top of config.json, which vLLM
+    lays over every entry): transformers' Gemma 3 (and training) rotate whole heads whatever it says, vLLM's get_rope
+    rotates int(head_dim * partial_rotary_factor) of each head's dimensions. `t`: the text config as transformers
+    reads it; `jax_model`: unused (tpu-inference has no JAX Gemma 3)."""
+    top = t.get("partial_rotary_factor")
+    for kind in sorted(set(t["layer_types"])):
+        p = _rope_parameters(t, kind)
+        share, key = ((top, "partial_rotary_factor") if top is not None
+                      else (p.get("partial_rotary_factor"), _rope_key(t, kind, "partial_rotary_factor")))
+        if p.get("rope_type", p.get("type", "default")) == "default" and share is not None and share != 1:
+            return (f"{key}={share!r}, by which vLLM's get_rope rotates part of each head of the {kind} layers "
+                    f"(default RoPE), where transformers and training rotate the whole head; remove it")
+    return None
+
+
 def tunix_config(hf_config: dict, param_dtype: Any = None):
     """Translate an HF Gemma 3 config (text or multimodal) into Tunix's `ModelConfig`."""
     import jax.numpy as jnp  # deferred, like Tunix: registering the families must not import jax
@@ -605,6 +621,7 @@ GEMMA3 = register(
         vllm_tool_parser="functiongemma",
         vllm_tied_embeddings_only=True,
         vllm_tp_split_sizes=("intermediate_size",),
+        vllm_rope_problem=vllm_rope_problem,
         # vllm/config/model.py _FLOAT16_NOT_SUPPORTED_MODELS (gemma3, gemma3_text); Gemma 3's activations outgrow
         # float16's range in transformers
         float16_problem="vLLM refuses float16 for Gemma 3 (numerical instability) and transformers' Gemma 3 "

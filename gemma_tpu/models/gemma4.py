@@ -191,6 +191,51 @@ def layer_features(cfg: Any, layer: int | None) -> frozenset[str]:
     return frozenset(feats)
 
 
+# transformers' Gemma4TextConfig's rotary parameters when config.json has none
+ROPE_DEFAULTS = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                    "rope_theta": 1_000_000.0}}
+
+
+def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
+    """RoPE parameters the servers apply otherwise than transformers' Gemma 4 and training (`t`: the text config as
+    transformers reads it; `jax_model`: served by tpu-inference's JAX Gemma 4, else by vLLM's own model):
+
+    * a partial_rotary_factor other than 1 for default RoPE (an entry's, or one at the top of config.json, which vLLM
+      lays over every entry): transformers rotates whole heads, vLLM's get_rope int(head_size * factor) dimensions of
+      each, tpu-inference that share of each head's angles;
+    * proportional RoPE's `factor`, which transformers divides the frequencies by and both servers ignore
+      (vLLM's Gemma4RotaryEmbedding, tpu-inference's apply_rope);
+    * linear RoPE's `factor` on tpu-inference, which scales it as llama3 RoPE (high frequencies unscaled)."""
+    params = t.get("rope_parameters")
+    params = ROPE_DEFAULTS if params is None else params
+    top = t.get("partial_rotary_factor")
+    kinds = sorted({hf for hf, tunix in _HF_TYPES.items() if tunix in _layer_types(t)})
+    for kind in kinds:
+        p = params.get(kind) if isinstance(params, dict) else None
+        if not isinstance(p, dict):  # refused where a model is built from it (tunix_config)
+            continue
+        rtype, factor = p.get("rope_type", "default"), p.get("factor", 1)
+        share, key = ((top, "partial_rotary_factor") if top is not None
+                      else (p.get("partial_rotary_factor"), f"rope_parameters.{kind}.partial_rotary_factor"))
+        if rtype == "default" and share is not None and share != 1:
+            # at the top it is also the share transformers' proportional RoPE rotates: moved, not dropped
+            read = key == "partial_rotary_factor" and any(
+                isinstance(params.get(k), dict) and params[k].get("rope_type") == "proportional" for k in kinds)
+            return (f"{key}={share!r}, by which vLLM and tpu-inference rotate part of each head of the {kind} layers "
+                    f"(default RoPE), where transformers and training rotate the whole head; "
+                    + ("set it in the entries of rope_parameters with proportional RoPE instead" if read
+                       else "remove it"))
+        if rtype == "proportional" and factor != 1:
+            return (f"rope_parameters.{kind}.factor={factor!r}, which transformers and training divide the {kind} "
+                    f"layers' proportional RoPE frequencies by and vLLM and tpu-inference ignore")
+        if rtype == "linear" and factor != 1 and jax_model:
+            return (f"rope_parameters.{kind}.factor={factor!r}, which tpu-inference's JAX Gemma 4 applies to the "
+                    f"{kind} layers as llama3 RoPE scaling (high frequencies unscaled), transformers and training as "
+                    f"linear scaling of every frequency; serve vLLM's own model (container.env.MODEL_IMPL_TYPE=vllm)")
+    return None
+
+
 def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = True) -> tuple[float, float, float]:
     """(base frequency, scale factor, rotated proportion) for 'sliding_attention' / 'full_attention'.
 
@@ -198,12 +243,9 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = 
     `rope_parameters[kind]["rope_theta"]` for every attention type the layers use and fills in nothing
     else, so a missing entry or rope_theta is refused (transformers cannot build the model; read here as
     the defaults, the run trained a model no merge of it could be loaded as). `used`: a layer has `kind`."""
-    defaults = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                   "rope_theta": 1_000_000.0}}
     params = t.get("rope_parameters")
     if params is None or not used:
-        params = defaults
+        params = ROPE_DEFAULTS
     p = params.get(kind) if isinstance(params, dict) else None
     if not isinstance(p, dict) or p.get("rope_theta") is None:
         what = f"has no {kind!r} entry" if not isinstance(p, dict) else f"{kind} has no rope_theta"
@@ -780,5 +822,6 @@ GEMMA4 = register(
         # hidden_size_per_layer_input 0 (no per-layer inputs): not checked
         vllm_torch_tp_split_products=(("num_hidden_layers", "hidden_size_per_layer_input"),),
         vllm_torch_reads_unused_keys=("attn_logit_softcapping",),  # ignored here (tunix_config), as transformers
+        vllm_rope_problem=vllm_rope_problem,
     )
 )

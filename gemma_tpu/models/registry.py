@@ -270,6 +270,9 @@ class Family:
     # a converted config.json may carry them): served there, the model would not be the one trained and merged.
     # Gemma 4: attn_logit_softcapping, which vLLM's Gemma4Attention takes as its logit cap
     vllm_torch_reads_unused_keys: tuple[str, ...] = ()
+    # (text config as transformers reads it, whether tpu-inference's JAX model serves it) -> "<config.json key>=<value>,
+    # why": RoPE parameters vLLM (or tpu-inference) applies otherwise than transformers and training do, or None
+    vllm_rope_problem: Callable[[dict, bool], str | None] | None = None
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
     vllm_jax_native: bool = False
