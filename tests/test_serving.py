@@ -993,6 +993,12 @@ _ROPE_CASES = {
                                                                            "factor": 2.0},
                                                      "full_attention": _FULL}},
                       ("auto",), "rope_parameters.sliding_attention.factor=2.0"),
+    "gemma4 default factor": ("gemma4", {"rope_parameters": {"sliding_attention": {**_SLIDE, "factor": 8.0},
+                                                             "full_attention": _FULL}},
+                              ("auto",), "rope_parameters.sliding_attention.factor=8.0"),
+    "gemma4 no angles": ("gemma4", {"rope_parameters": {"sliding_attention": _SLIDE,
+                                                        "full_attention": {**_FULL, "partial_rotary_factor": 0.0}}},
+                         ("vllm",), "rope_parameters.full_attention.partial_rotary_factor=0.0"),
     "gemma4 as published": ("gemma4", {"rope_parameters": {"sliding_attention": _SLIDE, "full_attention": _FULL}},
                             (), ""),
 }
@@ -1005,7 +1011,9 @@ def test_rope_that_vllm_would_rotate_otherwise_than_transformers_is_refused_by_k
     of each head for default RoPE, tpu-inference's JAX Gemma 4 that share of its angles, both after laying a top-level
     factor over every rope_parameters entry. Proportional RoPE's factor is divided into the frequencies by transformers
     and ignored by both servers; tpu-inference scales linear RoPE as llama3 RoPE. Each served another model than the
-    one trained and merged, without a word: refused in one line naming the key, where it would be served so."""
+    one trained and merged, without a word: refused in one line naming the key, where it would be served so. A
+    default entry's factor (transformers ignores it) is scaled as llama3 RoPE by tpu-inference too; a proportional
+    share of 0 (transformers rotates nothing there) is refused by vLLM's get_rope minutes into the engine start."""
     family, edit, refused, needle = _ROPE_CASES[name]
     nested = family == "gemma4"
     d = fake_model_dir(tmp_path / "m", arch="Gemma4ForConditionalGeneration" if nested else "Gemma3ForCausalLM",

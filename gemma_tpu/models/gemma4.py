@@ -206,7 +206,9 @@ def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
       each, tpu-inference that share of each head's angles;
     * proportional RoPE's `factor`, which transformers divides the frequencies by and both servers ignore
       (vLLM's Gemma4RotaryEmbedding, tpu-inference's apply_rope);
-    * linear RoPE's `factor` on tpu-inference, which scales it as llama3 RoPE (high frequencies unscaled)."""
+    * linear RoPE's `factor` on tpu-inference, which scales it as llama3 RoPE (high frequencies unscaled), and a
+      default RoPE entry's, which transformers ignores and tpu-inference applies so;
+    * a proportional share of 0 on vLLM's own model, whose get_rope refuses it when the engine starts."""
     params = t.get("rope_parameters")
     params = ROPE_DEFAULTS if params is None else params
     top = t.get("partial_rotary_factor")
@@ -229,10 +231,16 @@ def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
         if rtype == "proportional" and factor != 1:
             return (f"rope_parameters.{kind}.factor={factor!r}, which transformers and training divide the {kind} "
                     f"layers' proportional RoPE frequencies by and vLLM and tpu-inference ignore")
-        if rtype == "linear" and factor != 1 and jax_model:
+        if rtype in ("linear", "default") and factor != 1 and jax_model:
+            done = "as linear scaling of every frequency" if rtype == "linear" else "not at all (default RoPE)"
             return (f"rope_parameters.{kind}.factor={factor!r}, which tpu-inference's JAX Gemma 4 applies to the "
-                    f"{kind} layers as llama3 RoPE scaling (high frequencies unscaled), transformers and training as "
-                    f"linear scaling of every frequency; serve vLLM's own model (container.env.MODEL_IMPL_TYPE=vllm)")
+                    f"{kind} layers as llama3 RoPE scaling (high frequencies unscaled), transformers and training "
+                    f"{done}; " + ("serve vLLM's own model (container.env.MODEL_IMPL_TYPE=vllm)" if rtype == "linear"
+                                   else "remove it"))
+        if rtype == "proportional" and share is not None and share <= 0 and not jax_model:
+            return (f"{key}={share!r}, which vLLM's get_rope refuses when the engine starts (it takes a share of each "
+                    f"head above 0); serve tpu-inference's JAX Gemma 4 (container.env.MODEL_IMPL_TYPE=auto), which "
+                    f"rotates nothing there as transformers does")
     return None
 
 
