@@ -999,6 +999,8 @@ _ROPE_CASES = {
     "gemma4 no angles": ("gemma4", {"rope_parameters": {"sliding_attention": _SLIDE,
                                                         "full_attention": {**_FULL, "partial_rotary_factor": 0.0}}},
                          ("vllm",), "rope_parameters.full_attention.partial_rotary_factor=0.0"),
+    "gemma4 not a number": ("gemma4", {"partial_rotary_factor": "0.5"}, ("auto", "vllm"),
+                            "config.json: partial_rotary_factor='0.5' is not of type int or float"),
     "gemma4 as published": ("gemma4", {"rope_parameters": {"sliding_attention": _SLIDE, "full_attention": _FULL}},
                             (), ""),
 }

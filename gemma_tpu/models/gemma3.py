@@ -211,9 +211,12 @@ def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
     lays over every entry): transformers' Gemma 3 (and training) rotate whole heads whatever it says, vLLM's get_rope
     rotates int(head_dim * partial_rotary_factor) of each head's dimensions. `t`: the text config as transformers
     reads it; `jax_model`: unused (tpu-inference has no JAX Gemma 3)."""
+    check_types(t, {"partial_rotary_factor": "int|float|None"})  # a number, as vLLM compares it with 0 and 1
     top = t.get("partial_rotary_factor")
     for kind in sorted(set(t["layer_types"])):
         p = _rope_parameters(t, kind)
+        where = _rope_key(t, kind, "partial_rotary_factor").removesuffix("partial_rotary_factor")
+        check_types(p, {"partial_rotary_factor": "int|float"}, where)
         share, key = ((top, "partial_rotary_factor") if top is not None
                       else (p.get("partial_rotary_factor"), _rope_key(t, kind, "partial_rotary_factor")))
         if p.get("rope_type", p.get("type", "default")) == "default" and share is not None and share != 1:

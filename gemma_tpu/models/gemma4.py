@@ -211,12 +211,14 @@ def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
     * a proportional share of 0 on vLLM's own model, whose get_rope refuses it when the engine starts."""
     params = t.get("rope_parameters")
     params = ROPE_DEFAULTS if params is None else params
+    check_types(t, {"partial_rotary_factor": "int|float|None"})  # a number, as vLLM compares it with 0 and 1
     top = t.get("partial_rotary_factor")
     kinds = sorted({hf for hf, tunix in _HF_TYPES.items() if tunix in _layer_types(t)})
     for kind in kinds:
         p = params.get(kind) if isinstance(params, dict) else None
         if not isinstance(p, dict):  # refused where a model is built from it (tunix_config)
             continue
+        check_types(p, {**ROPE_TYPES, "partial_rotary_factor": "int|float"}, f"rope_parameters.{kind}.")
         rtype, factor = p.get("rope_type", "default"), p.get("factor", 1)
         share, key = ((top, "partial_rotary_factor") if top is not None
                       else (p.get("partial_rotary_factor"), f"rope_parameters.{kind}.partial_rotary_factor"))
