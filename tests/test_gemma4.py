@@ -280,26 +280,29 @@ def test_partial_rotary_factor_outside_0_to_1_is_refused_naming_the_key(kind, fa
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("top", [0.5, 1.0])
-def test_a_top_level_partial_rotary_factor_is_the_one_transformers_rotates_by(tmp_path, top):
+@pytest.mark.parametrize("top,types", [(0.5, None), (1.0, None), (0.5, ["full_attention"] * 4)])
+def test_a_top_level_partial_rotary_factor_is_the_one_transformers_rotates_by(tmp_path, top, types):
     """A `partial_rotary_factor` at the top of config.json (as other models write it) is laid over every
     rope_parameters entry when transformers builds its proportional RoPE (standardize_rope_params): the global
     layers rotate that share of each head, not the entry's 0.25. Read from the entry alone, training rotated 0.25
-    of each global head where the merged model, loaded by transformers, rotates `top` of it."""
+    of each global head where the merged model, loaded by transformers, rotates `top` of it. transformers lays it
+    over the entries only where each of them is of a layer type the model has: a model of global layers alone,
+    whose config.json keeps a sliding entry, rotates by the entry's share."""
     from convert.verify import hf_logits as reference_logits
     from gemma_tpu.assets.tiny import write_tiny_gemma4
     from gemma_tpu.models import load_model, resolve_model
 
-    d = write_tiny_gemma4(tmp_path / "g4", seed=6, variant="dense")
+    d = write_tiny_gemma4(tmp_path / "g4", seed=6, variant="dense", **({"layer_types": types} if types else {}))
     config = json.loads((d / "config.json").read_text())
     assert config["rope_parameters"]["full_attention"]["partial_rotary_factor"] == 0.25
+    assert {"full_attention", "sliding_attention"} <= set(config["rope_parameters"])
     (d / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": top}))
     ids = [2, *range(120, 160)]
     model, _ = load_model(resolve_model(str(d)), "float32")
     ref = reference_logits(d, [ids])
     assert max_diff([jax_logits(model, ids)], ref) < 1e-4
-    (d / "config.json").write_text(json.dumps(config))  # the entry's 0.25 is another model
-    assert max_diff(reference_logits(d, [ids]), ref) > 1e-3
+    (d / "config.json").write_text(json.dumps(config))  # the entry's 0.25: another model where the top one is read
+    assert (max_diff(reference_logits(d, [ids]), ref) > 1e-3) == (types is None)
 
 
 _LINEAR_CASES = {  # name: (kind, its linear entry, global_head_dim, refusal or None)

@@ -317,6 +317,28 @@ def test_linear_rope_over_part_of_the_head_is_refused_naming_the_key(edit, needl
     detect_family(cfg).tunix_config(cfg)
 
 
+def test_a_top_level_partial_rotary_factor_transformers_does_not_lay_over_the_entries_is_not_refused(tiny_dir,
+                                                                                                      tmp_path):
+    """transformers lays a top-level partial_rotary_factor over the rope_parameters entries (where linear RoPE would
+    span part of the head, which it cannot run) only where each entry is of a layer type the model has: a Gemma 3 of
+    sliding layers alone (Gemma 3 always has a full_attention entry) rotates its linear RoPE over whole heads, and
+    runs; it was refused as though transformers could not run it."""
+    from convert.verify import hf_logits as reference_logits
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    assert set(cfg["layer_types"]) == {"sliding_attention"}
+    cfg["rope_parameters"]["sliding_attention"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10_000.0}
+    (d / "config.json").write_text(json.dumps({**cfg, "partial_rotary_factor": 0.5}))
+    ids = [2, *range(120, 150)]
+    ref = reference_logits(d, [ids])
+    model, _ = load_model(resolve_model(str(d)), "float32")
+    assert np.abs(jax_logits(model, ids) - ref[0]).max() < 1e-4
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert np.abs(reference_logits(d, [ids])[0] - ref[0]).max() < 1e-6  # the top-level share is read nowhere
+
+
 @pytest.mark.parametrize("family,key,value", [
     ("gemma3", "vocab_size", 0), ("gemma3", "hidden_size", 0), ("gemma3", "intermediate_size", -1),
     ("gemma3", "num_attention_heads", 0), ("gemma3", "head_dim", -16), ("gemma3", "max_position_embeddings", 0),

@@ -158,6 +158,15 @@ def _rope_key(t: dict, kind: str, name: str) -> str:
     return f"rope_parameters.{kind}.{name}"
 
 
+def top_level_share(t: dict) -> bool:
+    """Whether a `partial_rotary_factor` at the top of config.json is laid over the rope_parameters entries when
+    transformers builds linear RoPE (and vLLM its config): standardize_rope_params does so only where every key of
+    rope_parameters (Gemma3TextConfig fills in both layer types' entries) is a layer type the model has."""
+    params = t.get("rope_parameters")
+    keys = {"full_attention", "sliding_attention", *(params if isinstance(params, dict) else ())}
+    return t.get("partial_rotary_factor") is not None and keys <= set(t["layer_types"])
+
+
 def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
     """(base frequency, linear scale factor) for 'sliding_attention' or 'full_attention'.
 
@@ -179,8 +188,8 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
         # its first forward fails on (Tunix rotates whole heads, so training went on)
         share = p.get("partial_rotary_factor", 1.0)
         key = _rope_key(t, kind, "partial_rotary_factor")
-        if t.get("partial_rotary_factor") is not None:  # laid over every entry when transformers builds linear RoPE
-            share, key = t["partial_rotary_factor"], "partial_rotary_factor"  # (standardize_rope_params)
+        if top_level_share(t):
+            share, key = t["partial_rotary_factor"], "partial_rotary_factor"
         if isinstance(share, bool) or not isinstance(share, (int, float)):
             raise UserError(f"config.json: {key}={share!r} is not of type int or float")
         head_dim = int(t["head_dim"])
@@ -207,12 +216,12 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
 
 
 def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
-    """A partial_rotary_factor other than 1 for default RoPE (an entry's, or one at the top of config.json, which vLLM
-    lays over every entry): transformers' Gemma 3 (and training) rotate whole heads whatever it says, vLLM's get_rope
-    rotates int(head_dim * partial_rotary_factor) of each head's dimensions. `t`: the text config as transformers
-    reads it; `jax_model`: unused (tpu-inference has no JAX Gemma 3)."""
+    """A partial_rotary_factor other than 1 for default RoPE (an entry's, or one at the top of config.json where vLLM
+    lays it over the entries, `top_level_share`): transformers' Gemma 3 (and training) rotate whole heads whatever it
+    says, vLLM's get_rope int(head_dim * partial_rotary_factor) of each head's dimensions. `t`: the text config as
+    transformers reads it; `jax_model`: unused (tpu-inference has no JAX Gemma 3)."""
     check_types(t, {"partial_rotary_factor": "int|float|None"})  # a number, as vLLM compares it with 0 and 1
-    top = t.get("partial_rotary_factor")
+    top = t.get("partial_rotary_factor") if top_level_share(t) else None
     for kind in sorted(set(t["layer_types"])):
         p = _rope_parameters(t, kind)
         where = _rope_key(t, kind, "partial_rotary_factor").removesuffix("partial_rotary_factor")

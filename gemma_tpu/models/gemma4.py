@@ -197,13 +197,24 @@ ROPE_DEFAULTS = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_
                                     "rope_theta": 1_000_000.0}}
 
 
+def _top_level_share(t: dict) -> bool:
+    """Whether a `partial_rotary_factor` at the top of config.json is laid over the rope_parameters entries when
+    transformers builds proportional or linear RoPE (and vLLM its config): standardize_rope_params does so only where
+    every key of rope_parameters (transformers' two defaults when config.json has none) is a layer type the model
+    has (the last layer is global always)."""
+    params = t.get("rope_parameters")
+    keys = set(ROPE_DEFAULTS) if params is None else set(params) if isinstance(params, dict) else set()
+    types = {hf for hf, tunix in _HF_TYPES.items() if tunix in _layer_types(t)}
+    return t.get("partial_rotary_factor") is not None and keys <= types
+
+
 def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
     """RoPE parameters the servers apply otherwise than transformers' Gemma 4 and training (`t`: the text config as
     transformers reads it; `jax_model`: served by tpu-inference's JAX Gemma 4, else by vLLM's own model):
 
-    * a partial_rotary_factor other than 1 for default RoPE (an entry's, or one at the top of config.json, which vLLM
-      lays over every entry): transformers rotates whole heads, vLLM's get_rope int(head_size * factor) dimensions of
-      each, tpu-inference that share of each head's angles;
+    * a partial_rotary_factor other than 1 for default RoPE (an entry's, or one at the top of config.json where vLLM
+      lays it over the entries, `_top_level_share`): transformers rotates whole heads, vLLM's get_rope
+      int(head_size * factor) dimensions of each, tpu-inference that share of each head's angles;
     * proportional RoPE's `factor`, which transformers divides the frequencies by and both servers ignore
       (vLLM's Gemma4RotaryEmbedding, tpu-inference's apply_rope);
     * linear RoPE's `factor` on tpu-inference, which scales it as llama3 RoPE (high frequencies unscaled), and a
@@ -212,7 +223,7 @@ def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
     params = t.get("rope_parameters")
     params = ROPE_DEFAULTS if params is None else params
     check_types(t, {"partial_rotary_factor": "int|float|None"})  # a number, as vLLM compares it with 0 and 1
-    top = t.get("partial_rotary_factor")
+    top = t.get("partial_rotary_factor") if _top_level_share(t) else None
     kinds = sorted({hf for hf, tunix in _HF_TYPES.items() if tunix in _layer_types(t)})
     for kind in kinds:
         p = params.get(kind) if isinstance(params, dict) else None
@@ -265,10 +276,10 @@ def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = 
     check_types(p, {**ROPE_TYPES, "partial_rotary_factor": "int|float"}, f"rope_parameters.{kind}.")
     rtype = p.get("rope_type", "default")
     share_key = f"rope_parameters.{kind}.partial_rotary_factor"
-    if t.get("partial_rotary_factor") is not None and rtype in ("proportional", "linear"):
-        # a top-level partial_rotary_factor (as other models write it) is laid over every entry when transformers
-        # builds proportional or linear RoPE (standardize_rope_params), whatever the entry says
-        check_types(t, {"partial_rotary_factor": "int|float"})
+    check_types(t, {"partial_rotary_factor": "int|float|None"})
+    if rtype in ("proportional", "linear") and _top_level_share(t):
+        # a top-level partial_rotary_factor (as other models write it) is laid over the entries when transformers
+        # builds proportional or linear RoPE, whatever they say
         p, share_key = {**p, "partial_rotary_factor": t["partial_rotary_factor"]}, "partial_rotary_factor"
     theta = float(p["rope_theta"])
     key = f"rope_parameters.{kind}.rope_type"
