@@ -1203,6 +1203,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             check_adapter_fits(adir, a.name, adapter["r"], weights)
             deployed = extra_arg_values(cfg.server.extra_args, "--lora-target-modules")
             targets = adapter_modules(adir, adapter, f"lora.adapters.{a.name}")  # a multimodal export's: a regex
+            lora_problem = fam.vllm_lora_problem(text, targets) if fam.vllm_lora_problem and targets else None
+            if lora_problem:
+                raise UserError(f"lora.adapters.{a.name}: {a.dir} {lora_problem}")
             left_out = lora_modules_left_out(targets, deployed) if deployed is not None and targets is not None else []
             if left_out:
                 raise UserError(f"server.extra_args: --lora-target-modules {' '.join(deployed)} leaves out "

@@ -1151,6 +1151,29 @@ def test_lora_target_modules_leaving_out_an_adapters_module_is_refused(tmp_path,
         assert code == 0 and "--lora-target-modules" in out, err
 
 
+@pytest.mark.parametrize("k_eq_v,targets,refused", [(True, ["q_proj", "k_proj"], True), (True, ["q_proj"], False),
+                                                       (False, ["q_proj", "k_proj"], False)])
+def test_a_k_proj_adapter_on_a_k_eq_v_gemma4_is_refused_where_vllm_would_not_update_the_values(
+        tmp_path, capsys, k_eq_v, targets, refused):
+    """A Gemma 4 with attention_k_eq_v takes its global layers' keys as their values: transformers (with PEFT) and
+    training use k_proj's output, LoRA update included, for both. vLLM's own Gemma 4 (the one that takes adapters)
+    copies the base k_proj weight into its packed qkv_proj's value slot and applies the adapter's k_proj update to
+    the key slot alone: the adapter was served with values the trained model never had, without a word."""
+    d = fake_model_dir(tmp_path / "m", arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"].update(attention_k_eq_v=k_eq_v, num_global_key_value_heads=4)
+    (d / "config.json").write_text(json.dumps(cfg))
+    a = fake_adapter(tmp_path / "a", r=8, nested=True)
+    (a / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": targets}))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
+                                   f"lora.adapters=[{{name: coach, dir: {a}}}]", "container.env.MODEL_IMPL_TYPE=vllm")
+    if refused:
+        one_error_line(code, err, "lora.adapters.coach", "k_proj", "attention_k_eq_v", "convert.merge_orbax")
+        assert out == ""
+    else:
+        assert code == 0 and "--enable-lora" in out, err
+
+
 def test_adapter_checks_place_each_module_by_its_full_path(tmp_path, capsys):
     """Matched by the name's tail (`layers.N.self_attn.q_proj`), a multimodal base's vision tower (SigLIP has its
     own q_proj in layers.N) fitted a text adapter's layer the decoder lacks, and an adapter saved for the text-only

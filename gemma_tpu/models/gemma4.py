@@ -257,6 +257,19 @@ def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
     return None
 
 
+def vllm_lora_problem(t: dict, modules) -> str | None:
+    """An adapter changing k_proj of a Gemma 4 with attention_k_eq_v: its global layers take their keys as values,
+    k_proj's output with the LoRA update in transformers (PEFT) and training; vLLM's own Gemma 4 loads the base
+    k_proj weight into its packed qkv_proj's value slot as well and applies the adapter's k_proj update to the key
+    slot alone (the adapter has no v_proj there), so those values lack the update."""
+    if t.get("attention_k_eq_v") and "k_proj" in modules:
+        return ("changes k_proj, whose output the global layers of this attention_k_eq_v model also take as their "
+                "values in transformers and training, while vLLM applies the update to their keys alone (it copies "
+                "the base k_proj into their value slot): it would serve another model than the one trained; serve "
+                "the merged model (convert.merge_orbax) instead")
+    return None
+
+
 def _rope(t: dict, kind: str, head_dim: int, global_head_dim: int, used: bool = True) -> tuple[float, float, float]:
     """(base frequency, scale factor, rotated proportion) for 'sliding_attention' / 'full_attention'.
 
@@ -844,5 +857,6 @@ GEMMA4 = register(
         vllm_torch_tp_split_products=(("num_hidden_layers", "hidden_size_per_layer_input"),),
         vllm_torch_reads_unused_keys=("attn_logit_softcapping",),  # ignored here (tunix_config), as transformers
         vllm_rope_problem=vllm_rope_problem,
+        vllm_lora_problem=vllm_lora_problem,
     )
 )
