@@ -1458,6 +1458,28 @@ def test_inspect_step_of_a_checkpoint_with_no_completed_step_is_refused(lora_ckp
     with pytest.raises(UserError, match=f"{empty}: no completed checkpoint step found"):
         main([str(empty), "--step", "5"])
 
+def test_inspect_says_when_a_checkpoint_records_no_lora_settings(lora_ckpt, full_ckpt, tmp_path, capsys):
+    """A checkpoint whose metadata has `"lora": null` (or one without rank) was described as 'LoRA: rank None, alpha
+    None, targets ' whatever its step held; it says the settings are not recorded and what the step holds."""
+    from convert.inspect import main
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+
+    for name, ckpt, holds in (("lora", lora_ckpt[0], "LoRA factors"), ("full", full_ckpt[0], "full parameters")):
+        copy = shutil.copytree(ckpt, tmp_path / name)
+        meta = json.loads((copy / METADATA_FILE).read_text())
+        meta["lora"] = None
+        (copy / METADATA_FILE).write_text(json.dumps(meta))
+        assert main([str(copy), "--no-tensors"]) == 0
+        out = capsys.readouterr().out
+        assert f"LoRA or full fine-tune: not recorded ({METADATA_FILE} has no lora settings); step 1 holds {holds}" \
+            in out and "None" not in out.split("\n", 2)[2], out
+    meta = json.loads((lora_ckpt[0] / METADATA_FILE).read_text())
+    del meta["lora"]["rank"]
+    (tmp_path / "lora" / METADATA_FILE).write_text(json.dumps(meta))
+    assert main([str(tmp_path / "lora"), "--no-tensors"]) == 0
+    assert "LoRA: rank not recorded, alpha 8.0, targets q_proj, k_proj" in capsys.readouterr().out
+
+
 def test_inspect_a_file_that_describes_a_directory_names_the_directory(tmp_path):
     """`convert.inspect run/config.json` said 'neither .safetensors nor .gguf', leaving the user to guess
     that the directory was meant; any other file keeps that message."""
@@ -1667,3 +1689,4 @@ def test_a_peft_adapter_given_for_a_model_names_its_base(tmp_path, capsys):
     assert err == [f"error: {adapter / 'config.json'}: missing ({adapter} is a PEFT adapter, not a whole model: give "
                    "its base /m/g3, or a merged directory from python -m convert.merge_orbax)"], err
     assert not out.exists()
+
