@@ -423,9 +423,15 @@ def plan_tensors(facts: GGUFFacts, text: dict, weights: sio.WeightsDir, prefix: 
     # llama.cpp's order: the model's own tensors, then block by block
     order = [(t, None) for t in facts.tensors if "{i}" not in t.gguf]
     order += [(t, i) for i in range(n_layers) for t in facts.tensors if "{i}" in t.gguf]
+    # the output projection: beside the decoder's prefix (transformers' layout for a multimodal model,
+    # `model.language_model.` + `lm_head.weight`) or, in the layout published checkpoints use, under the same parent
+    # (`language_model.model.` + `language_model.lm_head.weight`): that one was refused as missing
+    heads = [p + "lm_head." for p in dict.fromkeys(("", prefix.removesuffix("model.")))]
     for t, i in order:
         hf = t.hf.format(i=i)
         key = hf if hf.startswith("lm_head.") else prefix + hf
+        if hf.startswith("lm_head."):
+            key = next((k for k in (h + hf.removeprefix("lm_head.") for h in heads) if k in weights), key)
         name = t.gguf.format(i=i)
         if key not in weights:
             if hf.startswith("lm_head.") and tied:

@@ -512,6 +512,38 @@ def test_untied_output_is_exported_and_its_shape_checked(work, base, capsys):
                           contains=f"tensor lm_head.weight is {list(shape)}, but the config's sizes make it [512, 64]")
 
 
+def test_an_untied_multimodal_model_exports_its_output_projection(work, base, capsys):
+    """A Gemma3ForConditionalGeneration with tie_word_embeddings false, as transformers writes it (the published
+    layout: `language_model.model.` and `language_model.lm_head.weight`), was refused: 'there is no
+    lm_head.weight tensor'. Its lm_head is output.weight, and transformers' GGUF loader computes its logits."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = json.loads((base / "config.json").read_text())
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    cfg = Gemma3Config(text_config={**text, "tie_word_embeddings": False}, vision_config=vision,
+                       mm_tokens_per_image=4, image_token_index=509, boi_token_index=508, eoi_token_index=507,
+                       tie_word_embeddings=False)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0.0, 0.05)
+    mm = work / "tiny_mm_untied"
+    model.save_pretrained(str(mm))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(base / f, mm / f)
+    from gemma_tpu.hf import safetensors_io as sio
+
+    heads = [k for k in sio.WeightsDir(mm).names() if k.endswith("lm_head.weight")]
+    out = work / "mm_untied.gguf"
+    assert export("--merged", mm, "--out", out, "--type", "f16") == 0, capsys.readouterr().err
+    np.testing.assert_allclose(read_tensor(out, "output.weight"), sio.WeightsDir(mm).read(heads[0]), atol=1e-3)
+    assert max_diff(hf_logits(mm), gguf_logits(out)) <= F16_MAX_DIFF
+
+
 def test_a_norm_of_another_length_is_refused(work, base, capsys):
     """A merged directory whose norm scale is not config.json's width (cut, or another model's file) was exported
     as it was: a file transformers' GGUF loader refuses ('size mismatch'), as llama.cpp does."""
