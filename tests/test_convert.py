@@ -978,6 +978,27 @@ def test_out_that_is_a_link_to_an_earlier_output_is_named_as_a_link(work, lora_c
     assert merge("--checkpoint", lora_ckpt[0], "--out", link.resolve(), "--overwrite") == 0 and _complete(real)
 
 
+def test_a_target_overwrite_would_refuse_is_refused_so_without_it(work, lora_ckpt, capsys):
+    """--out naming a link, or a file where a directory is written (a directory where a .gguf is), was refused as
+    'already exists (use --overwrite to replace it)', and --overwrite then refused it for what it is: the first
+    refusal says what it is."""
+    from convert.export_gguf import main as export_gguf
+    from gemma_tpu.core.cli import cli_main
+
+    (work / "a_file").write_text("mine")
+    (work / "a_dir.gguf").mkdir()
+    (work / "a_link").symlink_to(work / "nowhere")
+    for out, error in ((work / "a_file", f"{work / 'a_file'} exists and is not a directory; refusing to replace it"),
+                       (work / "a_link", f"{work / 'a_link'} is a symbolic link (to {work / 'nowhere'}); refusing")):
+        assert merge("--checkpoint", lora_ckpt[0], "--out", out) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {error}")
+    assert cli_main(export_gguf, ["--checkpoint", str(lora_ckpt[0]), "--out", str(work / "a_dir.gguf")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {work / 'a_dir.gguf'} exists and is not a regular file; refusing to replace it")
+    assert (work / "a_file").read_text() == "mine" and (work / "a_link").is_symlink()
+    assert not any((work / "a_dir.gguf").iterdir())
+
+
 def test_too_little_disk_names_the_margin_it_keeps(work, lora_ckpt, small_disk, capsys):
     """A disk with room for the output but not for the 64 MiB kept free beside it: the refusal read 'need
     428.54 KB, 4.19 MB free', a contradiction to whoever read it."""
