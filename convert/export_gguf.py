@@ -65,7 +65,7 @@ from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE,
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.models.loading import resolve_model
-from gemma_tpu.models.registry import Family, GGUFFacts, families, text_config
+from gemma_tpu.models.registry import Family, GGUFFacts, families, output_projection_prefixes, text_config
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 CHUNK_BYTES = 16 << 20  # float32 bytes per row chunk
@@ -423,10 +423,7 @@ def plan_tensors(facts: GGUFFacts, text: dict, weights: sio.WeightsDir, prefix: 
     # llama.cpp's order: the model's own tensors, then block by block
     order = [(t, None) for t in facts.tensors if "{i}" not in t.gguf]
     order += [(t, i) for i in range(n_layers) for t in facts.tensors if "{i}" in t.gguf]
-    # the output projection: beside the decoder's prefix (transformers' layout for a multimodal model,
-    # `model.language_model.` + `lm_head.weight`) or, in the layout published checkpoints use, under the same parent
-    # (`language_model.model.` + `language_model.lm_head.weight`): that one was refused as missing
-    heads = [p + "lm_head." for p in dict.fromkeys(("", prefix.removesuffix("model.")))]
+    heads = output_projection_prefixes(prefix)  # language_model.lm_head. was refused as missing
     for t, i in order:
         hf = t.hf.format(i=i)
         key = hf if hf.startswith("lm_head.") else prefix + hf

@@ -363,6 +363,29 @@ def test_real_multimodal_model_and_peft(work, base):
     check_adapter_fits(adapter, "a", adapter_rank(adapter, "a"), check_weights(mm))  # what serving.launch checks
 
 
+def test_a_full_finetune_drops_the_stale_output_projection_of_a_multimodal_base(work, base):
+    """A tied multimodal base in the published layout may keep a copy of its embedding as
+    `language_model.lm_head.weight`. A full fine-tune's merge wrote the trained embedding beside that copy of the old
+    one; transformers, finding the two different, untied them and projected with the stale copy (logits of another
+    model). The copy is dropped, as a text model's lm_head.weight is."""
+    from safetensors.numpy import load_file, save_file
+    from transformers import Gemma3TextConfig
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
+
+    mm = _write_multimodal_gemma3(work / "base_mm_head", Gemma3TextConfig(**TINY_GEMMA3), 7, base)
+    weights = load_file(str(mm / "model.safetensors"))
+    assert "language_model.lm_head.weight" not in weights
+    weights["language_model.lm_head.weight"] = weights["language_model.model.embed_tokens.weight"].copy()
+    save_file(weights, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = work / "ckpt_mm_head"
+    ref = make_checkpoint(mm, ckpt, full=True, seed=7)
+    out = work / "merged_mm_head"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert "language_model.lm_head.weight" not in ordered_keys(out)
+    assert json.loads((out / "gemma_tpu_merge.json").read_text())["dropped"] == ["language_model.lm_head.weight"]
+    assert max_diff(ref, hf_logits(out)) <= TOL
+
 
 def test_multimodal_final_logit_softcapping_is_not_applied_as_transformers(work, base):
     """transformers caps the final logits in Gemma3ForCausalLM only; Gemma3ForConditionalGeneration (what a
