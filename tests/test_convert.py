@@ -1115,6 +1115,25 @@ def test_sigterm_cleans_up(work, lora_ckpt):
     assert leftovers(out) == []
 
 
+def test_a_merge_that_fails_mid_write_leaves_no_directory_it_made(work, lora_ckpt):
+    """--out new/run/merged, and the write fails (a file-size limit here: a full disk alike): the output was not
+    published, but new/ and new/run/, made for it, were left behind. They are removed; a parent that was there
+    before is kept."""
+    import shlex
+
+    from tests.conftest import assert_one_line_error
+
+    (work / "there").mkdir()
+    for out, left in ((work / "new" / "run" / "merged", work / "new"), (work / "there" / "merged", None)):
+        # files of at most 1 KiB (Python ignores SIGXFSZ: the write fails with EFBIG)
+        merge_cmd = shlex.join([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(lora_ckpt[0]),
+                                "--out", str(out)])
+        proc = subprocess.run(["bash", "-c", f"ulimit -f 2 && exec {merge_cmd}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=600)
+        assert_one_line_error(proc, f"writing {out} failed", "(File too large); nothing was published")
+        assert not left.exists() if left else list((work / "there").iterdir()) == []
+
+
 def test_a_step_deleted_while_the_merge_reads_it(work, lora_ckpt):
     """A merge run while training goes on: the trainer's max_to_keep deletes the step the merge chose (here
     as soon as the merge's temp dir appears, before it reads the second layer's factors). One line saying
