@@ -1309,6 +1309,41 @@ def test_peft_export_of_a_tool_calling_run_needs_its_base_tokenizer(work, base, 
     assert tokens_named(out, FUNCTION_MARKERS) == set(FUNCTION_MARKERS)
 
 
+@pytest.mark.parametrize("edit,error", [
+    (lambda t: {**t, "added_tokens": None}, "added_tokens is null, not a list of tokens with an integer id"),
+    (lambda t: {**t, "added_tokens": [{"content": "<eos>"}]}, 'added_tokens holds {"content": "<eos>"}, not a list'),
+    (lambda t: {**t, "model": {**t["model"], "vocab": [1, 2]}}, "model.vocab is neither an object of token ids"),
+])
+def test_a_tool_calling_merge_refuses_a_damaged_tokenizer_json_by_name(work, base, lora_ckpt, capsys, edit, error):
+    """A tool-calling run publishes its markers in the base's tokenizer.json: one whose added_tokens is null, holds
+    an entry without an id, or whose vocabulary is of no known shape (a file the tokenizers library refuses too)
+    was a TypeError or KeyError traceback from the merge and the PEFT export. One line naming the file, nothing
+    written."""
+    from convert.export_peft import main as export_main
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
+
+    ckpt = work / "ckpt_tool_tok"
+    if not ckpt.exists():
+        shutil.copytree(lora_ckpt[0], ckpt)
+        meta = json.loads((ckpt / METADATA_FILE).read_text())
+        meta["token_map"] = {m: f"<unused{5 + i}>" for i, m in enumerate(FUNCTION_MARKERS)}
+        (ckpt / METADATA_FILE).write_text(json.dumps(meta))
+    bad = work / "base_bad_tok"
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(base, bad)
+    (bad / "tokenizer.json").write_text(json.dumps(edit(json.loads((base / "tokenizer.json").read_text()))))
+    for run, out in ((merge, work / "merged_bad_tok"), (lambda *a: cli_main(export_main, [str(x) for x in a]),
+                                                        work / "adapter_bad_tok")):
+        capsys.readouterr()
+        assert run("--checkpoint", ckpt, "--base", bad, "--out", out, "--allow-base-mismatch") == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+            f"error: {bad / 'tokenizer.json'}: {error}"), err
+        assert leftovers(out) == []
+
+
 def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
     from convert.export_peft import main
     from gemma_tpu.core.cli import cli_main
