@@ -1310,7 +1310,7 @@ def test_peft_export_of_a_tool_calling_run_needs_its_base_tokenizer(work, base, 
 
 
 @pytest.mark.parametrize("edit,error", [
-    (lambda t: {**t, "added_tokens": None}, "added_tokens is null, not a list of tokens with an integer id"),
+    (lambda t: {**t, "added_tokens": None}, "added_tokens is null, not a list of tokens with an id"),
     (lambda t: {**t, "added_tokens": [{"content": "<eos>"}]}, 'added_tokens holds {"content": "<eos>"}, not a list'),
     (lambda t: {**t, "model": {**t["model"], "vocab": [1, 2]}}, "model.vocab is neither an object of token ids"),
 ])

@@ -974,3 +974,29 @@ def test_added_tokens_past_the_sentencepiece_pieces_keep_their_text(tmp_path):
     assert vocab.types[4:] == [NORMAL, CONTROL] + [NORMAL] * 4 + [CONTROL, UNUSED, CONTROL, USER_DEFINED, UNUSED,
                                                                     UNUSED]
     assert vocab.scores[5] == -5.0 and vocab.scores[10] == -1000.0
+
+
+def test_a_tokenizer_json_of_no_known_shape_is_refused_by_name_and_far_ids_are_left_out(work, base, capsys):
+    """A tokenizer.json-only vocabulary: an added token without an id, a merge that is not a pair, a vocabulary of
+    bare numbers were KeyError/TypeError tracebacks, a negative id silently renamed a piece counted from the end, and
+    an id of 10**9 was padded up to, a vocabulary that took all memory. Each is one line naming the file; a token past
+    the embedding is left out, as one past a tokenizer.model's pieces is."""
+    tok = json.loads((base / "tokenizer.json").read_text())
+    cases = {"no_id": ({**tok, "added_tokens": [{"content": "<eos>"}]}, 'added_tokens holds {"content": "<eos>"}'),
+             "negative_id": ({**tok, "added_tokens": tok["added_tokens"] + [{"content": "<y>", "id": -3}]},
+                             '"id": -3}, not a list of tokens with an id'),
+             "vocab": ({**tok, "model": {**tok["model"], "vocab": [1, 2]}}, "model.vocab is neither an object"),
+             "merges": ({**tok, "model": {**tok["model"], "merges": [1]}}, "model.merges is not a list of"),
+             "far_id": ({**tok, "added_tokens": tok["added_tokens"] + [{"content": "<far>", "id": 10**9}]}, None)}
+    for name, (edited, error) in cases.items():
+        d = work / f"tok_{name}"
+        shutil.copytree(base, d)
+        (d / "tokenizer.json").write_text(json.dumps(edited))
+        out = work / f"tok_{name}.gguf"
+        if error is None:
+            assert export("--merged", d, "--out", out, "--type", "f16") == 0
+            assert export("--merged", base, "--out", work / "tok_base.gguf", "--type", "f16") == 0
+            assert fields(out)["tokenizer.ggml.tokens"] == fields(work / "tok_base.gguf")["tokenizer.ggml.tokens"]
+        else:
+            assert _expect_error(capsys, out, "--merged", d, contains=error).startswith(
+                f"error: {d / 'tokenizer.json'}: ")
