@@ -187,7 +187,13 @@ def _added_tokens(tok_dir: Path, cfg: dict) -> dict[int, tuple[str | None, bool]
     entries = _json_member(tj, "added_tokens") if tj.is_file() else []
     check_added_tokens(tj, entries or [])
     entries = list(entries or [])
-    entries += [{**e, "id": i} for i, e in (cfg.get("added_tokens_decoder") or {}).items() if isinstance(e, dict)]
+    decoder = cfg.get("added_tokens_decoder") or {}
+    bad = next((i for i in decoder if not (isinstance(i, str) and i.isascii() and i.isdigit())), None) \
+        if isinstance(decoder, dict) else decoder
+    if bad is not None:  # 'abc' was a ValueError traceback, '-2' silently retyped the second-last piece
+        raise UserError(f"{tok_dir / 'tokenizer_config.json'}: added_tokens_decoder "
+                        f"{'has the key' if isinstance(decoder, dict) else 'is'} {bad!r:.40}, not token ids")
+    entries += [{**e, "id": int(i)} for i, e in decoder.items() if isinstance(e, dict)]
     for e in entries:
         content = e.get("content")
         out[int(e["id"])] = (content if isinstance(content, str) and content else None, bool(e.get("special")))

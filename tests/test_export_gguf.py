@@ -976,7 +976,7 @@ def test_added_tokens_past_the_sentencepiece_pieces_keep_their_text(tmp_path):
     assert vocab.scores[5] == -5.0 and vocab.scores[10] == -1000.0
 
 
-def test_a_tokenizer_json_of_no_known_shape_is_refused_by_name_and_far_ids_are_left_out(work, base, capsys):
+def test_tokenizer_files_of_no_known_shape_are_refused_by_name_and_far_ids_are_left_out(work, base, capsys):
     """A tokenizer.json-only vocabulary: an added token without an id, a merge that is not a pair, a vocabulary of
     bare numbers were KeyError/TypeError tracebacks, a negative id silently renamed a piece counted from the end, and
     an id of 10**9 was padded up to, a vocabulary that took all memory. Each is one line naming the file; a token past
@@ -1000,3 +1000,13 @@ def test_a_tokenizer_json_of_no_known_shape_is_refused_by_name_and_far_ids_are_l
         else:
             assert _expect_error(capsys, out, "--merged", d, contains=error).startswith(
                 f"error: {d / 'tokenizer.json'}: ")
+    # tokenizer_config.json's added_tokens_decoder (transformers 4.x): 'abc' was a ValueError traceback, '-2' retyped
+    # the second-last piece without a word
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    for key in ("abc", "-2"):
+        d = work / f"tok_decoder{key}"
+        shutil.copytree(base, d)
+        decoder = {key: {"content": "<z>", "special": True}}
+        (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "added_tokens_decoder": decoder}))
+        _expect_error(capsys, work / f"tok_decoder{key}.gguf", "--merged", d, contains=f"{d / 'tokenizer_config.json'}"
+                      f": added_tokens_decoder has the key '{key}', not token ids")
