@@ -56,6 +56,7 @@ from convert import merge_math
 from convert.merge_orbax import MergedTensors
 from convert.merge_orbax import plan_tensors as plan_merge_tensors
 from convert.source import open_checkpoint
+from convert.tool_tokens import check_added_tokens, check_tokenizer_json
 from gemma_tpu.core import cli
 from gemma_tpu.core.atomic import AtomicFile, check_file_target, check_space
 from gemma_tpu.core.cli import cli_main
@@ -65,7 +66,7 @@ from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, START_RESPONSE,
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.models.loading import resolve_model
-from gemma_tpu.models.registry import Family, GGUFFacts, families, text_config
+from gemma_tpu.models.registry import Family, GGUFFacts, families, output_projection_prefixes, text_config
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 CHUNK_BYTES = 16 << 20  # float32 bytes per row chunk
@@ -118,10 +119,12 @@ def _pieces_from_sentencepiece(path: Path) -> tuple[list[str], list[float], list
             [int(p.type) for p in proto.pieces], special)
 
 
-def _pieces_from_tokenizer_json(path: Path) -> tuple[list[str], list[float], list[int], dict[str, int]]:
+def _pieces_from_tokenizer_json(path: Path, n_rows: int) -> tuple[list[str], list[float], list[int], dict[str, int]]:
     """A tokenizer.json-only directory: pieces by id; Unigram scores as given, BPE merge ranks
-    turned into scores (an earlier merge scores higher), WordLevel all zero."""
+    turned into scores (an earlier merge scores higher), WordLevel all zero. Added tokens past the embedding's
+    `n_rows` are left out, as for a tokenizer.model (`read_vocab`): padding up to an id of 10**9 took all memory."""
     tok = read_json_object(path, f"{path}: missing")
+    check_tokenizer_json(path, tok)
     model = tok.get("model") or {}
     vocab = model.get("vocab")
     if isinstance(vocab, list):  # Unigram
@@ -143,6 +146,8 @@ def _pieces_from_tokenizer_json(path: Path) -> tuple[list[str], list[float], lis
     types = [BYTE if len(p) == 6 and p.startswith("<0x") and p.endswith(">") else NORMAL for p in pieces]
     for e in tok.get("added_tokens") or []:
         i = int(e["id"])
+        if i >= n_rows:
+            continue
         while i >= len(pieces):
             pieces.append(f"[PAD{len(pieces)}]")
             scores.append(0.0)
@@ -179,8 +184,16 @@ def _added_tokens(tok_dir: Path, cfg: dict) -> dict[int, tuple[str | None, bool]
     transformers 5 writes, and tokenizer_config.json's `added_tokens_decoder`, which 4.x wrote)."""
     out: dict[int, tuple[str | None, bool]] = {}
     tj = tok_dir / "tokenizer.json"
-    entries = list(_json_member(tj, "added_tokens") or []) if tj.is_file() else []
-    entries += [{**e, "id": i} for i, e in (cfg.get("added_tokens_decoder") or {}).items() if isinstance(e, dict)]
+    entries = _json_member(tj, "added_tokens") if tj.is_file() else []
+    check_added_tokens(tj, entries or [])
+    entries = list(entries or [])
+    decoder = cfg.get("added_tokens_decoder") or {}
+    bad = next((i for i in decoder if not (isinstance(i, str) and i.isascii() and i.isdigit())), None) \
+        if isinstance(decoder, dict) else decoder
+    if bad is not None:  # 'abc' was a ValueError traceback, '-2' silently retyped the second-last piece
+        raise UserError(f"{tok_dir / 'tokenizer_config.json'}: added_tokens_decoder "
+                        f"{'has the key' if isinstance(decoder, dict) else 'is'} {bad!r:.40}, not token ids")
+    entries += [{**e, "id": int(i)} for i, e in decoder.items() if isinstance(e, dict)]
     for e in entries:
         content = e.get("content")
         out[int(e["id"])] = (content if isinstance(content, str) and content else None, bool(e.get("special")))
@@ -211,7 +224,7 @@ def read_vocab(tok_dir: Path, n_rows: int, token_map: dict[str, str], markers: S
         pieces, scores, types, special = _pieces_from_sentencepiece(sp_path)
         source = sp_path
     elif tj_path.is_file():
-        pieces, scores, types, special = _pieces_from_tokenizer_json(tj_path)
+        pieces, scores, types, special = _pieces_from_tokenizer_json(tj_path, n_rows)
         source = tj_path
     else:
         raise UserError(f"{tok_dir}: no tokenizer.model or tokenizer.json; the GGUF needs the vocabulary")
@@ -423,9 +436,12 @@ def plan_tensors(facts: GGUFFacts, text: dict, weights: sio.WeightsDir, prefix: 
     # llama.cpp's order: the model's own tensors, then block by block
     order = [(t, None) for t in facts.tensors if "{i}" not in t.gguf]
     order += [(t, i) for i in range(n_layers) for t in facts.tensors if "{i}" in t.gguf]
+    heads = output_projection_prefixes(prefix)  # language_model.lm_head. was refused as missing
     for t, i in order:
         hf = t.hf.format(i=i)
         key = hf if hf.startswith("lm_head.") else prefix + hf
+        if hf.startswith("lm_head."):
+            key = next((k for k in (h + hf.removeprefix("lm_head.") for h in heads) if k in weights), key)
         name = t.gguf.format(i=i)
         if key not in weights:
             if hf.startswith("lm_head.") and tied:

@@ -7,7 +7,8 @@ LoRA checkpoints: every targeted HF weight becomes `W + (alpha/rank) * B_hf @ A_
 float32 in row chunks and cast to the output dtype (default: the base's). Full fine-tunes: the
 decoder tensors come from the checkpoint (Tunix layout converted back through the registry); the
 rest of the base (a vision tower, say) is copied. Keys and their order are the base's; a tied
-`lm_head.weight` is dropped. A QLoRA run's factors are merged into the unquantized base, as usual.
+`lm_head.weight` (`language_model.lm_head.weight` in a multimodal layout) is dropped. A QLoRA run's
+factors are merged into the unquantized base, as usual.
 
 Streaming: the LoRA factors are read one layer at a time from Orbax to host numpy (no model is
 built, no accelerator memory is touched), base tensors are read in chunks by positioned reads and
@@ -73,7 +74,7 @@ from gemma_tpu.core.progress import Progress, human
 from gemma_tpu.hf import safetensors_io as sio
 from gemma_tpu.hf.directory import MERGE_RECORD, check_same_directory, dir_identity, read_hf_config
 from gemma_tpu.hf.files import generation_config, write_sidecar_files
-from gemma_tpu.models.registry import described_family, tied_embeddings
+from gemma_tpu.models.registry import described_family, output_projection_prefixes, tied_embeddings
 
 PROVENANCE_FILE = MERGE_RECORD
 SLOW_ENV = "GEMMA_TPU_MERGE_SLOW"  # tests only: seconds to sleep after each tensor
@@ -183,9 +184,12 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
 
     dropped = []
     ops, specs = [], []
+    # a tied model's stored copy of its embedding, wherever the layout keeps it: copied from the base beside a full
+    # fine-tune's trained embedding, it differed, and transformers then projected with the stale copy (untied)
+    heads = {p + s for p in output_projection_prefixes(prefix) for s in ("weight", "bias")}
     for name in weights.names():
         src = weights[name]
-        if name in ("lm_head.weight", "lm_head.bias") and tied_embeddings(base_config):
+        if name in heads and tied_embeddings(base_config):
             dropped.append(name)
             continue
         dtype = out_dtype if src.dtype in sio.WEIGHT_DTYPES else src.dtype  # a buffer beside the decoder: as is

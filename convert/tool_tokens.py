@@ -24,9 +24,43 @@ from gemma_tpu.core.errors import UserError, read_json_object
 from gemma_tpu.formats.function_calling import START_RESPONSE, tool_chat_template
 
 
+def check_added_tokens(path: Path, added) -> None:
+    """tokenizer.json's `added_tokens` is a list of tokens with an id, as the `tokenizers` library writes it (and
+    loads it): `null`, an entry without an integer id or with a negative one were a TypeError or KeyError traceback
+    (a negative id, in the GGUF export, silently renamed a piece counted from the end)."""
+    bad = [e for e in added if not (isinstance(e, dict) and type(e.get("id")) is int and e["id"] >= 0)] \
+        if isinstance(added, list) else [added]
+    if bad:
+        shown = json.dumps(bad[0])
+        raise UserError(f"{path}: added_tokens {'holds' if isinstance(added, list) else 'is'} "
+                        f"{shown[:60] + ('...' if len(shown) > 60 else '')}, not a list of tokens with an id (a file "
+                        f"the tokenizers library cannot load either)")
+
+
+def check_tokenizer_json(path: Path, tok: dict) -> None:
+    """The parts of tokenizer.json that the markers' renaming and the GGUF export read have the shapes the
+    `tokenizers` library writes: `added_tokens` (`check_added_tokens`), a `model.vocab` that is an object of ids or a
+    list of [piece, score] pairs, `model.merges` of "a b" strings or [a, b] pairs; other shapes were tracebacks."""
+    check_added_tokens(path, tok.get("added_tokens", []))
+    model = tok.get("model") or {}
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    pairs = isinstance(vocab, list) and all(isinstance(v, list) and v and isinstance(v[0], str) for v in vocab)
+    ids = isinstance(vocab, dict) and all(type(i) is int and i >= 0 for i in vocab.values())
+    if not isinstance(model, dict) or isinstance(vocab, (list, dict)) and not (pairs or ids):
+        raise UserError(f"{path}: model.vocab is neither an object of token ids nor a list of [piece, score] pairs")
+    merges = model.get("merges") or []
+    if not isinstance(merges, list) or not all(
+            isinstance(m, str) and " " in m or isinstance(m, list) and len(m) == 2 for m in merges):
+        raise UserError(f"{path}: model.merges is not a list of \"a b\" strings or [a, b] pairs")
+
+
 def _rename_tokenizer_json(path: Path, token_map: dict[str, str], write: bool = True) -> dict[str, int]:
     """Rename in tokenizer.json (only check that it can be done, with write=False); return marker -> id."""
     tok = read_json_object(path, f"{path}: missing")
+    try:
+        check_tokenizer_json(path, tok)
+    except UserError as e:
+        raise UserError(f"{e}; the tool-call markers cannot be published in it") from None
     by_old = {old: new for new, old in token_map.items()}
     ids: dict[str, int] = {}
     for entry in tok.get("added_tokens", []):

@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gemma_tpu.assets.tiny import write_tiny_gemma3
@@ -119,3 +120,45 @@ def test_old_run_without_fingerprint_is_warned_not_refused(tiny_dir, tmp_path):
     rc, err = _cli(main, "--checkpoint", tmp_path / "ck", "--out", tmp_path / "m")
     assert rc == 0, err
     assert "recorded no fingerprint of its base" in err
+
+
+def _shard(model_dir: Path) -> None:
+    """model.safetensors split in two shards with an index, as transformers writes a larger model."""
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(str(model_dir / "model.safetensors"))
+    names = list(t)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: t[k] for k in part}, str(model_dir / file), metadata={"format": "pt"})
+        weight_map |= {k: file for k in part}
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_a_safetensors_file_the_index_does_not_name_is_not_part_of_the_base(tiny_dir, tmp_path):
+    """transformers and vLLM load the shards the index names and ignore any other *.safetensors file beside them:
+    one added after training (a stray copy, a download cut short) left the model as it was, but the merge refused
+    the base ('not the base it was trained on'), and a damaged one ('truncated safetensors file') even with
+    --allow-base-mismatch."""
+    from convert.merge_orbax import main
+
+    base = shutil.copytree(tiny_dir, tmp_path / "base")
+    _shard(base)
+    make_checkpoint(base, tmp_path / "ck")
+    (base / "stray.safetensors").write_bytes(b"abc")
+    shutil.copyfile(base / "model-00001-of-00002.safetensors", base / "copy.safetensors")
+    rc, err = _cli(main, "--checkpoint", tmp_path / "ck", "--out", tmp_path / "m")
+    assert rc == 0, err
+    assert "warning" not in err
+    from safetensors.numpy import load_file
+
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    assert np.array_equal(merged["model.norm.weight"],
+                          load_file(str(base / "model-00002-of-00002.safetensors"))["model.norm.weight"])
+    # a shard the index names is still checked
+    with open(base / "model-00002-of-00002.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 4)
+    rc, err = _cli(main, "--checkpoint", tmp_path / "ck", "--out", tmp_path / "m2")
+    assert rc == 2 and "model-00002-of-00002.safetensors is" in err and not (tmp_path / "m2").exists(), err

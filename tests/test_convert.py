@@ -363,6 +363,29 @@ def test_real_multimodal_model_and_peft(work, base):
     check_adapter_fits(adapter, "a", adapter_rank(adapter, "a"), check_weights(mm))  # what serving.launch checks
 
 
+def test_a_full_finetune_drops_the_stale_output_projection_of_a_multimodal_base(work, base):
+    """A tied multimodal base in the published layout may keep a copy of its embedding as
+    `language_model.lm_head.weight`. A full fine-tune's merge wrote the trained embedding beside that copy of the old
+    one; transformers, finding the two different, untied them and projected with the stale copy (logits of another
+    model). The copy is dropped, as a text model's lm_head.weight is."""
+    from safetensors.numpy import load_file, save_file
+    from transformers import Gemma3TextConfig
+
+    from gemma_tpu.assets.tiny import TINY_GEMMA3
+
+    mm = _write_multimodal_gemma3(work / "base_mm_head", Gemma3TextConfig(**TINY_GEMMA3), 7, base)
+    weights = load_file(str(mm / "model.safetensors"))
+    assert "language_model.lm_head.weight" not in weights
+    weights["language_model.lm_head.weight"] = weights["language_model.model.embed_tokens.weight"].copy()
+    save_file(weights, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = work / "ckpt_mm_head"
+    ref = make_checkpoint(mm, ckpt, full=True, seed=7)
+    out = work / "merged_mm_head"
+    assert merge("--checkpoint", ckpt, "--out", out) == 0
+    assert "language_model.lm_head.weight" not in ordered_keys(out)
+    assert json.loads((out / "gemma_tpu_merge.json").read_text())["dropped"] == ["language_model.lm_head.weight"]
+    assert max_diff(ref, hf_logits(out)) <= TOL
+
 
 def test_multimodal_final_logit_softcapping_is_not_applied_as_transformers(work, base):
     """transformers caps the final logits in Gemma3ForCausalLM only; Gemma3ForConditionalGeneration (what a
@@ -978,6 +1001,27 @@ def test_out_that_is_a_link_to_an_earlier_output_is_named_as_a_link(work, lora_c
     assert merge("--checkpoint", lora_ckpt[0], "--out", link.resolve(), "--overwrite") == 0 and _complete(real)
 
 
+def test_a_target_overwrite_would_refuse_is_refused_so_without_it(work, lora_ckpt, capsys):
+    """--out naming a link, or a file where a directory is written (a directory where a .gguf is), was refused as
+    'already exists (use --overwrite to replace it)', and --overwrite then refused it for what it is: the first
+    refusal says what it is."""
+    from convert.export_gguf import main as export_gguf
+    from gemma_tpu.core.cli import cli_main
+
+    (work / "a_file").write_text("mine")
+    (work / "a_dir.gguf").mkdir()
+    (work / "a_link").symlink_to(work / "nowhere")
+    for out, error in ((work / "a_file", f"{work / 'a_file'} exists and is not a directory; refusing to replace it"),
+                       (work / "a_link", f"{work / 'a_link'} is a symbolic link (to {work / 'nowhere'}); refusing")):
+        assert merge("--checkpoint", lora_ckpt[0], "--out", out) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {error}")
+    assert cli_main(export_gguf, ["--checkpoint", str(lora_ckpt[0]), "--out", str(work / "a_dir.gguf")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {work / 'a_dir.gguf'} exists and is not a regular file; refusing to replace it")
+    assert (work / "a_file").read_text() == "mine" and (work / "a_link").is_symlink()
+    assert not any((work / "a_dir.gguf").iterdir())
+
+
 def test_too_little_disk_names_the_margin_it_keeps(work, lora_ckpt, small_disk, capsys):
     """A disk with room for the output but not for the 64 MiB kept free beside it: the refusal read 'need
     428.54 KB, 4.19 MB free', a contradiction to whoever read it."""
@@ -1069,6 +1113,25 @@ def test_sigterm_cleans_up(work, lora_ckpt):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) != 0
     assert leftovers(out) == []
+
+
+def test_a_merge_that_fails_mid_write_leaves_no_directory_it_made(work, lora_ckpt):
+    """--out new/run/merged, and the write fails (a file-size limit here: a full disk alike): the output was not
+    published, but new/ and new/run/, made for it, were left behind. They are removed; a parent that was there
+    before is kept."""
+    import shlex
+
+    from tests.conftest import assert_one_line_error
+
+    (work / "there").mkdir()
+    for out, left in ((work / "new" / "run" / "merged", work / "new"), (work / "there" / "merged", None)):
+        # files of at most 1 KiB (Python ignores SIGXFSZ: the write fails with EFBIG)
+        merge_cmd = shlex.join([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(lora_ckpt[0]),
+                                "--out", str(out)])
+        proc = subprocess.run(["bash", "-c", f"ulimit -f 2 && exec {merge_cmd}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=600)
+        assert_one_line_error(proc, f"writing {out} failed", "(File too large); nothing was published")
+        assert not left.exists() if left else list((work / "there").iterdir()) == []
 
 
 def test_a_step_deleted_while_the_merge_reads_it(work, lora_ckpt):
@@ -1244,6 +1307,41 @@ def test_peft_export_of_a_tool_calling_run_needs_its_base_tokenizer(work, base, 
     assert leftovers(out) == []
     assert cli_main(main, ["--checkpoint", str(ckpt), "--out", str(out), "--base", str(base)]) == 0
     assert tokens_named(out, FUNCTION_MARKERS) == set(FUNCTION_MARKERS)
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda t: {**t, "added_tokens": None}, "added_tokens is null, not a list of tokens with an id"),
+    (lambda t: {**t, "added_tokens": [{"content": "<eos>"}]}, 'added_tokens holds {"content": "<eos>"}, not a list'),
+    (lambda t: {**t, "model": {**t["model"], "vocab": [1, 2]}}, "model.vocab is neither an object of token ids"),
+])
+def test_a_tool_calling_merge_refuses_a_damaged_tokenizer_json_by_name(work, base, lora_ckpt, capsys, edit, error):
+    """A tool-calling run publishes its markers in the base's tokenizer.json: one whose added_tokens is null, holds
+    an entry without an id, or whose vocabulary is of no known shape (a file the tokenizers library refuses too)
+    was a TypeError or KeyError traceback from the merge and the PEFT export. One line naming the file, nothing
+    written."""
+    from convert.export_peft import main as export_main
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.core.cli import cli_main
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
+
+    ckpt = work / "ckpt_tool_tok"
+    if not ckpt.exists():
+        shutil.copytree(lora_ckpt[0], ckpt)
+        meta = json.loads((ckpt / METADATA_FILE).read_text())
+        meta["token_map"] = {m: f"<unused{5 + i}>" for i, m in enumerate(FUNCTION_MARKERS)}
+        (ckpt / METADATA_FILE).write_text(json.dumps(meta))
+    bad = work / "base_bad_tok"
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(base, bad)
+    (bad / "tokenizer.json").write_text(json.dumps(edit(json.loads((base / "tokenizer.json").read_text()))))
+    for run, out in ((merge, work / "merged_bad_tok"), (lambda *a: cli_main(export_main, [str(x) for x in a]),
+                                                        work / "adapter_bad_tok")):
+        capsys.readouterr()
+        assert run("--checkpoint", ckpt, "--base", bad, "--out", out, "--allow-base-mismatch") == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+            f"error: {bad / 'tokenizer.json'}: {error}"), err
+        assert leftovers(out) == []
 
 
 def test_peft_export_refuses_full_finetune(work, full_ckpt, capsys):
@@ -1458,6 +1556,28 @@ def test_inspect_step_of_a_checkpoint_with_no_completed_step_is_refused(lora_ckp
     with pytest.raises(UserError, match=f"{empty}: no completed checkpoint step found"):
         main([str(empty), "--step", "5"])
 
+def test_inspect_says_when_a_checkpoint_records_no_lora_settings(lora_ckpt, full_ckpt, tmp_path, capsys):
+    """A checkpoint whose metadata has `"lora": null` (or one without rank) was described as 'LoRA: rank None, alpha
+    None, targets ' whatever its step held; it says the settings are not recorded and what the step holds."""
+    from convert.inspect import main
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+
+    for name, ckpt, holds in (("lora", lora_ckpt[0], "LoRA factors"), ("full", full_ckpt[0], "full parameters")):
+        copy = shutil.copytree(ckpt, tmp_path / name)
+        meta = json.loads((copy / METADATA_FILE).read_text())
+        meta["lora"] = None
+        (copy / METADATA_FILE).write_text(json.dumps(meta))
+        assert main([str(copy), "--no-tensors"]) == 0
+        out = capsys.readouterr().out
+        assert f"LoRA or full fine-tune: not recorded ({METADATA_FILE} has no lora settings); step 1 holds {holds}" \
+            in out and "None" not in out.split("\n", 2)[2], out
+    meta = json.loads((lora_ckpt[0] / METADATA_FILE).read_text())
+    del meta["lora"]["rank"]
+    (tmp_path / "lora" / METADATA_FILE).write_text(json.dumps(meta))
+    assert main([str(tmp_path / "lora"), "--no-tensors"]) == 0
+    assert "LoRA: rank not recorded, alpha 8.0, targets q_proj, k_proj" in capsys.readouterr().out
+
+
 def test_inspect_a_file_that_describes_a_directory_names_the_directory(tmp_path):
     """`convert.inspect run/config.json` said 'neither .safetensors nor .gguf', leaving the user to guess
     that the directory was meant; any other file keeps that message."""
@@ -1667,3 +1787,4 @@ def test_a_peft_adapter_given_for_a_model_names_its_base(tmp_path, capsys):
     assert err == [f"error: {adapter / 'config.json'}: missing ({adapter} is a PEFT adapter, not a whole model: give "
                    "its base /m/g3, or a merged directory from python -m convert.merge_orbax)"], err
     assert not out.exists()
+

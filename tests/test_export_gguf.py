@@ -512,6 +512,38 @@ def test_untied_output_is_exported_and_its_shape_checked(work, base, capsys):
                           contains=f"tensor lm_head.weight is {list(shape)}, but the config's sizes make it [512, 64]")
 
 
+def test_an_untied_multimodal_model_exports_its_output_projection(work, base, capsys):
+    """A Gemma3ForConditionalGeneration with tie_word_embeddings false, as transformers writes it (the published
+    layout: `language_model.model.` and `language_model.lm_head.weight`), was refused: 'there is no
+    lm_head.weight tensor'. Its lm_head is output.weight, and transformers' GGUF loader computes its logits."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = json.loads((base / "config.json").read_text())
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    cfg = Gemma3Config(text_config={**text, "tie_word_embeddings": False}, vision_config=vision,
+                       mm_tokens_per_image=4, image_token_index=509, boi_token_index=508, eoi_token_index=507,
+                       tie_word_embeddings=False)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0.0, 0.05)
+    mm = work / "tiny_mm_untied"
+    model.save_pretrained(str(mm))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(base / f, mm / f)
+    from gemma_tpu.hf import safetensors_io as sio
+
+    heads = [k for k in sio.WeightsDir(mm).names() if k.endswith("lm_head.weight")]
+    out = work / "mm_untied.gguf"
+    assert export("--merged", mm, "--out", out, "--type", "f16") == 0, capsys.readouterr().err
+    np.testing.assert_allclose(read_tensor(out, "output.weight"), sio.WeightsDir(mm).read(heads[0]), atol=1e-3)
+    assert max_diff(hf_logits(mm), gguf_logits(out)) <= F16_MAX_DIFF
+
+
 def test_a_norm_of_another_length_is_refused(work, base, capsys):
     """A merged directory whose norm scale is not config.json's width (cut, or another model's file) was exported
     as it was: a file transformers' GGUF loader refuses ('size mismatch'), as llama.cpp does."""
@@ -942,3 +974,39 @@ def test_added_tokens_past_the_sentencepiece_pieces_keep_their_text(tmp_path):
     assert vocab.types[4:] == [NORMAL, CONTROL] + [NORMAL] * 4 + [CONTROL, UNUSED, CONTROL, USER_DEFINED, UNUSED,
                                                                     UNUSED]
     assert vocab.scores[5] == -5.0 and vocab.scores[10] == -1000.0
+
+
+def test_tokenizer_files_of_no_known_shape_are_refused_by_name_and_far_ids_are_left_out(work, base, capsys):
+    """A tokenizer.json-only vocabulary: an added token without an id, a merge that is not a pair, a vocabulary of
+    bare numbers were KeyError/TypeError tracebacks, a negative id silently renamed a piece counted from the end, and
+    an id of 10**9 was padded up to, a vocabulary that took all memory. Each is one line naming the file; a token past
+    the embedding is left out, as one past a tokenizer.model's pieces is."""
+    tok = json.loads((base / "tokenizer.json").read_text())
+    cases = {"no_id": ({**tok, "added_tokens": [{"content": "<eos>"}]}, 'added_tokens holds {"content": "<eos>"}'),
+             "negative_id": ({**tok, "added_tokens": tok["added_tokens"] + [{"content": "<y>", "id": -3}]},
+                             '"id": -3}, not a list of tokens with an id'),
+             "vocab": ({**tok, "model": {**tok["model"], "vocab": [1, 2]}}, "model.vocab is neither an object"),
+             "merges": ({**tok, "model": {**tok["model"], "merges": [1]}}, "model.merges is not a list of"),
+             "far_id": ({**tok, "added_tokens": tok["added_tokens"] + [{"content": "<far>", "id": 10**9}]}, None)}
+    for name, (edited, error) in cases.items():
+        d = work / f"tok_{name}"
+        shutil.copytree(base, d)
+        (d / "tokenizer.json").write_text(json.dumps(edited))
+        out = work / f"tok_{name}.gguf"
+        if error is None:
+            assert export("--merged", d, "--out", out, "--type", "f16") == 0
+            assert export("--merged", base, "--out", work / "tok_base.gguf", "--type", "f16") == 0
+            assert fields(out)["tokenizer.ggml.tokens"] == fields(work / "tok_base.gguf")["tokenizer.ggml.tokens"]
+        else:
+            assert _expect_error(capsys, out, "--merged", d, contains=error).startswith(
+                f"error: {d / 'tokenizer.json'}: ")
+    # tokenizer_config.json's added_tokens_decoder (transformers 4.x): 'abc' was a ValueError traceback, '-2' retyped
+    # the second-last piece without a word
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    for key in ("abc", "-2"):
+        d = work / f"tok_decoder{key}"
+        shutil.copytree(base, d)
+        decoder = {key: {"content": "<z>", "special": True}}
+        (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "added_tokens_decoder": decoder}))
+        _expect_error(capsys, work / f"tok_decoder{key}.gguf", "--merged", d, contains=f"{d / 'tokenizer_config.json'}"
+                      f": added_tokens_decoder has the key '{key}', not token ids")

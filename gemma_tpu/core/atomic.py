@@ -196,8 +196,7 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
     pidlock.check_free(writer_lock(target), _busy_writing)
     restore_set_aside(target)
     if target.exists() or target.is_symlink():
-        if not overwrite:
-            raise UserError(f"{target} already exists (use --overwrite to replace it)")
+        # what --overwrite would refuse is said without it too: "use --overwrite", then a refusal, was a dead end
         if target.is_symlink():  # 'is not a directory' of a link to one sent users looking at the wrong thing
             raise UserError(f"{target} is a symbolic link (to {os.readlink(target)}); refusing to replace the link: "
                             f"give the path it points to, or remove the link")
@@ -207,6 +206,8 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
         if os.path.ismount(target):  # the rename at the end failed with EBUSY, after all the work was done
             raise UserError(f"--out {target} is a mount point, which an output cannot replace (it is built beside "
                             f"the target and renamed into place); give a path inside it, e.g. {target / 'out'}")
+        if not overwrite:
+            raise UserError(f"{target} already exists (use --overwrite to replace it)")
     resolved = target.resolve()
     for p in protected:
         p = Path(p).resolve()
@@ -415,12 +416,14 @@ class _AtomicOutput:
         self.magic = magic
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
         self.published = False
+        self._made: list[Path] = []  # the target's parent directories this output created, deepest first
         self._stop_signals = stop_signals_raise()
         self._lock = pidlock.PidLock(writer_lock(self.target), _busy_writing) if lock else None
 
     def __enter__(self) -> Path:
         check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker, magic=self.magic)
         try:
+            self._made = [d for d in (self.target.parent, *self.target.parent.parents) if not os.path.lexists(d)]
             self.target.parent.mkdir(parents=True, exist_ok=True)
             if self._lock is not None:
                 self._lock.acquire()
@@ -431,10 +434,12 @@ class _AtomicOutput:
                 self.tmp.touch(exist_ok=False)
         except OSError as e:
             self._release()
+            self._remove_made()
             raise UserError(f"--out {self.target}: cannot create {e.filename or self.tmp} "
                             f"({e.strerror or e})") from None
         except BaseException:
             self._release()
+            self._remove_made()
             raise
         self._stop_signals.__enter__()  # SIGTERM and SIGHUP -> SignalExit, so the cleanup below runs
         return self.tmp
@@ -456,11 +461,22 @@ class _AtomicOutput:
         if self._lock is not None:
             self._lock.release()
 
+    def _remove_made(self) -> None:
+        """The parent directories made for an output that was not published, while empty: a failed merge to
+        `new/run/merged` left `new/run/` behind, "nothing written" but for them."""
+        for d in self._made:
+            try:
+                d.rmdir()
+            except OSError:  # something else is in it now (an unverified output set aside, another writer's files)
+                break
+
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stop_signals.__exit__(exc_type, exc, tb)
         if not self.published:
             _remove(self.tmp)
         self._release()
+        if not self.published:
+            self._remove_made()
         if not self.published:
             exc = exc if isinstance(exc, OSError) else library_os_error(exc)
             if exc is not None:  # a full disk (ENOSPC), a file too large, an I/O error mid-write

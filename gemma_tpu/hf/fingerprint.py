@@ -7,11 +7,13 @@ offsets) and of 16 sampled 4 KiB ranges spread evenly over the tensor data; smal
 model is fingerprinted in milliseconds on a local disk. It is not a full checksum: it catches another
 model, another revision, a re-quantisation, a truncated or re-saved file, and a model of the same shapes
 with other weights (the case that motivated it); it would miss an edit confined to bytes between samples.
+With an index, only the shards it names are fingerprinted: readers ignore any other `*.safetensors` file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -20,7 +22,8 @@ from gemma_tpu.core.errors import UserError
 VERSION = 1
 SAMPLES = 16
 SAMPLE_BYTES = 4096
-WHOLE_FILES = ("config.json", "model.safetensors.index.json")
+INDEX = "model.safetensors.index.json"
+WHOLE_FILES = ("config.json", INDEX)
 
 
 def _file_entry(path: Path) -> dict:
@@ -47,10 +50,25 @@ def _file_entry(path: Path) -> dict:
     return entry
 
 
+def _index_shards(model_dir: Path) -> set[str] | None:
+    """The shards a readable `model.safetensors.index.json` names, else None. With an index, transformers and vLLM
+    load those and ignore any other `*.safetensors` beside them (a stray or half-downloaded file), so the model is
+    the same with or without one: fingerprinting it refused such a base even with --allow-base-mismatch (a damaged
+    stray file has no header to hash) and called a base with one added "not the base it was trained on". A damaged
+    index is hashed whole as before (and refused by name by the weights' reader)."""
+    try:
+        weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
+        return {f for f in weight_map.values() if isinstance(f, str)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def fingerprint(model_dir: str | Path) -> dict:
-    """{"version", "files": [{"name", "size", "header_sha256", "samples_sha256"} | {"name", "size", "sha256"}]}"""
+    """{"version", "files": [{"name", "size", "header_sha256", "samples_sha256"} | {"name", "size", "sha256"}]}:
+    the safetensors files a reader loads (the index's shards, else every one) and `WHOLE_FILES`."""
     model_dir = Path(model_dir)
-    names = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    shards = _index_shards(model_dir)
+    names = sorted(p.name for p in model_dir.glob("*.safetensors") if shards is None or p.name in shards)
     names += [n for n in WHOLE_FILES if (model_dir / n).is_file()]
     return {"version": VERSION, "files": [_file_entry(model_dir / n) for n in names]}
 
@@ -58,7 +76,10 @@ def fingerprint(model_dir: str | Path) -> dict:
 def first_difference(recorded: dict, model_dir: str | Path) -> str | None:
     """A description of the first file of `model_dir` that differs from `recorded`, or None."""
     model_dir = Path(model_dir)
-    want = {e["name"]: e for e in recorded.get("files", [])}
+    shards = _index_shards(model_dir)
+    # a file that no index shard is (recorded before the fingerprint skipped those) is not read either
+    want = {e["name"]: e for e in recorded.get("files", [])
+            if shards is None or not e["name"].endswith(".safetensors") or e["name"] in shards}
     now = {e["name"]: e for e in fingerprint(model_dir)["files"]}
     for name, was in want.items():
         path = model_dir / name

@@ -513,6 +513,15 @@ def tied_embeddings(hf_config: dict) -> bool:
     return bool(hf_config.get("tie_word_embeddings", True))
 
 
+
+def output_projection_prefixes(text_prefix: str) -> tuple[str, ...]:
+    """Where a checkpoint whose decoder layers are under `text_prefix` keeps an output projection (`lm_head.weight`:
+    an untied model's, or a tied one's copy of the embedding): at the top (`model.`, and transformers' own multimodal
+    layout, `model.language_model.`), or beside the decoder in the layout published multimodal checkpoints use
+    (`language_model.model.` and `language_model.lm_head.`)."""
+    parent, _, last = text_prefix.rstrip(".").rpartition(".")
+    return ("lm_head.",) + ((f"{parent}.lm_head.",) if last == "model" and parent else ())
+
 _JSON_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None)}
 
 
