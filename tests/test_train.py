@@ -95,6 +95,29 @@ def test_wandb_is_used_only_when_asked_for(tiny_dir, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_a_failure_building_the_trainer_on_a_resume_is_not_blamed_on_the_step(tiny_dir, tmp_path):
+    """A resume whose trainer failed to start for a reason of its own (here W&B's client, which cannot write its
+    directory: a PermissionError) was "cannot restore this checkpoint step (PermissionError: ...); move it aside to
+    resume from the one before", of a sound step. The failure is said as what it is; the step and the run's record
+    are kept, and the same resume without W&B goes on from the step."""
+    site = tmp_path / "site" / "wandb"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("run = None\n\n\ndef init(dir=None, **kwargs):\n"
+                                      "    raise PermissionError(13, 'Permission denied', dir + '/wandb')\n")
+    ck = tmp_path / "ck"
+    proc = train(tiny_dir, ck, "train.max_steps=1", "data.eval_path=null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = (ck / "gemma_tpu_run.json").read_bytes()
+    proc = train(tiny_dir, ck, "train.max_steps=2", "data.eval_path=null", "train.wandb_project=coach",
+                 env={"PYTHONPATH": str(tmp_path / "site")})
+    assert_one_line_error(proc, f"error: Permission denied: {ck}/wandb")
+    assert "cannot restore" not in proc.stderr and "move it aside" not in proc.stderr
+    assert (ck / "gemma_tpu_run.json").read_bytes() == before
+    proc = train(tiny_dir, ck, "train.max_steps=2", "data.eval_path=null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ck / "summary.json").read_text())["resumed_from"] == 1
+
+
 def test_summary_counts_the_saves_and_evaluations_after_the_last_record(tiny_dir, tmp_path):
     """The last train record is written as the last step is saved: the run's final save and evaluation came after
     it, and summary.json (which summed the records) said save_s 0.0 and eval_s 0.0 for a run that saved its one

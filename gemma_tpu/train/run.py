@@ -261,7 +261,7 @@ def run(cfg: RunConfig) -> dict:
         import orbax.checkpoint as ocp
         from tunix.sft.peft_trainer import TrainingConfig
 
-        from gemma_tpu.train.tunix_adapter import profiler_options
+        from gemma_tpu.train.tunix_adapter import RestoreFailed, profiler_options
 
         locks, previous = [], None
         if primary:
@@ -329,11 +329,16 @@ def run(cfg: RunConfig) -> dict:
             steps = checkpoint.list_steps(ckpt_dir)
             if primary and steps and previous is not None:
                 write_text_atomic(ckpt_dir / METADATA_FILE, previous)
-            if isinstance(e, UserError) or not steps:
+            # only the restore's own failure is the step's: another (a metrics backend that did not start) was
+            # "cannot restore this checkpoint step ...; move it aside", of a sound step, naming no real cause
+            if not isinstance(e, RestoreFailed) or not steps:
                 raise
             kind = nnx.LoRAParam if cfg.lora.enabled else None
+            cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
+            if isinstance(cause, UserError):
+                raise cause from None
             raise restore_failure(ckpt_dir, steps[-1], model, kind,
-                                  json.loads(previous) if previous else {}, meta, e) from e
+                                  json.loads(previous) if previous else {}, meta, cause) from cause
         from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
         trainer.with_loss_fn(make_loss_fn(chunk, dropout_seed=cfg.train.seed))
