@@ -34,6 +34,14 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     if files:  # Orbax deleted it without a word as it saved that step: the user's file was lost
         raise UserError(f"{files[0]}: a file named like a checkpoint step, not a step directory; saving step "
                         f"{step_of(files[0].name)} would replace it: move it out of checkpoint.dir")
+    foreign = [(p, names) for p in entries if step_of(p.name) is not None and p.is_dir() and not p.is_symlink()
+               and not checkpoint.is_complete_step(p) and (names := checkpoint.foreign_entries(p))]
+    if foreign:  # Orbax took it for a step, and deleted it with what it held as max_to_keep dropped old steps
+        p, names = foreign[0]
+        raise UserError(f"{p}: a directory named like checkpoint step {step_of(p.name)} that is not one (it holds "
+                        f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}, which no save writes); Orbax "
+                        f"takes it for a step and deletes it with its files as checkpoint.max_to_keep drops old "
+                        f"steps: move it out of checkpoint.dir")
     if not (ckpt_dir / METADATA_FILE).is_file():
         if any(step_of(p.name) is not None for p in entries):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
