@@ -235,6 +235,26 @@ def test_a_resume_with_nothing_left_to_train_keeps_the_runs_record(tiny_dir, ref
     assert "trainable parameters" not in proc.stderr  # decided before the model loads (minutes for a large one)
 
 
+def test_a_rerun_of_a_finished_run_with_another_run_dir_has_nothing_to_do(tiny_dir, reference_run, tmp_path):
+    """A finished run rerun as it was but for train.run_dir loaded the model, evaluated its last step again and wrote
+    a summary.json of that alone into the new directory (final_train_loss null, no step times), said as "the run did
+    not finish", and recorded the new directory as the run's. The run's summary.json is where its record says: nothing
+    to do, naming it, and nothing is written."""
+    import shutil
+
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    shutil.copytree(reference_run, ckpt)
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    proc = train(tiny_dir, ckpt, "train.max_steps=8", "checkpoint.every_steps=2", f"train.run_dir={other}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"already at step 8 >= train.max_steps=8; nothing to do (a larger train.max_steps trains on); its "
+            f"summary.json is in {ckpt}, the run dir its gemma_tpu_run.json names, not in {other}") in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "trainable parameters" not in proc.stderr
+    assert not other.exists()
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
+
+
 def test_resume_after_the_tokenizer_changed_is_refused_naming_it(tiny_dir, reference_run, tmp_path):
     """The same weights with another tokenizer (two tokens' ids swapped) make other rows: refused, and the
     message names the tokenizer among what may have changed (it named only the data file and data settings)."""

@@ -214,13 +214,19 @@ def run(cfg: RunConfig) -> dict:
     # before train.max_steps ended too: its rerun restored the last step, trained nothing and replaced the run's
     # summary.json (its step time, tokens/s, MFU) with its own
     if done and (done[-1] >= cfg.train.max_steps or data_used_up(cfg, train_split)):
-        if done[-1] > cfg.train.max_steps or run_finished(run_dir, done[-1], jax.process_count() > 1):
+        summary_dir = None if done[-1] > cfg.train.max_steps else finished_run_dir(
+            ckpt_dir, run_dir, done[-1], jax.process_count() > 1)
+        if done[-1] > cfg.train.max_steps or summary_dir is not None:
+            # a rerun with another train.run_dir loaded the model, evaluated the step again and wrote a summary.json
+            # of that alone there (no train loss, no step times), "finishing" a run that had finished
+            where = ("" if summary_dir is None or summary_dir.absolute() == run_dir.absolute() else
+                     f"; its summary.json is in {summary_dir}, the run dir its {METADATA_FILE} names, not in {run_dir}")
             if done[-1] >= cfg.train.max_steps:
                 log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
-                         "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
+                         "train.max_steps trains on)%s", ckpt_dir, done[-1], cfg.train.max_steps, where)
             else:
                 log.info("checkpoint %s is at step %d, where its training data ends (data.num_epochs=%d); nothing to "
-                         "do (a larger data.num_epochs trains on)", ckpt_dir, done[-1], cfg.data.num_epochs)
+                         "do (a larger data.num_epochs trains on)%s", ckpt_dir, done[-1], cfg.data.num_epochs, where)
             if primary:  # a dead trainer's lock stayed until the next run that trained: this one trains nothing
                 for d, key in locked_dirs(cfg):
                     run_lock.clear_stale(d, key)
@@ -375,6 +381,22 @@ def run_finished(run_dir: Path, step: int, several_processes: bool = False) -> b
 
         finished = bool(multihost_utils.broadcast_one_to_all(np.int32(finished)))
     return finished
+
+
+def finished_run_dir(ckpt_dir: Path, run_dir: Path, step: int, several_processes: bool = False) -> Path | None:
+    """Where the run that ended at `step` wrote its summary.json (`run_finished`), or None: this run's `run_dir`, or
+    the run dir recorded in the checkpoint's gemma_tpu_run.json (its train.run_dir, else the checkpoint directory),
+    for a rerun given another train.run_dir."""
+    if run_finished(run_dir, step, several_processes):
+        return run_dir
+    try:
+        recorded = checkpoint.read_metadata(ckpt_dir).get("config", {}).get("train", {}).get("run_dir")
+    except (UserError, AttributeError):
+        recorded = None
+    other = Path(recorded) if isinstance(recorded, str) and recorded else ckpt_dir
+    if other.absolute() == run_dir.absolute():
+        return None
+    return other if run_finished(other, step, several_processes) else None
 
 
 def check_run_intact(ckpt_dir: Path, locks: list, step: int) -> None:
