@@ -167,7 +167,25 @@ def check_data_position(cfg: RunConfig, train_split: Any) -> None:
     if saved is not None:
         data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
                                                        cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]),
-                          position(saved[2], str(saved[0])))
+                          position(saved[2], str(saved[0])), data_settings_changed(cfg))
+
+
+# data.* keys that do not shape the training rows, or that the stored layout itself compares
+NOT_ROW_SHAPING = ("eval_path", "eval_max_batches", "num_epochs", "shuffle")
+
+
+def data_settings_changed(cfg: RunConfig) -> list[str]:
+    """'data.seq_len 192 -> 256': the data settings of this run that differ from those recorded in the checkpoint's
+    gemma_tpu_run.json (none where it records none, or cannot be read)."""
+    try:
+        old = read_metadata(cfg.checkpoint.dir).get("config", {}).get("data")
+    except (UserError, AttributeError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    now = cfg.to_dict()["data"]
+    return [f"data.{k} {old[k]} -> {v}" for k, v in now.items()
+            if k not in NOT_ROW_SHAPING and k in old and old[k] != v]
 
 
 def data_used_up(cfg: RunConfig, train_split: Any) -> bool:
