@@ -95,6 +95,16 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
                             f"{base_dir} (model.path); write the run elsewhere")
         if (p / "config.json").is_file() and not (p / METADATA_FILE).is_file():
             raise UserError(f"{key}={d} holds a model (config.json), not a training run; write the run elsewhere")
+    # a run dir in checkpoint.dir named like a step (runs/x/2) was taken for an incomplete step at the start and set
+    # aside with the run's lock in it, and the run failed at its first save ("lost its run lock while training")
+    ckpt, run_dir = Path(cfg.checkpoint.dir).resolve(), Path(cfg.train.run_dir).resolve() if cfg.train.run_dir else None
+    if run_dir is not None and ckpt in run_dir.parents:
+        top = run_dir.relative_to(ckpt).parts[0]
+        if top.isascii() and top.isdigit():  # `04` too: refused as a misnamed step by the next resume
+            raise UserError(f"train.run_dir={cfg.train.run_dir} is {'' if run_dir.parent == ckpt else 'inside '}a "
+                            f"directory of checkpoint.dir={cfg.checkpoint.dir} named like checkpoint step {int(top)}, "
+                            f"which Orbax takes for a step (set aside, deleted as old steps are dropped); write the "
+                            f"run elsewhere")
 
 
 # what a run writes under its run dir by these names: True a directory, False a file
