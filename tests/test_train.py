@@ -1,6 +1,7 @@
 """Training end to end on the tiny model: determinism, metrics, bad input (kills: test_sigterm, test_kill_harness)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,42 @@ def test_a_failure_building_the_trainer_on_a_resume_is_not_blamed_on_the_step(ti
     proc = train(tiny_dir, ck, "train.max_steps=2", "data.eval_path=null")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((ck / "summary.json").read_text())["resumed_from"] == 1
+
+
+def test_a_stop_while_the_trainer_is_built_keeps_the_record_of_the_run_that_wrote_the_steps(tiny_dir, reference_run,
+                                                                                            tmp_path):
+    """SIGTERM while a resume built its trainer (it restores the step there: minutes for a full fine-tune's optimizer
+    state), before the preemption handler took over: exit 143, and gemma_tpu_run.json was left describing the stopped
+    session (its train.max_steps, learning rate, ...), which trained nothing, beside the steps another session wrote;
+    the next resume compared its schedule against that one. The record is put back, as after a failed restore."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    site = tmp_path / "site" / "wandb"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("import sys, time\nrun = None\n\n\ndef init(**kwargs):\n"
+                                      "    print('wandb starting', file=sys.stderr, flush=True)\n    time.sleep(120)\n")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_run, ckpt)
+    before = (ckpt / "gemma_tpu_run.json").read_bytes()
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", "--config", "configs/tiny.yaml",
+                             f"model.path={tiny_dir}", f"checkpoint.dir={ckpt}", "train.max_steps=10",
+                             "checkpoint.every_steps=2", "train.learning_rate=0.02", "train.wandb_project=coach"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if line.startswith("wandb starting"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    err += proc.stderr.readlines()
+    assert proc.wait(timeout=300) == 143, "".join(err)[-3000:]
+    assert (ckpt / "gemma_tpu_run.json").read_bytes() == before
 
 
 def test_summary_counts_the_saves_and_evaluations_after_the_last_record(tiny_dir, tmp_path):

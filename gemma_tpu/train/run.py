@@ -341,7 +341,8 @@ def run(cfg: RunConfig) -> dict:
                 mesh=mesh, log_every_steps=cfg.train.log_every_steps,
                 before_save=functools.partial(check_run_intact, ckpt_dir, locks), eval_data=eval_data,
             )
-        except Exception as e:
+        except BaseException as e:  # a stop too (SIGTERM, Ctrl-C: the preemption handler is not installed yet): the
+            # record of the session that trained nothing was left beside the steps another one wrote
             steps = checkpoint.list_steps(ckpt_dir)
             if primary and steps and previous is not None:
                 write_text_atomic(ckpt_dir / METADATA_FILE, previous)
