@@ -356,6 +356,32 @@ def test_a_refused_resume_says_how_to_resume(what, was, hint):
     assert resume_hint(what, was) == hint
 
 
+def test_a_refused_resume_gives_both_values_as_an_override_spells_them(tmp_path):
+    """'checkpoint was trained with lora.enabled=True, this run has False; resume it with lora.enabled=true' gave
+    Python's spelling beside the override's, and lora.targets as a Python list with quotes."""
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    def meta(enabled: bool, targets: list[str]) -> dict:
+        return {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+                "lora": {"enabled": enabled, "rank": 4, "alpha": 8.0, "targets": targets},
+                "config": {"train": {"max_steps": 2}}}
+
+    write_metadata(tmp_path, meta(True, ["q_proj", "v_proj"]))
+    (tmp_path / "2" / "model_params").mkdir(parents=True)
+    for marker in COMMIT_MARKERS:
+        (tmp_path / "2" / marker).write_text("{}")
+    with pytest.raises(UserError) as e:
+        check_resume_compatible(tmp_path, meta(False, ["q_proj", "v_proj"]))
+    assert "checkpoint was trained with lora.enabled=true, this run has false; resume it with lora.enabled=true, " \
+           "or use another checkpoint.dir" in str(e.value)
+    with pytest.raises(UserError) as e:
+        check_resume_compatible(tmp_path, meta(True, ["q_proj"]))
+    assert "checkpoint was trained with lora.targets=[q_proj,v_proj], this run has [q_proj]; resume it with " \
+           "lora.targets=[q_proj,v_proj], or " in str(e.value)
+
+
 def test_a_file_named_like_a_step_is_refused_naming_it(tmp_path):
     """A plain file named like a step (`checkpoints/4`: notes, a copy's leftover) was deleted without a word by
     Orbax when the run saved step 4 (the user's file lost). It is refused before anything loads, naming the file,

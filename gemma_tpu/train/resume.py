@@ -103,9 +103,9 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         pairs += [(key, old_train.get(key.split(".")[1]), new_train.get(key.split(".")[1]))
                   for key in was_layout if was_layout[key] != now_layout[key]]
     for what, was, now in pairs:
-        if was != now:
-            raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
-                            f"{resume_hint(what, was)}use another checkpoint.dir")
+        if was != now:  # the values as an override gives them: "lora.enabled=True, this run has False" was Python's
+            raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={as_override(was)}, this run has "
+                            f"{as_override(now)}; {resume_hint(what, was)}use another checkpoint.dir")
     warning = steps and steps[-1] < new_train["max_steps"] and learning_rate_warning(old_train, new_train, steps[-1])
     if warning:
         log.warning("%s: %s", ckpt_dir, warning)
@@ -123,13 +123,16 @@ def resume_hint(what: str, was: Any) -> str:
     if what == "family":  # the base's own, not a setting
         return f"resume it with a {was} base (model.path), or "
     key = "model.path" if what == "base model" else what
-    if isinstance(was, bool) or was is None:
-        value = {True: "true", False: "false", None: "null"}[was]
-    elif isinstance(was, list):
-        value = "[" + ",".join(map(str, was)) + "]"
-    else:
-        value = str(was)
-    return f"resume it with {key}={value}, or "
+    return f"resume it with {key}={as_override(was)}, or "
+
+
+def as_override(value: Any) -> str:
+    """`value` as a `key=value` override spells it: true, false, null, [a,b]."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
 
 
 SCHEDULE_KEYS = ("learning_rate", "schedule", "warmup_steps", "min_lr_ratio", "max_steps")
