@@ -356,6 +356,32 @@ def test_a_refused_resume_says_how_to_resume(what, was, hint):
     assert resume_hint(what, was) == hint
 
 
+def test_a_refused_resume_gives_both_values_as_an_override_spells_them(tmp_path):
+    """'checkpoint was trained with lora.enabled=True, this run has False; resume it with lora.enabled=true' gave
+    Python's spelling beside the override's, and lora.targets as a Python list with quotes."""
+    from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, write_metadata
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    def meta(enabled: bool, targets: list[str]) -> dict:
+        return {"base_model": {"local_dir": "/models/base", "family": "gemma3"}, "dtype": "float32",
+                "lora": {"enabled": enabled, "rank": 4, "alpha": 8.0, "targets": targets},
+                "config": {"train": {"max_steps": 2}}}
+
+    write_metadata(tmp_path, meta(True, ["q_proj", "v_proj"]))
+    (tmp_path / "2" / "model_params").mkdir(parents=True)
+    for marker in COMMIT_MARKERS:
+        (tmp_path / "2" / marker).write_text("{}")
+    with pytest.raises(UserError) as e:
+        check_resume_compatible(tmp_path, meta(False, ["q_proj", "v_proj"]))
+    assert "checkpoint was trained with lora.enabled=true, this run has false; resume it with lora.enabled=true, " \
+           "or use another checkpoint.dir" in str(e.value)
+    with pytest.raises(UserError) as e:
+        check_resume_compatible(tmp_path, meta(True, ["q_proj"]))
+    assert "checkpoint was trained with lora.targets=[q_proj,v_proj], this run has [q_proj]; resume it with " \
+           "lora.targets=[q_proj,v_proj], or " in str(e.value)
+
+
 def test_a_file_named_like_a_step_is_refused_naming_it(tmp_path):
     """A plain file named like a step (`checkpoints/4`: notes, a copy's leftover) was deleted without a word by
     Orbax when the run saved step 4 (the user's file lost). It is refused before anything loads, naming the file,
@@ -380,6 +406,32 @@ def test_a_file_named_like_a_step_is_refused_naming_it(tmp_path):
                                             rf" saving step 4 would replace it: move it out of checkpoint.dir"):
             check_resume_compatible(d, meta)
         assert (d / "4").read_text() == "my notes\n"
+
+
+def test_a_directory_of_ones_own_named_like_an_old_step_is_refused_naming_it(tiny_dir, reference, tmp_path):
+    """A directory the user made in checkpoint.dir named like a step older than the last (`2/notes.txt`) was taken by
+    Orbax for step 2 and deleted with the user's files as checkpoint.max_to_keep dropped old steps, without a word
+    of ours. It is refused before anything is written, naming it and what it holds; what a save or a clean-up cut
+    short leaves of a step (Orbax's names alone) is not refused."""
+    from gemma_tpu.train.resume import check_resume_compatible
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference["ckpt"], ckpt)
+    (ckpt / "2" / "model_params").mkdir(parents=True)  # a clean-up of step 2 killed midway: Orbax's names
+    meta = json.loads((ckpt / "gemma_tpu_run.json").read_text())
+    check_resume_compatible(ckpt, meta)
+    (ckpt / "2" / "notes.txt").write_text("mine\n")
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    log = tmp_path / "resume.log"
+    with log.open("w") as err:
+        proc = subprocess.run(kill_harness.command(tiny_dir, ckpt, MAX_STEPS + 2), cwd=REPO,
+                              env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err, timeout=600)
+    lines = [l for l in log.read_text().splitlines() if l.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in log.read_text(), tail(log)
+    assert lines[0] == (f"error: {ckpt / '2'}: a directory named like checkpoint step 2 that is not one (it holds "
+                        f"notes.txt, which no save writes); Orbax takes it for a step and deletes it with its files as "
+                        f"checkpoint.max_to_keep drops old steps: move it out of checkpoint.dir")
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
 
 
 def test_step_names_orbax_does_not_read_are_not_taken_for_steps(tmp_path):

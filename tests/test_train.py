@@ -1,6 +1,7 @@
 """Training end to end on the tiny model: determinism, metrics, bad input (kills: test_sigterm, test_kill_harness)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,65 @@ def test_wandb_is_used_only_when_asked_for(tiny_dir, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_a_failure_building_the_trainer_on_a_resume_is_not_blamed_on_the_step(tiny_dir, tmp_path):
+    """A resume whose trainer failed to start for a reason of its own (here W&B's client, which cannot write its
+    directory: a PermissionError) was "cannot restore this checkpoint step (PermissionError: ...); move it aside to
+    resume from the one before", of a sound step. The failure is said as what it is; the step and the run's record
+    are kept, and the same resume without W&B goes on from the step."""
+    site = tmp_path / "site" / "wandb"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("run = None\n\n\ndef init(dir=None, **kwargs):\n"
+                                      "    raise PermissionError(13, 'Permission denied', dir + '/wandb')\n")
+    ck = tmp_path / "ck"
+    proc = train(tiny_dir, ck, "train.max_steps=1", "data.eval_path=null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = (ck / "gemma_tpu_run.json").read_bytes()
+    proc = train(tiny_dir, ck, "train.max_steps=2", "data.eval_path=null", "train.wandb_project=coach",
+                 env={"PYTHONPATH": str(tmp_path / "site")})
+    assert_one_line_error(proc, f"error: Permission denied: {ck}/wandb")
+    assert "cannot restore" not in proc.stderr and "move it aside" not in proc.stderr
+    assert (ck / "gemma_tpu_run.json").read_bytes() == before
+    proc = train(tiny_dir, ck, "train.max_steps=2", "data.eval_path=null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ck / "summary.json").read_text())["resumed_from"] == 1
+
+
+def test_a_stop_while_the_trainer_is_built_keeps_the_record_of_the_run_that_wrote_the_steps(tiny_dir, reference_run,
+                                                                                            tmp_path):
+    """SIGTERM while a resume built its trainer (it restores the step there: minutes for a full fine-tune's optimizer
+    state), before the preemption handler took over: exit 143, and gemma_tpu_run.json was left describing the stopped
+    session (its train.max_steps, learning rate, ...), which trained nothing, beside the steps another session wrote;
+    the next resume compared its schedule against that one. The record is put back, as after a failed restore."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    site = tmp_path / "site" / "wandb"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("import sys, time\nrun = None\n\n\ndef init(**kwargs):\n"
+                                      "    print('wandb starting', file=sys.stderr, flush=True)\n    time.sleep(120)\n")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_run, ckpt)
+    before = (ckpt / "gemma_tpu_run.json").read_bytes()
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_tpu.train", "--config", "configs/tiny.yaml",
+                             f"model.path={tiny_dir}", f"checkpoint.dir={ckpt}", "train.max_steps=10",
+                             "checkpoint.every_steps=2", "train.learning_rate=0.02", "train.wandb_project=coach"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if line.startswith("wandb starting"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    err += proc.stderr.readlines()
+    assert proc.wait(timeout=300) == 143, "".join(err)[-3000:]
+    assert (ckpt / "gemma_tpu_run.json").read_bytes() == before
+
+
 def test_summary_counts_the_saves_and_evaluations_after_the_last_record(tiny_dir, tmp_path):
     """The last train record is written as the last step is saved: the run's final save and evaluation came after
     it, and summary.json (which summed the records) said save_s 0.0 and eval_s 0.0 for a run that saved its one
@@ -182,6 +242,8 @@ def test_lora_dropout_trains_and_resumes_to_the_same_params(tiny_dir, reference_
 @pytest.mark.parametrize("change, named", [
     (["data.strategy=pack"], "the rows' contents"),
     (["train.seed=1"], "train.seed 0 -> 1"),
+    # the rows' number changed and nothing said why: the setting that did is named
+    (["data.seq_len=256"], "rows 56 -> 53; the rows' contents: data.seq_len 192 -> 256)"),
 ])
 def test_resume_with_other_training_rows_is_refused(tiny_dir, reference_run, tmp_path, change, named):
     """The stored data position counts batches of the saved rows; with other rows or another batch or
@@ -210,6 +272,26 @@ def test_a_resume_with_nothing_left_to_train_keeps_the_runs_record(tiny_dir, ref
     assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
     assert "already at step 8 >= train.max_steps=4; nothing to do" in proc.stderr
     assert "trainable parameters" not in proc.stderr  # decided before the model loads (minutes for a large one)
+
+
+def test_a_rerun_of_a_finished_run_with_another_run_dir_has_nothing_to_do(tiny_dir, reference_run, tmp_path):
+    """A finished run rerun as it was but for train.run_dir loaded the model, evaluated its last step again and wrote
+    a summary.json of that alone into the new directory (final_train_loss null, no step times), said as "the run did
+    not finish", and recorded the new directory as the run's. The run's summary.json is where its record says: nothing
+    to do, naming it, and nothing is written."""
+    import shutil
+
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    shutil.copytree(reference_run, ckpt)
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    proc = train(tiny_dir, ckpt, "train.max_steps=8", "checkpoint.every_steps=2", f"train.run_dir={other}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"already at step 8 >= train.max_steps=8; nothing to do (a larger train.max_steps trains on); its "
+            f"summary.json is in {ckpt}, the run dir its gemma_tpu_run.json names, not in {other}") in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "trainable parameters" not in proc.stderr
+    assert not other.exists()
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
 
 
 def test_resume_after_the_tokenizer_changed_is_refused_naming_it(tiny_dir, reference_run, tmp_path):

@@ -136,6 +136,22 @@ def check_metadata(path: Path, meta: dict[str, Any]) -> None:
 COMMIT_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
+# the items Tunix's CheckpointManager saves into a step directory, beside Orbax's markers
+STEP_ITEMS = ("model_params", "optimizer_state")
+
+
+def foreign_entries(step_dir: Path) -> list[str]:
+    """The names at the top of `step_dir` (a directory named like a step) that no save writes there: the commit
+    markers, the items and Orbax's temporary names are a step's, or what a save or a clean-up cut short left of
+    one; anything else (`notes.txt`, `data/`) is someone's own, which Orbax deletes with the directory as it
+    drops old steps (checkpoint.max_to_keep)."""
+    try:
+        names = sorted(p.name for p in step_dir.iterdir())
+    except OSError:
+        return []
+    return [n for n in names if n not in COMMIT_MARKERS and n not in STEP_ITEMS and ORBAX_TMP not in n]
+
+
 def step_of(name: str) -> int | None:
     """The step of an entry of `checkpoint.dir` named `name`, as Orbax names step directories (`4`), else None: Orbax
     reads neither `04` (taken here for step 4, whose files were then looked for in `4`) nor `²` (str.isdigit's, a

@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -424,17 +424,19 @@ def position(state: Any, where: str = "checkpoint") -> int | None:
 
 
 def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: str,
-                 read: int | None = None) -> None:
+                 read: int | None = None, settings: Sequence[str] = ()) -> None:
     """A position saved with `saved` (`read`: the global batches it had read, `position`) names other rows than
     `current` would: refused, naming what changed (checkpoints from before layouts were stored have none and are
     not checked). `data.num_epochs` may change: the stream's first batches are the same whatever the number of
-    epochs (a run that used up its one epoch was refused another), unless the position is past the new end."""
+    epochs (a run that used up its one epoch was refused another), unless the position is past the new end.
+    `settings`: the data settings known to differ from the saving run's ("data.seq_len 192 -> 256"), named as what
+    may have changed the rows' contents."""
     if saved is not None and not isinstance(saved, dict):  # an AttributeError traceback in _check_same_rows
         raise UserError(f"{where}: its data layout {shown(saved)} is not one the trainer writes (a mapping; the "
                         f"step's _CHECKPOINT_METADATA was edited or damaged); move the step aside to resume from the "
                         f"one before")
     if saved is not None and saved != current:
-        _check_same_rows(saved, current, where)
+        _check_same_rows(saved, current, where, settings)
     epochs = current.get("data.num_epochs")
     if read is not None and epochs is not None and read > current["rows"] * epochs // current["train.batch_size"]:
         raise UserError(f"{where}: its data position is past the end of data.num_epochs={epochs} (batch {read} of "
@@ -442,7 +444,8 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any], where: s
                         f"data.num_epochs=null")
 
 
-def _check_same_rows(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+def _check_same_rows(saved: dict[str, Any], current: dict[str, Any], where: str,
+                     settings: Sequence[str] = ()) -> None:
     ignored = {"rows_digest", "data.num_epochs"}
     if saved.get("data.shuffle") is False and current.get("data.shuffle") is False:
         ignored.add("train.seed")  # unshuffled, the seed orders nothing (the rows it packs together are in the digest)
@@ -453,8 +456,9 @@ def _check_same_rows(saved: dict[str, Any], current: dict[str, Any], where: str)
         if "train.seed" in ignored and saved.get("train.seed") != current.get("train.seed"):
             changed.append(f"train.seed {saved.get('train.seed')} -> {current.get('train.seed')}, which orders nothing "
                            f"unshuffled but chooses which examples share a row")
-        changed.append("the rows' contents" if changed else
-                       "the rows' contents: the data file, the tokenizer or a data setting that shapes rows")
+        # a changed data.seq_len came out as "rows 56 -> 53; the rows' contents", naming no key
+        changed.append(f"the rows' contents: {', '.join(settings)}" if settings else "the rows' contents" if changed
+                       else "the rows' contents: the data file, the tokenizer or a data setting that shapes rows")
     raise UserError(f"{where}: its data position is for other training rows ({'; '.join(changed)}); resume with "
                     f"the data and settings it was saved with, or use another checkpoint.dir")
 

@@ -34,6 +34,14 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     if files:  # Orbax deleted it without a word as it saved that step: the user's file was lost
         raise UserError(f"{files[0]}: a file named like a checkpoint step, not a step directory; saving step "
                         f"{step_of(files[0].name)} would replace it: move it out of checkpoint.dir")
+    foreign = [(p, names) for p in entries if step_of(p.name) is not None and p.is_dir() and not p.is_symlink()
+               and not checkpoint.is_complete_step(p) and (names := checkpoint.foreign_entries(p))]
+    if foreign:  # Orbax took it for a step, and deleted it with what it held as max_to_keep dropped old steps
+        p, names = foreign[0]
+        raise UserError(f"{p}: a directory named like checkpoint step {step_of(p.name)} that is not one (it holds "
+                        f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}, which no save writes); Orbax "
+                        f"takes it for a step and deletes it with its files as checkpoint.max_to_keep drops old "
+                        f"steps: move it out of checkpoint.dir")
     if not (ckpt_dir / METADATA_FILE).is_file():
         if any(step_of(p.name) is not None for p in entries):
             raise UserError(f"{ckpt_dir}: has checkpoint steps but no {METADATA_FILE}; refusing to mix runs")
@@ -95,9 +103,9 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
         pairs += [(key, old_train.get(key.split(".")[1]), new_train.get(key.split(".")[1]))
                   for key in was_layout if was_layout[key] != now_layout[key]]
     for what, was, now in pairs:
-        if was != now:
-            raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={was}, this run has {now}; "
-                            f"{resume_hint(what, was)}use another checkpoint.dir")
+        if was != now:  # the values as an override gives them: "lora.enabled=True, this run has False" was Python's
+            raise UserError(f"{ckpt_dir}: checkpoint was trained with {what}={as_override(was)}, this run has "
+                            f"{as_override(now)}; {resume_hint(what, was)}use another checkpoint.dir")
     warning = steps and steps[-1] < new_train["max_steps"] and learning_rate_warning(old_train, new_train, steps[-1])
     if warning:
         log.warning("%s: %s", ckpt_dir, warning)
@@ -115,13 +123,16 @@ def resume_hint(what: str, was: Any) -> str:
     if what == "family":  # the base's own, not a setting
         return f"resume it with a {was} base (model.path), or "
     key = "model.path" if what == "base model" else what
-    if isinstance(was, bool) or was is None:
-        value = {True: "true", False: "false", None: "null"}[was]
-    elif isinstance(was, list):
-        value = "[" + ",".join(map(str, was)) + "]"
-    else:
-        value = str(was)
-    return f"resume it with {key}={value}, or "
+    return f"resume it with {key}={as_override(was)}, or "
+
+
+def as_override(value: Any) -> str:
+    """`value` as a `key=value` override spells it: true, false, null, [a,b]."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
 
 
 SCHEDULE_KEYS = ("learning_rate", "schedule", "warmup_steps", "min_lr_ratio", "max_steps")
@@ -159,7 +170,25 @@ def check_data_position(cfg: RunConfig, train_split: Any) -> None:
     if saved is not None:
         data.check_layout(saved[1], data.stream_layout(train_split, cfg.train.batch_size, cfg.train.seed,
                                                        cfg.data.shuffle, cfg.data.num_epochs), str(saved[0]),
-                          position(saved[2], str(saved[0])))
+                          position(saved[2], str(saved[0])), data_settings_changed(cfg))
+
+
+# data.* keys that do not shape the training rows, or that the stored layout itself compares
+NOT_ROW_SHAPING = ("eval_path", "eval_max_batches", "num_epochs", "shuffle")
+
+
+def data_settings_changed(cfg: RunConfig) -> list[str]:
+    """'data.seq_len 192 -> 256': the data settings of this run that differ from those recorded in the checkpoint's
+    gemma_tpu_run.json (none where it records none, or cannot be read)."""
+    try:
+        old = read_metadata(cfg.checkpoint.dir).get("config", {}).get("data")
+    except (UserError, AttributeError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    now = cfg.to_dict()["data"]
+    return [f"data.{k} {old[k]} -> {v}" for k, v in now.items()
+            if k not in NOT_ROW_SHAPING and k in old and old[k] != v]
 
 
 def data_used_up(cfg: RunConfig, train_split: Any) -> bool:

@@ -95,6 +95,16 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
                             f"{base_dir} (model.path); write the run elsewhere")
         if (p / "config.json").is_file() and not (p / METADATA_FILE).is_file():
             raise UserError(f"{key}={d} holds a model (config.json), not a training run; write the run elsewhere")
+    # a run dir in checkpoint.dir named like a step (runs/x/2) was taken for an incomplete step at the start and set
+    # aside with the run's lock in it, and the run failed at its first save ("lost its run lock while training")
+    ckpt, run_dir = Path(cfg.checkpoint.dir).resolve(), Path(cfg.train.run_dir).resolve() if cfg.train.run_dir else None
+    if run_dir is not None and ckpt in run_dir.parents:
+        top = run_dir.relative_to(ckpt).parts[0]
+        if top.isascii() and top.isdigit():  # `04` too: refused as a misnamed step by the next resume
+            raise UserError(f"train.run_dir={cfg.train.run_dir} is {'' if run_dir.parent == ckpt else 'inside '}a "
+                            f"directory of checkpoint.dir={cfg.checkpoint.dir} named like checkpoint step {int(top)}, "
+                            f"which Orbax takes for a step (set aside, deleted as old steps are dropped); write the "
+                            f"run elsewhere")
 
 
 # what a run writes under its run dir by these names: True a directory, False a file
@@ -214,13 +224,19 @@ def run(cfg: RunConfig) -> dict:
     # before train.max_steps ended too: its rerun restored the last step, trained nothing and replaced the run's
     # summary.json (its step time, tokens/s, MFU) with its own
     if done and (done[-1] >= cfg.train.max_steps or data_used_up(cfg, train_split)):
-        if done[-1] > cfg.train.max_steps or run_finished(run_dir, done[-1], jax.process_count() > 1):
+        summary_dir = None if done[-1] > cfg.train.max_steps else finished_run_dir(
+            ckpt_dir, run_dir, done[-1], jax.process_count() > 1)
+        if done[-1] > cfg.train.max_steps or summary_dir is not None:
+            # a rerun with another train.run_dir loaded the model, evaluated the step again and wrote a summary.json
+            # of that alone there (no train loss, no step times), "finishing" a run that had finished
+            where = ("" if summary_dir is None or summary_dir.absolute() == run_dir.absolute() else
+                     f"; its summary.json is in {summary_dir}, the run dir its {METADATA_FILE} names, not in {run_dir}")
             if done[-1] >= cfg.train.max_steps:
                 log.info("checkpoint %s is already at step %d >= train.max_steps=%d; nothing to do (a larger "
-                         "train.max_steps trains on)", ckpt_dir, done[-1], cfg.train.max_steps)
+                         "train.max_steps trains on)%s", ckpt_dir, done[-1], cfg.train.max_steps, where)
             else:
                 log.info("checkpoint %s is at step %d, where its training data ends (data.num_epochs=%d); nothing to "
-                         "do (a larger data.num_epochs trains on)", ckpt_dir, done[-1], cfg.data.num_epochs)
+                         "do (a larger data.num_epochs trains on)%s", ckpt_dir, done[-1], cfg.data.num_epochs, where)
             if primary:  # a dead trainer's lock stayed until the next run that trained: this one trains nothing
                 for d, key in locked_dirs(cfg):
                     run_lock.clear_stale(d, key)
@@ -261,7 +277,7 @@ def run(cfg: RunConfig) -> dict:
         import orbax.checkpoint as ocp
         from tunix.sft.peft_trainer import TrainingConfig
 
-        from gemma_tpu.train.tunix_adapter import profiler_options
+        from gemma_tpu.train.tunix_adapter import RestoreFailed, profiler_options
 
         locks, previous = [], None
         if primary:
@@ -325,15 +341,21 @@ def run(cfg: RunConfig) -> dict:
                 mesh=mesh, log_every_steps=cfg.train.log_every_steps,
                 before_save=functools.partial(check_run_intact, ckpt_dir, locks), eval_data=eval_data,
             )
-        except Exception as e:
+        except BaseException as e:  # a stop too (SIGTERM, Ctrl-C: the preemption handler is not installed yet): the
+            # record of the session that trained nothing was left beside the steps another one wrote
             steps = checkpoint.list_steps(ckpt_dir)
             if primary and steps and previous is not None:
                 write_text_atomic(ckpt_dir / METADATA_FILE, previous)
-            if isinstance(e, UserError) or not steps:
+            # only the restore's own failure is the step's: another (a metrics backend that did not start) was
+            # "cannot restore this checkpoint step ...; move it aside", of a sound step, naming no real cause
+            if not isinstance(e, RestoreFailed) or not steps:
                 raise
             kind = nnx.LoRAParam if cfg.lora.enabled else None
+            cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
+            if isinstance(cause, UserError):
+                raise cause from None
             raise restore_failure(ckpt_dir, steps[-1], model, kind,
-                                  json.loads(previous) if previous else {}, meta, e) from e
+                                  json.loads(previous) if previous else {}, meta, cause) from cause
         from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
         trainer.with_loss_fn(make_loss_fn(chunk, dropout_seed=cfg.train.seed))
@@ -370,6 +392,22 @@ def run_finished(run_dir: Path, step: int, several_processes: bool = False) -> b
 
         finished = bool(multihost_utils.broadcast_one_to_all(np.int32(finished)))
     return finished
+
+
+def finished_run_dir(ckpt_dir: Path, run_dir: Path, step: int, several_processes: bool = False) -> Path | None:
+    """Where the run that ended at `step` wrote its summary.json (`run_finished`), or None: this run's `run_dir`, or
+    the run dir recorded in the checkpoint's gemma_tpu_run.json (its train.run_dir, else the checkpoint directory),
+    for a rerun given another train.run_dir."""
+    if run_finished(run_dir, step, several_processes):
+        return run_dir
+    try:
+        recorded = checkpoint.read_metadata(ckpt_dir).get("config", {}).get("train", {}).get("run_dir")
+    except (UserError, AttributeError):
+        recorded = None
+    other = Path(recorded) if isinstance(recorded, str) and recorded else ckpt_dir
+    if other.absolute() == run_dir.absolute():
+        return None
+    return other if run_finished(other, step, several_processes) else None
 
 
 def check_run_intact(ckpt_dir: Path, locks: list, step: int) -> None:

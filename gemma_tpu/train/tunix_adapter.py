@@ -28,6 +28,9 @@ Tunix 0.1.7 offers no public way to do the following, so each is wrapped once, b
   records of it;
 * the names JAX compiles the train and eval steps under (the methods `_train_step`, `_eval_step`),
   which the compile counter watches for in JAX's compile log;
+* tell a failure of the restore apart from the other failures of PeftTrainer's `__init__` (`RestoreFailed`): it
+  restores the latest step through the CheckpointManager it has just assigned, between building the metrics
+  backends and the profiler, and only the restore's failure is the step's;
 * reach the Orbax manager inside Tunix's CheckpointManager (`_checkpoint_manager`): its public
   surface (`save`, `latest_step`, `maybe_restore`, `close`) cannot wait for an async save to finish
   or ask whether a step is due, which the finite-state guard (`finite_guard`) needs;
@@ -65,10 +68,44 @@ def profiler_options(log_dir: str, skip_steps: int, steps: int, grad_accum_steps
                                     python_tracer_level=0)
 
 
+class RestoreFailed(Exception):
+    """Restoring the latest checkpoint step into the model and optimizer failed; `__cause__` says why. Raised
+    from the trainer's construction (Tunix restores there) only for the restore itself: the other failures of
+    building the trainer (a metrics backend that does not start, ...) are not the step's and are raised as
+    they are."""
+
+
+class _RestoreMarked:
+    """Tunix's CheckpointManager, whose `maybe_restore` raises `RestoreFailed` from the error."""
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+    def maybe_restore(self, *args, **kwargs):
+        try:
+            return self._manager.maybe_restore(*args, **kwargs)
+        except Exception as e:
+            raise RestoreFailed(f"restoring the latest checkpoint step failed: {e}") from e
+
+
 class TunixTrainer(peft_trainer.PeftTrainer):
     """PeftTrainer with public names for the private members a production trainer needs."""
 
     progress_bar_metrics: list[str] | None = None  # None: Tunix's default set
+
+    @property
+    def checkpoint_manager(self):
+        return self._gemma_checkpoint_manager
+
+    @checkpoint_manager.setter
+    def checkpoint_manager(self, manager):
+        """The first one assigned is Tunix's own, in `__init__`, which restores through it at once: marked
+        (`RestoreFailed`); a wrapper assigned later (the trainer's save guard) wraps it as it is."""
+        first = "_gemma_checkpoint_manager" not in self.__dict__
+        self._gemma_checkpoint_manager = _RestoreMarked(manager) if first and manager is not None else manager
 
     @property
     def restored_custom_metadata(self) -> dict[str, Any]:
