@@ -293,6 +293,23 @@ def test_dry_run_refuses_what_the_run_refuses(tiny_dir, options, overrides, need
     assert not proc.stdout.strip(), proc.stdout  # refused before any plan is printed
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["checkpoint.dir={base}/ck"], "checkpoint.dir={base}/ck is inside the base model's directory"),
+    (["train.run_dir={tmp}/ck/2/logs"], "train.run_dir={tmp}/ck/2/logs is inside a directory of checkpoint.dir="
+                                        "{tmp}/ck named like checkpoint step 2"),
+])
+def test_dry_run_refuses_the_run_directories_the_run_refuses(tiny_dir, tmp_path, overrides, needle):
+    """A checkpoint.dir inside the base model's directory, or a train.run_dir named like a step of checkpoint.dir:
+    the run refuses them before the data is read, and the dry run planned them as runs that fit (exit 0)."""
+    from tests.conftest import assert_one_line_error
+
+    fill = {"base": tiny_dir, "tmp": tmp_path}
+    proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--dry-run", "--no-compile",
+                   f"model.path={tiny_dir}", f"checkpoint.dir={tmp_path}/ck", *(o.format(**fill) for o in overrides))
+    assert_one_line_error(proc, needle.format(**fill))
+    assert not proc.stdout.strip() and not (tmp_path / "ck").exists() and not (tiny_dir / "ck").exists()
+
+
 @pytest.mark.parametrize("option", [["--devices", "8"], ["--assumed-mfu", "0.4"], ["--no-compile"]])
 def test_a_dry_run_option_without_dry_run_is_refused_not_a_training_run(tiny_dir, tmp_path, option):
     """`python -m gemma_tpu.train --config X --devices 8` (--dry-run forgotten) ignored the option and trained a
