@@ -27,6 +27,7 @@ from gemma_tpu.models.registry import (
     require_tied_embeddings,
     text_config,
     text_config_with_defaults,
+    top_level_rotary_share,
     tunix_remat,
     tower_tensor_shapes,
     tunix_safetensors_loader,
@@ -159,12 +160,10 @@ def _rope_key(t: dict, kind: str, name: str) -> str:
 
 
 def top_level_share(t: dict) -> bool:
-    """Whether a `partial_rotary_factor` at the top of config.json is laid over the rope_parameters entries when
-    transformers builds linear RoPE (and vLLM its config): standardize_rope_params does so only where every key of
-    rope_parameters (Gemma3TextConfig fills in both layer types' entries) is a layer type the model has."""
+    """`top_level_rotary_share` for Gemma 3, whose config fills in both layer types' rope_parameters entries."""
     params = t.get("rope_parameters")
     keys = {"full_attention", "sliding_attention", *(params if isinstance(params, dict) else ())}
-    return t.get("partial_rotary_factor") is not None and keys <= set(t["layer_types"])
+    return top_level_rotary_share(t, keys, t["layer_types"])
 
 
 def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:

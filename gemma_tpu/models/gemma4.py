@@ -50,6 +50,7 @@ from gemma_tpu.models.registry import (
     require_positive,
     require_tied_embeddings,
     text_config_with_defaults,
+    top_level_rotary_share,
     tunix_remat,
     tower_tensor_shapes,
     tunix_safetensors_loader,
@@ -198,14 +199,11 @@ ROPE_DEFAULTS = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_
 
 
 def _top_level_share(t: dict) -> bool:
-    """Whether a `partial_rotary_factor` at the top of config.json is laid over the rope_parameters entries when
-    transformers builds proportional or linear RoPE (and vLLM its config): standardize_rope_params does so only where
-    every key of rope_parameters (transformers' two defaults when config.json has none) is a layer type the model
-    has (the last layer is global always)."""
+    """`top_level_rotary_share` for Gemma 4: transformers' two default entries when config.json has none (the last
+    layer is global always)."""
     params = t.get("rope_parameters")
     keys = set(ROPE_DEFAULTS) if params is None else set(params) if isinstance(params, dict) else set()
-    types = {hf for hf, tunix in _HF_TYPES.items() if tunix in _layer_types(t)}
-    return t.get("partial_rotary_factor") is not None and keys <= types
+    return top_level_rotary_share(t, keys, {hf for hf, tunix in _HF_TYPES.items() if tunix in _layer_types(t)})
 
 
 def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:

@@ -512,6 +512,11 @@ def tied_embeddings(hf_config: dict) -> bool:
         check_types(t, {"tie_word_embeddings": "bool"}, "text_config.")  # transformers builds the text config too
     return bool(hf_config.get("tie_word_embeddings", True))
 
+def top_level_rotary_share(t: dict, rope_keys, layer_types) -> bool:
+    """Whether a `partial_rotary_factor` at the top of config.json (`t`) is laid over the rope_parameters entries
+    (`rope_keys`: their keys as transformers fills them in) when transformers builds proportional or linear RoPE (and
+    vLLM its config): standardize_rope_params does so only where every such key is one of the model's `layer_types`."""
+    return t.get("partial_rotary_factor") is not None and set(rope_keys) <= set(layer_types)
 
 
 def output_projection_prefixes(text_prefix: str) -> tuple[str, ...]:
@@ -521,6 +526,7 @@ def output_projection_prefixes(text_prefix: str) -> tuple[str, ...]:
     (`language_model.model.` and `language_model.lm_head.`)."""
     parent, _, last = text_prefix.rstrip(".").rpartition(".")
     return ("lm_head.",) + ((f"{parent}.lm_head.",) if last == "model" and parent else ())
+
 
 _JSON_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None)}
 
