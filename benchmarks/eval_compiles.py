@@ -59,10 +59,13 @@ def child(side: str, a: str, b: str, data: str, limit: int, batch: int, max_new:
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     generate = g.Generator.generate
 
-    order: dict[int, str] = {}
+    labelled = [0]
 
     def timed(self, *args, **kwargs):
-        current[0] = order.setdefault(id(self), f"{len(order) + 1}. {self.loaded.description}")
+        if not hasattr(self, "_bench_label"):  # on the generator: an id() was reused once the first one was freed
+            labelled[0] += 1
+            self._bench_label = f"{labelled[0]}. {self.loaded.description}"
+        current[0] = self._bench_label
         rec = record(current[0])
         t = time.perf_counter()
         result = generate(self, *args, **kwargs)
