@@ -81,6 +81,27 @@ def generation_config(base_dir: Path, hf_config: dict, stop_ids: tuple[int, ...]
     return gen
 
 
+def sampling_defaults(model_dir: Path | None) -> dict:
+    """The `top_k` and `top_p` the model's generation_config.json names, which vLLM applies to a sampled request that
+    does not set them (its default `--generation-config auto`), so that a local sampled answer draws as the served
+    one; {} where the file or the keys are absent. A top_k of 0 or less is no cut (vLLM's -1)."""
+    path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if path is None or not path.is_file():
+        return {}
+    gen = read_json_object(path, f"{path}: missing")
+    out: dict = {}
+    top_k, top_p = gen.get("top_k"), gen.get("top_p")
+    if top_k is not None:
+        if not isinstance(top_k, int) or isinstance(top_k, bool):
+            raise UserError(f"{path}: top_k must be a whole number, got {top_k!r:.40}")
+        out["top_k"] = max(top_k, 0)
+    if top_p is not None:
+        if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+            raise UserError(f"{path}: top_p must be a number above 0 and at most 1, got {top_p!r:.40}")
+        out["top_p"] = float(top_p)
+    return out
+
+
 def copy_file(src: Path, dst: Path) -> None:
     """shutil.copyfile, whose write error (a full disk, a file-size limit) named the *source*: the merge said it failed
     in the base model's tokenizer.json; the file being written is named."""

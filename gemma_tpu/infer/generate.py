@@ -1,4 +1,4 @@
-"""Greedy, KV-cached generation on the Tunix model, shared by `evaluate` and `chat`.
+"""KV-cached generation on the Tunix model, shared by `evaluate` and `chat`: greedy, or sampled (`Sampling`).
 
 We decode with the same JAX model that training uses (a base HF directory loaded through Tunix,
 or a base plus the LoRA factors of a gemma-tpu checkpoint), so what is measured is what was
@@ -25,6 +25,11 @@ right only for a forward that starts at slot 0; for the suffix prefill the slidi
 band of the slots its rows are written to (`band_from`). Tunix Gemma 4's multi-token forward
 writes its cache from slot 0 and attends only to its own tokens, so models with their own
 `init_cache` decode uncached.
+
+Sampling (`Sampling`: temperature, top-k, top-p, seed) picks each token in the same compiled loop; its settings
+and key are arguments, so one compilation serves every setting, and a greedy generator's program is the one it
+always was (no sampling argument at all). A draw depends on the seed, the generator's call and batch count and the
+step, never on how many steps a device call runs: a chat's answer is the same with any `decode_chunk`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import dataclasses
 import functools
 import logging
 import numbers
+import secrets
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -197,6 +203,60 @@ class LoadedModel:
     tunix_cfg: Any = None
     family: Any = None  # the registry Family (its end-of-turn token); None: the chat markup's alone
     max_positions: int | None = None  # the model's context length; None: not known, not checked
+    # the directory whose generation_config.json holds the model's sampling defaults (a checkpoint's: its base's)
+    generation_dir: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Sampled decoding, the order vLLM applies a request's settings in: logits divided by `temperature`, then
+    only the `top_k` likeliest tokens (0: every token), then the fewest likeliest whose probability reaches `top_p`
+    (1: no cut); `seed` makes a generator's draws repeatable (None: a fresh seed each generator)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def number(value) -> bool:
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+        if not number(self.temperature) or not 0 < self.temperature <= MAX_TEMPERATURE:
+            raise UserError(f"temperature {self.temperature!r}: must be above 0 and at most {MAX_TEMPERATURE:g} "
+                            f"(0 is greedy: no sampling)")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            raise UserError(f"top_p {self.top_p!r}: must be above 0 and at most 1")
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise UserError(f"top_k {self.top_k!r}: must be a whole number, 0 (every token) or more")
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):
+            raise UserError(f"seed {self.seed!r}: must be a whole number in [-2^63, 2^64)")
+
+
+MAX_TEMPERATURE = 2.0  # vLLM's and OpenAI's limit
+
+
+def _pick(logits, sampling, step):
+    """The next id of each row from its [B, V] logits: the likeliest (`sampling` None), or a draw by `sampling`'s
+    (temperature, top_p, top_k, key) arrays, the key folded with the generation `step`."""
+    import jax
+    import jax.numpy as jnp
+
+    if sampling is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temperature, top_p, top_k, key = sampling
+    scaled = logits.astype(jnp.float32) / temperature
+    v = scaled.shape[-1]
+    ordered = -jnp.sort(-scaled, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    in_k = jnp.arange(v)[None, :] < k
+    probs = jax.nn.softmax(jnp.where(in_k, ordered, -jnp.inf), axis=-1)
+    # a sorted token stays while the mass before it is short of top_p (the likeliest always does)
+    keep = in_k & ((jnp.cumsum(probs, axis=-1) - probs) < top_p)
+    cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    return jax.random.categorical(jax.random.fold_in(key, step), masked, axis=-1).astype(jnp.int32)
 
 
 def _decode_text(tokenizer, ids: Sequence[int], token_map: dict[str, str]) -> str:
@@ -332,9 +392,9 @@ def _forward(graphdef, state, toks, pos, cache, attn, start=0):
     return model(toks, pos, cache, attn)
 
 
-def _prefill(graphdef, state, tokens, prompt_mask, prefix_cache=None, *, max_new: int):
+def _prefill(graphdef, state, tokens, prompt_mask, prefix_cache=None, sampling=None, *, max_new: int):
     """Prefill the left-padded prompts: the decode's first carry (step, cache, next ids, positions, key mask,
-    output ids, rows done).
+    output ids, rows done); `sampling`: `_pick`'s.
 
     With `prefix_cache` (the keys and values of the first C ids every prompt starts with), the
     first C slots of each row come from it and only slots C.. are prefilled.
@@ -356,14 +416,14 @@ def _prefill(graphdef, state, tokens, prompt_mask, prefix_cache=None, *, max_new
         pad = p - jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
         cache = _shifted_prefix(prefix_cache, pad, size)
         logits, cache = _forward(graphdef, state, tokens[:, c:], positions[:, c:], cache, attn[:, c:], start=c)
-    first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    first = _pick(logits[:, -1], sampling, 0)
     keys = jnp.concatenate([prompt_mask, jnp.zeros((b, max_new), bool)], axis=1)
     out = jnp.full((b, max_new), PAD_ID, jnp.int32)
     return jnp.int32(0), cache, first, positions[:, -1], keys, out, jnp.zeros((b,), bool)
 
 
-def _decode(graphdef, state, carry, stop_ids, until):
-    """Decode greedily from `carry` (`_prefill`'s) until step `until` or until every row stopped."""
+def _decode(graphdef, state, carry, stop_ids, until, sampling=None):
+    """Decode from `carry` (`_prefill`'s) until step `until` or until every row stopped, greedily or by `sampling`."""
     import jax
     import jax.numpy as jnp
 
@@ -381,24 +441,25 @@ def _decode(graphdef, state, carry, stop_ids, until):
         keys = keys.at[:, p + step].set(True)
         pos = pos + 1
         logits, cache = _forward(graphdef, state, tok[:, None], pos[:, None], cache, keys[:, None, :])
-        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        nxt = _pick(logits[:, -1], sampling, step + 1)
         return step + 1, cache, nxt, pos, keys, out, done
 
     return jax.lax.while_loop(cond, body, carry)
 
 
-def _greedy(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, *, max_new: int):
-    """Prefill the left-padded prompts, then decode greedily until every row stopped, in one call.
+def _generate(graphdef, state, tokens, prompt_mask, stop_ids, prefix_cache=None, sampling=None, *, max_new: int):
+    """Prefill the left-padded prompts, then decode until every row stopped, in one call.
     Returns the [B, max_new] generated ids (PAD after a row's stop token) and their count."""
-    carry = _decode(graphdef, state, _prefill(graphdef, state, tokens, prompt_mask, prefix_cache, max_new=max_new),
-                    stop_ids, max_new)
+    carry = _decode(graphdef, state,
+                    _prefill(graphdef, state, tokens, prompt_mask, prefix_cache, sampling, max_new=max_new),
+                    stop_ids, max_new, sampling)
     return carry[5], carry[0]
 
 
 def _jit_pair(graphdef):
     import jax
 
-    return (jax.jit(functools.partial(_greedy, graphdef), static_argnames=("max_new",)),
+    return (jax.jit(functools.partial(_generate, graphdef), static_argnames=("max_new",)),
             jax.jit(functools.partial(_prefix_forward, graphdef), static_argnames=("length",)),
             jax.jit(functools.partial(_prefill, graphdef), static_argnames=("max_new",)),
             # the carry (the KV cache) is donated: a chunk writes the cache it is given, where both were live (twice
@@ -441,7 +502,7 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
 
 
 class Generator:
-    """Batched greedy generation from token ids, compiled once per (bucket, batch size).
+    """Batched generation from token ids, compiled once per (bucket, batch size): greedy, or by `sampling`.
 
     Batches are `batch_size` rows (a smaller power of two for the last one), prompts sorted by
     length so that a batch shares a bucket. With `prefix_cache` (the default), the prefix the
@@ -454,7 +515,7 @@ class Generator:
 
     def __init__(self, loaded: LoadedModel, *, max_new_tokens: int = 64, batch_size: int = 8,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, prefix_cache: bool = True,
-                 decode_chunk: int | None = None):
+                 decode_chunk: int | None = None, sampling: Sampling | None = None):
         from flax import nnx
 
         self.loaded = loaded
@@ -481,6 +542,11 @@ class Generator:
         self._graphdef, self._state = nnx.split(loaded.model)
         self._fn, self._prefix_fn, self._prefill_fn, self._decode_fn = _jitted(self._graphdef)
         self.decode_chunk = decode_chunk
+        self.sampling = sampling
+        # the seed every batch's key derives from (folded with the batch's count): repeatable when given
+        self._seed = (None if sampling is None else sampling.seed % 2 ** 64 if sampling.seed is not None
+                      else secrets.randbits(64))
+        self._batches = 0
         # models that lay out their own cache (Gemma 4) cannot continue a filled cache with a
         # multi-token forward: see the module docstring
         self.prefix_cache = prefix_cache and not hasattr(loaded.model, "init_cache")
@@ -533,16 +599,35 @@ class Generator:
                                            sum(map(size, self._prefixes.values())) > self.prefix_cache_bytes):
             self._prefixes.popitem(last=False)
 
+    def _batch_sampling(self):
+        """`_pick`'s sampling arrays for the next batch (None: greedy), its key the seed folded with the count of
+        batches this generator has drawn: no two batches (nor two answers of a chat) draw alike."""
+        if self.sampling is None:
+            return None
+        import jax
+
+        # the seed's 64 bits as the key (PRNGKey kept only the low 32 without jax_enable_x64: seeds 5 and 2**62 + 5 drew
+        # alike)
+        seed = np.array([(self._seed >> 32) & 0xFFFFFFFF, self._seed & 0xFFFFFFFF], np.uint32)
+        key = jax.random.fold_in(seed, self._batches)
+        self._batches += 1
+        s = self.sampling
+        return np.float32(s.temperature), np.float32(s.top_p), np.int32(s.top_k), key
+
     def _decode_batch(self, tokens, mask, cache, max_new: int) -> tuple[np.ndarray, int]:
         """One batch's generated ids and step count: in one device call, or `decode_chunk` steps a call."""
-        extra = (cache,) if cache is not None else ()
+        sampling = self._batch_sampling()
+        # greedy calls pass what they always did (no sampling argument): the same calls, the same programs
+        extra = (cache, sampling) if sampling is not None else (cache,) if cache is not None else ()
+        drawn = (sampling,) if sampling is not None else ()
         if not self.decode_chunk:
             out, steps = self._fn(self._state, tokens, mask, self.stop_ids, *extra, max_new=max_new)
             return np.asarray(out), int(steps)
         carry = self._prefill_fn(self._state, tokens, mask, *extra, max_new=max_new)
         step = 0
         while step < max_new:
-            carry = self._decode_fn(self._state, carry, self.stop_ids, np.int32(min(step + self.decode_chunk, max_new)))
+            carry = self._decode_fn(self._state, carry, self.stop_ids, np.int32(min(step + self.decode_chunk, max_new)),
+                                    *drawn)
             step = int(carry[0])  # waits for the call: a Ctrl-C meanwhile is raised here
             if bool(np.all(np.asarray(carry[6]))):
                 break
@@ -611,7 +696,7 @@ def load_hf_dir(path: str, dtype: str = "float32", what: str = "--model") -> Loa
     tokenizer = load_tokenizer(resolved.local_dir)
     model, tunix_cfg = load_model(resolved, dtype)
     return LoadedModel(model, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
-                       f"model:{path}", tunix_cfg, resolved.family, resolved.max_positions)
+                       f"model:{path}", tunix_cfg, resolved.family, resolved.max_positions, resolved.local_dir)
 
 
 def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = None) -> LoadedModel:
@@ -620,7 +705,7 @@ def load_checkpoint(ckpt_dir: str, step: int | None = None, dtype: str | None = 
     restored = restore_model(ckpt_dir, step, dtype)
     return LoadedModel(restored.model, load_tokenizer(restored.tokenizer_dir), restored.token_map,
                        restored.chat_format, f"checkpoint:{ckpt_dir}@{restored.step}", restored.tunix_cfg,
-                       restored.family, restored.max_positions)
+                       restored.family, restored.max_positions, restored.tokenizer_dir)
 
 
 def describe_hf_dir(path: str, what: str = "--model") -> LoadedModel:
@@ -629,7 +714,7 @@ def describe_hf_dir(path: str, what: str = "--model") -> LoadedModel:
     resolved = resolve_model(path, what=what)
     tokenizer = load_tokenizer(resolved.local_dir)
     return LoadedModel(None, tokenizer, fc.function_token_map(tokenizer), resolved.family.chat_format,
-                       f"model:{path}", None, resolved.family, resolved.max_positions)
+                       f"model:{path}", None, resolved.family, resolved.max_positions, resolved.local_dir)
 
 
 def describe_checkpoint(ckpt_dir: str, step: int | None = None) -> LoadedModel:
@@ -641,4 +726,4 @@ def describe_checkpoint(ckpt_dir: str, step: int | None = None) -> LoadedModel:
     resolved = resolve_base(Path(ckpt_dir), meta, base_path)
     return LoadedModel(None, load_tokenizer(resolved.local_dir), dict(meta.get("token_map") or {}),
                        run_chat_format(meta, resolved), f"checkpoint:{ckpt_dir}@{step}", None, resolved.family,
-                       resolved.max_positions)
+                       resolved.max_positions, resolved.local_dir)

@@ -26,8 +26,10 @@ from gemma_tpu.data.records import Markup
 from gemma_tpu.examples.fitness.providers import make_provider
 from gemma_tpu.examples.fitness.tools import toolset
 from gemma_tpu.formats.function_calling import ParsedReply
-from gemma_tpu.infer.generate import (DECODE_CHUNK, Generator, check_context, describe_checkpoint, describe_hf_dir,
-                                      load_checkpoint, load_hf_dir, prefix_cache_bytes_set)
+from gemma_tpu.hf.files import sampling_defaults
+from gemma_tpu.infer.generate import (DECODE_CHUNK, MAX_TEMPERATURE, Generator, Sampling, check_context,
+                                      describe_checkpoint, describe_hf_dir, load_checkpoint, load_hf_dir,
+                                      prefix_cache_bytes_set)
 from gemma_tpu.infer.tool_loop import first_messages, run_tool_loop
 
 
@@ -35,14 +37,15 @@ class Coach:
     """One model, one provider; `ask(question)` runs the tool loop and returns the reply text."""
 
     def __init__(self, loaded, provider, max_new_tokens: int = 128, trace: TextIO | None = sys.stderr,
-                 generator=None, prefix_cache: bool = True):
+                 generator=None, prefix_cache: bool = True, sampling: Sampling | None = None):
         self.loaded = loaded
         self.provider = provider
         self.toolset = toolset(provider)
         self.renderer = coach_renderer(loaded)
         # a few steps a device call: Ctrl-C cancels an answer within them (it waited for the whole generation)
         self.generator = generator or Generator(loaded, max_new_tokens=max_new_tokens, batch_size=1,
-                                                prefix_cache=prefix_cache, decode_chunk=DECODE_CHUNK)
+                                                prefix_cache=prefix_cache, decode_chunk=DECODE_CHUNK,
+                                                sampling=sampling)
         self.trace = trace
 
     def _system_ids(self, messages: list[dict]) -> list[int] | None:
@@ -130,7 +133,37 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each reply may generate at most")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute the shared developer turn for every reply (to compare with the cached path)")
+    p.add_argument("--temperature", type=cli.number(0.0, low_ok=True, high=MAX_TEMPERATURE), default=0.0,
+                   help=f"sample each reply at this temperature, 0 to {MAX_TEMPERATURE:g} (default 0: greedy, the "
+                        f"reply evaluation scores)")
+    p.add_argument("--top-k", type=cli.integer(0),
+                   help="with --temperature: draw from the K likeliest tokens only, 0 for all (default: the model's "
+                        "generation_config.json top_k, as vLLM applies it, else all)")
+    p.add_argument("--top-p", type=cli.number(0.0, high=1.0),
+                   help="with --temperature: draw from the fewest likeliest tokens whose probability reaches P "
+                        "(default: the model's generation_config.json top_p, else 1)")
+    # --seed is the simulated device's
+    p.add_argument("--sampling-seed", type=int,
+                   help="with --temperature: the seed of the draws, so that a session's replies are the same every "
+                        "run (default: a fresh one each run)")
     return p.parse_args(list(argv))
+
+
+def sampling_of(args: argparse.Namespace, generation_dir) -> Sampling | None:
+    """The replies' `Sampling` from the command line, unset top-k / top-p taken from the model's generation config
+    (`sampling_defaults`); None for greedy. A sampling option without --temperature is refused: it would be
+    ignored, and the user would take the greedy replies for sampled ones."""
+    given = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "sampling_seed")
+             if getattr(args, name) is not None]
+    if not args.temperature:
+        if given:
+            raise UserError(f"{given[0]} applies to sampled replies: add --temperature (above 0; 0 is greedy)")
+        return None
+    defaults = sampling_defaults(generation_dir)
+    return Sampling(temperature=args.temperature,
+                    top_k=args.top_k if args.top_k is not None else defaults.get("top_k", 0),
+                    top_p=args.top_p if args.top_p is not None else defaults.get("top_p", 1.0),
+                    seed=args.sampling_seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -140,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be positive")
     if args.step is not None and not args.checkpoint:
         raise UserError("--step applies to --checkpoint, not --model")
+    if args.sampling_seed is not None and not -2 ** 63 <= args.sampling_seed < 2 ** 64:
+        raise UserError(f"--sampling-seed {args.sampling_seed}: must be in [-2^63, 2^64)")
     if args.once is not None and blank(args.once):  # before the model, not after its load
         raise UserError("--once needs a question")
     if args.once is None:
@@ -147,12 +182,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_prefix_cache:
         prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before the model loads
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
+    sampling_of(args, None)  # a sampling option without --temperature refused before anything loads
+    described = None
+    if args.once is not None or args.temperature:  # the tokenizer and config: seconds, where the weights take minutes
+        described = describe_hf_dir(args.model) if args.model else describe_checkpoint(args.checkpoint, args.step)
+    sampling = sampling_of(args, described.generation_dir) if described else None  # a bad generation config too
     if args.once is not None:  # on the tokenizer and config alone: refused before the minutes the weights take
-        check_question(describe_hf_dir(args.model) if args.model else describe_checkpoint(args.checkpoint, args.step),
-                       provider, question_text(args.once), args.max_new_tokens)
+        check_question(described, provider, question_text(args.once), args.max_new_tokens)
     loaded = (load_hf_dir(args.model, args.dtype or "float32") if args.model
               else load_checkpoint(args.checkpoint, args.step, args.dtype))  # --dtype was ignored here
-    coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache)
+    coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache, sampling=sampling)
     if args.once is not None:
         print(coach.ask(question_text(args.once)))
         return 0
