@@ -25,11 +25,11 @@ def _draws(logits, temperature=1.0, top_p=1.0, top_k=0, rows=20000, seed=0):
     """`rows` draws from one row of `logits` (each row of the batch draws on its own)."""
     import jax
 
-    from gemma_tpu.infer.generate import _pick
+    from gemma_tpu.infer.generate import Sampling, _pick
 
     batch = np.broadcast_to(np.asarray(logits, np.float32), (rows, len(logits)))
     key = jax.random.fold_in(np.array([0, seed], np.uint32), 0)
-    sampling = (np.float32(temperature), np.float32(top_p), np.int32(top_k), key)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k).arrays(key)
     return np.bincount(np.asarray(_pick(batch, sampling, 3)), minlength=len(logits)) / rows
 
 
@@ -45,6 +45,13 @@ def _softmax(x):
 def test_draws_follow_the_tempered_distribution(temperature):
     freq = _draws(LOGITS, temperature=temperature)
     np.testing.assert_allclose(freq, _softmax(np.asarray(LOGITS) / temperature), atol=0.012)
+
+
+def test_a_temperature_below_vllms_least_is_raised_to_it():
+    """vLLM raises a temperature in (0, 0.01) to 0.01 and samples there: two logits 0.02 apart draw 88% / 12%, not
+    the likelier one alone as at 1e-6."""
+    close = [0.0, -0.02, -5.0]
+    np.testing.assert_allclose(_draws(close, temperature=1e-6), _softmax(np.asarray(close) / 0.01), atol=0.012)
 
 
 def test_top_k_and_top_p_cut_as_vllm_orders_them():

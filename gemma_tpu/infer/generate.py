@@ -233,8 +233,14 @@ class Sampling:
                                       or not -2 ** 63 <= self.seed < 2 ** 64):
             raise UserError(f"seed {self.seed!r}: must be a whole number in [-2^63, 2^64)")
 
+    def arrays(self, key) -> tuple:
+        """`_pick`'s (temperature, top_p, top_k, key): arguments of the compiled decode, not constants of it."""
+        return (np.float32(max(self.temperature, MIN_TEMPERATURE)), np.float32(self.top_p), np.int32(self.top_k),
+                key)
+
 
 MAX_TEMPERATURE = 2.0  # vLLM's and OpenAI's limit
+MIN_TEMPERATURE = 0.01  # a smaller one is raised to it, as vLLM raises it (dividing by 1e-30 overflowed to inf)
 
 
 def _pick(logits, sampling, step):
@@ -611,8 +617,7 @@ class Generator:
         seed = np.array([(self._seed >> 32) & 0xFFFFFFFF, self._seed & 0xFFFFFFFF], np.uint32)
         key = jax.random.fold_in(seed, self._batches)
         self._batches += 1
-        s = self.sampling
-        return np.float32(s.temperature), np.float32(s.top_p), np.int32(s.top_k), key
+        return self.sampling.arrays(key)
 
     def _decode_batch(self, tokens, mask, cache, max_new: int) -> tuple[np.ndarray, int]:
         """One batch's generated ids and step count: in one device call, or `decode_chunk` steps a call."""
