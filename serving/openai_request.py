@@ -379,6 +379,9 @@ def _vllm_defaults(body: dict, chat: bool) -> None:
         del body[key]
 
 
+MIN_TEMPERATURE = 0.01  # vLLM's least temperature above 0 (SamplingParams raises a smaller one to it)
+
+
 def _normalise_settings(body: dict, chat: bool = False) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
     misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
@@ -398,9 +401,10 @@ def _normalise_settings(body: dict, chat: bool = False) -> None:
         del body["stop"]
     if body.get("logit_bias"):
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
-    # a temperature below 1e-5 is greedy, as vLLM reads it: it sampled, with logits divided by 1e-300 infinite (a 500)
-    if body.get("temperature") is not None and 0 < body["temperature"] < 1e-5:
-        body["temperature"] = 0
+    # a temperature in (0, 0.01) samples at 0.01, as vLLM raises it (SamplingParams: its _MAX_TEMP, against inf or nan
+    # logits): 1e-300 sampled here with infinite logits (a 500), and then, below 1e-5, was read as greedy
+    if body.get("temperature") is not None and 0 < body["temperature"] < MIN_TEMPERATURE:
+        body["temperature"] = MIN_TEMPERATURE
 
 
 # vLLM's sampling extensions (its clients and `vllm bench` send them; `serving.bench --ignore-eos` too), which

@@ -1414,22 +1414,28 @@ def test_seed_minus_one_is_no_seed_as_vllm_reads_it():
         assert check({**base, "max_tokens": 3, "temperature": 0.8, "seed": -2})["seed"] == -2
 
 
-@pytest.mark.parametrize("temperature", [1e-300, 1e-6])
-def test_a_temperature_too_small_to_sample_with_is_greedy(tiny_dir, temperature):
-    """vLLM reads a temperature below 1e-5 as 0 (greedy); it sampled here, and logits divided by 1e-300 are
-    infinite: a 500 ("probability tensor contains either `inf`, `nan` or element < 0"). Generated as
-    transformers serve generates it, the answer is the greedy one."""
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6, 0.005])
+def test_a_temperature_too_small_to_sample_with_samples_at_vllms_least(tiny_dir, temperature):
+    """vLLM raises a temperature in (0, 0.01) to 0.01 and samples (SamplingParams' _MAX_TEMP); here 1e-300 divided
+    the logits into infinities (a 500), and below 1e-5 was then read as greedy. Generated as transformers serve
+    generates it, the answer is sampled at 0.01, repeatably with the seed."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     body = check_chat_request({"messages": USER, "max_tokens": 4, "temperature": temperature, "seed": 3})
-    assert body["temperature"] == 0
+    assert body["temperature"] == pytest.approx(0.01, abs=1e-12)
     config = GenerationConfig(**json.loads(body.get("generation_config") or "{}"))
-    config.temperature, config.do_sample = 0.0, False  # transformers serve's reading of temperature 0
+    assert config.do_sample is True
+    config.temperature = body["temperature"]  # transformers serve's reading of the request's temperature
     model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
     ids = torch.tensor([[2, 5, 9, 14]])
-    out = model.generate(ids, generation_config=config, max_new_tokens=4)
-    assert out.tolist() == model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(body["seed"])
+        outs.append(model.generate(ids, generation_config=config, max_new_tokens=4).tolist())
+    assert outs[0] == outs[1] and len(outs[0][0]) == 8
+    assert check_chat_request({"messages": USER, "temperature": 0})["temperature"] == 0  # 0 stays greedy
+    assert check_chat_request({"messages": USER, "temperature": 0.5})["temperature"] == 0.5
 
 
 def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir):
