@@ -677,6 +677,7 @@ class CheckedChatApp:
         # generating when the client goes away, its whole answers ran on to max_tokens, holding the one generation
         # thread, after the client had given up
         whole = (request.get("stream") is not True) if path == "/v1/responses" else not body.get("stream")
+        rid = body.pop("request_id", None)  # vLLM's extension: the completion's id (`completion_id`)
         body["stream"] = True
         # a stop string no token can end (a character the vocabulary lacks) is matched on the decoded text
         # (`stop_on_decoded_text`), and cut from the text here as any other
@@ -694,15 +695,17 @@ class CheckedChatApp:
 
         if path == "/v1/responses":
             return await self._responses(scope, headers, replay, send, request, body, forced, whole)
+        named = ServedName(self.model_name, completion_id(path, scope.get("headers", []), rid))
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
         stops += self.stop_texts
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
         if not whole:
             # the stop strings are cut first (transformers serve streams them), then the calls are read
-            filters = ([ServedName(self.model_name)] if self.model_name else []) + (
-                [ReasoningName()] if path == "/v1/chat/completions" else [])
+            filters = [ReasoningName()] if path == "/v1/chat/completions" else []
             filters += ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced)] if tools else [])
+            if named.name or named.rid is not None:  # after the calls: theirs named after the served app's id, as
+                filters.append(named)                 # unstreamed (`tool_calls`)
             filters.append(StreamUsage((body.get("stream_options") or {}).get("include_usage") is True))
             filters.append(ErrorEvents())
             status: list[int] = []
@@ -751,8 +754,8 @@ class CheckedChatApp:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
                 out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced)
-            if start.get("status") == 200 and self.model_name:
-                out = ServedName(self.model_name).whole(out)
+            if start.get("status") == 200:
+                out = named.whole(out)
             await _send_whole(send, start, out)
 
         await self.app({**scope, "headers": headers}, replay, collect)
@@ -948,11 +951,12 @@ def sse_event(chunk: dict) -> bytes:
 
 class ServedName(EventStream):
     """A completion (`whole`) or a stream of its chunks (`feed`, `close`) naming the model as it is served (and
-    listed by /v1/models), as vLLM names it: transformers serve answers `NAME@main`."""
+    listed by /v1/models), as vLLM names it: transformers serve answers `NAME@main`; and, given `rid`, with that id
+    (`completion_id`: vLLM's, where transformers serve answers its bare request id)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str | None, rid: str | None = None):
         super().__init__()
-        self.name = name
+        self.name, self.rid = name, rid
 
     def whole(self, raw: bytes) -> bytes:
         import json
@@ -961,15 +965,28 @@ class ServedName(EventStream):
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return raw
-        if not isinstance(obj, dict) or "model" not in obj or obj["model"] == self.name:
+        if not isinstance(obj, dict):
             return raw
-        obj["model"] = self.name
+        new = {**({"model": self.name} if self.name and "model" in obj else {}),
+               **({"id": self.rid} if self.rid is not None and "id" in obj else {})}
+        if all(obj[k] == v for k, v in new.items()):
+            return raw
+        obj.update(new)
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data:") or event[5:].strip() == b"[DONE]":
             return event + b"\n\n"
         return b"data: " + self.whole(event[5:].strip()) + b"\n\n"
+
+
+def completion_id(path: str, headers: list, request_id: str | None) -> str | None:
+    """The id vLLM gives a chat or text completion (`path`) whose client names it: `chatcmpl-` or `cmpl-` before the
+    request's `X-Request-Id` header, else its `request_id` field (vLLM's extension); None where it names none (the
+    served app's own id, a fresh one, stands)."""
+    given = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
+    base = given if given is not None else request_id
+    return None if base is None else ("cmpl-" if path == "/v1/completions" else "chatcmpl-") + base
 
 
 def _cut(text: str, stops: list[str]) -> int | None:

@@ -212,8 +212,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
         v = body.get(key)
         if v is not None and (not _is_int(v) or v < 1):
             raise RequestError(key, f"{v!r} is not a whole number of at least 1")
-    if body.get("user") is not None and not isinstance(body["user"], str):  # vLLM and OpenAI refuse it (400)
-        raise RequestError("user", f"expected a string, got {_json_type(body['user'])}")
+    for key in ("user", "request_id"):  # vLLM (and OpenAI: its user) refuse another type (400)
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise RequestError(key, f"expected a string, got {_json_type(body[key])}")
     if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
         raise RequestError("n", f"{body['n']!r}: this server returns one choice (n=1)")
     # fields transformers serve accepts and ignores, where ignoring them breaks what the client relies on

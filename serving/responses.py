@@ -27,18 +27,20 @@ _REFUSED = {"previous_response_id": "this server keeps no responses: send the wh
             "prompt": "this server keeps no prompt templates: send the instructions and input themselves",
             "top_logprobs": "log probabilities are not returned by this server"}
 # the Responses API's other fields: read here, or harmless to leave unread (bookkeeping, hints, a text model's
-# reasoning settings); `seed` and `stop` as vLLM reads them. Anything else is refused, as OpenAI refuses it: read
-# as nothing, a chat completion's `max_tokens` here generated to the end of the context
+# reasoning settings); `seed` and `stop` as vLLM reads them, and vLLM's `request_id` (the Response's id). Anything
+# else is refused, as OpenAI refuses it: read as nothing, a chat completion's `max_tokens` here generated to the end
+# of the context
 _KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
           "temperature", "top_p", "seed", "stop", "stream", "stream_options", "text", "metadata", "store", "user",
           "safety_identifier", "service_tier", "prompt_cache_key", "reasoning", "truncation", "include",
-          "max_tool_calls", *_REFUSED}
+          "max_tool_calls", "request_id", *_REFUSED}
 # the JSON type of the fields read as nothing (or echoed) here, refused when another, as OpenAI refuses it (a
 # `metadata: "x"` came back as {}); null is absent
 _TYPED = {"text": (dict, "an object"), "metadata": (dict, "an object"), "reasoning": (dict, "an object"),
           "stream_options": (dict, "an object"), "store": (bool, "true or false"),
           "parallel_tool_calls": (bool, "true or false"), "max_tool_calls": (int, "a whole number"),
-          **{k: (str, "a string") for k in ("truncation", "service_tier", "safety_identifier", "prompt_cache_key")}}
+          **{k: (str, "a string") for k in ("truncation", "service_tier", "safety_identifier", "prompt_cache_key",
+                                            "request_id")}}
 # the fields among them that take one of a fixed set (OpenAI's, which vLLM's request model checks too)
 _ONE_OF = {"truncation": ("auto", "disabled"), "service_tier": ("auto", "default", "flex", "scale", "priority")}
 _INSTEAD = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
@@ -277,7 +279,9 @@ def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_re
               model: str | None) -> dict:
     cut = finish_reason == "length"
     tools = _tools(request.get("tools")) or []
-    return {"id": f"resp_{rid}", "object": "response", "created_at": int(created or time.time()),
+    rid_given = request.get("request_id")  # vLLM's extension: the Response's id, as given
+    return {"id": rid_given if isinstance(rid_given, str) else f"resp_{rid}", "object": "response",
+            "created_at": int(created or time.time()),
             "model": model, "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
             "instructions": request.get("instructions"), "output": output,

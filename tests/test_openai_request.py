@@ -1852,8 +1852,9 @@ def test_vllm_extensions_at_their_defaults_are_served_and_other_values_named(tin
                 "priority": 0}
     with LocalServer(tiny_dir, name="tiny", log=tmp_path / "serve.log") as server:
         chat, text = server.base_url + "/chat/completions", server.base_url + "/completions"
-        code, body = _post(chat, json.dumps({"messages": USER, "max_tokens": 2, **defaults}).encode())
+        code, body = _post(chat, json.dumps({"messages": USER, "max_tokens": 2, **defaults, "request_id": "t1"}).encode())
         assert code == 200 and body["choices"][0]["message"]["role"] == "assistant", body
+        assert body["id"] == "chatcmpl-t1", body  # vLLM's request_id: a 400 "Unexpected field" before
         code, body = _post(text, json.dumps({"prompt": "hi", "max_tokens": 2, "echo": False,
                                              "skip_special_tokens": True}).encode())
         assert code == 200 and body["choices"][0]["text"] is not None, body
@@ -1863,3 +1864,50 @@ def test_vllm_extensions_at_their_defaults_are_served_and_other_values_named(tin
             (key,) = odd
             assert code == 400 and body["error"]["param"] == key, (odd, body)
             assert "this server serves only its default" in body["error"]["message"], body
+
+
+def test_request_id_names_the_completion_as_vllm_names_it():
+    """vLLM's `request_id` field (chat and text completions, Responses) was refused as an unexpected field; vLLM
+    takes it and answers with it as the id: `chatcmpl-ID`, `cmpl-ID` (its X-Request-Id header wins over the field),
+    and the Response's id as given. Every chunk of a stream carries the one id; the served app never sees it."""
+    from serving.local import CheckedChatApp
+
+    seen: list[dict] = []
+
+    async def inner(scope, receive, send):  # as transformers serve streams: its own request id on every chunk
+        body = json.loads((await receive())["body"])
+        seen.append(body)
+        chat = scope["path"] == "/v1/chat/completions"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for piece, finish in (("a", None), ("b", "stop")):
+            choice = {"index": 0, "finish_reason": finish,
+                      **({"delta": {"content": piece}} if chat else {"text": piece})}
+            chunk = {"id": "inner-uuid", "created": 5, "model": "tiny@main", "choices": [choice],
+                     **({"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}} if finish else {})}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": finish is None})
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    chat, text = {"messages": USER, "max_tokens": 2}, {"prompt": "hi", "max_tokens": 2}
+    for path, body, prefix in (("/v1/chat/completions", chat, "chatcmpl-"), ("/v1/completions", text, "cmpl-")):
+        code, resp = _asgi(app, {**body, "request_id": "trace-7"}, path)
+        assert code == 200 and resp["id"] == prefix + "trace-7", resp
+        assert "request_id" not in seen[-1]
+        code, raw = _asgi(app, {**body, "request_id": "trace-7", "stream": True}, path, raw=True)
+        chunks = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+        assert len(chunks) == 2 and {c["id"] for c in chunks} == {prefix + "trace-7"}, chunks
+        code, resp = _asgi(app, {**body, "request_id": "trace-7"}, path,
+                           headers=JSON_HEADERS + [(b"x-request-id", b"from-header")])
+        assert resp["id"] == prefix + "from-header", resp
+        code, resp = _asgi(app, body, path)
+        assert resp["id"] == "inner-uuid", resp  # none named: the served app's own (a fresh uuid)
+        code, resp = _asgi(app, {**body, "request_id": 7}, path)
+        assert code == 400 and resp["error"]["param"] == "request_id", resp
+        assert "expected a string, got a number" in resp["error"]["message"]
+    code, resp = _asgi(app, {"input": "hi", "request_id": "resp_mine"}, "/v1/responses")
+    assert code == 200 and resp["id"] == "resp_mine", resp
+    code, raw = _asgi(app, {"input": "hi", "request_id": "resp_mine", "stream": True}, "/v1/responses", raw=True)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if e.strip()]
+    assert {e["response"]["id"] for e in events if "response" in e} == {"resp_mine"}
+    code, resp = _asgi(app, {"input": "hi", "request_id": ["x"]}, "/v1/responses")
+    assert code == 400 and resp["error"]["param"] == "request_id", resp
