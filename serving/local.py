@@ -706,6 +706,7 @@ class CheckedChatApp:
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced)] if tools else [])
             if named.name or named.rid is not None:  # after the calls: theirs named after the served app's id, as
                 filters.append(named)                 # unstreamed (`tool_calls`)
+            filters.append(NullFields())
             filters.append(StreamUsage((body.get("stream_options") or {}).get("include_usage") is True))
             filters.append(ErrorEvents())
             status: list[int] = []
@@ -1083,6 +1084,27 @@ class ReasoningName(EventStream):
         if not isinstance(delta, dict) or "reasoning_content" not in delta:
             return event + b"\n\n"
         choice["delta"] = {("reasoning" if k == "reasoning_content" else k): v for k, v in delta.items()}
+        return sse_event(chunk)
+
+
+class NullFields(EventStream):
+    """A chat or text completion's stream with the null fields OpenAI and vLLM write on each chunk: `finish_reason`
+    and `logprobs` null until set, and `"content": ""` beside the role of a chat's first chunk. transformers serve
+    leaves every null out (it dumps its chunks `exclude_none`), so a client reading `choice["finish_reason"]` failed
+    on the first chunk here."""
+
+    def _event(self, event: bytes) -> bytes:
+        chunk, choice = sse_choice(event)
+        if choice is None:
+            return event + b"\n\n"
+        delta = choice.get("delta")
+        opening = isinstance(delta, dict) and "role" in delta and set(delta) <= {"role", "content"}
+        if "finish_reason" in choice and "logprobs" in choice and not (opening and delta.get("content") is None):
+            return event + b"\n\n"
+        choice.setdefault("finish_reason", None)
+        choice.setdefault("logprobs", None)
+        if opening and delta.get("content") is None:
+            delta["content"] = ""
         return sse_event(chunk)
 
 

@@ -725,7 +725,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
 
     app = CheckedChatApp(inner, token_map=token_map)
     code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True})
-    assert code == 200 and out[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert code == 200 and out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in out)
     calls = [tc for c in out for tc in c["choices"][0]["delta"].get("tool_calls") or []]
     assert content == "Sure.  ok <unused2>call:bad{ <unused3> tail <unused2>call:cut{"  # unparsed calls stay text
@@ -748,7 +748,8 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
         "get_steps"] and out[-1]["choices"][0]["finish_reason"] == "tool_calls"
     named = CheckedChatApp(inner, token_map=token_map, model_name="served")
     assert {c["model"] for c in _stream_through(named, {"messages": USER, "stream": True})[1]} == {"served"}
-    # the same stream without tools in the request passes untouched, byte for byte
+    # the same stream without tools in the request passes untouched, but for the null fields transformers serve
+    # leaves out (`NullFields`)
     plain = CheckedChatApp(inner, token_map=token_map)
     import asyncio
 
@@ -762,10 +763,13 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
 
     asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": JSON_HEADERS},
                       receive, send))
-    untouched = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events[:-1])
-    assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == untouched + (
-        b'data: {"id":"r1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
-        b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')  # but for the usage nobody asked for
+    out = [e[len(b"data: "):] for e in b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+           .split(b"\n\n") if e.strip()]
+    assert out.pop() == b"[DONE]"
+    shaped = [{**e, "choices": [{"finish_reason": None, "logprobs": None, **e["choices"][0]}]} for e in events]
+    shaped[0]["choices"][0]["delta"]["content"] = ""
+    del shaped[-1]["usage"]  # nobody asked for it
+    assert [json.loads(e) for e in out] == shaped
 
 
 def test_a_system_message_the_template_drops_is_refused(tiny_dir):
@@ -1911,3 +1915,44 @@ def test_request_id_names_the_completion_as_vllm_names_it():
     assert {e["response"]["id"] for e in events if "response" in e} == {"resp_mine"}
     code, resp = _asgi(app, {"input": "hi", "request_id": ["x"]}, "/v1/responses")
     assert code == 400 and resp["error"]["param"] == "request_id", resp
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
+    """transformers serve writes its chunks without their null fields: a text completion's chunks came without
+    `finish_reason` (and `logprobs`) until the last, a chat's too, and the chat's first chunk without `content` beside
+    its role. vLLM and OpenAI send `"finish_reason": null` and `"logprobs": null` on every chunk before the last, and
+    the role chunk's `"content": ""`; a client reading `choice["finish_reason"]` or `delta["content"]` failed here."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+
+    from serving.local import CheckedChatApp
+
+    chat = path == "/v1/chat/completions"
+    if chat:  # the served app's own chunks, as it writes them
+        handler = ChatCompletionHandler.__new__(ChatCompletionHandler)
+        sse = [handler._build_chunk_sse("r1", role="assistant", model="m"),
+               *(handler._build_chunk_sse("r1", content=t, model="m") for t in ("a", "b")),
+               handler._build_chunk_sse("r1", finish_reason="stop", model="m")]
+    else:
+        handler = CompletionHandler.__new__(CompletionHandler)
+        sse = [*(handler._build_chunk_sse("r1", "m", text=t) for t in ("a", "b")),
+               handler._build_chunk_sse("r1", "m", finish_reason="stop")]
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for k, event in enumerate(sse):
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": k < len(sse) - 1})
+
+    body = {"messages": USER, "max_tokens": 2} if chat else {"prompt": "hi", "max_tokens": 2}
+    code, raw = _asgi(CheckedChatApp(inner), {**body, "stream": True}, path, raw=True)
+    chunks = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+    assert code == 200 and len(chunks) == len(sse), chunks
+    choices = [c["choices"][0] for c in chunks]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(sse) - 1) + ["stop"], choices
+    assert all(c["logprobs"] is None for c in choices), choices
+    if chat:
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}, choices
+        assert "".join(c["delta"].get("content") or "" for c in choices) == "ab"
+    else:
+        assert "".join(c["text"] for c in choices) == "ab"
