@@ -461,6 +461,10 @@ class CheckedChatApp:
         self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
         self._checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="request-checks")
 
+    def _thought_tokens(self, text: str) -> int:
+        """The tokens of a thought's text (a Response's reasoning_tokens); 0 without the served tokenizer."""
+        return self.count_text(text, special=False) if self.count_text else 0
+
     def force_call(self, body: Any) -> str:
         """For a chat request whose tool_choice names a function or is "required", ask the chat template to open
         the answer with that call (any call) and return the text it writes there (markers as served), which the
@@ -798,8 +802,9 @@ class CheckedChatApp:
             out = trim_stops(out, stops)
         if tools:
             out = self.tool_calls(out, parallel, forced)
-        try:
-            resp = response_object(json.loads(out), request, self.model_name)
+        try:  # on the checks' thread: the thought's tokens are counted by the tokenizer it uses
+            resp = await asyncio.get_running_loop().run_in_executor(self._checks, functools.partial(
+                response_object, json.loads(out), request, self.model_name, self._thought_tokens))
         except (ValueError, TypeError, AttributeError, KeyError, IndexError):
             return await self._json(send, 502, {"error": {"message": f"the chat completion behind /v1/responses "
                                                                      f"was not one: {out[:200]!r}",
@@ -813,9 +818,14 @@ class CheckedChatApp:
 
         filters = ([StopTrim(stops)] if stops else []) + ([StreamedCalls(self.token_map, parallel, forced)]
                                                           if tools else [])
-        filters.append(ChatToResponse(ResponseStream(request, self.model_name)))
+        filters.append(ChatToResponse(ResponseStream(request, self.model_name, self._thought_tokens)))
         start: dict = {}
         held: list[bytes] = []  # an error's body, sent whole at its end
+
+        def through(out: bytes, more: bool) -> bytes:
+            for f in filters:
+                out = f.feed(out) + (b"" if more else f.close())
+            return out
 
         async def rewrite(message):
             if message["type"] == "http.response.start":
@@ -831,8 +841,9 @@ class CheckedChatApp:
             if start.get("status", 200) != 200:
                 held.append(out)
                 return None if more else await _send_whole(send, start, b"".join(held))
-            for f in filters:
-                out = f.feed(out) + (b"" if more else f.close())
+            # the end (`response.completed`, the thought's tokens counted) on the checks' thread, as the whole answer
+            out = through(out, more) if more else await asyncio.get_running_loop().run_in_executor(
+                self._checks, through, out, more)
             if out or not more:
                 await send({"type": "http.response.body", "body": out, "more_body": more})
 

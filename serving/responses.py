@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 from serving.openai_request import RequestError, _json_type
 
@@ -229,8 +229,10 @@ def chat_request(body: Any) -> dict:
     return chat
 
 
-def response_object(chat: dict, request: dict, model: str | None) -> dict:
-    """The Response for a served chat completion `chat` (its calls already in `tool_calls`)."""
+def response_object(chat: dict, request: dict, model: str | None, count_tokens: Callable[[str], int] | None = None
+                    ) -> dict:
+    """The Response for a served chat completion `chat` (its calls already in `tool_calls`); `count_tokens(text)`:
+    the tokens of a thought, its usage's reasoning_tokens (0 without it)."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     rid = str(chat.get("id") or f"{time.time_ns()}")
@@ -245,7 +247,14 @@ def response_object(chat: dict, request: dict, model: str | None) -> dict:
         fn = call.get("function") or {}
         output.append(_call_item(rid, k, call.get("id"), fn.get("name"), fn.get("arguments") or "{}"))
     return _response(rid, chat.get("created"), output, chat.get("usage") or {}, choice.get("finish_reason"),
-                     request, model or chat.get("model"))
+                     request, model or chat.get("model"), _reasoning_tokens(output, count_tokens))
+
+
+def _reasoning_tokens(output: list[dict], count_tokens: Callable[[str], int] | None) -> int:
+    """The tokens of the thought in `output`'s reasoning items, as vLLM counts a reasoning parser's (the text's
+    tokens, markers apart); 0 without a thought or a counter."""
+    text = "".join(c.get("text") or "" for o in output if o["type"] == "reasoning" for c in o["content"])
+    return count_tokens(text) if text and count_tokens else 0
 
 
 def _reasoning(message: dict) -> str:
@@ -276,7 +285,7 @@ def _call_item(rid: str, k: int, call_id: str | None, name: str | None, argument
 
 
 def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_reason: str | None, request: dict,
-              model: str | None) -> dict:
+              model: str | None, reasoning_tokens: int = 0) -> dict:
     cut = finish_reason == "length"
     tools = _tools(request.get("tools")) or []
     rid_given = request.get("request_id")  # vLLM's extension: the Response's id, as given
@@ -296,7 +305,7 @@ def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_re
                       # both counts, as the openai SDK's types require them (a client validating refused it)
                       "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": usage.get("completion_tokens", 0),
-                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                       "total_tokens": usage.get("total_tokens", 0)}}
 
 
@@ -307,8 +316,9 @@ class ResponseStream:
     opens a `function_call` item. The finished Response in `response.completed` holds the same items, ids and
     usage (the chat stream's last chunk carries it)."""
 
-    def __init__(self, request: dict, model: str | None):
+    def __init__(self, request: dict, model: str | None, count_tokens: Callable[[str], int] | None = None):
         self.request, self.model = request, model
+        self.count_tokens = count_tokens  # a thought's tokens (`response_object`)
         self.seq = 0
         self.rid: str | None = None
         self.created: Any = None
@@ -439,7 +449,7 @@ class ResponseStream:
         if not self.output:  # no text and no call: one empty message, as a finished Response holds
             out += self._open_text() + self._close_text()
         resp = _response(self.rid or "", self.created, self.output, self.usage, self.finish_reason, self.request,
-                         self.model)
+                         self.model, _reasoning_tokens(self.output, self.count_tokens))
         if self.error is not None:  # it ended in `response.completed`, the answer cut short read as whole
             resp.update(status="failed", incomplete_details=None, error={"code": "server_error", "message": self.error})
             return (out + self._emit("response.failed", response=resp)).encode()

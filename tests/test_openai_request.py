@@ -1105,6 +1105,42 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
 
 
+def test_a_responses_thought_is_counted_as_reasoning_tokens(tiny_dir):
+    """A thinking model's Response said `output_tokens_details.reasoning_tokens: 0` beside its reasoning item, whole
+    and streamed; vLLM counts the thought's tokens there (its reasoning parser's count_reasoning_tokens). The served
+    tokenizer counts the thought's text now; an answer without a thought still says 0."""
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from serving.local import CheckedChatApp, token_counter
+
+    thought = "5 steps is few, so walk more today."
+
+    async def inner(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        deltas = [{"role": "assistant"}] + ([{"reasoning_content": thought[:7]}, {"reasoning_content": thought[7:]}]
+                                            if body["messages"][-1]["content"] == "think" else []) + [
+            {"content": "Walk more."}]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for d in deltas:
+            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 40, "total_tokens": 43}}
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
+
+    tok = load_tokenizer(tiny_dir)
+    expected = len(tok(thought, add_special_tokens=False)["input_ids"])
+    assert expected > 3
+    app = CheckedChatApp(inner, model_name="tiny", count_text=token_counter(tok))
+    code, whole = _asgi(app, {"input": "think"}, "/v1/responses")
+    assert code == 200 and whole["usage"]["output_tokens_details"] == {"reasoning_tokens": expected}, whole["usage"]
+    code, text = _asgi(app, {"input": "think", "stream": True}, "/v1/responses", raw=True)
+    final = json.loads(text.strip().split("\n\n")[-1].split("data: ", 1)[1])["response"]
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": expected}, final["usage"]
+    code, whole = _asgi(app, {"input": "answer"}, "/v1/responses")
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}, whole["usage"]
+
+
 def test_responses_validate_against_the_pinned_openai_sdk():
     """A Response (whole, and each event of a stream) read by the pinned `openai` SDK's own types: its usage lacked
     `input_tokens_details.cache_write_tokens`, which those types require, so `Response.model_validate` (a client
