@@ -274,10 +274,12 @@ def lora_modules_left_out(adapter_modules: Sequence[str], deployed: Sequence[str
 
 
 VLLM_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.txt")  # made by scripts/vllm_serve_flags.py
+SWITCH_MARK = ":switch"  # an option of that file that takes no value (argparse nargs=0)
 
 
 def _vllm_serve_lines() -> dict[str, tuple[str, ...]]:
-    """vllm_serve_flags.txt: each option string, with the words that follow it (its choices, or its number type)."""
+    """vllm_serve_flags.txt: each option string, with the words that follow it (its choices, its number type, or
+    SWITCH_MARK)."""
     lines = VLLM_FLAGS_FILE.read_text(encoding="utf-8").splitlines()
     return {words[0]: tuple(words[1:]) for words in (line.split() for line in lines if not line.startswith("#"))
             if words}
@@ -294,7 +296,7 @@ def vllm_serve_number_types() -> dict[str, str]:
     """The options whose value the pinned `vllm serve`'s parser converts to a number, by the type it converts to:
     "int" or "float", "int?" / "float?" for one that takes "None" and "" too (vLLM's optional_type)."""
     return {flag: words[0][1:] for flag, words in _vllm_serve_lines().items()
-            if len(words) == 1 and words[0].startswith(":")}
+            if len(words) == 1 and words[0].startswith(":") and words[0] != SWITCH_MARK}
 
 
 def vllm_serve_flags() -> frozenset[str]:
@@ -411,20 +413,25 @@ VLLM_SHORT_SWITCHES = {"-ep": "--enable-expert-parallel", "-dph": "--data-parall
                        "-dpe": "--data-parallel-external-lb"}
 
 
-def vllm_switches() -> dict[str, tuple[str, str]]:
-    """The option strings of the pinned `vllm serve` that take no value, each with its (on, off) pair: an option
-    listed with its `--no-` form is one of vLLM's BooleanOptionalAction switches (`--x` / `--no-x`), and so are their
-    short spellings. Its parser stops at `--x=true` ("ignored explicit argument"), and reads `--x true` as a second
-    model."""
-    known = vllm_serve_flags()
-    on = [f for f in known if f.startswith("--") and not f.startswith("--no-") and "--no-" + f[2:] in known]
-    pairs = {f: (f, "--no-" + f[2:]) for f in on}
-    pairs.update({"--no-" + f[2:]: (f, "--no-" + f[2:]) for f in on})
-    pairs.update({short: (short, pairs[f][1]) for short, f in VLLM_SHORT_SWITCHES.items() if f in pairs})
+def vllm_switches() -> dict[str, tuple[str, str | None]]:
+    """The option strings of the pinned `vllm serve` that take no value (marked `:switch` in vllm_serve_flags.txt),
+    each with its (on, off) pair: vLLM's BooleanOptionalAction switches (`--x` / `--no-x`) and their short spellings,
+    and the store_true ones, which have no off (None: left out, it is off). Its parser stops at `--x=true` ("ignored
+    explicit argument"), and reads `--x true` as a second model."""
+    known = {flag for flag, words in _vllm_serve_lines().items() if words == (SWITCH_MARK,)}
+    pairs: dict[str, tuple[str, str | None]] = {}
+    for f in known:
+        if f.startswith("--no-") and "--" + f[5:] in known:
+            pairs[f] = ("--" + f[5:], f)
+        elif f.startswith("--"):
+            pairs[f] = (f, "--no-" + f[2:] if "--no-" + f[2:] in known else None)
+    for f in known - set(pairs):  # the short spellings: -ep is --enable-expert-parallel's
+        long = VLLM_SHORT_SWITCHES.get(f)
+        pairs[f] = (f, pairs[long][1] if long in pairs else None)
     return pairs
 
 
-def switch_values(args: Sequence[str]) -> list[tuple[str, str, str]]:
+def switch_values(args: Sequence[str]) -> list[tuple[str, str, str | None]]:
     """(word, on, off) for each server.extra_args switch given a value (`--enable-prefix-caching=true`)."""
     switches = vllm_switches()
     known = vllm_serve_flags()
@@ -692,7 +699,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
             + f", which `vllm serve` takes in {VLLM_TPU_IMAGE}; vLLM would stop at it on the TPU VM")
     for word, on, off in switch_values(s.extra_args) if pinned_image(cfg) else ():
         bad(f"server.extra_args: {word} gives a value to a switch, which `vllm serve` stops at (ignored explicit "
-            f"argument) on the TPU VM; write {on} to turn it on, or {off} to turn it off")
+            f"argument) on the TPU VM; write {on} to turn it on, or " + (f"{off} to turn it off" if off else
+                                                                          "leave it out to keep it off"))
     switches = vllm_switches()
     for word, after in stray_words(s.extra_args) if pinned_image(cfg) else ():
         option = vllm_option(after) if after else None

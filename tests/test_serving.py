@@ -873,6 +873,14 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching,'true']"],
      ["'true' is no option's value (--enable-prefix-caching is a switch, which takes none)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[-dph,1]"], ["'1' is no option's value (-dph is a switch"]),
+    # a store_true switch has no --no- form, and took a value unremarked (vLLM's argparse: "ignored explicit argument")
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--disable-log-stats=x]"],
+     ["server.extra_args: --disable-log-stats=x gives a value to a switch", "write --disable-log-stats to turn it "
+      "on, or leave it out to keep it off"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--aggregate_engine_logging=1]"],
+     ["--aggregate_engine_logging=1 gives a value to a switch"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--disable-log-stats,'yes']"],
+     ["'yes' is no option's value (--disable-log-stats is a switch, which takes none)"]),
     # argparse takes no option for the value: "expected one argument"
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed]"], ["--seed needs a value (an integer)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,--enforce-eager]"], ["--seed needs a value"]),
