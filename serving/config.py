@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from gemma_tpu.core.typed_yaml import blame, expand_env, key_lines, keys_given, load_typed
+from gemma_tpu.core.typed_yaml import blame, expand_env, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, other_unicode, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import (
@@ -105,7 +105,7 @@ class ServerSection:
     host: str = "127.0.0.1"  # the container shares the host network: 0.0.0.0 exposes the API
     port: int = 8000
     tensor_parallel_size: int = 1
-    max_model_len: int = 2048  # left unset: 2048, or the model's context where that is shorter (`served_context`)
+    max_model_len: int | None = None  # None: DEFAULT_CONTEXT, or the model's context where shorter (`served_context`)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     dtype: Literal["bfloat16"] = "bfloat16"  # vLLM-TPU refuses float16 for Gemma 3
@@ -612,7 +612,7 @@ def lora_warning(cfg: ServeConfig) -> str | None:
 
 
 MODEL_DIR_HINT = "the merged model directory, e.g. model.dir=runs/x-merged"
-_CONTEXT_GIVEN = "_max_model_len_given"  # ServerSection: whether the config or an override set max_model_len
+DEFAULT_CONTEXT = 2048  # the context served where server.max_model_len is unset and the model's is not shorter
 # the largest server.* count the launcher passes on (vLLM-TPU's JAX side counts tokens and positions in int32)
 MAX_SERVER_INT = 2**31 - 1
 
@@ -668,8 +668,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     if cfg.model.dir and not _NAME.fullmatch(cfg.served_name):
         bad(f"the directory name {cfg.served_name!r} cannot be a served model name; set model.name")
     s = cfg.server
-    s.__dict__[_CONTEXT_GIVEN] = "server.max_model_len" in keys_given(path, overrides)
     for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        if getattr(s, key) is None:  # max_model_len unset: DEFAULT_CONTEXT, or the model's (`served_context`)
+            continue
         if getattr(s, key) <= 0:
             bad(f"server.{key} must be positive, got {getattr(s, key)}")
         if getattr(s, key) > MAX_SERVER_INT:  # `max_model_len: 1e20` was rendered as --max-model-len 1000...0
@@ -679,7 +680,7 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
             f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
     known = vllm_serve_flags()
-    if s.__dict__[_CONTEXT_GIVEN] and (why := unchunked_prefill_refusal(s, s.max_model_len)):
+    if s.max_model_len is not None and (why := unchunked_prefill_refusal(s, s.max_model_len)):
         bad(why)  # left unset, the context may follow a shorter model: checked with it (`served_context`)
     for arg in s.extra_args:
         option = vllm_option(arg)
@@ -1065,8 +1066,8 @@ def served_context(cfg: ServeConfig, d: Path, hf: dict, text: dict) -> int:
     vllm/config/model.py _get_and_verify_max_len, and it refuses a longer --max-model-len when the engine starts;
     --local quietly served the shorter one), unless container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM take it.
     Left unset, the default follows a model whose context is shorter."""
-    want = cfg.server.max_model_len
-    given = cfg.server.__dict__.get(_CONTEXT_GIVEN, False)
+    given = cfg.server.max_model_len is not None
+    want = cfg.server.max_model_len if given else DEFAULT_CONTEXT
     # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
     if str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true"):
         limits = []

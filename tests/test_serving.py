@@ -1774,6 +1774,13 @@ def test_a_context_past_the_models_is_refused_locally_as_by_vllm_and_an_unset_on
     code, out, err = launch_inproc(capsys, "--config", str(cfg), "--print", unchunked,
                                    "server.max_num_batched_tokens=512")
     one_error_line(code, err, "server.max_num_batched_tokens=512 is below server.max_model_len=1024")
+    # --print-config of such a config reads back the same: it printed the unset context as 2048, which, read back as
+    # given, was refused for this model ("exceeds"); unset prints null, and null is unset
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--print-config")
+    assert code == 0 and "max_model_len: null" in out, err
+    (tmp_path / "printed.yaml").write_text(out)
+    code, out, err = launch_inproc(capsys, "--config", str(tmp_path / "printed.yaml"), "--print")
+    assert code == 0 and flag(words(out), "--max-model-len") == "1024", err
 
 
 def test_local_server_is_bounded_by_max_model_len(tiny_dir, tmp_path, capsys, monkeypatch):
