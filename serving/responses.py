@@ -301,6 +301,11 @@ def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_re
             "tools": [{"type": "function", **t["function"]} for t in tools],
             "temperature": request.get("temperature"), "top_p": request.get("top_p"),
             "max_output_tokens": request.get("max_output_tokens"),
+            # the request's other settings echoed, as vLLM (ResponsesResponse.from_request) and OpenAI echo them
+            "text": request.get("text") or {"format": {"type": "text"}},
+            "truncation": request.get("truncation") or "disabled", "reasoning": request.get("reasoning"),
+            "service_tier": request.get("service_tier") or "auto", "user": request.get("user"),
+            "max_tool_calls": request.get("max_tool_calls"), "background": False, "previous_response_id": None,
             "usage": {"input_tokens": usage.get("prompt_tokens", 0),
                       # both counts, as the openai SDK's types require them (a client validating refused it)
                       "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},

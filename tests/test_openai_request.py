@@ -1992,3 +1992,36 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
         assert "".join(c["delta"].get("content") or "" for c in choices) == "ab"
     else:
         assert "".join(c["text"] for c in choices) == "ab"
+
+
+def test_a_response_echoes_the_request_settings_as_vllm_does():
+    """vLLM's Response (ResponsesResponse.from_request) and OpenAI's echo the request's settings: `text` (its format),
+    `truncation`, `reasoning`, `service_tier`, `user`, `max_tool_calls`, with `background` false and no
+    `previous_response_id`; the local server's Response left them out (the SDK read them as None: `resp.text.format`
+    an AttributeError), whole and in the stream's response events. Unset, they are the API's defaults."""
+    pytest.importorskip("openai")
+    from openai.types.responses import Response
+
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for d, finish in (({"role": "assistant"}, None), ({"content": "ok"}, None), ({}, "stop")):
+            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": finish is None})
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    given = {"text": {"format": {"type": "text"}}, "truncation": "auto", "reasoning": {"effort": "low"},
+             "service_tier": "default", "user": "u1", "max_tool_calls": 3}
+    defaults = {"text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+                "service_tier": "auto", "user": None, "max_tool_calls": None}
+    for request, expected in (({"input": "hi", **given}, given), ({"input": "hi"}, defaults)):
+        code, whole = _asgi(app, request, "/v1/responses")
+        assert code == 200 and {k: whole.get(k, "missing") for k in expected} == expected, whole
+        assert (whole.get("background"), whole.get("previous_response_id", "missing")) == (False, None), whole
+        assert Response.model_validate(whole).text.format.type == "text"
+        code, text = _asgi(app, {**request, "stream": True}, "/v1/responses", raw=True)
+        events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+        for e in (e for e in events if "response" in e):
+            assert {k: e["response"].get(k, "missing") for k in expected} == expected, e
