@@ -601,15 +601,22 @@ def _linked(messages: list[dict], answers: dict[int, tuple[int, int]]) -> list[d
     return out
 
 
+# a text completion's max_tokens when the request leaves it out: vLLM's CompletionRequest default (and OpenAI's);
+# a chat completion's default is what the context leaves, in both
+COMPLETION_MAX_TOKENS = 16
+
+
 def check_completion_request(body: Any, context: int | None = None,
                              count_prompt: Callable[[str], int] | None = None, vocab_size: int | None = None,
                              check_generation_config: Callable[[dict], None] | None = None) -> dict:
     """A text completion (`/v1/completions`) checked like a chat completion: `prompt` a string (what
     transformers serve reads; a list of one string is that string), the same generation settings, `max_tokens`
-    bounded by the context."""
+    bounded by the context; left out, it is COMPLETION_MAX_TOKENS (given as null: what the context leaves)."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
     body = _whole_numbers(body)
+    if "max_tokens" not in body:  # vLLM's and OpenAI's default: it ran on to the end of the context
+        body = {**body, "max_tokens": COMPLETION_MAX_TOKENS}
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         body = {**body, "prompt": prompt[0]}  # a batch of one, as LangChain and the SDK's list form send it

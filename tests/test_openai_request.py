@@ -326,9 +326,11 @@ def test_text_completions_are_checked_alike():
         with pytest.raises(RequestError) as e:
             check_completion_request(body)
         assert e.value.param == param
-    assert check_completion_request({"prompt": "héllo", "stop": []}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    assert check_completion_request({"prompt": "héllo", "stop": [], "max_tokens": None}, 50, len) == {
+        "prompt": "héllo", "max_tokens": 45}
     # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
-    assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    assert check_completion_request({"prompt": ["héllo"], "max_tokens": 45}, 50, len) == {"prompt": "héllo",
+                                                                                           "max_tokens": 45}
     assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1, "suffix": ""})["prompt"] == "x"
     assert check_completion_request({"prompt": "x", "logprobs": None})["prompt"] == "x"
     # token ids (vLLM takes them, one prompt or a batch) were "expected a string (or a list of one), got a list"
@@ -549,6 +551,20 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     if not raw or b"content-length" in dict(start["headers"]):  # a stream (raw) may go without one
         assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
     return start["status"], data.decode() if raw else json.loads(data)
+
+
+def test_a_text_completion_without_max_tokens_generates_vllms_default_of_16():
+    """vLLM's (and OpenAI's) text completion generates 16 tokens when the request leaves max_tokens out
+    (CompletionRequest.max_tokens = 16); here it ran on to the end of the context (thousands of tokens where vLLM
+    answers 16). Given as null it is what the context leaves, in vLLM too; a chat completion's default stays all of
+    it; a prompt leaving fewer than 16 is refused, as vLLM refuses it."""
+    assert check_completion_request({"prompt": "héllo"}, 50, len)["max_tokens"] == 16
+    assert check_completion_request({"prompt": "héllo", "max_tokens": None}, 50, len)["max_tokens"] == 45
+    assert check_completion_request({"prompt": "héllo", "max_tokens": 3}, 50, len)["max_tokens"] == 3
+    assert check_chat_request({"messages": USER}, 50, lambda b: 10)["max_tokens"] == 40
+    with pytest.raises(RequestError, match="16 new tokens after a prompt of 40 .* ask for at most 10") as e:
+        check_completion_request({"prompt": "x" * 40}, 50, len)
+    assert e.value.param == "max_tokens"
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
@@ -872,7 +888,7 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tiny_dir):
     assert e.value.param == "prompt" and time.monotonic() - start < 3  # tokenizing it alone took ~9 s
     with pytest.raises(RequestError, match="the prompt is 601 tokens"):  # exact where it can be counted
         check_completion_request({"prompt": "a" * 600}, 512, text)
-    assert check_completion_request({"prompt": "a" * 500}, 512, text)["max_tokens"] == 11
+    assert check_completion_request({"prompt": "a" * 500, "max_tokens": None}, 512, text)["max_tokens"] == 11
 
 
 def streamed_choices(token_map: dict, text: str, size: int) -> list[dict]:
