@@ -539,12 +539,12 @@ class CheckedChatApp:
 
         return wrapped
 
-    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "") -> bytes:
-        """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
-        `message.tool_calls` (arguments as JSON strings; only the first unless `parallel`, as vLLM honours
-        `parallel_tool_calls: false`), the text outside them as `content` and finish_reason `tool_calls`,
-        as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything else
-        unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
+    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "", named: bool = False) -> bytes:
+        """A non-streamed completion whose content holds FunctionGemma calls, with the calls in `message.tool_calls`
+        (arguments as JSON strings; only the first unless `parallel`, as vLLM honours `parallel_tool_calls:
+        false`), the text outside them as `content` and finish_reason `tool_calls` (a `named` tool_choice's
+        keeps its own), as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything
+        else unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
         continues."""
         import json
 
@@ -564,7 +564,8 @@ class CheckedChatApp:
         message["content"] = content or (None if calls else "")
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-            choice["finish_reason"] = "tool_calls"
+            if not named:  # a named tool_choice's call keeps the generation's finish_reason, as in vLLM and OpenAI
+                choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
 
     def _authorized(self, scope) -> bool:
@@ -707,7 +708,8 @@ class CheckedChatApp:
             # the stop strings are cut first (transformers serve streams them), then the calls are read
             filters = [ReasoningName()] if path == "/v1/chat/completions" else []
             filters += ([StopTrim(stops)] if stops else []) + (
-                [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced)] if tools else [])
+                [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced,
+                               isinstance(body.get("tool_choice"), dict))] if tools else [])
             if named.name or named.rid is not None:  # after the calls: theirs named after the served app's id, as
                 filters.append(named)                 # unstreamed (`tool_calls`)
             filters.append(NullFields())
@@ -758,7 +760,8 @@ class CheckedChatApp:
             if start.get("status") == 200 and stops:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
-                out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced)
+                out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced,
+                                      isinstance(body.get("tool_choice"), dict))
             if start.get("status") == 200:
                 out = named.whole(out)
             await _send_whole(send, start, out)
@@ -1176,14 +1179,16 @@ class StreamedCalls(EventStream):
     text arrive as `tool_calls` deltas, as vLLM's functiongemma parser streams them: text before a call
     streams on as `content`; from a call's start marker to its end marker the text is held, then sent as
     one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason becomes
-    `tool_calls`. Text that only might start a marker is held until the next delta settles it, and so is
-    trailing whitespace: the content streamed is the unstreamed one, stripped around the calls. A call
-    that does not parse, or is cut off by the end of the stream before its arguments close, streams as the
-    text it was (one cut just before its end marker is a call). Calls written without their markers stay
-    text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`).
-    Feed the body bytes as they come (`feed`), then `close()` for whatever is left."""
+    `tool_calls` (but for a `named` tool_choice, as vLLM's). Text that only might start a marker is held until the
+    next delta settles it, and so is trailing whitespace: the content streamed is the unstreamed one, stripped
+    around the calls. A call that does not parse, or is cut off by the end of the stream before its arguments close,
+    streams as the text it was (one cut just before its end marker is a call). Calls written without their markers
+    stay text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`). Feed the
+    body bytes as they come (`feed`), then `close()` for whatever is left.
+    """
 
-    def __init__(self, token_map: dict[str, str] | None, parallel: bool = True, prefix: str = ""):
+    def __init__(self, token_map: dict[str, str] | None, parallel: bool = True, prefix: str = "",
+                 named: bool = False):
         from gemma_tpu.formats.function_calling import END_CALL, START_CALL
 
         self.token_map = token_map or {}
@@ -1194,6 +1199,9 @@ class StreamedCalls(EventStream):
         # chat template opened, which the model's text continues)
         self.calls = 0
         self.parallel = parallel  # False: the first call only (the request's parallel_tool_calls)
+        # a named tool_choice: the finish_reason stays the generation's ("stop"), as vLLM and OpenAI give it; "auto"
+        # and "required" calls finish with "tool_calls"
+        self.named = named
         self.space = ""  # whitespace at the end of the text so far, sent only when more text follows it
         self.texted = False  # some content was sent
 
@@ -1280,7 +1288,7 @@ class StreamedCalls(EventStream):
             delta["content"] = content
         if finish is not None:
             out += self._text(chunk, final=True)
-            if self.calls and finish in ("stop", "length", "tool_calls"):
+            if self.calls and finish in ("stop", "length", "tool_calls") and not self.named:
                 choice["finish_reason"] = "tool_calls"
         if delta or finish is not None or "usage" in chunk:
             choice["delta"] = delta

@@ -1686,15 +1686,18 @@ def test_tool_choice_opens_the_call_through_the_chat_template():
 
     app = CheckedChatApp(inner, token_map=token_map, forced_calls=True)
     named = {"type": "function", "function": {"name": "get_steps"}}
-    for choice, args in ((named, {"date": "today"}), ("required", {})):
+    # finish_reason as vLLM (and OpenAI) gives it: "tool_calls" for a required call, the generation's own ("stop")
+    # for a named one
+    for choice, args, finish in ((named, {"date": "today"}, "stop"), ("required", {}, "tool_calls")):
         code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": choice})
         calls = resp["choices"][0]["message"]["tool_calls"]
         assert code == 200 and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-            ("get_steps", args)] and resp["choices"][0]["finish_reason"] == "tool_calls", resp
+            ("get_steps", args)] and resp["choices"][0]["finish_reason"] == finish, resp
         code, events = _stream_through(app, {"messages": USER, "tools": [TOOL], "tool_choice": choice, "stream": True})
         deltas = [t for e in events if e.get("choices") for t in e["choices"][0]["delta"].get("tool_calls") or []]
         assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in deltas] == [("get_steps", args)]
         assert not any(e["choices"][0]["delta"].get("content") for e in events if e.get("choices"))
+        assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == finish, events
     # a forced call cut off by max_tokens is text, its opening included, streamed or not (unstreamed, the text
     # lacked the opening the template wrote: "date:<unused6>to", half a call)
     cut = {"messages": USER, "tools": [TOOL], "tool_choice": named, "max_tokens": 3}
