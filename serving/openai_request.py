@@ -420,7 +420,8 @@ def _sampled(body: dict, given: dict) -> bool:
     `temperature: 0.8, seed: N` answer was the greedy one."""
     if body.get("temperature") is not None:
         return body["temperature"] > 0
-    return body.get("top_p", 1) < 1 or (given.get("top_k") or 0) > 0 or bool(given.get("min_p"))
+    top_k = given.get("top_k")  # not yet checked: a string is refused below, naming it (it was a TypeError, a 500)
+    return body.get("top_p", 1) < 1 or _is_int(top_k) and top_k > 0 or bool(given.get("min_p"))
 
 
 def _extensions(body: dict, check_generation_config) -> None:

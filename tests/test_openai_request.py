@@ -1432,7 +1432,9 @@ def test_vllm_sampling_extensions_become_generation_settings():
     assert json.loads(body["generation_config"]) == {"min_new_tokens": 2}  # greedy: no top_k to switch off
     assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
     for extra, param in (({"top_k": 1.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
-                         ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens")):
+                         ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens"),
+                         # a top_k of another type was a TypeError deciding whether to sample: a 500
+                         ({"top_k": "5"}, "top_k"), ({"top_k": [5]}, "top_k"), ({"top_k": {}}, "top_k")):
         with pytest.raises(RequestError) as e:
             check_chat_request({"messages": USER, "max_tokens": 3, **extra})
         assert e.value.param == param
