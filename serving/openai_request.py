@@ -327,7 +327,7 @@ _VLLM_AT_DEFAULT = {"echo": False, "add_generation_prompt": True, "continue_fina
                     "skip_special_tokens": True, "spaces_between_special_tokens": True,
                     "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
                     "stop_token_ids": [], "bad_words": [], "priority": 0, "return_tokens_as_token_ids": False,
-                    "return_token_ids": False}
+                    "return_token_ids": False, "include_reasoning": True}
 
 
 def _prompt_end(body: dict) -> None:

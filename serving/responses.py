@@ -20,6 +20,11 @@ from typing import Any, Callable
 
 from serving.openai_request import RequestError, _json_type
 
+# vLLM's extensions of the Responses API that are a chat completion's fields too: passed on as they are, and checked
+# (applied, or refused naming the field) as a chat completion's
+_AS_CHAT = ("top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos",
+            "chat_template_kwargs", "skip_special_tokens", "include_stop_str_in_output", "include_reasoning",
+            "priority")
 # fields a chat completion cannot honour, where ignoring them would mislead the client
 _REFUSED = {"previous_response_id": "this server keeps no responses: send the whole conversation in `input`",
             "conversation": "this server keeps no conversations: send the whole conversation in `input`",
@@ -33,7 +38,7 @@ _REFUSED = {"previous_response_id": "this server keeps no responses: send the wh
 _KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
           "temperature", "top_p", "seed", "stop", "stream", "stream_options", "text", "metadata", "store", "user",
           "safety_identifier", "service_tier", "prompt_cache_key", "reasoning", "truncation", "include",
-          "max_tool_calls", "request_id", *_REFUSED}
+          "max_tool_calls", "request_id", *_REFUSED, *_AS_CHAT}
 # the JSON type of the fields read as nothing (or echoed) here, refused when another, as OpenAI refuses it (a
 # `metadata: "x"` came back as {}); null is absent
 _TYPED = {"text": (dict, "an object"), "metadata": (dict, "an object"), "reasoning": (dict, "an object"),
@@ -221,7 +226,8 @@ def chat_request(body: Any) -> dict:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for key in ("model", "temperature", "top_p", "seed", "stop", "user") + (("parallel_tool_calls",) if tools else ()):
+    for key in ("model", "temperature", "top_p", "seed", "stop", "user", *_AS_CHAT) + (
+            ("parallel_tool_calls",) if tools else ()):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("stream") is not None and not isinstance(body["stream"], bool):

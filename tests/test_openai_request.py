@@ -2046,3 +2046,29 @@ def test_a_response_echoes_the_request_settings_as_vllm_does():
         events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
         for e in (e for e in events if "response" in e):
             assert {k: e["response"].get(k, "missing") for k in expected} == expected, e
+
+
+def test_vllms_request_extensions_of_its_pinned_release_are_served():
+    """vllm-tpu 0.27's chat completion takes `include_reasoning` (default true) and its Responses API the sampling
+    extensions of a chat completion (`top_k`, `repetition_penalty`, `frequency_penalty`, `logit_bias`, `ignore_eos`,
+    `chat_template_kwargs`, `skip_special_tokens`, ...): the local server refused them ("Unexpected field", "unknown
+    parameter"). They are read as a chat completion reads them; a value this server cannot serve is refused naming
+    the field, as before."""
+    from serving.responses import chat_request, request_param
+
+    assert "include_reasoning" not in check_chat_request({"messages": USER, "include_reasoning": True})
+    with pytest.raises(RequestError, match="this server serves only its default") as e:
+        check_chat_request({"messages": USER, "include_reasoning": False})
+    assert e.value.param == "include_reasoning"
+    body = check_chat_request(chat_request({"input": "hi", "top_k": 5, "repetition_penalty": 1.1, "ignore_eos": False,
+                                            "logit_bias": {"7": -100}, "frequency_penalty": 0,
+                                            "skip_special_tokens": True, "include_reasoning": True, "priority": 0,
+                                            "chat_template_kwargs": {"x": 1}}))
+    assert json.loads(body["generation_config"]) == {"do_sample": True, "top_k": 5, "repetition_penalty": 1.1}
+    assert body["logit_bias"] == {"7": -100.0} and body["chat_template_kwargs"] == {"x": 1}
+    for request, param in (({"input": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+                           ({"input": "hi", "top_k": "5"}, "top_k"),
+                           ({"input": "hi", "skip_special_tokens": False}, "skip_special_tokens")):
+        with pytest.raises(RequestError) as e:
+            check_chat_request(chat_request(request))
+        assert request_param(e.value.param, request) == param
