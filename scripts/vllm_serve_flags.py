@@ -38,7 +38,10 @@ def number_type(t):  # int or float, or vLLM's optional_type of one (which also 
     base = t if t in (int, float) else next((c for c in inner if c in (int, float)), None)
     return base and ":" + base.__name__ + ("?" if inner else "")
 for a in parser._actions:  # a fixed set of values argparse checks as written (no converting type, one value)
-    if a.choices is not None and a.type in (None, str) and a.nargs is None:
+    if a.nargs == 0:  # no value at all: a switch (store_true, --x/--no-x), which argparse refuses `--x=V` for
+        for s in a.option_strings:
+            flags[s] = [":switch"]
+    elif a.choices is not None and a.type in (None, str) and a.nargs is None:
         for s in a.option_strings:
             flags[s] = [str(c) for c in a.choices]
     elif a.choices is None and a.nargs is None and number_type(a.type):  # a number argparse converts (int("x"))
@@ -71,7 +74,8 @@ def main(argv: list[str]) -> int:
                    f"image), one a line;\n# made by scripts/vllm_serve_flags.py {version}. serving/config.py checks "
                    "server.extra_args against them.\n# An option whose value argparse checks against a fixed set is "
                    "followed by that set (vllm serve stops at any other value);\n# one whose value argparse converts "
-                   "to a number by :int or :float (:int? and :float? take \"None\" and an empty value too).\n"
+                   "to a number by :int or :float (:int? and :float? take \"None\" and an empty value too);\n"
+                   "# one that takes no value (a switch: store_true, --x / --no-x) by :switch.\n"
                    + "\n".join(" ".join([flag, *choices]) for flag, choices in flags) + "\n")
     print(f"{OUT}: {len(flags)} options of vllm-tpu {version}")
     return 0

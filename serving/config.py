@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from gemma_tpu.core.typed_yaml import blame, expand_env, key_lines, keys_given, load_typed
+from gemma_tpu.core.typed_yaml import blame, expand_env, key_lines, load_typed
 from gemma_tpu.core.errors import UserError, other_unicode, read_json_object
 from gemma_tpu.formats.function_calling import FUNCTION_MARKERS
 from gemma_tpu.hf.adapter import (
@@ -105,7 +105,7 @@ class ServerSection:
     host: str = "127.0.0.1"  # the container shares the host network: 0.0.0.0 exposes the API
     port: int = 8000
     tensor_parallel_size: int = 1
-    max_model_len: int = 2048  # left unset: 2048, or the model's context where that is shorter (`served_context`)
+    max_model_len: int | None = None  # None: DEFAULT_CONTEXT, or the model's context where shorter (`served_context`)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     dtype: Literal["bfloat16"] = "bfloat16"  # vLLM-TPU refuses float16 for Gemma 3
@@ -274,10 +274,12 @@ def lora_modules_left_out(adapter_modules: Sequence[str], deployed: Sequence[str
 
 
 VLLM_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.txt")  # made by scripts/vllm_serve_flags.py
+SWITCH_MARK = ":switch"  # an option of that file that takes no value (argparse nargs=0)
 
 
 def _vllm_serve_lines() -> dict[str, tuple[str, ...]]:
-    """vllm_serve_flags.txt: each option string, with the words that follow it (its choices, or its number type)."""
+    """vllm_serve_flags.txt: each option string, with the words that follow it (its choices, its number type, or
+    SWITCH_MARK)."""
     lines = VLLM_FLAGS_FILE.read_text(encoding="utf-8").splitlines()
     return {words[0]: tuple(words[1:]) for words in (line.split() for line in lines if not line.startswith("#"))
             if words}
@@ -294,7 +296,7 @@ def vllm_serve_number_types() -> dict[str, str]:
     """The options whose value the pinned `vllm serve`'s parser converts to a number, by the type it converts to:
     "int" or "float", "int?" / "float?" for one that takes "None" and "" too (vLLM's optional_type)."""
     return {flag: words[0][1:] for flag, words in _vllm_serve_lines().items()
-            if len(words) == 1 and words[0].startswith(":")}
+            if len(words) == 1 and words[0].startswith(":") and words[0] != SWITCH_MARK}
 
 
 def vllm_serve_flags() -> frozenset[str]:
@@ -411,20 +413,25 @@ VLLM_SHORT_SWITCHES = {"-ep": "--enable-expert-parallel", "-dph": "--data-parall
                        "-dpe": "--data-parallel-external-lb"}
 
 
-def vllm_switches() -> dict[str, tuple[str, str]]:
-    """The option strings of the pinned `vllm serve` that take no value, each with its (on, off) pair: an option
-    listed with its `--no-` form is one of vLLM's BooleanOptionalAction switches (`--x` / `--no-x`), and so are their
-    short spellings. Its parser stops at `--x=true` ("ignored explicit argument"), and reads `--x true` as a second
-    model."""
-    known = vllm_serve_flags()
-    on = [f for f in known if f.startswith("--") and not f.startswith("--no-") and "--no-" + f[2:] in known]
-    pairs = {f: (f, "--no-" + f[2:]) for f in on}
-    pairs.update({"--no-" + f[2:]: (f, "--no-" + f[2:]) for f in on})
-    pairs.update({short: (short, pairs[f][1]) for short, f in VLLM_SHORT_SWITCHES.items() if f in pairs})
+def vllm_switches() -> dict[str, tuple[str, str | None]]:
+    """The option strings of the pinned `vllm serve` that take no value (marked `:switch` in vllm_serve_flags.txt),
+    each with its (on, off) pair: vLLM's BooleanOptionalAction switches (`--x` / `--no-x`) and their short spellings,
+    and the store_true ones, which have no off (None: left out, it is off). Its parser stops at `--x=true` ("ignored
+    explicit argument"), and reads `--x true` as a second model."""
+    known = {flag for flag, words in _vllm_serve_lines().items() if words == (SWITCH_MARK,)}
+    pairs: dict[str, tuple[str, str | None]] = {}
+    for f in known:
+        if f.startswith("--no-") and "--" + f[5:] in known:
+            pairs[f] = ("--" + f[5:], f)
+        elif f.startswith("--"):
+            pairs[f] = (f, "--no-" + f[2:] if "--no-" + f[2:] in known else None)
+    for f in known - set(pairs):  # the short spellings: -ep is --enable-expert-parallel's
+        long = VLLM_SHORT_SWITCHES.get(f)
+        pairs[f] = (f, pairs[long][1] if long in pairs else None)
     return pairs
 
 
-def switch_values(args: Sequence[str]) -> list[tuple[str, str, str]]:
+def switch_values(args: Sequence[str]) -> list[tuple[str, str, str | None]]:
     """(word, on, off) for each server.extra_args switch given a value (`--enable-prefix-caching=true`)."""
     switches = vllm_switches()
     known = vllm_serve_flags()
@@ -605,7 +612,7 @@ def lora_warning(cfg: ServeConfig) -> str | None:
 
 
 MODEL_DIR_HINT = "the merged model directory, e.g. model.dir=runs/x-merged"
-_CONTEXT_GIVEN = "_max_model_len_given"  # ServerSection: whether the config or an override set max_model_len
+DEFAULT_CONTEXT = 2048  # the context served where server.max_model_len is unset and the model's is not shorter
 # the largest server.* count the launcher passes on (vLLM-TPU's JAX side counts tokens and positions in int32)
 MAX_SERVER_INT = 2**31 - 1
 
@@ -661,8 +668,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
     if cfg.model.dir and not _NAME.fullmatch(cfg.served_name):
         bad(f"the directory name {cfg.served_name!r} cannot be a served model name; set model.name")
     s = cfg.server
-    s.__dict__[_CONTEXT_GIVEN] = "server.max_model_len" in keys_given(path, overrides)
     for key in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        if getattr(s, key) is None:  # max_model_len unset: DEFAULT_CONTEXT, or the model's (`served_context`)
+            continue
         if getattr(s, key) <= 0:
             bad(f"server.{key} must be positive, got {getattr(s, key)}")
         if getattr(s, key) > MAX_SERVER_INT:  # `max_model_len: 1e20` was rendered as --max-model-len 1000...0
@@ -672,7 +680,7 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         bad(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_num_seqs="
             f"{s.max_num_seqs}; vLLM needs at least one token a step for each sequence")
     known = vllm_serve_flags()
-    if s.__dict__[_CONTEXT_GIVEN] and (why := unchunked_prefill_refusal(s, s.max_model_len)):
+    if s.max_model_len is not None and (why := unchunked_prefill_refusal(s, s.max_model_len)):
         bad(why)  # left unset, the context may follow a shorter model: checked with it (`served_context`)
     for arg in s.extra_args:
         option = vllm_option(arg)
@@ -692,7 +700,8 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
             + f", which `vllm serve` takes in {VLLM_TPU_IMAGE}; vLLM would stop at it on the TPU VM")
     for word, on, off in switch_values(s.extra_args) if pinned_image(cfg) else ():
         bad(f"server.extra_args: {word} gives a value to a switch, which `vllm serve` stops at (ignored explicit "
-            f"argument) on the TPU VM; write {on} to turn it on, or {off} to turn it off")
+            f"argument) on the TPU VM; write {on} to turn it on, or " + (f"{off} to turn it off" if off else
+                                                                          "leave it out to keep it off"))
     switches = vllm_switches()
     for word, after in stray_words(s.extra_args) if pinned_image(cfg) else ():
         option = vllm_option(after) if after else None
@@ -1057,8 +1066,8 @@ def served_context(cfg: ServeConfig, d: Path, hf: dict, text: dict) -> int:
     vllm/config/model.py _get_and_verify_max_len, and it refuses a longer --max-model-len when the engine starts;
     --local quietly served the shorter one), unless container.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM take it.
     Left unset, the default follows a model whose context is shorter."""
-    want = cfg.server.max_model_len
-    given = cfg.server.__dict__.get(_CONTEXT_GIVEN, False)
+    given = cfg.server.max_model_len is not None
+    want = cfg.server.max_model_len if given else DEFAULT_CONTEXT
     # vLLM takes a longer --max-model-len with this in its environment (vllm/envs.py reads "1" or "true")
     if str(cfg.container.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true"):
         limits = []

@@ -33,6 +33,7 @@ from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.infer.openai_client import api_key_from_env
 from serving.config import (
+    DEFAULT_CONTEXT,
     MODEL_DIR_HINT,
     VLLM_TPU_IMAGE,
     ModelFacts,
@@ -137,7 +138,7 @@ def render(cfg: ServeConfig, facts: ModelFacts) -> DockerCommand:
     serve = [["vllm", "serve", model_in, "--served-model-name", name],
              ["--host", s.host, "--port", str(s.port)],
              ["--tensor-parallel-size", str(s.tensor_parallel_size),
-              "--max-model-len", str(facts.max_model_len or s.max_model_len),
+              "--max-model-len", str(facts.max_model_len or s.max_model_len or DEFAULT_CONTEXT),
               "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
               "--dtype", s.dtype, "--chat-template-content-format", s.chat_template_content_format]]
     if t.enabled:

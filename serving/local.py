@@ -461,6 +461,10 @@ class CheckedChatApp:
         self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
         self._checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="request-checks")
 
+    def _thought_tokens(self, text: str) -> int:
+        """The tokens of a thought's text (a Response's reasoning_tokens); 0 without the served tokenizer."""
+        return self.count_text(text, special=False) if self.count_text else 0
+
     def force_call(self, body: Any) -> str:
         """For a chat request whose tool_choice names a function or is "required", ask the chat template to open
         the answer with that call (any call) and return the text it writes there (markers as served), which the
@@ -535,12 +539,12 @@ class CheckedChatApp:
 
         return wrapped
 
-    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "") -> bytes:
-        """A non-streamed completion whose content holds FunctionGemma calls, with the calls in
-        `message.tool_calls` (arguments as JSON strings; only the first unless `parallel`, as vLLM honours
-        `parallel_tool_calls: false`), the text outside them as `content` and finish_reason `tool_calls`,
-        as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything else
-        unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
+    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "", named: bool = False) -> bytes:
+        """A non-streamed completion whose content holds FunctionGemma calls, with the calls in `message.tool_calls`
+        (arguments as JSON strings; only the first unless `parallel`, as vLLM honours `parallel_tool_calls:
+        false`), the text outside them as `content` and finish_reason `tool_calls` (a `named` tool_choice's
+        keeps its own), as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything
+        else unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
         continues."""
         import json
 
@@ -560,7 +564,8 @@ class CheckedChatApp:
         message["content"] = content or (None if calls else "")
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-            choice["finish_reason"] = "tool_calls"
+            if not named:  # a named tool_choice's call keeps the generation's finish_reason, as in vLLM and OpenAI
+                choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
 
     def _authorized(self, scope) -> bool:
@@ -677,6 +682,7 @@ class CheckedChatApp:
         # generating when the client goes away, its whole answers ran on to max_tokens, holding the one generation
         # thread, after the client had given up
         whole = (request.get("stream") is not True) if path == "/v1/responses" else not body.get("stream")
+        rid = body.pop("request_id", None)  # vLLM's extension: the completion's id (`completion_id`)
         body["stream"] = True
         # a stop string no token can end (a character the vocabulary lacks) is matched on the decoded text
         # (`stop_on_decoded_text`), and cut from the text here as any other
@@ -694,15 +700,19 @@ class CheckedChatApp:
 
         if path == "/v1/responses":
             return await self._responses(scope, headers, replay, send, request, body, forced, whole)
+        named = ServedName(self.model_name, completion_id(path, scope.get("headers", []), rid))
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
         stops += self.stop_texts
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
         if not whole:
             # the stop strings are cut first (transformers serve streams them), then the calls are read
-            filters = ([ServedName(self.model_name)] if self.model_name else []) + (
-                [ReasoningName()] if path == "/v1/chat/completions" else [])
+            filters = [ReasoningName()] if path == "/v1/chat/completions" else []
             filters += ([StopTrim(stops)] if stops else []) + (
-                [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced)] if tools else [])
+                [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced,
+                               isinstance(body.get("tool_choice"), dict))] if tools else [])
+            if named.name or named.rid is not None:  # after the calls: theirs named after the served app's id, as
+                filters.append(named)                 # unstreamed (`tool_calls`)
+            filters.append(NullFields())
             filters.append(StreamUsage((body.get("stream_options") or {}).get("include_usage") is True))
             filters.append(ErrorEvents())
             status: list[int] = []
@@ -750,9 +760,10 @@ class CheckedChatApp:
             if start.get("status") == 200 and stops:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
-                out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced)
-            if start.get("status") == 200 and self.model_name:
-                out = ServedName(self.model_name).whole(out)
+                out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced,
+                                      isinstance(body.get("tool_choice"), dict))
+            if start.get("status") == 200:
+                out = named.whole(out)
             await _send_whole(send, start, out)
 
         await self.app({**scope, "headers": headers}, replay, collect)
@@ -794,8 +805,9 @@ class CheckedChatApp:
             out = trim_stops(out, stops)
         if tools:
             out = self.tool_calls(out, parallel, forced)
-        try:
-            resp = response_object(json.loads(out), request, self.model_name)
+        try:  # on the checks' thread: the thought's tokens are counted by the tokenizer it uses
+            resp = await asyncio.get_running_loop().run_in_executor(self._checks, functools.partial(
+                response_object, json.loads(out), request, self.model_name, self._thought_tokens))
         except (ValueError, TypeError, AttributeError, KeyError, IndexError):
             return await self._json(send, 502, {"error": {"message": f"the chat completion behind /v1/responses "
                                                                      f"was not one: {out[:200]!r}",
@@ -809,9 +821,14 @@ class CheckedChatApp:
 
         filters = ([StopTrim(stops)] if stops else []) + ([StreamedCalls(self.token_map, parallel, forced)]
                                                           if tools else [])
-        filters.append(ChatToResponse(ResponseStream(request, self.model_name)))
+        filters.append(ChatToResponse(ResponseStream(request, self.model_name, self._thought_tokens)))
         start: dict = {}
         held: list[bytes] = []  # an error's body, sent whole at its end
+
+        def through(out: bytes, more: bool) -> bytes:
+            for f in filters:
+                out = f.feed(out) + (b"" if more else f.close())
+            return out
 
         async def rewrite(message):
             if message["type"] == "http.response.start":
@@ -827,8 +844,9 @@ class CheckedChatApp:
             if start.get("status", 200) != 200:
                 held.append(out)
                 return None if more else await _send_whole(send, start, b"".join(held))
-            for f in filters:
-                out = f.feed(out) + (b"" if more else f.close())
+            # the end (`response.completed`, the thought's tokens counted) on the checks' thread, as the whole answer
+            out = through(out, more) if more else await asyncio.get_running_loop().run_in_executor(
+                self._checks, through, out, more)
             if out or not more:
                 await send({"type": "http.response.body", "body": out, "more_body": more})
 
@@ -948,11 +966,12 @@ def sse_event(chunk: dict) -> bytes:
 
 class ServedName(EventStream):
     """A completion (`whole`) or a stream of its chunks (`feed`, `close`) naming the model as it is served (and
-    listed by /v1/models), as vLLM names it: transformers serve answers `NAME@main`."""
+    listed by /v1/models), as vLLM names it: transformers serve answers `NAME@main`; and, given `rid`, with that id
+    (`completion_id`: vLLM's, where transformers serve answers its bare request id)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str | None, rid: str | None = None):
         super().__init__()
-        self.name = name
+        self.name, self.rid = name, rid
 
     def whole(self, raw: bytes) -> bytes:
         import json
@@ -961,15 +980,28 @@ class ServedName(EventStream):
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return raw
-        if not isinstance(obj, dict) or "model" not in obj or obj["model"] == self.name:
+        if not isinstance(obj, dict):
             return raw
-        obj["model"] = self.name
+        new = {**({"model": self.name} if self.name and "model" in obj else {}),
+               **({"id": self.rid} if self.rid is not None and "id" in obj else {})}
+        if all(obj[k] == v for k, v in new.items()):
+            return raw
+        obj.update(new)
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data:") or event[5:].strip() == b"[DONE]":
             return event + b"\n\n"
         return b"data: " + self.whole(event[5:].strip()) + b"\n\n"
+
+
+def completion_id(path: str, headers: list, request_id: str | None) -> str | None:
+    """The id vLLM gives a chat or text completion (`path`) whose client names it: `chatcmpl-` or `cmpl-` before the
+    request's `X-Request-Id` header, else its `request_id` field (vLLM's extension); None where it names none (the
+    served app's own id, a fresh one, stands)."""
+    given = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
+    base = given if given is not None else request_id
+    return None if base is None else ("cmpl-" if path == "/v1/completions" else "chatcmpl-") + base
 
 
 def _cut(text: str, stops: list[str]) -> int | None:
@@ -1069,6 +1101,27 @@ class ReasoningName(EventStream):
         return sse_event(chunk)
 
 
+class NullFields(EventStream):
+    """A chat or text completion's stream with the null fields OpenAI and vLLM write on each chunk: `finish_reason`
+    and `logprobs` null until set, and `"content": ""` beside the role of a chat's first chunk. transformers serve
+    leaves every null out (it dumps its chunks `exclude_none`), so a client reading `choice["finish_reason"]` failed
+    on the first chunk here."""
+
+    def _event(self, event: bytes) -> bytes:
+        chunk, choice = sse_choice(event)
+        if choice is None:
+            return event + b"\n\n"
+        delta = choice.get("delta")
+        opening = isinstance(delta, dict) and "role" in delta and set(delta) <= {"role", "content"}
+        if "finish_reason" in choice and "logprobs" in choice and not (opening and delta.get("content") is None):
+            return event + b"\n\n"
+        choice.setdefault("finish_reason", None)
+        choice.setdefault("logprobs", None)
+        if opening and delta.get("content") is None:
+            delta["content"] = ""
+        return sse_event(chunk)
+
+
 class ErrorEvents(EventStream):
     """A stream's error event (a generation that failed midway) in OpenAI's shape, `{"error": {"message", ...}}`:
     transformers serve writes `{"error": "text"}`, of which the OpenAI SDK shows only "An error occurred during
@@ -1126,14 +1179,16 @@ class StreamedCalls(EventStream):
     text arrive as `tool_calls` deltas, as vLLM's functiongemma parser streams them: text before a call
     streams on as `content`; from a call's start marker to its end marker the text is held, then sent as
     one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason becomes
-    `tool_calls`. Text that only might start a marker is held until the next delta settles it, and so is
-    trailing whitespace: the content streamed is the unstreamed one, stripped around the calls. A call
-    that does not parse, or is cut off by the end of the stream before its arguments close, streams as the
-    text it was (one cut just before its end marker is a call). Calls written without their markers stay
-    text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`).
-    Feed the body bytes as they come (`feed`), then `close()` for whatever is left."""
+    `tool_calls` (but for a `named` tool_choice, as vLLM's). Text that only might start a marker is held until the
+    next delta settles it, and so is trailing whitespace: the content streamed is the unstreamed one, stripped
+    around the calls. A call that does not parse, or is cut off by the end of the stream before its arguments close,
+    streams as the text it was (one cut just before its end marker is a call). Calls written without their markers
+    stay text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`). Feed the
+    body bytes as they come (`feed`), then `close()` for whatever is left.
+    """
 
-    def __init__(self, token_map: dict[str, str] | None, parallel: bool = True, prefix: str = ""):
+    def __init__(self, token_map: dict[str, str] | None, parallel: bool = True, prefix: str = "",
+                 named: bool = False):
         from gemma_tpu.formats.function_calling import END_CALL, START_CALL
 
         self.token_map = token_map or {}
@@ -1144,6 +1199,9 @@ class StreamedCalls(EventStream):
         # chat template opened, which the model's text continues)
         self.calls = 0
         self.parallel = parallel  # False: the first call only (the request's parallel_tool_calls)
+        # a named tool_choice: the finish_reason stays the generation's ("stop"), as vLLM and OpenAI give it; "auto"
+        # and "required" calls finish with "tool_calls"
+        self.named = named
         self.space = ""  # whitespace at the end of the text so far, sent only when more text follows it
         self.texted = False  # some content was sent
 
@@ -1230,7 +1288,7 @@ class StreamedCalls(EventStream):
             delta["content"] = content
         if finish is not None:
             out += self._text(chunk, final=True)
-            if self.calls and finish in ("stop", "length", "tool_calls"):
+            if self.calls and finish in ("stop", "length", "tool_calls") and not self.named:
                 choice["finish_reason"] = "tool_calls"
         if delta or finish is not None or "usage" in chunk:
             choice["delta"] = delta

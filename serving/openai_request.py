@@ -212,8 +212,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
         v = body.get(key)
         if v is not None and (not _is_int(v) or v < 1):
             raise RequestError(key, f"{v!r} is not a whole number of at least 1")
-    if body.get("user") is not None and not isinstance(body["user"], str):  # vLLM and OpenAI refuse it (400)
-        raise RequestError("user", f"expected a string, got {_json_type(body['user'])}")
+    for key in ("user", "request_id"):  # vLLM (and OpenAI: its user) refuse another type (400)
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise RequestError(key, f"expected a string, got {_json_type(body[key])}")
     if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
         raise RequestError("n", f"{body['n']!r}: this server returns one choice (n=1)")
     # fields transformers serve accepts and ignores, where ignoring them breaks what the client relies on
@@ -326,7 +327,7 @@ _VLLM_AT_DEFAULT = {"echo": False, "add_generation_prompt": True, "continue_fina
                     "skip_special_tokens": True, "spaces_between_special_tokens": True,
                     "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
                     "stop_token_ids": [], "bad_words": [], "priority": 0, "return_tokens_as_token_ids": False,
-                    "return_token_ids": False}
+                    "return_token_ids": False, "include_reasoning": True}
 
 
 def _prompt_end(body: dict) -> None:
@@ -379,6 +380,9 @@ def _vllm_defaults(body: dict, chat: bool) -> None:
         del body[key]
 
 
+MIN_TEMPERATURE = 0.01  # vLLM's least temperature above 0 (SamplingParams raises a smaller one to it)
+
+
 def _normalise_settings(body: dict, chat: bool = False) -> None:
     """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
     misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
@@ -398,9 +402,10 @@ def _normalise_settings(body: dict, chat: bool = False) -> None:
         del body["stop"]
     if body.get("logit_bias"):
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
-    # a temperature below 1e-5 is greedy, as vLLM reads it: it sampled, with logits divided by 1e-300 infinite (a 500)
-    if body.get("temperature") is not None and 0 < body["temperature"] < 1e-5:
-        body["temperature"] = 0
+    # a temperature in (0, 0.01) samples at 0.01, as vLLM raises it (SamplingParams: its _MAX_TEMP, against inf or nan
+    # logits): 1e-300 sampled here with infinite logits (a 500), and then, below 1e-5, was read as greedy
+    if body.get("temperature") is not None and 0 < body["temperature"] < MIN_TEMPERATURE:
+        body["temperature"] = MIN_TEMPERATURE
 
 
 # vLLM's sampling extensions (its clients and `vllm bench` send them; `serving.bench --ignore-eos` too), which
@@ -415,7 +420,8 @@ def _sampled(body: dict, given: dict) -> bool:
     `temperature: 0.8, seed: N` answer was the greedy one."""
     if body.get("temperature") is not None:
         return body["temperature"] > 0
-    return body.get("top_p", 1) < 1 or (given.get("top_k") or 0) > 0 or bool(given.get("min_p"))
+    top_k = given.get("top_k")  # not yet checked: a string is refused below, naming it (it was a TypeError, a 500)
+    return body.get("top_p", 1) < 1 or _is_int(top_k) and top_k > 0 or bool(given.get("min_p"))
 
 
 def _extensions(body: dict, check_generation_config) -> None:
@@ -596,15 +602,22 @@ def _linked(messages: list[dict], answers: dict[int, tuple[int, int]]) -> list[d
     return out
 
 
+# a text completion's max_tokens when the request leaves it out: vLLM's CompletionRequest default (and OpenAI's);
+# a chat completion's default is what the context leaves, in both
+COMPLETION_MAX_TOKENS = 16
+
+
 def check_completion_request(body: Any, context: int | None = None,
                              count_prompt: Callable[[str], int] | None = None, vocab_size: int | None = None,
                              check_generation_config: Callable[[dict], None] | None = None) -> dict:
     """A text completion (`/v1/completions`) checked like a chat completion: `prompt` a string (what
     transformers serve reads; a list of one string is that string), the same generation settings, `max_tokens`
-    bounded by the context."""
+    bounded by the context; left out, it is COMPLETION_MAX_TOKENS (given as null: what the context leaves)."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {_json_type(body)}")
     body = _whole_numbers(body)
+    if "max_tokens" not in body:  # vLLM's and OpenAI's default: it ran on to the end of the context
+        body = {**body, "max_tokens": COMPLETION_MAX_TOKENS}
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         body = {**body, "prompt": prompt[0]}  # a batch of one, as LangChain and the SDK's list form send it

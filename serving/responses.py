@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 from serving.openai_request import RequestError, _json_type
 
+# vLLM's extensions of the Responses API that are a chat completion's fields too: passed on as they are, and checked
+# (applied, or refused naming the field) as a chat completion's
+_AS_CHAT = ("top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos",
+            "chat_template_kwargs", "skip_special_tokens", "include_stop_str_in_output", "include_reasoning",
+            "priority")
 # fields a chat completion cannot honour, where ignoring them would mislead the client
 _REFUSED = {"previous_response_id": "this server keeps no responses: send the whole conversation in `input`",
             "conversation": "this server keeps no conversations: send the whole conversation in `input`",
@@ -27,18 +32,20 @@ _REFUSED = {"previous_response_id": "this server keeps no responses: send the wh
             "prompt": "this server keeps no prompt templates: send the instructions and input themselves",
             "top_logprobs": "log probabilities are not returned by this server"}
 # the Responses API's other fields: read here, or harmless to leave unread (bookkeeping, hints, a text model's
-# reasoning settings); `seed` and `stop` as vLLM reads them. Anything else is refused, as OpenAI refuses it: read
-# as nothing, a chat completion's `max_tokens` here generated to the end of the context
+# reasoning settings); `seed` and `stop` as vLLM reads them, and vLLM's `request_id` (the Response's id). Anything
+# else is refused, as OpenAI refuses it: read as nothing, a chat completion's `max_tokens` here generated to the end
+# of the context
 _KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
           "temperature", "top_p", "seed", "stop", "stream", "stream_options", "text", "metadata", "store", "user",
           "safety_identifier", "service_tier", "prompt_cache_key", "reasoning", "truncation", "include",
-          "max_tool_calls", *_REFUSED}
+          "max_tool_calls", "request_id", *_REFUSED, *_AS_CHAT}
 # the JSON type of the fields read as nothing (or echoed) here, refused when another, as OpenAI refuses it (a
 # `metadata: "x"` came back as {}); null is absent
 _TYPED = {"text": (dict, "an object"), "metadata": (dict, "an object"), "reasoning": (dict, "an object"),
           "stream_options": (dict, "an object"), "store": (bool, "true or false"),
           "parallel_tool_calls": (bool, "true or false"), "max_tool_calls": (int, "a whole number"),
-          **{k: (str, "a string") for k in ("truncation", "service_tier", "safety_identifier", "prompt_cache_key")}}
+          **{k: (str, "a string") for k in ("truncation", "service_tier", "safety_identifier", "prompt_cache_key",
+                                            "request_id")}}
 # the fields among them that take one of a fixed set (OpenAI's, which vLLM's request model checks too)
 _ONE_OF = {"truncation": ("auto", "disabled"), "service_tier": ("auto", "default", "flex", "scale", "priority")}
 _INSTEAD = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
@@ -219,7 +226,8 @@ def chat_request(body: Any) -> dict:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for key in ("model", "temperature", "top_p", "seed", "stop", "user") + (("parallel_tool_calls",) if tools else ()):
+    for key in ("model", "temperature", "top_p", "seed", "stop", "user", *_AS_CHAT) + (
+            ("parallel_tool_calls",) if tools else ()):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
@@ -227,8 +235,10 @@ def chat_request(body: Any) -> dict:
     return chat
 
 
-def response_object(chat: dict, request: dict, model: str | None) -> dict:
-    """The Response for a served chat completion `chat` (its calls already in `tool_calls`)."""
+def response_object(chat: dict, request: dict, model: str | None, count_tokens: Callable[[str], int] | None = None
+                    ) -> dict:
+    """The Response for a served chat completion `chat` (its calls already in `tool_calls`); `count_tokens(text)`:
+    the tokens of a thought, its usage's reasoning_tokens (0 without it)."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     rid = str(chat.get("id") or f"{time.time_ns()}")
@@ -243,7 +253,14 @@ def response_object(chat: dict, request: dict, model: str | None) -> dict:
         fn = call.get("function") or {}
         output.append(_call_item(rid, k, call.get("id"), fn.get("name"), fn.get("arguments") or "{}"))
     return _response(rid, chat.get("created"), output, chat.get("usage") or {}, choice.get("finish_reason"),
-                     request, model or chat.get("model"))
+                     request, model or chat.get("model"), _reasoning_tokens(output, count_tokens))
+
+
+def _reasoning_tokens(output: list[dict], count_tokens: Callable[[str], int] | None) -> int:
+    """The tokens of the thought in `output`'s reasoning items, as vLLM counts a reasoning parser's (the text's
+    tokens, markers apart); 0 without a thought or a counter."""
+    text = "".join(c.get("text") or "" for o in output if o["type"] == "reasoning" for c in o["content"])
+    return count_tokens(text) if text and count_tokens else 0
 
 
 def _reasoning(message: dict) -> str:
@@ -274,10 +291,12 @@ def _call_item(rid: str, k: int, call_id: str | None, name: str | None, argument
 
 
 def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_reason: str | None, request: dict,
-              model: str | None) -> dict:
+              model: str | None, reasoning_tokens: int = 0) -> dict:
     cut = finish_reason == "length"
     tools = _tools(request.get("tools")) or []
-    return {"id": f"resp_{rid}", "object": "response", "created_at": int(created or time.time()),
+    rid_given = request.get("request_id")  # vLLM's extension: the Response's id, as given
+    return {"id": rid_given if isinstance(rid_given, str) else f"resp_{rid}", "object": "response",
+            "created_at": int(created or time.time()),
             "model": model, "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
             "instructions": request.get("instructions"), "output": output,
@@ -288,11 +307,16 @@ def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_re
             "tools": [{"type": "function", **t["function"]} for t in tools],
             "temperature": request.get("temperature"), "top_p": request.get("top_p"),
             "max_output_tokens": request.get("max_output_tokens"),
+            # the request's other settings echoed, as vLLM (ResponsesResponse.from_request) and OpenAI echo them
+            "text": request.get("text") or {"format": {"type": "text"}},
+            "truncation": request.get("truncation") or "disabled", "reasoning": request.get("reasoning"),
+            "service_tier": request.get("service_tier") or "auto", "user": request.get("user"),
+            "max_tool_calls": request.get("max_tool_calls"), "background": False, "previous_response_id": None,
             "usage": {"input_tokens": usage.get("prompt_tokens", 0),
                       # both counts, as the openai SDK's types require them (a client validating refused it)
                       "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": usage.get("completion_tokens", 0),
-                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                       "total_tokens": usage.get("total_tokens", 0)}}
 
 
@@ -303,8 +327,9 @@ class ResponseStream:
     opens a `function_call` item. The finished Response in `response.completed` holds the same items, ids and
     usage (the chat stream's last chunk carries it)."""
 
-    def __init__(self, request: dict, model: str | None):
+    def __init__(self, request: dict, model: str | None, count_tokens: Callable[[str], int] | None = None):
         self.request, self.model = request, model
+        self.count_tokens = count_tokens  # a thought's tokens (`response_object`)
         self.seq = 0
         self.rid: str | None = None
         self.created: Any = None
@@ -435,7 +460,7 @@ class ResponseStream:
         if not self.output:  # no text and no call: one empty message, as a finished Response holds
             out += self._open_text() + self._close_text()
         resp = _response(self.rid or "", self.created, self.output, self.usage, self.finish_reason, self.request,
-                         self.model)
+                         self.model, _reasoning_tokens(self.output, self.count_tokens))
         if self.error is not None:  # it ended in `response.completed`, the answer cut short read as whole
             resp.update(status="failed", incomplete_details=None, error={"code": "server_error", "message": self.error})
             return (out + self._emit("response.failed", response=resp)).encode()

@@ -326,9 +326,11 @@ def test_text_completions_are_checked_alike():
         with pytest.raises(RequestError) as e:
             check_completion_request(body)
         assert e.value.param == param
-    assert check_completion_request({"prompt": "héllo", "stop": []}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    assert check_completion_request({"prompt": "héllo", "stop": [], "max_tokens": None}, 50, len) == {
+        "prompt": "héllo", "max_tokens": 45}
     # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
-    assert check_completion_request({"prompt": ["héllo"]}, 50, len) == {"prompt": "héllo", "max_tokens": 45}
+    assert check_completion_request({"prompt": ["héllo"], "max_tokens": 45}, 50, len) == {"prompt": "héllo",
+                                                                                           "max_tokens": 45}
     assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1, "suffix": ""})["prompt"] == "x"
     assert check_completion_request({"prompt": "x", "logprobs": None})["prompt"] == "x"
     # token ids (vLLM takes them, one prompt or a batch) were "expected a string (or a list of one), got a list"
@@ -551,6 +553,20 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     return start["status"], data.decode() if raw else json.loads(data)
 
 
+def test_a_text_completion_without_max_tokens_generates_vllms_default_of_16():
+    """vLLM's (and OpenAI's) text completion generates 16 tokens when the request leaves max_tokens out
+    (CompletionRequest.max_tokens = 16); here it ran on to the end of the context (thousands of tokens where vLLM
+    answers 16). Given as null it is what the context leaves, in vLLM too; a chat completion's default stays all of
+    it; a prompt leaving fewer than 16 is refused, as vLLM refuses it."""
+    assert check_completion_request({"prompt": "héllo"}, 50, len)["max_tokens"] == 16
+    assert check_completion_request({"prompt": "héllo", "max_tokens": None}, 50, len)["max_tokens"] == 45
+    assert check_completion_request({"prompt": "héllo", "max_tokens": 3}, 50, len)["max_tokens"] == 3
+    assert check_chat_request({"messages": USER}, 50, lambda b: 10)["max_tokens"] == 40
+    with pytest.raises(RequestError, match="16 new tokens after a prompt of 40 .* ask for at most 10") as e:
+        check_completion_request({"prompt": "x" * 40}, 50, len)
+    assert e.value.param == "max_tokens"
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(path):
     """vLLM's OpenAI server refuses a POST whose Content-Type is not application/json (its validate_json_request:
@@ -725,7 +741,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
 
     app = CheckedChatApp(inner, token_map=token_map)
     code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True})
-    assert code == 200 and out[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert code == 200 and out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in out)
     calls = [tc for c in out for tc in c["choices"][0]["delta"].get("tool_calls") or []]
     assert content == "Sure.  ok <unused2>call:bad{ <unused3> tail <unused2>call:cut{"  # unparsed calls stay text
@@ -748,7 +764,8 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
         "get_steps"] and out[-1]["choices"][0]["finish_reason"] == "tool_calls"
     named = CheckedChatApp(inner, token_map=token_map, model_name="served")
     assert {c["model"] for c in _stream_through(named, {"messages": USER, "stream": True})[1]} == {"served"}
-    # the same stream without tools in the request passes untouched, byte for byte
+    # the same stream without tools in the request passes untouched, but for the null fields transformers serve
+    # leaves out (`NullFields`)
     plain = CheckedChatApp(inner, token_map=token_map)
     import asyncio
 
@@ -762,10 +779,13 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
 
     asyncio.run(plain({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": JSON_HEADERS},
                       receive, send))
-    untouched = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events[:-1])
-    assert b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body") == untouched + (
-        b'data: {"id":"r1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
-        b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')  # but for the usage nobody asked for
+    out = [e[len(b"data: "):] for e in b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+           .split(b"\n\n") if e.strip()]
+    assert out.pop() == b"[DONE]"
+    shaped = [{**e, "choices": [{"finish_reason": None, "logprobs": None, **e["choices"][0]}]} for e in events]
+    shaped[0]["choices"][0]["delta"]["content"] = ""
+    del shaped[-1]["usage"]  # nobody asked for it
+    assert [json.loads(e) for e in out] == shaped
 
 
 def test_a_system_message_the_template_drops_is_refused(tiny_dir):
@@ -868,7 +888,7 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tiny_dir):
     assert e.value.param == "prompt" and time.monotonic() - start < 3  # tokenizing it alone took ~9 s
     with pytest.raises(RequestError, match="the prompt is 601 tokens"):  # exact where it can be counted
         check_completion_request({"prompt": "a" * 600}, 512, text)
-    assert check_completion_request({"prompt": "a" * 500}, 512, text)["max_tokens"] == 11
+    assert check_completion_request({"prompt": "a" * 500, "max_tokens": None}, 512, text)["max_tokens"] == 11
 
 
 def streamed_choices(token_map: dict, text: str, size: int) -> list[dict]:
@@ -1099,6 +1119,42 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     final = events[-1]["response"]
     assert kinds[-1] == "response.completed" and final["output"] == whole["output"], final
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
+
+
+def test_a_responses_thought_is_counted_as_reasoning_tokens(tiny_dir):
+    """A thinking model's Response said `output_tokens_details.reasoning_tokens: 0` beside its reasoning item, whole
+    and streamed; vLLM counts the thought's tokens there (its reasoning parser's count_reasoning_tokens). The served
+    tokenizer counts the thought's text now; an answer without a thought still says 0."""
+    from gemma_tpu.hf.tokenizer import load_tokenizer
+    from serving.local import CheckedChatApp, token_counter
+
+    thought = "5 steps is few, so walk more today."
+
+    async def inner(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        deltas = [{"role": "assistant"}] + ([{"reasoning_content": thought[:7]}, {"reasoning_content": thought[7:]}]
+                                            if body["messages"][-1]["content"] == "think" else []) + [
+            {"content": "Walk more."}]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for d in deltas:
+            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 40, "total_tokens": 43}}
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
+
+    tok = load_tokenizer(tiny_dir)
+    expected = len(tok(thought, add_special_tokens=False)["input_ids"])
+    assert expected > 3
+    app = CheckedChatApp(inner, model_name="tiny", count_text=token_counter(tok))
+    code, whole = _asgi(app, {"input": "think"}, "/v1/responses")
+    assert code == 200 and whole["usage"]["output_tokens_details"] == {"reasoning_tokens": expected}, whole["usage"]
+    code, text = _asgi(app, {"input": "think", "stream": True}, "/v1/responses", raw=True)
+    final = json.loads(text.strip().split("\n\n")[-1].split("data: ", 1)[1])["response"]
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": expected}, final["usage"]
+    code, whole = _asgi(app, {"input": "answer"}, "/v1/responses")
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}, whole["usage"]
 
 
 def test_responses_validate_against_the_pinned_openai_sdk():
@@ -1376,7 +1432,9 @@ def test_vllm_sampling_extensions_become_generation_settings():
     assert json.loads(body["generation_config"]) == {"min_new_tokens": 2}  # greedy: no top_k to switch off
     assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
     for extra, param in (({"top_k": 1.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
-                         ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens")):
+                         ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens"),
+                         # a top_k of another type was a TypeError deciding whether to sample: a 500
+                         ({"top_k": "5"}, "top_k"), ({"top_k": [5]}, "top_k"), ({"top_k": {}}, "top_k")):
         with pytest.raises(RequestError) as e:
             check_chat_request({"messages": USER, "max_tokens": 3, **extra})
         assert e.value.param == param
@@ -1414,22 +1472,28 @@ def test_seed_minus_one_is_no_seed_as_vllm_reads_it():
         assert check({**base, "max_tokens": 3, "temperature": 0.8, "seed": -2})["seed"] == -2
 
 
-@pytest.mark.parametrize("temperature", [1e-300, 1e-6])
-def test_a_temperature_too_small_to_sample_with_is_greedy(tiny_dir, temperature):
-    """vLLM reads a temperature below 1e-5 as 0 (greedy); it sampled here, and logits divided by 1e-300 are
-    infinite: a 500 ("probability tensor contains either `inf`, `nan` or element < 0"). Generated as
-    transformers serve generates it, the answer is the greedy one."""
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6, 0.005])
+def test_a_temperature_too_small_to_sample_with_samples_at_vllms_least(tiny_dir, temperature):
+    """vLLM raises a temperature in (0, 0.01) to 0.01 and samples (SamplingParams' _MAX_TEMP); here 1e-300 divided
+    the logits into infinities (a 500), and below 1e-5 was then read as greedy. Generated as transformers serve
+    generates it, the answer is sampled at 0.01, repeatably with the seed."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     body = check_chat_request({"messages": USER, "max_tokens": 4, "temperature": temperature, "seed": 3})
-    assert body["temperature"] == 0
+    assert body["temperature"] == pytest.approx(0.01, abs=1e-12)
     config = GenerationConfig(**json.loads(body.get("generation_config") or "{}"))
-    config.temperature, config.do_sample = 0.0, False  # transformers serve's reading of temperature 0
+    assert config.do_sample is True
+    config.temperature = body["temperature"]  # transformers serve's reading of the request's temperature
     model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
     ids = torch.tensor([[2, 5, 9, 14]])
-    out = model.generate(ids, generation_config=config, max_new_tokens=4)
-    assert out.tolist() == model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(body["seed"])
+        outs.append(model.generate(ids, generation_config=config, max_new_tokens=4).tolist())
+    assert outs[0] == outs[1] and len(outs[0][0]) == 8
+    assert check_chat_request({"messages": USER, "temperature": 0})["temperature"] == 0  # 0 stays greedy
+    assert check_chat_request({"messages": USER, "temperature": 0.5})["temperature"] == 0.5
 
 
 def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir):
@@ -1624,15 +1688,18 @@ def test_tool_choice_opens_the_call_through_the_chat_template():
 
     app = CheckedChatApp(inner, token_map=token_map, forced_calls=True)
     named = {"type": "function", "function": {"name": "get_steps"}}
-    for choice, args in ((named, {"date": "today"}), ("required", {})):
+    # finish_reason as vLLM (and OpenAI) gives it: "tool_calls" for a required call, the generation's own ("stop")
+    # for a named one
+    for choice, args, finish in ((named, {"date": "today"}, "stop"), ("required", {}, "tool_calls")):
         code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "tool_choice": choice})
         calls = resp["choices"][0]["message"]["tool_calls"]
         assert code == 200 and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-            ("get_steps", args)] and resp["choices"][0]["finish_reason"] == "tool_calls", resp
+            ("get_steps", args)] and resp["choices"][0]["finish_reason"] == finish, resp
         code, events = _stream_through(app, {"messages": USER, "tools": [TOOL], "tool_choice": choice, "stream": True})
         deltas = [t for e in events if e.get("choices") for t in e["choices"][0]["delta"].get("tool_calls") or []]
         assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in deltas] == [("get_steps", args)]
         assert not any(e["choices"][0]["delta"].get("content") for e in events if e.get("choices"))
+        assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == finish, events
     # a forced call cut off by max_tokens is text, its opening included, streamed or not (unstreamed, the text
     # lacked the opening the template wrote: "date:<unused6>to", half a call)
     cut = {"messages": USER, "tools": [TOOL], "tool_choice": named, "max_tokens": 3}
@@ -1846,8 +1913,9 @@ def test_vllm_extensions_at_their_defaults_are_served_and_other_values_named(tin
                 "priority": 0}
     with LocalServer(tiny_dir, name="tiny", log=tmp_path / "serve.log") as server:
         chat, text = server.base_url + "/chat/completions", server.base_url + "/completions"
-        code, body = _post(chat, json.dumps({"messages": USER, "max_tokens": 2, **defaults}).encode())
+        code, body = _post(chat, json.dumps({"messages": USER, "max_tokens": 2, **defaults, "request_id": "t1"}).encode())
         assert code == 200 and body["choices"][0]["message"]["role"] == "assistant", body
+        assert body["id"] == "chatcmpl-t1", body  # vLLM's request_id: a 400 "Unexpected field" before
         code, body = _post(text, json.dumps({"prompt": "hi", "max_tokens": 2, "echo": False,
                                              "skip_special_tokens": True}).encode())
         assert code == 200 and body["choices"][0]["text"] is not None, body
@@ -1857,3 +1925,150 @@ def test_vllm_extensions_at_their_defaults_are_served_and_other_values_named(tin
             (key,) = odd
             assert code == 400 and body["error"]["param"] == key, (odd, body)
             assert "this server serves only its default" in body["error"]["message"], body
+
+
+def test_request_id_names_the_completion_as_vllm_names_it():
+    """vLLM's `request_id` field (chat and text completions, Responses) was refused as an unexpected field; vLLM
+    takes it and answers with it as the id: `chatcmpl-ID`, `cmpl-ID` (its X-Request-Id header wins over the field),
+    and the Response's id as given. Every chunk of a stream carries the one id; the served app never sees it."""
+    from serving.local import CheckedChatApp
+
+    seen: list[dict] = []
+
+    async def inner(scope, receive, send):  # as transformers serve streams: its own request id on every chunk
+        body = json.loads((await receive())["body"])
+        seen.append(body)
+        chat = scope["path"] == "/v1/chat/completions"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for piece, finish in (("a", None), ("b", "stop")):
+            choice = {"index": 0, "finish_reason": finish,
+                      **({"delta": {"content": piece}} if chat else {"text": piece})}
+            chunk = {"id": "inner-uuid", "created": 5, "model": "tiny@main", "choices": [choice],
+                     **({"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}} if finish else {})}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": finish is None})
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    chat, text = {"messages": USER, "max_tokens": 2}, {"prompt": "hi", "max_tokens": 2}
+    for path, body, prefix in (("/v1/chat/completions", chat, "chatcmpl-"), ("/v1/completions", text, "cmpl-")):
+        code, resp = _asgi(app, {**body, "request_id": "trace-7"}, path)
+        assert code == 200 and resp["id"] == prefix + "trace-7", resp
+        assert "request_id" not in seen[-1]
+        code, raw = _asgi(app, {**body, "request_id": "trace-7", "stream": True}, path, raw=True)
+        chunks = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+        assert len(chunks) == 2 and {c["id"] for c in chunks} == {prefix + "trace-7"}, chunks
+        code, resp = _asgi(app, {**body, "request_id": "trace-7"}, path,
+                           headers=JSON_HEADERS + [(b"x-request-id", b"from-header")])
+        assert resp["id"] == prefix + "from-header", resp
+        code, resp = _asgi(app, body, path)
+        assert resp["id"] == "inner-uuid", resp  # none named: the served app's own (a fresh uuid)
+        code, resp = _asgi(app, {**body, "request_id": 7}, path)
+        assert code == 400 and resp["error"]["param"] == "request_id", resp
+        assert "expected a string, got a number" in resp["error"]["message"]
+    code, resp = _asgi(app, {"input": "hi", "request_id": "resp_mine"}, "/v1/responses")
+    assert code == 200 and resp["id"] == "resp_mine", resp
+    code, raw = _asgi(app, {"input": "hi", "request_id": "resp_mine", "stream": True}, "/v1/responses", raw=True)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if e.strip()]
+    assert {e["response"]["id"] for e in events if "response" in e} == {"resp_mine"}
+    code, resp = _asgi(app, {"input": "hi", "request_id": ["x"]}, "/v1/responses")
+    assert code == 400 and resp["error"]["param"] == "request_id", resp
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
+    """transformers serve writes its chunks without their null fields: a text completion's chunks came without
+    `finish_reason` (and `logprobs`) until the last, a chat's too, and the chat's first chunk without `content` beside
+    its role. vLLM and OpenAI send `"finish_reason": null` and `"logprobs": null` on every chunk before the last, and
+    the role chunk's `"content": ""`; a client reading `choice["finish_reason"]` or `delta["content"]` failed here."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+
+    from serving.local import CheckedChatApp
+
+    chat = path == "/v1/chat/completions"
+    if chat:  # the served app's own chunks, as it writes them
+        handler = ChatCompletionHandler.__new__(ChatCompletionHandler)
+        sse = [handler._build_chunk_sse("r1", role="assistant", model="m"),
+               *(handler._build_chunk_sse("r1", content=t, model="m") for t in ("a", "b")),
+               handler._build_chunk_sse("r1", finish_reason="stop", model="m")]
+    else:
+        handler = CompletionHandler.__new__(CompletionHandler)
+        sse = [*(handler._build_chunk_sse("r1", "m", text=t) for t in ("a", "b")),
+               handler._build_chunk_sse("r1", "m", finish_reason="stop")]
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for k, event in enumerate(sse):
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": k < len(sse) - 1})
+
+    body = {"messages": USER, "max_tokens": 2} if chat else {"prompt": "hi", "max_tokens": 2}
+    code, raw = _asgi(CheckedChatApp(inner), {**body, "stream": True}, path, raw=True)
+    chunks = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+    assert code == 200 and len(chunks) == len(sse), chunks
+    choices = [c["choices"][0] for c in chunks]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(sse) - 1) + ["stop"], choices
+    assert all(c["logprobs"] is None for c in choices), choices
+    if chat:
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}, choices
+        assert "".join(c["delta"].get("content") or "" for c in choices) == "ab"
+    else:
+        assert "".join(c["text"] for c in choices) == "ab"
+
+
+def test_a_response_echoes_the_request_settings_as_vllm_does():
+    """vLLM's Response (ResponsesResponse.from_request) and OpenAI's echo the request's settings: `text` (its format),
+    `truncation`, `reasoning`, `service_tier`, `user`, `max_tool_calls`, with `background` false and no
+    `previous_response_id`; the local server's Response left them out (the SDK read them as None: `resp.text.format`
+    an AttributeError), whole and in the stream's response events. Unset, they are the API's defaults."""
+    pytest.importorskip("openai")
+    from openai.types.responses import Response
+
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for d, finish in (({"role": "assistant"}, None), ({"content": "ok"}, None), ({}, "stop")):
+            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": finish is None})
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    given = {"text": {"format": {"type": "text"}}, "truncation": "auto", "reasoning": {"effort": "low"},
+             "service_tier": "default", "user": "u1", "max_tool_calls": 3}
+    defaults = {"text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+                "service_tier": "auto", "user": None, "max_tool_calls": None}
+    for request, expected in (({"input": "hi", **given}, given), ({"input": "hi"}, defaults)):
+        code, whole = _asgi(app, request, "/v1/responses")
+        assert code == 200 and {k: whole.get(k, "missing") for k in expected} == expected, whole
+        assert (whole.get("background"), whole.get("previous_response_id", "missing")) == (False, None), whole
+        assert Response.model_validate(whole).text.format.type == "text"
+        code, text = _asgi(app, {**request, "stream": True}, "/v1/responses", raw=True)
+        events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+        for e in (e for e in events if "response" in e):
+            assert {k: e["response"].get(k, "missing") for k in expected} == expected, e
+
+
+def test_vllms_request_extensions_of_its_pinned_release_are_served():
+    """vllm-tpu 0.27's chat completion takes `include_reasoning` (default true) and its Responses API the sampling
+    extensions of a chat completion (`top_k`, `repetition_penalty`, `frequency_penalty`, `logit_bias`, `ignore_eos`,
+    `chat_template_kwargs`, `skip_special_tokens`, ...): the local server refused them ("Unexpected field", "unknown
+    parameter"). They are read as a chat completion reads them; a value this server cannot serve is refused naming
+    the field, as before."""
+    from serving.responses import chat_request, request_param
+
+    assert "include_reasoning" not in check_chat_request({"messages": USER, "include_reasoning": True})
+    with pytest.raises(RequestError, match="this server serves only its default") as e:
+        check_chat_request({"messages": USER, "include_reasoning": False})
+    assert e.value.param == "include_reasoning"
+    body = check_chat_request(chat_request({"input": "hi", "top_k": 5, "repetition_penalty": 1.1, "ignore_eos": False,
+                                            "logit_bias": {"7": -100}, "frequency_penalty": 0,
+                                            "skip_special_tokens": True, "include_reasoning": True, "priority": 0,
+                                            "chat_template_kwargs": {"x": 1}}))
+    assert json.loads(body["generation_config"]) == {"do_sample": True, "top_k": 5, "repetition_penalty": 1.1}
+    assert body["logit_bias"] == {"7": -100.0} and body["chat_template_kwargs"] == {"x": 1}
+    for request, param in (({"input": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+                           ({"input": "hi", "top_k": "5"}, "top_k"),
+                           ({"input": "hi", "skip_special_tokens": False}, "skip_special_tokens")):
+        with pytest.raises(RequestError) as e:
+            check_chat_request(chat_request(request))
+        assert request_param(e.value.param, request) == param

@@ -873,6 +873,14 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching,'true']"],
      ["'true' is no option's value (--enable-prefix-caching is a switch, which takes none)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[-dph,1]"], ["'1' is no option's value (-dph is a switch"]),
+    # a store_true switch has no --no- form, and took a value unremarked (vLLM's argparse: "ignored explicit argument")
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--disable-log-stats=x]"],
+     ["server.extra_args: --disable-log-stats=x gives a value to a switch", "write --disable-log-stats to turn it "
+      "on, or leave it out to keep it off"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--aggregate_engine_logging=1]"],
+     ["--aggregate_engine_logging=1 gives a value to a switch"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--disable-log-stats,'yes']"],
+     ["'yes' is no option's value (--disable-log-stats is a switch, which takes none)"]),
     # argparse takes no option for the value: "expected one argument"
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed]"], ["--seed needs a value (an integer)"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--seed,--enforce-eager]"], ["--seed needs a value"]),
@@ -1766,6 +1774,13 @@ def test_a_context_past_the_models_is_refused_locally_as_by_vllm_and_an_unset_on
     code, out, err = launch_inproc(capsys, "--config", str(cfg), "--print", unchunked,
                                    "server.max_num_batched_tokens=512")
     one_error_line(code, err, "server.max_num_batched_tokens=512 is below server.max_model_len=1024")
+    # --print-config of such a config reads back the same: it printed the unset context as 2048, which, read back as
+    # given, was refused for this model ("exceeds"); unset prints null, and null is unset
+    code, out, err = launch_inproc(capsys, "--config", str(cfg), "--print-config")
+    assert code == 0 and "max_model_len: null" in out, err
+    (tmp_path / "printed.yaml").write_text(out)
+    code, out, err = launch_inproc(capsys, "--config", str(tmp_path / "printed.yaml"), "--print")
+    assert code == 0 and flag(words(out), "--max-model-len") == "1024", err
 
 
 def test_local_server_is_bounded_by_max_model_len(tiny_dir, tmp_path, capsys, monkeypatch):
