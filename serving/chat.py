@@ -49,7 +49,7 @@ class RemoteCoach:
     def __init__(self, base_url: str, provider, model: str | None = None, api_key: str | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, timeout: float = 120.0,
                  trace: TextIO | None = sys.stderr, tools: Toolset | None = None, retries: int = DEFAULT_RETRIES,
-                 sampling_seed: int | None = None):
+                 sampling_seed: int | None = None, top_k: int | None = None, top_p: float | None = None):
         self.base = api_base(base_url)
         self.provider = provider
         self.model = model
@@ -57,6 +57,7 @@ class RemoteCoach:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.sampling_seed = sampling_seed  # the request's `seed` (vLLM and serving.launch --local honour it)
+        self.top_k, self.top_p = top_k, top_p  # sent when given: else the server's (the model's generation_config)
         self.timeout = timeout
         self.retries = retries  # evaluate's policy (http_json): a server restarting or rate limiting is waited for
         self.toolset = tools or fitness_toolset(provider)
@@ -80,6 +81,10 @@ class RemoteCoach:
             body["model"] = self.model
         if self.sampling_seed is not None:
             body["seed"] = self.sampling_seed
+        if self.top_k is not None:
+            body["top_k"] = self.top_k
+        if self.top_p is not None:
+            body["top_p"] = self.top_p
         return http_json(f"{self.base}/chat/completions", body, timeout=self.timeout, api_key=self.api_key,
                          retries=self.retries)
 
@@ -115,6 +120,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="seed sent with each request (its `seed`): a sampled (--temperature > 0) answer is the same "
                         "every run (default: none, the server's own randomness; -1, which the servers read as none, "
                         "is refused)")
+    p.add_argument("--top-k", type=cli.integer(0),
+                   help="with --temperature: sent as the request's `top_k` (vLLM's extension), the K likeliest tokens, "
+                        "0 for all (default: not sent, the served model's generation_config.json applies)")
+    p.add_argument("--top-p", type=cli.number(0.0, high=1.0),
+                   help="with --temperature: sent as the request's `top_p` (default: not sent, as --top-k)")
     p.add_argument("--timeout", type=cli.SECONDS, default=120.0, help="seconds per request")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=RETRIES_HELP)
     return p.parse_args(list(argv))
@@ -134,6 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sampling_seed == -1:  # vLLM's SamplingParams (and the local server) read it as None
         raise UserError("--sampling-seed -1: vLLM and serving.launch --local read seed -1 as no seed (each answer "
                         "sampled afresh); give another seed, or leave the option out")
+    given = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "sampling_seed")
+             if getattr(args, name) is not None]
+    if given and not args.temperature:  # ignored by a greedy request: the answers were not the sampled ones asked
+        raise UserError(f"{given[0]} applies to sampled answers: add --temperature (above 0; 0 is greedy)")
     if args.once is None:
         check_stdin()  # before the server is asked
     provider = make_provider(args.provider, args.seed)  # fail fast on credentials
@@ -141,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = args.model or served_model_name(api_base(args.base_url), api_key, timeout=min(args.timeout, 30),
                                             retries=args.retries)
     coach = RemoteCoach(args.base_url, provider, model, api_key, args.max_tokens, args.temperature, args.timeout,
-                        retries=args.retries, sampling_seed=args.sampling_seed)
+                        retries=args.retries, sampling_seed=args.sampling_seed, top_k=args.top_k, top_p=args.top_p)
     if args.once is not None:
         print(coach.ask(question_text(args.once)))
         return 0

@@ -835,6 +835,15 @@ def test_every_client_sends_its_sampling(tmp_path):
                                "0.7", *argv)
             assert proc.returncode == 0, proc.stderr
             assert [(b["temperature"], b.get("seed")) for b in handler.bodies] == [(0.7, s) for s in seeds]
+            assert all("top_k" not in b and "top_p" not in b for b in handler.bodies)  # the server's defaults apply
+        handler.bodies.clear()  # the local chat's --top-k / --top-p, sent as vLLM's request fields
+        proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps?", "--temperature",
+                           "0.7", "--top-k", "20", "--top-p", "0.9")
+        assert proc.returncode == 0, proc.stderr
+        assert [(b["top_k"], b["top_p"]) for b in handler.bodies] == [(20, 0.9)]
+        for argv in (["--top-k", "20"], ["--temperature", "0", "--sampling-seed", "4"]):  # greedy: ignored
+            proc = _in_process("serving.chat", "--base-url", url, "--model", "m", "--once", "steps?", *argv)
+            assert_one_line_error(proc, f"{argv[-2]} applies to sampled answers: add --temperature")
 
 
 def test_a_sampling_seed_the_servers_read_as_none_is_refused():
