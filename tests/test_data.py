@@ -578,6 +578,24 @@ def test_a_prompt_ending_in_a_partial_answer_trains_its_continuation(tmp_path, g
         load_conversations(write_jsonl(tmp_path / "c.jsonl", [nothing]), DataConfig())
 
 
+@pytest.mark.parametrize("before, where, what", [
+    ([{"role": "system", "content": "s"}], "prompt[1]", "the conversation must start with a user turn"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "A"}], "prompt[2]", "two assistant turns"),
+])
+def test_a_given_start_out_of_turn_is_named_in_the_prompt(tmp_path, before, where, what):
+    """The start of an answer a prompt gives, standing where the chat template refuses an assistant turn: the answer
+    stands where its start stands, in the prompt. It was named completion[0], a message that is in its place."""
+    row = {"prompt": [*before, {"role": "assistant", "content": "The answer is"}],
+           "completion": [{"role": "assistant", "content": " 42."}]}
+    with pytest.raises(UserError, match=re.escape(f"c.jsonl:1: {where}: {what}")):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [row]), DataConfig())
+    # the completion's own faults are still named by it
+    bad = {**row, "prompt": [{"role": "user", "content": "q"}, row["prompt"][-1]],
+           "completion": [{"role": "assistant", "content": " 42.", "train": "yes"}]}
+    with pytest.raises(UserError, match=re.escape("c.jsonl:1: completion[0]: 'train' must be true or false")):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [bad]), DataConfig())
+
+
 def test_chat_messages_under_the_sharegpt_column_read_as_messages(tmp_path, tok):
     """`conversations` holding role/content messages (Hub datasets and converters leave chats so) was refused as
     ShareGPT turns without 'from'/'value'."""
