@@ -93,6 +93,23 @@ def test_eval_prefix_cache_sides_each_pay_their_compilations(tmp_path):
     assert sides["prefix cache"]["compilations"] == sides["uncached"]["compilations"] > 0
 
 
+def test_eval_prefix_cache_asks_a_given_answer_start_as_evaluate_does(tmp_path):
+    """A row whose prompt gives the start of its answer (TRL's continue_final_message): `gemma_tpu.evaluate` asks the
+    model to continue that start; the benchmark rendered every prompt with a generation prompt, so it timed prompts
+    without the start (a prompt evaluation never asks). Its prompt is the tokenizer's continue_final_message one."""
+    from gemma_tpu.infer.generate import describe_hf_dir
+
+    prompt = [{"role": "user", "content": "What is six times seven?"},
+              {"role": "assistant", "content": "The answer is six times seven, which is"}]
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"prompt": prompt, "completion": [{"role": "assistant", "content": " 42."}]}) + "\n")
+    tok = describe_hf_dir("embedded:tiny-gemma3").tokenizer
+    served = tok.apply_chat_template(prompt, tokenize=True, continue_final_message=True, return_dict=False)
+    res = _eval_prefix_cache(tmp_path, "--data", str(data), "--limit", "1", "--batch-size", "1",
+                             "--max-new-tokens", "1")[1]
+    assert res["settings"]["prompt_tokens"]["max"] == len(served)
+
+
 def test_prefix_layouts_tiny(tmp_path):
     """The broadcast shared-prefix layout on the tiny model (window 16, so its suffixes sit past it): its loss
     and LoRA gradients equal one conversation a row. Only the check runs: the timed sides are the check's
