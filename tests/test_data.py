@@ -2863,6 +2863,45 @@ def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path
     assert f"template   {result['template_skew']}" in capsys.readouterr().out
 
 
+def test_a_long_chat_masks_each_token_touching_trained_text(any_tok):
+    """The loss mask and the joined token of a 2,000-turn chat (answers opening with newlines, tool calls twice in a
+    row, a given start) against their definitions, character by character: a token is a target when one of its
+    characters (an empty token: its first) is trained text; the joined token is the first to hold the start of
+    trained text after untrained text, at the first such start. (Each was a pass over every token for each trained
+    span, quadratic in the turns: 0.9 s for a 4,000-turn chat; now one search a token.)"""
+    msgs = []
+    for i in range(1000):
+        msgs.append({"role": "user", "content": f"Question {i}: steps on day {i}?"})
+        if i % 7 == 3:  # calls twice in a row, then the answer
+            for d in (i, i + 1):
+                msgs += [{"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_steps", "arguments": {"date": str(d)}}}]},
+                    {"role": "tool", "name": "get_steps", "content": json.dumps({"steps": d})}]
+        msgs.append({"role": "assistant", "content": ("\n\n" if i % 3 else "") + f"You walked {i} steps.",
+                     **({"train": False} if i % 11 == 5 else {})})
+    conv = norm({"tools": [STEPS_TOOL], "messages": msgs})
+    conv["messages"][-1]["given"] = 4
+    r = Renderer(any_tok, token_map=function_token_map(any_tok))
+    rendered = r.render(conv)
+    segs = [(r.map_markers(t), tr) for t, tr in r.segments(conv)]
+    assert "".join(t for t, _ in segs) == rendered.text
+    trained = np.zeros(len(rendered.text) + 1, bool)
+    pos, opens = 0, []
+    for t, tr in segs:
+        trained[pos:pos + len(t)] = tr
+        if tr and t and pos and not trained[pos - 1]:
+            opens.append(pos)
+        pos += len(t)
+    offsets = rendered.offsets[1:]
+    want = [bool(trained[a:max(b, a + 1)].any()) for a, b in offsets.tolist()]
+    assert rendered.loss_mask.tolist() == [False] + want and sum(want) > 9000
+    inside = np.full(len(trained), -1)  # the first token holding each character past its own first
+    for k, (a, b) in reversed(list(enumerate(offsets.tolist()))):
+        inside[a + 1:b] = k
+    joined = next((rendered.text[slice(*offsets[inside[p]])] for p in opens if inside[p] >= 0), None)
+    assert rendered.joined == joined and (joined == "\n\n\n" or any_tok.vocab_size < 1000), joined
+
+
 def test_an_answer_opening_with_newlines_is_one_warning(tmp_path, real_tok, caplog):
     """An answer opening with newlines shares one token with its turn's newline ('\\n\\n\\n', trained from
     'model'), as the whole conversation tokenizes; a server tokenizes the prompt apart (ending in its own '\\n') and
