@@ -2826,6 +2826,36 @@ def test_a_chat_template_without_tools_is_refused_for_tool_chats(tmp_path, tok):
         Renderer(_with_template(tok, declares), chat_format="template").render(conv)
 
 
+def _results_template(tool_turn: str) -> str:
+    """A chat template writing declarations, user turns, answers and calls; a tool message as `tool_turn`."""
+    return ("{{- bos_token -}}{%- if tools -%}{{- '<start_of_turn>developer\\n' ~ (tools | tojson) ~ "
+            "'<end_of_turn>\\n' -}}{%- endif -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+            "{{- '<start_of_turn>user\\n' ~ m.content ~ '<end_of_turn>\\n' -}}{%- elif m.role == 'assistant' -%}"
+            "{{- '<start_of_turn>model\\n' ~ m.content -}}{%- for c in m.tool_calls or [] -%}"
+            "{{- 'call:' ~ c.function.name ~ (c.function.arguments | tojson) -}}{%- endfor -%}"
+            "{{- '<end_of_turn>\\n' -}}{%- elif m.role == 'tool' -%}" + tool_turn + "{%- endif -%}{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}")
+
+
+def test_a_chat_template_dropping_tool_results_is_refused(tmp_path, tok):
+    """data.chat_format=template with a template that renders a tool message as nothing, or without its content: the
+    answers after the results were trained on prompts without them, as the model is then served, so it learns to
+    answer results it is never shown (the numbers of its answers made up), without a word. Refused by FILE:LINE,
+    naming the result; a template that writes the result (a JSON object or text) renders as before."""
+    path = write_jsonl(tmp_path / "c.jsonl", [TOOL_CHAT])
+    conv, = load_conversations(path, DataConfig())
+    for tool_turn in ("", "{{- '<start_of_turn>tool\\n' ~ m.name ~ '<end_of_turn>\\n' -}}"):
+        with pytest.raises(UserError, match=f"^{re.escape(str(path))}:1: the tokenizer's chat template does not "
+                                            f"render messages\\[3\\]'s tool result \\(the conversation renders the "
+                                            f"same whatever it holds\\)"):
+            Renderer(_with_template(tok, _results_template(tool_turn)), chat_format="template").render(conv)
+    writes = _with_template(tok, _results_template("{{- '<start_of_turn>tool\\n' ~ m.content ~ '<end_of_turn>\\n' -}}"))
+    for result in ("{\"steps\": 5}", "5 steps"):
+        conv["messages"][3]["content"] = result
+        r = Renderer(writes, chat_format="template").render(conv)
+        assert masked_runs(tok, r) == [f'call:get_steps{{"date": "today"}}{EOT}', f"You walked 5 steps.{EOT}"]
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect

@@ -191,6 +191,7 @@ class Renderer:
         self.bos_id = chat.BOS_ID if bos is None else int(bos)
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
         self._renders_tools = False  # the chat template was seen to write `tools` (`_check_renders_tools`)
+        self._renders_results = False  # ... and a tool result's content (`_check_renders_results`)
 
     def _check_turn_tokens(self) -> None:
         """Our Gemma format writes Gemma 3's turn markers: a vocabulary without them as tokens (Gemma 4's turns are
@@ -267,6 +268,7 @@ class Renderer:
 
         if tools:
             self._check_renders_tools(msgs, tools, where)
+        self._check_renders_results(msgs, tools, where)
         for i, m in enumerate(msgs[:-1] if continue_final else msgs):
             if m["role"] != "assistant" or i == 0:
                 continue
@@ -312,6 +314,26 @@ class Renderer:
             raise UserError(f"{where}: the tokenizer's chat template does not render the tool declarations (the "
                             f"conversation renders the same without them): the model would be trained without its "
                             f"tools - use data.chat_format=gemma, or a template that renders tools")
+
+    def _check_renders_results(self, msgs: list[dict], tools: list | None, where: str) -> None:
+        """Refuse a chat template that renders a tool result as nothing or without its content (the conversation
+        renders the same whatever its first result holds; once it is seen to write one, not checked again): the answers
+        after the results were trained, and served, on prompts without them - the model learnt to answer results it is
+        never shown, without a word."""
+        k = next((i for i, m in enumerate(msgs) if m["role"] == "tool"), None)
+        if self._renders_results or k is None:
+            return
+        other = {**msgs[k], "content": "0" if msgs[k]["content"] != "0" else "1"}
+        try:
+            self._renders_results = (self._apply(msgs, tools, False, where)
+                                     != self._apply(msgs[:k] + [other] + msgs[k + 1:], tools, False, where))
+        except UserError:  # a template that reads the result (refusing text where it wants an object): it writes it
+            self._renders_results = True
+        if not self._renders_results:
+            raise UserError(f"{where}: the tokenizer's chat template does not render messages[{k}]'s tool result (the "
+                            f"conversation renders the same whatever it holds): the model would be trained to answer "
+                            f"results it is never shown - use data.chat_format=gemma, or a template that renders tool "
+                            f"results")
 
     def template_difference(self, conv: dict) -> str | None:
         """Where our Gemma rendering of a plain chat (no tools) departs from the tokenizer's own chat template,
