@@ -596,6 +596,21 @@ def test_a_given_start_out_of_turn_is_named_in_the_prompt(tmp_path, before, wher
         load_conversations(write_jsonl(tmp_path / "c.jsonl", [bad]), DataConfig())
 
 
+@pytest.mark.parametrize("start, rest, error", [
+    ("The answer", " is <end_of_turn> 42.", "completion[0]: the text holds '<end_of_turn>' at character 4,"),
+    ("The answer <end_of", "_turn> 42.", "prompt[1]'s end and completion[0]'s start join into '<end_of_turn>' (from "
+                                          "prompt[1]'s character 11),"),
+])
+def test_a_control_token_after_a_given_start_is_named_where_the_file_holds_it(tmp_path, start, rest, error):
+    """The answer a prompt starts is checked for markup as one text: a control token in its continuation was said to
+    be at its character in the joined answer (10 for the 4th of completion[0]'s text), one across the join to be in
+    completion[0], which does not hold it."""
+    row = {"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": start}],
+           "completion": [{"role": "assistant", "content": rest}]}
+    with pytest.raises(UserError, match=re.escape(f"c.jsonl:1: {error}")):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [row]), DataConfig())
+
+
 def test_chat_messages_under_the_sharegpt_column_read_as_messages(tmp_path, tok):
     """`conversations` holding role/content messages (Hub datasets and converters leave chats so) was refused as
     ShareGPT turns without 'from'/'value'."""

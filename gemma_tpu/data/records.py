@@ -962,6 +962,14 @@ def _continued_answer(prompt: list, completion: list, where: str, markup: Markup
     start = _text(last.get("content"), f"{where}: prompt[{k}]")
     markup.check(start, f"{where}: prompt[{k}]", answer=True)
     rest = _text(first.get("content"), f"{where}: completion[0]")
+    # checked apart and across the join: the joined answer's check named a character of a text the file does not hold
+    markup.check(rest, f"{where}: completion[0]", answer=True)
+    hit = markup.search(start + rest)
+    if hit:
+        at, token = hit
+        raise UserError(f"{where}: prompt[{k}]'s end and completion[0]'s start join into {token!r} (from prompt[{k}]'s "
+                        f"character {at}), the chat markup's own control token, which the tokenizer would read as "
+                        f"markup; remove it{' (tool calls go in tool_calls)' if token in markup.calls else ''}")
     if not rest.strip() and not first.get("tool_calls") and first.get("function_call") is None:
         raise UserError(f"{where}: completion[0] continues the prompt's final assistant message with nothing"
                         f"{' (only whitespace)' if rest else ''}: give the text that follows it, or end the prompt "
