@@ -178,6 +178,9 @@ def test_recipe_sweep_scores_each_set_apart():
     import pytest
     from recipe_sweep import parse_recipe, score_spans
 
+    from gemma_tpu.evaluate.run import build_cases, scored
+    from gemma_tpu.formats.function_calling import parse_reply
+
     assert parse_recipe("lr2e3: train.learning_rate=0.002 train.max_steps=32") == (
         "lr2e3", ["train.learning_rate=0.002", "train.max_steps=32"])
     assert parse_recipe("main:") == ("main", [])
@@ -196,12 +199,39 @@ def test_recipe_sweep_scores_each_set_apart():
         return f"<start_function_call>call:{name}{{}}<end_function_call>"
 
     convs = [conv("get_steps"), conv("get_sleep"), conv("get_steps")]
-    records = [{"raw": raw("get_steps")}, {"raw": raw("get_steps")}, {"raw": raw("get_steps")}]
+    replies = [raw("get_steps")] * 3
+    records = scored(build_cases(convs), [parse_reply(r) for r in replies], replies, None, 0.0)[1]
     got = score_spans(convs, records, [("test", 0, 2), ("validation", 2, 3)])
     assert (got["test"]["n"], got["test"]["tool_accuracy"]) == (2, 0.5)
     assert (got["validation"]["n"], got["validation"]["tool_accuracy"]) == (1, 1.0)
     with pytest.raises(ValueError, match="3 conversations but 2"):
         score_spans(convs, records[:2], [("test", 0, 3)])
+
+
+def test_recipe_sweep_scores_each_reply_as_evaluate_scored_it():
+    """A prompt past the model's context is refused and scored as wrong by `gemma_tpu.evaluate`; its record's raw
+    reply is empty, which the sweep parsed again as an answer without a call: right, where the reference makes none.
+    The sweep's numbers of a set now equal evaluate's own for the same replies."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from recipe_sweep import score_spans
+
+    from gemma_tpu.evaluate.run import build_cases, refuse, scored
+    from gemma_tpu.formats.function_calling import parse_reply
+
+    tools = [{"type": "function", "function": {"name": "get_steps", "parameters": {"type": "object",
+                                                                                     "properties": {}}}}]
+    convs = [{"tools": tools, "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", **answer}]}
+             for i, answer in enumerate([{"content": "No tool needed."},
+                                         {"tool_calls": [{"name": "get_steps", "arguments": {}}]},
+                                         {"content": "Fine."}])]
+    cases = build_cases(convs)
+    raws = ["No tool needed.", "<start_function_call>call:get_steps{}<end_function_call>", ""]
+    preds = [parse_reply(raws[0]), parse_reply(raws[1]), refuse(cases[2], 3, "the prompt is 600 tokens")]
+    metrics, records = scored(cases, preds, raws, None, 0.0)
+    assert metrics["tool_accuracy"] == pytest.approx(2 / 3)
+    got = score_spans(convs, records, [("test", 0, 3)])["test"]
+    assert {k: got[k] for k in ("tool_accuracy", "argument_accuracy", "format_error_rate")} == pytest.approx(
+        {k: metrics[k] for k in ("tool_accuracy", "argument_accuracy", "format_error_rate")})
 
 
 # Each benchmark wrote its --json at the end of the run, unchecked: a path it could not write (under a file, in a

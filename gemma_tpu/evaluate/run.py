@@ -589,6 +589,13 @@ def scored(cases: Sequence[Case], preds: Sequence[ParsedReply], texts: Sequence[
     return metrics, records
 
 
+def recorded_reply(record: dict) -> ParsedReply:
+    """The reply a record of `scored` holds, as it was scored: its raw text parsed again differs (a refused prompt's
+    is empty, which parses as an answer without a call, and scored right where the reference makes none)."""
+    return ParsedReply(record["kind"], [ToolCall(c["name"], c["arguments"]) for c in record["predicted"]],
+                       record["answer"] if record["answer"] is not None else record["raw"], record["error"])
+
+
 def format_table(results: dict[str, dict]) -> str:
     """Metrics down, models across."""
     labels = list(results)
