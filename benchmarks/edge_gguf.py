@@ -88,7 +88,7 @@ def render_prompts(tokenizer, n: int) -> tuple[list[dict], dict]:
     and `gemma_tpu.evaluate` render them; and the token map used."""
     from gemma_tpu.core.config import DataConfig
     from gemma_tpu.data import load_conversations, make_renderer
-    from gemma_tpu.evaluate.run import build_cases
+    from gemma_tpu.evaluate.run import build_cases, render_prompt
     from gemma_tpu.formats.function_calling import function_token_map
 
     token_map = function_token_map(tokenizer)
@@ -97,7 +97,7 @@ def render_prompts(tokenizer, n: int) -> tuple[list[dict], dict]:
     cases = build_cases(load_conversations(str(REPO / "data/fitness/test.jsonl"), data_cfg))[:n]
     out = []
     for case in cases:
-        r = renderer.render(case.prompt, add_generation_prompt=True)
+        r = render_prompt(renderer, case)
         out.append({"text": r.text, "ids": list(r.ids)})
     return out, token_map
 

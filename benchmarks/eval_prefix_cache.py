@@ -39,7 +39,7 @@ from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core.config import DataConfig  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
 from gemma_tpu.data import load_conversations, make_renderer  # noqa: E402
-from gemma_tpu.evaluate.run import build_cases, score  # noqa: E402
+from gemma_tpu.evaluate.run import build_cases, render_prompt, score  # noqa: E402
 from gemma_tpu.formats.function_calling import parse_reply  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     cases = build_cases(convs)
     loaded = load_hf_dir(args.model, args.dtype)
     renderer = make_renderer(loaded.tokenizer, data_cfg, loaded.chat_format, loaded.token_map)
-    prompts = [renderer.render(c.prompt, add_generation_prompt=True).ids for c in cases]
+    prompts = [render_prompt(renderer, c).ids for c in cases]  # as `gemma_tpu.evaluate` asks them
     lengths = sorted(len(x) for x in prompts)
     shared = common_prefix_len(prompts)
     print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "

@@ -30,8 +30,7 @@ from gemma_tpu.core.config import load_config  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
 from gemma_tpu.data.records import iter_raw  # noqa: E402
 from gemma_tpu.data import load_conversations  # noqa: E402
-from gemma_tpu.evaluate.run import build_cases, score  # noqa: E402
-from gemma_tpu.formats.function_calling import parse_reply  # noqa: E402
+from gemma_tpu.evaluate.run import build_cases, recorded_reply, score  # noqa: E402
 
 
 def parse_recipe(text: str) -> tuple[str, list[str]]:
@@ -99,12 +98,12 @@ def combine_heldout(paths: list[str]) -> tuple[list[str], list[tuple[str, int, i
 
 
 def score_spans(convs: list[dict], records: list[dict], spans: list[tuple[str, int, int]]) -> dict[str, dict]:
-    """Each held-out set's metrics from one evaluation of all of them (records hold the raw replies)."""
+    """Each held-out set's metrics from one evaluation of all of them (records hold the replies as scored)."""
     if len(convs) != len(records):
         raise ValueError(f"{len(convs)} conversations but {len(records)} evaluated replies")
     out = {}
     for label, lo, hi in spans:
-        metrics = score(build_cases(convs[lo:hi]), [parse_reply(r["raw"]) for r in records[lo:hi]])
+        metrics = score(build_cases(convs[lo:hi]), [recorded_reply(r) for r in records[lo:hi]])
         out[label] = {k: metrics[k] for k in ("n", "tool_accuracy", "argument_accuracy", "hallucinated_tool_rate",
                                               "format_error_rate", "per_tool")}
     return out

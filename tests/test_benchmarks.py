@@ -93,6 +93,23 @@ def test_eval_prefix_cache_sides_each_pay_their_compilations(tmp_path):
     assert sides["prefix cache"]["compilations"] == sides["uncached"]["compilations"] > 0
 
 
+def test_eval_prefix_cache_asks_a_given_answer_start_as_evaluate_does(tmp_path):
+    """A row whose prompt gives the start of its answer (TRL's continue_final_message): `gemma_tpu.evaluate` asks the
+    model to continue that start; the benchmark rendered every prompt with a generation prompt, so it timed prompts
+    without the start (a prompt evaluation never asks). Its prompt is the tokenizer's continue_final_message one."""
+    from gemma_tpu.infer.generate import describe_hf_dir
+
+    prompt = [{"role": "user", "content": "What is six times seven?"},
+              {"role": "assistant", "content": "The answer is six times seven, which is"}]
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"prompt": prompt, "completion": [{"role": "assistant", "content": " 42."}]}) + "\n")
+    tok = describe_hf_dir("embedded:tiny-gemma3").tokenizer
+    served = tok.apply_chat_template(prompt, tokenize=True, continue_final_message=True, return_dict=False)
+    res = _eval_prefix_cache(tmp_path, "--data", str(data), "--limit", "1", "--batch-size", "1",
+                             "--max-new-tokens", "1")[1]
+    assert res["settings"]["prompt_tokens"]["max"] == len(served)
+
+
 def test_prefix_layouts_tiny(tmp_path):
     """The broadcast shared-prefix layout on the tiny model (window 16, so its suffixes sit past it): its loss
     and LoRA gradients equal one conversation a row. Only the check runs: the timed sides are the check's
@@ -161,6 +178,9 @@ def test_recipe_sweep_scores_each_set_apart():
     import pytest
     from recipe_sweep import parse_recipe, score_spans
 
+    from gemma_tpu.evaluate.run import build_cases, scored
+    from gemma_tpu.formats.function_calling import parse_reply
+
     assert parse_recipe("lr2e3: train.learning_rate=0.002 train.max_steps=32") == (
         "lr2e3", ["train.learning_rate=0.002", "train.max_steps=32"])
     assert parse_recipe("main:") == ("main", [])
@@ -179,12 +199,39 @@ def test_recipe_sweep_scores_each_set_apart():
         return f"<start_function_call>call:{name}{{}}<end_function_call>"
 
     convs = [conv("get_steps"), conv("get_sleep"), conv("get_steps")]
-    records = [{"raw": raw("get_steps")}, {"raw": raw("get_steps")}, {"raw": raw("get_steps")}]
+    replies = [raw("get_steps")] * 3
+    records = scored(build_cases(convs), [parse_reply(r) for r in replies], replies, None, 0.0)[1]
     got = score_spans(convs, records, [("test", 0, 2), ("validation", 2, 3)])
     assert (got["test"]["n"], got["test"]["tool_accuracy"]) == (2, 0.5)
     assert (got["validation"]["n"], got["validation"]["tool_accuracy"]) == (1, 1.0)
     with pytest.raises(ValueError, match="3 conversations but 2"):
         score_spans(convs, records[:2], [("test", 0, 3)])
+
+
+def test_recipe_sweep_scores_each_reply_as_evaluate_scored_it():
+    """A prompt past the model's context is refused and scored as wrong by `gemma_tpu.evaluate`; its record's raw
+    reply is empty, which the sweep parsed again as an answer without a call: right, where the reference makes none.
+    The sweep's numbers of a set now equal evaluate's own for the same replies."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from recipe_sweep import score_spans
+
+    from gemma_tpu.evaluate.run import build_cases, refuse, scored
+    from gemma_tpu.formats.function_calling import parse_reply
+
+    tools = [{"type": "function", "function": {"name": "get_steps", "parameters": {"type": "object",
+                                                                                     "properties": {}}}}]
+    convs = [{"tools": tools, "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", **answer}]}
+             for i, answer in enumerate([{"content": "No tool needed."},
+                                         {"tool_calls": [{"name": "get_steps", "arguments": {}}]},
+                                         {"content": "Fine."}])]
+    cases = build_cases(convs)
+    raws = ["No tool needed.", "<start_function_call>call:get_steps{}<end_function_call>", ""]
+    preds = [parse_reply(raws[0]), parse_reply(raws[1]), refuse(cases[2], 3, "the prompt is 600 tokens")]
+    metrics, records = scored(cases, preds, raws, None, 0.0)
+    assert metrics["tool_accuracy"] == pytest.approx(2 / 3)
+    got = score_spans(convs, records, [("test", 0, 3)])["test"]
+    assert {k: got[k] for k in ("tool_accuracy", "argument_accuracy", "format_error_rate")} == pytest.approx(
+        {k: metrics[k] for k in ("tool_accuracy", "argument_accuracy", "format_error_rate")})
 
 
 # Each benchmark wrote its --json at the end of the run, unchecked: a path it could not write (under a file, in a

@@ -578,6 +578,39 @@ def test_a_prompt_ending_in_a_partial_answer_trains_its_continuation(tmp_path, g
         load_conversations(write_jsonl(tmp_path / "c.jsonl", [nothing]), DataConfig())
 
 
+@pytest.mark.parametrize("before, where, what", [
+    ([{"role": "system", "content": "s"}], "prompt[1]", "the conversation must start with a user turn"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "A"}], "prompt[2]", "two assistant turns"),
+])
+def test_a_given_start_out_of_turn_is_named_in_the_prompt(tmp_path, before, where, what):
+    """The start of an answer a prompt gives, standing where the chat template refuses an assistant turn: the answer
+    stands where its start stands, in the prompt. It was named completion[0], a message that is in its place."""
+    row = {"prompt": [*before, {"role": "assistant", "content": "The answer is"}],
+           "completion": [{"role": "assistant", "content": " 42."}]}
+    with pytest.raises(UserError, match=re.escape(f"c.jsonl:1: {where}: {what}")):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [row]), DataConfig())
+    # the completion's own faults are still named by it
+    bad = {**row, "prompt": [{"role": "user", "content": "q"}, row["prompt"][-1]],
+           "completion": [{"role": "assistant", "content": " 42.", "train": "yes"}]}
+    with pytest.raises(UserError, match=re.escape("c.jsonl:1: completion[0]: 'train' must be true or false")):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [bad]), DataConfig())
+
+
+@pytest.mark.parametrize("start, rest, error", [
+    ("The answer", " is <end_of_turn> 42.", "completion[0]: the text holds '<end_of_turn>' at character 4,"),
+    ("The answer <end_of", "_turn> 42.", "prompt[1]'s end and completion[0]'s start join into '<end_of_turn>' (from "
+                                          "prompt[1]'s character 11),"),
+])
+def test_a_control_token_after_a_given_start_is_named_where_the_file_holds_it(tmp_path, start, rest, error):
+    """The answer a prompt starts is checked for markup as one text: a control token in its continuation was said to
+    be at its character in the joined answer (10 for the 4th of completion[0]'s text), one across the join to be in
+    completion[0], which does not hold it."""
+    row = {"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": start}],
+           "completion": [{"role": "assistant", "content": rest}]}
+    with pytest.raises(UserError, match=re.escape(f"c.jsonl:1: {error}")):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [row]), DataConfig())
+
+
 def test_chat_messages_under_the_sharegpt_column_read_as_messages(tmp_path, tok):
     """`conversations` holding role/content messages (Hub datasets and converters leave chats so) was refused as
     ShareGPT turns without 'from'/'value'."""
@@ -2808,6 +2841,36 @@ def test_a_chat_template_without_tools_is_refused_for_tool_chats(tmp_path, tok):
         Renderer(_with_template(tok, declares), chat_format="template").render(conv)
 
 
+def _results_template(tool_turn: str) -> str:
+    """A chat template writing declarations, user turns, answers and calls; a tool message as `tool_turn`."""
+    return ("{{- bos_token -}}{%- if tools -%}{{- '<start_of_turn>developer\\n' ~ (tools | tojson) ~ "
+            "'<end_of_turn>\\n' -}}{%- endif -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+            "{{- '<start_of_turn>user\\n' ~ m.content ~ '<end_of_turn>\\n' -}}{%- elif m.role == 'assistant' -%}"
+            "{{- '<start_of_turn>model\\n' ~ m.content -}}{%- for c in m.tool_calls or [] -%}"
+            "{{- 'call:' ~ c.function.name ~ (c.function.arguments | tojson) -}}{%- endfor -%}"
+            "{{- '<end_of_turn>\\n' -}}{%- elif m.role == 'tool' -%}" + tool_turn + "{%- endif -%}{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}")
+
+
+def test_a_chat_template_dropping_tool_results_is_refused(tmp_path, tok):
+    """data.chat_format=template with a template that renders a tool message as nothing, or without its content: the
+    answers after the results were trained on prompts without them, as the model is then served, so it learns to
+    answer results it is never shown (the numbers of its answers made up), without a word. Refused by FILE:LINE,
+    naming the result; a template that writes the result (a JSON object or text) renders as before."""
+    path = write_jsonl(tmp_path / "c.jsonl", [TOOL_CHAT])
+    conv, = load_conversations(path, DataConfig())
+    for tool_turn in ("", "{{- '<start_of_turn>tool\\n' ~ m.name ~ '<end_of_turn>\\n' -}}"):
+        with pytest.raises(UserError, match=f"^{re.escape(str(path))}:1: the tokenizer's chat template does not "
+                                            f"render messages\\[3\\]'s tool result \\(the conversation renders the "
+                                            f"same whatever it holds\\)"):
+            Renderer(_with_template(tok, _results_template(tool_turn)), chat_format="template").render(conv)
+    writes = _with_template(tok, _results_template("{{- '<start_of_turn>tool\\n' ~ m.content ~ '<end_of_turn>\\n' -}}"))
+    for result in ("{\"steps\": 5}", "5 steps"):
+        conv["messages"][3]["content"] = result
+        r = Renderer(writes, chat_format="template").render(conv)
+        assert masked_runs(tok, r) == [f'call:get_steps{{"date": "today"}}{EOT}', f"You walked 5 steps.{EOT}"]
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect
@@ -2843,6 +2906,45 @@ def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path
                                              str(tdir), "-n", "0", "train.batch_size=1"]))
     assert result["template_skew"].startswith(f"{path}: 2 of the first 3 chats render otherwise")
     assert f"template   {result['template_skew']}" in capsys.readouterr().out
+
+
+def test_a_long_chat_masks_each_token_touching_trained_text(any_tok):
+    """The loss mask and the joined token of a 2,000-turn chat (answers opening with newlines, tool calls twice in a
+    row, a given start) against their definitions, character by character: a token is a target when one of its
+    characters (an empty token: its first) is trained text; the joined token is the first to hold the start of
+    trained text after untrained text, at the first such start. (Each was a pass over every token for each trained
+    span, quadratic in the turns: 0.9 s for a 4,000-turn chat; now one search a token.)"""
+    msgs = []
+    for i in range(1000):
+        msgs.append({"role": "user", "content": f"Question {i}: steps on day {i}?"})
+        if i % 7 == 3:  # calls twice in a row, then the answer
+            for d in (i, i + 1):
+                msgs += [{"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_steps", "arguments": {"date": str(d)}}}]},
+                    {"role": "tool", "name": "get_steps", "content": json.dumps({"steps": d})}]
+        msgs.append({"role": "assistant", "content": ("\n\n" if i % 3 else "") + f"You walked {i} steps.",
+                     **({"train": False} if i % 11 == 5 else {})})
+    conv = norm({"tools": [STEPS_TOOL], "messages": msgs})
+    conv["messages"][-1]["given"] = 4
+    r = Renderer(any_tok, token_map=function_token_map(any_tok))
+    rendered = r.render(conv)
+    segs = [(r.map_markers(t), tr) for t, tr in r.segments(conv)]
+    assert "".join(t for t, _ in segs) == rendered.text
+    trained = np.zeros(len(rendered.text) + 1, bool)
+    pos, opens = 0, []
+    for t, tr in segs:
+        trained[pos:pos + len(t)] = tr
+        if tr and t and pos and not trained[pos - 1]:
+            opens.append(pos)
+        pos += len(t)
+    offsets = rendered.offsets[1:]
+    want = [bool(trained[a:max(b, a + 1)].any()) for a, b in offsets.tolist()]
+    assert rendered.loss_mask.tolist() == [False] + want and sum(want) > 9000
+    inside = np.full(len(trained), -1)  # the first token holding each character past its own first
+    for k, (a, b) in reversed(list(enumerate(offsets.tolist()))):
+        inside[a + 1:b] = k
+    joined = next((rendered.text[slice(*offsets[inside[p]])] for p in opens if inside[p] >= 0), None)
+    assert rendered.joined == joined and (joined == "\n\n\n" or any_tok.vocab_size < 1000), joined
 
 
 def test_an_answer_opening_with_newlines_is_one_warning(tmp_path, real_tok, caplog):

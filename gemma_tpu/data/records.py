@@ -624,38 +624,42 @@ def _tool_names(tools: Any, where: str, field: str = "tools") -> list[str]:
         raise UserError(f"{where}: {field}{str(e).removeprefix('tools')}") from None
 
 
+class OutOfTurn(UserError):
+    """A message refused for where it stands (`_check_turn_order`), not for what it holds."""
+
+
 def _check_turn_order(before: list[dict], role: str, answered: int, calls: int, mw: str) -> None:
-    """Refuse a turn the chat template would refuse or the renderer would have to guess at.
+    """Refuse a turn the chat template would refuse or the renderer would have to guess at (`OutOfTurn`).
 
     Gemma's chat template takes one leading system message and then strictly alternating user and
     model turns (it raises otherwise); tool results sit inside the model turn, after its calls."""
     prev = before[-1]["role"] if before else None
     if role in ("system", "developer"):
         if before:
-            raise UserError(f"{mw}: a {role} message is allowed only as the first message (Gemma folds it into the "
+            raise OutOfTurn(f"{mw}: a {role} message is allowed only as the first message (Gemma folds it into the "
                             f"first user turn); this one follows {prev}")
         return
     if prev is None or prev in ("system", "developer"):
         if role != "user":
-            raise UserError(f"{mw}: the conversation must start with a user turn (after an optional system "
+            raise OutOfTurn(f"{mw}: the conversation must start with a user turn (after an optional system "
                             f"message), as Gemma's chat template requires; it starts with {role}")
         return
     if role == "user":
         if prev == "user":
-            raise UserError(f"{mw}: two user turns in a row; Gemma's chat template requires user and assistant turns "
+            raise OutOfTurn(f"{mw}: two user turns in a row; Gemma's chat template requires user and assistant turns "
                             f"to alternate (join them into one message)")
         if prev == "tool" or before[-1].get("tool_calls"):
-            raise UserError(f"{mw}: a user turn follows unanswered tool calls or a tool result; the assistant must "
+            raise OutOfTurn(f"{mw}: a user turn follows unanswered tool calls or a tool result; the assistant must "
                             f"answer first")
     elif role == "assistant":
         if prev == "assistant" and not before[-1].get("tool_calls"):
-            raise UserError(f"{mw}: two assistant turns in a row; Gemma's chat template requires user and assistant "
+            raise OutOfTurn(f"{mw}: two assistant turns in a row; Gemma's chat template requires user and assistant "
                             f"turns to alternate (join them into one message)")
         if prev == "assistant" or (prev == "tool" and answered < calls):
-            raise UserError(f"{mw}: the assistant continues before every tool call of its previous turn has a result "
+            raise OutOfTurn(f"{mw}: the assistant continues before every tool call of its previous turn has a result "
                             f"({answered if prev == 'tool' else 0} of {calls} answered)")
     elif role == "tool" and not (prev == "tool" or before[-1].get("tool_calls")):
-        raise UserError(f"{mw}: a tool result must follow an assistant turn with tool_calls (or another tool result); "
+        raise OutOfTurn(f"{mw}: a tool result must follow an assistant turn with tool_calls (or another tool result); "
                         f"it follows {prev}")
 
 
@@ -923,9 +927,13 @@ def normalise_prompt_completion(obj: dict, where: str, markup: Markup = GEMMA_MA
         conv = normalise_messages({"messages": context + completion, "tools": obj.get("tools"),
                                    **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
     except UserError as e:  # name the message by the field the row has, not by the joined list
+        # an answer whose start the prompt gives stands where its start stands: refused there, it is the prompt's
+        # message out of turn (it was named completion[0], a message in its place)
+        start = len(prompt) + (given > 0 and isinstance(e, OutOfTurn))
+
         def field(m: re.Match) -> str:
             i = int(m.group(1))
-            return f"prompt[{i}]" if i < len(prompt) else f"completion[{i - len(prompt)}]"
+            return f"prompt[{i}]" if i < start else f"completion[{i - len(prompt)}]"
 
         raise UserError(re.sub(r"(?<=: )messages\[(\d+)\]", field, str(e), count=1)) from None
     answers = [m for m in conv["messages"] if m["role"] == "assistant"]
@@ -954,6 +962,14 @@ def _continued_answer(prompt: list, completion: list, where: str, markup: Markup
     start = _text(last.get("content"), f"{where}: prompt[{k}]")
     markup.check(start, f"{where}: prompt[{k}]", answer=True)
     rest = _text(first.get("content"), f"{where}: completion[0]")
+    # checked apart and across the join: the joined answer's check named a character of a text the file does not hold
+    markup.check(rest, f"{where}: completion[0]", answer=True)
+    hit = markup.search(start + rest)
+    if hit:
+        at, token = hit
+        raise UserError(f"{where}: prompt[{k}]'s end and completion[0]'s start join into {token!r} (from prompt[{k}]'s "
+                        f"character {at}), the chat markup's own control token, which the tokenizer would read as "
+                        f"markup; remove it{' (tool calls go in tool_calls)' if token in markup.calls else ''}")
     if not rest.strip() and not first.get("tool_calls") and first.get("function_call") is None:
         raise UserError(f"{where}: completion[0] continues the prompt's final assistant message with nothing"
                         f"{' (only whitespace)' if rest else ''}: give the text that follows it, or end the prompt "

@@ -191,6 +191,7 @@ class Renderer:
         self.bos_id = chat.BOS_ID if bos is None else int(bos)
         self.bos_text = getattr(tokenizer, "bos_token", None) or ""
         self._renders_tools = False  # the chat template was seen to write `tools` (`_check_renders_tools`)
+        self._renders_results = False  # ... and a tool result's content (`_check_renders_results`)
 
     def _check_turn_tokens(self) -> None:
         """Our Gemma format writes Gemma 3's turn markers: a vocabulary without them as tokens (Gemma 4's turns are
@@ -267,6 +268,7 @@ class Renderer:
 
         if tools:
             self._check_renders_tools(msgs, tools, where)
+        self._check_renders_results(msgs, tools, where)
         for i, m in enumerate(msgs[:-1] if continue_final else msgs):
             if m["role"] != "assistant" or i == 0:
                 continue
@@ -312,6 +314,26 @@ class Renderer:
             raise UserError(f"{where}: the tokenizer's chat template does not render the tool declarations (the "
                             f"conversation renders the same without them): the model would be trained without its "
                             f"tools - use data.chat_format=gemma, or a template that renders tools")
+
+    def _check_renders_results(self, msgs: list[dict], tools: list | None, where: str) -> None:
+        """Refuse a chat template that renders a tool result as nothing or without its content (the conversation
+        renders the same whatever its first result holds; once it is seen to write one, not checked again): the answers
+        after the results were trained, and served, on prompts without them - the model learnt to answer results it is
+        never shown, without a word."""
+        k = next((i for i, m in enumerate(msgs) if m["role"] == "tool"), None)
+        if self._renders_results or k is None:
+            return
+        other = {**msgs[k], "content": "0" if msgs[k]["content"] != "0" else "1"}
+        try:
+            self._renders_results = (self._apply(msgs, tools, False, where)
+                                     != self._apply(msgs[:k] + [other] + msgs[k + 1:], tools, False, where))
+        except UserError:  # a template that reads the result (refusing text where it wants an object): it writes it
+            self._renders_results = True
+        if not self._renders_results:
+            raise UserError(f"{where}: the tokenizer's chat template does not render messages[{k}]'s tool result (the "
+                            f"conversation renders the same whatever it holds): the model would be trained to answer "
+                            f"results it is never shown - use data.chat_format=gemma, or a template that renders tool "
+                            f"results")
 
     def template_difference(self, conv: dict) -> str | None:
         """Where our Gemma rendering of a plain chat (no tools) departs from the tokenizer's own chat template,
@@ -402,13 +424,7 @@ class Renderer:
             mask = np.ones(len(ids), bool)
         else:
             mask = np.zeros(len(ids), bool)
-            starts, ends = offsets[1:, 0], np.maximum(offsets[1:, 1], offsets[1:, 0] + 1)
-            pos = 0
-            for t, trainable in segs:
-                if trainable and t:
-                    # a token is a target when any of its characters is in a trainable span
-                    mask[1:] |= (starts < pos + len(t)) & (ends > pos)
-                pos += len(t)
+            mask[1:] = _overlaps(offsets[1:], _spans(segs, True))
         return Rendered(ids, mask, text, offsets, tail, partial, joined_at(segs, text, offsets))
 
 
@@ -453,6 +469,24 @@ def _prompt_parts(renderer: Renderer, conv: dict, total: int,
     return parts if parts[0][0] != PROMPT_PARTS[2] and all(n >= 0 for _, n in parts) else None
 
 
+def _spans(segs: list[tuple[str, bool]], trainable: bool) -> np.ndarray:
+    """The character spans [start, end) of the non-empty segments marked `trainable`, in order: int64 [k, 2]."""
+    bounds = np.cumsum([0] + [len(t) for t, _ in segs])
+    keep = [i for i, (t, tr) in enumerate(segs) if tr == trainable and t]
+    return np.stack([bounds[keep], bounds[np.asarray(keep, int) + 1]], axis=1) if keep else np.zeros((0, 2), int)
+
+
+def _overlaps(offsets: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """Whether each token (its character span; an empty one counts its first character) shares a character with one
+    of `spans` (in order, disjoint). One search a token: a pass over every token for each span was quadratic in a
+    chat's turns (a 4,000-turn chat spent longer on its mask than on its tokenization)."""
+    starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
+    if not len(spans):
+        return np.zeros(len(offsets), bool)
+    k = np.searchsorted(spans[:, 1], starts, side="right")  # the first span ending after the token starts
+    return (k < len(spans)) & (spans[np.minimum(k, len(spans) - 1), 0] < ends)
+
+
 def joined_at(segs: list[tuple[str, bool]], text: str, offsets: np.ndarray) -> str | None:
     """The first token that spans the start of a trained span after untrained text (the place a served model starts
     generating), as its text; None where every such start is a token's start. Tokenized with the prompt, an answer
@@ -460,16 +494,22 @@ def joined_at(segs: list[tuple[str, bool]], text: str, offsets: np.ndarray) -> s
     prompt apart and the model generates after the prompt's last token, so that token is trained where it is never
     served."""
     starts, ends = offsets[1:, 0], offsets[1:, 1]
-    pos, before = 0, False
+    pos, before, opens = 0, False, []  # the starts of trained text after untrained text
     for t, trainable in segs:
         if trainable and t and before and pos:
-            hit = np.flatnonzero((starts < pos) & (ends > pos))
-            if len(hit):
-                return text[starts[hit[0]]:ends[hit[0]]]
+            opens.append(pos)
         if t:
             before = not trainable
         pos += len(t)
-    return None
+    if not opens or not len(starts):
+        return None
+    k = np.searchsorted(opens, starts, side="right")  # the first such start after each token's start
+    at = np.asarray(opens + [pos + 1])[k]
+    hit = np.flatnonzero(at < ends)  # tokens spanning a start: the first start's first token
+    if not len(hit):
+        return None
+    first = hit[np.lexsort((hit, at[hit]))[0]]
+    return text[starts[first]:ends[first]]
 
 
 def _drop_untrained_tail(segs: list[tuple[str, bool]]) -> tuple[list[tuple[str, bool]], bool]:

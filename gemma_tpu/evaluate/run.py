@@ -266,16 +266,19 @@ def prompts_within_context(renderer, cases: Sequence[Case], max_new_tokens: int,
     """Every case's prompt ids, and why each that with `max_new_tokens` passes the model's context `limit` is refused
     (case index -> reason). Tokenized only as far as the context reaches (`partial`): a 3 MB question took 30 s and
     2.4 GB to be refused."""
-    rendered = [_render_prompt(renderer, c, limit) for c in cases]
+    rendered = [render_prompt(renderer, c, limit) for c in cases]
     over = {i: past_context(renderer, cases[i].prompt, r, max_new_tokens, limit)
             for i, r in enumerate(rendered) if limit and len(r.ids) + max_new_tokens > limit}
     return [r.ids for r in rendered], over
 
 
-def _render_prompt(renderer, case: Case, limit: int | None):
-    """A case's prompt as the model is asked it (after the start of the answer it gives, if any); a prompt the
-    renderer refuses (a chat template refusing a developer turn) is named by its FILE:LINE, as training names it
-    (it was "example: the tokenizer's chat template refused the conversation")."""
+def render_prompt(renderer, case: Case, limit: int | None = None):
+    """A case's prompt as the model is asked it (after the start of the answer it gives, if any, left open as
+    continue_final_message leaves it; else with the generation prompt); a prompt the renderer refuses (a chat template
+    refusing a developer turn) is named by its FILE:LINE, as training names it (it was "example: the tokenizer's chat
+    template refused the conversation"). The one home of evaluation prompts: the benchmarks that time or check them
+    render theirs here (they rendered every prompt with the generation prompt, so a row giving the start of its
+    answer was asked without it)."""
     try:
         return renderer.render({**case.prompt, "where": case.where}, add_generation_prompt=not case.start,
                                max_tokens=limit, continue_final=bool(case.start))
@@ -584,6 +587,13 @@ def scored(cases: Sequence[Case], preds: Sequence[ParsedReply], texts: Sequence[
                 "answer": p.text if p.kind == "text" else None, "error": p.error, "raw": t, **outcome(c, p)}
                for c, p, t in zip(cases, preds, texts)]
     return metrics, records
+
+
+def recorded_reply(record: dict) -> ParsedReply:
+    """The reply a record of `scored` holds, as it was scored: its raw text parsed again differs (a refused prompt's
+    is empty, which parses as an answer without a call, and scored right where the reference makes none)."""
+    return ParsedReply(record["kind"], [ToolCall(c["name"], c["arguments"]) for c in record["predicted"]],
+                       record["answer"] if record["answer"] is not None else record["raw"], record["error"])
 
 
 def format_table(results: dict[str, dict]) -> str:
