@@ -413,15 +413,15 @@ def _normalise_settings(body: dict, chat: bool = False) -> None:
 _EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
 
 
-def _sampled(body: dict, given: dict) -> bool:
-    """Whether the request asks for sampling: a temperature above 0, or (no temperature given, so OpenAI's and
-    vLLM's default of 1) a top_p below 1, a top_k or a min_p. transformers serve applied the temperature but
+def _sampled(body: dict) -> bool:
+    """Whether the request asks for sampling: a temperature above 0, or none (vLLM's default of 1, or the model's
+    generation_config temperature, which generate fills in; this server answered greedily there unless the model's
+    generation_config said `do_sample`, which vLLM does not read). transformers serve applied the temperature but
     sampled only when the model's generation_config.json says `do_sample` (ours, and Gemma's, do not): every
     `temperature: 0.8, seed: N` answer was the greedy one."""
     if body.get("temperature") is not None:
         return body["temperature"] > 0
-    top_k = given.get("top_k")  # not yet checked: a string is refused below, naming it (it was a TypeError, a 500)
-    return body.get("top_p", 1) < 1 or _is_int(top_k) and top_k > 0 or bool(given.get("min_p"))
+    return True
 
 
 def _extensions(body: dict, check_generation_config) -> None:
@@ -439,7 +439,7 @@ def _extensions(body: dict, check_generation_config) -> None:
         raise RequestError("frequency_penalty", "this server applies frequency_penalty as a repetition penalty of "
                                                 "1 + value, which would replace the repetition_penalty also given: "
                                                 "send one of them")
-    sampled = _sampled(body, given) and "do_sample" not in own
+    sampled = _sampled(body) and "do_sample" not in own
     if not given and not sampled:
         return
     gen: dict[str, Any] = {"do_sample": True} if sampled else {}

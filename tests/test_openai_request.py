@@ -259,7 +259,8 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     assert "stop" not in check_chat_request({"messages": USER, "stop": [""]})
     assert check_chat_request({"messages": USER, "stop": ["", "##"]})["stop"] == ["##"]
     assert "stop" not in check_completion_request({"prompt": "x", "stop": ["", ""]}, 50, len)
-    assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None}) == {"messages": USER}
+    assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None, "temperature": 0}) == {
+        "messages": USER, "temperature": 0}
     # schemas unusual but sound: a property name with an inner space or non-ASCII letters (a call carries them),
     # enums, nested objects and unions, a required name that additionalProperties lets in
     odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
@@ -272,7 +273,8 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
     # an empty tool list with the "auto" (or "none", parallel calls) a client always sends: no tools, as the
     # Responses path reads it (it was a 400, "needs tools")
     for extra in ({"tool_choice": "auto"}, {"tool_choice": "none", "parallel_tool_calls": True}, {}):
-        assert check_chat_request({"messages": USER, "tools": [], **extra}) == {"messages": USER}, extra
+        assert check_chat_request({"messages": USER, "tools": [], "temperature": 0, **extra}) == {
+            "messages": USER, "temperature": 0}, extra
     assert fixed["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": "é"}'
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7})["max_tokens"] == 7
     assert check_chat_request({"messages": USER, "max_completion_tokens": 7, "max_tokens": 9})["max_tokens"] == 7
@@ -309,8 +311,8 @@ def test_generation_settings_the_server_cannot_honour_are_refused():
             with pytest.raises(RequestError, match=needle) as e:
                 check({**body, "generation_config": json.dumps(gen)}, check_generation_config=check_generation_config)
             assert e.value.param == "generation_config"
-    body = check_chat_request({"messages": USER, "generation_config": '{"num_beams": 1, "num_return_sequences": 1}'},
-                              check_generation_config=check_generation_config)
+    body = check_chat_request({"messages": USER, "generation_config": '{"num_beams": 1, "num_return_sequences": 1}',
+                               "temperature": 0}, check_generation_config=check_generation_config)
     assert json.loads(body["generation_config"]) == {"num_beams": 1, "num_return_sequences": 1}
 
 
@@ -326,11 +328,11 @@ def test_text_completions_are_checked_alike():
         with pytest.raises(RequestError) as e:
             check_completion_request(body)
         assert e.value.param == param
-    assert check_completion_request({"prompt": "héllo", "stop": [], "max_tokens": None}, 50, len) == {
-        "prompt": "héllo", "max_tokens": 45}
+    assert check_completion_request({"prompt": "héllo", "stop": [], "max_tokens": None, "temperature": 0.0}, 50,
+                                    len) == {"prompt": "héllo", "max_tokens": 45, "temperature": 0.0}
     # a batch of one (LangChain's OpenAI LLM always sends a list) is that prompt; it was a 400
-    assert check_completion_request({"prompt": ["héllo"], "max_tokens": 45}, 50, len) == {"prompt": "héllo",
-                                                                                           "max_tokens": 45}
+    assert check_completion_request({"prompt": ["héllo"], "max_tokens": 45, "temperature": 0}, 50, len) == {
+        "prompt": "héllo", "max_tokens": 45, "temperature": 0}
     assert check_completion_request({"prompt": "x", "echo": False, "best_of": 1, "suffix": ""})["prompt"] == "x"
     assert check_completion_request({"prompt": "x", "logprobs": None})["prompt"] == "x"
     # token ids (vLLM takes them, one prompt or a batch) were "expected a string (or a list of one), got a list"
@@ -348,7 +350,8 @@ def test_text_completions_are_checked_alike():
     check_chat_request({"messages": USER + [{"role": "assistant", "content": [], "tool_calls": calls},
                                             {"role": "tool", "tool_call_id": "a", "content": "5"}]})
     # logit_bias: transformers serve ignores it on text completions; it goes in as the generation's sequence_bias
-    body = check_completion_request({"prompt": "x", "logit_bias": {"112": -100}, "generation_config": '{"top_k": 3}'})
+    body = check_completion_request({"prompt": "x", "logit_bias": {"112": -100}, "generation_config": '{"top_k": 3}',
+                                     "temperature": 0})
     assert "logit_bias" not in body and json.loads(body["generation_config"]) == {"top_k": 3,
                                                                                   "sequence_bias": [[[112], -100.0]]}
     for prompt, needle in ((["a", "b"], "one by one"), ([[1, 2]], "token ids"), ([], "or a list of one")):
@@ -1428,9 +1431,9 @@ def test_vllm_sampling_extensions_become_generation_settings():
     assert not set(body) & {"top_k", "min_p", "repetition_penalty", "ignore_eos"} and body["max_tokens"] == 70
     assert json.loads(body["generation_config"]) == {"top_p": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
                                                      "min_new_tokens": 70, "do_sample": True}
-    body = check_completion_request({"prompt": "x", "max_tokens": 4, "top_k": -1, "min_tokens": 2})
+    body = check_completion_request({"prompt": "x", "max_tokens": 4, "top_k": -1, "min_tokens": 2, "temperature": 0})
     assert json.loads(body["generation_config"]) == {"min_new_tokens": 2}  # greedy: no top_k to switch off
-    assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3})
+    assert "generation_config" not in check_chat_request({"messages": USER, "max_tokens": 3, "temperature": 0})
     for extra, param in (({"top_k": 1.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
                          ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": 9}, "min_tokens"),
                          # a top_k of another type was a TypeError deciding whether to sample: a 500
@@ -1526,7 +1529,11 @@ def test_a_sampled_request_without_top_k_samples_the_whole_distribution(tiny_dir
     assert top_k({"temperature": 0.8, "top_k": 7}, own) == (True, 7)
     assert top_k({"temperature": 0.8}, GenerationConfig(top_k=64, eos_token_id=1)) == (True, 64)
     assert top_k({"temperature": 0.8, "top_p": 0.9}, GenerationConfig(do_sample=True, eos_token_id=1)) == (True, 0)
-    assert top_k({}, own)[0] is False  # greedy: top_k is not read
+    assert top_k({"temperature": 0}, own)[0] is False  # greedy: top_k is not read
+    # no temperature: vLLM's default of 1 (or the model's generation_config's) samples, the whole distribution, where
+    # this server answered greedily unless the model's generation_config said do_sample (the demo's merge does not)
+    assert top_k({}, own) == (True, 0)
+    assert top_k({}, GenerationConfig(top_k=64, eos_token_id=1)) == (True, 64)
 
 
 def test_frequency_penalty_zero_keeps_the_repetition_penalty():
@@ -1546,7 +1553,7 @@ def test_frequency_penalty_zero_keeps_the_repetition_penalty():
         return handler._build_generation_config(body, model_config).repetition_penalty
 
     model_config = GenerationConfig(repetition_penalty=1.1, eos_token_id=1)  # a model's generation_config.json
-    chat = {"messages": USER, "max_tokens": 3, "frequency_penalty": 0}
+    chat = {"messages": USER, "max_tokens": 3, "frequency_penalty": 0, "temperature": 0}
     assert penalty(ChatCompletionHandler, check_chat_request({**chat, "repetition_penalty": 1.2}), model_config) == 1.2
     assert penalty(ChatCompletionHandler, check_chat_request(chat), model_config) == 1.1
     text = {"prompt": "x", "max_tokens": 3, "frequency_penalty": 0.0, "repetition_penalty": 1.2}
