@@ -31,6 +31,7 @@ from gemma_tpu.hf.adapter import (
     check_adapter_fits as check_adapter_sites,
     check_vllm_scaling,
     largest_rank,
+    module_names,
     read_adapter_config,
 )
 from gemma_tpu.hf.directory import (
@@ -1202,10 +1203,11 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             ranks.append(largest_rank(adapter))
             check_adapter_fits(adir, a.name, adapter["r"], weights)
             deployed = extra_arg_values(cfg.server.extra_args, "--lora-target-modules")
-            targets = adapter_modules(adir, adapter, f"lora.adapters.{a.name}")  # a multimodal export's: a regex
-            lora_problem = fam.vllm_lora_problem(text, targets) if fam.vllm_lora_problem and targets else None
+            changed = adapter_modules(adir, adapter, f"lora.adapters.{a.name}")  # paths, as vLLM loads them
+            lora_problem = fam.vllm_lora_problem(text, changed) if fam.vllm_lora_problem and changed else None
             if lora_problem:
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} {lora_problem}")
+            targets = module_names(changed) if changed is not None else None
             left_out = lora_modules_left_out(targets, deployed) if deployed is not None and targets is not None else []
             if left_out:
                 raise UserError(f"server.extra_args: --lora-target-modules {' '.join(deployed)} leaves out "

@@ -1151,24 +1151,41 @@ def test_lora_target_modules_leaving_out_an_adapters_module_is_refused(tmp_path,
         assert code == 0 and "--lora-target-modules" in out, err
 
 
-@pytest.mark.parametrize("k_eq_v,targets,refused", [(True, ["q_proj", "k_proj"], True), (True, ["q_proj"], False),
-                                                       (False, ["q_proj", "k_proj"], False)])
+@pytest.mark.parametrize("k_eq_v,targets,layers,refused", [
+    (True, ["q_proj", "k_proj"], (0, 1), True), (True, ["q_proj"], (), False),
+    (False, ["q_proj", "k_proj"], (0, 1), False),
+    # peft's layers_to_transform (or a regex) left the global layer out: vLLM serves it as trained
+    (True, ["q_proj", "k_proj"], (0,), False),
+    # target_modules as peft also takes them, a name's dotted tail: vLLM loads the tensors whatever they say
+    (True, ["self_attn.q_proj", "self_attn.k_proj"], (1,), True)])
 def test_a_k_proj_adapter_on_a_k_eq_v_gemma4_is_refused_where_vllm_would_not_update_the_values(
-        tmp_path, capsys, k_eq_v, targets, refused):
+        tmp_path, capsys, k_eq_v, targets, layers, refused):
     """A Gemma 4 with attention_k_eq_v takes its global layers' keys as their values: transformers (with PEFT) and
     training use k_proj's output, LoRA update included, for both. vLLM's own Gemma 4 (the one that takes adapters)
     copies the base k_proj weight into its packed qkv_proj's value slot and applies the adapter's k_proj update to
-    the key slot alone: the adapter was served with values the trained model never had, without a word."""
+    the key slot alone: the adapter was served with values the trained model never had, without a word. Judged by
+    target_modules' names, an adapter whose k_proj skips the global layer (layer 1 here) was refused, and one
+    naming `self_attn.k_proj` passed; vLLM applies what the tensors hold, layer by layer."""
     d = fake_model_dir(tmp_path / "m", arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"].update(attention_k_eq_v=k_eq_v, num_global_key_value_heads=4)
     (d / "config.json").write_text(json.dumps(cfg))
+    k_out, stem = 4, "model.language_model.layers"
+    save_tensors(d / "model.safetensors", {**every_weight(cfg, nested=True), f"{stem}.0.self_attn.q_proj.weight":
+                                           (Q_OUT, HIDDEN), **{f"{stem}.{i}.self_attn.k_proj.weight": (k_out, HIDDEN)
+                                                               for i in (0, 1)}})
     a = fake_adapter(tmp_path / "a", r=8, nested=True)
     (a / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": targets}))
+    ks = {f"base_model.model.{stem}.{i}.self_attn.k_proj.lora_{ab}.weight": shape
+          for i in layers for ab, shape in (("A", (8, HIDDEN)), ("B", (k_out, 8)))}
+    save_tensors(a / "adapter_model.safetensors", {f"base_model.model.{stem}.0.self_attn.q_proj.lora_A.weight":
+                                                   (8, HIDDEN), f"base_model.model.{stem}.0.self_attn.q_proj."
+                                                   "lora_B.weight": (Q_OUT, 8), **ks})
     code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
                                    f"lora.adapters=[{{name: coach, dir: {a}}}]", "container.env.MODEL_IMPL_TYPE=vllm")
     if refused:
-        one_error_line(code, err, "lora.adapters.coach", "k_proj", "attention_k_eq_v", "convert.merge_orbax")
+        one_error_line(code, err, "lora.adapters.coach", "layers.1.self_attn.k_proj", "attention_k_eq_v",
+                       "convert.merge_orbax")
         assert out == ""
     else:
         assert code == 0 and "--enable-lora" in out, err

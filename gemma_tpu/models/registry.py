@@ -273,8 +273,9 @@ class Family:
     # (text config as transformers reads it, whether tpu-inference's JAX model serves it) -> "<config.json key>=<value>,
     # why": RoPE parameters vLLM (or tpu-inference) applies otherwise than transformers and training do, or None
     vllm_rope_problem: Callable[[dict, bool], str | None] | None = None
-    # (text config as transformers reads it, the modules a LoRA adapter changes) -> why vLLM would apply the adapter
-    # otherwise than transformers (PEFT) and training do, or None
+    # (text config as transformers reads it, the modules a LoRA adapter changes: their paths, `...layers.N.k_proj`, or
+    # bare names where its layers cannot be told) -> why vLLM would apply the adapter otherwise than transformers
+    # (PEFT) and training do, or None
     vllm_lora_problem: Callable[[dict, Sequence[str]], str | None] | None = None
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
