@@ -1170,8 +1170,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                     f"ignore: it would serve another model than the one trained; remove the key from "
                                     f"config.json, or serve tpu-inference's JAX model (MODEL_IMPL_TYPE=auto)")
         rope = fam.vllm_rope_problem(text, serves_jax_model(fam, impl)) if fam.vllm_rope_problem else None
-        if rope:
-            raise UserError(f"model dir {d}: config.json has {rope}: vLLM would serve another model than the one "
+        problem = rope or (fam.vllm_config_problem(hf) if fam.vllm_config_problem else None)
+        if problem:
+            raise UserError(f"model dir {d}: config.json has {problem}: vLLM would serve another model than the one "
                             f"trained and merged")
         tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True))
         if fam.vllm_tied_embeddings_only and tied is False:

@@ -971,6 +971,28 @@ def test_gemma4_attention_softcap_that_only_vllms_own_model_applies_is_refused_t
     assert code == 0, err
 
 
+@pytest.mark.parametrize("arch,nested,cap,refused", [
+    ("Gemma3ForConditionalGeneration", True, 30.0, True), ("Gemma3ForConditionalGeneration", True, None, False),
+    ("Gemma3ForCausalLM", False, 30.0, False)])
+def test_gemma3_final_softcap_only_vllm_applies_to_a_multimodal_model_is_refused(tmp_path, capsys, arch, nested,
+                                                                                 cap, refused):
+    """transformers' Gemma3ForConditionalGeneration never reads text_config.final_logit_softcapping (its
+    Gemma3ForCausalLM does), and training follows it; vLLM builds the multimodal model's decoder as its
+    Gemma3ForCausalLM on the text config, which caps the final logits by it: the server ran another model than the one
+    trained and merged, without a word. A text model's cap is applied on both sides."""
+    d = fake_model_dir(tmp_path / "m", arch=arch, nested=nested)
+    cfg = json.loads((d / "config.json").read_text())
+    (cfg["text_config"] if nested else cfg)["final_logit_softcapping"] = cap
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}")
+    if refused:
+        one_error_line(code, err, "config.json has text_config.final_logit_softcapping=30.0",
+                       "Gemma3ForConditionalGeneration", "vLLM")
+        assert out == ""
+    else:
+        assert code == 0, err
+
+
 _SLIDE, _FULL = {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "proportional", "rope_theta": 1e6,
                                                               "partial_rotary_factor": 0.25}
 _HALF = {**_SLIDE, "partial_rotary_factor": 0.5}

@@ -273,6 +273,9 @@ class Family:
     # (text config as transformers reads it, whether tpu-inference's JAX model serves it) -> "<config.json key>=<value>,
     # why": RoPE parameters vLLM (or tpu-inference) applies otherwise than transformers and training do, or None
     vllm_rope_problem: Callable[[dict, bool], str | None] | None = None
+    # (config.json) -> "<key>=<value>, why": another value vLLM's model applies otherwise than transformers' class of
+    # that config.json (and training), or None
+    vllm_config_problem: Callable[[dict], str | None] | None = None
     # (text config as transformers reads it, the modules a LoRA adapter changes: their paths, `...layers.N.k_proj`, or
     # bare names where its layers cannot be told) -> why vLLM would apply the adapter otherwise than transformers
     # (PEFT) and training do, or None
