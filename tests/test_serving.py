@@ -906,6 +906,25 @@ def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make,
     assert out == ""
 
 
+@pytest.mark.parametrize("nested,impl,refused", [(False, None, True), (False, "flax_nnx", True),
+                                                 (False, "vllm", False), (True, None, False)])
+def test_a_text_only_gemma4_is_refused_where_tpu_inferences_jax_model_cannot_load_it(tmp_path, capsys, nested, impl,
+                                                                                    refused):
+    """tpu-inference's JAX Gemma 4 (MODEL_IMPL_TYPE auto, the default, or flax_nnx) reads the decoder's config from
+    config.json's text_config and its weights under model.language_model., as Google's multimodal releases have
+    them: a text-only Gemma4ForCausalLM (a Gemma4TextConfig: no text_config, weights under model.) was passed and
+    failed at the engine's start on the TPU VM. vLLM's own Gemma 4 (MODEL_IMPL_TYPE=vllm) reads both layouts."""
+    d = fake_model_dir(tmp_path / "m", arch="Gemma4ForCausalLM", kv=4, nested=nested)
+    env = [f"container.env.MODEL_IMPL_TYPE={impl}"] if impl else []
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}", *env)
+    if refused:
+        one_error_line(code, err, f"model dir {d}", "text_config", f"MODEL_IMPL_TYPE={impl or 'auto'}",
+                       "set container.env.MODEL_IMPL_TYPE=vllm")
+        assert out == ""
+    else:
+        assert code == 0, err
+
+
 def test_experts_spread_whole_over_the_chips_need_not_split_their_width(tmp_path, capsys):
     """With expert parallelism vLLM keeps each expert whole on a chip: moe_intermediate_size need not divide (the
     dense MLP's width still must); `--no-enable-expert-parallel` after it takes it back, as vLLM's parser does."""

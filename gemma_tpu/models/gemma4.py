@@ -862,6 +862,8 @@ GEMMA4 = register(
         vllm_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         vllm_tool_parser="gemma4",
         vllm_jax_native=True,
+        # tpu_inference/models/jax/gemma4.py: `hf_config.text_config`, weights mapped to `language_model.`
+        vllm_jax_needs_text_config=True,
         vllm_tp_split_sizes=("intermediate_size",),  # the dense MLP, beside the experts in a MoE's layers too
         vllm_tp_expert_split_sizes=("moe_intermediate_size",),  # None in a dense model: not checked
         # hidden_size_per_layer_input 0 (no per-layer inputs): not checked

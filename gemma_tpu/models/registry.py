@@ -283,6 +283,9 @@ class Family:
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
     vllm_jax_native: bool = False
+    # tpu-inference's JAX model reads the decoder's config from config.json's `text_config` and its weights under
+    # `model.language_model.` (the multimodal layout): a text-only config.json fails at the engine's start
+    vllm_jax_needs_text_config: bool = False
     # why a float16 copy of this family's weights is not served as float16 (None: it is)
     float16_problem: str | None = None
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
