@@ -31,6 +31,7 @@ from gemma_tpu.hf.adapter import (
     check_adapter_fits as check_adapter_sites,
     check_vllm_scaling,
     largest_rank,
+    module_names,
     read_adapter_config,
 )
 from gemma_tpu.hf.directory import (
@@ -562,11 +563,13 @@ def serves_jax_model(fam: Family, impl: str) -> bool:
     return fam.vllm_jax_native and impl in ("auto", "flax_nnx")
 
 
-def model_impl_problem(cfg: ServeConfig, fam: Family | None = None, arch: str = "") -> str | None:
+def model_impl_problem(cfg: ServeConfig, fam: Family | None = None, arch: str = "",
+                       hf: dict | None = None) -> str | None:
     """What tpu-inference or vLLM would refuse, or quietly not do, of the implementation the config chooses; None if
     nothing. Without `fam` (no directory read yet) the values alone: container.env's MODEL_IMPL_TYPE and
     DRAFT_MODEL_IMPL_TYPE (tpu-inference refuses another at engine start, on the VM) and server.extra_args'
-    --model-impl. With the family served: a --model-impl tpu-inference's JAX model ignores, and lora.adapters on it."""
+    --model-impl. With the family served: a --model-impl tpu-inference's JAX model ignores, a config.json (`hf`)
+    without the text_config that model reads, and lora.adapters on it."""
     for key, allowed in IMPL_ENV.items():
         value = cfg.container.env.get(key)
         if value is not None and value not in allowed:
@@ -583,6 +586,11 @@ def model_impl_problem(cfg: ServeConfig, fam: Family | None = None, arch: str = 
         return (f"server.extra_args: --model-impl {vllm_impl} chooses among vLLM's PyTorch models, which "
                 f"tpu-inference does not use for {arch} under container.env.MODEL_IMPL_TYPE={impl} (it serves its "
                 "JAX model): set container.env.MODEL_IMPL_TYPE=vllm to serve vLLM's model, or drop --model-impl")
+    if fam.vllm_jax_needs_text_config and hf is not None and not isinstance(hf.get("text_config"), dict):
+        return (f"model dir {cfg.model_dir}: config.json is a text-only {arch} (no text_config), which "
+                f"tpu-inference's JAX model, serving it under container.env.MODEL_IMPL_TYPE={impl}, cannot load (it "
+                "reads the decoder's config from text_config and its weights under model.language_model.): set "
+                "container.env.MODEL_IMPL_TYPE=vllm to serve vLLM's own model")
     if cfg.lora.adapters:
         # refused, not switched to vllm here: that would serve another implementation of the model (torchax,
         # its own speed and memory) than the config says; the README's route for a fine-tune is its merge
@@ -1178,8 +1186,9 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
                                     f"ignore: it would serve another model than the one trained; remove the key from "
                                     f"config.json, or serve tpu-inference's JAX model (MODEL_IMPL_TYPE=auto)")
         rope = fam.vllm_rope_problem(text, serves_jax_model(fam, impl)) if fam.vllm_rope_problem else None
-        if rope:
-            raise UserError(f"model dir {d}: config.json has {rope}: vLLM would serve another model than the one "
+        problem = rope or (fam.vllm_config_problem(hf) if fam.vllm_config_problem else None)
+        if problem:
+            raise UserError(f"model dir {d}: config.json has {problem}: vLLM would serve another model than the one "
                             f"trained and merged")
         tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True))
         if fam.vllm_tied_embeddings_only and tied is False:
@@ -1198,7 +1207,7 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             if cfg.tool_calling.chat_template == "model" and not has_template:
                 raise UserError(f"model dir {d}: no chat template (chat_template.jinja or tokenizer_config.json) "
                                 "for tool calling; set tool_calling.chat_template to a .jinja file")
-        problem = model_impl_problem(cfg, fam, arch)
+        problem = model_impl_problem(cfg, fam, arch, hf)
         if problem:
             raise UserError(problem)
         ranks = []
@@ -1211,10 +1220,11 @@ def inspect_model(cfg: ServeConfig, for_vllm: bool = True) -> ModelFacts:
             ranks.append(largest_rank(adapter))
             check_adapter_fits(adir, a.name, adapter["r"], weights)
             deployed = extra_arg_values(cfg.server.extra_args, "--lora-target-modules")
-            targets = adapter_modules(adir, adapter, f"lora.adapters.{a.name}")  # a multimodal export's: a regex
-            lora_problem = fam.vllm_lora_problem(text, targets) if fam.vllm_lora_problem and targets else None
+            changed = adapter_modules(adir, adapter, f"lora.adapters.{a.name}")  # paths, as vLLM loads them
+            lora_problem = fam.vllm_lora_problem(text, changed) if fam.vllm_lora_problem and changed else None
             if lora_problem:
                 raise UserError(f"lora.adapters.{a.name}: {a.dir} {lora_problem}")
+            targets = module_names(changed) if changed is not None else None
             left_out = lora_modules_left_out(targets, deployed) if deployed is not None and targets is not None else []
             if left_out:
                 raise UserError(f"server.extra_args: --lora-target-modules {' '.join(deployed)} leaves out "

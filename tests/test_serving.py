@@ -914,6 +914,25 @@ def test_invalid_configs_are_refused_in_one_line(tmp_path, capsys, config, make,
     assert out == ""
 
 
+@pytest.mark.parametrize("nested,impl,refused", [(False, None, True), (False, "flax_nnx", True),
+                                                 (False, "vllm", False), (True, None, False)])
+def test_a_text_only_gemma4_is_refused_where_tpu_inferences_jax_model_cannot_load_it(tmp_path, capsys, nested, impl,
+                                                                                    refused):
+    """tpu-inference's JAX Gemma 4 (MODEL_IMPL_TYPE auto, the default, or flax_nnx) reads the decoder's config from
+    config.json's text_config and its weights under model.language_model., as Google's multimodal releases have
+    them: a text-only Gemma4ForCausalLM (a Gemma4TextConfig: no text_config, weights under model.) was passed and
+    failed at the engine's start on the TPU VM. vLLM's own Gemma 4 (MODEL_IMPL_TYPE=vllm) reads both layouts."""
+    d = fake_model_dir(tmp_path / "m", arch="Gemma4ForCausalLM", kv=4, nested=nested)
+    env = [f"container.env.MODEL_IMPL_TYPE={impl}"] if impl else []
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}", *env)
+    if refused:
+        one_error_line(code, err, f"model dir {d}", "text_config", f"MODEL_IMPL_TYPE={impl or 'auto'}",
+                       "set container.env.MODEL_IMPL_TYPE=vllm")
+        assert out == ""
+    else:
+        assert code == 0, err
+
+
 def test_experts_spread_whole_over_the_chips_need_not_split_their_width(tmp_path, capsys):
     """With expert parallelism vLLM keeps each expert whole on a chip: moe_intermediate_size need not divide (the
     dense MLP's width still must); `--no-enable-expert-parallel` after it takes it back, as vLLM's parser does."""
@@ -977,6 +996,28 @@ def test_gemma4_attention_softcap_that_only_vllms_own_model_applies_is_refused_t
     code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
                                    "container.env.MODEL_IMPL_TYPE=vllm")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("arch,nested,cap,refused", [
+    ("Gemma3ForConditionalGeneration", True, 30.0, True), ("Gemma3ForConditionalGeneration", True, None, False),
+    ("Gemma3ForCausalLM", False, 30.0, False)])
+def test_gemma3_final_softcap_only_vllm_applies_to_a_multimodal_model_is_refused(tmp_path, capsys, arch, nested,
+                                                                                 cap, refused):
+    """transformers' Gemma3ForConditionalGeneration never reads text_config.final_logit_softcapping (its
+    Gemma3ForCausalLM does), and training follows it; vLLM builds the multimodal model's decoder as its
+    Gemma3ForCausalLM on the text config, which caps the final logits by it: the server ran another model than the one
+    trained and merged, without a word. A text model's cap is applied on both sides."""
+    d = fake_model_dir(tmp_path / "m", arch=arch, nested=nested)
+    cfg = json.loads((d / "config.json").read_text())
+    (cfg["text_config"] if nested else cfg)["final_logit_softcapping"] = cap
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}")
+    if refused:
+        one_error_line(code, err, "config.json has text_config.final_logit_softcapping=30.0",
+                       "Gemma3ForConditionalGeneration", "vLLM")
+        assert out == ""
+    else:
+        assert code == 0, err
 
 
 _SLIDE, _FULL = {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "proportional", "rope_theta": 1e6,
@@ -1159,24 +1200,41 @@ def test_lora_target_modules_leaving_out_an_adapters_module_is_refused(tmp_path,
         assert code == 0 and "--lora-target-modules" in out, err
 
 
-@pytest.mark.parametrize("k_eq_v,targets,refused", [(True, ["q_proj", "k_proj"], True), (True, ["q_proj"], False),
-                                                       (False, ["q_proj", "k_proj"], False)])
+@pytest.mark.parametrize("k_eq_v,targets,layers,refused", [
+    (True, ["q_proj", "k_proj"], (0, 1), True), (True, ["q_proj"], (), False),
+    (False, ["q_proj", "k_proj"], (0, 1), False),
+    # peft's layers_to_transform (or a regex) left the global layer out: vLLM serves it as trained
+    (True, ["q_proj", "k_proj"], (0,), False),
+    # target_modules as peft also takes them, a name's dotted tail: vLLM loads the tensors whatever they say
+    (True, ["self_attn.q_proj", "self_attn.k_proj"], (1,), True)])
 def test_a_k_proj_adapter_on_a_k_eq_v_gemma4_is_refused_where_vllm_would_not_update_the_values(
-        tmp_path, capsys, k_eq_v, targets, refused):
+        tmp_path, capsys, k_eq_v, targets, layers, refused):
     """A Gemma 4 with attention_k_eq_v takes its global layers' keys as their values: transformers (with PEFT) and
     training use k_proj's output, LoRA update included, for both. vLLM's own Gemma 4 (the one that takes adapters)
     copies the base k_proj weight into its packed qkv_proj's value slot and applies the adapter's k_proj update to
-    the key slot alone: the adapter was served with values the trained model never had, without a word."""
+    the key slot alone: the adapter was served with values the trained model never had, without a word. Judged by
+    target_modules' names, an adapter whose k_proj skips the global layer (layer 1 here) was refused, and one
+    naming `self_attn.k_proj` passed; vLLM applies what the tensors hold, layer by layer."""
     d = fake_model_dir(tmp_path / "m", arch="Gemma4ForConditionalGeneration", kv=4, nested=True)
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"].update(attention_k_eq_v=k_eq_v, num_global_key_value_heads=4)
     (d / "config.json").write_text(json.dumps(cfg))
+    k_out, stem = 4, "model.language_model.layers"
+    save_tensors(d / "model.safetensors", {**every_weight(cfg, nested=True), f"{stem}.0.self_attn.q_proj.weight":
+                                           (Q_OUT, HIDDEN), **{f"{stem}.{i}.self_attn.k_proj.weight": (k_out, HIDDEN)
+                                                               for i in (0, 1)}})
     a = fake_adapter(tmp_path / "a", r=8, nested=True)
     (a / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": targets}))
+    ks = {f"base_model.model.{stem}.{i}.self_attn.k_proj.lora_{ab}.weight": shape
+          for i in layers for ab, shape in (("A", (8, HIDDEN)), ("B", (k_out, 8)))}
+    save_tensors(a / "adapter_model.safetensors", {f"base_model.model.{stem}.0.self_attn.q_proj.lora_A.weight":
+                                                   (8, HIDDEN), f"base_model.model.{stem}.0.self_attn.q_proj."
+                                                   "lora_B.weight": (Q_OUT, 8), **ks})
     code, out, err = launch_inproc(capsys, "--config", CONFIG_31B, "--print", f"model.dir={d}",
                                    f"lora.adapters=[{{name: coach, dir: {a}}}]", "container.env.MODEL_IMPL_TYPE=vllm")
     if refused:
-        one_error_line(code, err, "lora.adapters.coach", "k_proj", "attention_k_eq_v", "convert.merge_orbax")
+        one_error_line(code, err, "lora.adapters.coach", "layers.1.self_attn.k_proj", "attention_k_eq_v",
+                       "convert.merge_orbax")
         assert out == ""
     else:
         assert code == 0 and "--enable-lora" in out, err

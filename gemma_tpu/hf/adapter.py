@@ -152,16 +152,19 @@ def lora_pairs(adapter_dir: Path, where: str, r: int,
 
 
 def adapter_modules(adapter_dir: Path, cfg: dict, where: str) -> list[str] | None:
-    """The module names (`q_proj`, ...) an adapter changes: its target_modules when they are a list; when they are a
-    regex (what convert.export_peft writes for a multimodal base), the last part of each module its weights change;
-    None where that cannot be told (a regex over pickled weights, adapter_model.bin)."""
+    """The modules an adapter changes, as vLLM loads them: the path of each module its safetensors weights change
+    (`model.layers.5.self_attn.k_proj`; vLLM reads the tensors, not target_modules, which peft also takes as a regex
+    or as dotted tails such as `self_attn.k_proj`); over pickled weights (adapter_model.bin), which are not opened
+    here, the target_modules list, None where they are a regex."""
+    if (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        return list(lora_pairs(adapter_dir, where, cfg["r"], cfg.get("rank_pattern")))
     targets = cfg.get("target_modules")
-    if isinstance(targets, list):
-        return targets
-    if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
-        return None
-    modules = lora_pairs(adapter_dir, where, cfg["r"], cfg.get("rank_pattern"))
-    return sorted({module.rsplit(".", 1)[-1] for module in modules})
+    return list(targets) if isinstance(targets, list) else None
+
+
+def module_names(modules) -> list[str]:
+    """The last part of each module path (`q_proj`, ...), each once, in order."""
+    return list(dict.fromkeys(m.rsplit(".", 1)[-1] for m in modules))
 
 
 def decoder_prefix(base: dict[str, tuple[int, ...]], prefixes) -> str | None:

@@ -214,6 +214,18 @@ def _rope(t: dict, kind: str, used: bool = True) -> tuple[float, float]:
     return float(theta), factor
 
 
+def vllm_softcap_problem(hf_config: dict) -> str | None:
+    """A multimodal config's text_config.final_logit_softcapping: vLLM builds a Gemma3ForConditionalGeneration's
+    decoder as its Gemma3ForCausalLM on the text config, which caps the final logits by it; transformers'
+    Gemma3ForConditionalGeneration never reads it (`applied_softcap`), nor does training."""
+    cap = text_config(hf_config).get("final_logit_softcapping")
+    if cap is None or not multimodal(hf_config):
+        return None
+    return (f"text_config.final_logit_softcapping={cap!r}, by which vLLM caps the final logits (its "
+            f"Gemma3ForConditionalGeneration runs the decoder as its Gemma3ForCausalLM), where transformers' "
+            f"Gemma3ForConditionalGeneration and training apply no cap; remove it")
+
+
 def vllm_rope_problem(t: dict, jax_model: bool) -> str | None:
     """A partial_rotary_factor other than 1 for default RoPE (an entry's, or one at the top of config.json where vLLM
     lays it over the entries, `top_level_share`): transformers' Gemma 3 (and training) rotate whole heads whatever it
@@ -633,6 +645,7 @@ GEMMA3 = register(
         vllm_tied_embeddings_only=True,
         vllm_tp_split_sizes=("intermediate_size",),
         vllm_rope_problem=vllm_rope_problem,
+        vllm_config_problem=vllm_softcap_problem,
         # vllm/config/model.py _FLOAT16_NOT_SUPPORTED_MODELS (gemma3, gemma3_text); Gemma 3's activations outgrow
         # float16's range in transformers
         float16_problem="vLLM refuses float16 for Gemma 3 (numerical instability) and transformers' Gemma 3 "

@@ -259,12 +259,25 @@ def vllm_lora_problem(t: dict, modules) -> str | None:
     """An adapter changing k_proj of a Gemma 4 with attention_k_eq_v: its global layers take their keys as values,
     k_proj's output with the LoRA update in transformers (PEFT) and training; vLLM's own Gemma 4 loads the base
     k_proj weight into its packed qkv_proj's value slot as well and applies the adapter's k_proj update to the key
-    slot alone (the adapter has no v_proj there), so those values lack the update."""
-    if t.get("attention_k_eq_v") and "k_proj" in modules:
-        return ("changes k_proj, whose output the global layers of this attention_k_eq_v model also take as their "
-                "values in transformers and training, while vLLM applies the update to their keys alone (it copies "
-                "the base k_proj into their value slot): it would serve another model than the one trained; serve "
-                "the merged model (convert.merge_orbax) instead")
+    slot alone (the adapter has no v_proj there), so those values lack the update. `modules`: the adapter's module
+    paths (`...layers.5.self_attn.k_proj`, what its tensors change, as vLLM loads them), or bare names where the
+    layers cannot be told (each then taken as on every layer): an update of k_proj on the sliding layers alone, or
+    on a KV-sharing layer (which attends over another layer's keys and values), is served as trained."""
+    if not t.get("attention_k_eq_v"):
+        return None
+    types = _layer_types(t)
+    own = len(types) - int(t.get("num_kv_shared_layers") or 0)
+    k_eq_v = {i for i, kind in enumerate(types[:own]) if kind == GLOBAL}
+    for module in modules:
+        if module.rsplit(".", 1)[-1] != "k_proj":
+            continue
+        layer = re.search(r"(?:^|\.)layers\.(\d+)\.", module)
+        if layer is None or int(layer[1]) in k_eq_v:
+            return (f"changes {module if layer else 'k_proj'}, whose output the global layers of this "
+                    "attention_k_eq_v model also take as their values in transformers and training, while vLLM "
+                    "applies the update to their keys alone (it copies the base k_proj into their value slot): it "
+                    "would serve another model than the one trained; serve the merged model (convert.merge_orbax) "
+                    "instead")
     return None
 
 
@@ -849,6 +862,8 @@ GEMMA4 = register(
         vllm_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         vllm_tool_parser="gemma4",
         vllm_jax_native=True,
+        # tpu_inference/models/jax/gemma4.py: `hf_config.text_config`, weights mapped to `language_model.`
+        vllm_jax_needs_text_config=True,
         vllm_tp_split_sizes=("intermediate_size",),  # the dense MLP, beside the experts in a MoE's layers too
         vllm_tp_expert_split_sizes=("moe_intermediate_size",),  # None in a dense model: not checked
         # hidden_size_per_layer_input 0 (no per-layer inputs): not checked

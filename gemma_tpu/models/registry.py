@@ -273,12 +273,19 @@ class Family:
     # (text config as transformers reads it, whether tpu-inference's JAX model serves it) -> "<config.json key>=<value>,
     # why": RoPE parameters vLLM (or tpu-inference) applies otherwise than transformers and training do, or None
     vllm_rope_problem: Callable[[dict, bool], str | None] | None = None
-    # (text config as transformers reads it, the modules a LoRA adapter changes) -> why vLLM would apply the adapter
-    # otherwise than transformers (PEFT) and training do, or None
+    # (config.json) -> "<key>=<value>, why": another value vLLM's model applies otherwise than transformers' class of
+    # that config.json (and training), or None
+    vllm_config_problem: Callable[[dict], str | None] | None = None
+    # (text config as transformers reads it, the modules a LoRA adapter changes: their paths, `...layers.N.k_proj`, or
+    # bare names where its layers cannot be told) -> why vLLM would apply the adapter otherwise than transformers
+    # (PEFT) and training do, or None
     vllm_lora_problem: Callable[[dict, Sequence[str]], str | None] | None = None
     # tpu-inference resolves MODEL_IMPL_TYPE=auto to its own JAX model for these architectures (flax_nnx), which takes
     # no LoRA adapter: `--enable-lora` works on the vllm (torchax) path only
     vllm_jax_native: bool = False
+    # tpu-inference's JAX model reads the decoder's config from config.json's `text_config` and its weights under
+    # `model.language_model.` (the multimodal layout): a text-only config.json fails at the engine's start
+    vllm_jax_needs_text_config: bool = False
     # why a float16 copy of this family's weights is not served as float16 (None: it is)
     float16_problem: str | None = None
     model_class: Callable[[], type] | None = None  # the nnx class create_model builds (for abstract planning)
