@@ -56,7 +56,7 @@ from gemma_tpu.core.atomic import check_results_file, write_text_atomic
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.core.config import DataConfig
-from gemma_tpu.data.records import iter_raw, message_role, normalise_row
+from gemma_tpu.data.records import iter_raw, message_role, normalise_row, served_markup
 from gemma_tpu.infer.openai_client import (
     api_base,
     api_key_from_env,
@@ -162,7 +162,9 @@ def file_prompts(path: str, n: int, seed: int) -> list[Prompt]:
         if isinstance(row.get("prompt"), str) and not prompt_only:
             rows.append(Prompt([{"role": "user", "content": row["prompt"]}], None, len(row["prompt"]) // 4, limit))
         else:  # chats, and the trainer's other shapes (ShareGPT, instruction pairs, prompt-completion as message lists)
-            conv = normalise_row(row, where, DataConfig())
+            # every family's control tokens (the server's tokenizer is not known here): a Gemma 4's `<|turn>` in a
+            # message went out, and the server's template read it as a turn of its own
+            conv = normalise_row(row, where, DataConfig(), served_markup())
             if "text" in conv:
                 raise UserError(f"{where}: a language-modeling 'text' row has no prompt to send; give 'messages' "
                                 f"(a chat) or 'prompt' (a string)")

@@ -337,6 +337,21 @@ def test_bench_dataset_lines_are_split_at_newlines_only(tmp_path):
     assert row.messages[0]["content"] == "one\u2028two\x85three"
 
 
+def test_bench_refuses_every_familys_markup_in_its_dataset(tmp_path):
+    """The server renders the messages with its chat template and reads control tokens in them as such; which
+    family serves is not known here, so every family's markup is refused (a Gemma 4 `<|turn>` went out: only
+    Gemma 3's was checked), naming the line."""
+    from gemma_tpu.core.errors import UserError
+    from serving.bench import file_prompts
+
+    path = tmp_path / "p.jsonl"
+    for token in ("<start_of_turn>", "<|turn>"):
+        path.write_text(json.dumps({"messages": [{"role": "user", "content": f"what is {token}?"},
+                                                 {"role": "assistant", "content": "a"}]}) + "\n")
+        with pytest.raises(UserError, match=re.escape(f"{path}:1") + ".*" + re.escape(token)):
+            file_prompts(str(path), 1, 0)
+
+
 def test_bench_prompt_only_chats_are_read_as_training_reads_them(tmp_path):
     """A prompt-only chat (no answer) was sent as given: legacy `functions` were dropped (the request had no tools),
     declarations the server refuses and turns the chat template refuses went out. The trainer's reader reads it now."""
