@@ -155,6 +155,20 @@ def test_a_stop_while_the_trainer_is_built_keeps_the_record_of_the_run_that_wrot
     assert (ckpt / "gemma_tpu_run.json").read_bytes() == before
 
 
+def test_summary_names_the_checkpoint_it_summarizes(tiny_dir, reference_run, tmp_path):
+    """summary.json said how a run went (its losses, step times) but not of which checkpoint: with a separate
+    train.run_dir, or copied beside other results, nothing tied it to the steps it described. It names the
+    checkpoint directory (absolute) and the step saved last."""
+    summary = json.loads((reference_run / "summary.json").read_text())
+    assert summary["checkpoint_dir"] == str(reference_run.resolve()) and summary["checkpoint_step"] == 8, summary
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    proc = train(tiny_dir, ck, "train.max_steps=3", "data.eval_path=null", f"train.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoint_dir"] == str(ck.resolve()) and summary["checkpoint_step"] == 3, summary
+    assert summary["steps"] == 3 and summary["resumed_from"] == 0  # the keys it had are kept
+
+
 def test_summary_counts_the_saves_and_evaluations_after_the_last_record(tiny_dir, tmp_path):
     """The last train record is written as the last step is saved: the run's final save and evaluation came after
     it, and summary.json (which summed the records) said save_s 0.0 and eval_s 0.0 for a run that saved its one

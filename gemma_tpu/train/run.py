@@ -363,7 +363,9 @@ def run(cfg: RunConfig) -> dict:
         preemption = _install_sigterm(trainer)
         with trainer.compile_counter:
             trainer.train(train_ds=stream, eval_ds=evals or None)
-    summary = trainer.summary()
+    # the checkpoint it summarizes (a separate train.run_dir, or a summary copied beside others, named none)
+    summary = {**trainer.summary(), "checkpoint_dir": str(ckpt_dir.resolve()),
+               "checkpoint_step": (checkpoint.list_steps(ckpt_dir) or [None])[-1]}
     if profile_dir and primary:
         traces = sorted(profile_dir.glob("plugins/profile/*/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
         if traces:
