@@ -101,10 +101,14 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
     if run_dir is not None and ckpt in run_dir.parents:
         top = run_dir.relative_to(ckpt).parts[0]
         if top.isascii() and top.isdigit():  # `04` too: refused as a misnamed step by the next resume
+            # (Orbax itself reads only `4`: for `04` the refusal is the reason, not what Orbax would do)
+            why = (", which Orbax takes for a step (set aside, deleted as old steps are dropped)"
+                   if checkpoint.step_of(top) is not None else
+                   f" with leading zeros ({top}), which a run on checkpoint.dir refuses as a misnamed step (Orbax "
+                   f"reads a step only by its plain number)")
             raise UserError(f"train.run_dir={cfg.train.run_dir} is {'' if run_dir.parent == ckpt else 'inside '}a "
-                            f"directory of checkpoint.dir={cfg.checkpoint.dir} named like checkpoint step {int(top)}, "
-                            f"which Orbax takes for a step (set aside, deleted as old steps are dropped); write the "
-                            f"run elsewhere")
+                            f"directory of checkpoint.dir={cfg.checkpoint.dir} named like checkpoint step {int(top)}"
+                            f"{why}; write the run elsewhere")
 
 
 # what a run writes under its run dir by these names: True a directory, False a file
