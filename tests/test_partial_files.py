@@ -297,6 +297,23 @@ def test_a_finished_run_on_a_full_disk_is_still_nothing_to_do(tiny_dir, small_di
     assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_resume_refused_for_a_full_disk_keeps_the_record_of_the_run_that_wrote_the_steps(tiny_dir, small_disk):
+    """A resume refused because the disk has since filled (the room check, once the model is loaded) left
+    gemma_tpu_run.json describing the refused session (its train.max_steps, learning rate), which trained nothing,
+    beside the steps another session wrote: it was written before the check, and put back only for a failure while
+    the trainer was built. The record is the run's that wrote the steps."""
+    ck = small_disk("600k") / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null"]
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = (ck / "gemma_tpu_run.json").read_bytes()
+    free = shutil.disk_usage(ck).free
+    (ck.parent / "filler").write_bytes(b"x" * max(0, free - 16_384))
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=3", "train.learning_rate=0.5")
+    assert_one_line_error(proc, f"checkpoint.dir {ck}: ", "so no step could be saved")
+    assert (ck / "gemma_tpu_run.json").read_bytes() == before
+
+
 def test_a_restart_removes_the_temp_dirs_of_saves_that_did_not_finish(tmp_path):
     """`<step>.orbax-checkpoint-tmp` of a killed run (or an older failed save) held its disk space for good: Orbax
     never finishes one and no resume reads it. The run (holding the lock) removes them; steps stay."""
