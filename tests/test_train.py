@@ -169,6 +169,34 @@ def test_summary_names_the_checkpoint_it_summarizes(tiny_dir, reference_run, tmp
     assert summary["steps"] == 3 and summary["resumed_from"] == 0  # the keys it had are kept
 
 
+def test_a_new_run_into_a_run_dir_holding_another_runs_records_is_refused(tiny_dir, tmp_path):
+    """Two runs (other checkpoint.dirs, other data.train_path) given one train.run_dir: the second appended its
+    records to the first's metrics.jsonl (steps 0..N twice, read as one run by a plot and by the resume's own
+    readers) and replaced its summary.json. A run that has not started in its checkpoint.dir (no gemma_tpu_run.json)
+    is refused before anything is written, naming the file; the first run's files are left as they were."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    proc = train(tiny_dir, tmp_path / "a", "train.max_steps=1", "data.eval_path=null", f"train.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(Path("tests/data/chat_sample.jsonl").read_text().splitlines(True)[:40]))
+    proc = train(tiny_dir, tmp_path / "b", "train.max_steps=1", "data.eval_path=null", f"train.run_dir={run_dir}",
+                 f"data.train_path={part}")
+    assert_one_line_error(proc, f"{run_dir / 'metrics.jsonl'}: written by another run (checkpoint.dir=",
+                          "use another train.run_dir, or move")
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "b" / "gemma_tpu_run.json").exists()
+    # the run's own run dir, resumed, goes on as before; so does a new run once the old records are moved out
+    proc = train(tiny_dir, tmp_path / "a", "train.max_steps=2", "data.eval_path=null", f"train.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.move(run_dir, tmp_path / "old-run")
+    proc = train(tiny_dir, tmp_path / "b", "train.max_steps=1", "data.eval_path=null", f"train.run_dir={run_dir}",
+                 f"data.train_path={part}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_summary_counts_the_saves_and_evaluations_after_the_last_record(tiny_dir, tmp_path):
     """The last train record is written as the last step is saved: the run's final save and evaluation came after
     it, and summary.json (which summed the records) said save_s 0.0 and eval_s 0.0 for a run that saved its one

@@ -127,6 +127,20 @@ def check_run_outputs(run_dir: Path, key: str) -> None:
                         f"{'TensorBoard events' if is_dir else name} there); move it out of {key}={run_dir}")
 
 
+def check_run_dir_is_this_runs(ckpt_dir: Path, run_dir: Path, key: str) -> None:
+    """A run that has not started in `ckpt_dir` (no gemma_tpu_run.json there) finds no records in its run dir
+    (`run_dir`, the option `key` names): two runs (other checkpoint.dirs, other data) given one train.run_dir mixed
+    their records in one metrics.jsonl (steps 0..N twice, read as one run by a plot and by the resume's readers),
+    and the second replaced the first's summary.json."""
+    if (ckpt_dir / METADATA_FILE).is_file() or checkpoint.list_steps(ckpt_dir):  # steps without it: refused later
+        return
+    for name in ("metrics.jsonl", "summary.json"):
+        p = run_dir / name
+        if p.is_file() and p.stat().st_size:
+            raise UserError(f"{p}: written by another run (checkpoint.dir={ckpt_dir} holds no run); this run's "
+                            f"records would be mixed with its: use another {key}, or move {name} out of it")
+
+
 def check_resume_step_files(ckpt_dir: Path) -> None:
     """The step a resume would restore has the files Orbax needs (named when missing), checked before
     the model loads, and before its data position is read from the step's own record (_CHECKPOINT_METADATA: cut
@@ -171,6 +185,8 @@ def run(cfg: RunConfig) -> dict:
             run_lock.check_free(d, key)
         check_run_outputs(Path(cfg.train.run_dir or cfg.checkpoint.dir),
                           "train.run_dir" if cfg.train.run_dir else "checkpoint.dir")
+        check_run_dir_is_this_runs(Path(cfg.checkpoint.dir), Path(cfg.train.run_dir or cfg.checkpoint.dir),
+                                   "train.run_dir" if cfg.train.run_dir else "checkpoint.dir")
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.tunix_config()
     if cfg.lora.enabled:
