@@ -197,6 +197,24 @@ def test_a_new_run_into_a_run_dir_holding_another_runs_records_is_refused(tiny_d
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_a_resume_into_the_run_dir_of_another_finished_run_is_refused(tiny_dir, reference_run, tmp_path):
+    """A checkpoint resumed with train.run_dir set to another run's finished run dir (its summary.json names that
+    run's checkpoint): the resume dropped that run's metrics.jsonl records after its own step ("that run stopped
+    before saving them", of a run that had saved them all) and replaced its summary.json. Refused before anything
+    is written, naming the checkpoint the summary is of."""
+    import shutil
+
+    other, ck = tmp_path / "other", tmp_path / "ck"
+    shutil.copytree(reference_run, other)
+    proc = train(tiny_dir, ck, "train.max_steps=1", "data.eval_path=null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    proc = train(tiny_dir, ck, "train.max_steps=2", "data.eval_path=null", f"train.run_dir={other}")
+    assert_one_line_error(proc, f"{other / 'summary.json'}: the summary of another run (checkpoint.dir="
+                                f"{reference_run.resolve()})", "use another train.run_dir")
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+
+
 def test_summary_counts_the_saves_and_evaluations_after_the_last_record(tiny_dir, tmp_path):
     """The last train record is written as the last step is saved: the run's final save and evaluation came after
     it, and summary.json (which summed the records) said save_s 0.0 and eval_s 0.0 for a run that saved its one

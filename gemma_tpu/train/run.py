@@ -128,17 +128,29 @@ def check_run_outputs(run_dir: Path, key: str) -> None:
 
 
 def check_run_dir_is_this_runs(ckpt_dir: Path, run_dir: Path, key: str) -> None:
-    """A run that has not started in `ckpt_dir` (no gemma_tpu_run.json there) finds no records in its run dir
-    (`run_dir`, the option `key` names): two runs (other checkpoint.dirs, other data) given one train.run_dir mixed
-    their records in one metrics.jsonl (steps 0..N twice, read as one run by a plot and by the resume's readers),
-    and the second replaced the first's summary.json."""
-    if (ckpt_dir / METADATA_FILE).is_file() or checkpoint.list_steps(ckpt_dir):  # steps without it: refused later
+    """The run dir (`run_dir`, the option `key` names) holds no other run's records. A run that has not started in
+    `ckpt_dir` (no gemma_tpu_run.json, no step) finds none there at all: two runs (other checkpoint.dirs, other data)
+    given one train.run_dir mixed their records in one metrics.jsonl (steps 0..N twice, read as one run by a plot
+    and by the resume's readers), and the second replaced the first's summary.json. A resume into a separate run dir
+    finds no summary.json of another checkpoint there: it dropped that run's metrics.jsonl records after its own
+    step and replaced its summary. (A run dir that is the checkpoint dir is the run's own, copied or moved too.)"""
+    if not (ckpt_dir / METADATA_FILE).is_file() and not checkpoint.list_steps(ckpt_dir):  # steps alone: refused later
+        for name in ("metrics.jsonl", "summary.json"):
+            p = run_dir / name
+            if p.is_file() and p.stat().st_size:
+                raise UserError(f"{p}: written by another run (checkpoint.dir={ckpt_dir} holds no run); this run's "
+                                f"records would be mixed with its: use another {key}, or move {name} out of it")
         return
-    for name in ("metrics.jsonl", "summary.json"):
-        p = run_dir / name
-        if p.is_file() and p.stat().st_size:
-            raise UserError(f"{p}: written by another run (checkpoint.dir={ckpt_dir} holds no run); this run's "
-                            f"records would be mixed with its: use another {key}, or move {name} out of it")
+    if run_dir.absolute().resolve() == ckpt_dir.absolute().resolve():
+        return
+    try:
+        owner = json.loads((run_dir / "summary.json").read_text()).get("checkpoint_dir")
+    except (OSError, ValueError, AttributeError):  # none, or a summary that names no checkpoint: nothing to compare
+        return
+    if isinstance(owner, str) and Path(owner).resolve() != ckpt_dir.absolute().resolve():
+        raise UserError(f"{run_dir / 'summary.json'}: the summary of another run (checkpoint.dir={owner}); this "
+                        f"run would drop its metrics.jsonl records and replace its summary: use another {key}, or "
+                        f"move them out of it")
 
 
 def check_resume_step_files(ckpt_dir: Path) -> None:
