@@ -8,7 +8,12 @@
 Sides:
   ours   `gemma_tpu.train.run.run(cfg)`, the code path of `python -m gemma_tpu.train` (Tunix PeftTrainer, Qwix
          LoRA, the sparse loss over loss-bearing positions only), with the config's LoRA targets, rank,
-         alpha, dropout, learning rate, weight decay and clipping. No eval, no checkpoint until the end.
+         alpha, dropout, learning rate, weight decay and clipping. No eval, no checkpoint until the end:
+         checkpoint.every_steps lies past the run, so no step is saved while steps are timed (no step-1 save
+         either: the trainer saves by that interval alone), and the save at the end follows the loop and its last
+         record, outside every timed step. By design: the torch side saves nothing, and a save inside the
+         window would time what only one side does; a real run's save time is its metrics.jsonl's and
+         summary.json's `save_s`, given apart from the step times.
   unshared  the same trainer with `data.share_prefix=off` plus `--baseline-set` overrides: today's layout (one
          example a row, or packed) beside a shared-prefix one, e.g. `--seq-len 1024 --batch 2 --baseline-set
          data.seq_len=512 --baseline-set train.batch_size=4`; compare them by trained examples/s.

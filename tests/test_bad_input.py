@@ -787,6 +787,12 @@ CASES = [
     Case("train-run-dir-named-like-a-step-of-the-checkpoint-dir", "gemma_tpu.train",
          [*TRAIN, "train.run_dir={tmp}/ck/2"],
          ["train.run_dir={tmp}/ck/2 is a directory of checkpoint.dir={tmp}/ck named like checkpoint step 2"], sub=True),
+    # not a step to Orbax (it reads `4`, never `04`): the reason is the resume's refusal of a misnamed step
+    Case("train-run-dir-named-like-a-padded-step-of-the-checkpoint-dir", "gemma_tpu.train",
+         [*TRAIN, "train.run_dir={tmp}/ck/04/logs"],
+         ["train.run_dir={tmp}/ck/04/logs is inside a directory of checkpoint.dir={tmp}/ck named like checkpoint "
+          "step 4 with leading zeros (04), which a run on checkpoint.dir refuses as a misnamed step",
+          "write the run elsewhere"]),
     Case("train-checkpoint-dir-holds-a-model", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/merged"],
          ["checkpoint.dir={tmp}/merged", "holds a model (config.json)"], {"merged": copy_of("tiny")}),
     # the run's own outputs in the way: refused before anything is written (a resume blamed its sound step, "move it

@@ -297,6 +297,63 @@ def test_a_finished_run_on_a_full_disk_is_still_nothing_to_do(tiny_dir, small_di
     assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_resume_refused_for_a_full_disk_keeps_the_record_of_the_run_that_wrote_the_steps(tiny_dir, small_disk):
+    """A resume refused because the disk has since filled (the room check, once the model is loaded) left
+    gemma_tpu_run.json describing the refused session (its train.max_steps, learning rate), which trained nothing,
+    beside the steps another session wrote: it was written before the check, and put back only for a failure while
+    the trainer was built. The record is the run's that wrote the steps."""
+    ck = small_disk("600k") / "ck"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "data.eval_path=null"]
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = (ck / "gemma_tpu_run.json").read_bytes()
+    free = shutil.disk_usage(ck).free
+    (ck.parent / "filler").write_bytes(b"x" * max(0, free - 16_384))
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=3", "train.learning_rate=0.5")
+    assert_one_line_error(proc, f"checkpoint.dir {ck}: ", "so no step could be saved")
+    assert (ck / "gemma_tpu_run.json").read_bytes() == before
+
+
+def test_a_resume_whose_first_save_fails_keeps_the_record_and_resumes_to_the_same_losses(tiny_dir, tmp_path):
+    """A resume under a file-size limit (a full disk as a write sees it: EFBIG) fails its first save: one line,
+    exit 2, the step before still the latest, and the record (gemma_tpu_run.json) the run's that wrote it, not the
+    failed session's (train.max_steps=4); the rerun without the limit ends with the losses of an uninterrupted run."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    def limited():  # in the child: SIGXFSZ ignored (it survives exec), so the write fails with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # Orbax's data files of a step are larger
+
+    def args(ck, steps):
+        return ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}",
+                "data.eval_path=null", "checkpoint.every_steps=1", f"train.max_steps={steps}"]
+
+    def losses(ck):
+        rows = [json.loads(x) for x in (ck / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows if r["mode"] == "train"]
+
+    ref, ck = tmp_path / "ref", tmp_path / "ck"
+    for c, steps in ((ref, 4), (ck, 2)):
+        proc = run_cli("gemma_tpu.train", *args(c, steps))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    before = (ck / "gemma_tpu_run.json").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "gemma_tpu.train", *args(ck, 4)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, preexec_fn=limited)
+    line = assert_one_line_error(proc, f"saving checkpoint step 3 in {ck} failed (File too large); the last "
+                                       "complete step on disk is 2")
+    assert proc.returncode == 2, line
+    assert (ck / "gemma_tpu_run.json").read_bytes() == before
+    assert sorted(p.name for p in ck.iterdir() if p.name[0].isdigit()) == ["1", "2"]
+    proc = run_cli("gemma_tpu.train", *args(ck, 4))
+    assert proc.returncode == 0 and "resumed at step 2" in proc.stderr, proc.stderr[-3000:]
+    assert losses(ck) == losses(ref)
+
+
 def test_a_restart_removes_the_temp_dirs_of_saves_that_did_not_finish(tmp_path):
     """`<step>.orbax-checkpoint-tmp` of a killed run (or an older failed save) held its disk space for good: Orbax
     never finishes one and no resume reads it. The run (holding the lock) removes them; steps stay."""

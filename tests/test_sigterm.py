@@ -240,6 +240,60 @@ def test_sigterm_before_the_preemption_handler_releases_the_run_lock(tiny_dir, t
     assert ckpt.is_dir() and not (ckpt / "gemma_tpu_run.lock").exists(), sorted(p.name for p in ckpt.iterdir())
 
 
+# SIGTERM sent to itself right after `where` returns, in a gap between writing this session's record and the
+# preemption handler (the stop raises SignalExit there)
+SIGTERM_AFTER = """
+import os, signal, sys
+from gemma_tpu.checkpoint import metadata
+from gemma_tpu.train import loss
+owner, name = {where}
+original = getattr(owner, name)
+def stopped_after(*args, **kwargs):
+    out = original(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return out
+setattr(owner, name, stopped_after)
+from gemma_tpu.core.cli import cli_main
+from gemma_tpu.train.run import main
+sys.exit(cli_main(main))
+"""
+
+
+@pytest.mark.parametrize("where", ["metadata, 'write_metadata'", "loss, 'make_loss_fn'", None],
+                         ids=["after-the-record-is-written", "before-the-handler-is-installed",
+                              "at-the-first-batch-boundary"])
+def test_a_resume_stopped_before_its_first_save_keeps_the_record_of_the_run_that_wrote_the_steps(
+        tiny_dir, reference, tmp_path, where):
+    """A resume writes its own gemma_tpu_run.json (its train.max_steps, learning rate) before it trains; stopped
+    before it saved a step, it left that record, of a session that trained nothing, beside the steps another session
+    wrote, and the next resume compared its schedule against it. Only a stop while the trainer was built put the
+    record back: one just after the record was written, or once the trainer was built but before the preemption
+    handler took over, or at the first batch boundary (the handler: nothing to save, exit 143) did not."""
+    import shutil
+    import sys
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    shutil.copytree(reference["ckpt"], ckpt)
+    before = (ckpt / "gemma_tpu_run.json").read_bytes()
+    cmd = [a.replace(f"train.max_steps={MAX_STEPS}", f"train.max_steps={MAX_STEPS + 2}")
+           for a in command(tiny_dir, ckpt)] + ["train.learning_rate=0.02"]
+    if where is None:  # the first batch waits 2 s: the signal lands before the session's first step
+        proc = subprocess.Popen(cmd, cwd=REPO, env=environment(reference["cache"], 2.0), stdout=subprocess.DEVNULL,
+                                stderr=log.open("w"))
+        _wait_for(lambda: READY in log.read_text(errors="replace"), proc, log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 143, tail(log)
+        assert f"SIGTERM: step {MAX_STEPS} is saved" in log.read_text(errors="replace"), tail(log)
+    else:
+        with log.open("w") as err:
+            proc = subprocess.run([sys.executable, "-c", SIGTERM_AFTER.format(where=where), *cmd[3:]], cwd=REPO,
+                                  env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err,
+                                  timeout=300)
+        assert proc.returncode == 143, tail(log)
+    assert (ckpt / "gemma_tpu_run.json").read_bytes() == before, tail(log)
+    assert not (ckpt / "gemma_tpu_run.lock").exists()
+
+
 def test_sigterm_during_the_end_of_run_eval_exits_143_with_the_last_step_saved(tiny_dir, tmp_path):
     """The evaluation after the last step (4, off the eval interval: run when the loop has ended) is past every
     batch boundary: a SIGTERM there was recorded and the run exited 0, as if it had not been preempted. Now the

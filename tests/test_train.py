@@ -155,6 +155,66 @@ def test_a_stop_while_the_trainer_is_built_keeps_the_record_of_the_run_that_wrot
     assert (ckpt / "gemma_tpu_run.json").read_bytes() == before
 
 
+def test_summary_names_the_checkpoint_it_summarizes(tiny_dir, reference_run, tmp_path):
+    """summary.json said how a run went (its losses, step times) but not of which checkpoint: with a separate
+    train.run_dir, or copied beside other results, nothing tied it to the steps it described. It names the
+    checkpoint directory (absolute) and the step saved last."""
+    summary = json.loads((reference_run / "summary.json").read_text())
+    assert summary["checkpoint_dir"] == str(reference_run.resolve()) and summary["checkpoint_step"] == 8, summary
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    proc = train(tiny_dir, ck, "train.max_steps=3", "data.eval_path=null", f"train.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoint_dir"] == str(ck.resolve()) and summary["checkpoint_step"] == 3, summary
+    assert summary["steps"] == 3 and summary["resumed_from"] == 0  # the keys it had are kept
+
+
+def test_a_new_run_into_a_run_dir_holding_another_runs_records_is_refused(tiny_dir, tmp_path):
+    """Two runs (other checkpoint.dirs, other data.train_path) given one train.run_dir: the second appended its
+    records to the first's metrics.jsonl (steps 0..N twice, read as one run by a plot and by the resume's own
+    readers) and replaced its summary.json. A run that has not started in its checkpoint.dir (no gemma_tpu_run.json)
+    is refused before anything is written, naming the file; the first run's files are left as they were."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    proc = train(tiny_dir, tmp_path / "a", "train.max_steps=1", "data.eval_path=null", f"train.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(Path("tests/data/chat_sample.jsonl").read_text().splitlines(True)[:40]))
+    proc = train(tiny_dir, tmp_path / "b", "train.max_steps=1", "data.eval_path=null", f"train.run_dir={run_dir}",
+                 f"data.train_path={part}")
+    assert_one_line_error(proc, f"{run_dir / 'metrics.jsonl'}: written by another run (checkpoint.dir=",
+                          "use another train.run_dir, or move")
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "b" / "gemma_tpu_run.json").exists()
+    # the run's own run dir, resumed, goes on as before; so does a new run once the old records are moved out
+    proc = train(tiny_dir, tmp_path / "a", "train.max_steps=2", "data.eval_path=null", f"train.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.move(run_dir, tmp_path / "old-run")
+    proc = train(tiny_dir, tmp_path / "b", "train.max_steps=1", "data.eval_path=null", f"train.run_dir={run_dir}",
+                 f"data.train_path={part}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_resume_into_the_run_dir_of_another_finished_run_is_refused(tiny_dir, reference_run, tmp_path):
+    """A checkpoint resumed with train.run_dir set to another run's finished run dir (its summary.json names that
+    run's checkpoint): the resume dropped that run's metrics.jsonl records after its own step ("that run stopped
+    before saving them", of a run that had saved them all) and replaced its summary.json. Refused before anything
+    is written, naming the checkpoint the summary is of."""
+    import shutil
+
+    other, ck = tmp_path / "other", tmp_path / "ck"
+    shutil.copytree(reference_run, other)
+    proc = train(tiny_dir, ck, "train.max_steps=1", "data.eval_path=null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    proc = train(tiny_dir, ck, "train.max_steps=2", "data.eval_path=null", f"train.run_dir={other}")
+    assert_one_line_error(proc, f"{other / 'summary.json'}: the summary of another run (checkpoint.dir="
+                                f"{reference_run.resolve()})", "use another train.run_dir")
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+
+
 def test_summary_counts_the_saves_and_evaluations_after_the_last_record(tiny_dir, tmp_path):
     """The last train record is written as the last step is saved: the run's final save and evaluation came after
     it, and summary.json (which summed the records) said save_s 0.0 and eval_s 0.0 for a run that saved its one

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
@@ -101,10 +101,14 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
     if run_dir is not None and ckpt in run_dir.parents:
         top = run_dir.relative_to(ckpt).parts[0]
         if top.isascii() and top.isdigit():  # `04` too: refused as a misnamed step by the next resume
+            # (Orbax itself reads only `4`: for `04` the refusal is the reason, not what Orbax would do)
+            why = (", which Orbax takes for a step (set aside, deleted as old steps are dropped)"
+                   if checkpoint.step_of(top) is not None else
+                   f" with leading zeros ({top}), which a run on checkpoint.dir refuses as a misnamed step (Orbax "
+                   f"reads a step only by its plain number)")
             raise UserError(f"train.run_dir={cfg.train.run_dir} is {'' if run_dir.parent == ckpt else 'inside '}a "
-                            f"directory of checkpoint.dir={cfg.checkpoint.dir} named like checkpoint step {int(top)}, "
-                            f"which Orbax takes for a step (set aside, deleted as old steps are dropped); write the "
-                            f"run elsewhere")
+                            f"directory of checkpoint.dir={cfg.checkpoint.dir} named like checkpoint step {int(top)}"
+                            f"{why}; write the run elsewhere")
 
 
 # what a run writes under its run dir by these names: True a directory, False a file
@@ -121,6 +125,32 @@ def check_run_outputs(run_dir: Path, key: str) -> None:
             continue
         raise UserError(f"{p}: not a {'directory' if is_dir else 'regular file'} (the run writes its "
                         f"{'TensorBoard events' if is_dir else name} there); move it out of {key}={run_dir}")
+
+
+def check_run_dir_is_this_runs(ckpt_dir: Path, run_dir: Path, key: str) -> None:
+    """The run dir (`run_dir`, the option `key` names) holds no other run's records. A run that has not started in
+    `ckpt_dir` (no gemma_tpu_run.json, no step) finds none there at all: two runs (other checkpoint.dirs, other data)
+    given one train.run_dir mixed their records in one metrics.jsonl (steps 0..N twice, read as one run by a plot
+    and by the resume's readers), and the second replaced the first's summary.json. A resume into a separate run dir
+    finds no summary.json of another checkpoint there: it dropped that run's metrics.jsonl records after its own
+    step and replaced its summary. (A run dir that is the checkpoint dir is the run's own, copied or moved too.)"""
+    if not (ckpt_dir / METADATA_FILE).is_file() and not checkpoint.list_steps(ckpt_dir):  # steps alone: refused later
+        for name in ("metrics.jsonl", "summary.json"):
+            p = run_dir / name
+            if p.is_file() and p.stat().st_size:
+                raise UserError(f"{p}: written by another run (checkpoint.dir={ckpt_dir} holds no run); this run's "
+                                f"records would be mixed with its: use another {key}, or move {name} out of it")
+        return
+    if run_dir.absolute().resolve() == ckpt_dir.absolute().resolve():
+        return
+    try:
+        owner = json.loads((run_dir / "summary.json").read_text()).get("checkpoint_dir")
+    except (OSError, ValueError, AttributeError):  # none, or a summary that names no checkpoint: nothing to compare
+        return
+    if isinstance(owner, str) and Path(owner).resolve() != ckpt_dir.absolute().resolve():
+        raise UserError(f"{run_dir / 'summary.json'}: the summary of another run (checkpoint.dir={owner}); this "
+                        f"run would drop its metrics.jsonl records and replace its summary: use another {key}, or "
+                        f"move them out of it")
 
 
 def check_resume_step_files(ckpt_dir: Path) -> None:
@@ -167,6 +197,8 @@ def run(cfg: RunConfig) -> dict:
             run_lock.check_free(d, key)
         check_run_outputs(Path(cfg.train.run_dir or cfg.checkpoint.dir),
                           "train.run_dir" if cfg.train.run_dir else "checkpoint.dir")
+        check_run_dir_is_this_runs(Path(cfg.checkpoint.dir), Path(cfg.train.run_dir or cfg.checkpoint.dir),
+                                   "train.run_dir" if cfg.train.run_dir else "checkpoint.dir")
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.tunix_config()
     if cfg.lora.enabled:
@@ -279,7 +311,7 @@ def run(cfg: RunConfig) -> dict:
 
         from gemma_tpu.train.tunix_adapter import RestoreFailed, profiler_options
 
-        locks, previous = [], None
+        locks, previous, resumed = [], None, None
         if primary:
             for d, key in locked_dirs(cfg):  # one writer per run directory, from the first write on
                 locks.append((run_lock.acquire(d, key), key))
@@ -299,71 +331,81 @@ def run(cfg: RunConfig) -> dict:
             # the file describing this run's base and settings beside the other run's steps, which a merge then
             # combined and the next resume's checks compared against
             previous = (ckpt_dir / METADATA_FILE).read_text() if (ckpt_dir / METADATA_FILE).is_file() else None
-            checkpoint.write_metadata(ckpt_dir, meta)
-        if primary and previous is not None and not checkpoint.list_steps(ckpt_dir):
-            # this run's directory, restarted with no step saved (stopped before or during its first save): it
-            # starts afresh, and so does metrics.jsonl (a kill during the save of step 1 left its record, and the
-            # rerun wrote step 1 again; an eval of step 0 twice)
-            dropped = drop_records_after(run_dir / "metrics.jsonl", -1)
-            if dropped:
-                log.info("%s: %d record(s) of the attempt that saved no step dropped (trained again)",
-                         run_dir / "metrics.jsonl", dropped)
-        profile_dir = profile_window(cfg, run_dir, ckpt_dir)
-        tcfg = TrainingConfig(
-            eval_every_n_steps=cfg.train.eval_every_steps or cfg.train.max_steps,
-            max_steps=cfg.train.max_steps,
-            gradient_accumulation_steps=cfg.train.grad_accum_steps if cfg.train.grad_accum_steps > 1 else None,
-            checkpoint_root_directory=str(ckpt_dir.resolve()),
-            checkpointing_options=ocp.CheckpointManagerOptions(
-                save_interval_steps=cfg.checkpoint.every_steps, max_to_keep=cfg.checkpoint.max_to_keep,
-                enable_async_checkpointing=cfg.checkpoint.async_save,
-                save_decision_policy=save_schedule(cfg.checkpoint.every_steps)),
-            metrics_logging_options=metrics_logging_options(str((run_dir / "tensorboard").resolve()),
-                                                            (checkpoint.list_steps(ckpt_dir) or [None])[-1],
-                                                            cfg.train.wandb_project, ckpt_dir.resolve().name),
-            data_sharding_axis=mesh_lib.DATA_SHARDING_AXIS,
-            pbar_description="train",
-            profiler_options=(profiler_options(str(profile_dir), cfg.train.profile_skip_steps,
-                                               cfg.train.profile_steps, cfg.train.grad_accum_steps)
-                              if profile_dir else None),
-        )
-        chunk = 1024
-        step_flops = plan.step_flops(cfg, tunix_cfg, plan.model_dims(abstract, tunix_cfg))  # as --dry-run counts
-        tx = optim.make_optimizer(cfg.train)
-        if primary:  # a disk that cannot hold one step to save: refused now, not at the first save
-            check_checkpoint_room(ckpt_dir, model, tx, cfg.lora.enabled)
-        try:  # restores the latest step, if any
-            trainer = Trainer(
-                model, tx, tcfg, feed=feed, run_dir=run_dir,
-                tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
-                flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
-                price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
-                mesh=mesh, log_every_steps=cfg.train.log_every_steps,
-                before_save=functools.partial(check_run_intact, ckpt_dir, locks), eval_data=eval_data,
+            resumed = (checkpoint.list_steps(ckpt_dir) or [None])[-1]
+        # until this session has saved a step of its own, any exit (a refusal such as a disk without room for a step,
+        # a failed restore, a stop: SIGTERM before the preemption handler took over, or at its first boundary) puts
+        # back the record of the run that wrote the steps; each gap between writing it and the handler (or the
+        # `try`) let a stop leave this session's record, of a session that trained nothing, beside another's steps
+        put_back = functools.partial(put_back_record, ckpt_dir, previous, resumed, locks) if primary else lambda: None
+        try:
+            if primary:
+                checkpoint.write_metadata(ckpt_dir, meta)
+            if primary and previous is not None and not checkpoint.list_steps(ckpt_dir):
+                # this run's directory, restarted with no step saved (stopped before or during its first save): it
+                # starts afresh, and so does metrics.jsonl (a kill during the save of step 1 left its record, and the
+                # rerun wrote step 1 again; an eval of step 0 twice)
+                dropped = drop_records_after(run_dir / "metrics.jsonl", -1)
+                if dropped:
+                    log.info("%s: %d record(s) of the attempt that saved no step dropped (trained again)",
+                             run_dir / "metrics.jsonl", dropped)
+            profile_dir = profile_window(cfg, run_dir, ckpt_dir)
+            tcfg = TrainingConfig(
+                eval_every_n_steps=cfg.train.eval_every_steps or cfg.train.max_steps,
+                max_steps=cfg.train.max_steps,
+                gradient_accumulation_steps=cfg.train.grad_accum_steps if cfg.train.grad_accum_steps > 1 else None,
+                checkpoint_root_directory=str(ckpt_dir.resolve()),
+                checkpointing_options=ocp.CheckpointManagerOptions(
+                    save_interval_steps=cfg.checkpoint.every_steps, max_to_keep=cfg.checkpoint.max_to_keep,
+                    enable_async_checkpointing=cfg.checkpoint.async_save,
+                    save_decision_policy=save_schedule(cfg.checkpoint.every_steps)),
+                metrics_logging_options=metrics_logging_options(str((run_dir / "tensorboard").resolve()),
+                                                                (checkpoint.list_steps(ckpt_dir) or [None])[-1],
+                                                                cfg.train.wandb_project, ckpt_dir.resolve().name),
+                data_sharding_axis=mesh_lib.DATA_SHARDING_AXIS,
+                pbar_description="train",
+                profiler_options=(profiler_options(str(profile_dir), cfg.train.profile_skip_steps,
+                                                   cfg.train.profile_steps, cfg.train.grad_accum_steps)
+                                  if profile_dir else None),
             )
-        except BaseException as e:  # a stop too (SIGTERM, Ctrl-C: the preemption handler is not installed yet): the
-            # record of the session that trained nothing was left beside the steps another one wrote
-            steps = checkpoint.list_steps(ckpt_dir)
-            if primary and steps and previous is not None:
-                write_text_atomic(ckpt_dir / METADATA_FILE, previous)
-            # only the restore's own failure is the step's: another (a metrics backend that did not start) was
-            # "cannot restore this checkpoint step ...; move it aside", of a sound step, naming no real cause
-            if not isinstance(e, RestoreFailed) or not steps:
-                raise
-            kind = nnx.LoRAParam if cfg.lora.enabled else None
-            cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
-            if isinstance(cause, UserError):
-                raise cause from None
-            raise restore_failure(ckpt_dir, steps[-1], model, kind,
-                                  json.loads(previous) if previous else {}, meta, cause) from cause
-        from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
+            chunk = 1024
+            step_flops = plan.step_flops(cfg, tunix_cfg, plan.model_dims(abstract, tunix_cfg))  # as --dry-run counts
+            tx = optim.make_optimizer(cfg.train)
+            if primary:  # a disk that cannot hold one step to save: refused now, not at the first save
+                check_checkpoint_room(ckpt_dir, model, tx, cfg.lora.enabled)
+            try:  # restores the latest step, if any
+                trainer = Trainer(
+                    model, tx, tcfg, feed=feed, run_dir=run_dir,
+                    tokens_per_step=cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps,
+                    flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
+                    price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
+                    mesh=mesh, log_every_steps=cfg.train.log_every_steps,
+                    before_save=functools.partial(check_run_intact, ckpt_dir, locks), eval_data=eval_data,
+                )
+            except RestoreFailed as e:
+                # only the restore's own failure is the step's: another (a metrics backend that did not start) was
+                # "cannot restore this checkpoint step ...; move it aside", of a sound step, naming no real cause
+                steps = checkpoint.list_steps(ckpt_dir)
+                if not steps:
+                    raise
+                kind = nnx.LoRAParam if cfg.lora.enabled else None
+                cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
+                if isinstance(cause, UserError):
+                    raise cause from None
+                raise restore_failure(ckpt_dir, steps[-1], model, kind,
+                                      json.loads(previous) if previous else {}, meta, cause) from cause
+            from gemma_tpu.train.loss import make_loss_fn  # deferred: imports jax/torch
 
-        trainer.with_loss_fn(make_loss_fn(chunk, dropout_seed=cfg.train.seed))
-        trainer.with_data_hooks(feed)
-        preemption = _install_sigterm(trainer)
-        with trainer.compile_counter:
-            trainer.train(train_ds=stream, eval_ds=evals or None)
-    summary = trainer.summary()
+            trainer.with_loss_fn(make_loss_fn(chunk, dropout_seed=cfg.train.seed))
+            trainer.with_data_hooks(feed)
+            preemption = _install_sigterm(trainer, put_back)
+            with trainer.compile_counter:
+                trainer.train(train_ds=stream, eval_ds=evals or None)
+        except BaseException:
+            put_back()
+            raise
+    # the checkpoint it summarizes (a separate train.run_dir, or a summary copied beside others, named none)
+    summary = {**trainer.summary(), "checkpoint_dir": str(ckpt_dir.resolve()),
+               "checkpoint_step": (checkpoint.list_steps(ckpt_dir) or [None])[-1]}
     if profile_dir and primary:
         traces = sorted(profile_dir.glob("plugins/profile/*/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
         if traces:
@@ -376,6 +418,23 @@ def run(cfg: RunConfig) -> dict:
     log.info("done: %s", json.dumps(summary))
     preemption.exit_if_requested()
     return summary
+
+
+def put_back_record(ckpt_dir: Path, previous: str | None, resumed: int | None, locks: list) -> None:
+    """Put `previous` (gemma_tpu_run.json's text before this session wrote its own) back when this session, which
+    started at step `resumed`, ends with no step of its own saved: its record described a session that trained
+    nothing (its train.max_steps, learning rate, run dir) beside the steps another one wrote, and the next resume
+    compared its schedule against it. Nothing where no step was saved before (a fresh start is this session's), nor
+    where this session no longer holds its run locks (`locks`: (PidLock, key) pairs; the directory is another's)."""
+    if previous is None or resumed is None or checkpoint.list_steps(ckpt_dir)[-1:] != [resumed]:
+        return
+    if not all(lock.still_held() for lock, _ in locks):
+        return
+    try:
+        write_text_atomic(ckpt_dir / METADATA_FILE, previous)
+    except (OSError, UserError) as e:  # the exit's own cause (a full disk) is what must be said
+        log.warning("%s: the record of the run that wrote step %d was not put back (%s); %s describes this session, "
+                    "which saved no step", ckpt_dir, resumed, e, METADATA_FILE)
 
 
 def run_finished(run_dir: Path, step: int, several_processes: bool = False) -> bool:
@@ -471,12 +530,19 @@ def check_batch_divisible(cfg: RunConfig, mesh_sizes: dict[str, int], process_co
         log.warning(warning)
 
 
-def _install_sigterm(trainer):
+def _install_sigterm(trainer, put_back: Callable[[], None]):
     """On SIGTERM (TPU preemption notice) finish the step in progress, save it, release the run lock and
-    exit 143; at a batch boundary, so the saved step is exactly a step (gemma_tpu.train.preempt)."""
+    exit 143; at a batch boundary, so the saved step is exactly a step (gemma_tpu.train.preempt). `put_back`
+    (`put_back_record`) runs first: a stop before this session saved a step keeps the record of the run that did."""
     from gemma_tpu.train.preempt import Preemption  # deferred: imports jax (through Tunix)
 
-    return Preemption(trainer, on_exit=run_lock.release_all).install()
+    def on_exit() -> None:
+        try:
+            put_back()
+        finally:
+            run_lock.release_all()
+
+    return Preemption(trainer, on_exit=on_exit).install()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
