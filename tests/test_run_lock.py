@@ -446,7 +446,14 @@ def made_read_only(ck: Path, proc: subprocess.Popen):
         proc.wait()
         pytest.skip(f"cannot bind-mount here: {mounted.stderr.strip()}")
     try:
-        ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(ck)], capture_output=True, text=True, check=False)
+        # the run may hold a file open for writing there at that instant, and the kernel refuses a read-only remount
+        # then ("mount point is busy": a failure of this test once in a helper's run): tried again once it closed
+        for _ in range(100):
+            ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(ck)], capture_output=True, text=True,
+                                check=False)
+            if ro.returncode == 0 or "busy" not in ro.stderr:
+                break
+            time.sleep(0.05)
         assert ro.returncode == 0, ro.stderr
         yield
     finally:
