@@ -293,16 +293,25 @@ def test_dry_run_refuses_what_the_run_refuses(tiny_dir, options, overrides, need
     assert not proc.stdout.strip(), proc.stdout  # refused before any plan is printed
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["checkpoint.dir={base}/ck"], "checkpoint.dir={base}/ck is inside the base model's directory"),
-    (["train.run_dir={tmp}/ck/2/logs"], "train.run_dir={tmp}/ck/2/logs is inside a directory of checkpoint.dir="
-                                        "{tmp}/ck named like checkpoint step 2"),
+@pytest.mark.parametrize("overrides, made, needle", [
+    (["checkpoint.dir={base}/ck"], {}, "checkpoint.dir={base}/ck is inside the base model's directory"),
+    (["train.run_dir={tmp}/ck/2/logs"], {}, "train.run_dir={tmp}/ck/2/logs is inside a directory of checkpoint.dir="
+                                            "{tmp}/ck named like checkpoint step 2"),
+    # another run's records in the run dir, a directory where the run writes a file: refused by the run (the
+    # training helper's round 26 check), planned by the dry run as runs that fit
+    (["train.run_dir={tmp}/logs"], {"logs/metrics.jsonl": '{"step": 1}\n'},
+     "{tmp}/logs/metrics.jsonl: written by another run (checkpoint.dir={tmp}/ck holds no run)"),
+    (["train.run_dir={tmp}/logs"], {"logs/summary.json/": None}, "{tmp}/logs/summary.json: not a regular file"),
 ])
-def test_dry_run_refuses_the_run_directories_the_run_refuses(tiny_dir, tmp_path, overrides, needle):
-    """A checkpoint.dir inside the base model's directory, or a train.run_dir named like a step of checkpoint.dir:
-    the run refuses them before the data is read, and the dry run planned them as runs that fit (exit 0)."""
+def test_dry_run_refuses_the_run_directories_the_run_refuses(tiny_dir, tmp_path, overrides, made, needle):
+    """A checkpoint.dir inside the base model's directory, a train.run_dir named like a step of checkpoint.dir or
+    holding what the run cannot write over: the run refuses them before the data is read, and the dry run planned
+    them as runs that fit (exit 0)."""
     from tests.conftest import assert_one_line_error
 
+    for name, text in made.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).mkdir() if text is None else (tmp_path / name).write_text(text)
     fill = {"base": tiny_dir, "tmp": tmp_path}
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", "--dry-run", "--no-compile",
                    f"model.path={tiny_dir}", f"checkpoint.dir={tmp_path}/ck", *(o.format(**fill) for o in overrides))

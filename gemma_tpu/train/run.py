@@ -127,6 +127,16 @@ def check_run_outputs(run_dir: Path, key: str) -> None:
                         f"{'TensorBoard events' if is_dir else name} there); move it out of {key}={run_dir}")
 
 
+def check_run_dir_contents(cfg: RunConfig) -> None:
+    """What the run dir (train.run_dir, else checkpoint.dir) already holds is this run's, of its kind
+    (`check_run_outputs`, `check_run_dir_is_this_runs`): the run checks it before the data is read, and so does
+    `--dry-run`, which planned such runs as runs that fit."""
+    key = "train.run_dir" if cfg.train.run_dir else "checkpoint.dir"
+    run_dir = Path(cfg.train.run_dir or cfg.checkpoint.dir)
+    check_run_outputs(run_dir, key)
+    check_run_dir_is_this_runs(Path(cfg.checkpoint.dir), run_dir, key)
+
+
 def check_run_dir_is_this_runs(ckpt_dir: Path, run_dir: Path, key: str) -> None:
     """The run dir (`run_dir`, the option `key` names) holds no other run's records. A run that has not started in
     `ckpt_dir` (no gemma_tpu_run.json, no step) finds none there at all: two runs (other checkpoint.dirs, other data)
@@ -195,10 +205,7 @@ def run(cfg: RunConfig) -> dict:
             check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
         for d, key in locked_dirs(cfg):
             run_lock.check_free(d, key)
-        check_run_outputs(Path(cfg.train.run_dir or cfg.checkpoint.dir),
-                          "train.run_dir" if cfg.train.run_dir else "checkpoint.dir")
-        check_run_dir_is_this_runs(Path(cfg.checkpoint.dir), Path(cfg.train.run_dir or cfg.checkpoint.dir),
-                                   "train.run_dir" if cfg.train.run_dir else "checkpoint.dir")
+        check_run_dir_contents(cfg)
     tokenizer = load_tokenizer(resolved.local_dir)  # a dir without tokenizer files is refused by name
     tunix_cfg = resolved.tunix_config()
     if cfg.lora.enabled:
