@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from convert.mapping import is_lora_name
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, list_steps, not_a_checkpoint, read_metadata, resolve_step
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core import cli
@@ -50,7 +49,7 @@ def describe_checkpoint(path: Path, step: int | None) -> dict:
         info["tensors"] = [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype)}
                            for s in params.specs.values()]
         info["num_tensors"] = len(params.specs)
-        info["holds"] = "LoRA factors" if any(is_lora_name(n) for n in params.specs) else "full parameters"
+        info["holds"] = "LoRA factors" if params.holds_lora_factors else "full parameters"
         info["total_bytes"] = params.total_bytes
         step_dir = path / str(chosen)
         info["items"] = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
@@ -179,7 +178,7 @@ def render(info: dict, tensors: bool = True) -> str:
         lines.append(f"  base: {base.get('path')} (family {base.get('family')}, local {base.get('local_dir')}, "
                      f"revision {base.get('revision')})")
         lora = info.get("lora")
-        if not lora:  # null or absent: the trainer always writes one (the merge refuses it: lora.rank is missing)
+        if not lora:  # null or absent: the trainer always writes one (the converters go by what the step holds)
             lines.append(f"  LoRA or full fine-tune: not recorded ({METADATA_FILE} has no lora settings)"
                          + (f"; step {info['step']} holds {info['holds']}" if "holds" in info else ""))
         elif lora.get("enabled", True):

@@ -658,6 +658,32 @@ def test_full_finetune(work, base, full_ckpt):
     assert json.loads((out / "gemma_tpu_merge.json").read_text())["kind"] == "full"
 
 
+def test_a_checkpoint_recording_no_lora_settings_is_taken_for_what_its_step_holds(work, lora_ckpt, full_ckpt, capsys):
+    """`"lora": null` in gemma_tpu_run.json: a full fine-tune's checkpoint was refused as 'metadata lora.rank is
+    missing'. Its step's full parameters say what it is (merged, restored as trained); LoRA factors, whose scale
+    is not recorded, are refused saying so."""
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.checkpoint.restore import restore_model
+
+    copies = {}
+    for name, ckpt in (("full", full_ckpt[0]), ("lora", lora_ckpt[0])):
+        copy = copies[name] = work / f"ckpt_{name}_lora_null"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(ckpt, copy)
+        meta = json.loads((copy / METADATA_FILE).read_text())
+        meta["lora"] = None
+        (copy / METADATA_FILE).write_text(json.dumps(meta))
+    out = work / "merged_full_lora_null"
+    assert merge("--checkpoint", copies["full"], "--out", out) == 0
+    assert "(full fine-tune)" in capsys.readouterr().err
+    assert max_diff(full_ckpt[1], hf_logits(out)) <= TOL
+    assert json.loads((out / "gemma_tpu_merge.json").read_text())["kind"] == "full"
+    assert max_diff(full_ckpt[1], tunix_logits(restore_model(copies["full"]).model)) <= TOL
+    _expect_error(capsys, work / "merged_lora_lora_null", "--checkpoint", copies["lora"],
+                  contains=f"{copies['lora'] / METADATA_FILE}: lora is null (no LoRA settings recorded) but step 1 "
+                           "holds LoRA factors")
+
+
 def test_sharded_output(work, lora_ckpt, merged):
     out = work / "merged_sharded"
     assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--max-shard-size", "100KB") == 0
