@@ -246,21 +246,22 @@ def test_base_of_an_architecture_no_family_claims_merges_as_the_family_trained(w
     assert max_diff(ref, hf_logits(out)) <= TOL
 
 
-def test_multimodal_layout(work, base, lora_ckpt):
-    """Decoder under `language_model.model.`, a vision tower copied untouched, LoRA where expected."""
+def _text_run_on_multimodal_layout(work, base, lora_ckpt, name: str, extra: dict | None = None) -> tuple[Path, Path]:
+    """The tiny base rewritten in the published multimodal layout (decoder under `language_model.model.`, a vision
+    tower, `extra` tensors), and the LoRA checkpoint recorded as if it had been trained on it: (base, checkpoint)."""
     from safetensors.numpy import load_file, save_file
 
-    from gemma_tpu.checkpoint.metadata import read_metadata, read_params, write_metadata
+    from gemma_tpu.checkpoint.metadata import read_metadata, write_metadata
     from gemma_tpu.hf.fingerprint import fingerprint
-    from gemma_tpu.models import get_family
 
     text_ckpt, _ = lora_ckpt
-    mm = work / "base_mm"
+    mm = work / f"base_{name}"
     mm.mkdir()
     text = load_file(str(base / "model.safetensors"))
     vision = np.random.default_rng(3).normal(size=(8, 3, 4, 4)).astype(np.float32)
     tensors = {"vision_tower.vision_model.embeddings.patch_embedding.weight": vision}
     tensors.update({"language_model." + k: v for k, v in text.items()})
+    tensors.update(extra or {})
     save_file(tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
     text_cfg = json.loads((base / "config.json").read_text())
     mm_cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_cfg,
@@ -271,13 +272,22 @@ def test_multimodal_layout(work, base, lora_ckpt):
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(base / f, mm / f)
     # the same training run, recorded as if it had been made on the multimodal checkpoint
-    ckpt = work / "ckpt_mm"
+    ckpt = work / f"ckpt_{name}"
     shutil.copytree(text_ckpt, ckpt)
     meta = read_metadata(ckpt)
     meta["hf_config"] = mm_cfg
     meta["base_model"] = {**meta["base_model"], "path": str(mm), "local_dir": str(mm), "fingerprint": fingerprint(mm)}
     write_metadata(ckpt, {k: v for k, v in meta.items() if k not in ("format", "version")})
+    return mm, ckpt
 
+
+def test_multimodal_layout(work, base, lora_ckpt):
+    """Decoder under `language_model.model.`, a vision tower copied untouched, LoRA where expected."""
+    from gemma_tpu.checkpoint.metadata import read_params
+    from gemma_tpu.models import get_family
+
+    mm, ckpt = _text_run_on_multimodal_layout(work, base, lora_ckpt, "mm")
+    text_cfg = json.loads((base / "config.json").read_text())
     out = work / "merged_mm"
     assert merge("--checkpoint", ckpt, "--out", out) == 0
     assert ordered_keys(out) == ordered_keys(mm)
@@ -846,6 +856,17 @@ def test_error_quantized_base_is_refused_by_name(work, base, lora_ckpt, capsys):
     assert cli_main(gguf_main, ["--merged", str(only_q), "--out", str(work / "i8.gguf"), "--type", "f16"]) == 2
     assert "q_proj.weight' is I8, not floating point" in capsys.readouterr().err
     assert leftovers(work / "i8.gguf") == []
+
+
+def test_a_quantized_output_projection_is_refused_in_the_multimodal_layout_too(work, base, lora_ckpt, capsys):
+    """An int8 `lm_head.weight` is refused as a quantized base's; the same tensor where published multimodal
+    checkpoints keep it, `language_model.lm_head.weight`, was let through unchecked."""
+    embed = sio.WeightsDir(base).read("model.embed_tokens.weight")
+    head = np.clip(np.round(embed * 100), -127, 127).astype(np.int8)
+    mm, ckpt = _text_run_on_multimodal_layout(work, base, lora_ckpt, "mm_i8_head",
+                                              {"language_model.lm_head.weight": head})
+    _expect_error(capsys, work / "err_mm_i8_head", "--checkpoint", ckpt,
+                  contains=f"{mm}: weight 'language_model.lm_head.weight' is I8, not floating point")
 
 
 def test_a_base_tensor_the_merge_copies_must_have_its_config_shape(work, base, lora_ckpt, capsys):
