@@ -1590,6 +1590,38 @@ def test_inspect_single_files(merged, tmp_path, capsys):
 
 
 
+def test_inspect_says_what_it_counts_and_not_what_is_missing(work, base, lora_ckpt, tmp_path, capsys):
+    """The summary said '1 tensors', '0 B ()' of a file of no tensors, 'revision None' of a local base, '(name None)'
+    of a GGUF without one and printed an adapter's targets as a Python list ['q_proj', ...]."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    from convert.export_peft import main as export_main
+    from convert.inspect import main
+    from gemma_tpu.core.cli import cli_main
+
+    def shown(path) -> list[str]:
+        assert main([str(path), "--no-tensors"]) == 0
+        return capsys.readouterr().out.splitlines()[1:]
+
+    save_file({"a": np.zeros((2, 3), np.float32)}, str(tmp_path / "one.safetensors"))
+    assert shown(tmp_path / "one.safetensors") == ["  1 tensor, 24 B (F32 24 B)"]
+    save_file({}, str(tmp_path / "none.safetensors"))
+    assert shown(tmp_path / "none.safetensors") == ["  0 tensors, 0 B"]
+    w = gguf.GGUFWriter(str(tmp_path / "one.gguf"), "gemma3")
+    w.add_tensor("token_embd.weight", np.ones((40, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert shown(tmp_path / "one.gguf") == ["  architecture: gemma3", "  1 tensor, 1.28 KB (F32 1.28 KB)"]
+    assert shown(lora_ckpt[0])[0] == f"  base: {base} (family gemma3, local {base})"
+    adapter = work / "adapter_inspected"
+    if not adapter.exists():
+        assert cli_main(export_main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(adapter)]) == 0
+    assert shown(adapter)[0] == f"  adapter: LORA r=4 alpha=8.0 on {','.join(ALL_TARGETS)} (base {base})"
+
+
 def test_inspect_step_of_a_checkpoint_with_no_completed_step_is_refused(lora_ckpt, tmp_path, capsys):
     """`convert.inspect CKPT --step 5` on a run with no completed step listed 'none completed' and ignored --step."""
     from convert.inspect import main
