@@ -22,7 +22,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gemma_tpu.checkpoint.metadata import METADATA_FILE, list_steps, not_a_checkpoint, read_metadata, resolve_step
+from gemma_tpu.checkpoint.metadata import (
+    METADATA_FILE,
+    list_steps,
+    not_a_checkpoint,
+    read_metadata,
+    resolve_step,
+    step_holding,
+)
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
@@ -171,7 +178,7 @@ def describe(path: str | Path, step: int | None = None) -> dict:
             raise UserError(f"--step {step}: {path} is a Hugging Face directory, not a gemma-tpu checkpoint "
                             f"(no {METADATA_FILE}); --step applies to checkpoints only")
         return describe_hf(path)
-    if path.name.isdigit() and (path.parent / METADATA_FILE).is_file():  # a step: say whose
+    if step_holding(path) is not None:  # a step, or a directory inside one: say whose
         raise UserError(not_a_checkpoint(path))
     raise UserError(f"{path}: neither a gemma-tpu checkpoint ({METADATA_FILE}) nor an HF directory")
 

@@ -767,6 +767,13 @@ CASES = [
     Case("ckpt-dir-is-a-step", "gemma_tpu.chat", ["--checkpoint", "{ckpt}/1", "--once", "hi"],
          ["{ckpt}/1 is step 1 of the checkpoint directory {ckpt}", "give {ckpt} (and --step 1)"]),
     Case("inspect-a-step-directory", "convert.inspect", ["{ckpt}/1"], ["{ckpt}/1 is step 1", "--step 1"]),
+    # a directory inside a step (Orbax's item, which holds the tensors) said "no gemma_tpu_run.json" too
+    Case("ckpt-dir-inside-a-step", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}/1/model_params", "--out", "{tmp}/out"],
+         ["{ckpt}/1/model_params is inside step 1 of the checkpoint directory {ckpt}: give {ckpt}, not "
+          "{ckpt}/1/model_params (and --step 1)"]),
+    Case("inspect-a-directory-inside-a-step", "convert.inspect", ["{ckpt}/1/model_params"],
+         ["{ckpt}/1/model_params is inside step 1 of the checkpoint directory {ckpt}: give {ckpt}"]),
     Case("ckpt-dir-is-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}/gemma_tpu_run.json", "--out", "{tmp}/out"],
          ["{ckpt}/gemma_tpu_run.json", "is a file, not a directory"]),
     # a model given as a file: a GGUF (not read here: how to convert it), or one file of a model directory

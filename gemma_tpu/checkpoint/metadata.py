@@ -48,12 +48,25 @@ def write_metadata(ckpt_dir: str | Path, meta: dict[str, Any]) -> Path:
                              json.dumps({"format": FORMAT, "version": VERSION, **meta}, indent=2, default=str))
 
 
+def step_holding(path: Path) -> tuple[Path, int] | None:
+    """(checkpoint directory, step) when `path` is one of a checkpoint's step directories (`runs/x/64`) or lies
+    inside one (`runs/x/64/model_params`, where the tensors are), else None."""
+    for p in (path, *path.parents):
+        if p.name.isascii() and p.name.isdigit() and (p.parent / METADATA_FILE).is_file():
+            return p.parent, int(p.name)
+    return None
+
+
 def not_a_checkpoint(ckpt_dir: Path) -> str:
     """Why `ckpt_dir` is no checkpoint directory; one of its step directories (`runs/x/64`, the one that
-    holds the weights) is named as such, with what to give instead."""
-    if ckpt_dir.name.isdigit() and (ckpt_dir.parent / METADATA_FILE).is_file():
-        return (f"{ckpt_dir} is step {int(ckpt_dir.name)} of the checkpoint directory {ckpt_dir.parent}: give "
-                f"{ckpt_dir.parent} (and --step {int(ckpt_dir.name)})")
+    holds the weights), or a directory inside one, is named as such, with what to give instead."""
+    held = step_holding(ckpt_dir)
+    if held is not None:
+        run, step = held
+        if run == ckpt_dir.parent:
+            return f"{ckpt_dir} is step {step} of the checkpoint directory {run}: give {run} (and --step {step})"
+        return (f"{ckpt_dir} is inside step {step} of the checkpoint directory {run}: give {run}, not {ckpt_dir} "
+                f"(and --step {step})")
     return f"{ckpt_dir}: no {METADATA_FILE} (not a gemma-tpu checkpoint directory)"
 
 
