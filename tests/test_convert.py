@@ -1162,6 +1162,21 @@ def test_sigterm_cleans_up(work, lora_ckpt):
     assert leftovers(out) == []
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_after_the_output_is_written_exits_0(work, lora_ckpt, sig):
+    """A stop that lands after `merge: wrote OUT`, while the interpreter shuts down (JAX's teardown takes a while):
+    the process died by SIGTERM (-15) or SIGHUP (-1) although its output was published whole. The work is done:
+    it ends at once with the command's exit code, 0."""
+    out = work / f"stopped_at_exit_{sig}"
+    code = (f"import atexit, signal, sys\natexit.register(signal.raise_signal, signal.{sig})\n"
+            "from convert.merge_orbax import main\nfrom gemma_tpu.core.cli import cli_main\nsys.exit(cli_main(main))")
+    proc = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(lora_ckpt[0]), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"merge: wrote {out}", proc.stderr[-2000:]
+    assert _complete(out) and leftovers(out) == [out.name]
+
+
 def test_a_merge_that_fails_mid_write_leaves_no_directory_it_made(work, lora_ckpt):
     """--out new/run/merged, and the write fails (a file-size limit here: a full disk alike): the output was not
     published, but new/ and new/run/, made for it, were left behind. They are removed; a parent that was there
