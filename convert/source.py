@@ -21,7 +21,7 @@ from convert.mapping import (
 )
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
 from gemma_tpu.checkpoint.params import CheckpointParams
-from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
+from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, check_recorded_targets, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.hf.fingerprint import check_base
@@ -77,13 +77,15 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
         raise UserError(f"{ckpt_dir / METADATA_FILE}: base_model: {e}") from None
     params = CheckpointParams(ckpt_dir, step)
     # a LoRA run's rank, alpha and targets are all recorded, and the step holds what the metadata says
-    is_lora = lora_config(ckpt_dir, meta, step, params.holds_lora_factors) is not None
+    lora = lora_config(ckpt_dir, meta, step, params.holds_lora_factors)
     try:
         layout = read_layout(hf_config, family)
     except UserError as e:  # the recorded copy, not the base's config.json, is the one to look at
         raise UserError(f"{ckpt_dir / METADATA_FILE}: hf_config (the base's config.json when it was trained): "
                         f"{str(e).removeprefix('config.json: ')}") from None
-    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, layout, params, is_lora)
+    if lora is not None:
+        check_recorded_targets(ckpt_dir, family, layout, lora)
+    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, layout, params, lora is not None)
     return source
 
 

@@ -648,6 +648,14 @@ CASES = [
     Case("ckpt-run-json-targets-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "lora.targets='q_proj' is not a list of names"],
          {"ck": copy_of("ckpt", meta={"lora.targets": "q_proj"})}),
+    # a target no projection of the family has (the embeddings): the registry's message named lora.targets alone,
+    # which read as the config's key
+    *[Case(f"ckpt-run-json-target-not-a-projection-{tool}", tool, [*args, "--checkpoint", "{tmp}/ck"],
+           ["{tmp}/ck/gemma_tpu_run.json: lora.targets: 'embed_tokens' is not a projection of family gemma3"],
+           {"ck": copy_of("ckpt", meta={"lora.targets": ["q_proj", "embed_tokens"]})})
+      for tool, args in (("convert.merge_orbax", ["--out", "{tmp}/out"]),
+                         ("convert.export_peft", ["--out", "{tmp}/out"]),
+                         ("gemma_tpu.evaluate", ["--data", f"{CHAT}"]))],
     Case("ckpt-run-json-base-model-string", "convert.inspect", ["{tmp}/ck"],
          ["{tmp}/ck/gemma_tpu_run.json", "base_model='x' is not an object"],
          {"ck": copy_of("ckpt", meta={"base_model": "x"})}),

@@ -100,6 +100,16 @@ def lora_config(ckpt_dir: str | Path, meta: dict, step: int, holds_factors: bool
                       base_quantization=lora.get("base_quantization"))
 
 
+def check_recorded_targets(ckpt_dir: str | Path, family: Family, tunix_cfg: Any, lora: LoraConfig) -> None:
+    """The run's recorded lora.targets name projections of its model (`Family.targets_to_modules`); one that does
+    not (`embed_tokens`, an edited file) is refused naming the metadata file: the registry's message named
+    `lora.targets` alone, which read as the config's key."""
+    try:
+        family.targets_to_modules(tunix_cfg, list(lora.targets))
+    except UserError as e:
+        raise UserError(f"{Path(ckpt_dir) / METADATA_FILE}: {e}") from None
+
+
 def locate(ckpt_dir: str | Path, step: int | None = None,
            base: str | Path | None = None) -> tuple[dict, int, Path]:
     """The run's metadata, the step (the latest by default) and the base directory, checked without loading
@@ -137,6 +147,7 @@ def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | No
     if lora is not None:
         if not apply_base_quantization:
             lora = dataclasses.replace(lora, base_quantization=None)
+        check_recorded_targets(ckpt_dir, resolved.family, tunix_cfg, lora)
         model = apply_lora(model, resolved.family, tunix_cfg, lora)
         set_params(model, nnx.LoRAParam, params, where)
     else:
