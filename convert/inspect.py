@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = describe(args.path, args.step)
     if args.no_tensors:
         info.pop("tensors", None)
-    print(json.dumps(info, indent=2, default=str) if args.json else render(info, not args.no_tensors))
+    cli.write_stdout(json.dumps(info, indent=2, default=str) if args.json else render(info, not args.no_tensors))
     return 0
 
 

@@ -1561,6 +1561,19 @@ def test_inspect(base, lora_ckpt, merged, capsys):
     assert "28 tensors" in capsys.readouterr().out
 
 
+def test_inspect_into_a_pipe_whose_reader_is_gone_ends_quietly(merged):
+    """`python -m convert.inspect DIR | head -3`: once head had its lines, the listing ended in 'error: Broken pipe',
+    exit 2, as if inspect had failed. The reader is gone here before the first line."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "convert.inspect", str(merged)], cwd=REPO, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
 def test_inspect_single_files(merged, tmp_path, capsys):
     """One .safetensors shard or one .gguf (written here by the gguf package's own writer) is described
     from its header; a cut-short GGUF and any other file are one line naming the file."""

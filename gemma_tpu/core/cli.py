@@ -440,6 +440,21 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         argparse.ArgumentParser.error = parser_error
 
 
+def write_stdout(text: str, end: str = "\n") -> None:
+    """Print `text` to stdout, flushed. A reader that is gone (`python -m convert.inspect DIR | head -3`) ends the
+    output quietly: it was 'error: Broken pipe', exit 2, as if the command had failed. stdout then points at
+    /dev/null, so that the interpreter's last flush has nothing to report either."""
+    try:
+        print(text, end=end)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+
+
 def _end_on_stop(code: int) -> None:
     """Once the command is done (its output published, `wrote ...` said), a stop signal ends the process at once
     with the command's exit code. Landing during the interpreter's shutdown (JAX's teardown takes a while), a
