@@ -775,6 +775,18 @@ CASES = [
     Case("ckpt-dir-is-a-step", "gemma_tpu.chat", ["--checkpoint", "{ckpt}/1", "--once", "hi"],
          ["{ckpt}/1 is step 1 of the checkpoint directory {ckpt}", "give {ckpt} (and --step 1)"]),
     Case("inspect-a-step-directory", "convert.inspect", ["{ckpt}/1"], ["{ckpt}/1 is step 1", "--step 1"]),
+    # a model or an adapter given for the training checkpoint said "no gemma_tpu_run.json (not a gemma-tpu checkpoint
+    # directory)" alone; a merge's or an export's output names the checkpoint it came from
+    Case("ckpt-dir-is-a-model", "convert.export_gguf", ["--checkpoint", "{tmp}/m", "--out", "{tmp}/out.gguf"],
+         ["{tmp}/m is a Hugging Face model directory (config.json), not a gemma-tpu training checkpoint (no "
+          "gemma_tpu_run.json)"], {"m": copy_of("tiny")}),
+    Case("ckpt-dir-is-a-merged-model", "convert.merge_orbax", ["--checkpoint", "{tmp}/m", "--out", "{tmp}/out"],
+         ["{tmp}/m is a Hugging Face model directory (config.json), not a gemma-tpu training checkpoint (no "
+          "gemma_tpu_run.json): it was made from step 3 of {tmp}/runs/x; give {tmp}/runs/x"],
+         {"m": copy_of("tiny"), "m/gemma_tpu_merge.json": '{"checkpoint": "{tmp}/runs/x", "step": 3}'}),
+    Case("ckpt-dir-is-an-adapter", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--checkpoint", "{tmp}/a"],
+         ["{tmp}/a is a PEFT adapter directory (adapter_config.json), not a gemma-tpu training checkpoint (no "
+          "gemma_tpu_run.json)"], {"a/adapter_config.json": "{}"}),
     # a directory inside a step (Orbax's item, which holds the tensors) said "no gemma_tpu_run.json" too
     Case("ckpt-dir-inside-a-step", "convert.merge_orbax",
          ["--checkpoint", "{ckpt}/1/model_params", "--out", "{tmp}/out"],

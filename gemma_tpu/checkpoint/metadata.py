@@ -29,7 +29,7 @@ from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.atomic import write_text_atomic
 from gemma_tpu.core.config import ModelConfig
 from gemma_tpu.core.errors import UserError, read_json_object
-from gemma_tpu.hf.directory import RUN_RECORD, hf_revision
+from gemma_tpu.hf.directory import ADAPTER_RECORD, MERGE_RECORD, RUN_RECORD, hf_revision
 from gemma_tpu.hf.fingerprint import fingerprint
 
 log = logging.getLogger("gemma_tpu.checkpoint")
@@ -67,7 +67,29 @@ def not_a_checkpoint(ckpt_dir: Path) -> str:
             return f"{ckpt_dir} is step {step} of the checkpoint directory {run}: give {run} (and --step {step})"
         return (f"{ckpt_dir} is inside step {step} of the checkpoint directory {run}: give {run}, not {ckpt_dir} "
                 f"(and --step {step})")
+    for marker, what in (("adapter_config.json", "a PEFT adapter directory"),
+                         ("config.json", "a Hugging Face model directory")):
+        if (ckpt_dir / marker).is_file():  # a merge's or an export's output (or a base) given for the training run
+            said = f"{ckpt_dir} is {what} ({marker}), not a gemma-tpu training checkpoint (no {METADATA_FILE})"
+            made = _made_from(ckpt_dir)
+            if made is None:
+                return f"{said}: give the run's checkpoint.dir"
+            run, step = made
+            return f"{said}: it was made from {run if step is None else f'step {step} of {run}'}; give {run}"
     return f"{ckpt_dir}: no {METADATA_FILE} (not a gemma-tpu checkpoint directory)"
+
+
+def _made_from(out_dir: Path) -> tuple[str, int | None] | None:
+    """(checkpoint dir, step) as the merge or the PEFT export recorded them in `out_dir`; None without a record."""
+    for record in (MERGE_RECORD, ADAPTER_RECORD):
+        try:
+            made = json.loads((out_dir / record).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(made, dict) and isinstance(made.get("checkpoint"), str):
+            step = made.get("step")
+            return made["checkpoint"], step if isinstance(step, int) and not isinstance(step, bool) else None
+    return None
 
 
 def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
