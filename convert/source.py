@@ -246,9 +246,12 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
     extra = [n for n in specs if n not in used]
     if extra:
         m = _LAYER.match(extra[0])
+        # (tool-neutral: the PEFT export said "no place in the merge" too)
         why = (f"layer {m.group(1)} is beyond the recorded num_layers={source.layout.num_layers}"
-               if m and int(m.group(1)) >= source.layout.num_layers else "not one of the metadata's targets")
-        raise UserError(f"checkpoint tensor {extra[0]} has no place in the merge ({why})")
+               if m and int(m.group(1)) >= source.layout.num_layers else
+               f"its projection is not among lora.targets ({', '.join(source.lora['targets'])}) of "
+               f"{source.dir / METADATA_FILE}")
+        raise UserError(f"checkpoint tensor {extra[0]} fits none of the recorded LoRA sites: {why}")
     return out
 
 

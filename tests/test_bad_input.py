@@ -656,6 +656,12 @@ CASES = [
       for tool, args in (("convert.merge_orbax", ["--out", "{tmp}/out"]),
                          ("convert.export_peft", ["--out", "{tmp}/out"]),
                          ("gemma_tpu.evaluate", ["--data", f"{CHAT}"]))],
+    # factors of more projections than the recorded targets: the PEFT export said "no place in the merge"
+    Case("ckpt-run-json-fewer-targets-than-factors", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out",
+                                                                            "{tmp}/out"],
+         ["checkpoint tensor layers.0.attn.attn_vec_einsum.w_lora_a fits none of the recorded LoRA sites: its "
+          "projection is not among lora.targets (q_proj) of {tmp}/ck/gemma_tpu_run.json"],
+         {"ck": copy_of("ckpt", meta={"lora.targets": ["q_proj"]})}),
     Case("ckpt-run-json-base-model-string", "convert.inspect", ["{tmp}/ck"],
          ["{tmp}/ck/gemma_tpu_run.json", "base_model='x' is not an object"],
          {"ck": copy_of("ckpt", meta={"base_model": "x"})}),
