@@ -780,6 +780,18 @@ def test_error_no_metadata(work, capsys):
     _expect_error(capsys, work / "err1", "--checkpoint", empty, contains="gemma_tpu_run.json")
 
 
+def test_error_a_step_given_relative_to_a_directory_inside_it_names_the_run(work, lora_ckpt, capsys, monkeypatch):
+    """`--checkpoint .` from inside a step (its model_params, say) said "no gemma_tpu_run.json" of `.`: a step, or a
+    directory inside one, is found through the absolute path and the run named, as for `--checkpoint RUN/1`."""
+    ckpt = lora_ckpt[0]
+    monkeypatch.chdir(ckpt / "1" / "model_params")
+    _expect_error(capsys, work / "err_dot", "--checkpoint", ".",
+                  contains=f". is inside step 1 of the checkpoint directory {ckpt}: give {ckpt}")
+    monkeypatch.chdir(ckpt / "1")
+    _expect_error(capsys, work / "err_dot", "--checkpoint", ".",
+                  contains=f". is step 1 of the checkpoint directory {ckpt}: give {ckpt} (and --step 1)")
+
+
 def test_error_missing_step(work, lora_ckpt, capsys):
     msg = _expect_error(capsys, work / "err2", "--checkpoint", lora_ckpt[0], "--step", "99", contains="step 99")
     assert "have: 1" in msg

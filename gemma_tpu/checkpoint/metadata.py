@@ -50,8 +50,10 @@ def write_metadata(ckpt_dir: str | Path, meta: dict[str, Any]) -> Path:
 
 def step_holding(path: Path) -> tuple[Path, int] | None:
     """(checkpoint directory, step) when `path` is one of a checkpoint's step directories (`runs/x/64`) or lies
-    inside one (`runs/x/64/model_params`, where the tensors are), else None."""
-    for p in (path, *path.parents):
+    inside one (`runs/x/64/model_params`, where the tensors are), else None. A relative path is followed up through
+    its absolute form too (`.` given from inside a step)."""
+    absolute = Path(os.path.abspath(path))
+    for p in (path, *path.parents, *((absolute, *absolute.parents) if absolute != path else ())):
         if p.name.isascii() and p.name.isdigit() and (p.parent / METADATA_FILE).is_file():
             return p.parent, int(p.name)
     return None
@@ -63,7 +65,7 @@ def not_a_checkpoint(ckpt_dir: Path) -> str:
     held = step_holding(ckpt_dir)
     if held is not None:
         run, step = held
-        if run == ckpt_dir.parent:
+        if os.path.abspath(run) == os.path.dirname(os.path.abspath(ckpt_dir)):
             return f"{ckpt_dir} is step {step} of the checkpoint directory {run}: give {run} (and --step {step})"
         return (f"{ckpt_dir} is inside step {step} of the checkpoint directory {run}: give {run}, not {ckpt_dir} "
                 f"(and --step {step})")
