@@ -202,6 +202,29 @@ def test_quantized_export_says_which_matrices_stay_f16(work, capsys):
     assert "stay f16" not in capsys.readouterr().err
 
 
+def test_a_single_tensor_left_out_is_counted_as_one(work, base, capsys):
+    """A multimodal directory whose one tensor outside the text decoder is a vision weight: the export said
+    'not exported (1 tensors outside the text decoder, ...)'."""
+    from safetensors.numpy import load_file, save_file
+
+    mm = work / "mm_one_vision_tensor"
+    mm.mkdir()
+    key = "vision_tower.vision_model.embeddings.patch_embedding.weight"
+    tensors = {key: np.zeros((8, 3, 4, 4), np.float32)}
+    tensors.update({"language_model." + k: v for k, v in load_file(str(base / "model.safetensors")).items()})
+    save_file(tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    (mm / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": json.loads((base / "config.json").read_text()),
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8, "patch_size": 4},
+        "tie_word_embeddings": True}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(base / f, mm / f)
+    capsys.readouterr()
+    assert export("--merged", mm, "--out", work / "mm_one_vision_tensor.gguf", "--type", "f16") == 0
+    assert f"gguf: not exported (1 tensor outside the text decoder: {key})" in capsys.readouterr().err
+
+
 def test_export_without_a_chat_template_says_so(work, base, merged, capsys):
     """A directory without a chat template gave a GGUF that llama.cpp chats with in its default format (ChatML), and
     nothing said so; a merged fine-tune carries its template and says nothing."""
