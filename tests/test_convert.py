@@ -676,12 +676,13 @@ def test_a_checkpoint_recording_no_lora_settings_is_taken_for_what_its_step_hold
     from gemma_tpu.checkpoint.restore import restore_model
 
     copies = {}
-    for name, ckpt in (("full", full_ckpt[0]), ("lora", lora_ckpt[0])):
+    for name, ckpt, recorded in (("full", full_ckpt[0], None), ("lora", lora_ckpt[0], None),
+                                 ("full_empty", full_ckpt[0], {})):
         copy = copies[name] = work / f"ckpt_{name}_lora_null"
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(ckpt, copy)
         meta = json.loads((copy / METADATA_FILE).read_text())
-        meta["lora"] = None
+        meta["lora"] = recorded
         (copy / METADATA_FILE).write_text(json.dumps(meta))
     out = work / "merged_full_lora_null"
     assert merge("--checkpoint", copies["full"], "--out", out) == 0
@@ -689,6 +690,7 @@ def test_a_checkpoint_recording_no_lora_settings_is_taken_for_what_its_step_hold
     assert max_diff(full_ckpt[1], hf_logits(out)) <= TOL
     assert json.loads((out / "gemma_tpu_merge.json").read_text())["kind"] == "full"
     assert max_diff(full_ckpt[1], tunix_logits(restore_model(copies["full"]).model)) <= TOL
+    assert merge("--checkpoint", copies["full_empty"], "--out", work / "merged_full_lora_empty") == 0
     _expect_error(capsys, work / "merged_lora_lora_null", "--checkpoint", copies["lora"],
                   contains=f"{copies['lora'] / METADATA_FILE}: lora is null (no LoRA settings recorded) but step 1 "
                            "holds LoRA factors")

@@ -72,15 +72,16 @@ def base_dir(ckpt_dir: str | Path, meta: dict, override: str | Path | None = Non
 def lora_config(ckpt_dir: str | Path, meta: dict, step: int, holds_factors: bool) -> LoraConfig | None:
     """The run's LoRA as recorded (None for a full fine-tune), checked against what step `step` holds
     (`holds_factors`: LoRA factors, else full parameters); a missing rank/alpha/targets is an error.
-    Metadata without LoRA settings (`"lora": null` or absent; the trainer always writes them) is taken for
+    Metadata without LoRA settings (`"lora": null`, `{}` or absent; the trainer always writes them) is taken for
     what the step holds: full parameters are a full fine-tune's (it was refused as 'lora.rank is missing');
     LoRA factors, whose rank, alpha and targets nobody recorded, are refused so."""
     lora = meta.get("lora")
     where = Path(ckpt_dir) / METADATA_FILE
-    if lora is None:
+    if not lora:  # null, absent or {}: as `convert.inspect` says, not recorded
         if holds_factors:
-            raise UserError(f"{where}: lora is {'null' if 'lora' in meta else 'absent'} (no LoRA settings recorded) "
-                            f"but step {step} holds LoRA factors: their rank, alpha and targets are unknown")
+            state = "absent" if "lora" not in meta else "null" if lora is None else "empty"
+            raise UserError(f"{where}: lora is {state} (no LoRA settings recorded) but step {step} holds LoRA "
+                            f"factors: their rank, alpha and targets are unknown")
         return None
     enabled = lora.get("enabled", True)
     if enabled != holds_factors:
