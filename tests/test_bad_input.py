@@ -918,8 +918,11 @@ CASES = [
     Case("export-target-is-checkpoint", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{ckpt}",
                                                                 "--overwrite"], ["{ckpt}", "input"]),
     # ---- verify / inspect
+    # a file of something else is said to be one without --overwrite too ("already exists (use --overwrite ...)",
+    # then refused with it, was a dead end)
     Case("gguf-existing-target", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/o.gguf"],
-         ["{tmp}/o.gguf", "already exists"], {"o.gguf": "keep me"}, sub=True),
+         ["--out {tmp}/o.gguf: --overwrite replaces an earlier output", "something else"], {"o.gguf": "keep me"},
+         sub=True),
     # --overwrite replaced any file with the GGUF (a dataset, a script given as --out by mistake)
     Case("gguf-overwrite-a-foreign-file", "convert.export_gguf",
          ["--merged", "{tiny}", "--out", "{tmp}/train.jsonl", "--overwrite"],

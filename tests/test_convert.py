@@ -1081,6 +1081,23 @@ def test_a_target_overwrite_would_refuse_is_refused_so_without_it(work, lora_ckp
         f"error: {work / 'a_dir.gguf'} exists and is not a regular file; refusing to replace it")
     assert (work / "a_file").read_text() == "mine" and (work / "a_link").is_symlink()
     assert not any((work / "a_dir.gguf").iterdir())
+    # an input (the base, the checkpoint, one of its steps), a directory of other files, a file of other bytes: each
+    # was 'already exists (use --overwrite to replace it)', then refused with --overwrite as what it is
+    ckpt, base = lora_ckpt[0], json.loads((lora_ckpt[0] / "gemma_tpu_run.json").read_text())["base_model"]["local_dir"]
+    (work / "others").mkdir()
+    (work / "others" / "notes.txt").write_text("mine")
+    (work / "notes.gguf").write_text("mine")
+    for out, error in ((Path(base), f"--out {base} would replace an input ({base})"),
+                       (ckpt, f"--out {ckpt} would replace an input ({ckpt})"),
+                       (ckpt / "1", f"--out {ckpt / '1'} is inside an input ({ckpt}); write it elsewhere"),
+                       (work / "others", f"--out {work / 'others'}: --overwrite replaces an earlier output (a "
+                                         "directory with gemma_tpu_merge.json), and this one holds other files")):
+        assert merge("--checkpoint", ckpt, "--out", out) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {error}")
+    assert cli_main(export_gguf, ["--checkpoint", str(ckpt), "--out", str(work / "notes.gguf")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"error: --out {work / 'notes.gguf'}: --overwrite replaces an earlier output (a file starting with")
+    assert (work / "notes.gguf").read_text() == (work / "others" / "notes.txt").read_text() == "mine"
 
 
 def test_too_little_disk_names_the_margin_it_keeps(work, lora_ckpt, small_disk, capsys):

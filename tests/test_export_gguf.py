@@ -415,16 +415,19 @@ def test_error_unknown_type(work, base, capsys):
 def test_error_existing_target(work, base, capsys):
     out = work / "exists.gguf"
     out.write_bytes(b"keep me")
-    rc = export("--merged", base, "--out", out, "--type", "f16")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc != 0 and err[-1].startswith("error: ") and "already exists" in err[-1]
-    assert out.read_bytes() == b"keep me"
-    assert leftovers(out) == [out.name]
-    # --overwrite does not replace a file of something else (the bad-input case gguf-overwrite-a-foreign-file
-    # says how); an earlier output (here an empty file) it replaces with a readable GGUF, no temp file beside it
-    assert export("--merged", base, "--out", out, "--type", "f16", "--overwrite") != 0
-    assert out.read_bytes() == b"keep me"
+    # a file of something else is refused as such, with or without --overwrite (the bad-input case
+    # gguf-overwrite-a-foreign-file says how; without it, the refusal was "use --overwrite", a dead end)
+    for overwrite in ((), ("--overwrite",)):
+        rc = export("--merged", base, "--out", out, "--type", "f16", *overwrite)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc != 0 and err[-1].startswith(f"error: --out {out}: --overwrite replaces an earlier output"), err
+        assert out.read_bytes() == b"keep me"
+        assert leftovers(out) == [out.name]
+    # an earlier output (here an empty file) is "already exists" without --overwrite, and replaced with it by a
+    # readable GGUF, no temp file beside it
     out.write_bytes(b"")
+    assert export("--merged", base, "--out", out, "--type", "f16") != 0
+    assert "already exists (use --overwrite" in capsys.readouterr().err
     assert export("--merged", base, "--out", out, "--type", "f16", "--overwrite") == 0
     assert fields(out)["general.architecture"] == "gemma3"
     assert leftovers(out) == [out.name]
