@@ -683,9 +683,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gguf: {what} -> {plan.out} ({plan.type}, {plan.facts.arch}, {len(plan.tensors)} tensors, "
           f"{human(plan.tensor_bytes)}, {len(plan.vocab.tokens)} tokens"
           f"{', tool-calling' if plan.tool_calling else ''})", file=sys.stderr)
-    if plan.skipped:
-        print(f"gguf: not exported ({len(plan.skipped)} tensors outside the text decoder, e.g. {plan.skipped[0]})",
-              file=sys.stderr)
+    if plan.skipped:  # (one was "1 tensors ..., e.g. X")
+        n = len(plan.skipped)
+        print(f"gguf: not exported ({n} tensor{'s' if n != 1 else ''} outside the text decoder"
+              f"{': ' if n == 1 else ', e.g. '}{plan.skipped[0]})", file=sys.stderr)
     if plan.chat_template is None:  # llama.cpp then chats in its default format (ChatML), not Gemma's turns
         print(f"gguf: no chat template in {plan.provenance.get('merged') or plan.provenance.get('base')} "
               f"(chat_template.jinja or tokenizer_config.json's chat_template): llama.cpp's chat will use its default "

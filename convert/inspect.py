@@ -22,8 +22,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from convert.mapping import is_lora_name
-from gemma_tpu.checkpoint.metadata import METADATA_FILE, list_steps, not_a_checkpoint, read_metadata, resolve_step
+from gemma_tpu.checkpoint.metadata import (
+    METADATA_FILE,
+    list_steps,
+    not_a_checkpoint,
+    read_metadata,
+    resolve_step,
+    step_holding,
+)
 from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
@@ -50,7 +56,7 @@ def describe_checkpoint(path: Path, step: int | None) -> dict:
         info["tensors"] = [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype)}
                            for s in params.specs.values()]
         info["num_tensors"] = len(params.specs)
-        info["holds"] = "LoRA factors" if any(is_lora_name(n) for n in params.specs) else "full parameters"
+        info["holds"] = "LoRA factors" if params.holds_lora_factors else "full parameters"
         info["total_bytes"] = params.total_bytes
         step_dir = path / str(chosen)
         info["items"] = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
@@ -91,10 +97,15 @@ def _dtype_bytes(tensors) -> dict[str, int]:
     return dict(out)
 
 
+def _count(n: int, noun: str) -> str:
+    """`1 tensor`, `2 tensors` (the summary said `1 tensors`)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _byte_totals(info: dict) -> str:
-    """`N tensors, SIZE (DTYPE SIZE, ...)` for the rendered summary."""
+    """`N tensors, SIZE (DTYPE SIZE, ...)` for the rendered summary (no empty `()` for a file of no tensors)."""
     per = ", ".join(f"{k} {human(v)}" for k, v in info["dtype_bytes"].items())
-    return f"{info['num_tensors']} tensors, {human(info['total_bytes'])} ({per})"
+    return f"{_count(info['num_tensors'], 'tensor')}, {human(info['total_bytes'])}" + (f" ({per})" if per else "")
 
 
 def describe_safetensors_file(path: Path) -> dict:
@@ -167,7 +178,7 @@ def describe(path: str | Path, step: int | None = None) -> dict:
             raise UserError(f"--step {step}: {path} is a Hugging Face directory, not a gemma-tpu checkpoint "
                             f"(no {METADATA_FILE}); --step applies to checkpoints only")
         return describe_hf(path)
-    if path.name.isdigit() and (path.parent / METADATA_FILE).is_file():  # a step: say whose
+    if step_holding(path) is not None:  # a step, or a directory inside one: say whose
         raise UserError(not_a_checkpoint(path))
     raise UserError(f"{path}: neither a gemma-tpu checkpoint ({METADATA_FILE}) nor an HF directory")
 
@@ -176,10 +187,12 @@ def render(info: dict, tensors: bool = True) -> str:
     lines = [f"{info['path']}: {info['kind']}"]
     if info["kind"] == "gemma-tpu checkpoint":
         base = info.get("base_model") or {}
-        lines.append(f"  base: {base.get('path')} (family {base.get('family')}, local {base.get('local_dir')}, "
-                     f"revision {base.get('revision')})")
+        # what is recorded: a local base has no revision ('revision None'), older files lack other keys
+        known = ", ".join(f"{what} {base[key]}" for what, key in (("family", "family"), ("local", "local_dir"),
+                                                                   ("revision", "revision")) if base.get(key))
+        lines.append(f"  base: {base.get('path') or 'not recorded'}" + (f" ({known})" if known else ""))
         lora = info.get("lora")
-        if not lora:  # null or absent: the trainer always writes one (the merge refuses it: lora.rank is missing)
+        if not lora:  # null or absent: the trainer always writes one (the converters go by what the step holds)
             lines.append(f"  LoRA or full fine-tune: not recorded ({METADATA_FILE} has no lora settings)"
                          + (f"; step {info['step']} holds {info['holds']}" if "holds" in info else ""))
         elif lora.get("enabled", True):
@@ -193,13 +206,14 @@ def render(info: dict, tensors: bool = True) -> str:
                             if lora.get("base_quantization") else ""))
         else:
             lines.append("  full fine-tune")
-        lines.append(f"  training dtype: {info.get('dtype')}")
+        lines.append(f"  training dtype: {info.get('dtype') or 'not recorded'}")
         lines.append(f"  steps: {', '.join(map(str, info['steps'])) or 'none completed'}")
         if "step" in info:
-            lines.append(f"  step {info['step']}: {info['num_tensors']} tensors, {human(info['total_bytes'])} "
-                         f"(items: {', '.join(info['items'])})")
+            lines.append(f"  step {info['step']}: {_count(info['num_tensors'], 'tensor')}, {human(info['total_bytes'])}"
+                         + (f" (items: {', '.join(info['items'])})" if info["items"] else ""))
     elif info["kind"] == "gguf file":
-        lines.append(f"  architecture: {info.get('architecture')} (name {info.get('name')!r})")
+        name = f" (name {info['name']!r})" if info.get("name") else ""
+        lines.append(f"  architecture: {info.get('architecture')}{name}")
         for key, value in info["metadata"].items():
             if key not in ("general.architecture", "general.name"):
                 lines.append(f"  {key} = {value}")
@@ -209,14 +223,15 @@ def render(info: dict, tensors: bool = True) -> str:
                      + (f"; metadata {json.dumps(info['file_metadata'])}" if info["file_metadata"] else ""))
     else:
         if info.get("architectures"):
-            lines.append(f"  architecture: {', '.join(info['architectures'])} "
-                         f"(config dtype {info.get('config_dtype')})")
+            lines.append(f"  architecture: {', '.join(info['architectures'])}"
+                         + (f" (config dtype {info['config_dtype']})" if info.get("config_dtype") else ""))
         if info.get("adapter"):
             a = info["adapter"]
-            lines.append(f"  adapter: {a['peft_type']} r={a['r']} alpha={a['lora_alpha']} "
-                         f"targets={a['target_modules']} "
-                         f"base={a['base_model_name_or_path']}")
-        lines.append(f"  {_byte_totals(info)} in {info['shards']} file{'s' if info['shards'] > 1 else ''}")
+            targets = a["target_modules"]  # a list of names, or one regular expression
+            targets = ",".join(map(str, targets)) if isinstance(targets, list) else targets
+            lines.append(f"  adapter: {a['peft_type']} r={a['r']} alpha={a['lora_alpha']} on {targets} "
+                         f"(base {a['base_model_name_or_path'] or 'not recorded'})")
+        lines.append(f"  {_byte_totals(info)} in {_count(info['shards'], 'file')}")
     if tensors and info.get("tensors"):
         width = max(len(t["name"]) for t in info["tensors"])
         for t in info["tensors"]:
@@ -239,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = describe(args.path, args.step)
     if args.no_tensors:
         info.pop("tensors", None)
-    print(json.dumps(info, indent=2, default=str) if args.json else render(info, not args.no_tensors))
+    cli.write_stdout(json.dumps(info, indent=2, default=str) if args.json else render(info, not args.no_tensors))
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 import numpy as np
@@ -90,9 +89,3 @@ def full_sites(family: Family, tunix_cfg: Any, prefix: str) -> dict[str, FullSit
         raise UserError(f"full fine-tune merge has no parameter table for family {family.name}")
     return {hf_key: FullSite(hf_key, tunix_name, how) for hf_key, tunix_name, how in family.weight_sources(tunix_cfg, prefix)}
 
-
-_LORA_NAME = re.compile(r".*_lora_[ab]$")
-
-
-def is_lora_name(name: str) -> bool:
-    return bool(_LORA_NAME.match(name))

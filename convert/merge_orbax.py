@@ -153,7 +153,8 @@ def plan_tensors(checkpoint: str | Path, step: int | None = None, base: str | No
     prefix = source.family.text_prefix(weights.names())
     # the decoder's weights are written as floats of the output dtype: integer or fp8 ones (a quantized base, with
     # --allow-base-mismatch or another --base) were merged without their scales or crashed the writer
-    weights.require_float([n for n in weights.names() if n.startswith((prefix, "lm_head."))],
+    # (the output projection wherever the layout keeps it: `language_model.lm_head.` went unchecked)
+    weights.require_float([n for n in weights.names() if n.startswith((prefix, *output_projection_prefixes(prefix)))],
                           "merge into the unquantized base (--base)")
     if out is not None:
         check_target(out, overwrite, protected=[base_dir, source.dir], marker=PROVENANCE_FILE)

@@ -16,13 +16,12 @@ from convert.mapping import (
     LoraSite,
     axis_sizes_from_factors,
     hf_shape,
-    is_lora_name,
     lora_sites,
     weight_shape,
 )
 from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
 from gemma_tpu.checkpoint.params import CheckpointParams
-from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, lora_config
+from gemma_tpu.checkpoint.restore import NoBaseModel, base_dir, check_recorded_targets, lora_config
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import naming_config_file
 from gemma_tpu.hf.fingerprint import check_base
@@ -48,14 +47,11 @@ class CheckpointSource:
     hf_config: dict  # the base's config.json as recorded at training time
     layout: Layout  # the model shape the registry's projections need (see gemma_tpu.models.registry.Layout)
     params: CheckpointParams
+    is_lora: bool = True  # LoRA factors (else a full fine-tune), as `gemma_tpu.checkpoint.restore.lora_config` says
 
     @property
     def lora(self) -> dict:
         return self.meta.get("lora") or {}
-
-    @property
-    def is_lora(self) -> bool:
-        return bool(self.lora.get("enabled", True))
 
     @property
     def scale(self) -> float:
@@ -79,17 +75,17 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
         family = choose_family(hf_config, base.get("family"), "family", "hf_config")
     except UserError as e:
         raise UserError(f"{ckpt_dir / METADATA_FILE}: base_model: {e}") from None
-    lora_config(ckpt_dir, meta)  # a LoRA run's rank, alpha and targets are all recorded
+    params = CheckpointParams(ckpt_dir, step)
+    # a LoRA run's rank, alpha and targets are all recorded, and the step holds what the metadata says
+    lora = lora_config(ckpt_dir, meta, step, params.holds_lora_factors)
     try:
         layout = read_layout(hf_config, family)
     except UserError as e:  # the recorded copy, not the base's config.json, is the one to look at
         raise UserError(f"{ckpt_dir / METADATA_FILE}: hf_config (the base's config.json when it was trained): "
                         f"{str(e).removeprefix('config.json: ')}") from None
-    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, layout, CheckpointParams(ckpt_dir, step))
-    has_factors = any(is_lora_name(n) for n in source.params.names())
-    if source.is_lora != has_factors:
-        raise UserError(f"{ckpt_dir}: metadata says {'LoRA' if source.is_lora else 'full fine-tune'} but step "
-                        f"{step} holds {'LoRA factors' if has_factors else 'full parameters'}")
+    if lora is not None:
+        check_recorded_targets(ckpt_dir, family, layout, lora)
+    source = CheckpointSource(ckpt_dir, step, meta, family, hf_config, layout, params, lora is not None)
     return source
 
 
@@ -250,9 +246,12 @@ def checked_lora_sites(source: CheckpointSource, prefix: str,
     extra = [n for n in specs if n not in used]
     if extra:
         m = _LAYER.match(extra[0])
+        # (tool-neutral: the PEFT export said "no place in the merge" too)
         why = (f"layer {m.group(1)} is beyond the recorded num_layers={source.layout.num_layers}"
-               if m and int(m.group(1)) >= source.layout.num_layers else "not one of the metadata's targets")
-        raise UserError(f"checkpoint tensor {extra[0]} has no place in the merge ({why})")
+               if m and int(m.group(1)) >= source.layout.num_layers else
+               f"its projection is not among lora.targets ({', '.join(source.lora['targets'])}) of "
+               f"{source.dir / METADATA_FILE}")
+        raise UserError(f"checkpoint tensor {extra[0]} fits none of the recorded LoRA sites: {why}")
     return out
 
 

@@ -388,10 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed.append(f"max |diff| {c.max_abs_diff:.3g} > {args.max_abs_diff:g}")
     if args.max_kl is not None and not c.kl_mean <= args.max_kl:
         failed.append(f"KL mean {c.kl_mean:.3g} > {args.max_kl:g}")
-    if args.json:
-        print(strict_json.dumps({**c.as_dict(), "passed": not failed, "failures": failed}, indent=2))
-    else:
-        print(c.summary())
+    # (cli.write_stdout: `... --json | head` ended in "error: Broken pipe", exit 2)
+    cli.write_stdout(strict_json.dumps({**c.as_dict(), "passed": not failed, "failures": failed}, indent=2)
+                     if args.json else c.summary())
     if failed:
         print(f"error: {'; '.join(failed)}", file=sys.stderr)
         return 1

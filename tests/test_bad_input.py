@@ -648,6 +648,20 @@ CASES = [
     Case("ckpt-run-json-targets-string", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out", "{tmp}/out"],
          ["{tmp}/ck/gemma_tpu_run.json", "lora.targets='q_proj' is not a list of names"],
          {"ck": copy_of("ckpt", meta={"lora.targets": "q_proj"})}),
+    # a target no projection of the family has (the embeddings): the registry's message named lora.targets alone,
+    # which read as the config's key
+    *[Case(f"ckpt-run-json-target-not-a-projection-{tool}", tool, [*args, "--checkpoint", "{tmp}/ck"],
+           ["{tmp}/ck/gemma_tpu_run.json: lora.targets: 'embed_tokens' is not a projection of family gemma3"],
+           {"ck": copy_of("ckpt", meta={"lora.targets": ["q_proj", "embed_tokens"]})})
+      for tool, args in (("convert.merge_orbax", ["--out", "{tmp}/out"]),
+                         ("convert.export_peft", ["--out", "{tmp}/out"]),
+                         ("gemma_tpu.evaluate", ["--data", f"{CHAT}"]))],
+    # factors of more projections than the recorded targets: the PEFT export said "no place in the merge"
+    Case("ckpt-run-json-fewer-targets-than-factors", "convert.export_peft", ["--checkpoint", "{tmp}/ck", "--out",
+                                                                            "{tmp}/out"],
+         ["checkpoint tensor layers.0.attn.attn_vec_einsum.w_lora_a fits none of the recorded LoRA sites: its "
+          "projection is not among lora.targets (q_proj) of {tmp}/ck/gemma_tpu_run.json"],
+         {"ck": copy_of("ckpt", meta={"lora.targets": ["q_proj"]})}),
     Case("ckpt-run-json-base-model-string", "convert.inspect", ["{tmp}/ck"],
          ["{tmp}/ck/gemma_tpu_run.json", "base_model='x' is not an object"],
          {"ck": copy_of("ckpt", meta={"base_model": "x"})}),
@@ -767,6 +781,25 @@ CASES = [
     Case("ckpt-dir-is-a-step", "gemma_tpu.chat", ["--checkpoint", "{ckpt}/1", "--once", "hi"],
          ["{ckpt}/1 is step 1 of the checkpoint directory {ckpt}", "give {ckpt} (and --step 1)"]),
     Case("inspect-a-step-directory", "convert.inspect", ["{ckpt}/1"], ["{ckpt}/1 is step 1", "--step 1"]),
+    # a model or an adapter given for the training checkpoint said "no gemma_tpu_run.json (not a gemma-tpu checkpoint
+    # directory)" alone; a merge's or an export's output names the checkpoint it came from
+    Case("ckpt-dir-is-a-model", "convert.export_gguf", ["--checkpoint", "{tmp}/m", "--out", "{tmp}/out.gguf"],
+         ["{tmp}/m is a Hugging Face model directory (config.json), not a gemma-tpu training checkpoint (no "
+          "gemma_tpu_run.json)"], {"m": copy_of("tiny")}),
+    Case("ckpt-dir-is-a-merged-model", "convert.merge_orbax", ["--checkpoint", "{tmp}/m", "--out", "{tmp}/out"],
+         ["{tmp}/m is a Hugging Face model directory (config.json), not a gemma-tpu training checkpoint (no "
+          "gemma_tpu_run.json): it was made from step 3 of {tmp}/runs/x; give {tmp}/runs/x"],
+         {"m": copy_of("tiny"), "m/gemma_tpu_merge.json": '{"checkpoint": "{tmp}/runs/x", "step": 3}'}),
+    Case("ckpt-dir-is-an-adapter", "gemma_tpu.evaluate", ["--data", f"{CHAT}", "--checkpoint", "{tmp}/a"],
+         ["{tmp}/a is a PEFT adapter directory (adapter_config.json), not a gemma-tpu training checkpoint (no "
+          "gemma_tpu_run.json)"], {"a/adapter_config.json": "{}"}),
+    # a directory inside a step (Orbax's item, which holds the tensors) said "no gemma_tpu_run.json" too
+    Case("ckpt-dir-inside-a-step", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}/1/model_params", "--out", "{tmp}/out"],
+         ["{ckpt}/1/model_params is inside step 1 of the checkpoint directory {ckpt}: give {ckpt}, not "
+          "{ckpt}/1/model_params (and --step 1)"]),
+    Case("inspect-a-directory-inside-a-step", "convert.inspect", ["{ckpt}/1/model_params"],
+         ["{ckpt}/1/model_params is inside step 1 of the checkpoint directory {ckpt}: give {ckpt}"]),
     Case("ckpt-dir-is-a-file", "convert.merge_orbax", ["--checkpoint", "{ckpt}/gemma_tpu_run.json", "--out", "{tmp}/out"],
          ["{ckpt}/gemma_tpu_run.json", "is a file, not a directory"]),
     # a model given as a file: a GGUF (not read here: how to convert it), or one file of a model directory
@@ -891,8 +924,11 @@ CASES = [
     Case("export-target-is-checkpoint", "convert.export_peft", ["--checkpoint", "{ckpt}", "--out", "{ckpt}",
                                                                 "--overwrite"], ["{ckpt}", "input"]),
     # ---- verify / inspect
+    # a file of something else is said to be one without --overwrite too ("already exists (use --overwrite ...)",
+    # then refused with it, was a dead end)
     Case("gguf-existing-target", "convert.export_gguf", ["--merged", "{tiny}", "--out", "{tmp}/o.gguf"],
-         ["{tmp}/o.gguf", "already exists"], {"o.gguf": "keep me"}, sub=True),
+         ["--out {tmp}/o.gguf: --overwrite replaces an earlier output", "something else"], {"o.gguf": "keep me"},
+         sub=True),
     # --overwrite replaced any file with the GGUF (a dataset, a script given as --out by mistake)
     Case("gguf-overwrite-a-foreign-file", "convert.export_gguf",
          ["--merged", "{tiny}", "--out", "{tmp}/train.jsonl", "--overwrite"],

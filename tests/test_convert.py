@@ -246,21 +246,22 @@ def test_base_of_an_architecture_no_family_claims_merges_as_the_family_trained(w
     assert max_diff(ref, hf_logits(out)) <= TOL
 
 
-def test_multimodal_layout(work, base, lora_ckpt):
-    """Decoder under `language_model.model.`, a vision tower copied untouched, LoRA where expected."""
+def _text_run_on_multimodal_layout(work, base, lora_ckpt, name: str, extra: dict | None = None) -> tuple[Path, Path]:
+    """The tiny base rewritten in the published multimodal layout (decoder under `language_model.model.`, a vision
+    tower, `extra` tensors), and the LoRA checkpoint recorded as if it had been trained on it: (base, checkpoint)."""
     from safetensors.numpy import load_file, save_file
 
-    from gemma_tpu.checkpoint.metadata import read_metadata, read_params, write_metadata
+    from gemma_tpu.checkpoint.metadata import read_metadata, write_metadata
     from gemma_tpu.hf.fingerprint import fingerprint
-    from gemma_tpu.models import get_family
 
     text_ckpt, _ = lora_ckpt
-    mm = work / "base_mm"
+    mm = work / f"base_{name}"
     mm.mkdir()
     text = load_file(str(base / "model.safetensors"))
     vision = np.random.default_rng(3).normal(size=(8, 3, 4, 4)).astype(np.float32)
     tensors = {"vision_tower.vision_model.embeddings.patch_embedding.weight": vision}
     tensors.update({"language_model." + k: v for k, v in text.items()})
+    tensors.update(extra or {})
     save_file(tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
     text_cfg = json.loads((base / "config.json").read_text())
     mm_cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_cfg,
@@ -271,13 +272,22 @@ def test_multimodal_layout(work, base, lora_ckpt):
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(base / f, mm / f)
     # the same training run, recorded as if it had been made on the multimodal checkpoint
-    ckpt = work / "ckpt_mm"
+    ckpt = work / f"ckpt_{name}"
     shutil.copytree(text_ckpt, ckpt)
     meta = read_metadata(ckpt)
     meta["hf_config"] = mm_cfg
     meta["base_model"] = {**meta["base_model"], "path": str(mm), "local_dir": str(mm), "fingerprint": fingerprint(mm)}
     write_metadata(ckpt, {k: v for k, v in meta.items() if k not in ("format", "version")})
+    return mm, ckpt
 
+
+def test_multimodal_layout(work, base, lora_ckpt):
+    """Decoder under `language_model.model.`, a vision tower copied untouched, LoRA where expected."""
+    from gemma_tpu.checkpoint.metadata import read_params
+    from gemma_tpu.models import get_family
+
+    mm, ckpt = _text_run_on_multimodal_layout(work, base, lora_ckpt, "mm")
+    text_cfg = json.loads((base / "config.json").read_text())
     out = work / "merged_mm"
     assert merge("--checkpoint", ckpt, "--out", out) == 0
     assert ordered_keys(out) == ordered_keys(mm)
@@ -658,6 +668,34 @@ def test_full_finetune(work, base, full_ckpt):
     assert json.loads((out / "gemma_tpu_merge.json").read_text())["kind"] == "full"
 
 
+def test_a_checkpoint_recording_no_lora_settings_is_taken_for_what_its_step_holds(work, lora_ckpt, full_ckpt, capsys):
+    """`"lora": null` in gemma_tpu_run.json: a full fine-tune's checkpoint was refused as 'metadata lora.rank is
+    missing'. Its step's full parameters say what it is (merged, restored as trained); LoRA factors, whose scale
+    is not recorded, are refused saying so."""
+    from gemma_tpu.checkpoint.metadata import METADATA_FILE
+    from gemma_tpu.checkpoint.restore import restore_model
+
+    copies = {}
+    for name, ckpt, recorded in (("full", full_ckpt[0], None), ("lora", lora_ckpt[0], None),
+                                 ("full_empty", full_ckpt[0], {})):
+        copy = copies[name] = work / f"ckpt_{name}_lora_null"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(ckpt, copy)
+        meta = json.loads((copy / METADATA_FILE).read_text())
+        meta["lora"] = recorded
+        (copy / METADATA_FILE).write_text(json.dumps(meta))
+    out = work / "merged_full_lora_null"
+    assert merge("--checkpoint", copies["full"], "--out", out) == 0
+    assert "(full fine-tune)" in capsys.readouterr().err
+    assert max_diff(full_ckpt[1], hf_logits(out)) <= TOL
+    assert json.loads((out / "gemma_tpu_merge.json").read_text())["kind"] == "full"
+    assert max_diff(full_ckpt[1], tunix_logits(restore_model(copies["full"]).model)) <= TOL
+    assert merge("--checkpoint", copies["full_empty"], "--out", work / "merged_full_lora_empty") == 0
+    _expect_error(capsys, work / "merged_lora_lora_null", "--checkpoint", copies["lora"],
+                  contains=f"{copies['lora'] / METADATA_FILE}: lora is null (no LoRA settings recorded) but step 1 "
+                           "holds LoRA factors")
+
+
 def test_sharded_output(work, lora_ckpt, merged):
     out = work / "merged_sharded"
     assert merge("--checkpoint", lora_ckpt[0], "--out", out, "--max-shard-size", "100KB") == 0
@@ -744,6 +782,18 @@ def test_error_no_metadata(work, capsys):
     _expect_error(capsys, work / "err1", "--checkpoint", empty, contains="gemma_tpu_run.json")
 
 
+def test_error_a_step_given_relative_to_a_directory_inside_it_names_the_run(work, lora_ckpt, capsys, monkeypatch):
+    """`--checkpoint .` from inside a step (its model_params, say) said "no gemma_tpu_run.json" of `.`: a step, or a
+    directory inside one, is found through the absolute path and the run named, as for `--checkpoint RUN/1`."""
+    ckpt = lora_ckpt[0]
+    monkeypatch.chdir(ckpt / "1" / "model_params")
+    _expect_error(capsys, work / "err_dot", "--checkpoint", ".",
+                  contains=f". is inside step 1 of the checkpoint directory {ckpt}: give {ckpt}")
+    monkeypatch.chdir(ckpt / "1")
+    _expect_error(capsys, work / "err_dot", "--checkpoint", ".",
+                  contains=f". is step 1 of the checkpoint directory {ckpt}: give {ckpt} (and --step 1)")
+
+
 def test_error_missing_step(work, lora_ckpt, capsys):
     msg = _expect_error(capsys, work / "err2", "--checkpoint", lora_ckpt[0], "--step", "99", contains="step 99")
     assert "have: 1" in msg
@@ -820,6 +870,17 @@ def test_error_quantized_base_is_refused_by_name(work, base, lora_ckpt, capsys):
     assert cli_main(gguf_main, ["--merged", str(only_q), "--out", str(work / "i8.gguf"), "--type", "f16"]) == 2
     assert "q_proj.weight' is I8, not floating point" in capsys.readouterr().err
     assert leftovers(work / "i8.gguf") == []
+
+
+def test_a_quantized_output_projection_is_refused_in_the_multimodal_layout_too(work, base, lora_ckpt, capsys):
+    """An int8 `lm_head.weight` is refused as a quantized base's; the same tensor where published multimodal
+    checkpoints keep it, `language_model.lm_head.weight`, was let through unchecked."""
+    embed = sio.WeightsDir(base).read("model.embed_tokens.weight")
+    head = np.clip(np.round(embed * 100), -127, 127).astype(np.int8)
+    mm, ckpt = _text_run_on_multimodal_layout(work, base, lora_ckpt, "mm_i8_head",
+                                              {"language_model.lm_head.weight": head})
+    _expect_error(capsys, work / "err_mm_i8_head", "--checkpoint", ckpt,
+                  contains=f"{mm}: weight 'language_model.lm_head.weight' is I8, not floating point")
 
 
 def test_a_base_tensor_the_merge_copies_must_have_its_config_shape(work, base, lora_ckpt, capsys):
@@ -1020,6 +1081,23 @@ def test_a_target_overwrite_would_refuse_is_refused_so_without_it(work, lora_ckp
         f"error: {work / 'a_dir.gguf'} exists and is not a regular file; refusing to replace it")
     assert (work / "a_file").read_text() == "mine" and (work / "a_link").is_symlink()
     assert not any((work / "a_dir.gguf").iterdir())
+    # an input (the base, the checkpoint, one of its steps), a directory of other files, a file of other bytes: each
+    # was 'already exists (use --overwrite to replace it)', then refused with --overwrite as what it is
+    ckpt, base = lora_ckpt[0], json.loads((lora_ckpt[0] / "gemma_tpu_run.json").read_text())["base_model"]["local_dir"]
+    (work / "others").mkdir()
+    (work / "others" / "notes.txt").write_text("mine")
+    (work / "notes.gguf").write_text("mine")
+    for out, error in ((Path(base), f"--out {base} would replace an input ({base})"),
+                       (ckpt, f"--out {ckpt} would replace an input ({ckpt})"),
+                       (ckpt / "1", f"--out {ckpt / '1'} is inside an input ({ckpt}); write it elsewhere"),
+                       (work / "others", f"--out {work / 'others'}: --overwrite replaces an earlier output (a "
+                                         "directory with gemma_tpu_merge.json), and this one holds other files")):
+        assert merge("--checkpoint", ckpt, "--out", out) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {error}")
+    assert cli_main(export_gguf, ["--checkpoint", str(ckpt), "--out", str(work / "notes.gguf")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"error: --out {work / 'notes.gguf'}: --overwrite replaces an earlier output (a file starting with")
+    assert (work / "notes.gguf").read_text() == (work / "others" / "notes.txt").read_text() == "mine"
 
 
 def test_too_little_disk_names_the_margin_it_keeps(work, lora_ckpt, small_disk, capsys):
@@ -1113,6 +1191,21 @@ def test_sigterm_cleans_up(work, lora_ckpt):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) != 0
     assert leftovers(out) == []
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_after_the_output_is_written_exits_0(work, lora_ckpt, sig):
+    """A stop that lands after `merge: wrote OUT`, while the interpreter shuts down (JAX's teardown takes a while):
+    the process died by SIGTERM (-15) or SIGHUP (-1) although its output was published whole. The work is done:
+    it ends at once with the command's exit code, 0."""
+    out = work / f"stopped_at_exit_{sig}"
+    code = (f"import atexit, signal, sys\natexit.register(signal.raise_signal, signal.{sig})\n"
+            "from convert.merge_orbax import main\nfrom gemma_tpu.core.cli import cli_main\nsys.exit(cli_main(main))")
+    proc = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(lora_ckpt[0]), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"merge: wrote {out}", proc.stderr[-2000:]
+    assert _complete(out) and leftovers(out) == [out.name]
 
 
 def test_a_merge_that_fails_mid_write_leaves_no_directory_it_made(work, lora_ckpt):
@@ -1499,6 +1592,21 @@ def test_inspect(base, lora_ckpt, merged, capsys):
     assert "28 tensors" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("tool", ["convert.inspect", "convert.verify"])
+def test_output_into_a_pipe_whose_reader_is_gone_ends_quietly(merged, tool):
+    """`python -m convert.inspect DIR | head -3`: once head had its lines, the listing ended in 'error: Broken pipe',
+    exit 2, as if inspect had failed (verify's report alike). The reader is gone here before the first line."""
+    read, write = os.pipe()
+    os.close(read)
+    args = [str(merged)] if tool == "convert.inspect" else [str(merged), str(merged), "--json"]
+    try:
+        proc = subprocess.run([sys.executable, "-m", tool, *args], cwd=REPO, stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr
+
+
 def test_inspect_single_files(merged, tmp_path, capsys):
     """One .safetensors shard or one .gguf (written here by the gguf package's own writer) is described
     from its header; a cut-short GGUF and any other file are one line naming the file."""
@@ -1541,6 +1649,38 @@ def test_inspect_single_files(merged, tmp_path, capsys):
     with pytest.raises(UserError, match="--step 3: .* single file"):
         main([str(path), "--step", "3"])
 
+
+
+def test_inspect_says_what_it_counts_and_not_what_is_missing(work, base, lora_ckpt, tmp_path, capsys):
+    """The summary said '1 tensors', '0 B ()' of a file of no tensors, 'revision None' of a local base, '(name None)'
+    of a GGUF without one and printed an adapter's targets as a Python list ['q_proj', ...]."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    from convert.export_peft import main as export_main
+    from convert.inspect import main
+    from gemma_tpu.core.cli import cli_main
+
+    def shown(path) -> list[str]:
+        assert main([str(path), "--no-tensors"]) == 0
+        return capsys.readouterr().out.splitlines()[1:]
+
+    save_file({"a": np.zeros((2, 3), np.float32)}, str(tmp_path / "one.safetensors"))
+    assert shown(tmp_path / "one.safetensors") == ["  1 tensor, 24 B (F32 24 B)"]
+    save_file({}, str(tmp_path / "none.safetensors"))
+    assert shown(tmp_path / "none.safetensors") == ["  0 tensors, 0 B"]
+    w = gguf.GGUFWriter(str(tmp_path / "one.gguf"), "gemma3")
+    w.add_tensor("token_embd.weight", np.ones((40, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert shown(tmp_path / "one.gguf") == ["  architecture: gemma3", "  1 tensor, 1.28 KB (F32 1.28 KB)"]
+    assert shown(lora_ckpt[0])[0] == f"  base: {base} (family gemma3, local {base})"
+    adapter = work / "adapter_inspected"
+    if not adapter.exists():
+        assert cli_main(export_main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(adapter)]) == 0
+    assert shown(adapter)[0] == f"  adapter: LORA r=4 alpha=8.0 on {','.join(ALL_TARGETS)} (base {base})"
 
 
 def test_inspect_step_of_a_checkpoint_with_no_completed_step_is_refused(lora_ckpt, tmp_path, capsys):

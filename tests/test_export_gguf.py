@@ -202,6 +202,29 @@ def test_quantized_export_says_which_matrices_stay_f16(work, capsys):
     assert "stay f16" not in capsys.readouterr().err
 
 
+def test_a_single_tensor_left_out_is_counted_as_one(work, base, capsys):
+    """A multimodal directory whose one tensor outside the text decoder is a vision weight: the export said
+    'not exported (1 tensors outside the text decoder, ...)'."""
+    from safetensors.numpy import load_file, save_file
+
+    mm = work / "mm_one_vision_tensor"
+    mm.mkdir()
+    key = "vision_tower.vision_model.embeddings.patch_embedding.weight"
+    tensors = {key: np.zeros((8, 3, 4, 4), np.float32)}
+    tensors.update({"language_model." + k: v for k, v in load_file(str(base / "model.safetensors")).items()})
+    save_file(tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    (mm / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": json.loads((base / "config.json").read_text()),
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8, "patch_size": 4},
+        "tie_word_embeddings": True}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(base / f, mm / f)
+    capsys.readouterr()
+    assert export("--merged", mm, "--out", work / "mm_one_vision_tensor.gguf", "--type", "f16") == 0
+    assert f"gguf: not exported (1 tensor outside the text decoder: {key})" in capsys.readouterr().err
+
+
 def test_export_without_a_chat_template_says_so(work, base, merged, capsys):
     """A directory without a chat template gave a GGUF that llama.cpp chats with in its default format (ChatML), and
     nothing said so; a merged fine-tune carries its template and says nothing."""
@@ -392,16 +415,19 @@ def test_error_unknown_type(work, base, capsys):
 def test_error_existing_target(work, base, capsys):
     out = work / "exists.gguf"
     out.write_bytes(b"keep me")
-    rc = export("--merged", base, "--out", out, "--type", "f16")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc != 0 and err[-1].startswith("error: ") and "already exists" in err[-1]
-    assert out.read_bytes() == b"keep me"
-    assert leftovers(out) == [out.name]
-    # --overwrite does not replace a file of something else (the bad-input case gguf-overwrite-a-foreign-file
-    # says how); an earlier output (here an empty file) it replaces with a readable GGUF, no temp file beside it
-    assert export("--merged", base, "--out", out, "--type", "f16", "--overwrite") != 0
-    assert out.read_bytes() == b"keep me"
+    # a file of something else is refused as such, with or without --overwrite (the bad-input case
+    # gguf-overwrite-a-foreign-file says how; without it, the refusal was "use --overwrite", a dead end)
+    for overwrite in ((), ("--overwrite",)):
+        rc = export("--merged", base, "--out", out, "--type", "f16", *overwrite)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc != 0 and err[-1].startswith(f"error: --out {out}: --overwrite replaces an earlier output"), err
+        assert out.read_bytes() == b"keep me"
+        assert leftovers(out) == [out.name]
+    # an earlier output (here an empty file) is "already exists" without --overwrite, and replaced with it by a
+    # readable GGUF, no temp file beside it
     out.write_bytes(b"")
+    assert export("--merged", base, "--out", out, "--type", "f16") != 0
+    assert "already exists (use --overwrite" in capsys.readouterr().err
     assert export("--merged", base, "--out", out, "--type", "f16", "--overwrite") == 0
     assert fields(out)["general.architecture"] == "gemma3"
     assert leftovers(out) == [out.name]

@@ -29,7 +29,7 @@ from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.atomic import write_text_atomic
 from gemma_tpu.core.config import ModelConfig
 from gemma_tpu.core.errors import UserError, read_json_object
-from gemma_tpu.hf.directory import RUN_RECORD, hf_revision
+from gemma_tpu.hf.directory import ADAPTER_RECORD, MERGE_RECORD, RUN_RECORD, hf_revision
 from gemma_tpu.hf.fingerprint import fingerprint
 
 log = logging.getLogger("gemma_tpu.checkpoint")
@@ -48,13 +48,50 @@ def write_metadata(ckpt_dir: str | Path, meta: dict[str, Any]) -> Path:
                              json.dumps({"format": FORMAT, "version": VERSION, **meta}, indent=2, default=str))
 
 
+def step_holding(path: Path) -> tuple[Path, int] | None:
+    """(checkpoint directory, step) when `path` is one of a checkpoint's step directories (`runs/x/64`) or lies
+    inside one (`runs/x/64/model_params`, where the tensors are), else None. A relative path is followed up through
+    its absolute form too (`.` given from inside a step)."""
+    absolute = Path(os.path.abspath(path))
+    for p in (path, *path.parents, *((absolute, *absolute.parents) if absolute != path else ())):
+        if p.name.isascii() and p.name.isdigit() and (p.parent / METADATA_FILE).is_file():
+            return p.parent, int(p.name)
+    return None
+
+
 def not_a_checkpoint(ckpt_dir: Path) -> str:
     """Why `ckpt_dir` is no checkpoint directory; one of its step directories (`runs/x/64`, the one that
-    holds the weights) is named as such, with what to give instead."""
-    if ckpt_dir.name.isdigit() and (ckpt_dir.parent / METADATA_FILE).is_file():
-        return (f"{ckpt_dir} is step {int(ckpt_dir.name)} of the checkpoint directory {ckpt_dir.parent}: give "
-                f"{ckpt_dir.parent} (and --step {int(ckpt_dir.name)})")
+    holds the weights), or a directory inside one, is named as such, with what to give instead."""
+    held = step_holding(ckpt_dir)
+    if held is not None:
+        run, step = held
+        if os.path.abspath(run) == os.path.dirname(os.path.abspath(ckpt_dir)):
+            return f"{ckpt_dir} is step {step} of the checkpoint directory {run}: give {run} (and --step {step})"
+        return (f"{ckpt_dir} is inside step {step} of the checkpoint directory {run}: give {run}, not {ckpt_dir} "
+                f"(and --step {step})")
+    for marker, what in (("adapter_config.json", "a PEFT adapter directory"),
+                         ("config.json", "a Hugging Face model directory")):
+        if (ckpt_dir / marker).is_file():  # a merge's or an export's output (or a base) given for the training run
+            said = f"{ckpt_dir} is {what} ({marker}), not a gemma-tpu training checkpoint (no {METADATA_FILE})"
+            made = _made_from(ckpt_dir)
+            if made is None:
+                return f"{said}: give the run's checkpoint.dir"
+            run, step = made
+            return f"{said}: it was made from {run if step is None else f'step {step} of {run}'}; give {run}"
     return f"{ckpt_dir}: no {METADATA_FILE} (not a gemma-tpu checkpoint directory)"
+
+
+def _made_from(out_dir: Path) -> tuple[str, int | None] | None:
+    """(checkpoint dir, step) as the merge or the PEFT export recorded them in `out_dir`; None without a record."""
+    for record in (MERGE_RECORD, ADAPTER_RECORD):
+        try:
+            made = json.loads((out_dir / record).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(made, dict) and isinstance(made.get("checkpoint"), str):
+            step = made.get("step")
+            return made["checkpoint"], step if isinstance(step, int) and not isinstance(step, bool) else None
+    return None
 
 
 def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:

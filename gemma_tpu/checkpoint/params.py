@@ -12,12 +12,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from gemma_tpu.core.errors import UserError
+
+
+_LORA_NAME = re.compile(r".*_lora_[ab]$")
+
+
+def is_lora_name(name: str) -> bool:
+    """A LoRA factor's flat name (`layers.0.attn.q_einsum.w_lora_a`), as a LoRA run's step holds them."""
+    return bool(_LORA_NAME.match(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +78,11 @@ class CheckpointParams:
 
     def names(self) -> list[str]:
         return list(self.specs)
+
+    @property
+    def holds_lora_factors(self) -> bool:
+        """LoRA factors (`..._lora_a` / `..._lora_b`, a LoRA run's save) rather than a full fine-tune's params."""
+        return any(is_lora_name(n) for n in self.specs)
 
     @property
     def total_bytes(self) -> int:

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, read_params, resolve_step
+from gemma_tpu.checkpoint.metadata import METADATA_FILE, read_metadata, resolve_step
+from gemma_tpu.checkpoint.params import CheckpointParams
 from gemma_tpu.core.config import LoraConfig
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.hf.directory import resolve_path
@@ -68,10 +69,25 @@ def base_dir(ckpt_dir: str | Path, meta: dict, override: str | Path | None = Non
     return resolve_path(base["path"], base.get("revision"))
 
 
-def lora_config(ckpt_dir: str | Path, meta: dict) -> LoraConfig | None:
-    """The run's LoRA as recorded (None for a full fine-tune); a missing rank/alpha/targets is an error."""
-    lora = meta.get("lora") or {}
-    if not lora.get("enabled", True):
+def lora_config(ckpt_dir: str | Path, meta: dict, step: int, holds_factors: bool) -> LoraConfig | None:
+    """The run's LoRA as recorded (None for a full fine-tune), checked against what step `step` holds
+    (`holds_factors`: LoRA factors, else full parameters); a missing rank/alpha/targets is an error.
+    Metadata without LoRA settings (`"lora": null`, `{}` or absent; the trainer always writes them) is taken for
+    what the step holds: full parameters are a full fine-tune's (it was refused as 'lora.rank is missing');
+    LoRA factors, whose rank, alpha and targets nobody recorded, are refused so."""
+    lora = meta.get("lora")
+    where = Path(ckpt_dir) / METADATA_FILE
+    if not lora:  # null, absent or {}: as `convert.inspect` says, not recorded
+        if holds_factors:
+            state = "absent" if "lora" not in meta else "null" if lora is None else "empty"
+            raise UserError(f"{where}: lora is {state} (no LoRA settings recorded) but step {step} holds LoRA "
+                            f"factors: their rank, alpha and targets are unknown")
+        return None
+    enabled = lora.get("enabled", True)
+    if enabled != holds_factors:
+        raise UserError(f"{ckpt_dir}: metadata says {'LoRA' if enabled else 'full fine-tune'} but step {step} holds "
+                        f"{'LoRA factors' if holds_factors else 'full parameters'}")
+    if not enabled:
         return None
     for key in ("rank", "alpha", "targets"):
         if lora.get(key) in (None, "", []):
@@ -83,6 +99,16 @@ def lora_config(ckpt_dir: str | Path, meta: dict) -> LoraConfig | None:
                         f"({lora['rank']!r}, {lora['alpha']!r})") from None
     return LoraConfig(rank=rank, alpha=alpha, targets=list(lora["targets"]),
                       base_quantization=lora.get("base_quantization"))
+
+
+def check_recorded_targets(ckpt_dir: str | Path, family: Family, tunix_cfg: Any, lora: LoraConfig) -> None:
+    """The run's recorded lora.targets name projections of its model (`Family.targets_to_modules`); one that does
+    not (`embed_tokens`, an edited file) is refused naming the metadata file: the registry's message named
+    `lora.targets` alone, which read as the config's key."""
+    try:
+        family.targets_to_modules(tunix_cfg, list(lora.targets))
+    except UserError as e:
+        raise UserError(f"{Path(ckpt_dir) / METADATA_FILE}: {e}") from None
 
 
 def locate(ckpt_dir: str | Path, step: int | None = None,
@@ -113,14 +139,16 @@ def restore_model(ckpt_dir: str | Path, step: int | None = None, dtype: str | No
         check_base((meta.get("base_model") or {}).get("fingerprint"), base_path, False,
                    "merge it with convert.merge_orbax --allow-base-mismatch and load the merged directory",
                    lambda msg: log.warning("%s: %s", ckpt_dir, msg))
-    lora = lora_config(ckpt_dir, meta)
+    stored = CheckpointParams(ckpt_dir, step)
+    lora = lora_config(ckpt_dir, meta, step, stored.holds_lora_factors)
     resolved = resolve_base(ckpt_dir, meta, base_path)
     model, tunix_cfg = load_model(resolved, dtype or meta.get("dtype") or "float32")
-    params = read_params(ckpt_dir, step)
+    params = stored.read(stored.names())
     where = f"{ckpt_dir}/{step}"
     if lora is not None:
         if not apply_base_quantization:
             lora = dataclasses.replace(lora, base_quantization=None)
+        check_recorded_targets(ckpt_dir, resolved.family, tunix_cfg, lora)
         model = apply_lora(model, resolved.family, tunix_cfg, lora)
         set_params(model, nnx.LoRAParam, params, where)
     else:

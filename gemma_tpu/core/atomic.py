@@ -195,8 +195,10 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
     target = Path(target)
     pidlock.check_free(writer_lock(target), _busy_writing)
     restore_set_aside(target)
-    if target.exists() or target.is_symlink():
-        # what --overwrite would refuse is said without it too: "use --overwrite", then a refusal, was a dead end
+    # what --overwrite would refuse is said without it too: "use --overwrite", then a refusal, was a dead end (the
+    # checks of the inputs and of what the target holds came after it: `--out BASE` said "use --overwrite")
+    exists = target.exists() or target.is_symlink()
+    if exists:
         if target.is_symlink():  # 'is not a directory' of a link to one sent users looking at the wrong thing
             raise UserError(f"{target} is a symbolic link (to {os.readlink(target)}); refusing to replace the link: "
                             f"give the path it points to, or remove the link")
@@ -206,8 +208,6 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
         if os.path.ismount(target):  # the rename at the end failed with EBUSY, after all the work was done
             raise UserError(f"--out {target} is a mount point, which an output cannot replace (it is built beside "
                             f"the target and renamed into place); give a path inside it, e.g. {target / 'out'}")
-        if not overwrite:
-            raise UserError(f"{target} already exists (use --overwrite to replace it)")
     resolved = target.resolve()
     for p in protected:
         p = Path(p).resolve()
@@ -235,6 +235,8 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
         if head and head != magic:
             raise UserError(f"--out {target}: --overwrite replaces an earlier output (a file starting with "
                             f"{magic!r}), and this file is something else; choose another --out, or remove it yourself")
+    if exists and not overwrite:
+        raise UserError(f"{target} already exists (use --overwrite to replace it)")
     check_writable(target.parent, f"--out {target}")
 
 

@@ -410,7 +410,10 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     argparse.ArgumentParser.error = _argparse_error  # usage mistakes are one line too, not usage + exit
     try:
         with deferred_imports():
-            return int(main(args) or 0)
+            code = int(main(args) or 0)
+        if argv is None:  # the process's own command line: what is left is the interpreter's shutdown
+            _end_on_stop(code)
+        return code
     except UserError as e:
         if debug:
             raise
@@ -435,6 +438,43 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         return 2
     finally:
         argparse.ArgumentParser.error = parser_error
+
+
+def write_stdout(text: str, end: str = "\n") -> None:
+    """Print `text` to stdout, flushed. A reader that is gone (`python -m convert.inspect DIR | head -3`) ends the
+    output quietly: it was 'error: Broken pipe', exit 2, as if the command had failed. stdout then points at
+    /dev/null, so that the interpreter's last flush has nothing to report either."""
+    try:
+        print(text, end=end)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+
+
+def _end_on_stop(code: int) -> None:
+    """Once the command is done (its output published, `wrote ...` said), a stop signal ends the process at once
+    with the command's exit code. Landing during the interpreter's shutdown (JAX's teardown takes a while), a
+    SIGTERM or SIGHUP killed the process by the signal (-15, -1) after a complete, verified output, which a caller
+    took for a failed conversion; there is nothing left to stop. A signal ignored at the start (`nohup`) stays so."""
+    def stop(signum, frame):  # noqa: ARG001
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing more to say
+                pass
+        os._exit(code)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            continue
+        try:
+            signal.signal(signum, stop)
+        except ValueError:  # not the main thread: Python runs no handlers there
+            return
 
 
 def _exit_now(code: int) -> None:

@@ -3,7 +3,6 @@ name answered only Python's "'gemma_tpu' is a package and cannot be directly exe
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Sequence
 
@@ -24,9 +23,5 @@ def print_commands(package: str, commands: dict[str, str], more: str = "", argv:
     if sub in commands:  # `python -m convert merge_orbax ...`, as git or docker take a subcommand
         parser.error(f"{args[0]!r}: the command is its own module: python -m {sub} {' '.join(args[1:])}".rstrip())
     parser.parse_args(args)  # --help prints the same; anything else is refused in one line
-    try:
-        parser.print_help()
-        sys.stdout.flush()
-    except BrokenPipeError:  # `python -m gemma_tpu | head -3`: the reader is gone, nothing left to say
-        sys.stdout = open(os.devnull, "w")
+    cli.write_stdout(parser.format_help(), end="")  # `python -m gemma_tpu | head -3`: the reader may be gone
     return 0
