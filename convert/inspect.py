@@ -223,7 +223,8 @@ def render(info: dict, tensors: bool = True) -> str:
                      + (f"; metadata {json.dumps(info['file_metadata'])}" if info["file_metadata"] else ""))
     else:
         if info.get("architectures"):
-            lines.append(f"  architecture: {', '.join(info['architectures'])}"
+            archs = info["architectures"]  # a hand-edited config.json's one string was printed a letter at a time
+            lines.append(f"  architecture: {archs if isinstance(archs, str) else ', '.join(map(str, archs))}"
                          + (f" (config dtype {info['config_dtype']})" if info.get("config_dtype") else ""))
         if info.get("adapter"):
             a = info["adapter"]

@@ -1681,6 +1681,12 @@ def test_inspect_says_what_it_counts_and_not_what_is_missing(work, base, lora_ck
     if not adapter.exists():
         assert cli_main(export_main, ["--checkpoint", str(lora_ckpt[0]), "--out", str(adapter)]) == 0
     assert shown(adapter)[0] == f"  adapter: LORA r=4 alpha=8.0 on {','.join(ALL_TARGETS)} (base {base})"
+    # a hand-edited config.json's `architectures` as one string was printed a letter at a time ("G, e, m, ...")
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"a": np.zeros((2, 3), np.float32)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text(json.dumps({"architectures": "Gemma3ForCausalLM"}))
+    assert shown(model)[0] == "  architecture: Gemma3ForCausalLM"
 
 
 def test_inspect_step_of_a_checkpoint_with_no_completed_step_is_refused(lora_ckpt, tmp_path, capsys):

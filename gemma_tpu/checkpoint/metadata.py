@@ -102,7 +102,8 @@ def read_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
     if not ckpt_dir.is_dir():
         raise UserError(f"checkpoint directory {ckpt_dir} does not exist")
     path = ckpt_dir / METADATA_FILE
-    meta = read_json_object(path, not_a_checkpoint(ckpt_dir))
+    # the "not a checkpoint" message looks about (parents, a merge's record): built only where the file is missing
+    meta = read_json_object(path, f"{path}: missing" if path.is_file() else not_a_checkpoint(ckpt_dir))
     if meta.get("format") != FORMAT:
         raise UserError(f"{path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
     check_metadata(path, meta)
