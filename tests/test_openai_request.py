@@ -556,6 +556,23 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     return start["status"], data.decode() if raw else json.loads(data)
 
 
+def _streamed_chat(deltas_of, usage: dict):
+    """An ASGI chat server (transformers serve's place) streaming the deltas `deltas_of(request body)` gives, then
+    a stop with `usage`."""
+    async def inner(scope, receive, send):
+        deltas = deltas_of(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for d in deltas:
+            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "usage": usage}
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
+
+    return inner
+
+
 def test_a_text_completion_without_max_tokens_generates_vllms_default_of_16():
     """vLLM's (and OpenAI's) text completion generates 16 tokens when the request leaves max_tokens out
     (CompletionRequest.max_tokens = 16); here it ran on to the end of the context (thousands of tokens where vLLM
@@ -1095,18 +1112,9 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     streamed as `response.reasoning_text.delta` events; the message item follows."""
     from serving.local import CheckedChatApp
 
-    async def inner(scope, receive, send):
-        deltas = [{"role": "assistant"}, {"reasoning_content": "5 steps "}, {"reasoning_content": "is few."},
-                  {"content": "Walk "}, {"content": "more."}]
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for d in deltas:
-            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                        "more_body": True})
-        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-               "usage": {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}}
-        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
-
+    inner = _streamed_chat(lambda body: [{"role": "assistant"}, {"reasoning_content": "5 steps "},
+                                         {"reasoning_content": "is few."}, {"content": "Walk "}, {"content": "more."}],
+                           {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9})
     app = CheckedChatApp(inner, model_name="tiny")
     code, whole = _asgi(app, {"input": "hi"}, "/v1/responses")
     assert code == 200 and [o["type"] for o in whole["output"]] == ["reasoning", "message"], whole
@@ -1133,19 +1141,10 @@ def test_a_responses_thought_is_counted_as_reasoning_tokens(tiny_dir):
 
     thought = "5 steps is few, so walk more today."
 
-    async def inner(scope, receive, send):
-        body = json.loads((await receive())["body"])
-        deltas = [{"role": "assistant"}] + ([{"reasoning_content": thought[:7]}, {"reasoning_content": thought[7:]}]
-                                            if body["messages"][-1]["content"] == "think" else []) + [
-            {"content": "Walk more."}]
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for d in deltas:
-            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                        "more_body": True})
-        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-               "usage": {"prompt_tokens": 3, "completion_tokens": 40, "total_tokens": 43}}
-        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
+    inner = _streamed_chat(lambda body: [{"role": "assistant"}] + (
+        [{"reasoning_content": thought[:7]}, {"reasoning_content": thought[7:]}]
+        if body["messages"][-1]["content"] == "think" else []) + [{"content": "Walk more."}],
+        {"prompt_tokens": 3, "completion_tokens": 40, "total_tokens": 43})
 
     tok = load_tokenizer(tiny_dir)
     expected = len(tok(thought, add_special_tokens=False)["input_ids"])

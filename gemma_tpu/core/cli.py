@@ -461,12 +461,7 @@ def _end_on_stop(code: int) -> None:
     SIGTERM or SIGHUP killed the process by the signal (-15, -1) after a complete, verified output, which a caller
     took for a failed conversion; there is nothing left to stop. A signal ignored at the start (`nohup`) stays so."""
     def stop(signum, frame):  # noqa: ARG001
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing more to say
-                pass
-        os._exit(code)
+        _flush_and_exit(code)
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_IGN:
@@ -493,12 +488,17 @@ def _exit_now(code: int) -> None:
     try:
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing more to say
-                pass
-        os._exit(code)
+        _flush_and_exit(code)
+
+
+def _flush_and_exit(code: int) -> None:
+    """Flush what was said, then end the process at once with `code` (no interpreter shutdown)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream: nothing more to say
+            pass
+    os._exit(code)
 
 
 def _argparse_error(parser, message: str):
