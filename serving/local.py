@@ -886,7 +886,9 @@ def whole_completion(stream: bytes) -> bytes:
                 call["function"]["name"] += fn.get("name") or ""
                 call["function"]["arguments"] += fn.get("arguments") or ""
         if out is None:
-            out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0}], "created": chunk.get("created"),
+            # `logprobs: null`, as vLLM and OpenAI write it (a request for them is refused): `choice["logprobs"]` failed
+            out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0, "logprobs": None}],
+                   "created": chunk.get("created"),
                    "model": chunk.get("model"), "object": "chat.completion" if chat else "text_completion"}
         if choice.get("finish_reason") is not None:
             out["choices"][0]["finish_reason"] = choice["finish_reason"]

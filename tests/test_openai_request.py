@@ -1053,12 +1053,13 @@ def test_whole_answers_are_put_together_from_the_stream():
     assert json.loads(whole_completion(chat)) == {
         "id": "r", "created": 5, "model": "m", "object": "chat.completion", "usage": {
             "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
             "role": "assistant", "content": "Hé ", "reasoning": "hm", "tool_calls": [
                 {"id": "r_tool_call_0", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]}
     text = sse({"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]},
                {"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-    assert json.loads(whole_completion(text))["choices"] == [{"index": 0, "finish_reason": "length", "text": "a"}]
+    assert json.loads(whole_completion(text))["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None,
+                                                                     "text": "a"}]
     assert json.loads(whole_completion(b'data: {"error": "boom"}\n\n'))["error"]["message"] == "boom"
     assert whole_completion(b'{"already": "whole"}') == b'{"already": "whole"}'
     # through the server: a generation that fails midway is a 500 in OpenAI's shape, chat or Responses
@@ -2019,6 +2020,9 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
         assert "".join(c["delta"].get("content") or "" for c in choices) == "ab"
     else:
         assert "".join(c["text"] for c in choices) == "ab"
+    # the whole answer's choice too (transformers serve's chunks put together here)
+    code, whole = _asgi(CheckedChatApp(inner), body, path)
+    assert code == 200 and whole["choices"][0]["logprobs"] is None and whole["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_response_echoes_the_request_settings_as_vllm_does():

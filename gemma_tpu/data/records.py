@@ -588,7 +588,7 @@ def _check_tool_result(content: str, where: str) -> None:
     lenient json) is read as strictly as the file: `{"r": 1e999}` was rendered `{r:Infinity}`, `NaN` kept (neither is
     JSON) and one of a key given twice dropped, so the model trained on a result the file never held."""
     if not content.lstrip().startswith(("{", "[")):
-        return  # text (a bare word such as NaN is rendered as the text it is)
+        return  # text or a bare value: rendered as the server renders it (a bare `1e999` as `Infinity`, both sides)
     try:
         json.loads(content)
     except (ValueError, RecursionError):
