@@ -683,6 +683,8 @@ class CheckedChatApp:
         # thread, after the client had given up
         whole = (request.get("stream") is not True) if path == "/v1/responses" else not body.get("stream")
         rid = body.pop("request_id", None)  # vLLM's extension: the completion's id (`completion_id`)
+        thought = body.pop("include_reasoning", True)  # vLLM's: false leaves the thought out (transformers serve
+        #                                                refuses the field)
         body["stream"] = True
         # a stop string no token can end (a character the vocabulary lacks) is matched on the decoded text
         # (`stop_on_decoded_text`), and cut from the text here as any other
@@ -706,7 +708,7 @@ class CheckedChatApp:
         tools = path == "/v1/chat/completions" and body.get("tools") and body.get("tool_choice") != "none"
         if not whole:
             # the stop strings are cut first (transformers serve streams them), then the calls are read
-            filters = [ReasoningName()] if path == "/v1/chat/completions" else []
+            filters = [ReasoningName(thought)] if path == "/v1/chat/completions" else []
             filters += ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced,
                                isinstance(body.get("tool_choice"), dict))] if tools else [])
@@ -752,7 +754,7 @@ class CheckedChatApp:
                 return
             out = b"".join(chunks)
             if start.get("status") == 200:
-                out = whole_completion(out)
+                out = whole_completion(out, thought)
                 start["headers"] = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-type"] + [
                     (b"content-type", b"application/json")]
                 if out.startswith(b'{"error"'):  # the generation failed midway (an error event)
@@ -853,7 +855,7 @@ class CheckedChatApp:
         await self.app(inner, replay, rewrite)
 
 
-def whole_completion(stream: bytes) -> bytes:
+def whole_completion(stream: bytes, thought: bool = True) -> bytes:
     """The chat or text completion a stream of its chunks (`data: {...}` events) amounts to, as transformers serve
     answers a request without `stream`: the text joined, the last finish_reason, the usage of the last chunk; an
     error event as `{"error": ...}`; anything else unchanged."""
@@ -901,7 +903,7 @@ def whole_completion(stream: bytes) -> bytes:
         out["choices"][0]["message"] = {"content": joined, "role": "assistant"}
         if calls:
             out["choices"][0]["message"]["tool_calls"] = [calls[k] for k in sorted(calls)]
-        if reasoning:  # named as vLLM names it (`ReasoningName`)
+        if reasoning and thought:  # named as vLLM names it (`ReasoningName`); left out for include_reasoning false
             out["choices"][0]["message"]["reasoning"] = "".join(reasoning)
     else:
         out["choices"][0]["text"] = joined
@@ -1092,13 +1094,24 @@ class StopTrim(EventStream):
 class ReasoningName(EventStream):
     """A chat stream's thought (a thinking model's, Gemma 4's) named `reasoning`, as vLLM's reasoning parsers name it
     (vLLM dropped `reasoning_content`); transformers serve writes `reasoning_content`, which a client written for vLLM
-    does not read."""
+    does not read. With `thought` false (the request's `include_reasoning: false`) the thought is left out, as vLLM
+    leaves it out: a chunk of nothing else is not sent."""
+
+    def __init__(self, thought: bool = True):
+        super().__init__()
+        self.thought = thought
 
     def _event(self, event: bytes) -> bytes:
         chunk, choice = sse_choice(event)
         delta = choice.get("delta") if isinstance(choice, dict) else None
         if not isinstance(delta, dict) or "reasoning_content" not in delta:
             return event + b"\n\n"
+        if not self.thought:
+            rest = {k: v for k, v in delta.items() if k != "reasoning_content"}
+            if not rest and choice.get("finish_reason") is None and not chunk.get("usage"):
+                return b""
+            choice["delta"] = rest
+            return sse_event(chunk)
         choice["delta"] = {("reasoning" if k == "reasoning_content" else k): v for k, v in delta.items()}
         return sse_event(chunk)
 

@@ -327,7 +327,7 @@ _VLLM_AT_DEFAULT = {"echo": False, "add_generation_prompt": True, "continue_fina
                     "skip_special_tokens": True, "spaces_between_special_tokens": True,
                     "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
                     "stop_token_ids": [], "bad_words": [], "priority": 0, "return_tokens_as_token_ids": False,
-                    "return_token_ids": False, "include_reasoning": True}
+                    "return_token_ids": False}
 
 
 def _prompt_end(body: dict) -> None:
@@ -380,6 +380,18 @@ def _vllm_defaults(body: dict, chat: bool) -> None:
         del body[key]
 
 
+def _include_reasoning(body: dict) -> None:
+    """vLLM's `include_reasoning` (default true): false leaves a thinking model's thought out of the answer, whole and
+    streamed, as vLLM leaves it out (the server drops it: `ReasoningName`, `whole_completion`); kept in the body only
+    when false."""
+    if "include_reasoning" not in body:
+        return
+    if not isinstance(body["include_reasoning"], bool):
+        raise RequestError("include_reasoning", f"expected true or false, got {json.dumps(body['include_reasoning'])}")
+    if body["include_reasoning"]:
+        del body["include_reasoning"]
+
+
 MIN_TEMPERATURE = 0.01  # vLLM's least temperature above 0 (SamplingParams raises a smaller one to it)
 
 
@@ -395,6 +407,7 @@ def _normalise_settings(body: dict, chat: bool = False) -> None:
         del body["seed"]
     if chat:
         _prompt_end(body)
+        _include_reasoning(body)
     _vllm_defaults(body, chat)
     if isinstance(body.get("stop"), list):
         body["stop"] = [s for s in body["stop"] if s]

@@ -200,6 +200,9 @@ def chat_request(body: Any) -> dict:
     for key, allowed in _ONE_OF.items():  # it was taken, where OpenAI and vLLM answer 400
         if body.get(key) is not None and body[key] not in allowed:
             raise RequestError(key, f"{body[key]!r} is not one of {', '.join(allowed)}")
+    if body.get("include_reasoning") is False:  # honoured on chat completions; the Response's items keep it
+        raise RequestError("include_reasoning", "false is served on /v1/chat/completions here; a Response keeps the "
+                                                "thought as its reasoning item (leave the field out, or set it true)")
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) for i in include)):
         raise RequestError("include", "expected a list of strings")

@@ -1133,6 +1133,35 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
 
 
+def test_include_reasoning_false_leaves_the_thought_out_as_vllm_does():
+    """vLLM's chat `include_reasoning: false` leaves a thinking model's thought out of the answer, whole and streamed;
+    the local server refused it. The thought is dropped here (the inner server, which refuses the field, never sees
+    it); the answer's text is unchanged."""
+    from serving.local import CheckedChatApp
+
+    seen = []
+
+    def deltas(body):
+        seen.append(body)
+        return [{"role": "assistant"}, {"reasoning_content": "5 steps "}, {"reasoning_content": "is few."},
+                {"content": "Walk "}, {"content": "more."}]
+
+    app = CheckedChatApp(_streamed_chat(deltas, {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}),
+                         model_name="tiny")
+    for include in (True, False):
+        code, whole = _asgi(app, {"messages": USER, "include_reasoning": include})
+        message = whole["choices"][0]["message"]
+        assert code == 200 and message["content"] == "Walk more.", whole
+        assert message.get("reasoning") == ("5 steps is few." if include else None), message
+        code, text = _asgi(app, {"messages": USER, "include_reasoning": include, "stream": True}, raw=True)
+        chunks = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.strip() and "[DONE]" not in e]
+        delta_keys = [k for c in chunks for k in c["choices"][0]["delta"]]
+        assert ("reasoning" in delta_keys) is include and "reasoning_content" not in delta_keys, chunks
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Walk more."
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert seen and all("include_reasoning" not in b for b in seen)
+
+
 def test_a_responses_thought_is_counted_as_reasoning_tokens(tiny_dir):
     """A thinking model's Response said `output_tokens_details.reasoning_tokens: 0` beside its reasoning item, whole
     and streamed; vLLM counts the thought's tokens there (its reasoning parser's count_reasoning_tokens). The served
@@ -2067,8 +2096,12 @@ def test_vllms_request_extensions_of_its_pinned_release_are_served():
     from serving.responses import chat_request, request_param
 
     assert "include_reasoning" not in check_chat_request({"messages": USER, "include_reasoning": True})
-    with pytest.raises(RequestError, match="this server serves only its default") as e:
-        check_chat_request({"messages": USER, "include_reasoning": False})
+    assert check_chat_request({"messages": USER, "include_reasoning": False})["include_reasoning"] is False
+    with pytest.raises(RequestError, match="expected true or false") as e:
+        check_chat_request({"messages": USER, "include_reasoning": "no"})
+    assert e.value.param == "include_reasoning"
+    with pytest.raises(RequestError, match="false is served on /v1/chat/completions here") as e:
+        chat_request({"input": "hi", "include_reasoning": False})
     assert e.value.param == "include_reasoning"
     body = check_chat_request(chat_request({"input": "hi", "top_k": 5, "repetition_penalty": 1.1, "ignore_eos": False,
                                             "logit_bias": {"7": -100}, "frequency_penalty": 0,
