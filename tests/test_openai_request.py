@@ -556,9 +556,9 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     return start["status"], data.decode() if raw else json.loads(data)
 
 
-def _streamed_chat(deltas_of, usage: dict):
+def _streamed_chat(deltas_of, usage: dict, finish_reason: str = "stop"):
     """An ASGI chat server (transformers serve's place) streaming the deltas `deltas_of(request body)` gives, then
-    a stop with `usage`."""
+    an end (`finish_reason`) with `usage`."""
     async def inner(scope, receive, send):
         deltas = deltas_of(json.loads((await receive())["body"]))
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
@@ -566,7 +566,7 @@ def _streamed_chat(deltas_of, usage: dict):
             chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
                         "more_body": True})
-        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason}],
                "usage": usage}
         await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
 
@@ -1199,17 +1199,9 @@ def test_responses_validate_against_the_pinned_openai_sdk():
 
     from serving.local import CheckedChatApp
 
-    async def inner(scope, receive, send):
-        deltas = [{"role": "assistant"}, {"reasoning_content": "hm"}, {"content": "Walk more."}]
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for d in deltas:
-            chunk = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": d}]}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                        "more_body": True})
-        end = {"id": "r1", "created": 5, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-               "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
-        await send({"type": "http.response.body", "body": b"data: " + json.dumps(end).encode() + b"\n\n"})
-
+    inner = _streamed_chat(lambda body: [{"role": "assistant"}, {"reasoning_content": "hm"},
+                                         {"content": "Walk more."}],
+                           {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "length")
     app = CheckedChatApp(inner, model_name="tiny")
     code, whole = _asgi(app, {"input": "hi", "max_output_tokens": 4}, "/v1/responses")
     resp = Response.model_validate(whole)

@@ -182,11 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_prefix_cache:
         prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before the model loads
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
-    sampling_of(args, None)  # a sampling option without --temperature refused before anything loads
     described = None
     if args.once is not None or args.temperature:  # the tokenizer and config: seconds, where the weights take minutes
         described = describe_hf_dir(args.model) if args.model else describe_checkpoint(args.checkpoint, args.step)
-    sampling = sampling_of(args, described.generation_dir) if described else None  # a bad generation config too
+    # a bad sampling option or generation config refused before the weights load
+    sampling = sampling_of(args, described.generation_dir if described else None)
     if args.once is not None:  # on the tokenizer and config alone: refused before the minutes the weights take
         check_question(described, provider, question_text(args.once), args.max_new_tokens)
     loaded = (load_hf_dir(args.model, args.dtype or "float32") if args.model
