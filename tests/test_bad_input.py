@@ -1195,6 +1195,13 @@ CASES = [
     Case("fitness-out-holds-other-data", "gemma_tpu.examples.fitness", ["generate", "--out", "{tmp}/d"],
          ["--out {tmp}/d: {tmp}/d/train.jsonl holds data this command did not write", "another --out"],
          {"d/train.jsonl": CHAT.read_text()}),
+    # stats read the rows by hand: a non-JSON line or a chat without a tool call was a traceback
+    Case("fitness-stats-bad-json", "gemma_tpu.examples.fitness", ["stats", "--data", "{tmp}/d"],
+         ["{tmp}/d/train.jsonl:2", "not valid JSON"], {"d/train.jsonl": CHAT.read_text().splitlines()[0] + "\n{oops\n"}),
+    Case("fitness-stats-no-splits", "gemma_tpu.examples.fitness", ["stats", "--data", "{tmp}"],
+         ["--data {tmp}: holds none of train.jsonl, validation.jsonl, test.jsonl"]),
+    Case("fitness-stats-split-is-a-dir", "gemma_tpu.examples.fitness", ["stats", "--data", "{tmp}/d"],
+         ["{tmp}/d/test.jsonl: not a file"], {"d/test.jsonl/x": "x"}),
     Case("assets-no-command", "gemma_tpu.assets", [], ["command"]),
     Case("assets-unknown-model", "gemma_tpu.assets", ["prepare", "gemma9-1t", "--cache-dir", "{tmp}/cache"],
          ["gemma9-1t"], sub=True),

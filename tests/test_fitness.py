@@ -258,6 +258,34 @@ def test_generate_cli(tmp_path):
     assert sum(1 for _ in (tmp_path / "train.jsonl").open()) == 14
 
 
+def test_stats_counts_what_the_files_hold(tmp_path, tiny_dir):
+    """`stats` on generated splits and on a chat the generator did not write: a chat without a tool call, an empty
+    split (`--test 0`), and a split that is absent (it read rows by hand: a chat without a call was a traceback)."""
+    from gemma_tpu.examples.fitness.__main__ import main
+
+    generated = dataset.generate(3, {"train": 5, "validation": 0, "test": 0})
+    dataset.write_splits(generated, tmp_path)
+    (tmp_path / "test.jsonl").unlink()
+    with (tmp_path / "train.jsonl").open("a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+                + "\n")
+    called = {}
+    for ex in generated["train"]:
+        name = next(m for m in ex["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]["name"]
+        called[name] = called.get(name, 0) + 1
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["stats", "--data", str(tmp_path), "--tokenizer", str(tiny_dir)]) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("train: 6 examples; tokens median ")
+    per_tool = dict(kv.split("=") for kv in lines[0].split("per tool: ")[1].split(", "))
+    assert per_tool == {**{k: str(v) for k, v in called.items()}, "(no tool call)": "1"}
+    assert lines[1:] == ["validation: 0 examples"]  # no test.jsonl: not reported
+
+
 def test_generate_failing_midway_keeps_the_previous_splits_whole(tmp_path, monkeypatch):
     """Regenerating over earlier splits (another seed) and failing after the first split (a full disk, a
     kill) left a new train.jsonl beside the old validation and test files: held-out phrasings of the new

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Sequence
 from gemma_tpu.core import cli
 from gemma_tpu.core.cli import cli_main
 from gemma_tpu.core.errors import UserError
-from gemma_tpu.examples.fitness.dataset import SPLITS, generate, token_lengths, write_splits
+from gemma_tpu.examples.fitness.dataset import SPLITS, generate, read_split, split_stats, write_splits
 from gemma_tpu.hf.directory import resolve_path
 from gemma_tpu.hf.tokenizer import load_tokenizer
 
@@ -41,21 +40,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _stats(data: Path, tokenizer_spec: str) -> None:
-    import json
-
-
+    paths = [data / f"{split}.jsonl" for split in SPLITS]
+    if not any(p.exists() for p in paths):
+        raise UserError(f"--data {data}: holds none of {', '.join(p.name for p in paths)} (give the --out of "
+                        f"`generate`)")
+    for path in paths:
+        if path.exists() and not path.is_file():
+            raise UserError(f"{path}: not a file")
+    splits = {split: read_split(path) for split, path in zip(SPLITS, paths) if path.exists()}  # rows checked first
     tokenizer = load_tokenizer(resolve_path(tokenizer_spec))
-    for split in SPLITS:
-        path = data / f"{split}.jsonl"
-        if not path.is_file():
+    for split, conversations in splits.items():
+        lengths, tools = split_stats(conversations, tokenizer)
+        if not lengths:
+            print(f"{split}: 0 examples")
             continue
-        tools = collections.Counter()
-        for line in path.read_text().splitlines():
-            ex = json.loads(line)
-            tools[next(m for m in ex["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]["name"]] += 1
-        lengths = token_lengths(path, tokenizer)
-        print(f"{split}: {len(lengths)} examples; tokens median {statistics.median(lengths):.0f}, "
-              f"max {max(lengths)}, min {min(lengths)}; per tool: "
+        print(f"{split}: {len(lengths)} example{'s' if len(lengths) != 1 else ''}; tokens median "
+              f"{statistics.median(lengths):.0f}, max {max(lengths)}, min {min(lengths)}; per tool: "
               + ", ".join(f"{k}={v}" for k, v in sorted(tools.items())))
 
 

@@ -350,8 +350,19 @@ def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str
     return paths
 
 
-def token_lengths(path: str | Path, tokenizer) -> list[int]:
-    """Rendered lengths (ids incl. BOS) of a split, with the renderer training uses."""
+def read_split(path: str | Path) -> list[dict]:
+    """A split's conversations, read as training reads them (a bad row named by FILE:LINE); an empty file has none
+    (`generate --test 0` writes one)."""
+    return load_conversations(path, DataConfig()) if Path(path).stat().st_size else []
 
+
+def split_stats(conversations: list[dict], tokenizer) -> tuple[list[int], dict[str, int]]:
+    """Rendered lengths (ids incl. BOS, with the renderer training uses) and examples per called tool (the first
+    call's name; `(no tool call)` for a chat without one)."""
     renderer = Renderer(tokenizer, "gemma", token_map=function_token_map(tokenizer))
-    return [len(renderer.render(c).ids) for c in load_conversations(path, DataConfig())]
+    tools: dict[str, int] = {}
+    for c in conversations:
+        calls = [call for m in c.get("messages", ()) for call in m.get("tool_calls") or ()]
+        name = calls[0]["name"] if calls else "(no tool call)"
+        tools[name] = tools.get(name, 0) + 1
+    return [len(renderer.render(c).ids) for c in conversations], tools
