@@ -131,6 +131,34 @@ def test_prepare_builds_once_then_reuses(tmp_path, fake_builder):
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("harm", ["removed", "truncated"])
+def test_damaged_prepared_copy_is_rebuilt(tmp_path, fake_builder, caplog, harm):
+    """A prepared copy whose file went missing or changed size since (a cache cleaner, a full disk) is prepared again
+    with a warning naming the file: it was trusted by its marker, and training then failed on a file of ours."""
+    path = assets.prepare(NAME, cache_dir=tmp_path)
+    assert assets.read_marker(path)["files"] == {"config.json": len('{"call": 1}')}
+    if harm == "removed":
+        (path / "config.json").unlink()
+    else:
+        (path / "config.json").write_text("{")
+    assert not assets.is_complete(path)
+    with caplog.at_level("WARNING", logger="gemma_tpu.assets"):
+        assert assets.prepare(NAME, cache_dir=tmp_path) == path
+    assert fake_builder["calls"] == 2 and json.loads((path / "config.json").read_text()) == {"call": 2}
+    said = {"removed": "config.json is missing", "truncated": "config.json is 1 bytes, 11 when prepared"}[harm]
+    assert f"{path}: {said}: preparing it again" in caplog.text
+    assert _leftovers(tmp_path) == []
+
+
+def test_marker_without_file_sizes_is_trusted(tmp_path, fake_builder):
+    """Copies prepared before sizes were recorded stay in use (rebuilding the 270M costs a minute and more)."""
+    path = assets.prepare(NAME, cache_dir=tmp_path)
+    marker = assets.read_marker(path)
+    del marker["files"]
+    (path / assets.MARKER).write_text(json.dumps(marker))
+    assert assets.prepare(NAME, cache_dir=tmp_path) == path and fake_builder["calls"] == 1
+
+
 def test_failed_force_keeps_the_old_copy(tmp_path, fake_builder):
     path = assets.prepare(NAME, cache_dir=tmp_path)
     fake_builder["fail"] = True

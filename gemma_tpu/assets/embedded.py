@@ -17,7 +17,8 @@ and check the two agree before the directory is published.
 
 Writes are atomic: everything is built in a hidden `.<target>.tmp-<pid>` next to the target, a `.complete`
 marker is written last, and the directory is renamed into place, so an interrupted prepare never
-leaves a half-written target. A file lock keeps concurrent prepares from doing the work twice.
+leaves a half-written target. A file lock keeps concurrent prepares from doing the work twice. The marker records
+each file's size: a copy damaged since (a file removed or resized) is prepared again, with a warning.
 """
 
 from __future__ import annotations
@@ -174,8 +175,23 @@ def read_marker(path: str | os.PathLike) -> dict | None:
     return info
 
 
+def damage(path: str | os.PathLike, info: Mapping[str, Any]) -> str | None:
+    """What is wrong with a marked directory's files, or None: the marker records each file's size, and a file
+    gone or resized since (a cache cleaner, a full disk, a hand edit) made the model fail to load later, naming a
+    file of ours the user never wrote. Markers written before sizes were recorded are trusted as before."""
+    for name, size in (info.get("files") or {}).items():
+        try:
+            now = (Path(path) / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if now != size:
+            return f"{name} is {now} bytes, {size} when prepared"
+    return None
+
+
 def is_complete(path: str | os.PathLike) -> bool:
-    return read_marker(path) is not None
+    info = read_marker(path)
+    return info is not None and damage(path, info) is None
 
 
 def is_embedded_spec(spec: str) -> bool:
@@ -199,6 +215,8 @@ def prepare(name: str, cache_dir: str | os.PathLike | None = None, force: bool =
     target = target_dir(name, cache_dir)
     if not force and is_complete(target):
         return target
+    if (info := read_marker(target)) is not None:
+        log.warning("%s: %s: preparing it again", target, damage(target, info))
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / f".{name}.lock"):
         if not force and is_complete(target):  # someone else built it while we waited
@@ -219,6 +237,7 @@ def prepare(name: str, cache_dir: str | os.PathLike | None = None, force: bool =
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "build_seconds": round(time.monotonic() - start, 1),
                 "versions": _versions(),
+                "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
             }
             # The marker is the last file written: its presence means the directory is whole.
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
