@@ -2871,6 +2871,20 @@ def test_a_chat_template_dropping_tool_results_is_refused(tmp_path, tok):
         assert masked_runs(tok, r) == [f'call:get_steps{{"date": "today"}}{EOT}', f"You walked 5 steps.{EOT}"]
 
 
+def test_a_json_tool_result_reaches_the_chat_template_as_the_text_a_server_hands_it(tmp_path, tok):
+    """data.chat_format=template: a tool result holding a JSON object was handed to the template as a Python dict, so a
+    template writing the content as it is trained `{'steps': 5, ...}` (Python's repr), where vLLM hands the template
+    the client's text and the served model is shown `{"steps": 5, ...}`. The trained text is the served one."""
+    path = write_jsonl(tmp_path / "c.jsonl", [TOOL_CHAT])
+    conv, = load_conversations(path, DataConfig())
+    t = _with_template(tok, _results_template("{{- '<start_of_turn>tool\\n' ~ m.content ~ '<end_of_turn>\\n' -}}"))
+    served = t.apply_chat_template(TOOL_CHAT["messages"], tools=TOOL_CHAT["tools"], tokenize=False)
+    r = Renderer(t, chat_format="template").render(conv)
+    assert '<start_of_turn>tool\n{"steps": 5, "date": "2026-11-21"}<end_of_turn>' in served
+    assert t.bos_token + r.text == served
+    assert masked_runs(tok, r) == [f'call:get_steps{{"date": "today"}}{EOT}', f"You walked 5 steps.{EOT}"]
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect

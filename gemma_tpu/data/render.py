@@ -16,7 +16,6 @@ Chat formats:
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
@@ -120,18 +119,14 @@ LOSS_ON = ("assistant", "all")
 def template_messages(messages: list[dict]) -> list[dict]:
     """Normalised messages in the shape Hugging Face chat templates expect.
 
-    Call arguments are objects; a tool result whose content is a JSON object is passed as that
-    object (templates that know tool results render objects field by field, as our renderer does).
+    Call arguments are objects (vLLM parses the JSON text a client sends into one); a tool result is its text, as
+    vLLM and transformers serve hand a client's result to the template (OpenAI's tool message content is text): a
+    JSON object result passed as an object was written `{'steps': 5}` by a template writing the content as it is,
+    where the served model is shown `{"steps": 5}` (our tool template reads a JSON text field by field either way).
     """
     out = []
     for m in messages:
-        content: Any = m.get("content") or ""
-        if m["role"] == "tool" and content.lstrip().startswith("{"):
-            try:
-                content = json.loads(content)
-            except (ValueError, RecursionError):  # not JSON, an integer past Python's 4,300 digits, nested too deeply
-                pass
-        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
         if m.get("tool_calls"):
             msg["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                                  for c in m["tool_calls"]]
