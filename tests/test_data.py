@@ -1156,7 +1156,12 @@ BAD_CASES = {
         ("nan", '[{"steps": NaN}]', "messages[2]: the tool result's content, read as JSON to render it: NaN is not "
                                     "JSON (only finite numbers are)"),
         ("key_twice", '{"steps": 1, "steps": 2}', "the tool result's content, read as JSON to render it: key 'steps' "
-                                                  "appears twice"))},
+                                                  "appears twice"),
+        # a bare value is read as JSON too ({result:Infinity} in the prompt and the served template alike)
+        ("bare_overflow", " 1e999", "messages[2]: the tool result's content, read as JSON to render it: 1e999 is "
+                                    "beyond the range of a 64-bit float"),
+        ("bare_nan", "NaN", "messages[2]: the tool result's content, read as JSON to render it: NaN is not JSON"),
+        ("bare_infinity", "-Infinity", "render it: -Infinity is not JSON"))},
     "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
                                                                                      '"hi", "content": "x"')}],
                                   1, "'messages' (a JSON string): key 'content' appears twice"),
@@ -2314,14 +2319,15 @@ def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path)
                                           {"role": "assistant", "tool_calls": [{"function": {"name": "noop"}}]},
                                           {"role": "tool", "name": "noop", "content": ""},
                                           {"role": "assistant", "content": "done"}]}]
-    # tool results the strict JSON check lets by: text (a bare NaN is rendered as the word it is), JSON of finite
-    # numbers, and text that only starts like JSON
+    # tool results the strict JSON check lets by: text (a lowercase nan is no JSON: rendered as the word it is), JSON
+    # of finite numbers, and text that only starts like JSON
+    texts = ("nan", "1e5", '{"r": 1.5e3}', "{not json")
     rows += [{**rows[1], "messages": [*rows[1]["messages"][:2], {**rows[1]["messages"][2], "content": c},
-                                      rows[1]["messages"][3]]} for c in ("NaN", '{"r": 1.5e3}', "{not json")]
+                                      rows[1]["messages"][3]]} for c in texts]
     parts, tool, *more = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
     assert parts["messages"][0]["content"] == "a b"
     assert tool["messages"][2] == {"role": "tool", "content": "", "name": "noop"}
-    assert [m["messages"][2]["content"] for m in more] == ["NaN", '{"r": 1.5e3}', "{not json"]
+    assert [m["messages"][2]["content"] for m in more] == list(texts)
 
 
 def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_dir, tok, any_tok):

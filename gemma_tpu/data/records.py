@@ -586,9 +586,9 @@ def _decode_embedded(text: str, what: str, where: str) -> Any:
 def _check_tool_result(content: str, where: str) -> None:
     """A tool result the prompt renders as JSON (`format_response`, and Hugging Face templates, read it with Python's
     lenient json) is read as strictly as the file: `{"r": 1e999}` was rendered `{r:Infinity}`, `NaN` kept (neither is
-    JSON) and one of a key given twice dropped, so the model trained on a result the file never held."""
-    if not content.lstrip().startswith(("{", "[")):
-        return  # text or a bare value: rendered as the server renders it (a bare `1e999` as `Infinity`, both sides)
+    JSON) and one of a key given twice dropped, so the model trained on a result the file never held. A bare value is
+    read alike: `1e999`, `NaN` or `-Infinity` alone is rendered `{result:Infinity}` (`{result:NaN}`), a JSON number in
+    the prompt and the served template alike, not the text the file holds (which would be `<escape>NaN<escape>`)."""
     try:
         json.loads(content)
     except (ValueError, RecursionError):
