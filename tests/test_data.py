@@ -3106,6 +3106,55 @@ def test_llama_factory_sharegpt_tool_turns_train_as_openai_tool_calls(tmp_path, 
         load_conversations(write_jsonl(tmp_path / "lf.jsonl", [row]), DataConfig())
 
 
+def test_llama_factory_parallel_calls_answered_by_one_observation(tmp_path, tok):
+    """LLaMA-Factory's ShareGPT rows alternate strictly (human/observation, gpt/function_call), so a function_call
+    turn of several calls is answered by one observation: a JSON list of the results in the calls' order, or the
+    results joined as its converter of OpenAI chats joins them. Such rows were refused at the answer after them (the
+    assistant continuing with 1 of 2 calls answered); each result now answers its call, and the row trains as the
+    same chat in OpenAI messages does. One observation that cannot be split into one result a call is refused
+    naming it."""
+    from gemma_tpu.data.records import LLAMA_FACTORY_RESULTS_JOIN
+
+    tools = [STEPS_TOOL["function"], HR_TOOL["function"]]
+    calls = [{"name": "get_steps", "arguments": {"date": "today"}}, {"name": "get_heart_rate", "arguments": {}}]
+    chat = {"tools": [STEPS_TOOL, HR_TOOL], "messages": [
+        {"role": "user", "content": "Steps and HR?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": c} for c in calls]},
+        {"role": "tool", "content": "{\"steps\": 5}"}, {"role": "tool", "content": "60 bpm"},
+        {"role": "assistant", "content": "5 steps, 60 bpm."}, {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "Welcome."}]}
+
+    def row(observation) -> dict:
+        return {"tools": json.dumps(tools), "conversations": [
+            {"from": "human", "value": "Steps and HR?"}, {"from": "function_call", "value": json.dumps(calls)},
+            {"from": "observation", "value": observation}, {"from": "gpt", "value": "5 steps, 60 bpm."},
+            {"from": "human", "value": "Thanks"}, {"from": "gpt", "value": "Welcome."}]}
+
+    token_map = function_token_map(tok)
+    observations = ['[{"steps": 5}, "60 bpm"]', [{"steps": 5}, "60 bpm"],
+                    LLAMA_FACTORY_RESULTS_JOIN.join(['{"steps": 5}', "60 bpm"])]
+    want, *got = load_conversations(write_jsonl(tmp_path / "lf.jsonl", [chat, *map(row, observations)]), DataConfig())
+    for conv in got:
+        assert [m.get("name") for m in conv["messages"]] == [None, None, "get_steps", "get_heart_rate", None, None,
+                                                             None]
+        ours, theirs = Renderer(tok, token_map=token_map).render(conv), Renderer(tok, token_map=token_map).render(want)
+        assert ours.ids.tolist() == theirs.ids.tolist() and ours.loss_mask.tolist() == theirs.loss_mask.tolist()
+    assert "response:get_steps{steps:5}" in ours.text and "response:get_heart_rate{result:" in ours.text
+    for bad, holds in (("5 steps and 60 bpm", "one result"), ("[1, 2, 3]", "a list of 3")):
+        path = write_jsonl(tmp_path / "bad.jsonl", [row(bad)])
+        with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: conversations\[2\]: one observation answers "
+                                            rf"the 2 parallel calls of the function_call turn before it, but holds "
+                                            rf"{holds}: give a JSON list of 2 results in the calls' order \(or one "
+                                            rf"observation per call\)$"):
+            load_conversations(path, DataConfig())
+    # a turn after the split one is named by its own index in the row
+    late = row('[1, 2]')
+    late["conversations"][4]["value"] = "<end_of_turn>"
+    path = write_jsonl(tmp_path / "late.jsonl", [late])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: conversations\[4\]: the text holds"):
+        load_conversations(path, DataConfig())
+
+
 def test_an_openorca_system_prompt_column_leads_the_conversation(tmp_path, tok):
     """OpenOrca's rows (system_prompt, question, response; read with data.instruction_field=question) lost their
     system prompt without a word. It leads the conversation; a row giving both 'system' and 'system_prompt' is

@@ -986,7 +986,8 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     if all(isinstance(t, dict) and "role" in t and "from" not in t for t in turns):
         # chat messages under the ShareGPT column name, as many Hub datasets and converters leave them
         return _as_conversations(turns, obj, where, markup)
-    messages = []
+    messages: list[dict] = []
+    turn_of: list[int] = []  # the turn each message comes from (one observation may answer several calls)
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
             raise UserError(f"{where}: conversations[{i}]: expected an object with 'from' and 'value'")
@@ -995,14 +996,60 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         speaker = t["from"].lower() if isinstance(t["from"], str) else None
         flags = {k: t[k] for k in TRAIN_FLAGS if k in t}
         if speaker in SHAREGPT_TOOL_TURNS:  # LLaMA-Factory's tool turns: a call (or a list of them), its result
-            messages.append(_sharegpt_tool_turn(speaker, t["value"], f"{where}: conversations[{i}]") | flags)
+            tw = f"{where}: conversations[{i}]"
+            if speaker == "observation" and _answers_parallel_calls(messages, turns, i):
+                results = _parallel_results(t["value"], len(messages[-1]["tool_calls"]), tw)
+            else:
+                results = [t["value"]]
+            for value in results:
+                messages.append(_sharegpt_tool_turn(speaker, value, tw) | flags)
+                turn_of.append(i)
             continue
         role = SHAREGPT_ROLES.get(speaker)
         if role is None:
             raise UserError(f"{where}: conversations[{i}]: unknown speaker {shown(t['from'])} (expected one of "
                             f"{', '.join((*SHAREGPT_ROLES, *SHAREGPT_TOOL_TURNS))})")
         messages.append({"role": role, "content": t["value"], **flags})
-    return _as_conversations(messages, obj, where, markup)
+        turn_of.append(i)
+    return _as_conversations(messages, obj, where, markup, turn_of)
+
+
+# how LLaMA-Factory's own converter of OpenAI chats joins the results of parallel calls into one observation
+LLAMA_FACTORY_RESULTS_JOIN = "\n</tool_response>\n<tool_response>\n"
+
+
+def _answers_parallel_calls(messages: list[dict], turns: list, i: int) -> bool:
+    """Whether observation turn `i` is the one result of a function_call turn of several calls: LLaMA-Factory's
+    rows alternate strictly (human/observation, gpt/function_call), so a turn of parallel calls is answered by one
+    observation. Several observations in a row answer the calls one each, as tool messages do."""
+    nxt = turns[i + 1] if i + 1 < len(turns) else None
+    again = isinstance(nxt, dict) and isinstance(nxt.get("from"), str) and nxt["from"].lower() == "observation"
+    return bool(messages) and len(messages[-1].get("tool_calls") or []) > 1 and not again
+
+
+def _parallel_results(value: Any, n: int, tw: str) -> list[Any]:
+    """The results of `n` parallel calls held by one observation, in the calls' order: a JSON list of `n` results
+    (as text or as a list; each one its text, or its JSON text), or `n` results joined as LLaMA-Factory's converter
+    of OpenAI chats joins them (`LLAMA_FACTORY_RESULTS_JOIN`). They were refused at the answer after them, as an
+    assistant continuing before every call had a result (1 of n answered)."""
+    listed = value
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            json.loads(value)
+        except (ValueError, RecursionError):  # text that only starts like a list
+            pass
+        else:  # read as strictly as the file (a NaN or a key twice in it refused)
+            listed = _decode_embedded(value, "value", tw)
+    if isinstance(listed, list) and len(listed) == n:
+        # each result is read as a tool message's content is (strictly, where it is rendered as JSON)
+        return [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in listed]
+    if isinstance(value, str) and value.count(LLAMA_FACTORY_RESULTS_JOIN) == n - 1:
+        return value.split(LLAMA_FACTORY_RESULTS_JOIN)
+    got = (f"a list of {len(listed)}" if isinstance(listed, list) else
+           f"{value.count(LLAMA_FACTORY_RESULTS_JOIN) + 1} joined as LLaMA-Factory joins them"
+           if isinstance(value, str) and LLAMA_FACTORY_RESULTS_JOIN in value else "one result")
+    raise UserError(f"{tw}: one observation answers the {n} parallel calls of the function_call turn before it, but "
+                    f"holds {got}: give a JSON list of {n} results in the calls' order (or one observation per call)")
 
 
 def _sharegpt_tool_turn(speaker: str, value: Any, tw: str) -> dict:
@@ -1024,13 +1071,19 @@ def _fields(obj: dict) -> str:
     return ", ".join(map(str, obj)) or "no fields"
 
 
-def _as_conversations(messages: list, obj: dict, where: str, markup: Markup) -> dict:
-    """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
+def _as_conversations(messages: list, obj: dict, where: str, markup: Markup,
+                      turn_of: list[int] | None = None) -> dict:
+    """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field);
+    `turn_of`: the turn of each message, where they differ (an observation split into its results)."""
     try:
         return normalise_messages({"messages": messages, "tools": obj.get("tools"),
                                    **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
     except UserError as e:
-        raise UserError(re.sub(r"(?<=: )messages\[", "conversations[", str(e), count=1)) from None
+        def turn(m: re.Match) -> str:
+            k = int(m.group(1))
+            return f"conversations[{turn_of[k] if turn_of and k < len(turn_of) else k}]"
+
+        raise UserError(re.sub(r"(?<=: )messages\[(\d+)\]", turn, str(e), count=1)) from None
 
 
 def detect_format(obj: dict, instruction_field: str, text_field: str = "text") -> str | None:
