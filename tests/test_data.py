@@ -2891,6 +2891,39 @@ def test_a_json_tool_result_reaches_the_chat_template_as_the_text_a_server_hands
     assert masked_runs(tok, r) == [f'call:get_steps{{"date": "today"}}{EOT}', f"You walked 5 steps.{EOT}"]
 
 
+def test_tool_chats_are_compared_with_the_template_a_marked_vocabulary_is_served_with(tmp_path, tok, caplog):
+    """A vocabulary with the FunctionGemma markers as tokens (FunctionGemma, a merged tool-calling fine-tune) is served
+    with its own chat template, but tool chats were never compared with it: a template that writes a JSON tool result
+    as its text (a merge before the template's JSON reader, the GGUF's) served `{result:<escape>{"steps": 5, ...}`
+    where training rendered `{steps:5,...}`, without a word. Tool chats are compared now; the merge's own template
+    renders them as training does, and a vocabulary without the markers (served with the template the merge writes)
+    is not compared."""
+    import copy
+    import logging
+
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, tool_chat_template
+
+    marked = copy.deepcopy(tok)
+    marked.add_special_tokens({"additional_special_tokens": list(FUNCTION_MARKERS)})
+    assert function_token_map(marked) == {} and function_token_map(tok) != {}
+    path = write_jsonl(tmp_path / "t.jsonl", [TOOL_CHAT])
+    said = {}
+    for vocab, template, warned in ((marked, tool_chat_template(None), False),
+                                    (marked, tool_chat_template(None, parse_json=False), True),
+                                    (tok, tool_chat_template(None, parse_json=False), False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+            prepare_split(str(path), Renderer(_with_template(vocab, template), token_map=function_token_map(vocab)),
+                          DataConfig(seq_len=1024), seed=0)
+        said[warned] = skew = [r.getMessage() for r in caplog.records if "chat template" in r.getMessage()]
+        assert len(skew) == warned, skew
+    skew = said[True]
+    assert skew[0].startswith(f"{path}: 1 of the first 1 chats render otherwise than the tokenizer's own chat "
+                              f"template, which a server renders them with (the first: {path}:1: at character "), skew
+    assert "ours '>response:get_steps{steps:5,date:<escape', the template's '>response:get_steps{result:<escape>{\"" \
+        in skew[0], skew
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect

@@ -330,19 +330,33 @@ class Renderer:
                             f"results it is never shown - use data.chat_format=gemma, or a template that renders tool "
                             f"results")
 
+    def compares_with_template(self, conv: dict) -> bool:
+        """Whether `template_difference` compares `conv` with the tokenizer's own chat template: a chat rendered by our
+        Gemma format where the tokenizer has a template. A tool chat is compared where the vocabulary has the
+        FunctionGemma markers as tokens (FunctionGemma, a merged tool-calling fine-tune), whose template is the one
+        served; a vocabulary that lacks them (plain Gemma 3) is served with the tool template the merge writes
+        (`convert.tool_tokens`), which renders as training does, whatever template the tokenizer has now."""
+        if self.chat_format == "template" or "text" in conv or not getattr(self.tokenizer, "chat_template", None):
+            return False
+        if not conv.get("tools"):
+            return True
+        if getattr(self, "_lacks_markers", None) is None:
+            self._lacks_markers = bool(fc.function_token_map(self.tokenizer))
+        return not self._lacks_markers
+
     def template_difference(self, conv: dict) -> str | None:
-        """Where our Gemma rendering of a plain chat (no tools) departs from the tokenizer's own chat template,
-        which is what a server (vLLM) renders the same conversation with: a template that trims message text (as
-        Google's Gemma 3 template does) or writes the system prompt otherwise trains text the served model never
-        sees. None: they agree, or there is nothing to compare (tools, a text row, no template). A chat the template
-        refuses that we render (a leading `developer` message, folded like system; Gemma 3's templates take only
-        system) is a difference too: a server refuses it as sent, so no client can send the prompt trained on."""
-        if (self.chat_format == "template" or "text" in conv or conv.get("tools")
-                or not getattr(self.tokenizer, "chat_template", None)):
+        """Where our Gemma rendering of a chat departs from the tokenizer's own chat template, which is what a server
+        (vLLM) renders the same conversation with: a template that trims message text (as Google's Gemma 3 template
+        does), writes the system prompt otherwise, or renders tool declarations, calls or results otherwise (a template
+        that writes a JSON tool result as the text it is) trains text the served model never sees. None: they agree,
+        or there is nothing to compare (`compares_with_template`). A chat the template refuses that we render (a
+        leading `developer` message, folded like system; Gemma 3's templates take only system) is a difference too: a
+        server refuses it as sent, so no client can send the prompt trained on."""
+        if not self.compares_with_template(conv):
             return None
-        ours = "".join(t for t, _ in gemma_segments(conv))
+        ours = self.map_markers("".join(t for t, _ in gemma_segments(conv)))
         try:
-            theirs = self._apply(template_messages(conv["messages"]), None, False, "")
+            theirs = self._apply(template_messages(conv["messages"]), conv.get("tools"), False, "")
         except UserError as e:
             return f"the template refuses it{str(e).partition('refused the conversation')[2]}"
         theirs = theirs.removeprefix(self.bos_text)
@@ -362,10 +376,12 @@ class Renderer:
             if not given:
                 continue
             start = {"role": "assistant", "content": m["content"][:given]}
-            ours = "".join(t for t, _ in gemma_segments({"messages": msgs[:k] + [start]}, continue_final=True))
+            ours = self.map_markers("".join(t for t, _ in gemma_segments(
+                {"messages": msgs[:k] + [start], "tools": conv.get("tools")}, continue_final=True)))
             what = f"messages[{k}]'s given start, continued (continue_final_message)"
             try:
-                theirs = self._apply(template_messages(msgs[:k]) + [start], None, False, "", continue_final=True)
+                theirs = self._apply(template_messages(msgs[:k]) + [start], conv.get("tools"), False, "",
+                                     continue_final=True)
             except UserError as e:
                 return f"{what}: the template refuses it{str(e).partition('refused the conversation')[2]}"
             theirs = theirs.removeprefix(self.bos_text)
