@@ -1069,6 +1069,26 @@ def test_single_object_json_and_jsonl_named_json(tmp_path):
     assert len(load_conversations(lines, DataConfig())) == 2
 
 
+def test_pretty_printed_objects_one_after_another_under_a_json_name_are_read(tmp_path):
+    """Objects pretty-printed one after another (`jq . rows.jsonl > rows.json`, json.dump(row, f, indent=2) for each
+    row) were refused as JSON Lines whose first line ends inside its object, the error telling the user to name the
+    file .json, which it was. Each is an example, named by the line it starts on; a bad one is refused at its line."""
+    path = tmp_path / "rows.json"
+    text = json.dumps(CHAT, indent=2)
+    path.write_text("\ufeff" + text + "\n" + text.replace("\n", "\r\n") + "\n\n" + json.dumps(GOOD) + "\n",
+                    encoding="utf-8")
+    got = load_conversations(path, DataConfig())
+    n = text.count("\n") + 1
+    assert [c["where"] for c in got] == [f"{path}:1", f"{path}:{n + 1}", f"{path}:{2 * n + 2}"]
+    assert [c["messages"] for c in got] == [norm(CHAT)["messages"]] * 2 + [norm(GOOD)["messages"]]
+    path.write_text(text + "\n" + text.replace('"4."', "NaN") + "\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{n + 1}: NaN is not JSON"):
+        load_conversations(path, DataConfig())
+    path.write_text(text + "\n" + text[:-3] + "\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{2 * n}: not valid JSON \("):
+        load_conversations(path, DataConfig())
+
+
 def test_a_json_array_under_a_jsonl_name_is_read_as_an_array(tmp_path):
     """`json.dump(rows, open("train.jsonl", "w"))` (what HF's json loader reads whatever the name) was refused as
     "expected a JSON object per example, got a list", and indented as "not valid JSON"; the content decides."""

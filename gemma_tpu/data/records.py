@@ -30,7 +30,7 @@ Accepted files, all through `iter_raw`:
 - any of the text forms gzip-compressed (`.jsonl.gz`, `.json.gz`; told by its magic bytes).
   Other compressions and archives (zstd, bzip2, xz, zip, 7z) and UTF-16/32 text are refused saying so.
 - `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
-  object, or JSON Lines saved under a `.json` name.
+  object, objects pretty-printed one after another (`jq . rows.jsonl`), or JSON Lines saved under a `.json` name.
 - a `datasets` `save_to_disk` directory (or one of its `.arrow` shards): one example a row, as Parquet.
 - `.parquet`: one example a row ("line" = row number, from 1). Parquet stores structs with the union
   of all their fields, so keys whose value is null are dropped from every object (a JSON null
@@ -156,6 +156,26 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
         raise UserError(f"{p}:{where}: not valid JSON (expected ',' or ']' after an array element)")
 
 
+def _iter_json_stream(p: Path, text: str, i: int) -> Iterator[tuple[int, Any]]:
+    """JSON values one after another from `i` (separated by whitespace alone), each with the line it starts on."""
+    dec, n, line, counted = strict_json.DECODER, len(text), 1, 0
+    while True:
+        while i < n and text[i] in " \t\r\n":
+            i += 1
+        if i >= n:
+            return
+        line, counted = line + text.count("\n", counted, i), i
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise _too_deep(f"{p}:{line}") from None
+        except strict_json.NotJSON as e:
+            raise UserError(f"{p}:{line}: {e}") from None
+        yield line, obj
+
+
 def _is_file(p: Path) -> bool:
     try:
         return p.is_file()
@@ -259,6 +279,13 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
             except json.JSONDecodeError as e:
                 if e.msg != "Extra data":  # "Extra data": several objects, i.e. JSON Lines
                     raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                start = len(text) - len(head)
+                if "\n" in text[start:strict_json.DECODER.raw_decode(text, start)[1]]:
+                    # objects pretty-printed one after another (`jq . rows.jsonl > rows.json`, json.dump of each row
+                    # with indent): refused as JSON Lines whose first line ends inside its object, told to name the
+                    # file .json, which it was
+                    yield from _iter_json_stream(p, text, start)
+                    return
             except RecursionError:
                 raise _too_deep(f"{p}:{first}") from None
             except strict_json.NotJSON as e:
