@@ -2944,6 +2944,24 @@ def test_tool_chats_are_compared_with_the_template_a_marked_vocabulary_is_served
         in skew[0], skew
 
 
+def test_flat_tool_declarations_reach_the_chat_template_as_a_server_hands_them(tmp_path, tok):
+    """data.chat_format=template: flat declarations (`{"name", "parameters"}`, as LLaMA-Factory rows and many datasets
+    keep them) were handed to the template as the file held them, where a client must send `{"type": "function",
+    "function": {...}}` and vLLM hands the template that, a description or parameters left out as null: a template
+    writing `tools | tojson` trained text no server writes, and one reading `tool.function.name` refused the row."""
+    flat = {"name": "get_steps", "parameters": STEPS_TOOL["function"]["parameters"]}
+    served_tools = [{"type": "function", "function": {**flat, "description": None}}]
+    served_tools[0]["function"] = {k: served_tools[0]["function"][k] for k in ("name", "description", "parameters")}
+    row = {"tools": [flat], "messages": TOOL_CHAT["messages"][1:]}
+    conv, = load_conversations(write_jsonl(tmp_path / "c.jsonl", [row]), DataConfig())
+    t = _with_template(tok, _results_template("{{- '<start_of_turn>tool\\n' ~ m.content ~ '<end_of_turn>\\n' -}}"))
+    served = t.apply_chat_template(row["messages"], tools=served_tools, tokenize=False)
+    assert '[{"type": "function", "function": {"name": "get_steps", "description": null, "parameters"' in served
+    assert t.bos_token + Renderer(t, chat_format="template").render(conv).text == served
+    named = _with_template(tok, t.chat_template.replace("(tools | tojson)", "tools[0].function.name ~ tools[0].type"))
+    assert "get_stepsfunction" in Renderer(named, chat_format="template").render(conv).text
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect

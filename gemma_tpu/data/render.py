@@ -136,6 +136,24 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def template_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tool declarations as vLLM hands them to a chat template: each in OpenAI's shape, `{"type": "function",
+    "function": {...}}` (a flat declaration, as LLaMA-Factory rows and many datasets keep them, wrapped: a client
+    must send it so), its `description` and `parameters` None where not given (vLLM's request model dumps them so).
+    Passed as the file held them, a template writing `tools | tojson` trained text no server writes, and one reading
+    `tool.function.name` refused every such row. Keys in the dump's order (`tojson` keeps the order it is given)."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn = t.get("function", t)
+        own = ("name", "description", "parameters")
+        out.append({"type": t.get("type", "function") if "function" in t else "function",
+                    "function": {**{k: fn.get(k) for k in own}, **{k: v for k, v in fn.items() if k not in own}},
+                    **({k: v for k, v in t.items() if k not in ("type", "function")} if "function" in t else {})})
+    return out
+
+
 def missing_turn_token(tokenizer) -> str | None:
     """The first of Gemma 3's turn markers the vocabulary lacks as a token (None: it has both)."""
     unk = getattr(tokenizer, "unk_token_id", None)
@@ -241,7 +259,7 @@ class Renderer:
         tokenizer's continue_final_message), as a server renders a prompt that ends in the start of an answer."""
         more = {"continue_final_message": True} if continue_final else {}
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=template_tools(tools), tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **more)
         except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
             raise UserError(f"{where}: the tokenizer's chat template refused the conversation "
