@@ -1069,6 +1069,26 @@ def test_single_object_json_and_jsonl_named_json(tmp_path):
     assert len(load_conversations(lines, DataConfig())) == 2
 
 
+def test_pretty_printed_objects_one_after_another_under_a_json_name_are_read(tmp_path):
+    """Objects pretty-printed one after another (`jq . rows.jsonl > rows.json`, json.dump(row, f, indent=2) for each
+    row) were refused as JSON Lines whose first line ends inside its object, the error telling the user to name the
+    file .json, which it was. Each is an example, named by the line it starts on; a bad one is refused at its line."""
+    path = tmp_path / "rows.json"
+    text = json.dumps(CHAT, indent=2)
+    path.write_text("\ufeff" + text + "\n" + text.replace("\n", "\r\n") + "\n\n" + json.dumps(GOOD) + "\n",
+                    encoding="utf-8")
+    got = load_conversations(path, DataConfig())
+    n = text.count("\n") + 1
+    assert [c["where"] for c in got] == [f"{path}:1", f"{path}:{n + 1}", f"{path}:{2 * n + 2}"]
+    assert [c["messages"] for c in got] == [norm(CHAT)["messages"]] * 2 + [norm(GOOD)["messages"]]
+    path.write_text(text + "\n" + text.replace('"4."', "NaN") + "\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{n + 1}: NaN is not JSON"):
+        load_conversations(path, DataConfig())
+    path.write_text(text + "\n" + text[:-3] + "\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{2 * n}: not valid JSON \("):
+        load_conversations(path, DataConfig())
+
+
 def test_a_json_array_under_a_jsonl_name_is_read_as_an_array(tmp_path):
     """`json.dump(rows, open("train.jsonl", "w"))` (what HF's json loader reads whatever the name) was refused as
     "expected a JSON object per example, got a list", and indented as "not valid JSON"; the content decides."""
@@ -1156,7 +1176,12 @@ BAD_CASES = {
         ("nan", '[{"steps": NaN}]', "messages[2]: the tool result's content, read as JSON to render it: NaN is not "
                                     "JSON (only finite numbers are)"),
         ("key_twice", '{"steps": 1, "steps": 2}', "the tool result's content, read as JSON to render it: key 'steps' "
-                                                  "appears twice"))},
+                                                  "appears twice"),
+        # a bare value is read as JSON too ({result:Infinity} in the prompt and the served template alike)
+        ("bare_overflow", " 1e999", "messages[2]: the tool result's content, read as JSON to render it: 1e999 is "
+                                    "beyond the range of a 64-bit float"),
+        ("bare_nan", "NaN", "messages[2]: the tool result's content, read as JSON to render it: NaN is not JSON"),
+        ("bare_infinity", "-Infinity", "render it: -Infinity is not JSON"))},
     "messages_string_key_twice": ([{"messages": json.dumps(GOOD["messages"]).replace('"hi"',
                                                                                      '"hi", "content": "x"')}],
                                   1, "'messages' (a JSON string): key 'content' appears twice"),
@@ -2314,14 +2339,15 @@ def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path)
                                           {"role": "assistant", "tool_calls": [{"function": {"name": "noop"}}]},
                                           {"role": "tool", "name": "noop", "content": ""},
                                           {"role": "assistant", "content": "done"}]}]
-    # tool results the strict JSON check lets by: text (a bare NaN is rendered as the word it is), JSON of finite
-    # numbers, and text that only starts like JSON
+    # tool results the strict JSON check lets by: text (a lowercase nan is no JSON: rendered as the word it is), JSON
+    # of finite numbers, and text that only starts like JSON
+    texts = ("nan", "1e5", '{"r": 1.5e3}', "{not json")
     rows += [{**rows[1], "messages": [*rows[1]["messages"][:2], {**rows[1]["messages"][2], "content": c},
-                                      rows[1]["messages"][3]]} for c in ("NaN", '{"r": 1.5e3}', "{not json")]
+                                      rows[1]["messages"][3]]} for c in texts]
     parts, tool, *more = load_conversations(write_jsonl(tmp_path / "ok.jsonl", rows), DataConfig())
     assert parts["messages"][0]["content"] == "a b"
     assert tool["messages"][2] == {"role": "tool", "content": "", "name": "noop"}
-    assert [m["messages"][2]["content"] for m in more] == ["NaN", '{"r": 1.5e3}', "{not json"]
+    assert [m["messages"][2]["content"] for m in more] == list(texts)
 
 
 def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_dir, tok, any_tok):
@@ -2871,6 +2897,71 @@ def test_a_chat_template_dropping_tool_results_is_refused(tmp_path, tok):
         assert masked_runs(tok, r) == [f'call:get_steps{{"date": "today"}}{EOT}', f"You walked 5 steps.{EOT}"]
 
 
+def test_a_json_tool_result_reaches_the_chat_template_as_the_text_a_server_hands_it(tmp_path, tok):
+    """data.chat_format=template: a tool result holding a JSON object was handed to the template as a Python dict, so a
+    template writing the content as it is trained `{'steps': 5, ...}` (Python's repr), where vLLM hands the template
+    the client's text and the served model is shown `{"steps": 5, ...}`. The trained text is the served one."""
+    path = write_jsonl(tmp_path / "c.jsonl", [TOOL_CHAT])
+    conv, = load_conversations(path, DataConfig())
+    t = _with_template(tok, _results_template("{{- '<start_of_turn>tool\\n' ~ m.content ~ '<end_of_turn>\\n' -}}"))
+    served = t.apply_chat_template(TOOL_CHAT["messages"], tools=TOOL_CHAT["tools"], tokenize=False)
+    r = Renderer(t, chat_format="template").render(conv)
+    assert '<start_of_turn>tool\n{"steps": 5, "date": "2026-11-21"}<end_of_turn>' in served
+    assert t.bos_token + r.text == served
+    assert masked_runs(tok, r) == [f'call:get_steps{{"date": "today"}}{EOT}', f"You walked 5 steps.{EOT}"]
+
+
+def test_tool_chats_are_compared_with_the_template_a_marked_vocabulary_is_served_with(tmp_path, tok, caplog):
+    """A vocabulary with the FunctionGemma markers as tokens (FunctionGemma, a merged tool-calling fine-tune) is served
+    with its own chat template, but tool chats were never compared with it: a template that writes a JSON tool result
+    as its text (a merge before the template's JSON reader, the GGUF's) served `{result:<escape>{"steps": 5, ...}`
+    where training rendered `{steps:5,...}`, without a word. Tool chats are compared now; the merge's own template
+    renders them as training does, and a vocabulary without the markers (served with the template the merge writes)
+    is not compared."""
+    import copy
+    import logging
+
+    from gemma_tpu.formats.function_calling import FUNCTION_MARKERS, tool_chat_template
+
+    marked = copy.deepcopy(tok)
+    marked.add_special_tokens({"additional_special_tokens": list(FUNCTION_MARKERS)})
+    assert function_token_map(marked) == {} and function_token_map(tok) != {}
+    path = write_jsonl(tmp_path / "t.jsonl", [TOOL_CHAT])
+    said = {}
+    for vocab, template, warned in ((marked, tool_chat_template(None), False),
+                                    (marked, tool_chat_template(None, parse_json=False), True),
+                                    (tok, tool_chat_template(None, parse_json=False), False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+            prepare_split(str(path), Renderer(_with_template(vocab, template), token_map=function_token_map(vocab)),
+                          DataConfig(seq_len=1024), seed=0)
+        said[warned] = skew = [r.getMessage() for r in caplog.records if "chat template" in r.getMessage()]
+        assert len(skew) == warned, skew
+    skew = said[True]
+    assert skew[0].startswith(f"{path}: 1 of the first 1 chats render otherwise than the tokenizer's own chat "
+                              f"template, which a server renders them with (the first: {path}:1: at character "), skew
+    assert "ours '>response:get_steps{steps:5,date:<escape', the template's '>response:get_steps{result:<escape>{\"" \
+        in skew[0], skew
+
+
+def test_flat_tool_declarations_reach_the_chat_template_as_a_server_hands_them(tmp_path, tok):
+    """data.chat_format=template: flat declarations (`{"name", "parameters"}`, as LLaMA-Factory rows and many datasets
+    keep them) were handed to the template as the file held them, where a client must send `{"type": "function",
+    "function": {...}}` and vLLM hands the template that, a description or parameters left out as null: a template
+    writing `tools | tojson` trained text no server writes, and one reading `tool.function.name` refused the row."""
+    flat = {"name": "get_steps", "parameters": STEPS_TOOL["function"]["parameters"]}
+    served_tools = [{"type": "function", "function": {**flat, "description": None}}]
+    served_tools[0]["function"] = {k: served_tools[0]["function"][k] for k in ("name", "description", "parameters")}
+    row = {"tools": [flat], "messages": TOOL_CHAT["messages"][1:]}
+    conv, = load_conversations(write_jsonl(tmp_path / "c.jsonl", [row]), DataConfig())
+    t = _with_template(tok, _results_template("{{- '<start_of_turn>tool\\n' ~ m.content ~ '<end_of_turn>\\n' -}}"))
+    served = t.apply_chat_template(row["messages"], tools=served_tools, tokenize=False)
+    assert '[{"type": "function", "function": {"name": "get_steps", "description": null, "parameters"' in served
+    assert t.bos_token + Renderer(t, chat_format="template").render(conv).text == served
+    named = _with_template(tok, t.chat_template.replace("(tools | tojson)", "tools[0].function.name ~ tools[0].type"))
+    assert "get_stepsfunction" in Renderer(named, chat_format="template").render(conv).text
+
+
 def test_chats_the_tokenizer_template_renders_otherwise_are_one_warning(tmp_path, tok, tok_dir, caplog, capsys):
     """Our Gemma rendering kept an answer's trailing newline that the tokenizer's own template (what vLLM serves
     the model with) trims: the model was trained on text it is never shown, without a word. Training and inspect
@@ -3084,6 +3175,55 @@ def test_llama_factory_sharegpt_tool_turns_train_as_openai_tool_calls(tmp_path, 
     row["conversations"][1]["value"] = "get_steps(today)"
     with pytest.raises(UserError, match=r":1: conversations\[1\]: 'value' is a string but not valid JSON"):
         load_conversations(write_jsonl(tmp_path / "lf.jsonl", [row]), DataConfig())
+
+
+def test_llama_factory_parallel_calls_answered_by_one_observation(tmp_path, tok):
+    """LLaMA-Factory's ShareGPT rows alternate strictly (human/observation, gpt/function_call), so a function_call
+    turn of several calls is answered by one observation: a JSON list of the results in the calls' order, or the
+    results joined as its converter of OpenAI chats joins them. Such rows were refused at the answer after them (the
+    assistant continuing with 1 of 2 calls answered); each result now answers its call, and the row trains as the
+    same chat in OpenAI messages does. One observation that cannot be split into one result a call is refused
+    naming it."""
+    from gemma_tpu.data.records import LLAMA_FACTORY_RESULTS_JOIN
+
+    tools = [STEPS_TOOL["function"], HR_TOOL["function"]]
+    calls = [{"name": "get_steps", "arguments": {"date": "today"}}, {"name": "get_heart_rate", "arguments": {}}]
+    chat = {"tools": [STEPS_TOOL, HR_TOOL], "messages": [
+        {"role": "user", "content": "Steps and HR?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": c} for c in calls]},
+        {"role": "tool", "content": "{\"steps\": 5}"}, {"role": "tool", "content": "60 bpm"},
+        {"role": "assistant", "content": "5 steps, 60 bpm."}, {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "Welcome."}]}
+
+    def row(observation) -> dict:
+        return {"tools": json.dumps(tools), "conversations": [
+            {"from": "human", "value": "Steps and HR?"}, {"from": "function_call", "value": json.dumps(calls)},
+            {"from": "observation", "value": observation}, {"from": "gpt", "value": "5 steps, 60 bpm."},
+            {"from": "human", "value": "Thanks"}, {"from": "gpt", "value": "Welcome."}]}
+
+    token_map = function_token_map(tok)
+    observations = ['[{"steps": 5}, "60 bpm"]', [{"steps": 5}, "60 bpm"],
+                    LLAMA_FACTORY_RESULTS_JOIN.join(['{"steps": 5}', "60 bpm"])]
+    want, *got = load_conversations(write_jsonl(tmp_path / "lf.jsonl", [chat, *map(row, observations)]), DataConfig())
+    for conv in got:
+        assert [m.get("name") for m in conv["messages"]] == [None, None, "get_steps", "get_heart_rate", None, None,
+                                                             None]
+        ours, theirs = Renderer(tok, token_map=token_map).render(conv), Renderer(tok, token_map=token_map).render(want)
+        assert ours.ids.tolist() == theirs.ids.tolist() and ours.loss_mask.tolist() == theirs.loss_mask.tolist()
+    assert "response:get_steps{steps:5}" in ours.text and "response:get_heart_rate{result:" in ours.text
+    for bad, holds in (("5 steps and 60 bpm", "one result"), ("[1, 2, 3]", "a list of 3")):
+        path = write_jsonl(tmp_path / "bad.jsonl", [row(bad)])
+        with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: conversations\[2\]: one observation answers "
+                                            rf"the 2 parallel calls of the function_call turn before it, but holds "
+                                            rf"{holds}: give a JSON list of 2 results in the calls' order \(or one "
+                                            rf"observation per call\)$"):
+            load_conversations(path, DataConfig())
+    # a turn after the split one is named by its own index in the row
+    late = row('[1, 2]')
+    late["conversations"][4]["value"] = "<end_of_turn>"
+    path = write_jsonl(tmp_path / "late.jsonl", [late])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:1: conversations\[4\]: the text holds"):
+        load_conversations(path, DataConfig())
 
 
 def test_an_openorca_system_prompt_column_leads_the_conversation(tmp_path, tok):

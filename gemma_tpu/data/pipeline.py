@@ -117,17 +117,18 @@ def render_error(e: UserError, conv: dict, path: str) -> UserError:
     return e if str(e).startswith(f"{where}:") else UserError(f"{where}: {e}")
 
 
-SKEW_SAMPLE = 64  # plain chats of a file compared with the tokenizer's template (a Jinja render each)
+SKEW_SAMPLE = 64  # chats of a file compared with the tokenizer's template (a Jinja render each)
 
 
 def template_skew_warning(convs: list[dict], renderer: Renderer, path: str) -> str | None:
-    """One line when the first plain chats of a file render otherwise than the tokenizer's own chat template
-    renders them (None otherwise): training would teach text the served model is never shown."""
+    """One line when the first chats of a file (`Renderer.compares_with_template`) render otherwise than the
+    tokenizer's own chat template renders them (None otherwise): training would teach text the served model is never
+    shown."""
     checked, first, n = 0, None, 0
     for conv in convs:
         if checked == SKEW_SAMPLE:
             break
-        if "text" in conv or conv.get("tools"):
+        if not renderer.compares_with_template(conv):
             continue
         checked += 1
         diff = renderer.template_difference(conv)

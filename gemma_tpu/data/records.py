@@ -30,7 +30,7 @@ Accepted files, all through `iter_raw`:
 - any of the text forms gzip-compressed (`.jsonl.gz`, `.json.gz`; told by its magic bytes).
   Other compressions and archives (zstd, bzip2, xz, zip, 7z) and UTF-16/32 text are refused saying so.
 - `.json`: a JSON array of objects (each example's line is the line its object starts on), a single
-  object, or JSON Lines saved under a `.json` name.
+  object, objects pretty-printed one after another (`jq . rows.jsonl`), or JSON Lines saved under a `.json` name.
 - a `datasets` `save_to_disk` directory (or one of its `.arrow` shards): one example a row, as Parquet.
 - `.parquet`: one example a row ("line" = row number, from 1). Parquet stores structs with the union
   of all their fields, so keys whose value is null are dropped from every object (a JSON null
@@ -156,6 +156,26 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
         raise UserError(f"{p}:{where}: not valid JSON (expected ',' or ']' after an array element)")
 
 
+def _iter_json_stream(p: Path, text: str, i: int) -> Iterator[tuple[int, Any]]:
+    """JSON values one after another from `i` (separated by whitespace alone), each with the line it starts on."""
+    dec, n, line, counted = strict_json.DECODER, len(text), 1, 0
+    while True:
+        while i < n and text[i] in " \t\r\n":
+            i += 1
+        if i >= n:
+            return
+        line, counted = line + text.count("\n", counted, i), i
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise _too_deep(f"{p}:{line}") from None
+        except strict_json.NotJSON as e:
+            raise UserError(f"{p}:{line}: {e}") from None
+        yield line, obj
+
+
 def _is_file(p: Path) -> bool:
     try:
         return p.is_file()
@@ -259,6 +279,13 @@ def iter_raw(path: str | Path) -> Iterator[tuple[int, Any]]:
             except json.JSONDecodeError as e:
                 if e.msg != "Extra data":  # "Extra data": several objects, i.e. JSON Lines
                     raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                start = len(text) - len(head)
+                if "\n" in text[start:strict_json.DECODER.raw_decode(text, start)[1]]:
+                    # objects pretty-printed one after another (`jq . rows.jsonl > rows.json`, json.dump of each row
+                    # with indent): refused as JSON Lines whose first line ends inside its object, told to name the
+                    # file .json, which it was
+                    yield from _iter_json_stream(p, text, start)
+                    return
             except RecursionError:
                 raise _too_deep(f"{p}:{first}") from None
             except strict_json.NotJSON as e:
@@ -586,9 +613,9 @@ def _decode_embedded(text: str, what: str, where: str) -> Any:
 def _check_tool_result(content: str, where: str) -> None:
     """A tool result the prompt renders as JSON (`format_response`, and Hugging Face templates, read it with Python's
     lenient json) is read as strictly as the file: `{"r": 1e999}` was rendered `{r:Infinity}`, `NaN` kept (neither is
-    JSON) and one of a key given twice dropped, so the model trained on a result the file never held."""
-    if not content.lstrip().startswith(("{", "[")):
-        return  # text or a bare value: rendered as the server renders it (a bare `1e999` as `Infinity`, both sides)
+    JSON) and one of a key given twice dropped, so the model trained on a result the file never held. A bare value is
+    read alike: `1e999`, `NaN` or `-Infinity` alone is rendered `{result:Infinity}` (`{result:NaN}`), a JSON number in
+    the prompt and the served template alike, not the text the file holds (which would be `<escape>NaN<escape>`)."""
     try:
         json.loads(content)
     except (ValueError, RecursionError):
@@ -986,7 +1013,8 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
     if all(isinstance(t, dict) and "role" in t and "from" not in t for t in turns):
         # chat messages under the ShareGPT column name, as many Hub datasets and converters leave them
         return _as_conversations(turns, obj, where, markup)
-    messages = []
+    messages: list[dict] = []
+    turn_of: list[int] = []  # the turn each message comes from (one observation may answer several calls)
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
             raise UserError(f"{where}: conversations[{i}]: expected an object with 'from' and 'value'")
@@ -995,14 +1023,60 @@ def normalise_sharegpt(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
         speaker = t["from"].lower() if isinstance(t["from"], str) else None
         flags = {k: t[k] for k in TRAIN_FLAGS if k in t}
         if speaker in SHAREGPT_TOOL_TURNS:  # LLaMA-Factory's tool turns: a call (or a list of them), its result
-            messages.append(_sharegpt_tool_turn(speaker, t["value"], f"{where}: conversations[{i}]") | flags)
+            tw = f"{where}: conversations[{i}]"
+            if speaker == "observation" and _answers_parallel_calls(messages, turns, i):
+                results = _parallel_results(t["value"], len(messages[-1]["tool_calls"]), tw)
+            else:
+                results = [t["value"]]
+            for value in results:
+                messages.append(_sharegpt_tool_turn(speaker, value, tw) | flags)
+                turn_of.append(i)
             continue
         role = SHAREGPT_ROLES.get(speaker)
         if role is None:
             raise UserError(f"{where}: conversations[{i}]: unknown speaker {shown(t['from'])} (expected one of "
                             f"{', '.join((*SHAREGPT_ROLES, *SHAREGPT_TOOL_TURNS))})")
         messages.append({"role": role, "content": t["value"], **flags})
-    return _as_conversations(messages, obj, where, markup)
+        turn_of.append(i)
+    return _as_conversations(messages, obj, where, markup, turn_of)
+
+
+# how LLaMA-Factory's own converter of OpenAI chats joins the results of parallel calls into one observation
+LLAMA_FACTORY_RESULTS_JOIN = "\n</tool_response>\n<tool_response>\n"
+
+
+def _answers_parallel_calls(messages: list[dict], turns: list, i: int) -> bool:
+    """Whether observation turn `i` is the one result of a function_call turn of several calls: LLaMA-Factory's
+    rows alternate strictly (human/observation, gpt/function_call), so a turn of parallel calls is answered by one
+    observation. Several observations in a row answer the calls one each, as tool messages do."""
+    nxt = turns[i + 1] if i + 1 < len(turns) else None
+    again = isinstance(nxt, dict) and isinstance(nxt.get("from"), str) and nxt["from"].lower() == "observation"
+    return bool(messages) and len(messages[-1].get("tool_calls") or []) > 1 and not again
+
+
+def _parallel_results(value: Any, n: int, tw: str) -> list[Any]:
+    """The results of `n` parallel calls held by one observation, in the calls' order: a JSON list of `n` results
+    (as text or as a list; each one its text, or its JSON text), or `n` results joined as LLaMA-Factory's converter
+    of OpenAI chats joins them (`LLAMA_FACTORY_RESULTS_JOIN`). They were refused at the answer after them, as an
+    assistant continuing before every call had a result (1 of n answered)."""
+    listed = value
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            json.loads(value)
+        except (ValueError, RecursionError):  # text that only starts like a list
+            pass
+        else:  # read as strictly as the file (a NaN or a key twice in it refused)
+            listed = _decode_embedded(value, "value", tw)
+    if isinstance(listed, list) and len(listed) == n:
+        # each result is read as a tool message's content is (strictly, where it is rendered as JSON)
+        return [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in listed]
+    if isinstance(value, str) and value.count(LLAMA_FACTORY_RESULTS_JOIN) == n - 1:
+        return value.split(LLAMA_FACTORY_RESULTS_JOIN)
+    got = (f"a list of {len(listed)}" if isinstance(listed, list) else
+           f"{value.count(LLAMA_FACTORY_RESULTS_JOIN) + 1} joined as LLaMA-Factory joins them"
+           if isinstance(value, str) and LLAMA_FACTORY_RESULTS_JOIN in value else "one result")
+    raise UserError(f"{tw}: one observation answers the {n} parallel calls of the function_call turn before it, but "
+                    f"holds {got}: give a JSON list of {n} results in the calls' order (or one observation per call)")
 
 
 def _sharegpt_tool_turn(speaker: str, value: Any, tw: str) -> dict:
@@ -1024,13 +1098,19 @@ def _fields(obj: dict) -> str:
     return ", ".join(map(str, obj)) or "no fields"
 
 
-def _as_conversations(messages: list, obj: dict, where: str, markup: Markup) -> dict:
-    """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field)."""
+def _as_conversations(messages: list, obj: dict, where: str, markup: Markup,
+                      turn_of: list[int] | None = None) -> dict:
+    """`normalise_messages` of a ShareGPT row's turns, its errors naming conversations[i] (the row's field);
+    `turn_of`: the turn of each message, where they differ (an observation split into its results)."""
     try:
         return normalise_messages({"messages": messages, "tools": obj.get("tools"),
                                    **{k: obj[k] for k in SYSTEM_FIELDS if k in obj}}, where, markup)
     except UserError as e:
-        raise UserError(re.sub(r"(?<=: )messages\[", "conversations[", str(e), count=1)) from None
+        def turn(m: re.Match) -> str:
+            k = int(m.group(1))
+            return f"conversations[{turn_of[k] if turn_of and k < len(turn_of) else k}]"
+
+        raise UserError(re.sub(r"(?<=: )messages\[(\d+)\]", turn, str(e), count=1)) from None
 
 
 def detect_format(obj: dict, instruction_field: str, text_field: str = "text") -> str | None:

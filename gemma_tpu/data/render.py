@@ -16,7 +16,6 @@ Chat formats:
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
@@ -120,24 +119,38 @@ LOSS_ON = ("assistant", "all")
 def template_messages(messages: list[dict]) -> list[dict]:
     """Normalised messages in the shape Hugging Face chat templates expect.
 
-    Call arguments are objects; a tool result whose content is a JSON object is passed as that
-    object (templates that know tool results render objects field by field, as our renderer does).
+    Call arguments are objects (vLLM parses the JSON text a client sends into one); a tool result is its text, as
+    vLLM and transformers serve hand a client's result to the template (OpenAI's tool message content is text): a
+    JSON object result passed as an object was written `{'steps': 5}` by a template writing the content as it is,
+    where the served model is shown `{"steps": 5}` (our tool template reads a JSON text field by field either way).
     """
     out = []
     for m in messages:
-        content: Any = m.get("content") or ""
-        if m["role"] == "tool" and content.lstrip().startswith("{"):
-            try:
-                content = json.loads(content)
-            except (ValueError, RecursionError):  # not JSON, an integer past Python's 4,300 digits, nested too deeply
-                pass
-        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
         if m.get("tool_calls"):
             msg["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                                  for c in m["tool_calls"]]
         if m["role"] == "tool" and m.get("name"):
             msg["name"] = m["name"]
         out.append(msg)
+    return out
+
+
+def template_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tool declarations as vLLM hands them to a chat template: each in OpenAI's shape, `{"type": "function",
+    "function": {...}}` (a flat declaration, as LLaMA-Factory rows and many datasets keep them, wrapped: a client
+    must send it so), its `description` and `parameters` None where not given (vLLM's request model dumps them so).
+    Passed as the file held them, a template writing `tools | tojson` trained text no server writes, and one reading
+    `tool.function.name` refused every such row. Keys in the dump's order (`tojson` keeps the order it is given)."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn = t.get("function", t)
+        own = ("name", "description", "parameters")
+        out.append({"type": t.get("type", "function") if "function" in t else "function",
+                    "function": {**{k: fn.get(k) for k in own}, **{k: v for k, v in fn.items() if k not in own}},
+                    **({k: v for k, v in t.items() if k not in ("type", "function")} if "function" in t else {})})
     return out
 
 
@@ -246,7 +259,7 @@ class Renderer:
         tokenizer's continue_final_message), as a server renders a prompt that ends in the start of an answer."""
         more = {"continue_final_message": True} if continue_final else {}
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=template_tools(tools), tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **more)
         except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
             raise UserError(f"{where}: the tokenizer's chat template refused the conversation "
@@ -335,19 +348,33 @@ class Renderer:
                             f"results it is never shown - use data.chat_format=gemma, or a template that renders tool "
                             f"results")
 
+    def compares_with_template(self, conv: dict) -> bool:
+        """Whether `template_difference` compares `conv` with the tokenizer's own chat template: a chat rendered by our
+        Gemma format where the tokenizer has a template. A tool chat is compared where the vocabulary has the
+        FunctionGemma markers as tokens (FunctionGemma, a merged tool-calling fine-tune), whose template is the one
+        served; a vocabulary that lacks them (plain Gemma 3) is served with the tool template the merge writes
+        (`convert.tool_tokens`), which renders as training does, whatever template the tokenizer has now."""
+        if self.chat_format == "template" or "text" in conv or not getattr(self.tokenizer, "chat_template", None):
+            return False
+        if not conv.get("tools"):
+            return True
+        if getattr(self, "_lacks_markers", None) is None:
+            self._lacks_markers = bool(fc.function_token_map(self.tokenizer))
+        return not self._lacks_markers
+
     def template_difference(self, conv: dict) -> str | None:
-        """Where our Gemma rendering of a plain chat (no tools) departs from the tokenizer's own chat template,
-        which is what a server (vLLM) renders the same conversation with: a template that trims message text (as
-        Google's Gemma 3 template does) or writes the system prompt otherwise trains text the served model never
-        sees. None: they agree, or there is nothing to compare (tools, a text row, no template). A chat the template
-        refuses that we render (a leading `developer` message, folded like system; Gemma 3's templates take only
-        system) is a difference too: a server refuses it as sent, so no client can send the prompt trained on."""
-        if (self.chat_format == "template" or "text" in conv or conv.get("tools")
-                or not getattr(self.tokenizer, "chat_template", None)):
+        """Where our Gemma rendering of a chat departs from the tokenizer's own chat template, which is what a server
+        (vLLM) renders the same conversation with: a template that trims message text (as Google's Gemma 3 template
+        does), writes the system prompt otherwise, or renders tool declarations, calls or results otherwise (a template
+        that writes a JSON tool result as the text it is) trains text the served model never sees. None: they agree,
+        or there is nothing to compare (`compares_with_template`). A chat the template refuses that we render (a
+        leading `developer` message, folded like system; Gemma 3's templates take only system) is a difference too: a
+        server refuses it as sent, so no client can send the prompt trained on."""
+        if not self.compares_with_template(conv):
             return None
-        ours = "".join(t for t, _ in gemma_segments(conv))
+        ours = self.map_markers("".join(t for t, _ in gemma_segments(conv)))
         try:
-            theirs = self._apply(template_messages(conv["messages"]), None, False, "")
+            theirs = self._apply(template_messages(conv["messages"]), conv.get("tools"), False, "")
         except UserError as e:
             return f"the template refuses it{str(e).partition('refused the conversation')[2]}"
         theirs = theirs.removeprefix(self.bos_text)
@@ -367,10 +394,12 @@ class Renderer:
             if not given:
                 continue
             start = {"role": "assistant", "content": m["content"][:given]}
-            ours = "".join(t for t, _ in gemma_segments({"messages": msgs[:k] + [start]}, continue_final=True))
+            ours = self.map_markers("".join(t for t, _ in gemma_segments(
+                {"messages": msgs[:k] + [start], "tools": conv.get("tools")}, continue_final=True)))
             what = f"messages[{k}]'s given start, continued (continue_final_message)"
             try:
-                theirs = self._apply(template_messages(msgs[:k]) + [start], None, False, "", continue_final=True)
+                theirs = self._apply(template_messages(msgs[:k]) + [start], conv.get("tools"), False, "",
+                                     continue_final=True)
             except UserError as e:
                 return f"{what}: the template refuses it{str(e).partition('refused the conversation')[2]}"
             theirs = theirs.removeprefix(self.bos_text)
