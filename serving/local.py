@@ -701,6 +701,10 @@ class CheckedChatApp:
             return await receive()
 
         if path == "/v1/responses":
+            if request.get("request_id") is None:  # vLLM's Response id: `resp_` and a fresh uuid's hex digits (it was
+                import uuid                          # `resp_` before transformers serve's chat id)
+
+                request = {**request, "request_id": f"resp_{uuid.uuid4().hex}"}
             return await self._responses(scope, headers, replay, send, request, body, forced, whole)
         named = ServedName(self.model_name, completion_id(path, scope.get("headers", []), rid))
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
@@ -712,8 +716,7 @@ class CheckedChatApp:
             filters += ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced,
                                isinstance(body.get("tool_choice"), dict))] if tools else [])
-            if named.name or named.rid is not None:  # after the calls: theirs named after the served app's id, as
-                filters.append(named)                 # unstreamed (`tool_calls`)
+            filters.append(named)  # after the calls: theirs named after the served app's id, as unstreamed
             filters.append(NullFields())
             filters.append(StreamUsage((body.get("stream_options") or {}).get("include_usage") is True))
             filters.append(ErrorEvents())
@@ -999,13 +1002,15 @@ class ServedName(EventStream):
         return b"data: " + self.whole(event[5:].strip()) + b"\n\n"
 
 
-def completion_id(path: str, headers: list, request_id: str | None) -> str | None:
-    """The id vLLM gives a chat or text completion (`path`) whose client names it: `chatcmpl-` or `cmpl-` before the
-    request's `X-Request-Id` header, else its `request_id` field (vLLM's extension); None where it names none (the
-    served app's own id, a fresh one, stands)."""
+def completion_id(path: str, headers: list, request_id: str | None) -> str:
+    """The id vLLM gives a chat or text completion (`path`): `chatcmpl-` or `cmpl-` before the request's `X-Request-Id`
+    header, else its `request_id` field (vLLM's extension), else a fresh uuid's 32 hex digits (vLLM's `random_uuid`):
+    transformers serve's own id, a bare uuid with dashes, was passed on where a client told the endpoint by it."""
+    import uuid
+
     given = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
-    base = given if given is not None else request_id
-    return None if base is None else ("cmpl-" if path == "/v1/completions" else "chatcmpl-") + base
+    base = given if given is not None else request_id if request_id is not None else uuid.uuid4().hex
+    return ("cmpl-" if path == "/v1/completions" else "chatcmpl-") + base
 
 
 def _cut(text: str, stops: list[str]) -> int | None:

@@ -7,6 +7,7 @@ model's context (max_tokens 100000 held the server for minutes)."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -772,11 +773,12 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     # usage only when stream_options.include_usage asks for it, as OpenAI and vLLM stream it (transformers serve put
     # it on the finishing chunk always)
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and not any("usage" in c for c in out)
-    assert all(c["id"] == "r1" and c["object"] == "chat.completion.chunk" for c in out)
+    assert len({c["id"] for c in out}) == 1 and all(c["object"] == "chat.completion.chunk" for c in out)
+    assert re.fullmatch("chatcmpl-[0-9a-f]{32}", out[0]["id"]), out[0]  # vLLM's id, not the served app's "r1"
     code, counted = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True,
                                           "stream_options": {"include_usage": True}})
-    assert counted[-1] == {"id": "r1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
-                           "usage": {"completion_tokens": 9}}
+    assert counted[-1] == {"id": counted[0]["id"], "object": "chat.completion.chunk", "created": 1, "model": "m",
+                           "choices": [], "usage": {"completion_tokens": 9}}
     assert [c["choices"] for c in counted[:-1]] == [c["choices"] for c in out]
     assert all(c["usage"] is None for c in counted[:-1])
     code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True, "parallel_tool_calls": False})
@@ -802,7 +804,8 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     out = [e[len(b"data: "):] for e in b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
            .split(b"\n\n") if e.strip()]
     assert out.pop() == b"[DONE]"
-    shaped = [{**e, "choices": [{"finish_reason": None, "logprobs": None, **e["choices"][0]}]} for e in events]
+    shaped = [{**e, "id": json.loads(out[0])["id"], "choices": [{"finish_reason": None, "logprobs": None,
+                                                                  **e["choices"][0]}]} for e in events]
     shaped[0]["choices"][0]["delta"]["content"] = ""
     del shaped[-1]["usage"]  # nobody asked for it
     assert [json.loads(e) for e in out] == shaped
@@ -1988,8 +1991,14 @@ def test_request_id_names_the_completion_as_vllm_names_it():
         code, resp = _asgi(app, {**body, "request_id": "trace-7"}, path,
                            headers=JSON_HEADERS + [(b"x-request-id", b"from-header")])
         assert resp["id"] == prefix + "from-header", resp
+        # none named: vLLM's prefix before a fresh uuid's hex digits (`random_uuid`), whole and on every chunk; the
+        # served app's own bare id was passed on
         code, resp = _asgi(app, body, path)
-        assert resp["id"] == "inner-uuid", resp  # none named: the served app's own (a fresh uuid)
+        assert re.fullmatch(prefix + "[0-9a-f]{32}", resp["id"]), resp
+        code, raw = _asgi(app, {**body, "stream": True}, path, raw=True)
+        chunks = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+        assert len({c["id"] for c in chunks}) == 1 and re.fullmatch(prefix + "[0-9a-f]{32}", chunks[0]["id"]), chunks
+        assert _asgi(app, body, path)[1]["id"] != resp["id"]
         code, resp = _asgi(app, {**body, "request_id": 7}, path)
         assert code == 400 and resp["error"]["param"] == "request_id", resp
         assert "expected a string, got a number" in resp["error"]["message"]
@@ -2000,6 +2009,12 @@ def test_request_id_names_the_completion_as_vllm_names_it():
     assert {e["response"]["id"] for e in events if "response" in e} == {"resp_mine"}
     code, resp = _asgi(app, {"input": "hi", "request_id": ["x"]}, "/v1/responses")
     assert code == 400 and resp["error"]["param"] == "request_id", resp
+    code, resp = _asgi(app, {"input": "hi"}, "/v1/responses")  # none named: `resp_` and a fresh uuid's hex, as vLLM's
+    assert code == 200 and re.fullmatch("resp_[0-9a-f]{32}", resp["id"]), resp
+    code, raw = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if e.strip()]
+    ids = {e["response"]["id"] for e in events if "response" in e}
+    assert len(ids) == 1 and re.fullmatch("resp_[0-9a-f]{32}", ids.pop()), events
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
