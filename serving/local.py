@@ -858,6 +858,13 @@ class CheckedChatApp:
         await self.app(inner, replay, rewrite)
 
 
+# the null fields of vLLM's choices beyond OpenAI's (`stop_reason`: the stop string, or None for any other end),
+# which a client written for vLLM reads: a text completion's on every chunk and whole, with its `token_ids` and
+# `prompt_token_ids` (null unless `return_token_ids`, which this server refuses); a chat completion's `stop_reason` on
+# its whole choice and its finishing chunk
+TEXT_CHOICE_NULLS = ("stop_reason", "token_ids", "prompt_token_ids")
+
+
 def whole_completion(stream: bytes, thought: bool = True) -> bytes:
     """The chat or text completion a stream of its chunks (`data: {...}` events) amounts to, as transformers serve
     answers a request without `stream`: the text joined, the last finish_reason, the usage of the last chunk; an
@@ -892,7 +899,9 @@ def whole_completion(stream: bytes, thought: bool = True) -> bytes:
                 call["function"]["arguments"] += fn.get("arguments") or ""
         if out is None:
             # `logprobs: null`, as vLLM and OpenAI write it (a request for them is refused): `choice["logprobs"]` failed
-            out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0, "logprobs": None}],
+            # and vLLM's `stop_reason` (set by `trim_stops` for a stop string), a text completion's token ids too
+            nulls = dict.fromkeys(TEXT_CHOICE_NULLS if not chat else ("stop_reason",))
+            out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0, "logprobs": None, **nulls}],
                    "created": chunk.get("created"),
                    "model": chunk.get("model"), "object": "chat.completion" if chat else "text_completion"}
         if choice.get("finish_reason") is not None:
@@ -1123,9 +1132,9 @@ class ReasoningName(EventStream):
 
 class NullFields(EventStream):
     """A chat or text completion's stream with the null fields OpenAI and vLLM write on each chunk: `finish_reason`
-    and `logprobs` null until set, and `"content": ""` beside the role of a chat's first chunk. transformers serve
-    leaves every null out (it dumps its chunks `exclude_none`), so a client reading `choice["finish_reason"]` failed
-    on the first chunk here."""
+    and `logprobs` null until set, and `"content": ""` beside the role of a chat's first chunk; and vLLM's own
+    (`TEXT_CHOICE_NULLS`). transformers serve leaves every null out (it dumps its chunks `exclude_none`), so a client
+    reading `choice["finish_reason"]` failed on the first chunk here."""
 
     def _event(self, event: bytes) -> bytes:
         chunk, choice = sse_choice(event)
@@ -1133,10 +1142,13 @@ class NullFields(EventStream):
             return event + b"\n\n"
         delta = choice.get("delta")
         opening = isinstance(delta, dict) and "role" in delta and set(delta) <= {"role", "content"}
-        if "finish_reason" in choice and "logprobs" in choice and not (opening and delta.get("content") is None):
+        nulls = ("finish_reason", "logprobs") + (
+            TEXT_CHOICE_NULLS if not isinstance(delta, dict) else ("stop_reason",) if choice.get("finish_reason")
+            else ())
+        if all(k in choice for k in nulls) and not (opening and delta.get("content") is None):
             return event + b"\n\n"
-        choice.setdefault("finish_reason", None)
-        choice.setdefault("logprobs", None)
+        for key in nulls:
+            choice.setdefault(key, None)
         if opening and delta.get("content") is None:
             delta["content"] = ""
         return sse_event(chunk)

@@ -807,6 +807,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     shaped = [{**e, "id": json.loads(out[0])["id"], "choices": [{"finish_reason": None, "logprobs": None,
                                                                   **e["choices"][0]}]} for e in events]
     shaped[0]["choices"][0]["delta"]["content"] = ""
+    shaped[-1]["choices"][0]["stop_reason"] = None  # vLLM's, on the finishing chunk
     del shaped[-1]["usage"]  # nobody asked for it
     assert [json.loads(e) for e in out] == shaped
 
@@ -1056,13 +1057,14 @@ def test_whole_answers_are_put_together_from_the_stream():
     assert json.loads(whole_completion(chat)) == {
         "id": "r", "created": 5, "model": "m", "object": "chat.completion", "usage": {
             "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "stop_reason": None, "message": {
             "role": "assistant", "content": "Hé ", "reasoning": "hm", "tool_calls": [
                 {"id": "r_tool_call_0", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]}
     text = sse({"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]},
                {"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-    assert json.loads(whole_completion(text))["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None,
-                                                                     "text": "a"}]
+    assert json.loads(whole_completion(text))["choices"] == [{
+        "index": 0, "finish_reason": "length", "logprobs": None, "text": "a", "stop_reason": None, "token_ids": None,
+        "prompt_token_ids": None}]
     assert json.loads(whole_completion(b'data: {"error": "boom"}\n\n'))["error"]["message"] == "boom"
     assert whole_completion(b'{"already": "whole"}') == b'{"already": "whole"}'
     # through the server: a generation that fails midway is a 500 in OpenAI's shape, chat or Responses
@@ -2022,7 +2024,9 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     """transformers serve writes its chunks without their null fields: a text completion's chunks came without
     `finish_reason` (and `logprobs`) until the last, a chat's too, and the chat's first chunk without `content` beside
     its role. vLLM and OpenAI send `"finish_reason": null` and `"logprobs": null` on every chunk before the last, and
-    the role chunk's `"content": ""`; a client reading `choice["finish_reason"]` or `delta["content"]` failed here."""
+    the role chunk's `"content": ""`; a client reading `choice["finish_reason"]` or `delta["content"]` failed here.
+    vLLM's choices carry `stop_reason` too (a text completion's also `token_ids` and `prompt_token_ids`), null but for
+    a stop string: they were left out but where a stop string was cut."""
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
 
@@ -2051,14 +2055,27 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     choices = [c["choices"][0] for c in chunks]
     assert [c["finish_reason"] for c in choices] == [None] * (len(sse) - 1) + ["stop"], choices
     assert all(c["logprobs"] is None for c in choices), choices
+    # and vLLM's own: a text completion's `stop_reason`, `token_ids` and `prompt_token_ids` on every chunk, a chat's
+    # `stop_reason` on its finishing chunk (null: no stop string ended it)
     if chat:
         assert choices[0]["delta"] == {"role": "assistant", "content": ""}, choices
         assert "".join(c["delta"].get("content") or "" for c in choices) == "ab"
+        assert "stop_reason" in choices[-1] and choices[-1]["stop_reason"] is None, choices
     else:
         assert "".join(c["text"] for c in choices) == "ab"
+        assert all({k: c.get(k, "missing") for k in ("stop_reason", "token_ids", "prompt_token_ids")} ==
+                   dict.fromkeys(("stop_reason", "token_ids", "prompt_token_ids")) for c in choices), choices
     # the whole answer's choice too (transformers serve's chunks put together here)
     code, whole = _asgi(CheckedChatApp(inner), body, path)
     assert code == 200 and whole["choices"][0]["logprobs"] is None and whole["choices"][0]["finish_reason"] == "stop"
+    nulls = ("stop_reason",) if chat else ("stop_reason", "token_ids", "prompt_token_ids")
+    assert {k: whole["choices"][0].get(k, "missing") for k in nulls} == dict.fromkeys(nulls), whole
+    # a stop string that ended the text is the stop_reason, whole and streamed, as vLLM names it
+    code, whole = _asgi(CheckedChatApp(inner), {**body, "stop": "b"}, path)
+    assert whole["choices"][0]["stop_reason"] == "b", whole
+    code, raw = _asgi(CheckedChatApp(inner), {**body, "stop": "b", "stream": True}, path, raw=True)
+    last = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e][-1]
+    assert last["choices"][0]["stop_reason"] == "b", last
 
 
 def test_a_response_echoes_the_request_settings_as_vllm_does():
