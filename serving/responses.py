@@ -303,15 +303,17 @@ def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_re
             "model": model, "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
             "instructions": request.get("instructions"), "output": output,
-            "metadata": request["metadata"] if isinstance(request.get("metadata"), dict) else {},  # echoed, as OpenAI
+            # echoed as vLLM's ResponsesResponse.from_request echoes it: null when the request gives none
+            "metadata": request["metadata"] if isinstance(request.get("metadata"), dict) else None,
             "output_text": "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"]),
             "parallel_tool_calls": request.get("parallel_tool_calls", True),
             "tool_choice": request.get("tool_choice") or "auto",
             "tools": [{"type": "function", **t["function"]} for t in tools],
             "temperature": request.get("temperature"), "top_p": request.get("top_p"),
             "max_output_tokens": request.get("max_output_tokens"),
-            # the request's other settings echoed, as vLLM (ResponsesResponse.from_request) and OpenAI echo them
-            "text": request.get("text") or {"format": {"type": "text"}},
+            # the request's other settings echoed, as vLLM (ResponsesResponse.from_request) echoes them: `text` as
+            # given, null when left out (OpenAI writes its default format there, vLLM the request's field)
+            "text": request.get("text"),
             "truncation": request.get("truncation") or "disabled", "reasoning": request.get("reasoning"),
             "service_tier": request.get("service_tier") or "auto", "user": request.get("user"),
             "max_tool_calls": request.get("max_tool_calls"), "background": False, "previous_response_id": None,
