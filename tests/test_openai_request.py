@@ -1136,6 +1136,17 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     final = events[-1]["response"]
     assert kinds[-1] == "response.completed" and final["output"] == whole["output"], final
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
+    # vLLM's chat extension `include_reasoning` is no field of its ResponsesRequest: taken (false was refused here)
+    # and read as nothing there, the reasoning item kept, whole and streamed
+    for include in (False, True):
+        code, kept = _asgi(app, {"input": "hi", "include_reasoning": include}, "/v1/responses")
+        assert code == 200 and [o["type"] for o in kept["output"]] == ["reasoning", "message"], kept
+        code, text = _asgi(app, {"input": "hi", "include_reasoning": include, "stream": True}, "/v1/responses",
+                           raw=True)
+        final = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()][-1]["response"]
+        assert [o["type"] for o in final["output"]] == ["reasoning", "message"], final
+    code, bad = _asgi(app, {"input": "hi", "include_reasoning": "no"}, "/v1/responses")
+    assert code == 400 and bad["error"]["param"] == "include_reasoning", bad
 
 
 def test_include_reasoning_false_leaves_the_thought_out_as_vllm_does():
@@ -2115,11 +2126,11 @@ def test_a_response_echoes_the_request_settings_as_vllm_does():
 
 
 def test_vllms_request_extensions_of_its_pinned_release_are_served():
-    """vllm-tpu 0.27's chat completion takes `include_reasoning` (default true) and its Responses API the sampling
-    extensions of a chat completion (`top_k`, `repetition_penalty`, `frequency_penalty`, `logit_bias`, `ignore_eos`,
-    `chat_template_kwargs`, `skip_special_tokens`, ...): the local server refused them ("Unexpected field", "unknown
-    parameter"). They are read as a chat completion reads them; a value this server cannot serve is refused naming
-    the field, as before."""
+    """vllm-tpu 0.27's chat completion takes `include_reasoning` (default true; its Responses API takes it as an extra
+    field it does not read) and its Responses API the sampling extensions of a chat completion (`top_k`,
+    `repetition_penalty`, `frequency_penalty`, `logit_bias`, `ignore_eos`, `chat_template_kwargs`,
+    `skip_special_tokens`, ...): the local server refused them ("Unexpected field", "unknown parameter"). They are
+    read as a chat completion reads them; a value this server cannot serve is refused naming the field, as before."""
     from serving.responses import chat_request, request_param
 
     assert "include_reasoning" not in check_chat_request({"messages": USER, "include_reasoning": True})
@@ -2127,9 +2138,7 @@ def test_vllms_request_extensions_of_its_pinned_release_are_served():
     with pytest.raises(RequestError, match="expected true or false") as e:
         check_chat_request({"messages": USER, "include_reasoning": "no"})
     assert e.value.param == "include_reasoning"
-    with pytest.raises(RequestError, match="false is served on /v1/chat/completions here") as e:
-        chat_request({"input": "hi", "include_reasoning": False})
-    assert e.value.param == "include_reasoning"
+    assert "include_reasoning" not in chat_request({"input": "hi", "include_reasoning": False})  # as vLLM: unread
     body = check_chat_request(chat_request({"input": "hi", "top_k": 5, "repetition_penalty": 1.1, "ignore_eos": False,
                                             "logit_bias": {"7": -100}, "frequency_penalty": 0,
                                             "skip_special_tokens": True, "include_reasoning": True, "priority": 0,
