@@ -539,12 +539,14 @@ class CheckedChatApp:
 
         return wrapped
 
-    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "", named: bool = False) -> bytes:
+    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "", named: bool = False,
+                   required: bool = False) -> bytes:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in `message.tool_calls`
         (arguments as JSON strings; only the first unless `parallel`, as vLLM honours `parallel_tool_calls:
         false`), the text outside them as `content` and finish_reason `tool_calls` (a `named` tool_choice's
-        keeps its own), as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything
-        else unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
+        keeps its own, and so does a `required` one's cut at max_tokens: vLLM says "tool_calls" for it only after a
+        "stop"), as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything else
+        unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
         continues."""
         import json
 
@@ -564,7 +566,9 @@ class CheckedChatApp:
         message["content"] = content or (None if calls else "")
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-            if not named:  # a named tool_choice's call keeps the generation's finish_reason, as in vLLM and OpenAI
+            # a named tool_choice's call keeps the generation's finish_reason, as in vLLM and OpenAI; an "auto" one's
+            # is "tool_calls" even when cut at max_tokens, as vLLM's whole answer says it (its stream says "length")
+            if not named and not (required and choice.get("finish_reason") != "stop"):
                 choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
 
@@ -766,7 +770,7 @@ class CheckedChatApp:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
                 out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced,
-                                      isinstance(body.get("tool_choice"), dict))
+                                      isinstance(body.get("tool_choice"), dict), body.get("tool_choice") == "required")
             if start.get("status") == 200:
                 out = named.whole(out)
             await _send_whole(send, start, out)
@@ -1210,13 +1214,13 @@ class StreamedCalls(EventStream):
     """Rewrites a streamed chat completion (`data: {chunk}` events) so FunctionGemma calls in the model's
     text arrive as `tool_calls` deltas, as vLLM's functiongemma parser streams them: text before a call
     streams on as `content`; from a call's start marker to its end marker the text is held, then sent as
-    one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason becomes
-    `tool_calls` (but for a `named` tool_choice, as vLLM's). Text that only might start a marker is held until the
-    next delta settles it, and so is trailing whitespace: the content streamed is the unstreamed one, stripped
-    around the calls. A call that does not parse, or is cut off by the end of the stream before its arguments close,
-    streams as the text it was (one cut just before its end marker is a call). Calls written without their markers
-    stay text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`). Feed the
-    body bytes as they come (`feed`), then `close()` for whatever is left.
+    one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason `stop` becomes
+    `tool_calls` (but for a `named` tool_choice, as vLLM's; `length` stays). Text that only might start a marker is
+    held until the next delta settles it, and so is trailing whitespace: the content streamed is the unstreamed one,
+    stripped around the calls. A call that does not parse, or is cut off by the end of the stream before its
+    arguments close, streams as the text it was (one cut just before its end marker is a call). Calls written without
+    their markers stay text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`).
+    Feed the body bytes as they come (`feed`), then `close()` for whatever is left.
     """
 
     def __init__(self, token_map: dict[str, str] | None, parallel: bool = True, prefix: str = "",
@@ -1320,7 +1324,9 @@ class StreamedCalls(EventStream):
             delta["content"] = content
         if finish is not None:
             out += self._text(chunk, final=True)
-            if self.calls and finish in ("stop", "length", "tool_calls") and not self.named:
+            # "tool_calls" after a "stop" only: a call cut at max_tokens (its end marker the last token allowed)
+            # finishes "length", as vLLM's stream says it ("auto" or "required")
+            if self.calls and finish in ("stop", "tool_calls") and not self.named:
                 choice["finish_reason"] = "tool_calls"
         if delta or finish is not None or "usage" in chunk:
             choice["delta"] = delta

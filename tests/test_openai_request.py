@@ -953,6 +953,29 @@ def test_streamed_content_around_calls_is_the_unstreamed_content():
                    for e in out.decode().split("\n\n") if e.strip()) == "ok "
 
 
+def test_a_call_cut_at_max_tokens_finishes_as_vllm_says_it():
+    """A call whose end marker came with the last token max_tokens allowed (finish "length") finished "tool_calls"
+    here whatever the tool_choice; vLLM's whole answer says "tool_calls" for an "auto" call but "length" for a
+    "required" one (only a "stop" becomes "tool_calls" there), and its stream says "length" for both."""
+    from serving.local import CheckedChatApp
+
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+    inner = _streamed_chat(lambda body: [{"role": "assistant"}, {"content": "<unused2>call:get_steps{}"},
+                                         {"content": "<unused3>"}],
+                           {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "length")
+    app = CheckedChatApp(inner, token_map=token_map)
+    for choice, whole_finish in (("auto", "tool_calls"), ("required", "length")):
+        body = {"messages": USER, "tools": [TOOL], "tool_choice": choice, "max_tokens": 4}
+        code, resp = _asgi(app, body)
+        assert code == 200 and [c["function"]["name"] for c in resp["choices"][0]["message"]["tool_calls"]] == [
+            "get_steps"], resp
+        assert resp["choices"][0]["finish_reason"] == whole_finish, (choice, resp)
+        code, events = _stream_through(app, {**body, "stream": True})
+        assert [t["function"]["name"] for e in events for t in e["choices"][0]["delta"].get("tool_calls") or []] == [
+            "get_steps"], events
+        assert events[-1]["choices"][0]["finish_reason"] == "length", (choice, events)
+
+
 def test_malformed_calls_read_alike_streamed_and_whole():
     """The unstreamed answer was parsed whole (`parse_reply`) and the stream call by call, so on malformed model
     output they disagreed: a valid call then a broken one came back as a call streamed but as plain text whole
