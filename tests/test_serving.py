@@ -2555,6 +2555,17 @@ def test_extra_args_are_read_as_vllms_parser_reads_them(tmp_path, capsys):
     assert code == 0 and "--new-flag" in out, err
     assert ("warning: server.extra_args: --new-flag is not an option of `vllm serve` in vllm/vllm-tpu:v0.27.0 "
             "(serving/vllm_serve_flags.txt); container.image vllm/vllm-tpu:nightly may take it") in err, err
+    # a one-letter option's value written onto it, as argparse reads it (`-n2` is `--nnodes 2`): it was refused as an
+    # option `vllm serve` lacks ("did you mean -n?"); its value is checked as given apart (`-n0`: at least one node)
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.extra_args=[-n2, -r0, -qfp8]")
+    assert code == 0 and words(out)[-3:] == ["-n2", "-r0", "-qfp8"] and "warning" not in err, err
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.extra_args=[-n, 2, -n0]")
+    assert code == 2 and "--nnodes '0' is not a number of nodes (at least 1)" in one_error_line(code, err), err
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.extra_args=[-nx]")
+    assert code == 2 and "-n 'x' is not an integer" in one_error_line(code, err), err
     # on the pinned image a word close to none of its options (a plugin's, say) is a warning, not a refusal
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    "server.extra_args=[--zzz-plugin-knob,1]")
