@@ -595,7 +595,10 @@ class CheckedChatApp:
             return await self.app(scope, receive, self._openai_errors(send))
         if path.startswith("/v1/models") and scope["method"] == "GET" and self.model_name:
             # the served model, as vLLM lists it (transformers serve lists its hub cache: nothing, offline)
-            card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}
+            # vLLM's ModelCard: with the context requests are bounded by (`max_model_len`, which clients size their
+            # max_tokens by: it was missing) and the model loaded (`root`: the served directory's name)
+            card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                    "root": self.model_name, "parent": None, "max_model_len": self.context}
             if path == "/v1/models":
                 return await self._json(send, 200, {"object": "list", "data": [card]})
             if path == f"/v1/models/{self.model_name}":  # the SDK's models.retrieve (transformers serve: 404)

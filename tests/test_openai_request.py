@@ -677,8 +677,16 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     code, resp = _asgi(named, {"messages": USER, "tools": [nan_default]})
     assert code == 400 and "the request body is not valid JSON (NaN is not JSON" in resp["error"]["message"]
     # GET /v1/models/NAME (the SDK's models.retrieve) describes the served model; another name is a 404 in kind
-    assert _asgi(named, {}, "/v1/models/coach", method="GET") == (200, {
-        "id": "coach", "object": "model", "created": 0, "owned_by": "gemma-tpu"})
+    code, card = _asgi(named, {}, "/v1/models/coach", method="GET")
+    assert code == 200 and {k: v for k, v in card.items() if k != "created"} == {
+        "id": "coach", "object": "model", "owned_by": "vllm", "root": "coach", "parent": None, "max_model_len": None}
+    # as vLLM's ModelCard: the context requests are bounded by, which a client sizes max_tokens by (it was missing)
+    bounded = CheckedChatApp(inner, token_map=token_map, model_name="coach", context=2048)
+    for path in ("/v1/models/coach", "/v1/models"):
+        code, listed = _asgi(bounded, {}, path, method="GET")
+        card = listed if path != "/v1/models" else listed["data"][0]
+        assert code == 200 and card["max_model_len"] == 2048 and isinstance(card["created"], int) and \
+            card["created"] > 1_700_000_000, listed
     code, resp = _asgi(named, {}, "/v1/models/gpt-4o", method="GET")
     assert code == 404 and "`gpt-4o` does not exist" in resp["error"]["message"]
 
