@@ -451,8 +451,9 @@ class CheckedChatApp:
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
                  model_name: str | None = None, forced_calls: bool = False, stop_texts: list[str] | None = None,
-                 api_key: str | None = None, auto_tools: bool = True):
+                 api_key: str | None = None, auto_tools: bool = True, sampling_defaults: dict | None = None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.sampling_defaults = dict(sampling_defaults or {})  # the model's temperature / top_p (`sampling_defaults`)
         self.auto_tools = auto_tools  # as vLLM's --enable-auto-tool-choice (tool_calling.enabled)
         self.api_key = api_key  # required on the /v1 paths as vLLM's --api-key requires it (`_authorized`)
         self.stop_texts = list(stop_texts or [])  # what the stop tokens decode to (`stop_token_texts`): cut as stops
@@ -460,6 +461,15 @@ class CheckedChatApp:
         self.count_text, self.model_name = count_text, model_name
         self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
         self._checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="request-checks")
+
+    def sampling_echo(self, chat: dict) -> dict:
+        """The sampling a Response echoes for the checked chat completion `chat` that answers it, as vLLM's
+        ResponsesResponse.from_request echoes its SamplingParams: the temperature and top_p the request gets (its own,
+        else the model's default, else 1; top_p 1 for a greedy one), `max_output_tokens` as resolved (what the context
+        leaves when not given). They were echoed as sent, null when left out, where vLLM writes numbers."""
+        temperature = chat.get("temperature", self.sampling_defaults.get("temperature", 1.0))
+        top_p = chat.get("top_p", self.sampling_defaults.get("top_p", 1.0)) if temperature >= 1e-5 else 1.0
+        return {"temperature": temperature, "top_p": top_p, "max_output_tokens": chat.get("max_tokens")}
 
     def _thought_tokens(self, text: str) -> int:
         """The tokens of a thought's text (a Response's reasoning_tokens); 0 without the served tokenizer."""
@@ -712,6 +722,7 @@ class CheckedChatApp:
                 import uuid                          # `resp_` before transformers serve's chat id)
 
                 request = {**request, "request_id": f"resp_{uuid.uuid4().hex}"}
+            request = {**request, **self.sampling_echo(body)}
             return await self._responses(scope, headers, replay, send, request, body, forced, whole)
         named = ServedName(self.model_name, completion_id(path, scope.get("headers", []), rid))
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
@@ -1617,11 +1628,9 @@ def stop_on_decoded_text(cls) -> None:
     cls._get_stopping_criteria = stopping_criteria
 
 
-def stop_token_texts(tok, served: Path) -> list[str]:
-    """The texts transformers serve writes for the tokens that end a generation (generation_config.json's
-    eos_token_id, the tokenizer's eos) where they are not special: the `<start_function_response>` a tool-calling
-    merge stops on (`show_call_markers` makes it an ordinary token) ended every call's answer, where vLLM leaves
-    the stop token out of the text."""
+def served_generation_config(served: Path) -> dict:
+    """The served directory's generation_config.json as an object; {} when it has none or it cannot be read
+    (transformers serve reports that itself)."""
     import json
 
     path = served / "generation_config.json"
@@ -1629,7 +1638,24 @@ def stop_token_texts(tok, served: Path) -> list[str]:
         gen = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         gen = {}
-    eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    return gen if isinstance(gen, dict) else {}
+
+
+def sampling_defaults(served: Path) -> dict[str, float]:
+    """The model's default `temperature` and `top_p` (its generation_config.json), which vLLM samples a request without
+    them by (`--generation-config auto`: ModelConfig.get_diff_sampling_param) and echoes in a Response."""
+    gen = served_generation_config(served)
+    return {k: float(v) for k in ("temperature", "top_p")
+            if isinstance(v := gen.get(k), (int, float)) and not isinstance(v, bool)}
+
+
+def stop_token_texts(tok, served: Path) -> list[str]:
+    """The texts transformers serve writes for the tokens that end a generation (generation_config.json's
+    eos_token_id, the tokenizer's eos) where they are not special: the `<start_function_response>` a tool-calling
+    merge stops on (`show_call_markers` makes it an ordinary token) ended every call's answer, where vLLM leaves
+    the stop token out of the text."""
+    gen = served_generation_config(served)
+    eos = gen.get("eos_token_id")
     ids = ([eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []) + [tok.eos_token_id]
     added = set(tok.get_added_vocab().values())  # markers, never a piece of ordinary text cut wherever it shows
     texts = {tok.decode([i], skip_special_tokens=True) for i in ids if isinstance(i, int) and i in added}
@@ -1710,7 +1736,8 @@ def serve_main(argv: list[str] | None = None) -> None:
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
                               isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
-                              stop_token_texts(tok, served), api_key, not args.no_auto_tool_choice)
+                              stop_token_texts(tok, served), api_key, not args.no_auto_tool_choice,
+                              sampling_defaults(served))
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler

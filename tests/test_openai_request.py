@@ -2120,12 +2120,13 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     assert last["choices"][0]["stop_reason"] == "b", last
 
 
-def test_a_response_echoes_the_request_settings_as_vllm_does():
+def test_a_response_echoes_the_request_settings_as_vllm_does(tmp_path):
     """vLLM's Response (ResponsesResponse.from_request) and OpenAI's echo the request's settings: `text` (its format),
     `truncation`, `reasoning`, `service_tier`, `user`, `max_tool_calls`, with `background` false and no
     `previous_response_id`; the local server's Response left them out (the SDK read them as None: `resp.text.format`
     an AttributeError), whole and in the stream's response events. Unset, they are vLLM's request defaults: `text`
-    and `metadata` null, as vLLM echoes the request's own field (OpenAI's default format and {} were written)."""
+    and `metadata` null, as vLLM echoes the request's own field (OpenAI's default format and {} were written). The
+    sampling is echoed as the request gets it, as vLLM echoes its SamplingParams."""
     pytest.importorskip("openai")
     from openai.types.responses import Response
 
@@ -2154,6 +2155,29 @@ def test_a_response_echoes_the_request_settings_as_vllm_does():
         events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
         for e in (e for e in events if "response" in e):
             assert {k: e["response"].get(k, "missing") for k in expected} == expected, e
+    # the sampling as the request gets it, as vLLM echoes its SamplingParams (numbers; they were null when left out):
+    # the model's default temperature / top_p (generation_config.json), else 1, top_p 1 when greedy, and
+    # max_output_tokens as resolved (what the context leaves after the prompt)
+    app = CheckedChatApp(inner, model_name="tiny", context=100, count_prompt=lambda body: 10,
+                         sampling_defaults={"top_p": 0.95})
+    sampling = ("temperature", "top_p", "max_output_tokens")
+    for request, expected in (({"input": "hi"}, (1.0, 0.95, 90)),
+                              ({"input": "hi", "temperature": 0}, (0, 1.0, 90)),
+                              ({"input": "hi", "temperature": 0.5, "top_p": 0.3, "max_output_tokens": 7},
+                               (0.5, 0.3, 7)),
+                              ({"input": "hi", "temperature": 1e-9}, (0.01, 0.95, 90))):
+        code, whole = _asgi(app, request, "/v1/responses")
+        assert code == 200 and tuple(whole[k] for k in sampling) == expected, (request, whole)
+        code, text = _asgi(app, {**request, "stream": True}, "/v1/responses", raw=True)
+        events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+        assert {tuple(e["response"][k] for k in sampling) for e in events if "response" in e} == {expected}, events
+    from serving.local import sampling_defaults
+
+    model = tmp_path / "m"
+    model.mkdir()
+    assert sampling_defaults(model) == {}
+    (model / "generation_config.json").write_text(json.dumps({"top_p": 0.95, "top_k": 64, "temperature": True}))
+    assert sampling_defaults(model) == {"top_p": 0.95}
 
 
 def test_vllms_request_extensions_of_its_pinned_release_are_served():
