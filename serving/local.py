@@ -881,6 +881,9 @@ class CheckedChatApp:
 # `prompt_token_ids` (null unless `return_token_ids`, which this server refuses); a chat completion's `stop_reason` on
 # its whole choice and its finishing chunk
 TEXT_CHOICE_NULLS = ("stop_reason", "token_ids", "prompt_token_ids")
+CHAT_CHOICE_NULLS = ("stop_reason", "token_ids")  # a whole chat choice's (its stream's finishing chunk: stop_reason)
+# vLLM's whole chat message: null unless set (its `tool_calls` left out when there are none)
+CHAT_MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
 
 
 def whole_completion(stream: bytes, thought: bool = True) -> bytes:
@@ -918,7 +921,7 @@ def whole_completion(stream: bytes, thought: bool = True) -> bytes:
         if out is None:
             # `logprobs: null`, as vLLM and OpenAI write it (a request for them is refused): `choice["logprobs"]` failed
             # and vLLM's `stop_reason` (set by `trim_stops` for a stop string), a text completion's token ids too
-            nulls = dict.fromkeys(TEXT_CHOICE_NULLS if not chat else ("stop_reason",))
+            nulls = dict.fromkeys(TEXT_CHOICE_NULLS if not chat else CHAT_CHOICE_NULLS)
             out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0, "logprobs": None, **nulls}],
                    "created": chunk.get("created"),
                    "model": chunk.get("model"), "object": "chat.completion" if chat else "text_completion"}
@@ -930,10 +933,11 @@ def whole_completion(stream: bytes, thought: bool = True) -> bytes:
         return stream
     joined = "".join(text)
     if out["object"] == "chat.completion":
-        out["choices"][0]["message"] = {"content": joined, "role": "assistant"}
+        # with the null fields of vLLM's ChatMessage (its `reasoning` included: a client written for vLLM reads it)
+        out["choices"][0]["message"] = {"content": joined, "role": "assistant", **dict.fromkeys(CHAT_MESSAGE_NULLS)}
         if calls:
             out["choices"][0]["message"]["tool_calls"] = [calls[k] for k in sorted(calls)]
-        if reasoning and thought:  # named as vLLM names it (`ReasoningName`); left out for include_reasoning false
+        if reasoning and thought:  # named as vLLM names it (`ReasoningName`); null for include_reasoning false
             out["choices"][0]["message"]["reasoning"] = "".join(reasoning)
     else:
         out["choices"][0]["text"] = joined

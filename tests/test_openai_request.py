@@ -1088,8 +1088,10 @@ def test_whole_answers_are_put_together_from_the_stream():
     assert json.loads(whole_completion(chat)) == {
         "id": "r", "created": 5, "model": "m", "object": "chat.completion", "usage": {
             "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "stop_reason": None, "message": {
-            "role": "assistant", "content": "Hé ", "reasoning": "hm", "tool_calls": [
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "stop_reason": None,
+                     "token_ids": None, "message": {
+            "role": "assistant", "content": "Hé ", "reasoning": "hm", "refusal": None, "annotations": None,
+            "audio": None, "function_call": None, "tool_calls": [
                 {"id": "r_tool_call_0", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]}
     text = sse({"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]},
                {"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
@@ -1430,7 +1432,8 @@ def test_stop_strings_are_cut_from_the_text():
     assert code == 200 and resp["choices"][0]["message"]["content"] == "Hello "
     assert _asgi(app, {"prompt": "x", "stop": "<unused2>"}, "/v1/completions")[1]["choices"][0]["text"] == "Hello ## there"
     code, resp = _asgi(app, {"messages": USER, "stop": "call", "tools": [TOOL]})  # the call is not read past the stop
-    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "Hello ## there<unused2>"}
+    message = resp["choices"][0]["message"]
+    assert message["content"] == "Hello ## there<unused2>" and "tool_calls" not in message, message
     assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"]["content"] == text  # no stop: untouched
     for path, body, field in (("/v1/chat/completions", {"messages": USER}, "content"), ("/v1/completions",
                                                                                           {"prompt": "x"}, "text")):
@@ -2068,7 +2071,8 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     its role. vLLM and OpenAI send `"finish_reason": null` and `"logprobs": null` on every chunk before the last, and
     the role chunk's `"content": ""`; a client reading `choice["finish_reason"]` or `delta["content"]` failed here.
     vLLM's choices carry `stop_reason` too (a text completion's also `token_ids` and `prompt_token_ids`), null but for
-    a stop string: they were left out but where a stop string was cut."""
+    a stop string: they were left out but where a stop string was cut; and its whole chat message the null fields of
+    its ChatMessage (`reasoning`, `refusal`, ...)."""
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
 
@@ -2110,8 +2114,12 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     # the whole answer's choice too (transformers serve's chunks put together here)
     code, whole = _asgi(CheckedChatApp(inner), body, path)
     assert code == 200 and whole["choices"][0]["logprobs"] is None and whole["choices"][0]["finish_reason"] == "stop"
-    nulls = ("stop_reason",) if chat else ("stop_reason", "token_ids", "prompt_token_ids")
+    nulls = ("stop_reason", "token_ids") if chat else ("stop_reason", "token_ids", "prompt_token_ids")
     assert {k: whole["choices"][0].get(k, "missing") for k in nulls} == dict.fromkeys(nulls), whole
+    if chat:  # and vLLM's ChatMessage's: its `reasoning` null for a model without a thought
+        message = whole["choices"][0]["message"]
+        assert message == {"role": "assistant", "content": "ab", "reasoning": None, "refusal": None,
+                           "annotations": None, "audio": None, "function_call": None}, message
     # a stop string that ended the text is the stop_reason, whole and streamed, as vLLM names it
     code, whole = _asgi(CheckedChatApp(inner), {**body, "stop": "b"}, path)
     assert whole["choices"][0]["stop_reason"] == "b", whole
