@@ -693,8 +693,9 @@ class CheckedChatApp:
             if translated and param:  # a field of the chat completion it became: name the one sent
                 param = request_param(param, request)
                 message = message.replace(e.param, param)
+            # `code`: the status, as vLLM's ErrorResponse gives it (and this server's other errors): it was null
             return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
-                                                          "param": param, "code": None}})
+                                                          "param": param, "code": 400}})
         # the inner server streams every answer (a whole one is put together here, `whole_completion`): its streams stop
         # generating when the client goes away, its whole answers ran on to max_tokens, holding the one generation
         # thread, after the client had given up

@@ -588,6 +588,23 @@ def test_a_text_completion_without_max_tokens_generates_vllms_default_of_16():
     assert e.value.param == "max_tokens"
 
 
+def test_a_refused_request_carries_its_status_as_the_error_code_as_vllm_writes_it():
+    """vLLM's ErrorResponse gives the HTTP status as `error.code` (400 for a request it refuses); the local server's
+    refusal of a malformed request said `"code": null` (its other errors said the status), so a client reading the
+    code read nothing."""
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):  # never reached
+        raise AssertionError(scope["path"])
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    for path, body, param in (("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, "max_tokens"),
+                              ("/v1/completions", {"prompt": ""}, "prompt"),
+                              ("/v1/responses", {"input": "hi", "max_output_tokens": -1}, "max_output_tokens")):
+        code, resp = _asgi(app, body, path)
+        assert code == 400 and resp["error"]["code"] == 400 and resp["error"]["param"] == param, (path, resp)
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(path):
     """vLLM's OpenAI server refuses a POST whose Content-Type is not application/json (its validate_json_request:
