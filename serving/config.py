@@ -720,6 +720,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         flag = resolve_vllm_option(option, known) if option is not None else None  # `--max-model-l`: abbreviated
         if flag in RENDERED_FLAGS or option in RENDERED_FLAGS:
             bad(f"server.extra_args: {arg} is set from the config; set {RENDERED_FLAGS[flag or option]} instead")
+        if flag in ("--help", "-h"):  # `--help=KEYWORD` too (vLLM's help search): it exits once it has printed
+            bad(f"server.extra_args: {arg} makes `vllm serve` print its help and exit 0: the container stops before "
+                f"serving anything; leave it out (the pinned release's options are in serving/vllm_serve_flags.txt)")
     # a misspelling of a pinned option is refused; a word like none of them is only warned of (extra_args_warning)
     typos = [(a, c) for a, c in unknown_extra_args(s.extra_args) if c is not None]
     if pinned_image(cfg) and typos:

@@ -818,6 +818,10 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--chat-template-content-format,string]"],
      ["server.chat_template_content_format"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-model-l,100]"], ["server.max_model_len"]),  # abbreviated
+    # a help option: `vllm serve` printed its help and exited 0, and the container stopped serving nothing
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-h]"], ["-h makes `vllm serve` print its help and exit"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enforce-eager,--help=all]"],
+     ["--help=all makes `vllm serve` print its help and exit"]),
     # a misspelt option: vLLM's usage error only on the TPU VM, after the image pull and minutes of container start
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu-memory-utilisation,0.9]"],
      ["--gpu-memory-utilisation is not an option of `vllm serve`", "did you mean --gpu-memory-utilization?",
