@@ -212,6 +212,7 @@ def _names(arg: str, flag: str, known: frozenset[str]) -> bool:
 def extra_arg(args: Sequence[str], flag: str) -> str | None:
     """The value server.extra_args gives `flag` (`--flag V` or `--flag=V`, '-' or '_' between words, abbreviated;
     vLLM keeps the last), or None."""
+    args = vllm_words(args)
     known = vllm_serve_flags()
     value = None
     for i, arg in enumerate(args):
@@ -224,6 +225,7 @@ def extra_arg(args: Sequence[str], flag: str) -> str | None:
 def extra_arg_values(args: Sequence[str], flag: str) -> list[str] | None:
     """The values server.extra_args gives a list option `flag` (`--flag A B ...` up to the next option, or
     `--flag=A`, abbreviated or not; vLLM keeps the last), or None."""
+    args = vllm_words(args)
     known = vllm_serve_flags()
     values = None
     for i, arg in enumerate(args):
@@ -243,6 +245,7 @@ def extra_arg_values(args: Sequence[str], flag: str) -> list[str] | None:
 def bool_extra_arg(args: Sequence[str], flag: str, *aliases: str) -> bool:
     """Whether server.extra_args turns the boolean option `flag` on (`--flag` or one of its short `aliases`, spelt as
     vLLM's parser reads them; vLLM keeps the last of `--flag` and `--no-flag`)."""
+    args = vllm_words(args)
     known = vllm_serve_flags()
     negated = "--no-" + flag.removeprefix("--")
     on = False
@@ -326,6 +329,22 @@ def vllm_option(arg: str) -> str | None:
     return "--" + name[2:].split(".", 1)[0].replace("_", "-") if name.startswith("--") else name
 
 
+def vllm_words(args: Sequence[str]) -> list[str]:
+    """server.extra_args as vLLM's parser splits them: a one-letter option that takes a value with the value attached
+    (`-n2`, `-r0`, `-qfp8`: argparse reads a short option's value written onto it) as `-n=2`, each other word as
+    written. They were refused as options `vllm serve` lacks ("did you mean -n?"), where vLLM takes them."""
+    known = vllm_serve_flags()
+    takes_value = {f for f, words in _vllm_serve_lines().items() if len(f) == 2 and f[0] == "-" and f[1] != "-"
+                   and words != (SWITCH_MARK,)}
+    out = []
+    for arg in args:
+        # as argparse's _get_option_tuples: the one-letter option, unless the word is an option or begins one
+        if arg[:2] in takes_value and len(arg) > 2 and arg[2] != "=" and not any(k.startswith(arg) for k in known):
+            arg = f"{arg[:2]}={arg[2:]}"
+        out.append(arg)
+    return out
+
+
 def abbreviated_options(option: str, known: frozenset[str]) -> list[str]:
     """The known long options `option` is a prefix of, sorted (argparse's allow_abbrev: one is that option, several
     an ambiguous abbreviation argparse refuses)."""
@@ -344,6 +363,7 @@ def unknown_extra_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
     """Each server.extra_args word naming an option the pinned `vllm serve` does not take, with the closest option it
     does (None: nothing close): vLLM stops at such a word with a usage error only on the TPU VM, after the image
     pull."""
+    args = vllm_words(args)
     known = vllm_serve_flags()
     out = []
     for arg in args:
@@ -361,6 +381,7 @@ def invalid_choices(args: Sequence[str]) -> list[tuple[str, str, tuple[str, ...]
     """(option, value, its choices) for each server.extra_args option given a value outside the fixed set the pinned
     `vllm serve` takes (`--kv-cache-dtype fp8_e4m3fn`, `--logprobs-mode=raw`): vLLM's parser stops at it with a
     usage error, on the TPU VM after the image pull."""
+    args = vllm_words(args)
     choices = vllm_serve_choices()
     known = frozenset(choices)
     out = []
@@ -384,6 +405,7 @@ def invalid_number_types(args: Sequence[str]) -> list[tuple[str, str, str]]:
     to a number, given a value that conversion refuses (`--seed x`, `--max-logprobs 2.5`) or none (value None: at the
     end, or before another option): its usage error, on the TPU VM after the image pull. Each occurrence, as argparse
     converts each."""
+    args = vllm_words(args)
     types = vllm_serve_number_types()
     known = vllm_serve_flags()
     out = []
@@ -434,6 +456,7 @@ def vllm_switches() -> dict[str, tuple[str, str | None]]:
 
 def switch_values(args: Sequence[str]) -> list[tuple[str, str, str | None]]:
     """(word, on, off) for each server.extra_args switch given a value (`--enable-prefix-caching=true`)."""
+    args = vllm_words(args)
     switches = vllm_switches()
     known = vllm_serve_flags()
     out = []
@@ -454,6 +477,7 @@ def stray_words(args: Sequence[str]) -> list[tuple[str, str | None]]:
     the value of an option that takes exactly one (a number, or one of a fixed set), and one after a switch
     (`vllm_switches`: `--enable-prefix-caching true`); after any other option a word may be one of its values
     (`--lora-target-modules q_proj v_proj`), and is not judged."""
+    args = vllm_words(args)
     known = vllm_serve_flags()
     single = {flag for flag, values in vllm_serve_choices().items() if values} | set(vllm_serve_number_types())
     switches = vllm_switches()
@@ -496,6 +520,7 @@ VLLM_SHORT_OPTIONS = {"-pp": "--pipeline-parallel-size", "-dp": "--data-parallel
 def _last_value(args: Sequence[str], flag: str) -> str | None:
     """The value server.extra_args gives `flag` as `extra_arg` reads it, its short spellings (VLLM_SHORT_OPTIONS,
     `-pp 2`, `-pp=2`) included: vLLM keeps the last of them all."""
+    args = vllm_words(args)
     value = None
     for i, arg in enumerate(args):
         name, eq, v = arg.partition("=")
@@ -695,6 +720,9 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
         flag = resolve_vllm_option(option, known) if option is not None else None  # `--max-model-l`: abbreviated
         if flag in RENDERED_FLAGS or option in RENDERED_FLAGS:
             bad(f"server.extra_args: {arg} is set from the config; set {RENDERED_FLAGS[flag or option]} instead")
+        if flag in ("--help", "-h"):  # `--help=KEYWORD` too (vLLM's help search): it exits once it has printed
+            bad(f"server.extra_args: {arg} makes `vllm serve` print its help and exit 0: the container stops before "
+                f"serving anything; leave it out (the pinned release's options are in serving/vllm_serve_flags.txt)")
     # a misspelling of a pinned option is refused; a word like none of them is only warned of (extra_args_warning)
     typos = [(a, c) for a, c in unknown_extra_args(s.extra_args) if c is not None]
     if pinned_image(cfg) and typos:

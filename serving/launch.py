@@ -290,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             names = ", ".join(a.name for a in cfg.lora.adapters)
             print(f"warning: --local serves model.dir alone, not lora.adapters ({names}): requests naming them get "
                   "404 (merge an adapter with python -m convert.merge_orbax to serve it here)", file=sys.stderr)
+        if cfg.server.extra_args:  # `vllm serve`'s options: `--generation-config vllm` (say) changed vLLM's answers
+            print(f"warning: --local serves without server.extra_args ({' '.join(cfg.server.extra_args)[:200]}), "
+                  "options of `vllm serve` that only the container reads: the answers here are vLLM's without them",
+                  file=sys.stderr)
         return serve_local(cfg)
     facts = inspect_model(cfg)
     for warning in (stop_token_warning(cfg, facts), lora_warning(cfg), extra_args_warning(cfg),

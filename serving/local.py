@@ -451,8 +451,9 @@ class CheckedChatApp:
     def __init__(self, app, context: int | None = None, count_prompt=None, token_map: dict[str, str] | None = None,
                  vocab_size: int | None = None, check_generation_config=None, count_text=None,
                  model_name: str | None = None, forced_calls: bool = False, stop_texts: list[str] | None = None,
-                 api_key: str | None = None, auto_tools: bool = True):
+                 api_key: str | None = None, auto_tools: bool = True, sampling_defaults: dict | None = None):
         self.app, self.context, self.count_prompt, self.token_map = app, context, count_prompt, token_map
+        self.sampling_defaults = dict(sampling_defaults or {})  # the model's temperature / top_p (`sampling_defaults`)
         self.auto_tools = auto_tools  # as vLLM's --enable-auto-tool-choice (tool_calling.enabled)
         self.api_key = api_key  # required on the /v1 paths as vLLM's --api-key requires it (`_authorized`)
         self.stop_texts = list(stop_texts or [])  # what the stop tokens decode to (`stop_token_texts`): cut as stops
@@ -460,6 +461,15 @@ class CheckedChatApp:
         self.count_text, self.model_name = count_text, model_name
         self.forced_calls = forced_calls  # the chat template opens a call on request (its `forced_call` kwarg)
         self._checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="request-checks")
+
+    def sampling_echo(self, chat: dict) -> dict:
+        """The sampling a Response echoes for the checked chat completion `chat` that answers it, as vLLM's
+        ResponsesResponse.from_request echoes its SamplingParams: the temperature and top_p the request gets (its own,
+        else the model's default, else 1; top_p 1 for a greedy one), `max_output_tokens` as resolved (what the context
+        leaves when not given). They were echoed as sent, null when left out, where vLLM writes numbers."""
+        temperature = chat.get("temperature", self.sampling_defaults.get("temperature", 1.0))
+        top_p = chat.get("top_p", self.sampling_defaults.get("top_p", 1.0)) if temperature >= 1e-5 else 1.0
+        return {"temperature": temperature, "top_p": top_p, "max_output_tokens": chat.get("max_tokens")}
 
     def _thought_tokens(self, text: str) -> int:
         """The tokens of a thought's text (a Response's reasoning_tokens); 0 without the served tokenizer."""
@@ -539,12 +549,14 @@ class CheckedChatApp:
 
         return wrapped
 
-    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "", named: bool = False) -> bytes:
+    def tool_calls(self, raw: bytes, parallel: bool = True, prefix: str = "", named: bool = False,
+                   required: bool = False) -> bytes:
         """A non-streamed completion whose content holds FunctionGemma calls, with the calls in `message.tool_calls`
         (arguments as JSON strings; only the first unless `parallel`, as vLLM honours `parallel_tool_calls:
         false`), the text outside them as `content` and finish_reason `tool_calls` (a `named` tool_choice's
-        keeps its own), as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything
-        else unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
+        keeps its own, and so does a `required` one's cut at max_tokens: vLLM says "tool_calls" for it only after a
+        "stop"), as vLLM's tool parser answers, read as the same text streams (`StreamedCalls`); anything else
+        unchanged. `prefix`: the start of a call the chat template wrote (`force_call`), which the content
         continues."""
         import json
 
@@ -564,7 +576,9 @@ class CheckedChatApp:
         message["content"] = content or (None if calls else "")
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-            if not named:  # a named tool_choice's call keeps the generation's finish_reason, as in vLLM and OpenAI
+            # a named tool_choice's call keeps the generation's finish_reason, as in vLLM and OpenAI; an "auto" one's
+            # is "tool_calls" even when cut at max_tokens, as vLLM's whole answer says it (its stream says "length")
+            if not named and not (required and choice.get("finish_reason") != "stop"):
                 choice["finish_reason"] = "tool_calls"
         return json.dumps(resp, ensure_ascii=False).encode()
 
@@ -591,7 +605,10 @@ class CheckedChatApp:
             return await self.app(scope, receive, self._openai_errors(send))
         if path.startswith("/v1/models") and scope["method"] == "GET" and self.model_name:
             # the served model, as vLLM lists it (transformers serve lists its hub cache: nothing, offline)
-            card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gemma-tpu"}
+            # vLLM's ModelCard: with the context requests are bounded by (`max_model_len`, which clients size their
+            # max_tokens by: it was missing) and the model loaded (`root`: the served directory's name)
+            card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                    "root": self.model_name, "parent": None, "max_model_len": self.context}
             if path == "/v1/models":
                 return await self._json(send, 200, {"object": "list", "data": [card]})
             if path == f"/v1/models/{self.model_name}":  # the SDK's models.retrieve (transformers serve: 404)
@@ -676,8 +693,9 @@ class CheckedChatApp:
             if translated and param:  # a field of the chat completion it became: name the one sent
                 param = request_param(param, request)
                 message = message.replace(e.param, param)
+            # `code`: the status, as vLLM's ErrorResponse gives it (and this server's other errors): it was null
             return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
-                                                          "param": param, "code": None}})
+                                                          "param": param, "code": 400}})
         # the inner server streams every answer (a whole one is put together here, `whole_completion`): its streams stop
         # generating when the client goes away, its whole answers ran on to max_tokens, holding the one generation
         # thread, after the client had given up
@@ -701,6 +719,11 @@ class CheckedChatApp:
             return await receive()
 
         if path == "/v1/responses":
+            if request.get("request_id") is None:  # vLLM's Response id: `resp_` and a fresh uuid's hex digits (it was
+                import uuid                          # `resp_` before transformers serve's chat id)
+
+                request = {**request, "request_id": f"resp_{uuid.uuid4().hex}"}
+            request = {**request, **self.sampling_echo(body)}
             return await self._responses(scope, headers, replay, send, request, body, forced, whole)
         named = ServedName(self.model_name, completion_id(path, scope.get("headers", []), rid))
         stops = [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []) if s]
@@ -712,8 +735,7 @@ class CheckedChatApp:
             filters += ([StopTrim(stops)] if stops else []) + (
                 [StreamedCalls(self.token_map, body.get("parallel_tool_calls") is not False, forced,
                                isinstance(body.get("tool_choice"), dict))] if tools else [])
-            if named.name or named.rid is not None:  # after the calls: theirs named after the served app's id, as
-                filters.append(named)                 # unstreamed (`tool_calls`)
+            filters.append(named)  # after the calls: theirs named after the served app's id, as unstreamed
             filters.append(NullFields())
             filters.append(StreamUsage((body.get("stream_options") or {}).get("include_usage") is True))
             filters.append(ErrorEvents())
@@ -763,7 +785,7 @@ class CheckedChatApp:
                 out = trim_stops(out, stops)
             if start.get("status") == 200 and tools:
                 out = self.tool_calls(out, body.get("parallel_tool_calls") is not False, forced,
-                                      isinstance(body.get("tool_choice"), dict))
+                                      isinstance(body.get("tool_choice"), dict), body.get("tool_choice") == "required")
             if start.get("status") == 200:
                 out = named.whole(out)
             await _send_whole(send, start, out)
@@ -855,6 +877,16 @@ class CheckedChatApp:
         await self.app(inner, replay, rewrite)
 
 
+# the null fields of vLLM's choices beyond OpenAI's (`stop_reason`: the stop string, or None for any other end),
+# which a client written for vLLM reads: a text completion's on every chunk and whole, with its `token_ids` and
+# `prompt_token_ids` (null unless `return_token_ids`, which this server refuses); a chat completion's `stop_reason` on
+# its whole choice and its finishing chunk
+TEXT_CHOICE_NULLS = ("stop_reason", "token_ids", "prompt_token_ids")
+CHAT_CHOICE_NULLS = ("stop_reason", "token_ids")  # a whole chat choice's (its stream's finishing chunk: stop_reason)
+# vLLM's whole chat message: null unless set (its `tool_calls` left out when there are none)
+CHAT_MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
+
+
 def whole_completion(stream: bytes, thought: bool = True) -> bytes:
     """The chat or text completion a stream of its chunks (`data: {...}` events) amounts to, as transformers serve
     answers a request without `stream`: the text joined, the last finish_reason, the usage of the last chunk; an
@@ -889,7 +921,9 @@ def whole_completion(stream: bytes, thought: bool = True) -> bytes:
                 call["function"]["arguments"] += fn.get("arguments") or ""
         if out is None:
             # `logprobs: null`, as vLLM and OpenAI write it (a request for them is refused): `choice["logprobs"]` failed
-            out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0, "logprobs": None}],
+            # and vLLM's `stop_reason` (set by `trim_stops` for a stop string), a text completion's token ids too
+            nulls = dict.fromkeys(TEXT_CHOICE_NULLS if not chat else CHAT_CHOICE_NULLS)
+            out = {"id": chunk.get("id"), "choices": [{"finish_reason": None, "index": 0, "logprobs": None, **nulls}],
                    "created": chunk.get("created"),
                    "model": chunk.get("model"), "object": "chat.completion" if chat else "text_completion"}
         if choice.get("finish_reason") is not None:
@@ -900,10 +934,11 @@ def whole_completion(stream: bytes, thought: bool = True) -> bytes:
         return stream
     joined = "".join(text)
     if out["object"] == "chat.completion":
-        out["choices"][0]["message"] = {"content": joined, "role": "assistant"}
+        # with the null fields of vLLM's ChatMessage (its `reasoning` included: a client written for vLLM reads it)
+        out["choices"][0]["message"] = {"content": joined, "role": "assistant", **dict.fromkeys(CHAT_MESSAGE_NULLS)}
         if calls:
             out["choices"][0]["message"]["tool_calls"] = [calls[k] for k in sorted(calls)]
-        if reasoning and thought:  # named as vLLM names it (`ReasoningName`); left out for include_reasoning false
+        if reasoning and thought:  # named as vLLM names it (`ReasoningName`); null for include_reasoning false
             out["choices"][0]["message"]["reasoning"] = "".join(reasoning)
     else:
         out["choices"][0]["text"] = joined
@@ -999,13 +1034,15 @@ class ServedName(EventStream):
         return b"data: " + self.whole(event[5:].strip()) + b"\n\n"
 
 
-def completion_id(path: str, headers: list, request_id: str | None) -> str | None:
-    """The id vLLM gives a chat or text completion (`path`) whose client names it: `chatcmpl-` or `cmpl-` before the
-    request's `X-Request-Id` header, else its `request_id` field (vLLM's extension); None where it names none (the
-    served app's own id, a fresh one, stands)."""
+def completion_id(path: str, headers: list, request_id: str | None) -> str:
+    """The id vLLM gives a chat or text completion (`path`): `chatcmpl-` or `cmpl-` before the request's `X-Request-Id`
+    header, else its `request_id` field (vLLM's extension), else a fresh uuid's 32 hex digits (vLLM's `random_uuid`):
+    transformers serve's own id, a bare uuid with dashes, was passed on where a client told the endpoint by it."""
+    import uuid
+
     given = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
-    base = given if given is not None else request_id
-    return None if base is None else ("cmpl-" if path == "/v1/completions" else "chatcmpl-") + base
+    base = given if given is not None else request_id if request_id is not None else uuid.uuid4().hex
+    return ("cmpl-" if path == "/v1/completions" else "chatcmpl-") + base
 
 
 def _cut(text: str, stops: list[str]) -> int | None:
@@ -1118,9 +1155,9 @@ class ReasoningName(EventStream):
 
 class NullFields(EventStream):
     """A chat or text completion's stream with the null fields OpenAI and vLLM write on each chunk: `finish_reason`
-    and `logprobs` null until set, and `"content": ""` beside the role of a chat's first chunk. transformers serve
-    leaves every null out (it dumps its chunks `exclude_none`), so a client reading `choice["finish_reason"]` failed
-    on the first chunk here."""
+    and `logprobs` null until set, and `"content": ""` beside the role of a chat's first chunk; and vLLM's own
+    (`TEXT_CHOICE_NULLS`). transformers serve leaves every null out (it dumps its chunks `exclude_none`), so a client
+    reading `choice["finish_reason"]` failed on the first chunk here."""
 
     def _event(self, event: bytes) -> bytes:
         chunk, choice = sse_choice(event)
@@ -1128,10 +1165,13 @@ class NullFields(EventStream):
             return event + b"\n\n"
         delta = choice.get("delta")
         opening = isinstance(delta, dict) and "role" in delta and set(delta) <= {"role", "content"}
-        if "finish_reason" in choice and "logprobs" in choice and not (opening and delta.get("content") is None):
+        nulls = ("finish_reason", "logprobs") + (
+            TEXT_CHOICE_NULLS if not isinstance(delta, dict) else ("stop_reason",) if choice.get("finish_reason")
+            else ())
+        if all(k in choice for k in nulls) and not (opening and delta.get("content") is None):
             return event + b"\n\n"
-        choice.setdefault("finish_reason", None)
-        choice.setdefault("logprobs", None)
+        for key in nulls:
+            choice.setdefault(key, None)
         if opening and delta.get("content") is None:
             delta["content"] = ""
         return sse_event(chunk)
@@ -1193,13 +1233,13 @@ class StreamedCalls(EventStream):
     """Rewrites a streamed chat completion (`data: {chunk}` events) so FunctionGemma calls in the model's
     text arrive as `tool_calls` deltas, as vLLM's functiongemma parser streams them: text before a call
     streams on as `content`; from a call's start marker to its end marker the text is held, then sent as
-    one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason becomes
-    `tool_calls` (but for a `named` tool_choice, as vLLM's). Text that only might start a marker is held until the
-    next delta settles it, and so is trailing whitespace: the content streamed is the unstreamed one, stripped
-    around the calls. A call that does not parse, or is cut off by the end of the stream before its arguments close,
-    streams as the text it was (one cut just before its end marker is a call). Calls written without their markers
-    stay text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`). Feed the
-    body bytes as they come (`feed`), then `close()` for whatever is left.
+    one `tool_calls` delta (name and JSON arguments whole); the last chunk's finish_reason `stop` becomes
+    `tool_calls` (but for a `named` tool_choice, as vLLM's; `length` stays). Text that only might start a marker is
+    held until the next delta settles it, and so is trailing whitespace: the content streamed is the unstreamed one,
+    stripped around the calls. A call that does not parse, or is cut off by the end of the stream before its
+    arguments close, streams as the text it was (one cut just before its end marker is a call). Calls written without
+    their markers stay text, as vLLM's parser reads them. The unstreamed answer is read by these rules too (`whole`).
+    Feed the body bytes as they come (`feed`), then `close()` for whatever is left.
     """
 
     def __init__(self, token_map: dict[str, str] | None, parallel: bool = True, prefix: str = "",
@@ -1303,7 +1343,9 @@ class StreamedCalls(EventStream):
             delta["content"] = content
         if finish is not None:
             out += self._text(chunk, final=True)
-            if self.calls and finish in ("stop", "length", "tool_calls") and not self.named:
+            # "tool_calls" after a "stop" only: a call cut at max_tokens (its end marker the last token allowed)
+            # finishes "length", as vLLM's stream says it ("auto" or "required")
+            if self.calls and finish in ("stop", "tool_calls") and not self.named:
                 choice["finish_reason"] = "tool_calls"
         if delta or finish is not None or "usage" in chunk:
             choice["delta"] = delta
@@ -1591,11 +1633,9 @@ def stop_on_decoded_text(cls) -> None:
     cls._get_stopping_criteria = stopping_criteria
 
 
-def stop_token_texts(tok, served: Path) -> list[str]:
-    """The texts transformers serve writes for the tokens that end a generation (generation_config.json's
-    eos_token_id, the tokenizer's eos) where they are not special: the `<start_function_response>` a tool-calling
-    merge stops on (`show_call_markers` makes it an ordinary token) ended every call's answer, where vLLM leaves
-    the stop token out of the text."""
+def served_generation_config(served: Path) -> dict:
+    """The served directory's generation_config.json as an object; {} when it has none or it cannot be read
+    (transformers serve reports that itself)."""
     import json
 
     path = served / "generation_config.json"
@@ -1603,7 +1643,24 @@ def stop_token_texts(tok, served: Path) -> list[str]:
         gen = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         gen = {}
-    eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    return gen if isinstance(gen, dict) else {}
+
+
+def sampling_defaults(served: Path) -> dict[str, float]:
+    """The model's default `temperature` and `top_p` (its generation_config.json), which vLLM samples a request without
+    them by (`--generation-config auto`: ModelConfig.get_diff_sampling_param) and echoes in a Response."""
+    gen = served_generation_config(served)
+    return {k: float(v) for k in ("temperature", "top_p")
+            if isinstance(v := gen.get(k), (int, float)) and not isinstance(v, bool)}
+
+
+def stop_token_texts(tok, served: Path) -> list[str]:
+    """The texts transformers serve writes for the tokens that end a generation (generation_config.json's
+    eos_token_id, the tokenizer's eos) where they are not special: the `<start_function_response>` a tool-calling
+    merge stops on (`show_call_markers` makes it an ordinary token) ended every call's answer, where vLLM leaves
+    the stop token out of the text."""
+    gen = served_generation_config(served)
+    eos = gen.get("eos_token_id")
     ids = ([eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []) + [tok.eos_token_id]
     added = set(tok.get_added_vocab().values())  # markers, never a piece of ordinary text cut wherever it shows
     texts = {tok.decode([i], skip_special_tokens=True) for i in ids if isinstance(i, int) and i in added}
@@ -1684,7 +1741,8 @@ def serve_main(argv: list[str] | None = None) -> None:
                               function_token_map(tok), vocab if isinstance(vocab, int) else None,
                               check_generation_config, token_counter(tok, limit), args.name,
                               isinstance(tok.chat_template, str) and FORCED_CALL_KWARG in tok.chat_template,
-                              stop_token_texts(tok, served), api_key, not args.no_auto_tool_choice)
+                              stop_token_texts(tok, served), api_key, not args.no_auto_tool_choice,
+                              sampling_defaults(served))
 
     server_mod.build_server = checked_build  # Serve imports it when constructed
     from transformers.cli.serving.chat_completion import ChatCompletionHandler

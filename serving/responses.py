@@ -23,8 +23,7 @@ from serving.openai_request import RequestError, _json_type
 # vLLM's extensions of the Responses API that are a chat completion's fields too: passed on as they are, and checked
 # (applied, or refused naming the field) as a chat completion's
 _AS_CHAT = ("top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos",
-            "chat_template_kwargs", "skip_special_tokens", "include_stop_str_in_output", "include_reasoning",
-            "priority")
+            "chat_template_kwargs", "skip_special_tokens", "include_stop_str_in_output", "priority")
 # fields a chat completion cannot honour, where ignoring them would mislead the client
 _REFUSED = {"previous_response_id": "this server keeps no responses: send the whole conversation in `input`",
             "conversation": "this server keeps no conversations: send the whole conversation in `input`",
@@ -35,14 +34,17 @@ _REFUSED = {"previous_response_id": "this server keeps no responses: send the wh
 # reasoning settings); `seed` and `stop` as vLLM reads them, and vLLM's `request_id` (the Response's id). Anything
 # else is refused, as OpenAI refuses it: read as nothing, a chat completion's `max_tokens` here generated to the end
 # of the context
+# vLLM's chat extension `include_reasoning` is taken and read as nothing, as vLLM's ResponsesRequest (which has no such
+# field) takes it: the Response keeps its reasoning item either way (vllm-project/vllm#56428)
 _KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
           "temperature", "top_p", "seed", "stop", "stream", "stream_options", "text", "metadata", "store", "user",
           "safety_identifier", "service_tier", "prompt_cache_key", "reasoning", "truncation", "include",
-          "max_tool_calls", "request_id", *_REFUSED, *_AS_CHAT}
+          "max_tool_calls", "request_id", "include_reasoning", *_REFUSED, *_AS_CHAT}
 # the JSON type of the fields read as nothing (or echoed) here, refused when another, as OpenAI refuses it (a
 # `metadata: "x"` came back as {}); null is absent
 _TYPED = {"text": (dict, "an object"), "metadata": (dict, "an object"), "reasoning": (dict, "an object"),
           "stream_options": (dict, "an object"), "store": (bool, "true or false"),
+          "include_reasoning": (bool, "true or false"),
           "parallel_tool_calls": (bool, "true or false"), "max_tool_calls": (int, "a whole number"),
           **{k: (str, "a string") for k in ("truncation", "service_tier", "safety_identifier", "prompt_cache_key",
                                             "request_id")}}
@@ -200,9 +202,6 @@ def chat_request(body: Any) -> dict:
     for key, allowed in _ONE_OF.items():  # it was taken, where OpenAI and vLLM answer 400
         if body.get(key) is not None and body[key] not in allowed:
             raise RequestError(key, f"{body[key]!r} is not one of {', '.join(allowed)}")
-    if body.get("include_reasoning") is False:  # honoured on chat completions; the Response's items keep it
-        raise RequestError("include_reasoning", "false is served on /v1/chat/completions here; a Response keeps the "
-                                                "thought as its reasoning item (leave the field out, or set it true)")
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) for i in include)):
         raise RequestError("include", "expected a list of strings")
@@ -303,15 +302,17 @@ def _response(rid: str, created: Any, output: list[dict], usage: dict, finish_re
             "model": model, "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
             "instructions": request.get("instructions"), "output": output,
-            "metadata": request["metadata"] if isinstance(request.get("metadata"), dict) else {},  # echoed, as OpenAI
+            # echoed as vLLM's ResponsesResponse.from_request echoes it: null when the request gives none
+            "metadata": request["metadata"] if isinstance(request.get("metadata"), dict) else None,
             "output_text": "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"]),
             "parallel_tool_calls": request.get("parallel_tool_calls", True),
             "tool_choice": request.get("tool_choice") or "auto",
             "tools": [{"type": "function", **t["function"]} for t in tools],
             "temperature": request.get("temperature"), "top_p": request.get("top_p"),
             "max_output_tokens": request.get("max_output_tokens"),
-            # the request's other settings echoed, as vLLM (ResponsesResponse.from_request) and OpenAI echo them
-            "text": request.get("text") or {"format": {"type": "text"}},
+            # the request's other settings echoed, as vLLM (ResponsesResponse.from_request) echoes them: `text` as
+            # given, null when left out (OpenAI writes its default format there, vLLM the request's field)
+            "text": request.get("text"),
             "truncation": request.get("truncation") or "disabled", "reasoning": request.get("reasoning"),
             "service_tier": request.get("service_tier") or "auto", "user": request.get("user"),
             "max_tool_calls": request.get("max_tool_calls"), "background": False, "previous_response_id": None,

@@ -7,6 +7,7 @@ model's context (max_tokens 100000 held the server for minutes)."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -587,6 +588,23 @@ def test_a_text_completion_without_max_tokens_generates_vllms_default_of_16():
     assert e.value.param == "max_tokens"
 
 
+def test_a_refused_request_carries_its_status_as_the_error_code_as_vllm_writes_it():
+    """vLLM's ErrorResponse gives the HTTP status as `error.code` (400 for a request it refuses); the local server's
+    refusal of a malformed request said `"code": null` (its other errors said the status), so a client reading the
+    code read nothing."""
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):  # never reached
+        raise AssertionError(scope["path"])
+
+    app = CheckedChatApp(inner, model_name="tiny")
+    for path, body, param in (("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, "max_tokens"),
+                              ("/v1/completions", {"prompt": ""}, "prompt"),
+                              ("/v1/responses", {"input": "hi", "max_output_tokens": -1}, "max_output_tokens")):
+        code, resp = _asgi(app, body, path)
+        assert code == 400 and resp["error"]["code"] == 400 and resp["error"]["param"] == param, (path, resp)
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(path):
     """vLLM's OpenAI server refuses a POST whose Content-Type is not application/json (its validate_json_request:
@@ -676,8 +694,16 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     code, resp = _asgi(named, {"messages": USER, "tools": [nan_default]})
     assert code == 400 and "the request body is not valid JSON (NaN is not JSON" in resp["error"]["message"]
     # GET /v1/models/NAME (the SDK's models.retrieve) describes the served model; another name is a 404 in kind
-    assert _asgi(named, {}, "/v1/models/coach", method="GET") == (200, {
-        "id": "coach", "object": "model", "created": 0, "owned_by": "gemma-tpu"})
+    code, card = _asgi(named, {}, "/v1/models/coach", method="GET")
+    assert code == 200 and {k: v for k, v in card.items() if k != "created"} == {
+        "id": "coach", "object": "model", "owned_by": "vllm", "root": "coach", "parent": None, "max_model_len": None}
+    # as vLLM's ModelCard: the context requests are bounded by, which a client sizes max_tokens by (it was missing)
+    bounded = CheckedChatApp(inner, token_map=token_map, model_name="coach", context=2048)
+    for path in ("/v1/models/coach", "/v1/models"):
+        code, listed = _asgi(bounded, {}, path, method="GET")
+        card = listed if path != "/v1/models" else listed["data"][0]
+        assert code == 200 and card["max_model_len"] == 2048 and isinstance(card["created"], int) and \
+            card["created"] > 1_700_000_000, listed
     code, resp = _asgi(named, {}, "/v1/models/gpt-4o", method="GET")
     assert code == 404 and "`gpt-4o` does not exist" in resp["error"]["message"]
 
@@ -772,11 +798,12 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     # usage only when stream_options.include_usage asks for it, as OpenAI and vLLM stream it (transformers serve put
     # it on the finishing chunk always)
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and not any("usage" in c for c in out)
-    assert all(c["id"] == "r1" and c["object"] == "chat.completion.chunk" for c in out)
+    assert len({c["id"] for c in out}) == 1 and all(c["object"] == "chat.completion.chunk" for c in out)
+    assert re.fullmatch("chatcmpl-[0-9a-f]{32}", out[0]["id"]), out[0]  # vLLM's id, not the served app's "r1"
     code, counted = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True,
                                           "stream_options": {"include_usage": True}})
-    assert counted[-1] == {"id": "r1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
-                           "usage": {"completion_tokens": 9}}
+    assert counted[-1] == {"id": counted[0]["id"], "object": "chat.completion.chunk", "created": 1, "model": "m",
+                           "choices": [], "usage": {"completion_tokens": 9}}
     assert [c["choices"] for c in counted[:-1]] == [c["choices"] for c in out]
     assert all(c["usage"] is None for c in counted[:-1])
     code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True, "parallel_tool_calls": False})
@@ -802,8 +829,10 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     out = [e[len(b"data: "):] for e in b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
            .split(b"\n\n") if e.strip()]
     assert out.pop() == b"[DONE]"
-    shaped = [{**e, "choices": [{"finish_reason": None, "logprobs": None, **e["choices"][0]}]} for e in events]
+    shaped = [{**e, "id": json.loads(out[0])["id"], "choices": [{"finish_reason": None, "logprobs": None,
+                                                                  **e["choices"][0]}]} for e in events]
     shaped[0]["choices"][0]["delta"]["content"] = ""
+    shaped[-1]["choices"][0]["stop_reason"] = None  # vLLM's, on the finishing chunk
     del shaped[-1]["usage"]  # nobody asked for it
     assert [json.loads(e) for e in out] == shaped
 
@@ -949,6 +978,29 @@ def test_streamed_content_around_calls_is_the_unstreamed_content():
                    for e in out.decode().split("\n\n") if e.strip()) == "ok "
 
 
+def test_a_call_cut_at_max_tokens_finishes_as_vllm_says_it():
+    """A call whose end marker came with the last token max_tokens allowed (finish "length") finished "tool_calls"
+    here whatever the tool_choice; vLLM's whole answer says "tool_calls" for an "auto" call but "length" for a
+    "required" one (only a "stop" becomes "tool_calls" there), and its stream says "length" for both."""
+    from serving.local import CheckedChatApp
+
+    token_map = {"<start_function_call>": "<unused2>", "<end_function_call>": "<unused3>", "<escape>": "<unused6>"}
+    inner = _streamed_chat(lambda body: [{"role": "assistant"}, {"content": "<unused2>call:get_steps{}"},
+                                         {"content": "<unused3>"}],
+                           {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "length")
+    app = CheckedChatApp(inner, token_map=token_map)
+    for choice, whole_finish in (("auto", "tool_calls"), ("required", "length")):
+        body = {"messages": USER, "tools": [TOOL], "tool_choice": choice, "max_tokens": 4}
+        code, resp = _asgi(app, body)
+        assert code == 200 and [c["function"]["name"] for c in resp["choices"][0]["message"]["tool_calls"]] == [
+            "get_steps"], resp
+        assert resp["choices"][0]["finish_reason"] == whole_finish, (choice, resp)
+        code, events = _stream_through(app, {**body, "stream": True})
+        assert [t["function"]["name"] for e in events for t in e["choices"][0]["delta"].get("tool_calls") or []] == [
+            "get_steps"], events
+        assert events[-1]["choices"][0]["finish_reason"] == "length", (choice, events)
+
+
 def test_malformed_calls_read_alike_streamed_and_whole():
     """The unstreamed answer was parsed whole (`parse_reply`) and the stream call by call, so on malformed model
     output they disagreed: a valid call then a broken one came back as a call streamed but as plain text whole
@@ -1053,13 +1105,16 @@ def test_whole_answers_are_put_together_from_the_stream():
     assert json.loads(whole_completion(chat)) == {
         "id": "r", "created": 5, "model": "m", "object": "chat.completion", "usage": {
             "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
-            "role": "assistant", "content": "Hé ", "reasoning": "hm", "tool_calls": [
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "stop_reason": None,
+                     "token_ids": None, "message": {
+            "role": "assistant", "content": "Hé ", "reasoning": "hm", "refusal": None, "annotations": None,
+            "audio": None, "function_call": None, "tool_calls": [
                 {"id": "r_tool_call_0", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]}
     text = sse({"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]},
                {"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-    assert json.loads(whole_completion(text))["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None,
-                                                                     "text": "a"}]
+    assert json.loads(whole_completion(text))["choices"] == [{
+        "index": 0, "finish_reason": "length", "logprobs": None, "text": "a", "stop_reason": None, "token_ids": None,
+        "prompt_token_ids": None}]
     assert json.loads(whole_completion(b'data: {"error": "boom"}\n\n'))["error"]["message"] == "boom"
     assert whole_completion(b'{"already": "whole"}') == b'{"already": "whole"}'
     # through the server: a generation that fails midway is a 500 in OpenAI's shape, chat or Responses
@@ -1131,6 +1186,17 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     final = events[-1]["response"]
     assert kinds[-1] == "response.completed" and final["output"] == whole["output"], final
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
+    # vLLM's chat extension `include_reasoning` is no field of its ResponsesRequest: taken (false was refused here)
+    # and read as nothing there, the reasoning item kept, whole and streamed
+    for include in (False, True):
+        code, kept = _asgi(app, {"input": "hi", "include_reasoning": include}, "/v1/responses")
+        assert code == 200 and [o["type"] for o in kept["output"]] == ["reasoning", "message"], kept
+        code, text = _asgi(app, {"input": "hi", "include_reasoning": include, "stream": True}, "/v1/responses",
+                           raw=True)
+        final = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()][-1]["response"]
+        assert [o["type"] for o in final["output"]] == ["reasoning", "message"], final
+    code, bad = _asgi(app, {"input": "hi", "include_reasoning": "no"}, "/v1/responses")
+    assert code == 400 and bad["error"]["param"] == "include_reasoning", bad
 
 
 def test_include_reasoning_false_leaves_the_thought_out_as_vllm_does():
@@ -1383,7 +1449,8 @@ def test_stop_strings_are_cut_from_the_text():
     assert code == 200 and resp["choices"][0]["message"]["content"] == "Hello "
     assert _asgi(app, {"prompt": "x", "stop": "<unused2>"}, "/v1/completions")[1]["choices"][0]["text"] == "Hello ## there"
     code, resp = _asgi(app, {"messages": USER, "stop": "call", "tools": [TOOL]})  # the call is not read past the stop
-    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "Hello ## there<unused2>"}
+    message = resp["choices"][0]["message"]
+    assert message["content"] == "Hello ## there<unused2>" and "tool_calls" not in message, message
     assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"]["content"] == text  # no stop: untouched
     for path, body, field in (("/v1/chat/completions", {"messages": USER}, "content"), ("/v1/completions",
                                                                                           {"prompt": "x"}, "text")):
@@ -1988,8 +2055,14 @@ def test_request_id_names_the_completion_as_vllm_names_it():
         code, resp = _asgi(app, {**body, "request_id": "trace-7"}, path,
                            headers=JSON_HEADERS + [(b"x-request-id", b"from-header")])
         assert resp["id"] == prefix + "from-header", resp
+        # none named: vLLM's prefix before a fresh uuid's hex digits (`random_uuid`), whole and on every chunk; the
+        # served app's own bare id was passed on
         code, resp = _asgi(app, body, path)
-        assert resp["id"] == "inner-uuid", resp  # none named: the served app's own (a fresh uuid)
+        assert re.fullmatch(prefix + "[0-9a-f]{32}", resp["id"]), resp
+        code, raw = _asgi(app, {**body, "stream": True}, path, raw=True)
+        chunks = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e]
+        assert len({c["id"] for c in chunks}) == 1 and re.fullmatch(prefix + "[0-9a-f]{32}", chunks[0]["id"]), chunks
+        assert _asgi(app, body, path)[1]["id"] != resp["id"]
         code, resp = _asgi(app, {**body, "request_id": 7}, path)
         assert code == 400 and resp["error"]["param"] == "request_id", resp
         assert "expected a string, got a number" in resp["error"]["message"]
@@ -2000,6 +2073,12 @@ def test_request_id_names_the_completion_as_vllm_names_it():
     assert {e["response"]["id"] for e in events if "response" in e} == {"resp_mine"}
     code, resp = _asgi(app, {"input": "hi", "request_id": ["x"]}, "/v1/responses")
     assert code == 400 and resp["error"]["param"] == "request_id", resp
+    code, resp = _asgi(app, {"input": "hi"}, "/v1/responses")  # none named: `resp_` and a fresh uuid's hex, as vLLM's
+    assert code == 200 and re.fullmatch("resp_[0-9a-f]{32}", resp["id"]), resp
+    code, raw = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if e.strip()]
+    ids = {e["response"]["id"] for e in events if "response" in e}
+    assert len(ids) == 1 and re.fullmatch("resp_[0-9a-f]{32}", ids.pop()), events
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
@@ -2007,7 +2086,10 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     """transformers serve writes its chunks without their null fields: a text completion's chunks came without
     `finish_reason` (and `logprobs`) until the last, a chat's too, and the chat's first chunk without `content` beside
     its role. vLLM and OpenAI send `"finish_reason": null` and `"logprobs": null` on every chunk before the last, and
-    the role chunk's `"content": ""`; a client reading `choice["finish_reason"]` or `delta["content"]` failed here."""
+    the role chunk's `"content": ""`; a client reading `choice["finish_reason"]` or `delta["content"]` failed here.
+    vLLM's choices carry `stop_reason` too (a text completion's also `token_ids` and `prompt_token_ids`), null but for
+    a stop string: they were left out but where a stop string was cut; and its whole chat message the null fields of
+    its ChatMessage (`reasoning`, `refusal`, ...)."""
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
 
@@ -2036,21 +2118,40 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     choices = [c["choices"][0] for c in chunks]
     assert [c["finish_reason"] for c in choices] == [None] * (len(sse) - 1) + ["stop"], choices
     assert all(c["logprobs"] is None for c in choices), choices
+    # and vLLM's own: a text completion's `stop_reason`, `token_ids` and `prompt_token_ids` on every chunk, a chat's
+    # `stop_reason` on its finishing chunk (null: no stop string ended it)
     if chat:
         assert choices[0]["delta"] == {"role": "assistant", "content": ""}, choices
         assert "".join(c["delta"].get("content") or "" for c in choices) == "ab"
+        assert "stop_reason" in choices[-1] and choices[-1]["stop_reason"] is None, choices
     else:
         assert "".join(c["text"] for c in choices) == "ab"
+        assert all({k: c.get(k, "missing") for k in ("stop_reason", "token_ids", "prompt_token_ids")} ==
+                   dict.fromkeys(("stop_reason", "token_ids", "prompt_token_ids")) for c in choices), choices
     # the whole answer's choice too (transformers serve's chunks put together here)
     code, whole = _asgi(CheckedChatApp(inner), body, path)
     assert code == 200 and whole["choices"][0]["logprobs"] is None and whole["choices"][0]["finish_reason"] == "stop"
+    nulls = ("stop_reason", "token_ids") if chat else ("stop_reason", "token_ids", "prompt_token_ids")
+    assert {k: whole["choices"][0].get(k, "missing") for k in nulls} == dict.fromkeys(nulls), whole
+    if chat:  # and vLLM's ChatMessage's: its `reasoning` null for a model without a thought
+        message = whole["choices"][0]["message"]
+        assert message == {"role": "assistant", "content": "ab", "reasoning": None, "refusal": None,
+                           "annotations": None, "audio": None, "function_call": None}, message
+    # a stop string that ended the text is the stop_reason, whole and streamed, as vLLM names it
+    code, whole = _asgi(CheckedChatApp(inner), {**body, "stop": "b"}, path)
+    assert whole["choices"][0]["stop_reason"] == "b", whole
+    code, raw = _asgi(CheckedChatApp(inner), {**body, "stop": "b", "stream": True}, path, raw=True)
+    last = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.strip() and "[DONE]" not in e][-1]
+    assert last["choices"][0]["stop_reason"] == "b", last
 
 
-def test_a_response_echoes_the_request_settings_as_vllm_does():
+def test_a_response_echoes_the_request_settings_as_vllm_does(tmp_path):
     """vLLM's Response (ResponsesResponse.from_request) and OpenAI's echo the request's settings: `text` (its format),
     `truncation`, `reasoning`, `service_tier`, `user`, `max_tool_calls`, with `background` false and no
     `previous_response_id`; the local server's Response left them out (the SDK read them as None: `resp.text.format`
-    an AttributeError), whole and in the stream's response events. Unset, they are the API's defaults."""
+    an AttributeError), whole and in the stream's response events. Unset, they are vLLM's request defaults: `text`
+    and `metadata` null, as vLLM echoes the request's own field (OpenAI's default format and {} were written). The
+    sampling is echoed as the request gets it, as vLLM echoes its SamplingParams."""
     pytest.importorskip("openai")
     from openai.types.responses import Response
 
@@ -2066,25 +2167,50 @@ def test_a_response_echoes_the_request_settings_as_vllm_does():
     app = CheckedChatApp(inner, model_name="tiny")
     given = {"text": {"format": {"type": "text"}}, "truncation": "auto", "reasoning": {"effort": "low"},
              "service_tier": "default", "user": "u1", "max_tool_calls": 3}
-    defaults = {"text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+    defaults = {"text": None, "metadata": None, "truncation": "disabled", "reasoning": None,
                 "service_tier": "auto", "user": None, "max_tool_calls": None}
     for request, expected in (({"input": "hi", **given}, given), ({"input": "hi"}, defaults)):
         code, whole = _asgi(app, request, "/v1/responses")
         assert code == 200 and {k: whole.get(k, "missing") for k in expected} == expected, whole
         assert (whole.get("background"), whole.get("previous_response_id", "missing")) == (False, None), whole
-        assert Response.model_validate(whole).text.format.type == "text"
+        valid = Response.model_validate(whole)  # the pinned SDK reads either
+        assert (valid.text.format.type if "text" in request else valid.text) == (
+            "text" if "text" in request else None)
         code, text = _asgi(app, {**request, "stream": True}, "/v1/responses", raw=True)
         events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
         for e in (e for e in events if "response" in e):
             assert {k: e["response"].get(k, "missing") for k in expected} == expected, e
+    # the sampling as the request gets it, as vLLM echoes its SamplingParams (numbers; they were null when left out):
+    # the model's default temperature / top_p (generation_config.json), else 1, top_p 1 when greedy, and
+    # max_output_tokens as resolved (what the context leaves after the prompt)
+    app = CheckedChatApp(inner, model_name="tiny", context=100, count_prompt=lambda body: 10,
+                         sampling_defaults={"top_p": 0.95})
+    sampling = ("temperature", "top_p", "max_output_tokens")
+    for request, expected in (({"input": "hi"}, (1.0, 0.95, 90)),
+                              ({"input": "hi", "temperature": 0}, (0, 1.0, 90)),
+                              ({"input": "hi", "temperature": 0.5, "top_p": 0.3, "max_output_tokens": 7},
+                               (0.5, 0.3, 7)),
+                              ({"input": "hi", "temperature": 1e-9}, (0.01, 0.95, 90))):
+        code, whole = _asgi(app, request, "/v1/responses")
+        assert code == 200 and tuple(whole[k] for k in sampling) == expected, (request, whole)
+        code, text = _asgi(app, {**request, "stream": True}, "/v1/responses", raw=True)
+        events = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if e.strip()]
+        assert {tuple(e["response"][k] for k in sampling) for e in events if "response" in e} == {expected}, events
+    from serving.local import sampling_defaults
+
+    model = tmp_path / "m"
+    model.mkdir()
+    assert sampling_defaults(model) == {}
+    (model / "generation_config.json").write_text(json.dumps({"top_p": 0.95, "top_k": 64, "temperature": True}))
+    assert sampling_defaults(model) == {"top_p": 0.95}
 
 
 def test_vllms_request_extensions_of_its_pinned_release_are_served():
-    """vllm-tpu 0.27's chat completion takes `include_reasoning` (default true) and its Responses API the sampling
-    extensions of a chat completion (`top_k`, `repetition_penalty`, `frequency_penalty`, `logit_bias`, `ignore_eos`,
-    `chat_template_kwargs`, `skip_special_tokens`, ...): the local server refused them ("Unexpected field", "unknown
-    parameter"). They are read as a chat completion reads them; a value this server cannot serve is refused naming
-    the field, as before."""
+    """vllm-tpu 0.27's chat completion takes `include_reasoning` (default true; its Responses API takes it as an extra
+    field it does not read) and its Responses API the sampling extensions of a chat completion (`top_k`,
+    `repetition_penalty`, `frequency_penalty`, `logit_bias`, `ignore_eos`, `chat_template_kwargs`,
+    `skip_special_tokens`, ...): the local server refused them ("Unexpected field", "unknown parameter"). They are
+    read as a chat completion reads them; a value this server cannot serve is refused naming the field, as before."""
     from serving.responses import chat_request, request_param
 
     assert "include_reasoning" not in check_chat_request({"messages": USER, "include_reasoning": True})
@@ -2092,9 +2218,7 @@ def test_vllms_request_extensions_of_its_pinned_release_are_served():
     with pytest.raises(RequestError, match="expected true or false") as e:
         check_chat_request({"messages": USER, "include_reasoning": "no"})
     assert e.value.param == "include_reasoning"
-    with pytest.raises(RequestError, match="false is served on /v1/chat/completions here") as e:
-        chat_request({"input": "hi", "include_reasoning": False})
-    assert e.value.param == "include_reasoning"
+    assert "include_reasoning" not in chat_request({"input": "hi", "include_reasoning": False})  # as vLLM: unread
     body = check_chat_request(chat_request({"input": "hi", "top_k": 5, "repetition_penalty": 1.1, "ignore_eos": False,
                                             "logit_bias": {"7": -100}, "frequency_penalty": 0,
                                             "skip_special_tokens": True, "include_reasoning": True, "priority": 0,

@@ -818,6 +818,10 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--chat-template-content-format,string]"],
      ["server.chat_template_content_format"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-model-l,100]"], ["server.max_model_len"]),  # abbreviated
+    # a help option: `vllm serve` printed its help and exited 0, and the container stopped serving nothing
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-h]"], ["-h makes `vllm serve` print its help and exit"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enforce-eager,--help=all]"],
+     ["--help=all makes `vllm serve` print its help and exit"]),
     # a misspelt option: vLLM's usage error only on the TPU VM, after the image pull and minutes of container start
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--gpu-memory-utilisation,0.9]"],
      ["--gpu-memory-utilisation is not an option of `vllm serve`", "did you mean --gpu-memory-utilization?",
@@ -1979,6 +1983,13 @@ def test_local_server_on_a_port_in_use_is_refused_before_it_starts(tiny_dir, tmp
                          f"lora.adapters=[{{name: coach, dir: {tmp_path}}}]"])
         err = capsys.readouterr().err
         assert "warning: --local serves model.dir alone, not lora.adapters (coach)" in err and code != 0
+        # server.extra_args: options of `vllm serve` transformers serve never reads; they were dropped without a word
+        code = cli_main(__import__("serving.launch", fromlist=["main"]).main,
+                        ["--config", str(cfg), "--local", f"server.port={port}",
+                         "server.extra_args=[--generation-config,vllm]"])
+        err = capsys.readouterr().err
+        assert ("warning: --local serves without server.extra_args (--generation-config vllm), options of `vllm "
+                "serve` that only the container reads") in err and code != 0, err
 
 
 def test_server_host_written_as_in_a_url_or_not_of_this_machine(tmp_path, capsys):
@@ -2555,6 +2566,17 @@ def test_extra_args_are_read_as_vllms_parser_reads_them(tmp_path, capsys):
     assert code == 0 and "--new-flag" in out, err
     assert ("warning: server.extra_args: --new-flag is not an option of `vllm serve` in vllm/vllm-tpu:v0.27.0 "
             "(serving/vllm_serve_flags.txt); container.image vllm/vllm-tpu:nightly may take it") in err, err
+    # a one-letter option's value written onto it, as argparse reads it (`-n2` is `--nnodes 2`): it was refused as an
+    # option `vllm serve` lacks ("did you mean -n?"); its value is checked as given apart (`-n0`: at least one node)
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.extra_args=[-n2, -r0, -qfp8]")
+    assert code == 0 and words(out)[-3:] == ["-n2", "-r0", "-qfp8"] and "warning" not in err, err
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.extra_args=[-n, 2, -n0]")
+    assert code == 2 and "--nnodes '0' is not a number of nodes (at least 1)" in one_error_line(code, err), err
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.extra_args=[-nx]")
+    assert code == 2 and "-n 'x' is not an integer" in one_error_line(code, err), err
     # on the pinned image a word close to none of its options (a plugin's, say) is a warning, not a refusal
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    "server.extra_args=[--zzz-plugin-knob,1]")
