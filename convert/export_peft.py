@@ -172,8 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "lora": {k: source.lora.get(k) for k in ("rank", "alpha", "targets", "base_quantization")},
         })
         ad.publish()
-    print(f"export_peft: wrote {out} ({len(specs)} tensors, r={source.lora['rank']}, "
-          f"alpha={source.lora['alpha']}){tokenizer_note}", file=sys.stderr)
+        # said in the block, so that a stop after the publish still finds it said (gemma_tpu.core.atomic)
+        print(f"export_peft: wrote {out} ({len(specs)} tensors, r={source.lora['rank']}, "
+              f"alpha={source.lora['alpha']}){tokenizer_note}", file=sys.stderr)
     return 0
 
 

@@ -174,6 +174,61 @@ def test_a_signal_while_the_replaced_output_is_deleted_says_it_was_published(tmp
     assert (out / "v").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+# `main` publishes OUT, saying "wrote OUT" in its block as the converters do; SIGNAL is raised at MOMENT: as the
+# rename is synced (`fsync`: the open of OUT's parent), as the writer lock beside OUT is removed (`unlock`, once the
+# block is left) or after the block (`after`).
+PUBLISHED = """
+import os, signal, sys
+from gemma_tpu.core.atomic import AtomicDir, writer_lock
+from gemma_tpu.core.cli import cli_main
+
+def main(argv):
+    out, sig, moment = argv
+    fired = []
+    def stop():
+        if not fired and os.path.isdir(out):
+            fired.append(1)
+            signal.raise_signal(getattr(signal, sig))
+    def hook(event, args):
+        if (moment, event) in (("fsync", "open"), ("unlock", "os.remove")) and os.fspath(args[0]) in (
+                os.path.dirname(out), str(writer_lock(out))):
+            stop()
+    sys.addaudithook(hook)
+    ad = AtomicDir(out)
+    with ad as tmp:
+        (tmp / "a.txt").write_text("a")
+        ad.publish()
+        print(f"wrote {out}", file=sys.stderr)
+    if moment == "after":
+        stop()
+    return 0
+
+sys.exit(cli_main(main))
+"""
+
+
+@pytest.mark.parametrize("sig,moment", [("SIGTERM", "fsync"), ("SIGTERM", "unlock"), ("SIGINT", "fsync"),
+                                        ("SIGINT", "unlock"), ("SIGHUP", "unlock"), ("SIGTERM", "after"),
+                                        ("SIGHUP", "after")])
+def test_a_stop_once_the_output_is_published_says_so(tmp_path, sig, moment):
+    """A stop that lands once the output is in place, before the command returns. As the writer lock was removed
+    (the stop handlers already set back) or after the block, a SIGTERM or SIGHUP ended the process by the signal
+    (-15, -1), exit handlers not run; at the sync after the rename it said a bare 'stopped by SIGTERM'. Either way
+    the output was published with nothing saying so. Now it stops saying that it was (or after 'wrote OUT' was
+    said), exit 143, 130, 129, the lock gone."""
+    import signal
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", PUBLISHED, str(out), sig, moment], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == (130 if sig == "SIGINT" else 128 + getattr(signal, sig)), proc.stderr
+    said = "interrupted" if sig == "SIGINT" else f"stopped by {sig}"
+    line = assert_one_line_error(proc, said)
+    assert line == f"error: {said}" + ("" if moment == "after" else f" after {out} was published"), proc.stderr
+    assert f"wrote {out}" in proc.stderr.splitlines() or moment == "fsync", proc.stderr
+    assert (out / "a.txt").read_text() == "a" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_a_replace_whose_set_aside_copy_cannot_be_renamed_is_still_published(tmp_path, monkeypatch):
     """Without renameat2's exchange, the old output set aside is renamed to the temp name before its deletion; that
     rename failing must not report 'nothing was published' about an output already in place: the copy is deleted

@@ -455,6 +455,24 @@ class _AtomicOutput:
             done += f" (the old output it replaced is left, in part, as {old}: the next run for it removes it)"
         raise interrupted_after(stop, done) from None
 
+    def _exit_published(self, exc: BaseException | None) -> None:
+        """Leave the block of a published output. A Ctrl-C or SIGTERM that came after the publish (in the block's
+        last lines, or as the writer lock is removed, which it waits for) stops the command saying that the output
+        was published: the lock was removed after the stop signals were set back, and a SIGTERM there ended the
+        process by the signal (-15), its output complete and nothing said."""
+        stop = exc if isinstance(exc, (KeyboardInterrupt, SignalExit)) else None
+        try:
+            try:
+                with _signals_held():
+                    self._release()
+            finally:
+                self._stop_signals.__exit__(None, None, None)
+        except (KeyboardInterrupt, SignalExit) as e:  # held, and raised as the handlers came back
+            stop = stop or e
+        said = stop is not None and (stop.after if isinstance(stop, SignalExit) else str(stop))
+        if stop is not None and not said:
+            raise interrupted_after(stop, f"{self.target} was published") from None
+
     def _refuse_if_appeared(self) -> None:
         if self.target.exists() and not self.overwrite:
             raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
@@ -473,17 +491,17 @@ class _AtomicOutput:
                 break
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self.published:
+            self._exit_published(exc)
+            return
         self._stop_signals.__exit__(exc_type, exc, tb)
-        if not self.published:
-            _remove(self.tmp)
+        _remove(self.tmp)
         self._release()
-        if not self.published:
-            self._remove_made()
-        if not self.published:
-            exc = exc if isinstance(exc, OSError) else library_os_error(exc)
-            if exc is not None:  # a full disk (ENOSPC), a file too large, an I/O error mid-write
-                raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
-                                f"({exc.strerror or exc}); nothing was published") from None
+        self._remove_made()
+        exc = exc if isinstance(exc, OSError) else library_os_error(exc)
+        if exc is not None:  # a full disk (ENOSPC), a file too large, an I/O error mid-write
+            raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
+                            f"({exc.strerror or exc}); nothing was published") from None
 
     def _written_path(self, exc: OSError) -> str:
         """The path an OSError names: for a full disk or a file too large, the one written (a copy's

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from gemma_tpu.core.config import RunConfig, as_written, is_url, load_config
-from gemma_tpu.core.errors import SignalExit, UserError
+from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.core.lean_imports import deferred_imports
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -409,6 +409,8 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     parser_error = argparse.ArgumentParser.error
     argparse.ArgumentParser.error = _argparse_error  # usage mistakes are one line too, not usage + exit
     try:
+        if argv is None:  # the process's own command line
+            _stops_raise()
         with deferred_imports():
             code = int(main(args) or 0)
         if argv is None:  # the process's own command line: what is left is the interpreter's shutdown
@@ -453,6 +455,19 @@ def write_stdout(text: str, end: str = "\n") -> None:
             os.dup2(devnull, sys.stdout.fileno())
         finally:
             os.close(devnull)
+
+
+def _stops_raise() -> None:
+    """For the process's own command, SIGTERM and SIGHUP raise `SignalExit` (`raise_signal_exit`) from its start to
+    `_end_on_stop`, wherever no block of it handles them (`errors.stop_signals_raise` sets back what was there): a
+    stop that landed after a converter's output was published and its block left, before the command returned,
+    ended the process by the signal (-15), the exit handlers not run. Ignored ones (`nohup`) stay ignored."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            try:
+                signal.signal(signum, raise_signal_exit)
+            except ValueError:  # not the main thread
+                return
 
 
 def _end_on_stop(code: int) -> None:
