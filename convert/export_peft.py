@@ -189,7 +189,7 @@ def adapter_tokenizer_base(source: CheckpointSource, override: str | None = None
     if not source.meta.get("token_map"):
         return None
     try:
-        return resolve_base(source, override)
+        return resolve_base(source, override, weights=False)
     except UserError as e:
         raise UserError(f"{source.dir}: a tool-calling run's adapter ships its base's tokenizer with the tool-call "
                         f"markers, and the base cannot be found ({str(e).removesuffix('; pass --base')}): pass "

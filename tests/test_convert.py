@@ -631,7 +631,8 @@ def test_base_is_found_at_the_recorded_revision(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(restore, "resolve_path",
-                        lambda spec, revision=None, what="model.path": calls.append((spec, revision)) or tmp_path)
+                        lambda spec, revision=None, what="model.path", weights=False: calls.append((spec, revision))
+                        or tmp_path)
     meta = {"base_model": {"path": "google/gemma-3-270m", "local_dir": str(tmp_path / "gone"), "revision": "abc123"}}
     assert restore.base_dir(tmp_path, meta) == tmp_path and calls == [("google/gemma-3-270m", "abc123")]
     calls.clear()
