@@ -229,6 +229,44 @@ def test_a_stop_once_the_output_is_published_says_so(tmp_path, sig, moment):
     assert (out / "a.txt").read_text() == "a" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+# a stop that lands while the interpreter finalizes `__main__`'s globals, after it set the signals Python handled back
+# to their default action (as JAX's runtime is torn down after a converter's last line, about half a second)
+AT_THE_END = """
+import os, signal, sys, time
+from gemma_tpu.core.cli import cli_main
+
+class Late:
+    def __init__(self, signum):
+        self.signum, self.kill, self.pid, self.sleep, self.err = signum, os.kill, os.getpid(), time.sleep, sys.stderr
+
+    def __del__(self):
+        self.kill(self.pid, self.signum)
+        self.sleep(0.2)
+        self.err.write("ended by itself\\n")
+        self.err.flush()
+
+late = Late(getattr(signal, sys.argv[1]))
+
+def main(argv):
+    print("wrote out", file=sys.stderr)
+    return 0
+
+sys.exit(cli_main(main))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_stop_during_the_interpreters_last_teardown_keeps_the_exit_code(sig):
+    """After the exit handlers (where `cli._end_on_stop`'s handler ends a finished command at once, exit 0) the
+    interpreter sets the signals back to their default action, and a stop in the teardown left (JAX's runtime, some
+    tenths of a second after `merge: wrote OUT`) killed the process by the signal: -15 after a complete output. It
+    ends by itself with the command's exit code."""
+    proc = subprocess.run([sys.executable, "-c", AT_THE_END, sig], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["wrote out", "ended by itself"], proc.stderr
+
+
 def test_a_replace_whose_set_aside_copy_cannot_be_renamed_is_still_published(tmp_path, monkeypatch):
     """Without renameat2's exchange, the old output set aside is renamed to the temp name before its deletion; that
     rename failing must not report 'nothing was published' about an output already in place: the copy is deleted

@@ -411,6 +411,7 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     try:
         if argv is None:  # the process's own command line
             _stops_raise()
+            atexit.register(_ignore_stops)  # the first exit handler registered is the last to run
         with deferred_imports():
             code = int(main(args) or 0)
         if argv is None:  # the process's own command line: what is left is the interpreter's shutdown
@@ -484,6 +485,18 @@ def _end_on_stop(code: int) -> None:
         try:
             signal.signal(signum, stop)
         except ValueError:  # not the main thread: Python runs no handlers there
+            return
+
+
+def _ignore_stops() -> None:
+    """The last exit handler: Ctrl-C, SIGTERM and SIGHUP are ignored for the rest of the process's end. The
+    interpreter then sets the signals Python handles back to their default action, and a stop that landed in what
+    follows (JAX's runtime torn down, about half a second after a converter's `wrote OUT`) killed the process by
+    the signal (-15, -1) after a complete output; it ends by itself with the command's exit code now."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(signum, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread (an exit from another one): as before
             return
 
 
