@@ -174,19 +174,19 @@ def test_a_signal_while_the_replaced_output_is_deleted_says_it_was_published(tmp
     assert (out / "v").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-# `main` publishes OUT, saying "wrote OUT" in its block as the converters do; SIGNAL is raised at MOMENT: as the
-# rename is synced (`fsync`: the open of OUT's parent), as the writer lock beside OUT is removed (`unlock`, once the
-# block is left) or after the block (`after`).
+# `main` publishes OUT, saying "wrote OUT" in its block as the converters do (or keeps it at KEPT: `move_to`, as a
+# failed verification does); SIGNAL is raised at MOMENT: as the rename is synced (`fsync`: the open of OUT's parent),
+# as the writer lock beside OUT is removed (`unlock`, once the block is left) or after the block (`after`).
 PUBLISHED = """
 import os, signal, sys
 from gemma_tpu.core.atomic import AtomicDir, writer_lock
 from gemma_tpu.core.cli import cli_main
 
 def main(argv):
-    out, sig, moment = argv
+    out, sig, moment, *keep = argv
     fired = []
     def stop():
-        if not fired and os.path.isdir(out):
+        if not fired and os.path.isdir(keep[0] if keep else out):
             fired.append(1)
             signal.raise_signal(getattr(signal, sig))
     def hook(event, args):
@@ -197,8 +197,11 @@ def main(argv):
     ad = AtomicDir(out)
     with ad as tmp:
         (tmp / "a.txt").write_text("a")
-        ad.publish()
-        print(f"wrote {out}", file=sys.stderr)
+        if keep:
+            ad.move_to(keep[0])
+        else:
+            ad.publish()
+            print(f"wrote {out}", file=sys.stderr)
     if moment == "after":
         stop()
     return 0
@@ -227,6 +230,18 @@ def test_a_stop_once_the_output_is_published_says_so(tmp_path, sig, moment):
     assert line == f"error: {said}" + ("" if moment == "after" else f" after {out} was published"), proc.stderr
     assert f"wrote {out}" in proc.stderr.splitlines() or moment == "fsync", proc.stderr
     assert (out / "a.txt").read_text() == "a" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_stop_once_the_output_is_kept_aside_says_it_was_not_published(tmp_path):
+    """The same stop, as the writer lock is removed, after the output was kept aside (`move_to`: a failed
+    verification's `<out>.unverified`): it says where the output is, not that it was published."""
+    out, kept = tmp_path / "out", tmp_path / "out.unverified"
+    proc = subprocess.run([sys.executable, "-c", PUBLISHED, str(out), "SIGTERM", "unlock", str(kept)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    line = assert_one_line_error(proc, "stopped by SIGTERM")
+    assert line == f"error: stopped by SIGTERM after {out} was kept at {kept}, not published", proc.stderr
+    assert (kept / "a.txt").read_text() == "a" and sorted(p.name for p in tmp_path.iterdir()) == [kept.name]
 
 
 # a stop that lands while the interpreter finalizes `__main__`'s globals, after it set the signals Python handled back

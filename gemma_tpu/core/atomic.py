@@ -417,7 +417,8 @@ class _AtomicOutput:
         self.marker = marker  # see check_target
         self.magic = magic
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
-        self.published = False
+        self.published = False  # the temp is in place (at the target, or kept elsewhere: `move_to`)
+        self._done = ""  # what became of it, said by a stop that comes after (`_exit_published`)
         self._made: list[Path] = []  # the target's parent directories this output created, deepest first
         self._stop_signals = stop_signals_raise()
         self._lock = pidlock.PidLock(writer_lock(self.target), _busy_writing) if lock else None
@@ -471,7 +472,7 @@ class _AtomicOutput:
             stop = stop or e
         said = stop is not None and (stop.after if isinstance(stop, SignalExit) else str(stop))
         if stop is not None and not said:
-            raise interrupted_after(stop, f"{self.target} was published") from None
+            raise interrupted_after(stop, self._done or f"{self.target} was published") from None
 
     def _refuse_if_appeared(self) -> None:
         if self.target.exists() and not self.overwrite:
@@ -589,6 +590,7 @@ class AtomicDir(_AtomicOutput):
                 else:
                     os.rename(self.tmp, other)
                 self.published = True
+                self._done = f"{self.target} was kept at {other}, not published"
         except (KeyboardInterrupt, SignalExit) as e:
             if not self.published:
                 raise
@@ -600,7 +602,7 @@ class AtomicDir(_AtomicOutput):
                 stop = stop or e
         _fsync_dir(other.parent)
         if stop is not None:
-            raise interrupted_after(stop, f"{self.target} was kept at {other}, not published") from None
+            raise interrupted_after(stop, self._done) from None
         return other
 
 
