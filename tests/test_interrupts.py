@@ -244,6 +244,43 @@ def test_a_stop_once_the_output_is_kept_aside_says_it_was_not_published(tmp_path
     assert (kept / "a.txt").read_text() == "a" and sorted(p.name for p in tmp_path.iterdir()) == [kept.name]
 
 
+# `main` writes OUT; SIGTERM is raised as soon as its temp dir is made (when os.mkdir returns)
+AT_THE_TEMP = """
+import os, signal, sys
+from pathlib import Path
+from gemma_tpu.core.atomic import AtomicDir
+from gemma_tpu.core.cli import cli_main
+
+def main(argv):
+    out = Path(argv[0])
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    def made(frame, event, arg):
+        if event == "c_return" and arg is os.mkdir and tmp.is_dir():
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGTERM)
+    ad = AtomicDir(out)
+    sys.setprofile(made)
+    with ad as tmp:
+        sys.setprofile(None)
+        (tmp / "a.txt").write_text("a")
+        ad.publish()
+    return 0
+
+sys.exit(cli_main(main))
+"""
+
+
+def test_a_sigterm_as_the_temp_output_is_made_removes_it(tmp_path):
+    """A SIGTERM right after the hidden temp dir was made, before the output's stop handling began: the temp dir was
+    left beside --out (for the next run to remove), where a SIGTERM anywhere else removes it. Nothing is left."""
+    out = tmp_path / "new" / "out"
+    proc = subprocess.run([sys.executable, "-c", AT_THE_TEMP, str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    assert_one_line_error(proc, "stopped by SIGTERM")
+    assert list(tmp_path.iterdir()) == []
+
+
 # a stop that lands while the interpreter finalizes `__main__`'s globals, after it set the signals Python handled back
 # to their default action (as JAX's runtime is torn down after a converter's last line, about half a second)
 AT_THE_END = """

@@ -425,6 +425,9 @@ class _AtomicOutput:
 
     def __enter__(self) -> Path:
         check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker, magic=self.magic)
+        # SIGTERM and SIGHUP -> SignalExit from here, so the cleanups run: entered after the temp was made, a SIGTERM
+        # landing in between left it behind (the default action, or the exception outside this `try`)
+        self._stop_signals.__enter__()
         try:
             self._made = [d for d in (self.target.parent, *self.target.parent.parents) if not os.path.lexists(d)]
             self.target.parent.mkdir(parents=True, exist_ok=True)
@@ -436,16 +439,20 @@ class _AtomicOutput:
             else:
                 self.tmp.touch(exist_ok=False)
         except OSError as e:
-            self._release()
-            self._remove_made()
+            self._undo_enter()
             raise UserError(f"--out {self.target}: cannot create {e.filename or self.tmp} "
                             f"({e.strerror or e})") from None
-        except BaseException:
-            self._release()
-            self._remove_made()
+        except BaseException:  # a stop (Ctrl-C, SIGTERM), the lock held by another writer
+            self._undo_enter()
             raise
-        self._stop_signals.__enter__()  # SIGTERM and SIGHUP -> SignalExit, so the cleanup below runs
         return self.tmp
+
+    def _undo_enter(self) -> None:
+        """What `__enter__` made, removed (the temp is this process's: its name holds our PID)."""
+        _remove(self.tmp)
+        self._release()
+        self._remove_made()
+        self._stop_signals.__exit__(None, None, None)
 
     def _stopped_after_publish(self, stop: BaseException, old: Path | None) -> None:
         """A Ctrl-C or SIGTERM that came once the new output was in place (held during the swap, or during the
