@@ -1133,6 +1133,46 @@ def test_space_a_killed_merge_left_behind_counts_as_free(work, lora_ckpt, small_
     assert killed.is_dir()
 
 
+def test_overwrite_replaces_only_what_it_was_allowed_to_even_if_made_while_writing(tmp_path):
+    """--overwrite replaces an earlier output, never a directory of other files, a link or a file of other bytes
+    (check_target, at the start). One made at --out while the merge ran was replaced all the same: a directory of a
+    user's files swapped out and deleted, a file left under the temp's name for the next run to delete. It is
+    refused, nothing published; an earlier output made meanwhile is replaced as --overwrite says."""
+    from gemma_tpu.core.atomic import AtomicDir, AtomicFile
+    from gemma_tpu.core.errors import UserError
+
+    def publish(out, made, kind="dir"):
+        ad = (AtomicDir(out, overwrite=True, marker="gemma_tpu_merge.json") if kind == "dir" else
+              AtomicFile(out, overwrite=True, magic=b"GGUF"))
+        with ad as tmp:
+            if kind == "dir":
+                (tmp / "gemma_tpu_merge.json").write_text("new")
+            else:
+                tmp.write_bytes(b"GGUF new")
+            made(out)
+            ad.publish()
+
+    def user_dir(out):
+        out.mkdir()
+        (out / "notes.txt").write_text("precious")
+
+    cases = [("dir", user_dir, "a directory of other files (notes.txt)"),
+             ("dir", lambda out: out.write_text("precious"), "not a directory"),
+             ("dir", lambda out: out.symlink_to(tmp_path), f"a symbolic link (to {tmp_path})"),
+             ("file", lambda out: out.write_text("precious"), "a file that does not start with b'GGUF'")]
+    for i, (kind, made, why) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(UserError, match=re.escape(f"{out} was made anew while writing and is {why}; not "
+                                                      f"replacing it, nothing was published")):
+            publish(out, made, kind)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((out.name, f".{out.name}"))) == \
+            [out.name], kind
+        assert out.is_symlink() or ((out / "notes.txt") if out.is_dir() else out).read_text() == "precious"
+    earlier = tmp_path / "earlier"
+    publish(earlier, lambda out: (out.mkdir(), (out / "gemma_tpu_merge.json").write_text("old")))
+    assert (earlier / "gemma_tpu_merge.json").read_text() == "new"
+
+
 def _start_merge(ckpt: Path, out: Path, *extra: str, slow: float = 0.15) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "GEMMA_TPU_MERGE_SLOW": str(slow)}
     return subprocess.Popen([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(ckpt),

@@ -482,8 +482,37 @@ class _AtomicOutput:
             raise interrupted_after(stop, self._done or f"{self.target} was published") from None
 
     def _refuse_if_appeared(self) -> None:
-        if self.target.exists() and not self.overwrite:
+        if not (self.target.exists() or self.target.is_symlink()):
+            return
+        if not self.overwrite:
             raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
+        why = self._not_replaceable()
+        if why:  # --overwrite replaces what `check_target` let it at the start, not what was put there since
+            raise UserError(f"{self.target} was made anew while writing and is {why}; not replacing it, nothing "
+                            f"was published")
+
+    def _not_replaceable(self) -> str | None:
+        """Why the target now there is not what --overwrite replaces (`check_target`'s rules: a link, the other kind,
+        a directory of other files than an earlier output's, a file of other bytes), or None. A directory of a
+        user's files made at --out during a merge was swapped out and deleted; a file, left as the temp's name for
+        the next run to delete."""
+        t = self.target
+        if t.is_symlink():
+            return f"a symbolic link (to {os.readlink(t)})"
+        if self.kind == "dir" and not t.is_dir():
+            return "not a directory"
+        if self.kind == "file" and not t.is_file():
+            return "not a regular file"
+        if self.kind == "dir" and self.marker is not None and not (t / self.marker).is_file():
+            held = sorted(p.name for p in t.iterdir())
+            if held:
+                return f"a directory of other files ({', '.join(held[:3])}{' ...' if len(held) > 3 else ''})"
+        if self.kind == "file" and self.magic is not None:
+            with t.open("rb") as f:
+                head = f.read(len(self.magic))
+            if head and head != self.magic:
+                return f"a file that does not start with {self.magic!r}"
+        return None
 
     def _release(self) -> None:
         if self._lock is not None:
@@ -534,8 +563,8 @@ class AtomicDir(_AtomicOutput):
         stop = None
         try:
             with _signals_held():  # a Ctrl-C between the two renames of the fallback lost both outputs
+                self._refuse_if_appeared()
                 if self.target.exists():
-                    self._refuse_if_appeared()
                     if _exchange(self.tmp, self.target):
                         old = self.tmp  # now holds the old output
                     else:
