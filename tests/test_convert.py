@@ -1249,12 +1249,12 @@ def test_a_stop_signal_after_the_output_is_written_exits_0(work, lora_ckpt, sig)
     assert _complete(out) and leftovers(out) == [out.name]
 
 
-@pytest.mark.parametrize("tool", ["merge_orbax", "export_peft"])
+@pytest.mark.parametrize("tool", ["merge_orbax", "export_peft", "export_gguf"])
 def test_a_sigterm_once_the_output_is_published_says_both(work, lora_ckpt, tool):
     """A SIGTERM as the writer lock beside --out is removed, the output in place: the process died by the signal
     (-15) with nothing said. 'wrote OUT' is said, then the stop, naming the output as published (exit 143);
     tests/test_interrupts.py has the other moments."""
-    out = work / f"stopped_published_{tool}"
+    out = work / f"stopped_published_{tool}{'.gguf' if tool == 'export_gguf' else ''}"
     lock = str(out.parent / f".{out.name}.writer.lock")
     code = ("import os, signal, sys\n"
             f"def hook(event, args):\n    if event == 'os.remove' and os.fspath(args[0]) == {lock!r}:\n"
@@ -1265,10 +1265,11 @@ def test_a_sigterm_once_the_output_is_published_says_both(work, lora_ckpt, tool)
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 143, proc.stderr[-2000:]
     said = proc.stderr.strip().splitlines()[-2:]
-    assert said[0].startswith(f"{tool.removesuffix('_orbax')}: wrote {out}"), proc.stderr[-2000:]
+    assert said[0].startswith(f"{ {'merge_orbax': 'merge', 'export_gguf': 'gguf'}.get(tool, tool)}: wrote {out}"), \
+        proc.stderr[-2000:]
     assert said[1] == f"error: stopped by SIGTERM after {out} was published", proc.stderr[-2000:]
-    record = "gemma_tpu_merge.json" if tool == "merge_orbax" else "gemma_tpu_adapter.json"
-    assert leftovers(out) == [out.name] and (out / record).is_file()
+    record = {"merge_orbax": "gemma_tpu_merge.json", "export_peft": "gemma_tpu_adapter.json"}.get(tool)
+    assert leftovers(out) == [out.name] and ((out / record).is_file() if record else out.read_bytes()[:4] == b"GGUF")
 
 
 def test_a_merge_that_fails_mid_write_leaves_no_directory_it_made(work, lora_ckpt):
