@@ -664,6 +664,12 @@ def test_a_base_cached_in_part_offline_is_named_so(tiny_dir, tmp_path, monkeypat
     with pytest.raises(UserError, match=r"has no model-00002-of-00002\.safetensors \(a shard its model\.safetensors"):
         base_dir(tmp_path, {}, "org/shards")
     assert base_dir(tmp_path, {}, "org/whole") == cache / "models--org--whole" / "snapshots" / commit
+    # the hub's own layout: the snapshot's files are links into blobs/, one of them to a blob that is not there
+    whole = cache / "models--org--whole" / "snapshots" / commit
+    (whole / "model.safetensors").rename(whole.parent.parent / "blob")
+    (whole / "model.safetensors").symlink_to("../../blobs/0a1b")
+    with pytest.raises(UserError, match=r"has no model\.safetensors \(a link to nothing: \.\./\.\./blobs/0a1b\)"):
+        base_dir(tmp_path, {}, "org/whole")
     assert base_dir(tmp_path, {}, "org/part", weights=False) == part
     assert resolve_path("org/part", what="--tokenizer") == part
 

@@ -77,8 +77,11 @@ def _check_cached_weights(named: str, spec: str, local: Path) -> None:
             return  # a damaged index: named by the weights' reader
         missing = next((f"{f} (a shard its model.safetensors.index.json names)" for f in shards
                         if not (local / f).is_file()), None)
-    elif not any(local.glob("*.safetensors")):
-        missing = "*.safetensors weights"
+    else:
+        files = sorted(local.glob("*.safetensors"))
+        broken = [p.name for p in files if not p.is_file()]  # a link to a blob never downloaded (or deleted)
+        missing = (f"{broken[0]} (a link to nothing: {os.readlink(local / broken[0])})" if broken else
+                   None if files else "*.safetensors weights")
     if missing:
         raise UserError(f"{named}: its copy in the Hugging Face cache, {local}, has no {missing}: a partial download "
                         f"(`hf download {spec} config.json`, or one cut short) that could not be completed here "
