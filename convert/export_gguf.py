@@ -700,7 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with af as tmp:
         size = write_gguf(plan, tmp)
         af.publish()
-    print(f"gguf: wrote {plan.out} ({human(size)})", file=sys.stderr)
+        # said in the block, so that a stop after the publish still finds it said (gemma_tpu.core.atomic)
+        print(f"gguf: wrote {plan.out} ({human(size)})", file=sys.stderr)
     return 0
 
 

@@ -172,8 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "lora": {k: source.lora.get(k) for k in ("rank", "alpha", "targets", "base_quantization")},
         })
         ad.publish()
-    print(f"export_peft: wrote {out} ({len(specs)} tensors, r={source.lora['rank']}, "
-          f"alpha={source.lora['alpha']}){tokenizer_note}", file=sys.stderr)
+        # said in the block, so that a stop after the publish still finds it said (gemma_tpu.core.atomic)
+        print(f"export_peft: wrote {out} ({len(specs)} tensors, r={source.lora['rank']}, "
+              f"alpha={source.lora['alpha']}){tokenizer_note}", file=sys.stderr)
     return 0
 
 
@@ -188,7 +189,7 @@ def adapter_tokenizer_base(source: CheckpointSource, override: str | None = None
     if not source.meta.get("token_map"):
         return None
     try:
-        return resolve_base(source, override)
+        return resolve_base(source, override, weights=False)
     except UserError as e:
         raise UserError(f"{source.dir}: a tool-calling run's adapter ships its base's tokenizer with the tool-call "
                         f"markers, and the base cannot be found ({str(e).removesuffix('; pass --base')}): pass "

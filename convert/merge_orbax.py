@@ -392,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise VerificationFailed(f"verification failed ({report.reason}); nothing published at "
                                          f"{plan.out}; the merged files are kept at {kept}")
         ad.publish()
-    print(f"merge: wrote {plan.out}", file=sys.stderr)
+        # said in the block, so that a stop after the publish still finds it said (gemma_tpu.core.atomic)
+        print(f"merge: wrote {plan.out}", file=sys.stderr)
     return 0
 
 

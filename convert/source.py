@@ -89,10 +89,11 @@ def open_checkpoint(ckpt_dir: str | Path, step: int | None = None) -> Checkpoint
     return source
 
 
-def resolve_base(source: CheckpointSource, override: str | None = None) -> Path:
-    """--base, else the base recorded at training time (see gemma_tpu.checkpoint.restore.base_dir)."""
+def resolve_base(source: CheckpointSource, override: str | None = None, weights: bool = True) -> Path:
+    """--base, else the base recorded at training time (see gemma_tpu.checkpoint.restore.base_dir; `weights`: False
+    where only its tokenizer is read)."""
     try:
-        return base_dir(source.dir, source.meta, override)
+        return base_dir(source.dir, source.meta, override, weights)
     except NoBaseModel as e:
         raise UserError(f"{e}; pass --base") from None
 

@@ -631,7 +631,8 @@ def test_base_is_found_at_the_recorded_revision(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(restore, "resolve_path",
-                        lambda spec, revision=None, what="model.path": calls.append((spec, revision)) or tmp_path)
+                        lambda spec, revision=None, what="model.path", weights=False: calls.append((spec, revision))
+                        or tmp_path)
     meta = {"base_model": {"path": "google/gemma-3-270m", "local_dir": str(tmp_path / "gone"), "revision": "abc123"}}
     assert restore.base_dir(tmp_path, meta) == tmp_path and calls == [("google/gemma-3-270m", "abc123")]
     calls.clear()
@@ -1132,6 +1133,46 @@ def test_space_a_killed_merge_left_behind_counts_as_free(work, lora_ckpt, small_
     assert killed.is_dir()
 
 
+def test_overwrite_replaces_only_what_it_was_allowed_to_even_if_made_while_writing(tmp_path):
+    """--overwrite replaces an earlier output, never a directory of other files, a link or a file of other bytes
+    (check_target, at the start). One made at --out while the merge ran was replaced all the same: a directory of a
+    user's files swapped out and deleted, a file left under the temp's name for the next run to delete. It is
+    refused, nothing published; an earlier output made meanwhile is replaced as --overwrite says."""
+    from gemma_tpu.core.atomic import AtomicDir, AtomicFile
+    from gemma_tpu.core.errors import UserError
+
+    def publish(out, made, kind="dir"):
+        ad = (AtomicDir(out, overwrite=True, marker="gemma_tpu_merge.json") if kind == "dir" else
+              AtomicFile(out, overwrite=True, magic=b"GGUF"))
+        with ad as tmp:
+            if kind == "dir":
+                (tmp / "gemma_tpu_merge.json").write_text("new")
+            else:
+                tmp.write_bytes(b"GGUF new")
+            made(out)
+            ad.publish()
+
+    def user_dir(out):
+        out.mkdir()
+        (out / "notes.txt").write_text("precious")
+
+    cases = [("dir", user_dir, "a directory of other files (notes.txt)"),
+             ("dir", lambda out: out.write_text("precious"), "not a directory"),
+             ("dir", lambda out: out.symlink_to(tmp_path), f"a symbolic link (to {tmp_path})"),
+             ("file", lambda out: out.write_text("precious"), "a file that does not start with b'GGUF'")]
+    for i, (kind, made, why) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(UserError, match=re.escape(f"{out} was made anew while writing and is {why}; not "
+                                                      f"replacing it, nothing was published")):
+            publish(out, made, kind)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((out.name, f".{out.name}"))) == \
+            [out.name], kind
+        assert out.is_symlink() or ((out / "notes.txt") if out.is_dir() else out).read_text() == "precious"
+    earlier = tmp_path / "earlier"
+    publish(earlier, lambda out: (out.mkdir(), (out / "gemma_tpu_merge.json").write_text("old")))
+    assert (earlier / "gemma_tpu_merge.json").read_text() == "new"
+
+
 def _start_merge(ckpt: Path, out: Path, *extra: str, slow: float = 0.15) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "GEMMA_TPU_MERGE_SLOW": str(slow)}
     return subprocess.Popen([sys.executable, "-m", "convert.merge_orbax", "--checkpoint", str(ckpt),
@@ -1206,6 +1247,29 @@ def test_a_stop_signal_after_the_output_is_written_exits_0(work, lora_ckpt, sig)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == f"merge: wrote {out}", proc.stderr[-2000:]
     assert _complete(out) and leftovers(out) == [out.name]
+
+
+@pytest.mark.parametrize("tool", ["merge_orbax", "export_peft", "export_gguf"])
+def test_a_sigterm_once_the_output_is_published_says_both(work, lora_ckpt, tool):
+    """A SIGTERM as the writer lock beside --out is removed, the output in place: the process died by the signal
+    (-15) with nothing said. 'wrote OUT' is said, then the stop, naming the output as published (exit 143);
+    tests/test_interrupts.py has the other moments."""
+    out = work / f"stopped_published_{tool}{'.gguf' if tool == 'export_gguf' else ''}"
+    lock = str(out.parent / f".{out.name}.writer.lock")
+    code = ("import os, signal, sys\n"
+            f"def hook(event, args):\n    if event == 'os.remove' and os.fspath(args[0]) == {lock!r}:\n"
+            "        signal.raise_signal(signal.SIGTERM)\n"
+            f"sys.addaudithook(hook)\nfrom convert.{tool} import main\nfrom gemma_tpu.core.cli import cli_main\n"
+            "sys.exit(cli_main(main))")
+    proc = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(lora_ckpt[0]), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    said = proc.stderr.strip().splitlines()[-2:]
+    assert said[0].startswith(f"{ {'merge_orbax': 'merge', 'export_gguf': 'gguf'}.get(tool, tool)}: wrote {out}"), \
+        proc.stderr[-2000:]
+    assert said[1] == f"error: stopped by SIGTERM after {out} was published", proc.stderr[-2000:]
+    record = {"merge_orbax": "gemma_tpu_merge.json", "export_peft": "gemma_tpu_adapter.json"}.get(tool)
+    assert leftovers(out) == [out.name] and ((out / record).is_file() if record else out.read_bytes()[:4] == b"GGUF")
 
 
 def test_a_merge_that_fails_mid_write_leaves_no_directory_it_made(work, lora_ckpt):

@@ -174,6 +174,151 @@ def test_a_signal_while_the_replaced_output_is_deleted_says_it_was_published(tmp
     assert (out / "v").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+# `main` publishes OUT, saying "wrote OUT" in its block as the converters do (or keeps it at KEPT: `move_to`, as a
+# failed verification does); SIGNAL is raised at MOMENT: as the rename is synced (`fsync`: the open of OUT's parent),
+# as the writer lock beside OUT is removed (`unlock`, once the block is left) or after the block (`after`).
+PUBLISHED = """
+import os, signal, sys
+from gemma_tpu.core.atomic import AtomicDir, writer_lock
+from gemma_tpu.core.cli import cli_main
+
+def main(argv):
+    out, sig, moment, *keep = argv
+    fired = []
+    def stop():
+        if not fired and os.path.isdir(keep[0] if keep else out):
+            fired.append(1)
+            signal.raise_signal(getattr(signal, sig))
+    def hook(event, args):
+        if (moment, event) in (("fsync", "open"), ("unlock", "os.remove")) and os.fspath(args[0]) in (
+                os.path.dirname(out), str(writer_lock(out))):
+            stop()
+    sys.addaudithook(hook)
+    ad = AtomicDir(out)
+    with ad as tmp:
+        (tmp / "a.txt").write_text("a")
+        if keep:
+            ad.move_to(keep[0])
+        else:
+            ad.publish()
+            print(f"wrote {out}", file=sys.stderr)
+    if moment == "after":
+        stop()
+    return 0
+
+sys.exit(cli_main(main))
+"""
+
+
+@pytest.mark.parametrize("sig,moment", [("SIGTERM", "fsync"), ("SIGTERM", "unlock"), ("SIGINT", "fsync"),
+                                        ("SIGINT", "unlock"), ("SIGHUP", "unlock"), ("SIGTERM", "after"),
+                                        ("SIGHUP", "after")])
+def test_a_stop_once_the_output_is_published_says_so(tmp_path, sig, moment):
+    """A stop that lands once the output is in place, before the command returns. As the writer lock was removed
+    (the stop handlers already set back) or after the block, a SIGTERM or SIGHUP ended the process by the signal
+    (-15, -1), exit handlers not run; at the sync after the rename it said a bare 'stopped by SIGTERM'. Either way
+    the output was published with nothing saying so. Now it stops saying that it was (or after 'wrote OUT' was
+    said), exit 143, 130, 129, the lock gone."""
+    import signal
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", PUBLISHED, str(out), sig, moment], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == (130 if sig == "SIGINT" else 128 + getattr(signal, sig)), proc.stderr
+    said = "interrupted" if sig == "SIGINT" else f"stopped by {sig}"
+    line = assert_one_line_error(proc, said)
+    assert line == f"error: {said}" + ("" if moment == "after" else f" after {out} was published"), proc.stderr
+    assert f"wrote {out}" in proc.stderr.splitlines() or moment == "fsync", proc.stderr
+    assert (out / "a.txt").read_text() == "a" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_stop_once_the_output_is_kept_aside_says_it_was_not_published(tmp_path):
+    """The same stop, as the writer lock is removed, after the output was kept aside (`move_to`: a failed
+    verification's `<out>.unverified`): it says where the output is, not that it was published."""
+    out, kept = tmp_path / "out", tmp_path / "out.unverified"
+    proc = subprocess.run([sys.executable, "-c", PUBLISHED, str(out), "SIGTERM", "unlock", str(kept)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    line = assert_one_line_error(proc, "stopped by SIGTERM")
+    assert line == f"error: stopped by SIGTERM after {out} was kept at {kept}, not published", proc.stderr
+    assert (kept / "a.txt").read_text() == "a" and sorted(p.name for p in tmp_path.iterdir()) == [kept.name]
+
+
+# `main` writes OUT; SIGTERM is raised as soon as its temp dir is made (when os.mkdir returns)
+AT_THE_TEMP = """
+import os, signal, sys
+from pathlib import Path
+from gemma_tpu.core.atomic import AtomicDir
+from gemma_tpu.core.cli import cli_main
+
+def main(argv):
+    out = Path(argv[0])
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    def made(frame, event, arg):
+        if event == "c_return" and arg is os.mkdir and tmp.is_dir():
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGTERM)
+    ad = AtomicDir(out)
+    sys.setprofile(made)
+    with ad as tmp:
+        sys.setprofile(None)
+        (tmp / "a.txt").write_text("a")
+        ad.publish()
+    return 0
+
+sys.exit(cli_main(main))
+"""
+
+
+def test_a_sigterm_as_the_temp_output_is_made_removes_it(tmp_path):
+    """A SIGTERM right after the hidden temp dir was made, before the output's stop handling began: the temp dir was
+    left beside --out (for the next run to remove), where a SIGTERM anywhere else removes it. Nothing is left."""
+    out = tmp_path / "new" / "out"
+    proc = subprocess.run([sys.executable, "-c", AT_THE_TEMP, str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    assert_one_line_error(proc, "stopped by SIGTERM")
+    assert list(tmp_path.iterdir()) == []
+
+
+# a stop that lands while the interpreter finalizes `__main__`'s globals, after it set the signals Python handled back
+# to their default action (as JAX's runtime is torn down after a converter's last line, about half a second)
+AT_THE_END = """
+import os, signal, sys, time
+from gemma_tpu.core.cli import cli_main
+
+class Late:
+    def __init__(self, signum):
+        self.signum, self.kill, self.pid, self.sleep, self.err = signum, os.kill, os.getpid(), time.sleep, sys.stderr
+
+    def __del__(self):
+        self.kill(self.pid, self.signum)
+        self.sleep(0.2)
+        self.err.write("ended by itself\\n")
+        self.err.flush()
+
+late = Late(getattr(signal, sys.argv[1]))
+
+def main(argv):
+    print("wrote out", file=sys.stderr)
+    return 0
+
+sys.exit(cli_main(main))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_stop_during_the_interpreters_last_teardown_keeps_the_exit_code(sig):
+    """After the exit handlers (where `cli._end_on_stop`'s handler ends a finished command at once, exit 0) the
+    interpreter sets the signals back to their default action, and a stop in the teardown left (JAX's runtime, some
+    tenths of a second after `merge: wrote OUT`) killed the process by the signal: -15 after a complete output. It
+    ends by itself with the command's exit code."""
+    proc = subprocess.run([sys.executable, "-c", AT_THE_END, sig], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["wrote out", "ended by itself"], proc.stderr
+
+
 def test_a_replace_whose_set_aside_copy_cannot_be_renamed_is_still_published(tmp_path, monkeypatch):
     """Without renameat2's exchange, the old output set aside is renamed to the temp name before its deletion; that
     rename failing must not report 'nothing was published' about an output already in place: the copy is deleted

@@ -627,6 +627,53 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch):
         resolve_model("google/gemma-3-does-not-exist")
 
 
+def test_a_base_cached_in_part_offline_is_named_so(tiny_dir, tmp_path, monkeypatch):
+    """A hub base whose cache holds config.json alone (what `hf download ID config.json` leaves, as the plan
+    suggests), merged offline: the snapshot was taken for the base, and the merge said 'not the base this checkpoint
+    was trained on (.../model.safetensors is missing); pass --allow-base-mismatch', a dead end ('no *.safetensors
+    weights' with it). It says the cache holds part of it and how to get the rest; a shard the index names missing
+    alike. The whole snapshot is used; a tokenizer is read from a part as before."""
+    import huggingface_hub.constants
+
+    from gemma_tpu.checkpoint.restore import base_dir
+    from gemma_tpu.hf.directory import resolve_path
+
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    for name, files in (("part", ["config.json", "tokenizer.json"]), ("whole", None), ("shards", None)):
+        snap = cache / f"models--org--{name}" / "snapshots" / commit
+        shutil.copytree(tiny_dir, snap) if files is None else snap.mkdir(parents=True)
+        for f in files or []:
+            shutil.copyfile(tiny_dir / f, snap / f)
+        (snap.parent.parent / "refs").mkdir()
+        (snap.parent.parent / "refs" / "main").write_text(commit)
+    shards = cache / "models--org--shards" / "snapshots" / commit
+    (shards / "model.safetensors").rename(shards / "model-00001-of-00002.safetensors")
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.norm.weight": "model-00001-of-00002.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    part = cache / "models--org--part" / "snapshots" / commit
+    with pytest.raises(UserError, match=rf"^--base org/part: its copy in the Hugging Face cache, {part}, has no "
+                                        r"\*\.safetensors weights: a partial download .*\(`hf download org/part`\)"):
+        base_dir(tmp_path, {}, "org/part")
+    with pytest.raises(UserError, match=r"^model\.path org/part: its copy .* has no \*\.safetensors weights"):
+        base_dir(tmp_path, {"base_model": {"path": "org/part"}})
+    with pytest.raises(UserError, match=r"has no model-00002-of-00002\.safetensors \(a shard its model\.safetensors"):
+        base_dir(tmp_path, {}, "org/shards")
+    assert base_dir(tmp_path, {}, "org/whole") == cache / "models--org--whole" / "snapshots" / commit
+    # the hub's own layout: the snapshot's files are links into blobs/, one of them to a blob that is not there
+    whole = cache / "models--org--whole" / "snapshots" / commit
+    (whole / "model.safetensors").rename(whole.parent.parent / "blob")
+    (whole / "model.safetensors").symlink_to("../../blobs/0a1b")
+    with pytest.raises(UserError, match=r"has no model\.safetensors \(a link to nothing: \.\./\.\./blobs/0a1b\)"):
+        base_dir(tmp_path, {}, "org/whole")
+    assert base_dir(tmp_path, {}, "org/part", weights=False) == part
+    assert resolve_path("org/part", what="--tokenizer") == part
+
+
 def test_missing_model_path_cli(tmp_path):
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tmp_path}/nope",
                    f"checkpoint.dir={tmp_path}/ck")

@@ -54,19 +54,20 @@ class RestoredModel:
     max_positions: int | None = None  # the base's context length (max_position_embeddings)
 
 
-def base_dir(ckpt_dir: str | Path, meta: dict, override: str | Path | None = None) -> Path:
+def base_dir(ckpt_dir: str | Path, meta: dict, override: str | Path | None = None, weights: bool = True) -> Path:
     """The base model's local directory: `override` if given, else the local directory recorded at
     training time when it still exists, else the recorded spec (hub id / embedded:NAME) resolved at the
-    recorded revision, so a hub base comes back exactly as it was trained on."""
+    recorded revision, so a hub base comes back exactly as it was trained on. `weights`: a hub snapshot must
+    hold the weights (`resolve_path`); False where only its tokenizer is read."""
     if override:  # every caller's override is a --base flag: an error named model.path, a key nobody had set
-        return resolve_path(str(override), what="--base")
+        return resolve_path(str(override), what="--base", weights=weights)
     base = meta.get("base_model") or {}
     local = base.get("local_dir")
     if local and Path(local).is_dir():
         return Path(local)
     if not base.get("path"):
         raise NoBaseModel(f"{ckpt_dir}: metadata records no base model")
-    return resolve_path(base["path"], base.get("revision"))
+    return resolve_path(base["path"], base.get("revision"), weights=weights)
 
 
 def lora_config(ckpt_dir: str | Path, meta: dict, step: int, holds_factors: bool) -> LoraConfig | None:

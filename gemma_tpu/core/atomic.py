@@ -417,13 +417,17 @@ class _AtomicOutput:
         self.marker = marker  # see check_target
         self.magic = magic
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{os.getpid()}"
-        self.published = False
+        self.published = False  # the temp is in place (at the target, or kept elsewhere: `move_to`)
+        self._done = ""  # what became of it, said by a stop that comes after (`_exit_published`)
         self._made: list[Path] = []  # the target's parent directories this output created, deepest first
         self._stop_signals = stop_signals_raise()
         self._lock = pidlock.PidLock(writer_lock(self.target), _busy_writing) if lock else None
 
     def __enter__(self) -> Path:
         check_target(self.target, self.overwrite, kind=self.kind, marker=self.marker, magic=self.magic)
+        # SIGTERM and SIGHUP -> SignalExit from here, so the cleanups run: entered after the temp was made, a SIGTERM
+        # landing in between left it behind (the default action, or the exception outside this `try`)
+        self._stop_signals.__enter__()
         try:
             self._made = [d for d in (self.target.parent, *self.target.parent.parents) if not os.path.lexists(d)]
             self.target.parent.mkdir(parents=True, exist_ok=True)
@@ -435,16 +439,20 @@ class _AtomicOutput:
             else:
                 self.tmp.touch(exist_ok=False)
         except OSError as e:
-            self._release()
-            self._remove_made()
+            self._undo_enter()
             raise UserError(f"--out {self.target}: cannot create {e.filename or self.tmp} "
                             f"({e.strerror or e})") from None
-        except BaseException:
-            self._release()
-            self._remove_made()
+        except BaseException:  # a stop (Ctrl-C, SIGTERM), the lock held by another writer
+            self._undo_enter()
             raise
-        self._stop_signals.__enter__()  # SIGTERM and SIGHUP -> SignalExit, so the cleanup below runs
         return self.tmp
+
+    def _undo_enter(self) -> None:
+        """What `__enter__` made, removed (the temp is this process's: its name holds our PID)."""
+        _remove(self.tmp)
+        self._release()
+        self._remove_made()
+        self._stop_signals.__exit__(None, None, None)
 
     def _stopped_after_publish(self, stop: BaseException, old: Path | None) -> None:
         """A Ctrl-C or SIGTERM that came once the new output was in place (held during the swap, or during the
@@ -455,9 +463,56 @@ class _AtomicOutput:
             done += f" (the old output it replaced is left, in part, as {old}: the next run for it removes it)"
         raise interrupted_after(stop, done) from None
 
+    def _exit_published(self, exc: BaseException | None) -> None:
+        """Leave the block of a published output. A Ctrl-C or SIGTERM that came after the publish (in the block's
+        last lines, or as the writer lock is removed, which it waits for) stops the command saying that the output
+        was published: the lock was removed after the stop signals were set back, and a SIGTERM there ended the
+        process by the signal (-15), its output complete and nothing said."""
+        stop = exc if isinstance(exc, (KeyboardInterrupt, SignalExit)) else None
+        try:
+            try:
+                with _signals_held():
+                    self._release()
+            finally:
+                self._stop_signals.__exit__(None, None, None)
+        except (KeyboardInterrupt, SignalExit) as e:  # held, and raised as the handlers came back
+            stop = stop or e
+        said = stop is not None and (stop.after if isinstance(stop, SignalExit) else str(stop))
+        if stop is not None and not said:
+            raise interrupted_after(stop, self._done or f"{self.target} was published") from None
+
     def _refuse_if_appeared(self) -> None:
-        if self.target.exists() and not self.overwrite:
+        if not (self.target.exists() or self.target.is_symlink()):
+            return
+        if not self.overwrite:
             raise UserError(f"{self.target} appeared while writing; not replacing it (use --overwrite)")
+        why = self._not_replaceable()
+        if why:  # --overwrite replaces what `check_target` let it at the start, not what was put there since
+            raise UserError(f"{self.target} was made anew while writing and is {why}; not replacing it, nothing "
+                            f"was published")
+
+    def _not_replaceable(self) -> str | None:
+        """Why the target now there is not what --overwrite replaces (`check_target`'s rules: a link, the other kind,
+        a directory of other files than an earlier output's, a file of other bytes), or None. A directory of a
+        user's files made at --out during a merge was swapped out and deleted; a file, left as the temp's name for
+        the next run to delete."""
+        t = self.target
+        if t.is_symlink():
+            return f"a symbolic link (to {os.readlink(t)})"
+        if self.kind == "dir" and not t.is_dir():
+            return "not a directory"
+        if self.kind == "file" and not t.is_file():
+            return "not a regular file"
+        if self.kind == "dir" and self.marker is not None and not (t / self.marker).is_file():
+            held = sorted(p.name for p in t.iterdir())
+            if held:
+                return f"a directory of other files ({', '.join(held[:3])}{' ...' if len(held) > 3 else ''})"
+        if self.kind == "file" and self.magic is not None:
+            with t.open("rb") as f:
+                head = f.read(len(self.magic))
+            if head and head != self.magic:
+                return f"a file that does not start with {self.magic!r}"
+        return None
 
     def _release(self) -> None:
         if self._lock is not None:
@@ -473,17 +528,17 @@ class _AtomicOutput:
                 break
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self.published:
+            self._exit_published(exc)
+            return
         self._stop_signals.__exit__(exc_type, exc, tb)
-        if not self.published:
-            _remove(self.tmp)
+        _remove(self.tmp)
         self._release()
-        if not self.published:
-            self._remove_made()
-        if not self.published:
-            exc = exc if isinstance(exc, OSError) else library_os_error(exc)
-            if exc is not None:  # a full disk (ENOSPC), a file too large, an I/O error mid-write
-                raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
-                                f"({exc.strerror or exc}); nothing was published") from None
+        self._remove_made()
+        exc = exc if isinstance(exc, OSError) else library_os_error(exc)
+        if exc is not None:  # a full disk (ENOSPC), a file too large, an I/O error mid-write
+            raise UserError(f"writing {self.target} failed in {self._written_path(exc)} "
+                            f"({exc.strerror or exc}); nothing was published") from None
 
     def _written_path(self, exc: OSError) -> str:
         """The path an OSError names: for a full disk or a file too large, the one written (a copy's
@@ -508,8 +563,8 @@ class AtomicDir(_AtomicOutput):
         stop = None
         try:
             with _signals_held():  # a Ctrl-C between the two renames of the fallback lost both outputs
+                self._refuse_if_appeared()
                 if self.target.exists():
-                    self._refuse_if_appeared()
                     if _exchange(self.tmp, self.target):
                         old = self.tmp  # now holds the old output
                     else:
@@ -571,6 +626,7 @@ class AtomicDir(_AtomicOutput):
                 else:
                     os.rename(self.tmp, other)
                 self.published = True
+                self._done = f"{self.target} was kept at {other}, not published"
         except (KeyboardInterrupt, SignalExit) as e:
             if not self.published:
                 raise
@@ -582,7 +638,7 @@ class AtomicDir(_AtomicOutput):
                 stop = stop or e
         _fsync_dir(other.parent)
         if stop is not None:
-            raise interrupted_after(stop, f"{self.target} was kept at {other}, not published") from None
+            raise interrupted_after(stop, self._done) from None
         return other
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from gemma_tpu.core.config import RunConfig, as_written, is_url, load_config
-from gemma_tpu.core.errors import SignalExit, UserError
+from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.core.lean_imports import deferred_imports
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -409,6 +409,9 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     parser_error = argparse.ArgumentParser.error
     argparse.ArgumentParser.error = _argparse_error  # usage mistakes are one line too, not usage + exit
     try:
+        if argv is None:  # the process's own command line
+            _stops_raise()
+            atexit.register(_ignore_stops)  # the first exit handler registered is the last to run
         with deferred_imports():
             code = int(main(args) or 0)
         if argv is None:  # the process's own command line: what is left is the interpreter's shutdown
@@ -455,6 +458,19 @@ def write_stdout(text: str, end: str = "\n") -> None:
             os.close(devnull)
 
 
+def _stops_raise() -> None:
+    """For the process's own command, SIGTERM and SIGHUP raise `SignalExit` (`raise_signal_exit`) from its start to
+    `_end_on_stop`, wherever no block of it handles them (`errors.stop_signals_raise` sets back what was there): a
+    stop that landed after a converter's output was published and its block left, before the command returned,
+    ended the process by the signal (-15), the exit handlers not run. Ignored ones (`nohup`) stay ignored."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            try:
+                signal.signal(signum, raise_signal_exit)
+            except ValueError:  # not the main thread
+                return
+
+
 def _end_on_stop(code: int) -> None:
     """Once the command is done (its output published, `wrote ...` said), a stop signal ends the process at once
     with the command's exit code. Landing during the interpreter's shutdown (JAX's teardown takes a while), a
@@ -469,6 +485,18 @@ def _end_on_stop(code: int) -> None:
         try:
             signal.signal(signum, stop)
         except ValueError:  # not the main thread: Python runs no handlers there
+            return
+
+
+def _ignore_stops() -> None:
+    """The last exit handler: Ctrl-C, SIGTERM and SIGHUP are ignored for the rest of the process's end. The
+    interpreter then sets the signals Python handles back to their default action, and a stop that landed in what
+    follows (JAX's runtime torn down, about half a second after a converter's `wrote OUT`) killed the process by
+    the signal (-15, -1) after a complete output; it ends by itself with the command's exit code now."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(signum, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread (an exit from another one): as before
             return
 
 

@@ -33,9 +33,10 @@ def _missing(named: str, spec: str) -> str:
     return f"{named}: no such directory"
 
 
-def resolve_path(spec: str, revision: str | None = None, what: str = "model.path") -> Path:
+def resolve_path(spec: str, revision: str | None = None, what: str = "model.path", weights: bool = False) -> Path:
     """Turn a local dir / hub id / embedded:NAME into a local directory; `what` names the setting in errors (the
-    config key or the option; empty where the caller names it)."""
+    config key or the option; empty where the caller names it). `weights`: the model's weights are read (a base to
+    merge into), so a hub snapshot must hold them (`_check_cached_weights`)."""
     if spec.startswith("embedded:"):
         return Path(assets.resolve_embedded(spec))
     named = f"{what} {spec}" if what else spec
@@ -56,8 +57,36 @@ def resolve_path(spec: str, revision: str | None = None, what: str = "model.path
         except Exception as e:  # network off, offline mode, gated or missing repo
             raise UserError(f"{named}: not a local directory and not downloadable from the hub "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        if weights:
+            _check_cached_weights(named, spec, Path(local))
         return Path(local)
     raise UserError(_missing(named, spec))
+
+
+def _check_cached_weights(named: str, spec: str, local: Path) -> None:
+    """The hub snapshot `local` holds the weights: offline (HF_HUB_OFFLINE=1, or the hub unreachable) the download
+    returns whatever the cache holds, and one with config.json alone (what `hf download ID config.json` leaves, as
+    `gemma_tpu.plan` suggests for its estimate) was taken for the base: 'not the base this checkpoint was trained
+    on (.../model.safetensors is missing); pass --allow-base-mismatch', then 'no *.safetensors weights' with it."""
+    index = local / "model.safetensors.index.json"
+    missing = None
+    if index.is_file():
+        try:
+            shards = sorted({f for f in json.loads(index.read_bytes())["weight_map"].values() if isinstance(f, str)})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return  # a damaged index: named by the weights' reader
+        missing = next((f"{f} (a shard its model.safetensors.index.json names)" for f in shards
+                        if not (local / f).is_file()), None)
+    else:
+        files = sorted(local.glob("*.safetensors"))
+        broken = [p.name for p in files if not p.is_file()]  # a link to a blob never downloaded (or deleted)
+        missing = (f"{broken[0]} (a link to nothing: {os.readlink(local / broken[0])})" if broken else
+                   None if files else "*.safetensors weights")
+    if missing:
+        raise UserError(f"{named}: its copy in the Hugging Face cache, {local}, has no {missing}: a partial download "
+                        f"(`hf download {spec} config.json`, or one cut short) that could not be completed here "
+                        f"(offline: HF_HUB_OFFLINE, or the hub unreachable); download the whole model with the "
+                        f"network on (`hf download {spec}`), or give a local directory")
 
 
 def check_revision_applies(spec: str, local: Path, revision: str | None) -> None:
