@@ -24,7 +24,7 @@ from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
 from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, METADATA_FILE
 from gemma_tpu.checkpoint.params import check_item_files
-from gemma_tpu.core import cli, strict_json
+from gemma_tpu.core import cli, strict_json, xla_cache
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError, raise_signal_exit, read_json_object
@@ -184,6 +184,8 @@ def run(cfg: RunConfig) -> dict:
     #    other JAX call
     mesh_lib.initialize_distributed(cfg.mesh)
     import jax
+
+    xla_cache.heal_damaged_entries()  # an entry cut short by a kill is compiled again once, not at every run
 
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
     from gemma_tpu.train.trainer import (  # deferred: jax/torch
