@@ -346,8 +346,11 @@ def run(cfg: RunConfig) -> dict:
         # back the record of the run that wrote the steps; each gap between writing it and the handler (or the
         # `try`) let a stop leave this session's record, of a session that trained nothing, beside another's steps
         put_back = functools.partial(put_back_record, ckpt_dir, previous, resumed, locks) if primary else lambda: None
+        # a resume's own record goes in at its first save: written here, a SIGKILL before that save (the restore, the
+        # compile, the first steps: minutes) left it, of a session that trained nothing, beside another's steps
+        before_save = SessionRecord(ckpt_dir, meta, locks, write=primary and resumed is not None)
         try:
-            if primary:
+            if primary and resumed is None:
                 checkpoint.write_metadata(ckpt_dir, meta)
             if primary and previous is not None and not checkpoint.list_steps(ckpt_dir):
                 # this run's directory, restarted with no step saved (stopped before or during its first save): it
@@ -388,7 +391,7 @@ def run(cfg: RunConfig) -> dict:
                     flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                     price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
                     mesh=mesh, log_every_steps=cfg.train.log_every_steps,
-                    before_save=functools.partial(check_run_intact, ckpt_dir, locks), eval_data=eval_data,
+                    before_save=before_save, eval_data=eval_data,
                 )
             except RestoreFailed as e:
                 # only the restore's own failure is the step's: another (a metrics backend that did not start) was
@@ -476,6 +479,21 @@ def finished_run_dir(ckpt_dir: Path, run_dir: Path, step: int, several_processes
     if other.absolute() == run_dir.absolute():
         return None
     return other if run_finished(other, step, several_processes) else None
+
+
+class SessionRecord:
+    """The trainer's `before_save(step)`: `check_run_intact`, then, where `write` (a resume, on process 0), this
+    session's gemma_tpu_run.json (`meta`) before its first save; until then the record is the one of the session
+    that wrote the steps (`put_back_record` puts it back where a save fails)."""
+
+    def __init__(self, ckpt_dir: Path, meta: dict, locks: list, write: bool):
+        self.ckpt_dir, self.meta, self.locks, self.pending = ckpt_dir, meta, locks, write
+
+    def __call__(self, step: int) -> None:
+        check_run_intact(self.ckpt_dir, self.locks, step)
+        if self.pending:
+            checkpoint.write_metadata(self.ckpt_dir, self.meta)
+            self.pending = False
 
 
 def check_run_intact(ckpt_dir: Path, locks: list, step: int) -> None:
