@@ -109,6 +109,18 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
             raise UserError(f"train.run_dir={cfg.train.run_dir} is {'' if run_dir.parent == ckpt else 'inside '}a "
                             f"directory of checkpoint.dir={cfg.checkpoint.dir} named like checkpoint step {int(top)}"
                             f"{why}; write the run elsewhere")
+    # a directory of another run named like one of its steps (`runs/a/1`, or inside one) was trained into without a
+    # word: that run's Orbax deleted it with its step 1 as max_to_keep dropped it, and the converters given
+    # `runs/a/1` read runs/a's step 1, not this run
+    for key, d in (("checkpoint.dir", cfg.checkpoint.dir), ("train.run_dir", cfg.train.run_dir)):
+        held = checkpoint.step_holding(Path(d)) if d else None
+        if held is not None:
+            other, step = held
+            inside = Path(d).absolute().resolve().parent != other.absolute().resolve()
+            converters = "" if inside else f"; the converters given {d} read that step"
+            raise UserError(f"{key}={d} is {'inside ' if inside else ''}a directory of the run in {other} named like "
+                            f"its checkpoint step {step} (that run's Orbax takes it for the step, and deletes it with "
+                            f"the step as checkpoint.max_to_keep drops old steps{converters}); write the run elsewhere")
 
 
 # what a run writes under its run dir by these names: True a directory, False a file
