@@ -123,6 +123,15 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
                             f"the step as checkpoint.max_to_keep drops old steps{converters}); write the run elsewhere")
 
 
+def check_run_dirs_writable(cfg: RunConfig) -> None:
+    """`checkpoint.dir` and `train.run_dir` can be made and written (`core.atomic.check_writable`, which leaves
+    nothing): the run checks them before the data is read, and so does `--dry-run`, which planned a checkpoint.dir
+    that is a file, or one on a read-only disk, as a run that fits."""
+    check_writable(cfg.checkpoint.dir, f"checkpoint.dir={cfg.checkpoint.dir}")
+    if cfg.train.run_dir:
+        check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
+
+
 # what a run writes under its run dir by these names: True a directory, False a file
 RUN_OUTPUTS = {"metrics.jsonl": False, "summary.json": False, "tensorboard": True}
 
@@ -214,9 +223,7 @@ def run(cfg: RunConfig) -> dict:
                        resolved.family.projection_shapes(resolved.text_config))
     check_run_dirs_apart(cfg, resolved.local_dir)
     if primary:  # before the data is read (minutes for a large set): a writable directory, no other trainer on it
-        check_writable(cfg.checkpoint.dir, f"checkpoint.dir={cfg.checkpoint.dir}")
-        if cfg.train.run_dir:
-            check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
+        check_run_dirs_writable(cfg)
         for d, key in locked_dirs(cfg):
             run_lock.check_free(d, key)
         check_run_dir_contents(cfg)
