@@ -820,6 +820,13 @@ CASES = [
     Case("train-run-dir-named-like-a-step-of-the-checkpoint-dir", "gemma_tpu.train",
          [*TRAIN, "train.run_dir={tmp}/ck/2"],
          ["train.run_dir={tmp}/ck/2 is a directory of checkpoint.dir={tmp}/ck named like checkpoint step 2"], sub=True),
+    # another run's step (or a directory inside one): trained into without a word, then deleted with that step by
+    # the other run's max_to_keep; the converters given it read the other run's step
+    Case("train-checkpoint-dir-is-a-step-of-another-run", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={ckpt}/1"],
+         ["checkpoint.dir={ckpt}/1 is a directory of the run in {ckpt} named like its checkpoint step 1",
+          "the converters given {ckpt}/1 read that step", "write the run elsewhere"]),
+    Case("train-run-dir-inside-a-step-of-another-run", "gemma_tpu.train", [*TRAIN, "train.run_dir={ckpt}/3/logs"],
+         ["train.run_dir={ckpt}/3/logs is inside a directory of the run in {ckpt} named like its checkpoint step 3"]),
     # not a step to Orbax (it reads `4`, never `04`): the reason is the resume's refusal of a misnamed step
     Case("train-run-dir-named-like-a-padded-step-of-the-checkpoint-dir", "gemma_tpu.train",
          [*TRAIN, "train.run_dir={tmp}/ck/04/logs"],

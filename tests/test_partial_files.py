@@ -672,3 +672,30 @@ def test_a_preemption_whose_save_fills_the_disk_says_so_and_frees_the_space(tiny
                      rf"afresh\)$", err, re.M), err[-3000:]  # not followed by "the last complete checkpoint stays"
     assert not [p.name for p in ck.iterdir() if "orbax-checkpoint-tmp" in p.name], sorted(ck.iterdir())
     assert not (ck / "gemma_tpu_run.lock").exists()
+
+
+def test_a_compilation_cache_entry_cut_short_is_compiled_again_once(tiny_dir, tmp_path):
+    """JAX writes a persistent compilation cache entry in place and never replaces one: an entry cut short (the run
+    killed while JAX wrote it) made every later run warn 'Error reading persistent compilation cache entry' and
+    compile the step again. The run that meets it removes it (saying so) and writes it afresh; the next loads it."""
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+    def train(name: str):
+        proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={tiny_dir}",
+                       f"checkpoint.dir={tmp_path / name}", "data.eval_path=null", "train.max_steps=1", env=cache)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    train("first")
+    [entry] = (tmp_path / "xla").glob("jit__train_step-*-cache")
+    whole = entry.stat().st_size
+    with entry.open("r+b") as f:
+        f.truncate(whole // 2)
+    err = train("second")
+    assert "Error reading persistent compilation cache entry for 'jit__train_step'" in err, err[-3000:]
+    assert f"removed {entry} ({whole // 2} bytes): an entry of the persistent compilation cache JAX could not " \
+           f"read" in err, err[-3000:]
+    assert entry.stat().st_size > whole // 2  # written afresh (its size varies a little from one compile to the next)
+    err = train("third")
+    assert "Error reading" not in err and "_train_step loaded from the persistent compilation cache" in err, err[-3000:]

@@ -297,6 +297,11 @@ def test_dry_run_refuses_what_the_run_refuses(tiny_dir, options, overrides, need
     (["checkpoint.dir={base}/ck"], {}, "checkpoint.dir={base}/ck is inside the base model's directory"),
     (["train.run_dir={tmp}/ck/2/logs"], {}, "train.run_dir={tmp}/ck/2/logs is inside a directory of checkpoint.dir="
                                             "{tmp}/ck named like checkpoint step 2"),
+    (["train.run_dir={tmp}/other/1"], {"other/gemma_tpu_run.json": "{}"},
+     "train.run_dir={tmp}/other/1 is a directory of the run in {tmp}/other named like its checkpoint step 1"),
+    (["checkpoint.dir={tmp}/notes"], {"notes": "mine"}, "checkpoint.dir={tmp}/notes: {tmp}/notes is not a directory"),
+    (["train.run_dir={tmp}/notes/logs"], {"notes": "mine"},
+     "train.run_dir={tmp}/notes/logs: {tmp}/notes is not a directory"),
     # another run's records in the run dir, a directory where the run writes a file: refused by the run (the
     # training helper's round 26 check), planned by the dry run as runs that fit
     (["train.run_dir={tmp}/logs"], {"logs/metrics.jsonl": '{"step": 1}\n'},

@@ -461,3 +461,37 @@ def test_step_names_orbax_does_not_read_are_not_taken_for_steps(tmp_path):
     with pytest.raises(UserError, match=rf"^{tmp_path / '04'}: named like checkpoint step 4, but Orbax reads a step "
                                         rf"only by its plain number: rename it 4, or move it out of checkpoint.dir$"):
         check_resume_compatible(tmp_path, meta)
+
+
+def test_a_full_finetune_recording_no_lora_settings_resumes(tiny_dir, reference, tmp_path):
+    """A full fine-tune whose gemma_tpu_run.json records `"lora": null` (or {}), which the converters take for what
+    its step holds, was refused on resume as 'trained with lora.enabled=null, this run has false'. It resumes, and
+    a full fine-tune's unused LoRA settings (lora.rank) are not compared. A LoRA run's step recording no LoRA
+    settings is refused saying what it is; so is a LoRA resume of the full fine-tune. (`{}` and an absent section
+    are read as null is, by one test.)"""
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.train.resume import check_resume_compatible
+    from tests.conftest import assert_one_line_error, run_cli
+
+    ck = tmp_path / "full"
+    args = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir}", f"checkpoint.dir={ck}", "lora.enabled=false",
+            "data.eval_path=null", "checkpoint.every_steps=1"]
+    env = environment(reference["cache"])
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=1", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((ck / "gemma_tpu_run.json").read_text())
+    (ck / "gemma_tpu_run.json").write_text(json.dumps({**meta, "lora": None}))
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=2", "lora.enabled=true", env=env)
+    assert_one_line_error(proc, f"{ck}: checkpoint was trained with lora.enabled=false, this run has true")
+    proc = run_cli("gemma_tpu.train", *args, "train.max_steps=2", "lora.rank=8", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ck / "summary.json").read_text())["resumed_from"] == 1
+    assert [r["step"] for r in train_rows(ck)] == [1, 2]
+
+    lora_run = tmp_path / "lora"
+    shutil.copytree(reference["ckpt"], lora_run)
+    meta = json.loads((lora_run / "gemma_tpu_run.json").read_text())
+    (lora_run / "gemma_tpu_run.json").write_text(json.dumps({**meta, "lora": None}))
+    with pytest.raises(UserError, match=rf"lora is null \(no LoRA settings recorded\) but step {MAX_STEPS} holds LoRA"):
+        check_resume_compatible(lora_run, {**meta, "config": {**meta["config"], "train": {
+            **meta["config"]["train"], "max_steps": MAX_STEPS + 1}}})

@@ -259,16 +259,16 @@ sys.exit(cli_main(main))
 """
 
 
-@pytest.mark.parametrize("where", ["metadata, 'write_metadata'", "loss, 'make_loss_fn'", None],
-                         ids=["after-the-record-is-written", "before-the-handler-is-installed",
-                              "at-the-first-batch-boundary"])
+@pytest.mark.parametrize("where", ["loss, 'make_loss_fn'", None],
+                         ids=["before-the-handler-is-installed", "at-the-first-batch-boundary"])
 def test_a_resume_stopped_before_its_first_save_keeps_the_record_of_the_run_that_wrote_the_steps(
         tiny_dir, reference, tmp_path, where):
     """A resume writes its own gemma_tpu_run.json (its train.max_steps, learning rate) before it trains; stopped
     before it saved a step, it left that record, of a session that trained nothing, beside the steps another session
     wrote, and the next resume compared its schedule against it. Only a stop while the trainer was built put the
     record back: one just after the record was written, or once the trainer was built but before the preemption
-    handler took over, or at the first batch boundary (the handler: nothing to save, exit 143) did not."""
+    handler took over, or at the first batch boundary (the handler: nothing to save, exit 143) did not. (A resume
+    writes its record at its first save now: the test below kills one before it.)"""
     import shutil
     import sys
 
@@ -292,6 +292,34 @@ def test_a_resume_stopped_before_its_first_save_keeps_the_record_of_the_run_that
         assert proc.returncode == 143, tail(log)
     assert (ckpt / "gemma_tpu_run.json").read_bytes() == before, tail(log)
     assert not (ckpt / "gemma_tpu_run.lock").exists()
+
+
+def test_a_resume_killed_before_its_first_save_keeps_the_record_of_the_run_that_wrote_the_steps(
+        tiny_dir, reference, tmp_path):
+    """SIGKILL (no handler runs) once a resume has restored its step and built its trainer, before its first save:
+    the session's own gemma_tpu_run.json, written before the restore, stayed beside the steps another session wrote,
+    of a session that trained nothing. It is written at the session's first save; a resume then saves as it should."""
+    import json
+    import shutil
+    import sys
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    shutil.copytree(reference["ckpt"], ckpt)
+    before = (ckpt / "gemma_tpu_run.json").read_bytes()
+    cmd = [a.replace(f"train.max_steps={MAX_STEPS}", f"train.max_steps={MAX_STEPS + 1}")
+           for a in command(tiny_dir, ckpt)] + ["train.learning_rate=0.02"]
+    killed = SIGTERM_AFTER.format(where="loss, 'make_loss_fn'").replace("signal.SIGTERM", "signal.SIGKILL")
+    with log.open("w") as err:
+        proc = subprocess.run([sys.executable, "-c", killed, *cmd[3:]], cwd=REPO, env=environment(reference["cache"]),
+                              stdout=subprocess.DEVNULL, stderr=err, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, tail(log)
+    assert (ckpt / "gemma_tpu_run.json").read_bytes() == before, tail(log)
+    with log.open("w") as err:
+        proc = subprocess.run(cmd, cwd=REPO, env=environment(reference["cache"]), stdout=subprocess.DEVNULL,
+                              stderr=err, timeout=300)
+    assert proc.returncode == 0, tail(log)
+    meta = json.loads((ckpt / "gemma_tpu_run.json").read_text())
+    assert meta["config"]["train"]["learning_rate"] == 0.02 and meta["config"]["train"]["max_steps"] == MAX_STEPS + 1
 
 
 def test_sigterm_during_the_end_of_run_eval_exits_143_with_the_last_step_saved(tiny_dir, tmp_path):

@@ -723,9 +723,10 @@ def run_dry(cfg: RunConfig, devices: int | None = None, assumed_mfu: float | Non
     validate_for_model(cfg, text, cfg.model.path, family.projection_shapes(text))
     if _on_this_machine(cfg):  # the run's directories apart from the base's and its steps, as the run checks them
         from gemma_tpu.models import resolve_model
-        from gemma_tpu.train.run import check_run_dir_contents, check_run_dirs_apart
+        from gemma_tpu.train.run import check_run_dir_contents, check_run_dirs_apart, check_run_dirs_writable
 
         check_run_dirs_apart(cfg, resolve_model(cfg.model.path, cfg.model.revision, cfg.model.family).local_dir)
+        check_run_dirs_writable(cfg)  # a file, a read-only disk (nothing is written)
         check_run_dir_contents(cfg)  # another run's records there, a directory named metrics.jsonl
     weights_note = check_weights_here(cfg)  # before the data, as the run does
     if weights_note is None:  # the base's weights are here: a resume of checkpoint.dir is checked as the run does

@@ -65,6 +65,14 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     # a section missing from a damaged or hand-edited file (read_metadata lets absent keys pass) was a KeyError
     # traceback; compared as unset instead, it is refused naming the key
     old_base, old_lora = old.get("base_model") or {}, old.get("lora") or {}
+    if not old_lora:  # null, {} or absent: taken for what the step holds, as the converters take it; a full fine-tune
+        # recording `"lora": null` was refused as "trained with lora.enabled=null, this run has false"
+        from gemma_tpu.checkpoint.params import CheckpointParams
+        from gemma_tpu.checkpoint.restore import lora_config  # deferred: imports the models
+
+        # LoRA factors whose rank, alpha and targets nobody recorded are refused so
+        lora_config(ckpt_dir, old, steps[-1], CheckpointParams(ckpt_dir, steps[-1]).holds_lora_factors)
+        old_lora = {"enabled": False}
 
     recorded = old_base.get("fingerprint")
     check_base(recorded, meta["base_model"]["local_dir"], allow_base_mismatch,
@@ -74,12 +82,16 @@ def check_resume_compatible(ckpt_dir: Path, meta: dict, allow_base_mismatch: boo
     pairs += [
         ("family", old_base.get("family"), meta["base_model"]["family"]),
         ("lora.enabled", old_lora.get("enabled"), meta["lora"]["enabled"]),
-        ("lora.rank", old_lora.get("rank"), meta["lora"]["rank"]),
-        ("lora.alpha", old_lora.get("alpha"), meta["lora"]["alpha"]),
-        ("lora.targets", sorted(old_lora.get("targets", [])), sorted(meta["lora"]["targets"])),
-        ("model.dtype", old.get("dtype"), meta["dtype"]),
     ]
-    if "base_quantization" in old_lora:  # the base the factors were trained against (QLoRA), as model.dtype is
+    if old_lora.get("enabled") is not False:  # a full fine-tune's LoRA settings are unused: not compared
+        pairs += [
+            ("lora.rank", old_lora.get("rank"), meta["lora"]["rank"]),
+            ("lora.alpha", old_lora.get("alpha"), meta["lora"]["alpha"]),
+            ("lora.targets", sorted(old_lora.get("targets", [])), sorted(meta["lora"]["targets"])),
+        ]
+    pairs.append(("model.dtype", old.get("dtype"), meta["dtype"]))
+    if "base_quantization" in old_lora and old_lora.get("enabled") is not False:  # the base the factors were trained
+        # against (QLoRA), as model.dtype is
         pairs.append(("lora.base_quantization", old_lora["base_quantization"], meta["lora"]["base_quantization"]))
     # optimizer settings that change the saved optimizer state's tree: Orbax's restore failed after the
     # model loaded, with advice to move a sound step aside

@@ -24,7 +24,7 @@ from gemma_tpu import data, lora
 from gemma_tpu.checkpoint import metadata as checkpoint
 from gemma_tpu.checkpoint.metadata import COMMIT_MARKERS, METADATA_FILE
 from gemma_tpu.checkpoint.params import check_item_files
-from gemma_tpu.core import cli, strict_json
+from gemma_tpu.core import cli, strict_json, xla_cache
 from gemma_tpu.core.atomic import check_writable, write_text_atomic
 from gemma_tpu.core.config import RunConfig, validate_for_model
 from gemma_tpu.core.errors import UserError, raise_signal_exit, read_json_object
@@ -109,6 +109,27 @@ def check_run_dirs_apart(cfg: RunConfig, base_dir: Path) -> None:
             raise UserError(f"train.run_dir={cfg.train.run_dir} is {'' if run_dir.parent == ckpt else 'inside '}a "
                             f"directory of checkpoint.dir={cfg.checkpoint.dir} named like checkpoint step {int(top)}"
                             f"{why}; write the run elsewhere")
+    # a directory of another run named like one of its steps (`runs/a/1`, or inside one) was trained into without a
+    # word: that run's Orbax deleted it with its step 1 as max_to_keep dropped it, and the converters given
+    # `runs/a/1` read runs/a's step 1, not this run
+    for key, d in (("checkpoint.dir", cfg.checkpoint.dir), ("train.run_dir", cfg.train.run_dir)):
+        held = checkpoint.step_holding(Path(d)) if d else None
+        if held is not None:
+            other, step = held
+            inside = Path(d).absolute().resolve().parent != other.absolute().resolve()
+            converters = "" if inside else f"; the converters given {d} read that step"
+            raise UserError(f"{key}={d} is {'inside ' if inside else ''}a directory of the run in {other} named like "
+                            f"its checkpoint step {step} (that run's Orbax takes it for the step, and deletes it with "
+                            f"the step as checkpoint.max_to_keep drops old steps{converters}); write the run elsewhere")
+
+
+def check_run_dirs_writable(cfg: RunConfig) -> None:
+    """`checkpoint.dir` and `train.run_dir` can be made and written (`core.atomic.check_writable`, which leaves
+    nothing): the run checks them before the data is read, and so does `--dry-run`, which planned a checkpoint.dir
+    that is a file, or one on a read-only disk, as a run that fits."""
+    check_writable(cfg.checkpoint.dir, f"checkpoint.dir={cfg.checkpoint.dir}")
+    if cfg.train.run_dir:
+        check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
 
 
 # what a run writes under its run dir by these names: True a directory, False a file
@@ -185,6 +206,8 @@ def run(cfg: RunConfig) -> dict:
     mesh_lib.initialize_distributed(cfg.mesh)
     import jax
 
+    xla_cache.heal_damaged_entries()  # an entry cut short by a kill is compiled again once, not at every run
+
     from gemma_tpu.train import optim, partition  # deferred: imports jax/torch
     from gemma_tpu.train.trainer import (  # deferred: jax/torch
         BatchFeed, Trainer, check_wandb, drop_records_after, metrics_logging_options, step_evaluated)
@@ -200,9 +223,7 @@ def run(cfg: RunConfig) -> dict:
                        resolved.family.projection_shapes(resolved.text_config))
     check_run_dirs_apart(cfg, resolved.local_dir)
     if primary:  # before the data is read (minutes for a large set): a writable directory, no other trainer on it
-        check_writable(cfg.checkpoint.dir, f"checkpoint.dir={cfg.checkpoint.dir}")
-        if cfg.train.run_dir:
-            check_writable(cfg.train.run_dir, f"train.run_dir={cfg.train.run_dir}")
+        check_run_dirs_writable(cfg)
         for d, key in locked_dirs(cfg):
             run_lock.check_free(d, key)
         check_run_dir_contents(cfg)
@@ -344,8 +365,11 @@ def run(cfg: RunConfig) -> dict:
         # back the record of the run that wrote the steps; each gap between writing it and the handler (or the
         # `try`) let a stop leave this session's record, of a session that trained nothing, beside another's steps
         put_back = functools.partial(put_back_record, ckpt_dir, previous, resumed, locks) if primary else lambda: None
+        # a resume's own record goes in at its first save: written here, a SIGKILL before that save (the restore, the
+        # compile, the first steps: minutes) left it, of a session that trained nothing, beside another's steps
+        before_save = SessionRecord(ckpt_dir, meta, locks, write=primary and resumed is not None)
         try:
-            if primary:
+            if primary and resumed is None:
                 checkpoint.write_metadata(ckpt_dir, meta)
             if primary and previous is not None and not checkpoint.list_steps(ckpt_dir):
                 # this run's directory, restarted with no step saved (stopped before or during its first save): it
@@ -386,7 +410,7 @@ def run(cfg: RunConfig) -> dict:
                     flops=step_flops, peak_flops=flops_lib.peak_flops(cfg.mesh.accelerator, jax.device_count()),
                     price_per_hour=cfg.mesh.price_per_hour, on_nonfinite=cfg.train.on_nonfinite, seed=cfg.train.seed,
                     mesh=mesh, log_every_steps=cfg.train.log_every_steps,
-                    before_save=functools.partial(check_run_intact, ckpt_dir, locks), eval_data=eval_data,
+                    before_save=before_save, eval_data=eval_data,
                 )
             except RestoreFailed as e:
                 # only the restore's own failure is the step's: another (a metrics backend that did not start) was
@@ -474,6 +498,21 @@ def finished_run_dir(ckpt_dir: Path, run_dir: Path, step: int, several_processes
     if other.absolute() == run_dir.absolute():
         return None
     return other if run_finished(other, step, several_processes) else None
+
+
+class SessionRecord:
+    """The trainer's `before_save(step)`: `check_run_intact`, then, where `write` (a resume, on process 0), this
+    session's gemma_tpu_run.json (`meta`) before its first save; until then the record is the one of the session
+    that wrote the steps (`put_back_record` puts it back where a save fails)."""
+
+    def __init__(self, ckpt_dir: Path, meta: dict, locks: list, write: bool):
+        self.ckpt_dir, self.meta, self.locks, self.pending = ckpt_dir, meta, locks, write
+
+    def __call__(self, step: int) -> None:
+        check_run_intact(self.ckpt_dir, self.locks, step)
+        if self.pending:
+            checkpoint.write_metadata(self.ckpt_dir, self.meta)
+            self.pending = False
 
 
 def check_run_intact(ckpt_dir: Path, locks: list, step: int) -> None:
