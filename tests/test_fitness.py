@@ -1940,6 +1940,31 @@ def test_evaluate_refuses_prompts_past_the_context_before_any_model_loads(tiny_d
         evaluate.main(["--data", str(data), "--model", str(tiny_long_dir), "--no-loss"])
 
 
+def test_evaluate_compare_refuses_an_endpoints_markup_before_the_local_model_runs(tiny_dir, tmp_path):
+    """--compare model:A endpoint:B with a test set holding Gemma 4's `<|turn>` (text to A's Gemma 3 vocabulary, a turn
+    of its own to a served Gemma 4): the test set was read with every family's control tokens only when B's turn came,
+    after A had loaded and answered every example (hours on a real test set), and the run ended there. It is refused
+    by FILE:LINE before any model loads, as a local model's markup is; nothing is written, and no request is sent."""
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.evaluate import run as evaluate
+    from tests.test_serving import ScriptedModel, http_server
+
+    data = tmp_path / "d.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"messages": [{"role": "user", "content": "what does <|turn> mean?"},
+                          {"role": "assistant", "content": "x"}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.json"
+    ScriptedModel.requests = []
+    with http_server(ScriptedModel) as url:
+        with pytest.raises(UserError) as e:
+            evaluate.main(["--data", str(data), "--compare", f"model:{tiny_dir}", f"endpoint:{url}#m", "--no-loss",
+                           "--max-new-tokens", "4", "--json", str(out)])
+    assert str(e.value).startswith(f"--compare B (endpoint:{url}#m): {data}:2: messages[0]: the text holds '<|turn>' "
+                                   f"at character 10"), e.value
+    assert list(tmp_path.iterdir()) == [data] and ScriptedModel.requests == []
+
+
 def test_evaluate_print_config_needs_no_data_or_model(capsys):
     """`--print-config` (in --help, as in every entry point) was refused until --data and a model were given too,
     though it evaluates nothing: it printed nothing but 'the following arguments are required'."""

@@ -541,9 +541,6 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     done: Done = {}
     try:
         if spec.kind == "endpoint":
-            # read again with every family's control tokens (read first with Gemma 3's): the server's tokenizer is
-            # not known here, and a Gemma 4's `<|turn>` in a message opened a turn of its own there
-            load_conversations(args.data, cfg.data, served_markup(), args.limit)
             preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
                                             args.timeout, args.retries, api_key_from_env(args.api_key_env),
                                             done=done)
@@ -804,11 +801,16 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
     if not args.no_prefix_cache and any(spec.kind != "endpoint" for spec in specs):
         prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before a model loads
     for which, spec in zip(("A", "B") if len(specs) > 1 else ("",), specs):  # every model's, before any loads
-        if spec.kind != "endpoint":
-            try:
+        try:
+            if spec.kind != "endpoint":
                 check_before_load(spec, convs, cfg, args)
-            except UserError as e:
-                raise (UserError(f"--compare {which} ({spec.label}): {e}") if which else e) from None
+            else:
+                # read again with every family's control tokens (read first with Gemma 3's): the server's tokenizer
+                # is not known here, and a Gemma 4's `<|turn>` in a message opened a turn of its own there. Here, not
+                # when the endpoint's turn comes: --compare A B refused it after A's whole run
+                load_conversations(args.data, cfg.data, served_markup(), args.limit)
+        except UserError as e:
+            raise (UserError(f"--compare {which} ({spec.label}): {e}") if which else e) from None
     results, details = {}, {}
     # SIGTERM (a preempted machine) and SIGHUP (the terminal closed) keep the finished models' results as Ctrl-C
     # does; they used to end the process at once, losing them
