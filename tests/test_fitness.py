@@ -1439,6 +1439,35 @@ def test_a_questions_file_with_a_byte_order_mark_and_crlf_asks_plain_questions(m
     assert question_text("\ufeff  sleep last night?\r") == "sleep last night?"
 
 
+def test_a_chat_session_no_question_fits_is_refused_before_the_model_loads(monkeypatch, tiny_dir, tiny_long_dir):
+    """A session (questions on stdin) whose every prompt passes the model's context with --max-new-tokens (the
+    developer turn alone past tiny_dir's 1,024 positions; 3,000 new tokens beside it on tiny_long_dir's 4,096) loaded
+    the weights (a minute for a real model), then answered each question "(request failed: ...)" and exited 0. It is
+    refused first, on the tokenizer and config, saying what would fit; a session that fits goes on to the load."""
+    import io
+
+    from gemma_tpu.examples.fitness import chat
+
+    def no_load(*args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(chat, "load_hf_dir", no_load)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("how many steps?\n"))
+    with pytest.raises(UserError, match=r"^the prompt of every question is at least 1[67]\d\d tokens \(the system "
+                                        r"prompt \d+, the tool declarations \d+\), past the model's context of 1024 "
+                                        r"\(max_position_embeddings\): a model with a longer context is needed$"):
+        chat.main(["--model", str(tiny_dir)])
+    with pytest.raises(UserError, match=r"^--max-new-tokens 3000: the prompt of every question is at least (\d+) "
+                                        r"tokens \(the system prompt \d+, the tool declarations \d+\): with up to "
+                                        r"3000 new tokens it passes the model's context of 4096 "
+                                        r"\(max_position_embeddings\); ask for at most (\d+) new tokens$") as e:
+        chat.main(["--model", str(tiny_long_dir), "--max-new-tokens", "3000"])
+    least, most = map(int, re.search(r"at least (\d+) .* at most (\d+) ", str(e.value)).groups())
+    assert least + most == 4096
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        chat.main(["--model", str(tiny_long_dir), "--max-new-tokens", str(most)])
+
+
 def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
     """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
     session with a traceback; it is reported as the answer, traced, and the next question is answered."""
