@@ -829,6 +829,7 @@ GEMMA4 = register(
         name="gemma4",
         architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         model_types=("gemma4_text", "gemma4"),
+        multimodal_model_type="gemma4",
         tunix_config=tunix_config,
         loader=load_sharded,
         partition_rules=PARTITION_RULES,
