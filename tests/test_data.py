@@ -2325,7 +2325,7 @@ def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path)
 
 
 def test_markup_without_a_tokenizer_is_the_registrys_gemma3_list():
-    """Without a tokenizer (evaluate's first read of a test set, a row normalised alone), message text is checked
+    """Without a tokenizer (a row normalised alone), message text is checked
     against Gemma 3's markup as the family registry lists it (`Family.markup_tokens`, the one home): a second copy in
     the records module missed `<pad>` and the media markers (`<start_of_image>`, `[multimodal]`), which a Gemma 3
     tokenizer reads as its control ids, and which an endpoint's evaluation refused."""

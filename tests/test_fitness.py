@@ -1994,6 +1994,23 @@ def test_evaluate_compare_refuses_an_endpoints_markup_before_the_local_model_run
     assert list(tmp_path.iterdir()) == [data] and ScriptedModel.requests == []
 
 
+def test_evaluate_reads_the_test_set_with_each_models_own_markup_alone(tmp_path):
+    """The test set was read first with Gemma 3's markup, whatever the model: a Gemma 4's test set asking about
+    `<start_of_image>` (or `<start_of_turn>`), plain text to its vocabulary, was refused before its own markup was
+    read. Each model's markup is what refuses (its tokenizer's, or every family's for an endpoint)."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+
+    model = write_tiny_gemma4(tmp_path / "g4", seed=0, variant="dense")  # its vocabulary has no media markers
+    data = tmp_path / "d.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "what is <start_of_image>?"},
+                          {"role": "assistant", "content": "a marker"}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(data), "--model", str(model), "--no-loss", "--max-new-tokens",
+                   "4", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["models"][f"model:{model}"]["n"] == 1
+
+
 def test_evaluate_print_config_needs_no_data_or_model(capsys):
     """`--print-config` (in --help, as in every entry point) was refused until --data and a model were given too,
     though it evaluates nothing: it printed nothing but 'the following arguments are required'."""

@@ -497,9 +497,9 @@ class Markup:
 
 # Gemma 3's own markup as the family registry lists it (`Family.markup_tokens`: the turns, FunctionGemma's markers and
 # the reserved tokens a plain Gemma 3 vocabulary writes them as, `<unused2>` for `<start_function_call>`, ..., `<pad>`
-# and the media markers): what message text is checked against where no tokenizer is at hand (evaluate's first read of
-# a test set). A second list here had missed `<pad>` and the media markers, which a Gemma 3 tokenizer reads as its
-# control ids.
+# and the media markers): what message text is checked against where no tokenizer is at hand (a row normalised
+# alone, the fitness dataset's lengths). A second list here had missed `<pad>` and the media markers, which a Gemma 3
+# tokenizer reads as its control ids.
 GEMMA_MARKUP = Markup(registry.get_family("gemma3").markup_tokens,
                       calls=(*FUNCTION_MARKERS, *plain_gemma_token_map().values()))
 
