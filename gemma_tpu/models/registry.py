@@ -245,6 +245,10 @@ class Family:
     # names it in a completion's stop_reason: Gemma 3's FunctionGemma format `<start_function_response>` (which
     # convert.tool_tokens adds to a merge's stop ids), Gemma 4's `<|tool_response>` (in its stop_token_ids)
     call_stop_token: str | None = None
+    # (FunctionGemma marker, the family's own token) pairs of a family whose chat template writes tool calls in a markup
+    # of its own that mirrors FunctionGemma's (Gemma 4's `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`): a reply
+    # generated here is read with them as the FunctionGemma markup (`gemma_tpu.infer.generate`)
+    call_markers: tuple[tuple[str, str], ...] = ()
     # The control tokens the family's chat markup is written with (turns, tool declarations, calls and results, string
     # quotes, media): what message text must not hold where the served model's tokenizer is not at hand (a client of
     # an OpenAI-compatible server refuses every family's, `records.served_markup`); with the tokenizer, its special
