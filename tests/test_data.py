@@ -2350,6 +2350,20 @@ def test_user_turns_of_content_parts_and_empty_tool_results_still_load(tmp_path)
     assert [m["messages"][2]["content"] for m in more] == list(texts)
 
 
+def test_markup_without_a_tokenizer_is_the_registrys_gemma3_list():
+    """Without a tokenizer (a row normalised alone), message text is checked
+    against Gemma 3's markup as the family registry lists it (`Family.markup_tokens`, the one home): a second copy in
+    the records module missed `<pad>` and the media markers (`<start_of_image>`, `[multimodal]`), which a Gemma 3
+    tokenizer reads as its control ids, and which an endpoint's evaluation refused."""
+    from gemma_tpu.models import get_family
+
+    for token in get_family("gemma3").markup_tokens:
+        row = {"messages": [{"role": "user", "content": f"what is {token}?"}, {"role": "assistant", "content": "x"}]}
+        with pytest.raises(UserError) as e:
+            normalise_messages(row, "f.jsonl:1")
+        assert str(e.value).startswith(f"f.jsonl:1: messages[0]: the text holds {token!r} at character 8"), e.value
+
+
 def test_message_text_may_not_hold_the_models_own_control_tokens(tmp_path, tok_dir, tok, any_tok):
     """The control tokens refused in message text come from the model's tokenizer: a Gemma 4 vocabulary's
     `<|turn>` (its own turn marker, which the Gemma 3 list let through) and the `<unusedN>` the tool-call markers

@@ -1467,6 +1467,35 @@ def test_a_questions_file_with_a_byte_order_mark_and_crlf_asks_plain_questions(m
     assert question_text("\ufeff  sleep last night?\r") == "sleep last night?"
 
 
+def test_a_chat_session_no_question_fits_is_refused_before_the_model_loads(monkeypatch, tiny_dir, tiny_long_dir):
+    """A session (questions on stdin) whose every prompt passes the model's context with --max-new-tokens (the
+    developer turn alone past tiny_dir's 1,024 positions; 3,000 new tokens beside it on tiny_long_dir's 4,096) loaded
+    the weights (a minute for a real model), then answered each question "(request failed: ...)" and exited 0. It is
+    refused first, on the tokenizer and config, saying what would fit; a session that fits goes on to the load."""
+    import io
+
+    from gemma_tpu.examples.fitness import chat
+
+    def no_load(*args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(chat, "load_hf_dir", no_load)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("how many steps?\n"))
+    with pytest.raises(UserError, match=r"^the prompt of every question is at least 1[67]\d\d tokens \(the system "
+                                        r"prompt \d+, the tool declarations \d+\), past the model's context of 1024 "
+                                        r"\(max_position_embeddings\): a model with a longer context is needed$"):
+        chat.main(["--model", str(tiny_dir)])
+    with pytest.raises(UserError, match=r"^--max-new-tokens 3000: the prompt of every question is at least (\d+) "
+                                        r"tokens \(the system prompt \d+, the tool declarations \d+\): with up to "
+                                        r"3000 new tokens it passes the model's context of 4096 "
+                                        r"\(max_position_embeddings\); ask for at most (\d+) new tokens$") as e:
+        chat.main(["--model", str(tiny_long_dir), "--max-new-tokens", "3000"])
+    least, most = map(int, re.search(r"at least (\d+) .* at most (\d+) ", str(e.value)).groups())
+    assert least + most == 4096
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        chat.main(["--model", str(tiny_long_dir), "--max-new-tokens", str(most)])
+
+
 def test_a_tool_that_raises_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
     """A tool whose service fails (Garmin down) or that has a bug raised out of the loop and ended the chat
     session with a traceback; it is reported as the answer, traced, and the next question is answered."""
@@ -1966,6 +1995,48 @@ def test_evaluate_refuses_prompts_past_the_context_before_any_model_loads(tiny_d
     monkeypatch.setenv("GEMMA_TPU_PREFIX_CACHE_BYTES", "-1")  # read by the generator, checked before the load
     with pytest.raises(UserError, match=r"^GEMMA_TPU_PREFIX_CACHE_BYTES='-1': must be a whole number of bytes"):
         evaluate.main(["--data", str(data), "--model", str(tiny_long_dir), "--no-loss"])
+
+
+def test_evaluate_compare_refuses_an_endpoints_markup_before_the_local_model_runs(tiny_dir, tmp_path):
+    """--compare model:A endpoint:B with a test set holding Gemma 4's `<|turn>` (text to A's Gemma 3 vocabulary, a turn
+    of its own to a served Gemma 4): the test set was read with every family's control tokens only when B's turn came,
+    after A had loaded and answered every example (hours on a real test set), and the run ended there. It is refused
+    by FILE:LINE before any model loads, as a local model's markup is; nothing is written, and no request is sent."""
+    from gemma_tpu.core.errors import UserError
+    from gemma_tpu.evaluate import run as evaluate
+    from tests.test_serving import ScriptedModel, http_server
+
+    data = tmp_path / "d.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"messages": [{"role": "user", "content": "what does <|turn> mean?"},
+                          {"role": "assistant", "content": "x"}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.json"
+    ScriptedModel.requests = []
+    with http_server(ScriptedModel) as url:
+        with pytest.raises(UserError) as e:
+            evaluate.main(["--data", str(data), "--compare", f"model:{tiny_dir}", f"endpoint:{url}#m", "--no-loss",
+                           "--max-new-tokens", "4", "--json", str(out)])
+    assert str(e.value).startswith(f"--compare B (endpoint:{url}#m): {data}:2: messages[0]: the text holds '<|turn>' "
+                                   f"at character 10"), e.value
+    assert list(tmp_path.iterdir()) == [data] and ScriptedModel.requests == []
+
+
+def test_evaluate_reads_the_test_set_with_each_models_own_markup_alone(tmp_path):
+    """The test set was read first with Gemma 3's markup, whatever the model: a Gemma 4's test set asking about
+    `<start_of_image>` (or `<start_of_turn>`), plain text to its vocabulary, was refused before its own markup was
+    read. Each model's markup is what refuses (its tokenizer's, or every family's for an endpoint)."""
+    from gemma_tpu.assets.tiny import write_tiny_gemma4
+
+    model = write_tiny_gemma4(tmp_path / "g4", seed=0, variant="dense")  # its vocabulary has no media markers
+    data = tmp_path / "d.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "what is <start_of_image>?"},
+                          {"role": "assistant", "content": "a marker"}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_cli("gemma_tpu.evaluate", "--data", str(data), "--model", str(model), "--no-loss", "--max-new-tokens",
+                   "4", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["models"][f"model:{model}"]["n"] == 1
 
 
 def test_evaluate_print_config_needs_no_data_or_model(capsys):

@@ -954,6 +954,29 @@ def test_local_generation_stops_where_vllm_does_at_the_familys_call_stop_token(g
     assert gen._stop_reason([300, stop]) == "call" and gen._stop_reason([300, 106]) == "end_of_turn"
 
 
+def test_a_call_in_gemma4s_own_markup_is_read_as_that_call(g4):
+    """A Gemma 4 whose chat template writes tool calls in its own markup (`<|tool_call>call:NAME{k:<|"|>v<|"|>}
+    <tool_call|>`, a string between `<|"|>` quotes) answers in it. Generation here (evaluate, the chat) read that as a
+    bare call whose strings kept their quotes ('<|"|>today<|"|>'): a right call scored wrong locally, where vLLM's
+    gemma4 parser reads 'today'. Its markup is read as the FunctionGemma markup it mirrors."""
+    from gemma_tpu.formats.function_calling import ToolCall
+    from gemma_tpu.infer.generate import Generator, load_hf_dir
+
+    loaded = load_hf_dir(str(g4("dense")))
+    tok = loaded.tokenizer  # the tiny vocabulary has Gemma 3's ids: Gemma 4's markup added as its special tokens
+    tok.add_tokens(["<|tool_call>", "<tool_call|>", '<|"|>', "<|tool_response>"], special_tokens=True)
+    gen = Generator(loaded, max_new_tokens=4, batch_size=1)
+    stop = tok.convert_tokens_to_ids("<|tool_response>")
+    text = '<|tool_call>call:get_steps{date:<|"|>today<|"|>,days:[<|"|>mon<|"|>,2]}<tool_call|>'
+    out = gen.generation(tok.encode(text, add_special_tokens=False) + [stop, 0, 0])
+    assert out.stop == "call" and out.ids[-1] == stop
+    reply = out.reply()
+    assert (reply.kind, reply.calls, reply.text, reply.error) == (
+        "call", [ToolCall("get_steps", {"date": "today", "days": ["mon", 2]})], "", None)
+    said = gen.generation(tok.encode("It is <|\"|>fine<|\"|>.", add_special_tokens=False) + [106])
+    assert said.stop == "end_of_turn" and said.reply().kind == "text"
+
+
 @pytest.mark.parametrize("variant,multimodal", [("dense", False), ("ple", False), ("moe", False), ("ple", True)])
 def test_tensor_shapes_are_the_checkpoints(tmp_path, variant, multimodal):
     """`Family.tensor_shapes` (what a merge checks the base tensors it copies against) gives the shapes of the

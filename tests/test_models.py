@@ -9,7 +9,7 @@ import pytest
 
 from gemma_tpu.core.errors import UserError
 from gemma_tpu.models import load_model, resolve_model
-from gemma_tpu.models.registry import detect_family, supported_architectures
+from gemma_tpu.models.registry import choose_family, detect_family, supported_architectures
 from tests.conftest import REPO, assert_one_line_error, run_cli
 
 PROMPTS = ["Hello world, this is a tiny test of the model!",
@@ -503,6 +503,28 @@ def test_an_architecture_contradicting_its_model_type_is_refused(arch, model_typ
     (edited / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     proc = run_cli("gemma_tpu.train", "--config", "configs/tiny.yaml", f"model.path={edited}", "--dry-run")
     assert_one_line_error(proc, "config.json: architectures Gemma3ForCausalLM but model_type 'llama'")
+
+
+@pytest.mark.parametrize("arch,model_type,text_type", [("Gemma3ForCausalLM", "gemma3", "gemma3_text"),
+                                                        ("Gemma3ForConditionalGeneration", "gemma3", "gemma3_text"),
+                                                        ("Gemma4ForCausalLM", "gemma4", "gemma4_text")])
+def test_a_multimodal_model_type_without_a_text_config_is_refused(arch, model_type, text_type, tiny_dir, tmp_path):
+    """model_type gemma3 (gemma4) is the multimodal config, whose decoder transformers reads from text_config: with the
+    decoder's keys at the top and no text_config, transformers builds its default text model (hidden_size 2304) and
+    leaves every weight of the checkpoint out, where training and generation here read the top-level keys and ran
+    the checkpoint's model; a merge of it loaded in transformers as random weights. Refused naming the key."""
+    with pytest.raises(UserError, match=rf"^config.json: model_type '{model_type}' is the multimodal config, whose "
+                                        rf"decoder transformers reads from text_config, and there is none: .* set "
+                                        rf"model_type '{text_type}'"):
+        detect_family({"architectures": [arch], "model_type": model_type, "hidden_size": 64})
+    with pytest.raises(UserError, match=rf"^config.json: model_type '{model_type}' is the multimodal config"):
+        choose_family({"architectures": [arch], "model_type": model_type}, model_type)  # model.family named too
+    edited = tmp_path / "m"
+    shutil.copytree(tiny_dir, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma3"}))
+    proc = run_cli("gemma_tpu.chat", "--model", str(edited), "--once", "hi")
+    assert_one_line_error(proc, "config.json: model_type 'gemma3' is the multimodal config")
 
 
 def test_multimodal_text_config_is_detected():

@@ -60,7 +60,7 @@ from gemma_tpu.formats.function_calling import (
     find_lone_surrogate,
     plain_gemma_token_map,
 )
-from gemma_tpu.formats.gemma_chat import END_OF_TURN, START_OF_TURN
+from gemma_tpu.models import registry  # through the package, which registers every family
 
 log = logging.getLogger(__name__)
 
@@ -522,12 +522,12 @@ class Markup:
                             f"{' (tool calls go in tool_calls)' if answer and token in self.calls else ''}")
 
 
-# Gemma 3's own markup, with the reserved tokens a plain Gemma 3 vocabulary writes the FunctionGemma markers as
-# (`<unused2>` for `<start_function_call>`, ...: what an endpoint's content is read with, `plain_gemma_token_map`):
-# without them a question or a test example holding `<unused2>` went to a served fine-tune, whose tokenizer read it as
-# the call marker, where the local chat and evaluation (their tokenizer's markup) refused it
-GEMMA_MARKUP = Markup((START_OF_TURN, END_OF_TURN, "<bos>", "<eos>", *FUNCTION_MARKERS,
-                       *plain_gemma_token_map().values()),
+# Gemma 3's own markup as the family registry lists it (`Family.markup_tokens`: the turns, FunctionGemma's markers and
+# the reserved tokens a plain Gemma 3 vocabulary writes them as, `<unused2>` for `<start_function_call>`, ..., `<pad>`
+# and the media markers): what message text is checked against where no tokenizer is at hand (a row normalised
+# alone, the fitness dataset's lengths). A second list here had missed `<pad>` and the media markers, which a Gemma 3
+# tokenizer reads as its control ids.
+GEMMA_MARKUP = Markup(registry.get_family("gemma3").markup_tokens,
                       calls=(*FUNCTION_MARKERS, *plain_gemma_token_map().values()))
 
 
@@ -537,8 +537,6 @@ def served_markup() -> Markup:
     server refuses in message text, not knowing the served model's vocabulary. The server renders the messages with
     its chat template and tokenizes the prompt whole, control tokens read as such: Gemma's own markup alone let a
     Gemma 4's `<|turn>` or `<tool_call|>` through to open a turn or a call of its own."""
-    from gemma_tpu.models import registry  # through the package, which registers every family
-
     tokens = [t for f in registry.families().values() for t in f.markup_tokens]
     # a call written as text in an answer is pointed at tool_calls: FunctionGemma's markers, Gemma 4's `<|tool_call>`
     calls = (*FUNCTION_MARKERS, *plain_gemma_token_map().values(), *(t for t in tokens if "tool_call" in t))

@@ -63,7 +63,7 @@ from gemma_tpu.core.typed_yaml import keys_given
 from gemma_tpu.core.errors import SignalExit, UserError, stop_signals_raise
 from gemma_tpu.data import eval_batches, load_conversations, make_renderer, prepare_examples, render_error
 from gemma_tpu.data.batching import Example
-from gemma_tpu.data.records import served_markup
+from gemma_tpu.data.records import Markup, served_markup
 from gemma_tpu.evaluate.answers import answer_scores
 from gemma_tpu.formats.function_calling import CUT_OFF, ParsedReply, ToolCall, arguments_match
 from gemma_tpu.infer.generate import (DECODE_CHUNK, Generator, context_excess, describe_checkpoint, describe_hf_dir,
@@ -303,7 +303,7 @@ def past_context(renderer, prompt: dict, rendered, max_new_tokens: int, limit: i
 def check_before_load(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> None:
     """What of the data a local model refuses whatever it answers, checked on its tokenizer and config alone
     (`describe_hf_dir`, `describe_checkpoint`: no weight read): the conversations read again with this model's control
-    tokens (read first with Gemma 3's: no tokenizer was known), so a Gemma 4 test set holding its `<turn|>` in a
+    tokens (read first for its format alone: no tokenizer was known), so a Gemma 4 test set holding its `<turn|>` in a
     message is refused by FILE:LINE, as training refuses it, and every prompt past the context with --max-new-tokens
     (`check_not_all_refused`). Both were found only after the weights had loaded (a minute for a real model)."""
     described = (describe_hf_dir(spec.target) if spec.kind == "model"
@@ -541,9 +541,6 @@ def evaluate_spec(spec: Spec, convs: list[dict], cfg: RunConfig, args) -> tuple[
     done: Done = {}
     try:
         if spec.kind == "endpoint":
-            # read again with every family's control tokens (read first with Gemma 3's): the server's tokenizer is
-            # not known here, and a Gemma 4's `<|turn>` in a message opened a turn of its own there
-            load_conversations(args.data, cfg.data, served_markup(), args.limit)
             preds, texts = predict_endpoint(spec.target, spec.served, cases, args.max_new_tokens, spec.label,
                                             args.timeout, args.retries, api_key_from_env(args.api_key_env),
                                             done=done)
@@ -772,7 +769,9 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
         raise UserError("--served-model applies to --endpoint (and endpoint: specs of --compare), not "
                         f"{'--model' if args.model else '--checkpoint'}")
     check_results_file(args.json, {"--data": args.data, "--config": args.config}, results_key="models")
-    convs = load_conversations(args.data, cfg.data, limit=args.limit)
+    # the format alone: each model reads the test set again with its own markup before any loads (its tokenizer's, or
+    # every family's for an endpoint); Gemma 3's here refused a Gemma 4's text (`<start_of_image>`) as markup
+    convs = load_conversations(args.data, cfg.data, Markup(()), limit=args.limit)
     lm = next((c for c in convs if "text" in c), None)
     if lm is not None:  # nothing to prompt with or score against
         raise UserError(f"{lm['where']}: a language-modeling 'text' row; evaluation scores the assistant turns of "
@@ -804,11 +803,16 @@ def main(argv: Sequence[str] | None = None, *, compare_one_model: bool = False) 
     if not args.no_prefix_cache and any(spec.kind != "endpoint" for spec in specs):
         prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before a model loads
     for which, spec in zip(("A", "B") if len(specs) > 1 else ("",), specs):  # every model's, before any loads
-        if spec.kind != "endpoint":
-            try:
+        try:
+            if spec.kind != "endpoint":
                 check_before_load(spec, convs, cfg, args)
-            except UserError as e:
-                raise (UserError(f"--compare {which} ({spec.label}): {e}") if which else e) from None
+            else:
+                # read again with every family's control tokens (read first for the format alone): the server's
+                # tokenizer is not known here, and a Gemma 4's `<|turn>` in a message opened a turn of its own there.
+                # Here, not when the endpoint's turn comes: --compare A B refused it after A's whole run
+                load_conversations(args.data, cfg.data, served_markup(), args.limit)
+        except UserError as e:
+            raise (UserError(f"--compare {which} ({spec.label}): {e}") if which else e) from None
     results, details = {}, {}
     # SIGTERM (a preempted machine) and SIGHUP (the terminal closed) keep the finished models' results as Ctrl-C
     # does; they used to end the process at once, losing them

@@ -137,7 +137,7 @@ class Generation:
     """One decoded continuation."""
 
     ids: list[int]  # generated ids, the stop token included when there was one
-    text: str  # decoded text with FunctionGemma markers restored (token map reversed)
+    text: str  # decoded text with FunctionGemma markers restored (token map reversed, the family's call markup read)
     stop: str  # "end_of_turn" | "call" | "eos" | "length"
 
     def reply(self) -> fc.ParsedReply:
@@ -545,6 +545,8 @@ class Generator:
                                                if i is not None))
         stops = self.end_of_turn_ids + [i for i in [self.eos_id] if i is not None] + self.call_end_ids
         self.stop_ids = np.asarray(stops, np.int32)
+        # the family's own call markup (Gemma 4's `<|tool_call>`, `<|"|>`), read as the FunctionGemma markup it mirrors
+        self.call_markers = dict(getattr(loaded.family, "call_markers", None) or ())
         self._graphdef, self._state = nnx.split(loaded.model)
         self._fn, self._prefix_fn, self._prefill_fn, self._decode_fn = _jitted(self._graphdef)
         self.decode_chunk = decode_chunk
@@ -570,6 +572,20 @@ class Generator:
         if ids and self.eos_id is not None and ids[-1] == self.eos_id:
             return "eos"
         return "length"
+
+    def generation(self, ids: Sequence[int]) -> Generation:
+        """The `Generation` of a row's generated `ids`, cut after its first stop id (PAD only follows one): its text
+        decoded without the stop token, the FunctionGemma markers restored (the token map reversed, and the family's
+        own call markup read as them), and why it stopped."""
+        stops = set(self.stop_ids.tolist())
+        kept: list[int] = []
+        for t in ids:
+            kept.append(int(t))
+            if t in stops:
+                break
+        body = kept[:-1] if kept and kept[-1] in stops else kept  # the text leaves the stop token out
+        text = fc.unmap_markers(_decode_text(self.tokenizer, body, self.token_map), self.call_markers)
+        return Generation(kept, text, self._stop_reason(kept))
 
     def _shared_prefix(self, prompts: Sequence[Sequence[int]], prefix: Sequence[int] | None):
         """(C, KV cache of the first C ids) for this call's prompts, or (0, None)."""
@@ -673,16 +689,8 @@ class Generator:
             if cache is not None:
                 self.prefix_stats["reused_batches"] += 1
             out, steps = self._decode_batch(tokens, mask, cache, max_new)
-            stops = set(self.stop_ids.tolist())
             for row, i in enumerate(idx):
-                ids: list[int] = []
-                for t in out[row, :steps].tolist():  # PAD only follows a stop token
-                    ids.append(t)
-                    if t in stops:
-                        break
-                body = ids[:-1] if ids and ids[-1] in stops else ids  # the text leaves the stop token out
-                results[i] = Generation(ids, _decode_text(self.tokenizer, body, self.token_map),
-                                        self._stop_reason(ids))
+                results[i] = self.generation(out[row, :steps].tolist())
                 if on_result:
                     on_result(i, results[i])
             if on_batch:

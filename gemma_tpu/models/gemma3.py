@@ -603,6 +603,7 @@ GEMMA3 = register(
         name="gemma3",
         architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         model_types=("gemma3_text", "gemma3"),
+        multimodal_model_type="gemma3",
         tunix_config=tunix_config,
         loader=load_sharded,
         partition_rules=PARTITION_RULES,

@@ -33,6 +33,7 @@ import re
 from typing import Any
 
 from gemma_tpu.core.errors import UserError
+from gemma_tpu.formats.function_calling import END_CALL, END_RESPONSE, ESCAPE, START_CALL, START_RESPONSE
 from gemma_tpu.models.gemma3 import (
     ATTENTION_MLP_PARTITION_DIMS,
     ATTENTION_MLP_PARTITION_RULES,
@@ -829,6 +830,7 @@ GEMMA4 = register(
         name="gemma4",
         architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         model_types=("gemma4_text", "gemma4"),
+        multimodal_model_type="gemma4",
         tunix_config=tunix_config,
         loader=load_sharded,
         partition_rules=PARTITION_RULES,
@@ -850,6 +852,9 @@ GEMMA4 = register(
         end_of_turn_token="<turn|>",
         end_of_turn_id=106,
         call_stop_token="<|tool_response>",  # id 50: vLLM names it by its id (stop_reason), /detokenize by text
+        # its template's calls and results: FunctionGemma's syntax in its own tokens, the string quote `<|"|>`
+        call_markers=((START_CALL, "<|tool_call>"), (END_CALL, "<tool_call|>"), (ESCAPE, '<|"|>'),
+                      (START_RESPONSE, "<|tool_response>"), (END_RESPONSE, "<tool_response|>")),
         # its chat template's markup: turns, tool declarations, calls and results, the string quote, thinking
         # channels, media placeholders (each one special token of the vocabulary)
         markup_tokens=("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",

@@ -245,11 +245,18 @@ class Family:
     # names it in a completion's stop_reason: Gemma 3's FunctionGemma format `<start_function_response>` (which
     # convert.tool_tokens adds to a merge's stop ids), Gemma 4's `<|tool_response>` (in its stop_token_ids)
     call_stop_token: str | None = None
+    # (FunctionGemma marker, the family's own token) pairs of a family whose chat template writes tool calls in a markup
+    # of its own that mirrors FunctionGemma's (Gemma 4's `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`): a reply
+    # generated here is read with them as the FunctionGemma markup (`gemma_tpu.infer.generate`)
+    call_markers: tuple[tuple[str, str], ...] = ()
     # The control tokens the family's chat markup is written with (turns, tool declarations, calls and results, string
     # quotes, media): what message text must not hold where the served model's tokenizer is not at hand (a client of
     # an OpenAI-compatible server refuses every family's, `records.served_markup`); with the tokenizer, its special
     # tokens are read instead (`Renderer.control_tokens`)
     markup_tokens: tuple[str, ...] = ()
+    # The `model_type` of the family's multimodal config (one of `model_types`), whose decoder transformers reads from
+    # `text_config` alone: without one it builds its default text model, whatever the top level says
+    multimodal_model_type: str | None = None
     # HF `layer_types` pattern: `sliding_window_pattern - 1` sliding-window layers, then one global layer.
     sliding_window_pattern: int | None = None
     # Serving on vLLM-TPU: the HF architectures it serves for this family and its tool-call parser.
@@ -642,15 +649,30 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
                 raise UserError(f"{where}: architectures {', '.join(map(str, archs))} but model_type {other!r}, "
                                 f"which transformers loads as another model (a {fam.name} config.json has "
                                 f"{' or '.join(fam.model_types)}); fix the file")
-            return fam
+            return _nested_as_read(fam, hf_config, where)
     if not archs:
         for fam in _FAMILIES.values():
             if model_types & set(fam.model_types):
-                return fam
+                return _nested_as_read(fam, hf_config, where)
     got = ", ".join(a for a in archs) or f"model_type {hf_config.get('model_type')!r}"
     raise UserError(
         f"{where}: unsupported architecture {got}; supported: {', '.join(supported_architectures())}"
     )
+
+
+def _nested_as_read(fam: Family, hf_config: dict, where: str) -> Family:
+    """`fam`, unless config.json's model_type is the family's multimodal config and it has no text_config (or an empty
+    one): transformers then builds its default text model (a Gemma 3's hidden_size 2304) and leaves the checkpoint's
+    weights out, where the decoder's keys at the top were read here (training, generation) as the model."""
+    model_type = hf_config.get("model_type")
+    if fam.multimodal_model_type is not None and model_type == fam.multimodal_model_type \
+            and text_config(hf_config) is hf_config:
+        text_type = next(t for t in fam.model_types if t != model_type)
+        raise UserError(f"{where}: model_type {model_type!r} is the multimodal config, whose decoder transformers "
+                        f"reads from text_config, and there is none: transformers builds its default text model, not "
+                        f"the one this file describes; for a text-only model set model_type {text_type!r}, else nest "
+                        f"the decoder's keys under text_config")
+    return fam
 
 
 def described_family(hf_config: dict, where: str = "config.json") -> Family | None:
@@ -678,4 +700,4 @@ def choose_family(hf_config: dict, name: str | None = None, key: str = "model.fa
         what = f"architectures {', '.join(map(str, archs))}" if archs else f"model_type {hf_config.get('model_type')!r}"
         raise UserError(f"{key}={name} contradicts {where} ({what}: a {described.name} model); leave {key} unset "
                         f"to use the family config.json describes")
-    return family
+    return _nested_as_read(family, hf_config, where)

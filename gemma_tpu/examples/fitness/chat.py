@@ -106,6 +106,30 @@ def check_question(described, provider, question: str, max_new_tokens: int) -> N
     check_prompt(renderer, tools, messages, ids, max_new_tokens, described.max_positions)
 
 
+def check_session(described, provider, max_new_tokens: int) -> None:
+    """Refuse a session (questions from stdin) whose every prompt passes the model's context with `max_new_tokens`:
+    the developer turn (system prompt and tool declarations) and an empty question's user turn already do. Checked on
+    the model's description (`describe_hf_dir`, `describe_checkpoint`: no weight read): the weights were loaded (a
+    minute for a real model), then each question was answered "(request failed: ...)"."""
+    limit = described.max_positions
+    if not limit:
+        return
+    renderer = coach_renderer(described)
+    tools = toolset(provider)
+    conv = {"tools": tools.schemas, "messages": first_messages("", tools)}
+    least = len(renderer.render(conv, add_generation_prompt=True).ids)
+    if least + max_new_tokens <= limit:
+        return
+    parts = renderer.prompt_parts(conv, least)
+    given = f" ({', '.join(f'{name} {n}' for name, n in parts[:-1])})" if parts else ""
+    if least >= limit:
+        raise UserError(f"the prompt of every question is at least {least} tokens{given}, past the model's context of "
+                        f"{limit} (max_position_embeddings): a model with a longer context is needed")
+    raise UserError(f"--max-new-tokens {max_new_tokens}: the prompt of every question is at least {least} tokens"
+                    f"{given}: with up to {max_new_tokens} new tokens it passes the model's context of {limit} "
+                    f"(max_position_embeddings); ask for at most {limit - least} new tokens")
+
+
 def check_prompt(renderer, tools, messages: list[dict], ids: list[int], max_new_tokens: int | None,
                  limit: int | None) -> None:
     """Refuse a prompt (`ids`, of `messages`) that with `max_new_tokens` passes the model's context `limit`, naming
@@ -182,13 +206,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_prefix_cache:
         prefix_cache_bytes_set()  # a bad $GEMMA_TPU_PREFIX_CACHE_BYTES refused before the model loads
     provider = make_provider(args.provider, args.seed)  # before the model: fail fast on credentials
-    described = None
-    if args.once is not None or args.temperature:  # the tokenizer and config: seconds, where the weights take minutes
-        described = describe_hf_dir(args.model) if args.model else describe_checkpoint(args.checkpoint, args.step)
+    # the tokenizer and config: seconds, where the weights take minutes
+    described = describe_hf_dir(args.model) if args.model else describe_checkpoint(args.checkpoint, args.step)
     # a bad sampling option or generation config refused before the weights load
     sampling = sampling_of(args, described.generation_dir if described else None)
     if args.once is not None:  # on the tokenizer and config alone: refused before the minutes the weights take
         check_question(described, provider, question_text(args.once), args.max_new_tokens)
+    else:
+        check_session(described, provider, args.max_new_tokens)
     loaded = (load_hf_dir(args.model, args.dtype or "float32") if args.model
               else load_checkpoint(args.checkpoint, args.step, args.dtype))  # --dtype was ignored here
     coach = Coach(loaded, provider, args.max_new_tokens, prefix_cache=not args.no_prefix_cache, sampling=sampling)
