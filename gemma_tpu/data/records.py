@@ -114,7 +114,6 @@ def _too_deep(where: str) -> UserError:
 
 def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array, each with the line its value starts on."""
-    dec = strict_json.DECODER
     n = len(text)
     i = text.index("[") + 1
     line, counted = 1, 0
@@ -135,14 +134,7 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
         return
     while True:
         i = ws(i)
-        try:
-            obj, end = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise _too_deep(f"{p}:{lineno(i)}") from None
-        except strict_json.NotJSON as e:
-            raise UserError(f"{p}:{lineno(i)}: {e}") from None
+        obj, end = _decode_at(p, text, i, lineno(i))
         yield lineno(i), obj
         i = ws(end)
         if i < n and text[i] == ",":
@@ -158,22 +150,27 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[int, Any]]:
 
 def _iter_json_stream(p: Path, text: str, i: int) -> Iterator[tuple[int, Any]]:
     """JSON values one after another from `i` (separated by whitespace alone), each with the line it starts on."""
-    dec, n, line, counted = strict_json.DECODER, len(text), 1, 0
+    n, line, counted = len(text), 1, 0
     while True:
         while i < n and text[i] in " \t\r\n":
             i += 1
         if i >= n:
             return
         line, counted = line + text.count("\n", counted, i), i
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise _too_deep(f"{p}:{line}") from None
-        except strict_json.NotJSON as e:
-            raise UserError(f"{p}:{line}: {e}") from None
+        obj, i = _decode_at(p, text, i, line)
         yield line, obj
+
+
+def _decode_at(p: Path, text: str, i: int, line: int) -> tuple[Any, int]:
+    """The JSON value starting at `text[i]` (on line `line` of file `p`) and where it ends; an error names the line."""
+    try:
+        return strict_json.DECODER.raw_decode(text, i)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise _too_deep(f"{p}:{line}") from None
+    except strict_json.NotJSON as e:
+        raise UserError(f"{p}:{line}: {e}") from None
 
 
 def _is_file(p: Path) -> bool:
