@@ -251,6 +251,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("stop", "expected a string or a list of strings")
+    if stop == "" or isinstance(stop, list) and "" in stop:  # vLLM's SamplingParams._verify_args refuses it (400)
+        raise RequestError("stop", "stop cannot contain an empty string (it would end every answer at once): leave "
+                                   "it out")
     # [0, 2] as OpenAI's, and vLLM's since v0.24 (SamplingParams._verify_args, vllm-project/vllm#44965): the pinned
     # vllm-tpu 0.27 answers 400 above 2 too, so a temperature of 3 that passed here would fail on the TPU VM
     _range(body, "temperature", 0.0, 2.0)
@@ -396,11 +399,10 @@ MIN_TEMPERATURE = 0.01  # vLLM's least temperature above 0 (SamplingParams raise
 
 
 def _normalise_settings(body: dict, chat: bool = False) -> None:
-    """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
-    misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
-    field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a 500), and so is a seed of
-    -1, as vLLM reads it. An empty stop string
-    stops nothing, alone or in a list (`[""]` was refused while `""` was taken)."""
+    """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases, a
+    temperature of 1e-300); a field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a
+    500), and so is a seed of -1, as vLLM reads it. An empty stop string (it ended every text after its first token
+    there), alone or in a list, is refused before this (`_settings`), as vLLM refuses it."""
     for key in [k for k, v in body.items() if v is None]:
         del body[key]
     if body.get("seed") == -1:  # vLLM's "no seed" (SamplingParams: -1 -> None): each answer sampled afresh
@@ -409,9 +411,7 @@ def _normalise_settings(body: dict, chat: bool = False) -> None:
         _prompt_end(body)
         _include_reasoning(body)
     _vllm_defaults(body, chat)
-    if isinstance(body.get("stop"), list):
-        body["stop"] = [s for s in body["stop"] if s]
-    if body.get("stop") in ([], ""):
+    if body.get("stop") == []:
         del body["stop"]
     if body.get("logit_bias"):
         body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}

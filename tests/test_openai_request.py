@@ -255,11 +255,15 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
                                                                               "content": "1"}],
         "stop": [], "logit_bias": {"5": -100}})
     assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
-    assert "stop" not in check_chat_request({"messages": USER, "stop": ""})  # it ended every text after one token
-    # OpenAI takes an empty string inside a stop list as it takes a bare one: `[""]` was refused while `""` was taken
-    assert "stop" not in check_chat_request({"messages": USER, "stop": [""]})
-    assert check_chat_request({"messages": USER, "stop": ["", "##"]})["stop"] == ["##"]
-    assert "stop" not in check_completion_request({"prompt": "x", "stop": ["", ""]}, 50, len)
+    # an empty stop string, bare or in a list, is refused as vLLM refuses it (SamplingParams._verify_args: 400 "stop
+    # cannot contain an empty string"): it was dropped here (as OpenAI takes it), so a client passed here, failed there
+    for stop in ("", [""], ["", "##"], ["##", ""]):
+        with pytest.raises(RequestError, match=r"^stop: stop cannot contain an empty string"):
+            check_chat_request({"messages": USER, "stop": stop})
+        with pytest.raises(RequestError, match="stop cannot contain an empty string"):
+            check_completion_request({"prompt": "x", "stop": stop}, 50, len)
+    assert check_chat_request({"messages": USER, "stop": ["##"]})["stop"] == ["##"]
+    assert check_completion_request({"prompt": "x", "stop": "##"}, 50, len)["stop"] == "##"
     assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None, "temperature": 0}) == {
         "messages": USER, "temperature": 0}
     # schemas unusual but sound: a property name with an inner space or non-ASCII letters (a call carries them),
