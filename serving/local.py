@@ -540,8 +540,7 @@ class CheckedChatApp:
                 status = 400 if status == 422 else status
                 detail, param = _unexpected_fields(detail)
                 out = json.dumps({"error": {"message": detail if isinstance(detail, str) else json.dumps(detail),
-                                            "type": "invalid_request_error" if status < 500 else "server_error",
-                                            "param": param, "code": status}}).encode()
+                                            "type": error_type(status), "param": param, "code": status}}).encode()
             await send({**held, "status": status, "headers": [
                 (k, v) for k, v in held.get("headers", []) if k.lower() not in (b"content-length", b"content-type")] + [
                 (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
@@ -596,9 +595,9 @@ class CheckedChatApp:
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if not self._authorized(scope):  # before anything else, as vLLM's middleware (a trailing slash included)
-            return await self._json(send, 401, {"error": {
-                "message": "Unauthorized: this server needs its API key, sent as `Authorization: Bearer KEY`",
-                "type": "authentication_error", "param": None, "code": 401}})
+            # vLLM's AuthenticationMiddleware answers this body, not an OpenAI-shaped error (a client reading
+            # error.message there finds a string)
+            return await self._json(send, 401, {"error": "Unauthorized"})
         if path.endswith("/") and path != "/":
             # answered by the inner app as vLLM (FastAPI) answers it, before reading the body: a 307 to the path
             # without the slash (where the request is checked), or a 404
@@ -638,7 +637,7 @@ class CheckedChatApp:
             return await self._json(send, 400, {"error": {
                 "message": f"Content-Type {ctype or '(none)'!r}: this endpoint reads a JSON body, sent as "
                            "Content-Type: application/json (Unsupported Media Type: Only 'application/json' is "
-                           "allowed, as vLLM answers)", "type": "invalid_request_error", "param": None, "code": 400}})
+                           "allowed, as vLLM answers)", "type": error_type(400), "param": None, "code": 400}})
         translated = False
         raw, more = bytearray(), True  # grown in place: `bytes +=` copied the whole body per chunk (a 100 MB body
         while more:                   # in 64 KB chunks took 77 s of CPU before any check)
@@ -694,7 +693,7 @@ class CheckedChatApp:
                 param = request_param(param, request)
                 message = message.replace(e.param, param)
             # `code`: the status, as vLLM's ErrorResponse gives it (and this server's other errors): it was null
-            return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
+            return await self._json(send, 400, {"error": {"message": message, "type": error_type(400),
                                                           "param": param, "code": 400}})
         # the inner server streams every answer (a whole one is put together here, `whole_completion`): its streams stop
         # generating when the client goes away, its whole answers ran on to max_tokens, holding the one generation
@@ -945,9 +944,26 @@ def whole_completion(stream: bytes, thought: bool = True) -> bytes:
     return json.dumps(out, ensure_ascii=False).encode()
 
 
+def error_type(status: int) -> str:
+    """An error's `type` as vLLM's ErrorResponse names it (vllm.entrypoints.utils.create_error_response and its
+    HTTPException handler): "BadRequestError" for a 400 (OpenAI's "invalid_request_error" was written here),
+    "InternalServerError" from 500, else the status's phrase ("Method Not Allowed")."""
+    import http
+
+    if status == 400:
+        return "BadRequestError"
+    if status >= 500:
+        return "InternalServerError"
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
 def openai_error(error: Any) -> dict:
-    """An error event's `error` (transformers serve writes a bare string) in OpenAI's shape."""
-    return {"error": {"type": "server_error", "param": None, "code": None,
+    """An error event's `error` (transformers serve writes a bare string) in the shape vLLM streams it (its
+    create_streaming_error_response: type "InternalServerError", code 500)."""
+    return {"error": {"type": error_type(500), "param": None, "code": 500,
                       **(error if isinstance(error, dict) else {"message": str(error)})}}
 
 

@@ -633,7 +633,7 @@ def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(path):
                            ([(b"content-type", b"application/x-www-form-urlencoded")], "'application/x-www-form"),
                            ([], "(none)"), ([(b"content-type", b"application/jsonl")], "'application/jsonl'")):
         code, resp = _asgi(app, body, path, headers=headers)
-        assert code == 400 and resp["error"]["type"] == "invalid_request_error", resp
+        assert code == 400 and resp["error"]["type"] == "BadRequestError", resp
         assert shown in resp["error"]["message"] and "Content-Type: application/json" in resp["error"]["message"]
     assert answered == []
     for ctype in (b"application/json", b"Application/JSON; charset=utf-8"):
@@ -1683,16 +1683,37 @@ def test_inner_server_errors_come_back_in_openai_shape():
     code, resp = _asgi(app, {"messages": USER, "zeta": 1, "foo": 2})
     assert (code, resp["error"]["param"]) == (400, "foo") and "foo, zeta" in resp["error"]["message"], resp
     code, resp = _asgi(app, {"prompt": "x"}, "/v1/completions")
-    assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "server_error", "param": None,
-                                             "code": 500}
+    assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "InternalServerError",
+                                             "param": None, "code": 500}
     assert _asgi(app, {"messages": USER}) == (400, {"error": {"message": "mine", "param": "x"}})
     # the other paths too (a 405, an unknown path); the audio endpoint, a bare 500 on a text model, is a 404
     answers[:] = [(405, b'{"detail":"Method Not Allowed"}'), (404, b'{"detail":"Not Found"}')]
     assert _asgi(app, {}, "/v1/chat/completions", method="GET") == (405, {"error": {
-        "message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": 405}})
+        "message": "Method Not Allowed", "type": "Method Not Allowed", "param": None, "code": 405}})
     assert _asgi(app, {}, "/v1/embeddings")[1]["error"]["message"] == "Not Found"
     code, resp = _asgi(CheckedChatApp(inner, model_name="tiny"), {}, "/v1/audio/transcriptions")
     assert code == 404 and "text model (`tiny`)" in resp["error"]["message"] and not answers
+
+
+def test_errors_are_typed_as_vllm_types_them():
+    """A request the checks refuse was typed OpenAI's "invalid_request_error" and a missing API key answered an
+    OpenAI-shaped "authentication_error": vLLM (the container --local stands in for) types a 400 "BadRequestError"
+    (create_error_response) and its AuthenticationMiddleware answers 401 with the body {"error": "Unauthorized"}, so
+    a client matching on either met something else there. The key is still checked before the body is read."""
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):  # never reached
+        raise AssertionError(scope["path"])
+
+    app = CheckedChatApp(inner, api_key="s3cret")
+    auth = [*JSON_HEADERS, (b"authorization", b"Bearer s3cret")]
+    code, resp = _asgi(app, {"messages": USER, "temperature": 5}, headers=auth)
+    assert code == 400 and resp["error"]["type"] == "BadRequestError" and resp["error"]["param"] == "temperature"
+    code, resp = _asgi(app, {"input": "hi", "temperature": 5}, "/v1/responses", headers=auth)
+    assert (code, resp["error"]["type"]) == (400, "BadRequestError"), resp
+    for headers in (JSON_HEADERS, [*JSON_HEADERS, (b"authorization", b"Bearer wrong")]):
+        assert _asgi(app, {"messages": USER}, headers=headers) == (401, {"error": "Unauthorized"})
+        assert _asgi(app, {}, "/v1/models", method="GET", headers=headers) == (401, {"error": "Unauthorized"})
 
 
 def test_a_path_with_a_trailing_slash_is_redirected_unchecked_as_vllm_redirects_it():
@@ -1742,7 +1763,7 @@ def test_a_generation_failing_midway_streams_an_error_clients_read():
 
     app = CheckedChatApp(inner)
     code, events = _stream_through(app, {"messages": USER, "stream": True})
-    assert code == 200 and events[-1] == {"error": {"type": "server_error", "param": None, "code": None,
+    assert code == 200 and events[-1] == {"error": {"type": "InternalServerError", "param": None, "code": 500,
                                                     "message": "out of memory"}}, events
     code, text = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
     kinds = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if "data: " in e]
