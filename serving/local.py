@@ -1245,6 +1245,14 @@ class StreamUsage(EventStream):
         return self._usage_chunk()
 
 
+def tool_call_id() -> str:
+    """A fresh tool call's id as vLLM's tool parsers write it (make_tool_call_id: `chatcmpl-tool-` and a uuid's 32
+    hex digits); it was `<chat id>_tool_call_<n>`, transformers serve's."""
+    import uuid
+
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 class StreamedCalls(EventStream):
     """Rewrites a streamed chat completion (`data: {chunk}` events) so FunctionGemma calls in the model's
     text arrive as `tool_calls` deltas, as vLLM's functiongemma parser streams them: text before a call
@@ -1328,12 +1336,11 @@ class StreamedCalls(EventStream):
             text = ""
             if not self.texted:
                 self.space = ""  # leading whitespace before a first call: stripped, as unstreamed
-            rid = like.get("id") or "call"
             for call in reply.calls:
                 if not self.parallel and self.calls:  # parallel_tool_calls: false, the first call only
                     break
                 out += self._chunk(like, {"tool_calls": [{
-                    "index": self.calls, "id": f"{rid}_tool_call_{self.calls}", "type": "function",
+                    "index": self.calls, "id": tool_call_id(), "type": "function",
                     "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}]})
                 self.calls += 1
             text = after

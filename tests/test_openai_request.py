@@ -561,6 +561,14 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     return start["status"], data.decode() if raw else json.loads(data)
 
 
+def _no_ids(obj):
+    """`obj` without its "id" and "call_id" keys, at any depth: tool calls and Response items get fresh ids per
+    answer (as vLLM's do), so two answers compare equal without them."""
+    if isinstance(obj, dict):
+        return {k: _no_ids(v) for k, v in obj.items() if k not in ("id", "call_id")}
+    return [_no_ids(v) for v in obj] if isinstance(obj, list) else obj
+
+
 def _streamed_chat(deltas_of, usage: dict, finish_reason: str = "stop"):
     """An ASGI chat server (transformers serve's place) streaming the deltas `deltas_of(request body)` gives, then
     an end (`finish_reason`) with `usage`."""
@@ -666,9 +674,10 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     choice = resp["choices"][0]
     assert code == 200 and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
     calls = choice["message"]["tool_calls"]
-    assert [(c["id"], c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("r1_tool_call_0", "function", "get_steps", {"date": "yesterday", "n": 3}),
-        ("r1_tool_call_1", "function", "3d", {})]
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_steps", {"date": "yesterday", "n": 3}), ("function", "3d", {})]
+    # ids as vLLM's tool parsers write them (make_tool_call_id), not transformers serve's "r1_tool_call_0"
+    assert all(re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", c["id"]) for c in calls) and calls[0]["id"] != calls[1]["id"]
     assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"] == {"role": "assistant", "content": "plain"}
     # parallel_tool_calls: false gets the first call only, as vLLM answers it (both came back)
     code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "parallel_tool_calls": False})
@@ -797,8 +806,9 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     assert content == "Sure.  ok <unused2>call:bad{ <unused3> tail <unused2>call:cut{"  # unparsed calls stay text
     assert "<unused2>call:get_steps" not in content and not any("<unu" == c["choices"][0]["delta"].get("content")
                                                                   for c in out)
-    assert [(t["index"], t["id"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [
-        (0, "r1_tool_call_0", "get_steps", {"date": "yesterday", "n": 3}), (1, "r1_tool_call_1", "3d", {})]
+    assert [(t["index"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [
+        (0, "get_steps", {"date": "yesterday", "n": 3}), (1, "3d", {})]
+    assert all(re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", t["id"]) for t in calls) and calls[0]["id"] != calls[1]["id"]
     # usage only when stream_options.include_usage asks for it, as OpenAI and vLLM stream it (transformers serve put
     # it on the finishing chunk always)
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and not any("usage" in c for c in out)
@@ -808,7 +818,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
                                           "stream_options": {"include_usage": True}})
     assert counted[-1] == {"id": counted[0]["id"], "object": "chat.completion.chunk", "created": 1, "model": "m",
                            "choices": [], "usage": {"completion_tokens": 9}}
-    assert [c["choices"] for c in counted[:-1]] == [c["choices"] for c in out]
+    assert _no_ids([c["choices"] for c in counted[:-1]]) == _no_ids([c["choices"] for c in out])
     assert all(c["usage"] is None for c in counted[:-1])
     code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True, "parallel_tool_calls": False})
     assert [t["function"]["name"] for c in out for t in c["choices"][0]["delta"].get("tool_calls") or []] == [
@@ -1188,7 +1198,7 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta"), kinds
     assert [e["text"] for e in events if e["type"] == "response.reasoning_text.done"] == ["5 steps is few."]
     final = events[-1]["response"]
-    assert kinds[-1] == "response.completed" and final["output"] == whole["output"], final
+    assert kinds[-1] == "response.completed" and _no_ids(final["output"]) == _no_ids(whole["output"]), final
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
     # vLLM's chat extension `include_reasoning` is no field of its ResponsesRequest: taken (false was refused here)
     # and read as nothing there, the reasoning item kept, whole and streamed
@@ -1329,8 +1339,12 @@ def test_responses_api_is_answered_through_a_chat_completion():
     assert seen[-1]["tools"] == [{"type": "function", "function": {k: tool[k] for k in ("name", "parameters")}}]
     assert code == 200 and resp["status"] == "completed" and resp["output_text"] == "Sure."
     call = resp["output"][1]
-    assert (call["type"], call["name"], json.loads(call["arguments"]), call["call_id"]) == (
-        "function_call", "get_steps", {"date": "today"}, "r1_tool_call_0")
+    assert (call["type"], call["name"], json.loads(call["arguments"])) == (
+        "function_call", "get_steps", {"date": "today"})
+    # ids as vLLM writes them: the chat's tool call id (its tool parser's), each item a fresh uuid's hex digits
+    # (they were `msg_` / `fc_` before transformers serve's chat id)
+    assert re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", call["call_id"]), call
+    assert re.fullmatch("msg_[0-9a-f]{32}", resp["output"][0]["id"]) and re.fullmatch("fc_[0-9a-f]{32}", call["id"])
     assert resp["usage"]["input_tokens"] == 7 and resp["usage"]["output_tokens"] == 2 and resp["model"] == "tiny"
     code, resp = _asgi(app, {"input": "hi", "max_output_tokens": 2}, "/v1/responses")
     assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -1352,7 +1366,8 @@ def test_responses_api_is_answered_through_a_chat_completion():
     final = events[-1]["response"]
     whole = _asgi(app, {"model": "tiny", "tools": [tool], "input": "steps?"}, "/v1/responses")[1]
     # the same text too: the space before the call was streamed before the call was seen ("Sure. "); now held
-    assert final["output"] == whole["output"] and final["output_text"] == whole["output_text"] == "Sure."
+    assert _no_ids(final["output"]) == _no_ids(whole["output"]) and final["output_text"] == whole["output_text"] == \
+        "Sure."
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Sure."
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done == final["output"] and json.loads(done[1]["arguments"]) == {"date": "today"}
