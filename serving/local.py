@@ -1173,7 +1173,8 @@ class NullFields(EventStream):
     """A chat or text completion's stream with the null fields OpenAI and vLLM write on each chunk: `finish_reason`
     and `logprobs` null until set, and `"content": ""` beside the role of a chat's first chunk; and vLLM's own
     (`TEXT_CHOICE_NULLS`). transformers serve leaves every null out (it dumps its chunks `exclude_none`), so a client
-    reading `choice["finish_reason"]` failed on the first chunk here."""
+    reading `choice["finish_reason"]` failed on the first chunk here. transformers serve's `"system_fingerprint": ""`
+    on every chunk is left out, as vLLM leaves out a field it did not set (its chunks are dumped `exclude_unset`)."""
 
     def _event(self, event: bytes) -> bytes:
         chunk, choice = sse_choice(event)
@@ -1184,8 +1185,11 @@ class NullFields(EventStream):
         nulls = ("finish_reason", "logprobs") + (
             TEXT_CHOICE_NULLS if not isinstance(delta, dict) else ("stop_reason",) if choice.get("finish_reason")
             else ())
-        if all(k in choice for k in nulls) and not (opening and delta.get("content") is None):
+        fingerprint = chunk.get("system_fingerprint") == ""
+        if all(k in choice for k in nulls) and not (opening and delta.get("content") is None) and not fingerprint:
             return event + b"\n\n"
+        if fingerprint:
+            del chunk["system_fingerprint"]
         for key in nulls:
             choice.setdefault(key, None)
         if opening and delta.get("content") is None:

@@ -2158,6 +2158,8 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     choices = [c["choices"][0] for c in chunks]
     assert [c["finish_reason"] for c in choices] == [None] * (len(sse) - 1) + ["stop"], choices
     assert all(c["logprobs"] is None for c in choices), choices
+    # transformers serve's `"system_fingerprint": ""` on every chat chunk: a field vLLM's chunks leave out (unset)
+    assert not any("system_fingerprint" in c for c in chunks), chunks
     # and vLLM's own: a text completion's `stop_reason`, `token_ids` and `prompt_token_ids` on every chunk, a chat's
     # `stop_reason` on its finishing chunk (null: no stop string ended it)
     if chat:
