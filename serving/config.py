@@ -346,9 +346,13 @@ def vllm_words(args: Sequence[str]) -> list[str]:
 
 
 def abbreviated_options(option: str, known: frozenset[str]) -> list[str]:
-    """The known long options `option` is a prefix of, sorted (argparse's allow_abbrev: one is that option, several
-    an ambiguous abbreviation argparse refuses)."""
-    return sorted(k for k in known if option.startswith("--") and k.startswith(option))
+    """The known options `option` is a prefix of, sorted (argparse's allow_abbrev: one is that option, several an
+    ambiguous abbreviation argparse refuses). A single-dash word abbreviates the single-dash options (argparse's
+    _get_option_tuples: `-t` is `-tp`, `-pc` is `-pcp`, `-p` could be `-pcp` or `-pp`); they were refused as options
+    `vllm serve` lacks, where vLLM takes them."""
+    if not option.startswith("-") or option in ("-", "--"):
+        return []
+    return sorted(k for k in known if k.startswith(option))
 
 
 def resolve_vllm_option(option: str, known: frozenset[str]) -> str | None:
@@ -522,9 +526,11 @@ def _last_value(args: Sequence[str], flag: str) -> str | None:
     `-pp 2`, `-pp=2`) included: vLLM keeps the last of them all."""
     args = vllm_words(args)
     value = None
+    known = vllm_serve_flags()
     for i, arg in enumerate(args):
         name, eq, v = arg.partition("=")
-        if VLLM_SHORT_OPTIONS.get(name) == flag or extra_arg([arg], flag) is not None:
+        short = resolve_vllm_option(name, known) if name.startswith("-") and not name.startswith("--") else None
+        if VLLM_SHORT_OPTIONS.get(short or name) == flag or extra_arg([arg], flag) is not None:
             value = v if eq else (args[i + 1] if i + 1 < len(args) else "")
     return value
 
