@@ -866,6 +866,8 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype=fp8,fp8]"],
      ["'fp8' is no option's value (--kv-cache-dtype=fp8 took its value"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=['']"], ["'' is no option's value"]),
+    # the option named as written: it said `-n=2`, a word the user never wrote
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-n2,x]"], ["'x' is no option's value (-n2 took its value)"]),
     # a switch (vLLM's BooleanOptionalAction: --x / --no-x) takes no value: its parser stops at `--x=true` ("ignored
     # explicit argument 'true'"), and at `--x true` as a second model; both passed here
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching=true]"],
