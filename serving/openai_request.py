@@ -141,26 +141,22 @@ def _message(m: Any, i: int) -> None:
         raise RequestError(f"{where}.content", "missing")
     _text_parts(content, f"{where}.content")
     if role == "tool":  # text parts are rendered joined (`{"steps": 5, ` and `"steps": 6}` one JSON result)
-        _result_keys_once(content if isinstance(content, str) else "".join(p["text"] for p in content),
-                          f"{where}.content")
+        _result_json(content if isinstance(content, str) else "".join(p["text"] for p in content), f"{where}.content")
     if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
         raise RequestError(f"{where}.tool_call_id", "expected a string")
     if role == "tool" and m.get("name"):  # the template writes it as the response's name
         _tool_name(m["name"], f"{where}.name")
 
 
-def _result_keys_once(content: str, where: str) -> None:
-    """Refuse a JSON tool result giving a key twice: the template renders both, where the data reader refuses such a
-    row and Python's reader keeps the last (which one the tool meant is a guess). Anything else that is not JSON is
-    the result's text, rendered as written."""
-    if not content.lstrip().startswith(("{", "[")):
-        return
-    try:
-        json.loads(content, object_pairs_hook=strict_json.unique_keys)
-    except strict_json.NotJSON as e:
-        raise RequestError(where, f"the tool result, read as JSON: {e}") from None
-    except (ValueError, RecursionError):  # not JSON: text
-        pass
+def _result_json(content: str, where: str) -> None:
+    """Refuse a tool result the data reader refuses in a row (`strict_json.lenient_only`): a key given twice (the
+    template renders both, Python's reader keeps the last), NaN, Infinity or a number past a 64-bit float, bare or
+    inside an object (the template renders `{r:NaN}`, `{result:Infinity}`, as vLLM would with it: a result no
+    training row can hold, and no JSON tool writes). Anything that is not JSON is the result's text, rendered as
+    written."""
+    problem = strict_json.lenient_only(content)
+    if problem is not None:
+        raise RequestError(where, f"the tool result, read as JSON: {problem}")
 
 
 def _tool_name(name: str, where: str) -> None:

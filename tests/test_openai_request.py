@@ -70,6 +70,14 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
                           {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": '{"steps": 5, '},
                                                                             {"type": "text", "text": '"steps": 6}'}]}]},
      "messages[2].content", "the tool result, read as JSON: key 'steps' appears twice"),
+    # a result holding NaN, Infinity or 1e999, bare or inside: the template rendered `{r:NaN}`, `{result:Infinity}`
+    # (as it does on vLLM), a result the data reader refuses in a row (records._check_tool_result)
+    *[({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
+                            {"role": "tool", "tool_call_id": "a", "content": content}]},
+       "messages[2].content", f"the tool result, read as JSON: {needle}")
+      for content, needle in (("NaN", "NaN is not JSON"), ("1e999", "1e999 is beyond the range of a 64-bit float"),
+                              (' -Infinity', "-Infinity is not JSON"), ('{"r": NaN}', "NaN is not JSON"),
+                              ('{"r": {"s": [1, 1e999]}}', "1e999 is beyond"), ("[Infinity]", "Infinity is not JSON"))],
     # two calls of a turn with one id: one result answered both (rendered as the later call's), the other none
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}},
                                                                {"id": "a", "function": {"name": "g"}}]},
