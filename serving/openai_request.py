@@ -266,10 +266,10 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
                                                f"repetition_penalty")
     if body.get("seed") is not None and not (_is_int(body["seed"]) and -2**63 <= body["seed"] < 2**63):
         raise RequestError("seed", f"{body['seed']!r} is not a whole number in [-2^63, 2^63)")
-    bias = body.get("logit_bias")
+    bias = body.get("logit_bias")  # a bias past [-100, 100] is taken at the bound (`_normalise_settings`)
     if bias is not None and not (isinstance(bias, dict) and all(
-            re.fullmatch(r"\d+", str(k)) and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
-        raise RequestError("logit_bias", "expected an object of token ids to numbers in [-100, 100]")
+            re.fullmatch(r"\d+", str(k)) and _is_number(v) for k, v in bias.items())):
+        raise RequestError("logit_bias", "expected an object of token ids to numbers (-100 to 100)")
     long = next((str(k) for k in bias or () if len(str(k)) > 20), None)
     if long is not None:  # int() refuses over 4,300 digits (a ValueError: a bare 500), and no vocabulary is so large
         raise RequestError("logit_bias", f"key {long[:12]}... ({len(long)} digits) is not a token id")
@@ -409,8 +409,8 @@ def _normalise_settings(body: dict, chat: bool = False) -> None:
     _vllm_defaults(body, chat)
     if body.get("stop") == []:
         del body["stop"]
-    if body.get("logit_bias"):
-        body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
+    if body.get("logit_bias"):  # clamped to [-100, 100], as vLLM clamps it (it was refused here, taken there)
+        body["logit_bias"] = {str(k): min(100.0, max(-100.0, float(v))) for k, v in body["logit_bias"].items()}
     # a temperature in (0, 0.01) samples at 0.01, as vLLM raises it (SamplingParams: its _MAX_TEMP, against inf or nan
     # logits): 1e-300 sampled here with infinite logits (a 500), and then, below 1e-5, was read as greedy
     if body.get("temperature") is not None and 0 < body["temperature"] < MIN_TEMPERATURE:

@@ -263,6 +263,11 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
                                                                               "content": "1"}],
         "stop": [], "logit_bias": {"5": -100}})
     assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
+    # a bias past [-100, 100] at its bound, as vLLM takes it (SamplingParams clamps it): it was refused here
+    assert check_chat_request({"messages": USER, "logit_bias": {"5": 200, "6": -1e300, "7": 3}})["logit_bias"] == {
+        "5": 100.0, "6": -100.0, "7": 3.0}
+    assert json.loads(check_completion_request({"prompt": "x", "logit_bias": {"5": 1000}}, 50, len)[
+        "generation_config"])["sequence_bias"] == [[[5], 100.0]]
     # an empty stop string, bare or in a list, is refused as vLLM refuses it (SamplingParams._verify_args: 400 "stop
     # cannot contain an empty string"): it was dropped here (as OpenAI takes it), so a client passed here, failed there
     for stop in ("", [""], ["", "##"], ["##", ""]):
