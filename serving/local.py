@@ -583,14 +583,15 @@ class CheckedChatApp:
 
     def _authorized(self, scope) -> bool:
         """Whether a request may pass the API key check, as vLLM's (its AuthenticationMiddleware): with a key, every
-        /v1 path but a CORS preflight (OPTIONS) needs `Authorization: Bearer KEY`; /health and the rest do not."""
+        /v1 path but a CORS preflight (OPTIONS) needs `Authorization: Bearer KEY`, the scheme in any case (vLLM's
+        verify_token lowers it: `bearer KEY` was refused here, taken there); /health and the rest do not."""
         import hmac
 
         if not self.api_key or scope["type"] != "http" or scope["method"] == "OPTIONS" or \
                 not scope.get("path", "").startswith("/v1"):
             return True
-        given = dict(scope.get("headers", [])).get(b"authorization", b"")
-        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+        scheme, _, given = dict(scope.get("headers", [])).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.api_key.encode())
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "") if scope["type"] == "http" else ""

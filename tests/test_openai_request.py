@@ -1739,7 +1739,15 @@ def test_errors_are_typed_as_vllm_types_them():
     assert code == 400 and resp["error"]["type"] == "BadRequestError" and resp["error"]["param"] == "temperature"
     code, resp = _asgi(app, {"input": "hi", "temperature": 5}, "/v1/responses", headers=auth)
     assert (code, resp["error"]["type"]) == (400, "BadRequestError"), resp
-    for headers in (JSON_HEADERS, [*JSON_HEADERS, (b"authorization", b"Bearer wrong")]):
+    # the scheme in any case, as vLLM's verify_token reads it (`bearer KEY` was a 401 here)
+    for scheme in (b"bearer", b"BEARER"):
+        code, resp = _asgi(app, {"messages": USER, "temperature": 5},
+                           headers=[*JSON_HEADERS, (b"authorization", scheme + b" s3cret")])
+        assert (code, resp["error"]["param"]) == (400, "temperature"), resp
+    for headers in (JSON_HEADERS, [*JSON_HEADERS, (b"authorization", b"Bearer wrong")],
+                    [*JSON_HEADERS, (b"authorization", b"Basic s3cret")],
+                    [*JSON_HEADERS, (b"authorization", b"Bearer  s3cret")],
+                    [*JSON_HEADERS, (b"authorization", b"s3cret")]):
         assert _asgi(app, {"messages": USER}, headers=headers) == (401, {"error": "Unauthorized"})
         assert _asgi(app, {}, "/v1/models", method="GET", headers=headers) == (401, {"error": "Unauthorized"})
 
