@@ -346,9 +346,13 @@ def vllm_words(args: Sequence[str]) -> list[str]:
 
 
 def abbreviated_options(option: str, known: frozenset[str]) -> list[str]:
-    """The known long options `option` is a prefix of, sorted (argparse's allow_abbrev: one is that option, several
-    an ambiguous abbreviation argparse refuses)."""
-    return sorted(k for k in known if option.startswith("--") and k.startswith(option))
+    """The known options `option` is a prefix of, sorted (argparse's allow_abbrev: one is that option, several an
+    ambiguous abbreviation argparse refuses). A single-dash word abbreviates the single-dash options (argparse's
+    _get_option_tuples: `-t` is `-tp`, `-pc` is `-pcp`, `-p` could be `-pcp` or `-pp`); they were refused as options
+    `vllm serve` lacks, where vLLM takes them."""
+    if not option.startswith("-") or option in ("-", "--"):
+        return []
+    return sorted(k for k in known if k.startswith(option))
 
 
 def resolve_vllm_option(option: str, known: frozenset[str]) -> str | None:
@@ -476,21 +480,22 @@ def stray_words(args: Sequence[str]) -> list[tuple[str, str | None]]:
     after the image pull. Those are a word before any option, one after an option given as `--x=V`, and one after
     the value of an option that takes exactly one (a number, or one of a fixed set), and one after a switch
     (`vllm_switches`: `--enable-prefix-caching true`); after any other option a word may be one of its values
-    (`--lora-target-modules q_proj v_proj`), and is not judged."""
-    args = vllm_words(args)
+    (`--lora-target-modules q_proj v_proj`), and is not judged. The option is named as written (`-n2`, which the
+    parser reads as `-n=2`)."""
+    written, args = list(args), vllm_words(args)
     known = vllm_serve_flags()
     single = {flag for flag, values in vllm_serve_choices().items() if values} | set(vllm_serve_number_types())
     switches = vllm_switches()
     out: list[tuple[str, str | None]] = []
     free, owed, last = True, 0, None  # a word now is an argument of its own / words the last option still takes
-    for arg in args:
+    for i, arg in enumerate(args):
         option = vllm_option(arg)
         if option is not None:
             name, eq, _ = arg.partition("=")
             whole = "." not in name  # `--x.field V`: a JSON option's field, read by vLLM's own rules
             flag = resolve_vllm_option(option, known)
             free = whole and bool(eq or flag in single or flag in switches)
-            owed, last = int(whole and not eq and flag in single), arg
+            owed, last = int(whole and not eq and flag in single), written[i]
             continue
         if owed:
             owed -= 1
@@ -522,9 +527,11 @@ def _last_value(args: Sequence[str], flag: str) -> str | None:
     `-pp 2`, `-pp=2`) included: vLLM keeps the last of them all."""
     args = vllm_words(args)
     value = None
+    known = vllm_serve_flags()
     for i, arg in enumerate(args):
         name, eq, v = arg.partition("=")
-        if VLLM_SHORT_OPTIONS.get(name) == flag or extra_arg([arg], flag) is not None:
+        short = resolve_vllm_option(name, known) if name.startswith("-") and not name.startswith("--") else None
+        if VLLM_SHORT_OPTIONS.get(short or name) == flag or extra_arg([arg], flag) is not None:
             value = v if eq else (args[i + 1] if i + 1 < len(args) else "")
     return value
 
@@ -740,11 +747,12 @@ def load_serve_config(path: str | Path | None, overrides: Sequence[str] = (), ne
                                                                           "leave it out to keep it off"))
     switches = vllm_switches()
     for word, after in stray_words(s.extra_args) if pinned_image(cfg) else ():
-        option = vllm_option(after) if after else None
-        if option is not None and "=" not in after and resolve_vllm_option(option, known) in switches:
+        read = vllm_words([after])[0] if after else None  # `-n2` as the parser reads it, `-n=2`
+        option = vllm_option(read) if read else None
+        if option is not None and "=" not in read and resolve_vllm_option(option, known) in switches:
             took = f"{after} is a switch, which takes none"
         else:
-            took = (f"{after} took its value" if "=" in after else f"{option} takes one") if after else \
+            took = (f"{after} took its value" if "=" in read else f"{option} takes one") if read else \
                 "no option before it"
         bad(f"server.extra_args: {word!r} is no option's value ({took}): `vllm serve` would read it as a second "
             f"model and stop at it on the TPU VM (unrecognized arguments); give each option and each value as a "

@@ -540,8 +540,7 @@ class CheckedChatApp:
                 status = 400 if status == 422 else status
                 detail, param = _unexpected_fields(detail)
                 out = json.dumps({"error": {"message": detail if isinstance(detail, str) else json.dumps(detail),
-                                            "type": "invalid_request_error" if status < 500 else "server_error",
-                                            "param": param, "code": status}}).encode()
+                                            "type": error_type(status), "param": param, "code": status}}).encode()
             await send({**held, "status": status, "headers": [
                 (k, v) for k, v in held.get("headers", []) if k.lower() not in (b"content-length", b"content-type")] + [
                 (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
@@ -584,21 +583,22 @@ class CheckedChatApp:
 
     def _authorized(self, scope) -> bool:
         """Whether a request may pass the API key check, as vLLM's (its AuthenticationMiddleware): with a key, every
-        /v1 path but a CORS preflight (OPTIONS) needs `Authorization: Bearer KEY`; /health and the rest do not."""
+        /v1 path but a CORS preflight (OPTIONS) needs `Authorization: Bearer KEY`, the scheme in any case (vLLM's
+        verify_token lowers it: `bearer KEY` was refused here, taken there); /health and the rest do not."""
         import hmac
 
         if not self.api_key or scope["type"] != "http" or scope["method"] == "OPTIONS" or \
                 not scope.get("path", "").startswith("/v1"):
             return True
-        given = dict(scope.get("headers", [])).get(b"authorization", b"")
-        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+        scheme, _, given = dict(scope.get("headers", [])).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.api_key.encode())
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if not self._authorized(scope):  # before anything else, as vLLM's middleware (a trailing slash included)
-            return await self._json(send, 401, {"error": {
-                "message": "Unauthorized: this server needs its API key, sent as `Authorization: Bearer KEY`",
-                "type": "authentication_error", "param": None, "code": 401}})
+            # vLLM's AuthenticationMiddleware answers this body, not an OpenAI-shaped error (a client reading
+            # error.message there finds a string)
+            return await self._json(send, 401, {"error": "Unauthorized"})
         if path.endswith("/") and path != "/":
             # answered by the inner app as vLLM (FastAPI) answers it, before reading the body: a 307 to the path
             # without the slash (where the request is checked), or a 404
@@ -638,7 +638,7 @@ class CheckedChatApp:
             return await self._json(send, 400, {"error": {
                 "message": f"Content-Type {ctype or '(none)'!r}: this endpoint reads a JSON body, sent as "
                            "Content-Type: application/json (Unsupported Media Type: Only 'application/json' is "
-                           "allowed, as vLLM answers)", "type": "invalid_request_error", "param": None, "code": 400}})
+                           "allowed, as vLLM answers)", "type": error_type(400), "param": None, "code": 400}})
         translated = False
         raw, more = bytearray(), True  # grown in place: `bytes +=` copied the whole body per chunk (a 100 MB body
         while more:                   # in 64 KB chunks took 77 s of CPU before any check)
@@ -694,7 +694,7 @@ class CheckedChatApp:
                 param = request_param(param, request)
                 message = message.replace(e.param, param)
             # `code`: the status, as vLLM's ErrorResponse gives it (and this server's other errors): it was null
-            return await self._json(send, 400, {"error": {"message": message, "type": "invalid_request_error",
+            return await self._json(send, 400, {"error": {"message": message, "type": error_type(400),
                                                           "param": param, "code": 400}})
         # the inner server streams every answer (a whole one is put together here, `whole_completion`): its streams stop
         # generating when the client goes away, its whole answers ran on to max_tokens, holding the one generation
@@ -945,9 +945,26 @@ def whole_completion(stream: bytes, thought: bool = True) -> bytes:
     return json.dumps(out, ensure_ascii=False).encode()
 
 
+def error_type(status: int) -> str:
+    """An error's `type` as vLLM's ErrorResponse names it (vllm.entrypoints.utils.create_error_response and its
+    HTTPException handler): "BadRequestError" for a 400 (OpenAI's "invalid_request_error" was written here),
+    "InternalServerError" from 500, else the status's phrase ("Method Not Allowed")."""
+    import http
+
+    if status == 400:
+        return "BadRequestError"
+    if status >= 500:
+        return "InternalServerError"
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
 def openai_error(error: Any) -> dict:
-    """An error event's `error` (transformers serve writes a bare string) in OpenAI's shape."""
-    return {"error": {"type": "server_error", "param": None, "code": None,
+    """An error event's `error` (transformers serve writes a bare string) in the shape vLLM streams it (its
+    create_streaming_error_response: type "InternalServerError", code 500)."""
+    return {"error": {"type": error_type(500), "param": None, "code": 500,
                       **(error if isinstance(error, dict) else {"message": str(error)})}}
 
 
@@ -1157,7 +1174,8 @@ class NullFields(EventStream):
     """A chat or text completion's stream with the null fields OpenAI and vLLM write on each chunk: `finish_reason`
     and `logprobs` null until set, and `"content": ""` beside the role of a chat's first chunk; and vLLM's own
     (`TEXT_CHOICE_NULLS`). transformers serve leaves every null out (it dumps its chunks `exclude_none`), so a client
-    reading `choice["finish_reason"]` failed on the first chunk here."""
+    reading `choice["finish_reason"]` failed on the first chunk here. transformers serve's `"system_fingerprint": ""`
+    on every chunk is left out, as vLLM leaves out a field it did not set (its chunks are dumped `exclude_unset`)."""
 
     def _event(self, event: bytes) -> bytes:
         chunk, choice = sse_choice(event)
@@ -1168,8 +1186,11 @@ class NullFields(EventStream):
         nulls = ("finish_reason", "logprobs") + (
             TEXT_CHOICE_NULLS if not isinstance(delta, dict) else ("stop_reason",) if choice.get("finish_reason")
             else ())
-        if all(k in choice for k in nulls) and not (opening and delta.get("content") is None):
+        fingerprint = chunk.get("system_fingerprint") == ""
+        if all(k in choice for k in nulls) and not (opening and delta.get("content") is None) and not fingerprint:
             return event + b"\n\n"
+        if fingerprint:
+            del chunk["system_fingerprint"]
         for key in nulls:
             choice.setdefault(key, None)
         if opening and delta.get("content") is None:
@@ -1227,6 +1248,14 @@ class StreamUsage(EventStream):
 
     def _end(self) -> bytes:
         return self._usage_chunk()
+
+
+def tool_call_id() -> str:
+    """A fresh tool call's id as vLLM's tool parsers write it (make_tool_call_id: `chatcmpl-tool-` and a uuid's 32
+    hex digits); it was `<chat id>_tool_call_<n>`, transformers serve's."""
+    import uuid
+
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 class StreamedCalls(EventStream):
@@ -1312,12 +1341,11 @@ class StreamedCalls(EventStream):
             text = ""
             if not self.texted:
                 self.space = ""  # leading whitespace before a first call: stripped, as unstreamed
-            rid = like.get("id") or "call"
             for call in reply.calls:
                 if not self.parallel and self.calls:  # parallel_tool_calls: false, the first call only
                     break
                 out += self._chunk(like, {"tool_calls": [{
-                    "index": self.calls, "id": f"{rid}_tool_call_{self.calls}", "type": "function",
+                    "index": self.calls, "id": tool_call_id(), "type": "function",
                     "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}]})
                 self.calls += 1
             text = after

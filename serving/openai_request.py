@@ -141,26 +141,22 @@ def _message(m: Any, i: int) -> None:
         raise RequestError(f"{where}.content", "missing")
     _text_parts(content, f"{where}.content")
     if role == "tool":  # text parts are rendered joined (`{"steps": 5, ` and `"steps": 6}` one JSON result)
-        _result_keys_once(content if isinstance(content, str) else "".join(p["text"] for p in content),
-                          f"{where}.content")
+        _result_json(content if isinstance(content, str) else "".join(p["text"] for p in content), f"{where}.content")
     if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
         raise RequestError(f"{where}.tool_call_id", "expected a string")
     if role == "tool" and m.get("name"):  # the template writes it as the response's name
         _tool_name(m["name"], f"{where}.name")
 
 
-def _result_keys_once(content: str, where: str) -> None:
-    """Refuse a JSON tool result giving a key twice: the template renders both, where the data reader refuses such a
-    row and Python's reader keeps the last (which one the tool meant is a guess). Anything else that is not JSON is
-    the result's text, rendered as written."""
-    if not content.lstrip().startswith(("{", "[")):
-        return
-    try:
-        json.loads(content, object_pairs_hook=strict_json.unique_keys)
-    except strict_json.NotJSON as e:
-        raise RequestError(where, f"the tool result, read as JSON: {e}") from None
-    except (ValueError, RecursionError):  # not JSON: text
-        pass
+def _result_json(content: str, where: str) -> None:
+    """Refuse a tool result the data reader refuses in a row (`strict_json.lenient_only`): a key given twice (the
+    template renders both, Python's reader keeps the last), NaN, Infinity or a number past a 64-bit float, bare or
+    inside an object (the template renders `{r:NaN}`, `{result:Infinity}`, as vLLM would with it: a result no
+    training row can hold, and no JSON tool writes). Anything that is not JSON is the result's text, rendered as
+    written."""
+    problem = strict_json.lenient_only(content)
+    if problem is not None:
+        raise RequestError(where, f"the tool result, read as JSON: {problem}")
 
 
 def _tool_name(name: str, where: str) -> None:
@@ -251,6 +247,9 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("stop", "expected a string or a list of strings")
+    if stop == "" or isinstance(stop, list) and "" in stop:  # vLLM's SamplingParams._verify_args refuses it (400)
+        raise RequestError("stop", "stop cannot contain an empty string (it would end every answer at once): leave "
+                                   "it out")
     # [0, 2] as OpenAI's, and vLLM's since v0.24 (SamplingParams._verify_args, vllm-project/vllm#44965): the pinned
     # vllm-tpu 0.27 answers 400 above 2 too, so a temperature of 3 that passed here would fail on the TPU VM
     _range(body, "temperature", 0.0, 2.0)
@@ -267,10 +266,10 @@ def _settings(body: dict, vocab_size: int | None, check_generation_config, chat:
                                                f"repetition_penalty")
     if body.get("seed") is not None and not (_is_int(body["seed"]) and -2**63 <= body["seed"] < 2**63):
         raise RequestError("seed", f"{body['seed']!r} is not a whole number in [-2^63, 2^63)")
-    bias = body.get("logit_bias")
+    bias = body.get("logit_bias")  # a bias past [-100, 100] is taken at the bound (`_normalise_settings`)
     if bias is not None and not (isinstance(bias, dict) and all(
-            re.fullmatch(r"\d+", str(k)) and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
-        raise RequestError("logit_bias", "expected an object of token ids to numbers in [-100, 100]")
+            re.fullmatch(r"\d+", str(k)) and _is_number(v) for k, v in bias.items())):
+        raise RequestError("logit_bias", "expected an object of token ids to numbers (-100 to 100)")
     long = next((str(k) for k in bias or () if len(str(k)) > 20), None)
     if long is not None:  # int() refuses over 4,300 digits (a ValueError: a bare 500), and no vocabulary is so large
         raise RequestError("logit_bias", f"key {long[:12]}... ({len(long)} digits) is not a token id")
@@ -396,11 +395,10 @@ MIN_TEMPERATURE = 0.01  # vLLM's least temperature above 0 (SamplingParams raise
 
 
 def _normalise_settings(body: dict, chat: bool = False) -> None:
-    """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases) or
-    misread (an empty stop string ended every text after its first token, a temperature of 1e-300 was a 500); a
-    field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a 500), and so is a seed of
-    -1, as vLLM reads it. An empty stop string
-    stops nothing, alone or in a list (`[""]` was refused while `""` was taken)."""
+    """Spellings OpenAI accepts that transformers serve answered with 500 (an empty stop list, integer biases, a
+    temperature of 1e-300); a field given as null is absent, as OpenAI reads it (`"chat_template_kwargs": null` was a
+    500), and so is a seed of -1, as vLLM reads it. An empty stop string (it ended every text after its first token
+    there), alone or in a list, is refused before this (`_settings`), as vLLM refuses it."""
     for key in [k for k, v in body.items() if v is None]:
         del body[key]
     if body.get("seed") == -1:  # vLLM's "no seed" (SamplingParams: -1 -> None): each answer sampled afresh
@@ -409,12 +407,10 @@ def _normalise_settings(body: dict, chat: bool = False) -> None:
         _prompt_end(body)
         _include_reasoning(body)
     _vllm_defaults(body, chat)
-    if isinstance(body.get("stop"), list):
-        body["stop"] = [s for s in body["stop"] if s]
-    if body.get("stop") in ([], ""):
+    if body.get("stop") == []:
         del body["stop"]
-    if body.get("logit_bias"):
-        body["logit_bias"] = {str(k): float(v) for k, v in body["logit_bias"].items()}
+    if body.get("logit_bias"):  # clamped to [-100, 100], as vLLM clamps it (it was refused here, taken there)
+        body["logit_bias"] = {str(k): min(100.0, max(-100.0, float(v))) for k, v in body["logit_bias"].items()}
     # a temperature in (0, 0.01) samples at 0.01, as vLLM raises it (SamplingParams: its _MAX_TEMP, against inf or nan
     # logits): 1e-300 sampled here with infinite logits (a 500), and then, below 1e-5, was read as greedy
     if body.get("temperature") is not None and 0 < body["temperature"] < MIN_TEMPERATURE:

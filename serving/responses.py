@@ -247,13 +247,13 @@ def response_object(chat: dict, request: dict, model: str | None, count_tokens: 
     output: list[dict] = []
     thought = _reasoning(message)
     if thought:  # first, as vLLM's reasoning parser puts it
-        output.append(_reasoning_item(rid, thought))
+        output.append(_reasoning_item(thought))
     text = message.get("content")
     if text or not (message.get("tool_calls") or thought):
-        output.append(_message_item(rid, text or ""))
-    for k, call in enumerate(message.get("tool_calls") or []):
+        output.append(_message_item(text or ""))
+    for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
-        output.append(_call_item(rid, k, call.get("id"), fn.get("name"), fn.get("arguments") or "{}"))
+        output.append(_call_item(call.get("id"), fn.get("name"), fn.get("arguments") or "{}"))
     return _response(rid, chat.get("created"), output, chat.get("usage") or {}, choice.get("finish_reason"),
                      request, model or chat.get("model"), _reasoning_tokens(output, count_tokens))
 
@@ -274,21 +274,29 @@ def _reasoning(message: dict) -> str:
     return ""
 
 
-def _reasoning_item(rid: str, text: str, status: str = "completed") -> dict:
+def _item_id(prefix: str) -> str:
+    """An output item's id as vLLM writes it: `prefix` (rs_, msg_, fc_, call_) and a fresh uuid's 32 hex digits
+    (its random_uuid); they were the prefix and the served chat completion's id (transformers serve's)."""
+    import uuid
+
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict:
     """A `reasoning` output item, as vLLM writes a reasoning parser's text (a `reasoning_text` part, no summary)."""
-    return {"id": f"rs_{rid}", "type": "reasoning", "status": status, "summary": [],
+    return {"id": _item_id("rs"), "type": "reasoning", "status": status, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _message_item(rid: str, text: str, status: str = "completed") -> dict:
-    return {"id": f"msg_{rid}", "type": "message", "status": status, "role": "assistant",
+def _message_item(text: str, status: str = "completed") -> dict:
+    return {"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _call_item(rid: str, k: int, call_id: str | None, name: str | None, arguments: str,
-               status: str = "completed") -> dict:
-    cid = call_id or f"call_{rid}_{k}"
-    return {"id": f"fc_{cid}", "type": "function_call", "status": status, "call_id": cid, "name": name,
+def _call_item(call_id: str | None, name: str | None, arguments: str, status: str = "completed") -> dict:
+    """A `function_call` output item: its call_id the chat completion's tool call id (vLLM's tool parser's)."""
+    cid = call_id or _item_id("call")
+    return {"id": _item_id("fc"), "type": "function_call", "status": status, "call_id": cid, "name": name,
             "arguments": arguments}
 
 
@@ -367,8 +375,7 @@ class ResponseStream:
         if self.thought_at is not None:
             return ""
         index = len(self.output)
-        rid = self.rid if not any(o["type"] == "reasoning" for o in self.output) else f"{self.rid}_{index}"
-        item = _reasoning_item(rid, "", "in_progress")
+        item = _reasoning_item("", "in_progress")
         self.output.append(item)
         self.thought_at = index
         return self._emit("response.output_item.added", output_index=index, item={**item, "content": []})
@@ -388,8 +395,7 @@ class ResponseStream:
             return ""
         out = self._close_thought()
         index = len(self.output)
-        rid = self.rid if not any(o["type"] == "message" for o in self.output) else f"{self.rid}_{index}"
-        item = _message_item(rid, "", "in_progress")
+        item = _message_item("", "in_progress")
         self.output.append(item)
         self.text_at = index
         return out + self._emit("response.output_item.added", output_index=index, item={**item, "content": []}) + \
@@ -440,7 +446,7 @@ class ResponseStream:
             if k not in self.calls:
                 out += self._close_thought() + self._close_text()
                 self.calls[k] = len(self.output)
-                item = _call_item(self.rid, len(self.calls) - 1, tc.get("id"), fn.get("name"), "", "in_progress")
+                item = _call_item(tc.get("id"), fn.get("name"), "", "in_progress")
                 self.output.append(item)
                 out += self._emit("response.output_item.added", output_index=self.calls[k], item=item)
             index = self.calls[k]

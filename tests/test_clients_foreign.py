@@ -1175,3 +1175,25 @@ def test_compare_keeps_the_first_models_results_when_sigterm_stops_the_second(tm
     assert list(partial["models"]) == [f"endpoint:{a}"] and partial["models"][f"endpoint:{a}"]["n"] == 2
     assert partial["failed"] == {"model": f"endpoint:{b}", "error": f"stopped by {sig}"}
     assert f"endpoint:{a}" in stdout
+
+
+def test_a_gemma4_call_written_as_text_is_read_as_the_model_meant():
+    """A server without vLLM's gemma4 tool parser hands a Gemma 4 call back as text. Kept whole (special tokens kept)
+    it was read with the plain Gemma 3 vocabulary's markers: the call bare, its `<|"|>` string quotes part of each
+    value (`'<|"|>2024-01-01<|"|>'`, scored unlike the reference) and `<|tool_call><tool_call|>` left as the answer's
+    text. Stripped of its special tokens it is a bare call, its unquoted words text; a value holding a comma cannot
+    be told from the next key then, and is a format error, not a guess."""
+    from gemma_tpu.formats.function_calling import ToolCall
+    from gemma_tpu.infer.openai_client import reply_from_message
+
+    kept = ('Checking. <|tool_call>call:get_steps{date:<|"|>2024-01-01<|"|>,n:3,note:<|"|>a, b<|"|>}<tool_call|>'
+            '<|tool_call>call:sleep{}<tool_call|>')
+    reply = reply_from_message({"content": kept})
+    assert (reply.kind, reply.text) == ("call", "Checking."), reply
+    assert reply.calls == [ToolCall("get_steps", {"date": "2024-01-01", "n": 3, "note": "a, b"}), ToolCall("sleep", {})]
+    # a turn going on past its call into the tool's answer (`<|tool_response>`): read up to it, as a local model's
+    reply = reply_from_message({"content": '<|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|><|tool_response>response:f{'})
+    assert (reply.kind, reply.calls) == ("call", [ToolCall("f", {"a": "x"})]), reply
+    stripped = reply_from_message({"content": "call:get_steps{date:2024-01-01,n:3}"})
+    assert (stripped.kind, stripped.calls) == ("call", [ToolCall("get_steps", {"date": "2024-01-01", "n": 3})])
+    assert reply_from_message({"content": "call:f{note:a, b}"}).kind == "format_error"

@@ -70,6 +70,14 @@ TOOL = {"type": "function", "function": {"name": "get_steps", "parameters": {"ty
                           {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": '{"steps": 5, '},
                                                                             {"type": "text", "text": '"steps": 6}'}]}]},
      "messages[2].content", "the tool result, read as JSON: key 'steps' appears twice"),
+    # a result holding NaN, Infinity or 1e999, bare or inside: the template rendered `{r:NaN}`, `{result:Infinity}`
+    # (as it does on vLLM), a result the data reader refuses in a row (records._check_tool_result)
+    *[({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]},
+                            {"role": "tool", "tool_call_id": "a", "content": content}]},
+       "messages[2].content", f"the tool result, read as JSON: {needle}")
+      for content, needle in (("NaN", "NaN is not JSON"), ("1e999", "1e999 is beyond the range of a 64-bit float"),
+                              (' -Infinity', "-Infinity is not JSON"), ('{"r": NaN}', "NaN is not JSON"),
+                              ('{"r": {"s": [1, 1e999]}}', "1e999 is beyond"), ("[Infinity]", "Infinity is not JSON"))],
     # two calls of a turn with one id: one result answered both (rendered as the later call's), the other none
     ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}},
                                                                {"id": "a", "function": {"name": "g"}}]},
@@ -255,11 +263,20 @@ def test_legitimate_odd_requests_pass_and_max_tokens_is_resolved():
                                                                               "content": "1"}],
         "stop": [], "logit_bias": {"5": -100}})
     assert "stop" not in fixed and fixed["logit_bias"] == {"5": -100.0}
-    assert "stop" not in check_chat_request({"messages": USER, "stop": ""})  # it ended every text after one token
-    # OpenAI takes an empty string inside a stop list as it takes a bare one: `[""]` was refused while `""` was taken
-    assert "stop" not in check_chat_request({"messages": USER, "stop": [""]})
-    assert check_chat_request({"messages": USER, "stop": ["", "##"]})["stop"] == ["##"]
-    assert "stop" not in check_completion_request({"prompt": "x", "stop": ["", ""]}, 50, len)
+    # a bias past [-100, 100] at its bound, as vLLM takes it (SamplingParams clamps it): it was refused here
+    assert check_chat_request({"messages": USER, "logit_bias": {"5": 200, "6": -1e300, "7": 3}})["logit_bias"] == {
+        "5": 100.0, "6": -100.0, "7": 3.0}
+    assert json.loads(check_completion_request({"prompt": "x", "logit_bias": {"5": 1000}}, 50, len)[
+        "generation_config"])["sequence_bias"] == [[[5], 100.0]]
+    # an empty stop string, bare or in a list, is refused as vLLM refuses it (SamplingParams._verify_args: 400 "stop
+    # cannot contain an empty string"): it was dropped here (as OpenAI takes it), so a client passed here, failed there
+    for stop in ("", [""], ["", "##"], ["##", ""]):
+        with pytest.raises(RequestError, match=r"^stop: stop cannot contain an empty string"):
+            check_chat_request({"messages": USER, "stop": stop})
+        with pytest.raises(RequestError, match="stop cannot contain an empty string"):
+            check_completion_request({"prompt": "x", "stop": stop}, 50, len)
+    assert check_chat_request({"messages": USER, "stop": ["##"]})["stop"] == ["##"]
+    assert check_completion_request({"prompt": "x", "stop": "##"}, 50, len)["stop"] == "##"
     assert check_chat_request({"messages": USER, "chat_template_kwargs": None, "tools": None, "temperature": 0}) == {
         "messages": USER, "temperature": 0}
     # schemas unusual but sound: a property name with an inner space or non-ASCII letters (a call carries them),
@@ -557,6 +574,14 @@ def _asgi(app, body: dict, path: str = "/v1/chat/completions", raw: bool = False
     return start["status"], data.decode() if raw else json.loads(data)
 
 
+def _no_ids(obj):
+    """`obj` without its "id" and "call_id" keys, at any depth: tool calls and Response items get fresh ids per
+    answer (as vLLM's do), so two answers compare equal without them."""
+    if isinstance(obj, dict):
+        return {k: _no_ids(v) for k, v in obj.items() if k not in ("id", "call_id")}
+    return [_no_ids(v) for v in obj] if isinstance(obj, list) else obj
+
+
 def _streamed_chat(deltas_of, usage: dict, finish_reason: str = "stop"):
     """An ASGI chat server (transformers serve's place) streaming the deltas `deltas_of(request body)` gives, then
     an end (`finish_reason`) with `usage`."""
@@ -629,7 +654,7 @@ def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(path):
                            ([(b"content-type", b"application/x-www-form-urlencoded")], "'application/x-www-form"),
                            ([], "(none)"), ([(b"content-type", b"application/jsonl")], "'application/jsonl'")):
         code, resp = _asgi(app, body, path, headers=headers)
-        assert code == 400 and resp["error"]["type"] == "invalid_request_error", resp
+        assert code == 400 and resp["error"]["type"] == "BadRequestError", resp
         assert shown in resp["error"]["message"] and "Content-Type: application/json" in resp["error"]["message"]
     assert answered == []
     for ctype in (b"application/json", b"Application/JSON; charset=utf-8"):
@@ -662,9 +687,10 @@ def test_calls_in_the_models_text_come_back_as_tool_calls():
     choice = resp["choices"][0]
     assert code == 200 and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
     calls = choice["message"]["tool_calls"]
-    assert [(c["id"], c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("r1_tool_call_0", "function", "get_steps", {"date": "yesterday", "n": 3}),
-        ("r1_tool_call_1", "function", "3d", {})]
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_steps", {"date": "yesterday", "n": 3}), ("function", "3d", {})]
+    # ids as vLLM's tool parsers write them (make_tool_call_id), not transformers serve's "r1_tool_call_0"
+    assert all(re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", c["id"]) for c in calls) and calls[0]["id"] != calls[1]["id"]
     assert _asgi(app, {"messages": USER})[1]["choices"][0]["message"] == {"role": "assistant", "content": "plain"}
     # parallel_tool_calls: false gets the first call only, as vLLM answers it (both came back)
     code, resp = _asgi(app, {"messages": USER, "tools": [TOOL], "parallel_tool_calls": False})
@@ -793,8 +819,9 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
     assert content == "Sure.  ok <unused2>call:bad{ <unused3> tail <unused2>call:cut{"  # unparsed calls stay text
     assert "<unused2>call:get_steps" not in content and not any("<unu" == c["choices"][0]["delta"].get("content")
                                                                   for c in out)
-    assert [(t["index"], t["id"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [
-        (0, "r1_tool_call_0", "get_steps", {"date": "yesterday", "n": 3}), (1, "r1_tool_call_1", "3d", {})]
+    assert [(t["index"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [
+        (0, "get_steps", {"date": "yesterday", "n": 3}), (1, "3d", {})]
+    assert all(re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", t["id"]) for t in calls) and calls[0]["id"] != calls[1]["id"]
     # usage only when stream_options.include_usage asks for it, as OpenAI and vLLM stream it (transformers serve put
     # it on the finishing chunk always)
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls" and not any("usage" in c for c in out)
@@ -804,7 +831,7 @@ def test_streamed_calls_come_back_as_tool_call_deltas():
                                           "stream_options": {"include_usage": True}})
     assert counted[-1] == {"id": counted[0]["id"], "object": "chat.completion.chunk", "created": 1, "model": "m",
                            "choices": [], "usage": {"completion_tokens": 9}}
-    assert [c["choices"] for c in counted[:-1]] == [c["choices"] for c in out]
+    assert _no_ids([c["choices"] for c in counted[:-1]]) == _no_ids([c["choices"] for c in out])
     assert all(c["usage"] is None for c in counted[:-1])
     code, out = _stream_through(app, {"messages": USER, "tools": [TOOL], "stream": True, "parallel_tool_calls": False})
     assert [t["function"]["name"] for c in out for t in c["choices"][0]["delta"].get("tool_calls") or []] == [
@@ -1184,7 +1211,7 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_of_the_response():
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta"), kinds
     assert [e["text"] for e in events if e["type"] == "response.reasoning_text.done"] == ["5 steps is few."]
     final = events[-1]["response"]
-    assert kinds[-1] == "response.completed" and final["output"] == whole["output"], final
+    assert kinds[-1] == "response.completed" and _no_ids(final["output"]) == _no_ids(whole["output"]), final
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
     # vLLM's chat extension `include_reasoning` is no field of its ResponsesRequest: taken (false was refused here)
     # and read as nothing there, the reasoning item kept, whole and streamed
@@ -1325,8 +1352,12 @@ def test_responses_api_is_answered_through_a_chat_completion():
     assert seen[-1]["tools"] == [{"type": "function", "function": {k: tool[k] for k in ("name", "parameters")}}]
     assert code == 200 and resp["status"] == "completed" and resp["output_text"] == "Sure."
     call = resp["output"][1]
-    assert (call["type"], call["name"], json.loads(call["arguments"]), call["call_id"]) == (
-        "function_call", "get_steps", {"date": "today"}, "r1_tool_call_0")
+    assert (call["type"], call["name"], json.loads(call["arguments"])) == (
+        "function_call", "get_steps", {"date": "today"})
+    # ids as vLLM writes them: the chat's tool call id (its tool parser's), each item a fresh uuid's hex digits
+    # (they were `msg_` / `fc_` before transformers serve's chat id)
+    assert re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", call["call_id"]), call
+    assert re.fullmatch("msg_[0-9a-f]{32}", resp["output"][0]["id"]) and re.fullmatch("fc_[0-9a-f]{32}", call["id"])
     assert resp["usage"]["input_tokens"] == 7 and resp["usage"]["output_tokens"] == 2 and resp["model"] == "tiny"
     code, resp = _asgi(app, {"input": "hi", "max_output_tokens": 2}, "/v1/responses")
     assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -1348,7 +1379,8 @@ def test_responses_api_is_answered_through_a_chat_completion():
     final = events[-1]["response"]
     whole = _asgi(app, {"model": "tiny", "tools": [tool], "input": "steps?"}, "/v1/responses")[1]
     # the same text too: the space before the call was streamed before the call was seen ("Sure. "); now held
-    assert final["output"] == whole["output"] and final["output_text"] == whole["output_text"] == "Sure."
+    assert _no_ids(final["output"]) == _no_ids(whole["output"]) and final["output_text"] == whole["output_text"] == \
+        "Sure."
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Sure."
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done == final["output"] and json.loads(done[1]["arguments"]) == {"date": "today"}
@@ -1679,16 +1711,45 @@ def test_inner_server_errors_come_back_in_openai_shape():
     code, resp = _asgi(app, {"messages": USER, "zeta": 1, "foo": 2})
     assert (code, resp["error"]["param"]) == (400, "foo") and "foo, zeta" in resp["error"]["message"], resp
     code, resp = _asgi(app, {"prompt": "x"}, "/v1/completions")
-    assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "server_error", "param": None,
-                                             "code": 500}
+    assert code == 500 and resp["error"] == {"message": "Internal Server Error", "type": "InternalServerError",
+                                             "param": None, "code": 500}
     assert _asgi(app, {"messages": USER}) == (400, {"error": {"message": "mine", "param": "x"}})
     # the other paths too (a 405, an unknown path); the audio endpoint, a bare 500 on a text model, is a 404
     answers[:] = [(405, b'{"detail":"Method Not Allowed"}'), (404, b'{"detail":"Not Found"}')]
     assert _asgi(app, {}, "/v1/chat/completions", method="GET") == (405, {"error": {
-        "message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": 405}})
+        "message": "Method Not Allowed", "type": "Method Not Allowed", "param": None, "code": 405}})
     assert _asgi(app, {}, "/v1/embeddings")[1]["error"]["message"] == "Not Found"
     code, resp = _asgi(CheckedChatApp(inner, model_name="tiny"), {}, "/v1/audio/transcriptions")
     assert code == 404 and "text model (`tiny`)" in resp["error"]["message"] and not answers
+
+
+def test_errors_are_typed_as_vllm_types_them():
+    """A request the checks refuse was typed OpenAI's "invalid_request_error" and a missing API key answered an
+    OpenAI-shaped "authentication_error": vLLM (the container --local stands in for) types a 400 "BadRequestError"
+    (create_error_response) and its AuthenticationMiddleware answers 401 with the body {"error": "Unauthorized"}, so
+    a client matching on either met something else there. The key is still checked before the body is read."""
+    from serving.local import CheckedChatApp
+
+    async def inner(scope, receive, send):  # never reached
+        raise AssertionError(scope["path"])
+
+    app = CheckedChatApp(inner, api_key="s3cret")
+    auth = [*JSON_HEADERS, (b"authorization", b"Bearer s3cret")]
+    code, resp = _asgi(app, {"messages": USER, "temperature": 5}, headers=auth)
+    assert code == 400 and resp["error"]["type"] == "BadRequestError" and resp["error"]["param"] == "temperature"
+    code, resp = _asgi(app, {"input": "hi", "temperature": 5}, "/v1/responses", headers=auth)
+    assert (code, resp["error"]["type"]) == (400, "BadRequestError"), resp
+    # the scheme in any case, as vLLM's verify_token reads it (`bearer KEY` was a 401 here)
+    for scheme in (b"bearer", b"BEARER"):
+        code, resp = _asgi(app, {"messages": USER, "temperature": 5},
+                           headers=[*JSON_HEADERS, (b"authorization", scheme + b" s3cret")])
+        assert (code, resp["error"]["param"]) == (400, "temperature"), resp
+    for headers in (JSON_HEADERS, [*JSON_HEADERS, (b"authorization", b"Bearer wrong")],
+                    [*JSON_HEADERS, (b"authorization", b"Basic s3cret")],
+                    [*JSON_HEADERS, (b"authorization", b"Bearer  s3cret")],
+                    [*JSON_HEADERS, (b"authorization", b"s3cret")]):
+        assert _asgi(app, {"messages": USER}, headers=headers) == (401, {"error": "Unauthorized"})
+        assert _asgi(app, {}, "/v1/models", method="GET", headers=headers) == (401, {"error": "Unauthorized"})
 
 
 def test_a_path_with_a_trailing_slash_is_redirected_unchecked_as_vllm_redirects_it():
@@ -1738,7 +1799,7 @@ def test_a_generation_failing_midway_streams_an_error_clients_read():
 
     app = CheckedChatApp(inner)
     code, events = _stream_through(app, {"messages": USER, "stream": True})
-    assert code == 200 and events[-1] == {"error": {"type": "server_error", "param": None, "code": None,
+    assert code == 200 and events[-1] == {"error": {"type": "InternalServerError", "param": None, "code": 500,
                                                     "message": "out of memory"}}, events
     code, text = _asgi(app, {"input": "hi", "stream": True}, "/v1/responses", raw=True)
     kinds = [json.loads(e.split("data: ", 1)[1]) for e in text.split("\n\n") if "data: " in e]
@@ -2118,6 +2179,8 @@ def test_streamed_chunks_carry_the_null_fields_vllm_and_openai_send(path):
     choices = [c["choices"][0] for c in chunks]
     assert [c["finish_reason"] for c in choices] == [None] * (len(sse) - 1) + ["stop"], choices
     assert all(c["logprobs"] is None for c in choices), choices
+    # transformers serve's `"system_fingerprint": ""` on every chat chunk: a field vLLM's chunks leave out (unset)
+    assert not any("system_fingerprint" in c for c in chunks), chunks
     # and vLLM's own: a text completion's `stop_reason`, `token_ids` and `prompt_token_ids` on every chunk, a chat's
     # `stop_reason` on its finishing chunk (null: no stop string ended it)
     if chat:

@@ -866,6 +866,8 @@ def _moe_gemma4(p, expert_width: int):
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--kv-cache-dtype=fp8,fp8]"],
      ["'fp8' is no option's value (--kv-cache-dtype=fp8 took its value"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=['']"], ["'' is no option's value"]),
+    # the option named as written: it said `-n=2`, a word the user never wrote
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-n2,x]"], ["'x' is no option's value (-n2 took its value)"]),
     # a switch (vLLM's BooleanOptionalAction: --x / --no-x) takes no value: its parser stops at `--x=true` ("ignored
     # explicit argument 'true'"), and at `--x true` as a second model; both passed here
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--enable-prefix-caching=true]"],
@@ -893,6 +895,14 @@ def _moe_gemma4(p, expert_width: int):
      ["--max abbreviates several options of `vllm serve` (--max-cpu-loras, ", "give the option in full"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--max-num,4]"],
      ["(--max-num-batched-tokens, --max-num-scheduled-tokens, --max-num-seqs)", "refuses as ambiguous"]),
+    # a single-dash word abbreviates the single-dash options as argparse reads it: `-p` could be -pcp or -pp, and
+    # `-t` is -tp, which the config sets (both were "not an option of `vllm serve`")
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-p,2]"],
+     ["-p abbreviates several options of `vllm serve` (-pcp, -pp), which its parser refuses as ambiguous"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-t,4]"],
+     ["server.extra_args: -t is set from the config; set server.tensor_parallel_size instead"]),
+    (CONFIG_270M, fake_model_dir, ["server.extra_args=[-pc,0]"],
+     ["--prefill-context-parallel-size '0' is not a number of context-parallel ranks (at least 1)"]),
     (CONFIG_270M, fake_model_dir, ["container.env.MODEL_IMPL_TYPE=flax"],  # tpu-inference refused it at start
      ["container.env.MODEL_IMPL_TYPE='flax'", "did you mean flax_nnx?", "auto, flax_nnx, vllm"]),
     (CONFIG_270M, fake_model_dir, ["server.extra_args=[--logprobs_mode=raw]"],
@@ -2571,6 +2581,10 @@ def test_extra_args_are_read_as_vllms_parser_reads_them(tmp_path, capsys):
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    "server.extra_args=[-n2, -r0, -qfp8]")
     assert code == 0 and words(out)[-3:] == ["-n2", "-r0", "-qfp8"] and "warning" not in err, err
+    # a single-dash abbreviation of one single-dash option, which argparse takes (`-pc` is -pcp): it was refused
+    code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
+                                   "server.extra_args=[-pc, 2]")
+    assert code == 0 and words(out)[-2:] == ["-pc", "2"] and "warning" not in err, err
     code, out, err = launch_inproc(capsys, "--config", CONFIG_270M, "--print", f"model.dir={d}",
                                    "server.extra_args=[-n, 2, -n0]")
     assert code == 2 and "--nnodes '0' is not a number of nodes (at least 1)" in one_error_line(code, err), err

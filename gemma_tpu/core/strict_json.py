@@ -66,6 +66,24 @@ def loads_finite(text: str | bytes) -> Any:
 DECODER = json.JSONDecoder(object_pairs_hook=unique_keys, parse_constant=_constant, parse_float=_float, parse_int=_int)
 
 
+def lenient_only(text: str) -> NotJSON | None:
+    """Why `DECODER` refuses a text Python's json reads (NaN, Infinity, 1e999, a key given twice), bare or nested;
+    None where both read it, where Python's does not (a text that is no JSON) or where it nests past the stack. The
+    one rule for a tool result, which the chat templates read as JSON: the data reader refuses such a row, the
+    server such a request."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    try:
+        DECODER.decode(text)
+    except NotJSON as e:
+        return e
+    except RecursionError:
+        return None
+    return None
+
+
 def _word(x: float) -> str:
     return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
 

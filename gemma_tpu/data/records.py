@@ -611,16 +611,9 @@ def _check_tool_result(content: str, where: str) -> None:
     JSON) and one of a key given twice dropped, so the model trained on a result the file never held. A bare value is
     read alike: `1e999`, `NaN` or `-Infinity` alone is rendered `{result:Infinity}` (`{result:NaN}`), a JSON number in
     the prompt and the served template alike, not the text the file holds (which would be `<escape>NaN<escape>`)."""
-    try:
-        json.loads(content)
-    except (ValueError, RecursionError):
-        return  # not JSON: rendered as the text it is
-    try:
-        strict_json.DECODER.decode(content)
-    except strict_json.NotJSON as e:
-        raise UserError(f"{where}: the tool result's content, read as JSON to render it: {e}") from None
-    except RecursionError:
-        return
+    problem = strict_json.lenient_only(content)  # None for a text that is not JSON: rendered as the text it is
+    if problem is not None:
+        raise UserError(f"{where}: the tool result's content, read as JSON to render it: {problem}")
 
 
 def _maybe_json(value: Any, what: str, where: str) -> Any:

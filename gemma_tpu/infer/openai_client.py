@@ -32,6 +32,7 @@ from gemma_tpu.formats.function_calling import (
     json_depth,
     parse_reply,
     plain_gemma_token_map,
+    unmap_markers,
 )
 
 log = logging.getLogger("gemma_tpu.infer.openai_client")
@@ -448,8 +449,21 @@ def reply_from_message(message: dict) -> ParsedReply:
         calls.append(ToolCall(fn["name"], args))
     if calls:
         return ParsedReply("call", calls, message.get("content") or "")
-    # endpoint text may still carry the markers as a plain Gemma 3 vocabulary's <unusedN> tokens
-    return parse_reply(message.get("content") or "", plain_gemma_token_map())
+    # endpoint text may still carry the markers as a plain Gemma 3 vocabulary's <unusedN> tokens, or as a family's own
+    # (Gemma 4's, from a server without its tool parser)
+    return parse_reply(family_markup_as_ours(message.get("content") or ""), plain_gemma_token_map())
+
+
+def family_markup_as_ours(text: str) -> str:
+    """`text` with each family's own call markup (the registry's `Family.call_markers`: Gemma 4's `<|tool_call>`,
+    `<tool_call|>`, its string quote `<|"|>`, `<|tool_response>`) as the FunctionGemma markers it mirrors. Every
+    family's: the client does not know which one the server serves. A Gemma 4 call a server handed back as text was
+    read with its quotes inside each value (`'<|"|>2024-01-01<|"|>'`) and its markers as the answer's words."""
+    from gemma_tpu.models.registry import families  # here: the families load with the first reply read this way
+
+    for family in families().values():
+        text = unmap_markers(text, dict(family.call_markers))
+    return text
 
 
 def part_text(part: Any) -> str | None:
