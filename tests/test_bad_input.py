@@ -679,7 +679,7 @@ CASES = [
          ["{tmp}/ck/gemma_tpu_run.json", "format"], {"ck": copy_of("ckpt", meta={"format": "something-else"})}),
     # a section of gemma_tpu_run.json null or a config value of another type: AttributeError / TypeError tracebacks
     Case("ckpt-resume-run-json-lora-null", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
-         ["{tmp}/ck", "checkpoint was trained with lora.enabled=null, this run has true"],
+         ["{tmp}/ck/gemma_tpu_run.json: lora is null (no LoRA settings recorded) but step 1 holds LoRA factors"],
          {"ck": copy_of("ckpt", meta={"lora": None})}),
     Case("ckpt-resume-run-json-base-model-null", "gemma_tpu.train", [*TRAIN, "checkpoint.dir={tmp}/ck"],
          ["{tmp}/ck", "checkpoint was trained with base model=null"],
