@@ -977,6 +977,54 @@ def test_a_call_in_gemma4s_own_markup_is_read_as_that_call(g4):
     assert said.stop == "end_of_turn" and said.reply().kind == "text"
 
 
+def test_a_thought_is_read_apart_from_the_answer_as_vllms_gemma4_reasoning_parser_reads_it(g4):
+    """A Gemma 4 26B or 31B writes an empty thought block with thinking off (`<|channel>thought\\n<channel|>` before
+    its answer), a thinking one a whole thought: local evaluate scored it as part of the answer ("channel thought"
+    two words more: no exact match) and read a call after a thought as it read the text, where vLLM's gemma4 reasoning
+    parser returns the thought apart (`reasoning`) and the answer alone. The chat traces the thought apart."""
+    import dataclasses
+    import io
+
+    from gemma_tpu.evaluate.answers import exact_match
+    from gemma_tpu.examples.fitness.chat import Coach
+    from gemma_tpu.examples.fitness.providers import make_provider
+    from gemma_tpu.formats.function_calling import ToolCall
+    from gemma_tpu.infer.generate import Generator, load_hf_dir
+
+    loaded = load_hf_dir(str(g4("dense")))
+    tok = loaded.tokenizer  # the tiny vocabulary has Gemma 3's ids: Gemma 4's markup added as its special tokens
+    tok.add_tokens(["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool_response>"],
+                   special_tokens=True)
+    gen = Generator(loaded, max_new_tokens=4, batch_size=1)
+
+    def generated(text, stop=(106,)):
+        return gen.generation(tok.encode(text, add_special_tokens=False) + list(stop))
+
+    empty = generated("<|channel>thought\n<channel|>It is fine.")
+    assert empty.reply().text == "It is fine." and exact_match(empty.reply().text, "It is fine.") == 1.0
+    assert (empty.text, empty.thought, empty.stop) == ("It is fine.", "", "end_of_turn")
+    assert empty.raw == "<|channel>thought\n<channel|>It is fine."  # evaluate's record keeps what was generated
+    call = generated('<|channel>thought\nThe steps of today.<channel|><|tool_call>call:get_steps{date:<|"|>today<|"|>}'
+                     '<tool_call|>', [tok.convert_tokens_to_ids("<|tool_response>")])
+    assert call.thought == "The steps of today." and (call.reply().kind, call.reply().calls) == (
+        "call", [ToolCall("get_steps", {"date": "today"})])
+    cut = generated("<|channel>thought\nLet me think", [])  # cut at the token limit within its thought: no answer
+    assert (cut.text, cut.thought, cut.stop, cut.reply().kind) == ("", "Let me think", "length", "text")
+    plain = generated("No thought here.")
+    assert (plain.text, plain.thought, plain.raw) == ("No thought here.", None, "No thought here.")
+
+    class Forced:  # the generator's own decoding of forced ids
+        max_new_tokens = 4
+
+        def generate(self, prompts, **_):
+            return [generated("<|channel>thought\nThey asked about sleep.<channel|>Sleep well.")]
+
+    trace = io.StringIO()
+    roomy = dataclasses.replace(loaded, max_positions=4096)  # the coach's tool declarations pass the tiny context
+    answer = Coach(roomy, make_provider("simulated"), generator=Forced(), trace=trace).ask("how did I sleep?")
+    assert answer == "Sleep well." and "(thought) They asked about sleep." in trace.getvalue()
+
+
 @pytest.mark.parametrize("variant,multimodal", [("dense", False), ("ple", False), ("moe", False), ("ple", True)])
 def test_tensor_shapes_are_the_checkpoints(tmp_path, variant, multimodal):
     """`Family.tensor_shapes` (what a merge checks the base tensors it copies against) gives the shapes of the

@@ -338,7 +338,7 @@ def predict_local(loaded, cases: Sequence[Case], data_cfg: DataConfig, max_new_t
     with tqdm(total=len(keep), desc=f"generate {label}", file=sys.stderr, unit="ex") as bar:
         done.update({i: (refuse(cases[i], i + 1, over[i]), "") for i in sorted(over)})
         gen.generate([prompts[i] for i in keep], on_batch=bar.update,
-                     on_result=lambda j, out: done.__setitem__(keep[j], (out.reply(), out.text)))
+                     on_result=lambda j, out: done.__setitem__(keep[j], (out.reply(), out.raw or out.text)))
     return [done[i][0] for i in range(len(cases))], [done[i][1] for i in range(len(cases))]
 
 

@@ -855,6 +855,7 @@ GEMMA4 = register(
         # its template's calls and results: FunctionGemma's syntax in its own tokens, the string quote `<|"|>`
         call_markers=((START_CALL, "<|tool_call>"), (END_CALL, "<tool_call|>"), (ESCAPE, '<|"|>'),
                       (START_RESPONSE, "<|tool_response>"), (END_RESPONSE, "<tool_response|>")),
+        thought_markers=("<|channel>", "<channel|>", "thought\n"),  # vLLM's gemma4 reasoning parser's
         # its chat template's markup: turns, tool declarations, calls and results, the string quote, thinking
         # channels, media placeholders (each one special token of the vocabulary)
         markup_tokens=("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",

@@ -249,6 +249,11 @@ class Family:
     # of its own that mirrors FunctionGemma's (Gemma 4's `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`): a reply
     # generated here is read with them as the FunctionGemma markup (`gemma_tpu.infer.generate`)
     call_markers: tuple[tuple[str, str], ...] = ()
+    # (start, end, label) of a thinking model's thought in its reply (Gemma 4's `<|channel>thought\n...<channel|>`,
+    # which its 26B and 31B write empty with thinking off where the prompt lacks their template's empty one): a reply
+    # generated here is read as vLLM's reasoning parser for the family reads it, the thought apart from the answer
+    # (`gemma_tpu.infer.generate.split_thought`)
+    thought_markers: tuple[str, str, str] | None = None
     # The control tokens the family's chat markup is written with (turns, tool declarations, calls and results, string
     # quotes, media): what message text must not hold where the served model's tokenizer is not at hand (a client of
     # an OpenAI-compatible server refuses every family's, `records.served_markup`); with the tokenizer, its special

@@ -69,6 +69,8 @@ class Coach:
         # the developer turn (system prompt and tool declarations) starts every prompt: with the
         # prefix cache its keys and values are computed once for the whole session
         out = self.generator.generate([ids], prefix=self._system_ids(messages))[0]
+        if out.thought and out.thought.strip():  # a thinking model's (Gemma 4's): traced apart, not the answer
+            self._log(f"(thought) {out.thought.strip()}")
         return out.reply(), out.text
 
     def ask(self, question: str) -> str:
