@@ -527,6 +527,31 @@ def test_a_multimodal_model_type_without_a_text_config_is_refused(arch, model_ty
     assert_one_line_error(proc, "config.json: model_type 'gemma3' is the multimodal config")
 
 
+@pytest.mark.parametrize("arch,model_type", [("Gemma3ForCausalLM", "gemma3_text"),
+                                             ("Gemma4ForCausalLM", "gemma4_text")])
+def test_a_text_model_type_with_a_text_config_is_refused(arch, model_type, tiny_dir, tmp_path):
+    """model_type gemma3_text (gemma4_text) is a text config: transformers reads its decoder at the top and keeps a
+    text_config beside it as it is, and building the model on it fails; training and generation here read the nested
+    keys as the model (a smaller hidden_size there, or another sliding window, trained a model no other tool loads).
+    Refused naming the key, as a multimodal model_type without one is."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    edited = tmp_path / "m"
+    shutil.copytree(tiny_dir, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**cfg, "text_config": {**cfg, "hidden_size": 32}}))
+    with pytest.raises(AttributeError, match="has no attribute 'to_dict'"):  # what transformers makes of it
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(edited)))
+    with pytest.raises(UserError, match=r"config.json: model_type 'gemma3_text' is a text config, whose decoder "
+                                        r"transformers reads at its top level, yet it holds a text_config.*: remove "
+                                        r"text_config .*, or set model_type 'gemma3'"):
+        resolve_model(str(edited))
+    for nested in ({}, {"hidden_size": 32}):
+        with pytest.raises(UserError, match=rf"^config.json: model_type '{model_type}' is a text config"):
+            detect_family({"architectures": [arch], "model_type": model_type, "text_config": nested})
+    assert detect_family({"architectures": [arch], "model_type": model_type, "text_config": None}).name in model_type
+
+
 def test_multimodal_text_config_is_detected():
     fam = detect_family({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
                          "text_config": {"model_type": "gemma3_text"}})

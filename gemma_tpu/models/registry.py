@@ -668,8 +668,18 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
 def _nested_as_read(fam: Family, hf_config: dict, where: str) -> Family:
     """`fam`, unless config.json's model_type is the family's multimodal config and it has no text_config (or an empty
     one): transformers then builds its default text model (a Gemma 3's hidden_size 2304) and leaves the checkpoint's
-    weights out, where the decoder's keys at the top were read here (training, generation) as the model."""
+    weights out, where the decoder's keys at the top were read here (training, generation) as the model. Nor where
+    its model_type is the family's text config and it holds a text_config too: transformers reads a text config's
+    decoder at its top and keeps the nested one (even {}) as it is, on which building the model fails ('dict' object
+    has no attribute 'to_dict'), where the nested keys were read here as the model."""
     model_type = hf_config.get("model_type")
+    if isinstance(model_type, str) and model_type in fam.model_types and model_type != fam.multimodal_model_type \
+            and hf_config.get("text_config") is not None:  # {} too: transformers fails on any but null
+        raise UserError(f"{where}: model_type {model_type!r} is a text config, whose decoder transformers reads at its "
+                        f"top level, yet it holds a text_config, with which transformers cannot build the model: "
+                        f"remove text_config (its keys are not read)"
+                        + (f", or set model_type {fam.multimodal_model_type!r} for a multimodal config"
+                           if fam.multimodal_model_type else ""))
     if fam.multimodal_model_type is not None and model_type == fam.multimodal_model_type \
             and text_config(hf_config) is hf_config:
         text_type = next(t for t in fam.model_types if t != model_type)
