@@ -317,3 +317,24 @@ def test_a_chunked_decode_reuses_its_cache_in_place(loaded):
     assert [o.ids for o in gen.generate(prompts)] == [o.ids for o in whole]
     leaves = jax.tree.leaves(given)
     assert len(given) >= 3 and leaves and all(leaf.is_deleted() for leaf in leaves)
+
+
+@ONE_LAYOUT
+def test_ids_past_the_tokenizer_are_said_once(loaded, caplog):
+    """A model's embedding may have more rows than its tokenizer has tokens (a Gemma 3's 262,208 for 262,145): an id
+    past them decodes to nothing, as vLLM decodes it, and an answer made of them read as empty without a word. The
+    generator says so once, naming the ids."""
+    import logging
+
+    from gemma_tpu.infer.generate import Generator
+
+    gen = Generator(loaded, max_new_tokens=8, batch_size=1)
+    size = len(loaded.tokenizer)
+    ok = loaded.tokenizer.encode("ok", add_special_tokens=False)
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.infer.generate"):
+        out = gen.generation([*ok, size + 7, size, 106])
+        again = gen.generation([size + 9, 106])
+    assert (out.text, out.stop, again.text) == ("ok", "end_of_turn", "")
+    said = [r.getMessage() for r in caplog.records if "past its tokenizer" in r.getMessage()]
+    assert said == [f"the model generated ids past its tokenizer's {size} tokens ({size}, {size + 7}): they decode "
+                    f"to nothing, as vLLM decodes them; said once"]

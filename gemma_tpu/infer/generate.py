@@ -572,6 +572,13 @@ class Generator:
         self.call_markers = dict(getattr(loaded.family, "call_markers", None) or ())
         # a thinking model's thought markers (Gemma 4's channel): its thought is read apart from the answer
         self.thought_markers = getattr(loaded.family, "thought_markers", None)
+        # the tokenizer's size: a model's embedding may have more rows (a Gemma 3's 262,208 for 262,145 tokens), and an
+        # id past it decodes to nothing (as vLLM decodes it), said once a generator (`_unknown_ids`)
+        try:
+            self.tokenizer_size: int | None = len(self.tokenizer)
+        except TypeError:  # a tokenizer without a length: not checked
+            self.tokenizer_size = None
+        self._said_unknown = False
         self._graphdef, self._state = nnx.split(loaded.model)
         self._fn, self._prefix_fn, self._prefill_fn, self._decode_fn = _jitted(self._graphdef)
         self.decode_chunk = decode_chunk
@@ -609,10 +616,24 @@ class Generator:
             if t in stops:
                 break
         body = kept[:-1] if kept and kept[-1] in stops else kept  # the text leaves the stop token out
+        self._unknown_ids(body)
         raw = _decode_text(self.tokenizer, body, self.token_map)
         thought, answer = split_thought(raw, self.thought_markers)
         return Generation(kept, fc.unmap_markers(answer, self.call_markers), self._stop_reason(kept), thought,
                           fc.unmap_markers(raw, self.call_markers))
+
+    def _unknown_ids(self, ids: Sequence[int]) -> None:
+        """Warn, the first time only, that generated `ids` hold ids past the tokenizer's vocabulary (rows of the
+        model's embedding no token has): they decode to nothing, so an answer made of them read as empty or shorter
+        without a word."""
+        if self._said_unknown or self.tokenizer_size is None:
+            return
+        unknown = sorted({int(t) for t in ids if t >= self.tokenizer_size})
+        if unknown:
+            self._said_unknown = True
+            shown = ", ".join(map(str, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            log.warning("the model generated ids past its tokenizer's %d tokens (%s): they decode to nothing, as vLLM "
+                        "decodes them; said once", self.tokenizer_size, shown)
 
     def _shared_prefix(self, prompts: Sequence[Sequence[int]], prefix: Sequence[int] | None):
         """(C, KV cache of the first C ids) for this call's prompts, or (0, None)."""
