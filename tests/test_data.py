@@ -2858,6 +2858,44 @@ def test_a_given_start_a_trimming_template_continues_otherwise_is_warned(tmp_pat
     assert caplog.records == []
 
 
+# a chat template that trims each text part of a message's content (as Google's Gemma 3 template does), text as it is
+PART_TRIMMING_TEMPLATE = (
+    "{{- bos_token -}}{%- for m in messages -%}{{- '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else "
+    "'user') ~ '\\n' -}}{%- if m['content'] is string -%}{{- m['content'] -}}{%- else -%}{%- for item in m['content'] "
+    "-%}{{- item['text'] | trim -}}{%- endfor -%}{%- endif -%}{{- '<end_of_turn>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}")
+
+
+def test_content_parts_go_to_the_template_as_parts_as_vllm_hands_them(tmp_path, tok, caplog):
+    """vLLM hands a message's text parts to the chat template as a list (content format `openai`, serving's default),
+    and Google's Gemma 3 template trims each part: a user turn of ["How many ", " steps?"] is served as "How
+    manysteps?". The template was handed the parts joined ("How many  steps?"): training with the template trained
+    text the served model is not shown, and our Gemma rendering's difference from it was not seen."""
+    import logging
+
+    trimming = _with_template(tok, PART_TRIMMING_TEMPLATE)
+    parts = [{"type": "text", "text": "How many "}, {"type": "text", "text": " steps?"}]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": parts},
+                                                            {"role": "assistant", "content": "Ten."}]}])
+    served = trimming.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                          add_generation_prompt=True)
+    assert served.endswith("user\nHow manysteps?<end_of_turn>\n<start_of_turn>model\n")
+    conv, = load_conversations(path, DataConfig())
+    assert conv["messages"][0]["content"] == "How many  steps?"  # our Gemma rendering's text, joined as it was
+    own = Renderer(trimming, chat_format="template").render(conv)
+    first = int(np.flatnonzero(own.loss_mask)[0])
+    assert trimming.decode(own.ids[:first].tolist(), skip_special_tokens=False) == served
+    with caplog.at_level(logging.WARNING, logger="gemma_tpu.data"):
+        prepare_split(str(path), Renderer(trimming), DataConfig(seq_len=256), seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 1 of the first 1 chats render otherwise than the tokenizer's own chat template, which a server "
+        f"renders them with (the first: {path}:1: at character 28, ours 'f_turn>user\\nHow many  steps?"
+        f"<end_of_turn', the template's 'f_turn>user\\nHow manysteps?<end_of_turn>\\n'); the model would be trained "
+        f"on text it is not served: set data.chat_format=template to train on the template's rendering, or fix the "
+        f"data"]
+    assert normalise_messages(conv, "again")["messages"] == conv["messages"]  # normalised again: the parts kept
+
+
 def test_a_chat_template_without_tools_is_refused_for_tool_chats(tmp_path, tok):
     """data.chat_format=template with a template that renders no tools (Gemma 3's, which raises only on a tool
     message): a chat whose answer is a tool call trained '<end_of_turn>' alone as that answer (the call was not in

@@ -580,6 +580,21 @@ def _text(content: Any, where: str) -> str:
     raise UserError(f"{where}: content must be a string, got {_json_type(content)}")
 
 
+def _text_parts(content: Any, message: dict) -> list[str] | None:
+    """The texts of a message's content parts where it has two or more (`_text` joins them): vLLM hands the parts to
+    the chat template as they are (the content format `openai`, serving's default), and a template may write each
+    its own way (Google's Gemma 3 template trims each part), so the template is given them as parts
+    (`render.template_messages`). None for text content or a single part; a normalised message's own, normalised
+    again, are kept."""
+    if isinstance(content, list) and len(content) > 1:
+        return [part["text"] for part in content]  # every one a text part: `_text` refuses any other
+    kept = message.get("text_parts")
+    if isinstance(kept, list) and len(kept) > 1 and all(isinstance(p, str) for p in kept) \
+            and "".join(kept) == content:
+        return list(kept)
+    return None
+
+
 def _json_type(value: Any) -> str:
     """What a JSON value is, in JSON's words (an error names what it got)."""
     if value is None:
@@ -728,6 +743,9 @@ def normalise_messages(obj: dict, where: str, markup: Markup = GEMMA_MARKUP) -> 
             # as "content[0]: expected a text part", read as OpenAI's list of content parts
             content = json.dumps(content, ensure_ascii=False)
         msg: dict[str, Any] = {"role": role, "content": _text(content, mw)}
+        parts = _text_parts(content, m)
+        if parts:
+            msg["text_parts"] = parts
         markup.check(msg["content"], mw, answer=role == "assistant")
         if role in ("system", "developer") and not msg["content"].strip():
             # ShareGPT exports often carry {"from": "system", "value": ""}: it says nothing, and Gemma's template

@@ -123,10 +123,15 @@ def template_messages(messages: list[dict]) -> list[dict]:
     vLLM and transformers serve hand a client's result to the template (OpenAI's tool message content is text): a
     JSON object result passed as an object was written `{'steps': 5}` by a template writing the content as it is,
     where the served model is shown `{"steps": 5}` (our tool template reads a JSON text field by field either way).
+    Content given as text parts is those parts (vLLM's `openai` content format): a template that trims each part
+    (Google's Gemma 3 template) was handed them joined, and the trained text was not the served one, nor was the
+    difference seen (`Renderer.template_difference`).
     """
     out = []
     for m in messages:
-        msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+        # content given as text parts goes as those parts, as vLLM hands them over (`records._text_parts`)
+        parts = [{"type": "text", "text": p} for p in m.get("text_parts") or ()]
+        msg: dict[str, Any] = {"role": m["role"], "content": parts or m.get("content") or ""}
         if m.get("tool_calls"):
             msg["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                                  for c in m["tool_calls"]]
