@@ -1197,3 +1197,21 @@ def test_a_gemma4_call_written_as_text_is_read_as_the_model_meant():
     stripped = reply_from_message({"content": "call:get_steps{date:2024-01-01,n:3}"})
     assert (stripped.kind, stripped.calls) == ("call", [ToolCall("get_steps", {"date": "2024-01-01", "n": 3})])
     assert reply_from_message({"content": "call:f{note:a, b}"}).kind == "format_error"
+
+
+def test_a_gemma4_thought_an_endpoint_hands_back_as_text_is_read_apart():
+    """A server without vLLM's gemma4 reasoning parser that keeps special tokens hands a Gemma 4's thought back in the
+    content (`<|channel>thought\\n...<channel|>`, empty from a 26B or 31B with thinking off): it was scored as the
+    answer's words, and a call after it read with them. Read apart as a local reply is (`gemma_chat.split_thought`),
+    as the parser would have: the answer and the calls after it."""
+    from gemma_tpu.formats.function_calling import ToolCall
+    from gemma_tpu.infer.openai_client import reply_from_message
+
+    reply = reply_from_message({"content": "<|channel>thought\n<channel|>You slept 7 hours."})
+    assert (reply.kind, reply.text) == ("text", "You slept 7 hours."), reply
+    reply = reply_from_message({"content": '<|channel>thought\nThe steps.<channel|><|tool_call>call:get_steps{date:'
+                                           '<|"|>today<|"|>}<tool_call|>'})
+    assert (reply.kind, reply.calls, reply.text) == ("call", [ToolCall("get_steps", {"date": "today"})], ""), reply
+    cut = reply_from_message({"content": "<|channel>thought\nLet me"})  # cut within its thought: no answer
+    assert (cut.kind, cut.text) == ("text", ""), cut
+    assert reply_from_message({"content": "No thought, channel open."}).text == "No thought, channel open."

@@ -34,3 +34,23 @@ def close_turn() -> str:
 def turn(role: str, text: str) -> str:
     """One whole turn."""
     return f"{open_turn(role)}{text}{close_turn()}"
+
+
+def split_thought(text: str, markers: tuple[str, str, str] | None) -> tuple[str | None, str]:
+    """(thought, answer) of a decoded reply, as vLLM's reasoning parser for the family splits it (Gemma 4's `gemma4`:
+    `markers` (start, end, label) `<|channel>`, `<channel|>`, `thought\\n`): no marker, no thought; else what
+    precedes the start marker is dropped, the thought runs to the end marker (to the end of the reply without one:
+    a reply cut within its thought has no answer) less its label, and the answer is what follows. A Gemma 4 26B or
+    31B writes an empty thought block with thinking off where its prompt does not hold one (its chat template puts
+    `<|channel>thought\\n<channel|>` after the generation prompt), a thinking one a whole thought: either was scored
+    as part of the answer ("channel thought" two words of it), where a server with the parser returns the answer
+    alone."""
+    if not markers:
+        return None, text
+    start, end, label = markers
+    if start not in text and end not in text:
+        return None, text
+    before, found, after = text.partition(start)
+    rest = after if found else before
+    thought, closed, answer = rest.partition(end)
+    return thought.removeprefix(label), answer if closed else ""

@@ -139,7 +139,8 @@ class Generation:
     ids: list[int]  # generated ids, the stop token included when there was one
     text: str  # decoded text with FunctionGemma markers restored (token map reversed, the family's call markup read)
     stop: str  # "end_of_turn" | "call" | "eos" | "length"
-    # a thinking model's thought, apart from `text` (`split_thought`: "" for an empty thought block); None: none
+    # a thinking model's thought, apart from `text` ("" for an empty thought block; `gemma_chat.split_thought`); None:
+    # none
     thought: str | None = None
     raw: str | None = None  # the whole decoded continuation, a thought's markup included (None: `text`)
 
@@ -151,26 +152,6 @@ class Generation:
         if self.stop == "call":
             return fc.handed_over(reply)
         return fc.cut_short(reply, len(self.ids)) if self.stop == "length" else reply
-
-
-def split_thought(text: str, markers: tuple[str, str, str] | None) -> tuple[str | None, str]:
-    """(thought, answer) of a decoded reply, as vLLM's reasoning parser for the family splits it (Gemma 4's `gemma4`:
-    `markers` (start, end, label) `<|channel>`, `<channel|>`, `thought\\n`): no marker, no thought; else what
-    precedes the start marker is dropped, the thought runs to the end marker (to the end of the reply without one:
-    a reply cut within its thought has no answer) less its label, and the answer is what follows. A Gemma 4 26B or
-    31B writes an empty thought block with thinking off where its prompt does not hold one (its chat template puts
-    `<|channel>thought\\n<channel|>` after the generation prompt), a thinking one a whole thought: either was scored
-    as part of the answer ("channel thought" two words of it), where a server with the parser returns the answer
-    alone."""
-    if not markers:
-        return None, text
-    start, end, label = markers
-    if start not in text and end not in text:
-        return None, text
-    before, found, after = text.partition(start)
-    rest = after if found else before
-    thought, closed, answer = rest.partition(end)
-    return thought.removeprefix(label), answer if closed else ""
 
 
 def context_excess(total: int, max_new: int, limit: int, parts: Sequence[tuple[str, int]] | None = None,
@@ -607,8 +588,8 @@ class Generator:
 
     def generation(self, ids: Sequence[int]) -> Generation:
         """The `Generation` of a row's generated `ids`, cut after its first stop id (PAD only follows one): its text
-        decoded without the stop token, a thinking model's thought apart (`split_thought`), the FunctionGemma markers
-        restored (the token map reversed, and the family's own call markup read as them), and why it stopped."""
+        decoded without the stop token, a thinking model's thought apart (`gemma_chat.split_thought`), the FunctionGemma
+        markers restored (the token map reversed, and the family's own call markup read as them), and why it stopped."""
         stops = set(self.stop_ids.tolist())
         kept: list[int] = []
         for t in ids:
@@ -618,7 +599,7 @@ class Generator:
         body = kept[:-1] if kept and kept[-1] in stops else kept  # the text leaves the stop token out
         self._unknown_ids(body)
         raw = _decode_text(self.tokenizer, body, self.token_map)
-        thought, answer = split_thought(raw, self.thought_markers)
+        thought, answer = gemma_chat.split_thought(raw, self.thought_markers)
         return Generation(kept, fc.unmap_markers(answer, self.call_markers), self._stop_reason(kept), thought,
                           fc.unmap_markers(raw, self.call_markers))
 

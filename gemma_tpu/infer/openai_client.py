@@ -34,6 +34,7 @@ from gemma_tpu.formats.function_calling import (
     plain_gemma_token_map,
     unmap_markers,
 )
+from gemma_tpu.formats.gemma_chat import split_thought
 
 log = logging.getLogger("gemma_tpu.infer.openai_client")
 
@@ -447,11 +448,24 @@ def reply_from_message(message: dict) -> ParsedReply:
             return ParsedReply("format_error", [], str(raw), f"tool call name {fn['name'][:80]!r} is not a tool name "
                                                              f"(1 to 64 ASCII letters, digits, '_', '.' or '-')")
         calls.append(ToolCall(fn["name"], args))
+    content = without_thought(message.get("content") or "")
     if calls:
-        return ParsedReply("call", calls, message.get("content") or "")
+        return ParsedReply("call", calls, content)
     # endpoint text may still carry the markers as a plain Gemma 3 vocabulary's <unusedN> tokens, or as a family's own
     # (Gemma 4's, from a server without its tool parser)
-    return parse_reply(family_markup_as_ours(message.get("content") or ""), plain_gemma_token_map())
+    return parse_reply(family_markup_as_ours(content), plain_gemma_token_map())
+
+
+def without_thought(text: str) -> str:
+    """`text` less a thinking model's thought in each family's markers (the registry's `Family.thought_markers`:
+    Gemma 4's `<|channel>thought\\n...<channel|>`), as a local reply is read (`gemma_chat.split_thought`): a server
+    without vLLM's reasoning parser that keeps special tokens hands it back in the content, where it was scored as the
+    answer's words and a call after it read with them."""
+    from gemma_tpu.models.registry import families  # here: the families load with the first reply read this way
+
+    for family in families().values():
+        _, text = split_thought(text, family.thought_markers)
+    return text
 
 
 def family_markup_as_ours(text: str) -> str:

@@ -252,7 +252,7 @@ class Family:
     # (start, end, label) of a thinking model's thought in its reply (Gemma 4's `<|channel>thought\n...<channel|>`,
     # which its 26B and 31B write empty with thinking off where the prompt lacks their template's empty one): a reply
     # generated here is read as vLLM's reasoning parser for the family reads it, the thought apart from the answer
-    # (`gemma_tpu.infer.generate.split_thought`)
+    # (`gemma_tpu.formats.gemma_chat.split_thought`), locally and in an endpoint's text
     thought_markers: tuple[str, str, str] | None = None
     # The control tokens the family's chat markup is written with (turns, tool declarations, calls and results, string
     # quotes, media): what message text must not hold where the served model's tokenizer is not at hand (a client of
