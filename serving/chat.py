@@ -38,6 +38,7 @@ from gemma_tpu.infer.openai_client import (
     openai_messages,
     reply_from_answer,
     served_model_name,
+    thought_of,
 )
 from gemma_tpu.infer.tool_loop import Toolset, run_tool_loop
 
@@ -94,6 +95,8 @@ class RemoteCoach:
         check_tool_results(self.markup, messages)
         reply, message = reply_from_answer(self.complete(messages), f"{self.base}/chat/completions", self.max_tokens,
                                            self.stop_text, option="--max-tokens")
+        if thought := thought_of(message):  # a thinking model's (Gemma 4's): traced apart, as the local chat does
+            self._log(f"(thought) {thought}")
         return reply, message.get("content") or json.dumps(message.get("tool_calls"))
 
     def ask(self, question: str) -> str:

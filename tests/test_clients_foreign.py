@@ -290,6 +290,28 @@ def test_content_parts_models_without_ids_and_nameless_calls():
     assert reply_from_message({"tool_calls": [{"function": {"name": 7, "arguments": "{}"}}]}).kind == "format_error"
 
 
+def test_a_thinking_models_thought_is_traced_apart_by_the_remote_chat():
+    """serving.chat shows a thought as the local chat does, `(thought) ...` on its trace: vLLM's reasoning parser
+    hands it as `reasoning` (`reasoning_content` before 0.27), a server without the parser in the content's markers;
+    the reply is the answer alone. It was not shown at all."""
+    import io
+
+    from gemma_tpu.examples.fitness.providers import SimulatedDevice
+    from serving.chat import RemoteCoach
+    from tests.test_serving import scripted
+
+    _, server = scripted({"content": "You slept well.", "reasoning": "Sleep was 7 hours."},
+                         {"content": "Fine.", "reasoning_content": "Steps are fine."},
+                         {"content": "<|channel>thought\nQuiet day.<channel|>Rest."},
+                         {"content": "No thought.", "reasoning": "  "})
+    trace = io.StringIO()
+    with server as url:
+        coach = RemoteCoach(url, SimulatedDevice(0), trace=trace)
+        assert [coach.ask(q) for q in ("a?", "b?", "c?", "d?")] == ["You slept well.", "Fine.", "Rest.", "No thought."]
+    assert [line for line in trace.getvalue().splitlines() if line.startswith("(thought)")] == [
+        "(thought) Sleep was 7 hours.", "(thought) Steps are fine.", "(thought) Quiet day."]
+
+
 # ------------------------------------------------------------------ results files published at once
 
 class Streams(Foreign):

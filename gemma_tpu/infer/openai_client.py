@@ -456,6 +456,24 @@ def reply_from_message(message: dict) -> ParsedReply:
     return parse_reply(family_markup_as_ours(content), plain_gemma_token_map())
 
 
+def thought_of(message: dict) -> str:
+    """A chat answer's thought, to show apart from the answer: vLLM's reasoning parser hands it as `reasoning` (0.27;
+    `reasoning_content` before), a server without that parser leaves it in the content in the family's markers."""
+    for key in ("reasoning", "reasoning_content"):
+        if isinstance(message.get(key), str) and message[key].strip():
+            return message[key].strip()
+    content = message.get("content")
+    if not isinstance(content, str):
+        return ""
+    from gemma_tpu.models.registry import families
+
+    for family in families().values():
+        thought, _ = split_thought(content, family.thought_markers)
+        if thought and thought.strip():
+            return thought.strip()
+    return ""
+
+
 def without_thought(text: str) -> str:
     """`text` less a thinking model's thought in each family's markers (the registry's `Family.thought_markers`:
     Gemma 4's `<|channel>thought\\n...<channel|>`), as a local reply is read (`gemma_chat.split_thought`): a server
