@@ -22,6 +22,7 @@ import yaml
 from gemma_tpu.core.config import RunConfig, as_written, is_url, load_config
 from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.core.lean_imports import deferred_imports
+from gemma_tpu.core.xla_cache import heal_damaged_entries
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries that log at INFO on every call; entry points keep them at WARNING.
@@ -403,6 +404,7 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     args = list(sys.argv[1:] if argv is None else argv)
     setup_logging(logging.WARNING)
     sys.unraisablehook = _redeliver_interrupts
+    heal_damaged_entries()  # every command that compiles uses JAX's persistent cache, where one is set
     debug = _debug = "--debug" in args or os.environ.get(DEBUG_ENV) == "1"
     if "--debug" in args:
         args.remove("--debug")
