@@ -323,7 +323,8 @@ def run(cfg: RunConfig) -> dict:
             model = lora.apply_lora(model, resolved.family, tunix_cfg, cfg.lora, seed=cfg.train.seed, mesh=mesh)
         from flax import nnx
 
-        log.info("trainable parameters: %s", f"{lora.count_params(model, nnx.LoRAParam if cfg.lora.enabled else None):,}")
+        trainable = lora.count_params(model, nnx.LoRAParam if cfg.lora.enabled else None)
+        log.info("trainable parameters: %s", f"{trainable:,}")
 
         # 4. data streams, optimizer, trainer
         stream = data.TrainStream(train_split, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle,
