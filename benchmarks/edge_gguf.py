@@ -135,7 +135,7 @@ def main() -> int:
     p.add_argument("--n", type=cli.integer(1), default=40, help="test conversations to decode")
     p.add_argument("--max-new", type=cli.integer(1), default=32)
     p.add_argument("--threads", type=cli.integer(1), default=2)
-    p.add_argument("--workdir")
+    p.add_argument("--workdir", type=cli.work_dir)
     p.add_argument("--no-llama", action="store_true", help="only the export and the transformers reload check")
     p.add_argument("--logit-prompts", type=cli.integer(0), default=4, help="prompts for the transformers logits check")
     p.add_argument("--json")

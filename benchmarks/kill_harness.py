@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                    help="seconds slept per batch (GEMMA_TPU_STEP_DELAY)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="HF dir (default: a tiny Gemma 3 written to a temp dir)")
-    p.add_argument("--work", help="work dir (default: a temp dir, removed at the end)")
+    p.add_argument("--work", type=cli.work_dir, help="work dir (default: a temp dir, removed at the end)")
     p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "kill_harness.json"))
     args = p.parse_args(argv)
     check_json(args.json)

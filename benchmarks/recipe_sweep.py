@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from machine import cpu_label  # noqa: E402
 
+from gemma_tpu.core import cli  # noqa: E402
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic  # noqa: E402
 from gemma_tpu.core.config import load_config  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--recipe", action="append", required=True, help="'NAME: key=value ...' (repeatable)")
     p.add_argument("--eval", action="append", required=True, help="held-out JSONL (repeatable)")
-    p.add_argument("--out", required=True, help="run directory: one folder a recipe")
+    p.add_argument("--out", type=cli.work_dir, required=True, help="run directory: one folder a recipe")
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json")

@@ -445,8 +445,9 @@ def parse_args(argv):
     p.add_argument("--config", default="configs/gemma3-270m-fitness.yaml",
                    help="run config: LoRA targets/rank/alpha/dropout, optimizer, seed (default: %(default)s)")
     p.add_argument("--data", default=FITNESS_TRAIN, help="training set (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per side (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per side, at least 1 (default: 2)")
+    p.add_argument("--steps", type=cli.integer(1), default=10, help="timed steps per side (default: %(default)s)")
+    p.add_argument("--warmup", type=cli.integer(1), default=2,
+                   help="untimed first steps per side, at least 1: the first holds the compilation (default: 2)")
     p.add_argument("--batch", type=cli.integer(1), help="rows per step (default: 4)")
     p.add_argument("--seq-len", type=cli.integer(1), help="tokens per row (default: 512 on CPU, 2048 on CUDA)")
     p.add_argument("--strategy", choices=("pad", "pack"), default="pad",
@@ -461,9 +462,11 @@ def parse_args(argv):
     p.add_argument("--baseline-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override for the unshared side only, after data.share_prefix=off (e.g. data.seq_len=512 "
                         "train.batch_size=4: today's layout beside a shared-prefix one)")
-    p.add_argument("--loss-tol", type=float, help="max relative step-1 loss difference (default 1e-3 fp32, 3e-2 bf16)")
+    p.add_argument("--loss-tol", type=cli.number(0.0, low_ok=True),
+                   help="max relative step-1 loss difference (default 1e-3 fp32, 3e-2 bf16)")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--workdir", help="keep batches, run dir and child results here (default: a temp dir, deleted)")
+    p.add_argument("--workdir", type=cli.work_dir,
+                   help="keep batches, run dir and child results here (default: a temp dir, deleted)")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -522,8 +525,6 @@ def main(argv=None) -> int:
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not sides or any(s not in SIDES for s in sides):
         raise SystemExit(f"--sides: choose from {', '.join(SIDES)}")
-    if args.warmup < 1 or args.steps < 1:
-        raise SystemExit("--warmup and --steps must be at least 1 (our first step holds the compilation)")
     check_json(args.json, {"--data": args.data, "--config": args.config})
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()

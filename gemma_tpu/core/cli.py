@@ -247,6 +247,20 @@ def output_path(text: str, what: str = "a file or directory") -> str:
     return _home(text)
 
 
+def work_dir(text: str) -> str:
+    """An argparse `type` for a directory a command makes (or reuses) to work in (a benchmark's `--workdir`): a path
+    that is a file, or lies under one, is refused here, naming the option; it was 'error: File exists: X' (or a
+    FileExistsError traceback) once the command had started, the option not named."""
+    text = output_path(text, "work directory")
+    probe = os.path.abspath(text)
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if os.path.lexists(probe) and not os.path.isdir(probe):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory" if probe == os.path.abspath(text) else
+                                         f"{text!r}: {probe} is a file, so no directory can be made under it")
+    return text
+
+
 def _home(text: str) -> str:
     """`text` with a leading `~` (or `~user`) expanded; an unknown user is refused."""
     if not text.startswith("~"):
