@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import traceback
@@ -40,7 +41,7 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
     GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`.
     `config_root`: the config class the overrides set (an unknown `--max-steps` is told its override);
     `config_keys`: the keys (or sections) of it the command reads, where not all (`_config_key`'s `within`)."""
-    cls = _OverridesParser if overrides else argparse.ArgumentParser
+    cls = _OverridesParser if overrides else _Parser
     p = cls(prog=prog, description=doc.strip() if doc else None, formatter_class=_HelpFormatter)
     if overrides:
         p.config_root, p.config_keys = config_root, config_keys
@@ -101,7 +102,50 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-class _OverridesParser(argparse.ArgumentParser):
+# a value argparse takes for an option (`--max-shard-size -1GB`, `--max-kl -1e-3`, `--x -inf`): its own test of a
+# negative number is `-1` or `-0.5` alone
+_NEGATIVE = re.compile(r"-(\d|\.\d|inf\b|nan\b)", re.IGNORECASE)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse read an option's value beginning with '-' that is not a plain negative number (`-1GB`, `-1e-3`) as an
+    option, and said 'argument --max-shard-size: expected one argument', never what is wrong with the value: such a
+    value is given to its option (as `--opt=VALUE`), whose own check then says it (`size '-1GB' must be positive`)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = _negative_values_attached(self, sys.argv[1:] if args is None else list(args))
+        return super().parse_known_args(args, namespace)
+
+
+def _negative_values_attached(p: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":  # everything after it is positional already
+            out += args[i:]
+            break
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if (nxt is not None and a.startswith("--") and "=" not in a and _NEGATIVE.match(nxt)
+                and nxt not in p._option_string_actions and _takes_one_value(p, a)):
+            out.append(f"{a}={nxt}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def _takes_one_value(p: argparse.ArgumentParser, option: str) -> bool:
+    """Whether `option` (or the one long option it abbreviates) takes exactly one value."""
+    action = p._option_string_actions.get(option)
+    if action is None and p.allow_abbrev:
+        actions = {a for o, a in p._option_string_actions.items() if o.startswith(option)}
+        action = actions.pop() if len(actions) == 1 else None
+    return action is not None and action.nargs is None
+
+
+class _OverridesParser(_Parser):
     """A parser whose dotted overrides may come before, between or after the options
     (`--dry-run train.max_steps=5 --devices 8 mesh.fsdp=8`): plain argparse takes the overrides of the
     first run only and refuses the rest as unrecognized arguments."""
