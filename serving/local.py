@@ -1758,7 +1758,19 @@ def serve_main(argv: list[str] | None = None) -> None:
     if dtype != "auto":
         print(f"note: {args.name} holds float16 weights, served in {dtype} (float16: "
               f"{described_family(config).float16_problem})", file=sys.stderr)
+    graceful_on_hangup()
     serve_cli.Serve(force_model=args.name, host=args.host, port=args.port, dtype=dtype)
+
+
+def graceful_on_hangup() -> None:
+    """uvicorn stops gracefully on SIGINT and SIGTERM (requests under way finish, the port is freed, then the signal
+    is raised again: `cli_main` says `stopped by SIGTERM`, exit 143), and left SIGHUP (a closed terminal) to the
+    handler there before: `cli_main`'s, raising in uvicorn's event loop, which logged an ERROR with two tracebacks
+    before `stopped by SIGHUP`. SIGHUP is one of uvicorn's stop signals now, unless ignored (`nohup`: it stays so)."""
+    import uvicorn.server
+
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN and signal.SIGHUP not in uvicorn.server.HANDLED_SIGNALS:
+        uvicorn.server.HANDLED_SIGNALS = (*uvicorn.server.HANDLED_SIGNALS, signal.SIGHUP)
 
 
 _SERVE_DOC = """The process `python -m serving.launch --config FILE --local` starts (use that: it serves the merged
