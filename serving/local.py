@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gemma_tpu.core import strict_json
-from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.core.errors import SignalExit, UserError, read_json_object
 from gemma_tpu.formats.function_calling import (
     FORCED_CALL_KWARG,
     find_lone_surrogate,
@@ -1759,7 +1759,14 @@ def serve_main(argv: list[str] | None = None) -> None:
         print(f"note: {args.name} holds float16 weights, served in {dtype} (float16: "
               f"{described_family(config).float16_problem})", file=sys.stderr)
     graceful_on_hangup()
-    serve_cli.Serve(force_model=args.name, host=args.host, port=args.port, dtype=dtype)
+    try:
+        serve_cli.Serve(force_model=args.name, host=args.host, port=args.port, dtype=dtype)
+    except SignalExit as e:
+        # a LocalServer (`serving.launch --local`) stops its server with SIGTERM (its Ctrl-C, its own SIGTERM, or its
+        # end: `stop_with_parent`): the server's normal end, which said 'error: stopped by SIGTERM' (exit 143) under
+        # the launcher's clean stop
+        if e.signum != signal.SIGTERM or not os.environ.get(PARENT_ENV, "").isdigit():
+            raise
 
 
 def graceful_on_hangup() -> None:
