@@ -238,7 +238,8 @@ def child(args) -> dict:
             raise SystemExit(f"only {len(feeds)} batches of {batch}; ask for fewer steps")
         examples = [batch] * n
         computed = [int(f["prefix"].size + f["suffix"].size) for f in feeds]
-        out.update(batch=batch, prefix_len=int(feeds[0]["prefix"].shape[1]), suffix_len=int(feeds[0]["suffix"].shape[1]))
+        out.update(batch=batch, prefix_len=int(feeds[0]["prefix"].shape[1]),
+                   suffix_len=int(feeds[0]["suffix"].shape[1]))
     f, state = step_fn(model, "rows" if args.child == "tree" else "broadcast")
     times, losses = [], []
     for i, feed in enumerate(feeds):

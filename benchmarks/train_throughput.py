@@ -440,8 +440,8 @@ def run_child(kind: str, spec: dict) -> dict:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="embedded:NAME, shape:gemma3-1b|gemma3-4b or an HF directory (default: embedded:gemma3-270m "
-                                   "on CPU, shape:gemma3-1b on CUDA)")
+    p.add_argument("--model", help="embedded:NAME, shape:gemma3-1b|gemma3-4b or an HF directory (default: "
+                                   "embedded:gemma3-270m on CPU, shape:gemma3-1b on CUDA)")
     p.add_argument("--config", default="configs/gemma3-270m-fitness.yaml",
                    help="run config: LoRA targets/rank/alpha/dropout, optimizer, seed (default: %(default)s)")
     p.add_argument("--data", default=FITNESS_TRAIN, help="training set (default: %(default)s)")
@@ -455,7 +455,8 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="both sides (default: float32 CPU, bfloat16 CUDA)")
     p.add_argument("--sides", default="ours,torch", help="comma-separated subset of ours,torch (default: both)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--accelerator", help="key of gemma_tpu.core.accelerators.ACCELERATORS for MFU (default: from the GPU name)")
+    p.add_argument("--accelerator",
+                   help="key of gemma_tpu.core.accelerators.ACCELERATORS for MFU (default: from the GPU name)")
     p.add_argument("--torch-attn", help="transformers attn_implementation for the torch side (default: its default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra dotted override for OUR side only (e.g. model.remat=block); repeatable")
