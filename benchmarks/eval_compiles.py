@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.args import check_model  # noqa: E402
+from benchmarks.args import check_input, check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
@@ -100,6 +100,7 @@ def main(argv=None) -> int:
         child(args.child, args.a, args.b, args.data, args.limit, args.batch_size, args.max_new_tokens, args.out)
         return 0
     check_json(args.json, {"--data": args.data}, results_key="cpu")
+    check_input(args.data, "--data")
     check_model(args.a, "--a")
     check_model(args.b, "--b")
     results = {}

@@ -278,6 +278,9 @@ def main(argv=None) -> int:
         return 0
     check_json(args.json)
     check_model(args.model, "--model")
+    from gemma_tpu.core.config import load_config
+
+    load_config(str(REPO / args.config), args.set)  # a missing config, a bad --set: one line, not a child's failure
     sides = (["check"] if args.check else []) + [s for s in args.sides.split(",") if s]
     if not sides or any(s not in (*SIDES, "check") for s in sides):  # a child's argparse error, after the others ran
         raise SystemExit(f"error: --sides {args.sides!r}: choose from {', '.join(SIDES)}")

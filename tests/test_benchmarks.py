@@ -275,6 +275,11 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["edge_gguf", "--workdir", "README.md"], "argument --workdir: 'README.md' is a file, not a directory"),
     (["recipe_sweep", "--config", "configs/tiny.yaml", "--recipe", "a: train.max_steps=1", "--eval",
       "tests/data/chat_sample.jsonl", "--out", "README.md"], "argument --out: 'README.md' is a file, not a directory"),
+    # a missing input was found by a child, after the parent had started it: 'the separate child failed (exit 2)'
+    (["eval_compiles", "--b", "x", "--data", "no/such.jsonl"], "error: --data no/such.jsonl: no such file"),
+    (["prefix_layouts", "--config", "no/such.yaml"], "no/such.yaml"),
+    (["prefix_layouts", "--set", "bogus.key=1"], "error: override 'bogus.key=1': unknown config key 'bogus'"),
+    (["eval_prefix_cache", "--fixed-date", "2024-13-45"], "error: --fixed-date 2024-13-45: expected a date"),
     (["train_throughput", "--steps", "-1"], "argument --steps: '-1': expected an integer >= 1"),
     (["train_throughput", "--loss-tol", "-1"], "argument --loss-tol: '-1': expected a number >= 0"),
     # a model or tokenizer directory that is not there: a traceback, the parent's or a child's after others had run
