@@ -19,7 +19,6 @@ Prints a table and writes JSON (default benchmarks/results/edge_gguf_<model>.jso
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -127,7 +126,7 @@ def reload_check(path: Path, hf_logits: list, prompts: list[dict]) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="HF dir or embedded:NAME (default embedded:gemma3-270m)")
     src.add_argument("--checkpoint", help="a gemma-tpu checkpoint (merged on the fly by the export)")

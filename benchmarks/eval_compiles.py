@@ -85,7 +85,7 @@ def child(side: str, a: str, b: str, data: str, limit: int, batch: int, max_new:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--a", default="embedded:gemma3-270m", help="first model (the base)")
     p.add_argument("--b", required=True, help="second model of the same structure (the merged model)")
     p.add_argument("--data", default="data/fitness/test.jsonl")

@@ -259,7 +259,7 @@ def child(args) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded:gemma3-270m")
     ap.add_argument("--config", default="configs/gemma3-270m-fitness.yaml")
     ap.add_argument("--sides", default="tree,broadcast")

@@ -11,7 +11,6 @@ time (`--parallel`; on one GPU they share it). Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -111,7 +110,7 @@ def score_spans(convs: list[dict], records: list[dict], spans: list[tuple[str, i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--recipe", action="append", required=True, help="'NAME: key=value ...' (repeatable)")
     p.add_argument("--eval", action="append", required=True, help="held-out JSONL (repeatable)")

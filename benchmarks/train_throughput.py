@@ -439,7 +439,7 @@ def run_child(kind: str, spec: dict) -> dict:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="embedded:NAME, shape:gemma3-1b|gemma3-4b or an HF directory (default: "
                                    "embedded:gemma3-270m on CPU, shape:gemma3-1b on CUDA)")
     p.add_argument("--config", default="configs/gemma3-270m-fitness.yaml",

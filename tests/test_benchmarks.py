@@ -282,6 +282,8 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["eval_prefix_cache", "--fixed-date", "2024-13-45"], "error: --fixed-date 2024-13-45: expected a date"),
     (["train_throughput", "--steps", "-1"], "argument --steps: '-1': expected an integer >= 1"),
     (["train_throughput", "--loss-tol", "-1"], "argument --loss-tol: '-1': expected a number >= 0"),
+    (["train_throughput", "--loss-tol", "-1e-3"], "argument --loss-tol: '-1e-3': expected a number >= 0"),
+    (["merge", "--scale", "-1e-2"], "argument --scale: '-1e-2': expected a number > 0"),  # 'expected one argument'
     # a model or tokenizer directory that is not there: a traceback, the parent's or a child's after others had run
     (["data_efficiency", "--tokenizer", "no/such/tok"], "error: --tokenizer no/such/tok: no such directory"),
     (["train_throughput", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),

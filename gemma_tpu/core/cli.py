@@ -117,6 +117,9 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
+ArgumentParser = _Parser  # a plain parser (the benchmarks' own) that takes `--opt -1e-3` as `parser`'s do
+
+
 def _negative_values_attached(p: argparse.ArgumentParser, args: list[str]) -> list[str]:
     out: list[str] = []
     i = 0
