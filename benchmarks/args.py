@@ -34,3 +34,15 @@ def _downloaded(repo_id: str) -> bool:
         return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
     except Exception:  # not a valid repo id, no huggingface_hub: not downloaded
         return False
+
+
+def check_input(path: str, flag: str) -> None:
+    """Refuse an input file (`--data`) that is not there, naming `flag`, in one line: it was found by a child, after
+    the parent had started it ('the separate child failed (exit 2); its output is above')."""
+    from gemma_tpu.core.errors import UserError
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"{flag} {path}: no such file")
+    if not p.is_file():
+        raise UserError(f"{flag} {path}: not a file")

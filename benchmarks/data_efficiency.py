@@ -28,7 +28,6 @@ runs/benchmarks/data_efficiency.json).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -204,7 +203,7 @@ def print_tables(results: list[dict], timings: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", help="tokenizer dir, or a hub id already downloaded here "
                    "(default: the embedded Gemma 3 270M's)")
     p.add_argument("--seq-lens", type=cli.integers(1), default="256,512,1024,2048,4096")

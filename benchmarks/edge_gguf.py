@@ -19,7 +19,6 @@ Prints a table and writes JSON (default benchmarks/results/edge_gguf_<model>.jso
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -127,7 +126,7 @@ def reload_check(path: Path, hf_logits: list, prompts: list[dict]) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="HF dir or embedded:NAME (default embedded:gemma3-270m)")
     src.add_argument("--checkpoint", help="a gemma-tpu checkpoint (merged on the fly by the export)")
@@ -135,7 +134,7 @@ def main() -> int:
     p.add_argument("--n", type=cli.integer(1), default=40, help="test conversations to decode")
     p.add_argument("--max-new", type=cli.integer(1), default=32)
     p.add_argument("--threads", type=cli.integer(1), default=2)
-    p.add_argument("--workdir")
+    p.add_argument("--workdir", type=cli.work_dir)
     p.add_argument("--no-llama", action="store_true", help="only the export and the transformers reload check")
     p.add_argument("--logit-prompts", type=cli.integer(0), default=4, help="prompts for the transformers logits check")
     p.add_argument("--json")

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.args import check_model  # noqa: E402
+from benchmarks.args import check_input, check_model  # noqa: E402
 from benchmarks.machine import cpu_info  # noqa: E402
 from benchmarks.results_file import check_json, write_json  # noqa: E402
 from gemma_tpu.core import cli  # noqa: E402
@@ -85,7 +85,7 @@ def child(side: str, a: str, b: str, data: str, limit: int, batch: int, max_new:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--a", default="embedded:gemma3-270m", help="first model (the base)")
     p.add_argument("--b", required=True, help="second model of the same structure (the merged model)")
     p.add_argument("--data", default="data/fitness/test.jsonl")
@@ -100,6 +100,7 @@ def main(argv=None) -> int:
         child(args.child, args.a, args.b, args.data, args.limit, args.batch_size, args.max_new_tokens, args.out)
         return 0
     check_json(args.json, {"--data": args.data}, results_key="cpu")
+    check_input(args.data, "--data")
     check_model(args.a, "--a")
     check_model(args.b, "--b")
     results = {}

@@ -65,14 +65,17 @@ def main(argv=None) -> int:
     if args.limit <= 0 or args.batch_size <= 0 or args.max_new_tokens <= 0 or (args.uncached_batch_size or 1) <= 0:
         raise UserError("--limit, --batch-size and --max-new-tokens must be positive")
     check_json(args.json, {"--data": args.data})
+    if args.fixed_date:  # checked before the model is loaded; '2024-13-45' passed the pattern and was written in
+        try:
+            date.fromisoformat(args.fixed_date)
+        except ValueError:
+            raise UserError(f"--fixed-date {args.fixed_date}: expected a date, YYYY-MM-DD") from None
 
     from gemma_tpu.infer.generate import Generator, common_prefix_len, load_hf_dir
 
     data_cfg = DataConfig()
     convs = load_conversations(args.data, data_cfg)[: args.limit]
     if args.fixed_date:
-        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.fixed_date):
-            raise UserError(f"--fixed-date {args.fixed_date}: expected YYYY-MM-DD")
         for conv in convs:
             for m in conv["messages"]:
                 if m["role"] in ("developer", "system", "user") and isinstance(m.get("content"), str):

@@ -13,7 +13,6 @@ JSON (after every chain, so an interrupted harness still leaves its tally).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -128,7 +127,7 @@ def run_chain(cmd, env, ckpt: Path, rng: random.Random, kills: int, max_steps: i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=cli.integer(1), default=100)
     p.add_argument("--per-chain", type=cli.integer(1), default=8, help="kills before a chain runs to its end")
     p.add_argument("--max-steps", type=cli.integer(1), default=12)
@@ -136,7 +135,7 @@ def main(argv=None) -> int:
                    help="seconds slept per batch (GEMMA_TPU_STEP_DELAY)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="HF dir (default: a tiny Gemma 3 written to a temp dir)")
-    p.add_argument("--work", help="work dir (default: a temp dir, removed at the end)")
+    p.add_argument("--work", type=cli.work_dir, help="work dir (default: a temp dir, removed at the end)")
     p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "kill_harness.json"))
     args = p.parse_args(argv)
     check_json(args.json)

@@ -15,7 +15,6 @@ page cache (it has just been written), so the comparison is of the work done, no
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -209,9 +208,9 @@ def check_output(base: Path, ckpt: Path, out: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", type=cli.number(0.0), default=1.0, help="multiply layers and vocab (quick runs: 0.1)")
-    p.add_argument("--workdir", help="where to build (default: a temp dir, deleted unless --keep)")
+    p.add_argument("--workdir", type=cli.work_dir, help="where to build (default: a temp dir, deleted unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--no-fsync", action="store_true", help="run the merge with --no-fsync (cp does not fsync)")

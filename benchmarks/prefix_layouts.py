@@ -238,7 +238,8 @@ def child(args) -> dict:
             raise SystemExit(f"only {len(feeds)} batches of {batch}; ask for fewer steps")
         examples = [batch] * n
         computed = [int(f["prefix"].size + f["suffix"].size) for f in feeds]
-        out.update(batch=batch, prefix_len=int(feeds[0]["prefix"].shape[1]), suffix_len=int(feeds[0]["suffix"].shape[1]))
+        out.update(batch=batch, prefix_len=int(feeds[0]["prefix"].shape[1]),
+                   suffix_len=int(feeds[0]["suffix"].shape[1]))
     f, state = step_fn(model, "rows" if args.child == "tree" else "broadcast")
     times, losses = [], []
     for i, feed in enumerate(feeds):
@@ -258,7 +259,7 @@ def child(args) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded:gemma3-270m")
     ap.add_argument("--config", default="configs/gemma3-270m-fitness.yaml")
     ap.add_argument("--sides", default="tree,broadcast")
@@ -277,6 +278,9 @@ def main(argv=None) -> int:
         return 0
     check_json(args.json)
     check_model(args.model, "--model")
+    from gemma_tpu.core.config import load_config
+
+    load_config(str(REPO / args.config), args.set)  # a missing config, a bad --set: one line, not a child's failure
     sides = (["check"] if args.check else []) + [s for s in args.sides.split(",") if s]
     if not sides or any(s not in (*SIDES, "check") for s in sides):  # a child's argparse error, after the others ran
         raise SystemExit(f"error: --sides {args.sides!r}: choose from {', '.join(SIDES)}")

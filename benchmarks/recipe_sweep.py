@@ -11,7 +11,6 @@ time (`--parallel`; on one GPU they share it). Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from machine import cpu_label  # noqa: E402
 
+from gemma_tpu.core import cli  # noqa: E402
 from gemma_tpu.core.atomic import check_results_file, write_text_atomic  # noqa: E402
 from gemma_tpu.core.config import load_config  # noqa: E402
 from gemma_tpu.core.errors import UserError  # noqa: E402
@@ -110,11 +110,11 @@ def score_spans(convs: list[dict], records: list[dict], spans: list[tuple[str, i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--recipe", action="append", required=True, help="'NAME: key=value ...' (repeatable)")
     p.add_argument("--eval", action="append", required=True, help="held-out JSONL (repeatable)")
-    p.add_argument("--out", required=True, help="run directory: one folder a recipe")
+    p.add_argument("--out", type=cli.work_dir, required=True, help="run directory: one folder a recipe")
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json")

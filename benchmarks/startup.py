@@ -77,7 +77,7 @@ def one_process(model_dir: str, parts: list[tuple[str, str]]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded:gemma3-270m",
                    help="model whose tokenizer is built (dir or embedded:NAME)")
     p.add_argument("--repeats", type=cli.integer(1), default=3)

@@ -439,14 +439,15 @@ def run_child(kind: str, spec: dict) -> dict:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="embedded:NAME, shape:gemma3-1b|gemma3-4b or an HF directory (default: embedded:gemma3-270m "
-                                   "on CPU, shape:gemma3-1b on CUDA)")
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="embedded:NAME, shape:gemma3-1b|gemma3-4b or an HF directory (default: "
+                                   "embedded:gemma3-270m on CPU, shape:gemma3-1b on CUDA)")
     p.add_argument("--config", default="configs/gemma3-270m-fitness.yaml",
                    help="run config: LoRA targets/rank/alpha/dropout, optimizer, seed (default: %(default)s)")
     p.add_argument("--data", default=FITNESS_TRAIN, help="training set (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per side (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per side, at least 1 (default: 2)")
+    p.add_argument("--steps", type=cli.integer(1), default=10, help="timed steps per side (default: %(default)s)")
+    p.add_argument("--warmup", type=cli.integer(1), default=2,
+                   help="untimed first steps per side, at least 1: the first holds the compilation (default: 2)")
     p.add_argument("--batch", type=cli.integer(1), help="rows per step (default: 4)")
     p.add_argument("--seq-len", type=cli.integer(1), help="tokens per row (default: 512 on CPU, 2048 on CUDA)")
     p.add_argument("--strategy", choices=("pad", "pack"), default="pad",
@@ -454,16 +455,19 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="both sides (default: float32 CPU, bfloat16 CUDA)")
     p.add_argument("--sides", default="ours,torch", help="comma-separated subset of ours,torch (default: both)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--accelerator", help="key of gemma_tpu.core.accelerators.ACCELERATORS for MFU (default: from the GPU name)")
+    p.add_argument("--accelerator",
+                   help="key of gemma_tpu.core.accelerators.ACCELERATORS for MFU (default: from the GPU name)")
     p.add_argument("--torch-attn", help="transformers attn_implementation for the torch side (default: its default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra dotted override for OUR side only (e.g. model.remat=block); repeatable")
     p.add_argument("--baseline-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override for the unshared side only, after data.share_prefix=off (e.g. data.seq_len=512 "
                         "train.batch_size=4: today's layout beside a shared-prefix one)")
-    p.add_argument("--loss-tol", type=float, help="max relative step-1 loss difference (default 1e-3 fp32, 3e-2 bf16)")
+    p.add_argument("--loss-tol", type=cli.number(0.0, low_ok=True),
+                   help="max relative step-1 loss difference (default 1e-3 fp32, 3e-2 bf16)")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--workdir", help="keep batches, run dir and child results here (default: a temp dir, deleted)")
+    p.add_argument("--workdir", type=cli.work_dir,
+                   help="keep batches, run dir and child results here (default: a temp dir, deleted)")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -522,8 +526,6 @@ def main(argv=None) -> int:
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not sides or any(s not in SIDES for s in sides):
         raise SystemExit(f"--sides: choose from {', '.join(SIDES)}")
-    if args.warmup < 1 or args.steps < 1:
-        raise SystemExit("--warmup and --steps must be at least 1 (our first step holds the compilation)")
     check_json(args.json, {"--data": args.data, "--config": args.config})
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()

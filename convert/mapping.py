@@ -87,5 +87,6 @@ def full_sites(family: Family, tunix_cfg: Any, prefix: str) -> dict[str, FullSit
     """HF key -> where it comes from in a full fine-tune checkpoint (every decoder tensor)."""
     if not family.tensors:
         raise UserError(f"full fine-tune merge has no parameter table for family {family.name}")
-    return {hf_key: FullSite(hf_key, tunix_name, how) for hf_key, tunix_name, how in family.weight_sources(tunix_cfg, prefix)}
+    return {hf_key: FullSite(hf_key, tunix_name, how)
+            for hf_key, tunix_name, how in family.weight_sources(tunix_cfg, prefix)}
 

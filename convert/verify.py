@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", type=cli.input_path_of("model directory"),
                    help="HF directory (or PEFT adapter directory) to compare")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a fixed set)")
-    p.add_argument("--max-abs-diff", type=cli.number(0.0, low_ok=True), help="fail (exit 1) above this max |logit diff|")
+    p.add_argument("--max-abs-diff", type=cli.number(0.0, low_ok=True),
+                   help="fail (exit 1) above this max |logit diff|")
     p.add_argument("--max-kl", type=cli.number(0.0, low_ok=True), help="fail (exit 1) above this mean KL(A||B)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gemma_tpu.core import strict_json
-from gemma_tpu.core.errors import UserError, read_json_object
+from gemma_tpu.core.errors import SignalExit, UserError, read_json_object
 from gemma_tpu.formats.function_calling import (
     FORCED_CALL_KWARG,
     find_lone_surrogate,
@@ -1786,7 +1786,26 @@ def serve_main(argv: list[str] | None = None) -> None:
     if dtype != "auto":
         print(f"note: {args.name} holds float16 weights, served in {dtype} (float16: "
               f"{described_family(config).float16_problem})", file=sys.stderr)
-    serve_cli.Serve(force_model=args.name, host=args.host, port=args.port, dtype=dtype)
+    graceful_on_hangup()
+    try:
+        serve_cli.Serve(force_model=args.name, host=args.host, port=args.port, dtype=dtype)
+    except SignalExit as e:
+        # a LocalServer (`serving.launch --local`) stops its server with SIGTERM (its Ctrl-C, its own SIGTERM, or its
+        # end: `stop_with_parent`): the server's normal end, which said 'error: stopped by SIGTERM' (exit 143) under
+        # the launcher's clean stop
+        if e.signum != signal.SIGTERM or not os.environ.get(PARENT_ENV, "").isdigit():
+            raise
+
+
+def graceful_on_hangup() -> None:
+    """uvicorn stops gracefully on SIGINT and SIGTERM (requests under way finish, the port is freed, then the signal
+    is raised again: `cli_main` says `stopped by SIGTERM`, exit 143), and left SIGHUP (a closed terminal) to the
+    handler there before: `cli_main`'s, raising in uvicorn's event loop, which logged an ERROR with two tracebacks
+    before `stopped by SIGHUP`. SIGHUP is one of uvicorn's stop signals now, unless ignored (`nohup`: it stays so)."""
+    import uvicorn.server
+
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN and signal.SIGHUP not in uvicorn.server.HANDLED_SIGNALS:
+        uvicorn.server.HANDLED_SIGNALS = (*uvicorn.server.HANDLED_SIGNALS, signal.SIGHUP)
 
 
 _SERVE_DOC = """The process `python -m serving.launch --config FILE --local` starts (use that: it serves the merged

@@ -899,6 +899,12 @@ CASES = [
          ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--max-shard-size", "5XB"], ["--max-shard-size", "'5XB'"]),
     Case("merge-zero-shard-size", "convert.merge_orbax",
          ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--max-shard-size", "0"], ["--max-shard-size"]),
+    # a value starting with '-' that is not a plain number was argparse's 'expected one argument' (read as an option)
+    Case("merge-negative-shard-size", "convert.merge_orbax",
+         ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--max-shard-size", "-1GB"],
+         ["--max-shard-size: size '-1GB' must be positive"]),
+    Case("verify-negative-exponent-threshold", "convert.verify", ["{tiny}", "{tiny}", "--max-kl", "-1e-3"],
+         ["argument --max-kl: '-1e-3': expected a number >= 0"]),
     Case("merge-bad-dtype", "convert.merge_orbax", ["--checkpoint", "{ckpt}", "--out", "{tmp}/out", "--dtype", "int8"],
          ["--dtype", "'int8'"]),
     Case("merge-missing-base", "convert.merge_orbax",

@@ -265,6 +265,25 @@ def test_benchmarks_refuse_a_json_they_could_not_write_before_running(tmp_path):
     (["kill_harness", "--per-chain", "-1"], "argument --per-chain: '-1': expected"),
     (["merge", "--scale", "0"], "argument --scale: '0': expected a number > 0"),
     (["train_throughput", "--seq-len", "0"], "argument --seq-len: '0': expected"),
+    # a work dir that is a file (or under one): 'error: File exists: X' (the option not named) or a traceback, after
+    # the benchmark had started; a negative count or tolerance ran a whole benchmark (or stopped it without 'error:')
+    (["train_throughput", "--workdir", "README.md"], "argument --workdir: 'README.md' is a file, not a directory"),
+    (["train_throughput", "--workdir", "README.md/w"],
+     f"argument --workdir: 'README.md/w': {REPO}/README.md is a file"),
+    (["kill_harness", "--work", "README.md"], "argument --work: 'README.md' is a file, not a directory"),
+    (["merge", "--workdir", "README.md"], "argument --workdir: 'README.md' is a file, not a directory"),
+    (["edge_gguf", "--workdir", "README.md"], "argument --workdir: 'README.md' is a file, not a directory"),
+    (["recipe_sweep", "--config", "configs/tiny.yaml", "--recipe", "a: train.max_steps=1", "--eval",
+      "tests/data/chat_sample.jsonl", "--out", "README.md"], "argument --out: 'README.md' is a file, not a directory"),
+    # a missing input was found by a child, after the parent had started it: 'the separate child failed (exit 2)'
+    (["eval_compiles", "--b", "x", "--data", "no/such.jsonl"], "error: --data no/such.jsonl: no such file"),
+    (["prefix_layouts", "--config", "no/such.yaml"], "no/such.yaml"),
+    (["prefix_layouts", "--set", "bogus.key=1"], "error: override 'bogus.key=1': unknown config key 'bogus'"),
+    (["eval_prefix_cache", "--fixed-date", "2024-13-45"], "error: --fixed-date 2024-13-45: expected a date"),
+    (["train_throughput", "--steps", "-1"], "argument --steps: '-1': expected an integer >= 1"),
+    (["train_throughput", "--loss-tol", "-1"], "argument --loss-tol: '-1': expected a number >= 0"),
+    (["train_throughput", "--loss-tol", "-1e-3"], "argument --loss-tol: '-1e-3': expected a number >= 0"),
+    (["merge", "--scale", "-1e-2"], "argument --scale: '-1e-2': expected a number > 0"),  # 'expected one argument'
     # a model or tokenizer directory that is not there: a traceback, the parent's or a child's after others had run
     (["data_efficiency", "--tokenizer", "no/such/tok"], "error: --tokenizer no/such/tok: no such directory"),
     (["train_throughput", "--model", "no/such/model"], "error: --model no/such/model: no such directory"),

@@ -2641,3 +2641,63 @@ def test_serving_local_run_by_hand_says_what_it_is_and_refuses_a_non_model_in_on
         assert cli_main(serve_main, [str(tmp_path / name)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"{tmp_path / name / 'config.json'}: " in err[0] and needle in err[0], err
+
+
+def test_a_local_server_stopped_by_sighup_stops_as_by_sigterm(tiny_dir, tmp_path):
+    """`python -m serving.local` (run by hand) whose terminal closes: uvicorn stops gracefully on SIGINT and SIGTERM
+    only, and SIGHUP raised in its event loop, an ERROR with two tracebacks before 'stopped by SIGHUP'. It stops as
+    on SIGTERM now: exit 129, one line, the port freed."""
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.local", tiny_dir.name, "--port", str(port)],
+                                cwd=tiny_dir.parent, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while not _port_open(port):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == 129, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and text.strip().splitlines()[-1] == "error: stopped by SIGHUP", text[-3000:]
+    assert not _port_open(port)
+
+
+def test_a_local_server_stopped_by_its_launcher_ends_quietly(tiny_dir, tmp_path):
+    """The served process of `serving.launch --local` (a LocalServer: its PID in GEMMA_TPU_SERVE_PARENT) is stopped by
+    SIGTERM when the launcher stops (Ctrl-C, exit 0): it said 'error: stopped by SIGTERM' (exit 143) under that clean
+    stop. It ends with 0 and no error line; run by hand, the same SIGTERM is still 'stopped by SIGTERM', 143."""
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
+    from serving.local import PARENT_ENV
+
+    for parent, code in ((str(os.getpid()), 0), (None, 143)):
+        port = free_port()
+        log = tmp_path / f"serve-{code}.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env.pop(PARENT_ENV, None)
+        if parent:
+            env[PARENT_ENV] = parent
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "serving.local", tiny_dir.name, "--port", str(port)],
+                                    cwd=tiny_dir.parent, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 240
+            while not _port_open(port):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == code, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        text = log.read_text()
+        assert "Traceback" not in text and ("error:" in text) == (code != 0), text[-3000:]
+        assert not _port_open(port)

@@ -322,6 +322,33 @@ def test_a_resume_killed_before_its_first_save_keeps_the_record_of_the_run_that_
     assert meta["config"]["train"]["learning_rate"] == 0.02 and meta["config"]["train"]["max_steps"] == MAX_STEPS + 1
 
 
+def test_a_resume_killed_during_its_first_save_keeps_the_record_of_the_run_that_wrote_the_steps(
+        tiny_dir, reference, tmp_path):
+    """SIGKILL once a resume has written its own gemma_tpu_run.json at its first save, before Orbax committed that
+    step: its record, of a session that saved nothing, stayed beside the steps another session wrote (and a next
+    resume stopped before its own first save put back that record, not the writer's). The next start puts back the
+    record it replaced."""
+    import shutil
+    import sys
+
+    ckpt, log = tmp_path / "ck", tmp_path / "run.log"
+    shutil.copytree(reference["ckpt"], ckpt)
+    before = (ckpt / "gemma_tpu_run.json").read_bytes()
+    cmd = [a.replace(f"train.max_steps={MAX_STEPS}", f"train.max_steps={MAX_STEPS + 1}")
+           for a in command(tiny_dir, ckpt)] + ["train.learning_rate=0.02"]
+    for where, sig in (("metadata, 'write_metadata'", signal.SIGKILL), ("loss, 'make_loss_fn'", signal.SIGTERM)):
+        script = SIGTERM_AFTER.format(where=where).replace("signal.SIGTERM", f"signal.{sig.name}")
+        with log.open("w") as err:
+            proc = subprocess.run([sys.executable, "-c", script, *cmd[3:]], cwd=REPO,
+                                  env=environment(reference["cache"]), stdout=subprocess.DEVNULL, stderr=err,
+                                  timeout=300)
+        assert proc.returncode in (-signal.SIGKILL, 143), tail(log)
+    # the second (stopped before its first save) started from the first's leftovers: the writer's record is back
+    assert (ckpt / "gemma_tpu_run.json").read_bytes() == before, tail(log)
+    assert "put back the record of the run that wrote step" in log.read_text(errors="replace"), tail(log)
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".")) == [], sorted(ckpt.iterdir())
+
+
 def test_sigterm_during_the_end_of_run_eval_exits_143_with_the_last_step_saved(tiny_dir, tmp_path):
     """The evaluation after the last step (4, off the eval interval: run when the loop has ended) is past every
     batch boundary: a SIGTERM there was recorded and the run exited 0, as if it had not been preempted. Now the

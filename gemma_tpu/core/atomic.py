@@ -218,7 +218,8 @@ def check_target(target: Path, overwrite: bool, protected: list[Path] = (), kind
     if kind == "dir":
         holder = next((a for a in resolved.parents if _holds_model(a, marker)), None)
         if holder is not None:  # a model nested in another's files: their loaders and cleaners see each other's
-            held = f"an earlier output: {marker}" if marker and (holder / marker).is_file() else "config.json and weights"
+            held = (f"an earlier output: {marker}" if marker and (holder / marker).is_file()
+                    else "config.json and weights")
             raise UserError(f"--out {target} is inside {holder}, which holds a model ({held}); write it elsewhere")
     if kind == "dir" and marker is not None and target.is_dir() and not (target / marker).is_file():
         held = sorted(p.name for p in target.iterdir())
@@ -244,7 +245,8 @@ def _holds_model(d: Path, marker: str | None) -> bool:
     """An earlier output of the tool (its `marker` file), or an HF model directory (config.json beside weights)."""
     if marker and (d / marker).is_file():
         return True
-    return (d / "config.json").is_file() and (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file())
+    return (d / "config.json").is_file() and (any(d.glob("*.safetensors"))
+                                              or (d / "model.safetensors.index.json").is_file())
 
 
 def check_file_target(target: Path, overwrite: bool, protected: list[Path] = (), magic: bytes | None = None) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import traceback
@@ -22,6 +23,7 @@ import yaml
 from gemma_tpu.core.config import RunConfig, as_written, is_url, load_config
 from gemma_tpu.core.errors import SignalExit, UserError, raise_signal_exit
 from gemma_tpu.core.lean_imports import deferred_imports
+from gemma_tpu.core.xla_cache import heal_damaged_entries
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries that log at INFO on every call; entry points keep them at WARNING.
@@ -39,7 +41,7 @@ def parser(prog: str, doc: str | None, config: str | None = None, overrides: boo
     GEMMA_TPU_DEBUG=1) is taken off the command line by `cli_main` and listed here only for `--help`.
     `config_root`: the config class the overrides set (an unknown `--max-steps` is told its override);
     `config_keys`: the keys (or sections) of it the command reads, where not all (`_config_key`'s `within`)."""
-    cls = _OverridesParser if overrides else argparse.ArgumentParser
+    cls = _OverridesParser if overrides else _Parser
     p = cls(prog=prog, description=doc.strip() if doc else None, formatter_class=_HelpFormatter)
     if overrides:
         p.config_root, p.config_keys = config_root, config_keys
@@ -100,7 +102,53 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-class _OverridesParser(argparse.ArgumentParser):
+# a value argparse takes for an option (`--max-shard-size -1GB`, `--max-kl -1e-3`, `--x -inf`): its own test of a
+# negative number is `-1` or `-0.5` alone
+_NEGATIVE = re.compile(r"-(\d|\.\d|inf\b|nan\b)", re.IGNORECASE)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse read an option's value beginning with '-' that is not a plain negative number (`-1GB`, `-1e-3`) as an
+    option, and said 'argument --max-shard-size: expected one argument', never what is wrong with the value: such a
+    value is given to its option (as `--opt=VALUE`), whose own check then says it (`size '-1GB' must be positive`)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = _negative_values_attached(self, sys.argv[1:] if args is None else list(args))
+        return super().parse_known_args(args, namespace)
+
+
+ArgumentParser = _Parser  # a plain parser (the benchmarks' own) that takes `--opt -1e-3` as `parser`'s do
+
+
+def _negative_values_attached(p: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":  # everything after it is positional already
+            out += args[i:]
+            break
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if (nxt is not None and a.startswith("--") and "=" not in a and _NEGATIVE.match(nxt)
+                and nxt not in p._option_string_actions and _takes_one_value(p, a)):
+            out.append(f"{a}={nxt}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def _takes_one_value(p: argparse.ArgumentParser, option: str) -> bool:
+    """Whether `option` (or the one long option it abbreviates) takes exactly one value."""
+    action = p._option_string_actions.get(option)
+    if action is None and p.allow_abbrev:
+        actions = {a for o, a in p._option_string_actions.items() if o.startswith(option)}
+        action = actions.pop() if len(actions) == 1 else None
+    return action is not None and action.nargs is None
+
+
+class _OverridesParser(_Parser):
     """A parser whose dotted overrides may come before, between or after the options
     (`--dry-run train.max_steps=5 --devices 8 mesh.fsdp=8`): plain argparse takes the overrides of the
     first run only and refuses the rest as unrecognized arguments."""
@@ -244,6 +292,20 @@ def output_path(text: str, what: str = "a file or directory") -> str:
                                          f"path, or mount the bucket (gcsfuse BUCKET /mnt/BUCKET) and give the path "
                                          f"under it")
     return _home(text)
+
+
+def work_dir(text: str) -> str:
+    """An argparse `type` for a directory a command makes (or reuses) to work in (a benchmark's `--workdir`): a path
+    that is a file, or lies under one, is refused here, naming the option; it was 'error: File exists: X' (or a
+    FileExistsError traceback) once the command had started, the option not named."""
+    text = output_path(text, "work directory")
+    probe = os.path.abspath(text)
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if os.path.lexists(probe) and not os.path.isdir(probe):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory" if probe == os.path.abspath(text) else
+                                         f"{text!r}: {probe} is a file, so no directory can be made under it")
+    return text
 
 
 def _home(text: str) -> str:
@@ -403,6 +465,7 @@ def cli_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     args = list(sys.argv[1:] if argv is None else argv)
     setup_logging(logging.WARNING)
     sys.unraisablehook = _redeliver_interrupts
+    heal_damaged_entries()  # every command that compiles uses JAX's persistent cache, where one is set
     debug = _debug = "--debug" in args or os.environ.get(DEBUG_ENV) == "1"
     if "--debug" in args:
         args.remove("--debug")

@@ -5,17 +5,24 @@ while writing one (a SIGKILL, a preemption mid-compile) left it cut short, and e
 reading persistent compilation cache entry for 'jit__train_step': ... incomplete or truncated stream" and compiled
 that program again (minutes for a large model), for good. JAX logs a miss, with the entry's key, right after a read
 that failed: an entry file present at that moment is one JAX could not use, and is removed, so the compilation that
-follows writes it afresh. A normal start reads nothing more (one file check per miss)."""
+follows writes it afresh. A normal start reads nothing more (one file check per miss). JAX's own warning of the
+failed read (a bare multi-line Python warning) is left out: the removal is said in one log line instead.
+
+Every command turns this on at its start (`cli.cli_main`): evaluation, chat and the dry run's compile check compile
+with the same cache as training. It imports nothing (a logging filter, a warnings filter)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from pathlib import Path
 
 log = logging.getLogger("gemma_tpu")
 
 COMPILER_LOGGER = "jax._src.compiler"
 MISS = "PERSISTENT COMPILATION CACHE MISS for"  # JAX's log of a miss: (module name, cache key)
+READ_ERROR = "Error reading persistent compilation cache entry for "  # JAX's warning, just before that miss
 
 
 class _DamagedEntries(logging.Filter):
@@ -46,7 +53,12 @@ def remove_damaged_entry(module: str, key: str) -> None:
         if not entry.is_file():  # a plain miss
             return
         size = entry.stat().st_size
-        entry.unlink()
+        try:
+            entry.unlink()
+        except OSError as e:  # a read-only cache: said, as JAX's warning (left out) would have
+            log.warning("%s: an entry of the persistent compilation cache JAX could not read, and it cannot be "
+                        "removed (%s): %s is compiled again at every run until it is", entry, e.strerror or e, module)
+            return
         (Path(cache_dir) / f"{key}-atime").unlink(missing_ok=True)  # its LRU time, where eviction is on
     except Exception as e:  # noqa: BLE001 (inside JAX's compile: never fail it)
         log.debug("persistent compilation cache entry %s not checked: %s", key, e)
@@ -58,10 +70,12 @@ def remove_damaged_entry(module: str, key: str) -> None:
 
 def heal_damaged_entries() -> None:
     """From now on, a persistent compilation cache entry JAX fails to read is removed (and rewritten by the
-    compilation that follows). Idempotent."""
+    compilation that follows), and JAX's warning of it is left out. Idempotent; imports nothing."""
     logger = logging.getLogger(COMPILER_LOGGER)
     if any(isinstance(f, _DamagedEntries) for f in logger.filters):
         return
     logger.addFilter(_DamagedEntries(logger))
+    if "://" not in os.environ.get("JAX_COMPILATION_CACHE_DIR", ""):  # a remote store's entries are not ours to remove
+        warnings.filterwarnings("ignore", message=READ_ERROR, category=UserWarning, module=r"jax\._src\.compiler")
     if not logger.isEnabledFor(logging.DEBUG):
         logger.setLevel(logging.DEBUG)

@@ -78,7 +78,7 @@ def parse_size(text: str | int) -> int:
     """'5GB' -> 5e9, '200KB' -> 2e5, '1GiB' -> 2**30 (decimal units as transformers uses them)."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(text), re.IGNORECASE)
+    m = re.fullmatch(r"\s*([-+]?\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(text), re.IGNORECASE)  # "-1GB": < 0
     if not m:
         raise UserError(f"size {text!r}: expected a number with an optional unit (e.g. 5GB, 500MB, 1GiB)")
     value, unit = float(m.group(1)), m.group(2).upper()

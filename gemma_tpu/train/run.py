@@ -323,7 +323,8 @@ def run(cfg: RunConfig) -> dict:
             model = lora.apply_lora(model, resolved.family, tunix_cfg, cfg.lora, seed=cfg.train.seed, mesh=mesh)
         from flax import nnx
 
-        log.info("trainable parameters: %s", f"{lora.count_params(model, nnx.LoRAParam if cfg.lora.enabled else None):,}")
+        trainable = lora.count_params(model, nnx.LoRAParam if cfg.lora.enabled else None)
+        log.info("trainable parameters: %s", f"{trainable:,}")
 
         # 4. data streams, optimizer, trainer
         stream = data.TrainStream(train_split, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle,
@@ -355,6 +356,7 @@ def run(cfg: RunConfig) -> dict:
             for p, size in checkpoint.remove_unfinished_saves(ckpt_dir):
                 log.warning("removed %s (%s): a save that did not finish (a full disk, or the run was killed)", p,
                             human(size))
+            recover_record(ckpt_dir)
             # the run that wrote the steps, put back if they cannot be restored into this one: a failed resume left
             # the file describing this run's base and settings beside the other run's steps, which a merge then
             # combined and the next resume's checks compared against
@@ -367,7 +369,8 @@ def run(cfg: RunConfig) -> dict:
         put_back = functools.partial(put_back_record, ckpt_dir, previous, resumed, locks) if primary else lambda: None
         # a resume's own record goes in at its first save: written here, a SIGKILL before that save (the restore, the
         # compile, the first steps: minutes) left it, of a session that trained nothing, beside another's steps
-        before_save = SessionRecord(ckpt_dir, meta, locks, write=primary and resumed is not None)
+        before_save = SessionRecord(ckpt_dir, meta, locks, write=primary and resumed is not None, previous=previous,
+                                    resumed=resumed)
         try:
             if primary and resumed is None:
                 checkpoint.write_metadata(ckpt_dir, meta)
@@ -446,6 +449,7 @@ def run(cfg: RunConfig) -> dict:
             log.warning("no profile written under %s", profile_dir)
     if primary:
         write_text_atomic(run_dir / "summary.json", strict_json.dumps(summary, indent=2))  # never a cut-short one
+        drop_record_aside(ckpt_dir)  # this session's steps are committed: its record is theirs
     log.info("done: %s", json.dumps(summary))
     preemption.exit_if_requested()
     return summary
@@ -457,15 +461,41 @@ def put_back_record(ckpt_dir: Path, previous: str | None, resumed: int | None, l
     nothing (its train.max_steps, learning rate, run dir) beside the steps another one wrote, and the next resume
     compared its schedule against it. Nothing where no step was saved before (a fresh start is this session's), nor
     where this session no longer holds its run locks (`locks`: (PidLock, key) pairs; the directory is another's)."""
-    if previous is None or resumed is None or checkpoint.list_steps(ckpt_dir)[-1:] != [resumed]:
+    if previous is None or resumed is None or not all(lock.still_held() for lock, _ in locks):
         return
-    if not all(lock.still_held() for lock, _ in locks):
+    if checkpoint.list_steps(ckpt_dir)[-1:] != [resumed]:
+        drop_record_aside(ckpt_dir)
         return
     try:
         write_text_atomic(ckpt_dir / METADATA_FILE, previous)
     except (OSError, UserError) as e:  # the exit's own cause (a full disk) is what must be said
         log.warning("%s: the record of the run that wrote step %d was not put back (%s); %s describes this session, "
                     "which saved no step", ckpt_dir, resumed, e, METADATA_FILE)
+        return
+    drop_record_aside(ckpt_dir)
+
+
+RECORD_ASIDE = f".{METADATA_FILE}.before-step-"  # + the step the resume started from: the record of its writer
+
+
+def recover_record(ckpt_dir: Path) -> None:
+    """At a start, before anything reads the record: a resume killed (SIGKILL, no handler) between writing its own
+    gemma_tpu_run.json at its first save and Orbax committing that step left its record, of a session that saved
+    nothing, beside the steps another wrote. The record it replaced (kept aside until then, `SessionRecord`) is put
+    back where no step after the one it started from was committed; otherwise the aside copy is stale and goes."""
+    latest = (checkpoint.list_steps(ckpt_dir) or [None])[-1]
+    for aside in ckpt_dir.glob(f"{RECORD_ASIDE}*"):
+        started = aside.name[len(RECORD_ASIDE):]
+        if started.isdigit() and latest == int(started):
+            write_text_atomic(ckpt_dir / METADATA_FILE, aside.read_text())
+            log.warning("%s: put back the record of the run that wrote step %d (a resume killed during its first "
+                        "save had replaced it, and saved no step)", ckpt_dir / METADATA_FILE, latest)
+        aside.unlink(missing_ok=True)
+
+
+def drop_record_aside(ckpt_dir: Path) -> None:
+    for aside in ckpt_dir.glob(f"{RECORD_ASIDE}*"):
+        aside.unlink(missing_ok=True)
 
 
 def run_finished(run_dir: Path, step: int, several_processes: bool = False) -> bool:
@@ -503,14 +533,20 @@ def finished_run_dir(ckpt_dir: Path, run_dir: Path, step: int, several_processes
 class SessionRecord:
     """The trainer's `before_save(step)`: `check_run_intact`, then, where `write` (a resume, on process 0), this
     session's gemma_tpu_run.json (`meta`) before its first save; until then the record is the one of the session
-    that wrote the steps (`put_back_record` puts it back where a save fails)."""
+    that wrote the steps (`put_back_record` puts it back where a save fails). That record (`previous`, of the session
+    that wrote step `resumed`) is kept aside first, until this session's step is committed: a SIGKILL in between
+    leaves it for the next start to put back (`recover_record`)."""
 
-    def __init__(self, ckpt_dir: Path, meta: dict, locks: list, write: bool):
+    def __init__(self, ckpt_dir: Path, meta: dict, locks: list, write: bool, previous: str | None = None,
+                 resumed: int | None = None):
         self.ckpt_dir, self.meta, self.locks, self.pending = ckpt_dir, meta, locks, write
+        self.previous, self.resumed = previous, resumed
 
     def __call__(self, step: int) -> None:
         check_run_intact(self.ckpt_dir, self.locks, step)
         if self.pending:
+            if self.previous is not None and self.resumed is not None:
+                write_text_atomic(self.ckpt_dir / f"{RECORD_ASIDE}{self.resumed}", self.previous)
             checkpoint.write_metadata(self.ckpt_dir, self.meta)
             self.pending = False
 
