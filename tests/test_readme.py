@@ -11,6 +11,7 @@ import fnmatch
 import io
 import re
 import runpy
+import signal
 import sys
 import typing
 from unittest import mock
@@ -33,6 +34,18 @@ _HELP: dict[str, str] = {}
 _PARSERS: dict[str, argparse.ArgumentParser] = {}  # the parser that answered `--help`
 
 
+@contextlib.contextmanager
+def _signals_kept():
+    """Run from its own command line (`sys.argv`), a command handles Ctrl-C, SIGTERM and SIGHUP itself for the rest of
+    the process (cli._stops_raise, _end_on_stop); run here, the process is pytest's: they are put back."""
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+
+
 def _help(module: str) -> str:
     """`python -m MODULE --help`, run in this process (a subprocess a module would cost ~15 s)."""
     if module not in _HELP:
@@ -46,7 +59,7 @@ def _help(module: str) -> str:
             return parse(self, *args, **kwargs)
 
         try:
-            with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop, \
+            with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop, _signals_kept(), \
                     mock.patch.object(argparse.ArgumentParser, "parse_known_args", recorded):
                 runpy.run_module(module, run_name="__main__", alter_sys=False)
         finally:
@@ -254,7 +267,8 @@ def test_python_m_package_lists_every_command(package):
     """`python -m gemma_tpu` was Python's "is a package and cannot be directly executed"; its list must name every
     module of the package that runs with `python -m` (a new command missing from COMMANDS fails here)."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop, mock.patch.object(sys, "argv", [package]):
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop, _signals_kept(), \
+            mock.patch.object(sys, "argv", [package]):
         runpy.run_module(package, run_name="__main__", alter_sys=False)
     assert stop.value.code == 0
     listed = set(re.findall(rf"python -m ({package}\.[a-z_.]+)", out.getvalue()))
