@@ -724,3 +724,23 @@ def test_a_compilation_cache_entry_cut_short_is_healed_by_chat_too(tiny_long_dir
     assert "Error reading" not in err and "UserWarning" not in err, err[-3000:]
     assert entry.stat().st_size > whole // 2
     assert "Error reading" not in chat()
+
+
+@pytest.mark.parametrize("where", ["file", "file/under"])
+def test_a_compilation_cache_dir_that_is_a_file_is_said(tmp_path, monkeypatch, caplog, where):
+    """JAX keeps no persistent cache, without a word, where JAX_COMPILATION_CACHE_DIR is a file or lies under one:
+    every run compiled every program afresh. Every command says it once (cli_main turns the cache repair on)."""
+    from gemma_tpu.core import xla_cache
+
+    (tmp_path / "file").write_text("not a cache")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / where))
+    with caplog.at_level("WARNING", logger="gemma_tpu"):
+        xla_cache.heal_damaged_entries()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"JAX_COMPILATION_CACHE_DIR={tmp_path / where}: {tmp_path / 'file'} is not a directory, so JAX keeps no "
+        f"persistent compilation cache (every program is compiled afresh each run)"]
+    caplog.clear()
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "new" / "cache"))  # made by JAX when first used
+    with caplog.at_level("WARNING", logger="gemma_tpu"):
+        xla_cache.heal_damaged_entries()
+    assert caplog.records == []

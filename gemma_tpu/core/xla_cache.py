@@ -71,6 +71,7 @@ def remove_damaged_entry(module: str, key: str) -> None:
 def heal_damaged_entries() -> None:
     """From now on, a persistent compilation cache entry JAX fails to read is removed (and rewritten by the
     compilation that follows), and JAX's warning of it is left out. Idempotent; imports nothing."""
+    _check_cache_dir(os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
     logger = logging.getLogger(COMPILER_LOGGER)
     if any(isinstance(f, _DamagedEntries) for f in logger.filters):
         return
@@ -79,3 +80,15 @@ def heal_damaged_entries() -> None:
         warnings.filterwarnings("ignore", message=READ_ERROR, category=UserWarning, module=r"jax\._src\.compiler")
     if not logger.isEnabledFor(logging.DEBUG):
         logger.setLevel(logging.DEBUG)
+
+
+def _check_cache_dir(where: str) -> None:
+    """A JAX_COMPILATION_CACHE_DIR that is a file, or lies under one, is said once a command: JAX then keeps no
+    persistent cache without a word, and every run compiled every program afresh (minutes for a large model)."""
+    if not where or "://" in where:
+        return
+    path = Path(where).expanduser()
+    blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        log.warning("JAX_COMPILATION_CACHE_DIR=%s: %s is not a directory, so JAX keeps no persistent compilation cache "
+                    "(every program is compiled afresh each run)", where, blocked)
