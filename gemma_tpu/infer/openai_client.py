@@ -463,27 +463,27 @@ def thought_of(message: dict) -> str:
         if isinstance(message.get(key), str) and message[key].strip():
             return message[key].strip()
     content = message.get("content")
-    if not isinstance(content, str):
-        return ""
-    from gemma_tpu.models.registry import families
-
-    for family in families().values():
-        thought, _ = split_thought(content, family.thought_markers)
-        if thought and thought.strip():
-            return thought.strip()
-    return ""
+    return split_any_thought(content)[0] if isinstance(content, str) else ""
 
 
 def without_thought(text: str) -> str:
-    """`text` less a thinking model's thought in each family's markers (the registry's `Family.thought_markers`:
-    Gemma 4's `<|channel>thought\\n...<channel|>`), as a local reply is read (`gemma_chat.split_thought`): a server
-    without vLLM's reasoning parser that keeps special tokens hands it back in the content, where it was scored as the
-    answer's words and a call after it read with them."""
+    """`text` less a thinking model's thought (`split_any_thought`)."""
+    return split_any_thought(text)[1]
+
+
+def split_any_thought(text: str) -> tuple[str, str]:
+    """(thought, answer) of `text` in each family's thought markers (the registry's `Family.thought_markers`: Gemma 4's
+    `<|channel>thought\n...<channel|>`), as a local reply is read (`gemma_chat.split_thought`): a server without vLLM's
+    reasoning parser that keeps special tokens hands it back in the content, where it was scored as the answer's words
+    and a call after it read with them. The thought stripped, "" where there is none."""
     from gemma_tpu.models.registry import families  # here: the families load with the first reply read this way
 
+    thoughts = []
     for family in families().values():
-        _, text = split_thought(text, family.thought_markers)
-    return text
+        thought, text = split_thought(text, family.thought_markers)
+        if thought and thought.strip():
+            thoughts.append(thought.strip())
+    return "\n".join(thoughts), text
 
 
 def family_markup_as_ours(text: str) -> str:
